@@ -1,0 +1,89 @@
+"""The ``computectx`` command: ``info`` (this machine and the presets) and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import platform
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from computectx import capability
+from computectx.ctx import DTYPE_FLAGS, ComputeCtx
+from computectx.dtypes import DType
+
+__all__ = ["main"]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def default_device() -> torch.device:
+    """CUDA when it is usable here, else the CPU."""
+    return torch.device("cuda") if capability.cuda().ok else torch.device("cpu")
+
+
+def info_lines() -> list[str]:
+    """What ``computectx info`` prints, one line per entry."""
+    dev = default_device()
+    lines = ["versions:"]
+    lines.append(f"  python      {platform.python_version()}")
+    for dist in ("computectx", "torch", "triton", "pydantic"):
+        lines.append(f"  {dist:<11} {_version(dist)}")
+    lines.append(f"device: {dev}")
+    if dev.type == "cuda":
+        lines.append(f"  {torch.cuda.get_device_name(dev)}")
+    lines.append("capabilities:")
+    probes = {
+        "cuda": capability.cuda(),
+        "fp8 tensor cores": capability.fp8_tensor_cores(),
+        "triton": capability.triton_available(),
+        "triton interpreter": capability.triton_interpreter(),
+    }
+    for name, probe in probes.items():
+        lines.append(f"  {name:<19} {'yes' if probe.ok else 'no ':<4} {probe.reason}")
+    lines.append("presets:")
+    presets = {
+        "new(bf16)": ComputeCtx.new(DType.BF16, dev),
+        "parity": ComputeCtx.parity(dev),
+        "serving": ComputeCtx.serving(dev),
+    }
+    for flag in DTYPE_FLAGS:
+        presets[f"--dtype {flag}"] = ComputeCtx.from_flag(flag, dev)
+    for name, ctx in presets.items():
+        lines.append(f"  {name:<19} {ctx}")
+    return lines
+
+
+def _cmd_info(_args: argparse.Namespace) -> int:
+    print("\n".join(info_lines()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser for every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="computectx", description="Typed compute policy for PyTorch models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    info = sub.add_parser("info", help="versions, device, capability probes and presets")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script and ``python -m computectx``."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""``ComputeCtx``: the one immutable value that decides how a model's numbers flow."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Optional, TypedDict
+
+import torch
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    WithJsonSchema,
+    model_validator,
+)
+from typing_extensions import Self, Unpack
+
+from computectx.dtypes import (
+    _FROM_TORCH,
+    _JOIN,
+    DType,
+    PromotionError,
+    _outside_lattice_message,
+    cast_if,
+)
+from computectx.fp8.policy import DelayedScaling, Fp8Policy, Fp8Scheme
+from computectx.residency import Residency
+
+__all__ = ["ComputeCtx", "CtxChanges", "DTYPE_FLAGS"]
+
+_DEVICE_SPELLINGS = "'cpu', 'cuda', 'cuda:N', 'mps', 'xpu:N' or a torch.device"
+
+
+def parse_device(value: object) -> torch.device:
+    """A ``torch.device`` from a device string or a ``torch.device``; ``ValueError`` otherwise."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            return torch.device(value.strip())
+        except RuntimeError:
+            pass
+    raise ValueError(f"bad device {value!r}; accepted: {_DEVICE_SPELLINGS}")
+
+
+def _lenient_dtype(value: object) -> object:
+    # Names, aliases and torch dtypes become DType members here; anything else goes on
+    # to pydantic's enum check, whose error lists the accepted values.
+    if isinstance(value, (str, torch.dtype)) or not isinstance(value, DType):
+        return DType.parse(value)  # type: ignore[arg-type]  # parse names the bad input
+    return value
+
+
+def _lenient_residency(value: object) -> object:
+    return Residency.parse(value)  # type: ignore[arg-type]  # parse names the bad input
+
+
+def _lenient_fp8(value: object) -> object:
+    if isinstance(value, str):
+        return None if value.strip().lower() == "none" else Fp8Policy.parse(value)
+    return value
+
+
+TorchDevice = Annotated[
+    torch.device,
+    PlainValidator(parse_device),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string", "examples": ["cpu", "cuda:0"]}),
+]
+"""A ``torch.device`` field that reads device strings and serializes as its string form."""
+
+DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
+ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
+Fp8Field = Annotated[Optional[Fp8Policy], BeforeValidator(_lenient_fp8)]
+
+DTYPE_FLAGS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
+"""The ``--dtype`` flag convention read by ``ComputeCtx.from_flag``."""
+
+
+class CtxChanges(TypedDict, total=False):
+    """The keyword arguments ``ComputeCtx.replace`` accepts (checked by mypy)."""
+
+    compute: DType
+    kv: DType
+    accum: DType
+    residency: Residency
+    device: torch.device
+    fp8: Fp8Policy | None
+    grad: DType
+    master: DType
+    offload: torch.device | None
+
+
+class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+    """The compute policy of one model: a frozen, hashable value threaded to every consumer.
+
+    Build one with a preset (``new``, ``parity``, ``serving``, ``from_flag``), from its text
+    form (``ComputeCtx.parse``) or from JSON (``model_validate_json``). Change one with
+    ``with_kv``, ``with_accum`` or ``replace``: each returns a new, validated value.
+    """
+
+    compute: DTypeField
+    """Dtype activations flow in (projections, attention, residual stream)."""
+    kv: DTypeField
+    """Dtype the KV cache is stored at (defaults to ``compute``)."""
+    accum: DTypeField = DType.F32
+    """Dtype precision-sensitive ops run in through ``precise``; at or above ``compute``."""
+    residency: ResidencyField = Residency.AUTO
+    """Where weights live: ``device``, ``mmap``, or ``auto`` (device when the model fits)."""
+    device: TorchDevice
+    """Device the model computes on."""
+    fp8: Fp8Field = None
+    """fp8 linear policy; ``None`` means no fp8 anywhere."""
+    grad: DTypeField = DType.F32
+    """Dtype gradients are accumulated in across micro-batches."""
+    master: DTypeField = DType.F32
+    """Dtype of the optimizer's master weights."""
+    offload: Optional[TorchDevice] = Field(default=None)
+    """Device for gradient buffers, master weights and optimizer state; ``None`` = ``device``."""
+
+    _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
+    _NULLABLE: ClassVar[frozenset[str]] = frozenset({"fp8", "offload"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _kv_defaults_to_compute(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "kv" not in data and "compute" in data:
+            return {**data, "kv": data["compute"]}
+        return data
+
+    @model_validator(mode="after")
+    def _accum_not_below_compute(self) -> Self:
+        if not self.compute <= self.accum:
+            ok = ", ".join(str(d) for d in DType if self.compute <= d)
+            raise ValueError(
+                f"accum={self.accum} is not at or above compute={self.compute} in the dtype "
+                f"lattice, so precise() would lose precision; accepted accum for "
+                f"compute={self.compute}: {ok}"
+            )
+        return self
+
+    # ----- presets (mirroring the Rust design) ------------------------------------------
+
+    @classmethod
+    def new(cls, compute: DType, device: torch.device | str) -> ComputeCtx:
+        """Activations and KV cache at ``compute``; accumulate in ``compute ⊔ F32``."""
+        return cls(
+            compute=compute,
+            kv=compute,
+            accum=_JOIN[(compute, DType.F32)] if isinstance(compute, DType) else compute,
+            device=parse_device(device),
+        )
+
+    @classmethod
+    def parity(cls, device: torch.device | str) -> ComputeCtx:
+        """Numeric-parity policy: everything F32 (the Rust ``ds4_parity``)."""
+        return cls(compute=DType.F32, kv=DType.F32, accum=DType.F32, device=parse_device(device))
+
+    @classmethod
+    def serving(cls, device: torch.device | str) -> ComputeCtx:
+        """Serving policy: BF16 activations, F32 KV cache (decode stability), F32 accum."""
+        return cls(compute=DType.BF16, kv=DType.F32, accum=DType.F32, device=parse_device(device))
+
+    @classmethod
+    def from_flag(cls, name: str, device: torch.device | str) -> ComputeCtx:
+        """The ``--dtype {fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid}`` convention.
+
+        ``fp32`` is ``parity``; ``fp16``/``bf16`` are ``new`` at that dtype; the fp8 flags
+        are BF16 activations with fp8 linears (delayed scaling) in the named scheme:
+        ``fp8_e4m3`` and ``fp8_e5m2`` use that format in both directions, ``fp8_hybrid``
+        uses E4M3 forward and E5M2 for gradients.
+        """
+        key = name.strip().lower() if isinstance(name, str) else name
+        if key == "fp32":
+            return cls.parity(device)
+        if key in ("fp16", "bf16"):
+            return cls.new(DType.parse(key), device)
+        if isinstance(key, str) and key.startswith("fp8_") and key[4:] in _SCHEMES:
+            policy = Fp8Policy(format=_SCHEMES[key[4:]], scaling=DelayedScaling())
+            return cls.new(DType.BF16, device).replace(fp8=policy)
+        raise ValueError(
+            f"unknown --dtype flag {name!r}; accepted: {', '.join(repr(f) for f in DTYPE_FLAGS)}"
+        )
+
+    # ----- validated copies ---------------------------------------------------------------
+
+    def replace(self, **changes: Unpack[CtxChanges]) -> ComputeCtx:
+        """A new context with ``changes`` applied and validated; ``self`` never changes."""
+        fields = type(self).model_fields
+        unknown = [k for k in changes if k not in fields]
+        if unknown:
+            raise ValueError(
+                f"unknown ComputeCtx field(s) {', '.join(map(repr, unknown))}; accepted: "
+                f"{', '.join(fields)}"
+            )
+        data: dict[str, object] = {name: getattr(self, name) for name in fields}
+        data.update(changes)
+        return type(self).model_validate(data)
+
+    def with_kv(self, kv: DType) -> ComputeCtx:
+        """The same policy with the KV cache stored at ``kv``."""
+        return self.replace(kv=kv)
+
+    def with_accum(self, accum: DType) -> ComputeCtx:
+        """The same policy accumulating in ``accum`` (must be at or above ``compute``)."""
+        return self.replace(accum=accum)
+
+    # ----- the casts ----------------------------------------------------------------------
+
+    def precise(self, t: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Run ``f`` on ``t`` lifted to ``t.dtype ⊔ accum``; return the result in ``t.dtype``.
+
+        The upcast ⊣ downcast pair around norms, softmax and RoPE. When ``t`` is already at
+        (or above) ``accum``, ``f`` receives ``t`` itself and nothing is cast, so the all-F32
+        policy pays nothing. ``t`` must hold a lattice dtype (fp8, integer and bool tensors
+        raise ``PromotionError``), and so must ``f``'s result when it has to be cast back.
+        """
+        src = t.dtype
+        d = _FROM_TORCH.get(src)
+        if d is None:
+            raise PromotionError(_outside_lattice_message(src))
+        work = _JOIN[(d, self.accum)]
+        if work is d:
+            return f(t)
+        out = f(t.to(work.torch))
+        if out.dtype not in _FROM_TORCH:
+            raise PromotionError(
+                f"precise: f returned a {out.dtype} tensor, which cannot be cast back to "
+                f"{src} without loss of meaning; return a floating tensor from f, or call f "
+                f"outside precise"
+            )
+        return out.to(src)
+
+    def to_compute(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` at the compute dtype (the residual-stream entry boundary); ``t`` itself if
+        already there."""
+        return cast_if(t, self.compute)
+
+    def to_kv(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` at the KV-cache dtype (the cache-append boundary); ``t`` itself if already
+        there."""
+        return cast_if(t, self.kv)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """A context for the forward pass: ``torch.autocast`` on the device's type at the
+        compute dtype for F16/BF16; nothing for F32/F64 (autocast only ever lowers)."""
+        if self.compute in (DType.F32, DType.F64):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.compute.torch)
+
+    @property
+    def offload_device(self) -> torch.device:
+        """Where gradient buffers, master weights and optimizer state live."""
+        return self.device if self.offload is None else self.offload
+
+    # ----- text form ----------------------------------------------------------------------
+
+    def __str__(self) -> str:
+        """The policy string, e.g. ``compute=bf16,kv=f32,accum=f32,residency=auto,device=cpu``.
+
+        ``fp8``, ``grad``, ``master`` and ``offload`` appear only when they differ from
+        their defaults; ``ComputeCtx.parse`` reads the string back to an equal value.
+        """
+        fields = type(self).model_fields
+        parts = []
+        for name, info in fields.items():
+            value = getattr(self, name)
+            if name in self._TEXT_ALWAYS or value != info.default:
+                parts.append(f"{name}={'none' if value is None else value}")
+        return ",".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> ComputeCtx:
+        """Read a policy string (``key=value`` pairs separated by commas).
+
+        ``compute`` and ``device`` are required; ``kv`` defaults to ``compute``; other keys
+        take their defaults. Unknown or repeated keys raise ``ValueError`` naming them.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"ComputeCtx.parse takes a str, got {type(text).__name__}")
+        fields = cls.model_fields
+        data: dict[str, object] = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not sep or not key:
+                raise ValueError(
+                    f"bad policy item {item.strip()!r} in {text!r}: expected key=value with "
+                    f"keys {', '.join(fields)}"
+                )
+            if key not in fields:
+                raise ValueError(
+                    f"unknown policy key {key!r} in {text!r}; accepted: {', '.join(fields)}"
+                )
+            if key in data:
+                raise ValueError(f"policy key {key!r} given twice in {text!r}")
+            data[key] = None if key in cls._NULLABLE and value.lower() == "none" else value
+        return cls.model_validate(data)
+
+
+_SCHEMES: dict[str, Fp8Scheme] = {s.value: s for s in Fp8Scheme}
