@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Optional, TypedDict
+from typing import Annotated, Any, ClassVar, TypedDict
 
 import torch
 from pydantic import (
@@ -29,7 +29,7 @@ from computectx.dtypes import (
 from computectx.fp8.policy import DelayedScaling, Fp8Policy, Fp8Scheme
 from computectx.residency import Residency
 
-__all__ = ["ComputeCtx", "CtxChanges", "DTYPE_FLAGS"]
+__all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
 
 _DEVICE_SPELLINGS = "'cpu', 'cuda', 'cuda:N', 'mps', 'xpu:N' or a torch.device"
 
@@ -74,7 +74,7 @@ TorchDevice = Annotated[
 
 DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
-Fp8Field = Annotated[Optional[Fp8Policy], BeforeValidator(_lenient_fp8)]
+Fp8Field = Annotated[Fp8Policy | None, BeforeValidator(_lenient_fp8)]
 
 DTYPE_FLAGS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
 """The ``--dtype`` flag convention read by ``ComputeCtx.from_flag``."""
@@ -118,7 +118,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     """Dtype gradients are accumulated in across micro-batches."""
     master: DTypeField = DType.F32
     """Dtype of the optimizer's master weights."""
-    offload: Optional[TorchDevice] = Field(default=None)
+    offload: TorchDevice | None = Field(default=None)
     """Device for gradient buffers, master weights and optimizer state; ``None`` = ``device``."""
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")

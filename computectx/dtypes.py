@@ -79,9 +79,7 @@ class DType(enum.Enum):
         if isinstance(value, str):
             found = _ALIASES.get(value.strip().lower())
             if found is None:
-                raise ValueError(
-                    f"unknown dtype {value!r}; accepted: {accepted_dtype_spellings()}"
-                )
+                raise ValueError(f"unknown dtype {value!r}; accepted: {accepted_dtype_spellings()}")
             return found
         raise ValueError(
             f"cannot read a dtype from {value!r} of type {type(value).__name__}; "

@@ -40,8 +40,7 @@ class Residency(enum.Enum):
                 if member.value == key:
                     return member
         raise ValueError(
-            f"unknown residency {value!r}; accepted: "
-            + ", ".join(repr(m.value) for m in Residency)
+            f"unknown residency {value!r}; accepted: " + ", ".join(repr(m.value) for m in Residency)
         )
 
     def resolve(self, model_bytes: int, available_bytes: int) -> Residency:
@@ -84,8 +83,7 @@ def available_bytes(device: torch.device | str) -> int:
     if dev.type == "cpu":
         return _cpu_available_bytes()
     raise ValueError(
-        f"cannot measure free memory on device {str(dev)!r}; supported device types: 'cpu', "
-        f"'cuda'"
+        f"cannot measure free memory on device {str(dev)!r}; supported device types: 'cpu', 'cuda'"
     )
 
 

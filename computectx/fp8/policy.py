@@ -16,7 +16,7 @@ step; it keeps ``step = 1`` (every value quantizes to 0 exactly) rather than div
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
@@ -79,7 +79,7 @@ class DynamicScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     """Headroom exponent: the scale leaves ``2**margin`` above the observed amax."""
 
 
-Scaling = Annotated[Union[DelayedScaling, DynamicScaling], Field(discriminator="kind")]
+Scaling = Annotated[DelayedScaling | DynamicScaling, Field(discriminator="kind")]
 
 
 class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -116,7 +116,7 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
             if recipe == "delayed" and len(args) <= 3:
                 names = ("history_len", "margin", "algo")
                 fields: dict[str, object] = {
-                    n: (v if n == "algo" else int(v)) for n, v in zip(names, args)
+                    n: (v if n == "algo" else int(v)) for n, v in zip(names, args, strict=False)
                 }
                 return cls(format=scheme, scaling=DelayedScaling.model_validate(fields))
             if recipe == "dynamic" and len(args) <= 1:
