@@ -1,0 +1,428 @@
+"""fp8 operations behind one interface: backend choice, input checks, dispatch.
+
+Two backends compute the same function. ``TRITON`` runs the kernels in
+``computectx.kernels`` (imported only when first used, so ``import computectx.fp8`` works
+without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``.
+Quantized bytes agree bit for bit between them; GEMM outputs agree to float32 accumulation
+order. ``select_backend`` picks one for a device and says why.
+
+The step of an amax is ``amax / (fmt.max / 2**margin)`` (1.0 for a zero or non-finite
+amax): the amax maps to ``fmt.max / 2**margin``, leaving ``2**margin`` of headroom.
+
+Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device, never
+Python floats, so no operation here waits for the device. The delayed-scaling ring of one
+operand is a float32 vector of length ``history_len + 3``: the amax history
+``ring[:n]``, then the current step ``ring[n + RING_STEP]``, the count of non-finite amaxes
+``ring[n + RING_NONFINITE]`` and the count of saturated elements ``ring[n + RING_SATURATED]``.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import importlib
+from types import ModuleType
+from typing import Literal
+
+import torch
+
+from computectx import capability
+from computectx.dtypes import DType, Fp8Format
+from computectx.fp8 import reference
+
+__all__ = [
+    "RING_NONFINITE",
+    "RING_SATURATED",
+    "RING_STEP",
+    "Fp8Backend",
+    "fp8_dequantize",
+    "fp8_quantize",
+    "quantize_delayed",
+    "quantize_dynamic",
+    "quantize_with_step",
+    "ring_new",
+    "scaled_mm",
+    "seed_ring",
+    "select_backend",
+]
+
+RING_STEP = 0
+"""Offset after the history of the current step in a scaling ring."""
+RING_NONFINITE = 1
+"""Offset after the history of the count of non-finite amaxes (float32, exact to 2**24)."""
+RING_SATURATED = 2
+"""Offset after the history of the count of saturated elements (float32, exact to 2**24)."""
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
+
+
+class Fp8Backend(enum.Enum):
+    """Which implementation runs the fp8 operations."""
+
+    TRITON = "triton"
+    REFERENCE = "reference"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def _parse_backend(value: Fp8Backend | str) -> Fp8Backend:
+    if isinstance(value, Fp8Backend):
+        return value
+    if isinstance(value, str):
+        for b in Fp8Backend:
+            if b.value == value.strip().lower():
+                return b
+    accepted = ", ".join(repr(b.value) for b in Fp8Backend)
+    raise ValueError(f"unknown fp8 backend {value!r}; accepted: Fp8Backend members or {accepted}")
+
+
+def select_backend(
+    device: torch.device | str, force: Fp8Backend | str | None = None
+) -> tuple[Fp8Backend, str]:
+    """The backend for tensors on ``device`` and a one-line reason (``computectx info``).
+
+    Without ``force``: ``TRITON`` on a CUDA device with compute capability >= 8.9 when
+    triton imports, ``REFERENCE`` elsewhere. ``force`` picks one; forcing ``TRITON`` where it
+    cannot run raises ``ValueError`` saying why (a CPU device is accepted only when
+    ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter).
+    """
+    dev = torch.device(device)
+    if force is not None:
+        chosen = _parse_backend(force)
+        if chosen is Fp8Backend.REFERENCE:
+            return chosen, "reference: forced"
+        ok, why = _triton_runs_on(dev)
+        if not ok:
+            raise ValueError(f"cannot force the triton fp8 backend on {dev}: {why}")
+        return chosen, f"triton: forced; {why}"
+    tri = capability.triton_available()
+    if dev.type != "cuda":
+        cuda = capability.cuda(dev)
+        where = f"no CUDA device ({cuda.reason})" if not cuda.ok else f"{dev} is not a GPU"
+        return Fp8Backend.REFERENCE, f"reference: {where}; {_TRITON_NEEDS}"
+    cores = capability.fp8_tensor_cores(dev)
+    if not cores.ok:
+        return Fp8Backend.REFERENCE, f"reference: {cores.reason}; {_TRITON_NEEDS}"
+    if not tri.ok:
+        return Fp8Backend.REFERENCE, f"reference: {tri.reason}; the fp8 kernels need triton"
+    return Fp8Backend.TRITON, f"triton: {cores.reason}; {tri.reason}"
+
+
+def _triton_runs_on(dev: torch.device) -> tuple[bool, str]:
+    if dev.type == "cuda":
+        return _triton_runs_on_cuda(dev)
+    tri = capability.triton_available()
+    if not tri.ok:
+        return False, tri.reason
+    interp = capability.triton_interpreter()
+    if dev.type == "cpu" and interp.ok:
+        return True, f"{interp.reason}; {tri.reason}"
+    return False, f"{dev} tensors need a CUDA device or TRITON_INTERPRET=1 ({interp.reason})"
+
+
+@functools.cache
+def _triton_runs_on_cuda(dev: torch.device) -> tuple[bool, str]:
+    # Cached: a device's compute capability and the triton install do not change while a
+    # process runs, and this check sits on every call of the Triton backend.
+    tri = capability.triton_available()
+    if not tri.ok:
+        return False, tri.reason
+    cores = capability.fp8_tensor_cores(dev)
+    return cores.ok, f"{cores.reason}; {tri.reason}"
+
+
+def _kernels_quantize() -> ModuleType:
+    return importlib.import_module("computectx.kernels.quantize")
+
+
+def _kernels_gemm() -> ModuleType:
+    return importlib.import_module("computectx.kernels.scaled_mm")
+
+
+# ---------------------------------------------------------------------------------------
+# Input checks. Each raises TypeError/ValueError quoting the value and what is accepted;
+# none reads a tensor's contents (that would wait for the device).
+
+
+def _backend_arg(backend: object, *tensors: torch.Tensor) -> Fp8Backend:
+    if not isinstance(backend, Fp8Backend):
+        raise TypeError(
+            f"backend must be an Fp8Backend (from select_backend), got {backend!r}; "
+            f"accepted: {', '.join(str(b) for b in Fp8Backend)}"
+        )
+    if backend is Fp8Backend.TRITON:
+        for t in tensors:
+            ok, why = _triton_runs_on(t.device)
+            if not ok:
+                raise ValueError(f"the triton fp8 backend cannot run on {t.device}: {why}")
+    return backend
+
+
+def _fmt_arg(fmt: object) -> Fp8Format:
+    if isinstance(fmt, Fp8Format):
+        return fmt
+    if isinstance(fmt, (str, torch.dtype)):
+        return Fp8Format.parse(fmt)
+    raise TypeError(f"fmt must be an Fp8Format or its name, got {fmt!r}; accepted: e4m3, e5m2")
+
+
+def _input_arg(x: object) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor to quantize, got {type(x).__name__}")
+    if x.dtype not in _INPUT_DTYPES:
+        raise ValueError(
+            f"cannot quantize a {x.dtype} tensor; accepted: {', '.join(map(str, _INPUT_DTYPES))}"
+        )
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _scalar_arg(name: str, s: object, device: torch.device) -> torch.Tensor:
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of one element, got {type(s).__name__}")
+    if s.dtype != torch.float32 or s.numel() != 1:
+        raise ValueError(
+            f"{name} must be a float32 tensor of one element (shape (1,) or ()); "
+            f"got dtype {s.dtype}, shape {tuple(s.shape)}"
+        )
+    if s.device != device:
+        raise ValueError(f"{name} is on {s.device} but the data is on {device}")
+    return s.reshape(1)
+
+
+def _margin_arg(margin: object) -> int:
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
+        raise ValueError(f"margin must be an int in [0, 64], got {margin!r}")
+    return margin
+
+
+def _ring_args(ring: object, idx: object, algo: object, device: torch.device) -> int:
+    if not isinstance(ring, torch.Tensor):
+        raise TypeError(f"ring must be a tensor from ring_new, got {type(ring).__name__}")
+    if ring.dtype != torch.float32 or ring.dim() != 1 or ring.numel() < 4:
+        raise ValueError(
+            f"ring must be a 1-D float32 tensor of length history_len + 3 >= 4 (ring_new); "
+            f"got dtype {ring.dtype}, shape {tuple(ring.shape)}"
+        )
+    if not ring.is_contiguous():
+        raise ValueError("ring must be contiguous (it is updated in place)")
+    if ring.device != device:
+        raise ValueError(f"ring is on {ring.device} but the data is on {device}")
+    n = ring.numel() - 3
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+        raise ValueError(f"ring index must be an int in [0, {n}), got {idx!r}")
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"unknown amax window algo {algo!r}; accepted: 'max', 'most_recent'")
+    return n
+
+
+# ---------------------------------------------------------------------------------------
+# Operations.
+
+
+def ring_new(history_len: int, device: torch.device | str) -> torch.Tensor:
+    """A fresh scaling ring: zero history and counts, step 1.0."""
+    if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
+        raise ValueError(f"history_len must be an int >= 1, got {history_len!r}")
+    ring = torch.zeros(history_len + 3, dtype=torch.float32, device=device)
+    ring[history_len + RING_STEP] = 1.0
+    return ring
+
+
+def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
+    """Seed an operand's ring from its first input: history := amax(x), step from it.
+
+    A non-finite amax leaves history and step alone and counts it. Device ops only.
+    """
+    data = _input_arg(x)
+    fmt = _fmt_arg(fmt)
+    _ring_args(ring, 0, "max", data.device)
+    reference.seed_ring(ring, data, fmt, _margin_arg(margin))
+
+
+def quantize_with_step(
+    x: torch.Tensor, fmt: Fp8Format, step: torch.Tensor, *, backend: Fp8Backend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` (bf16/fp16/fp32) with ``step``: returns ``(data_fp8, amax)``.
+
+    ``data = fp8(clamp(x / step, ±fmt.max))``, same shape as ``x`` and contiguous; the
+    amax of ``x`` comes from the same pass over the data (float32, shape ``(1,)``).
+    """
+    data = _input_arg(x)
+    fmt = _fmt_arg(fmt)
+    s = _scalar_arg("step", step, data.device)
+    if _backend_arg(backend, data) is Fp8Backend.TRITON:
+        q: torch.Tensor
+        a: torch.Tensor
+        q, a = _kernels_quantize().quantize_with_step(data, fmt, s)
+        return q, a
+    return reference.quantize_with_step(data, fmt, s)
+
+
+def quantize_dynamic(
+    x: torch.Tensor, fmt: Fp8Format, margin: int, *, backend: Fp8Backend
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize with the step from ``x``'s own amax: returns ``(data_fp8, step, amax)``.
+
+    Two passes (amax, then cast). A zero or non-finite amax gives ``step = 1.0``; the caller
+    decides whether to count a non-finite one.
+    """
+    data = _input_arg(x)
+    fmt = _fmt_arg(fmt)
+    m = _margin_arg(margin)
+    if _backend_arg(backend, data) is Fp8Backend.TRITON:
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        out = _kernels_quantize().quantize_dynamic(data, fmt, m)
+        return out
+    return reference.quantize_dynamic(data, fmt, m)
+
+
+def quantize_delayed(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    ring: torch.Tensor,
+    idx: int,
+    algo: Literal["max", "most_recent"],
+    margin: int,
+    *,
+    backend: Fp8Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with the ring's step and advance the ring: returns ``(data_fp8, step_used)``.
+
+    ``step_used`` is a copy of ``ring[n]`` as it was before the call. Afterwards
+    ``ring[idx]`` holds ``amax(x)`` and ``ring[n]`` the next step from the window
+    (``"max"``: largest amax in the history; ``"most_recent"``: this amax). A non-finite amax
+    leaves history and step untouched and adds 1 to ``ring[n + RING_NONFINITE]``; elements
+    with ``|x / step| > fmt.max`` are added to ``ring[n + RING_SATURATED]``. On the Triton
+    backend all of this happens inside the one quantize launch.
+    """
+    data = _input_arg(x)
+    fmt = _fmt_arg(fmt)
+    _ring_args(ring, idx, algo, data.device)
+    m = _margin_arg(margin)
+    if _backend_arg(backend, data) is Fp8Backend.TRITON:
+        out: tuple[torch.Tensor, torch.Tensor]
+        out = _kernels_quantize().quantize_delayed(data, fmt, ring, idx, algo, m)
+        return out
+    return reference.quantize_delayed(data, fmt, ring, idx, algo, m)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    *,
+    backend: Fp8Backend,
+) -> torch.Tensor:
+    """``(a * step_a) @ (b * step_b).T (+ bias)`` with float32 accumulation.
+
+    ``a`` is ``[M, K]`` and ``b`` is ``[N, K]``, each E4M3 or E5M2 (they may differ), any
+    strides (``.t()`` views work); ``bias`` is ``[N]`` (bf16/fp16/fp32) or None; the result
+    is a new ``[M, N]`` tensor of ``out_dtype`` (bf16, fp16 or fp32).
+    """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be an fp8 tensor, got {type(t).__name__}")
+        if t.dtype not in _FP8_DTYPES or t.dim() != 2:
+            raise ValueError(
+                f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor; "
+                f"got dtype {t.dtype}, shape {tuple(t.shape)}"
+            )
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"a is [M, K] and b is [N, K] with the same K; got a {tuple(a.shape)}, "
+            f"b {tuple(b.shape)}"
+        )
+    if b.device != a.device:
+        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    sa = _scalar_arg("step_a", step_a, a.device)
+    sb = _scalar_arg("step_b", step_b, a.device)
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+        if bias.dtype not in _INPUT_DTYPES or tuple(bias.shape) != (b.shape[0],):
+            raise ValueError(
+                f"bias must be a bf16/fp16/fp32 tensor of shape ({b.shape[0]},); "
+                f"got dtype {bias.dtype}, shape {tuple(bias.shape)}"
+            )
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
+    if out_dtype not in _OUT_DTYPES:
+        raise ValueError(
+            f"out_dtype {out_dtype!r} is not supported; accepted: "
+            f"{', '.join(map(str, _OUT_DTYPES))}"
+        )
+    if _backend_arg(backend, a) is Fp8Backend.TRITON:
+        out: torch.Tensor = _kernels_gemm().scaled_mm(a, b, sa, sb, bias, out_dtype)
+        return out
+    return reference.scaled_mm(a, b, sa, sb, bias, out_dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# The standalone API.
+
+
+def _scale_arg(scale: object, device: torch.device) -> torch.Tensor:
+    if isinstance(scale, bool):
+        raise TypeError(f"scale must be a positive float or a float32 tensor, got {scale!r}")
+    if isinstance(scale, (int, float)):
+        value = float(scale)
+        if not (value > 0.0 and value != float("inf")):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        return torch.tensor([value], dtype=torch.float32, device=device)
+    if isinstance(scale, torch.Tensor):
+        return _scalar_arg("scale", scale, device)
+    raise TypeError(
+        f"scale must be a positive float, a float32 tensor of one element or None, "
+        f"got {type(scale).__name__}"
+    )
+
+
+def fp8_quantize(
+    x: torch.Tensor,
+    fmt: Fp8Format | str,
+    scale: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` to fp8: returns ``(data, scale)`` with ``x ≈ data.float() * scale``.
+
+    ``fmt`` is an ``Fp8Format`` or its name (``"e4m3"``, ``"fp8_e5m2"``, ...). ``scale=None``
+    measures ``amax(x)`` and uses ``scale = amax / fmt.max`` (dynamic scaling, margin 0; 1.0
+    for an all-zero or non-finite input); a given scale (positive float, or float32 tensor
+    of one element on ``x``'s device, whose value is not inspected) is used as is and
+    returned as a tensor. Values beyond ``fmt.max * scale`` saturate; NaN stays NaN.
+    The backend is ``select_backend(x.device)``'s choice.
+    """
+    data = _input_arg(x)
+    f = _fmt_arg(fmt)
+    backend, _ = select_backend(data.device)
+    if scale is None:
+        q, step, _ = quantize_dynamic(data, f, 0, backend=backend)
+        return q, step
+    step = _scale_arg(scale, data.device)
+    q, _ = quantize_with_step(data, f, step, backend=backend)
+    return q, step
+
+
+def fp8_dequantize(
+    data: torch.Tensor, scale: torch.Tensor | float, dtype: DType | torch.dtype | str
+) -> torch.Tensor:
+    """``data.float() * scale`` rounded once to ``dtype`` (a ``DType``, name or torch dtype).
+
+    ``data`` must be an fp8 tensor; the product is formed in float32 (the precision the
+    kernels dequantize in) and then rounded to ``dtype``.
+    """
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"data must be an fp8 tensor, got {type(data).__name__}")
+    if data.dtype not in _FP8_DTYPES:
+        raise ValueError(
+            f"data must be float8_e4m3fn or float8_e5m2 (from fp8_quantize), got {data.dtype}"
+        )
+    target = DType.parse(dtype).torch
+    step = _scale_arg(scale, data.device)
+    return (data.to(torch.float32) * step.reshape(())).to(target)

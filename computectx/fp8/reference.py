@@ -1,0 +1,213 @@
+"""Pure-torch twins of the fp8 kernels: the oracle in tests and the backend without Triton.
+
+Every function here has the semantics of one kernel in ``computectx.kernels`` and the scale
+convention of ``computectx.fp8.policy``, with the margin as headroom (the amax lands on
+``fmt.max / 2**margin``, so values may grow ``2**margin``-fold before they saturate):
+
+    step  = amax / (fmt.max / 2**margin)   (1.0 when that is zero or amax is not finite)
+    q     = fp8(clamp(x / step, -fmt.max, fmt.max))   round to nearest even, NaN stays NaN
+    x_hat = q.float() * step
+
+All arithmetic is float32 in the order the kernels use, so quantized bytes agree bit for bit.
+Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device; nothing
+here reads a tensor value on the host, so no function synchronises with the device.
+Inputs are assumed validated (``computectx.fp8.ops`` checks them).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from computectx.dtypes import Fp8Format
+
+__all__ = [
+    "amax",
+    "quantize_delayed",
+    "quantize_dynamic",
+    "quantize_with_step",
+    "saturated_count",
+    "scaled_mm",
+    "scaled_mm_error_bound",
+    "seed_ring",
+    "step_from_amax",
+]
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """``max |x|`` as a float32 ``(1,)`` tensor; NaN if any element is NaN, 0 when empty."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    # torch.amax propagates NaN, which is what lets a NaN input reach the non-finite count.
+    return x.detach().abs().amax().to(torch.float32).reshape(1)
+
+
+def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor:
+    """The quantization step for amax ``a``: ``a / (fmt.max / 2**margin)`` in float32.
+
+    ``a / step = fmt.max / 2**margin``: the margin is headroom below the format's maximum.
+
+    A zero or non-finite amax, or one so small that the step underflows to zero, gives 1.0:
+    then every finite value of that magnitude quantizes to zero and nothing divides by zero.
+    """
+    a32 = a.to(torch.float32)
+    # fmt.max / 2**margin is exact (a power of two apart), so the step is one IEEE
+    # round-to-nearest division, the same one the kernels perform.
+    target = torch.tensor(fmt.max / 2.0**margin, dtype=torch.float32, device=a.device)
+    step = a32 / target
+    good = torch.isfinite(a32) & (step > 0)
+    return torch.where(good, step, torch.ones_like(step))
+
+
+def _scaled(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    # x is bf16/fp16/fp32: widening to float32 is exact, and the division is IEEE float32.
+    return x.to(torch.float32) / step.to(torch.float32).reshape(())
+
+
+def quantize_with_step(
+    x: torch.Tensor, fmt: Fp8Format, step: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x`` with a given step; also return ``amax(x)`` (float32, shape ``(1,)``).
+
+    Out-of-range values (including ±inf) saturate to ``±fmt.max``; NaN stays NaN.
+    """
+    s = _scaled(x, step)
+    # clamp keeps NaN (it is not ordered against the bounds) and maps ±inf to ±fmt.max;
+    # torch's float32 -> fp8 conversion rounds to nearest even, handling subnormals.
+    q = s.clamp(-fmt.max, fmt.max).to(fmt.torch)
+    return q, amax(x)
+
+
+def saturated_count(x: torch.Tensor, step: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """How many elements of ``x / step`` exceed ``fmt.max`` in magnitude, float32 ``(1,)``."""
+    s = _scaled(x, step)
+    return (s.abs() > fmt.max).sum().to(torch.float32).reshape(1)
+
+
+def quantize_dynamic(
+    x: torch.Tensor, fmt: Fp8Format, margin: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize with the step from ``x``'s own amax: returns ``(q, step, amax)``."""
+    a = amax(x)
+    step = step_from_amax(a, fmt, margin)
+    q, _ = quantize_with_step(x, fmt, step)
+    return q, step, a
+
+
+def _check_ring(ring: torch.Tensor, idx: int) -> int:
+    n = ring.numel() - 3
+    if n < 1 or ring.dtype != torch.float32 or ring.dim() != 1:
+        raise ValueError(
+            f"a scaling ring is a 1-D float32 tensor of length history_len + 3 >= 4; "
+            f"got dtype {ring.dtype}, shape {tuple(ring.shape)}"
+        )
+    if not 0 <= idx < n:
+        raise ValueError(f"ring index {idx} is outside the history [0, {n})")
+    return n
+
+
+def quantize_delayed(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    ring: torch.Tensor,
+    idx: int,
+    algo: Literal["max", "most_recent"],
+    margin: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize with the ring's current step, then advance the ring in place.
+
+    Returns ``(q, step_used)``. Afterwards ``ring[idx]`` holds this amax, and ``ring[n]`` the
+    step from the window (``algo="max"``: max of the history; ``"most_recent"``: this amax).
+    A non-finite amax leaves history and step alone and adds 1 to ``ring[n + 1]``; the
+    number of saturated elements is added to ``ring[n + 2]`` either way.
+    """
+    n = _check_ring(ring, idx)
+    step_used = ring[n : n + 1].clone()
+    q, a = quantize_with_step(x, fmt, step_used)
+    sat = saturated_count(x, step_used, fmt)
+    finite = torch.isfinite(a)
+    ring[idx : idx + 1] = torch.where(finite, a, ring[idx : idx + 1])
+    window = ring[:n].amax().reshape(1) if algo == "max" else a
+    nxt = step_from_amax(window, fmt, margin)
+    ring[n : n + 1] = torch.where(finite, nxt, ring[n : n + 1])
+    ring[n + 1 : n + 2] += (~finite).to(torch.float32)
+    ring[n + 2 : n + 3] += sat
+    return q, step_used
+
+
+def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
+    """First use of an operand: fill the history with ``amax(x)`` and set the step from it.
+
+    A non-finite amax leaves the ring as it was and adds 1 to the non-finite count.
+    """
+    n = _check_ring(ring, 0)
+    a = amax(x)
+    finite = torch.isfinite(a)
+    ring[:n] = torch.where(finite, a.expand(n), ring[:n])
+    ring[n : n + 1] = torch.where(finite, step_from_amax(a, fmt, margin), ring[n : n + 1])
+    ring[n + 1 : n + 2] += (~finite).to(torch.float32)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
+
+    fp8 values widen to float32 exactly and every product of two fp8 values is exact in
+    float32 (at most 4 x 4 significant bits, exponents well inside float32's range), so the
+    only rounding before the epilogue is float32 accumulation, as in the kernel. The steps
+    multiply the accumulator once, ``acc * (step_a * step_b)``, then bias is added in float32
+    and the sum rounded once to ``out_dtype``.
+    """
+    acc = a.to(torch.float32) @ b.to(torch.float32).t()
+    scale = (step_a.to(torch.float32) * step_b.to(torch.float32)).reshape(())
+    out = acc * scale
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(out_dtype)
+
+
+def scaled_mm_error_bound(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """An a-priori elementwise bound on ``|scaled_mm(...) - exact|`` (float64 ``[M, N]``).
+
+    Products of fp8 values are exact in float32, so the error comes from: summing K terms in
+    float32 in any order, at most ``gamma_K * sum_k |a_ik b_jk|`` with
+    ``gamma_n = n u / (1 - n u)`` and ``u = 2**-24``; rounding ``step_a * step_b``, the
+    epilogue product and the bias addition, one ``u`` each; and the final rounding to
+    ``out_dtype``, half an ulp: ``u_out * |result|`` with ``u_out`` = 2**-8 (bf16), 2**-11
+    (fp16), 2**-24 (fp32). Together::
+
+        e = gamma_{K+3} * (|s| * sum_k |a_ik||b_jk| + |bias_j|)
+        bound = e + u_out * (|exact| + e)
+
+    where ``s = step_a * step_b``. Subnormal outputs would add an absolute term; the bound
+    adds the smallest subnormal of ``out_dtype`` for them.
+    """
+    u = 2.0**-24
+    k = a.shape[1]
+    gamma = (k + 3) * u / (1 - (k + 3) * u)
+    a64 = a.to(torch.float64)
+    b64 = b.to(torch.float64)
+    s = (step_a.to(torch.float64) * step_b.to(torch.float64)).reshape(())
+    exact = (a64 @ b64.t()) * s
+    mag = (a64.abs() @ b64.abs().t()) * s.abs()
+    if bias is not None:
+        exact = exact + bias.to(torch.float64)
+        mag = mag + bias.to(torch.float64).abs()
+    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
+    tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
+    e = gamma * mag
+    return e + u_out * (exact.abs() + e) + tiny

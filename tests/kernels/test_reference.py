@@ -1,0 +1,511 @@
+"""The reference backend: the scale convention, rounding, saturation, the ring, the GEMM.
+
+These tests check the pure-torch twins against independent models (float64 arithmetic,
+plain-Python ring bookkeeping, the fp8 code tables), so that the twins can then serve as
+the oracle for the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from computectx.dtypes import DType, Fp8Format
+from computectx.fp8 import ops, reference
+from computectx.fp8.ops import Fp8Backend
+
+REF = Fp8Backend.REFERENCE
+# Wrongly typed arguments, typed Any so the checks run (mypy would reject them as literals).
+BAD_SCALE: Any = "1"
+BAD_BACKEND: Any = "reference"
+BAD_ALGO: Any = "mean"
+FORMATS = list(Fp8Format)
+
+
+def grid(fmt: Fp8Format) -> torch.Tensor:
+    """Every finite non-negative fp8 value of ``fmt``, ascending, as float64."""
+    codes = torch.arange(0, 128, dtype=torch.uint8).view(fmt.torch).to(torch.float64)
+    finite = codes[torch.isfinite(codes)]
+    return torch.sort(finite).values
+
+
+def step1() -> torch.Tensor:
+    return torch.ones(1, dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# The scale convention
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_step_is_amax_over_max_over_two_to_the_margin(fmt: Fp8Format, margin: int) -> None:
+    a = torch.tensor([3.7], dtype=torch.float32)
+    step = reference.step_from_amax(a, fmt, margin)
+    expected = torch.tensor([3.7], dtype=torch.float32) / (fmt.max / 2**margin)
+    assert step.dtype == torch.float32
+    assert torch.equal(step, expected)
+    # The amax lands exactly on fmt.max / 2**margin: the headroom the margin promises.
+    q, _ = reference.quantize_with_step(a, fmt, step)
+    assert q.to(torch.float64).item() == pytest.approx(fmt.max / 2**margin, rel=2.0**-3)
+
+
+@pytest.mark.parametrize("bad", [0.0, float("inf"), float("-inf"), float("nan"), 1e-44])
+def test_degenerate_amax_gives_step_one(bad: float) -> None:
+    # 1e-44 is a positive float32 subnormal whose step (1e-44 / 448) underflows to zero.
+    step = reference.step_from_amax(torch.tensor([bad]), Fp8Format.E4M3, 0)
+    assert step.item() == 1.0
+
+
+# ---------------------------------------------------------------------------------------
+# Rounding and saturation of quantize
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grid_values_quantize_exactly(fmt: Fp8Format) -> None:
+    g = grid(fmt)
+    x = torch.cat([g, -g]).to(torch.float32)
+    q, a = reference.quantize_with_step(x, fmt, step1())
+    assert torch.equal(q.to(torch.float32), x)
+    assert a.item() == fmt.max
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_midpoints_round_to_even(fmt: Fp8Format) -> None:
+    g = grid(fmt)
+    mid = (g[:-1] + g[1:]) / 2  # exact in float32: one bit below the fp8 mantissa
+    codes = torch.arange(0, len(g), dtype=torch.int64)
+    # Consecutive grid values alternate even/odd code; the even neighbour's value wins.
+    lo_even = (codes[:-1] % 2) == 0
+    expected = torch.where(lo_even, g[:-1], g[1:])
+    q, _ = reference.quantize_with_step(mid.to(torch.float32), fmt, step1())
+    assert torch.equal(q.to(torch.float64), expected)
+    qn, _ = reference.quantize_with_step(-mid.to(torch.float32), fmt, step1())
+    assert torch.equal(qn.to(torch.float64), -expected)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_saturates_at_max_and_keeps_nan(fmt: Fp8Format, dtype: torch.dtype) -> None:
+    big = min(torch.finfo(dtype).max, 1e30)
+    x = torch.tensor([big, -big, math.inf, -math.inf, math.nan, 0.0, -0.0], dtype=dtype)
+    q, a = reference.quantize_with_step(x, fmt, step1())
+    v = q.to(torch.float32)
+    assert v[:4].tolist() == [fmt.max, -fmt.max, fmt.max, -fmt.max]
+    assert math.isnan(v[4].item())
+    assert v[5].item() == 0.0
+    # -0.0 keeps its sign bit: the byte pattern of fp8 negative zero is 0x80.
+    assert q.view(torch.uint8)[6].item() == 0x80
+    assert math.isnan(a.item())  # a NaN input makes the amax NaN, so callers can count it
+    n_sat = reference.saturated_count(x, step1(), fmt)
+    assert n_sat.item() == 4.0
+
+
+def test_zero_and_empty_tensors() -> None:
+    z = torch.zeros(5, 3, dtype=torch.bfloat16)
+    q, step, a = reference.quantize_dynamic(z, Fp8Format.E4M3, 0)
+    assert step.item() == 1.0
+    assert a.item() == 0.0
+    assert torch.equal(q.view(torch.uint8), torch.zeros(5, 3, dtype=torch.uint8))
+    e = torch.empty(0, 7, dtype=torch.float16)
+    q, step, a = reference.quantize_dynamic(e, Fp8Format.E5M2, 2)
+    assert q.shape == (0, 7)
+    assert q.dtype == torch.float8_e5m2
+    assert (step.item(), a.item()) == (1.0, 0.0)
+
+
+def _normal_range_values(fmt: Fp8Format) -> st.SearchStrategy[list[float]]:
+    return st.lists(st.floats(min_value=-1e4, max_value=1e4, allow_nan=False, width=32), min_size=1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("margin", [0, 2])
+@settings(max_examples=60)
+@given(data=st.data())
+def test_relative_error_in_normal_range(fmt: Fp8Format, margin: int, data: st.DataObject) -> None:
+    values = data.draw(_normal_range_values(fmt))
+    x = torch.tensor(values, dtype=torch.float32)
+    q, step, _ = reference.quantize_dynamic(x, fmt, margin)
+    x_hat = q.to(torch.float64) * step.to(torch.float64)
+    scaled = x.to(torch.float64) / step.to(torch.float64)
+    normal = scaled.abs() >= fmt.min_normal
+    bound = 2.0 ** -(fmt.mantissa_bits + 1)  # half an ulp: 2**-4 (E4M3), 2**-3 (E5M2)
+    rel = (x_hat - x.to(torch.float64)).abs() / x.to(torch.float64).abs()
+    assert bool((rel[normal] <= bound).all()), rel[normal].max()
+    # Below the normal range the error is at most half the smallest subnormal step.
+    absolute = (x_hat - x.to(torch.float64)).abs()
+    sub_bound = fmt.min_subnormal / 2 * step.to(torch.float64)
+    assert bool((absolute[~normal] <= sub_bound * (1 + 2.0**-20)).all())
+    assert bool(torch.isfinite(q.to(torch.float32)).all())
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@settings(max_examples=40)
+@given(
+    values=st.lists(st.floats(allow_nan=False, allow_infinity=True, width=32), min_size=1),
+    step=st.floats(min_value=2.0**-20, max_value=2.0**20, width=32),
+)
+def test_never_infinite_for_any_finite_step(
+    fmt: Fp8Format, values: list[float], step: float
+) -> None:
+    x = torch.tensor(values, dtype=torch.float32)
+    q, _ = reference.quantize_with_step(x, fmt, torch.tensor([step]))
+    v = q.to(torch.float32)
+    assert bool(torch.isfinite(v).all())
+    assert bool((v.abs() <= fmt.max).all())
+
+
+# ---------------------------------------------------------------------------------------
+# The delayed-scaling ring against a plain-Python model
+
+
+class RingModel:
+    """The ring semantics written out with Python floats (rounded through float32)."""
+
+    def __init__(self, n: int) -> None:
+        self.hist = [0.0] * n
+        self.step = 1.0
+        self.nonfinite = 0.0
+        self.saturated = 0.0
+
+    @staticmethod
+    def f32(v: float) -> float:
+        return torch.tensor(v, dtype=torch.float32).item()
+
+    def step_of(self, a: float, fmt: Fp8Format, margin: int) -> float:
+        s = self.f32(a / (fmt.max / 2**margin))
+        return s if math.isfinite(a) and s > 0 else 1.0
+
+    def update(self, x: torch.Tensor, fmt: Fp8Format, idx: int, algo: str, margin: int) -> None:
+        xs = x.to(torch.float64).flatten().tolist()
+        a = max((abs(v) for v in xs), default=0.0)
+        if any(math.isnan(v) for v in xs):
+            a = math.nan
+        self.saturated += sum(1 for v in xs if abs(self.f32(v / self.step)) > fmt.max)
+        if not math.isfinite(a):
+            self.nonfinite += 1
+            return
+        self.hist[idx] = self.f32(a)
+        window = max(self.hist) if algo == "max" else self.f32(a)
+        self.step = self.step_of(window, fmt, margin)
+
+    def tensor(self) -> torch.Tensor:
+        return torch.tensor([*self.hist, self.step, self.nonfinite, self.saturated])
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_ring_follows_model(algo: str, margin: int) -> None:
+    n = 4
+    fmt = Fp8Format.E4M3
+    ring = ops.ring_new(n, "cpu")
+    model = RingModel(n)
+    gen = torch.Generator().manual_seed(7)
+    scales = [1.0, 30.0, 0.5, 0.0, 2.0, math.inf, 0.25, math.nan, 8.0, 1.0, 0.1]
+    for i, sc in enumerate(scales):
+        x = torch.randn(37, generator=gen) * (sc if math.isfinite(sc) else 1.0)
+        if not math.isfinite(sc):
+            x[3] = sc
+        before = ring.clone()
+        q, used = ops.quantize_delayed(x, fmt, ring, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
+        assert used.item() == before[n].item()
+        expected_q, _ = reference.quantize_with_step(x, fmt, before[n : n + 1])
+        assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+        model.update(x, fmt, i % n, algo, margin)
+        assert torch.equal(ring, model.tensor()), (i, ring, model.tensor())
+    assert ring[n + ops.RING_NONFINITE].item() == 2.0
+    assert ring[n + ops.RING_SATURATED].item() > 0.0
+
+
+def test_window_max_and_most_recent_differ() -> None:
+    fmt = Fp8Format.E5M2
+    for algo, expected_amax in (("max", 100.0), ("most_recent", 1.0)):
+        ring = ops.ring_new(3, "cpu")
+        ops.quantize_delayed(torch.tensor([100.0]), fmt, ring, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
+        ops.quantize_delayed(torch.tensor([1.0]), fmt, ring, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
+        assert ring[3].item() == pytest.approx(expected_amax / fmt.max, rel=1e-7)
+
+
+def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
+    ring = ops.ring_new(2, "cpu")
+    ops.seed_ring(ring, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
+    assert ring[:2].tolist() == [8.0, 8.0]
+    assert ring[2].item() == pytest.approx(8.0 / (448 / 2))
+    ops.quantize_delayed(torch.zeros(3), Fp8Format.E4M3, ring, 0, "most_recent", 1, backend=REF)
+    assert ring[2].item() == 1.0
+    before = ring.clone()
+    x = torch.tensor([1.0, math.nan])
+    ops.quantize_delayed(x, Fp8Format.E4M3, ring, 1, "max", 1, backend=REF)
+    assert torch.equal(ring[:3], before[:3])
+    assert ring[3].item() == before[3].item() + 1
+
+
+def test_seed_with_nonfinite_counts_and_keeps_ring() -> None:
+    ring = ops.ring_new(3, "cpu")
+    ops.seed_ring(ring, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
+    assert ring.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def test_saturated_count_accumulates() -> None:
+    ring = ops.ring_new(1, "cpu")
+    x = torch.tensor([500.0, -449.0, 448.0, 3.0])  # step 1: two beyond E4M3's 448
+    ops.quantize_delayed(x, Fp8Format.E4M3, ring, 0, "max", 0, backend=REF)
+    ops.quantize_delayed(x, Fp8Format.E4M3, ring, 0, "max", 0, backend=REF)
+    assert ring[1 + ops.RING_SATURATED].item() == 2.0  # second call uses step 500/448
+
+
+# ---------------------------------------------------------------------------------------
+# The scaled GEMM against float64
+
+
+def random_fp8(shape: tuple[int, int], fmt: Fp8Format, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen) * 4
+    return x.clamp(-fmt.max, fmt.max).to(fmt.torch)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(
+    ("fa", "fb"), [(Fp8Format.E4M3, Fp8Format.E4M3), (Fp8Format.E5M2, Fp8Format.E4M3)]
+)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_mm_within_derived_bound(
+    out_dtype: torch.dtype, fa: Fp8Format, fb: Fp8Format, transposed: bool, with_bias: bool
+) -> None:
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 13, 9, 37
+    a = random_fp8((m, k), fa, gen)
+    b = random_fp8((n, k), fb, gen)
+    if transposed:  # same values, column-major storage: the .t() views dgrad/wgrad pass
+        a = a.t().contiguous().t()
+        b = b.t().contiguous().t()
+    sa = torch.tensor([0.37])
+    sb = torch.tensor([1.9e-3])
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    out = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    assert out.dtype == out_dtype
+    assert out.shape == (m, n)
+    exact = (a.to(torch.float64) @ b.to(torch.float64).t()) * (0.37 * 1.9e-3)
+    exact = exact * (torch.tensor(0.37).double() * torch.tensor(1.9e-3).double()) / (0.37 * 1.9e-3)
+    if bias is not None:
+        exact = exact + bias.to(torch.float64)
+    bound = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
+    err = (out.to(torch.float64) - exact).abs()
+    assert bool((err <= bound).all()), (err - bound).max()
+
+
+@settings(max_examples=30)
+@given(
+    m=st.integers(1, 9),
+    n=st.integers(1, 9),
+    k=st.integers(1, 70),
+    seed=st.integers(0, 2**31 - 1),
+    sa=st.floats(1e-4, 1e3),
+    sb=st.floats(1e-4, 1e3),
+)
+def test_scaled_mm_property(m: int, n: int, k: int, seed: int, sa: float, sb: float) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    a = random_fp8((m, k), Fp8Format.E4M3, gen)
+    b = random_fp8((n, k), Fp8Format.E5M2, gen)
+    ta, tb = torch.tensor([sa]), torch.tensor([sb])
+    out = ops.scaled_mm(a, b, ta, tb, None, torch.float32, backend=REF)
+    exact = (a.double() @ b.double().t()) * (ta.double() * tb.double())
+    bound = reference.scaled_mm_error_bound(a, b, ta, tb, None, torch.float32)
+    assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+def test_the_bound_is_not_vacuous() -> None:
+    # A result one bf16 ulp off must fail the bound: the bound is tight enough to catch it.
+    gen = torch.Generator().manual_seed(0)
+    a = random_fp8((8, 16), Fp8Format.E4M3, gen)
+    b = random_fp8((8, 16), Fp8Format.E4M3, gen)
+    one = torch.ones(1)
+    out = ops.scaled_mm(a, b, one, one, None, torch.bfloat16, backend=REF).double()
+    exact = a.double() @ b.double().t()
+    bound = reference.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
+    wrong = out + 2 * out.abs() * 2.0**-8 + 1e-3
+    assert not bool(((wrong - exact).abs() <= bound).all())
+
+
+# ---------------------------------------------------------------------------------------
+# The standalone API and input checks
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "fp8_e5m2", Fp8Format.E4M3])
+def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    data, scale = ops.fp8_quantize(x, fmt)
+    f = Fp8Format.parse(fmt)
+    assert data.dtype == f.torch
+    assert scale.shape == (1,)
+    back = ops.fp8_dequantize(data, scale, DType.F32)
+    rel = ((back - x.float()).abs() / x.float().abs().clamp_min(1e-3)).max().item()
+    assert rel <= 2.0 ** -(f.mantissa_bits + 1) + 1e-2  # plus subnormal-range slack
+    assert ops.fp8_dequantize(data, scale, "bf16").dtype == torch.bfloat16
+    data2, scale2 = ops.fp8_quantize(x, fmt, 0.5)
+    assert scale2.item() == 0.5
+    assert torch.equal(data2.float(), (x.float() / 0.5).clamp(-f.max, f.max).to(f.torch).float())
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "needle"),
+    [
+        (
+            lambda: ops.fp8_quantize(torch.ones(2, dtype=torch.float64), "e4m3"),
+            ValueError,
+            "float64",
+        ),
+        (lambda: ops.fp8_quantize(torch.ones(2), "e3m4"), ValueError, "e3m4"),
+        (lambda: ops.fp8_quantize(torch.ones(2), "e4m3", -1.0), ValueError, "-1.0"),
+        (lambda: ops.fp8_quantize(torch.ones(2), "e4m3", BAD_SCALE), TypeError, "str"),
+        (lambda: ops.fp8_dequantize(torch.ones(2), 1.0, "f32"), ValueError, "float32"),
+        (
+            lambda: ops.fp8_dequantize(torch.ones(2).to(torch.float8_e4m3fn), 1.0, torch.int8),
+            ValueError,
+            "int8",
+        ),
+        (
+            lambda: ops.quantize_with_step(
+                torch.ones(2), Fp8Format.E4M3, torch.ones(2), backend=REF
+            ),
+            ValueError,
+            "(2,)",
+        ),
+        (
+            lambda: ops.quantize_with_step(
+                torch.ones(2), Fp8Format.E4M3, torch.ones(1), backend=BAD_BACKEND
+            ),
+            TypeError,
+            "'reference'",
+        ),
+        (
+            lambda: ops.quantize_delayed(
+                torch.ones(2), Fp8Format.E4M3, ops.ring_new(2, "cpu"), 2, "max", 0, backend=REF
+            ),
+            ValueError,
+            "[0, 2)",
+        ),
+        (
+            lambda: ops.quantize_delayed(
+                torch.ones(2), Fp8Format.E4M3, ops.ring_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
+            ),
+            ValueError,
+            "'mean'",
+        ),
+        (
+            lambda: ops.quantize_dynamic(torch.ones(2), Fp8Format.E4M3, -1, backend=REF),
+            ValueError,
+            "-1",
+        ),
+        (lambda: ops.ring_new(0, "cpu"), ValueError, "0"),
+        (
+            lambda: ops.scaled_mm(
+                torch.ones(2, 3), torch.ones(2, 3), torch.ones(1), torch.ones(1), backend=REF
+            ),
+            ValueError,
+            "torch.float32",
+        ),
+        (
+            lambda: ops.scaled_mm(
+                torch.ones(2, 3).to(torch.float8_e4m3fn),
+                torch.ones(2, 4).to(torch.float8_e4m3fn),
+                torch.ones(1),
+                torch.ones(1),
+                backend=REF,
+            ),
+            ValueError,
+            "(2, 4)",
+        ),
+        (
+            lambda: ops.scaled_mm(
+                torch.ones(2, 3).to(torch.float8_e4m3fn),
+                torch.ones(2, 3).to(torch.float8_e4m3fn),
+                torch.ones(1),
+                torch.ones(1),
+                torch.ones(3),
+                backend=REF,
+            ),
+            ValueError,
+            "(2,)",
+        ),
+        (
+            lambda: ops.scaled_mm(
+                torch.ones(2, 3).to(torch.float8_e4m3fn),
+                torch.ones(2, 3).to(torch.float8_e4m3fn),
+                torch.ones(1),
+                torch.ones(1),
+                None,
+                torch.float64,
+                backend=REF,
+            ),
+            ValueError,
+            "torch.float64",
+        ),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(call: object, exc: type[Exception], needle: str) -> None:
+    assert callable(call)
+    with pytest.raises(exc, match=None) as info:
+        call()
+    assert needle in str(info.value)
+
+
+def test_bad_input_leaves_ring_untouched() -> None:
+    ring = ops.ring_new(2, "cpu")
+    before = ring.clone()
+    with pytest.raises(ValueError, match="float64"):
+        ops.quantize_delayed(
+            torch.ones(2, dtype=torch.float64), Fp8Format.E4M3, ring, 0, "max", 0, backend=REF
+        )
+    assert torch.equal(ring, before)
+
+
+def test_non_contiguous_input_quantizes_like_its_copy() -> None:
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(2)).t()
+    q, _ = ops.quantize_with_step(x, Fp8Format.E4M3, torch.tensor([0.01]), backend=REF)
+    q2, _ = ops.quantize_with_step(
+        x.contiguous(), Fp8Format.E4M3, torch.tensor([0.01]), backend=REF
+    )
+    assert q.shape == (5, 6)
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------
+# Backend choice
+
+
+def test_select_backend_on_cpu_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backend, why = ops.select_backend("cpu")
+    assert backend is Fp8Backend.REFERENCE
+    assert why.startswith("reference: ")
+    assert "compute capability >= 8.9" in why
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in why
+    assert ops.select_backend("cpu", force="reference") == (
+        Fp8Backend.REFERENCE,
+        "reference: forced",
+    )
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        ops.select_backend("cpu", force=Fp8Backend.TRITON)
+    with pytest.raises(ValueError, match="'cuda-graph'"):
+        ops.select_backend("cpu", force="cuda-graph")
+
+
+def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    backend, why = ops.select_backend("cpu", force="triton")
+    assert backend is Fp8Backend.TRITON
+    assert "TRITON_INTERPRET=1" in why
+    # Without force, the interpreter is never chosen: it is for tests, and slow.
+    assert ops.select_backend("cpu")[0] is Fp8Backend.REFERENCE
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="triton fp8 backend cannot run on cpu"):
+        ops.quantize_with_step(
+            torch.ones(2), Fp8Format.E4M3, torch.ones(1), backend=Fp8Backend.TRITON
+        )

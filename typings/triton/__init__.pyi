@@ -1,0 +1,3 @@
+"""Type stubs for the parts of triton computectx uses."""
+
+__version__: str
