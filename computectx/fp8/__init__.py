@@ -2,9 +2,40 @@
 
 Modules in this package import ``ComputeCtx`` only for type checking: ``computectx.ctx``
 imports ``computectx.fp8.policy``, so a run-time import back into ``computectx.ctx`` from
-here would be circular.
+here would be circular. Importing this package changes nothing in torch: fp8 runs only in
+an ``Fp8Linear`` or inside an ``fp8_autocast`` region.
 """
 
+from computectx.fp8.modules import (
+    DEFAULT_MIN_FEATURES,
+    Fp8ConversionReport,
+    Fp8Linear,
+    SkippedLinear,
+    convert_to_fp8,
+)
+from computectx.fp8.ops import Fp8Backend, fp8_dequantize, fp8_quantize, select_backend
 from computectx.fp8.policy import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.fp8.region import fp8_autocast
+from computectx.fp8.scaling import Fp8ScalingState
+from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
 
-__all__ = ["DelayedScaling", "DynamicScaling", "Fp8Policy", "Fp8Scheme"]
+__all__ = [
+    "DEFAULT_MIN_FEATURES",
+    "DelayedScaling",
+    "DynamicScaling",
+    "Fp8Backend",
+    "Fp8ConversionReport",
+    "Fp8LayerStats",
+    "Fp8Linear",
+    "Fp8OperandStats",
+    "Fp8Policy",
+    "Fp8ScalingState",
+    "Fp8Scheme",
+    "SkippedLinear",
+    "convert_to_fp8",
+    "fp8_autocast",
+    "fp8_dequantize",
+    "fp8_quantize",
+    "fp8_stats",
+    "select_backend",
+]

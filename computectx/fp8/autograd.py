@@ -1,0 +1,147 @@
+"""The fp8 linear as an autograd function: three scaled GEMMs sharing one quantized gradient.
+
+Forward ``Y = X Wᵀ (+ b)`` with ``X`` and ``W`` quantized in the policy's forward format;
+backward ``dX = dY W`` and ``dW = dYᵀ X`` with ``dY`` quantized once in the backward format
+and shared by both GEMMs (the transposes are views handed to ``ops.scaled_mm``). The
+forward saves the fp8 operands and the steps it used together with its plan (policy,
+scaling state, backend), so ``loss.backward()`` needs nothing from the region or module
+that ran the forward and may run after both are gone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.nn import functional
+
+from computectx.dtypes import DType
+from computectx.fp8 import ops
+from computectx.fp8.policy import Fp8Policy
+from computectx.fp8.scaling import Fp8ScalingState
+
+__all__ = ["ACTIVATION_DTYPES", "Fp8LinearPlan", "fp8_linear", "gemm_dtype_for"]
+
+ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Input and weight dtypes an fp8 linear quantizes from."""
+
+
+def gemm_dtype_for(compute: DType) -> torch.dtype:
+    """Dtype the GEMM epilogue writes for a ctx's compute dtype.
+
+    BF16 and F16 activations come out of the epilogue at that dtype (one rounding of the
+    float32 accumulator); F32/F64 policies get float32, the widest the kernels write.
+    """
+    if compute is DType.BF16:
+        return torch.bfloat16
+    if compute is DType.F16:
+        return torch.float16
+    return torch.float32
+
+
+@dataclass(frozen=True, eq=False)
+class Fp8LinearPlan:
+    """Everything one fp8 linear call needs besides its tensors.
+
+    ``frozen_weight`` is ``(data_fp8, step)`` for a weight quantized once for serving;
+    the weight ring is then left alone.
+    """
+
+    policy: Fp8Policy
+    state: Fp8ScalingState
+    backend: ops.Fp8Backend
+    gemm_dtype: torch.dtype
+    frozen_weight: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+) -> torch.Tensor:
+    """``x Wᵀ + b`` in fp8 for ``x`` of any leading shape; the result has ``x``'s dtype.
+
+    ``weight`` is the high-precision weight (``None`` when ``plan.frozen_weight`` holds a
+    pre-quantized one). Inputs are assumed checked by the caller (dtype in
+    ``ACTIVATION_DTYPES``, matching ``in_features``).
+    """
+    k = x.shape[-1]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0:
+        # No rows: nothing to measure, and an empty amax (0) must not enter the history.
+        w = weight if weight is not None else _dequantized(plan, x.dtype)
+        return functional.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    y2: torch.Tensor = _Fp8LinearFunction.apply(x2, weight, bias, plan)  # type: ignore[no-untyped-call]
+    return y2.reshape(*lead, y2.shape[-1])
+
+
+def _dequantized(plan: Fp8LinearPlan, dtype: torch.dtype) -> torch.Tensor:
+    if plan.frozen_weight is None:
+        raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
+    data, step = plan.frozen_weight
+    return (data.to(torch.float32) * step.reshape(())).to(dtype)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """``Y = X Wᵀ + b`` on 2-D ``X``; see the module docstring."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        plan: Fp8LinearPlan,
+    ) -> torch.Tensor:
+        fwd = plan.policy.format.forward
+        scaling = plan.policy.scaling
+        xq, sx = plan.state.input.quantize(x, fwd, scaling, plan.backend)
+        if plan.frozen_weight is not None:
+            wq, sw = plan.frozen_weight
+        elif weight is not None:
+            wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend)
+        else:
+            raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
+        y = ops.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
+        # The fp8 operands (1 byte per element) are what the backward GEMMs consume, so
+        # they, not the high-precision inputs, are what stays alive until backward.
+        ctx.save_for_backward(xq, wq, sx, sw)
+        c: Any = ctx
+        c.plan = plan
+        c.x_dtype = x.dtype
+        c.w_dtype = None if weight is None else weight.dtype
+        c.b_dtype = None if bias is None else bias.dtype
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        xq, wq, sx, sw = ctx.saved_tensors
+        plan: Fp8LinearPlan = ctx.plan
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        if need_x or need_w:
+            # One quantization of dY serves both GEMMs: its amax pass is paid once and
+            # both products see the same rounded gradient.
+            bwd = plan.policy.format.backward
+            gq, sg = plan.state.grad.quantize(dy, bwd, plan.policy.scaling, plan.backend)
+            if need_x:
+                # dX[M, K] = dY[M, N] · W[N, K]; scaled_mm wants b as [K, N]: W's transpose.
+                dx = ops.scaled_mm(gq, wq.t(), sg, sw, None, plan.gemm_dtype, backend=plan.backend)
+                dx = dx.to(ctx.x_dtype)
+            if need_w:
+                # dW[N, K] = dYᵀ[N, M] · X[M, K], kept in float32 until it reaches the
+                # weight's dtype: it feeds the optimizer's (master) weights.
+                dw = ops.scaled_mm(
+                    gq.t(), xq.t(), sg, sx, None, torch.float32, backend=plan.backend
+                ).to(ctx.w_dtype)
+        if need_b:
+            # The bias never goes through fp8: its gradient sums the unquantized dY in float32.
+            db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        return dx, dw, db, None

@@ -1,0 +1,284 @@
+"""Per-weight scaling state: one ring per operand role, quantizing through it, checkpoints.
+
+A weight that runs in fp8 quantizes three operands — its ``input`` activation, the
+``weight`` itself and the output ``grad`` — and each keeps one ring (the layout is
+``computectx.fp8.ops``'s: ``history_len`` amaxes, then the current step, the non-finite
+count and the saturated count). Delayed scaling reads the step from the ring and writes the
+new amax into it; dynamic scaling keeps a ring of length 1 only to record the last amax and
+step, so both recipes report the same statistics.
+
+Host-side bookkeeping (the next history slot, whether the ring was seeded, how many
+elements went through it) lives beside each ring, so no call reads a device value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal
+
+import torch
+
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import ops
+from computectx.fp8.policy import DelayedScaling, DynamicScaling, Fp8Policy
+
+__all__ = [
+    "ROLES",
+    "STATE_VERSION",
+    "Fp8ScalingState",
+    "OperandScaling",
+    "Role",
+    "history_len_of",
+]
+
+Role = Literal["input", "weight", "grad"]
+ROLES: tuple[Role, ...] = ("input", "weight", "grad")
+"""The operand roles of an fp8 linear, in checkpoint order."""
+
+STATE_VERSION = 1
+"""Version written into saved scaling state; loading accepts the versions in
+``_READABLE_VERSIONS``."""
+_READABLE_VERSIONS = (1,)
+
+
+def history_len_of(policy: Fp8Policy) -> int:
+    """Ring history length a policy needs: ``history_len`` for delayed scaling, 1 for
+    dynamic (which keeps only the last amax, for statistics)."""
+    s = policy.scaling
+    return s.history_len if isinstance(s, DelayedScaling) else 1
+
+
+class OperandScaling:
+    """One operand's ring plus the host-side counters that go with it.
+
+    ``idx`` is the history slot the next delayed quantize writes (so the newest amax sits
+    at ``idx - 1`` and the oldest at ``idx``); ``seeded`` says whether the first call has
+    filled the history; ``elements`` counts quantized elements (for saturated fractions).
+    """
+
+    __slots__ = ("elements", "idx", "ring", "seeded")
+
+    def __init__(self, history_len: int, device: torch.device | str) -> None:
+        self.ring: torch.Tensor = _new_ring(history_len, device)
+        self.idx = 0
+        self.seeded = False
+        self.elements = 0
+
+    @property
+    def history_len(self) -> int:
+        """Length of the amax history."""
+        return self.ring.numel() - 3
+
+    def quantize(
+        self,
+        x: torch.Tensor,
+        fmt: Fp8Format,
+        scaling: DelayedScaling | DynamicScaling,
+        backend: ops.Fp8Backend,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` under ``scaling`` through this ring: ``(data_fp8, step_used)``.
+
+        Delayed: the first call seeds the history with ``amax(x)`` (so step 1 is not blind),
+        then every call quantizes with the ring's step and records its amax. Dynamic: the
+        step comes from ``amax(x)``; the ring records that amax (when finite), the step, and
+        counts a non-finite amax.
+        """
+        self.elements += x.numel()
+        if isinstance(scaling, DelayedScaling):
+            if not self.seeded:
+                ops.seed_ring(self.ring, x, fmt, scaling.margin)
+                self.seeded = True
+            data, step = ops.quantize_delayed(
+                x, fmt, self.ring, self.idx, scaling.algo, scaling.margin, backend=backend
+            )
+            self.idx = (self.idx + 1) % self.history_len
+            return data, step
+        data, step, amax = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
+        self.record(amax, step)
+        return data, step
+
+    def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:
+        """Write an amax measured elsewhere and the step used with it (device ops only).
+
+        A non-finite amax is counted and leaves the recorded amax as it was.
+        """
+        n = self.history_len
+        a = amax.reshape(1).to(device=self.ring.device, dtype=torch.float32)
+        finite = torch.isfinite(a)
+        slot = self.ring[0:1]
+        slot.copy_(torch.where(finite, a, slot))
+        self.ring[n : n + 1] = step.reshape(1).to(self.ring)
+        self.ring[n + 1 : n + 2] += (~finite).to(torch.float32)
+        self.seeded = True
+
+    def newest_amax_index(self) -> int:
+        """Index of the newest history entry."""
+        return (self.idx - 1) % self.history_len
+
+    def resized(self, history_len: int) -> OperandScaling:
+        """A copy with another history length, keeping the newest entries.
+
+        The history is laid out oldest to newest; a shorter history keeps its newest
+        ``history_len`` entries, a longer one repeats the oldest entry in front (so the
+        window max and the newest entry are unchanged). Step and counts are kept.
+        """
+        n = self.history_len
+        out = OperandScaling.__new__(OperandScaling)
+        with torch.inference_mode(False):  # see _new_ring
+            hist = self.ring[:n]
+            chron = torch.cat([hist[self.idx :], hist[: self.idx]])
+            if history_len <= n:
+                chron = chron[n - history_len :]
+            else:
+                chron = torch.cat([chron[:1].expand(history_len - n), chron])
+            out.ring = torch.cat([chron, self.ring[n:]]).contiguous()
+        out.idx = 0  # the next write replaces the oldest entry, now at the front
+        out.seeded = self.seeded
+        out.elements = self.elements
+        return out
+
+    def to(self, device: torch.device) -> None:
+        """Move the ring to ``device`` (in place on this object)."""
+        if self.ring.device != device:
+            with torch.inference_mode(False):  # see _new_ring
+                self.ring = self.ring.to(device)
+
+
+def _new_ring(history_len: int, device: torch.device | str) -> torch.Tensor:
+    # A ring created inside torch.inference_mode would be an inference tensor, which may
+    # not be updated in place once inference mode is left; rings outlive any one mode.
+    with torch.inference_mode(False):
+        return ops.ring_new(history_len, device)
+
+
+class Fp8ScalingState:
+    """The scaling state of one fp8 weight: an ``OperandScaling`` per role.
+
+    ``policy`` is the policy the rings are shaped for; ``conform`` reshapes them when a
+    different policy (another history length, another recipe) starts using the weight.
+    """
+
+    __slots__ = ("operands", "policy")
+
+    def __init__(self, policy: Fp8Policy, device: torch.device | str) -> None:
+        n = history_len_of(policy)
+        self.policy = policy
+        self.operands: dict[Role, OperandScaling] = {r: OperandScaling(n, device) for r in ROLES}
+
+    @property
+    def input(self) -> OperandScaling:
+        """The input activation's ring."""
+        return self.operands["input"]
+
+    @property
+    def weight(self) -> OperandScaling:
+        """The weight's ring."""
+        return self.operands["weight"]
+
+    @property
+    def grad(self) -> OperandScaling:
+        """The output gradient's ring."""
+        return self.operands["grad"]
+
+    @property
+    def device(self) -> torch.device:
+        """Device the rings live on."""
+        return self.operands["input"].ring.device
+
+    def conform(self, policy: Fp8Policy, device: torch.device) -> None:
+        """Make the rings fit ``policy`` and live on ``device`` (no-op when they do)."""
+        if policy != self.policy:
+            n = history_len_of(policy)
+            for role, op in self.operands.items():
+                if op.history_len != n:
+                    self.operands[role] = op.resized(n)
+            self.policy = policy
+        for op in self.operands.values():
+            op.to(device)
+
+    def to(self, device: torch.device) -> None:
+        """Move every ring to ``device``."""
+        for op in self.operands.values():
+            op.to(device)
+
+    # ----- checkpoints --------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, object]:
+        """The state as plain data for a checkpoint (rings copied to the CPU)."""
+        return {
+            "version": STATE_VERSION,
+            "policy": str(self.policy),
+            "operands": {
+                role: {
+                    "ring": op.ring.detach().to("cpu", copy=True),
+                    "idx": op.idx,
+                    "seeded": op.seeded,
+                    "elements": op.elements,
+                }
+                for role, op in self.operands.items()
+            },
+        }
+
+    def load_dict(self, saved: object) -> None:
+        """Replace the state with a saved one (``to_dict``'s form), fitted to this policy.
+
+        A history of another length is resized as ``OperandScaling.resized`` documents.
+        Everything is checked before anything changes: a bad checkpoint raises
+        ``ValueError`` and leaves the state as it was.
+        """
+        loaded = _parse_saved(saved, self.device)
+        n = history_len_of(self.policy)
+        self.operands = {
+            role: op if op.history_len == n else op.resized(n) for role, op in loaded.items()
+        }
+
+
+def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScaling]:
+    what = "saved fp8 scaling state"
+    if not isinstance(saved, Mapping):
+        raise ValueError(f"{what} must be a dict (Fp8ScalingState.to_dict), got {saved!r}")
+    version = saved.get("version")
+    if version not in _READABLE_VERSIONS:
+        raise ValueError(
+            f"{what} has version {version!r}; this computectx reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))}"
+        )
+    operands = saved.get("operands")
+    if not isinstance(operands, Mapping) or set(operands) != set(ROLES):
+        got = sorted(operands) if isinstance(operands, Mapping) else operands
+        raise ValueError(f"{what} must have operands {list(ROLES)}, got {got!r}")
+    out: dict[Role, OperandScaling] = {}
+    for role in ROLES:
+        entry = operands[role]
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{what}: operand {role!r} must be a dict, got {entry!r}")
+        ring, idx = entry.get("ring"), entry.get("idx")
+        seeded, elements = entry.get("seeded"), entry.get("elements")
+        if not (
+            isinstance(ring, torch.Tensor)
+            and ring.dtype == torch.float32
+            and ring.dim() == 1
+            and ring.numel() >= 4
+        ):
+            desc = f"{ring.dtype} {tuple(ring.shape)}" if isinstance(ring, torch.Tensor) else ring
+            raise ValueError(
+                f"{what}: operand {role!r} ring must be a 1-D float32 tensor of length "
+                f"history_len + 3 >= 4, got {desc!r}"
+            )
+        n = ring.numel() - 3
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+            raise ValueError(
+                f"{what}: operand {role!r} idx must be an int in [0, {n}), got {idx!r}"
+            )
+        if not isinstance(seeded, bool):
+            raise ValueError(f"{what}: operand {role!r} seeded must be a bool, got {seeded!r}")
+        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 0:
+            raise ValueError(
+                f"{what}: operand {role!r} elements must be an int >= 0, got {elements!r}"
+            )
+        op = OperandScaling.__new__(OperandScaling)
+        with torch.inference_mode(False):
+            op.ring = ring.detach().to(device=device, copy=True).contiguous()
+        op.idx, op.seeded, op.elements = idx, seeded, elements
+        out[role] = op
+    return out
