@@ -64,6 +64,13 @@ def _lenient_fp8(value: object) -> object:
     return value
 
 
+def _same_as_compute(validated: dict[str, Any]) -> DType:
+    # Runs after `compute` has been validated (fields validate in order). When `compute`
+    # itself failed, its error is the one to report; a placeholder keeps kv quiet.
+    compute: DType = validated.get("compute", DType.F32)
+    return compute
+
+
 TorchDevice = Annotated[
     torch.device,
     PlainValidator(parse_device),
@@ -104,7 +111,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     compute: DTypeField
     """Dtype activations flow in (projections, attention, residual stream)."""
-    kv: DTypeField
+    kv: DTypeField = Field(default_factory=_same_as_compute)
     """Dtype the KV cache is stored at (defaults to ``compute``)."""
     accum: DTypeField = DType.F32
     """Dtype precision-sensitive ops run in through ``precise``; at or above ``compute``."""
@@ -123,13 +130,6 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
     _NULLABLE: ClassVar[frozenset[str]] = frozenset({"fp8", "offload"})
-
-    @model_validator(mode="before")
-    @classmethod
-    def _kv_defaults_to_compute(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "kv" not in data and "compute" in data:
-            return {**data, "kv": data["compute"]}
-        return data
 
     @model_validator(mode="after")
     def _accum_not_below_compute(self) -> Self:
@@ -219,13 +219,12 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         raise ``PromotionError``), and so must ``f``'s result when it has to be cast back.
         """
         src = t.dtype
-        d = _FROM_TORCH.get(src)
-        if d is None:
+        work = _WORK_DTYPE.get((src, self.accum))
+        if work is None:
             raise PromotionError(_outside_lattice_message(src))
-        work = _JOIN[(d, self.accum)]
-        if work is d:
+        if work is src:
             return f(t)
-        out = f(t.to(work.torch))
+        out = f(t.to(work))
         if out.dtype not in _FROM_TORCH:
             raise PromotionError(
                 f"precise: f returned a {out.dtype} tensor, which cannot be cast back to "
@@ -300,5 +299,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
             data[key] = None if key in cls._NULLABLE and value.lower() == "none" else value
         return cls.model_validate(data)
 
+
+# (input torch dtype, accum) -> the torch dtype precise() runs f in: input ⊔ accum. One
+# lookup on the hot path instead of three (dtype -> DType, join, DType -> torch dtype).
+_WORK_DTYPE: dict[tuple[torch.dtype, DType], torch.dtype] = {
+    (src.torch, accum): _JOIN[(src, accum)].torch for src in DType for accum in DType
+}
 
 _SCHEMES: dict[str, Fp8Scheme] = {s.value: s for s in Fp8Scheme}

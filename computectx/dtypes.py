@@ -44,6 +44,10 @@ class DType(enum.Enum):
     F32 = "f32"
     F64 = "f64"
 
+    # Members are singletons, so identity hashing is exact; it also keeps the lattice lookups
+    # on precise()'s hot path in C (Enum's own __hash__ is a Python function).
+    __hash__ = object.__hash__
+
     def __str__(self) -> str:
         return self.value
 

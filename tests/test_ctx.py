@@ -1,0 +1,226 @@
+"""ComputeCtx: presets, validated copies, the casts, the text and JSON forms, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from computectx import ComputeCtx, DType, PromotionError, Residency
+from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+
+CPU = torch.device("cpu")
+
+
+def test_presets_set_the_rust_dtypes() -> None:
+    s = ComputeCtx.serving("cpu")
+    assert (s.compute, s.kv, s.accum) == (DType.BF16, DType.F32, DType.F32)
+    p = ComputeCtx.parity(CPU)
+    assert (p.compute, p.kv, p.accum) == (DType.F32, DType.F32, DType.F32)
+    n = ComputeCtx.new(DType.F16, "cpu")
+    assert (n.compute, n.kv, n.accum, n.residency) == (
+        DType.F16,
+        DType.F16,
+        DType.F32,
+        Residency.AUTO,
+    )
+    assert n.device == CPU and n.fp8 is None and n.grad is DType.F32 and n.master is DType.F32
+    assert n.offload is None and n.offload_device == CPU
+    # F64 compute accumulates in F64: accum is compute ⊔ F32, never below compute.
+    assert ComputeCtx.new(DType.F64, "cpu").accum is DType.F64
+
+
+def test_with_kv_and_with_accum_return_new_values() -> None:
+    base = ComputeCtx.new(DType.BF16, "cpu")
+    kv = base.with_kv(DType.F32)
+    assert kv.kv is DType.F32 and base.kv is DType.BF16
+    acc = base.with_accum(DType.F64)
+    assert acc.accum is DType.F64 and base.accum is DType.F32
+    assert kv != base and kv == base.with_kv(DType.F32)
+
+
+def test_replace_validates_and_leaves_the_original_alone() -> None:
+    base = ComputeCtx.new(DType.BF16, "cpu")
+    changed = base.replace(grad=DType.BF16, offload=torch.device("cpu"), residency=Residency.MMAP)
+    assert changed.grad is DType.BF16 and changed.residency is Residency.MMAP
+    assert base.grad is DType.F32 and base.residency is Residency.AUTO
+    with pytest.raises(ValueError, match="unknown ComputeCtx field"):
+        base.replace(bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="accum=bf16 is not at or above compute=f32"):
+        ComputeCtx.parity("cpu").replace(accum=DType.BF16)
+
+
+def test_frozen_hashable_equal_by_value() -> None:
+    a = ComputeCtx.serving("cpu")
+    b = ComputeCtx.serving(torch.device("cpu"))
+    assert a == b and hash(a) == hash(b)
+    assert len({a, b, ComputeCtx.parity("cpu")}) == 2
+    with pytest.raises(ValidationError, match="frozen"):
+        a.compute = DType.F16  # type: ignore[misc]
+    assert a.compute is DType.BF16
+
+
+def test_extra_fields_are_forbidden() -> None:
+    with pytest.raises(ValidationError, match="bogus"):
+        ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "bogus": 1})
+
+
+def test_constructor_accepts_names_and_defaults_kv_to_compute() -> None:
+    ctx = ComputeCtx.model_validate({"compute": "bfloat16", "device": "cpu"})
+    assert ctx.kv is DType.BF16 and ctx.accum is DType.F32
+    ctx2 = ComputeCtx.model_validate({"compute": torch.float16, "device": CPU, "kv": "f32"})
+    assert ctx2.compute is DType.F16 and ctx2.kv is DType.F32
+
+
+def test_precise_runs_in_accum_and_restores_dtype() -> None:
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    seen: list[torch.dtype] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.dtype)
+        return x + 1
+
+    out = ctx.precise(t, f)
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    assert torch.equal(out, torch.ones(4, dtype=torch.bfloat16))
+
+
+def test_precise_is_a_no_cast_when_already_at_accum() -> None:
+    ctx = ComputeCtx.parity("cpu")
+    t = torch.zeros(4)
+    received: list[torch.Tensor] = []
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        received.append(x)
+        return x
+
+    out = ctx.precise(t, f)
+    assert received[0] is t and out is t
+
+
+def test_precise_never_lowers_precision() -> None:
+    # An F64 tensor under an F32-accum policy runs at F64 (t.dtype ⊔ accum), untouched.
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    t = torch.full((2,), 1.0 + 2.0**-40, dtype=torch.float64)
+    out = ctx.precise(t, lambda x: x * 1)
+    assert out.dtype == torch.float64 and torch.equal(out, t)
+    # F16 input under a BF16-compute policy lifts to F16 ⊔ F32 = F32.
+    seen: list[torch.dtype] = []
+    ctx.precise(torch.ones(2, dtype=torch.float16), lambda x: (seen.append(x.dtype), x)[1])
+    assert seen == [torch.float32]
+
+
+def test_precise_rejects_fp8_input_and_non_float_results() -> None:
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    with pytest.raises(PromotionError, match="Dequantize"):
+        ctx.precise(torch.zeros(2, dtype=torch.float8_e4m3fn), lambda x: x)
+    with pytest.raises(PromotionError, match=r"returned a torch\.int64"):
+        ctx.precise(torch.zeros(2, dtype=torch.bfloat16), lambda x: x.argmax(-1))
+
+
+def test_to_compute_and_to_kv_are_minimal_casts() -> None:
+    ctx = ComputeCtx.serving("cpu")
+    b = torch.zeros(2, dtype=torch.bfloat16)
+    f = torch.zeros(2)
+    assert ctx.to_compute(b) is b
+    assert ctx.to_kv(f) is f
+    assert ctx.to_compute(f).dtype == torch.bfloat16
+    assert ctx.to_kv(b).dtype == torch.float32
+    with pytest.raises(PromotionError):
+        ctx.to_kv(torch.zeros(2, dtype=torch.int32))
+
+
+def test_autocast_lowers_only_for_half_dtypes() -> None:
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    with ComputeCtx.new(DType.BF16, "cpu").autocast():
+        assert lin(x).dtype == torch.bfloat16
+    with ComputeCtx.parity("cpu").autocast():
+        assert lin(x).dtype == torch.float32
+
+
+def test_from_flag_follows_the_reference_convention() -> None:
+    assert ComputeCtx.from_flag("fp32", "cpu") == ComputeCtx.parity("cpu")
+    assert ComputeCtx.from_flag("bf16", "cpu") == ComputeCtx.new(DType.BF16, "cpu")
+    assert ComputeCtx.from_flag("FP16", "cpu").compute is DType.F16
+    e4 = ComputeCtx.from_flag("fp8_e4m3", "cpu")
+    assert e4.compute is DType.BF16 and e4.fp8 is not None
+    assert e4.fp8.format is Fp8Scheme.E4M3 and isinstance(e4.fp8.scaling, DelayedScaling)
+    e5 = ComputeCtx.from_flag("fp8_e5m2", "cpu")
+    assert e5.fp8 is not None and e5.fp8.format is Fp8Scheme.E5M2
+    hy = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    assert hy.fp8 is not None and hy.fp8.format is Fp8Scheme.HYBRID
+    with pytest.raises(ValueError, match="accepted: 'fp32', 'fp16', 'bf16', 'fp8_e4m3'"):
+        ComputeCtx.from_flag("int8", "cpu")
+
+
+def test_text_form_is_compact_and_round_trips() -> None:
+    s = ComputeCtx.serving("cpu")
+    assert str(s) == "compute=bf16,kv=f32,accum=f32,residency=auto,device=cpu"
+    assert ComputeCtx.parse(str(s)) == s
+    rich = s.replace(
+        fp8=Fp8Policy(format=Fp8Scheme.E5M2, scaling=DynamicScaling(margin=2)),
+        grad=DType.BF16,
+        offload=torch.device("cpu"),
+        device=torch.device("cuda:1"),
+    )
+    text = str(rich)
+    assert "fp8=e5m2/dynamic/2" in text and "grad=bf16" in text and "offload=cpu" in text
+    assert "master" not in text  # equal to its default
+    assert ComputeCtx.parse(text) == rich
+    assert ComputeCtx.parse(" compute = bf16 , device = cpu ") == ComputeCtx.new(DType.BF16, "cpu")
+    assert ComputeCtx.parse("compute=bf16,device=cpu,fp8=none,offload=none").fp8 is None
+
+
+def test_json_round_trip_and_schema() -> None:
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cuda:0").replace(offload=torch.device("cpu"))
+    text = ctx.model_dump_json()
+    data = json.loads(text)
+    assert data["device"] == "cuda:0" and data["offload"] == "cpu"
+    assert data["fp8"]["scaling"]["kind"] == "delayed"
+    assert ComputeCtx.model_validate_json(text) == ctx
+    schema = ComputeCtx.model_json_schema()
+    assert set(schema["required"]) == {"compute", "device"}
+    assert schema["properties"]["device"]["type"] == "string"
+    assert "precise" in schema["properties"]["accum"]["description"]
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("compute=bf17,device=cpu", "unknown dtype 'bf17'; accepted: 'f16'"),
+        ("compute=bf16,device=gpu", "bad device 'gpu'; accepted: 'cpu'"),
+        ("compute=bf16,device=cpu,colour=red", "unknown policy key 'colour'"),
+        ("compute=bf16,device=cpu,compute=f32", "given twice"),
+        ("compute=bf16;device=cpu", "unknown dtype 'bf16;device=cpu'"),
+        ("compute=bf16,device", "expected key=value"),
+        ("compute=bf16,device=cpu,residency=ram", "unknown residency 'ram'; accepted: 'device'"),
+        ("compute=bf16,device=cpu,fp8=e4m3/lazy", "accepted recipes 'delayed', 'dynamic'"),
+        ("compute=bf16,device=cpu,fp8=int4", "unknown fp8 scheme"),
+        ("compute=bf16,device=cpu,fp8=hybrid/delayed/x", "bad fp8 policy"),
+        ("device=cpu", "compute"),
+        ("", "expected key=value"),
+    ],
+)
+def test_bad_policy_strings_name_the_bad_value(text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        ComputeCtx.parse(text)
+
+
+def test_parse_requires_a_string() -> None:
+    with pytest.raises(TypeError, match="takes a str"):
+        ComputeCtx.parse(b"compute=bf16")  # type: ignore[arg-type]
+
+
+def test_bad_json_is_a_validation_error() -> None:
+    with pytest.raises(ValidationError, match="extra_forbidden"):
+        ComputeCtx.model_validate_json('{"compute": "bf16", "device": "cpu", "speed": 11}')
+    with pytest.raises(ValidationError, match="history_len"):
+        ComputeCtx.model_validate_json(
+            '{"compute": "bf16", "device": "cpu", "fp8": {"scaling": {"kind": "delayed",'
+            ' "history_len": 0}}}'
+        )

@@ -1,0 +1,46 @@
+"""The project's own contract: lint, strict typing, docs build, and README == CI command."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _run(*cmd: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+
+
+def test_ci_runs_exactly_the_readme_test_command() -> None:
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    commands = [ln for ln in ci_lines if ln and not ln.startswith(("#", "set ", "cd "))]
+    assert len(commands) == 1, commands
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", readme, flags=re.S)
+    assert commands[0] in [b.strip() for b in blocks], commands[0]
+
+
+def test_ruff_is_clean() -> None:
+    lint = _run(str(BIN / "ruff"), "check", ".")
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    fmt = _run(str(BIN / "ruff"), "format", "--check", ".")
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_mypy_strict_is_clean() -> None:
+    # Configuration (strict, typings/ stubs, files = computectx + tests) is in pyproject.toml.
+    res = _run(sys.executable, "-m", "mypy", "--cache-dir", str(ROOT / ".mypy_cache" / "project"))
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.slow
+def test_docs_build_with_warnings_as_errors(tmp_path: Path) -> None:
+    res = _run(str(BIN / "mkdocs"), "build", "--strict", "--site-dir", str(tmp_path / "site"))
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert (tmp_path / "site" / "design" / "index.html").exists()

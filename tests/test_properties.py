@@ -1,0 +1,267 @@
+"""Laws, representability, numerical bounds and round trips, checked with hypothesis."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from computectx import ComputeCtx, DType, Residency, promote
+from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+
+ALL = list(DType)
+
+# ----- lattice laws, over every element (exhaustive: the lattice is small) ------------------
+
+
+def test_join_is_idempotent_commutative_associative() -> None:
+    for a in ALL:
+        assert promote(a, a) is a
+    for a, b in itertools.product(ALL, repeat=2):
+        assert promote(a, b) is promote(b, a)
+    for a, b, c in itertools.product(ALL, repeat=3):
+        assert promote(promote(a, b), c) is promote(a, promote(b, c))
+
+
+def test_join_is_the_least_upper_bound() -> None:
+    for a, b in itertools.product(ALL, repeat=2):
+        j = promote(a, b)
+        assert a <= j and b <= j
+        for u in ALL:  # every upper bound of both sits at or above the join
+            if a <= u and b <= u:
+                assert j <= u, (a, b, u)
+
+
+def test_order_agrees_with_join() -> None:
+    for a, b in itertools.product(ALL, repeat=2):
+        assert (a <= b) == (promote(a, b) is b)
+
+
+# ----- representability: the join never loses a value ---------------------------------------
+
+_BITS = {DType.F16: np.uint16, DType.BF16: np.uint16, DType.F32: np.uint32, DType.F64: np.uint64}
+_SIGNED = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def _from_bits(bits: np.ndarray, d: DType) -> torch.Tensor:
+    signed = torch.from_numpy(bits.view(f"int{d.bits}").copy())
+    assert signed.dtype == _SIGNED[d.bits]
+    return signed.view(d.torch)
+
+
+def _roundtrip_exact(values: torch.Tensor, d: DType) -> None:
+    finite = values[torch.isfinite(values)]
+    for b in ALL:
+        j = promote(d, b)
+        back = finite.to(j.torch).to(d.torch)
+        # Bitwise: -0.0 and subnormals must survive too.
+        assert torch.equal(back.view(_SIGNED[d.bits]), finite.view(_SIGNED[d.bits])), (d, b)
+
+
+@pytest.mark.parametrize("d", [DType.F16, DType.BF16])
+def test_every_16_bit_value_survives_the_join(d: DType) -> None:
+    every = np.arange(2**16, dtype=np.uint32).astype(np.uint16)
+    _roundtrip_exact(_from_bits(every, d), d)
+
+
+@given(
+    d=st.sampled_from([DType.F32, DType.F64]),
+    seed=st.integers(min_value=0, max_value=2**32 - 1),
+)
+@settings(max_examples=30)
+def test_random_wide_values_survive_the_join(d: DType, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, np.iinfo(_BITS[d]).max, size=4096, dtype=_BITS[d], endpoint=True)
+    _roundtrip_exact(_from_bits(bits, d), d)
+
+
+# ----- precise: bounded error, and the reason it exists -------------------------------------
+
+_EPS = 1e-6
+
+
+def rms_norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + _EPS)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    e = (x - x.amax(-1, keepdim=True)).exp()
+    return e / e.sum(-1, keepdim=True)
+
+
+OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"rms_norm": rms_norm, "softmax": softmax}
+
+
+def _ulps_off(out: torch.Tensor, ref64: torch.Tensor, d: DType) -> float:
+    """Largest error of ``out`` in units of the compute dtype's spacing at the reference value.
+
+    One ulp at ``r`` is ``2**(floor(log2|r|) - mantissa_bits)``, floored at the smallest
+    subnormal spacing so values near zero are measured on the dtype's real grid.
+    """
+    info = torch.finfo(d.torch)
+    mant = round(-math.log2(info.eps))
+    r = ref64.abs().clamp_min(info.smallest_normal)
+    ulp = torch.exp2(torch.floor(torch.log2(r)) - mant)
+    return float(((out.double() - ref64).abs() / ulp).max())
+
+
+@given(
+    d=st.sampled_from([DType.BF16, DType.F16]),
+    op=st.sampled_from(sorted(OPS)),
+    rows=st.integers(1, 4),
+    cols=st.integers(1, 512),
+    log_scale=st.floats(-4, 4),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_precise_is_within_one_ulp_of_float64(
+    d: DType, op: str, rows: int, cols: int, log_scale: float, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols, generator=g, dtype=torch.float64) * 10**log_scale).to(d.torch)
+    f = OPS[op]
+    ctx = ComputeCtx.new(d, "cpu")
+    out = ctx.precise(x, f)
+    assert out.dtype == d.torch
+    ref = f(x.double())  # the exact op on the very same low-precision input
+    # fp32 evaluation error is ~1e-6 relative, far below half a bf16/f16 ulp, so the only
+    # visible error is the final rounding to the compute dtype: at most one ulp.
+    assert _ulps_off(out, ref, d) <= 1.0
+
+
+@pytest.mark.parametrize(
+    ("d", "op", "scale", "cols"),
+    [
+        (DType.F16, "rms_norm", 400.0, 64),  # x² overflows f16's 65504: naive gives 0
+        (DType.BF16, "rms_norm", 3.0, 4096),  # long rows: rounding piles up
+        (DType.BF16, "softmax", 8.0, 4096),
+        (DType.F16, "softmax", 8.0, 4096),
+    ],
+)
+def test_naive_low_precision_is_worse_than_precise(
+    d: DType, op: str, scale: float, cols: int
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, cols, generator=g, dtype=torch.float64) * scale).to(d.torch)
+    f = OPS[op]
+    ref = f(x.double())
+    precise_err = _ulps_off(ComputeCtx.new(d, "cpu").precise(x, f), ref, d)
+    naive = f(x)  # the very same code, run in the low dtype
+    naive_err = _ulps_off(naive, ref, d) if torch.isfinite(naive).all() else math.inf
+    assert precise_err <= 1.0
+    assert naive_err > 1.0 and naive_err > 2 * precise_err, (naive_err, precise_err)
+
+
+# ----- residency laws ------------------------------------------------------------------------
+
+sizes = st.integers(min_value=0, max_value=2**62)
+
+
+@given(model=sizes, avail=sizes)
+def test_auto_resolves_by_fit(model: int, avail: int) -> None:
+    got = Residency.AUTO.resolve(model, avail)
+    assert got is (Residency.DEVICE if model <= avail else Residency.MMAP)
+    assert Residency.DEVICE.resolve(model, avail) is Residency.DEVICE
+    assert Residency.MMAP.resolve(model, avail) is Residency.MMAP
+    # Monotone: more room never moves a model off the device.
+    if got is Residency.DEVICE:
+        assert Residency.AUTO.resolve(model, avail + 1) is Residency.DEVICE
+
+
+@given(
+    r=st.sampled_from(list(Residency)), neg=st.integers(max_value=-1), ok=sizes, first=st.booleans()
+)
+def test_negative_sizes_raise(r: Residency, neg: int, ok: int, first: bool) -> None:
+    args = (neg, ok) if first else (ok, neg)
+    with pytest.raises(ValueError, match=">= 0 bytes"):
+        r.resolve(*args)
+
+
+# ----- text and JSON round trips, and bad strings ---------------------------------------------
+
+
+@st.composite
+def contexts(draw: st.DrawFn) -> ComputeCtx:
+    compute = draw(st.sampled_from(ALL))
+    policy: Fp8Policy | None = draw(
+        st.one_of(
+            st.none(),
+            st.builds(
+                Fp8Policy,
+                format=st.sampled_from(list(Fp8Scheme)),
+                scaling=st.one_of(
+                    st.builds(
+                        DelayedScaling,
+                        history_len=st.integers(1, 1024),
+                        margin=st.integers(0, 16),
+                        algo=st.sampled_from(["max", "most_recent"]),
+                    ),
+                    st.builds(DynamicScaling, margin=st.integers(0, 16)),
+                ),
+            ),
+        )
+    )
+    devices = st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:3", "meta"]).map(torch.device)
+    return ComputeCtx(
+        compute=compute,
+        kv=draw(st.sampled_from(ALL)),
+        accum=draw(st.sampled_from([d for d in ALL if compute <= d])),
+        residency=draw(st.sampled_from(list(Residency))),
+        device=draw(devices),
+        fp8=policy,
+        grad=draw(st.sampled_from(ALL)),
+        master=draw(st.sampled_from(ALL)),
+        offload=draw(st.one_of(st.none(), devices)),
+    )
+
+
+@given(ctx=contexts())
+def test_text_round_trip(ctx: ComputeCtx) -> None:
+    assert ComputeCtx.parse(str(ctx)) == ctx
+
+
+@given(ctx=contexts())
+def test_json_round_trip(ctx: ComputeCtx) -> None:
+    assert ComputeCtx.model_validate_json(ctx.model_dump_json()) == ctx
+    assert ComputeCtx.model_validate(ctx.model_dump()) == ctx
+
+
+_alphabet = st.sampled_from(list("=,/:; abcdefkmprtuvx01236")) | st.characters()
+
+
+@given(text=st.text(alphabet=_alphabet, max_size=60))
+def test_bad_strings_raise_only_documented_errors(text: str) -> None:
+    with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
+        ComputeCtx.parse(text)
+    for parse in (DType.parse, Residency.parse, Fp8Policy.parse):
+        with contextlib.suppress(ValueError):
+            parse(text)
+
+
+@given(
+    key=st.sampled_from(["compute", "kv", "accum", "grad", "master"]),
+    value=st.text(alphabet=st.characters(blacklist_characters=","), max_size=12),
+)
+@example(key="accum", value="f16")
+@example(key="kv", value=" Half ")
+def test_mutated_dtype_values_are_quoted_or_accepted(key: str, value: str) -> None:
+    base = {"compute": "bf16", "device": "cpu", key: value}
+    text = ",".join(f"{k}={v}" for k, v in base.items())
+    try:
+        ctx = ComputeCtx.parse(text)
+    except ValueError as e:
+        try:
+            d = DType.parse(value)
+        except ValueError:  # not a dtype at all: the message quotes it
+            assert repr(value.strip()) in str(e), str(e)
+        else:  # a real dtype can only break the order rule accum >= compute
+            assert key == "accum" and f"accum={d} is not at or above compute=bf16" in str(e)
+    else:  # accepted only when the value really is a dtype spelling
+        assert getattr(ctx, key) is DType.parse(value)

@@ -1,0 +1,31 @@
+"""What user code may do with the policy API; mypy must accept it and it must run."""
+
+from __future__ import annotations
+
+import torch
+from typing_extensions import assert_type
+
+from computectx import ComputeCtx, DType, Fp8Format, Residency, cast_if, promote, promoted
+from computectx.fp8 import DynamicScaling, Fp8Policy, Fp8Scheme
+
+ctx = ComputeCtx.new(DType.BF16, "cpu")
+serving = ComputeCtx.serving(torch.device("cpu")).with_kv(DType.F32).with_accum(DType.F64)
+assert_type(serving, ComputeCtx)
+fp8 = ctx.replace(fp8=Fp8Policy(format=Fp8Scheme.HYBRID, scaling=DynamicScaling(margin=1)))
+assert_type(fp8.fp8, Fp8Policy | None)
+assert_type(ctx.compute, DType)
+assert_type(ctx.device, torch.device)
+assert_type(promote(ctx.compute, DType.F16), DType)
+assert_type(Residency.AUTO.resolve(10, 20), Residency)
+assert_type(Fp8Format.E4M3.max, float)
+
+x = torch.randn(2, 8, dtype=torch.bfloat16)
+y = ctx.precise(x, lambda t: torch.softmax(t, dim=-1))
+assert_type(y, torch.Tensor)
+a, b = promoted(x, torch.zeros(2, 8))
+assert_type(a, torch.Tensor)
+assert_type(cast_if(x, DType.F32), torch.Tensor)
+assert_type(ComputeCtx.parse(str(ctx)), ComputeCtx)
+assert_type(DType.parse("half"), DType)
+with ctx.autocast():
+    pass
