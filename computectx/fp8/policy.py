@@ -2,7 +2,7 @@
 
 Scale convention (one formula for every recipe, every kernel and the reference twin):
 
-    step  = amax / fmt.max / 2**margin        (the *quantization step*, a float32 scalar)
+    step  = amax / (fmt.max / 2**margin)      (the *quantization step*, a float32 scalar)
     q     = saturate(round_to_fp8(x / step))  (saturate clamps to ±fmt.max, never inf)
     x_hat = q * step                          (dequantization)
 
@@ -54,7 +54,7 @@ class DelayedScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     """Scale from the amax *history*: each step uses a scale derived from amaxes recorded
     on earlier steps, and records its own amax for later ones (one pass over the data).
 
-    ``step = reduce(history) / fmt.max / 2**margin`` where ``reduce`` is the window max
+    ``step = reduce(history) / (fmt.max / 2**margin)`` where ``reduce`` is the window max
     (``algo="max"``) or the newest entry (``algo="most_recent"``). The first call of an
     operand seeds the whole window with its current amax so step 1 is not blind.
     """
@@ -71,7 +71,7 @@ class DelayedScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
 
 class DynamicScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """Scale from the *current* amax: measure, then quantize (an extra pass over the data,
-    no state). ``step = amax(x) / fmt.max / 2**margin``."""
+    no state). ``step = amax(x) / (fmt.max / 2**margin)``."""
 
     kind: Literal["dynamic"] = "dynamic"
     """Discriminator for serialization; always ``"dynamic"``."""
