@@ -1,0 +1,35 @@
+"""Blocks that thread a ``ComputeCtx``: precise ops, RMSNorm, RoPE, attention with a KV
+cache, a SwiGLU MLP, and ``ByteLM``, a small byte-level decoder-only LM with generation.
+
+Every module takes ``ctx`` in its constructor, so the policy is decided once and read
+everywhere. Linear layers are plain ``nn.Linear``; ``computectx.fp8.convert_to_fp8``
+swaps them for fp8 linears when ``ctx.fp8`` is set.
+"""
+
+from computectx.nn.attention import Attention, KVCache
+from computectx.nn.generate import generate, next_token
+from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
+from computectx.nn.mlp import MLP
+from computectx.nn.norm import RMSNorm
+from computectx.nn.ops import apply_rope, rms_norm, rope_tables, softmax
+from computectx.nn.rope import RotaryEmbedding
+
+__all__ = [
+    "BYTE_VOCAB",
+    "MLP",
+    "Attention",
+    "ByteLM",
+    "DecoderBlock",
+    "KVCache",
+    "LMConfig",
+    "RMSNorm",
+    "RotaryEmbedding",
+    "apply_rope",
+    "decode_bytes",
+    "encode_bytes",
+    "generate",
+    "next_token",
+    "rms_norm",
+    "rope_tables",
+    "softmax",
+]

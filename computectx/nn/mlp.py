@@ -1,0 +1,32 @@
+"""``MLP``: the SwiGLU feed-forward block, computing in ``ctx.compute``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from computectx.ctx import ComputeCtx
+
+__all__ = ["MLP"]
+
+
+class MLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with plain ``nn.Linear`` layers.
+
+    The linears are ordinary ``nn.Linear`` so ``computectx.fp8.convert_to_fp8`` can swap
+    them; the forward runs under ``ctx.autocast()``, so matmuls happen at ``ctx.compute``.
+    """
+
+    def __init__(self, ctx: ComputeCtx, dim: int, hidden: int) -> None:
+        super().__init__()
+        if dim <= 0 or hidden <= 0:
+            raise ValueError(f"MLP sizes must be positive, got dim={dim!r}, hidden={hidden!r}")
+        self.ctx = ctx
+        self.gate = nn.Linear(dim, hidden, bias=False, device=ctx.device)
+        self.up = nn.Linear(dim, hidden, bias=False, device=ctx.device)
+        self.down = nn.Linear(hidden, dim, bias=False, device=ctx.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.ctx.autocast():
+            h = nn.functional.silu(self.gate(x)) * self.up(x)
+            return self.ctx.to_compute(self.down(h))

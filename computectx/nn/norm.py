@@ -1,0 +1,32 @@
+"""``RMSNorm``: root-mean-square normalization computed at the accumulation dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from computectx.ctx import ComputeCtx
+from computectx.nn.ops import rms_norm
+
+__all__ = ["RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """``x / rms(x) * weight`` over the last dimension, through ``ctx.precise``.
+
+    The output has ``x``'s dtype; the statistics are taken at ``x.dtype ⊔ ctx.accum``.
+    The gain is stored in float32 and applied inside the lifted computation.
+    """
+
+    def __init__(self, ctx: ComputeCtx, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"RMSNorm dim must be positive, got {dim!r}")
+        if not eps > 0:
+            raise ValueError(f"RMSNorm eps must be positive, got {eps!r}")
+        self.ctx = ctx
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=ctx.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(self.ctx, x, self.weight, self.eps)

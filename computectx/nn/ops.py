@@ -1,0 +1,85 @@
+"""The precision-sensitive ops, each run through ``ctx.precise``: RMS norm, softmax, RoPE.
+
+These are the places where a low-precision dtype loses the answer rather than a few low
+bits: a mean of squares over thousands of features, an exponential over logits, and a
+sine/cosine rotation whose angle grows with position. Each is lifted to ``ctx.accum`` (the
+join with the input's dtype), computed there, and rounded back to the input's dtype once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from computectx.ctx import ComputeCtx
+
+__all__ = ["apply_rope", "rms_norm", "rope_tables", "softmax"]
+
+
+def rms_norm(
+    ctx: ComputeCtx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """``x / rms(x) * weight`` over the last dimension, computed at ``x.dtype ⊔ ctx.accum``.
+
+    In BF16 the mean of squares of a few hundred features carries ~3 significant digits and
+    the reciprocal square root another rounding; at F32 the only BF16 rounding left is the
+    final one, so the result is the correctly rounded norm to within an ulp.
+    """
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        inv = torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + eps)
+        return t * inv * weight.to(t.dtype)
+
+    return ctx.precise(x, f)
+
+
+def softmax(ctx: ComputeCtx, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Softmax along ``dim`` computed at ``x.dtype ⊔ ctx.accum``, returned at ``x.dtype``.
+
+    The normalizing sum runs at the accumulation dtype, so rows of many small
+    probabilities still sum to one before the single rounding back.
+    """
+    return ctx.precise(x, lambda t: torch.softmax(t, dim=dim))
+
+
+def rope_tables(
+    head_dim: int, max_len: int, base: float = 10000.0, device: torch.device | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cosine and sine tables of shape ``(max_len, head_dim // 2)`` in float32.
+
+    The angles ``pos * base**(-2i/head_dim)`` are formed in float64: at position 4096 an
+    angle is ~4e3 rad, and float32 would already misplace it by ~2e-4 rad before the sine.
+    """
+    if head_dim <= 0 or head_dim % 2:
+        raise ValueError(f"RoPE needs a positive even head_dim, got {head_dim!r}")
+    if max_len <= 0:
+        raise ValueError(f"RoPE needs a positive max_len, got {max_len!r}")
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.arange(max_len, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return (
+        angles.cos().to(torch.float32).to(device),
+        angles.sin().to(torch.float32).to(device),
+    )
+
+
+def apply_rope(
+    ctx: ComputeCtx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """Rotate feature pairs ``(x[..., i], x[..., i + d/2])`` of ``x`` (``(..., T, d)``) by
+    the angles whose ``cos``/``sin`` rows (``(T, d/2)``) match ``x``'s positions.
+
+    The rotation runs at ``x.dtype ⊔ ctx.accum``: a BF16 cos/sin pair is off by up to
+    2**-9, which would shrink or grow the rotated vector on every position.
+    """
+    half = x.shape[-1] // 2
+    if x.shape[-1] != 2 * cos.shape[-1] or cos.shape != sin.shape:
+        raise ValueError(
+            f"apply_rope: x has {x.shape[-1]} features but the tables hold "
+            f"{tuple(cos.shape)} / {tuple(sin.shape)}; expected (T, {half}) for both"
+        )
+
+    def f(t: torch.Tensor) -> torch.Tensor:
+        c, s = cos.to(t.dtype), sin.to(t.dtype)
+        a, b = t[..., :half], t[..., half:]
+        return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
+
+    return ctx.precise(x, f)
