@@ -110,7 +110,12 @@ def test_precise_never_lowers_precision() -> None:
     assert out.dtype == torch.float64 and torch.equal(out, t)
     # F16 input under a BF16-compute policy lifts to F16 ⊔ F32 = F32.
     seen: list[torch.dtype] = []
-    ctx.precise(torch.ones(2, dtype=torch.float16), lambda x: (seen.append(x.dtype), x)[1])
+
+    def record(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.dtype)
+        return x
+
+    ctx.precise(torch.ones(2, dtype=torch.float16), record)
     assert seen == [torch.float32]
 
 
