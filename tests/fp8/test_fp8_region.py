@@ -1,0 +1,288 @@
+"""fp8_autocast: routing of plain linears, nesting, decorators, thread and asyncio isolation,
+backward after the region, and no interception outside every region."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional
+
+from computectx import ComputeCtx, DType
+from computectx.fp8 import (
+    DelayedScaling,
+    DynamicScaling,
+    Fp8Linear,
+    Fp8Policy,
+    fp8_autocast,
+    fp8_stats,
+)
+from computectx.fp8.region import region_scaling_state
+
+CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+DYN = CTX.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+
+
+def fixture_linear(seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(32, 16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(16, 32, generator=g) * 0.2)
+        lin.bias.copy_(torch.randn(16, generator=g))
+    x = torch.randn(5, 32, generator=g)
+    return lin, x
+
+
+def is_fp8_result(y: torch.Tensor, lin: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether ``y`` differs from the float32 linear (fp8 rounding shows at E4M3's 2**-4).
+
+    The reference is an addmm, which regions never intercept, so it can run inside one.
+    """
+    ref = torch.addmm(lin.bias, x, lin.weight.t())
+    return not torch.allclose(y, ref, atol=1e-5)
+
+
+def mode_depth() -> int:
+    return int(torch._C._len_torch_function_stack())
+
+
+def test_region_routes_plain_linear_to_fp8_and_only_inside() -> None:
+    lin, x = fixture_linear()
+    plain = lin(x)
+    with fp8_autocast(CTX):
+        y = lin(x)
+        y_f = functional.linear(x, lin.weight, lin.bias)
+        y_kw = functional.linear(input=x, weight=lin.weight, bias=lin.bias)
+    assert is_fp8_result(y, lin, x)
+    assert is_fp8_result(y_f, lin, x)
+    assert is_fp8_result(y_kw, lin, x)
+    assert torch.equal(lin(x), plain)  # unchanged after the region
+    # Output keeps the input's dtype and stays within E4M3's rounding of the fp32 result.
+    assert y.dtype == x.dtype
+    rel = (y - plain).detach().norm() / plain.detach().norm()
+    assert float(rel) < 2 * 2.0**-4
+    assert region_scaling_state(lin.weight) is not None
+
+
+def test_no_mode_is_installed_outside_regions() -> None:
+    base = mode_depth()
+    with fp8_autocast(CTX):
+        assert mode_depth() == base + 1
+        with fp8_autocast(CTX), fp8_autocast(enabled=False):
+            assert mode_depth() == base + 1  # one mode per thread, however deep
+    assert mode_depth() == base
+
+
+def test_nesting_inner_disabled_region_turns_fp8_off() -> None:
+    lin, x = fixture_linear()
+    plain = lin(x)
+    with fp8_autocast(CTX):
+        with fp8_autocast(enabled=False):
+            assert torch.equal(lin(x), plain)
+            with fp8_autocast(CTX):
+                assert is_fp8_result(lin(x), lin, x)
+            assert torch.equal(lin(x), plain)
+        assert is_fp8_result(lin(x), lin, x)
+
+
+def test_same_instance_reenters() -> None:
+    lin, x = fixture_linear()
+    region = fp8_autocast(CTX)
+    with region:
+        with region:
+            assert is_fp8_result(lin(x), lin, x)
+        assert is_fp8_result(lin(x), lin, x)
+    assert torch.equal(lin(x), functional.linear(x, lin.weight, lin.bias))
+
+
+def test_out_of_order_exit_is_an_error() -> None:
+    a, b = fp8_autocast(CTX), fp8_autocast(enabled=False)
+    a.__enter__()
+    b.__enter__()
+    with pytest.raises(RuntimeError, match="out of order"):
+        a.__exit__(None, None, None)
+    b.__exit__(None, None, None)
+    a.__exit__(None, None, None)
+    assert mode_depth() == 0
+
+
+def test_decorator_on_functions_and_coroutines() -> None:
+    lin, x = fixture_linear()
+
+    @fp8_autocast(CTX)
+    def run() -> torch.Tensor:
+        y: torch.Tensor = lin(x)
+        return y
+
+    @fp8_autocast(CTX)
+    async def run_async() -> torch.Tensor:
+        await asyncio.sleep(0)
+        y: torch.Tensor = lin(x)
+        return y
+
+    assert is_fp8_result(run(), lin, x)
+    assert is_fp8_result(asyncio.run(run_async()), lin, x)
+    assert not is_fp8_result(lin(x), lin, x)
+    assert run.__name__ == "run"
+
+
+def test_backward_after_the_region_closed() -> None:
+    lin, x = fixture_linear()
+    x.requires_grad_(True)
+    with fp8_autocast(DYN):
+        y = lin(x)
+    assert mode_depth() == 0
+    y.square().sum().backward()
+    assert x.grad is not None and lin.weight.grad is not None and lin.bias.grad is not None
+    # Compare with the float32 gradients: E5M2 gradients and E4M3 operands, so a few
+    # percent in norm (a transposed or mis-scaled GEMM would be off by orders).
+    xr = x.detach().clone().requires_grad_(True)
+    w = lin.weight.detach().clone().requires_grad_(True)
+    torch.autograd.backward(functional.linear(xr, w, lin.bias.detach()).square().sum())
+    assert xr.grad is not None and w.grad is not None
+    for got, ref in ((x.grad, xr.grad), (lin.weight.grad, w.grad)):
+        assert float((got - ref).norm() / ref.norm()) < 0.15
+    s = fp8_stats(nn.Sequential(lin))["0"]
+    assert s.grad.elements == y.numel()
+
+
+def test_thread_isolation() -> None:
+    lin, x = fixture_linear()
+    plain = lin(x).detach()
+    inside = threading.Event()
+    checked = threading.Event()
+    results: dict[str, object] = {}
+
+    def fp8_thread() -> None:
+        with fp8_autocast(CTX):
+            inside.set()
+            checked.wait(10)
+            results["fp8"] = lin(x).detach()
+
+    def plain_thread() -> None:
+        inside.wait(10)
+        results["plain"] = lin(x).detach()
+        results["depth"] = mode_depth()
+        checked.set()
+
+    ts = [threading.Thread(target=fp8_thread), threading.Thread(target=plain_thread)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    assert torch.equal(results["plain"], plain)  # type: ignore[arg-type]
+    assert results["depth"] == 0
+    assert is_fp8_result(results["fp8"], lin, x)  # type: ignore[arg-type]
+    assert mode_depth() == 0
+
+
+def test_asyncio_task_isolation() -> None:
+    lin, x = fixture_linear()
+    plain = lin(x).detach()
+
+    async def main() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        opened = asyncio.Event()
+        release = asyncio.Event()
+
+        async def in_region() -> torch.Tensor:
+            with fp8_autocast(CTX):
+                opened.set()
+                await release.wait()  # the region stays open across the await
+                y: torch.Tensor = lin(x).detach()
+                return y
+
+        async def outside() -> tuple[torch.Tensor, torch.Tensor]:
+            await opened.wait()
+            y = lin(x).detach()  # runs on the thread that has the mode installed
+            with fp8_autocast(enabled=False):
+                z = lin(x).detach()
+            release.set()
+            return y, z
+
+        a, (b, c) = await asyncio.gather(in_region(), outside())
+        return a, b, c
+
+    a, b, c = asyncio.run(main())
+    assert is_fp8_result(a, lin, x)
+    assert torch.equal(b, plain)
+    assert torch.equal(c, plain)
+    assert mode_depth() == 0
+
+
+def test_disabled_region_needs_no_ctx_and_turns_off_fp8_linear_modules() -> None:
+    lin, x = fixture_linear()
+    m = Fp8Linear.from_linear(lin, CTX)
+    with fp8_autocast(enabled=False):
+        assert torch.equal(m(x), functional.linear(x, lin.weight, lin.bias))
+    assert is_fp8_result(m(x), lin, x)
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="needs a ComputeCtx"):
+        fp8_autocast()
+    with pytest.raises(ValueError, match="fp8=None"):
+        fp8_autocast(ComputeCtx.new(DType.BF16, "cpu"))
+    with pytest.raises(TypeError, match="ComputeCtx"):
+        fp8_autocast("fp8_hybrid")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="bool"):
+        fp8_autocast(CTX, enabled=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot force the triton"):
+        fp8_autocast(CTX, backend="triton")
+    with pytest.raises(ValueError, match="unknown fp8 backend"):
+        fp8_autocast(CTX, backend="cuda")
+
+
+def test_unsuitable_operands_run_unchanged() -> None:
+    lin, x = fixture_linear()
+    x64, w64 = x.double(), lin.weight.double()
+    with fp8_autocast(CTX):
+        assert torch.equal(functional.linear(x64, w64), x64 @ w64.t())
+        w3 = lin.weight.unsqueeze(0)
+        with pytest.raises(RuntimeError):
+            functional.linear(x, w3)  # torch's own error, not ours
+
+
+def test_weight_state_is_keyed_by_the_tensor_not_its_address() -> None:
+    ctx = CTX.replace(fp8=Fp8Policy(scaling=DelayedScaling(history_len=4)))
+    x = torch.randn(4, 32)
+    w1 = torch.randn(16, 32)
+    with fp8_autocast(ctx):
+        functional.linear(x, w1)
+    first = region_scaling_state(w1)
+    assert first is not None and first.weight.seeded
+    del w1, first
+    gc.collect()
+    # A new, smaller weight (often at the freed address) starts with fresh state: a
+    # history inherited from w1 would keep w1's larger amax in the window.
+    w2 = torch.empty(16, 32)
+    w2.copy_(torch.randn(16, 32) * 0.01)
+    assert region_scaling_state(w2) is None
+    with fp8_autocast(ctx):
+        functional.linear(x, w2)
+    s = region_scaling_state(w2)
+    assert s is not None
+    assert float(s.weight.ring[:4].max()) == float(w2.abs().max())
+
+
+def test_region_policy_change_reshapes_the_weight_state() -> None:
+    lin, x = fixture_linear()
+    with fp8_autocast(CTX.replace(fp8=Fp8Policy(scaling=DelayedScaling(history_len=8)))):
+        lin(x)
+    with fp8_autocast(CTX.replace(fp8=Fp8Policy(scaling=DelayedScaling(history_len=2)))):
+        lin(x)
+    s = region_scaling_state(lin.weight)
+    assert s is not None and s.input.history_len == 2
+
+
+def test_inference_mode_inside_a_region() -> None:
+    lin, x = fixture_linear(3)
+    with torch.inference_mode(), fp8_autocast(CTX):
+        y = lin(x)
+    assert is_fp8_result(y, lin, x)
+    # State created under inference mode can still be updated outside it.
+    with fp8_autocast(CTX):
+        lin(x).sum().backward()
