@@ -13,6 +13,7 @@ import torch
 from computectx import capability
 from computectx.ctx import DTYPE_FLAGS, ComputeCtx
 from computectx.dtypes import DType
+from computectx.fp8.ops import select_backend
 
 __all__ = ["main"]
 
@@ -48,6 +49,8 @@ def info_lines() -> list[str]:
     }
     for name, probe in probes.items():
         lines.append(f"  {name:<19} {'yes' if probe.ok else 'no ':<4} {probe.reason}")
+    backend, why = select_backend(dev)
+    lines.append(f"fp8 backend: {backend} ({why})")
     lines.append("presets:")
     presets = {
         "new(bf16)": ComputeCtx.new(DType.BF16, dev),

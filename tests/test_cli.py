@@ -20,6 +20,8 @@ def test_info_reports_versions_probes_and_presets(capsys: pytest.CaptureFixture[
         assert f"  {probe} " in out
     assert str(ComputeCtx.serving("cpu" if not torch.cuda.is_available() else "cuda")) in out
     assert "fp8=hybrid/delayed/16/0/max" in out
+    if not torch.cuda.is_available():
+        assert "fp8 backend: reference (reference: no CUDA device" in out
 
 
 def test_presets_in_info_parse_back() -> None:
