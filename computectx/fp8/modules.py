@@ -335,14 +335,14 @@ def convert_to_fp8(
     # Every place each linear sits (a module shared under two names sits in two).
     places: dict[int, list[tuple[str, nn.Module, str]]] = {}
     order: list[tuple[str, nn.Linear]] = []
-    for parent_fqn, parent in model.named_modules(remove_duplicate=False):
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                fqn = f"{parent_fqn}.{name}" if parent_fqn else name
-                if id(child) not in places:
-                    places[id(child)] = []
-                    order.append((fqn, child))
-                places[id(child)].append((fqn, parent, name))
+    for fqn, child in model.named_modules(remove_duplicate=False):
+        if isinstance(child, nn.Linear) and fqn:
+            parent_fqn, _, name = fqn.rpartition(".")
+            parent = model.get_submodule(parent_fqn)
+            if id(child) not in places:
+                places[id(child)] = []
+                order.append((fqn, child))
+            places[id(child)].append((fqn, parent, name))
     root_is_linear = isinstance(model, nn.Linear)
     if root_is_linear:
         order.insert(0, ("", model))  # type: ignore[arg-type]  # narrowed just above
