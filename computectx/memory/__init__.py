@@ -1,0 +1,24 @@
+"""Memory policy driven by ``ComputeCtx``: where gradients, master weights, optimizer state
+and checkpoint weights live, at which dtype, and how many bytes each device holds.
+
+- ``LowPrecGradAccumulator``: drains gradients during backward into ``ctx.grad`` buffers
+  on ``ctx.offload_device`` and sums micro-batches (bounded error; nearest or stochastic).
+- ``OffloadedOptimizer``: any ``torch.optim`` optimizer stepping ``ctx.master`` copies on
+  ``ctx.offload_device``; a ``torch.optim.Optimizer`` to schedulers and checkpoints.
+- ``memory_report`` / ``MemoryReport``: bytes per device and role, each storage once.
+- ``save_weights`` / ``load_weights``: safetensors checkpoints placed by ``ctx.residency``.
+"""
+
+from computectx.memory.accounting import MemoryReport, memory_report
+from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.optimizer import OffloadedOptimizer
+from computectx.memory.weights import load_weights, save_weights
+
+__all__ = [
+    "LowPrecGradAccumulator",
+    "MemoryReport",
+    "OffloadedOptimizer",
+    "load_weights",
+    "memory_report",
+    "save_weights",
+]

@@ -1,0 +1,189 @@
+"""Memory accounting: the bytes each device holds, by role, counting each storage once."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from typing import Literal, get_args
+
+import torch
+
+from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.optimizer import OffloadedOptimizer, _tensors_in
+
+__all__ = ["MemoryReport", "MemoryRow", "Role", "memory_report"]
+
+Role = Literal["params", "grads", "accumulator", "master", "optimizer_state", "staging"]
+"""What a tensor is for. ``grads`` covers ``param.grad`` and the masters' ``.grad``;
+``staging`` is the reusable (pinned) host buffers of asynchronous copies."""
+
+ROLES: tuple[Role, ...] = get_args(Role)
+_ROLE_OF: dict[str, Role] = {r: r for r in ROLES}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryRow:
+    """Bytes held on one device, for one role, at one dtype."""
+
+    device: str
+    role: Role
+    dtype: str
+    bytes: int
+    storages: int
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """Per-device, per-role, per-dtype byte counts from ``memory_report``.
+
+    Each storage is counted once, under the first role that claims it in the order of
+    ``ROLES`` (a tied weight is one parameter; a master that aliased a parameter would be a
+    parameter). A storage is counted whole, even when a tensor views only part of it.
+    ``parameters`` is the element count of the model's parameters (for bytes per parameter).
+    """
+
+    rows: tuple[MemoryRow, ...]
+    parameters: int
+
+    def bytes(
+        self,
+        device: str | torch.device | None = None,
+        role: Role | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> int:
+        """Total bytes matching every filter given (``None`` matches everything)."""
+        if role is not None and role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; accepted: {', '.join(map(repr, ROLES))}")
+        dev = None if device is None else str(torch.device(device))
+        dt = None if dtype is None else str(dtype).removeprefix("torch.")
+        return sum(
+            r.bytes
+            for r in self.rows
+            if (dev is None or r.device == dev)
+            and (role is None or r.role == role)
+            and (dt is None or r.dtype == dt)
+        )
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """The devices holding any counted storage."""
+        return tuple(sorted({r.device for r in self.rows}))
+
+    def bytes_per_param(
+        self, device: str | torch.device | None = None, roles: Iterable[Role] | None = None
+    ) -> float:
+        """Bytes on ``device`` (all devices if ``None``) in ``roles`` (all if ``None``) per
+        model parameter."""
+        chosen = ROLES if roles is None else tuple(roles)
+        total = sum(self.bytes(device=device, role=r) for r in chosen)
+        return total / self.parameters if self.parameters else 0.0
+
+    def by_device(self) -> dict[str, dict[Role, int]]:
+        """``{device: {role: bytes}}`` with every role present (zeros included)."""
+        return {d: {r: self.bytes(device=d, role=r) for r in ROLES} for d in self.devices}
+
+    def __str__(self) -> str:
+        lines = [f"{'device':<10} {'role':<16} {'dtype':<10} {'bytes':>14} {'storages':>9}"]
+        for r in self.rows:
+            lines.append(
+                f"{r.device:<10} {r.role:<16} {r.dtype:<10} {r.bytes:>14,} {r.storages:>9}"
+            )
+        lines.append(f"parameters: {self.parameters:,}")
+        return "\n".join(lines)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    # Meta (and empty) storages all report address 0; tell them apart by the storage
+    # object's identity instead.
+    return str(t.device), ptr if ptr != 0 else -int(storage._cdata)
+
+
+def memory_report(
+    model: torch.nn.Module | Iterable[torch.Tensor] | None = None,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    accumulator: LowPrecGradAccumulator | None = None,
+) -> MemoryReport:
+    """Count the bytes held by a training setup, per device and role.
+
+    ``model`` gives the parameters (``params``) and their ``.grad`` (``grads``); when it is
+    omitted, an ``OffloadedOptimizer``'s compute parameters (or a plain optimizer's
+    parameters) stand in. ``accumulator`` adds its buffers; ``optimizer`` adds master
+    weights, their gradients, optimizer state and staging buffers. Only real tensors are
+    counted; a storage shared by several tensors counts once.
+    """
+    params = _model_params(model, optimizer)
+    tagged: list[tuple[Role, torch.Tensor]] = []
+    for p in params:
+        tagged.append(("params", p))
+        if p.grad is not None:
+            tagged.append(("grads", p.grad))
+    if accumulator is not None:
+        if not isinstance(accumulator, LowPrecGradAccumulator):
+            raise TypeError(
+                f"accumulator must be a LowPrecGradAccumulator, got {type(accumulator).__name__}"
+            )
+        tagged.extend((_ROLE_OF[r], t) for r, t in accumulator._memory_tensors())
+    if optimizer is not None:
+        tagged.extend((_ROLE_OF[r], t) for r, t in _optimizer_tensors(optimizer))
+    order = {r: i for i, r in enumerate(ROLES)}
+    tagged.sort(key=lambda rt: order[rt[0]])
+    seen: set[tuple[str, int]] = set()
+    totals: dict[tuple[str, Role, str], list[int]] = {}
+    for role, t in tagged:
+        key = _storage_key(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        row = totals.setdefault((key[0], role, str(t.dtype).removeprefix("torch.")), [0, 0])
+        row[0] += t.untyped_storage().nbytes()
+        row[1] += 1
+    rows = tuple(
+        MemoryRow(device=d, role=r, dtype=dt, bytes=b, storages=n)
+        for (d, r, dt), (b, n) in sorted(
+            totals.items(), key=lambda kv: (kv[0][0], order[kv[0][1]], kv[0][2])
+        )
+    )
+    unique = {id(p): p for p in params}
+    return MemoryReport(rows=rows, parameters=sum(p.numel() for p in unique.values()))
+
+
+def _model_params(
+    model: torch.nn.Module | Iterable[torch.Tensor] | None,
+    optimizer: torch.optim.Optimizer | None,
+) -> list[torch.Tensor]:
+    if isinstance(model, torch.nn.Module):
+        return list(model.parameters())
+    if isinstance(model, torch.Tensor):
+        raise TypeError("model must be an nn.Module or an iterable of tensors, not one tensor")
+    if model is not None:
+        params = list(model)
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"model[{i}] is a {type(p).__name__}, not a tensor")
+        return params
+    if isinstance(optimizer, OffloadedOptimizer):
+        return list(optimizer.compute_params)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [p for g in optimizer.param_groups for p in g["params"]]
+    if optimizer is None:
+        return []
+    raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(optimizer, OffloadedOptimizer):
+        yield from optimizer._memory_tensors()
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
+        )
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                yield "grads", p.grad
+    for per_param in optimizer.state.values():
+        yield from (("optimizer_state", t) for t in _tensors_in(per_param))

@@ -1,0 +1,418 @@
+"""``LowPrecGradAccumulator``: drain gradients during backward into ``ctx.grad`` buffers.
+
+Error bound (per element, documented in docs/memory.md and tested with hypothesis). Let
+``g_1 .. g_K`` be the micro-batch gradients of one element as autograd produced them, and
+``S = sum_k g_k``. Every micro-batch passes through at most two roundings before it is part
+of the buffer (an optional cast for the transfer, then the rounded add), and the first
+gradient is touched by at most ``K`` roundings in all. With ``u`` the relative error of one
+rounding, the standard recursive-summation argument (Higham, *Accuracy and Stability of
+Numerical Algorithms*, Lemma 3.1 and section 4.2) gives
+
+    |buffer - S| <= gamma_K * sum_k |g_k|  +  2 * K * eta,   gamma_K = K*u / (1 - K*u)
+
+where ``eta`` is the subnormal spacing of the buffer dtype (rounding is absolute, not
+relative, below the normal range). ``u`` is ``2**-p`` for round-to-nearest and ``2**(1-p)``
+for stochastic rounding (which may round to either neighbour), ``p`` the significand bits
+(bf16: 8, f16: 11, f32: 24). A 16-bit buffer is updated through an f32 sum, so its ``u``
+also absorbs one f32 rounding. The bound is vacuous (infinite) once ``K*u >= 1``: for bf16
+round-to-nearest that is ``K >= 256``, for bf16 stochastic ``K >= 128``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator
+from types import TracebackType
+from typing import Literal, get_args
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from computectx.ctx import ComputeCtx
+from computectx.dtypes import DType
+from computectx.memory._transfer import Staging, needs_staging
+
+__all__ = ["AccumMode", "LowPrecGradAccumulator", "Transfer"]
+
+AccumMode = Literal["nearest", "stochastic"]
+"""How each partial sum is rounded into the buffer dtype."""
+
+Transfer = Literal["auto", "staged", "blocking"]
+"""How gradients reach a buffer on another device: ``auto`` stages through a reusable
+(pinned) host buffer exactly for CUDA -> CPU and copies directly otherwise; ``staged``
+always stages; ``blocking`` always copies directly and synchronously."""
+
+_SIGNIFICAND_BITS: dict[DType, int] = {DType.F16: 11, DType.BF16: 8, DType.F32: 24, DType.F64: 53}
+
+
+def _unit_roundoff(dtype: DType, mode: AccumMode) -> float:
+    p = _SIGNIFICAND_BITS[dtype]
+    u = 2.0**-p if mode == "nearest" else 2.0 ** (1 - p)
+    if p < _SIGNIFICAND_BITS[DType.F32]:
+        # 16-bit buffers are updated as round16(fl32(buffer + g)): the f32 sum adds one more
+        # relative error of at most 2**-24 before the 16-bit rounding.
+        u = u + 2.0**-24 * (1.0 + u)
+    return u
+
+
+def _subnormal_spacing(dtype: DType) -> float:
+    info = torch.finfo(dtype.torch)
+    return float(info.tiny) * float(info.eps)
+
+
+class _Slot:
+    """The accumulation state of one parameter."""
+
+    __slots__ = ("buffer", "count", "handle", "param", "pending", "staging")
+
+    def __init__(self, param: torch.Tensor) -> None:
+        self.param = param
+        self.buffer: torch.Tensor | None = None
+        self.staging: Staging | None = None
+        self.pending = False  # staging holds a gradient not yet added to buffer
+        self.count = 0  # micro-batch gradients in buffer (or pending)
+        self.handle: RemovableHandle | None = None
+
+
+class LowPrecGradAccumulator:
+    """Sum gradients across micro-batches in ``ctx.grad`` buffers on ``ctx.offload_device``.
+
+    A post-accumulate-grad hook on every parameter that requires grad takes the gradient
+    the moment autograd finalises it, adds it to that parameter's buffer and sets
+    ``param.grad = None``, so full-precision gradients never pile up on the compute device.
+    Parameters that do not require grad are ignored; parameters that get no gradient in
+    a backward keep their buffer (or none). Hand the sums on with ``flush_to_param_grads``
+    or ``OffloadedOptimizer.ingest_grads(accumulator)``.
+
+    ``mode="nearest"`` rounds every partial sum to nearest; ``mode="stochastic"`` rounds it
+    stochastically (unbiased; needs a 16-bit ``ctx.grad``), seeded by ``seed`` on a private
+    generator so the global RNG is untouched. For the most accurate sums use an f32 buffer:
+    ``ctx.replace(grad=DType.F32)``. See the module docstring (and ``error_bound``) for the
+    precision each option guarantees. ``transfer`` picks how gradients cross devices (see
+    ``Transfer``). Use as a context manager, or call ``close()``, to remove the hooks.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor],
+        ctx: ComputeCtx,
+        *,
+        mode: AccumMode = "nearest",
+        transfer: Transfer = "auto",
+        seed: int = 0,
+    ) -> None:
+        if not isinstance(ctx, ComputeCtx):
+            raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
+        if mode not in get_args(AccumMode):
+            raise ValueError(f"unknown mode {mode!r}; accepted: 'nearest', 'stochastic'")
+        if transfer not in get_args(Transfer):
+            raise ValueError(
+                f"unknown transfer {transfer!r}; accepted: 'auto', 'staged', 'blocking'"
+            )
+        if mode == "stochastic" and ctx.grad not in (DType.BF16, DType.F16):
+            raise ValueError(
+                f"mode='stochastic' rounds f32 partial sums into a 16-bit buffer, but "
+                f"ctx.grad={ctx.grad}; use mode='nearest' with grad={ctx.grad}, or a ctx "
+                f"with grad=bf16 or grad=f16"
+            )
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {seed!r}")
+        if isinstance(params, (torch.Tensor, torch.nn.Module)):
+            raise TypeError(
+                f"params must be an iterable of tensors (e.g. model.parameters()), got "
+                f"{type(params).__name__}"
+            )
+        self.grad_dtype = ctx.grad
+        self.device = ctx.offload_device
+        self.mode: AccumMode = mode
+        self.transfer: Transfer = transfer
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        self._slots: dict[int, _Slot] = {}
+        self._closed = False
+        for i, p in enumerate(params):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"params[{i}] is a {type(p).__name__}, not a tensor")
+            if not p.requires_grad or id(p) in self._slots:
+                continue
+            if not p.is_leaf:
+                raise ValueError(
+                    f"params[{i}] (shape {tuple(p.shape)}) is not a leaf tensor; gradients "
+                    f"are accumulated only for leaves such as nn.Parameter"
+                )
+            self._slots[id(p)] = _Slot(p)
+        for slot in self._slots.values():
+            hook = self._hook_for(slot)
+            slot.handle = slot.param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+
+    # ----- hooks ------------------------------------------------------------------------
+
+    def _hook_for(self, slot: _Slot) -> _Hook:
+        return _Hook(self, slot)
+
+    def _receive(self, slot: _Slot, param: torch.Tensor) -> None:
+        g = param.grad
+        if g is None:
+            return
+        if g.layout != torch.strided:
+            raise TypeError(
+                f"LowPrecGradAccumulator got a {g.layout} gradient for a parameter of shape "
+                f"{tuple(param.shape)}; only dense (strided) gradients are supported"
+            )
+        param.grad = None
+        g = g.detach()
+        if self._staged(g.device):
+            if slot.pending:
+                self._fold_pending(slot)
+            if slot.staging is None:
+                slot.staging = Staging(
+                    g.shape, self.grad_dtype.torch, host=self.device, peer=g.device
+                )
+            # The transfer moves buffer-dtype bytes; the rounding for it counts as one of
+            # the two roundings per micro-batch in the error bound.
+            slot.staging.fill_from(self._round(g))
+            slot.pending = True
+        else:
+            self._add(slot, g.to(self.device))
+        slot.count += 1
+
+    def _staged(self, src: torch.device) -> bool:
+        if src == self.device:
+            return False
+        if self.transfer == "auto":
+            return needs_staging(src, self.device)
+        return self.transfer == "staged"
+
+    def _fold_pending(self, slot: _Slot) -> None:
+        staging = slot.staging
+        if not slot.pending or staging is None:
+            return
+        staging.wait()
+        self._add(slot, staging.buffer)
+        slot.pending = False
+
+    def _add(self, slot: _Slot, g: torch.Tensor) -> None:
+        with torch.no_grad():
+            if slot.buffer is None:
+                if self.mode == "nearest":
+                    slot.buffer = g.to(self.grad_dtype.torch, copy=True)
+                else:
+                    rounded = self._round(g)
+                    # The buffer must own its memory: g may be a reused staging buffer.
+                    slot.buffer = rounded.clone() if rounded is g else rounded
+                return
+            if self.mode == "nearest":
+                # The add runs in the promoted dtype (f32 for a 16-bit buffer and an f32
+                # gradient) and rounds once into the buffer.
+                slot.buffer.add_(g)
+            else:
+                slot.buffer.copy_(self._round(slot.buffer.float() + g.float()))
+
+    def _round(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` rounded into the buffer dtype by this accumulator's mode (``x`` itself when
+        it already has that dtype)."""
+        target = self.grad_dtype.torch
+        if self.mode == "nearest" or x.dtype == target:
+            return x.to(target)
+        gen = self._generator(x.device)
+        if target == torch.bfloat16:
+            return _stochastic_round_bf16(x.float(), gen)
+        return _stochastic_round_generic(x.float(), target, gen)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
+
+    # ----- public API -------------------------------------------------------------------
+
+    @property
+    def params(self) -> tuple[torch.Tensor, ...]:
+        """The parameters this accumulator drains (those that required grad)."""
+        return tuple(s.param for s in self._slots.values())
+
+    @property
+    def micro_batches(self) -> int:
+        """The most micro-batch gradients any one buffer holds (``K`` in the bound)."""
+        return max((s.count for s in self._slots.values()), default=0)
+
+    def tracks(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` (this exact tensor) is drained by this accumulator."""
+        return id(param) in self._slots and self._slots[id(param)].param is param
+
+    def count(self, param: torch.Tensor) -> int:
+        """How many micro-batch gradients ``param``'s buffer holds."""
+        return self._slot(param).count
+
+    def peek(self, param: torch.Tensor) -> torch.Tensor | None:
+        """``param``'s accumulated gradient (the live buffer, not a copy), or ``None``."""
+        slot = self._slot(param)
+        self._fold_pending(slot)
+        return slot.buffer
+
+    def pop(self, param: torch.Tensor) -> torch.Tensor | None:
+        """Hand over ``param``'s accumulated gradient and forget it.
+
+        Returns the buffer itself (dtype ``ctx.grad``, on ``ctx.offload_device``), or
+        ``None`` when the parameter got no gradient since the last pop, or is not tracked.
+        """
+        if not self.tracks(param):
+            return None
+        slot = self._slots[id(param)]
+        self._fold_pending(slot)
+        buf, slot.buffer, slot.count = slot.buffer, None, 0
+        return buf
+
+    def flush_to_param_grads(self, dtype: DType = DType.F32) -> None:
+        """Move every accumulated sum into ``param.grad`` (at ``dtype``, on the param's device).
+
+        torch requires ``param.grad`` to have the parameter's dtype, so ``dtype`` must equal
+        the dtype of every parameter with a sum to flush; this is checked for all of them
+        before any gradient changes. A ``param.grad`` that already exists is added to. The
+        buffers are emptied.
+        """
+        dtype = DType.parse(dtype)
+        flushing = [s for s in self._slots.values() if s.pending or s.buffer is not None]
+        bad = [s for s in flushing if s.param.dtype != dtype.torch]
+        if bad:
+            kinds = sorted({str(s.param.dtype) for s in bad})
+            raise ValueError(
+                f"flush_to_param_grads(dtype={dtype}) would give {len(bad)} parameter(s) of "
+                f"dtype {', '.join(kinds)} a {dtype} gradient, which torch rejects; pass the "
+                f"parameters' dtype, or hand the sums to OffloadedOptimizer.ingest_grads"
+            )
+        with torch.no_grad():
+            for slot in flushing:
+                buf = self.pop(slot.param)
+                if buf is None:
+                    continue
+                g = buf.to(device=slot.param.device, dtype=dtype.torch)
+                if slot.param.grad is None:
+                    slot.param.grad = g
+                else:
+                    slot.param.grad.add_(g)
+
+    def reset(self) -> None:
+        """Drop every accumulated sum (the next backward starts from zero)."""
+        for slot in self._slots.values():
+            if slot.staging is not None:
+                slot.staging.wait()
+            slot.pending = False
+            slot.buffer = None
+            slot.count = 0
+
+    def close(self) -> None:
+        """Remove the hooks and release the staging buffers; sums stay until flushed."""
+        for slot in self._slots.values():
+            if slot.handle is not None:
+                slot.handle.remove()
+                slot.handle = None
+            self._fold_pending(slot)
+            slot.staging = None
+        self._closed = True
+
+    @property
+    def closed(self) -> bool:
+        """True after ``close()``: no more gradients are drained."""
+        return self._closed
+
+    def __enter__(self) -> LowPrecGradAccumulator:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"LowPrecGradAccumulator({len(self._slots)} params, grad={self.grad_dtype}, "
+            f"device={self.device}, mode={self.mode!r}, transfer={self.transfer!r})"
+        )
+
+    @staticmethod
+    def error_bound(
+        abs_sum: torch.Tensor, micro_batches: int, grad: DType, mode: AccumMode = "nearest"
+    ) -> torch.Tensor:
+        """The elementwise worst-case error of a ``grad``-dtype sum of ``micro_batches`` terms.
+
+        ``abs_sum`` is ``sum_k |g_k|`` per element (any float dtype). Returns
+        ``gamma_K * abs_sum + 2 * K * eta`` in f64 (see the module docstring); ``inf``
+        where ``K * u >= 1``.
+        """
+        grad = DType.parse(grad)
+        if mode not in get_args(AccumMode):
+            raise ValueError(f"unknown mode {mode!r}; accepted: 'nearest', 'stochastic'")
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
+            raise TypeError(f"micro_batches must be an int, got {micro_batches!r}")
+        if micro_batches < 0:
+            raise ValueError(f"micro_batches must be >= 0, got {micro_batches}")
+        u = _unit_roundoff(grad, mode)
+        k = micro_batches
+        gamma = k * u / (1.0 - k * u) if k * u < 1.0 else math.inf
+        eta = _subnormal_spacing(grad)
+        return gamma * abs_sum.to(torch.float64) + 2.0 * k * eta
+
+    def _slot(self, param: torch.Tensor) -> _Slot:
+        if not self.tracks(param):
+            raise ValueError(
+                f"the tensor of shape {tuple(param.shape)} is not tracked by this "
+                f"accumulator (only parameters that required grad when it was built are)"
+            )
+        return self._slots[id(param)]
+
+    def _memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for slot in self._slots.values():
+            if slot.buffer is not None:
+                yield "accumulator", slot.buffer
+            if slot.staging is not None:
+                yield "staging", slot.staging.buffer
+
+
+class _Hook:
+    """The post-accumulate-grad hook of one parameter (a callable object, so it keeps no
+    closure cell alive after ``close``)."""
+
+    __slots__ = ("acc", "slot")
+
+    def __init__(self, acc: LowPrecGradAccumulator, slot: _Slot) -> None:
+        self.acc = acc
+        self.slot = slot
+
+    def __call__(self, param: torch.Tensor) -> None:
+        self.acc._receive(self.slot, param)
+
+
+def _stochastic_round_bf16(x32: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    # bf16 is the top 16 bits of an f32. Adding a uniform 16-bit integer to the bit pattern
+    # and truncating the low half rounds the magnitude up with probability equal to the
+    # discarded fraction of an ulp, so E[result] = x (subnormals included, same split).
+    bits = x32.contiguous().view(torch.int32)
+    noise = torch.randint(
+        0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen
+    )
+    rounded = torch.bitwise_and(bits + noise, -65536).view(torch.float32)
+    # inf and NaN bit patterns must not be perturbed (noise would turn inf into NaN).
+    return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
+
+
+def _stochastic_round_generic(
+    x32: torch.Tensor, target: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
+    # Round to nearest, find the neighbour on the other side of x, and move to it with
+    # probability |x - nearest| / |neighbour - nearest| so that E[result] = x.
+    near = x32.to(target)
+    near32 = near.float()
+    away = torch.where(near32 > x32, -math.inf, math.inf).to(target)
+    other = torch.nextafter(near, away)
+    gap = (other.float() - near32).abs()
+    p = (x32 - near32).abs() / gap
+    draw = torch.rand(x32.shape, device=x32.device, generator=gen)
+    pick = torch.isfinite(x32) & torch.isfinite(p) & (draw < p)
+    return torch.where(pick, other, near)

@@ -1,0 +1,467 @@
+"""``OffloadedOptimizer``: any ``torch.optim`` optimizer stepping master weights on ``ctx.offload``.
+
+The wrapper is a real ``torch.optim.Optimizer`` but holds no optimizer state of its own:
+``param_groups``, ``state`` and ``defaults`` *are* the inner (master) optimizer's, so LR
+schedulers write the learning rate the master step reads, and ``state_dict`` describes
+exactly one optimizer. ``Optimizer.__init__`` is deliberately not called, because it would
+build a second ``param_groups``/``state`` over the compute parameters; the few attributes
+the base class's hooks and profiling need are set up here instead.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, overload
+
+import torch
+
+from computectx.ctx import ComputeCtx
+from computectx.memory._transfer import Staging, needs_staging
+from computectx.memory.accumulator import LowPrecGradAccumulator
+
+__all__ = ["OffloadedOptimizer"]
+
+_MASTER_KEY = "master_weights"
+
+
+def _normalise_groups(params: Any) -> list[dict[str, Any]]:
+    if isinstance(params, (torch.Tensor, torch.nn.Module)):
+        raise TypeError(
+            f"params must be an iterable of tensors or of param-group dicts (e.g. "
+            f"model.parameters()), got {type(params).__name__}"
+        )
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(
+            f"params must be an iterable of tensors or of param-group dicts, got "
+            f"{type(params).__name__}"
+        ) from None
+    if not items:
+        raise ValueError("OffloadedOptimizer got an empty parameter list")
+    if all(isinstance(g, Mapping) for g in items):
+        return [dict(g) for g in items]
+    if any(isinstance(g, Mapping) for g in items):
+        raise TypeError("params mixes tensors and param-group dicts; pass one kind")
+    return [{"params": items}]
+
+
+class OffloadedOptimizer(torch.optim.Optimizer):
+    """Step master weights (``ctx.master``) and optimizer state on ``ctx.offload_device``.
+
+    The compute parameters stay where they are; each gets a master copy at ``ctx.master``
+    on the offload device, and ``optimizer_class(master_groups, **optimizer_kwargs)`` steps
+    those. One step is: ``ingest_grads`` (move gradients from an accumulator and/or
+    ``param.grad`` onto the masters), optional ``clip_grad_norm``, ``step`` (step the
+    masters, copy them back into the compute parameters at their dtype), ``zero_grad``.
+    ``step`` ingests any ``param.grad`` left behind, so ``loss.backward(); opt.step()``
+    works as with any torch optimizer.
+
+    A non-finite norm from ``clip_grad_norm`` makes the next ``step`` skip the update (a
+    ``RuntimeWarning`` says so; ``skip_next_step``, ``last_step_skipped`` and
+    ``skipped_steps`` report it). ``state_dict`` is the inner optimizer's plus the master
+    weights under ``"master_weights"``, so a resume is exact even when the compute copy is
+    lower precision. LBFGS is rejected: it re-evaluates its closure against the tensors it
+    steps, which here are the masters, not the model.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        ctx: ComputeCtx,
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        if not isinstance(ctx, ComputeCtx):
+            raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
+                f"torch.optim.AdamW), got {optimizer_class!r}"
+            )
+        if issubclass(optimizer_class, OffloadedOptimizer):
+            raise TypeError("optimizer_class cannot itself be an OffloadedOptimizer")
+        if issubclass(optimizer_class, torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS re-evaluates its closure several times per step against the tensors "
+                "it optimizes, which here are the offloaded master copies, not the model; "
+                "use LBFGS directly on the model's parameters"
+            )
+        self._ctx = ctx
+        self._compute: list[torch.Tensor] = []
+        self._master: list[torch.Tensor] = []
+        self._grad_staging: dict[int, Staging] = {}
+        self._param_staging: dict[int, Staging] = {}
+        groups = _normalise_groups(params)
+        master_groups = []
+        for gi, group in enumerate(groups):
+            compute = self._check_group(group, f"param_groups[{gi}]", seen=set())
+            master_groups.append({**group, "params": [self._make_master(p) for p in compute]})
+            self._compute.extend(compute)
+        self._master = [p for g in master_groups for p in g["params"]]
+        self._inner: torch.optim.Optimizer = optimizer_class(master_groups, **optimizer_kwargs)
+        # What Optimizer.__init__ sets besides defaults/state/param_groups (which delegate
+        # to the inner optimizer): the hook registries and the profiled step wrapper.
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+        self.skip_next_step = False
+        """Set by ``clip_grad_norm`` on a non-finite norm; the next ``step`` skips."""
+        self.last_step_skipped = False
+        """Whether the most recent ``step`` skipped the update."""
+        self.skipped_steps = 0
+        """How many steps were skipped for non-finite gradients."""
+
+    # ----- delegation: one set of groups, state and defaults --------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The master optimizer's groups (``params`` are the master tensors)."""
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self._inner.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        """The master optimizer's state, keyed by master tensors."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self._inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The master optimizer's defaults (read by e.g. ``OneCycleLR``)."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self._inner.defaults = value
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The optimizer that steps the master weights."""
+        return self._inner
+
+    @property
+    def ctx(self) -> ComputeCtx:
+        """The policy this optimizer was built from."""
+        return self._ctx
+
+    @property
+    def compute_params(self) -> tuple[torch.Tensor, ...]:
+        """The model's parameters, in param-group order."""
+        return tuple(self._compute)
+
+    @property
+    def master_params(self) -> tuple[torch.Tensor, ...]:
+        """The master copies, aligned with ``compute_params``."""
+        return tuple(self._master)
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The master copy of compute parameter ``param``."""
+        for cp, mp in zip(self._compute, self._master, strict=True):
+            if cp is param:
+                return mp
+        raise ValueError(f"the tensor of shape {tuple(param.shape)} is not optimized here")
+
+    # ----- construction helpers -------------------------------------------------------
+
+    def _check_group(self, group: dict[str, Any], where: str, seen: set[int]) -> list[torch.Tensor]:
+        if "params" not in group:
+            raise ValueError(f"{where} has no 'params' key; got keys {sorted(group)}")
+        raw = group["params"]
+        compute = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        known = {id(p) for p in self._compute}
+        for i, p in enumerate(compute):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{where}['params'][{i}] is a {type(p).__name__}, not a tensor")
+            if not p.is_leaf:
+                raise ValueError(f"{where}['params'][{i}] is not a leaf tensor; can't optimize it")
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{where}['params'][{i}] has dtype {p.dtype}; only floating tensors "
+                    f"can be optimized"
+                )
+            if id(p) in known or id(p) in seen:
+                raise ValueError(
+                    f"{where}['params'][{i}] (shape {tuple(p.shape)}) appears more than once "
+                    f"in this optimizer's parameters"
+                )
+            seen.add(id(p))
+        return compute
+
+    def _make_master(self, p: torch.Tensor) -> torch.Tensor:
+        data = p.detach().to(
+            device=self._ctx.offload_device, dtype=self._ctx.master.torch, copy=True
+        )
+        return torch.nn.Parameter(data, requires_grad=p.requires_grad)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group of compute parameters; their masters join the inner optimizer."""
+        if not isinstance(param_group, Mapping):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        if not hasattr(self, "_inner"):  # pragma: no cover - only via Optimizer.__init__
+            raise RuntimeError("OffloadedOptimizer is not initialised")
+        compute = self._check_group(dict(param_group), "param_group", seen=set())
+        masters = [self._make_master(p) for p in compute]
+        self._inner.add_param_group({**param_group, "params": masters})
+        self._compute.extend(compute)
+        self._master.extend(masters)
+
+    # ----- gradients ------------------------------------------------------------------
+
+    def ingest_grads(self, accumulator: LowPrecGradAccumulator | None = None) -> None:
+        """Move gradients onto the master copies (adding to any already there).
+
+        From ``accumulator`` (its sums are handed over and emptied) when given, then from
+        every compute ``param.grad`` (which becomes ``None``). CUDA -> CPU copies go through
+        a reused pinned staging buffer per parameter, all issued before any is waited on.
+        """
+        if accumulator is not None:
+            if not isinstance(accumulator, LowPrecGradAccumulator):
+                raise TypeError(
+                    f"accumulator must be a LowPrecGradAccumulator, got "
+                    f"{type(accumulator).__name__}"
+                )
+            if not any(accumulator.tracks(p) for p in self._compute):
+                raise ValueError(
+                    "the accumulator tracks none of this optimizer's parameters; build it "
+                    "from the same parameters (e.g. model.parameters())"
+                )
+        with torch.no_grad():
+            if accumulator is not None:
+                for cp, mp in zip(self._compute, self._master, strict=True):
+                    buf = accumulator.pop(cp)
+                    if buf is not None:
+                        _add_grad(mp, buf)
+            self._ingest_param_grads()
+
+    def _ingest_param_grads(self) -> None:
+        staged: list[tuple[Staging, torch.Tensor]] = []
+        for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
+            g = cp.grad
+            if g is None:
+                continue
+            cp.grad = None
+            g = g.detach()
+            if _route(g.device, mp.device):
+                st = self._grad_staging.get(i)
+                if st is None or st.buffer.dtype != g.dtype:
+                    st = Staging(g.shape, g.dtype, host=mp.device, peer=g.device)
+                    self._grad_staging[i] = st
+                st.fill_from(g)
+                staged.append((st, mp))
+            else:
+                _add_grad(mp, g)
+        for st, mp in staged:
+            st.wait()
+            # The staging buffer is reused, so the master gradient must be a copy of it.
+            _add_grad(mp, st.buffer.to(mp.dtype, copy=True))
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the master gradients to total norm ``max_norm``; return the norm before.
+
+        ``max_norm=math.inf`` measures without clipping. A non-finite norm (an inf or NaN
+        gradient) sets ``skip_next_step`` and warns: the next ``step`` drops the gradients
+        instead of applying them. ``param.grad`` left on the compute parameters is ingested
+        first.
+        """
+        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
+            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
+        if not max_norm > 0:
+            raise ValueError(f"max_norm must be > 0 (math.inf to only measure), got {max_norm}")
+        with torch.no_grad():
+            self._ingest_param_grads()
+        grads = [mp for mp in self._master if mp.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(grads, float(max_norm), norm_type=norm_type))
+        if not math.isfinite(norm):
+            self.skip_next_step = True
+            warnings.warn(
+                f"gradient norm is {norm}; the next OffloadedOptimizer.step() is skipped "
+                f"and its gradients dropped (see skip_next_step / last_step_skipped)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return norm
+
+    # ----- the step -------------------------------------------------------------------
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step the masters and copy them into the compute parameters.
+
+        A ``closure`` is evaluated once (with grad enabled) before the step, and the
+        gradients it leaves in ``param.grad`` are ingested. Skips the update when
+        ``clip_grad_norm`` saw a non-finite norm.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with torch.no_grad():
+            self._ingest_param_grads()
+        if self.skip_next_step:
+            self.skip_next_step = False
+            self.last_step_skipped = True
+            self.skipped_steps += 1
+            for mp in self._master:
+                mp.grad = None
+            return loss
+        self._inner.step()
+        self._sync_to_compute()
+        self.last_step_skipped = False
+        return loss
+
+    def _sync_to_compute(self) -> None:
+        with torch.no_grad():
+            for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
+                if _route(cp.device, mp.device):
+                    st = self._param_staging.get(i)
+                    if st is None:
+                        st = Staging(cp.shape, cp.dtype, host=mp.device, peer=cp.device)
+                        self._param_staging[i] = st
+                    # The previous upload may still be reading the buffer.
+                    st.wait()
+                    st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
+                    st.drain_to(cp)
+                else:
+                    cp.copy_(mp)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the master gradients and any ``param.grad`` on the compute parameters."""
+        self._inner.zero_grad(set_to_none=set_to_none)
+        for cp in self._compute:
+            if cp.grad is None:
+                continue
+            if set_to_none:
+                cp.grad = None
+            else:
+                cp.grad.detach_()
+                cp.grad.zero_()
+
+    # ----- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus ``"master_weights"`` (index -> tensor)."""
+        sd = dict(super().state_dict())
+        sd[_MASTER_KEY] = dict(enumerate(self._master))
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restore state, groups and master weights, then refresh the compute parameters.
+
+        Without ``"master_weights"`` (e.g. a plain torch optimizer's state dict) the
+        masters are rebuilt from the current compute parameters. Everything is validated
+        before anything changes.
+        """
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        sd = dict(state_dict)
+        saved = sd.pop(_MASTER_KEY, None)
+        masters: list[torch.Tensor] | None = None
+        if saved is not None:
+            masters = self._check_saved_masters(saved)
+        for key in ("state", "param_groups"):
+            if key not in sd:
+                raise ValueError(f"state_dict has no {key!r} entry; got keys {sorted(sd)}")
+        super().load_state_dict(sd)
+        with torch.no_grad():
+            sources = masters if masters is not None else self._compute
+            for mp, src in zip(self._master, sources, strict=True):
+                mp.copy_(src)
+        self._sync_to_compute()
+
+    def _check_saved_masters(self, saved: Any) -> list[torch.Tensor]:
+        if not isinstance(saved, Mapping):
+            raise TypeError(f"state_dict[{_MASTER_KEY!r}] must be a mapping index -> tensor")
+        want = set(range(len(self._master)))
+        if set(saved) != want:
+            missing = sorted(want - set(saved))
+            extra = sorted(set(saved) - want, key=str)
+            raise ValueError(
+                f"state_dict[{_MASTER_KEY!r}] does not match this optimizer's "
+                f"{len(self._master)} parameters: missing indices {missing}, unexpected {extra}"
+            )
+        out = []
+        for i, mp in enumerate(self._master):
+            t = saved[i]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"state_dict[{_MASTER_KEY!r}][{i}] is not a tensor")
+            if t.shape != mp.shape or t.dtype != mp.dtype:
+                raise ValueError(
+                    f"state_dict[{_MASTER_KEY!r}][{i}] is {t.dtype}{list(t.shape)}, but the "
+                    f"master weight is {mp.dtype}{list(mp.shape)} (ctx.master="
+                    f"{self._ctx.master}); the checkpoint was made under another policy"
+                )
+            out.append(t)
+        return out
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Optimizer.load_state_dict installs the loaded groups and state through
+        # __setstate__; they belong to the inner optimizer.
+        self._inner.__setstate__(state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            "OffloadedOptimizer cannot be pickled or deep-copied; save state_dict() and "
+            "build a new one around the model"
+        )
+
+    def __repr__(self) -> str:
+        inner = repr(self._inner).replace("\n", "\n  ")
+        return (
+            f"OffloadedOptimizer(master={self._ctx.master}, "
+            f"device={self._ctx.offload_device}, inner={inner})"
+        )
+
+    def _memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for mp in self._master:
+            yield "master", mp
+            if mp.grad is not None:
+                yield "grads", mp.grad
+        for per_param in self._inner.state.values():
+            yield from (("optimizer_state", t) for t in _tensors_in(per_param))
+        for st in (*self._grad_staging.values(), *self._param_staging.values()):
+            yield "staging", st.buffer
+
+
+def _route(compute: torch.device, host: torch.device) -> bool:
+    return needs_staging(compute, host)
+
+
+def _add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
+    g = g.to(device=master.device, dtype=master.dtype)
+    if master.grad is None:
+        master.grad = g
+    else:
+        master.grad.add_(g)
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors_in(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors_in(v)

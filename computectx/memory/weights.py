@@ -1,0 +1,300 @@
+"""Residency-aware weight loading: safetensors checkpoints placed by ``ctx.residency``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import tempfile
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from computectx.ctx import ComputeCtx
+from computectx.residency import Residency, available_bytes
+
+__all__ = ["LoadReport", "load_weights", "save_weights"]
+
+_ALIASES_KEY = "computectx.aliases"
+"""safetensors metadata entry: JSON ``{alias: stored name}`` for tied weights."""
+
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What ``load_weights`` did and why.
+
+    ``requested`` is ``ctx.residency``; ``chosen`` is the concrete placement (``DEVICE`` or
+    ``MMAP``). ``available_bytes`` is the free memory measured on ``ctx.device`` (``None``
+    when the choice did not need a measurement) and ``reserve_bytes`` the headroom kept
+    back from it. ``device`` is where the tensors now live; ``reason`` says why in words.
+    """
+
+    path: pathlib.Path
+    requested: Residency
+    chosen: Residency
+    checkpoint_bytes: int
+    available_bytes: int | None
+    reserve_bytes: int
+    device: torch.device
+    tensors: int
+    reason: str
+
+    def __str__(self) -> str:
+        return self.reason
+
+
+def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> pathlib.Path:
+    """Write ``model.state_dict()`` to a safetensors file at ``path``; return the path.
+
+    Tied tensors (the same tensor under several names) are stored once and recorded as
+    aliases in the file's metadata, which ``load_weights`` reads back. The file is written
+    to a temporary name and renamed, so a crash never leaves a truncated checkpoint.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    target = pathlib.Path(path)
+    named = model.state_dict(keep_vars=True)
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, t in named.items():
+        if id(t) in first_name:
+            aliases[name] = first_name[id(t)]
+            continue
+        first_name[id(t)] = name
+        stored[name] = t.detach().to("cpu").contiguous()
+    if not target.parent.exists():
+        raise FileNotFoundError(f"cannot save weights to {str(target)!r}: no such directory")
+    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
+    os.close(fd)
+    try:
+        try:
+            save_file(stored, tmp, metadata={_ALIASES_KEY: json.dumps(aliases, sort_keys=True)})
+        except (SafetensorError, RuntimeError, ValueError) as e:
+            raise ValueError(f"cannot save weights to {str(target)!r}: {e}") from e
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def load_weights(
+    model: torch.nn.Module,
+    path: str | os.PathLike[str],
+    ctx: ComputeCtx,
+    *,
+    reserve_bytes: int = 0,
+) -> LoadReport:
+    """Load a safetensors checkpoint into ``model``, placed by ``ctx.residency``.
+
+    ``DEVICE`` materialises every tensor on ``ctx.device`` (a real copy, independent of
+    the file). ``MMAP`` keeps the tensors memory-mapped from the file (private
+    copy-on-write pages on the host: writes never reach the file); on a CUDA ``ctx`` the
+    weights then stay in host memory. ``AUTO`` picks ``DEVICE`` when the checkpoint's
+    tensor bytes fit the free memory measured on ``ctx.device`` minus ``reserve_bytes``,
+    ``MMAP`` otherwise; the report says which and why.
+
+    Parameters are updated in place (``param.data`` is replaced), so tied weights stay
+    tied and optimizers built on the model keep their references. Everything is checked
+    first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
+    file and the keys) with the model unchanged. dtypes must match exactly: nothing is
+    cast silently.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(ctx, ComputeCtx):
+        raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes must be a non-negative int, got {reserve_bytes!r}")
+    file = pathlib.Path(path)
+    shown = repr(str(file))
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint {shown} does not exist or is not a file")
+
+    header, aliases = _read_header(file)
+    targets = model.state_dict(keep_vars=True)
+    resolved = _check_keys(file, header, aliases, targets)
+    ckpt_bytes = sum(_nbytes(shape, dtype) for shape, dtype in header.values())
+
+    requested = ctx.residency
+    measured: int | None = None
+    if requested is Residency.AUTO:
+        measured = available_bytes(ctx.device)
+        budget = max(measured - reserve_bytes, 0)
+        chosen = requested.resolve(ckpt_bytes, budget)
+        relation = "fits in" if chosen is Residency.DEVICE else "exceeds"
+        reason = (
+            f"auto -> {chosen}: the checkpoint's {ckpt_bytes:,} tensor bytes {relation} the "
+            f"{budget:,} bytes free on {ctx.device} ({measured:,} measured free, "
+            f"{reserve_bytes:,} reserved)"
+        )
+    else:
+        chosen = requested
+        reason = f"{chosen}: requested by ctx.residency"
+
+    if chosen is Residency.MMAP:
+        device = torch.device("cpu")
+        if ctx.device.type != "cpu":
+            reason += f"; weights stay memory-mapped in host memory, not on {ctx.device}"
+        else:
+            reason += "; tensors are views of a private memory map of the file"
+    else:
+        device = ctx.device
+
+    loaded = _materialise(file, header, chosen, device)
+    claimed: dict[str, int] = {}
+    with torch.no_grad():
+        for name, target in targets.items():
+            stored = resolved[name]
+            source = loaded[stored]
+            if claimed.setdefault(stored, id(target)) != id(target):
+                # Tied in the file, separate in the model: give each its own storage, or
+                # an optimizer would update one memory twice through two parameters.
+                source = source.clone()
+            if isinstance(target, torch.nn.Parameter):
+                if target.data is not source:
+                    target.data = source
+            else:
+                _replace_buffer(model, name, source)
+    return LoadReport(
+        path=file,
+        requested=requested,
+        chosen=chosen,
+        checkpoint_bytes=ckpt_bytes,
+        available_bytes=measured,
+        reserve_bytes=reserve_bytes,
+        device=device,
+        tensors=len(loaded),
+        reason=f"{file}: {reason}",
+    )
+
+
+def _read_header(
+    file: pathlib.Path,
+) -> tuple[dict[str, tuple[tuple[int, ...], torch.dtype]], dict[str, str]]:
+    shown = repr(str(file))
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            meta = f.metadata() or {}
+            header: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+            keys = f.keys()
+            for key in keys:
+                sl = f.get_slice(key)
+                code = sl.get_dtype()
+                if code not in _ST_DTYPES:
+                    raise ValueError(
+                        f"checkpoint {shown}: tensor {key!r} has dtype {code}, which torch "
+                        f"cannot hold; accepted: {', '.join(_ST_DTYPES)}"
+                    )
+                header[key] = (tuple(sl.get_shape()), _ST_DTYPES[code])
+    except SafetensorError as e:
+        raise ValueError(f"checkpoint {shown} is not a valid safetensors file: {e}") from e
+    raw = meta.get(_ALIASES_KEY, "{}")
+    try:
+        aliases = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"checkpoint {shown}: bad {_ALIASES_KEY!r} metadata: {e}") from e
+    if not isinstance(aliases, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and v in header for k, v in aliases.items()
+    ):
+        raise ValueError(
+            f"checkpoint {shown}: {_ALIASES_KEY!r} metadata must map names to stored tensor "
+            f"names, got {raw!r}"
+        )
+    return header, aliases
+
+
+def _check_keys(
+    file: pathlib.Path,
+    header: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    aliases: dict[str, str],
+    targets: dict[str, torch.Tensor],
+) -> dict[str, str]:
+    """Map every model key to the stored tensor it loads from, or raise listing problems."""
+    shown = repr(str(file))
+    # Names bound to one tensor in the model (tied weights) may be stored under any one
+    # of them: the file need not repeat a tie that the model already has.
+    groups: dict[int, list[str]] = {}
+    for name, t in targets.items():
+        groups.setdefault(id(t), []).append(name)
+    resolved: dict[str, str] = {}
+    split: list[list[str]] = []
+    missing: list[str] = []
+    for names in groups.values():
+        stored = sorted({aliases.get(n, n) for n in names if aliases.get(n, n) in header})
+        if not stored:
+            missing.extend(names)
+        elif len(stored) > 1:
+            split.append(stored)
+        else:
+            resolved.update({n: stored[0] for n in names})
+    used = set(resolved.values()) | {s for group in split for s in group}
+    unexpected = sorted((set(header) - used) | (set(aliases) - set(targets)))
+    problems = []
+    if missing:
+        problems.append(f"missing keys {sorted(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected}")
+    if split:
+        problems.append(f"tensors tied in the model are stored separately: {split}")
+    mismatched = []
+    for name, stored_name in resolved.items():
+        shape, dtype = header[stored_name]
+        t = targets[name]
+        if tuple(t.shape) != shape or t.dtype != dtype:
+            mismatched.append(
+                f"{name!r}: checkpoint {str(dtype).removeprefix('torch.')}{list(shape)} vs "
+                f"model {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            )
+    if mismatched:
+        problems.append("shape/dtype mismatches " + "; ".join(sorted(mismatched)))
+    if problems:
+        raise ValueError(f"checkpoint {shown} does not match the model: " + "; ".join(problems))
+    return resolved
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * dtype.itemsize
+
+
+def _materialise(
+    file: pathlib.Path,
+    header: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    chosen: Residency,
+    device: torch.device,
+) -> dict[str, torch.Tensor]:
+    shown = repr(str(file))
+    out: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in header:
+                # safetensors maps the file once per handle and returns CPU tensors that
+                # view that private mapping: exactly MMAP. DEVICE needs an owned copy.
+                t = f.get_tensor(key)
+                if chosen is Residency.DEVICE:
+                    t = t.to(device=device, copy=True)
+                out[key] = t
+    except SafetensorError as e:
+        raise ValueError(f"checkpoint {shown} could not be read: {e}") from e
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint {shown} could not be placed on {device}: {e}") from e
+    return out
+
+
+def _replace_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    owner._buffers[attr] = value
