@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import importlib
-from types import ModuleType
 from typing import Literal
 
 import torch
@@ -133,14 +131,6 @@ def _triton_runs_on_cuda(dev: torch.device) -> tuple[bool, str]:
         return False, tri.reason
     cores = capability.fp8_tensor_cores(dev)
     return cores.ok, f"{cores.reason}; {tri.reason}"
-
-
-def _kernels_quantize() -> ModuleType:
-    return importlib.import_module("computectx.kernels.quantize")
-
-
-def _kernels_gemm() -> ModuleType:
-    return importlib.import_module("computectx.kernels.scaled_mm")
 
 
 # ---------------------------------------------------------------------------------------
@@ -255,10 +245,11 @@ def quantize_with_step(
     fmt = _fmt_arg(fmt)
     s = _scalar_arg("step", step, data.device)
     if _backend_arg(backend, data) is Fp8Backend.TRITON:
-        q: torch.Tensor
-        a: torch.Tensor
-        q, a = _kernels_quantize().quantize_with_step(data, fmt, s)
-        return q, a
+        # Kernel modules are imported on first use: importing one imports triton, and
+        # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
+        from computectx.kernels import quantize
+
+        return quantize.quantize_with_step(data, fmt, s)
     return reference.quantize_with_step(data, fmt, s)
 
 
@@ -274,9 +265,9 @@ def quantize_dynamic(
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
     if _backend_arg(backend, data) is Fp8Backend.TRITON:
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-        out = _kernels_quantize().quantize_dynamic(data, fmt, m)
-        return out
+        from computectx.kernels import quantize
+
+        return quantize.quantize_dynamic(data, fmt, m)
     return reference.quantize_dynamic(data, fmt, m)
 
 
@@ -304,9 +295,9 @@ def quantize_delayed(
     _ring_args(ring, idx, algo, data.device)
     m = _margin_arg(margin)
     if _backend_arg(backend, data) is Fp8Backend.TRITON:
-        out: tuple[torch.Tensor, torch.Tensor]
-        out = _kernels_quantize().quantize_delayed(data, fmt, ring, idx, algo, m)
-        return out
+        from computectx.kernels import quantize
+
+        return quantize.quantize_delayed(data, fmt, ring, idx, algo, m)
     return reference.quantize_delayed(data, fmt, ring, idx, algo, m)
 
 
@@ -359,8 +350,9 @@ def scaled_mm(
             f"{', '.join(map(str, _OUT_DTYPES))}"
         )
     if _backend_arg(backend, a) is Fp8Backend.TRITON:
-        out: torch.Tensor = _kernels_gemm().scaled_mm(a, b, sa, sb, bias, out_dtype)
-        return out
+        from computectx.kernels import scaled_mm as gemm
+
+        return gemm.scaled_mm(a, b, sa, sb, bias, out_dtype)
     return reference.scaled_mm(a, b, sa, sb, bias, out_dtype)
 
 

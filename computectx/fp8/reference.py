@@ -16,6 +16,7 @@ Inputs are assumed validated (``computectx.fp8.ops`` checks them).
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -39,8 +40,10 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """``max |x|`` as a float32 ``(1,)`` tensor; NaN if any element is NaN, 0 when empty."""
     if x.numel() == 0:
         return torch.zeros(1, dtype=torch.float32, device=x.device)
-    # torch.amax propagates NaN, which is what lets a NaN input reach the non-finite count.
-    return x.detach().abs().amax().to(torch.float32).reshape(1)
+    # torch.amax propagates NaN, which is what lets a NaN input reach the non-finite count;
+    # every NaN becomes the one canonical NaN (payloads carry no information).
+    a = x.detach().abs().amax().to(torch.float32).reshape(1)
+    return torch.where(torch.isnan(a), torch.full_like(a, math.nan), a)
 
 
 def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor:
@@ -48,15 +51,16 @@ def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor
 
     ``a / step = fmt.max / 2**margin``: the margin is headroom below the format's maximum.
 
-    A zero or non-finite amax, or one so small that the step underflows to zero, gives 1.0:
-    then every finite value of that magnitude quantizes to zero and nothing divides by zero.
+    A zero or non-finite amax, or one whose step underflows to zero or overflows to inf,
+    gives 1.0, so nothing divides by zero and no step is infinite.
     """
     a32 = a.to(torch.float32)
     # fmt.max / 2**margin is exact (a power of two apart), so the step is one IEEE
     # round-to-nearest division, the same one the kernels perform.
     target = torch.tensor(fmt.max / 2.0**margin, dtype=torch.float32, device=a.device)
     step = a32 / target
-    good = torch.isfinite(a32) & (step > 0)
+    # A non-finite amax gives a non-finite step; so does a finite one that overflows.
+    good = torch.isfinite(step) & (step > 0)
     return torch.where(good, step, torch.ones_like(step))
 
 

@@ -1,0 +1,208 @@
+"""Scaled fp8 GEMM: ``(a * step_a) @ (b * step_b).T (+ bias)`` with float32 accumulation.
+
+``a`` is ``[M, K]`` and ``b`` is ``[N, K]``, each E4M3 or E5M2, with arbitrary strides so the
+backward pass can hand in ``.t()`` views; every edge is masked, so any M, N and K work (K
+need not be a multiple of 16). The per-tensor steps multiply the float32 accumulator once
+in the epilogue, then the bias is added and the sum rounded once to the output dtype.
+
+The pure-torch twin is ``computectx.fp8.reference.scaled_mm``; results agree within
+``reference.scaled_mm_error_bound`` (the order of float32 accumulation differs).
+"""
+
+# ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
+from __future__ import annotations
+
+from typing import Any, Final
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["scaled_mm"]
+
+_INTERPRET: Final[bool] = triton.knobs.runtime.interpret
+
+
+def _configs() -> list[triton.Config]:
+    if _INTERPRET:
+        # One small tile: the interpreter runs every program on the CPU, and one config
+        # means the autotuner never benchmarks.
+        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
+    # Hopper: fp8 wgmma wants 64-row warpgroup tiles and 128-byte K slices; 3-4 stages of
+    # cp.async pipelining hide HBM latency within 228 KB of shared memory per SM.
+    shapes = [
+        (128, 256, 128, 3, 8),
+        (256, 128, 128, 3, 8),
+        (128, 256, 64, 4, 8),
+        (256, 128, 64, 4, 8),
+        (128, 128, 128, 4, 8),
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 4, 8),
+        (64, 128, 128, 4, 4),
+        (64, 64, 128, 4, 4),
+    ]
+    return [
+        triton.Config(
+            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
+            num_stages=stages,
+            num_warps=warps,
+        )
+        for bm, bn, bk, stages, warps in shapes
+    ]
+
+
+def _prune(
+    configs: list[triton.Config], named_args: dict[str, Any], **_: Any
+) -> list[triton.Config]:
+    # Tiles far taller or wider than the problem only waste work: keep those that fit, or
+    # the smallest ones when none does.
+    m, n = int(named_args["M"]), int(named_args["N"])
+    fits = [
+        c
+        for c in configs
+        if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
+    ]
+    return fits or configs[-1:]
+
+
+@triton.jit
+def _round_to_bf16(v):  # type: ignore[no-untyped-def]
+    # float32 -> bf16 round-to-nearest-even on the bit pattern, so the cast that follows is
+    # exact. GPUs round this way in the cast itself; Triton's interpreter truncates, and
+    # this keeps the two identical. Overflow rounds to inf as IEEE says; NaN is kept.
+    bits = v.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+
+
+@triton.autotune(
+    configs=_configs(),
+    key=["M", "N", "K", "stride_ak", "stride_bk", "HAS_BIAS", "OUT_BF16"],
+    prune_configs_by={"early_config_prune": _prune},
+)
+@triton.jit
+def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    bias_ptr,
+    step_a_ptr,
+    step_b_ptr,
+    M,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped launch order: GROUP_M row-tiles share each column-tile while it is in L2.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # 64-bit row/column offsets: M * stride_am may exceed 2**31 for large operands.
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    mask_m = offs_m[:, None] < M
+    mask_n = offs_n[None, :] < N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - kt * BLOCK_K
+        # Masked lanes load 0, which adds nothing: K needs no padding to a multiple of 16.
+        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
+        # Products of fp8 values are exact in float32. Hopper's fp8 MMA adds them in a
+        # narrower accumulator; max_num_imprecise_acc=BLOCK_K promotes into this float32
+        # accumulator after every K tile, which is what makes the sum a float32 sum.
+        acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    scale = tl.load(step_a_ptr) * tl.load(step_b_ptr)
+    out = acc * scale
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        out = out + bias[None, :]
+    if OUT_BF16:
+        out = _round_to_bf16(out)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``(a * step_a) @ (b * step_b).T (+ bias)`` as a new ``[M, N]`` tensor of ``out_dtype``."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if a.dtype not in fp8 or b.dtype not in fp8 or a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"a and b are 2-D fp8 tensors; got {a.dtype} {a.shape}, {b.dtype} {b.shape}"
+        )
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a [M, K] and b [N, K] disagree on K: {tuple(a.shape)}, {tuple(b.shape)}")
+    for s in (step_a, step_b):
+        if s.dtype != torch.float32 or s.numel() != 1 or s.device != a.device:
+            raise ValueError(f"steps are float32 tensors of one element on {a.device}")
+    if bias is not None and (bias.shape != (b.shape[0],) or bias.device != a.device):
+        raise ValueError(f"bias must have shape ({b.shape[0]},) on {a.device}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:  # no output tile: nothing to launch
+        return c
+    if k == 0:
+        # An empty operand may have no storage to point at; the sum over K is empty, so
+        # the result is the bias (or zero), rounded once.
+        c.copy_(torch.zeros(n, device=a.device) if bias is None else bias.float().expand(m, n))
+        return c
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    _scaled_mm_kernel[grid](
+        a,
+        b,
+        c,
+        bias if bias is not None else c,
+        step_a,
+        step_b,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        HAS_BIAS=bias is not None,
+        OUT_BF16=out_dtype == torch.bfloat16,
+    )
+    return c

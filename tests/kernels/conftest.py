@@ -1,0 +1,63 @@
+"""Kernel tests run on an fp8 GPU when there is one, else in Triton's CPU interpreter.
+
+Triton decides at decoration time (when a kernel module is imported) whether a kernel is
+compiled or interpreted, from ``TRITON_INTERPRET``. Without a CUDA device this conftest
+imports the kernel modules with ``TRITON_INTERPRET=1`` set and then restores the
+environment, so other test directories in the same (xdist worker) process see the
+environment they started with; an autouse fixture sets the variable again, for the
+duration of each test here only, because ``ops.select_backend`` and the backend checks
+read it when a test forces the Triton backend onto CPU tensors.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+
+from computectx import capability
+
+ON_GPU = bool(capability.fp8_tensor_cores())
+"""True when the kernels compile for a CUDA GPU with fp8 tensor cores."""
+DEVICE = torch.device("cuda" if ON_GPU else "cpu")
+"""Where kernel tests put their tensors."""
+
+_KERNEL_MODULES = ("computectx.kernels.quantize", "computectx.kernels.scaled_mm")
+
+
+def _import_kernels_interpreted() -> None:
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        for name in _KERNEL_MODULES:
+            module = sys.modules.get(name)
+            if module is None:
+                importlib.import_module(name)
+            elif not getattr(module, "_INTERPRET", False):
+                # Imported earlier (by another directory's tests) as compiled kernels:
+                # decorate them again, now interpreted.
+                importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+if not ON_GPU:
+    _import_kernels_interpreted()
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not ON_GPU:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The device kernel tests run on: an fp8 GPU, else the CPU under the interpreter."""
+    return DEVICE

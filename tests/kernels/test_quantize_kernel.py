@@ -1,0 +1,291 @@
+"""The Triton quantize kernel against its pure-torch twin: fp8 bytes bit for bit.
+
+Runs on an fp8 GPU when there is one, else under ``TRITON_INTERPRET=1`` (see conftest).
+The twin's own rounding is pinned by test_reference.py against the fp8 code tables; here
+every byte the kernel writes must equal the twin's byte, every amax and step must have the
+same float32 bits, and a ring must hold the same float32 bits after every step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import ops, reference
+from computectx.fp8.ops import Fp8Backend
+
+pytestmark = [
+    pytest.mark.interpreter,
+    # The interpreter evaluates x / step in numpy, which warns on the inf and NaN that the
+    # special-value inputs are meant to produce.
+    pytest.mark.filterwarnings("ignore::RuntimeWarning"),
+]
+
+TRITON = Fp8Backend.TRITON
+REF = Fp8Backend.REFERENCE
+FORMATS = list(Fp8Format)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+Algo = Literal["max", "most_recent"]
+ALGOS: list[Algo] = ["max", "most_recent"]
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype
+    assert got.shape == want.shape
+    g, w = got.cpu().view(torch.uint8), want.cpu().view(torch.uint8)
+    bad = (g != w).nonzero()
+    assert bad.numel() == 0, f"{bad.shape[0]} bytes differ, first at {bad[0].tolist()}"
+
+
+def assert_same_f32(got: torch.Tensor, want: torch.Tensor) -> None:
+    # Bit equality, so NaN == NaN and 0.0 != -0.0.
+    assert torch.equal(got.cpu().view(torch.int32), want.cpu().view(torch.int32)), (got, want)
+
+
+def specials(dtype: torch.dtype) -> torch.Tensor:
+    big = min(torch.finfo(dtype).max, 3e38)
+    tiny = torch.finfo(dtype).tiny / 4  # a subnormal of the input dtype
+    values = [0.0, -0.0, 1.0, -1.0, big, -big, math.inf, -math.inf, tiny, -tiny, 1e-3, 0.5]
+    return torch.tensor(values, dtype=torch.float32).to(dtype)
+
+
+def rounding_probes(fmt: Fp8Format) -> torch.Tensor:
+    """Every fp8 grid value, every midpoint between neighbours, and the float32 values one
+    ulp either side of each midpoint: where round-to-nearest-even is decided."""
+    codes = torch.arange(0, 128, dtype=torch.uint8).view(fmt.torch).to(torch.float32)
+    g = codes[torch.isfinite(codes)]
+    mid = (g[:-1] + g[1:]) / 2  # exact: one bit below the fp8 mantissa
+    up = torch.nextafter(mid, torch.full_like(mid, math.inf))
+    down = torch.nextafter(mid, torch.zeros_like(mid))
+    beyond = torch.tensor([fmt.max * 1.0625, fmt.max * 1.125, fmt.max * 1.5])
+    x = torch.cat([g, mid, up, down, beyond])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_rounding_probes_bit_exact(fmt: Fp8Format, device: torch.device) -> None:
+    x = rounding_probes(fmt).to(device)
+    one = torch.ones(1, device=device)
+    q, a = ops.quantize_with_step(x, fmt, one, backend=TRITON)
+    q_ref, a_ref = ops.quantize_with_step(x, fmt, one, backend=REF)
+    assert_same_bytes(q, q_ref)
+    assert_same_f32(a, a_ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_random_bit_patterns_bit_exact(fmt: Fp8Format, device: torch.device) -> None:
+    # Every float32 bit pattern class: normals of every exponent, subnormals, inf, NaN
+    # payloads of both signs, under a step that moves some of them into fp8 range.
+    gen = torch.Generator().manual_seed(11)
+    bits = torch.randint(-(2**31), 2**31, (3000,), generator=gen, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32).to(device)
+    step = torch.tensor([2.0**-100], device=device)
+    q, a = ops.quantize_with_step(x, fmt, step, backend=TRITON)
+    q_ref, a_ref = ops.quantize_with_step(x, fmt, step, backend=REF)
+    assert_same_bytes(q, q_ref)
+    assert_same_f32(a, a_ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1,), (7,), (33, 5), (3, 0), (1000,)])
+def test_with_step_bit_exact(
+    fmt: Fp8Format, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
+) -> None:
+    gen = torch.Generator().manual_seed(sum(shape) + len(shape))
+    x = torch.randn(shape, generator=gen) * 30
+    if x.numel() >= len(specials(dtype)):
+        x.view(-1)[: len(specials(dtype))] = specials(dtype).float()
+    x = x.to(dtype).to(device)
+    for step_value in (0.173, 1.0, 3.1e-3):
+        step = torch.tensor([step_value], device=device)
+        q, a = ops.quantize_with_step(x, fmt, step, backend=TRITON)
+        q_ref, a_ref = ops.quantize_with_step(x, fmt, step, backend=REF)
+        assert_same_bytes(q, q_ref)
+        assert_same_f32(a, a_ref)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("margin", [0, 3])
+@pytest.mark.parametrize("kind", ["randn", "zeros", "empty", "nan", "inf", "tiny"])
+def test_dynamic_bit_exact(fmt: Fp8Format, margin: int, kind: str, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(301, generator=gen).to(torch.bfloat16)
+    if kind == "zeros":
+        x = torch.zeros(17, dtype=torch.bfloat16)
+    elif kind == "empty":
+        x = torch.empty(0, 4, dtype=torch.bfloat16)
+    elif kind == "nan":
+        x[100] = math.nan
+    elif kind == "inf":
+        x[7] = -math.inf
+    elif kind == "tiny":  # amax so small that the step underflows: step 1, all zeros
+        x = torch.full((9,), 1e-44, dtype=torch.float32)
+    x = x.to(device)
+    q, step, a = ops.quantize_dynamic(x, fmt, margin, backend=TRITON)
+    q_ref, step_ref, a_ref = ops.quantize_dynamic(x, fmt, margin, backend=REF)
+    assert_same_bytes(q, q_ref)
+    assert_same_f32(step, step_ref)
+    assert_same_f32(a, a_ref)
+    if kind in ("zeros", "empty", "nan", "inf", "tiny"):
+        assert step.item() == 1.0
+
+
+@settings(max_examples=100)
+@given(
+    values=st.lists(st.floats(width=32), min_size=1, max_size=200),
+    step=st.floats(min_value=2.0**-30, max_value=2.0**30, width=32),
+    fmt=st.sampled_from(FORMATS),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_with_step_property_bit_exact(
+    values: list[float], step: float, fmt: Fp8Format, dtype: torch.dtype
+) -> None:
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if dev.type == "cuda" and ops.select_backend(dev)[0] is not TRITON:
+        dev = torch.device("cpu")
+    x = torch.tensor(values, dtype=torch.float32).to(dtype).to(dev)
+    s = torch.tensor([step], device=dev)
+    q, a = ops.quantize_with_step(x, fmt, s, backend=TRITON)
+    q_ref, a_ref = ops.quantize_with_step(x, fmt, s, backend=REF)
+    assert_same_bytes(q, q_ref)
+    assert_same_f32(a, a_ref)
+    v = q.float()
+    finite_in = torch.isfinite(x)
+    # Saturation: finite (and infinite) inputs never become inf, and stay within ±max.
+    assert bool(torch.isfinite(v[~torch.isnan(x)]).all())
+    assert bool((v[finite_in].abs() <= fmt.max).all())
+    # Normal range: relative error at most half an fp8 ulp, 2**-4 (E4M3) / 2**-3 (E5M2).
+    scaled = x.double() / step
+    normal = finite_in & (scaled.abs() >= fmt.min_normal) & (scaled.abs() <= fmt.max)
+    rel = (v.double() - scaled).abs() / scaled.abs()
+    assert bool((rel[normal] <= 2.0 ** -(fmt.mantissa_bits + 1)).all())
+
+
+# ---------------------------------------------------------------------------------------
+# The delayed-scaling ring, finalized inside the kernel
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize(("history", "margin"), [(1, 0), (4, 2), (21, 1)])
+def test_delayed_ring_bit_exact(
+    fmt: Fp8Format, algo: Algo, history: int, margin: int, device: torch.device
+) -> None:
+    # A sequence with growth (saturation under the delayed step), a zero tensor, an inf,
+    # a NaN, a shrink, and an empty tensor; history 21 exceeds the interpreter's reduction
+    # block, so the window loop runs more than once.
+    ring = ops.ring_new(history, device)
+    ring_ref = ops.ring_new(history, device)
+    x0 = torch.randn(50, generator=torch.Generator().manual_seed(0)).to(device)
+    ops.seed_ring(ring, x0, fmt, margin)
+    ops.seed_ring(ring_ref, x0, fmt, margin)
+    gen = torch.Generator().manual_seed(history + margin)
+    plan: list[tuple[float, float | None, int]] = [
+        (1.0, None, 257),
+        (40.0, None, 130),
+        (0.0, None, 31),
+        (1.0, math.inf, 64),
+        (2.0, None, 65),
+        (1.0, math.nan, 9),
+        (0.01, None, 200),
+        (1.0, None, 0),
+        (3.0, None, 77),
+    ]
+    for i, (scale, special, n) in enumerate(plan):
+        x = torch.randn(n, generator=gen) * scale
+        if special is not None:
+            x[n // 2] = special
+        x = x.to(torch.bfloat16).to(device)
+        idx = i % history
+        q, used = ops.quantize_delayed(x, fmt, ring, idx, algo, margin, backend=TRITON)
+        q_ref, used_ref = ops.quantize_delayed(x, fmt, ring_ref, idx, algo, margin, backend=REF)
+        assert_same_bytes(q, q_ref)
+        assert_same_f32(used, used_ref)
+        assert_same_f32(ring, ring_ref)
+    n_hist = history
+    assert ring[n_hist + ops.RING_NONFINITE].item() == 2.0
+    assert ring[n_hist + ops.RING_SATURATED].item() > 0.0
+
+
+@settings(max_examples=50)
+@given(
+    scales=st.lists(
+        st.sampled_from([0.0, 1e-3, 0.5, 1.0, 7.0, 300.0, 1e5, math.inf, math.nan]),
+        min_size=1,
+        max_size=6,
+    ),
+    history=st.integers(1, 5),
+    margin=st.integers(0, 4),
+    algo=st.sampled_from(ALGOS),
+    fmt=st.sampled_from(FORMATS),
+)
+def test_delayed_ring_property(
+    scales: list[float], history: int, margin: int, algo: Algo, fmt: Fp8Format
+) -> None:
+    dev = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
+    if dev.type == "cuda" and ops.select_backend(dev)[0] is not TRITON:
+        dev = torch.device("cpu")
+    ring = ops.ring_new(history, dev)
+    ring_ref = ops.ring_new(history, dev)
+    gen = torch.Generator().manual_seed(len(scales))
+    for i, sc in enumerate(scales):
+        x = torch.randn(23, generator=gen) * (sc if math.isfinite(sc) else 1.0)
+        if not math.isfinite(sc):
+            x[5] = sc
+        x = x.to(dev)
+        q, used = ops.quantize_delayed(x, fmt, ring, i % history, algo, margin, backend=TRITON)
+        q_ref, used_ref = ops.quantize_delayed(
+            x, fmt, ring_ref, i % history, algo, margin, backend=REF
+        )
+        assert_same_bytes(q, q_ref)
+        assert_same_f32(used, used_ref)
+        assert_same_f32(ring, ring_ref)
+    # The ring's own invariants: the step is positive and finite, the history finite, the
+    # non-finite count equals the number of non-finite inputs.
+    n = history
+    assert 0.0 < ring[n].item() < math.inf
+    assert bool(torch.isfinite(ring[:n]).all())
+    assert ring[n + 1].item() == sum(1 for s in scales if not math.isfinite(s))
+
+
+def test_ticket_is_rearmed_after_each_launch(device: torch.device) -> None:
+    from computectx.kernels import quantize as kq
+
+    x = torch.randn(700, device=device)
+    for _ in range(3):
+        _, a = ops.quantize_with_step(
+            x, Fp8Format.E4M3, torch.ones(1, device=device), backend=TRITON
+        )
+        assert a.item() == x.abs().max().item()
+        assert kq._ticket(x.device).item() == 0
+
+
+def test_launcher_rejects_what_it_cannot_read(device: torch.device) -> None:
+    from computectx.kernels import quantize as kq
+
+    one = torch.ones(1, device=device)
+    with pytest.raises(ValueError, match="contiguous"):
+        kq.quantize_with_step(torch.ones(4, 4, device=device).t(), Fp8Format.E4M3, one)
+    with pytest.raises(ValueError, match=r"torch\.float64"):
+        kq.quantize_with_step(
+            torch.ones(4, dtype=torch.float64, device=device), Fp8Format.E4M3, one
+        )
+    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        kq.quantize_delayed(
+            torch.ones(4, device=device), Fp8Format.E4M3, ops.ring_new(2, device), 5, "max", 0
+        )
+
+
+def test_reference_twin_matches_on_the_same_call() -> None:
+    # The twin module is what REF dispatches to: a direct call gives the same bytes.
+    x = torch.randn(40, generator=torch.Generator().manual_seed(9))
+    q1, _ = reference.quantize_with_step(x, Fp8Format.E5M2, torch.tensor([0.01]))
+    q2, _ = ops.quantize_with_step(x, Fp8Format.E5M2, torch.tensor([0.01]), backend=TRITON)
+    assert_same_bytes(q2, q1)
