@@ -77,6 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     info = sub.add_parser("info", help="versions, device, capability probes and presets")
     info.set_defaults(func=_cmd_info)
+    from computectx import demo  # the demo pulls in nn, fp8 and memory: only when parsing
+
+    demo_parser = sub.add_parser(
+        "demo",
+        help="train a small LM under several precision policies and compare them",
+        description=(
+            "Train computectx.nn.ByteLM on the Python standard library's sources (or --data) "
+            "once per --dtype policy, from the same weights and batches; print a results "
+            "table and a sample, and write results.json and loss.png into --out."
+        ),
+    )
+    demo.add_arguments(demo_parser)
+    demo_parser.set_defaults(func=demo.run_command)
     return parser
 
 

@@ -1,0 +1,286 @@
+"""``computectx demo`` end to end with tiny settings, its outputs, and its argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from computectx.cli import main
+from computectx.demo import (
+    MAX_DATA_BYTES,
+    STDLIB_CORPUS_BYTES,
+    DemoError,
+    DemoSettings,
+    load_corpus,
+)
+
+TINY = [
+    "--batch-size", "4",
+    "--seq-len", "32",
+    "--d-model", "32",
+    "--layers", "1",
+    "--sample-tokens", "12",
+    "--device", "cpu",
+]  # fmt: skip
+
+# Repetitive text a one-layer model learns within a few steps.
+TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(300))
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    path = tmp_path / "code.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(["demo", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _results(out: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return data
+
+
+def _table_rows(stdout: str) -> dict[str, list[str]]:
+    rows = {}
+    for line in stdout.splitlines():
+        cells = [c.strip() for c in line.strip("│ ").split("│")]
+        if len(cells) == 7 and cells[1].replace(".", "").isdigit():
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_fp8_policy_runs_end_to_end(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    out = tmp_path / "out"
+    code, stdout, _ = _run(
+        capsys, "--dtype", "fp8_e4m3", "--steps", "12", "--data", str(text_file),
+        "--out", str(out), "--lr", "1e-2", *TINY,
+    )  # fmt: skip
+    assert code == 0
+    assert "fp8 backend: reference (" in stdout
+
+    rows = _table_rows(stdout)
+    assert list(rows) == ["fp8_e4m3"]
+    row = rows["fp8_e4m3"]
+    assert row[5] == "0"  # no non-finite amax on this data
+    assert row[6].endswith("%")
+
+    png = (out / "loss.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
+
+    data = _results(out)
+    assert data["fp8_backend"] == "reference"
+    (r,) = data["results"]
+    assert r["flag"] == "fp8_e4m3" and "fp8=e4m3/delayed" in r["policy"]
+    assert len(r["train_losses"]) == 12
+    assert r["train_loss"] < r["train_losses"][0] - 0.5  # it learned something
+    assert r["val_curve"][-1][1] < r["val_curve"][0][1]
+    assert r["fp8_converted_linears"] == 5  # qkv, out and the MLP's gate/up/down; not the head
+    assert r["fp8_nonfinite"] == 0
+    assert 0.0 <= r["fp8_saturated_fraction_max"] <= 1.0
+    assert "blocks.0.attn.qkv" in r["fp8_layers"] and "head" not in r["fp8_layers"]
+    assert r["sample"].startswith("def ")
+    assert float(row[1]) == pytest.approx(r["train_loss"], abs=1e-4)
+    assert float(row[2]) == pytest.approx(r["val_loss"], abs=1e-4)
+
+
+def test_accumulator_and_offload_run_end_to_end(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    out = tmp_path / "out"
+    code, stdout, _ = _run(
+        capsys, "--dtype", "bf16", "--steps", "8", "--grad-accum", "2", "--offload",
+        "--data", str(text_file), "--out", str(out), "--lr", "1e-2", *TINY,
+    )  # fmt: skip
+    assert code == 0
+    assert "fp8 backend" not in stdout  # no fp8 policy, no backend to report
+    rows = _table_rows(stdout)
+    assert list(rows) == ["bf16"]
+    assert rows["bf16"][5:] == ["-", "-"]
+    assert "state MiB" in stdout and "memory_report" in stdout
+
+    (r,) = _results(out)["results"]
+    # The accumulator sums bf16 micro-batch gradients; AdamW steps offloaded masters.
+    assert "grad=bf16" in r["policy"] and "offload=cpu" in r["policy"]
+    assert r["train_loss"] < r["train_losses"][0] - 0.5
+    assert r["skipped_steps"] == 0
+    assert r["memory_bytes"] > 0
+    assert (out / "loss.png").stat().st_size > 5000
+
+
+def test_policies_compare_side_by_side_and_same_seed_same_losses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    def run(seed: str, name: str) -> list[dict[str, Any]]:
+        args = ["--dtype", "fp32,bf16", "--steps", "4", "--seed", seed, "--data", str(text_file)]
+        code, stdout, _ = _run(capsys, *args, "--out", str(tmp_path / name), *TINY)
+        assert code == 0
+        assert list(_table_rows(stdout)) == ["fp32", "bf16"]
+        results: list[dict[str, Any]] = _results(tmp_path / name)["results"]
+        return results
+
+    first, again, other = run("3", "a"), run("3", "b"), run("4", "c")
+    for a, b in zip(first, again, strict=True):
+        assert a["train_losses"] == b["train_losses"]
+        assert a["val_curve"] == b["val_curve"]
+        assert a["sample"] == b["sample"]
+    assert first[0]["train_losses"] != other[0]["train_losses"]
+    # Same initial weights and batches: the policies differ only by rounding.
+    assert first[0]["val_curve"][0][1] == pytest.approx(first[1]["val_curve"][0][1], abs=0.02)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--steps", "0"], "expected a positive integer, got '0'"),
+        (["--steps", "many"], "expected a positive integer"),
+        (["--grad-accum", "-1"], "expected a positive integer"),
+        (["--dtype", "fp4"], "unknown dtype 'fp4'; accepted: fp32, fp16, bf16"),
+        (["--dtype", "bf16,int8"], "unknown dtype 'int8'"),
+        (["--device", "gpu"], "bad device 'gpu'"),
+        (["--seed", "-3"], "expected an integer in 0..2**63-1"),
+        (["--frobnicate"], "unrecognized arguments"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--dtype", "bf16", "--dtype", "bf16"], "--dtype: --dtype bf16 given more than once"),
+        (["--d-model", "48"], "--d-model: d_model=48 must be a multiple of 32"),
+        (["--seq-len", "4"], "--seq-len: Input should be greater than or equal to 8"),
+        (["--lr", "0"], "--lr: Input should be greater than 0"),
+        (["--device", "cuda:0"], "--device cuda:0 cannot run here"),
+        (["--device", "meta"], "--device meta is not supported by the demo"),
+    ],
+)
+def test_bad_settings_exit_2_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
+) -> None:
+    if argv == ["--device", "cuda:0"] and torch.cuda.is_available():
+        argv = ["--device", f"cuda:{torch.cuda.device_count()}"]  # one past the last
+        message = f"--device {argv[1]} cannot run here"
+    out = tmp_path / "out"
+    code, stdout, stderr = _run(capsys, *argv, "--out", str(out))
+    assert code == 2
+    assert stderr.startswith("computectx demo: error: ")
+    assert message in stderr
+    assert "corpus:" not in stdout
+    assert not out.exists()
+
+
+def test_output_folder_problems_are_reported_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    a_file = tmp_path / "taken"
+    a_file.write_text("x")
+    for out, message in (
+        (a_file, "exists and is not a folder"),
+        (a_file / "sub", "is not a writable folder"),
+    ):
+        code, stdout, stderr = _run(capsys, "--data", str(text_file), "--out", str(out), *TINY)
+        assert code == 2
+        assert message in stderr and str(out) in stderr
+        assert "corpus:" not in stdout
+
+
+def test_data_problems_are_reported_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    tiny = tmp_path / "tiny.txt"
+    tiny.write_text("print(1)\n" * 5)
+    binary = tmp_path / "bin"
+    binary.mkdir()
+    (binary / "blob.dat").write_bytes(b"\x00\x01" * 5000)
+    for data, message in (
+        (tmp_path / "missing.txt", "does not exist"),
+        (empty, "holds 0 bytes of text in 0 file(s)"),
+        (binary, "holds 0 bytes of text in 0 file(s)"),
+        (tiny, "holds 45 bytes of text in 1 file(s)"),
+    ):
+        out = tmp_path / "out"
+        code, _, stderr = _run(capsys, "--data", str(data), "--out", str(out), *TINY)
+        assert code == 2, data
+        assert message in stderr and str(data) in stderr
+        assert not out.exists()
+
+
+def test_python_dash_m_reports_errors_with_exit_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "computectx", "demo", "--steps", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "--steps: expected a positive integer, got '0'" in proc.stderr
+
+
+def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for flag in ("--dtype", "--steps", "--seed", "--grad-accum", "--offload", "--out"):
+        assert flag in text
+    for flag in ("--device", "--data"):
+        assert flag in text
+
+
+def test_default_corpus_is_the_stdlib_read_deterministically() -> None:
+    a = load_corpus(None, min_bytes=1000)
+    b = load_corpus(None, min_bytes=1000)
+    assert a.name == "python stdlib" and a.files > 5
+    assert a.train.numel() + a.val.numel() <= STDLIB_CORPUS_BYTES + a.files
+    assert a.val.numel() == pytest.approx(0.1 * (a.train.numel() + a.val.numel()), abs=1)
+    assert bytes(a.train[:100].tolist()) == bytes(b.train[:100].tolist())
+    assert bytes(a.val.tolist()) == bytes(b.val.tolist())
+    # Python source: mostly printable ASCII.
+    head = bytes(a.train[:20000].tolist())
+    assert sum(32 <= c < 127 or c in (9, 10) for c in head) > 0.95 * len(head)
+
+
+def test_data_folder_reads_text_files_in_order_and_skips_hidden_and_binary(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "b.py").write_text("B" * 600)
+    (tmp_path / "a.py").write_text("A" * 600)
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("H" * 600)
+    (tmp_path / "img.png").write_bytes(b"\x89PNG\x00" * 100)
+    corpus = load_corpus(tmp_path, min_bytes=10)
+    assert corpus.files == 2
+    text = bytes(corpus.train.tolist()) + bytes(corpus.val.tolist())
+    assert text == b"A" * 600 + b"\n" + b"B" * 600
+    assert MAX_DATA_BYTES >= 1 << 20
+
+
+def test_settings_validate_like_the_flags() -> None:
+    assert DemoSettings(dtypes="fp32, FP8_E5M2").dtypes == ("fp32", "fp8_e5m2")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="accepted: fp32, fp16, bf16"):
+        DemoSettings(dtypes=("fp64",))
+    with pytest.raises(DemoError, match="does not exist"):
+        load_corpus(Path("/nonexistent/computectx-demo-data"))
