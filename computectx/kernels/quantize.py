@@ -33,8 +33,8 @@ _BLOCK: Final[int] = 64 if _INTERPRET else 4096
 _WARPS: Final[int] = 4 if _INTERPRET else 8
 _PROGRAMS_PER_SM: Final[int] = 8
 _INTERPRET_PROGRAMS: Final[int] = 3
-# Partials and history are reduced RBLOCK at a time; small under the interpreter so that
-# short test histories exercise the loop.
+# The history window is reduced RBLOCK slots at a time; small under the interpreter so
+# that short test histories exercise the loop.
 _RBLOCK: Final[int] = 16 if _INTERPRET else 1024
 
 # What the last program does after the pass.
@@ -91,8 +91,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     step_ptr,
     n_elements,
-    part_ptr,
-    ticket_ptr,
+    scratch_ptr,
     amax_out_ptr,
     step_out_ptr,
     ring_ptr,
@@ -147,23 +146,18 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
             code = _fp8_bits(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
             tl.store(q_ptr + offs, code, mask=mask)
     if REDUCE != 0:
-        tl.store(part_ptr + pid, tl.max(amax_bits, axis=0))
+        # Cross-program traffic is scalar atomics only, issued in program order by one
+        # thread: fold this program's amax and saturation count into the scratch, then take
+        # a ticket with acq_rel, which publishes both to whoever draws the last ticket.
+        tl.atomic_max(scratch_ptr + 1, tl.max(amax_bits, axis=0), sem="relaxed")
         if REDUCE == 3:
-            tl.store(part_ptr + nprog + pid, tl.sum(n_sat, axis=0))
-        # acq_rel: this program's partials are visible to whoever draws the last ticket,
-        # and the last one sees every other program's partials.
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            tl.atomic_add(scratch_ptr + 2, tl.sum(n_sat, axis=0), sem="relaxed")
+        ticket = tl.atomic_add(scratch_ptr, 1, sem="acq_rel")
         if ticket == nprog - 1:
-            top = tl.zeros((RBLOCK,), dtype=tl.int32)
-            sat_total = tl.zeros((RBLOCK,), dtype=tl.int64)
-            for start in tl.range(0, nprog, RBLOCK):
-                o = start + tl.arange(0, RBLOCK)
-                m = o < nprog
-                top = tl.maximum(top, tl.load(part_ptr + o, mask=m, other=0, volatile=True))
-                if REDUCE == 3:
-                    c = tl.load(part_ptr + nprog + o, mask=m, other=0, volatile=True)
-                    sat_total += c.to(tl.int64)
-            bits = tl.max(top, axis=0)
+            # Read-and-zero every slot: the scratch is ready for the next launch.
+            bits = tl.atomic_xchg(scratch_ptr + 1, 0, sem="acq_rel")
+            sat_count = tl.atomic_xchg(scratch_ptr + 2, 0, sem="acq_rel")
+            tl.atomic_xchg(scratch_ptr, 0, sem="acq_rel")
             # One NaN for every NaN input (the twin's): payloads carry no information.
             bits = tl.where(bits > 0x7F800000, 0x7FC00000, bits)
             amax = bits.to(tl.float32, bitcast=True)
@@ -177,46 +171,44 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 tl.store(step_out_ptr, tl.where(ok, step_new, 1.0))
             if REDUCE == 3:
-                # The window with this amax in slot ring_idx, built in registers: a store
-                # followed by a load of the same slot is not ordered across threads.
+                # The window with this amax in slot ring_idx, built in registers (the ring
+                # itself is written once, below).
                 window = tl.zeros((RBLOCK,), dtype=tl.float32)
                 for hstart in tl.range(0, n_hist, RBLOCK):
                     h_offs = hstart + tl.arange(0, RBLOCK)
-                    h = tl.load(ring_ptr + h_offs, mask=h_offs < n_hist, other=0.0, volatile=True)
+                    h = tl.load(ring_ptr + h_offs, mask=h_offs < n_hist, other=0.0)
                     h = tl.where(h_offs == ring_idx, amax, h)
                     window = tl.maximum(window, h)
                 chosen = tl.max(window, axis=0) if ALGO_MAX else amax
                 step_new = tl.div_rn(chosen, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 step_new = tl.where(ok, step_new, 1.0)
-                old_hist = tl.load(ring_ptr + ring_idx, volatile=True)
-                old_step = tl.load(ring_ptr + n_hist, volatile=True)
-                n_bad = tl.load(ring_ptr + n_hist + 1, volatile=True)
-                n_sat_old = tl.load(ring_ptr + n_hist + 2, volatile=True)
+                old_hist = tl.load(ring_ptr + ring_idx)
+                old_step = tl.load(ring_ptr + n_hist)
+                n_bad = tl.load(ring_ptr + n_hist + 1)
+                n_sat_old = tl.load(ring_ptr + n_hist + 2)
                 tl.store(ring_ptr + ring_idx, tl.where(finite, amax, old_hist))
                 tl.store(ring_ptr + n_hist, tl.where(finite, step_new, old_step))
                 tl.store(ring_ptr + n_hist + 1, n_bad + tl.where(finite, 0.0, 1.0))
-                sat_add = tl.sum(sat_total, axis=0).to(tl.float32)
-                tl.store(ring_ptr + n_hist + 2, n_sat_old + sat_add)
-            # Re-arm the ticket for the next launch on this stream.
-            tl.store(ticket_ptr, 0)
+                tl.store(ring_ptr + n_hist + 2, n_sat_old + sat_count.to(tl.float32))
 
 
 # ---------------------------------------------------------------------------------------
 # Launchers: check constraints, allocate, launch.
 
-_TICKETS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_SCRATCH: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 
-def _ticket(device: torch.device) -> torch.Tensor:
-    # One zeroed int32 per (device, stream), reset to 0 by the last program of each launch:
-    # launches on one stream run in order, so a cached ticket needs no memset launch.
+def _scratch(device: torch.device) -> torch.Tensor:
+    # int32 [ticket, amax bits, saturated count] per (device, stream), zeroed once and
+    # zeroed again by the last program of every launch: launches on one stream run in
+    # order, so the cached scratch needs no memset launch of its own.
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
-    t = _TICKETS.get(key)
+    t = _SCRATCH.get(key)
     if t is None:
-        t = torch.zeros(1, dtype=torch.int32, device=device)
-        _TICKETS[key] = t
+        t = torch.zeros(3, dtype=torch.int32, device=device)
+        _SCRATCH[key] = t
     return t
 
 
@@ -279,14 +271,12 @@ def _launch(
     n = x.numel()
     if n == 0:  # nothing to read or write, but the reduction (amax 0) still runs
         x, q = x.new_empty(1), q.new_empty(1)
-    partials = torch.empty(2 * nprog, dtype=torch.int32, device=x.device)
     _quantize_kernel[(nprog,)](
         x.view(torch.int16) if x.dtype == torch.bfloat16 else x,
         q.view(torch.uint8),
         step,
         n,
-        partials,
-        _ticket(x.device),
+        _scratch(x.device),
         amax_out,
         step_out,
         ring,
