@@ -84,9 +84,11 @@ def child(mode: str, device: torch.device, budget_s: float) -> dict[str, float]:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
         b = torch.randn(n, device=device, dtype=torch.bfloat16)
-        out[f"linear {m}x{k}x{n}"] = best_per_call(
-            lambda x=x, w=w, b=b: functional.linear(x, w, b), device, budget_s
-        )
+
+        def run(x: torch.Tensor = x, w: torch.Tensor = w, b: torch.Tensor = b) -> object:
+            return functional.linear(x, w, b)
+
+        out[f"linear {m}x{k}x{n}"] = best_per_call(run, device, budget_s)
     y = torch.randn(8, 64, device=device)
     out["add 8x64"] = best_per_call(lambda: torch.add(y, y), device, budget_s)
     if region is not None:
