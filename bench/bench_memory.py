@@ -7,8 +7,9 @@ against plain mixed-precision AdamW, from one run.
 Plain: f32 weights on the compute device, bf16 autocast, f32 gradients, AdamW state on the
 compute device (the 16 bytes/param baseline). Offloaded: bf16 weights on the compute device,
 ``LowPrecGradAccumulator`` (bf16 buffers) and ``OffloadedOptimizer`` (f32 masters + AdamW
-state) on the host. Targets (GPU): at most 4 bytes/param on the compute device, at most 20%
-slower per step. Nothing is asserted; the script prints the figures side by side.
+state) on the host. Both sides use fused AdamW. Targets (GPU): at most 4 bytes/param on
+the compute device, at most 20% slower per step. Nothing is asserted; the script prints the
+figures side by side.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # ----- plain mixed-precision AdamW --------------------------------------------------
     plain = build(dim, args.layers, torch.float32, device)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=True)
     autocast_dtype = torch.bfloat16
 
     def plain_backwards() -> None:
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     ours = build(dim, args.layers, torch.bfloat16, device)
     acc = LowPrecGradAccumulator(ours.parameters(), ctx)
-    opt = OffloadedOptimizer(ours.parameters(), ctx, lr=1e-4)
+    # fused AdamW runs ~8x faster than the per-tensor loop on CPU masters.
+    opt = OffloadedOptimizer(ours.parameters(), ctx, lr=1e-4, fused=True)
 
     def our_backwards() -> None:
         for x in xs:

@@ -93,6 +93,7 @@ def test_matches_plain_adamw_step_for_step(sched: str) -> None:
         (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),
         (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True}),
         (torch.optim.RMSprop, {"lr": 1e-3}),
+        (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),  # fast on CPU masters
     ],
 )
 def test_any_torch_optimizer_class_matches_its_plain_twin(

@@ -74,7 +74,8 @@ def test_cuda_staged_gradients_equal_blocking_ones_and_release_device_memory() -
             assert a is not None and b is not None and a.device.type == "cpu"
             # Staging rounds to bf16 before the add (blocking adds the f32 grad): within
             # the bound, not bit-identical.
-            assert torch.allclose(a.float(), b.float(), rtol=0.05, atol=1e-3)
+            diff = float((a.double() - b.double()).norm())
+            assert diff <= 0.02 * float(b.double().norm())
         if hasattr(torch.cuda, "host_memory_stats"):
             pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
             if pinned_before is None:
