@@ -8,6 +8,7 @@ from typing import Literal, get_args
 
 import torch
 
+from computectx.dtypes import DType
 from computectx.memory.accumulator import LowPrecGradAccumulator
 from computectx.memory.optimizer import OffloadedOptimizer, _tensors_in
 
@@ -49,13 +50,16 @@ class MemoryReport:
         self,
         device: str | torch.device | None = None,
         role: Role | None = None,
-        dtype: torch.dtype | str | None = None,
+        dtype: torch.dtype | DType | str | None = None,
     ) -> int:
-        """Total bytes matching every filter given (``None`` matches everything)."""
+        """Total bytes matching every filter given (``None`` matches everything).
+
+        ``dtype`` may be a ``torch.dtype``, a ``DType``, or a name (``"bfloat16"``, ``"bf16"``).
+        """
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown role {role!r}; accepted: {', '.join(map(repr, ROLES))}")
         dev = None if device is None else str(torch.device(device))
-        dt = None if dtype is None else str(dtype).removeprefix("torch.")
+        dt = None if dtype is None else _dtype_name(dtype)
         return sum(
             r.bytes
             for r in self.rows
@@ -92,6 +96,17 @@ class MemoryReport:
         return "\n".join(lines)
 
 
+def _dtype_name(dtype: torch.dtype | DType | str) -> str:
+    if isinstance(dtype, str):
+        found = getattr(torch, dtype.strip(), None)
+        dtype = found if isinstance(found, torch.dtype) else DType.parse(dtype)
+    if isinstance(dtype, DType):
+        dtype = dtype.torch
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, a DType or a name, got {dtype!r}")
+    return str(dtype).removeprefix("torch.")
+
+
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
     storage = t.untyped_storage()
     ptr = storage.data_ptr()
@@ -112,7 +127,8 @@ def memory_report(
     omitted, an ``OffloadedOptimizer``'s compute parameters (or a plain optimizer's
     parameters) stand in. ``accumulator`` adds its buffers; ``optimizer`` adds master
     weights, their gradients, optimizer state and staging buffers. Only real tensors are
-    counted; a storage shared by several tensors counts once.
+    counted (module buffers are not parameters and are left out); a storage shared by
+    several tensors counts once.
     """
     params = _model_params(model, optimizer)
     tagged: list[tuple[Role, torch.Tensor]] = []

@@ -74,6 +74,8 @@ def test_after_backward_the_compute_side_holds_no_f32_gradients() -> None:
     assert r.bytes(role="grads") == 0
     assert r.bytes(dtype=torch.float32) == 0
     assert r.bytes(role="accumulator", dtype="bfloat16") == 2 * p
+    assert r.bytes(role="accumulator", dtype=DType.BF16) == 2 * p
+    assert r.bytes(dtype="bf16") == 4 * p  # weights + sums
     assert r.bytes_per_param(roles=["params", "grads"]) == 2.0
     assert r.bytes_per_param() == 4.0
 
@@ -134,6 +136,8 @@ def test_report_text_and_filters() -> None:
     assert "params" in text and "float32" in text and f"{r.parameters:,}" in text
     with pytest.raises(ValueError, match=r"'weights'.*'params'"):
         r.bytes(role="weights")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown dtype 'float99'"):
+        r.bytes(dtype="float99")
     with pytest.raises(TypeError, match="one tensor"):
         memory_report(torch.zeros(3))
     with pytest.raises(TypeError, match="LowPrecGradAccumulator"):
