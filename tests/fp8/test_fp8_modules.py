@@ -352,3 +352,20 @@ def test_serving_layer_still_passes_input_gradients() -> None:
         plain = served(x.detach())
     w = served.weight_fp8.float() * served.weight_step
     assert torch.allclose(plain, functional.linear(x.detach(), w, served.bias), atol=1e-6)
+
+
+@pytest.mark.parametrize("flag", ["fp8_e4m3", "fp8_e5m2", "fp8_hybrid"])
+def test_from_flag_policies_train(flag: str) -> None:
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    assert ctx.fp8 is not None and ctx.compute is DType.BF16
+    m = Fp8Linear(32, 32, ctx=ctx)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    torch.autograd.backward(y.float().square().sum())
+    assert x.grad is not None and m.weight.grad is not None
+    assert torch.isfinite(m.weight.grad).all()
+    s = fp8_stats(nn.Sequential(m))["0"]
+    fwd, bwd = ctx.fp8.format.forward, ctx.fp8.format.backward
+    assert s.input.step == pytest.approx(s.input.amax / fwd.max, rel=1e-6)
+    assert s.grad.step == pytest.approx(s.grad.amax / bwd.max, rel=1e-6)
