@@ -326,6 +326,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for mp in self._master:
                 mp.grad = None
             return loss
+        if all(mp.grad is None for mp in self._master):
+            warnings.warn(
+                "OffloadedOptimizer.step() found no gradient on any parameter; if a "
+                "LowPrecGradAccumulator holds them, call ingest_grads(accumulator) first",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         self._inner.step()
         self._sync_to_compute()
         self.last_step_skipped = False

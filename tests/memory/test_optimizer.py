@@ -392,6 +392,21 @@ def test_staged_route_on_the_cpu_path_matches_and_reuses_buffers(
     assert len(addresses) == 2 * len(opt.master_params)  # one grad + one param buffer each
 
 
+def test_step_without_ingesting_the_accumulator_warns() -> None:
+    model, data = model_and_data(14)
+    ctx = CPU.replace(grad=DType.BF16)
+    acc = LowPrecGradAccumulator(model.parameters(), ctx)
+    opt = OffloadedOptimizer(model.parameters(), ctx, lr=1e-2)
+    backward(loss_of(model, data[0]))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.warns(RuntimeWarning, match=r"ingest_grads\(accumulator\)"):
+        opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    opt.ingest_grads(acc)
+    opt.step()
+    assert not any(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
 def test_bad_arguments_raise_clear_errors() -> None:
     model, _ = model_and_data()
     params = list(model.parameters())
