@@ -187,7 +187,7 @@ class Fp8ScalingState:
 
     def conform(self, policy: Fp8Policy, device: torch.device) -> None:
         """Make the rings fit ``policy`` and live on ``device`` (no-op when they do)."""
-        if policy != self.policy:
+        if policy is not self.policy and policy != self.policy:
             n = history_len_of(policy)
             for role, op in self.operands.items():
                 if op.history_len != n:
