@@ -70,7 +70,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __init__(
         self,
-        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        params_or_groups: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         ctx: ComputeCtx,
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         **optimizer_kwargs: Any,
@@ -97,7 +97,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._master: list[torch.Tensor] = []
         self._grad_staging: dict[int, Staging] = {}
         self._param_staging: dict[int, Staging] = {}
-        groups = _normalise_groups(params)
+        groups = _normalise_groups(params_or_groups)
         master_groups = []
         for gi, group in enumerate(groups):
             compute = self._check_group(group, f"param_groups[{gi}]", seen=set())
