@@ -5,7 +5,7 @@ convention of ``computectx.fp8.policy``, with the margin as headroom (the amax l
 ``fmt.max / 2**margin``, so values may grow ``2**margin``-fold before they saturate):
 
     step  = amax / (fmt.max / 2**margin)   (1.0 when that is zero or amax is not finite)
-    q     = fp8(clamp(x / step, -fmt.max, fmt.max))   round to nearest even, NaN stays NaN
+    q     = fp8(clamp(x / step, -fmt.max, fmt.max))   round to nearest even; NaN -> 0x7F
     x_hat = q.float() * step
 
 All arithmetic is float32 in the order the kernels use, so quantized bytes agree bit for bit.
@@ -74,9 +74,13 @@ def quantize_with_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with a given step; also return ``amax(x)`` (float32, shape ``(1,)``).
 
-    Out-of-range values (including ±inf) saturate to ``±fmt.max``; NaN stays NaN.
+    Out-of-range values (including ±inf) saturate to ``±fmt.max``; NaN stays NaN, always
+    the positive fp8 NaN (byte ``0x7F``) whatever the sign or payload of the input NaN.
     """
     s = _scaled(x, step)
+    # The sign of a NaN that arithmetic produces differs between CPUs and GPUs, so every NaN
+    # becomes the one positive NaN (fp8 byte 0x7F) on every backend.
+    s = torch.where(torch.isnan(s), torch.full_like(s, math.nan), s)
     # clamp keeps NaN (it is not ordered against the bounds) and maps ±inf to ±fmt.max;
     # torch's float32 -> fp8 conversion rounds to nearest even, handling subnormals.
     q = s.clamp(-fmt.max, fmt.max).to(fmt.torch)

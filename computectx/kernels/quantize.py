@@ -79,10 +79,11 @@ def _fp8_bits(  # type: ignore[no-untyped-def]
     # 2**MANT is the smallest normal, whose code is the same number).
     a = mag.to(tl.float32, bitcast=True)
     sub = (a + SUB_MAGIC).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
-    code = tl.where(mag >= MIN_NORMAL_BITS, normal, sub)
-    # NaN (any payload) becomes the code torch writes, 0x7F with the sign kept.
+    code = tl.where(mag >= MIN_NORMAL_BITS, normal, sub) | sign
+    # Every NaN (any sign, any payload) becomes the positive NaN byte 0x7F: the sign of a
+    # NaN produced by x / step is not the same on CPUs and GPUs, so it carries nothing.
     code = tl.where(mag > 0x7F800000, 0x7F, code)
-    return (code | sign).to(tl.uint8)
+    return code.to(tl.uint8)
 
 
 @triton.jit

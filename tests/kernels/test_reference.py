@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import DType, Fp8Format
@@ -93,11 +93,12 @@ def test_midpoints_round_to_even(fmt: Fp8Format) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_saturates_at_max_and_keeps_nan(fmt: Fp8Format, dtype: torch.dtype) -> None:
     big = min(torch.finfo(dtype).max, 1e30)
-    x = torch.tensor([big, -big, math.inf, -math.inf, math.nan, 0.0, -0.0], dtype=dtype)
+    x = torch.tensor([big, -big, math.inf, -math.inf, -math.nan, 0.0, -0.0], dtype=dtype)
     q, a = reference.quantize_with_step(x, fmt, step1())
     v = q.to(torch.float32)
     assert v[:4].tolist() == [fmt.max, -fmt.max, fmt.max, -fmt.max]
     assert math.isnan(v[4].item())
+    assert q.view(torch.uint8)[4].item() == 0x7F  # the one canonical NaN byte
     assert v[5].item() == 0.0
     # -0.0 keeps its sign bit: the byte pattern of fp8 negative zero is 0x80.
     assert q.view(torch.uint8)[6].item() == 0x80
@@ -125,7 +126,6 @@ def _normal_range_values(fmt: Fp8Format) -> st.SearchStrategy[list[float]]:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("margin", [0, 2])
-@settings(max_examples=60)
 @given(data=st.data())
 def test_relative_error_in_normal_range(fmt: Fp8Format, margin: int, data: st.DataObject) -> None:
     values = data.draw(_normal_range_values(fmt))
@@ -145,7 +145,6 @@ def test_relative_error_in_normal_range(fmt: Fp8Format, margin: int, data: st.Da
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@settings(max_examples=40)
 @given(
     values=st.lists(st.floats(allow_nan=False, allow_infinity=True, width=32), min_size=1),
     step=st.floats(min_value=2.0**-20, max_value=2.0**20, width=32),
@@ -299,7 +298,6 @@ def test_scaled_mm_within_derived_bound(
     assert bool((err <= bound).all()), (err - bound).max()
 
 
-@settings(max_examples=30)
 @given(
     m=st.integers(1, 9),
     n=st.integers(1, 9),

@@ -1,0 +1,1 @@
+"""Kernel tests: Triton kernels against their pure-torch twins."""
