@@ -233,7 +233,9 @@ def _mode_stack() -> list[object]:
 
 def _acquire_mode() -> _ThreadDispatch:
     d = _thread_dispatch()
-    if d.count == 0 and not any(m is d.mode for m in _mode_stack()):
+    # Checked on every entry, not only the first: torch pops whatever mode is on top, so a
+    # foreign mode exiting out of order (interleaved tasks) can have removed ours.
+    if not any(m is d.mode for m in _mode_stack()):
         d.mode.__enter__()  # type: ignore[no-untyped-call]
     d.count += 1
     return d

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 from torch.nn import functional
+from torch.overrides import TorchFunctionMode
 
 from computectx import ComputeCtx, DType
 from computectx.fp8 import (
@@ -286,3 +289,31 @@ def test_inference_mode_inside_a_region() -> None:
     # State created under inference mode can still be updated outside it.
     with fp8_autocast(CTX):
         lin(x).sum().backward()
+
+
+class _Passthrough(TorchFunctionMode):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_foreign_mode_closing_out_of_order_leaves_dispatch_inert_then_reused() -> None:
+    # Interleaved tasks can close a region while another mode sits above ours.
+    lin, x = fixture_linear()
+    plain = lin(x)
+    region, user = fp8_autocast(CTX), _Passthrough()
+    region.__enter__()
+    user.__enter__()  # type: ignore[no-untyped-call]
+    region.__exit__(None, None, None)
+    assert mode_depth() == 2  # ours could not be popped from under the other mode
+    assert torch.equal(lin(x), plain)  # but it is inert: no region is open
+    user.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    with fp8_autocast(CTX):
+        assert mode_depth() == 1  # reused, not pushed twice
+        assert is_fp8_result(lin(x), lin, x)
+    assert mode_depth() == 0
