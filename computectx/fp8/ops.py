@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import sys
 from typing import Literal
 
 import torch
@@ -55,6 +56,7 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
+_KERNEL_MODULES = ("computectx.kernels.quantize", "computectx.kernels.scaled_mm")
 
 
 class Fp8Backend(enum.Enum):
@@ -88,7 +90,7 @@ def select_backend(
     cannot run raises ``ValueError`` saying why (a CPU device is accepted only when
     ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter).
     """
-    dev = torch.device(device)
+    dev = _device_arg(device)
     if force is not None:
         chosen = _parse_backend(force)
         if chosen is Fp8Backend.REFERENCE:
@@ -97,7 +99,6 @@ def select_backend(
         if not ok:
             raise ValueError(f"cannot force the triton fp8 backend on {dev}: {why}")
         return chosen, f"triton: forced; {why}"
-    tri = capability.triton_available()
     if dev.type != "cuda":
         cuda = capability.cuda(dev)
         where = f"no CUDA device ({cuda.reason})" if not cuda.ok else f"{dev} is not a GPU"
@@ -105,6 +106,7 @@ def select_backend(
     cores = capability.fp8_tensor_cores(dev)
     if not cores.ok:
         return Fp8Backend.REFERENCE, f"reference: {cores.reason}; {_TRITON_NEEDS}"
+    tri = capability.triton_available()
     if not tri.ok:
         return Fp8Backend.REFERENCE, f"reference: {tri.reason}; the fp8 kernels need triton"
     return Fp8Backend.TRITON, f"triton: {cores.reason}; {tri.reason}"
@@ -118,8 +120,29 @@ def _triton_runs_on(dev: torch.device) -> tuple[bool, str]:
         return False, tri.reason
     interp = capability.triton_interpreter()
     if dev.type == "cpu" and interp.ok:
+        stale = [
+            name
+            for name in _KERNEL_MODULES
+            if name in sys.modules and not getattr(sys.modules[name], "_INTERPRET", True)
+        ]
+        if stale:
+            return False, (
+                f"{', '.join(stale)} was imported before TRITON_INTERPRET=1 was set, so its "
+                f"kernels were compiled for a GPU; set the variable before the first import"
+            )
         return True, f"{interp.reason}; {tri.reason}"
     return False, f"{dev} tensors need a CUDA device or TRITON_INTERPRET=1 ({interp.reason})"
+
+
+def _device_arg(device: object) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError:
+            pass
+    raise ValueError(f"bad device {device!r}; accepted: a torch.device or 'cpu', 'cuda', 'cuda:N'")
 
 
 @functools.cache
