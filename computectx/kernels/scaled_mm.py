@@ -77,7 +77,9 @@ def _round_to_bf16(v):  # type: ignore[no-untyped-def]
 
 @triton.autotune(
     configs=_configs(),
-    key=["M", "N", "K", "stride_ak", "stride_bk", "HAS_BIAS", "OUT_BF16"],
+    # Tuned per power-of-two bucket of M (token counts vary from call to call; N and K are
+    # a layer's shape) and per operand layout, so a new batch size does not retune.
+    key=["m_bucket", "N", "K", "layout", "HAS_BIAS", "OUT_BF16"],
     prune_configs_by={"early_config_prune": _prune},
 )
 @triton.jit
@@ -97,6 +99,8 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
     stride_bk,
     stride_cm,
     stride_cn,
+    m_bucket,  # autotune key only
+    layout,  # autotune key only
     HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -202,6 +206,8 @@ def scaled_mm(
         b.stride(1),
         c.stride(0),
         c.stride(1),
+        triton.next_power_of_2(m),
+        int(a.stride(1) == 1) + 2 * int(b.stride(1) == 1),
         HAS_BIAS=bias is not None,
         OUT_BF16=out_dtype == torch.bfloat16,
     )
