@@ -314,3 +314,24 @@ def test_state_follows_policy_changes() -> None:
     st_ = Fp8ScalingState(Fp8Policy(scaling=DelayedScaling(history_len=3)), "cpu")
     st_.conform(Fp8Policy(scaling=DynamicScaling()), torch.device("cpu"))
     assert all(op.history_len == 1 for op in st_.operands.values())
+
+
+@settings(max_examples=60)
+@given(
+    history=st.lists(st.floats(0.0, 1e4, width=32), min_size=1, max_size=12),
+    data=st.data(),
+    new_len=st.integers(1, 16),
+)
+def test_resize_laws(history: list[float], data: st.DataObject, new_len: int) -> None:
+    idx = data.draw(st.integers(0, len(history) - 1))
+    op = filled(history, idx)
+    out = op.resized(new_len)
+    n = len(history)
+    chron = history[idx:] + history[:idx]  # oldest to newest
+    got = out.ring[:new_len].tolist()
+    assert out.ring[out.newest_amax_index()] == chron[-1]  # the newest amax survives
+    assert got[-min(n, new_len) :] == chron[-min(n, new_len) :]  # newest entries, in order
+    if new_len >= n:
+        assert max(got) == max(chron)  # padding never changes the window max
+        assert got[: new_len - n] == [chron[0]] * (new_len - n)
+    assert out.ring[new_len:].tolist() == op.ring[n:].tolist()
