@@ -74,7 +74,7 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
 
     dtypes: tuple[str, ...] = DEFAULT_DTYPES
     """``--dtype`` flags to compare, in order (``ComputeCtx.from_flag`` names)."""
-    steps: int = Field(default=150, ge=1, le=1_000_000)
+    steps: int = Field(default=120, ge=1, le=1_000_000)
     """Optimizer steps per policy."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
     """Seeds the initial weights, the batch order and the sample."""
@@ -102,6 +102,10 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Bytes generated for each policy's sample (0: no sample)."""
     eval_batches: int = Field(default=4, ge=1, le=4096)
     """Validation batches per evaluation."""
+    threads: int = Field(default=1, ge=1, le=4096)
+    """Intra-op CPU threads torch uses during the run (restored afterwards). One by default:
+    the demo model's matrices are ~128 wide, too small for a second thread to repay its
+    synchronization, and on a busy machine waiting threads slow the run several-fold."""
 
     @field_validator("dtypes", mode="before")
     @classmethod
@@ -390,7 +394,7 @@ def _train_policy(
     opt: torch.optim.Optimizer = offloaded if offloaded is not None else plain  # type: ignore[assignment]
     acc = LowPrecGradAccumulator(params, ctx) if settings.grad_accum > 1 else None
     batches = _train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed)
-    eval_at = {round(settings.steps * k / 8) for k in range(1, 9)} - {0}
+    eval_at = {round(settings.steps * k / 6) for k in range(1, 7)} - {0}
     losses: list[float] = []
     val_curve: list[tuple[int, float]] = [(0, _evaluate(model, val))]
     skipped = 0
@@ -537,28 +541,49 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
     }
 
 
+def _smooth(values: list[float], width: int) -> list[float]:
+    """Centered moving average over the finite values (NaN where a window has none)."""
+    half = width // 2
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - half) : i + half + 1] if math.isfinite(v)]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
+
+
 def _plot(report: DemoReport) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display needed (or wanted) on servers and CI
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    for i, r in enumerate(report.results):
+    results = report.results
+    compare = len(results) > 1
+    fig, axes = plt.subplots(
+        2 if compare else 1,
+        1,
+        figsize=(8, 6.5 if compare else 4.5),
+        dpi=110,
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [2.2, 1]} if compare else None,
+    )
+    ax = axes[0][0]
+    width = max(1, len(results[0].train_losses) // 12)
+    base = _smooth(results[0].train_losses, width)
+    for i, r in enumerate(results):
         color = f"C{i}"
         steps = list(range(1, len(r.train_losses) + 1))
-        ax.plot(steps, r.train_losses, color=color, alpha=0.25, linewidth=0.8)
-        smooth: list[float] = []
-        ema = r.train_losses[0]
-        for v in r.train_losses:
-            ema = v if not math.isfinite(ema) else 0.9 * ema + 0.1 * v
-            smooth.append(ema)
+        smooth = _smooth(r.train_losses, width)
+        ax.plot(steps, r.train_losses, color=color, alpha=0.2, linewidth=0.8)
         ax.plot(steps, smooth, color=color, linewidth=1.6, label=f"{r.flag} train")
         vs = [step for step, _ in r.val_curve]
         vl = [v for _, v in r.val_curve]
         ax.plot(vs, vl, "o--", color=color, markersize=4, linewidth=1, label=f"{r.flag} val")
+        if compare and i:
+            diff = [a - b for a, b in zip(smooth, base, strict=False)]
+            axes[1][0].plot(steps[: len(diff)], diff, color=color, label=f"{r.flag}")
     s = report.settings
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (nats / byte)")
     ax.set_title(
         f"ByteLM on {report.corpus.name} ({s.device}, {s.layers}x{s.d_model}, "
@@ -566,6 +591,13 @@ def _plot(report: DemoReport) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(ncol=2, fontsize=8)
+    if compare:
+        low = axes[1][0]
+        low.axhline(0.0, color="C0", linewidth=1)
+        low.set_ylabel(f"Δ train loss\n(vs {results[0].flag})")
+        low.grid(alpha=0.3)
+        low.legend(fontsize=8)
+    axes[-1][0].set_xlabel(f"optimizer step (train loss: {width}-step moving average)")
     fig.tight_layout()
     fig.savefig(report.plot_path)
     plt.close(fig)
@@ -641,9 +673,14 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         TextColumn("loss {task.fields[loss]:.3f}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True)) as progress:
-        for flag in settings.dtypes:
-            results.append(_train_policy(flag, settings, corpus, val, progress))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        with Progress(*columns, console=Console(stderr=True)) as progress:
+            for flag in settings.dtypes:
+                results.append(_train_policy(flag, settings, corpus, val, progress))
+    finally:
+        torch.set_num_threads(threads)
     report = DemoReport(
         settings=settings,
         corpus=corpus,
@@ -757,6 +794,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         ("d-model", "D", "model width, a multiple of 32"),
         ("layers", "L", "decoder blocks"),
         ("sample-tokens", "N", "bytes generated per sample, 0 for none"),
+        ("threads", "N", "CPU threads for torch during the run"),
     ):
         field = name.replace("-", "_")
         parser.add_argument(
@@ -786,6 +824,7 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
             "d_model",
             "layers",
             "sample_tokens",
+            "threads",
             "lr",
         )
     }
