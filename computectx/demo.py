@@ -31,7 +31,13 @@ from rich.text import Text
 from computectx import capability
 from computectx.ctx import DTYPE_FLAGS, ComputeCtx, TorchDevice, parse_device
 from computectx.dtypes import DType
-from computectx.fp8 import Fp8ConversionReport, convert_to_fp8, fp8_stats, select_backend
+from computectx.fp8 import (
+    Fp8ConversionReport,
+    Fp8Linear,
+    convert_to_fp8,
+    fp8_stats,
+    select_backend,
+)
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
@@ -295,6 +301,7 @@ class PolicyResult:
     memory_bytes: int
     skipped_steps: int
     fp8_converted: int
+    fp8_backend: str | None
     fp8_nonfinite: int | None
     fp8_saturated: float | None
     fp8_layers: dict[str, Any]
@@ -380,12 +387,15 @@ def _train_policy(
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, settings.model_config_for_lm())
     converted = 0
+    backend: str | None = None
     if ctx.fp8 is not None:
         # The demo model is far below convert_to_fp8's default width threshold, where fp8
         # starts to pay off in speed; here fp8 runs for its numerics, so every linear but
         # the output head converts.
         report: Fp8ConversionReport = convert_to_fp8(model, ctx, min_features=16)
         converted = len(report.converted)
+        ran = sorted({m.backend.value for m in model.modules() if isinstance(m, Fp8Linear)})
+        backend = ",".join(ran) or None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     params = list(model.parameters())
@@ -472,6 +482,7 @@ def _train_policy(
         memory_bytes=memory,
         skipped_steps=skipped,
         fp8_converted=converted,
+        fp8_backend=backend,
         fp8_nonfinite=nonfinite,
         fp8_saturated=saturated,
         fp8_layers=layers,
@@ -529,6 +540,7 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
                 "memory_bytes": r.memory_bytes,
                 "skipped_steps": r.skipped_steps,
                 "fp8_converted_linears": r.fp8_converted,
+                "fp8_backend": r.fp8_backend,
                 "fp8_nonfinite": r.fp8_nonfinite,
                 "fp8_saturated_fraction_max": r.fp8_saturated,
                 "fp8_layers": r.fp8_layers,

@@ -87,6 +87,7 @@ def test_fp8_policy_runs_end_to_end(
     assert len(r["train_losses"]) == 12
     assert r["train_loss"] < r["train_losses"][0] - 0.5  # it learned something
     assert r["val_curve"][-1][1] < r["val_curve"][0][1]
+    assert r["fp8_backend"] == "reference"  # what the converted layers ran on
     assert r["fp8_converted_linears"] == 5  # qkv, out and the MLP's gate/up/down; not the head
     assert r["fp8_nonfinite"] == 0
     assert 0.0 <= r["fp8_saturated_fraction_max"] <= 1.0
