@@ -61,7 +61,8 @@ STDLIB_CORPUS_BYTES = 2 * 1024 * 1024
 """Bytes of standard-library source the default corpus reads (whole files, sorted by name)."""
 
 MAX_DATA_BYTES = 64 * 1024 * 1024
-"""Most bytes read from ``--data``; a larger file or folder is cut here (and said so)."""
+"""Most bytes read from ``--data``; a larger file or folder is cut here (the corpus line
+says so)."""
 
 VAL_FRACTION = 0.1
 """Share of the corpus held out for validation: its last bytes (whole trailing files of the
@@ -117,8 +118,10 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     @classmethod
     def _known_flags(cls, value: Any) -> Any:
         if isinstance(value, str):
-            value = tuple(v for v in value.split(","))
-        flags = tuple(str(v).strip().lower() for v in value)
+            value = value.split(",")
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ValueError(f"dtypes must be flag names (strings), got {value!r}")
+        flags = tuple(v.strip().lower() for v in value)
         if not flags:
             raise ValueError("give at least one --dtype")
         for f in flags:
@@ -139,7 +142,7 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
             raise ValueError(f"d_model={value} must be a multiple of 32 (32-wide heads)")
         return value
 
-    def model_config_for_lm(self) -> LMConfig:
+    def lm_config(self) -> LMConfig:
         """The ``LMConfig`` of the demo model (long enough for training and the sample)."""
         longest = max(self.seq_len, len(SAMPLE_PROMPT) + self.sample_tokens)
         return LMConfig(
@@ -171,6 +174,8 @@ class Corpus:
     files: int
     train: torch.Tensor
     val: torch.Tensor
+    truncated: bool = False
+    """Whether reading stopped at the byte cap before the last file."""
 
 
 def _stdlib_files() -> list[Path]:
@@ -224,6 +229,7 @@ def load_corpus(data: Path | None, min_bytes: int = 0) -> Corpus:
         files = _data_files(path)
         cap, name, source = MAX_DATA_BYTES, path.name or str(path), str(path)
     chunks: list[bytes] = []
+    truncated = False
     used = 0
     total = 0
     for f in files:
@@ -239,6 +245,7 @@ def load_corpus(data: Path | None, min_bytes: int = 0) -> Corpus:
         total += len(chunks[-1])
         used += 1
         if total >= cap:
+            truncated = len(chunks[-1]) < len(blob) or f is not files[-1]
             break
     joined = b"\n".join(chunks)
     n_val = int(len(joined) * VAL_FRACTION)
@@ -255,6 +262,7 @@ def load_corpus(data: Path | None, min_bytes: int = 0) -> Corpus:
         files=used,
         train=torch.frombuffer(bytearray(train), dtype=torch.uint8),
         val=torch.frombuffer(bytearray(val), dtype=torch.uint8),
+        truncated=truncated,
     )
 
 
@@ -385,7 +393,7 @@ def _train_policy(
     ctx = _policy_ctx(flag, settings)
     dev = ctx.device
     torch.manual_seed(settings.seed)
-    model = ByteLM(ctx, settings.model_config_for_lm())
+    model = ByteLM(ctx, settings.lm_config())
     converted = 0
     backend: str | None = None
     if ctx.fp8 is not None:
@@ -516,11 +524,12 @@ def _results_json(report: DemoReport) -> dict[str, Any]:
     return {
         "computectx_demo": 1,
         "settings": json.loads(s.model_dump_json()),
-        "model": json.loads(s.model_config_for_lm().model_dump_json()),
+        "model": json.loads(s.lm_config().model_dump_json()),
         "corpus": {
             "name": report.corpus.name,
             "source": report.corpus.source,
             "files": report.corpus.files,
+            "truncated": report.corpus.truncated,
             "train_bytes": report.corpus.train.numel(),
             "val_bytes": report.corpus.val.numel(),
         },
@@ -670,7 +679,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         backend = chosen.value
     out.print(
         f"corpus: {corpus.name} ({corpus.source}): {corpus.files} files, "
-        f"{corpus.train.numel():,} train + {corpus.val.numel():,} validation bytes",
+        f"{corpus.train.numel():,} train + {corpus.val.numel():,} validation bytes"
+        + (" (cut at the byte cap)" if corpus.truncated else ""),
         markup=False,
         highlight=False,
     )

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from computectx import demo
 from computectx.cli import main
 from computectx.demo import (
     MAX_DATA_BYTES,
@@ -285,3 +286,14 @@ def test_settings_validate_like_the_flags() -> None:
         DemoSettings(dtypes=("fp64",))
     with pytest.raises(DemoError, match="does not exist"):
         load_corpus(Path("/nonexistent/computectx-demo-data"))
+
+
+def test_data_is_cut_at_the_byte_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "a.txt").write_text("A" * 600)
+    (tmp_path / "b.txt").write_text("B" * 600)
+    assert not load_corpus(tmp_path).truncated
+    monkeypatch.setattr(demo, "MAX_DATA_BYTES", 1000)
+    corpus = load_corpus(tmp_path)
+    assert corpus.truncated
+    text = bytes(corpus.train.tolist()) + bytes(corpus.val.tolist())
+    assert text == b"A" * 600 + b"\n" + b"B" * 400
