@@ -407,9 +407,12 @@ def _train_policy(
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     params = list(model.parameters())
-    offloaded = OffloadedOptimizer(params, ctx, lr=settings.lr) if settings.offload else None
-    plain = None if offloaded is not None else torch.optim.AdamW(params, lr=settings.lr)
-    opt: torch.optim.Optimizer = offloaded if offloaded is not None else plain  # type: ignore[assignment]
+    offloaded: OffloadedOptimizer | None = None
+    opt: torch.optim.Optimizer
+    if settings.offload:
+        opt = offloaded = OffloadedOptimizer(params, ctx, lr=settings.lr)
+    else:
+        opt = torch.optim.AdamW(params, lr=settings.lr)
     acc = LowPrecGradAccumulator(params, ctx) if settings.grad_accum > 1 else None
     batches = _train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed)
     eval_at = {round(settings.steps * k / 6) for k in range(1, 7)} - {0}
