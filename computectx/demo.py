@@ -111,8 +111,9 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Validation batches per evaluation."""
     threads: int = Field(default=1, ge=1, le=4096)
     """Intra-op CPU threads torch uses during the run (restored afterwards). One by default:
-    the demo model's matrices are ~128 wide, too small for a second thread to repay its
-    synchronization, and on a busy machine waiting threads slow the run several-fold."""
+    the demo model's matrices are ~128 wide, so a second thread gains little overall (fp32
+    speeds up, bf16 and the fp8 reference slow down), and on a busy machine waiting threads
+    slow the run several-fold."""
 
     @field_validator("dtypes", mode="before")
     @classmethod
