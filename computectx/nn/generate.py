@@ -55,8 +55,10 @@ def generate(
 
     With ``use_cache`` the prompt is run once into per-layer KV caches (stored at
     ``ctx.kv``) and each new id costs one position; without it every step recomputes the
-    whole sequence (the reference the cached path is tested against). The result has the
-    prompt's shape with ``max_new_tokens`` more positions.
+    whole sequence (the reference the cached path is tested against). The two agree up to
+    float reassociation when ``ctx.kv`` is at or above ``ctx.compute``; a narrower ``kv``
+    rounds the cached keys and values, which is what that policy asks for. The result has
+    the prompt's shape with ``max_new_tokens`` more positions.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
