@@ -1,0 +1,103 @@
+"""The GPU build of every kernel compiles for sm_89 and sm_90, and pipelines, without a GPU.
+
+The interpreter runs the kernels' semantics but never lowers them to PTX, so an op that
+does not compile for a GPU would only surface on one. Triton compiles ahead of time for a
+named target with the ``ptxas`` it ships, so a child process (without
+``TRITON_INTERPRET``) builds each kernel for Ada and Hopper here, with the alignment hints
+Triton's JIT derives at run time for aligned shapes. It checks the code generation we rely
+on for speed: 16-byte vector loads in the quantize kernel, Hopper ``wgmma`` and
+asynchronous multi-stage copies in the GEMM's main loop for K-major operands.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from computectx.dtypes import Fp8Format
+from computectx.kernels import quantize as kq, scaled_mm as kg
+
+out = {}
+q_names = ["x_ptr", "q_ptr", "step_ptr", "n_elements", "scratch_ptr", "amax_out_ptr",
+           "step_out_ptr", "ring_ptr", "ring_idx", "n_hist"]
+for cap in (89, 90):
+    for xdt, cast, reduce in (("*i16", True, 3), ("*fp16", True, 1), ("*fp32", False, 2),
+                              ("*fp32", True, 0)):
+        sig = dict(zip(q_names, [xdt, "*u8", "*fp32", "i32", "*i32", "*fp32", "*fp32",
+                                 "*fp32", "i32", "i32"]))
+        consts = dict(kq._fmt_constants(Fp8Format.E4M3, 1), X_BF16=xdt == "*i16", CAST=cast,
+                      REDUCE=reduce, ALGO_MAX=True, BLOCK=4096, RBLOCK=1024)
+        sig.update({k: "constexpr" for k in consts})
+        attrs = {(q_names.index(n),): [["tt.divisibility", 16]]
+                 for n in ("x_ptr", "q_ptr", "n_elements")}
+        k = compile(ASTSource(kq._quantize_kernel, sig, consts, attrs),
+                    target=GPUTarget("cuda", cap, 32), options={"num_warps": 8})
+        ptx = k.asm["ptx"]
+        out[f"quantize/{cap}/{xdt}/{reduce}"] = {
+            "v4_loads": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"),
+            "ftz": ".ftz" in ptx,
+        }
+
+g_names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "step_a_ptr", "step_b_ptr", "M", "N", "K",
+           "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_cm", "stride_cn",
+           "m_bucket", "layout"]
+cfg = next(c for c in kg._configs() if c.kwargs["BLOCK_M"] == 128 and c.kwargs["BLOCK_N"] == 128
+           and c.kwargs["BLOCK_K"] == 64 and c.num_warps == 4)
+for cap in (89, 90):
+    sig = dict(zip(g_names, ["*fp8e5", "*fp8e4nv", "*bf16", "*fp32", "*fp32", "*fp32"]
+                   + ["i32"] * 11))
+    consts = dict(cfg.kwargs, HAS_BIAS=True, OUT_BF16=True, stride_ak=1, stride_bk=1)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(g_names.index(n),): [["tt.divisibility", 16]]
+             for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", "stride_am",
+                       "stride_bn", "stride_cm")}
+    k = compile(ASTSource(kg._scaled_mm_kernel.fn, sig, consts, attrs),
+                target=GPUTarget("cuda", cap, 32),
+                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ttgir = k.asm["ttgir"]
+    out[f"gemm/{cap}"] = {
+        "async_copies": ttgir.count("async_copy_global_to_local"),
+        "wgmma": "warp_group_dot" in ttgir,
+        "stages": cfg.num_stages,
+    }
+json.dump(out, sys.stdout)
+"""
+
+
+def test_kernels_compile_for_ada_and_hopper(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default, stated to silence a warning
+    res = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(res.stdout)
+    for name, facts in report.items():
+        if name.startswith("quantize/"):
+            # 16-byte vector loads, and no flush-to-zero arithmetic: subnormal inputs and
+            # steps must round as they do in the twin.
+            assert facts["v4_loads"] > 0, (name, facts)
+            assert not facts["ftz"], (name, facts)
+    for cap in (89, 90):
+        gemm = report[f"gemm/{cap}"]
+        # Both K-major operands are staged with asynchronous copies, one per stage each.
+        assert gemm["async_copies"] >= 2 * (gemm["stages"] - 1), gemm
+    assert report["gemm/90"]["wgmma"], "Hopper should use warp-group MMA for fp8"
+    assert not report["gemm/89"]["wgmma"]
