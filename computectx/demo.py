@@ -31,13 +31,7 @@ from rich.text import Text
 from computectx import capability
 from computectx.ctx import DTYPE_FLAGS, ComputeCtx, TorchDevice, parse_device
 from computectx.dtypes import DType
-from computectx.fp8 import (
-    Fp8ConversionReport,
-    Fp8Linear,
-    convert_to_fp8,
-    fp8_stats,
-    select_backend,
-)
+from computectx.fp8 import Fp8Linear, fp8_stats, select_backend
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
@@ -395,16 +389,9 @@ def _train_policy(
     dev = ctx.device
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, settings.lm_config())
-    converted = 0
-    backend: str | None = None
-    if ctx.fp8 is not None:
-        # The demo model is far below convert_to_fp8's default width threshold, where fp8
-        # starts to pay off in speed; here fp8 runs for its numerics, so every linear but
-        # the output head converts.
-        report: Fp8ConversionReport = convert_to_fp8(model, ctx, min_features=16)
-        converted = len(report.converted)
-        ran = sorted({m.backend.value for m in model.modules() if isinstance(m, Fp8Linear)})
-        backend = ",".join(ran) or None
+    # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    backend = ",".join(sorted({m.backend.value for m in fp8_layers})) or None
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     params = list(model.parameters())
@@ -493,7 +480,7 @@ def _train_policy(
         seconds=train_seconds,
         memory_bytes=memory,
         skipped_steps=skipped,
-        fp8_converted=converted,
+        fp8_converted=len(fp8_layers),
         fp8_backend=backend,
         fp8_nonfinite=nonfinite,
         fp8_saturated=saturated,

@@ -2,12 +2,14 @@
 cache, a SwiGLU MLP, and ``ByteLM``, a small byte-level decoder-only LM with generation.
 
 Every module takes ``ctx`` in its constructor, so the policy is decided once and read
-everywhere. Linear layers are plain ``nn.Linear``; ``computectx.fp8.convert_to_fp8``
-swaps them for fp8 linears when ``ctx.fp8`` is set.
+everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
+``computectx.fp8.Fp8Linear`` (through ``convert_to_fp8``); the LM's output head stays a
+plain ``nn.Linear``.
 """
 
 from computectx.nn.attention import Attention, KVCache
 from computectx.nn.generate import generate, next_token
+from computectx.nn.linears import apply_fp8_policy
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
@@ -24,6 +26,7 @@ __all__ = [
     "LMConfig",
     "RMSNorm",
     "RotaryEmbedding",
+    "apply_fp8_policy",
     "apply_rope",
     "decode_bytes",
     "encode_bytes",

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.nn.linears import apply_fp8_policy
 from computectx.nn.ops import softmax
 from computectx.nn.rope import RotaryEmbedding
 
@@ -70,7 +71,7 @@ class KVCache:
 class Attention(nn.Module):
     """Multi-head causal self-attention with RoPE.
 
-    Projections are plain ``nn.Linear`` (swappable for fp8 linears) run under
+    Projections (``Fp8Linear`` when ``ctx.fp8`` is set, else ``nn.Linear``) run under
     ``ctx.autocast()``; scores and the weighted sum run at ``ctx.compute``; RoPE and the
     softmax go through ``ctx.precise``. With a ``KVCache``, new keys/values are stored at
     ``ctx.kv`` and read back with ``ctx.to_compute``, and queries take positions after the
@@ -92,6 +93,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=ctx.device)
         self.out = nn.Linear(dim, dim, bias=False, device=ctx.device)
         self.rope = RotaryEmbedding(ctx, self.head_dim, max_len, rope_base)
+        apply_fp8_policy(self, ctx)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         """An empty cache for this layer (``max_len`` defaults to the RoPE table length)."""

@@ -11,6 +11,7 @@ from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
+from computectx.fp8 import Fp8Linear
 from computectx.nn.attention import Attention, KVCache
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
@@ -70,8 +71,10 @@ class ByteLM(nn.Module):
 
     Parameters are float32 (the master copy autocast reads); activations flow at
     ``ctx.compute``; norms, RoPE and softmax run through ``ctx.precise``; the KV cache is
-    stored at ``ctx.kv``; the loss's log-sum-exp runs at ``compute ⊔ accum``. The output
-    projection is named ``head`` and is a plain ``nn.Linear``.
+    stored at ``ctx.kv``; the loss's log-sum-exp runs at ``compute ⊔ accum``. When
+    ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
+    ``head``, stays a plain ``nn.Linear`` (logits feed a softmax over all 256 bytes, where
+    fp8's coarse steps would show most).
     """
 
     def __init__(self, ctx: ComputeCtx, config: LMConfig | None = None) -> None:
@@ -95,6 +98,10 @@ class ByteLM(nn.Module):
             if name.endswith(("attn.out.weight", "mlp.down.weight")):
                 std /= math.sqrt(2 * self.config.n_layers)
             nn.init.normal_(p, mean=0.0, std=std)
+
+    def fp8_layers(self) -> list[str]:
+        """Names of the layers that run in fp8 (empty unless ``ctx.fp8`` is set)."""
+        return [name for name, m in self.named_modules() if isinstance(m, Fp8Linear)]
 
     def new_caches(self, batch: int, max_len: int | None = None) -> list[KVCache]:
         """One empty KV cache per block, stored at ``ctx.kv``."""

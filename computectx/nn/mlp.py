@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.nn.linears import apply_fp8_policy
 
 __all__ = ["MLP"]
 
@@ -13,8 +14,8 @@ __all__ = ["MLP"]
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with plain ``nn.Linear`` layers.
 
-    The linears are ordinary ``nn.Linear`` so ``computectx.fp8.convert_to_fp8`` can swap
-    them; the forward runs under ``ctx.autocast()``, so matmuls happen at ``ctx.compute``.
+    The linears are ``Fp8Linear`` when ``ctx.fp8`` is set and ``nn.Linear`` otherwise; the
+    forward runs under ``ctx.autocast()``, so matmuls happen at ``ctx.compute``.
     """
 
     def __init__(self, ctx: ComputeCtx, dim: int, hidden: int) -> None:
@@ -25,6 +26,7 @@ class MLP(nn.Module):
         self.gate = nn.Linear(dim, hidden, bias=False, device=ctx.device)
         self.up = nn.Linear(dim, hidden, bias=False, device=ctx.device)
         self.down = nn.Linear(hidden, dim, bias=False, device=ctx.device)
+        apply_fp8_policy(self, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.ctx.autocast():

@@ -1,14 +1,15 @@
-"""ByteLM under an fp8 policy: linears swap to Fp8Linear, the head stays, training works."""
+"""The blocks under an fp8 policy: linears are Fp8Linear, the head stays, training works."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_stats
-from computectx.nn import ByteLM, LMConfig, encode_bytes, generate
+from computectx.nn import MLP, Attention, ByteLM, LMConfig, encode_bytes, generate
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 TINY = LMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=48)
@@ -16,20 +17,44 @@ TINY = LMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=48)
 
 def _fp8_model() -> ByteLM:
     torch.manual_seed(0)
-    model = ByteLM(CTX, TINY)
-    convert_to_fp8(model, CTX, min_features=16)
-    return model
+    return ByteLM(CTX, TINY)
 
 
 def test_every_linear_but_the_head_runs_in_fp8() -> None:
     model = _fp8_model()
-    fp8 = {name for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
-    assert fp8 == {
+    expected = {
         f"blocks.{i}.{layer}"
         for i in range(2)
         for layer in ("attn.qkv", "attn.out", "mlp.gate", "mlp.up", "mlp.down")
     }
+    assert set(model.fp8_layers()) == expected
     assert type(model.head) is torch.nn.Linear
+    assert all(isinstance(m, Fp8Linear) and m.ctx == CTX for m in model.modules()
+               if isinstance(m, torch.nn.Linear) and m is not model.head)  # fmt: skip
+    # Converting again finds nothing left to do but the head it is told to leave alone.
+    again = convert_to_fp8(model, CTX, min_features=16)
+    assert again.converted == ()
+
+
+def test_without_fp8_the_blocks_keep_plain_linears() -> None:
+    model = ByteLM(ComputeCtx.from_flag("bf16", "cpu"), TINY)
+    assert model.fp8_layers() == []
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_standalone_blocks_follow_ctx_fp8() -> None:
+    mlp = MLP(CTX, 32, 64)
+    attn = Attention(CTX, 32, 2, max_len=8)
+    assert all(isinstance(m, Fp8Linear) for m in (mlp.gate, mlp.up, mlp.down, attn.qkv, attn.out))
+    x = torch.randn(2, 5, 32)
+    assert mlp(x).dtype == torch.bfloat16 and attn(x).shape == (2, 5, 32)
+
+
+def test_fp8_blocks_refuse_widths_fp8_cannot_tile() -> None:
+    with pytest.raises(ValueError, match="multiples of 16"):
+        MLP(CTX, 32, 40)
+    with pytest.raises(ValueError, match="cannot run qkv, out in fp8"):
+        Attention(CTX, 24, 2, max_len=8)
 
 
 def test_fp8_model_trains_and_reports_finite_scales() -> None:

@@ -1,0 +1,32 @@
+"""How the blocks honour ``ctx.fp8``: their linears become ``Fp8Linear`` when it is set."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from computectx.ctx import ComputeCtx
+from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.fp8.modules import FEATURE_MULTIPLE
+
+__all__ = ["apply_fp8_policy"]
+
+
+def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:
+    """Swap every ``nn.Linear`` inside ``block`` for an ``Fp8Linear`` when ``ctx.fp8`` is set;
+    do nothing otherwise.
+
+    A ctx with an fp8 policy asks for fp8, so the blocks convert at any width: the width
+    threshold of ``convert_to_fp8`` is for picking layers of someone else's model. Widths
+    that are not multiples of ``FEATURE_MULTIPLE`` (16) cannot run fp8 GEMM tiles and raise
+    ``ValueError`` rather than quietly staying in high precision.
+    """
+    if ctx.fp8 is None:
+        return
+    report = convert_to_fp8(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
+    refused = [s for s in report.skipped if not isinstance(block.get_submodule(s.fqn), Fp8Linear)]
+    if refused:
+        raise ValueError(
+            f"{type(block).__name__} cannot run {', '.join(s.fqn for s in refused)} in fp8 "
+            f"under {str(ctx)!r}: {'; '.join(s.reason for s in refused)}. Use widths that are "
+            f"multiples of {FEATURE_MULTIPLE}, or a ctx without fp8"
+        )
