@@ -26,7 +26,7 @@ def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:
     refused = [s for s in report.skipped if not isinstance(block.get_submodule(s.fqn), Fp8Linear)]
     if refused:
         raise ValueError(
-            f"{type(block).__name__} cannot run {', '.join(s.fqn for s in refused)} in fp8 "
-            f"under {str(ctx)!r}: {'; '.join(s.reason for s in refused)}. Use widths that are "
+            f"{type(block).__name__} cannot run its linears in fp8 under {str(ctx)!r}: "
+            f"{'; '.join(f'{s.fqn}: {s.reason}' for s in refused)}. Use widths that are "
             f"multiples of {FEATURE_MULTIPLE}, or a ctx without fp8"
         )

@@ -53,7 +53,7 @@ def test_standalone_blocks_follow_ctx_fp8() -> None:
 def test_fp8_blocks_refuse_widths_fp8_cannot_tile() -> None:
     with pytest.raises(ValueError, match="multiples of 16"):
         MLP(CTX, 32, 40)
-    with pytest.raises(ValueError, match="cannot run qkv, out in fp8"):
+    with pytest.raises(ValueError, match="qkv: in_features=24"):
         Attention(CTX, 24, 2, max_len=8)
 
 
