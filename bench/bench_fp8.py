@@ -99,31 +99,43 @@ def _driver_version() -> str:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
 
 
-def gpu_time_ms(fn: Callable[[], object], warmup: int, reps: int) -> float:
-    """Median wall time of ``fn`` on the current CUDA stream, in milliseconds."""
+def time_ms(dev: str, fn: Callable[[], object], warmup: int, reps: int) -> float:
+    """Median time of ``fn`` in milliseconds: CUDA events on a GPU, a wall clock on the CPU."""
     import torch
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _sync(dev)
     times = []
     for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(float(start.elapsed_time(end)))
+        if dev == "cuda":
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(float(start.elapsed_time(end)))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
 
 
+def _sync(dev: str) -> None:
+    import torch
+
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
 # ---------------------------------------------------------------------------------------
-# GPU benchmarks
+# Benchmarks (on "cuda"; --cpu-smoke runs the same code on "cpu" under the interpreter)
 
 
-def bench_quantize(numel: int, warmup: int, reps: int) -> list[Row]:
+def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     """bf16 -> E4M3 quantize variants against a bf16 device-to-device copy."""
     import torch
 
@@ -132,13 +144,13 @@ def bench_quantize(numel: int, warmup: int, reps: int) -> list[Row]:
 
     tri = ops.Fp8Backend.TRITON
     fmt = Fp8Format.E4M3
-    x = torch.randn(numel, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
-    step = torch.tensor([x.float().abs().max().item() / fmt.max], device="cuda")
-    ring = ops.ring_new(16, "cuda")
+    step = torch.tensor([x.float().abs().max().item() / fmt.max], device=dev)
+    ring = ops.ring_new(16, dev)
     ops.seed_ring(ring, x, fmt, 0)
 
-    t_copy = gpu_time_ms(lambda: dst.copy_(x), warmup, reps)
+    t_copy = time_ms(dev, lambda: dst.copy_(x), warmup, reps)
     copy_bw = 2 * x.nbytes / t_copy / 1e6  # read + write, GB/s
     rows = [Row(f"copy bf16 ({numel / 2**20:.0f} Mi elements)", f"{copy_bw:8.0f} GB/s")]
     # Minimal traffic of a quantize: read 2 bytes, write 1 byte per element.
@@ -165,25 +177,28 @@ def bench_quantize(numel: int, warmup: int, reps: int) -> list[Row]:
         ),
     ]
     for name, fn in cases:
-        t = gpu_time_ms(fn, warmup, reps)
+        t = time_ms(dev, fn, warmup, reps)
         bw = moved / t / 1e6
         target = QUANTIZE_TARGET if "triton" in name and "dynamic" not in name else None
         rows.append(Row(name, f"{bw:8.0f} GB/s", bw / copy_bw, target, check))
     return rows
 
 
-def bench_gemm(warmup: int, reps: int) -> list[Row]:
+def bench_gemm(
+    dev: str, shapes: tuple[tuple[int, int, int], ...], warmup: int, reps: int
+) -> list[Row]:
     """fp8 GEMM (bf16 out) against torch._scaled_mm and bf16 torch.mm, at every shape."""
     import torch
 
     rows: list[Row] = []
-    for m, k, n in GEMM_SHAPES:
-        rows += _gemm_rows(m, k, n, warmup, reps)
-        torch.cuda.empty_cache()
+    for m, k, n in shapes:
+        rows += _gemm_rows(dev, m, k, n, warmup, reps)
+        if dev == "cuda":
+            torch.cuda.empty_cache()
     return rows
 
 
-def _gemm_rows(m: int, k: int, n: int, warmup: int, reps: int) -> list[Row]:
+def _gemm_rows(dev: str, m: int, k: int, n: int, warmup: int, reps: int) -> list[Row]:
     import torch
 
     from computectx.dtypes import Fp8Format
@@ -192,8 +207,8 @@ def _gemm_rows(m: int, k: int, n: int, warmup: int, reps: int) -> list[Row]:
     tri = ops.Fp8Backend.TRITON
     fmt = Fp8Format.E4M3
     flops = 2.0 * m * n * k
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+    w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
     a, sa, _ = ops.quantize_dynamic(x, fmt, 0, backend=tri)
     b, sb, _ = ops.quantize_dynamic(w, fmt, 0, backend=tri)
     # The layouts the backward pass hands in: dgrad dY @ W (b is a .t() view) and wgrad
@@ -218,18 +233,18 @@ def _gemm_rows(m: int, k: int, n: int, warmup: int, reps: int) -> list[Row]:
 
     t0 = time.perf_counter()
     y = ours()  # the first call autotunes
-    torch.cuda.synchronize()
+    _sync(dev)
     tune_s = time.perf_counter() - t0
     y_ref = theirs()
     rel = ((y.float() - y_ref.float()).norm() / y_ref.float().norm()).item()
     check = f"rel diff vs _scaled_mm {rel:.1e}" + ("" if rel < 1e-2 else " TOO LARGE")
 
-    t_ours = gpu_time_ms(ours, warmup, reps)
-    t_sm = gpu_time_ms(theirs, warmup, reps)
-    t_fast = gpu_time_ms(lambda: theirs(True), warmup, reps)
-    t_bf16 = gpu_time_ms(lambda: torch.mm(x, w.t()), warmup, reps)
-    t_dgrad = gpu_time_ms(dgrad_layout, warmup, reps)
-    t_wgrad = gpu_time_ms(wgrad_layout, warmup, reps)
+    t_ours = time_ms(dev, ours, warmup, reps)
+    t_sm = time_ms(dev, theirs, warmup, reps)
+    t_fast = time_ms(dev, lambda: theirs(True), warmup, reps)
+    t_bf16 = time_ms(dev, lambda: torch.mm(x, w.t()), warmup, reps)
+    t_dgrad = time_ms(dev, dgrad_layout, warmup, reps)
+    t_wgrad = time_ms(dev, wgrad_layout, warmup, reps)
 
     def tflops(t: float) -> str:
         return f"{flops / t / 1e9:7.0f} TFLOP/s"
@@ -245,7 +260,9 @@ def _gemm_rows(m: int, k: int, n: int, warmup: int, reps: int) -> list[Row]:
     ]
 
 
-def bench_linear(warmup: int, reps: int) -> list[Row]:
+def bench_linear(
+    dev: str, shape: tuple[int, int, int], warmup: int, reps: int, force: str | None = None
+) -> list[Row]:
     """Fp8Linear (HYBRID, delayed scaling) forward+backward against bf16 nn.Linear."""
     import torch
     from torch import nn
@@ -257,16 +274,16 @@ def bench_linear(warmup: int, reps: int) -> list[Row]:
     except ImportError as e:
         return [Row("Fp8Linear", "unavailable", check=f"import failed: {e}")]
 
-    m, k, n = LINEAR_SHAPE
-    ctx = ComputeCtx.from_flag("fp8_hybrid", "cuda")
-    ref = nn.Linear(k, n, bias=True, device="cuda", dtype=torch.bfloat16)
-    fp8 = Fp8Linear(k, n, bias=True, ctx=ctx, device="cuda", dtype=torch.bfloat16)
+    m, k, n = shape
+    ctx = ComputeCtx.from_flag("fp8_hybrid", dev)
+    ref = nn.Linear(k, n, bias=True, device=dev, dtype=torch.bfloat16)
+    fp8 = Fp8Linear(k, n, bias=True, ctx=ctx, backend=force, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         fp8.weight.copy_(ref.weight)
         assert fp8.bias is not None and ref.bias is not None
         fp8.bias.copy_(ref.bias)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device=dev, dtype=torch.bfloat16)
 
     def step(layer: nn.Module) -> Callable[[], None]:
         def run() -> None:
@@ -282,8 +299,8 @@ def bench_linear(warmup: int, reps: int) -> list[Row]:
         y16 = ref(x).float()
     sqnr = 10 * math.log10((y16.pow(2).mean() / (y8 - y16).pow(2).mean()).item())
     check = f"output SQNR vs bf16 {sqnr:.1f} dB" + ("" if sqnr > 20 else " TOO LOW")
-    t8 = gpu_time_ms(step(fp8), warmup, reps)
-    t16 = gpu_time_ms(step(ref), warmup, reps)
+    t8 = time_ms(dev, step(fp8), warmup, reps)
+    t16 = time_ms(dev, step(ref), warmup, reps)
     flops = 6.0 * m * n * k
     label = f"M={m} K={k} N={n}"
     return [
@@ -314,12 +331,15 @@ def run_gpu(quick: bool) -> int:
     sections: list[tuple[str, Callable[[], list[Row]]]] = [
         (
             "quantize bf16 -> e4m3 (bandwidth over 3 bytes/element; ratio vs copy)",
-            lambda: bench_quantize(numel, warmup, reps),
+            lambda: bench_quantize("cuda", numel, warmup, reps),
         ),
-        ("scaled GEMM, bf16 out (ratio = their time / our time)", lambda: bench_gemm(warmup, reps)),
+        (
+            "scaled GEMM, bf16 out (ratio = their time / our time)",
+            lambda: bench_gemm("cuda", GEMM_SHAPES, warmup, reps),
+        ),
         (
             "Fp8Linear forward+backward, eager (ratio = bf16 time / fp8 time)",
-            lambda: bench_linear(warmup, reps),
+            lambda: bench_linear("cuda", LINEAR_SHAPE, warmup, reps),
         ),
     ]
     failed = False
@@ -407,6 +427,14 @@ def run_cpu_smoke() -> int:
             good &= sqnr > 20
             ok &= good
             print(f"  Fp8Linear fwd+bwd ({backend}): output SQNR vs bf16 {sqnr:.1f} dB: {good}")
+    # The benchmark functions themselves, at tiny sizes (their timings mean nothing here).
+    print("benchmark code paths at tiny sizes (CPU timings, not performance):")
+    rows = bench_quantize("cpu", 4099, 0, 1)
+    rows += bench_gemm("cpu", ((37, 45, 29),), 0, 1)
+    rows += bench_linear("cpu", (16, 64, 48), 0, 1, force="triton")
+    for row in rows:
+        print(row.line())
+        ok &= not ("DIFFER" in row.check or "TOO" in row.check or "failed" in row.check)
     print("cpu smoke:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
