@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.nn.linears import apply_fp8_policy
+from computectx.nn.linears import apply_fp8_policy, param_dtype
 from computectx.nn.ops import softmax
 from computectx.nn.rope import RotaryEmbedding
 
@@ -90,8 +90,9 @@ class Attention(nn.Module):
         self.n_heads = n_heads
         self.head_dim = dim // n_heads
         self.max_len = max_len
-        self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=ctx.device)
-        self.out = nn.Linear(dim, dim, bias=False, device=ctx.device)
+        dt = param_dtype(ctx)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=ctx.device, dtype=dt)
+        self.out = nn.Linear(dim, dim, bias=False, device=ctx.device, dtype=dt)
         self.rope = RotaryEmbedding(ctx, self.head_dim, max_len, rope_base)
         apply_fp8_policy(self, ctx)
 

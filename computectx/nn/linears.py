@@ -1,14 +1,26 @@
-"""How the blocks honour ``ctx.fp8``: their linears become ``Fp8Linear`` when it is set."""
+"""How the blocks store parameters: at ``compute ⊔ master``, as ``Fp8Linear`` under fp8."""
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.dtypes import promote
 from computectx.fp8 import Fp8Linear, convert_to_fp8
 from computectx.fp8.modules import FEATURE_MULTIPLE
 
-__all__ = ["apply_fp8_policy"]
+__all__ = ["apply_fp8_policy", "param_dtype"]
+
+
+def param_dtype(ctx: ComputeCtx) -> torch.dtype:
+    """The dtype the blocks store parameters at: ``ctx.compute ⊔ ctx.master``.
+
+    With the default F32 master that is F32 for F16/BF16/F32 policies (autocast reads the
+    F32 copy and computes at ``compute``) and F64 for an F64 policy, whose matmuls need F64
+    weights because autocast never raises precision.
+    """
+    return promote(ctx.compute, ctx.master).torch
 
 
 def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:

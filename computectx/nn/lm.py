@@ -13,6 +13,7 @@ from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Linear
 from computectx.nn.attention import Attention, KVCache
+from computectx.nn.linears import param_dtype
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
 
@@ -69,7 +70,8 @@ class DecoderBlock(nn.Module):
 class ByteLM(nn.Module):
     """Decoder-only LM over bytes (vocabulary 256) threading one ``ComputeCtx``.
 
-    Parameters are float32 (the master copy autocast reads); activations flow at
+    Parameters are stored at ``compute ⊔ master`` (float32 under the usual policies: the
+    copy autocast reads); activations flow at
     ``ctx.compute``; norms, RoPE and softmax run through ``ctx.precise``; the KV cache is
     stored at ``ctx.kv``; the loss's log-sum-exp runs at ``compute ⊔ accum``. When
     ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
@@ -82,10 +84,11 @@ class ByteLM(nn.Module):
         self.ctx = ctx
         self.config = config or LMConfig()
         cfg = self.config
-        self.embed = nn.Embedding(BYTE_VOCAB, cfg.d_model, device=ctx.device)
+        dt = param_dtype(ctx)
+        self.embed = nn.Embedding(BYTE_VOCAB, cfg.d_model, device=ctx.device, dtype=dt)
         self.blocks = nn.ModuleList(DecoderBlock(ctx, cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(ctx, cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, BYTE_VOCAB, bias=False, device=ctx.device)
+        self.head = nn.Linear(cfg.d_model, BYTE_VOCAB, bias=False, device=ctx.device, dtype=dt)
         self._init_weights()
 
     def _init_weights(self) -> None:

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.nn.linears import apply_fp8_policy
+from computectx.nn.linears import apply_fp8_policy, param_dtype
 
 __all__ = ["MLP"]
 
@@ -23,9 +23,10 @@ class MLP(nn.Module):
         if dim <= 0 or hidden <= 0:
             raise ValueError(f"MLP sizes must be positive, got dim={dim!r}, hidden={hidden!r}")
         self.ctx = ctx
-        self.gate = nn.Linear(dim, hidden, bias=False, device=ctx.device)
-        self.up = nn.Linear(dim, hidden, bias=False, device=ctx.device)
-        self.down = nn.Linear(hidden, dim, bias=False, device=ctx.device)
+        dt = param_dtype(ctx)
+        self.gate = nn.Linear(dim, hidden, bias=False, device=ctx.device, dtype=dt)
+        self.up = nn.Linear(dim, hidden, bias=False, device=ctx.device, dtype=dt)
+        self.down = nn.Linear(hidden, dim, bias=False, device=ctx.device, dtype=dt)
         apply_fp8_policy(self, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

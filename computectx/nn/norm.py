@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.nn.linears import param_dtype
 from computectx.nn.ops import rms_norm
 
 __all__ = ["RMSNorm"]
@@ -15,7 +16,8 @@ class RMSNorm(nn.Module):
     """``x / rms(x) * weight`` over the last dimension, through ``ctx.precise``.
 
     The output has ``x``'s dtype; the statistics are taken at ``x.dtype ⊔ ctx.accum``.
-    The gain is stored in float32 and applied inside the lifted computation.
+    The gain is stored at ``compute ⊔ master`` (``param_dtype``) and applied inside the
+    lifted computation.
     """
 
     def __init__(self, ctx: ComputeCtx, dim: int, eps: float = 1e-6) -> None:
@@ -26,7 +28,7 @@ class RMSNorm(nn.Module):
             raise ValueError(f"RMSNorm eps must be positive, got {eps!r}")
         self.ctx = ctx
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=ctx.device))
+        self.weight = nn.Parameter(torch.ones(dim, device=ctx.device, dtype=param_dtype(ctx)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(self.ctx, x, self.weight, self.eps)
