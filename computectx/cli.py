@@ -49,8 +49,7 @@ def info_lines() -> list[str]:
     }
     for name, probe in probes.items():
         lines.append(f"  {name:<19} {'yes' if probe.ok else 'no ':<4} {probe.reason}")
-    backend, why = select_backend(dev)
-    lines.append(f"fp8 backend: {backend} ({why})")
+    lines.append(f"fp8 backend: {select_backend(dev)[1]}")
     lines.append("presets:")
     presets = {
         "new(bf16)": ComputeCtx.new(DType.BF16, dev),
