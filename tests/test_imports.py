@@ -1,0 +1,36 @@
+"""``import computectx`` works without triton, and never imports it eagerly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+MODULES = "computectx, computectx.fp8, computectx.memory, computectx.nn, computectx.cli"
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+
+
+def test_every_public_package_imports_without_triton() -> None:
+    # A None entry in sys.modules makes `import triton` raise ImportError, as on a machine
+    # without it.
+    res = _run(
+        "import sys; sys.modules['triton'] = None\n"
+        f"import {MODULES}\n"
+        "from computectx.cli import info_lines\n"
+        "print('\\n'.join(info_lines()))\n"
+    )
+    assert res.returncode == 0, res.stderr
+    assert "triton              no   the triton package is not installed" in res.stdout
+    assert "fp8 backend: reference" in res.stdout
+
+
+def test_importing_computectx_does_not_import_triton() -> None:
+    res = _run(
+        f"import sys\nimport {MODULES}\n"
+        "print(sorted(m for m in sys.modules if m == 'triton' or m.startswith('triton.')))\n"
+        "print(sorted(m for m in sys.modules if m.startswith('computectx.kernels')))\n"
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.splitlines() == ["[]", "[]"], res.stdout
