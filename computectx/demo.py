@@ -676,7 +676,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         highlight=False,
     )
     if backend is not None:
-        out.print(f"fp8 backend: {backend} ({reason})", markup=False, highlight=False)
+        # select_backend's reason starts with the backend's name ("reference: no CUDA ...").
+        out.print(f"fp8 backend: {reason}", markup=False, highlight=False)
     val = _val_batches(corpus, settings.batch_size, settings.seq_len, settings.eval_batches)
     results = []
     columns = (
