@@ -54,11 +54,14 @@ class MemoryReport:
     ) -> int:
         """Total bytes matching every filter given (``None`` matches everything).
 
-        ``dtype`` may be a ``torch.dtype``, a ``DType``, or a name (``"bfloat16"``, ``"bf16"``).
+        ``device`` names one device the way tensors report theirs: ``"cuda"`` without an
+        index means the current CUDA device (as ``torch.device("cuda")`` does when a tensor
+        is made there), and ``"cpu:0"`` is the CPU. ``dtype`` may be a ``torch.dtype``, a
+        ``DType``, or a name (``"bfloat16"``, ``"bf16"``).
         """
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown role {role!r}; accepted: {', '.join(map(repr, ROLES))}")
-        dev = None if device is None else str(torch.device(device))
+        dev = None if device is None else _device_key(device)
         dt = None if dtype is None else _dtype_name(dtype)
         return sum(
             r.bytes
@@ -94,6 +97,17 @@ class MemoryReport:
             )
         lines.append(f"parameters: {self.parameters:,}")
         return "\n".join(lines)
+
+
+def _device_key(device: str | torch.device) -> str:
+    """The device as a tensor on it reports it (``str(t.device)``), for matching rows."""
+    dev = torch.device(device)
+    if dev.type in ("cpu", "meta"):
+        return dev.type  # tensors there never carry an index
+    if dev.index is None and dev.type == "cuda":
+        index = torch.cuda.current_device() if torch.cuda.is_available() else 0
+        return f"cuda:{index}"
+    return str(dev)
 
 
 def _dtype_name(dtype: torch.dtype | DType | str) -> str:

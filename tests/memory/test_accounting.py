@@ -22,6 +22,7 @@ from computectx.memory import (
     OffloadedOptimizer,
     memory_report,
 )
+from computectx.memory.accounting import MemoryRow
 
 
 def model_of(dtype: torch.dtype = torch.float32, device: str = "cpu") -> torch.nn.Module:
@@ -147,6 +148,32 @@ def test_report_text_and_filters() -> None:
     assert memory_report().bytes() == 0 and memory_report().bytes_per_param() == 0.0
 
 
+def test_device_filter_matches_devices_as_tensors_name_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rows carry str(tensor.device): CUDA tensors always have an index, CPU ones never do.
+    r = MemoryReport(
+        rows=(
+            MemoryRow(device="cpu", role="master", dtype="float32", bytes=64, storages=1),
+            MemoryRow(device="cuda:0", role="params", dtype="bfloat16", bytes=8, storages=1),
+            MemoryRow(device="cuda:1", role="params", dtype="bfloat16", bytes=32, storages=1),
+        ),
+        parameters=4,
+    )
+    assert r.bytes(device="cpu") == r.bytes(device="cpu:0") == 64
+    assert r.bytes(device=torch.device("cpu", 0)) == 64
+    assert r.bytes(device="cuda:1") == r.bytes(device=torch.device("cuda", 1)) == 32
+    # An index-less "cuda" is the current CUDA device, as torch.device("cuda") means when a
+    # tensor is created there.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert r.bytes(device="cuda") == r.bytes(device=torch.device("cuda")) == 32
+    assert r.bytes_per_param("cuda") == 8.0
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert r.bytes(device="cuda") == 8
+    assert r.bytes(device="meta") == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_compute_device_holds_only_bf16_weights_after_step() -> None:
     model = model_of(torch.bfloat16, "cuda")
@@ -157,6 +184,7 @@ def test_cuda_compute_device_holds_only_bf16_weights_after_step() -> None:
         model(torch.randn(4, 16, device="cuda", dtype=torch.bfloat16)).float().sum().backward()
     r = memory_report(model, optimizer=opt, accumulator=acc)
     cuda = str(next(iter(model.parameters())).device)
+    assert r.bytes(device="cuda") == r.bytes(device=cuda) > 0
     assert r.bytes(device=cuda, role="grads") == 0
     assert r.bytes(device=cuda, dtype=torch.float32) == 0
     opt.ingest_grads(acc)
