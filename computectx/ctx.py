@@ -47,15 +47,12 @@ def parse_device(value: object) -> torch.device:
 
 
 def _lenient_dtype(value: object) -> object:
-    # Names, aliases and torch dtypes become DType members here; anything else goes on
-    # to pydantic's enum check, whose error lists the accepted values.
-    if isinstance(value, (str, torch.dtype)) or not isinstance(value, DType):
-        return DType.parse(value)  # type: ignore[arg-type]  # parse names the bad input
-    return value
+    # Names, aliases and torch dtypes become members; parse's error quotes anything else.
+    return DType.parse(value)  # type: ignore[arg-type]
 
 
 def _lenient_residency(value: object) -> object:
-    return Residency.parse(value)  # type: ignore[arg-type]  # parse names the bad input
+    return Residency.parse(value)  # type: ignore[arg-type]  # parse quotes a bad input
 
 
 def _lenient_fp8(value: object) -> object:
