@@ -56,13 +56,16 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> pathli
     """Write ``model.state_dict()`` to a safetensors file at ``path``; return the path.
 
     Tied tensors (the same tensor under several names) are stored once and recorded as
-    aliases in the file's metadata, which ``load_weights`` reads back. The file is written
-    to a temporary name and renamed, so a crash never leaves a truncated checkpoint.
+    aliases in the file's metadata, which ``load_weights`` reads back. Module extra state
+    (``get_extra_state``, such as an ``Fp8Linear``'s scaling history) is not a weight and is
+    not stored; keep it with ``torch.save(model.state_dict())`` when a resume needs it. The
+    file is written to a temporary name and renamed, so a crash never leaves a truncated
+    checkpoint.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     target = pathlib.Path(path)
-    named = model.state_dict(keep_vars=True)
+    named = _tensor_entries(model)
     stored: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
@@ -108,7 +111,8 @@ def load_weights(
     tied and optimizers built on the model keep their references. Everything is checked
     first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
     file and the keys) with the model unchanged. dtypes must match exactly: nothing is
-    cast silently.
+    cast silently. Module extra state (not weights, see ``save_weights``) is left as it
+    is, and the report says how many entries that was.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -122,7 +126,8 @@ def load_weights(
         raise FileNotFoundError(f"checkpoint {shown} does not exist or is not a file")
 
     header, aliases = _read_header(file)
-    targets = model.state_dict(keep_vars=True)
+    targets = _tensor_entries(model)
+    kept = len(model.state_dict(keep_vars=True)) - len(targets)
     resolved = _check_keys(file, header, aliases, targets)
     ckpt_bytes = sum(_nbytes(shape, dtype) for shape, dtype in header.values())
 
@@ -150,6 +155,8 @@ def load_weights(
             reason += "; tensors are views of a private memory map of the file"
     else:
         device = ctx.device
+    if kept:
+        reason += f"; {kept} module extra-state entr{'y' if kept == 1 else 'ies'} left as they were"
 
     loaded = _materialise(file, header, chosen, device)
     claimed: dict[str, int] = {}
@@ -177,6 +184,13 @@ def load_weights(
         tensors=len(loaded),
         reason=f"{file}: {reason}",
     )
+
+
+def _tensor_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    # state_dict also holds modules' extra state (arbitrary objects): only tensors are weights.
+    return {
+        k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)
+    }
 
 
 def _read_header(
