@@ -103,17 +103,16 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, dim = x.shape
         start = 0 if cache is None else cache.length
-        pos = torch.arange(start, start + t, device=x.device)
         with self.ctx.autocast():
             qkv = self.ctx.to_compute(self.qkv(x))
             q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
-            q = self.rope(q, pos)
-            k = self.rope(k, pos)
+            q = self.rope(q, start)
+            k = self.rope(k, start)
             if cache is not None:
                 k_all, v_all = cache.append(k, v)
                 k, v = self.ctx.to_compute(k_all), self.ctx.to_compute(v_all)
-            key_pos = torch.arange(k.shape[2], device=x.device)
-            causal = key_pos[None, :] <= pos[:, None]
+            # Query i sits at position start + i and sees keys 0 .. start + i.
+            causal = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(start)
             scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
             # -inf (not a large negative number) so masked keys get exactly zero weight in
             # every dtype; each query sees at least itself, so no row is all -inf.

@@ -14,8 +14,10 @@ __all__ = ["RotaryEmbedding"]
 class RotaryEmbedding(nn.Module):
     """Rotates query/key features by position; tables cover positions ``0 .. max_len-1``.
 
-    ``forward(x, positions)`` takes ``x`` of shape ``(..., T, head_dim)`` and ``positions``
-    of shape ``(T,)`` (absolute positions, so a KV-cached step passes its offset).
+    ``forward(x, start)`` takes ``x`` of shape ``(..., T, head_dim)`` holding the
+    consecutive positions ``start .. start+T-1`` (a KV-cached step passes the cached
+    length as ``start``). Positions are plain ints, so the range check and the table slice
+    need no device-to-host read.
     """
 
     cos: torch.Tensor
@@ -30,10 +32,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if positions.numel() and int(positions.max()) >= self.max_len:
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        end = start + x.shape[-2]
+        if start < 0 or end > self.max_len:
             raise ValueError(
-                f"position {int(positions.max())} is beyond the RoPE table "
+                f"positions {start}..{end - 1} are outside the RoPE table "
                 f"(max_len={self.max_len}); accepted positions: 0..{self.max_len - 1}"
             )
-        return apply_rope(self.ctx, x, self.cos[positions], self.sin[positions])
+        return apply_rope(self.ctx, x, self.cos[start:end], self.sin[start:end])

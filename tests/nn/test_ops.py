@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from computectx import ComputeCtx, DType
-from computectx.nn import RMSNorm, apply_rope, rms_norm, rope_tables, softmax
+from computectx.nn import RMSNorm, RotaryEmbedding, apply_rope, rms_norm, rope_tables, softmax
 
 CPU = torch.device("cpu")
 BF16 = ComputeCtx.new(DType.BF16, CPU)
@@ -145,3 +145,17 @@ def test_apply_rope_rejects_mismatched_tables() -> None:
     cos, sin = rope_tables(8, 4)
     with pytest.raises(ValueError, match="apply_rope"):
         apply_rope(F32, torch.randn(4, 10), cos, sin)
+
+
+def test_rotary_embedding_rotates_consecutive_positions_from_start() -> None:
+    rope = RotaryEmbedding(F32, head_dim=8, max_len=12)
+    cos, sin = rope_tables(8, 12)
+    x = torch.randn(2, 3, 5, 8)
+    assert torch.equal(rope(x), apply_rope(F32, x, cos[:5], sin[:5]))
+    assert torch.equal(rope(x, 7), apply_rope(F32, x, cos[7:12], sin[7:12]))
+    # A cached step continues the sequence: position 4 alone equals row 4 of the full pass.
+    assert torch.equal(rope(x[..., 4:5, :], 4), rope(x)[..., 4:5, :])
+    with pytest.raises(ValueError, match=r"positions 8\.\.12 are outside the RoPE table"):
+        rope(x, 8)
+    with pytest.raises(ValueError, match=r"accepted positions: 0\.\.11"):
+        rope(x, -1)
