@@ -415,12 +415,13 @@ def _train_policy(
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, settings.steps, settings.lr)
-            step_loss = 0.0
+            summed = torch.zeros((), device=dev)
             for _ in range(settings.grad_accum):
                 x, y = next(batches)
                 loss = model.loss(x.to(dev), y.to(dev)) / settings.grad_accum
                 torch.autograd.backward(loss)
-                step_loss += float(loss.detach())
+                summed += loss.detach()
+            step_loss = float(summed)  # one device-to-host read per step, not per micro-batch
             if offloaded is not None:
                 offloaded.ingest_grads(acc)
                 norm = offloaded.clip_grad_norm(1.0)
