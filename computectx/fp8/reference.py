@@ -56,8 +56,11 @@ def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor
     """
     a32 = a.to(torch.float32)
     # fmt.max / 2**margin is exact (a power of two apart), so the step is one IEEE
-    # round-to-nearest division, the same one the kernels perform.
-    target = torch.tensor(fmt.max / 2.0**margin, dtype=torch.float32, device=a.device)
+    # round-to-nearest division, the same one the kernels perform. The divisor is a device
+    # tensor: a Python scalar would let CUDA divide by multiplying with its rounded
+    # reciprocal, and torch.tensor(value, device=...) would be a blocking host-to-device
+    # copy on every call; full_like is a fill on the device.
+    target = torch.full_like(a32, fmt.max / 2.0**margin)
     step = a32 / target
     # A non-finite amax gives a non-finite step; so does a finite one that overflows.
     good = torch.isfinite(step) & (step > 0)
