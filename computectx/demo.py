@@ -228,19 +228,23 @@ def load_corpus(data: Path | None, min_bytes: int = 0) -> Corpus:
     used = 0
     total = 0
     for f in files:
+        room = cap - total
         try:
-            blob = f.read_bytes()
+            with f.open("rb") as fh:
+                # Never more than the cap (plus one byte to tell whether the file goes on),
+                # but always the 4 KiB the binary check looks at.
+                blob = fh.read(max(room + 1, 4096))
         except OSError as e:
             if data is None:
                 continue  # an odd stdlib file is no reason to stop; the user's data is
             raise DemoError(f"cannot read {str(f)!r} under --data: {e.strerror}") from None
         if not blob or not _is_text(blob[:4096]):
             continue
-        chunks.append(blob[: cap - total])
+        chunks.append(blob[:room])
         total += len(chunks[-1])
         used += 1
         if total >= cap:
-            truncated = len(chunks[-1]) < len(blob) or f is not files[-1]
+            truncated = len(blob) > room or f is not files[-1]
             break
     joined = b"\n".join(chunks)
     n_val = int(len(joined) * VAL_FRACTION)

@@ -298,3 +298,12 @@ def test_data_is_cut_at_the_byte_cap(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert corpus.truncated
     text = bytes(corpus.train.tolist()) + bytes(corpus.val.tolist())
     assert text == b"A" * 600 + b"\n" + b"B" * 400
+    # A file far beyond the cap is read only up to it (a sparse 64 GiB file: reading it
+    # whole would never finish).
+    big = tmp_path / "big"
+    big.mkdir()
+    with (big / "huge.txt").open("wb") as fh:
+        fh.write(b"C" * 5000)
+        fh.truncate(1 << 36)
+    corpus = load_corpus(big)
+    assert corpus.truncated and corpus.train.numel() + corpus.val.numel() == 1000
