@@ -47,6 +47,9 @@ breaks even, and at 1024 the saving is still well under half the ideal. Pass
 ``min_features`` to ``convert_to_fp8`` to choose otherwise (tests use 16)."""
 
 
+_FROZEN_BUFFERS = ("weight_fp8", "weight_step")
+
+
 class Fp8Linear(nn.Linear):
     """A drop-in ``nn.Linear`` whose GEMMs run in fp8 under ``ctx.fp8``.
 
@@ -243,8 +246,18 @@ class Fp8Linear(nn.Linear):
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # Rings are not buffers (a .to(bfloat16) would round the float32 counts), so they
-        # follow the weight's device here and never change dtype.
-        super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        # follow the weight's device here and never change dtype. The same goes for a
+        # frozen weight: fp8 counts as floating point, so a module-wide .half() or
+        # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the
+        # float32 step; both only follow the device, which fn applied to the step reveals.
+        held = {k: self._buffers.pop(k) for k in _FROZEN_BUFFERS if k in self._buffers}
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+            if held:
+                device = fn(held["weight_step"]).device
+                held = {k: t.to(device) for k, t in held.items()}
+        finally:
+            self._buffers.update(held)
         self.scaling.to(self._storage_device())
         return self
 

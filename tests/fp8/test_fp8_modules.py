@@ -369,3 +369,27 @@ def test_from_flag_policies_train(flag: str) -> None:
     fwd, bwd = ctx.fp8.format.forward, ctx.fp8.format.backward
     assert s.input.step == pytest.approx(s.input.amax / fwd.max, rel=1e-6)
     assert s.grad.step == pytest.approx(s.grad.amax / bwd.max, rel=1e-6)
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half"])
+def test_module_wide_dtype_casts_leave_a_frozen_weight_alone(cast: str) -> None:
+    # fp8 tensors count as floating point, so nn.Module.to(dtype) / .half() would convert
+    # weight_fp8 and round the float32 step if the layer let them.
+    served = Fp8Linear(32, 16, ctx=CTX).freeze_for_serving()
+    data = served.weight_fp8.clone()
+    step = served.weight_step.clone()
+    wide = nn.Sequential(served)
+    if cast == "half":
+        wide.half()
+    else:
+        wide.to(getattr(torch, cast))
+    assert served.weight_fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(served.weight_fp8.view(torch.uint8), data.view(torch.uint8))
+    assert served.weight_step.dtype == torch.float32 and torch.equal(served.weight_step, step)
+    assert served.bias is not None and served.bias.dtype == getattr(torch, cast)
+    assert list(dict(served.named_buffers())) == ["weight_fp8", "weight_step"]
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    assert torch.isfinite(served(x)).all()
+    served.to("meta")  # the device still follows
+    assert served.weight_fp8.is_meta and served.weight_step.is_meta
+    assert served.weight_fp8.dtype == torch.float8_e4m3fn
