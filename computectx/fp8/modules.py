@@ -83,13 +83,9 @@ class Fp8Linear(nn.Linear):
     ) -> None:
         policy = _policy_of(ctx, "Fp8Linear")
         dev = torch.device(device) if device is not None else ctx.device
-        super().__init__(
-            in_features,
-            out_features,
-            bias,
-            device=dev,
-            dtype=dtype if dtype is not None else ctx.master.torch,
-        )
+        param_dtype = dtype if dtype is not None else ctx.master.torch
+        _check_param_dtype("weight", param_dtype)
+        super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
         self.ctx = ctx
         self._forced_backend = (
             None if backend is None else ops.select_backend(dev, force=backend)[0]
@@ -113,6 +109,9 @@ class Fp8Linear(nn.Linear):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
         w = linear.weight
+        _check_param_dtype("weight", w.dtype)
+        if linear.bias is not None:
+            _check_param_dtype("bias", linear.bias.dtype)
         forced = None if backend is None else ops.select_backend(w.device, force=backend)[0]
         new = cls(
             linear.in_features,
@@ -265,6 +264,16 @@ class Fp8Linear(nn.Linear):
         base = super().extra_repr()
         frozen = ", frozen" if self._frozen else ""
         return f"{base}, fp8={self.policy}{frozen}"
+
+
+def _check_param_dtype(name: str, dtype: torch.dtype) -> None:
+    # Checked when the layer is built: a float64 master weight would otherwise only fail
+    # at the first forward, deep inside the quantize call.
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(
+            f"Fp8Linear quantizes its {name} from bf16, fp16 or fp32; got {dtype}. Pass "
+            f"dtype=torch.float32 (or a ctx whose master dtype is f32/bf16/f16)"
+        )
 
 
 def _policy_of(ctx: ComputeCtx, who: str) -> Fp8Policy:

@@ -152,6 +152,16 @@ def test_bad_inputs_and_ctx_are_clear_errors() -> None:
         m(torch.randn(2, 17))
     with pytest.raises(ValueError, match="cannot force the triton"):
         Fp8Linear(16, 16, ctx=CTX, backend="triton")
+    # Parameters fp8 cannot quantize are refused when the layer is built, not at its
+    # first call.
+    with pytest.raises(ValueError, match=r"weight from bf16, fp16 or fp32; got torch\.float64"):
+        Fp8Linear(16, 16, ctx=CTX.replace(master=DType.F64))
+    with pytest.raises(ValueError, match=r"weight .* got torch\.float64"):
+        Fp8Linear.from_linear(nn.Linear(16, 16, dtype=torch.float64), CTX)
+    mixed = nn.Linear(16, 16)
+    mixed.bias = nn.Parameter(torch.zeros(16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"bias .* got torch\.float64"):
+        Fp8Linear.from_linear(mixed, CTX)
 
 
 @pytest.mark.parametrize(
