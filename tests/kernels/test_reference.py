@@ -509,6 +509,10 @@ def test_select_backend_on_cpu_says_why(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a GPU machine this process holds compiled kernel modules, which the check rightly
+    # refuses for CPU tensors (next test); here only the environment variable is at stake.
+    for name in ("computectx.kernels.quantize", "computectx.kernels.scaled_mm"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     backend, why = ops.select_backend("cpu", force="triton")
     assert backend is Fp8Backend.TRITON
