@@ -71,9 +71,9 @@ class ByteLM(nn.Module):
     """Decoder-only LM over bytes (vocabulary 256) threading one ``ComputeCtx``.
 
     Parameters are stored at ``compute ⊔ master`` (float32 under the usual policies: the
-    copy autocast reads); activations flow at
-    ``ctx.compute``; norms, RoPE and softmax run through ``ctx.precise``; the KV cache is
-    stored at ``ctx.kv``; the loss's log-sum-exp runs at ``compute ⊔ accum``. When
+    copy autocast reads); activations flow at ``ctx.compute``; norms, RoPE and softmax run
+    through ``ctx.precise``; the KV cache is stored at ``ctx.kv``; the loss's log-sum-exp
+    runs at ``compute ⊔ accum``. When
     ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
     ``head``, stays a plain ``nn.Linear`` (logits feed a softmax over all 256 bytes, where
     fp8's coarse steps would show most).

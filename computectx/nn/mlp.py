@@ -12,7 +12,7 @@ __all__ = ["MLP"]
 
 
 class MLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with plain ``nn.Linear`` layers.
+    """``down(silu(gate(x)) * up(x))``, bias-free.
 
     The linears are ``Fp8Linear`` when ``ctx.fp8`` is set and ``nn.Linear`` otherwise; the
     forward runs under ``ctx.autocast()``, so matmuls happen at ``ctx.compute``.
