@@ -17,7 +17,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from computectx.dtypes import DType
-from computectx.fp8 import ops
+from computectx.fp8 import ops, reference
 from computectx.fp8.policy import Fp8Policy
 from computectx.fp8.scaling import Fp8ScalingState
 
@@ -84,7 +84,7 @@ def _dequantized(plan: Fp8LinearPlan, dtype: torch.dtype) -> torch.Tensor:
     if plan.frozen_weight is None:
         raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
     data, step = plan.frozen_weight
-    return (data.to(torch.float32) * step.reshape(())).to(dtype)
+    return reference.dequantize(data, step, dtype)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):

@@ -11,10 +11,10 @@ from torch import nn
 from torch.nn import functional
 from typing_extensions import Self
 
-from computectx.fp8 import ops
+from computectx.fp8 import ops, reference
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
 from computectx.fp8.policy import Fp8Policy
-from computectx.fp8.region import default_backend, region_fp8_enabled
+from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.scaling import Fp8ScalingState
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class Fp8Linear(nn.Linear):
         """The backend the next call runs on."""
         if self._forced_backend is not None:
             return self._forced_backend
-        return default_backend(self._storage_device())
+        return ops.default_backend(self._storage_device())
 
     def _storage_device(self) -> torch.device:
         w = self.weight_fp8 if self._frozen else self.weight
@@ -168,7 +168,11 @@ class Fp8Linear(nn.Linear):
                 f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
             )
         if region_fp8_enabled() is False:
-            w = self._dequantized_weight(x.dtype) if self._frozen else self.weight.to(x.dtype)
+            w = (
+                reference.dequantize(self.weight_fp8, self.weight_step, x.dtype)
+                if self._frozen
+                else self.weight.to(x.dtype)
+            )
             b = None if self.bias is None else self.bias.to(x.dtype)
             return functional.linear(x, w, b)
         policy = self.policy
@@ -210,9 +214,6 @@ class Fp8Linear(nn.Linear):
         self._frozen = True
         return self
 
-    def _dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.weight_fp8.to(torch.float32) * self.weight_step.reshape(())).to(dtype)
-
     # ----- state ----------------------------------------------------------------------------
 
     def get_extra_state(self) -> dict[str, object]:
@@ -249,7 +250,11 @@ class Fp8Linear(nn.Linear):
         # frozen weight: fp8 counts as floating point, so a module-wide .half() or
         # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the
         # float32 step; both only follow the device, which fn applied to the step reveals.
-        held = {k: self._buffers.pop(k) for k in _FROZEN_BUFFERS if k in self._buffers}
+        held: dict[str, torch.Tensor] = {}
+        for k in _FROZEN_BUFFERS:
+            t = self._buffers.pop(k, None)
+            if t is not None:
+                held[k] = t
         try:
             super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
             if held:

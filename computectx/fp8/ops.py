@@ -34,6 +34,7 @@ __all__ = [
     "RING_SATURATED",
     "RING_STEP",
     "Fp8Backend",
+    "default_backend",
     "fp8_dequantize",
     "fp8_quantize",
     "quantize_delayed",
@@ -110,6 +111,13 @@ def select_backend(
     if not tri.ok:
         return Fp8Backend.REFERENCE, f"reference: {tri.reason}; the fp8 kernels need triton"
     return Fp8Backend.TRITON, f"triton: {cores.reason}; {tri.reason}"
+
+
+@functools.cache
+def default_backend(device: torch.device) -> Fp8Backend:
+    """``select_backend(device)``'s choice, cached per device: a device's capabilities do
+    not change while a process runs, and the probes are too slow for every linear call."""
+    return select_backend(device)[0]
 
 
 def _triton_runs_on(dev: torch.device) -> tuple[bool, str]:
@@ -415,7 +423,7 @@ def fp8_quantize(
     """
     data = _input_arg(x)
     f = _fmt_arg(fmt)
-    backend, _ = select_backend(data.device)
+    backend = default_backend(data.device)
     if scale is None:
         q, step, _ = quantize_dynamic(data, f, 0, backend=backend)
         return q, step
@@ -439,5 +447,4 @@ def fp8_dequantize(
             f"data must be float8_e4m3fn or float8_e5m2 (from fp8_quantize), got {data.dtype}"
         )
     target = DType.parse(dtype).torch
-    step = _scale_arg(scale, data.device)
-    return (data.to(torch.float32) * step.reshape(())).to(target)
+    return reference.dequantize(data, _scale_arg(scale, data.device), target)

@@ -25,6 +25,7 @@ from computectx.dtypes import Fp8Format
 
 __all__ = [
     "amax",
+    "dequantize",
     "quantize_delayed",
     "quantize_dynamic",
     "quantize_with_step",
@@ -88,6 +89,12 @@ def quantize_with_step(
     # torch's float32 -> fp8 conversion rounds to nearest even, handling subnormals.
     q = s.clamp(-fmt.max, fmt.max).to(fmt.torch)
     return q, amax(x)
+
+
+def dequantize(data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * step`` formed in float32 (exact: fp8 values widen exactly and the product
+    is one rounding), then rounded once to ``dtype``."""
+    return (data.to(torch.float32) * step.to(torch.float32).reshape(())).to(dtype)
 
 
 def saturated_count(x: torch.Tensor, step: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:

@@ -45,20 +45,9 @@ from computectx.fp8.scaling import Fp8ScalingState
 if TYPE_CHECKING:
     from computectx.ctx import ComputeCtx
 
-__all__ = ["default_backend", "fp8_autocast", "region_fp8_enabled", "region_scaling_state"]
+__all__ = ["fp8_autocast", "region_fp8_enabled", "region_scaling_state"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
-
-
-@functools.cache
-def default_backend(device: torch.device) -> ops.Fp8Backend:
-    """``select_backend(device)``'s choice, cached: a device's capabilities do not change
-    while a process runs, and the probes are too slow to sit on every linear call."""
-    return ops.select_backend(device)[0]
-
-
-def _resolve_backend(device: torch.device, forced: ops.Fp8Backend | None) -> ops.Fp8Backend:
-    return default_backend(device) if forced is None else forced
 
 
 # ----- the open region -------------------------------------------------------------------
@@ -342,7 +331,7 @@ def _route_linear(
     plan = Fp8LinearPlan(
         policy=ctx.fp8,
         state=_WEIGHT_STATES.get(w, ctx.fp8),
-        backend=_resolve_backend(w.device, frame.backend),
+        backend=ops.default_backend(w.device) if frame.backend is None else frame.backend,
         gemm_dtype=gemm_dtype_for(ctx.compute),
     )
     return fp8_linear(x, w, b, plan)
