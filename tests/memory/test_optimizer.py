@@ -201,6 +201,55 @@ def test_bf16_accumulator_grads_stay_within_the_bound_every_step() -> None:
     assert 0 < worst <= 1  # bf16 did round somewhere, and never beyond the bound
 
 
+class TiedWithSpares(torch.nn.Module):
+    """An embedding tied to the output head, a layer no forward uses, and a frozen one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(12, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Linear(8, 8).requires_grad_(False)
+        self.head = torch.nn.Linear(8, 12, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.head(torch.tanh(self.frozen(self.mid(self.emb(ids)))))
+        return out
+
+
+def test_tied_unused_and_frozen_params_through_accumulator_and_optimizer() -> None:
+    torch.manual_seed(15)
+    ref = TiedWithSpares()
+    ours = copy.deepcopy(ref)
+    ids = [torch.randint(0, 12, (4, 5)) for _ in range(3 * 4)]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ctx = CPU.replace(grad=DType.F32)
+    acc = LowPrecGradAccumulator(ours.parameters(), ctx)
+    opt = OffloadedOptimizer(ours.parameters(), ctx, lr=1e-2)
+    assert len(opt.master_params) == len(list(ref.parameters()))  # the tie is one parameter
+    assert len(acc.params) == len(opt.master_params) - 2  # frozen weight and bias: no hooks
+    unused_before = [p.detach().clone() for p in ours.unused.parameters()]
+    for step in range(4):
+        for x in ids[3 * step : 3 * step + 3]:
+            backward(ref(x).sin().sum())
+            backward(ours(x).sin().sum())
+        ref_opt.step()
+        ref_opt.zero_grad()
+        assert acc.count(ours.unused.weight) == 0 and acc.count(ours.emb.weight) == 3
+        opt.ingest_grads(acc)
+        opt.step()
+        opt.zero_grad()
+    assert ours.head.weight is ours.emb.weight
+    assert max_diff(ref, ours) <= 1e-6
+    assert all(
+        torch.equal(a, b) for a, b in zip(unused_before, ours.unused.parameters(), strict=True)
+    )
+    assert all(opt.master_of(p) not in opt.state for p in ours.unused.parameters())
+    assert all(opt.master_of(p).grad is None for p in ours.frozen.parameters())
+    acc.close()
+
+
 # ----- non-finite gradients --------------------------------------------------------------
 
 
