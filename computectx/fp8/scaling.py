@@ -13,6 +13,7 @@ elements went through it) lives beside each ring, so no call reads a device valu
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Literal
 
@@ -266,6 +267,7 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
                 f"history_len + 3 >= 4, got {desc!r}"
             )
         n = ring.numel() - 3
+        _check_ring_values(what, role, ring, n)
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
             raise ValueError(
                 f"{what}: operand {role!r} idx must be an int in [0, {n}), got {idx!r}"
@@ -282,3 +284,25 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
         op.idx, op.seeded, op.elements = idx, seeded, elements
         out[role] = op
     return out
+
+
+def _check_ring_values(what: str, role: str, ring: torch.Tensor, n: int) -> None:
+    # Loading reads the values once (a checkpoint is not on the training path): a NaN or
+    # non-positive step would quietly turn every later output into NaN or garbage, and a
+    # NaN amax in the history would poison every window max that includes it.
+    values = ring.detach().to("cpu", torch.float64)
+    hist, step, counts = values[:n], float(values[n]), values[n + 1 :]
+    bad = ~(torch.isfinite(hist) & (hist >= 0))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"{what}: operand {role!r} amax history must be finite and >= 0, "
+            f"got {float(hist[i])!r} at slot {i}"
+        )
+    if not (math.isfinite(step) and step > 0):
+        raise ValueError(f"{what}: operand {role!r} step must be finite and > 0, got {step!r}")
+    if not bool((torch.isfinite(counts) & (counts >= 0)).all()):
+        raise ValueError(
+            f"{what}: operand {role!r} non-finite and saturated counts must be finite and "
+            f">= 0, got {counts.tolist()!r}"
+        )

@@ -294,6 +294,11 @@ def test_nn_linear_checkpoint_loads_strictly_with_fresh_state() -> None:
         (lambda s: s["operands"]["input"].update(ring=torch.zeros(2)), "ring"),
         (lambda s: s["operands"]["input"].update(idx=50), "idx"),
         (lambda s: s["operands"]["weight"].update(seeded="yes"), "seeded"),
+        (lambda s: s["operands"]["input"]["ring"].__setitem__(4, math.nan), "step .* nan"),
+        (lambda s: s["operands"]["grad"]["ring"].__setitem__(4, 0.0), "step .* 0.0"),
+        (lambda s: s["operands"]["input"]["ring"].__setitem__(2, -1.0), "history .* -1.0"),
+        (lambda s: s["operands"]["weight"]["ring"].__setitem__(0, math.inf), "history .* inf"),
+        (lambda s: s["operands"]["weight"]["ring"].__setitem__(6, -3.0), "counts"),
     ],
 )
 def test_bad_checkpoint_raises_and_changes_nothing(
