@@ -66,6 +66,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     weights under ``"master_weights"``, so a resume is exact even when the compute copy is
     lower precision. LBFGS is rejected: it re-evaluates its closure against the tensors it
     steps, which here are the masters, not the model.
+
+    Weights changed outside the optimizer between steps (``model.load_state_dict``,
+    ``load_weights``, an in-place edit under ``no_grad``) are adopted: ``step`` and
+    ``state_dict`` first copy every such compute parameter into its master, so the next
+    update starts from the new weights, as a plain torch optimizer's would, instead of
+    overwriting them with the old master. Optimizer state (moments) is kept, as torch keeps it.
     """
 
     def __init__(
@@ -104,6 +110,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             master_groups.append({**group, "params": [self._make_master(p) for p in compute]})
             self._compute.extend(compute)
         self._master = [p for g in master_groups for p in g["params"]]
+        self._seen: list[tuple[int, int]] = [_stamp(p) for p in self._compute]
         self._inner: torch.optim.Optimizer = optimizer_class(master_groups, **optimizer_kwargs)
         # What Optimizer.__init__ sets besides defaults/state/param_groups (which delegate
         # to the inner optimizer): the hook registries and the profiled step wrapper.
@@ -221,6 +228,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._inner.add_param_group({**param_group, "params": masters})
         self._compute.extend(compute)
         self._master.extend(masters)
+        self._seen.extend(_stamp(p) for p in compute)
 
     # ----- gradients ------------------------------------------------------------------
 
@@ -326,6 +334,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             for mp in self._master:
                 mp.grad = None
             return loss
+        self._adopt_outside_edits()
         if all(mp.grad is None for mp in self._master):
             warnings.warn(
                 "OffloadedOptimizer.step() found no gradient on any parameter; if a "
@@ -337,6 +346,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._sync_to_compute()
         self.last_step_skipped = False
         return loss
+
+    def _adopt_outside_edits(self) -> None:
+        # A compute parameter whose storage or version counter moved since the last sync was
+        # written by someone else; its master would otherwise undo that write at the next
+        # sync. Reading the stamps costs no device work.
+        with torch.no_grad():
+            for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
+                stamp = _stamp(cp)
+                if stamp != self._seen[i]:
+                    mp.copy_(cp)
+                    self._seen[i] = stamp
 
     def _sync_to_compute(self) -> None:
         with torch.no_grad():
@@ -352,6 +372,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     st.drain_to(cp)
                 else:
                     cp.copy_(mp)
+                self._seen[i] = _stamp(cp)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
@@ -369,6 +390,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"master_weights"`` (index -> tensor)."""
+        self._adopt_outside_edits()
         sd = dict(super().state_dict())
         sd[_MASTER_KEY] = dict(enumerate(self._master))
         return sd
@@ -449,6 +471,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             yield from (("optimizer_state", t) for t in _tensors_in(per_param))
         for st in (*self._grad_staging.values(), *self._param_staging.values()):
             yield "staging", st.buffer
+
+
+def _stamp(p: torch.Tensor) -> tuple[int, int]:
+    # In-place writes bump the version counter; ``param.data = t`` swaps the storage.
+    return p.data_ptr(), p._version
 
 
 def _route(compute: torch.device, host: torch.device) -> bool:

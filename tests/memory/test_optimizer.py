@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from computectx import ComputeCtx, DType
-from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx import ComputeCtx, DType, Residency
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, load_weights, save_weights
 from computectx.memory import optimizer as optimizer_mod
 
 CPU = ComputeCtx.parity("cpu")
@@ -248,6 +248,50 @@ def test_tied_unused_and_frozen_params_through_accumulator_and_optimizer() -> No
     assert all(opt.master_of(p) not in opt.state for p in ours.unused.parameters())
     assert all(opt.master_of(p).grad is None for p in ours.frozen.parameters())
     acc.close()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "load_weights", "in_place", "data"])
+def test_weights_changed_outside_the_optimizer_are_adopted(how: str, tmp_path: Any) -> None:
+    ref, data = model_and_data(16)
+    ours, _ = model_and_data(16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2)
+    new_weights, _ = model_and_data(17)
+    path = save_weights(new_weights, tmp_path / "w.safetensors")
+    for step, x in enumerate(data[:6]):
+        if step == 3:  # between steps, both models get other weights the same way
+            for m in (ref, ours):
+                if how == "load_state_dict":
+                    m.load_state_dict(new_weights.state_dict())
+                elif how == "load_weights":
+                    load_weights(m, path, CPU.replace(residency=Residency.DEVICE))
+                elif how == "in_place":
+                    with torch.no_grad():
+                        next(iter(m.parameters())).mul_(-2.0)
+                else:
+                    last = list(m.parameters())[-1]
+                    last.data = last.data * 3.0
+            assert max_diff(ref, ours) <= 1e-6
+        for m, o in ((ref, ref_opt), (ours, opt)):
+            backward(loss_of(m, x))
+            o.step()
+            o.zero_grad()
+    assert max_diff(ref, ours) <= 1e-6  # the old masters did not overwrite the new weights
+    assert max_diff(ours, model_and_data(16)[0]) > 0.1
+
+
+def test_own_syncs_are_not_mistaken_for_outside_edits() -> None:
+    # bf16 compute weights: adopting them would round the f32 masters to bf16.
+    model, data = model_and_data(18)
+    model.to(torch.bfloat16)
+    opt = OffloadedOptimizer(model.parameters(), CPU, lr=1e-3)
+    for x in data[:4]:
+        backward(loss_of(model, x))
+        opt.step()
+        opt.zero_grad()
+        opt.state_dict()
+    rounded = [bool(torch.equal(mp, mp.bfloat16().float())) for mp in opt.master_params]
+    assert not any(rounded)
 
 
 # ----- non-finite gradients --------------------------------------------------------------
