@@ -113,18 +113,6 @@ def quantize_dynamic(
     return q, step, a
 
 
-def _check_ring(ring: torch.Tensor, idx: int) -> int:
-    n = ring.numel() - 3
-    if n < 1 or ring.dtype != torch.float32 or ring.dim() != 1:
-        raise ValueError(
-            f"a scaling ring is a 1-D float32 tensor of length history_len + 3 >= 4; "
-            f"got dtype {ring.dtype}, shape {tuple(ring.shape)}"
-        )
-    if not 0 <= idx < n:
-        raise ValueError(f"ring index {idx} is outside the history [0, {n})")
-    return n
-
-
 def quantize_delayed(
     x: torch.Tensor,
     fmt: Fp8Format,
@@ -140,7 +128,7 @@ def quantize_delayed(
     A non-finite amax leaves history and step alone and adds 1 to ``ring[n + 1]``; the
     number of saturated elements is added to ``ring[n + 2]`` either way.
     """
-    n = _check_ring(ring, idx)
+    n = ring.numel() - 3
     step_used = ring[n : n + 1].clone()
     q, a = quantize_with_step(x, fmt, step_used)
     sat = saturated_count(x, step_used, fmt)
@@ -159,7 +147,7 @@ def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) 
 
     A non-finite amax leaves the ring as it was and adds 1 to the non-finite count.
     """
-    n = _check_ring(ring, 0)
+    n = ring.numel() - 3
     a = amax(x)
     finite = torch.isfinite(a)
     ring[:n] = torch.where(finite, a.expand(n), ring[:n])
