@@ -280,7 +280,7 @@ def quantize_with_step(
         # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
         from computectx.kernels import quantize
 
-        return quantize.quantize_with_step(data, fmt, s)
+        return quantize.quantize_with_step(data, fmt.torch, s)
     return reference.quantize_with_step(data, fmt, s)
 
 
@@ -298,7 +298,7 @@ def quantize_dynamic(
     if _backend_arg(backend, data) is Fp8Backend.TRITON:
         from computectx.kernels import quantize
 
-        return quantize.quantize_dynamic(data, fmt, m)
+        return quantize.quantize_dynamic(data, fmt.torch, m)
     return reference.quantize_dynamic(data, fmt, m)
 
 
@@ -328,7 +328,7 @@ def quantize_delayed(
     if _backend_arg(backend, data) is Fp8Backend.TRITON:
         from computectx.kernels import quantize
 
-        return quantize.quantize_delayed(data, fmt, ring, idx, algo, m)
+        return quantize.quantize_delayed(data, fmt.torch, ring, idx, algo, m)
     return reference.quantize_delayed(data, fmt, ring, idx, algo, m)
 
 

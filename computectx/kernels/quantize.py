@@ -15,14 +15,13 @@ The pure-torch twins are in ``computectx.fp8.reference``; quantized bytes agree 
 # ruff: noqa: N803, N806  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
+import math
 import struct
 from typing import Final, Literal
 
 import torch
 import triton
 import triton.language as tl
-
-from computectx.dtypes import Fp8Format
 
 __all__ = ["quantize_delayed", "quantize_dynamic", "quantize_with_step"]
 
@@ -43,6 +42,7 @@ _REDUCE_AMAX: Final[int] = 1  # write amax
 _REDUCE_DYNAMIC: Final[int] = 2  # write amax and the step derived from it
 _REDUCE_RING: Final[int] = 3  # delayed scaling: history, window, next step, counts
 
+_FP8_DTYPES: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INT32_MAX: Final[int] = 0x7FFFFFFF
 _INF_BITS: Final[int] = 0x7F800000
 
@@ -221,7 +221,9 @@ def _num_programs(x: torch.Tensor) -> int:
     return min(tiles, sms * _PROGRAMS_PER_SM)
 
 
-def _check(x: torch.Tensor, *scalars: torch.Tensor) -> None:
+def _check(x: torch.Tensor, fp8: torch.dtype, *scalars: torch.Tensor) -> None:
+    if fp8 not in _FP8_DTYPES:
+        raise ValueError(f"quantize writes float8_e4m3fn or float8_e5m2, got {fp8}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantize reads bf16, fp16 or fp32, got {x.dtype}")
     if not x.is_contiguous():
@@ -238,16 +240,22 @@ def _f32_bits(value: float) -> int:
     return bits
 
 
-def _fmt_constants(fmt: Fp8Format, margin: int) -> dict[str, object]:
-    sub_magic = fmt.min_subnormal * 2.0**23
+def _fmt_constants(fp8: torch.dtype, margin: int) -> dict[str, object]:
+    # Everything derives from torch.finfo, so this module needs only torch and triton:
+    # eps = 2**-mantissa_bits, and the smallest subnormal is one eps of the smallest normal.
+    fi = torch.finfo(fp8)
+    mant = round(-math.log2(fi.eps))
+    exponent_bits = fi.bits - 1 - mant
+    min_subnormal = fi.smallest_normal * fi.eps
+    sub_magic = min_subnormal * 2.0**23
     return {
-        "FMAX": fmt.max,
+        "FMAX": fi.max,
         "FLT_MAX": torch.finfo(torch.float32).max,
-        # fmt.max / 2**margin is exact, so the step is a single rounded division.
-        "TARGET": fmt.max / 2.0**margin,
-        "MANT": fmt.mantissa_bits,
-        "BIAS": 2 ** (fmt.exponent_bits - 1) - 1,
-        "MIN_NORMAL_BITS": _f32_bits(fmt.min_normal),
+        # fmax / 2**margin is exact, so the step is a single rounded division.
+        "TARGET": fi.max / 2.0**margin,
+        "MANT": mant,
+        "BIAS": 2 ** (exponent_bits - 1) - 1,
+        "MIN_NORMAL_BITS": _f32_bits(fi.smallest_normal),
         "SUB_MAGIC": sub_magic,
         "SUB_MAGIC_BITS": _f32_bits(sub_magic),
     }
@@ -262,7 +270,7 @@ def _launch(
     ring: torch.Tensor,
     ring_idx: int,
     n_hist: int,
-    fmt: Fp8Format,
+    fp8: torch.dtype,
     margin: int,
     cast: bool,
     reduce: int,
@@ -290,52 +298,55 @@ def _launch(
         BLOCK=_BLOCK,
         RBLOCK=_RBLOCK,
         num_warps=_WARPS,
-        **_fmt_constants(fmt, margin),
+        **_fmt_constants(fp8, margin),
     )
 
 
 def quantize_with_step(
-    x: torch.Tensor, fmt: Fp8Format, step: torch.Tensor
+    x: torch.Tensor, fp8: torch.dtype, step: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8(clamp(x / step)), amax(x))`` in one pass; ``step`` is float32 ``(1,)``."""
-    _check(x, step)
-    q = torch.empty(x.shape, dtype=fmt.torch, device=x.device)
+    """``(fp8(clamp(x / step)), amax(x))`` in one pass; ``step`` is float32 ``(1,)``.
+
+    ``fp8`` is ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (as in every launcher here).
+    """
+    _check(x, fp8, step)
+    q = torch.empty(x.shape, dtype=fp8, device=x.device)
     amax = torch.empty(1, dtype=torch.float32, device=x.device)
-    _launch(x, q, step, amax, amax, step, 0, 0, fmt, 0, True, _REDUCE_AMAX, False)
+    _launch(x, q, step, amax, amax, step, 0, 0, fp8, 0, True, _REDUCE_AMAX, False)
     return q, amax
 
 
 def quantize_dynamic(
-    x: torch.Tensor, fmt: Fp8Format, margin: int
+    x: torch.Tensor, fp8: torch.dtype, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, step, amax)``: an amax launch that publishes the step, then a cast launch."""
-    _check(x)
-    q = torch.empty(x.shape, dtype=fmt.torch, device=x.device)
+    _check(x, fp8)
+    q = torch.empty(x.shape, dtype=fp8, device=x.device)
     amax = torch.empty(1, dtype=torch.float32, device=x.device)
     step = torch.empty(1, dtype=torch.float32, device=x.device)
-    _launch(x, q, step, amax, step, step, 0, 0, fmt, margin, False, _REDUCE_DYNAMIC, False)
-    _launch(x, q, step, amax, step, step, 0, 0, fmt, margin, True, _REDUCE_NONE, False)
+    _launch(x, q, step, amax, step, step, 0, 0, fp8, margin, False, _REDUCE_DYNAMIC, False)
+    _launch(x, q, step, amax, step, step, 0, 0, fp8, margin, True, _REDUCE_NONE, False)
     return q, step, amax
 
 
 def quantize_delayed(
     x: torch.Tensor,
-    fmt: Fp8Format,
+    fp8: torch.dtype,
     ring: torch.Tensor,
     idx: int,
     algo: Literal["max", "most_recent"],
     margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, step_used)``, quantizing with ``ring[n]`` and advancing the ring in-kernel."""
-    _check(x, ring)
+    _check(x, fp8, ring)
     n = ring.numel() - 3
     if not 0 <= idx < n:
         raise ValueError(f"ring index {idx} is outside the history [0, {n})")
-    q = torch.empty(x.shape, dtype=fmt.torch, device=x.device)
+    q = torch.empty(x.shape, dtype=fp8, device=x.device)
     step_used = torch.empty(1, dtype=torch.float32, device=x.device)
     step_slot = ring[n : n + 1]
     _launch(
-        x, q, step_slot, step_used, step_used, ring, idx, n, fmt, margin, True,
+        x, q, step_slot, step_used, step_used, ring, idx, n, fp8, margin, True,
         _REDUCE_RING, algo == "max",
     )  # fmt: skip
     return q, step_used

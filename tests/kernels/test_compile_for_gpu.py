@@ -25,7 +25,7 @@ _SCRIPT = r"""
 import json, sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from computectx.dtypes import Fp8Format
+import torch
 from computectx.kernels import quantize as kq, scaled_mm as kg
 
 out = {}
@@ -36,7 +36,7 @@ for cap in (89, 90):
                               ("*fp32", True, 0)):
         sig = dict(zip(q_names, [xdt, "*u8", "*fp32", "i32", "*i32", "*fp32", "*fp32",
                                  "*fp32", "i32", "i32"]))
-        consts = dict(kq._fmt_constants(Fp8Format.E4M3, 1), X_BF16=xdt == "*i16", CAST=cast,
+        consts = dict(kq._fmt_constants(torch.float8_e4m3fn, 1), X_BF16=xdt == "*i16", CAST=cast,
                       REDUCE=reduce, ALGO_MAX=True, BLOCK=4096, RBLOCK=1024)
         sig.update({k: "constexpr" for k in consts})
         attrs = {(q_names.index(n),): [["tt.divisibility", 16]]

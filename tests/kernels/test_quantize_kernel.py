@@ -270,16 +270,33 @@ def test_launcher_rejects_what_it_cannot_read(device: torch.device) -> None:
     from computectx.kernels import quantize as kq
 
     one = torch.ones(1, device=device)
+    e4m3 = torch.float8_e4m3fn
     with pytest.raises(ValueError, match="contiguous"):
-        kq.quantize_with_step(torch.ones(4, 4, device=device).t(), Fp8Format.E4M3, one)
+        kq.quantize_with_step(torch.ones(4, 4, device=device).t(), e4m3, one)
     with pytest.raises(ValueError, match=r"torch\.float64"):
-        kq.quantize_with_step(
-            torch.ones(4, dtype=torch.float64, device=device), Fp8Format.E4M3, one
-        )
+        kq.quantize_with_step(torch.ones(4, dtype=torch.float64, device=device), e4m3, one)
+    with pytest.raises(ValueError, match=r"got torch\.float16"):
+        kq.quantize_dynamic(torch.ones(4, device=device), torch.float16, 0)
     with pytest.raises(ValueError, match=r"\[0, 2\)"):
         kq.quantize_delayed(
-            torch.ones(4, device=device), Fp8Format.E4M3, ops.ring_new(2, device), 5, "max", 0
+            torch.ones(4, device=device), e4m3, ops.ring_new(2, device), 5, "max", 0
         )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("margin", [0, 5])
+def test_kernel_constants_match_the_format_table(fmt: Fp8Format, margin: int) -> None:
+    # The kernels import only torch and triton, so they derive each format's constants from
+    # torch.finfo; these must be the numbers computectx.dtypes publishes.
+    from computectx.kernels import quantize as kq
+
+    c = kq._fmt_constants(fmt.torch, margin)
+    assert c["FMAX"] == fmt.max
+    assert c["TARGET"] == fmt.max / 2.0**margin
+    assert c["MANT"] == fmt.mantissa_bits
+    assert c["BIAS"] == 2 ** (fmt.exponent_bits - 1) - 1
+    assert c["MIN_NORMAL_BITS"] == kq._f32_bits(fmt.min_normal)
+    assert c["SUB_MAGIC"] == fmt.min_subnormal * 2.0**23
 
 
 def test_reference_twin_matches_on_the_same_call(device: torch.device) -> None:
