@@ -235,14 +235,21 @@ class Fp8Linear(nn.Linear):
         error_msgs: list[str],
     ) -> None:
         # An nn.Linear checkpoint has no scaling state: it loads into a fresh one rather
-        # than failing strict loading on the missing extra-state key.
+        # than failing strict loading on the missing extra-state key. Fresh, not kept: the
+        # rings hold amaxes of the weights being replaced, and delayed scaling would
+        # quantize the new weights with that stale step for up to history_len calls. A
+        # partial state dict that does not mention this layer's weight changes nothing.
         key = prefix + "_extra_state"
         had_state = key in state_dict
+        new_weight = any(prefix + k in state_dict for k in ("weight", *_FROZEN_BUFFERS))
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
-        if not had_state and key in missing_keys:
-            missing_keys.remove(key)
+        if not had_state:
+            if key in missing_keys:
+                missing_keys.remove(key)
+            if new_weight:
+                self.scaling = Fp8ScalingState(self.policy, self._storage_device())
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # Rings are not buffers (a .to(bfloat16) would round the float32 counts), so they

@@ -280,10 +280,27 @@ def test_checkpoint_with_another_history_length_loads(new_len: int) -> None:
 
 def test_nn_linear_checkpoint_loads_strictly_with_fresh_state() -> None:
     lin = torch.nn.Linear(16, 16)
-    m = layer(DelayedScaling())
+    m = trained(DelayedScaling(history_len=4))  # rings seeded from the old weights
     m.load_state_dict(lin.state_dict())  # strict by default
     assert torch.equal(m.weight, lin.weight)
-    assert not m.scaling.input.seeded
+    for op in m.scaling.operands.values():
+        assert not op.seeded and op.elements == 0 and op.idx == 0
+        assert op.ring.tolist() == [0.0] * 4 + [1.0, 0.0, 0.0]
+    # The next call seeds the weight ring from the weights just loaded.
+    m(scaled_input(1.0))
+    assert m.scaling.weight.ring[0].item() == f32(float(lin.weight.detach().abs().max()))
+
+
+def test_a_state_dict_without_this_layer_leaves_its_state_alone() -> None:
+    model = torch.nn.Sequential(trained(DelayedScaling(history_len=4)), torch.nn.Linear(16, 4))
+    first = model[0]
+    assert isinstance(first, Fp8Linear)
+    before = {r: op.ring.clone() for r, op in first.scaling.operands.items()}
+    model.load_state_dict(
+        torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(16, 4)).state_dict(), strict=False
+    )
+    for r, op in first.scaling.operands.items():
+        assert torch.equal(op.ring, before[r]) and op.seeded
 
 
 @pytest.mark.parametrize(
