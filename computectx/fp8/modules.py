@@ -189,7 +189,6 @@ class Fp8Linear(nn.Linear):
 
     # ----- serving ------------------------------------------------------------------------
 
-    @torch.no_grad()
     def freeze_for_serving(self) -> Self:
         """Quantize the weight once and drop the high-precision copy (for inference).
 
@@ -198,19 +197,23 @@ class Fp8Linear(nn.Linear):
         weight's own amax. No margin: a frozen weight never grows, so headroom would only
         cost precision. Later calls skip the weight quantize; inputs are still quantized
         under the policy. The layer can no longer train its weight: freeze a copy if you
-        need both. Returns ``self``.
+        need both. Works inside ``torch.inference_mode`` too. Returns ``self``.
         """
         if self._frozen:
             return self
         w = self.weight.detach()
         fmt = self.policy.format.forward
-        data, step, amax = ops.quantize_dynamic(w, fmt, 0, backend=self.backend)
+        # Not inference tensors, even when frozen inside inference_mode: those could
+        # never be saved for an input gradient or loaded into by load_state_dict later.
+        with torch.inference_mode(False), torch.no_grad():
+            data, step, amax = ops.quantize_dynamic(w, fmt, 0, backend=self.backend)
+            step = step.reshape(1).clone()
         state = self.scaling.weight
         state.record(amax, step)
         state.elements += w.numel()
         self.register_parameter("weight", None)
         self.register_buffer("weight_fp8", data)
-        self.register_buffer("weight_step", step.reshape(1).clone())
+        self.register_buffer("weight_step", step)
         self._frozen = True
         return self
 

@@ -351,6 +351,22 @@ def test_serving_weight_is_quantized_once_and_half_the_bytes() -> None:
         assert torch.equal(other(x), y)
 
 
+def test_freezing_inside_inference_mode_leaves_a_normal_layer() -> None:
+    # Inference tensors could not be saved for backward or loaded into afterwards.
+    m = Fp8Linear(32, 16, ctx=CTX)
+    with torch.inference_mode():
+        m.freeze_for_serving()
+        y = m(torch.randn(2, 32))
+    assert not m.weight_fp8.is_inference() and not m.weight_step.is_inference()
+    assert torch.isfinite(y).all()
+    x = torch.randn(3, 32, requires_grad=True)
+    m(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    other = Fp8Linear(32, 16, ctx=CTX).freeze_for_serving()
+    m.load_state_dict(other.state_dict())
+    assert torch.equal(m.weight_fp8.view(torch.uint8), other.weight_fp8.view(torch.uint8))
+
+
 def test_serving_layer_still_passes_input_gradients() -> None:
     served = Fp8Linear(32, 16, ctx=CTX).freeze_for_serving()
     x = torch.randn(3, 32, requires_grad=True)
