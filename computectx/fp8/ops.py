@@ -398,7 +398,8 @@ def _scale_arg(scale: object, device: torch.device) -> torch.Tensor:
         value = float(scale)
         if not (value > 0.0 and value != float("inf")):
             raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-        return torch.tensor([value], dtype=torch.float32, device=device)
+        # A fill on the device, not torch.tensor(..., device=...): no blocking host copy.
+        return torch.full((1,), value, dtype=torch.float32, device=device)
     if isinstance(scale, torch.Tensor):
         return _scalar_arg("scale", scale, device)
     raise TypeError(
