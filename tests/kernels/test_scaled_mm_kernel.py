@@ -70,6 +70,7 @@ CASES = [
     (3, 5, 7, E4M3, E4M3, False, False, None, torch.float16),
     (2, 3, 0, E4M3, E4M3, False, False, torch.float32, torch.float32),  # empty sum: bias
     (0, 3, 5, E4M3, E4M3, False, False, None, torch.bfloat16),
+    (3, 0, 5, E4M3, E5M2, False, True, None, torch.float32),
 ]
 
 
