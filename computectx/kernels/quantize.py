@@ -15,8 +15,11 @@ The pure-torch twins are in ``computectx.fp8.reference``; quantized bytes agree 
 # ruff: noqa: N803, N806  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
+import functools
 import math
 import struct
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Final, Literal
 
 import torch
@@ -240,25 +243,29 @@ def _f32_bits(value: float) -> int:
     return bits
 
 
-def _fmt_constants(fp8: torch.dtype, margin: int) -> dict[str, object]:
+@functools.cache
+def _fmt_constants(fp8: torch.dtype, margin: int) -> Mapping[str, object]:
     # Everything derives from torch.finfo, so this module needs only torch and triton:
     # eps = 2**-mantissa_bits, and the smallest subnormal is one eps of the smallest normal.
+    # Cached: it runs before every launch, and a run uses a handful of (format, margin).
     fi = torch.finfo(fp8)
     mant = round(-math.log2(fi.eps))
     exponent_bits = fi.bits - 1 - mant
     min_subnormal = fi.smallest_normal * fi.eps
     sub_magic = min_subnormal * 2.0**23
-    return {
-        "FMAX": fi.max,
-        "FLT_MAX": torch.finfo(torch.float32).max,
-        # fmax / 2**margin is exact, so the step is a single rounded division.
-        "TARGET": fi.max / 2.0**margin,
-        "MANT": mant,
-        "BIAS": 2 ** (exponent_bits - 1) - 1,
-        "MIN_NORMAL_BITS": _f32_bits(fi.smallest_normal),
-        "SUB_MAGIC": sub_magic,
-        "SUB_MAGIC_BITS": _f32_bits(sub_magic),
-    }
+    return MappingProxyType(
+        {
+            "FMAX": fi.max,
+            "FLT_MAX": torch.finfo(torch.float32).max,
+            # fmax / 2**margin is exact, so the step is a single rounded division.
+            "TARGET": fi.max / 2.0**margin,
+            "MANT": mant,
+            "BIAS": 2 ** (exponent_bits - 1) - 1,
+            "MIN_NORMAL_BITS": _f32_bits(fi.smallest_normal),
+            "SUB_MAGIC": sub_magic,
+            "SUB_MAGIC_BITS": _f32_bits(sub_magic),
+        }
+    )
 
 
 def _launch(
