@@ -84,7 +84,8 @@ class OperandScaling:
         step comes from ``amax(x)``; the ring records that amax (when finite), the step, and
         counts a non-finite amax.
         """
-        self.elements += x.numel()
+        # Host counters change only after the device work was accepted: a call that raises
+        # (bad input, wrong device) leaves the state as it was.
         if isinstance(scaling, DelayedScaling):
             if not self.seeded:
                 ops.seed_ring(self.ring, x, fmt, scaling.margin)
@@ -93,9 +94,10 @@ class OperandScaling:
                 x, fmt, self.ring, self.idx, scaling.algo, scaling.margin, backend=backend
             )
             self.idx = (self.idx + 1) % self.history_len
-            return data, step
-        data, step, amax = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
-        self.record(amax, step)
+        else:
+            data, step, amax = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
+            self.record(amax, step)
+        self.elements += x.numel()
         return data, step
 
     def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:

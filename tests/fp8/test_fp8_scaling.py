@@ -357,3 +357,16 @@ def test_resize_laws(history: list[float], data: st.DataObject, new_len: int) ->
         assert max(got) == max(chron)  # padding never changes the window max
         assert got[: new_len - n] == [chron[0]] * (new_len - n)
     assert out.ring[new_len:].tolist() == op.ring[n:].tolist()
+
+
+@pytest.mark.parametrize("scaling", [DelayedScaling(history_len=4), DynamicScaling()])
+def test_a_refused_quantize_leaves_the_operand_state_alone(
+    scaling: DelayedScaling | DynamicScaling,
+) -> None:
+    from computectx.fp8.ops import Fp8Backend, ring_new
+
+    op = OperandScaling(4 if isinstance(scaling, DelayedScaling) else 1, "cpu")
+    with pytest.raises(ValueError, match="float64"):
+        op.quantize(torch.ones(3, dtype=torch.float64), E4M3, scaling, Fp8Backend.REFERENCE)
+    assert (op.elements, op.seeded, op.idx) == (0, False, 0)
+    assert torch.equal(op.ring, ring_new(op.history_len, "cpu"))
