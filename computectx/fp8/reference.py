@@ -171,7 +171,14 @@ def scaled_mm(
     multiply the accumulator once, ``acc * (step_a * step_b)``, then bias is added in float32
     and the sum rounded once to ``out_dtype``.
     """
-    acc = a.to(torch.float32) @ b.to(torch.float32).t()
+    dev = a.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        # An enclosing torch.autocast would run this matmul in bf16/fp16 and round the sum
+        # before the epilogue; the twin promises a float32 accumulation, as the kernel has.
+        with torch.autocast(dev, enabled=False):
+            acc = a.to(torch.float32) @ b.to(torch.float32).t()
+    else:
+        acc = a.to(torch.float32) @ b.to(torch.float32).t()
     scale = (step_a.to(torch.float32) * step_b.to(torch.float32)).reshape(())
     out = acc * scale
     if bias is not None:

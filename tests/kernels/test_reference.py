@@ -321,6 +321,20 @@ def test_scaled_mm_property(m: int, n: int, k: int, seed: int, sa: float, sb: fl
     assert bool(((out.double() - exact).abs() <= bound).all())
 
 
+def test_scaled_mm_ignores_an_enclosing_autocast() -> None:
+    # Under torch.autocast a float32 matmul would run in bf16 and break the bound; the twin
+    # keeps its float32 accumulation (the Triton kernel is untouched by autocast anyway).
+    gen = torch.Generator().manual_seed(6)
+    a = random_fp8((24, 256), Fp8Format.E4M3, gen)
+    b = random_fp8((16, 256), Fp8Format.E4M3, gen)
+    sa, sb = torch.tensor([0.37]), torch.tensor([0.011])
+    plain = ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
+    assert under.dtype == torch.float32
+    assert torch.equal(under, plain)
+
+
 def test_the_bound_is_not_vacuous() -> None:
     # A result one bf16 ulp off must fail the bound: the bound is tight enough to catch it.
     gen = torch.Generator().manual_seed(0)
