@@ -353,7 +353,9 @@ def convert_to_fp8(
        ``FEATURE_MULTIPLE`` (16), or ``min(in_features, out_features) < min_features``
        (default ``DEFAULT_MIN_FEATURES``; its docstring derives the break-even);
     4. its weight is not bf16/fp16/fp32, or it is ``model`` itself (there is no parent to
-       swap it in; use ``Fp8Linear.from_linear``).
+       swap it in; use ``Fp8Linear.from_linear``);
+    5. it is an instance of a *subclass* of ``nn.Linear`` (only plain ``nn.Linear`` layers
+       are swapped: a subclass's forward may do more than ``x Wᵀ + b``).
 
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
     working). A linear reachable under several names is converted once and replaced
@@ -426,6 +428,14 @@ def _skip_reason(
 ) -> str | None:
     if isinstance(lin, Fp8Linear):
         return "already an Fp8Linear"
+    if type(lin) is not nn.Linear:
+        # A subclass may compute more than x Wᵀ + b (adapters, extra parameters) or never
+        # call its own forward (nn.MultiheadAttention's out_proj); swapping it for an
+        # Fp8Linear would silently drop that behaviour.
+        return (
+            f"{type(lin).__name__} is a subclass of nn.Linear, whose forward may differ; "
+            f"only plain nn.Linear layers are converted"
+        )
     if module_filter is not None and not module_filter(lin, fqn):
         return "module_filter returned False"
     if id(lin) in heads and not include_head:

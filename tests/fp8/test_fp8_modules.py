@@ -285,6 +285,28 @@ def test_convert_include_head_and_filter() -> None:
     assert set(seen) == {"up", "odd", "narrow", "block.0", "lm_head", "out"}
 
 
+class ScaledLinear(nn.Linear):
+    """A subclass whose forward does more than x Wᵀ + b."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.gain = nn.Parameter(torch.full((n,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
+def test_subclasses_of_nn_linear_are_left_alone() -> None:
+    model = nn.Sequential(ScaledLinear(32), nn.Linear(32, 32), nn.Linear(32, 32))
+    report = convert_to_fp8(model, CTX, min_features=16)
+    assert report.converted == ("1",)
+    assert "ScaledLinear is a subclass of nn.Linear" in reasons(report)["0"]
+    assert type(model[0]) is ScaledLinear
+    mha = nn.MultiheadAttention(32, 2)  # out_proj is a Linear subclass it never calls
+    report = convert_to_fp8(nn.Sequential(mha, nn.Linear(32, 32)), CTX, min_features=16)
+    assert "subclass" in reasons(report)["0.out_proj"]
+
+
 def test_default_min_features_skips_small_layers() -> None:
     model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(512, 1024), nn.Linear(1024, 8))
     report = convert_to_fp8(copy.deepcopy(model), CTX)
