@@ -68,10 +68,6 @@ class _Frame:
 _REGION: ContextVar[_Frame | None] = ContextVar("computectx_fp8_region", default=None)
 
 
-def _current_frame() -> _Frame | None:
-    return _REGION.get()
-
-
 def region_fp8_enabled() -> bool | None:
     """Whether the innermost open region enables fp8 (``None`` outside every region)."""
     frame = _REGION.get()

@@ -46,8 +46,6 @@ _REDUCE_DYNAMIC: Final[int] = 2  # write amax and the step derived from it
 _REDUCE_RING: Final[int] = 3  # delayed scaling: history, window, next step, counts
 
 _FP8_DTYPES: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
-_INT32_MAX: Final[int] = 0x7FFFFFFF
-_INF_BITS: Final[int] = 0x7F800000
 
 
 @triton.jit
