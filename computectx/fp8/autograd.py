@@ -23,7 +23,7 @@ from computectx.fp8.scaling import Fp8ScalingState
 
 __all__ = ["ACTIVATION_DTYPES", "Fp8LinearPlan", "fp8_linear", "gemm_dtype_for"]
 
-ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+ACTIVATION_DTYPES = ops.QUANTIZABLE_DTYPES
 """Input and weight dtypes an fp8 linear quantizes from."""
 
 

@@ -30,6 +30,7 @@ from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import reference
 
 __all__ = [
+    "QUANTIZABLE_DTYPES",
     "RING_NONFINITE",
     "RING_SATURATED",
     "RING_STEP",
@@ -53,7 +54,8 @@ RING_NONFINITE = 1
 RING_SATURATED = 2
 """Offset after the history of the count of saturated elements (float32, exact to 2**24)."""
 
-_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes quantize reads (and a GEMM bias may have)."""
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
@@ -194,10 +196,9 @@ def _fmt_arg(fmt: object) -> Fp8Format:
 def _input_arg(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a tensor to quantize, got {type(x).__name__}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(
-            f"cannot quantize a {x.dtype} tensor; accepted: {', '.join(map(str, _INPUT_DTYPES))}"
-        )
+    if x.dtype not in QUANTIZABLE_DTYPES:
+        accepted = ", ".join(map(str, QUANTIZABLE_DTYPES))
+        raise ValueError(f"cannot quantize a {x.dtype} tensor; accepted: {accepted}")
     return x if x.is_contiguous() else x.contiguous()
 
 
@@ -368,7 +369,7 @@ def scaled_mm(
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
-        if bias.dtype not in _INPUT_DTYPES or tuple(bias.shape) != (b.shape[0],):
+        if bias.dtype not in QUANTIZABLE_DTYPES or tuple(bias.shape) != (b.shape[0],):
             raise ValueError(
                 f"bias must be a bf16/fp16/fp32 tensor of shape ({b.shape[0]},); "
                 f"got dtype {bias.dtype}, shape {tuple(bias.shape)}"
