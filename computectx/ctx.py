@@ -68,6 +68,11 @@ def _same_as_compute(validated: dict[str, Any]) -> DType:
     return compute
 
 
+def _compute_join_f32(validated: dict[str, Any]) -> DType:
+    # F32 for the half dtypes and F32 itself, F64 for an F64 model: never below compute.
+    return _JOIN[(_same_as_compute(validated), DType.F32)]
+
+
 TorchDevice = Annotated[
     torch.device,
     PlainValidator(parse_device),
@@ -110,8 +115,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     """Dtype activations flow in (projections, attention, residual stream)."""
     kv: DTypeField = Field(default_factory=_same_as_compute)
     """Dtype the KV cache is stored at (defaults to ``compute``)."""
-    accum: DTypeField = DType.F32
-    """Dtype precision-sensitive ops run in through ``precise``; at or above ``compute``."""
+    accum: DTypeField = Field(default_factory=_compute_join_f32)
+    """Dtype precision-sensitive ops run in through ``precise``; at or above ``compute``
+    (defaults to ``compute ⊔ f32``)."""
     residency: ResidencyField = Residency.AUTO
     """Where weights live: ``device``, ``mmap``, or ``auto`` (device when the model fits)."""
     device: TorchDevice
@@ -144,12 +150,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     @classmethod
     def new(cls, compute: DType, device: torch.device | str) -> ComputeCtx:
         """Activations and KV cache at ``compute``; accumulate in ``compute ⊔ F32``."""
-        return cls(
-            compute=compute,
-            kv=compute,
-            accum=_JOIN[(compute, DType.F32)] if isinstance(compute, DType) else compute,
-            device=parse_device(device),
-        )
+        return cls(compute=compute, device=parse_device(device))
 
     @classmethod
     def parity(cls, device: torch.device | str) -> ComputeCtx:
@@ -272,8 +273,8 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     def parse(cls, text: str) -> ComputeCtx:
         """Read a policy string (``key=value`` pairs separated by commas).
 
-        ``compute`` and ``device`` are required; ``kv`` defaults to ``compute``; other keys
-        take their defaults. Unknown or repeated keys raise ``ValueError`` naming them.
+        ``compute`` and ``device`` are required; ``kv`` defaults to ``compute`` and ``accum``
+        to ``compute ⊔ f32``; other keys take their defaults. Unknown or repeated keys raise ``ValueError`` naming them.
         """
         if not isinstance(text, str):
             raise TypeError(f"ComputeCtx.parse takes a str, got {type(text).__name__}")

@@ -68,6 +68,12 @@ def test_extra_fields_are_forbidden() -> None:
         ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "bogus": 1})
 
 
+def test_accum_defaults_to_compute_join_f32() -> None:
+    assert ComputeCtx.parse("compute=f64,device=cpu").accum is DType.F64
+    assert ComputeCtx.parse("compute=f16,device=cpu").accum is DType.F32
+    assert ComputeCtx.model_validate({"compute": "bf16", "device": "cpu"}).accum is DType.F32
+
+
 def test_constructor_accepts_names_and_defaults_kv_to_compute() -> None:
     ctx = ComputeCtx.model_validate({"compute": "bfloat16", "device": "cpu"})
     assert ctx.kv is DType.BF16 and ctx.accum is DType.F32
