@@ -274,7 +274,8 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         """Read a policy string (``key=value`` pairs separated by commas).
 
         ``compute`` and ``device`` are required; ``kv`` defaults to ``compute`` and ``accum``
-        to ``compute ⊔ f32``; other keys take their defaults. Unknown or repeated keys raise ``ValueError`` naming them.
+        to ``compute ⊔ f32``; other keys take their defaults. Unknown or repeated keys raise
+        ``ValueError`` naming them.
         """
         if not isinstance(text, str):
             raise TypeError(f"ComputeCtx.parse takes a str, got {type(text).__name__}")
