@@ -8,7 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Probe", "cuda", "fp8_tensor_cores", "triton_available", "triton_interpreter"]
+__all__ = [
+    "Probe",
+    "cuda",
+    "default_device",
+    "fp8_tensor_cores",
+    "triton_available",
+    "triton_interpreter",
+]
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,11 @@ def cuda(device: torch.device | str | None = None) -> Probe:
         if dev.index is not None and dev.index >= n:
             return Probe(False, f"device {dev} does not exist ({n} CUDA device(s) visible)")
     return Probe(True, f"{n} CUDA device(s), CUDA {torch.version.cuda}")
+
+
+def default_device() -> torch.device:
+    """CUDA when the ``cuda`` probe says it can run here, else the CPU."""
+    return torch.device("cuda") if cuda().ok else torch.device("cpu")
 
 
 def fp8_tensor_cores(device: torch.device | str | None = None) -> Probe:

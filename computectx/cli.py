@@ -25,14 +25,9 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
-def default_device() -> torch.device:
-    """CUDA when it is usable here, else the CPU."""
-    return torch.device("cuda") if capability.cuda().ok else torch.device("cpu")
-
-
 def info_lines() -> list[str]:
     """What ``computectx info`` prints, one line per entry."""
-    dev = default_device()
+    dev = capability.default_device()
     lines = ["versions:"]
     lines.append(f"  python      {platform.python_version()}")
     for dist in ("computectx", "torch", "triton", "pydantic"):

@@ -85,7 +85,7 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Step master weights and optimizer state with an ``OffloadedOptimizer`` on the CPU."""
     out: Path = Path("computectx-demo")
     """Folder for ``results.json`` and ``loss.png``."""
-    device: TorchDevice = Field(default_factory=lambda: _default_device())
+    device: TorchDevice = Field(default_factory=capability.default_device)
     """Device to train on."""
     data: Path | None = None
     """A text file or folder to train on instead of the standard library's sources."""
@@ -151,10 +151,6 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
 
 def _round_up(x: int, multiple: int) -> int:
     return (x + multiple - 1) // multiple * multiple
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda") if capability.cuda().ok else torch.device("cpu")
 
 
 # ----- the corpus ---------------------------------------------------------------------------

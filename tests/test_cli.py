@@ -41,6 +41,8 @@ def test_probes_give_reasons() -> None:
     ):
         assert probe.reason
         assert bool(probe) is probe.ok
+    expected = "cuda" if capability.cuda().ok else "cpu"
+    assert capability.default_device() == torch.device(expected)
     if not torch.cuda.is_available():
         assert not capability.fp8_tensor_cores("cuda:0").ok
         assert "no fp8 tensor cores" in capability.fp8_tensor_cores().reason
