@@ -19,14 +19,14 @@ from pydantic import (
 from typing_extensions import Self, Unpack
 
 from computectx.dtypes import (
-    _FROM_TORCH,
-    _JOIN,
     DType,
     PromotionError,
-    _outside_lattice_message,
     cast_if,
+    is_compute_dtype,
+    outside_lattice_message,
+    promote,
 )
-from computectx.fp8.policy import DelayedScaling, Fp8Policy, Fp8Scheme
+from computectx.recipes import DelayedScaling, Fp8Policy, Fp8Scheme
 from computectx.residency import Residency
 
 __all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
@@ -70,7 +70,7 @@ def _same_as_compute(validated: dict[str, Any]) -> DType:
 
 def _compute_join_f32(validated: dict[str, Any]) -> DType:
     # F32 for the half dtypes and F32 itself, F64 for an F64 model: never below compute.
-    return _JOIN[(_same_as_compute(validated), DType.F32)]
+    return promote(_same_as_compute(validated), DType.F32)
 
 
 TorchDevice = Annotated[
@@ -219,11 +219,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         src = t.dtype
         work = _WORK_DTYPE.get((src, self.accum))
         if work is None:
-            raise PromotionError(_outside_lattice_message(src))
+            raise PromotionError(outside_lattice_message(src))
         if work is src:
             return f(t)
         out = f(t.to(work))
-        if out.dtype not in _FROM_TORCH:
+        if not is_compute_dtype(out.dtype):
             raise PromotionError(
                 f"precise: f returned a {out.dtype} tensor, which cannot be cast back to "
                 f"{src} without loss of meaning; return a floating tensor from f, or call f "
@@ -302,7 +302,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 # (input torch dtype, accum) -> the torch dtype precise() runs f in: input ⊔ accum. One
 # lookup on the hot path instead of three (dtype -> DType, join, DType -> torch dtype).
 _WORK_DTYPE: dict[tuple[torch.dtype, DType], torch.dtype] = {
-    (src.torch, accum): _JOIN[(src, accum)].torch for src in DType for accum in DType
+    (src.torch, accum): promote(src, accum).torch for src in DType for accum in DType
 }
 
 _SCHEMES: dict[str, Fp8Scheme] = {s.value: s for s in Fp8Scheme}

@@ -23,6 +23,8 @@ __all__ = [
     "PromotionError",
     "cast_if",
     "dtype_of",
+    "is_compute_dtype",
+    "outside_lattice_message",
     "promote",
     "promoted",
 ]
@@ -74,11 +76,11 @@ class DType(enum.Enum):
         if isinstance(value, DType):
             return value
         if isinstance(value, Fp8Format):
-            raise ValueError(_outside_lattice_message(value))
+            raise ValueError(outside_lattice_message(value))
         if isinstance(value, torch.dtype):
             found = _FROM_TORCH.get(value)
             if found is None:
-                raise ValueError(_outside_lattice_message(value))
+                raise ValueError(outside_lattice_message(value))
             return found
         if isinstance(value, str):
             found = _ALIASES.get(value.strip().lower())
@@ -256,7 +258,17 @@ def accepted_dtype_spellings() -> str:
     return ", ".join(repr(k) for k in _ALIASES)
 
 
-def _outside_lattice_message(dt: object) -> str:
+def is_compute_dtype(dt: torch.dtype) -> bool:
+    """Whether ``dt`` is the torch dtype of a lattice member (f16, bf16, f32, f64)."""
+    return dt in _FROM_TORCH
+
+
+def outside_lattice_message(dt: object) -> str:
+    """Why ``dt`` (an fp8 format, a torch dtype) is not a compute dtype, and what to do.
+
+    The text every ``PromotionError`` about a non-lattice dtype carries: fp8 is pointed at
+    its scale, anything else at an explicit cast.
+    """
     if isinstance(dt, Fp8Format) or dt in _FP8_TORCH.values():
         return (
             f"{dt} is an fp8 storage format, not a compute dtype: an fp8 tensor means nothing "
@@ -274,7 +286,7 @@ def dtype_of(t: torch.Tensor) -> DType:
     """The lattice member of ``t``'s dtype; ``PromotionError`` for fp8/int/bool/complex."""
     found = _FROM_TORCH.get(t.dtype)
     if found is None:
-        raise PromotionError(_outside_lattice_message(t.dtype))
+        raise PromotionError(outside_lattice_message(t.dtype))
     return found
 
 
@@ -292,7 +304,7 @@ def promote(a: DType, b: DType) -> DType:
         raise PromotionError(
             f"promote takes two DType values, got {bad!r}; "
             + (
-                _outside_lattice_message(bad)
+                outside_lattice_message(bad)
                 if isinstance(bad, (Fp8Format, torch.dtype))
                 else "use DType.parse(...) to read a name or a torch.dtype"
             )
@@ -310,7 +322,7 @@ def cast_if(t: torch.Tensor, d: DType) -> torch.Tensor:
         raise PromotionError(
             f"cast_if takes a DType target, got {d!r}; "
             + (
-                _outside_lattice_message(d)
+                outside_lattice_message(d)
                 if isinstance(d, Fp8Format)
                 else "use DType.parse(...) to read a name or a torch.dtype"
             )
@@ -319,7 +331,7 @@ def cast_if(t: torch.Tensor, d: DType) -> torch.Tensor:
     if src is target:
         return t
     if src not in _FROM_TORCH:
-        raise PromotionError(_outside_lattice_message(src))
+        raise PromotionError(outside_lattice_message(src))
     return t.to(target)
 
 

@@ -34,3 +34,21 @@ def test_importing_computectx_does_not_import_triton() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines() == ["[]", "[]"], res.stdout
+
+
+def test_importing_the_core_loads_nothing_downstream() -> None:
+    # The AST test (test_layering.py) checks the import statements; this checks the effect:
+    # `import computectx` and building an fp8 policy load only core modules.
+    res = _run(
+        "import sys\nimport computectx\n"
+        "computectx.ComputeCtx.from_flag('fp8_hybrid', 'cpu')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('computectx')))\n"
+    )
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == [
+        "['computectx',",
+        "'computectx.ctx',",
+        "'computectx.dtypes',",
+        "'computectx.recipes',",
+        "'computectx.residency']",
+    ]
