@@ -12,6 +12,30 @@ from computectx import DType, Fp8Format, PromotionError, cast_if, dtype_of, prom
 F16, BF16, F32, F64 = DType.F16, DType.BF16, DType.F32, DType.F64
 
 
+# The join written out by hand, as JAX pins its observed promotion table: rows and columns in
+# the order F16, BF16, F32, F64. A change to the lattice data must change this table too.
+PROMOTION_TABLE = """
+        f16   bf16  f32   f64
+  f16   f16   f32   f32   f64
+  bf16  f32   bf16  f32   f64
+  f32   f32   f32   f32   f64
+  f64   f64   f64   f64   f64
+"""
+
+
+def test_promotion_table_is_the_literal_one() -> None:
+    header, *rows = (line.split() for line in PROMOTION_TABLE.strip().splitlines())
+    assert [DType.parse(n) for n in header] == list(DType)
+    observed = {
+        (DType.parse(row[0]), DType.parse(col)): DType.parse(cell)
+        for row in rows
+        for col, cell in zip(header, row[1:], strict=True)
+    }
+    assert len(observed) == 16
+    for (a, b), expected in observed.items():
+        assert promote(a, b) is expected, (a, b)
+
+
 def test_golden_table_equals_torch_promote_types() -> None:
     # The published table we pin against: torch's own promotion on the four float dtypes.
     for a, b in itertools.product(DType, repeat=2):
