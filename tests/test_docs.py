@@ -1,0 +1,81 @@
+"""Every Python block in the README and in docs/*.md runs as written.
+
+A block runs on its own, in a fresh interpreter, unless the line right above its fence is
+``<!-- continue -->``: then it continues the block before it on the same page, and the
+chain runs as one script (the prose says so too, for readers of the rendered page).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+CONTINUE = "<!-- continue -->"
+FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """One runnable script: a block and every block that continues it."""
+
+    page: str
+    first_line: int
+    code: str
+
+
+def chains_of(text: str, page: str) -> list[Chain]:
+    """The runnable scripts of one markdown page, in page order."""
+    chains: list[Chain] = []
+    for match in FENCE.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        line = text.count("\n", 0, match.start()) + 1
+        if before == CONTINUE:
+            if not chains or chains[-1].page != page:
+                raise ValueError(f"{page}:{line}: {CONTINUE} above the page's first block")
+            last = chains.pop()
+            chains.append(Chain(page, last.first_line, last.code + "\n" + match.group(1)))
+        else:
+            chains.append(Chain(page, line, match.group(1)))
+    return chains
+
+
+CHAINS = [c for p in PAGES for c in chains_of(p.read_text(), p.relative_to(ROOT).as_posix())]
+
+
+def test_chains_split_and_continue() -> None:
+    text = (
+        "intro\n```python\na = 1\n```\nprose\n<!-- continue -->\n```python\nb = a\n```\n"
+        "```bash\nnot python\n```\n```python\nc = 3\n```\n"
+    )
+    assert chains_of(text, "p.md") == [
+        Chain("p.md", 2, "a = 1\n\nb = a\n"),
+        Chain("p.md", 13, "c = 3\n"),
+    ]
+    with pytest.raises(ValueError, match="first block"):
+        chains_of("<!-- continue -->\n```python\nx = 1\n```\n", "p.md")
+
+
+def test_the_docs_have_samples() -> None:
+    pages = {c.page for c in CHAINS}
+    assert {"README.md", "docs/guide.md", "docs/fp8.md", "docs/memory.md"} <= pages
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=[f"{c.page}:{c.first_line}" for c in CHAINS])
+def test_sample_runs(chain: Chain, tmp_path: Path) -> None:
+    # In a temporary folder, so a sample that writes files leaves nothing in the checkout.
+    res = subprocess.run(
+        [sys.executable, "-c", chain.code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+    assert res.returncode == 0, f"{chain.page}:{chain.first_line}\n{res.stdout}{res.stderr}"
