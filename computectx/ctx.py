@@ -158,6 +158,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         return cls(compute=DType.F32, kv=DType.F32, accum=DType.F32, device=parse_device(device))
 
     @classmethod
+    def ds4_parity(cls, device: torch.device | str) -> ComputeCtx:
+        """The Rust design's name for ``parity``: the same all-F32 policy."""
+        return cls.parity(device)
+
+    @classmethod
     def serving(cls, device: torch.device | str) -> ComputeCtx:
         """Serving policy: BF16 activations, F32 KV cache (decode stability), F32 accum."""
         return cls(compute=DType.BF16, kv=DType.F32, accum=DType.F32, device=parse_device(device))
