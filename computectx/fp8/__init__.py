@@ -1,8 +1,7 @@
 """fp8 training and serving: policy, scaling state, reference twins, autograd, modules.
 
-Modules in this package import ``ComputeCtx`` only for type checking: ``computectx.ctx``
-imports ``computectx.fp8.policy``, so a run-time import back into ``computectx.ctx`` from
-here would be circular. Importing this package changes nothing in torch: fp8 runs only in
+This package reads the core (``ComputeCtx``, the recipe types in ``computectx.recipes``)
+and nothing in the core reads it. Importing it changes nothing in torch: fp8 runs only in
 an ``Fp8Linear`` or inside an ``fp8_autocast`` region.
 """
 

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional
 from typing_extensions import Self
 
+from computectx.ctx import ComputeCtx, parse_device
 from computectx.fp8 import ops, reference
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
-from computectx.fp8.policy import Fp8Policy
+from computectx.fp8.policy import policy_of
 from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.scaling import Fp8ScalingState
-
-if TYPE_CHECKING:
-    from computectx.ctx import ComputeCtx
+from computectx.recipes import Fp8Policy
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -81,8 +80,8 @@ class Fp8Linear(nn.Linear):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        policy = _policy_of(ctx, "Fp8Linear")
-        dev = torch.device(device) if device is not None else ctx.device
+        policy = policy_of(ctx, "Fp8Linear")
+        dev = parse_device(device) if device is not None else ctx.device
         param_dtype = dtype if dtype is not None else ctx.master.torch
         _check_param_dtype("weight", param_dtype)
         super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
@@ -133,8 +132,7 @@ class Fp8Linear(nn.Linear):
     @property
     def policy(self) -> Fp8Policy:
         """The fp8 policy (``ctx.fp8``)."""
-        policy: Fp8Policy = _policy_of(self.ctx, "Fp8Linear")
-        return policy
+        return policy_of(self.ctx, "Fp8Linear")
 
     @property
     def frozen(self) -> bool:
@@ -291,19 +289,6 @@ def _check_param_dtype(name: str, dtype: torch.dtype) -> None:
         )
 
 
-def _policy_of(ctx: ComputeCtx, who: str) -> Fp8Policy:
-    fp8 = getattr(ctx, "fp8", None)
-    if not hasattr(ctx, "compute"):
-        raise TypeError(f"{who} needs a computectx.ComputeCtx, got {type(ctx).__name__}")
-    if fp8 is None:
-        raise ValueError(
-            f"{who} needs a ctx with an fp8 policy, but {str(ctx)!r} has fp8=None; use e.g. "
-            f"ctx.replace(fp8=Fp8Policy()) or ComputeCtx.from_flag('fp8_hybrid', device)"
-        )
-    policy: Fp8Policy = fp8
-    return policy
-
-
 # ----- conversion -----------------------------------------------------------------------------
 
 
@@ -364,7 +349,7 @@ def convert_to_fp8(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {type(model).__name__}")
-    _policy_of(ctx, "convert_to_fp8")
+    policy_of(ctx, "convert_to_fp8")
     if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 1:
         raise ValueError(f"min_features must be an int >= 1, got {min_features!r}")
     if module_filter is not None and not callable(module_filter):

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from computectx import capability
+from computectx.ctx import parse_device
 from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import reference
 
@@ -93,7 +94,7 @@ def select_backend(
     cannot run raises ``ValueError`` saying why (a CPU device is accepted only when
     ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter).
     """
-    dev = _device_arg(device)
+    dev = parse_device(device)
     if force is not None:
         chosen = _parse_backend(force)
         if chosen is Fp8Backend.REFERENCE:
@@ -142,17 +143,6 @@ def _triton_runs_on(dev: torch.device) -> tuple[bool, str]:
             )
         return True, f"{interp.reason}; {tri.reason}"
     return False, f"{dev} tensors need a CUDA device or TRITON_INTERPRET=1 ({interp.reason})"
-
-
-def _device_arg(device: object) -> torch.device:
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError:
-            pass
-    raise ValueError(f"bad device {device!r}; accepted: a torch.device or 'cpu', 'cuda', 'cuda:N'")
 
 
 @functools.cache

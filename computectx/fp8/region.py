@@ -30,20 +30,19 @@ from collections.abc import Awaitable, Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.nn import functional
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
+from computectx.ctx import ComputeCtx
 from computectx.fp8 import ops
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
-from computectx.fp8.policy import Fp8Policy
+from computectx.fp8.policy import describe, policy_of
 from computectx.fp8.scaling import Fp8ScalingState
-
-if TYPE_CHECKING:
-    from computectx.ctx import ComputeCtx
+from computectx.recipes import Fp8Policy
 
 __all__ = ["fp8_autocast", "region_fp8_enabled", "region_scaling_state"]
 
@@ -97,10 +96,6 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"fp8_autocast: enabled must be a bool, got {enabled!r}")
-        if ctx is not None and not _looks_like_ctx(ctx):
-            raise TypeError(
-                f"fp8_autocast: ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}"
-            )
         if enabled:
             if ctx is None:
                 raise ValueError(
@@ -108,11 +103,11 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
                     "applies, e.g. fp8_autocast(ComputeCtx.from_flag('fp8_hybrid', 'cpu')); "
                     "only fp8_autocast(enabled=False) works without one"
                 )
-            if ctx.fp8 is None:
-                raise ValueError(
-                    f"fp8_autocast: ctx {str(ctx)!r} has fp8=None; give it a policy, e.g. "
-                    f"ctx.replace(fp8=Fp8Policy()) or ComputeCtx.from_flag('fp8_hybrid', ...)"
-                )
+            policy_of(ctx, "fp8_autocast")
+        elif ctx is not None and not isinstance(ctx, ComputeCtx):
+            raise TypeError(
+                f"fp8_autocast: ctx must be a computectx.ComputeCtx or None, got {describe(ctx)}"
+            )
         self._ctx = ctx
         self._enabled = enabled
         self._backend: ops.Fp8Backend | None = None
@@ -179,12 +174,6 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
     def __repr__(self) -> str:
         where = "" if self._ctx is None else f"ctx={str(self._ctx)!r}, "
         return f"fp8_autocast({where}enabled={self._enabled})"
-
-
-def _looks_like_ctx(ctx: object) -> bool:
-    # computectx.ctx imports this package, so the class is not importable here at load
-    # time; its fp8/compute/device fields identify it.
-    return all(hasattr(ctx, name) for name in ("fp8", "compute", "device"))
 
 
 # ----- per-thread dispatch mode ------------------------------------------------------------

@@ -4,6 +4,7 @@ bound derived from the formats' precision, needs_input_grad, serving."""
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -145,6 +146,15 @@ def test_drop_in_keys_dtypes_and_leading_shapes() -> None:
 def test_bad_inputs_and_ctx_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="fp8=None"):
         Fp8Linear(16, 16, ctx=ComputeCtx.new(DType.BF16, "cpu"))
+    # Only a ComputeCtx is accepted: an object with the same attributes is not one, and the
+    # error names what was passed.
+    lookalike: Any = SimpleNamespace(fp8=CTX.fp8, compute=CTX.compute, device=CTX.device)
+    with pytest.raises(TypeError, match=r"Fp8Linear needs a computectx\.ComputeCtx .*namespace"):
+        Fp8Linear(16, 16, ctx=lookalike)
+    with pytest.raises(TypeError, match=r"convert_to_fp8 needs .*ComputeCtx.*got str 'fp8_hybrid'"):
+        convert_to_fp8(nn.Linear(16, 16), "fp8_hybrid")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="bad device 'gpu0'; accepted: 'cpu'"):
+        Fp8Linear(16, 16, ctx=CTX, device="gpu0")
     m = Fp8Linear(16, 16, ctx=CTX)
     with pytest.raises(TypeError, match="float64"):
         m(torch.randn(2, 16, dtype=torch.float64))

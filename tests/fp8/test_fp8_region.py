@@ -7,6 +7,7 @@ import asyncio
 import gc
 import threading
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -236,6 +237,12 @@ def test_bad_arguments_are_clear_errors() -> None:
         fp8_autocast(ComputeCtx.new(DType.BF16, "cpu"))
     with pytest.raises(TypeError, match="ComputeCtx"):
         fp8_autocast("fp8_hybrid")  # type: ignore[arg-type]
+    # An object that merely has a ctx's attributes is refused, enabled or not.
+    lookalike: Any = SimpleNamespace(fp8=CTX.fp8, compute=CTX.compute, device=CTX.device)
+    with pytest.raises(TypeError, match=r"fp8_autocast needs a computectx\.ComputeCtx"):
+        fp8_autocast(lookalike)
+    with pytest.raises(TypeError, match=r"ComputeCtx or None, got SimpleNamespace"):
+        fp8_autocast(lookalike, enabled=False)
     with pytest.raises(TypeError, match="bool"):
         fp8_autocast(CTX, enabled=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot force the triton"):
