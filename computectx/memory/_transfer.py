@@ -34,11 +34,19 @@ which is what the CPU tests exercise.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
-__all__ = ["Staging", "needs_staging"]
+__all__ = ["TRANSFERS", "Staging", "Transfer", "check_transfer", "needs_staging", "uses_staging"]
+
+Transfer = Literal["auto", "staged", "blocking"]
+"""How tensors cross between a compute device and the offload device: ``auto`` stages
+through a reusable (pinned) host buffer exactly for CUDA <-> CPU and copies directly
+otherwise; ``staged`` always stages, even between tensors on one device (which is how the
+CPU tests run the CUDA code path); ``blocking`` always copies directly and synchronously."""
+
+TRANSFERS: tuple[Transfer, ...] = get_args(Transfer)
 
 
 class _Event(Protocol):
@@ -70,6 +78,21 @@ def needs_staging(compute: torch.device, host: torch.device) -> bool:
     asynchronous; every other pair copies directly (same device: no transfer at all).
     """
     return compute.type == "cuda" and host.type == "cpu"
+
+
+def check_transfer(transfer: object) -> Transfer:
+    """``transfer`` as a ``Transfer``, or a ``ValueError`` naming it and the accepted values."""
+    for accepted in TRANSFERS:
+        if isinstance(transfer, str) and transfer == accepted:
+            return accepted
+    raise ValueError(f"unknown transfer {transfer!r}; accepted: {', '.join(map(repr, TRANSFERS))}")
+
+
+def uses_staging(transfer: Transfer, compute: torch.device, host: torch.device) -> bool:
+    """Whether a copy between ``compute`` and ``host`` goes through a ``Staging`` buffer."""
+    if transfer == "auto":
+        return needs_staging(compute, host)
+    return transfer == "staged"
 
 
 class Staging:

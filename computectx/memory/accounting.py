@@ -10,7 +10,7 @@ import torch
 
 from computectx.dtypes import DType
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.optimizer import OffloadedOptimizer, _tensors_in
+from computectx.memory.optimizer import OffloadedOptimizer, state_tensors
 
 __all__ = ["MemoryReport", "MemoryRow", "Role", "memory_report"]
 
@@ -155,7 +155,7 @@ def memory_report(
             raise TypeError(
                 f"accumulator must be a LowPrecGradAccumulator, got {type(accumulator).__name__}"
             )
-        tagged.extend((_ROLE_OF[r], t) for r, t in accumulator._memory_tensors())
+        tagged.extend((_ROLE_OF[r], t) for r, t in accumulator.memory_tensors())
     if optimizer is not None:
         tagged.extend((_ROLE_OF[r], t) for r, t in _optimizer_tensors(optimizer))
     order = {r: i for i, r in enumerate(ROLES)}
@@ -205,7 +205,7 @@ def _model_params(
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
     if isinstance(optimizer, OffloadedOptimizer):
-        yield from optimizer._memory_tensors()
+        yield from optimizer.memory_tensors()
         return
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(
@@ -216,4 +216,4 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, 
             if p.grad is not None:
                 yield "grads", p.grad
     for per_param in optimizer.state.values():
-        yield from (("optimizer_state", t) for t in _tensors_in(per_param))
+        yield from (("optimizer_state", t) for t in state_tensors(per_param))

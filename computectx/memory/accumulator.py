@@ -30,17 +30,12 @@ from torch.utils.hooks import RemovableHandle
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType
-from computectx.memory._transfer import Staging, needs_staging
+from computectx.memory._transfer import Staging, Transfer, check_transfer, uses_staging
 
 __all__ = ["AccumMode", "LowPrecGradAccumulator", "Transfer"]
 
 AccumMode = Literal["nearest", "stochastic"]
 """How each partial sum is rounded into the buffer dtype."""
-
-Transfer = Literal["auto", "staged", "blocking"]
-"""How gradients reach a buffer on another device: ``auto`` stages through a reusable
-(pinned) host buffer exactly for CUDA -> CPU and copies directly otherwise; ``staged``
-always stages; ``blocking`` always copies directly and synchronously."""
 
 _SIGNIFICAND_BITS: dict[DType, int] = {DType.F16: 11, DType.BF16: 8, DType.F32: 24, DType.F64: 53}
 
@@ -105,10 +100,7 @@ class LowPrecGradAccumulator:
             raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
         if mode not in get_args(AccumMode):
             raise ValueError(f"unknown mode {mode!r}; accepted: 'nearest', 'stochastic'")
-        if transfer not in get_args(Transfer):
-            raise ValueError(
-                f"unknown transfer {transfer!r}; accepted: 'auto', 'staged', 'blocking'"
-            )
+        transfer = check_transfer(transfer)
         if mode == "stochastic" and ctx.grad not in (DType.BF16, DType.F16):
             raise ValueError(
                 f"mode='stochastic' rounds f32 partial sums into a 16-bit buffer, but "
@@ -177,11 +169,7 @@ class LowPrecGradAccumulator:
         slot.count += 1
 
     def _staged(self, src: torch.device) -> bool:
-        if src == self.device:
-            return False
-        if self.transfer == "auto":
-            return needs_staging(src, self.device)
-        return self.transfer == "staged"
+        return uses_staging(self.transfer, src, self.device)
 
     def _fold_pending(self, slot: _Slot) -> None:
         staging = slot.staging
@@ -367,7 +355,12 @@ class LowPrecGradAccumulator:
             )
         return self._slots[id(param)]
 
-    def _memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor this accumulator holds, with its role for ``memory_report``.
+
+        ``("accumulator", sum)`` per parameter with a sum, ``("staging", buffer)`` per
+        staging buffer.
+        """
         for slot in self._slots.values():
             if slot.buffer is not None:
                 yield "accumulator", slot.buffer

@@ -1,28 +1,26 @@
 """``OffloadedOptimizer``: any ``torch.optim`` optimizer stepping master weights on ``ctx.offload``.
 
-The wrapper is a real ``torch.optim.Optimizer`` but holds no optimizer state of its own:
-``param_groups``, ``state`` and ``defaults`` *are* the inner (master) optimizer's, so LR
-schedulers write the learning rate the master step reads, and ``state_dict`` describes
-exactly one optimizer. ``Optimizer.__init__`` is deliberately not called, because it would
-build a second ``param_groups``/``state`` over the compute parameters; the few attributes
-the base class's hooks and profiling need are set up here instead.
+The wrapper is a real ``torch.optim.Optimizer``, built by ``Optimizer.__init__``, but holds
+no optimizer state of its own: ``param_groups``, ``state`` and ``defaults`` are the very
+objects of the inner (master) optimizer, so LR schedulers write the learning rate the
+master step reads, and ``state_dict`` describes exactly one optimizer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
 
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.memory._transfer import Staging, needs_staging
+from computectx.memory._transfer import Staging, Transfer, check_transfer, uses_staging
 from computectx.memory.accumulator import LowPrecGradAccumulator
 
-__all__ = ["OffloadedOptimizer"]
+__all__ = ["OffloadedOptimizer", "state_tensors"]
 
 _MASTER_KEY = "master_weights"
 
@@ -49,6 +47,17 @@ def _normalise_groups(params: Any) -> list[dict[str, Any]]:
     return [{"params": items}]
 
 
+_GradStamp = tuple[int, int, int] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """Whether the master gradients were finite, and which gradients that was said of."""
+
+    stamps: tuple[_GradStamp, ...]
+    finite: bool
+
+
 class OffloadedOptimizer(torch.optim.Optimizer):
     """Step master weights (``ctx.master``) and optimizer state on ``ctx.offload_device``.
 
@@ -60,12 +69,21 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``step`` ingests any ``param.grad`` left behind, so ``loss.backward(); opt.step()``
     works as with any torch optimizer.
 
-    A non-finite norm from ``clip_grad_norm`` makes the next ``step`` skip the update (a
-    ``RuntimeWarning`` says so; ``skip_next_step``, ``last_step_skipped`` and
-    ``skipped_steps`` report it). ``state_dict`` is the inner optimizer's plus the master
-    weights under ``"master_weights"``, so a resume is exact even when the compute copy is
-    lower precision. LBFGS is rejected: it re-evaluates its closure against the tensors it
-    steps, which here are the masters, not the model.
+    Non-finite gradients are never applied, and nothing else is needed: a ``step`` whose
+    gradients hold an inf or NaN (or whose norm ``clip_grad_norm`` measured as inf or NaN)
+    drops them, changes no weight and no optimizer state, warns (``RuntimeWarning``), sets
+    ``last_step_skipped`` and counts itself in ``skipped_steps``. No decision carries over
+    to a later step. The check reuses the norm of ``clip_grad_norm`` when the gradients are
+    unchanged since it was measured; otherwise it is one max-|g| pass over the master
+    gradients, which waits for the device when they live on a GPU.
+
+    ``transfer`` (keyword, a ``Transfer``) picks how gradients and weights cross devices:
+    ``"auto"`` (default) stages them through one reused pinned host buffer per parameter
+    exactly for CUDA <-> CPU, ``"blocking"`` always copies directly, ``"staged"`` always
+    stages (also between tensors on one device). ``state_dict`` is the inner optimizer's
+    plus the master weights under ``"master_weights"``, so a resume is exact even when the
+    compute copy is lower precision. LBFGS is rejected: it re-evaluates its closure against
+    the tensors it steps, which here are the masters, not the model.
 
     Weights changed outside the optimizer between steps (``model.load_state_dict``,
     ``load_weights``, an in-place edit under ``no_grad``) are adopted: ``step`` and
@@ -79,6 +97,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         params_or_groups: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
         ctx: ComputeCtx,
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+        *,
+        transfer: Transfer = "auto",
         **optimizer_kwargs: Any,
     ) -> None:
         if not isinstance(ctx, ComputeCtx):
@@ -98,70 +118,42 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "it optimizes, which here are the offloaded master copies, not the model; "
                 "use LBFGS directly on the model's parameters"
             )
+        self._transfer: Transfer = check_transfer(transfer)
         self._ctx = ctx
+        self._optimizer_class = optimizer_class
+        self._optimizer_kwargs = optimizer_kwargs
+        self._master_optimizer: torch.optim.Optimizer | None = None
         self._compute: list[torch.Tensor] = []
         self._master: list[torch.Tensor] = []
+        self._seen: list[tuple[int, int]] = []
         self._grad_staging: dict[int, Staging] = {}
         self._param_staging: dict[int, Staging] = {}
-        groups = _normalise_groups(params_or_groups)
-        master_groups = []
-        for gi, group in enumerate(groups):
-            compute = self._check_group(group, f"param_groups[{gi}]", seen=set())
-            master_groups.append({**group, "params": [self._make_master(p) for p in compute]})
-            self._compute.extend(compute)
-        self._master = [p for g in master_groups for p in g["params"]]
-        self._seen: list[tuple[int, int]] = [_stamp(p) for p in self._compute]
-        self._inner: torch.optim.Optimizer = optimizer_class(master_groups, **optimizer_kwargs)
-        # What Optimizer.__init__ sets besides defaults/state/param_groups (which delegate
-        # to the inner optimizer): the hook registries and the profiled step wrapper.
-        self._optimizer_step_pre_hooks = OrderedDict()
-        self._optimizer_step_post_hooks = OrderedDict()
-        self._optimizer_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_state_dict_post_hooks = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self._patch_step_function()
-        self._warned_capturable_if_run_uncaptured = True
-        self.skip_next_step = False
-        """Set by ``clip_grad_norm`` on a non-finite norm; the next ``step`` skips."""
+        self._verdict: _Verdict | None = None
         self.last_step_skipped = False
-        """Whether the most recent ``step`` skipped the update."""
+        """Whether the most recent ``step`` skipped the update (non-finite gradients)."""
         self.skipped_steps = 0
         """How many steps were skipped for non-finite gradients."""
-
-    # ----- delegation: one set of groups, state and defaults --------------------------
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The master optimizer's groups (``params`` are the master tensors)."""
-        return self._inner.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self._inner.param_groups = value
-
-    @property
-    def state(self) -> Any:
-        """The master optimizer's state, keyed by master tensors."""
-        return self._inner.state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        self._inner.state = value
-
-    @property
-    def defaults(self) -> dict[str, Any]:
-        """The master optimizer's defaults (read by e.g. ``OneCycleLR``)."""
-        return self._inner.defaults
-
-    @defaults.setter
-    def defaults(self, value: dict[str, Any]) -> None:
-        self._inner.defaults = value
+        # Optimizer.__init__ hands each group to add_param_group (below), which builds the
+        # master optimizer from the first group and adds the rest to it, as torch does.
+        super().__init__(_normalise_groups(params_or_groups), {})
+        # One set of groups, state and defaults: the base class's (still empty) ones are
+        # replaced by the master optimizer's objects themselves, so a scheduler writing
+        # ``lr`` into a group writes what the master step reads.
+        self.defaults = self.inner.defaults
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
 
     @property
     def inner(self) -> torch.optim.Optimizer:
         """The optimizer that steps the master weights."""
-        return self._inner
+        if self._master_optimizer is None:
+            raise RuntimeError("the OffloadedOptimizer is still being constructed")
+        return self._master_optimizer
+
+    @property
+    def transfer(self) -> Transfer:
+        """How gradients and weights cross devices (the ``transfer`` constructor option)."""
+        return self._transfer
 
     @property
     def ctx(self) -> ComputeCtx:
@@ -218,14 +210,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return torch.nn.Parameter(data, requires_grad=p.requires_grad)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Add a group of compute parameters; their masters join the inner optimizer."""
+        """Add a group of compute parameters; their masters join the inner optimizer.
+
+        Options the group leaves out take the inner optimizer's defaults. Everything is
+        checked before anything is added.
+        """
         if not isinstance(param_group, Mapping):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        if not hasattr(self, "_inner"):  # pragma: no cover - only via Optimizer.__init__
-            raise RuntimeError("OffloadedOptimizer is not initialised")
-        compute = self._check_group(dict(param_group), "param_group", seen=set())
+        inner = self._master_optimizer
+        where = f"param_groups[{0 if inner is None else len(inner.param_groups)}]"
+        compute = self._check_group(dict(param_group), where, seen=set())
         masters = [self._make_master(p) for p in compute]
-        self._inner.add_param_group({**param_group, "params": masters})
+        master_group = {**param_group, "params": masters}
+        if inner is None:
+            # Optimizer.__init__ passes the first group: the optimizer class is built on it
+            # (and checks its keyword arguments) here.
+            self._master_optimizer = self._optimizer_class([master_group], **self._optimizer_kwargs)
+        else:
+            inner.add_param_group(master_group)
         self._compute.extend(compute)
         self._master.extend(masters)
         self._seen.extend(_stamp(p) for p in compute)
@@ -236,8 +238,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """Move gradients onto the master copies (adding to any already there).
 
         From ``accumulator`` (its sums are handed over and emptied) when given, then from
-        every compute ``param.grad`` (which becomes ``None``). CUDA -> CPU copies go through
-        a reused pinned staging buffer per parameter, all issued before any is waited on.
+        every compute ``param.grad`` (which becomes ``None``). Staged copies (see
+        ``transfer``) are all issued before any is waited on.
         """
         if accumulator is not None:
             if not isinstance(accumulator, LowPrecGradAccumulator):
@@ -255,7 +257,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 for cp, mp in zip(self._compute, self._master, strict=True):
                     buf = accumulator.pop(cp)
                     if buf is not None:
-                        _add_grad(mp, buf)
+                        self._add_master_grad(mp, buf)
             self._ingest_param_grads()
 
     def _ingest_param_grads(self) -> None:
@@ -266,7 +268,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 continue
             cp.grad = None
             g = g.detach()
-            if _route(g.device, mp.device):
+            if uses_staging(self._transfer, g.device, mp.device):
                 st = self._grad_staging.get(i)
                 if st is None or st.buffer.dtype != g.dtype:
                     st = Staging(g.shape, g.dtype, host=mp.device, peer=g.device)
@@ -274,19 +276,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 st.fill_from(g)
                 staged.append((st, mp))
             else:
-                _add_grad(mp, g)
+                self._add_master_grad(mp, g)
         for st, mp in staged:
             st.wait()
             # The staging buffer is reused, so the master gradient must be a copy of it.
-            _add_grad(mp, st.buffer.to(mp.dtype, copy=True))
+            self._add_master_grad(mp, st.buffer.to(mp.dtype, copy=True))
+
+    def _add_master_grad(self, master: torch.Tensor, g: torch.Tensor) -> None:
+        g = g.to(device=master.device, dtype=master.dtype)
+        if master.grad is None:
+            master.grad = g
+        else:
+            master.grad.add_(g)
+        self._verdict = None
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the master gradients to total norm ``max_norm``; return the norm before.
 
-        ``max_norm=math.inf`` measures without clipping. A non-finite norm (an inf or NaN
-        gradient) sets ``skip_next_step`` and warns: the next ``step`` drops the gradients
-        instead of applying them. ``param.grad`` left on the compute parameters is ingested
-        first.
+        ``max_norm=math.inf`` measures without clipping. ``param.grad`` left on the compute
+        parameters is ingested first. A non-finite norm (an inf or NaN gradient) is returned
+        as is, and the next ``step`` skips these gradients without being told; nothing
+        else is needed, and ``zero_grad`` leaves nothing pending. The norm is also what
+        that ``step`` decides by, so it need not look at the gradients again.
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
             raise TypeError(f"max_norm must be a number, got {max_norm!r}")
@@ -294,17 +305,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"max_norm must be > 0 (math.inf to only measure), got {max_norm}")
         with torch.no_grad():
             self._ingest_param_grads()
-        grads = [mp for mp in self._master if mp.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(grads, float(max_norm), norm_type=norm_type))
-        if not math.isfinite(norm):
-            self.skip_next_step = True
-            warnings.warn(
-                f"gradient norm is {norm}; the next OffloadedOptimizer.step() is skipped "
-                f"and its gradients dropped (see skip_next_step / last_step_skipped)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        with_grads = [mp for mp in self._master if mp.grad is not None]
+        norm = float(
+            torch.nn.utils.clip_grad_norm_(with_grads, float(max_norm), norm_type=norm_type)
+        )
+        # Stamped after clipping (which rewrote the gradients in place), so any later change
+        # to them, ours or the caller's, makes step() check again.
+        self._verdict = _Verdict(self._grad_stamps(), math.isfinite(norm))
         return norm
+
+    def _grad_stamps(self) -> tuple[_GradStamp, ...]:
+        return tuple(None if mp.grad is None else _grad_stamp(mp.grad) for mp in self._master)
+
+    def _grads_are_finite(self) -> bool:
+        verdict = self._verdict
+        if verdict is not None and verdict.stamps == self._grad_stamps():
+            return verdict.finite
+        grads = [mp.grad for mp in self._master if mp.grad is not None]
+        if not grads:
+            return True
+        # The largest |g| is inf or NaN exactly when some element is; unlike a 2-norm it
+        # cannot overflow for finite gradients. bool() syncs with the masters' device.
+        return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
 
     # ----- the step -------------------------------------------------------------------
 
@@ -315,11 +337,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step the masters and copy them into the compute parameters.
+        """Step the masters and copy them into the compute parameters, if the gradients are
+        finite.
 
         A ``closure`` is evaluated once (with grad enabled) before the step, and the
-        gradients it leaves in ``param.grad`` are ingested. Skips the update when
-        ``clip_grad_norm`` saw a non-finite norm.
+        gradients it leaves in ``param.grad`` are ingested. When any gradient about to be
+        applied is inf or NaN (or ``clip_grad_norm`` measured a non-finite norm for these
+        gradients), the step is skipped instead: the gradients are dropped, weights and
+        optimizer state are untouched, a ``RuntimeWarning`` says so, ``last_step_skipped``
+        is set and ``skipped_steps`` counts it. Returns the closure's loss, if any.
         """
         loss = None
         if closure is not None:
@@ -327,12 +353,16 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         with torch.no_grad():
             self._ingest_param_grads()
-        if self.skip_next_step:
-            self.skip_next_step = False
-            self.last_step_skipped = True
+        if not self._grads_are_finite():
             self.skipped_steps += 1
-            for mp in self._master:
-                mp.grad = None
+            self.last_step_skipped = True
+            self._drop_master_grads()
+            warnings.warn(
+                f"OffloadedOptimizer.step() skipped the update: the gradients hold inf or "
+                f"NaN values and were dropped ({self.skipped_steps} step(s) skipped so far)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return loss
         self._adopt_outside_edits()
         if all(mp.grad is None for mp in self._master):
@@ -342,10 +372,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self._inner.step()
+        self.inner.step()
         self._sync_to_compute()
         self.last_step_skipped = False
         return loss
+
+    def _drop_master_grads(self) -> None:
+        for mp in self._master:
+            mp.grad = None
+        self._verdict = None
 
     def _adopt_outside_edits(self) -> None:
         # A compute parameter whose storage or version counter moved since the last sync was
@@ -361,7 +396,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def _sync_to_compute(self) -> None:
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
-                if _route(cp.device, mp.device):
+                if uses_staging(self._transfer, cp.device, mp.device):
                     st = self._param_staging.get(i)
                     if st is None:
                         st = Staging(cp.shape, cp.dtype, host=mp.device, peer=cp.device)
@@ -376,7 +411,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
-        self._inner.zero_grad(set_to_none=set_to_none)
+        self.inner.zero_grad(set_to_none=set_to_none)
+        self._verdict = None
         for cp in self._compute:
             if cp.grad is None:
                 continue
@@ -446,8 +482,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.load_state_dict installs the loaded groups and state through
-        # __setstate__; they belong to the inner optimizer.
-        self._inner.__setstate__(state)
+        # __setstate__. The master optimizer takes them (its class fills in the options it
+        # needs), and the wrapper goes on sharing its objects.
+        inner = self.inner
+        inner.__setstate__(state)
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+        self.defaults = inner.defaults
 
     def __getstate__(self) -> dict[str, Any]:
         raise TypeError(
@@ -456,21 +497,43 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         )
 
     def __repr__(self) -> str:
-        inner = repr(self._inner).replace("\n", "\n  ")
+        inner = repr(self.inner).replace("\n", "\n  ")
         return (
             f"OffloadedOptimizer(master={self._ctx.master}, "
             f"device={self._ctx.offload_device}, inner={inner})"
         )
 
-    def _memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    # ----- accounting -----------------------------------------------------------------
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor this optimizer holds, with its role for ``memory_report``.
+
+        ``("master", w)`` and, while it exists, ``("grads", w.grad)`` per master weight;
+        ``("optimizer_state", t)`` per tensor in the inner optimizer's state; and
+        ``("staging", buffer)`` per staging buffer. The compute parameters are the model's
+        and are not included.
+        """
         for mp in self._master:
             yield "master", mp
             if mp.grad is not None:
                 yield "grads", mp.grad
-        for per_param in self._inner.state.values():
-            yield from (("optimizer_state", t) for t in _tensors_in(per_param))
+        for per_param in self.state.values():
+            yield from (("optimizer_state", t) for t in state_tensors(per_param))
         for st in (*self._grad_staging.values(), *self._param_staging.values()):
             yield "staging", st.buffer
+
+
+def state_tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``value``: an optimizer's state or one entry of it, walked through
+    nested mappings, lists and tuples."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from state_tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from state_tensors(v)
 
 
 def _stamp(p: torch.Tensor) -> tuple[int, int]:
@@ -478,24 +541,8 @@ def _stamp(p: torch.Tensor) -> tuple[int, int]:
     return p.data_ptr(), p._version
 
 
-def _route(compute: torch.device, host: torch.device) -> bool:
-    return needs_staging(compute, host)
-
-
-def _add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
-    g = g.to(device=master.device, dtype=master.dtype)
-    if master.grad is None:
-        master.grad = g
-    else:
-        master.grad.add_(g)
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from _tensors_in(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors_in(v)
+def _grad_stamp(g: torch.Tensor) -> tuple[int, int, int]:
+    # Our own writes to master gradients drop the verdict outright; this catches the
+    # caller's: assigning another tensor changes the id, an in-place edit bumps the version,
+    # ``grad.data = t`` swaps the storage.
+    return id(g), g.data_ptr(), g._version

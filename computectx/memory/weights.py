@@ -310,5 +310,5 @@ def _materialise(
 
 def _replace_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     owner_name, _, attr = name.rpartition(".")
-    owner = model.get_submodule(owner_name)
-    owner._buffers[attr] = value
+    # Module.__setattr__ replaces a registered buffer in place and keeps its persistence.
+    setattr(model.get_submodule(owner_name), attr, value)

@@ -119,7 +119,9 @@ def test_optimizer_state_and_masters_live_on_the_offload_device_only() -> None:
     p = n_params(model)
     r = memory_report(model, optimizer=opt, accumulator=acc)
     compute_storages = {q.untyped_storage().data_ptr() for q in model.parameters()}
-    offloaded = [t for _role, t in opt._memory_tensors()]
+    held = list(opt.memory_tensors())
+    assert {role for role, _t in held} == {"master", "grads", "optimizer_state"}
+    offloaded = [t for _role, t in held]
     assert offloaded and all(t.device == ctx.offload_device for t in offloaded)
     assert not {t.untyped_storage().data_ptr() for t in offloaded} & compute_storages
     assert r.bytes(role="params") == 2 * p
