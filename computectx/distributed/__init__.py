@@ -1,0 +1,10 @@
+"""computectx on many ranks: the one place that talks to ``torch.distributed``.
+
+A process group or a ``DeviceMesh`` is runtime, not policy: it is passed where it is used, never
+stored in ``ComputeCtx`` (whose text and JSON forms stay lossless). Nothing in the core imports
+this package.
+"""
+
+from computectx.distributed.group import check_same_policy, data_parallel_group
+
+__all__ = ["check_same_policy", "data_parallel_group"]
