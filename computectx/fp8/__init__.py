@@ -5,21 +5,24 @@ and nothing in the core reads it. Importing it changes nothing in torch: fp8 run
 an ``Fp8Linear`` or inside an ``fp8_autocast`` region.
 """
 
-from computectx.fp8.modules import (
+from computectx.fp8.backend import Fp8Backend, select_backend
+from computectx.fp8.convert import (
     DEFAULT_MIN_FEATURES,
+    FEATURE_MULTIPLE,
     Fp8ConversionReport,
-    Fp8Linear,
     SkippedLinear,
     convert_to_fp8,
 )
-from computectx.fp8.ops import Fp8Backend, fp8_dequantize, fp8_quantize, select_backend
-from computectx.fp8.policy import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.fp8.linear import Fp8Linear
+from computectx.fp8.ops import fp8_dequantize, fp8_quantize
 from computectx.fp8.region import fp8_autocast
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
+from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
+    "FEATURE_MULTIPLE",
     "DelayedScaling",
     "DynamicScaling",
     "Fp8Backend",

@@ -18,8 +18,9 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from computectx.dtypes import DType
 from computectx.fp8 import ops, reference
-from computectx.fp8.policy import Fp8Policy
+from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.scaling import Fp8ScalingState
+from computectx.recipes import Fp8Policy
 
 __all__ = ["ACTIVATION_DTYPES", "Fp8LinearPlan", "fp8_linear", "gemm_dtype_for"]
 
@@ -50,7 +51,7 @@ class Fp8LinearPlan:
 
     policy: Fp8Policy
     state: Fp8ScalingState
-    backend: ops.Fp8Backend
+    backend: Fp8Backend
     gemm_dtype: torch.dtype
     frozen_weight: tuple[torch.Tensor, torch.Tensor] | None = None
 

@@ -1,10 +1,11 @@
-"""fp8 operations behind one interface: backend choice, input checks, dispatch.
+"""fp8 operations behind one interface: input checks, then dispatch to a backend.
 
-Two backends compute the same function. ``TRITON`` runs the kernels in
-``computectx.kernels`` (imported only when first used, so ``import computectx.fp8`` works
-without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``.
-Quantized bytes agree bit for bit between them; GEMM outputs agree to float32 accumulation
-order. ``select_backend`` picks one for a device and says why.
+Every operation takes a ``backend`` (``computectx.fp8.backend``: ``select_backend`` picks
+one for a device and says why). ``TRITON`` runs the kernels in ``computectx.kernels``,
+imported inside the function that launches them, so ``import computectx.fp8`` works without
+triton; ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``. Quantized
+bytes agree bit for bit between them; GEMM outputs agree to float32 accumulation order.
+``Fp8Backend`` and ``select_backend`` are re-exported here for callers of these functions.
 
 The step of an amax is ``amax / (fmt.max / 2**margin)`` (1.0 for a zero or non-finite
 amax): the amax maps to ``fmt.max / 2**margin``, leaving ``2**margin`` of headroom.
@@ -18,17 +19,13 @@ operand is a float32 vector of length ``history_len + 3``: the amax history
 
 from __future__ import annotations
 
-import enum
-import functools
-import sys
 from typing import Literal
 
 import torch
 
-from computectx import capability
-from computectx.ctx import parse_device
 from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import reference
+from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
 
 __all__ = [
     "QUANTIZABLE_DTYPES",
@@ -36,7 +33,6 @@ __all__ = [
     "RING_SATURATED",
     "RING_STEP",
     "Fp8Backend",
-    "default_backend",
     "fp8_dequantize",
     "fp8_quantize",
     "quantize_delayed",
@@ -59,120 +55,11 @@ QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The dtypes quantize reads (and a GEMM bias may have)."""
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
-_KERNEL_MODULES = ("computectx.kernels.quantize", "computectx.kernels.scaled_mm")
-
-
-class Fp8Backend(enum.Enum):
-    """Which implementation runs the fp8 operations."""
-
-    TRITON = "triton"
-    REFERENCE = "reference"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-def _parse_backend(value: Fp8Backend | str) -> Fp8Backend:
-    if isinstance(value, Fp8Backend):
-        return value
-    if isinstance(value, str):
-        for b in Fp8Backend:
-            if b.value == value.strip().lower():
-                return b
-    accepted = ", ".join(repr(b.value) for b in Fp8Backend)
-    raise ValueError(f"unknown fp8 backend {value!r}; accepted: Fp8Backend members or {accepted}")
-
-
-def select_backend(
-    device: torch.device | str, force: Fp8Backend | str | None = None
-) -> tuple[Fp8Backend, str]:
-    """The backend for tensors on ``device`` and a one-line reason (``computectx info``).
-
-    Without ``force``: ``TRITON`` on a CUDA device with compute capability >= 8.9 when
-    triton imports, ``REFERENCE`` elsewhere. ``force`` picks one; forcing ``TRITON`` where it
-    cannot run raises ``ValueError`` saying why (a CPU device is accepted only when
-    ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter).
-    """
-    dev = parse_device(device)
-    if force is not None:
-        chosen = _parse_backend(force)
-        if chosen is Fp8Backend.REFERENCE:
-            return chosen, "reference: forced"
-        ok, why = _triton_runs_on(dev)
-        if not ok:
-            raise ValueError(f"cannot force the triton fp8 backend on {dev}: {why}")
-        return chosen, f"triton: forced; {why}"
-    if dev.type != "cuda":
-        cuda = capability.cuda(dev)
-        where = f"no CUDA device ({cuda.reason})" if not cuda.ok else f"{dev} is not a GPU"
-        return Fp8Backend.REFERENCE, f"reference: {where}; {_TRITON_NEEDS}"
-    cores = capability.fp8_tensor_cores(dev)
-    if not cores.ok:
-        return Fp8Backend.REFERENCE, f"reference: {cores.reason}; {_TRITON_NEEDS}"
-    tri = capability.triton_available()
-    if not tri.ok:
-        return Fp8Backend.REFERENCE, f"reference: {tri.reason}; the fp8 kernels need triton"
-    return Fp8Backend.TRITON, f"triton: {cores.reason}; {tri.reason}"
-
-
-@functools.cache
-def default_backend(device: torch.device) -> Fp8Backend:
-    """``select_backend(device)``'s choice, cached per device: a device's capabilities do
-    not change while a process runs, and the probes are too slow for every linear call."""
-    return select_backend(device)[0]
-
-
-def _triton_runs_on(dev: torch.device) -> tuple[bool, str]:
-    if dev.type == "cuda":
-        return _triton_runs_on_cuda(dev)
-    tri = capability.triton_available()
-    if not tri.ok:
-        return False, tri.reason
-    interp = capability.triton_interpreter()
-    if dev.type == "cpu" and interp.ok:
-        stale = [
-            name
-            for name in _KERNEL_MODULES
-            if name in sys.modules and not getattr(sys.modules[name], "_INTERPRET", True)
-        ]
-        if stale:
-            return False, (
-                f"{', '.join(stale)} was imported before TRITON_INTERPRET=1 was set, so its "
-                f"kernels were compiled for a GPU; set the variable before the first import"
-            )
-        return True, f"{interp.reason}; {tri.reason}"
-    return False, f"{dev} tensors need a CUDA device or TRITON_INTERPRET=1 ({interp.reason})"
-
-
-@functools.cache
-def _triton_runs_on_cuda(dev: torch.device) -> tuple[bool, str]:
-    # Cached: a device's compute capability and the triton install do not change while a
-    # process runs, and this check sits on every call of the Triton backend.
-    tri = capability.triton_available()
-    if not tri.ok:
-        return False, tri.reason
-    cores = capability.fp8_tensor_cores(dev)
-    return cores.ok, f"{cores.reason}; {tri.reason}"
 
 
 # ---------------------------------------------------------------------------------------
 # Input checks. Each raises TypeError/ValueError quoting the value and what is accepted;
 # none reads a tensor's contents (that would wait for the device).
-
-
-def _backend_arg(backend: object, *tensors: torch.Tensor) -> Fp8Backend:
-    if not isinstance(backend, Fp8Backend):
-        raise TypeError(
-            f"backend must be an Fp8Backend (from select_backend), got {backend!r}; "
-            f"accepted: {', '.join(str(b) for b in Fp8Backend)}"
-        )
-    if backend is Fp8Backend.TRITON:
-        for t in tensors:
-            ok, why = _triton_runs_on(t.device)
-            if not ok:
-                raise ValueError(f"the triton fp8 backend cannot run on {t.device}: {why}")
-    return backend
 
 
 def _fmt_arg(fmt: object) -> Fp8Format:
@@ -266,7 +153,7 @@ def quantize_with_step(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     s = _scalar_arg("step", step, data.device)
-    if _backend_arg(backend, data) is Fp8Backend.TRITON:
+    if check_backend(backend, data) is Fp8Backend.TRITON:
         # Kernel modules are imported on first use: importing one imports triton, and
         # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
         from computectx.kernels import quantize
@@ -286,7 +173,7 @@ def quantize_dynamic(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
-    if _backend_arg(backend, data) is Fp8Backend.TRITON:
+    if check_backend(backend, data) is Fp8Backend.TRITON:
         from computectx.kernels import quantize
 
         return quantize.quantize_dynamic(data, fmt.torch, m)
@@ -316,7 +203,7 @@ def quantize_delayed(
     fmt = _fmt_arg(fmt)
     _ring_args(ring, idx, algo, data.device)
     m = _margin_arg(margin)
-    if _backend_arg(backend, data) is Fp8Backend.TRITON:
+    if check_backend(backend, data) is Fp8Backend.TRITON:
         from computectx.kernels import quantize
 
         return quantize.quantize_delayed(data, fmt.torch, ring, idx, algo, m)
@@ -371,7 +258,7 @@ def scaled_mm(
             f"out_dtype {out_dtype!r} is not supported; accepted: "
             f"{', '.join(map(str, _OUT_DTYPES))}"
         )
-    if _backend_arg(backend, a) is Fp8Backend.TRITON:
+    if check_backend(backend, a) is Fp8Backend.TRITON:
         from computectx.kernels import scaled_mm as gemm
 
         return gemm.scaled_mm(a, b, sa, sb, bias, out_dtype)

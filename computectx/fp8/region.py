@@ -38,8 +38,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from computectx.ctx import ComputeCtx
-from computectx.fp8 import ops
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
+from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
 from computectx.fp8.policy import describe, policy_of
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.recipes import Fp8Policy
@@ -58,7 +58,7 @@ class _Frame:
 
     enabled: bool
     ctx: ComputeCtx | None
-    backend: ops.Fp8Backend | None
+    backend: Fp8Backend | None
     parent: _Frame | None
     owner: fp8_autocast
     dispatch: _ThreadDispatch | None  # the thread whose mode this frame holds, if enabled
@@ -92,7 +92,7 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
         ctx: ComputeCtx | None = None,
         enabled: bool = True,
         *,
-        backend: ops.Fp8Backend | str | None = None,
+        backend: Fp8Backend | str | None = None,
     ) -> None:
         if not isinstance(enabled, bool):
             raise TypeError(f"fp8_autocast: enabled must be a bool, got {enabled!r}")
@@ -110,10 +110,10 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
             )
         self._ctx = ctx
         self._enabled = enabled
-        self._backend: ops.Fp8Backend | None = None
+        self._backend: Fp8Backend | None = None
         if backend is not None:
             device = ctx.device if ctx is not None else torch.device("cpu")
-            self._backend = ops.select_backend(device, force=backend)[0]
+            self._backend = select_backend(device, force=backend)[0]
 
     @property
     def enabled(self) -> bool:
@@ -316,7 +316,7 @@ def _route_linear(
     plan = Fp8LinearPlan(
         policy=ctx.fp8,
         state=_WEIGHT_STATES.get(w, ctx.fp8),
-        backend=ops.default_backend(w.device) if frame.backend is None else frame.backend,
+        backend=default_backend(w.device) if frame.backend is None else frame.backend,
         gemm_dtype=gemm_dtype_for(ctx.compute),
     )
     return fp8_linear(x, w, b, plan)

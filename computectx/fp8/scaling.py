@@ -21,7 +21,8 @@ import torch
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import ops
-from computectx.fp8.policy import DelayedScaling, DynamicScaling, Fp8Policy
+from computectx.fp8.backend import Fp8Backend
+from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
 __all__ = [
     "ROLES",
@@ -75,7 +76,7 @@ class OperandScaling:
         x: torch.Tensor,
         fmt: Fp8Format,
         scaling: DelayedScaling | DynamicScaling,
-        backend: ops.Fp8Backend,
+        backend: Fp8Backend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize ``x`` under ``scaling`` through this ring: ``(data_fp8, step_used)``.
 

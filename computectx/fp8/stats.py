@@ -6,10 +6,10 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from computectx.fp8.modules import Fp8Linear
-from computectx.fp8.policy import DelayedScaling
+from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.region import region_scaling_state
 from computectx.fp8.scaling import ROLES, Fp8ScalingState, OperandScaling, Role
+from computectx.recipes import DelayedScaling
 
 __all__ = ["Fp8LayerStats", "Fp8OperandStats", "fp8_stats", "scaling_stats"]
 

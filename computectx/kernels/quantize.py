@@ -26,18 +26,20 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["quantize_delayed", "quantize_dynamic", "quantize_with_step"]
+__all__ = ["INTERPRETED", "quantize_delayed", "quantize_dynamic", "quantize_with_step"]
 
-_INTERPRET: Final[bool] = triton.knobs.runtime.interpret
+INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
+"""Whether this module's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when it
+was imported) rather than compiled for a GPU; fixed at import."""
 # Under the interpreter every program runs in turn on the CPU: small tiles and few programs
 # make small test tensors exercise the grid-stride loop and the last-program finalize.
-_BLOCK: Final[int] = 64 if _INTERPRET else 4096
-_WARPS: Final[int] = 4 if _INTERPRET else 8
+_BLOCK: Final[int] = 64 if INTERPRETED else 4096
+_WARPS: Final[int] = 4 if INTERPRETED else 8
 _PROGRAMS_PER_SM: Final[int] = 8
 _INTERPRET_PROGRAMS: Final[int] = 3
 # The history window is reduced RBLOCK slots at a time; small under the interpreter so
 # that short test histories exercise the loop.
-_RBLOCK: Final[int] = 16 if _INTERPRET else 1024
+_RBLOCK: Final[int] = 16 if INTERPRETED else 1024
 
 # What the last program does after the pass.
 _REDUCE_NONE: Final[int] = 0  # nothing: cast only
@@ -216,7 +218,7 @@ def _scratch(device: torch.device) -> torch.Tensor:
 
 def _num_programs(x: torch.Tensor) -> int:
     tiles = max(1, triton.cdiv(x.numel(), _BLOCK))
-    if _INTERPRET or x.device.type != "cuda":
+    if INTERPRETED or x.device.type != "cuda":
         return min(tiles, _INTERPRET_PROGRAMS)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count
     return min(tiles, sms * _PROGRAMS_PER_SM)

@@ -18,13 +18,15 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["scaled_mm"]
+__all__ = ["INTERPRETED", "scaled_mm"]
 
-_INTERPRET: Final[bool] = triton.knobs.runtime.interpret
+INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
+"""Whether this module's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when it
+was imported) rather than compiled for a GPU; fixed at import."""
 
 
 def _configs() -> list[triton.Config]:
-    if _INTERPRET:
+    if INTERPRETED:
         # One small tile: the interpreter runs every program on the CPU, and one config
         # means the autotuner never benchmarks.
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
@@ -176,7 +178,7 @@ def scaled_mm(
     if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
-    if not _INTERPRET:
+    if not INTERPRETED:
         # Hopper's fp8 wgmma reads both operands K-major from shared memory. Compiled for
         # sm_90, a tile whose K stride is not 1 is not staged with asynchronous copies and
         # the main loop waits on every load of it; a K-major copy costs one read and one

@@ -7,8 +7,7 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import promote
-from computectx.fp8 import Fp8Linear, convert_to_fp8
-from computectx.fp8.modules import FEATURE_MULTIPLE
+from computectx.fp8 import FEATURE_MULTIPLE, Fp8Linear, convert_to_fp8
 
 __all__ = ["apply_fp8_policy", "param_dtype"]
 

@@ -36,7 +36,7 @@ def _import_kernels_interpreted() -> None:
             module = sys.modules.get(name)
             if module is None:
                 importlib.import_module(name)
-            elif not getattr(module, "_INTERPRET", False):
+            elif not getattr(module, "INTERPRETED", False):
                 # Imported earlier (by another directory's tests) as compiled kernels:
                 # decorate them again, now interpreted.
                 importlib.reload(module)

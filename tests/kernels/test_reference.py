@@ -548,7 +548,7 @@ def test_kernels_compiled_before_the_interpreter_was_set_are_refused(
     import types
 
     compiled = types.ModuleType("computectx.kernels.scaled_mm")
-    compiled._INTERPRET = False  # type: ignore[attr-defined]
+    compiled.INTERPRETED = False  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "computectx.kernels.scaled_mm", compiled)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     with pytest.raises(ValueError, match="imported before TRITON_INTERPRET=1"):

@@ -1,0 +1,262 @@
+"""``Fp8Linear``: a drop-in ``nn.Linear`` whose GEMMs run in fp8 under ``ctx.fp8``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional
+from typing_extensions import Self
+
+from computectx.ctx import ComputeCtx, parse_device
+from computectx.fp8 import ops, reference
+from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
+from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
+from computectx.fp8.policy import policy_of
+from computectx.fp8.region import region_fp8_enabled
+from computectx.fp8.scaling import Fp8ScalingState
+from computectx.recipes import Fp8Policy
+
+__all__ = ["Fp8Linear"]
+
+_FROZEN_BUFFERS = ("weight_fp8", "weight_step")
+
+
+class Fp8Linear(nn.Linear):
+    """A drop-in ``nn.Linear`` whose GEMMs run in fp8 under ``ctx.fp8``.
+
+    Same ``weight``/``bias`` parameters and state-dict keys as ``nn.Linear`` (an
+    ``nn.Linear`` checkpoint loads; the scaling state starts fresh), plus the scaling state
+    of its three operands (input, weight, gradient), saved versioned as extra state.
+    Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype, after
+    an epilogue at ``ctx.compute``. New weights default to ``ctx.master`` on ``ctx.device``.
+
+    ``backend`` forces an ``Fp8Backend`` (or ``"triton"``/``"reference"``); by default each
+    call uses ``select_backend`` for the weight's device. Inside ``fp8_autocast(
+    enabled=False)`` the layer runs as a plain linear at the input's dtype.
+    ``freeze_for_serving()`` quantizes the weight once for inference.
+    """
+
+    weight_fp8: torch.Tensor
+    """The pre-quantized weight (after ``freeze_for_serving``)."""
+    weight_step: torch.Tensor
+    """The step of ``weight_fp8`` (after ``freeze_for_serving``)."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        ctx: ComputeCtx,
+        backend: Fp8Backend | str | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        policy = policy_of(ctx, "Fp8Linear")
+        dev = parse_device(device) if device is not None else ctx.device
+        param_dtype = dtype if dtype is not None else ctx.master.torch
+        _check_param_dtype("weight", param_dtype)
+        super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
+        self.ctx = ctx
+        self._forced_backend = None if backend is None else select_backend(dev, force=backend)[0]
+        self.scaling = Fp8ScalingState(policy, dev)
+        self._frozen = False
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: nn.Linear,
+        ctx: ComputeCtx,
+        *,
+        backend: Fp8Backend | str | None = None,
+    ) -> Fp8Linear:
+        """An ``Fp8Linear`` holding ``linear``'s own ``weight`` and ``bias`` Parameters.
+
+        The Parameter objects are shared, not copied, so an optimizer built over the old
+        module keeps training the new one. Hooks registered on ``linear`` do not carry over.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
+        w = linear.weight
+        _check_param_dtype("weight", w.dtype)
+        if linear.bias is not None:
+            _check_param_dtype("bias", linear.bias.dtype)
+        forced = None if backend is None else select_backend(w.device, force=backend)[0]
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            ctx=ctx,
+            device="meta",
+            dtype=w.dtype,
+        )
+        new.weight = w
+        new.bias = linear.bias
+        new._forced_backend = forced
+        new.scaling = Fp8ScalingState(new.policy, w.device)
+        new.train(linear.training)
+        return new
+
+    # ----- properties ---------------------------------------------------------------------
+
+    @property
+    def policy(self) -> Fp8Policy:
+        """The fp8 policy (``ctx.fp8``)."""
+        return policy_of(self.ctx, "Fp8Linear")
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the weight is held pre-quantized (``freeze_for_serving``)."""
+        return self._frozen
+
+    @property
+    def backend(self) -> Fp8Backend:
+        """The backend the next call runs on."""
+        if self._forced_backend is not None:
+            return self._forced_backend
+        return default_backend(self._storage_device())
+
+    def _storage_device(self) -> torch.device:
+        w = self.weight_fp8 if self._frozen else self.weight
+        return w.device
+
+    # ----- forward ------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ + b`` in fp8 (or plain, inside ``fp8_autocast(enabled=False)``)."""
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"Fp8Linear takes a tensor, got {type(x).__name__}")
+        if x.dtype not in ACTIVATION_DTYPES:
+            raise TypeError(
+                f"Fp8Linear quantizes bf16, fp16 or fp32 inputs; got {x.dtype}. Cast the "
+                f"input first (e.g. ctx.to_compute(x))"
+            )
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
+            )
+        if region_fp8_enabled() is False:
+            w = (
+                reference.dequantize(self.weight_fp8, self.weight_step, x.dtype)
+                if self._frozen
+                else self.weight.to(x.dtype)
+            )
+            b = None if self.bias is None else self.bias.to(x.dtype)
+            return functional.linear(x, w, b)
+        policy = self.policy
+        frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
+        self.scaling.conform(policy, self._storage_device())
+        plan = Fp8LinearPlan(
+            policy=policy,
+            state=self.scaling,
+            backend=self.backend,
+            gemm_dtype=gemm_dtype_for(self.ctx.compute),
+            frozen_weight=frozen,
+        )
+        return fp8_linear(x, None if self._frozen else self.weight, self.bias, plan)
+
+    # ----- serving ------------------------------------------------------------------------
+
+    def freeze_for_serving(self) -> Self:
+        """Quantize the weight once and drop the high-precision copy (for inference).
+
+        The weight becomes ``weight_fp8`` (the fp8 data, 1 byte per element: half of bf16)
+        and ``weight_step`` buffers, in the policy's forward format with the step from the
+        weight's own amax. No margin: a frozen weight never grows, so headroom would only
+        cost precision. Later calls skip the weight quantize; inputs are still quantized
+        under the policy. The layer can no longer train its weight: freeze a copy if you
+        need both. Works inside ``torch.inference_mode`` too. Returns ``self``.
+        """
+        if self._frozen:
+            return self
+        w = self.weight.detach()
+        fmt = self.policy.format.forward
+        # Not inference tensors, even when frozen inside inference_mode: those could
+        # never be saved for an input gradient or loaded into by load_state_dict later.
+        with torch.inference_mode(False), torch.no_grad():
+            data, step, amax = ops.quantize_dynamic(w, fmt, 0, backend=self.backend)
+            step = step.reshape(1).clone()
+        state = self.scaling.weight
+        state.record(amax, step)
+        state.elements += w.numel()
+        self.register_parameter("weight", None)
+        self.register_buffer("weight_fp8", data)
+        self.register_buffer("weight_step", step)
+        self._frozen = True
+        return self
+
+    # ----- state ----------------------------------------------------------------------------
+
+    def get_extra_state(self) -> dict[str, object]:
+        """The scaling state, versioned (``Fp8ScalingState.to_dict``)."""
+        return self.scaling.to_dict()
+
+    def set_extra_state(self, state: Any) -> None:
+        """Load saved scaling state, resized to this layer's history length if needed."""
+        self.scaling.load_dict(state)
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # An nn.Linear checkpoint has no scaling state: it loads into a fresh one rather
+        # than failing strict loading on the missing extra-state key. Fresh, not kept: the
+        # rings hold amaxes of the weights being replaced, and delayed scaling would
+        # quantize the new weights with that stale step for up to history_len calls. A
+        # partial state dict that does not mention this layer's weight changes nothing.
+        key = prefix + "_extra_state"
+        had_state = key in state_dict
+        new_weight = any(prefix + k in state_dict for k in ("weight", *_FROZEN_BUFFERS))
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if not had_state:
+            if key in missing_keys:
+                missing_keys.remove(key)
+            if new_weight:
+                self.scaling = Fp8ScalingState(self.policy, self._storage_device())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        # Rings are not buffers (a .to(bfloat16) would round the float32 counts), so they
+        # follow the weight's device here and never change dtype. The same goes for a
+        # frozen weight: fp8 counts as floating point, so a module-wide .half() or
+        # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the
+        # float32 step; both only follow the device, which fn applied to the step reveals.
+        held: dict[str, torch.Tensor] = {}
+        for k in _FROZEN_BUFFERS:
+            t = self._buffers.pop(k, None)
+            if t is not None:
+                held[k] = t
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+            if held:
+                device = fn(held["weight_step"]).device
+                held = {k: t.to(device) for k, t in held.items()}
+        finally:
+            self._buffers.update(held)
+        self.scaling.to(self._storage_device())
+        return self
+
+    def extra_repr(self) -> str:
+        base = super().extra_repr()
+        frozen = ", frozen" if self._frozen else ""
+        return f"{base}, fp8={self.policy}{frozen}"
+
+
+def _check_param_dtype(name: str, dtype: torch.dtype) -> None:
+    # Checked when the layer is built: a float64 master weight would otherwise only fail
+    # at the first forward, deep inside the quantize call.
+    if dtype not in ACTIVATION_DTYPES:
+        raise ValueError(
+            f"Fp8Linear quantizes its {name} from bf16, fp16 or fp32; got {dtype}. Pass "
+            f"dtype=torch.float32 (or a ctx whose master dtype is f32/bf16/f16)"
+        )
