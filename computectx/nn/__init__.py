@@ -1,6 +1,10 @@
 """Blocks that thread a ``ComputeCtx``: precise ops, RMSNorm, RoPE, attention with a KV
 cache, a SwiGLU MLP, and ``ByteLM``, a small byte-level decoder-only LM with generation.
 
+Their GEMMs run at ``ctx.compute`` with float32 accumulation through ``Gemm``: torch's
+kernel, or, on a CPU without native bf16/f16 GEMMs, the same numerics as float32 GEMMs of the
+exactly widened operands rounded once (``GemmPath.UPCAST``).
+
 Every module takes ``ctx`` in its constructor, so the policy is decided once and read
 everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
 ``computectx.fp8.Fp8Linear`` (through ``convert_to_fp8``); the LM's output head stays a
@@ -8,6 +12,7 @@ plain ``nn.Linear``.
 """
 
 from computectx.nn.attention import Attention, KVCache
+from computectx.nn.gemm import Gemm, GemmPath, forced_gemm_path
 from computectx.nn.generate import generate, next_token
 from computectx.nn.linears import apply_fp8_policy
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
@@ -22,6 +27,8 @@ __all__ = [
     "Attention",
     "ByteLM",
     "DecoderBlock",
+    "Gemm",
+    "GemmPath",
     "KVCache",
     "LMConfig",
     "RMSNorm",
@@ -30,6 +37,7 @@ __all__ = [
     "apply_rope",
     "decode_bytes",
     "encode_bytes",
+    "forced_gemm_path",
     "generate",
     "next_token",
     "rms_norm",

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.nn.gemm import Gemm
 from computectx.nn.linears import apply_fp8_policy, param_dtype
 from computectx.nn.ops import softmax
 from computectx.nn.rope import RotaryEmbedding
@@ -71,11 +72,12 @@ class KVCache:
 class Attention(nn.Module):
     """Multi-head causal self-attention with RoPE.
 
-    Projections (``Fp8Linear`` when ``ctx.fp8`` is set, else ``nn.Linear``) run under
-    ``ctx.autocast()``; scores and the weighted sum run at ``ctx.compute``; RoPE and the
-    softmax go through ``ctx.precise``. With a ``KVCache``, new keys/values are stored at
-    ``ctx.kv`` and read back with ``ctx.to_compute``, and queries take positions after the
-    cached ones.
+    Projections (``Fp8Linear`` when ``ctx.fp8`` is set, else ``nn.Linear``), the scores and
+    the weighted sum are GEMMs at ``ctx.compute`` with float32 accumulation (``Gemm``: torch's
+    kernel, or its float32 emulation on CPUs without a half-precision one), inside
+    ``ctx.autocast()``; RoPE and the softmax go through ``ctx.precise``. With a ``KVCache``,
+    new keys/values are stored at ``ctx.kv`` and read back with ``ctx.to_compute``, and
+    queries take positions after the cached ones.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class Attention(nn.Module):
         self.out = nn.Linear(dim, dim, bias=False, device=ctx.device, dtype=dt)
         self.rope = RotaryEmbedding(ctx, self.head_dim, max_len, rope_base)
         apply_fp8_policy(self, ctx)
+        self.gemm = Gemm.for_ctx(ctx)
 
     def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
         """An empty cache for this layer (``max_len`` defaults to the RoPE table length)."""
@@ -104,7 +107,7 @@ class Attention(nn.Module):
         b, t, dim = x.shape
         start = 0 if cache is None else cache.length
         with self.ctx.autocast():
-            qkv = self.ctx.to_compute(self.qkv(x))
+            qkv = self.ctx.to_compute(self.gemm.project(self.qkv, x))
             q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
             q = self.rope(q, start)
             k = self.rope(k, start)
@@ -113,10 +116,10 @@ class Attention(nn.Module):
                 k, v = self.ctx.to_compute(k_all), self.ctx.to_compute(v_all)
             # Query i sits at position start + i and sees keys 0 .. start + i.
             causal = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(start)
-            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            scores = self.gemm.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
             # -inf (not a large negative number) so masked keys get exactly zero weight in
             # every dtype; each query sees at least itself, so no row is all -inf.
             scores = scores.masked_fill(~causal, float("-inf"))
             probs = softmax(self.ctx, scores, dim=-1)
-            mixed = (probs @ v).transpose(1, 2).reshape(b, t, dim)
-            return self.ctx.to_compute(self.out(mixed))
+            mixed = self.gemm.matmul(probs, v).transpose(1, 2).reshape(b, t, dim)
+            return self.ctx.to_compute(self.gemm.project(self.out, mixed))

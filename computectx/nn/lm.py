@@ -13,6 +13,7 @@ from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Linear
 from computectx.nn.attention import Attention, KVCache
+from computectx.nn.gemm import Gemm
 from computectx.nn.linears import param_dtype
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
@@ -71,7 +72,8 @@ class ByteLM(nn.Module):
     """Decoder-only LM over bytes (vocabulary 256) threading one ``ComputeCtx``.
 
     Parameters are stored at ``compute ⊔ master`` (float32 under the usual policies: the
-    copy autocast reads); activations flow at ``ctx.compute``; norms, RoPE and softmax run
+    copy autocast reads); activations flow at ``ctx.compute``; GEMMs run at ``ctx.compute``
+    with float32 accumulation (``computectx.nn.Gemm``); norms, RoPE and softmax run
     through ``ctx.precise``; the KV cache is stored at ``ctx.kv``; the loss's log-sum-exp
     runs at ``compute ⊔ accum``. When
     ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
@@ -89,6 +91,7 @@ class ByteLM(nn.Module):
         self.blocks = nn.ModuleList(DecoderBlock(ctx, cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(ctx, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, BYTE_VOCAB, bias=False, device=ctx.device, dtype=dt)
+        self.gemm = Gemm.for_ctx(ctx)
         self._init_weights()
 
     def _init_weights(self) -> None:
@@ -136,7 +139,7 @@ class ByteLM(nn.Module):
             x = self.ctx.to_compute(self.embed(ids))
             for i, blk in enumerate(blocks):
                 x = blk(x, None if caches is None else caches[i])
-            return self.ctx.to_compute(self.head(self.norm(x)))
+            return self.ctx.to_compute(self.gemm.project(self.head, self.norm(x)))
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy (nats) of ``targets`` given ``ids``.

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.nn.gemm import Gemm
 from computectx.nn.linears import apply_fp8_policy, param_dtype
 
 __all__ = ["MLP"]
@@ -15,7 +16,8 @@ class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``, bias-free.
 
     The linears are ``Fp8Linear`` when ``ctx.fp8`` is set and ``nn.Linear`` otherwise; the
-    forward runs under ``ctx.autocast()``, so matmuls happen at ``ctx.compute``.
+    forward runs under ``ctx.autocast()``, and the ``nn.Linear`` GEMMs run at ``ctx.compute``
+    through ``Gemm`` (float32 accumulation, one rounding).
     """
 
     def __init__(self, ctx: ComputeCtx, dim: int, hidden: int) -> None:
@@ -28,8 +30,10 @@ class MLP(nn.Module):
         self.up = nn.Linear(dim, hidden, bias=False, device=ctx.device, dtype=dt)
         self.down = nn.Linear(hidden, dim, bias=False, device=ctx.device, dtype=dt)
         apply_fp8_policy(self, ctx)
+        self.gemm = Gemm.for_ctx(ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.ctx.autocast():
-            h = nn.functional.silu(self.gate(x)) * self.up(x)
-            return self.ctx.to_compute(self.down(h))
+            g = self.gemm
+            h = nn.functional.silu(g.project(self.gate, x)) * g.project(self.up, x)
+            return self.ctx.to_compute(g.project(self.down, h))

@@ -1,0 +1,192 @@
+"""The blocks' GEMMs at ``ctx.compute``: torch's own kernel, or tensor-core numerics in float32.
+
+A bf16 (or f16) GEMM on a tensor core reads half-precision operands, accumulates their
+products in float32 and rounds the sum once to the output dtype. A CPU without bf16/f16 dot
+products (an AVX2 x86, say) has no such kernel: torch converts inside its GEMM and runs
+10-80x slower than float32. ``GemmPath.UPCAST`` computes the same thing fast there: the
+half-precision operands are widened to float32 (exact: every bf16/f16 value is a float32
+value), multiplied by the float32 GEMM, and the result is rounded once to the half dtype. That
+is a bf16 GEMM with float32 accumulation, up to the order of the float32 additions, in
+forward and in both backward GEMMs; what autograd keeps for backward stays at the half dtype.
+
+``Gemm.for_ctx`` picks the path once, when a block is built, from
+``computectx.capability.native_half_gemm`` (a measured bf16/f32 time ratio), so the forward
+holds no probe and compiles without graph breaks. ``Fp8Linear`` layers run their own GEMMs and
+are called as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+from computectx import capability
+from computectx.ctx import ComputeCtx
+
+__all__ = ["Gemm", "GemmPath", "forced_gemm_path"]
+
+
+class GemmPath(enum.Enum):
+    """How a ``Gemm`` multiplies at its dtype."""
+
+    WIDE = "wide"
+    """The compute dtype is float32 or float64: one plain GEMM at that dtype."""
+    NATIVE = "native"
+    """torch's own kernel at the half dtype (tensor cores on CUDA; native dot products on a
+    CPU that has them)."""
+    UPCAST = "upcast"
+    """Half-precision operands widened exactly to float32, a float32 GEMM, one rounding to the
+    half dtype: the tensor-core numerics at float32 GEMM speed, for CPUs without native
+    half-precision GEMMs."""
+
+
+_HALF = (torch.bfloat16, torch.float16)
+
+_forced: contextvars.ContextVar[GemmPath | None] = contextvars.ContextVar(
+    "computectx_forced_gemm_path", default=None
+)
+
+
+@contextlib.contextmanager
+def forced_gemm_path(path: GemmPath) -> Iterator[None]:
+    """Blocks built inside this context use ``path`` for their half-precision GEMMs.
+
+    For comparing the paths (tests, benchmarks): ``NATIVE`` runs torch's half-precision
+    kernel even where the probe found it slow, ``UPCAST`` emulates even where it is native.
+    Float32/float64 policies stay ``WIDE``; forcing ``WIDE`` itself is refused
+    (``ValueError``): a half-precision policy has no plain float32 GEMM.
+    """
+    if not isinstance(path, GemmPath) or path is GemmPath.WIDE:
+        raise ValueError(f"forced_gemm_path takes GemmPath.NATIVE or GemmPath.UPCAST, got {path!r}")
+    token = _forced.set(path)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """The GEMMs of one block: ``linear``, ``matmul`` and ``project`` at ``dtype`` by ``path``.
+
+    Results have ``dtype``; operands of any floating dtype are rounded to ``dtype`` first (what
+    autocast does), so under an F32 policy these are exactly ``F.linear`` and ``@``.
+    """
+
+    path: GemmPath
+    dtype: torch.dtype
+
+    @classmethod
+    def for_ctx(cls, ctx: ComputeCtx) -> Gemm:
+        """The GEMMs for ``ctx.compute`` on ``ctx.device``.
+
+        ``WIDE`` for float32/float64; for bf16/f16, ``NATIVE`` on CUDA and on CPUs where
+        ``capability.native_half_gemm`` measures a native kernel, ``UPCAST`` on other CPUs;
+        inside ``forced_gemm_path`` the forced path for bf16/f16.
+        """
+        dtype = ctx.compute.torch
+        if dtype not in _HALF:
+            return cls(GemmPath.WIDE, dtype)
+        forced = _forced.get()
+        if forced is not None:
+            return cls(forced, dtype)
+        if ctx.device.type != "cpu" or capability.native_half_gemm(dtype).ok:
+            return cls(GemmPath.NATIVE, dtype)
+        return cls(GemmPath.UPCAST, dtype)
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x @ weight.T + bias`` at ``dtype`` (``F.linear`` semantics and shapes)."""
+        x, weight = _cast(x, self.dtype), _cast(weight, self.dtype)
+        bias = None if bias is None else _cast(bias, self.dtype)
+        if self.path is GemmPath.UPCAST:
+            out: torch.Tensor = _UpcastLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+            return out
+        return nn.functional.linear(x, weight, bias)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b`` at ``dtype`` (``torch.matmul`` semantics for operands of 2 or more dims)."""
+        a, b = _cast(a, self.dtype), _cast(b, self.dtype)
+        if self.path is GemmPath.UPCAST:
+            out: torch.Tensor = _UpcastMatmul.apply(a, b)  # type: ignore[no-untyped-call]
+            return out
+        return a @ b
+
+    def project(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)`` for a block's linear layer: a plain ``nn.Linear`` runs through
+        ``linear`` with its own weight and bias; anything else (an ``Fp8Linear``, which does its
+        own GEMMs) is called as it is."""
+        if type(layer) is nn.Linear:
+            return self.linear(x, layer.weight, layer.bias)
+        out: torch.Tensor = layer(x)
+        return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+class _UpcastLinear(torch.autograd.Function):
+    """``F.linear`` of half-precision tensors as float32 GEMMs rounded once (see the module)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        # The half-precision operands, not their float32 copies, wait for backward: the
+        # memory a half-precision policy is meant to save.
+        ctx.save_for_backward(x, weight)
+        with torch.autocast(x.device.type, enabled=False):
+            wide_bias = None if bias is None else bias.float()
+            y = nn.functional.linear(x.float(), weight.float(), wide_bias)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        gx = gw = gb = None
+        with torch.autocast(grad.device.type, enabled=False):
+            g = grad.float()
+            if needs[0]:
+                gx = (g @ weight.float()).to(x.dtype)
+            if needs[1]:
+                rows = g.reshape(-1, g.shape[-1])
+                gw = (rows.mT @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
+            if needs[2]:
+                gb = g.reshape(-1, g.shape[-1]).sum(0).to(x.dtype)
+        return gx, gw, gb
+
+
+class _UpcastMatmul(torch.autograd.Function):
+    """``a @ b`` of half-precision tensors as a float32 matmul rounded once (see the module)."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b)
+        with torch.autocast(a.device.type, enabled=False):
+            y = a.float() @ b.float()
+        return y.to(a.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        a, b = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        ga = gb = None
+        with torch.autocast(grad.device.type, enabled=False):
+            g = grad.float()
+            # sum_to_size undoes matmul's broadcasting of batch dimensions.
+            if needs[0]:
+                ga = (g @ b.float().mT).sum_to_size(a.shape).to(a.dtype)
+            if needs[1]:
+                gb = (a.float().mT @ g).sum_to_size(b.shape).to(b.dtype)
+        return ga, gb
