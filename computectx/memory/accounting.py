@@ -79,8 +79,10 @@ class MemoryReport:
     def bytes_per_param(
         self, device: str | torch.device | None = None, roles: Iterable[Role] | None = None
     ) -> float:
-        """Bytes on ``device`` (all devices if ``None``) in ``roles`` (all if ``None``) per
-        model parameter."""
+        """Bytes per model parameter on ``device`` in ``roles``.
+
+        ``None`` means all devices, or all roles.
+        """
         chosen = ROLES if roles is None else tuple(roles)
         total = sum(self.bytes(device=device, role=r) for r in chosen)
         return total / self.parameters if self.parameters else 0.0

@@ -197,8 +197,10 @@ class LowPrecGradAccumulator:
                 slot.buffer.copy_(self._round(slot.buffer.float() + g.float()))
 
     def _round(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` rounded into the buffer dtype by this accumulator's mode (``x`` itself when
-        it already has that dtype)."""
+        """``x`` rounded into the buffer dtype by this accumulator's mode.
+
+        Returns ``x`` itself when it already has that dtype.
+        """
         target = self.grad_dtype.torch
         if self.mode == "nearest" or x.dtype == target:
             return x.to(target)
@@ -369,8 +371,11 @@ class LowPrecGradAccumulator:
 
 
 class _Hook:
-    """The post-accumulate-grad hook of one parameter (a callable object, so it keeps no
-    closure cell alive after ``close``)."""
+    """The post-accumulate-grad hook of one parameter.
+
+    A callable object rather than a closure, so it keeps no closure cell alive after
+    ``close``.
+    """
 
     __slots__ = ("acc", "slot")
 

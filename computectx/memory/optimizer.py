@@ -332,8 +332,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step the masters and copy them into the compute parameters, if the gradients are
-        finite.
+        """Step the masters and copy them into the model; skipped for inf or NaN gradients.
 
         A ``closure`` is evaluated once (with grad enabled) before the step, and the
         gradients it leaves in ``param.grad`` are ingested. When any gradient about to be
@@ -519,8 +518,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
 
 def state_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in ``value``: an optimizer's state or one entry of it, walked through
-    nested mappings, lists and tuples."""
+    """Every tensor in an optimizer's ``state`` (or in one entry of it).
+
+    Nested mappings, lists and tuples are walked; anything else is skipped.
+    """
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
