@@ -1,9 +1,12 @@
-"""``computectx info`` and the capability probes it reports."""
+"""``computectx info`` and the capability probes it reports; ``--version``; parsing the
+command line without importing torch."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +19,10 @@ def test_info_reports_versions_probes_and_presets(capsys: pytest.CaptureFixture[
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert f"torch       {torch.__version__}" in out
-    for probe in ("cuda", "fp8 tensor cores", "triton", "triton interpreter"):
+    for probe in ("cuda", "fp8 tensor cores", "triton", "triton interpreter", "cpu bf16 GEMM"):
         assert f"  {probe} " in out
+    ratio = capability.native_half_gemm(torch.bfloat16).measured
+    assert ratio is not None and f"takes {ratio:.1f}x the float32 time" in out
     assert str(ComputeCtx.serving("cpu" if not torch.cuda.is_available() else "cuda")) in out
     assert "fp8=hybrid/delayed/16/0/max" in out
     if not torch.cuda.is_available():
@@ -38,6 +43,7 @@ def test_probes_give_reasons() -> None:
         capability.fp8_tensor_cores(),
         capability.triton_available(),
         capability.triton_interpreter(),
+        capability.native_half_gemm(),
     ):
         assert probe.reason
         assert bool(probe) is probe.ok
@@ -67,3 +73,98 @@ def test_module_entry_point_and_bad_command() -> None:
         check=False,
     )
     assert bad.returncode == 2 and "invalid choice: 'frobnicate'" in bad.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_gemm_probe_is_measured_once_and_says_so(dtype: torch.dtype) -> None:
+    threads = torch.get_num_threads()
+    state = torch.random.get_rng_state()
+    probe = capability.native_half_gemm(dtype)
+    assert capability.native_half_gemm(dtype) is probe  # cached: measured once per process
+    assert torch.get_num_threads() == threads  # timed on one thread, then restored
+    assert torch.equal(torch.random.get_rng_state(), state)  # no draws from the global RNG
+    assert probe.measured is not None and probe.measured > 0
+    assert probe.ok is (probe.measured <= capability.HALF_GEMM_MAX_RATIO)
+    name = str(dtype).removeprefix("torch.")
+    assert f"a {name} matmul takes {probe.measured:.1f}x the float32 time" in probe.reason
+    assert probe.ok or probe.reason.endswith(f"no native {name} GEMM")
+    with pytest.raises(ValueError, match=r"got torch\.float32"):
+        capability.native_half_gemm(torch.float32)
+
+
+def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    version = importlib.metadata.version("computectx")
+    assert capsys.readouterr().out == f"computectx {version}\n"
+    import computectx
+
+    assert version == computectx.__version__
+
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent / "computectx"
+
+# Runs the CLI in a fresh interpreter and prints whether torch got imported. The package
+# face (computectx/__init__.py) is replaced by an empty package first, so this checks what
+# the CLI modules import themselves, whatever the face imports.
+_WITHOUT_FACE = """
+import sys, types
+face = types.ModuleType("computectx")
+face.__path__ = [{path!r}]
+sys.modules["computectx"] = face
+from computectx.cli import main
+try:
+    main({argv!r})
+except SystemExit as e:
+    print("exit", e.code)
+print("torch imported:", "torch" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "expected"),
+    [
+        (["--help"], 0, "demo"),
+        (["demo", "--help"], 0, "--grad-accum"),
+        (["--version"], 0, "computectx "),
+        (["demo", "--dtype", "fp32,,bf16"], 2, "has an empty name"),
+        (["demo", "--steps", "0"], 2, "--steps '0'"),
+        (["frobnicate"], 2, "invalid choice"),
+    ],
+)
+def test_parsing_and_rejecting_flags_never_imports_torch(
+    argv: list[str], code: int, expected: str
+) -> None:
+    script = _WITHOUT_FACE.format(path=str(PACKAGE_DIR), argv=argv)
+    res = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=60
+    )
+    lines = res.stdout.splitlines()
+    assert lines[-2:] == [f"exit {code}", "torch imported: False"], res.stdout + res.stderr
+    assert expected in res.stdout + res.stderr
+
+
+def test_the_console_entry_point_answers_help_without_torch() -> None:
+    """The same through ``python -m computectx``, package face included."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import sys, computectx; print('torch' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    if probe.stdout.strip() == "True":
+        pytest.xfail(
+            "computectx/__init__.py imports torch (through computectx.ctx); the CLI modules "
+            "themselves do not (test above)"
+        )
+    for argv in (["--help"], ["--version"], ["demo", "--steps", "0"]):
+        res = subprocess.run(
+            [sys.executable, "-X", "importtime", "-m", "computectx", *argv],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        imported = {ln.split("|")[-1].strip() for ln in res.stderr.splitlines() if "|" in ln}
+        assert res.returncode == (2 if "demo" in argv else 0)
+        assert "torch" not in imported, argv

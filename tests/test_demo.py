@@ -11,15 +11,18 @@ from typing import Any
 import pytest
 import torch
 
-from computectx import demo
 from computectx.cli import main
+from computectx.ctx import DTYPE_FLAGS
 from computectx.demo import (
     MAX_DATA_BYTES,
+    POLICY_FLAGS,
     STDLIB_CORPUS_BYTES,
     DemoError,
     DemoSettings,
     load_corpus,
 )
+from computectx.demo import corpus as demo_corpus
+from computectx.demo.footprint import SavedForBackward
 
 TINY = [
     "--batch-size", "4",
@@ -53,10 +56,12 @@ def _results(out: Path) -> dict[str, Any]:
 
 
 def _table_rows(stdout: str) -> dict[str, list[str]]:
+    """Cells of each policy row: policy, train loss, val loss, tokens/s, state MiB, saved MiB,
+    fp8 non-finite, fp8 saturated (on the CPU)."""
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip("│ ").split("│")]
-        if len(cells) == 7 and cells[1].replace(".", "").isdigit():
+        if len(cells) == 8 and cells[1].replace(".", "").isdigit():
             rows[cells[0]] = cells
     return rows
 
@@ -76,8 +81,8 @@ def test_fp8_policy_runs_end_to_end(
     rows = _table_rows(stdout)
     assert list(rows) == ["fp8_e4m3"]
     row = rows["fp8_e4m3"]
-    assert row[5] == "0"  # no non-finite amax on this data
-    assert row[6].endswith("%")
+    assert row[6] == "0"  # no non-finite amax on this data
+    assert row[7].endswith("%")
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
@@ -111,15 +116,21 @@ def test_accumulator_and_offload_run_end_to_end(
     assert "fp8 backend" not in stdout  # no fp8 policy, no backend to report
     rows = _table_rows(stdout)
     assert list(rows) == ["bf16"]
-    assert rows["bf16"][5:] == ["-", "-"]
-    assert "state MiB" in stdout and "memory_report" in stdout
+    assert rows["bf16"][6:] == ["-", "-"]
+    assert "state MiB: weights, gradients" in stdout and "memory_report" in stdout
 
     (r,) = _results(out)["results"]
     # The accumulator sums bf16 micro-batch gradients; AdamW steps offloaded masters.
     assert "grad=bf16" in r["policy"] and "offload=cpu" in r["policy"]
     assert r["train_loss"] < r["train_losses"][0] - 0.5
     assert r["skipped_steps"] == 0
-    assert r["memory_bytes"] > 0
+    mem = r["memory"]
+    # f32 masters and AdamW state (the accumulator's buffers were drained into the masters).
+    assert mem["master"] > 0 and mem["optimizer"] >= 2 * mem["master"]
+    assert mem["state"] == sum(
+        mem[k] for k in ("params", "grads", "accumulator", "master", "optimizer")
+    )
+    assert float(rows["bf16"][4]) == pytest.approx(mem["state"] / 2**20, abs=0.005)
     assert (out / "loss.png").stat().st_size > 5000
 
 
@@ -127,10 +138,13 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
 ) -> None:
     def run(seed: str, name: str) -> list[dict[str, Any]]:
-        args = ["--dtype", "fp32,bf16", "--steps", "4", "--seed", seed, "--data", str(text_file)]
-        code, stdout, _ = _run(capsys, *args, "--out", str(tmp_path / name), *TINY)
+        args = ["--dtype", "fp32", "--dtype", "bf16", "--steps", "4", "--seed", seed]
+        code, stdout, _ = _run(
+            capsys, *args, "--data", str(text_file), "--out", str(tmp_path / name), *TINY
+        )
         assert code == 0
         assert list(_table_rows(stdout)) == ["fp32", "bf16"]
+        assert "mean step loss over the last 1 of 4 steps" in stdout
         results: list[dict[str, Any]] = _results(tmp_path / name)["results"]
         return results
 
@@ -142,52 +156,67 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
     assert first[0]["train_losses"] != other[0]["train_losses"]
     # Same initial weights and batches: the policies differ only by rounding.
     assert first[0]["val_curve"][0][1] == pytest.approx(first[1]["val_curve"][0][1], abs=0.02)
+    fp32, bf16 = first
+    assert fp32["gemm"] == "wide" and bf16["gemm"] in ("upcast", "native")
+    # The weights, gradients and AdamW state are f32 under both policies (autocast reads
+    # f32 weights), but bf16 keeps narrower activations for backward.
+    assert fp32["memory"]["state"] == bf16["memory"]["state"]
+    assert 0 < bf16["memory"]["saved"] < fp32["memory"]["saved"]
+    assert fp32["train_loss"] == fp32["train_losses"][-1]  # 4 steps: the tail is one step
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--steps", "0"], "expected a positive integer, got '0'"),
-        (["--steps", "many"], "expected a positive integer"),
-        (["--grad-accum", "-1"], "expected a positive integer"),
-        (["--dtype", "fp4"], "unknown dtype 'fp4'; accepted: fp32, fp16, bf16"),
+        (["--steps", "0"], "--steps '0': Input should be greater than or equal to 1"),
+        (["--steps", "many"], "--steps 'many': Input should be a valid integer"),
+        (["--grad-accum", "-1"], "--grad-accum '-1': Input should be greater than or equal to 1"),
+        (["--dtype", "fp4"], "--dtype: unknown dtype 'fp4'; accepted: fp32, fp16, bf16"),
         (["--dtype", "bf16,int8"], "unknown dtype 'int8'"),
-        (["--device", "gpu"], "bad device 'gpu'"),
-        (["--seed", "-3"], "expected an integer in 0..2**63-1"),
-        (["--frobnicate"], "unrecognized arguments"),
+        (["--dtype", "fp32,,bf16"], "--dtype: 'fp32,,bf16' has an empty name"),
+        (["--dtype", "bf16,"], "--dtype: 'bf16,' has an empty name"),
+        (["--dtype", "bf16", "--dtype", "bf16"], "--dtype: bf16 given more than once"),
+        (["--device", "gpu"], "--device: bad device 'gpu'; the demo accepts cpu, cuda or cuda:N"),
+        (["--device", "meta"], "--device: bad device 'meta'"),
+        (["--seed", "-3"], "--seed '-3': Input should be greater than or equal to 0"),
+        (["--d-model", "48"], "--d-model '48': Input should be a multiple of 32"),
+        (["--d-model", "0"], "--d-model '0': Input should be greater than or equal to 32"),
+        (["--seq-len", "4"], "--seq-len '4': Input should be greater than or equal to 8"),
+        (["--lr", "0"], "--lr '0': Input should be greater than 0"),
+        (["--lr", "fast"], "--lr 'fast': Input should be a valid number"),
+        (["--frobnicate"], "computectx: error: unrecognized arguments: --frobnicate"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(
-    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
-) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main(["demo", *argv])
-    assert exc.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["--dtype", "bf16", "--dtype", "bf16"], "--dtype: --dtype bf16 given more than once"),
-        (["--d-model", "48"], "--d-model: d_model=48 must be a multiple of 32"),
-        (["--seq-len", "4"], "--seq-len: Input should be greater than or equal to 8"),
-        (["--lr", "0"], "--lr: Input should be greater than 0"),
-        (["--device", "cuda:0"], "--device cuda:0 cannot run here"),
-        (["--device", "meta"], "--device meta is not supported by the demo"),
-    ],
-)
-def test_bad_settings_exit_2_before_training(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, argv: list[str], message: str
 ) -> None:
-    if argv == ["--device", "cuda:0"] and torch.cuda.is_available():
-        argv = ["--device", f"cuda:{torch.cuda.device_count()}"]  # one past the last
-        message = f"--device {argv[1]} cannot run here"
     out = tmp_path / "out"
-    code, stdout, stderr = _run(capsys, *argv, "--out", str(out))
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *argv, "--out", str(out)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: computectx")
+    assert message in err
+    assert not out.exists()
+
+
+def test_every_bad_flag_is_named_at_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--steps", "0", "--lr", "2"])
+    err = capsys.readouterr().err
+    assert "--steps '0'" in err and "--lr '2': Input should be less than or equal to 1" in err
+
+
+def test_a_device_that_does_not_exist_exits_2_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    dev = "cuda:0"
+    if torch.cuda.is_available():
+        dev = f"cuda:{torch.cuda.device_count()}"  # one past the last
+    out = tmp_path / "out"
+    code, stdout, stderr = _run(capsys, "--device", dev, "--out", str(out))
     assert code == 2
-    assert stderr.startswith("computectx demo: error: ")
-    assert message in stderr
+    assert stderr.startswith(f"computectx demo: error: --device {dev} cannot run here: ")
     assert "corpus:" not in stdout
     assert not out.exists()
 
@@ -239,18 +268,36 @@ def test_python_dash_m_reports_errors_with_exit_2() -> None:
         check=False,
     )
     assert proc.returncode == 2
-    assert "--steps: expected a positive integer, got '0'" in proc.stderr
+    assert "--steps '0': Input should be greater than or equal to 1" in proc.stderr
 
 
-def test_help_lists_the_flags(capsys: pytest.CaptureFixture[str]) -> None:
+def test_help_lists_every_setting_with_its_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "400")  # one line per flag
     with pytest.raises(SystemExit) as exc:
         main(["demo", "--help"])
     assert exc.value.code == 0
-    text = capsys.readouterr().out
-    for flag in ("--dtype", "--steps", "--seed", "--grad-accum", "--offload", "--out"):
-        assert flag in text
-    for flag in ("--device", "--data"):
-        assert flag in text
+    lines = {ln.split()[0]: ln for ln in capsys.readouterr().out.splitlines() if ln[:4] == "  --"}
+    flags = {
+        "--dtype" if n == "dtypes" else "--" + n.replace("_", "-")
+        for n in DemoSettings.model_fields
+    }
+    assert set(lines) == flags
+    for line in lines.values():
+        assert "(default: " in line, line
+    assert lines["--steps"].endswith("Optimizer steps per policy. (default: 120)")
+    assert lines["--seed"].endswith("(default: 0)")
+    assert lines["--lr"].endswith("(default: 0.003)")
+    assert lines["--dtype"].endswith("(default: fp32,bf16,fp8_hybrid)")
+    assert lines["--offload"].endswith("(default: off)")
+    assert lines["--device"].endswith("(default: cuda if usable, else cpu)")
+    for name in POLICY_FLAGS:
+        assert name in lines["--dtype"]
+
+
+def test_the_flag_names_are_the_ctx_flag_names() -> None:
+    assert POLICY_FLAGS == DTYPE_FLAGS
 
 
 def test_default_corpus_is_the_stdlib_read_deterministically() -> None:
@@ -283,17 +330,40 @@ def test_data_folder_reads_text_files_in_order_and_skips_hidden_and_binary(
 
 def test_settings_validate_like_the_flags() -> None:
     assert DemoSettings(dtypes="fp32, FP8_E5M2").dtypes == ("fp32", "fp8_e5m2")  # type: ignore[arg-type]
+    assert DemoSettings(dtypes=("fp32", "bf16,fp16")).dtypes == ("fp32", "bf16", "fp16")
     with pytest.raises(ValueError, match="accepted: fp32, fp16, bf16"):
         DemoSettings(dtypes=("fp64",))
+    with pytest.raises(ValueError, match="has an empty name"):
+        DemoSettings(dtypes=("fp32,",))
+    with pytest.raises(ValueError, match="give at least one name"):
+        DemoSettings(dtypes=())
+    assert DemoSettings(d_model=64).d_model == 64
+    with pytest.raises(ValueError, match="multiple of 32"):
+        DemoSettings(d_model=48)
+    assert DemoSettings(device=torch.device("cuda", 1)).device == "cuda:1"  # type: ignore[arg-type]
+    assert DemoSettings(device=" CPU ").device == "cpu"
+    with pytest.raises(ValueError, match="bad device 'cuda:x'"):
+        DemoSettings(device="cuda:x")
     with pytest.raises(DemoError, match="does not exist"):
         load_corpus(Path("/nonexistent/computectx-demo-data"))
+
+
+def test_saved_for_backward_counts_each_storage_once_and_skips_excluded() -> None:
+    a = torch.randn(1000, requires_grad=True)
+    with SavedForBackward() as saved:
+        torch.autograd.backward((a * a).sum())  # mul saves `a` twice: one storage
+    assert saved.bytes == 4000
+    b = torch.randn(250, requires_grad=True)
+    with SavedForBackward(exclude=[a]) as saved:
+        torch.autograd.backward((a * b.repeat(4)).sum())  # saves `a` (excluded) and a copy
+    assert saved.bytes == 4000  # the repeated b, 1000 floats
 
 
 def test_data_is_cut_at_the_byte_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "a.txt").write_text("A" * 600)
     (tmp_path / "b.txt").write_text("B" * 600)
     assert not load_corpus(tmp_path).truncated
-    monkeypatch.setattr(demo, "MAX_DATA_BYTES", 1000)
+    monkeypatch.setattr(demo_corpus, "MAX_DATA_BYTES", 1000)
     corpus = load_corpus(tmp_path)
     assert corpus.truncated
     text = bytes(corpus.train.tolist()) + bytes(corpus.val.tolist())

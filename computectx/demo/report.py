@@ -1,0 +1,245 @@
+"""The demo's outputs: the results table and its notes, ``results.json`` and ``loss.png``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.table import Table
+
+from computectx.demo.corpus import Corpus
+from computectx.demo.settings import DemoSettings
+from computectx.demo.train import PolicyResult, model_config, tail_steps
+
+__all__ = [
+    "RESULTS_VERSION",
+    "DemoReport",
+    "plot_losses",
+    "printable",
+    "results_json",
+    "results_table",
+    "table_notes",
+]
+
+RESULTS_VERSION = 2
+"""``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
+``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added."""
+
+_MIB = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoReport:
+    """The whole run: settings, where it ran, the corpus, the fp8 and GEMM choices, results.
+
+    ``device`` is the device trained on (``settings.device``, or the one chosen for it);
+    ``half_gemm`` is the ``computectx.capability.native_half_gemm`` answer behind the bf16/f16
+    GEMM path on a CPU (``None`` when no policy computes in half precision there).
+    """
+
+    settings: DemoSettings
+    device: torch.device
+    corpus: Corpus
+    fp8_backend: str | None
+    fp8_reason: str | None
+    half_gemm: str | None
+    results: list[PolicyResult]
+    json_path: Path
+    plot_path: Path
+
+
+def results_table(report: DemoReport) -> Table:
+    """One row per policy; ``table_notes`` says what each column measures."""
+    cuda = report.device.type == "cuda"
+    n = tail_steps(report.settings.steps)
+    table = Table(title="computectx demo: one model, one batch order, one policy per row")
+    table.add_column("policy")
+    table.add_column(f"train loss\n(last {n} mean)", justify="right")
+    table.add_column("val loss", justify="right")
+    table.add_column("tokens/s", justify="right")
+    table.add_column("state\nMiB", justify="right")
+    table.add_column("saved\nMiB", justify="right")
+    if cuda:
+        table.add_column("peak\nMiB", justify="right")
+    table.add_column("fp8\nnon-finite", justify="right")
+    table.add_column("fp8\nsaturated", justify="right")
+    for r in report.results:
+        fp8 = r.fp8_nonfinite is not None and r.fp8_saturated is not None
+        memory = [f"{r.memory.state / _MIB:.2f}", f"{r.memory.saved / _MIB:.2f}"]
+        if cuda:
+            memory.append(f"{(r.memory.peak or 0) / _MIB:.2f}")
+        table.add_row(
+            r.flag,
+            f"{r.train_loss:.4f}",
+            f"{r.val_loss:.4f}",
+            f"{r.tokens_per_s:,.0f}",
+            *memory,
+            f"{r.fp8_nonfinite}" if fp8 else "-",
+            f"{100 * (r.fp8_saturated or 0.0):.4f}%" if fp8 else "-",
+        )
+    return table
+
+
+def table_notes(report: DemoReport) -> list[str]:
+    """What the table's loss and memory columns measure, one line each."""
+    s = report.settings
+    n = tail_steps(s.steps)
+    lines = [
+        f"train loss: mean step loss over the last {n} of {s.steps} steps (the progress bar "
+        f"shows each step's own loss, which moves by a few hundredths from batch to batch); "
+        f"val loss: {s.eval_batches} held-out batches after the last step.",
+        f"state MiB: weights, gradients, optimizer state, accumulator buffers and master "
+        f"weights on {report.device} after the last step (computectx.memory.memory_report); "
+        f"saved MiB: what autograd kept for backward during one micro-batch: activations and "
+        f"low-precision weight copies (torch.autograd.graph.saved_tensors_hooks).",
+    ]
+    if report.device.type == "cuda":
+        lines.append("peak MiB: torch.cuda.max_memory_allocated during the policy's run.")
+    return lines
+
+
+def _finite_or_none(x: float | None) -> float | None:
+    return x if x is not None and math.isfinite(x) else None
+
+
+def results_json(report: DemoReport) -> dict[str, Any]:
+    """The content of ``results.json`` (strict JSON: non-finite numbers become ``None``)."""
+    s = report.settings
+    return {
+        "computectx_demo": RESULTS_VERSION,
+        "settings": json.loads(s.model_dump_json()),
+        "model": json.loads(model_config(s).model_dump_json()),
+        "corpus": {
+            "name": report.corpus.name,
+            "source": report.corpus.source,
+            "files": report.corpus.files,
+            "truncated": report.corpus.truncated,
+            "train_bytes": report.corpus.train.numel(),
+            "val_bytes": report.corpus.val.numel(),
+        },
+        "device": str(report.device),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "fp8_backend": report.fp8_backend,
+        "fp8_backend_reason": report.fp8_reason,
+        "half_gemm": report.half_gemm,
+        "train_loss_steps": tail_steps(s.steps),
+        "memory_measure": " ".join(table_notes(report)[1:]),
+        "results": [
+            {
+                "flag": r.flag,
+                "policy": r.policy,
+                "gemm": r.gemm,
+                "train_loss": _finite_or_none(r.train_loss),
+                "val_loss": _finite_or_none(r.val_loss),
+                "tokens_per_s": _finite_or_none(r.tokens_per_s),
+                "train_seconds": r.seconds,
+                "memory": r.memory.as_dict(),
+                "skipped_steps": r.skipped_steps,
+                "fp8_converted_linears": r.fp8_converted,
+                "fp8_backend": r.fp8_backend,
+                "fp8_nonfinite": r.fp8_nonfinite,
+                "fp8_saturated_fraction_max": r.fp8_saturated,
+                "fp8_layers": r.fp8_layers,
+                "train_losses": [_finite_or_none(v) for v in r.train_losses],
+                "val_curve": [[step, _finite_or_none(v)] for step, v in r.val_curve],
+                "sample": r.sample,
+            }
+            for r in report.results
+        ],
+    }
+
+
+def _smooth(values: list[float], width: int) -> list[float]:
+    """Centered moving average over the finite values (NaN where a window has none)."""
+    half = width // 2
+    out = []
+    for i in range(len(values)):
+        window = [v for v in values[max(0, i - half) : i + half + 1] if math.isfinite(v)]
+        out.append(sum(window) / len(window) if window else float("nan"))
+    return out
+
+
+_STYLES = ("-", "--", ":", "-.")
+
+
+def plot_losses(report: DemoReport) -> None:
+    """Write ``report.plot_path``: loss curves on top, each policy minus the first below.
+
+    Policies often overlap to the pixel, so each gets its own line style, and lines get
+    thinner and drawn later down the list: the first policy is the widest line at the
+    bottom and stays visible around the others.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed (or wanted) on servers and CI
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+
+    results = report.results
+    compare = len(results) > 1
+    fig, axes = plt.subplots(
+        2 if compare else 1,
+        1,
+        figsize=(8, 6.5 if compare else 4.5),
+        dpi=110,
+        sharex=True,
+        squeeze=False,
+        gridspec_kw={"height_ratios": [2.2, 1]} if compare else None,
+    )
+    ax = axes[0][0]
+    width = max(1, len(results[0].train_losses) // 12)
+    base = _smooth(results[0].train_losses, width)
+    for i, r in enumerate(results):
+        color, style = f"C{i}", _STYLES[i % len(_STYLES)]
+        lw = max(1.2, 3.2 - 0.8 * i)
+        steps = list(range(1, len(r.train_losses) + 1))
+        smooth = _smooth(r.train_losses, width)
+        ax.plot(steps, r.train_losses, color=color, alpha=0.18, linewidth=0.7, zorder=1)
+        ax.plot(
+            steps, smooth, color=color, linestyle=style, linewidth=lw, zorder=2 + i,
+            label=f"{r.flag} train ({width}-step mean)",
+        )  # fmt: skip
+        vs = [step for step, _ in r.val_curve]
+        vl = [v for _, v in r.val_curve]
+        ax.plot(
+            vs, vl, marker="os^D"[i % 4], linestyle="none", color=color, markersize=5,
+            markerfacecolor="none" if i else color, zorder=10 + i, label=f"{r.flag} val",
+        )  # fmt: skip
+        if compare and i:
+            diff = [a - b for a, b in zip(smooth, base, strict=False)]
+            axes[1][0].plot(
+                steps[: len(diff)], diff, color=color, linestyle=style, linewidth=1.4,
+                label=f"{r.flag} - {results[0].flag}",
+            )  # fmt: skip
+    handles, labels = ax.get_legend_handles_labels()
+    handles.append(Line2D([], [], color="0.4", alpha=0.35, linewidth=0.7))
+    labels.append("each step's loss (faint, one per policy)")
+    s = report.settings
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_title(
+        f"ByteLM on {report.corpus.name} ({report.device}, {s.layers}x{s.d_model}, "
+        f"{s.batch_size * s.grad_accum}x{s.seq_len} bytes/step)"
+    )
+    ax.grid(alpha=0.3)
+    ax.legend(handles, labels, ncol=2, fontsize=8)
+    if compare:
+        low = axes[1][0]
+        low.axhline(0.0, color="C0", linewidth=1)
+        low.set_ylabel(f"Δ train loss\n(vs {results[0].flag})")
+        low.grid(alpha=0.3)
+        low.legend(fontsize=8)
+    axes[-1][0].set_xlabel(f"optimizer step (train lines: {width}-step moving average)")
+    fig.tight_layout()
+    fig.savefig(report.plot_path)
+    plt.close(fig)
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters (other than newline and tab) shown as U+FFFD."""
+    return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)

@@ -1,0 +1,159 @@
+"""``run_demo``: check everything, train each policy, print the table, write the files."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
+
+from computectx import capability
+from computectx.demo.corpus import load_corpus, val_batches
+from computectx.demo.report import (
+    DemoReport,
+    plot_losses,
+    printable,
+    results_json,
+    results_table,
+    table_notes,
+)
+from computectx.demo.settings import DemoError, DemoSettings
+from computectx.demo.train import policy_ctx, train_policy
+from computectx.fp8 import select_backend
+
+__all__ = ["check_output_dir", "resolve_device", "run_demo"]
+
+
+def resolve_device(settings: DemoSettings) -> torch.device:
+    """The device to train on: ``settings.device``, or CUDA when usable else the CPU.
+
+    ``DemoError`` when the named CUDA device cannot run here.
+    """
+    if settings.device is None:
+        return capability.default_device()
+    dev = torch.device(settings.device)
+    if dev.type == "cuda":
+        probe = capability.cuda(dev)
+        if not probe.ok:
+            raise DemoError(f"--device {settings.device} cannot run here: {probe.reason}")
+    return dev
+
+
+def check_output_dir(out: Path) -> Path:
+    """Create ``out`` if needed and prove a file can be written there; ``DemoError`` if not."""
+    path = Path(out).expanduser()
+    if path.exists() and not path.is_dir():
+        raise DemoError(f"--out {str(out)!r} exists and is not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".computectx-write-check-"):
+            pass
+    except OSError as e:
+        raise DemoError(f"--out {str(out)!r} is not a writable folder: {e.strerror}") from None
+    return path
+
+
+def _half_gemm_line(settings: DemoSettings, dev: torch.device) -> str | None:
+    if dev.type != "cpu":
+        return None
+    halves = sorted(
+        {
+            c.compute.torch
+            for c in (policy_ctx(f, settings, dev) for f in settings.dtypes)
+            if c.compute.torch in (torch.bfloat16, torch.float16)
+        },
+        key=str,
+    )
+    parts = []
+    for dtype in halves:
+        probe = capability.native_half_gemm(dtype)
+        how = (
+            "torch's kernel"
+            if probe.ok
+            else "float32 GEMMs of the exactly widened operands, rounded once (GemmPath.UPCAST)"
+        )
+        parts.append(f"{str(dtype).removeprefix('torch.')} GEMMs: {how}; {probe.reason}")
+    return "; ".join(parts) or None
+
+
+def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoReport:
+    """Train every policy in ``settings.dtypes``, print the table and write the outputs.
+
+    Checks the device, the data and the output folder before training (``DemoError``).
+    Writes ``results.json`` and ``loss.png`` into ``settings.out``. Sets torch's intra-op
+    thread count to ``settings.threads`` for the training and restores it.
+    """
+    out = console or Console()
+    if console is None and not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=120)  # rich assumes 80 columns off a terminal: too narrow
+    dev = resolve_device(settings)
+    corpus = load_corpus(settings.data, min_bytes=settings.seq_len + 1)
+    folder = check_output_dir(settings.out)
+    backend = reason = None
+    if any(f.startswith("fp8_") for f in settings.dtypes):
+        chosen, reason = select_backend(dev)
+        backend = chosen.value
+    out.print(
+        f"corpus: {corpus.name} ({corpus.source}): {corpus.files} files, "
+        f"{corpus.train.numel():,} train + {corpus.val.numel():,} validation bytes"
+        + (" (cut at the byte cap)" if corpus.truncated else ""),
+        markup=False,
+        highlight=False,
+    )
+    if backend is not None:
+        # select_backend's reason starts with the backend's name ("reference: no CUDA ...").
+        out.print(f"fp8 backend: {reason}", markup=False, highlight=False)
+    half_gemm = _half_gemm_line(settings, dev)
+    if half_gemm is not None:
+        out.print(half_gemm, markup=False, highlight=False)
+    val = val_batches(corpus, settings.batch_size, settings.seq_len, settings.eval_batches)
+    results = []
+    columns = (
+        TextColumn("{task.description:<10}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("step loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        with Progress(*columns, console=Console(stderr=True)) as progress:
+            for flag in settings.dtypes:
+                results.append(train_policy(flag, settings, dev, corpus, val, progress))
+    finally:
+        torch.set_num_threads(threads)
+    report = DemoReport(
+        settings=settings,
+        device=dev,
+        corpus=corpus,
+        fp8_backend=backend,
+        fp8_reason=reason,
+        half_gemm=half_gemm,
+        results=results,
+        json_path=folder / "results.json",
+        plot_path=folder / "loss.png",
+    )
+    out.print(results_table(report))
+    for line in table_notes(report):
+        out.print(line, markup=False, highlight=False)
+    for r in results:
+        out.print(f"{r.flag:<10} {r.policy}", markup=False, highlight=False)
+        if r.skipped_steps:
+            out.print(
+                f"{r.flag}: {r.skipped_steps} step(s) skipped for non-finite gradients",
+                markup=False,
+            )
+    for r in results:
+        if r.sample:
+            out.print(f"\nsample ({r.flag}, temperature 0.8, top-k 40):", markup=False)
+            out.print(Text(printable(r.sample)))
+    report.json_path.write_text(json.dumps(results_json(report), indent=1, allow_nan=False))
+    plot_losses(report)
+    out.print(f"\nwrote {report.json_path} and {report.plot_path}", markup=False)
+    return report

@@ -1,0 +1,126 @@
+"""``DemoSettings``: every setting of one demo run, each bound checked here and only here.
+
+This module imports neither torch nor anything that does: the command line validates its
+flags through ``DemoSettings`` before torch is loaded, so a typo is answered at once. What
+only torch can tell (whether a CUDA device exists) is checked by ``run_demo``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, field_validator
+
+__all__ = ["DEFAULT_DTYPES", "POLICY_FLAGS", "DemoError", "DemoSettings"]
+
+POLICY_FLAGS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
+"""The ``--dtype`` names ``ComputeCtx.from_flag`` accepts. ``computectx.ctx.DTYPE_FLAGS`` is
+the source; this copy lets flags be checked without importing torch, and a test keeps the
+two equal."""
+
+DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid")
+"""The policies compared when ``--dtype`` is not given."""
+
+_DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+
+
+class DemoError(ValueError):
+    """A demo setting that cannot work here (found before any training starts)."""
+
+
+class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+    """Everything one demo run depends on; each field is one ``computectx demo`` flag.
+
+    The flag is ``--`` plus the field name with dashes (``batch_size``: ``--batch-size``),
+    except ``dtypes`` (``--dtype``); its help is the field's docstring. Values arrive from
+    the command line as strings and are converted and bounded by pydantic, the same way as
+    from Python. Invalid values raise ``pydantic.ValidationError`` (a ``ValueError``).
+    """
+
+    dtypes: tuple[str, ...] = Field(
+        default=DEFAULT_DTYPES, json_schema_extra={"flag": "--dtype", "metavar": "FLAG[,FLAG]"}
+    )
+    """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid. Repeat
+    the flag or separate names with commas."""
+    steps: int = Field(default=120, ge=1, le=1_000_000)
+    """Optimizer steps per policy."""
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    """Seeds the initial weights, the batch order and the sample."""
+    grad_accum: int = Field(default=1, ge=1, le=4096)
+    """Micro-batches per step; above 1 their gradients sum in a LowPrecGradAccumulator."""
+    offload: bool = False
+    """Step master weights and optimizer state with an OffloadedOptimizer on the CPU."""
+    out: Path = Path("computectx-demo")
+    """Folder for results.json and loss.png (created if missing)."""
+    device: str | None = Field(
+        default=None,
+        json_schema_extra={"metavar": "DEV", "shown_default": "cuda if usable, else cpu"},
+    )
+    """Device to train on: cpu, cuda or cuda:N."""
+    data: Path | None = Field(
+        default=None, json_schema_extra={"shown_default": "the Python standard library's sources"}
+    )
+    """A text file or folder to train on."""
+    batch_size: int = Field(default=8, ge=1, le=65536)
+    """Sequences per micro-batch."""
+    seq_len: int = Field(default=128, ge=8, le=65536)
+    """Bytes per training sequence."""
+    d_model: int = Field(default=128, ge=32, le=65536, multiple_of=32)
+    """Width of the model, a multiple of 32 (attention heads are 32 wide)."""
+    layers: int = Field(default=2, ge=1, le=256)
+    """Decoder blocks."""
+    lr: float = Field(default=3e-3, gt=0.0, le=1.0)
+    """Peak AdamW learning rate (linear warm-up over the first tenth of the steps, then cosine
+    decay to a tenth of the peak)."""
+    sample_tokens: int = Field(default=160, ge=0, le=4096)
+    """Bytes generated for each policy's sample (0: no sample)."""
+    eval_batches: int = Field(default=4, ge=1, le=4096)
+    """Validation batches per evaluation."""
+    threads: int = Field(default=1, ge=1, le=4096)
+    """Intra-op CPU threads torch uses during the run (restored afterwards). One by default:
+    the model's matrices are ~128 wide, so a second thread gains little, and on a busy machine
+    threads waiting for a core slow the run several-fold (docs/demo.md has measurements)."""
+
+    @field_validator("dtypes", mode="before")
+    @classmethod
+    def _known_flags(cls, value: Any) -> Any:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+            raise ValueError(f"dtypes must be flag names (strings), got {value!r}")
+        flags: list[str] = []
+        for item in items:
+            names = [n.strip().lower() for n in item.split(",")]
+            if "" in names:
+                raise ValueError(
+                    f"{item!r} has an empty name; give names separated by single commas, "
+                    f"from: {', '.join(POLICY_FLAGS)}"
+                )
+            for name in names:
+                if name not in POLICY_FLAGS:
+                    raise ValueError(
+                        f"unknown dtype {name!r}; accepted: {', '.join(POLICY_FLAGS)} (repeat "
+                        f"--dtype or separate names with commas)"
+                    )
+            flags.extend(names)
+        if not flags:
+            raise ValueError(f"give at least one name from: {', '.join(POLICY_FLAGS)}")
+        dups = sorted({f for f in flags if flags.count(f) > 1})
+        if dups:
+            raise ValueError(f"{', '.join(dups)} given more than once")
+        return tuple(flags)
+
+    @field_validator("device", mode="before")
+    @classmethod
+    def _device_name(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if type(value).__module__ == "torch" and type(value).__name__ == "device":
+            value = str(value)  # a torch.device from Python callers
+        if not isinstance(value, str):
+            raise ValueError(f"device must be a string such as 'cpu' or 'cuda:0', got {value!r}")
+        name = value.strip().lower()
+        if not _DEVICE.fullmatch(name):
+            raise ValueError(f"bad device {value!r}; the demo accepts cpu, cuda or cuda:N")
+        return name

@@ -1,0 +1,254 @@
+"""Training one policy: the model, the optimizer, the step loop, evaluation and the sample."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from computectx.ctx import ComputeCtx
+from computectx.demo.corpus import Corpus, train_batches
+from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
+from computectx.demo.settings import DemoSettings
+from computectx.dtypes import DType
+from computectx.fp8 import Fp8Linear, fp8_stats
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
+
+__all__ = [
+    "SAMPLE_PROMPT",
+    "PolicyResult",
+    "evaluate",
+    "lr_at",
+    "model_config",
+    "policy_ctx",
+    "tail_steps",
+    "train_policy",
+]
+
+SAMPLE_PROMPT = "def "
+"""The prompt each trained model continues for the printed sample."""
+
+
+def tail_steps(steps: int) -> int:
+    """How many last steps ``PolicyResult.train_loss`` averages: a tenth of ``steps`` (at
+    least one). One step's loss is one batch's, and varies by several hundredths from batch
+    to batch; the mean over the tail does not."""
+    return max(1, steps // 10)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyResult:
+    """One policy's run: its curves, final losses, speed, memory and fp8 statistics.
+
+    ``train_loss`` is the mean of the last ``tail_steps`` of ``train_losses`` (the
+    per-step losses, which the progress bar shows one at a time); ``val_loss`` is the last
+    point of ``val_curve``. ``gemm`` is the ``computectx.nn.GemmPath`` value the blocks used.
+    """
+
+    flag: str
+    policy: str
+    gemm: str
+    train_losses: list[float]
+    val_curve: list[tuple[int, float]]
+    train_loss: float
+    val_loss: float
+    tokens_per_s: float
+    seconds: float
+    memory: Footprint
+    skipped_steps: int
+    fp8_converted: int
+    fp8_backend: str | None
+    fp8_nonfinite: int | None
+    fp8_saturated: float | None
+    fp8_layers: dict[str, Any]
+    sample: str
+
+
+def model_config(settings: DemoSettings) -> LMConfig:
+    """The ``LMConfig`` of the demo model (long enough for training and the sample)."""
+    longest = max(settings.seq_len, len(SAMPLE_PROMPT) + settings.sample_tokens)
+    return LMConfig(
+        d_model=settings.d_model,
+        n_layers=settings.layers,
+        n_heads=settings.d_model // 32,
+        d_ff=(settings.d_model * 3 + 15) // 16 * 16,
+        max_len=longest,
+    )
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Learning rate of ``step`` (0-based): linear warm-up over the first tenth, then cosine
+    decay from ``peak`` to a tenth of it."""
+    warm = max(1, steps // 10)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, steps - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def policy_ctx(flag: str, settings: DemoSettings, device: torch.device) -> ComputeCtx:
+    """The ``ComputeCtx`` of ``flag`` on ``device``, adjusted for accumulation and offload."""
+    ctx = ComputeCtx.from_flag(flag, device)
+    if settings.grad_accum > 1 and ctx.compute < DType.F32:
+        # Low-precision policies keep their summed gradients low-precision too: the
+        # accumulator's buffers are at the compute dtype (the fp32 policy stays at f32).
+        ctx = ctx.replace(grad=ctx.compute)
+    if settings.offload:
+        ctx = ctx.replace(offload=torch.device("cpu"))
+    return ctx
+
+
+@torch.no_grad()
+def evaluate(model: ByteLM, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    """Mean loss of ``model`` over ``batches``, in eval mode (the mode is restored)."""
+    was = model.training
+    model.eval()
+    dev = model.ctx.device
+    losses = [float(model.loss(x.to(dev), y.to(dev))) for x, y in batches]
+    model.train(was)
+    return sum(losses) / len(losses)
+
+
+def _fp8_summary(model: ByteLM) -> tuple[int, float, dict[str, Any]]:
+    stats = fp8_stats(model)
+    nonfinite = 0
+    saturated = 0.0
+    layers: dict[str, Any] = {}
+    for name, layer in stats.items():
+        roles = {r: dataclasses.asdict(layer[r]) for r in ("input", "weight", "grad")}
+        layers[name] = {"policy": layer.policy, **roles}
+        for r in roles.values():
+            nonfinite += int(r["nonfinite_count"])
+            saturated = max(saturated, float(r["saturated_fraction"]))
+    return nonfinite, saturated, layers
+
+
+def train_policy(
+    flag: str,
+    settings: DemoSettings,
+    device: torch.device,
+    corpus: Corpus,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+    progress: Progress,
+) -> PolicyResult:
+    """Train a fresh model under ``flag`` for ``settings.steps`` steps and measure it.
+
+    Seeds torch with ``settings.seed`` first, so every policy starts from the same weights
+    and (through ``train_batches``) sees the same batches. The progress task shows each
+    step's own loss.
+    """
+    ctx = policy_ctx(flag, settings, device)
+    torch.manual_seed(settings.seed)
+    model = ByteLM(ctx, model_config(settings))
+    # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    backend = ",".join(sorted({m.backend.value for m in fp8_layers})) or None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    params = list(model.parameters())
+    offloaded: OffloadedOptimizer | None = None
+    opt: torch.optim.Optimizer
+    if settings.offload:
+        opt = offloaded = OffloadedOptimizer(params, ctx, lr=settings.lr)
+    else:
+        opt = torch.optim.AdamW(params, lr=settings.lr)
+    acc = LowPrecGradAccumulator(params, ctx) if settings.grad_accum > 1 else None
+    batches = train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed)
+    eval_at = {round(settings.steps * k / 6) for k in range(1, 7)} - {0}
+    losses: list[float] = []
+    val_curve: list[tuple[int, float]] = [(0, evaluate(model, val))]
+    skipped = 0
+    train_seconds = 0.0
+    saved = SavedForBackward(exclude=params)
+    memory: Footprint | None = None
+    task = progress.add_task(flag, total=settings.steps, loss=float("nan"))
+    try:
+        for step in range(settings.steps):
+            t0 = time.perf_counter()
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, settings.steps, settings.lr)
+            summed = torch.zeros((), device=device)
+            for micro in range(settings.grad_accum):
+                x, y = next(batches)
+                if step == 0 and micro == 0:
+                    with saved:  # what one micro-batch keeps for backward
+                        loss = model.loss(x.to(device), y.to(device)) / settings.grad_accum
+                        torch.autograd.backward(loss)
+                else:
+                    loss = model.loss(x.to(device), y.to(device)) / settings.grad_accum
+                    torch.autograd.backward(loss)
+                summed += loss.detach()
+            step_loss = float(summed)  # one device-to-host read per step, not per micro-batch
+            if offloaded is not None:
+                offloaded.ingest_grads(acc)
+                norm = offloaded.clip_grad_norm(1.0)
+            else:
+                if acc is not None:
+                    acc.flush_to_param_grads()
+                norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
+            if math.isfinite(norm):
+                opt.step()
+            else:
+                # Non-finite gradients (an fp16 overflow, say) are dropped, not applied;
+                # the count goes into the results.
+                skipped += 1
+                if offloaded is not None:
+                    opt.step()  # consumes the skip that clip_grad_norm scheduled
+            if step == settings.steps - 1:
+                memory = state_footprint(model, opt, acc, device, saved.bytes)
+            opt.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            train_seconds += time.perf_counter() - t0
+            losses.append(step_loss)
+            if step + 1 in eval_at:
+                val_curve.append((step + 1, evaluate(model, val)))
+            progress.update(task, advance=1, loss=step_loss)
+    finally:
+        if acc is not None:
+            acc.close()
+    assert memory is not None  # the last step always runs (settings.steps >= 1)
+    if device.type == "cuda":
+        memory = dataclasses.replace(memory, peak=int(torch.cuda.max_memory_allocated(device)))
+    tail = losses[-tail_steps(len(losses)) :]
+    nonfinite = saturated = None
+    layers: dict[str, Any] = {}
+    if ctx.fp8 is not None:
+        nonfinite, saturated, layers = _fp8_summary(model)
+    sample = ""
+    if settings.sample_tokens:
+        g = torch.Generator().manual_seed(settings.seed)
+        out = generate(
+            model,
+            encode_bytes(SAMPLE_PROMPT, device),
+            settings.sample_tokens,
+            temperature=0.8,
+            top_k=40,
+            generator=g,
+        )
+        sample = decode_bytes(out)
+    tokens = settings.steps * settings.grad_accum * settings.batch_size * settings.seq_len
+    return PolicyResult(
+        flag=flag,
+        policy=str(ctx),
+        gemm=model.gemm.path.value,
+        train_losses=losses,
+        val_curve=val_curve,
+        train_loss=sum(tail) / len(tail),
+        val_loss=val_curve[-1][1],
+        tokens_per_s=tokens / train_seconds if train_seconds > 0 else float("inf"),
+        seconds=train_seconds,
+        memory=memory,
+        skipped_steps=skipped,
+        fp8_converted=len(fp8_layers),
+        fp8_backend=backend,
+        fp8_nonfinite=nonfinite,
+        fp8_saturated=saturated,
+        fp8_layers=layers,
+        sample=sample,
+    )
