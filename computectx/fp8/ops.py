@@ -12,9 +12,8 @@ amax): the amax maps to ``fmt.max / 2**margin``, leaving ``2**margin`` of headro
 
 Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device, never
 Python floats, so no operation here waits for the device. The delayed-scaling ring of one
-operand is a float32 vector of length ``history_len + 3``: the amax history
-``ring[:n]``, then the current step ``ring[n + RING_STEP]``, the count of non-finite amaxes
-``ring[n + RING_NONFINITE]`` and the count of saturated elements ``ring[n + RING_SATURATED]``.
+operand (``ring_new``) is laid out by ``computectx.fp8.ring``; the Triton kernel receives
+that layout's offsets from here.
 """
 
 from __future__ import annotations
@@ -26,12 +25,18 @@ import torch
 from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import reference
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
+from computectx.fp8.ring import (
+    RING_NONFINITE,
+    RING_SATURATED,
+    RING_SHAPE,
+    RING_STEP,
+    is_ring,
+    ring_history_len,
+    ring_new,
+)
 
 __all__ = [
     "QUANTIZABLE_DTYPES",
-    "RING_NONFINITE",
-    "RING_SATURATED",
-    "RING_STEP",
     "Fp8Backend",
     "fp8_dequantize",
     "fp8_quantize",
@@ -43,13 +48,6 @@ __all__ = [
     "seed_ring",
     "select_backend",
 ]
-
-RING_STEP = 0
-"""Offset after the history of the current step in a scaling ring."""
-RING_NONFINITE = 1
-"""Offset after the history of the count of non-finite amaxes (float32, exact to 2**24)."""
-RING_SATURATED = 2
-"""Offset after the history of the count of saturated elements (float32, exact to 2**24)."""
 
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The dtypes quantize reads (and a GEMM bias may have)."""
@@ -101,16 +99,16 @@ def _margin_arg(margin: object) -> int:
 def _ring_args(ring: object, idx: object, algo: object, device: torch.device) -> int:
     if not isinstance(ring, torch.Tensor):
         raise TypeError(f"ring must be a tensor from ring_new, got {type(ring).__name__}")
-    if ring.dtype != torch.float32 or ring.dim() != 1 or ring.numel() < 4:
+    if not is_ring(ring):
         raise ValueError(
-            f"ring must be a 1-D float32 tensor of length history_len + 3 >= 4 (ring_new); "
+            f"ring must be {RING_SHAPE} (ring_new); "
             f"got dtype {ring.dtype}, shape {tuple(ring.shape)}"
         )
     if not ring.is_contiguous():
         raise ValueError("ring must be contiguous (it is updated in place)")
     if ring.device != device:
         raise ValueError(f"ring is on {ring.device} but the data is on {device}")
-    n = ring.numel() - 3
+    n = ring_history_len(ring)
     if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
         raise ValueError(f"ring index must be an int in [0, {n}), got {idx!r}")
     if algo not in ("max", "most_recent"):
@@ -120,15 +118,6 @@ def _ring_args(ring: object, idx: object, algo: object, device: torch.device) ->
 
 # ---------------------------------------------------------------------------------------
 # Operations.
-
-
-def ring_new(history_len: int, device: torch.device | str) -> torch.Tensor:
-    """A fresh scaling ring: zero history and counts, step 1.0."""
-    if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
-        raise ValueError(f"history_len must be an int >= 1, got {history_len!r}")
-    ring = torch.zeros(history_len + 3, dtype=torch.float32, device=device)
-    ring[history_len + RING_STEP] = 1.0
-    return ring
 
 
 def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
@@ -158,7 +147,7 @@ def quantize_with_step(
         # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
         from computectx.kernels import quantize
 
-        return quantize.quantize_with_step(data, fmt.torch, s)
+        return quantize.quantize_with_step(x=data, fp8=fmt.torch, step=s)
     return reference.quantize_with_step(data, fmt, s)
 
 
@@ -176,7 +165,7 @@ def quantize_dynamic(
     if check_backend(backend, data) is Fp8Backend.TRITON:
         from computectx.kernels import quantize
 
-        return quantize.quantize_dynamic(data, fmt.torch, m)
+        return quantize.quantize_dynamic(x=data, fp8=fmt.torch, margin=m)
     return reference.quantize_dynamic(data, fmt, m)
 
 
@@ -192,21 +181,33 @@ def quantize_delayed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize with the ring's step and advance the ring: returns ``(data_fp8, step_used)``.
 
-    ``step_used`` is a copy of ``ring[n]`` as it was before the call. Afterwards
-    ``ring[idx]`` holds ``amax(x)`` and ``ring[n]`` the next step from the window
+    ``step_used`` is a copy of the ring's step as it was before the call. Afterwards history
+    slot ``idx`` holds ``amax(x)`` and the ring's step is the next one from the window
     (``"max"``: largest amax in the history; ``"most_recent"``: this amax). A non-finite amax
-    leaves history and step untouched and adds 1 to ``ring[n + RING_NONFINITE]``; elements
-    with ``|x / step| > fmt.max`` are added to ``ring[n + RING_SATURATED]``. On the Triton
-    backend all of this happens inside the one quantize launch.
+    leaves history and step untouched and adds 1 to the non-finite count; elements with
+    ``|x / step| > fmt.max`` are added to the saturated count. On the Triton backend all of
+    this happens inside the one quantize launch.
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
-    _ring_args(ring, idx, algo, data.device)
+    n = _ring_args(ring, idx, algo, data.device)
     m = _margin_arg(margin)
     if check_backend(backend, data) is Fp8Backend.TRITON:
         from computectx.kernels import quantize
 
-        return quantize.quantize_delayed(data, fmt.torch, ring, idx, algo, m)
+        # The kernel knows no ring layout of its own: it gets this one's offsets.
+        return quantize.quantize_delayed(
+            x=data,
+            fp8=fmt.torch,
+            ring=ring,
+            history_len=n,
+            slot=idx,
+            step_offset=RING_STEP,
+            nonfinite_offset=RING_NONFINITE,
+            saturated_offset=RING_SATURATED,
+            algo=algo,
+            margin=m,
+        )
     return reference.quantize_delayed(data, fmt, ring, idx, algo, m)
 
 
@@ -261,7 +262,7 @@ def scaled_mm(
     if check_backend(backend, a) is Fp8Backend.TRITON:
         from computectx.kernels import scaled_mm as gemm
 
-        return gemm.scaled_mm(a, b, sa, sb, bias, out_dtype)
+        return gemm.scaled_mm(a=a, b=b, step_a=sa, step_b=sb, bias=bias, out_dtype=out_dtype)
     return reference.scaled_mm(a, b, sa, sb, bias, out_dtype)
 
 

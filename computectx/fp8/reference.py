@@ -22,6 +22,13 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import Fp8Format
+from computectx.fp8.ring import (
+    ring_history,
+    ring_nonfinite,
+    ring_saturated,
+    ring_slot,
+    ring_step,
+)
 
 __all__ = [
     "amax",
@@ -123,22 +130,24 @@ def quantize_delayed(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize with the ring's current step, then advance the ring in place.
 
-    Returns ``(q, step_used)``. Afterwards ``ring[idx]`` holds this amax, and ``ring[n]`` the
-    step from the window (``algo="max"``: max of the history; ``"most_recent"``: this amax).
-    A non-finite amax leaves history and step alone and adds 1 to ``ring[n + 1]``; the
-    number of saturated elements is added to ``ring[n + 2]`` either way.
+    Returns ``(q, step_used)``. Afterwards history slot ``idx`` holds this amax and the
+    ring's step is the one from the window (``algo="max"``: max of the history;
+    ``"most_recent"``: this amax). A non-finite amax leaves history and step alone and adds
+    1 to the non-finite count; the number of saturated elements is added to the saturated
+    count either way. (The layout is ``computectx.fp8.ring``'s.)
     """
-    n = ring.numel() - 3
-    step_used = ring[n : n + 1].clone()
+    step = ring_step(ring)
+    step_used = step.clone()
     q, a = quantize_with_step(x, fmt, step_used)
     sat = saturated_count(x, step_used, fmt)
     finite = torch.isfinite(a)
-    ring[idx : idx + 1] = torch.where(finite, a, ring[idx : idx + 1])
-    window = ring[:n].amax().reshape(1) if algo == "max" else a
-    nxt = step_from_amax(window, fmt, margin)
-    ring[n : n + 1] = torch.where(finite, nxt, ring[n : n + 1])
-    ring[n + 1 : n + 2] += (~finite).to(torch.float32)
-    ring[n + 2 : n + 3] += sat
+    slot = ring_slot(ring, idx)
+    slot.copy_(torch.where(finite, a, slot))
+    # The window includes the amax just written, as in the kernel's last program.
+    window = ring_history(ring).amax().reshape(1) if algo == "max" else a
+    step.copy_(torch.where(finite, step_from_amax(window, fmt, margin), step))
+    ring_nonfinite(ring).add_((~finite).to(torch.float32))
+    ring_saturated(ring).add_(sat)
     return q, step_used
 
 
@@ -147,12 +156,12 @@ def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) 
 
     A non-finite amax leaves the ring as it was and adds 1 to the non-finite count.
     """
-    n = ring.numel() - 3
+    history, step = ring_history(ring), ring_step(ring)
     a = amax(x)
     finite = torch.isfinite(a)
-    ring[:n] = torch.where(finite, a.expand(n), ring[:n])
-    ring[n : n + 1] = torch.where(finite, step_from_amax(a, fmt, margin), ring[n : n + 1])
-    ring[n + 1 : n + 2] += (~finite).to(torch.float32)
+    history.copy_(torch.where(finite, a.expand_as(history), history))
+    step.copy_(torch.where(finite, step_from_amax(a, fmt, margin), step))
+    ring_nonfinite(ring).add_((~finite).to(torch.float32))
 
 
 def scaled_mm(

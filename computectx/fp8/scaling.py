@@ -1,9 +1,9 @@
 """Per-weight scaling state: one ring per operand role, quantizing through it, checkpoints.
 
 A weight that runs in fp8 quantizes three operands — its ``input`` activation, the
-``weight`` itself and the output ``grad`` — and each keeps one ring (the layout is
-``computectx.fp8.ops``'s: ``history_len`` amaxes, then the current step, the non-finite
-count and the saturated count). Delayed scaling reads the step from the ring and writes the
+``weight`` itself and the output ``grad`` — and each keeps one ring (``computectx.fp8.ring``
+owns its layout: ``history_len`` amaxes, then the current step, the non-finite count and
+the saturated count). Delayed scaling reads the step from the ring and writes the
 new amax into it; dynamic scaling keeps a ring of length 1 only to record the last amax and
 step, so both recipes report the same statistics.
 
@@ -22,6 +22,18 @@ import torch
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import ops
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.ring import (
+    RING_SHAPE,
+    is_ring,
+    read_ring,
+    ring_history,
+    ring_history_len,
+    ring_new,
+    ring_nonfinite,
+    ring_slot,
+    ring_step,
+    ring_with_history,
+)
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
 __all__ = [
@@ -61,7 +73,7 @@ class OperandScaling:
     __slots__ = ("elements", "idx", "ring", "seeded")
 
     def __init__(self, history_len: int, device: torch.device | str) -> None:
-        self.ring: torch.Tensor = _new_ring(history_len, device)
+        self.ring: torch.Tensor = ring_new(history_len, device)
         self.idx = 0
         self.seeded = False
         self.elements = 0
@@ -69,7 +81,7 @@ class OperandScaling:
     @property
     def history_len(self) -> int:
         """Length of the amax history."""
-        return self.ring.numel() - 3
+        return ring_history_len(self.ring)
 
     def quantize(
         self,
@@ -106,13 +118,12 @@ class OperandScaling:
 
         A non-finite amax is counted and leaves the recorded amax as it was.
         """
-        n = self.history_len
         a = amax.reshape(1).to(device=self.ring.device, dtype=torch.float32)
         finite = torch.isfinite(a)
-        slot = self.ring[0:1]
+        slot = ring_slot(self.ring, 0)
         slot.copy_(torch.where(finite, a, slot))
-        self.ring[n : n + 1] = step.reshape(1).to(self.ring)
-        self.ring[n + 1 : n + 2] += (~finite).to(torch.float32)
+        ring_step(self.ring).copy_(step.reshape(1))
+        ring_nonfinite(self.ring).add_((~finite).to(torch.float32))
         self.seeded = True
 
     def newest_amax_index(self) -> int:
@@ -128,14 +139,13 @@ class OperandScaling:
         """
         n = self.history_len
         out = OperandScaling.__new__(OperandScaling)
-        with torch.inference_mode(False):  # see _new_ring
-            hist = self.ring[:n]
-            chron = torch.cat([hist[self.idx :], hist[: self.idx]])
-            if history_len <= n:
-                chron = chron[n - history_len :]
-            else:
-                chron = torch.cat([chron[:1].expand(history_len - n), chron])
-            out.ring = torch.cat([chron, self.ring[n:]]).contiguous()
+        hist = ring_history(self.ring)
+        chron = torch.cat([hist[self.idx :], hist[: self.idx]])
+        if history_len <= n:
+            chron = chron[n - history_len :]
+        else:
+            chron = torch.cat([chron[:1].expand(history_len - n), chron])
+        out.ring = ring_with_history(self.ring, chron)
         out.idx = 0  # the next write replaces the oldest entry, now at the front
         out.seeded = self.seeded
         out.elements = self.elements
@@ -144,15 +154,9 @@ class OperandScaling:
     def to(self, device: torch.device) -> None:
         """Move the ring to ``device`` (in place on this object)."""
         if self.ring.device != device:
-            with torch.inference_mode(False):  # see _new_ring
+            # Not an inference tensor, even when moved inside inference_mode (ring_new).
+            with torch.inference_mode(False):
                 self.ring = self.ring.to(device)
-
-
-def _new_ring(history_len: int, device: torch.device | str) -> torch.Tensor:
-    # A ring created inside torch.inference_mode would be an inference tensor, which may
-    # not be updated in place once inference mode is left; rings outlive any one mode.
-    with torch.inference_mode(False):
-        return ops.ring_new(history_len, device)
 
 
 class Fp8ScalingState:
@@ -258,19 +262,11 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
             raise ValueError(f"{what}: operand {role!r} must be a dict, got {entry!r}")
         ring, idx = entry.get("ring"), entry.get("idx")
         seeded, elements = entry.get("seeded"), entry.get("elements")
-        if not (
-            isinstance(ring, torch.Tensor)
-            and ring.dtype == torch.float32
-            and ring.dim() == 1
-            and ring.numel() >= 4
-        ):
+        if not is_ring(ring):
             desc = f"{ring.dtype} {tuple(ring.shape)}" if isinstance(ring, torch.Tensor) else ring
-            raise ValueError(
-                f"{what}: operand {role!r} ring must be a 1-D float32 tensor of length "
-                f"history_len + 3 >= 4, got {desc!r}"
-            )
-        n = ring.numel() - 3
-        _check_ring_values(what, role, ring, n)
+            raise ValueError(f"{what}: operand {role!r} ring must be {RING_SHAPE}, got {desc!r}")
+        n = ring_history_len(ring)
+        _check_ring_values(what, role, ring)
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
             raise ValueError(
                 f"{what}: operand {role!r} idx must be an int in [0, {n}), got {idx!r}"
@@ -289,23 +285,23 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
     return out
 
 
-def _check_ring_values(what: str, role: str, ring: torch.Tensor, n: int) -> None:
+def _check_ring_values(what: str, role: str, ring: torch.Tensor) -> None:
     # Loading reads the values once (a checkpoint is not on the training path): a NaN or
     # non-positive step would quietly turn every later output into NaN or garbage, and a
     # NaN amax in the history would poison every window max that includes it.
-    values = ring.detach().to("cpu", torch.float64)
-    hist, step, counts = values[:n], float(values[n]), values[n + 1 :]
-    bad = ~(torch.isfinite(hist) & (hist >= 0))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise ValueError(
-            f"{what}: operand {role!r} amax history must be finite and >= 0, "
-            f"got {float(hist[i])!r} at slot {i}"
-        )
+    values = read_ring(ring)
+    for i, a in enumerate(values.history):
+        if not (math.isfinite(a) and a >= 0):
+            raise ValueError(
+                f"{what}: operand {role!r} amax history must be finite and >= 0, "
+                f"got {a!r} at slot {i}"
+            )
+    step = values.step
     if not (math.isfinite(step) and step > 0):
         raise ValueError(f"{what}: operand {role!r} step must be finite and > 0, got {step!r}")
-    if not bool((torch.isfinite(counts) & (counts >= 0)).all()):
+    counts = [values.nonfinite, values.saturated]
+    if not all(math.isfinite(c) and c >= 0 for c in counts):
         raise ValueError(
             f"{what}: operand {role!r} non-finite and saturated counts must be finite and "
-            f">= 0, got {counts.tolist()!r}"
+            f">= 0, got {counts!r}"
         )

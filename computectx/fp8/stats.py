@@ -8,6 +8,7 @@ from torch import nn
 
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.region import region_scaling_state
+from computectx.fp8.ring import read_ring
 from computectx.fp8.scaling import ROLES, Fp8ScalingState, OperandScaling, Role
 from computectx.recipes import DelayedScaling
 
@@ -52,17 +53,14 @@ class Fp8LayerStats:
 
 
 def _operand_stats(op: OperandScaling, window_is_max: bool) -> Fp8OperandStats:
-    n = op.history_len
-    values = op.ring.tolist()  # one device-to-host copy per operand
-    hist = values[:n]
-    newest = hist[op.newest_amax_index()]
-    saturated = values[n + 2]
+    values = read_ring(op.ring)  # one device-to-host copy per operand
+    newest = values.history[op.newest_amax_index()]
     return Fp8OperandStats(
         amax=newest,
-        window_amax=max(hist) if window_is_max else newest,
-        step=values[n],
-        saturated_fraction=saturated / op.elements if op.elements else 0.0,
-        nonfinite_count=int(values[n + 1]),
+        window_amax=max(values.history) if window_is_max else newest,
+        step=values.step,
+        saturated_fraction=values.saturated / op.elements if op.elements else 0.0,
+        nonfinite_count=int(values.nonfinite),
         elements=op.elements,
     )
 

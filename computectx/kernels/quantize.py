@@ -5,7 +5,9 @@ One kernel serves three recipes, chosen by constexpr flags:
 - ``quantize_with_step``: cast ``x / step`` to fp8 and measure ``amax(x)``;
 - ``quantize_delayed``: the same with the step read from the operand's ring; the last
   program to finish (an atomic ticket) writes the amax into the history, reduces the window
-  and publishes the next step into the ring: no host sync, no second launch;
+  and publishes the next step into the ring: no host sync, no second launch. The ring's
+  layout belongs to the caller (``computectx.fp8.ring``), which passes its history length
+  and offsets; they reach the kernel as constexpr arguments;
 - ``quantize_dynamic``: an amax-only launch that also publishes the step, then a cast-only
   launch that reads it.
 
@@ -20,7 +22,7 @@ import math
 import struct
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import Final, Literal
+from typing import Final, Literal, NamedTuple
 
 import torch
 import triton
@@ -41,11 +43,18 @@ _INTERPRET_PROGRAMS: Final[int] = 3
 # that short test histories exercise the loop.
 _RBLOCK: Final[int] = 16 if INTERPRETED else 1024
 
-# What the last program does after the pass.
-_REDUCE_NONE: Final[int] = 0  # nothing: cast only
-_REDUCE_AMAX: Final[int] = 1  # write amax
-_REDUCE_DYNAMIC: Final[int] = 2  # write amax and the step derived from it
-_REDUCE_RING: Final[int] = 3  # delayed scaling: history, window, next step, counts
+# What the last program does after the pass (the kernel's REDUCE). The values are
+# constexpr globals, the only globals a jit function may read.
+_REDUCE_NONE = tl.constexpr(0)  # nothing: cast only
+_REDUCE_AMAX = tl.constexpr(1)  # write amax
+_REDUCE_DYNAMIC = tl.constexpr(2)  # write amax and the step derived from it
+_REDUCE_RING = tl.constexpr(3)  # delayed scaling: history, window, next step, counts
+
+# The int32 scratch that programs fold their results into (one per device and stream).
+_SCRATCH_TICKET = tl.constexpr(0)  # programs finished so far
+_SCRATCH_AMAX = tl.constexpr(1)  # max |x| as int32 bits
+_SCRATCH_SATURATED = tl.constexpr(2)  # saturated elements
+_SCRATCH_LEN: Final[int] = 3
 
 _FP8_DTYPES: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -113,14 +122,19 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     CAST: tl.constexpr,
     REDUCE: tl.constexpr,
     ALGO_MAX: tl.constexpr,
+    RING_STEP: tl.constexpr,
+    RING_NONFINITE: tl.constexpr,
+    RING_SATURATED: tl.constexpr,
     BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr,
 ):
+    # The ring (REDUCE == _REDUCE_RING only): history ring_ptr[:n_hist], then the step, the
+    # non-finite count and the saturated count at n_hist + the RING_* offsets.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
         step = tl.load(step_ptr)
-        if REDUCE == 3:  # noqa: SIM102  (constexpr test, then a run-time one)
+        if REDUCE == _REDUCE_RING:  # noqa: SIM102  (constexpr test, then a run-time one)
             if pid == 0:
                 tl.store(step_out_ptr, step)
     # |x| as int32 bits: for non-negative floats the integer order is the float order and
@@ -138,43 +152,43 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
             x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         else:
             x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if REDUCE != 0:
+        if REDUCE != _REDUCE_NONE:
             amax_bits = tl.maximum(amax_bits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         if CAST:
             # IEEE division, as the twin does: x / step, not x * (1 / step).
             s = tl.div_rn(x, step)
-            if REDUCE == 3:
+            if REDUCE == _REDUCE_RING:
                 n_sat += ((s > FMAX) | (s < -FMAX)).to(tl.int32)
             # Comparisons are false for NaN, so NaN passes through; ±inf becomes ±max.
             s = tl.where(s > FMAX, FMAX, tl.where(s < -FMAX, -FMAX, s))
             code = _fp8_bits(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
             tl.store(q_ptr + offs, code, mask=mask)
-    if REDUCE != 0:
+    if REDUCE != _REDUCE_NONE:
         # Cross-program traffic is scalar atomics only, issued in program order by one
         # thread: fold this program's amax and saturation count into the scratch, then take
         # a ticket with acq_rel, which publishes both to whoever draws the last ticket.
-        tl.atomic_max(scratch_ptr + 1, tl.max(amax_bits, axis=0), sem="relaxed")
-        if REDUCE == 3:
-            tl.atomic_add(scratch_ptr + 2, tl.sum(n_sat, axis=0), sem="relaxed")
-        ticket = tl.atomic_add(scratch_ptr, 1, sem="acq_rel")
+        tl.atomic_max(scratch_ptr + _SCRATCH_AMAX, tl.max(amax_bits, axis=0), sem="relaxed")
+        if REDUCE == _REDUCE_RING:
+            tl.atomic_add(scratch_ptr + _SCRATCH_SATURATED, tl.sum(n_sat, axis=0), sem="relaxed")
+        ticket = tl.atomic_add(scratch_ptr + _SCRATCH_TICKET, 1, sem="acq_rel")
         if ticket == nprog - 1:
             # Read-and-zero every slot: the scratch is ready for the next launch.
-            bits = tl.atomic_xchg(scratch_ptr + 1, 0, sem="acq_rel")
-            sat_count = tl.atomic_xchg(scratch_ptr + 2, 0, sem="acq_rel")
-            tl.atomic_xchg(scratch_ptr, 0, sem="acq_rel")
+            bits = tl.atomic_xchg(scratch_ptr + _SCRATCH_AMAX, 0, sem="acq_rel")
+            sat_count = tl.atomic_xchg(scratch_ptr + _SCRATCH_SATURATED, 0, sem="acq_rel")
+            tl.atomic_xchg(scratch_ptr + _SCRATCH_TICKET, 0, sem="acq_rel")
             # One NaN for every NaN input (the twin's): payloads carry no information.
             bits = tl.where(bits > 0x7F800000, 0x7FC00000, bits)
             amax = bits.to(tl.float32, bitcast=True)
             finite = bits < 0x7F800000
-            if REDUCE == 1:
+            if REDUCE == _REDUCE_AMAX:
                 tl.store(amax_out_ptr, amax)
-            if REDUCE == 2:
+            if REDUCE == _REDUCE_DYNAMIC:
                 tl.store(amax_out_ptr, amax)
                 # NaN, inf, underflow to 0 and overflow to inf all fail this test.
                 step_new = tl.div_rn(amax, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 tl.store(step_out_ptr, tl.where(ok, step_new, 1.0))
-            if REDUCE == 3:
+            if REDUCE == _REDUCE_RING:
                 # The window with this amax in slot ring_idx, built in registers (the ring
                 # itself is written once, below).
                 window = tl.zeros((RBLOCK,), dtype=tl.float32)
@@ -187,14 +201,17 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 step_new = tl.div_rn(chosen, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 step_new = tl.where(ok, step_new, 1.0)
+                step_ptr_ring = ring_ptr + n_hist + RING_STEP
+                nonfinite_ptr = ring_ptr + n_hist + RING_NONFINITE
+                saturated_ptr = ring_ptr + n_hist + RING_SATURATED
                 old_hist = tl.load(ring_ptr + ring_idx)
-                old_step = tl.load(ring_ptr + n_hist)
-                n_bad = tl.load(ring_ptr + n_hist + 1)
-                n_sat_old = tl.load(ring_ptr + n_hist + 2)
+                old_step = tl.load(step_ptr_ring)
+                n_bad = tl.load(nonfinite_ptr)
+                n_sat_old = tl.load(saturated_ptr)
                 tl.store(ring_ptr + ring_idx, tl.where(finite, amax, old_hist))
-                tl.store(ring_ptr + n_hist, tl.where(finite, step_new, old_step))
-                tl.store(ring_ptr + n_hist + 1, n_bad + tl.where(finite, 0.0, 1.0))
-                tl.store(ring_ptr + n_hist + 2, n_sat_old + sat_count.to(tl.float32))
+                tl.store(step_ptr_ring, tl.where(finite, step_new, old_step))
+                tl.store(nonfinite_ptr, n_bad + tl.where(finite, 0.0, 1.0))
+                tl.store(saturated_ptr, n_sat_old + sat_count.to(tl.float32))
 
 
 # ---------------------------------------------------------------------------------------
@@ -211,7 +228,7 @@ def _scratch(device: torch.device) -> torch.Tensor:
     key = (device, stream)
     t = _SCRATCH.get(key)
     if t is None:
-        t = torch.zeros(3, dtype=torch.int32, device=device)
+        t = torch.zeros(_SCRATCH_LEN, dtype=torch.int32, device=device)
         _SCRATCH[key] = t
     return t
 
@@ -224,18 +241,51 @@ def _num_programs(x: torch.Tensor) -> int:
     return min(tiles, sms * _PROGRAMS_PER_SM)
 
 
-def _check(x: torch.Tensor, fp8: torch.dtype, *scalars: torch.Tensor) -> None:
+def _check_input(x: torch.Tensor, fp8: torch.dtype) -> None:
     if fp8 not in _FP8_DTYPES:
         raise ValueError(f"quantize writes float8_e4m3fn or float8_e5m2, got {fp8}")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"quantize reads bf16, fp16 or fp32, got {x.dtype}")
     if not x.is_contiguous():
         raise ValueError("quantize kernels read contiguous tensors; pass x.contiguous()")
-    for s in scalars:
-        if s.dtype != torch.float32 or s.device != x.device or not s.is_contiguous():
+
+
+def _check_f32(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    if t.dtype != torch.float32 or t.device != x.device or not t.is_contiguous():
+        raise ValueError(
+            f"{name} must be a contiguous float32 tensor on {x.device}; got {t.dtype} on {t.device}"
+        )
+
+
+class _Ring(NamedTuple):
+    """A delayed-scaling ring and the caller's layout of it (see ``quantize_delayed``)."""
+
+    tensor: torch.Tensor
+    slot: int
+    history_len: int
+    step_offset: int
+    nonfinite_offset: int
+    saturated_offset: int
+
+    def check(self, x: torch.Tensor) -> None:
+        _check_f32("ring", self.tensor, x)
+        n = self.history_len
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"history_len must be an int >= 1, got {n!r}")
+        if not 0 <= self.slot < n:
+            raise ValueError(f"slot {self.slot} is outside the history [0, {n})")
+        offsets = (self.step_offset, self.nonfinite_offset, self.saturated_offset)
+        tail = self.tensor.numel() - n
+        if len(set(offsets)) != 3 or not all(0 <= o < tail for o in offsets):
             raise ValueError(
-                f"steps and rings are contiguous float32 on {x.device}; got {s.dtype} on {s.device}"
+                f"step, non-finite and saturated offsets must be distinct slots after the "
+                f"history, in [0, {tail}) for a ring of {self.tensor.numel()} with "
+                f"history_len={n}; got {offsets}"
             )
+
+    def step(self) -> torch.Tensor:
+        at = self.history_len + self.step_offset
+        return self.tensor[at : at + 1]
 
 
 def _f32_bits(value: float) -> int:
@@ -269,22 +319,23 @@ def _fmt_constants(fp8: torch.dtype, margin: int) -> Mapping[str, object]:
 
 
 def _launch(
+    *,
     x: torch.Tensor,
     q: torch.Tensor,
-    step: torch.Tensor,
-    amax_out: torch.Tensor,
-    step_out: torch.Tensor,
-    ring: torch.Tensor,
-    ring_idx: int,
-    n_hist: int,
     fp8: torch.dtype,
     margin: int,
+    reduce: tl.constexpr,
     cast: bool,
-    reduce: int,
-    algo_max: bool,
+    step: torch.Tensor,
+    amax_out: torch.Tensor | None = None,
+    step_out: torch.Tensor | None = None,
+    ring: _Ring | None = None,
+    algo_max: bool = False,
 ) -> None:
-    nprog = _num_programs(x)
+    # One launch of the kernel over x. Pointer arguments a mode never touches still need a
+    # tensor: they get `step`, which every mode has.
     n = x.numel()
+    nprog = _num_programs(x)
     if n == 0:  # nothing to read or write, but the reduction (amax 0) still runs
         x, q = x.new_empty(1), q.new_empty(1)
     _quantize_kernel[(nprog,)](
@@ -293,15 +344,18 @@ def _launch(
         step,
         n,
         _scratch(x.device),
-        amax_out,
-        step_out,
-        ring,
-        ring_idx,
-        n_hist,
+        step if amax_out is None else amax_out,
+        step if step_out is None else step_out,
+        step if ring is None else ring.tensor,
+        0 if ring is None else ring.slot,
+        0 if ring is None else ring.history_len,
         X_BF16=x.dtype == torch.bfloat16,
         CAST=cast,
-        REDUCE=reduce,
+        REDUCE=reduce.value,
         ALGO_MAX=algo_max,
+        RING_STEP=0 if ring is None else ring.step_offset,
+        RING_NONFINITE=0 if ring is None else ring.nonfinite_offset,
+        RING_SATURATED=0 if ring is None else ring.saturated_offset,
         BLOCK=_BLOCK,
         RBLOCK=_RBLOCK,
         num_warps=_WARPS,
@@ -310,50 +364,66 @@ def _launch(
 
 
 def quantize_with_step(
-    x: torch.Tensor, fp8: torch.dtype, step: torch.Tensor
+    *, x: torch.Tensor, fp8: torch.dtype, step: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8(clamp(x / step)), amax(x))`` in one pass; ``step`` is float32 ``(1,)``.
 
     ``fp8`` is ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (as in every launcher here).
     """
-    _check(x, fp8, step)
+    _check_input(x, fp8)
+    _check_f32("step", step, x)
     q = torch.empty(x.shape, dtype=fp8, device=x.device)
     amax = torch.empty(1, dtype=torch.float32, device=x.device)
-    _launch(x, q, step, amax, amax, step, 0, 0, fp8, 0, True, _REDUCE_AMAX, False)
+    _launch(x=x, q=q, fp8=fp8, margin=0, reduce=_REDUCE_AMAX, cast=True, step=step, amax_out=amax)
     return q, amax
 
 
 def quantize_dynamic(
-    x: torch.Tensor, fp8: torch.dtype, margin: int
+    *, x: torch.Tensor, fp8: torch.dtype, margin: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, step, amax)``: an amax launch that publishes the step, then a cast launch."""
-    _check(x, fp8)
+    _check_input(x, fp8)
     q = torch.empty(x.shape, dtype=fp8, device=x.device)
     amax = torch.empty(1, dtype=torch.float32, device=x.device)
     step = torch.empty(1, dtype=torch.float32, device=x.device)
-    _launch(x, q, step, amax, step, step, 0, 0, fp8, margin, False, _REDUCE_DYNAMIC, False)
-    _launch(x, q, step, amax, step, step, 0, 0, fp8, margin, True, _REDUCE_NONE, False)
+    _launch(
+        x=x, q=q, fp8=fp8, margin=margin, reduce=_REDUCE_DYNAMIC, cast=False,
+        step=step, amax_out=amax, step_out=step,
+    )  # fmt: skip
+    _launch(x=x, q=q, fp8=fp8, margin=margin, reduce=_REDUCE_NONE, cast=True, step=step)
     return q, step, amax
 
 
 def quantize_delayed(
+    *,
     x: torch.Tensor,
     fp8: torch.dtype,
     ring: torch.Tensor,
-    idx: int,
+    history_len: int,
+    slot: int,
+    step_offset: int,
+    nonfinite_offset: int,
+    saturated_offset: int,
     algo: Literal["max", "most_recent"],
     margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, step_used)``, quantizing with ``ring[n]`` and advancing the ring in-kernel."""
-    _check(x, fp8, ring)
-    n = ring.numel() - 3
-    if not 0 <= idx < n:
-        raise ValueError(f"ring index {idx} is outside the history [0, {n})")
+    """``(q, step_used)``: quantize with the ring's step and advance the ring in-kernel.
+
+    ``ring`` is a contiguous float32 vector laid out by the caller: the amax history is
+    ``ring[:history_len]`` and the step, the non-finite count and the saturated count sit
+    at ``history_len`` plus ``step_offset``, ``nonfinite_offset`` and ``saturated_offset``.
+    Afterwards history slot ``slot`` holds ``amax(x)`` and the step is the next one from
+    the window (``algo``), unless the amax was not finite, which is counted instead.
+    """
+    _check_input(x, fp8)
+    r = _Ring(ring, slot, history_len, step_offset, nonfinite_offset, saturated_offset)
+    r.check(x)
+    if algo not in ("max", "most_recent"):
+        raise ValueError(f"unknown amax window algo {algo!r}; accepted: 'max', 'most_recent'")
     q = torch.empty(x.shape, dtype=fp8, device=x.device)
     step_used = torch.empty(1, dtype=torch.float32, device=x.device)
-    step_slot = ring[n : n + 1]
     _launch(
-        x, q, step_slot, step_used, step_used, ring, idx, n, fp8, margin, True,
-        _REDUCE_RING, algo == "max",
+        x=x, q=q, fp8=fp8, margin=margin, reduce=_REDUCE_RING, cast=True,
+        step=r.step(), step_out=step_used, ring=r, algo_max=algo == "max",
     )  # fmt: skip
     return q, step_used

@@ -155,6 +155,7 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
 
 
 def scaled_mm(
+    *,
     a: torch.Tensor,
     b: torch.Tensor,
     step_a: torch.Tensor,

@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import torch
 from computectx.kernels import quantize as kq, scaled_mm as kg
+from computectx.fp8.ring import RING_NONFINITE, RING_SATURATED, RING_STEP
 
 out = {}
 q_names = ["x_ptr", "q_ptr", "step_ptr", "n_elements", "scratch_ptr", "amax_out_ptr",
@@ -37,7 +38,9 @@ for cap in (89, 90):
         sig = dict(zip(q_names, [xdt, "*u8", "*fp32", "i32", "*i32", "*fp32", "*fp32",
                                  "*fp32", "i32", "i32"]))
         consts = dict(kq._fmt_constants(torch.float8_e4m3fn, 1), X_BF16=xdt == "*i16", CAST=cast,
-                      REDUCE=reduce, ALGO_MAX=True, BLOCK=4096, RBLOCK=1024)
+                      REDUCE=reduce, ALGO_MAX=True, RING_STEP=RING_STEP,
+                      RING_NONFINITE=RING_NONFINITE, RING_SATURATED=RING_SATURATED,
+                      BLOCK=4096, RBLOCK=1024)
         sig.update({k: "constexpr" for k in consts})
         attrs = {(q_names.index(n),): [["tt.divisibility", 16]]
                  for n in ("x_ptr", "q_ptr", "n_elements")}

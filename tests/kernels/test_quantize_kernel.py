@@ -9,7 +9,7 @@ same float32 bits, and a ring must hold the same float32 bits after every step.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -17,8 +17,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import ops, reference
-from computectx.fp8.ops import Fp8Backend
+from computectx.fp8 import Fp8Backend, ops, reference
+from computectx.fp8.ring import (
+    RING_NONFINITE,
+    RING_SATURATED,
+    RING_STEP,
+    ring_history,
+    ring_new,
+    ring_nonfinite,
+    ring_saturated,
+    ring_step,
+    ring_tail,
+)
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -33,6 +43,7 @@ FORMATS = list(Fp8Format)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 Algo = Literal["max", "most_recent"]
 ALGOS: list[Algo] = ["max", "most_recent"]
+BAD_ALGO: Any = "mean"  # typed Any so that the launcher's own check runs
 
 
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -180,8 +191,8 @@ def test_delayed_ring_bit_exact(
     # A sequence with growth (saturation under the delayed step), a zero tensor, an inf,
     # a NaN, a shrink, and an empty tensor; history 21 exceeds the interpreter's reduction
     # block, so the window loop runs more than once.
-    ring = ops.ring_new(history, device)
-    ring_ref = ops.ring_new(history, device)
+    ring = ring_new(history, device)
+    ring_ref = ring_new(history, device)
     x0 = torch.randn(50, generator=torch.Generator().manual_seed(0)).to(device)
     ops.seed_ring(ring, x0, fmt, margin)
     ops.seed_ring(ring_ref, x0, fmt, margin)
@@ -208,9 +219,8 @@ def test_delayed_ring_bit_exact(
         assert_same_bytes(q, q_ref)
         assert_same_f32(used, used_ref)
         assert_same_f32(ring, ring_ref)
-    n_hist = history
-    assert ring[n_hist + ops.RING_NONFINITE].item() == 2.0
-    assert ring[n_hist + ops.RING_SATURATED].item() > 0.0
+    assert ring_nonfinite(ring).item() == 2.0
+    assert ring_saturated(ring).item() > 0.0
 
 
 @settings(max_examples=50)
@@ -231,8 +241,8 @@ def test_delayed_ring_property(
     dev = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
     if dev.type == "cuda" and ops.select_backend(dev)[0] is not TRITON:
         dev = torch.device("cpu")
-    ring = ops.ring_new(history, dev)
-    ring_ref = ops.ring_new(history, dev)
+    ring = ring_new(history, dev)
+    ring_ref = ring_new(history, dev)
     gen = torch.Generator().manual_seed(len(scales))
     for i, sc in enumerate(scales):
         x = torch.randn(23, generator=gen) * (sc if math.isfinite(sc) else 1.0)
@@ -248,10 +258,9 @@ def test_delayed_ring_property(
         assert_same_f32(ring, ring_ref)
     # The ring's own invariants: the step is positive and finite, the history finite, the
     # non-finite count equals the number of non-finite inputs.
-    n = history
-    assert 0.0 < ring[n].item() < math.inf
-    assert bool(torch.isfinite(ring[:n]).all())
-    assert ring[n + 1].item() == sum(1 for s in scales if not math.isfinite(s))
+    assert 0.0 < ring_step(ring).item() < math.inf
+    assert bool(torch.isfinite(ring_history(ring)).all())
+    assert ring_nonfinite(ring).item() == sum(1 for s in scales if not math.isfinite(s))
 
 
 def test_scratch_is_rezeroed_after_each_launch(device: torch.device) -> None:
@@ -270,17 +279,94 @@ def test_launcher_rejects_what_it_cannot_read(device: torch.device) -> None:
     from computectx.kernels import quantize as kq
 
     one = torch.ones(1, device=device)
+    x = torch.ones(4, device=device)
     e4m3 = torch.float8_e4m3fn
     with pytest.raises(ValueError, match="contiguous"):
-        kq.quantize_with_step(torch.ones(4, 4, device=device).t(), e4m3, one)
+        kq.quantize_with_step(x=torch.ones(4, 4, device=device).t(), fp8=e4m3, step=one)
     with pytest.raises(ValueError, match=r"torch\.float64"):
-        kq.quantize_with_step(torch.ones(4, dtype=torch.float64, device=device), e4m3, one)
+        kq.quantize_with_step(x=x.double(), fp8=e4m3, step=one)
+    with pytest.raises(
+        ValueError, match=r"step must be a contiguous float32 .* got torch\.float64"
+    ):
+        kq.quantize_with_step(x=x, fp8=e4m3, step=one.double())
     with pytest.raises(ValueError, match=r"got torch\.float16"):
-        kq.quantize_dynamic(torch.ones(4, device=device), torch.float16, 0)
-    with pytest.raises(ValueError, match=r"\[0, 2\)"):
+        kq.quantize_dynamic(x=x, fp8=torch.float16, margin=0)
+    layout = {"step_offset": 0, "nonfinite_offset": 1, "saturated_offset": 2}
+    ring = ring_new(2, device)
+    with pytest.raises(ValueError, match=r"slot 5 is outside the history \[0, 2\)"):
         kq.quantize_delayed(
-            torch.ones(4, device=device), e4m3, ops.ring_new(2, device), 5, "max", 0
+            x=x, fp8=e4m3, ring=ring, history_len=2, slot=5, algo="max", margin=0, **layout
         )
+    with pytest.raises(ValueError, match=r"distinct slots after the history, in \[0, 3\)"):
+        kq.quantize_delayed(
+            x=x, fp8=e4m3, ring=ring, history_len=2, slot=0, algo="max", margin=0,
+            step_offset=0, nonfinite_offset=0, saturated_offset=2,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"in \[0, 2\) for a ring of 5 with history_len=3"):
+        kq.quantize_delayed(
+            x=x, fp8=e4m3, ring=ring, history_len=3, slot=0, algo="max", margin=0, **layout
+        )
+    with pytest.raises(ValueError, match="'mean'"):
+        kq.quantize_delayed(
+            x=x,
+            fp8=e4m3,
+            ring=ring,
+            history_len=2,
+            slot=0,
+            algo=BAD_ALGO,
+            margin=0,
+            **layout,
+        )
+    assert torch.equal(ring, ring_new(2, device))  # every refusal left the ring alone
+
+
+def test_launchers_are_keyword_only(device: torch.device) -> None:
+    # Thirteen positional arguments of one type are easy to pass in the wrong order.
+    from computectx.kernels import quantize as kq
+    from computectx.kernels import scaled_mm as kg
+
+    x, one = torch.ones(4, device=device), torch.ones(1, device=device)
+    with pytest.raises(TypeError, match="positional"):
+        kq.quantize_with_step(x, torch.float8_e4m3fn, one)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="positional"):
+        kq.quantize_dynamic(x, torch.float8_e4m3fn, 0)  # type: ignore[call-arg]
+    a = x.reshape(2, 2).to(torch.float8_e4m3fn)
+    with pytest.raises(TypeError, match="positional"):
+        kg.scaled_mm(a, a, one, one, None, torch.float32)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_the_kernel_follows_the_ring_layout_it_is_given(algo: Algo, device: torch.device) -> None:
+    # The offsets reach the kernel as constexpr arguments. Under a permuted layout (counts
+    # first, then the step) the kernel must write each value where that layout says: the
+    # same ring as the twin's after un-permuting, bit for bit.
+    n, fmt = 3, Fp8Format.E4M3
+    ring_ref = ring_new(n, device)
+    permuted = ring_new(n, device)
+    tail_ref = ring_tail(ring_ref)
+    tail = ring_tail(permuted)
+    order = {"step_offset": 2, "nonfinite_offset": 0, "saturated_offset": 1}
+    tail.copy_(tail_ref[[RING_NONFINITE, RING_SATURATED, RING_STEP]])
+    from computectx.kernels import quantize as kq
+
+    gen = torch.Generator().manual_seed(8)
+    for i, special in enumerate([None, 40.0, math.inf, None, math.nan, None]):
+        x = torch.randn(150, generator=gen)
+        if special is not None:
+            x[3] = special
+        x = x.to(device)
+        q_ref, used_ref = ops.quantize_delayed(x, fmt, ring_ref, i % n, algo, 1, backend=REF)
+        q, used = kq.quantize_delayed(
+            x=x, fp8=fmt.torch, ring=permuted, history_len=n, slot=i % n, algo=algo, margin=1,
+            **order,
+        )  # fmt: skip
+        assert_same_bytes(q, q_ref)
+        assert_same_f32(used, used_ref)
+        assert_same_f32(ring_history(permuted), ring_history(ring_ref))
+        at = [order["step_offset"], order["nonfinite_offset"], order["saturated_offset"]]
+        assert_same_f32(tail[at], tail_ref[[RING_STEP, RING_NONFINITE, RING_SATURATED]])
+    assert ring_nonfinite(ring_ref).item() == 2.0
+    assert ring_saturated(ring_ref).item() > 0.0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

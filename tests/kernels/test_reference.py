@@ -17,8 +17,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import DType, Fp8Format
-from computectx.fp8 import ops, reference
-from computectx.fp8.ops import Fp8Backend
+from computectx.fp8 import Fp8Backend, ops, reference
+from computectx.fp8.ring import (
+    ring_history,
+    ring_new,
+    ring_nonfinite,
+    ring_saturated,
+    ring_step,
+)
 
 REF = Fp8Backend.REFERENCE
 # Wrongly typed arguments, typed Any so the checks run (mypy would reject them as literals).
@@ -197,8 +203,14 @@ class RingModel:
         window = max(self.hist) if algo == "max" else self.f32(a)
         self.step = self.step_of(window, fmt, margin)
 
-    def tensor(self) -> torch.Tensor:
-        return torch.tensor([*self.hist, self.step, self.nonfinite, self.saturated])
+    def matches(self, ring: torch.Tensor) -> bool:
+        """Whether every field of ``ring`` holds this model's value, bit for bit."""
+        return (
+            torch.equal(ring_history(ring), torch.tensor(self.hist))
+            and torch.equal(ring_step(ring), torch.tensor([self.step]))
+            and torch.equal(ring_nonfinite(ring), torch.tensor([self.nonfinite]))
+            and torch.equal(ring_saturated(ring), torch.tensor([self.saturated]))
+        )
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
@@ -206,7 +218,7 @@ class RingModel:
 def test_ring_follows_model(algo: str, margin: int) -> None:
     n = 4
     fmt = Fp8Format.E4M3
-    ring = ops.ring_new(n, "cpu")
+    ring = ring_new(n, "cpu")
     model = RingModel(n)
     gen = torch.Generator().manual_seed(7)
     scales = [1.0, 30.0, 0.5, 0.0, 2.0, math.inf, 0.25, math.nan, 8.0, 1.0, 0.1]
@@ -214,52 +226,57 @@ def test_ring_follows_model(algo: str, margin: int) -> None:
         x = torch.randn(37, generator=gen) * (sc if math.isfinite(sc) else 1.0)
         if not math.isfinite(sc):
             x[3] = sc
-        before = ring.clone()
+        step_before = ring_step(ring).clone()
         q, used = ops.quantize_delayed(x, fmt, ring, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
-        assert used.item() == before[n].item()
-        expected_q, _ = reference.quantize_with_step(x, fmt, before[n : n + 1])
+        assert torch.equal(used, step_before)
+        expected_q, _ = reference.quantize_with_step(x, fmt, step_before)
         assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
         model.update(x, fmt, i % n, algo, margin)
-        assert torch.equal(ring, model.tensor()), (i, ring, model.tensor())
-    assert ring[n + ops.RING_NONFINITE].item() == 2.0
-    assert ring[n + ops.RING_SATURATED].item() > 0.0
+        assert model.matches(ring), (i, ring, model.__dict__)
+    assert ring_nonfinite(ring).item() == 2.0
+    assert ring_saturated(ring).item() > 0.0
 
 
 def test_window_max_and_most_recent_differ() -> None:
     fmt = Fp8Format.E5M2
     for algo, expected_amax in (("max", 100.0), ("most_recent", 1.0)):
-        ring = ops.ring_new(3, "cpu")
+        ring = ring_new(3, "cpu")
         ops.quantize_delayed(torch.tensor([100.0]), fmt, ring, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
         ops.quantize_delayed(torch.tensor([1.0]), fmt, ring, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
-        assert ring[3].item() == pytest.approx(expected_amax / fmt.max, rel=1e-7)
+        # One float32 division, so the step is exactly that quotient.
+        assert torch.equal(ring_step(ring), torch.tensor([expected_amax]) / fmt.max)
 
 
 def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
-    ring = ops.ring_new(2, "cpu")
+    ring = ring_new(2, "cpu")
     ops.seed_ring(ring, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
-    assert ring[:2].tolist() == [8.0, 8.0]
-    assert ring[2].item() == pytest.approx(8.0 / (448 / 2))
+    assert ring_history(ring).tolist() == [8.0, 8.0]
+    # One float32 division of the amax by 448 / 2**margin, exactly.
+    assert torch.equal(ring_step(ring), torch.tensor([8.0]) / (448 / 2))
     ops.quantize_delayed(torch.zeros(3), Fp8Format.E4M3, ring, 0, "most_recent", 1, backend=REF)
-    assert ring[2].item() == 1.0
+    assert ring_step(ring).item() == 1.0
     before = ring.clone()
     x = torch.tensor([1.0, math.nan])
     ops.quantize_delayed(x, Fp8Format.E4M3, ring, 1, "max", 1, backend=REF)
-    assert torch.equal(ring[:3], before[:3])
-    assert ring[3].item() == before[3].item() + 1
+    assert torch.equal(ring_history(ring), ring_history(before))
+    assert torch.equal(ring_step(ring), ring_step(before))
+    assert ring_nonfinite(ring).item() == ring_nonfinite(before).item() + 1
 
 
 def test_seed_with_nonfinite_counts_and_keeps_ring() -> None:
-    ring = ops.ring_new(3, "cpu")
+    ring = ring_new(3, "cpu")
     ops.seed_ring(ring, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
-    assert ring.tolist() == [0.0, 0.0, 0.0, 1.0, 1.0, 0.0]
+    assert ring_history(ring).tolist() == [0.0, 0.0, 0.0]
+    assert (ring_step(ring).item(), ring_nonfinite(ring).item()) == (1.0, 1.0)
+    assert ring_saturated(ring).item() == 0.0
 
 
 def test_saturated_count_accumulates() -> None:
-    ring = ops.ring_new(1, "cpu")
+    ring = ring_new(1, "cpu")
     x = torch.tensor([500.0, -449.0, 448.0, 3.0])  # step 1: two beyond E4M3's 448
     ops.quantize_delayed(x, Fp8Format.E4M3, ring, 0, "max", 0, backend=REF)
     ops.quantize_delayed(x, Fp8Format.E4M3, ring, 0, "max", 0, backend=REF)
-    assert ring[1 + ops.RING_SATURATED].item() == 2.0  # second call uses step 500/448
+    assert ring_saturated(ring).item() == 2.0  # second call uses step 500/448
 
 
 # ---------------------------------------------------------------------------------------
@@ -408,14 +425,14 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
         ),
         (
             lambda: ops.quantize_delayed(
-                torch.ones(2), Fp8Format.E4M3, ops.ring_new(2, "cpu"), 2, "max", 0, backend=REF
+                torch.ones(2), Fp8Format.E4M3, ring_new(2, "cpu"), 2, "max", 0, backend=REF
             ),
             ValueError,
             "[0, 2)",
         ),
         (
             lambda: ops.quantize_delayed(
-                torch.ones(2), Fp8Format.E4M3, ops.ring_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
+                torch.ones(2), Fp8Format.E4M3, ring_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
             ),
             ValueError,
             "'mean'",
@@ -425,7 +442,7 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
             ValueError,
             "margin must be an int in [0, 64], got -1",
         ),
-        (lambda: ops.ring_new(0, "cpu"), ValueError, "history_len must be an int >= 1, got 0"),
+        (lambda: ring_new(0, "cpu"), ValueError, "history_len must be an int >= 1, got 0"),
         (
             lambda: ops.scaled_mm(
                 torch.ones(2, 3), torch.ones(2, 3), torch.ones(1), torch.ones(1), backend=REF
@@ -479,7 +496,7 @@ def test_bad_inputs_raise_clear_errors(call: object, exc: type[Exception], needl
 
 
 def test_bad_input_leaves_ring_untouched() -> None:
-    ring = ops.ring_new(2, "cpu")
+    ring = ring_new(2, "cpu")
     before = ring.clone()
     with pytest.raises(ValueError, match="float64"):
         ops.quantize_delayed(

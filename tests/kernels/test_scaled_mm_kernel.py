@@ -175,4 +175,4 @@ def test_launcher_rejects_mismatched_k(device: torch.device) -> None:
     b = torch.zeros(2, 4, device=device).to(E4M3.torch)
     one = torch.ones(1, device=device)
     with pytest.raises(ValueError, match="disagree on K"):
-        kg.scaled_mm(a, b, one, one, None, torch.bfloat16)
+        kg.scaled_mm(a=a, b=b, step_a=one, step_b=one, bias=None, out_dtype=torch.bfloat16)
