@@ -4,6 +4,7 @@ bound derived from the formats' precision, needs_input_grad, serving."""
 from __future__ import annotations
 
 import copy
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -281,18 +282,103 @@ def test_convert_rules_head_shape_filter_and_shared_modules() -> None:
     assert "already an Fp8Linear" in reasons(again)["up"]
 
 
-def test_convert_include_head_and_filter() -> None:
+def test_a_module_filter_decides_alone() -> None:
+    # torchao's module_filter_fn semantics: the filter picks the layers, head and narrow
+    # ones included; only what fp8 cannot run is still skipped.
     model = Tiny()
     seen: list[str] = []
 
-    def only_up_and_out(module: nn.Module, fqn: str) -> bool:
+    def only_up_out_and_odd(module: nn.Module, fqn: str) -> bool:
         seen.append(fqn)
-        return fqn in ("up", "out")
+        return fqn in ("up", "out", "odd")
 
-    report = convert_to_fp8(model, CTX, only_up_and_out, include_head=True, min_features=64)
-    assert set(report.converted) == {"up", "out"}
-    assert reasons(report)["block.0"] == "module_filter returned False"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # something converts: no warning
+        report = convert_to_fp8(model, CTX, only_up_out_and_odd)
+    assert set(report.converted) == {"up", "out"}  # "out" is the head: the filter wins
+    r = reasons(report)
+    assert r["block.0"] == "module_filter returned False"
+    assert "multiples of 16" in r["odd"]  # chosen, but fp8 GEMM tiles cannot run it
     assert set(seen) == {"up", "odd", "narrow", "block.0", "lm_head", "out"}
+
+
+def test_a_filter_that_accepts_everything_converts_a_small_model() -> None:
+    # Under the old rules (filter AND min_features AND not-the-head) this converted nothing.
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    report = convert_to_fp8(model, CTX, lambda module, fqn: True)
+    assert report.converted == ("0", "2")
+    assert report.skipped == ()
+    assert all(isinstance(m, Fp8Linear) for m in (model[0], model[2]))
+
+
+def test_a_filter_still_cannot_convert_what_fp8_cannot_run() -> None:
+    model = nn.Sequential(
+        ScaledLinear(32), nn.Linear(32, 24), nn.Linear(32, 32, dtype=torch.float64)
+    )
+    with pytest.warns(UserWarning, match="converted none of the 3"):
+        report = convert_to_fp8(model, CTX, lambda module, fqn: True)
+    assert {s.fqn: s.rule for s in report.skipped} == {
+        "0": "subclass",
+        "1": "feature_multiple",
+        "2": "dtype",
+    }
+    with pytest.warns(UserWarning, match="the model itself"):
+        root = convert_to_fp8(nn.Linear(32, 32), CTX, lambda module, fqn: True)
+    assert [s.rule for s in root.skipped] == ["root"]
+
+
+def test_a_filter_with_include_head_or_min_features_is_refused() -> None:
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"decides alone .* min_features=64 would be ignored"):
+        convert_to_fp8(model, CTX, lambda module, fqn: True, min_features=64)
+    with pytest.raises(ValueError, match=r"include_head=False and min_features=16"):
+        convert_to_fp8(model, CTX, lambda module, fqn: True, include_head=False, min_features=16)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_a_filter_must_return_a_bool() -> None:
+    model = Tiny()
+
+    def forgot_return(module: nn.Module, fqn: str) -> Any:
+        fqn.startswith("up")  # the return statement is missing: the filter returns None
+
+    with pytest.raises(TypeError, match=r"module_filter must return a bool, got NoneType None"):
+        convert_to_fp8(model, CTX, forgot_return)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_converting_nothing_warns_naming_the_knobs() -> None:
+    # A small model under the defaults: every layer is narrower than min_features=1024 and
+    # the last one is the head. This used to convert nothing without a word.
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.Linear(64, 32))
+    with pytest.warns(UserWarning, match="converted none") as caught:
+        report = convert_to_fp8(model, CTX)
+    assert report.converted == ()
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "converted none of the 3 nn.Linear layer(s) in Sequential" in text
+    assert "2 skipped ('0', '2'): min(in_features, out_features) < min_features=1024" in text
+    assert "min_features=16" in text and "module_filter" in text
+    assert "1 skipped ('3'): output head; pass include_head=True" in text
+    assert caught[0].filename == __file__  # attributed to the caller's line
+
+
+def test_converting_nothing_warns_for_filters_and_models_without_linears() -> None:
+    with pytest.warns(UserWarning, match=r"module_filter returned False; with a filter given"):
+        convert_to_fp8(nn.Sequential(nn.Linear(32, 32)), CTX, lambda module, fqn: False)
+    with pytest.warns(UserWarning, match=r"found no nn\.Linear in ReLU"):
+        convert_to_fp8(nn.ReLU(), CTX)
+
+
+def test_no_warning_when_the_model_already_runs_fp8() -> None:
+    # Converting twice is idempotent: the second call converts nothing, and says nothing.
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    convert_to_fp8(model, CTX, min_features=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = convert_to_fp8(model, CTX, min_features=16)
+    assert again.converted == ()
+    assert [s.rule for s in again.skipped] == ["already_fp8", "head"]
 
 
 class ScaledLinear(nn.Linear):
@@ -313,7 +399,8 @@ def test_subclasses_of_nn_linear_are_left_alone() -> None:
     assert "ScaledLinear is a subclass of nn.Linear" in reasons(report)["0"]
     assert type(model[0]) is ScaledLinear
     mha = nn.MultiheadAttention(32, 2)  # out_proj is a Linear subclass it never calls
-    report = convert_to_fp8(nn.Sequential(mha, nn.Linear(32, 32)), CTX, min_features=16)
+    with pytest.warns(UserWarning, match="converted none"):
+        report = convert_to_fp8(nn.Sequential(mha, nn.Linear(32, 32)), CTX, min_features=16)
     assert "subclass" in reasons(report)["0.out_proj"]
 
 
@@ -334,7 +421,7 @@ def test_convert_errors_leave_the_model_untouched() -> None:
         return True
 
     with pytest.raises(RuntimeError, match="filter failed"):
-        convert_to_fp8(model, CTX, boom, min_features=16)
+        convert_to_fp8(model, CTX, boom)
     assert not any(isinstance(m, Fp8Linear) for m in model.modules())
     with pytest.raises(ValueError, match="fp8=None"):
         convert_to_fp8(model, ComputeCtx.new(DType.BF16, "cpu"))
@@ -343,7 +430,8 @@ def test_convert_errors_leave_the_model_untouched() -> None:
     with pytest.raises(TypeError, match=r"nn\.Module"):
         convert_to_fp8("model", CTX)  # type: ignore[arg-type]
     root = nn.Linear(64, 64)
-    rep = convert_to_fp8(root, CTX, include_head=True, min_features=16)
+    with pytest.warns(UserWarning, match="the model itself; use Fp8Linear.from_linear"):
+        rep = convert_to_fp8(root, CTX, include_head=True, min_features=16)
     assert rep.converted == () and "root module" in reasons(rep)["<root>"]
     assert "converted 0" in str(rep)
 
