@@ -17,7 +17,6 @@ from computectx.fp8 import (
     DelayedScaling,
     DynamicScaling,
     Fp8Linear,
-    Fp8Policy,
     convert_to_fp8,
     fp8_stats,
 )
@@ -26,6 +25,7 @@ STEPS = 200
 BATCH = 128
 IN, HIDDEN, OUT = 64, 128, 16
 
+CtxFor = Callable[..., ComputeCtx]  # the ctx_for fixture (conftest)
 RECIPES: dict[str, DelayedScaling | DynamicScaling] = {
     "delayed": DelayedScaling(),
     "dynamic": DynamicScaling(),
@@ -60,10 +60,10 @@ def mlp() -> nn.Sequential:
     )
 
 
-def build(recipe: str | None) -> tuple[nn.Sequential, Callable[[torch.Tensor], torch.Tensor]]:
-    """The model and its forward: BF16 autocast (``None``) or every linear in fp8."""
+def build(ctx: ComputeCtx | None) -> tuple[nn.Sequential, Callable[[torch.Tensor], torch.Tensor]]:
+    """The model and its forward: BF16 autocast (``None``) or every linear in fp8 (``ctx``)."""
     model = mlp()
-    if recipe is None:
+    if ctx is None:
 
         def bf16(x: torch.Tensor) -> torch.Tensor:
             with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -71,7 +71,6 @@ def build(recipe: str | None) -> tuple[nn.Sequential, Callable[[torch.Tensor], t
             return y.float()
 
         return model, bf16
-    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(fp8=Fp8Policy(scaling=RECIPES[recipe]))
     report = convert_to_fp8(model, ctx, min_features=16, include_head=True)
     assert len(report.converted) == 3
 
@@ -82,9 +81,9 @@ def build(recipe: str | None) -> tuple[nn.Sequential, Callable[[torch.Tensor], t
     return model, fp8
 
 
-def train(recipe: str | None) -> float:
-    """Final loss on held-out data after ``STEPS`` AdamW steps."""
-    model, forward = build(recipe)
+def train(ctx: ComputeCtx | None) -> float:
+    """Final loss on held-out data after ``STEPS`` AdamW steps (``None``: BF16)."""
+    model, forward = build(ctx)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     draw = batches(seed=7)
     for _ in range(STEPS):
@@ -93,7 +92,7 @@ def train(recipe: str | None) -> float:
         opt.zero_grad()
         torch.autograd.backward(loss)
         opt.step()
-    if recipe is not None:
+    if ctx is not None:
         for name, s in fp8_stats(model).items():
             assert s.input.nonfinite_count == 0 and s.grad.nonfinite_count == 0, name
     xe, ye = batches(seed=99)(2048)
@@ -108,11 +107,13 @@ def bf16_loss() -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_fp8_training_ends_within_3_percent_of_bf16(recipe: str, bf16_loss: float) -> None:
+def test_fp8_training_ends_within_3_percent_of_bf16(
+    recipe: str, bf16_loss: float, ctx_for: CtxFor
+) -> None:
     xe, ye = batches(seed=99)(2048)
     with torch.no_grad():
         start = float(functional.mse_loss(build(None)[1](xe), ye))
-    loss = train(recipe)
+    loss = train(ctx_for(RECIPES[recipe]))
     gap = (loss - bf16_loss) / bf16_loss
     print(f"\nfinal loss: bf16 {bf16_loss:.5f}, fp8 {recipe} {loss:.5f} ({gap:+.2%})")
     assert bf16_loss < start / 5  # the task was learned, so the comparison means something
@@ -126,7 +127,7 @@ def sqnr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_sqnr_of_outputs_and_gradients_against_bf16(recipe: str) -> None:
+def test_sqnr_of_outputs_and_gradients_against_bf16(recipe: str, ctx_for: CtxFor) -> None:
     """SQNR floor, derived: rounding to a format with relative error up to ``u`` (uniform
     in ``[-u, u]`` at worst) adds noise of variance ``u²/3`` relative to the signal; a
     product of two quantized operands adds both. Outputs (E4M3 x E4M3, ``u = 2**-4``):
@@ -136,7 +137,7 @@ def test_sqnr_of_outputs_and_gradients_against_bf16(recipe: str) -> None:
     x, y = batches(seed=5)(BATCH)
     results: dict[str, tuple[torch.Tensor, list[torch.Tensor]]] = {}
     for name in ("bf16", recipe):
-        model, forward = build(None if name == "bf16" else recipe)
+        model, forward = build(None if name == "bf16" else ctx_for(RECIPES[recipe]))
         out = forward(x)
         torch.autograd.backward(functional.mse_loss(out, y))
         grads = [p.grad for p in model.parameters() if p.grad is not None]

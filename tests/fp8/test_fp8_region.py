@@ -19,16 +19,14 @@ from torch.overrides import TorchFunctionMode
 from computectx import ComputeCtx, DType
 from computectx.fp8 import (
     DelayedScaling,
-    DynamicScaling,
     Fp8Linear,
-    Fp8Policy,
     fp8_autocast,
     fp8_stats,
 )
 from computectx.fp8.region import region_scaling_state
+from computectx.fp8.ring import ring_history
 
-CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
-DYN = CTX.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+CtxFor = Callable[..., ComputeCtx]  # the ctx_for fixture (conftest)
 
 
 def fixture_linear(seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:
@@ -59,10 +57,10 @@ def mode_depth() -> int:
     return int(torch._C._len_torch_function_stack())
 
 
-def test_region_routes_plain_linear_to_fp8_and_only_inside() -> None:
+def test_region_routes_plain_linear_to_fp8_and_only_inside(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
     plain = lin(x)
-    with fp8_autocast(CTX):
+    with fp8_autocast(fp8_ctx):
         y = lin(x)
         y_f = functional.linear(x, lin.weight, lin.bias)
         y_kw = functional.linear(input=x, weight=lin.weight, bias=lin.bias)
@@ -77,30 +75,30 @@ def test_region_routes_plain_linear_to_fp8_and_only_inside() -> None:
     assert region_scaling_state(lin.weight) is not None
 
 
-def test_no_mode_is_installed_outside_regions() -> None:
+def test_no_mode_is_installed_outside_regions(fp8_ctx: ComputeCtx) -> None:
     base = mode_depth()
-    with fp8_autocast(CTX):
+    with fp8_autocast(fp8_ctx):
         assert mode_depth() == base + 1
-        with fp8_autocast(CTX), fp8_autocast(enabled=False):
+        with fp8_autocast(fp8_ctx), fp8_autocast(enabled=False):
             assert mode_depth() == base + 1  # one mode per thread, however deep
     assert mode_depth() == base
 
 
-def test_nesting_inner_disabled_region_turns_fp8_off() -> None:
+def test_nesting_inner_disabled_region_turns_fp8_off(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
     plain = lin(x)
-    with fp8_autocast(CTX):
+    with fp8_autocast(fp8_ctx):
         with fp8_autocast(enabled=False):
             assert torch.equal(lin(x), plain)
-            with fp8_autocast(CTX):
+            with fp8_autocast(fp8_ctx):
                 assert is_fp8_result(lin(x), lin, x)
             assert torch.equal(lin(x), plain)
         assert is_fp8_result(lin(x), lin, x)
 
 
-def test_same_instance_reenters() -> None:
+def test_same_instance_reenters(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
-    region = fp8_autocast(CTX)
+    region = fp8_autocast(fp8_ctx)
     with region:
         with region:
             assert is_fp8_result(lin(x), lin, x)
@@ -108,8 +106,8 @@ def test_same_instance_reenters() -> None:
     assert torch.equal(lin(x), functional.linear(x, lin.weight, lin.bias))
 
 
-def test_out_of_order_exit_is_an_error() -> None:
-    a, b = fp8_autocast(CTX), fp8_autocast(enabled=False)
+def test_out_of_order_exit_is_an_error(fp8_ctx: ComputeCtx) -> None:
+    a, b = fp8_autocast(fp8_ctx), fp8_autocast(enabled=False)
     a.__enter__()
     b.__enter__()
     with pytest.raises(RuntimeError, match="out of order"):
@@ -119,15 +117,15 @@ def test_out_of_order_exit_is_an_error() -> None:
     assert mode_depth() == 0
 
 
-def test_decorator_on_functions_and_coroutines() -> None:
+def test_decorator_on_functions_and_coroutines(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
 
-    @fp8_autocast(CTX)
+    @fp8_autocast(fp8_ctx)
     def run() -> torch.Tensor:
         y: torch.Tensor = lin(x)
         return y
 
-    @fp8_autocast(CTX)
+    @fp8_autocast(fp8_ctx)
     async def run_async() -> torch.Tensor:
         await asyncio.sleep(0)
         y: torch.Tensor = lin(x)
@@ -139,10 +137,10 @@ def test_decorator_on_functions_and_coroutines() -> None:
     assert run.__name__ == "run"
 
 
-def test_backward_after_the_region_closed() -> None:
+def test_backward_after_the_region_closed(dynamic_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
     x.requires_grad_(True)
-    with fp8_autocast(DYN):
+    with fp8_autocast(dynamic_ctx):
         y = lin(x)
     assert mode_depth() == 0
     y.square().sum().backward()
@@ -159,7 +157,7 @@ def test_backward_after_the_region_closed() -> None:
     assert s.grad.elements == y.numel()
 
 
-def test_thread_isolation() -> None:
+def test_thread_isolation(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
     plain = lin(x).detach()
     inside = threading.Event()
@@ -167,7 +165,7 @@ def test_thread_isolation() -> None:
     results: dict[str, object] = {}
 
     def fp8_thread() -> None:
-        with fp8_autocast(CTX):
+        with fp8_autocast(fp8_ctx):
             inside.set()
             checked.wait(10)
             results["fp8"] = lin(x).detach()
@@ -189,7 +187,7 @@ def test_thread_isolation() -> None:
     assert mode_depth() == 0
 
 
-def test_asyncio_task_isolation() -> None:
+def test_asyncio_task_isolation(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
     plain = lin(x).detach()
 
@@ -198,7 +196,7 @@ def test_asyncio_task_isolation() -> None:
         release = asyncio.Event()
 
         async def in_region() -> torch.Tensor:
-            with fp8_autocast(CTX):
+            with fp8_autocast(fp8_ctx):
                 opened.set()
                 await release.wait()  # the region stays open across the await
                 y: torch.Tensor = lin(x).detach()
@@ -222,15 +220,15 @@ def test_asyncio_task_isolation() -> None:
     assert mode_depth() == 0
 
 
-def test_disabled_region_needs_no_ctx_and_turns_off_fp8_linear_modules() -> None:
+def test_disabled_region_needs_no_ctx_and_turns_off_fp8_linear_modules(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
-    m = Fp8Linear.from_linear(lin, CTX)
+    m = Fp8Linear.from_linear(lin, fp8_ctx)
     with fp8_autocast(enabled=False):
         assert torch.equal(m(x), functional.linear(x, lin.weight, lin.bias))
     assert is_fp8_result(m(x), lin, x)
 
 
-def test_bad_arguments_are_clear_errors() -> None:
+def test_bad_arguments_are_clear_errors(fp8_ctx: ComputeCtx) -> None:
     with pytest.raises(ValueError, match="needs a ComputeCtx"):
         fp8_autocast()
     with pytest.raises(ValueError, match="fp8=None"):
@@ -238,31 +236,33 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(TypeError, match="ComputeCtx"):
         fp8_autocast("fp8_hybrid")  # type: ignore[arg-type]
     # An object that merely has a ctx's attributes is refused, enabled or not.
-    lookalike: Any = SimpleNamespace(fp8=CTX.fp8, compute=CTX.compute, device=CTX.device)
+    lookalike: Any = SimpleNamespace(
+        fp8=fp8_ctx.fp8, compute=fp8_ctx.compute, device=fp8_ctx.device
+    )
     with pytest.raises(TypeError, match=r"fp8_autocast needs a computectx\.ComputeCtx"):
         fp8_autocast(lookalike)
     with pytest.raises(TypeError, match=r"ComputeCtx or None, got SimpleNamespace"):
         fp8_autocast(lookalike, enabled=False)
     with pytest.raises(TypeError, match="bool"):
-        fp8_autocast(CTX, enabled=1)  # type: ignore[arg-type]
+        fp8_autocast(fp8_ctx, enabled=1)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="cannot force the triton"):
-        fp8_autocast(CTX, backend="triton")
+        fp8_autocast(fp8_ctx, backend="triton")
     with pytest.raises(ValueError, match="unknown fp8 backend"):
-        fp8_autocast(CTX, backend="cuda")
+        fp8_autocast(fp8_ctx, backend="cuda")
 
 
-def test_unsuitable_operands_run_unchanged() -> None:
+def test_unsuitable_operands_run_unchanged(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear()
     x64, w64 = x.double(), lin.weight.double()
-    with fp8_autocast(CTX):
+    with fp8_autocast(fp8_ctx):
         assert torch.equal(functional.linear(x64, w64), x64 @ w64.t())
         w3 = lin.weight.unsqueeze(0)
         with pytest.raises(RuntimeError):
             functional.linear(x, w3)  # torch's own error, not ours
 
 
-def test_weight_state_is_keyed_by_the_tensor_not_its_address() -> None:
-    ctx = CTX.replace(fp8=Fp8Policy(scaling=DelayedScaling(history_len=4)))
+def test_weight_state_is_keyed_by_the_tensor_not_its_address(ctx_for: CtxFor) -> None:
+    ctx = ctx_for(DelayedScaling(history_len=4))
     x = torch.randn(4, 32)
     w1 = torch.randn(16, 32)
     with fp8_autocast(ctx):
@@ -280,26 +280,26 @@ def test_weight_state_is_keyed_by_the_tensor_not_its_address() -> None:
         functional.linear(x, w2)
     s = region_scaling_state(w2)
     assert s is not None
-    assert float(s.weight.ring[:4].max()) == float(w2.abs().max())
+    assert float(ring_history(s.weight.ring).max()) == float(w2.abs().max())
 
 
-def test_region_policy_change_reshapes_the_weight_state() -> None:
+def test_region_policy_change_reshapes_the_weight_state(ctx_for: CtxFor) -> None:
     lin, x = fixture_linear()
-    with fp8_autocast(CTX.replace(fp8=Fp8Policy(scaling=DelayedScaling(history_len=8)))):
+    with fp8_autocast(ctx_for(DelayedScaling(history_len=8))):
         lin(x)
-    with fp8_autocast(CTX.replace(fp8=Fp8Policy(scaling=DelayedScaling(history_len=2)))):
+    with fp8_autocast(ctx_for(DelayedScaling(history_len=2))):
         lin(x)
     s = region_scaling_state(lin.weight)
     assert s is not None and s.input.history_len == 2
 
 
-def test_inference_mode_inside_a_region() -> None:
+def test_inference_mode_inside_a_region(fp8_ctx: ComputeCtx) -> None:
     lin, x = fixture_linear(3)
-    with torch.inference_mode(), fp8_autocast(CTX):
+    with torch.inference_mode(), fp8_autocast(fp8_ctx):
         y = lin(x)
     assert is_fp8_result(y, lin, x)
     # State created under inference mode can still be updated outside it.
-    with fp8_autocast(CTX):
+    with fp8_autocast(fp8_ctx):
         lin(x).sum().backward()
 
 
@@ -314,18 +314,20 @@ class _Passthrough(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_a_foreign_mode_closing_out_of_order_leaves_dispatch_inert_then_reused() -> None:
+def test_a_foreign_mode_closing_out_of_order_leaves_dispatch_inert_then_reused(
+    fp8_ctx: ComputeCtx,
+) -> None:
     # Interleaved tasks can close a region while another mode sits above ours.
     lin, x = fixture_linear()
     plain = lin(x)
-    region, user = fp8_autocast(CTX), _Passthrough()
+    region, user = fp8_autocast(fp8_ctx), _Passthrough()
     region.__enter__()
     user.__enter__()  # type: ignore[no-untyped-call]
     region.__exit__(None, None, None)
     assert mode_depth() == 2  # ours could not be popped from under the other mode
     assert torch.equal(lin(x), plain)  # but it is inert: no region is open
     user.__exit__(None, None, None)  # type: ignore[no-untyped-call]
-    with fp8_autocast(CTX):
+    with fp8_autocast(fp8_ctx):
         assert mode_depth() == 1  # reused, not pushed twice
         assert is_fp8_result(lin(x), lin, x)
     assert mode_depth() == 0

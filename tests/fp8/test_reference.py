@@ -1,4 +1,5 @@
-"""The reference backend: the scale convention, rounding, saturation, the ring, the GEMM.
+"""The pure-torch twins (``computectx.fp8.reference``): scale convention, rounding,
+saturation, the ring, the GEMM.
 
 These tests check the pure-torch twins against independent models (float64 arithmetic,
 plain-Python ring bookkeeping, the fp8 code tables), so that the twins can then serve as
@@ -8,15 +9,13 @@ the oracle for the Triton kernels.
 from __future__ import annotations
 
 import math
-import sys
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from computectx.dtypes import DType, Fp8Format
+from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend, ops, reference
 from computectx.fp8.ring import (
     ring_history,
@@ -27,10 +26,6 @@ from computectx.fp8.ring import (
 )
 
 REF = Fp8Backend.REFERENCE
-# Wrongly typed arguments, typed Any so the checks run (mypy would reject them as literals).
-BAD_SCALE: Any = "1"
-BAD_BACKEND: Any = "reference"
-BAD_ALGO: Any = "mean"
 FORMATS = list(Fp8Format)
 
 
@@ -57,9 +52,11 @@ def test_step_is_amax_over_max_over_two_to_the_margin(fmt: Fp8Format, margin: in
     expected = torch.tensor([3.7], dtype=torch.float32) / (fmt.max / 2**margin)
     assert step.dtype == torch.float32
     assert torch.equal(step, expected)
-    # The amax lands exactly on fmt.max / 2**margin: the headroom the margin promises.
+    # The amax lands exactly on fmt.max / 2**margin, a value of the fp8 grid: a / step is
+    # within a float32 rounding of it, far inside half an fp8 ulp. That is the headroom the
+    # margin promises.
     q, _ = reference.quantize_with_step(a, fmt, step)
-    assert q.to(torch.float64).item() == pytest.approx(fmt.max / 2**margin, rel=2.0**-3)
+    assert q.to(torch.float64).item() == fmt.max / 2**margin
 
 
 @pytest.mark.parametrize("bad", [0.0, float("inf"), float("-inf"), float("nan"), 1e-44])
@@ -363,210 +360,3 @@ def test_the_bound_is_not_vacuous() -> None:
     bound = reference.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
     wrong = out + 2 * out.abs() * 2.0**-8 + 1e-3
     assert not bool(((wrong - exact).abs() <= bound).all())
-
-
-# ---------------------------------------------------------------------------------------
-# The standalone API and input checks
-
-
-@pytest.mark.parametrize("fmt", ["e4m3", "fp8_e5m2", Fp8Format.E4M3])
-def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
-    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    data, scale = ops.fp8_quantize(x, fmt)
-    f = Fp8Format.parse(fmt)
-    assert data.dtype == f.torch
-    assert scale.shape == (1,)
-    # Dynamic scale: the amax lands exactly on fmt.max.
-    amax = x.float().abs().max()
-    assert scale.item() == (amax / f.max).item()
-    back = ops.fp8_dequantize(data, scale, DType.F32)
-    assert torch.equal(back, data.float() * scale)
-    # Half an fp8 ulp relative in the normal range, half a subnormal step below it.
-    err = (back - x.float()).abs()
-    normal = x.float().abs() / scale >= f.min_normal
-    assert bool((err[normal] <= x.float().abs()[normal] * 2.0 ** -(f.mantissa_bits + 1)).all())
-    assert bool((err[~normal] <= scale * f.min_subnormal / 2).all())
-    assert ops.fp8_dequantize(data, scale, "bf16").dtype == torch.bfloat16
-    data2, scale2 = ops.fp8_quantize(x, fmt, 0.5)
-    assert scale2.item() == 0.5
-    assert torch.equal(data2.float(), (x.float() / 0.5).clamp(-f.max, f.max).to(f.torch).float())
-
-
-@pytest.mark.parametrize(
-    ("call", "exc", "needle"),
-    [
-        (
-            lambda: ops.fp8_quantize(torch.ones(2, dtype=torch.float64), "e4m3"),
-            ValueError,
-            "float64",
-        ),
-        (lambda: ops.fp8_quantize(torch.ones(2), "e3m4"), ValueError, "e3m4"),
-        (lambda: ops.fp8_quantize(torch.ones(2), "e4m3", -1.0), ValueError, "-1.0"),
-        (lambda: ops.fp8_quantize(torch.ones(2), "e4m3", BAD_SCALE), TypeError, "str"),
-        (lambda: ops.fp8_dequantize(torch.ones(2), 1.0, "f32"), ValueError, "float32"),
-        (
-            lambda: ops.fp8_dequantize(torch.ones(2).to(torch.float8_e4m3fn), 1.0, torch.int8),
-            ValueError,
-            "int8",
-        ),
-        (
-            lambda: ops.quantize_with_step(
-                torch.ones(2), Fp8Format.E4M3, torch.ones(2), backend=REF
-            ),
-            ValueError,
-            "(2,)",
-        ),
-        (
-            lambda: ops.quantize_with_step(
-                torch.ones(2), Fp8Format.E4M3, torch.ones(1), backend=BAD_BACKEND
-            ),
-            TypeError,
-            "'reference'",
-        ),
-        (
-            lambda: ops.quantize_delayed(
-                torch.ones(2), Fp8Format.E4M3, ring_new(2, "cpu"), 2, "max", 0, backend=REF
-            ),
-            ValueError,
-            "[0, 2)",
-        ),
-        (
-            lambda: ops.quantize_delayed(
-                torch.ones(2), Fp8Format.E4M3, ring_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
-            ),
-            ValueError,
-            "'mean'",
-        ),
-        (
-            lambda: ops.quantize_dynamic(torch.ones(2), Fp8Format.E4M3, -1, backend=REF),
-            ValueError,
-            "margin must be an int in [0, 64], got -1",
-        ),
-        (lambda: ring_new(0, "cpu"), ValueError, "history_len must be an int >= 1, got 0"),
-        (
-            lambda: ops.scaled_mm(
-                torch.ones(2, 3), torch.ones(2, 3), torch.ones(1), torch.ones(1), backend=REF
-            ),
-            ValueError,
-            "torch.float32",
-        ),
-        (
-            lambda: ops.scaled_mm(
-                torch.ones(2, 3).to(torch.float8_e4m3fn),
-                torch.ones(2, 4).to(torch.float8_e4m3fn),
-                torch.ones(1),
-                torch.ones(1),
-                backend=REF,
-            ),
-            ValueError,
-            "(2, 4)",
-        ),
-        (
-            lambda: ops.scaled_mm(
-                torch.ones(2, 3).to(torch.float8_e4m3fn),
-                torch.ones(2, 3).to(torch.float8_e4m3fn),
-                torch.ones(1),
-                torch.ones(1),
-                torch.ones(3),
-                backend=REF,
-            ),
-            ValueError,
-            "(2,)",
-        ),
-        (
-            lambda: ops.scaled_mm(
-                torch.ones(2, 3).to(torch.float8_e4m3fn),
-                torch.ones(2, 3).to(torch.float8_e4m3fn),
-                torch.ones(1),
-                torch.ones(1),
-                None,
-                torch.float64,
-                backend=REF,
-            ),
-            ValueError,
-            "torch.float64",
-        ),
-    ],
-)
-def test_bad_inputs_raise_clear_errors(call: object, exc: type[Exception], needle: str) -> None:
-    assert callable(call)
-    with pytest.raises(exc) as info:
-        call()
-    assert needle in str(info.value)
-
-
-def test_bad_input_leaves_ring_untouched() -> None:
-    ring = ring_new(2, "cpu")
-    before = ring.clone()
-    with pytest.raises(ValueError, match="float64"):
-        ops.quantize_delayed(
-            torch.ones(2, dtype=torch.float64), Fp8Format.E4M3, ring, 0, "max", 0, backend=REF
-        )
-    assert torch.equal(ring, before)
-
-
-def test_non_contiguous_input_quantizes_like_its_copy() -> None:
-    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(2)).t()
-    q, _ = ops.quantize_with_step(x, Fp8Format.E4M3, torch.tensor([0.01]), backend=REF)
-    q2, _ = ops.quantize_with_step(
-        x.contiguous(), Fp8Format.E4M3, torch.tensor([0.01]), backend=REF
-    )
-    assert q.shape == (5, 6)
-    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8))
-
-
-# ---------------------------------------------------------------------------------------
-# Backend choice
-
-
-def test_select_backend_on_cpu_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    backend, why = ops.select_backend("cpu")
-    assert backend is Fp8Backend.REFERENCE
-    assert why.startswith("reference: ")
-    assert "compute capability >= 8.9" in why
-    if not torch.cuda.is_available():
-        assert "no CUDA device" in why
-    assert ops.select_backend("cpu", force="reference") == (
-        Fp8Backend.REFERENCE,
-        "reference: forced",
-    )
-    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        ops.select_backend("cpu", force=Fp8Backend.TRITON)
-    with pytest.raises(ValueError, match="'cuda-graph'"):
-        ops.select_backend("cpu", force="cuda-graph")
-    with pytest.raises(ValueError, match="'gpu0'"):
-        ops.select_backend("gpu0")
-
-
-def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    # On a GPU machine this process holds compiled kernel modules, which the check rightly
-    # refuses for CPU tensors (next test); here only the environment variable is at stake.
-    for name in ("computectx.kernels.quantize", "computectx.kernels.scaled_mm"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    backend, why = ops.select_backend("cpu", force="triton")
-    assert backend is Fp8Backend.TRITON
-    assert "TRITON_INTERPRET=1" in why
-    # Without force, the interpreter is never chosen: it is for tests, and slow.
-    assert ops.select_backend("cpu")[0] is Fp8Backend.REFERENCE
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(ValueError, match="triton fp8 backend cannot run on cpu"):
-        ops.quantize_with_step(
-            torch.ones(2), Fp8Format.E4M3, torch.ones(1), backend=Fp8Backend.TRITON
-        )
-
-
-def test_kernels_compiled_before_the_interpreter_was_set_are_refused(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # A kernel module decorated without TRITON_INTERPRET cannot run on CPU tensors; the
-    # backend check says so instead of failing inside triton.
-    import types
-
-    compiled = types.ModuleType("computectx.kernels.scaled_mm")
-    compiled.INTERPRETED = False  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "computectx.kernels.scaled_mm", compiled)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(ValueError, match="imported before TRITON_INTERPRET=1"):
-        ops.select_backend("cpu", force="triton")

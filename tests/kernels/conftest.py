@@ -5,7 +5,7 @@ compiled or interpreted, from ``TRITON_INTERPRET``. Without a CUDA device this c
 imports the kernel modules with ``TRITON_INTERPRET=1`` set and then restores the
 environment, so other test directories in the same (xdist worker) process see the
 environment they started with; an autouse fixture sets the variable again, for the
-duration of each test here only, because ``ops.select_backend`` and the backend checks
+duration of each test here only, because ``select_backend`` and the backend checks
 read it when a test forces the Triton backend onto CPU tensors.
 """
 
@@ -57,7 +57,10 @@ def _interpreter_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def device() -> torch.device:
-    """The device kernel tests run on: an fp8 GPU, else the CPU under the interpreter."""
+    """The device kernel tests run on: an fp8 GPU, else the CPU under the interpreter.
+
+    Session-scoped (it never changes), so hypothesis tests can take it too.
+    """
     return DEVICE

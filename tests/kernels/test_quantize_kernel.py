@@ -155,13 +155,10 @@ def test_dynamic_bit_exact(fmt: Fp8Format, margin: int, kind: str, device: torch
     dtype=st.sampled_from(DTYPES),
 )
 def test_with_step_property_bit_exact(
-    values: list[float], step: float, fmt: Fp8Format, dtype: torch.dtype
+    values: list[float], step: float, fmt: Fp8Format, dtype: torch.dtype, device: torch.device
 ) -> None:
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if dev.type == "cuda" and ops.select_backend(dev)[0] is not TRITON:
-        dev = torch.device("cpu")
-    x = torch.tensor(values, dtype=torch.float32).to(dtype).to(dev)
-    s = torch.tensor([step], device=dev)
+    x = torch.tensor(values, dtype=torch.float32).to(dtype).to(device)
+    s = torch.tensor([step], device=device)
     q, a = ops.quantize_with_step(x, fmt, s, backend=TRITON)
     q_ref, a_ref = ops.quantize_with_step(x, fmt, s, backend=REF)
     assert_same_bytes(q, q_ref)
@@ -236,19 +233,21 @@ def test_delayed_ring_bit_exact(
     fmt=st.sampled_from(FORMATS),
 )
 def test_delayed_ring_property(
-    scales: list[float], history: int, margin: int, algo: Algo, fmt: Fp8Format
+    scales: list[float],
+    history: int,
+    margin: int,
+    algo: Algo,
+    fmt: Fp8Format,
+    device: torch.device,
 ) -> None:
-    dev = torch.device("cpu") if not torch.cuda.is_available() else torch.device("cuda")
-    if dev.type == "cuda" and ops.select_backend(dev)[0] is not TRITON:
-        dev = torch.device("cpu")
-    ring = ring_new(history, dev)
-    ring_ref = ring_new(history, dev)
+    ring = ring_new(history, device)
+    ring_ref = ring_new(history, device)
     gen = torch.Generator().manual_seed(len(scales))
     for i, sc in enumerate(scales):
         x = torch.randn(23, generator=gen) * (sc if math.isfinite(sc) else 1.0)
         if not math.isfinite(sc):
             x[5] = sc
-        x = x.to(dev)
+        x = x.to(device)
         q, used = ops.quantize_delayed(x, fmt, ring, i % history, algo, margin, backend=TRITON)
         q_ref, used_ref = ops.quantize_delayed(
             x, fmt, ring_ref, i % history, algo, margin, backend=REF

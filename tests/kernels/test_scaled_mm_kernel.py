@@ -17,8 +17,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import ops, reference
-from computectx.fp8.ops import Fp8Backend
+from computectx.fp8 import Fp8Backend, ops, reference
 
 pytestmark = pytest.mark.interpreter
 
@@ -151,19 +150,15 @@ def test_random_shapes_within_bound(
     with_bias: bool,
     out_dtype: torch.dtype,
     seed: int,
+    device: torch.device,
 ) -> None:
-    dev = (
-        torch.device("cuda")
-        if ops.select_backend("cuda" if torch.cuda.is_available() else "cpu")[0] is TRITON
-        else torch.device("cpu")
-    )
     gen = torch.Generator().manual_seed(seed)
-    a = fp8((m, k), fa, gen, ta).to(dev)
-    b = fp8((n, k), fb, gen, tb).to(dev)
+    a = fp8((m, k), fa, gen, ta).to(device)
+    b = fp8((n, k), fb, gen, tb).to(device)
     # Steps that are not powers of two, over a wide range of magnitudes.
-    sa = torch.tensor([1.3 * 2.0**log_sa], device=dev)
-    sb = torch.tensor([0.7 * 2.0**log_sb], device=dev)
-    bias = torch.randn(n, generator=gen).to(dev) if with_bias else None
+    sa = torch.tensor([1.3 * 2.0**log_sa], device=device)
+    sb = torch.tensor([0.7 * 2.0**log_sb], device=device)
+    bias = torch.randn(n, generator=gen).to(device) if with_bias else None
     out = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
     check_within_bound(out, a, b, sa, sb, bias, out_dtype)
 

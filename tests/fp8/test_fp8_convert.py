@@ -1,0 +1,225 @@
+"""convert_to_fp8: the built-in rules, a module_filter that decides alone, what fp8 cannot
+run, the warning when nothing converts, and a model left untouched on error."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from computectx import ComputeCtx, DType
+from computectx.fp8 import DEFAULT_MIN_FEATURES, Fp8ConversionReport, Fp8Linear, convert_to_fp8
+
+
+class Tiny(nn.Module):
+    """A small model with every case the rules meet: an embedding with a tied head, a
+    width that is not a multiple of 16, a narrow layer, a linear registered under two
+    names, and a last linear (the head by position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 64)
+        self.up = nn.Linear(64, 128)
+        self.odd = nn.Linear(64, 40)
+        self.narrow = nn.Linear(64, 16)
+        self.block = nn.Sequential(nn.Linear(128, 128), nn.GELU())
+        self.shared = self.block[0]
+        self.lm_head = nn.Linear(64, 100, bias=False)
+        self.lm_head.weight = self.embed.weight
+        self.out = nn.Linear(128, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.up(self.embed(ids))
+        h = self.block(h)
+        y: torch.Tensor = self.lm_head(self.out(h))
+        return y
+
+
+def reasons(report: Fp8ConversionReport) -> dict[str, str]:
+    return {s.fqn: s.reason for s in report.skipped}
+
+
+def test_convert_rules_head_shape_filter_and_shared_modules(fp8_ctx: ComputeCtx) -> None:
+    model = Tiny()
+    report = convert_to_fp8(model, fp8_ctx, min_features=64)
+    r = reasons(report)
+    assert set(report.converted) == {"up", "block.0", "shared"}
+    assert isinstance(model.block[0], Fp8Linear) and model.shared is model.block[0]
+    assert "multiples of 16" in r["odd"]
+    assert "min_features=64" in r["narrow"]
+    assert "tied to nn.Embedding 'embed'" in r["lm_head"]
+    assert "last nn.Linear" in r["out"]
+    assert isinstance(model.out, nn.Linear) and not isinstance(model.out, Fp8Linear)
+    assert model.lm_head.weight is model.embed.weight
+    model(torch.randint(0, 100, (2, 3)))  # still runs
+
+    again = convert_to_fp8(model, fp8_ctx, min_features=64)
+    assert again.converted == ()
+    assert "already an Fp8Linear" in reasons(again)["up"]
+
+
+def test_a_module_filter_decides_alone(fp8_ctx: ComputeCtx) -> None:
+    # torchao's module_filter_fn semantics: the filter picks the layers, head and narrow
+    # ones included; only what fp8 cannot run is still skipped.
+    model = Tiny()
+    seen: list[str] = []
+
+    def only_up_out_and_odd(module: nn.Module, fqn: str) -> bool:
+        seen.append(fqn)
+        return fqn in ("up", "out", "odd")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # something converts: no warning
+        report = convert_to_fp8(model, fp8_ctx, only_up_out_and_odd)
+    assert set(report.converted) == {"up", "out"}  # "out" is the head: the filter wins
+    r = reasons(report)
+    assert r["block.0"] == "module_filter returned False"
+    assert "multiples of 16" in r["odd"]  # chosen, but fp8 GEMM tiles cannot run it
+    assert set(seen) == {"up", "odd", "narrow", "block.0", "lm_head", "out"}
+
+
+def test_a_filter_that_accepts_everything_converts_a_small_model(fp8_ctx: ComputeCtx) -> None:
+    # Under the old rules (filter AND min_features AND not-the-head) this converted nothing.
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    report = convert_to_fp8(model, fp8_ctx, lambda module, fqn: True)
+    assert report.converted == ("0", "2")
+    assert report.skipped == ()
+    assert all(isinstance(m, Fp8Linear) for m in (model[0], model[2]))
+
+
+def test_a_filter_still_cannot_convert_what_fp8_cannot_run(fp8_ctx: ComputeCtx) -> None:
+    model = nn.Sequential(
+        ScaledLinear(32), nn.Linear(32, 24), nn.Linear(32, 32, dtype=torch.float64)
+    )
+    with pytest.warns(UserWarning, match="converted none of the 3"):
+        report = convert_to_fp8(model, fp8_ctx, lambda module, fqn: True)
+    assert {s.fqn: s.rule for s in report.skipped} == {
+        "0": "subclass",
+        "1": "feature_multiple",
+        "2": "dtype",
+    }
+    with pytest.warns(UserWarning, match="the model itself"):
+        root = convert_to_fp8(nn.Linear(32, 32), fp8_ctx, lambda module, fqn: True)
+    assert [s.rule for s in root.skipped] == ["root"]
+
+
+def test_a_filter_with_include_head_or_min_features_is_refused(fp8_ctx: ComputeCtx) -> None:
+    model = Tiny()
+    with pytest.raises(ValueError, match=r"decides alone .* min_features=64 would be ignored"):
+        convert_to_fp8(model, fp8_ctx, lambda module, fqn: True, min_features=64)
+    with pytest.raises(ValueError, match=r"include_head=False and min_features=16"):
+        convert_to_fp8(
+            model, fp8_ctx, lambda module, fqn: True, include_head=False, min_features=16
+        )
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_a_filter_must_return_a_bool(fp8_ctx: ComputeCtx) -> None:
+    model = Tiny()
+
+    def forgot_return(module: nn.Module, fqn: str) -> Any:
+        fqn.startswith("up")  # the return statement is missing: the filter returns None
+
+    with pytest.raises(TypeError, match=r"module_filter must return a bool, got NoneType None"):
+        convert_to_fp8(model, fp8_ctx, forgot_return)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+def test_converting_nothing_warns_naming_the_knobs(fp8_ctx: ComputeCtx) -> None:
+    # A small model under the defaults: every layer is narrower than min_features=1024 and
+    # the last one is the head. This used to convert nothing without a word.
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64), nn.Linear(64, 32))
+    with pytest.warns(UserWarning, match="converted none") as caught:
+        report = convert_to_fp8(model, fp8_ctx)
+    assert report.converted == ()
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert "converted none of the 3 nn.Linear layer(s) in Sequential" in text
+    assert "2 skipped ('0', '2'): min(in_features, out_features) < min_features=1024" in text
+    assert "min_features=16" in text and "module_filter" in text
+    assert "1 skipped ('3'): output head; pass include_head=True" in text
+    assert caught[0].filename == __file__  # attributed to the caller's line
+
+
+def test_converting_nothing_warns_for_filters_and_models_without_linears(
+    fp8_ctx: ComputeCtx,
+) -> None:
+    with pytest.warns(UserWarning, match=r"module_filter returned False; with a filter given"):
+        convert_to_fp8(nn.Sequential(nn.Linear(32, 32)), fp8_ctx, lambda module, fqn: False)
+    with pytest.warns(UserWarning, match=r"found no nn\.Linear in ReLU"):
+        convert_to_fp8(nn.ReLU(), fp8_ctx)
+
+
+def test_no_warning_when_the_model_already_runs_fp8(
+    fp8_ctx: ComputeCtx, small_mlp: nn.Sequential
+) -> None:
+    # Converting twice is idempotent: the second call converts nothing, and says nothing.
+    model = small_mlp
+    convert_to_fp8(model, fp8_ctx, min_features=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = convert_to_fp8(model, fp8_ctx, min_features=16)
+    assert again.converted == ()
+    assert [s.rule for s in again.skipped] == ["already_fp8", "head"]
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass whose forward does more than x Wᵀ + b."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.gain = nn.Parameter(torch.full((n,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.gain
+
+
+def test_subclasses_of_nn_linear_are_left_alone(fp8_ctx: ComputeCtx) -> None:
+    model = nn.Sequential(ScaledLinear(32), nn.Linear(32, 32), nn.Linear(32, 32))
+    report = convert_to_fp8(model, fp8_ctx, min_features=16)
+    assert report.converted == ("1",)
+    assert "ScaledLinear is a subclass of nn.Linear" in reasons(report)["0"]
+    assert type(model[0]) is ScaledLinear
+    mha = nn.MultiheadAttention(32, 2)  # out_proj is a Linear subclass it never calls
+    with pytest.warns(UserWarning, match="converted none"):
+        report = convert_to_fp8(nn.Sequential(mha, nn.Linear(32, 32)), fp8_ctx, min_features=16)
+    assert "subclass" in reasons(report)["0.out_proj"]
+
+
+def test_default_min_features_skips_small_layers(fp8_ctx: ComputeCtx) -> None:
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.Linear(512, 1024), nn.Linear(1024, 8))
+    report = convert_to_fp8(copy.deepcopy(model), fp8_ctx)
+    assert DEFAULT_MIN_FEATURES == 1024
+    assert report.converted == ("0",)
+    assert "min_features=1024" in reasons(report)["1"]
+
+
+def test_convert_errors_leave_the_model_untouched(fp8_ctx: ComputeCtx) -> None:
+    model = Tiny()
+
+    def boom(module: nn.Module, fqn: str) -> bool:
+        if fqn == "block.0":
+            raise RuntimeError("filter failed")
+        return True
+
+    with pytest.raises(RuntimeError, match="filter failed"):
+        convert_to_fp8(model, fp8_ctx, boom)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    with pytest.raises(ValueError, match="fp8=None"):
+        convert_to_fp8(model, ComputeCtx.new(DType.BF16, "cpu"))
+    with pytest.raises(ValueError, match="min_features"):
+        convert_to_fp8(model, fp8_ctx, min_features=0)
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        convert_to_fp8("model", fp8_ctx)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"convert_to_fp8 needs .*ComputeCtx.*got str 'fp8_hybrid'"):
+        convert_to_fp8(model, "fp8_hybrid")  # type: ignore[arg-type]
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    root = nn.Linear(64, 64)
+    with pytest.warns(UserWarning, match="the model itself; use Fp8Linear.from_linear"):
+        rep = convert_to_fp8(root, fp8_ctx, include_head=True, min_features=16)
+    assert rep.converted == () and "root module" in reasons(rep)["<root>"]
+    assert "converted 0" in str(rep)

@@ -1,0 +1,347 @@
+"""Fp8Linear: drop-in behaviour, gradients within a bound derived from the formats'
+precision, needs_input_grad, from_linear, serving."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional
+
+from computectx import ComputeCtx, DType, Fp8Format
+from computectx.fp8 import (
+    DelayedScaling,
+    Fp8Backend,
+    Fp8Linear,
+    Fp8Policy,
+    Fp8Scheme,
+    convert_to_fp8,
+    fp8_stats,
+)
+
+StepOf = Callable[..., float]  # the step_of fixture (conftest)
+
+
+# ----- the error bound ----------------------------------------------------------------------
+
+
+def unit(fmt: Fp8Format) -> float:
+    """Relative rounding error bound in the normal range: half an ulp, 2**-(m + 1)."""
+    return 2.0 ** -(fmt.mantissa_bits + 1)
+
+
+def dynamic_step(t: torch.Tensor, fmt: Fp8Format) -> float:
+    return float(t.abs().max().float() / fmt.max)
+
+
+def product_bound(
+    a: torch.Tensor, fa: Fp8Format, b: torch.Tensor, fb: Fp8Format, out_unit: float
+) -> torch.Tensor:
+    """Elementwise bound on ``|out - a @ b.T|`` for the fp8 scaled GEMM of ``a`` and ``b``.
+
+    Each element is quantized with ``|q*step - v| <= u|v| + h`` (``u`` half an ulp in the
+    normal range, ``h = step * min_subnormal / 2`` in the subnormal range; dynamic steps
+    never saturate), so ``|âb̂ - ab| <= (u_a|a| + h_a)((1 + u_b)|b| + h_b) + |a|(u_b|b| + h_b)``
+    summed over K. float32 accumulation adds ``K * 2**-24`` of ``Σ|â||b̂|``, the epilogue
+    rounds once more to the output dtype (``out_unit``).
+    """
+    a64, b64 = a.double().abs(), b.double().abs()
+    ua, ub = unit(fa), unit(fb)
+    ha = dynamic_step(a, fa) * fa.min_subnormal / 2
+    hb = dynamic_step(b, fb) * fb.min_subnormal / 2
+    quant = (ua * a64 + ha) @ ((1 + ub) * b64 + hb).t() + a64 @ (ub * b64 + hb).t()
+    k = a.shape[1]
+    accum = (k + 3) * 2.0**-24 * (((1 + ua) * a64 + ha) @ ((1 + ub) * b64 + hb).t())
+    exact = (a.double() @ b.double().t()).abs()
+    err = quant + accum
+    return err + out_unit * (exact + err)
+
+
+BF16_UNIT = 2.0**-8  # bfloat16 keeps 8 significant bits: half an ulp is 2**-8 relative
+
+
+@settings(max_examples=15)
+@given(
+    rows=st.integers(1, 9),
+    n_in=st.sampled_from([16, 24, 40]),
+    n_out=st.sampled_from([8, 16, 33]),
+    scale=st.sampled_from([1e-3, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_forward_and_gradients_within_the_derived_bound(
+    rows: int, n_in: int, n_out: int, scale: float, seed: int, dynamic_ctx: ComputeCtx
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    m = Fp8Linear(n_in, n_out, ctx=dynamic_ctx)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(n_out, n_in, generator=g) * 0.1)
+        m.bias.copy_(torch.randn(n_out, generator=g))
+    x = (torch.randn(rows, n_in, generator=g) * scale).requires_grad_(True)
+    dy = torch.randn(rows, n_out, generator=g) * scale
+    y = m(x)
+    torch.autograd.backward(y, dy)
+    e4, e5 = Fp8Format.E4M3, Fp8Format.E5M2
+    w, b = m.weight.detach(), m.bias.detach()
+
+    exact_y = x.detach().double() @ w.double().t() + b.double()
+    bound_y = product_bound(x.detach(), e4, w, e4, BF16_UNIT) + BF16_UNIT * b.double().abs()
+    assert ((y.detach().double() - exact_y).abs() <= bound_y).all()
+
+    # dX = dY W: the E5M2 gradient times the E4M3 weight (W's rows are columns here).
+    assert x.grad is not None and m.weight.grad is not None and m.bias.grad is not None
+    exact_dx = dy.double() @ w.double()
+    bound_dx = product_bound(dy, e5, w.t(), e4, BF16_UNIT)
+    assert ((x.grad.double() - exact_dx).abs() <= bound_dx).all()
+    # dW = dYᵀ X, accumulated and returned in float32.
+    exact_dw = dy.double().t() @ x.detach().double()
+    bound_dw = product_bound(dy.t(), e5, x.detach().t(), e4, 2.0**-24)
+    assert ((m.weight.grad.double() - exact_dw).abs() <= bound_dw).all()
+    bound_db = rows * 2.0**-24 * dy.double().abs().sum(0)
+    assert ((m.bias.grad.double() - dy.double().sum(0)).abs() <= bound_db).all()
+
+
+def test_the_bound_is_tight_enough_to_catch_a_wrong_format() -> None:
+    # Sanity of the bound itself: treating an E5M2-rounded operand as E4M3 (half its
+    # error) must fail somewhere, so the test above really checks which format was used.
+    g = torch.Generator().manual_seed(1)
+    a = torch.randn(64, 64, generator=g)
+    b = torch.randn(32, 64, generator=g)
+    step = a.abs().max() / Fp8Format.E5M2.max
+    a_hat = (a / step).to(torch.float8_e5m2).float() * step
+    err = (a_hat.double() @ b.double().t() - a.double() @ b.double().t()).abs()
+    loose = product_bound(a, Fp8Format.E5M2, b, Fp8Format.E5M2, 0.0)
+    wrong = product_bound(a, Fp8Format.E4M3, b, Fp8Format.E5M2, 0.0) - loose
+    assert (err <= loose).all()
+    assert float(err.max()) > 0.0 and float(wrong.max()) < 0.0
+
+
+# ----- the module ---------------------------------------------------------------------------
+
+
+def test_drop_in_keys_dtypes_and_leading_shapes(fp8_ctx: ComputeCtx) -> None:
+    m = Fp8Linear(32, 16, ctx=fp8_ctx)
+    assert isinstance(m, nn.Linear)
+    assert m.weight.dtype == fp8_ctx.master.torch and m.weight.device == fp8_ctx.device
+    assert set(m.state_dict()) == {"weight", "bias", "_extra_state"}
+    assert m.backend is Fp8Backend.REFERENCE
+    x = torch.randn(2, 3, 5, 32, dtype=torch.bfloat16)
+    y = m(x)
+    assert y.shape == (2, 3, 5, 16) and y.dtype == torch.bfloat16
+    y1 = m(torch.randn(32))
+    assert y1.shape == (16,)
+    empty = m(torch.randn(0, 32, requires_grad=True))
+    assert empty.shape == (0, 16)
+    assert m.scaling.input.elements == 2 * 3 * 5 * 32 + 32  # empty input never quantized
+
+
+def test_bad_inputs_and_ctx_are_clear_errors(fp8_ctx: ComputeCtx) -> None:
+    with pytest.raises(ValueError, match="fp8=None"):
+        Fp8Linear(16, 16, ctx=ComputeCtx.new(DType.BF16, "cpu"))
+    # Only a ComputeCtx is accepted: an object with the same attributes is not one, and the
+    # error names what was passed.
+    lookalike: Any = SimpleNamespace(
+        fp8=fp8_ctx.fp8, compute=fp8_ctx.compute, device=fp8_ctx.device
+    )
+    with pytest.raises(TypeError, match=r"Fp8Linear needs a computectx\.ComputeCtx .*namespace"):
+        Fp8Linear(16, 16, ctx=lookalike)
+    with pytest.raises(ValueError, match="bad device 'gpu0'; accepted: 'cpu'"):
+        Fp8Linear(16, 16, ctx=fp8_ctx, device="gpu0")
+    m = Fp8Linear(16, 16, ctx=fp8_ctx)
+    with pytest.raises(TypeError, match="float64"):
+        m(torch.randn(2, 16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"\(\.\.\., 16\)"):
+        m(torch.randn(2, 17))
+    with pytest.raises(ValueError, match="cannot force the triton"):
+        Fp8Linear(16, 16, ctx=fp8_ctx, backend="triton")
+    # Parameters fp8 cannot quantize are refused when the layer is built, not at its
+    # first call.
+    with pytest.raises(ValueError, match=r"weight from bf16, fp16 or fp32; got torch\.float64"):
+        Fp8Linear(16, 16, ctx=fp8_ctx.replace(master=DType.F64))
+    with pytest.raises(ValueError, match=r"weight .* got torch\.float64"):
+        Fp8Linear.from_linear(nn.Linear(16, 16, dtype=torch.float64), fp8_ctx)
+    mixed = nn.Linear(16, 16)
+    mixed.bias = nn.Parameter(torch.zeros(16, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"bias .* got torch\.float64"):
+        Fp8Linear.from_linear(mixed, fp8_ctx)
+
+
+@pytest.mark.parametrize(
+    ("x_grad", "w_grad", "b_grad"),
+    [(True, False, False), (False, True, True), (False, False, True), (False, False, False)],
+)
+def test_needs_input_grad_is_respected(
+    x_grad: bool, w_grad: bool, b_grad: bool, fp8_ctx: ComputeCtx
+) -> None:
+    m = Fp8Linear(16, 16, ctx=fp8_ctx)
+    m.weight.requires_grad_(w_grad)
+    m.bias.requires_grad_(b_grad)
+    x = torch.randn(4, 16, requires_grad=x_grad)
+    y = m(x)
+    if y.requires_grad:
+        y.sum().backward()
+    assert (x.grad is not None) == x_grad
+    assert (m.weight.grad is not None) == w_grad
+    assert (m.bias.grad is not None) == b_grad
+    # The gradient is quantized only when a GEMM needs it, and then exactly once.
+    expect = 4 * 16 if (x_grad or w_grad) else 0
+    assert m.scaling.grad.elements == expect
+
+
+@pytest.mark.parametrize("scheme", list(Fp8Scheme))
+def test_schemes_pick_forward_and_backward_formats(
+    scheme: Fp8Scheme, fp8_ctx: ComputeCtx, step_of: StepOf
+) -> None:
+    ctx = fp8_ctx.replace(fp8=Fp8Policy(format=scheme, scaling=DelayedScaling()))
+    m = Fp8Linear(16, 16, ctx=ctx)
+    x = torch.randn(4, 16)
+    x[0, 0] = 8.0
+    x[1:] = x[1:].clamp(-4, 4)
+    m(x).sum().backward()
+    s = fp8_stats(nn.Sequential(m))["0"]
+    # Each step is one float32 division by its own format's max: exactly that quotient.
+    assert s.input.step == step_of(8.0, scheme.forward)
+    assert s.grad.step == step_of(1.0, scheme.backward)
+
+
+def test_to_moves_rings_without_changing_their_dtype(fp8_ctx: ComputeCtx) -> None:
+    m = Fp8Linear(16, 16, ctx=fp8_ctx)
+    m(torch.randn(2, 16))
+    m.to(torch.bfloat16)
+    assert m.weight.dtype == torch.bfloat16
+    for op in m.scaling.operands.values():
+        assert op.ring.dtype == torch.float32
+    m.to("meta")
+    assert all(op.ring.device.type == "meta" for op in m.scaling.operands.values())
+
+
+def test_from_linear_shares_parameters_so_the_optimizer_keeps_training(
+    fp8_ctx: ComputeCtx, small_mlp: nn.Sequential
+) -> None:
+    model = small_mlp
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    first = model[0]
+    assert isinstance(first, nn.Linear)
+    w0 = first.weight
+    before = w0.detach().clone()
+    report = convert_to_fp8(model, fp8_ctx, min_features=16, include_head=True)
+    assert report.converted == ("0", "2")
+    converted = model[0]
+    assert isinstance(converted, Fp8Linear) and converted.weight is w0
+    model(torch.randn(8, 32)).square().mean().backward()
+    opt.step()
+    assert not torch.equal(converted.weight, before)
+
+
+# ----- serving ------------------------------------------------------------------------------
+
+
+def test_serving_weight_is_quantized_once_and_half_the_bytes(dynamic_ctx: ComputeCtx) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 48)
+    train = Fp8Linear.from_linear(lin, dynamic_ctx)
+    x = torch.randn(6, 64, dtype=torch.bfloat16)
+    before = train(x)
+    served = copy.deepcopy(train).freeze_for_serving()
+    assert served.frozen and served.weight is None
+    bf16_bytes = lin.weight.numel() * 2
+    held = sum(
+        t.numel() * t.element_size()
+        for t in served.state_dict().values()
+        if isinstance(t, torch.Tensor) and t.dim() == 2
+    )
+    assert held * 2 == bf16_bytes
+    assert served.weight_fp8.dtype == torch.float8_e4m3fn
+    with torch.inference_mode():
+        y = served(x)
+    # Dynamic scaling: the weight's step is its own amax either way, so outputs agree.
+    assert torch.equal(y, before)
+    elements = served.scaling.weight.elements
+    with torch.inference_mode():
+        served(x)
+    assert served.scaling.weight.elements == elements  # no per-call weight quantize
+    assert "frozen" in repr(served)
+    # A serving checkpoint loads into another frozen layer.
+    other = Fp8Linear(64, 48, ctx=dynamic_ctx).freeze_for_serving()
+    other.load_state_dict(served.state_dict())
+    with torch.inference_mode():
+        assert torch.equal(other(x), y)
+
+
+def test_freezing_inside_inference_mode_leaves_a_normal_layer(fp8_ctx: ComputeCtx) -> None:
+    # Inference tensors could not be saved for backward or loaded into afterwards.
+    m = Fp8Linear(32, 16, ctx=fp8_ctx)
+    with torch.inference_mode():
+        m.freeze_for_serving()
+        y = m(torch.randn(2, 32))
+    assert not m.weight_fp8.is_inference() and not m.weight_step.is_inference()
+    assert torch.isfinite(y).all()
+    x = torch.randn(3, 32, requires_grad=True)
+    m(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    other = Fp8Linear(32, 16, ctx=fp8_ctx).freeze_for_serving()
+    m.load_state_dict(other.state_dict())
+    assert torch.equal(m.weight_fp8.view(torch.uint8), other.weight_fp8.view(torch.uint8))
+
+
+def test_serving_layer_still_passes_input_gradients(fp8_ctx: ComputeCtx) -> None:
+    served = Fp8Linear(32, 16, ctx=fp8_ctx).freeze_for_serving()
+    x = torch.randn(3, 32, requires_grad=True)
+    served(x).sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    from computectx.fp8 import fp8_autocast
+
+    with fp8_autocast(enabled=False):
+        plain = served(x.detach())
+    # The same dequantized weight and the same F.linear: the same bits.
+    w = served.weight_fp8.float() * served.weight_step
+    assert torch.equal(plain, functional.linear(x.detach(), w, served.bias))
+
+
+@pytest.mark.parametrize("flag", ["fp8_e4m3", "fp8_e5m2", "fp8_hybrid"])
+def test_from_flag_policies_train(flag: str, step_of: StepOf) -> None:
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    assert ctx.fp8 is not None and ctx.compute is DType.BF16
+    m = Fp8Linear(32, 32, ctx=ctx)
+    x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    torch.autograd.backward(y.float().square().sum())
+    assert x.grad is not None and m.weight.grad is not None
+    assert torch.isfinite(m.weight.grad).all()
+    s = fp8_stats(nn.Sequential(m))["0"]
+    fwd, bwd = ctx.fp8.format.forward, ctx.fp8.format.backward
+    assert s.input.step == step_of(s.input.amax, fwd)
+    assert s.grad.step == step_of(s.grad.amax, bwd)
+
+
+@pytest.mark.parametrize("cast", ["bfloat16", "half"])
+def test_module_wide_dtype_casts_leave_a_frozen_weight_alone(
+    cast: str, fp8_ctx: ComputeCtx
+) -> None:
+    # fp8 tensors count as floating point, so nn.Module.to(dtype) / .half() would convert
+    # weight_fp8 and round the float32 step if the layer let them.
+    served = Fp8Linear(32, 16, ctx=fp8_ctx).freeze_for_serving()
+    data = served.weight_fp8.clone()
+    step = served.weight_step.clone()
+    wide = nn.Sequential(served)
+    if cast == "half":
+        wide.half()
+    else:
+        wide.to(getattr(torch, cast))
+    assert served.weight_fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(served.weight_fp8.view(torch.uint8), data.view(torch.uint8))
+    assert served.weight_step.dtype == torch.float32 and torch.equal(served.weight_step, step)
+    assert served.bias is not None and served.bias.dtype == getattr(torch, cast)
+    assert list(dict(served.named_buffers())) == ["weight_fp8", "weight_step"]
+    x = torch.randn(3, 32, dtype=torch.bfloat16)
+    assert torch.isfinite(served(x)).all()
+    served.to("meta")  # the device still follows
+    assert served.weight_fp8.is_meta and served.weight_step.is_meta
+    assert served.weight_fp8.dtype == torch.float8_e4m3fn
