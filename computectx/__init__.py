@@ -2,19 +2,26 @@
 
 ``ComputeCtx`` decides compute, KV-cache and accumulation dtypes, weight residency, the
 device, and the fp8 and memory policy; everything downstream reads it and never re-decides.
+The names below load on first use, so ``computectx --help`` answers without importing torch.
 """
 
-from computectx.ctx import ComputeCtx
-from computectx.dtypes import (
-    DType,
-    Fp8Format,
-    PromotionError,
-    cast_if,
-    dtype_of,
-    promote,
-    promoted,
-)
-from computectx.residency import Residency, available_bytes
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from computectx.ctx import ComputeCtx
+    from computectx.dtypes import (
+        DType,
+        Fp8Format,
+        PromotionError,
+        cast_if,
+        dtype_of,
+        promote,
+        promoted,
+    )
+    from computectx.residency import Residency, available_bytes
 
 __version__ = "0.1.0"
 
@@ -31,3 +38,29 @@ __all__ = [
     "promote",
     "promoted",
 ]
+
+_HOME = {
+    "ComputeCtx": "ctx",
+    "DType": "dtypes",
+    "Fp8Format": "dtypes",
+    "PromotionError": "dtypes",
+    "cast_if": "dtypes",
+    "dtype_of": "dtypes",
+    "promote": "dtypes",
+    "promoted": "dtypes",
+    "Residency": "residency",
+    "available_bytes": "residency",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -197,8 +197,6 @@ def train_policy(
                 # Non-finite gradients (an fp16 overflow, say) are dropped, not applied;
                 # the count goes into the results.
                 skipped += 1
-                if offloaded is not None:
-                    opt.step()  # consumes the skip that clip_grad_norm scheduled
             if step == settings.steps - 1:
                 memory = state_footprint(model, opt, acc, device, saved.bytes)
             opt.zero_grad(set_to_none=True)

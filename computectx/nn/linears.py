@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -33,7 +35,11 @@ def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:
     """
     if ctx.fp8 is None:
         return
-    report = convert_to_fp8(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
+    # convert_to_fp8 warns when it converts nothing; here that case raises below with the
+    # widths that fp8 refused, so its warnings are replayed only when the block is built.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = convert_to_fp8(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
     refused = [s for s in report.skipped if not isinstance(block.get_submodule(s.fqn), Fp8Linear)]
     if refused:
         raise ValueError(
@@ -41,3 +47,5 @@ def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:
             f"{'; '.join(f'{s.fqn}: {s.reason}' for s in refused)}. Use widths that are "
             f"multiples of {FEATURE_MULTIPLE}, or a ctx without fp8"
         )
+    for w in caught:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
