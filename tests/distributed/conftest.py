@@ -36,7 +36,8 @@ def free_port() -> int:
 def _run(
     tmp_path: Path, scenario: str, world_size: int, limit_s: float, params: dict[str, Any]
 ) -> list[dict[str, Any]]:
-    out = tmp_path / f"{scenario}-{world_size}"
+    # world_size=1 runs the same scenario in one process: the single-process reference.
+    out = tmp_path / f"{scenario.replace(':', '-').replace('.py', '')}-{world_size}"
     out.mkdir(parents=True, exist_ok=True)
     env = {
         **os.environ,

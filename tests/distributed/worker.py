@@ -2,12 +2,15 @@
 
 Started by ``conftest.run_ranks`` with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
 set. Joins a gloo group with a short collective timeout, runs the scenario and saves its result
-dict to ``OUT_DIR/rank{RANK}.pt``.
+dict to ``OUT_DIR/rank{RANK}.pt``. ``SCENARIO`` is a function of this file (``policy_check``)
+or ``FILE:FUNCTION`` for a function of another file in this folder (``scenarios_amax.py:ddp``);
+each takes the params dict and returns a dict of tensors, numbers and strings.
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import sys
 from collections.abc import Callable
@@ -41,13 +44,28 @@ SCENARIOS: dict[str, Callable[[dict[str, Any]], Result]] = {
 }
 
 
+def _scenario(spec: str) -> Callable[[dict[str, Any]], Result]:
+    if ":" not in spec:
+        return SCENARIOS[spec]
+    file, name = spec.split(":", 1)
+    path = Path(__file__).resolve().parent / file
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    if module_spec is None or module_spec.loader is None:
+        raise FileNotFoundError(f"no scenario file {path}")
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    fn: Callable[[dict[str, Any]], Result] = getattr(module, name)
+    return fn
+
+
 def main() -> None:
-    scenario, out, params = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    spec, out, params = sys.argv[1], Path(sys.argv[2]), json.loads(sys.argv[3])
+    scenario = _scenario(spec)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
-        result = SCENARIOS[scenario](params)
+        result = scenario(params)
         torch.save(result, out / f"rank{dist.get_rank()}.pt")
     finally:
         dist.destroy_process_group()
