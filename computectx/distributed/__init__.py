@@ -5,6 +5,12 @@ stored in ``ComputeCtx`` (whose text and JSON forms stay lossless). Nothing in t
 this package.
 """
 
+from computectx.distributed.amax import Fp8AmaxSync, sync_fp8_scaling
 from computectx.distributed.group import check_same_policy, data_parallel_group
 
-__all__ = ["check_same_policy", "data_parallel_group"]
+__all__ = [
+    "Fp8AmaxSync",
+    "check_same_policy",
+    "data_parallel_group",
+    "sync_fp8_scaling",
+]

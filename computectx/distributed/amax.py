@@ -1,0 +1,192 @@
+"""fp8 scaling rings kept identical on every rank: one collective merges what each rank saw.
+
+Under data parallelism each rank quantizes its own shard, so each records its own amaxes. Left
+alone, the rings drift apart (the issue that prompted this measured steps 25x apart after six
+steps) and a checkpoint saves one rank's history as if it were the group's.
+``Fp8AmaxSync`` merges them before every forward: one all-gather of every operand's ring
+(history, step, counts) for all fp8 layers at once, combined on the device into exactly what one
+process would hold after quantizing the whole batch:
+
+- history: the element-wise max over ranks. Every rank writes the same slots (the same calls
+  in the same order), and the amax of a batch is the max of its shards' amaxes;
+- step: recomputed from the merged history by the recipe's formula (the same float32 division
+  the quantize kernel does), so it is bit-identical to a one-process step;
+- non-finite count: if any rank counted a NaN/inf amax since the last merge, the whole batch
+  had one: every rank keeps the history and step it had at the last merge and counts one more
+  (a NaN on one rank poisons no rank);
+- saturated count: the sum of the ranks' new saturations, as one process counts the batch.
+
+Nothing is read on the host: the combination is a few device ops. The first forward of a
+delayed-scaling layer seeds its history from the rank's own shard (the merge happens before
+forwards, and the seed is part of the first one), so step 1 quantizes with the local amax; the
+merge that follows makes every history what one process would have seeded, and every later step
+matches one process. Dynamic scaling quantizes with each rank's own current amax (a merge
+inside every quantize would cost a collective per layer); its rings, which only record, are
+merged like the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from computectx.distributed.group import GroupArg, check_same_policy, data_parallel_group
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import Fp8Linear
+from computectx.fp8.reference import step_from_amax
+from computectx.fp8.ring import (
+    ring_history,
+    ring_history_len,
+    ring_nonfinite,
+    ring_saturated,
+    ring_step,
+)
+from computectx.fp8.scaling import ROLES, OperandScaling, Role
+from computectx.recipes import DelayedScaling
+
+__all__ = ["Fp8AmaxSync", "sync_fp8_scaling"]
+
+
+@dataclass
+class _Snapshot:
+    """One operand's ring as it was after the last merge (identical on every rank)."""
+
+    ring: torch.Tensor  # the OperandScaling's ring object the copy was taken from
+    copy: torch.Tensor
+    elements: int
+
+
+def _operands(model: nn.Module) -> Iterator[tuple[str, Fp8Linear, Role, OperandScaling]]:
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):
+            for role in ROLES:
+                yield name, module, role, module.scaling.operands[role]
+
+
+def _format_of(layer: Fp8Linear, role: Role) -> Fp8Format:
+    scheme = layer.policy.format
+    return scheme.backward if role == "grad" else scheme.forward
+
+
+class Fp8AmaxSync:
+    """Merges the fp8 scaling rings of ``model``'s ``Fp8Linear`` layers across ``group``.
+
+    ``sync_fp8_scaling`` builds one that also runs before every forward of ``model``
+    (``before_forward=True``). ``sync()`` merges now: call it before saving a checkpoint, so the state
+    saved holds the last step's amaxes of every rank. Every rank of the group must call it
+    the same number of times (it is a collective).
+    """
+
+    def __init__(
+        self, model: nn.Module, group: GroupArg = None, *, before_forward: bool = False
+    ) -> None:
+        self._model = model
+        self._handle: RemovableHandle | None = None
+        self._group = data_parallel_group(group)
+        self._snapshots: dict[int, _Snapshot] = {}
+        self._world = dist.get_world_size(self._group)
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        if layers:
+            check_same_policy(layers[0].ctx, self._group)
+        self._take_snapshots()
+        if before_forward:
+            self._handle = model.register_forward_pre_hook(self._pre_forward)
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.sync()
+
+    def remove(self) -> None:
+        """Stop merging before forwards (``sync()`` still merges on demand)."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    @property
+    def layers(self) -> int:
+        """How many fp8 layers are kept in step."""
+        return sum(1 for m in self._model.modules() if isinstance(m, Fp8Linear))
+
+    def _take_snapshots(self) -> None:
+        self._snapshots = {
+            id(op): _Snapshot(op.ring, op.ring.detach().clone(), op.elements)
+            for _, _, _, op in _operands(self._model)
+        }
+
+    def sync(self) -> None:
+        """Merge every ring with the other ranks' (one all-gather), in place, on the device."""
+        entries = list(_operands(self._model))
+        if not entries:
+            return
+        prev: list[torch.Tensor] = []
+        for _, _, _, op in entries:
+            snap = self._snapshots.get(id(op))
+            # A ring replaced since the last merge (a checkpoint loaded, a policy with another
+            # history length) starts from itself: what it holds came from outside training,
+            # identically on every rank.
+            prev.append(snap.copy if snap is not None and snap.ring is op.ring else op.ring)
+        local = torch.cat([op.ring.detach() for _, _, _, op in entries])
+        gathered = [torch.empty_like(local) for _ in range(self._world)]
+        dist.all_gather(gathered, local, group=self._group)
+        stacked = torch.stack(gathered)  # (world, total)
+        offset = 0
+        with torch.no_grad():
+            for (_, layer, role, op), before in zip(entries, prev, strict=True):
+                size = op.ring.numel()
+                self._merge(layer, role, op, before, stacked[:, offset : offset + size])
+                offset += size
+        self._take_snapshots()
+
+    def _merge(
+        self,
+        layer: Fp8Linear,
+        role: Role,
+        op: OperandScaling,
+        before: torch.Tensor,
+        rings: torch.Tensor,
+    ) -> None:
+        n = ring_history_len(op.ring)
+        hist_all = rings[:, :n]
+        tail_at = n
+        nonfinite_all = rings[:, tail_at + 1]
+        saturated_all = rings[:, tail_at + 2]
+        prev_nonfinite = ring_nonfinite(before)
+        prev_saturated = ring_saturated(before)
+        poisoned = (nonfinite_all.amax() > prev_nonfinite).reshape(1)
+
+        merged_hist = hist_all.amax(dim=0)
+        scaling = layer.policy.scaling
+        if isinstance(scaling, DelayedScaling) and scaling.algo == "max":
+            window = merged_hist.amax().reshape(1)
+        else:
+            window = merged_hist[op.newest_amax_index()].reshape(1)
+        fresh_step = step_from_amax(window, _format_of(layer, role), scaling.margin)
+
+        history = ring_history(op.ring)
+        history.copy_(torch.where(poisoned, ring_history(before), merged_hist))
+        ring_step(op.ring).copy_(torch.where(poisoned, ring_step(before), fresh_step))
+        ring_nonfinite(op.ring).copy_(prev_nonfinite + poisoned.to(torch.float32))
+        ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
+        # The element count is host bookkeeping; reading the other ranks' counts would wait
+        # for the device, so it assumes equal shards (what DistributedSampler produces).
+        snap = self._snapshots.get(id(op))
+        base = snap.elements if snap is not None and snap.ring is op.ring else op.elements
+        op.elements = base + (op.elements - base) * self._world
+
+
+def sync_fp8_scaling(model: nn.Module, group: GroupArg = None) -> Fp8AmaxSync:
+    """Keep the fp8 scaling rings of ``model`` identical on every rank of ``group``.
+
+    ``model`` is what the ranks run forward: a ``DistributedDataParallel`` module, a
+    ``fully_shard``-ed one, or a plain module. Before each of its forwards the rings are
+    merged with the other ranks' (``Fp8AmaxSync``: one all-gather for all layers and
+    operands, no host synchronisation). The ranks' policies are compared once, here.
+    ``sync.remove()`` detaches it: running data-parallel fp8 without it is an explicit
+    choice, and each rank then scales by its own shard only.
+    """
+    return Fp8AmaxSync(model, group, before_forward=True)
