@@ -78,9 +78,9 @@ class Fp8AmaxSync:
     """Merges the fp8 scaling rings of ``model``'s ``Fp8Linear`` layers across ``group``.
 
     ``sync_fp8_scaling`` builds one that also runs before every forward of ``model``
-    (``before_forward=True``). ``sync()`` merges now: call it before saving a checkpoint, so the state
-    saved holds the last step's amaxes of every rank. Every rank of the group must call it
-    the same number of times (it is a collective).
+    (``before_forward=True``). ``sync()`` merges now: call it before saving a checkpoint,
+    so the state saved holds the last step's amaxes of every rank. Every rank of the group
+    must call it the same number of times (it is a collective).
     """
 
     def __init__(

@@ -1,0 +1,87 @@
+"""fp8 scaling under DDP: ranks on different shards, against one process on the whole batch."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx import ComputeCtx
+from computectx.distributed import sync_fp8_scaling
+from computectx.fp8 import Fp8Linear, convert_to_fp8
+
+BATCH = 8
+
+
+def _model(ctx: ComputeCtx) -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    convert_to_fp8(model, ctx, module_filter=lambda fqn, module: True)
+    return model
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # The second half of every batch (rank 1's shard) is 40x larger: unsynchronised ranks
+    # would scale the same layer very differently.
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        x = torch.randn(BATCH, 32, generator=gen)
+        x[BATCH // 2 :] *= 40.0
+        out.append((x, torch.randn(BATCH, 16, generator=gen)))
+    return out
+
+
+def _rings(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{role}": op.ring.detach().clone()
+        for name, m in model.named_modules()
+        if isinstance(m, Fp8Linear)
+        for role, op in m.scaling.operands.items()
+    }
+
+
+def train(params: dict[str, Any]) -> dict[str, Any]:
+    """``steps`` SGD steps; each rank takes its half of every batch (one process: all of it).
+
+    ``sync``: merge the rings before each forward. ``nan_at``: the step whose last rank's
+    shard holds a NaN in its input (forward only, then a final merge).
+    """
+    ctx = ComputeCtx.from_flag(params["flag"], "cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model(ctx)
+    run: nn.Module = DistributedDataParallel(model) if world > 1 else model
+    sync = sync_fp8_scaling(run) if params["sync"] else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    losses = []
+    per = BATCH // world
+    for x, y in _batches(params["steps"]):
+        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+        loss = nn.functional.mse_loss(run(xs).float(), ys)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        whole = loss.detach().clone()
+        if world > 1:
+            dist.all_reduce(whole)
+            whole /= world
+        losses.append(float(whole))
+    if sync is not None:
+        sync.sync()
+    before_nan = _rings(model)
+    if params.get("nan"):
+        x, _ = _batches(1)[0]
+        x[-1, 0] = math.nan
+        with torch.no_grad():
+            run(x[rank * per : (rank + 1) * per])
+        if sync is not None:
+            sync.sync()
+    return {
+        "losses": torch.tensor(losses),
+        "rings": _rings(model),
+        "before_nan": before_nan,
+    }
