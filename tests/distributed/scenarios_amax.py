@@ -62,7 +62,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     for x, y in _batches(params["steps"]):
         xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
         loss = nn.functional.mse_loss(run(xs).float(), ys)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward untyped
         opt.step()
         opt.zero_grad()
         whole = loss.detach().clone()
