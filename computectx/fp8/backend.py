@@ -1,8 +1,11 @@
 """Which implementation runs the fp8 operations, and why: ``Fp8Backend``, ``select_backend``.
 
-Two backends compute the same function. ``TRITON`` runs the kernels in
+Three backends compute the same function. ``TRITON`` runs the kernels in
 ``computectx.kernels`` (imported only when first used, so ``import computectx.fp8`` works
-without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``.
+without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``;
+``CUBLAS`` runs the GEMMs through ``torch._scaled_mm`` (cuBLASLt on a GPU, torch's own kernel
+on the CPU) with tensor-wise scales, and quantizes with the same operators and rings as the
+others (the kernels on a GPU, the twins elsewhere).
 ``select_backend`` picks one for a device and says why; ``default_backend`` caches that
 choice per device; ``check_backend`` is the test every dispatched operation runs before it
 hands tensors to a backend.
@@ -30,13 +33,15 @@ class Fp8Backend(enum.Enum):
 
     TRITON = "triton"
     REFERENCE = "reference"
+    CUBLAS = "cublas"
 
     def __str__(self) -> str:
         return self.value
 
 
 def parse_backend(value: Fp8Backend | str) -> Fp8Backend:
-    """An ``Fp8Backend`` from a member or its name (``"triton"``, ``"reference"``)."""
+    """An ``Fp8Backend`` from a member or its name (``"triton"``, ``"reference"``,
+    ``"cublas"``)."""
     if isinstance(value, Fp8Backend):
         return value
     if isinstance(value, str):
@@ -52,17 +57,25 @@ def select_backend(
 ) -> tuple[Fp8Backend, str]:
     """The backend for tensors on ``device`` and a one-line reason (``computectx info``).
 
-    Without ``force``: ``TRITON`` on a CUDA device with compute capability >= 8.9 when
-    triton imports, ``REFERENCE`` elsewhere. ``force`` picks one; forcing ``TRITON`` where it
+    Without ``force`` (the rule, docs/fp8.md "Backends"): ``TRITON`` on a CUDA device with
+    compute capability >= 8.9 when triton imports; ``CUBLAS`` on such a device without
+    triton; ``REFERENCE`` elsewhere. ``force`` picks one; forcing ``TRITON`` where it
     cannot run raises ``ValueError`` saying why (a CPU device is accepted only when
-    ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter). ``device`` is read by
-    ``computectx.ctx.parse_device``, whose ``ValueError`` lists the accepted spellings.
+    ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter); ``CUBLAS`` runs on a
+    CUDA device with fp8 tensor cores and on the CPU (torch's ``_scaled_mm`` CPU kernel).
+    ``device`` is read by ``computectx.ctx.parse_device``, whose ``ValueError`` lists the
+    accepted spellings.
     """
     dev = parse_device(device)
     if force is not None:
         chosen = parse_backend(force)
         if chosen is Fp8Backend.REFERENCE:
             return chosen, "reference: forced"
+        if chosen is Fp8Backend.CUBLAS:
+            ok, why = _cublas_runs_on(dev)
+            if not ok:
+                raise ValueError(f"cannot force the cublas fp8 backend on {dev}: {why}")
+            return chosen, f"cublas: forced; {why}"
         ok, why = _triton_runs_on(dev)
         if not ok:
             raise ValueError(f"cannot force the triton fp8 backend on {dev}: {why}")
@@ -76,8 +89,14 @@ def select_backend(
         return Fp8Backend.REFERENCE, f"reference: {cores.reason}; {_TRITON_NEEDS}"
     tri = capability.triton_available()
     if not tri.ok:
-        return Fp8Backend.REFERENCE, f"reference: {tri.reason}; the fp8 kernels need triton"
-    return Fp8Backend.TRITON, f"triton: {cores.reason}; {tri.reason}"
+        return Fp8Backend.CUBLAS, (
+            f"cublas: {cores.reason}; {tri.reason}, so the GEMMs run on torch._scaled_mm and "
+            f"the quantize on the pure-torch twins"
+        )
+    return Fp8Backend.TRITON, (
+        f"triton: {cores.reason}; {tri.reason} (cublas is the alternative; which is faster "
+        f"per shape is measured by bench/gpu_check.py)"
+    )
 
 
 @functools.cache
@@ -99,12 +118,22 @@ def check_backend(backend: object, *tensors: torch.Tensor) -> Fp8Backend:
             f"backend must be an Fp8Backend (from select_backend), got {backend!r}; "
             f"accepted: {', '.join(str(b) for b in Fp8Backend)}"
         )
-    if backend is Fp8Backend.TRITON:
+    if backend is not Fp8Backend.REFERENCE:
+        runs_on = _triton_runs_on if backend is Fp8Backend.TRITON else _cublas_runs_on
         for t in tensors:
-            ok, why = _triton_runs_on(t.device)
+            ok, why = runs_on(t.device)
             if not ok:
-                raise ValueError(f"the triton fp8 backend cannot run on {t.device}: {why}")
+                raise ValueError(f"the {backend} fp8 backend cannot run on {t.device}: {why}")
     return backend
+
+
+def _cublas_runs_on(dev: torch.device) -> tuple[bool, str]:
+    if dev.type == "cpu":
+        return True, "torch._scaled_mm's CPU kernel"
+    if dev.type == "cuda":
+        cores = capability.fp8_tensor_cores(dev)
+        return cores.ok, f"{cores.reason}; torch._scaled_mm (cuBLASLt)"
+    return False, f"{dev} tensors need a CUDA device with fp8 tensor cores or the CPU"
 
 
 def _triton_runs_on(dev: torch.device) -> tuple[bool, str]:

@@ -3,8 +3,13 @@
 Every operation takes a ``backend`` (``computectx.fp8.backend``: ``select_backend`` picks
 one for a device and says why). ``TRITON`` runs the kernels in ``computectx.kernels``,
 imported inside the function that launches them, so ``import computectx.fp8`` works without
-triton; ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``. Quantized
-bytes agree bit for bit between them; GEMM outputs agree to float32 accumulation order.
+triton; ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``; ``CUBLAS``
+runs the GEMM on ``torch._scaled_mm`` and quantizes as ``TRITON`` does on a GPU, as
+``REFERENCE`` elsewhere. Quantized bytes agree bit for bit between them; GEMM outputs agree
+to float32 accumulation order.
+
+The checks run in Python before the torch operator of ``computectx.fp8.library`` is called,
+so under ``torch.compile`` they are traced and raise the same errors as in eager.
 ``Fp8Backend`` and ``select_backend`` are re-exported here for callers of these functions.
 
 The step of an amax is ``amax / (fmt.max / 2**margin)`` (1.0 for a zero or non-finite
@@ -23,7 +28,7 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import DType, Fp8Format
-from computectx.fp8 import reference
+from computectx.fp8 import library, reference
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
 from computectx.fp8.ring import (
     RING_NONFINITE,
@@ -34,6 +39,7 @@ from computectx.fp8.ring import (
     ring_history_len,
     ring_new,
 )
+from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = [
     "QUANTIZABLE_DTYPES",
@@ -42,6 +48,7 @@ __all__ = [
     "fp8_quantize",
     "quantize_delayed",
     "quantize_dynamic",
+    "quantize_operand",
     "quantize_with_step",
     "ring_new",
     "scaled_mm",
@@ -142,13 +149,9 @@ def quantize_with_step(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     s = _scalar_arg("step", step, data.device)
-    if check_backend(backend, data) is Fp8Backend.TRITON:
-        # Kernel modules are imported on first use: importing one imports triton, and
-        # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
-        from computectx.kernels import quantize
-
-        return quantize.quantize_with_step(x=data, fp8=fmt.torch, step=s)
-    return reference.quantize_with_step(data, fmt, s)
+    b = check_backend(backend, data)
+    q, a = torch.ops.computectx.fp8_quantize_with_step(data, s, fmt.torch, b.value)
+    return q, a
 
 
 def quantize_dynamic(
@@ -162,7 +165,9 @@ def quantize_dynamic(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
-    if check_backend(backend, data) is Fp8Backend.TRITON:
+    if _uses_kernels(check_backend(backend, data), data):
+        # Kernel modules are imported on first use: importing one imports triton, and
+        # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
         from computectx.kernels import quantize
 
         return quantize.quantize_dynamic(x=data, fp8=fmt.torch, margin=m)
@@ -192,7 +197,7 @@ def quantize_delayed(
     fmt = _fmt_arg(fmt)
     n = _ring_args(ring, idx, algo, data.device)
     m = _margin_arg(margin)
-    if check_backend(backend, data) is Fp8Backend.TRITON:
+    if _uses_kernels(check_backend(backend, data), data):
         from computectx.kernels import quantize
 
         # The kernel knows no ring layout of its own: it gets this one's offsets.
@@ -259,11 +264,71 @@ def scaled_mm(
             f"out_dtype {out_dtype!r} is not supported; accepted: "
             f"{', '.join(map(str, _OUT_DTYPES))}"
         )
-    if check_backend(backend, a) is Fp8Backend.TRITON:
-        from computectx.kernels import scaled_mm as gemm
+    chosen = check_backend(backend, a)
+    out: torch.Tensor = torch.ops.computectx.fp8_scaled_mm(
+        a, b, sa, sb, bias, out_dtype, chosen.value
+    )
+    return out
 
-        return gemm.scaled_mm(a=a, b=b, step_a=sa, step_b=sb, bias=bias, out_dtype=out_dtype)
-    return reference.scaled_mm(a, b, sa, sb, bias, out_dtype)
+
+def _uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
+    return backend is Fp8Backend.TRITON or (
+        backend is Fp8Backend.CUBLAS and x.device.type == "cuda"
+    )
+
+
+def quantize_operand(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    ring: torch.Tensor,
+    tally: torch.Tensor,
+    scaling: DelayedScaling | DynamicScaling,
+    *,
+    backend: Fp8Backend,
+    may_seed: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize one operand through its ring and tally (``computectx.fp8.library``'s
+    ``fp8_quantize_delayed`` / ``fp8_quantize_dynamic``): returns ``(data_fp8, step)``.
+
+    Delayed: the step is the ring's (seeded from ``amax(x)`` on the operand's first call);
+    dynamic: the step is ``x``'s own. Both record into the ring and count ``x`` in the tally.
+    ``may_seed=False`` promises a seeded ring (eager callers that know it, to skip a pass).
+    """
+    data = _input_arg(x)
+    fmt = _fmt_arg(fmt)
+    _ring_args(ring, 0, "max", data.device)
+    if (
+        not isinstance(tally, torch.Tensor)
+        or tally.dtype != torch.int64
+        or tuple(tally.shape) != (library.TALLY_LEN,)
+        or tally.device != data.device
+    ):
+        got = (
+            f"{tally.dtype} {tuple(tally.shape)} on {tally.device}"
+            if isinstance(tally, torch.Tensor)
+            else type(tally).__name__
+        )
+        raise ValueError(
+            f"tally must be an int64 tensor of shape ({library.TALLY_LEN},) on {data.device} "
+            f"(library.tally_new); got {got}"
+        )
+    b = check_backend(backend, data)
+    m = _margin_arg(scaling.margin)
+    q: torch.Tensor
+    step: torch.Tensor
+    if isinstance(scaling, DelayedScaling):
+        if scaling.algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"unknown amax window algo {scaling.algo!r}; accepted: 'max', 'most_recent'"
+            )
+        q, step = torch.ops.computectx.fp8_quantize_delayed(
+            data, ring, tally, fmt.torch, scaling.algo, m, b.value, may_seed
+        )
+    else:
+        q, step = torch.ops.computectx.fp8_quantize_dynamic(
+            data, ring, tally, fmt.torch, m, b.value
+        )
+    return q, step
 
 
 # ---------------------------------------------------------------------------------------
@@ -327,4 +392,7 @@ def fp8_dequantize(
             f"data must be float8_e4m3fn or float8_e5m2 (from fp8_quantize), got {data.dtype}"
         )
     target = DType.parse(dtype).torch
-    return reference.dequantize(data, _scale_arg(scale, data.device), target)
+    out: torch.Tensor = torch.ops.computectx.fp8_dequantize(
+        data, _scale_arg(scale, data.device), target
+    )
+    return out

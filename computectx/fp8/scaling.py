@@ -7,8 +7,12 @@ the saturated count). Delayed scaling reads the step from the ring and writes th
 new amax into it; dynamic scaling keeps a ring of length 1 only to record the last amax and
 step, so both recipes report the same statistics.
 
-Host-side bookkeeping (the next history slot, whether the ring was seeded, how many
-elements went through it) lives beside each ring, so no call reads a device value.
+Beside each ring lives an int64 *tally* on the same device, ``[seeded, elements]``
+(``computectx.fp8.library``): whether the first call has seeded the ring and how many
+elements went through it. Both are device tensors that the quantize operators update in
+place, so no call reads a device value and a ``torch.compile``d step advances exactly what
+an eager one does. Delayed histories are kept oldest to newest (the newest amax in the last
+slot), so there is no host-side write index either.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import ops
+from computectx.fp8 import library, ops
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.ring import (
     RING_SHAPE,
@@ -29,9 +33,6 @@ from computectx.fp8.ring import (
     ring_history,
     ring_history_len,
     ring_new,
-    ring_nonfinite,
-    ring_slot,
-    ring_step,
     ring_with_history,
 )
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
@@ -63,25 +64,59 @@ def history_len_of(policy: Fp8Policy) -> int:
 
 
 class OperandScaling:
-    """One operand's ring plus the host-side counters that go with it.
+    """One operand's ring plus its tally (both device tensors).
 
-    ``idx`` is the history slot the next delayed quantize writes (so the newest amax sits
-    at ``idx - 1`` and the oldest at ``idx``); ``seeded`` says whether the first call has
-    filled the history; ``elements`` counts quantized elements (for saturated fractions).
+    ``ring`` is laid out by ``computectx.fp8.ring``, its history oldest to newest: the
+    newest amax sits in the last slot (``newest_amax_index``). ``tally`` is int64
+    ``[seeded, elements]``. ``seeded`` (whether the first call has filled the history) and
+    ``elements`` (quantized elements, for saturated fractions) read it on the host, one
+    device sync each, so read them between steps; assigning them writes the device tensor.
+    ``idx`` is the history slot the next write replaces, always 0 (the oldest) in this
+    layout; it stays for checkpoints and callers of the circular ring of version 1.
     """
 
-    __slots__ = ("elements", "idx", "ring", "seeded")
+    __slots__ = ("_seeded_hint", "ring", "tally")
 
     def __init__(self, history_len: int, device: torch.device | str) -> None:
         self.ring: torch.Tensor = ring_new(history_len, device)
-        self.idx = 0
-        self.seeded = False
-        self.elements = 0
+        self.tally: torch.Tensor = library.tally_new(self.ring.device)
+        # Eager calls only: once this process has seen the ring seeded, the delayed quantize
+        # can skip the seeding check (a pass over x on the kernels). Never read under compile.
+        self._seeded_hint = False
 
     @property
     def history_len(self) -> int:
         """Length of the amax history."""
         return ring_history_len(self.ring)
+
+    @property
+    def idx(self) -> int:
+        """The history slot the next delayed quantize replaces: 0, the oldest."""
+        return 0
+
+    @property
+    def seeded(self) -> bool:
+        """Whether the first call has run (one device read)."""
+        return bool(self.tally[library.TALLY_SEEDED].item())
+
+    @seeded.setter
+    def seeded(self, value: bool) -> None:
+        self.tally[library.TALLY_SEEDED].fill_(int(bool(value)))
+        self._seeded_hint = bool(value)
+
+    @property
+    def elements(self) -> int:
+        """Elements quantized through this operand (one device read)."""
+        return int(self.tally[library.TALLY_ELEMENTS].item())
+
+    @elements.setter
+    def elements(self, value: int) -> None:
+        self.tally[library.TALLY_ELEMENTS].fill_(int(value))
+
+    @property
+    def elements_tensor(self) -> torch.Tensor:
+        """The element count as an int64 device view of shape ``(1,)`` (no host read)."""
+        return self.tally[library.TALLY_ELEMENTS : library.TALLY_ELEMENTS + 1]
 
     def quantize(
         self,
@@ -95,22 +130,15 @@ class OperandScaling:
         Delayed: the first call seeds the history with ``amax(x)`` (so step 1 is not blind),
         then every call quantizes with the ring's step and records its amax. Dynamic: the
         step comes from ``amax(x)``; the ring records that amax (when finite), the step, and
-        counts a non-finite amax.
+        counts a non-finite amax. One ``computectx::fp8_quantize_*`` operator either way.
         """
-        # Host counters change only after the device work was accepted: a call that raises
-        # (bad input, wrong device) leaves the state as it was.
-        if isinstance(scaling, DelayedScaling):
-            if not self.seeded:
-                ops.seed_ring(self.ring, x, fmt, scaling.margin)
-                self.seeded = True
-            data, step = ops.quantize_delayed(
-                x, fmt, self.ring, self.idx, scaling.algo, scaling.margin, backend=backend
-            )
-            self.idx = (self.idx + 1) % self.history_len
-        else:
-            data, step, amax = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
-            self.record(amax, step)
-        self.elements += x.numel()
+        compiling = torch.compiler.is_compiling()
+        may_seed = compiling or not self._seeded_hint
+        data, step = ops.quantize_operand(
+            x, fmt, self.ring, self.tally, scaling, backend=backend, may_seed=may_seed
+        )
+        if not compiling:
+            self._seeded_hint = True
         return data, step
 
     def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:
@@ -118,17 +146,13 @@ class OperandScaling:
 
         A non-finite amax is counted and leaves the recorded amax as it was.
         """
-        a = amax.reshape(1).to(device=self.ring.device, dtype=torch.float32)
-        finite = torch.isfinite(a)
-        slot = ring_slot(self.ring, 0)
-        slot.copy_(torch.where(finite, a, slot))
-        ring_step(self.ring).copy_(step.reshape(1))
-        ring_nonfinite(self.ring).add_((~finite).to(torch.float32))
-        self.seeded = True
+        library.record(self.ring, amax, step)
+        self.tally[library.TALLY_SEEDED].fill_(1)
+        self._seeded_hint = True
 
     def newest_amax_index(self) -> int:
-        """Index of the newest history entry."""
-        return (self.idx - 1) % self.history_len
+        """Index of the newest history entry: the last slot."""
+        return self.history_len - 1
 
     def resized(self, history_len: int) -> OperandScaling:
         """A copy with another history length, keeping the newest entries.
@@ -139,16 +163,15 @@ class OperandScaling:
         """
         n = self.history_len
         out = OperandScaling.__new__(OperandScaling)
-        hist = ring_history(self.ring)
-        chron = torch.cat([hist[self.idx :], hist[: self.idx]])
+        chron = ring_history(self.ring)
         if history_len <= n:
             chron = chron[n - history_len :]
         else:
             chron = torch.cat([chron[:1].expand(history_len - n), chron])
         out.ring = ring_with_history(self.ring, chron)
-        out.idx = 0  # the next write replaces the oldest entry, now at the front
-        out.seeded = self.seeded
-        out.elements = self.elements
+        with torch.inference_mode(False):
+            out.tally = self.tally.clone()
+        out._seeded_hint = self._seeded_hint
         return out
 
     def to(self, device: torch.device) -> None:
@@ -157,6 +180,7 @@ class OperandScaling:
             # Not an inference tensor, even when moved inside inference_mode (ring_new).
             with torch.inference_mode(False):
                 self.ring = self.ring.to(device)
+                self.tally = self.tally.to(device)
 
 
 class Fp8ScalingState:
@@ -279,8 +303,14 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
             )
         op = OperandScaling.__new__(OperandScaling)
         with torch.inference_mode(False):
-            op.ring = ring.detach().to(device=device, copy=True).contiguous()
-        op.idx, op.seeded, op.elements = idx, seeded, elements
+            # A version-1 ring written at slot idx (circular) is stored oldest to newest:
+            # its oldest entry is the one at idx.
+            saved = ring.detach().to(device=device, copy=True).contiguous()
+            hist = ring_history(saved)
+            op.ring = ring_with_history(saved, torch.cat([hist[idx:], hist[:idx]]))
+            op.tally = library.tally_new(device)
+            op.tally.copy_(torch.tensor([int(seeded), elements], dtype=torch.int64))
+        op._seeded_hint = seeded
         out[role] = op
     return out
 

@@ -215,25 +215,37 @@ def test_backward_seeds_and_advances_the_grad_ring_in_the_backward_format(
     assert g.amax == 10.0
     assert g.step == step_of(10.0, E5M2, 0)  # HYBRID: gradients in E5M2
     assert g.elements == 3 * 16  # quantized once, shared by dgrad and wgrad
-    assert m.scaling.grad.idx == 1
+    # Oldest to newest: the seed filled the history, the call's amax is in the last slot.
+    assert m.scaling.grad.newest_amax_index() == 3
+    assert ring_history(m.scaling.grad.ring).tolist() == [10.0] * 4
+
+
+def test_delayed_history_is_kept_oldest_to_newest(ctx_for: CtxFor) -> None:
+    m = layer(ctx_for(DelayedScaling(history_len=3)))
+    for scale in (1.0, 2.0, 3.0, 4.0):
+        m(scaled_input(scale))
+    # Seeded with 1, then 1, 2, 3, 4 written at the end; the oldest falls off the front.
+    assert ring_history(m.scaling.input.ring).tolist() == [2.0, 3.0, 4.0]
+    assert m.scaling.input.idx == 0 and m.scaling.input.elements == 4 * 4 * 16
 
 
 # ----- resizing and checkpoints ---------------------------------------------------------------
 
 
-def filled(history: list[float], idx: int) -> OperandScaling:
+def filled(history: list[float]) -> OperandScaling:
+    """An operand whose history is ``history``, oldest to newest."""
     op = OperandScaling(len(history), "cpu")
     ring_history(op.ring).copy_(torch.tensor(history))
     ring_step(op.ring).fill_(0.25)
     ring_nonfinite(op.ring).fill_(2.0)
     ring_saturated(op.ring).fill_(7.0)
-    op.idx, op.seeded, op.elements = idx, True, 99
+    op.seeded, op.elements = True, 99
     return op
 
 
 def test_resize_keeps_the_newest_entries_and_pads_with_the_oldest() -> None:
-    # Written in order 1, 2, 3, 4, 5 into a ring of 4 with idx now at 1: slot 0 holds 5.
-    op = filled([5.0, 2.0, 3.0, 4.0], idx=1)
+    # Written in order 1, 2, 3, 4, 5 into a ring of 4: 2 is the oldest left, 5 the newest.
+    op = filled([2.0, 3.0, 4.0, 5.0])
     short = op.resized(2)
     assert ring_history(short.ring).tolist() == [4.0, 5.0]
     assert short.idx == 0
@@ -351,15 +363,13 @@ def test_state_follows_policy_changes() -> None:
 @settings(max_examples=60)
 @given(
     history=st.lists(st.floats(0.0, 1e4, width=32), min_size=1, max_size=12),
-    data=st.data(),
     new_len=st.integers(1, 16),
 )
-def test_resize_laws(history: list[float], data: st.DataObject, new_len: int) -> None:
-    idx = data.draw(st.integers(0, len(history) - 1))
-    op = filled(history, idx)
+def test_resize_laws(history: list[float], new_len: int) -> None:
+    op = filled(history)
     out = op.resized(new_len)
     n = len(history)
-    chron = history[idx:] + history[:idx]  # oldest to newest
+    chron = history  # oldest to newest
     got = ring_history(out.ring).tolist()
     assert got[out.newest_amax_index()] == chron[-1]  # the newest amax survives
     assert got[-min(n, new_len) :] == chron[-min(n, new_len) :]  # newest entries, in order
@@ -378,3 +388,17 @@ def test_a_refused_quantize_leaves_the_operand_state_alone(
         op.quantize(torch.ones(3, dtype=torch.float64), E4M3, scaling, Fp8Backend.REFERENCE)
     assert (op.elements, op.seeded, op.idx) == (0, False, 0)
     assert torch.equal(op.ring, ring_new(op.history_len, "cpu"))
+
+
+def test_a_circular_version_1_checkpoint_loads_oldest_to_newest(ctx_for: CtxFor) -> None:
+    # Earlier versions wrote the history circularly at slot idx: with idx=1 the oldest
+    # entry is slot 1 and the newest slot 0. Loading stores it oldest to newest.
+    m = layer(ctx_for(DelayedScaling(history_len=4)))
+    sd = m.state_dict()
+    entry = sd["_extra_state"]["operands"]["input"]
+    ring_history(entry["ring"]).copy_(torch.tensor([5.0, 2.0, 3.0, 4.0]))
+    entry.update(idx=1, seeded=True, elements=12)
+    m.load_state_dict(sd)
+    op = m.scaling.input
+    assert ring_history(op.ring).tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert (op.idx, op.seeded, op.elements) == (0, True, 12)

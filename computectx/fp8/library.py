@@ -1,0 +1,324 @@
+"""The fp8 operations as torch operators (``torch.library``), so ``torch.compile`` sees them.
+
+Each operator below is one opaque node in a compiled graph: dynamo does not trace into it,
+AOTAutograd functionalizes it through its declared mutations (``mutates_args``), and its
+fake implementation gives the output shapes without touching data. Eager calls run the same
+Python function as before (``computectx.fp8.ops`` checks the arguments first), so the bytes,
+the bounds and the absence of host synchronisation are unchanged.
+
+=================================  ======================================================
+operator                           semantics
+=================================  ======================================================
+``computectx::fp8_quantize_delayed``  quantize with the ring's step, advance ring and tally
+``computectx::fp8_quantize_dynamic``  quantize with ``x``'s own step, record it in the ring
+``computectx::fp8_quantize_with_step``  quantize with a given step; also ``amax(x)``
+``computectx::fp8_scaled_mm``       ``(a * step_a) @ (b * step_b).T (+ bias)``
+``computectx::fp8_dequantize``      ``data * step`` rounded once to a dtype
+=================================  ======================================================
+
+The state the quantize operators advance lives in two device tensors per operand, both
+declared mutated: the float32 ring (``computectx.fp8.ring``'s layout) and an int64 *tally*
+``[seeded, elements]``. Nothing is kept in Python attributes, so a compiled step advances
+exactly what an eager step advances and no value is specialised into a guard.
+
+Delayed rings are kept oldest to newest: each call rotates the history one slot to the left
+(the oldest entry moves to the last slot) and the quantize writes its amax into the last
+slot. That is the circular ring of earlier versions with the write index pinned to the end,
+so the window (and therefore every step) is the same, and no host-side index exists to
+change between calls.
+
+None of these operators has an autograd formula of its own: gradients flow through the fp8
+linear's ``autograd.Function`` (``computectx.fp8.autograd``), which is written over them.
+Calling one on a tensor that requires grad and then differentiating raises torch's
+"no autograd formula" error rather than returning a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.library import custom_op
+
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import reference
+from computectx.fp8.backend import Fp8Backend, parse_backend
+from computectx.fp8.ring import (
+    RING_NONFINITE,
+    RING_SATURATED,
+    RING_STEP,
+    ring_history,
+    ring_history_len,
+    ring_nonfinite,
+    ring_slot,
+    ring_step,
+)
+
+__all__ = [
+    "TALLY_ELEMENTS",
+    "TALLY_LEN",
+    "TALLY_SEEDED",
+    "dequantize",
+    "quantize_delayed",
+    "quantize_dynamic",
+    "quantize_with_step",
+    "scaled_mm",
+    "tally_new",
+]
+
+TALLY_SEEDED = 0
+"""Tally slot: 1 once the operand's first call has run (its ring was seeded), else 0."""
+TALLY_ELEMENTS = 1
+"""Tally slot: elements quantized through the operand so far."""
+TALLY_LEN = 2
+
+
+def tally_new(device: torch.device) -> torch.Tensor:
+    """A fresh tally on ``device``: not seeded, no elements (int64 ``[seeded, elements]``).
+
+    Never an inference tensor (it is updated in place, as the ring is).
+    """
+    with torch.inference_mode(False):
+        return torch.zeros(TALLY_LEN, dtype=torch.int64, device=device)
+
+
+def _fmt(fp8: torch.dtype) -> Fp8Format:
+    return Fp8Format.parse(fp8)
+
+
+def _count(tally: torch.Tensor, x: torch.Tensor) -> None:
+    # Seeded, and numel more elements: a fill and an add on the device, no host read.
+    tally[TALLY_SEEDED : TALLY_SEEDED + 1].fill_(1)
+    tally[TALLY_ELEMENTS : TALLY_ELEMENTS + 1].add_(x.numel())
+
+
+def _kernels_quantize_delayed(
+    x: torch.Tensor, fp8: torch.dtype, ring: torch.Tensor, algo: str, margin: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from computectx.kernels import quantize
+
+    n = ring_history_len(ring)
+    return quantize.quantize_delayed(
+        x=x,
+        fp8=fp8,
+        ring=ring,
+        history_len=n,
+        slot=n - 1,
+        step_offset=RING_STEP,
+        nonfinite_offset=RING_NONFINITE,
+        saturated_offset=RING_SATURATED,
+        algo="max" if algo == "max" else "most_recent",
+        margin=margin,
+    )
+
+
+def _uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
+    # TRITON runs every op on the kernels; CUBLAS quantizes with them on a GPU (its GEMM is
+    # torch._scaled_mm) and with the twins elsewhere.
+    return backend is Fp8Backend.TRITON or (
+        backend is Fp8Backend.CUBLAS and x.device.type == "cuda"
+    )
+
+
+@custom_op("computectx::fp8_quantize_delayed", mutates_args=("ring", "tally"))
+def quantize_delayed(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    tally: torch.Tensor,
+    fp8: torch.dtype,
+    algo: str,
+    margin: int,
+    backend: str,
+    may_seed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Delayed scaling through one operand's ring: ``(data_fp8, step_used)``.
+
+    When the tally says the ring is not seeded yet, the history is first filled with
+    ``amax(x)`` and the step set from it (a non-finite amax is counted instead), so the
+    first call quantizes with its own step. ``may_seed=False`` promises the ring is seeded
+    and skips that check (and its pass over ``x`` on the kernels). Then the history rotates
+    one slot left, ``x`` is quantized with the ring's step, its amax lands in the last slot
+    and the step becomes the next one from the window (``algo``); the tally counts ``x``.
+    Arguments are checked by ``computectx.fp8.ops.quantize_operand_delayed``.
+    """
+    b = parse_backend(backend)
+    fmt = _fmt(fp8)
+    history, step = ring_history(ring), ring_step(ring)
+    if may_seed:
+        unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
+        a = reference.amax(x)
+        finite = torch.isfinite(a)
+        seed = unseeded & finite
+        history.copy_(torch.where(seed, a.expand_as(history), history))
+        step.copy_(torch.where(seed, reference.step_from_amax(a, fmt, margin), step))
+        ring_nonfinite(ring).add_((unseeded & ~finite).to(torch.float32))
+    if history.numel() > 1:
+        history.copy_(torch.roll(history, -1))
+    n = history.numel()
+    if _uses_kernels(b, x):
+        q, step_used = _kernels_quantize_delayed(x, fp8, ring, algo, margin)
+    else:
+        q, step_used = reference.quantize_delayed(
+            x, fmt, ring, n - 1, "max" if algo == "max" else "most_recent", margin
+        )
+    _count(tally, x)
+    return q, step_used
+
+
+@quantize_delayed.register_fake
+def _quantize_delayed_fake(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    tally: torch.Tensor,
+    fp8: torch.dtype,
+    algo: str,
+    margin: int,
+    backend: str,
+    may_seed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, dtype=fp8), ring.new_empty(1)
+
+
+@custom_op("computectx::fp8_quantize_dynamic", mutates_args=("ring", "tally"))
+def quantize_dynamic(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    tally: torch.Tensor,
+    fp8: torch.dtype,
+    margin: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic scaling through one operand's ring: ``(data_fp8, step)``.
+
+    The step comes from ``amax(x)``; the ring records that amax in its last history slot
+    (when finite; a non-finite one is counted instead) and the step; the tally counts ``x``.
+    """
+    b = parse_backend(backend)
+    fmt = _fmt(fp8)
+    if _uses_kernels(b, x):
+        from computectx.kernels import quantize
+
+        q, step, a = quantize.quantize_dynamic(x=x, fp8=fp8, margin=margin)
+    else:
+        q, step, a = reference.quantize_dynamic(x, fmt, margin)
+    record(ring, a, step)
+    _count(tally, x)
+    return q, step
+
+
+@quantize_dynamic.register_fake
+def _quantize_dynamic_fake(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    tally: torch.Tensor,
+    fp8: torch.dtype,
+    margin: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, dtype=fp8), ring.new_empty(1)
+
+
+def record(ring: torch.Tensor, amax: torch.Tensor, step: torch.Tensor) -> None:
+    """Write an amax (into the newest history slot) and the step used with it; a
+    non-finite amax is counted and leaves the recorded amax as it was. Device ops only."""
+    a = amax.reshape(1).to(device=ring.device, dtype=torch.float32)
+    finite = torch.isfinite(a)
+    slot = ring_slot(ring, ring_history_len(ring) - 1)
+    slot.copy_(torch.where(finite, a, slot))
+    ring_step(ring).copy_(step.reshape(1))
+    ring_nonfinite(ring).add_((~finite).to(torch.float32))
+
+
+@custom_op("computectx::fp8_quantize_with_step", mutates_args=())
+def quantize_with_step(
+    x: torch.Tensor, step: torch.Tensor, fp8: torch.dtype, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8(clamp(x / step)), amax(x))``: quantize with a given step (no state)."""
+    b = parse_backend(backend)
+    if _uses_kernels(b, x):
+        from computectx.kernels import quantize
+
+        return quantize.quantize_with_step(x=x, fp8=fp8, step=step)
+    return reference.quantize_with_step(x, _fmt(fp8), step)
+
+
+@quantize_with_step.register_fake
+def _quantize_with_step_fake(
+    x: torch.Tensor, step: torch.Tensor, fp8: torch.dtype, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x, dtype=fp8), step.new_empty(1)
+
+
+def _cublas_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    # torch._scaled_mm wants mat1 row-major [M, K] and mat2 column-major [K, N] (that is
+    # b [N, K] row-major, transposed); other strides are copied into that order (one read
+    # and write of a 1-byte operand). Its scales are exactly our steps (x = q * step).
+    # It takes a bias only for 16-bit outputs; a float32 result adds it in float32 after.
+    a = a if a.stride(1) == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 else b.contiguous()
+    fused_bias = bias if bias is not None and out_dtype != torch.float32 else None
+    if fused_bias is not None and fused_bias.dtype != out_dtype:
+        fused_bias = None
+    out = torch._scaled_mm(
+        a,
+        b.t(),
+        scale_a=step_a.reshape(()).to(torch.float32),
+        scale_b=step_b.reshape(()).to(torch.float32),
+        bias=fused_bias,
+        out_dtype=torch.float32 if bias is not None and fused_bias is None else out_dtype,
+    )
+    if bias is not None and fused_bias is None:
+        out = (out + bias.to(torch.float32)).to(out_dtype)
+    return out
+
+
+@custom_op("computectx::fp8_scaled_mm", mutates_args=())
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``."""
+    chosen = parse_backend(backend)
+    if chosen is Fp8Backend.TRITON:
+        from computectx.kernels import scaled_mm as gemm
+
+        return gemm.scaled_mm(
+            a=a, b=b, step_a=step_a, step_b=step_b, bias=bias, out_dtype=out_dtype
+        )
+    if chosen is Fp8Backend.CUBLAS:
+        return _cublas_scaled_mm(a, b, step_a, step_b, bias, out_dtype)
+    return reference.scaled_mm(a, b, step_a, step_b, bias, out_dtype)
+
+
+@scaled_mm.register_fake
+def _scaled_mm_fake(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@custom_op("computectx::fp8_dequantize", mutates_args=())
+def dequantize(data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * step`` formed in float32, rounded once to ``dtype``."""
+    return reference.dequantize(data, step, dtype)
+
+
+@dequantize.register_fake
+def _dequantize_fake(data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(data, dtype=dtype)
