@@ -51,13 +51,16 @@ class DemoReport:
     results: list[PolicyResult]
     json_path: Path
     plot_path: Path
+    world_size: int = 1
+    """Data-parallel processes that trained (``--nproc``); figures are the group's."""
 
 
 def results_table(report: DemoReport) -> Table:
     """One row per policy; ``table_notes`` says what each column measures."""
     cuda = report.device.type == "cuda"
     n = tail_steps(report.settings.steps)
-    table = Table(title="computectx demo: one model, one batch order, one policy per row")
+    procs = "" if report.world_size == 1 else f", {report.world_size} data-parallel processes"
+    table = Table(title=f"computectx demo: one model, one batch order, one policy per row{procs}")
     table.add_column("policy")
     table.add_column(f"train loss\n(last {n} mean)", justify="right")
     table.add_column("val loss", justify="right")
@@ -123,6 +126,7 @@ def results_json(report: DemoReport) -> dict[str, Any]:
             "val_bytes": report.corpus.val.numel(),
         },
         "device": str(report.device),
+        "world_size": report.world_size,
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "fp8_backend": report.fp8_backend,

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import datetime
+import io
 import json
 import os
+import socket
 import tempfile
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
+from torch.multiprocessing.spawn import start_processes
 
 from computectx import capability
 from computectx.demo.corpus import load_corpus, val_batches
@@ -23,10 +28,13 @@ from computectx.demo.report import (
     table_notes,
 )
 from computectx.demo.settings import DemoError, DemoSettings
-from computectx.demo.train import policy_ctx, train_policy
+from computectx.demo.train import data_parallel_rank, policy_ctx, train_policy
 from computectx.fp8 import select_backend
 
 __all__ = ["check_output_dir", "resolve_device", "run_demo"]
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long a rank waits in a collective before failing (a dead peer ends the run)."""
 
 
 def resolve_device(settings: DemoSettings) -> torch.device:
@@ -81,13 +89,75 @@ def _half_gemm_line(settings: DemoSettings, dev: torch.device) -> str | None:
     return "; ".join(parts) or None
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _rank_main(rank: int, settings: DemoSettings, port: int, report_path: str) -> None:
+    """One process of ``--nproc``: join the group, run the demo, rank 0 reports."""
+    dev = resolve_device(settings)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        dev = torch.device("cuda", rank)
+        torch.cuda.set_device(dev)
+        settings = settings.model_copy(update={"device": str(dev)})
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group(
+        backend, rank=rank, world_size=settings.nproc, timeout=COLLECTIVE_TIMEOUT
+    )
+    try:
+        quiet = None if rank == 0 else Console(file=io.StringIO())
+        report = run_demo(settings, quiet)
+        if rank == 0:
+            torch.save(report, report_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(settings: DemoSettings) -> DemoReport:
+    # torch's own launcher machinery: spawned processes, a failure in any rank raised here.
+    dev = resolve_device(settings)
+    if dev.type == "cuda" and settings.nproc > torch.cuda.device_count():
+        raise DemoError(
+            f"--nproc {settings.nproc} exceeds the {torch.cuda.device_count()} CUDA device(s) "
+            f"here; accepted: 1 to {torch.cuda.device_count()}"
+        )
+    load_corpus(settings.data, min_bytes=settings.seq_len + 1)  # refuse bad data up front
+    folder = check_output_dir(settings.out)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".computectx-ranks-") as tmp:
+        report_path = os.path.join(tmp, "report.pt")
+        start_processes(  # type: ignore[no-untyped-call]  # torch leaves it untyped
+            _rank_main,
+            args=(settings, _free_port(), report_path),
+            nprocs=settings.nproc,
+            start_method="spawn",
+        )
+        report: DemoReport = torch.load(report_path, weights_only=False)  # our own file
+    return report
+
+
 def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoReport:
     """Train every policy in ``settings.dtypes``, print the table and write the outputs.
 
     Checks the device, the data and the output folder before training (``DemoError``).
     Writes ``results.json`` and ``loss.png`` into ``settings.out``. Sets torch's intra-op
-    thread count to ``settings.threads`` for the training and restores it.
+    thread count to ``settings.threads`` for the training and restores it. With
+    ``settings.nproc`` above 1 it spawns that many processes (gloo on the CPU, one GPU each
+    with nccl) that train data-parallel; rank 0 prints and writes, and its report is
+    returned.
     """
+    rank, world = data_parallel_rank()
+    if settings.nproc > 1 and world == 1:
+        return _launch(settings)
+    if world != settings.nproc:
+        raise DemoError(
+            f"run_demo with nproc={settings.nproc} inside a process group of {world} "
+            f"process(es); give nproc={world}, or call it outside torch.distributed"
+        )
     out = console or Console()
     if console is None and not out.is_terminal and "COLUMNS" not in os.environ:
         out = Console(width=120)  # rich assumes 80 columns off a terminal: too narrow
@@ -123,7 +193,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
     threads = torch.get_num_threads()
     torch.set_num_threads(settings.threads)
     try:
-        with Progress(*columns, console=Console(stderr=True)) as progress:
+        with Progress(*columns, console=Console(stderr=True), disable=rank != 0) as progress:
             for flag in settings.dtypes:
                 results.append(train_policy(flag, settings, dev, corpus, val, progress))
     finally:
@@ -138,6 +208,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         results=results,
         json_path=folder / "results.json",
         plot_path=folder / "loss.png",
+        world_size=world,
     )
     out.print(results_table(report))
     for line in table_notes(report):
@@ -153,6 +224,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         if r.sample:
             out.print(f"\nsample ({r.flag}, temperature 0.8, top-k 40):", markup=False)
             out.print(Text(printable(r.sample)))
+    if rank != 0:
+        return report
     report.json_path.write_text(json.dumps(results_json(report), indent=1, allow_nan=False))
     plot_losses(report)
     out.print(f"\nwrote {report.json_path} and {report.plot_path}", markup=False)

@@ -7,11 +7,13 @@ only torch can tell (whether a CUDA device exists) is checked by ``run_demo``.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
+from typing_extensions import Self
 
 __all__ = ["DEFAULT_DTYPES", "POLICY_FLAGS", "DemoError", "DemoSettings"]
 
@@ -78,6 +80,10 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Bytes generated for each policy's sample (0: no sample)."""
     eval_batches: int = Field(default=4, ge=1, le=4096)
     """Validation batches per evaluation."""
+    nproc: int = Field(default=1, ge=1, le=4096)
+    """Data-parallel processes: each trains on its share of every batch (the batch size must
+    divide evenly) and the gradients are averaged. On the CPU at most the CPUs this process
+    may use; on CUDA at most the GPUs (one each)."""
     threads: int = Field(default=1, ge=1, le=4096)
     """Intra-op CPU threads torch uses during the run (restored afterwards). One by default:
     the model's matrices are ~128 wide, so a second thread gains little, and on a busy machine
@@ -110,6 +116,29 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
         if dups:
             raise ValueError(f"{', '.join(dups)} given more than once")
         return tuple(flags)
+
+    @model_validator(mode="after")
+    def _nproc_fits(self) -> Self:
+        if self.nproc > 1 and (self.grad_accum > 1 or self.offload):
+            raise ValueError(
+                f"nproc={self.nproc} with grad_accum={self.grad_accum} and offload="
+                f"{self.offload}: the data-parallel demo trains with grad_accum=1 and without "
+                f"offload for now"
+            )
+        if self.nproc > 1 and self.batch_size % self.nproc:
+            raise ValueError(
+                f"nproc={self.nproc} does not divide batch_size={self.batch_size}; every "
+                f"process takes an equal share of each batch"
+            )
+        if self.nproc > 1 and (self.device or "cpu").startswith("cpu"):
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            cpus = cpus or os.cpu_count() or 1
+            if self.nproc > cpus:
+                raise ValueError(
+                    f"nproc={self.nproc} exceeds the {cpus} CPU(s) this process may use; "
+                    f"accepted: 1 to {cpus}"
+                )
+        return self
 
     @field_validator("device", mode="before")
     @classmethod

@@ -8,12 +8,16 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.progress import Progress
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
 from computectx.demo.settings import DemoSettings
+from computectx.distributed import sync_fp8_scaling
 from computectx.dtypes import DType
 from computectx.fp8 import Fp8Linear, fp8_stats
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -128,6 +132,20 @@ def _fp8_summary(model: ByteLM) -> tuple[int, float, dict[str, Any]]:
     return nonfinite, saturated, layers
 
 
+def data_parallel_rank() -> tuple[int, int]:
+    """``(rank, world_size)`` of this process: ``(0, 1)`` unless torch.distributed is up."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _group_mean(t: torch.Tensor, world: int) -> torch.Tensor:
+    if world > 1:
+        dist.all_reduce(t)
+        t = t / world
+    return t
+
+
 def train_policy(
     flag: str,
     settings: DemoSettings,
@@ -141,10 +159,22 @@ def train_policy(
     Seeds torch with ``settings.seed`` first, so every policy starts from the same weights
     and (through ``train_batches``) sees the same batches. The progress task shows each
     step's own loss.
+
+    Under torch.distributed (``computectx demo --nproc N``) each rank trains its share of
+    every batch in ``DistributedDataParallel``, fp8 rings merged across ranks before each
+    forward (``sync_fp8_scaling``); the losses reported are the group's means.
     """
     ctx = policy_ctx(flag, settings, device)
+    rank, world = data_parallel_rank()
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, model_config(settings))
+    runner: nn.Module = model
+    if world > 1:
+        ids = [device.index] if device.type == "cuda" else None
+        runner = DistributedDataParallel(model, device_ids=ids)
+        if ctx.fp8 is not None:
+            sync_fp8_scaling(runner)
+    share = slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world)
     # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
     fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     backend = ",".join(sorted({m.backend.value for m in fp8_layers})) or None
@@ -175,15 +205,17 @@ def train_policy(
             summed = torch.zeros((), device=device)
             for micro in range(settings.grad_accum):
                 x, y = next(batches)
+                x, y = x[share].to(device), y[share].to(device)
                 if step == 0 and micro == 0:
                     with saved:  # what one micro-batch keeps for backward
-                        loss = model.loss(x.to(device), y.to(device)) / settings.grad_accum
+                        loss = model.loss_of(runner(x), y) / settings.grad_accum
                         torch.autograd.backward(loss)
                 else:
-                    loss = model.loss(x.to(device), y.to(device)) / settings.grad_accum
+                    loss = model.loss_of(runner(x), y) / settings.grad_accum
                     torch.autograd.backward(loss)
                 summed += loss.detach()
-            step_loss = float(summed)  # one device-to-host read per step, not per micro-batch
+            # One device-to-host read per step, not per micro-batch (and one all-reduce).
+            step_loss = float(_group_mean(summed, world))
             if offloaded is not None:
                 offloaded.ingest_grads(acc)
                 norm = offloaded.clip_grad_norm(1.0)
@@ -219,7 +251,7 @@ def train_policy(
     if ctx.fp8 is not None:
         nonfinite, saturated, layers = _fp8_summary(model)
     sample = ""
-    if settings.sample_tokens:
+    if settings.sample_tokens and rank == 0:
         g = torch.Generator().manual_seed(settings.seed)
         out = generate(
             model,
@@ -230,6 +262,7 @@ def train_policy(
             generator=g,
         )
         sample = decode_bytes(out)
+    # The whole batch (every rank's share) per step: the group's throughput.
     tokens = settings.steps * settings.grad_accum * settings.batch_size * settings.seq_len
     return PolicyResult(
         flag=flag,

@@ -147,7 +147,10 @@ class ByteLM(nn.Module):
         The logits are lifted to ``compute ⊔ accum`` first: a BF16 log-sum-exp over 256
         logits would round the loss itself to ~3 significant digits.
         """
-        logits = self(ids)
+        return self.loss_of(self(ids), targets)
+
+    def loss_of(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """``loss`` for logits computed elsewhere (through a data-parallel wrapper, say)."""
         wide = cast_if(logits, promote(dtype_of(logits), self.ctx.accum))
         return nn.functional.cross_entropy(wide.reshape(-1, BYTE_VOCAB), targets.reshape(-1))
 

@@ -1,0 +1,71 @@
+"""``computectx demo --nproc N``: data-parallel ranks against one process, and the bounds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(300))
+SMALL = [
+    "--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1",
+    "--sample-tokens", "0", "--device", "cpu", "--steps", "8", "--lr", "1e-2",
+    "--dtype", "fp32,fp8_hybrid",
+]  # fmt: skip
+
+
+def _demo(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "computectx", "demo", *argv],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=300,
+    )
+
+
+def _results(out: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return data
+
+
+def test_two_processes_train_like_one(tmp_path: Path) -> None:
+    data = tmp_path / "code.txt"
+    data.write_text(TEXT)
+    runs = {}
+    for n in (1, 2):
+        out = tmp_path / f"out{n}"
+        res = _demo(*SMALL, "--data", str(data), "--out", str(out), "--nproc", str(n))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert res.stdout.count("wrote ") == 1  # one table and one report, from rank 0
+        runs[n] = _results(out)
+    assert [runs[n]["world_size"] for n in (1, 2)] == [1, 2]
+    one, two = ({r["flag"]: r["train_losses"] for r in runs[n]["results"]} for n in (1, 2))
+    for flag, bound in (("fp32", 1e-5), ("fp8_hybrid", 5e-3)):
+        rel = max(abs(a - b) / abs(a) for a, b in zip(one[flag], two[flag], strict=True))
+        assert rel <= bound, (flag, rel, one[flag], two[flag])
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--nproc", "0"], "--nproc '0': Input should be greater than or equal to 1"),
+        (["--nproc", "-2"], "--nproc '-2': Input should be greater than or equal to 1"),
+        (["--nproc", str(_cpus() + 1), "--batch-size", str(8 * (_cpus() + 1))], "CPU(s)"),
+        (["--nproc", "2", "--batch-size", "3"], "does not divide batch_size=3"),
+        (["--nproc", "2", "--grad-accum", "2"], "grad_accum=1 and without offload"),
+    ],
+)
+def test_bad_nproc_exits_2_before_launching(argv: list[str], expected: str) -> None:
+    res = _demo("--device", "cpu", *argv)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert expected in res.stderr, res.stderr
