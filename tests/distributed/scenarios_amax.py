@@ -17,7 +17,7 @@ from computectx.fp8 import Fp8Linear, convert_to_fp8
 BATCH = 8
 
 
-def _model(ctx: ComputeCtx) -> nn.Module:
+def _model(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     convert_to_fp8(model, ctx, module_filter=lambda fqn, module: True)
@@ -88,42 +88,44 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
-    """Train ``steps`` steps sharded with FSDP2 and the amax sync, save with DCP; or (one
-    process, ``load=True``) load that checkpoint into a fresh model. Reports the forward
-    output on a fixed input and the rings."""
-    import torch.distributed.checkpoint as dcp
+    """Train ``steps`` steps (sharded with FSDP2 on more than one rank, with the amax sync
+    unless ``sync=False``) and save with DCP to ``path``; or, with ``load=True``, load that
+    checkpoint into a fresh model sharded over this run's ranks. Reports the forward output on
+    a fixed input and the rings."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     ctx = ComputeCtx.from_flag(params["flag"], "cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(ctx)
+    if world > 1:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     probe = torch.linspace(-3.0, 3.0, 4 * 32).reshape(4, 32)
     if params.get("load"):
         state = get_model_state_dict(model)
-        dcp.load(state, checkpoint_id=params["path"])
+        load(state, checkpoint_id=params["path"])
         set_model_state_dict(model, state)
-        with torch.no_grad():
-            out = model(probe)
-        return {"out": out, "rings": _rings(model)}
-    mesh = init_device_mesh("cpu", (world,))
-    for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    sync = sync_fp8_scaling(model)
-    if not params.get("sync", True):
-        sync.remove()
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    per = BATCH // world
-    for x, y in _batches(params["steps"]):
-        xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-        nn.functional.mse_loss(model(xs).float(), ys).backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        opt.zero_grad()
-    if params.get("sync", True):
-        sync.sync()  # the last step's amaxes of every rank go into the checkpoint
-    dcp.save(get_model_state_dict(model), checkpoint_id=params["path"])
+    else:
+        sync = sync_fp8_scaling(model)
+        if not params.get("sync", True):
+            sync.remove()
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+        per = BATCH // world
+        for x, y in _batches(params["steps"]):
+            xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            out = model(xs).float()
+            nn.functional.mse_loss(out, ys).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            opt.zero_grad()
+        if params.get("sync", True):
+            sync.sync()  # the last step's amaxes of every rank go into the checkpoint
+        save(get_model_state_dict(model), checkpoint_id=params["path"])
     with torch.no_grad():
         out = model(probe)
     return {"out": out, "rings": _rings(model)}

@@ -75,3 +75,17 @@ def test_fsdp2_checkpoint_saved_on_two_ranks_loads_in_one_process(
         assert same == [True, True]
     else:  # which rank's copy of the replicated state DCP keeps is its choice
         assert sorted(same) == [False, True]
+
+
+def test_checkpoint_saved_in_one_process_loads_on_two_fsdp2_ranks(
+    run_ranks: RunRanks, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "ckpt")
+    (saved,) = run_ranks(
+        "scenarios_amax.py:fsdp_checkpoint", world_size=1, flag="fp8_hybrid", steps=4, path=path
+    )
+    loaded = run_ranks("scenarios_amax.py:fsdp_checkpoint", flag="fp8_hybrid", path=path, load=True)
+    for r in loaded:
+        assert torch.equal(r["out"], saved["out"])
+        for key, ring in saved["rings"].items():
+            assert torch.equal(r["rings"][key], ring), key
