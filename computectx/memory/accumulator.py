@@ -237,8 +237,40 @@ class LowPrecGradAccumulator:
         """How many micro-batch gradients ``param``'s buffer holds."""
         return self._slot(param).count
 
+    def sync(self) -> None:
+        """Make the sums final before they are handed over; a no-op here.
+
+        ``peek``, ``pop``, ``flush_to_param_grads`` and ``OffloadedOptimizer.ingest_grads``
+        call it first. A subclass that reduces the sums across ranks
+        (``computectx.distributed.DataParallelGradAccumulator``) does it here, once per
+        batch of new gradients.
+        """
+
+    def set_sum(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Replace ``param``'s accumulated sum with ``value``, rounded once into ``ctx.grad``.
+
+        The result lives on ``ctx.offload_device`` (an existing buffer is overwritten in
+        place); the micro-batch count is kept (at least 1). For code that combines sums
+        outside the hooks, such as a reduction across ranks.
+        """
+        slot = self._slot(param)
+        if not isinstance(value, torch.Tensor) or value.shape != param.shape:
+            raise ValueError(
+                f"set_sum needs a tensor of the parameter's shape {tuple(param.shape)}, got "
+                f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
+            )
+        self._fold_pending(slot)
+        with torch.no_grad():
+            rounded = self._round(value.detach().to(self.device))
+            if slot.buffer is not None:
+                slot.buffer.copy_(rounded)
+            else:
+                slot.buffer = rounded.clone()  # never an alias of the caller's tensor
+        slot.count = max(slot.count, 1)
+
     def peek(self, param: torch.Tensor) -> torch.Tensor | None:
         """``param``'s accumulated gradient (the live buffer, not a copy), or ``None``."""
+        self.sync()
         slot = self._slot(param)
         self._fold_pending(slot)
         return slot.buffer
@@ -251,6 +283,7 @@ class LowPrecGradAccumulator:
         """
         if not self.tracks(param):
             return None
+        self.sync()
         slot = self._slots[id(param)]
         self._fold_pending(slot)
         buf, slot.buffer, slot.count = slot.buffer, None, 0
@@ -265,6 +298,7 @@ class LowPrecGradAccumulator:
         buffers are emptied.
         """
         dtype = DType.parse(dtype)
+        self.sync()
         flushing = [s for s in self._slots.values() if s.pending or s.buffer is not None]
         bad = [s for s in flushing if s.param.dtype != dtype.torch]
         if bad:

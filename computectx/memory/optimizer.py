@@ -12,7 +12,7 @@ import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, overload
+from typing import Any, Literal, Protocol, overload
 
 import torch
 
@@ -20,9 +20,25 @@ from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Staging, Transfer, check_transfer, uses_staging
 from computectx.memory.accumulator import LowPrecGradAccumulator
 
-__all__ = ["OffloadedOptimizer", "state_tensors"]
+__all__ = ["OffloadedOptimizer", "Sharding", "state_tensors"]
 
 _MASTER_KEY = "master_weights"
+
+
+class Sharding(Protocol):
+    """How the compute parameters are split across ranks (``sharding=`` of the optimizer).
+
+    ``computectx.distributed.ShardedParams`` is the implementation for FSDP2; the memory
+    layer itself never talks to ``torch.distributed``.
+    """
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a compute parameter or gradient, as a plain tensor (a view)."""
+        ...
+
+    def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
+        """``values`` (a small f64 tensor on the CPU) reduced over the ranks sharing the params."""
+        ...
 
 
 def _normalise_groups(params: Any) -> list[dict[str, Any]]:
@@ -85,6 +101,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     compute copy is lower precision. LBFGS is rejected: it re-evaluates its closure against
     the tensors it steps, which here are the masters, not the model.
 
+    ``sharding`` (keyword, a ``Sharding``) is for parameters split across ranks (FSDP2's
+    DTensors): each master is then this rank's local shard as a plain tensor on the offload
+    device, optimizer state is per shard, ``clip_grad_norm`` measures the global norm with
+    one all-reduce, and the skip decision for non-finite gradients is taken by all ranks
+    together. ``computectx.distributed.ShardedParams(mesh)`` provides it; see
+    docs/distributed.md. Under DDP no sharding is needed: the gradients the masters receive
+    are already reduced, so every rank measures the same global norm.
+
     Weights changed outside the optimizer between steps (``model.load_state_dict``,
     ``load_weights``, an in-place edit under ``no_grad``) are adopted: ``step`` and
     ``state_dict`` first copy every such compute parameter into its master, so the next
@@ -99,6 +123,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
         *,
         transfer: Transfer = "auto",
+        sharding: Sharding | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not isinstance(ctx, ComputeCtx):
@@ -119,6 +144,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "use LBFGS directly on the model's parameters"
             )
         self._transfer: Transfer = check_transfer(transfer)
+        if sharding is not None and not (
+            callable(getattr(sharding, "local", None))
+            and callable(getattr(sharding, "all_reduce", None))
+        ):
+            raise TypeError(
+                f"sharding must be a Sharding (e.g. computectx.distributed.ShardedParams(mesh)) "
+                f"or None, got {type(sharding).__name__}"
+            )
+        self._sharding = sharding
         self._ctx = ctx
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = optimizer_kwargs
@@ -154,6 +188,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def transfer(self) -> Transfer:
         """How gradients and weights cross devices (the ``transfer`` constructor option)."""
         return self._transfer
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """How the parameters are split across ranks (``None``: each rank holds them whole)."""
+        return self._sharding
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        return t if self._sharding is None else self._sharding.local(t)
 
     @property
     def ctx(self) -> ComputeCtx:
@@ -204,7 +246,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         return compute
 
     def _make_master(self, p: torch.Tensor) -> torch.Tensor:
-        data = p.detach().to(
+        data = self._local(p.detach()).to(
             device=self._ctx.offload_device, dtype=self._ctx.master.torch, copy=True
         )
         return torch.nn.Parameter(data, requires_grad=p.requires_grad)
@@ -230,7 +272,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             inner.add_param_group(master_group)
         self._compute.extend(compute)
         self._master.extend(masters)
-        self._seen.extend(_stamp(p) for p in compute)
+        self._seen.extend(_stamp(self._local(p)) for p in compute)
 
     # ----- gradients ------------------------------------------------------------------
 
@@ -252,6 +294,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     "the accumulator tracks none of this optimizer's parameters; build it "
                     "from the same parameters (e.g. model.parameters())"
                 )
+            accumulator.sync()
+            late = [
+                i
+                for i, p in enumerate(self._compute)
+                if p.grad is not None and accumulator.tracks(p) and not accumulator.closed
+            ]
+            if late:
+                raise RuntimeError(
+                    f"{len(late)} parameter(s) drained by the LowPrecGradAccumulator (indices "
+                    f"{late[:8]}) have a param.grad written after the accumulator took their "
+                    f"gradient. Under DistributedDataParallel this is the reducer writing its "
+                    f"all-reduced gradient after the hook drained the local one, so the sums "
+                    f"were never reduced across ranks; use "
+                    f"computectx.distributed.DataParallelGradAccumulator(ddp_model, ctx) "
+                    f"instead. Otherwise set param.grad only on parameters the accumulator "
+                    f"does not track, or close() it first. Nothing was ingested"
+                )
         with torch.no_grad():
             if accumulator is not None:
                 for cp, mp in zip(self._compute, self._master, strict=True):
@@ -267,7 +326,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if g is None:
                 continue
             cp.grad = None
-            g = g.detach()
+            g = self._local(g.detach())
             if uses_staging(self._transfer, g.device, mp.device):
                 st = self._grad_staging.get(i)
                 if st is None or st.buffer.dtype != g.dtype:
@@ -297,7 +356,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         parameters is ingested first. A non-finite norm (an inf or NaN gradient) is returned
         as is, and the next ``step`` skips these gradients without being told; nothing
         else is needed, and ``zero_grad`` leaves nothing pending. The norm is also what
-        that ``step`` decides by, so it need not look at the gradients again.
+        that ``step`` decides by, so it need not look at the gradients again. With a
+        ``sharding`` the norm is the global one over every rank's shards (one all-reduce).
         """
         if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
             raise TypeError(f"max_norm must be a number, got {max_norm!r}")
@@ -306,12 +366,39 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._ingest_param_grads()
         with_grads = [mp for mp in self._master if mp.grad is not None]
-        norm = float(
-            torch.nn.utils.clip_grad_norm_(with_grads, float(max_norm), norm_type=norm_type)
-        )
+        if self._sharding is None:
+            norm = float(
+                torch.nn.utils.clip_grad_norm_(with_grads, float(max_norm), norm_type=norm_type)
+            )
+        else:
+            norm = self._clip_sharded(with_grads, float(max_norm), float(norm_type))
         # Stamped after clipping (which rewrote the gradients in place), so any later change
         # to them, ours or the caller's, makes step() check again.
         self._verdict = _Verdict(self._grad_stamps(), math.isfinite(norm))
+        return norm
+
+    def _clip_sharded(self, masters: list[torch.Tensor], max_norm: float, p: float) -> float:
+        # The global norm of gradients split across ranks: the local shards' sum of |g|^p
+        # (max |g| for p=inf) all-reduced, then the p-th root. Clipping then scales each
+        # local shard as torch.nn.utils.clip_grad_norm_ scales a whole gradient.
+        sharding = self._sharding
+        if sharding is None:  # pragma: no cover - only called with a sharding
+            raise RuntimeError("_clip_sharded needs a sharding")
+        grads = [mp.grad for mp in masters if mp.grad is not None]
+        norms = [torch.linalg.vector_norm(g, p).double().cpu() for g in grads]
+        if math.isinf(p):
+            local = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64)
+            total = sharding.all_reduce(local.reshape(1), "max")[0]
+        else:
+            local = (
+                torch.stack(norms).pow(p).sum() if norms else torch.zeros((), dtype=torch.float64)
+            )
+            total = sharding.all_reduce(local.reshape(1), "sum")[0].pow(1.0 / p)
+        norm = float(total)
+        coef = min(max_norm / (norm + 1e-6), 1.0) if math.isfinite(norm) else math.nan
+        if coef < 1.0 or math.isnan(coef):
+            for g in grads:
+                g.mul_(coef)
         return norm
 
     def _grad_stamps(self) -> tuple[_GradStamp, ...]:
@@ -321,7 +408,12 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         verdict = self._verdict
         if verdict is not None and verdict.stamps == self._grad_stamps():
             return verdict.finite
-        return _all_finite([mp.grad for mp in self._master if mp.grad is not None])
+        finite = _all_finite([mp.grad for mp in self._master if mp.grad is not None])
+        if self._sharding is None:
+            return finite
+        # Every rank must take the same decision, or the shards of one weight diverge.
+        bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
+        return bool(self._sharding.all_reduce(bad, "max")[0] == 0.0)
 
     # ----- the step -------------------------------------------------------------------
 
@@ -382,26 +474,28 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         # sync. Reading the stamps costs no device work.
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
-                stamp = _stamp(cp)
+                local = self._local(cp)
+                stamp = _stamp(local)
                 if stamp != self._seen[i]:
-                    mp.copy_(cp)
+                    mp.copy_(local)
                     self._seen[i] = stamp
 
     def _sync_to_compute(self) -> None:
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
-                if uses_staging(self._transfer, cp.device, mp.device):
+                dst = self._local(cp)
+                if uses_staging(self._transfer, dst.device, mp.device):
                     st = self._param_staging.get(i)
                     if st is None:
-                        st = Staging(cp.shape, cp.dtype, host=mp.device, peer=cp.device)
+                        st = Staging(dst.shape, dst.dtype, host=mp.device, peer=dst.device)
                         self._param_staging[i] = st
                     # The previous upload may still be reading the buffer.
                     st.wait()
                     st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
-                    st.drain_to(cp)
+                    st.drain_to(dst)
                 else:
-                    cp.copy_(mp)
-                self._seen[i] = _stamp(cp)
+                    dst.copy_(mp)
+                self._seen[i] = _stamp(dst)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
@@ -446,7 +540,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             sources = masters if masters is not None else self._compute
             for mp, src in zip(self._master, sources, strict=True):
-                mp.copy_(src)
+                mp.copy_(self._local(src))
         self._sync_to_compute()
 
     def _check_saved_masters(self, saved: Any) -> list[torch.Tensor]:
