@@ -5,11 +5,15 @@ stored in ``ComputeCtx`` (whose text and JSON forms stay lossless). Nothing in t
 this package.
 """
 
+from computectx.distributed.accumulate import DataParallelGradAccumulator
 from computectx.distributed.amax import Fp8AmaxSync, sync_fp8_scaling
 from computectx.distributed.group import check_same_policy, data_parallel_group
+from computectx.distributed.sharding import ShardedParams
 
 __all__ = [
+    "DataParallelGradAccumulator",
     "Fp8AmaxSync",
+    "ShardedParams",
     "check_same_policy",
     "data_parallel_group",
     "sync_fp8_scaling",

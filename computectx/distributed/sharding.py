@@ -1,0 +1,52 @@
+"""``ShardedParams``: the ``Sharding`` an ``OffloadedOptimizer`` needs for FSDP2 parameters."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from computectx.distributed.accumulate import all_reduce_on
+from computectx.distributed.group import GroupArg, data_parallel_group
+
+__all__ = ["ShardedParams"]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class ShardedParams:
+    """Parameters split across the ranks of ``group`` (FSDP2 ``fully_shard``'s DTensors).
+
+    Pass it as ``OffloadedOptimizer(..., sharding=ShardedParams(mesh))``. ``local`` gives
+    the rank's shard of a DTensor (plain tensors pass through), so masters and optimizer
+    state are plain local shards on the offload device; ``all_reduce`` combines the
+    optimizer's few per-rank numbers (the squared norm for ``clip_grad_norm``, the
+    non-finite verdict of ``step``) over ``group``. Those numbers travel as a CPU tensor:
+    gloo and ``cpu:gloo,cuda:nccl`` groups reduce it in place, a pure nccl group through
+    the current CUDA device. ``group`` is the mesh (one-dimensional: for HSDP pass the
+    shard dimension, ``mesh["shard"]``), a process group, or ``None`` for the default
+    group.
+    """
+
+    def __init__(self, group: GroupArg = None) -> None:
+        self.group = data_parallel_group(group)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself."""
+        if isinstance(tensor, DTensor):
+            with torch.no_grad():  # the shard itself (a view), not an autograd copy
+                return tensor.to_local()
+        return tensor
+
+    def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
+        """``values`` summed (or maxed) over the group; a new CPU tensor."""
+        if op not in _OPS:
+            raise ValueError(f"unknown op {op!r}; accepted: 'sum', 'max'")
+        out = values.detach().to("cpu", copy=True)
+        all_reduce_on(out, self.group, _OPS[op])
+        return out
+
+    def __repr__(self) -> str:
+        return f"ShardedParams(world_size={dist.get_world_size(self.group)})"
