@@ -64,6 +64,9 @@ class Fp8Linear(nn.Linear):
         self._forced_backend = None if backend is None else select_backend(dev, force=backend)[0]
         self.scaling = Fp8ScalingState(policy, dev)
         self._frozen = False
+        # The per-device default, looked up whenever the weight's device is set (here and in
+        # _apply): compiled code then reads an attribute instead of tracing the probes.
+        self._auto_backend = default_backend(dev)
 
     @classmethod
     def from_linear(
@@ -96,6 +99,7 @@ class Fp8Linear(nn.Linear):
         new.weight = w
         new.bias = linear.bias
         new._forced_backend = forced
+        new._auto_backend = default_backend(w.device)
         new.scaling = Fp8ScalingState(new.policy, w.device)
         new.train(linear.training)
         return new
@@ -117,7 +121,7 @@ class Fp8Linear(nn.Linear):
         """The backend the next call runs on."""
         if self._forced_backend is not None:
             return self._forced_backend
-        return default_backend(self._storage_device())
+        return self._auto_backend
 
     def _storage_device(self) -> torch.device:
         w = self.weight_fp8 if self._frozen else self.weight
@@ -244,6 +248,7 @@ class Fp8Linear(nn.Linear):
         finally:
             self._buffers.update(held)
         self.scaling.to(self._storage_device())
+        self._auto_backend = default_backend(self._storage_device())
         return self
 
     def extra_repr(self) -> str:

@@ -66,11 +66,46 @@ class _Frame:
 
 _REGION: ContextVar[_Frame | None] = ContextVar("computectx_fp8_region", default=None)
 
+# How many enabled=False regions are open in the process (all threads). Compiled code cannot
+# read the ContextVar above; it reads this plain global instead, which dynamo guards on, so a
+# graph traced while it was 0 is re-traced (and refused) once a disabled region opens.
+_OPEN_DISABLED = 0
+_OPEN_LOCK = threading.Lock()
+
+COMPILED_REGION_ERROR = (
+    "fp8_autocast regions are not visible inside torch.compile: {what}. Convert the model "
+    "instead (computectx.fp8.convert_to_fp8 or Fp8Linear.from_linear): an Fp8Linear compiles "
+    "whole and runs fp8 under its own ctx. To keep a module in high precision, leave it "
+    "unconverted (convert_to_fp8's module_filter) rather than opening "
+    "fp8_autocast(enabled=False) around compiled code"
+)
+
 
 def region_fp8_enabled() -> bool | None:
-    """Whether the innermost open region enables fp8 (``None`` outside every region)."""
+    """Whether the innermost open region enables fp8 (``None`` outside every region).
+
+    Under ``torch.compile`` the region cannot be read: this returns ``None`` while no
+    ``fp8_autocast(enabled=False)`` is open anywhere in the process and raises
+    ``RuntimeError`` (saying what to do instead) while one is, so compiled code never runs
+    an ``Fp8Linear`` in a precision other than the one eager code would use.
+    """
+    if torch.compiler.is_compiling():
+        if _OPEN_DISABLED:
+            raise RuntimeError(
+                COMPILED_REGION_ERROR.format(
+                    what="an Fp8Linear ran under torch.compile while an "
+                    "fp8_autocast(enabled=False) region was open"
+                )
+            )
+        return None
     frame = _REGION.get()
     return None if frame is None else frame.enabled
+
+
+def _count_disabled(delta: int) -> None:
+    global _OPEN_DISABLED
+    with _OPEN_LOCK:
+        _OPEN_DISABLED += delta
 
 
 class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
@@ -129,6 +164,8 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
         dispatch = _acquire_mode() if self._enabled else None
         frame = _Frame(self._enabled, self._ctx, self._backend, _REGION.get(), self, dispatch)
         _REGION.set(frame)
+        if not self._enabled:
+            _count_disabled(1)
         return self
 
     def __exit__(
@@ -144,6 +181,8 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
                 "context is not this one (regions must close in the reverse order they open)"
             )
         _REGION.set(frame.parent)
+        if not frame.enabled:
+            _count_disabled(-1)
         if frame.dispatch is not None:
             _release_mode(frame.dispatch)
 
@@ -239,6 +278,15 @@ class _Fp8DispatchMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func is functional.linear and torch.compiler.is_compiling():
+            # The region (a ContextVar) cannot be read while tracing, and running the
+            # linear unrouted would be silently high precision: refuse instead.
+            raise RuntimeError(
+                COMPILED_REGION_ERROR.format(
+                    what="F.linear (an nn.Linear) was traced by torch.compile while an "
+                    "enabled fp8_autocast region was open on this thread"
+                )
+            )
         if func is functional.linear:
             frame = _REGION.get()
             if frame is not None and frame.enabled and frame.ctx is not None:

@@ -1,0 +1,350 @@
+"""fp8 under torch.compile: the operators, whole-graph compiles, state, regions, bad input.
+
+Compiles are slow on the CPU (Inductor generates C++), so every test here but one compiles
+with ``backend="aot_eager"``: dynamo + AOTAutograd (functionalization of the ring mutations,
+the backward graph) without code generation, which is what these tests are about. One test
+runs Inductor end to end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.demo.settings import POLICY_FLAGS
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_autocast, fp8_stats
+from computectx.fp8 import library as fp8_library
+from computectx.fp8.ring import ring_new
+from computectx.nn import ByteLM, LMConfig
+from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
+
+E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
+SCALINGS = [DelayedScaling(history_len=4), DynamicScaling()]
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+OPCHECK_WITHOUT_SCHEMA = (
+    "test_autograd_registration",
+    "test_faketensor",
+    "test_aot_dispatch_dynamic",
+)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8) if t.dtype in FP8 else t
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def ctx_with(scaling: DelayedScaling | DynamicScaling) -> ComputeCtx:
+    return ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(fp8=Fp8Policy(scaling=scaling))
+
+
+def mlp(ctx: ComputeCtx) -> nn.Sequential:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
+    report = convert_to_fp8(m, ctx, min_features=16, include_head=True)
+    assert len(report.converted) == 3
+    return m
+
+
+def states(m: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, mod in m.named_modules():
+        if isinstance(mod, Fp8Linear):
+            for role, op in mod.scaling.operands.items():
+                out[f"{name}.{role}.ring"] = op.ring.clone()
+                out[f"{name}.{role}.tally"] = op.tally.clone()
+    return out
+
+
+# ----- the operators ------------------------------------------------------------------------
+
+
+def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    ops = torch.ops.computectx
+    for backend in ("reference", "cublas"):
+        cases: list[tuple[object, tuple[object, ...]]] = [
+            (
+                ops.fp8_quantize_delayed,
+                (
+                    x,
+                    ring_new(4, "cpu"),
+                    fp8_library.tally_new(torch.device("cpu")),
+                    torch.float8_e4m3fn,
+                    "max",
+                    0,
+                    backend,
+                    True,
+                ),
+            ),
+            (
+                ops.fp8_quantize_dynamic,
+                (
+                    x,
+                    ring_new(1, "cpu"),
+                    fp8_library.tally_new(torch.device("cpu")),
+                    torch.float8_e5m2,
+                    1,
+                    backend,
+                ),
+            ),
+            (
+                ops.fp8_quantize_with_step,
+                (x, torch.full((1,), 0.01), torch.float8_e4m3fn, backend),
+            ),
+        ]
+        a = torch.randn(6, 32).to(torch.float8_e4m3fn)
+        b = torch.randn(16, 32).to(torch.float8_e5m2)
+        s = torch.full((1,), 0.5)
+        for bias, out in ((None, torch.bfloat16), (torch.randn(16), torch.float32)):
+            cases.append((ops.fp8_scaled_mm, (a, b, s, s, bias, out, backend)))
+        cases.append(
+            (ops.fp8_scaled_mm, (a, b.t().contiguous().t(), s, s, None, torch.float16, backend))
+        )
+        cases.append((ops.fp8_dequantize, (a, s, torch.bfloat16)))
+        for op, args in cases:
+            tensors = [t for t in args if isinstance(t, torch.Tensor)]
+            if not any(t.dtype in FP8 for t in tensors):
+                torch.library.opcheck(op, args)
+                continue
+            # torch's test_schema compares inputs with allclose, which has no fp8 kernel on
+            # the CPU; the other three checks run, and the schema's promise (these inputs
+            # are not mutated, the output aliases none of them) is checked on the bytes.
+            torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
+            before = [t.clone() for t in tensors]
+            out = op(*args)
+            for t, b0 in zip(tensors, before, strict=True):
+                assert torch.equal(_bytes(t), _bytes(b0))
+                assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_the_quantize_operators_declare_the_rings_they_mutate() -> None:
+    for name in ("fp8_quantize_delayed", "fp8_quantize_dynamic"):
+        schema = getattr(torch.ops.computectx, name).default._schema
+        mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
+        assert mutated == ["ring", "tally"], (name, mutated)
+    for name in ("fp8_quantize_with_step", "fp8_scaled_mm", "fp8_dequantize"):
+        schema = getattr(torch.ops.computectx, name).default._schema
+        assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
+
+
+def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
+    from computectx.fp8 import ops, reference
+    from computectx.fp8.backend import Fp8Backend, select_backend
+
+    assert select_backend("cpu", force="cublas")[0] is Fp8Backend.CUBLAS
+    torch.manual_seed(1)
+    a = torch.randn(24, 48).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 48).to(torch.float8_e5m2)
+    sa, sb = torch.full((1,), 0.125), torch.full((1,), 3.0)
+    for bias, out in ((None, torch.bfloat16), (torch.randn(32), torch.float32)):
+        for bb in (b, b.t().contiguous().t()):  # row-major and a transposed view
+            got = ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.CUBLAS)
+            want = ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.REFERENCE)
+            bound = reference.scaled_mm_error_bound(a, bb, sa, sb, bias, out)
+            # Both are within the bound of the exact result, so within twice it of each other.
+            assert ((got.double() - want.double()).abs() <= 2 * bound).all()
+
+
+# ----- whole-model compiles -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=["delayed", "dynamic"])
+def test_converted_model_compiles_whole_and_matches_eager_state_for_state(
+    scaling: DelayedScaling | DynamicScaling,
+) -> None:
+    ctx = ctx_with(scaling)
+    eager, compiled_model = mlp(ctx), mlp(ctx)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(compiled_model, fullgraph=True, backend=counter)
+    sizes = (8, 16, 24, 32, 40, 48, 64)
+    for step, batch in enumerate(sizes):
+        torch.manual_seed(100 + step)
+        x = torch.randn(batch, 32) * (1.0 + step)  # growing inputs move the steps
+        for model in (eager, compiled):
+            model.zero_grad()
+        ye = eager(x)
+        yc = compiled(x)
+        ye.float().square().mean().backward()
+        yc.float().square().mean().backward()
+        # The same operators on the same data: identical results, not merely close.
+        assert torch.equal(ye, yc), batch
+        for pe, pc in zip(eager.parameters(), compiled_model.parameters(), strict=True):
+            assert pe.grad is not None and pc.grad is not None
+            assert torch.equal(pe.grad, pc.grad)
+        se, sc = states(eager), states(compiled_model)
+        for key in se:
+            assert torch.equal(se[key], sc[key]), (batch, key)
+    assert counter.frame_count <= 3, counter.frame_count  # not one graph per batch size
+    stats = fp8_stats(compiled_model)["0"]
+    assert stats.input.elements == sum(sizes) * 32
+    assert stats.grad.elements == sum(sizes) * 64
+
+
+def test_converted_model_has_one_graph_and_no_breaks() -> None:
+    m = mlp(ctx_with(DelayedScaling()))
+    explanation = torch._dynamo.explain(m)(torch.randn(8, 32))
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("flag", POLICY_FLAGS)
+def test_bytelm_loss_compiles_without_graph_breaks_under_every_dtype_flag(flag: str) -> None:
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    torch.manual_seed(0)
+    model = ByteLM(ctx, LMConfig(d_model=32, n_heads=2, n_layers=1, d_ff=64, max_len=16))
+    ids = torch.randint(0, 256, (2, 8))
+    explanation = torch._dynamo.explain(model.loss)(ids, ids)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1
+    if ctx.fp8 is not None:
+        assert model.fp8_layers()  # the fp8 flags do put Fp8Linear layers in the graph
+
+
+def test_inductor_compiles_fp8_linear_forward_and_backward_within_the_fp8_bound() -> None:
+    ctx = ctx_with(DelayedScaling(history_len=4))
+    torch.manual_seed(0)
+    eager = Fp8Linear(32, 48, ctx=ctx)
+    compiled_layer = Fp8Linear(32, 48, ctx=ctx)
+    compiled_layer.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_layer, fullgraph=True)  # Inductor
+    for batch in (8, 16):
+        x = torch.randn(batch, 32, requires_grad=True)
+        xc = x.detach().clone().requires_grad_(True)
+        ye, yc = eager(x), compiled(xc)
+        ye.float().sum().backward()
+        yc.float().sum().backward()
+        # Inductor may fuse the float32 epilogue differently: one bf16 rounding apart.
+        torch.testing.assert_close(yc, ye, atol=2**-7, rtol=2**-7)
+        assert x.grad is not None and xc.grad is not None
+        torch.testing.assert_close(xc.grad, x.grad, atol=2**-7, rtol=2**-7)
+    se, sc = states(nn.Sequential(eager)), states(nn.Sequential(compiled_layer))
+    for key in se:
+        # Quantized bytes are computed by the same operators: the rings agree exactly,
+        # except that the grad ring sees the bf16 output's rounding (none here: dY = 1).
+        assert torch.equal(se[key], sc[key]), key
+
+
+# ----- regions ------------------------------------------------------------------------------
+
+
+def test_a_plain_linear_compiled_inside_a_region_refuses_with_what_to_do() -> None:
+    ctx = ctx_with(DelayedScaling())
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    compiled = torch.compile(plain, fullgraph=True, backend="aot_eager")
+    with fp8_autocast(ctx), pytest.raises(Exception, match="convert_to_fp8") as info:
+        compiled(torch.randn(4, 32))
+    assert "fp8_autocast" in str(info.value)
+    # Eager inside the region routes to fp8 as before (the ring records the call).
+    with fp8_autocast(ctx):
+        plain(torch.randn(4, 32))
+    assert fp8_stats(plain)["0"].input.elements == 4 * 32
+
+
+def test_fp8_linear_compiled_inside_regions_runs_as_eager_or_refuses() -> None:
+    ctx = ctx_with(DelayedScaling())
+    torch.manual_seed(0)
+    layer = Fp8Linear(32, 16, ctx=ctx)
+    twin = Fp8Linear(32, 16, ctx=ctx)
+    twin.load_state_dict(layer.state_dict())
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    x = torch.randn(4, 32)
+    # An enabled region does not change an Fp8Linear: compiled inside it equals eager.
+    with fp8_autocast(ctx):
+        assert torch.equal(compiled(x), twin(x))
+    # A disabled region would run it in high precision in eager; compiled code cannot see
+    # the region, so it refuses rather than run fp8 where eager would not.
+    with fp8_autocast(enabled=False), pytest.raises(Exception, match="Fp8Linear"):
+        compiled(x)
+    with fp8_autocast(enabled=False):
+        plain = twin(x)  # eager: high precision
+    assert torch.equal(plain, nn.functional.linear(x, twin.weight, twin.bias))
+    assert torch.equal(compiled(x), twin(x))  # outside every region again: fp8, recompiled
+
+
+# ----- bad input and non-finite input --------------------------------------------------------
+
+
+def _compiled_layer() -> tuple[Fp8Linear, Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    layer = Fp8Linear(32, 16, ctx=ctx_with(DelayedScaling()))
+    return layer, torch.compile(layer, backend="aot_eager")
+
+
+@pytest.mark.parametrize(
+    ("bad", "error", "match"),
+    [
+        (
+            torch.ones(4, 32, dtype=torch.int32),
+            TypeError,
+            "bf16, fp16 or fp32 inputs; got torch.int32",
+        ),
+        (torch.ones(4, 31), ValueError, r"shape \(\.\.\., 32\), got \(4, 31\)"),
+        (torch.ones(4, 32, dtype=torch.float64), TypeError, "got torch.float64"),
+    ],
+)
+def test_bad_input_raises_the_eager_error_under_compile(
+    bad: torch.Tensor, error: type[Exception], match: str
+) -> None:
+    layer, compiled = _compiled_layer()
+    with pytest.raises(error, match=match):
+        layer(bad)
+    with pytest.raises(error, match=match):
+        compiled(bad)
+    # fullgraph=True turns every exception raised while tracing into dynamo's Unsupported;
+    # the message still carries the eager error.
+    strict = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=match):
+        strict(bad)
+
+
+def test_bad_operator_arguments_raise_the_eager_error_under_compile() -> None:
+    from computectx.fp8 import ops
+    from computectx.fp8.backend import Fp8Backend
+
+    def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        s = torch.ones(1)
+        return ops.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=Fp8Backend.REFERENCE)
+
+    a = torch.ones(4, 32).to(torch.float8_e4m3fn)
+    compiled = torch.compile(gemm, backend="aot_eager")
+    for b, match in ((torch.ones(8, 16).to(torch.float8_e4m3fn), "same K"),
+                     (torch.ones(8, 32), "must be a 2-D float8")):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            gemm(a, b)
+        with pytest.raises(ValueError, match=match):
+            compiled(a, b)
+
+
+def test_a_nan_input_in_a_compiled_step_is_counted_and_skipped_as_in_eager() -> None:
+    ctx = ctx_with(DelayedScaling(history_len=4))
+    eager, compiled_model = mlp(ctx), mlp(ctx)
+    compiled = torch.compile(compiled_model, fullgraph=True, backend="aot_eager")
+    for step in range(3):
+        torch.manual_seed(step)
+        x = torch.randn(8, 32)
+        if step == 1:
+            x[3, 5] = math.nan
+        ye, yc = eager(x), compiled(x)
+        assert torch.equal(ye.isnan(), yc.isnan())
+        assert torch.equal(torch.nan_to_num(ye), torch.nan_to_num(yc))
+        se, sc = states(eager), states(compiled_model)
+        for key in se:
+            assert torch.equal(se[key], sc[key]), (step, key)
+    stats = fp8_stats(compiled_model)["0"].input
+    assert stats.nonfinite_count == 1  # counted once; the history skipped that amax
+    assert math.isfinite(stats.step) and math.isfinite(stats.window_amax)
