@@ -84,6 +84,10 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Data-parallel processes: each trains on its share of every batch (the batch size must
     divide evenly) and the gradients are averaged. On the CPU at most the CPUs this process
     may use; on CUDA at most the GPUs (one each)."""
+    compile: bool = False
+    """Train under torch.compile (the model's forward and backward, fp8 layers included).
+    The first step, which compiles, is timed apart (compile_seconds in results.json); the
+    tokens/s figure counts the later, steady-state steps only."""
     threads: int = Field(default=1, ge=1, le=4096)
     """Intra-op CPU threads torch uses during the run (restored afterwards). One by default:
     the model's matrices are ~128 wide, so a second thread gains little, and on a busy machine

@@ -71,6 +71,9 @@ class PolicyResult:
     fp8_saturated: float | None
     fp8_layers: dict[str, Any]
     sample: str
+    compile_seconds: float | None = None
+    """Under ``--compile``: the first step's time (compilation included), which
+    ``tokens_per_s`` and ``seconds`` leave out."""
 
 
 def model_config(settings: DemoSettings) -> LMConfig:
@@ -174,6 +177,8 @@ def train_policy(
         runner = DistributedDataParallel(model, device_ids=ids)
         if ctx.fp8 is not None:
             sync_fp8_scaling(runner)
+    if settings.compile:
+        runner = torch.compile(runner)
     share = slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world)
     # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
     fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
@@ -194,6 +199,7 @@ def train_policy(
     val_curve: list[tuple[int, float]] = [(0, evaluate(model, val))]
     skipped = 0
     train_seconds = 0.0
+    compile_seconds: float | None = None
     saved = SavedForBackward(exclude=params)
     memory: Footprint | None = None
     task = progress.add_task(flag, total=settings.steps, loss=float("nan"))
@@ -206,7 +212,7 @@ def train_policy(
             for micro in range(settings.grad_accum):
                 x, y = next(batches)
                 x, y = x[share].to(device), y[share].to(device)
-                if step == 0 and micro == 0:
+                if step == 0 and micro == 0 and not settings.compile:
                     with saved:  # what one micro-batch keeps for backward
                         loss = model.loss_of(runner(x), y) / settings.grad_accum
                         torch.autograd.backward(loss)
@@ -234,7 +240,14 @@ def train_policy(
             opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            train_seconds += time.perf_counter() - t0
+            if settings.compile and step == 0:
+                compile_seconds = time.perf_counter() - t0
+                progress.console.print(
+                    f"{flag}: first step (torch.compile) took {compile_seconds:.1f} s, "
+                    f"left out of tokens/s"
+                )
+            else:
+                train_seconds += time.perf_counter() - t0
             losses.append(step_loss)
             if step + 1 in eval_at:
                 val_curve.append((step + 1, evaluate(model, val)))
@@ -263,7 +276,8 @@ def train_policy(
         )
         sample = decode_bytes(out)
     # The whole batch (every rank's share) per step: the group's throughput.
-    tokens = settings.steps * settings.grad_accum * settings.batch_size * settings.seq_len
+    timed_steps = settings.steps - (1 if compile_seconds is not None else 0)
+    tokens = timed_steps * settings.grad_accum * settings.batch_size * settings.seq_len
     return PolicyResult(
         flag=flag,
         policy=str(ctx),
@@ -282,4 +296,5 @@ def train_policy(
         fp8_saturated=saturated,
         fp8_layers=layers,
         sample=sample,
+        compile_seconds=compile_seconds,
     )
