@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -178,7 +178,8 @@ def train_policy(
         if ctx.fp8 is not None:
             sync_fp8_scaling(runner)
     if settings.compile:
-        runner = torch.compile(runner)
+        # torch.compile of a module returns an OptimizedModule, itself an nn.Module.
+        runner = cast(nn.Module, torch.compile(runner))
     share = slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world)
     # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
     fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
