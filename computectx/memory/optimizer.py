@@ -237,6 +237,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     f"{where}['params'][{i}] has dtype {p.dtype}; only floating tensors "
                     f"can be optimized"
                 )
+            if self._sharding is None and hasattr(p, "placements") and hasattr(p, "to_local"):
+                raise TypeError(
+                    f"{where}['params'][{i}] is a DTensor (a parameter sharded by FSDP2 "
+                    f"fully_shard); pass sharding=computectx.distributed.ShardedParams(mesh) "
+                    f"so that the masters are this rank's local shards and clip_grad_norm "
+                    f"measures the global norm"
+                )
             if id(p) in known or id(p) in seen:
                 raise ValueError(
                     f"{where}['params'][{i}] (shape {tuple(p.shape)}) appears more than once "

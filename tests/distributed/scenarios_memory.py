@@ -264,6 +264,11 @@ def fsdp2_optimizer(params: dict[str, Any]) -> dict[str, Any]:
             out["accumulator_error"] = ""
         except TypeError as e:
             out["accumulator_error"] = str(e)
+        try:  # DTensor parameters without sharding= are refused, naming what to pass
+            OffloadedOptimizer(model.parameters(), ctx)
+            out["unsharded_error"] = ""
+        except TypeError as e:
+            out["unsharded_error"] = str(e)
     masters = opt.master_params
     out["master_types"] = sorted({type(m).__name__ for m in masters})
     out["master_devices"] = sorted({str(m.device) for m in masters})

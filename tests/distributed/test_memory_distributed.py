@@ -84,3 +84,4 @@ def check_fsdp2_optimizer(r0: Result, r1: Result, one: Result) -> None:
     for r in (r0, r1, one):
         assert torch.equal(r["resumed_weights"], r["weights"])
     assert "DTensors (FSDP2 fully_shard)" in r0["accumulator_error"]
+    assert "sharding=computectx.distributed.ShardedParams(mesh)" in r0["unsharded_error"]
