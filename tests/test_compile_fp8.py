@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends(
     x = torch.randn(6, 32, dtype=torch.bfloat16)
     ops = torch.ops.computectx
     for backend in ("reference", "cublas"):
-        cases: list[tuple[object, tuple[object, ...]]] = [
+        cases: list[tuple[Any, tuple[object, ...]]] = [
             (
                 ops.fp8_quantize_delayed,
                 (
@@ -174,8 +175,8 @@ def test_converted_model_compiles_whole_and_matches_eager_state_for_state(
     for step, batch in enumerate(sizes):
         torch.manual_seed(100 + step)
         x = torch.randn(batch, 32) * (1.0 + step)  # growing inputs move the steps
-        for model in (eager, compiled):
-            model.zero_grad()
+        eager.zero_grad()
+        compiled_model.zero_grad()
         ye = eager(x)
         yc = compiled(x)
         ye.float().square().mean().backward()
