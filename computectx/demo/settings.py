@@ -123,12 +123,6 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
 
     @model_validator(mode="after")
     def _nproc_fits(self) -> Self:
-        if self.nproc > 1 and (self.grad_accum > 1 or self.offload):
-            raise ValueError(
-                f"nproc={self.nproc} with grad_accum={self.grad_accum} and offload="
-                f"{self.offload}: the data-parallel demo trains with grad_accum=1 and without "
-                f"offload for now"
-            )
         if self.nproc > 1 and self.batch_size % self.nproc:
             raise ValueError(
                 f"nproc={self.nproc} does not divide batch_size={self.batch_size}; every "

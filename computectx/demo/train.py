@@ -17,7 +17,7 @@ from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
 from computectx.demo.settings import DemoSettings
-from computectx.distributed import sync_fp8_scaling
+from computectx.distributed import DataParallelGradAccumulator, sync_fp8_scaling
 from computectx.dtypes import DType
 from computectx.fp8 import Fp8Linear, fp8_stats
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -172,9 +172,10 @@ def train_policy(
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, model_config(settings))
     runner: nn.Module = model
+    ddp: DistributedDataParallel | None = None
     if world > 1:
         ids = [device.index] if device.type == "cuda" else None
-        runner = DistributedDataParallel(model, device_ids=ids)
+        runner = ddp = DistributedDataParallel(model, device_ids=ids)
         if ctx.fp8 is not None:
             sync_fp8_scaling(runner)
     if settings.compile:
@@ -193,7 +194,16 @@ def train_policy(
         opt = offloaded = OffloadedOptimizer(params, ctx, lr=settings.lr)
     else:
         opt = torch.optim.AdamW(params, lr=settings.lr)
-    acc = LowPrecGradAccumulator(params, ctx) if settings.grad_accum > 1 else None
+    acc: LowPrecGradAccumulator | None = None
+    if settings.grad_accum > 1:
+        # Under DDP the accumulator takes each rank's local gradients (its hook runs before
+        # DDP's reducer), so it must reduce its sums itself: once per step, DDP's own
+        # reduction switched off.
+        acc = (
+            LowPrecGradAccumulator(params, ctx)
+            if ddp is None
+            else DataParallelGradAccumulator(ddp, ctx)
+        )
     batches = train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed)
     eval_at = {round(settings.steps * k / 6) for k in range(1, 7)} - {0}
     losses: list[float] = []

@@ -12,8 +12,9 @@ process would hold after quantizing the whole batch:
 - step: recomputed from the merged history by the recipe's formula (the same float32 division
   the quantize kernel does), so it is bit-identical to a one-process step;
 - non-finite count: if any rank counted a NaN/inf amax since the last merge, the whole batch
-  had one: every rank keeps the history and step it had at the last merge and counts one more
-  (a NaN on one rank poisons no rank);
+  had one, and every rank takes that rank's ring, which is what one process holds after such
+  a call: the history moved on without recording, the step kept, the call counted once (a NaN
+  on one rank poisons no rank);
 - saturated count: the sum of the ranks' new saturations, as one process counts the batch.
 
 Nothing is read on the host: the combination is a few device ops. The first forward of a
@@ -41,6 +42,9 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear
 from computectx.fp8.reference import step_from_amax
 from computectx.fp8.ring import (
+    RING_NONFINITE,
+    RING_SATURATED,
+    RING_STEP,
     ring_history,
     ring_history_len,
     ring_nonfinite,
@@ -59,7 +63,7 @@ class _Snapshot:
 
     ring: torch.Tensor  # the OperandScaling's ring object the copy was taken from
     copy: torch.Tensor
-    elements: int
+    elements: torch.Tensor  # the element count then, a device tensor (no host read)
 
 
 def _operands(model: nn.Module) -> Iterator[tuple[str, Fp8Linear, Role, OperandScaling]]:
@@ -114,7 +118,7 @@ class Fp8AmaxSync:
 
     def _take_snapshots(self) -> None:
         self._snapshots = {
-            id(op): _Snapshot(op.ring, op.ring.detach().clone(), op.elements)
+            id(op): _Snapshot(op.ring, op.ring.detach().clone(), op.elements_tensor.clone())
             for _, _, _, op in _operands(self._model)
         }
 
@@ -140,6 +144,13 @@ class Fp8AmaxSync:
                 size = op.ring.numel()
                 self._merge(layer, role, op, before, stacked[:, offset : offset + size])
                 offset += size
+                # The element count stays on the device. Summing the other ranks' counts
+                # would take a second collective; equal shards (what DistributedSampler
+                # gives) make the group's count the local one times the world size.
+                snap = self._snapshots.get(id(op))
+                if snap is not None and snap.ring is op.ring:
+                    grown = op.elements_tensor - snap.elements
+                    op.elements_tensor.copy_(snap.elements + grown * self._world)
         self._take_snapshots()
 
     def _merge(
@@ -151,32 +162,27 @@ class Fp8AmaxSync:
         rings: torch.Tensor,
     ) -> None:
         n = ring_history_len(op.ring)
-        hist_all = rings[:, :n]
-        tail_at = n
-        nonfinite_all = rings[:, tail_at + 1]
-        saturated_all = rings[:, tail_at + 2]
-        prev_nonfinite = ring_nonfinite(before)
+        nonfinite_all = rings[:, n + RING_NONFINITE]
+        saturated_all = rings[:, n + RING_SATURATED]
         prev_saturated = ring_saturated(before)
-        poisoned = (nonfinite_all.amax() > prev_nonfinite).reshape(1)
-
-        merged_hist = hist_all.amax(dim=0)
+        # A rank whose non-finite count grew since the last merge saw a NaN/inf amax: the
+        # whole batch has one. That rank's ring is what one process holds after such a call
+        # (history rotated, nothing recorded, step kept, counted once), so every rank takes
+        # it. Otherwise the history is the element-wise max and the step is recomputed.
+        poisoned_rank = nonfinite_all.argmax()
+        poisoned = (nonfinite_all[poisoned_rank] > ring_nonfinite(before)).reshape(1)
+        merged_hist = rings[:, :n].amax(dim=0)
         scaling = layer.policy.scaling
         if isinstance(scaling, DelayedScaling) and scaling.algo == "max":
             window = merged_hist.amax().reshape(1)
         else:
             window = merged_hist[op.newest_amax_index()].reshape(1)
         fresh_step = step_from_amax(window, _format_of(layer, role), scaling.margin)
-
-        history = ring_history(op.ring)
-        history.copy_(torch.where(poisoned, ring_history(before), merged_hist))
-        ring_step(op.ring).copy_(torch.where(poisoned, ring_step(before), fresh_step))
-        ring_nonfinite(op.ring).copy_(prev_nonfinite + poisoned.to(torch.float32))
+        taken = rings[poisoned_rank]
+        ring_history(op.ring).copy_(torch.where(poisoned, taken[:n], merged_hist))
+        ring_step(op.ring).copy_(torch.where(poisoned, taken[n + RING_STEP], fresh_step))
+        ring_nonfinite(op.ring).copy_(nonfinite_all[poisoned_rank])
         ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
-        # The element count is host bookkeeping; reading the other ranks' counts would wait
-        # for the device, so it assumes equal shards (what DistributedSampler produces).
-        snap = self._snapshots.get(id(op))
-        base = snap.elements if snap is not None and snap.ring is op.ring else op.elements
-        op.elements = base + (op.elements - base) * self._world
 
 
 def sync_fp8_scaling(model: nn.Module, group: GroupArg = None) -> Fp8AmaxSync:
