@@ -78,7 +78,11 @@ def fp8_linear(
         y = x.matmul(w.to(x.dtype).t())
         return y if bias is None else y + bias.to(x.dtype)
     y2: torch.Tensor = _Fp8LinearFunction.apply(x2, weight, bias, plan)  # type: ignore[no-untyped-call]
-    return y2.reshape(*lead, y2.shape[-1])
+    # Back to x's leading shape as a new tensor, not a view of the 2-D product (what
+    # torch.matmul does for N-D inputs): wrappers that hook module outputs (FSDP2's
+    # pre-backward hook) warn that an in-place op on a view would drop their hook.
+    out: torch.Tensor = torch.ops.aten._unsafe_view(y2, (*lead, y2.shape[-1]))
+    return out
 
 
 def _dequantized(plan: Fp8LinearPlan, dtype: torch.dtype) -> torch.Tensor:

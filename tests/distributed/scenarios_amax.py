@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -107,6 +108,7 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     probe = torch.linspace(-3.0, 3.0, 4 * 32).reshape(4, 32)
+    view_warnings = 0
     if params.get("load"):
         state = get_model_state_dict(model)
         load(state, checkpoint_id=params["path"])
@@ -117,15 +119,18 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
             sync.remove()
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)
         per = BATCH // world
-        for x, y in _batches(params["steps"]):
-            xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
-            out = model(xs).float()
-            nn.functional.mse_loss(out, ys).backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            opt.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for x, y in _batches(params["steps"]):
+                xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+                out = model(xs).float()
+                nn.functional.mse_loss(out, ys).backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                opt.zero_grad()
+        view_warnings = sum("view tensor" in str(w.message) for w in caught)
         if params.get("sync", True):
             sync.sync()  # the last step's amaxes of every rank go into the checkpoint
         save(get_model_state_dict(model), checkpoint_id=params["path"])
     with torch.no_grad():
         out = model(probe)
-    return {"out": out, "rings": _rings(model)}
+    return {"out": out, "rings": _rings(model), "view_warnings": view_warnings}
