@@ -31,7 +31,8 @@ def info_lines() -> list[str]:
     from computectx import capability
     from computectx.ctx import DTYPE_FLAGS, ComputeCtx
     from computectx.dtypes import DType
-    from computectx.fp8 import select_backend
+    from computectx.fp8 import Fp8Backend, select_backend
+    from computectx.fp8.backend import check_backend
 
     dev = capability.default_device()
     lines = ["versions:"]
@@ -53,6 +54,15 @@ def info_lines() -> list[str]:
     for name, probe in probes.items():
         lines.append(f"  {name:<19} {'yes' if probe.ok else 'no ':<4} {probe.reason}")
     lines.append(f"fp8 backend: {select_backend(dev)[1]}")
+    # Every backend, and whether it could be forced here (Fp8Linear(backend=...)).
+    probe_tensor = torch.empty(0, device=dev)
+    for backend in Fp8Backend:
+        try:
+            check_backend(backend, probe_tensor)
+        except ValueError as e:
+            lines.append(f"  {backend.value:<19} no   {e}")
+        else:
+            lines.append(f"  {backend.value:<19} yes")
     lines.append("presets:")
     presets = {
         "new(bf16)": ComputeCtx.new(DType.BF16, dev),

@@ -27,6 +27,16 @@ def test_info_reports_versions_probes_and_presets(capsys: pytest.CaptureFixture[
     assert "fp8=hybrid/delayed/16/0/max" in out
     if not torch.cuda.is_available():
         assert "fp8 backend: reference: no CUDA device" in out
+        # Every backend, and whether it can be forced on this device.
+        lines = out.splitlines()
+        at = next(i for i, ln in enumerate(lines) if ln.startswith("fp8 backend:"))
+        listed = {ln.split()[0]: ln.split()[1] for ln in lines[at + 1 : at + 4]}
+        interpreted = capability.triton_interpreter().ok
+        assert listed == {
+            "triton": "yes" if interpreted else "no",
+            "reference": "yes",
+            "cublas": "yes",  # torch._scaled_mm has a CPU kernel
+        }
 
 
 def test_presets_in_info_parse_back() -> None:

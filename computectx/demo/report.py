@@ -65,6 +65,9 @@ def results_table(report: DemoReport) -> Table:
     table.add_column(f"train loss\n(last {n} mean)", justify="right")
     table.add_column("val loss", justify="right")
     table.add_column("tokens/s", justify="right")
+    compiled = report.settings.compile
+    if compiled:
+        table.add_column("compile\ns", justify="right")
     table.add_column("state\nMiB", justify="right")
     table.add_column("saved\nMiB", justify="right")
     if cuda:
@@ -81,6 +84,7 @@ def results_table(report: DemoReport) -> Table:
             f"{r.train_loss:.4f}",
             f"{r.val_loss:.4f}",
             f"{r.tokens_per_s:,.0f}",
+            *([f"{r.compile_seconds:.1f}" if r.compile_seconds is not None else "-"] * compiled),
             *memory,
             f"{r.fp8_nonfinite}" if fp8 else "-",
             f"{100 * (r.fp8_saturated or 0.0):.4f}%" if fp8 else "-",
@@ -103,6 +107,11 @@ def table_notes(report: DemoReport) -> list[str]:
     ]
     if report.device.type == "cuda":
         lines.append("peak MiB: torch.cuda.max_memory_allocated during the policy's run.")
+    if s.compile:
+        lines.append(
+            "compile s: the first step, which compiles the graphs; tokens/s counts the later "
+            "(steady-state) steps only."
+        )
     return lines
 
 
@@ -143,6 +152,7 @@ def results_json(report: DemoReport) -> dict[str, Any]:
                 "val_loss": _finite_or_none(r.val_loss),
                 "tokens_per_s": _finite_or_none(r.tokens_per_s),
                 "train_seconds": r.seconds,
+                "compile_seconds": r.compile_seconds,
                 "memory": r.memory.as_dict(),
                 "skipped_steps": r.skipped_steps,
                 "fp8_converted_linears": r.fp8_converted,

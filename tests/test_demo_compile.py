@@ -1,0 +1,43 @@
+"""``computectx demo --compile``: trains compiled, times the compile apart, matches eager."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from computectx.cli import main
+
+TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(300))
+SMALL = [
+    "--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1",
+    "--sample-tokens", "0", "--device", "cpu", "--steps", "4", "--lr", "1e-2",
+    "--dtype", "fp8_hybrid",
+]  # fmt: skip
+
+
+def _results(out: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return data
+
+
+def test_compiled_demo_reports_compile_time_and_trains_like_eager(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = tmp_path / "code.txt"
+    data.write_text(TEXT)
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / f"out{compiled}"
+        argv = [*SMALL, "--data", str(data), "--out", str(out)]
+        assert main(["demo", *argv, *(["--compile"] if compiled else [])]) == 0
+        stdout = capsys.readouterr().out
+        assert ("compile s:" in stdout) is compiled  # the column's note
+        runs[compiled] = _results(out)["results"][0]
+    assert runs[False]["compile_seconds"] is None
+    assert runs[True]["compile_seconds"] > 0
+    eager, compiled_losses = runs[False]["train_losses"], runs[True]["train_losses"]
+    rel = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled_losses, strict=True))
+    assert rel <= 5e-3, (eager, compiled_losses)
