@@ -57,6 +57,9 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     model = _model(ctx)
     run: nn.Module = DistributedDataParallel(model) if world > 1 else model
     sync = sync_fp8_scaling(run) if params["sync"] else None
+    if params.get("compile"):
+        # As `computectx demo --nproc N --compile` does: the DDP module, hook included.
+        run = torch.compile(run, backend="aot_eager")  # type: ignore[assignment]
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     losses = []
     per = BATCH // world

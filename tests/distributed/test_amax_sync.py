@@ -93,3 +93,16 @@ def test_checkpoint_saved_in_one_process_loads_on_two_fsdp2_ranks(
         assert torch.equal(r["out"], saved["out"])
         for key, ring in saved["rings"].items():
             assert torch.equal(r["rings"][key], ring), key
+
+
+def test_compiled_ddp_keeps_the_sync_and_matches_eager(run_ranks: RunRanks) -> None:
+    # torch.compile of the DDP module (what `demo --nproc N --compile` does): the merge
+    # before each forward still runs, and every ring and loss equals eager DDP's.
+    compiled = run_ranks(
+        "scenarios_amax.py:train", flag="fp8_hybrid", steps=3, sync=True, compile=True
+    )
+    eager = run_ranks("scenarios_amax.py:train", flag="fp8_hybrid", steps=3, sync=True)
+    for c, e in zip(compiled, eager, strict=True):
+        assert torch.equal(c["losses"], e["losses"])
+        for key, ring in e["rings"].items():
+            assert torch.equal(c["rings"][key], ring), key
