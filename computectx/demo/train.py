@@ -17,7 +17,11 @@ from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
 from computectx.demo.settings import DemoSettings
-from computectx.distributed import DataParallelGradAccumulator, sync_fp8_scaling
+from computectx.distributed import (
+    DataParallelGradAccumulator,
+    check_same_policy,
+    sync_fp8_scaling,
+)
 from computectx.dtypes import DType
 from computectx.fp8 import Fp8Linear, fp8_stats
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -174,6 +178,7 @@ def train_policy(
     runner: nn.Module = model
     ddp: DistributedDataParallel | None = None
     if world > 1:
+        check_same_policy(ctx)  # ranks that parsed other flags stop here, not in a hang
         ids = [device.index] if device.type == "cuda" else None
         runner = ddp = DistributedDataParallel(model, device_ids=ids)
         if ctx.fp8 is not None:
