@@ -19,6 +19,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from computectx.dtypes import DType
 from computectx.fp8 import ops, reference
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.fused import QuantizeImpl
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
@@ -46,7 +47,8 @@ class Fp8LinearPlan:
     """Everything one fp8 linear call needs besides its tensors.
 
     ``frozen_weight`` is ``(data_fp8, step)`` for a weight quantized once for serving;
-    the weight ring is then left alone.
+    the weight ring is then left alone. ``quantize`` says how a compiled call quantizes
+    (``computectx.fp8.fused``; eager calls always run the operators).
     """
 
     policy: Fp8Policy
@@ -54,6 +56,7 @@ class Fp8LinearPlan:
     backend: Fp8Backend
     gemm_dtype: torch.dtype
     frozen_weight: tuple[torch.Tensor, torch.Tensor] | None = None
+    quantize: QuantizeImpl = "op"
 
 
 def fp8_linear(
@@ -105,11 +108,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fwd = plan.policy.format.forward
         scaling = plan.policy.scaling
-        xq, sx = plan.state.input.quantize(x, fwd, scaling, plan.backend)
+        xq, sx = plan.state.input.quantize(x, fwd, scaling, plan.backend, plan.quantize)
         if plan.frozen_weight is not None:
             wq, sw = plan.frozen_weight
         elif weight is not None:
-            wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend)
+            wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
         else:
             raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
         y = ops.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
@@ -136,7 +139,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # One quantization of dY serves both GEMMs: its amax pass is paid once and
             # both products see the same rounded gradient.
             bwd = plan.policy.format.backward
-            gq, sg = plan.state.grad.quantize(dy, bwd, plan.policy.scaling, plan.backend)
+            gq, sg = plan.state.grad.quantize(
+                dy, bwd, plan.policy.scaling, plan.backend, plan.quantize
+            )
             if need_x:
                 # dX[M, K] = dY[M, N] · W[N, K]; scaled_mm wants b as [K, N]: W's transpose.
                 dx = ops.scaled_mm(gq, wq.t(), sg, sw, None, plan.gemm_dtype, backend=plan.backend)

@@ -12,6 +12,7 @@ from torch import nn
 from computectx.ctx import ComputeCtx
 from computectx.fp8.autograd import ACTIVATION_DTYPES
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.fused import QuantizeImpl, parse_quantize
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.policy import describe, policy_of
 
@@ -87,6 +88,7 @@ def convert_to_fp8(
     include_head: bool | None = None,
     min_features: int | None = None,
     backend: Fp8Backend | str | None = None,
+    quantize: QuantizeImpl = "op",
 ) -> Fp8ConversionReport:
     """Swap ``model``'s ``nn.Linear`` layers for ``Fp8Linear`` in place; report what happened.
 
@@ -115,6 +117,9 @@ def convert_to_fp8(
     When nothing converts and the model holds no ``Fp8Linear`` afterwards, a
     ``UserWarning`` says why, grouped by rule, and which knob would change it.
 
+    ``backend`` and ``quantize`` are passed to every new ``Fp8Linear`` (``quantize="fused"``
+    lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
+
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
     working). A linear reachable under several names is converted once and replaced
     everywhere. All decisions are made before the model changes, so an exception from
@@ -124,6 +129,7 @@ def convert_to_fp8(
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
     policy_of(ctx, "convert_to_fp8")
+    how = parse_quantize(quantize)
     if module_filter is not None:
         if not callable(module_filter):
             raise TypeError(
@@ -179,7 +185,10 @@ def convert_to_fp8(
             skipped.append(SkippedLinear(fqn or "<root>", found[1], found[0]))
 
     # Build every replacement (which validates ctx and backend) before swapping any.
-    replacements = [(lin, Fp8Linear.from_linear(lin, ctx, backend=backend)) for _, lin in converted]
+    replacements = [
+        (lin, Fp8Linear.from_linear(lin, ctx, backend=backend, quantize=how))
+        for _, lin in converted
+    ]
     for lin, new in replacements:
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)

@@ -14,6 +14,7 @@ from computectx.ctx import ComputeCtx, parse_device
 from computectx.fp8 import ops, reference
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
+from computectx.fp8.fused import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
 from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.scaling import Fp8ScalingState
@@ -37,6 +38,13 @@ class Fp8Linear(nn.Linear):
     call uses ``select_backend`` for the weight's device. Inside ``fp8_autocast(
     enabled=False)`` the layer runs as a plain linear at the input's dtype.
     ``freeze_for_serving()`` quantizes the weight once for inference.
+
+    ``quantize`` says how a *compiled* call quantizes: ``"op"`` (default) keeps the opaque
+    ``computectx::fp8_quantize_*`` operators (the Triton kernel on a GPU); ``"fused"``
+    traces the same computation as plain torch ops so Inductor can fuse amax, step and cast
+    into the neighbouring norm or activation. The bytes, rings and tallies are the same
+    either way, and eager calls always run the operators. Settable later
+    (``layer.quantize = "fused"``).
     """
 
     weight_fp8: torch.Tensor
@@ -52,10 +60,12 @@ class Fp8Linear(nn.Linear):
         *,
         ctx: ComputeCtx,
         backend: Fp8Backend | str | None = None,
+        quantize: QuantizeImpl = "op",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         policy = policy_of(ctx, "Fp8Linear")
+        self._quantize = parse_quantize(quantize)
         dev = parse_device(device) if device is not None else ctx.device
         param_dtype = dtype if dtype is not None else ctx.master.torch
         _check_param_dtype("weight", param_dtype)
@@ -75,6 +85,7 @@ class Fp8Linear(nn.Linear):
         ctx: ComputeCtx,
         *,
         backend: Fp8Backend | str | None = None,
+        quantize: QuantizeImpl = "op",
     ) -> Fp8Linear:
         """An ``Fp8Linear`` holding ``linear``'s own ``weight`` and ``bias`` Parameters.
 
@@ -93,6 +104,7 @@ class Fp8Linear(nn.Linear):
             linear.out_features,
             linear.bias is not None,
             ctx=ctx,
+            quantize=quantize,
             device="meta",
             dtype=w.dtype,
         )
@@ -122,6 +134,15 @@ class Fp8Linear(nn.Linear):
         if self._forced_backend is not None:
             return self._forced_backend
         return self._auto_backend
+
+    @property
+    def quantize(self) -> QuantizeImpl:
+        """How a compiled call quantizes: ``"op"`` or ``"fused"`` (see the class)."""
+        return self._quantize
+
+    @quantize.setter
+    def quantize(self, value: QuantizeImpl) -> None:
+        self._quantize = parse_quantize(value)
 
     def _storage_device(self) -> torch.device:
         w = self.weight_fp8 if self._frozen else self.weight
@@ -159,6 +180,7 @@ class Fp8Linear(nn.Linear):
             backend=self.backend,
             gemm_dtype=gemm_dtype_for(self.ctx.compute),
             frozen_weight=frozen,
+            quantize=self._quantize,
         )
         return fp8_linear(x, None if self._frozen else self.weight, self.bias, plan)
 

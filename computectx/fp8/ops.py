@@ -28,7 +28,7 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import DType, Fp8Format
-from computectx.fp8 import library, reference
+from computectx.fp8 import fused, library, reference
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
 from computectx.fp8.ring import (
     RING_NONFINITE,
@@ -286,6 +286,7 @@ def quantize_operand(
     *,
     backend: Fp8Backend,
     may_seed: bool = True,
+    impl: fused.QuantizeImpl = "op",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize one operand through its ring and tally (``computectx.fp8.library``'s
     ``fp8_quantize_delayed`` / ``fp8_quantize_dynamic``): returns ``(data_fp8, step)``.
@@ -293,6 +294,9 @@ def quantize_operand(
     Delayed: the step is the ring's (seeded from ``amax(x)`` on the operand's first call);
     dynamic: the step is ``x``'s own. Both record into the ring and count ``x`` in the tally.
     ``may_seed=False`` promises a seeded ring (eager callers that know it, to skip a pass).
+    ``impl="fused"`` computes the same bytes with plain torch ops
+    (``computectx.fp8.fused``) instead of the operator, so Inductor can fuse them; it
+    always checks the seeded flag (``may_seed`` is ignored) and runs on any backend.
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
@@ -314,6 +318,7 @@ def quantize_operand(
         )
     b = check_backend(backend, data)
     m = _margin_arg(scaling.margin)
+    how = fused.parse_quantize(impl)
     q: torch.Tensor
     step: torch.Tensor
     if isinstance(scaling, DelayedScaling):
@@ -321,9 +326,13 @@ def quantize_operand(
             raise ValueError(
                 f"unknown amax window algo {scaling.algo!r}; accepted: 'max', 'most_recent'"
             )
+        if how == "fused":
+            return fused.quantize_delayed(data, ring, tally, fmt, scaling.algo, m)
         q, step = torch.ops.computectx.fp8_quantize_delayed(
             data, ring, tally, fmt.torch, scaling.algo, m, b.value, may_seed
         )
+    elif how == "fused":
+        return fused.quantize_dynamic(data, ring, tally, fmt, m)
     else:
         q, step = torch.ops.computectx.fp8_quantize_dynamic(
             data, ring, tally, fmt.torch, m, b.value

@@ -26,6 +26,7 @@ import torch
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import library, ops
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.fused import QuantizeImpl
 from computectx.fp8.ring import (
     RING_SHAPE,
     is_ring,
@@ -124,18 +125,29 @@ class OperandScaling:
         fmt: Fp8Format,
         scaling: DelayedScaling | DynamicScaling,
         backend: Fp8Backend,
+        quantize: QuantizeImpl = "op",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize ``x`` under ``scaling`` through this ring: ``(data_fp8, step_used)``.
 
         Delayed: the first call seeds the history with ``amax(x)`` (so step 1 is not blind),
         then every call quantizes with the ring's step and records its amax. Dynamic: the
         step comes from ``amax(x)``; the ring records that amax (when finite), the step, and
-        counts a non-finite amax. One ``computectx::fp8_quantize_*`` operator either way.
+        counts a non-finite amax. One ``computectx::fp8_quantize_*`` operator either way,
+        except while ``torch.compile`` traces with ``quantize="fused"``: then the same
+        computation as plain torch ops (``computectx.fp8.fused``), for Inductor to fuse.
+        Eager calls run the operator whatever ``quantize`` says (same bytes).
         """
         compiling = torch.compiler.is_compiling()
         may_seed = compiling or not self._seeded_hint
         data, step = ops.quantize_operand(
-            x, fmt, self.ring, self.tally, scaling, backend=backend, may_seed=may_seed
+            x,
+            fmt,
+            self.ring,
+            self.tally,
+            scaling,
+            backend=backend,
+            may_seed=may_seed,
+            impl="fused" if compiling and quantize == "fused" else "op",
         )
         if not compiling:
             self._seeded_hint = True
