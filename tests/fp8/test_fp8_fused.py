@@ -1,0 +1,151 @@
+"""The fused quantize (plain torch ops, ``computectx.fp8.fused``) against the operators, eager.
+
+The operators are the specification: after every call of a sequence the fused functions
+must give the same fp8 bytes, the same step, and leave the same ring and tally, bit for bit.
+The sequences start unseeded, vary the scale so the steps move, and include a NaN input
+and an empty tensor, so seeding, rotation, the window, the counts and the tally are all
+exercised. (Compiled runs are in tests/test_compile_fp8.py.)
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import Fp8Linear, convert_to_fp8, fused, library, ops
+from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.ring import ring_new
+from computectx.recipes import DelayedScaling, DynamicScaling
+
+SCALINGS = [
+    DelayedScaling(history_len=4),
+    DelayedScaling(history_len=4, algo="most_recent", margin=2),
+    DelayedScaling(history_len=1),
+    DynamicScaling(),
+    DynamicScaling(margin=1),
+]
+
+
+def _inputs(dtype: torch.dtype) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    xs = [torch.randn(8, 16, dtype=torch.float32) * s for s in (1.0, 40.0, 0.01, 3.0, 1e6)]
+    xs.insert(2, xs[0].clone())
+    xs[2][1, 3] = math.nan  # a non-finite amax: counted, not recorded
+    xs.insert(4, torch.zeros(0, 16))  # nothing to measure
+    xs.append(torch.zeros(8, 16))  # amax 0: step 1.0
+    return [x.to(dtype) for x in xs]
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: repr(s))
+@pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("backend", [Fp8Backend.REFERENCE, Fp8Backend.CUBLAS])
+def test_fused_quantize_matches_the_operator_bit_for_bit_call_after_call(
+    scaling: DelayedScaling | DynamicScaling,
+    fmt: Fp8Format,
+    dtype: torch.dtype,
+    backend: Fp8Backend,
+) -> None:
+    n = scaling.history_len if isinstance(scaling, DelayedScaling) else 1
+    xs = _inputs(dtype)
+    # Seeded by a finite first call, and (a fresh ring) by a first call whose amax is NaN.
+    for seq in (xs, [xs[2], *xs]):
+        rings, tallies = _run_both(seq, fmt, scaling, backend, n)
+        # The sequence did move the state (a no-op would pass the checks in _run_both).
+        per_call = 8 * 16
+        assert int(tallies["op"][library.TALLY_ELEMENTS]) == per_call * (len(seq) - 1)
+        # Every NaN call is counted (a delayed first call twice: seeding and quantize).
+        assert float(rings["op"][n + 1]) >= len(seq) - len(xs) + 1
+
+
+def _run_both(
+    seq: list[torch.Tensor],
+    fmt: Fp8Format,
+    scaling: DelayedScaling | DynamicScaling,
+    backend: Fp8Backend,
+    n: int,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    dev = torch.device("cpu")
+    rings = {impl: ring_new(n, dev) for impl in fused.QUANTIZE_IMPLS}
+    tallies = {impl: library.tally_new(dev) for impl in fused.QUANTIZE_IMPLS}
+    for i, x in enumerate(seq):
+        got = {
+            impl: ops.quantize_operand(
+                x, fmt, rings[impl], tallies[impl], scaling, backend=backend, impl=impl
+            )
+            for impl in fused.QUANTIZE_IMPLS
+        }
+        (q_op, s_op), (q_fu, s_fu) = got["op"], got["fused"]
+        assert q_fu.dtype == q_op.dtype == fmt.torch and q_fu.shape == x.shape
+        assert torch.equal(_u8(q_fu), _u8(q_op)), i
+        assert torch.equal(s_fu, s_op), i
+        assert torch.equal(rings["fused"], rings["op"]), (i, rings)
+        assert torch.equal(tallies["fused"], tallies["op"]), (i, tallies)
+    return rings, tallies
+
+
+def test_parse_quantize_accepts_the_two_names_and_rejects_others() -> None:
+    assert fused.parse_quantize("op") == "op"
+    assert fused.parse_quantize("fused") == "fused"
+    for bad in ("Fused", "inductor", None, 1):
+        with pytest.raises(ValueError, match="'op' or 'fused'"):
+            fused.parse_quantize(bad)
+
+
+def test_the_quantize_option_reaches_every_converted_layer_and_is_checked(
+    fp8_ctx: ComputeCtx,
+) -> None:
+    m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    convert_to_fp8(m, fp8_ctx, min_features=16, include_head=True, quantize="fused")
+    layers = [x for x in m.modules() if isinstance(x, Fp8Linear)]
+    assert len(layers) == 2 and all(x.quantize == "fused" for x in layers)
+    assert Fp8Linear(16, 16, ctx=fp8_ctx).quantize == "op"  # the default
+    layers[0].quantize = "op"
+    assert layers[0].quantize == "op"
+    with pytest.raises(ValueError, match="'op' or 'fused'"):
+        layers[0].quantize = "triton"  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="'op' or 'fused'"):
+        Fp8Linear(16, 16, ctx=fp8_ctx, quantize="fast")  # type: ignore[arg-type]
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    with pytest.raises(ValueError, match="'op' or 'fused'"):
+        convert_to_fp8(plain, fp8_ctx, min_features=16, quantize="")  # type: ignore[arg-type]
+    assert not any(isinstance(x, Fp8Linear) for x in plain.modules())  # left unchanged
+
+
+def test_eager_calls_of_a_fused_layer_run_the_operators(
+    fp8_ctx: ComputeCtx, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Outside torch.compile a "fused" layer keeps the operators (the Triton kernel on a GPU).
+    called: list[str] = []
+    real = fused.quantize_delayed
+
+    def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+        called.append("fused")
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(fused, "quantize_delayed", spy)
+    layer = Fp8Linear(16, 16, ctx=fp8_ctx, quantize="fused")
+    layer(torch.randn(4, 16)).sum().backward()
+    assert called == []
+    assert isinstance(fp8_ctx.fp8 and fp8_ctx.fp8.scaling, DelayedScaling)
+    # ... while the operand-level switch does route to it.
+    x = torch.randn(4, 16)
+    ops.quantize_operand(
+        x,
+        Fp8Format.E4M3,
+        ring_new(4, "cpu"),
+        library.tally_new(torch.device("cpu")),
+        DelayedScaling(history_len=4),
+        backend=Fp8Backend.REFERENCE,
+        impl="fused",
+    )
+    assert called == ["fused"]
