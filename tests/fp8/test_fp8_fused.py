@@ -73,7 +73,7 @@ def _run_both(
     scaling: DelayedScaling | DynamicScaling,
     backend: Fp8Backend,
     n: int,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+) -> tuple[dict[fused.QuantizeImpl, torch.Tensor], dict[fused.QuantizeImpl, torch.Tensor]]:
     dev = torch.device("cpu")
     rings = {impl: ring_new(n, dev) for impl in fused.QUANTIZE_IMPLS}
     tallies = {impl: library.tally_new(dev) for impl in fused.QUANTIZE_IMPLS}
