@@ -2,8 +2,8 @@
 
 Compiles are slow on the CPU (Inductor generates C++), so every test here but one compiles
 with ``backend="aot_eager"``: dynamo + AOTAutograd (functionalization of the ring mutations,
-the backward graph) without code generation, which is what these tests are about. One test
-runs Inductor end to end.
+the backward graph) without code generation, which is what these tests are about. Two tests
+run Inductor end to end (the operators, and the fused quantize).
 """
 
 from __future__ import annotations
@@ -237,6 +237,85 @@ def test_inductor_compiles_fp8_linear_forward_and_backward_within_the_fp8_bound(
         # Quantized bytes are computed by the same operators: the rings agree exactly,
         # except that the grad ring sees the bf16 output's rounding (none here: dY = 1).
         assert torch.equal(se[key], sc[key]), key
+
+
+# ----- the fused quantize (quantize="fused") ------------------------------------------------
+
+
+def _graph_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
+    return {
+        str(node.target) for g in graphs for node in g.graph.nodes if node.op == "call_function"
+    }
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=["delayed", "dynamic"])
+def test_fused_quantize_compiles_whole_to_plain_ops_and_advances_state_as_eager_operators(
+    scaling: DelayedScaling | DynamicScaling,
+) -> None:
+    ctx = ctx_with(scaling)
+    eager = mlp(ctx)  # the operators, eager: the specification
+    fused_model = mlp(ctx)
+    for layer in fused_model.modules():
+        if isinstance(layer, Fp8Linear):
+            layer.quantize = "fused"
+    recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
+    compiled = torch.compile(fused_model, fullgraph=True, backend=recorder)  # 0 breaks
+    for step, batch in enumerate((8, 16, 24, 8)):
+        torch.manual_seed(200 + step)
+        x = torch.randn(batch, 32) * (1.0 + 3 * step)
+        if step == 2:
+            x[1, 2] = math.nan  # counted and skipped alike
+        eager.zero_grad()
+        fused_model.zero_grad()
+        ye, yc = eager(x), compiled(x)
+        ye.nan_to_num().float().square().mean().backward()
+        yc.nan_to_num().float().square().mean().backward()
+        assert torch.equal(torch.nan_to_num(ye), torch.nan_to_num(yc)), step
+        for pe, pc in zip(eager.parameters(), fused_model.parameters(), strict=True):
+            assert pe.grad is not None and pc.grad is not None
+            assert torch.equal(torch.nan_to_num(pe.grad), torch.nan_to_num(pc.grad)), step
+        # Functionalization kept every in-place ring and tally update, forward and backward.
+        se, sc = states(eager), states(fused_model)
+        for key in se:
+            assert torch.equal(se[key], sc[key]), (step, key)
+    # The compiled graphs quantize with plain ops: no quantize operator is left in them,
+    # while the GEMMs stay operators (the eager-vs-"op" comparison is the test above).
+    ops = _graph_ops(recorder.fw_graphs + recorder.bw_graphs)
+    assert not any("fp8_quantize" in op for op in ops), sorted(ops)
+    assert any("fp8_scaled_mm" in op for op in ops)
+    assert "aten.amax.default" in ops and "aten.clamp.default" in ops
+    # An eager step after the compiled ones continues from the same state.
+    x = torch.randn(8, 32)
+    assert torch.equal(eager(x), fused_model(x))
+    se, sc = states(eager), states(fused_model)
+    assert all(torch.equal(se[k], sc[k]) for k in se)
+
+
+def test_inductor_fuses_the_fused_quantize_with_the_same_bytes_as_the_operators() -> None:
+    from torch._inductor.utils import run_and_get_code
+
+    ctx = ctx_with(DelayedScaling(history_len=4))
+    torch.manual_seed(0)
+    eager = Fp8Linear(32, 16, ctx=ctx)
+    layer = Fp8Linear(32, 16, ctx=ctx, quantize="fused")
+    layer.load_state_dict(eager.state_dict())
+
+    def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = m(torch.relu(x))  # an exact activation the quantize fuses into
+        return out
+
+    compiled = torch.compile(step, fullgraph=True)  # Inductor
+    for i, batch in enumerate((8, 16)):
+        torch.manual_seed(i)
+        x = torch.randn(batch, 32) * (1 + 5 * i)
+        want = step(eager, x)
+        got, code = run_and_get_code(compiled, layer, x)
+        assert torch.equal(got, want), i
+        se, sc = states(nn.Sequential(eager)), states(nn.Sequential(layer))
+        for key in se:
+            assert torch.equal(se[key], sc[key]), (i, key)
+        if code:  # the first call generates code; the same shape reuses it
+            assert "fp8_quantize" not in "\n".join(code)
 
 
 # ----- regions ------------------------------------------------------------------------------
