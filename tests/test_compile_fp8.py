@@ -1,6 +1,6 @@
 """fp8 under torch.compile: the operators, whole-graph compiles, state, regions, bad input.
 
-Compiles are slow on the CPU (Inductor generates C++), so every test here but one compiles
+Compiles are slow on the CPU (Inductor generates C++), so every test here but two compiles
 with ``backend="aot_eager"``: dynamo + AOTAutograd (functionalization of the ring mutations,
 the backward graph) without code generation, which is what these tests are about. Two tests
 run Inductor end to end (the operators, and the fused quantize).
