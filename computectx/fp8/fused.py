@@ -23,6 +23,7 @@ import torch
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import library, reference
 from computectx.fp8.ring import (
+    ring_from_parts,
     ring_history,
     ring_history_len,
     ring_nonfinite,
@@ -95,7 +96,7 @@ def quantize_delayed(
     window = history.amax().reshape(1) if algo == "max" else a
     next_step = torch.where(finite, reference.step_from_amax(window, fmt, margin), step_used)
     nonfinite = nonfinite + (~finite).to(torch.float32)
-    ring.copy_(torch.cat([history, next_step, nonfinite, saturated + sat]))
+    ring.copy_(ring_from_parts(history, next_step, nonfinite, saturated + sat))
     tally.copy_(_counted(tally, x))
     return q, step_used
 
@@ -113,6 +114,7 @@ def quantize_dynamic(
     finite = torch.isfinite(a)
     newest = torch.where(finite, a, history[-1:])
     nonfinite = ring_nonfinite(ring) + (~finite).to(torch.float32)
-    ring.copy_(torch.cat([history[:-1], newest, step, nonfinite, ring_saturated(ring)]))
+    history = torch.cat([history[:-1], newest])
+    ring.copy_(ring_from_parts(history, step, nonfinite, ring_saturated(ring)))
     tally.copy_(_counted(tally, x))
     return q, step

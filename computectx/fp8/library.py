@@ -62,6 +62,7 @@ __all__ = [
     "quantize_with_step",
     "scaled_mm",
     "tally_new",
+    "uses_kernels",
 ]
 
 TALLY_SEEDED = 0
@@ -110,9 +111,12 @@ def _kernels_quantize_delayed(
     )
 
 
-def _uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
-    # TRITON runs every op on the kernels; CUBLAS quantizes with them on a GPU (its GEMM is
-    # torch._scaled_mm) and with the twins elsewhere.
+def uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
+    """Whether ``backend`` quantizes ``x`` with the Triton kernels (else the pure-torch twins).
+
+    TRITON runs every op on the kernels; CUBLAS quantizes with them on a GPU (its GEMM is
+    torch._scaled_mm) and with the twins elsewhere.
+    """
     return backend is Fp8Backend.TRITON or (
         backend is Fp8Backend.CUBLAS and x.device.type == "cuda"
     )
@@ -153,7 +157,7 @@ def quantize_delayed(
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1))
     n = history.numel()
-    if _uses_kernels(b, x):
+    if uses_kernels(b, x):
         q, step_used = _kernels_quantize_delayed(x, fp8, ring, algo, margin)
     else:
         q, step_used = reference.quantize_delayed(
@@ -193,7 +197,7 @@ def quantize_dynamic(
     """
     b = parse_backend(backend)
     fmt = _fmt(fp8)
-    if _uses_kernels(b, x):
+    if uses_kernels(b, x):
         from computectx.kernels import quantize
 
         q, step, a = quantize.quantize_dynamic(x=x, fp8=fp8, margin=margin)
@@ -233,7 +237,7 @@ def quantize_with_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8(clamp(x / step)), amax(x))``: quantize with a given step (no state)."""
     b = parse_backend(backend)
-    if _uses_kernels(b, x):
+    if uses_kernels(b, x):
         from computectx.kernels import quantize
 
         return quantize.quantize_with_step(x=x, fp8=fp8, step=step)

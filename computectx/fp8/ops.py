@@ -165,7 +165,7 @@ def quantize_dynamic(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
-    if _uses_kernels(check_backend(backend, data), data):
+    if library.uses_kernels(check_backend(backend, data), data):
         # Kernel modules are imported on first use: importing one imports triton, and
         # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
         from computectx.kernels import quantize
@@ -197,7 +197,7 @@ def quantize_delayed(
     fmt = _fmt_arg(fmt)
     n = _ring_args(ring, idx, algo, data.device)
     m = _margin_arg(margin)
-    if _uses_kernels(check_backend(backend, data), data):
+    if library.uses_kernels(check_backend(backend, data), data):
         from computectx.kernels import quantize
 
         # The kernel knows no ring layout of its own: it gets this one's offsets.
@@ -269,12 +269,6 @@ def scaled_mm(
         a, b, sa, sb, bias, out_dtype, chosen.value
     )
     return out
-
-
-def _uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
-    return backend is Fp8Backend.TRITON or (
-        backend is Fp8Backend.CUBLAS and x.device.type == "cuda"
-    )
 
 
 def quantize_operand(

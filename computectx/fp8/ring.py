@@ -36,6 +36,7 @@ __all__ = [
     "RingValues",
     "is_ring",
     "read_ring",
+    "ring_from_parts",
     "ring_history",
     "ring_history_len",
     "ring_new",
@@ -135,6 +136,17 @@ def ring_with_history(ring: torch.Tensor, history: torch.Tensor) -> torch.Tensor
     """
     with torch.inference_mode(False):
         return torch.cat([history, ring_tail(ring)]).contiguous()
+
+
+def ring_from_parts(
+    history: torch.Tensor, step: torch.Tensor, nonfinite: torch.Tensor, saturated: torch.Tensor
+) -> torch.Tensor:
+    """A new ring from its parts (``history``, then three ``(1,)`` float32 tensors) in this
+    layout's order, built out of place: for code that must not write a ring piecewise (the
+    fused quantize, which writes it back with one ``copy_``)."""
+    tail: list[torch.Tensor] = [step] * RING_TAIL
+    tail[RING_STEP], tail[RING_NONFINITE], tail[RING_SATURATED] = step, nonfinite, saturated
+    return torch.cat([history, *tail])
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from computectx.fp8.ring import (
     RING_TAIL,
     is_ring,
     read_ring,
+    ring_from_parts,
     ring_history,
     ring_history_len,
     ring_new,
@@ -99,3 +100,14 @@ def test_ring_new_reads_the_device_with_the_ctx_parser() -> None:
     assert ring_new(1, " cpu ").device == torch.device("cpu")
     with pytest.raises(ValueError, match="bad device 'gpu0'; accepted: 'cpu'"):
         ring_new(1, "gpu0")
+
+
+def test_ring_from_parts_places_each_part_at_its_offset() -> None:
+    history = torch.tensor([1.0, 2.0, 3.0])
+    step, nonfinite, saturated = torch.tensor([0.5]), torch.tensor([7.0]), torch.tensor([9.0])
+    built = ring_from_parts(history, step, nonfinite, saturated)
+    assert is_ring(built) and ring_history_len(built) == 3
+    assert torch.equal(ring_history(built), history)
+    assert torch.equal(ring_step(built), step)
+    assert torch.equal(ring_nonfinite(built), nonfinite)
+    assert torch.equal(ring_saturated(built), saturated)
