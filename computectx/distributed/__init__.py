@@ -7,14 +7,17 @@ this package.
 
 from computectx.distributed.accumulate import DataParallelGradAccumulator
 from computectx.distributed.amax import Fp8AmaxSync, sync_fp8_scaling
+from computectx.distributed.fsdp import Fp8ShardedWeight, enable_fp8_all_gather
 from computectx.distributed.group import check_same_policy, data_parallel_group
 from computectx.distributed.sharding import ShardedParams
 
 __all__ = [
     "DataParallelGradAccumulator",
     "Fp8AmaxSync",
+    "Fp8ShardedWeight",
     "ShardedParams",
     "check_same_policy",
     "data_parallel_group",
+    "enable_fp8_all_gather",
     "sync_fp8_scaling",
 ]

@@ -17,26 +17,34 @@ process would hold after quantizing the whole batch:
   on one rank poisons no rank);
 - saturated count: the sum of the ranks' new saturations, as one process counts the batch.
 
-Nothing is read on the host: the combination is a few device ops. The first forward of a
-delayed-scaling layer seeds its history from the rank's own shard (the merge happens before
-forwards, and the seed is part of the first one), so step 1 quantizes with the local amax; the
-merge that follows makes every history what one process would have seeded, and every later step
-matches one process. Dynamic scaling quantizes with each rank's own current amax (a merge
-inside every quantize would cost a collective per layer); its rings, which only record, are
-merged like the others.
+Nothing is read on the host: the combination is a few device ops.
+
+Two quantizes need the amax of the tensor in hand, which exists only once the layer before has
+run, so no merge between steps can supply it: every call of dynamic scaling, and the first call
+of delayed scaling, which seeds its history. ``sync_fp8_scaling`` therefore hands every layer a
+``GroupAmax`` (``Fp8Linear.amax_reduce``): those quantizes of an input or an output gradient
+reduce their amax (one float, MAX) over the group before taking the step, and the scales are
+those of one process on the whole batch from step 1 on. Under ``torch.compile`` the delayed
+seed stays the rank's own (the seeded check is a device value there; the merge after step 1
+makes every history the one-process one). ``current_amax="local"`` opts out: no collective
+inside a step, each rank scaling by its own shard. Weights need none of this: every rank
+quantizes the same weight, and FSDP2's fp8 all-gather reduces its shard amaxes itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
+from computectx.distributed.collectives import GroupAmax
+from computectx.distributed.fsdp import Fp8ShardedWeight
 from computectx.distributed.group import GroupArg, check_same_policy, data_parallel_group
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear
@@ -54,7 +62,11 @@ from computectx.fp8.ring import (
 from computectx.fp8.scaling import ROLES, OperandScaling, Role
 from computectx.recipes import DelayedScaling
 
-__all__ = ["Fp8AmaxSync", "sync_fp8_scaling"]
+__all__ = ["CurrentAmax", "Fp8AmaxSync", "sync_fp8_scaling"]
+
+CurrentAmax = Literal["group", "local"]
+"""Whose amax a quantize that needs the current one uses on many ranks: the group's (the
+whole batch's) or each rank's own."""
 
 
 @dataclass
@@ -88,28 +100,52 @@ class Fp8AmaxSync:
     """
 
     def __init__(
-        self, model: nn.Module, group: GroupArg = None, *, before_forward: bool = False
+        self,
+        model: nn.Module,
+        group: GroupArg = None,
+        *,
+        before_forward: bool = False,
+        current_amax: CurrentAmax = "group",
     ) -> None:
+        if current_amax not in ("group", "local"):
+            raise ValueError(f"current_amax must be 'group' or 'local', got {current_amax!r}")
         self._model = model
         self._handle: RemovableHandle | None = None
         self._group = data_parallel_group(group)
         self._snapshots: dict[int, _Snapshot] = {}
         self._world = dist.get_world_size(self._group)
+        self._current_amax: CurrentAmax = current_amax
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
         if layers:
             check_same_policy(layers[0].ctx, self._group)
+        self._reduce = GroupAmax(self._group) if current_amax == "group" else None
+        for layer in layers:
+            layer.amax_reduce = self._reduce
         self._take_snapshots()
         if before_forward:
-            self._handle = model.register_forward_pre_hook(self._pre_forward)
+            # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
+            # and with enable_fp8_all_gather quantizes each shard with the ring's step) must
+            # see the merged step.
+            self._handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.sync()
 
     def remove(self) -> None:
-        """Stop merging before forwards (``sync()`` still merges on demand)."""
+        """Stop merging before forwards (``sync()`` still merges on demand), and let the
+        quantizes that need a current amax use the rank's own again."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for m in self._model.modules():
+            if isinstance(m, Fp8Linear) and m.amax_reduce is self._reduce:
+                m.amax_reduce = None
+
+    @property
+    def current_amax(self) -> CurrentAmax:
+        """Whose amax a quantize that needs the current one (dynamic scaling, the seed of
+        delayed scaling) uses: the group's or the rank's own."""
+        return self._current_amax
 
     @property
     def layers(self) -> int:
@@ -142,13 +178,18 @@ class Fp8AmaxSync:
         with torch.no_grad():
             for (_, layer, role, op), before in zip(entries, prev, strict=True):
                 size = op.ring.numel()
-                self._merge(layer, role, op, before, stacked[:, offset : offset + size])
+                # Inputs and gradients differ per rank, and so do the weight shards that
+                # FSDP2's fp8 all-gather quantizes: their counts add up over the group. A
+                # weight every rank quantizes whole (DDP, FSDP2 gathering high precision)
+                # is one tensor counted once, the same on every rank.
+                split = role != "weight" or _quantizes_shards(layer)
+                self._merge(layer, role, op, before, stacked[:, offset : offset + size], split)
                 offset += size
                 # The element count stays on the device. Summing the other ranks' counts
                 # would take a second collective; equal shards (what DistributedSampler
                 # gives) make the group's count the local one times the world size.
                 snap = self._snapshots.get(id(op))
-                if snap is not None and snap.ring is op.ring:
+                if split and snap is not None and snap.ring is op.ring:
                     grown = op.elements_tensor - snap.elements
                     op.elements_tensor.copy_(snap.elements + grown * self._world)
         self._take_snapshots()
@@ -160,6 +201,7 @@ class Fp8AmaxSync:
         op: OperandScaling,
         before: torch.Tensor,
         rings: torch.Tensor,
+        split: bool,
     ) -> None:
         n = ring_history_len(op.ring)
         nonfinite_all = rings[:, n + RING_NONFINITE]
@@ -182,10 +224,22 @@ class Fp8AmaxSync:
         ring_history(op.ring).copy_(torch.where(poisoned, taken[:n], merged_hist))
         ring_step(op.ring).copy_(torch.where(poisoned, taken[n + RING_STEP], fresh_step))
         ring_nonfinite(op.ring).copy_(nonfinite_all[poisoned_rank])
-        ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
+        if split:
+            ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
+        else:
+            ring_saturated(op.ring).copy_(saturated_all[poisoned_rank])
 
 
-def sync_fp8_scaling(model: nn.Module, group: GroupArg = None) -> Fp8AmaxSync:
+def _quantizes_shards(layer: Fp8Linear) -> bool:
+    w = layer.weight
+    if isinstance(w, DTensor):
+        w = w.to_local()
+    return isinstance(w, Fp8ShardedWeight)
+
+
+def sync_fp8_scaling(
+    model: nn.Module, group: GroupArg = None, *, current_amax: CurrentAmax = "group"
+) -> Fp8AmaxSync:
     """Keep the fp8 scaling rings of ``model`` identical on every rank of ``group``.
 
     ``model`` is what the ranks run forward: a ``DistributedDataParallel`` module, a
@@ -194,5 +248,13 @@ def sync_fp8_scaling(model: nn.Module, group: GroupArg = None) -> Fp8AmaxSync:
     operands, no host synchronisation). The ranks' policies are compared once, here.
     ``sync.remove()`` detaches it: running data-parallel fp8 without it is an explicit
     choice, and each rank then scales by its own shard only.
+
+    Quantizes that need the current amax of an input or an output gradient (every call of
+    dynamic scaling; the seeding first call of delayed scaling) reduce it over the group
+    first (``current_amax="group"``, the default): one MAX all-reduce of a single float
+    per such quantize, because that amax exists only once the layer before has run. The
+    scales are then those of one process on the whole batch. ``current_amax="local"``
+    keeps each rank's own (no collective inside a step; the scales then differ from one
+    process's until the first merge, and under dynamic scaling always).
     """
-    return Fp8AmaxSync(model, group, before_forward=True)
+    return Fp8AmaxSync(model, group, before_forward=True, current_amax=current_amax)

@@ -15,6 +15,7 @@ from computectx.fp8.convert import (
 )
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.ops import fp8_dequantize, fp8_quantize
+from computectx.fp8.quantized import Fp8Weight
 from computectx.fp8.region import fp8_autocast
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
@@ -33,6 +34,7 @@ __all__ = [
     "Fp8Policy",
     "Fp8ScalingState",
     "Fp8Scheme",
+    "Fp8Weight",
     "SkippedLinear",
     "convert_to_fp8",
     "fp8_autocast",

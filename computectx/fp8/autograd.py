@@ -20,7 +20,8 @@ from computectx.dtypes import DType
 from computectx.fp8 import ops, reference
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.fused import QuantizeImpl
-from computectx.fp8.scaling import Fp8ScalingState
+from computectx.fp8.quantized import Fp8Weight
+from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
 __all__ = ["ACTIVATION_DTYPES", "Fp8LinearPlan", "fp8_linear", "gemm_dtype_for"]
@@ -48,7 +49,9 @@ class Fp8LinearPlan:
 
     ``frozen_weight`` is ``(data_fp8, step)`` for a weight quantized once for serving;
     the weight ring is then left alone. ``quantize`` says how a compiled call quantizes
-    (``computectx.fp8.fused``; eager calls always run the operators).
+    (``computectx.fp8.fused``; eager calls always run the operators). ``amax_reduce``
+    makes dynamic scaling of the input and the output gradient use a group's amax
+    (``OperandScaling.quantize``).
     """
 
     policy: Fp8Policy
@@ -57,6 +60,7 @@ class Fp8LinearPlan:
     gemm_dtype: torch.dtype
     frozen_weight: tuple[torch.Tensor, torch.Tensor] | None = None
     quantize: QuantizeImpl = "op"
+    amax_reduce: AmaxReduce | None = None
 
 
 def fp8_linear(
@@ -108,9 +112,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fwd = plan.policy.format.forward
         scaling = plan.policy.scaling
-        xq, sx = plan.state.input.quantize(x, fwd, scaling, plan.backend, plan.quantize)
+        live_step: torch.Tensor | None = None
+        xq, sx = plan.state.input.quantize(
+            x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
+        )
         if plan.frozen_weight is not None:
             wq, sw = plan.frozen_weight
+        elif isinstance(weight, Fp8Weight):
+            # Quantized before it got here (FSDP2's fp8 all-gather): its codes and step are
+            # used as they are, and its ring was advanced where it was quantized.
+            wq, sw = weight.fp8_data, weight.fp8_step
+            live_step = sw
         elif weight is not None:
             wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
         else:
@@ -118,8 +130,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         y = ops.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
         # The fp8 operands (1 byte per element) are what the backward GEMMs consume, so
         # they, not the high-precision inputs, are what stays alive until backward.
-        ctx.save_for_backward(xq, wq, sx, sw)
+        # An Fp8Weight's codes live in a buffer that FSDP2 frees after the forward and
+        # gathers again before the backward, writing the step of those codes into the same
+        # Fp8Weight: the backward reads that step then, so codes and step stay a pair.
+        ctx.save_for_backward(xq, wq, sx, sw if live_step is None else sx)
         c: Any = ctx
+        c.live_step = live_step
         c.plan = plan
         c.x_dtype = x.dtype
         c.w_dtype = None if weight is None else weight.dtype
@@ -132,6 +148,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
         xq, wq, sx, sw = ctx.saved_tensors
+        if ctx.live_step is not None:
+            sw = ctx.live_step
         plan: Fp8LinearPlan = ctx.plan
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = db = None
@@ -140,7 +158,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # both products see the same rounded gradient.
             bwd = plan.policy.format.backward
             gq, sg = plan.state.grad.quantize(
-                dy, bwd, plan.policy.scaling, plan.backend, plan.quantize
+                dy, bwd, plan.policy.scaling, plan.backend, plan.quantize, plan.amax_reduce
             )
             if need_x:
                 # dX[M, K] = dY[M, N] · W[N, K]; scaled_mm wants b as [K, N]: W's transpose.

@@ -17,7 +17,7 @@ from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
 from computectx.fp8.fused import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
 from computectx.fp8.region import region_fp8_enabled
-from computectx.fp8.scaling import Fp8ScalingState
+from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
 __all__ = ["Fp8Linear"]
@@ -51,6 +51,10 @@ class Fp8Linear(nn.Linear):
     """The pre-quantized weight (after ``freeze_for_serving``)."""
     weight_step: torch.Tensor
     """The step of ``weight_fp8`` (after ``freeze_for_serving``)."""
+    amax_reduce: AmaxReduce | None
+    """Under dynamic scaling, maps the input's and the output gradient's amax to the
+    data-parallel group's (``computectx.distributed.sync_fp8_scaling`` sets it; ``None``:
+    this rank's own). Delayed scaling ignores it."""
 
     def __init__(
         self,
@@ -73,6 +77,7 @@ class Fp8Linear(nn.Linear):
         self.ctx = ctx
         self._forced_backend = None if backend is None else select_backend(dev, force=backend)[0]
         self.scaling = Fp8ScalingState(policy, dev)
+        self.amax_reduce = None
         self._frozen = False
         # The per-device default, looked up whenever the weight's device is set (here and in
         # _apply): compiled code then reads an attribute instead of tracing the probes.
@@ -181,6 +186,7 @@ class Fp8Linear(nn.Linear):
             gemm_dtype=gemm_dtype_for(self.ctx.compute),
             frozen_weight=frozen,
             quantize=self._quantize,
+            amax_reduce=self.amax_reduce,
         )
         return fp8_linear(x, None if self._frozen else self.weight, self.bias, plan)
 

@@ -18,13 +18,13 @@ slot), so there is no host-side write index either.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal
 
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import library, ops
+from computectx.fp8 import library, ops, reference
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.fused import QuantizeImpl
 from computectx.fp8.ring import (
@@ -41,11 +41,15 @@ from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 __all__ = [
     "ROLES",
     "STATE_VERSION",
+    "AmaxReduce",
     "Fp8ScalingState",
     "OperandScaling",
     "Role",
     "history_len_of",
 ]
+
+AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
+"""Maps a call's own amax (float32, shape ``(1,)``) to its group's (a MAX over ranks)."""
 
 Role = Literal["input", "weight", "grad"]
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
@@ -126,6 +130,7 @@ class OperandScaling:
         scaling: DelayedScaling | DynamicScaling,
         backend: Fp8Backend,
         quantize: QuantizeImpl = "op",
+        reduce: AmaxReduce | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantize ``x`` under ``scaling`` through this ring: ``(data_fp8, step_used)``.
 
@@ -136,8 +141,20 @@ class OperandScaling:
         except while ``torch.compile`` traces with ``quantize="fused"``: then the same
         computation as plain torch ops (``computectx.fp8.fused``), for Inductor to fuse.
         Eager calls run the operator whatever ``quantize`` says (same bytes).
+
+        ``reduce`` turns an amax into its data-parallel group's
+        (``computectx.distributed.sync_fp8_scaling`` sets it). Dynamic scaling reduces
+        every call's amax before taking the step, so ranks quantize with the whole batch's
+        step. Delayed scaling reduces only the seed of an eager first call (its rings are
+        merged between steps), so step 1 is the whole batch's too.
         """
         compiling = torch.compiler.is_compiling()
+        if reduce is not None:
+            if isinstance(scaling, DynamicScaling):
+                return self._quantize_reduced(x, fmt, scaling, backend, reduce)
+            if not compiling and not self._seeded_hint:
+                ops.seed_ring(self.ring, reduce(reference.amax(x)), fmt, scaling.margin)
+                self.seeded = True
         may_seed = compiling or not self._seeded_hint
         data, step = ops.quantize_operand(
             x,
@@ -151,6 +168,24 @@ class OperandScaling:
         )
         if not compiling:
             self._seeded_hint = True
+        return data, step
+
+    def _quantize_reduced(
+        self,
+        x: torch.Tensor,
+        fmt: Fp8Format,
+        scaling: DynamicScaling,
+        backend: Fp8Backend,
+        reduce: AmaxReduce,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Dynamic scaling with the group's amax: amax pass, reduction, cast with that step.
+        # What the dynamic operator records (amax, step, a non-finite count, the elements)
+        # is recorded here from the group's amax, so every rank's ring is the same.
+        whole = reduce(reference.amax(x))
+        step = reference.step_from_amax(whole, fmt, scaling.margin)
+        data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
+        self.record(whole, step)
+        self.tally[library.TALLY_ELEMENTS].add_(x.numel())
         return data, step
 
     def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.distributed import sync_fp8_scaling
+from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
 from computectx.fp8 import Fp8Linear, convert_to_fp8
 
 BATCH = 8
@@ -49,14 +49,16 @@ def _rings(model: nn.Module) -> dict[str, torch.Tensor]:
 def train(params: dict[str, Any]) -> dict[str, Any]:
     """``steps`` SGD steps; each rank takes its half of every batch (one process: all of it).
 
-    ``sync``: merge the rings before each forward. ``nan_at``: the step whose last rank's
+    ``sync``: merge the rings before each forward (``current_amax``: whose amax the first,
+    seeding call takes; default the group's). ``nan_at``: the step whose last rank's
     shard holds a NaN in its input (forward only, then a final merge).
     """
     ctx = ComputeCtx.from_flag(params["flag"], "cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(ctx)
     run: nn.Module = DistributedDataParallel(model) if world > 1 else model
-    sync = sync_fp8_scaling(run) if params["sync"] else None
+    current = params.get("current_amax", "group")
+    sync = sync_fp8_scaling(run, current_amax=current) if params["sync"] else None
     if params.get("compile"):
         # As `computectx demo --nproc N --compile` does: the DDP module, hook included.
         run = torch.compile(run, backend="aot_eager")  # type: ignore[assignment]
@@ -92,10 +94,10 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
-    """Train ``steps`` steps (sharded with FSDP2 on more than one rank, with the amax sync
-    unless ``sync=False``) and save with DCP to ``path``; or, with ``load=True``, load that
-    checkpoint into a fresh model sharded over this run's ranks. Reports the forward output on
-    a fixed input and the rings."""
+    """Train ``steps`` steps (sharded with FSDP2 on more than one rank, gathering fp8
+    weights with ``fp8_gather=True``, with the amax sync unless ``sync=False``) and save with
+    DCP to ``path``; or, with ``load=True``, load that checkpoint into a fresh model sharded
+    over this run's ranks. Reports the forward output on a fixed input and the rings."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -105,6 +107,8 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     ctx = ComputeCtx.from_flag(params["flag"], "cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(ctx)
+    if params.get("fp8_gather"):
+        enable_fp8_all_gather(model)
     if world > 1:
         mesh = init_device_mesh("cpu", (world,))
         for layer in (model[0], model[2]):
@@ -116,6 +120,7 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
         state = get_model_state_dict(model)
         load(state, checkpoint_id=params["path"])
         set_model_state_dict(model, state)
+        sync = sync_fp8_scaling(model)
     else:
         sync = sync_fp8_scaling(model)
         if not params.get("sync", True):
@@ -136,4 +141,6 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
         save(get_model_state_dict(model), checkpoint_id=params["path"])
     with torch.no_grad():
         out = model(probe)
+    if params.get("sync", True):
+        sync.sync()  # the probe's amaxes merged (with fp8_gather: its weight shards' too)
     return {"out": out, "rings": _rings(model), "view_warnings": view_warnings}

@@ -1,0 +1,305 @@
+"""FSDP2 all-gathers fp8 weights: each shard quantized once, one byte per element on the wire.
+
+``fully_shard`` keeps each rank's shard of a weight and all-gathers the whole weight before
+the layer runs. For an ``Fp8Linear`` that gather would ship float32 (4 bytes per element) only
+for the layer to quantize it to fp8 straight after. ``enable_fp8_all_gather(model)`` turns
+each ``Fp8Linear`` weight into an ``Fp8ShardedWeight``, a tensor subclass that implements
+FSDP2's extension points:
+
+- ``fsdp_pre_all_gather``: the rank quantizes its own shard in the policy's forward format
+  with the group-wide step and hands FSDP2 the codes as ``uint8`` (gloo refuses float8
+  dtypes). The step is the one the weight's ring holds, which the amax sync keeps identical
+  on every rank (delayed scaling), or the step of the whole weight's amax, one MAX
+  all-reduce of a single float over the shard group (dynamic scaling). Either way the
+  weight's ring advances exactly as in one process quantizing the whole weight: the shard
+  amax goes into the history and the amax sync's max over ranks makes it the weight's;
+- ``fsdp_post_all_gather``: the gathered bytes become an ``computectx.fp8.Fp8Weight`` (the
+  codes and the step), which ``Fp8Linear`` uses as its quantized weight without quantizing
+  again. The gradient is an ordinary tensor of the weight's dtype, reduce-scattered by
+  FSDP2 as before.
+
+When FSDP2 gathers again for the backward (``reshard_after_forward=True``), the shard is
+quantized with the step the forward used and nothing is recorded: the backward sees the very
+bytes the forward multiplied with, and the ring advances once per forward, as in one process.
+The first forward of a delayed-scaling weight seeds its ring from the whole weight's amax
+(one MAX all-reduce, once), so even step 1 quantizes with the one-process scale.
+
+Everywhere else an ``Fp8ShardedWeight`` is its high-precision tensor: optimizers update it,
+``state_dict`` saves plain tensors (DTensors of plain tensors under FSDP2), and loading copies
+into it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+from computectx.distributed.collectives import GroupAmax
+from computectx.fp8 import Fp8Linear, Fp8Weight, ops, reference
+from computectx.recipes import DelayedScaling
+
+__all__ = ["Fp8ShardedWeight", "enable_fp8_all_gather"]
+
+_aten = torch.ops.aten
+# Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
+# result must stay an Fp8ShardedWeight so that the shard keeps the extension points.
+_KEEP = {
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten.slice.Tensor,
+    _aten.split.Tensor,
+    _aten.split_with_sizes.default,
+    _aten.chunk.default,
+    _aten.narrow.default,
+    _aten.clone.default,
+    _aten.copy_.default,
+    _aten.empty_like.default,
+    _aten.new_zeros.default,
+    _aten.new_empty.default,
+    _aten._to_copy.default,
+    _aten._pin_memory.default,
+}
+
+
+class _Gather:
+    """What a weight's shards share: the layer (weakly) and the step of the last forward."""
+
+    def __init__(self, layer: Fp8Linear, name: str) -> None:
+        self._layer = weakref.ref(layer)
+        self.name = name
+        self.forward_step: torch.Tensor | None = None
+        self.seeded_ring: torch.Tensor | None = None  # the ring last seen seeded
+
+    def layer(self) -> Fp8Linear:
+        layer = self._layer()
+        if layer is None:
+            raise RuntimeError(f"the Fp8Linear that owned weight {self.name!r} no longer exists")
+        if layer.frozen:
+            raise RuntimeError(
+                f"{self.name!r} was frozen for serving after enable_fp8_all_gather; freeze "
+                f"an unsharded copy instead"
+            )
+        return layer
+
+
+class Fp8ShardedWeight(torch.Tensor):
+    """An ``Fp8Linear`` weight that FSDP2 all-gathers as fp8 (see the module docstring).
+
+    Wraps the high-precision tensor ``hp``; every op other than FSDP2's two extension points
+    runs on ``hp`` (ops that take a piece of the weight return an ``Fp8ShardedWeight`` over
+    the piece). Built by ``enable_fp8_all_gather``.
+    """
+
+    _hp: torch.Tensor
+    _gather: _Gather
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, gather: _Gather) -> Fp8ShardedWeight:
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            hp.shape,
+            strides=hp.stride(),
+            storage_offset=hp.storage_offset(),
+            dtype=hp.dtype,
+            device=hp.device,
+            layout=hp.layout,
+            requires_grad=hp.requires_grad,
+        )
+        out._hp = hp
+        out._gather = gather
+        return out
+
+    def __init__(self, hp: torch.Tensor, gather: _Gather) -> None:
+        super().__init__()
+
+    @property
+    def hp(self) -> torch.Tensor:
+        """The high-precision tensor (the master copy of this shard)."""
+        return self._hp
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        gather: _Gather | None = None
+
+        def unwrap(x: Any) -> Any:
+            nonlocal gather
+            if isinstance(x, Fp8ShardedWeight):
+                gather = x._gather
+                return x._hp
+            return x
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func not in _KEEP or gather is None:
+            return out
+        g = gather
+
+        def wrap(x: Any) -> Any:
+            return cls(x, g) if isinstance(x, torch.Tensor) else x
+
+        return tree_map(wrap, out)
+
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
+        return f"Fp8ShardedWeight({self._gather.name}, {self._hp!r})"
+
+    # ----- FSDP2's extension points --------------------------------------------------------
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: DeviceMesh,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Quantize this shard with the group-wide step; hand FSDP2 its codes as uint8."""
+        g = self._gather
+        layer = g.layer()
+        fmt = layer.policy.format.forward
+        scaling = layer.policy.scaling
+        op = layer.scaling.weight
+        hp = self._hp.detach()
+        if _in_backward() and g.forward_step is not None:
+            # The re-gather for the backward: the bytes the forward used, nothing recorded.
+            data, _ = ops.quantize_with_step(hp, fmt, g.forward_step, backend=layer.backend)
+            step = g.forward_step
+        elif isinstance(scaling, DelayedScaling):
+            if g.seeded_ring is not op.ring:
+                # The first call on this ring (a host read, once): seed it from the whole
+                # weight's amax, so every rank quantizes step 1 with the one-process step.
+                if not op.seeded:
+                    whole = GroupAmax(_shard_group(mesh))(reference.amax(hp))
+                    ops.seed_ring(op.ring, whole, fmt, scaling.margin)
+                    op.seeded = True
+                g.seeded_ring = op.ring
+            data, step = op.quantize(hp, fmt, scaling, layer.backend)
+        else:
+            whole = GroupAmax(_shard_group(mesh))(reference.amax(hp))
+            step = reference.step_from_amax(whole, fmt, scaling.margin)
+            data, _ = ops.quantize_with_step(hp, fmt, step, backend=layer.backend)
+            op.record(whole, step)
+            op.elements_tensor.add_(hp.numel())
+        g.forward_step = step
+        return (_padded(data, outer_size, mesh).view(torch.uint8),), (step, data.dtype)
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The gathered codes and the step as an ``Fp8Weight`` of the weight's dtype."""
+        (gathered,) = all_gather_outputs
+        step, fp8 = metadata
+        if out is not None:
+            # FSDP2 gathered into the same buffer again: ``out`` already views it.
+            if not isinstance(out, Fp8Weight):
+                raise TypeError(f"expected the Fp8Weight gathered before, got {type(out)}")
+            if out.fp8_step is not step:
+                with torch.no_grad():
+                    out.fp8_step.copy_(step)
+            return None
+        return Fp8Weight(gathered.view(fp8), step, param_dtype), (gathered,)
+
+
+def _in_backward() -> bool:
+    # The autograd engine runs FSDP2's pre-backward re-gather inside a graph task.
+    task: int = torch._C._current_graph_task_id()
+    return task != -1
+
+
+def _shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    # The dimension FSDP2 shards over (the last one of an HSDP mesh; replicas hold equal
+    # shards, so a MAX over it is the whole weight's).
+    return mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
+
+
+def _padded(data: torch.Tensor, outer_size: torch.Size, mesh: DeviceMesh) -> torch.Tensor:
+    # FSDP2 pads uneven shards along dim 0 to ceil(rows / world) and expects inputs that size.
+    world = mesh.size(mesh.ndim - 1) if mesh.ndim > 1 else mesh.size()
+    rows = -(-outer_size[0] // world)
+    if data.shape[0] == rows:
+        return data
+    out = data.new_zeros((rows, *data.shape[1:]))
+    out[: data.shape[0]].copy_(data)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Fp8ShardedWeight):
+        return value.hp
+    if isinstance(value, DTensor) and isinstance(value.to_local(), Fp8ShardedWeight):
+        local = value.to_local()
+        assert isinstance(local, Fp8ShardedWeight)
+        return DTensor.from_local(
+            local.hp,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return value
+
+
+def _state_dict_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    # Checkpoints hold plain tensors: the subclass is a runtime arrangement, not data.
+    key = prefix + "weight"
+    if key in state_dict:
+        state_dict[key] = _plain(state_dict[key])
+
+
+def enable_fp8_all_gather(
+    model: nn.Module, *, module_filter: Callable[[str, Fp8Linear], bool] | None = None
+) -> int:
+    """Make FSDP2 all-gather the ``Fp8Linear`` weights of ``model`` as fp8; returns how many.
+
+    Call it after ``convert_to_fp8`` and before ``fully_shard`` and before building the
+    optimizer (the weights become new ``Parameter`` objects). Then ``fully_shard`` as usual
+    and ``sync_fp8_scaling`` (which keeps the step every rank quantizes its shard with
+    identical). ``module_filter(fqn, layer)`` may leave some layers gathering high precision.
+    Frozen layers (``freeze_for_serving``) have no weight to gather and are skipped.
+    ``RuntimeError`` if a weight is already sharded (a DTensor).
+    """
+    count = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, Fp8Linear) or layer.frozen:
+            continue
+        if module_filter is not None and not module_filter(name, layer):
+            continue
+        w = layer.weight
+        if isinstance(w, Fp8ShardedWeight):
+            continue
+        if isinstance(w, DTensor):
+            raise RuntimeError(
+                f"{name or 'the model'}.weight is already sharded (a DTensor): call "
+                f"enable_fp8_all_gather before fully_shard"
+            )
+        layer.weight = nn.Parameter(
+            Fp8ShardedWeight(w.detach(), _Gather(layer, f"{name}.weight" if name else "weight")),
+            requires_grad=w.requires_grad,
+        )
+        layer.register_state_dict_post_hook(_state_dict_hook)  # type: ignore[no-untyped-call]
+        count += 1
+    return count

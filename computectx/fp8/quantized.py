@@ -1,0 +1,132 @@
+"""``Fp8Weight``: a weight that arrives already quantized (fp8 codes and one step).
+
+An ``Fp8Linear`` normally quantizes its high-precision weight on every call. Sometimes the
+weight reaches the layer already in fp8: FSDP2's fp8 all-gather
+(``computectx.distributed.enable_fp8_all_gather``) quantizes each rank's shard once and
+gathers the bytes, so what the layer finds in ``self.weight`` is the gathered fp8 data and the
+step the shards were quantized with. ``Fp8Weight`` carries that pair under the weight's own
+shape and nominal dtype, so the rest of PyTorch (autograd, ``nn.Parameter``, FSDP2) sees a
+tensor of the right metadata, and the fp8 linear takes the codes and the step as they are,
+with no second quantization.
+
+Anything else done with it (``weight.to(x.dtype)`` inside ``fp8_autocast(enabled=False)``,
+an arithmetic op, printing) sees its dequantized value: ``data * step`` formed in float32 and
+rounded once to the nominal dtype. Shape-only aliasing ops (``detach``, ``alias``, ``view``,
+``as_strided``) keep it an ``Fp8Weight`` over the same bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from computectx.fp8 import reference
+
+__all__ = ["FP8_DTYPES", "Fp8Weight"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The fp8 storage dtypes an ``Fp8Weight`` holds."""
+
+_aten = torch.ops.aten
+_ALIASING = {
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.view.default,
+    _aten.as_strided.default,
+    _aten._unsafe_view.default,
+}
+
+
+class Fp8Weight(torch.Tensor):
+    """A weight held as fp8 codes (``data``) and the float32 ``step`` they were made with.
+
+    Its shape is ``data``'s, its dtype is the nominal ``dtype`` it stands for (the dtype the
+    weight's gradient has). ``dequantize()`` gives ``data * step`` at that dtype; every op
+    except shape-only aliasing sees that value. ``data`` must be an fp8 tensor
+    (``FP8_DTYPES``) and ``step`` a float32 tensor of one element on the same device.
+    """
+
+    _fp8_data: torch.Tensor
+    _fp8_step: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> Fp8Weight:
+        if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES:
+            what = str(data.dtype) if isinstance(data, torch.Tensor) else type(data).__name__
+            raise TypeError(f"Fp8Weight data must be a float8_e4m3fn/e5m2 tensor, got {what}")
+        if (
+            not isinstance(step, torch.Tensor)
+            or step.dtype != torch.float32
+            or step.numel() != 1
+            or step.device != data.device
+        ):
+            got = (
+                f"{step.dtype} {tuple(step.shape)} on {step.device}"
+                if isinstance(step, torch.Tensor)
+                else type(step).__name__
+            )
+            raise ValueError(
+                f"Fp8Weight step must be a float32 tensor of one element on {data.device}, "
+                f"got {got}"
+            )
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"Fp8Weight stands for a float32, bfloat16 or float16 weight, got {dtype}"
+            )
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+        out._fp8_data = data
+        out._fp8_step = step
+        return out
+
+    def __init__(self, data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+
+    @property
+    def fp8_data(self) -> torch.Tensor:
+        """The fp8 codes, shaped like the weight."""
+        return self._fp8_data
+
+    @property
+    def fp8_step(self) -> torch.Tensor:
+        """The step the codes were made with: ``weight ≈ data * step``."""
+        return self._fp8_step
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``data * step`` as a plain tensor of ``dtype`` (default: the nominal dtype)."""
+        return reference.dequantize(self._fp8_data, self._fp8_step, dtype or self.dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _ALIASING and isinstance(args[0], Fp8Weight):
+            src = args[0]
+            return cls(func(src.fp8_data, *args[1:], **kwargs), src.fp8_step, src.dtype)
+
+        def plain(x: Any) -> Any:
+            return x.dequantize() if isinstance(x, Fp8Weight) else x
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
+        return (
+            f"Fp8Weight(shape={tuple(self.shape)}, {self._fp8_data.dtype} as {self.dtype}, "
+            f"step={self._fp8_step.reshape(()).item():.6g}, device={self.device})"
+        )
