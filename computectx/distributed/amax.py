@@ -211,8 +211,11 @@ class Fp8AmaxSync:
         # whole batch has one. That rank's ring is what one process holds after such a call
         # (history rotated, nothing recorded, step kept, counted once), so every rank takes
         # it. Otherwise the history is the element-wise max and the step is recomputed.
-        poisoned_rank = nonfinite_all.argmax()
-        poisoned = (nonfinite_all[poisoned_rank] > ring_nonfinite(before)).reshape(1)
+        # index_select with a device index (not t[i]): no data-dependent indexing, so the
+        # merge traces into a compiled graph without a break.
+        poisoned_rank = nonfinite_all.argmax().reshape(1)
+        taken = rings.index_select(0, poisoned_rank)[0]
+        poisoned = (taken[n + RING_NONFINITE] > ring_nonfinite(before)).reshape(1)
         merged_hist = rings[:, :n].amax(dim=0)
         scaling = layer.policy.scaling
         if isinstance(scaling, DelayedScaling) and scaling.algo == "max":
@@ -220,14 +223,13 @@ class Fp8AmaxSync:
         else:
             window = merged_hist[op.newest_amax_index()].reshape(1)
         fresh_step = step_from_amax(window, _format_of(layer, role), scaling.margin)
-        taken = rings[poisoned_rank]
         ring_history(op.ring).copy_(torch.where(poisoned, taken[:n], merged_hist))
         ring_step(op.ring).copy_(torch.where(poisoned, taken[n + RING_STEP], fresh_step))
-        ring_nonfinite(op.ring).copy_(nonfinite_all[poisoned_rank])
+        ring_nonfinite(op.ring).copy_(taken[n + RING_NONFINITE])
         if split:
             ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
         else:
-            ring_saturated(op.ring).copy_(saturated_all[poisoned_rank])
+            ring_saturated(op.ring).copy_(taken[n + RING_SATURATED])
 
 
 def _quantizes_shards(layer: Fp8Linear) -> bool:

@@ -184,8 +184,11 @@ class OperandScaling:
         whole = reduce(reference.amax(x))
         step = reference.step_from_amax(whole, fmt, scaling.margin)
         data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
-        self.record(whole, step)
+        library.record(self.ring, whole, step)
+        self.tally[library.TALLY_SEEDED].fill_(1)
         self.tally[library.TALLY_ELEMENTS].add_(x.numel())
+        if not torch.compiler.is_compiling():  # a host flag: never written in a trace
+            self._seeded_hint = True
         return data, step
 
     def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:

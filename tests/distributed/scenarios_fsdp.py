@@ -135,3 +135,34 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
         "shard_weight_elements": sum(layer.weight.numel() for layer in layers) // world,
         "warnings": [str(w.message) for w in caught],
     }
+
+
+def compiled_dynamic(params: dict[str, Any]) -> dict[str, Any]:
+    """Two steps of a dynamic-scaling fp8 MLP with the sync, eager or compiled with
+    ``fullgraph=True`` (the merge hook and every quantize's amax all-reduce in the graph)."""
+    ctx = _ctx("dynamic")
+    rank = dist.get_rank()
+    model = _model(ctx)
+    sync = sync_fp8_scaling(model)
+    run: Any = model
+    if params["compile"]:
+        run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    outs = []
+    for x, _ in _batches(2):
+        xs = x[rank * 4 : (rank + 1) * 4]
+        y = run(xs)
+        y.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    sync.sync()
+    return {
+        "outs": torch.stack(outs),
+        "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "rings": {
+            f"{i}.{role}": op.ring.detach().clone()
+            for i, layer in enumerate(m for m in model if isinstance(m, Fp8Linear))
+            for role, op in layer.scaling.operands.items()
+        },
+    }

@@ -81,3 +81,18 @@ def _traffic(result: dict[str, Any]) -> dict[torch.dtype, int]:
     for dtype, nbytes in result["gathers"]:
         out[dtype] = out.get(dtype, 0) + nbytes
     return out
+
+
+def test_compiled_fullgraph_dynamic_scaling_reduces_as_eager_does(run_ranks: RunRanks) -> None:
+    # The merge hook and each quantize's amax all-reduce trace into one graph per step.
+    compiled = run_ranks("scenarios_fsdp.py:compiled_dynamic", compile=True)
+    eager = run_ranks("scenarios_fsdp.py:compiled_dynamic", compile=False)
+    for c, e in zip(compiled, eager, strict=True):
+        assert torch.equal(c["outs"], e["outs"])
+        for name, w in e["weights"].items():
+            assert torch.equal(c["weights"][name], w), name
+        for key, ring in e["rings"].items():
+            assert torch.equal(c["rings"][key], ring), key
+    # ...and the ranks quantized with the same (whole-batch) steps.
+    for key, ring in eager[0]["rings"].items():
+        assert torch.equal(eager[1]["rings"][key], ring), key
