@@ -6,7 +6,8 @@ this package.
 """
 
 from computectx.distributed.accumulate import DataParallelGradAccumulator
-from computectx.distributed.amax import Fp8AmaxSync, sync_fp8_scaling
+from computectx.distributed.amax import Fp8AmaxSync, rescale_grad_ring, sync_fp8_scaling
+from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
 from computectx.distributed.fsdp import Fp8ShardedWeight, enable_fp8_all_gather
 from computectx.distributed.group import check_same_policy, data_parallel_group
 from computectx.distributed.sharding import ShardedParams
@@ -19,5 +20,8 @@ __all__ = [
     "check_same_policy",
     "data_parallel_group",
     "enable_fp8_all_gather",
+    "optimizer_state_dict",
+    "rescale_grad_ring",
+    "set_optimizer_state_dict",
     "sync_fp8_scaling",
 ]

@@ -62,7 +62,16 @@ from computectx.fp8.ring import (
 from computectx.fp8.scaling import ROLES, OperandScaling, Role
 from computectx.recipes import DelayedScaling
 
-__all__ = ["CurrentAmax", "Fp8AmaxSync", "sync_fp8_scaling"]
+__all__ = [
+    "CurrentAmax",
+    "Fp8AmaxSync",
+    "LossNormalization",
+    "rescale_grad_ring",
+    "sync_fp8_scaling",
+]
+
+LossNormalization = Literal["per_rank", "global"]
+"""What each rank's loss is divided by: its own batch, or the global batch."""
 
 CurrentAmax = Literal["group", "local"]
 """Whose amax a quantize that needs the current one uses on many ranks: the group's (the
@@ -106,9 +115,15 @@ class Fp8AmaxSync:
         *,
         before_forward: bool = False,
         current_amax: CurrentAmax = "group",
+        loss_normalization: LossNormalization = "per_rank",
     ) -> None:
         if current_amax not in ("group", "local"):
             raise ValueError(f"current_amax must be 'group' or 'local', got {current_amax!r}")
+        if loss_normalization not in ("per_rank", "global"):
+            raise ValueError(
+                f"loss_normalization must be 'per_rank' or 'global', got {loss_normalization!r}"
+            )
+        self._loss_normalization: LossNormalization = loss_normalization
         self._model = model
         self._handle: RemovableHandle | None = None
         self._group = data_parallel_group(group)
@@ -121,6 +136,7 @@ class Fp8AmaxSync:
         self._reduce = GroupAmax(self._group) if current_amax == "group" else None
         for layer in layers:
             layer.amax_reduce = self._reduce
+        self._to_this_world()
         self._take_snapshots()
         if before_forward:
             # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
@@ -158,11 +174,24 @@ class Fp8AmaxSync:
             for _, _, _, op in _operands(self._model)
         }
 
+    @property
+    def loss_normalization(self) -> LossNormalization:
+        """What each rank's loss is normalized by (see ``sync_fp8_scaling``)."""
+        return self._loss_normalization
+
+    def _to_this_world(self) -> None:
+        # Scaling state recorded at another world size (a checkpoint saved on other ranks):
+        # under a per-rank loss, the output-gradient ring is in that world's units.
+        for m in self._model.modules():
+            if isinstance(m, Fp8Linear) and m.scaling.world_size != self._world:
+                rescale_grad_ring(m, self._world, self._loss_normalization)
+
     def sync(self) -> None:
         """Merge every ring with the other ranks' (one all-gather), in place, on the device."""
         entries = list(_operands(self._model))
         if not entries:
             return
+        self._to_this_world()
         prev: list[torch.Tensor] = []
         for _, _, _, op in entries:
             snap = self._snapshots.get(id(op))
@@ -232,6 +261,29 @@ class Fp8AmaxSync:
             ring_saturated(op.ring).copy_(taken[n + RING_SATURATED])
 
 
+def rescale_grad_ring(
+    layer: Fp8Linear, world_size: int, loss_normalization: LossNormalization = "per_rank"
+) -> None:
+    """Bring ``layer``'s scaling state to ``world_size`` ranks (device ops, in place).
+
+    Under a loss each rank normalizes by its own batch (``"per_rank"``), a rank's output
+    gradient is ``world_size`` times the whole batch's, and so is what its gradient ring
+    holds: a state recorded at ``layer.scaling.world_size`` ranks has its gradient history
+    and step multiplied by the ratio of the world sizes (exact for powers of two), so the
+    first backward after loading a checkpoint saved at another world size neither saturates
+    nor wastes range. Under a ``"global"`` normalization nothing depends on the world size.
+    Either way the state is then marked as recorded at ``world_size``.
+    """
+    state = layer.scaling
+    if loss_normalization == "per_rank" and state.world_size != world_size:
+        ring = state.grad.ring
+        ratio = world_size / state.world_size
+        with torch.no_grad():
+            ring_history(ring).mul_(ratio)
+            ring_step(ring).mul_(ratio)
+    state.world_size = world_size
+
+
 def _quantizes_shards(layer: Fp8Linear) -> bool:
     w = layer.weight
     if isinstance(w, DTensor):
@@ -240,7 +292,11 @@ def _quantizes_shards(layer: Fp8Linear) -> bool:
 
 
 def sync_fp8_scaling(
-    model: nn.Module, group: GroupArg = None, *, current_amax: CurrentAmax = "group"
+    model: nn.Module,
+    group: GroupArg = None,
+    *,
+    current_amax: CurrentAmax = "group",
+    loss_normalization: LossNormalization = "per_rank",
 ) -> Fp8AmaxSync:
     """Keep the fp8 scaling rings of ``model`` identical on every rank of ``group``.
 
@@ -258,5 +314,18 @@ def sync_fp8_scaling(
     scales are then those of one process on the whole batch. ``current_amax="local"``
     keeps each rank's own (no collective inside a step; the scales then differ from one
     process's until the first merge, and under dynamic scaling always).
+
+    ``loss_normalization`` says what each rank's loss is divided by: its own batch
+    (``"per_rank"``, a mean-reduced loss under DDP / FSDP2's gradient averaging, the usual
+    case), or the global batch (``"global"``: each rank sums its rows over the global
+    count). It matters only when scaling state saved at another world size is loaded: under
+    ``"per_rank"`` the gradient rings are rescaled to this world size
+    (``rescale_grad_ring``).
     """
-    return Fp8AmaxSync(model, group, before_forward=True, current_amax=current_amax)
+    return Fp8AmaxSync(
+        model,
+        group,
+        before_forward=True,
+        current_amax=current_amax,
+        loss_normalization=loss_normalization,
+    )

@@ -240,11 +240,16 @@ class Fp8ScalingState:
     different policy (another history length, another recipe) starts using the weight.
     """
 
-    __slots__ = ("operands", "policy")
+    __slots__ = ("operands", "policy", "world_size")
 
     def __init__(self, policy: Fp8Policy, device: torch.device | str) -> None:
         n = history_len_of(policy)
         self.policy = policy
+        # The data-parallel world size the output-gradient ring was recorded at: under a
+        # loss each rank normalizes by its own batch, a rank's gradient is world_size times
+        # the whole batch's. Saved with the state; computectx.distributed rescales the ring
+        # when a checkpoint meets another world size.
+        self.world_size = 1
         self.operands: dict[Role, OperandScaling] = {r: OperandScaling(n, device) for r in ROLES}
 
     @property
@@ -290,6 +295,7 @@ class Fp8ScalingState:
         return {
             "version": STATE_VERSION,
             "policy": str(self.policy),
+            "world_size": self.world_size,
             "operands": {
                 role: {
                     "ring": op.ring.detach().to("cpu", copy=True),
@@ -309,6 +315,12 @@ class Fp8ScalingState:
         ``ValueError`` and leaves the state as it was.
         """
         loaded = _parse_saved(saved, self.device)
+        world = saved.get("world_size", 1) if isinstance(saved, Mapping) else 1
+        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+            raise ValueError(
+                f"saved fp8 scaling state: world_size must be an int >= 1, got {world!r}"
+            )
+        self.world_size = world
         n = history_len_of(self.policy)
         self.operands = {
             role: op if op.history_len == n else op.resized(n) for role, op in loaded.items()

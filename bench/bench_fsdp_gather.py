@@ -1,0 +1,142 @@
+"""FSDP2 on fp8 layers: bytes each rank all-gathers and step time, float32 gather against the
+fp8 all-gather (``enable_fp8_all_gather``), and dynamic scaling's whole-batch amax against
+rank-local, side by side from one run.
+
+    python bench/bench_fsdp_gather.py                    # 2 gloo ranks on the CPU
+    python bench/bench_fsdp_gather.py --dim 2048 --steps 10
+
+Each configuration trains the same fp8 MLP (``--layers`` square ``--dim`` layers, each its
+own ``fully_shard`` unit) on 2 spawned ranks; every rank counts the bytes it hands to the
+all-gathers (forward and backward gathers) and times its steps. Target: the fp8 all-gather
+sends at most 1.1 bytes per weight element. On the CPU with gloo the step time is mostly the
+reference fp8 GEMMs; it is printed for the ratio, not as a GPU figure. Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.multiprocessing.spawn import start_processes
+
+from computectx import ComputeCtx
+from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
+from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy
+
+CONFIGS: list[tuple[str, str, str]] = [
+    # (scaling, gather, current_amax)
+    ("delayed", "hp", "group"),
+    ("delayed", "fp8", "group"),
+    ("dynamic", "fp8", "group"),
+    ("dynamic", "fp8", "local"),
+]
+
+
+class _Sent:
+    """Wraps ``dist.all_gather_single``, adding up the bytes this rank hands it."""
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+        self.bytes = 0
+
+    def __call__(self, out: Any, inp: Any, *args: Any, **kwargs: Any) -> Any:
+        self.bytes += inp.numel() * inp.element_size()
+        return self.original(out, inp, *args, **kwargs)
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (world,))
+    results = []
+    for scaling, gather, current in CONFIGS:
+        ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+        if scaling == "dynamic":
+            ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+        torch.manual_seed(0)
+        model = nn.Sequential(*(Fp8Linear(args.dim, args.dim, ctx=ctx) for _ in range(args.layers)))
+        if gather == "fp8":
+            enable_fp8_all_gather(model)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        sync = sync_fp8_scaling(model, current_amax=current)  # type: ignore[arg-type]
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        counter = _Sent(dist.all_gather_single)
+
+        x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+        times = []
+        dist.all_gather_single = counter  # type: ignore[assignment]
+        try:
+            for i in range(args.warmup + args.steps):
+                if i == args.warmup:
+                    counter.bytes = 0
+                t0 = time.perf_counter()
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                times.append(time.perf_counter() - t0)
+        finally:
+            dist.all_gather_single = counter.original
+        sync.remove()
+        elements = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))
+        elements //= world
+        results.append(
+            {
+                "config": f"{scaling}, {gather} gather, {current} amax",
+                "bytes_per_element": counter.bytes / (2 * args.steps * elements),
+                "step_s": statistics.median(times[args.warmup :]),
+            }
+        )
+    if rank == 0:
+        out.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dim", type=int, default=1024)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    start_processes(  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        _rank, args=(2, port, args, queue), nprocs=2, start_method="spawn"
+    )
+    results = queue.get()
+    base = results[0]
+    print(
+        f"2 gloo ranks, {args.layers} x Fp8Linear({args.dim}, {args.dim}), batch {args.batch} "
+        f"per rank, median of {args.steps} steps (torch {torch.__version__})"
+    )
+    print(f"{'configuration':40s} {'bytes/elem':>10s} {'vs fp32':>8s} {'step s':>8s} {'ratio':>6s}")
+    for r in results:
+        print(
+            f"{r['config']:40s} {r['bytes_per_element']:10.3f} "
+            f"{base['bytes_per_element'] / r['bytes_per_element']:7.2f}x "
+            f"{r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
