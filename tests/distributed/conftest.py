@@ -1,19 +1,19 @@
 """Run a scenario on N gloo ranks, each a fresh process, and collect what each rank reports.
 
-Every rank is a subprocess running ``worker.py`` with a free port, a collective timeout (set in
-the worker) and a wall-clock limit here, so a bug fails the test in seconds instead of hanging
-CI. Each rank writes its results with ``torch.save``; the test compares them with a
-single-process run of the same scenario.
+Every rank is a process forked from a server with torch imported (``worker.run_forked``), with
+a free port, a collective timeout (set in the worker) and a wall-clock limit here, so a bug
+fails the test in seconds instead of hanging CI. Each rank writes its results with
+``torch.save``; the test compares them with a single-process run of the same scenario.
 """
 
 from __future__ import annotations
 
-import json
-import os
+import multiprocessing
+import runpy
 import socket
-import subprocess
-import sys
+import time
 from collections.abc import Callable
+from multiprocessing.context import ForkServerContext
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,28 @@ def free_port() -> int:
         return port
 
 
+_FORKSERVER: list[ForkServerContext] = []
+
+
+def _context() -> ForkServerContext:
+    # One forkserver per test process, started on first use with torch and computectx
+    # imported: each rank is then a fork of it (milliseconds) instead of a fresh interpreter
+    # importing torch (seconds), and the server itself never ran an op or a collective.
+    if not _FORKSERVER:
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(
+            [
+                "torch",
+                "torch.distributed",
+                "computectx.distributed",
+                "computectx.fp8",
+                "torch.distributed.fsdp",
+            ]
+        )
+        _FORKSERVER.append(ctx)
+    return _FORKSERVER[0]
+
+
 def _run(
     tmp_path: Path, scenario: str, world_size: int, limit_s: float, params: dict[str, Any]
 ) -> list[dict[str, Any]]:
@@ -40,38 +62,36 @@ def _run(
     out = tmp_path / f"{scenario.replace(':', '-').replace('.py', '')}-{world_size}"
     out.mkdir(parents=True, exist_ok=True)
     env = {
-        **os.environ,
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(world_size),
         "OMP_NUM_THREADS": "1",
     }
+    ctx = _context()
     procs = []
     for rank in range(world_size):
-        cmd = [sys.executable, str(WORKER), scenario, str(out), json.dumps(params)]
-        log = (out / f"rank{rank}.log").open("w")
-        procs.append(
-            (
-                subprocess.Popen(
-                    cmd, env={**env, "RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT
-                ),
-                log,
-            )
+        # The worker runs as a file (pytest imports test modules under names a forked
+        # interpreter cannot import again); it calls run_forked with FORK_ARGS.
+        fork_args = (scenario, out, params, {**env, "RANK": str(rank)})
+        proc = ctx.Process(
+            target=runpy.run_path,
+            args=(str(WORKER),),
+            kwargs={"init_globals": {"FORK_ARGS": fork_args}, "run_name": "__forked__"},
         )
+        proc.start()
+        procs.append(proc)
     failed = []
+    deadline = time.monotonic() + limit_s
     try:
-        for rank, (proc, _) in enumerate(procs):
-            try:
-                if proc.wait(timeout=limit_s) != 0:
-                    failed.append(rank)
-            except subprocess.TimeoutExpired:
+        for rank, proc in enumerate(procs):
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.exitcode != 0:
                 failed.append(rank)
     finally:
-        for proc, log in procs:
-            if proc.poll() is None:
+        for proc in procs:
+            if proc.is_alive():
                 proc.kill()
-                proc.wait()
-            log.close()
+                proc.join()
     if failed:
         logs = "\n".join(
             f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text()[-4000:]}" for r in failed

@@ -93,6 +93,15 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def compiled_and_eager(params: dict[str, Any]) -> dict[str, Any]:
+    """``train`` compiled (seeding from the group's amax), then eager seeding from the rank's
+    own (``current_amax="local"``), in this one launch."""
+    return {
+        "compiled": train({**params, "compile": True}),
+        "eager": train({**params, "current_amax": "local"}),
+    }
+
+
 def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     """Train ``steps`` steps (sharded with FSDP2 on more than one rank, gathering fp8
     weights with ``fp8_gather=True``, with the amax sync unless ``sync=False``) and save with

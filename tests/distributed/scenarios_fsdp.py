@@ -137,15 +137,24 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def train_each(params: dict[str, Any]) -> dict[str, Any]:
+    """``train`` once per entry of ``gathers``, in this one launch (each on a fresh model)."""
+    return {gather: train({**params, "gather": gather}) for gather in params["gathers"]}
+
+
 def compiled_dynamic(params: dict[str, Any]) -> dict[str, Any]:
-    """Two steps of a dynamic-scaling fp8 MLP with the sync, eager or compiled with
+    """Two steps of a dynamic-scaling fp8 MLP with the sync, eager and then compiled with
     ``fullgraph=True`` (the merge hook and every quantize's amax all-reduce in the graph)."""
+    return {"eager": _dynamic_steps(compile=False), "compiled": _dynamic_steps(compile=True)}
+
+
+def _dynamic_steps(compile: bool) -> dict[str, Any]:
     ctx = _ctx("dynamic")
     rank = dist.get_rank()
     model = _model(ctx)
     sync = sync_fp8_scaling(model)
     run: Any = model
-    if params["compile"]:
+    if compile:
         run = torch.compile(model, fullgraph=True, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     outs = []

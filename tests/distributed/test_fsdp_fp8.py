@@ -17,7 +17,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_delayed_scaling_gathers_fp8_as_one_process_trains(run_ranks: RunRanks) -> None:
-    fp8 = run_ranks("scenarios_fsdp.py:train", scaling="delayed", gather="fp8", steps=STEPS)
+    both = run_ranks(
+        "scenarios_fsdp.py:train_each", scaling="delayed", gathers=["fp8", "hp"], steps=STEPS
+    )
+    fp8 = [r["fp8"] for r in both]
     one = run_ranks(
         "scenarios_fsdp.py:train", world_size=1, scaling="delayed", gather="none", steps=STEPS
     )[0]
@@ -27,7 +30,7 @@ def test_delayed_scaling_gathers_fp8_as_one_process_trains(run_ranks: RunRanks) 
     # weight quantized with it, so the codes are the same and so is the training, bit for
     # bit, rings included (saturations of a weight every rank quantizes whole count once, as
     # the fp8 shards' add up), in about a quarter of the bytes.
-    hp = run_ranks("scenarios_fsdp.py:train", scaling="delayed", gather="hp", steps=STEPS)[0]
+    hp = both[0]["hp"]
     assert torch.equal(fp8[0]["losses"], hp["losses"])
     for name in hp["weights"]:
         assert torch.equal(fp8[0]["weights"][name], hp["weights"][name]), name
@@ -45,11 +48,12 @@ def test_dynamic_scaling_uses_whole_batch_scales_under_fsdp2_and_ddp(run_ranks: 
     one = run_ranks(
         "scenarios_fsdp.py:train", world_size=1, scaling="dynamic", gather="none", steps=STEPS
     )[0]
-    fp8 = run_ranks("scenarios_fsdp.py:train", scaling="dynamic", gather="fp8", steps=STEPS)
-    _check_against_one_process(fp8, one, converted=2)
-    _check_fp8_traffic(fp8[0])
-    ddp = run_ranks("scenarios_fsdp.py:train", scaling="dynamic", gather="ddp", steps=STEPS)
-    _check_against_one_process(ddp, one, converted=0)
+    both = run_ranks(
+        "scenarios_fsdp.py:train_each", scaling="dynamic", gathers=["fp8", "ddp"], steps=STEPS
+    )
+    _check_against_one_process([r["fp8"] for r in both], one, converted=2)
+    _check_fp8_traffic(both[0]["fp8"])
+    _check_against_one_process([r["ddp"] for r in both], one, converted=0)
 
 
 def _check_against_one_process(two: list[Result], one: Result, converted: int) -> None:
@@ -93,8 +97,8 @@ def _traffic(result: dict[str, Any]) -> dict[torch.dtype, int]:
 
 def test_compiled_fullgraph_dynamic_scaling_reduces_as_eager_does(run_ranks: RunRanks) -> None:
     # The merge hook and each quantize's amax all-reduce trace into one graph per step.
-    compiled = run_ranks("scenarios_fsdp.py:compiled_dynamic", compile=True)
-    eager = run_ranks("scenarios_fsdp.py:compiled_dynamic", compile=False)
+    ranks = run_ranks("scenarios_fsdp.py:compiled_dynamic")
+    compiled, eager = [r["compiled"] for r in ranks], [r["eager"] for r in ranks]
     for c, e in zip(compiled, eager, strict=True):
         assert torch.equal(c["outs"], e["outs"])
         for name, w in e["weights"].items():
