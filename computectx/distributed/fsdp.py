@@ -127,6 +127,17 @@ class Fp8ShardedWeight(torch.Tensor):
         """The high-precision tensor (the master copy of this shard)."""
         return self._hp
 
+    # A traceable wrapper subclass: module.to(dtype) / .half() then swap the whole tensor
+    # (torch.utils.swap_tensors) instead of setting .data, which would leave _hp behind.
+    def __tensor_flatten__(self) -> tuple[list[str], _Gather]:
+        return ["_hp"], self._gather
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], gather: _Gather, outer_size: Any, outer_stride: Any
+    ) -> Fp8ShardedWeight:
+        return Fp8ShardedWeight(inner["_hp"], gather)
+
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod

@@ -105,6 +105,16 @@ class Fp8Weight(torch.Tensor):
         """``data * step`` as a plain tensor of ``dtype`` (default: the nominal dtype)."""
         return reference.dequantize(self._fp8_data, self._fp8_step, dtype or self.dtype)
 
+    # A traceable wrapper subclass (what torch.compile and module conversions expect).
+    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
+        return ["_fp8_data", "_fp8_step"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any, outer_stride: Any
+    ) -> Fp8Weight:
+        return Fp8Weight(inner["_fp8_data"], inner["_fp8_step"], dtype)
+
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @classmethod

@@ -86,3 +86,17 @@ def test_its_state_dict_holds_plain_tensors_that_load_back_weights_only() -> Non
 def test_a_bad_current_amax_is_refused_by_name_before_any_collective() -> None:
     with pytest.raises(ValueError, match=r"current_amax must be 'group' or 'local', got 'batch'"):
         sync_fp8_scaling(_model(), current_amax="batch")  # type: ignore[arg-type]
+
+
+def test_a_module_dtype_conversion_converts_the_tensor_it_wraps() -> None:
+    # module.to(dtype) swaps the whole subclass: setting .data would leave the wrapped
+    # float32 tensor behind a bfloat16 face.
+    model = _model()
+    enable_fp8_all_gather(model)
+    weight = model[0].weight
+    model.to(torch.bfloat16)
+    assert model[0].weight is weight  # the same Parameter object, now bfloat16 inside too
+    assert isinstance(weight, Fp8ShardedWeight)
+    assert weight.dtype == weight.hp.dtype == torch.bfloat16
+    model(torch.randn(2, 16, dtype=torch.bfloat16)).sum().backward()
+    assert weight.grad is not None and weight.grad.dtype == torch.bfloat16
