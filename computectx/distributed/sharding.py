@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from computectx.distributed.accumulate import all_reduce_on
+from computectx.distributed.fsdp import Fp8ShardedWeight
 from computectx.distributed.group import GroupArg, data_parallel_group
 
 __all__ = ["ShardedParams"]
@@ -34,11 +35,16 @@ class ShardedParams:
         self.group = data_parallel_group(group)
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself."""
+        """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself; a
+        weight that FSDP2 gathers in fp8 (``Fp8ShardedWeight``) gives the plain tensor it
+        wraps, so masters and optimizer state are plain tensors."""
+        local = tensor
         if isinstance(tensor, DTensor):
             with torch.no_grad():  # the shard itself (a view), not an autograd copy
-                return tensor.to_local()
-        return tensor
+                local = tensor.to_local()
+        if isinstance(local, Fp8ShardedWeight):
+            return local.hp
+        return local
 
     def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
         """``values`` summed (or maxed) over the group; a new CPU tensor."""

@@ -93,11 +93,16 @@ def _run(
                 proc.kill()
                 proc.join()
     if failed:
-        logs = "\n".join(
-            f"--- rank {r} ---\n{(out / f'rank{r}.log').read_text()[-4000:]}" for r in failed
-        )
+        logs = "\n".join(f"--- rank {r} ---\n{_log(out, r, procs[r].exitcode)}" for r in failed)
         pytest.fail(f"{scenario} on {world_size} rank(s): rank(s) {failed} failed\n{logs}")
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+def _log(out: Path, rank: int, exitcode: int | None) -> str:
+    log = out / f"rank{rank}.log"
+    if not log.exists():  # it failed before its output went to the log: see stderr
+        return f"(no log: the process ended with exit code {exitcode} before writing one)"
+    return log.read_text()[-4000:]
 
 
 @pytest.fixture

@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
+from computectx.distributed import ShardedParams, enable_fp8_all_gather, sync_fp8_scaling
 from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy, convert_to_fp8
+from computectx.memory import OffloadedOptimizer
 
 BATCH = 8
 IN, HIDDEN, OUT = 64, 128, 64
@@ -78,6 +79,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
 
     ``gather``: ``"fp8"`` (enable_fp8_all_gather), ``"hp"`` (FSDP2's own float32 gather),
     ``"ddp"`` (DistributedDataParallel, no gather) or ``"none"`` (the one-process reference).
+    ``offloaded``: AdamW in an ``OffloadedOptimizer`` (``ShardedParams`` under FSDP2), not SGD.
     Reports the losses, the first step's full gradients, the final full weights, the rings
     and the all-gather traffic.
     """
@@ -102,7 +104,15 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
             fully_shard(layer, mesh=mesh, reshard_after_forward=params.get("reshard", True))
         fully_shard(model, mesh=mesh)
     sync = sync_fp8_scaling(run)
-    opt = torch.optim.SGD(model.parameters(), lr=params.get("lr", 0.01))
+    opt: torch.optim.Optimizer
+    if params.get("offloaded"):
+        # Masters and AdamW state as local shards (ShardedParams), for FSDP2 models.
+        sharding = ShardedParams() if params["gather"] in ("fp8", "hp") else None
+        opt = OffloadedOptimizer(
+            model.parameters(), ctx, torch.optim.AdamW, sharding=sharding, lr=1e-3
+        )
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=params.get("lr", 0.01))
     per = BATCH // world
     losses, first_grads = [], {}
     with _CountGathers() as counter, warnings.catch_warnings(record=True) as caught:
@@ -121,7 +131,9 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
             dist.all_reduce(t)
             losses.append(float(t) / world)
     sync.sync()
+    masters = opt.master_params if isinstance(opt, OffloadedOptimizer) else ()
     return {
+        "plain_masters": all(type(m.data) is torch.Tensor for m in masters),
         "converted": converted,
         "losses": torch.tensor(losses, dtype=torch.float64),
         "first_grads": first_grads,

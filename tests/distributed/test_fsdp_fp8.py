@@ -17,12 +17,23 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def test_delayed_scaling_gathers_fp8_as_one_process_trains(run_ranks: RunRanks) -> None:
+    # With the memory policy's optimizer: masters and AdamW state as plain local shards.
     both = run_ranks(
-        "scenarios_fsdp.py:train_each", scaling="delayed", gathers=["fp8", "hp"], steps=STEPS
+        "scenarios_fsdp.py:train_each",
+        scaling="delayed",
+        gathers=["fp8", "hp"],
+        steps=STEPS,
+        offloaded=True,
     )
     fp8 = [r["fp8"] for r in both]
+    assert all(r["plain_masters"] for r in fp8)
     one = run_ranks(
-        "scenarios_fsdp.py:train", world_size=1, scaling="delayed", gather="none", steps=STEPS
+        "scenarios_fsdp.py:train",
+        world_size=1,
+        scaling="delayed",
+        gather="none",
+        steps=STEPS,
+        offloaded=True,
     )[0]
     _check_against_one_process(fp8, one, converted=2)
     _check_fp8_traffic(fp8[0])
