@@ -43,8 +43,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from computectx.distributed.collectives import GroupAmax
-from computectx.fp8 import Fp8Linear, Fp8Weight, ops, reference
-from computectx.recipes import DelayedScaling
+from computectx.fp8 import Fp8Linear, Fp8Weight, ops
 
 __all__ = ["Fp8ShardedWeight", "enable_fp8_all_gather"]
 
@@ -78,7 +77,6 @@ class _Gather:
         self._layer = weakref.ref(layer)
         self.name = name
         self.forward_step: torch.Tensor | None = None
-        self.seeded_ring: torch.Tensor | None = None  # the ring last seen seeded
 
     def layer(self) -> Fp8Linear:
         layer = self._layer()
@@ -191,22 +189,13 @@ class Fp8ShardedWeight(torch.Tensor):
             # The re-gather for the backward: the bytes the forward used, nothing recorded.
             data, _ = ops.quantize_with_step(hp, fmt, g.forward_step, backend=layer.backend)
             step = g.forward_step
-        elif isinstance(scaling, DelayedScaling):
-            if g.seeded_ring is not op.ring:
-                # The first call on this ring (a host read, once): seed it from the whole
-                # weight's amax, so every rank quantizes step 1 with the one-process step.
-                if not op.seeded:
-                    whole = GroupAmax(_shard_group(mesh))(reference.amax(hp))
-                    ops.seed_ring(op.ring, whole, fmt, scaling.margin)
-                    op.seeded = True
-                g.seeded_ring = op.ring
-            data, step = op.quantize(hp, fmt, scaling, layer.backend)
         else:
-            whole = GroupAmax(_shard_group(mesh))(reference.amax(hp))
-            step = reference.step_from_amax(whole, fmt, scaling.margin)
-            data, _ = ops.quantize_with_step(hp, fmt, step, backend=layer.backend)
-            op.record(whole, step)
-            op.elements_tensor.add_(hp.numel())
+            # The quantize an unsharded layer runs, with the shard group's amax wherever it
+            # needs the current one (every dynamic call; the seed of a delayed ring), so
+            # every rank's step is the whole weight's.
+            data, step = op.quantize(
+                hp, fmt, scaling, layer.backend, reduce=GroupAmax(_shard_group(mesh))
+            )
         g.forward_step = step
         return (_padded(data, outer_size, mesh).view(torch.uint8),), (step, data.dtype)
 
