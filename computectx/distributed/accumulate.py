@@ -25,26 +25,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from computectx.ctx import ComputeCtx
+from computectx.distributed.collectives import all_reduce_on
 from computectx.distributed.group import GroupArg, data_parallel_group
 from computectx.dtypes import DType
 from computectx.memory import LowPrecGradAccumulator
 from computectx.memory.accumulator import AccumMode, Transfer
 
-__all__ = ["DataParallelGradAccumulator", "all_reduce_on"]
-
-
-def all_reduce_on(t: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
-    """All-reduce ``t`` in place over ``group``, crossing to the GPU when only nccl is there.
-
-    gloo (and a ``cpu:gloo,cuda:nccl`` group) reduce CPU tensors directly; a pure nccl group
-    gets a copy on the current CUDA device and the result is copied back.
-    """
-    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
-        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on_gpu, op=op, group=group)
-        t.copy_(on_gpu)
-    else:
-        dist.all_reduce(t, op=op, group=group)
+__all__ = ["DataParallelGradAccumulator"]
 
 
 class _CommState:
@@ -173,7 +160,10 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
             return
         if self.ddp is not None:
             with torch.no_grad():
-                nonzero = any(bool(p.grad.any()) for p in late if p.grad is not None)
+                # One host read for all of them, not one per parameter.
+                nonzero = bool(
+                    torch.stack([p.grad.any() for p in late if p.grad is not None]).any()
+                )
             if not nonzero:
                 for p in late:
                     p.grad = None  # what DDP wrote under the no-communication hook: zeros
@@ -215,7 +205,3 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
             handle.remove()
         self._marks = []
         super().close()
-
-    def __repr__(self) -> str:
-        base = super().__repr__()
-        return base.replace("LowPrecGradAccumulator(", "DataParallelGradAccumulator(", 1)

@@ -40,11 +40,10 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax
-from computectx.distributed.fsdp import Fp8ShardedWeight
+from computectx.distributed.fsdp import Fp8ShardedWeight, sharded_weight_of
 from computectx.distributed.group import GroupArg, check_same_policy, data_parallel_group
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear
@@ -163,11 +162,6 @@ class Fp8AmaxSync:
         delayed scaling) uses: the group's or the rank's own."""
         return self._current_amax
 
-    @property
-    def layers(self) -> int:
-        """How many fp8 layers are kept in step."""
-        return sum(1 for m in self._model.modules() if isinstance(m, Fp8Linear))
-
     def _take_snapshots(self) -> None:
         self._snapshots = {
             id(op): _Snapshot(op.ring, op.ring.detach().clone(), op.elements_tensor.clone())
@@ -285,10 +279,7 @@ def rescale_grad_ring(
 
 
 def _quantizes_shards(layer: Fp8Linear) -> bool:
-    w = layer.weight
-    if isinstance(w, DTensor):
-        w = w.to_local()
-    return isinstance(w, Fp8ShardedWeight)
+    return isinstance(sharded_weight_of(layer.weight), Fp8ShardedWeight)
 
 
 def sync_fp8_scaling(

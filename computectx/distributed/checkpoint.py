@@ -30,10 +30,10 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.memory import OffloadedOptimizer
+from computectx.memory.optimizer import MASTER_WEIGHTS
 
 __all__ = ["MASTER_WEIGHTS", "optimizer_state_dict", "parameter_fqns", "set_optimizer_state_dict"]
 
-MASTER_WEIGHTS = "master_weights"
 """The key of the master weights, as in ``OffloadedOptimizer.state_dict()``."""
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"

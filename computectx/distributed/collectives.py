@@ -1,4 +1,5 @@
-"""Small collectives the fp8 scaling shares: the group's amax of one tensor."""
+"""Small collectives the package shares: an all-reduce that reaches a pure nccl group from
+the CPU, and the group's amax of one tensor."""
 
 from __future__ import annotations
 
@@ -7,9 +8,21 @@ import math
 import torch
 import torch.distributed as dist
 
-from computectx.distributed.accumulate import all_reduce_on
+__all__ = ["GroupAmax", "all_reduce_on"]
 
-__all__ = ["GroupAmax"]
+
+def all_reduce_on(t: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:
+    """All-reduce ``t`` in place over ``group``, crossing to the GPU when only nccl is there.
+
+    gloo (and a ``cpu:gloo,cuda:nccl`` group) reduce CPU tensors directly; a pure nccl group
+    gets a copy on the current CUDA device and the result is copied back.
+    """
+    if t.device.type == "cpu" and dist.get_backend(group) == "nccl":
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu, op=op, group=group)
+        t.copy_(on_gpu)
+    else:
+        dist.all_reduce(t, op=op, group=group)
 
 
 class GroupAmax:

@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_map
 from computectx.distributed.collectives import GroupAmax
 from computectx.fp8 import Fp8Linear, Fp8Weight, ops
 
-__all__ = ["Fp8ShardedWeight", "enable_fp8_all_gather"]
+__all__ = ["Fp8ShardedWeight", "enable_fp8_all_gather", "sharded_weight_of"]
 
 _aten = torch.ops.aten
 # Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
@@ -228,14 +228,14 @@ def _in_backward() -> bool:
 
 
 def _shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    # The dimension FSDP2 shards over (the last one of an HSDP mesh; replicas hold equal
-    # shards, so a MAX over it is the whole weight's).
-    return mesh.get_group(mesh.ndim - 1) if mesh.ndim > 1 else mesh.get_group()
+    # The dimension FSDP2 shards over: the last one (of an HSDP mesh, whose replicas hold
+    # equal shards, so a MAX over it is the whole weight's; of a 1-D mesh, the mesh).
+    return mesh.get_group(mesh.ndim - 1)
 
 
 def _padded(data: torch.Tensor, outer_size: torch.Size, mesh: DeviceMesh) -> torch.Tensor:
     # FSDP2 pads uneven shards along dim 0 to ceil(rows / world) and expects inputs that size.
-    world = mesh.size(mesh.ndim - 1) if mesh.ndim > 1 else mesh.size()
+    world = mesh.size(mesh.ndim - 1)
     rows = -(-outer_size[0] // world)
     if data.shape[0] == rows:
         return data
@@ -244,12 +244,16 @@ def _padded(data: torch.Tensor, outer_size: torch.Size, mesh: DeviceMesh) -> tor
     return out
 
 
+def sharded_weight_of(value: torch.Tensor) -> torch.Tensor:
+    """The tensor under FSDP2's DTensor wrapping (``value`` itself when not a DTensor)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def _plain(value: Any) -> Any:
-    if isinstance(value, Fp8ShardedWeight):
-        return value.hp
-    if isinstance(value, DTensor) and isinstance(value.to_local(), Fp8ShardedWeight):
-        local = value.to_local()
-        assert isinstance(local, Fp8ShardedWeight)
+    local = sharded_weight_of(value) if isinstance(value, torch.Tensor) else value
+    if not isinstance(local, Fp8ShardedWeight):
+        return value
+    if isinstance(value, DTensor):
         return DTensor.from_local(
             local.hp,
             value.device_mesh,
@@ -258,7 +262,7 @@ def _plain(value: Any) -> Any:
             shape=value.shape,
             stride=value.stride(),
         )
-    return value
+    return local.hp
 
 
 def _state_dict_hook(

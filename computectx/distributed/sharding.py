@@ -6,10 +6,9 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from computectx.distributed.accumulate import all_reduce_on
-from computectx.distributed.fsdp import Fp8ShardedWeight
+from computectx.distributed.collectives import all_reduce_on
+from computectx.distributed.fsdp import Fp8ShardedWeight, sharded_weight_of
 from computectx.distributed.group import GroupArg, data_parallel_group
 
 __all__ = ["ShardedParams"]
@@ -38,13 +37,9 @@ class ShardedParams:
         """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself; a
         weight that FSDP2 gathers in fp8 (``Fp8ShardedWeight``) gives the plain tensor it
         wraps, so masters and optimizer state are plain tensors."""
-        local = tensor
-        if isinstance(tensor, DTensor):
-            with torch.no_grad():  # the shard itself (a view), not an autograd copy
-                local = tensor.to_local()
-        if isinstance(local, Fp8ShardedWeight):
-            return local.hp
-        return local
+        with torch.no_grad():  # the shard itself (a view), not an autograd copy
+            local = sharded_weight_of(tensor)
+        return local.hp if isinstance(local, Fp8ShardedWeight) else local
 
     def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
         """``values`` summed (or maxed) over the group; a new CPU tensor."""

@@ -133,7 +133,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # An Fp8Weight's codes live in a buffer that FSDP2 frees after the forward and
         # gathers again before the backward, writing the step of those codes into the same
         # Fp8Weight: the backward reads that step then, so codes and step stay a pair.
-        ctx.save_for_backward(xq, wq, sx, sw if live_step is None else sx)
+        ctx.save_for_backward(xq, wq, sx, sw if live_step is None else None)  # type: ignore[arg-type]
         c: Any = ctx
         c.live_step = live_step
         c.plan = plan

@@ -127,6 +127,7 @@ def check_backend(backend: object, *tensors: torch.Tensor) -> Fp8Backend:
     return backend
 
 
+@functools.cache  # on every quantize and GEMM call: probe each device once
 def _cublas_runs_on(dev: torch.device) -> tuple[bool, str]:
     if dev.type == "cpu":
         return True, "torch._scaled_mm's CPU kernel"

@@ -35,9 +35,13 @@ Calling one on a tensor that requires grad and then differentiating raises torch
 
 from __future__ import annotations
 
+import functools
+from typing import Literal
+
 import torch
 from torch.library import custom_op
 
+from computectx import capability
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import reference
 from computectx.fp8.backend import Fp8Backend, parse_backend
@@ -56,12 +60,16 @@ __all__ = [
     "TALLY_ELEMENTS",
     "TALLY_LEN",
     "TALLY_SEEDED",
+    "count",
     "dequantize",
     "quantize_delayed",
+    "quantize_delayed_at",
     "quantize_dynamic",
+    "quantize_dynamic_with",
     "quantize_with_step",
     "scaled_mm",
     "tally_new",
+    "triton_imports",
     "uses_kernels",
 ]
 
@@ -85,40 +93,71 @@ def _fmt(fp8: torch.dtype) -> Fp8Format:
     return Fp8Format.parse(fp8)
 
 
-def _count(tally: torch.Tensor, x: torch.Tensor) -> None:
-    # Seeded, and numel more elements: a fill and an add on the device, no host read.
+def count(tally: torch.Tensor, x: torch.Tensor) -> None:
+    """Mark the tally seeded and add ``x``'s elements: a fill and an add on the device, no
+    host read."""
     tally[TALLY_SEEDED : TALLY_SEEDED + 1].fill_(1)
     tally[TALLY_ELEMENTS : TALLY_ELEMENTS + 1].add_(x.numel())
 
 
-def _kernels_quantize_delayed(
-    x: torch.Tensor, fp8: torch.dtype, ring: torch.Tensor, algo: str, margin: int
+def quantize_delayed_at(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    ring: torch.Tensor,
+    slot: int,
+    algo: Literal["max", "most_recent"],
+    margin: int,
+    backend: Fp8Backend,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One delayed quantize writing history ``slot``, on the kernels or the pure-torch twin
+    (``uses_kernels``); arguments already checked. The kernel knows no ring layout of its
+    own: it gets this one's offsets."""
+    if not uses_kernels(backend, x):
+        return reference.quantize_delayed(x, fmt, ring, slot, algo, margin)
     from computectx.kernels import quantize
 
-    n = ring_history_len(ring)
     return quantize.quantize_delayed(
         x=x,
-        fp8=fp8,
+        fp8=fmt.torch,
         ring=ring,
-        history_len=n,
-        slot=n - 1,
+        history_len=ring_history_len(ring),
+        slot=slot,
         step_offset=RING_STEP,
         nonfinite_offset=RING_NONFINITE,
         saturated_offset=RING_SATURATED,
-        algo="max" if algo == "max" else "most_recent",
+        algo=algo,
         margin=margin,
     )
+
+
+def quantize_dynamic_with(
+    x: torch.Tensor, fmt: Fp8Format, margin: int, backend: Fp8Backend
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(data_fp8, step, amax)`` from ``x``'s own amax, on the kernels or the twin."""
+    if not uses_kernels(backend, x):
+        return reference.quantize_dynamic(x, fmt, margin)
+    # Kernel modules are imported on first use: importing one imports triton, and decorating
+    # its kernels reads TRITON_INTERPRET, which must be settled by then.
+    from computectx.kernels import quantize
+
+    return quantize.quantize_dynamic(x=x, fp8=fmt.torch, margin=margin)
+
+
+@functools.cache
+def triton_imports() -> bool:
+    """Whether triton imports here (``capability.triton_available``, probed once)."""
+    return capability.triton_available().ok
 
 
 def uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
     """Whether ``backend`` quantizes ``x`` with the Triton kernels (else the pure-torch twins).
 
-    TRITON runs every op on the kernels; CUBLAS quantizes with them on a GPU (its GEMM is
-    torch._scaled_mm) and with the twins elsewhere.
+    TRITON runs every op on the kernels; CUBLAS quantizes with them on a GPU where triton
+    imports (its GEMM is torch._scaled_mm) and with the twins elsewhere: ``select_backend``
+    picks CUBLAS precisely when triton does not import.
     """
     return backend is Fp8Backend.TRITON or (
-        backend is Fp8Backend.CUBLAS and x.device.type == "cuda"
+        backend is Fp8Backend.CUBLAS and x.device.type == "cuda" and triton_imports()
     )
 
 
@@ -141,29 +180,20 @@ def quantize_delayed(
     and skips that check (and its pass over ``x`` on the kernels). Then the history rotates
     one slot left, ``x`` is quantized with the ring's step, its amax lands in the last slot
     and the step becomes the next one from the window (``algo``); the tally counts ``x``.
-    Arguments are checked by ``computectx.fp8.ops.quantize_operand_delayed``.
+    Arguments are checked by ``computectx.fp8.ops.quantize_operand``.
     """
-    b = parse_backend(backend)
     fmt = _fmt(fp8)
-    history, step = ring_history(ring), ring_step(ring)
     if may_seed:
         unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
-        a = reference.amax(x)
-        finite = torch.isfinite(a)
-        seed = unseeded & finite
-        history.copy_(torch.where(seed, a.expand_as(history), history))
-        step.copy_(torch.where(seed, reference.step_from_amax(a, fmt, margin), step))
-        ring_nonfinite(ring).add_((unseeded & ~finite).to(torch.float32))
+        reference.seed_ring(ring, x, fmt, margin, when=unseeded)
+    history = ring_history(ring)
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1))
-    n = history.numel()
-    if uses_kernels(b, x):
-        q, step_used = _kernels_quantize_delayed(x, fp8, ring, algo, margin)
-    else:
-        q, step_used = reference.quantize_delayed(
-            x, fmt, ring, n - 1, "max" if algo == "max" else "most_recent", margin
-        )
-    _count(tally, x)
+    window: Literal["max", "most_recent"] = "max" if algo == "max" else "most_recent"
+    q, step_used = quantize_delayed_at(
+        x, fmt, ring, history.numel() - 1, window, margin, parse_backend(backend)
+    )
+    count(tally, x)
     return q, step_used
 
 
@@ -195,16 +225,9 @@ def quantize_dynamic(
     The step comes from ``amax(x)``; the ring records that amax in its last history slot
     (when finite; a non-finite one is counted instead) and the step; the tally counts ``x``.
     """
-    b = parse_backend(backend)
-    fmt = _fmt(fp8)
-    if uses_kernels(b, x):
-        from computectx.kernels import quantize
-
-        q, step, a = quantize.quantize_dynamic(x=x, fp8=fp8, margin=margin)
-    else:
-        q, step, a = reference.quantize_dynamic(x, fmt, margin)
+    q, step, a = quantize_dynamic_with(x, _fmt(fp8), margin, parse_backend(backend))
     record(ring, a, step)
-    _count(tally, x)
+    count(tally, x)
     return q, step
 
 
@@ -265,14 +288,12 @@ def _cublas_scaled_mm(
     # It takes a bias only for 16-bit outputs; a float32 result adds it in float32 after.
     a = a if a.stride(1) == 1 else a.contiguous()
     b = b if b.stride(1) == 1 else b.contiguous()
-    fused_bias = bias if bias is not None and out_dtype != torch.float32 else None
-    if fused_bias is not None and fused_bias.dtype != out_dtype:
-        fused_bias = None
+    fused_bias = bias if bias is not None and bias.dtype == out_dtype != torch.float32 else None
     out = torch._scaled_mm(
         a,
         b.t(),
-        scale_a=step_a.reshape(()).to(torch.float32),
-        scale_b=step_b.reshape(()).to(torch.float32),
+        scale_a=step_a.reshape(()),
+        scale_b=step_b.reshape(()),
         bias=fused_bias,
         out_dtype=torch.float32 if bias is not None and fused_bias is None else out_dtype,
     )

@@ -11,7 +11,7 @@ from torch.nn import functional
 from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx, parse_device
-from computectx.fp8 import ops, reference
+from computectx.fp8 import library, ops, reference
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
 from computectx.fp8.fused import QuantizeImpl, parse_quantize
@@ -79,9 +79,10 @@ class Fp8Linear(nn.Linear):
         self.scaling = Fp8ScalingState(policy, dev)
         self.amax_reduce = None
         self._frozen = False
-        # The per-device default, looked up whenever the weight's device is set (here and in
-        # _apply): compiled code then reads an attribute instead of tracing the probes.
-        self._auto_backend = default_backend(dev)
+        # The per-device default, looked up when the weight's device is set (here, in
+        # from_linear and in _apply), so that compiled code reads an attribute instead of
+        # tracing the probes; `backend` looks again if the weight moved any other way.
+        self._auto = (dev, default_backend(dev))
 
     @classmethod
     def from_linear(
@@ -116,7 +117,7 @@ class Fp8Linear(nn.Linear):
         new.weight = w
         new.bias = linear.bias
         new._forced_backend = forced
-        new._auto_backend = default_backend(w.device)
+        new._auto = (w.device, default_backend(w.device))
         new.scaling = Fp8ScalingState(new.policy, w.device)
         new.train(linear.training)
         return new
@@ -138,7 +139,10 @@ class Fp8Linear(nn.Linear):
         """The backend the next call runs on."""
         if self._forced_backend is not None:
             return self._forced_backend
-        return self._auto_backend
+        dev = self._storage_device()
+        if dev != self._auto[0]:  # e.g. load_state_dict(assign=True) or a new Parameter
+            self._auto = (dev, default_backend(dev))
+        return self._auto[1]
 
     @property
     def quantize(self) -> QuantizeImpl:
@@ -213,7 +217,7 @@ class Fp8Linear(nn.Linear):
             step = step.reshape(1).clone()
         state = self.scaling.weight
         state.record(amax, step)
-        state.elements += w.numel()
+        library.count(state.tally, w)
         self.register_parameter("weight", None)
         self.register_buffer("weight_fp8", data)
         self.register_buffer("weight_step", step)
@@ -227,8 +231,9 @@ class Fp8Linear(nn.Linear):
         return self.scaling.to_dict()
 
     def set_extra_state(self, state: Any) -> None:
-        """Load saved scaling state, resized to this layer's history length if needed."""
-        self.scaling.load_dict(state)
+        """Load saved scaling state, resized to this layer's history length if needed, onto
+        the weight's device (which load_state_dict(assign=True) may just have changed)."""
+        self.scaling.load_dict(state, self._storage_device())
 
     def _load_from_state_dict(
         self,
@@ -276,7 +281,8 @@ class Fp8Linear(nn.Linear):
         finally:
             self._buffers.update(held)
         self.scaling.to(self._storage_device())
-        self._auto_backend = default_backend(self._storage_device())
+        dev = self._storage_device()
+        self._auto = (dev, default_backend(dev))
         return self
 
     def extra_repr(self) -> str:

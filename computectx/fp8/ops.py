@@ -30,11 +30,9 @@ import torch
 from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import fused, library, reference
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
+from computectx.fp8.quantized import FP8_DTYPES
 from computectx.fp8.ring import (
-    RING_NONFINITE,
-    RING_SATURATED,
     RING_SHAPE,
-    RING_STEP,
     is_ring,
     ring_history_len,
     ring_new,
@@ -59,7 +57,6 @@ __all__ = [
 QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The dtypes quantize reads (and a GEMM bias may have)."""
 _OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # ---------------------------------------------------------------------------------------
@@ -165,13 +162,7 @@ def quantize_dynamic(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
-    if library.uses_kernels(check_backend(backend, data), data):
-        # Kernel modules are imported on first use: importing one imports triton, and
-        # decorating its kernels reads TRITON_INTERPRET, which must be settled by then.
-        from computectx.kernels import quantize
-
-        return quantize.quantize_dynamic(x=data, fp8=fmt.torch, margin=m)
-    return reference.quantize_dynamic(data, fmt, m)
+    return library.quantize_dynamic_with(data, fmt, m, check_backend(backend, data))
 
 
 def quantize_delayed(
@@ -195,25 +186,9 @@ def quantize_delayed(
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
-    n = _ring_args(ring, idx, algo, data.device)
+    _ring_args(ring, idx, algo, data.device)
     m = _margin_arg(margin)
-    if library.uses_kernels(check_backend(backend, data), data):
-        from computectx.kernels import quantize
-
-        # The kernel knows no ring layout of its own: it gets this one's offsets.
-        return quantize.quantize_delayed(
-            x=data,
-            fp8=fmt.torch,
-            ring=ring,
-            history_len=n,
-            slot=idx,
-            step_offset=RING_STEP,
-            nonfinite_offset=RING_NONFINITE,
-            saturated_offset=RING_SATURATED,
-            algo=algo,
-            margin=m,
-        )
-    return reference.quantize_delayed(data, fmt, ring, idx, algo, m)
+    return library.quantize_delayed_at(data, fmt, ring, idx, algo, m, check_backend(backend, data))
 
 
 def scaled_mm(
@@ -235,7 +210,7 @@ def scaled_mm(
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be an fp8 tensor, got {type(t).__name__}")
-        if t.dtype not in _FP8_DTYPES or t.dim() != 2:
+        if t.dtype not in FP8_DTYPES or t.dim() != 2:
             raise ValueError(
                 f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor; "
                 f"got dtype {t.dtype}, shape {tuple(t.shape)}"
@@ -294,7 +269,8 @@ def quantize_operand(
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
-    _ring_args(ring, 0, "max", data.device)
+    algo = scaling.algo if isinstance(scaling, DelayedScaling) else "max"
+    _ring_args(ring, 0, algo, data.device)
     if (
         not isinstance(tally, torch.Tensor)
         or tally.dtype != torch.int64
@@ -316,10 +292,6 @@ def quantize_operand(
     q: torch.Tensor
     step: torch.Tensor
     if isinstance(scaling, DelayedScaling):
-        if scaling.algo not in ("max", "most_recent"):
-            raise ValueError(
-                f"unknown amax window algo {scaling.algo!r}; accepted: 'max', 'most_recent'"
-            )
         if how == "fused":
             return fused.quantize_delayed(data, ring, tally, fmt, scaling.algo, m)
         q, step = torch.ops.computectx.fp8_quantize_delayed(
@@ -390,7 +362,7 @@ def fp8_dequantize(
     """
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"data must be an fp8 tensor, got {type(data).__name__}")
-    if data.dtype not in _FP8_DTYPES:
+    if data.dtype not in FP8_DTYPES:
         raise ValueError(
             f"data must be float8_e4m3fn or float8_e5m2 (from fp8_quantize), got {data.dtype}"
         )

@@ -151,17 +151,26 @@ def quantize_delayed(
     return q, step_used
 
 
-def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
+def seed_ring(
+    ring: torch.Tensor,
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    margin: int,
+    when: torch.Tensor | None = None,
+) -> None:
     """First use of an operand: fill the history with ``amax(x)`` and set the step from it.
 
-    A non-finite amax leaves the ring as it was and adds 1 to the non-finite count.
+    A non-finite amax leaves the ring as it was and adds 1 to the non-finite count. ``when``
+    (a bool device tensor of shape ``(1,)``) seeds only where it is true, without a host
+    read; the ring is left alone where it is false.
     """
     history, step = ring_history(ring), ring_step(ring)
     a = amax(x)
     finite = torch.isfinite(a)
-    history.copy_(torch.where(finite, a.expand_as(history), history))
-    step.copy_(torch.where(finite, step_from_amax(a, fmt, margin), step))
-    ring_nonfinite(ring).add_((~finite).to(torch.float32))
+    seed, bad = (finite, ~finite) if when is None else (when & finite, when & ~finite)
+    history.copy_(torch.where(seed, a.expand_as(history), history))
+    step.copy_(torch.where(seed, step_from_amax(a, fmt, margin), step))
+    ring_nonfinite(ring).add_(bad.to(torch.float32))
 
 
 def scaled_mm(

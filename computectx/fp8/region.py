@@ -278,16 +278,16 @@ class _Fp8DispatchMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is functional.linear and torch.compiler.is_compiling():
-            # The region (a ContextVar) cannot be read while tracing, and running the
-            # linear unrouted would be silently high precision: refuse instead.
-            raise RuntimeError(
-                COMPILED_REGION_ERROR.format(
-                    what="F.linear (an nn.Linear) was traced by torch.compile while an "
-                    "enabled fp8_autocast region was open on this thread"
-                )
-            )
         if func is functional.linear:
+            if torch.compiler.is_compiling():
+                # The region (a ContextVar) cannot be read while tracing, and running the
+                # linear unrouted would be silently high precision: refuse instead.
+                raise RuntimeError(
+                    COMPILED_REGION_ERROR.format(
+                        what="F.linear (an nn.Linear) was traced by torch.compile while an "
+                        "enabled fp8_autocast region was open on this thread"
+                    )
+                )
             frame = _REGION.get()
             if frame is not None and frame.enabled and frame.ctx is not None:
                 routed = _route_linear(frame, args, kwargs)

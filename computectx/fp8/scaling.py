@@ -185,8 +185,7 @@ class OperandScaling:
         step = reference.step_from_amax(whole, fmt, scaling.margin)
         data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
         library.record(self.ring, whole, step)
-        self.tally[library.TALLY_SEEDED].fill_(1)
-        self.tally[library.TALLY_ELEMENTS].add_(x.numel())
+        library.count(self.tally, x)
         if not torch.compiler.is_compiling():  # a host flag: never written in a trace
             self._seeded_hint = True
         return data, step
@@ -307,14 +306,15 @@ class Fp8ScalingState:
             },
         }
 
-    def load_dict(self, saved: object) -> None:
-        """Replace the state with a saved one (``to_dict``'s form), fitted to this policy.
+    def load_dict(self, saved: object, device: torch.device | None = None) -> None:
+        """Replace the state with a saved one (``to_dict``'s form), fitted to this policy,
+        on ``device`` (default: where the rings are now).
 
         A history of another length is resized as ``OperandScaling.resized`` documents.
         Everything is checked before anything changes: a bad checkpoint raises
         ``ValueError`` and leaves the state as it was.
         """
-        loaded = _parse_saved(saved, self.device)
+        loaded = _parse_saved(saved, self.device if device is None else device)
         world = saved.get("world_size", 1) if isinstance(saved, Mapping) else 1
         if isinstance(world, bool) or not isinstance(world, int) or world < 1:
             raise ValueError(

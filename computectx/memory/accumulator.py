@@ -356,7 +356,7 @@ class LowPrecGradAccumulator:
 
     def __repr__(self) -> str:
         return (
-            f"LowPrecGradAccumulator({len(self._slots)} params, grad={self.grad_dtype}, "
+            f"{type(self).__name__}({len(self._slots)} params, grad={self.grad_dtype}, "
             f"device={self.device}, mode={self.mode!r}, transfer={self.transfer!r})"
         )
 

@@ -22,7 +22,8 @@ from computectx.memory.accumulator import LowPrecGradAccumulator
 
 __all__ = ["OffloadedOptimizer", "Sharding", "state_tensors"]
 
-_MASTER_KEY = "master_weights"
+MASTER_WEIGHTS = "master_weights"
+"""The key under which ``OffloadedOptimizer.state_dict()`` holds the master weights."""
 
 
 class Sharding(Protocol):
@@ -302,11 +303,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                     "from the same parameters (e.g. model.parameters())"
                 )
             accumulator.sync()
-            late = [
-                i
-                for i, p in enumerate(self._compute)
-                if p.grad is not None and accumulator.tracks(p) and not accumulator.closed
-            ]
+            late = (
+                []
+                if accumulator.closed
+                else [
+                    i
+                    for i, p in enumerate(self._compute)
+                    if p.grad is not None and accumulator.tracks(p)
+                ]
+            )
             if late:
                 raise RuntimeError(
                     f"{len(late)} parameter(s) drained by the LowPrecGradAccumulator (indices "
@@ -378,28 +383,30 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 torch.nn.utils.clip_grad_norm_(with_grads, float(max_norm), norm_type=norm_type)
             )
         else:
-            norm = self._clip_sharded(with_grads, float(max_norm), float(norm_type))
+            norm = self._clip_sharded(self._sharding, with_grads, float(max_norm), float(norm_type))
         # Stamped after clipping (which rewrote the gradients in place), so any later change
         # to them, ours or the caller's, makes step() check again.
         self._verdict = _Verdict(self._grad_stamps(), math.isfinite(norm))
         return norm
 
-    def _clip_sharded(self, masters: list[torch.Tensor], max_norm: float, p: float) -> float:
+    def _clip_sharded(
+        self, sharding: Sharding, masters: list[torch.Tensor], max_norm: float, p: float
+    ) -> float:
         # The global norm of gradients split across ranks: the local shards' sum of |g|^p
         # (max |g| for p=inf) all-reduced, then the p-th root. Clipping then scales each
         # local shard as torch.nn.utils.clip_grad_norm_ scales a whole gradient.
-        sharding = self._sharding
-        if sharding is None:  # pragma: no cover - only called with a sharding
-            raise RuntimeError("_clip_sharded needs a sharding")
         grads = [mp.grad for mp in masters if mp.grad is not None]
-        norms = [torch.linalg.vector_norm(g, p).double().cpu() for g in grads]
+        # One host read for all the shards' norms, not one per gradient.
+        norms = (
+            torch.stack([torch.linalg.vector_norm(g, p) for g in grads]).double().cpu()
+            if grads
+            else torch.zeros(0, dtype=torch.float64)
+        )
         if math.isinf(p):
-            local = torch.stack(norms).max() if norms else torch.zeros((), dtype=torch.float64)
+            local = norms.max() if grads else torch.zeros((), dtype=torch.float64)
             total = sharding.all_reduce(local.reshape(1), "max")[0]
         else:
-            local = (
-                torch.stack(norms).pow(p).sum() if norms else torch.zeros((), dtype=torch.float64)
-            )
+            local = norms.pow(p).sum()
             total = sharding.all_reduce(local.reshape(1), "sum")[0].pow(1.0 / p)
         norm = float(total)
         coef = min(max_norm / (norm + 1e-6), 1.0) if math.isfinite(norm) else math.nan
@@ -523,7 +530,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         """The inner optimizer's state dict plus ``"master_weights"`` (index -> tensor)."""
         self._adopt_outside_edits()
         sd = dict(super().state_dict())
-        sd[_MASTER_KEY] = dict(enumerate(self._master))
+        sd[MASTER_WEIGHTS] = dict(enumerate(self._master))
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -536,7 +543,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         sd = dict(state_dict)
-        saved = sd.pop(_MASTER_KEY, None)
+        saved = sd.pop(MASTER_WEIGHTS, None)
         masters: list[torch.Tensor] | None = None
         if saved is not None:
             masters = self._check_saved_masters(saved)
@@ -552,23 +559,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def _check_saved_masters(self, saved: Any) -> list[torch.Tensor]:
         if not isinstance(saved, Mapping):
-            raise TypeError(f"state_dict[{_MASTER_KEY!r}] must be a mapping index -> tensor")
+            raise TypeError(f"state_dict[{MASTER_WEIGHTS!r}] must be a mapping index -> tensor")
         want = set(range(len(self._master)))
         if set(saved) != want:
             missing = sorted(want - set(saved))
             extra = sorted(set(saved) - want, key=str)
             raise ValueError(
-                f"state_dict[{_MASTER_KEY!r}] does not match this optimizer's "
+                f"state_dict[{MASTER_WEIGHTS!r}] does not match this optimizer's "
                 f"{len(self._master)} parameters: missing indices {missing}, unexpected {extra}"
             )
         out = []
         for i, mp in enumerate(self._master):
             t = saved[i]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state_dict[{_MASTER_KEY!r}][{i}] is not a tensor")
+                raise TypeError(f"state_dict[{MASTER_WEIGHTS!r}][{i}] is not a tensor")
             if t.shape != mp.shape or t.dtype != mp.dtype:
                 raise ValueError(
-                    f"state_dict[{_MASTER_KEY!r}][{i}] is {t.dtype}{list(t.shape)}, but the "
+                    f"state_dict[{MASTER_WEIGHTS!r}][{i}] is {t.dtype}{list(t.shape)}, but the "
                     f"master weight is {mp.dtype}{list(mp.shape)} (ctx.master="
                     f"{self._ctx.master}); the checkpoint was made under another policy"
                 )

@@ -48,4 +48,12 @@ def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:
             f"multiples of {FEATURE_MULTIPLE}, or a ctx without fp8"
         )
     for w in caught:
-        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        # With this module's registry, so the default "once per location" filter still holds.
+        warnings.warn_explicit(
+            w.message,
+            w.category,
+            w.filename,
+            w.lineno,
+            module=__name__,
+            registry=globals().setdefault("__warningregistry__", {}),
+        )

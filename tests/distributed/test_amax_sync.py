@@ -9,7 +9,7 @@ import torch
 
 from computectx.fp8.ring import ring_history, ring_nonfinite, ring_saturated, ring_step
 
-from .conftest import RunRanks
+from .conftest import RunRanks, in_world
 
 
 @pytest.mark.parametrize("flag", ["fp8_hybrid"])
@@ -30,12 +30,11 @@ def test_synced_rings_are_identical_on_every_rank_and_track_one_process(
     # on a rank than in the whole batch (DDP averages afterwards): a power of two here, so
     # they quantize to the same fp8 codes.
     for key, ring in one["rings"].items():
-        factor = 2.0 if key.endswith(".grad") else 1.0
-        mine = r0["before_nan"][key]
+        mine, want = r0["before_nan"][key], in_world(ring, key, 2.0)
         torch.testing.assert_close(
-            ring_history(mine), factor * ring_history(ring), rtol=1e-5, atol=0.0, msg=key
+            ring_history(mine), ring_history(want), rtol=1e-5, atol=0.0, msg=key
         )
-        torch.testing.assert_close(ring_step(mine), factor * ring_step(ring), rtol=1e-5, atol=0)
+        torch.testing.assert_close(ring_step(mine), ring_step(want), rtol=1e-5, atol=0)
         assert torch.equal(ring_saturated(mine), ring_saturated(ring)), key
     # Losses track one process (the target is the fp8 bound, 0.5 % per step).
     rel = (r0["losses"] - one["losses"]).abs() / one["losses"].abs()
@@ -75,7 +74,7 @@ def test_fsdp2_checkpoint_saved_on_two_ranks_loads_in_one_process(
     same = [
         torch.equal(r["out"], loaded["out"])
         and all(
-            torch.equal(_in_world(r["rings"][k], k, 0.5), ring)
+            torch.equal(in_world(r["rings"][k], k, 0.5), ring)
             for k, ring in loaded["rings"].items()
         )
         for r in saved
@@ -111,16 +110,7 @@ def test_checkpoint_saved_in_one_process_loads_on_two_fsdp2_ranks(
     for r in loaded:
         assert torch.equal(r["out"], saved["out"])
         for key, ring in saved["rings"].items():
-            assert torch.equal(r["rings"][key], _in_world(ring, key, 2.0)), key
-
-
-def _in_world(ring: torch.Tensor, key: str, ratio: float) -> torch.Tensor:
-    """``ring`` as another world size holds it: gradient history and step times ``ratio``."""
-    out = ring.clone()
-    if key.endswith(".grad"):
-        ring_history(out).mul_(ratio)
-        ring_step(out).mul_(ratio)
-    return out
+            assert torch.equal(r["rings"][key], in_world(ring, key, 2.0)), key
 
 
 def test_compiled_ddp_keeps_the_sync_and_matches_eager(run_ranks: RunRanks) -> None:

@@ -4,7 +4,7 @@ Started by ``conftest.run_ranks`` with ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/`
 set, forked from a server that has torch imported already (an import costs seconds per rank).
 Joins a gloo group with a short collective timeout, runs the scenario and saves its result
 dict to ``OUT_DIR/rank{RANK}.pt``. ``SCENARIO`` is a function of this file (``policy_check``)
-or ``FILE:FUNCTION`` for a function of another file in this folder (``scenarios_amax.py:ddp``);
+or ``FILE:FUNCTION`` for a function of another file in this folder (``scenarios_amax.py:train``);
 each takes the params dict and returns a dict of tensors, numbers and strings.
 """
 

@@ -345,3 +345,23 @@ def test_module_wide_dtype_casts_leave_a_frozen_weight_alone(
     served.to("meta")  # the device still follows
     assert served.weight_fp8.is_meta and served.weight_step.is_meta
     assert served.weight_fp8.dtype == torch.float8_e4m3fn
+
+
+def test_the_default_backend_follows_the_weight_however_it_moves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A layer built on meta and filled by load_state_dict(assign=True) has its weight on
+    # another device without _apply running: the next call must look the backend up again.
+    import computectx.fp8.linear as linear_module
+
+    per_device = {"meta": Fp8Backend.TRITON, "cpu": Fp8Backend.REFERENCE}
+    monkeypatch.setattr(linear_module, "default_backend", lambda d: per_device[d.type])
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    layer = Fp8Linear(8, 4, ctx=ctx, device="meta")
+    on_meta = layer.backend
+    source = Fp8Linear(8, 4, ctx=ctx)
+    layer.load_state_dict(source.state_dict(), assign=True)
+    assert layer.weight.device.type == "cpu"
+    on_cpu = layer.backend
+    assert (on_meta, on_cpu) == (Fp8Backend.TRITON, Fp8Backend.REFERENCE)
+    assert torch.equal(layer(torch.ones(2, 8)), source(torch.ones(2, 8)))

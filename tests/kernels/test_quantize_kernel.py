@@ -290,7 +290,11 @@ def test_launcher_rejects_what_it_cannot_read(device: torch.device) -> None:
         kq.quantize_with_step(x=x, fp8=e4m3, step=one.double())
     with pytest.raises(ValueError, match=r"got torch\.float16"):
         kq.quantize_dynamic(x=x, fp8=torch.float16, margin=0)
-    layout = {"step_offset": 0, "nonfinite_offset": 1, "saturated_offset": 2}
+    layout = {
+        "step_offset": RING_STEP,
+        "nonfinite_offset": RING_NONFINITE,
+        "saturated_offset": RING_SATURATED,
+    }
     ring = ring_new(2, device)
     with pytest.raises(ValueError, match=r"slot 5 is outside the history \[0, 2\)"):
         kq.quantize_delayed(
