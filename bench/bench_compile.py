@@ -40,12 +40,14 @@ from dataclasses import dataclass, field
 import torch
 
 from computectx import ComputeCtx
+from computectx.demo.settings import DemoSettings
+from computectx.demo.train import model_config
 from computectx.fp8 import Fp8Linear
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
-DEMO = LMConfig(d_model=128, n_layers=2, n_heads=4, d_ff=384, max_len=512)
-"""The demo's default model (``computectx.demo.train.model_config`` of the defaults)."""
+DEMO = model_config(DemoSettings())
+"""The demo's default model."""
 SMOKE = LMConfig(d_model=32, n_layers=1, n_heads=1, d_ff=96, max_len=64)
 
 

@@ -28,7 +28,7 @@ def test_compiled_demo_reports_compile_time_and_trains_like_eager(
 ) -> None:
     data = tmp_path / "code.txt"
     data.write_text(TEXT)
-    runs = {}
+    runs, notes = {}, {}
     for compiled in (False, True):
         out = tmp_path / f"out{compiled}"
         argv = [*SMALL, "--data", str(data), "--out", str(out)]
@@ -36,6 +36,12 @@ def test_compiled_demo_reports_compile_time_and_trains_like_eager(
         stdout = capsys.readouterr().out
         assert ("compile s:" in stdout) is compiled  # the column's note
         runs[compiled] = _results(out)["results"][0]
+        notes[compiled] = _results(out)["memory_measure"]
+    # What autograd saves is measured eagerly only, and a compiled run says so.
+    assert runs[False]["memory"]["saved"] > 0
+    assert runs[True]["memory"]["saved"] is None
+    assert "not measured under --compile" in notes[True]
+    assert "compile s" not in notes[True] and "not measured" not in notes[False]
     assert runs[False]["compile_seconds"] is None
     assert runs[True]["compile_seconds"] > 0
     eager, compiled_losses = runs[False]["train_losses"], runs[True]["train_losses"]

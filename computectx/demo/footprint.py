@@ -21,7 +21,8 @@ class Footprint:
     ``params`` .. ``optimizer`` come from ``computectx.memory.memory_report`` after the last
     optimizer step (gradients still present). ``saved`` is what autograd kept for backward
     during one micro-batch: activations, plus any low-precision copies of the weights that
-    the GEMMs saved (parameters themselves are counted under ``params``, not again here).
+    the GEMMs saved (parameters themselves are counted under ``params``, not again here);
+    ``None`` when it was not measured (a compiled run: the hooks would be traced).
     ``peak`` is ``torch.cuda.max_memory_allocated`` over the run on CUDA, else ``None``.
     """
 
@@ -30,7 +31,7 @@ class Footprint:
     accumulator: int
     master: int
     optimizer: int
-    saved: int
+    saved: int | None
     peak: int | None = None
 
     @property
@@ -48,7 +49,7 @@ def state_footprint(
     optimizer: torch.optim.Optimizer,
     accumulator: LowPrecGradAccumulator | None,
     device: torch.device,
-    saved: int,
+    saved: int | None,
 ) -> Footprint:
     """A ``Footprint`` of the state on ``device`` now (after a step, before ``zero_grad``)."""
     rep = memory_report(model, optimizer=optimizer, accumulator=accumulator)

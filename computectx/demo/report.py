@@ -19,6 +19,7 @@ from computectx.demo.train import PolicyResult, model_config, tail_steps
 __all__ = [
     "RESULTS_VERSION",
     "DemoReport",
+    "memory_notes",
     "plot_losses",
     "printable",
     "results_json",
@@ -76,7 +77,8 @@ def results_table(report: DemoReport) -> Table:
     table.add_column("fp8\nsaturated", justify="right")
     for r in report.results:
         fp8 = r.fp8_nonfinite is not None and r.fp8_saturated is not None
-        memory = [f"{r.memory.state / _MIB:.2f}", f"{r.memory.saved / _MIB:.2f}"]
+        saved = "-" if r.memory.saved is None else f"{r.memory.saved / _MIB:.2f}"
+        memory = [f"{r.memory.state / _MIB:.2f}", saved]
         if cuda:
             memory.append(f"{(r.memory.peak or 0) / _MIB:.2f}")
         table.add_row(
@@ -93,25 +95,39 @@ def results_table(report: DemoReport) -> Table:
 
 
 def table_notes(report: DemoReport) -> list[str]:
-    """What the table's loss and memory columns measure, one line each."""
+    """What the table's loss, memory and compile columns measure, one line each."""
     s = report.settings
     n = tail_steps(s.steps)
     lines = [
         f"train loss: mean step loss over the last {n} of {s.steps} steps (the progress bar "
         f"shows each step's own loss, which moves by a few hundredths from batch to batch); "
         f"val loss: {s.eval_batches} held-out batches after the last step.",
-        f"state MiB: weights, gradients, optimizer state, accumulator buffers and master "
-        f"weights on {report.device} after the last step (computectx.memory.memory_report); "
-        f"saved MiB: what autograd kept for backward during one micro-batch: activations and "
-        f"low-precision weight copies (torch.autograd.graph.saved_tensors_hooks).",
+        *memory_notes(report),
     ]
-    if report.device.type == "cuda":
-        lines.append("peak MiB: torch.cuda.max_memory_allocated during the policy's run.")
     if s.compile:
         lines.append(
             "compile s: the first step, which compiles the graphs; tokens/s counts the later "
             "(steady-state) steps only."
         )
+    return lines
+
+
+def memory_notes(report: DemoReport) -> list[str]:
+    """What the memory columns measure, one line each (also ``memory_measure`` in JSON)."""
+    saved = (
+        "saved MiB: not measured under --compile (the hooks that count what autograd keeps "
+        "would be traced into the graph)."
+        if report.settings.compile
+        else "saved MiB: what autograd kept for backward during one micro-batch: activations "
+        "and low-precision weight copies (torch.autograd.graph.saved_tensors_hooks)."
+    )
+    lines = [
+        f"state MiB: weights, gradients, optimizer state, accumulator buffers and master "
+        f"weights on {report.device} after the last step (computectx.memory.memory_report); "
+        f"{saved}"
+    ]
+    if report.device.type == "cuda":
+        lines.append("peak MiB: torch.cuda.max_memory_allocated during the policy's run.")
     return lines
 
 
@@ -142,7 +158,7 @@ def results_json(report: DemoReport) -> dict[str, Any]:
         "fp8_backend_reason": report.fp8_reason,
         "half_gemm": report.half_gemm,
         "train_loss_steps": tail_steps(s.steps),
-        "memory_measure": " ".join(table_notes(report)[1:]),
+        "memory_measure": " ".join(memory_notes(report)),
         "results": [
             {
                 "flag": r.flag,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -30,6 +31,7 @@ from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 __all__ = [
     "SAMPLE_PROMPT",
     "PolicyResult",
+    "data_parallel_rank",
     "evaluate",
     "lr_at",
     "model_config",
@@ -228,11 +230,10 @@ def train_policy(
             for micro in range(settings.grad_accum):
                 x, y = next(batches)
                 x, y = x[share].to(device), y[share].to(device)
-                if step == 0 and micro == 0 and not settings.compile:
-                    with saved:  # what one micro-batch keeps for backward
-                        loss = model.loss_of(runner(x), y) / settings.grad_accum
-                        torch.autograd.backward(loss)
-                else:
+                # What one micro-batch keeps for backward, measured once (not when compiled:
+                # the hooks would be traced into the graph).
+                measure = step == 0 and micro == 0 and not settings.compile
+                with saved if measure else contextlib.nullcontext():
                     loss = model.loss_of(runner(x), y) / settings.grad_accum
                     torch.autograd.backward(loss)
                 summed += loss.detach()
@@ -252,7 +253,9 @@ def train_policy(
                 # the count goes into the results.
                 skipped += 1
             if step == settings.steps - 1:
-                memory = state_footprint(model, opt, acc, device, saved.bytes)
+                memory = state_footprint(
+                    model, opt, acc, device, None if settings.compile else saved.bytes
+                )
             opt.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)

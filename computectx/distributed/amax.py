@@ -33,7 +33,6 @@ quantizes the same weight, and FSDP2's fp8 all-gather reduces its shard amaxes i
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -86,11 +85,15 @@ class _Snapshot:
     elements: torch.Tensor  # the element count then, a device tensor (no host read)
 
 
-def _operands(model: nn.Module) -> Iterator[tuple[str, Fp8Linear, Role, OperandScaling]]:
-    for name, module in model.named_modules():
-        if isinstance(module, Fp8Linear):
-            for role in ROLES:
-                yield name, module, role, module.scaling.operands[role]
+_Entry = tuple[Fp8Linear, Role, OperandScaling]
+
+
+def _layers(model: nn.Module) -> list[Fp8Linear]:
+    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def _operands(layers: list[Fp8Linear]) -> list[_Entry]:
+    return [(layer, role, layer.scaling.operands[role]) for layer in layers for role in ROLES]
 
 
 def _format_of(layer: Fp8Linear, role: Role) -> Fp8Format:
@@ -129,14 +132,14 @@ class Fp8AmaxSync:
         self._snapshots: dict[int, _Snapshot] = {}
         self._world = dist.get_world_size(self._group)
         self._current_amax: CurrentAmax = current_amax
-        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        layers = _layers(model)
         if layers:
             check_same_policy(layers[0].ctx, self._group)
         self._reduce = GroupAmax(self._group) if current_amax == "group" else None
         for layer in layers:
             layer.amax_reduce = self._reduce
-        self._to_this_world()
-        self._take_snapshots()
+        self._to_this_world(layers)
+        self._take_snapshots(_operands(layers))
         if before_forward:
             # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
             # and with enable_fp8_all_gather quantizes each shard with the ring's step) must
@@ -152,9 +155,9 @@ class Fp8AmaxSync:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        for m in self._model.modules():
-            if isinstance(m, Fp8Linear) and m.amax_reduce is self._reduce:
-                m.amax_reduce = None
+        for layer in _layers(self._model):
+            if layer.amax_reduce is self._reduce:
+                layer.amax_reduce = None
 
     @property
     def current_amax(self) -> CurrentAmax:
@@ -162,10 +165,10 @@ class Fp8AmaxSync:
         delayed scaling) uses: the group's or the rank's own."""
         return self._current_amax
 
-    def _take_snapshots(self) -> None:
+    def _take_snapshots(self, entries: list[_Entry]) -> None:
         self._snapshots = {
             id(op): _Snapshot(op.ring, op.ring.detach().clone(), op.elements_tensor.clone())
-            for _, _, _, op in _operands(self._model)
+            for _, _, op in entries
         }
 
     @property
@@ -173,34 +176,36 @@ class Fp8AmaxSync:
         """What each rank's loss is normalized by (see ``sync_fp8_scaling``)."""
         return self._loss_normalization
 
-    def _to_this_world(self) -> None:
+    def _to_this_world(self, layers: list[Fp8Linear]) -> None:
         # Scaling state recorded at another world size (a checkpoint saved on other ranks):
         # under a per-rank loss, the output-gradient ring is in that world's units.
-        for m in self._model.modules():
-            if isinstance(m, Fp8Linear) and m.scaling.world_size != self._world:
-                rescale_grad_ring(m, self._world, self._loss_normalization)
+        for layer in layers:
+            if layer.scaling.world_size != self._world:
+                rescale_grad_ring(layer, self._world, self._loss_normalization)
 
     def sync(self) -> None:
         """Merge every ring with the other ranks' (one all-gather), in place, on the device."""
-        entries = list(_operands(self._model))
-        if not entries:
+        layers = _layers(self._model)
+        if not layers:
             return
-        self._to_this_world()
-        prev: list[torch.Tensor] = []
-        for _, _, _, op in entries:
+        self._to_this_world(layers)
+        entries = _operands(layers)
+        # A ring replaced since the last merge (a checkpoint loaded, a policy with another
+        # history length) has no snapshot: it starts from itself, since what it holds came
+        # from outside training, identically on every rank.
+        snaps: list[_Snapshot | None] = []
+        for _, _, op in entries:
             snap = self._snapshots.get(id(op))
-            # A ring replaced since the last merge (a checkpoint loaded, a policy with another
-            # history length) starts from itself: what it holds came from outside training,
-            # identically on every rank.
-            prev.append(snap.copy if snap is not None and snap.ring is op.ring else op.ring)
-        local = torch.cat([op.ring.detach() for _, _, _, op in entries])
+            snaps.append(snap if snap is not None and snap.ring is op.ring else None)
+        local = torch.cat([op.ring.detach() for _, _, op in entries])
         gathered = [torch.empty_like(local) for _ in range(self._world)]
         dist.all_gather(gathered, local, group=self._group)
         stacked = torch.stack(gathered)  # (world, total)
         offset = 0
         with torch.no_grad():
-            for (_, layer, role, op), before in zip(entries, prev, strict=True):
+            for (layer, role, op), snap in zip(entries, snaps, strict=True):
                 size = op.ring.numel()
+                before = op.ring if snap is None else snap.copy
                 # Inputs and gradients differ per rank, and so do the weight shards that
                 # FSDP2's fp8 all-gather quantizes: their counts add up over the group. A
                 # weight every rank quantizes whole (DDP, FSDP2 gathering high precision)
@@ -211,11 +216,10 @@ class Fp8AmaxSync:
                 # The element count stays on the device. Summing the other ranks' counts
                 # would take a second collective; equal shards (what DistributedSampler
                 # gives) make the group's count the local one times the world size.
-                snap = self._snapshots.get(id(op))
-                if split and snap is not None and snap.ring is op.ring:
+                if split and snap is not None:
                     grown = op.elements_tensor - snap.elements
                     op.elements_tensor.copy_(snap.elements + grown * self._world)
-        self._take_snapshots()
+        self._take_snapshots(entries)
 
     def _merge(
         self,

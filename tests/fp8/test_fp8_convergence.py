@@ -21,11 +21,12 @@ from computectx.fp8 import (
     fp8_stats,
 )
 
+from .conftest import CtxFor
+
 STEPS = 200
 BATCH = 128
 IN, HIDDEN, OUT = 64, 128, 16
 
-CtxFor = Callable[..., ComputeCtx]  # the ctx_for fixture (conftest)
 RECIPES: dict[str, DelayedScaling | DynamicScaling] = {
     "delayed": DelayedScaling(),
     "dynamic": DynamicScaling(),

@@ -4,7 +4,6 @@ precision, needs_input_grad, from_linear, serving."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,8 +25,7 @@ from computectx.fp8 import (
     fp8_stats,
 )
 
-StepOf = Callable[..., float]  # the step_of fixture (conftest)
-
+from .conftest import StepOf
 
 # ----- the error bound ----------------------------------------------------------------------
 

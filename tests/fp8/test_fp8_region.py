@@ -26,7 +26,7 @@ from computectx.fp8 import (
 from computectx.fp8.region import region_scaling_state
 from computectx.fp8.ring import ring_history
 
-CtxFor = Callable[..., ComputeCtx]  # the ctx_for fixture (conftest)
+from .conftest import CtxFor
 
 
 def fixture_linear(seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:

@@ -36,11 +36,9 @@ from computectx.fp8.ring import (
 )
 from computectx.fp8.scaling import STATE_VERSION, Fp8ScalingState, OperandScaling
 
+from .conftest import CtxFor, StepOf
+
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
-
-
-CtxFor = Callable[..., ComputeCtx]  # the ctx_for fixture (conftest)
-StepOf = Callable[..., float]  # the step_of fixture (conftest)
 
 
 def layer(ctx: ComputeCtx, n_in: int = 16, n_out: int = 16) -> Fp8Linear:
