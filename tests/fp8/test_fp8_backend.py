@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 import types
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, ops, select_backend
+from computectx.fp8 import Fp8Backend, library, ops, select_backend
 from computectx.fp8.backend import check_backend, default_backend, parse_backend
 
 
@@ -94,3 +94,18 @@ def test_default_backend_is_cached_per_device() -> None:
     hits = default_backend.cache_info().hits
     default_backend(dev)
     assert default_backend.cache_info().hits == hits + 1  # answered without probing again
+
+
+def test_cublas_quantizes_on_the_twins_where_triton_does_not_import(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # select_backend picks CUBLAS on an fp8 GPU exactly when triton does not import; its
+    # quantize must then not reach for the Triton kernels. Only the device is read.
+    on_gpu = cast(torch.Tensor, types.SimpleNamespace(device=torch.device("cuda", 0)))
+    on_cpu = torch.ones(1)
+    for imports in (False, True):
+        monkeypatch.setattr(library, "triton_imports", lambda imports=imports: imports)
+        assert library.uses_kernels(Fp8Backend.CUBLAS, on_gpu) is imports
+        assert library.uses_kernels(Fp8Backend.CUBLAS, on_cpu) is False
+        assert library.uses_kernels(Fp8Backend.TRITON, on_gpu) is True
+        assert library.uses_kernels(Fp8Backend.REFERENCE, on_gpu) is False
