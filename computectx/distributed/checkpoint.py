@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.memory import OffloadedOptimizer
-from computectx.memory.optimizer import MASTER_WEIGHTS
+from computectx.memory.optimizer_state import MASTER_WEIGHTS, check_master_weight
 
 __all__ = ["MASTER_WEIGHTS", "optimizer_state_dict", "parameter_fqns", "set_optimizer_state_dict"]
 
@@ -306,25 +306,24 @@ def _check_masters(
     for fqn, i in index.items():
         where = f"state_dict['master_weights'][{fqn!r}]"
         local = _local_value(saved[fqn], optimizer, i, where, master=True)
-        master = optimizer.master_params[i]
-        if not isinstance(local, torch.Tensor) or local.dtype != master.dtype:
-            raise ValueError(
-                f"{where} is {_describe(local)}, but the master weight is {master.dtype} "
-                f"(ctx.master={optimizer.ctx.master}); the checkpoint was made under another "
-                f"policy"
-            )
-        out[i] = local
+        sharded = isinstance(optimizer.compute_params[i], DTensor)
+        master, policy = optimizer.master_params[i], optimizer.ctx.master
+        out[i] = check_master_weight(local, master, where, policy, shard=sharded)
     return out
 
 
 def _local_value(
     value: Any, optimizer: OffloadedOptimizer, i: int, where: str, *, master: bool
 ) -> Any:
-    """This rank's part of a saved value, after checking that it fits parameter ``i``."""
+    """This rank's part of a saved value, after checking that it fits parameter ``i``.
+
+    The part of a master weight is checked further by ``check_master_weight``, as
+    ``OffloadedOptimizer.load_state_dict`` checks it.
+    """
     if not isinstance(value, torch.Tensor):
-        if master:
-            raise TypeError(f"{where} must be a tensor, got {type(value).__name__}")
-        return value  # numbers and None in an optimizer's state go in as they are
+        # Numbers and None in an optimizer's state go in as they are; a master that is no
+        # tensor is refused by check_master_weight.
+        return value
     param = optimizer.compute_params[i]
     mp = optimizer.master_params[i]
     scalar_ok = not master and value.dim() == 0 and mp.dim() > 0
@@ -361,20 +360,14 @@ def _local_value(
         if scalar_ok:
             return value
         local = value
-    if local.shape != mp.shape:
+    if not master and local.shape != mp.shape:
         sharded = isinstance(param, DTensor)
         raise ValueError(
             f"{where} has shape {list(local.shape)}{' on this rank' if sharded else ''}, but "
             f"the master weight{'s shard' if sharded else ''} is {list(mp.shape)}; accepted: "
-            f"a tensor of the parameter's shape{'' if master else ' or a zero-dimensional one'}"
+            f"a tensor of the parameter's shape or a zero-dimensional one"
         )
     return local
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype}{list(value.shape)}"
-    return type(value).__name__
 
 
 def _some(index: Mapping[str, int], limit: int = 6) -> str:

@@ -10,7 +10,8 @@ import torch
 
 from computectx.dtypes import DType
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.optimizer import OffloadedOptimizer, state_tensors
+from computectx.memory.optimizer import OffloadedOptimizer
+from computectx.memory.optimizer_state import state_tensors
 
 __all__ = ["MemoryReport", "MemoryRow", "Role", "memory_report"]
 

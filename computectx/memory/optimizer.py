@@ -4,75 +4,31 @@ The wrapper is a real ``torch.optim.Optimizer``, built by ``Optimizer.__init__``
 no optimizer state of its own: ``param_groups``, ``state`` and ``defaults`` are the very
 objects of the inner (master) optimizer, so LR schedulers write the learning rate the
 master step reads, and ``state_dict`` describes exactly one optimizer.
+
+This module puts one step together; each part is a module of its own:
+``computectx.memory._masters`` (parameter groups, master weights, copy-back),
+``computectx.memory._grad_ingest`` (gradients onto the masters),
+``computectx.memory._grad_health`` (the clip norm and the non-finite verdict) and
+``computectx.memory.optimizer_state`` (what a checkpoint holds, and its checks).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Literal, Protocol, overload
+from typing import Any, overload
 
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.memory._transfer import Staging, Transfer, check_transfer, uses_staging
+from computectx.memory._grad_health import GradHealth, check_max_norm
+from computectx.memory._grad_ingest import GradIngest
+from computectx.memory._masters import MasterWeights, Sharding, check_sharding, normalise_groups
+from computectx.memory._transfer import Transfer, check_transfer
 from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.optimizer_state import MASTER_WEIGHTS, check_saved_masters, state_tensors
 
-__all__ = ["OffloadedOptimizer", "Sharding", "state_tensors"]
-
-MASTER_WEIGHTS = "master_weights"
-"""The key under which ``OffloadedOptimizer.state_dict()`` holds the master weights."""
-
-
-class Sharding(Protocol):
-    """How the compute parameters are split across ranks (``sharding=`` of the optimizer).
-
-    ``computectx.distributed.ShardedParams`` is the implementation for FSDP2; the memory
-    layer itself never talks to ``torch.distributed``.
-    """
-
-    def local(self, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a compute parameter or gradient, as a plain tensor (a view)."""
-        ...
-
-    def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
-        """``values`` (a small f64 tensor on the CPU) reduced over the ranks sharing the params."""
-        ...
-
-
-def _normalise_groups(params: Any) -> list[dict[str, Any]]:
-    if isinstance(params, (torch.Tensor, torch.nn.Module)):
-        raise TypeError(
-            f"params must be an iterable of tensors or of param-group dicts (e.g. "
-            f"model.parameters()), got {type(params).__name__}"
-        )
-    try:
-        items = list(params)
-    except TypeError:
-        raise TypeError(
-            f"params must be an iterable of tensors or of param-group dicts, got "
-            f"{type(params).__name__}"
-        ) from None
-    if not items:
-        raise ValueError("OffloadedOptimizer got an empty parameter list")
-    if all(isinstance(g, Mapping) for g in items):
-        return [dict(g) for g in items]
-    if any(isinstance(g, Mapping) for g in items):
-        raise TypeError("params mixes tensors and param-group dicts; pass one kind")
-    return [{"params": items}]
-
-
-_GradStamp = tuple[int, int, int] | None
-
-
-@dataclasses.dataclass(frozen=True)
-class _Verdict:
-    """Whether the master gradients were finite, and which gradients that was said of."""
-
-    stamps: tuple[_GradStamp, ...]
-    finite: bool
+__all__ = ["MASTER_WEIGHTS", "OffloadedOptimizer", "Sharding", "state_tensors"]
 
 
 class OffloadedOptimizer(torch.optim.Optimizer):
@@ -144,33 +100,19 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "it optimizes, which here are the offloaded master copies, not the model; "
                 "use LBFGS directly on the model's parameters"
             )
-        self._transfer: Transfer = check_transfer(transfer)
-        if sharding is not None and not (
-            callable(getattr(sharding, "local", None))
-            and callable(getattr(sharding, "all_reduce", None))
-        ):
-            raise TypeError(
-                f"sharding must be a Sharding (e.g. computectx.distributed.ShardedParams(mesh)) "
-                f"or None, got {type(sharding).__name__}"
-            )
-        self._sharding = sharding
-        self._ctx = ctx
+        self._weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
+        self._ingest = GradIngest(self._weights)
+        self._health = GradHealth(self._weights)
         self._optimizer_class = optimizer_class
         self._optimizer_kwargs = optimizer_kwargs
         self._master_optimizer: torch.optim.Optimizer | None = None
-        self._compute: list[torch.Tensor] = []
-        self._master: list[torch.Tensor] = []
-        self._seen: list[tuple[int, int]] = []
-        self._grad_staging: dict[int, Staging] = {}
-        self._param_staging: dict[int, Staging] = {}
-        self._verdict: _Verdict | None = None
         self.last_step_skipped = False
         """Whether the most recent ``step`` skipped the update (non-finite gradients)."""
         self.skipped_steps = 0
         """How many steps were skipped for non-finite gradients."""
         # Optimizer.__init__ hands each group to add_param_group (below), which builds the
         # master optimizer from the first group and adds the rest to it, as torch does.
-        super().__init__(_normalise_groups(params_or_groups), {})
+        super().__init__(normalise_groups(params_or_groups), {})
         # One set of groups, state and defaults: the base class's (still empty) ones are
         # replaced by the master optimizer's objects themselves, so a scheduler writing
         # ``lr`` into a group writes what the master step reads.
@@ -188,76 +130,31 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     @property
     def transfer(self) -> Transfer:
         """How gradients and weights cross devices (the ``transfer`` constructor option)."""
-        return self._transfer
+        return self._weights.transfer
 
     @property
     def sharding(self) -> Sharding | None:
         """How the parameters are split across ranks (``None``: each rank holds them whole)."""
-        return self._sharding
-
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self._sharding is None else self._sharding.local(t)
+        return self._weights.sharding
 
     @property
     def ctx(self) -> ComputeCtx:
         """The policy this optimizer was built from."""
-        return self._ctx
+        return self._weights.ctx
 
     @property
     def compute_params(self) -> tuple[torch.Tensor, ...]:
         """The model's parameters, in param-group order."""
-        return tuple(self._compute)
+        return tuple(self._weights.compute)
 
     @property
     def master_params(self) -> tuple[torch.Tensor, ...]:
         """The master copies, aligned with ``compute_params``."""
-        return tuple(self._master)
+        return tuple(self._weights.master)
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         """The master copy of compute parameter ``param``."""
-        for cp, mp in zip(self._compute, self._master, strict=True):
-            if cp is param:
-                return mp
-        raise ValueError(f"the tensor of shape {tuple(param.shape)} is not optimized here")
-
-    # ----- construction helpers -------------------------------------------------------
-
-    def _check_group(self, group: dict[str, Any], where: str, seen: set[int]) -> list[torch.Tensor]:
-        if "params" not in group:
-            raise ValueError(f"{where} has no 'params' key; got keys {sorted(group)}")
-        raw = group["params"]
-        compute = [raw] if isinstance(raw, torch.Tensor) else list(raw)
-        known = {id(p) for p in self._compute}
-        for i, p in enumerate(compute):
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{where}['params'][{i}] is a {type(p).__name__}, not a tensor")
-            if not p.is_leaf:
-                raise ValueError(f"{where}['params'][{i}] is not a leaf tensor; can't optimize it")
-            if not p.is_floating_point():
-                raise TypeError(
-                    f"{where}['params'][{i}] has dtype {p.dtype}; only floating tensors "
-                    f"can be optimized"
-                )
-            if self._sharding is None and hasattr(p, "placements") and hasattr(p, "to_local"):
-                raise TypeError(
-                    f"{where}['params'][{i}] is a DTensor (a parameter sharded by FSDP2 "
-                    f"fully_shard); pass sharding=computectx.distributed.ShardedParams(mesh) "
-                    f"so that the masters are this rank's local shards and clip_grad_norm "
-                    f"measures the global norm"
-                )
-            if id(p) in known or id(p) in seen:
-                raise ValueError(
-                    f"{where}['params'][{i}] (shape {tuple(p.shape)}) appears more than once "
-                    f"in this optimizer's parameters"
-                )
-            seen.add(id(p))
-        return compute
-
-    def _make_master(self, p: torch.Tensor) -> torch.Tensor:
-        data = self._local(p.detach()).to(
-            device=self._ctx.offload_device, dtype=self._ctx.master.torch, copy=True
-        )
-        return torch.nn.Parameter(data, requires_grad=p.requires_grad)
+        return self._weights.master_of(param)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of compute parameters; their masters join the inner optimizer.
@@ -269,8 +166,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
         inner = self._master_optimizer
         where = f"param_groups[{0 if inner is None else len(inner.param_groups)}]"
-        compute = self._check_group(dict(param_group), where, seen=set())
-        masters = [self._make_master(p) for p in compute]
+        compute = self._weights.check_group(dict(param_group), where)
+        masters = self._weights.make(compute)
         master_group = {**param_group, "params": masters}
         if inner is None:
             # Optimizer.__init__ passes the first group: the optimizer class is built on it
@@ -278,9 +175,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             self._master_optimizer = self._optimizer_class([master_group], **self._optimizer_kwargs)
         else:
             inner.add_param_group(master_group)
-        self._compute.extend(compute)
-        self._master.extend(masters)
-        self._seen.extend(_stamp(self._local(p)) for p in compute)
+        self._weights.add(compute, masters)
 
     # ----- gradients ------------------------------------------------------------------
 
@@ -291,75 +186,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         every compute ``param.grad`` (which becomes ``None``). Staged copies (see
         ``transfer``) are all issued before any is waited on.
         """
-        if accumulator is not None:
-            if not isinstance(accumulator, LowPrecGradAccumulator):
-                raise TypeError(
-                    f"accumulator must be a LowPrecGradAccumulator, got "
-                    f"{type(accumulator).__name__}"
-                )
-            if not any(accumulator.tracks(p) for p in self._compute):
-                raise ValueError(
-                    "the accumulator tracks none of this optimizer's parameters; build it "
-                    "from the same parameters (e.g. model.parameters())"
-                )
-            accumulator.sync()
-            late = (
-                []
-                if accumulator.closed
-                else [
-                    i
-                    for i, p in enumerate(self._compute)
-                    if p.grad is not None and accumulator.tracks(p)
-                ]
-            )
-            if late:
-                raise RuntimeError(
-                    f"{len(late)} parameter(s) drained by the LowPrecGradAccumulator (indices "
-                    f"{late[:8]}) have a param.grad written after the accumulator took their "
-                    f"gradient. Under DistributedDataParallel this is the reducer writing its "
-                    f"all-reduced gradient after the hook drained the local one, so the sums "
-                    f"were never reduced across ranks; use "
-                    f"computectx.distributed.DataParallelGradAccumulator(ddp_model, ctx) "
-                    f"instead. Otherwise set param.grad only on parameters the accumulator "
-                    f"does not track, or close() it first. Nothing was ingested"
-                )
-        with torch.no_grad():
-            if accumulator is not None:
-                for cp, mp in zip(self._compute, self._master, strict=True):
-                    buf = accumulator.pop(cp)
-                    if buf is not None:
-                        self._add_master_grad(mp, buf)
-            self._ingest_param_grads()
+        if accumulator is not None and self._ingest.from_accumulator(accumulator):
+            self._health.forget()
+        self._take_param_grads()
 
-    def _ingest_param_grads(self) -> None:
-        staged: list[tuple[Staging, torch.Tensor]] = []
-        for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
-            g = cp.grad
-            if g is None:
-                continue
-            cp.grad = None
-            g = self._local(g.detach())
-            if uses_staging(self._transfer, g.device, mp.device):
-                st = self._grad_staging.get(i)
-                if st is None or st.buffer.dtype != g.dtype:
-                    st = Staging(g.shape, g.dtype, host=mp.device, peer=g.device)
-                    self._grad_staging[i] = st
-                st.fill_from(g)
-                staged.append((st, mp))
-            else:
-                self._add_master_grad(mp, g)
-        for st, mp in staged:
-            st.wait()
-            # The staging buffer is reused, so the master gradient must be a copy of it.
-            self._add_master_grad(mp, st.buffer.to(mp.dtype, copy=True))
-
-    def _add_master_grad(self, master: torch.Tensor, g: torch.Tensor) -> None:
-        g = g.to(device=master.device, dtype=master.dtype)
-        if master.grad is None:
-            master.grad = g
-        else:
-            master.grad.add_(g)
-        self._verdict = None
+    def _take_param_grads(self) -> None:
+        if self._ingest.from_param_grads():
+            self._health.forget()
 
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the master gradients to total norm ``max_norm``; return the norm before.
@@ -371,63 +204,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         that ``step`` decides by, so it need not look at the gradients again. With a
         ``sharding`` the norm is the global one over every rank's shards (one all-reduce).
         """
-        if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-            raise TypeError(f"max_norm must be a number, got {max_norm!r}")
-        if not max_norm > 0:
-            raise ValueError(f"max_norm must be > 0 (math.inf to only measure), got {max_norm}")
-        with torch.no_grad():
-            self._ingest_param_grads()
-        with_grads = [mp for mp in self._master if mp.grad is not None]
-        if self._sharding is None:
-            norm = float(
-                torch.nn.utils.clip_grad_norm_(with_grads, float(max_norm), norm_type=norm_type)
-            )
-        else:
-            norm = self._clip_sharded(self._sharding, with_grads, float(max_norm), float(norm_type))
-        # Stamped after clipping (which rewrote the gradients in place), so any later change
-        # to them, ours or the caller's, makes step() check again.
-        self._verdict = _Verdict(self._grad_stamps(), math.isfinite(norm))
-        return norm
-
-    def _clip_sharded(
-        self, sharding: Sharding, masters: list[torch.Tensor], max_norm: float, p: float
-    ) -> float:
-        # The global norm of gradients split across ranks: the local shards' sum of |g|^p
-        # (max |g| for p=inf) all-reduced, then the p-th root. Clipping then scales each
-        # local shard as torch.nn.utils.clip_grad_norm_ scales a whole gradient.
-        grads = [mp.grad for mp in masters if mp.grad is not None]
-        # One host read for all the shards' norms, not one per gradient.
-        norms = (
-            torch.stack([torch.linalg.vector_norm(g, p) for g in grads]).double().cpu()
-            if grads
-            else torch.zeros(0, dtype=torch.float64)
-        )
-        if math.isinf(p):
-            local = norms.max() if grads else torch.zeros((), dtype=torch.float64)
-            total = sharding.all_reduce(local.reshape(1), "max")[0]
-        else:
-            local = norms.pow(p).sum()
-            total = sharding.all_reduce(local.reshape(1), "sum")[0].pow(1.0 / p)
-        norm = float(total)
-        coef = min(max_norm / (norm + 1e-6), 1.0) if math.isfinite(norm) else math.nan
-        if coef < 1.0 or math.isnan(coef):
-            for g in grads:
-                g.mul_(coef)
-        return norm
-
-    def _grad_stamps(self) -> tuple[_GradStamp, ...]:
-        return tuple(None if mp.grad is None else _grad_stamp(mp.grad) for mp in self._master)
-
-    def _grads_are_finite(self) -> bool:
-        verdict = self._verdict
-        if verdict is not None and verdict.stamps == self._grad_stamps():
-            return verdict.finite
-        finite = _all_finite([mp.grad for mp in self._master if mp.grad is not None])
-        if self._sharding is None:
-            return finite
-        # Every rank must take the same decision, or the shards of one weight diverge.
-        bad = torch.tensor([0.0 if finite else 1.0], dtype=torch.float64)
-        return bool(self._sharding.all_reduce(bad, "max")[0] == 0.0)
+        check_max_norm(max_norm)
+        self._take_param_grads()
+        return self._health.clip(max_norm, norm_type)
 
     # ----- the step -------------------------------------------------------------------
 
@@ -451,12 +230,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with torch.no_grad():
-            self._ingest_param_grads()
-        if not self._grads_are_finite():
+        self._take_param_grads()
+        if not self._health.finite():
             self.skipped_steps += 1
             self.last_step_skipped = True
-            self._drop_master_grads()
+            for mp in self._weights.master:
+                mp.grad = None
+            self._health.forget()
             warnings.warn(
                 f"OffloadedOptimizer.step() skipped the update: the gradients hold inf or "
                 f"NaN values and were dropped ({self.skipped_steps} step(s) skipped so far)",
@@ -464,8 +244,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
             return loss
-        self._adopt_outside_edits()
-        if all(mp.grad is None for mp in self._master):
+        self._weights.adopt_outside_edits()
+        if all(mp.grad is None for mp in self._weights.master):
             warnings.warn(
                 "OffloadedOptimizer.step() found no gradient on any parameter; if a "
                 "LowPrecGradAccumulator holds them, call ingest_grads(accumulator) first",
@@ -473,49 +253,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
         self.inner.step()
-        self._sync_to_compute()
+        self._weights.copy_to_compute()
         self.last_step_skipped = False
         return loss
-
-    def _drop_master_grads(self) -> None:
-        for mp in self._master:
-            mp.grad = None
-        self._verdict = None
-
-    def _adopt_outside_edits(self) -> None:
-        # A compute parameter whose storage or version counter moved since the last sync was
-        # written by someone else; its master would otherwise undo that write at the next
-        # sync. Reading the stamps costs no device work.
-        with torch.no_grad():
-            for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
-                local = self._local(cp)
-                stamp = _stamp(local)
-                if stamp != self._seen[i]:
-                    mp.copy_(local)
-                    self._seen[i] = stamp
-
-    def _sync_to_compute(self) -> None:
-        with torch.no_grad():
-            for i, (cp, mp) in enumerate(zip(self._compute, self._master, strict=True)):
-                dst = self._local(cp)
-                if uses_staging(self._transfer, dst.device, mp.device):
-                    st = self._param_staging.get(i)
-                    if st is None:
-                        st = Staging(dst.shape, dst.dtype, host=mp.device, peer=dst.device)
-                        self._param_staging[i] = st
-                    # The previous upload may still be reading the buffer.
-                    st.wait()
-                    st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
-                    st.drain_to(dst)
-                else:
-                    dst.copy_(mp)
-                self._seen[i] = _stamp(dst)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
         self.inner.zero_grad(set_to_none=set_to_none)
-        self._verdict = None
-        for cp in self._compute:
+        self._health.forget()
+        for cp in self._weights.compute:
             if cp.grad is None:
                 continue
             if set_to_none:
@@ -528,9 +274,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The inner optimizer's state dict plus ``"master_weights"`` (index -> tensor)."""
-        self._adopt_outside_edits()
+        self._weights.adopt_outside_edits()
         sd = dict(super().state_dict())
-        sd[MASTER_WEIGHTS] = dict(enumerate(self._master))
+        sd[MASTER_WEIGHTS] = dict(enumerate(self._weights.master))
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -538,49 +284,23 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         Without ``"master_weights"`` (e.g. a plain torch optimizer's state dict) the
         masters are rebuilt from the current compute parameters. Everything is validated
-        before anything changes.
+        before anything changes: the master weights' count, shapes and dtypes, and that
+        those of trainable parameters are finite (``optimizer_state.check_saved_masters``).
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         sd = dict(state_dict)
         saved = sd.pop(MASTER_WEIGHTS, None)
-        masters: list[torch.Tensor] | None = None
-        if saved is not None:
-            masters = self._check_saved_masters(saved)
+        masters = (
+            None
+            if saved is None
+            else check_saved_masters(saved, self._weights.master, self._weights.ctx.master)
+        )
         for key in ("state", "param_groups"):
             if key not in sd:
                 raise ValueError(f"state_dict has no {key!r} entry; got keys {sorted(sd)}")
         super().load_state_dict(sd)
-        with torch.no_grad():
-            sources = masters if masters is not None else self._compute
-            for mp, src in zip(self._master, sources, strict=True):
-                mp.copy_(self._local(src))
-        self._sync_to_compute()
-
-    def _check_saved_masters(self, saved: Any) -> list[torch.Tensor]:
-        if not isinstance(saved, Mapping):
-            raise TypeError(f"state_dict[{MASTER_WEIGHTS!r}] must be a mapping index -> tensor")
-        want = set(range(len(self._master)))
-        if set(saved) != want:
-            missing = sorted(want - set(saved))
-            extra = sorted(set(saved) - want, key=str)
-            raise ValueError(
-                f"state_dict[{MASTER_WEIGHTS!r}] does not match this optimizer's "
-                f"{len(self._master)} parameters: missing indices {missing}, unexpected {extra}"
-            )
-        out = []
-        for i, mp in enumerate(self._master):
-            t = saved[i]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state_dict[{MASTER_WEIGHTS!r}][{i}] is not a tensor")
-            if t.shape != mp.shape or t.dtype != mp.dtype:
-                raise ValueError(
-                    f"state_dict[{MASTER_WEIGHTS!r}][{i}] is {t.dtype}{list(t.shape)}, but the "
-                    f"master weight is {mp.dtype}{list(mp.shape)} (ctx.master="
-                    f"{self._ctx.master}); the checkpoint was made under another policy"
-                )
-            out.append(t)
-        return out
+        self._weights.load(masters)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # Optimizer.load_state_dict installs the loaded groups and state through
@@ -601,8 +321,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def __repr__(self) -> str:
         inner = repr(self.inner).replace("\n", "\n  ")
         return (
-            f"OffloadedOptimizer(master={self._ctx.master}, "
-            f"device={self._ctx.offload_device}, inner={inner})"
+            f"OffloadedOptimizer(master={self.ctx.master}, "
+            f"device={self.ctx.offload_device}, inner={inner})"
         )
 
     # ----- accounting -----------------------------------------------------------------
@@ -615,51 +335,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         ``("staging", buffer)`` per staging buffer. The compute parameters are the model's
         and are not included.
         """
-        for mp in self._master:
+        for mp in self._weights.master:
             yield "master", mp
             if mp.grad is not None:
                 yield "grads", mp.grad
         for per_param in self.state.values():
             yield from (("optimizer_state", t) for t in state_tensors(per_param))
-        for st in (*self._grad_staging.values(), *self._param_staging.values()):
-            yield "staging", st.buffer
-
-
-def state_tensors(value: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in an optimizer's ``state`` (or in one entry of it).
-
-    Nested mappings, lists and tuples are walked; anything else is skipped.
-    """
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for v in value.values():
-            yield from state_tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from state_tensors(v)
-
-
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether no element of ``tensors`` is inf or NaN; one host sync with their device."""
-    if not tensors:
-        return True
-    # A sum is finite only if every term is: inf and NaN never add back to a finite value.
-    # Summing is the cheapest full read (measured on CPU: a third of a 2-norm, a tenth of
-    # a max-|g|); the rare finite tensor whose sum overflows is told apart exactly.
-    sums = torch.stack([t.sum() for t in tensors])
-    if bool(torch.isfinite(sums).all()):
-        return True
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _stamp(p: torch.Tensor) -> tuple[int, int]:
-    # In-place writes bump the version counter; ``param.data = t`` swaps the storage.
-    return p.data_ptr(), p._version
-
-
-def _grad_stamp(g: torch.Tensor) -> tuple[int, int, int]:
-    # Our own writes to master gradients drop the verdict outright; this catches the
-    # caller's: assigning another tensor changes the id, an in-place edit bumps the version,
-    # ``grad.data = t`` swaps the storage.
-    return id(g), g.data_ptr(), g._version
+        for buffer in (*self._ingest.staging_buffers(), *self._weights.staging_buffers()):
+            yield "staging", buffer

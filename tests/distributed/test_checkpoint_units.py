@@ -9,6 +9,7 @@ each changing nothing).
 from __future__ import annotations
 
 import io
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -282,6 +283,12 @@ REFUSALS: list[tuple[str, Callable[[dict[str, Any]], Any], type[Exception], list
         _set_key((MASTER_WEIGHTS, "0.bias"), torch.zeros(8)),
         ValueError,
         ["['0.bias'] has shape [8], but the master weight is [16]"],
+    ),
+    (
+        "a master holding NaN",
+        _set_key((MASTER_WEIGHTS, "2.bias"), torch.tensor([0.5, math.nan])),
+        ValueError,
+        ["holds inf or NaN in 1 master weight(s) of trainable parameters: [3] (shape [2])"],
     ),
     (
         "a master that is no tensor",

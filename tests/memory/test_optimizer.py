@@ -508,8 +508,23 @@ def test_bad_state_dict_changes_nothing() -> None:
     step0 = float(next(iter(opt.state.values()))["step"])
     bad = dict(sd)
     bad["master_weights"] = {**sd["master_weights"], 0: torch.zeros(3)}
-    with pytest.raises(ValueError, match=r"master_weights.*\[0\].*float32\[3\]"):
+    with pytest.raises(ValueError, match=r"'master_weights'\]\[0\] has shape \[3\], but the"):
         opt.load_state_dict(bad)
+    half = dict(sd)
+    half["master_weights"] = {**sd["master_weights"], 1: sd["master_weights"][1].half()}
+    with pytest.raises(ValueError, match=r"\[1\] is torch.float16\[16\].*ctx.master=f32"):
+        opt.load_state_dict(half)
+    nan = dict(sd)
+    nan["master_weights"] = {**sd["master_weights"], 2: sd["master_weights"][2].clone()}
+    nan["master_weights"][2][3, 4] = math.nan
+    with pytest.raises(
+        ValueError, match=r"inf or NaN in 1 master weight.*: \[2\] \(shape \[16, 16\]\); every"
+    ):
+        opt.load_state_dict(nan)
+    missing = dict(sd)
+    missing["master_weights"] = {**sd["master_weights"], 3: [0.0] * 16}
+    with pytest.raises(TypeError, match=r"\[3\] must be a tensor, got list"):
+        opt.load_state_dict(missing)
     short = dict(sd)
     short["master_weights"] = {0: sd["master_weights"][0]}
     with pytest.raises(ValueError, match=r"missing indices \[1, 2, 3, 4, 5\]"):
@@ -522,6 +537,23 @@ def test_bad_state_dict_changes_nothing() -> None:
         opt.load_state_dict({"param_groups": sd["param_groups"]})
     assert all(torch.equal(a, b) for a, b in zip(masters, opt.master_params, strict=True))
     assert float(next(iter(opt.state.values()))["step"]) == step0
+
+
+def test_a_frozen_parameter_may_hold_inf_through_a_checkpoint() -> None:
+    # Only trainable masters must be finite: a frozen parameter can be a mask of -inf.
+    model, data = model_and_data(3)
+    mask = torch.nn.Parameter(torch.tensor([0.0, -math.inf]), requires_grad=False)
+    opt = OffloadedOptimizer([*model.parameters(), mask], CPU, lr=1e-2)
+    backward(loss_of(model, data[0]))
+    opt.step()
+    sd = _roundtrip(opt.state_dict())
+    mask.data = torch.zeros(2)
+    opt.load_state_dict(sd)
+    assert torch.equal(mask, torch.tensor([0.0, -math.inf]))
+    sd["master_weights"][0] = sd["master_weights"][0].clone()
+    sd["master_weights"][0][0, 0] = -math.inf  # a trainable one is refused
+    with pytest.raises(ValueError, match=r"inf or NaN in 1 master weight"):
+        opt.load_state_dict(sd)
 
 
 # ----- ecosystem details -----------------------------------------------------------------

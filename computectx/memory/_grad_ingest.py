@@ -1,0 +1,113 @@
+"""Gradient ingest: moving gradients onto an ``OffloadedOptimizer``'s master weights.
+
+Gradients come from a ``LowPrecGradAccumulator`` (its sums are handed over) and from the
+compute parameters' ``.grad``; either way they are added to the masters' ``.grad`` at the
+master dtype, on the offload device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from computectx.memory._masters import MasterWeights
+from computectx.memory._transfer import Staging, uses_staging
+from computectx.memory.accumulator import LowPrecGradAccumulator
+
+__all__ = ["GradIngest"]
+
+
+class GradIngest:
+    """Adds gradients to the masters of ``weights``; owns the download staging buffers."""
+
+    def __init__(self, weights: MasterWeights) -> None:
+        self.weights = weights
+        self._staging: dict[int, Staging] = {}  # download buffers, by position
+
+    def from_accumulator(self, accumulator: LowPrecGradAccumulator) -> bool:
+        """Hand ``accumulator``'s sums over to the masters (they are emptied there); return
+        whether any gradient moved.
+
+        Checked before anything moves: the accumulator tracks some of these parameters, and
+        no tracked parameter has a ``param.grad`` written after the accumulator drained it
+        (DDP's reducer does that), which would be a gradient the sums never saw.
+        """
+        if not isinstance(accumulator, LowPrecGradAccumulator):
+            raise TypeError(
+                f"accumulator must be a LowPrecGradAccumulator, got {type(accumulator).__name__}"
+            )
+        compute = self.weights.compute
+        if not any(accumulator.tracks(p) for p in compute):
+            raise ValueError(
+                "the accumulator tracks none of this optimizer's parameters; build it "
+                "from the same parameters (e.g. model.parameters())"
+            )
+        accumulator.sync()
+        late = (
+            []
+            if accumulator.closed
+            else [i for i, p in enumerate(compute) if p.grad is not None and accumulator.tracks(p)]
+        )
+        if late:
+            raise RuntimeError(
+                f"{len(late)} parameter(s) drained by the LowPrecGradAccumulator (indices "
+                f"{late[:8]}) have a param.grad written after the accumulator took their "
+                f"gradient. Under DistributedDataParallel this is the reducer writing its "
+                f"all-reduced gradient after the hook drained the local one, so the sums "
+                f"were never reduced across ranks; use "
+                f"computectx.distributed.DataParallelGradAccumulator(ddp_model, ctx) "
+                f"instead. Otherwise set param.grad only on parameters the accumulator "
+                f"does not track, or close() it first. Nothing was ingested"
+            )
+        moved = False
+        with torch.no_grad():
+            for cp, mp in zip(compute, self.weights.master, strict=True):
+                buf = accumulator.pop(cp)
+                if buf is not None:
+                    add_grad(mp, buf)
+                    moved = True
+        return moved
+
+    def from_param_grads(self) -> bool:
+        """Move every compute ``param.grad`` onto its master (``param.grad`` becomes ``None``).
+
+        Staged copies (see ``transfer``) are all issued before any is waited on. Returns
+        whether any gradient moved.
+        """
+        weights = self.weights
+        staged: list[tuple[Staging, torch.Tensor]] = []
+        moved = False
+        with torch.no_grad():
+            for i, (cp, mp) in enumerate(zip(weights.compute, weights.master, strict=True)):
+                g = cp.grad
+                if g is None:
+                    continue
+                cp.grad = None
+                moved = True
+                g = weights.local(g.detach())
+                if uses_staging(weights.transfer, g.device, mp.device):
+                    st = self._staging.get(i)
+                    if st is None or st.buffer.dtype != g.dtype:
+                        st = Staging(g.shape, g.dtype, host=mp.device, peer=g.device)
+                        self._staging[i] = st
+                    st.fill_from(g)
+                    staged.append((st, mp))
+                else:
+                    add_grad(mp, g)
+            for st, mp in staged:
+                st.wait()
+                # The staging buffer is reused, so the master gradient must be a copy of it.
+                add_grad(mp, st.buffer.to(mp.dtype, copy=True))
+        return moved
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The download staging buffers allocated so far (for ``memory_report``)."""
+        return [st.buffer for st in self._staging.values()]
+
+
+def add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
+    """Add ``g`` to ``master.grad`` (set it when there is none), at the master's dtype."""
+    g = g.to(device=master.device, dtype=master.dtype)
+    if master.grad is None:
+        master.grad = g
+    else:
+        master.grad.add_(g)

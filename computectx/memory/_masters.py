@@ -1,0 +1,204 @@
+"""The parameter groups of an ``OffloadedOptimizer`` and the master weights that mirror them.
+
+``MasterWeights`` holds the aligned lists (compute parameter ``i`` has master ``i``), makes
+the masters (``ctx.master`` on ``ctx.offload_device``, this rank's shard under a
+``Sharding``), adopts weights changed outside the optimizer, and copies the masters back
+into the compute parameters after a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Protocol
+
+import torch
+
+from computectx.ctx import ComputeCtx
+from computectx.memory._transfer import Staging, Transfer, uses_staging
+
+__all__ = ["MasterWeights", "Sharding", "normalise_groups"]
+
+
+class Sharding(Protocol):
+    """How the compute parameters are split across ranks (``sharding=`` of the optimizer).
+
+    ``computectx.distributed.ShardedParams`` is the implementation for FSDP2; the memory
+    layer itself never talks to ``torch.distributed``.
+    """
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a compute parameter or gradient, as a plain tensor (a view)."""
+        ...
+
+    def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
+        """``values`` (a small f64 tensor on the CPU) reduced over the ranks sharing the params."""
+        ...
+
+
+def check_sharding(sharding: Sharding | None) -> Sharding | None:
+    """``sharding`` when it is ``None`` or has the ``Sharding`` methods; else ``TypeError``."""
+    if sharding is None:
+        return None
+    if not (
+        callable(getattr(sharding, "local", None))
+        and callable(getattr(sharding, "all_reduce", None))
+    ):
+        raise TypeError(
+            f"sharding must be a Sharding (e.g. computectx.distributed.ShardedParams(mesh)) "
+            f"or None, got {type(sharding).__name__}"
+        )
+    return sharding
+
+
+def normalise_groups(params: Any) -> list[dict[str, Any]]:
+    """The optimizer's ``params`` argument as a list of param-group dicts."""
+    if isinstance(params, (torch.Tensor, torch.nn.Module)):
+        raise TypeError(
+            f"params must be an iterable of tensors or of param-group dicts (e.g. "
+            f"model.parameters()), got {type(params).__name__}"
+        )
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(
+            f"params must be an iterable of tensors or of param-group dicts, got "
+            f"{type(params).__name__}"
+        ) from None
+    if not items:
+        raise ValueError("OffloadedOptimizer got an empty parameter list")
+    if all(isinstance(g, Mapping) for g in items):
+        return [dict(g) for g in items]
+    if any(isinstance(g, Mapping) for g in items):
+        raise TypeError("params mixes tensors and param-group dicts; pass one kind")
+    return [{"params": items}]
+
+
+def stamp(p: torch.Tensor) -> tuple[int, int]:
+    """Where ``p``'s data lives and how often it was written in place.
+
+    In-place writes bump the version counter; ``param.data = t`` swaps the storage.
+    """
+    return p.data_ptr(), p._version
+
+
+class MasterWeights:
+    """Compute parameters and their master copies, aligned by position."""
+
+    def __init__(self, ctx: ComputeCtx, transfer: Transfer, sharding: Sharding | None) -> None:
+        self.ctx = ctx
+        self.transfer: Transfer = transfer
+        self.sharding = sharding
+        self.compute: list[torch.Tensor] = []
+        self.master: list[torch.Tensor] = []
+        self._seen: list[tuple[int, int]] = []  # stamp of each compute param at our last write
+        self._staging: dict[int, Staging] = {}  # upload buffers, by position
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``t`` (``t`` itself without a sharding)."""
+        return t if self.sharding is None else self.sharding.local(t)
+
+    def check_group(self, group: dict[str, Any], where: str) -> list[torch.Tensor]:
+        """The compute parameters of ``group``, checked; ``where`` names it in errors."""
+        if "params" not in group:
+            raise ValueError(f"{where} has no 'params' key; got keys {sorted(group)}")
+        raw = group["params"]
+        compute = [raw] if isinstance(raw, torch.Tensor) else list(raw)
+        known = {id(p) for p in self.compute}
+        seen: set[int] = set()
+        for i, p in enumerate(compute):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{where}['params'][{i}] is a {type(p).__name__}, not a tensor")
+            if not p.is_leaf:
+                raise ValueError(f"{where}['params'][{i}] is not a leaf tensor; can't optimize it")
+            if not p.is_floating_point():
+                raise TypeError(
+                    f"{where}['params'][{i}] has dtype {p.dtype}; only floating tensors "
+                    f"can be optimized"
+                )
+            if self.sharding is None and hasattr(p, "placements") and hasattr(p, "to_local"):
+                raise TypeError(
+                    f"{where}['params'][{i}] is a DTensor (a parameter sharded by FSDP2 "
+                    f"fully_shard); pass sharding=computectx.distributed.ShardedParams(mesh) "
+                    f"so that the masters are this rank's local shards and clip_grad_norm "
+                    f"measures the global norm"
+                )
+            if id(p) in known or id(p) in seen:
+                raise ValueError(
+                    f"{where}['params'][{i}] (shape {tuple(p.shape)}) appears more than once "
+                    f"in this optimizer's parameters"
+                )
+            seen.add(id(p))
+        return compute
+
+    def make(self, compute: list[torch.Tensor]) -> list[torch.Tensor]:
+        """New masters for ``compute`` (not yet added): ``ctx.master`` on the offload device."""
+        return [
+            torch.nn.Parameter(
+                self.local(p.detach()).to(
+                    device=self.ctx.offload_device, dtype=self.ctx.master.torch, copy=True
+                ),
+                requires_grad=p.requires_grad,
+            )
+            for p in compute
+        ]
+
+    def add(self, compute: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
+        """Append aligned compute parameters and masters (``make``'s result)."""
+        self.compute.extend(compute)
+        self.master.extend(masters)
+        self._seen.extend(stamp(self.local(p)) for p in compute)
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The master copy of compute parameter ``param``."""
+        for cp, mp in zip(self.compute, self.master, strict=True):
+            if cp is param:
+                return mp
+        raise ValueError(f"the tensor of shape {tuple(param.shape)} is not optimized here")
+
+    def adopt_outside_edits(self) -> None:
+        """Copy every compute parameter written by someone else since our last write into
+        its master, which would otherwise undo that write at the next copy-back. Reading
+        the stamps costs no device work."""
+        with torch.no_grad():
+            for i, (cp, mp) in enumerate(zip(self.compute, self.master, strict=True)):
+                local = self.local(cp)
+                now = stamp(local)
+                if now != self._seen[i]:
+                    mp.copy_(local)
+                    self._seen[i] = now
+
+    def load(self, sources: list[torch.Tensor] | None) -> None:
+        """Set the masters from ``sources`` (aligned; ``None``: the compute parameters), then
+        copy them into the compute parameters."""
+        with torch.no_grad():
+            for mp, src in zip(
+                self.master, self.compute if sources is None else sources, strict=True
+            ):
+                mp.copy_(self.local(src))
+        self.copy_to_compute()
+
+    def copy_to_compute(self) -> None:
+        """Write every master into its compute parameter, at the compute dtype.
+
+        CUDA <-> CPU pairs (per ``transfer``) go through one reused staging buffer per
+        parameter, cast on the host before the upload.
+        """
+        with torch.no_grad():
+            for i, (cp, mp) in enumerate(zip(self.compute, self.master, strict=True)):
+                dst = self.local(cp)
+                if uses_staging(self.transfer, dst.device, mp.device):
+                    st = self._staging.get(i)
+                    if st is None:
+                        st = Staging(dst.shape, dst.dtype, host=mp.device, peer=dst.device)
+                        self._staging[i] = st
+                    # The previous upload may still be reading the buffer.
+                    st.wait()
+                    st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
+                    st.drain_to(dst)
+                else:
+                    dst.copy_(mp)
+                self._seen[i] = stamp(dst)
+
+    def staging_buffers(self) -> list[torch.Tensor]:
+        """The upload staging buffers allocated so far (for ``memory_report``)."""
+        return [st.buffer for st in self._staging.values()]
