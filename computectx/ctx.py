@@ -26,7 +26,7 @@ from computectx.dtypes import (
     outside_lattice_message,
     promote,
 )
-from computectx.recipes import DelayedScaling, Fp8Policy, Fp8Scheme
+from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 from computectx.residency import Residency
 
 __all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
@@ -40,7 +40,8 @@ def parse_device(value: object) -> torch.device:
         return value
     if isinstance(value, str):
         try:
-            return torch.device(value.strip())
+            # Device names are case-insensitive like every name in the policy ("CPU", "Cuda:0").
+            return torch.device(value.strip().lower())
         except RuntimeError:
             pass
     raise ValueError(f"bad device {value!r}; accepted: {_DEVICE_SPELLINGS}")
@@ -55,15 +56,24 @@ def _lenient_residency(value: object) -> object:
     return Residency.parse(value)  # type: ignore[arg-type]  # parse quotes a bad input
 
 
+def _is_none_text(value: object) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "none"
+
+
 def _lenient_fp8(value: object) -> object:
     if isinstance(value, str):
-        return None if value.strip().lower() == "none" else Fp8Policy.parse(value)
+        return None if _is_none_text(value) else Fp8Policy.parse(value)
     return value
 
 
+def _lenient_offload(value: object) -> object:
+    # "none" reads as None here as in the text form, whatever the case.
+    return None if _is_none_text(value) else value
+
+
 def _same_as_compute(validated: dict[str, Any]) -> DType:
-    # Runs after `compute` has been validated (fields validate in order). When `compute`
-    # itself failed, its error is the one to report; a placeholder keeps kv quiet.
+    # ComputeCtx._defaults_from_compute fills kv and accum before validation; the factories
+    # mark the fields optional in the schema and serve model_construct.
     compute: DType = validated.get("compute", DType.F32)
     return compute
 
@@ -84,9 +94,30 @@ TorchDevice = Annotated[
 DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
 Fp8Field = Annotated[Fp8Policy | None, BeforeValidator(_lenient_fp8)]
+OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
 
-DTYPE_FLAGS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
-"""The ``--dtype`` flag convention read by ``ComputeCtx.from_flag``."""
+
+def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[str, Fp8Policy]:
+    order = (Fp8Scheme.E4M3, Fp8Scheme.E5M2, Fp8Scheme.HYBRID)
+    return {f"fp8_{s}{suffix}": Fp8Policy(format=s, scaling=scaling) for s in order}
+
+
+# The flag table: each --dtype flag, its compute dtype and its fp8 policy. fp32 is parity
+# (new(F32) is the same value); the fp8 flags are BF16 activations with fp8 linears, delayed
+# scaling by default and dynamic with the _dynamic suffix.
+_FLAGS: dict[str, tuple[DType, Fp8Policy | None]] = {
+    "fp32": (DType.F32, None),
+    "fp16": (DType.F16, None),
+    "bf16": (DType.BF16, None),
+    **{k: (DType.BF16, p) for k, p in _fp8_flags("", DelayedScaling()).items()},
+    **{k: (DType.BF16, p) for k, p in _fp8_flags("_dynamic", DynamicScaling()).items()},
+}
+
+DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
+"""The ``--dtype`` flag convention read by ``ComputeCtx.from_flag``: ``fp32``, ``fp16``,
+``bf16``, ``fp8_e4m3``, ``fp8_e5m2``, ``fp8_hybrid`` (delayed scaling), and the same three
+fp8 schemes with dynamic scaling, ``fp8_e4m3_dynamic``, ``fp8_e5m2_dynamic``,
+``fp8_hybrid_dynamic``."""
 
 
 class CtxChanges(TypedDict, total=False):
@@ -128,11 +159,28 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     """Dtype gradients are accumulated in across micro-batches."""
     master: DTypeField = DType.F32
     """Dtype of the optimizer's master weights."""
-    offload: TorchDevice | None = Field(default=None)
+    offload: OffloadField = Field(default=None)
     """Device for gradient buffers, master weights and optimizer state; ``None`` = ``device``."""
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
     _NULLABLE: ClassVar[frozenset[str]] = frozenset({"fp8", "offload"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_compute(cls, data: Any) -> Any:
+        # kv and accum default from compute, filled in here rather than by their default
+        # factories: pydantic skips a factory that reads validated data as soon as any
+        # earlier field failed, and reports one more error for it. Placeholders stand in
+        # when compute itself is missing or bad, so its error is the only one.
+        if isinstance(data, dict) and not ("kv" in data and "accum" in data):
+            try:
+                compute = DType.parse(data["compute"])
+            except (KeyError, ValueError):
+                defaults = {"kv": DType.F32, "accum": DType.F64}
+            else:
+                defaults = {"kv": compute, "accum": promote(compute, DType.F32)}
+            data = {**defaults, **data}
+        return data
 
     @model_validator(mode="after")
     def _accum_not_below_compute(self) -> Self:
@@ -169,24 +217,23 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     @classmethod
     def from_flag(cls, name: str, device: torch.device | str) -> ComputeCtx:
-        """The ``--dtype {fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid}`` convention.
+        """The ``--dtype`` convention (``DTYPE_FLAGS``), in any case.
 
         ``fp32`` is ``parity``; ``fp16``/``bf16`` are ``new`` at that dtype; the fp8 flags
-        are BF16 activations with fp8 linears (delayed scaling) in the named scheme:
-        ``fp8_e4m3`` and ``fp8_e5m2`` use that format in both directions, ``fp8_hybrid``
-        uses E4M3 forward and E5M2 for gradients.
+        are BF16 activations with fp8 linears in the named scheme: ``fp8_e4m3`` and
+        ``fp8_e5m2`` use that format in both directions, ``fp8_hybrid`` uses E4M3 forward
+        and E5M2 for gradients. They scale with ``DelayedScaling()``; the same flags with a
+        ``_dynamic`` suffix (``fp8_hybrid_dynamic``) scale with ``DynamicScaling()``.
         """
         key = name.strip().lower() if isinstance(name, str) else name
-        if key == "fp32":
-            return cls.parity(device)
-        if key in ("fp16", "bf16"):
-            return cls.new(DType.parse(key), device)
-        if isinstance(key, str) and key.startswith("fp8_") and key[4:] in _SCHEMES:
-            policy = Fp8Policy(format=_SCHEMES[key[4:]], scaling=DelayedScaling())
-            return cls.new(DType.BF16, device).replace(fp8=policy)
-        raise ValueError(
-            f"unknown --dtype flag {name!r}; accepted: {', '.join(repr(f) for f in DTYPE_FLAGS)}"
-        )
+        found = _FLAGS.get(key) if isinstance(key, str) else None
+        if found is None:
+            raise ValueError(
+                f"unknown --dtype flag {name!r}; accepted: "
+                f"{', '.join(repr(f) for f in DTYPE_FLAGS)}"
+            )
+        compute, policy = found
+        return cls(compute=compute, device=parse_device(device), fp8=policy)
 
     # ----- validated copies ---------------------------------------------------------------
 
@@ -300,7 +347,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                 )
             if key in data:
                 raise ValueError(f"policy key {key!r} given twice in {text!r}")
-            data[key] = None if key in cls._NULLABLE and value.lower() == "none" else value
+            data[key] = None if key in cls._NULLABLE and _is_none_text(value) else value
         return cls.model_validate(data)
 
 
@@ -309,5 +356,3 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 _WORK_DTYPE: dict[tuple[torch.dtype, DType], torch.dtype] = {
     (src.torch, accum): promote(src, accum).torch for src in DType for accum in DType
 }
-
-_SCHEMES: dict[str, Fp8Scheme] = {s.value: s for s in Fp8Scheme}

@@ -10,7 +10,9 @@ import torch
 from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType, PromotionError, Residency
+from computectx.ctx import DTYPE_FLAGS
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.recipes import parse_scaling
 
 CPU = torch.device("cpu")
 
@@ -212,7 +214,10 @@ def test_json_round_trip_and_schema() -> None:
         ("compute=bf16,device=cpu,residency=ram", "unknown residency 'ram'; accepted: 'device'"),
         ("compute=bf16,device=cpu,fp8=e4m3/lazy", "accepted recipes 'delayed', 'dynamic'"),
         ("compute=bf16,device=cpu,fp8=int4", "unknown fp8 scheme"),
-        ("compute=bf16,device=cpu,fp8=hybrid/delayed/x", "bad fp8 policy"),
+        (
+            "compute=bf16,device=cpu,fp8=hybrid/delayed/x",
+            "history_len must be an integer from 1 to 1024, got 'x'",
+        ),
         ("device=cpu", "compute"),
         ("", "expected key=value"),
     ],
@@ -235,3 +240,137 @@ def test_bad_json_is_a_validation_error() -> None:
             '{"compute": "bf16", "device": "cpu", "fp8": {"scaling": {"kind": "delayed",'
             ' "history_len": 0}}}'
         )
+
+
+# ----- one spelling per idea ------------------------------------------------------------------
+
+
+def test_dynamic_flags_sit_beside_the_delayed_ones() -> None:
+    assert DTYPE_FLAGS == (
+        "fp32",
+        "fp16",
+        "bf16",
+        "fp8_e4m3",
+        "fp8_e5m2",
+        "fp8_hybrid",
+        "fp8_e4m3_dynamic",
+        "fp8_e5m2_dynamic",
+        "fp8_hybrid_dynamic",
+    )
+    for scheme in Fp8Scheme:
+        delayed = ComputeCtx.from_flag(f"fp8_{scheme}", "cpu")
+        dynamic = ComputeCtx.from_flag(f"fp8_{scheme}_dynamic", "cpu")
+        assert delayed.fp8 == Fp8Policy(format=scheme, scaling=DelayedScaling())
+        assert dynamic.fp8 == Fp8Policy(format=scheme, scaling=DynamicScaling())
+        assert dynamic == delayed.replace(fp8=dynamic.fp8)  # only the scaling differs
+    with pytest.raises(ValueError, match="'fp8_hybrid', 'fp8_e4m3_dynamic', 'fp8_e5m2_dynamic'"):
+        ComputeCtx.from_flag("fp8_hybrid_lazy", "cpu")
+
+
+def test_names_are_case_insensitive_in_every_text_field() -> None:
+    want = ComputeCtx.new(DType.BF16, "cpu").replace(
+        residency=Residency.MMAP,
+        fp8=Fp8Policy(format=Fp8Scheme.E4M3, scaling=DelayedScaling(algo="most_recent")),
+        grad=DType.BF16,
+        offload=CPU,
+    )
+    text = "COMPUTE=BF16,Device=CPU,residency=MMap,fp8=E4M3/Delayed/16/0/Most_Recent,GRAD=Bf16"
+    assert ComputeCtx.parse(text + ",offload=Cpu") == want
+    assert (
+        ComputeCtx(
+            compute="BFloat16",  # type: ignore[arg-type]
+            device="CPU",  # type: ignore[arg-type]
+            residency="MMAP",  # type: ignore[arg-type]
+            fp8={"format": "E4M3", "scaling": {"kind": "DELAYED", "algo": "MOST_RECENT"}},  # type: ignore[arg-type]
+            grad="BF16",  # type: ignore[arg-type]
+            offload="CPU",  # type: ignore[arg-type]
+        )
+        == want
+    )
+    assert ComputeCtx.from_flag(" FP8_Hybrid_Dynamic ", "CUDA:1").device == torch.device("cuda:1")
+    assert Fp8Policy(format="HYBRID") == Fp8Policy()  # type: ignore[arg-type]
+    assert ComputeCtx.parse("compute=bf16,device=cpu,fp8=NONE,offload=None").fp8 is None
+    assert ComputeCtx(compute=DType.BF16, device=CPU, offload="NONE").offload is None  # type: ignore[arg-type]
+
+
+def test_scaling_reads_its_text_form_wherever_the_policy_does() -> None:
+    assert Fp8Policy(scaling="dynamic") == Fp8Policy(scaling=DynamicScaling())  # type: ignore[arg-type]
+    assert Fp8Policy(scaling="dynamic/3").scaling == DynamicScaling(margin=3)  # type: ignore[arg-type]
+    assert Fp8Policy(scaling="delayed").scaling == DelayedScaling()  # type: ignore[arg-type]
+    got = Fp8Policy(scaling="delayed/8/1/most_recent").scaling  # type: ignore[arg-type]
+    assert got == DelayedScaling(history_len=8, margin=1, algo="most_recent")
+    assert parse_scaling("delayed/32") == DelayedScaling(history_len=32)
+    # The recipe's text is the tail of the policy's: one spelling.
+    for s in (DelayedScaling(history_len=4, margin=2), DynamicScaling(margin=5)):
+        assert parse_scaling(str(s)) == s
+        assert str(Fp8Policy(format=Fp8Scheme.E5M2, scaling=s)) == f"e5m2/{s}"
+    ctx = ComputeCtx.model_validate_json(
+        '{"compute": "bf16", "device": "cpu", "fp8": {"scaling": "dynamic/2"}}'
+    )
+    assert ctx.fp8 == Fp8Policy(scaling=DynamicScaling(margin=2))
+    with pytest.raises(ValueError, match=r"scaling must be a DelayedScaling, .* got int 5"):
+        Fp8Policy(scaling=5)  # type: ignore[arg-type]
+
+
+def test_json_kind_tags_are_optional_and_default_to_delayed() -> None:
+    ctx = ComputeCtx.model_validate_json(
+        '{"compute": "bf16", "device": "cpu", "fp8": {"scaling": {"margin": 1}}}'
+    )
+    assert ctx.fp8 == Fp8Policy(scaling=DelayedScaling(margin=1))
+    only_history = Fp8Policy.model_validate({"scaling": {"history_len": 4}})
+    assert only_history.scaling == DelayedScaling(history_len=4)
+    tagged = Fp8Policy.model_validate({"scaling": {"kind": "dynamic", "margin": 2}})
+    assert tagged.scaling == DynamicScaling(margin=2)
+    with pytest.raises(ValidationError, match=r"'lazy' .* expected tags: 'delayed', 'dynamic'"):
+        Fp8Policy.model_validate({"scaling": {"kind": "lazy"}})
+    with pytest.raises(ValidationError, match="history_len"):  # a dynamic recipe has no window
+        Fp8Policy.model_validate({"scaling": {"kind": "dynamic", "history_len": 4}})
+
+
+@pytest.mark.parametrize(
+    ("data", "bad"),
+    [
+        ({"compute": "bf17", "device": "cpu"}, {"compute"}),
+        ({"device": "cpu"}, {"compute"}),
+        ({"compute": 3, "device": "cpu", "kv": "f32"}, {"compute"}),
+        ({"compute": "bf17", "device": "gpu"}, {"compute", "device"}),
+        ({"compute": "bf16", "device": "cpu", "kv": "f17"}, {"kv"}),
+    ],
+)
+def test_one_error_per_bad_field_naming_it(data: dict[str, object], bad: set[str]) -> None:
+    with pytest.raises(ValidationError) as caught:
+        ComputeCtx.model_validate(data)
+    assert caught.value.error_count() == len(bad), str(caught.value)
+    assert {e["loc"][0] for e in caught.value.errors()} == bad
+    text = ",".join(f"{k}={v}" for k, v in data.items())
+    with pytest.raises(ValidationError) as parsed:
+        ComputeCtx.parse(text)
+    assert parsed.value.error_count() == len(bad), str(parsed.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        (
+            "hybrid/delayed/16/max",
+            [
+                "margin must be an integer from 0 to 16, got 'max' in 'hybrid/delayed/16/max'",
+                "did you mean 'hybrid/delayed/16/0/max'?",
+                "'SCHEME[/delayed[/HISTORY[/MARGIN[/ALGO]]]]'",
+            ],
+        ),
+        ("e4m3/dynamic/x", ["margin must be an integer from 0 to 16, got 'x'"]),
+        ("hybrid/delayed/0", ["history_len=0: Input should be greater than or equal to 1"]),
+        ("hybrid/delayed/16/0/median", ["algo='median': Input should be 'max' or 'most_recent'"]),
+        ("hybrid/dynamic/0/max", ["too many fields", "dynamic scaling takes at most 1 (MARGIN)"]),
+        ("dynamic", ["unknown fp8 scheme", "the scheme comes first, e.g. 'hybrid/dynamic'"]),
+        ("hybrid/lazy", ["unknown fp8 scaling recipe 'lazy'", "accepted recipes 'delayed'"]),
+    ],
+)
+def test_bad_fp8_text_names_the_field_and_the_form(text: str, needles: list[str]) -> None:
+    with pytest.raises(ValueError, match=re.escape(needles[0])) as caught:
+        Fp8Policy.parse(text)
+    for needle in needles:
+        assert needle in str(caught.value), str(caught.value)
+    with pytest.raises(ValueError, match=re.escape(needles[0])):
+        ComputeCtx.parse(f"compute=bf16,device=cpu,fp8={text}")

@@ -12,9 +12,12 @@ import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType, Residency, promote
+from computectx.ctx import DTYPE_FLAGS
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.recipes import parse_scaling
 
 ALL = list(DType)
 
@@ -240,7 +243,7 @@ _alphabet = st.sampled_from(list("=,/:; abcdefkmprtuvx01236")) | st.characters()
 def test_bad_strings_raise_only_documented_errors(text: str) -> None:
     with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
         ComputeCtx.parse(text)
-    for parse in (DType.parse, Residency.parse, Fp8Policy.parse):
+    for parse in (DType.parse, Residency.parse, Fp8Policy.parse, parse_scaling):
         with contextlib.suppress(ValueError):
             parse(text)
 
@@ -265,3 +268,74 @@ def test_mutated_dtype_values_are_quoted_or_accepted(key: str, value: str) -> No
             assert key == "accum" and f"accum={d} is not at or above compute=bf16" in str(e)
     else:  # accepted only when the value really is a dtype spelling
         assert getattr(ctx, key) is DType.parse(value)
+
+
+# ----- one spelling per idea: any case, optional tags, scaling text, one error per field ---------
+
+
+def _mangle(text: str, flips: list[bool]) -> str:
+    return "".join(c.swapcase() if f else c for c, f in zip(text, flips, strict=True))
+
+
+def _mangle_values(value: object, data: st.DataObject) -> object:
+    """Every string value (never a key) of a JSON document with its case flipped at random."""
+    if isinstance(value, str):
+        flips = data.draw(st.lists(st.booleans(), min_size=len(value), max_size=len(value)))
+        return _mangle(value, flips)
+    if isinstance(value, dict):
+        return {k: _mangle_values(v, data) for k, v in value.items()}
+    return value
+
+
+@given(ctx=contexts(), flag=st.sampled_from(DTYPE_FLAGS), data=st.data())
+def test_every_text_field_reads_in_any_case(
+    ctx: ComputeCtx, flag: str, data: st.DataObject
+) -> None:
+    text = str(ctx)
+    flips = data.draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
+    assert ComputeCtx.parse(_mangle(text, flips)) == ctx
+    assert ComputeCtx.model_validate(_mangle_values(ctx.model_dump(mode="json"), data)) == ctx
+    mangled = _mangle_values(flag, data)
+    assert isinstance(mangled, str)
+    assert ComputeCtx.from_flag(mangled, "cpu") == ComputeCtx.from_flag(flag, "cpu")
+
+
+@given(ctx=contexts())
+def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
+    if ctx.fp8 is None:
+        return
+    scaling = ctx.fp8.scaling
+    assert parse_scaling(str(scaling)) == scaling
+    assert Fp8Policy.model_validate({"format": str(ctx.fp8.format), "scaling": str(scaling)}) == (
+        ctx.fp8
+    )
+    dumped = ctx.model_dump(mode="json")
+    if isinstance(scaling, DelayedScaling):  # the default recipe needs no tag
+        del dumped["fp8"]["scaling"]["kind"]
+    assert ComputeCtx.model_validate(dumped) == ctx
+
+
+_BAD_VALUES = {
+    "compute": "bf17",
+    "kv": "f17",
+    "accum": "f33",
+    "residency": "ram",
+    "device": "gpu",
+    "fp8": "hybrid/delayed/16/max",
+    "grad": "int8",
+    "master": "fp4",
+    "offload": "tpu0",
+}
+
+
+@given(bad=st.sets(st.sampled_from(sorted(_BAD_VALUES)), min_size=1))
+def test_each_bad_field_is_one_error_naming_it(bad: set[str]) -> None:
+    data = {"compute": "bf16", "device": "cpu"} | {k: _BAD_VALUES[k] for k in bad}
+    text = ",".join(f"{k}={v}" for k, v in data.items())
+    with pytest.raises(ValidationError) as validated:
+        ComputeCtx.model_validate(data)
+    with pytest.raises(ValidationError) as parsed:
+        ComputeCtx.parse(text)
+    for caught in (validated, parsed):
+        assert {e["loc"][0] for e in caught.value.errors()} == bad, str(caught.value)
+        assert caught.value.error_count() == len(bad), str(caught.value)
