@@ -6,15 +6,24 @@ AccumulateGrad node; DDP's hook is a post hook of that node), so it always takes
 gradient, and DDP then all-reduces nothing (it writes zeros into ``param.grad``). Reducing
 after DDP would need every micro-batch to synchronise (K collectives a step) or the sums to
 travel back to the compute device. Instead each rank sums its micro-batches locally on the
-offload device, and the sums are all-reduced once, in one coalesced f32 collective, when they
-are handed over (``OffloadedOptimizer.ingest_grads``, ``pop``, ``peek``, ``flush``): averaged
-over the ranks as DDP averages, then rounded once into ``ctx.grad``.
+offload device, and the sums are all-reduced once when they are handed over
+(``OffloadedOptimizer.ingest_grads``, ``pop``, ``peek``, ``flush``): averaged over the ranks as
+DDP averages, then rounded once into ``ctx.grad``.
+
+The reduction runs in f32 through one reused bucket of at most ``bucket_mib`` (25 MiB by
+default, as DDP's ``bucket_cap_mb``): the sums are copied into it in parameter order, a
+parameter larger than the room left is split across buckets, and each bucket is all-reduced,
+averaged and written back before the next is filled. The layout follows from the parameters'
+sizes alone, so every rank runs the same collectives whatever its gradients; each element is
+reduced by the same sum as in one vector of every parameter, so the sums are the same.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -31,7 +40,78 @@ from computectx.dtypes import DType
 from computectx.memory import LowPrecGradAccumulator
 from computectx.memory.accumulator import AccumMode, Transfer
 
-__all__ = ["DataParallelGradAccumulator"]
+__all__ = ["DEFAULT_BUCKET_MIB", "DataParallelGradAccumulator"]
+
+DEFAULT_BUCKET_MIB = 25.0
+"""The default bucket of ``DataParallelGradAccumulator`` (DDP's default ``bucket_cap_mb``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Elements ``start .. start + length`` of parameter ``param``'s sum, at ``offset``."""
+
+    param: int
+    start: int
+    length: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """One collective: the pieces' values, then one presence flag per parameter in
+    ``flags`` (those whose first piece is here): 1 where the rank holds a sum."""
+
+    pieces: tuple[_Piece, ...]
+    flags: tuple[int, ...]
+    values: int
+
+    @property
+    def size(self) -> int:
+        return self.values + len(self.flags)
+
+
+def _layout(numels: Sequence[int], capacity: int) -> tuple[_Bucket, ...]:
+    """Buckets of at most ``capacity`` (>= 2) elements holding every parameter in order."""
+    buckets: list[_Bucket] = []
+    pieces: list[_Piece] = []
+    flags: list[int] = []
+    used = 0
+    for i, n in enumerate(numels):
+        start = 0
+        while True:
+            flag = 1 if start == 0 else 0
+            need = flag + (1 if start < n else 0)  # a first piece brings its flag
+            if capacity - used - len(flags) < need:
+                buckets.append(_Bucket(tuple(pieces), tuple(flags), used))
+                pieces, flags, used = [], [], 0
+            take = min(n - start, capacity - used - len(flags) - flag)
+            pieces.append(_Piece(i, start, take, used))
+            flags.extend([i] * flag)
+            used += take
+            start += take
+            if start >= n:
+                break
+    if pieces:
+        buckets.append(_Bucket(tuple(pieces), tuple(flags), used))
+    return tuple(buckets)
+
+
+def _check_bucket_mib(bucket_mib: object, itemsize: int) -> int:
+    """``bucket_mib`` in bytes, after checking it."""
+    if isinstance(bucket_mib, bool) or not isinstance(bucket_mib, (int, float)):
+        raise TypeError(f"bucket_mib must be a number of MiB (e.g. 25), got {bucket_mib!r}")
+    if not (math.isfinite(bucket_mib) and bucket_mib > 0):
+        raise ValueError(
+            f"bucket_mib must be a positive, finite number of MiB (the most memory the "
+            f"reduction's bucket takes; default {DEFAULT_BUCKET_MIB:g}), got {bucket_mib!r}"
+        )
+    nbytes = int(bucket_mib * 2**20)
+    if nbytes < 2 * itemsize:
+        raise ValueError(
+            f"bucket_mib={bucket_mib!r} is {nbytes} byte(s); a bucket needs at least "
+            f"{2 * itemsize} (one value and one presence flag of {itemsize} bytes each)"
+        )
+    return nbytes
 
 
 class _CommState:
@@ -78,6 +158,11 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
     and DDP's plain average-all-reduce once it is closed; the zeros DDP writes into
     ``param.grad`` after a backward outside ``no_sync()`` are dropped at the hand-over.
     A DDP module takes one comm hook in its life: build a new DDP for another accumulator.
+
+    The reduction goes through one f32 bucket of at most ``bucket_mib`` MiB (keyword; 25 by
+    default, as DDP), kept for the next hand-over and counted by ``memory_report`` under
+    ``accumulator``; a smaller model gets a bucket of its own size. One collective per
+    bucket, the same on every rank: the layout follows from the parameters' sizes only.
     Any other gradient found in ``param.grad`` at the hand-over (one written after the
     accumulator drained it) is an error that says what to do. FSDP2 (DTensor) parameters
     are refused: FSDP2 reduce-scatters the gradients itself.
@@ -92,7 +177,16 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
         mode: AccumMode = "nearest",
         transfer: Transfer = "auto",
         seed: int = 0,
+        bucket_mib: float = DEFAULT_BUCKET_MIB,
     ) -> None:
+        if not isinstance(ctx, ComputeCtx):
+            raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
+        # Checked before any hook is registered (the base class registers them).
+        work = torch.float64 if ctx.grad == DType.F64 else torch.float32
+        self._bucket_bytes = _check_bucket_mib(bucket_mib, work.itemsize)
+        self._work = work
+        self._layout: tuple[tuple[int, ...], tuple[_Bucket, ...]] | None = None
+        self._bucket: torch.Tensor | None = None
         ddp = model if isinstance(model, DistributedDataParallel) else None
         # DDP's own group by default: the sums are reduced over the ranks DDP replicates on.
         pg = ddp.process_group if group is None and ddp is not None else data_parallel_group(group)
@@ -138,6 +232,20 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
         self._dirty = True
 
     @property
+    def bucket_bytes(self) -> int:
+        """The most bytes the reduction's bucket holds (``bucket_mib`` in bytes)."""
+        return self._bucket_bytes
+
+    @property
+    def buckets(self) -> tuple[int, ...]:
+        """The size in elements of each bucket, in order: one collective each per reduction.
+
+        Each holds its pieces of the sums and one presence flag per parameter starting in
+        it, so the sizes add up to the parameters' elements plus their number.
+        """
+        return tuple(b.size for b in self._buckets())
+
+    @property
     def world_size(self) -> int:
         """How many ranks the sums are averaged over."""
         return dist.get_world_size(self.group)
@@ -177,31 +285,55 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
             f"on tracked parameters"
         )
 
+    def _buckets(self) -> tuple[_Bucket, ...]:
+        numels = tuple(p.numel() for p in self.params)
+        if self._layout is None or self._layout[0] != numels:
+            capacity = self._bucket_bytes // self._work.itemsize
+            self._layout = numels, _layout(numels, capacity)
+        return self._layout[1]
+
     def _reduce(self) -> None:
         params = self.params
-        work = torch.float64 if self.grad_dtype == DType.F64 else torch.float32
-        sizes = [p.numel() for p in params]
-        total = sum(sizes)
-        flat = torch.zeros(total + len(params), dtype=work, device=self.device)
-        offset = 0
-        for i, (p, n) in enumerate(zip(params, sizes, strict=True)):
-            buf = super().peek(p)
-            if buf is not None:
-                flat[offset : offset + n].copy_(buf.reshape(-1))
-                flat[total + i] = 1.0
-            offset += n
-        all_reduce_on(flat, self.group, dist.ReduceOp.SUM)
-        flat[:total].div_(self.world_size)
-        has = flat[total:].tolist()
-        offset = 0
-        for p, n, h in zip(params, sizes, has, strict=True):
-            if h > 0:
-                self.set_sum(p, flat[offset : offset + n].view(p.shape))
-            offset += n
+        buckets = self._buckets()
+        size = max((b.size for b in buckets), default=0)
+        if self._bucket is None or self._bucket.numel() < size:
+            self._bucket = None  # the old one goes before the new one comes
+            self._bucket = torch.empty(size, dtype=self._work, device=self.device)
+        sums = [super(DataParallelGradAccumulator, self).peek(p) for p in params]
+        world = self.world_size
+        present: dict[int, bool] = {}
+        for b in buckets:
+            bucket = self._bucket[: b.size]
+            for piece in b.pieces:
+                part = bucket[piece.offset : piece.offset + piece.length]
+                local = sums[piece.param]
+                if local is None:
+                    part.zero_()
+                else:
+                    # Pieces of one sum never overlap, so the ones written back already
+                    # (the earlier elements) are never read again.
+                    part.copy_(local.view(-1)[piece.start : piece.start + piece.length])
+            flags = [0.0 if sums[i] is None else 1.0 for i in b.flags]
+            bucket[b.values :].copy_(torch.tensor(flags, dtype=self._work))
+            all_reduce_on(bucket, self.group, dist.ReduceOp.SUM)
+            bucket[: b.values].div_(world)
+            present.update(zip(b.flags, (h > 0 for h in bucket[b.values :].tolist()), strict=True))
+            for piece in b.pieces:
+                if present[piece.param]:
+                    part = bucket[piece.offset : piece.offset + piece.length]
+                    self.set_sum_part(params[piece.param], piece.start, part)
+
+    def memory_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base class's tensors, and the reduction's bucket as ``("accumulator", b)``."""
+        yield from super().memory_tensors()
+        if self._bucket is not None:
+            yield "accumulator", self._bucket
 
     def close(self) -> None:
-        """Remove the hooks; DDP's comm hook goes back to plain averaging all-reduce."""
+        """Remove the hooks and release the bucket; DDP's comm hook goes back to plain
+        averaging all-reduce."""
         for handle in self._marks:
             handle.remove()
         self._marks = []
+        self._bucket = None
         super().close()

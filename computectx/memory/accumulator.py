@@ -182,12 +182,20 @@ class LowPrecGradAccumulator:
     def _add(self, slot: _Slot, g: torch.Tensor) -> None:
         with torch.no_grad():
             if slot.buffer is None:
+                # Sums are contiguous whatever the gradient's layout, so that a reduction
+                # can hand them over in pieces of the row-major order (set_sum_part).
                 if self.mode == "nearest":
-                    slot.buffer = g.to(self.grad_dtype.torch, copy=True)
+                    slot.buffer = g.to(
+                        self.grad_dtype.torch, copy=True, memory_format=torch.contiguous_format
+                    )
                 else:
                     rounded = self._round(g)
                     # The buffer must own its memory: g may be a reused staging buffer.
-                    slot.buffer = rounded.clone() if rounded is g else rounded
+                    slot.buffer = (
+                        rounded.clone(memory_format=torch.contiguous_format)
+                        if rounded is g
+                        else rounded.contiguous()
+                    )
                 return
             if self.mode == "nearest":
                 # The add runs in the promoted dtype (f32 for a 16-bit buffer and an f32
@@ -265,7 +273,42 @@ class LowPrecGradAccumulator:
             if slot.buffer is not None:
                 slot.buffer.copy_(rounded)
             else:
-                slot.buffer = rounded.clone()  # never an alias of the caller's tensor
+                # Never an alias of the caller's tensor; contiguous, as every sum is.
+                slot.buffer = rounded.clone(memory_format=torch.contiguous_format)
+        slot.count = max(slot.count, 1)
+
+    def set_sum_part(self, param: torch.Tensor, start: int, values: torch.Tensor) -> None:
+        """Replace elements ``start .. start + values.numel()`` of ``param``'s sum (in
+        row-major order) with the 1-D ``values``, rounded once into ``ctx.grad``.
+
+        ``set_sum`` for a sum handed over in pieces, such as a reduction in buckets smaller
+        than the parameter. Rounding is per element, so setting every piece in order gives
+        what ``set_sum`` gives for the whole (with ``mode="stochastic"`` the random draws
+        come in pieces too: the same numbers on the CPU, where torch draws them one after
+        another). A parameter with no sum yet gets one of zeros first; the micro-batch
+        count is kept (at least 1).
+        """
+        slot = self._slot(param)
+        if not isinstance(values, torch.Tensor) or values.dim() != 1:
+            raise ValueError(
+                f"set_sum_part needs a 1-D tensor of values, got "
+                f"{tuple(values.shape) if isinstance(values, torch.Tensor) else type(values)}"
+            )
+        if isinstance(start, bool) or not isinstance(start, int):
+            raise TypeError(f"start must be an int, got {start!r}")
+        if not 0 <= start <= param.numel() - values.numel():
+            raise ValueError(
+                f"elements {start} .. {start + values.numel()} are outside the parameter's "
+                f"{param.numel()} elements"
+            )
+        self._fold_pending(slot)
+        with torch.no_grad():
+            rounded = self._round(values.detach().to(self.device))
+            if slot.buffer is None:
+                slot.buffer = torch.zeros(
+                    param.shape, dtype=self.grad_dtype.torch, device=self.device
+                )
+            slot.buffer.view(-1)[start : start + values.numel()].copy_(rounded)
         slot.count = max(slot.count, 1)
 
     def peek(self, param: torch.Tensor) -> torch.Tensor | None:

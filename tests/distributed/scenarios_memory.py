@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx, DType
 from computectx.distributed import DataParallelGradAccumulator, ShardedParams
-from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
+from computectx.memory.accumulator import AccumMode
 
 STEPS, MICRO, ROWS = 4, 3, 4  # global micro-batches of ROWS rows, MICRO per step
 
@@ -295,4 +296,106 @@ def memory_policy(params: dict[str, Any]) -> dict[str, Any]:
     """Both scenarios in one process per rank (each rank process costs seconds to start)."""
     out = {f"ddp/{k}": v for k, v in ddp_accumulator(params).items()}
     out.update({f"fsdp2/{k}": v for k, v in fsdp2_optimizer(params).items()})
+    return out
+
+
+# ----- the DP accumulator's buckets (test_memory_units.py) --------------------------------
+
+TINY_MIB = 40 / 2**20  # 10 f32 elements: many buckets, most parameters split across several
+BUCKET_CASES: dict[str, tuple[DType, AccumMode]] = {
+    "f32": (DType.F32, "nearest"),
+    "bf16": (DType.BF16, "nearest"),
+    "bf16_sr": (DType.BF16, "stochastic"),
+}
+
+
+class _Branches(torch.nn.Module):
+    """A trunk and two heads: rank 0 trains ``head_a``, every other rank ``head_b``, and no
+    rank ``unused``, so which sums a rank holds depends on its data. ``skew`` is stored
+    transposed (a non-contiguous parameter and gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.trunk = torch.nn.Linear(8, 16)
+        self.head_a = torch.nn.Linear(16, 3)
+        self.head_b = torch.nn.Linear(16, 2)
+        self.unused = torch.nn.Linear(2, 2)
+        self.skew = torch.nn.Parameter(torch.randn(6, 5).t())
+
+    def forward(self, x: torch.Tensor, rank: int) -> torch.Tensor:
+        h = torch.tanh(self.trunk(x))
+        head = self.head_a if rank == 0 else self.head_b
+        loss: torch.Tensor = head(h).pow(2).mean() + (h[:, :5] @ self.skew).sin().mean()
+        return loss
+
+
+def _unbucketed_reduce(acc: LowPrecGradAccumulator) -> None:
+    """The DP reduction as it was before buckets, written out: one f32 vector of every sum
+    with a presence flag per parameter, one all-reduce, then ``set_sum`` per parameter."""
+    params = acc.params
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    flat = torch.zeros(total + len(params))
+    offset = 0
+    for i, (p, n) in enumerate(zip(params, sizes, strict=True)):
+        buf = acc.peek(p)
+        if buf is not None:
+            flat[offset : offset + n].copy_(buf.reshape(-1))
+            flat[total + i] = 1.0
+        offset += n
+    dist.all_reduce(flat)
+    flat[:total].div_(dist.get_world_size())
+    offset = 0
+    for p, n, h in zip(params, sizes, flat[total:].tolist(), strict=True):
+        if h > 0:
+            acc.set_sum(p, flat[offset : offset + n].view(p.shape))
+        offset += n
+
+
+def dp_buckets(params: dict[str, Any]) -> dict[str, Any]:
+    """For each grad dtype and rounding mode, the same micro-batches into three accumulators:
+    the unbucketed reduction above, a DataParallelGradAccumulator with tiny buckets and one
+    with the default 25 MiB; their reduced sums, collectives per reduction, bucket sizes and
+    what memory_report counts."""
+    rank = dist.get_rank()
+    x, _ = _data()
+    out: dict[str, Any] = {}
+    for case, (grad, mode) in BUCKET_CASES.items():
+        ctx = _ctx(grad)
+        ref_model, tiny_model, default_model = _Branches(), _Branches(), _Branches()
+        ref = LowPrecGradAccumulator(ref_model.parameters(), ctx, mode=mode)
+        tiny = DataParallelGradAccumulator(tiny_model, ctx, mode=mode, bucket_mib=TINY_MIB)
+        default = DataParallelGradAccumulator(default_model, ctx, mode=mode)
+        for model in (ref_model, tiny_model, default_model):
+            for k in range(MICRO):
+                model(_shard(x[0, k]), rank).backward()
+        # The plain accumulator's peek does not reduce: these are the rank's own sums.
+        local = [ref.peek(p) for p in ref.params]
+        local_bytes = sum(s.untyped_storage().nbytes() for s in local if s is not None)
+        _unbucketed_reduce(ref)
+        out[f"{case}/ref"] = [ref.peek(p) for p in ref.params]
+        for name, acc in (("tiny", tiny), ("default", default)):
+            before = memory_report(accumulator=acc).bytes(role="accumulator")
+            with _CountAllReduce() as counter:
+                acc.sync()
+            sums = [acc.peek(p) for p in acc.params]
+            out[f"{case}/{name}"] = sums
+            out[f"{case}/{name}_calls"] = counter.calls
+            out[f"{case}/{name}_buckets"] = list(acc.buckets)
+            out[f"{case}/{name}_bucket_bytes"] = acc.bucket_bytes
+            held = sum(s.untyped_storage().nbytes() for s in sums if s is not None)
+            after = memory_report(accumulator=acc).bytes(role="accumulator")
+            out[f"{case}/{name}_counted_before"] = before - local_bytes
+            out[f"{case}/{name}_counted_extra"] = after - held
+            acc.close()
+            out[f"{case}/{name}_counted_closed"] = (
+                memory_report(accumulator=acc).bytes(role="accumulator") - held
+            )
+        out[f"{case}/contiguous"] = all(
+            s.is_contiguous() for s in out[f"{case}/tiny"] if s is not None
+        )
+    named = list(_Branches().named_parameters())
+    out["names"] = [n for n, _ in named]
+    out["numels"] = [p.numel() for _, p in named]
     return out
