@@ -41,18 +41,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from computectx.distributed.collectives import GroupAmax
+from computectx.distributed.collectives import GroupAmax, RankLocal
 from computectx.distributed.fsdp import Fp8ShardedWeight, sharded_weight_of
 from computectx.distributed.group import GroupArg, check_same_policy, data_parallel_group
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear
 from computectx.fp8.reference import step_from_amax
 from computectx.fp8.ring import (
-    RING_NONFINITE,
-    RING_SATURATED,
-    RING_STEP,
     ring_history,
-    ring_history_len,
     ring_nonfinite,
     ring_saturated,
     ring_step,
@@ -127,7 +123,7 @@ class Fp8AmaxSync:
             )
         self._loss_normalization: LossNormalization = loss_normalization
         self._model = model
-        self._handle: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
         self._group = data_parallel_group(group)
         self._snapshots: dict[int, _Snapshot] = {}
         self._world = dist.get_world_size(self._group)
@@ -135,7 +131,13 @@ class Fp8AmaxSync:
         layers = _layers(model)
         if layers:
             check_same_policy(layers[0].ctx, self._group)
-        self._reduce = GroupAmax(self._group) if current_amax == "group" else None
+        # The layers' seam: armed while a synchronized forward of `model` runs (the
+        # hooks below); outside one, a layer's call is rank-local and records nothing.
+        # Built without hooks (before_forward=False), the layers stay armed: the caller
+        # then runs every forward on every rank and merges with sync() itself.
+        self._reduce = GroupAmax(
+            self._group, reduces=current_amax == "group", always_armed=not before_forward
+        )
         for layer in layers:
             layer.amax_reduce = self._reduce
         self._to_this_world(layers)
@@ -144,20 +146,35 @@ class Fp8AmaxSync:
             # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
             # and with enable_fp8_all_gather quantizes each shard with the ring's step) must
             # see the merged step.
-            self._handle = model.register_forward_pre_hook(self._pre_forward, prepend=True)
+            self._handles = [
+                model.register_forward_pre_hook(self._pre_forward, prepend=True),
+                model.register_forward_hook(self._post_forward, always_call=True),
+            ]
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        # Only a training forward (grad enabled, some fp8 layer in training mode) is one
+        # that every rank runs: eval, no_grad and inference_mode calls (validation or
+        # sampling on one rank) merge nothing, arm nothing and so issue no collective.
+        layers = _layers(self._model)
+        if not torch.is_grad_enabled() or not any(layer.training for layer in layers):
+            return
         self.sync()
+        self._reduce.armed = True
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._reduce.armed = False
 
     def remove(self) -> None:
-        """Stop merging before forwards (``sync()`` still merges on demand), and let the
-        quantizes that need a current amax use the rank's own again."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        """Stop merging before forwards (``sync()`` still merges on demand), and let each
+        rank scale on its own: the layers' seam becomes ``RankLocal`` (every training call
+        records the rank's own amaxes; no warning that no sync is attached)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        local = RankLocal()
         for layer in _layers(self._model):
             if layer.amax_reduce is self._reduce:
-                layer.amax_reduce = None
+                layer.amax_reduce = local
 
     @property
     def current_amax(self) -> CurrentAmax:
@@ -230,9 +247,9 @@ class Fp8AmaxSync:
         rings: torch.Tensor,
         split: bool,
     ) -> None:
-        n = ring_history_len(op.ring)
-        nonfinite_all = rings[:, n + RING_NONFINITE]
-        saturated_all = rings[:, n + RING_SATURATED]
+        each = rings.unbind(0)  # one ring per rank
+        nonfinite_all = torch.cat([ring_nonfinite(r) for r in each])
+        saturated_all = torch.cat([ring_saturated(r) for r in each])
         prev_saturated = ring_saturated(before)
         # A rank whose non-finite count grew since the last merge saw a NaN/inf amax: the
         # whole batch has one. That rank's ring is what one process holds after such a call
@@ -242,21 +259,21 @@ class Fp8AmaxSync:
         # merge traces into a compiled graph without a break.
         poisoned_rank = nonfinite_all.argmax().reshape(1)
         taken = rings.index_select(0, poisoned_rank)[0]
-        poisoned = (taken[n + RING_NONFINITE] > ring_nonfinite(before)).reshape(1)
-        merged_hist = rings[:, :n].amax(dim=0)
+        poisoned = ring_nonfinite(taken) > ring_nonfinite(before)
+        merged_hist = torch.stack([ring_history(r) for r in each]).amax(dim=0)
         scaling = layer.policy.scaling
         if isinstance(scaling, DelayedScaling) and scaling.algo == "max":
             window = merged_hist.amax().reshape(1)
         else:
             window = merged_hist[op.newest_amax_index()].reshape(1)
         fresh_step = step_from_amax(window, _format_of(layer, role), scaling.margin)
-        ring_history(op.ring).copy_(torch.where(poisoned, taken[:n], merged_hist))
-        ring_step(op.ring).copy_(torch.where(poisoned, taken[n + RING_STEP], fresh_step))
-        ring_nonfinite(op.ring).copy_(taken[n + RING_NONFINITE])
+        ring_history(op.ring).copy_(torch.where(poisoned, ring_history(taken), merged_hist))
+        ring_step(op.ring).copy_(torch.where(poisoned, ring_step(taken), fresh_step))
+        ring_nonfinite(op.ring).copy_(ring_nonfinite(taken))
         if split:
             ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
         else:
-            ring_saturated(op.ring).copy_(taken[n + RING_SATURATED])
+            ring_saturated(op.ring).copy_(ring_saturated(taken))
 
 
 def rescale_grad_ring(

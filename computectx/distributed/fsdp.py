@@ -31,7 +31,6 @@ into it.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +43,7 @@ from torch.utils._pytree import tree_map
 
 from computectx.distributed.collectives import GroupAmax
 from computectx.fp8 import Fp8Linear, Fp8Weight, ops
+from computectx.recipes import DelayedScaling
 
 __all__ = ["Fp8ShardedWeight", "enable_fp8_all_gather", "sharded_weight_of"]
 
@@ -71,23 +71,28 @@ _KEEP = {
 
 
 class _Gather:
-    """What a weight's shards share: the layer (weakly) and the step of the last forward."""
+    """What a weight's shards share: its name and the step of the last forward.
 
-    def __init__(self, layer: Fp8Linear, name: str) -> None:
-        self._layer = weakref.ref(layer)
+    The layer is not kept here: FSDP2 hands the owning module to each gather, so a copy of
+    the model (``copy.deepcopy``, an EMA copy) quantizes through its own layers' rings.
+    """
+
+    def __init__(self, name: str) -> None:
         self.name = name
         self.forward_step: torch.Tensor | None = None
 
-    def layer(self) -> Fp8Linear:
-        layer = self._layer()
-        if layer is None:
-            raise RuntimeError(f"the Fp8Linear that owned weight {self.name!r} no longer exists")
-        if layer.frozen:
+    def layer(self, module: nn.Module) -> Fp8Linear:
+        if not isinstance(module, Fp8Linear):
+            raise TypeError(
+                f"{self.name!r} gathers as fp8 for an Fp8Linear, but FSDP2 gathered it for "
+                f"a {type(module).__name__}"
+            )
+        if module.frozen:
             raise RuntimeError(
                 f"{self.name!r} was frozen for serving after enable_fp8_all_gather; freeze "
                 f"an unsharded copy instead"
             )
-        return layer
+        return module
 
 
 class Fp8ShardedWeight(torch.Tensor):
@@ -180,22 +185,42 @@ class Fp8ShardedWeight(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """Quantize this shard with the group-wide step; hand FSDP2 its codes as uint8."""
         g = self._gather
-        layer = g.layer()
+        layer = g.layer(module)
         fmt = layer.policy.format.forward
         scaling = layer.policy.scaling
         op = layer.scaling.weight
         hp = self._hp.detach()
+        group = GroupAmax(_shard_group(mesh), always_armed=True)
+        seam = layer.amax_reduce
+        # Whether this is a training forward in which the layer records (the rule of
+        # Fp8Linear.forward): eval and no_grad gathers quantize from the state as it is.
+        # FSDP2 gathers under no_grad, so the grad mode of the forward is what the sync's
+        # pre-forward hook saw when it armed the seam.
+        record = layer.training and (seam is None or seam.armed)
         if _in_backward() and g.forward_step is not None:
             # The re-gather for the backward: the bytes the forward used, nothing recorded.
             data, _ = ops.quantize_with_step(hp, fmt, g.forward_step, backend=layer.backend)
             step = g.forward_step
+        elif not record:
+            data, step = op.quantize_unrecorded(hp, fmt, scaling, layer.backend, reduce=group)
         else:
+            if (
+                isinstance(scaling, DelayedScaling)
+                and not isinstance(seam, GroupAmax)
+                and mesh.size(mesh.ndim - 1) > 1
+            ):
+                # Each shard would be quantized with its own rank's step and the gathered
+                # codes labelled with this rank's: a silent mis-scale.
+                raise RuntimeError(
+                    f"{g.name!r} all-gathers as fp8 under delayed scaling, but nothing keeps "
+                    f"the ranks' weight steps identical: call "
+                    f"computectx.distributed.sync_fp8_scaling(model) after fully_shard (and "
+                    f"keep it attached), or set up with computectx.distributed.parallelize"
+                )
             # The quantize an unsharded layer runs, with the shard group's amax wherever it
             # needs the current one (every dynamic call; the seed of a delayed ring), so
             # every rank's step is the whole weight's.
-            data, step = op.quantize(
-                hp, fmt, scaling, layer.backend, reduce=GroupAmax(_shard_group(mesh))
-            )
+            data, step = op.quantize(hp, fmt, scaling, layer.backend, reduce=group)
         g.forward_step = step
         return (_padded(data, outer_size, mesh).view(torch.uint8),), (step, data.dtype)
 
@@ -274,23 +299,41 @@ def _state_dict_hook(
         state_dict[key] = _plain(state_dict[key])
 
 
+def _tied_elsewhere(model: nn.Module) -> dict[int, list[str]]:
+    # Every module attribute that holds each Parameter, by the Parameter's id.
+    owners: dict[int, list[str]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            where = f"{mod_name}.{p_name}" if mod_name else p_name
+            if where not in owners.setdefault(id(p), []):
+                owners[id(p)].append(where)
+    return owners
+
+
 def enable_fp8_all_gather(
-    model: nn.Module, *, module_filter: Callable[[str, Fp8Linear], bool] | None = None
+    model: nn.Module, *, module_filter: Callable[[nn.Module, str], bool] | None = None
 ) -> int:
     """Make FSDP2 all-gather the ``Fp8Linear`` weights of ``model`` as fp8; returns how many.
 
     Call it after ``convert_to_fp8`` and before ``fully_shard`` and before building the
     optimizer (the weights become new ``Parameter`` objects). Then ``fully_shard`` as usual
     and ``sync_fp8_scaling`` (which keeps the step every rank quantizes its shard with
-    identical). ``module_filter(fqn, layer)`` may leave some layers gathering high precision.
-    Frozen layers (``freeze_for_serving``) have no weight to gather and are skipped.
-    ``RuntimeError`` if a weight is already sharded (a DTensor).
+    identical). ``module_filter(module, fqn)`` (torchao's order, as ``convert_to_fp8``'s) may
+    leave some layers gathering high precision. Frozen layers (``freeze_for_serving``) have
+    no weight to gather and are skipped.
+
+    A weight shared with another module (an output head tied to the input embedding) would
+    reach that module as fp8 codes and its tie would break: it is refused with a
+    ``ValueError`` that names every holder (leave it out with ``module_filter``;
+    ``parallelize`` does that by itself). ``RuntimeError`` if a weight is already sharded
+    (a DTensor). Everything is checked before any weight changes.
     """
-    count = 0
+    chosen: list[tuple[str, Fp8Linear]] = []
+    owners = _tied_elsewhere(model)
     for name, layer in model.named_modules():
         if not isinstance(layer, Fp8Linear) or layer.frozen:
             continue
-        if module_filter is not None and not module_filter(name, layer):
+        if module_filter is not None and not module_filter(layer, name):
             continue
         w = layer.weight
         if isinstance(w, Fp8ShardedWeight):
@@ -300,8 +343,20 @@ def enable_fp8_all_gather(
                 f"{name or 'the model'}.weight is already sharded (a DTensor): call "
                 f"enable_fp8_all_gather before fully_shard"
             )
+        holders = owners.get(id(w), [])
+        if len(holders) > 1:
+            raise ValueError(
+                f"{name or 'the model'}.weight is tied: the same Parameter is "
+                f"{' and '.join(holders)}. Gathering it as fp8 would hand fp8 codes to every "
+                f"holder and make it a new Parameter, breaking the tie; leave the layer out "
+                f"(module_filter=lambda module, fqn: fqn != {name!r}) or untie the weights"
+            )
+        chosen.append((name, layer))
+    count = 0
+    for name, layer in chosen:
+        w = layer.weight
         layer.weight = nn.Parameter(
-            Fp8ShardedWeight(w.detach(), _Gather(layer, f"{name}.weight" if name else "weight")),
+            Fp8ShardedWeight(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
             requires_grad=w.requires_grad,
         )
         layer.register_state_dict_post_hook(_state_dict_hook)  # type: ignore[no-untyped-call]

@@ -10,7 +10,7 @@ that ran the forward and may run after both are gone.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,7 +51,9 @@ class Fp8LinearPlan:
     the weight ring is then left alone. ``quantize`` says how a compiled call quantizes
     (``computectx.fp8.fused``; eager calls always run the operators). ``amax_reduce``
     makes dynamic scaling of the input and the output gradient use a group's amax
-    (``OperandScaling.quantize``).
+    (``OperandScaling.quantize``). ``record=False`` is a call outside training: every
+    operand is quantized from the state as it is and nothing is written
+    (``OperandScaling.quantize_unrecorded``); ``amax_reduce`` is then ``None``.
     """
 
     policy: Fp8Policy
@@ -61,6 +63,7 @@ class Fp8LinearPlan:
     frozen_weight: tuple[torch.Tensor, torch.Tensor] | None = None
     quantize: QuantizeImpl = "op"
     amax_reduce: AmaxReduce | None = None
+    record: bool = True
 
 
 def fp8_linear(
@@ -78,7 +81,13 @@ def fp8_linear(
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0:
+    if x2.shape[0] == 0 and plan.amax_reduce is not None:
+        # No rows on this rank, but the group's other ranks quantize theirs: this rank
+        # takes part in every reduction they issue (forward and backward) and records what
+        # they record, through the same path. An amax of 0 is MAX's identity. On the
+        # pure-torch twins: a kernel launch over no elements is not worth a special case.
+        plan = replace(plan, backend=Fp8Backend.REFERENCE)
+    elif x2.shape[0] == 0:
         # No rows: nothing to measure, and an empty amax (0) must not enter the history.
         # A matmul, not F.linear, so an open region's dispatch does not see the call.
         w = weight if weight is not None else _dequantized(plan, x.dtype)
@@ -113,9 +122,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         fwd = plan.policy.format.forward
         scaling = plan.policy.scaling
         live_step: torch.Tensor | None = None
-        xq, sx = plan.state.input.quantize(
-            x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
-        )
+        if plan.record:
+            xq, sx = plan.state.input.quantize(
+                x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
+            )
+        else:
+            xq, sx = plan.state.input.quantize_unrecorded(x, fwd, scaling, plan.backend)
         if plan.frozen_weight is not None:
             wq, sw = plan.frozen_weight
         elif isinstance(weight, Fp8Weight):
@@ -123,8 +135,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # used as they are, and its ring was advanced where it was quantized.
             wq, sw = weight.fp8_data, weight.fp8_step
             live_step = sw
-        elif weight is not None:
+        elif weight is not None and plan.record:
             wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
+        elif weight is not None:
+            wq, sw = plan.state.weight.quantize_unrecorded(weight, fwd, scaling, plan.backend)
         else:
             raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
         y = ops.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
@@ -157,9 +171,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # One quantization of dY serves both GEMMs: its amax pass is paid once and
             # both products see the same rounded gradient.
             bwd = plan.policy.format.backward
-            gq, sg = plan.state.grad.quantize(
-                dy, bwd, plan.policy.scaling, plan.backend, plan.quantize, plan.amax_reduce
-            )
+            grad = plan.state.grad
+            if plan.record:
+                gq, sg = grad.quantize(
+                    dy, bwd, plan.policy.scaling, plan.backend, plan.quantize, plan.amax_reduce
+                )
+            else:
+                gq, sg = grad.quantize_unrecorded(dy, bwd, plan.policy.scaling, plan.backend)
             if need_x:
                 # dX[M, K] = dY[M, N] · W[N, K]; scaled_mm wants b as [K, N]: W's transpose.
                 dx = ops.scaled_mm(gq, wq.t(), sg, sw, None, plan.gemm_dtype, backend=plan.backend)

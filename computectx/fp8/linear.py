@@ -18,9 +18,16 @@ from computectx.fp8.fused import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
 from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
+from computectx.fp8.world import warn_if_unsynced
 from computectx.recipes import Fp8Policy
 
-__all__ = ["Fp8Linear"]
+__all__ = ["FEATURE_MULTIPLE", "Fp8Linear", "check_fp8_widths"]
+
+FEATURE_MULTIPLE = 16
+"""``in_features`` and ``out_features`` must be multiples of this for fp8: fp8 tensor core
+tiles (and cuBLASLt's fp8 GEMMs, which refuse other widths) work on 16-element K and N
+steps. ``Fp8Linear`` refuses other widths and ``convert_to_fp8`` skips them, through the one
+check ``check_fp8_widths``."""
 
 _FROZEN_BUFFERS = ("weight_fp8", "weight_step")
 
@@ -52,9 +59,11 @@ class Fp8Linear(nn.Linear):
     weight_step: torch.Tensor
     """The step of ``weight_fp8`` (after ``freeze_for_serving``)."""
     amax_reduce: AmaxReduce | None
-    """Under dynamic scaling, maps the input's and the output gradient's amax to the
-    data-parallel group's (``computectx.distributed.sync_fp8_scaling`` sets it; ``None``:
-    this rank's own). Delayed scaling ignores it."""
+    """The data-parallel seam (``computectx.distributed.sync_fp8_scaling`` sets it;
+    ``None``: one process, or ranks that nothing keeps in step). While it is armed (a
+    synchronized forward is running) the input's and the output gradient's amax go to the
+    group's where a quantize needs the current one (``OperandScaling.quantize``); while it
+    is not, a training call is rank-local and records nothing."""
 
     def __init__(
         self,
@@ -69,6 +78,7 @@ class Fp8Linear(nn.Linear):
         dtype: torch.dtype | None = None,
     ) -> None:
         policy = policy_of(ctx, "Fp8Linear")
+        check_fp8_widths(in_features, out_features)
         self._quantize = parse_quantize(quantize)
         dev = parse_device(device) if device is not None else ctx.device
         param_dtype = dtype if dtype is not None else ctx.master.torch
@@ -183,6 +193,18 @@ class Fp8Linear(nn.Linear):
         policy = self.policy
         frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
         self.scaling.conform(policy, self._storage_device())
+        # Rings advance in training only (as TransformerEngine's do): an eval, no_grad or
+        # inference_mode call quantizes from the state as it stands and writes nothing,
+        # so its output never depends on earlier calls of its kind, and on many ranks it
+        # issues no collective (rank-local validation or sampling cannot hang the group).
+        record = self.training and torch.is_grad_enabled()
+        reduce = self.amax_reduce
+        if reduce is not None:
+            record = record and reduce.armed
+            if not (record and reduce.reduces):
+                reduce = None
+        elif record and not torch.compiler.is_compiling():
+            warn_if_unsynced(self)
         plan = Fp8LinearPlan(
             policy=policy,
             state=self.scaling,
@@ -190,7 +212,8 @@ class Fp8Linear(nn.Linear):
             gemm_dtype=gemm_dtype_for(self.ctx.compute),
             frozen_weight=frozen,
             quantize=self._quantize,
-            amax_reduce=self.amax_reduce,
+            amax_reduce=reduce,
+            record=record,
         )
         return fp8_linear(x, None if self._frozen else self.weight, self.bias, plan)
 
@@ -289,6 +312,19 @@ class Fp8Linear(nn.Linear):
         base = super().extra_repr()
         frozen = ", frozen" if self._frozen else ""
         return f"{base}, fp8={self.policy}{frozen}"
+
+
+def check_fp8_widths(in_features: int, out_features: int) -> None:
+    """Raise ``ValueError`` unless both widths are multiples of ``FEATURE_MULTIPLE`` (16).
+
+    The one width rule of fp8 layers: ``Fp8Linear`` raises this error and ``convert_to_fp8``
+    records its message as the reason it skipped a layer.
+    """
+    if in_features % FEATURE_MULTIPLE or out_features % FEATURE_MULTIPLE:
+        raise ValueError(
+            f"in_features={in_features}, out_features={out_features}: both must be multiples "
+            f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
+        )
 
 
 def _check_param_dtype(name: str, dtype: torch.dtype) -> None:

@@ -18,8 +18,8 @@ slot), so there is no host-side write index either.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from typing import Literal
+from collections.abc import Mapping
+from typing import Literal, Protocol
 
 import torch
 
@@ -34,6 +34,7 @@ from computectx.fp8.ring import (
     ring_history,
     ring_history_len,
     ring_new,
+    ring_step,
     ring_with_history,
 )
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
@@ -48,8 +49,27 @@ __all__ = [
     "history_len_of",
 ]
 
-AmaxReduce = Callable[[torch.Tensor], torch.Tensor]
-"""Maps a call's own amax (float32, shape ``(1,)``) to its group's (a MAX over ranks)."""
+
+class AmaxReduce(Protocol):
+    """The seam a data-parallel layer plugs into ``Fp8Linear.amax_reduce``.
+
+    Calling it maps a call's own amax (float32, shape ``(1,)``) to its group's (a MAX over
+    ranks). ``armed`` says whether a synchronized forward is running now, one that every
+    rank of the group runs together: only then does a layer advance its rings or reduce
+    anything, so a rank-local call (a forward of the unwrapped module, say) can neither
+    hang the group nor shift one rank's history out of step. ``reduces`` is ``False`` for
+    a sync whose quantizes keep their own amax (``current_amax="local"``), and for layers
+    whose ranks scale on their own by choice.
+    """
+
+    @property
+    def armed(self) -> bool: ...
+
+    @property
+    def reduces(self) -> bool: ...
+
+    def __call__(self, amax: torch.Tensor, /) -> torch.Tensor: ...
+
 
 Role = Literal["input", "weight", "grad"]
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
@@ -153,7 +173,11 @@ class OperandScaling:
             if isinstance(scaling, DynamicScaling):
                 return self._quantize_reduced(x, fmt, scaling, backend, reduce)
             if not compiling and not self._seeded_hint:
-                ops.seed_ring(self.ring, reduce(reference.amax(x)), fmt, scaling.margin)
+                # One host read, once per operand: a compiled run may have seeded the ring
+                # already (its flag lives on the device), and re-seeding would both
+                # overwrite the history and issue a collective no other rank issues.
+                if not self.seeded:
+                    ops.seed_ring(self.ring, reduce(reference.amax(x)), fmt, scaling.margin)
                 self.seeded = True
         may_seed = compiling or not self._seeded_hint
         data, step = ops.quantize_operand(
@@ -188,6 +212,41 @@ class OperandScaling:
         library.count(self.tally, x)
         if not torch.compiler.is_compiling():  # a host flag: never written in a trace
             self._seeded_hint = True
+        return data, step
+
+    def quantize_unrecorded(
+        self,
+        x: torch.Tensor,
+        fmt: Fp8Format,
+        scaling: DelayedScaling | DynamicScaling,
+        backend: Fp8Backend,
+        reduce: AmaxReduce | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x`` as a call outside training does: ``(data_fp8, step_used)``, with
+        nothing written (no history, no step, no counts).
+
+        Dynamic: the step of ``x``'s own amax. Delayed: the ring's step; an operand that
+        has never been seeded takes the step of ``x``'s own amax instead (a device
+        ``where``, no host read). The output therefore depends only on the state training
+        left and on ``x`` itself, never on earlier calls of this kind. ``reduce`` (for
+        callers whose ranks all run the call, as FSDP2's all-gather does) turns that amax
+        into the group's.
+        """
+        if isinstance(scaling, DynamicScaling) and reduce is None:
+            data, step, _ = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
+            return data, step
+        if isinstance(scaling, DynamicScaling):
+            whole = reduce(reference.amax(x)) if reduce is not None else reference.amax(x)
+            step = reference.step_from_amax(whole, fmt, scaling.margin)
+        elif not torch.compiler.is_compiling() and self._seeded_hint:
+            step = ring_step(self.ring).clone()
+        else:
+            own = reference.amax(x) if reduce is None else reduce(reference.amax(x))
+            seeded = self.tally[library.TALLY_SEEDED : library.TALLY_SEEDED + 1] != 0
+            step = torch.where(
+                seeded, ring_step(self.ring), reference.step_from_amax(own, fmt, scaling.margin)
+            )
+        data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
         return data, step
 
     def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:

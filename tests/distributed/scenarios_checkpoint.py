@@ -49,7 +49,7 @@ def make_model(seed: int) -> nn.Sequential:
         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3)
     )
     # The last layer (16 -> 3) is too narrow for fp8 and stays a plain Linear.
-    convert_to_fp8(model, _ctx(), module_filter=lambda fqn, module: True)
+    convert_to_fp8(model, _ctx(), module_filter=lambda module, fqn: True)
     return model
 
 

@@ -28,7 +28,7 @@ def _ctx(scaling: str) -> ComputeCtx:
 def _model(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
-    convert_to_fp8(model, ctx, module_filter=lambda fqn, module: True)
+    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
     return model
 
 

@@ -135,7 +135,7 @@ def test_resume_through_torch_save_weights_only_is_bitwise() -> None:
     def build(seed: int) -> tuple[nn.Sequential, OffloadedOptimizer]:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-        convert_to_fp8(model, ctx, module_filter=lambda fqn, module: True)
+        convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
         return model, OffloadedOptimizer(model.parameters(), ctx, torch.optim.AdamW, lr=1e-2)
 
     def train(model: nn.Module, opt: OffloadedOptimizer, steps: range) -> None:

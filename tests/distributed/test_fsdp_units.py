@@ -21,8 +21,8 @@ def _model() -> nn.Sequential:
     return nn.Sequential(
         Fp8Linear(16, 32, ctx=CTX),
         nn.ReLU(),
-        Fp8Linear(32, 8, ctx=CTX),
-        Fp8Linear(8, 8, ctx=CTX),
+        Fp8Linear(32, 16, ctx=CTX),
+        Fp8Linear(16, 16, ctx=CTX),
     )
 
 
@@ -31,7 +31,7 @@ def _train(model: nn.Module, steps: int = 3) -> list[float]:
     gen = torch.Generator().manual_seed(5)
     losses = []
     for _ in range(steps):
-        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 8, generator=gen)
+        x, y = torch.randn(4, 16, generator=gen), torch.randn(4, 16, generator=gen)
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
@@ -45,7 +45,7 @@ def test_it_converts_the_fp8_weights_it_is_asked_to_and_only_once() -> None:
     last = model[3]
     assert isinstance(last, Fp8Linear)
     last.freeze_for_serving()
-    assert enable_fp8_all_gather(model, module_filter=lambda fqn, layer: fqn != "2") == 1
+    assert enable_fp8_all_gather(model, module_filter=lambda module, fqn: fqn != "2") == 1
     assert isinstance(model[0].weight, Fp8ShardedWeight)
     assert isinstance(model[0].weight, nn.Parameter)
     assert not isinstance(model[2].weight, Fp8ShardedWeight)
