@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from computectx.memory._masters import MasterWeights
+from computectx.memory._masters import MasterWeights, is_dtensor
 from computectx.memory._transfer import Staging, uses_staging
 from computectx.memory.accumulator import LowPrecGradAccumulator
 
@@ -40,6 +40,17 @@ class GradIngest:
             raise ValueError(
                 "the accumulator tracks none of this optimizer's parameters; build it "
                 "from the same parameters (e.g. model.parameters())"
+            )
+        sharded = [i for i, p in enumerate(compute) if accumulator.tracks(p) and is_dtensor(p)]
+        if sharded:
+            raise TypeError(
+                f"parameters {sharded[:8]} are DTensors (FSDP2 fully_shard), so their sums in "
+                f"the LowPrecGradAccumulator are DTensors too, which the masters (this rank's "
+                f"plain shards) cannot take. FSDP2 reduce-scatters and sums gradients itself: "
+                f"build no accumulator, leave "
+                f"param.grad to FSDP2 (set_requires_gradient_sync(False) on all but the last "
+                f"micro-batch skips the reduce-scatters) and let clip_grad_norm / step ingest "
+                f"each rank's shard. Nothing was ingested"
             )
         accumulator.sync()
         late = (

@@ -16,7 +16,7 @@ import torch
 from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Staging, Transfer, uses_staging
 
-__all__ = ["MasterWeights", "Sharding", "normalise_groups"]
+__all__ = ["MasterWeights", "Sharding", "check_sharding", "is_dtensor", "normalise_groups"]
 
 
 class Sharding(Protocol):
@@ -73,6 +73,12 @@ def normalise_groups(params: Any) -> list[dict[str, Any]]:
     return [{"params": items}]
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters are), told by its methods: the
+    memory layer does not import ``torch.distributed``."""
+    return hasattr(t, "placements") and hasattr(t, "to_local")
+
+
 def stamp(p: torch.Tensor) -> tuple[int, int]:
     """Where ``p``'s data lives and how often it was written in place.
 
@@ -115,7 +121,7 @@ class MasterWeights:
                     f"{where}['params'][{i}] has dtype {p.dtype}; only floating tensors "
                     f"can be optimized"
                 )
-            if self.sharding is None and hasattr(p, "placements") and hasattr(p, "to_local"):
+            if self.sharding is None and is_dtensor(p):
                 raise TypeError(
                     f"{where}['params'][{i}] is a DTensor (a parameter sharded by FSDP2 "
                     f"fully_shard); pass sharding=computectx.distributed.ShardedParams(mesh) "

@@ -395,6 +395,23 @@ def dp_buckets(params: dict[str, Any]) -> dict[str, Any]:
         out[f"{case}/contiguous"] = all(
             s.is_contiguous() for s in out[f"{case}/tiny"] if s is not None
         )
+    # FSDP2 sums gradients itself: a LowPrecGradAccumulator's (DTensor) sums are refused at
+    # the hand-over, before anything moves.
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    sharded = _model()
+    fully_shard(sharded, mesh=mesh)
+    ctx = _ctx(DType.BF16)
+    plain = LowPrecGradAccumulator(sharded.parameters(), ctx)
+    opt = OffloadedOptimizer(sharded.parameters(), ctx, sharding=ShardedParams(mesh))
+    sharded(_shard(x[0, 0])).pow(2).mean().backward()
+    try:
+        opt.ingest_grads(plain)
+        out["fsdp2_error"] = ""
+    except TypeError as e:
+        out["fsdp2_error"] = str(e)
+    out["fsdp2_untouched"] = plain.micro_batches == 1 and all(
+        m.grad is None for m in opt.master_params
+    )
     named = list(_Branches().named_parameters())
     out["names"] = [n for n, _ in named]
     out["numels"] = [p.numel() for _, p in named]

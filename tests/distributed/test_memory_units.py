@@ -252,3 +252,7 @@ def test_buckets_reduce_as_one_vector_on_two_ranks(run_ranks: RunRanks) -> None:
         # The default bucket is 25 MiB at most, and no bigger than the model needs.
         assert r0[f"{case}/default_bucket_bytes"] == 25 * 2**20
         assert r0[f"{case}/default_buckets"] == [sum(numels) + len(numels)]
+    # A LowPrecGradAccumulator on FSDP2 parameters: refused at the hand-over, naming what to do.
+    for r in (r0, r1):
+        assert "are DTensors (FSDP2 fully_shard)" in r["fsdp2_error"]
+        assert "build no accumulator" in r["fsdp2_error"] and r["fsdp2_untouched"]
