@@ -72,7 +72,7 @@ def quantize_delayed(
     """``fp8_quantize_delayed(x, ring, tally, ..., may_seed=True)`` as torch ops.
 
     Seed when the tally says unseeded (history := amax(x), step from it; a non-finite amax
-    counted instead), rotate the history one slot left, quantize with the ring's step,
+    leaves the ring alone), rotate the history one slot left, quantize with the ring's step,
     record the amax in the last slot, take the next step from the window, count non-finite
     amaxes and saturated elements, count ``x`` in the tally. Returns ``(data_fp8,
     step_used)``; ``ring`` and ``tally`` are updated in place (one ``copy_`` each).
@@ -81,12 +81,11 @@ def quantize_delayed(
     nonfinite, saturated = ring_nonfinite(ring), ring_saturated(ring)
     a = reference.amax(x)
     finite = torch.isfinite(a)
-    # Seeding (only on the operand's first call).
+    # Seeding (only on the operand's first call; a non-finite amax is counted once, below).
     unseeded = tally[library.TALLY_SEEDED : library.TALLY_SEEDED + 1] == 0
     seed = unseeded & finite
     history = torch.where(seed, a.expand_as(history), history)
     step_used = torch.where(seed, reference.step_from_amax(a, fmt, margin), step)
-    nonfinite = nonfinite + (unseeded & ~finite).to(torch.float32)
     if ring_history_len(ring) > 1:
         history = torch.roll(history, -1)
     # The quantize with the ring's step, and the ring's advance.

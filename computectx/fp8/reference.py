@@ -160,17 +160,17 @@ def seed_ring(
 ) -> None:
     """First use of an operand: fill the history with ``amax(x)`` and set the step from it.
 
-    A non-finite amax leaves the ring as it was and adds 1 to the non-finite count. ``when``
-    (a bool device tensor of shape ``(1,)``) seeds only where it is true, without a host
-    read; the ring is left alone where it is false.
+    A non-finite amax leaves the ring exactly as it was, counts included: seeding is the
+    first half of a call whose quantize (``quantize_delayed``) measures the same amax and
+    counts it, so a NaN in a first call is counted once. ``when`` (a bool device tensor of
+    shape ``(1,)``) seeds only where it is true, without a host read; the ring is left
+    alone where it is false.
     """
     history, step = ring_history(ring), ring_step(ring)
     a = amax(x)
-    finite = torch.isfinite(a)
-    seed, bad = (finite, ~finite) if when is None else (when & finite, when & ~finite)
+    seed = torch.isfinite(a) if when is None else when & torch.isfinite(a)
     history.copy_(torch.where(seed, a.expand_as(history), history))
     step.copy_(torch.where(seed, step_from_amax(a, fmt, margin), step))
-    ring_nonfinite(ring).add_(bad.to(torch.float32))
 
 
 def scaled_mm(
