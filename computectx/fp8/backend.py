@@ -4,8 +4,9 @@ Three backends compute the same function. ``TRITON`` runs the kernels in
 ``computectx.kernels`` (imported only when first used, so ``import computectx.fp8`` works
 without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``;
 ``CUBLAS`` runs the GEMMs through ``torch._scaled_mm`` (cuBLASLt on a GPU, torch's own kernel
-on the CPU) with tensor-wise scales, and quantizes with the same operators and rings as the
-others (the kernels on a GPU, the twins elsewhere).
+on the CPU) with tensor-wise scales, K and N zero-padded to the multiples of 16 CUDA wants and
+a GEMM of two E5M2 operands (which cuBLAS refuses) on the twin; it quantizes with the same
+operators and rings as the others (the kernels on a GPU, the twins elsewhere).
 ``select_backend`` picks one for a device and says why; ``default_backend`` caches that
 choice per device; ``check_backend`` is the test every dispatched operation runs before it
 hands tensors to a backend.
@@ -90,8 +91,9 @@ def select_backend(
     tri = capability.triton_available()
     if not tri.ok:
         return Fp8Backend.CUBLAS, (
-            f"cublas: {cores.reason}; {tri.reason}, so the GEMMs run on torch._scaled_mm and "
-            f"the quantize on the pure-torch twins"
+            f"cublas: {cores.reason}; {tri.reason}, so the GEMMs run on torch._scaled_mm (K "
+            f"and N zero-padded to multiples of 16; two E5M2 operands on the twin) and the "
+            f"quantize on the pure-torch twins"
         )
     return Fp8Backend.TRITON, (
         f"triton: {cores.reason}; {tri.reason} (cublas is the alternative; which is faster "

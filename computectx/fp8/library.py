@@ -57,10 +57,12 @@ from computectx.fp8.ring import (
 )
 
 __all__ = [
+    "CUBLAS_MULTIPLE",
     "TALLY_ELEMENTS",
     "TALLY_LEN",
     "TALLY_SEEDED",
     "count",
+    "delayed_call",
     "dequantize",
     "quantize_delayed",
     "quantize_delayed_at",
@@ -161,6 +163,40 @@ def uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
     )
 
 
+def delayed_call(
+    x: torch.Tensor,
+    ring: torch.Tensor,
+    tally: torch.Tensor,
+    fmt: Fp8Format,
+    algo: Literal["max", "most_recent"],
+    margin: int,
+    backend: Fp8Backend,
+    may_seed: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What ``fp8_quantize_delayed`` runs, as a plain function: ``(data_fp8, step_used)``.
+
+    When the tally says the ring is not seeded yet, the history is first filled with
+    ``amax(x)`` and the step set from it, so the first call quantizes with its own step (a
+    non-finite amax leaves the ring alone: the quantize counts it, once). ``may_seed=False``
+    promises the ring is seeded and skips that check. Then the history rotates one slot
+    left, ``x`` is quantized with the ring's step, its amax lands in the last slot and the
+    step becomes the next one from the window (``algo``); the tally counts ``x``.
+
+    Launches on a GPU with the kernels (docs/fp8.md, "Delayed scaling"): the quantize
+    kernel, the rotation (roll, copy; none for a history of 1) and the tally (fill, add),
+    plus the seeding check's small ops when ``may_seed``.
+    """
+    if may_seed:
+        unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
+        reference.seed_ring(ring, x, fmt, margin, when=unseeded)
+    history = ring_history(ring)
+    if history.numel() > 1:
+        history.copy_(torch.roll(history, -1))
+    q, step_used = quantize_delayed_at(x, fmt, ring, history.numel() - 1, algo, margin, backend)
+    count(tally, x)
+    return q, step_used
+
+
 @custom_op("computectx::fp8_quantize_delayed", mutates_args=("ring", "tally"))
 def quantize_delayed(
     x: torch.Tensor,
@@ -172,29 +208,10 @@ def quantize_delayed(
     backend: str,
     may_seed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delayed scaling through one operand's ring: ``(data_fp8, step_used)``.
-
-    When the tally says the ring is not seeded yet, the history is first filled with
-    ``amax(x)`` and the step set from it (a non-finite amax is counted instead), so the
-    first call quantizes with its own step. ``may_seed=False`` promises the ring is seeded
-    and skips that check (and its pass over ``x`` on the kernels). Then the history rotates
-    one slot left, ``x`` is quantized with the ring's step, its amax lands in the last slot
-    and the step becomes the next one from the window (``algo``); the tally counts ``x``.
-    Arguments are checked by ``computectx.fp8.ops.quantize_operand``.
-    """
-    fmt = _fmt(fp8)
-    if may_seed:
-        unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
-        reference.seed_ring(ring, x, fmt, margin, when=unseeded)
-    history = ring_history(ring)
-    if history.numel() > 1:
-        history.copy_(torch.roll(history, -1))
+    """Delayed scaling through one operand's ring: ``delayed_call``'s ``(data_fp8,
+    step_used)``. Arguments are checked by ``computectx.fp8.ops.quantize_operand``."""
     window: Literal["max", "most_recent"] = "max" if algo == "max" else "most_recent"
-    q, step_used = quantize_delayed_at(
-        x, fmt, ring, history.numel() - 1, window, margin, parse_backend(backend)
-    )
-    count(tally, x)
-    return q, step_used
+    return delayed_call(x, ring, tally, _fmt(fp8), window, margin, parse_backend(backend), may_seed)
 
 
 @quantize_delayed.register_fake
@@ -274,6 +291,26 @@ def _quantize_with_step_fake(
     return torch.empty_like(x, dtype=fp8), step.new_empty(1)
 
 
+CUBLAS_MULTIPLE = 16
+"""What ``torch._scaled_mm`` on CUDA wants K and N to be multiples of (M may be anything)."""
+
+
+def _round_up(n: int) -> int:
+    return -(-n // CUBLAS_MULTIPLE) * CUBLAS_MULTIPLE
+
+
+def _cublas_operand(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    # t itself when it is row-major with 16-byte aligned rows and the wanted shape; else a
+    # row-major copy, zero-padded to [rows, cols] (one read and write of a 1-byte operand).
+    aligned = t.stride(0) % CUBLAS_MULTIPLE == 0 and t.storage_offset() % CUBLAS_MULTIPLE == 0
+    if tuple(t.shape) == (rows, cols) and t.stride(1) == 1 and t.stride(0) >= cols and aligned:
+        return t
+    padded = tuple(t.shape) != (rows, cols)
+    out = t.new_zeros((rows, cols)) if padded else t.new_empty((rows, cols))
+    out[: t.shape[0], : t.shape[1]].copy_(t)
+    return out
+
+
 def _cublas_scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -282,24 +319,38 @@ def _cublas_scaled_mm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    # torch._scaled_mm wants mat1 row-major [M, K] and mat2 column-major [K, N] (that is
-    # b [N, K] row-major, transposed); other strides are copied into that order (one read
-    # and write of a 1-byte operand). Its scales are exactly our steps (x = q * step).
-    # It takes a bias only for 16-bit outputs; a float32 result adds it in float32 after.
-    a = a if a.stride(1) == 1 else a.contiguous()
-    b = b if b.stride(1) == 1 else b.contiguous()
-    fused_bias = bias if bias is not None and bias.dtype == out_dtype != torch.float32 else None
+    # torch._scaled_mm's rules on CUDA (its meta function states them): mat1 row-major
+    # [M, K], mat2 column-major [K, N] (b [N, K] row-major, transposed), K and N multiples
+    # of 16, float32 scalar scales, never two E5M2 operands. Its scales are exactly our
+    # steps (x = q * step). K and N are zero-padded to multiples of 16: a zero adds nothing
+    # to a float32 sum, and the padded columns of the result are sliced off, so the result
+    # is the same function. It takes a bias only for 16-bit outputs of the bias's dtype; a
+    # float32 result adds it in float32 after, before the one rounding to out_dtype.
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        # cuBLASLt has no E5M2 x E5M2 fp8 GEMM: the twin runs this one (float32 products of
+        # the widened codes, which are exact), on the same device.
+        return reference.scaled_mm(a, b, step_a, step_b, bias, out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    k16, n16 = _round_up(k), _round_up(n)
+    a16 = _cublas_operand(a, m, k16)
+    b16 = _cublas_operand(b, n16, k16)
+    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
+    fused_bias = None
+    if fuse and bias is not None:
+        fused_bias = bias if n16 == n else torch.cat([bias, bias.new_zeros(n16 - n)])
     out = torch._scaled_mm(
-        a,
-        b.t(),
+        a16,
+        b16.t(),
         scale_a=step_a.reshape(()),
         scale_b=step_b.reshape(()),
         bias=fused_bias,
-        out_dtype=torch.float32 if bias is not None and fused_bias is None else out_dtype,
+        out_dtype=out_dtype if bias is None or fuse else torch.float32,
     )
-    if bias is not None and fused_bias is None:
-        out = (out + bias.to(torch.float32)).to(out_dtype)
-    return out
+    out = out if n16 == n else out[:, :n]
+    if bias is not None and not fuse:
+        return (out + bias.to(torch.float32)).to(out_dtype)
+    return out if n16 == n else out.contiguous()
 
 
 @custom_op("computectx::fp8_scaled_mm", mutates_args=())
