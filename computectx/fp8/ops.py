@@ -127,7 +127,8 @@ def _ring_args(ring: object, idx: object, algo: object, device: torch.device) ->
 def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
     """Seed an operand's ring from its first input: history := amax(x), step from it.
 
-    A non-finite amax leaves history and step alone and counts it. Device ops only.
+    A non-finite amax leaves the ring alone and counts nothing: the quantize that follows
+    (``quantize_delayed``) measures the same amax and counts it, once. Device ops only.
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
@@ -333,6 +334,11 @@ def fp8_quantize(
     scale: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to fp8: returns ``(data, scale)`` with ``x ≈ data.float() * scale``.
+
+    ``scale`` is the dequantize step: ``data = fp8(clamp(x / scale))`` and
+    ``x ≈ data * scale``, the factor ``torch._scaled_mm`` takes as ``scale_a``/``scale_b``.
+    torchao's and TransformerEngine's ``scale`` is its reciprocal (``data = x * scale``):
+    pass ``scale=1 / their_scale`` (docs/migrating.md).
 
     ``fmt`` is an ``Fp8Format`` or its name (``"e4m3"``, ``"fp8_e5m2"``, ...). ``scale=None``
     measures ``amax(x)`` and uses ``scale = amax / fmt.max`` (dynamic scaling, margin 0; 1.0
