@@ -3,32 +3,30 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from computectx.ctx import ComputeCtx
 from computectx.fp8.autograd import ACTIVATION_DTYPES
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.fused import QuantizeImpl, parse_quantize
-from computectx.fp8.linear import Fp8Linear
+from computectx.fp8.linear import FEATURE_MULTIPLE, Fp8Linear, check_fp8_widths
 from computectx.fp8.policy import describe, policy_of
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
     "FEATURE_MULTIPLE",
+    "HEAD_NAMES",
     "Fp8ConversionReport",
+    "Fp8Converter",
     "SkipRule",
     "SkippedLinear",
     "convert_to_fp8",
 ]
-
-FEATURE_MULTIPLE = 16
-"""``in_features`` and ``out_features`` must be multiples of this to convert: fp8 tensor
-core tiles (and cuBLASLt's fp8 GEMMs) work on 16-element K and N steps; other widths run
-masked edge tiles at a fraction of the speed."""
 
 DEFAULT_MIN_FEATURES = 1024
 """Narrowest ``min(in_features, out_features)`` that ``convert_to_fp8`` converts by default.
@@ -43,6 +41,9 @@ breaks even, and at 1024 the saving is still well under half the ideal. Pass
 ``min_features`` (or a ``module_filter``) to ``convert_to_fp8`` to choose otherwise."""
 
 
+HEAD_NAMES = ("lm_head", "output", "head")
+"""Names (the last part of a layer's qualified name, any case) that mark an output head."""
+
 SkipRule = Literal[
     "already_fp8",
     "subclass",
@@ -56,6 +57,23 @@ SkipRule = Literal[
 """Which rule left a linear alone (``SkippedLinear.rule``); ``convert_to_fp8`` lists them."""
 
 
+class Fp8Converter(Protocol):
+    """Builds the fp8 replacement of one linear (``convert_to_fp8``'s ``converters``).
+
+    Called as ``converter(linear, ctx, backend=..., quantize=...)`` with the arguments of the
+    ``convert_to_fp8`` call; ``Fp8Linear.from_linear`` is one.
+    """
+
+    def __call__(
+        self,
+        linear: nn.Linear,
+        ctx: ComputeCtx,
+        *,
+        backend: Fp8Backend | str | None,
+        quantize: QuantizeImpl,
+    ) -> nn.Module: ...
+
+
 @dataclass(frozen=True)
 class SkippedLinear:
     """A linear ``convert_to_fp8`` left alone, why (``reason``), and by which rule."""
@@ -67,16 +85,33 @@ class SkippedLinear:
 
 @dataclass(frozen=True)
 class Fp8ConversionReport:
-    """What ``convert_to_fp8`` did: converted layer names and skipped ones with reasons."""
+    """What ``convert_to_fp8`` did: converted layer names, skipped ones with reasons (layers
+    converted before are skipped with rule ``already_fp8``), and ``notes`` on what to do
+    next."""
 
     converted: tuple[str, ...]
     skipped: tuple[SkippedLinear, ...]
+    notes: tuple[str, ...] = ()
+
+    @property
+    def already_fp8(self) -> tuple[str, ...]:
+        """Layers that were already ``Fp8Linear`` under the same policy (left as they are)."""
+        return tuple(s.fqn for s in self.skipped if s.rule == "already_fp8")
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} linear(s) to fp8:"]
         lines += [f"  {fqn}" for fqn in self.converted]
-        lines.append(f"skipped {len(self.skipped)}:")
-        lines += [f"  {s.fqn}: {s.reason}" for s in self.skipped]
+        if self.already_fp8:
+            lines.append(
+                f"already fp8 under this policy, left as they are: {len(self.already_fp8)}"
+            )
+            lines += [f"  {fqn}" for fqn in self.already_fp8]
+        others = [s for s in self.skipped if s.rule != "already_fp8"]
+        lines.append(f"skipped {len(others)}:")
+        lines += [f"  {s.fqn}: {s.reason}" for s in others]
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {note}" for note in self.notes]
         return "\n".join(lines)
 
 
@@ -89,33 +124,61 @@ def convert_to_fp8(
     min_features: int | None = None,
     backend: Fp8Backend | str | None = None,
     quantize: QuantizeImpl = "op",
+    converters: Mapping[type[nn.Linear], Fp8Converter] | None = None,
 ) -> Fp8ConversionReport:
     """Swap ``model``'s ``nn.Linear`` layers for ``Fp8Linear`` in place; report what happened.
 
     Which layers convert is decided one of two ways:
 
-    - **Without** ``module_filter``, by the built-in rules: the output head is skipped
-      unless ``include_head=True`` (default ``False``); the head is the *last*
-      ``nn.Linear`` in registration order, and any linear whose weight is tied to an
-      ``nn.Embedding``'s (logits feed a softmax over the whole vocabulary, where fp8's
-      2**-4 relative error is most visible). A linear with ``min(in_features,
-      out_features) < min_features`` (default ``DEFAULT_MIN_FEATURES``, 1024, whose
-      docstring derives the break-even) is skipped because fp8 would make it slower.
+    - **Without** ``module_filter``, by the built-in rules. The output head is skipped
+      unless ``include_head=True`` (logits feed a softmax over the whole vocabulary, where
+      fp8's 2**-4 relative error is most visible). The head is found by what it is, in this
+      order: every linear whose weight is tied to an ``nn.Embedding``'s and every linear
+      named in ``HEAD_NAMES`` (``lm_head``, ``output``, ``head``: the last part of its
+      name, any case); if there is none, every linear whose ``out_features`` is the
+      vocabulary (``num_embeddings`` of the model's largest ``nn.Embedding``); if there is
+      none either, the last ``nn.Linear`` in registration order (a ``Sequential``'s last
+      layer). A linear with ``min(in_features, out_features) < min_features`` (default
+      ``DEFAULT_MIN_FEATURES``, 1024, whose docstring derives the break-even) is skipped
+      because fp8 would make it slower.
     - **With** ``module_filter(module, fqn) -> bool``, the filter alone decides, as torchao's
-      ``module_filter_fn`` does: it is called for every plain ``nn.Linear`` and converts
+      ``module_filter_fn`` does: it is called for every convertible linear and converts
       exactly the ones it returns ``True`` for, head and narrow layers included. Passing
       ``include_head`` or ``min_features`` as well raises ``ValueError`` (they would be
       ignored); fold them into the filter.
 
-    Either way, what fp8 cannot run is skipped, with the reason recorded: a layer that is
-    already an ``Fp8Linear``; an instance of a *subclass* of ``nn.Linear`` (its forward may
-    do more than ``x Wᵀ + b``; the filter is not asked about these); ``in_features`` or
-    ``out_features`` not a multiple of ``FEATURE_MULTIPLE`` (16, the fp8 GEMM tile step); a
-    weight that is not bf16/fp16/fp32; ``model`` itself (no parent to swap it into; use
+    **Subclasses of** ``nn.Linear`` convert like ``nn.Linear`` when they add nothing an
+    ``Fp8Linear`` would drop: no ``forward`` (nor ``__call__``, ``weight`` or ``bias``) of
+    their own, and no parameters, buffers or submodules beyond ``weight`` and ``bias``
+    (torchtitan's ``class Linear(nn.Linear, Module)``, for instance). The new layer is an
+    ``Fp8Linear``, not an instance of the subclass. A subclass that does override
+    ``forward`` converts only through ``converters``, the extension point for framework
+    linears: ``{MyLinear: converter}`` maps a class (and its subclasses) to an
+    ``Fp8Converter`` that builds the replacement, called as ``converter(linear, ctx,
+    backend=backend, quantize=quantize)``. ``{MyLinear: Fp8Linear.from_linear}`` vouches
+    that ``MyLinear.forward`` computes ``x Wᵀ + b``; a framework whose linear does more
+    passes a function that builds its own fp8 module (one that is not a ``MyLinear``, or a
+    second conversion converts it again). The rules above apply to these layers too.
+
+    Either way, what fp8 cannot run is skipped, with the reason recorded: any other subclass
+    (``nn.MultiheadAttention``'s ``out_proj``, which it never calls, and parametrized
+    linears among them; the filter is not asked about these); ``in_features`` or
+    ``out_features`` not a multiple of ``FEATURE_MULTIPLE`` (16, the fp8 GEMM tile step:
+    ``check_fp8_widths``, the check ``Fp8Linear`` raises); a weight that is not
+    bf16/fp16/fp32; ``model`` itself (no parent to swap it into; use
     ``Fp8Linear.from_linear``).
 
+    **Converting again.** A layer that is already an ``Fp8Linear`` under the same policy
+    (``ctx.fp8`` and ``ctx.compute``, what it reads) is left as it is and reported in
+    ``already_fp8``, so a second call with the same ctx changes nothing. Under a different
+    policy the call raises ``ValueError`` naming both: a converted layer keeps the policy it
+    was built with.
+
     When nothing converts and the model holds no ``Fp8Linear`` afterwards, a
-    ``UserWarning`` says why, grouped by rule, and which knob would change it.
+    ``UserWarning`` says why, grouped by rule, and which knob would change it. When a
+    skipped head keeps weights of a dtype other than ``ctx.compute``, the report's
+    ``notes`` say how to run it (a ``ctx.compute`` activation from the fp8 layers would
+    not match its weight).
 
     ``backend`` and ``quantize`` are passed to every new ``Fp8Linear`` (``quantize="fused"``
     lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
@@ -123,8 +186,8 @@ def convert_to_fp8(
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
     working). A linear reachable under several names is converted once and replaced
     everywhere. All decisions are made before the model changes, so an exception from
-    ``module_filter`` (or a filter result that is not a bool, a ``TypeError``) leaves it
-    untouched.
+    ``module_filter`` or a converter (or a filter result that is not a bool, a
+    ``TypeError``) leaves it untouched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
@@ -155,9 +218,11 @@ def convert_to_fp8(
         raise ValueError(f"min_features must be an int >= 1, got {min_features!r}")
     rules = _Rules(
         model=model,
+        ctx=ctx,
         module_filter=module_filter,
         include_head=bool(include_head),
         min_features=DEFAULT_MIN_FEATURES if min_features is None else min_features,
+        converters=_checked_converters(converters),
     )
 
     # Every place each linear sits (a module shared under two names sits in two).
@@ -174,6 +239,7 @@ def convert_to_fp8(
     if isinstance(model, nn.Linear):
         order.insert(0, ("", model))
 
+    _refuse_another_policy(ctx, order)
     heads = _heads(model, order)
     converted: list[tuple[str, nn.Linear]] = []
     skipped: list[SkippedLinear] = []
@@ -185,30 +251,111 @@ def convert_to_fp8(
             skipped.append(SkippedLinear(fqn or "<root>", found[1], found[0]))
 
     # Build every replacement (which validates ctx and backend) before swapping any.
-    replacements = [
-        (lin, Fp8Linear.from_linear(lin, ctx, backend=backend, quantize=how))
-        for _, lin in converted
-    ]
+    replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
     for lin, new in replacements:
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)
     names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
-    report = Fp8ConversionReport(converted=names, skipped=tuple(skipped))
+    notes = _head_dtype_notes(ctx, order, skipped)
+    report = Fp8ConversionReport(converted=names, skipped=tuple(skipped), notes=notes)
     if not names and not any(s.rule == "already_fp8" for s in skipped):
         warnings.warn(_nothing_converted(model, rules, report), UserWarning, stacklevel=2)
     return report
 
 
+def _checked_converters(
+    converters: Mapping[type[nn.Linear], Fp8Converter] | None,
+) -> dict[type[nn.Linear], Fp8Converter]:
+    if converters is None:
+        return {}
+    if not isinstance(converters, Mapping):
+        raise TypeError(
+            f"converters must map nn.Linear subclasses to converters, got {describe(converters)}"
+        )
+    for cls, fn in converters.items():
+        if (
+            not isinstance(cls, type)
+            or not issubclass(cls, nn.Linear)
+            or cls is nn.Linear
+            or issubclass(cls, Fp8Linear)
+        ):
+            raise TypeError(
+                f"converters keys must be subclasses of nn.Linear (not nn.Linear itself or "
+                f"Fp8Linear), got {describe(cls)}"
+            )
+        if not callable(fn):
+            raise TypeError(
+                f"converters[{cls.__name__}] must be callable(linear, ctx, *, backend, "
+                f"quantize) -> nn.Module, got {describe(fn)}"
+            )
+    return dict(converters)
+
+
+def _refuse_another_policy(ctx: ComputeCtx, order: list[tuple[str, nn.Linear]]) -> None:
+    """Raise when a layer is already an ``Fp8Linear`` under another policy than ``ctx``'s."""
+    want = (ctx.fp8, ctx.compute)
+    other = [(f, lin) for f, lin in order if isinstance(lin, Fp8Linear)]
+    other = [(f, lin) for f, lin in other if (lin.ctx.fp8, lin.ctx.compute) != want]
+    if other:
+        fqn, lin = other[0]
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise ValueError(
+            f"convert_to_fp8: {fqn or '<root>'!r}{more} is already an Fp8Linear under "
+            f"fp8={lin.ctx.fp8}, compute={lin.ctx.compute}, but this call asks for "
+            f"fp8={ctx.fp8}, compute={ctx.compute}; a converted layer keeps the policy it was "
+            f"built with. Convert an unconverted copy of the model under the new ctx, or "
+            f"pass the ctx it was converted with; the model was left unchanged"
+        )
+
+
 def _heads(model: nn.Module, order: list[tuple[str, nn.Linear]]) -> dict[int, str]:
+    """The output head(s) by what they are (see ``convert_to_fp8``): id -> reason."""
+    embeddings = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.Embedding)]
     heads: dict[int, str] = {}
-    if order:
-        heads[id(order[-1][1])] = "output head (the last nn.Linear in registration order)"
-    for efqn, emb in model.named_modules():
-        if isinstance(emb, nn.Embedding):
-            for _, lin in order:
-                if lin.weight is emb.weight:
-                    heads[id(lin)] = f"output head (weight tied to nn.Embedding {efqn!r})"
+    for fqn, lin in order:
+        tied = [f for f, emb in embeddings if lin.weight is emb.weight]
+        name = fqn.rpartition(".")[2]
+        if tied:
+            heads[id(lin)] = f"output head (weight tied to nn.Embedding {tied[0]!r})"
+        elif name.lower() in HEAD_NAMES:
+            heads[id(lin)] = f"output head (named {name!r})"
+    if not heads and embeddings:
+        vfqn, vocab = max(embeddings, key=lambda e: e[1].num_embeddings)
+        for _, lin in order:
+            if lin.out_features == vocab.num_embeddings:
+                heads[id(lin)] = (
+                    f"output head (out_features={lin.out_features}, the vocabulary of "
+                    f"nn.Embedding {vfqn!r})"
+                )
+    if not heads and order:
+        heads[id(order[-1][1])] = (
+            "output head (the last nn.Linear in registration order: no linear is tied to or "
+            "sized like an nn.Embedding's vocabulary, or named lm_head, output or head)"
+        )
     return heads
+
+
+def _added_behaviour(lin: nn.Linear) -> str | None:
+    """What a subclass instance adds that an ``Fp8Linear`` would drop, or ``None``."""
+    if isinstance(lin, NonDynamicallyQuantizableLinear):
+        return (
+            "nn.MultiheadAttention reads this layer's weight directly and never calls it, "
+            "so as an Fp8Linear it would still not run in fp8"
+        )
+    if "forward" in vars(lin):
+        return "its forward was replaced on the instance"
+    for cls in type(lin).__mro__:
+        if cls is nn.Linear:
+            break
+        own = [n for n in ("forward", "__call__", "_call_impl", "weight", "bias") if n in vars(cls)]
+        if own:
+            return f"{cls.__name__} defines its own {own[0]}, which an Fp8Linear would drop"
+    extra = [n for n, _ in lin.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    extra += [n for n, _ in lin.named_buffers(recurse=False)]
+    extra += [n for n, _ in lin.named_children()]
+    if extra:
+        return f"it holds {extra[0]!r}, which nn.Linear does not and an Fp8Linear would drop"
+    return None
 
 
 @dataclass(frozen=True)
@@ -216,21 +363,44 @@ class _Rules:
     """The settings of one ``convert_to_fp8`` call, and the rules they imply."""
 
     model: nn.Module
+    ctx: ComputeCtx
     module_filter: Callable[[nn.Module, str], bool] | None
     include_head: bool
     min_features: int
+    converters: dict[type[nn.Linear], Fp8Converter]
+
+    def converter_for(self, lin: nn.Linear) -> Fp8Converter | None:
+        """The converter registered for ``lin``'s class or the nearest base, if any."""
+        for cls in type(lin).__mro__:
+            if cls in self.converters:
+                return self.converters[cls]
+        return None
+
+    def build(
+        self, fqn: str, lin: nn.Linear, backend: Fp8Backend | str | None, how: QuantizeImpl
+    ) -> nn.Module:
+        """The replacement of ``lin``: its converter's, or an ``Fp8Linear``."""
+        convert = self.converter_for(lin)
+        if convert is None:
+            return Fp8Linear.from_linear(lin, self.ctx, backend=backend, quantize=how)
+        new = convert(lin, self.ctx, backend=backend, quantize=how)
+        if not isinstance(new, nn.Module):
+            raise TypeError(
+                f"the converter for {type(lin).__name__} returned {describe(new)} for "
+                f"{fqn!r}, not an nn.Module; the model was left unchanged"
+            )
+        return new
 
     def skip(self, fqn: str, lin: nn.Linear, heads: dict[int, str]) -> tuple[SkipRule, str] | None:
         """Why ``lin`` stays as it is, or ``None`` to convert it."""
         if isinstance(lin, Fp8Linear):
-            return "already_fp8", "already an Fp8Linear"
-        if type(lin) is not nn.Linear:
-            # A subclass may compute more than x Wᵀ + b (adapters, extra parameters) or
-            # never call its own forward (nn.MultiheadAttention's out_proj); swapping it for
-            # an Fp8Linear would silently drop that behaviour.
+            return "already_fp8", "already an Fp8Linear under this policy"
+        added = _added_behaviour(lin) if self.converter_for(lin) is None else None
+        if added is not None:
+            # Swapping it for an Fp8Linear would silently drop that behaviour.
             return "subclass", (
-                f"{type(lin).__name__} is a subclass of nn.Linear, whose forward may differ; "
-                f"only plain nn.Linear layers are converted"
+                f"{type(lin).__name__} is a subclass of nn.Linear and {added}; pass "
+                f"converters={{{type(lin).__name__}: ...}} to convert it"
             )
         if self.module_filter is not None:
             chosen = self.module_filter(lin, fqn)
@@ -243,12 +413,11 @@ class _Rules:
                 return "module_filter", "module_filter returned False"
         elif id(lin) in heads and not self.include_head:
             return "head", f"{heads[id(lin)]}; pass include_head=True to convert it"
+        try:
+            check_fp8_widths(lin.in_features, lin.out_features)
+        except ValueError as e:
+            return "feature_multiple", str(e)
         n_in, n_out = lin.in_features, lin.out_features
-        if n_in % FEATURE_MULTIPLE or n_out % FEATURE_MULTIPLE:
-            return "feature_multiple", (
-                f"in_features={n_in}, out_features={n_out}: both must be multiples of "
-                f"{FEATURE_MULTIPLE} for fp8 GEMM tiles"
-            )
         if self.module_filter is None and min(n_in, n_out) < self.min_features:
             return "min_features", (
                 f"min(in_features, out_features)={min(n_in, n_out)} < min_features="
@@ -259,6 +428,28 @@ class _Rules:
         if lin is self.model:
             return "root", "the root module has no parent to swap it in; use Fp8Linear.from_linear"
         return None
+
+
+def _head_dtype_notes(
+    ctx: ComputeCtx, order: list[tuple[str, nn.Linear]], skipped: list[SkippedLinear]
+) -> tuple[str, ...]:
+    """What to do when a skipped head's weight is not at ``ctx.compute``: fp8 layers return
+    their input's dtype, but a plain linear needs its input at its weight's dtype."""
+    by_name = dict(order)
+    compute = ctx.compute.torch
+    notes = []
+    for s in skipped:
+        head = by_name.get(s.fqn)
+        if s.rule != "head" or head is None or head.weight.dtype == compute:
+            continue
+        notes.append(
+            f"the head {s.fqn!r} stays an nn.Linear with {head.weight.dtype} weights while "
+            f"ctx.compute is {ctx.compute}: an {ctx.compute} activation reaching it fails "
+            f"with a dtype mismatch. Run the forward under ctx.autocast() (the head then "
+            f"computes at {ctx.compute} from its {head.weight.dtype} weights), cast the "
+            f"model to {compute} before converting, or pass include_head=True"
+        )
+    return tuple(notes)
 
 
 def _nothing_converted(model: nn.Module, rules: _Rules, report: Fp8ConversionReport) -> str:
@@ -278,7 +469,10 @@ def _nothing_converted(model: nn.Module, rules: _Rules, report: Fp8ConversionRep
             f"GEMM tiles need"
         ),
         "dtype": "weight dtype is not bf16, fp16 or fp32; cast the model first",
-        "subclass": "a subclass of nn.Linear; only plain nn.Linear layers are converted",
+        "subclass": (
+            "a subclass of nn.Linear that adds to it (see each reason); pass converters= "
+            "to convert it"
+        ),
         "root": "the model itself; use Fp8Linear.from_linear",
     }
     groups: dict[SkipRule, list[str]] = {}

@@ -13,12 +13,13 @@ from torch import nn
 
 from computectx import ComputeCtx, DType
 from computectx.fp8 import DEFAULT_MIN_FEATURES, Fp8ConversionReport, Fp8Linear, convert_to_fp8
+from computectx.fp8.convert import Fp8Converter
 
 
 class Tiny(nn.Module):
     """A small model with every case the rules meet: an embedding with a tied head, a
     width that is not a multiple of 16, a narrow layer, a linear registered under two
-    names, and a last linear (the head by position)."""
+    names, and a last-registered linear that is not the head (the tied one is)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,13 +48,12 @@ def test_convert_rules_head_shape_filter_and_shared_modules(fp8_ctx: ComputeCtx)
     model = Tiny()
     report = convert_to_fp8(model, fp8_ctx, min_features=64)
     r = reasons(report)
-    assert set(report.converted) == {"up", "block.0", "shared"}
+    assert set(report.converted) == {"up", "block.0", "shared", "out"}
     assert isinstance(model.block[0], Fp8Linear) and model.shared is model.block[0]
     assert "multiples of 16" in r["odd"]
     assert "min_features=64" in r["narrow"]
     assert "tied to nn.Embedding 'embed'" in r["lm_head"]
-    assert "last nn.Linear" in r["out"]
-    assert isinstance(model.out, nn.Linear) and not isinstance(model.out, Fp8Linear)
+    assert isinstance(model.out, Fp8Linear)  # registered last, but the tied layer is the head
     assert model.lm_head.weight is model.embed.weight
     model(torch.randint(0, 100, (2, 3)))  # still runs
 
@@ -223,3 +223,219 @@ def test_convert_errors_leave_the_model_untouched(fp8_ctx: ComputeCtx) -> None:
         rep = convert_to_fp8(root, fp8_ctx, include_head=True, min_features=16)
     assert rep.converted == () and "root module" in reasons(rep)["<root>"]
     assert "converted 0" in str(rep)
+
+
+# ----- the head by what it is, subclasses, converting again, mixed dtypes ---------------------
+
+
+class LitBlock(nn.Module):
+    """A litgpt-style block: attention projections and an MLP."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.attn = nn.ModuleDict({"attn": nn.Linear(n, 3 * n), "proj": nn.Linear(n, n)})
+        self.mlp = nn.ModuleDict({"fc": nn.Linear(n, 4 * n), "proj": nn.Linear(4 * n, n)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.attn["attn"](x).chunk(3, dim=-1)
+        x = x + self.attn["proj"](torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+        y: torch.Tensor = x + self.mlp["proj"](torch.relu(self.mlp["fc"](x)))
+        return y
+
+
+class LitGPT(nn.Module):
+    """litgpt's layout: ``lm_head`` registered *first*, then the embedding and the blocks."""
+
+    def __init__(self, vocab: int = 80, n: int = 32, layers: int = 6, head: str = "lm_head"):
+        super().__init__()
+        self.head_name = head
+        self.add_module(head, nn.Linear(n, vocab, bias=False))
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": nn.Embedding(vocab, n),
+                "h": nn.ModuleList(LitBlock(n) for _ in range(layers)),
+                "ln_f": nn.LayerNorm(n),
+            }
+        )
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.transformer["wte"](ids)
+        for block in self.transformer.get_submodule("h").children():
+            x = block(x)
+        y: torch.Tensor = self.get_submodule(self.head_name)(self.transformer["ln_f"](x))
+        return y
+
+
+@pytest.mark.parametrize(
+    ("head", "why"),
+    [
+        ("lm_head", "output head (named 'lm_head')"),
+        ("Output", "output head (named 'Output')"),
+        (
+            "decoder",
+            "output head (out_features=80, the vocabulary of nn.Embedding 'transformer.wte')",
+        ),
+    ],
+)
+def test_the_head_is_found_by_what_it_is_not_where_it_is_registered(
+    fp8_ctx: ComputeCtx, head: str, why: str
+) -> None:
+    model = LitGPT(head=head)
+    report = convert_to_fp8(model, fp8_ctx, min_features=16)
+    assert [(s.fqn, s.rule) for s in report.skipped] == [(head, "head")]
+    assert reasons(report)[head] == f"{why}; pass include_head=True to convert it"
+    assert "transformer.h.5.mlp.proj" in report.converted
+    assert len(report.converted) == 6 * 4
+    assert type(model.get_submodule(head)) is nn.Linear
+    assert model(torch.randint(0, 80, (2, 5))).shape == (2, 5, 80)
+
+
+def test_a_sequential_head_is_its_last_layer(fp8_ctx: ComputeCtx) -> None:
+    # Nothing names, ties or sizes a head here: the last layer (also the last to run) is it.
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.Linear(32, 16))
+    report = convert_to_fp8(model, fp8_ctx, min_features=16)
+    assert report.converted == ("0", "2")
+    assert "the last nn.Linear in registration order: no linear is tied" in reasons(report)["3"]
+
+
+class Module:
+    """torchtitan's mixin for its own modules (an init_weights protocol)."""
+
+    def init_weights(self) -> None:
+        pass
+
+
+class TitanLinear(nn.Linear, Module):
+    """torchtitan's ``class Linear(nn.Linear, Module)``: no forward of its own."""
+
+
+class Counted(nn.Linear):
+    """A subclass that adds a buffer, which an Fp8Linear would drop."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n, n)
+        self.register_buffer("calls", torch.zeros(()))
+
+
+def test_subclasses_without_a_forward_of_their_own_convert(fp8_ctx: ComputeCtx) -> None:
+    model = nn.Sequential(TitanLinear(32, 32), TitanLinear(32, 32), nn.Linear(32, 16))
+    report = convert_to_fp8(model, fp8_ctx, min_features=16)
+    assert report.converted == ("0", "1")
+    assert all(type(m) is Fp8Linear for m in (model[0], model[1]))
+    model(torch.randn(4, 32))
+
+    def identity(input: torch.Tensor) -> torch.Tensor:
+        return input
+
+    replaced = nn.Linear(32, 32)
+    replaced.forward = identity  # type: ignore[method-assign]
+    parametrized = nn.Linear(32, 32)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", nn.Identity())
+    keep = nn.Sequential(Counted(32), replaced, parametrized, nn.Linear(32, 32), nn.Linear(32, 8))
+    report = convert_to_fp8(keep, fp8_ctx, min_features=16)
+    r = reasons(report)
+    assert report.converted == ("3",)
+    assert "Counted is a subclass of nn.Linear and it holds 'calls'" in r["0"]
+    assert "its forward was replaced on the instance" in r["1"]
+    assert "ParametrizedLinear defines its own weight" in r["2"]
+    assert "pass converters={ParametrizedLinear: ...} to convert it" in r["2"]
+
+
+class Fp8Scaled(nn.Module):
+    """What a framework's converter may build: fp8 for the GEMM, its own gain kept."""
+
+    def __init__(self, inner: Fp8Linear, gain: nn.Parameter) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = self.inner(x) * self.gain
+        return y
+
+
+def to_fp8_scaled(linear: nn.Linear, ctx: ComputeCtx, *, backend: Any, quantize: Any) -> nn.Module:
+    assert isinstance(linear, ScaledLinear)
+    inner = Fp8Linear.from_linear(linear, ctx, backend=backend, quantize=quantize)
+    return Fp8Scaled(inner, linear.gain)
+
+
+def to_none(linear: nn.Linear, ctx: ComputeCtx, *, backend: Any, quantize: Any) -> nn.Module:
+    return None  # type: ignore[return-value]  # a converter with a bug
+
+
+class LoggedLinear(nn.Linear):
+    """A forward that only watches: it computes x Wᵀ + b."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+def test_converters_are_the_extension_point_for_subclasses_with_a_forward(
+    fp8_ctx: ComputeCtx,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(ScaledLinear(32), LoggedLinear(32, 32), nn.Linear(32, 16))
+    x = torch.randn(4, 32)
+    want = model(x)
+    gain = model[0].gain
+    converters: dict[type[nn.Linear], Fp8Converter] = {
+        ScaledLinear: to_fp8_scaled,
+        LoggedLinear: Fp8Linear.from_linear,
+    }
+    report = convert_to_fp8(model, fp8_ctx, min_features=16, converters=converters)
+    assert report.converted == ("0", "1")
+    assert isinstance(model[0], Fp8Scaled) and type(model[1]) is Fp8Linear
+    assert model[0].gain is gain
+    got = model(x)
+    assert torch.allclose(got, want, rtol=0.25, atol=0.25)  # fp8: 2**-4 relative per operand
+
+    with pytest.raises(TypeError, match=r"keys must be subclasses of nn\.Linear .* got type"):
+        convert_to_fp8(model, fp8_ctx, converters={nn.Linear: Fp8Linear.from_linear})
+    fresh = nn.Sequential(ScaledLinear(32), nn.Linear(32, 16))
+    with pytest.raises(TypeError, match=r"returned NoneType None for '0', not an nn\.Module"):
+        convert_to_fp8(
+            fresh, fp8_ctx, include_head=True, min_features=16, converters={ScaledLinear: to_none}
+        )
+    assert not any(isinstance(m, Fp8Linear) for m in fresh.modules())  # left unchanged
+
+
+def test_converting_again_is_a_no_op_under_the_same_policy_and_refused_under_another(
+    fp8_ctx: ComputeCtx, dynamic_ctx: ComputeCtx
+) -> None:
+    model = LitGPT(layers=2)
+    first = convert_to_fp8(model, fp8_ctx, min_features=16)
+    layers = {fqn: model.get_submodule(fqn) for fqn in first.converted}
+    again = convert_to_fp8(model, fp8_ctx, min_features=16)
+    assert again.converted == () and set(again.already_fp8) == set(first.converted)
+    assert "already fp8 under this policy, left as they are: 8" in str(again)
+    assert all(model.get_submodule(f) is m for f, m in layers.items())
+
+    with pytest.raises(ValueError, match="already an Fp8Linear under") as caught:
+        convert_to_fp8(model, dynamic_ctx, min_features=16)
+    text = str(caught.value)
+    assert "'transformer.h.0.attn.attn' (and 7 more) is already an Fp8Linear under " in text
+    assert "fp8=hybrid/delayed/16/0/max, compute=bf16" in text
+    assert "this call asks for fp8=hybrid/dynamic/0, compute=bf16" in text
+    assert all(m.ctx == fp8_ctx for m in layers.values())
+
+
+def test_a_head_left_at_another_dtype_says_what_to_do(fp8_ctx: ComputeCtx) -> None:
+    # A float32 model under a bf16 policy: the fp8 layers return a bf16 input as bf16, and
+    # the float32 head then refuses it. The report says so, and the advice works.
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+    report = convert_to_fp8(model, fp8_ctx, min_features=16)
+    (note,) = report.notes
+    assert (
+        "the head '2' stays an nn.Linear with torch.float32 weights while ctx.compute is bf16"
+        in note
+    )
+    assert "ctx.autocast()" in note and "include_head=True" in note
+    assert "notes:" in str(report)
+    x = fp8_ctx.to_compute(torch.randn(4, 32))
+    with pytest.raises(RuntimeError, match="dtype"):
+        model(x)
+    with fp8_ctx.autocast():
+        assert model(x).dtype == torch.bfloat16
+    same = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
+    assert convert_to_fp8(same, fp8_ctx, min_features=16).notes == ()

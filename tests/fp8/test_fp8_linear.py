@@ -68,8 +68,8 @@ BF16_UNIT = 2.0**-8  # bfloat16 keeps 8 significant bits: half an ulp is 2**-8 r
 @settings(max_examples=15)
 @given(
     rows=st.integers(1, 9),
-    n_in=st.sampled_from([16, 24, 40]),
-    n_out=st.sampled_from([8, 16, 33]),
+    n_in=st.sampled_from([16, 32, 48]),  # fp8 widths are multiples of 16 (check_fp8_widths)
+    n_out=st.sampled_from([16, 32, 48]),
     scale=st.sampled_from([1e-3, 1.0, 300.0]),
     seed=st.integers(0, 2**16),
 )
@@ -355,11 +355,30 @@ def test_the_default_backend_follows_the_weight_however_it_moves(
     per_device = {"meta": Fp8Backend.TRITON, "cpu": Fp8Backend.REFERENCE}
     monkeypatch.setattr(linear_module, "default_backend", lambda d: per_device[d.type])
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
-    layer = Fp8Linear(8, 4, ctx=ctx, device="meta")
+    layer = Fp8Linear(16, 16, ctx=ctx, device="meta")
     on_meta = layer.backend
-    source = Fp8Linear(8, 4, ctx=ctx)
+    source = Fp8Linear(16, 16, ctx=ctx)
     layer.load_state_dict(source.state_dict(), assign=True)
     assert layer.weight.device.type == "cpu"
     on_cpu = layer.backend
     assert (on_meta, on_cpu) == (Fp8Backend.TRITON, Fp8Backend.REFERENCE)
-    assert torch.equal(layer(torch.ones(2, 8)), source(torch.ones(2, 8)))
+    assert torch.equal(layer(torch.ones(2, 16)), source(torch.ones(2, 16)))
+
+
+@pytest.mark.parametrize(("n_in", "n_out"), [(20, 64), (64, 20), (8, 4)])
+def test_fp8_linear_refuses_the_widths_conversion_skips_with_the_same_message(
+    fp8_ctx: ComputeCtx, n_in: int, n_out: int
+) -> None:
+    want = (
+        rf"in_features={n_in}, out_features={n_out}: both must be multiples of 16 for fp8 GEMM "
+        rf"tiles"
+    )
+    with pytest.raises(ValueError, match=want) as built:
+        Fp8Linear(n_in, n_out, ctx=fp8_ctx)
+    with pytest.raises(ValueError, match=want):
+        Fp8Linear.from_linear(nn.Linear(n_in, n_out), fp8_ctx)
+    model = nn.Sequential(nn.Linear(n_in, n_out))
+    with pytest.warns(UserWarning, match="converted none"):
+        report = convert_to_fp8(model, fp8_ctx, lambda module, fqn: True)
+    (skipped,) = report.skipped
+    assert (skipped.rule, skipped.reason) == ("feature_multiple", str(built.value))
