@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from typing_extensions import assert_type
 
 from computectx import ComputeCtx, DType, Fp8Format, Residency, cast_if, promote, promoted
-from computectx.fp8 import DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Linear, Fp8Policy, Fp8Scheme
+from computectx.fp8.convert import Fp8Converter
+from computectx.recipes import parse_scaling
 
 ctx = ComputeCtx.new(DType.BF16, "cpu")
 serving = ComputeCtx.serving(torch.device("cpu")).with_kv(DType.F32).with_accum(DType.F64)
@@ -29,3 +32,15 @@ assert_type(ComputeCtx.parse(str(ctx)), ComputeCtx)
 assert_type(DType.parse("half"), DType)
 with ctx.autocast():
     pass
+
+# Text forms read back to typed values; the fp8 conversion's extension point takes
+# Fp8Linear.from_linear as a converter.
+assert_type(parse_scaling("dynamic/2"), DelayedScaling | DynamicScaling)
+assert_type(ComputeCtx.from_flag("fp8_hybrid_dynamic", "cpu"), ComputeCtx)
+
+
+class TitanLinear(nn.Linear):
+    pass
+
+
+converters: dict[type[nn.Linear], Fp8Converter] = {TitanLinear: Fp8Linear.from_linear}
