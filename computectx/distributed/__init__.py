@@ -10,17 +10,21 @@ from computectx.distributed.amax import Fp8AmaxSync, rescale_grad_ring, sync_fp8
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
 from computectx.distributed.fsdp import Fp8ShardedWeight, enable_fp8_all_gather
 from computectx.distributed.group import check_same_policy, data_parallel_group
+from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
 
 __all__ = [
     "DataParallelGradAccumulator",
     "Fp8AmaxSync",
     "Fp8ShardedWeight",
+    "Parallel",
     "ShardedParams",
+    "Strategy",
     "check_same_policy",
     "data_parallel_group",
     "enable_fp8_all_gather",
     "optimizer_state_dict",
+    "parallelize",
     "rescale_grad_ring",
     "set_optimizer_state_dict",
     "sync_fp8_scaling",

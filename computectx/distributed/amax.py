@@ -124,10 +124,18 @@ class Fp8AmaxSync:
         self._loss_normalization: LossNormalization = loss_normalization
         self._model = model
         self._handles: list[RemovableHandle] = []
-        self._group = data_parallel_group(group)
+        self._order_checked = False
         self._snapshots: dict[int, _Snapshot] = {}
-        self._world = dist.get_world_size(self._group)
         self._current_amax: CurrentAmax = current_amax
+        self._reduce: GroupAmax | None = None
+        if group is None and not (dist.is_available() and dist.is_initialized()):
+            # One process that no launcher gave a group (python train.py, or accelerate
+            # on one machine): a world of one, in which there is nothing to keep in step.
+            self._group: dist.ProcessGroup | None = None
+            self._world = 1
+            return
+        self._group = data_parallel_group(group)
+        self._world = dist.get_world_size(self._group)
         layers = _layers(model)
         if layers:
             check_same_policy(layers[0].ctx, self._group)
@@ -158,11 +166,33 @@ class Fp8AmaxSync:
         layers = _layers(self._model)
         if not torch.is_grad_enabled() or not any(layer.training for layer in layers):
             return
+        if not self._order_checked:
+            self._check_hook_order()
         self.sync()
-        self._reduce.armed = True
+        if self._reduce is not None:
+            self._reduce.armed = True
+
+    def _check_hook_order(self) -> None:
+        # FSDP2 all-gathers (and with the fp8 all-gather quantizes) in a pre-forward hook
+        # it puts first in line when fully_shard runs. A sync built before fully_shard is
+        # therefore second: the gathers would run unmerged and unarmed, and the weights'
+        # rings would stop advancing without a word.
+        self._order_checked = True
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self._model, FSDPModule) or not self._handles:
+            return
+        hooks = list(self._model._forward_pre_hooks)
+        if hooks and hooks[0] != self._handles[0].id:
+            raise RuntimeError(
+                "sync_fp8_scaling was called before fully_shard: FSDP2's all-gather now runs "
+                "before the amax merge. Call sync_fp8_scaling(model) after fully_shard (or "
+                "set up with computectx.distributed.parallelize, which orders it)"
+            )
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._reduce.armed = False
+        if self._reduce is not None:
+            self._reduce.armed = False
 
     def remove(self) -> None:
         """Stop merging before forwards (``sync()`` still merges on demand), and let each
@@ -173,7 +203,7 @@ class Fp8AmaxSync:
         self._handles = []
         local = RankLocal()
         for layer in _layers(self._model):
-            if layer.amax_reduce is self._reduce:
+            if self._reduce is not None and layer.amax_reduce is self._reduce:
                 layer.amax_reduce = local
 
     @property
@@ -201,9 +231,11 @@ class Fp8AmaxSync:
                 rescale_grad_ring(layer, self._world, self._loss_normalization)
 
     def sync(self) -> None:
-        """Merge every ring with the other ranks' (one all-gather), in place, on the device."""
+        """Merge every ring with the other ranks' (one all-gather), in place, on the device.
+
+        In a world of one (no process group) there is nothing to merge."""
         layers = _layers(self._model)
-        if not layers:
+        if not layers or self._group is None:
             return
         self._to_this_world(layers)
         entries = _operands(layers)

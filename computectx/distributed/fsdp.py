@@ -45,7 +45,12 @@ from computectx.distributed.collectives import GroupAmax
 from computectx.fp8 import Fp8Linear, Fp8Weight, ops
 from computectx.recipes import DelayedScaling
 
-__all__ = ["Fp8ShardedWeight", "enable_fp8_all_gather", "sharded_weight_of"]
+__all__ = [
+    "Fp8ShardedWeight",
+    "enable_fp8_all_gather",
+    "parameter_holders",
+    "sharded_weight_of",
+]
 
 _aten = torch.ops.aten
 # Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
@@ -299,8 +304,9 @@ def _state_dict_hook(
         state_dict[key] = _plain(state_dict[key])
 
 
-def _tied_elsewhere(model: nn.Module) -> dict[int, list[str]]:
-    # Every module attribute that holds each Parameter, by the Parameter's id.
+def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> every 'module.attribute' of ``model`` that holds it`` (a tied
+    weight has more than one)."""
     owners: dict[int, list[str]] = {}
     for mod_name, mod in model.named_modules(remove_duplicate=False):
         for p_name, p in mod.named_parameters(recurse=False):
@@ -329,7 +335,7 @@ def enable_fp8_all_gather(
     (a DTensor). Everything is checked before any weight changes.
     """
     chosen: list[tuple[str, Fp8Linear]] = []
-    owners = _tied_elsewhere(model)
+    owners = parameter_holders(model)
     for name, layer in model.named_modules():
         if not isinstance(layer, Fp8Linear) or layer.frozen:
             continue

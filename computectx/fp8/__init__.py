@@ -19,6 +19,7 @@ from computectx.fp8.quantized import Fp8Weight
 from computectx.fp8.region import fp8_autocast
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
+from computectx.fp8.world import Fp8ScalingNotSyncedWarning
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "Fp8Linear",
     "Fp8OperandStats",
     "Fp8Policy",
+    "Fp8ScalingNotSyncedWarning",
     "Fp8ScalingState",
     "Fp8Scheme",
     "Fp8Weight",

@@ -1,0 +1,297 @@
+"""One call that sets a model up for many ranks, in the one right order: ``parallelize``.
+
+Training fp8 data-parallel takes several pieces (fp8 conversion, the fp8 all-gather, DDP or
+FSDP2, the amax sync, the memory policy's accumulator and optimizer) and most wrong orders
+are silent. ``parallelize(model, ctx, strategy=...)`` runs them in order and returns a
+``Parallel``: the module to run forwards on, the optimizer, the accumulator, the sync, and
+``step`` / ``state_dict`` / ``load_state_dict`` for the loop and its checkpoints. With no
+process group (or a world of one) it sets up the same model for one process, so one script
+runs under ``python`` and under ``torchrun`` alike. The pieces stay public for experts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx.ctx import ComputeCtx
+from computectx.distributed.accumulate import DataParallelGradAccumulator
+from computectx.distributed.amax import (
+    CurrentAmax,
+    Fp8AmaxSync,
+    LossNormalization,
+    sync_fp8_scaling,
+)
+from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
+from computectx.distributed.fsdp import enable_fp8_all_gather, parameter_holders
+from computectx.distributed.group import check_same_policy
+from computectx.distributed.sharding import ShardedParams
+from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+
+__all__ = ["Parallel", "Strategy", "parallelize"]
+
+Strategy = Literal["ddp", "fsdp"]
+"""How the ranks share the model: replicated (``DistributedDataParallel``) or sharded
+(FSDP2's ``fully_shard``)."""
+
+ModuleFilter = Callable[[nn.Module, str], bool]
+
+_MODEL, _OPTIMIZER = "model", "optimizer"
+
+
+@dataclass(eq=False)
+class Parallel:
+    """What ``parallelize`` set up. Run forwards on ``model``; keep ``module`` for evaluation
+    and sampling (a call on it is rank-local: it issues no collective and records nothing).
+
+    ``world_size`` is 1 in one process, where ``model`` is ``module`` and ``sync`` is
+    ``None``.
+    """
+
+    model: nn.Module
+    """What the ranks run forward: the DDP wrapper, the sharded model, or the model."""
+    module: nn.Module
+    """The model itself (under FSDP2, sharded in place: the same object as ``model``)."""
+    optimizer: torch.optim.Optimizer
+    """An ``OffloadedOptimizer`` where the ctx asks for one, else ``optimizer_class``."""
+    accumulator: LowPrecGradAccumulator | None
+    """The gradient accumulator, where the ctx asks for one (DDP and one process)."""
+    sync: Fp8AmaxSync | None
+    """The fp8 amax sync (many ranks, fp8 policy)."""
+    conversion: Fp8ConversionReport | None
+    """What ``convert_to_fp8`` did (fp8 policy)."""
+    world_size: int
+
+    def step(self, max_norm: float | None = None) -> float | None:
+        """End an optimizer step: hand the gradients over, clip, step, zero them.
+
+        Returns the total gradient norm when ``max_norm`` is given (measured over every
+        rank; a non-finite norm skips the step, as ``OffloadedOptimizer`` does), else
+        ``None``.
+        """
+        opt, acc = self.optimizer, self.accumulator
+        norm: float | None = None
+        if isinstance(opt, OffloadedOptimizer):
+            if acc is not None:
+                opt.ingest_grads(acc)
+            if max_norm is not None:
+                norm = opt.clip_grad_norm(max_norm)
+            opt.step()
+        else:
+            if acc is not None:
+                acc.flush_to_param_grads()
+            if max_norm is not None:
+                params = [p for g in opt.param_groups for p in g["params"]]
+                norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            if norm is None or math.isfinite(norm):
+                opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` keyed by parameter FQN, for
+        ``torch.distributed.checkpoint`` (it reshards to any world size) or ``torch.save``.
+
+        The fp8 rings are merged first, so the state saved holds every rank's last amaxes.
+        Every rank must call it (the merge is a collective).
+        """
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        if self.sync is not None:
+            self.sync.sync()
+        opt = self.optimizer
+        optim = (
+            optimizer_state_dict(self.module, opt)
+            if isinstance(opt, OffloadedOptimizer)
+            else get_optimizer_state_dict(self.module, opt)
+        )
+        return {_MODEL: get_model_state_dict(self.module), _OPTIMIZER: optim}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what ``state_dict`` gave (after ``torch.distributed.checkpoint.load`` filled
+        it): the model first, then the optimizer, whose masters follow the model."""
+        from torch.distributed.checkpoint.state_dict import (
+            set_model_state_dict,
+        )
+        from torch.distributed.checkpoint.state_dict import (
+            set_optimizer_state_dict as set_plain_optimizer_state_dict,
+        )
+
+        if not isinstance(state, Mapping) or set(state) != {_MODEL, _OPTIMIZER}:
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(
+                f"a Parallel checkpoint has the keys {[_MODEL, _OPTIMIZER]} (Parallel."
+                f"state_dict()), got {got}"
+            )
+        set_model_state_dict(self.module, state[_MODEL])
+        opt = self.optimizer
+        if isinstance(opt, OffloadedOptimizer):
+            set_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
+        else:
+            set_plain_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
+
+
+def _world(mesh: DeviceMesh | None) -> int:
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"parallelize takes a one-dimensional DeviceMesh (data parallel), got "
+                f"{mesh.ndim} dimensions {mesh.mesh_dim_names or ''}"
+            )
+        return int(mesh.size())
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def _default_units(model: nn.Module) -> list[nn.Module]:
+    # FSDP2's usual grain: every block of a ModuleList (transformer layers), else every
+    # direct child that holds parameters; the root is sharded last in any case.
+    blocks = [
+        child
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        for child in m
+        if any(True for _ in child.parameters())
+    ]
+    if blocks:
+        return blocks
+    return [c for c in model.children() if any(True for _ in c.parameters())]
+
+
+def _asks_for_offloaded(ctx: ComputeCtx, params: list[nn.Parameter]) -> bool:
+    return ctx.offload is not None or any(p.dtype != ctx.master.torch for p in params)
+
+
+def parallelize(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    mesh: DeviceMesh | None = None,
+    *,
+    strategy: Strategy = "ddp",
+    optimizer_class: type[torch.optim.Optimizer] = torch.optim.AdamW,
+    fp8_filter: ModuleFilter | None = None,
+    fp8_all_gather: bool = True,
+    shard_units: list[nn.Module] | None = None,
+    accumulate: bool | None = None,
+    offload: bool | None = None,
+    current_amax: CurrentAmax = "group",
+    loss_normalization: LossNormalization = "per_rank",
+    **optimizer_kwargs: Any,
+) -> Parallel:
+    """Set ``model`` up to train under ``ctx`` on every rank of ``mesh`` (default: the whole
+    default group; none: one process), in the one right order, and return a ``Parallel``.
+
+    1. fp8 policy: ``convert_to_fp8(model, ctx, module_filter=fp8_filter)``.
+    2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 (``fp8_all_gather``; weights
+       tied to another module gather high precision), then ``fully_shard`` each of
+       ``shard_units`` (default: every block of a ``ModuleList``, else every child with
+       parameters) and the root. ``strategy="ddp"``: ``DistributedDataParallel``.
+    3. fp8 policy on many ranks: ``sync_fp8_scaling`` on what runs forward
+       (``current_amax``, ``loss_normalization`` as there).
+    4. The memory policy. The optimizer is an ``OffloadedOptimizer`` over
+       ``optimizer_class`` when ``offload`` is true, or by default when the ctx asks for one
+       (``ctx.offload`` set, or ``ctx.master`` differing from a parameter's dtype); else
+       ``optimizer_class`` itself. ``optimizer_kwargs`` (``lr=...``) go to it. A gradient
+       accumulator is built when ``accumulate`` is true, or by default when the ctx asks
+       for one (``ctx.grad`` differing from ``ctx.master``: low-precision gradient sums):
+       ``DataParallelGradAccumulator`` under DDP, ``LowPrecGradAccumulator`` in one
+       process. FSDP2 reduce-scatters gradients itself and takes none: a ctx that asks for
+       one under FSDP2 is a ``ValueError`` unless ``accumulate=False`` says so.
+
+    Everything is checked before the model changes. Then: ``out = par.model(x)``,
+    ``loss.backward()``, ``par.step(max_norm)``; checkpoints through ``par.state_dict()``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(ctx, ComputeCtx):
+        raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if isinstance(model, DistributedDataParallel | FSDPModule):
+        raise ValueError(
+            f"parallelize wraps the model itself: pass the plain module, not a "
+            f"{type(model).__name__} (it was wrapped already)"
+        )
+    world = _world(mesh)
+    wants_acc = ctx.grad != ctx.master
+    build_acc = wants_acc if accumulate is None else bool(accumulate)
+    if build_acc and strategy == "fsdp" and world > 1:
+        why = "accumulate=True" if accumulate else f"the ctx ({ctx}) asks for one"
+        raise ValueError(
+            f"strategy='fsdp' takes no gradient accumulator ({why}): FSDP2 reduce-scatters "
+            f"the gradients itself. Pass accumulate=False, or strategy='ddp'"
+        )
+
+    group = mesh.get_group() if mesh is not None else None
+    if world > 1:
+        # Ranks that parsed another policy stop here, before anything changes.
+        check_same_policy(ctx, group)
+    conversion = convert_to_fp8(model, ctx, module_filter=fp8_filter) if ctx.fp8 else None
+    run: nn.Module = model
+    sharded = strategy == "fsdp" and world > 1
+    if world > 1:
+        if sharded:
+            if mesh is None:
+                mesh = init_device_mesh(ctx.device.type, (world,))
+            if ctx.fp8 and fp8_all_gather:
+                owners = parameter_holders(model)
+                enable_fp8_all_gather(
+                    model,
+                    module_filter=lambda m, fqn: (
+                        isinstance(m, Fp8Linear) and len(owners.get(id(m.weight), [])) <= 1
+                    ),
+                )
+            for unit in shard_units if shard_units is not None else _default_units(model):
+                fully_shard(unit, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        else:
+            ids = [ctx.device.index or 0] if ctx.device.type == "cuda" else None
+            run = DistributedDataParallel(model, device_ids=ids, process_group=group)
+    sync = None
+    if ctx.fp8 and world > 1:
+        sync = sync_fp8_scaling(
+            run,
+            mesh,
+            current_amax=current_amax,
+            loss_normalization=loss_normalization,
+        )
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    use_offloaded = _asks_for_offloaded(ctx, params) if offload is None else bool(offload)
+    opt: torch.optim.Optimizer
+    if use_offloaded:
+        sharding = ShardedParams(mesh) if sharded else None
+        opt = OffloadedOptimizer(
+            params, ctx, optimizer_class, sharding=sharding, **optimizer_kwargs
+        )
+    else:
+        opt = optimizer_class(params, **optimizer_kwargs)
+    acc: LowPrecGradAccumulator | None = None
+    if build_acc and not sharded:
+        if isinstance(run, DistributedDataParallel):
+            acc = DataParallelGradAccumulator(run, ctx)
+        else:
+            acc = LowPrecGradAccumulator(params, ctx)
+    return Parallel(
+        model=run,
+        module=model,
+        optimizer=opt,
+        accumulator=acc,
+        sync=sync,
+        conversion=conversion,
+        world_size=world,
+    )
