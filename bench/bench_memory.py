@@ -3,6 +3,7 @@ against plain mixed-precision AdamW, from one run.
 
     python bench/bench_memory.py                 # CUDA when available, else CPU
     python bench/bench_memory.py --device cpu    # CPU-only: same figures, see the note printed
+    python bench/bench_memory.py --dp-reduce     # the DP accumulator's reduction, 2 gloo ranks
 
 Plain: f32 weights on the compute device, bf16 autocast, f32 gradients, AdamW state on the
 compute device (the 16 bytes/param baseline). Offloaded: bf16 weights on the compute device,
@@ -17,13 +18,19 @@ figures side by side.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
+import socket
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from computectx import ComputeCtx, DType
+from computectx.distributed import DataParallelGradAccumulator
+from computectx.distributed.accumulate import DEFAULT_BUCKET_MIB
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
 from computectx.memory.accounting import Role
 
@@ -68,6 +75,109 @@ def timed(
     return statistics.median(fb), statistics.median(opt)
 
 
+# ----- --dp-reduce: DataParallelGradAccumulator's reduction on 2 gloo ranks -----------------
+
+# Eight 2048x2048 layers and a 32000x1024 embedding: 66.3M parameters, 253 MiB of f32 sums.
+DP_SHAPES = [(2048, 2048)] * 8 + [(32000, 1024)]
+
+
+def _peak_rss_mib() -> float:
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    return kib / 1024
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # Linux: "5" resets VmHWM to the current RSS
+        f.write("5")
+
+
+Reduce = Callable[[LowPrecGradAccumulator], None]
+
+
+def _one_vector(acc: LowPrecGradAccumulator) -> None:
+    """The reduction before buckets: one f32 vector of every sum and a flag per parameter."""
+    params = acc.params
+    sizes = [p.numel() for p in params]
+    total = sum(sizes)
+    flat = torch.zeros(total + len(params))
+    offset = 0
+    for i, (p, n) in enumerate(zip(params, sizes, strict=True)):
+        buf = acc.peek(p)
+        if buf is not None:
+            flat[offset : offset + n].copy_(buf.reshape(-1))
+            flat[total + i] = 1.0
+        offset += n
+    dist.all_reduce(flat)
+    flat[:total].div_(dist.get_world_size())
+    offset = 0
+    for p, n, h in zip(params, sizes, flat[total:].tolist(), strict=True):
+        if h > 0:
+            acc.set_sum(p, flat[offset : offset + n].view(p.shape))
+        offset += n
+
+
+def _dp_rank(rank: int, world: int, port: int, grad: str, steps: int, variant: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ctx = ComputeCtx.parity("cpu").replace(grad=DType.parse(grad), offload=torch.device("cpu"))
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in DP_SHAPES]
+    variants: list[tuple[str, Callable[[], LowPrecGradAccumulator], Reduce]] = [
+        ("one f32 vector (before)", lambda: LowPrecGradAccumulator(params, ctx), _one_vector),
+        (
+            f"{DEFAULT_BUCKET_MIB:g} MiB buckets",
+            lambda: DataParallelGradAccumulator(params, ctx),
+            lambda acc: acc.sync(),  # DataParallelGradAccumulator.sync reduces
+        ),
+    ]
+    # One variant per pair of processes: memory freed by another would be reused unseen.
+    name, make, reduce = variants[variant]
+    acc = make()
+    seconds, growth = [], []
+    for _ in range(steps):
+        torch.stack([p.sum() for p in params]).sum().backward()  # type: ignore[no-untyped-call]
+        dist.barrier()
+        _reset_peak_rss()
+        base = _peak_rss_mib()
+        t0 = time.perf_counter()
+        reduce(acc)
+        seconds.append(time.perf_counter() - t0)
+        growth.append(_peak_rss_mib() - base)
+        for p in params:
+            acc.pop(p)
+    # With the sums handed over, what the accumulator still holds.
+    kept = memory_report(accumulator=acc).bytes(role="accumulator")
+    if rank == 0:
+        print(
+            f"grad={grad:<4} {name:<24} reduce {statistics.median(seconds) * 1e3:6.0f} ms "
+            f"(median of {steps}), peak RSS growth {max(growth):6.1f} MiB, kept "
+            f"{kept / 2**20:5.1f} MiB",
+            flush=True,
+        )
+    acc.close()
+    dist.destroy_process_group()
+
+
+def dp_reduce(grad: str, steps: int) -> None:
+    """Time one reduction each way on 2 gloo ranks (a fresh pair of processes for each)."""
+    n = sum(a * b for a, b in DP_SHAPES)
+    print(f"{len(DP_SHAPES)} parameters, {n:,} elements; sums in {grad}; 2 gloo ranks, 1 thread")
+    spawn = multiprocessing.get_context("spawn")
+    for variant in range(2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        args = (2, port, grad, steps, variant)
+        ranks = [spawn.Process(target=_dp_rank, args=(r, *args)) for r in range(2)]
+        for proc in ranks:
+            proc.start()
+        for proc in ranks:
+            proc.join()
+        if any(proc.exitcode != 0 for proc in ranks):
+            raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in ranks]}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -78,7 +188,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=None, help="rows per micro-batch")
     ap.add_argument("--micro-batches", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument(
+        "--dp-reduce",
+        choices=["bf16", "f32"],
+        default=None,
+        help="instead: time DataParallelGradAccumulator's reduction (sums in this dtype) on\n"
+        "2 gloo ranks against the one-vector reduction it replaced, with peak RSS growth",
+    )
     args = ap.parse_args(argv)
+    if args.dp_reduce is not None:
+        dp_reduce(args.dp_reduce, args.steps)
+        return
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if args.device == "cuda" and not torch.cuda.is_available():
