@@ -14,8 +14,10 @@ The reduction runs in f32 through one reused bucket of at most ``bucket_mib`` (2
 default, as DDP's ``bucket_cap_mb``): the sums are copied into it in parameter order, a
 parameter larger than the room left is split across buckets, and each bucket is all-reduced,
 averaged and written back before the next is filled. The layout follows from the parameters'
-sizes alone, so every rank runs the same collectives whatever its gradients; each element is
-reduced by the same sum as in one vector of every parameter, so the sums are the same.
+sizes alone, so every rank runs the same collectives whatever its gradients. Each element is
+summed over the ranks as in one vector of every parameter: on two ranks (a + b is b + a) the
+sums are bitwise those of the one-vector reduction this replaced; on more, the backend's
+order of summation may follow the message layout, as it does for DDP's buckets.
 """
 
 from __future__ import annotations
@@ -149,23 +151,27 @@ class DataParallelGradAccumulator(LowPrecGradAccumulator):
     an iterable of its parameters. Each rank sums its own micro-batch gradients (as the
     base class does, in ``ctx.grad`` on ``ctx.offload_device``); the first hand-over after
     new gradients (``OffloadedOptimizer.ingest_grads``, ``pop``, ``peek``,
-    ``flush_to_param_grads``, or ``sync()`` itself) all-reduces every sum in one coalesced
-    collective in f32 (f64 for an f64 ``ctx.grad``), divides by the world size and rounds
-    once into ``ctx.grad``. Every rank must hand over at the same points.
+    ``flush_to_param_grads``, or ``sync()`` itself) all-reduces every sum in f32 (f64 for an
+    f64 ``ctx.grad``), divides by the world size and rounds once into ``ctx.grad``. Every
+    rank must hand over at the same points.
 
     Given a DDP module, it registers a DDP comm hook that does no communication while the
     accumulator is open (DDP's own reduction is thus off, with or without ``no_sync()``)
     and DDP's plain average-all-reduce once it is closed; the zeros DDP writes into
     ``param.grad`` after a backward outside ``no_sync()`` are dropped at the hand-over.
     A DDP module takes one comm hook in its life: build a new DDP for another accumulator.
-
-    The reduction goes through one f32 bucket of at most ``bucket_mib`` MiB (keyword; 25 by
-    default, as DDP), kept for the next hand-over and counted by ``memory_report`` under
-    ``accumulator``; a smaller model gets a bucket of its own size. One collective per
-    bucket, the same on every rank: the layout follows from the parameters' sizes only.
     Any other gradient found in ``param.grad`` at the hand-over (one written after the
     accumulator drained it) is an error that says what to do. FSDP2 (DTensor) parameters
     are refused: FSDP2 reduce-scatters the gradients itself.
+
+    The reduction goes through one bucket of at most ``bucket_mib`` MiB (keyword; 25 by
+    default, as DDP's ``bucket_cap_mb``), kept for the next hand-over and counted by
+    ``memory_report`` under ``accumulator``; a smaller model gets a bucket of its own size.
+    A parameter larger than the room left is reduced in pieces. One collective per bucket
+    (``buckets``), the same on every rank: the layout follows from the parameters' sizes
+    only. Each element is summed as in one all-reduce of every sum, so on two ranks the
+    result is bitwise the one-vector result; more ranks may sum in another order, as DDP's
+    buckets do.
     """
 
     def __init__(
