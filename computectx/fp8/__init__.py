@@ -9,7 +9,9 @@ from computectx.fp8.backend import Fp8Backend, select_backend
 from computectx.fp8.convert import (
     DEFAULT_MIN_FEATURES,
     FEATURE_MULTIPLE,
+    HEAD_NAMES,
     Fp8ConversionReport,
+    Fp8Converter,
     SkippedLinear,
     convert_to_fp8,
 )
@@ -25,10 +27,12 @@ from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Sch
 __all__ = [
     "DEFAULT_MIN_FEATURES",
     "FEATURE_MULTIPLE",
+    "HEAD_NAMES",
     "DelayedScaling",
     "DynamicScaling",
     "Fp8Backend",
     "Fp8ConversionReport",
+    "Fp8Converter",
     "Fp8LayerStats",
     "Fp8Linear",
     "Fp8OperandStats",
