@@ -416,7 +416,7 @@ def run_cpu_smoke() -> int:
         ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
         xin = torch.randn(6, 48, generator=gen).to(torch.bfloat16)
         for backend in (ref, tri):
-            layer = Fp8Linear(48, 40, ctx=ctx, backend=backend, device="cpu", dtype=torch.bfloat16)
+            layer = Fp8Linear(48, 80, ctx=ctx, backend=backend, device="cpu", dtype=torch.bfloat16)
             xg = xin.clone().requires_grad_()
             y = layer(xg)
             y.float().sum().backward()

@@ -16,9 +16,9 @@ CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 
 def _trained_layer() -> Fp8Linear:
     torch.manual_seed(0)
-    layer = Fp8Linear(8, 8, ctx=CTX, backend="reference")
+    layer = Fp8Linear(16, 16, ctx=CTX, backend="reference")
     for _ in range(3):
-        layer(torch.randn(4, 8)).square().mean().backward()
+        layer(torch.randn(4, 16)).square().mean().backward()
     return layer
 
 
@@ -49,7 +49,7 @@ def test_the_world_size_travels_with_the_checkpoint_and_is_checked() -> None:
     layer = _trained_layer()
     rescale_grad_ring(layer, 2)
     state = layer.state_dict()
-    fresh = Fp8Linear(8, 8, ctx=CTX, backend="reference")
+    fresh = Fp8Linear(16, 16, ctx=CTX, backend="reference")
     fresh.load_state_dict(state)
     assert fresh.scaling.world_size == 2
     assert torch.equal(fresh.scaling.grad.ring, layer.scaling.grad.ring)

@@ -2,9 +2,10 @@
 
 Runs in a child interpreter with ``TRITON_INTERPRET=1`` (Triton decides at import time
 whether kernels are interpreted, so the setting must not leak into this process): an
-``Fp8Linear`` and a region-routed ``nn.Linear`` on odd shapes, three training steps, with
-transposed-view backward GEMMs. Quantization is bit-exact between the backends, so the rings
-must be identical; the GEMMs differ at most by float32 summation order.
+``Fp8Linear`` (48 -> 80: fp8 widths are multiples of 16, yet neither fills the interpreter's
+32-wide tiles) and a region-routed ``nn.Linear`` (80 -> 8) on 10 rows, three training steps,
+with transposed-view backward GEMMs. Quantization is bit-exact between the backends, so the
+rings must be identical; the GEMMs differ at most by float32 summation order.
 """
 
 from __future__ import annotations
@@ -29,10 +30,10 @@ CHILD = textwrap.dedent(
         fp8=Fp8Policy(scaling=DelayedScaling(history_len=3))
     )
     torch.manual_seed(0)
-    ref = Fp8Linear(24, 40, ctx=ctx, backend="reference")
-    tri = Fp8Linear(24, 40, ctx=ctx, backend="triton")
+    ref = Fp8Linear(48, 80, ctx=ctx, backend="reference")
+    tri = Fp8Linear(48, 80, ctx=ctx, backend="triton")
     tri.load_state_dict(ref.state_dict())
-    plain_r, plain_t = torch.nn.Linear(40, 8), torch.nn.Linear(40, 8)
+    plain_r, plain_t = torch.nn.Linear(80, 8), torch.nn.Linear(80, 8)
     plain_t.load_state_dict(plain_r.state_dict())
     assert str(tri.backend) == "triton" and str(ref.backend) == "reference"
 
@@ -40,7 +41,7 @@ CHILD = textwrap.dedent(
         return torch.allclose(a, b, rtol=1e-5, atol=1e-6)
 
     for step in range(3):
-        x = torch.randn(2, 5, 24) * (1 + step)
+        x = torch.randn(2, 5, 48) * (1 + step)
         xr, xt = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
         with fp8_autocast(ctx, backend="reference"):
             yr = plain_r(ref(xr))

@@ -63,8 +63,8 @@ def test_bad_parts_are_refused_by_name(
 
 def test_fp8_linear_uses_its_codes_and_step_as_they_are() -> None:
     torch.manual_seed(1)
-    plain = Fp8Linear(8, 4, ctx=CTX, backend="reference")
-    gathered = Fp8Linear(8, 4, ctx=CTX, backend="reference")
+    plain = Fp8Linear(32, 16, ctx=CTX, backend="reference")
+    gathered = Fp8Linear(32, 16, ctx=CTX, backend="reference")
     gathered.load_state_dict(plain.state_dict())
     w = plain.weight.detach().clone()
     data, step = _quantized(w)
@@ -72,7 +72,7 @@ def test_fp8_linear_uses_its_codes_and_step_as_they_are() -> None:
     # The plain layer quantizes its weight with the same step when frozen for serving.
     plain.freeze_for_serving()
     assert torch.equal(plain.weight_fp8, data)
-    x = torch.randn(5, 8, requires_grad=True)
+    x = torch.randn(5, 32, requires_grad=True)
     x2 = x.detach().clone().requires_grad_(True)
     y = gathered(x)
     assert torch.equal(y, plain(x2))
@@ -81,7 +81,7 @@ def test_fp8_linear_uses_its_codes_and_step_as_they_are() -> None:
     y.sum().backward()
     grad = gathered.weight.grad
     assert grad is not None and type(grad) is torch.Tensor
-    assert grad.shape == (4, 8) and grad.dtype == torch.float32
+    assert grad.shape == (16, 32) and grad.dtype == torch.float32
     assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
@@ -89,11 +89,11 @@ def test_backward_reads_the_step_the_codes_carry_then() -> None:
     # FSDP2 refills the gathered codes before the backward and writes their step into the
     # same Fp8Weight: the input gradient must use that pair, not the forward's step.
     torch.manual_seed(2)
-    w = torch.randn(4, 8)
+    w = torch.randn(16, 32)
     data, step = _quantized(w)
-    layer = Fp8Linear(8, 4, ctx=CTX, backend="reference")
+    layer = Fp8Linear(32, 16, ctx=CTX, backend="reference")
     layer.weight = nn.Parameter(Fp8Weight(data, step, torch.float32))
-    x = torch.randn(5, 8, requires_grad=True)
+    x = torch.randn(5, 32, requires_grad=True)
     y = layer(x)
     # Refill with the same weight quantized at twice the step (other codes, other step).
     new_step = step * 2
@@ -102,7 +102,7 @@ def test_backward_reads_the_step_the_codes_carry_then() -> None:
         data.copy_(new_data)
         step.copy_(new_step)
     y.sum().backward()
-    ref = Fp8Linear(8, 4, ctx=CTX, backend="reference")
+    ref = Fp8Linear(32, 16, ctx=CTX, backend="reference")
     ref.weight = nn.Parameter(Fp8Weight(new_data, new_step, torch.float32))
     x2 = x.detach().clone().requires_grad_(True)
     ref(x2).sum().backward()
