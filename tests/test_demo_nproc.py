@@ -49,7 +49,7 @@ def test_two_processes_train_like_one(tmp_path: Path, extra: list[str]) -> None:
         runs[n] = _results(out)
     assert [runs[n]["world_size"] for n in (1, 2)] == [1, 2]
     one, two = ({r["flag"]: r["train_losses"] for r in runs[n]["results"]} for n in (1, 2))
-    for flag, bound in (("fp32", 1e-5), ("fp8_hybrid", 5e-3)):
+    for flag, bound in (("fp32", 1e-5), ("fp8_hybrid", 5e-4)):  # docs/demo.md
         rel = max(abs(a - b) / abs(a) for a, b in zip(one[flag], two[flag], strict=True))
         assert rel <= bound, (flag, rel, one[flag], two[flag])
 

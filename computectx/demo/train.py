@@ -12,20 +12,15 @@ import torch
 import torch.distributed as dist
 from rich.progress import Progress
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
 from computectx.demo.settings import DemoSettings
-from computectx.distributed import (
-    DataParallelGradAccumulator,
-    check_same_policy,
-    sync_fp8_scaling,
-)
+from computectx.distributed import parallelize
 from computectx.dtypes import DType
 from computectx.fp8 import Fp8Linear, fp8_stats
-from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx.memory import OffloadedOptimizer
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
 __all__ = [
@@ -170,21 +165,26 @@ def train_policy(
     step's own loss.
 
     Under torch.distributed (``computectx demo --nproc N``) each rank trains its share of
-    every batch in ``DistributedDataParallel``, fp8 rings merged across ranks before each
-    forward (``sync_fp8_scaling``); the losses reported are the group's means.
+    every batch, set up by ``computectx.distributed.parallelize`` (DDP, fp8 rings merged
+    across ranks before each forward); the losses reported are the group's means.
     """
     ctx = policy_ctx(flag, settings, device)
     rank, world = data_parallel_rank()
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, model_config(settings))
-    runner: nn.Module = model
-    ddp: DistributedDataParallel | None = None
-    if world > 1:
-        check_same_policy(ctx)  # ranks that parsed other flags stop here, not in a hang
-        ids = [device.index] if device.type == "cuda" else None
-        runner = ddp = DistributedDataParallel(model, device_ids=ids)
-        if ctx.fp8 is not None:
-            sync_fp8_scaling(runner)
+    # One call sets up the ranks (DDP, the fp8 amax sync, the memory policy's optimizer and
+    # accumulator) or, in one process, just the optimizer and accumulator. The blocks built
+    # their Fp8Linear layers already, so nothing more is converted (the head stays).
+    par = parallelize(
+        model,
+        ctx,
+        strategy="ddp",
+        fp8_filter=lambda module, fqn: False,
+        accumulate=settings.grad_accum > 1,
+        offload=settings.offload,
+        lr=settings.lr,
+    )
+    runner: nn.Module = par.model
     if settings.compile:
         # torch.compile of a module returns an OptimizedModule, itself an nn.Module.
         runner = cast(nn.Module, torch.compile(runner))
@@ -195,22 +195,9 @@ def train_policy(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     params = list(model.parameters())
-    offloaded: OffloadedOptimizer | None = None
-    opt: torch.optim.Optimizer
-    if settings.offload:
-        opt = offloaded = OffloadedOptimizer(params, ctx, lr=settings.lr)
-    else:
-        opt = torch.optim.AdamW(params, lr=settings.lr)
-    acc: LowPrecGradAccumulator | None = None
-    if settings.grad_accum > 1:
-        # Under DDP the accumulator takes each rank's local gradients (its hook runs before
-        # DDP's reducer), so it must reduce its sums itself: once per step, DDP's own
-        # reduction switched off.
-        acc = (
-            LowPrecGradAccumulator(params, ctx)
-            if ddp is None
-            else DataParallelGradAccumulator(ddp, ctx)
-        )
+    opt = par.optimizer
+    offloaded = opt if isinstance(opt, OffloadedOptimizer) else None
+    acc = par.accumulator
     batches = train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed)
     eval_at = {round(settings.steps * k / 6) for k in range(1, 7)} - {0}
     losses: list[float] = []
