@@ -17,7 +17,17 @@ from typing_extensions import Self
 
 __all__ = ["DEFAULT_DTYPES", "POLICY_FLAGS", "DemoError", "DemoSettings"]
 
-POLICY_FLAGS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8_e4m3", "fp8_e5m2", "fp8_hybrid")
+POLICY_FLAGS: tuple[str, ...] = (
+    "fp32",
+    "fp16",
+    "bf16",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_hybrid",
+    "fp8_e4m3_dynamic",
+    "fp8_e5m2_dynamic",
+    "fp8_hybrid_dynamic",
+)
 """The ``--dtype`` names ``ComputeCtx.from_flag`` accepts. ``computectx.ctx.DTYPE_FLAGS`` is
 the source; this copy lets flags be checked without importing torch, and a test keeps the
 two equal."""
@@ -44,7 +54,8 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     dtypes: tuple[str, ...] = Field(
         default=DEFAULT_DTYPES, json_schema_extra={"flag": "--dtype", "metavar": "FLAG[,FLAG]"}
     )
-    """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid. Repeat
+    """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid (delayed
+    scaling), fp8_e4m3_dynamic, fp8_e5m2_dynamic, fp8_hybrid_dynamic (dynamic scaling). Repeat
     the flag or separate names with commas."""
     steps: int = Field(default=120, ge=1, le=1_000_000)
     """Optimizer steps per policy."""
