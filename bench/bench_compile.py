@@ -8,14 +8,14 @@ AdamW) of these configurations, interleaved round by round:
 ``eager delayed op``        eager fp8, delayed scaling, the quantize operators
 ``compiled delayed op``     ``torch.compile`` (Inductor), delayed scaling, the operators
 ``compiled dynamic op``     compiled, dynamic scaling, the operators
-``compiled delayed fused``  compiled, delayed scaling, ``quantize="fused"`` (plain torch ops)
-``compiled dynamic fused``  compiled, dynamic scaling, ``quantize="fused"`` (``--all``)
+``compiled delayed inline``  compiled, delayed scaling, ``quantize="inline"`` (plain torch ops)
+``compiled dynamic inline``  compiled, dynamic scaling, ``quantize="inline"`` (``--all``)
 ==========================  ==================================================================
 
 and prints medians and the ratios the issue asks for: (a) compiled / eager (target: compiled
-at least as fast, ratio >= 1.0), (b) delayed / dynamic, compiled, (c) fused / op, compiled.
+at least as fast, ratio >= 1.0), (b) delayed / dynamic, compiled, (c) inline / op, compiled.
 Every configuration starts from the same weights and batches, and the run checks that the
-fused and op configurations reach the same losses (bit for bit under ``--cpu-smoke`` and
+inline and op configurations reach the same losses (bit for bit under ``--cpu-smoke`` and
 ``--emulate-precision-casts``; within 1e-3 relative under Inductor's defaults, which may skip
 the bf16 rounding of a producer fused into the quantize), so a fast wrong quantize cannot pass.
 Compile time (the first step) is reported apart.
@@ -81,7 +81,7 @@ def build(
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     assert layers, "fp8_hybrid must put Fp8Linear layers in ByteLM"
     for layer in layers:
-        layer.quantize = "fused" if cfg.quantize == "fused" else "op"
+        layer.quantize = "inline" if cfg.quantize == "inline" else "op"
     runner: Callable[[torch.Tensor], torch.Tensor] = model
     if cfg.compiled:
         runner = torch.compile(model, fullgraph=True, backend=backend)
@@ -127,10 +127,10 @@ def run(
         Config("eager delayed op", False, DelayedScaling(), "op"),
         Config("compiled delayed op", True, DelayedScaling(), "op"),
         Config("compiled dynamic op", True, DynamicScaling(), "op"),
-        Config("compiled delayed fused", True, DelayedScaling(), "fused"),
+        Config("compiled delayed inline", True, DelayedScaling(), "inline"),
     ]
     if every:
-        configs.append(Config("compiled dynamic fused", True, DynamicScaling(), "fused"))
+        configs.append(Config("compiled dynamic inline", True, DynamicScaling(), "inline"))
     if emulate:
         torch._inductor.config.emulate_precision_casts = True
     print(f"machine: {versions()}")
@@ -170,22 +170,22 @@ def run(
                      by["eager delayed op"], "   target >= 1.0"))  # fmt: skip
     print(ratio_line("(b) delayed / dynamic, compiled, op", by["compiled delayed op"],
                      by["compiled dynamic op"]))  # fmt: skip
-    print(ratio_line("(c) fused / op, compiled, delayed", by["compiled delayed fused"],
+    print(ratio_line("(c) inline / op, compiled, delayed", by["compiled delayed inline"],
                      by["compiled delayed op"]))  # fmt: skip
     if every:
-        print(ratio_line("(b) delayed / dynamic, compiled, fused", by["compiled delayed fused"],
-                         by["compiled dynamic fused"]))  # fmt: skip
-        print(ratio_line("(c) fused / op, compiled, dynamic", by["compiled dynamic fused"],
+        print(ratio_line("(b) delayed / dynamic, compiled, inline", by["compiled delayed inline"],
+                         by["compiled dynamic inline"]))  # fmt: skip
+        print(ratio_line("(c) inline / op, compiled, dynamic", by["compiled dynamic inline"],
                          by["compiled dynamic op"]))  # fmt: skip
-    print(ratio_line("    compiled fused / eager op, delayed", by["compiled delayed fused"],
+    print(ratio_line("    compiled inline / eager op, delayed", by["compiled delayed inline"],
                      by["eager delayed op"]))  # fmt: skip
-    # The fused quantize computes the operators' bytes from the same input. Under aot_eager
+    # The inline quantize computes the operators' bytes from the same input. Under aot_eager
     # (and Inductor with emulate_precision_casts=True) the losses are identical; Inductor's
     # default may skip the 16-bit rounding of a producer it fuses into the quantize, which
     # moves the loss by a rounding, not more (checked: within 1e-3 relative).
     ok = True
     for scaling in ("delayed", "dynamic"):
-        a, b = by.get(f"compiled {scaling} op"), by.get(f"compiled {scaling} fused")
+        a, b = by.get(f"compiled {scaling} op"), by.get(f"compiled {scaling} inline")
         if a is None or b is None:
             continue
         worst = max(abs(x - y) / abs(x) for x, y in zip(a.losses, b.losses, strict=True))
@@ -193,7 +193,7 @@ def run(
         good = exact if backend == "aot_eager" or emulate else worst <= 1e-3
         ok &= good
         print(
-            f"check: {scaling} fused vs op losses over {len(a.losses)} steps: identical={exact}, "
+            f"check: {scaling} inline vs op losses over {len(a.losses)} steps: identical={exact}, "
             f"max relative difference {worst:.2e} ({'ok' if good else 'FAILED'})"
         )
     return 0 if ok else 1
@@ -207,12 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         "--cpu-smoke", action="store_true", help="tiny model, aot_eager: code paths only"
     )
     parser.add_argument(
-        "--all", action="store_true", help="also compiled dynamic fused (about 45 s more)"
+        "--all", action="store_true", help="also compiled dynamic inline (about 45 s more)"
     )
     parser.add_argument(
         "--emulate-precision-casts",
         action="store_true",
-        help="Inductor rounds fused 16-bit intermediates as eager does (fused == op bit for bit)",
+        help="Inductor rounds fused 16-bit intermediates as eager does (inline == op bit for bit)",
     )
     args = parser.parse_args(argv)
     if args.cpu_smoke:

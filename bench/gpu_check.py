@@ -38,7 +38,7 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Backend, Fp8Linear, ops
-from computectx.fp8 import library as fp8_library
+from computectx.fp8 import custom_ops as fp8_custom_ops
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -120,14 +120,14 @@ def section_quantize(
     timed = _timer(device)
     numel = 1 << (14 if smoke else 28)
     x = torch.randn(numel, device=device, dtype=torch.bfloat16)
-    ring = ops.ring_new(16, device)
-    tally = fp8_library.tally_new(device)
+    ledger = ops.ledger_new(16, device)
+    tally = fp8_custom_ops.tally_new(device)
     fmt_scaling = DelayedScaling()
     from computectx.dtypes import Fp8Format
 
     def quant() -> object:
         return ops.quantize_operand(
-            x, Fp8Format.E4M3, ring, tally, fmt_scaling, backend=backend, may_seed=False
+            x, Fp8Format.E4M3, ledger, tally, fmt_scaling, backend=backend, may_seed=False
         )
 
     moved = numel * (2 + 1)  # read bf16, write fp8

@@ -1,9 +1,9 @@
 """fp8 under torch.compile: the operators, whole-graph compiles, state, regions, bad input.
 
 Compiles are slow on the CPU (Inductor generates C++), so every test here but two compiles
-with ``backend="aot_eager"``: dynamo + AOTAutograd (functionalization of the ring mutations,
+with ``backend="aot_eager"``: dynamo + AOTAutograd (functionalization of the ledger mutations,
 the backward graph) without code generation, which is what these tests are about. Two tests
-run Inductor end to end (the operators, and the fused quantize).
+run Inductor end to end (the operators, and the inline quantize).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from computectx import ComputeCtx
 from computectx.demo.settings import POLICY_FLAGS
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_autocast, fp8_stats
-from computectx.fp8 import library as fp8_library
-from computectx.fp8.ring import ring_new
+from computectx.fp8 import custom_ops as fp8_custom_ops
+from computectx.fp8.ledger import ledger_new
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -64,7 +64,7 @@ def states(m: nn.Module) -> dict[str, torch.Tensor]:
     for name, mod in m.named_modules():
         if isinstance(mod, Fp8Linear):
             for role, op in mod.scaling.operands.items():
-                out[f"{name}.{role}.ring"] = op.ring.clone()
+                out[f"{name}.{role}.ledger"] = op.ledger.clone()
                 out[f"{name}.{role}.tally"] = op.tally.clone()
     return out
 
@@ -82,8 +82,8 @@ def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends(
                 ops.fp8_quantize_delayed,
                 (
                     x,
-                    ring_new(4, "cpu"),
-                    fp8_library.tally_new(torch.device("cpu")),
+                    ledger_new(4, "cpu"),
+                    fp8_custom_ops.tally_new(torch.device("cpu")),
                     torch.float8_e4m3fn,
                     "max",
                     0,
@@ -95,8 +95,8 @@ def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends(
                 ops.fp8_quantize_dynamic,
                 (
                     x,
-                    ring_new(1, "cpu"),
-                    fp8_library.tally_new(torch.device("cpu")),
+                    ledger_new(1, "cpu"),
+                    fp8_custom_ops.tally_new(torch.device("cpu")),
                     torch.float8_e5m2,
                     1,
                     backend,
@@ -132,11 +132,11 @@ def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends(
                 assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
 
 
-def test_the_quantize_operators_declare_the_rings_they_mutate() -> None:
+def test_the_quantize_operators_declare_the_ledgers_they_mutate() -> None:
     for name in ("fp8_quantize_delayed", "fp8_quantize_dynamic"):
         schema = getattr(torch.ops.computectx, name).default._schema
         mutated = [a.name for a in schema.arguments if a.alias_info and a.alias_info.is_write]
-        assert mutated == ["ring", "tally"], (name, mutated)
+        assert mutated == ["ledger", "tally"], (name, mutated)
     for name in ("fp8_quantize_with_step", "fp8_scaled_mm", "fp8_dequantize"):
         schema = getattr(torch.ops.computectx, name).default._schema
         assert not any(a.alias_info and a.alias_info.is_write for a in schema.arguments)
@@ -234,12 +234,12 @@ def test_inductor_compiles_fp8_linear_forward_and_backward_within_the_fp8_bound(
         torch.testing.assert_close(xc.grad, x.grad, atol=2**-7, rtol=2**-7)
     se, sc = states(nn.Sequential(eager)), states(nn.Sequential(compiled_layer))
     for key in se:
-        # Quantized bytes are computed by the same operators: the rings agree exactly,
-        # except that the grad ring sees the bf16 output's rounding (none here: dY = 1).
+        # Quantized bytes are computed by the same operators: the ledgers agree exactly,
+        # except that the grad ledger sees the bf16 output's rounding (none here: dY = 1).
         assert torch.equal(se[key], sc[key]), key
 
 
-# ----- the fused quantize (quantize="fused") ------------------------------------------------
+# ----- the inline quantize (quantize="inline") ------------------------------------------------
 
 
 def _graph_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
@@ -251,33 +251,33 @@ def _graph_ops(graphs: list[torch.fx.GraphModule]) -> set[str]:
 # torch's own graph-recording test backend (AotEagerAndRecordGraphs) trips this warning.
 @pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd is returning a function")
 @pytest.mark.parametrize("scaling", SCALINGS, ids=["delayed", "dynamic"])
-def test_fused_quantize_compiles_whole_to_plain_ops_and_advances_state_as_eager_operators(
+def test_inline_quantize_compiles_whole_to_plain_ops_and_advances_state_as_eager_operators(
     scaling: DelayedScaling | DynamicScaling,
 ) -> None:
     ctx = ctx_with(scaling)
     eager = mlp(ctx)  # the operators, eager: the specification
-    fused_model = mlp(ctx)
-    for layer in fused_model.modules():
+    inline_model = mlp(ctx)
+    for layer in inline_model.modules():
         if isinstance(layer, Fp8Linear):
-            layer.quantize = "fused"
+            layer.quantize = "inline"
     recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
-    compiled = torch.compile(fused_model, fullgraph=True, backend=recorder)  # 0 breaks
+    compiled = torch.compile(inline_model, fullgraph=True, backend=recorder)  # 0 breaks
     for step, batch in enumerate((8, 16, 24, 8)):
         torch.manual_seed(200 + step)
         x = torch.randn(batch, 32) * (1.0 + 3 * step)
         if step == 2:
             x[1, 2] = math.nan  # counted and skipped alike
         eager.zero_grad()
-        fused_model.zero_grad()
+        inline_model.zero_grad()
         ye, yc = eager(x), compiled(x)
         ye.nan_to_num().float().square().mean().backward()
         yc.nan_to_num().float().square().mean().backward()
         assert torch.equal(torch.nan_to_num(ye), torch.nan_to_num(yc)), step
-        for pe, pc in zip(eager.parameters(), fused_model.parameters(), strict=True):
+        for pe, pc in zip(eager.parameters(), inline_model.parameters(), strict=True):
             assert pe.grad is not None and pc.grad is not None
             assert torch.equal(torch.nan_to_num(pe.grad), torch.nan_to_num(pc.grad)), step
-        # Functionalization kept every in-place ring and tally update, forward and backward.
-        se, sc = states(eager), states(fused_model)
+        # Functionalization kept every in-place ledger and tally update, forward and backward.
+        se, sc = states(eager), states(inline_model)
         for key in se:
             assert torch.equal(se[key], sc[key]), (step, key)
     # The compiled graphs quantize with plain ops: no quantize operator is left in them,
@@ -288,18 +288,18 @@ def test_fused_quantize_compiles_whole_to_plain_ops_and_advances_state_as_eager_
     assert "aten.amax.default" in ops and "aten.clamp.default" in ops
     # An eager step after the compiled ones continues from the same state.
     x = torch.randn(8, 32)
-    assert torch.equal(eager(x), fused_model(x))
-    se, sc = states(eager), states(fused_model)
+    assert torch.equal(eager(x), inline_model(x))
+    se, sc = states(eager), states(inline_model)
     assert all(torch.equal(se[k], sc[k]) for k in se)
 
 
-def test_inductor_fuses_the_fused_quantize_with_the_same_bytes_as_the_operators() -> None:
+def test_inductor_fuses_the_inline_quantize_with_the_same_bytes_as_the_operators() -> None:
     from torch._inductor.utils import run_and_get_code
 
     ctx = ctx_with(DelayedScaling(history_len=4))
     torch.manual_seed(0)
     eager = Fp8Linear(32, 16, ctx=ctx)
-    layer = Fp8Linear(32, 16, ctx=ctx, quantize="fused")
+    layer = Fp8Linear(32, 16, ctx=ctx, quantize="inline")
     layer.load_state_dict(eager.state_dict())
 
     def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -332,7 +332,7 @@ def test_a_plain_linear_compiled_inside_a_region_refuses_with_what_to_do() -> No
     with fp8_autocast(ctx), pytest.raises(Exception, match="convert_to_fp8") as info:
         compiled(torch.randn(4, 32))
     assert "fp8_autocast" in str(info.value)
-    # Eager inside the region routes to fp8 as before (the ring records the call).
+    # Eager inside the region routes to fp8 as before (the ledger records the call).
     with fp8_autocast(ctx):
         plain(torch.randn(4, 32))
     assert fp8_stats(plain)["0"].input.elements == 4 * 32

@@ -6,9 +6,9 @@ this package.
 """
 
 from computectx.distributed.accumulate import DataParallelGradAccumulator
-from computectx.distributed.amax import Fp8AmaxSync, rescale_grad_ring, sync_fp8_scaling
+from computectx.distributed.amax import Fp8AmaxSync, rescale_grad_ledger, sync_fp8_scaling
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
-from computectx.distributed.fsdp import Fp8ShardedWeight, enable_fp8_all_gather
+from computectx.distributed.fsdp import WeightGatheredAsFp8, enable_fp8_all_gather
 from computectx.distributed.group import check_same_policy, data_parallel_group
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
@@ -16,16 +16,16 @@ from computectx.distributed.sharding import ShardedParams
 __all__ = [
     "DataParallelGradAccumulator",
     "Fp8AmaxSync",
-    "Fp8ShardedWeight",
     "Parallel",
     "ShardedParams",
     "Strategy",
+    "WeightGatheredAsFp8",
     "check_same_policy",
     "data_parallel_group",
     "enable_fp8_all_gather",
     "optimizer_state_dict",
     "parallelize",
-    "rescale_grad_ring",
+    "rescale_grad_ledger",
     "set_optimizer_state_dict",
     "sync_fp8_scaling",
 ]

@@ -1,9 +1,9 @@
-"""fp8 scaling rings kept identical on every rank: one collective merges what each rank saw.
+"""fp8 scaling ledgers kept identical on every rank: one collective merges what each rank saw.
 
 Under data parallelism each rank quantizes its own shard, so each records its own amaxes. Left
-alone, the rings drift apart (the issue that prompted this measured steps 25x apart after six
+alone, the ledgers drift apart (the issue that prompted this measured steps 25x apart after six
 steps) and a checkpoint saves one rank's history as if it were the group's.
-``Fp8AmaxSync`` merges them before every forward: one all-gather of every operand's ring
+``Fp8AmaxSync`` merges them before every forward: one all-gather of every operand's ledger
 (history, step, counts) for all fp8 layers at once, combined on the device into exactly what one
 process would hold after quantizing the whole batch:
 
@@ -12,7 +12,7 @@ process would hold after quantizing the whole batch:
 - step: recomputed from the merged history by the recipe's formula (the same float32 division
   the quantize kernel does), so it is bit-identical to a one-process step;
 - non-finite count: if any rank counted a NaN/inf amax since the last merge, the whole batch
-  had one, and every rank takes that rank's ring, which is what one process holds after such
+  had one, and every rank takes that rank's ledger, which is what one process holds after such
   a call: the history moved on without recording, the step kept, the call counted once (a NaN
   on one rank poisons no rank);
 - saturated count: the sum of the ranks' new saturations, as one process counts the batch.
@@ -42,17 +42,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax, RankLocal
-from computectx.distributed.fsdp import Fp8ShardedWeight, sharded_weight_of
+from computectx.distributed.fsdp import WeightGatheredAsFp8, sharded_weight_of
 from computectx.distributed.group import GroupArg, check_same_policy, data_parallel_group
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear
-from computectx.fp8.reference import step_from_amax
-from computectx.fp8.ring import (
-    ring_history,
-    ring_nonfinite,
-    ring_saturated,
-    ring_step,
+from computectx.fp8.ledger import (
+    ledger_history,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_step,
 )
+from computectx.fp8.reference import step_from_amax
 from computectx.fp8.scaling import ROLES, OperandScaling, Role
 from computectx.recipes import DelayedScaling
 
@@ -60,7 +60,7 @@ __all__ = [
     "CurrentAmax",
     "Fp8AmaxSync",
     "LossNormalization",
-    "rescale_grad_ring",
+    "rescale_grad_ledger",
     "sync_fp8_scaling",
 ]
 
@@ -74,9 +74,9 @@ whole batch's) or each rank's own."""
 
 @dataclass
 class _Snapshot:
-    """One operand's ring as it was after the last merge (identical on every rank)."""
+    """One operand's ledger as it was after the last merge (identical on every rank)."""
 
-    ring: torch.Tensor  # the OperandScaling's ring object the copy was taken from
+    ledger: torch.Tensor  # the OperandScaling's ledger object the copy was taken from
     copy: torch.Tensor
     elements: torch.Tensor  # the element count then, a device tensor (no host read)
 
@@ -98,7 +98,7 @@ def _format_of(layer: Fp8Linear, role: Role) -> Fp8Format:
 
 
 class Fp8AmaxSync:
-    """Merges the fp8 scaling rings of ``model``'s ``Fp8Linear`` layers across ``group``.
+    """Merges the fp8 scaling ledgers of ``model``'s ``Fp8Linear`` layers across ``group``.
 
     ``sync_fp8_scaling`` builds one that also runs before every forward of ``model``
     (``before_forward=True``). ``sync()`` merges now: call it before saving a checkpoint,
@@ -152,7 +152,7 @@ class Fp8AmaxSync:
         self._take_snapshots(_operands(layers))
         if before_forward:
             # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
-            # and with enable_fp8_all_gather quantizes each shard with the ring's step) must
+            # and with enable_fp8_all_gather quantizes each shard with the ledger's step) must
             # see the merged step.
             self._handles = [
                 model.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -176,7 +176,7 @@ class Fp8AmaxSync:
         # FSDP2 all-gathers (and with the fp8 all-gather quantizes) in a pre-forward hook
         # it puts first in line when fully_shard runs. A sync built before fully_shard is
         # therefore second: the gathers would run unmerged and unarmed, and the weights'
-        # rings would stop advancing without a word.
+        # ledgers would stop advancing without a word.
         self._order_checked = True
         from torch.distributed.fsdp import FSDPModule
 
@@ -214,7 +214,7 @@ class Fp8AmaxSync:
 
     def _take_snapshots(self, entries: list[_Entry]) -> None:
         self._snapshots = {
-            id(op): _Snapshot(op.ring, op.ring.detach().clone(), op.elements_tensor.clone())
+            id(op): _Snapshot(op.ledger, op.ledger.detach().clone(), op.elements_tensor.clone())
             for _, _, op in entries
         }
 
@@ -225,13 +225,13 @@ class Fp8AmaxSync:
 
     def _to_this_world(self, layers: list[Fp8Linear]) -> None:
         # Scaling state recorded at another world size (a checkpoint saved on other ranks):
-        # under a per-rank loss, the output-gradient ring is in that world's units.
+        # under a per-rank loss, the output-gradient ledger is in that world's units.
         for layer in layers:
             if layer.scaling.world_size != self._world:
-                rescale_grad_ring(layer, self._world, self._loss_normalization)
+                rescale_grad_ledger(layer, self._world, self._loss_normalization)
 
     def sync(self) -> None:
-        """Merge every ring with the other ranks' (one all-gather), in place, on the device.
+        """Merge every ledger with the other ranks' (one all-gather), in place, on the device.
 
         In a world of one (no process group) there is nothing to merge."""
         layers = _layers(self._model)
@@ -239,22 +239,22 @@ class Fp8AmaxSync:
             return
         self._to_this_world(layers)
         entries = _operands(layers)
-        # A ring replaced since the last merge (a checkpoint loaded, a policy with another
+        # A ledger replaced since the last merge (a checkpoint loaded, a policy with another
         # history length) has no snapshot: it starts from itself, since what it holds came
         # from outside training, identically on every rank.
         snaps: list[_Snapshot | None] = []
         for _, _, op in entries:
             snap = self._snapshots.get(id(op))
-            snaps.append(snap if snap is not None and snap.ring is op.ring else None)
-        local = torch.cat([op.ring.detach() for _, _, op in entries])
+            snaps.append(snap if snap is not None and snap.ledger is op.ledger else None)
+        local = torch.cat([op.ledger.detach() for _, _, op in entries])
         gathered = [torch.empty_like(local) for _ in range(self._world)]
         dist.all_gather(gathered, local, group=self._group)
         stacked = torch.stack(gathered)  # (world, total)
         offset = 0
         with torch.no_grad():
             for (layer, role, op), snap in zip(entries, snaps, strict=True):
-                size = op.ring.numel()
-                before = op.ring if snap is None else snap.copy
+                size = op.ledger.numel()
+                before = op.ledger if snap is None else snap.copy
                 # Inputs and gradients differ per rank, and so do the weight shards that
                 # FSDP2's fp8 all-gather quantizes: their counts add up over the group. A
                 # weight every rank quantizes whole (DDP, FSDP2 gathering high precision)
@@ -276,45 +276,47 @@ class Fp8AmaxSync:
         role: Role,
         op: OperandScaling,
         before: torch.Tensor,
-        rings: torch.Tensor,
+        ledgers: torch.Tensor,
         split: bool,
     ) -> None:
-        each = rings.unbind(0)  # one ring per rank
-        nonfinite_all = torch.cat([ring_nonfinite(r) for r in each])
-        saturated_all = torch.cat([ring_saturated(r) for r in each])
-        prev_saturated = ring_saturated(before)
+        each = ledgers.unbind(0)  # one ledger per rank
+        nonfinite_all = torch.cat([ledger_nonfinite(r) for r in each])
+        saturated_all = torch.cat([ledger_saturated(r) for r in each])
+        prev_saturated = ledger_saturated(before)
         # A rank whose non-finite count grew since the last merge saw a NaN/inf amax: the
-        # whole batch has one. That rank's ring is what one process holds after such a call
+        # whole batch has one. That rank's ledger is what one process holds after such a call
         # (history rotated, nothing recorded, step kept, counted once), so every rank takes
         # it. Otherwise the history is the element-wise max and the step is recomputed.
         # index_select with a device index (not t[i]): no data-dependent indexing, so the
         # merge traces into a compiled graph without a break.
         poisoned_rank = nonfinite_all.argmax().reshape(1)
-        taken = rings.index_select(0, poisoned_rank)[0]
-        poisoned = ring_nonfinite(taken) > ring_nonfinite(before)
-        merged_hist = torch.stack([ring_history(r) for r in each]).amax(dim=0)
+        taken = ledgers.index_select(0, poisoned_rank)[0]
+        poisoned = ledger_nonfinite(taken) > ledger_nonfinite(before)
+        merged_hist = torch.stack([ledger_history(r) for r in each]).amax(dim=0)
         scaling = layer.policy.scaling
         if isinstance(scaling, DelayedScaling) and scaling.algo == "max":
             window = merged_hist.amax().reshape(1)
         else:
             window = merged_hist[op.newest_amax_index()].reshape(1)
         fresh_step = step_from_amax(window, _format_of(layer, role), scaling.margin)
-        ring_history(op.ring).copy_(torch.where(poisoned, ring_history(taken), merged_hist))
-        ring_step(op.ring).copy_(torch.where(poisoned, ring_step(taken), fresh_step))
-        ring_nonfinite(op.ring).copy_(ring_nonfinite(taken))
+        ledger_history(op.ledger).copy_(torch.where(poisoned, ledger_history(taken), merged_hist))
+        ledger_step(op.ledger).copy_(torch.where(poisoned, ledger_step(taken), fresh_step))
+        ledger_nonfinite(op.ledger).copy_(ledger_nonfinite(taken))
         if split:
-            ring_saturated(op.ring).copy_(prev_saturated + (saturated_all - prev_saturated).sum())
+            ledger_saturated(op.ledger).copy_(
+                prev_saturated + (saturated_all - prev_saturated).sum()
+            )
         else:
-            ring_saturated(op.ring).copy_(ring_saturated(taken))
+            ledger_saturated(op.ledger).copy_(ledger_saturated(taken))
 
 
-def rescale_grad_ring(
+def rescale_grad_ledger(
     layer: Fp8Linear, world_size: int, loss_normalization: LossNormalization = "per_rank"
 ) -> None:
     """Bring ``layer``'s scaling state to ``world_size`` ranks (device ops, in place).
 
     Under a loss each rank normalizes by its own batch (``"per_rank"``), a rank's output
-    gradient is ``world_size`` times the whole batch's, and so is what its gradient ring
+    gradient is ``world_size`` times the whole batch's, and so is what its gradient ledger
     holds: a state recorded at ``layer.scaling.world_size`` ranks has its gradient history
     and step multiplied by the ratio of the world sizes (exact for powers of two), so the
     first backward after loading a checkpoint saved at another world size neither saturates
@@ -323,16 +325,16 @@ def rescale_grad_ring(
     """
     state = layer.scaling
     if loss_normalization == "per_rank" and state.world_size != world_size:
-        ring = state.grad.ring
+        ledger = state.grad.ledger
         ratio = world_size / state.world_size
         with torch.no_grad():
-            ring_history(ring).mul_(ratio)
-            ring_step(ring).mul_(ratio)
+            ledger_history(ledger).mul_(ratio)
+            ledger_step(ledger).mul_(ratio)
     state.world_size = world_size
 
 
 def _quantizes_shards(layer: Fp8Linear) -> bool:
-    return isinstance(sharded_weight_of(layer.weight), Fp8ShardedWeight)
+    return isinstance(sharded_weight_of(layer.weight), WeightGatheredAsFp8)
 
 
 def sync_fp8_scaling(
@@ -342,10 +344,10 @@ def sync_fp8_scaling(
     current_amax: CurrentAmax = "group",
     loss_normalization: LossNormalization = "per_rank",
 ) -> Fp8AmaxSync:
-    """Keep the fp8 scaling rings of ``model`` identical on every rank of ``group``.
+    """Keep the fp8 scaling ledgers of ``model`` identical on every rank of ``group``.
 
     ``model`` is what the ranks run forward: a ``DistributedDataParallel`` module, a
-    ``fully_shard``-ed one, or a plain module. Before each of its forwards the rings are
+    ``fully_shard``-ed one, or a plain module. Before each of its forwards the ledgers are
     merged with the other ranks' (``Fp8AmaxSync``: one all-gather for all layers and
     operands, no host synchronisation). The ranks' policies are compared once, here.
     ``sync.remove()`` detaches it: running data-parallel fp8 without it is an explicit
@@ -363,8 +365,8 @@ def sync_fp8_scaling(
     (``"per_rank"``, a mean-reduced loss under DDP / FSDP2's gradient averaging, the usual
     case), or the global batch (``"global"``: each rank sums its rows over the global
     count). It matters only when scaling state saved at another world size is loaded: under
-    ``"per_rank"`` the gradient rings are rescaled to this world size
-    (``rescale_grad_ring``).
+    ``"per_rank"`` the gradient ledgers are rescaled to this world size
+    (``rescale_grad_ledger``).
     """
     return Fp8AmaxSync(
         model,

@@ -3,15 +3,15 @@
 ``fully_shard`` keeps each rank's shard of a weight and all-gathers the whole weight before
 the layer runs. For an ``Fp8Linear`` that gather would ship float32 (4 bytes per element) only
 for the layer to quantize it to fp8 straight after. ``enable_fp8_all_gather(model)`` turns
-each ``Fp8Linear`` weight into an ``Fp8ShardedWeight``, a tensor subclass that implements
+each ``Fp8Linear`` weight into a ``WeightGatheredAsFp8``, a tensor subclass that implements
 FSDP2's extension points:
 
 - ``fsdp_pre_all_gather``: the rank quantizes its own shard in the policy's forward format
   with the group-wide step and hands FSDP2 the codes as ``uint8`` (gloo refuses float8
-  dtypes). The step is the one the weight's ring holds, which the amax sync keeps identical
+  dtypes). The step is the one the weight's ledger holds, which the amax sync keeps identical
   on every rank (delayed scaling), or the step of the whole weight's amax, one MAX
   all-reduce of a single float over the shard group (dynamic scaling). Either way the
-  weight's ring advances exactly as in one process quantizing the whole weight: the shard
+  weight's ledger advances exactly as in one process quantizing the whole weight: the shard
   amax goes into the history and the amax sync's max over ranks makes it the weight's;
 - ``fsdp_post_all_gather``: the gathered bytes become an ``computectx.fp8.Fp8Weight`` (the
   codes and the step), which ``Fp8Linear`` uses as its quantized weight without quantizing
@@ -20,11 +20,11 @@ FSDP2's extension points:
 
 When FSDP2 gathers again for the backward (``reshard_after_forward=True``), the shard is
 quantized with the step the forward used and nothing is recorded: the backward sees the very
-bytes the forward multiplied with, and the ring advances once per forward, as in one process.
-The first forward of a delayed-scaling weight seeds its ring from the whole weight's amax
+bytes the forward multiplied with, and the ledger advances once per forward, as in one process.
+The first forward of a delayed-scaling weight seeds its ledger from the whole weight's amax
 (one MAX all-reduce, once), so even step 1 quantizes with the one-process scale.
 
-Everywhere else an ``Fp8ShardedWeight`` is its high-precision tensor: optimizers update it,
+Everywhere else a ``WeightGatheredAsFp8`` is its high-precision tensor: optimizers update it,
 ``state_dict`` saves plain tensors (DTensors of plain tensors under FSDP2), and loading copies
 into it.
 """
@@ -46,7 +46,7 @@ from computectx.fp8 import Fp8Linear, Fp8Weight, ops
 from computectx.recipes import DelayedScaling
 
 __all__ = [
-    "Fp8ShardedWeight",
+    "WeightGatheredAsFp8",
     "enable_fp8_all_gather",
     "parameter_holders",
     "sharded_weight_of",
@@ -54,7 +54,7 @@ __all__ = [
 
 _aten = torch.ops.aten
 # Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
-# result must stay an Fp8ShardedWeight so that the shard keeps the extension points.
+# result must stay a WeightGatheredAsFp8 so that the shard keeps the extension points.
 _KEEP = {
     _aten.detach.default,
     _aten.alias.default,
@@ -79,7 +79,7 @@ class _Gather:
     """What a weight's shards share: its name and the step of the last forward.
 
     The layer is not kept here: FSDP2 hands the owning module to each gather, so a copy of
-    the model (``copy.deepcopy``, an EMA copy) quantizes through its own layers' rings.
+    the model (``copy.deepcopy``, an EMA copy) quantizes through its own layers' ledgers.
     """
 
     def __init__(self, name: str) -> None:
@@ -100,11 +100,11 @@ class _Gather:
         return module
 
 
-class Fp8ShardedWeight(torch.Tensor):
+class WeightGatheredAsFp8(torch.Tensor):
     """An ``Fp8Linear`` weight that FSDP2 all-gathers as fp8 (see the module docstring).
 
     Wraps the high-precision tensor ``hp``; every op other than FSDP2's two extension points
-    runs on ``hp`` (ops that take a piece of the weight return an ``Fp8ShardedWeight`` over
+    runs on ``hp`` (ops that take a piece of the weight return a ``WeightGatheredAsFp8`` over
     the piece). Built by ``enable_fp8_all_gather``.
     """
 
@@ -112,7 +112,7 @@ class Fp8ShardedWeight(torch.Tensor):
     _gather: _Gather
 
     @staticmethod
-    def __new__(cls, hp: torch.Tensor, gather: _Gather) -> Fp8ShardedWeight:
+    def __new__(cls, hp: torch.Tensor, gather: _Gather) -> WeightGatheredAsFp8:
         out = torch.Tensor._make_wrapper_subclass(
             cls,
             hp.shape,
@@ -143,8 +143,8 @@ class Fp8ShardedWeight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(
         inner: dict[str, torch.Tensor], gather: _Gather, outer_size: Any, outer_stride: Any
-    ) -> Fp8ShardedWeight:
-        return Fp8ShardedWeight(inner["_hp"], gather)
+    ) -> WeightGatheredAsFp8:
+        return WeightGatheredAsFp8(inner["_hp"], gather)
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -160,7 +160,7 @@ class Fp8ShardedWeight(torch.Tensor):
 
         def unwrap(x: Any) -> Any:
             nonlocal gather
-            if isinstance(x, Fp8ShardedWeight):
+            if isinstance(x, WeightGatheredAsFp8):
                 gather = x._gather
                 return x._hp
             return x
@@ -176,7 +176,7 @@ class Fp8ShardedWeight(torch.Tensor):
         return tree_map(wrap, out)
 
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
-        return f"Fp8ShardedWeight({self._gather.name}, {self._hp!r})"
+        return f"WeightGatheredAsFp8({self._gather.name}, {self._hp!r})"
 
     # ----- FSDP2's extension points --------------------------------------------------------
 
@@ -223,7 +223,7 @@ class Fp8ShardedWeight(torch.Tensor):
                     f"keep it attached), or set up with computectx.distributed.parallelize"
                 )
             # The quantize an unsharded layer runs, with the shard group's amax wherever it
-            # needs the current one (every dynamic call; the seed of a delayed ring), so
+            # needs the current one (every dynamic call; the seed of a delayed ledger), so
             # every rank's step is the whole weight's.
             data, step = op.quantize(hp, fmt, scaling, layer.backend, reduce=group)
         g.forward_step = step
@@ -281,7 +281,7 @@ def sharded_weight_of(value: torch.Tensor) -> torch.Tensor:
 
 def _plain(value: Any) -> Any:
     local = sharded_weight_of(value) if isinstance(value, torch.Tensor) else value
-    if not isinstance(local, Fp8ShardedWeight):
+    if not isinstance(local, WeightGatheredAsFp8):
         return value
     if isinstance(value, DTensor):
         return DTensor.from_local(
@@ -342,7 +342,7 @@ def enable_fp8_all_gather(
         if module_filter is not None and not module_filter(layer, name):
             continue
         w = layer.weight
-        if isinstance(w, Fp8ShardedWeight):
+        if isinstance(w, WeightGatheredAsFp8):
             continue
         if isinstance(w, DTensor):
             raise RuntimeError(
@@ -362,7 +362,7 @@ def enable_fp8_all_gather(
     for name, layer in chosen:
         w = layer.weight
         layer.weight = nn.Parameter(
-            Fp8ShardedWeight(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
+            WeightGatheredAsFp8(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
             requires_grad=w.requires_grad,
         )
         layer.register_state_dict_post_hook(_state_dict_hook)  # type: ignore[no-untyped-call]

@@ -102,7 +102,7 @@ class Parallel:
         """``{"model": ..., "optimizer": ...}`` keyed by parameter FQN, for
         ``torch.distributed.checkpoint`` (it reshards to any world size) or ``torch.save``.
 
-        The fp8 rings are merged first, so the state saved holds every rank's last amaxes.
+        The fp8 ledgers are merged first, so the state saved holds every rank's last amaxes.
         Every rank must call it (the merge is a collective).
         """
         from torch.distributed.checkpoint.state_dict import (

@@ -19,7 +19,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from computectx.dtypes import DType
 from computectx.fp8 import ops, reference
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.fused import QuantizeImpl
+from computectx.fp8.inline import QuantizeImpl
 from computectx.fp8.quantized import Fp8Weight
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import Fp8Policy
@@ -48,8 +48,8 @@ class Fp8LinearPlan:
     """Everything one fp8 linear call needs besides its tensors.
 
     ``frozen_weight`` is ``(data_fp8, step)`` for a weight quantized once for serving;
-    the weight ring is then left alone. ``quantize`` says how a compiled call quantizes
-    (``computectx.fp8.fused``; eager calls always run the operators). ``amax_reduce``
+    the weight ledger is then left alone. ``quantize`` says how a compiled call quantizes
+    (``computectx.fp8.inline``; eager calls always run the operators). ``amax_reduce``
     makes dynamic scaling of the input and the output gradient use a group's amax
     (``OperandScaling.quantize``). ``record=False`` is a call outside training: every
     operand is quantized from the state as it is and nothing is written
@@ -132,7 +132,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
             wq, sw = plan.frozen_weight
         elif isinstance(weight, Fp8Weight):
             # Quantized before it got here (FSDP2's fp8 all-gather): its codes and step are
-            # used as they are, and its ring was advanced where it was quantized.
+            # used as they are, and its ledger was advanced where it was quantized.
             wq, sw = weight.fp8_data, weight.fp8_step
             live_step = sw
         elif weight is not None and plan.record:

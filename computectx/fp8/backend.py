@@ -6,7 +6,7 @@ without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.ref
 ``CUBLAS`` runs the GEMMs through ``torch._scaled_mm`` (cuBLASLt on a GPU, torch's own kernel
 on the CPU) with tensor-wise scales, K and N zero-padded to the multiples of 16 CUDA wants and
 a GEMM of two E5M2 operands (which cuBLAS refuses) on the twin; it quantizes with the same
-operators and rings as the others (the kernels on a GPU, the twins elsewhere).
+operators and ledgers as the others (the kernels on a GPU, the twins elsewhere).
 ``select_backend`` picks one for a device and says why; ``default_backend`` caches that
 choice per device; ``check_backend`` is the test every dispatched operation runs before it
 hands tensors to a backend.

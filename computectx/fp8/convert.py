@@ -13,7 +13,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from computectx.ctx import ComputeCtx
 from computectx.fp8.autograd import ACTIVATION_DTYPES
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.fused import QuantizeImpl, parse_quantize
+from computectx.fp8.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.linear import FEATURE_MULTIPLE, Fp8Linear, check_fp8_widths
 from computectx.fp8.policy import describe, policy_of
 
@@ -180,7 +180,7 @@ def convert_to_fp8(
     ``notes`` say how to run it (a ``ctx.compute`` activation from the fp8 layers would
     not match its weight).
 
-    ``backend`` and ``quantize`` are passed to every new ``Fp8Linear`` (``quantize="fused"``
+    ``backend`` and ``quantize`` are passed to every new ``Fp8Linear`` (``quantize="inline"``
     lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
 
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep

@@ -11,10 +11,10 @@ from torch.nn import functional
 from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx, parse_device
-from computectx.fp8 import library, ops, reference
+from computectx.fp8 import custom_ops, ops, reference
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
-from computectx.fp8.fused import QuantizeImpl, parse_quantize
+from computectx.fp8.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
 from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
@@ -47,11 +47,11 @@ class Fp8Linear(nn.Linear):
     ``freeze_for_serving()`` quantizes the weight once for inference.
 
     ``quantize`` says how a *compiled* call quantizes: ``"op"`` (default) keeps the opaque
-    ``computectx::fp8_quantize_*`` operators (the Triton kernel on a GPU); ``"fused"``
+    ``computectx::fp8_quantize_*`` operators (the Triton kernel on a GPU); ``"inline"``
     traces the same computation as plain torch ops so Inductor can fuse amax, step and cast
-    into the neighbouring norm or activation. The bytes, rings and tallies are the same
+    into the neighbouring norm or activation. The bytes, ledgers and tallies are the same
     either way, and eager calls always run the operators. Settable later
-    (``layer.quantize = "fused"``).
+    (``layer.quantize = "inline"``).
     """
 
     weight_fp8: torch.Tensor
@@ -156,7 +156,7 @@ class Fp8Linear(nn.Linear):
 
     @property
     def quantize(self) -> QuantizeImpl:
-        """How a compiled call quantizes: ``"op"`` or ``"fused"`` (see the class)."""
+        """How a compiled call quantizes: ``"op"`` or ``"inline"`` (see the class)."""
         return self._quantize
 
     @quantize.setter
@@ -193,7 +193,7 @@ class Fp8Linear(nn.Linear):
         policy = self.policy
         frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
         self.scaling.conform(policy, self._storage_device())
-        # Rings advance in training only (as TransformerEngine's do): an eval, no_grad or
+        # Ledgers advance in training only (as TransformerEngine's do): an eval, no_grad or
         # inference_mode call quantizes from the state as it stands and writes nothing,
         # so its output never depends on earlier calls of its kind, and on many ranks it
         # issues no collective (rank-local validation or sampling cannot hang the group).
@@ -240,7 +240,7 @@ class Fp8Linear(nn.Linear):
             step = step.reshape(1).clone()
         state = self.scaling.weight
         state.record(amax, step)
-        library.count(state.tally, w)
+        custom_ops.count(state.tally, w)
         self.register_parameter("weight", None)
         self.register_buffer("weight_fp8", data)
         self.register_buffer("weight_step", step)
@@ -270,7 +270,7 @@ class Fp8Linear(nn.Linear):
     ) -> None:
         # An nn.Linear checkpoint has no scaling state: it loads into a fresh one rather
         # than failing strict loading on the missing extra-state key. Fresh, not kept: the
-        # rings hold amaxes of the weights being replaced, and delayed scaling would
+        # ledgers hold amaxes of the weights being replaced, and delayed scaling would
         # quantize the new weights with that stale step for up to history_len calls. A
         # partial state dict that does not mention this layer's weight changes nothing.
         key = prefix + "_extra_state"
@@ -286,7 +286,7 @@ class Fp8Linear(nn.Linear):
                 self.scaling = Fp8ScalingState(self.policy, self._storage_device())
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
-        # Rings are not buffers (a .to(bfloat16) would round the float32 counts), so they
+        # Ledgers are not buffers (a .to(bfloat16) would round the float32 counts), so they
         # follow the weight's device here and never change dtype. The same goes for a
         # frozen weight: fp8 counts as floating point, so a module-wide .half() or
         # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the

@@ -1,5 +1,9 @@
 """fp8 operations behind one interface: input checks, then dispatch to a backend.
 
+Two modules split the fp8 operations: this one, ``ops``, holds the checked entry points
+users call; ``computectx.fp8.custom_ops`` registers the ``torch.library`` custom operators,
+the nodes ``torch.compile`` sees, which these functions call once their checks pass.
+
 Every operation takes a ``backend`` (``computectx.fp8.backend``: ``select_backend`` picks
 one for a device and says why). ``TRITON`` runs the kernels in ``computectx.kernels``,
 imported inside the function that launches them, so ``import computectx.fp8`` works without
@@ -8,16 +12,16 @@ runs the GEMM on ``torch._scaled_mm`` and quantizes as ``TRITON`` does on a GPU,
 ``REFERENCE`` elsewhere. Quantized bytes agree bit for bit between them; GEMM outputs agree
 to float32 accumulation order.
 
-The checks run in Python before the torch operator of ``computectx.fp8.library`` is called,
-so under ``torch.compile`` they are traced and raise the same errors as in eager.
+The checks run in Python before the operator is called, so under ``torch.compile`` they
+are traced and raise the same errors as in eager.
 ``Fp8Backend`` and ``select_backend`` are re-exported here for callers of these functions.
 
 The step of an amax is ``amax / (fmt.max / 2**margin)`` (1.0 for a zero or non-finite
 amax): the amax maps to ``fmt.max / 2**margin``, leaving ``2**margin`` of headroom.
 
 Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device, never
-Python floats, so no operation here waits for the device. The delayed-scaling ring of one
-operand (``ring_new``) is laid out by ``computectx.fp8.ring``; the Triton kernel receives
+Python floats, so no operation here waits for the device. The delayed-scaling ledger of one
+operand (``ledger_new``) is laid out by ``computectx.fp8.ledger``; the Triton kernel receives
 that layout's offsets from here.
 """
 
@@ -28,15 +32,15 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import DType, Fp8Format
-from computectx.fp8 import fused, library, reference
+from computectx.fp8 import custom_ops, inline, reference
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
-from computectx.fp8.quantized import FP8_DTYPES
-from computectx.fp8.ring import (
-    RING_SHAPE,
-    is_ring,
-    ring_history_len,
-    ring_new,
+from computectx.fp8.ledger import (
+    LEDGER_SHAPE,
+    is_ledger,
+    ledger_history_len,
+    ledger_new,
 )
+from computectx.fp8.quantized import FP8_DTYPES
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = [
@@ -44,13 +48,13 @@ __all__ = [
     "Fp8Backend",
     "fp8_dequantize",
     "fp8_quantize",
+    "ledger_new",
     "quantize_delayed",
     "quantize_dynamic",
     "quantize_operand",
     "quantize_with_step",
-    "ring_new",
     "scaled_mm",
-    "seed_ring",
+    "seed_ledger",
     "select_backend",
 ]
 
@@ -100,21 +104,21 @@ def _margin_arg(margin: object) -> int:
     return margin
 
 
-def _ring_args(ring: object, idx: object, algo: object, device: torch.device) -> int:
-    if not isinstance(ring, torch.Tensor):
-        raise TypeError(f"ring must be a tensor from ring_new, got {type(ring).__name__}")
-    if not is_ring(ring):
+def _ledger_args(ledger: object, idx: object, algo: object, device: torch.device) -> int:
+    if not isinstance(ledger, torch.Tensor):
+        raise TypeError(f"ledger must be a tensor from ledger_new, got {type(ledger).__name__}")
+    if not is_ledger(ledger):
         raise ValueError(
-            f"ring must be {RING_SHAPE} (ring_new); "
-            f"got dtype {ring.dtype}, shape {tuple(ring.shape)}"
+            f"ledger must be {LEDGER_SHAPE} (ledger_new); "
+            f"got dtype {ledger.dtype}, shape {tuple(ledger.shape)}"
         )
-    if not ring.is_contiguous():
-        raise ValueError("ring must be contiguous (it is updated in place)")
-    if ring.device != device:
-        raise ValueError(f"ring is on {ring.device} but the data is on {device}")
-    n = ring_history_len(ring)
+    if not ledger.is_contiguous():
+        raise ValueError("ledger must be contiguous (it is updated in place)")
+    if ledger.device != device:
+        raise ValueError(f"ledger is on {ledger.device} but the data is on {device}")
+    n = ledger_history_len(ledger)
     if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-        raise ValueError(f"ring index must be an int in [0, {n}), got {idx!r}")
+        raise ValueError(f"ledger index must be an int in [0, {n}), got {idx!r}")
     if algo not in ("max", "most_recent"):
         raise ValueError(f"unknown amax window algo {algo!r}; accepted: 'max', 'most_recent'")
     return n
@@ -124,16 +128,16 @@ def _ring_args(ring: object, idx: object, algo: object, device: torch.device) ->
 # Operations.
 
 
-def seed_ring(ring: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
-    """Seed an operand's ring from its first input: history := amax(x), step from it.
+def seed_ledger(ledger: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
+    """Seed an operand's ledger from its first input: history := amax(x), step from it.
 
-    A non-finite amax leaves the ring alone and counts nothing: the quantize that follows
+    A non-finite amax leaves the ledger alone and counts nothing: the quantize that follows
     (``quantize_delayed``) measures the same amax and counts it, once. Device ops only.
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
-    _ring_args(ring, 0, "max", data.device)
-    reference.seed_ring(ring, data, fmt, _margin_arg(margin))
+    _ledger_args(ledger, 0, "max", data.device)
+    reference.seed_ledger(ledger, data, fmt, _margin_arg(margin))
 
 
 def quantize_with_step(
@@ -163,23 +167,23 @@ def quantize_dynamic(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
-    return library.quantize_dynamic_with(data, fmt, m, check_backend(backend, data))
+    return custom_ops.quantize_dynamic_with(data, fmt, m, check_backend(backend, data))
 
 
 def quantize_delayed(
     x: torch.Tensor,
     fmt: Fp8Format,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     idx: int,
     algo: Literal["max", "most_recent"],
     margin: int,
     *,
     backend: Fp8Backend,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize with the ring's step and advance the ring: returns ``(data_fp8, step_used)``.
+    """Quantize with the ledger's step and advance the ledger: returns ``(data_fp8, step_used)``.
 
-    ``step_used`` is a copy of the ring's step as it was before the call. Afterwards history
-    slot ``idx`` holds ``amax(x)`` and the ring's step is the next one from the window
+    ``step_used`` is a copy of the ledger's step as it was before the call. Afterwards history
+    slot ``idx`` holds ``amax(x)`` and the ledger's step is the next one from the window
     (``"max"``: largest amax in the history; ``"most_recent"``: this amax). A non-finite amax
     leaves history and step untouched and adds 1 to the non-finite count; elements with
     ``|x / step| > fmt.max`` are added to the saturated count. On the Triton backend all of
@@ -187,9 +191,11 @@ def quantize_delayed(
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
-    _ring_args(ring, idx, algo, data.device)
+    _ledger_args(ledger, idx, algo, data.device)
     m = _margin_arg(margin)
-    return library.quantize_delayed_at(data, fmt, ring, idx, algo, m, check_backend(backend, data))
+    return custom_ops.quantize_delayed_at(
+        data, fmt, ledger, idx, algo, m, check_backend(backend, data)
+    )
 
 
 def scaled_mm(
@@ -250,32 +256,32 @@ def scaled_mm(
 def quantize_operand(
     x: torch.Tensor,
     fmt: Fp8Format,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     tally: torch.Tensor,
     scaling: DelayedScaling | DynamicScaling,
     *,
     backend: Fp8Backend,
     may_seed: bool = True,
-    impl: fused.QuantizeImpl = "op",
+    impl: inline.QuantizeImpl = "op",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize one operand through its ring and tally (``computectx.fp8.library``'s
+    """Quantize one operand through its ledger and tally (``computectx.fp8.custom_ops``'s
     ``fp8_quantize_delayed`` / ``fp8_quantize_dynamic``): returns ``(data_fp8, step)``.
 
-    Delayed: the step is the ring's (seeded from ``amax(x)`` on the operand's first call);
-    dynamic: the step is ``x``'s own. Both record into the ring and count ``x`` in the tally.
-    ``may_seed=False`` promises a seeded ring (eager callers that know it, to skip a pass).
-    ``impl="fused"`` computes the same bytes with plain torch ops
-    (``computectx.fp8.fused``) instead of the operator, so Inductor can fuse them; it
+    Delayed: the step is the ledger's (seeded from ``amax(x)`` on the operand's first call);
+    dynamic: the step is ``x``'s own. Both record into the ledger and count ``x`` in the tally.
+    ``may_seed=False`` promises a seeded ledger (eager callers that know it, to skip a pass).
+    ``impl="inline"`` computes the same bytes with plain torch ops
+    (``computectx.fp8.inline``) instead of the operator, so Inductor can fuse them; it
     always checks the seeded flag (``may_seed`` is ignored) and runs on any backend.
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     algo = scaling.algo if isinstance(scaling, DelayedScaling) else "max"
-    _ring_args(ring, 0, algo, data.device)
+    _ledger_args(ledger, 0, algo, data.device)
     if (
         not isinstance(tally, torch.Tensor)
         or tally.dtype != torch.int64
-        or tuple(tally.shape) != (library.TALLY_LEN,)
+        or tuple(tally.shape) != (custom_ops.TALLY_LEN,)
         or tally.device != data.device
     ):
         got = (
@@ -284,25 +290,25 @@ def quantize_operand(
             else type(tally).__name__
         )
         raise ValueError(
-            f"tally must be an int64 tensor of shape ({library.TALLY_LEN},) on {data.device} "
-            f"(library.tally_new); got {got}"
+            f"tally must be an int64 tensor of shape ({custom_ops.TALLY_LEN},) on {data.device} "
+            f"(custom_ops.tally_new); got {got}"
         )
     b = check_backend(backend, data)
     m = _margin_arg(scaling.margin)
-    how = fused.parse_quantize(impl)
+    how = inline.parse_quantize(impl)
     q: torch.Tensor
     step: torch.Tensor
     if isinstance(scaling, DelayedScaling):
-        if how == "fused":
-            return fused.quantize_delayed(data, ring, tally, fmt, scaling.algo, m)
+        if how == "inline":
+            return inline.quantize_delayed(data, ledger, tally, fmt, scaling.algo, m)
         q, step = torch.ops.computectx.fp8_quantize_delayed(
-            data, ring, tally, fmt.torch, scaling.algo, m, b.value, may_seed
+            data, ledger, tally, fmt.torch, scaling.algo, m, b.value, may_seed
         )
-    elif how == "fused":
-        return fused.quantize_dynamic(data, ring, tally, fmt, m)
+    elif how == "inline":
+        return inline.quantize_dynamic(data, ledger, tally, fmt, m)
     else:
         q, step = torch.ops.computectx.fp8_quantize_dynamic(
-            data, ring, tally, fmt.torch, m, b.value
+            data, ledger, tally, fmt.torch, m, b.value
         )
     return q, step
 

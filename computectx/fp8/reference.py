@@ -22,12 +22,12 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8.ring import (
-    ring_history,
-    ring_nonfinite,
-    ring_saturated,
-    ring_slot,
-    ring_step,
+from computectx.fp8.ledger import (
+    ledger_history,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_slot,
+    ledger_step,
 )
 
 __all__ = [
@@ -39,7 +39,7 @@ __all__ = [
     "saturated_count",
     "scaled_mm",
     "scaled_mm_error_bound",
-    "seed_ring",
+    "seed_ledger",
     "step_from_amax",
 ]
 
@@ -123,36 +123,36 @@ def quantize_dynamic(
 def quantize_delayed(
     x: torch.Tensor,
     fmt: Fp8Format,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     idx: int,
     algo: Literal["max", "most_recent"],
     margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize with the ring's current step, then advance the ring in place.
+    """Quantize with the ledger's current step, then advance the ledger in place.
 
     Returns ``(q, step_used)``. Afterwards history slot ``idx`` holds this amax and the
-    ring's step is the one from the window (``algo="max"``: max of the history;
+    ledger's step is the one from the window (``algo="max"``: max of the history;
     ``"most_recent"``: this amax). A non-finite amax leaves history and step alone and adds
     1 to the non-finite count; the number of saturated elements is added to the saturated
-    count either way. (The layout is ``computectx.fp8.ring``'s.)
+    count either way. (The layout is ``computectx.fp8.ledger``'s.)
     """
-    step = ring_step(ring)
+    step = ledger_step(ledger)
     step_used = step.clone()
     q, a = quantize_with_step(x, fmt, step_used)
     sat = saturated_count(x, step_used, fmt)
     finite = torch.isfinite(a)
-    slot = ring_slot(ring, idx)
+    slot = ledger_slot(ledger, idx)
     slot.copy_(torch.where(finite, a, slot))
     # The window includes the amax just written, as in the kernel's last program.
-    window = ring_history(ring).amax().reshape(1) if algo == "max" else a
+    window = ledger_history(ledger).amax().reshape(1) if algo == "max" else a
     step.copy_(torch.where(finite, step_from_amax(window, fmt, margin), step))
-    ring_nonfinite(ring).add_((~finite).to(torch.float32))
-    ring_saturated(ring).add_(sat)
+    ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
+    ledger_saturated(ledger).add_(sat)
     return q, step_used
 
 
-def seed_ring(
-    ring: torch.Tensor,
+def seed_ledger(
+    ledger: torch.Tensor,
     x: torch.Tensor,
     fmt: Fp8Format,
     margin: int,
@@ -160,13 +160,13 @@ def seed_ring(
 ) -> None:
     """First use of an operand: fill the history with ``amax(x)`` and set the step from it.
 
-    A non-finite amax leaves the ring exactly as it was, counts included: seeding is the
+    A non-finite amax leaves the ledger exactly as it was, counts included: seeding is the
     first half of a call whose quantize (``quantize_delayed``) measures the same amax and
     counts it, so a NaN in a first call is counted once. ``when`` (a bool device tensor of
-    shape ``(1,)``) seeds only where it is true, without a host read; the ring is left
+    shape ``(1,)``) seeds only where it is true, without a host read; the ledger is left
     alone where it is false.
     """
-    history, step = ring_history(ring), ring_step(ring)
+    history, step = ledger_history(ledger), ledger_step(ledger)
     a = amax(x)
     seed = torch.isfinite(a) if when is None else when & torch.isfinite(a)
     history.copy_(torch.where(seed, a.expand_as(history), history))

@@ -1,14 +1,14 @@
-"""Per-weight scaling state: one ring per operand role, quantizing through it, checkpoints.
+"""Per-weight scaling state: one ledger per operand role, quantizing through it, checkpoints.
 
 A weight that runs in fp8 quantizes three operands — its ``input`` activation, the
-``weight`` itself and the output ``grad`` — and each keeps one ring (``computectx.fp8.ring``
+``weight`` itself and the output ``grad`` — and each keeps one ledger (``computectx.fp8.ledger``
 owns its layout: ``history_len`` amaxes, then the current step, the non-finite count and
-the saturated count). Delayed scaling reads the step from the ring and writes the
-new amax into it; dynamic scaling keeps a ring of length 1 only to record the last amax and
+the saturated count). Delayed scaling reads the step from the ledger and writes the
+new amax into it; dynamic scaling keeps a ledger of length 1 only to record the last amax and
 step, so both recipes report the same statistics.
 
-Beside each ring lives an int64 *tally* on the same device, ``[seeded, elements]``
-(``computectx.fp8.library``): whether the first call has seeded the ring and how many
+Beside each ledger lives an int64 *tally* on the same device, ``[seeded, elements]``
+(``computectx.fp8.custom_ops``): whether the first call has seeded the ledger and how many
 elements went through it. Both are device tensors that the quantize operators update in
 place, so no call reads a device value and a ``torch.compile``d step advances exactly what
 an eager one does. Delayed histories are kept oldest to newest (the newest amax in the last
@@ -24,18 +24,18 @@ from typing import Literal, Protocol
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import library, ops, reference
+from computectx.fp8 import custom_ops, ops, reference
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.fused import QuantizeImpl
-from computectx.fp8.ring import (
-    RING_SHAPE,
-    is_ring,
-    read_ring,
-    ring_history,
-    ring_history_len,
-    ring_new,
-    ring_step,
-    ring_with_history,
+from computectx.fp8.inline import QuantizeImpl
+from computectx.fp8.ledger import (
+    LEDGER_SHAPE,
+    is_ledger,
+    ledger_history,
+    ledger_history_len,
+    ledger_new,
+    ledger_step,
+    ledger_with_history,
+    read_ledger,
 )
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -55,7 +55,7 @@ class AmaxReduce(Protocol):
 
     Calling it maps a call's own amax (float32, shape ``(1,)``) to its group's (a MAX over
     ranks). ``armed`` says whether a synchronized forward is running now, one that every
-    rank of the group runs together: only then does a layer advance its rings or reduce
+    rank of the group runs together: only then does a layer advance its ledgers or reduce
     anything, so a rank-local call (a forward of the unwrapped module, say) can neither
     hang the group nor shift one rank's history out of step. ``reduces`` is ``False`` for
     a sync whose quantizes keep their own amax (``current_amax="local"``), and for layers
@@ -75,23 +75,25 @@ Role = Literal["input", "weight", "grad"]
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
 """The operand roles of an fp8 linear, in checkpoint order."""
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 """Version written into saved scaling state; loading accepts the versions in
-``_READABLE_VERSIONS``."""
-_READABLE_VERSIONS = (1,)
+``_READABLE_VERSIONS``. Version 2 keeps each operand's ledger under ``"ledger"``; version 1
+kept the same tensor under the key ``_LEDGER_KEY_V1``."""
+_READABLE_VERSIONS = (1, 2)
+_LEDGER_KEY_V1 = "ring"  # rename.py: keep (the key version-1 checkpoints use)
 
 
 def history_len_of(policy: Fp8Policy) -> int:
-    """Ring history length a policy needs: ``history_len`` for delayed scaling, 1 for
+    """Ledger history length a policy needs: ``history_len`` for delayed scaling, 1 for
     dynamic (which keeps only the last amax, for statistics)."""
     s = policy.scaling
     return s.history_len if isinstance(s, DelayedScaling) else 1
 
 
 class OperandScaling:
-    """One operand's ring plus its tally (both device tensors).
+    """One operand's ledger plus its tally (both device tensors).
 
-    ``ring`` is laid out by ``computectx.fp8.ring``, its history oldest to newest: the
+    ``ledger`` is laid out by ``computectx.fp8.ledger``, its history oldest to newest: the
     newest amax sits in the last slot (``newest_amax_index``). ``tally`` is int64
     ``[seeded, elements]``. ``seeded`` (whether the first call has filled the history) and
     ``elements`` (quantized elements, for saturated fractions) read it on the host, one
@@ -100,19 +102,19 @@ class OperandScaling:
     layout; it stays for checkpoints and callers of the circular ring of version 1.
     """
 
-    __slots__ = ("_seeded_hint", "ring", "tally")
+    __slots__ = ("_seeded_hint", "ledger", "tally")
 
     def __init__(self, history_len: int, device: torch.device | str) -> None:
-        self.ring: torch.Tensor = ring_new(history_len, device)
-        self.tally: torch.Tensor = library.tally_new(self.ring.device)
-        # Eager calls only: once this process has seen the ring seeded, the delayed quantize
+        self.ledger: torch.Tensor = ledger_new(history_len, device)
+        self.tally: torch.Tensor = custom_ops.tally_new(self.ledger.device)
+        # Eager calls only: once this process has seen the ledger seeded, the delayed quantize
         # can skip the seeding check (a pass over x on the kernels). Never read under compile.
         self._seeded_hint = False
 
     @property
     def history_len(self) -> int:
         """Length of the amax history."""
-        return ring_history_len(self.ring)
+        return ledger_history_len(self.ledger)
 
     @property
     def idx(self) -> int:
@@ -122,26 +124,26 @@ class OperandScaling:
     @property
     def seeded(self) -> bool:
         """Whether the first call has run (one device read)."""
-        return bool(self.tally[library.TALLY_SEEDED].item())
+        return bool(self.tally[custom_ops.TALLY_SEEDED].item())
 
     @seeded.setter
     def seeded(self, value: bool) -> None:
-        self.tally[library.TALLY_SEEDED].fill_(int(bool(value)))
+        self.tally[custom_ops.TALLY_SEEDED].fill_(int(bool(value)))
         self._seeded_hint = bool(value)
 
     @property
     def elements(self) -> int:
         """Elements quantized through this operand (one device read)."""
-        return int(self.tally[library.TALLY_ELEMENTS].item())
+        return int(self.tally[custom_ops.TALLY_ELEMENTS].item())
 
     @elements.setter
     def elements(self, value: int) -> None:
-        self.tally[library.TALLY_ELEMENTS].fill_(int(value))
+        self.tally[custom_ops.TALLY_ELEMENTS].fill_(int(value))
 
     @property
     def elements_tensor(self) -> torch.Tensor:
         """The element count as an int64 device view of shape ``(1,)`` (no host read)."""
-        return self.tally[library.TALLY_ELEMENTS : library.TALLY_ELEMENTS + 1]
+        return self.tally[custom_ops.TALLY_ELEMENTS : custom_ops.TALLY_ELEMENTS + 1]
 
     def quantize(
         self,
@@ -152,20 +154,20 @@ class OperandScaling:
         quantize: QuantizeImpl = "op",
         reduce: AmaxReduce | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x`` under ``scaling`` through this ring: ``(data_fp8, step_used)``.
+        """Quantize ``x`` under ``scaling`` through this ledger: ``(data_fp8, step_used)``.
 
         Delayed: the first call seeds the history with ``amax(x)`` (so step 1 is not blind),
-        then every call quantizes with the ring's step and records its amax. Dynamic: the
-        step comes from ``amax(x)``; the ring records that amax (when finite), the step, and
+        then every call quantizes with the ledger's step and records its amax. Dynamic: the
+        step comes from ``amax(x)``; the ledger records that amax (when finite), the step, and
         counts a non-finite amax. One ``computectx::fp8_quantize_*`` operator either way,
-        except while ``torch.compile`` traces with ``quantize="fused"``: then the same
-        computation as plain torch ops (``computectx.fp8.fused``), for Inductor to fuse.
+        except while ``torch.compile`` traces with ``quantize="inline"``: then the same
+        computation as plain torch ops (``computectx.fp8.inline``), for Inductor to fuse.
         Eager calls run the operator whatever ``quantize`` says (same bytes).
 
         ``reduce`` turns an amax into its data-parallel group's
         (``computectx.distributed.sync_fp8_scaling`` sets it). Dynamic scaling reduces
         every call's amax before taking the step, so ranks quantize with the whole batch's
-        step. Delayed scaling reduces only the seed of an eager first call (its rings are
+        step. Delayed scaling reduces only the seed of an eager first call (its ledgers are
         merged between steps), so step 1 is the whole batch's too.
         """
         compiling = torch.compiler.is_compiling()
@@ -173,22 +175,22 @@ class OperandScaling:
             if isinstance(scaling, DynamicScaling):
                 return self._quantize_reduced(x, fmt, scaling, backend, reduce)
             if not compiling and not self._seeded_hint:
-                # One host read, once per operand: a compiled run may have seeded the ring
+                # One host read, once per operand: a compiled run may have seeded the ledger
                 # already (its flag lives on the device), and re-seeding would both
                 # overwrite the history and issue a collective no other rank issues.
                 if not self.seeded:
-                    ops.seed_ring(self.ring, reduce(reference.amax(x)), fmt, scaling.margin)
+                    ops.seed_ledger(self.ledger, reduce(reference.amax(x)), fmt, scaling.margin)
                 self.seeded = True
         may_seed = compiling or not self._seeded_hint
         data, step = ops.quantize_operand(
             x,
             fmt,
-            self.ring,
+            self.ledger,
             self.tally,
             scaling,
             backend=backend,
             may_seed=may_seed,
-            impl="fused" if compiling and quantize == "fused" else "op",
+            impl="inline" if compiling and quantize == "inline" else "op",
         )
         if not compiling:
             self._seeded_hint = True
@@ -204,12 +206,12 @@ class OperandScaling:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Dynamic scaling with the group's amax: amax pass, reduction, cast with that step.
         # What the dynamic operator records (amax, step, a non-finite count, the elements)
-        # is recorded here from the group's amax, so every rank's ring is the same.
+        # is recorded here from the group's amax, so every rank's ledger is the same.
         whole = reduce(reference.amax(x))
         step = reference.step_from_amax(whole, fmt, scaling.margin)
         data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
-        library.record(self.ring, whole, step)
-        library.count(self.tally, x)
+        custom_ops.record(self.ledger, whole, step)
+        custom_ops.count(self.tally, x)
         if not torch.compiler.is_compiling():  # a host flag: never written in a trace
             self._seeded_hint = True
         return data, step
@@ -225,7 +227,7 @@ class OperandScaling:
         """Quantize ``x`` as a call outside training does: ``(data_fp8, step_used)``, with
         nothing written (no history, no step, no counts).
 
-        Dynamic: the step of ``x``'s own amax. Delayed: the ring's step; an operand that
+        Dynamic: the step of ``x``'s own amax. Delayed: the ledger's step; an operand that
         has never been seeded takes the step of ``x``'s own amax instead (a device
         ``where``, no host read). The output therefore depends only on the state training
         left and on ``x`` itself, never on earlier calls of this kind. ``reduce`` (for
@@ -239,12 +241,12 @@ class OperandScaling:
             whole = reduce(reference.amax(x)) if reduce is not None else reference.amax(x)
             step = reference.step_from_amax(whole, fmt, scaling.margin)
         elif not torch.compiler.is_compiling() and self._seeded_hint:
-            step = ring_step(self.ring).clone()
+            step = ledger_step(self.ledger).clone()
         else:
             own = reference.amax(x) if reduce is None else reduce(reference.amax(x))
-            seeded = self.tally[library.TALLY_SEEDED : library.TALLY_SEEDED + 1] != 0
+            seeded = self.tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] != 0
             step = torch.where(
-                seeded, ring_step(self.ring), reference.step_from_amax(own, fmt, scaling.margin)
+                seeded, ledger_step(self.ledger), reference.step_from_amax(own, fmt, scaling.margin)
             )
         data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
         return data, step
@@ -254,8 +256,8 @@ class OperandScaling:
 
         A non-finite amax is counted and leaves the recorded amax as it was.
         """
-        library.record(self.ring, amax, step)
-        self.tally[library.TALLY_SEEDED].fill_(1)
+        custom_ops.record(self.ledger, amax, step)
+        self.tally[custom_ops.TALLY_SEEDED].fill_(1)
         self._seeded_hint = True
 
     def newest_amax_index(self) -> int:
@@ -271,30 +273,30 @@ class OperandScaling:
         """
         n = self.history_len
         out = OperandScaling.__new__(OperandScaling)
-        chron = ring_history(self.ring)
+        chron = ledger_history(self.ledger)
         if history_len <= n:
             chron = chron[n - history_len :]
         else:
             chron = torch.cat([chron[:1].expand(history_len - n), chron])
-        out.ring = ring_with_history(self.ring, chron)
+        out.ledger = ledger_with_history(self.ledger, chron)
         with torch.inference_mode(False):
             out.tally = self.tally.clone()
         out._seeded_hint = self._seeded_hint
         return out
 
     def to(self, device: torch.device) -> None:
-        """Move the ring to ``device`` (in place on this object)."""
-        if self.ring.device != device:
-            # Not an inference tensor, even when moved inside inference_mode (ring_new).
+        """Move the ledger to ``device`` (in place on this object)."""
+        if self.ledger.device != device:
+            # Not an inference tensor, even when moved inside inference_mode (ledger_new).
             with torch.inference_mode(False):
-                self.ring = self.ring.to(device)
+                self.ledger = self.ledger.to(device)
                 self.tally = self.tally.to(device)
 
 
 class Fp8ScalingState:
     """The scaling state of one fp8 weight: an ``OperandScaling`` per role.
 
-    ``policy`` is the policy the rings are shaped for; ``conform`` reshapes them when a
+    ``policy`` is the policy the ledgers are shaped for; ``conform`` reshapes them when a
     different policy (another history length, another recipe) starts using the weight.
     """
 
@@ -303,35 +305,35 @@ class Fp8ScalingState:
     def __init__(self, policy: Fp8Policy, device: torch.device | str) -> None:
         n = history_len_of(policy)
         self.policy = policy
-        # The data-parallel world size the output-gradient ring was recorded at: under a
+        # The data-parallel world size the output-gradient ledger was recorded at: under a
         # loss each rank normalizes by its own batch, a rank's gradient is world_size times
-        # the whole batch's. Saved with the state; computectx.distributed rescales the ring
+        # the whole batch's. Saved with the state; computectx.distributed rescales the ledger
         # when a checkpoint meets another world size.
         self.world_size = 1
         self.operands: dict[Role, OperandScaling] = {r: OperandScaling(n, device) for r in ROLES}
 
     @property
     def input(self) -> OperandScaling:
-        """The input activation's ring."""
+        """The input activation's ledger."""
         return self.operands["input"]
 
     @property
     def weight(self) -> OperandScaling:
-        """The weight's ring."""
+        """The weight's ledger."""
         return self.operands["weight"]
 
     @property
     def grad(self) -> OperandScaling:
-        """The output gradient's ring."""
+        """The output gradient's ledger."""
         return self.operands["grad"]
 
     @property
     def device(self) -> torch.device:
-        """Device the rings live on."""
-        return self.operands["input"].ring.device
+        """Device the ledgers live on."""
+        return self.operands["input"].ledger.device
 
     def conform(self, policy: Fp8Policy, device: torch.device) -> None:
-        """Make the rings fit ``policy`` and live on ``device`` (no-op when they do)."""
+        """Make the ledgers fit ``policy`` and live on ``device`` (no-op when they do)."""
         if policy is not self.policy and policy != self.policy:
             n = history_len_of(policy)
             for role, op in self.operands.items():
@@ -342,21 +344,21 @@ class Fp8ScalingState:
             op.to(device)
 
     def to(self, device: torch.device) -> None:
-        """Move every ring to ``device``."""
+        """Move every ledger to ``device``."""
         for op in self.operands.values():
             op.to(device)
 
     # ----- checkpoints --------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, object]:
-        """The state as plain data for a checkpoint (rings copied to the CPU)."""
+        """The state as plain data for a checkpoint (ledgers copied to the CPU)."""
         return {
             "version": STATE_VERSION,
             "policy": str(self.policy),
             "world_size": self.world_size,
             "operands": {
                 role: {
-                    "ring": op.ring.detach().to("cpu", copy=True),
+                    "ledger": op.ledger.detach().to("cpu", copy=True),
                     "idx": op.idx,
                     "seeded": op.seeded,
                     "elements": op.elements,
@@ -367,7 +369,7 @@ class Fp8ScalingState:
 
     def load_dict(self, saved: object, device: torch.device | None = None) -> None:
         """Replace the state with a saved one (``to_dict``'s form), fitted to this policy,
-        on ``device`` (default: where the rings are now).
+        on ``device`` (default: where the ledgers are now).
 
         A history of another length is resized as ``OperandScaling.resized`` documents.
         Everything is checked before anything changes: a bad checkpoint raises
@@ -405,13 +407,20 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
         entry = operands[role]
         if not isinstance(entry, Mapping):
             raise ValueError(f"{what}: operand {role!r} must be a dict, got {entry!r}")
-        ring, idx = entry.get("ring"), entry.get("idx")
+        key = _LEDGER_KEY_V1 if version == 1 else "ledger"
+        ledger, idx = entry.get(key), entry.get("idx")
         seeded, elements = entry.get("seeded"), entry.get("elements")
-        if not is_ring(ring):
-            desc = f"{ring.dtype} {tuple(ring.shape)}" if isinstance(ring, torch.Tensor) else ring
-            raise ValueError(f"{what}: operand {role!r} ring must be {RING_SHAPE}, got {desc!r}")
-        n = ring_history_len(ring)
-        _check_ring_values(what, role, ring)
+        if not is_ledger(ledger):
+            desc = (
+                f"{ledger.dtype} {tuple(ledger.shape)}"
+                if isinstance(ledger, torch.Tensor)
+                else ledger
+            )
+            raise ValueError(
+                f"{what}: operand {role!r} ledger ({key!r}) must be {LEDGER_SHAPE}, got {desc!r}"
+            )
+        n = ledger_history_len(ledger)
+        _check_ledger_values(what, role, ledger)
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
             raise ValueError(
                 f"{what}: operand {role!r} idx must be an int in [0, {n}), got {idx!r}"
@@ -424,23 +433,23 @@ def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScali
             )
         op = OperandScaling.__new__(OperandScaling)
         with torch.inference_mode(False):
-            # A version-1 ring written at slot idx (circular) is stored oldest to newest:
+            # A version-1 ledger written at slot idx (circular) is stored oldest to newest:
             # its oldest entry is the one at idx.
-            saved = ring.detach().to(device=device, copy=True).contiguous()
-            hist = ring_history(saved)
-            op.ring = ring_with_history(saved, torch.cat([hist[idx:], hist[:idx]]))
-            op.tally = library.tally_new(device)
+            saved = ledger.detach().to(device=device, copy=True).contiguous()
+            hist = ledger_history(saved)
+            op.ledger = ledger_with_history(saved, torch.cat([hist[idx:], hist[:idx]]))
+            op.tally = custom_ops.tally_new(device)
             op.tally.copy_(torch.tensor([int(seeded), elements], dtype=torch.int64))
         op._seeded_hint = seeded
         out[role] = op
     return out
 
 
-def _check_ring_values(what: str, role: str, ring: torch.Tensor) -> None:
+def _check_ledger_values(what: str, role: str, ledger: torch.Tensor) -> None:
     # Loading reads the values once (a checkpoint is not on the training path): a NaN or
     # non-positive step would quietly turn every later output into NaN or garbage, and a
     # NaN amax in the history would poison every window max that includes it.
-    values = read_ring(ring)
+    values = read_ledger(ledger)
     for i, a in enumerate(values.history):
         if not (math.isfinite(a) and a >= 0):
             raise ValueError(

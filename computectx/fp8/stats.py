@@ -1,4 +1,4 @@
-"""``fp8_stats``: per-layer amax, step, saturation and non-finite counts, read from the rings."""
+"""``fp8_stats``: per-layer amax, step, saturation and non-finite counts, read from the ledgers."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from computectx.fp8.ledger import read_ledger
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.region import region_scaling_state
-from computectx.fp8.ring import read_ring
 from computectx.fp8.scaling import ROLES, Fp8ScalingState, OperandScaling, Role
 from computectx.recipes import DelayedScaling
 
@@ -53,7 +53,7 @@ class Fp8LayerStats:
 
 
 def _operand_stats(op: OperandScaling, window_is_max: bool) -> Fp8OperandStats:
-    values = read_ring(op.ring)  # one device-to-host copy per operand
+    values = read_ledger(op.ledger)  # one device-to-host copy per operand
     newest = values.history[op.newest_amax_index()]
     return Fp8OperandStats(
         amax=newest,
@@ -77,7 +77,7 @@ def fp8_stats(model: nn.Module) -> dict[str, Fp8LayerStats]:
     """Statistics of every fp8 layer in ``model``, by fully qualified name.
 
     Covers ``Fp8Linear`` modules and plain ``nn.Linear`` layers that have run inside an
-    ``fp8_autocast`` region. Reading them copies each ring to the host (a device sync), so
+    ``fp8_autocast`` region. Reading them copies each ledger to the host (a device sync), so
     call it between steps, not inside one.
     """
     if not isinstance(model, nn.Module):

@@ -1,12 +1,12 @@
-"""fp8 quantize kernel: cast with a per-tensor step, amax in the same pass, ring finalize.
+"""fp8 quantize kernel: cast with a per-tensor step, amax in the same pass, ledger finalize.
 
 One kernel serves three recipes, chosen by constexpr flags:
 
 - ``quantize_with_step``: cast ``x / step`` to fp8 and measure ``amax(x)``;
-- ``quantize_delayed``: the same with the step read from the operand's ring; the last
+- ``quantize_delayed``: the same with the step read from the operand's ledger; the last
   program to finish (an atomic ticket) writes the amax into the history, reduces the window
-  and publishes the next step into the ring: no host sync, no second launch. The ring's
-  layout belongs to the caller (``computectx.fp8.ring``), which passes its history length
+  and publishes the next step into the ledger: no host sync, no second launch. The ledger's
+  layout belongs to the caller (``computectx.fp8.ledger``), which passes its history length
   and offsets; they reach the kernel as constexpr arguments;
 - ``quantize_dynamic``: an amax-only launch that also publishes the step, then a cast-only
   launch that reads it.
@@ -48,7 +48,7 @@ _RBLOCK: Final[int] = 16 if INTERPRETED else 1024
 _REDUCE_NONE = tl.constexpr(0)  # nothing: cast only
 _REDUCE_AMAX = tl.constexpr(1)  # write amax
 _REDUCE_DYNAMIC = tl.constexpr(2)  # write amax and the step derived from it
-_REDUCE_RING = tl.constexpr(3)  # delayed scaling: history, window, next step, counts
+_REDUCE_LEDGER = tl.constexpr(3)  # delayed scaling: history, window, next step, counts
 
 # The int32 scratch that programs fold their results into (one per device and stream).
 _SCRATCH_TICKET = tl.constexpr(0)  # programs finished so far
@@ -107,8 +107,8 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     scratch_ptr,
     amax_out_ptr,
     step_out_ptr,
-    ring_ptr,
-    ring_idx,
+    ledger_ptr,
+    ledger_idx,
     n_hist,
     FMAX: tl.constexpr,
     FLT_MAX: tl.constexpr,
@@ -122,19 +122,19 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     CAST: tl.constexpr,
     REDUCE: tl.constexpr,
     ALGO_MAX: tl.constexpr,
-    RING_STEP: tl.constexpr,
-    RING_NONFINITE: tl.constexpr,
-    RING_SATURATED: tl.constexpr,
+    LEDGER_STEP: tl.constexpr,
+    LEDGER_NONFINITE: tl.constexpr,
+    LEDGER_SATURATED: tl.constexpr,
     BLOCK: tl.constexpr,
     RBLOCK: tl.constexpr,
 ):
-    # The ring (REDUCE == _REDUCE_RING only): history ring_ptr[:n_hist], then the step, the
-    # non-finite count and the saturated count at n_hist + the RING_* offsets.
+    # The ledger (REDUCE == _REDUCE_LEDGER only): history ledger_ptr[:n_hist], then the step, the
+    # non-finite count and the saturated count at n_hist + the LEDGER_* offsets.
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     if CAST:
         step = tl.load(step_ptr)
-        if REDUCE == _REDUCE_RING:  # noqa: SIM102  (constexpr test, then a run-time one)
+        if REDUCE == _REDUCE_LEDGER:  # noqa: SIM102  (constexpr test, then a run-time one)
             if pid == 0:
                 tl.store(step_out_ptr, step)
     # |x| as int32 bits: for non-negative floats the integer order is the float order and
@@ -157,7 +157,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
         if CAST:
             # IEEE division, as the twin does: x / step, not x * (1 / step).
             s = tl.div_rn(x, step)
-            if REDUCE == _REDUCE_RING:
+            if REDUCE == _REDUCE_LEDGER:
                 n_sat += ((s > FMAX) | (s < -FMAX)).to(tl.int32)
             # Comparisons are false for NaN, so NaN passes through; ±inf becomes ±max.
             s = tl.where(s > FMAX, FMAX, tl.where(s < -FMAX, -FMAX, s))
@@ -168,7 +168,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
         # thread: fold this program's amax and saturation count into the scratch, then take
         # a ticket with acq_rel, which publishes both to whoever draws the last ticket.
         tl.atomic_max(scratch_ptr + _SCRATCH_AMAX, tl.max(amax_bits, axis=0), sem="relaxed")
-        if REDUCE == _REDUCE_RING:
+        if REDUCE == _REDUCE_LEDGER:
             tl.atomic_add(scratch_ptr + _SCRATCH_SATURATED, tl.sum(n_sat, axis=0), sem="relaxed")
         ticket = tl.atomic_add(scratch_ptr + _SCRATCH_TICKET, 1, sem="acq_rel")
         if ticket == nprog - 1:
@@ -188,28 +188,28 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 step_new = tl.div_rn(amax, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 tl.store(step_out_ptr, tl.where(ok, step_new, 1.0))
-            if REDUCE == _REDUCE_RING:
-                # The window with this amax in slot ring_idx, built in registers (the ring
+            if REDUCE == _REDUCE_LEDGER:
+                # The window with this amax in slot ledger_idx, built in registers (the ledger
                 # itself is written once, below).
                 window = tl.zeros((RBLOCK,), dtype=tl.float32)
                 for hstart in tl.range(0, n_hist, RBLOCK):
                     h_offs = hstart + tl.arange(0, RBLOCK)
-                    h = tl.load(ring_ptr + h_offs, mask=h_offs < n_hist, other=0.0)
-                    h = tl.where(h_offs == ring_idx, amax, h)
+                    h = tl.load(ledger_ptr + h_offs, mask=h_offs < n_hist, other=0.0)
+                    h = tl.where(h_offs == ledger_idx, amax, h)
                     window = tl.maximum(window, h)
                 chosen = tl.max(window, axis=0) if ALGO_MAX else amax
                 step_new = tl.div_rn(chosen, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 step_new = tl.where(ok, step_new, 1.0)
-                step_ptr_ring = ring_ptr + n_hist + RING_STEP
-                nonfinite_ptr = ring_ptr + n_hist + RING_NONFINITE
-                saturated_ptr = ring_ptr + n_hist + RING_SATURATED
-                old_hist = tl.load(ring_ptr + ring_idx)
-                old_step = tl.load(step_ptr_ring)
+                step_ptr_ledger = ledger_ptr + n_hist + LEDGER_STEP
+                nonfinite_ptr = ledger_ptr + n_hist + LEDGER_NONFINITE
+                saturated_ptr = ledger_ptr + n_hist + LEDGER_SATURATED
+                old_hist = tl.load(ledger_ptr + ledger_idx)
+                old_step = tl.load(step_ptr_ledger)
                 n_bad = tl.load(nonfinite_ptr)
                 n_sat_old = tl.load(saturated_ptr)
-                tl.store(ring_ptr + ring_idx, tl.where(finite, amax, old_hist))
-                tl.store(step_ptr_ring, tl.where(finite, step_new, old_step))
+                tl.store(ledger_ptr + ledger_idx, tl.where(finite, amax, old_hist))
+                tl.store(step_ptr_ledger, tl.where(finite, step_new, old_step))
                 tl.store(nonfinite_ptr, n_bad + tl.where(finite, 0.0, 1.0))
                 tl.store(saturated_ptr, n_sat_old + sat_count.to(tl.float32))
 
@@ -257,8 +257,8 @@ def _check_f32(name: str, t: torch.Tensor, x: torch.Tensor) -> None:
         )
 
 
-class _Ring(NamedTuple):
-    """A delayed-scaling ring and the caller's layout of it (see ``quantize_delayed``)."""
+class _Ledger(NamedTuple):
+    """A delayed-scaling ledger and the caller's layout of it (see ``quantize_delayed``)."""
 
     tensor: torch.Tensor
     slot: int
@@ -268,7 +268,7 @@ class _Ring(NamedTuple):
     saturated_offset: int
 
     def check(self, x: torch.Tensor) -> None:
-        _check_f32("ring", self.tensor, x)
+        _check_f32("ledger", self.tensor, x)
         n = self.history_len
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"history_len must be an int >= 1, got {n!r}")
@@ -279,7 +279,7 @@ class _Ring(NamedTuple):
         if len(set(offsets)) != 3 or not all(0 <= o < tail for o in offsets):
             raise ValueError(
                 f"step, non-finite and saturated offsets must be distinct slots after the "
-                f"history, in [0, {tail}) for a ring of {self.tensor.numel()} with "
+                f"history, in [0, {tail}) for a ledger of {self.tensor.numel()} with "
                 f"history_len={n}; got {offsets}"
             )
 
@@ -329,7 +329,7 @@ def _launch(
     step: torch.Tensor,
     amax_out: torch.Tensor | None = None,
     step_out: torch.Tensor | None = None,
-    ring: _Ring | None = None,
+    ledger: _Ledger | None = None,
     algo_max: bool = False,
 ) -> None:
     # One launch of the kernel over x. Pointer arguments a mode never touches still need a
@@ -346,16 +346,16 @@ def _launch(
         _scratch(x.device),
         step if amax_out is None else amax_out,
         step if step_out is None else step_out,
-        step if ring is None else ring.tensor,
-        0 if ring is None else ring.slot,
-        0 if ring is None else ring.history_len,
+        step if ledger is None else ledger.tensor,
+        0 if ledger is None else ledger.slot,
+        0 if ledger is None else ledger.history_len,
         X_BF16=x.dtype == torch.bfloat16,
         CAST=cast,
         REDUCE=reduce.value,
         ALGO_MAX=algo_max,
-        RING_STEP=0 if ring is None else ring.step_offset,
-        RING_NONFINITE=0 if ring is None else ring.nonfinite_offset,
-        RING_SATURATED=0 if ring is None else ring.saturated_offset,
+        LEDGER_STEP=0 if ledger is None else ledger.step_offset,
+        LEDGER_NONFINITE=0 if ledger is None else ledger.nonfinite_offset,
+        LEDGER_SATURATED=0 if ledger is None else ledger.saturated_offset,
         BLOCK=_BLOCK,
         RBLOCK=_RBLOCK,
         num_warps=_WARPS,
@@ -398,7 +398,7 @@ def quantize_delayed(
     *,
     x: torch.Tensor,
     fp8: torch.dtype,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     history_len: int,
     slot: int,
     step_offset: int,
@@ -407,23 +407,23 @@ def quantize_delayed(
     algo: Literal["max", "most_recent"],
     margin: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, step_used)``: quantize with the ring's step and advance the ring in-kernel.
+    """``(q, step_used)``: quantize with the ledger's step and advance the ledger in-kernel.
 
-    ``ring`` is a contiguous float32 vector laid out by the caller: the amax history is
-    ``ring[:history_len]`` and the step, the non-finite count and the saturated count sit
+    ``ledger`` is a contiguous float32 vector laid out by the caller: the amax history is
+    ``ledger[:history_len]`` and the step, the non-finite count and the saturated count sit
     at ``history_len`` plus ``step_offset``, ``nonfinite_offset`` and ``saturated_offset``.
     Afterwards history slot ``slot`` holds ``amax(x)`` and the step is the next one from
     the window (``algo``), unless the amax was not finite, which is counted instead.
     """
     _check_input(x, fp8)
-    r = _Ring(ring, slot, history_len, step_offset, nonfinite_offset, saturated_offset)
+    r = _Ledger(ledger, slot, history_len, step_offset, nonfinite_offset, saturated_offset)
     r.check(x)
     if algo not in ("max", "most_recent"):
         raise ValueError(f"unknown amax window algo {algo!r}; accepted: 'max', 'most_recent'")
     q = torch.empty(x.shape, dtype=fp8, device=x.device)
     step_used = torch.empty(1, dtype=torch.float32, device=x.device)
     _launch(
-        x=x, q=q, fp8=fp8, margin=margin, reduce=_REDUCE_RING, cast=True,
-        step=r.step(), step_out=step_used, ring=r, algo_max=algo == "max",
+        x=x, q=q, fp8=fp8, margin=margin, reduce=_REDUCE_LEDGER, cast=True,
+        step=r.step(), step_out=step_used, ledger=r, algo_max=algo == "max",
     )  # fmt: skip
     return q, step_used

@@ -20,21 +20,21 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.fp8.ring import ring_history, ring_step
+from computectx.fp8.ledger import ledger_history, ledger_step
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
 RunRanks = Callable[..., list[dict[str, Any]]]
 
 
-def in_world(ring: torch.Tensor, key: str, ratio: float) -> torch.Tensor:
-    """``ring`` (of operand ``key``, e.g. ``"0.grad"``) as another world size holds it: under a
-    per-rank mean loss a gradient ring's history and step scale with the world size, times
-    ``ratio``; other rings are the same. A copy."""
-    out = ring.clone()
+def in_world(ledger: torch.Tensor, key: str, ratio: float) -> torch.Tensor:
+    """``ledger`` (of operand ``key``, e.g. ``"0.grad"``) as another world size holds it: under a
+    per-rank mean loss a gradient ledger's history and step scale with the world size, times
+    ``ratio``; other ledgers are the same. A copy."""
+    out = ledger.clone()
     if key.endswith(".grad"):
-        ring_history(out).mul_(ratio)
-        ring_step(out).mul_(ratio)
+        ledger_history(out).mul_(ratio)
+        ledger_step(out).mul_(ratio)
     return out
 
 

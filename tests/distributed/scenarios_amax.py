@@ -37,9 +37,9 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def _rings(model: nn.Module) -> dict[str, torch.Tensor]:
+def _ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
-        f"{name}.{role}": op.ring.detach().clone()
+        f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
         if isinstance(m, Fp8Linear)
         for role, op in m.scaling.operands.items()
@@ -49,7 +49,7 @@ def _rings(model: nn.Module) -> dict[str, torch.Tensor]:
 def train(params: dict[str, Any]) -> dict[str, Any]:
     """``steps`` SGD steps; each rank takes its half of every batch (one process: all of it).
 
-    ``sync``: merge the rings before each forward (``current_amax``: whose amax the first,
+    ``sync``: merge the ledgers before each forward (``current_amax``: whose amax the first,
     seeding call takes; default the group's). ``nan_at``: the step whose last rank's
     shard holds a NaN in its input (forward only, then a final merge).
     """
@@ -78,18 +78,18 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
         losses.append(float(whole))
     if sync is not None:
         sync.sync()
-    before_nan = _rings(model)
+    before_nan = _ledgers(model)
     if params.get("nan"):
         x, _ = _batches(1)[0]
         x[-1, 0] = math.nan
         # A training forward (grad enabled): only those record, eval and no_grad calls
-        # leave the rings alone.
+        # leave the ledgers alone.
         run(x[rank * per : (rank + 1) * per])
         if sync is not None:
             sync.sync()
     return {
         "losses": torch.tensor(losses),
-        "rings": _rings(model),
+        "ledgers": _ledgers(model),
         "before_nan": before_nan,
     }
 
@@ -107,7 +107,7 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     """Train ``steps`` steps (sharded with FSDP2 on more than one rank, gathering fp8
     weights with ``fp8_gather=True``, with the amax sync unless ``sync=False``) and save with
     DCP to ``path``; or, with ``load=True``, load that checkpoint into a fresh model sharded
-    over this run's ranks. Reports the forward output on a fixed input and the rings."""
+    over this run's ranks. Reports the forward output on a fixed input and the ledgers."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import save
@@ -153,4 +153,4 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
         out = model(probe)
     if params.get("sync", True):
         sync.sync()  # the probe's amaxes merged (with fp8_gather: its weight shards' too)
-    return {"out": out, "rings": _rings(model), "view_warnings": view_warnings}
+    return {"out": out, "ledgers": _ledgers(model), "view_warnings": view_warnings}

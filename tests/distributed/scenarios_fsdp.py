@@ -80,7 +80,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     ``gather``: ``"fp8"`` (enable_fp8_all_gather), ``"hp"`` (FSDP2's own float32 gather),
     ``"ddp"`` (DistributedDataParallel, no gather) or ``"none"`` (the one-process reference).
     ``offloaded``: AdamW in an ``OffloadedOptimizer`` (``ShardedParams`` under FSDP2), not SGD.
-    Reports the losses, the first step's full gradients, the final full weights, the rings
+    Reports the losses, the first step's full gradients, the final full weights, the ledgers
     and the all-gather traffic.
     """
     ctx = _ctx(params["scaling"])
@@ -138,8 +138,8 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
         "losses": torch.tensor(losses, dtype=torch.float64),
         "first_grads": first_grads,
         "weights": {n: _full(p) for n, p in model.named_parameters()},
-        "rings": {
-            f"{i}.{role}": op.ring.detach().clone()
+        "ledgers": {
+            f"{i}.{role}": op.ledger.detach().clone()
             for i, layer in enumerate(layers)
             for role, op in layer.scaling.operands.items()
         },
@@ -181,8 +181,8 @@ def _dynamic_steps(compile: bool) -> dict[str, Any]:
     return {
         "outs": torch.stack(outs),
         "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
-        "rings": {
-            f"{i}.{role}": op.ring.detach().clone()
+        "ledgers": {
+            f"{i}.{role}": op.ledger.detach().clone()
             for i, layer in enumerate(m for m in model if isinstance(m, Fp8Linear))
             for role, op in layer.scaling.operands.items()
         },

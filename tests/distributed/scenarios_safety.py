@@ -47,17 +47,17 @@ def _x(rows: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return torch.randn(rows, WIDTH, generator=gen) * scale
 
 
-def _rings(model: nn.Module) -> dict[str, torch.Tensor]:
+def _ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
-        f"{name}.{role}": op.ring.detach().clone()
+        f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
         if isinstance(m, Fp8Linear)
         for role, op in m.scaling.operands.items()
     }
 
 
-def _train_step(run: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    out = run(x)
+def _train_step(run: Any, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = run(x)
     out.float().square().sum().backward()  # type: ignore[no-untyped-call]
     return out.detach()
 
@@ -97,7 +97,7 @@ def fsdp_gather_without_sync(params: dict[str, Any]) -> dict[str, Any]:
 def rank_local_calls(params: dict[str, Any]) -> dict[str, Any]:
     """Synced DDP; rank 0 alone runs eval, no_grad and inference_mode forwards, a sample
     loop and a training-mode call on the unwrapped module (with a backward); then both
-    ranks train a step. Reports the rings around rank 0's calls and at the end."""
+    ranks train a step. Reports the ledgers around rank 0's calls and at the end."""
     ctx = _ctx(params["scaling"])
     rank = dist.get_rank()
     model = _mlp(ctx)
@@ -107,12 +107,12 @@ def rank_local_calls(params: dict[str, Any]) -> dict[str, Any]:
     _train_step(ddp, _x(4, rank, 1.0 + 30 * rank))
     opt.step()
     opt.zero_grad()
-    before = _rings(model)
+    before = _ledgers(model)
     if rank == 0:
         ddp.eval()
         with torch.no_grad():
             ddp(_x(3, 7, 50.0))
-        ddp.train()
+        ddp.train(True)  # type: ignore[no-untyped-call]
         with torch.inference_mode():
             ddp(_x(3, 8, 50.0))
         with torch.no_grad():
@@ -121,11 +121,11 @@ def rank_local_calls(params: dict[str, Any]) -> dict[str, Any]:
                 h = model(h)
         model(_x(2, 11, 80.0)).sum().backward()  # the unwrapped module, in training mode
         opt.zero_grad()
-    after_local = _rings(model)
+    after_local = _ledgers(model)
     _train_step(ddp, _x(4, 20 + rank, 1.0 + 30 * rank))
     opt.step()
     sync.sync()
-    return {"before": before, "after_local": after_local, "end": _rings(model)}
+    return {"before": before, "after_local": after_local, "end": _ledgers(model)}
 
 
 def empty_shard(params: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def empty_shard(params: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     sync.sync()
-    return {"rings": _rings(model), "shapes": [tuple(o.shape) for o in outs]}
+    return {"ledgers": _ledgers(model), "shapes": [tuple(o.shape) for o in outs]}
 
 
 def compiled_then_eager(params: dict[str, Any]) -> dict[str, Any]:
@@ -163,12 +163,12 @@ def compiled_then_eager(params: dict[str, Any]) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     sync.sync()
-    before = _rings(model)
+    before = _ledgers(model)
     _train_step(ddp, _x(4, 50 + 10 * rank, 1.0 + 3 * rank))
     opt.step()
     opt.zero_grad()
     sync.sync()
-    eager = _rings(model)
+    eager = _ledgers(model)
     if rank == 0:
         with torch.no_grad():
             model.eval()
@@ -176,7 +176,7 @@ def compiled_then_eager(params: dict[str, Any]) -> dict[str, Any]:
             model.train()
     _train_step(ddp, _x(4, 70 + 10 * rank, 1.0 + 3 * rank))
     sync.sync()
-    return {"before": before, "eager": eager, "end": _rings(model)}
+    return {"before": before, "eager": eager, "end": _ledgers(model)}
 
 
 def warnings_and_order(params: dict[str, Any]) -> dict[str, Any]:
@@ -247,9 +247,9 @@ def tied_and_copied(params: dict[str, Any]) -> dict[str, Any]:
     head, embed = lm.head, lm.embed
     tied = head.weight is embed.weight
     ema = copy.deepcopy(par.module) if params["strategy"] == "ddp" else None
-    copy_rings_own = True
+    copy_ledgers_own = True
     if ema is not None:
-        original = _rings(par.module)
+        original = _ledgers(par.module)
         with torch.no_grad():
             for p in ema.parameters():
                 p.mul_(0.5)
@@ -258,10 +258,10 @@ def tied_and_copied(params: dict[str, Any]) -> dict[str, Any]:
             probe = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(9))
             differs = not torch.equal(ema(probe), lm.eval()(probe))
             lm.train()
-        copy_rings_own = differs and all(
-            torch.equal(original[k], v) for k, v in _rings(par.module).items()
+        copy_ledgers_own = differs and all(
+            torch.equal(original[k], v) for k, v in _ledgers(par.module).items()
         )
-        copy_rings_own = copy_rings_own and all(
+        copy_ledgers_own = copy_ledgers_own and all(
             a.scaling is not b.scaling
             for a, b in zip(ema.modules(), par.module.modules(), strict=True)
             if isinstance(a, Fp8Linear) and isinstance(b, Fp8Linear)
@@ -272,7 +272,7 @@ def tied_and_copied(params: dict[str, Any]) -> dict[str, Any]:
         "tied": tied,
         "head_is_fp8": isinstance(head, Fp8Linear),
         "head": (full() if full is not None else weight).detach().clone(),
-        "copy_rings_own": copy_rings_own,
+        "copy_ledgers_own": copy_ledgers_own,
     }
 
 
@@ -281,7 +281,8 @@ def parallel_loop(params: dict[str, Any]) -> dict[str, Any]:
     shares of every batch (one process: all of it), then a DCP checkpoint of
     ``par.state_dict()`` to ``path``; with ``load=True``, a fresh setup on this run's ranks
     loads it. Reports the losses and the output on a fixed probe."""
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
 
     ctx = _ctx(params["scaling"]).replace(offload=torch.device("cpu"))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -293,7 +294,7 @@ def parallel_loop(params: dict[str, Any]) -> dict[str, Any]:
     losses = []
     if params.get("load"):
         state = par.state_dict()
-        dcp.load(state, checkpoint_id=params["path"])
+        load(state, checkpoint_id=params["path"])
         par.load_state_dict(state)
     else:
         per = 8 // world
@@ -302,12 +303,12 @@ def parallel_loop(params: dict[str, Any]) -> dict[str, Any]:
             x[4:] *= 20.0
             xs = x[rank * per : (rank + 1) * per]
             loss = par.model(xs).float().square().mean()
-            loss.backward()  # type: ignore[no-untyped-call]
+            loss.backward()
             par.step(max_norm=1.0)
             whole = loss.detach().reshape(1)
             dist.all_reduce(whole)
             losses.append(float(whole) / world)
-        dcp.save(par.state_dict(), checkpoint_id=params["path"])
+        save(par.state_dict(), checkpoint_id=params["path"])
     with torch.no_grad():
         probe = par.model(torch.linspace(-2.0, 2.0, 4 * WIDTH).reshape(4, WIDTH))
     return {

@@ -3,7 +3,7 @@
 Three launches (starting rank processes is the cost): one process trains, saves and resumes
 (the reference); two FSDP2 ranks train, save, resume, and load the one-process checkpoint; one
 process loads the two-rank checkpoint. A load at another world size restores the state
-bitwise (forward outputs, rings, weights, masters, moments); a resume at the same world size
+bitwise (forward outputs, ledgers, weights, masters, moments); a resume at the same world size
 goes on bitwise; training on at another world size matches the uninterrupted run up to float
 summation order (figures at the assertion).
 """
@@ -34,7 +34,7 @@ def test_checkpoints_reshard_two_to_one_and_one_to_two(run_ranks: RunRanks, tmp_
     (one,) = run_ranks("scenarios_checkpoint.py:one_process", world_size=1, path=one_path)
     r0, r1 = run_ranks("scenarios_checkpoint.py:two_ranks", path=two_path, other=one_path)
     (back,) = run_ranks("scenarios_checkpoint.py:load_in_one_process", world_size=1, other=two_path)
-    # Both ranks hold the same state (rings synced; weights, masters, moments gathered whole).
+    # Both ranks hold the same state (ledgers synced; weights, masters, moments gathered whole).
     assert_same(
         {k: r0[k] for k in ("saved", "uninterrupted", "resumed", "from_other")},
         {k: r1[k] for k in ("saved", "uninterrupted", "resumed", "from_other")},
@@ -47,7 +47,7 @@ def test_checkpoints_reshard_two_to_one_and_one_to_two(run_ranks: RunRanks, tmp_
         assert_same(r["resumed_loaded"], r["saved"], "resume, loaded")
         assert_same(r["resumed"], r["uninterrupted"], "resume, trained on")
 
-    # Saved on 2 ranks, loaded in one process: forward output, rings, weights, masters and
+    # Saved on 2 ranks, loaded in one process: forward output, ledgers, weights, masters and
     # every moment identical; and the other way round.
     assert_same(back["from_other"]["loaded"], r0["saved"], "2 -> 1, loaded")
     assert_same(r0["from_other"]["loaded"], one["saved"], "1 -> 2, loaded")
@@ -55,11 +55,11 @@ def test_checkpoints_reshard_two_to_one_and_one_to_two(run_ranks: RunRanks, tmp_
     # Trained on at the other world size: equal to the uninterrupted run up to the summation
     # order of the gradients (two half-batch sums and a reduce-scatter against one sum). The
     # loss is each rank's own mean, so a rank's output gradient is world_size times the
-    # batch's: the sync rescales the loaded gradient rings to its world size (without it, the
+    # batch's: the sync rescales the loaded gradient ledgers to its world size (without it, the
     # first backward after 1 -> 2 saturated and the losses ended 0.38 % off).
     # Observed over 3 steps, both ways: losses 8e-8 relative; weights and masters 3e-8
     # (largest 0.26), exp_avg 6e-9 (largest 0.036), exp_avg_sq 2e-11 (largest 1.6e-4):
-    # all within 2e-7 of the tensor's largest element; rings 1.2e-7 relative; steps equal.
+    # all within 2e-7 of the tensor's largest element; ledgers 1.2e-7 relative; steps equal.
     assert_close(back["from_other"]["continued"], r0["uninterrupted"], "2 -> 1, trained on", 0.5)
     assert_close(r0["from_other"]["continued"], one["uninterrupted"], "1 -> 2, trained on", 2.0)
 
@@ -105,8 +105,8 @@ def check_dcp_files(path: str, saved: Result) -> None:
     model.load_state_dict(full["model"])
     set_optimizer_state_dict(model, opt, full["optim"])
     assert_same(
-        {"optim": sc.whole_optimizer(model, opt), "rings": sc.rings(model)},
-        {"optim": saved["optim"], "rings": saved["rings"]},
+        {"optim": sc.whole_optimizer(model, opt), "ledgers": sc.ledgers(model)},
+        {"optim": saved["optim"], "ledgers": saved["ledgers"]},
         "dcp_to_torch_save",
     )
     with torch.no_grad():
@@ -124,8 +124,8 @@ def assert_same(a: Result, b: Result, what: str) -> None:
 
 
 def assert_close(a: Result, b: Result, what: str, grad_ratio: float) -> None:
-    """``a`` within a few float32 ulps of ``b``: losses and rings relative, tensors relative to
-    their largest element; optimizer step counts exact. ``b``'s gradient rings are taken to
+    """``a`` within a few float32 ulps of ``b``: losses and ledgers relative, tensors relative to
+    their largest element; optimizer step counts exact. ``b``'s gradient ledgers are taken to
     ``a``'s world size first (history and step times ``grad_ratio``)."""
     torch.testing.assert_close(a["losses"], b["losses"], rtol=1e-6, atol=0, msg=what)
     for key in ("weights", "optim"):
@@ -137,6 +137,6 @@ def assert_close(a: Result, b: Result, what: str, grad_ratio: float) -> None:
                 continue
             err = float((t - ref).abs().max())
             assert err <= 1e-6 * float(ref.abs().max()), f"{what}/{name}: {err}"
-    for name, ring in a["rings"].items():
-        ref = in_world(b["rings"][name], name, grad_ratio)
-        torch.testing.assert_close(ring, ref, rtol=1e-6, atol=0, msg=f"{what}/{name}")
+    for name, ledger in a["ledgers"].items():
+        ref = in_world(b["ledgers"][name], name, grad_ratio)
+        torch.testing.assert_close(ledger, ref, rtol=1e-6, atol=0, msg=f"{what}/{name}")

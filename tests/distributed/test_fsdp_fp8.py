@@ -39,15 +39,15 @@ def test_delayed_scaling_gathers_fp8_as_one_process_trains(run_ranks: RunRanks) 
     _check_fp8_traffic(fp8[0])
     # FSDP2's own float32 gather: each shard quantized with the group's step is the whole
     # weight quantized with it, so the codes are the same and so is the training, bit for
-    # bit, rings included (saturations of a weight every rank quantizes whole count once, as
+    # bit, ledgers included (saturations of a weight every rank quantizes whole count once, as
     # the fp8 shards' add up), in about a quarter of the bytes.
     hp = both[0]["hp"]
     assert torch.equal(fp8[0]["losses"], hp["losses"])
     for name in hp["weights"]:
         assert torch.equal(fp8[0]["weights"][name], hp["weights"][name]), name
         assert torch.equal(fp8[0]["first_grads"][name], hp["first_grads"][name]), name
-    for key in hp["rings"]:
-        assert torch.equal(fp8[0]["rings"][key], hp["rings"][key]), key
+    for key in hp["ledgers"]:
+        assert torch.equal(fp8[0]["ledgers"][key], hp["ledgers"][key]), key
     fp8_bytes, hp_bytes = sum(_traffic(fp8[0]).values()), sum(_traffic(hp).values())
     assert set(_traffic(hp)) == {torch.float32}
     assert hp_bytes / fp8_bytes > 3.5, (hp_bytes, fp8_bytes)
@@ -70,7 +70,7 @@ def test_dynamic_scaling_uses_whole_batch_scales_under_fsdp2_and_ddp(run_ranks: 
 def _check_against_one_process(two: list[Result], one: Result, converted: int) -> None:
     r0, r1 = two
     assert r0["converted"] == converted
-    # Whole-batch scales on every rank (the ring merge, the seeding and the dynamic amax
+    # Whole-batch scales on every rank (the ledger merge, the seeding and the dynamic amax
     # reductions): what remains is the summation order of the sharded gradients.
     rel = (r0["losses"] - one["losses"]).abs() / one["losses"].abs()
     assert float(rel.max()) <= 1e-5, (r0["losses"], one["losses"])
@@ -78,12 +78,12 @@ def _check_against_one_process(two: list[Result], one: Result, converted: int) -
         assert _relative(r0["first_grads"][name], g) <= 1e-5, name
     for name in r0["weights"]:
         assert torch.equal(r0["weights"][name], r1["weights"][name]), name
-    for key, ring in one["rings"].items():
-        assert torch.equal(r0["rings"][key], r1["rings"][key]), key
+    for key, ledger in one["ledgers"].items():
+        assert torch.equal(r0["ledgers"][key], r1["ledgers"][key]), key
         # A rank's output gradient under a mean loss is world_size x the batch's (a power
         # of two: exact).
-        mine = in_world(r0["rings"][key], key, 0.5)
-        torch.testing.assert_close(mine, ring, rtol=1e-5, atol=0.0, msg=key)
+        mine = in_world(r0["ledgers"][key], key, 0.5)
+        torch.testing.assert_close(mine, ledger, rtol=1e-5, atol=0.0, msg=key)
     assert not [w for w in r0["warnings"] if "view" in w], r0["warnings"]
 
 
@@ -111,8 +111,8 @@ def test_compiled_fullgraph_dynamic_scaling_reduces_as_eager_does(run_ranks: Run
         assert torch.equal(c["outs"], e["outs"])
         for name, w in e["weights"].items():
             assert torch.equal(c["weights"][name], w), name
-        for key, ring in e["rings"].items():
-            assert torch.equal(c["rings"][key], ring), key
+        for key, ledger in e["ledgers"].items():
+            assert torch.equal(c["ledgers"][key], ledger), key
     # ...and the ranks quantized with the same (whole-batch) steps.
-    for key, ring in eager[0]["rings"].items():
-        assert torch.equal(eager[1]["rings"][key], ring), key
+    for key, ledger in eager[0]["ledgers"].items():
+        assert torch.equal(eager[1]["ledgers"][key], ledger), key

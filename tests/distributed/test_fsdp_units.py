@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.distributed import Fp8ShardedWeight, enable_fp8_all_gather, sync_fp8_scaling
+from computectx.distributed import WeightGatheredAsFp8, enable_fp8_all_gather, sync_fp8_scaling
 from computectx.fp8 import Fp8Linear
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
@@ -46,9 +46,9 @@ def test_it_converts_the_fp8_weights_it_is_asked_to_and_only_once() -> None:
     assert isinstance(last, Fp8Linear)
     last.freeze_for_serving()
     assert enable_fp8_all_gather(model, module_filter=lambda module, fqn: fqn != "2") == 1
-    assert isinstance(model[0].weight, Fp8ShardedWeight)
+    assert isinstance(model[0].weight, WeightGatheredAsFp8)
     assert isinstance(model[0].weight, nn.Parameter)
-    assert not isinstance(model[2].weight, Fp8ShardedWeight)
+    assert not isinstance(model[2].weight, WeightGatheredAsFp8)
     assert enable_fp8_all_gather(model) == 1  # layer 2 now; layer 0 already; 3 is frozen
     assert enable_fp8_all_gather(model) == 0
 
@@ -74,7 +74,7 @@ def test_its_state_dict_holds_plain_tensors_that_load_back_weights_only() -> Non
     fresh = _model()
     enable_fp8_all_gather(fresh)
     fresh.load_state_dict(loaded)
-    assert isinstance(fresh[0].weight, Fp8ShardedWeight)  # loading copies into it
+    assert isinstance(fresh[0].weight, WeightGatheredAsFp8)  # loading copies into it
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(fresh.state_dict()[key], value), key
@@ -96,7 +96,7 @@ def test_a_module_dtype_conversion_converts_the_tensor_it_wraps() -> None:
     weight = model[0].weight
     model.to(torch.bfloat16)
     assert model[0].weight is weight  # the same Parameter object, now bfloat16 inside too
-    assert isinstance(weight, Fp8ShardedWeight)
+    assert isinstance(weight, WeightGatheredAsFp8)
     assert weight.dtype == weight.hp.dtype == torch.bfloat16
     model(torch.randn(2, 16, dtype=torch.bfloat16)).sum().backward()
     assert weight.grad is not None and weight.grad.dtype == torch.bfloat16

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed.conftest import RunRanks
+from .conftest import RunRanks
 
 LIMIT_S = 60.0
 
@@ -40,9 +40,9 @@ def test_rank_local_forwards_issue_no_collective_and_record_nothing(
     run_ranks: RunRanks, scaling: str
 ) -> None:
     r0, r1 = run_ranks("scenarios_safety.py:rank_local_calls", limit_s=LIMIT_S, scaling=scaling)
-    for key, ring in r0["before"].items():
-        # Eval, no_grad, inference_mode, sampling and the unwrapped module left every ring.
-        assert torch.equal(r0["after_local"][key], ring), key
+    for key, ledger in r0["before"].items():
+        # Eval, no_grad, inference_mode, sampling and the unwrapped module left every ledger.
+        assert torch.equal(r0["after_local"][key], ledger), key
         assert torch.equal(r0["end"][key], r1["end"][key]), key
 
 
@@ -54,11 +54,11 @@ def test_an_empty_micro_batch_still_takes_part_in_every_reduction(
         "scenarios_safety.py:empty_shard", limit_s=LIMIT_S, scaling=scaling, empty_at=empty_at
     )
     assert r1["shapes"][empty_at] == (0, 32)
-    for key, ring in r0["rings"].items():
-        assert torch.equal(ring, r1["rings"][key]), key
-    # The empty rank recorded what the other rank measured: its rings are those of a run
+    for key, ledger in r0["ledgers"].items():
+        assert torch.equal(ledger, r1["ledgers"][key]), key
+    # The empty rank recorded what the other rank measured: its ledgers are those of a run
     # whose empty rank saw no data at all, the same everywhere (the amax merge is a max).
-    assert all(bool(torch.isfinite(ring).all()) for ring in r1["rings"].values())
+    assert all(bool(torch.isfinite(ledger).all()) for ledger in r1["ledgers"].values())
 
 
 def test_a_compiled_run_then_eager_calls_neither_reseed_nor_hang(run_ranks: RunRanks) -> None:
@@ -88,7 +88,7 @@ def test_a_tied_fp8_head_stays_tied_and_a_copy_scales_on_its_own(
 ) -> None:
     r0, r1 = run_ranks("scenarios_safety.py:tied_and_copied", limit_s=LIMIT_S, strategy=strategy)
     for r in (r0, r1):
-        assert r["tied"] and r["head_is_fp8"] and r["copy_rings_own"]
+        assert r["tied"] and r["head_is_fp8"] and r["copy_ledgers_own"]
     assert torch.equal(r0["head"], r1["head"])
 
 

@@ -50,7 +50,7 @@ def ctx_for(fp8_ctx: ComputeCtx) -> CtxFor:
 
 @pytest.fixture(scope="session")
 def step_of() -> StepOf:
-    """The step the scale convention gives an amax, as the rings hold it.
+    """The step the scale convention gives an amax, as the ledgers hold it.
 
     ``amax / (fmt.max / 2**margin)`` as one float32 division (the divisor is exact: fmt.max
     and 2**margin are a power of two apart), with ``amax`` rounded to float32 first.

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, library, ops, select_backend
+from computectx.fp8 import Fp8Backend, custom_ops, ops, select_backend
 from computectx.fp8.backend import check_backend, default_backend, parse_backend
 
 
@@ -104,8 +104,8 @@ def test_cublas_quantizes_on_the_twins_where_triton_does_not_import(
     on_gpu = cast(torch.Tensor, types.SimpleNamespace(device=torch.device("cuda", 0)))
     on_cpu = torch.ones(1)
     for imports in (False, True):
-        monkeypatch.setattr(library, "triton_imports", lambda imports=imports: imports)
-        assert library.uses_kernels(Fp8Backend.CUBLAS, on_gpu) is imports
-        assert library.uses_kernels(Fp8Backend.CUBLAS, on_cpu) is False
-        assert library.uses_kernels(Fp8Backend.TRITON, on_gpu) is True
-        assert library.uses_kernels(Fp8Backend.REFERENCE, on_gpu) is False
+        monkeypatch.setattr(custom_ops, "triton_imports", lambda imports=imports: imports)
+        assert custom_ops.uses_kernels(Fp8Backend.CUBLAS, on_gpu) is imports
+        assert custom_ops.uses_kernels(Fp8Backend.CUBLAS, on_cpu) is False
+        assert custom_ops.uses_kernels(Fp8Backend.TRITON, on_gpu) is True
+        assert custom_ops.uses_kernels(Fp8Backend.REFERENCE, on_gpu) is False

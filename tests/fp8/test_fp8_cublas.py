@@ -170,7 +170,7 @@ def test_an_fp8_linear_trains_on_cublas_with_24_tokens_like_the_reference(
         return
     # Forward, dgrad, wgrad: the last with K = 24 padded to 32.
     assert calls == [((24, 32), (32, 48)), ((24, 48), (48, 32)), ((48, 32), (32, 32))]
-    # The operands both backends multiply: on its first call each ring is seeded from the
+    # The operands both backends multiply: on its first call each ledger is seeded from the
     # operand's own amax (margin 0), which is dynamic scaling's step.
     fwd, bwd = scheme.forward, scheme.backward
     w, bias = got[4], got[5]

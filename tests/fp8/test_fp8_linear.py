@@ -208,15 +208,15 @@ def test_schemes_pick_forward_and_backward_formats(
     assert s.grad.step == step_of(1.0, scheme.backward)
 
 
-def test_to_moves_rings_without_changing_their_dtype(fp8_ctx: ComputeCtx) -> None:
+def test_to_moves_ledgers_without_changing_their_dtype(fp8_ctx: ComputeCtx) -> None:
     m = Fp8Linear(16, 16, ctx=fp8_ctx)
     m(torch.randn(2, 16))
     m.to(torch.bfloat16)
     assert m.weight.dtype == torch.bfloat16
     for op in m.scaling.operands.values():
-        assert op.ring.dtype == torch.float32
+        assert op.ledger.dtype == torch.float32
     m.to("meta")
-    assert all(op.ring.device.type == "meta" for op in m.scaling.operands.values())
+    assert all(op.ledger.device.type == "meta" for op in m.scaling.operands.values())
 
 
 def test_from_linear_shares_parameters_so_the_optimizer_keeps_training(

@@ -13,7 +13,7 @@ import torch
 
 from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import Fp8Backend, ops
-from computectx.fp8.ring import ring_new
+from computectx.fp8.ledger import ledger_new
 
 REF = Fp8Backend.REFERENCE
 # Wrongly typed arguments, typed Any so the checks run (mypy would reject them as literals).
@@ -78,14 +78,14 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
         ),
         (
             lambda: ops.quantize_delayed(
-                torch.ones(2), Fp8Format.E4M3, ring_new(2, "cpu"), 2, "max", 0, backend=REF
+                torch.ones(2), Fp8Format.E4M3, ledger_new(2, "cpu"), 2, "max", 0, backend=REF
             ),
             ValueError,
             "[0, 2)",
         ),
         (
             lambda: ops.quantize_delayed(
-                torch.ones(2), Fp8Format.E4M3, ring_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
+                torch.ones(2), Fp8Format.E4M3, ledger_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
             ),
             ValueError,
             "'mean'",
@@ -95,7 +95,7 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
             ValueError,
             "margin must be an int in [0, 64], got -1",
         ),
-        (lambda: ring_new(0, "cpu"), ValueError, "history_len must be an int >= 1, got 0"),
+        (lambda: ledger_new(0, "cpu"), ValueError, "history_len must be an int >= 1, got 0"),
         (
             lambda: ops.scaled_mm(
                 torch.ones(2, 3), torch.ones(2, 3), torch.ones(1), torch.ones(1), backend=REF
@@ -148,14 +148,14 @@ def test_bad_inputs_raise_clear_errors(call: object, exc: type[Exception], needl
     assert needle in str(info.value)
 
 
-def test_bad_input_leaves_ring_untouched() -> None:
-    ring = ring_new(2, "cpu")
-    before = ring.clone()
+def test_bad_input_leaves_ledger_untouched() -> None:
+    ledger = ledger_new(2, "cpu")
+    before = ledger.clone()
     with pytest.raises(ValueError, match="float64"):
         ops.quantize_delayed(
-            torch.ones(2, dtype=torch.float64), Fp8Format.E4M3, ring, 0, "max", 0, backend=REF
+            torch.ones(2, dtype=torch.float64), Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF
         )
-    assert torch.equal(ring, before)
+    assert torch.equal(ledger, before)
 
 
 def test_non_contiguous_input_quantizes_like_its_copy() -> None:

@@ -23,8 +23,8 @@ from computectx.fp8 import (
     fp8_autocast,
     fp8_stats,
 )
+from computectx.fp8.ledger import ledger_history
 from computectx.fp8.region import region_scaling_state
-from computectx.fp8.ring import ring_history
 
 from .conftest import CtxFor
 
@@ -280,7 +280,7 @@ def test_weight_state_is_keyed_by_the_tensor_not_its_address(ctx_for: CtxFor) ->
         functional.linear(x, w2)
     s = region_scaling_state(w2)
     assert s is not None
-    assert float(ring_history(s.weight.ring).max()) == float(w2.abs().max())
+    assert float(ledger_history(s.weight.ledger).max()) == float(w2.abs().max())
 
 
 def test_region_policy_change_reshapes_the_weight_state(ctx_for: CtxFor) -> None:

@@ -25,14 +25,14 @@ from computectx.fp8 import (
     fp8_stats,
 )
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.ring import (
-    ring_history,
-    ring_new,
-    ring_nonfinite,
-    ring_saturated,
-    ring_slot,
-    ring_step,
-    ring_tail,
+from computectx.fp8.ledger import (
+    ledger_history,
+    ledger_new,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_slot,
+    ledger_step,
+    ledger_tail,
 )
 from computectx.fp8.scaling import STATE_VERSION, Fp8ScalingState, OperandScaling
 
@@ -104,8 +104,8 @@ def test_first_call_seeds_the_whole_window_from_its_own_amax(
 ) -> None:
     m = layer(ctx_for(DelayedScaling(history_len=5)))
     m(scaled_input(3.0))
-    ring = m.scaling.input.ring
-    assert torch.equal(ring_history(ring), torch.full((5,), 3.0))
+    ledger = m.scaling.input.ledger
+    assert torch.equal(ledger_history(ledger), torch.full((5,), 3.0))
     # The first call quantized with the step seeded from its own amax, not with step 1.
     s = fp8_stats(torch.nn.Sequential(m))["0"]
     assert s.input.step == step_of(3.0, E4M3, 0)
@@ -203,7 +203,7 @@ def test_dynamic_counts_nonfinite_and_records_amax(ctx_for: CtxFor) -> None:
     assert s.saturated_fraction == 0.0
 
 
-def test_backward_seeds_and_advances_the_grad_ring_in_the_backward_format(
+def test_backward_seeds_and_advances_the_grad_ledger_in_the_backward_format(
     ctx_for: CtxFor, step_of: StepOf
 ) -> None:
     m = layer(ctx_for(DelayedScaling(history_len=4)))
@@ -215,7 +215,7 @@ def test_backward_seeds_and_advances_the_grad_ring_in_the_backward_format(
     assert g.elements == 3 * 16  # quantized once, shared by dgrad and wgrad
     # Oldest to newest: the seed filled the history, the call's amax is in the last slot.
     assert m.scaling.grad.newest_amax_index() == 3
-    assert ring_history(m.scaling.grad.ring).tolist() == [10.0] * 4
+    assert ledger_history(m.scaling.grad.ledger).tolist() == [10.0] * 4
 
 
 def test_delayed_history_is_kept_oldest_to_newest(ctx_for: CtxFor) -> None:
@@ -223,7 +223,7 @@ def test_delayed_history_is_kept_oldest_to_newest(ctx_for: CtxFor) -> None:
     for scale in (1.0, 2.0, 3.0, 4.0):
         m(scaled_input(scale))
     # Seeded with 1, then 1, 2, 3, 4 written at the end; the oldest falls off the front.
-    assert ring_history(m.scaling.input.ring).tolist() == [2.0, 3.0, 4.0]
+    assert ledger_history(m.scaling.input.ledger).tolist() == [2.0, 3.0, 4.0]
     assert m.scaling.input.idx == 0 and m.scaling.input.elements == 4 * 4 * 16
 
 
@@ -233,26 +233,26 @@ def test_delayed_history_is_kept_oldest_to_newest(ctx_for: CtxFor) -> None:
 def filled(history: list[float]) -> OperandScaling:
     """An operand whose history is ``history``, oldest to newest."""
     op = OperandScaling(len(history), "cpu")
-    ring_history(op.ring).copy_(torch.tensor(history))
-    ring_step(op.ring).fill_(0.25)
-    ring_nonfinite(op.ring).fill_(2.0)
-    ring_saturated(op.ring).fill_(7.0)
+    ledger_history(op.ledger).copy_(torch.tensor(history))
+    ledger_step(op.ledger).fill_(0.25)
+    ledger_nonfinite(op.ledger).fill_(2.0)
+    ledger_saturated(op.ledger).fill_(7.0)
     op.seeded, op.elements = True, 99
     return op
 
 
 def test_resize_keeps_the_newest_entries_and_pads_with_the_oldest() -> None:
-    # Written in order 1, 2, 3, 4, 5 into a ring of 4: 2 is the oldest left, 5 the newest.
+    # Written in order 1, 2, 3, 4, 5 into a ledger of 4: 2 is the oldest left, 5 the newest.
     op = filled([2.0, 3.0, 4.0, 5.0])
     short = op.resized(2)
-    assert ring_history(short.ring).tolist() == [4.0, 5.0]
+    assert ledger_history(short.ledger).tolist() == [4.0, 5.0]
     assert short.idx == 0
     long = op.resized(6)
-    assert ring_history(long.ring).tolist() == [2.0, 2.0, 2.0, 3.0, 4.0, 5.0]
+    assert ledger_history(long.ledger).tolist() == [2.0, 2.0, 2.0, 3.0, 4.0, 5.0]
     for r in (short, long):
-        assert ring_tail(r.ring).tolist() == [0.25, 2.0, 7.0]  # step and counts kept
+        assert ledger_tail(r.ledger).tolist() == [0.25, 2.0, 7.0]  # step and counts kept
         assert (r.seeded, r.elements) == (True, 99)
-        assert ring_history(r.ring)[r.newest_amax_index()] == 5.0
+        assert ledger_history(r.ledger)[r.newest_amax_index()] == 5.0
 
 
 def trained(ctx: ComputeCtx, calls: int = 3) -> Fp8Linear:
@@ -263,7 +263,7 @@ def trained(ctx: ComputeCtx, calls: int = 3) -> Fp8Linear:
     return m
 
 
-def test_state_dict_round_trip_restores_rings_and_counters(ctx_for: CtxFor) -> None:
+def test_state_dict_round_trip_restores_ledgers_and_counters(ctx_for: CtxFor) -> None:
     m = trained(ctx_for(DelayedScaling(history_len=4)))
     sd = m.state_dict()
     assert sd["_extra_state"]["version"] == STATE_VERSION
@@ -274,7 +274,7 @@ def test_state_dict_round_trip_restores_rings_and_counters(ctx_for: CtxFor) -> N
     fresh.load_state_dict(torch.load(buf))  # weights_only: plain data and tensors
     for role in ("input", "weight", "grad"):
         a, b = m.scaling.operands[role], fresh.scaling.operands[role]
-        assert torch.equal(a.ring, b.ring)
+        assert torch.equal(a.ledger, b.ledger)
         assert (a.idx, a.seeded, a.elements) == (b.idx, b.seeded, b.elements)
     x = scaled_input(2.5)
     assert torch.equal(m(x), fresh(x))  # same state, same next step, same output
@@ -289,24 +289,24 @@ def test_checkpoint_with_another_history_length_loads(new_len: int, ctx_for: Ctx
         src, dst = m.scaling.operands[role], other.scaling.operands[role]
         assert dst.history_len == new_len
         n = src.history_len
-        hist = ring_history(src.ring)
+        hist = ledger_history(src.ledger)
         chron = torch.cat([hist[src.idx :], hist[: src.idx]])
-        kept = ring_history(dst.ring)[new_len - min(n, new_len) :]
+        kept = ledger_history(dst.ledger)[new_len - min(n, new_len) :]
         assert torch.equal(kept, chron[-new_len:])
-        assert torch.equal(ring_tail(dst.ring), ring_tail(src.ring))
+        assert torch.equal(ledger_tail(dst.ledger), ledger_tail(src.ledger))
 
 
 def test_nn_linear_checkpoint_loads_strictly_with_fresh_state(ctx_for: CtxFor) -> None:
     lin = torch.nn.Linear(16, 16)
-    m = trained(ctx_for(DelayedScaling(history_len=4)))  # rings seeded from the old weights
+    m = trained(ctx_for(DelayedScaling(history_len=4)))  # ledgers seeded from the old weights
     m.load_state_dict(lin.state_dict())  # strict by default
     assert torch.equal(m.weight, lin.weight)
     for op in m.scaling.operands.values():
         assert not op.seeded and op.elements == 0 and op.idx == 0
-        assert torch.equal(op.ring, ring_new(4, "cpu"))
-    # The next call seeds the weight ring from the weights just loaded.
+        assert torch.equal(op.ledger, ledger_new(4, "cpu"))
+    # The next call seeds the weight ledger from the weights just loaded.
     m(scaled_input(1.0))
-    assert ring_slot(m.scaling.weight.ring, 0).item() == lin.weight.detach().abs().max().item()
+    assert ledger_slot(m.scaling.weight.ledger, 0).item() == lin.weight.detach().abs().max().item()
 
 
 def test_a_state_dict_without_this_layer_leaves_its_state_alone(ctx_for: CtxFor) -> None:
@@ -315,12 +315,12 @@ def test_a_state_dict_without_this_layer_leaves_its_state_alone(ctx_for: CtxFor)
     )
     first = model[0]
     assert isinstance(first, Fp8Linear)
-    before = {r: op.ring.clone() for r, op in first.scaling.operands.items()}
+    before = {r: op.ledger.clone() for r, op in first.scaling.operands.items()}
     model.load_state_dict(
         torch.nn.Sequential(torch.nn.Identity(), torch.nn.Linear(16, 4)).state_dict(), strict=False
     )
     for r, op in first.scaling.operands.items():
-        assert torch.equal(op.ring, before[r]) and op.seeded
+        assert torch.equal(op.ledger, before[r]) and op.seeded
 
 
 @pytest.mark.parametrize(
@@ -328,14 +328,17 @@ def test_a_state_dict_without_this_layer_leaves_its_state_alone(ctx_for: CtxFor)
     [
         (lambda s: s.update(version=99), "version 99"),
         (lambda s: s["operands"].pop("grad"), "operands"),
-        (lambda s: s["operands"]["input"].update(ring=torch.zeros(2)), "ring"),
+        (lambda s: s["operands"]["input"].update(ledger=torch.zeros(2)), "ledger"),
         (lambda s: s["operands"]["input"].update(idx=50), "idx"),
         (lambda s: s["operands"]["weight"].update(seeded="yes"), "seeded"),
-        (lambda s: ring_step(s["operands"]["input"]["ring"]).fill_(math.nan), "step .* nan"),
-        (lambda s: ring_step(s["operands"]["grad"]["ring"]).fill_(0.0), "step .* 0.0"),
-        (lambda s: ring_slot(s["operands"]["input"]["ring"], 2).fill_(-1.0), "-1.0 at slot 2"),
-        (lambda s: ring_slot(s["operands"]["weight"]["ring"], 0).fill_(math.inf), "history .* inf"),
-        (lambda s: ring_saturated(s["operands"]["weight"]["ring"]).fill_(-3.0), "counts"),
+        (lambda s: ledger_step(s["operands"]["input"]["ledger"]).fill_(math.nan), "step .* nan"),
+        (lambda s: ledger_step(s["operands"]["grad"]["ledger"]).fill_(0.0), "step .* 0.0"),
+        (lambda s: ledger_slot(s["operands"]["input"]["ledger"], 2).fill_(-1.0), "-1.0 at slot 2"),
+        (
+            lambda s: ledger_slot(s["operands"]["weight"]["ledger"], 0).fill_(math.inf),
+            "history .* inf",
+        ),
+        (lambda s: ledger_saturated(s["operands"]["weight"]["ledger"]).fill_(-3.0), "counts"),
     ],
 )
 def test_bad_checkpoint_raises_and_changes_nothing(
@@ -345,11 +348,11 @@ def test_bad_checkpoint_raises_and_changes_nothing(
     sd = m.state_dict()
     mutate(sd["_extra_state"])
     target = trained(ctx_for(DelayedScaling(history_len=4)), calls=1)
-    before = {r: op.ring.clone() for r, op in target.scaling.operands.items()}
+    before = {r: op.ledger.clone() for r, op in target.scaling.operands.items()}
     with pytest.raises(ValueError, match=message):
         target.load_state_dict(sd)
     for r, op in target.scaling.operands.items():
-        assert torch.equal(op.ring, before[r])
+        assert torch.equal(op.ledger, before[r])
 
 
 def test_state_follows_policy_changes() -> None:
@@ -368,13 +371,13 @@ def test_resize_laws(history: list[float], new_len: int) -> None:
     out = op.resized(new_len)
     n = len(history)
     chron = history  # oldest to newest
-    got = ring_history(out.ring).tolist()
+    got = ledger_history(out.ledger).tolist()
     assert got[out.newest_amax_index()] == chron[-1]  # the newest amax survives
     assert got[-min(n, new_len) :] == chron[-min(n, new_len) :]  # newest entries, in order
     if new_len >= n:
         assert max(got) == max(chron)  # padding never changes the window max
         assert got[: new_len - n] == [chron[0]] * (new_len - n)
-    assert torch.equal(ring_tail(out.ring), ring_tail(op.ring))
+    assert torch.equal(ledger_tail(out.ledger), ledger_tail(op.ledger))
 
 
 @pytest.mark.parametrize("scaling", [DelayedScaling(history_len=4), DynamicScaling()])
@@ -385,7 +388,39 @@ def test_a_refused_quantize_leaves_the_operand_state_alone(
     with pytest.raises(ValueError, match="float64"):
         op.quantize(torch.ones(3, dtype=torch.float64), E4M3, scaling, Fp8Backend.REFERENCE)
     assert (op.elements, op.seeded, op.idx) == (0, False, 0)
-    assert torch.equal(op.ring, ring_new(op.history_len, "cpu"))
+    assert torch.equal(op.ledger, ledger_new(op.history_len, "cpu"))
+
+
+OLD_LEDGER_KEY = "ring"  # rename.py: keep (the key version-1 checkpoints use)
+
+
+def as_version_1(saved: dict[str, Any]) -> dict[str, Any]:
+    """``saved`` (``to_dict``'s form) as version 1 wrote it: the ledger under its old key."""
+    old = {**saved, "version": 1}
+    old["operands"] = {
+        role: {(OLD_LEDGER_KEY if k == "ledger" else k): v for k, v in entry.items()}
+        for role, entry in saved["operands"].items()
+    }
+    return old
+
+
+def test_a_version_1_checkpoint_with_the_old_ledger_key_still_loads(ctx_for: CtxFor) -> None:
+    m = trained(ctx_for(DelayedScaling(history_len=4)))
+    sd = m.state_dict()
+    saved = sd["_extra_state"]
+    assert saved["version"] == STATE_VERSION == 2
+    assert all("ledger" in e and OLD_LEDGER_KEY not in e for e in saved["operands"].values())
+    sd["_extra_state"] = as_version_1(saved)
+    fresh = layer(ctx_for(DelayedScaling(history_len=4)))
+    fresh.load_state_dict(sd)
+    for role, op in m.scaling.operands.items():
+        got = fresh.scaling.operands[role]
+        assert torch.equal(got.ledger, op.ledger)
+        assert (got.seeded, got.elements) == (op.seeded, op.elements)
+    # Each version reads its own key: version 2 with the old key is a missing ledger.
+    sd["_extra_state"]["version"] = 2
+    with pytest.raises(ValueError, match="ledger \\('ledger'\\) must be"):
+        fresh.load_state_dict(sd)
 
 
 def test_a_circular_version_1_checkpoint_loads_oldest_to_newest(ctx_for: CtxFor) -> None:
@@ -394,9 +429,10 @@ def test_a_circular_version_1_checkpoint_loads_oldest_to_newest(ctx_for: CtxFor)
     m = layer(ctx_for(DelayedScaling(history_len=4)))
     sd = m.state_dict()
     entry = sd["_extra_state"]["operands"]["input"]
-    ring_history(entry["ring"]).copy_(torch.tensor([5.0, 2.0, 3.0, 4.0]))
+    ledger_history(entry["ledger"]).copy_(torch.tensor([5.0, 2.0, 3.0, 4.0]))
     entry.update(idx=1, seeded=True, elements=12)
+    sd["_extra_state"] = as_version_1(sd["_extra_state"])
     m.load_state_dict(sd)
     op = m.scaling.input
-    assert ring_history(op.ring).tolist() == [2.0, 3.0, 4.0, 5.0]
+    assert ledger_history(op.ledger).tolist() == [2.0, 3.0, 4.0, 5.0]
     assert (op.idx, op.seeded, op.elements) == (0, True, 12)

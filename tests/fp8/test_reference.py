@@ -1,8 +1,8 @@
 """The pure-torch twins (``computectx.fp8.reference``): scale convention, rounding,
-saturation, the ring, the GEMM.
+saturation, the ledger, the GEMM.
 
 These tests check the pure-torch twins against independent models (float64 arithmetic,
-plain-Python ring bookkeeping, the fp8 code tables), so that the twins can then serve as
+plain-Python ledger bookkeeping, the fp8 code tables), so that the twins can then serve as
 the oracle for the Triton kernels.
 """
 
@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend, ops, reference
-from computectx.fp8.ring import (
-    ring_history,
-    ring_new,
-    ring_nonfinite,
-    ring_saturated,
-    ring_step,
+from computectx.fp8.ledger import (
+    ledger_history,
+    ledger_new,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_step,
 )
 
 REF = Fp8Backend.REFERENCE
@@ -167,11 +167,11 @@ def test_never_infinite_for_any_finite_step(
 
 
 # ---------------------------------------------------------------------------------------
-# The delayed-scaling ring against a plain-Python model
+# The delayed-scaling ledger against a plain-Python model
 
 
-class RingModel:
-    """The ring semantics written out with Python floats (rounded through float32)."""
+class LedgerModel:
+    """The ledger semantics written out with Python floats (rounded through float32)."""
 
     def __init__(self, n: int) -> None:
         self.hist = [0.0] * n
@@ -200,81 +200,81 @@ class RingModel:
         window = max(self.hist) if algo == "max" else self.f32(a)
         self.step = self.step_of(window, fmt, margin)
 
-    def matches(self, ring: torch.Tensor) -> bool:
-        """Whether every field of ``ring`` holds this model's value, bit for bit."""
+    def matches(self, ledger: torch.Tensor) -> bool:
+        """Whether every field of ``ledger`` holds this model's value, bit for bit."""
         return (
-            torch.equal(ring_history(ring), torch.tensor(self.hist))
-            and torch.equal(ring_step(ring), torch.tensor([self.step]))
-            and torch.equal(ring_nonfinite(ring), torch.tensor([self.nonfinite]))
-            and torch.equal(ring_saturated(ring), torch.tensor([self.saturated]))
+            torch.equal(ledger_history(ledger), torch.tensor(self.hist))
+            and torch.equal(ledger_step(ledger), torch.tensor([self.step]))
+            and torch.equal(ledger_nonfinite(ledger), torch.tensor([self.nonfinite]))
+            and torch.equal(ledger_saturated(ledger), torch.tensor([self.saturated]))
         )
 
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 2])
-def test_ring_follows_model(algo: str, margin: int) -> None:
+def test_ledger_follows_model(algo: str, margin: int) -> None:
     n = 4
     fmt = Fp8Format.E4M3
-    ring = ring_new(n, "cpu")
-    model = RingModel(n)
+    ledger = ledger_new(n, "cpu")
+    model = LedgerModel(n)
     gen = torch.Generator().manual_seed(7)
     scales = [1.0, 30.0, 0.5, 0.0, 2.0, math.inf, 0.25, math.nan, 8.0, 1.0, 0.1]
     for i, sc in enumerate(scales):
         x = torch.randn(37, generator=gen) * (sc if math.isfinite(sc) else 1.0)
         if not math.isfinite(sc):
             x[3] = sc
-        step_before = ring_step(ring).clone()
-        q, used = ops.quantize_delayed(x, fmt, ring, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
+        step_before = ledger_step(ledger).clone()
+        q, used = ops.quantize_delayed(x, fmt, ledger, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
         assert torch.equal(used, step_before)
         expected_q, _ = reference.quantize_with_step(x, fmt, step_before)
         assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
         model.update(x, fmt, i % n, algo, margin)
-        assert model.matches(ring), (i, ring, model.__dict__)
-    assert ring_nonfinite(ring).item() == 2.0
-    assert ring_saturated(ring).item() > 0.0
+        assert model.matches(ledger), (i, ledger, model.__dict__)
+    assert ledger_nonfinite(ledger).item() == 2.0
+    assert ledger_saturated(ledger).item() > 0.0
 
 
 def test_window_max_and_most_recent_differ() -> None:
     fmt = Fp8Format.E5M2
     for algo, expected_amax in (("max", 100.0), ("most_recent", 1.0)):
-        ring = ring_new(3, "cpu")
-        ops.quantize_delayed(torch.tensor([100.0]), fmt, ring, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
-        ops.quantize_delayed(torch.tensor([1.0]), fmt, ring, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
+        ledger = ledger_new(3, "cpu")
+        ops.quantize_delayed(torch.tensor([100.0]), fmt, ledger, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
+        ops.quantize_delayed(torch.tensor([1.0]), fmt, ledger, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
         # One float32 division, so the step is exactly that quotient.
-        assert torch.equal(ring_step(ring), torch.tensor([expected_amax]) / fmt.max)
+        assert torch.equal(ledger_step(ledger), torch.tensor([expected_amax]) / fmt.max)
 
 
 def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
-    ring = ring_new(2, "cpu")
-    ops.seed_ring(ring, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
-    assert ring_history(ring).tolist() == [8.0, 8.0]
+    ledger = ledger_new(2, "cpu")
+    ops.seed_ledger(ledger, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
+    assert ledger_history(ledger).tolist() == [8.0, 8.0]
     # One float32 division of the amax by 448 / 2**margin, exactly.
-    assert torch.equal(ring_step(ring), torch.tensor([8.0]) / (448 / 2))
-    ops.quantize_delayed(torch.zeros(3), Fp8Format.E4M3, ring, 0, "most_recent", 1, backend=REF)
-    assert ring_step(ring).item() == 1.0
-    before = ring.clone()
+    assert torch.equal(ledger_step(ledger), torch.tensor([8.0]) / (448 / 2))
+    ops.quantize_delayed(torch.zeros(3), Fp8Format.E4M3, ledger, 0, "most_recent", 1, backend=REF)
+    assert ledger_step(ledger).item() == 1.0
+    before = ledger.clone()
     x = torch.tensor([1.0, math.nan])
-    ops.quantize_delayed(x, Fp8Format.E4M3, ring, 1, "max", 1, backend=REF)
-    assert torch.equal(ring_history(ring), ring_history(before))
-    assert torch.equal(ring_step(ring), ring_step(before))
-    assert ring_nonfinite(ring).item() == ring_nonfinite(before).item() + 1
+    ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 1, "max", 1, backend=REF)
+    assert torch.equal(ledger_history(ledger), ledger_history(before))
+    assert torch.equal(ledger_step(ledger), ledger_step(before))
+    assert ledger_nonfinite(ledger).item() == ledger_nonfinite(before).item() + 1
 
 
-def test_seed_with_nonfinite_keeps_the_ring_and_counts_nothing() -> None:
+def test_seed_with_nonfinite_keeps_the_ledger_and_counts_nothing() -> None:
     # The quantize of the same call counts the non-finite amax, once (docs/fp8.md).
-    ring = ring_new(3, "cpu")
-    ops.seed_ring(ring, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
-    assert ring_history(ring).tolist() == [0.0, 0.0, 0.0]
-    assert (ring_step(ring).item(), ring_nonfinite(ring).item()) == (1.0, 0.0)
-    assert ring_saturated(ring).item() == 0.0
+    ledger = ledger_new(3, "cpu")
+    ops.seed_ledger(ledger, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
+    assert ledger_history(ledger).tolist() == [0.0, 0.0, 0.0]
+    assert (ledger_step(ledger).item(), ledger_nonfinite(ledger).item()) == (1.0, 0.0)
+    assert ledger_saturated(ledger).item() == 0.0
 
 
 def test_saturated_count_accumulates() -> None:
-    ring = ring_new(1, "cpu")
+    ledger = ledger_new(1, "cpu")
     x = torch.tensor([500.0, -449.0, 448.0, 3.0])  # step 1: two beyond E4M3's 448
-    ops.quantize_delayed(x, Fp8Format.E4M3, ring, 0, "max", 0, backend=REF)
-    ops.quantize_delayed(x, Fp8Format.E4M3, ring, 0, "max", 0, backend=REF)
-    assert ring_saturated(ring).item() == 2.0  # second call uses step 500/448
+    ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
+    ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
+    assert ledger_saturated(ledger).item() == 2.0  # second call uses step 500/448
 
 
 # ---------------------------------------------------------------------------------------

@@ -27,19 +27,19 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import torch
 from computectx.kernels import quantize as kq, scaled_mm as kg
-from computectx.fp8.ring import RING_NONFINITE, RING_SATURATED, RING_STEP
+from computectx.fp8.ledger import LEDGER_NONFINITE, LEDGER_SATURATED, LEDGER_STEP
 
 out = {}
 q_names = ["x_ptr", "q_ptr", "step_ptr", "n_elements", "scratch_ptr", "amax_out_ptr",
-           "step_out_ptr", "ring_ptr", "ring_idx", "n_hist"]
+           "step_out_ptr", "ledger_ptr", "ledger_idx", "n_hist"]
 for cap in (89, 90):
     for xdt, cast, reduce in (("*i16", True, 3), ("*fp16", True, 1), ("*fp32", False, 2),
                               ("*fp32", True, 0)):
         sig = dict(zip(q_names, [xdt, "*u8", "*fp32", "i32", "*i32", "*fp32", "*fp32",
                                  "*fp32", "i32", "i32"]))
         consts = dict(kq._fmt_constants(torch.float8_e4m3fn, 1), X_BF16=xdt == "*i16", CAST=cast,
-                      REDUCE=reduce, ALGO_MAX=True, RING_STEP=RING_STEP,
-                      RING_NONFINITE=RING_NONFINITE, RING_SATURATED=RING_SATURATED,
+                      REDUCE=reduce, ALGO_MAX=True, LEDGER_STEP=LEDGER_STEP,
+                      LEDGER_NONFINITE=LEDGER_NONFINITE, LEDGER_SATURATED=LEDGER_SATURATED,
                       BLOCK=4096, RBLOCK=1024)
         sig.update({k: "constexpr" for k in consts})
         attrs = {(q_names.index(n),): [["tt.divisibility", 16]]

@@ -16,8 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, library, ops
-from computectx.fp8.ring import read_ring, ring_new
+from computectx.fp8 import Fp8Backend, custom_ops, ops
+from computectx.fp8.ledger import ledger_new, read_ledger
 from computectx.kernels import quantize
 from computectx.recipes import DelayedScaling
 
@@ -34,13 +34,13 @@ _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
 def test_a_nan_first_call_is_counted_once_on_the_operator(
     backend: Fp8Backend, device: torch.device
 ) -> None:
-    ring, tally = ring_new(4, device), library.tally_new(device)
+    ledger, tally = ledger_new(4, device), custom_ops.tally_new(device)
     x = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(device)
     x[17] = math.nan
     q, used = ops.quantize_operand(
-        x, E4M3, ring, tally, DelayedScaling(history_len=4), backend=backend
+        x, E4M3, ledger, tally, DelayedScaling(history_len=4), backend=backend
     )
-    after = read_ring(ring)
+    after = read_ledger(ledger)
     assert (after.nonfinite, after.step, after.history) == (1.0, 1.0, (0.0,) * 4)
     assert used.item() == 1.0 and tally.tolist() == [1, 300]
     assert torch.isnan(q[17].float())
@@ -92,16 +92,16 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> _Launches:
 def test_one_seeded_delayed_quantize_is_the_launches_the_docs_state(
     history: int, expected: list[str], launches: _Launches, device: torch.device
 ) -> None:
-    ring, tally = ring_new(history, device), library.tally_new(device)
+    ledger, tally = ledger_new(history, device), custom_ops.tally_new(device)
     x = torch.randn(4096, device=device)
 
     def call(may_seed: bool) -> None:
-        library.delayed_call(x, ring, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed)
+        custom_ops.delayed_call(x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed)
 
     call(True)  # seeds (and creates the kernel's scratch)
     launches.kernels = 0
     with launches:
-        call(False)  # what eager calls pass once the ring is seeded
+        call(False)  # what eager calls pass once the ledger is seeded
     # docs/fp8.md: the quantize kernel, the rotation (roll, copy) and the tally (fill, add).
     assert launches.kernels == 1
     assert launches.ops == expected
@@ -110,10 +110,10 @@ def test_one_seeded_delayed_quantize_is_the_launches_the_docs_state(
 def test_the_seeding_check_adds_the_launches_the_docs_state(
     launches: _Launches, device: torch.device
 ) -> None:
-    ring, tally = ring_new(16, device), library.tally_new(device)
+    ledger, tally = ledger_new(16, device), custom_ops.tally_new(device)
     x = torch.randn(4096, device=device)
     with launches:
-        library.delayed_call(x, ring, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed=True)
+        custom_ops.delayed_call(x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed=True)
     assert launches.kernels == 1
     assert launches.ops[-4:] == ["roll", "copy_", "fill_", "add_"]
     seeding = launches.ops[:-4]

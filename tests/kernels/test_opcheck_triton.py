@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.fp8 import library as fp8_library
-from computectx.fp8.ring import ring_new
+from computectx.fp8 import custom_ops as fp8_custom_ops
+from computectx.fp8.ledger import ledger_new
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # torch's test_schema compares inputs with allclose, which has no fp8 kernel on the CPU.
@@ -33,8 +33,8 @@ def _cases(device: torch.device) -> list[tuple[str, Any, tuple[object, ...]]]:
             ops.fp8_quantize_delayed,
             (
                 x,
-                ring_new(4, device),
-                fp8_library.tally_new(device),
+                ledger_new(4, device),
+                fp8_custom_ops.tally_new(device),
                 torch.float8_e4m3fn,
                 "max",
                 0,
@@ -45,7 +45,14 @@ def _cases(device: torch.device) -> list[tuple[str, Any, tuple[object, ...]]]:
         (
             "quantize_dynamic",
             ops.fp8_quantize_dynamic,
-            (x, ring_new(1, device), fp8_library.tally_new(device), torch.float8_e5m2, 0, "triton"),
+            (
+                x,
+                ledger_new(1, device),
+                fp8_custom_ops.tally_new(device),
+                torch.float8_e5m2,
+                0,
+                "triton",
+            ),
         ),
         (
             "quantize_with_step",

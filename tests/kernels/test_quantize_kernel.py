@@ -3,7 +3,7 @@
 Runs on an fp8 GPU when there is one, else under ``TRITON_INTERPRET=1`` (see conftest).
 The twin's own rounding is pinned by test_reference.py against the fp8 code tables; here
 every byte the kernel writes must equal the twin's byte, every amax and step must have the
-same float32 bits, and a ring must hold the same float32 bits after every step.
+same float32 bits, and a ledger must hold the same float32 bits after every step.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend, ops, reference
-from computectx.fp8.ring import (
-    RING_NONFINITE,
-    RING_SATURATED,
-    RING_STEP,
-    ring_history,
-    ring_new,
-    ring_nonfinite,
-    ring_saturated,
-    ring_step,
-    ring_tail,
+from computectx.fp8.ledger import (
+    LEDGER_NONFINITE,
+    LEDGER_SATURATED,
+    LEDGER_STEP,
+    ledger_history,
+    ledger_new,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_step,
+    ledger_tail,
 )
 
 pytestmark = [
@@ -176,23 +176,23 @@ def test_with_step_property_bit_exact(
 
 
 # ---------------------------------------------------------------------------------------
-# The delayed-scaling ring, finalized inside the kernel
+# The delayed-scaling ledger, finalized inside the kernel
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize(("history", "margin"), [(1, 0), (4, 2), (21, 1)])
-def test_delayed_ring_bit_exact(
+def test_delayed_ledger_bit_exact(
     fmt: Fp8Format, algo: Algo, history: int, margin: int, device: torch.device
 ) -> None:
     # A sequence with growth (saturation under the delayed step), a zero tensor, an inf,
     # a NaN, a shrink, and an empty tensor; history 21 exceeds the interpreter's reduction
     # block, so the window loop runs more than once.
-    ring = ring_new(history, device)
-    ring_ref = ring_new(history, device)
+    ledger = ledger_new(history, device)
+    ledger_ref = ledger_new(history, device)
     x0 = torch.randn(50, generator=torch.Generator().manual_seed(0)).to(device)
-    ops.seed_ring(ring, x0, fmt, margin)
-    ops.seed_ring(ring_ref, x0, fmt, margin)
+    ops.seed_ledger(ledger, x0, fmt, margin)
+    ops.seed_ledger(ledger_ref, x0, fmt, margin)
     gen = torch.Generator().manual_seed(history + margin)
     plan: list[tuple[float, float | None, int]] = [
         (1.0, None, 257),
@@ -211,13 +211,13 @@ def test_delayed_ring_bit_exact(
             x[n // 2] = special
         x = x.to(torch.bfloat16).to(device)
         idx = i % history
-        q, used = ops.quantize_delayed(x, fmt, ring, idx, algo, margin, backend=TRITON)
-        q_ref, used_ref = ops.quantize_delayed(x, fmt, ring_ref, idx, algo, margin, backend=REF)
+        q, used = ops.quantize_delayed(x, fmt, ledger, idx, algo, margin, backend=TRITON)
+        q_ref, used_ref = ops.quantize_delayed(x, fmt, ledger_ref, idx, algo, margin, backend=REF)
         assert_same_bytes(q, q_ref)
         assert_same_f32(used, used_ref)
-        assert_same_f32(ring, ring_ref)
-    assert ring_nonfinite(ring).item() == 2.0
-    assert ring_saturated(ring).item() > 0.0
+        assert_same_f32(ledger, ledger_ref)
+    assert ledger_nonfinite(ledger).item() == 2.0
+    assert ledger_saturated(ledger).item() > 0.0
 
 
 @settings(max_examples=50)
@@ -232,7 +232,7 @@ def test_delayed_ring_bit_exact(
     algo=st.sampled_from(ALGOS),
     fmt=st.sampled_from(FORMATS),
 )
-def test_delayed_ring_property(
+def test_delayed_ledger_property(
     scales: list[float],
     history: int,
     margin: int,
@@ -240,26 +240,26 @@ def test_delayed_ring_property(
     fmt: Fp8Format,
     device: torch.device,
 ) -> None:
-    ring = ring_new(history, device)
-    ring_ref = ring_new(history, device)
+    ledger = ledger_new(history, device)
+    ledger_ref = ledger_new(history, device)
     gen = torch.Generator().manual_seed(len(scales))
     for i, sc in enumerate(scales):
         x = torch.randn(23, generator=gen) * (sc if math.isfinite(sc) else 1.0)
         if not math.isfinite(sc):
             x[5] = sc
         x = x.to(device)
-        q, used = ops.quantize_delayed(x, fmt, ring, i % history, algo, margin, backend=TRITON)
+        q, used = ops.quantize_delayed(x, fmt, ledger, i % history, algo, margin, backend=TRITON)
         q_ref, used_ref = ops.quantize_delayed(
-            x, fmt, ring_ref, i % history, algo, margin, backend=REF
+            x, fmt, ledger_ref, i % history, algo, margin, backend=REF
         )
         assert_same_bytes(q, q_ref)
         assert_same_f32(used, used_ref)
-        assert_same_f32(ring, ring_ref)
-    # The ring's own invariants: the step is positive and finite, the history finite, the
+        assert_same_f32(ledger, ledger_ref)
+    # The ledger's own invariants: the step is positive and finite, the history finite, the
     # non-finite count equals the number of non-finite inputs.
-    assert 0.0 < ring_step(ring).item() < math.inf
-    assert bool(torch.isfinite(ring_history(ring)).all())
-    assert ring_nonfinite(ring).item() == sum(1 for s in scales if not math.isfinite(s))
+    assert 0.0 < ledger_step(ledger).item() < math.inf
+    assert bool(torch.isfinite(ledger_history(ledger)).all())
+    assert ledger_nonfinite(ledger).item() == sum(1 for s in scales if not math.isfinite(s))
 
 
 def test_scratch_is_rezeroed_after_each_launch(device: torch.device) -> None:
@@ -291,36 +291,36 @@ def test_launcher_rejects_what_it_cannot_read(device: torch.device) -> None:
     with pytest.raises(ValueError, match=r"got torch\.float16"):
         kq.quantize_dynamic(x=x, fp8=torch.float16, margin=0)
     layout = {
-        "step_offset": RING_STEP,
-        "nonfinite_offset": RING_NONFINITE,
-        "saturated_offset": RING_SATURATED,
+        "step_offset": LEDGER_STEP,
+        "nonfinite_offset": LEDGER_NONFINITE,
+        "saturated_offset": LEDGER_SATURATED,
     }
-    ring = ring_new(2, device)
+    ledger = ledger_new(2, device)
     with pytest.raises(ValueError, match=r"slot 5 is outside the history \[0, 2\)"):
         kq.quantize_delayed(
-            x=x, fp8=e4m3, ring=ring, history_len=2, slot=5, algo="max", margin=0, **layout
+            x=x, fp8=e4m3, ledger=ledger, history_len=2, slot=5, algo="max", margin=0, **layout
         )
     with pytest.raises(ValueError, match=r"distinct slots after the history, in \[0, 3\)"):
         kq.quantize_delayed(
-            x=x, fp8=e4m3, ring=ring, history_len=2, slot=0, algo="max", margin=0,
+            x=x, fp8=e4m3, ledger=ledger, history_len=2, slot=0, algo="max", margin=0,
             step_offset=0, nonfinite_offset=0, saturated_offset=2,
         )  # fmt: skip
-    with pytest.raises(ValueError, match=r"in \[0, 2\) for a ring of 5 with history_len=3"):
+    with pytest.raises(ValueError, match=r"in \[0, 2\) for a ledger of 5 with history_len=3"):
         kq.quantize_delayed(
-            x=x, fp8=e4m3, ring=ring, history_len=3, slot=0, algo="max", margin=0, **layout
+            x=x, fp8=e4m3, ledger=ledger, history_len=3, slot=0, algo="max", margin=0, **layout
         )
     with pytest.raises(ValueError, match="'mean'"):
         kq.quantize_delayed(
             x=x,
             fp8=e4m3,
-            ring=ring,
+            ledger=ledger,
             history_len=2,
             slot=0,
             algo=BAD_ALGO,
             margin=0,
             **layout,
         )
-    assert torch.equal(ring, ring_new(2, device))  # every refusal left the ring alone
+    assert torch.equal(ledger, ledger_new(2, device))  # every refusal left the ledger alone
 
 
 def test_launchers_are_keyword_only(device: torch.device) -> None:
@@ -339,17 +339,17 @@ def test_launchers_are_keyword_only(device: torch.device) -> None:
 
 
 @pytest.mark.parametrize("algo", ALGOS)
-def test_the_kernel_follows_the_ring_layout_it_is_given(algo: Algo, device: torch.device) -> None:
+def test_the_kernel_follows_the_ledger_layout_it_is_given(algo: Algo, device: torch.device) -> None:
     # The offsets reach the kernel as constexpr arguments. Under a permuted layout (counts
     # first, then the step) the kernel must write each value where that layout says: the
-    # same ring as the twin's after un-permuting, bit for bit.
+    # same ledger as the twin's after un-permuting, bit for bit.
     n, fmt = 3, Fp8Format.E4M3
-    ring_ref = ring_new(n, device)
-    permuted = ring_new(n, device)
-    tail_ref = ring_tail(ring_ref)
-    tail = ring_tail(permuted)
+    ledger_ref = ledger_new(n, device)
+    permuted = ledger_new(n, device)
+    tail_ref = ledger_tail(ledger_ref)
+    tail = ledger_tail(permuted)
     order = {"step_offset": 2, "nonfinite_offset": 0, "saturated_offset": 1}
-    tail.copy_(tail_ref[[RING_NONFINITE, RING_SATURATED, RING_STEP]])
+    tail.copy_(tail_ref[[LEDGER_NONFINITE, LEDGER_SATURATED, LEDGER_STEP]])
     from computectx.kernels import quantize as kq
 
     gen = torch.Generator().manual_seed(8)
@@ -358,18 +358,18 @@ def test_the_kernel_follows_the_ring_layout_it_is_given(algo: Algo, device: torc
         if special is not None:
             x[3] = special
         x = x.to(device)
-        q_ref, used_ref = ops.quantize_delayed(x, fmt, ring_ref, i % n, algo, 1, backend=REF)
+        q_ref, used_ref = ops.quantize_delayed(x, fmt, ledger_ref, i % n, algo, 1, backend=REF)
         q, used = kq.quantize_delayed(
-            x=x, fp8=fmt.torch, ring=permuted, history_len=n, slot=i % n, algo=algo, margin=1,
+            x=x, fp8=fmt.torch, ledger=permuted, history_len=n, slot=i % n, algo=algo, margin=1,
             **order,
         )  # fmt: skip
         assert_same_bytes(q, q_ref)
         assert_same_f32(used, used_ref)
-        assert_same_f32(ring_history(permuted), ring_history(ring_ref))
+        assert_same_f32(ledger_history(permuted), ledger_history(ledger_ref))
         at = [order["step_offset"], order["nonfinite_offset"], order["saturated_offset"]]
-        assert_same_f32(tail[at], tail_ref[[RING_STEP, RING_NONFINITE, RING_SATURATED]])
-    assert ring_nonfinite(ring_ref).item() == 2.0
-    assert ring_saturated(ring_ref).item() > 0.0
+        assert_same_f32(tail[at], tail_ref[[LEDGER_STEP, LEDGER_NONFINITE, LEDGER_SATURATED]])
+    assert ledger_nonfinite(ledger_ref).item() == 2.0
+    assert ledger_saturated(ledger_ref).item() > 0.0
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -1,7 +1,7 @@
-"""The fused quantize (plain torch ops, ``computectx.fp8.fused``) against the operators, eager.
+"""The inline quantize (plain torch ops, ``computectx.fp8.inline``) against the operators, eager.
 
-The operators are the specification: after every call of a sequence the fused functions
-must give the same fp8 bytes, the same step, and leave the same ring and tally, bit for bit.
+The operators are the specification: after every call of a sequence the inline functions
+must give the same fp8 bytes, the same step, and leave the same ledger and tally, bit for bit.
 The sequences start unseeded, vary the scale so the steps move, and include a NaN input
 and an empty tensor, so seeding, rotation, the window, the counts and the tally are all
 exercised. (Compiled runs are in tests/test_compile_fp8.py.)
@@ -17,9 +17,9 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Linear, convert_to_fp8, fused, library, ops
+from computectx.fp8 import Fp8Linear, convert_to_fp8, custom_ops, inline, ops
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.ring import read_ring, ring_new, ring_nonfinite
+from computectx.fp8.ledger import ledger_new, ledger_nonfinite, read_ledger
 from computectx.fp8.scaling import OperandScaling
 from computectx.recipes import DelayedScaling, DynamicScaling
 
@@ -50,7 +50,7 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("fmt", [Fp8Format.E4M3, Fp8Format.E5M2])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("backend", [Fp8Backend.REFERENCE, Fp8Backend.CUBLAS])
-def test_fused_quantize_matches_the_operator_bit_for_bit_call_after_call(
+def test_inline_quantize_matches_the_operator_bit_for_bit_call_after_call(
     scaling: DelayedScaling | DynamicScaling,
     fmt: Fp8Format,
     dtype: torch.dtype,
@@ -58,14 +58,14 @@ def test_fused_quantize_matches_the_operator_bit_for_bit_call_after_call(
 ) -> None:
     n = scaling.history_len if isinstance(scaling, DelayedScaling) else 1
     xs = _inputs(dtype)
-    # Seeded by a finite first call, and (a fresh ring) by a first call whose amax is NaN.
+    # Seeded by a finite first call, and (a fresh ledger) by a first call whose amax is NaN.
     for seq in (xs, [xs[2], *xs]):
-        rings, tallies = _run_both(seq, fmt, scaling, backend, n)
+        ledgers, tallies = _run_both(seq, fmt, scaling, backend, n)
         # The sequence did move the state (a no-op would pass the checks in _run_both).
         per_call = 8 * 16
-        assert int(tallies["op"][library.TALLY_ELEMENTS]) == per_call * (len(seq) - 1)
+        assert int(tallies["op"][custom_ops.TALLY_ELEMENTS]) == per_call * (len(seq) - 1)
         # Every NaN call is counted exactly once, a delayed first call included.
-        assert float(ring_nonfinite(rings["op"])) == len(seq) - len(xs) + 1
+        assert float(ledger_nonfinite(ledgers["op"])) == len(seq) - len(xs) + 1
 
 
 def _run_both(
@@ -74,67 +74,85 @@ def _run_both(
     scaling: DelayedScaling | DynamicScaling,
     backend: Fp8Backend,
     n: int,
-) -> tuple[dict[fused.QuantizeImpl, torch.Tensor], dict[fused.QuantizeImpl, torch.Tensor]]:
+) -> tuple[dict[inline.QuantizeImpl, torch.Tensor], dict[inline.QuantizeImpl, torch.Tensor]]:
     dev = torch.device("cpu")
-    rings = {impl: ring_new(n, dev) for impl in fused.QUANTIZE_IMPLS}
-    tallies = {impl: library.tally_new(dev) for impl in fused.QUANTIZE_IMPLS}
+    ledgers = {impl: ledger_new(n, dev) for impl in inline.QUANTIZE_IMPLS}
+    tallies = {impl: custom_ops.tally_new(dev) for impl in inline.QUANTIZE_IMPLS}
     for i, x in enumerate(seq):
         got = {
             impl: ops.quantize_operand(
-                x, fmt, rings[impl], tallies[impl], scaling, backend=backend, impl=impl
+                x, fmt, ledgers[impl], tallies[impl], scaling, backend=backend, impl=impl
             )
-            for impl in fused.QUANTIZE_IMPLS
+            for impl in inline.QUANTIZE_IMPLS
         }
-        (q_op, s_op), (q_fu, s_fu) = got["op"], got["fused"]
+        (q_op, s_op), (q_fu, s_fu) = got["op"], got["inline"]
         assert q_fu.dtype == q_op.dtype == fmt.torch and q_fu.shape == x.shape
         assert torch.equal(_u8(q_fu), _u8(q_op)), i
         assert torch.equal(s_fu, s_op), i
-        assert torch.equal(rings["fused"], rings["op"]), (i, rings)
-        assert torch.equal(tallies["fused"], tallies["op"]), (i, tallies)
-    return rings, tallies
+        assert torch.equal(ledgers["inline"], ledgers["op"]), (i, ledgers)
+        assert torch.equal(tallies["inline"], tallies["op"]), (i, tallies)
+    return ledgers, tallies
 
 
 def test_parse_quantize_accepts_the_two_names_and_rejects_others() -> None:
-    assert fused.parse_quantize("op") == "op"
-    assert fused.parse_quantize("fused") == "fused"
+    assert inline.parse_quantize("op") == "op"
+    assert inline.parse_quantize("inline") == "inline"
     for bad in ("Fused", "inductor", None, 1):
-        with pytest.raises(ValueError, match="'op' or 'fused'"):
-            fused.parse_quantize(bad)
+        with pytest.raises(ValueError, match="'op' or 'inline'"):
+            inline.parse_quantize(bad)
 
 
 def test_the_quantize_option_reaches_every_converted_layer_and_is_checked(
     fp8_ctx: ComputeCtx,
 ) -> None:
     m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    convert_to_fp8(m, fp8_ctx, min_features=16, include_head=True, quantize="fused")
+    convert_to_fp8(m, fp8_ctx, min_features=16, include_head=True, quantize="inline")
     layers = [x for x in m.modules() if isinstance(x, Fp8Linear)]
-    assert len(layers) == 2 and all(x.quantize == "fused" for x in layers)
+    assert len(layers) == 2 and all(x.quantize == "inline" for x in layers)
     assert Fp8Linear(16, 16, ctx=fp8_ctx).quantize == "op"  # the default
     layers[0].quantize = "op"
     assert layers[0].quantize == "op"
-    with pytest.raises(ValueError, match="'op' or 'fused'"):
+    with pytest.raises(ValueError, match="'op' or 'inline'"):
         layers[0].quantize = "triton"  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="'op' or 'fused'"):
+    with pytest.raises(ValueError, match="'op' or 'inline'"):
         Fp8Linear(16, 16, ctx=fp8_ctx, quantize="fast")  # type: ignore[arg-type]
     plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
-    with pytest.raises(ValueError, match="'op' or 'fused'"):
+    with pytest.raises(ValueError, match="'op' or 'inline'"):
         convert_to_fp8(plain, fp8_ctx, min_features=16, quantize="")  # type: ignore[arg-type]
     assert not any(isinstance(x, Fp8Linear) for x in plain.modules())  # left unchanged
 
 
-def test_eager_calls_of_a_fused_layer_run_the_operators(
+def test_the_old_spelling_of_inline_is_refused_naming_the_new_one(fp8_ctx: ComputeCtx) -> None:
+    old = inline.OLD_SPELLING
+    assert old == "fused"  # rename.py: keep (the spelling before issue 14)
+    renamed = f"'{old}' was renamed 'inline'"
+    with pytest.raises(ValueError, match=renamed):
+        inline.parse_quantize(old)
+    with pytest.raises(ValueError, match=renamed):
+        Fp8Linear(16, 16, ctx=fp8_ctx, quantize=old)  # type: ignore[arg-type]
+    layer = Fp8Linear(16, 16, ctx=fp8_ctx)
+    with pytest.raises(ValueError, match=renamed):
+        layer.quantize = old  # type: ignore[assignment]
+    assert layer.quantize == "op"
+    plain = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+    with pytest.raises(ValueError, match=renamed):
+        convert_to_fp8(plain, fp8_ctx, min_features=16, quantize=old)  # type: ignore[arg-type]
+    assert not any(isinstance(x, Fp8Linear) for x in plain.modules())
+
+
+def test_eager_calls_of_an_inline_layer_run_the_operators(
     fp8_ctx: ComputeCtx, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Outside torch.compile a "fused" layer keeps the operators (the Triton kernel on a GPU).
+    # Outside torch.compile an "inline" layer keeps the operators (the Triton kernel on a GPU).
     called: list[str] = []
-    real = fused.quantize_delayed
+    real = inline.quantize_delayed
 
     def spy(*args: object, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-        called.append("fused")
+        called.append("inline")
         return real(*args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(fused, "quantize_delayed", spy)
-    layer = Fp8Linear(16, 16, ctx=fp8_ctx, quantize="fused")
+    monkeypatch.setattr(inline, "quantize_delayed", spy)
+    layer = Fp8Linear(16, 16, ctx=fp8_ctx, quantize="inline")
     layer(torch.randn(4, 16)).sum().backward()
     assert called == []
     assert isinstance(fp8_ctx.fp8 and fp8_ctx.fp8.scaling, DelayedScaling)
@@ -143,13 +161,13 @@ def test_eager_calls_of_a_fused_layer_run_the_operators(
     ops.quantize_operand(
         x,
         Fp8Format.E4M3,
-        ring_new(4, "cpu"),
-        library.tally_new(torch.device("cpu")),
+        ledger_new(4, "cpu"),
+        custom_ops.tally_new(torch.device("cpu")),
         DelayedScaling(history_len=4),
         backend=Fp8Backend.REFERENCE,
-        impl="fused",
+        impl="inline",
     )
-    assert called == ["fused"]
+    assert called == ["inline"]
 
 
 class _OneRank:
@@ -165,7 +183,7 @@ class _OneRank:
 FIRST_CALL_PATHS = [
     "op",
     "op, may_seed=False after the seed",
-    "fused",
+    "inline",
     "scaling",
     "scaling, reduced",
 ]
@@ -174,10 +192,10 @@ FIRST_CALL_PATHS = [
 @pytest.mark.parametrize("path", FIRST_CALL_PATHS)
 def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(path: str) -> None:
     # docs/fp8.md, "Non-finite amax": the first call's NaN amax is neither seeded nor recorded,
-    # the step stays 1.0 (a fresh ring's), the count goes up by exactly one and the operand
+    # the step stays 1.0 (a fresh ledger's), the count goes up by exactly one and the operand
     # counts as seeded; the next call quantizes with step 1.0 and records its own amax.
     fmt, scaling, dev = Fp8Format.E4M3, DelayedScaling(history_len=4), torch.device("cpu")
-    ring, tally = ring_new(4, dev), library.tally_new(dev)
+    ledger, tally = ledger_new(4, dev), custom_ops.tally_new(dev)
     op = OperandScaling(4, dev)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
     x[2, 5] = math.nan
@@ -185,21 +203,21 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
     def call(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if path.startswith("scaling"):
             # OperandScaling.quantize, eager: without a reduction the operator seeds; with
-            # one (the data-parallel path) ops.seed_ring seeds first and the operator skips it.
+            # one (the data-parallel path) ops.seed_ledger seeds first and the operator skips it.
             reduce = _OneRank() if path.endswith("reduced") else None
             return op.quantize(t, fmt, scaling, Fp8Backend.REFERENCE, reduce=reduce)
         if path.startswith("op, may_seed=False"):
-            ops.seed_ring(ring, t, fmt, scaling.margin)
-            tally[library.TALLY_SEEDED] = 1
+            ops.seed_ledger(ledger, t, fmt, scaling.margin)
+            tally[custom_ops.TALLY_SEEDED] = 1
         return ops.quantize_operand(
-            t, fmt, ring, tally, scaling, backend=Fp8Backend.REFERENCE,
+            t, fmt, ledger, tally, scaling, backend=Fp8Backend.REFERENCE,
             may_seed=not path.startswith("op, may_seed=False"),
-            impl="fused" if path == "fused" else "op",
+            impl="inline" if path == "inline" else "op",
         )  # fmt: skip
 
     q, step_used = call(x)
-    r, t = (op.ring, op.tally) if path.startswith("scaling") else (ring, tally)
-    after = read_ring(r)
+    r, t = (op.ledger, op.tally) if path.startswith("scaling") else (ledger, tally)
+    after = read_ledger(r)
     assert after.nonfinite == 1.0
     assert after.history == (0.0, 0.0, 0.0, 0.0) and after.step == 1.0
     assert step_used.item() == 1.0 and after.saturated == 0.0
@@ -210,15 +228,15 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
     # The next (finite) call is not seeded again: it quantizes with step 1.0 and records.
     y = torch.full((4, 16), 3.0)
     _, step_used = call(y) if not path.startswith("op, may_seed=False") else _second(y, r, t)
-    after = read_ring(r)
+    after = read_ledger(r)
     assert step_used.item() == 1.0 and after.history == (0.0, 0.0, 0.0, 3.0)
     assert after.step == (torch.tensor([3.0]) / fmt.max).item() and after.nonfinite == 1.0
 
 
 def _second(
-    y: torch.Tensor, ring: torch.Tensor, tally: torch.Tensor
+    y: torch.Tensor, ledger: torch.Tensor, tally: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return ops.quantize_operand(
-        y, Fp8Format.E4M3, ring, tally, DelayedScaling(history_len=4),
+        y, Fp8Format.E4M3, ledger, tally, DelayedScaling(history_len=4),
         backend=Fp8Backend.REFERENCE, may_seed=False,
     )  # fmt: skip

@@ -1,27 +1,32 @@
 """The fp8 operations as torch operators (``torch.library``), so ``torch.compile`` sees them.
 
+Two modules split the fp8 operations: this one, ``custom_ops``, registers the
+``torch.library`` custom operators, the nodes a compiled graph sees; ``computectx.fp8.ops``
+holds the checked entry points users call, which check their arguments and then call the
+operators here.
+
 Each operator below is one opaque node in a compiled graph: dynamo does not trace into it,
 AOTAutograd functionalizes it through its declared mutations (``mutates_args``), and its
 fake implementation gives the output shapes without touching data. Eager calls run the same
 Python function as before (``computectx.fp8.ops`` checks the arguments first), so the bytes,
 the bounds and the absence of host synchronisation are unchanged.
 
-=================================  ======================================================
-operator                           semantics
-=================================  ======================================================
-``computectx::fp8_quantize_delayed``  quantize with the ring's step, advance ring and tally
-``computectx::fp8_quantize_dynamic``  quantize with ``x``'s own step, record it in the ring
+======================================  =========================================================
+operator                                semantics
+======================================  =========================================================
+``computectx::fp8_quantize_delayed``    quantize with the ledger's step, advance ledger and tally
+``computectx::fp8_quantize_dynamic``    quantize with ``x``'s own step, record it in the ledger
 ``computectx::fp8_quantize_with_step``  quantize with a given step; also ``amax(x)``
-``computectx::fp8_scaled_mm``       ``(a * step_a) @ (b * step_b).T (+ bias)``
-``computectx::fp8_dequantize``      ``data * step`` rounded once to a dtype
-=================================  ======================================================
+``computectx::fp8_scaled_mm``           ``(a * step_a) @ (b * step_b).T (+ bias)``
+``computectx::fp8_dequantize``          ``data * step`` rounded once to a dtype
+======================================  =========================================================
 
 The state the quantize operators advance lives in two device tensors per operand, both
-declared mutated: the float32 ring (``computectx.fp8.ring``'s layout) and an int64 *tally*
+declared mutated: the float32 ledger (``computectx.fp8.ledger``'s layout) and an int64 *tally*
 ``[seeded, elements]``. Nothing is kept in Python attributes, so a compiled step advances
 exactly what an eager step advances and no value is specialised into a guard.
 
-Delayed rings are kept oldest to newest: each call rotates the history one slot to the left
+Delayed ledgers are kept oldest to newest: each call rotates the history one slot to the left
 (the oldest entry moves to the last slot) and the quantize writes its amax into the last
 slot. That is the circular ring of earlier versions with the write index pinned to the end,
 so the window (and therefore every step) is the same, and no host-side index exists to
@@ -45,15 +50,15 @@ from computectx import capability
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import reference
 from computectx.fp8.backend import Fp8Backend, parse_backend
-from computectx.fp8.ring import (
-    RING_NONFINITE,
-    RING_SATURATED,
-    RING_STEP,
-    ring_history,
-    ring_history_len,
-    ring_nonfinite,
-    ring_slot,
-    ring_step,
+from computectx.fp8.ledger import (
+    LEDGER_NONFINITE,
+    LEDGER_SATURATED,
+    LEDGER_STEP,
+    ledger_history,
+    ledger_history_len,
+    ledger_nonfinite,
+    ledger_slot,
+    ledger_step,
 )
 
 __all__ = [
@@ -76,7 +81,7 @@ __all__ = [
 ]
 
 TALLY_SEEDED = 0
-"""Tally slot: 1 once the operand's first call has run (its ring was seeded), else 0."""
+"""Tally slot: 1 once the operand's first call has run (its ledger was seeded), else 0."""
 TALLY_ELEMENTS = 1
 """Tally slot: elements quantized through the operand so far."""
 TALLY_LEN = 2
@@ -85,7 +90,7 @@ TALLY_LEN = 2
 def tally_new(device: torch.device) -> torch.Tensor:
     """A fresh tally on ``device``: not seeded, no elements (int64 ``[seeded, elements]``).
 
-    Never an inference tensor (it is updated in place, as the ring is).
+    Never an inference tensor (it is updated in place, as the ledger is).
     """
     with torch.inference_mode(False):
         return torch.zeros(TALLY_LEN, dtype=torch.int64, device=device)
@@ -105,28 +110,28 @@ def count(tally: torch.Tensor, x: torch.Tensor) -> None:
 def quantize_delayed_at(
     x: torch.Tensor,
     fmt: Fp8Format,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     slot: int,
     algo: Literal["max", "most_recent"],
     margin: int,
     backend: Fp8Backend,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One delayed quantize writing history ``slot``, on the kernels or the pure-torch twin
-    (``uses_kernels``); arguments already checked. The kernel knows no ring layout of its
+    (``uses_kernels``); arguments already checked. The kernel knows no ledger layout of its
     own: it gets this one's offsets."""
     if not uses_kernels(backend, x):
-        return reference.quantize_delayed(x, fmt, ring, slot, algo, margin)
+        return reference.quantize_delayed(x, fmt, ledger, slot, algo, margin)
     from computectx.kernels import quantize
 
     return quantize.quantize_delayed(
         x=x,
         fp8=fmt.torch,
-        ring=ring,
-        history_len=ring_history_len(ring),
+        ledger=ledger,
+        history_len=ledger_history_len(ledger),
         slot=slot,
-        step_offset=RING_STEP,
-        nonfinite_offset=RING_NONFINITE,
-        saturated_offset=RING_SATURATED,
+        step_offset=LEDGER_STEP,
+        nonfinite_offset=LEDGER_NONFINITE,
+        saturated_offset=LEDGER_SATURATED,
         algo=algo,
         margin=margin,
     )
@@ -165,7 +170,7 @@ def uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
 
 def delayed_call(
     x: torch.Tensor,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     tally: torch.Tensor,
     fmt: Fp8Format,
     algo: Literal["max", "most_recent"],
@@ -175,11 +180,11 @@ def delayed_call(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``fp8_quantize_delayed`` runs, as a plain function: ``(data_fp8, step_used)``.
 
-    When the tally says the ring is not seeded yet, the history is first filled with
+    When the tally says the ledger is not seeded yet, the history is first filled with
     ``amax(x)`` and the step set from it, so the first call quantizes with its own step (a
-    non-finite amax leaves the ring alone: the quantize counts it, once). ``may_seed=False``
-    promises the ring is seeded and skips that check. Then the history rotates one slot
-    left, ``x`` is quantized with the ring's step, its amax lands in the last slot and the
+    non-finite amax leaves the ledger alone: the quantize counts it, once). ``may_seed=False``
+    promises the ledger is seeded and skips that check. Then the history rotates one slot
+    left, ``x`` is quantized with the ledger's step, its amax lands in the last slot and the
     step becomes the next one from the window (``algo``); the tally counts ``x``.
 
     Launches on a GPU with the kernels (docs/fp8.md, "Delayed scaling"): the quantize
@@ -188,19 +193,19 @@ def delayed_call(
     """
     if may_seed:
         unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
-        reference.seed_ring(ring, x, fmt, margin, when=unseeded)
-    history = ring_history(ring)
+        reference.seed_ledger(ledger, x, fmt, margin, when=unseeded)
+    history = ledger_history(ledger)
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1))
-    q, step_used = quantize_delayed_at(x, fmt, ring, history.numel() - 1, algo, margin, backend)
+    q, step_used = quantize_delayed_at(x, fmt, ledger, history.numel() - 1, algo, margin, backend)
     count(tally, x)
     return q, step_used
 
 
-@custom_op("computectx::fp8_quantize_delayed", mutates_args=("ring", "tally"))
+@custom_op("computectx::fp8_quantize_delayed", mutates_args=("ledger", "tally"))
 def quantize_delayed(
     x: torch.Tensor,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     tally: torch.Tensor,
     fp8: torch.dtype,
     algo: str,
@@ -208,16 +213,18 @@ def quantize_delayed(
     backend: str,
     may_seed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Delayed scaling through one operand's ring: ``delayed_call``'s ``(data_fp8,
+    """Delayed scaling through one operand's ledger: ``delayed_call``'s ``(data_fp8,
     step_used)``. Arguments are checked by ``computectx.fp8.ops.quantize_operand``."""
     window: Literal["max", "most_recent"] = "max" if algo == "max" else "most_recent"
-    return delayed_call(x, ring, tally, _fmt(fp8), window, margin, parse_backend(backend), may_seed)
+    return delayed_call(
+        x, ledger, tally, _fmt(fp8), window, margin, parse_backend(backend), may_seed
+    )
 
 
 @quantize_delayed.register_fake
 def _quantize_delayed_fake(
     x: torch.Tensor,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     tally: torch.Tensor,
     fp8: torch.dtype,
     algo: str,
@@ -225,25 +232,25 @@ def _quantize_delayed_fake(
     backend: str,
     may_seed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x, dtype=fp8), ring.new_empty(1)
+    return torch.empty_like(x, dtype=fp8), ledger.new_empty(1)
 
 
-@custom_op("computectx::fp8_quantize_dynamic", mutates_args=("ring", "tally"))
+@custom_op("computectx::fp8_quantize_dynamic", mutates_args=("ledger", "tally"))
 def quantize_dynamic(
     x: torch.Tensor,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     tally: torch.Tensor,
     fp8: torch.dtype,
     margin: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic scaling through one operand's ring: ``(data_fp8, step)``.
+    """Dynamic scaling through one operand's ledger: ``(data_fp8, step)``.
 
-    The step comes from ``amax(x)``; the ring records that amax in its last history slot
+    The step comes from ``amax(x)``; the ledger records that amax in its last history slot
     (when finite; a non-finite one is counted instead) and the step; the tally counts ``x``.
     """
     q, step, a = quantize_dynamic_with(x, _fmt(fp8), margin, parse_backend(backend))
-    record(ring, a, step)
+    record(ledger, a, step)
     count(tally, x)
     return q, step
 
@@ -251,24 +258,24 @@ def quantize_dynamic(
 @quantize_dynamic.register_fake
 def _quantize_dynamic_fake(
     x: torch.Tensor,
-    ring: torch.Tensor,
+    ledger: torch.Tensor,
     tally: torch.Tensor,
     fp8: torch.dtype,
     margin: int,
     backend: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x, dtype=fp8), ring.new_empty(1)
+    return torch.empty_like(x, dtype=fp8), ledger.new_empty(1)
 
 
-def record(ring: torch.Tensor, amax: torch.Tensor, step: torch.Tensor) -> None:
+def record(ledger: torch.Tensor, amax: torch.Tensor, step: torch.Tensor) -> None:
     """Write an amax (into the newest history slot) and the step used with it; a
     non-finite amax is counted and leaves the recorded amax as it was. Device ops only."""
-    a = amax.reshape(1).to(device=ring.device, dtype=torch.float32)
+    a = amax.reshape(1).to(device=ledger.device, dtype=torch.float32)
     finite = torch.isfinite(a)
-    slot = ring_slot(ring, ring_history_len(ring) - 1)
+    slot = ledger_slot(ledger, ledger_history_len(ledger) - 1)
     slot.copy_(torch.where(finite, a, slot))
-    ring_step(ring).copy_(step.reshape(1))
-    ring_nonfinite(ring).add_((~finite).to(torch.float32))
+    ledger_step(ledger).copy_(step.reshape(1))
+    ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
 
 
 @custom_op("computectx::fp8_quantize_with_step", mutates_args=())
