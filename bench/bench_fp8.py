@@ -147,8 +147,8 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
     step = torch.tensor([x.float().abs().max().item() / fmt.max], device=dev)
-    ring = ops.ring_new(16, dev)
-    ops.seed_ring(ring, x, fmt, 0)
+    ledger = ops.ledger_new(16, dev)
+    ops.seed_ledger(ledger, x, fmt, 0)
 
     t_copy = time_ms(dev, lambda: dst.copy_(x), warmup, reps)
     copy_bw = 2 * x.nbytes / t_copy / 1e6  # read + write, GB/s
@@ -164,8 +164,8 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     cases: list[tuple[str, Callable[[], object]]] = [
         ("quantize_with_step (triton)", lambda: ops.quantize_with_step(x, fmt, step, backend=tri)),
         (
-            "quantize_delayed (triton, ring finalize)",
-            lambda: ops.quantize_delayed(x, fmt, ring, 0, "max", 0, backend=tri),
+            "quantize_delayed (triton, ledger finalize)",
+            lambda: ops.quantize_delayed(x, fmt, ledger, 0, "max", 0, backend=tri),
         ),
         (
             "quantize_dynamic (triton, 2 passes)",
@@ -380,14 +380,14 @@ def run_cpu_smoke() -> int:
         same = torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(a_t, a_r)
         ok &= same
         print(f"  quantize {fmt} n={x.numel()}: interpreter {dt * 1e3:.0f} ms, bit-exact: {same}")
-        ring_t, ring_r = ops.ring_new(4, "cpu"), ops.ring_new(4, "cpu")
+        ledger_t, ledger_r = ops.ledger_new(4, "cpu"), ops.ledger_new(4, "cpu")
         for i in range(3):
             xi = x * (i + 1)
-            ops.quantize_delayed(xi, fmt, ring_t, i, "max", 1, backend=tri)
-            ops.quantize_delayed(xi, fmt, ring_r, i, "max", 1, backend=ref)
-        same = torch.equal(ring_t, ring_r)
+            ops.quantize_delayed(xi, fmt, ledger_t, i, "max", 1, backend=tri)
+            ops.quantize_delayed(xi, fmt, ledger_r, i, "max", 1, backend=ref)
+        same = torch.equal(ledger_t, ledger_r)
         ok &= same
-        print(f"  delayed ring {fmt}, 3 steps: ring bit-exact: {same}")
+        print(f"  delayed ledger {fmt}, 3 steps: ledger bit-exact: {same}")
 
     for m, k, n in ((37, 45, 29), (64, 100, 48)):
         a, sa, _ = ops.quantize_dynamic(

@@ -165,7 +165,7 @@ def train_policy(
     step's own loss.
 
     Under torch.distributed (``computectx demo --nproc N``) each rank trains its share of
-    every batch, set up by ``computectx.distributed.parallelize`` (DDP, fp8 rings merged
+    every batch, set up by ``computectx.distributed.parallelize`` (DDP, fp8 ledgers merged
     across ranks before each forward); the losses reported are the group's means.
     """
     ctx = policy_ctx(flag, settings, device)

@@ -90,8 +90,8 @@ class Run:
             x, y = batches[s]
             xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
             # Each rank's own mean (FSDP2 averages the gradients): a rank's output gradient
-            # is world_size times the whole batch's, so the gradient rings are in per-rank
-            # units, and the sync rescales a checkpoint's rings saved at another world size.
+            # is world_size times the whole batch's, so the gradient ledgers are in per-rank
+            # units, and the sync rescales a checkpoint's ledgers saved at another world size.
             loss = nn.functional.mse_loss(self.model(xs).float(), ys)
             loss.backward()  # type: ignore[no-untyped-call]
             self.opt.clip_grad_norm(1.0)
@@ -121,7 +121,7 @@ class Run:
     def snapshot(self) -> Result:
         """Everything whole, then the forward output on PROBE (which records amaxes too)."""
         out: Result = {
-            "rings": rings(self.model),
+            "ledgers": ledgers(self.model),
             "weights": {n: _whole(p) for n, p in self.model.named_parameters()},
             "optim": whole_optimizer(self.model, self.opt),
         }
@@ -134,7 +134,7 @@ class Run:
         self.sync.sync()
         return {
             "losses": torch.tensor(losses, dtype=torch.float64),
-            "rings": rings(self.model),
+            "ledgers": ledgers(self.model),
             "weights": {n: _whole(p) for n, p in self.model.named_parameters()},
             "optim": whole_optimizer(self.model, self.opt),
         }
@@ -153,9 +153,9 @@ def whole_optimizer(model: nn.Module, opt: OffloadedOptimizer) -> dict[str, torc
     return out
 
 
-def rings(model: nn.Module) -> dict[str, torch.Tensor]:
+def ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
-        f"{name}.{role}": op.ring.detach().clone()
+        f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
         if isinstance(m, Fp8Linear)
         for role, op in m.scaling.operands.items()

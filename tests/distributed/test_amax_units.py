@@ -7,9 +7,9 @@ import torch
 
 from computectx import ComputeCtx
 from computectx.distributed import sync_fp8_scaling
-from computectx.distributed.amax import rescale_grad_ring
+from computectx.distributed.amax import rescale_grad_ledger
 from computectx.fp8 import Fp8Linear
-from computectx.fp8.ring import ring_history, ring_step
+from computectx.fp8.ledger import ledger_history, ledger_step
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 
@@ -22,37 +22,37 @@ def _trained_layer() -> Fp8Linear:
     return layer
 
 
-def test_a_per_rank_loss_rescales_only_the_gradient_ring_by_the_world_ratio() -> None:
+def test_a_per_rank_loss_rescales_only_the_gradient_ledger_by_the_world_ratio() -> None:
     layer = _trained_layer()
-    before = {role: op.ring.clone() for role, op in layer.scaling.operands.items()}
+    before = {role: op.ledger.clone() for role, op in layer.scaling.operands.items()}
     assert layer.scaling.world_size == 1
-    rescale_grad_ring(layer, 4)
-    grad = layer.scaling.grad.ring
-    assert torch.equal(ring_history(grad), 4 * ring_history(before["grad"]))
-    assert torch.equal(ring_step(grad), 4 * ring_step(before["grad"]))
-    assert torch.equal(layer.scaling.input.ring, before["input"])
-    assert torch.equal(layer.scaling.weight.ring, before["weight"])
+    rescale_grad_ledger(layer, 4)
+    grad = layer.scaling.grad.ledger
+    assert torch.equal(ledger_history(grad), 4 * ledger_history(before["grad"]))
+    assert torch.equal(ledger_step(grad), 4 * ledger_step(before["grad"]))
+    assert torch.equal(layer.scaling.input.ledger, before["input"])
+    assert torch.equal(layer.scaling.weight.ledger, before["weight"])
     assert layer.scaling.world_size == 4
-    rescale_grad_ring(layer, 2)  # back down: halved, exactly
-    assert torch.equal(ring_history(grad), 2 * ring_history(before["grad"]))
+    rescale_grad_ledger(layer, 2)  # back down: halved, exactly
+    assert torch.equal(ledger_history(grad), 2 * ledger_history(before["grad"]))
 
 
 def test_a_global_loss_changes_nothing_but_the_stamp() -> None:
     layer = _trained_layer()
-    before = layer.scaling.grad.ring.clone()
-    rescale_grad_ring(layer, 2, "global")
-    assert torch.equal(layer.scaling.grad.ring, before)
+    before = layer.scaling.grad.ledger.clone()
+    rescale_grad_ledger(layer, 2, "global")
+    assert torch.equal(layer.scaling.grad.ledger, before)
     assert layer.scaling.world_size == 2
 
 
 def test_the_world_size_travels_with_the_checkpoint_and_is_checked() -> None:
     layer = _trained_layer()
-    rescale_grad_ring(layer, 2)
+    rescale_grad_ledger(layer, 2)
     state = layer.state_dict()
     fresh = Fp8Linear(16, 16, ctx=CTX, backend="reference")
     fresh.load_state_dict(state)
     assert fresh.scaling.world_size == 2
-    assert torch.equal(fresh.scaling.grad.ring, layer.scaling.grad.ring)
+    assert torch.equal(fresh.scaling.grad.ledger, layer.scaling.grad.ledger)
     bad = dict(state["_extra_state"], world_size=0)
     with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
         fresh.set_extra_state(bad)

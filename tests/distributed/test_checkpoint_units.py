@@ -152,7 +152,9 @@ def test_resume_through_torch_save_weights_only_is_bitwise() -> None:
     # form and the position form (OffloadedOptimizer.state_dict) with the model's state dict.
     by_fqn = _roundtrip({"model": model.state_dict(), "optim": optimizer_state_dict(model, opt)})
     by_position = _roundtrip({"model": model.state_dict(), "optim": opt.state_dict()})
-    assert isinstance(by_fqn["model"]["0._extra_state"]["operands"]["input"]["ring"], torch.Tensor)
+    assert isinstance(
+        by_fqn["model"]["0._extra_state"]["operands"]["input"]["ledger"], torch.Tensor
+    )
     train(model, opt, range(2, 4))
     for saved in (by_fqn, by_position):
         model2, opt2 = build(5)  # other weights: everything comes from the checkpoint
@@ -168,7 +170,7 @@ def test_resume_through_torch_save_weights_only_is_bitwise() -> None:
             if isinstance(m, Fp8Linear):
                 assert isinstance(m2, Fp8Linear)
                 for role, op in m.scaling.operands.items():
-                    assert torch.equal(op.ring, m2.scaling.operands[role].ring), role
+                    assert torch.equal(op.ledger, m2.scaling.operands[role].ledger), role
         assert _same(
             _flat(optimizer_state_dict(model2, opt2)), _flat(optimizer_state_dict(model, opt))
         )

@@ -5,7 +5,7 @@ whether kernels are interpreted, so the setting must not leak into this process)
 ``Fp8Linear`` (48 -> 80: fp8 widths are multiples of 16, yet neither fills the interpreter's
 32-wide tiles) and a region-routed ``nn.Linear`` (80 -> 8) on 10 rows, three training steps,
 with transposed-view backward GEMMs. Quantization is bit-exact between the backends, so the
-rings must be identical; the GEMMs differ at most by float32 summation order.
+ledgers must be identical; the GEMMs differ at most by float32 summation order.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ CHILD = textwrap.dedent(
         assert close(ref.weight.grad, tri.weight.grad)
         assert close(plain_r.weight.grad, plain_t.weight.grad)
         for role in ("input", "weight", "grad"):
-            assert torch.equal(ref.scaling.operands[role].ring, tri.scaling.operands[role].ring)
-            sr = region_scaling_state(plain_r.weight).operands[role].ring
-            st = region_scaling_state(plain_t.weight).operands[role].ring
+            assert torch.equal(ref.scaling.operands[role].ledger, tri.scaling.operands[role].ledger)
+            sr = region_scaling_state(plain_r.weight).operands[role].ledger
+            st = region_scaling_state(plain_t.weight).operands[role].ledger
             assert torch.equal(sr, st), role
     print("agree")
     """

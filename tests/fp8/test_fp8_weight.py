@@ -76,7 +76,7 @@ def test_fp8_linear_uses_its_codes_and_step_as_they_are() -> None:
     x2 = x.detach().clone().requires_grad_(True)
     y = gathered(x)
     assert torch.equal(y, plain(x2))
-    # The weight ring is left alone: the codes were made (and recorded) elsewhere.
+    # The weight ledger is left alone: the codes were made (and recorded) elsewhere.
     assert not gathered.scaling.weight.seeded
     y.sum().backward()
     grad = gathered.weight.grad
