@@ -16,7 +16,14 @@ import torch
 from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Staging, Transfer, uses_staging
 
-__all__ = ["MasterWeights", "Sharding", "check_sharding", "is_dtensor", "normalise_groups"]
+__all__ = [
+    "MasterWeights",
+    "Sharding",
+    "check_sharding",
+    "is_dtensor",
+    "matches_copy_back",
+    "normalise_groups",
+]
 
 
 class Sharding(Protocol):
@@ -85,6 +92,19 @@ def stamp(p: torch.Tensor) -> tuple[int, int]:
     In-place writes bump the version counter; ``param.data = t`` swaps the storage.
     """
     return p.data_ptr(), p._version
+
+
+def matches_copy_back(weight: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether ``weight`` holds exactly what copying ``master`` back into it writes.
+
+    The master is cast to the weight's dtype where it lives (as the copy-back casts it),
+    then moved to the weight's device; NaN never matches. A tensor without data (the meta
+    device) never matches.
+    """
+    if weight.is_meta or master.is_meta or weight.shape != master.shape:
+        return False
+    back = master.detach().to(dtype=weight.dtype).to(device=weight.device)
+    return bool(torch.equal(weight.detach(), back))
 
 
 class MasterWeights:
@@ -163,14 +183,21 @@ class MasterWeights:
 
     def adopt_outside_edits(self) -> None:
         """Copy every compute parameter written by someone else since our last write into
-        its master, which would otherwise undo that write at the next copy-back. Reading
-        the stamps costs no device work."""
+        its master, which would otherwise undo that write at the next copy-back.
+
+        A write that left the parameter exactly as the master's copy-back has it (the
+        model's checkpoint loaded after the optimizer's, which wrote those very weights) is
+        no edit: the master stays, with the bits the lower-precision weight lacks. Reading
+        the stamps costs no device work; a parameter whose stamp changed costs one
+        comparison with its master, cast to the compute dtype on the master's device.
+        """
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(self.compute, self.master, strict=True)):
                 local = self.local(cp)
                 now = stamp(local)
                 if now != self._seen[i]:
-                    mp.copy_(local)
+                    if not matches_copy_back(local, mp):
+                        mp.copy_(local)
                     self._seen[i] = now
 
     def load(self, sources: list[torch.Tensor] | None) -> None:

@@ -71,6 +71,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     ``state_dict`` first copy every such compute parameter into its master, so the next
     update starts from the new weights, as a plain torch optimizer's would, instead of
     overwriting them with the old master. Optimizer state (moments) is kept, as torch keeps it.
+    A write that leaves a parameter exactly as the master's copy-back has it is no edit and
+    keeps the master, so a resume is exact whichever of ``model.load_state_dict`` and this
+    optimizer's ``load_state_dict`` runs first.
     """
 
     def __init__(

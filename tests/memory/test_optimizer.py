@@ -454,8 +454,14 @@ def _train(model: torch.nn.Module, opt: Any, sched: Any, xs: list[torch.Tensor])
         sched.step()
 
 
+@pytest.mark.parametrize("order", ["model_first", "optimizer_first", "optimizer_then_load_weights"])
 @pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16])
-def test_state_dict_resume_is_bitwise(compute: torch.dtype) -> None:
+def test_state_dict_resume_is_bitwise_in_either_order(
+    compute: torch.dtype, order: str, tmp_path: Any
+) -> None:
+    # The optimizer loaded first writes its masters into the model, and the model's load
+    # then writes the same (rounded) weights again: an outside edit that changes nothing,
+    # which must not replace the f32 masters by the bf16 weights.
     model, data = model_and_data(7)
     model.to(compute)
     opt = OffloadedOptimizer(model.parameters(), CPU, lr=1e-2)
@@ -464,15 +470,23 @@ def test_state_dict_resume_is_bitwise(compute: torch.dtype) -> None:
     saved = _roundtrip(
         {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
     )
+    path = save_weights(model, tmp_path / "w.safetensors")
     _train(model, opt, sched, data[5:10])
     expected = [p.detach().clone() for p in model.parameters()]
 
     fresh, _ = model_and_data(99)  # different init: everything must come from the checkpoint
     fresh.to(compute)
-    fresh.load_state_dict(saved["model"])
     opt2 = OffloadedOptimizer(fresh.parameters(), CPU, lr=1e-2)
     sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=2, gamma=0.7)
-    opt2.load_state_dict(saved["opt"])
+    if order == "model_first":
+        fresh.load_state_dict(saved["model"])
+        opt2.load_state_dict(saved["opt"])
+    elif order == "optimizer_first":
+        opt2.load_state_dict(saved["opt"])
+        fresh.load_state_dict(saved["model"])
+    else:
+        opt2.load_state_dict(saved["opt"])
+        load_weights(fresh, path, CPU.replace(residency=Residency.DEVICE))  # swaps param.data
     sched2.load_state_dict(saved["sched"])
     _train(fresh, opt2, sched2, data[5:10])
     for a, b in zip(expected, fresh.parameters(), strict=True):
