@@ -21,38 +21,25 @@ round-to-nearest that is ``K >= 256``, for bf16 stochastic ``K >= 128``.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from types import TracebackType
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType
+from computectx.memory._rounding import (
+    AccumMode,
+    RoundingGenerators,
+    stochastic_round,
+    subnormal_spacing,
+    unit_roundoff,
+)
 from computectx.memory._transfer import Staging, Transfer, check_transfer, uses_staging
 
 __all__ = ["AccumMode", "LowPrecGradAccumulator", "Transfer"]
-
-AccumMode = Literal["nearest", "stochastic"]
-"""How each partial sum is rounded into the buffer dtype."""
-
-_SIGNIFICAND_BITS: dict[DType, int] = {DType.F16: 11, DType.BF16: 8, DType.F32: 24, DType.F64: 53}
-
-
-def _unit_roundoff(dtype: DType, mode: AccumMode) -> float:
-    p = _SIGNIFICAND_BITS[dtype]
-    u = 2.0**-p if mode == "nearest" else 2.0 ** (1 - p)
-    if p < _SIGNIFICAND_BITS[DType.F32]:
-        # 16-bit buffers are updated as round16(fl32(buffer + g)): the f32 sum adds one more
-        # relative error of at most 2**-24 before the 16-bit rounding.
-        u = u + 2.0**-24 * (1.0 + u)
-    return u
-
-
-def _subnormal_spacing(dtype: DType) -> float:
-    info = torch.finfo(dtype.torch)
-    return float(info.tiny) * float(info.eps)
 
 
 class _Slot:
@@ -85,6 +72,8 @@ class LowPrecGradAccumulator:
     ``ctx.replace(grad=DType.F32)``. See the module docstring (and ``error_bound``) for the
     precision each option guarantees. ``transfer`` picks how gradients cross devices (see
     ``Transfer``). Use as a context manager, or call ``close()``, to remove the hooks.
+    ``state_dict``/``load_state_dict`` save and restore the generator's state (tensors only),
+    so a stochastic run resumes bit for bit.
     """
 
     def __init__(
@@ -118,8 +107,7 @@ class LowPrecGradAccumulator:
         self.device = ctx.offload_device
         self.mode: AccumMode = mode
         self.transfer: Transfer = transfer
-        self._seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+        self._generators = RoundingGenerators(seed)
         self._slots: dict[int, _Slot] = {}
         self._closed = False
         for i, p in enumerate(params):
@@ -212,18 +200,7 @@ class LowPrecGradAccumulator:
         target = self.grad_dtype.torch
         if self.mode == "nearest" or x.dtype == target:
             return x.to(target)
-        gen = self._generator(x.device)
-        if target == torch.bfloat16:
-            return _stochastic_round_bf16(x.float(), gen)
-        return _stochastic_round_generic(x.float(), target, gen)
-
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(self._seed)
-            self._generators[device] = gen
-        return gen
+        return stochastic_round(x, target, self._generators.get(x.device))
 
     # ----- public API -------------------------------------------------------------------
 
@@ -371,6 +348,40 @@ class LowPrecGradAccumulator:
             slot.buffer = None
             slot.count = 0
 
+    # ----- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The random state of stochastic rounding, as tensors: save it to resume bit for bit.
+
+        ``"seed"`` (an int64 scalar) and ``"generator.<device>"`` (the uint8 state of the
+        generator on that device) for every device drawn on so far; a copy. The same on every
+        rank of a data-parallel group, which draws alike. Holds no sums, as torch's state
+        dicts hold no ``.grad``: with sums still held (a backward since the last hand-over)
+        it raises instead of losing them; save between steps, after ``ingest_grads``.
+        """
+        held = [s for s in self._slots.values() if s.pending or s.buffer is not None]
+        if held:
+            raise ValueError(
+                f"{len(held)} parameter(s) hold gradient sums that the accumulator's "
+                f"state_dict does not save; hand them over first (ingest_grads, "
+                f"flush_to_param_grads or pop) or drop them with reset(), and save between "
+                f"steps"
+            )
+        return self._generators.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Restore the random state saved by ``state_dict``, everything checked first.
+
+        The saved seed replaces this accumulator's (it seeds generators not yet drawn from);
+        each saved generator state is restored. Refused, changing nothing: a missing or
+        malformed seed, unknown keys, a state that is not a 1-D uint8 tensor or that torch
+        rejects for that device, a generator of a device this accumulator never draws on
+        (the offload device and the parameters' devices), and any generator when
+        ``mode="nearest"``.
+        """
+        devices = {self.device, *(s.param.device for s in self._slots.values())}
+        self._generators.load_state_dict(state_dict, devices, self.mode)
+
     def close(self) -> None:
         """Remove the hooks and release the staging buffers; sums stay until flushed."""
         for slot in self._slots.values():
@@ -420,10 +431,10 @@ class LowPrecGradAccumulator:
             raise TypeError(f"micro_batches must be an int, got {micro_batches!r}")
         if micro_batches < 0:
             raise ValueError(f"micro_batches must be >= 0, got {micro_batches}")
-        u = _unit_roundoff(grad, mode)
+        u = unit_roundoff(grad, mode)
         k = micro_batches
         gamma = k * u / (1.0 - k * u) if k * u < 1.0 else math.inf
-        eta = _subnormal_spacing(grad)
+        eta = subnormal_spacing(grad)
         return gamma * abs_sum.to(torch.float64) + 2.0 * k * eta
 
     def _slot(self, param: torch.Tensor) -> _Slot:
@@ -462,32 +473,3 @@ class _Hook:
 
     def __call__(self, param: torch.Tensor) -> None:
         self.acc._receive(self.slot, param)
-
-
-def _stochastic_round_bf16(x32: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    # bf16 is the top 16 bits of an f32. Adding a uniform 16-bit integer to the bit pattern
-    # and truncating the low half rounds the magnitude up with probability equal to the
-    # discarded fraction of an ulp, so E[result] = x (subnormals included, same split).
-    bits = x32.contiguous().view(torch.int32)
-    noise = torch.randint(
-        0, 1 << 16, bits.shape, dtype=torch.int32, device=bits.device, generator=gen
-    )
-    rounded = torch.bitwise_and(bits + noise, -65536).view(torch.float32)
-    # inf and NaN bit patterns must not be perturbed (noise would turn inf into NaN).
-    return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
-
-
-def _stochastic_round_generic(
-    x32: torch.Tensor, target: torch.dtype, gen: torch.Generator
-) -> torch.Tensor:
-    # Round to nearest, find the neighbour on the other side of x, and move to it with
-    # probability |x - nearest| / |neighbour - nearest| so that E[result] = x.
-    near = x32.to(target)
-    near32 = near.float()
-    away = torch.where(near32 > x32, -math.inf, math.inf).to(target)
-    other = torch.nextafter(near, away)
-    gap = (other.float() - near32).abs()
-    p = (x32 - near32).abs() / gap
-    draw = torch.rand(x32.shape, device=x32.device, generator=gen)
-    pick = torch.isfinite(x32) & torch.isfinite(p) & (draw < p)
-    return torch.where(pick, other, near)
