@@ -6,6 +6,10 @@ and shared by both GEMMs (the transposes are views handed to ``ops.scaled_mm``).
 forward saves the fp8 operands and the steps it used together with its plan (policy,
 scaling state, backend), so ``loss.backward()`` needs nothing from the region or module
 that ran the forward and may run after both are gone.
+
+Under activation checkpointing the original forward of a checkpointed region remembers the
+steps it quantized with, and the region's recomputation during the backward quantizes with
+exactly those and records nothing (``computectx.fp8.recompute``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from computectx.fp8 import ops, reference
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.inline import QuantizeImpl
 from computectx.fp8.quantized import Fp8Weight
+from computectx.fp8.recompute import (
+    CheckpointSite,
+    StepsUsed,
+    checkpoint_site,
+    selective_modes_set_aside,
+    warn_nothing_to_replay,
+)
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
@@ -93,7 +104,8 @@ def fp8_linear(
         w = weight if weight is not None else _dequantized(plan, x.dtype)
         y = x.matmul(w.to(x.dtype).t())
         return y if bias is None else y + bias.to(x.dtype)
-    y2: torch.Tensor = _Fp8LinearFunction.apply(x2, weight, bias, plan)  # type: ignore[no-untyped-call]
+    site = checkpoint_site(plan.record)
+    y2: torch.Tensor = _Fp8LinearFunction.apply(x2, weight, bias, plan, site)  # type: ignore[no-untyped-call]
     # Back to x's leading shape as a new tensor, not a view of the 2-D product (what
     # torch.matmul does for N-D inputs): wrappers that hook module outputs (FSDP2's
     # pre-backward hook) warn that an in-place op on a view would drop their hook.
@@ -118,29 +130,34 @@ class _Fp8LinearFunction(torch.autograd.Function):
         weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         plan: Fp8LinearPlan,
+        site: CheckpointSite | None,
     ) -> torch.Tensor:
-        fwd = plan.policy.format.forward
-        scaling = plan.policy.scaling
-        live_step: torch.Tensor | None = None
-        if plan.record:
-            xq, sx = plan.state.input.quantize(
-                x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
-            )
+        if site is None:
+            xq, sx, wq, sw, live_step, own_w = _quantize_operands(x, weight, plan, None)
         else:
-            xq, sx = plan.state.input.quantize_unrecorded(x, fwd, scaling, plan.backend)
-        if plan.frozen_weight is not None:
-            wq, sw = plan.frozen_weight
-        elif isinstance(weight, Fp8Weight):
-            # Quantized before it got here (FSDP2's fp8 all-gather): its codes and step are
-            # used as they are, and its ledger was advanced where it was quantized.
-            wq, sw = weight.fp8_data, weight.fp8_step
-            live_step = sw
-        elif weight is not None and plan.record:
-            wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
-        elif weight is not None:
-            wq, sw = plan.state.weight.quantize_unrecorded(weight, fwd, scaling, plan.backend)
-        else:
-            raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
+            replay = site.recall(plan.state) if site.recomputing else None
+            if site.recomputing and replay is None and plan.record:
+                warn_nothing_to_replay()
+            # A recomputed call records nothing; the one it replays recorded already.
+            quantize_plan = plan if not site.recomputing else replace(plan, record=False)
+            with selective_modes_set_aside():
+                xq, sx, wq, sw, live_step, own_w = _quantize_operands(
+                    x, weight, quantize_plan, replay
+                )
+            if replay is not None:
+                # The backward of a recomputed call (reentrant checkpointing runs that one)
+                # quantizes the output gradient as the original call's plan said.
+                plan = replace(plan, record=replay.record, amax_reduce=replay.amax_reduce)
+            elif not site.recomputing:
+                site.remember(
+                    StepsUsed(
+                        state=plan.state,
+                        input_step=sx,
+                        weight_step=sw if own_w else None,
+                        record=plan.record,
+                        amax_reduce=plan.amax_reduce,
+                    )
+                )
         y = ops.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
         # The fp8 operands (1 byte per element) are what the backward GEMMs consume, so
         # they, not the high-precision inputs, are what stays alive until backward.
@@ -160,7 +177,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(
         ctx: Any, dy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         xq, wq, sx, sw = ctx.saved_tensors
         if ctx.live_step is not None:
             sw = ctx.live_step
@@ -191,4 +208,52 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if need_b:
             # The bias never goes through fp8: its gradient sums the unquantized dY in float32.
             db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
+
+
+def _quantize_operands(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+    replay: StepsUsed | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, bool]:
+    """``(xq, sx, wq, sw, live_step, own_w)``: the forward's fp8 operands and their steps.
+
+    ``replay`` (a recomputed call under activation checkpointing) gives the steps the
+    original call used: both operands are quantized with them and nothing is recorded.
+    Otherwise ``plan.record`` says whether the quantizes record. ``live_step`` is an
+    ``Fp8Weight``'s step (read again in the backward); ``own_w`` says the weight was
+    quantized here, from this layer's scaling state.
+    """
+    fwd = plan.policy.format.forward
+    scaling = plan.policy.scaling
+    live_step: torch.Tensor | None = None
+    own_w = False
+    if replay is not None:
+        xq, _ = ops.quantize_with_step(x, fwd, replay.input_step, backend=plan.backend)
+        sx = replay.input_step
+    elif plan.record:
+        xq, sx = plan.state.input.quantize(
+            x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
+        )
+    else:
+        xq, sx = plan.state.input.quantize_unrecorded(x, fwd, scaling, plan.backend)
+    if plan.frozen_weight is not None:
+        wq, sw = plan.frozen_weight
+    elif isinstance(weight, Fp8Weight):
+        # Quantized before it got here (FSDP2's fp8 all-gather): its codes and step are
+        # used as they are, and its ledger was advanced where it was quantized.
+        wq, sw = weight.fp8_data, weight.fp8_step
+        live_step = sw
+    elif weight is None:
+        raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
+    else:
+        own_w = True
+        if replay is not None and replay.weight_step is not None:
+            sw = replay.weight_step
+            wq, _ = ops.quantize_with_step(weight, fwd, sw, backend=plan.backend)
+        elif plan.record:
+            wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
+        else:
+            wq, sw = plan.state.weight.quantize_unrecorded(weight, fwd, scaling, plan.backend)
+    return xq, sx, wq, sw, live_step, own_w

@@ -16,6 +16,7 @@ from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
 from computectx.fp8.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
+from computectx.fp8.recompute import in_reentrant_checkpoint_forward
 from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.fp8.world import warn_if_unsynced
@@ -197,7 +198,9 @@ class Fp8Linear(nn.Linear):
         # inference_mode call quantizes from the state as it stands and writes nothing,
         # so its output never depends on earlier calls of its kind, and on many ranks it
         # issues no collective (rank-local validation or sampling cannot hang the group).
-        record = self.training and torch.is_grad_enabled()
+        # Reentrant checkpointing runs a region's forward under no_grad: a training call
+        # all the same, which records (docs/fp8.md, "Activation checkpointing").
+        record = self.training and (torch.is_grad_enabled() or in_reentrant_checkpoint_forward())
         reduce = self.amax_reduce
         if reduce is not None:
             record = record and reduce.armed
