@@ -6,7 +6,12 @@ this package.
 """
 
 from computectx.distributed.accumulate import DataParallelGradAccumulator
-from computectx.distributed.amax import Fp8AmaxSync, rescale_grad_ledger, sync_fp8_scaling
+from computectx.distributed.amax import (
+    Fp8AmaxSync,
+    fp8_buffer_names,
+    rescale_grad_ledger,
+    sync_fp8_scaling,
+)
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
 from computectx.distributed.fsdp import WeightGatheredAsFp8, enable_fp8_all_gather
 from computectx.distributed.group import check_same_policy, data_parallel_group
@@ -23,6 +28,7 @@ __all__ = [
     "check_same_policy",
     "data_parallel_group",
     "enable_fp8_all_gather",
+    "fp8_buffer_names",
     "optimizer_state_dict",
     "parallelize",
     "rescale_grad_ledger",

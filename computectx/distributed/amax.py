@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax, RankLocal
@@ -60,6 +61,7 @@ __all__ = [
     "CurrentAmax",
     "Fp8AmaxSync",
     "LossNormalization",
+    "fp8_buffer_names",
     "rescale_grad_ledger",
     "sync_fp8_scaling",
 ]
@@ -90,6 +92,35 @@ def _layers(model: nn.Module) -> list[Fp8Linear]:
 
 def _operands(layers: list[Fp8Linear]) -> list[_Entry]:
     return [(layer, role, layer.scaling.operands[role]) for layer in layers for role in ROLES]
+
+
+def fp8_buffer_names(model: nn.Module) -> list[str]:
+    """The names of the scaling-state buffers of every ``Fp8Linear`` in ``model`` (ledgers,
+    tallies, ``fp8_meta``), as ``model.named_buffers()`` gives them.
+
+    DDP must leave these out of its buffer broadcast: with ``broadcast_buffers=True`` (its
+    default) it copies rank 0's buffers over every rank's before each forward with
+    gradients on, and ``Fp8AmaxSync`` merges the ranks' ledgers instead (and a rank-local
+    ledger is the rank's own). ``parallelize`` passes them to
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` before
+    wrapping; ``sync_fp8_scaling`` of a ``DistributedDataParallel`` adds them to its ignore
+    list.
+    """
+    return [
+        f"{name}.{buffer}" if name else buffer
+        for name, m in model.named_modules()
+        if isinstance(m, Fp8Linear)
+        for buffer in m.scaling.tensor_names()
+    ]
+
+
+def _out_of_ddp_broadcast(ddp: DistributedDataParallel) -> None:
+    # DDP filters its buffers by name on every broadcast (_sync_buffers reassigns them),
+    # so names added here are left out from the next forward on.
+    ddp.parameters_to_ignore.update(fp8_buffer_names(ddp.module))
+    assign = getattr(ddp, "_assign_modules_buffers", None)
+    if callable(assign):
+        assign()
 
 
 def _format_of(layer: Fp8Linear, role: Role) -> Fp8Format:
@@ -136,6 +167,8 @@ class Fp8AmaxSync:
             return
         self._group = data_parallel_group(group)
         self._world = dist.get_world_size(self._group)
+        if isinstance(model, DistributedDataParallel):
+            _out_of_ddp_broadcast(model)
         layers = _layers(model)
         if layers:
             check_same_policy(layers[0].ctx, self._group)

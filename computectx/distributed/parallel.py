@@ -29,6 +29,7 @@ from computectx.distributed.amax import (
     CurrentAmax,
     Fp8AmaxSync,
     LossNormalization,
+    fp8_buffer_names,
     sync_fp8_scaling,
 )
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
@@ -260,6 +261,12 @@ def parallelize(
             fully_shard(model, mesh=mesh)
         else:
             ids = [ctx.device.index or 0] if ctx.device.type == "cuda" else None
+            # The fp8 scaling buffers stay out of DDP's broadcasts, at construction too: the
+            # amax sync merges them (fp8_buffer_names).
+            ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+                model, [*ignored, *fp8_buffer_names(model)]
+            )
             run = DistributedDataParallel(model, device_ids=ids, process_group=group)
     sync = None
     if ctx.fp8 and world > 1:

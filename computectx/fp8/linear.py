@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -18,11 +19,12 @@ from computectx.fp8.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
 from computectx.fp8.recompute import in_reentrant_checkpoint_forward
 from computectx.fp8.region import region_fp8_enabled
+from computectx.fp8.saved_state import read_saved_dict, read_saved_tensors, tensor_names
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.fp8.world import warn_if_unsynced
 from computectx.recipes import Fp8Policy
 
-__all__ = ["FEATURE_MULTIPLE", "Fp8Linear", "check_fp8_widths"]
+__all__ = ["FEATURE_MULTIPLE", "SCALING_PREFIX", "Fp8Linear", "check_fp8_widths"]
 
 FEATURE_MULTIPLE = 16
 """``in_features`` and ``out_features`` must be multiples of this for fp8: fp8 tensor core
@@ -31,6 +33,9 @@ steps. ``Fp8Linear`` refuses other widths and ``convert_to_fp8`` skips them, thr
 check ``check_fp8_widths``."""
 
 _FROZEN_BUFFERS = ("weight_fp8", "weight_step")
+SCALING_PREFIX = "fp8_"
+"""The scaling state's buffers are ``fp8_{role}_ledger``, ``fp8_{role}_tally`` (role in
+input, weight, grad) and ``fp8_meta`` (``computectx.fp8.saved_state``)."""
 
 
 class Fp8Linear(nn.Linear):
@@ -38,7 +43,9 @@ class Fp8Linear(nn.Linear):
 
     Same ``weight``/``bias`` parameters and state-dict keys as ``nn.Linear`` (an
     ``nn.Linear`` checkpoint loads; the scaling state starts fresh), plus the scaling state
-    of its three operands (input, weight, gradient), saved versioned as extra state.
+    of its three operands (input, weight, gradient) as persistent buffers, ``fp8_*``
+    (``SCALING_PREFIX``): tensors only, which never change dtype and follow the weight's
+    device. Loading checks them against the policy (``computectx.fp8.saved_state``).
     Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype, after
     an epilogue at ``ctx.compute``. New weights default to ``ctx.master`` on ``ctx.device``.
 
@@ -87,7 +94,7 @@ class Fp8Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
         self.ctx = ctx
         self._forced_backend = None if backend is None else select_backend(dev, force=backend)[0]
-        self.scaling = Fp8ScalingState(policy, dev)
+        self.scaling = Fp8ScalingState(policy, dev, store=self._buffers, prefix=SCALING_PREFIX)
         self.amax_reduce = None
         self._frozen = False
         # The per-device default, looked up when the weight's device is set (here, in
@@ -129,7 +136,7 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new._forced_backend = forced
         new._auto = (w.device, default_backend(w.device))
-        new.scaling = Fp8ScalingState(new.policy, w.device)
+        new.scaling.reset(w.device)
         new.train(linear.training)
         return new
 
@@ -252,14 +259,18 @@ class Fp8Linear(nn.Linear):
 
     # ----- state ----------------------------------------------------------------------------
 
-    def get_extra_state(self) -> dict[str, object]:
-        """The scaling state, versioned (``Fp8ScalingState.to_dict``)."""
-        return self.scaling.to_dict()
-
-    def set_extra_state(self, state: Any) -> None:
-        """Load saved scaling state, resized to this layer's history length if needed, onto
-        the weight's device (which load_state_dict(assign=True) may just have changed)."""
-        self.scaling.load_dict(state, self._storage_device())
+    def _save_to_state_dict(
+        self, destination: dict[str, Any], prefix: str, keep_vars: bool
+    ) -> None:
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:
+            return
+        # Copies of the scaling tensors, not views of the live buffers: a saved state stays
+        # as it was when training goes on, and a checkpoint read into a state dict (DCP
+        # writes into its tensors) reaches the layer only through load_state_dict, checked.
+        for name in self.scaling.tensor_names():
+            if prefix + name in destination:
+                destination[prefix + name] = destination[prefix + name].clone()
 
     def _load_from_state_dict(
         self,
@@ -271,43 +282,72 @@ class Fp8Linear(nn.Linear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # An nn.Linear checkpoint has no scaling state: it loads into a fresh one rather
-        # than failing strict loading on the missing extra-state key. Fresh, not kept: the
-        # ledgers hold amaxes of the weights being replaced, and delayed scaling would
-        # quantize the new weights with that stale step for up to history_len calls. A
-        # partial state dict that does not mention this layer's weight changes nothing.
-        key = prefix + "_extra_state"
-        had_state = key in state_dict
+        # The scaling tensors are read here, checked against this layer's policy (and fitted
+        # to its history length) before anything changes, then installed as new tensors
+        # (the amax sync tells a loaded ledger from a trained one by identity). The dict of
+        # versions 1 and 2 (in _extra_state) is read the same way. A state dict without
+        # them (an nn.Linear checkpoint) loads into a fresh state rather than failing strict
+        # loading. Fresh, not kept: the ledgers hold amaxes of the weights being replaced,
+        # and delayed scaling would quantize the new weights with that stale step for up to
+        # history_len calls. A partial state dict that does not mention this layer's weight
+        # changes nothing.
+        names = self.scaling.tensor_names()
+        keys = [prefix + n for n in names]
+        given = [k for k in keys if k in state_dict]
+        legacy = prefix + "_extra_state"
+        what = f"the fp8 scaling state of {prefix[:-1] or 'the layer'!r}"
+        saved = None
+        if given and (len(given) < len(keys) or legacy in state_dict):
+            extra = sorted(set(keys) - set(given)) or [legacy]
+            raise ValueError(
+                f"{what}: the state dict holds {given} and "
+                f"{'not ' if len(given) < len(keys) else ''}{extra}; a scaling state loads "
+                f"whole, from the tensors {keys} or from a version 1/2 {legacy!r}"
+            )
+        if given:
+            bare = tensor_names()
+            found = {b: state_dict[k] for b, k in zip(bare, keys, strict=True)}
+            saved = read_saved_tensors(found, self.policy, None, what)
+        elif legacy in state_dict:
+            saved = read_saved_dict(state_dict[legacy], self.policy, None, what)
         new_weight = any(prefix + k in state_dict for k in ("weight", *_FROZEN_BUFFERS))
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        if not had_state:
-            if key in missing_keys:
-                missing_keys.remove(key)
-            if new_weight:
-                self.scaling = Fp8ScalingState(self.policy, self._storage_device())
+        with _held_out(self._buffers, names):
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
+        for key in (*given, legacy):
+            if key in unexpected_keys:
+                unexpected_keys.remove(key)
+        if saved is not None:
+            self.scaling.install(saved)
+        elif new_weight:
+            self.scaling.reset(self._storage_device())
+        self.scaling.to(self._storage_device())
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
-        # Ledgers are not buffers (a .to(bfloat16) would round the float32 counts), so they
-        # follow the weight's device here and never change dtype. The same goes for a
-        # frozen weight: fp8 counts as floating point, so a module-wide .half() or
+        # The scaling tensors are float32 and int64 records (a .to(bfloat16) would round the
+        # float32 counts and steps), so they follow the weight's device here and never change
+        # dtype; from the meta device they start fresh (Fp8ScalingState.to). The same goes
+        # for a frozen weight: fp8 counts as floating point, so a module-wide .half() or
         # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the
         # float32 step; both only follow the device, which fn applied to the step reveals.
-        held: dict[str, torch.Tensor] = {}
-        for k in _FROZEN_BUFFERS:
-            t = self._buffers.pop(k, None)
-            if t is not None:
-                held[k] = t
-        try:
+        with _held_out(self._buffers, (*self.scaling.tensor_names(), *_FROZEN_BUFFERS)) as held:
             super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
-            if held:
-                device = fn(held["weight_step"]).device
-                held = {k: t.to(device) for k, t in held.items()}
-        finally:
-            self._buffers.update(held)
-        self.scaling.to(self._storage_device())
+            step = held.get("weight_step")
+            if step is not None:
+                device = fn(step).device
+                for k in _FROZEN_BUFFERS:
+                    t = held.get(k)
+                    if t is not None:
+                        held[k] = t.to(device)
         dev = self._storage_device()
+        self.scaling.to(dev)
         self._auto = (dev, default_backend(dev))
         return self
 
@@ -328,6 +368,24 @@ def check_fp8_widths(in_features: int, out_features: int) -> None:
             f"in_features={in_features}, out_features={out_features}: both must be multiples "
             f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
         )
+
+
+@contextmanager
+def _held_out(
+    buffers: dict[str, torch.Tensor | None], names: tuple[str, ...]
+) -> Iterator[dict[str, torch.Tensor | None]]:
+    """Take ``names`` out of ``buffers`` for the block (which may replace them in the dict it
+    gets), then put them back in their places. The same dict object throughout: the
+    scaling state reads its tensors from it."""
+    order = list(buffers)
+    held = {k: buffers.pop(k) for k in names if k in buffers}
+    try:
+        yield held
+    finally:
+        now = {**buffers, **held}
+        buffers.clear()
+        buffers.update({k: now.pop(k) for k in order if k in now})
+        buffers.update(now)
 
 
 def _check_param_dtype(name: str, dtype: torch.dtype) -> None:

@@ -13,13 +13,19 @@ elements went through it. Both are device tensors that the quantize operators up
 place, so no call reads a device value and a ``torch.compile``d step advances exactly what
 an eager one does. Delayed histories are kept oldest to newest (the newest amax in the last
 slot), so there is no host-side write index either.
+
+The tensors live in a *store*, a mapping from names to tensors: an ``Fp8Linear`` passes its
+own buffers (``Module._buffers``), so the state is persistent buffers that every state dict,
+device move and checkpoint format handles as tensors (names and checks in
+``computectx.fp8.saved_state``); a standalone state (a region's) keeps its own dict. The
+objects here read the store on every access, so a buffer replaced from outside (a
+``load_state_dict(assign=True)``, ``computectx.memory.load_weights``) is what they use next.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping
-from typing import Literal, Protocol
+from collections.abc import MutableMapping
+from typing import Protocol
 
 import torch
 
@@ -27,15 +33,18 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import custom_ops, ops, reference
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.inline import QuantizeImpl
-from computectx.fp8.ledger import (
-    LEDGER_SHAPE,
-    is_ledger,
-    ledger_history,
-    ledger_history_len,
-    ledger_new,
-    ledger_step,
-    ledger_with_history,
-    read_ledger,
+from computectx.fp8.ledger import ledger_history_len, ledger_new, ledger_step
+from computectx.fp8.saved_state import (
+    META_WORLD,
+    ROLES,
+    STATE_VERSION,
+    Role,
+    SavedScaling,
+    history_len_of,
+    meta_new,
+    read_saved_tensors,
+    resize_ledger,
+    tensor_names,
 )
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -46,6 +55,7 @@ __all__ = [
     "Fp8ScalingState",
     "OperandScaling",
     "Role",
+    "Store",
     "history_len_of",
 ]
 
@@ -71,23 +81,15 @@ class AmaxReduce(Protocol):
     def __call__(self, amax: torch.Tensor, /) -> torch.Tensor: ...
 
 
-Role = Literal["input", "weight", "grad"]
-ROLES: tuple[Role, ...] = ("input", "weight", "grad")
-"""The operand roles of an fp8 linear, in checkpoint order."""
-
-STATE_VERSION = 2
-"""Version written into saved scaling state; loading accepts the versions in
-``_READABLE_VERSIONS``. Version 2 keeps each operand's ledger under ``"ledger"``; version 1
-kept the same tensor under the key ``_LEDGER_KEY_V1``."""
-_READABLE_VERSIONS = (1, 2)
-_LEDGER_KEY_V1 = "ring"  # rename.py: keep (the key version-1 checkpoints use)
+Store = MutableMapping[str, "torch.Tensor | None"]
+"""Where a scaling state keeps its tensors, by name: a module's ``_buffers`` or a dict."""
 
 
-def history_len_of(policy: Fp8Policy) -> int:
-    """Ledger history length a policy needs: ``history_len`` for delayed scaling, 1 for
-    dynamic (which keeps only the last amax, for statistics)."""
-    s = policy.scaling
-    return s.history_len if isinstance(s, DelayedScaling) else 1
+def _held(store: Store, key: str) -> torch.Tensor:
+    t = store.get(key)
+    if t is None:
+        raise RuntimeError(f"the fp8 scaling tensor {key!r} is missing from its module")
+    return t
 
 
 class OperandScaling:
@@ -100,16 +102,57 @@ class OperandScaling:
     device sync each, so read them between steps; assigning them writes the device tensor.
     ``idx`` is the history slot the next write replaces, always 0 (the oldest) in this
     layout; it stays for checkpoints and callers of the circular ring of version 1.
+
+    Both tensors live in ``store`` under ``prefix + "ledger"`` and ``prefix + "tally"``
+    (a dict of its own by default; an ``Fp8Linear``'s buffers), read on every access.
     """
 
-    __slots__ = ("_seeded_hint", "ledger", "tally")
+    __slots__ = ("_ledger_key", "_seeded_for", "_store", "_tally_key")
 
-    def __init__(self, history_len: int, device: torch.device | str) -> None:
-        self.ledger: torch.Tensor = ledger_new(history_len, device)
-        self.tally: torch.Tensor = custom_ops.tally_new(self.ledger.device)
+    def __init__(
+        self,
+        history_len: int,
+        device: torch.device | str,
+        *,
+        store: Store | None = None,
+        prefix: str = "",
+    ) -> None:
+        self._store: Store = {} if store is None else store
+        self._ledger_key = f"{prefix}ledger"
+        self._tally_key = f"{prefix}tally"
+        self._seeded_for: torch.Tensor | None = None
+        self.ledger = ledger_new(history_len, device)
+        self.tally = custom_ops.tally_new(self.ledger.device)
+
+    @property
+    def ledger(self) -> torch.Tensor:
+        """The float32 ledger (``computectx.fp8.ledger``'s layout)."""
+        return _held(self._store, self._ledger_key)
+
+    @ledger.setter
+    def ledger(self, value: torch.Tensor) -> None:
+        self._store[self._ledger_key] = value
+
+    @property
+    def tally(self) -> torch.Tensor:
+        """The int64 tally ``[seeded, elements]``."""
+        return _held(self._store, self._tally_key)
+
+    @tally.setter
+    def tally(self, value: torch.Tensor) -> None:
+        self._store[self._tally_key] = value
+
+    @property
+    def _seeded_hint(self) -> bool:
         # Eager calls only: once this process has seen the ledger seeded, the delayed quantize
         # can skip the seeding check (a pass over x on the kernels). Never read under compile.
-        self._seeded_hint = False
+        # Bound to the tally object it was seen on: a tally replaced from outside (a loaded
+        # checkpoint) may hold anything, so it starts unknown again.
+        return self._seeded_for is not None and self._seeded_for is self.tally
+
+    @_seeded_hint.setter
+    def _seeded_hint(self, value: bool) -> None:
+        self._seeded_for = self.tally if value else None
 
     @property
     def history_len(self) -> int:
@@ -265,52 +308,72 @@ class OperandScaling:
         return self.history_len - 1
 
     def resized(self, history_len: int) -> OperandScaling:
-        """A copy with another history length, keeping the newest entries.
-
-        The history is laid out oldest to newest; a shorter history keeps its newest
-        ``history_len`` entries, a longer one repeats the oldest entry in front (so the
-        window max and the newest entry are unchanged). Step and counts are kept.
-        """
-        n = self.history_len
+        """A standalone copy with another history length (``resize_ledger``: the newest
+        entries kept, a longer history padded with the oldest entry; step and counts kept)."""
         out = OperandScaling.__new__(OperandScaling)
-        chron = ledger_history(self.ledger)
-        if history_len <= n:
-            chron = chron[n - history_len :]
-        else:
-            chron = torch.cat([chron[:1].expand(history_len - n), chron])
-        out.ledger = ledger_with_history(self.ledger, chron)
+        out._store, out._ledger_key, out._tally_key = {}, "ledger", "tally"
+        out.ledger = resize_ledger(self.ledger, history_len)
         with torch.inference_mode(False):
             out.tally = self.tally.clone()
-        out._seeded_hint = self._seeded_hint
+        out._seeded_for = out.tally if self._seeded_hint else None
         return out
 
+    def resize(self, history_len: int) -> None:
+        """Give the ledger another history length, in place on this object (a new ledger
+        tensor, ``resize_ledger``'s rule); the tally is kept."""
+        if self.history_len != history_len:
+            hint = self._seeded_hint
+            self.ledger = resize_ledger(self.ledger, history_len)
+            self._seeded_hint = hint
+
     def to(self, device: torch.device) -> None:
-        """Move the ledger to ``device`` (in place on this object)."""
-        if self.ledger.device != device:
+        """Move the ledger and the tally to ``device`` (in place on this object)."""
+        if self.ledger.device != device or self.tally.device != device:
+            hint = self._seeded_hint
             # Not an inference tensor, even when moved inside inference_mode (ledger_new).
             with torch.inference_mode(False):
                 self.ledger = self.ledger.to(device)
                 self.tally = self.tally.to(device)
+            self._seeded_hint = hint
+
+    def install(self, ledger: torch.Tensor, tally: torch.Tensor, seeded: bool) -> None:
+        """Take ``ledger`` and ``tally`` (new tensors, already checked) as this operand's;
+        ``seeded`` is what the tally says, known on the host."""
+        self.ledger = ledger
+        self.tally = tally
+        self._seeded_hint = seeded
 
 
 class Fp8ScalingState:
-    """The scaling state of one fp8 weight: an ``OperandScaling`` per role.
+    """The scaling state of one fp8 weight: an ``OperandScaling`` per role, and ``meta``.
 
     ``policy`` is the policy the ledgers are shaped for; ``conform`` reshapes them when a
     different policy (another history length, another recipe) starts using the weight.
+    The tensors live in ``store`` under ``prefix`` + ``computectx.fp8.saved_state``'s
+    names: ``{role}_ledger``, ``{role}_tally`` and ``meta`` (int64: the state version, the
+    world size and the policy, so that a checkpoint says what it was recorded under).
     """
 
-    __slots__ = ("operands", "policy", "world_size")
+    __slots__ = ("_meta_seen", "_prefix", "_store", "_world", "operands", "policy")
 
-    def __init__(self, policy: Fp8Policy, device: torch.device | str) -> None:
-        n = history_len_of(policy)
+    def __init__(
+        self,
+        policy: Fp8Policy,
+        device: torch.device | str,
+        *,
+        store: Store | None = None,
+        prefix: str = "",
+    ) -> None:
+        self._store: Store = {} if store is None else store
+        self._prefix = prefix
         self.policy = policy
-        # The data-parallel world size the output-gradient ledger was recorded at: under a
-        # loss each rank normalizes by its own batch, a rank's gradient is world_size times
-        # the whole batch's. Saved with the state; computectx.distributed rescales the ledger
-        # when a checkpoint meets another world size.
-        self.world_size = 1
-        self.operands: dict[Role, OperandScaling] = {r: OperandScaling(n, device) for r in ROLES}
+        n = history_len_of(policy)
+        self.operands: dict[Role, OperandScaling] = {
+            r: OperandScaling(n, device, store=self._store, prefix=f"{prefix}{r}_") for r in ROLES
+        }
+        self._meta_seen: torch.Tensor | None = None
+        self._world = 1
+        self._set_meta(meta_new(policy, 1, self.device), 1)
 
     @property
     def input(self) -> OperandScaling:
@@ -332,136 +395,99 @@ class Fp8ScalingState:
         """Device the ledgers live on."""
         return self.operands["input"].ledger.device
 
+    @property
+    def meta(self) -> torch.Tensor:
+        """The int64 record of the state version, world size and policy (``saved_state``)."""
+        return _held(self._store, f"{self._prefix}meta")
+
+    def tensor_names(self) -> tuple[str, ...]:
+        """The store keys of every tensor of this state, in saving order."""
+        return tensor_names(self._prefix)
+
+    @property
+    def world_size(self) -> int:
+        """The data-parallel world size the output-gradient ledger was recorded at.
+
+        Under a loss each rank normalizes by its own batch, a rank's gradient is
+        ``world_size`` times the whole batch's. Saved in ``meta``;
+        ``computectx.distributed`` rescales the ledger when a checkpoint meets another
+        world size. Read from a host copy (no device sync).
+        """
+        self.check_loaded()
+        return self._world
+
+    @world_size.setter
+    def world_size(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"world_size must be an int >= 1, got {value!r}")
+        self.check_loaded()
+        meta = self.meta
+        with torch.no_grad():
+            meta[META_WORLD : META_WORLD + 1].fill_(value)
+        self._world = value
+
+    def _set_meta(self, meta: torch.Tensor, world: int) -> None:
+        self._store[f"{self._prefix}meta"] = meta
+        self._meta_seen = meta
+        self._world = world
+
+    def check_loaded(self) -> None:
+        """Adopt tensors that were replaced from outside since this state last wrote them.
+
+        ``computectx.memory.load_weights`` (and anything else that sets the buffers
+        directly) bypasses ``load_state_dict``: the first use afterwards reads the tensors
+        as a saved state (``read_saved_tensors``: one host read, checked against the
+        policy, ``ValueError`` naming both policies) and installs copies. A no-op (one
+        identity check) while ``meta`` is the tensor this state wrote.
+        """
+        meta = self.meta
+        if meta is self._meta_seen or meta.device.type == "meta":
+            return
+        names = tensor_names()
+        found = {n: self._store.get(k) for n, k in zip(names, self.tensor_names(), strict=True)}
+        what = "the fp8 scaling state set into this layer"
+        self.install(read_saved_tensors(found, self.policy, self.device, what))
+
+    def install(self, saved: SavedScaling) -> None:
+        """Take a saved state (already read and fitted to this policy: ``saved_state``)."""
+        for role, op in self.operands.items():
+            op.install(saved.ledgers[role], saved.tallies[role], saved.seeded[role])
+        self._set_meta(meta_new(self.policy, saved.world_size, self.device), saved.world_size)
+
+    def reset(self, device: torch.device) -> None:
+        """Fresh state on ``device``: nothing seeded, no counts, world size 1."""
+        fresh = Fp8ScalingState(self.policy, device)
+        for role, op in self.operands.items():
+            theirs = fresh.operands[role]
+            op.install(theirs.ledger, theirs.tally, False)
+        self._set_meta(fresh.meta, 1)
+
     def conform(self, policy: Fp8Policy, device: torch.device) -> None:
         """Make the ledgers fit ``policy`` and live on ``device`` (no-op when they do)."""
+        if not torch.compiler.is_compiling():
+            self.check_loaded()
         if policy is not self.policy and policy != self.policy:
             n = history_len_of(policy)
-            for role, op in self.operands.items():
-                if op.history_len != n:
-                    self.operands[role] = op.resized(n)
+            for op in self.operands.values():
+                op.resize(n)
             self.policy = policy
-        for op in self.operands.values():
-            op.to(device)
+            self._set_meta(meta_new(policy, self._world, self.device), self._world)
+        self.to(device)
 
     def to(self, device: torch.device) -> None:
-        """Move every ledger to ``device``."""
+        """Move every tensor to ``device``. State on the ``meta`` device (a layer built
+        under ``torch.device("meta")``) has no values to move: it starts fresh there."""
+        tensors = [_held(self._store, k) for k in self.tensor_names()]
+        if all(t.device == device for t in tensors):
+            return
+        if device.type != "meta" and any(t.device.type == "meta" for t in tensors):
+            self.reset(device)
+            return
         for op in self.operands.values():
             op.to(device)
-
-    # ----- checkpoints --------------------------------------------------------------------
-
-    def to_dict(self) -> dict[str, object]:
-        """The state as plain data for a checkpoint (ledgers copied to the CPU)."""
-        return {
-            "version": STATE_VERSION,
-            "policy": str(self.policy),
-            "world_size": self.world_size,
-            "operands": {
-                role: {
-                    "ledger": op.ledger.detach().to("cpu", copy=True),
-                    "idx": op.idx,
-                    "seeded": op.seeded,
-                    "elements": op.elements,
-                }
-                for role, op in self.operands.items()
-            },
-        }
-
-    def load_dict(self, saved: object, device: torch.device | None = None) -> None:
-        """Replace the state with a saved one (``to_dict``'s form), fitted to this policy,
-        on ``device`` (default: where the ledgers are now).
-
-        A history of another length is resized as ``OperandScaling.resized`` documents.
-        Everything is checked before anything changes: a bad checkpoint raises
-        ``ValueError`` and leaves the state as it was.
-        """
-        loaded = _parse_saved(saved, self.device if device is None else device)
-        world = saved.get("world_size", 1) if isinstance(saved, Mapping) else 1
-        if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-            raise ValueError(
-                f"saved fp8 scaling state: world_size must be an int >= 1, got {world!r}"
-            )
-        self.world_size = world
-        n = history_len_of(self.policy)
-        self.operands = {
-            role: op if op.history_len == n else op.resized(n) for role, op in loaded.items()
-        }
-
-
-def _parse_saved(saved: object, device: torch.device) -> dict[Role, OperandScaling]:
-    what = "saved fp8 scaling state"
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"{what} must be a dict (Fp8ScalingState.to_dict), got {saved!r}")
-    version = saved.get("version")
-    if version not in _READABLE_VERSIONS:
-        raise ValueError(
-            f"{what} has version {version!r}; this computectx reads versions "
-            f"{', '.join(map(str, _READABLE_VERSIONS))}"
-        )
-    operands = saved.get("operands")
-    if not isinstance(operands, Mapping) or set(operands) != set(ROLES):
-        got = sorted(operands) if isinstance(operands, Mapping) else operands
-        raise ValueError(f"{what} must have operands {list(ROLES)}, got {got!r}")
-    out: dict[Role, OperandScaling] = {}
-    for role in ROLES:
-        entry = operands[role]
-        if not isinstance(entry, Mapping):
-            raise ValueError(f"{what}: operand {role!r} must be a dict, got {entry!r}")
-        key = _LEDGER_KEY_V1 if version == 1 else "ledger"
-        ledger, idx = entry.get(key), entry.get("idx")
-        seeded, elements = entry.get("seeded"), entry.get("elements")
-        if not is_ledger(ledger):
-            desc = (
-                f"{ledger.dtype} {tuple(ledger.shape)}"
-                if isinstance(ledger, torch.Tensor)
-                else ledger
-            )
-            raise ValueError(
-                f"{what}: operand {role!r} ledger ({key!r}) must be {LEDGER_SHAPE}, got {desc!r}"
-            )
-        n = ledger_history_len(ledger)
-        _check_ledger_values(what, role, ledger)
-        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-            raise ValueError(
-                f"{what}: operand {role!r} idx must be an int in [0, {n}), got {idx!r}"
-            )
-        if not isinstance(seeded, bool):
-            raise ValueError(f"{what}: operand {role!r} seeded must be a bool, got {seeded!r}")
-        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 0:
-            raise ValueError(
-                f"{what}: operand {role!r} elements must be an int >= 0, got {elements!r}"
-            )
-        op = OperandScaling.__new__(OperandScaling)
-        with torch.inference_mode(False):
-            # A version-1 ledger written at slot idx (circular) is stored oldest to newest:
-            # its oldest entry is the one at idx.
-            saved = ledger.detach().to(device=device, copy=True).contiguous()
-            hist = ledger_history(saved)
-            op.ledger = ledger_with_history(saved, torch.cat([hist[idx:], hist[:idx]]))
-            op.tally = custom_ops.tally_new(device)
-            op.tally.copy_(torch.tensor([int(seeded), elements], dtype=torch.int64))
-        op._seeded_hint = seeded
-        out[role] = op
-    return out
-
-
-def _check_ledger_values(what: str, role: str, ledger: torch.Tensor) -> None:
-    # Loading reads the values once (a checkpoint is not on the training path): a NaN or
-    # non-positive step would quietly turn every later output into NaN or garbage, and a
-    # NaN amax in the history would poison every window max that includes it.
-    values = read_ledger(ledger)
-    for i, a in enumerate(values.history):
-        if not (math.isfinite(a) and a >= 0):
-            raise ValueError(
-                f"{what}: operand {role!r} amax history must be finite and >= 0, "
-                f"got {a!r} at slot {i}"
-            )
-    step = values.step
-    if not (math.isfinite(step) and step > 0):
-        raise ValueError(f"{what}: operand {role!r} step must be finite and > 0, got {step!r}")
-    counts = [values.nonfinite, values.saturated]
-    if not all(math.isfinite(c) and c >= 0 for c in counts):
-        raise ValueError(
-            f"{what}: operand {role!r} non-finite and saturated counts must be finite and "
-            f">= 0, got {counts!r}"
-        )
+        meta, key = self.meta, f"{self._prefix}meta"
+        if meta.device != device:
+            with torch.inference_mode(False):
+                self._store[key] = meta.to(device)
+            if meta is self._meta_seen:  # else not adopted yet: check_loaded reads it there
+                self._meta_seen = self._store[key]

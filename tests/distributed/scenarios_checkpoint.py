@@ -220,7 +220,7 @@ def _wrapper_fqns() -> Result:
     opt = OffloadedOptimizer(ddp.parameters(), _ctx(), torch.optim.AdamW)
     return {
         "ddp_keys": sorted(optimizer_state_dict(ddp, opt)["master_weights"]),
-        "ddp_model_keys": sorted(k for k in get_model_state_dict(ddp) if "_extra_state" not in k),
+        "ddp_model_keys": sorted(k for k in get_model_state_dict(ddp) if ".fp8_" not in k),
         "ddp_names": sorted(parameter_fqns(ddp).values()),
     }
 

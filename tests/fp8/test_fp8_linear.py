@@ -127,7 +127,8 @@ def test_drop_in_keys_dtypes_and_leading_shapes(fp8_ctx: ComputeCtx) -> None:
     m = Fp8Linear(32, 16, ctx=fp8_ctx)
     assert isinstance(m, nn.Linear)
     assert m.weight.dtype == fp8_ctx.master.torch and m.weight.device == fp8_ctx.device
-    assert set(m.state_dict()) == {"weight", "bias", "_extra_state"}
+    scaling = [f"fp8_{r}_{t}" for r in ("input", "weight", "grad") for t in ("ledger", "tally")]
+    assert list(m.state_dict()) == ["weight", "bias", *scaling, "fp8_meta"]
     assert m.backend is Fp8Backend.REFERENCE
     x = torch.randn(2, 3, 5, 32, dtype=torch.bfloat16)
     y = m(x)
@@ -337,7 +338,12 @@ def test_module_wide_dtype_casts_leave_a_frozen_weight_alone(
     assert torch.equal(served.weight_fp8.view(torch.uint8), data.view(torch.uint8))
     assert served.weight_step.dtype == torch.float32 and torch.equal(served.weight_step, step)
     assert served.bias is not None and served.bias.dtype == getattr(torch, cast)
-    assert list(dict(served.named_buffers())) == ["weight_fp8", "weight_step"]
+    buffers = dict(served.named_buffers())
+    assert list(buffers) == [*served.scaling.tensor_names(), "weight_fp8", "weight_step"]
+    assert {str(buffers[k].dtype) for k in served.scaling.tensor_names()} == {
+        "torch.float32",
+        "torch.int64",
+    }
     x = torch.randn(3, 32, dtype=torch.bfloat16)
     assert torch.isfinite(served(x)).all()
     served.to("meta")  # the device still follows

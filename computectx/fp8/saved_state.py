@@ -1,0 +1,354 @@
+"""The fp8 scaling state as checkpoint tensors: names, the ``meta`` record, reading it back.
+
+An ``Fp8Linear`` keeps its scaling state in persistent buffers, so its ``state_dict`` holds
+tensors only and any tensor format takes it as it is (safetensors, DCP,
+``torch.load(weights_only=True)``)::
+
+    fp8_{role}_ledger   float32  the ledger (computectx.fp8.ledger), for role in ROLES
+    fp8_{role}_tally    int64    [seeded, elements]
+    fp8_meta            int64    [version, world_size, scheme, recipe, history_len, margin, algo]
+
+``fp8_meta`` records what the ledgers were measured under: the state version
+(``STATE_VERSION``), the data-parallel world size and the policy fields that give the
+numbers their meaning, as the integer codes below. A saved state is read back *checked
+against the loading layer's policy*: another format scheme, recipe, margin or window
+reduction (``algo``) raises ``ValueError`` naming both policies (a step measured for E5M2
+saturates E4M3 inputs; a step with another margin leaves the wrong headroom), and the one
+field with an exact conversion, the history length, is converted (``resize_ledger``).
+
+Versions 1 and 2 saved the state as a dict in ``_extra_state``; ``read_saved_dict`` reads
+them into the same form, with the same checks (``read_saved_tensors`` reads version 3).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, TypeVar
+
+import torch
+from pydantic import ValidationError
+
+from computectx.fp8 import custom_ops
+from computectx.fp8.ledger import (
+    LEDGER_SHAPE,
+    is_ledger,
+    ledger_history,
+    ledger_history_len,
+    ledger_with_history,
+    read_ledger,
+)
+from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+
+__all__ = [
+    "META_LEN",
+    "META_WORLD",
+    "READABLE_VERSIONS",
+    "ROLES",
+    "STATE_VERSION",
+    "Role",
+    "SavedScaling",
+    "check_same_recipe",
+    "history_len_of",
+    "meta_new",
+    "read_meta",
+    "read_saved_dict",
+    "read_saved_tensors",
+    "resize_ledger",
+    "tensor_names",
+]
+
+Role = Literal["input", "weight", "grad"]
+ROLES: tuple[Role, ...] = ("input", "weight", "grad")
+"""The operand roles of an fp8 linear, in checkpoint order."""
+
+STATE_VERSION = 3
+"""The version ``fp8_meta`` records. Versions 1 and 2 were dicts in ``_extra_state``
+(``read_saved_dict``)."""
+READABLE_VERSIONS = (1, 2, 3)
+_LEDGER_KEY_V1 = "ring"  # rename.py: keep (the key version-1 checkpoints use)
+
+META_VERSION, META_WORLD, META_SCHEME, META_RECIPE, META_HISTORY, META_MARGIN, META_ALGO = range(7)
+META_LEN = 7
+"""Length of ``fp8_meta``; ``META_WORLD`` is the slot of the world size."""
+_SCHEMES = {Fp8Scheme.HYBRID: 1, Fp8Scheme.E4M3: 2, Fp8Scheme.E5M2: 3}
+_RECIPES = {"delayed": 1, "dynamic": 2}
+_ALGOS: dict[Literal["max", "most_recent"], int] = {"max": 1, "most_recent": 2}
+_K = TypeVar("_K")
+
+
+def history_len_of(policy: Fp8Policy) -> int:
+    """Ledger history length a policy needs: ``history_len`` for delayed scaling, 1 for
+    dynamic (which keeps only the last amax, for statistics)."""
+    s = policy.scaling
+    return s.history_len if isinstance(s, DelayedScaling) else 1
+
+
+def tensor_names(prefix: str = "") -> tuple[str, ...]:
+    """The names of the scaling tensors (``prefix`` + ``{role}_ledger``, ``{role}_tally``
+    per role, then ``meta``), in the order they are registered and saved."""
+    per_role = [f"{prefix}{role}_{part}" for role in ROLES for part in ("ledger", "tally")]
+    return (*per_role, f"{prefix}meta")
+
+
+def meta_new(policy: Fp8Policy, world_size: int, device: torch.device | str) -> torch.Tensor:
+    """A fresh ``fp8_meta`` for ``policy`` recorded at ``world_size`` ranks (int64; never an
+    inference tensor)."""
+    s = policy.scaling
+    values = [0] * META_LEN
+    values[META_VERSION] = STATE_VERSION
+    values[META_WORLD] = world_size
+    values[META_SCHEME] = _SCHEMES[policy.format]
+    values[META_RECIPE] = _RECIPES[s.kind]
+    values[META_HISTORY] = s.history_len if isinstance(s, DelayedScaling) else 0
+    values[META_MARGIN] = s.margin
+    values[META_ALGO] = _ALGOS[s.algo] if isinstance(s, DelayedScaling) else 0
+    with torch.inference_mode(False):
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+def _decode(what: str, field: str, value: int, codes: Mapping[_K, int]) -> _K:
+    for name, code in codes.items():
+        if code == value:
+            return name
+    accepted = ", ".join(f"{code} ({name})" for name, code in codes.items())
+    raise ValueError(f"{what}: fp8_meta {field} code {value} is unknown; accepted: {accepted}")
+
+
+def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
+    """The policy and world size ``meta`` records (one host read); ``ValueError`` naming the
+    bad field and what is accepted."""
+    if not (
+        isinstance(meta, torch.Tensor)
+        and meta.dtype == torch.int64
+        and tuple(meta.shape) == (META_LEN,)
+    ):
+        desc = f"{meta.dtype} {tuple(meta.shape)}" if isinstance(meta, torch.Tensor) else meta
+        raise ValueError(
+            f"{what}: fp8_meta must be an int64 tensor of shape ({META_LEN},), got {desc!r}"
+        )
+    v = [int(x) for x in meta.detach().tolist()]
+    if v[META_VERSION] != STATE_VERSION:
+        raise ValueError(
+            f"{what} has version {v[META_VERSION]}; this computectx reads version "
+            f"{STATE_VERSION} as tensors and versions 1, 2 as an _extra_state dict"
+        )
+    if v[META_WORLD] < 1:
+        raise ValueError(f"{what}: world_size must be an int >= 1, got {v[META_WORLD]}")
+    scheme = _decode(what, "scheme", v[META_SCHEME], _SCHEMES)
+    recipe = _decode(what, "recipe", v[META_RECIPE], _RECIPES)
+    try:
+        scaling: DelayedScaling | DynamicScaling
+        if recipe == "delayed":
+            algo = _decode(what, "algo", v[META_ALGO], _ALGOS)
+            scaling = DelayedScaling(history_len=v[META_HISTORY], margin=v[META_MARGIN], algo=algo)
+        else:
+            if v[META_HISTORY] != 0 or v[META_ALGO] != 0:
+                raise ValueError(
+                    f"{what}: dynamic scaling records history_len 0 and algo 0 in fp8_meta, "
+                    f"got {v[META_HISTORY]} and {v[META_ALGO]}"
+                )
+            scaling = DynamicScaling(margin=v[META_MARGIN])
+    except ValidationError as e:
+        bad = "; ".join(f"{err['loc'][0]}={err['input']!r}: {err['msg']}" for err in e.errors())
+        raise ValueError(f"{what}: fp8_meta holds a bad {recipe} recipe: {bad}") from None
+    return Fp8Policy(format=scheme, scaling=scaling), v[META_WORLD]
+
+
+def check_same_recipe(saved: Fp8Policy, target: Fp8Policy, what: str) -> None:
+    """``ValueError`` naming both policies unless ``saved`` and ``target`` differ at most in
+    the history length (the one field converted on loading)."""
+    a, b = saved.scaling, target.scaling
+    same = saved.format == target.format and a.kind == b.kind and a.margin == b.margin
+    if same and isinstance(a, DelayedScaling) and isinstance(b, DelayedScaling):
+        same = a.algo == b.algo
+    if not same:
+        raise ValueError(
+            f"{what} was recorded under the fp8 policy {saved}, but this layer runs {target}: "
+            f"the scheme, recipe, margin and algo must match (only the history length is "
+            f"converted). Load it into a layer under {saved}, or leave this layer's fp8_* "
+            f"entries out of the state dict to start its scaling fresh"
+        )
+
+
+def resize_ledger(ledger: torch.Tensor, history_len: int) -> torch.Tensor:
+    """``ledger`` with another history length (a new tensor), keeping the newest entries.
+
+    The history is oldest to newest: a shorter one keeps its newest ``history_len``
+    entries, a longer one repeats the oldest entry in front (so the window max and the
+    newest entry are unchanged). The step and the counts are kept.
+    """
+    n = ledger_history_len(ledger)
+    chron = ledger_history(ledger)
+    if history_len <= n:
+        chron = chron[n - history_len :]
+    else:
+        chron = torch.cat([chron[:1].expand(history_len - n), chron])
+    return ledger_with_history(ledger, chron)
+
+
+@dataclass(frozen=True)
+class SavedScaling:
+    """A saved scaling state, checked and fitted to the loading layer: what it was recorded
+    under, and per role a new ledger (oldest to newest, the layer's history length), a new
+    tally on the layer's device, and whether it is seeded (read on the host)."""
+
+    policy: Fp8Policy
+    world_size: int
+    ledgers: dict[Role, torch.Tensor]
+    tallies: dict[Role, torch.Tensor]
+    seeded: dict[Role, bool]
+
+
+def read_saved_tensors(
+    tensors: Mapping[str, object], target: Fp8Policy, device: torch.device | None, what: str
+) -> SavedScaling:
+    """Read version 3 (``tensor_names()`` without prefix -> value), checked against
+    ``target``, into new tensors on ``device`` (``None``: where each saved one is);
+    everything is checked before anything is built."""
+    policy, world = read_meta(tensors["meta"], what)
+    check_same_recipe(policy, target, what)
+    n = history_len_of(policy)
+    entries: dict[Role, tuple[torch.Tensor, bool, int]] = {}
+    for role in ROLES:
+        ledger = tensors[f"{role}_ledger"]
+        if is_ledger(ledger) and ledger_history_len(ledger) != n:
+            raise ValueError(
+                f"{what}: fp8_{role}_ledger holds {ledger_history_len(ledger)} amaxes, but "
+                f"fp8_meta records {policy}, whose ledgers hold {n}"
+            )
+        ledger = _checked_ledger(what, role, f"fp8_{role}_ledger", ledger)
+        seeded, elements = _checked_tally(what, role, tensors[f"{role}_tally"])
+        entries[role] = (ledger, seeded, elements)
+    return _fitted(policy, world, entries, target, device)
+
+
+def read_saved_dict(
+    saved: object, target: Fp8Policy, device: torch.device | None, what: str
+) -> SavedScaling:
+    """Read the ``_extra_state`` dict of versions 1 and 2, checked against ``target``.
+
+    ``{"version", "policy", "world_size" (optional, default 1), "operands": {role:
+    {"ledger" (version 1: "ring"), "idx", "seeded", "elements"}}}``; a version-1 history
+    written circularly at slot ``idx`` is read from its oldest entry, at ``idx``.
+    """
+    if not isinstance(saved, Mapping):
+        raise ValueError(
+            f"{what} must be a dict (the _extra_state of versions 1, 2), got {saved!r}"
+        )
+    version = saved.get("version")
+    if version not in (1, 2):
+        raise ValueError(
+            f"{what} has version {version!r}; this computectx reads versions 1, 2 as an "
+            f"_extra_state dict and version {STATE_VERSION} as tensors"
+        )
+    text = saved.get("policy")
+    try:
+        policy = Fp8Policy.parse(text) if isinstance(text, str) else None
+    except ValueError as e:
+        raise ValueError(f"{what}: bad policy {text!r}: {e}") from None
+    if policy is None:
+        raise ValueError(f"{what}: policy must be the policy's text form, got {text!r}")
+    check_same_recipe(policy, target, what)
+    world = saved.get("world_size", 1)
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"{what}: world_size must be an int >= 1, got {world!r}")
+    operands = saved.get("operands")
+    if not isinstance(operands, Mapping) or set(operands) != set(ROLES):
+        got = sorted(operands) if isinstance(operands, Mapping) else operands
+        raise ValueError(f"{what} must have operands {list(ROLES)}, got {got!r}")
+    key = _LEDGER_KEY_V1 if version == 1 else "ledger"
+    entries: dict[Role, tuple[torch.Tensor, bool, int]] = {}
+    for role in ROLES:
+        entry = operands[role]
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{what}: operand {role!r} must be a dict, got {entry!r}")
+        ledger = _checked_ledger(what, role, f"ledger ({key!r})", entry.get(key))
+        n = ledger_history_len(ledger)
+        idx, seeded, elements = entry.get("idx"), entry.get("seeded"), entry.get("elements")
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+            raise ValueError(
+                f"{what}: operand {role!r} idx must be an int in [0, {n}), got {idx!r}"
+            )
+        if not isinstance(seeded, bool):
+            raise ValueError(f"{what}: operand {role!r} seeded must be a bool, got {seeded!r}")
+        if isinstance(elements, bool) or not isinstance(elements, int) or elements < 0:
+            raise ValueError(
+                f"{what}: operand {role!r} elements must be an int >= 0, got {elements!r}"
+            )
+        hist = ledger_history(ledger)
+        ledger = ledger_with_history(ledger, torch.cat([hist[idx:], hist[:idx]]))
+        entries[role] = (ledger, seeded, elements)
+    return _fitted(policy, world, entries, target, device)
+
+
+def _fitted(
+    policy: Fp8Policy,
+    world: int,
+    entries: Mapping[Role, tuple[torch.Tensor, bool, int]],
+    target: Fp8Policy,
+    device: torch.device | None,
+) -> SavedScaling:
+    n = history_len_of(target)
+    ledgers: dict[Role, torch.Tensor] = {}
+    tallies: dict[Role, torch.Tensor] = {}
+    seeded_by_role: dict[Role, bool] = {}
+    with torch.inference_mode(False):
+        for role, (ledger, seeded, elements) in entries.items():
+            on = ledger.device if device is None else device
+            own = ledger.detach().to(device=on, copy=True).contiguous()
+            ledgers[role] = own if ledger_history_len(own) == n else resize_ledger(own, n)
+            tally = torch.tensor([int(seeded), elements], dtype=torch.int64)
+            tallies[role] = tally.to(on)
+            seeded_by_role[role] = seeded
+    return SavedScaling(policy, world, ledgers, tallies, seeded_by_role)
+
+
+def _checked_ledger(what: str, role: str, name: str, ledger: object) -> torch.Tensor:
+    if not is_ledger(ledger):
+        desc = (
+            f"{ledger.dtype} {tuple(ledger.shape)}" if isinstance(ledger, torch.Tensor) else ledger
+        )
+        raise ValueError(f"{what}: operand {role!r} {name} must be {LEDGER_SHAPE}, got {desc!r}")
+    # Loading reads the values once (a checkpoint is not on the training path): a NaN or
+    # non-positive step would quietly turn every later output into NaN or garbage, and a
+    # NaN amax in the history would poison every window max that includes it.
+    values = read_ledger(ledger)
+    for i, a in enumerate(values.history):
+        if not (math.isfinite(a) and a >= 0):
+            raise ValueError(
+                f"{what}: operand {role!r} amax history must be finite and >= 0, "
+                f"got {a!r} at slot {i}"
+            )
+    step = values.step
+    if not (math.isfinite(step) and step > 0):
+        raise ValueError(f"{what}: operand {role!r} step must be finite and > 0, got {step!r}")
+    counts = [values.nonfinite, values.saturated]
+    if not all(math.isfinite(c) and c >= 0 for c in counts):
+        raise ValueError(
+            f"{what}: operand {role!r} non-finite and saturated counts must be finite and "
+            f">= 0, got {counts!r}"
+        )
+    return ledger
+
+
+def _checked_tally(what: str, role: str, tally: object) -> tuple[bool, int]:
+    shape = (custom_ops.TALLY_LEN,)
+    if not (
+        isinstance(tally, torch.Tensor)
+        and tally.dtype == torch.int64
+        and tuple(tally.shape) == shape
+    ):
+        desc = f"{tally.dtype} {tuple(tally.shape)}" if isinstance(tally, torch.Tensor) else tally
+        raise ValueError(
+            f"{what}: fp8_{role}_tally must be an int64 tensor of shape {shape} "
+            f"([seeded, elements]), got {desc!r}"
+        )
+    seeded, elements = (int(v) for v in tally.detach().tolist())
+    if seeded not in (0, 1) or elements < 0:
+        raise ValueError(
+            f"{what}: fp8_{role}_tally must hold seeded 0 or 1 and elements >= 0, got "
+            f"[{seeded}, {elements}]"
+        )
+    return bool(seeded), elements

@@ -1,0 +1,76 @@
+"""Scenarios for the fp8 scaling state as buffers on many ranks (``test_scaling_state.py``).
+
+DDP must not broadcast the scaling buffers (the amax sync merges them; a rank-local ledger
+is the rank's own).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx import ComputeCtx
+from computectx.distributed import fp8_buffer_names, parallelize, sync_fp8_scaling
+from computectx.fp8 import Fp8ScalingNotSyncedWarning, convert_to_fp8
+
+WIDTH = 32
+
+
+def _ctx() -> ComputeCtx:
+    return ComputeCtx.from_flag("fp8_hybrid", "cpu")
+
+
+def _plain() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
+
+
+def _fp8(model: nn.Module) -> nn.Module:
+    convert_to_fp8(model, _ctx(), module_filter=lambda module, fqn: True)
+    return model
+
+
+def _x(step: int, rank: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, WIDTH, generator=gen) * (1.0 + 30 * rank)
+
+
+def _scaling(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every scaling buffer of ``model`` by name (copies)."""
+    names = set(fp8_buffer_names(model))
+    return {k: t.detach().clone() for k, t in model.named_buffers() if k in names}
+
+
+def ddp_leaves_the_scaling_buffers_alone(params: dict[str, Any]) -> dict[str, Any]:
+    """Rank-local scaling under DDP (``sync.remove()``), against a copy of the model that
+    no wrapper touches, fed the same data: training forwards and an eval-mode forward and
+    backward with gradients on (DDP broadcasts buffers before each), no optimizer step."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _fp8(_plain())
+    twin = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    sync_fp8_scaling(ddp).remove()  # each rank scales on its own, by choice
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Fp8ScalingNotSyncedWarning)
+        for step in range(3):
+            if step == 2:
+                ddp.eval()
+                twin.eval()
+            ddp(_x(step, rank)).square().mean().backward()
+            twin(_x(step, rank)).square().mean().backward()
+    torch.manual_seed(0)
+    par = parallelize(_plain(), _ctx(), strategy="ddp", fp8_filter=lambda module, fqn: True)
+    assert isinstance(par.model, DistributedDataParallel)
+    return {
+        "ddp": _scaling(model),
+        "twin": _scaling(twin),
+        "broadcast": sorted(ddp.named_module_buffers),
+        "parallelize_broadcast": sorted(par.model.named_module_buffers),
+        "parallelize_ignored": sorted(par.model.parameters_to_ignore),
+    }

@@ -1,0 +1,30 @@
+"""The fp8 scaling state as buffers on 2 gloo ranks (scenarios in scenarios_scaling_state.py).
+
+Each launch has a 60 s wall-clock limit on top of the worker's 30 s collective timeout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .conftest import RunRanks
+
+LIMIT_S = 60.0
+
+
+def test_ddp_never_broadcasts_the_scaling_buffers(run_ranks: RunRanks) -> None:
+    results = run_ranks(
+        "scenarios_scaling_state.py:ddp_leaves_the_scaling_buffers_alone", limit_s=LIMIT_S
+    )
+    for r in reversed(results):  # rank 1 first: a broadcast would overwrite its ledgers
+        # Each rank's ledgers are what its own data recorded, as in a copy no wrapper touched:
+        # DDP's per-forward broadcast would have copied rank 0's over rank 1's.
+        assert r["ddp"].keys() == r["twin"].keys() and len(r["ddp"]) == 14
+        for name, t in r["ddp"].items():
+            if name.endswith("fp8_meta"):  # recorded at 2 ranks, the copy at 1
+                assert t[1] == 2 and torch.equal(t[2:], r["twin"][name][2:]), name
+            else:
+                assert torch.equal(t, r["twin"][name]), name
+    for r in results:
+        assert r["broadcast"] == [] and r["parallelize_broadcast"] == []
+        assert "0.fp8_input_ledger" in r["parallelize_ignored"]  # from construction on
