@@ -47,7 +47,9 @@ class Fp8Linear(nn.Linear):
     (``SCALING_PREFIX``): tensors only, which never change dtype and follow the weight's
     device. Loading checks them against the policy (``computectx.fp8.saved_state``).
     Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype, after
-    an epilogue at ``ctx.compute``. New weights default to ``ctx.master`` on ``ctx.device``.
+    an epilogue at ``ctx.compute``. New weights default to ``ctx.master`` on torch's
+    default device when one other than the CPU is set (``torch.device("meta")`` included),
+    else on ``ctx.device``.
 
     ``backend`` forces an ``Fp8Backend`` (or ``"triton"``/``"reference"``); by default each
     call uses ``select_backend`` for the weight's device. Inside ``fp8_autocast(
@@ -88,7 +90,7 @@ class Fp8Linear(nn.Linear):
         policy = policy_of(ctx, "Fp8Linear")
         check_fp8_widths(in_features, out_features)
         self._quantize = parse_quantize(quantize)
-        dev = parse_device(device) if device is not None else ctx.device
+        dev = parse_device(device) if device is not None else _default_device(ctx)
         param_dtype = dtype if dtype is not None else ctx.master.torch
         _check_param_dtype("weight", param_dtype)
         super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
@@ -205,9 +207,14 @@ class Fp8Linear(nn.Linear):
         # inference_mode call quantizes from the state as it stands and writes nothing,
         # so its output never depends on earlier calls of its kind, and on many ranks it
         # issues no collective (rank-local validation or sampling cannot hang the group).
+        # A frozen layer never records, in any mode: serving is deterministic per request.
         # Reentrant checkpointing runs a region's forward under no_grad: a training call
         # all the same, which records (docs/fp8.md, "Activation checkpointing").
-        record = self.training and (torch.is_grad_enabled() or in_reentrant_checkpoint_forward())
+        record = (
+            self.training
+            and not self._frozen
+            and (torch.is_grad_enabled() or in_reentrant_checkpoint_forward())
+        )
         reduce = self.amax_reduce
         if reduce is not None:
             record = record and reduce.armed
@@ -236,8 +243,13 @@ class Fp8Linear(nn.Linear):
         and ``weight_step`` buffers, in the policy's forward format with the step from the
         weight's own amax. No margin: a frozen weight never grows, so headroom would only
         cost precision. Later calls skip the weight quantize; inputs are still quantized
-        under the policy. The layer can no longer train its weight: freeze a copy if you
-        need both. Works inside ``torch.inference_mode`` too. Returns ``self``.
+        under the policy, and a frozen layer records nothing in any mode, so an output
+        depends on its own request only: under delayed scaling the input step is the one
+        training (or calibration: training-mode forwards before freezing) left in the
+        input ledger, a static step saved with the weights in ``fp8_input_ledger``; an
+        input ledger never seeded, and dynamic scaling, take each request's own amax. The
+        layer can no longer train its weight: freeze a copy if you need both. Works inside
+        ``torch.inference_mode`` too. Returns ``self``.
         """
         if self._frozen:
             return self
@@ -258,6 +270,13 @@ class Fp8Linear(nn.Linear):
         return self
 
     # ----- state ----------------------------------------------------------------------------
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation; the scaling state starts fresh with the new
+        weights (``to_empty`` then ``reset_parameters`` gives a working layer)."""
+        super().reset_parameters()
+        if "scaling" in self.__dict__:  # nn.Linear.__init__ calls this before it exists
+            self.scaling.reset(self._storage_device())
 
     def _save_to_state_dict(
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
@@ -368,6 +387,14 @@ def check_fp8_widths(in_features: int, out_features: int) -> None:
             f"in_features={in_features}, out_features={out_features}: both must be multiples "
             f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
         )
+
+
+def _default_device(ctx: ComputeCtx) -> torch.device:
+    # torch's default device when one is set (torch.set_default_device, a `with
+    # torch.device(...)` block: "meta" builds a layer to materialise later with to_empty),
+    # else the policy's. The CPU is torch's default when none is set, so it never overrides.
+    default = torch.get_default_device()
+    return default if default.type != "cpu" else ctx.device
 
 
 @contextmanager

@@ -1,7 +1,8 @@
 """Scenarios for the fp8 scaling state as buffers on many ranks (``test_scaling_state.py``).
 
 DDP must not broadcast the scaling buffers (the amax sync merges them; a rank-local ledger
-is the rank's own).
+is the rank's own), and a model built on the meta device, sharded with ``fully_shard``,
+materialised with ``to_empty`` and initialised trains as one built on the CPU.
 """
 
 from __future__ import annotations
@@ -16,8 +17,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.distributed import fp8_buffer_names, parallelize, sync_fp8_scaling
-from computectx.fp8 import Fp8ScalingNotSyncedWarning, convert_to_fp8
+from computectx.distributed import (
+    enable_fp8_all_gather,
+    fp8_buffer_names,
+    parallelize,
+    sync_fp8_scaling,
+)
+from computectx.fp8 import Fp8Linear, Fp8ScalingNotSyncedWarning, convert_to_fp8
 
 WIDTH = 32
 
@@ -74,3 +80,53 @@ def ddp_leaves_the_scaling_buffers_alone(params: dict[str, Any]) -> dict[str, An
         "parallelize_broadcast": sorted(par.model.named_module_buffers),
         "parallelize_ignored": sorted(par.model.parameters_to_ignore),
     }
+
+
+def meta_build_fully_shard(params: dict[str, Any]) -> dict[str, Any]:
+    """The same fp8 MLP built on the meta device and on the CPU; each converted, (with
+    ``gather="fp8"``) set to all-gather fp8, sharded with ``fully_shard``, materialised
+    (``to_empty``, meta only), initialised with ``reset_parameters`` under one seed, synced
+    and trained 3 steps with each rank's data."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    out: dict[str, Any] = {}
+    for build in ("meta", "cpu"):
+        if build == "meta":
+            with torch.device("meta"):
+                model = _fp8(_plain())
+        else:
+            model = _fp8(_plain())
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        if params["gather"] == "fp8":
+            enable_fp8_all_gather(model)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if build == "meta":
+            everything = [*model.parameters(), *model.buffers()]
+            out["was_meta"] = all(t.is_meta for t in everything)
+            model.to_empty(device="cpu")
+            out["materialised"] = not any(
+                t.is_meta for t in [*model.parameters(), *model.buffers()]
+            )
+            fresh = _scaling(_fp8(_plain()))
+            out["fresh"] = all(torch.equal(t, fresh[k]) for k, t in _scaling(model).items())
+        torch.manual_seed(0)
+        for layer in layers:
+            layer.reset_parameters()
+        sync = sync_fp8_scaling(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        outs = []
+        for step in range(3):
+            y = model(_x(step, rank))
+            y.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            outs.append(y.detach())
+        sync.sync()
+        out[f"{build}_outs"] = torch.stack(outs)
+        out[f"{build}_scaling"] = _scaling(model)
+    return out
