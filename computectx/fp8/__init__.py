@@ -18,6 +18,7 @@ from computectx.fp8.convert import (
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.ops import fp8_dequantize, fp8_quantize
 from computectx.fp8.quantized import Fp8Weight
+from computectx.fp8.recompute import fp8_checkpoint_context_fn, fp8_checkpoint_policy
 from computectx.fp8.region import fp8_autocast
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
@@ -44,6 +45,8 @@ __all__ = [
     "SkippedLinear",
     "convert_to_fp8",
     "fp8_autocast",
+    "fp8_checkpoint_context_fn",
+    "fp8_checkpoint_policy",
     "fp8_dequantize",
     "fp8_quantize",
     "fp8_stats",

@@ -56,11 +56,11 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> pathli
     """Write ``model.state_dict()`` to a safetensors file at ``path``; return the path.
 
     Tied tensors (the same tensor under several names) are stored once and recorded as
-    aliases in the file's metadata, which ``load_weights`` reads back. Module extra state
-    (``get_extra_state``, such as an ``Fp8Linear``'s scaling history) is not a weight and is
-    not stored; keep it with ``torch.save(model.state_dict())`` when a resume needs it. The
-    file is written to a temporary name and renamed, so a crash never leaves a truncated
-    checkpoint.
+    aliases in the file's metadata, which ``load_weights`` reads back. Every tensor of the
+    state dict is stored, buffers included (an ``Fp8Linear``'s scaling state is buffers, so it
+    travels with the weights); module extra state that is not a tensor (``get_extra_state``
+    returning other objects) cannot go into safetensors and is left out. The file is
+    written to a temporary name and renamed, so a crash never leaves a truncated checkpoint.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -111,8 +111,8 @@ def load_weights(
     tied and optimizers built on the model keep their references. Everything is checked
     first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
     file and the keys) with the model unchanged. dtypes must match exactly: nothing is
-    cast silently. Module extra state (not weights, see ``save_weights``) is left as it
-    is, and the report says how many entries that was.
+    cast silently. Module extra state that is not a tensor (see ``save_weights``) is left
+    as it is, and the report says how many entries that was.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -187,7 +187,8 @@ def load_weights(
 
 
 def _tensor_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    # state_dict also holds modules' extra state (arbitrary objects): only tensors are weights.
+    # state_dict may also hold modules' extra state (arbitrary objects): only tensors go
+    # into safetensors.
     return {
         k: v for k, v in model.state_dict(keep_vars=True).items() if isinstance(v, torch.Tensor)
     }
