@@ -16,3 +16,30 @@ settings.register_profile(
 )
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _triton_interpreted_first() -> None:
+    # Triton decides when it is imported whether its own language functions (tl.zeros and
+    # the rest of triton.language.standard) run interpreted. A test module that imports
+    # triton before tests/kernels/conftest.py sets TRITON_INTERPRET (torch._dynamo does, at
+    # module level) would leave them compiled, and every interpreted kernel would then fail
+    # with "Cannot call @triton.jit'd outside of the scope of a kernel". Without an fp8 GPU,
+    # import triton interpreted here, before any test module, and restore the environment.
+    import importlib.util
+
+    from computectx import capability
+
+    if importlib.util.find_spec("triton") is None or capability.fp8_tensor_cores():
+        return
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton.language  # noqa: F401
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+
+
+_triton_interpreted_first()
