@@ -209,11 +209,12 @@ class Fp8AmaxSync:
         # FSDP2 all-gathers (and with the fp8 all-gather quantizes) in a pre-forward hook
         # it puts first in line when fully_shard runs. A sync built before fully_shard is
         # therefore second: the gathers would run unmerged and unarmed, and the weights'
-        # ledgers would stop advancing without a word.
-        self._order_checked = True
+        # ledgers would stop advancing without a word. Checked again at every training
+        # forward until it passes, so a caught error is raised again, never forgotten.
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(self._model, FSDPModule) or not self._handles:
+            self._order_checked = True
             return
         hooks = list(self._model._forward_pre_hooks)
         if hooks and hooks[0] != self._handles[0].id:
@@ -222,6 +223,7 @@ class Fp8AmaxSync:
                 "before the amax merge. Call sync_fp8_scaling(model) after fully_shard (or "
                 "set up with computectx.distributed.parallelize, which orders it)"
             )
+        self._order_checked = True
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._reduce is not None:

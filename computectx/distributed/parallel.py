@@ -53,7 +53,10 @@ _MODEL, _OPTIMIZER = "model", "optimizer"
 @dataclass(eq=False)
 class Parallel:
     """What ``parallelize`` set up. Run forwards on ``model``; keep ``module`` for evaluation
-    and sampling (a call on it is rank-local: it issues no collective and records nothing).
+    and sampling. Under DDP and in one process a call on ``module`` is rank-local: it
+    issues no collective and records nothing, so one rank may validate or sample alone.
+    Under FSDP2 ``module`` is the sharded model itself: its forward all-gathers the
+    weights, so every rank must call it together.
 
     ``world_size`` is 1 in one process, where ``model`` is ``module`` and ``sync`` is
     ``None``.
@@ -173,7 +176,13 @@ def _default_units(model: nn.Module) -> list[nn.Module]:
     return [c for c in model.children() if any(True for _ in c.parameters())]
 
 
-def _asks_for_offloaded(ctx: ComputeCtx, params: list[nn.Parameter]) -> bool:
+def _uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:
+    """Whether ``parallelize`` steps ``model`` with an ``OffloadedOptimizer``: ``offload``
+    when given, else when the ctx asks for one (``ctx.offload`` set, or ``ctx.master``
+    differing from a trainable parameter's dtype)."""
+    if offload is not None:
+        return bool(offload)
+    params = [p for p in model.parameters() if p.requires_grad]
     return ctx.offload is not None or any(p.dtype != ctx.master.torch for p in params)
 
 
@@ -241,6 +250,10 @@ def parallelize(
     if world > 1:
         # Ranks that parsed another policy stop here, before anything changes.
         check_same_policy(ctx, group)
+    # The optimizer's arguments are checked on a stand-in before the model changes: a bad
+    # learning rate must not leave a model half converted, sharded or wrapped.
+    # (An OffloadedOptimizer hands them to optimizer_class as they are.)
+    optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)
     conversion = convert_to_fp8(model, ctx, module_filter=fp8_filter) if ctx.fp8 else None
     run: nn.Module = model
     sharded = strategy == "fsdp" and world > 1
@@ -260,7 +273,12 @@ def parallelize(
                 fully_shard(unit, mesh=mesh)
             fully_shard(model, mesh=mesh)
         else:
-            ids = [ctx.device.index or 0] if ctx.device.type == "cuda" else None
+            ids = None
+            if ctx.device.type == "cuda":
+                # A bare "cuda" means this rank's current device (torchrun's
+                # torch.cuda.set_device(local_rank)), not cuda:0 on every rank.
+                index = ctx.device.index
+                ids = [torch.cuda.current_device() if index is None else index]
             # The fp8 scaling buffers stay out of DDP's broadcasts, at construction too: the
             # amax sync merges them (fp8_buffer_names).
             ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
@@ -278,7 +296,7 @@ def parallelize(
         )
 
     params = [p for p in model.parameters() if p.requires_grad]
-    use_offloaded = _asks_for_offloaded(ctx, params) if offload is None else bool(offload)
+    use_offloaded = _uses_offloaded(ctx, model, offload)
     opt: torch.optim.Optimizer
     if use_offloaded:
         sharding = ShardedParams(mesh) if sharded else None

@@ -215,7 +215,15 @@ def in_reentrant_checkpoint_forward() -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    return _reentrant_ctx(_REENTRANT_FORWARD) is not None
+    return _will_recompute(_reentrant_ctx(_REENTRANT_FORWARD))
+
+
+def _will_recompute(ctx: Any) -> bool:
+    # A reentrant checkpoint called under the user's own no_grad (a validation pass in
+    # training mode) builds no graph, so its forward is never recomputed and is no training
+    # forward: autograd then gave its ctx no edges to the inputs (needs_input_grad would
+    # not tell: it follows requires_grad, not the grad mode).
+    return ctx is not None and bool(getattr(ctx, "next_functions", ()))
 
 
 def checkpoint_site(record: bool) -> CheckpointSite | None:
@@ -239,7 +247,7 @@ def checkpoint_site(record: bool) -> CheckpointSite | None:
         return CheckpointSite("backward")
     if record and not torch.is_grad_enabled():
         ctx = _reentrant_ctx(_REENTRANT_FORWARD)
-        if ctx is not None:
+        if _will_recompute(ctx):
             return CheckpointSite("forward", ctx)
     return None
 

@@ -431,3 +431,17 @@ def test_compiled_delayed_scaling_with_the_fp8_policy_is_bit_identical() -> None
 )
 def test_compiled_delayed_scaling_without_the_policy_is_not_yet_exact() -> None:
     _compiled_matches_eager(DelayedScaling(history_len=4), None)
+
+
+def test_a_reentrant_checkpoint_under_no_grad_records_nothing() -> None:
+    # A validation pass in training mode through a reentrant checkpoint (Hugging Face's
+    # gradient-checkpointing pattern) builds no graph, is never recomputed, and so is no
+    # training forward: its ledgers stay as they were.
+    layer = Fp8Linear(32, 32, ctx=ComputeCtx.from_flag("fp8_hybrid", "cpu"))
+    x = torch.randn(4, 32, requires_grad=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        checkpoint(layer, x, use_reentrant=True)
+    assert layer.scaling.input.elements == 0
+    checkpoint(layer, x, use_reentrant=True).sum().backward()
+    assert layer.scaling.input.elements == x.numel()

@@ -1,0 +1,66 @@
+"""``parallelize`` in one process: a world of one, its choices, and its refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from computectx import ComputeCtx, DType
+from computectx.distributed import parallelize
+from computectx.fp8 import Fp8Linear
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+
+CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+def test_one_process_needs_no_process_group() -> None:
+    model = _mlp()
+    par = parallelize(model, CTX, fp8_filter=lambda m, fqn: True, lr=1e-3)
+    assert par.world_size == 1 and par.model is model and par.module is model
+    assert par.sync is None and par.accumulator is None
+    assert isinstance(model[0], Fp8Linear) and type(par.optimizer) is torch.optim.AdamW
+    par.model(torch.randn(4, 32)).square().mean().backward()
+    before = model[0].weight.detach().clone()
+    assert par.step(max_norm=1.0) is not None
+    assert not torch.equal(before, model[0].weight)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_ctx_asks_for_the_memory_policys_pieces() -> None:
+    ctx = CTX.replace(grad=DType.BF16, offload=torch.device("cpu"))
+    par = parallelize(_mlp(), ctx, fp8_filter=lambda m, fqn: True, lr=1e-3)
+    assert isinstance(par.optimizer, OffloadedOptimizer)
+    assert isinstance(par.accumulator, LowPrecGradAccumulator)
+    forced = parallelize(
+        _mlp(), ctx, fp8_filter=lambda m, fqn: True, accumulate=False, offload=False, lr=1e-3
+    )
+    assert forced.accumulator is None and type(forced.optimizer) is torch.optim.AdamW
+
+
+def test_a_bad_optimizer_argument_leaves_the_model_unchanged() -> None:
+    model = _mlp()
+    with pytest.raises(ValueError, match="learning rate"):
+        parallelize(model, CTX, fp8_filter=lambda m, fqn: True, lr=-1.0)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"strategy": "zero3"}, "strategy must be 'ddp' or 'fsdp', got 'zero3'"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parallelize(_mlp(), CTX, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_wrapped_model_is_refused() -> None:
+    with pytest.raises(TypeError, match=r"ctx must be a computectx\.ComputeCtx"):
+        parallelize(_mlp(), "fp8_hybrid")  # type: ignore[arg-type]
