@@ -291,6 +291,21 @@ class Fp8Linear(nn.Linear):
             if prefix + name in destination:
                 destination[prefix + name] = destination[prefix + name].clone()
 
+    def check_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Check the scaling tensors among ``tensors`` (names local to this layer, as
+        ``computectx.memory.load_weights`` hands them over) against this layer's policy,
+        changing nothing: ``ValueError`` naming both policies when they were recorded under
+        another scheme, recipe, margin or algo, or when they are malformed."""
+        keys = self.scaling.tensor_names()
+        if not any(k in tensors for k in keys):
+            return
+        what = "the fp8 scaling state being loaded"
+        missing = [k for k in keys if k not in tensors]
+        if missing:
+            raise ValueError(f"{what}: {missing} missing; a scaling state loads whole")
+        found = {b: tensors[k] for b, k in zip(tensor_names(), keys, strict=True)}
+        read_saved_tensors(found, self.policy, None, what)
+
     def _load_from_state_dict(
         self,
         state_dict: Mapping[str, Any],

@@ -111,8 +111,10 @@ def load_weights(
     tied and optimizers built on the model keep their references. Everything is checked
     first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
     file and the keys) with the model unchanged. dtypes must match exactly: nothing is
-    cast silently. Module extra state that is not a tensor (see ``save_weights``) is left
-    as it is, and the report says how many entries that was.
+    cast silently. A module that defines ``check_state_tensors`` (an ``Fp8Linear``: its
+    scaling state against its policy) checks its tensors then too. Module extra state that
+    is not a tensor (see ``save_weights``) is left as it is, and the report says how many
+    entries that was.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -159,6 +161,7 @@ def load_weights(
         reason += f"; {kept} module extra-state entr{'y' if kept == 1 else 'ies'} left as they were"
 
     loaded = _materialise(file, header, chosen, device)
+    _check_module_state(model, {name: loaded[stored] for name, stored in resolved.items()})
     claimed: dict[str, int] = {}
     with torch.no_grad():
         for name, target in targets.items():
@@ -184,6 +187,19 @@ def load_weights(
         tensors=len(loaded),
         reason=f"{file}: {reason}",
     )
+
+
+def _check_module_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    # A module whose buffers carry state with rules of their own (an Fp8Linear's scaling
+    # state must match its policy) defines check_state_tensors(local_name -> tensor); it is
+    # asked before anything is replaced, so a checkpoint it refuses leaves the model as it
+    # was. The memory layer knows no such module: this is the seam they plug into.
+    for prefix, module in model.named_modules():
+        check = getattr(module, "check_state_tensors", None)
+        if not callable(check):
+            continue
+        head = f"{prefix}." if prefix else ""
+        check({k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)})
 
 
 def _tensor_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:

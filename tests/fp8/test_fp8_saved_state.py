@@ -24,7 +24,13 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from computectx import ComputeCtx
-from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Linear, Fp8Policy, Fp8Scheme
+from computectx.fp8 import (
+    DelayedScaling,
+    DynamicScaling,
+    Fp8Linear,
+    Fp8Policy,
+    Fp8Scheme,
+)
 from computectx.fp8.ledger import ledger_history, ledger_slot, ledger_step
 from computectx.fp8.saved_state import META_WORLD, STATE_VERSION, Role
 from computectx.memory import load_weights, save_weights
@@ -249,10 +255,19 @@ def test_state_recorded_under_another_policy_is_refused_naming_both(other: str) 
 def test_an_e5m2_state_never_reaches_an_e4m3_layer_through_load_weights(
     tmp_path: pathlib.Path,
 ) -> None:
-    # load_weights sets the buffers without load_state_dict: the first call checks them.
+    # load_weights asks the layer before it replaces anything: refused, model unchanged.
     path = save_weights(train_reference(model_of(ctx_of("e5m2/delayed/4/0/max"))), tmp_path / "w")
     target = model_of(ctx_of("e4m3/delayed/4/0/max"))
-    load_weights(target, path, ctx_of())
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(ValueError, match=r"e5m2/delayed/4/0/max.*e4m3/delayed/4/0/max"):
+        load_weights(target, path, ctx_of())
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+    # Buffers replaced any other way are checked at the layer's first call.
+    source = model_of(ctx_of("e5m2/delayed/4/0/max"))
+    for name, buffer in source.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf.startswith("fp8_"):
+            target.get_submodule(owner).register_buffer(leaf, buffer.clone())
     with pytest.raises(ValueError, match=r"e5m2/delayed/4/0/max.*e4m3/delayed/4/0/max"):
         target(PROBE)
 
