@@ -17,6 +17,7 @@ from computectx.distributed.fsdp import WeightGatheredAsFp8, enable_fp8_all_gath
 from computectx.distributed.group import check_same_policy, data_parallel_group
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
+from computectx.distributed.tensor_parallel import dtensor_fp8_linear
 
 __all__ = [
     "DataParallelGradAccumulator",
@@ -27,6 +28,7 @@ __all__ = [
     "WeightGatheredAsFp8",
     "check_same_policy",
     "data_parallel_group",
+    "dtensor_fp8_linear",
     "enable_fp8_all_gather",
     "fp8_buffer_names",
     "optimizer_state_dict",

@@ -14,6 +14,7 @@ exactly those and records nothing (``computectx.fp8.recompute``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -35,7 +36,15 @@ from computectx.fp8.recompute import (
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
-__all__ = ["ACTIVATION_DTYPES", "Fp8LinearPlan", "fp8_linear", "gemm_dtype_for"]
+__all__ = [
+    "ACTIVATION_DTYPES",
+    "DTensorLinear",
+    "Fp8LinearPlan",
+    "fp8_linear",
+    "gemm_dtype_for",
+    "is_dtensor",
+    "set_dtensor_linear",
+]
 
 ACTIVATION_DTYPES = ops.QUANTIZABLE_DTYPES
 """Input and weight dtypes an fp8 linear quantizes from."""
@@ -65,6 +74,14 @@ class Fp8LinearPlan:
     (``OperandScaling.quantize``). ``record=False`` is a call outside training: every
     operand is quantized from the state as it is and nothing is written
     (``OperandScaling.quantize_unrecorded``); ``amax_reduce`` is then ``None``.
+
+    ``input_reduce``, ``weight_reduce`` and ``grad_reduce`` are set for operands that are
+    shards of a larger tensor (tensor parallelism: ``computectx.distributed`` computes a
+    linear of DTensors on the local shards): each turns its operand's amax into the whole
+    tensor's (including ``amax_reduce``'s group when that is set), every call quantizes
+    that operand with the whole tensor's step and records the whole amax
+    (``OperandScaling.quantize_sharded``), and a call outside training uses it where it
+    needs the current amax.
     """
 
     policy: Fp8Policy
@@ -75,6 +92,41 @@ class Fp8LinearPlan:
     quantize: QuantizeImpl = "op"
     amax_reduce: AmaxReduce | None = None
     record: bool = True
+    input_reduce: AmaxReduce | None = None
+    weight_reduce: AmaxReduce | None = None
+    grad_reduce: AmaxReduce | None = None
+
+    def reduces(self) -> bool:
+        """Whether any quantize of this call reduces its amax with other ranks."""
+        return any(
+            r is not None
+            for r in (self.amax_reduce, self.input_reduce, self.weight_reduce, self.grad_reduce)
+        )
+
+
+DTensorLinear = Callable[
+    [torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", Fp8LinearPlan], torch.Tensor
+]
+"""Computes ``fp8_linear`` of operands some of which are DTensors (the seam
+``computectx.distributed`` fills: it runs the call on the local shards)."""
+
+_dtensor_linear: list[DTensorLinear] = []
+
+
+def set_dtensor_linear(fn: DTensorLinear) -> None:
+    """Make ``fn`` the handler of fp8 linears whose operands include a DTensor."""
+    _dtensor_linear[:] = [fn]
+
+
+def is_dtensor(t: torch.Tensor | None) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (no import for plain tensors)."""
+    if t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
+        return False
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def fp8_linear(
@@ -89,10 +141,19 @@ def fp8_linear(
     pre-quantized one). Inputs are assumed checked by the caller (dtype in
     ``ACTIVATION_DTYPES``, matching ``in_features``).
     """
+    if is_dtensor(x) or is_dtensor(weight) or is_dtensor(bias):
+        # Tensor parallelism (or any DTensor activations): the handler runs this call on
+        # the local shards, each amax the whole tensor's.
+        if not _dtensor_linear:
+            raise TypeError(
+                "an fp8 linear got DTensor operands (tensor parallelism); import "
+                "computectx.distributed, which computes it on the local shards"
+            )
+        return _dtensor_linear[0](x, weight, bias, plan)
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0 and plan.amax_reduce is not None:
+    if x2.shape[0] == 0 and plan.reduces():
         # No rows on this rank, but the group's other ranks quantize theirs: this rank
         # takes part in every reduction they issue (forward and backward) and records what
         # they record, through the same path. An amax of 0 is MAX's identity. On the
@@ -189,12 +250,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # both products see the same rounded gradient.
             bwd = plan.policy.format.backward
             grad = plan.state.grad
-            if plan.record:
+            if plan.record and plan.grad_reduce is not None:
+                gq, sg = grad.quantize_sharded(
+                    dy, bwd, plan.policy.scaling, plan.backend, plan.grad_reduce
+                )
+            elif plan.record:
                 gq, sg = grad.quantize(
                     dy, bwd, plan.policy.scaling, plan.backend, plan.quantize, plan.amax_reduce
                 )
             else:
-                gq, sg = grad.quantize_unrecorded(dy, bwd, plan.policy.scaling, plan.backend)
+                gq, sg = grad.quantize_unrecorded(
+                    dy, bwd, plan.policy.scaling, plan.backend, plan.grad_reduce
+                )
             if need_x:
                 # dX[M, K] = dY[M, N] · W[N, K]; scaled_mm wants b as [K, N]: W's transpose.
                 dx = ops.scaled_mm(gq, wq.t(), sg, sw, None, plan.gemm_dtype, backend=plan.backend)
@@ -232,12 +299,16 @@ def _quantize_operands(
     if replay is not None:
         xq, _ = ops.quantize_with_step(x, fwd, replay.input_step, backend=plan.backend)
         sx = replay.input_step
+    elif plan.record and plan.input_reduce is not None:
+        xq, sx = plan.state.input.quantize_sharded(x, fwd, scaling, plan.backend, plan.input_reduce)
     elif plan.record:
         xq, sx = plan.state.input.quantize(
             x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
         )
     else:
-        xq, sx = plan.state.input.quantize_unrecorded(x, fwd, scaling, plan.backend)
+        xq, sx = plan.state.input.quantize_unrecorded(
+            x, fwd, scaling, plan.backend, plan.input_reduce
+        )
     if plan.frozen_weight is not None:
         wq, sw = plan.frozen_weight
     elif isinstance(weight, Fp8Weight):
@@ -252,8 +323,14 @@ def _quantize_operands(
         if replay is not None and replay.weight_step is not None:
             sw = replay.weight_step
             wq, _ = ops.quantize_with_step(weight, fwd, sw, backend=plan.backend)
+        elif plan.record and plan.weight_reduce is not None:
+            wq, sw = plan.state.weight.quantize_sharded(
+                weight, fwd, scaling, plan.backend, plan.weight_reduce
+            )
         elif plan.record:
             wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
         else:
-            wq, sw = plan.state.weight.quantize_unrecorded(weight, fwd, scaling, plan.backend)
+            wq, sw = plan.state.weight.quantize_unrecorded(
+                weight, fwd, scaling, plan.backend, plan.weight_reduce
+            )
     return xq, sx, wq, sw, live_step, own_w

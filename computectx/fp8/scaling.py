@@ -33,7 +33,14 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import custom_ops, ops, reference
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.inline import QuantizeImpl
-from computectx.fp8.ledger import ledger_history_len, ledger_new, ledger_step
+from computectx.fp8.ledger import (
+    ledger_history,
+    ledger_history_len,
+    ledger_new,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_step,
+)
 from computectx.fp8.saved_state import (
     META_WORLD,
     ROLES,
@@ -90,6 +97,30 @@ def _held(store: Store, key: str) -> torch.Tensor:
     if t is None:
         raise RuntimeError(f"the fp8 scaling tensor {key!r} is missing from its module")
     return t
+
+
+def _replicated_value(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
+    # torch's distribute_module (under parallelize_module: tensor parallelism) replaces a
+    # module's plain buffers with replicated DTensors. The scaling state stays plain
+    # tensors: a replicated DTensor's local tensor is its whole value.
+    if t is None or type(t) is torch.Tensor or not torch.distributed.is_available():
+        return t
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor):
+        return t
+    if not all(isinstance(p, Replicate) for p in t.placements):
+        raise ValueError(
+            f"{what}: the scaling tensors are DTensors placed {tuple(t.placements)}; they "
+            f"hold one value for the whole layer, so only a replicated DTensor can stand "
+            f"for them"
+        )
+    # A plain copy: the local tensor of a DTensor that distribute_tensor broadcast may be a
+    # functional collective's wrapper.
+    local = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    with torch.no_grad():
+        local.copy_(t.to_local())
+    return local
 
 
 class OperandScaling:
@@ -258,6 +289,54 @@ class OperandScaling:
         if not torch.compiler.is_compiling():  # a host flag: never written in a trace
             self._seeded_hint = True
         return data, step
+
+    def quantize_sharded(
+        self,
+        x: torch.Tensor,
+        fmt: Fp8Format,
+        scaling: DelayedScaling | DynamicScaling,
+        backend: Fp8Backend,
+        reduce: AmaxReduce,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantize ``x``, one rank's shard of a larger tensor, and record what one process
+        quantizing the whole tensor records: ``(data_fp8, step_used)``.
+
+        ``reduce`` turns the shard's amax into the whole tensor's (tensor parallelism:
+        ``computectx.distributed`` reduces it over the mesh dimensions the tensor is
+        sharded over). Dynamic: the step of the whole amax. Delayed: the ledger's step;
+        the first call seeds the history with the whole amax, and every call records the
+        whole amax (one reduction per call, so the ledgers stay identical on every rank
+        holding a shard without a merge). The saturated count is the shard's and the
+        element count the shard's elements. Device ops only.
+        """
+        if isinstance(scaling, DynamicScaling):
+            return self._quantize_reduced(x, fmt, scaling, backend, reduce)
+        whole = reduce(reference.amax(x)).to(torch.float32).reshape(1)
+        ledger, tally = self.ledger, self.tally
+        history, step = ledger_history(ledger), ledger_step(ledger)
+        finite = torch.isfinite(whole)
+        unseeded = tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] == 0
+        seed = unseeded & finite
+        with torch.no_grad():
+            history.copy_(torch.where(seed, whole.expand_as(history), history))
+            step.copy_(
+                torch.where(seed, reference.step_from_amax(whole, fmt, scaling.margin), step)
+            )
+            if history.numel() > 1:
+                history.copy_(torch.roll(history, -1))
+            step_used = step.clone()
+            data, _ = ops.quantize_with_step(x, fmt, step_used, backend=backend)
+            newest = history[-1:]
+            newest.copy_(torch.where(finite, whole, newest))
+            window = history.amax().reshape(1) if scaling.algo == "max" else whole
+            fresh = reference.step_from_amax(window, fmt, scaling.margin)
+            step.copy_(torch.where(finite, fresh, step))
+            ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
+            ledger_saturated(ledger).add_(reference.saturated_count(x, step_used, fmt))
+            custom_ops.count(tally, x)
+        if not torch.compiler.is_compiling():
+            self._seeded_hint = True
+        return data, step_used
 
     def quantize_unrecorded(
         self,
@@ -444,8 +523,11 @@ class Fp8ScalingState:
         if meta is self._meta_seen or meta.device.type == "meta":
             return
         names = tensor_names()
-        found = {n: self._store.get(k) for n, k in zip(names, self.tensor_names(), strict=True)}
         what = "the fp8 scaling state set into this layer"
+        found = {
+            n: _replicated_value(self._store.get(k), what)
+            for n, k in zip(names, self.tensor_names(), strict=True)
+        }
         self.install(read_saved_tensors(found, self.policy, self.device, what))
 
     def install(self, saved: SavedScaling) -> None:

@@ -32,12 +32,24 @@ def _world_size() -> int:
     return int(dist.get_world_size())
 
 
+def _on_whole_world_mesh(layer: nn.Module, world: int) -> bool:
+    # A weight that is a DTensor on a mesh of every rank (tensor parallelism over the whole
+    # world, torchtitan's full_dtensor mode): each quantize of a sharded operand takes the
+    # whole tensor's amax over the mesh, so every rank's scales are the same by construction.
+    weight = getattr(layer, "weight", None)
+    if weight is None or type(weight) in (torch.Tensor, nn.Parameter):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(weight, DTensor) and weight.device_mesh.size() == world
+
+
 def warn_if_unsynced(layer: nn.Module) -> None:
     """Warn once per process when ``layer`` trains on one of several ranks unsynced."""
     if _warned[0]:
         return
     world = _world_size()
-    if world <= 1:
+    if world <= 1 or _on_whole_world_mesh(layer, world):
         return
     _warned[0] = True
     warnings.warn(
