@@ -3,6 +3,9 @@
 A block runs on its own, in a fresh interpreter, unless the line right above its fence is
 ``<!-- continue -->``: then it continues the block before it on the same page, and the
 chain runs as one script (the prose says so too, for readers of the rendered page).
+``<!-- requires: accelerate -->`` right above a block's fence names the optional packages it
+imports (comma-separated import names): without one of them the block is skipped, with the
+reason, instead of failing (the frameworks of docs/integrations.md are an optional extra).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 CONTINUE = "<!-- continue -->"
+REQUIRES = re.compile(r"^<!-- requires: ([\w., ]+) -->$")
 FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", flags=re.S | re.M)
 
 
@@ -28,6 +32,7 @@ class Chain:
     page: str
     first_line: int
     code: str
+    requires: tuple[str, ...] = ()
 
 
 def chains_of(text: str, page: str) -> list[Chain]:
@@ -42,7 +47,9 @@ def chains_of(text: str, page: str) -> list[Chain]:
             last = chains.pop()
             chains.append(Chain(page, last.first_line, last.code + "\n" + match.group(1)))
         else:
-            chains.append(Chain(page, line, match.group(1)))
+            needs = REQUIRES.match(before)
+            mods = tuple(m.strip() for m in needs.group(1).split(",")) if needs else ()
+            chains.append(Chain(page, line, match.group(1), mods))
     return chains
 
 
@@ -60,6 +67,10 @@ def test_chains_split_and_continue() -> None:
     ]
     with pytest.raises(ValueError, match="first block"):
         chains_of("<!-- continue -->\n```python\nx = 1\n```\n", "p.md")
+    needing = "<!-- requires: accelerate, lightning.fabric -->\n```python\nimport accelerate\n```\n"
+    assert chains_of(needing, "p.md") == [
+        Chain("p.md", 2, "import accelerate\n", ("accelerate", "lightning.fabric"))
+    ]
 
 
 def test_the_docs_have_samples() -> None:
@@ -69,6 +80,8 @@ def test_the_docs_have_samples() -> None:
 
 @pytest.mark.parametrize("chain", CHAINS, ids=[f"{c.page}:{c.first_line}" for c in CHAINS])
 def test_sample_runs(chain: Chain, tmp_path: Path) -> None:
+    for module in chain.requires:
+        pytest.importorskip(module, reason=f"{chain.page} needs {module} (an optional extra)")
     # In a temporary folder, so a sample that writes files leaves nothing in the checkout.
     res = subprocess.run(
         [sys.executable, "-c", chain.code],

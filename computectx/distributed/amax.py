@@ -167,8 +167,11 @@ class Fp8AmaxSync:
             return
         self._group = data_parallel_group(group)
         self._world = dist.get_world_size(self._group)
-        if isinstance(model, DistributedDataParallel):
-            _out_of_ddp_broadcast(model)
+        # A DDP module, or one inside a framework's wrapper (Lightning Fabric's module runs
+        # its DDP as a submodule): its buffer broadcast would overwrite the merged ledgers.
+        for module in model.modules():
+            if isinstance(module, DistributedDataParallel):
+                _out_of_ddp_broadcast(module)
         layers = _layers(model)
         if layers:
             check_same_policy(layers[0].ctx, self._group)

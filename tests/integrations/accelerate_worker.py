@@ -1,0 +1,119 @@
+"""One rank of the accelerate recipe (docs/integrations.md), started by torchrun.
+
+``python -m torch.distributed.run --nproc-per-node N accelerate_worker.py OUT_DIR``: trains an
+fp8 MLP with an ``OffloadedOptimizer`` through ``Accelerator.prepare``, clips with
+``accelerator.clip_grad_norm_``, saves with ``save_state()`` and loads the state into a fresh
+model and optimizer with ``load_state()``. Writes ``OUT_DIR/rank{R}.pt``.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import InitProcessGroupKwargs
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.distributed import sync_fp8_scaling
+from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.memory import OffloadedOptimizer
+
+ROWS, WIDTH = 8, 32
+
+
+def build(accelerator: Accelerator) -> tuple[nn.Module, OffloadedOptimizer, nn.Module]:
+    """The model as prepared (DDP on many ranks), the prepared optimizer, the model itself."""
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(offload=torch.device("cpu"))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
+    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    opt = OffloadedOptimizer(model.parameters(), ctx, torch.optim.AdamW, lr=1e-3)
+    prepared, opt = accelerator.prepare(model, opt)
+    return prepared, opt, model
+
+
+def ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        f"{name}.{role}": op.ledger.detach().clone()
+        for name, m in model.named_modules()
+        if isinstance(m, Fp8Linear)
+        for role, op in m.scaling.operands.items()
+    }
+
+
+def same(a: object, b: object) -> bool:
+    """Whether two optimizer state dicts hold equal values (tensors bit for bit)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(same(x, y) for x, y in zip(a, b, strict=True))
+        )
+    return a == b
+
+
+def train_step(
+    model: nn.Module, opt: OffloadedOptimizer, accelerator: Accelerator, step: int
+) -> float:
+    rank, world = accelerator.process_index, accelerator.num_processes
+    per = ROWS // world
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(ROWS, WIDTH, generator=gen) * (1.0 + 10.0 * step)
+    loss = model(x[rank * per : (rank + 1) * per]).float().square().mean()
+    accelerator.backward(loss)
+    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+    return float(accelerator.reduce(loss.detach(), reduction="mean"))
+
+
+def main(out: Path) -> None:
+    timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=30))
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[timeout])
+    model, opt, inner = build(accelerator)
+    sync = sync_fp8_scaling(model)  # DDP under torchrun; nothing to keep in step alone
+    losses = [train_step(model, opt, accelerator, step) for step in range(4)]
+    sync.sync()  # the last backward's amaxes too, before saving
+    probe = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(99))
+    saved_ledgers = ledgers(inner)
+    saved_opt = copy.deepcopy(opt.state_dict())
+    inner.eval()
+    with torch.no_grad():
+        before = inner(probe)
+    inner.train()
+    accelerator.save_state(str(out / "state"))  # the defaults: safetensors for the model
+    accelerator.wait_for_everyone()  # rank 0 writes; every rank reads
+    train_step(model, opt, accelerator, 4)  # moves weights, ledgers and moments on
+    accelerator.load_state(str(out / "state"))
+    inner.eval()
+    with torch.no_grad():
+        after = inner(probe)
+    loaded_opt = opt.state_dict()
+    torch.save(
+        {
+            "losses": torch.tensor(losses),
+            "ledgers": saved_ledgers,
+            "ledgers_loaded": ledgers(inner),
+            "before": before,
+            "after": after,
+            "optimizer_equal": same(saved_opt, loaded_opt),
+            "world": accelerator.num_processes,
+            "distributed_type": str(accelerator.distributed_type),
+        },
+        out / f"rank{accelerator.process_index}.pt",
+    )
+    accelerator.wait_for_everyone()  # no rank tears the group down while another uses it
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))

@@ -1,0 +1,54 @@
+"""Launch a framework's recipe under torchrun with a wall-clock limit (the frameworks are the
+optional ``integrations`` extra: each test module skips, with its reason, when one is absent).
+
+The worker sets its own collective timeout (30 s); ``torchrun`` runs here with a limit of
+60 s, so a hang fails the test in about a minute instead of stalling CI.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+LIMIT_S = 60.0
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def torchrun(worker: str, nproc: int, out: Path, *args: str) -> list[dict[str, Any]]:
+    """Run ``worker`` (a file in this folder) on ``nproc`` ranks with ``torchrun``; each
+    rank's ``out/rank{R}.pt``."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(HERE / worker),
+        str(out),
+        *args,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=LIMIT_S)
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr if isinstance(e.stderr, str) else ""
+        pytest.fail(f"{worker} on {nproc} rank(s) ran past {LIMIT_S} s:\n{err[-6000:]}")
+    if done.returncode != 0:
+        pytest.fail(f"{worker} on {nproc} rank(s) failed:\n{done.stderr[-6000:]}")
+    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
