@@ -6,7 +6,8 @@ The picture in docs/design.md is this table:
   face) imports nothing downstream, and inside the core each module only imports the ones
   below it;
 - ``fp8`` and ``memory`` read the core; ``nn`` reads the core, ``fp8`` and ``memory``;
-  ``distributed`` may read all four; ``demo``/``cli`` sit on top;
+  ``distributed`` may read all four; ``integrations`` (adapters that import a training
+  framework) may read all five and nothing reads it; ``demo``/``cli`` sit on top;
 - ``kernels`` imports nothing from ``computectx``, and only ``fp8`` reaches it, lazily (inside
   a function), so ``import computectx.fp8`` works without triton;
 - no module imports another module's ``_private`` names, and a ``_private`` module is used
@@ -41,9 +42,10 @@ ALLOWED: dict[str, frozenset[str]] = {
     "memory": frozenset({"core"}),
     "nn": frozenset({"core", "fp8", "memory"}),
     "distributed": frozenset({"core", "fp8", "memory", "nn"}),
+    "integrations": frozenset({"core", "fp8", "memory", "nn", "distributed"}),
     "app": frozenset({"core", "fp8", "memory", "nn", "distributed"}),
 }
-SUBPACKAGE_LAYERS = {"fp8", "memory", "nn", "distributed", "kernels"}
+SUBPACKAGE_LAYERS = {"fp8", "memory", "nn", "distributed", "kernels", "integrations"}
 APP_MODULES = {"demo", "cli", "__main__"}
 
 

@@ -1,0 +1,166 @@
+"""computectx fp8 in torchtitan: a model converter, as torchtitan's float8 converter is one.
+
+torchtitan (0.3) builds a model from a config tree, and its converters rewrite that tree before
+the build. ``Fp8LinearConverter`` replaces every ``Linear.Config`` it selects with
+``Fp8TitanLinear.Config``: the same widths, bias, ``param_init`` and ``sharding_config``, plus
+the ``ComputeCtx`` as its text form (``policy``), so the config stays plain data that dumps and
+parses. ``Fp8TitanLinear`` is an ``Fp8Linear`` that is also a torchtitan ``Module`` (config
+building, ``init_states``; its scaling buffers start fresh when the model is materialized from
+the meta device). Linears left alone: the names in ``filter_fqns``, output heads
+(``computectx.fp8.HEAD_NAMES``) unless ``convert_head``, widths that are not multiples of 16,
+and subclasses of ``Linear`` (their forward is their own).
+
+Two hooks for the ``ModelSpec``:
+
+- ``fp8_parallelize_fn(base)``: runs the model's own ``parallelize_fn``, then attaches
+  ``sync_fp8_scaling`` over the ranks that see different data (torchtitan's ``loss`` mesh:
+  data parallel and context parallel), after ``fully_shard`` as it must be;
+- ``fp8_post_optimizer_build_fn``: after every optimizer step, merges the ledgers of every
+  rank, so the checkpoints torchtitan takes after a step hold every rank's last amaxes.
+
+Tensor-parallel linears (DTensor operands) take the whole tensor's amax by themselves
+(``computectx.distributed.tensor_parallel``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from torch import nn
+from torchtitan.components.quantization import QuantizationConverter
+from torchtitan.models.common.linear import Linear
+from torchtitan.protocols.module import Module
+
+from computectx import ComputeCtx
+from computectx.distributed import Fp8AmaxSync, sync_fp8_scaling
+from computectx.fp8 import HEAD_NAMES, Fp8Linear
+
+__all__ = [
+    "Fp8LinearConverter",
+    "Fp8TitanLinear",
+    "fp8_parallelize_fn",
+    "fp8_post_optimizer_build_fn",
+    "policy_of",
+]
+
+FEATURE_MULTIPLE = 16
+
+
+def policy_of(policy: str, device: str = "cuda") -> ComputeCtx:
+    """A ``ComputeCtx`` from a ``--dtype`` flag (``"fp8_hybrid"``) or a text form."""
+    if "=" in policy:
+        return ComputeCtx.parse(policy)
+    return ComputeCtx.from_flag(policy, device)
+
+
+class Fp8TitanLinear(Fp8Linear, Module):
+    """``Fp8Linear`` built from a torchtitan config (``Fp8TitanLinear.Config``)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Linear.Config):
+        """``Linear.Config`` plus the policy, as ``str(ctx)`` (``ComputeCtx.parse`` reads it)."""
+
+        policy: str
+
+    def __init__(self, config: Config) -> None:
+        Fp8Linear.__init__(
+            self,
+            config.in_features,
+            config.out_features,
+            bias=config.bias,
+            ctx=ComputeCtx.parse(config.policy),
+        )
+
+
+class Fp8LinearConverter(QuantizationConverter):
+    """Replace the selected ``Linear.Config`` entries with ``Fp8TitanLinear.Config``."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(QuantizationConverter.Config):
+        policy: str = "fp8_hybrid"
+        """A ``--dtype`` flag (``fp8_hybrid``, ``fp8_hybrid_dynamic``, ...) or the text form
+        of a ``ComputeCtx``."""
+
+        device: str = "cuda"
+        """The device of a policy given as a flag."""
+
+        filter_fqns: list[str] = field(default_factory=list)
+        """Linears to leave alone: a layer whose name contains one of these."""
+
+        convert_head: bool = False
+        """Whether output heads (``lm_head``, ``output``, ``head``) run in fp8 too."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        ctx = policy_of(config.policy, config.device)
+        if ctx.fp8 is None:
+            raise ValueError(f"the policy {config.policy!r} has no fp8 policy: {ctx}")
+        self.policy = str(ctx)
+        self.converted: list[str] = []
+
+    def selects(self, fqn: str, linear: Any) -> bool:
+        """Whether the linear config at ``fqn`` becomes fp8."""
+        last = fqn.rsplit(".", 1)[-1].lower()
+        return (
+            type(linear) is Linear.Config
+            and not any(f in fqn for f in self.config.filter_fqns)
+            and (self.config.convert_head or last not in HEAD_NAMES)
+            and linear.in_features % FEATURE_MULTIPLE == 0
+            and linear.out_features % FEATURE_MULTIPLE == 0
+        )
+
+    def convert(self, model_config: Any) -> Any:
+        """The model config with the selected linears' configs replaced."""
+        for fqn, linear, parent, attr in list(model_config.traverse(Linear.Config)):
+            if not self.selects(fqn, linear):
+                continue
+            values = {f.name: getattr(linear, f.name) for f in fields(linear)}
+            new = Fp8TitanLinear.Config(**values, policy=self.policy)
+            self.converted.append(fqn)
+            if parent is None:
+                model_config = new
+            elif isinstance(parent, list):
+                parent[attr] = new
+            else:
+                setattr(parent, attr, new)
+        return model_config
+
+
+_SYNC_ATTR = "_computectx_fp8_sync"
+
+
+def fp8_parallelize_fn(base: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """``base`` (a model's ``parallelize_fn``), then ``sync_fp8_scaling`` over the ranks that
+    see different data (the ``loss`` mesh), on what ``base`` returned."""
+
+    def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
+        model = base(model, parallel_dims=parallel_dims, **kwargs)
+        mesh = parallel_dims.get_optional_mesh("loss")
+        if mesh is not None and mesh.size() > 1:
+            setattr(model, _SYNC_ATTR, sync_fp8_scaling(model, mesh))
+        return model
+
+    return parallelize
+
+
+def fp8_post_optimizer_build_fn(
+    optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any
+) -> None:
+    """Merge every rank's ledgers after each optimizer step (a step post-hook), so a
+    checkpoint taken after a step holds them all."""
+    syncs: list[Fp8AmaxSync] = [
+        s for part in model_parts if isinstance(s := getattr(part, _SYNC_ATTR, None), Fp8AmaxSync)
+    ]
+    if not syncs:
+        return
+
+    def merge(*args: Any, **kwargs: Any) -> None:
+        for sync in syncs:
+            sync.sync()
+
+    for opt in getattr(optimizers, "optimizers", [optimizers]):
+        if isinstance(opt, torch.optim.Optimizer):
+            opt.register_step_post_hook(merge)

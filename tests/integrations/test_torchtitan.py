@@ -1,0 +1,91 @@
+"""torchtitan (docs/integrations.md): its llama3 debug model built with
+``Fp8LinearConverter`` on the CPU, forward and backward in one process.
+
+Stock torchtitan cannot train on a CPU (FlexAttention has no CPU backward), so the test
+swaps the inner attention's config for torch's SDPA before the build; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is in the optional extra: pip install -e '.[integrations]'"
+)
+
+from torchtitan.models.common.attention import (
+    FlexAttention,
+    ScaledDotProductAttention,
+)
+from torchtitan.models.llama3 import model_registry
+
+from computectx import ComputeCtx
+from computectx.fp8 import Fp8Linear
+from computectx.integrations.torchtitan import (
+    Fp8LinearConverter,
+    Fp8TitanLinear,
+    fp8_parallelize_fn,
+    fp8_post_optimizer_build_fn,
+)
+
+
+def _build(converters: list[Any]) -> torch.nn.Module:
+    spec = model_registry("debugmodel", converters=converters)
+    for _fqn, _cfg, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())  # CPU backward
+    with torch.device("meta"):
+        model: torch.nn.Module = spec.model.build()
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))  # type: ignore[operator]
+    return model
+
+
+def test_the_llama3_debug_model_trains_in_fp8_on_the_cpu() -> None:
+    converter = Fp8LinearConverter.Config(policy="fp8_hybrid", device="cpu")
+    model = _build([converter])
+    plain = _build([])
+    fp8 = {n for n, m in model.named_modules() if isinstance(m, Fp8TitanLinear)}
+    # Every linear of the 6 blocks (fused qkv, wo, w1, w2, w3); the output head stays.
+    assert len(fp8) == 30 and "lm_head" not in fp8
+    layer = model.get_submodule("layers.0.feed_forward.w1")
+    assert isinstance(layer, Fp8Linear)
+    assert str(layer.ctx) == str(ComputeCtx.from_flag("fp8_hybrid", "cpu"))
+    assert all(op.seeded is False for op in layer.scaling.operands.values())  # fresh, not meta
+
+    tokens = torch.randint(0, 2048, (2, 32), generator=torch.Generator().manual_seed(1))
+    logits = model(tokens)
+    want = plain(tokens)
+    assert logits.shape == (2, 32, 2048)
+    # The same weights (same seed, same init), within the fp8 error of 30 quantized GEMMs.
+    rel = ((logits.float() - want.float()).norm() / want.float().norm()).detach()
+    assert float(rel) < 0.1, float(rel)
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
+    loss.backward()  # type: ignore[no-untyped-call]
+    for name, p in model.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
+    for op in layer.scaling.operands.values():
+        assert op.seeded and op.elements > 0  # input, weight and the output gradient
+
+
+def test_the_hooks_do_nothing_in_one_process() -> None:
+    class Dims:
+        def get_optional_mesh(self, name: str) -> None:
+            return None
+
+    model = torch.nn.Linear(16, 16)
+    calls = []
+
+    def base(m: torch.nn.Module, *, parallel_dims: Any, **kwargs: Any) -> torch.nn.Module:
+        calls.append(kwargs)
+        return m
+
+    assert fp8_parallelize_fn(base)(model, parallel_dims=Dims(), training=None) is model
+    assert calls == [{"training": None}]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    fp8_post_optimizer_build_fn(opt, [model], Dims())  # no sync attached: no hook
+    assert not opt._optimizer_step_post_hooks
