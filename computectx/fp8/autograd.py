@@ -96,6 +96,10 @@ class Fp8LinearPlan:
     weight_reduce: AmaxReduce | None = None
     grad_reduce: AmaxReduce | None = None
 
+    lockstep: bool = False
+    """The layer is kept in step with other ranks and this call records: an empty input
+    still goes through the recording path, so its history moves with theirs."""
+
     def reduces(self) -> bool:
         """Whether any quantize of this call reduces its amax with other ranks."""
         return any(
@@ -153,19 +157,28 @@ def fp8_linear(
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0 and plan.reduces():
-        # No rows on this rank, but the group's other ranks quantize theirs: this rank
-        # takes part in every reduction they issue (forward and backward) and records what
-        # they record, through the same path. An amax of 0 is MAX's identity. On the
-        # pure-torch twins: a kernel launch over no elements is not worth a special case.
-        plan = replace(plan, backend=Fp8Backend.REFERENCE)
-    elif x2.shape[0] == 0:
-        # No rows: nothing to measure, and an empty amax (0) must not enter the history.
-        # A matmul, not F.linear, so an open region's dispatch does not see the call.
-        w = weight if weight is not None else _dequantized(plan, x.dtype)
-        y = x.matmul(w.to(x.dtype).t())
-        return y if bias is None else y + bias.to(x.dtype)
     site = checkpoint_site(plan.record)
+    if x2.shape[0] == 0:
+        checkpointed = site is not None and site.kind != "backward"
+        if plan.reduces() or plan.lockstep:
+            # No rows on this rank, but the group's other ranks quantize theirs: this rank
+            # takes part in every reduction they issue (forward and backward) and records
+            # what they record, through the same path, so its history moves in step with
+            # theirs (an amax of 0 is MAX's identity).
+            pass
+        elif checkpointed:
+            # A checkpointed region's call and its recomputation must take the same path
+            # (the recomputation cannot know whether the original was armed): the function,
+            # recording nothing here, as the matmul below would not.
+            plan = replace(plan, record=False)
+        else:
+            # No rows: nothing to measure, and an empty amax (0) must not enter the
+            # history. A matmul, not F.linear, so an open region's dispatch does not see it.
+            w = weight if weight is not None else _dequantized(plan, x.dtype)
+            y = x.matmul(w.to(x.dtype).t())
+            return y if bias is None else y + bias.to(x.dtype)
+        # On the pure-torch twins: a kernel launch over no elements is not worth a case.
+        plan = replace(plan, backend=Fp8Backend.REFERENCE)
     y2: torch.Tensor = _Fp8LinearFunction.apply(x2, weight, bias, plan, site)  # type: ignore[no-untyped-call]
     # Back to x's leading shape as a new tensor, not a view of the 2-D product (what
     # torch.matmul does for N-D inputs): wrappers that hook module outputs (FSDP2's

@@ -216,8 +216,10 @@ class Fp8Linear(nn.Linear):
             and (torch.is_grad_enabled() or in_reentrant_checkpoint_forward())
         )
         reduce = self.amax_reduce
+        lockstep = False
         if reduce is not None:
             record = record and reduce.armed
+            lockstep = record
             if not (record and reduce.reduces):
                 reduce = None
         elif record and not torch.compiler.is_compiling():
@@ -231,6 +233,7 @@ class Fp8Linear(nn.Linear):
             quantize=self._quantize,
             amax_reduce=reduce,
             record=record,
+            lockstep=lockstep,
         )
         return fp8_linear(x, None if self._frozen else self.weight, self.bias, plan)
 

@@ -134,7 +134,11 @@ def empty_shard(params: dict[str, Any]) -> dict[str, Any]:
     ctx = _ctx(params["scaling"])
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _mlp(ctx)
-    run: nn.Module = DistributedDataParallel(model) if world > 1 else model
+    inner: nn.Module = model
+    reentrant = params.get("checkpoint")
+    if reentrant is not None:
+        inner = _Checkpointed(model, reentrant == "reentrant")
+    run: nn.Module = DistributedDataParallel(inner, static_graph=True) if world > 1 else inner
     sync = sync_fp8_scaling(run)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     outs = []
@@ -146,6 +150,23 @@ def empty_shard(params: dict[str, Any]) -> dict[str, Any]:
         opt.zero_grad()
     sync.sync()
     return {"ledgers": _ledgers(model), "shapes": [tuple(o.shape) for o in outs]}
+
+
+class _Checkpointed(nn.Module):
+    """``model`` under activation checkpointing (its forward recomputed in the backward)."""
+
+    def __init__(self, model: nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.model = model
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if self.reentrant:
+            x = x.detach().requires_grad_()  # a reentrant region needs an input that does
+        out: torch.Tensor = checkpoint(self.model, x, use_reentrant=self.reentrant)
+        return out
 
 
 def compiled_then_eager(params: dict[str, Any]) -> dict[str, Any]:

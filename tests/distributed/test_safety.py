@@ -46,12 +46,26 @@ def test_rank_local_forwards_issue_no_collective_and_record_nothing(
         assert torch.equal(r0["end"][key], r1["end"][key]), key
 
 
-@pytest.mark.parametrize(("scaling", "empty_at"), [("dynamic", 1), ("delayed", 0)])
+@pytest.mark.parametrize(
+    ("scaling", "empty_at", "checkpoint"),
+    [
+        ("dynamic", 1, None),
+        ("delayed", 0, None),
+        ("dynamic", 1, "non_reentrant"),
+        ("dynamic", 1, "reentrant"),
+    ],
+)
 def test_an_empty_micro_batch_still_takes_part_in_every_reduction(
-    run_ranks: RunRanks, scaling: str, empty_at: int
+    run_ranks: RunRanks, scaling: str, empty_at: int, checkpoint: str | None
 ) -> None:
+    # Under activation checkpointing too: the recomputation of the empty rank's call takes
+    # the path its original took, and its backward reduces as the other rank's does.
     r0, r1 = run_ranks(
-        "scenarios_safety.py:empty_shard", limit_s=LIMIT_S, scaling=scaling, empty_at=empty_at
+        "scenarios_safety.py:empty_shard",
+        limit_s=LIMIT_S,
+        scaling=scaling,
+        empty_at=empty_at,
+        checkpoint=checkpoint,
     )
     assert r1["shapes"][empty_at] == (0, 32)
     for key, ledger in r0["ledgers"].items():
