@@ -60,7 +60,10 @@ def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor
     ``a / step = fmt.max / 2**margin``: the margin is headroom below the format's maximum.
 
     A zero or non-finite amax, or one whose step underflows to zero or overflows to inf,
-    gives 1.0, so nothing divides by zero and no step is infinite.
+    gives 1.0, so nothing divides by zero and no step is infinite. A step below float32's
+    smallest normal number (an amax under about 5e-36 for E4M3) would keep too few bits to
+    scale by: it is raised to that number, so such values quantize as the format's
+    subnormals or zero, within the subnormal bound.
     """
     a32 = a.to(torch.float32)
     # fmt.max / 2**margin is exact (a power of two apart), so the step is one IEEE
@@ -72,6 +75,8 @@ def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor
     step = a32 / target
     # A non-finite amax gives a non-finite step; so does a finite one that overflows.
     good = torch.isfinite(step) & (step > 0)
+    tiny = torch.full_like(step, torch.finfo(torch.float32).tiny)
+    step = torch.where(step < tiny, tiny, step)
     return torch.where(good, step, torch.ones_like(step))
 
 

@@ -44,7 +44,6 @@ from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Sch
 __all__ = [
     "META_LEN",
     "META_WORLD",
-    "READABLE_VERSIONS",
     "ROLES",
     "STATE_VERSION",
     "Role",
@@ -56,6 +55,7 @@ __all__ = [
     "read_saved_dict",
     "read_saved_tensors",
     "resize_ledger",
+    "same_recipe",
     "tensor_names",
 ]
 
@@ -66,7 +66,6 @@ ROLES: tuple[Role, ...] = ("input", "weight", "grad")
 STATE_VERSION = 3
 """The version ``fp8_meta`` records. Versions 1 and 2 were dicts in ``_extra_state``
 (``read_saved_dict``)."""
-READABLE_VERSIONS = (1, 2, 3)
 _LEDGER_KEY_V1 = "ring"  # rename.py: keep (the key version-1 checkpoints use)
 
 META_VERSION, META_WORLD, META_SCHEME, META_RECIPE, META_HISTORY, META_MARGIN, META_ALGO = range(7)
@@ -156,14 +155,20 @@ def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
     return Fp8Policy(format=scheme, scaling=scaling), v[META_WORLD]
 
 
+def same_recipe(a: Fp8Policy, b: Fp8Policy) -> bool:
+    """Whether state recorded under ``a`` serves ``b``: they differ at most in the history
+    length (the one field converted)."""
+    x, y = a.scaling, b.scaling
+    same = a.format == b.format and x.kind == y.kind and x.margin == y.margin
+    if same and isinstance(x, DelayedScaling) and isinstance(y, DelayedScaling):
+        same = x.algo == y.algo
+    return same
+
+
 def check_same_recipe(saved: Fp8Policy, target: Fp8Policy, what: str) -> None:
     """``ValueError`` naming both policies unless ``saved`` and ``target`` differ at most in
     the history length (the one field converted on loading)."""
-    a, b = saved.scaling, target.scaling
-    same = saved.format == target.format and a.kind == b.kind and a.margin == b.margin
-    if same and isinstance(a, DelayedScaling) and isinstance(b, DelayedScaling):
-        same = a.algo == b.algo
-    if not same:
+    if not same_recipe(saved, target):
         raise ValueError(
             f"{what} was recorded under the fp8 policy {saved}, but this layer runs {target}: "
             f"the scheme, recipe, margin and algo must match (only the history length is "

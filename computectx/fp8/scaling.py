@@ -24,22 +24,14 @@ objects here read the store on every access, so a buffer replaced from outside (
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-from typing import Protocol
-
 import torch
 
-from computectx.dtypes import Fp8Format
-from computectx.fp8 import custom_ops, ops, reference
-from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.inline import QuantizeImpl
-from computectx.fp8.ledger import (
-    ledger_history,
-    ledger_history_len,
-    ledger_new,
-    ledger_nonfinite,
-    ledger_saturated,
-    ledger_step,
+from computectx.fp8.operand import (
+    AmaxReduce,
+    OperandScaling,
+    Store,
+    held_tensor,
+    replicated_value,
 )
 from computectx.fp8.saved_state import (
     META_WORLD,
@@ -50,10 +42,10 @@ from computectx.fp8.saved_state import (
     history_len_of,
     meta_new,
     read_saved_tensors,
-    resize_ledger,
+    same_recipe,
     tensor_names,
 )
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
+from computectx.recipes import Fp8Policy
 
 __all__ = [
     "ROLES",
@@ -65,362 +57,6 @@ __all__ = [
     "Store",
     "history_len_of",
 ]
-
-
-class AmaxReduce(Protocol):
-    """The seam a data-parallel layer plugs into ``Fp8Linear.amax_reduce``.
-
-    Calling it maps a call's own amax (float32, shape ``(1,)``) to its group's (a MAX over
-    ranks). ``armed`` says whether a synchronized forward is running now, one that every
-    rank of the group runs together: only then does a layer advance its ledgers or reduce
-    anything, so a rank-local call (a forward of the unwrapped module, say) can neither
-    hang the group nor shift one rank's history out of step. ``reduces`` is ``False`` for
-    a sync whose quantizes keep their own amax (``current_amax="local"``), and for layers
-    whose ranks scale on their own by choice.
-    """
-
-    @property
-    def armed(self) -> bool: ...
-
-    @property
-    def reduces(self) -> bool: ...
-
-    def __call__(self, amax: torch.Tensor, /) -> torch.Tensor: ...
-
-
-Store = MutableMapping[str, "torch.Tensor | None"]
-"""Where a scaling state keeps its tensors, by name: a module's ``_buffers`` or a dict."""
-
-
-def _held(store: Store, key: str) -> torch.Tensor:
-    t = store.get(key)
-    if t is None:
-        raise RuntimeError(f"the fp8 scaling tensor {key!r} is missing from its module")
-    return t
-
-
-def _replicated_value(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
-    # torch's distribute_module (under parallelize_module: tensor parallelism) replaces a
-    # module's plain buffers with replicated DTensors. The scaling state stays plain
-    # tensors: a replicated DTensor's local tensor is its whole value.
-    if t is None or type(t) is torch.Tensor or not torch.distributed.is_available():
-        return t
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if not isinstance(t, DTensor):
-        return t
-    if not all(isinstance(p, Replicate) for p in t.placements):
-        raise ValueError(
-            f"{what}: the scaling tensors are DTensors placed {tuple(t.placements)}; they "
-            f"hold one value for the whole layer, so only a replicated DTensor can stand "
-            f"for them"
-        )
-    # A plain copy: the local tensor of a DTensor that distribute_tensor broadcast may be a
-    # functional collective's wrapper.
-    local = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    with torch.no_grad():
-        local.copy_(t.to_local())
-    return local
-
-
-class OperandScaling:
-    """One operand's ledger plus its tally (both device tensors).
-
-    ``ledger`` is laid out by ``computectx.fp8.ledger``, its history oldest to newest: the
-    newest amax sits in the last slot (``newest_amax_index``). ``tally`` is int64
-    ``[seeded, elements]``. ``seeded`` (whether the first call has filled the history) and
-    ``elements`` (quantized elements, for saturated fractions) read it on the host, one
-    device sync each, so read them between steps; assigning them writes the device tensor.
-    ``idx`` is the history slot the next write replaces, always 0 (the oldest) in this
-    layout; it stays for checkpoints and callers of the circular ring of version 1.
-
-    Both tensors live in ``store`` under ``prefix + "ledger"`` and ``prefix + "tally"``
-    (a dict of its own by default; an ``Fp8Linear``'s buffers), read on every access.
-    """
-
-    __slots__ = ("_ledger_key", "_seeded_for", "_store", "_tally_key")
-
-    def __init__(
-        self,
-        history_len: int,
-        device: torch.device | str,
-        *,
-        store: Store | None = None,
-        prefix: str = "",
-    ) -> None:
-        self._store: Store = {} if store is None else store
-        self._ledger_key = f"{prefix}ledger"
-        self._tally_key = f"{prefix}tally"
-        self._seeded_for: torch.Tensor | None = None
-        self.ledger = ledger_new(history_len, device)
-        self.tally = custom_ops.tally_new(self.ledger.device)
-
-    @property
-    def ledger(self) -> torch.Tensor:
-        """The float32 ledger (``computectx.fp8.ledger``'s layout)."""
-        return _held(self._store, self._ledger_key)
-
-    @ledger.setter
-    def ledger(self, value: torch.Tensor) -> None:
-        self._store[self._ledger_key] = value
-
-    @property
-    def tally(self) -> torch.Tensor:
-        """The int64 tally ``[seeded, elements]``."""
-        return _held(self._store, self._tally_key)
-
-    @tally.setter
-    def tally(self, value: torch.Tensor) -> None:
-        self._store[self._tally_key] = value
-
-    @property
-    def _seeded_hint(self) -> bool:
-        # Eager calls only: once this process has seen the ledger seeded, the delayed quantize
-        # can skip the seeding check (a pass over x on the kernels). Never read under compile.
-        # Bound to the tally object it was seen on: a tally replaced from outside (a loaded
-        # checkpoint) may hold anything, so it starts unknown again.
-        return self._seeded_for is not None and self._seeded_for is self.tally
-
-    @_seeded_hint.setter
-    def _seeded_hint(self, value: bool) -> None:
-        self._seeded_for = self.tally if value else None
-
-    @property
-    def history_len(self) -> int:
-        """Length of the amax history."""
-        return ledger_history_len(self.ledger)
-
-    @property
-    def idx(self) -> int:
-        """The history slot the next delayed quantize replaces: 0, the oldest."""
-        return 0
-
-    @property
-    def seeded(self) -> bool:
-        """Whether the first call has run (one device read)."""
-        return bool(self.tally[custom_ops.TALLY_SEEDED].item())
-
-    @seeded.setter
-    def seeded(self, value: bool) -> None:
-        self.tally[custom_ops.TALLY_SEEDED].fill_(int(bool(value)))
-        self._seeded_hint = bool(value)
-
-    @property
-    def elements(self) -> int:
-        """Elements quantized through this operand (one device read)."""
-        return int(self.tally[custom_ops.TALLY_ELEMENTS].item())
-
-    @elements.setter
-    def elements(self, value: int) -> None:
-        self.tally[custom_ops.TALLY_ELEMENTS].fill_(int(value))
-
-    @property
-    def elements_tensor(self) -> torch.Tensor:
-        """The element count as an int64 device view of shape ``(1,)`` (no host read)."""
-        return self.tally[custom_ops.TALLY_ELEMENTS : custom_ops.TALLY_ELEMENTS + 1]
-
-    def quantize(
-        self,
-        x: torch.Tensor,
-        fmt: Fp8Format,
-        scaling: DelayedScaling | DynamicScaling,
-        backend: Fp8Backend,
-        quantize: QuantizeImpl = "op",
-        reduce: AmaxReduce | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x`` under ``scaling`` through this ledger: ``(data_fp8, step_used)``.
-
-        Delayed: the first call seeds the history with ``amax(x)`` (so step 1 is not blind),
-        then every call quantizes with the ledger's step and records its amax. Dynamic: the
-        step comes from ``amax(x)``; the ledger records that amax (when finite), the step, and
-        counts a non-finite amax. One ``computectx::fp8_quantize_*`` operator either way,
-        except while ``torch.compile`` traces with ``quantize="inline"``: then the same
-        computation as plain torch ops (``computectx.fp8.inline``), for Inductor to fuse.
-        Eager calls run the operator whatever ``quantize`` says (same bytes).
-
-        ``reduce`` turns an amax into its data-parallel group's
-        (``computectx.distributed.sync_fp8_scaling`` sets it). Dynamic scaling reduces
-        every call's amax before taking the step, so ranks quantize with the whole batch's
-        step. Delayed scaling reduces only the seed of an eager first call (its ledgers are
-        merged between steps), so step 1 is the whole batch's too.
-        """
-        compiling = torch.compiler.is_compiling()
-        if reduce is not None:
-            if isinstance(scaling, DynamicScaling):
-                return self._quantize_reduced(x, fmt, scaling, backend, reduce)
-            if not compiling and not self._seeded_hint:
-                # One host read, once per operand: a compiled run may have seeded the ledger
-                # already (its flag lives on the device), and re-seeding would both
-                # overwrite the history and issue a collective no other rank issues.
-                if not self.seeded:
-                    ops.seed_ledger(self.ledger, reduce(reference.amax(x)), fmt, scaling.margin)
-                self.seeded = True
-        may_seed = compiling or not self._seeded_hint
-        data, step = ops.quantize_operand(
-            x,
-            fmt,
-            self.ledger,
-            self.tally,
-            scaling,
-            backend=backend,
-            may_seed=may_seed,
-            impl="inline" if compiling and quantize == "inline" else "op",
-        )
-        if not compiling:
-            self._seeded_hint = True
-        return data, step
-
-    def _quantize_reduced(
-        self,
-        x: torch.Tensor,
-        fmt: Fp8Format,
-        scaling: DynamicScaling,
-        backend: Fp8Backend,
-        reduce: AmaxReduce,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # Dynamic scaling with the group's amax: amax pass, reduction, cast with that step.
-        # What the dynamic operator records (amax, step, a non-finite count, the elements)
-        # is recorded here from the group's amax, so every rank's ledger is the same.
-        whole = reduce(reference.amax(x))
-        step = reference.step_from_amax(whole, fmt, scaling.margin)
-        data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
-        custom_ops.record(self.ledger, whole, step)
-        custom_ops.count(self.tally, x)
-        if not torch.compiler.is_compiling():  # a host flag: never written in a trace
-            self._seeded_hint = True
-        return data, step
-
-    def quantize_sharded(
-        self,
-        x: torch.Tensor,
-        fmt: Fp8Format,
-        scaling: DelayedScaling | DynamicScaling,
-        backend: Fp8Backend,
-        reduce: AmaxReduce,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x``, one rank's shard of a larger tensor, and record what one process
-        quantizing the whole tensor records: ``(data_fp8, step_used)``.
-
-        ``reduce`` turns the shard's amax into the whole tensor's (tensor parallelism:
-        ``computectx.distributed`` reduces it over the mesh dimensions the tensor is
-        sharded over). Dynamic: the step of the whole amax. Delayed: the ledger's step;
-        the first call seeds the history with the whole amax, and every call records the
-        whole amax (one reduction per call, so the ledgers stay identical on every rank
-        holding a shard without a merge). The saturated count is the shard's and the
-        element count the shard's elements. Device ops only.
-        """
-        if isinstance(scaling, DynamicScaling):
-            return self._quantize_reduced(x, fmt, scaling, backend, reduce)
-        whole = reduce(reference.amax(x)).to(torch.float32).reshape(1)
-        ledger, tally = self.ledger, self.tally
-        history, step = ledger_history(ledger), ledger_step(ledger)
-        finite = torch.isfinite(whole)
-        unseeded = tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] == 0
-        seed = unseeded & finite
-        with torch.no_grad():
-            history.copy_(torch.where(seed, whole.expand_as(history), history))
-            step.copy_(
-                torch.where(seed, reference.step_from_amax(whole, fmt, scaling.margin), step)
-            )
-            if history.numel() > 1:
-                history.copy_(torch.roll(history, -1))
-            step_used = step.clone()
-            data, _ = ops.quantize_with_step(x, fmt, step_used, backend=backend)
-            newest = history[-1:]
-            newest.copy_(torch.where(finite, whole, newest))
-            window = history.amax().reshape(1) if scaling.algo == "max" else whole
-            fresh = reference.step_from_amax(window, fmt, scaling.margin)
-            step.copy_(torch.where(finite, fresh, step))
-            ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
-            ledger_saturated(ledger).add_(reference.saturated_count(x, step_used, fmt))
-            custom_ops.count(tally, x)
-        if not torch.compiler.is_compiling():
-            self._seeded_hint = True
-        return data, step_used
-
-    def quantize_unrecorded(
-        self,
-        x: torch.Tensor,
-        fmt: Fp8Format,
-        scaling: DelayedScaling | DynamicScaling,
-        backend: Fp8Backend,
-        reduce: AmaxReduce | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Quantize ``x`` as a call outside training does: ``(data_fp8, step_used)``, with
-        nothing written (no history, no step, no counts).
-
-        Dynamic: the step of ``x``'s own amax. Delayed: the ledger's step; an operand that
-        has never been seeded takes the step of ``x``'s own amax instead (a device
-        ``where``, no host read). The output therefore depends only on the state training
-        left and on ``x`` itself, never on earlier calls of this kind. ``reduce`` (for
-        callers whose ranks all run the call, as FSDP2's all-gather does) turns that amax
-        into the group's.
-        """
-        if isinstance(scaling, DynamicScaling) and reduce is None:
-            data, step, _ = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
-            return data, step
-        if isinstance(scaling, DynamicScaling):
-            whole = reduce(reference.amax(x)) if reduce is not None else reference.amax(x)
-            step = reference.step_from_amax(whole, fmt, scaling.margin)
-        elif not torch.compiler.is_compiling() and self._seeded_hint:
-            step = ledger_step(self.ledger).clone()
-        else:
-            own = reference.amax(x) if reduce is None else reduce(reference.amax(x))
-            seeded = self.tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] != 0
-            step = torch.where(
-                seeded, ledger_step(self.ledger), reference.step_from_amax(own, fmt, scaling.margin)
-            )
-        data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
-        return data, step
-
-    def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:
-        """Write an amax measured elsewhere and the step used with it (device ops only).
-
-        A non-finite amax is counted and leaves the recorded amax as it was.
-        """
-        custom_ops.record(self.ledger, amax, step)
-        self.tally[custom_ops.TALLY_SEEDED].fill_(1)
-        self._seeded_hint = True
-
-    def newest_amax_index(self) -> int:
-        """Index of the newest history entry: the last slot."""
-        return self.history_len - 1
-
-    def resized(self, history_len: int) -> OperandScaling:
-        """A standalone copy with another history length (``resize_ledger``: the newest
-        entries kept, a longer history padded with the oldest entry; step and counts kept)."""
-        out = OperandScaling.__new__(OperandScaling)
-        out._store, out._ledger_key, out._tally_key = {}, "ledger", "tally"
-        out.ledger = resize_ledger(self.ledger, history_len)
-        with torch.inference_mode(False):
-            out.tally = self.tally.clone()
-        out._seeded_for = out.tally if self._seeded_hint else None
-        return out
-
-    def resize(self, history_len: int) -> None:
-        """Give the ledger another history length, in place on this object (a new ledger
-        tensor, ``resize_ledger``'s rule); the tally is kept."""
-        if self.history_len != history_len:
-            hint = self._seeded_hint
-            self.ledger = resize_ledger(self.ledger, history_len)
-            self._seeded_hint = hint
-
-    def to(self, device: torch.device) -> None:
-        """Move the ledger and the tally to ``device`` (in place on this object)."""
-        if self.ledger.device != device or self.tally.device != device:
-            hint = self._seeded_hint
-            # Not an inference tensor, even when moved inside inference_mode (ledger_new).
-            with torch.inference_mode(False):
-                self.ledger = self.ledger.to(device)
-                self.tally = self.tally.to(device)
-            self._seeded_hint = hint
-
-    def install(self, ledger: torch.Tensor, tally: torch.Tensor, seeded: bool) -> None:
-        """Take ``ledger`` and ``tally`` (new tensors, already checked) as this operand's;
-        ``seeded`` is what the tally says, known on the host."""
-        self.ledger = ledger
-        self.tally = tally
-        self._seeded_hint = seeded
 
 
 class Fp8ScalingState:
@@ -477,7 +113,7 @@ class Fp8ScalingState:
     @property
     def meta(self) -> torch.Tensor:
         """The int64 record of the state version, world size and policy (``saved_state``)."""
-        return _held(self._store, f"{self._prefix}meta")
+        return held_tensor(self._store, f"{self._prefix}meta")
 
     def tensor_names(self) -> tuple[str, ...]:
         """The store keys of every tensor of this state, in saving order."""
@@ -525,7 +161,7 @@ class Fp8ScalingState:
         names = tensor_names()
         what = "the fp8 scaling state set into this layer"
         found = {
-            n: _replicated_value(self._store.get(k), what)
+            n: replicated_value(self._store.get(k), what)
             for n, k in zip(names, self.tensor_names(), strict=True)
         }
         self.install(read_saved_tensors(found, self.policy, self.device, what))
@@ -549,17 +185,23 @@ class Fp8ScalingState:
         if not torch.compiler.is_compiling():
             self.check_loaded()
         if policy is not self.policy and policy != self.policy:
-            n = history_len_of(policy)
-            for op in self.operands.values():
-                op.resize(n)
-            self.policy = policy
-            self._set_meta(meta_new(policy, self._world, self.device), self._world)
+            if not same_recipe(self.policy, policy):
+                # Another scheme, recipe, margin or algo (the ctx was swapped): the steps and
+                # amaxes recorded so far mean nothing under it, as loading would refuse them.
+                self.policy = policy
+                self.reset(self.device)
+            else:
+                n = history_len_of(policy)
+                for op in self.operands.values():
+                    op.resize(n)
+                self.policy = policy
+                self._set_meta(meta_new(policy, self._world, self.device), self._world)
         self.to(device)
 
     def to(self, device: torch.device) -> None:
         """Move every tensor to ``device``. State on the ``meta`` device (a layer built
         under ``torch.device("meta")``) has no values to move: it starts fresh there."""
-        tensors = [_held(self._store, k) for k in self.tensor_names()]
+        tensors = [held_tensor(self._store, k) for k in self.tensor_names()]
         if all(t.device == device for t in tensors):
             return
         if device.type != "meta" and any(t.device.type == "meta" for t in tensors):

@@ -112,6 +112,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     n_hist,
     FMAX: tl.constexpr,
     FLT_MAX: tl.constexpr,
+    FLT_MIN: tl.constexpr,
     TARGET: tl.constexpr,
     MANT: tl.constexpr,
     BIAS: tl.constexpr,
@@ -187,6 +188,9 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 # NaN, inf, underflow to 0 and overflow to inf all fail this test.
                 step_new = tl.div_rn(amax, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
+                # A step below float32's normal range keeps too few bits: it is raised to
+                # the smallest normal (reference.step_from_amax does the same).
+                step_new = tl.where(ok & (step_new < FLT_MIN), FLT_MIN, step_new)
                 tl.store(step_out_ptr, tl.where(ok, step_new, 1.0))
             if REDUCE == _REDUCE_LEDGER:
                 # The window with this amax in slot ledger_idx, built in registers (the ledger
@@ -200,6 +204,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 chosen = tl.max(window, axis=0) if ALGO_MAX else amax
                 step_new = tl.div_rn(chosen, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
+                step_new = tl.where(ok & (step_new < FLT_MIN), FLT_MIN, step_new)
                 step_new = tl.where(ok, step_new, 1.0)
                 step_ptr_ledger = ledger_ptr + n_hist + LEDGER_STEP
                 nonfinite_ptr = ledger_ptr + n_hist + LEDGER_NONFINITE
@@ -307,6 +312,7 @@ def _fmt_constants(fp8: torch.dtype, margin: int) -> Mapping[str, object]:
         {
             "FMAX": fi.max,
             "FLT_MAX": torch.finfo(torch.float32).max,
+            "FLT_MIN": torch.finfo(torch.float32).tiny,
             # fmax / 2**margin is exact, so the step is a single rounded division.
             "TARGET": fi.max / 2.0**margin,
             "MANT": mant,
