@@ -15,6 +15,7 @@ from computectx.fp8.convert import (
     SkippedLinear,
     convert_to_fp8,
 )
+from computectx.fp8.granular import Granularity, MxRounding
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.ops import fp8_dequantize, fp8_quantize
 from computectx.fp8.quantized import Fp8Weight
@@ -42,6 +43,8 @@ __all__ = [
     "Fp8ScalingState",
     "Fp8Scheme",
     "Fp8Weight",
+    "Granularity",
+    "MxRounding",
     "SkippedLinear",
     "convert_to_fp8",
     "fp8_autocast",

@@ -32,8 +32,9 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import DType, Fp8Format
-from computectx.fp8 import custom_ops, inline, reference
+from computectx.fp8 import custom_ops, granular, granular_ops, inline, reference
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
+from computectx.fp8.granular import Granularity, MxRounding
 from computectx.fp8.ledger import (
     LEDGER_SHAPE,
     is_ledger,
@@ -51,6 +52,7 @@ __all__ = [
     "ledger_new",
     "quantize_delayed",
     "quantize_dynamic",
+    "quantize_granular",
     "quantize_operand",
     "quantize_with_step",
     "scaled_mm",
@@ -76,13 +78,18 @@ def _fmt_arg(fmt: object) -> Fp8Format:
     raise TypeError(f"fmt must be an Fp8Format or its name, got {fmt!r}; accepted: e4m3, e5m2")
 
 
-def _input_arg(x: object) -> torch.Tensor:
+def _quantizable_arg(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a tensor to quantize, got {type(x).__name__}")
     if x.dtype not in QUANTIZABLE_DTYPES:
         accepted = ", ".join(map(str, QUANTIZABLE_DTYPES))
         raise ValueError(f"cannot quantize a {x.dtype} tensor; accepted: {accepted}")
-    return x if x.is_contiguous() else x.contiguous()
+    return x
+
+
+def _input_arg(x: object) -> torch.Tensor:
+    data = _quantizable_arg(x)
+    return data if data.is_contiguous() else data.contiguous()
 
 
 def _scalar_arg(name: str, s: object, device: torch.device) -> torch.Tensor:
@@ -338,6 +345,10 @@ def fp8_quantize(
     x: torch.Tensor,
     fmt: Fp8Format | str,
     scale: torch.Tensor | float | None = None,
+    *,
+    granularity: Granularity = "tensor",
+    power_of_two: bool | None = None,
+    mx_rounding: MxRounding | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` to fp8: returns ``(data, scale)`` with ``x ≈ data.float() * scale``.
 
@@ -352,15 +363,67 @@ def fp8_quantize(
     of one element on ``x``'s device, whose value is not inspected) is used as is and
     returned as a tensor. Values beyond ``fmt.max * scale`` saturate; NaN stays NaN.
     The backend is ``select_backend(x.device)``'s choice.
+
+    ``granularity`` (``"tensor"``, ``"row"``, ``"1x128"``, ``"128x128"``, ``"mx"``) gives
+    each block of ``x`` its own step; ``scale`` then has one step per block (documented
+    shape, float32; ``float8_e8m0fnu`` for ``"mx"``), measured or given. ``power_of_two``
+    rounds measured steps up to powers of two (default: on for ``"row"`` only);
+    ``mx_rounding`` picks the MX exponent rule (``"rceil"``, the default, or ``"floor"``).
+    See ``computectx.fp8.granular`` and docs/fp8.md, "Fine-grained scaling".
     """
-    data = _input_arg(x)
+    data = _quantizable_arg(x)
+    return quantize_granular(
+        data,
+        fmt,
+        granularity,
+        scale,
+        power_of_two=power_of_two,
+        mx_rounding=mx_rounding,
+        backend=default_backend(data.device),
+    )
+
+
+def quantize_granular(
+    x: torch.Tensor,
+    fmt: Fp8Format | str,
+    granularity: Granularity = "tensor",
+    scale: torch.Tensor | float | None = None,
+    *,
+    power_of_two: bool | None = None,
+    mx_rounding: MxRounding | None = None,
+    columnwise: bool = False,
+    backend: Fp8Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fp8_quantize`` on a given backend: ``(data, scale)``.
+
+    ``columnwise=True`` quantizes ``x.t()`` of a 2-D ``x`` (``data`` is ``[K, rows]``,
+    contiguous, its blocks run along ``x``'s columns): the operand a backward GEMM that
+    contracts over ``x``'s rows needs. The kernels read the transpose in place.
+    """
+    data = _quantizable_arg(x)
     f = _fmt_arg(fmt)
-    backend = default_backend(data.device)
-    if scale is None:
-        q, step, _ = quantize_dynamic(data, f, 0, backend=backend)
+    g = granular_ops.granularity_arg(granularity)
+    rule = granular_ops.step_rule(g, power_of_two, mx_rounding, given=scale is not None)
+    if not isinstance(columnwise, bool):
+        raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
+    if columnwise:
+        if data.dim() != 2:
+            raise ValueError(
+                f"columnwise quantizes the transpose of a 2-D tensor; got shape {tuple(data.shape)}"
+            )
+        data = data.t()
+    b = check_backend(backend, data)
+    if g != "tensor":
+        return granular_ops.quantize(data, f, g, rule, scale, backend=b)
+    data = data.contiguous()
+    if scale is not None:
+        step = _scale_arg(scale, data.device)
+    elif rule == "pow2":
+        step = granular.power_of_two_steps(reference.step_from_amax(reference.amax(data), f, 0))
+    else:
+        q, step, _ = quantize_dynamic(data, f, 0, backend=b)
         return q, step
-    step = _scale_arg(scale, data.device)
-    q, _ = quantize_with_step(data, f, step, backend=backend)
+    q, _ = quantize_with_step(data, f, step, backend=b)
     return q, step
 
 
@@ -370,7 +433,9 @@ def fp8_dequantize(
     """``data.float() * scale`` rounded once to ``dtype`` (a ``DType``, name or torch dtype).
 
     ``data`` must be an fp8 tensor; the product is formed in float32 (the precision the
-    kernels dequantize in) and then rounded to ``dtype``.
+    kernels dequantize in) and then rounded to ``dtype``. A per-block ``scale`` (from
+    ``fp8_quantize(..., granularity=)``: more than one element, or E8M0) is broadcast
+    back over its blocks; its shape and dtype say which granularity it is.
     """
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"data must be an fp8 tensor, got {type(data).__name__}")
@@ -379,6 +444,8 @@ def fp8_dequantize(
             f"data must be float8_e4m3fn or float8_e5m2 (from fp8_quantize), got {data.dtype}"
         )
     target = DType.parse(dtype).torch
+    if granular_ops.is_block_scale(scale):
+        return granular_ops.dequantize(data, scale, target)
     out: torch.Tensor = torch.ops.computectx.fp8_dequantize(
         data, _scale_arg(scale, data.device), target
     )
