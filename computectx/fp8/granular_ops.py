@@ -3,8 +3,9 @@
 ``computectx.fp8.ops`` checks the tensor and the format and calls here for the block
 granularities (``row``, ``1x128``, ``128x128``, ``mx``). This module checks the options
 (``granularity``, ``power_of_two``, ``mx_rounding``, a given scale's shape), reads the
-tensor as its 2-D view, and runs the pure-torch twins (``computectx.fp8.granular``).
-``dequantize`` finds the granularity from the scale's shape and dtype.
+tensor as its 2-D view, and runs the Triton kernels (``computectx.kernels.quantize_blocks``,
+imported when first used) or their pure-torch twins (``computectx.fp8.granular``), which
+give the same bytes. ``dequantize`` finds the granularity from the scale's shape and dtype.
 The layouts and the step rules are documented in ``computectx.fp8.granular``.
 """
 
@@ -17,6 +18,7 @@ import torch
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import granular
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.custom_ops import uses_kernels
 from computectx.fp8.granular import E8M0, GRANULARITIES, BlockLayout, Granularity, StepRule
 
 __all__ = ["dequantize", "granularity_arg", "is_block_scale", "quantize", "step_rule"]
@@ -106,8 +108,20 @@ def quantize(
     layout = granular.layout_of(granularity, x.shape)
     given = None if scale is None else _scale_arg(scale, layout, x.device)
     x2 = x.reshape(layout.rows, layout.cols)  # a 2-D x (or its .t()) is used as it is
-    # Every backend runs the twins until the Triton kernels land (issue 16 item 3).
-    q, s = granular.quantize(x2, fmt, layout, rule, given)
+    if uses_kernels(backend, x):
+        # Imported on first use: importing it imports triton (see computectx.kernels).
+        from computectx.kernels import quantize_blocks
+
+        q, s = quantize_blocks.quantize_blocks(
+            x=x2,
+            fp8=fmt.torch,
+            block_rows=layout.block_rows,
+            block_cols=None if granularity == "row" else layout.block_cols,
+            rule=rule,
+            scale=given,
+        )
+    else:
+        q, s = granular.quantize(x2, fmt, layout, rule, given)
     if given is not None:
         return q.reshape(x.shape), cast(torch.Tensor, scale)  # checked: the given tensor
     return q.reshape(x.shape), s.reshape(layout.scale_shape)

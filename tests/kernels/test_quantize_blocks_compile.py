@@ -1,0 +1,91 @@
+"""The block quantize kernels compile for sm_89 and sm_90 without a GPU, with vector loads.
+
+As test_compile_for_gpu.py does for the older kernels: a child process (without
+``TRITON_INTERPRET``) builds each kernel ahead of time with the ``ptxas`` Triton ships, for
+row-major and transposed (column-wise) reads, every step rule, measured and given scales.
+It checks 16-byte vector loads where K is contiguous, and no flush-to-zero arithmetic
+(subnormal inputs and steps must round as they do in the twins).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+import torch
+from computectx.kernels import quantize_blocks as kb
+
+out = {}
+fmt = kb._fmt_constants(torch.float8_e4m3fn)
+
+
+def build(kernel, names, types, consts, warps, aligned):
+    sig = dict(zip(names, types))
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = compile(ASTSource(kernel, sig, dict(consts), attrs), target=GPUTarget("cuda", cap, 32),
+                options={"num_warps": warps})
+    ptx = k.asm["ptx"]
+    return {"v4": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"), "ftz": ".ftz" in ptx}
+
+
+names = ["x_ptr", "q_ptr", "scale_ptr", "R", "C", "stride_r", "stride_c", "n_scale_cols"]
+rnames = ["x_ptr", "q_ptr", "step_ptr", "R", "C", "stride_r", "stride_c"]
+for cap in (89, 90):
+    for xdt, rule, block, given, colwise in (
+        ("*i16", 0, (1, 128), False, False), ("*fp32", 3, (1, 32), False, False),
+        ("*fp16", 1, (128, 128), False, False), ("*i16", 2, (1, 32), True, False),
+        ("*fp32", 0, (1, 128), True, False), ("*i16", 0, (1, 128), False, True),
+        ("*fp32", 3, (1, 32), False, True), ("*i16", 0, (128, 128), False, True),
+    ):
+        mx = rule >= 2
+        tile_r, groups, warps = kb._TILES[block]
+        consts = dict(fmt, X_BF16=xdt == "*i16", RULE=rule, GIVEN=given, MX_SCALE=mx,
+                      BLOCK_ROWS=block[0], BLOCK_C=block[1], GROUPS=groups, TILE_R=tile_r)
+        consts["stride_r" if colwise else "stride_c"] = 1
+        types = [xdt, "*u8", "*u8" if mx else "*fp32", "i32", "i32", "i32", "i32", "i32"]
+        aligned = ("x_ptr", "q_ptr", "C", "stride_c" if colwise else "stride_r")
+        key = f"blocks/{cap}/{xdt}/{rule}/{block}/given={given}/columnwise={colwise}"
+        out[key] = build(kb._quantize_blocks_kernel, names, types, consts, warps, aligned)
+    for xdt, given in (("*i16", False), ("*fp32", True)):
+        tile_r, chunk, warps = kb._ROW_TILE
+        consts = dict(fmt, X_BF16=xdt == "*i16", RULE=1, GIVEN=given, TILE_R=tile_r,
+                      CHUNK=chunk, stride_c=1)
+        types = [xdt, "*u8", "*fp32", "i32", "i32", "i32", "i32"]
+        out[f"rows/{cap}/{xdt}/given={given}/columnwise=False"] = build(
+            kb._quantize_rows_kernel, rnames, types, consts, warps,
+            ("x_ptr", "q_ptr", "C", "stride_r"))
+json.dump(out, sys.stdout)
+"""
+
+
+def test_block_kernels_compile_for_ada_and_hopper(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default, stated to silence a warning
+    res = subprocess.run(
+        [sys.executable, "-c", _SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads(res.stdout)
+    assert len(report) == 2 * (8 + 2), sorted(report)
+    for name, facts in report.items():
+        assert not facts["ftz"], (name, facts)
+        if name.endswith("columnwise=False"):
+            assert facts["v4"] > 0, (name, facts)
