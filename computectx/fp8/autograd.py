@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.utils.checkpoint import checkpoint
 
 from computectx.dtypes import DType
 from computectx.fp8 import ops, reference
@@ -27,14 +28,16 @@ from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.inline import QuantizeImpl
 from computectx.fp8.quantized import Fp8Weight
 from computectx.fp8.recompute import (
+    SAVE_FP8,
     CheckpointSite,
     StepsUsed,
     checkpoint_site,
+    delayed_quantize_in_compiled_checkpoint,
     selective_modes_set_aside,
     warn_nothing_to_replay,
 )
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
-from computectx.recipes import Fp8Policy
+from computectx.recipes import DelayedScaling, Fp8Policy
 
 __all__ = [
     "ACTIVATION_DTYPES",
@@ -179,11 +182,40 @@ def fp8_linear(
             return y if bias is None else y + bias.to(x.dtype)
         # On the pure-torch twins: a kernel launch over no elements is not worth a case.
         plan = replace(plan, backend=Fp8Backend.REFERENCE)
-    y2: torch.Tensor = _Fp8LinearFunction.apply(x2, weight, bias, plan, site)  # type: ignore[no-untyped-call]
+    y2: torch.Tensor
+    if (
+        torch.compiler.is_compiling()
+        and plan.record
+        and isinstance(plan.policy.scaling, DelayedScaling)
+        and delayed_quantize_in_compiled_checkpoint(plan.quantize != "op") == "unsaved"
+    ):
+        y2 = _saving_the_quantize(x2, weight, bias, plan)
+    else:
+        y2 = _Fp8LinearFunction.apply(x2, weight, bias, plan, site)  # type: ignore[no-untyped-call]
     # Back to x's leading shape as a new tensor, not a view of the 2-D product (what
     # torch.matmul does for N-D inputs): wrappers that hook module outputs (FSDP2's
     # pre-backward hook) warn that an in-place op on a view would drop their hook.
     out: torch.Tensor = torch.ops.aten._unsafe_view(y2, (*lead, y2.shape[-1]))
+    return out
+
+
+def _saving_the_quantize(
+    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
+) -> torch.Tensor:
+    """A recording delayed call that dynamo traces inside a checkpointed region without a
+    ``context_fn``, checkpointed again under ``fp8_checkpoint_context_fn()``.
+
+    AOTAutograd would recompute its quantize in the backward from the ledger the forward
+    advanced (pytorch/pytorch#197039). The inner region's policy saves the quantize's
+    outputs (the fp8 codes and the step) and recomputes the GEMM, as the user's region
+    recomputes the rest: the same as passing ``fp8_checkpoint_context_fn()`` to it.
+    """
+
+    def call(x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
+        y: torch.Tensor = _Fp8LinearFunction.apply(x, w, b, plan, None)  # type: ignore[no-untyped-call]
+        return y
+
+    out: torch.Tensor = checkpoint(call, x2, weight, bias, use_reentrant=False, context_fn=SAVE_FP8)
     return out
 
 

@@ -16,8 +16,9 @@ found as ``checkpoint_site`` describes, and held weakly: what a region remembers
 long as the autograd graph that can still recompute it, so a forward whose backward never
 runs leaves nothing behind once its graph is gone.
 
-``fp8_checkpoint_policy`` and ``fp8_checkpoint_context_fn`` are for selective checkpointing
-under ``torch.compile``, where AOTAutograd recomputes the region itself (see the function).
+``fp8_checkpoint_policy`` and ``fp8_checkpoint_context_fn`` are for checkpointing under
+``torch.compile``, where AOTAutograd recomputes the region itself (see the function);
+``delayed_quantize_in_compiled_checkpoint`` is how a traced fp8 call applies it unasked.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ __all__ = [
     "CheckpointSite",
     "StepsUsed",
     "checkpoint_site",
+    "delayed_quantize_in_compiled_checkpoint",
     "fp8_checkpoint_context_fn",
     "fp8_checkpoint_policy",
     "in_reentrant_checkpoint_forward",
@@ -313,7 +315,10 @@ def selective_modes_set_aside() -> Iterator[None]:
 # the backward after that update (pytorch/pytorch#197039), so a delayed quantize recomputed
 # there uses the next step, not the one the forward used. A selective policy that saves the
 # delayed quantize's outputs (the fp8 codes and the step) instead of recomputing them makes
-# the backward use the forward's bytes.
+# the backward use the forward's bytes. A recording delayed call that dynamo traces inside a
+# region without a context_fn wraps itself in a region under that policy
+# (delayed_quantize_in_compiled_checkpoint tells the regions apart at trace time); inside a
+# region with another context_fn it refuses to trace.
 
 _LEDGER_READERS = ("fp8_quantize_delayed",)
 """computectx operators whose result depends on a ledger's step (a compiled recomputation
@@ -357,6 +362,7 @@ def fp8_checkpoint_policy(
             return torch_checkpoint.CheckpointPolicy.MUST_SAVE
         return torch_checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
 
+    policy._computectx_fp8 = True  # type: ignore[attr-defined]  # tells our context_fn apart
     return policy
 
 
@@ -368,3 +374,77 @@ def fp8_checkpoint_context_fn(
     return functools.partial(
         torch_checkpoint.create_selective_checkpoint_contexts, fp8_checkpoint_policy(base)
     )
+
+
+SAVE_FP8: Callable[[], tuple[Any, Any]] = fp8_checkpoint_context_fn()
+"""``fp8_checkpoint_context_fn()``, made once: what an fp8 call inside a compiled checkpointed
+region without it wraps itself in (``compiled_checkpoint_region``)."""
+
+CompiledRegion = Literal["none", "saved", "unsaved"]
+
+
+def _checkpoint_hop_code() -> object:
+    try:
+        from torch._dynamo.variables.higher_order_ops import CheckpointHigherOrderVariable
+    except ImportError:  # pragma: no cover - a torch without dynamo's checkpoint support
+        return None
+    return getattr(getattr(CheckpointHigherOrderVariable, "_call_function", None), "__code__", None)
+
+
+def _is_fp8_context_fn(context_fn: object) -> bool:
+    return (
+        isinstance(context_fn, functools.partial)
+        and context_fn.func is torch_checkpoint.create_selective_checkpoint_contexts
+        and bool(context_fn.args)
+        and bool(getattr(context_fn.args[0], "_computectx_fp8", False))
+    )
+
+
+@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
+def delayed_quantize_in_compiled_checkpoint(inline: bool) -> CompiledRegion:
+    """Where dynamo is tracing a recording delayed fp8 call, as a trace-time constant.
+
+    ``"none"`` outside every checkpointed region; ``"saved"`` inside one whose
+    ``context_fn`` is ``fp8_checkpoint_context_fn``'s (its quantize will be saved);
+    ``"unsaved"`` inside one without a ``context_fn`` (the call must see to it). Raises,
+    while tracing, inside one with another ``context_fn`` (whose policy this cannot extend)
+    and for an inline quantize (``inline``) in any: AOTAutograd would recompute those
+    quantizes from the ledger the forward advanced (pytorch/pytorch#197039).
+
+    Dynamo runs this at trace time (``assume_constant_result``: no graph break, nothing in
+    the graph). It finds the innermost checkpoint dynamo is turning into a higher-order op
+    by that frame of dynamo's, whose ``context_fn`` local is the one the user passed (torch
+    has no public query; the tests of the three cases fail if a release changes this).
+    Meaningful only while compiling.
+    """
+    code = _checkpoint_hop_code()
+    f = sys._getframe(1)
+    while code is not None and f is not None:
+        if f.f_code is code:
+            context_fn = f.f_locals.get("context_fn")
+            if inline:
+                raise RuntimeError(_INLINE_ERROR)
+            if context_fn is None:
+                return "unsaved"
+            if _is_fp8_context_fn(context_fn):
+                return "saved"
+            raise RuntimeError(_FOREIGN_ERROR)
+        f = f.f_back  # type: ignore[assignment]
+    return "none"
+
+
+_FOREIGN_ERROR = (
+    "an fp8 layer with delayed scaling runs inside a torch.compile'd activation checkpoint "
+    "whose context_fn is not computectx's: AOTAutograd would recompute its quantize from the "
+    "amax history the forward already advanced (pytorch/pytorch#197039), silently giving "
+    "other gradients. Pass context_fn=fp8_checkpoint_context_fn(your_policy) "
+    "(computectx.fp8.recompute), which saves the delayed quantize and leaves every other op "
+    "to your policy"
+)
+_INLINE_ERROR = (
+    "an fp8 layer with delayed scaling and quantize='inline' runs inside a torch.compile'd "
+    "activation checkpoint: AOTAutograd would recompute its quantize from the amax history "
+    "the forward already advanced (pytorch/pytorch#197039), and no checkpointing policy can "
+    "single out an inline quantize's plain torch ops, so its gradients would silently "
+    "differ. Use quantize='op' there (with context_fn=fp8_checkpoint_context_fn() or none)"
+)

@@ -424,13 +424,42 @@ def test_compiled_delayed_scaling_with_the_fp8_policy_is_bit_identical() -> None
     _compiled_matches_eager(DelayedScaling(history_len=4), fp8_checkpoint_context_fn())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="AOTAutograd recomputes the delayed quantize from the ledger the forward already "
-    "advanced (pytorch/pytorch#197039); fp8_checkpoint_context_fn saves it instead",
-)
-def test_compiled_delayed_scaling_without_the_policy_is_not_yet_exact() -> None:
+def test_compiled_delayed_scaling_without_a_context_fn_is_bit_identical() -> None:
+    # AOTAutograd would recompute the delayed quantize from the ledger the forward already
+    # advanced (pytorch/pytorch#197039): each fp8 call checkpoints itself under the fp8
+    # policy inside the region, so its quantize is saved.
     _compiled_matches_eager(DelayedScaling(history_len=4), None)
+
+
+def _compile_one_step(layer: Fp8Linear, context_fn: ContextFn | None) -> None:
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(
+            Checkpointed(layer, context_fn), fullgraph=True, backend="aot_eager"
+        )
+        compiled(torch.randn(4, 32, requires_grad=True)).float().sum().backward()
+    finally:
+        torch._dynamo.reset()
+
+
+def test_compiled_delayed_scaling_under_another_context_fn_refuses_at_trace_time() -> None:
+    # Another policy cannot be extended from inside its region: rather than gradients that
+    # silently differ, the trace stops and names the fix.
+    foreign = functools.partial(create_selective_checkpoint_contexts, _save_gemms)
+    layer = Fp8Linear(32, 32, ctx=ctx_with(DelayedScaling(history_len=4)), dtype=torch.float32)
+    with pytest.raises(RuntimeError, match=r"context_fn=fp8_checkpoint_context_fn\(your_policy\)"):
+        _compile_one_step(layer, foreign)
+    assert layer.scaling.input.elements == 0  # refused while tracing, before any step ran
+    # Dynamic scaling reads no ledger: any policy is exact (nothing refused).
+    _compiled_matches_eager(DynamicScaling(), foreign)
+
+
+def test_compiled_inline_delayed_quantize_in_a_checkpoint_refuses_at_trace_time() -> None:
+    ctx = ctx_with(DelayedScaling(history_len=4))
+    for context_fn in (None, fp8_checkpoint_context_fn()):
+        layer = Fp8Linear(32, 32, ctx=ctx, quantize="inline", dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="quantize='inline'"):
+            _compile_one_step(layer, context_fn)
 
 
 def test_a_reentrant_checkpoint_under_no_grad_records_nothing() -> None:
