@@ -9,8 +9,9 @@ layer called several times per step (a chunked loss); a graph backwarded twice. 
 over the steps so that delayed steps move between a forward and its recomputation.
 
 Under torch.compile (aot_eager, a few small graphs) dynamic scaling is exact as it is;
-delayed scaling is exact with ``fp8_checkpoint_context_fn``, and a strict xfail records that
-plain checkpointing is not yet (AOTAutograd recomputes from the advanced ledger).
+delayed scaling is exact with ``fp8_checkpoint_context_fn`` and without a context_fn (each
+fp8 call checkpoints itself under it), and refuses at trace time under another context_fn or
+an inline quantize (AOTAutograd would recompute from the advanced ledger).
 """
 
 from __future__ import annotations
