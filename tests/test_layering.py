@@ -168,7 +168,7 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                     f"{module}:{imp.line} imports the private module {target} from outside {owner}"
                 )
             target_layer = layer_of(target) if target != module else layer
-            if layer == "kernels":
+            if layer == "kernels" and target_layer != "kernels":
                 problems.append(f"{module}:{imp.line} (kernels) imports {target}")
                 continue
             if target_layer == "kernels" and layer != "kernels" and not imp.lazy:

@@ -26,7 +26,12 @@ from computectx.ctx import parse_device
 __all__ = ["Fp8Backend", "check_backend", "default_backend", "parse_backend", "select_backend"]
 
 _TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
-_KERNEL_MODULES = ("computectx.kernels.quantize", "computectx.kernels.scaled_mm")
+_KERNEL_MODULES = (
+    "computectx.kernels.fp8_codes",  # first: the others import its function
+    "computectx.kernels.quantize",
+    "computectx.kernels.quantize_blocks",
+    "computectx.kernels.scaled_mm",
+)
 
 
 class Fp8Backend(enum.Enum):

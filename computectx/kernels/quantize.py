@@ -14,7 +14,7 @@ One kernel serves three recipes, chosen by constexpr flags:
 The pure-torch twins are in ``computectx.fp8.reference``; quantized bytes agree bit for bit.
 """
 
-# ruff: noqa: N803, N806  (upper-case names mark constexpr parameters, as in triton)
+# ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
 import functools
@@ -27,6 +27,8 @@ from typing import Final, Literal, NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from computectx.kernels.fp8_codes import fp8_byte
 
 __all__ = ["INTERPRETED", "quantize_delayed", "quantize_dynamic", "quantize_with_step"]
 
@@ -57,45 +59,6 @@ _SCRATCH_SATURATED = tl.constexpr(2)  # saturated elements
 _SCRATCH_LEN: Final[int] = 3
 
 _FP8_DTYPES: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@triton.jit
-def _fp8_bits(  # type: ignore[no-untyped-def]
-    v,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
-):
-    # The fp8 byte of float32 v (already clamped to [-max, max], or NaN), rounded to nearest
-    # even, computed in integer arithmetic. No float -> fp8 conversion instruction is
-    # involved: the Triton interpreter's conversion mis-rounds when the rounding carry
-    # reaches the exponent and does not produce torch's NaN byte, while this is exact
-    # (and identical) on the interpreter and on every GPU.
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    # Normal range: adding half-an-ulp-minus-one plus the lowest kept bit, then dropping the
-    # low bits, is round-to-nearest-even on the bit pattern; a carry out of the mantissa
-    # bumps the exponent as it should. What remains is the float32 exponent and MANT
-    # mantissa bits; rebasing the exponent from bias 127 to BIAS gives the fp8 code. The
-    # clamp keeps the result at or below max, itself a grid value.
-    DROP: tl.constexpr = 23 - MANT
-    lsb = (mag >> DROP) & 1
-    normal = ((mag + ((1 << (DROP - 1)) - 1) + lsb) >> DROP) - ((127 - BIAS) << MANT)
-    # Subnormal range (|v| < min normal): the grid is uniform with spacing min_subnormal.
-    # Adding SUB_MAGIC = min_subnormal * 2**23 lands in a binade whose float32 ulp is exactly
-    # min_subnormal, so the IEEE add rounds to nearest even on that grid, and the sum's
-    # bits minus SUB_MAGIC's bits count the quanta: that count is the fp8 code (the count
-    # 2**MANT is the smallest normal, whose code is the same number).
-    a = mag.to(tl.float32, bitcast=True)
-    sub = (a + SUB_MAGIC).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
-    code = tl.where(mag >= MIN_NORMAL_BITS, normal, sub) | sign
-    # Every NaN (any sign, any payload) becomes the positive NaN byte 0x7F: the sign of a
-    # NaN produced by x / step is not the same on CPUs and GPUs, so it carries nothing.
-    code = tl.where(mag > 0x7F800000, 0x7F, code)
-    return code.to(tl.uint8)
 
 
 @triton.jit
@@ -162,7 +125,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 n_sat += ((s > FMAX) | (s < -FMAX)).to(tl.int32)
             # Comparisons are false for NaN, so NaN passes through; ±inf becomes ±max.
             s = tl.where(s > FMAX, FMAX, tl.where(s < -FMAX, -FMAX, s))
-            code = _fp8_bits(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
+            code = fp8_byte(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
             tl.store(q_ptr + offs, code, mask=mask)
     if REDUCE != _REDUCE_NONE:
         # Cross-program traffic is scalar atomics only, issued in program order by one

@@ -6,8 +6,8 @@ place and writes its codes contiguous. Each block's amax becomes its step by a *
 (``"amax"``: ``amax / max``, at least ``2**-126``; ``"pow2"``: that rounded up to a power
 of two; ``"mx_rceil"`` / ``"mx_floor"``: an E8M0 exponent), then every element is
 ``fp8(clamp(x / step))``: one IEEE division, round to nearest even on the bits
-(``_fp8_code``). A block whose amax is zero or not finite gets step 1. Ragged
-edges are partial blocks (masked lanes load 0, which changes no amax).
+(``computectx.kernels.fp8_codes.fp8_byte``). A block whose amax is zero or not finite
+gets step 1. Ragged edges are partial blocks (masked lanes load 0, which changes no amax).
 
 Two kernels: ``_quantize_blocks_kernel`` (1x32, 1x128, 128x128: a program loads each of its
 blocks once, measures, stores the step and the codes) and ``_quantize_rows_kernel`` (one
@@ -15,7 +15,7 @@ step per row: a pass for the amax, a pass for the codes). The pure-torch twins a
 ``computectx.fp8.granular``; the bytes and the steps agree bit for bit.
 """
 
-# ruff: noqa: N803, N806  (upper-case names mark constexpr parameters, as in triton)
+# ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
 import functools
@@ -28,6 +28,8 @@ from typing import Final, Literal
 import torch
 import triton
 import triton.language as tl
+
+from computectx.kernels.fp8_codes import fp8_byte
 
 __all__ = ["INTERPRETED", "RULES", "quantize_blocks"]
 
@@ -53,42 +55,6 @@ _TILES: Final[dict[tuple[int, int | None], tuple[int, int, int]]] = {
 _ROW_TILE: Final = (4, 32, 1) if INTERPRETED else (8, 512, 4)  # rows, chunk of K, warps
 
 
-# The fp8 byte in integer arithmetic, never Triton's float -> fp8 conversion: the
-# interpreter's mis-rounds when the rounding carries into the exponent (31.19 becomes 16.0,
-# not 32.0, in E4M3) and writes other NaN bytes than torch. The same computation as
-# computectx.kernels.quantize's _fp8_bits: a kernel module imports nothing from computectx,
-# the other kernel modules included (tests/test_layering.py).
-@triton.jit
-def _fp8_code(  # type: ignore[no-untyped-def]
-    v,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
-):
-    """The fp8 byte (uint8) of float32 ``v``, already clamped to ``±max`` or NaN: round to
-    nearest even, subnormals included; every NaN becomes the positive NaN byte 0x7F."""
-    bits = v.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = bits & 0x7FFFFFFF
-    # Normal range: adding half an ulp minus one, plus the lowest kept bit, then dropping the
-    # low bits rounds to nearest even on the bit pattern (a carry out of the mantissa bumps
-    # the exponent, as it should); rebasing the exponent from 127 to BIAS gives the code.
-    DROP: tl.constexpr = 23 - MANT
-    lsb = (mag >> DROP) & 1
-    normal = ((mag + ((1 << (DROP - 1)) - 1) + lsb) >> DROP) - ((127 - BIAS) << MANT)
-    # Subnormal range: adding SUB_MAGIC = min_subnormal * 2**23 lands in a binade whose
-    # float32 ulp is min_subnormal, so the IEEE add rounds to nearest even on the fp8
-    # subnormal grid, and the difference of the bit patterns counts the quanta: the code.
-    a = mag.to(tl.float32, bitcast=True)
-    sub = (a + SUB_MAGIC).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
-    code = tl.where(mag >= MIN_NORMAL_BITS, normal, sub) | sign
-    # The sign of a NaN from x / step differs between CPUs and GPUs: it carries nothing.
-    code = tl.where(mag > 0x7F800000, 0x7F, code)
-    return code.to(tl.uint8)
-
-
 def _f32_bits(value: float) -> int:
     bits: int = struct.unpack("<i", struct.pack("<f", value))[0]
     return bits
@@ -96,8 +62,8 @@ def _f32_bits(value: float) -> int:
 
 @functools.cache
 def _fmt_constants(fp8: torch.dtype) -> Mapping[str, object]:
-    """The constexpr arguments of ``_fp8_code`` for ``fp8``, plus ``FMAX`` (the largest
-    finite value) and ``EMAX`` (``floor(log2(FMAX))``, the OCP MX ``emax``), all from
+    """The constexpr arguments of ``fp8_codes.fp8_byte`` for ``fp8``, plus ``FMAX`` (the
+    largest finite value) and ``EMAX`` (``floor(log2(FMAX))``, the OCP MX ``emax``), all from
     ``torch.finfo`` so this module needs only torch and triton."""
     fi = torch.finfo(fp8)
     mant = round(-math.log2(fi.eps))
@@ -187,7 +153,7 @@ def _codes(  # type: ignore[no-untyped-def]
     # comparisons are false for NaN, so NaN passes to fp8_code, which writes 0x7F.
     s = tl.div_rn(x, step[:, None])
     s = tl.where(s > FMAX, FMAX, tl.where(s < -FMAX, -FMAX, s))
-    return _fp8_code(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
+    return fp8_byte(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
 
 
 @triton.jit

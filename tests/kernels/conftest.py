@@ -25,7 +25,12 @@ ON_GPU = bool(capability.fp8_tensor_cores())
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 """Where kernel tests put their tensors."""
 
-_KERNEL_MODULES = ("computectx.kernels.quantize", "computectx.kernels.scaled_mm")
+_KERNEL_MODULES = (
+    "computectx.kernels.fp8_codes",  # first: the others import its function
+    "computectx.kernels.quantize",
+    "computectx.kernels.quantize_blocks",
+    "computectx.kernels.scaled_mm",
+)
 
 
 def _import_kernels_interpreted() -> None:

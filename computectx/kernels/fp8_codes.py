@@ -1,0 +1,59 @@
+"""The fp8 byte of a float32 value, in integer arithmetic: one Triton function the quantize
+kernels share (``computectx.kernels.quantize`` and ``computectx.kernels.quantize_blocks``).
+
+Never Triton's float -> fp8 conversion: the interpreter's mis-rounds when the rounding carry
+reaches the exponent (31.19 becomes 16.0, not 32.0, in E4M3) and writes other NaN bytes than
+torch, while this is exact, and identical, on the interpreter and on every GPU.
+"""
+
+# ruff: noqa: N803, N806  (upper-case names mark constexpr parameters, as in triton)
+from __future__ import annotations
+
+from typing import Final
+
+import triton
+import triton.language as tl
+
+__all__ = ["INTERPRETED", "fp8_byte"]
+
+INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
+"""Whether this module's function was decorated for the interpreter."""
+
+
+@triton.jit
+def fp8_byte(  # type: ignore[no-untyped-def]
+    v,
+    MANT: tl.constexpr,
+    BIAS: tl.constexpr,
+    MIN_NORMAL_BITS: tl.constexpr,
+    SUB_MAGIC: tl.constexpr,
+    SUB_MAGIC_BITS: tl.constexpr,
+):
+    # The fp8 byte of float32 v (already clamped to [-max, max], or NaN), rounded to nearest
+    # even, computed in integer arithmetic. No float -> fp8 conversion instruction is
+    # involved: the Triton interpreter's conversion mis-rounds when the rounding carry
+    # reaches the exponent and does not produce torch's NaN byte, while this is exact
+    # (and identical) on the interpreter and on every GPU.
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    mag = bits & 0x7FFFFFFF
+    # Normal range: adding half-an-ulp-minus-one plus the lowest kept bit, then dropping the
+    # low bits, is round-to-nearest-even on the bit pattern; a carry out of the mantissa
+    # bumps the exponent as it should. What remains is the float32 exponent and MANT
+    # mantissa bits; rebasing the exponent from bias 127 to BIAS gives the fp8 code. The
+    # clamp keeps the result at or below max, itself a grid value.
+    DROP: tl.constexpr = 23 - MANT
+    lsb = (mag >> DROP) & 1
+    normal = ((mag + ((1 << (DROP - 1)) - 1) + lsb) >> DROP) - ((127 - BIAS) << MANT)
+    # Subnormal range (|v| < min normal): the grid is uniform with spacing min_subnormal.
+    # Adding SUB_MAGIC = min_subnormal * 2**23 lands in a binade whose float32 ulp is exactly
+    # min_subnormal, so the IEEE add rounds to nearest even on that grid, and the sum's
+    # bits minus SUB_MAGIC's bits count the quanta: that count is the fp8 code (the count
+    # 2**MANT is the smallest normal, whose code is the same number).
+    a = mag.to(tl.float32, bitcast=True)
+    sub = (a + SUB_MAGIC).to(tl.int32, bitcast=True) - SUB_MAGIC_BITS
+    code = tl.where(mag >= MIN_NORMAL_BITS, normal, sub) | sign
+    # Every NaN (any sign, any payload) becomes the positive NaN byte 0x7F: the sign of a
+    # NaN produced by x / step is not the same on CPUs and GPUs, so it carries nothing.
+    code = tl.where(mag > 0x7F800000, 0x7F, code)
+    return code.to(tl.uint8)
