@@ -400,7 +400,6 @@ def _is_fp8_context_fn(context_fn: object) -> bool:
     )
 
 
-@torch.compiler.assume_constant_result  # type: ignore[untyped-decorator]
 def delayed_quantize_in_compiled_checkpoint(inline: bool) -> CompiledRegion:
     """Where dynamo is tracing a recording delayed fp8 call, as a trace-time constant.
 
@@ -448,3 +447,10 @@ _INLINE_ERROR = (
     "single out an inline quantize's plain torch ops, so its gradients would silently "
     "differ. Use quantize='op' there (with context_fn=fp8_checkpoint_context_fn() or none)"
 )
+
+
+# What torch.compiler.assume_constant_result does (torch/_dynamo/decorators.py), written out:
+# that function imports torch._dynamo, and with it triton, which `import computectx` must not
+# (tests/test_imports.py). Dynamo then runs the function at trace time and puts its result
+# in the graph as a constant: no graph break, no guard, nothing run at execution.
+delayed_quantize_in_compiled_checkpoint._dynamo_marked_constant = True  # type: ignore[attr-defined]
