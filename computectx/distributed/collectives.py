@@ -91,6 +91,7 @@ class GroupAmax:
         self.group = group
         self.reduces = reduces
         self.armed = always_armed
+        self.lockstep = True
 
     def __call__(self, amax: torch.Tensor) -> torch.Tensor:
         if not self.reduces:
@@ -114,6 +115,7 @@ class ShardAmax:
 
     armed = True
     reduces = True
+    lockstep = True
 
     def __init__(self, groups: list[dist.ProcessGroup], then: AmaxReduce | None = None) -> None:
         self.groups = groups
@@ -133,6 +135,7 @@ class RankLocal:
 
     armed = True
     reduces = False
+    lockstep = False
 
     def __call__(self, amax: torch.Tensor) -> torch.Tensor:
         return amax

@@ -11,9 +11,8 @@ the mesh dimensions it is sharded over are known from its placements, and its am
 reduced over exactly those (one MAX all-reduce of one float each, ``ShardAmax``), then over
 the data-parallel group when a sync is armed. So the steps, the fp8 codes, and the ledgers
 are those of one process holding the whole tensors, and the ledgers stay identical on
-every rank of the mesh without a merge (dynamic scaling; delayed scaling records each
-shard's amax between merges, and ``sync_fp8_scaling`` over a group that spans the
-tensor-parallel ranks, the default group, makes them the whole tensor's).
+every rank of the mesh without a merge: every call, delayed scaling included, records the
+whole tensor's amax (``OperandScaling.quantize_sharded``).
 
 Per mesh dimension, the layouts (anything else is redistributed to one of them first, by
 DTensor, with autograd):
@@ -33,6 +32,8 @@ so it needs no reduction there.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -125,7 +126,10 @@ def dtensor_fp8_linear(
 
     The output is a DTensor on the operands' mesh (see the module docstring for the
     layouts). A plain weight or bias is taken as replicated; the input must be a DTensor
-    whenever the weight is one.
+    whenever the weight is one. A plain weight beside a batch-sharded input gets this rank's
+    part of its gradient only, as any plain parameter does: reduce it over the batch shards
+    as data parallelism does (DDP, FSDP2), or make it a replicated DTensor, whose gradient
+    DTensor sums.
     """
     if not isinstance(x, DTensor):
         raise TypeError(
@@ -154,16 +158,11 @@ def dtensor_fp8_linear(
         # Every rank of a row-wise dim adds its partial product; the bias is added once.
         first = all(mesh.get_local_rank(d) == 0 for d, k in enumerate(kinds) if k == "rowwise")
         if not first:
-            b_local = b_local * 0
-    local_plan = Fp8LinearPlan(
-        policy=plan.policy,
-        state=plan.state,
-        backend=plan.backend,
-        gemm_dtype=plan.gemm_dtype,
-        frozen_weight=plan.frozen_weight,
-        quantize=plan.quantize,
-        amax_reduce=plan.amax_reduce,
-        record=plan.record,
+            # Zero in value and in gradient (the first rank's carries it); an inf or NaN
+            # bias is zeroed first, as inf * 0 would be NaN and poison the partial sum.
+            b_local = b_local.nan_to_num(0.0, 0.0, 0.0) * 0
+    local_plan = replace(
+        plan,
         input_reduce=_reducer(x_groups, plan.amax_reduce),
         weight_reduce=_reducer(w_groups, None),
         grad_reduce=_reducer(y_groups, plan.amax_reduce),

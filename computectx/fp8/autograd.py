@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -187,7 +187,7 @@ def fp8_linear(
         torch.compiler.is_compiling()
         and plan.record
         and isinstance(plan.policy.scaling, DelayedScaling)
-        and delayed_quantize_in_compiled_checkpoint(plan.quantize != "op") == "unsaved"
+        and delayed_quantize_in_compiled_checkpoint(_unsaveable(plan)) == "unsaved"
     ):
         y2 = _saving_the_quantize(x2, weight, bias, plan)
     else:
@@ -217,6 +217,15 @@ def _saving_the_quantize(
 
     out: torch.Tensor = checkpoint(call, x2, weight, bias, use_reentrant=False, context_fn=SAVE_FP8)
     return out
+
+
+def _unsaveable(plan: Fp8LinearPlan) -> Literal["", "inline", "sharded"]:
+    # Quantizes that no checkpointing policy can single out for saving (recompute.py).
+    if plan.quantize != "op":
+        return "inline"
+    if plan.input_reduce is not None or plan.weight_reduce is not None:
+        return "sharded"
+    return ""
 
 
 def _dequantized(plan: Fp8LinearPlan, dtype: torch.dtype) -> torch.Tensor:

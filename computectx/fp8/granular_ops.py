@@ -87,7 +87,9 @@ def _scale_arg(scale: object, layout: BlockLayout, device: torch.device) -> torc
             f"granularity {layout.granularity!r} takes its scale as {want}; got "
             f"{scale.dtype}, shape {tuple(scale.shape)} on {scale.device}"
         )
-    return scale.reshape(layout.grid)
+    # Contiguous: the kernels index the grid row-major (a transposed view of a valid scale
+    # is the same values in another layout).
+    return scale.reshape(layout.grid).contiguous()
 
 
 def quantize(

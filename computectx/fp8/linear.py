@@ -219,7 +219,7 @@ class Fp8Linear(nn.Linear):
         lockstep = False
         if reduce is not None:
             record = record and reduce.armed
-            lockstep = record
+            lockstep = record and reduce.lockstep
             if not (record and reduce.reduces):
                 reduce = None
         elif record and not torch.compiler.is_compiling():

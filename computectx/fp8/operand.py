@@ -52,6 +52,12 @@ class AmaxReduce(Protocol):
     @property
     def reduces(self) -> bool: ...
 
+    @property
+    def lockstep(self) -> bool:
+        """Whether the ranks' ledgers are kept in step (merged slot by slot), so a call
+        must record even with no rows (an amax of 0, the MAX's identity)."""
+        ...
+
     def __call__(self, amax: torch.Tensor, /) -> torch.Tensor: ...
 
 

@@ -378,7 +378,8 @@ def fp8_checkpoint_context_fn(
 
 SAVE_FP8: Callable[[], tuple[Any, Any]] = fp8_checkpoint_context_fn()
 """``fp8_checkpoint_context_fn()``, made once: what an fp8 call inside a compiled checkpointed
-region without it wraps itself in (``compiled_checkpoint_region``)."""
+region without it wraps itself in (``delayed_quantize_in_compiled_checkpoint`` tells it so,
+``computectx.fp8.autograd`` does it)."""
 
 CompiledRegion = Literal["none", "saved", "unsaved"]
 
@@ -400,15 +401,19 @@ def _is_fp8_context_fn(context_fn: object) -> bool:
     )
 
 
-def delayed_quantize_in_compiled_checkpoint(inline: bool) -> CompiledRegion:
+def delayed_quantize_in_compiled_checkpoint(
+    unsaveable: Literal["", "inline", "sharded"],
+) -> CompiledRegion:
     """Where dynamo is tracing a recording delayed fp8 call, as a trace-time constant.
 
     ``"none"`` outside every checkpointed region; ``"saved"`` inside one whose
     ``context_fn`` is ``fp8_checkpoint_context_fn``'s (its quantize will be saved);
     ``"unsaved"`` inside one without a ``context_fn`` (the call must see to it). Raises,
     while tracing, inside one with another ``context_fn`` (whose policy this cannot extend)
-    and for an inline quantize (``inline``) in any: AOTAutograd would recompute those
-    quantizes from the ledger the forward advanced (pytorch/pytorch#197039).
+    and, in any, for a quantize no policy can single out (``unsaveable``: ``"inline"``, plain
+    torch ops; ``"sharded"``, a tensor-parallel operand's whole-tensor quantize): AOTAutograd
+    would recompute those quantizes from the ledger the forward advanced
+    (pytorch/pytorch#197039).
 
     Dynamo runs this at trace time (``assume_constant_result``: no graph break, nothing in
     the graph). It finds the innermost checkpoint dynamo is turning into a higher-order op
@@ -421,8 +426,10 @@ def delayed_quantize_in_compiled_checkpoint(inline: bool) -> CompiledRegion:
     while code is not None and f is not None:
         if f.f_code is code:
             context_fn = f.f_locals.get("context_fn")
-            if inline:
+            if unsaveable == "inline":
                 raise RuntimeError(_INLINE_ERROR)
+            if unsaveable == "sharded":
+                raise RuntimeError(_SHARDED_ERROR)
             if context_fn is None:
                 return "unsaved"
             if _is_fp8_context_fn(context_fn):
@@ -446,6 +453,16 @@ _INLINE_ERROR = (
     "the forward already advanced (pytorch/pytorch#197039), and no checkpointing policy can "
     "single out an inline quantize's plain torch ops, so its gradients would silently "
     "differ. Use quantize='op' there (with context_fn=fp8_checkpoint_context_fn() or none)"
+)
+
+
+_SHARDED_ERROR = (
+    "an fp8 layer with delayed scaling and tensor-parallel (DTensor) operands runs inside a "
+    "torch.compile'd activation checkpoint: AOTAutograd would recompute its whole-tensor "
+    "quantize from the amax history the forward already advanced (pytorch/pytorch#197039), "
+    "and no checkpointing policy singles that quantize out yet, so its gradients would "
+    "silently differ. Use dynamic scaling for tensor-parallel layers under a compiled "
+    "checkpoint, or checkpoint them eagerly"
 )
 
 

@@ -161,6 +161,15 @@ def fp8_post_optimizer_build_fn(
         for sync in syncs:
             sync.sync()
 
-    for opt in getattr(optimizers, "optimizers", [optimizers]):
-        if isinstance(opt, torch.optim.Optimizer):
-            opt.register_step_post_hook(merge)
+    # Once per step: on the container when it is an optimizer itself (torchtitan's
+    # OptimizersContainer, whose step steps every part), else on the last of its optimizers.
+    # Never on each inner one: with k model parts, or one optimizer per parameter (optimizer
+    # in backward), that would merge k times, or once per parameter during the backward.
+    if isinstance(optimizers, torch.optim.Optimizer):
+        optimizers.register_step_post_hook(merge)
+        return
+    inner = [
+        o for o in getattr(optimizers, "optimizers", []) if isinstance(o, torch.optim.Optimizer)
+    ]
+    if inner:
+        inner[-1].register_step_post_hook(merge)

@@ -64,3 +64,17 @@ def test_bad_arguments_are_named(kwargs: dict[str, object], match: str) -> None:
 def test_a_wrapped_model_is_refused() -> None:
     with pytest.raises(TypeError, match=r"ctx must be a computectx\.ComputeCtx"):
         parallelize(_mlp(), "fp8_hybrid")  # type: ignore[arg-type]
+
+
+def test_an_empty_input_records_nothing_on_a_rank_scaling_on_its_own() -> None:
+    # After sync.remove() (RankLocal) the ranks' ledgers are not merged slot by slot, so an
+    # empty call must not push an amax of 0 into this rank's history, as in one process.
+    from computectx.distributed.collectives import RankLocal
+    from computectx.fp8.ledger import ledger_history
+
+    layer = Fp8Linear(32, 32, ctx=CTX)
+    layer.amax_reduce = RankLocal()
+    layer(torch.randn(4, 32) * 3).sum().backward()
+    before = ledger_history(layer.scaling.input.ledger).clone()
+    layer(torch.randn(0, 32)).sum().backward()
+    assert torch.equal(ledger_history(layer.scaling.input.ledger), before)
