@@ -175,6 +175,7 @@ class _OneRank:
 
     armed = True
     reduces = True
+    lockstep = True
 
     def __call__(self, amax: torch.Tensor, /) -> torch.Tensor:
         return amax.clone()
