@@ -1,4 +1,5 @@
-"""The fp8 recipe: which formats, which scaling recipe. Pure data in the core layer.
+"""The fp8 recipe: which formats, which granularity, which scaling recipe. Pure data in the
+core layer.
 
 ``ComputeCtx.fp8`` holds an ``Fp8Policy``; everything in ``computectx.fp8`` reads it. The
 recipe lives here, beside ``dtypes``, and not in the fp8 package, so that the core never
@@ -20,16 +21,50 @@ step; it keeps ``step = 1`` (every value quantizes to 0 exactly) rather than div
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal, Self, get_args
 
-from pydantic import BaseModel, BeforeValidator, Discriminator, Field, Tag, ValidationError
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    model_validator,
+)
 
 from computectx.dtypes import Fp8Format
 
-__all__ = ["DelayedScaling", "DynamicScaling", "Fp8Policy", "Fp8Scheme", "Scaling", "parse_scaling"]
+__all__ = [
+    "POLICY_GRANULARITIES",
+    "DelayedScaling",
+    "DynamicScaling",
+    "Fp8Policy",
+    "Fp8Scheme",
+    "PolicyGranularity",
+    "Scaling",
+    "parse_scaling",
+]
 
 _SCALING_FORM = "'delayed[/HISTORY[/MARGIN[/ALGO]]]' or 'dynamic[/MARGIN]'"
-_POLICY_FORM = "'SCHEME[/delayed[/HISTORY[/MARGIN[/ALGO]]]]' or 'SCHEME/dynamic[/MARGIN]'"
+_POLICY_FORM = (
+    "'SCHEME[/delayed[/HISTORY[/MARGIN[/ALGO]]]]', 'SCHEME/dynamic[/MARGIN]' or "
+    "'[SCHEME/]GRANULARITY[+OPTION...][/dynamic[/MARGIN]]'"
+)
+
+PolicyGranularity = Literal["tensor", "row", "block", "mx"]
+"""Which elements of an fp8 linear's operands share one step: ``tensor`` (one per tensor),
+``row`` (one per row along the contraction dimension), ``block`` (1x128 activations and
+gradients, 128x128 weights) or ``mx`` (1x32 blocks with E8M0 scales)."""
+POLICY_GRANULARITIES: Final[tuple[PolicyGranularity, ...]] = get_args(PolicyGranularity)
+# The options of the text form's granularity part (`row+gw_hp`), each a field and a value.
+_OPTIONS: dict[str, tuple[str, object]] = {
+    "gw_hp": ("gw_hp", True),
+    "pow2": ("power_of_two", True),
+    "no_pow2": ("power_of_two", False),
+    "rceil": ("mx_rounding", "rceil"),
+    "floor": ("mx_rounding", "floor"),
+}
 
 
 def _lower(value: object) -> object:
@@ -230,43 +265,174 @@ Scaling = Annotated[
 (``parse_scaling``)."""
 
 
+def _granularity_name(part: str) -> str:
+    """The granularity a text-form part names (``"row+gw_hp"`` -> ``"row"``), lowercased."""
+    return part.split("+")[0].strip().lower()
+
+
+def _granularity_fields(part: str, text: str) -> dict[str, object]:
+    """The fields of the text form's granularity part ``GRANULARITY[+OPTION...]``."""
+    name, *options = [o.strip().lower() for o in part.split("+")]
+    fields: dict[str, object] = {"granularity": name}
+    for option in options:
+        if option not in _OPTIONS:
+            accepted = ", ".join(repr(o) for o in _OPTIONS)
+            raise ValueError(
+                f"unknown fp8 granularity option {option!r} in {text!r}; accepted: {accepted} "
+                f"(form {_POLICY_FORM})"
+            )
+        field, value = _OPTIONS[option]
+        if field in fields:
+            raise ValueError(f"{field} given twice in {part.strip()!r} of {text!r}")
+        fields[field] = value
+    return fields
+
+
 class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
-    """How fp8 linears quantize: the format scheme and the scaling recipe.
+    """How fp8 linears quantize: the format scheme, the granularity and the scaling recipe.
 
     Text form (used inside a ``ComputeCtx`` policy string): ``hybrid/delayed/16/0/max``
-    (scheme/recipe/history_len/margin/algo) or ``e4m3/dynamic/0`` (scheme/recipe/margin).
-    Every name is case-insensitive; ``scaling`` also reads its own text form
+    (scheme/recipe/history_len/margin/algo) or ``e4m3/dynamic/0`` (scheme/recipe/margin)
+    for per-tensor scaling; a finer granularity follows the scheme, with its options after
+    ``+``: ``e4m3/row/dynamic/0``, ``e4m3/row+gw_hp/dynamic/0``, ``e4m3/block+pow2/dynamic/0``,
+    ``e4m3/mx+floor/dynamic/0`` (options: ``gw_hp``, ``pow2``, ``no_pow2``, ``rceil``,
+    ``floor``; ``str`` writes those that differ from the granularity's defaults). Every name
+    is case-insensitive; ``scaling`` also reads its own text form
     (``Fp8Policy(scaling="dynamic")``) and a dict without ``kind`` (delayed).
+
+    Defaults follow the granularity: per tensor, ``hybrid`` and delayed scaling; ``row``,
+    ``block`` and ``mx`` (the anchors' recipes) ``e4m3`` and dynamic scaling (delayed
+    scaling is per-tensor only, and refused for the others). Power-of-two steps are on for
+    ``row`` and ``mx`` (always), off for ``block`` (optional) and ``tensor``; ``mx`` rounds
+    its exponents ``rceil`` unless told ``floor``.
     """
 
     format: Annotated[Fp8Scheme, BeforeValidator(_lower)] = Fp8Scheme.HYBRID
-    """Format scheme: ``hybrid`` (E4M3 forward, E5M2 gradients), ``e4m3`` or ``e5m2``."""
+    """Format scheme: ``hybrid`` (E4M3 forward, E5M2 gradients), ``e4m3`` or ``e5m2``
+    (default ``hybrid`` per tensor, ``e4m3`` for the finer granularities)."""
     scaling: Scaling = Field(default_factory=DelayedScaling)
-    """Scaling recipe: ``DelayedScaling`` (default) or ``DynamicScaling``, or its text form
+    """Scaling recipe: ``DelayedScaling`` (the per-tensor default) or ``DynamicScaling`` (the
+    default and the only recipe of the finer granularities), or its text form
     (``"delayed/16/0/max"``, ``"dynamic/0"``)."""
+    granularity: Annotated[PolicyGranularity, BeforeValidator(_lower)] = "tensor"
+    """Which elements share one step: ``tensor`` (default), ``row`` (one step per row along
+    the contraction dimension), ``block`` (1x128 activations and gradients, 128x128
+    weights) or ``mx`` (1x32 blocks, E8M0 scales)."""
+    power_of_two: bool = False
+    """Round every measured step up to a power of two: on by default for ``row``, always on
+    for ``mx``, optional for ``block``, off (and refused) per tensor."""
+    mx_rounding: Annotated[Literal["floor", "rceil"] | None, BeforeValidator(_lower)] = None
+    """How an ``mx`` block's exponent is chosen: ``"rceil"`` (default for ``mx``) or
+    ``"floor"`` (OCP); ``None`` (and only ``None``) for the other granularities."""
+    gw_hp: bool = False
+    """``row`` only: the weight-gradient GEMM runs in high precision (torchao's
+    ``ROWWISE_WITH_GW_HP``)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _granularity_defaults(cls, data: Any) -> Any:
+        # The defaults that depend on the granularity: the format, the recipe, powers of two
+        # and the mx rounding. A None option reads as "the granularity's default".
+        if not isinstance(data, dict):
+            return data
+        g = _lower(data.get("granularity", "tensor"))
+        if g not in POLICY_GRANULARITIES:
+            return data  # the field's own validation names the accepted values
+        out = dict(data)
+        if g != "tensor":
+            out.setdefault("format", Fp8Scheme.E4M3)
+            out.setdefault("scaling", DynamicScaling())
+        if out.get("power_of_two") is None:
+            out["power_of_two"] = g in ("row", "mx")
+        if out.get("mx_rounding") is None and g == "mx":
+            out["mx_rounding"] = "rceil"
+        return out
+
+    @model_validator(mode="after")
+    def _check_granularity(self) -> Self:
+        g = self.granularity
+        if g != "tensor" and isinstance(self.scaling, DelayedScaling):
+            raise ValueError(
+                f"delayed scaling is per-tensor only: granularity {g!r} takes every step from "
+                f"the current amax of its block, so it needs dynamic scaling, e.g. "
+                f"{f'{self.format}/{g}/dynamic'!r}"
+            )
+        if g == "tensor" and self.power_of_two:
+            raise ValueError(
+                "power_of_two applies to granularities 'row' and 'block' ('mx' steps are always "
+                "powers of two), not 'tensor', whose step is amax / fmt.max"
+            )
+        if g == "mx" and not self.power_of_two:
+            raise ValueError(
+                "granularity 'mx' has E8M0 scales, always powers of two; power_of_two=False "
+                "cannot apply (choose the exponent's rounding with mx_rounding)"
+            )
+        if g != "mx" and self.mx_rounding is not None:
+            raise ValueError(
+                f"mx_rounding applies to granularity 'mx' only, not {g!r}; for power-of-two "
+                f"steps set power_of_two=True"
+            )
+        if g != "row" and self.gw_hp:
+            raise ValueError(
+                f"gw_hp (a high-precision weight-gradient GEMM, torchao's "
+                f"ROWWISE_WITH_GW_HP) applies to granularity 'row' only, not {g!r}"
+            )
+        return self
+
+    def _options(self) -> list[str]:
+        """The text form's options: those that differ from the granularity's defaults."""
+        g, options = self.granularity, []
+        if self.gw_hp:
+            options.append("gw_hp")
+        if g == "row" and not self.power_of_two:
+            options.append("no_pow2")
+        if g == "block" and self.power_of_two:
+            options.append("pow2")
+        if g == "mx" and self.mx_rounding == "floor":
+            options.append("floor")
+        return options
 
     def __str__(self) -> str:
-        """``SCHEME/`` followed by the scaling recipe's text form."""
-        return f"{self.format}/{self.scaling}"
+        """``SCHEME/``, then ``GRANULARITY[+OPTION...]/`` unless per tensor, then the scaling
+        recipe's text form."""
+        if self.granularity == "tensor":
+            return f"{self.format}/{self.scaling}"
+        part = "+".join([self.granularity, *self._options()])
+        return f"{self.format}/{part}/{self.scaling}"
 
     @classmethod
     def parse(cls, text: str) -> Fp8Policy:
         """Read the text form ``str(policy)`` writes; trailing fields may be omitted and
-        take their defaults (``"hybrid"``, ``"e4m3/dynamic"``); names are case-insensitive."""
+        take their defaults (``"hybrid"``, ``"e4m3/dynamic"``, ``"e4m3/row"``), and so may the
+        scheme before a granularity (``"row+gw_hp"``); names are case-insensitive."""
         if not isinstance(text, str):
             raise TypeError(f"Fp8Policy.parse takes a str, got {type(text).__name__}")
         parts = [p.strip() for p in text.strip().split("/")]
+        fields: dict[str, object] = {}
+        if _granularity_name(parts[0]) in POLICY_GRANULARITIES:
+            fields.update(_granularity_fields(parts[0], text))
+            rest = parts[1:]
+        else:
+            try:
+                fields["format"] = Fp8Scheme.parse(parts[0])
+            except ValueError:
+                schemes = ", ".join(repr(s.value) for s in Fp8Scheme)
+                hint = ""
+                if parts[0].lower() in _RECIPES:
+                    hint = f"; the scheme comes first, e.g. {'hybrid/' + text.strip().lower()!r}"
+                raise ValueError(
+                    f"unknown fp8 scheme in {text!r}; accepted: {schemes} (form "
+                    f"{_POLICY_FORM}){hint}"
+                ) from None
+            rest = parts[1:]
+            if rest and _granularity_name(rest[0]) in POLICY_GRANULARITIES:
+                fields.update(_granularity_fields(rest[0], text))
+                rest = rest[1:]
+        if rest:
+            prefix = "/".join(p.lower() for p in parts[: len(parts) - len(rest)]) + "/"
+            fields["scaling"] = _scaling_from_parts(rest, text, _POLICY_FORM, prefix=prefix)
         try:
-            scheme = Fp8Scheme.parse(parts[0])
-        except ValueError:
-            schemes = ", ".join(repr(s.value) for s in Fp8Scheme)
-            hint = ""
-            if parts[0].lower() in _RECIPES:
-                hint = f"; the scheme comes first, e.g. {'hybrid/' + text.strip().lower()!r}"
-            raise ValueError(
-                f"unknown fp8 scheme in {text!r}; accepted: {schemes} (form {_POLICY_FORM}){hint}"
-            ) from None
-        if len(parts) == 1:
-            return cls(format=scheme)
-        scaling = _scaling_from_parts(parts[1:], text, _POLICY_FORM, prefix=f"{scheme}/")
-        return cls(format=scheme, scaling=scaling)
+            return cls.model_validate(fields)
+        except ValidationError as e:
+            msgs = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+            raise ValueError(f"bad fp8 policy {text!r}: {msgs}") from None

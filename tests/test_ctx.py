@@ -374,3 +374,70 @@ def test_bad_fp8_text_names_the_field_and_the_form(text: str, needles: list[str]
         assert needle in str(caught.value), str(caught.value)
     with pytest.raises(ValueError, match=re.escape(needles[0])):
         ComputeCtx.parse(f"compute=bf16,device=cpu,fp8={text}")
+
+
+def test_granularity_defaults_follow_the_anchor_recipes() -> None:
+    # Per tensor nothing changed: every existing form parses and prints as before.
+    assert Fp8Policy() == Fp8Policy.parse("hybrid") == Fp8Policy(granularity="tensor")
+    assert str(Fp8Policy.parse("e4m3/dynamic")) == "e4m3/dynamic/0"
+    assert Fp8Policy().model_dump(mode="json")["granularity"] == "tensor"
+    # row, block, mx: E4M3 both ways, dynamic scaling; powers of two on for row and mx.
+    row = Fp8Policy(granularity="row")
+    assert (row.format, row.scaling, row.power_of_two, row.gw_hp) == (
+        Fp8Scheme.E4M3,
+        DynamicScaling(),
+        True,
+        False,
+    )
+    assert row == Fp8Policy.parse("row") == Fp8Policy.parse("e4m3/row/dynamic/0")
+    assert str(row) == "e4m3/row/dynamic/0"
+    assert Fp8Policy.parse("Row+GW_HP").gw_hp and str(Fp8Policy.parse("row+gw_hp")) == (
+        "e4m3/row+gw_hp/dynamic/0"
+    )
+    block = Fp8Policy.parse("block")
+    assert not block.power_of_two and Fp8Policy.parse("block+pow2").power_of_two
+    mx = Fp8Policy.parse("mx")
+    assert mx.power_of_two and mx.mx_rounding == "rceil" and str(mx) == "e4m3/mx/dynamic/0"
+    assert Fp8Policy.parse("mx+floor").mx_rounding == "floor"
+    # Hybrid stays allowed, and an option at its default reads as the default.
+    assert Fp8Policy.parse("hybrid/row").format is Fp8Scheme.HYBRID
+    assert (
+        Fp8Policy.parse("row+pow2")
+        == row
+        == Fp8Policy.model_validate({"granularity": "row", "power_of_two": None})
+    )
+    assert Fp8Policy.parse("mx+rceil") == mx
+    ctx = ComputeCtx.parse("compute=bf16,device=cpu,fp8=row+gw_hp")
+    assert str(ctx).endswith(",fp8=e4m3/row+gw_hp/dynamic/0")
+    assert ComputeCtx.model_validate_json(ctx.model_dump_json()) == ctx
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("row/delayed", "delayed scaling is per-tensor only: granularity 'row'"),
+        ("e5m2/block/delayed/4", "so it needs dynamic scaling, e.g. 'e5m2/block/dynamic'"),
+        ("mx/delayed/16/0/max", "delayed scaling is per-tensor only"),
+        ("tensor+pow2", "power_of_two applies to granularities 'row' and 'block'"),
+        ("mx+no_pow2", "granularity 'mx' has E8M0 scales, always powers of two"),
+        ("row+floor", "mx_rounding applies to granularity 'mx' only, not 'row'"),
+        ("block+gw_hp", "gw_hp (a high-precision weight-gradient GEMM"),
+        ("row+fast", "unknown fp8 granularity option 'fast'"),
+        ("row+pow2+no_pow2", "power_of_two given twice"),
+        ("e4m3/row/dynamic/0/1", "too many fields"),
+    ],
+)
+def test_bad_granularity_text_names_the_rule(text: str, needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Fp8Policy.parse(text)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        ComputeCtx.parse(f"compute=bf16,device=cpu,fp8={text}")
+
+
+def test_a_delayed_non_tensor_policy_is_refused_when_built() -> None:
+    with pytest.raises(ValidationError, match="delayed scaling is per-tensor only"):
+        Fp8Policy(granularity="row", scaling=DelayedScaling())
+    with pytest.raises(ValidationError, match="delayed scaling is per-tensor only"):
+        Fp8Policy.model_validate({"granularity": "mx", "scaling": {"history_len": 4}})
+    with pytest.raises(ValidationError, match="granularity"):
+        Fp8Policy(granularity="1x128")  # type: ignore[arg-type]  # a block, not a policy name

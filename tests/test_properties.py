@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from computectx import ComputeCtx, DType, Residency, promote
 from computectx.ctx import DTYPE_FLAGS
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
-from computectx.recipes import parse_scaling
+from computectx.recipes import POLICY_GRANULARITIES, parse_scaling
 
 ALL = list(DType)
 
@@ -190,27 +190,38 @@ def test_negative_sizes_raise(r: Residency, neg: int, ok: int, first: bool) -> N
 # ----- text and JSON round trips, and bad strings ---------------------------------------------
 
 
+_DYNAMIC = st.builds(DynamicScaling, margin=st.integers(0, 16))
+
+
+@st.composite
+def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
+    """Every fp8 policy: per tensor (delayed or dynamic), or row, block, mx (dynamic) with
+    every option that applies, each option given or left to its default (None)."""
+    fmt = draw(st.sampled_from(list(Fp8Scheme)))
+    granularity = draw(st.sampled_from(list(POLICY_GRANULARITIES)))
+    if granularity == "tensor":
+        delayed = st.builds(
+            DelayedScaling,
+            history_len=st.integers(1, 1024),
+            margin=st.integers(0, 16),
+            algo=st.sampled_from(["max", "most_recent"]),
+        )
+        return Fp8Policy(format=fmt, scaling=draw(st.one_of(delayed, _DYNAMIC)))
+    options: dict[str, object] = {}
+    if granularity == "row":
+        options["gw_hp"] = draw(st.booleans())
+    if granularity in ("row", "block"):
+        options["power_of_two"] = draw(st.sampled_from([None, True, False]))
+    if granularity == "mx":
+        options["mx_rounding"] = draw(st.sampled_from([None, "rceil", "floor"]))
+    fields = {"format": fmt, "scaling": draw(_DYNAMIC), "granularity": granularity}
+    return Fp8Policy.model_validate(fields | options)
+
+
 @st.composite
 def contexts(draw: st.DrawFn) -> ComputeCtx:
     compute = draw(st.sampled_from(ALL))
-    policy: Fp8Policy | None = draw(
-        st.one_of(
-            st.none(),
-            st.builds(
-                Fp8Policy,
-                format=st.sampled_from(list(Fp8Scheme)),
-                scaling=st.one_of(
-                    st.builds(
-                        DelayedScaling,
-                        history_len=st.integers(1, 1024),
-                        margin=st.integers(0, 16),
-                        algo=st.sampled_from(["max", "most_recent"]),
-                    ),
-                    st.builds(DynamicScaling, margin=st.integers(0, 16)),
-                ),
-            ),
-        )
-    )
+    policy: Fp8Policy | None = draw(st.one_of(st.none(), fp8_policies()))
     devices = st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:3", "meta"]).map(torch.device)
     return ComputeCtx(
         compute=compute,
@@ -236,7 +247,7 @@ def test_json_round_trip(ctx: ComputeCtx) -> None:
     assert ComputeCtx.model_validate(ctx.model_dump()) == ctx
 
 
-_alphabet = st.sampled_from(list("=,/:; abcdefkmprtuvx01236")) | st.characters()
+_alphabet = st.sampled_from(list("=,/:;+_ abcdefghklmnoprtuvwx01236")) | st.characters()
 
 
 @given(text=st.text(alphabet=_alphabet, max_size=60))
@@ -306,9 +317,8 @@ def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
         return
     scaling = ctx.fp8.scaling
     assert parse_scaling(str(scaling)) == scaling
-    assert Fp8Policy.model_validate({"format": str(ctx.fp8.format), "scaling": str(scaling)}) == (
-        ctx.fp8
-    )
+    fields = ctx.fp8.model_dump(mode="json") | {"scaling": str(scaling)}
+    assert Fp8Policy.model_validate(fields) == ctx.fp8
     dumped = ctx.model_dump(mode="json")
     if isinstance(scaling, DelayedScaling):  # the default recipe needs no tag
         del dumped["fp8"]["scaling"]["kind"]
@@ -339,3 +349,34 @@ def test_each_bad_field_is_one_error_naming_it(bad: set[str]) -> None:
     for caught in (validated, parsed):
         assert {e["loc"][0] for e in caught.value.errors()} == bad, str(caught.value)
         assert caught.value.error_count() == len(bad), str(caught.value)
+
+
+@given(policy=fp8_policies())
+def test_fp8_policy_text_and_json_round_trip(policy: Fp8Policy) -> None:
+    text = str(policy)
+    assert Fp8Policy.parse(text) == policy
+    assert Fp8Policy.parse(text.upper()) == policy
+    assert Fp8Policy.model_validate_json(policy.model_dump_json()) == policy
+    assert str(Fp8Policy.parse(text)) == text
+    if policy.granularity == "tensor":  # the forms that existed before granularity
+        assert "/" + policy.granularity not in text
+        assert Fp8Policy(format=policy.format, scaling=policy.scaling) == policy
+    else:  # the scheme before a granularity may be left out when it is the default
+        default = text.removeprefix("e4m3/")
+        assert Fp8Policy.parse(default) == policy
+        assert (default != text) is (policy.format is Fp8Scheme.E4M3)
+
+
+@given(policy=fp8_policies(), history=st.integers(1, 1024))
+def test_delayed_scaling_is_refused_for_every_granularity_but_tensor(
+    policy: Fp8Policy, history: int
+) -> None:
+    fields = policy.model_dump() | {"scaling": DelayedScaling(history_len=history)}
+    if policy.granularity == "tensor":
+        assert Fp8Policy.model_validate(fields).scaling.kind == "delayed"
+        return
+    with pytest.raises(ValidationError, match="delayed scaling is per-tensor only"):
+        Fp8Policy.model_validate(fields)
+    text = str(policy).replace(f"/{policy.scaling}", f"/delayed/{history}")
+    with pytest.raises(ValueError, match="delayed scaling is per-tensor only"):
+        Fp8Policy.parse(text)

@@ -9,9 +9,17 @@ working. ``policy_of`` is how every fp8 entry point (``Fp8Linear``, ``convert_to
 from __future__ import annotations
 
 from computectx.ctx import ComputeCtx
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme, Scaling
+from computectx.recipes import (
+    DelayedScaling,
+    DynamicScaling,
+    Fp8Policy,
+    Fp8Scheme,
+    PolicyGranularity,
+    Scaling,
+)
 
 __all__ = [
+    "SUPPORTED_GRANULARITIES",
     "DelayedScaling",
     "DynamicScaling",
     "Fp8Policy",
@@ -20,6 +28,9 @@ __all__ = [
     "describe",
     "policy_of",
 ]
+
+SUPPORTED_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor",)
+"""The policy granularities ``Fp8Linear`` (and so ``convert_to_fp8``, ``fp8_autocast``) runs."""
 
 
 def describe(value: object, limit: int = 60) -> str:
@@ -34,7 +45,8 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
     """``ctx.fp8`` of a ``ComputeCtx`` that has one; ``who`` names the caller in errors.
 
     Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
-    ``fp8`` is ``None``; both messages say what is accepted.
+    ``fp8`` is ``None`` or asks for a granularity the fp8 linears do not run yet (every one
+    but ``tensor``); the messages say what is accepted.
     """
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(
@@ -45,5 +57,13 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
         raise ValueError(
             f"{who} needs a ctx with an fp8 policy, but {str(ctx)!r} has fp8=None; use e.g. "
             f"ctx.replace(fp8=Fp8Policy()) or ComputeCtx.from_flag('fp8_hybrid', device)"
+        )
+    granularity = ctx.fp8.granularity
+    if granularity not in SUPPORTED_GRANULARITIES:
+        accepted = ", ".join(repr(g) for g in SUPPORTED_GRANULARITIES)
+        raise ValueError(
+            f"{who} does not support granularity {granularity!r} yet (fp8 policy "
+            f"{str(ctx.fp8)!r}); it runs {accepted}. The standalone "
+            f"fp8_quantize(x, fmt, granularity=...) quantizes row, 1x128, 128x128 and mx blocks"
         )
     return ctx.fp8

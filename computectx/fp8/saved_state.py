@@ -6,18 +6,22 @@ tensors only and any tensor format takes it as it is (safetensors, DCP,
 
     fp8_{role}_ledger   float32  the ledger (computectx.fp8.ledger), for role in ROLES
     fp8_{role}_tally    int64    [seeded, elements]
-    fp8_meta            int64    [version, world_size, scheme, recipe, history_len, margin, algo]
+    fp8_meta            int64    [version, world_size, scheme, recipe, history_len, margin, algo,
+                                  granularity, power_of_two, mx_rounding, gw_hp]
 
 ``fp8_meta`` records what the ledgers were measured under: the state version
 (``STATE_VERSION``), the data-parallel world size and the policy fields that give the
 numbers their meaning, as the integer codes below. A saved state is read back *checked
-against the loading layer's policy*: another format scheme, recipe, margin or window
-reduction (``algo``) raises ``ValueError`` naming both policies (a step measured for E5M2
-saturates E4M3 inputs; a step with another margin leaves the wrong headroom), and the one
-field with an exact conversion, the history length, is converted (``resize_ledger``).
+against the loading layer's policy*: another format scheme, recipe, margin, window
+reduction (``algo``), granularity or granularity option raises ``ValueError`` naming both
+policies (a step measured for E5M2 saturates E4M3 inputs; a step with another margin leaves
+the wrong headroom), and the one field with an exact conversion, the history length, is
+converted (``resize_ledger``).
 
 Versions 1 and 2 saved the state as a dict in ``_extra_state``; ``read_saved_dict`` reads
-them into the same form, with the same checks (``read_saved_tensors`` reads version 3).
+them into the same form, with the same checks (``read_saved_tensors`` reads versions 3 and
+4). Version 3 had the first seven fields only, all per-tensor: it reads as granularity
+``tensor``.
 """
 
 from __future__ import annotations
@@ -39,7 +43,14 @@ from computectx.fp8.ledger import (
     ledger_with_history,
     read_ledger,
 )
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.recipes import (
+    POLICY_GRANULARITIES,
+    DelayedScaling,
+    DynamicScaling,
+    Fp8Policy,
+    Fp8Scheme,
+    PolicyGranularity,
+)
 
 __all__ = [
     "META_LEN",
@@ -63,17 +74,26 @@ Role = Literal["input", "weight", "grad"]
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
 """The operand roles of an fp8 linear, in checkpoint order."""
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 """The version ``fp8_meta`` records. Versions 1 and 2 were dicts in ``_extra_state``
-(``read_saved_dict``)."""
+(``read_saved_dict``); version 3 had no granularity fields (``META_LEN_V3``), read as
+per-tensor."""
 _LEDGER_KEY_V1 = "ring"  # rename.py: keep (the key version-1 checkpoints use)
 
 META_VERSION, META_WORLD, META_SCHEME, META_RECIPE, META_HISTORY, META_MARGIN, META_ALGO = range(7)
-META_LEN = 7
+META_GRANULARITY, META_POW2, META_MX_ROUNDING, META_GW_HP = range(7, 11)
+META_LEN = 11
 """Length of ``fp8_meta``; ``META_WORLD`` is the slot of the world size."""
+META_LEN_V3 = 7
+"""Length of a version-3 ``fp8_meta`` (no granularity fields: per-tensor)."""
 _SCHEMES = {Fp8Scheme.HYBRID: 1, Fp8Scheme.E4M3: 2, Fp8Scheme.E5M2: 3}
 _RECIPES = {"delayed": 1, "dynamic": 2}
 _ALGOS: dict[Literal["max", "most_recent"], int] = {"max": 1, "most_recent": 2}
+_GRANULARITIES: dict[PolicyGranularity, int] = {
+    g: i + 1 for i, g in enumerate(POLICY_GRANULARITIES)
+}
+_MX_ROUNDINGS: dict[Literal["floor", "rceil"] | None, int] = {None: 0, "rceil": 1, "floor": 2}
+_FLAGS: dict[bool, int] = {False: 0, True: 1}
 _K = TypeVar("_K")
 
 
@@ -103,6 +123,10 @@ def meta_new(policy: Fp8Policy, world_size: int, device: torch.device | str) -> 
     values[META_HISTORY] = s.history_len if isinstance(s, DelayedScaling) else 0
     values[META_MARGIN] = s.margin
     values[META_ALGO] = _ALGOS[s.algo] if isinstance(s, DelayedScaling) else 0
+    values[META_GRANULARITY] = _GRANULARITIES[policy.granularity]
+    values[META_POW2] = _FLAGS[policy.power_of_two]
+    values[META_MX_ROUNDING] = _MX_ROUNDINGS[policy.mx_rounding]
+    values[META_GW_HP] = _FLAGS[policy.gw_hp]
     with torch.inference_mode(False):
         return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -118,21 +142,27 @@ def _decode(what: str, field: str, value: int, codes: Mapping[_K, int]) -> _K:
 def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
     """The policy and world size ``meta`` records (one host read); ``ValueError`` naming the
     bad field and what is accepted."""
+    lengths = {STATE_VERSION: META_LEN, 3: META_LEN_V3}
     if not (
         isinstance(meta, torch.Tensor)
         and meta.dtype == torch.int64
-        and tuple(meta.shape) == (META_LEN,)
+        and meta.dim() == 1
+        and meta.shape[0] in lengths.values()
     ):
         desc = f"{meta.dtype} {tuple(meta.shape)}" if isinstance(meta, torch.Tensor) else meta
         raise ValueError(
-            f"{what}: fp8_meta must be an int64 tensor of shape ({META_LEN},), got {desc!r}"
+            f"{what}: fp8_meta must be an int64 tensor of shape ({META_LEN},) (version "
+            f"{STATE_VERSION}) or ({META_LEN_V3},) (version 3), got {desc!r}"
         )
     v = [int(x) for x in meta.detach().tolist()]
-    if v[META_VERSION] != STATE_VERSION:
+    if lengths.get(v[META_VERSION]) != len(v):
         raise ValueError(
-            f"{what} has version {v[META_VERSION]}; this computectx reads version "
-            f"{STATE_VERSION} as tensors and versions 1, 2 as an _extra_state dict"
+            f"{what} has version {v[META_VERSION]} in {len(v)} fields; this computectx reads "
+            f"versions {STATE_VERSION} ({META_LEN} fields) and 3 ({META_LEN_V3}) as tensors "
+            f"and versions 1, 2 as an _extra_state dict"
         )
+    if len(v) == META_LEN_V3:  # version 3: per-tensor, as every policy was then
+        v += [_GRANULARITIES["tensor"], 0, 0, 0]
     if v[META_WORLD] < 1:
         raise ValueError(f"{what}: world_size must be an int >= 1, got {v[META_WORLD]}")
     scheme = _decode(what, "scheme", v[META_SCHEME], _SCHEMES)
@@ -152,7 +182,23 @@ def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
     except ValidationError as e:
         bad = "; ".join(f"{err['loc'][0]}={err['input']!r}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{what}: fp8_meta holds a bad {recipe} recipe: {bad}") from None
-    return Fp8Policy(format=scheme, scaling=scaling), v[META_WORLD]
+    granularity = _decode(what, "granularity", v[META_GRANULARITY], _GRANULARITIES)
+    pow2 = _decode(what, "power_of_two", v[META_POW2], _FLAGS)
+    rounding = _decode(what, "mx_rounding", v[META_MX_ROUNDING], _MX_ROUNDINGS)
+    gw_hp = _decode(what, "gw_hp", v[META_GW_HP], _FLAGS)
+    try:
+        policy = Fp8Policy(
+            format=scheme,
+            scaling=scaling,
+            granularity=granularity,
+            power_of_two=pow2,
+            mx_rounding=rounding,
+            gw_hp=gw_hp,
+        )
+    except ValidationError as e:
+        bad = "; ".join(str(err["msg"]) for err in e.errors())
+        raise ValueError(f"{what}: fp8_meta holds a bad fp8 policy: {bad}") from None
+    return policy, v[META_WORLD]
 
 
 def same_recipe(a: Fp8Policy, b: Fp8Policy) -> bool:
@@ -160,6 +206,12 @@ def same_recipe(a: Fp8Policy, b: Fp8Policy) -> bool:
     length (the one field converted)."""
     x, y = a.scaling, b.scaling
     same = a.format == b.format and x.kind == y.kind and x.margin == y.margin
+    same = same and (a.granularity, a.power_of_two, a.mx_rounding, a.gw_hp) == (
+        b.granularity,
+        b.power_of_two,
+        b.mx_rounding,
+        b.gw_hp,
+    )
     if same and isinstance(x, DelayedScaling) and isinstance(y, DelayedScaling):
         same = x.algo == y.algo
     return same
@@ -171,9 +223,9 @@ def check_same_recipe(saved: Fp8Policy, target: Fp8Policy, what: str) -> None:
     if not same_recipe(saved, target):
         raise ValueError(
             f"{what} was recorded under the fp8 policy {saved}, but this layer runs {target}: "
-            f"the scheme, recipe, margin and algo must match (only the history length is "
-            f"converted). Load it into a layer under {saved}, or leave this layer's fp8_* "
-            f"entries out of the state dict to start its scaling fresh"
+            f"the scheme, granularity and its options, recipe, margin and algo must match "
+            f"(only the history length is converted). Load it into a layer under {saved}, or "
+            f"leave this layer's fp8_* entries out of the state dict to start its scaling fresh"
         )
 
 

@@ -388,3 +388,22 @@ def test_fp8_linear_refuses_the_widths_conversion_skips_with_the_same_message(
         report = convert_to_fp8(model, fp8_ctx, lambda module, fqn: True)
     (skipped,) = report.skipped
     assert (skipped.rule, skipped.reason) == ("feature_multiple", str(built.value))
+
+
+@pytest.mark.parametrize("text", ["row", "row+gw_hp", "block", "mx+floor"])
+def test_a_granularity_the_linears_do_not_run_yet_is_refused_when_built(text: str) -> None:
+    from computectx.fp8 import fp8_autocast
+
+    ctx = ComputeCtx.from_flag("bf16", "cpu").replace(fp8=Fp8Policy.parse(text))
+    needle = "does not support granularity"
+    with pytest.raises(ValueError, match=f"Fp8Linear {needle} '{text.split('+')[0]}' yet"):
+        Fp8Linear(32, 32, ctx=ctx)
+    with pytest.raises(ValueError, match=f"convert_to_fp8 {needle}.*fp8_quantize"):
+        convert_to_fp8(nn.Sequential(nn.Linear(32, 32)), ctx, min_features=16)
+    with pytest.raises(ValueError, match=f"fp8_autocast {needle}"):
+        fp8_autocast(ctx)
+    # A layer built per tensor refuses such a ctx swapped in later, on its next call.
+    layer = Fp8Linear(32, 32, ctx=ctx.replace(fp8=Fp8Policy()))
+    layer.ctx = ctx
+    with pytest.raises(ValueError, match=f"Fp8Linear {needle}"):
+        layer(torch.randn(4, 32))

@@ -6,6 +6,8 @@ earlier versions of this package (the ``_extra_state`` dict): version 2, version
 the ledger under ``ring``, and version 1 from before the histories were kept oldest to
 newest (``idx`` 2, no ``world_size``), all of the same model after the same training
 (``train_reference``), so each must load into the state this version trains to.
+``data/scaling_v3.pt`` is the same training saved as version 3's tensors (a 7-field meta,
+from before the granularity fields).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import io
 import math
 import pathlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +35,15 @@ from computectx.fp8 import (
     Fp8Scheme,
 )
 from computectx.fp8.ledger import ledger_history, ledger_slot, ledger_step
-from computectx.fp8.saved_state import META_WORLD, STATE_VERSION, Role
+from computectx.fp8.saved_state import (
+    META_WORLD,
+    STATE_VERSION,
+    Role,
+    check_same_recipe,
+    meta_new,
+    read_meta,
+    same_recipe,
+)
 from computectx.memory import load_weights, save_weights
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -97,8 +108,9 @@ def test_the_state_dict_is_tensors_only_under_stable_names() -> None:
     assert all(type(v) is torch.Tensor for v in sd.values())
     assert {str(sd[f"0.{k}"].dtype) for k in SCALING_KEYS if "ledger" in k} == {"torch.float32"}
     assert {str(sd[f"0.{k}"].dtype) for k in SCALING_KEYS if "ledger" not in k} == {"torch.int64"}
-    # version, world size, scheme (hybrid), recipe (delayed), history, margin, algo (max)
-    assert sd["0.fp8_meta"].tolist() == [STATE_VERSION, 1, 1, 1, 4, 0, 1]
+    # version, world size, scheme (hybrid), recipe (delayed), history, margin, algo (max),
+    # granularity (tensor), power_of_two, mx_rounding (none), gw_hp
+    assert sd["0.fp8_meta"].tolist() == [STATE_VERSION, 1, 1, 1, 4, 0, 1, 1, 0, 0, 0]
     # Copies: the saved state does not move when training goes on.
     before = sd["0.fp8_input_ledger"].clone()
     m(PROBE).sum().backward()
@@ -184,6 +196,47 @@ def test_an_old_dict_checkpoint_loads_into_the_state_this_version_trains_to(name
     # Saved again, it is the tensors of this version.
     assert "0._extra_state" not in fresh.state_dict()
     assert fresh.state_dict()["0.fp8_meta"][0] == STATE_VERSION
+
+
+def test_a_version_3_checkpoint_loads_as_per_tensor_scaling() -> None:
+    # data/scaling_v3.pt: train_reference's state dict written by version 3 (7 meta fields).
+    old = torch.load(DATA / "scaling_v3.pt", weights_only=True)
+    assert old["0.fp8_meta"].tolist() == [3, 1, 1, 1, 4, 0, 1]
+    fresh = model_of(ctx_of())
+    fresh.load_state_dict(old)  # strict
+    trained = train_reference(model_of(ctx_of()))
+    assert same(scaling_of(fresh), scaling_of(trained))
+    assert torch.equal(next_output(fresh), next_output(trained))
+    assert fresh.state_dict()["0.fp8_meta"].tolist()[:1] == [STATE_VERSION]
+    other = model_of(ctx_of("hybrid/delayed/4/1/max"))
+    with pytest.raises(ValueError, match="recorded under the fp8 policy hybrid/delayed/4/0/max"):
+        other.load_state_dict(old)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "hybrid/delayed/16/0/max",
+        "e5m2/dynamic/3",
+        "e4m3/row/dynamic/0",
+        "hybrid/row+gw_hp+no_pow2/dynamic/2",
+        "e4m3/block/dynamic/0",
+        "e5m2/block+pow2/dynamic/1",
+        "e4m3/mx/dynamic/0",
+        "hybrid/mx+floor/dynamic/0",
+    ],
+)
+def test_the_meta_records_every_policy_field(text: str) -> None:
+    policy = Fp8Policy.parse(text)
+    assert read_meta(meta_new(policy, 3, "cpu"), "m") == (policy, 3)
+    for other in ("e4m3/row/dynamic/0", "e4m3/row+gw_hp/dynamic/0", "e4m3/mx+floor/dynamic/0"):
+        differs = Fp8Policy.parse(other) != policy
+        assert same_recipe(policy, Fp8Policy.parse(other)) is not differs
+        if differs:
+            with pytest.raises(
+                ValueError, match=re.escape(f"recorded under the fp8 policy {text}")
+            ):
+                check_same_recipe(policy, Fp8Policy.parse(other), "m")
 
 
 def test_an_old_checkpoint_under_another_policy_is_refused() -> None:
@@ -315,7 +368,14 @@ def _replace(key: str, value: object) -> Callable[[dict[str, Any]], None]:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (_set("fp8_meta", 0, 9), "version 9; this computectx reads version 3"),
+        (_set("fp8_meta", 0, 9), "version 9 in 11 fields; this computectx reads versions 4"),
+        (_set("fp8_meta", 0, 3), "version 3 in 11 fields"),
+        (_set("fp8_meta", 7, 9), r"granularity code 9 is unknown; accepted: 1 \(tensor\), 2"),
+        (_set("fp8_meta", 7, 2), "bad fp8 policy: .*delayed scaling is per-tensor only"),
+        (_set("fp8_meta", 8, 2), r"power_of_two code 2 is unknown; accepted: 0 \(False\)"),
+        (_set("fp8_meta", 9, 1), "bad fp8 policy: .*mx_rounding applies to granularity 'mx'"),
+        (_set("fp8_meta", 10, 1), "bad fp8 policy: .*gw_hp .* applies to granularity 'row'"),
+        (_replace("fp8_meta", torch.zeros(8, dtype=torch.int64)), r"shape \(11,\) \(version 4"),
         (_set("fp8_meta", META_WORLD, 0), "world_size must be an int >= 1, got 0"),
         (_set("fp8_meta", 2, 7), r"scheme code 7 is unknown; accepted: 1 \(hybrid\)"),
         (_set("fp8_meta", 3, 0), r"recipe code 0 is unknown; accepted: 1 \(delayed\), 2"),
@@ -357,8 +417,8 @@ def test_a_world_size_travels_with_the_state() -> None:
 
 def test_dynamic_and_delayed_states_use_their_own_codes() -> None:
     policies = {
-        "e4m3/dynamic/2": [STATE_VERSION, 1, 2, 2, 0, 2, 0],
-        "e5m2/delayed/8/3/most_recent": [STATE_VERSION, 1, 3, 1, 8, 3, 2],
+        "e4m3/dynamic/2": [STATE_VERSION, 1, 2, 2, 0, 2, 0, 1, 0, 0, 0],
+        "e5m2/delayed/8/3/most_recent": [STATE_VERSION, 1, 3, 1, 8, 3, 2, 1, 0, 0, 0],
     }
     for text, meta in policies.items():
         m = Fp8Linear(16, 16, ctx=ctx_of(text))
