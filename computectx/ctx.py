@@ -111,13 +111,18 @@ _FLAGS: dict[str, tuple[DType, Fp8Policy | None]] = {
     "bf16": (DType.BF16, None),
     **{k: (DType.BF16, p) for k, p in _fp8_flags("", DelayedScaling()).items()},
     **{k: (DType.BF16, p) for k, p in _fp8_flags("_dynamic", DynamicScaling()).items()},
+    # Row-wise (torchao's ROWWISE and ROWWISE_WITH_GW_HP): E4M3 both ways, dynamic.
+    "fp8_rowwise": (DType.BF16, Fp8Policy(granularity="row")),
+    "fp8_rowwise_gw_hp": (DType.BF16, Fp8Policy(granularity="row", gw_hp=True)),
 }
 
 DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
 """The ``--dtype`` flag convention read by ``ComputeCtx.from_flag``: ``fp32``, ``fp16``,
 ``bf16``, ``fp8_e4m3``, ``fp8_e5m2``, ``fp8_hybrid`` (delayed scaling), and the same three
 fp8 schemes with dynamic scaling, ``fp8_e4m3_dynamic``, ``fp8_e5m2_dynamic``,
-``fp8_hybrid_dynamic``."""
+``fp8_hybrid_dynamic``; row-wise scaling, ``fp8_rowwise`` (E4M3 both ways, dynamic, one
+power-of-two step per row: torchao's ``ROWWISE``) and ``fp8_rowwise_gw_hp`` (the same with
+the weight-gradient GEMM in high precision: torchao's ``ROWWISE_WITH_GW_HP``)."""
 
 
 class CtxChanges(TypedDict, total=False):
@@ -224,6 +229,8 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         ``fp8_e5m2`` use that format in both directions, ``fp8_hybrid`` uses E4M3 forward
         and E5M2 for gradients. They scale with ``DelayedScaling()``; the same flags with a
         ``_dynamic`` suffix (``fp8_hybrid_dynamic``) scale with ``DynamicScaling()``.
+        ``fp8_rowwise`` and ``fp8_rowwise_gw_hp`` scale every row of every operand
+        (``Fp8Policy(granularity="row")``, with ``gw_hp=True`` for the second).
         """
         key = name.strip().lower() if isinstance(name, str) else name
         found = _FLAGS.get(key) if isinstance(key, str) else None

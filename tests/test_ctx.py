@@ -256,6 +256,8 @@ def test_dynamic_flags_sit_beside_the_delayed_ones() -> None:
         "fp8_e4m3_dynamic",
         "fp8_e5m2_dynamic",
         "fp8_hybrid_dynamic",
+        "fp8_rowwise",
+        "fp8_rowwise_gw_hp",
     )
     for scheme in Fp8Scheme:
         delayed = ComputeCtx.from_flag(f"fp8_{scheme}", "cpu")
@@ -441,3 +443,11 @@ def test_a_delayed_non_tensor_policy_is_refused_when_built() -> None:
         Fp8Policy.model_validate({"granularity": "mx", "scaling": {"history_len": 4}})
     with pytest.raises(ValidationError, match="granularity"):
         Fp8Policy(granularity="1x128")  # type: ignore[arg-type]  # a block, not a policy name
+
+
+def test_rowwise_flags_mirror_torchaos_rowwise_recipes() -> None:
+    row = ComputeCtx.from_flag("fp8_rowwise", "cpu")
+    assert row == ComputeCtx.from_flag("fp8_e4m3_dynamic", "cpu").replace(fp8=row.fp8)
+    assert row.fp8 == Fp8Policy.parse("e4m3/row/dynamic/0") and row.fp8.power_of_two
+    hp = ComputeCtx.from_flag("FP8_RowWise_GW_HP", "cpu")
+    assert hp.fp8 == Fp8Policy.parse("row+gw_hp") and hp.compute is DType.BF16

@@ -27,6 +27,8 @@ POLICY_FLAGS: tuple[str, ...] = (
     "fp8_e4m3_dynamic",
     "fp8_e5m2_dynamic",
     "fp8_hybrid_dynamic",
+    "fp8_rowwise",
+    "fp8_rowwise_gw_hp",
 )
 """The ``--dtype`` names ``ComputeCtx.from_flag`` accepts. ``computectx.ctx.DTYPE_FLAGS`` is
 the source; this copy lets flags be checked without importing torch, and a test keeps the
@@ -55,8 +57,9 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
         default=DEFAULT_DTYPES, json_schema_extra={"flag": "--dtype", "metavar": "FLAG[,FLAG]"}
     )
     """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid (delayed
-    scaling), fp8_e4m3_dynamic, fp8_e5m2_dynamic, fp8_hybrid_dynamic (dynamic scaling). Repeat
-    the flag or separate names with commas."""
+    scaling), fp8_e4m3_dynamic, fp8_e5m2_dynamic, fp8_hybrid_dynamic (dynamic scaling),
+    fp8_rowwise, fp8_rowwise_gw_hp (row-wise scaling). Repeat the flag or separate names with
+    commas."""
     steps: int = Field(default=120, ge=1, le=1_000_000)
     """Optimizer steps per policy."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)

@@ -36,6 +36,7 @@ from computectx.fp8.recompute import (
     selective_modes_set_aside,
     warn_nothing_to_replay,
 )
+from computectx.fp8.rowwise import row_linear
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import DelayedScaling, Fp8Policy
 
@@ -160,6 +161,12 @@ def fp8_linear(
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
+    if plan.policy.granularity == "row":  # computectx.fp8.rowwise: dynamic, no history
+        if x2.shape[0] == 0:
+            return _empty_linear(x, weight, bias, plan)
+        y_row = row_linear(x2, weight, bias, plan)
+        out_row: torch.Tensor = torch.ops.aten._unsafe_view(y_row, (*lead, y_row.shape[-1]))
+        return out_row
     site = checkpoint_site(plan.record)
     if x2.shape[0] == 0:
         checkpointed = site is not None and site.kind != "backward"
@@ -177,9 +184,7 @@ def fp8_linear(
         else:
             # No rows: nothing to measure, and an empty amax (0) must not enter the
             # history. A matmul, not F.linear, so an open region's dispatch does not see it.
-            w = weight if weight is not None else _dequantized(plan, x.dtype)
-            y = x.matmul(w.to(x.dtype).t())
-            return y if bias is None else y + bias.to(x.dtype)
+            return _empty_linear(x, weight, bias, plan)
         # On the pure-torch twins: a kernel launch over no elements is not worth a case.
         plan = replace(plan, backend=Fp8Backend.REFERENCE)
     y2: torch.Tensor
@@ -197,6 +202,16 @@ def fp8_linear(
     # pre-backward hook) warn that an in-place op on a view would drop their hook.
     out: torch.Tensor = torch.ops.aten._unsafe_view(y2, (*lead, y2.shape[-1]))
     return out
+
+
+def _empty_linear(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
+) -> torch.Tensor:
+    # No rows: nothing to measure, and an empty amax (0) must not enter the history. A
+    # matmul, not F.linear, so an open region's dispatch does not see it.
+    w = weight if weight is not None else _dequantized(plan, x.dtype)
+    y = x.matmul(w.to(x.dtype).t())
+    return y if bias is None else y + bias.to(x.dtype)
 
 
 def _saving_the_quantize(

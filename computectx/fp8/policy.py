@@ -29,7 +29,7 @@ __all__ = [
     "policy_of",
 ]
 
-SUPPORTED_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor",)
+SUPPORTED_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor", "row")
 """The policy granularities ``Fp8Linear`` (and so ``convert_to_fp8``, ``fp8_autocast``) runs."""
 
 

@@ -390,7 +390,7 @@ def test_fp8_linear_refuses_the_widths_conversion_skips_with_the_same_message(
     assert (skipped.rule, skipped.reason) == ("feature_multiple", str(built.value))
 
 
-@pytest.mark.parametrize("text", ["row", "row+gw_hp", "block", "mx+floor"])
+@pytest.mark.parametrize("text", ["block", "block+pow2", "mx", "mx+floor"])
 def test_a_granularity_the_linears_do_not_run_yet_is_refused_when_built(text: str) -> None:
     from computectx.fp8 import fp8_autocast
 
