@@ -353,7 +353,8 @@ class OperandScaling:
         """
         custom_ops.record(self.ledger, amax, step)
         self.tally[custom_ops.TALLY_SEEDED].fill_(1)
-        self._seeded_hint = True
+        if not torch.compiler.is_compiling():  # a host flag: never written in a trace
+            self._seeded_hint = True
 
     def newest_amax_index(self) -> int:
         """Index of the newest history entry: the last slot."""
