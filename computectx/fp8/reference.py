@@ -188,6 +188,10 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
 
+    The steps are per tensor (shape ``(1,)``) or per row (``step_a [M, 1]``, ``step_b
+    [N, 1]``, the row-wise GEMM of ``computectx.fp8.rowwise``): element ``(i, j)`` is scaled
+    by ``step_a[i] * step_b[j]``, which for ``(1,)`` steps is the one scalar product.
+
     fp8 values widen to float32 exactly and every product of two fp8 values is exact in
     float32 (at most 4 x 4 significant bits, exponents well inside float32's range), so the
     only rounding before the epilogue is float32 accumulation, as in the kernel. The steps
@@ -202,7 +206,7 @@ def scaled_mm(
             acc = a.to(torch.float32) @ b.to(torch.float32).t()
     else:
         acc = a.to(torch.float32) @ b.to(torch.float32).t()
-    scale = (step_a.to(torch.float32) * step_b.to(torch.float32)).reshape(())
+    scale = step_a.to(torch.float32).reshape(-1, 1) * step_b.to(torch.float32).reshape(1, -1)
     out = acc * scale
     if bias is not None:
         out = out + bias.to(torch.float32)
@@ -237,7 +241,7 @@ def scaled_mm_error_bound(
     gamma = (k + 3) * u / (1 - (k + 3) * u)
     a64 = a.to(torch.float64)
     b64 = b.to(torch.float64)
-    s = (step_a.to(torch.float64) * step_b.to(torch.float64)).reshape(())
+    s = step_a.to(torch.float64).reshape(-1, 1) * step_b.to(torch.float64).reshape(1, -1)
     exact = (a64 @ b64.t()) * s
     mag = (a64.abs() @ b64.abs().t()) * s.abs()
     if bias is not None:

@@ -18,12 +18,12 @@ With ``gw_hp`` (torchao's ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in fl
 high-precision ``dY`` and ``X``. The forward therefore keeps ``X`` and ``W`` in high
 precision for the backward (not their fp8 codes, as the per-tensor path does).
 
-The GEMM (``scaled_mm_rowwise``) is the reference scaled GEMM with per-row steps: the fp8
+The GEMM (``reference.scaled_mm`` with per-row steps) is the reference scaled GEMM: the fp8
 codes widen to float32 exactly and their products are exact, the sum is accumulated in
 float32 and multiplied once by ``step_a[i] * step_b[j]`` (one rounding, none for powers of
 two), the bias added in float32, and the result rounded once to the output dtype; the a-priori
 bound of ``reference.scaled_mm_error_bound`` holds elementwise with ``s = step_a[i] *
-step_b[j]`` (``scaled_mm_rowwise_error_bound``).
+step_b[j]`` (``reference.scaled_mm_error_bound``).
 
 Ledgers: row-wise scaling is dynamic and keeps no history. In training each operand's
 ledger records, for statistics only, the largest row amax of the call (the tensor's amax)
@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from computectx.fp8 import granular_ops
+from computectx.fp8 import granular_ops, reference
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.granular import StepRule
 from computectx.fp8.scaling import OperandScaling
@@ -47,55 +47,7 @@ from computectx.recipes import Fp8Policy
 if TYPE_CHECKING:
     from computectx.fp8.autograd import Fp8LinearPlan
 
-__all__ = ["row_linear", "scaled_mm_rowwise", "scaled_mm_rowwise_error_bound"]
-
-
-def scaled_mm_rowwise(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]`` and
-    float32 row steps ``step_a [M, 1]``, ``step_b [N, 1]`` (module docstring)."""
-    dev = a.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
-        with torch.autocast(dev, enabled=False):
-            acc = a.to(torch.float32) @ b.to(torch.float32).t()
-    else:
-        acc = a.to(torch.float32) @ b.to(torch.float32).t()
-    scale = step_a.to(torch.float32).reshape(-1, 1) * step_b.to(torch.float32).reshape(1, -1)
-    out = acc * scale
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
-
-
-def scaled_mm_rowwise_error_bound(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``reference.scaled_mm_error_bound`` with ``s = step_a[i] * step_b[j]`` (float64)."""
-    u = 2.0**-24
-    k = a.shape[1]
-    gamma = (k + 3) * u / (1 - (k + 3) * u)
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
-    s = step_a.to(torch.float64).reshape(-1, 1) * step_b.to(torch.float64).reshape(1, -1)
-    exact = (a64 @ b64.t()) * s
-    mag = (a64.abs() @ b64.abs().t()) * s.abs()
-    if bias is not None:
-        exact = exact + bias.to(torch.float64)
-        mag = mag + bias.to(torch.float64).abs()
-    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
-    tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
-    e = gamma * mag
-    return e + u_out * (exact.abs() + e) + tiny
+__all__ = ["row_linear"]
 
 
 def _rows(
@@ -131,7 +83,7 @@ class _RowLinearFunction(torch.autograd.Function):
         if plan.record:
             _record(plan.state.input, x, sx)
             _record(plan.state.weight, weight, sw)
-        y = scaled_mm_rowwise(xq, wq, sx, sw, bias, plan.gemm_dtype)
+        y = reference.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype)
         ctx.save_for_backward(x, weight)
         c: Any = ctx
         c.plan = plan
@@ -154,7 +106,7 @@ class _RowLinearFunction(torch.autograd.Function):
             if plan.record:
                 _record(plan.state.grad, dy, sg)
             wtq, swt = _rows(weight.t(), policy, True, backend)
-            dx = scaled_mm_rowwise(gq, wtq, sg, swt, None, plan.gemm_dtype).to(x.dtype)
+            dx = reference.scaled_mm(gq, wtq, sg, swt, None, plan.gemm_dtype).to(x.dtype)
         if need_w:
             # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
             # in float32 until it reaches the weight's dtype.
@@ -163,7 +115,7 @@ class _RowLinearFunction(torch.autograd.Function):
             else:
                 gtq, sgt = _rows(dy.t(), policy, False, backend)
                 xtq, sxt = _rows(x.t(), policy, True, backend)
-                dw32 = scaled_mm_rowwise(gtq, xtq, sgt, sxt, None, torch.float32)
+                dw32 = reference.scaled_mm(gtq, xtq, sgt, sxt, None, torch.float32)
             dw = dw32.to(weight.dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)

@@ -9,7 +9,6 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_quantize, reference
 from computectx.fp8.ledger import ledger_history, ledger_step
-from computectx.fp8.rowwise import scaled_mm_rowwise, scaled_mm_rowwise_error_bound
 
 
 def sqnr(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -32,13 +31,13 @@ def test_the_rowwise_gemm_is_the_reference_gemm_with_per_row_steps() -> None:
     b, sb = rows(torch.randn(40, 80, generator=g))
     bias = torch.randn(40, generator=g)
     for out in (torch.float32, torch.bfloat16):
-        y = scaled_mm_rowwise(a, b, sa, sb, bias, out)
+        y = reference.scaled_mm(a, b, sa, sb, bias, out)
         exact = (a.double() * sa.double()) @ (b.double() * sb.double()).t() + bias.double()
-        bound = scaled_mm_rowwise_error_bound(a, b, sa, sb, bias, out)
+        bound = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out)
         assert bool(((y.double() - exact).abs() <= bound).all())
     # One step for every row is exactly the per-tensor reference GEMM.
     one_a, one_b = torch.full((24, 1), 0.25), torch.full((40, 1), 2.0**-5)
-    same = scaled_mm_rowwise(a, b, one_a, one_b, bias, torch.float32)
+    same = reference.scaled_mm(a, b, one_a, one_b, bias, torch.float32)
     ref = reference.scaled_mm(a, b, one_a[:1, 0], one_b[:1, 0], bias, torch.float32)
     assert torch.equal(same, ref)
 
@@ -61,12 +60,13 @@ def test_each_gemm_quantizes_its_operands_along_its_contraction_axis(flag: str) 
     bias = layer.bias.detach()
     # forward: X's rows and W's rows (output features), along K.
     (xq, sx), (wq, sw) = rows(x2), rows(w)
-    y = scaled_mm_rowwise(xq, wq, sx, sw, bias, torch.bfloat16).float()  # the GEMM dtype: bf16
+    y = reference.scaled_mm(xq, wq, sx, sw, bias, torch.bfloat16).float()  # the GEMM dtype: bf16
     assert torch.equal(layer(x).reshape(-1, 48), y)
     # dgrad: dY's rows along N, W quantized again from high precision along N (its columns).
     (gq, sg), (wtq, swt) = rows(dy2), rows(w.t())
     assert torch.equal(
-        grad(xr).reshape(-1, 64), scaled_mm_rowwise(gq, wtq, sg, swt, None, torch.bfloat16).float()
+        grad(xr).reshape(-1, 64),
+        reference.scaled_mm(gq, wtq, sg, swt, None, torch.bfloat16).float(),
     )
     # wgrad: dYᵀ and Xᵀ along M, or in high precision with gw_hp.
     if flag.endswith("gw_hp"):
@@ -74,7 +74,7 @@ def test_each_gemm_quantizes_its_operands_along_its_contraction_axis(flag: str) 
     else:
         (gtq, sgt), (xtq, sxt) = rows(dy2.t()), rows(x2.t())
         assert torch.equal(
-            grad(layer.weight), scaled_mm_rowwise(gtq, xtq, sgt, sxt, None, torch.float32)
+            grad(layer.weight), reference.scaled_mm(gtq, xtq, sgt, sxt, None, torch.float32)
         )
     assert torch.equal(grad(layer.bias), dy2.sum(0))
     # The ledgers hold statistics only: the largest row amax and the largest row step.
