@@ -12,8 +12,12 @@ read it when a test forces the Triton backend onto CPU tensors.
 from __future__ import annotations
 
 import importlib
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,3 +73,22 @@ def device() -> torch.device:
     Session-scoped (it never changes), so hypothesis tests can take it too.
     """
     return DEVICE
+
+
+def compile_report(script: str, tmp_path: Path) -> dict[str, Any]:
+    """Run ``script`` (which compiles kernels ahead of time for GPU targets and prints a JSON
+    report) in a fresh interpreter without ``TRITON_INTERPRET``; its report."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default, stated to silence a warning
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    report: dict[str, Any] = json.loads(res.stdout)
+    return report

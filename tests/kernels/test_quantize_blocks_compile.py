@@ -9,13 +9,11 @@ It checks 16-byte vector loads where K is contiguous, and no flush-to-zero arith
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from .conftest import compile_report
 
 pytestmark = pytest.mark.slow
 
@@ -71,19 +69,7 @@ json.dump(out, sys.stdout)
 
 
 def test_block_kernels_compile_for_ada_and_hopper(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default, stated to silence a warning
-    res = subprocess.run(
-        [sys.executable, "-c", _SCRIPT],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    report = json.loads(res.stdout)
+    report = compile_report(_SCRIPT, tmp_path)
     assert len(report) == 2 * (8 + 2), sorted(report)
     for name, facts in report.items():
         assert not facts["ftz"], (name, facts)
