@@ -199,12 +199,14 @@ class Fp8AmaxSync:
         # Only a training forward (grad enabled, some fp8 layer in training mode) is one
         # that every rank runs: eval, no_grad and inference_mode calls (validation or
         # sampling on one rank) merge nothing, arm nothing and so issue no collective.
-        layers = _layers(self._model)
-        if not torch.is_grad_enabled() or not any(layer.training for layer in layers):
+        if not torch.is_grad_enabled():
+            return
+        layers = _layers(self._model)  # walked once per forward, for the check and the merge
+        if not any(layer.training for layer in layers):
             return
         if not self._order_checked:
             self._check_hook_order()
-        self.sync()
+        self._merge_all(layers)
         if self._reduce is not None:
             self._reduce.armed = True
 
@@ -272,7 +274,9 @@ class Fp8AmaxSync:
         """Merge every ledger with the other ranks' (one all-gather), in place, on the device.
 
         In a world of one (no process group) there is nothing to merge."""
-        layers = _layers(self._model)
+        self._merge_all(_layers(self._model))
+
+    def _merge_all(self, layers: list[Fp8Linear]) -> None:
         if not layers or self._group is None:
             return
         self._to_this_world(layers)

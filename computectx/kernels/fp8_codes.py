@@ -9,12 +9,15 @@ torch, while this is exact, and identical, on the interpreter and on every GPU.
 # ruff: noqa: N803, N806  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
-from typing import Final
+import math
+import struct
+from typing import Any, Final
 
+import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "fp8_byte"]
+__all__ = ["INTERPRETED", "byte_constants", "fp8_byte"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's function was decorated for the interpreter."""
@@ -57,3 +60,25 @@ def fp8_byte(  # type: ignore[no-untyped-def]
     # NaN produced by x / step is not the same on CPUs and GPUs, so it carries nothing.
     code = tl.where(mag > 0x7F800000, 0x7F, code)
     return code.to(tl.uint8)
+
+
+def _f32_bits(value: float) -> int:
+    bits: int = struct.unpack("<i", struct.pack("<f", value))[0]
+    return bits
+
+
+def byte_constants(fp8: torch.dtype) -> dict[str, Any]:
+    """The constexpr arguments of ``fp8_byte`` for ``fp8`` (``MANT``, ``BIAS``,
+    ``MIN_NORMAL_BITS``, ``SUB_MAGIC``, ``SUB_MAGIC_BITS``), all from ``torch.finfo``: eps
+    is ``2**-MANT``, and the smallest subnormal is one eps of the smallest normal."""
+    fi = torch.finfo(fp8)
+    mant = round(-math.log2(fi.eps))
+    exponent_bits = fi.bits - 1 - mant
+    sub_magic = fi.smallest_normal * fi.eps * 2.0**23
+    return {
+        "MANT": mant,
+        "BIAS": 2 ** (exponent_bits - 1) - 1,
+        "MIN_NORMAL_BITS": _f32_bits(fi.smallest_normal),
+        "SUB_MAGIC": sub_magic,
+        "SUB_MAGIC_BITS": _f32_bits(sub_magic),
+    }

@@ -18,8 +18,6 @@ The pure-torch twins are in ``computectx.fp8.reference``; quantized bytes agree 
 from __future__ import annotations
 
 import functools
-import math
-import struct
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, Literal, NamedTuple
@@ -28,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import fp8_byte
+from computectx.kernels.fp8_codes import byte_constants, fp8_byte
 
 __all__ = ["INTERPRETED", "quantize_delayed", "quantize_dynamic", "quantize_with_step"]
 
@@ -256,21 +254,11 @@ class _Ledger(NamedTuple):
         return self.tensor[at : at + 1]
 
 
-def _f32_bits(value: float) -> int:
-    bits: int = struct.unpack("<i", struct.pack("<f", value))[0]
-    return bits
-
-
 @functools.cache
 def _fmt_constants(fp8: torch.dtype, margin: int) -> Mapping[str, object]:
-    # Everything derives from torch.finfo, so this module needs only torch and triton:
-    # eps = 2**-mantissa_bits, and the smallest subnormal is one eps of the smallest normal.
+    # Everything derives from torch.finfo, so this module needs only torch and triton.
     # Cached: it runs before every launch, and a run uses a handful of (format, margin).
     fi = torch.finfo(fp8)
-    mant = round(-math.log2(fi.eps))
-    exponent_bits = fi.bits - 1 - mant
-    min_subnormal = fi.smallest_normal * fi.eps
-    sub_magic = min_subnormal * 2.0**23
     return MappingProxyType(
         {
             "FMAX": fi.max,
@@ -278,11 +266,7 @@ def _fmt_constants(fp8: torch.dtype, margin: int) -> Mapping[str, object]:
             "FLT_MIN": torch.finfo(torch.float32).tiny,
             # fmax / 2**margin is exact, so the step is a single rounded division.
             "TARGET": fi.max / 2.0**margin,
-            "MANT": mant,
-            "BIAS": 2 ** (exponent_bits - 1) - 1,
-            "MIN_NORMAL_BITS": _f32_bits(fi.smallest_normal),
-            "SUB_MAGIC": sub_magic,
-            "SUB_MAGIC_BITS": _f32_bits(sub_magic),
+            **byte_constants(fp8),
         }
     )
 

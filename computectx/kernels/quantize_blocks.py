@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Final, Literal
@@ -29,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import fp8_byte
+from computectx.kernels.fp8_codes import byte_constants, fp8_byte
 
 __all__ = ["INTERPRETED", "RULES", "quantize_blocks"]
 
@@ -55,29 +54,17 @@ _TILES: Final[dict[tuple[int, int | None], tuple[int, int, int]]] = {
 _ROW_TILE: Final = (4, 32, 1) if INTERPRETED else (8, 512, 4)  # rows, chunk of K, warps
 
 
-def _f32_bits(value: float) -> int:
-    bits: int = struct.unpack("<i", struct.pack("<f", value))[0]
-    return bits
-
-
 @functools.cache
 def _fmt_constants(fp8: torch.dtype) -> Mapping[str, object]:
     """The constexpr arguments of ``fp8_codes.fp8_byte`` for ``fp8``, plus ``FMAX`` (the
     largest finite value) and ``EMAX`` (``floor(log2(FMAX))``, the OCP MX ``emax``), all from
     ``torch.finfo`` so this module needs only torch and triton."""
     fi = torch.finfo(fp8)
-    mant = round(-math.log2(fi.eps))
-    exponent_bits = fi.bits - 1 - mant
-    sub_magic = fi.smallest_normal * fi.eps * 2.0**23
     return MappingProxyType(
         {
             "FMAX": fi.max,
             "EMAX": math.floor(math.log2(fi.max)),
-            "MANT": mant,
-            "BIAS": 2 ** (exponent_bits - 1) - 1,
-            "MIN_NORMAL_BITS": _f32_bits(fi.smallest_normal),
-            "SUB_MAGIC": sub_magic,
-            "SUB_MAGIC_BITS": _f32_bits(sub_magic),
+            **byte_constants(fp8),
         }
     )
 
