@@ -114,6 +114,10 @@ _FLAGS: dict[str, tuple[DType, Fp8Policy | None]] = {
     # Row-wise (torchao's ROWWISE and ROWWISE_WITH_GW_HP): E4M3 both ways, dynamic.
     "fp8_rowwise": (DType.BF16, Fp8Policy(granularity="row")),
     "fp8_rowwise_gw_hp": (DType.BF16, Fp8Policy(granularity="row", gw_hp=True)),
+    # Blocks (TransformerEngine's Float8BlockScaling, DeepSeek-V3's recipe) and MXFP8
+    # (TransformerEngine's MXFP8BlockScaling): E4M3 both ways, dynamic.
+    "fp8_block": (DType.BF16, Fp8Policy(granularity="block")),
+    "fp8_mx": (DType.BF16, Fp8Policy(granularity="mx")),
 }
 
 DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
@@ -122,7 +126,10 @@ DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
 fp8 schemes with dynamic scaling, ``fp8_e4m3_dynamic``, ``fp8_e5m2_dynamic``,
 ``fp8_hybrid_dynamic``; row-wise scaling, ``fp8_rowwise`` (E4M3 both ways, dynamic, one
 power-of-two step per row: torchao's ``ROWWISE``) and ``fp8_rowwise_gw_hp`` (the same with
-the weight-gradient GEMM in high precision: torchao's ``ROWWISE_WITH_GW_HP``)."""
+the weight-gradient GEMM in high precision: torchao's ``ROWWISE_WITH_GW_HP``); blocks,
+``fp8_block`` (1x128 tiles for activations and gradients, 128x128 blocks for weights:
+TransformerEngine's ``Float8BlockScaling``, DeepSeek-V3's recipe) and ``fp8_mx`` (MXFP8,
+1x32 blocks with E8M0 scales rounded ``rceil``: TransformerEngine's ``MXFP8BlockScaling``)."""
 
 
 class CtxChanges(TypedDict, total=False):
@@ -230,7 +237,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         and E5M2 for gradients. They scale with ``DelayedScaling()``; the same flags with a
         ``_dynamic`` suffix (``fp8_hybrid_dynamic``) scale with ``DynamicScaling()``.
         ``fp8_rowwise`` and ``fp8_rowwise_gw_hp`` scale every row of every operand
-        (``Fp8Policy(granularity="row")``, with ``gw_hp=True`` for the second).
+        (``Fp8Policy(granularity="row")``, with ``gw_hp=True`` for the second);
+        ``fp8_block`` and ``fp8_mx`` scale 1x128/128x128 and 1x32 blocks
+        (``Fp8Policy(granularity="block")``, ``Fp8Policy(granularity="mx")``).
         """
         key = name.strip().lower() if isinstance(name, str) else name
         found = _FLAGS.get(key) if isinstance(key, str) else None

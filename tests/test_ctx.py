@@ -258,6 +258,8 @@ def test_dynamic_flags_sit_beside_the_delayed_ones() -> None:
         "fp8_hybrid_dynamic",
         "fp8_rowwise",
         "fp8_rowwise_gw_hp",
+        "fp8_block",
+        "fp8_mx",
     )
     for scheme in Fp8Scheme:
         delayed = ComputeCtx.from_flag(f"fp8_{scheme}", "cpu")

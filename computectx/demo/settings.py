@@ -29,6 +29,8 @@ POLICY_FLAGS: tuple[str, ...] = (
     "fp8_hybrid_dynamic",
     "fp8_rowwise",
     "fp8_rowwise_gw_hp",
+    "fp8_block",
+    "fp8_mx",
 )
 """The ``--dtype`` names ``ComputeCtx.from_flag`` accepts. ``computectx.ctx.DTYPE_FLAGS`` is
 the source; this copy lets flags be checked without importing torch, and a test keeps the
