@@ -56,12 +56,12 @@ def _results(out: Path) -> dict[str, Any]:
 
 
 def _table_rows(stdout: str) -> dict[str, list[str]]:
-    """Cells of each policy row: policy, train loss, val loss, tokens/s, state MiB, saved MiB,
-    fp8 non-finite, fp8 saturated (on the CPU)."""
+    """Cells of each policy row: policy, fp8 granularity, train loss, val loss, tokens/s,
+    state MiB, saved MiB, fp8 non-finite, fp8 saturated (on the CPU)."""
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip("│ ").split("│")]
-        if len(cells) == 8 and cells[1].replace(".", "").isdigit():
+        if len(cells) == 9 and cells[2].replace(".", "").isdigit():
             rows[cells[0]] = cells
     return rows
 
@@ -81,8 +81,9 @@ def test_fp8_policy_runs_end_to_end(
     rows = _table_rows(stdout)
     assert list(rows) == ["fp8_e4m3"]
     row = rows["fp8_e4m3"]
-    assert row[6] == "0"  # no non-finite amax on this data
-    assert row[7].endswith("%")
+    assert row[1] == "tensor"  # per-tensor scaling
+    assert row[7] == "0"  # no non-finite amax on this data
+    assert row[8].endswith("%")
 
     png = (out / "loss.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 5000
@@ -100,8 +101,9 @@ def test_fp8_policy_runs_end_to_end(
     assert 0.0 <= r["fp8_saturated_fraction_max"] <= 1.0
     assert "blocks.0.attn.qkv" in r["fp8_layers"] and "head" not in r["fp8_layers"]
     assert r["sample"].startswith("def ")
-    assert float(row[1]) == pytest.approx(r["train_loss"], abs=1e-4)
-    assert float(row[2]) == pytest.approx(r["val_loss"], abs=1e-4)
+    assert r["fp8_granularity"] == "tensor"
+    assert float(row[2]) == pytest.approx(r["train_loss"], abs=1e-4)
+    assert float(row[3]) == pytest.approx(r["val_loss"], abs=1e-4)
 
 
 def test_accumulator_and_offload_run_end_to_end(
@@ -116,7 +118,7 @@ def test_accumulator_and_offload_run_end_to_end(
     assert "fp8 backend" not in stdout  # no fp8 policy, no backend to report
     rows = _table_rows(stdout)
     assert list(rows) == ["bf16"]
-    assert rows["bf16"][6:] == ["-", "-"]
+    assert rows["bf16"][7:] == ["-", "-"] and rows["bf16"][1] == "-"  # no fp8, no granularity
     assert "state MiB: weights, gradients" in stdout and "memory_report" in stdout
 
     (r,) = _results(out)["results"]
@@ -130,7 +132,8 @@ def test_accumulator_and_offload_run_end_to_end(
     assert mem["state"] == sum(
         mem[k] for k in ("params", "grads", "accumulator", "master", "optimizer")
     )
-    assert float(rows["bf16"][4]) == pytest.approx(mem["state"] / 2**20, abs=0.005)
+    assert r["fp8_granularity"] is None
+    assert float(rows["bf16"][5]) == pytest.approx(mem["state"] / 2**20, abs=0.005)
     assert (out / "loss.png").stat().st_size > 5000
 
 

@@ -27,9 +27,10 @@ __all__ = [
     "table_notes",
 ]
 
-RESULTS_VERSION = 2
+RESULTS_VERSION = 3
 """``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
-``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added."""
+``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added. 3: each
+result's ``fp8_granularity`` (``null`` without fp8) was added."""
 
 _MIB = 2**20
 
@@ -63,6 +64,7 @@ def results_table(report: DemoReport) -> Table:
     procs = "" if report.world_size == 1 else f", {report.world_size} data-parallel processes"
     table = Table(title=f"computectx demo: one model, one batch order, one policy per row{procs}")
     table.add_column("policy")
+    table.add_column("fp8\ngranularity")
     table.add_column(f"train loss\n(last {n} mean)", justify="right")
     table.add_column("val loss", justify="right")
     table.add_column("tokens/s", justify="right")
@@ -83,6 +85,7 @@ def results_table(report: DemoReport) -> Table:
             memory.append(f"{(r.memory.peak or 0) / _MIB:.2f}")
         table.add_row(
             r.flag,
+            r.fp8_granularity or "-",
             f"{r.train_loss:.4f}",
             f"{r.val_loss:.4f}",
             f"{r.tokens_per_s:,.0f}",
@@ -95,7 +98,7 @@ def results_table(report: DemoReport) -> Table:
 
 
 def table_notes(report: DemoReport) -> list[str]:
-    """What the table's loss, memory and compile columns measure, one line each."""
+    """What the table's loss, memory, granularity and compile columns measure, one line each."""
     s = report.settings
     n = tail_steps(s.steps)
     lines = [
@@ -104,6 +107,12 @@ def table_notes(report: DemoReport) -> list[str]:
         f"val loss: {s.eval_batches} held-out batches after the last step.",
         *memory_notes(report),
     ]
+    if any(r.fp8_granularity is not None for r in report.results):
+        lines.append(
+            "fp8 granularity: which elements share one fp8 step: tensor (one per tensor), row "
+            "(one per row along the contraction), block (1x128 activations and gradients, "
+            "128x128 weights), mx (1x32 blocks, E8M0 steps); docs/fp8.md has each GEMM's axes."
+        )
     if s.compile:
         lines.append(
             "compile s: the first step, which compiles the graphs; tokens/s counts the later "
@@ -173,6 +182,7 @@ def results_json(report: DemoReport) -> dict[str, Any]:
                 "skipped_steps": r.skipped_steps,
                 "fp8_converted_linears": r.fp8_converted,
                 "fp8_backend": r.fp8_backend,
+                "fp8_granularity": r.fp8_granularity,
                 "fp8_nonfinite": r.fp8_nonfinite,
                 "fp8_saturated_fraction_max": r.fp8_saturated,
                 "fp8_layers": r.fp8_layers,

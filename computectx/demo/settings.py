@@ -60,8 +60,8 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     )
     """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid (delayed
     scaling), fp8_e4m3_dynamic, fp8_e5m2_dynamic, fp8_hybrid_dynamic (dynamic scaling),
-    fp8_rowwise, fp8_rowwise_gw_hp (row-wise scaling). Repeat the flag or separate names with
-    commas."""
+    fp8_rowwise, fp8_rowwise_gw_hp (per row), fp8_block (1x128/128x128 blocks), fp8_mx
+    (MXFP8). Repeat the flag or separate names with commas."""
     steps: int = Field(default=120, ge=1, le=1_000_000)
     """Optimizer steps per policy."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)

@@ -28,6 +28,7 @@ __all__ = [
     "PolicyResult",
     "data_parallel_rank",
     "evaluate",
+    "fp8_granularity",
     "lr_at",
     "model_config",
     "policy_ctx",
@@ -75,6 +76,19 @@ class PolicyResult:
     compile_seconds: float | None = None
     """Under ``--compile``: the first step's time (compilation included), which
     ``tokens_per_s`` and ``seconds`` leave out."""
+    fp8_granularity: str | None = None
+    """Which elements share one fp8 step (``fp8_granularity``), ``None`` without fp8."""
+
+
+def fp8_granularity(ctx: ComputeCtx) -> str | None:
+    """The fp8 policy's granularity with its options as its text form writes them
+    (``tensor``, ``row``, ``row+gw_hp``, ``block``, ``mx``, ``mx+floor``), ``None`` without
+    fp8."""
+    if ctx.fp8 is None:
+        return None
+    if ctx.fp8.granularity == "tensor":
+        return "tensor"
+    return str(ctx.fp8).split("/")[1]  # SCHEME/GRANULARITY[+OPTION...]/RECIPE...
 
 
 def model_config(settings: DemoSettings) -> LMConfig:
@@ -303,4 +317,5 @@ def train_policy(
         fp8_layers=layers,
         sample=sample,
         compile_seconds=compile_seconds,
+        fp8_granularity=fp8_granularity(ctx),
     )
