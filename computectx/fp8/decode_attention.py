@@ -1,0 +1,467 @@
+"""Decode attention over a KV cache stored as fp8 codes and float32 steps (or at 16/32 bits).
+
+One query position per (batch, head) against the cached keys and values, the decode step
+of serving. ``decode_attention`` checks its arguments and runs one ``torch.library`` custom
+operator (``computectx::fp8_decode_attention``), so a compiled decode step sees a single
+opaque node with a fake implementation: no graph break, no recompile when the length
+tensor's values change.
+
+The cache (the storage layout of ``KVCache`` for an fp8 ``kv``)::
+
+    k, v     (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes; or bf16/f16/f32 values
+    k_step   per_token_head (B, H, T_max) | per_head (H,) | per_tensor (1,), float32;
+    v_step   None for a 16/32-bit cache. The value a code stands for is code * step.
+    length   (B,) int64 tensor, or a python int for every row: positions >= length[b]
+             are ignored (1 <= length[b] <= T_max)
+
+The semantics (the reference twin ``decode_attention_reference``; the Triton kernel in
+``computectx.kernels.decode_attention`` computes the same function): for each (b, h), over
+T in blocks of ``block_t`` positions,
+
+1. the block's keys are dequantized in float32 (code widened, times its step);
+2. scores ``s = (q . k) * sm_scale`` in float32 (``q`` widened exactly), ``-inf`` beyond
+   ``length[b]``;
+3. online softmax in float32: ``m_new = max(m, max s)``, ``alpha = exp(m - m_new)``,
+   ``p = exp(s - m_new)``, ``l = l * alpha + sum p``;
+4. the block's values dequantized in float32, ``acc = acc * alpha + p @ v`` in a float32
+   accumulator: two levels of float32 accumulation, within a block and across blocks,
+   which is what keeps long contexts from drifting (no partial sum is ever held in fp8 or
+   16 bits);
+5. at the end ``out = acc / l`` in float32, rounded once to ``q``'s dtype.
+
+The kernel sums in other orders (and may split T across programs, merging the partial
+``(m, l, acc)`` the same way), and its ``exp`` is another implementation, so kernel and
+twin agree within ``decode_attention_error_bound`` rather than bit for bit; both are
+checked against float64 attention over the dequantized cache with that bound.
+
+Backends: ``REFERENCE`` runs the twin; ``TRITON`` the kernel (a CUDA GPU, or the CPU under
+``TRITON_INTERPRET=1``), which serves head dims ``D`` that are multiples of 16 up to 256
+(``KERNEL_HEAD_DIMS``; ``check_kernel_head_dim``) and ``block_t`` a power of two from 16 to
+256; ``CUBLAS`` (which has no attention of its own) runs the kernel on a CUDA device where
+triton imports and the twin elsewhere, as the quantize operators do. The twin serves any
+``D`` and ``block_t``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.library import custom_op
+
+from computectx.fp8.backend import Fp8Backend, check_backend, parse_backend
+
+__all__ = [
+    "KERNEL_BLOCK_T",
+    "KERNEL_HEAD_DIMS",
+    "KV_CODE_DTYPES",
+    "KV_VALUE_DTYPES",
+    "check_decode_attention",
+    "check_kernel_head_dim",
+    "decode_attention",
+    "decode_attention_error_bound",
+    "decode_attention_reference",
+    "step_layout",
+]
+
+KV_CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""Cache dtypes that hold fp8 codes (and need steps)."""
+KV_VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Cache dtypes that hold values (no steps)."""
+_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_HEAD_DIMS = tuple(range(16, 257, 16))
+"""Head dims the Triton kernel serves: multiples of 16 (16-byte rows of fp8 codes) up to 256
+(one row of K and V per position held in registers)."""
+KERNEL_BLOCK_T = (16, 32, 64, 128, 256)
+"""``block_t`` values the Triton kernel takes (a power of two: one tile of positions)."""
+
+
+def check_kernel_head_dim(head_dim: int) -> None:
+    """``ValueError`` naming ``head_dim`` unless the Triton decode kernel serves it (the
+    reference twin serves every head dim)."""
+    if head_dim not in KERNEL_HEAD_DIMS:
+        raise ValueError(
+            f"the Triton decode-attention kernel cannot serve head dim D={head_dim}: it takes "
+            f"multiples of 16 from 16 to 256; the reference backend serves any D"
+        )
+
+
+def step_layout(step: torch.Tensor, batch: int, heads: int, t_max: int) -> str:
+    """``'per_token_head'``, ``'per_head'`` or ``'per_tensor'`` from a step's shape
+    (``(B, H, T_max)``, ``(H,)``, ``(1,)``); ``ValueError`` naming the shape otherwise. A
+    ``(1,)`` step with ``H == 1`` reads as per_tensor (the same function)."""
+    shape = tuple(step.shape)
+    if shape == (1,):
+        return "per_tensor"
+    if shape == (heads,):
+        return "per_head"
+    if shape == (batch, heads, t_max):
+        return "per_token_head"
+    raise ValueError(
+        f"a KV step of shape {shape} fits no layout; accepted: per_token_head "
+        f"{(batch, heads, t_max)}, per_head {(heads,)}, per_tensor (1,)"
+    )
+
+
+def _step_view(step: torch.Tensor, batch: int, heads: int, t_max: int) -> torch.Tensor:
+    # The step broadcast to (B, H, T_max, 1) without copying.
+    layout = step_layout(step, batch, heads, t_max)
+    if layout == "per_token_head":
+        return step.unsqueeze(-1)
+    if layout == "per_head":
+        return step.view(1, heads, 1, 1)
+    return step.view(1, 1, 1, 1)
+
+
+def check_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor | int,
+    *,
+    sm_scale: float,
+    block_t: int,
+    backend: Fp8Backend,
+    check_values: bool = True,
+) -> None:
+    """Every check ``decode_attention`` runs; ``ValueError``/``TypeError`` naming the bad
+    value and what is accepted.
+
+    Shapes, dtypes, devices, ``sm_scale``, ``block_t`` and (for ``TRITON``) the head dim
+    read no tensor contents. ``check_values`` adds the value checks, one host read for all:
+    every step finite and positive (a NaN scale is an error, never a silent NaN output;
+    per_token_head steps only at written positions, ``t < length[b]``, so a preallocated
+    cache may hold anything beyond) and every ``length[b]`` in ``[1, T_max]``. They are
+    skipped while ``torch.compile`` traces (values are not known then); a cache that
+    validated its steps when it wrote or loaded them may pass ``check_values=False`` to keep
+    the decode step free of host reads.
+    """
+    backend = check_backend(backend, q)
+    if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
+        raise ValueError(
+            f"decode_attention takes q (B, H, D) and k, v (B, H, T_max, D); got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    b, h, t_max, d = k.shape
+    if tuple(q.shape) != (b, h, d):
+        raise ValueError(
+            f"q {tuple(q.shape)} does not match the cache {tuple(k.shape)}: expected {(b, h, d)}"
+        )
+    if 0 in k.shape:
+        raise ValueError(f"decode_attention: the cache {tuple(k.shape)} has an empty dim")
+    if q.dtype not in _Q_DTYPES:
+        raise ValueError(f"q dtype {q.dtype} not accepted; accepted: bf16, f16, f32")
+    if k.dtype != v.dtype or k.dtype not in KV_CODE_DTYPES + KV_VALUE_DTYPES:
+        raise ValueError(
+            f"k and v must share one cache dtype, e4m3/e5m2 codes or bf16/f16/f32 values; "
+            f"got k {k.dtype}, v {v.dtype}"
+        )
+    for name, t in (("k", k), ("v", v)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: one device for all")
+    _check_steps(k, k_step, v_step, q.device)
+    if isinstance(length, bool) or not isinstance(length, (int, torch.Tensor)):
+        raise TypeError(f"length must be an int or an int64 (B,) tensor, got {length!r}")
+    if isinstance(length, int):
+        if not 1 <= length <= t_max:
+            raise ValueError(f"length={length} out of range; accepted: 1 <= length <= {t_max}")
+    elif length.dtype != torch.int64 or tuple(length.shape) != (b,) or length.device != q.device:
+        raise ValueError(
+            f"a length tensor must be int64 of shape ({b},) on {q.device}; got "
+            f"{length.dtype} {tuple(length.shape)} on {length.device}"
+        )
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a float, got {sm_scale!r}")
+    if not (math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale={sm_scale} must be finite and positive")
+    if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t <= 0:
+        raise ValueError(f"block_t={block_t!r} must be a positive int")
+    if _runs_kernel(backend, q):
+        check_kernel_head_dim(d)
+        if block_t not in KERNEL_BLOCK_T:
+            raise ValueError(
+                f"the Triton decode-attention kernel takes block_t in {KERNEL_BLOCK_T}, got "
+                f"{block_t}"
+            )
+    if check_values and not torch.compiler.is_compiling():
+        _check_values(k_step, v_step, length, t_max)
+
+
+def _check_steps(
+    k: torch.Tensor, k_step: torch.Tensor | None, v_step: torch.Tensor | None, dev: torch.device
+) -> None:
+    b, h, t_max, _ = k.shape
+    if k.dtype in KV_VALUE_DTYPES:
+        if k_step is not None or v_step is not None:
+            raise ValueError(
+                f"a {k.dtype} cache holds values, not codes: pass k_step=None and v_step=None"
+            )
+        return
+    for name, s in (("k_step", k_step), ("v_step", v_step)):
+        if s is None:
+            raise ValueError(f"an {k.dtype} cache needs {name}: float32 steps, got None")
+        if s.dtype != torch.float32 or s.device != dev:
+            raise ValueError(f"{name} must be float32 on {dev}, got {s.dtype} on {s.device}")
+        step_layout(s, b, h, t_max)
+
+
+def _check_values(
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor | int,
+    t_max: int,
+) -> None:
+    # One host read for every value check; the messages are worked out only on failure.
+    flags = []
+    if isinstance(length, torch.Tensor):
+        flags.append(((length >= 1) & (length <= t_max)).all())
+
+    def bad_steps(s: torch.Tensor) -> torch.Tensor:
+        bad = ~(torch.isfinite(s) & (s > 0))
+        if s.dim() == 3:  # per_token_head: only the written positions, t < length[b]
+            pos = torch.arange(t_max, device=s.device).view(1, 1, -1)
+            bad = bad & (
+                pos < (length.view(-1, 1, 1) if isinstance(length, torch.Tensor) else length)
+            )
+        return bad
+
+    for s in (k_step, v_step):
+        if s is not None:
+            flags.append(~bad_steps(s).any())
+    if not flags or bool(torch.stack(flags).all()):
+        return
+    if isinstance(length, torch.Tensor) and not bool(((length >= 1) & (length <= t_max)).all()):
+        raise ValueError(
+            f"length {length.tolist()} out of range; accepted: 1 <= length[b] <= {t_max}"
+        )
+    for name, s in (("k_step", k_step), ("v_step", v_step)):
+        if s is None:
+            continue
+        bad = bad_steps(s)
+        if bool(bad.any()):
+            first = s[bad][0].item()
+            raise ValueError(
+                f"{name} has {int(bad.sum())} step(s) that are not finite and positive (the "
+                f"first is {first}); steps must be finite and > 0"
+            )
+
+
+def _runs_kernel(backend: Fp8Backend, q: torch.Tensor) -> bool:
+    # As the quantize operators: TRITON always, CUBLAS on a CUDA device where triton imports.
+    from computectx.fp8.custom_ops import uses_kernels
+
+    return uses_kernels(backend, q)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor,
+    *,
+    sm_scale: float,
+    block_t: int,
+) -> torch.Tensor:
+    """The pure-torch twin (the module docstring's steps 1-5), all (b, h) at once; arguments
+    already checked, ``length`` an int64 ``(B,)`` tensor. It visits the blocks up to the
+    longest length (one host read of ``length.max()``); a block wholly beyond a row's
+    length adds nothing to it (``alpha = 1``, ``p = 0``)."""
+    b, h, t_max, d = k.shape
+    qf = q.to(torch.float32).unsqueeze(-1)  # (B, H, D, 1)
+    ks = None if k_step is None else _step_view(k_step, b, h, t_max)
+    vs = None if v_step is None else _step_view(v_step, b, h, t_max)
+    m = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
+    l_sum = torch.zeros((b, h), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((b, h, d), dtype=torch.float32, device=q.device)
+    limit = length.view(b, 1, 1)
+    end = min(int(length.max()), t_max)
+    for start in range(0, end, block_t):
+        stop = min(start + block_t, t_max)
+        kb = k[:, :, start:stop].to(torch.float32)
+        vb = v[:, :, start:stop].to(torch.float32)
+        if ks is not None and vs is not None:
+            kb = kb * ks[:, :, start:stop] if ks.shape[2] > 1 else kb * ks
+            vb = vb * vs[:, :, start:stop] if vs.shape[2] > 1 else vb * vs
+        beyond = torch.arange(start, stop, device=q.device).view(1, 1, -1) >= limit
+        # Whatever lies beyond a row's length (stale codes, NaN, zero steps) never reaches
+        # the sums: the scores there are -inf and the values 0, as the kernel's masked loads.
+        vb = vb.masked_fill(beyond.unsqueeze(-1), 0.0)
+        s = torch.matmul(kb, qf).squeeze(-1) * sm_scale  # (B, H, t)
+        s = s.masked_fill(beyond, -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new.unsqueeze(-1))
+        l_sum = l_sum * alpha + p.sum(dim=-1)
+        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p.unsqueeze(-2), vb).squeeze(-2)
+        m = m_new
+    return (acc / l_sum.unsqueeze(-1)).to(q.dtype)
+
+
+_U32 = 2.0**-24
+_U_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+def decode_attention_error_bound(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor,
+    *,
+    sm_scale: float,
+    block_t: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(exact, bound)``, float64 ``(B, H, D)``: softmax attention over the dequantized cache
+    computed in float64, and an a-priori bound on ``|decode_attention(...) - exact|`` for the
+    twin and the kernel (any summation order, any split of T into blocks and programs).
+
+    With ``u = 2**-24``, ``gamma_n = n u / (1 - n u)`` and, per (b, h), over the valid
+    positions ``t``:
+
+    - score error: ``E_s = gamma_{D+2} * max_t sm_scale * sum_d |q_d k_td|`` (dequantizing
+      a key, D products and sums in any order, the ``sm_scale`` product);
+    - ``exp`` error: ``eps_exp = (8 + 3 R) u`` relative, ``R`` the score range
+      ``max s - min s`` plus ``2 E_s``: the rounded argument ``s - m`` (and, on a GPU, its
+      product with ``log2 e``) costs ``u |x|`` each, the exponential itself up to 8 ulp;
+    - with ``nb = ceil(length / block_t)`` blocks, each term of ``acc`` and of ``l`` meets at
+      most ``nb + 2`` exponentials (its own, one rescale per later block, one merge of split
+      partials) and ``block_t + 3 nb + 4`` float32 roundings (the value's dequantization,
+      ``p * v``, the block sum, the rescales and the cross-block and cross-split sums).
+
+    Every term of ``acc = sum_t p_t v_t`` and ``l = sum_t p_t`` is then its exact value
+    times a factor within ``1 +- a``, ``a = exp(E_s) (1 + eps_exp)**(nb+2)
+    (1 + u)**(block_t + 3 nb + 4) - 1``, so ``|acc/l - exact| <= 2a / (1 - a) * W`` with
+    ``W = sum_t w_t |v_t|`` (``w`` the exact softmax weights). The division and the
+    rounding to ``q``'s dtype add ``(u + u_out) |result|`` (``u_out`` = 2**-8 bf16, 2**-11
+    f16, 2**-24 f32) and half the dtype's smallest subnormal.
+    """
+    b, h, t_max, d = k.shape
+    q64 = q.to(torch.float64)
+    k64 = k.to(torch.float64)
+    v64 = v.to(torch.float64)
+    if k_step is not None and v_step is not None:
+        k64 = k64 * _step_view(k_step, b, h, t_max).to(torch.float64)
+        v64 = v64 * _step_view(v_step, b, h, t_max).to(torch.float64)
+    valid = torch.arange(t_max, device=q.device).view(1, 1, -1) < length.view(b, 1, 1)
+    s = torch.einsum("bhtd,bhd->bht", k64, q64) * sm_scale
+    mag = torch.einsum("bhtd,bhd->bht", k64.abs(), q64.abs()) * sm_scale
+    s = s.masked_fill(~valid, -math.inf)
+    w = torch.softmax(s, dim=-1)  # exact weights (float64), zero beyond the length
+    exact = torch.einsum("bht,bhtd->bhd", w, v64)
+    big_w = torch.einsum("bht,bhtd->bhd", w, v64.abs())
+
+    def gamma(n: float) -> float:
+        return n * _U32 / (1 - n * _U32)
+
+    e_s = gamma(d + 2) * mag.masked_fill(~valid, 0.0).amax(dim=-1)  # (B, H)
+    lo = s.masked_fill(~valid, math.inf).amin(dim=-1)
+    spread = s.amax(dim=-1) - lo + 2 * e_s
+    nb = torch.ceil(length.to(torch.float64) / block_t).view(b, 1)
+    eps_exp = (8 + 3 * spread) * _U32
+    a = (
+        torch.exp(e_s) * torch.pow(1 + eps_exp, nb + 2) * torch.pow(1 + _U32, block_t + 3 * nb + 4)
+        - 1
+    )
+    rel = (2 * a / (1 - a)).unsqueeze(-1)
+    u_out = _U_OUT[q.dtype]
+    tiny = torch.finfo(q.dtype).smallest_normal * u_out
+    err = rel * big_w
+    return exact, err + (_U32 + u_out) * (exact.abs() + err) + tiny
+
+
+@custom_op("computectx::fp8_decode_attention", mutates_args=())
+def _decode_attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor,
+    sm_scale: float,
+    block_t: int,
+    backend: str,
+) -> torch.Tensor:
+    """``decode_attention`` on checked arguments (``length`` a ``(B,)`` tensor)."""
+    chosen = parse_backend(backend)
+    if _runs_kernel(chosen, q):
+        from computectx.kernels import decode_attention as kernel
+
+        return kernel.decode_attention(
+            q=q,
+            k=k,
+            v=v,
+            k_step=k_step,
+            v_step=v_step,
+            length=length,
+            sm_scale=sm_scale,
+            block_t=block_t,
+        )
+    return decode_attention_reference(
+        q, k, v, k_step, v_step, length, sm_scale=sm_scale, block_t=block_t
+    )
+
+
+@_decode_attention_op.register_fake
+def _decode_attention_fake(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor,
+    sm_scale: float,
+    block_t: int,
+    backend: str,
+) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor | int,
+    *,
+    sm_scale: float,
+    block_t: int = 64,
+    backend: Fp8Backend = Fp8Backend.REFERENCE,
+    check_values: bool = True,
+) -> torch.Tensor:
+    """Attention of one query per (batch, head) over a KV cache: ``(B, H, D)`` at ``q``'s
+    dtype (the module docstring gives the layout and the semantics).
+
+    ``q`` is ``(B, H, D)`` (bf16, f16 or f32); ``k``/``v`` ``(B, H, T_max, D)`` fp8 codes with
+    float32 steps ``k_step``/``v_step`` (per_token_head ``(B, H, T_max)``, per_head ``(H,)``
+    or per_tensor ``(1,)``, each its own layout), or 16/32-bit values with both steps
+    ``None``; ``length`` an int64 ``(B,)`` tensor or an int. ``sm_scale`` multiplies the
+    scores (usually ``D**-0.5``). Checked by ``check_decode_attention`` (``check_values``
+    as there). Not differentiable: a decode path, no autograd formula.
+
+    Under ``torch.compile`` pass ``length`` as a tensor: an int is a constant of the graph
+    and each new value would compile again.
+    """
+    check_decode_attention(
+        q,
+        k,
+        v,
+        k_step,
+        v_step,
+        length,
+        sm_scale=sm_scale,
+        block_t=block_t,
+        backend=backend,
+        check_values=check_values,
+    )
+    if isinstance(length, int):
+        length = torch.full((k.shape[0],), length, dtype=torch.int64, device=q.device)
+    out: torch.Tensor = _decode_attention_op(
+        q, k, v, k_step, v_step, length, float(sm_scale), block_t, backend.value
+    )
+    return out
