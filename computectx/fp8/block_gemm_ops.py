@@ -1,0 +1,274 @@
+"""The Triton and cuBLAS paths of ``block_scaled_mm``, and which cuBLAS recipes run here.
+
+``computectx::fp8_block_scaled_mm`` (``computectx.fp8.block_gemm``) calls ``run`` for the
+``TRITON`` and ``CUBLAS`` backends, on checked arguments.
+
+``TRITON`` runs ``computectx.kernels.scaled_mm_blocks`` (imported on first use).
+
+``CUBLAS`` runs, per pair of granularities:
+
+==================  ==============================================  =======================
+pair                call                                            where it runs
+==================  ==============================================  =======================
+row x row           ``torch._scaled_mm``, scales ``(M, 1)`` and     CUDA (cuBLASLt >= 12.9
+                    ``(1, N)`` float32                              on sm_90, else CUTLASS)
+                                                                    and the CPU
+1x128 x 1x128,      ``torch.nn.functional.scaled_mm``,              sm_90 with cuBLASLt
+1x128 x 128x128,    ``ScalingType.BlockWise1x128`` /                >= 12.9 (torch refuses
+128x128 x 1x128     ``BlockWise128x128`` (DeepSeek-V3's recipe)     them elsewhere)
+mx x mx             ``torch.nn.functional.scaled_mm``,              sm_100 (E4M3 operands)
+                    ``ScalingType.BlockWise1x32``, E8M0 scales
+                    swizzled (``SwizzleType.SWIZZLE_32_4_4``)
+==================  ==============================================  =======================
+
+CUDA's rules are kept as the per-tensor path keeps them (``custom_ops.CUBLAS_MULTIPLE``): the
+operands are row-major with 16-byte aligned rows, K and N zero-padded to multiples of 16 (to
+multiples of 128 for the block recipes, whose scales cover whole 128-wide K blocks), the
+scales laid out as torch's CUDA checks want (``cublas_scales``) and padded with steps of 1
+where the operands were padded with zero codes, which add nothing; the padded columns of the
+result are dropped. A bias is fused only for a 16-bit result of the bias's dtype; otherwise
+the GEMM returns float32 and the bias is added in float32 before the one rounding. Two E5M2
+operands (which cuBLASLt refuses) and E5M2 operands in the block and MX recipes (torch
+accepts E4M3 only there) take the fallback.
+
+**Where a recipe does not run** (probed once per device by running it on a small problem,
+``cublas_recipes``): the ``CUBLAS`` backend computes that pair with the Triton kernel when
+the device is a GPU where triton imports (as the ``CUBLAS`` backend quantizes with the
+kernels there), and with the twin (``block_gemm.reference_scaled_mm``) otherwise, on the
+same device; it never raises for a valid call. So on the CPU, ``row x row`` runs on
+``torch._scaled_mm``'s CPU kernel and the block pairs run on the twin. ``computectx info``
+lists the probe's results.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Final
+
+import torch
+
+from computectx.fp8 import block_gemm, granular
+from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.block_gemm import GemmGranularity
+from computectx.fp8.custom_ops import CUBLAS_MULTIPLE, uses_kernels
+
+__all__ = ["RECIPES", "cublas_recipes", "cublas_scales", "recipe_of", "run"]
+
+RECIPES: Final[tuple[str, ...]] = ("row", "1x128x128x128", "1x128x1x128", "mx")
+"""The cuBLAS recipes, by name: ``row x row``; ``1x128 x 128x128`` (either order);
+``1x128 x 1x128``; ``mx x mx``."""
+_BLOCK_K: Final = 128  # K padding of the block and MX recipes
+
+
+def recipe_of(ga: GemmGranularity, gb: GemmGranularity) -> str:
+    """The name in ``RECIPES`` of the cuBLAS recipe that serves the pair."""
+    if ga == "row":
+        return "row"
+    if ga == "mx":
+        return "mx"
+    return "1x128x1x128" if ga == gb else "1x128x128x128"
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    # ``t`` when it is already a row-major [rows, cols] operand with 16-byte aligned rows;
+    # else a row-major copy zero-padded to [rows, cols]. The per-tensor path has the same
+    # helper, private (custom_ops._cublas_operand); see docs/fp8-kernels.md.
+    aligned = t.stride(0) % CUBLAS_MULTIPLE == 0 and t.storage_offset() % CUBLAS_MULTIPLE == 0
+    if tuple(t.shape) == (rows, cols) and t.stride(1) == 1 and aligned:
+        return t
+    out = t.new_zeros((rows, cols))
+    out[: t.shape[0], : t.shape[1]].copy_(t)
+    return out
+
+
+def _pad_rows(s: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tensor:
+    # s [r, c] into a contiguous [rows, cols] tensor filled with ``fill`` (a step of 1 for
+    # the zero codes of padded operand rows and K blocks).
+    if tuple(s.shape) == (rows, cols):
+        return s.contiguous()
+    out = torch.full((rows, cols), fill, dtype=torch.float32, device=s.device)
+    out[: s.shape[0], : s.shape[1]].copy_(s.to(torch.float32))
+    return out.to(s.dtype)
+
+
+def _swizzled(scale: torch.Tensor, rows: int, kblocks: int) -> torch.Tensor:
+    # E8M0 scales [rows, kblocks] in cuBLAS's 128 x 4 tiles (``SWIZZLE_32_4_4``): padded to
+    # [128 r, 4 c] with byte 127 (2**0); inside a tile, element (i, j) is at
+    # (i % 32) * 16 + (i // 32) * 4 + j; the tiles follow row-block-major.
+    r128, c4 = _round_up(rows, 128), _round_up(kblocks, 4)
+    padded = torch.full((r128, c4), 127, dtype=torch.uint8, device=scale.device)
+    padded[: scale.shape[0], : scale.shape[1]].copy_(scale.view(torch.uint8))
+    tiles = padded.view(r128 // 128, 4, 32, c4 // 4, 4).permute(0, 3, 2, 1, 4)
+    return tiles.contiguous().flatten().view(granular.E8M0)
+
+
+def cublas_scales(
+    scale: torch.Tensor, granularity: GemmGranularity, rows: int, k: int, *, operand: str
+) -> torch.Tensor:
+    """An operand's scale in the layout torch's CUDA ``scaled_mm`` wants, for an operand
+    padded to ``rows`` rows and ``k`` columns (``operand`` is ``"a"`` or ``"b"``, which is
+    passed transposed, as ``b.t()``).
+
+    row: ``a`` ``(M, 1)``, ``b`` ``(1, N)``; ``1x128``: ``(rows, K/128)`` column-major;
+    ``128x128``: ``(K/128 rounded up to 4, rows/128)`` column-major, that is the row-major
+    ``(rows/128, K/128 padded to 4)`` transposed; ``mx``: the swizzled E8M0 bytes, flat.
+    (torch's checks for the CUDA v2 path, ``_scaled_block1x128_block1x128`` and its
+    siblings in ``ScaledBlas.cpp``, state these layouts.)
+    """
+    if granularity == "row":
+        s = _pad_rows(scale.reshape(-1, 1), rows, 1, 1.0)
+        return s if operand == "a" else s.reshape(1, rows)
+    if granularity == "mx":
+        return _swizzled(scale, rows, -(-k // granular.MX_BLOCK))
+    kb = -(-k // granular.TILE)
+    if granularity == "1x128":
+        return _pad_rows(scale, rows, kb, 1.0).t().contiguous().t()
+    return _pad_rows(scale, -(-rows // granular.TILE), _round_up(kb, 4), 1.0).t()
+
+
+def _scaled_mm_call(
+    recipe: str,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    sa: torch.Tensor,
+    ga: GemmGranularity,
+    sb: torch.Tensor,
+    gb: GemmGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    # The cuBLAS GEMM for a pair, under CUDA's shape rules (module docstring).
+    m, k = a.shape
+    n = b.shape[0]
+    multiple = CUBLAS_MULTIPLE if recipe == "row" else _BLOCK_K
+    kp, np_ = _round_up(k, multiple), _round_up(n, CUBLAS_MULTIPLE)
+    a_p, b_p = _padded(a, m, kp), _padded(b, np_, kp)
+    scale_a = cublas_scales(sa, ga, m, kp, operand="a")
+    scale_b = cublas_scales(sb, gb, np_, kp, operand="b")
+    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
+    fused_bias = None
+    if fuse and bias is not None:
+        fused_bias = bias if np_ == n else torch.cat([bias, bias.new_zeros(np_ - n)])
+    gemm_dtype = out_dtype if bias is None or fuse else torch.float32
+    if recipe == "row":
+        out = torch._scaled_mm(
+            a_p, b_p.t(), scale_a=scale_a, scale_b=scale_b, bias=fused_bias, out_dtype=gemm_dtype
+        )
+    else:
+        f = torch.nn.functional
+        kinds = {
+            "1x128": f.ScalingType.BlockWise1x128,
+            "128x128": f.ScalingType.BlockWise128x128,
+            "mx": f.ScalingType.BlockWise1x32,
+        }
+        swizzle = f.SwizzleType.SWIZZLE_32_4_4 if recipe == "mx" else f.SwizzleType.NO_SWIZZLE
+        out = f.scaled_mm(
+            a_p,
+            b_p.t(),
+            scale_a,
+            kinds[ga],
+            scale_b,
+            kinds[gb],
+            swizzle_a=swizzle,
+            swizzle_b=swizzle,
+            bias=fused_bias,
+            output_dtype=gemm_dtype,
+        )
+    out = out if np_ == n else out[:, :n]
+    if bias is not None and not fuse:
+        return (out + bias.to(torch.float32)).to(out_dtype)
+    return out if np_ == n else out.contiguous()
+
+
+_PROBE_PAIRS: Final[dict[str, tuple[GemmGranularity, GemmGranularity]]] = {
+    "row": ("row", "row"),
+    "1x128x128x128": ("1x128", "128x128"),
+    "1x128x1x128": ("1x128", "1x128"),
+    "mx": ("mx", "mx"),
+}
+
+
+def _probe_scale(g: GemmGranularity, rows: int, k: int, dev: torch.device) -> torch.Tensor:
+    layout = granular.layout_of(g, (rows, k))
+    if g == "mx":
+        return torch.full(layout.scale_shape, 127, dtype=torch.uint8, device=dev).view(
+            granular.E8M0
+        )
+    return torch.ones(layout.scale_shape, dtype=torch.float32, device=dev)
+
+
+@functools.cache
+def cublas_recipes(device: torch.device) -> dict[str, tuple[bool, str]]:
+    """Which cuBLAS recipes run on ``device``: name (``RECIPES``) -> ``(runs, reason)``.
+
+    Probed once per device by running each on a 128 x 128 x 128 product of ones and
+    checking the result (``128.0`` everywhere); a recipe this torch lacks, or one it refuses
+    on this device, is reported with torch's reason (its first line).
+    """
+    f = torch.nn.functional
+    has_api = hasattr(f, "scaled_mm") and hasattr(f, "ScalingType")
+    out: dict[str, tuple[bool, str]] = {}
+    for name, (ga, gb) in _PROBE_PAIRS.items():
+        if name != "row" and not has_api:
+            out[name] = (False, "this torch has no torch.nn.functional.scaled_mm")
+            continue
+        one = torch.ones(128, 128, device=device)
+        a = one.to(torch.float8_e4m3fn)
+        sa, sb = _probe_scale(ga, 128, 128, device), _probe_scale(gb, 128, 128, device)
+        api = "torch._scaled_mm" if name == "row" else "torch.nn.functional.scaled_mm"
+        try:
+            got = _scaled_mm_call(name, a, a, sa, ga, sb, gb, None, torch.float32)
+        except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            out[name] = (False, f"{api} refuses it on {device}: {first}")
+            continue
+        if not bool((got == 128.0).all()):
+            out[name] = (False, f"{api} runs on {device} but gave a wrong product")
+        else:
+            out[name] = (True, f"{api} on {device}")
+    return out
+
+
+def _cublas_serves(recipe: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        return False  # cuBLASLt has no E5M2 x E5M2 GEMM
+    if recipe != "row" and torch.float8_e5m2 in (a.dtype, b.dtype):
+        return False  # torch's block and MX recipes take E4M3 only
+    return cublas_recipes(a.device)[recipe][0]
+
+
+def run(
+    backend: Fp8Backend,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    ga: GemmGranularity,
+    scale_b: torch.Tensor,
+    gb: GemmGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``block_scaled_mm`` on ``TRITON`` or ``CUBLAS`` (module docstring), checked call."""
+    if backend is Fp8Backend.CUBLAS:
+        recipe = recipe_of(ga, gb)
+        if _cublas_serves(recipe, a, b):
+            return _scaled_mm_call(recipe, a, b, scale_a, ga, scale_b, gb, bias, out_dtype)
+        if not uses_kernels(backend, a):
+            return block_gemm.reference_scaled_mm(a, b, scale_a, ga, scale_b, gb, bias, out_dtype)
+    from computectx.kernels import scaled_mm_blocks
+
+    return scaled_mm_blocks.scaled_mm_blocks(
+        a=a,
+        b=b,
+        scale_a=scale_a,
+        block_rows_a=granular.TILE if ga == "128x128" else 1,
+        scale_b=scale_b,
+        block_rows_b=granular.TILE if gb == "128x128" else 1,
+        block_k=block_gemm.block_width(ga, a.shape[1]) if ga != "row" else 0,
+        bias=bias,
+        out_dtype=out_dtype,
+    )

@@ -1,0 +1,435 @@
+"""The block-scaled GEMM (``computectx.fp8.block_gemm``): its twin against float64 within
+the documented bound for every pair, its exact semantics where they are observable, the
+cuBLAS paths on the CPU (and under CUDA's rules), bad input, and the operator under
+``torch.compile``.
+
+The bound is the module docstring's (``block_gemm.scaled_mm_error_bound``); the float64
+result here is computed independently: each operand dequantized in float64 (its steps
+broadcast over their blocks by indexing, not by the module's helpers), one float64 matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import block_gemm, block_gemm_ops, fp8_quantize, reference
+from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.block_gemm import PAIRS, GemmGranularity, block_scaled_mm
+
+REF, CUBLAS = Fp8Backend.REFERENCE, Fp8Backend.CUBLAS
+E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def quantized(
+    shape: tuple[int, int], g: GemmGranularity, fmt: Fp8Format, seed: int, spread: int = 6
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes and scale of a random operand at granularity ``g``; also its float32 source.
+
+    Rows and columns get magnitudes up to ``2**±spread`` apart, so a scale applied to the
+    wrong block shows. 1x128 and 128x128 steps are not powers of two (the ``amax`` rule).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    x = x * torch.exp2(torch.randint(-spread, spread + 1, (shape[0], 1), generator=gen).float())
+    x = x * torch.exp2(torch.randint(-spread, spread + 1, (1, shape[1]), generator=gen).float())
+    q, s = fp8_quantize(x, fmt, granularity=g)
+    return q, s, x
+
+
+def steps64(scale: torch.Tensor, g: GemmGranularity, rows: int, k: int) -> torch.Tensor:
+    """Each element's step in float64, by index arithmetic (independent of the module)."""
+    s = scale.to(torch.float32).to(torch.float64)  # E8M0 widens exactly
+    i = torch.arange(rows).reshape(-1, 1)
+    j = torch.arange(k).reshape(1, -1)
+    if g == "row":
+        return s[i, 0].expand(rows, k)
+    if g == "mx":
+        return s[i, j // 32]
+    if g == "1x128":
+        return s[i, j // 128]
+    return s[i // 128, j // 128]
+
+
+def exact(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    ga: GemmGranularity,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    gb: GemmGranularity,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    k = a.shape[1]
+    da = a.to(torch.float64) * steps64(sa, ga, a.shape[0], k)
+    db = b.to(torch.float64) * steps64(sb, gb, b.shape[0], k)
+    out = da @ db.t()
+    return out if bias is None else out + bias.to(torch.float64)
+
+
+def check_within_bound(
+    out: torch.Tensor,
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    ga: GemmGranularity,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    gb: GemmGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> None:
+    bound = block_gemm.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
+    err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
+    assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
+
+
+# (M, N, K): ragged in K (partial 128 and 32 blocks), rows over one 128-row block, K < 128.
+SHAPES = [(37, 29, 300), (130, 5, 64), (3, 131, 161), (1, 1, 32)]
+
+
+@pytest.mark.parametrize(("ga", "gb"), PAIRS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize(
+    ("with_bias", "out_dtype"), [(False, torch.bfloat16), (True, torch.float32)]
+)
+def test_twin_is_within_the_bound_of_float64(
+    ga: GemmGranularity,
+    gb: GemmGranularity,
+    shape: tuple[int, int, int],
+    with_bias: bool,
+    out_dtype: torch.dtype,
+) -> None:
+    m, n, k = shape
+    a, sa, _ = quantized((m, k), ga, E4M3, seed=m + k)
+    b, sb, _ = quantized((n, k), gb, E5M2 if ga == "row" else E4M3, seed=n * 7 + k)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)) if with_bias else None
+    out = block_scaled_mm(a, b, sa, ga, sb, gb, bias, out_dtype)
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    check_within_bound(out, a, sa, ga, b, sb, gb, bias, out_dtype)
+
+
+def test_bound_is_tight_enough_to_catch_a_wrong_block_scale() -> None:
+    # The checker can fail: swapping two K blocks' steps of one operand breaks the bound.
+    a, sa, _ = quantized((8, 256), "1x128", E4M3, seed=1)
+    b, sb, _ = quantized((8, 256), "1x128", E4M3, seed=2)
+    wrong = sa.flip(1).contiguous()
+    out = block_scaled_mm(a, b, wrong, "1x128", sb, "1x128", None, torch.float32)
+    with pytest.raises(AssertionError, match="worst excess"):
+        check_within_bound(out, a, sa, "1x128", b, sb, "1x128", None, torch.float32)
+
+
+def test_row_pair_is_reference_scaled_mm_bit_for_bit() -> None:
+    a, sa, _ = quantized((33, 70), "row", E4M3, seed=5)
+    b, sb, _ = quantized((17, 70), "row", E4M3, seed=6)
+    bias = torch.randn(17, dtype=torch.bfloat16)
+    got = block_scaled_mm(a, b, sa, "row", sb, "row", bias, torch.bfloat16)
+    want = reference.scaled_mm(a, b, sa, sb, bias, torch.bfloat16)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("ga", "gb"), [p for p in PAIRS if p[0] != "row"])
+def test_exact_partial_sums_round_once(ga: GemmGranularity, gb: GemmGranularity) -> None:
+    # Small-integer codes and power-of-two steps: every partial sum and scaled partial is
+    # exact in float32, so the result is the float64 value rounded once to bf16.
+    gen = torch.Generator().manual_seed(9)
+    m, n, k = 131, 9, 200
+    a = torch.randint(-8, 9, (m, k), generator=gen).float().to(torch.float8_e4m3fn)
+    b = torch.randint(-8, 9, (n, k), generator=gen).float().to(torch.float8_e4m3fn)
+
+    def pow2_scale(g: GemmGranularity, rows: int) -> torch.Tensor:
+        from computectx.fp8 import granular
+
+        shape = granular.layout_of(g, (rows, k)).scale_shape
+        e = torch.randint(-3, 4, shape, generator=gen)
+        if g == "mx":
+            return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
+        return torch.exp2(e.float())
+
+    sa, sb = pow2_scale(ga, m), pow2_scale(gb, n)
+    bias = torch.randint(-50, 50, (n,), generator=gen).float() / 8
+    got = block_scaled_mm(a, b, sa, ga, sb, gb, bias, torch.bfloat16)
+    assert torch.equal(got, exact(a, sa, ga, b, sb, gb, bias).to(torch.bfloat16))
+
+
+def test_blocks_are_added_in_order_into_a_float32_accumulator() -> None:
+    # Four 128-wide K blocks. Block 0's scaled partial is 2**25; blocks 1-3 add 1 each.
+    # In order in float32, each 2**25 + 1 rounds back to 2**25 (ulp 4), so the result is
+    # 2**25; the exact 2**25 + 3 would round to 2**25 + 4.
+    k = 512
+    a = torch.zeros(1, k)
+    b = torch.zeros(1, k)
+    a[0, 0], b[0, 0] = 2.0**5, 1.0  # partial 32, scaled by 2**20
+    for kb in (1, 2, 3):
+        a[0, kb * 128], b[0, kb * 128] = 1.0, 1.0
+    fa, fb = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    sa = torch.tensor([[2.0**20, 1.0, 1.0, 1.0]])
+    sb = torch.ones(1, 4)
+    got = block_scaled_mm(fa, fb, sa, "1x128", sb, "1x128", None, torch.float32)
+    assert got.item() == 2.0**25
+    assert torch.tensor(2.0**25 + 3, dtype=torch.float64).to(torch.float32).item() == 2.0**25 + 4
+
+
+def test_zero_k_blocks_and_empty_outputs() -> None:
+    a = torch.zeros(0, 256).to(torch.float8_e4m3fn)
+    b = torch.zeros(3, 256).to(torch.float8_e4m3fn)
+    out = block_scaled_mm(a, b, torch.ones(0, 2), "1x128", torch.ones(3, 2), "1x128", None,
+                          torch.bfloat16)  # fmt: skip
+    assert out.shape == (0, 3)
+
+
+# ----- the cuBLAS paths on the CPU ------------------------------------------------------
+
+
+def test_the_probe_reports_what_runs_on_the_cpu() -> None:
+    found = block_gemm_ops.cublas_recipes(torch.device("cpu"))
+    assert set(found) == set(block_gemm_ops.RECIPES)
+    # torch 2.13's CPU _scaled_mm multiplies with row-wise scales; its v2 refuses the
+    # block and MX recipes on the CPU.
+    assert found["row"][0], found["row"]
+    for name in ("1x128x128x128", "1x128x1x128", "mx"):
+        assert not found[name][0] and "cpu" in found[name][1], (name, found[name])
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(37, 29, 45), (16, 32, 64), (5, 70, 33)])
+@pytest.mark.parametrize(("bias_dtype", "out_dtype"), [(None, torch.bfloat16),
+    (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float16),
+    (torch.float16, torch.float32)])  # fmt: skip
+def test_cublas_rowwise_is_within_the_bound(
+    m: int, n: int, k: int, bias_dtype: torch.dtype | None, out_dtype: torch.dtype
+) -> None:
+    # spread 2: the sums stay inside fp16's range
+    a, sa, _ = quantized((m, k), "row", E4M3, seed=m, spread=2)
+    b, sb, _ = quantized((n, k), "row", E5M2, seed=n, spread=2)
+    gen = torch.Generator().manual_seed(k)
+    bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype)
+    out = block_scaled_mm(a, b, sa, "row", sb, "row", bias, out_dtype, backend=CUBLAS)
+    assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+    check_within_bound(out, a, sa, "row", b, sb, "row", bias, out_dtype)
+
+
+def test_cublas_block_pairs_fall_back_to_the_twin_on_the_cpu() -> None:
+    for ga, gb in PAIRS[1:]:
+        a, sa, _ = quantized((20, 100), ga, E4M3, seed=1)
+        b, sb, _ = quantized((12, 100), gb, E4M3, seed=2)
+        got = block_scaled_mm(a, b, sa, ga, sb, gb, None, torch.bfloat16, backend=CUBLAS)
+        want = block_scaled_mm(a, b, sa, ga, sb, gb, None, torch.bfloat16)
+        assert torch.equal(got, want), (ga, gb)
+
+
+Calls = list[tuple[tuple[int, ...], tuple[int, ...]]]
+
+
+def _strict_rowwise(real: Callable[..., torch.Tensor], calls: Calls) -> Callable[..., Any]:
+    # torch._scaled_mm as its CUDA build checks a row-wise call (ScaledBlas.cpp,
+    # _scaled_mm_out_cuda and is_rowwise_scaling), then the real CPU kernel.
+    def scaled_mm(
+        mat1: torch.Tensor,
+        mat2: torch.Tensor,
+        scale_a: torch.Tensor,
+        scale_b: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        scale_result: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
+        use_fast_accum: bool = False,
+    ) -> torch.Tensor:
+        def refuse(why: str) -> None:
+            raise RuntimeError(f"strict _scaled_mm (CUDA rules): {why}")
+
+        if mat1.dtype == mat2.dtype == torch.float8_e5m2:
+            refuse("Multiplication of two Float8_e5m2 matrices is not supported")
+        if not (mat1.stride(1) == 1 and mat1.stride(0) > 1):
+            refuse(f"self must be row_major, got stride {mat1.stride()}")
+        if not (mat2.stride(0) == 1 and mat2.stride(1) > 1):
+            refuse(f"mat2 must be col_major, got stride {mat2.stride()}")
+        if mat1.shape[1] % 16 or mat2.shape[0] % 16 or mat2.shape[1] % 16:
+            refuse(f"sizes must be divisible by 16, got {tuple(mat1.shape)} {tuple(mat2.shape)}")
+        for name, t in (("mat1", mat1), ("mat2", mat2)):
+            if max(t.stride()) % 16 or t.storage_offset() % 16:
+                refuse(f"{name} rows must be 16-byte aligned, got stride {t.stride()}")
+        m, n = mat1.shape[0], mat2.shape[1]
+        for s, shape in ((scale_a, (m, 1)), (scale_b, (1, n))):
+            if s.dtype != torch.float32 or tuple(s.shape) != shape or not s.is_contiguous():
+                refuse(f"row-wise scales are contiguous float32 {shape}, got {s.dtype} {s.shape}")
+        if bias is not None and not (bias.dtype == out_dtype != torch.float32):
+            refuse(f"a bias of {bias.dtype} with out_dtype {out_dtype}")
+        calls.append((tuple(mat1.shape), tuple(mat2.shape)))
+        return real(mat1, mat2, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+
+    return scaled_mm
+
+
+@pytest.fixture
+def cuda_rules(monkeypatch: pytest.MonkeyPatch) -> Calls:
+    calls: Calls = []
+    monkeypatch.setattr(torch, "_scaled_mm", _strict_rowwise(torch._scaled_mm, calls))
+    return calls
+
+
+def test_the_strict_rowwise_stand_in_refuses_what_cuda_refuses(cuda_rules: Calls) -> None:
+    a = torch.randn(24, 32).to(torch.float8_e4m3fn)
+    b = torch.randn(16, 32).to(torch.float8_e4m3fn)
+    sa, sb = torch.ones(24, 1), torch.ones(1, 16)
+    bad: list[tuple[str, Callable[[], object]]] = [
+        ("divisible by 16", lambda: torch._scaled_mm(a[:, :24], b[:, :24].t(), sa, sb)),
+        ("row_major", lambda: torch._scaled_mm(a.t().contiguous().t(), b.t(), sa, sb)),
+        ("col_major", lambda: torch._scaled_mm(a, b.t().contiguous(), sa, sb)),
+        ("row-wise scales", lambda: torch._scaled_mm(a, b.t(), sa, sb.t())),
+        ("Float8_e5m2", lambda: torch._scaled_mm(a.to(E5M2.torch), b.to(E5M2.torch).t(), sa, sb)),
+        ("a bias", lambda: torch._scaled_mm(a, b.t(), sa, sb, bias=torch.zeros(16))),
+    ]
+    for needle, call in bad:
+        with pytest.raises(RuntimeError, match=needle):
+            call()
+    assert cuda_rules == []
+
+
+@pytest.mark.parametrize(("m", "n", "k", "bias_dtype", "out_dtype"), [
+    (37, 29, 45, None, torch.bfloat16), (5, 70, 33, torch.bfloat16, torch.bfloat16),
+    (8, 16, 32, torch.float32, torch.bfloat16), (3, 5, 7, torch.bfloat16, torch.float32),
+])  # fmt: skip
+def test_cublas_rowwise_keeps_cudas_rules(
+    cuda_rules: Calls,
+    m: int,
+    n: int,
+    k: int,
+    bias_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> None:
+    a, sa, _ = quantized((m, k), "row", E4M3, seed=1)
+    b, sb, _ = quantized((n, k), "row", E4M3, seed=2)
+    bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
+    # a transposed view (dgrad/wgrad hand these in) is copied row-major
+    b_view = b.t().contiguous().t()
+    out = block_scaled_mm(a, b_view, sa, "row", sb, "row", bias, out_dtype, backend=CUBLAS)
+    assert len(cuda_rules) == 1
+    check_within_bound(out, a, sa, "row", b, sb, "row", bias, out_dtype)
+
+
+def test_two_e5m2_operands_take_the_twin_under_cudas_rules(cuda_rules: Calls) -> None:
+    a, sa, _ = quantized((8, 32), "row", E5M2, seed=1)
+    b, sb, _ = quantized((8, 32), "row", E5M2, seed=2)
+    got = block_scaled_mm(a, b, sa, "row", sb, "row", None, torch.float32, backend=CUBLAS)
+    assert cuda_rules == []
+    assert torch.equal(got, block_scaled_mm(a, b, sa, "row", sb, "row", None, torch.float32))
+
+
+def test_cublas_scale_layouts() -> None:
+    # The layouts torch's CUDA v2 path checks (ScaledBlas.cpp): 1x128 column-major
+    # (rows, K/128); 128x128 (K/128 padded to 4, rows/128) with strides (1, padded); MX in
+    # 128 x 4 tiles, element (i, j) of a tile at (i % 32) * 16 + (i // 32) * 4 + j.
+    s = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
+    one = block_gemm_ops.cublas_scales(s, "1x128", 32, 384, operand="a")
+    assert one.shape == (32, 3) and one.stride() == (1, 32)
+    assert torch.equal(one[:20], s) and bool((one[20:] == 1).all())
+    blk = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 3)
+    two = block_gemm_ops.cublas_scales(blk, "128x128", 256, 384, operand="b")
+    assert two.shape == (4, 2) and two.stride() == (1, 4)
+    assert torch.equal(two[:3].t(), blk) and bool((two[3] == 1).all())
+    e = torch.randint(0, 255, (130, 5), dtype=torch.uint8)
+    sw = block_gemm_ops.cublas_scales(e.view(torch.float8_e8m0fnu), "mx", 130, 160, operand="a")
+    flat = sw.view(torch.uint8)
+    assert flat.numel() == 256 * 8  # rows to 256, K blocks to 8
+    tiles_per_row = 2
+    for i, j in [(0, 0), (1, 0), (31, 3), (32, 0), (33, 2), (127, 3), (128, 4), (129, 1)]:
+        tile = (i // 128) * tiles_per_row + j // 4
+        r, c = i % 128, j % 4
+        assert flat[tile * 512 + (r % 32) * 16 + (r // 32) * 4 + c] == e[i, j], (i, j)
+    # padding holds byte 127 (a step of 1): row 130 (absent), and K block 5 (absent)
+    assert flat[1 * 512 * tiles_per_row + (2 % 32) * 16] == 127
+    assert flat[1 * 512 + 1] == 127
+
+
+# ----- bad input --------------------------------------------------------------------------
+
+
+def _args() -> dict[str, Any]:
+    a, sa, _ = quantized((4, 64), "1x128", E4M3, seed=1)
+    b, sb, _ = quantized((3, 64), "1x128", E4M3, seed=2)
+    return {"a": a, "b": b, "scale_a": sa, "granularity_a": "1x128", "scale_b": sb,
+            "granularity_b": "1x128", "bias": None, "out_dtype": torch.bfloat16}  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"granularity_b": "row"}, r"does not multiply granularity '1x128' by 'row'.*accepted"),
+    ({"granularity_a": "tensor"}, r"unknown GEMM granularity 'tensor'; accepted"),
+    ({"granularity_a": "128x128", "granularity_b": "128x128"}, r"'128x128' by '128x128'"),
+    ({"scale_a": torch.ones(4, 2)}, r"scale_a .* \(4, 1\).* got torch.float32, shape \(4, 2\)"),
+    ({"scale_b": torch.ones(3, 1, dtype=torch.float64)}, r"scale_b .*got torch.float64"),
+    ({"b": torch.zeros(3, 65).to(torch.float8_e4m3fn)}, r"same K; got a \(4, 64\), b \(3, 65\)"),
+    ({"a": torch.zeros(4, 64)}, r"a must be a 2-D float8_e4m3fn or float8_e5m2 tensor"),
+    ({"bias": torch.zeros(4)}, r"bias must be .* shape \(3,\); got .* shape \(4,\)"),
+    ({"out_dtype": torch.float8_e4m3fn}, r"out_dtype .* not supported; accepted"),
+])  # fmt: skip
+def test_bad_input_is_refused_with_the_value_and_what_is_accepted(
+    change: dict[str, Any], needle: str
+) -> None:
+    kwargs = _args() | change
+    with pytest.raises(ValueError, match=needle):
+        block_scaled_mm(**kwargs)
+
+
+def test_mx_needs_e8m0_scales_and_k_of_one_block() -> None:
+    a = torch.zeros(2, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"float8_e8m0fnu tensor of shape \(2, 2\)"):
+        block_scaled_mm(a, a, torch.ones(2, 2), "mx", torch.ones(2, 2), "mx", None, torch.bfloat16)
+    small = torch.zeros(2, 16).to(torch.float8_e4m3fn)
+    e8 = torch.ones(2, 1).to(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"'mx' needs K .* >= 32"):
+        block_scaled_mm(small, small, e8, "mx", e8, "mx", None, torch.bfloat16)
+
+
+def test_backend_must_be_a_member() -> None:
+    with pytest.raises(TypeError, match="backend must be an Fp8Backend"):
+        block_scaled_mm(**_args(), backend="reference")  # type: ignore[arg-type]
+
+
+# ----- the operator -----------------------------------------------------------------------
+
+
+def _op_cases() -> Iterator[tuple[object, ...]]:
+    for ga, gb in PAIRS:
+        a, sa, _ = quantized((6, 64), ga, E4M3, seed=1)
+        b, sb, _ = quantized((16, 64), gb, E4M3, seed=2)
+        yield (a, b, sa, ga, sb, gb, None, torch.bfloat16)
+        yield (a, b.t().contiguous().t(), sa, ga, sb, gb, torch.randn(16), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cublas"])
+def test_opcheck(backend: str) -> None:
+    op = torch.ops.computectx.fp8_block_scaled_mm
+    for args in _op_cases():
+        full = (*args, backend)
+        torch.library.opcheck(op, full, test_utils=WITHOUT_SCHEMA)
+        tensors = [t for t in full if isinstance(t, torch.Tensor)]
+        before = [t.clone() for t in tensors]
+        out = op(*full)
+        for t, t0 in zip(tensors, before, strict=True):
+            v, v0 = (t.view(torch.uint8), t0.view(torch.uint8)) if t.dtype in FP8 else (t, t0)
+            assert torch.equal(v, v0)
+            assert out.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize(("ga", "gb"), [("1x128", "128x128"), ("mx", "mx"), ("row", "row")])
+def test_compiles_with_no_graph_break_and_equals_eager(
+    ga: GemmGranularity, gb: GemmGranularity
+) -> None:
+    torch._dynamo.reset()
+    a, sa, _ = quantized((6, 160), ga, E4M3, seed=1)
+    b, sb, _ = quantized((10, 160), gb, E4M3, seed=2)
+    bias = torch.randn(10)
+
+    def f(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor) -> torch.Tensor:
+        return block_scaled_mm(a, b, sa, ga, sb, gb, bias, torch.bfloat16, backend=REF) * 2
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    got = torch.compile(f, backend=counter, fullgraph=True)(a, b, sa, sb)
+    assert counter.frame_count == 1
+    assert torch.equal(got, f(a, b, sa, sb))
+    torch._dynamo.reset()
