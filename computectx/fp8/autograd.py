@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from computectx.dtypes import DType
 from computectx.fp8 import ops, reference
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.granular_linear import granular_linear
 from computectx.fp8.inline import QuantizeImpl
 from computectx.fp8.quantized import Fp8Weight
 from computectx.fp8.recompute import (
@@ -36,7 +37,6 @@ from computectx.fp8.recompute import (
     selective_modes_set_aside,
     warn_nothing_to_replay,
 )
-from computectx.fp8.rowwise import row_linear
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.recipes import DelayedScaling, Fp8Policy
 
@@ -161,12 +161,12 @@ def fp8_linear(
     k = x.shape[-1]
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
-    if plan.policy.granularity == "row":  # computectx.fp8.rowwise: dynamic, no history
+    if plan.policy.granularity != "tensor":  # granular_linear: dynamic, no history
         if x2.shape[0] == 0:
             return _empty_linear(x, weight, bias, plan)
-        y_row = row_linear(x2, weight, bias, plan)
-        out_row: torch.Tensor = torch.ops.aten._unsafe_view(y_row, (*lead, y_row.shape[-1]))
-        return out_row
+        y_fine = granular_linear(x2, weight, bias, plan)
+        out_fine: torch.Tensor = torch.ops.aten._unsafe_view(y_fine, (*lead, y_fine.shape[-1]))
+        return out_fine
     site = checkpoint_site(plan.record)
     if x2.shape[0] == 0:
         checkpointed = site is not None and site.kind != "backward"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
@@ -13,9 +13,22 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from computectx.ctx import ComputeCtx
 from computectx.fp8.autograd import ACTIVATION_DTYPES
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.convert_report import (
+    Fp8ConversionReport,
+    SkippedLinear,
+    SkipRule,
+    head_dtype_notes,
+    nothing_converted,
+)
 from computectx.fp8.inline import QuantizeImpl, parse_quantize
-from computectx.fp8.linear import FEATURE_MULTIPLE, Fp8Linear, check_fp8_widths
+from computectx.fp8.linear import (
+    FEATURE_MULTIPLE,
+    Fp8Linear,
+    check_fp8_widths,
+    check_granularity_widths,
+)
 from computectx.fp8.policy import describe, policy_of
+from computectx.recipes import PolicyGranularity
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -44,18 +57,6 @@ breaks even, and at 1024 the saving is still well under half the ideal. Pass
 HEAD_NAMES = ("lm_head", "output", "head")
 """Names (the last part of a layer's qualified name, any case) that mark an output head."""
 
-SkipRule = Literal[
-    "already_fp8",
-    "subclass",
-    "module_filter",
-    "head",
-    "feature_multiple",
-    "min_features",
-    "dtype",
-    "root",
-]
-"""Which rule left a linear alone (``SkippedLinear.rule``); ``convert_to_fp8`` lists them."""
-
 
 class Fp8Converter(Protocol):
     """Builds the fp8 replacement of one linear (``convert_to_fp8``'s ``converters``).
@@ -72,47 +73,6 @@ class Fp8Converter(Protocol):
         backend: Fp8Backend | str | None,
         quantize: QuantizeImpl,
     ) -> nn.Module: ...
-
-
-@dataclass(frozen=True)
-class SkippedLinear:
-    """A linear ``convert_to_fp8`` left alone, why (``reason``), and by which rule."""
-
-    fqn: str
-    reason: str
-    rule: SkipRule
-
-
-@dataclass(frozen=True)
-class Fp8ConversionReport:
-    """What ``convert_to_fp8`` did: converted layer names, skipped ones with reasons (layers
-    converted before are skipped with rule ``already_fp8``), and ``notes`` on what to do
-    next."""
-
-    converted: tuple[str, ...]
-    skipped: tuple[SkippedLinear, ...]
-    notes: tuple[str, ...] = ()
-
-    @property
-    def already_fp8(self) -> tuple[str, ...]:
-        """Layers that were already ``Fp8Linear`` under the same policy (left as they are)."""
-        return tuple(s.fqn for s in self.skipped if s.rule == "already_fp8")
-
-    def __str__(self) -> str:
-        lines = [f"converted {len(self.converted)} linear(s) to fp8:"]
-        lines += [f"  {fqn}" for fqn in self.converted]
-        if self.already_fp8:
-            lines.append(
-                f"already fp8 under this policy, left as they are: {len(self.already_fp8)}"
-            )
-            lines += [f"  {fqn}" for fqn in self.already_fp8]
-        others = [s for s in self.skipped if s.rule != "already_fp8"]
-        lines.append(f"skipped {len(others)}:")
-        lines += [f"  {s.fqn}: {s.reason}" for s in others]
-        if self.notes:
-            lines.append("notes:")
-            lines += [f"  {note}" for note in self.notes]
-        return "\n".join(lines)
 
 
 def convert_to_fp8(
@@ -164,7 +124,8 @@ def convert_to_fp8(
     (``nn.MultiheadAttention``'s ``out_proj``, which it never calls, and parametrized
     linears among them; the filter is not asked about these); ``in_features`` or
     ``out_features`` not a multiple of ``FEATURE_MULTIPLE`` (16, the fp8 GEMM tile step:
-    ``check_fp8_widths``, the check ``Fp8Linear`` raises); a weight that is not
+    ``check_fp8_widths``, the check ``Fp8Linear`` raises) or, under ``mx``, of 32 (rule
+    ``granularity``: ``check_granularity_widths``); a weight that is not
     bf16/fp16/fp32; ``model`` itself (no parent to swap it into; use
     ``Fp8Linear.from_linear``).
 
@@ -191,7 +152,7 @@ def convert_to_fp8(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
-    policy_of(ctx, "convert_to_fp8")
+    granularity = policy_of(ctx, "convert_to_fp8").granularity
     how = parse_quantize(quantize)
     if module_filter is not None:
         if not callable(module_filter):
@@ -223,6 +184,7 @@ def convert_to_fp8(
         include_head=bool(include_head),
         min_features=DEFAULT_MIN_FEATURES if min_features is None else min_features,
         converters=_checked_converters(converters),
+        granularity=granularity,
     )
 
     # Every place each linear sits (a module shared under two names sits in two).
@@ -256,10 +218,12 @@ def convert_to_fp8(
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)
     names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
-    notes = _head_dtype_notes(ctx, order, skipped)
+    notes = head_dtype_notes(ctx, order, skipped)
     report = Fp8ConversionReport(converted=names, skipped=tuple(skipped), notes=notes)
     if not names and not any(s.rule == "already_fp8" for s in skipped):
-        warnings.warn(_nothing_converted(model, rules, report), UserWarning, stacklevel=2)
+        warnings.warn(
+            nothing_converted(model, rules.min_features, report), UserWarning, stacklevel=2
+        )
     return report
 
 
@@ -368,6 +332,7 @@ class _Rules:
     include_head: bool
     min_features: int
     converters: dict[type[nn.Linear], Fp8Converter]
+    granularity: PolicyGranularity
 
     def converter_for(self, lin: nn.Linear) -> Fp8Converter | None:
         """The converter registered for ``lin``'s class or the nearest base, if any."""
@@ -413,11 +378,15 @@ class _Rules:
                 return "module_filter", "module_filter returned False"
         elif id(lin) in heads and not self.include_head:
             return "head", f"{heads[id(lin)]}; pass include_head=True to convert it"
+        n_in, n_out = lin.in_features, lin.out_features
         try:
-            check_fp8_widths(lin.in_features, lin.out_features)
+            check_fp8_widths(n_in, n_out)
         except ValueError as e:
             return "feature_multiple", str(e)
-        n_in, n_out = lin.in_features, lin.out_features
+        try:
+            check_granularity_widths(self.granularity, n_in, n_out)
+        except ValueError as e:
+            return "granularity", str(e)
         if self.module_filter is None and min(n_in, n_out) < self.min_features:
             return "min_features", (
                 f"min(in_features, out_features)={min(n_in, n_out)} < min_features="
@@ -428,62 +397,3 @@ class _Rules:
         if lin is self.model:
             return "root", "the root module has no parent to swap it in; use Fp8Linear.from_linear"
         return None
-
-
-def _head_dtype_notes(
-    ctx: ComputeCtx, order: list[tuple[str, nn.Linear]], skipped: list[SkippedLinear]
-) -> tuple[str, ...]:
-    """What to do when a skipped head's weight is not at ``ctx.compute``: fp8 layers return
-    their input's dtype, but a plain linear needs its input at its weight's dtype."""
-    by_name = dict(order)
-    compute = ctx.compute.torch
-    notes = []
-    for s in skipped:
-        head = by_name.get(s.fqn)
-        if s.rule != "head" or head is None or head.weight.dtype == compute:
-            continue
-        notes.append(
-            f"the head {s.fqn!r} stays an nn.Linear with {head.weight.dtype} weights while "
-            f"ctx.compute is {ctx.compute}: an {ctx.compute} activation reaching it fails "
-            f"with a dtype mismatch. Run the forward under ctx.autocast() (the head then "
-            f"computes at {ctx.compute} from its {head.weight.dtype} weights), cast the "
-            f"model to {compute} before converting, or pass include_head=True"
-        )
-    return tuple(notes)
-
-
-def _nothing_converted(model: nn.Module, rules: _Rules, report: Fp8ConversionReport) -> str:
-    """The warning text for a conversion that converted nothing: reasons grouped by rule."""
-    what = type(model).__name__
-    if not report.skipped:
-        return f"convert_to_fp8 found no nn.Linear in {what}: nothing runs in fp8"
-    hints: dict[SkipRule, str] = {
-        "module_filter": "module_filter returned False; with a filter given it alone decides",
-        "head": "output head; pass include_head=True (or a module_filter) to convert it",
-        "min_features": (
-            f"min(in_features, out_features) < min_features={rules.min_features}; pass a "
-            f"smaller min_features (e.g. min_features={FEATURE_MULTIPLE}) or a module_filter"
-        ),
-        "feature_multiple": (
-            f"in_features or out_features not a multiple of {FEATURE_MULTIPLE}, which fp8 "
-            f"GEMM tiles need"
-        ),
-        "dtype": "weight dtype is not bf16, fp16 or fp32; cast the model first",
-        "subclass": (
-            "a subclass of nn.Linear that adds to it (see each reason); pass converters= "
-            "to convert it"
-        ),
-        "root": "the model itself; use Fp8Linear.from_linear",
-    }
-    groups: dict[SkipRule, list[str]] = {}
-    for s in report.skipped:
-        groups.setdefault(s.rule, []).append(s.fqn)
-    lines = [
-        f"convert_to_fp8 converted none of the {len(report.skipped)} nn.Linear layer(s) in "
-        f"{what}, so nothing in it runs in fp8:"
-    ]
-    for rule, fqns in groups.items():
-        shown = ", ".join(repr(f) for f in fqns[:3]) + (", ..." if len(fqns) > 3 else "")
-        lines.append(f"  {len(fqns)} skipped ({shown}): {hints.get(rule, rule)}")
-    lines.append("The returned Fp8ConversionReport gives every layer's reason.")
-    return "\n".join(lines)

@@ -29,8 +29,9 @@ __all__ = [
     "policy_of",
 ]
 
-SUPPORTED_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor", "row")
-"""The policy granularities ``Fp8Linear`` (and so ``convert_to_fp8``, ``fp8_autocast``) runs."""
+SUPPORTED_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor", "row", "block", "mx")
+"""The policy granularities ``Fp8Linear`` (and so ``convert_to_fp8``, ``fp8_autocast``) runs:
+all of them (``computectx.fp8.granular_linear`` runs row, block and mx)."""
 
 
 def describe(value: object, limit: int = 60) -> str:
@@ -45,8 +46,9 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
     """``ctx.fp8`` of a ``ComputeCtx`` that has one; ``who`` names the caller in errors.
 
     Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
-    ``fp8`` is ``None`` or asks for a granularity the fp8 linears do not run yet (every one
-    but ``tensor``); the messages say what is accepted.
+    ``fp8`` is ``None`` or asks for a granularity outside ``SUPPORTED_GRANULARITIES`` (a
+    guard for granularities the core may name before the linears run them; today they run
+    every one); the messages say what is accepted.
     """
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(

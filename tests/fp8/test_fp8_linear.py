@@ -390,20 +390,44 @@ def test_fp8_linear_refuses_the_widths_conversion_skips_with_the_same_message(
     assert (skipped.rule, skipped.reason) == ("feature_multiple", str(built.value))
 
 
-@pytest.mark.parametrize("text", ["block", "block+pow2", "mx", "mx+floor"])
-def test_a_granularity_the_linears_do_not_run_yet_is_refused_when_built(text: str) -> None:
+@pytest.mark.parametrize("text", ["row", "block", "block+pow2", "mx", "mx+floor"])
+def test_every_granularity_builds_converts_and_runs_in_a_region(text: str) -> None:
     from computectx.fp8 import fp8_autocast
 
     ctx = ComputeCtx.from_flag("bf16", "cpu").replace(fp8=Fp8Policy.parse(text))
-    needle = "does not support granularity"
-    with pytest.raises(ValueError, match=f"Fp8Linear {needle} '{text.split('+')[0]}' yet"):
-        Fp8Linear(32, 32, ctx=ctx)
-    with pytest.raises(ValueError, match=f"convert_to_fp8 {needle}.*fp8_quantize"):
-        convert_to_fp8(nn.Sequential(nn.Linear(32, 32)), ctx, min_features=16)
-    with pytest.raises(ValueError, match=f"fp8_autocast {needle}"):
-        fp8_autocast(ctx)
-    # A layer built per tensor refuses such a ctx swapped in later, on its next call.
-    layer = Fp8Linear(32, 32, ctx=ctx.replace(fp8=Fp8Policy()))
-    layer.ctx = ctx
-    with pytest.raises(ValueError, match=f"Fp8Linear {needle}"):
-        layer(torch.randn(4, 32))
+    x = torch.randn(4, 32)
+    layer = Fp8Linear(32, 32, ctx=ctx)
+    assert layer(x).shape == (4, 32)
+    model = nn.Sequential(nn.Linear(32, 32))
+    assert convert_to_fp8(model, ctx, lambda m, fqn: True).converted == ("0",)
+    plain = nn.Sequential(nn.Linear(32, 32))
+    with fp8_autocast(ctx):
+        plain(x)
+    assert fp8_stats(plain)["0"].input.elements == 4 * 32  # ran in fp8, recorded
+    # A layer built per tensor runs such a ctx swapped in later, at its next call.
+    swapped = Fp8Linear(32, 32, ctx=ctx.replace(fp8=Fp8Policy()))
+    with torch.no_grad():
+        swapped.weight.copy_(layer.weight)
+        swapped.bias.copy_(layer.bias)
+    swapped.ctx = ctx
+    assert torch.equal(swapped(x), layer(x))
+
+
+@pytest.mark.parametrize(("n_in", "n_out"), [(48, 64), (64, 48), (16, 16)])
+def test_mx_refuses_widths_not_a_multiple_of_32_and_conversion_skips_them_so(
+    n_in: int, n_out: int
+) -> None:
+    ctx = ComputeCtx.from_flag("fp8_mx", "cpu")
+    want = (
+        rf"in_features={n_in}, out_features={n_out}: granularity 'mx' needs both to be "
+        rf"multiples of 32"
+    )
+    with pytest.raises(ValueError, match=want) as built:
+        Fp8Linear(n_in, n_out, ctx=ctx)
+    with pytest.warns(UserWarning, match=r"widths the policy's granularity cannot run"):
+        report = convert_to_fp8(nn.Sequential(nn.Linear(n_in, n_out)), ctx, lambda m, f: True)
+    (skipped,) = report.skipped
+    assert (skipped.rule, skipped.reason) == ("granularity", str(built.value))
+    # block runs them (partial 128-wide blocks), so the same layer converts under it.
+    block = ComputeCtx.from_flag("fp8_block", "cpu")
+    assert Fp8Linear(n_in, n_out, ctx=block)(torch.randn(3, n_in)).shape == (3, n_out)

@@ -1,0 +1,212 @@
+"""The fine-grained fp8 linear (policy granularity ``row``, ``block`` or ``mx``).
+
+Scaling is dynamic and per block: every GEMM operand is quantized from the current amax of
+each of its blocks, with no history (``granular.StepRule``: ``"pow2"`` or ``"amax"`` as
+``policy.power_of_two`` says for ``row`` and ``block``; ``"mx_rceil"`` or ``"mx_floor"``
+as ``policy.mx_rounding`` says for ``mx``). Each operand below is ``(rows, contraction)``
+as ``block_gemm.block_scaled_mm`` takes it; its blocks run along the contraction:
+
+=========================  ======================  ======================  ==================
+GEMM (contraction)         ``row``                 ``block``               ``mx``
+=========================  ======================  ======================  ==================
+forward ``X·Wᵀ`` (K)       X 1xK, W 1xK            X 1x128, W 128x128      X 1x32, W 1x32
+dgrad ``dY·W`` (N)         dY 1xN, Wᵀ 1xN (again)  dY 1x128, Wᵀ 128x128    dY 1x32, Wᵀ 1x32
+                                                   (W's blocks transposed) (again)
+wgrad ``dYᵀ·X`` (M)        dYᵀ 1xM, Xᵀ 1xM         dYᵀ 1x128, Xᵀ 1x128     dYᵀ 1x32, Xᵀ 1x32
+                           (both again)            (both again)            (both again)
+=========================  ======================  ======================  ==================
+
+"Again": a block of one row does not transpose, so an operand that a backward GEMM contracts
+along its other axis is quantized again from high precision along that axis (issue 16's
+rule); the forward therefore keeps ``X`` (and ``W`` for ``row`` and ``mx``) in high
+precision for the backward. A 128x128 block is square: ``Wᵀ`` for the dgrad is the
+forward's weight codes and scales transposed as they are (``wq.t()``, ``sw.t()``), no second
+quantize, so ``block`` keeps the weight's fp8 codes, not the weight. With ``gw_hp``
+(``row`` only, torchao's ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
+high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
+dY and dYᵀ in its backward format, Xᵀ in the forward format.
+
+Every GEMM is ``block_gemm.block_scaled_mm`` on ``plan.backend`` (its semantics and a-priori
+bound are that module's: each K block's float32 partial sum promoted with its scales; one
+scaling of the whole float32 sum for ``row``), with the bias in the forward's epilogue; the
+forward and dgrad write the GEMM dtype, the wgrad float32 until it reaches the weight's
+dtype. The bias gradient sums the unquantized ``dY`` in float32.
+
+**Ragged shapes.** A contraction that is not a multiple of the block is a partial last
+block (``granular``'s rule). The one shape a block layout refuses is an ``mx`` contraction
+shorter than one block (``K < 32``): ``Fp8Linear`` refuses ``mx`` widths that are not
+multiples of 32 (``check_granularity_widths``), so that happens only in the wgrad of a call
+with fewer than 32 rows (tokens). Both of its operands are then zero-padded along the
+contraction to one block of 32 before they are quantized: exact, since a zero changes no
+block's amax and adds nothing to a dot product.
+
+**Ledgers** keep statistics only: in training each operand's ledger records the operand's
+amax (the largest block amax; a non-finite one is counted as per tensor) and its largest
+block step, and its tally the elements: ``X`` in ``input``, ``W`` in ``weight``, and in
+``grad`` the first quantize of ``dY`` in the backward (the dgrad's, or the wgrad's ``dYᵀ``
+when there is no dgrad; nothing under ``gw_hp`` without a dgrad). The saturation count is
+left alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import custom_ops, granular, granular_ops
+from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
+from computectx.fp8.granular import MX_BLOCK, StepRule
+from computectx.fp8.scaling import OperandScaling
+from computectx.recipes import Fp8Policy, PolicyGranularity
+
+if TYPE_CHECKING:
+    from computectx.fp8.autograd import Fp8LinearPlan
+
+__all__ = ["OPERAND_GRANULARITY", "granular_linear", "step_rule_of"]
+
+OPERAND_GRANULARITY: dict[PolicyGranularity, tuple[GemmGranularity, GemmGranularity]] = {
+    "row": ("row", "row"),
+    "block": ("1x128", "128x128"),
+    "mx": ("mx", "mx"),
+}
+"""A policy granularity's blocks: ``(activation, weight)``. Activations, output gradients
+and every transposed operand take the first; the forward's weight the second."""
+
+
+def step_rule_of(policy: Fp8Policy) -> StepRule:
+    """How ``policy``'s blocks turn their amax into a step (``granular.StepRule``)."""
+    if policy.granularity == "mx":
+        return "mx_floor" if policy.mx_rounding == "floor" else "mx_rceil"
+    return "pow2" if policy.power_of_two else "amax"
+
+
+def _quantize(
+    x: torch.Tensor, fmt: Fp8Format, granularity: GemmGranularity, plan: Fp8LinearPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` quantized in blocks along its last dimension: ``(codes, scale)``, the scale as
+    ``fp8_quantize`` returns it; an ``mx`` contraction under 32 zero-padded to one block."""
+    if granularity == "mx" and x.shape[-1] < MX_BLOCK:
+        x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1]))
+    rule = step_rule_of(plan.policy)
+    return granular_ops.quantize(x, fmt, granularity, rule, None, backend=plan.backend)
+
+
+def _record(operand: OperandScaling, x: torch.Tensor, scale: torch.Tensor) -> None:
+    # Statistics only: the tensor's amax (NaN propagates and is counted), the largest block
+    # step, and x's elements in the tally.
+    amax = x.detach().abs().amax().to(torch.float32).reshape(1)
+    operand.record(amax, granular.steps_of_scale(scale).amax().reshape(1))
+    custom_ops.count(operand.tally, x)
+
+
+class _GranularLinearFunction(torch.autograd.Function):
+    """``Y = X Wᵀ + b`` on 2-D ``X`` with block-scaled fp8 operands (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        plan: Fp8LinearPlan,
+    ) -> torch.Tensor:
+        fwd = plan.policy.format.forward
+        g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
+        xq, sx = _quantize(x, fwd, g_act, plan)
+        wq, sw = _quantize(weight, fwd, g_w, plan)
+        if plan.record:
+            _record(plan.state.input, x, sx)
+            _record(plan.state.weight, weight, sw)
+        y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
+        # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
+        # row and mx quantize the weight again along N from high precision.
+        if g_w == "128x128":
+            ctx.save_for_backward(x, wq, sw)
+        else:
+            ctx.save_for_backward(x, weight)
+        c: Any = ctx
+        c.plan = plan
+        c.w_dtype = weight.dtype
+        c.b_dtype = None if bias is None else bias.dtype
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: Any, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+        plan: Fp8LinearPlan = ctx.plan
+        policy = plan.policy
+        fwd, bwd = policy.format.forward, policy.format.backward
+        g_act, g_w = OPERAND_GRANULARITY[policy.granularity]
+        x, *w_saved = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        record = plan.record
+        if need_x:
+            # dX[M, K] = dY[M, N] · W[N, K]: contraction over N, dY's rows and W's columns.
+            gq, sg = _quantize(dy, bwd, g_act, plan)
+            if record:
+                _record(plan.state.grad, dy, sg)
+                record = False
+            g_wt: GemmGranularity = g_w
+            if g_w == "128x128":
+                wq, sw = w_saved
+                wtq, swt = wq.t(), sw.t()
+            else:
+                wtq, swt = _quantize(w_saved[0].t(), fwd, g_act, plan)
+            dx = block_scaled_mm(
+                gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
+            )
+            dx = dx.to(x.dtype)
+        if need_w:
+            # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
+            # in float32 until it reaches the weight's dtype.
+            if policy.gw_hp:
+                dw32 = dy.to(torch.float32).t() @ x.to(torch.float32)
+            else:
+                gtq, sgt = _quantize(dy.t(), bwd, g_act, plan)
+                if record:
+                    _record(plan.state.grad, dy, sgt)
+                xtq, sxt = _quantize(x.t(), fwd, g_act, plan)
+                dw32 = block_scaled_mm(
+                    gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
+                )
+            dw = dw32.to(ctx.w_dtype)
+        if need_b:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        return dx, dw, db, None
+
+
+def granular_linear(
+    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
+) -> torch.Tensor:
+    """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
+    mx); ``ValueError`` for what it does not run yet: a frozen (serving) weight, FSDP2's
+    fp8 all-gathered weight, data-parallel amax reduction."""
+    unsupported = [
+        what
+        for what, present in (
+            ("a frozen (serving) weight", plan.frozen_weight is not None),
+            ("an fp8 all-gathered weight (FSDP2)", weight is not None and _is_fp8_weight(weight)),
+            ("data-parallel amax reduction", plan.reduces()),
+        )
+        if present
+    ]
+    if weight is None or unsupported:
+        what = ", ".join(unsupported) or "a missing weight"
+        raise ValueError(
+            f"granularity {plan.policy.granularity!r} in Fp8Linear does not support {what} "
+            f"yet; use granularity 'tensor' for it"
+        )
+    out: torch.Tensor = _GranularLinearFunction.apply(x2, weight, bias, plan)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _is_fp8_weight(weight: torch.Tensor) -> bool:
+    from computectx.fp8.quantized import Fp8Weight
+
+    return isinstance(weight, Fp8Weight)
