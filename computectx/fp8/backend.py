@@ -31,6 +31,7 @@ _KERNEL_MODULES = (
     "computectx.kernels.quantize",
     "computectx.kernels.quantize_blocks",
     "computectx.kernels.scaled_mm",
+    "computectx.kernels.scaled_mm_blocks",
 )
 
 
