@@ -320,27 +320,35 @@ def decode_attention_error_bound(
     computed in float64, and an a-priori bound on ``|decode_attention(...) - exact|`` for the
     twin and the kernel (any summation order, any split of T into blocks and programs).
 
-    With ``u = 2**-24``, ``gamma_n = n u / (1 - n u)`` and, per (b, h), over the valid
-    positions ``t``:
+    With ``u = 2**-24``, ``gamma_n = n u / (1 - n u)``, ``tiny = 2**-149`` (float32's
+    smallest subnormal) and, per (b, h), over the valid positions ``t``:
 
-    - score error: ``E_s = gamma_{D+2} * max_t sm_scale * sum_d |q_d k_td|`` (dequantizing
-      a key, D products and sums in any order, the ``sm_scale`` product);
-    - ``exp`` error: ``eps_exp = (8 + 3 R) u`` relative, ``R`` the score range
-      ``max s - min s`` plus ``2 E_s``: the rounded argument ``s - m`` (and, on a GPU, its
-      product with ``log2 e``) costs ``u |x|`` each, the exponential itself up to 8 ulp;
-    - with ``nb = ceil(length / block_t)`` blocks, each term of ``acc`` and of ``l`` meets at
-      most ``nb + 2`` exponentials (its own, one rescale per later block, one merge of split
-      partials) and ``block_t + 3 nb + 4`` float32 roundings (the value's dequantization,
-      ``p * v``, the block sum, the rescales and the cross-block and cross-split sums).
+    - score error: ``|s^_t - s_t| <= E_s = gamma_{D+2} * max_t sm_scale * sum_d |q_d k_td|``
+      (dequantizing a key, D products and sums in any order, the ``sm_scale`` product),
+      plus ``(D + 2) tiny sm_scale (1 + sum_d |q_d|)`` for underflow;
+    - ``exp`` error: the exponential itself up to 8 ulp, and a rounded argument ``y``
+      (``s - m``, and on a GPU its product with ``log2 e``) costs ``3 u |y|``. The
+      arguments that touch term ``t`` (its own ``s_t - m_j``, the rescales
+      ``m_{i-1} - m_i`` of later blocks, the merge of split partials ``m_s - M``) add up
+      to ``x_t = max s - s_t`` (plus ``2 E_s``): the running max only grows;
+    - with ``nb = ceil(length / block_t)`` blocks, each term meets at most ``nb + 2``
+      exponentials and ``block_t + 3 nb + 4`` float32 roundings (the value's
+      dequantization, ``p * v``, the block sum, the rescales, the cross-block and
+      cross-split sums).
 
-    Every term of ``acc = sum_t p_t v_t`` and ``l = sum_t p_t`` is then its exact value
-    times a factor within ``1 +- a``, ``a = exp(E_s) (1 + eps_exp)**(nb+2)
-    (1 + u)**(block_t + 3 nb + 4) - 1``, so ``|acc/l - exact| <= 2a / (1 - a) * W`` with
-    ``W = sum_t w_t |v_t|`` (``w`` the exact softmax weights). The division and the
-    rounding to ``q``'s dtype add ``(u + u_out) |result|`` (``u_out`` = 2**-8 bf16, 2**-11
-    f16, 2**-24 f32) and half the dtype's smallest subnormal.
+    So every term of ``acc = sum_t p_t v_t`` and of ``l = sum_t p_t`` is its exact value
+    times a factor within ``1 +- a_t``,
+    ``a_t = exp(E_s + 3 u x_t) (1 + 8u)**(nb+2) (1 + u)**(block_t + 3 nb + 4) - 1``, and
+
+        |acc / l - exact| <= sum_t w_t a_t (|v_t| + |exact|) / (1 - max_t a_t)
+
+    with ``w`` the exact softmax weights (``l >= 1``: the largest score's term is
+    ``exp(0)``; underflowed weights and products add ``3 T tiny max|v|``). The division and
+    the rounding to ``q``'s dtype add ``(u + u_out) |result|`` (``u_out`` = 2**-8 bf16,
+    2**-11 f16, 2**-24 f32) and half the dtype's smallest subnormal.
     """
     b, h, t_max, d = k.shape
+    tiny32 = 2.0**-149
     q64 = q.to(torch.float64)
     k64 = k.to(torch.float64)
     v64 = v.to(torch.float64)
@@ -348,30 +356,36 @@ def decode_attention_error_bound(
         k64 = k64 * _step_view(k_step, b, h, t_max).to(torch.float64)
         v64 = v64 * _step_view(v_step, b, h, t_max).to(torch.float64)
     valid = torch.arange(t_max, device=q.device).view(1, 1, -1) < length.view(b, 1, 1)
+    k64 = k64.masked_fill(~valid.unsqueeze(-1), 0.0)
+    v64 = v64.masked_fill(~valid.unsqueeze(-1), 0.0)
     s = torch.einsum("bhtd,bhd->bht", k64, q64) * sm_scale
     mag = torch.einsum("bhtd,bhd->bht", k64.abs(), q64.abs()) * sm_scale
     s = s.masked_fill(~valid, -math.inf)
     w = torch.softmax(s, dim=-1)  # exact weights (float64), zero beyond the length
     exact = torch.einsum("bht,bhtd->bhd", w, v64)
-    big_w = torch.einsum("bht,bhtd->bhd", w, v64.abs())
 
     def gamma(n: float) -> float:
         return n * _U32 / (1 - n * _U32)
 
-    e_s = gamma(d + 2) * mag.masked_fill(~valid, 0.0).amax(dim=-1)  # (B, H)
-    lo = s.masked_fill(~valid, math.inf).amin(dim=-1)
-    spread = s.amax(dim=-1) - lo + 2 * e_s
-    nb = torch.ceil(length.to(torch.float64) / block_t).view(b, 1)
-    eps_exp = (8 + 3 * spread) * _U32
+    q_abs = q64.abs().sum(dim=-1)
+    e_s = gamma(d + 2) * mag.amax(dim=-1) + (d + 2) * tiny32 * sm_scale * (1 + q_abs)
+    e_s = e_s.unsqueeze(-1)  # (B, H, 1)
+    x = (s.amax(dim=-1, keepdim=True) - s).masked_fill(~valid, 0.0) + 2 * e_s
+    nb = torch.ceil(length.to(torch.float64) / block_t).view(b, 1, 1)
     a = (
-        torch.exp(e_s) * torch.pow(1 + eps_exp, nb + 2) * torch.pow(1 + _U32, block_t + 3 * nb + 4)
+        torch.exp(e_s + 3 * _U32 * x)
+        * torch.pow(1 + 8 * _U32, nb + 2)
+        * torch.pow(1 + _U32, block_t + 3 * nb + 4)
         - 1
-    )
-    rel = (2 * a / (1 - a)).unsqueeze(-1)
+    ).masked_fill(~valid, 0.0)  # (B, H, T)
+    wa = w * a
+    err = torch.einsum("bht,bhtd->bhd", wa, v64.abs()) + wa.sum(-1, keepdim=True) * exact.abs()
+    err = err / (1 - a.amax(dim=-1, keepdim=True))
+    v_max = v64.abs().amax(dim=(-2, -1)).unsqueeze(-1)
+    err = err + 3 * length.to(torch.float64).view(b, 1, 1) * tiny32 * v_max
     u_out = _U_OUT[q.dtype]
-    tiny = torch.finfo(q.dtype).smallest_normal * u_out
-    err = rel * big_w
-    return exact, err + (_U32 + u_out) * (exact.abs() + err) + tiny
+    half_sub = torch.finfo(q.dtype).smallest_normal * u_out
+    return exact, err + (_U32 + u_out) * (exact.abs() + err) + half_sub
 
 
 @custom_op("computectx::fp8_decode_attention", mutates_args=())
