@@ -107,8 +107,10 @@ def _steps(ptr, rows, R, stride_r, kb, stride_k, BLOCK_ROWS: tl.constexpr, E8M0:
     if E8M0:
         byte = tl.load(ptr + offs, mask=rows < R, other=127).to(tl.int32)
         bits = tl.where(byte == 255, 0x7FC00000, tl.where(byte == 0, 0x400000, byte << 23))
-        return bits.to(tl.float32, bitcast=True)
-    return tl.load(ptr + offs, mask=rows < R, other=1.0)
+        steps = bits.to(tl.float32, bitcast=True)
+    else:
+        steps = tl.load(ptr + offs, mask=rows < R, other=1.0)
+    return steps
 
 
 @triton.autotune(

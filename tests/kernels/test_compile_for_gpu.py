@@ -1,12 +1,14 @@
-"""The GPU build of every kernel compiles for sm_89 and sm_90, and pipelines, without a GPU.
+"""The GPU build of every kernel compiles for sm_89 and sm_90 (the block-scaled GEMM for sm_90
+and sm_100), and pipelines, without a GPU.
 
 The interpreter runs the kernels' semantics but never lowers them to PTX, so an op that
 does not compile for a GPU would only surface on one. Triton compiles ahead of time for a
 named target with the ``ptxas`` it ships, so a child process (without
 ``TRITON_INTERPRET``) builds each kernel for Ada and Hopper here, with the alignment hints
 Triton's JIT derives at run time for aligned shapes. It checks the code generation we rely
-on for speed: 16-byte vector loads in the quantize kernel, Hopper ``wgmma`` and
-asynchronous multi-stage copies in the GEMM's main loop for K-major operands.
+on for speed: 16-byte vector loads in the quantize kernel, Hopper ``wgmma`` (Blackwell
+``tcgen05.mma``) and asynchronous multi-stage copies in the GEMMs' main loops for K-major
+operands.
 """
 
 from __future__ import annotations
@@ -90,3 +92,56 @@ def test_kernels_compile_for_ada_and_hopper(tmp_path: Path) -> None:
         assert gemm["async_copies"] >= 2 * (gemm["stages"] - 1), gemm
     assert report["gemm/90"]["wgmma"], "Hopper should use warp-group MMA for fp8"
     assert not report["gemm/89"]["wgmma"]
+
+
+_BLOCKS_SCRIPT = r"""
+import json, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from computectx.kernels import scaled_mm_blocks as kb
+
+names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "sa_ptr", "sb_ptr", "M", "N", "K",
+         "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_cm", "stride_cn",
+         "stride_sa_r", "stride_sa_k", "stride_sb_r", "stride_sb_k", "m_bucket", "layout"]
+out = {}
+# (scale block along K, rows per block of b, BLOCK_K): 1x128 x 128x128 in one step per
+# block; 1x128 x 1x128 in two 64-wide steps; MX in 32-wide steps; row-wise.
+for cap in (90, 100):
+    for scale_k, rows_b, bk in ((128, 128, 128), (128, 1, 64), (32, 1, 32), (0, 1, 128)):
+        cfg = next(c for c in kb._configs() if c.kwargs["BLOCK_K"] == bk)
+        e8 = scale_k == 32
+        scale_t = "*u8" if e8 else "*fp32"
+        sig = dict(zip(names, ["*fp8e4nv", "*fp8e5", "*bf16", "*fp32", scale_t, scale_t]
+                       + ["i32"] * 15))
+        consts = dict(cfg.kwargs, SCALE_K=scale_k, BLOCK_ROWS_A=1, BLOCK_ROWS_B=rows_b,
+                      E8M0=e8, HAS_BIAS=True, OUT_BF16=True, stride_ak=1, stride_bk=1)
+        sig.update({k: "constexpr" for k in consts})
+        attrs = {(names.index(n),): [["tt.divisibility", 16]]
+                 for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", "stride_am",
+                           "stride_bn", "stride_cm")}
+        k = compile(ASTSource(kb._scaled_mm_blocks_kernel.fn, sig, consts, attrs),
+                    target=GPUTarget("cuda", cap, 32),
+                    options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+        ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+        out[f"blocks/{cap}/{scale_k}/{rows_b}/{bk}"] = {
+            "async_copies": ttgir.count("async_copy_global_to_local"),
+            "wgmma": "warp_group_dot" in ttgir,
+            "tcgen05": "tcgen05.mma" in ptx,
+            "ftz": ".ftz" in ptx,
+            "stages": cfg.num_stages,
+        }
+json.dump(out, sys.stdout)
+"""
+
+
+def test_block_scaled_gemm_compiles_for_hopper_and_blackwell(tmp_path: Path) -> None:
+    report = compile_report(_BLOCKS_SCRIPT, tmp_path)
+    assert len(report) == 8, sorted(report)
+    for name, facts in report.items():
+        cap = name.split("/")[1]
+        # Both K-major operands staged asynchronously, one copy per stage each; fp8 MMA
+        # on the tensor cores of each generation; no flush-to-zero (subnormal steps).
+        assert facts["async_copies"] >= 2 * (facts["stages"] - 1), (name, facts)
+        assert facts["wgmma"] == (cap == "90"), (name, facts)
+        assert facts["tcgen05"] == (cap == "100"), (name, facts)
+        assert not facts["ftz"], (name, facts)
