@@ -320,8 +320,9 @@ def decode_attention_error_bound(
     computed in float64, and an a-priori bound on ``|decode_attention(...) - exact|`` for the
     twin and the kernel (any summation order, any split of T into blocks and programs).
 
-    With ``u = 2**-24``, ``gamma_n = n u / (1 - n u)``, ``tiny = 2**-149`` (float32's
-    smallest subnormal) and, per (b, h), over the valid positions ``t``:
+    With ``u = 2**-24``, ``gamma_n = n u / (1 - n u)``, ``tiny = 2**-126`` (float32's
+    smallest normal: a GPU's approximate ``exp`` need not keep subnormal results) and, per
+    (b, h), over the valid positions ``t``:
 
     - score error: ``|s^_t - s_t| <= E_s = gamma_{D+2} * max_t sm_scale * sum_d |q_d k_td|``
       (dequantizing a key, D products and sums in any order, the ``sm_scale`` product),
@@ -348,7 +349,7 @@ def decode_attention_error_bound(
     2**-11 f16, 2**-24 f32) and half the dtype's smallest subnormal.
     """
     b, h, t_max, d = k.shape
-    tiny32 = 2.0**-149
+    tiny32 = 2.0**-126
     q64 = q.to(torch.float64)
     k64 = k.to(torch.float64)
     v64 = v.to(torch.float64)

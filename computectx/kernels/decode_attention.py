@@ -127,14 +127,20 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         tmask = offs_t < stop
         tile = tmask[:, None] & dmask[None, :]
         rows = offs_t[:, None].to(tl.int64)
+        # Both tiles (and their steps) are requested before any arithmetic, so their
+        # reads are in flight together.
         kk = tl.load(k_base + rows * stride_kt + offs_d[None, :], mask=tile, other=0.0)
-        kk = kk.to(tl.float32)
+        vv = tl.load(v_base + rows * stride_vt + offs_d[None, :], mask=tile, other=0.0)
         if HAS_STEP:
             if K_PER_TOKEN:
                 k_st = tl.load(ks_base + offs_t * stride_kst, mask=tmask, other=1.0)
-                kk = kk * k_st[:, None]
-            else:
-                kk = kk * k_one
+            if V_PER_TOKEN:
+                v_st = tl.load(vs_base + offs_t * stride_vst, mask=tmask, other=1.0)
+        kk = kk.to(tl.float32)
+        vv = vv.to(tl.float32)
+        if HAS_STEP:
+            kk = kk * (k_st[:, None] if K_PER_TOKEN else k_one)
+            vv = vv * (v_st[:, None] if V_PER_TOKEN else v_one)
         s = tl.sum(kk * q[None, :], axis=1) * sm_scale
         s = tl.where(tmask, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
@@ -142,14 +148,6 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         alpha = tl.exp(m - m_new)  # type: ignore[attr-defined]
         p = tl.exp(s - m_new)  # type: ignore[attr-defined]
         l_sum = l_sum * alpha + tl.sum(p, axis=0)
-        vv = tl.load(v_base + rows * stride_vt + offs_d[None, :], mask=tile, other=0.0)
-        vv = vv.to(tl.float32)
-        if HAS_STEP:
-            if V_PER_TOKEN:
-                v_st = tl.load(vs_base + offs_t * stride_vst, mask=tmask, other=1.0)
-                vv = vv * v_st[:, None]
-            else:
-                vv = vv * v_one
         acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
         m = m_new
 
