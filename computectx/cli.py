@@ -11,8 +11,12 @@ import importlib.metadata
 import platform
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from computectx.demo import args as demo_args
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["build_parser", "info_lines", "main"]
 
@@ -63,6 +67,7 @@ def info_lines() -> list[str]:
             lines.append(f"  {backend.value:<19} no   {e}")
         else:
             lines.append(f"  {backend.value:<19} yes")
+    lines.extend(_block_gemm_lines(dev))
     lines.append("presets:")
     presets = {
         "new(bf16)": ComputeCtx.new(DType.BF16, dev),
@@ -73,6 +78,32 @@ def info_lines() -> list[str]:
         presets[f"--dtype {flag}"] = ComputeCtx.from_flag(flag, dev)
     for name, ctx in presets.items():
         lines.append(f"  {name:<19} {ctx}")
+    return lines
+
+
+def _block_gemm_lines(dev: torch.device) -> list[str]:
+    # Which cuBLAS recipes of the fine-grained GEMM (block_scaled_mm, backend cublas) run
+    # here, probed by running each; a pair whose recipe does not run takes the fallback.
+    import torch
+
+    from computectx.fp8 import Fp8Backend
+    from computectx.fp8.block_gemm_ops import cublas_recipes
+    from computectx.fp8.custom_ops import uses_kernels
+
+    fallback = (
+        "the Triton kernel"
+        if uses_kernels(Fp8Backend.CUBLAS, torch.empty(0, device=dev))
+        else "the twin (reference)"
+    )
+    labels = {
+        "row": "row x row",
+        "1x128x128x128": "1x128 x 128x128",
+        "1x128x1x128": "1x128 x 1x128",
+        "mx": "mx x mx",
+    }
+    lines = [f"fine-grained fp8 GEMM recipes on cublas (else {fallback}):"]
+    for name, (runs, why) in cublas_recipes(dev).items():
+        lines.append(f"  {labels[name]:<19} {'yes' if runs else 'no ':<4} {why}")
     return lines
 
 

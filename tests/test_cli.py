@@ -174,3 +174,20 @@ def test_the_console_entry_point_answers_help_without_torch() -> None:
         imported = {ln.split("|")[-1].strip() for ln in res.stderr.splitlines() if "|" in ln}
         assert res.returncode == (2 if "demo" in argv else 0)
         assert "torch" not in imported, argv
+
+
+def test_info_lists_which_fine_grained_gemm_recipes_run_here() -> None:
+    lines = info_lines()
+    at = next(i for i, ln in enumerate(lines) if ln.startswith("fine-grained fp8 GEMM recipes"))
+    listed = {" ".join(ln.split()[:3]): ln.split()[3] for ln in lines[at + 1 : at + 5]}
+    assert set(listed) == {"row x row", "1x128 x 128x128", "1x128 x 1x128", "mx x mx"}
+    if not torch.cuda.is_available():
+        # torch's CPU _scaled_mm takes row-wise scales; its scaled_mm v2 refuses the block
+        # and MX recipes on the CPU, so those pairs run on the twin.
+        assert "(else the twin (reference))" in lines[at]
+        assert listed == {
+            "row x row": "yes",
+            "1x128 x 128x128": "no",
+            "1x128 x 1x128": "no",
+            "mx x mx": "no",
+        }
