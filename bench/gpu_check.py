@@ -11,7 +11,13 @@ Sections, in order (each timed; a section that fails records its error and the r
 3. ``quantize``: delayed-scaling quantize GB/s against a plain device copy of the same tensor;
 4. ``linear``: ``Fp8Linear`` fwd+bwd against bf16 ``nn.Linear``, eager and compiled, at
    M×K×N = 4096×8192×16384 (delayed and dynamic scaling);
-5. ``bytelm``: ``ByteLM`` train-step time compiled, bf16 against fp8_hybrid.
+5. ``bytelm``: ``ByteLM`` train-step time compiled, bf16 against fp8_hybrid;
+6. ``granularity_gemm`` (issue 16): TFLOP/s of bf16 ``mm``, ``torch._scaled_mm`` per-tensor
+   and row-wise, and ``block_scaled_mm`` (Triton) for 1x128 x 128x128 and MX (and its cuBLAS
+   recipes where ``computectx.fp8.block_gemm_ops.cublas_recipes`` finds them), at
+   M×K×N = 4096×8192×16384 and 8192³, each with its ratio to bf16 and to row-wise
+   ``_scaled_mm``, next to the anchors: TransformerEngine's H200 GEMM speedups over bf16
+   (delayed 1.69x, current 1.57x, block 1.41x). The table is printed as well.
 
 Figures are whatever this machine measures; the JSON records the device, torch, triton and
 CUDA versions next to them. Nothing here is a target or a pass/fail threshold: the issue's
@@ -37,8 +43,10 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Backend, Fp8Linear, ops
+from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_quantize, ops
 from computectx.fp8 import custom_ops as fp8_custom_ops
+from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
+from computectx.fp8.block_gemm_ops import cublas_recipes
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -47,6 +55,13 @@ GPU_GEMM_SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (8192, 8192, 28672)]
 GPU_DECODE = [(1, 8192, 8192), (16, 8192, 8192)]
 SMOKE_GEMM_SHAPES = [(64, 64, 64), (32, 64, 96)]
 SMOKE_DECODE = [(1, 64, 64)]
+GPU_GRANULARITY_SHAPES = [(4096, 8192, 16384), (8192, 8192, 8192)]
+SMOKE_GRANULARITY_SHAPES = [(32, 256, 48)]
+ANCHORS = {
+    "_scaled_mm per-tensor": "TE H200 over bf16: delayed 1.69x, current 1.57x",
+    "1x128 x 128x128": "TE H200 over bf16: block 1.41x",
+}
+"""TransformerEngine's H200 GEMM speedups over bf16 (the issue's anchors), by row."""
 
 
 def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]:
@@ -225,6 +240,79 @@ def section_bytelm(
     return rows
 
 
+def _block_operands(
+    x: torch.Tensor, w: torch.Tensor, ga: GemmGranularity, gb: GemmGranularity
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    qa, sa = fp8_quantize(x, "e4m3", granularity=ga)
+    qb, sb = fp8_quantize(w, "e4m3", granularity=gb)
+    return qa, sa, qb, sb
+
+
+def section_granularity_gemm(device: torch.device, smoke: bool, reps: int) -> list[dict[str, Any]]:
+    """The GEMM of each fine granularity against bf16 and row-wise ``_scaled_mm``."""
+    timed = _timer(device)
+    shapes = SMOKE_GRANULARITY_SHAPES if smoke else GPU_GRANULARITY_SHAPES
+    # On the CPU smoke run the reference backend stands in for the Triton one.
+    kernel = Fp8Backend.REFERENCE if smoke else Fp8Backend.TRITON
+    recipes = cublas_recipes(device)
+    pairs: dict[str, tuple[GemmGranularity, GemmGranularity, str]] = {
+        "1x128 x 128x128": ("1x128", "128x128", "1x128x128x128"),
+        "mx x mx": ("mx", "mx", "mx"),
+    }
+    rows: list[dict[str, Any]] = []
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        flops = 2.0 * m * n * k
+        timings: dict[str, float] = {}
+        timings["bf16 mm"] = timed(functools.partial(torch.matmul, x, w.t()), reps)
+        qa, sa = fp8_quantize(x, "e4m3")
+        qb, sb = fp8_quantize(w, "e4m3")
+        timings["_scaled_mm per-tensor"] = timed(
+            functools.partial(
+                torch._scaled_mm,
+                qa,
+                qb.t(),
+                sa.reshape(()),
+                sb.reshape(()),
+                out_dtype=torch.bfloat16,
+            ),
+            reps,
+        )
+        ra, rsa, rb, rsb = _block_operands(x, w, "row", "row")
+        timings["_scaled_mm rowwise"] = timed(
+            functools.partial(
+                torch._scaled_mm, ra, rb.t(), rsa, rsb.reshape(1, n), out_dtype=torch.bfloat16
+            ),
+            reps,
+        )
+        for label, (ga, gb, recipe) in pairs.items():
+            ba, bsa, bb, bsb = _block_operands(x, w, ga, gb)
+            call = functools.partial(block_scaled_mm, ba, bb, bsa, ga, bsb, gb, None)
+            timings[f"block_scaled_mm {kernel} {label}"] = timed(
+                functools.partial(call, torch.bfloat16, backend=kernel), reps
+            )
+            if recipes[recipe][0]:
+                timings[f"block_scaled_mm cublas {label}"] = timed(
+                    functools.partial(call, torch.bfloat16, backend=Fp8Backend.CUBLAS), reps
+                )
+        for op, t in timings.items():
+            anchor = next((text for key, text in ANCHORS.items() if key in op), "")
+            rows.append(
+                {
+                    "op": op,
+                    "m": m,
+                    "k": k,
+                    "n": n,
+                    "tflops": flops / t / 1e12,
+                    "vs_bf16": timings["bf16 mm"] / t,
+                    "vs_rowwise": timings["_scaled_mm rowwise"] / t,
+                    "anchor": anchor,
+                }
+            )
+    return rows
+
+
 def _markdown(result: dict[str, Any]) -> str:
     lines = [f"# gpu_check on {result['device_name']}", "", f"versions: {result['versions']}", ""]
     for name, rows in result["sections"].items():
@@ -282,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         "quantize": lambda: section_quantize(device, smoke, reps, backend),
         "linear": lambda: section_linear(device, smoke, reps, backend, compile_backend),
         "bytelm": lambda: section_bytelm(device, smoke, reps, compile_backend),
+        "granularity_gemm": lambda: section_granularity_gemm(device, smoke, reps),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()
@@ -292,7 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         result["seconds"][name] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(result, indent=2))
-    (args.out / "gpu_check.md").write_text(_markdown(result))
+    markdown = _markdown(result)
+    (args.out / "gpu_check.md").write_text(markdown)
+    print(markdown[markdown.find("## granularity_gemm") :])
     print(f"wrote {args.out / 'gpu_check.json'} and {args.out / 'gpu_check.md'}")
     return 0
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -28,11 +30,35 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["smoke"] is True
     sections = result["sections"]
-    assert set(sections) == {"cuda_tests", "gemm", "quantize", "linear", "bytelm"}
-    for name in ("gemm", "quantize", "linear", "bytelm"):
+    assert set(sections) == {
+        "cuda_tests",
+        "gemm",
+        "quantize",
+        "linear",
+        "bytelm",
+        "granularity_gemm",
+    }
+    for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])
     assert {row["op"] for row in sections["gemm"]} >= {"fp8 cublas", "bf16 mm"}
     assert {row["flag"] for row in sections["bytelm"]} == {"bf16", "fp8_hybrid"}
     assert any(row["compiled"] for row in sections["linear"])
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert "## gemm" in markdown and "| op |" in markdown
+    # The granularity GEMMs (issue 16): every op, its ratios, the anchors; printed too.
+    gran = {row["op"]: row for row in sections["granularity_gemm"]}
+    assert set(gran) == {
+        "bf16 mm",
+        "_scaled_mm per-tensor",
+        "_scaled_mm rowwise",
+        "block_scaled_mm reference 1x128 x 128x128",
+        "block_scaled_mm reference mx x mx",
+    }  # the CPU has no cuBLAS block or MX recipe, so no cublas rows
+    assert gran["bf16 mm"]["vs_bf16"] == 1.0 and gran["_scaled_mm rowwise"]["vs_rowwise"] == 1.0
+    for row in gran.values():
+        assert row["tflops"] > 0
+        assert row["vs_bf16"] * gran["bf16 mm"]["tflops"] == pytest.approx(row["tflops"])
+    assert "block 1.41x" in gran["block_scaled_mm reference 1x128 x 128x128"]["anchor"]
+    assert "delayed 1.69x, current 1.57x" in gran["_scaled_mm per-tensor"]["anchor"]
+    assert gran["_scaled_mm rowwise"]["anchor"] == ""
+    assert "## granularity_gemm" in proc.stdout and "vs_bf16" in proc.stdout
