@@ -1,0 +1,107 @@
+"""Issue 16's SQNR targets for fine-grained fp8 scaling, as small tests of the bench's figures.
+
+The data, the body and the SQNR are ``bench/bench_granularity.py``'s own (its functions,
+loaded from the file: the bench is a script, not a package), on the issue's shape: a 256 x
+1024 Gaussian with 4 random rows or columns times 1e5, E4M3, the pure-torch twins. Each
+quantize takes milliseconds. The targets (issue 16, item 7; docs/benchmarks.md):
+
+- 4 rows x1e5: every fine granularity (``row``, ``1x128``, ``mx``, with each of their step
+  options) keeps the body at >= 25 dB, while per tensor collapses below 10 dB (the bench
+  measured 4.4 to 7.5 dB over seeds 0-7, against 31.5 dB without the outliers);
+- 4 columns x1e5: ``1x128`` >= 20 dB and ``mx`` >= 23 dB (both roundings).
+
+The column targets depend on the shape by construction: 4 outlier columns spoil the 1x128
+and 1x32 blocks they fall in, a larger share of them when K is smaller (at K = 512, 1x128
+gave 18-19 dB), so K stays the issue's 1024. ``mx`` (rceil) clears its 23 dB by only 0.1 to
+0.4 dB (seeds 0-7), so three seeds are tested, not one. ``1x128`` with ``power_of_two=True``
+is not held to 20 dB: rounded up, the step of a block an outlier shares is up to twice as
+coarse (18.6 dB at seed 0); the block policy's default has no powers of two.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from computectx.dtypes import Fp8Format
+from computectx.fp8 import Fp8Backend
+
+ROWS, COLS = 256, 1024
+SEEDS = (0, 1, 2)
+E4M3 = Fp8Format.parse("e4m3")
+
+
+def load_bench() -> ModuleType:
+    path = Path(__file__).resolve().parents[2] / "bench" / "bench_granularity.py"
+    name = "bench_granularity"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+def body_sqnr(kind: str, factor: float, seed: int, **options: Any) -> float:
+    x, body = bench.outlier_data(kind, factor, ROWS, COLS, seed)
+    db: float = bench.body_sqnr(x, body, E4M3, Fp8Backend.REFERENCE, options)
+    return db
+
+
+FINE_OPTIONS: list[dict[str, Any]] = [
+    {"granularity": "row"},
+    {"granularity": "row", "power_of_two": False},
+    {"granularity": "1x128"},
+    {"granularity": "1x128", "power_of_two": True},
+    {"granularity": "mx"},
+    {"granularity": "mx", "mx_rounding": "floor"},
+]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("options", FINE_OPTIONS, ids=lambda o: "-".join(map(str, o.values())))
+def test_fine_granularities_keep_the_body_under_1e5_row_outliers(
+    options: dict[str, Any], seed: int
+) -> None:
+    assert body_sqnr("rows", 1e5, seed, **options) >= 25.0
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_per_tensor_collapses_under_1e5_row_outliers(seed: int) -> None:
+    assert body_sqnr("rows", 1e5, seed, granularity="tensor") < 10.0
+    assert body_sqnr("none", 1.0, seed, granularity="tensor") > 30.0  # the same data, no outliers
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("options", "target"),
+    [
+        ({"granularity": "1x128"}, 20.0),
+        ({"granularity": "mx"}, 23.0),
+        ({"granularity": "mx", "mx_rounding": "floor"}, 23.0),
+    ],
+    ids=["1x128", "mx-rceil", "mx-floor"],
+)
+def test_column_outliers_at_1e5(options: dict[str, Any], target: float, seed: int) -> None:
+    assert body_sqnr("cols", 1e5, seed, **options) >= target
+
+
+def test_the_sqnr_is_the_documented_formula() -> None:
+    # 10 log10(sum x^2 / sum (x_hat - x)^2) over the mask: 25 / 0.25, 20 dB.
+    exact = torch.tensor([3.0, 4.0, 100.0])
+    approx = torch.tensor([3.0, 4.5, 0.0])
+    mask = torch.tensor([True, True, False])
+    assert bench.sqnr(approx, exact, mask) == pytest.approx(20.0)
+    assert bench.sqnr(exact, exact) == math.inf
