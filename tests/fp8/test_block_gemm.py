@@ -433,3 +433,14 @@ def test_compiles_with_no_graph_break_and_equals_eager(
     assert counter.frame_count == 1
     assert torch.equal(got, f(a, b, sa, sb))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize(("ga", "gb"), [("1x128", "1x128"), ("mx", "mx")])
+def test_an_enclosing_autocast_changes_nothing(ga: GemmGranularity, gb: GemmGranularity) -> None:
+    # The partial sums stay float32 under torch.autocast (a bf16 matmul would round them).
+    a, sa, _ = quantized((9, 200), ga, E4M3, seed=1)
+    b, sb, _ = quantized((7, 200), gb, E4M3, seed=2)
+    plain = block_scaled_mm(a, b, sa, ga, sb, gb, None, torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        under = block_scaled_mm(a, b, sa, ga, sb, gb, None, torch.float32)
+    assert torch.equal(under, plain)
