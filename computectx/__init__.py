@@ -1,7 +1,8 @@
 """computectx: one immutable compute policy for PyTorch models.
 
-``ComputeCtx`` decides compute, KV-cache and accumulation dtypes, weight residency, the
-device, and the fp8 and memory policy; everything downstream reads it and never re-decides.
+``ComputeCtx`` decides compute, KV-cache (a dtype or fp8) and accumulation dtypes, weight
+residency, the device, and the fp8 and memory policy; everything downstream reads it and
+never re-decides.
 The names below load on first use, so ``computectx --help`` answers without importing torch.
 """
 
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from computectx.dtypes import (
         DType,
         Fp8Format,
+        KvFp8,
         PromotionError,
         cast_if,
         dtype_of,
@@ -29,6 +31,7 @@ __all__ = [
     "ComputeCtx",
     "DType",
     "Fp8Format",
+    "KvFp8",
     "PromotionError",
     "Residency",
     "__version__",
@@ -43,6 +46,7 @@ _HOME = {
     "ComputeCtx": "ctx",
     "DType": "dtypes",
     "Fp8Format": "dtypes",
+    "KvFp8": "dtypes",
     "PromotionError": "dtypes",
     "cast_if": "dtypes",
     "dtype_of": "dtypes",

@@ -20,10 +20,12 @@ from typing_extensions import Self, Unpack
 
 from computectx.dtypes import (
     DType,
+    KvFp8,
     PromotionError,
     cast_if,
     is_compute_dtype,
     outside_lattice_message,
+    parse_kv,
     promote,
 )
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
@@ -50,6 +52,11 @@ def parse_device(value: object) -> torch.device:
 def _lenient_dtype(value: object) -> object:
     # Names, aliases and torch dtypes become members; parse's error quotes anything else.
     return DType.parse(value)  # type: ignore[arg-type]
+
+
+def _lenient_kv(value: object) -> object:
+    # A dtype (as _lenient_dtype reads it) or an fp8 cache (KvFp8, its dict or text form).
+    return parse_kv(value)
 
 
 def _lenient_residency(value: object) -> object:
@@ -92,6 +99,7 @@ TorchDevice = Annotated[
 """A ``torch.device`` field that reads device strings and serializes as its string form."""
 
 DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
+KvField = Annotated[DType | KvFp8, BeforeValidator(_lenient_kv)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
 Fp8Field = Annotated[Fp8Policy | None, BeforeValidator(_lenient_fp8)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
@@ -136,7 +144,7 @@ class CtxChanges(TypedDict, total=False):
     """The keyword arguments ``ComputeCtx.replace`` accepts (checked by mypy)."""
 
     compute: DType
-    kv: DType
+    kv: DType | KvFp8
     accum: DType
     residency: Residency
     device: torch.device
@@ -156,8 +164,10 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     compute: DTypeField
     """Dtype activations flow in (projections, attention, residual stream)."""
-    kv: DTypeField = Field(default_factory=_same_as_compute)
-    """Dtype the KV cache is stored at (defaults to ``compute``)."""
+    kv: KvField = Field(default_factory=_same_as_compute)
+    """How the KV cache stores keys and values: a dtype (defaults to ``compute``), or a
+    ``KvFp8`` (fp8 codes with float32 steps, ``e4m3/per_token_head`` in the text form), which
+    the cache quantizes into and attention reads back in float32."""
     accum: DTypeField = Field(default_factory=_compute_join_f32)
     """Dtype precision-sensitive ops run in through ``precise``; at or above ``compute``
     (defaults to ``compute ⊔ f32``)."""
@@ -224,7 +234,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     @classmethod
     def serving(cls, device: torch.device | str) -> ComputeCtx:
-        """Serving policy: BF16 activations, F32 KV cache (decode stability), F32 accum."""
+        """Serving policy: BF16 activations, F32 KV cache (decode stability), F32 accum.
+
+        Serving with an fp8 KV cache is ``serving(device).with_kv(KvFp8())``: the same policy
+        with e4m3 codes and dynamic ``per_token_head`` steps (docs/serving.md).
+        """
         return cls(compute=DType.BF16, kv=DType.F32, accum=DType.F32, device=parse_device(device))
 
     @classmethod
@@ -266,8 +280,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         data.update(changes)
         return type(self).model_validate(data)
 
-    def with_kv(self, kv: DType) -> ComputeCtx:
-        """The same policy with the KV cache stored at ``kv``."""
+    def with_kv(self, kv: DType | KvFp8) -> ComputeCtx:
+        """The same policy with the KV cache stored at ``kv``: a dtype, or a ``KvFp8`` for an
+        fp8 cache (``with_kv(KvFp8())``: e4m3 codes, dynamic ``per_token_head`` steps)."""
         return self.replace(kv=kv)
 
     def with_accum(self, accum: DType) -> ComputeCtx:
@@ -306,7 +321,14 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     def to_kv(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` at the KV-cache dtype (the cache-append boundary); ``t`` itself if already
-        there."""
+        there.
+
+        Only for a ``kv`` in the lattice: with an fp8 ``kv`` (a ``KvFp8``) the cache quantizes,
+        producing codes and their steps together, which no cast can do, so ``to_kv`` raises
+        ``PromotionError`` saying so (``computectx.nn.KVCache`` quantizes).
+        """
+        if isinstance(self.kv, KvFp8):
+            raise PromotionError(f"to_kv: {outside_lattice_message(self.kv)}")
         return cast_if(t, self.kv)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:

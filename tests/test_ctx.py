@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from computectx import ComputeCtx, DType, PromotionError, Residency
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError, Residency
 from computectx.ctx import DTYPE_FLAGS
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 from computectx.recipes import parse_scaling
@@ -189,6 +189,25 @@ def test_text_form_is_compact_and_round_trips() -> None:
     assert ComputeCtx.parse("compute=bf16,device=cpu,fp8=none,offload=none").fp8 is None
 
 
+def test_fp8_kv_text_and_json_forms() -> None:
+    ctx = ComputeCtx.serving("cpu").with_kv(KvFp8())
+    assert str(ctx) == "compute=bf16,kv=e4m3/per_token_head,accum=f32,residency=auto,device=cpu"
+    assert ComputeCtx.parse(str(ctx)) == ctx
+    assert ComputeCtx.parse("compute=bf16,kv=E4M3,accum=f32,device=cpu") == ctx
+    data = json.loads(ctx.model_dump_json())
+    assert data["kv"] == {"format": "e4m3", "scaling": "per_token_head"}
+    assert ComputeCtx.model_validate_json(ctx.model_dump_json()) == ctx
+    static = ctx.with_kv(KvFp8(format=Fp8Format.E5M2, scaling="per_tensor"))
+    assert ",kv=e5m2/per_tensor," in str(static)
+    assert ComputeCtx.model_validate(
+        {"compute": "bf16", "device": "cpu", "kv": {"scaling": "PER_HEAD"}}
+    ).kv == KvFp8(scaling="per_head")
+    # The serving preset itself is unchanged: KV f32.
+    assert ComputeCtx.serving("cpu").kv is DType.F32
+    schema = ComputeCtx.model_json_schema()
+    assert {"$ref": "#/$defs/KvFp8"} in schema["properties"]["kv"]["anyOf"]
+
+
 def test_json_round_trip_and_schema() -> None:
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cuda:0").replace(offload=torch.device("cpu"))
     text = ctx.model_dump_json()
@@ -214,6 +233,13 @@ def test_json_round_trip_and_schema() -> None:
         ("compute=bf16,device=cpu,residency=ram", "unknown residency 'ram'; accepted: 'device'"),
         ("compute=bf16,device=cpu,fp8=e4m3/lazy", "accepted recipes 'delayed', 'dynamic'"),
         ("compute=bf16,device=cpu,fp8=int4", "unknown fp8 scheme"),
+        ("compute=bf16,device=cpu,kv=f17", "unknown kv 'f17'; accepted: a dtype ('f16'"),
+        (
+            "compute=bf16,device=cpu,kv=e4m3/per_row",
+            "unknown KV scaling 'per_row' in 'e4m3/per_row'",
+        ),
+        ("compute=bf16,device=cpu,kv=e3m4/per_head", "unknown fp8 KV cache format 'e3m4'"),
+        ("compute=bf16,device=cpu,kv=e4m3/per_head/2", "too many fields in fp8 KV cache"),
         (
             "compute=bf16,device=cpu,fp8=hybrid/delayed/x",
             "history_len must be an integer from 1 to 1024, got 'x'",

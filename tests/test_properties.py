@@ -14,8 +14,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from computectx import ComputeCtx, DType, Residency, promote
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, Residency, promote
 from computectx.ctx import DTYPE_FLAGS
+from computectx.dtypes import KV_SCALINGS, parse_kv
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 from computectx.recipes import POLICY_GRANULARITIES, parse_scaling
 
@@ -218,6 +219,12 @@ def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
     return Fp8Policy.model_validate(fields | options)
 
 
+kv_fp8s = st.builds(
+    KvFp8, format=st.sampled_from(list(Fp8Format)), scaling=st.sampled_from(KV_SCALINGS)
+)
+"""Every fp8 KV cache setting."""
+
+
 @st.composite
 def contexts(draw: st.DrawFn) -> ComputeCtx:
     compute = draw(st.sampled_from(ALL))
@@ -225,7 +232,7 @@ def contexts(draw: st.DrawFn) -> ComputeCtx:
     devices = st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:3", "meta"]).map(torch.device)
     return ComputeCtx(
         compute=compute,
-        kv=draw(st.sampled_from(ALL)),
+        kv=draw(st.one_of(st.sampled_from(ALL), kv_fp8s)),
         accum=draw(st.sampled_from([d for d in ALL if compute <= d])),
         residency=draw(st.sampled_from(list(Residency))),
         device=draw(devices),
@@ -254,9 +261,11 @@ _alphabet = st.sampled_from(list("=,/:;+_ abcdefghklmnoprtuvwx01236")) | st.char
 def test_bad_strings_raise_only_documented_errors(text: str) -> None:
     with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
         ComputeCtx.parse(text)
-    for parse in (DType.parse, Residency.parse, Fp8Policy.parse, parse_scaling):
+    for parse in (DType.parse, Residency.parse, Fp8Policy.parse, parse_scaling, KvFp8.parse):
         with contextlib.suppress(ValueError):
             parse(text)
+    with contextlib.suppress(ValueError):
+        parse_kv(text)
 
 
 @given(
@@ -265,20 +274,25 @@ def test_bad_strings_raise_only_documented_errors(text: str) -> None:
 )
 @example(key="accum", value="f16")
 @example(key="kv", value=" Half ")
+@example(key="kv", value="E5m2/Per_Head")
+@example(key="kv", value="e4m3/per_row")
+@example(key="grad", value="e4m3")
 def test_mutated_dtype_values_are_quoted_or_accepted(key: str, value: str) -> None:
     base = {"compute": "bf16", "device": "cpu", key: value}
     text = ",".join(f"{k}={v}" for k, v in base.items())
+    # kv also reads an fp8 cache's text form; every other key reads dtypes only.
+    read: Callable[[str], object] = parse_kv if key == "kv" else DType.parse
     try:
         ctx = ComputeCtx.parse(text)
     except ValueError as e:
         try:
-            d = DType.parse(value)
-        except ValueError:  # not a dtype at all: the message quotes it
+            d = read(value)
+        except ValueError:  # not a dtype (nor an fp8 cache for kv) at all: the message quotes it
             assert repr(value.strip()) in str(e), str(e)
         else:  # a real dtype can only break the order rule accum >= compute
             assert key == "accum" and f"accum={d} is not at or above compute=bf16" in str(e)
-    else:  # accepted only when the value really is a dtype spelling
-        assert getattr(ctx, key) is DType.parse(value)
+    else:  # accepted only when the value really is a spelling of that field
+        assert getattr(ctx, key) == read(value)
 
 
 # ----- one spelling per idea: any case, optional tags, scaling text, one error per field ---------
@@ -327,7 +341,7 @@ def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
 
 _BAD_VALUES = {
     "compute": "bf17",
-    "kv": "f17",
+    "kv": "e4m3/per_row",
     "accum": "f33",
     "residency": "ram",
     "device": "gpu",
@@ -380,3 +394,31 @@ def test_delayed_scaling_is_refused_for_every_granularity_but_tensor(
     text = str(policy).replace(f"/{policy.scaling}", f"/delayed/{history}")
     with pytest.raises(ValueError, match="delayed scaling is per-tensor only"):
         Fp8Policy.parse(text)
+
+
+# ----- the fp8 KV cache setting ----------------------------------------------------------------
+
+
+@given(kv=kv_fp8s, data=st.data())
+def test_kv_fp8_text_and_json_round_trip(kv: KvFp8, data: st.DataObject) -> None:
+    text = str(kv)
+    assert KvFp8.parse(text) == kv == parse_kv(text)
+    flips = data.draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
+    assert KvFp8.parse(_mangle(text, flips)) == kv
+    assert KvFp8.model_validate_json(kv.model_dump_json()) == kv
+    assert KvFp8.model_validate(kv.model_dump()) == kv
+    if kv.scaling == "per_token_head":  # the default scaling may be left out
+        assert KvFp8.parse(str(kv.format)) == kv == parse_kv(kv.format.torch)
+    # An fp8 cache never reads as a lattice dtype.
+    with pytest.raises(ValueError, match="unknown dtype"):
+        DType.parse(text)
+
+
+@given(ctx=contexts(), kv=st.one_of(st.sampled_from(ALL), kv_fp8s))
+def test_with_kv_changes_only_kv_and_round_trips(ctx: ComputeCtx, kv: DType | KvFp8) -> None:
+    changed = ctx.with_kv(kv)
+    assert changed.kv == kv
+    assert changed.replace(kv=ctx.kv) == ctx
+    assert ComputeCtx.parse(str(changed)) == changed
+    assert ComputeCtx.model_validate_json(changed.model_dump_json()) == changed
+    assert f"kv={kv}," in str(changed)

@@ -2,7 +2,7 @@
 
 import torch
 
-from computectx import ComputeCtx, DType, Fp8Format, cast_if, promote
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, cast_if, promote
 
 ctx = ComputeCtx.new(DType.BF16, "cpu")
 promote(DType.F16, Fp8Format.E4M3)  # E: arg-type
@@ -17,3 +17,7 @@ ctx.replace(kv=Fp8Format.E4M3)  # E: arg-type
 ctx.replace(compute="bf16")  # E: arg-type
 ctx.replace(colour=DType.F32)  # E: call-arg
 ctx.precise(torch.zeros(2), lambda t: t.tolist())  # E: arg-type return-value
+ctx.with_kv("e4m3/per_head")  # E: arg-type
+KvFp8.parse(Fp8Format.E4M3)  # E: arg-type
+promote(DType.F32, KvFp8())  # E: arg-type
+cast_if(torch.zeros(2), KvFp8())  # E: arg-type

@@ -6,7 +6,16 @@ import torch
 from torch import nn
 from typing_extensions import assert_type
 
-from computectx import ComputeCtx, DType, Fp8Format, Residency, cast_if, promote, promoted
+from computectx import (
+    ComputeCtx,
+    DType,
+    Fp8Format,
+    KvFp8,
+    Residency,
+    cast_if,
+    promote,
+    promoted,
+)
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Linear, Fp8Policy, Fp8Scheme
 from computectx.fp8.convert import Fp8Converter
 from computectx.recipes import parse_scaling
@@ -14,6 +23,13 @@ from computectx.recipes import parse_scaling
 ctx = ComputeCtx.new(DType.BF16, "cpu")
 serving = ComputeCtx.serving(torch.device("cpu")).with_kv(DType.F32).with_accum(DType.F64)
 assert_type(serving, ComputeCtx)
+# An fp8 KV cache is a KvFp8 in the same field: kv is a dtype or an fp8 cache setting.
+fp8_kv = ComputeCtx.serving("cpu").with_kv(KvFp8(format=Fp8Format.E5M2, scaling="per_head"))
+assert_type(fp8_kv.kv, DType | KvFp8)
+assert_type(ctx.replace(kv=KvFp8()), ComputeCtx)
+assert_type(KvFp8.parse("e4m3/per_tensor").static, bool)
+if isinstance(fp8_kv.kv, KvFp8):
+    assert_type(fp8_kv.kv.format, Fp8Format)
 fp8 = ctx.replace(fp8=Fp8Policy(format=Fp8Scheme.HYBRID, scaling=DynamicScaling(margin=1)))
 assert_type(fp8.fp8, Fp8Policy | None)
 assert_type(ctx.compute, DType)
