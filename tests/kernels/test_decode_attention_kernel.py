@@ -285,3 +285,20 @@ def test_kernel_within_bound_where_scores_spread_widely(
     lt = torch.tensor(length)
     out = kernel(device, q, k, v, ks, vs, lt, block_t=16, splits=splits, sm_scale=1.0)
     assert_within_bound(out, q, k, v, ks, vs, length, 1.0, 16)
+
+
+def test_kernel_reads_strided_views(device: torch.device) -> None:
+    # A cache sliced out of a bigger buffer (strides over heads and positions that are not
+    # the view's own), a column-major K (last dim not contiguous: copied), a query that is
+    # a slice of a fused projection, per_head steps: the same output as contiguous copies.
+    q, k, v, ks, vs = make_case(2, 3, 40, 32, E4M3, "per_head", seed=29)
+    big_q = torch.zeros(2, 3, 3 * 32, dtype=q.dtype)
+    big_q[:, :, 32:64] = q
+    big_v = torch.zeros(2, 5, 64, 32, dtype=E4M3)
+    big_v[:, 1:4, :40] = v
+    k_cols = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+    length = torch.tensor([40, 13])
+    views = (big_q[:, :, 32:64], k_cols, big_v[:, 1:4, :40])
+    out = kernel(device, *views, ks, vs, length, block_t=16, splits=2)
+    dense = kernel(device, q, k, v, ks, vs, length, block_t=16, splits=2)
+    assert torch.equal(out, dense)
