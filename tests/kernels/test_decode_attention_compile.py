@@ -6,9 +6,9 @@ As test_compile_for_gpu.py does for the older kernels: a child process (without
 cache) and the split-K merge kernel, for Hopper and Blackwell, at the serving shape D = 128
 and block_t = 64, with the alignment hints Triton's JIT derives for aligned tensors. It
 checks what the kernel's speed and its bound rest on: 16-byte vector loads of the cache
-rows, the hardware widening of E4M3 codes, no flush-to-zero arithmetic (subnormal steps
-and weights must round as in the twin), and the exponential the bound allows for
-(``ex2.approx.f32``, within 8 ulp).
+rows, the hardware widening of E4M3 codes, no register spills (``ptxas -v``), no
+flush-to-zero arithmetic (subnormal steps and weights must round as in the twin), and the
+exponential the bound allows for (``ex2.approx.f32``, within 8 ulp).
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ from .conftest import compile_report
 pytestmark = pytest.mark.slow
 
 _SCRIPT = r"""
-import json, sys
+import json, os, re, subprocess, sys, tempfile
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource, compile
 from computectx.kernels import decode_attention as kd
 
@@ -42,7 +43,17 @@ def facts(kernel, sig, consts, attrs, cap):
     k = compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", cap, 32),
                 options={"num_warps": kd._NUM_WARPS})
     ptx = k.asm["ptx"]
+    # Triton's own ptxas, verbose, for the register and spill report of this PTX.
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run([get_ptxas(cap).path, f"-arch=sm_{cap}a", "-v", src, "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True,
+                             check=True).stderr
     return {
+        "spill_bytes": sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)),
+        "registers": [int(n) for n in re.findall(r"Used (\d+) registers", log)],
         "v4": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"),
         "ftz": ".ftz" in ptx,
         "e4m3_cvt": "e4m3x2" in ptx,
@@ -74,6 +85,7 @@ def test_decode_kernels_compile_for_hopper_and_blackwell(tmp_path: Path) -> None
     assert len(report) == 2 * (3 + 1), sorted(report)
     for name, facts in report.items():
         assert not facts["ftz"], (name, facts)
+        assert facts["registers"] and facts["spill_bytes"] == 0, (name, facts)
         # The only exponential is the non-flushing approximate one the bound allows for.
         assert facts["ex2"] == ["ex2.approx.f32"], (name, facts)
         if name.startswith("decode/"):
