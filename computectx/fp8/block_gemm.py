@@ -275,9 +275,12 @@ def _twin_blocks(
     for first in range(0, n_kb, group):
         last = min(n_kb, first + group)
         partials = _block_partials(a, b, width, first, last)
-        for i, kb in enumerate(range(first, last)):
-            s = sa[:, kb : kb + 1] * sb[:, kb].reshape(1, n)
-            acc = acc + partials[i] * s
+        # Each block's scale step_a[i, kb] * step_b[j, kb] (one float32 product), then
+        # partial * scale (one rounding), then the in-order float32 sum.
+        scales = sa[:, first:last].t().unsqueeze(2) * sb[:, first:last].t().unsqueeze(1)
+        partials.mul_(scales)
+        for i in range(last - first):
+            acc.add_(partials[i])
     return acc
 
 
