@@ -145,8 +145,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         s = tl.where(tmask, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, axis=0))
         # tl.exp is missing from typings/triton (the stubs this project keeps).
-        alpha = tl.exp(m - m_new)  # type: ignore[attr-defined]
-        p = tl.exp(s - m_new)  # type: ignore[attr-defined]
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new)
         l_sum = l_sum * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
         m = m_new
@@ -187,7 +187,7 @@ def _merge_kernel(  # type: ignore[no-untyped-def]
     ls = tl.load(rows + 1, mask=smask, other=0.0)
     accs = tl.load(rows[:, None] + 2 + offs_d[None, :], mask=smask[:, None] & dmask[None, :])
     big_m = tl.max(ms, axis=0)  # finite: the first split holds position 0
-    w = tl.exp(ms - big_m)  # type: ignore[attr-defined]
+    w = tl.exp(ms - big_m)
     l_sum = tl.sum(ls * w, axis=0)
     acc = tl.sum(tl.where(smask[:, None], accs, 0.0) * w[:, None], axis=0)
     _store_out(out_ptr + b * stride_ob + h * stride_oh, offs_d, dmask, acc / l_sum, OUT_BF16)

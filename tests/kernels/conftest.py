@@ -34,6 +34,8 @@ _KERNEL_MODULES = (
     "computectx.kernels.quantize",
     "computectx.kernels.quantize_blocks",
     "computectx.kernels.scaled_mm",
+    "computectx.kernels.scaled_mm_blocks",
+    "computectx.kernels.decode_attention",
 )
 
 
