@@ -31,13 +31,13 @@ the GEMM returns float32 and the bias is added in float32 before the one roundin
 operands (which cuBLASLt refuses) and E5M2 operands in the block and MX recipes (torch
 accepts E4M3 only there) take the fallback.
 
-**Where a recipe does not run** (probed once per device by running it on a small problem,
-``cublas_recipes``): the ``CUBLAS`` backend computes that pair with the Triton kernel when
-the device is a GPU where triton imports (as the ``CUBLAS`` backend quantizes with the
-kernels there), and with the twin (``block_gemm.reference_scaled_mm``) otherwise, on the
-same device; it never raises for a valid call. So on the CPU, ``row x row`` runs on
-``torch._scaled_mm``'s CPU kernel and the block pairs run on the twin. ``computectx info``
-lists the probe's results.
+**Where a recipe does not run** (probed by running it on a small problem once per device,
+operand formats and result dtype; ``cublas_recipes`` reports E4M3 with a bf16 result): the
+``CUBLAS`` backend computes that pair with the Triton kernel when the device is a GPU where
+triton imports (as the ``CUBLAS`` backend quantizes with the kernels there), and with the
+twin (``block_gemm.reference_scaled_mm``) otherwise, on the same device; it never raises for
+a valid call. So on the CPU, ``row x row`` runs on ``torch._scaled_mm``'s CPU kernel and the
+block pairs run on the twin. ``computectx info`` lists the probe's results.
 """
 
 from __future__ import annotations
@@ -149,11 +149,11 @@ def _scaled_mm_call(
     a_p, b_p = _padded(a, m, kp), _padded(b, np_, kp)
     scale_a = cublas_scales(sa, ga, m, kp, operand="a")
     scale_b = cublas_scales(sb, gb, np_, kp, operand="b")
-    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
+    gemm_dtype = _gemm_dtype(bias, out_dtype)
+    fuse = bias is not None and gemm_dtype != torch.float32
     fused_bias = None
     if fuse and bias is not None:
         fused_bias = bias if np_ == n else torch.cat([bias, bias.new_zeros(np_ - n)])
-    gemm_dtype = out_dtype if bias is None or fuse else torch.float32
     if recipe == "row":
         out = torch._scaled_mm(
             a_p, b_p.t(), scale_a=scale_a, scale_b=scale_b, bias=fused_bias, out_dtype=gemm_dtype
@@ -202,43 +202,54 @@ def _probe_scale(g: GemmGranularity, rows: int, k: int, dev: torch.device) -> to
 
 
 @functools.cache
+def _probe(
+    device: torch.device, recipe: str, fa: torch.dtype, fb: torch.dtype, out: torch.dtype
+) -> tuple[bool, str]:
+    # Run the recipe once on a 128 x 128 x 128 product of ones with these operand formats
+    # and this result dtype; it runs when the call succeeds and gives 128 everywhere.
+    f = torch.nn.functional
+    api = "torch._scaled_mm" if recipe == "row" else "torch.nn.functional.scaled_mm"
+    if recipe != "row" and not (hasattr(f, "scaled_mm") and hasattr(f, "ScalingType")):
+        return False, f"this torch ({torch.__version__}) has no {api}"
+    ga, gb = _PROBE_PAIRS[recipe]
+    one = torch.ones(128, 128, device=device)
+    sa, sb = _probe_scale(ga, 128, 128, device), _probe_scale(gb, 128, 128, device)
+    try:
+        got = _scaled_mm_call(recipe, one.to(fa), one.to(fb), sa, ga, sb, gb, None, out)
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return False, f"{api} refuses it on {device}: {first}"
+    if not bool((got == 128.0).all()):
+        return False, f"{api} runs on {device} but gave a wrong product"
+    return True, f"{api} on {device}"
+
+
 def cublas_recipes(device: torch.device) -> dict[str, tuple[bool, str]]:
     """Which cuBLAS recipes run on ``device``: name (``RECIPES``) -> ``(runs, reason)``.
 
-    Probed once per device by running each on a 128 x 128 x 128 product of ones and
-    checking the result (``128.0`` everywhere); a recipe this torch lacks, or one it refuses
-    on this device, is reported with torch's reason (its first line).
+    Probed by running each, E4M3 operands and a bf16 result, on a 128 x 128 x 128 product of
+    ones and checking the result (128 everywhere); a recipe this torch lacks, or one it
+    refuses on this device, is reported with torch's reason (its first line). Each probe
+    runs once per device, operand formats and result dtype, the first time a call needs it.
     """
-    f = torch.nn.functional
-    has_api = hasattr(f, "scaled_mm") and hasattr(f, "ScalingType")
-    out: dict[str, tuple[bool, str]] = {}
-    for name, (ga, gb) in _PROBE_PAIRS.items():
-        if name != "row" and not has_api:
-            out[name] = (False, "this torch has no torch.nn.functional.scaled_mm")
-            continue
-        one = torch.ones(128, 128, device=device)
-        a = one.to(torch.float8_e4m3fn)
-        sa, sb = _probe_scale(ga, 128, 128, device), _probe_scale(gb, 128, 128, device)
-        api = "torch._scaled_mm" if name == "row" else "torch.nn.functional.scaled_mm"
-        try:
-            got = _scaled_mm_call(name, a, a, sa, ga, sb, gb, None, torch.float32)
-        except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            out[name] = (False, f"{api} refuses it on {device}: {first}")
-            continue
-        if not bool((got == 128.0).all()):
-            out[name] = (False, f"{api} runs on {device} but gave a wrong product")
-        else:
-            out[name] = (True, f"{api} on {device}")
-    return out
+    e4m3 = torch.float8_e4m3fn
+    return {name: _probe(device, name, e4m3, e4m3, torch.bfloat16) for name in RECIPES}
 
 
-def _cublas_serves(recipe: str, a: torch.Tensor, b: torch.Tensor) -> bool:
+def _gemm_dtype(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
+    # What the cuBLAS call returns: out_dtype, or float32 when the bias is added after.
+    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
+    return out_dtype if bias is None or fuse else torch.float32
+
+
+def _cublas_serves(
+    recipe: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.dtype
+) -> bool:
     if a.dtype == b.dtype == torch.float8_e5m2:
         return False  # cuBLASLt has no E5M2 x E5M2 GEMM
     if recipe != "row" and torch.float8_e5m2 in (a.dtype, b.dtype):
         return False  # torch's block and MX recipes take E4M3 only
-    return cublas_recipes(a.device)[recipe][0]
+    return _probe(a.device, recipe, a.dtype, b.dtype, _gemm_dtype(bias, out))[0]
 
 
 def run(
@@ -255,7 +266,7 @@ def run(
     """``block_scaled_mm`` on ``TRITON`` or ``CUBLAS`` (module docstring), checked call."""
     if backend is Fp8Backend.CUBLAS:
         recipe = recipe_of(ga, gb)
-        if _cublas_serves(recipe, a, b):
+        if _cublas_serves(recipe, a, b, bias, out_dtype):
             return _scaled_mm_call(recipe, a, b, scale_a, ga, scale_b, gb, bias, out_dtype)
         if not uses_kernels(backend, a):
             return block_gemm.reference_scaled_mm(a, b, scale_a, ga, scale_b, gb, bias, out_dtype)

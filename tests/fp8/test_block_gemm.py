@@ -308,7 +308,8 @@ def test_cublas_rowwise_keeps_cudas_rules(
     # a transposed view (dgrad/wgrad hand these in) is copied row-major
     b_view = b.t().contiguous().t()
     out = block_scaled_mm(a, b_view, sa, "row", sb, "row", bias, out_dtype, backend=CUBLAS)
-    assert len(cuda_rules) == 1
+    # One GEMM (besides a first-use probe of 128 x 128 x 128, under the same rules).
+    assert len([c for c in cuda_rules if c != ((128, 128), (128, 128))]) == 1
     check_within_bound(out, a, sa, "row", b, sb, "row", bias, out_dtype)
 
 
