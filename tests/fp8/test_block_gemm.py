@@ -445,3 +445,130 @@ def test_an_enclosing_autocast_changes_nothing(ga: GemmGranularity, gb: GemmGran
     with torch.autocast("cpu", dtype=torch.bfloat16):
         under = block_scaled_mm(a, b, sa, ga, sb, gb, None, torch.float32)
     assert torch.equal(under, plain)
+
+
+# ----- the block and MX cuBLAS calls, against a stand-in for CUDA's scaled_mm v2 ----------
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _decode_scale(s: torch.Tensor, kind: str, rows: int, k: int) -> torch.Tensor:
+    # Each element's step from a scale laid out as torch's CUDA v2 path checks it
+    # (ScaledBlas.cpp: _scaled_block1x128_block1x128 and siblings, _scaled_mxfp8_mxfp8).
+    def refuse(why: str) -> None:
+        raise RuntimeError(f"strict scaled_mm v2 (CUDA rules): {why}")
+
+    kb = -(-k // 128)
+    i = torch.arange(rows).reshape(-1, 1)
+    j = torch.arange(k).reshape(1, -1)
+    if kind == "BlockWise1x128":
+        if s.dtype != torch.float32 or tuple(s.shape) != (rows, kb):
+            refuse(f"1x128 scale must be float32 ({rows}, {kb}), got {s.dtype} {tuple(s.shape)}")
+        if s.stride(0) != 1 or (kb > 1 and s.stride(1) != rows):
+            refuse(f"1x128 scale strides must be (1, {rows}), got {s.stride()}")
+        return s.double()[i, j // 128]
+    if kind == "BlockWise128x128":
+        kb4, rb = _round_up(kb, 4), -(-rows // 128)
+        if s.dtype != torch.float32 or tuple(s.shape) != (kb4, rb):
+            refuse(f"128x128 scale must be float32 ({kb4}, {rb}), got {tuple(s.shape)}")
+        if s.stride(0) != 1 or (rb > 1 and s.stride(1) != kb4):
+            refuse(f"128x128 scale strides must be (1, {kb4}), got {s.stride()}")
+        return s.double()[j // 128, i // 128]
+    if kind == "BlockWise1x32":
+        c4 = _round_up(-(-k // 32), 4)
+        if s.dtype != torch.float8_e8m0fnu or s.numel() != _round_up(rows, 128) * c4:
+            refuse(f"MX scale must be e8m0 with {_round_up(rows, 128) * c4} elements")
+        flat = s.view(torch.uint8).flatten().long()
+        jb = j // 32
+        at = ((i // 128) * (c4 // 4) + jb // 4) * 512 + (i % 32) * 16 + (i % 128 // 32) * 4 + jb % 4
+        return torch.exp2(flat[at].double() - 127)
+    refuse(f"unexpected recipe {kind}")
+    raise AssertionError
+
+
+@pytest.fixture
+def cuda_v2(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
+    """``torch.nn.functional.scaled_mm`` as CUDA's v2 path checks its block and MX calls
+    (E4M3 operands, K and N multiples of 16, row-major a, column-major b, the scale layouts),
+    computing the product in float64 from the scales as laid out; the recipes it saw."""
+    f = torch.nn.functional
+    seen: list[str] = []
+
+    def scaled_mm(
+        mat_a: torch.Tensor,
+        mat_b: torch.Tensor,
+        scale_a: torch.Tensor,
+        recipe_a: Any,
+        scale_b: torch.Tensor,
+        recipe_b: Any,
+        swizzle_a: Any = None,
+        swizzle_b: Any = None,
+        bias: torch.Tensor | None = None,
+        output_dtype: torch.dtype = torch.bfloat16,
+    ) -> torch.Tensor:
+        (m, k), n = mat_a.shape, mat_b.shape[1]
+        if mat_a.dtype != torch.float8_e4m3fn or mat_b.dtype != torch.float8_e4m3fn:
+            raise RuntimeError("strict scaled_mm v2 (CUDA rules): E4M3 operands only")
+        if k % 16 or n % 16 or mat_a.stride(1) != 1 or mat_b.stride(0) != 1:
+            raise RuntimeError("strict scaled_mm v2 (CUDA rules): shapes or layouts")
+        mx = recipe_a.name == "BlockWise1x32"
+        want = f.SwizzleType.SWIZZLE_32_4_4 if mx else f.SwizzleType.NO_SWIZZLE
+        if swizzle_a != want or swizzle_b != want:
+            raise RuntimeError("strict scaled_mm v2 (CUDA rules): swizzle")
+        if bias is not None and bias.dtype != output_dtype:
+            raise RuntimeError("strict scaled_mm v2 (CUDA rules): bias dtype")
+        da = mat_a.double() * _decode_scale(scale_a, recipe_a.name, m, k)
+        db = mat_b.t().double() * _decode_scale(scale_b, recipe_b.name, n, k)
+        out = da @ db.t() + (0 if bias is None else bias.double())
+        seen.append(f"{recipe_a.name} x {recipe_b.name} {m}x{k}x{n}")
+        return out.to(output_dtype)
+
+    monkeypatch.setattr(f, "scaled_mm", scaled_mm)
+    block_gemm_ops._probe.cache_clear()
+    yield seen
+    block_gemm_ops._probe.cache_clear()
+
+
+@pytest.mark.parametrize(("ga", "gb"), PAIRS[1:])
+@pytest.mark.parametrize(("m", "n", "k", "bias_dtype", "out_dtype"), [
+    (37, 29, 300, None, torch.bfloat16), (130, 5, 64, torch.bfloat16, torch.bfloat16),
+    (3, 131, 161, torch.float32, torch.float32),
+])  # fmt: skip
+def test_block_and_mx_cublas_calls_keep_cudas_layouts(
+    cuda_v2: list[str],
+    ga: GemmGranularity,
+    gb: GemmGranularity,
+    m: int,
+    n: int,
+    k: int,
+    bias_dtype: torch.dtype | None,
+    out_dtype: torch.dtype,
+) -> None:
+    assert all(runs for runs, _ in block_gemm_ops.cublas_recipes(torch.device("cpu")).values())
+    a, sa, _ = quantized((m, k), ga, E4M3, seed=m)
+    b, sb, _ = quantized((n, k), gb, E4M3, seed=n)
+    bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
+    out = block_scaled_mm(a, b, sa, ga, sb, gb, bias, out_dtype, backend=CUBLAS)
+    # The GEMM ran on the stand-in (not on the twin), K padded to 128 and N to 16.
+    assert cuda_v2[-1].endswith(f" {m}x{_round_up(k, 128)}x{_round_up(n, 16)}"), cuda_v2
+    assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
+    check_within_bound(out, a, sa, ga, b, sb, gb, bias, out_dtype)
+
+
+def test_a_torch_without_the_v2_api_reports_it_and_runs_the_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delattr(torch.nn.functional, "scaled_mm")
+    block_gemm_ops._probe.cache_clear()
+    try:
+        found = block_gemm_ops.cublas_recipes(torch.device("cpu"))
+        assert found["row"][0]
+        assert found["mx"] == (False, f"this torch ({torch.__version__}) has no "
+                               "torch.nn.functional.scaled_mm")  # fmt: skip
+        a, sa, _ = quantized((4, 64), "mx", E4M3, seed=1)
+        got = block_scaled_mm(a, a, sa, "mx", sa, "mx", None, torch.float32, backend=CUBLAS)
+        assert torch.equal(got, block_scaled_mm(a, a, sa, "mx", sa, "mx", None, torch.float32))
+    finally:
+        block_gemm_ops._probe.cache_clear()
