@@ -19,6 +19,16 @@ process would hold after quantizing the whole batch:
 
 Nothing is read on the host: the combination is a few device ops.
 
+Fine-grained layers (granularity ``row``, ``block`` or ``mx``) keep no amax history: each
+operand is quantized from the amaxes of its own blocks, and every block of ``X``, ``dY`` and
+``W`` lies within one rank's rows (the weight is whole on every rank, or gathered whole). So
+there is nothing to merge and no amax to reduce: the sync leaves them out of the merge, hands
+them a ``RankLocal`` seam (no collective, no ``Fp8ScalingNotSyncedWarning``) and issues no
+collective for them, empty micro-batches included. The one operand whose blocks cross ranks
+is the weight gradient's contraction over tokens: each rank quantizes its own tokens' blocks
+and the gradients are then summed by DDP / FSDP2 (docs/distributed.md says when that equals
+one process exactly). Their ledgers hold statistics only, of the rank's own tokens.
+
 Two quantizes need the amax of the tensor in hand, which exists only once the layer before has
 run, so no merge between steps can supply it: every call of dynamic scaling, and the first call
 of delayed scaling, which seeds its history. ``sync_fp8_scaling`` therefore hands every layer a
@@ -86,8 +96,15 @@ class _Snapshot:
 _Entry = tuple[Fp8Linear, Role, OperandScaling]
 
 
-def _layers(model: nn.Module) -> list[Fp8Linear]:
+def _fp8_layers(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+
+
+def _layers(model: nn.Module) -> list[Fp8Linear]:
+    # The layers whose scaling keeps a history to merge: granularity "tensor". A row, block
+    # or mx layer scales every operand from the blocks in hand (no history, no step carried
+    # over), so it has nothing to merge and no amax to reduce (_FINE_GRAINED).
+    return [m for m in _fp8_layers(model) if m.policy.granularity == "tensor"]
 
 
 def _operands(layers: list[Fp8Linear]) -> list[_Entry]:
@@ -172,9 +189,18 @@ class Fp8AmaxSync:
         for module in model.modules():
             if isinstance(module, DistributedDataParallel):
                 _out_of_ddp_broadcast(module)
+        every = _fp8_layers(model)
+        if every:
+            check_same_policy(every[0].ctx, self._group)
         layers = _layers(model)
-        if layers:
-            check_same_policy(layers[0].ctx, self._group)
+        # Row, block and mx layers: nothing to merge and no amax to reduce (every scale is
+        # the current block's). Their seam says that they are in step by construction:
+        # always armed (training calls record their statistics), never reducing, so they
+        # issue no collective and nothing warns that no sync is attached.
+        fine = RankLocal()
+        for layer in every:
+            if layer.policy.granularity != "tensor":
+                layer.amax_reduce = fine
         # The layers' seam: armed while a synchronized forward of `model` runs (the
         # hooks below); outside one, a layer's call is rank-local and records nothing.
         # Built without hooks (before_forward=False), the layers stay armed: the caller

@@ -129,9 +129,11 @@ class ShardAmax:
 
 
 class RankLocal:
-    """The ``AmaxReduce`` of layers whose ranks scale on their own by choice
-    (``Fp8AmaxSync.remove()``): always armed, reduces nothing, so every training call
-    records its rank's own amaxes and nothing warns that no sync is attached."""
+    """The ``AmaxReduce`` of layers whose ranks scale on their own: by choice
+    (``Fp8AmaxSync.remove()``), or because the policy keeps no history (granularity
+    ``row``, ``block`` or ``mx``: every scale is the current block's, which no other rank
+    holds). Always armed, reduces nothing, so every training call records its rank's own
+    amaxes, issues no collective, and nothing warns that no sync is attached."""
 
     armed = True
     reduces = False

@@ -43,14 +43,29 @@ from torch.utils._pytree import tree_map
 
 from computectx.distributed.collectives import GroupAmax
 from computectx.fp8 import Fp8Linear, Fp8Weight, ops
-from computectx.recipes import DelayedScaling
+from computectx.recipes import DelayedScaling, Fp8Policy, PolicyGranularity
 
 __all__ = [
+    "FP8_GATHER_GRANULARITIES",
     "WeightGatheredAsFp8",
     "enable_fp8_all_gather",
+    "gathers_as_fp8",
     "parameter_holders",
     "sharded_weight_of",
 ]
+
+FP8_GATHER_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor",)
+"""The policy granularities whose weights FSDP2 all-gathers as fp8. ``row`` and ``mx``
+weights gather high precision (docs/distributed.md, "Fine-grained scaling"): their dgrad
+quantizes ``W`` again along the other axis from high precision, so an fp8 gather would
+ship the codes twice, once per axis, for no saving over a bfloat16 gather."""
+
+
+def gathers_as_fp8(policy: Fp8Policy) -> bool:
+    """Whether a layer under ``policy`` all-gathers its weight as fp8
+    (``FP8_GATHER_GRANULARITIES``)."""
+    return policy.granularity in FP8_GATHER_GRANULARITIES
+
 
 _aten = torch.ops.aten
 # Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
@@ -326,7 +341,8 @@ def enable_fp8_all_gather(
     and ``sync_fp8_scaling`` (which keeps the step every rank quantizes its shard with
     identical). ``module_filter(module, fqn)`` (torchao's order, as ``convert_to_fp8``'s) may
     leave some layers gathering high precision. Frozen layers (``freeze_for_serving``) have
-    no weight to gather and are skipped.
+    no weight to gather and are skipped, and so are layers whose granularity gathers high
+    precision (``gathers_as_fp8``: ``row`` and ``mx``).
 
     A weight shared with another module (an output head tied to the input embedding) would
     reach that module as fp8 codes and its tie would break: it is refused with a
@@ -340,6 +356,8 @@ def enable_fp8_all_gather(
         if not isinstance(layer, Fp8Linear) or layer.frozen:
             continue
         if module_filter is not None and not module_filter(layer, name):
+            continue
+        if not gathers_as_fp8(layer.policy):
             continue
         w = layer.weight
         if isinstance(w, WeightGatheredAsFp8):

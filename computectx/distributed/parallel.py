@@ -33,7 +33,11 @@ from computectx.distributed.amax import (
     sync_fp8_scaling,
 )
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
-from computectx.distributed.fsdp import enable_fp8_all_gather, parameter_holders
+from computectx.distributed.fsdp import (
+    enable_fp8_all_gather,
+    gathers_as_fp8,
+    parameter_holders,
+)
 from computectx.distributed.group import check_same_policy
 from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
@@ -71,7 +75,8 @@ class Parallel:
     accumulator: LowPrecGradAccumulator | None
     """The gradient accumulator, where the ctx asks for one (DDP and one process)."""
     sync: Fp8AmaxSync | None
-    """The fp8 amax sync (many ranks, fp8 policy)."""
+    """The fp8 amax sync (many ranks, fp8 policy). Under a row, block or mx policy it has
+    nothing to merge or reduce (those scales keep no history): it issues no collective."""
     conversion: Fp8ConversionReport | None
     """What ``convert_to_fp8`` did (fp8 policy)."""
     world_size: int
@@ -207,11 +212,14 @@ def parallelize(
 
     1. fp8 policy: ``convert_to_fp8(model, ctx, module_filter=fp8_filter)``.
     2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 (``fp8_all_gather``; weights
-       tied to another module gather high precision), then ``fully_shard`` each of
+       tied to another module, and ``row`` and ``mx`` weights (``gathers_as_fp8``), gather
+       high precision), then ``fully_shard`` each of
        ``shard_units`` (default: every block of a ``ModuleList``, else every child with
        parameters) and the root. ``strategy="ddp"``: ``DistributedDataParallel``.
     3. fp8 policy on many ranks: ``sync_fp8_scaling`` on what runs forward
-       (``current_amax``, ``loss_normalization`` as there).
+       (``current_amax``, ``loss_normalization`` as there). Row, block and mx layers keep
+       no amax history: the sync leaves them alone, and they issue no collective of their
+       own.
     4. The memory policy. The optimizer is an ``OffloadedOptimizer`` over
        ``optimizer_class`` when ``offload`` is true, or by default when the ctx asks for one
        (``ctx.offload`` set, or ``ctx.master`` differing from a parameter's dtype); else
@@ -266,7 +274,9 @@ def parallelize(
                 enable_fp8_all_gather(
                     model,
                     module_filter=lambda m, fqn: (
-                        isinstance(m, Fp8Linear) and len(owners.get(id(m.weight), [])) <= 1
+                        isinstance(m, Fp8Linear)
+                        and gathers_as_fp8(m.policy)
+                        and len(owners.get(id(m.weight), [])) <= 1
                     ),
                 )
             for unit in shard_units if shard_units is not None else _default_units(model):

@@ -1,0 +1,179 @@
+"""Row, block and mx fp8 policies on many ranks through ``parallelize``: DDP and FSDP2 against
+one process on the whole batch, an empty micro-batch, and a DCP round trip."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.distributed import parallelize
+from computectx.fp8 import Fp8Linear
+
+IN, HIDDEN, OUT = 64, 128, 64
+# The rows of the whole batch: 2 ranks take half each, one process all of them.
+TOTAL_ROWS = 2
+
+
+def _model() -> nn.Sequential:
+    # No bias: its gradient sums dY over the tokens in float32, in an order that differs
+    # between one process (all rows) and two ranks (half each, then the reduction).
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, HIDDEN, bias=False), nn.ReLU(), nn.Linear(HIDDEN, OUT, bias=False)
+    )
+
+
+def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(rows, IN, generator=gen)
+    x[rows // 2 :] *= 20.0  # the second rank's half: another range
+    return x, torch.randn(rows, OUT, generator=gen)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)
+    out: torch.Tensor = full() if full is not None else t
+    return out.detach().clone()
+
+
+class _CountAmaxCollectives:
+    """The amax sync's collectives this rank issues (``dist.all_gather`` merges ledgers,
+    ``dist.all_reduce`` reduces an amax); DDP and FSDP2 issue theirs otherwise."""
+
+    def __init__(self) -> None:
+        self.calls = {"all_gather": 0, "all_reduce": 0}
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> _CountAmaxCollectives:
+        for name in self.calls:
+            original = getattr(dist, name)
+            self._saved[name] = original
+
+            def counting(*args: Any, _f: Any = original, _n: str = name, **kw: Any) -> Any:
+                self.calls[_n] += 1
+                return _f(*args, **kw)
+
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, original in self._saved.items():
+            setattr(dist, name, original)
+
+
+def _capture(layers: list[Fp8Linear], store: dict[str, torch.Tensor]) -> list[Any]:
+    """Hooks that keep each layer's input and output gradient of the next call."""
+    handles = []
+    for i, layer in enumerate(layers):
+
+        def forward_hook(module: nn.Module, args: Any, out: torch.Tensor, i: int = i) -> None:
+            store[f"{i}.x"] = args[0].detach().clone()
+
+            def keep(grad: torch.Tensor) -> None:
+                store[f"{i}.dy"] = grad.detach().clone()
+
+            out.register_hook(keep)  # type: ignore[no-untyped-call]
+
+        handles.append(layer.register_forward_hook(forward_hook))
+    return handles
+
+
+def _reference(ctx: ComputeCtx) -> tuple[nn.Sequential, list[Fp8Linear]]:
+    """The same model in this process alone: one process on the whole batch (its layers'
+    seam reduces nothing, as a one-process layer's; the sync's seam says the same)."""
+    from computectx.distributed.collectives import RankLocal
+    from computectx.fp8 import convert_to_fp8
+
+    model = _model()
+    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    for layer in layers:
+        layer.amax_reduce = RankLocal()
+    return model, layers
+
+
+def train(params: dict[str, Any]) -> dict[str, Any]:
+    """``steps`` SGD steps through ``parallelize(model, ctx, strategy=...)`` under the flag
+    ``flag``; the whole batch has ``rows`` rows and each rank takes its share (one process:
+    all). ``empty_at``: the step at which the last rank's share is empty.
+
+    Reports the outputs and losses of every step, the final weights, the amax collectives
+    issued in the loop, the warnings, and per step each layer's input and output gradient
+    and the weight gradients. With ``reference=True`` each step also runs one process on
+    the whole batch from the same weights (``_reference``) and reports the same of it."""
+    ctx = ComputeCtx.from_flag(params["flag"], "cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    rows = params["rows"]
+    per = rows // world
+    model = _model()
+    out: dict[str, Any] = {"outs": [], "losses": [], "steps": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        par = parallelize(
+            model,
+            ctx,
+            strategy=params["strategy"],
+            optimizer_class=torch.optim.SGD,
+            fp8_filter=lambda module, fqn: True,
+            lr=params.get("lr", 0.05),
+        )
+        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        ref, ref_layers = _reference(ctx) if params.get("reference") else (None, [])
+        with _CountAmaxCollectives() as counter:
+            for step in range(params["steps"]):
+                x, y = _batch(step, rows)
+                lo = rank * per
+                empty = step == params.get("empty_at") and rank == world - 1
+                hi = lo if empty else lo + per
+                mine: dict[str, torch.Tensor] = {}
+                handles = _capture(layers, mine)
+                pred = par.model(x[lo:hi])
+                loss = nn.functional.mse_loss(pred.float(), y[lo:hi])
+                if empty:  # no rows, so no mean: the empty share still takes part
+                    loss = pred.float().sum()
+                loss.backward()  # type: ignore[no-untyped-call]
+                for h in handles:
+                    h.remove()
+                mine.update(_grads(model))
+                if ref is not None:
+                    mine.update(_reference_step(ref, ref_layers, model, x, y))
+                out["steps"].append(mine)
+                par.step()
+                out["outs"].append(pred.detach().clone())
+                out["losses"].append(float(loss.detach()))
+    out["weights"] = {n: _full(p) for n, p in model.named_parameters()}
+    out["amax_collectives"] = counter.calls
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    out["merged_operands"] = -1 if par.sync is None else len(par.sync._snapshots)
+    out["seams"] = [type(m.amax_reduce).__name__ for m in layers]
+    return out
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {f"{n}.grad": _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference_step(
+    ref: nn.Sequential,
+    layers: list[Fp8Linear],
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    # One process on the whole batch from the weights the ranks hold now.
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            q.copy_(_full(p))
+    seen: dict[str, torch.Tensor] = {}
+    handles = _capture(layers, seen)
+    nn.functional.mse_loss(ref(x).float(), y).backward()  # type: ignore[no-untyped-call]
+    for h in handles:
+        h.remove()
+    seen.update(_grads(ref))
+    ref.zero_grad(set_to_none=True)
+    return {f"ref.{k}": v for k, v in seen.items()}
