@@ -9,10 +9,6 @@ value once and must agree bit for bit.
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
 from hypothesis import given
@@ -22,36 +18,10 @@ from computectx.fp8 import block_gemm, fp8_quantize, granular
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.block_gemm import PAIRS, GemmGranularity, block_scaled_mm
 
-from .conftest import ON_GPU
-
 pytestmark = pytest.mark.interpreter
 
 TRITON, REF = Fp8Backend.TRITON, Fp8Backend.REFERENCE
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-_MODULE = "computectx.kernels.scaled_mm_blocks"
-
-
-def _import_interpreted() -> None:
-    # As the kernel conftest does for the older kernel modules: decorate this one for the
-    # interpreter when there is no fp8 GPU, whoever imported it first.
-    if ON_GPU:
-        return
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = sys.modules.get(_MODULE)
-        if module is None:
-            importlib.import_module(_MODULE)
-        elif not getattr(module, "INTERPRETED", False):
-            importlib.reload(module)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-_import_interpreted()
 
 
 def operand(
