@@ -50,15 +50,17 @@ left alone.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.library import custom_op
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import custom_ops, granular, granular_ops
+from computectx.fp8.backend import parse_backend
 from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
-from computectx.fp8.granular import MX_BLOCK, StepRule
+from computectx.fp8.granular import E8M0, MX_BLOCK, TILE, StepRule
 from computectx.fp8.scaling import OperandScaling
 from computectx.recipes import Fp8Policy, PolicyGranularity
 
@@ -85,20 +87,60 @@ def step_rule_of(policy: Fp8Policy) -> StepRule:
 
 def _quantize(
     x: torch.Tensor, fmt: Fp8Format, granularity: GemmGranularity, plan: Fp8LinearPlan
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` quantized in blocks along its last dimension: ``(codes, scale)``, the scale as
-    ``fp8_quantize`` returns it; an ``mx`` contraction under 32 zero-padded to one block."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` quantized in blocks along its last dimension: ``(codes, scale, largest step)``,
+    the scale as ``fp8_quantize`` returns it; an ``mx`` contraction under 32 zero-padded to
+    one block."""
     if granularity == "mx" and x.shape[-1] < MX_BLOCK:
         x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1]))
     rule = step_rule_of(plan.policy)
-    return granular_ops.quantize(x, fmt, granularity, rule, None, backend=plan.backend)
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.ops.computectx.fp8_quantize_blocks(
+        x, fmt.torch, granularity, rule, plan.backend.value
+    )
+    return out
 
 
-def _record(operand: OperandScaling, x: torch.Tensor, scale: torch.Tensor) -> None:
+@custom_op("computectx::fp8_quantize_blocks", mutates_args=())
+def _quantize_blocks(
+    x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The linear's block quantize as one operator: ``granular_ops.quantize`` (the Triton
+    kernel or the twin) and the largest block step, float32 ``(1,)``.
+
+    Opaque to ``torch.compile``, as the per-tensor quantizes are: Inductor's CPU code
+    generator has no ``float8_e8m0fnu``, so an mx scale must come out of an operator, and
+    the only reader of it in the graph is ``block_scaled_mm``'s operator; the ledgers read
+    the largest step as float32.
+    """
+    fmt = Fp8Format.parse(fp8)
+    q, s = granular_ops.quantize(
+        x,
+        fmt,
+        cast(GemmGranularity, granularity),
+        cast(StepRule, rule),
+        None,
+        backend=parse_backend(backend),
+    )
+    return q, s, granular.steps_of_scale(s).amax().reshape(1)
+
+
+@_quantize_blocks.register_fake
+def _quantize_blocks_fake(
+    x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, k = x.shape  # 2-D here; the scale shapes of granular.layout_of, symbolically
+    blocks = {"row": 1, "1x128": -(-k // TILE), "128x128": -(-k // TILE), "mx": -(-k // MX_BLOCK)}
+    scale_rows = -(-rows // TILE) if granularity == "128x128" else rows
+    dtype = E8M0 if granularity == "mx" else torch.float32
+    scale = x.new_empty((scale_rows, blocks[granularity]), dtype=dtype)
+    return x.new_empty(x.shape, dtype=fp8), scale, x.new_empty(1, dtype=torch.float32)
+
+
+def _record(operand: OperandScaling, x: torch.Tensor, largest_step: torch.Tensor) -> None:
     # Statistics only: the tensor's amax (NaN propagates and is counted), the largest block
     # step, and x's elements in the tally.
     amax = x.detach().abs().amax().to(torch.float32).reshape(1)
-    operand.record(amax, granular.steps_of_scale(scale).amax().reshape(1))
+    operand.record(amax, largest_step)
     custom_ops.count(operand.tally, x)
 
 
@@ -115,11 +157,11 @@ class _GranularLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fwd = plan.policy.format.forward
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
-        xq, sx = _quantize(x, fwd, g_act, plan)
-        wq, sw = _quantize(weight, fwd, g_w, plan)
+        xq, sx, x_step = _quantize(x, fwd, g_act, plan)
+        wq, sw, w_step = _quantize(weight, fwd, g_w, plan)
         if plan.record:
-            _record(plan.state.input, x, sx)
-            _record(plan.state.weight, weight, sw)
+            _record(plan.state.input, x, x_step)
+            _record(plan.state.weight, weight, w_step)
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
         # row and mx quantize the weight again along N from high precision.
@@ -148,16 +190,16 @@ class _GranularLinearFunction(torch.autograd.Function):
         record = plan.record
         if need_x:
             # dX[M, K] = dY[M, N] · W[N, K]: contraction over N, dY's rows and W's columns.
-            gq, sg = _quantize(dy, bwd, g_act, plan)
+            gq, sg, g_step = _quantize(dy, bwd, g_act, plan)
             if record:
-                _record(plan.state.grad, dy, sg)
+                _record(plan.state.grad, dy, g_step)
                 record = False
             g_wt: GemmGranularity = g_w
             if g_w == "128x128":
                 wq, sw = w_saved
                 wtq, swt = wq.t(), sw.t()
             else:
-                wtq, swt = _quantize(w_saved[0].t(), fwd, g_act, plan)
+                wtq, swt, _ = _quantize(w_saved[0].t(), fwd, g_act, plan)
             dx = block_scaled_mm(
                 gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
             )
@@ -168,10 +210,10 @@ class _GranularLinearFunction(torch.autograd.Function):
             if policy.gw_hp:
                 dw32 = dy.to(torch.float32).t() @ x.to(torch.float32)
             else:
-                gtq, sgt = _quantize(dy.t(), bwd, g_act, plan)
+                gtq, sgt, gt_step = _quantize(dy.t(), bwd, g_act, plan)
                 if record:
-                    _record(plan.state.grad, dy, sgt)
-                xtq, sxt = _quantize(x.t(), fwd, g_act, plan)
+                    _record(plan.state.grad, dy, gt_step)
+                xtq, sxt, _ = _quantize(x.t(), fwd, g_act, plan)
                 dw32 = block_scaled_mm(
                     gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
                 )
