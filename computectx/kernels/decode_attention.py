@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from computectx.kernels.fp8_codes import round_to_bf16
+
 __all__ = ["INTERPRETED", "decode_attention", "split_count"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
@@ -44,18 +46,9 @@ _MIN_BLOCKS_PER_SPLIT = 4
 
 
 @triton.jit
-def _rne_bf16(v):  # type: ignore[no-untyped-def]
-    # float32 -> bf16 round to nearest even on the bits (NaN kept), so the cast after it is
-    # exact on the interpreter (which truncates) as on a GPU (which rounds).
-    bits = v.to(tl.int32, bitcast=True)
-    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
-
-
-@triton.jit
 def _store_out(out_ptr, offs_d, dmask, res, OUT_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
     if OUT_BF16:
-        res = _rne_bf16(res)
+        res = round_to_bf16(res)
     tl.store(out_ptr + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
 
 

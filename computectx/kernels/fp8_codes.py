@@ -1,5 +1,6 @@
 """The fp8 byte of a float32 value, in integer arithmetic: one Triton function the quantize
-kernels share (``computectx.kernels.quantize`` and ``computectx.kernels.quantize_blocks``).
+kernels share (``computectx.kernels.quantize`` and ``computectx.kernels.quantize_blocks``);
+and ``round_to_bf16``, the bf16 rounding every GEMM and attention epilogue shares.
 
 Never Triton's float -> fp8 conversion: the interpreter's mis-rounds when the rounding carry
 reaches the exponent (31.19 becomes 16.0, not 32.0, in E4M3) and writes other NaN bytes than
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "byte_constants", "fp8_byte"]
+__all__ = ["INTERPRETED", "byte_constants", "fp8_byte", "round_to_bf16"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's function was decorated for the interpreter."""
@@ -82,3 +83,15 @@ def byte_constants(fp8: torch.dtype) -> dict[str, Any]:
         "SUB_MAGIC": sub_magic,
         "SUB_MAGIC_BITS": _f32_bits(sub_magic),
     }
+
+
+@triton.jit
+def round_to_bf16(v):  # type: ignore[no-untyped-def]
+    """float32 ``v`` rounded to the nearest bf16 (ties to even), still float32, so the cast
+    that follows is exact: a GPU's cast rounds this way, the interpreter's truncates. Adds
+    half an ulp of bf16 (``0x7FFF``, plus the kept bit for the tie) to the bits and clears
+    the low 16; an overflow becomes inf, as IEEE rounding says; NaN is kept."""
+    bits = v.to(tl.int32, bitcast=True)
+    keep = (bits >> 16) & 1
+    rounded = (bits + (0x7FFF + keep)) & -65536
+    return tl.where(v == v, rounded.to(tl.float32, bitcast=True), v)

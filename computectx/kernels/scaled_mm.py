@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from computectx.kernels.fp8_codes import round_to_bf16
+
 __all__ = ["INTERPRETED", "scaled_mm"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
@@ -65,16 +67,6 @@ def _prune(
         if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
     ]
     return fits or configs[-1:]
-
-
-@triton.jit
-def _round_to_bf16(v):  # type: ignore[no-untyped-def]
-    # float32 -> bf16 round-to-nearest-even on the bit pattern, so the cast that follows is
-    # exact. GPUs round this way in the cast itself; Triton's interpreter truncates, and
-    # this keeps the two identical. Overflow rounds to inf as IEEE says; NaN is kept.
-    bits = v.to(tl.int32, bitcast=True)
-    r = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
 
 
 @triton.autotune(
@@ -149,7 +141,7 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         out = out + bias[None, :]
     if OUT_BF16:
-        out = _round_to_bf16(out)
+        out = round_to_bf16(out)
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
 

@@ -31,7 +31,9 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "round_to_bf16", "scaled_mm_blocks"]
+from computectx.kernels.fp8_codes import round_to_bf16
+
+__all__ = ["INTERPRETED", "scaled_mm_blocks"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` when it
@@ -86,18 +88,6 @@ def _prune(
         c for c in ok if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
     ]
     return fits or [min(ok, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
-
-
-@triton.jit
-def round_to_bf16(v):  # type: ignore[no-untyped-def]
-    """float32 ``v`` rounded to the nearest bf16 (ties to even), still float32, so the cast
-    that follows is exact: a GPU's cast rounds this way, the interpreter's truncates. Adds
-    half an ulp of bf16 (``0x7FFF``, plus the kept bit for the tie) to the bits and clears
-    the low 16; an overflow becomes inf, as IEEE rounding says; NaN is kept."""
-    bits = v.to(tl.int32, bitcast=True)
-    keep = (bits >> 16) & 1
-    rounded = (bits + (0x7FFF + keep)) & -65536
-    return tl.where(v == v, rounded.to(tl.float32, bitcast=True), v)
 
 
 @triton.jit
