@@ -39,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gpu_check_kv
 import torch
 from torch import nn
 
@@ -371,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         "linear": lambda: section_linear(device, smoke, reps, backend, compile_backend),
         "bytelm": lambda: section_bytelm(device, smoke, reps, compile_backend),
         "granularity_gemm": lambda: section_granularity_gemm(device, smoke, reps),
+        "kv_decode": lambda: gpu_check_kv.section_kv_decode(device, smoke, reps),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

@@ -37,6 +37,7 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
         "linear",
         "bytelm",
         "granularity_gemm",
+        "kv_decode",
     }
     for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])
