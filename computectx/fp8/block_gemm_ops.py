@@ -50,7 +50,7 @@ import torch
 from computectx.fp8 import block_gemm, granular
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.block_gemm import GemmGranularity
-from computectx.fp8.custom_ops import CUBLAS_MULTIPLE, uses_kernels
+from computectx.fp8.custom_ops import CUBLAS_MULTIPLE, cublas_operand, round_up, uses_kernels
 
 __all__ = ["RECIPES", "cublas_recipes", "cublas_scales", "recipe_of", "run"]
 
@@ -69,22 +69,6 @@ def recipe_of(ga: GemmGranularity, gb: GemmGranularity) -> str:
     return "1x128x1x128" if ga == gb else "1x128x128x128"
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    # ``t`` when it is already a row-major [rows, cols] operand with 16-byte aligned rows;
-    # else a row-major copy zero-padded to [rows, cols]. The per-tensor path has the same
-    # helper, private (custom_ops._cublas_operand); see docs/fp8-kernels.md.
-    aligned = t.stride(0) % CUBLAS_MULTIPLE == 0 and t.storage_offset() % CUBLAS_MULTIPLE == 0
-    if tuple(t.shape) == (rows, cols) and t.stride(1) == 1 and aligned:
-        return t
-    out = t.new_zeros((rows, cols))
-    out[: t.shape[0], : t.shape[1]].copy_(t)
-    return out
-
-
 def _pad_rows(s: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tensor:
     # s [r, c] into a contiguous [rows, cols] tensor filled with ``fill`` (a step of 1 for
     # the zero codes of padded operand rows and K blocks).
@@ -99,7 +83,7 @@ def _swizzled(scale: torch.Tensor, rows: int, kblocks: int) -> torch.Tensor:
     # E8M0 scales [rows, kblocks] in cuBLAS's 128 x 4 tiles (``SWIZZLE_32_4_4``): padded to
     # [128 r, 4 c] with byte 127 (2**0); inside a tile, element (i, j) is at
     # (i % 32) * 16 + (i // 32) * 4 + j; the tiles follow row-block-major.
-    r128, c4 = _round_up(rows, 128), _round_up(kblocks, 4)
+    r128, c4 = round_up(rows, 128), round_up(kblocks, 4)
     padded = torch.full((r128, c4), 127, dtype=torch.uint8, device=scale.device)
     padded[: scale.shape[0], : scale.shape[1]].copy_(scale.view(torch.uint8))
     tiles = padded.view(r128 // 128, 4, 32, c4 // 4, 4).permute(0, 3, 2, 1, 4)
@@ -127,7 +111,7 @@ def cublas_scales(
     kb = -(-k // granular.TILE)
     if granularity == "1x128":
         return _pad_rows(scale, rows, kb, 1.0).t().contiguous().t()
-    return _pad_rows(scale, -(-rows // granular.TILE), _round_up(kb, 4), 1.0).t()
+    return _pad_rows(scale, -(-rows // granular.TILE), round_up(kb, 4), 1.0).t()
 
 
 def _scaled_mm_call(
@@ -145,8 +129,8 @@ def _scaled_mm_call(
     m, k = a.shape
     n = b.shape[0]
     multiple = CUBLAS_MULTIPLE if recipe == "row" else _BLOCK_K
-    kp, np_ = _round_up(k, multiple), _round_up(n, CUBLAS_MULTIPLE)
-    a_p, b_p = _padded(a, m, kp), _padded(b, np_, kp)
+    kp, np_ = round_up(k, multiple), round_up(n, CUBLAS_MULTIPLE)
+    a_p, b_p = cublas_operand(a, m, kp), cublas_operand(b, np_, kp)
     scale_a = cublas_scales(sa, ga, m, kp, operand="a")
     scale_b = cublas_scales(sb, gb, np_, kp, operand="b")
     gemm_dtype = _gemm_dtype(bias, out_dtype)

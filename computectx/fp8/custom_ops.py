@@ -67,6 +67,7 @@ __all__ = [
     "TALLY_LEN",
     "TALLY_SEEDED",
     "count",
+    "cublas_operand",
     "delayed_call",
     "dequantize",
     "quantize_delayed",
@@ -74,6 +75,7 @@ __all__ = [
     "quantize_dynamic",
     "quantize_dynamic_with",
     "quantize_with_step",
+    "round_up",
     "scaled_mm",
     "tally_new",
     "triton_imports",
@@ -302,13 +304,15 @@ CUBLAS_MULTIPLE = 16
 """What ``torch._scaled_mm`` on CUDA wants K and N to be multiples of (M may be anything)."""
 
 
-def _round_up(n: int) -> int:
-    return -(-n // CUBLAS_MULTIPLE) * CUBLAS_MULTIPLE
+def round_up(n: int, multiple: int = CUBLAS_MULTIPLE) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
 
 
-def _cublas_operand(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    # t itself when it is row-major with 16-byte aligned rows and the wanted shape; else a
-    # row-major copy, zero-padded to [rows, cols] (one read and write of a 1-byte operand).
+def cublas_operand(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` itself when it is row-major with 16-byte aligned rows and the wanted shape; else
+    a row-major copy, zero-padded to ``[rows, cols]`` (one read and write of a 1-byte
+    operand): a GEMM operand as CUDA's ``_scaled_mm`` takes it."""
     aligned = t.stride(0) % CUBLAS_MULTIPLE == 0 and t.storage_offset() % CUBLAS_MULTIPLE == 0
     if tuple(t.shape) == (rows, cols) and t.stride(1) == 1 and t.stride(0) >= cols and aligned:
         return t
@@ -339,9 +343,9 @@ def _cublas_scaled_mm(
         return reference.scaled_mm(a, b, step_a, step_b, bias, out_dtype)
     m, k = a.shape
     n = b.shape[0]
-    k16, n16 = _round_up(k), _round_up(n)
-    a16 = _cublas_operand(a, m, k16)
-    b16 = _cublas_operand(b, n16, k16)
+    k16, n16 = round_up(k), round_up(n)
+    a16 = cublas_operand(a, m, k16)
+    b16 = cublas_operand(b, n16, k16)
     fuse = bias is not None and bias.dtype == out_dtype != torch.float32
     fused_bias = None
     if fuse and bias is not None:
