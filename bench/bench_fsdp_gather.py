@@ -1,15 +1,22 @@
 """FSDP2 on fp8 layers: bytes each rank all-gathers and step time, float32 gather against the
 fp8 all-gather (``enable_fp8_all_gather``), and dynamic scaling's whole-batch amax against
-rank-local, side by side from one run.
+rank-local, side by side from one run; then the fine-grained policies (row, block, mx)
+set up through ``parallelize``.
 
     python bench/bench_fsdp_gather.py                    # 2 gloo ranks on the CPU
     python bench/bench_fsdp_gather.py --dim 2048 --steps 10
 
 Each configuration trains the same fp8 MLP (``--layers`` square ``--dim`` layers, each its
-own ``fully_shard`` unit) on 2 spawned ranks; every rank counts the bytes it hands to the
-all-gathers (forward and backward gathers) and times its steps. Target: the fp8 all-gather
-sends at most 1.1 bytes per weight element. On the CPU with gloo the step time is mostly the
-reference fp8 GEMMs; it is printed for the ratio, not as a GPU figure. Nothing is asserted.
+own ``fully_shard`` unit, no bias) on 2 spawned ranks; every rank counts the bytes it hands
+to the all-gathers (forward and backward gathers) and times its steps. Targets: the per-
+tensor fp8 all-gather sends at most 1.1 bytes per weight element, the 128x128-block one at
+most 1.05 (1 byte of code and one float32 scale per 16384 elements). Row and mx weights
+gather high precision (docs/distributed.md); for them the table adds, as "fp8 (not
+built)", what an fp8 gather would send, from the sizes of the quantized shards: the
+forward gather's codes and scales along K, and the backward re-gather's along N (a row-wise
+dgrad also needs a MAX all-reduce of K column amaxes, counted here). On the CPU with gloo
+the step time is mostly the reference fp8 GEMMs; it is printed for the ratio, not as a GPU
+figure. Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         if scaling == "dynamic":
             ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
         torch.manual_seed(0)
-        model = nn.Sequential(*(Fp8Linear(args.dim, args.dim, ctx=ctx) for _ in range(args.layers)))
+        model = nn.Sequential(
+            *(Fp8Linear(args.dim, args.dim, bias=False, ctx=ctx) for _ in range(args.layers))
+        )
         if gather == "fp8":
             enable_fp8_all_gather(model)
         for layer in model:
@@ -75,36 +84,106 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         fully_shard(model, mesh=mesh)
         sync = sync_fp8_scaling(model, current_amax=current)  # type: ignore[arg-type]
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        counter = _Sent(dist.all_gather_single)
-
         x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
-        times = []
-        dist.all_gather_single = counter  # type: ignore[assignment]
-        try:
-            for i in range(args.warmup + args.steps):
-                if i == args.warmup:
-                    counter.bytes = 0
-                t0 = time.perf_counter()
-                model(x).square().mean().backward()
-                opt.step()
-                opt.zero_grad()
-                times.append(time.perf_counter() - t0)
-        finally:
-            dist.all_gather_single = counter.original
+        sent, step_s = _steps(model, opt, x, args)
         sync.remove()
         elements = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))
         elements //= world
         results.append(
             {
                 "config": f"{scaling}, {gather} gather, {current} amax",
-                "bytes_per_element": counter.bytes / (2 * args.steps * elements),
-                "step_s": statistics.median(times[args.warmup :]),
+                "bytes_per_element": sent / (2 * args.steps * elements),
+                "step_s": step_s,
             }
         )
+    for flag in FINE_FLAGS:
+        results.append(_fine(flag, rank, world, args))
+        if flag != "fp8_block":
+            results.append(_fp8_alternative(flag, world, args))
     if rank == 0:
         out.put(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+FINE_FLAGS = ("fp8_rowwise", "fp8_block", "fp8_mx")
+
+
+def _steps(run: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, args: Any) -> Any:
+    """Train ``warmup + steps`` steps; the bytes handed to the all-gathers in the last
+    ``steps`` and the median step time."""
+    counter = _Sent(dist.all_gather_single)
+    times = []
+    dist.all_gather_single = counter  # type: ignore[assignment]
+    try:
+        for i in range(args.warmup + args.steps):
+            if i == args.warmup:
+                counter.bytes = 0
+            t0 = time.perf_counter()
+            run(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+    finally:
+        dist.all_gather_single = counter.original
+    return counter.bytes, statistics.median(times[args.warmup :])
+
+
+def _fine(flag: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """A fine-grained policy through ``parallelize(strategy="fsdp")``: measured."""
+    from computectx.distributed import parallelize
+
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)))
+    par = parallelize(
+        model, ctx, strategy="fsdp", optimizer_class=torch.optim.SGD, lr=1e-3,
+        fp8_filter=lambda m, fqn: True,
+    )  # fmt: skip
+    x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
+    sent, step_s = _steps(par.model, par.optimizer, x, args)
+    elements = args.layers * args.dim * args.dim // world
+    gathered = "fp8" if flag == "fp8_block" and _gathers_blocks(model) else "hp"
+    return {
+        "config": f"{flag}, {gathered} gather (parallelize)",
+        "bytes_per_element": sent / (2 * args.steps * elements),
+        "step_s": step_s,
+    }
+
+
+def _gathers_blocks(model: nn.Module) -> bool:
+    from computectx.distributed.fsdp import WeightGatheredAsFp8, sharded_weight_of
+
+    return all(
+        isinstance(sharded_weight_of(m.weight), WeightGatheredAsFp8)
+        for m in model.modules()
+        if isinstance(m, Fp8Linear)
+    )
+
+
+def _fp8_alternative(flag: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """What one weight's fp8 gather would send under ``flag`` (row or mx), per element of
+    a shard, averaged over a step's forward gather and backward re-gather."""
+    from computectx.fp8 import fp8_quantize
+
+    rows, k = args.dim // world, args.dim
+    shard = torch.randn(rows, k)
+    if flag == "fp8_mx":
+        fwd = fp8_quantize(shard, "e4m3", granularity="mx")
+        bwd = fp8_quantize(shard.t(), "e4m3", granularity="mx")  # 32-row blocks: shard-local
+        extra = 0
+    else:
+        fwd = fp8_quantize(shard, "e4m3", granularity="row")
+        # Wᵀ's rows are W's columns, which span every shard: the codes with the column
+        # scales of the whole weight, after a MAX all-reduce of K float32 amaxes.
+        bwd = (fwd[0], torch.empty(0))
+        extra = 4 * k
+    sent = sum(t.numel() * t.element_size() for t in (*fwd, *bwd)) + extra
+    return {
+        "config": f"{flag}, fp8 gather (not built)",
+        "bytes_per_element": sent / (2 * rows * k),
+        "step_s": float("nan"),
+    }
 
 
 def main() -> None:
@@ -132,7 +211,7 @@ def main() -> None:
     print(f"{'configuration':40s} {'bytes/elem':>10s} {'vs fp32':>8s} {'step s':>8s} {'ratio':>6s}")
     for r in results:
         print(
-            f"{r['config']:40s} {r['bytes_per_element']:10.3f} "
+            f"{r['config']:40s} {r['bytes_per_element']:10.4f} "
             f"{base['bytes_per_element'] / r['bytes_per_element']:7.2f}x "
             f"{r['step_s']:8.3f} {r['step_s'] / base['step_s']:6.2f}"
         )

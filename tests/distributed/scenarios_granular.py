@@ -177,3 +177,42 @@ def _reference_step(
     seen.update(_grads(ref))
     ref.zero_grad(set_to_none=True)
     return {f"ref.{k}": v for k, v in seen.items()}
+
+
+def checkpoint_round_trip(params: dict[str, Any]) -> dict[str, Any]:
+    """Under ``flag`` through ``parallelize``: two steps then a DCP save of
+    ``par.state_dict()`` to ``path``; with ``load=True`` a fresh setup (other initial
+    weights) loads it instead. Reports the output on a fixed probe and the state's keys."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    ctx = ComputeCtx.from_flag(params["flag"], "cpu")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _model()
+    if params.get("load"):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(-0.5)  # not the weights saved: the load must bring them
+    par = parallelize(
+        model,
+        ctx,
+        strategy=params["strategy"],
+        fp8_filter=lambda module, fqn: True,
+        lr=1e-2,
+    )
+    if params.get("load"):
+        state = par.state_dict()
+        load(state, checkpoint_id=params["path"])
+        par.load_state_dict(state)
+    else:
+        per = 64 // world
+        for step in range(2):
+            x, y = _batch(step, 64)
+            xs, ys = x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+            nn.functional.mse_loss(par.model(xs).float(), ys).backward()  # type: ignore[no-untyped-call]
+            par.step()
+        state = par.state_dict()
+        save(state, checkpoint_id=params["path"])
+    with torch.no_grad():
+        probe = par.model(torch.linspace(-2.0, 2.0, 4 * IN).reshape(4, IN))
+    return {"probe": probe, "keys": sorted(state["model"])}

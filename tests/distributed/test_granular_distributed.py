@@ -27,6 +27,7 @@ grained scaling on many ranks"):
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -200,3 +201,31 @@ def test_an_empty_micro_batch_takes_part_in_every_collective(
     _check_common(ranks)
     assert ranks[1]["outs"][1].shape == (0, 64)
     assert ranks[0]["outs"][1].shape == (32, 64)
+
+
+def test_a_dcp_checkpoint_of_a_granular_policy_round_trips_and_reshards(
+    run_ranks: RunRanks, tmp_path: Path
+) -> None:
+    path = str(tmp_path / "ckpt")
+    common = {"flag": "fp8_block", "path": path}
+    saved = run_ranks(
+        "scenarios_granular.py:checkpoint_round_trip", limit_s=60.0, strategy="fsdp", **common
+    )
+    loaded = run_ranks(
+        "scenarios_granular.py:checkpoint_round_trip",
+        limit_s=60.0,
+        strategy="fsdp",
+        load=True,
+        **common,
+    )
+    (alone,) = run_ranks(
+        "scenarios_granular.py:checkpoint_round_trip",
+        world_size=1,
+        strategy="ddp",
+        load=True,
+        **common,
+    )
+    # Saved on 2 FSDP2 ranks; loaded on 2 ranks and in one process: the same model.
+    for r in (*loaded, alone):
+        assert torch.equal(r["probe"], saved[0]["probe"])
+    assert saved[0]["keys"] == alone["keys"]
