@@ -1,5 +1,6 @@
 """Blocks that thread a ``ComputeCtx``: precise ops, RMSNorm, RoPE, attention with a KV
-cache, a SwiGLU MLP, and ``ByteLM``, a small byte-level decoder-only LM with generation.
+cache (at a dtype, or fp8 codes and steps: ``KVCache``, ``calibrate_kv``), a SwiGLU MLP, and
+``ByteLM``, a small byte-level decoder-only LM with generation and a static-shape decode step.
 
 Their GEMMs run at ``ctx.compute`` with float32 accumulation through ``Gemm``: torch's
 kernel, or, on a CPU without native bf16/f16 GEMMs, the same numerics as float32 GEMMs of the
@@ -11,9 +12,11 @@ everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
 plain ``nn.Linear``.
 """
 
-from computectx.nn.attention import Attention, KVCache
+from computectx.nn.attention import Attention
+from computectx.nn.calibrate import calibrate_kv
 from computectx.nn.gemm import Gemm, GemmPath, forced_gemm_path
-from computectx.nn.generate import generate, next_token
+from computectx.nn.generate import DecodeStep, decode_logits, generate, next_token
+from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 from computectx.nn.linears import apply_fp8_policy
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
 from computectx.nn.mlp import MLP
@@ -26,6 +29,7 @@ __all__ = [
     "MLP",
     "Attention",
     "ByteLM",
+    "DecodeStep",
     "DecoderBlock",
     "Gemm",
     "GemmPath",
@@ -35,10 +39,13 @@ __all__ = [
     "RotaryEmbedding",
     "apply_fp8_policy",
     "apply_rope",
+    "calibrate_kv",
     "decode_bytes",
+    "decode_logits",
     "encode_bytes",
     "forced_gemm_path",
     "generate",
+    "kv_bytes_per_token",
     "next_token",
     "rms_norm",
     "rope_tables",

@@ -1,4 +1,4 @@
-"""Causal self-attention computing in ``ctx.compute`` with a KV cache stored at ``ctx.kv``."""
+"""Causal self-attention computing in ``ctx.compute`` with a KV cache stored as ``ctx.kv`` says."""
 
 from __future__ import annotations
 
@@ -8,65 +8,19 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.dtypes import KvFp8
+from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.decode_attention import decode_attention
+from computectx.fp8.kv_quant import static_kv_steps
 from computectx.nn.gemm import Gemm
+from computectx.nn.kv_cache import KVCache
 from computectx.nn.linears import apply_fp8_policy, param_dtype
 from computectx.nn.ops import softmax
 from computectx.nn.rope import RotaryEmbedding
 
 __all__ = ["Attention", "KVCache"]
 
-
-class KVCache:
-    """Keys and values of one attention layer for a batch, stored at ``ctx.kv``.
-
-    Preallocated for ``max_len`` positions. ``append`` casts new keys/values with
-    ``ctx.to_kv`` (the cache-append boundary: the only place their dtype changes on the way
-    in) and returns every cached position so far, still at ``ctx.kv``.
-    """
-
-    def __init__(
-        self, ctx: ComputeCtx, batch: int, n_heads: int, head_dim: int, max_len: int
-    ) -> None:
-        for name, value in (
-            ("batch", batch),
-            ("n_heads", n_heads),
-            ("head_dim", head_dim),
-            ("max_len", max_len),
-        ):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
-        self.ctx = ctx
-        self.max_len = max_len
-        shape = (batch, n_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=ctx.kv.torch, device=ctx.device)
-        self.v = torch.zeros(shape, dtype=ctx.kv.torch, device=ctx.device)
-        self.length = 0
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The storage dtype (``ctx.kv``)."""
-        return self.k.dtype
-
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) after the cached positions and
-        return keys and values of all positions so far (views into the cache)."""
-        b, h, cap, d = self.k.shape
-        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
-            raise ValueError(
-                f"KVCache.append: got k {tuple(k.shape)} and v {tuple(v.shape)}; expected "
-                f"both ({b}, {h}, T, {d})"
-            )
-        t = k.shape[2]
-        if self.length + t > cap:
-            raise ValueError(
-                f"KVCache.append: {t} new position(s) after {self.length} cached exceed "
-                f"max_len={cap}; at most {cap - self.length} more fit"
-            )
-        end = self.length + t
-        self.k[:, :, self.length : end] = self.ctx.to_kv(k)
-        self.v[:, :, self.length : end] = self.ctx.to_kv(v)
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
+_DECODE_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Attention(nn.Module):
@@ -76,9 +30,22 @@ class Attention(nn.Module):
     the weighted sum are GEMMs at ``ctx.compute`` with float32 accumulation (``Gemm``: torch's
     kernel, or its float32 emulation on CPUs without a half-precision one), inside
     ``ctx.autocast()``; RoPE and the softmax go through ``ctx.precise``. With a ``KVCache``,
-    new keys/values are stored at ``ctx.kv`` and read back with ``ctx.to_compute``, and
-    queries take positions after the cached ones.
+    new keys/values are stored as ``ctx.kv`` says and queries take positions after the cached
+    ones; every key and value attention reads then comes out of the cache.
+
+    With an fp8 ``kv`` (``KvFp8``) the cache is read in float32: scores, softmax and the
+    weighted sum of dequantized keys and values run in float32 (never at the compute dtype).
+    One query position (a decode step) runs ``computectx.fp8.decode_attention``, which
+    dequantizes block by block with float32 accumulation within and across blocks; several
+    (a prefill) dequantize the cached prefix to float32 and run the causal attention there.
+
+    The buffer ``kv_amax`` (``(2, H)`` float32: row 0 keys, row 1 values) holds each head's
+    calibrated amax (``computectx.nn.calibrate_kv``), from which the static fp8 schemes take
+    their steps; all zeros means not calibrated. It is saved and loaded with the weights and
+    checked on load (``check_state_tensors``).
     """
+
+    kv_amax: torch.Tensor
 
     def __init__(
         self, ctx: ComputeCtx, dim: int, n_heads: int, max_len: int, rope_base: float = 10000.0
@@ -98,28 +65,181 @@ class Attention(nn.Module):
         self.rope = RotaryEmbedding(ctx, self.head_dim, max_len, rope_base)
         apply_fp8_policy(self, ctx)
         self.gemm = Gemm.for_ctx(ctx)
+        self.register_buffer("kv_amax", torch.zeros(2, n_heads, device=ctx.device))
+        self.kv_observed: torch.Tensor | None = None
+        """While ``calibrate_kv`` runs: the running per-head amax of keys and values."""
 
-    def new_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        """An empty cache for this layer (``max_len`` defaults to the RoPE table length)."""
-        return KVCache(self.ctx, batch, self.n_heads, self.head_dim, max_len or self.max_len)
+    # ----- calibration state ------------------------------------------------------------------
+
+    @property
+    def kv_calibrated(self) -> bool:
+        """Whether ``kv_amax`` holds a calibration (it is all zeros until one is made)."""
+        return bool((self.kv_amax != 0).any())
+
+    def kv_steps(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The static key and value steps of ``ctx.kv`` (``per_head`` or ``per_tensor``) from
+        ``kv_amax``; ``ValueError`` when the layer is not calibrated."""
+        kv = self.ctx.kv
+        if not isinstance(kv, KvFp8) or not kv.static:
+            raise ValueError(f"kv={kv} has no static steps (only fp8 per_head and per_tensor do)")
+        if not self.kv_calibrated:
+            raise ValueError(
+                f"kv={kv} is a static scheme and this attention layer has no calibrated KV "
+                f"amax (a step of 1.0 is never assumed): run computectx.nn.calibrate_kv(model, "
+                f"batches), or load a calibrated checkpoint, before building caches; or use "
+                f"kv={kv.format}/per_token_head, which needs no calibration"
+            )
+        return static_kv_steps(self.kv_amax, kv)
+
+    def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """``load_weights``' check of this layer's tensors before anything is replaced:
+        ``kv_amax`` must be finite, and all zeros (not calibrated) or all positive."""
+        amax = tensors.get("kv_amax")
+        if amax is None:
+            return
+        wide = amax.to(torch.float32)
+        finite = bool(torch.isfinite(wide).all())
+        if not finite or not (bool((wide == 0).all()) or bool((wide > 0).all())):
+            raise ValueError(
+                f"kv_amax must be finite and either all zero (not calibrated) or all positive "
+                f"(a calibration), got {wide.tolist()}"
+            )
+
+    def observe_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Fold the per-head amax of ``k`` and ``v`` (``(B, H, T, D)``) into ``kv_observed``
+        (a no-op unless ``calibrate_kv`` armed it)."""
+        seen = self.kv_observed
+        if seen is None:
+            return
+        now = torch.stack([t.detach().abs().to(torch.float32).amax(dim=(0, 2, 3)) for t in (k, v)])
+        self.kv_observed = torch.maximum(seen, now)
+
+    # ----- caches -----------------------------------------------------------------------------
+
+    def new_cache(
+        self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None
+    ) -> KVCache:
+        """An empty cache for this layer (``max_len`` defaults to the RoPE table length).
+
+        For a static fp8 ``kv`` it carries this layer's calibrated steps (``kv_steps``: an
+        error when there are none). ``backend`` picks how an fp8 cache is read in decode
+        steps (``computectx.nn.kv_cache.decode_backend``).
+        """
+        kv = self.ctx.kv
+        steps = self.kv_steps() if isinstance(kv, KvFp8) and kv.static else None
+        return KVCache(
+            self.ctx,
+            batch,
+            self.n_heads,
+            self.head_dim,
+            max_len or self.max_len,
+            steps=steps,
+            backend=backend,
+        )
+
+    # ----- forward ----------------------------------------------------------------------------
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, t, _ = x.shape
+        qkv = self.ctx.to_compute(self.gemm.project(self.qkv, x))
+        q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return q, k, v
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        # At the compute dtype: GEMMs through Gemm, the softmax through ctx.precise.
+        scores = self.gemm.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        # -inf (not a large negative number) so masked keys get exactly zero weight in
+        # every dtype; each query sees at least itself, so no row is all -inf.
+        scores = scores.masked_fill(~visible, float("-inf"))
+        probs = softmax(self.ctx, scores, dim=-1)
+        return self.gemm.matmul(probs, v)
+
+    def _attend_f32(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
+        # An fp8 cache's prefill: dequantized keys/values and the scores in float32.
+        with torch.autocast(q.device.type, enabled=False):
+            scores = q.to(torch.float32) @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))
+            scores = scores.masked_fill(~visible, float("-inf"))
+            probs = softmax(self.ctx, scores, dim=-1)
+            return probs @ v
+
+    def _decode_fp8(
+        self, q: torch.Tensor, cache: KVCache, length: torch.Tensor | int
+    ) -> torch.Tensor:
+        # One query per (batch, head) over the fp8 cache: (B, H, 1, D) -> (B, H, 1, D).
+        q1 = q[:, :, 0]
+        if q1.dtype not in _DECODE_Q_DTYPES:
+            q1 = q1.to(torch.float32)
+        assert cache.backend is not None  # an fp8 cache always has one
+        with torch.autocast(q.device.type, enabled=False):
+            out = decode_attention(
+                q1,
+                cache.k,
+                cache.v,
+                cache.k_step,
+                cache.v_step,
+                length,
+                sm_scale=1.0 / math.sqrt(self.head_dim),
+                backend=cache.backend,
+                # The cache's steps are finite and positive by construction (kv_quant), and
+                # checked when static ones were given: no host read per step.
+                check_values=False,
+            )
+        return out.unsqueeze(2)
+
+    def _merge(self, mixed: torch.Tensor) -> torch.Tensor:
+        b, _, t, _ = mixed.shape
+        flat = self.ctx.to_compute(mixed).transpose(1, 2).reshape(b, t, -1)
+        return self.ctx.to_compute(self.gemm.project(self.out, flat))
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        b, t, dim = x.shape
+        t = x.shape[1]
         start = 0 if cache is None else cache.length
+        if cache is not None:
+            cache.check_read_under(self.ctx)
         with self.ctx.autocast():
-            qkv = self.ctx.to_compute(self.gemm.project(self.qkv, x))
-            q, k, v = qkv.view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+            q, k, v = self._qkv(x)
             q = self.rope(q, start)
             k = self.rope(k, start)
-            if cache is not None:
-                k_all, v_all = cache.append(k, v)
-                k, v = self.ctx.to_compute(k_all), self.ctx.to_compute(v_all)
+            self.observe_kv(k, v)
+            if cache is None:
+                keys, values = k, v
+            else:
+                cache.append(k, v)
+                if cache.fp8 is not None and t == 1:
+                    return self._merge(self._decode_fp8(q, cache, cache.length))
+                keys, values = cache.read()
             # Query i sits at position start + i and sees keys 0 .. start + i.
-            causal = torch.ones(t, k.shape[2], dtype=torch.bool, device=x.device).tril(start)
-            scores = self.gemm.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
-            # -inf (not a large negative number) so masked keys get exactly zero weight in
-            # every dtype; each query sees at least itself, so no row is all -inf.
-            scores = scores.masked_fill(~causal, float("-inf"))
-            probs = softmax(self.ctx, scores, dim=-1)
-            mixed = self.gemm.matmul(probs, v).transpose(1, 2).reshape(b, t, dim)
-            return self.ctx.to_compute(self.gemm.project(self.out, mixed))
+            visible = torch.ones(t, keys.shape[2], dtype=torch.bool, device=x.device).tril(start)
+            if cache is not None and cache.fp8 is not None:
+                return self._merge(self._attend_f32(q, keys, values, visible))
+            keys, values = self.ctx.to_compute(keys), self.ctx.to_compute(values)
+            return self._merge(self._attend(q, keys, values, visible))
+
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """One new position per row (``x`` ``(B, 1, dim)``) at position ``pos`` (a 0-d int64
+        tensor), attending to cached positions ``0 .. pos``: the static-shape decode step.
+
+        Keys and values are written with ``cache.write`` (no host read; ``cache.length`` is
+        left alone) and attention runs over the whole preallocated cache with the positions
+        after ``pos`` masked, so shapes never change and a compiled step does not recompile
+        as ``pos`` moves. An fp8 cache runs ``decode_attention`` with ``length = pos + 1``.
+        """
+        cache.check_read_under(self.ctx)
+        b, t, _ = x.shape
+        if t != 1:
+            raise ValueError(f"Attention.decode takes one position per row, got x {x.shape}")
+        with self.ctx.autocast():
+            q, k, v = self._qkv(x)
+            q = self.rope.at(q, pos)
+            k = self.rope.at(k, pos)
+            cache.write(k, v, pos)
+            if cache.fp8 is not None:
+                length = (pos + 1).expand(b).contiguous()
+                return self._merge(self._decode_fp8(q, cache, length))
+            visible = (torch.arange(cache.max_len, device=x.device) <= pos).view(1, -1)
+            keys, values = self.ctx.to_compute(cache.k), self.ctx.to_compute(cache.v)
+            return self._merge(self._attend(q, keys, values, visible))

@@ -1,12 +1,20 @@
-"""Text generation from a ``ByteLM``: greedy or temperature/top-k sampling, KV-cached."""
+"""Text generation from a ``ByteLM``: greedy or temperature/top-k sampling, KV-cached; and
+teacher-forced logits through the cache (``decode_logits``), the loss a cache setting gives."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
+from computectx.nn.kv_cache import KVCache
 from computectx.nn.lm import BYTE_VOCAB, ByteLM
 
-__all__ = ["generate", "next_token"]
+__all__ = ["DecodeStep", "decode_logits", "generate", "next_token"]
+
+DecodeStep = Callable[[torch.Tensor, torch.Tensor, Sequence[KVCache]], torch.Tensor]
+"""``(ids (B, 1), pos (0-d int64), caches) -> logits (B, 256)``: ``ByteLM.decode_step``, or
+``torch.compile(model.decode_step, fullgraph=True)``."""
 
 
 def next_token(
@@ -50,15 +58,22 @@ def generate(
     top_k: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    decode_step: DecodeStep | None = None,
+    cache_len: int | None = None,
 ) -> torch.Tensor:
     """``prompt`` (int64 ids, ``(T,)`` or ``(batch, T)``) followed by ``max_new_tokens`` ids.
 
-    With ``use_cache`` the prompt is run once into per-layer KV caches (stored at
-    ``ctx.kv``) and each new id costs one position; without it every step recomputes the
-    whole sequence (the reference the cached path is tested against). The two agree up to
-    float reassociation when ``ctx.kv`` is at or above ``ctx.compute``; a narrower ``kv``
-    rounds the cached keys and values, which is what that policy asks for. The result has
-    the prompt's shape with ``max_new_tokens`` more positions.
+    With ``use_cache`` the prompt is run once into per-layer KV caches (stored as ``ctx.kv``
+    says: a dtype, or fp8 codes and steps) and each new id costs one ``decode_step``
+    (default ``model.decode_step``; pass ``torch.compile(model.decode_step,
+    fullgraph=True)`` for the compiled path). The caches hold ``cache_len`` positions
+    (default: the prompt plus the new ids); a compiled step sees one shape when every call
+    passes the same ``cache_len`` (``model.config.max_len``, say). Without ``use_cache``
+    every step recomputes the whole sequence (the reference the cached path is tested
+    against). The two agree up to float reassociation when ``ctx.kv`` is at or above
+    ``ctx.compute``; a narrower or fp8 ``kv`` rounds the cached keys and values, which is
+    what that policy asks for. The result has the prompt's shape with ``max_new_tokens``
+    more positions.
     """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
@@ -69,23 +84,83 @@ def generate(
         )
     if int(prompt.min()) < 0 or int(prompt.max()) >= BYTE_VOCAB:
         raise ValueError(f"prompt ids must lie in 0..{BYTE_VOCAB - 1}")
-    total = prompt.shape[-1] + max_new_tokens
-    if total > model.config.max_len:
+    plen = prompt.shape[-1]
+    total = plen + max_new_tokens
+    limit = model.config.max_len
+    if total > limit:
         raise ValueError(
-            f"prompt of {prompt.shape[-1]} plus {max_new_tokens} new ids is {total} positions, "
-            f"beyond the model's max_len={model.config.max_len}"
+            f"prompt of {plen} plus {max_new_tokens} new ids is {total} positions, "
+            f"beyond the model's max_len={limit}"
+        )
+    length = total if cache_len is None else cache_len
+    if isinstance(length, bool) or not isinstance(length, int) or not total <= length <= limit:
+        raise ValueError(
+            f"cache_len must be an int from {total} (prompt plus new ids) to max_len={limit}, "
+            f"got {cache_len!r}"
         )
     ids = (prompt[None, :] if prompt.dim() == 1 else prompt).to(model.ctx.device)
+    step = model.decode_step if decode_step is None else decode_step
     was_training = model.training
     model.eval()
     try:
-        caches = model.new_caches(ids.shape[0], total) if use_cache else None
-        step_input = ids
-        for _ in range(max_new_tokens):
-            logits = model(step_input if use_cache else ids, caches)[:, -1, :]
+        caches = model.new_caches(ids.shape[0], length) if use_cache else None
+        nxt = ids[:, -1:]
+        for i in range(max_new_tokens):
+            if caches is None:
+                logits = model(ids)[:, -1, :]
+            elif i == 0:
+                logits = model(ids, caches)[:, -1, :]  # the prompt, in one pass
+            else:
+                # The last id as its own (batch, 1) tensor: a view into the growing ids
+                # would change strides every step, and a compiled step would recompile.
+                pos = torch.tensor(plen + i - 1, dtype=torch.long, device=ids.device)
+                logits = step(nxt, pos, caches)
             nxt = next_token(logits, temperature, top_k, generator)[:, None]
             ids = torch.cat((ids, nxt), dim=1)
-            step_input = nxt
     finally:
         model.train(was_training)
     return ids[0] if prompt.dim() == 1 else ids
+
+
+@torch.no_grad()
+def decode_logits(
+    model: ByteLM,
+    ids: torch.Tensor,
+    *,
+    prefill: int = 1,
+    decode_step: DecodeStep | None = None,
+    caches: Sequence[KVCache] | None = None,
+) -> torch.Tensor:
+    """Teacher-forced logits ``(batch, T, 256)`` of ``ids`` (``(batch, T)`` int64) through the
+    KV cache: the first ``prefill`` positions in one pass, then one ``decode_step`` per
+    position (default ``model.decode_step``), each reading every earlier key and value back
+    from the cache as generation does.
+
+    ``model.loss_of(decode_logits(model, ids), targets)`` is the loss a KV setting gives on
+    the path serving runs. ``caches`` defaults to ``model.new_caches(batch, T)``; pass caches
+    built by hand to measure one ``KVCache`` constructor call's setting (steps given
+    explicitly, say). The model runs in eval mode.
+    """
+    if ids.dim() != 2 or ids.dtype != torch.long or ids.shape[1] == 0:
+        raise ValueError(
+            f"decode_logits takes int64 ids of shape (batch, T), got {ids.dtype} {tuple(ids.shape)}"
+        )
+    b, t = ids.shape
+    if isinstance(prefill, bool) or not isinstance(prefill, int) or not 1 <= prefill <= t:
+        raise ValueError(f"prefill must be an int from 1 to T={t}, got {prefill!r}")
+    step = model.decode_step if decode_step is None else decode_step
+    was_training = model.training
+    model.eval()
+    try:
+        if caches is None:
+            caches = model.new_caches(b, t)
+        out = [model(ids[:, :prefill], list(caches))]
+        for i in range(prefill, t):
+            pos = torch.tensor(i, dtype=torch.long, device=ids.device)
+            # A fresh contiguous (batch, 1) tensor, strided as generate's ids are: a compiled
+            # step specializes on its inputs' strides.
+            new = ids[:, i : i + 1].clone(memory_format=torch.contiguous_format)
+            out.append(step(new, pos, caches)[:, None, :])
+    finally:
+        model.train(was_training)
+    return torch.cat(out, dim=1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from pydantic import BaseModel, Field, model_validator
@@ -11,9 +12,10 @@ from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
-from computectx.fp8 import Fp8Linear
-from computectx.nn.attention import Attention, KVCache
+from computectx.fp8 import Fp8Backend, Fp8Linear
+from computectx.nn.attention import Attention
 from computectx.nn.gemm import Gemm
+from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 from computectx.nn.linears import param_dtype
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
@@ -67,6 +69,12 @@ class DecoderBlock(nn.Module):
         out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
         return out
 
+    def decode(self, x: torch.Tensor, pos: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """``forward`` for one position at ``pos`` (a 0-d int64 tensor): ``Attention.decode``."""
+        x = x + self.attn.decode(self.attn_norm(x), pos, cache)
+        out: torch.Tensor = x + self.mlp(self.mlp_norm(x))
+        return out
+
 
 class ByteLM(nn.Module):
     """Decoder-only LM over bytes (vocabulary 256) threading one ``ComputeCtx``.
@@ -74,8 +82,8 @@ class ByteLM(nn.Module):
     Parameters are stored at ``compute ⊔ master`` (float32 under the usual policies: the
     copy autocast reads); activations flow at ``ctx.compute``; GEMMs run at ``ctx.compute``
     with float32 accumulation (``computectx.nn.Gemm``); norms, RoPE and softmax run
-    through ``ctx.precise``; the KV cache is stored at ``ctx.kv``; the loss's log-sum-exp
-    runs at ``compute ⊔ accum``. When
+    through ``ctx.precise``; the KV cache is stored as ``ctx.kv`` says (a dtype, or fp8 codes
+    and steps); the loss's log-sum-exp runs at ``compute ⊔ accum``. When
     ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
     ``head``, stays a plain ``nn.Linear`` (logits feed a softmax over all 256 bytes, where
     fp8's coarse steps would show most).
@@ -109,9 +117,21 @@ class ByteLM(nn.Module):
         """Names of the layers that run in fp8 (empty unless ``ctx.fp8`` is set)."""
         return [name for name, m in self.named_modules() if isinstance(m, Fp8Linear)]
 
-    def new_caches(self, batch: int, max_len: int | None = None) -> list[KVCache]:
-        """One empty KV cache per block, stored at ``ctx.kv``."""
-        return [blk.attn.new_cache(batch, max_len) for blk in self._blocks()]
+    def new_caches(
+        self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None
+    ) -> list[KVCache]:
+        """One empty KV cache per block, stored as ``ctx.kv`` says, for ``max_len`` positions
+        (default ``config.max_len``). A static fp8 ``kv`` takes each layer's calibrated steps
+        (an error when a layer has none); ``backend`` picks how decode steps read an fp8
+        cache (``Attention.new_cache``)."""
+        return [blk.attn.new_cache(batch, max_len, backend=backend) for blk in self._blocks()]
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV cache one more position costs, over every layer (the cache's
+        ``bytes_per_token`` times the number of blocks)."""
+        cfg = self.config
+        head_dim = cfg.d_model // cfg.n_heads
+        return cfg.n_layers * kv_bytes_per_token(self.ctx.kv, cfg.n_heads, head_dim)
 
     def _blocks(self) -> list[DecoderBlock]:
         return [b for b in self.blocks if isinstance(b, DecoderBlock)]
@@ -140,6 +160,41 @@ class ByteLM(nn.Module):
             for i, blk in enumerate(blocks):
                 x = blk(x, None if caches is None else caches[i])
             return self.ctx.to_compute(self.gemm.project(self.head, self.norm(x)))
+
+    def decode_step(
+        self, ids: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache]
+    ) -> torch.Tensor:
+        """Logits ``(batch, 256)`` at ``ctx.compute`` for one new byte per row.
+
+        ``ids`` is ``(batch, 1)`` int64, at position ``pos`` (a 0-d int64 tensor on
+        ``ctx.device``, the same for every row); ``caches`` are preallocated
+        (``new_caches``) and hold positions ``0 .. pos - 1``. Keys and values are written at
+        ``pos`` (``KVCache.write``) and attention runs over the whole preallocated cache
+        with later positions masked. Shapes never depend on ``pos`` and nothing reads a
+        host value, so ``torch.compile(model.decode_step, fullgraph=True)`` compiles once
+        and does not recompile as ``pos`` moves (as transformers' ``StaticCache``). The
+        caches' python ``length`` (the eager ``forward``'s cursor) is not moved; ``pos`` is
+        not range-checked (an index beyond ``max_len`` raises in eager mode only). A
+        compiled step also specializes on the strides of ``ids``: pass a contiguous
+        ``(batch, 1)`` tensor each step (``generate`` and ``decode_logits`` do), not a view
+        into a longer sequence.
+        """
+        if ids.dim() != 2 or ids.shape[1] != 1 or ids.dtype != torch.long:
+            raise ValueError(
+                f"decode_step takes int64 ids of shape (batch, 1), got {ids.dtype} "
+                f"{tuple(ids.shape)}"
+            )
+        if not isinstance(pos, torch.Tensor) or pos.dim() != 0 or pos.dtype != torch.long:
+            raise ValueError(f"decode_step takes pos as a 0-d int64 tensor, got {pos!r}")
+        blocks = self._blocks()
+        if len(caches) != len(blocks):
+            raise ValueError(f"ByteLM has {len(blocks)} blocks but got {len(caches)} caches")
+        with self.ctx.autocast():
+            x = self.ctx.to_compute(self.embed(ids))
+            for blk, cache in zip(blocks, caches, strict=True):
+                x = blk.decode(x, pos, cache)
+            logits = self.gemm.project(self.head, self.norm(x))
+            return self.ctx.to_compute(logits)[:, -1, :]
 
     def loss(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-byte cross-entropy (nats) of ``targets`` given ``ids``.

@@ -17,7 +17,8 @@ class RotaryEmbedding(nn.Module):
     ``forward(x, start)`` takes ``x`` of shape ``(..., T, head_dim)`` holding the
     consecutive positions ``start .. start+T-1`` (a KV-cached step passes the cached
     length as ``start``). Positions are plain ints, so the range check and the table slice
-    need no device-to-host read.
+    need no device-to-host read. ``at(x, pos)`` takes the position as a tensor instead (the
+    static-shape decode step).
     """
 
     cos: torch.Tensor
@@ -40,3 +41,12 @@ class RotaryEmbedding(nn.Module):
                 f"(max_len={self.max_len}); accepted positions: 0..{self.max_len - 1}"
             )
         return apply_rope(self.ctx, x, self.cos[start:end], self.sin[start:end])
+
+    def at(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``forward`` for one position held in a tensor: ``x`` is ``(..., 1, head_dim)`` at
+        position ``pos`` (a 0-d int64 tensor). The table row is gathered on the device, so
+        a compiled decode step reads no host value and does not recompile as ``pos`` moves;
+        a ``pos`` outside the table raises in eager mode (an index error) and is not checked
+        otherwise."""
+        row = pos.reshape(1)
+        return apply_rope(self.ctx, x, self.cos.index_select(0, row), self.sin.index_select(0, row))

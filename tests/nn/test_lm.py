@@ -94,6 +94,7 @@ def test_cached_step_logits_equal_full_sequence_logits(ctx: ComputeCtx, tol: flo
         caches = model.new_caches(2)
         steps = [model(ids[:, :5], caches)]
         steps += [model(ids[:, i : i + 1], caches) for i in range(5, 14)]
+    assert isinstance(ctx.kv, DType)
     assert all(c.length == 14 and c.dtype == ctx.kv.torch for c in caches)
     # bf16 logits differ by a few bf16 ulps when the matmuls see other shapes.
     assert torch.allclose(torch.cat(steps, dim=1).float(), full, atol=tol, rtol=tol)

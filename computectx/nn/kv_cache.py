@@ -1,0 +1,262 @@
+"""``KVCache``: one attention layer's keys and values, stored as ``ctx.kv`` says.
+
+A ``kv`` in the lattice (``DType``) stores values at that dtype (``ctx.to_kv``, a plain
+cast). An fp8 ``kv`` (``KvFp8``) stores codes plus float32 steps (``computectx.fp8.kv_quant``);
+the layout is the one ``computectx.fp8.decode_attention`` reads::
+
+    k, v            (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes
+    k_step, v_step  (B, H, T_max) per_token_head (written with each position),
+                    (H,) per_head or (1,) per_tensor (calibrated, fixed when the cache is built)
+
+Bytes per token per layer (``kv_bytes_per_token``): ``2 * H * D * itemsize`` for a dtype
+cache; ``2 * H * D`` codes plus, for ``per_token_head``, ``2 * H * 4`` bytes of steps (4 bytes
+per head for keys and 4 for values) for fp8. The static schemes' steps are a fixed
+``2 * H * 4`` or 8 bytes per layer, not per token. So at D = 64 an fp8 ``per_token_head``
+cache takes 136 bytes per head per token against 256 for bf16 and 512 for f32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from computectx.ctx import ComputeCtx
+from computectx.dtypes import DType, KvFp8
+from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, parse_backend
+from computectx.fp8.custom_ops import uses_kernels
+from computectx.fp8.decode_attention import KERNEL_HEAD_DIMS, check_kernel_head_dim
+from computectx.fp8.kv_quant import dequantize_kv, quantize_kv
+
+__all__ = ["KVCache", "kv_bytes_per_token"]
+
+_STEP_BYTES = 4  # float32
+
+
+def kv_bytes_per_token(kv: DType | KvFp8, n_heads: int, head_dim: int) -> int:
+    """Bytes one more cached position costs in one layer: keys and values of ``n_heads`` heads
+    of ``head_dim``, plus their per-token steps for an fp8 ``per_token_head`` cache."""
+    if isinstance(kv, KvFp8):
+        steps = 2 * n_heads * _STEP_BYTES if kv.scaling == "per_token_head" else 0
+        return 2 * n_heads * head_dim * kv.format.torch.itemsize + steps
+    return 2 * n_heads * head_dim * kv.torch.itemsize
+
+
+def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Fp8Backend | str | None) -> Fp8Backend:
+    """The backend that reads an fp8 cache in a decode step.
+
+    ``None``: ``default_backend(ctx.device)``, except that a head dim the Triton kernel cannot
+    serve (``KERNEL_HEAD_DIMS``) falls back to the reference twin. A backend asked for by name
+    or member must run on ``ctx.device``, and a kernel backend must serve ``head_dim``:
+    ``ValueError`` naming the head dim otherwise (the reference backend serves any).
+    """
+    probe = torch.empty(0, device=ctx.device)
+    if backend is None:
+        chosen = default_backend(ctx.device)
+        if uses_kernels(chosen, probe) and head_dim not in KERNEL_HEAD_DIMS:
+            return Fp8Backend.REFERENCE
+        return chosen
+    chosen = check_backend(parse_backend(backend), probe)
+    if uses_kernels(chosen, probe):
+        check_kernel_head_dim(head_dim)
+    return chosen
+
+
+class KVCache:
+    """Keys and values of one attention layer for a batch, preallocated for ``max_len``
+    positions and stored as ``ctx.kv`` says (the module docstring gives the layout).
+
+    ``append`` writes new positions after ``length`` (the eager path: ``length`` is a python
+    int); ``write`` writes at a position tensor and leaves ``length`` alone (the static-shape
+    decode step, ``ByteLM.decode_step``). ``read`` returns the cached keys and values as
+    attention sees them: at ``kv`` for a dtype, dequantized to float32 for fp8.
+
+    An fp8 cache of a static scheme (``per_head``, ``per_tensor``) takes its calibrated
+    ``steps`` (keys, values) when it is built (``Attention.new_cache`` passes the layer's);
+    without them it is refused, never run with a step of 1.0. ``backend`` picks how decode
+    steps read an fp8 cache (``decode_backend``); it is ``None`` for a dtype cache.
+    """
+
+    def __init__(
+        self,
+        ctx: ComputeCtx,
+        batch: int,
+        n_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        steps: tuple[torch.Tensor, torch.Tensor] | None = None,
+        backend: Fp8Backend | str | None = None,
+    ) -> None:
+        for name, value in (
+            ("batch", batch),
+            ("n_heads", n_heads),
+            ("head_dim", head_dim),
+            ("max_len", max_len),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+        self.ctx = ctx
+        self.kv: DType | KvFp8 = ctx.kv
+        """The KV setting the cache was built for; attention under another refuses it."""
+        self.max_len = max_len
+        self.length = 0
+        """Positions written through ``append`` (``write`` does not move it)."""
+        shape = (batch, n_heads, max_len, head_dim)
+        kv = ctx.kv
+        self.k_step: torch.Tensor | None = None
+        self.v_step: torch.Tensor | None = None
+        self.backend: Fp8Backend | None = None
+        if isinstance(kv, DType):
+            if steps is not None or backend is not None:
+                raise ValueError(
+                    f"a kv={kv} cache stores values, not fp8 codes: it takes no steps and no "
+                    f"decode backend (those are for an fp8 kv such as 'e4m3/per_token_head')"
+                )
+            store = kv.torch
+        else:
+            store = kv.format.torch
+            self.backend = decode_backend(ctx, head_dim, backend)
+            if kv.static:
+                self.k_step, self.v_step = _static_steps(kv, steps, n_heads, ctx.device)
+            elif steps is not None:
+                raise ValueError(
+                    f"kv={kv} computes a step for every (token, head) as it is written; it "
+                    f"takes no calibrated steps (those are for per_head and per_tensor)"
+                )
+            else:
+                self.k_step = torch.ones(shape[:3], dtype=torch.float32, device=ctx.device)
+                self.v_step = torch.ones(shape[:3], dtype=torch.float32, device=ctx.device)
+        self.k = torch.zeros(shape, dtype=store, device=ctx.device)
+        self.v = torch.zeros(shape, dtype=store, device=ctx.device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The storage dtype: ``ctx.kv``'s dtype, or the fp8 code dtype."""
+        return self.k.dtype
+
+    @property
+    def fp8(self) -> KvFp8 | None:
+        """The fp8 setting of the cache, or ``None`` for a dtype cache."""
+        return self.kv if isinstance(self.kv, KvFp8) else None
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one cached position takes in this layer (``kv_bytes_per_token``)."""
+        _, h, _, d = self.k.shape
+        return kv_bytes_per_token(self.kv, h, d)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the whole preallocated cache holds: keys, values and steps."""
+        parts = (self.k, self.v, self.k_step, self.v_step)
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
+
+    def check_read_under(self, ctx: ComputeCtx) -> None:
+        """``ValueError`` unless this cache was built for ``ctx.kv``: a cache of one policy read
+        under another would reinterpret its storage (codes as values, or the wrong steps)."""
+        if ctx.kv != self.kv:
+            raise ValueError(
+                f"this KV cache was built for kv={self.kv} but is read under kv={ctx.kv}; "
+                f"build the caches from the model that reads them (model.new_caches(...))"
+            )
+
+    def _check_new(self, k: torch.Tensor, v: torch.Tensor, where: str) -> int:
+        b, h, _, d = self.k.shape
+        if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
+            raise ValueError(
+                f"KVCache.{where}: got k {tuple(k.shape)} and v {tuple(v.shape)}; expected "
+                f"both ({b}, {h}, T, {d})"
+            )
+        return int(k.shape[2])
+
+    def _encode(
+        self, x: torch.Tensor, step: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        kv = self.kv
+        if isinstance(kv, DType):
+            return self.ctx.to_kv(x), None
+        if kv.static:
+            codes, _ = quantize_kv(x, kv.format, step)
+            return codes, None
+        return quantize_kv(x, kv.format)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) after the cached positions and
+        return ``read()`` of all positions so far. A dtype cache casts them with
+        ``ctx.to_kv`` (the cache-append boundary); an fp8 cache quantizes them."""
+        t = self._check_new(k, v, "append")
+        cap = self.max_len
+        if self.length + t > cap:
+            raise ValueError(
+                f"KVCache.append: {t} new position(s) after {self.length} cached exceed "
+                f"max_len={cap}; at most {cap - self.length} more fit"
+            )
+        end = self.length + t
+        for store, step, x in ((self.k, self.k_step, k), (self.v, self.v_step, v)):
+            codes, new_step = self._encode(x, step)
+            store[:, :, self.length : end] = codes
+            if new_step is not None and step is not None:
+                step[:, :, self.length : end] = new_step
+        self.length = end
+        return self.read(end)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) at positions ``pos ..
+        pos + T - 1`` (``pos`` a 0-d int64 tensor, the same for every row), with no host
+        read and no change to ``length``: shapes are static, so a compiled decode step does
+        not recompile as ``pos`` moves. Positions must lie within ``max_len`` (an index
+        beyond it raises in eager mode)."""
+        t = self._check_new(k, v, "write")
+        if pos.dim() != 0 or pos.dtype != torch.int64:
+            raise ValueError(
+                f"KVCache.write takes pos as a 0-d int64 tensor, got {pos.dtype} {tuple(pos.shape)}"
+            )
+        index = pos + torch.arange(t, device=pos.device)
+        for store, step, x in ((self.k, self.k_step, k), (self.v, self.v_step, v)):
+            codes, new_step = self._encode(x, step)
+            if store.element_size() == 1:  # torch has no fp8 index_copy_: copy the bytes
+                store, codes = store.view(torch.uint8), codes.view(torch.uint8)
+            store.index_copy_(2, index, codes)
+            if new_step is not None and step is not None:
+                step.index_copy_(2, index, new_step)
+
+    def read(self, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions ``0 .. end - 1`` (default ``length``): views at
+        ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8."""
+        stop = self.length if end is None else end
+        k, v = self.k[:, :, :stop], self.v[:, :, :stop]
+        if self.k_step is None or self.v_step is None:
+            return k, v
+        ks, vs = self.k_step, self.v_step
+        if ks.dim() == 3:
+            ks, vs = ks[:, :, :stop], vs[:, :, :stop]
+        return dequantize_kv(k, ks), dequantize_kv(v, vs)
+
+
+def _static_steps(
+    kv: KvFp8,
+    steps: tuple[torch.Tensor, torch.Tensor] | None,
+    n_heads: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked static steps: float32, ``(H,)`` per_head or ``(1,)`` per_tensor, finite and
+    positive, on ``device``."""
+    if steps is None:
+        raise ValueError(
+            f"kv={kv} is a static scheme: the cache needs calibrated steps and none were given "
+            f"(a step of 1.0 is never assumed). Calibrate the model "
+            f"(computectx.nn.calibrate_kv(model, batches)), load a calibrated checkpoint, or "
+            f"use kv={kv.format}/per_token_head, which needs no calibration"
+        )
+    want = (n_heads,) if kv.scaling == "per_head" else (1,)
+    out = []
+    for name, s in zip(("key", "value"), steps, strict=True):
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != want:
+            got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"kv={kv} needs {name} steps of shape {want}, got {got}")
+        wide = s.detach().to(device=device, dtype=torch.float32)
+        if not bool((torch.isfinite(wide) & (wide > 0)).all()):
+            raise ValueError(
+                f"kv={kv}: the {name} steps must be finite and positive, got {wide.tolist()}"
+            )
+        out.append(wide.clone())
+    return out[0], out[1]

@@ -1,0 +1,258 @@
+"""KVCache: fp8 codes plus float32 steps, the byte count, the quantizer's bounds, the static
+schemes' steps, writes by position, and the errors of a cache read under another policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError
+from computectx.fp8 import Fp8Backend
+from computectx.fp8.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
+from computectx.nn import Attention, KVCache, kv_bytes_per_token
+
+CPU = torch.device("cpu")
+F32 = ComputeCtx.parity(CPU)
+PTH = F32.with_kv(KvFp8())
+PER_HEAD = F32.with_kv(KvFp8(scaling="per_head"))
+PER_TENSOR = F32.with_kv(KvFp8(scaling="per_tensor"))
+H, D = 2, 16
+
+
+def _steps(shape: tuple[int, ...], value: float = 0.01) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.full(shape, value), torch.full(shape, 2 * value)
+
+
+@pytest.mark.parametrize(
+    ("kv", "codes", "step_shape", "fixed_step_bytes"),
+    [
+        (KvFp8(), torch.float8_e4m3fn, (3, H, 8), 0),
+        (KvFp8(format=Fp8Format.E5M2), torch.float8_e5m2, (3, H, 8), 0),
+        (KvFp8(scaling="per_head"), torch.float8_e4m3fn, (H,), 2 * H * 4),
+        (KvFp8(scaling="per_tensor"), torch.float8_e4m3fn, (1,), 2 * 4),
+    ],
+)
+def test_fp8_layout_and_bytes(
+    kv: KvFp8, codes: torch.dtype, step_shape: tuple[int, ...], fixed_step_bytes: int
+) -> None:
+    ctx = F32.with_kv(kv)
+    steps = _steps(step_shape) if kv.static else None
+    cache = KVCache(ctx, batch=3, n_heads=H, head_dim=D, max_len=8, steps=steps)
+    assert cache.k.shape == cache.v.shape == (3, H, 8, D)
+    assert cache.k.dtype == cache.v.dtype == codes == cache.dtype
+    assert cache.k_step is not None and cache.v_step is not None
+    assert cache.k_step.shape == cache.v_step.shape == step_shape
+    assert cache.k_step.dtype == torch.float32 and cache.fp8 == kv and cache.backend is not None
+    # Codes: one byte per element; per_token_head adds one float32 step per (token, head)
+    # for keys and one for values; the static steps are a fixed cost per layer.
+    per_token = 2 * H * D + (2 * H * 4 if kv.scaling == "per_token_head" else 0)
+    assert cache.bytes_per_token == per_token == kv_bytes_per_token(kv, H, D)
+    assert cache.nbytes == 3 * 8 * per_token + fixed_step_bytes
+
+
+def test_bytes_per_token_against_the_dtype_caches() -> None:
+    # The figure docs/serving.md gives: at H=4, D=64, fp8 per_token_head is half of bf16 plus
+    # 4 bytes of steps per head for keys and 4 for values.
+    bf16, f32 = kv_bytes_per_token(DType.BF16, 4, 64), kv_bytes_per_token(DType.F32, 4, 64)
+    assert (bf16, f32) == (1024, 2048)
+    assert kv_bytes_per_token(KvFp8(), 4, 64) == bf16 // 2 + 2 * 4 * 4 == 544
+    assert kv_bytes_per_token(KvFp8(scaling="per_head"), 4, 64) == bf16 // 2
+    cache = KVCache(ComputeCtx.new(DType.BF16, CPU), 2, 4, 64, 8)
+    assert cache.bytes_per_token == bf16 and cache.nbytes == 2 * 8 * bf16
+    assert cache.k_step is None and cache.fp8 is None and cache.backend is None
+
+
+@pytest.mark.parametrize("fmt", list(Fp8Format))
+def test_per_token_head_round_trip_is_within_half_a_code_step(fmt: Fp8Format) -> None:
+    g = torch.Generator().manual_seed(0)
+    # Every (token, head) vector at its own magnitude, 1e-3 .. 1e3.
+    scale = torch.pow(10.0, torch.empty(2, H, 12, 1).uniform_(-3, 3, generator=g))
+    x = torch.randn(2, H, 12, D, generator=g) * scale
+    codes, step = quantize_kv(x, fmt)
+    assert codes.dtype == fmt.torch and step.shape == (2, H, 12)
+    amax = x.abs().amax(dim=-1)
+    torch.testing.assert_close(step, amax / fmt.max, rtol=0, atol=0)
+    # The largest element of every vector lands on +-fmt.max: the whole range, no saturation.
+    assert torch.equal(codes.float().abs().amax(dim=-1), torch.full_like(amax, fmt.max))
+    back = dequantize_kv(codes, step)
+    # Rounding to fp8 costs at most half an ulp: 2**-(m+1) relative in the normal range,
+    # half the smallest subnormal (times the step) below it; the float32 division and
+    # product add a few float32 ulps.
+    half_ulp = x.abs() * 2.0 ** -(fmt.mantissa_bits + 1)
+    floor = step.unsqueeze(-1) * fmt.min_subnormal / 2
+    bound = torch.maximum(half_ulp, floor) * (1 + 2.0**-20) + x.abs() * 2.0**-22
+    assert bool(((back - x).abs() <= bound).all())
+
+
+def test_edge_vectors_never_give_a_nan_step() -> None:
+    x = torch.randn(1, 1, 6, D)
+    x[0, 0, 0] = 0.0  # all zero
+    x[0, 0, 1] = 1e-44  # amax / 448 underflows float32
+    x[0, 0, 2, 3] = math.inf
+    x[0, 0, 3, 5] = math.nan
+    x[0, 0, 4] = -3.0e38  # near float32's max
+    codes, step = quantize_kv(x, Fp8Format.E4M3)
+    assert bool((torch.isfinite(step) & (step > 0)).all()), step
+    back = dequantize_kv(codes, step)
+    assert bool((back[0, 0, 0] == 0).all()) and bool(torch.isfinite(back[0, 0, 1]).all())
+    assert bool(back[0, 0, 1].abs().max() <= 1e-44)
+    # A non-finite input shows as NaN (never a saturated finite value), like an f32 cache.
+    assert bool(back[0, 0, 2, 3].isnan()) and bool(back[0, 0, 3, 5].isnan())
+    torch.testing.assert_close(back[0, 0, 4], x[0, 0, 4], rtol=2.0**-4, atol=0)
+    clean = dequantize_kv(*quantize_kv(x[:, :, 5:], Fp8Format.E4M3))
+    assert torch.equal(back[:, :, 5:], clean)  # the other vectors are untouched
+
+
+def test_static_steps_come_from_calibrated_amax_and_saturate_beyond_it() -> None:
+    amax = torch.tensor([[4.48, 0.896], [1.0, 2.0]])  # (2, H): keys, values
+    k_step, v_step = static_kv_steps(amax, KvFp8(scaling="per_head"))
+    torch.testing.assert_close(k_step, torch.tensor([0.01, 0.002]))
+    torch.testing.assert_close(v_step, torch.tensor([1.0, 2.0]) / 448)
+    k_tensor, _ = static_kv_steps(amax, KvFp8(scaling="per_tensor"))
+    torch.testing.assert_close(k_tensor, torch.tensor([0.01]))
+    e5, _ = static_kv_steps(amax, KvFp8(format=Fp8Format.E5M2, scaling="per_tensor"))
+    torch.testing.assert_close(e5, torch.tensor([4.48 / 57344]))
+    # A value beyond the calibrated range saturates at fmt.max * step, never inf or NaN.
+    x = torch.tensor([100.0, -100.0, 1.0, 0.0]).view(1, 1, 1, 4).expand(1, 2, 1, 4)
+    codes, step = quantize_kv(x, Fp8Format.E4M3, k_step)
+    back = dequantize_kv(codes, step)
+    torch.testing.assert_close(back[0, :, 0, 0], 448 * k_step)
+    torch.testing.assert_close(back[0, :, 0, 1], -448 * k_step)
+    with pytest.raises(ValueError, match="not static"):
+        static_kv_steps(amax, KvFp8())
+
+
+@pytest.mark.parametrize("ctx", [PER_HEAD, PER_TENSOR])
+def test_a_static_scheme_without_steps_is_refused_when_built(ctx: ComputeCtx) -> None:
+    with pytest.raises(ValueError, match=r"static scheme.*a step of 1\.0 is never assumed"):
+        KVCache(ctx, 1, H, D, 8)
+    attn = Attention(ctx, H * D, H, max_len=8)
+    assert not attn.kv_calibrated
+    with pytest.raises(ValueError, match="no calibrated KV amax"):
+        attn.new_cache(1)
+
+
+@pytest.mark.parametrize(
+    ("ctx", "steps", "needle"),
+    [
+        (PER_HEAD, _steps((1,)), r"needs key steps of shape \(2,\), got \(1,\)"),
+        (PER_TENSOR, _steps((H,)), r"needs key steps of shape \(1,\), got \(2,\)"),
+        (PER_HEAD, (torch.ones(H), torch.tensor([1.0, math.nan])), "value steps must be finite"),
+        (PER_TENSOR, (torch.zeros(1), torch.ones(1)), "key steps must be finite and positive"),
+        (PER_TENSOR, (torch.ones(1), -torch.ones(1)), "value steps must be finite and positive"),
+        (PTH, _steps((H,)), "takes no calibrated steps"),
+        (F32, _steps((H,)), "stores values, not fp8 codes"),
+    ],
+)
+def test_bad_steps_are_refused(
+    ctx: ComputeCtx, steps: tuple[torch.Tensor, torch.Tensor], needle: str
+) -> None:
+    with pytest.raises(ValueError, match=needle):
+        KVCache(ctx, 1, H, D, 8, steps=steps)
+
+
+def test_to_kv_refuses_an_fp8_cache_setting() -> None:
+    with pytest.raises(PromotionError, match="quantizer"):
+        PTH.to_kv(torch.zeros(2))
+
+
+def test_write_at_a_position_stores_what_append_stores() -> None:
+    g = torch.Generator().manual_seed(1)
+    ks = torch.randn(1, H, 5, D, generator=g)
+    vs = torch.randn(1, H, 5, D, generator=g)
+    appended = KVCache(PTH, 1, H, D, 8)
+    written = KVCache(PTH, 1, H, D, 8)
+    appended.append(ks[:, :, :2], vs[:, :, :2])
+    written.write(ks[:, :, :2], vs[:, :, :2], torch.tensor(0))
+    for i in range(2, 5):
+        appended.append(ks[:, :, i : i + 1], vs[:, :, i : i + 1])
+        written.write(ks[:, :, i : i + 1], vs[:, :, i : i + 1], torch.tensor(i))
+    assert appended.length == 5 and written.length == 0  # write leaves the cursor alone
+    for name in ("k", "v", "k_step", "v_step"):
+        assert torch.equal(getattr(appended, name), getattr(written, name)), name
+    # Positions never written keep zero codes and step 1.
+    assert appended.k_step is not None and bool((appended.k_step[:, :, 5:] == 1).all())
+    with pytest.raises(ValueError, match="0-d int64"):
+        written.write(ks[:, :, :1], vs[:, :, :1], torch.tensor([5]))
+    with pytest.raises(ValueError, match="at most 3 more"):
+        appended.append(ks[:, :, :4], vs[:, :, :4])
+    assert appended.length == 5
+
+
+def test_read_dequantizes_in_float32() -> None:
+    cache = KVCache(PTH, 1, H, D, 8)
+    k = torch.randn(1, H, 3, D)
+    cache.append(k, -k)
+    keys, values = cache.read()
+    assert keys.dtype == values.dtype == torch.float32 and keys.shape == (1, H, 3, D)
+    torch.testing.assert_close(values, -keys, rtol=0, atol=0)
+    torch.testing.assert_close(keys, k, rtol=2.0**-4, atol=0)
+
+
+def test_a_cache_read_under_another_policy_is_an_error() -> None:
+    torch.manual_seed(0)
+    for built, read in ((PTH, PER_HEAD), (F32, PTH), (PTH, F32), (PTH, PTH.with_kv(DType.BF16))):
+        cache = KVCache(built, 1, H, D, 8)
+        attn = Attention(read, H * D, H, max_len=8)
+        with pytest.raises(ValueError, match=f"built for kv={built.kv} but is read under"):
+            attn(torch.randn(1, 2, H * D), cache)
+        with pytest.raises(ValueError, match=f"built for kv={built.kv} but is read under"):
+            attn.decode(torch.randn(1, 1, H * D), torch.tensor(0), cache)
+        assert cache.length == 0  # refused before anything was written
+
+
+def test_kernel_backend_refuses_a_head_dim_it_cannot_serve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # D = 24 is not a multiple of 16: asking for the Triton kernel is an error naming it
+    # (the interpreter makes the backend runnable on the CPU); the default reads with the
+    # reference twin, which serves any head dim.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    attn = Attention(PTH, 48, 2, max_len=8)
+    with pytest.raises(ValueError, match="cannot serve head dim D=24"):
+        attn.new_cache(1, backend="triton")
+    with pytest.raises(ValueError, match="cannot serve head dim D=24"):
+        attn.new_cache(1, backend=Fp8Backend.TRITON)
+    cache = attn.new_cache(1)
+    assert cache.backend is Fp8Backend.REFERENCE
+    with torch.no_grad():
+        out = attn(torch.randn(1, 3, 48), cache)
+        step = attn(torch.randn(1, 1, 48), cache)
+    assert bool(torch.isfinite(out).all()) and bool(torch.isfinite(step).all())
+    with pytest.raises(ValueError, match="takes no steps and no decode backend"):
+        KVCache(F32, 1, 2, 24, 8, backend="reference")
+
+
+def test_decode_step_and_forward_step_read_the_cache_alike() -> None:
+    # One position through forward (the python length) and through decode (a position
+    # tensor) write the same codes and run the same decode attention: bit-identical.
+    torch.manual_seed(2)
+    attn = Attention(PTH, H * D, H, max_len=16)
+    x = torch.randn(2, 6, H * D)
+    by_length, by_pos = attn.new_cache(2), attn.new_cache(2)
+    with torch.no_grad():
+        attn(x[:, :5], by_length)
+        attn(x[:, :5], by_pos)
+        a = attn(x[:, 5:], by_length)
+        b = attn.decode(x[:, 5:], torch.tensor(5), by_pos)
+    assert torch.equal(a, b)
+    assert by_length.v_step is not None and by_pos.v_step is not None
+    assert torch.equal(by_length.k, by_pos.k) and torch.equal(by_length.v_step, by_pos.v_step)
+
+
+def test_prefill_and_one_by_one_agree() -> None:
+    # The same codes either way (each (token, head) vector is quantized on its own): the
+    # prefill's float32 causal attention and the decode steps' block-wise float32 attention
+    # differ only by float32 reassociation.
+    torch.manual_seed(3)
+    attn = Attention(PTH, H * D, H, max_len=16)
+    x = torch.randn(1, 9, H * D)
+    whole, steps = attn.new_cache(1), attn.new_cache(1)
+    with torch.no_grad():
+        full = attn(x, whole)
+        parts = [attn(x[:, i : i + 1], steps) for i in range(9)]
+    assert torch.equal(whole.k, steps.k) and torch.equal(whole.v, steps.v)
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-6)

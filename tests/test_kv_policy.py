@@ -1,0 +1,132 @@
+"""The fp8 KV cache in the policy: KvFp8, its text and JSON forms, parse_kv, the spelling for
+serving with fp8 KV, and the explicit boundary (no cast, no promotion reaches an fp8 cache)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError, cast_if, promote
+from computectx.dtypes import KV_SCALINGS, parse_kv
+
+CPU = torch.device("cpu")
+
+
+def test_defaults_are_the_safe_choice() -> None:
+    kv = KvFp8()
+    assert (kv.format, kv.scaling, kv.static) == (Fp8Format.E4M3, "per_token_head", False)
+    assert KV_SCALINGS == ("per_token_head", "per_head", "per_tensor")
+    assert KvFp8(scaling="per_head").static and KvFp8(scaling="per_tensor").static
+    assert str(kv) == "e4m3/per_token_head"
+    assert hash(kv) == hash(KvFp8.parse("E4M3")) and kv == KvFp8.parse("e4m3/per_token_head")
+    with pytest.raises(ValidationError, match="frozen"):
+        kv.scaling = "per_head"  # type: ignore[misc]
+
+
+def test_serving_with_fp8_kv_is_one_with_kv() -> None:
+    serving = ComputeCtx.serving(CPU)
+    fp8 = serving.with_kv(KvFp8())
+    assert (fp8.compute, fp8.kv, fp8.accum) == (DType.BF16, KvFp8(), DType.F32)
+    assert fp8.replace(kv=DType.F32) == serving  # only kv differs
+    assert serving.kv is DType.F32  # the Rust design's preset is unchanged
+    assert str(fp8) == "compute=bf16,kv=e4m3/per_token_head,accum=f32,residency=auto,device=cpu"
+    # The accum rules do not change with an fp8 cache.
+    with pytest.raises(ValidationError, match="accum=bf16 is not at or above compute=f32"):
+        ComputeCtx.parity(CPU).with_kv(KvFp8()).with_accum(DType.BF16)
+
+
+@pytest.mark.parametrize(
+    ("value", "want"),
+    [
+        ("e4m3", KvFp8()),
+        (" E5M2 / Per_Tensor ", KvFp8(format=Fp8Format.E5M2, scaling="per_tensor")),
+        ("fp8_e4m3/per_head", KvFp8(scaling="per_head")),
+        ("float8_e5m2", KvFp8(format=Fp8Format.E5M2)),
+        (torch.float8_e4m3fn, KvFp8()),
+        (Fp8Format.E5M2, KvFp8(format=Fp8Format.E5M2)),
+        ({"scaling": "PER_HEAD"}, KvFp8(scaling="per_head")),
+        ({"format": "e5m2", "scaling": "per_tensor"}, KvFp8(format="e5m2", scaling="per_tensor")),  # type: ignore[arg-type]
+        ("bf16", DType.BF16),
+        (" Float ", DType.F32),
+        (torch.float16, DType.F16),
+        (DType.F64, DType.F64),
+    ],
+)
+def test_parse_kv_reads_every_form(value: object, want: DType | KvFp8) -> None:
+    assert parse_kv(value) == want
+    ctx = ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": value})
+    assert ctx.kv == want
+    assert ComputeCtx.parse(str(ctx)) == ctx
+    assert ComputeCtx.model_validate_json(ctx.model_dump_json()) == ctx
+
+
+@pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("f17", "unknown kv 'f17'; accepted: a dtype ('f16'"),
+        ("fp8", "unknown kv 'fp8'"),
+        (
+            "e4m3/per_row",
+            "unknown KV scaling 'per_row' in 'e4m3/per_row'; accepted: 'per_token_head'",
+        ),
+        ("e4m3/dynamic", "unknown KV scaling 'dynamic'"),
+        ("int8/per_head", "unknown fp8 KV cache format 'int8' in 'int8/per_head'"),
+        ("e4m3/per_head/2", "too many fields in fp8 KV cache 'e4m3/per_head/2'"),
+        ("/per_head", "unknown fp8 KV cache format ''"),
+        (torch.int8, "torch.int8 is not in the compute lattice"),
+        (3, "cannot read a dtype from 3"),
+    ],
+)
+def test_bad_kv_values_are_one_error_naming_them(value: object, needle: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        parse_kv(value)
+    with pytest.raises(ValidationError) as caught:
+        ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": value})
+    assert caught.value.error_count() == 1 and caught.value.errors()[0]["loc"] == ("kv",)
+    assert needle in str(caught.value)
+
+
+def test_json_form_and_bad_json() -> None:
+    ctx = ComputeCtx.new(DType.BF16, CPU).with_kv(KvFp8(format=Fp8Format.E5M2, scaling="per_head"))
+    data = json.loads(ctx.model_dump_json())
+    assert data["kv"] == {"format": "e5m2", "scaling": "per_head"}
+    assert ComputeCtx.model_validate(data) == ctx
+    with pytest.raises(ValidationError, match="extra_forbidden"):
+        ComputeCtx.model_validate(
+            {"compute": "bf16", "device": "cpu", "kv": {"format": "e4m3", "margin": 2}}
+        )
+    with pytest.raises(ValidationError, match="unknown fp8 format 'e3m4'"):
+        ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": {"format": "e3m4"}})
+    with pytest.raises(ValidationError, match="'per_token_head', 'per_head' or 'per_tensor'"):
+        KvFp8.model_validate({"scaling": "per_row"})
+
+
+def test_fp8_kv_is_an_explicit_boundary() -> None:
+    ctx = ComputeCtx.serving(CPU).with_kv(KvFp8())
+    # The cache quantizes: codes and their steps come out together, which no cast can do.
+    with pytest.raises(
+        PromotionError, match=r"kv=e4m3/per_token_head is an fp8 KV cache.*quantizer"
+    ):
+        ctx.to_kv(torch.zeros(2))
+    with pytest.raises(PromotionError, match="is an fp8 KV cache, not a compute dtype"):
+        promote(DType.F32, KvFp8())  # type: ignore[arg-type]
+    with pytest.raises(PromotionError, match="is an fp8 KV cache, not a compute dtype"):
+        cast_if(torch.zeros(2), KvFp8())  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown dtype"):
+        DType.parse("e4m3/per_token_head")
+    # A lattice kv still casts minimally.
+    f32 = ComputeCtx.serving(CPU)
+    b = torch.zeros(2, dtype=torch.bfloat16)
+    assert f32.to_kv(b).dtype == torch.float32
+
+
+def test_kv_settings_are_distinct_policies() -> None:
+    base = ComputeCtx.serving(CPU)
+    settings = {base.with_kv(KvFp8(format=f, scaling=s)) for f in Fp8Format for s in KV_SCALINGS}
+    assert len(settings | {base}) == 7
+    with pytest.raises(TypeError, match="takes a str"):
+        KvFp8.parse(3)  # type: ignore[arg-type]
