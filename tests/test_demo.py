@@ -106,6 +106,27 @@ def test_fp8_policy_runs_end_to_end(
     assert float(row[3]) == pytest.approx(r["val_loss"], abs=1e-4)
 
 
+def test_fine_grained_policies_train_and_the_table_shows_their_granularity(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    flags = "fp8_rowwise,fp8_rowwise_gw_hp,fp8_block,fp8_mx"
+    code, stdout, _ = _run(
+        capsys, "--dtype", flags, "--steps", "3", "--data", str(text_file),
+        "--out", str(tmp_path), *TINY,
+    )  # fmt: skip
+    assert code == 0
+    want = {"fp8_rowwise": "row", "fp8_rowwise_gw_hp": "row+gw_hp", "fp8_block": "block",
+            "fp8_mx": "mx"}  # fmt: skip
+    assert {flag: cells[1] for flag, cells in _table_rows(stdout).items()} == want
+    assert "fp8 granularity: which elements share one fp8 step" in stdout
+    results = _results(tmp_path)["results"]
+    assert {r["flag"]: r["fp8_granularity"] for r in results} == want
+    for r in results:  # every linear but the head converts, and every step is finite
+        assert r["fp8_converted_linears"] == 5
+        assert f"/{want[r['flag']]}/dynamic" in r["policy"]
+        assert all(v is not None for v in r["train_losses"])
+
+
 def test_accumulator_and_offload_run_end_to_end(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
 ) -> None:
