@@ -45,7 +45,8 @@ amax (the largest block amax; a non-finite one is counted as per tensor) and its
 block step, and its tally the elements: ``X`` in ``input``, ``W`` in ``weight``, and in
 ``grad`` the first quantize of ``dY`` in the backward (the dgrad's, or the wgrad's ``dYᵀ``
 when there is no dgrad; nothing under ``gw_hp`` without a dgrad). The saturation count is
-left alone.
+left alone. Under activation checkpointing a region's recomputation quantizes again to the
+same bytes (every step comes from the operand itself) and records nothing.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from computectx.fp8 import custom_ops, granular, granular_ops
 from computectx.fp8.backend import parse_backend
 from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
 from computectx.fp8.granular import E8M0, MX_BLOCK, TILE, StepRule
+from computectx.fp8.recompute import checkpoint_site
 from computectx.fp8.scaling import OperandScaling
 from computectx.recipes import Fp8Policy, PolicyGranularity
 
@@ -154,12 +156,13 @@ class _GranularLinearFunction(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         plan: Fp8LinearPlan,
+        record_forward: bool,
     ) -> torch.Tensor:
         fwd = plan.policy.format.forward
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
         xq, sx, x_step = _quantize(x, fwd, g_act, plan)
         wq, sw, w_step = _quantize(weight, fwd, g_w, plan)
-        if plan.record:
+        if record_forward:
             _record(plan.state.input, x, x_step)
             _record(plan.state.weight, weight, w_step)
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
@@ -179,7 +182,7 @@ class _GranularLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(
         ctx: Any, dy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
         plan: Fp8LinearPlan = ctx.plan
         policy = plan.policy
         fwd, bwd = policy.format.forward, policy.format.backward
@@ -220,7 +223,7 @@ class _GranularLinearFunction(torch.autograd.Function):
             dw = dw32.to(ctx.w_dtype)
         if need_b:
             db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
 
 
 def granular_linear(
@@ -244,7 +247,11 @@ def granular_linear(
             f"granularity {plan.policy.granularity!r} in Fp8Linear does not support {what} "
             f"yet; use granularity 'tensor' for it"
         )
-    out: torch.Tensor = _GranularLinearFunction.apply(x2, weight, bias, plan)  # type: ignore[no-untyped-call]
+    # Under activation checkpointing the recomputation quantizes again, to the same bytes (the
+    # steps are the operands' own), and records nothing; the backward records dY once.
+    site = checkpoint_site(plan.record)
+    record_forward = plan.record and (site is None or not site.recomputing)
+    out: torch.Tensor = _GranularLinearFunction.apply(x2, weight, bias, plan, record_forward)  # type: ignore[no-untyped-call]
     return out
 
 

@@ -245,6 +245,31 @@ def test_ledgers_record_the_amax_the_largest_block_step_and_the_elements(name: s
         assert int(op.tally[TALLY_ELEMENTS]) == t.numel(), role
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_changes_no_gradient_and_records_once(reentrant: bool) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    def two_layers() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
+        convert_to_fp8(model, ComputeCtx.from_flag("fp8_mx", "cpu"), lambda m, fqn: True)
+        return model
+
+    plain, checkpointed = two_layers(), two_layers()
+    x = torch.randn(24, 64, requires_grad=True)  # the input needs grad for reentrant
+    plain(x).square().sum().backward()
+    out = checkpoint(checkpointed, x, use_reentrant=reentrant)
+    out.square().sum().backward()
+    for p, c in zip(plain.parameters(), checkpointed.parameters(), strict=True):
+        assert torch.equal(grad(p), grad(c))
+    for name in ("0", "2"):
+        for role in ("input", "weight", "grad"):
+            want = getattr(plain, name).scaling.operands[role]
+            got = getattr(checkpointed, name).scaling.operands[role]
+            assert torch.equal(want.tally, got.tally), (name, role)
+            assert torch.equal(want.ledger, got.ledger), (name, role)
+
+
 def test_a_small_mlp_trains_under_every_fine_granularity() -> None:
     def train(flag: str) -> list[float]:
         torch.manual_seed(0)
