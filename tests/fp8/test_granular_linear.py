@@ -323,6 +323,32 @@ def test_serving_fsdp2_fp8_weights_and_amax_reduction_are_refused_clearly(flag: 
     assert empty(torch.randn(0, 32)).shape == (0, 64)
 
 
+@pytest.mark.parametrize("flag", ["fp8_rowwise", "fp8_block", "fp8_mx"])
+def test_every_gemm_and_quantize_runs_on_the_layers_backend(
+    flag: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from computectx.fp8 import granular_linear, granular_ops
+
+    seen: list[tuple[str, Fp8Backend]] = []
+
+    def gemm(*args: Any, backend: Fp8Backend) -> torch.Tensor:
+        seen.append(("gemm", backend))
+        return block_scaled_mm(*args, backend=Fp8Backend.REFERENCE)
+
+    real_quantize = granular_ops.quantize
+
+    def quantize(*args: Any, backend: Fp8Backend) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(("quantize", backend))
+        return real_quantize(*args, backend=Fp8Backend.REFERENCE)
+
+    monkeypatch.setattr(granular_linear, "block_scaled_mm", gemm)
+    monkeypatch.setattr(granular_ops, "quantize", quantize)
+    layer = Fp8Linear(64, 32, ctx=ComputeCtx.from_flag(flag, "cpu"), backend="cublas")
+    layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
+    assert [what for what, _ in seen].count("gemm") == 3
+    assert {backend for _, backend in seen} == {Fp8Backend.CUBLAS}
+
+
 def test_the_row_gemm_is_the_reference_gemm_with_per_row_steps() -> None:
     gen = torch.Generator().manual_seed(0)
     a, sa = fp8_quantize(torch.randn(24, 80, generator=gen) * 10, "e4m3", granularity="row")
