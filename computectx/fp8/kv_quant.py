@@ -80,12 +80,19 @@ def dequantize_kv(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 def static_kv_steps(amax: torch.Tensor, kv: KvFp8) -> tuple[torch.Tensor, torch.Tensor]:
     """The static key and value steps of ``kv`` (``per_head`` or ``per_tensor``) from a
     calibrated amax of shape ``(2, H)`` (row 0 keys, row 1 values): ``(H,)`` each per head,
-    ``(1,)`` each per tensor (the largest head's amax)."""
+    ``(1,)`` each per tensor (the largest head's amax).
+
+    Every amax must be finite and positive (``ValueError`` otherwise): a static step is never
+    the 1.0 that ``kv_step`` gives a zero or non-finite amax."""
     if not kv.static:
         raise ValueError(f"kv={kv} takes its steps from each vector as it is written, not static")
     if amax.dim() != 2 or amax.shape[0] != 2:
         raise ValueError(f"a calibrated KV amax has shape (2, H), got {tuple(amax.shape)}")
     wide = amax.to(torch.float32)
+    if not bool((torch.isfinite(wide) & (wide > 0)).all()):
+        raise ValueError(
+            f"a calibrated KV amax must be finite and positive for kv={kv}, got {wide.tolist()}"
+        )
     if kv.scaling == "per_tensor":
         wide = wide.amax(dim=1, keepdim=True)
     steps = kv_step(wide, kv.format)

@@ -78,7 +78,9 @@ class Attention(nn.Module):
 
     def kv_steps(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The static key and value steps of ``ctx.kv`` (``per_head`` or ``per_tensor``) from
-        ``kv_amax``; ``ValueError`` when the layer is not calibrated."""
+        ``kv_amax``; ``ValueError`` when the layer is not calibrated, or when ``kv_amax``
+        holds an entry that is not finite and positive (set by hand, or loaded around
+        ``load_weights``' check)."""
         kv = self.ctx.kv
         if not isinstance(kv, KvFp8) or not kv.static:
             raise ValueError(f"kv={kv} has no static steps (only fp8 per_head and per_tensor do)")

@@ -256,3 +256,20 @@ def test_prefill_and_one_by_one_agree() -> None:
         parts = [attn(x[:, i : i + 1], steps) for i in range(9)]
     assert torch.equal(whole.k, steps.k) and torch.equal(whole.v, steps.v)
     torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-6)
+
+
+def test_static_steps_never_fall_back_to_one() -> None:
+    # An amax that is zero, NaN or inf (set by hand, or loaded with torch's load_state_dict,
+    # which load_weights' check does not see) is refused, never turned into a step of 1.0.
+    attn = Attention(PER_TENSOR, H * D, H, max_len=8)
+    for bad in (0.0, math.nan, math.inf):
+        with torch.no_grad():
+            attn.kv_amax.fill_(1.0)
+            attn.kv_amax[1, 1] = bad
+        with pytest.raises(ValueError, match="must be finite and positive"):
+            attn.new_cache(1)
+    with torch.no_grad():
+        attn.kv_amax.fill_(4.48)
+    cache = attn.new_cache(1)
+    assert cache.k_step is not None
+    torch.testing.assert_close(cache.k_step, torch.tensor([0.01]), rtol=2.0**-23, atol=0)
