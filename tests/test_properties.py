@@ -18,6 +18,7 @@ from computectx import ComputeCtx, DType, Fp8Format, KvFp8, Residency, promote
 from computectx.ctx import DTYPE_FLAGS
 from computectx.dtypes import KV_SCALINGS, parse_kv
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.fp8.kv_quant import dequantize_kv, quantize_kv
 from computectx.recipes import POLICY_GRANULARITIES, parse_scaling
 
 ALL = list(DType)
@@ -422,3 +423,27 @@ def test_with_kv_changes_only_kv_and_round_trips(ctx: ComputeCtx, kv: DType | Kv
     assert ComputeCtx.parse(str(changed)) == changed
     assert ComputeCtx.model_validate_json(changed.model_dump_json()) == changed
     assert f"kv={kv}," in str(changed)
+
+
+@given(
+    fmt=st.sampled_from(list(Fp8Format)),
+    log_scale=st.floats(-30, 30),
+    t=st.integers(1, 6),
+    d=st.integers(1, 64),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=60)
+def test_kv_quantize_round_trip_is_within_half_a_code_step(
+    fmt: Fp8Format, log_scale: float, t: int, d: int, seed: int
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 3, t, d, generator=g) * 2.0**log_scale
+    codes, step = quantize_kv(x, fmt)
+    assert bool((torch.isfinite(step) & (step > 0)).all())
+    back = dequantize_kv(codes, step)
+    # fp8 rounding: half an ulp relative in the normal range, half the smallest subnormal
+    # times the step below it; the float32 division and product add a few float32 ulps.
+    half_ulp = x.abs() * 2.0 ** -(fmt.mantissa_bits + 1)
+    floor = step.unsqueeze(-1) * fmt.min_subnormal / 2
+    bound = torch.maximum(half_ulp, floor) * (1 + 2.0**-20) + x.abs() * 2.0**-22
+    assert bool(((back - x).abs() <= bound).all())

@@ -26,7 +26,7 @@ from computectx.fp8.custom_ops import uses_kernels
 from computectx.fp8.decode_attention import KERNEL_HEAD_DIMS, check_kernel_head_dim
 from computectx.fp8.kv_quant import dequantize_kv, quantize_kv
 
-__all__ = ["KVCache", "kv_bytes_per_token"]
+__all__ = ["KVCache", "decode_backend", "kv_bytes_per_token"]
 
 _STEP_BYTES = 4  # float32
 
@@ -179,10 +179,11 @@ class KVCache:
             return codes, None
         return quantize_kv(x, kv.format)
 
-    def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) after the cached positions and
-        return ``read()`` of all positions so far. A dtype cache casts them with
-        ``ctx.to_kv`` (the cache-append boundary); an fp8 cache quantizes them."""
+        move ``length`` past them; ``read()`` then returns every position so far. A dtype
+        cache casts them with ``ctx.to_kv`` (the cache-append boundary); an fp8 cache
+        quantizes them. A refused append (too many positions, bad shapes) changes nothing."""
         t = self._check_new(k, v, "append")
         cap = self.max_len
         if self.length + t > cap:
@@ -197,7 +198,6 @@ class KVCache:
             if new_step is not None and step is not None:
                 step[:, :, self.length : end] = new_step
         self.length = end
-        return self.read(end)
 
     def write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) at positions ``pos ..
