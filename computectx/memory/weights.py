@@ -112,7 +112,10 @@ def load_weights(
     first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
     file and the keys) with the model unchanged. dtypes must match exactly: nothing is
     cast silently. A module that defines ``check_state_tensors`` (an ``Fp8Linear``: its
-    scaling state against its policy) checks its tensors then too. Module extra state that
+    scaling state against its policy) checks its tensors then too. A module that defines
+    ``default_state_tensors`` names state a checkpoint may lack (state added after such
+    checkpoints were written: an ``Attention``'s calibrated ``kv_amax``); a checkpoint
+    without it loads those defaults, and the report says how many. Module extra state that
     is not a tensor (see ``save_weights``) is left as it is, and the report says how many
     entries that was.
     """
@@ -130,7 +133,9 @@ def load_weights(
     header, aliases = _read_header(file)
     targets = _tensor_entries(model)
     kept = len(model.state_dict(keep_vars=True)) - len(targets)
-    resolved = _check_keys(file, header, aliases, targets)
+    defaults = _state_defaults(model, targets)
+    resolved = _check_keys(file, header, aliases, targets, set(defaults))
+    defaulted = {name: t for name, t in defaults.items() if name not in resolved}
     ckpt_bytes = sum(_nbytes(shape, dtype) for shape, dtype in header.values())
 
     requested = ctx.residency
@@ -159,12 +164,21 @@ def load_weights(
         device = ctx.device
     if kept:
         reason += f"; {kept} module extra-state entr{'y' if kept == 1 else 'ies'} left as they were"
+    if defaulted:
+        reason += (
+            f"; {len(defaulted)} tensor(s) the checkpoint lacks took their defaults "
+            f"({', '.join(sorted(defaulted))})"
+        )
 
     loaded = _materialise(file, header, chosen, device)
-    _check_module_state(model, {name: loaded[stored] for name, stored in resolved.items()})
+    given = {name: loaded[stored] for name, stored in resolved.items()}
+    _check_module_state(model, given | defaulted)
     claimed: dict[str, int] = {}
     with torch.no_grad():
         for name, target in targets.items():
+            if name in defaulted:
+                _replace_buffer(model, name, defaulted[name].to(device=device, copy=True))
+                continue
             stored = resolved[name]
             source = loaded[stored]
             if claimed.setdefault(stored, id(target)) != id(target):
@@ -200,6 +214,38 @@ def _check_module_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
             continue
         head = f"{prefix}." if prefix else ""
         check({k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)})
+
+
+def _state_defaults(
+    model: torch.nn.Module, targets: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    # A module whose state grew after checkpoints were written defines
+    # default_state_tensors() -> {local name: value}: what such a checkpoint loads instead.
+    # Only buffers may default (a missing weight is always an error), at their own shape and
+    # dtype.
+    out: dict[str, torch.Tensor] = {}
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    for prefix, module in model.named_modules():
+        fn = getattr(module, "default_state_tensors", None)
+        if not callable(fn):
+            continue
+        head = f"{prefix}." if prefix else ""
+        for local, value in fn().items():
+            name = head + local
+            target = targets.get(name)
+            if name in params or target is None or not isinstance(value, torch.Tensor):
+                raise TypeError(
+                    f"{type(module).__name__}.default_state_tensors: {local!r} must name a "
+                    f"buffer of the module and give a tensor"
+                )
+            if value.shape != target.shape or value.dtype != target.dtype:
+                raise TypeError(
+                    f"{type(module).__name__}.default_state_tensors: {local!r} defaults to "
+                    f"{value.dtype}{list(value.shape)}, the buffer is "
+                    f"{target.dtype}{list(target.shape)}"
+                )
+            out[name] = value
+    return out
 
 
 def _tensor_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -250,8 +296,10 @@ def _check_keys(
     header: dict[str, tuple[tuple[int, ...], torch.dtype]],
     aliases: dict[str, str],
     targets: dict[str, torch.Tensor],
+    optional: set[str],
 ) -> dict[str, str]:
-    """Map every model key to the stored tensor it loads from, or raise listing problems."""
+    """Map every model key to the stored tensor it loads from, or raise listing problems.
+    Keys in ``optional`` (buffers with a default) may be absent from the file."""
     shown = repr(str(file))
     # Names bound to one tensor in the model (tied weights) may be stored under any one
     # of them: the file need not repeat a tie that the model already has.
@@ -264,7 +312,7 @@ def _check_keys(
     for names in groups.values():
         stored = sorted({aliases.get(n, n) for n in names if aliases.get(n, n) in header})
         if not stored:
-            missing.extend(names)
+            missing.extend(n for n in names if n not in optional)
         elif len(stored) > 1:
             split.append(stored)
         else:

@@ -42,7 +42,8 @@ class Attention(nn.Module):
     The buffer ``kv_amax`` (``(2, H)`` float32: row 0 keys, row 1 values) holds each head's
     calibrated amax (``computectx.nn.calibrate_kv``), from which the static fp8 schemes take
     their steps; all zeros means not calibrated. It is saved and loaded with the weights and
-    checked on load (``check_state_tensors``).
+    checked on load (``check_state_tensors``); a checkpoint without it loads it as zeros
+    (``default_state_tensors``).
     """
 
     kv_amax: torch.Tensor
@@ -106,6 +107,12 @@ class Attention(nn.Module):
                 f"kv_amax must be finite and either all zero (not calibrated) or all positive "
                 f"(a calibration), got {wide.tolist()}"
             )
+
+    def default_state_tensors(self) -> dict[str, torch.Tensor]:
+        """What ``load_weights`` loads for state a checkpoint lacks: a checkpoint written
+        before ``kv_amax`` existed loads as not calibrated (zeros), never keeping a
+        calibration made for other weights."""
+        return {"kv_amax": torch.zeros_like(self.kv_amax)}
 
     def observe_kv(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Fold the per-head amax of ``k`` and ``v`` (``(B, H, T, D)``) into ``kv_observed``

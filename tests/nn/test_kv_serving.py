@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from computectx import ComputeCtx, DType, KvFp8
@@ -277,3 +278,30 @@ def test_generate_runs_under_every_kv(trained: Trained, kv: str) -> None:
         2 * 2 * 16 * (2 if kv == "bf16" else 1) + (0 if kv == "bf16" else 2 * 2 * 4)
     )
     assert isinstance(model.ctx.kv, (DType, KvFp8))
+
+
+def test_a_checkpoint_written_before_kv_amax_loads_as_not_calibrated(
+    trained: Trained, tmp_path: pathlib.Path
+) -> None:
+    # A ByteLM checkpoint without the kv_amax buffers (written before they existed): every
+    # weight loads, and the layers come back not calibrated rather than keeping a
+    # calibration made for other weights.
+    old = {k: v for k, v in trained.state.items() if not k.endswith("kv_amax")}
+    assert len(old) == len(trained.state) - 2
+    path = tmp_path / "before_kv_amax.safetensors"
+    save_file(old, str(path))
+    ctx = F32.with_kv(KvFp8(scaling="per_head"))
+    model = ByteLM(ctx, CONFIG)
+    calibrate_kv(model, trained.calib)
+    report = load_weights(model, path, ctx)
+    assert "2 tensor(s) the checkpoint lacks took their defaults" in str(report)
+    assert "blocks.0.attn.kv_amax" in str(report)
+    assert torch.equal(model.embed.weight, trained.state["embed.weight"])
+    assert not any(a.kv_calibrated for a in _attns(model))
+    with pytest.raises(ValueError, match="no calibrated KV amax"):
+        model.new_caches(1)
+    # A missing weight is still an error.
+    del old["embed.weight"]
+    save_file(old, str(path))
+    with pytest.raises(ValueError, match=r"missing keys \['embed.weight'\]"):
+        load_weights(model, path, ctx)
