@@ -53,8 +53,8 @@ def test_users_can_type_check_against_the_installed_package(tmp_path: Path) -> N
     (tmp_path / "user.py").write_text(
         "from computectx import ComputeCtx, DType\n"
         "ctx = ComputeCtx.new(DType.BF16, 'cpu')\n"
-        "kv: DType = ctx.kv\n"
-        "bad: str = ctx.kv\n"
+        "compute: DType = ctx.compute\n"
+        "bad: str = ctx.compute\n"
     )
     res = subprocess.run(
         [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "user.py"],
