@@ -189,7 +189,7 @@ def scaled_mm(
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
 
     The steps are per tensor (shape ``(1,)``) or per row (``step_a [M, 1]``, ``step_b
-    [N, 1]``, the row-wise GEMM of ``computectx.fp8.rowwise``): element ``(i, j)`` is scaled
+    [N, 1]``, the row-wise GEMM of ``computectx.fp8.granular_linear``): element ``(i, j)`` is scaled
     by ``step_a[i] * step_b[j]``, which for ``(1,)`` steps is the one scalar product.
 
     fp8 values widen to float32 exactly and every product of two fp8 values is exact in

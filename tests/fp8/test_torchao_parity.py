@@ -15,7 +15,7 @@ few hundredths of a dB. Two differences by design, both asserted below:
   two give the same SQNR; on a weight with outlier input channels ours is the better one.
 - With ``gw_hp``, torchao's high-precision wgrad is ``torch.mm`` of the bf16 operands, rounded
   to bf16 before autograd widens it to a float32 weight's dtype; ours keeps the float32
-  product for a float32 weight (rowwise.py). With a float32 weight ours is therefore far more
+  product for a float32 weight (granular_linear.py). With a float32 weight ours is therefore far more
   accurate, and rounded to bf16 it is within 0.5 dB of torchao's; with a bf16 weight both
   round once to bf16.
 
