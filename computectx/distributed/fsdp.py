@@ -24,6 +24,16 @@ bytes the forward multiplied with, and the ledger advances once per forward, as 
 The first forward of a delayed-scaling weight seeds its ledger from the whole weight's amax
 (one MAX all-reduce, once), so even step 1 quantizes with the one-process scale.
 
+Fine-grained policies (``FP8_GATHER_GRANULARITIES``). A ``block`` weight is quantized in
+128x128 blocks, whose steps need no other rank: when FSDP2's shards are whole 128-row blocks
+(``blocks_align``), each rank quantizes its shard's blocks with no collective and hands FSDP2
+the codes (``uint8``) and the float32 block scales together; the gathered pair is a
+``computectx.fp8.quantized.Fp8BlockWeight``, exactly the whole weight's blocks, which the block
+linear uses for its forward and, transposed as its blocks are, for its dgrad, quantizing
+nothing again. On the wire: 1 byte per element and 4 bytes per 16384 (1.0002). Shards that
+cut blocks gather high precision, with one ``Fp8GatherFallbackWarning`` per process. ``row``
+and ``mx`` weights gather high precision (docs/distributed.md says why).
+
 Everywhere else a ``WeightGatheredAsFp8`` is its high-precision tensor: optimizers update it,
 ``state_dict`` saves plain tensors (DTensors of plain tensors under FSDP2), and loading copies
 into it.
@@ -31,6 +41,7 @@ into it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -47,18 +58,23 @@ from computectx.recipes import DelayedScaling, Fp8Policy, PolicyGranularity
 
 __all__ = [
     "FP8_GATHER_GRANULARITIES",
+    "Fp8GatherFallbackWarning",
     "WeightGatheredAsFp8",
+    "blocks_align",
     "enable_fp8_all_gather",
     "gathers_as_fp8",
     "parameter_holders",
     "sharded_weight_of",
 ]
 
-FP8_GATHER_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor",)
-"""The policy granularities whose weights FSDP2 all-gathers as fp8. ``row`` and ``mx``
-weights gather high precision (docs/distributed.md, "Fine-grained scaling"): their dgrad
-quantizes ``W`` again along the other axis from high precision, so an fp8 gather would
-ship the codes twice, once per axis, for no saving over a bfloat16 gather."""
+FP8_GATHER_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor", "block")
+"""The policy granularities whose weights FSDP2 all-gathers as fp8: ``tensor`` (codes and
+one step) and ``block`` (codes and 128x128 block scales, where shards are whole blocks:
+``blocks_align``). ``row`` and ``mx``
+weights gather high precision, as torchtitan's row-wise recipe does (docs/distributed.md,
+"Fine-grained scaling on many ranks", has the bytes): their blocks of one row do not
+transpose, so the dgrad needs ``W`` quantized along its other axis too, and an fp8 gather
+would have to carry codes for each axis (the forward's and the dgrad's)."""
 
 
 def gathers_as_fp8(policy: Fp8Policy) -> bool:
@@ -203,9 +219,12 @@ class WeightGatheredAsFp8(torch.Tensor):
         module: nn.Module,
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
-        """Quantize this shard with the group-wide step; hand FSDP2 its codes as uint8."""
+        """Quantize this shard with the group-wide step; hand FSDP2 its codes as uint8.
+        A ``block`` layer's shard: its 128x128 blocks' codes and scales (``_block_inputs``)."""
         g = self._gather
         layer = g.layer(module)
+        if layer.policy.granularity == "block":
+            return self._block_inputs(layer, mesh, outer_size, mp_policy)
         fmt = layer.policy.format.forward
         scaling = layer.policy.scaling
         op = layer.scaling.weight
@@ -244,6 +263,32 @@ class WeightGatheredAsFp8(torch.Tensor):
         g.forward_step = step
         return (_padded(data, outer_size, mesh).view(torch.uint8),), (step, data.dtype)
 
+    def _block_inputs(
+        self, layer: Fp8Linear, mesh: DeviceMesh, outer_size: torch.Size, mp_policy: Any
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        # Shards of whole 128-row blocks (blocks_align): each rank quantizes its own blocks,
+        # exactly the whole weight's blocks, with no collective; the codes (uint8) and the
+        # float32 block scales travel together. Dynamic scaling and no history: the
+        # backward's re-gather quantizes the same shard again to the same bytes.
+        hp = self._hp.detach()
+        world = mesh.size(mesh.ndim - 1)
+        if not blocks_align(outer_size[0], world):
+            _warn_block_fallback(self._gather.name, outer_size, world)
+            dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
+            return (_padded(hp.to(dtype), outer_size, mesh),), ("hp",)
+        from computectx.fp8 import granular_ops
+        from computectx.fp8.granular_linear import step_rule_of
+
+        codes, scale = granular_ops.quantize(
+            hp,
+            layer.policy.format.forward,
+            "128x128",
+            step_rule_of(layer.policy),
+            None,
+            backend=layer.backend,
+        )
+        return (codes.view(torch.uint8), scale), ("block", codes.dtype)
+
     def fsdp_post_all_gather(
         self,
         all_gather_outputs: tuple[torch.Tensor, ...],
@@ -252,7 +297,19 @@ class WeightGatheredAsFp8(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """The gathered codes and the step as an ``Fp8Weight`` of the weight's dtype."""
+        """The gathered codes and the step as an ``Fp8Weight`` of the weight's dtype (a
+        ``block`` layer's: the codes and block scales as an ``Fp8BlockWeight``, or the
+        high-precision weight where its shards cut 128-row blocks)."""
+        if metadata[0] == "hp":
+            (whole,) = all_gather_outputs
+            return None if out is not None else (whole, (whole,))
+        if metadata[0] == "block":
+            from computectx.fp8.quantized import Fp8BlockWeight
+
+            codes, scale = all_gather_outputs
+            if out is not None:  # gathered into the same buffers again: out views them
+                return None
+            return Fp8BlockWeight(codes.view(metadata[1]), scale, param_dtype), (codes, scale)
         (gathered,) = all_gather_outputs
         step, fp8 = metadata
         if out is not None:
@@ -264,6 +321,40 @@ class WeightGatheredAsFp8(torch.Tensor):
                     out.fp8_step.copy_(step)
             return None
         return Fp8Weight(gathered.view(fp8), step, param_dtype), (gathered,)
+
+
+BLOCK_ROWS = 128
+"""The rows of a ``block`` weight's 128x128 scale block."""
+
+
+def blocks_align(rows: int, world: int) -> bool:
+    """Whether FSDP2's shards of a weight of ``rows`` rows over ``world`` ranks are each
+    whole 128-row blocks: every shard the same size (``rows`` a multiple of ``world``) and
+    a multiple of 128. Then each shard's 128x128 blocks are the whole weight's."""
+    return rows % world == 0 and (rows // world) % BLOCK_ROWS == 0
+
+
+class Fp8GatherFallbackWarning(UserWarning):
+    """A weight that would all-gather as fp8 gathers high precision instead."""
+
+
+_fallback_warned: list[bool] = [False]
+
+
+def _warn_block_fallback(name: str, outer_size: torch.Size, world: int) -> None:
+    if _fallback_warned[0]:
+        return
+    _fallback_warned[0] = True
+    warnings.warn(
+        Fp8GatherFallbackWarning(
+            f"{name!r} ({tuple(outer_size)}) all-gathers high precision: its {world} FSDP2 "
+            f"shards of {-(-outer_size[0] // world)} rows cut its 128x128 fp8 blocks (a "
+            f"block weight gathers as fp8 when its rows are a multiple of 128 x the shard "
+            f"count). The layer quantizes the gathered weight itself: the same result, "
+            f"more bytes. Warned once per process."
+        ),
+        stacklevel=2,
+    )
 
 
 def _in_backward() -> bool:

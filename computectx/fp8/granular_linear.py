@@ -21,7 +21,9 @@ along its other axis is quantized again from high precision along that axis (iss
 rule); the forward therefore keeps ``X`` (and ``W`` for ``row`` and ``mx``) in high
 precision for the backward. A 128x128 block is square: ``Wᵀ`` for the dgrad is the
 forward's weight codes and scales transposed as they are (``wq.t()``, ``sw.t()``), no second
-quantize, so ``block`` keeps the weight's fp8 codes, not the weight. With ``gw_hp``
+quantize, so ``block`` keeps the weight's fp8 codes, not the weight. A ``block`` weight that arrives
+quantized (``quantized.Fp8BlockWeight``, FSDP2's fp8 all-gather) is those codes and scales:
+the forward and the dgrad use them as they are. With ``gw_hp``
 (``row`` only, torchao's ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
 high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
 dY and dYᵀ in its backward format, Xᵀ in the forward format.
@@ -62,6 +64,7 @@ from computectx.fp8 import custom_ops, granular, granular_ops
 from computectx.fp8.backend import parse_backend
 from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
 from computectx.fp8.granular import E8M0, MX_BLOCK, TILE, StepRule
+from computectx.fp8.quantized import Fp8BlockWeight, Fp8Weight
 from computectx.fp8.recompute import checkpoint_site
 from computectx.fp8.scaling import OperandScaling
 from computectx.recipes import Fp8Policy, PolicyGranularity
@@ -161,10 +164,15 @@ class _GranularLinearFunction(torch.autograd.Function):
         fwd = plan.policy.format.forward
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
         xq, sx, x_step = _quantize(x, fwd, g_act, plan)
-        wq, sw, w_step = _quantize(weight, fwd, g_w, plan)
+        w_seen = weight
+        if isinstance(weight, Fp8BlockWeight):  # its 128x128 blocks, gathered by FSDP2
+            wq, sw = weight.fp8_data, weight.fp8_scale
+            w_seen, w_step = weight.dequantize(), sw.amax().reshape(1)
+        else:
+            wq, sw, w_step = _quantize(weight, fwd, g_w, plan)
         if record_forward:
             _record(plan.state.input, x, x_step)
-            _record(plan.state.weight, weight, w_step)
+            _record(plan.state.weight, w_seen, w_step)
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
         # row and mx quantize the weight again along N from high precision.
@@ -230,13 +238,15 @@ def granular_linear(
     x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
 ) -> torch.Tensor:
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
-    mx); ``ValueError`` for what it does not run yet: a frozen (serving) weight, FSDP2's
-    fp8 all-gathered weight, data-parallel amax reduction."""
+    mx). ``block`` also takes its weight already quantized in 128x128 blocks, in the forward
+    format (an ``Fp8BlockWeight``: FSDP2's fp8 all-gather), and uses it as it is.
+    ``ValueError`` for what it does not run yet: a frozen (serving) weight, any other
+    pre-quantized weight, data-parallel amax reduction."""
     unsupported = [
         what
         for what, present in (
             ("a frozen (serving) weight", plan.frozen_weight is not None),
-            ("an fp8 all-gathered weight (FSDP2)", weight is not None and _is_fp8_weight(weight)),
+            ("an fp8 all-gathered weight (FSDP2)", _is_fp8_weight(weight, plan)),
             ("data-parallel amax reduction", plan.reduces()),
         )
         if present
@@ -255,7 +265,10 @@ def granular_linear(
     return out
 
 
-def _is_fp8_weight(weight: torch.Tensor) -> bool:
-    from computectx.fp8.quantized import Fp8Weight
-
+def _is_fp8_weight(weight: torch.Tensor | None, plan: Fp8LinearPlan) -> bool:
+    # A pre-quantized weight this call cannot use as it is: a per-tensor Fp8Weight, or
+    # 128x128 blocks under another granularity or in another format.
+    if isinstance(weight, Fp8BlockWeight):
+        fwd = plan.policy.format.forward
+        return plan.policy.granularity != "block" or weight.fp8_data.dtype != fwd.torch
     return isinstance(weight, Fp8Weight)

@@ -13,6 +13,12 @@ Anything else done with it (``weight.to(x.dtype)`` inside ``fp8_autocast(enabled
 an arithmetic op, printing) sees its dequantized value: ``data * step`` formed in float32 and
 rounded once to the nominal dtype. Shape-only aliasing ops (``detach``, ``alias``, ``view``,
 ``as_strided``) keep it an ``Fp8Weight`` over the same bytes.
+
+``Fp8BlockWeight`` is the same for a weight quantized in 128x128 blocks (the ``block``
+policy's weight, which FSDP2's fp8 all-gather gathers as codes and block scales): the codes
+and the float32 scale of each block, as ``fp8_quantize(w, fmt, granularity="128x128")``
+returns them. The block linear multiplies with them as they are, in its forward and,
+transposed, in its dgrad.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from computectx.fp8 import reference
+from computectx.fp8 import granular, reference
 
-__all__ = ["FP8_DTYPES", "Fp8Weight"]
+__all__ = ["FP8_DTYPES", "Fp8BlockWeight", "Fp8Weight"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The fp8 storage dtypes an ``Fp8Weight`` holds."""
@@ -139,4 +145,118 @@ class Fp8Weight(torch.Tensor):
         return (
             f"Fp8Weight(shape={tuple(self.shape)}, {self._fp8_data.dtype} as {self.dtype}, "
             f"step={self._fp8_step.reshape(()).item():.6g}, device={self.device})"
+        )
+
+
+class Fp8BlockWeight(torch.Tensor):
+    """A weight held as fp8 codes (``data``, 2-D) and the float32 steps of its 128x128
+    blocks (``scale``, ``(ceil(rows/128), ceil(K/128))``: ``fp8_quantize``'s ``128x128``
+    layout).
+
+    Its shape is ``data``'s and its dtype the nominal ``dtype`` it stands for. Shape-keeping
+    aliasing ops (``detach``, ``alias``, a ``view``/``as_strided`` to the same shape) keep
+    it an ``Fp8BlockWeight`` over the same bytes; every other op sees ``dequantize()``.
+    """
+
+    _fp8_data: torch.Tensor
+    _fp8_scale: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> Fp8BlockWeight:
+        if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES or data.dim() != 2:
+            what = (
+                f"{data.dtype} of shape {tuple(data.shape)}"
+                if isinstance(data, torch.Tensor)
+                else type(data).__name__
+            )
+            raise TypeError(
+                f"Fp8BlockWeight data must be a 2-D float8_e4m3fn/e5m2 tensor, got {what}"
+            )
+        grid = granular.layout_of("128x128", data.shape).grid
+        if (
+            not isinstance(scale, torch.Tensor)
+            or scale.dtype != torch.float32
+            or tuple(scale.shape) != grid
+            or scale.device != data.device
+        ):
+            got = (
+                f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
+                if isinstance(scale, torch.Tensor)
+                else type(scale).__name__
+            )
+            raise ValueError(
+                f"Fp8BlockWeight scale of {tuple(data.shape)} codes must be a float32 tensor "
+                f"of shape {grid} (one step per 128x128 block) on {data.device}, got {got}"
+            )
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"Fp8BlockWeight stands for a float32, bfloat16 or float16 weight, got {dtype}"
+            )
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+        out._fp8_data = data
+        out._fp8_scale = scale
+        return out
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+
+    @property
+    def fp8_data(self) -> torch.Tensor:
+        """The fp8 codes, shaped like the weight."""
+        return self._fp8_data
+
+    @property
+    def fp8_scale(self) -> torch.Tensor:
+        """The step of each 128x128 block: ``weight ≈ data * step`` of the element's block."""
+        return self._fp8_scale
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Each code times its block's step, as a plain tensor of ``dtype`` (default: the
+        nominal dtype)."""
+        layout = granular.layout_of("128x128", self._fp8_data.shape)
+        return granular.dequantize(self._fp8_data, self._fp8_scale, layout, dtype or self.dtype)
+
+    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
+        return ["_fp8_data", "_fp8_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any, outer_stride: Any
+    ) -> Fp8BlockWeight:
+        return Fp8BlockWeight(inner["_fp8_data"], inner["_fp8_scale"], dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _ALIASING and isinstance(args[0], Fp8BlockWeight):
+            src = args[0]
+            data = func(src.fp8_data, *args[1:], **kwargs)
+            if data.shape == src.fp8_data.shape:  # the blocks stay where they were
+                return cls(data, src.fp8_scale, src.dtype)
+
+        def plain(x: Any) -> Any:
+            return x.dequantize() if isinstance(x, Fp8BlockWeight) else x
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
+        return (
+            f"Fp8BlockWeight(shape={tuple(self.shape)}, {self._fp8_data.dtype} as "
+            f"{self.dtype}, 128x128 blocks, device={self.device})"
         )

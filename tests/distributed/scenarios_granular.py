@@ -14,25 +14,28 @@ from computectx import ComputeCtx
 from computectx.distributed import parallelize
 from computectx.fp8 import Fp8Linear
 
-IN, HIDDEN, OUT = 64, 128, 64
-# The rows of the whole batch: 2 ranks take half each, one process all of them.
-TOTAL_ROWS = 2
+IN = 64
+WIDTHS = (64, 256, 256)
+"""in, hidden, out: every weight 256 rows, whole 128-row blocks in each of 2 FSDP2 shards."""
 
 
-def _model() -> nn.Sequential:
+def _model(widths: tuple[int, ...] = WIDTHS) -> nn.Sequential:
     # No bias: its gradient sums dY over the tokens in float32, in an order that differs
     # between one process (all rows) and two ranks (half each, then the reduction).
     torch.manual_seed(0)
+    d_in, hidden, out = widths
     return nn.Sequential(
-        nn.Linear(IN, HIDDEN, bias=False), nn.ReLU(), nn.Linear(HIDDEN, OUT, bias=False)
+        nn.Linear(d_in, hidden, bias=False), nn.ReLU(), nn.Linear(hidden, out, bias=False)
     )
 
 
-def _batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(
+    step: int, rows: int, widths: tuple[int, ...] = WIDTHS
+) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
-    x = torch.randn(rows, IN, generator=gen)
+    x = torch.randn(rows, widths[0], generator=gen)
     x[rows // 2 :] *= 20.0  # the second rank's half: another range
-    return x, torch.randn(rows, OUT, generator=gen)
+    return x, torch.randn(rows, widths[-1], generator=gen)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -66,6 +69,45 @@ class _CountAmaxCollectives:
             setattr(dist, name, original)
 
 
+class _CountGathered:
+    """What this rank hands FSDP2's all-gathers: ``(dtype, bytes)`` per call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[torch.dtype, int]] = []
+        self._original: Any = None
+
+    def __enter__(self) -> _CountGathered:
+        self._original = original = dist.all_gather_single
+
+        def counting(out: Any, inp: torch.Tensor, *args: Any, **kw: Any) -> Any:
+            self.calls.append((inp.dtype, inp.numel() * inp.element_size()))
+            return original(out, inp, *args, **kw)
+
+        dist.all_gather_single = counting  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_gather_single = self._original
+
+
+def _peek(into: list[Any]) -> Any:
+    """A forward pre-hook (after FSDP2's, which gathers) that keeps what the layer's weight
+    is in the forward: its type, and a block weight's codes and scales."""
+
+    def hook(module: nn.Module, args: Any) -> None:
+        w = module.weight
+        data, scale = getattr(w, "fp8_data", None), getattr(w, "fp8_scale", None)
+        into.append(
+            {
+                "type": type(w).__name__,
+                "codes": None if data is None else data.view(torch.uint8).clone(),
+                "scale": None if scale is None else scale.clone(),
+            }
+        )
+
+    return hook
+
+
 def _capture(layers: list[Fp8Linear], store: dict[str, torch.Tensor]) -> list[Any]:
     """Hooks that keep each layer's input and output gradient of the next call."""
     handles = []
@@ -83,13 +125,13 @@ def _capture(layers: list[Fp8Linear], store: dict[str, torch.Tensor]) -> list[An
     return handles
 
 
-def _reference(ctx: ComputeCtx) -> tuple[nn.Sequential, list[Fp8Linear]]:
+def _reference(ctx: ComputeCtx, widths: tuple[int, ...]) -> tuple[nn.Sequential, list[Fp8Linear]]:
     """The same model in this process alone: one process on the whole batch (its layers'
     seam reduces nothing, as a one-process layer's; the sync's seam says the same)."""
     from computectx.distributed.collectives import RankLocal
     from computectx.fp8 import convert_to_fp8
 
-    model = _model()
+    model = _model(widths)
     convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     for layer in layers:
@@ -110,7 +152,8 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     rows = params["rows"]
     per = rows // world
-    model = _model()
+    widths = tuple(params.get("widths", WIDTHS))
+    model = _model(widths)
     out: dict[str, Any] = {"outs": [], "losses": [], "steps": []}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -123,10 +166,13 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
             lr=params.get("lr", 0.05),
         )
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-        ref, ref_layers = _reference(ctx) if params.get("reference") else (None, [])
-        with _CountAmaxCollectives() as counter:
+        ref, ref_layers = _reference(ctx, widths) if params.get("reference") else (None, [])
+        out["initial"] = {n: _full(p) for n, p in model.named_parameters()}
+        gathered: list[Any] = []
+        peek = [m.register_forward_pre_hook(_peek(gathered)) for m in layers]
+        with _CountAmaxCollectives() as counter, _CountGathered() as wire:
             for step in range(params["steps"]):
-                x, y = _batch(step, rows)
+                x, y = _batch(step, rows, widths)
                 lo = rank * per
                 empty = step == params.get("empty_at") and rank == world - 1
                 hi = lo if empty else lo + per
@@ -146,6 +192,11 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
                 par.step()
                 out["outs"].append(pred.detach().clone())
                 out["losses"].append(float(loss.detach()))
+                for h in peek:
+                    h.remove()
+                peek = []
+    out["gathered"] = gathered
+    out["wire"] = wire.calls
     out["weights"] = {n: _full(p) for n, p in model.named_parameters()}
     out["amax_collectives"] = counter.calls
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]

@@ -199,8 +199,8 @@ def test_an_empty_micro_batch_takes_part_in_every_collective(
         empty_at=1,
     )
     _check_common(ranks)
-    assert ranks[1]["outs"][1].shape == (0, 64)
-    assert ranks[0]["outs"][1].shape == (32, 64)
+    assert ranks[1]["outs"][1].shape == (0, 256)
+    assert ranks[0]["outs"][1].shape == (32, 256)
 
 
 def test_a_dcp_checkpoint_of_a_granular_policy_round_trips_and_reshards(
@@ -229,3 +229,52 @@ def test_a_dcp_checkpoint_of_a_granular_policy_round_trips_and_reshards(
     for r in (*loaded, alone):
         assert torch.equal(r["probe"], saved[0]["probe"])
     assert saved[0]["keys"] == alone["keys"]
+
+
+def test_fsdp2_gathers_block_weights_as_their_fp8_blocks_and_scales(run_ranks: RunRanks) -> None:
+    # 256-row weights on 2 ranks: shards of 128 rows, whole 128x128 blocks.
+    r0, r1 = run_ranks(
+        "scenarios_granular.py:train",
+        limit_s=LIMIT_S,
+        flag="fp8_block",
+        strategy="fsdp",
+        rows=64,
+        steps=STEPS,
+    )
+    _check_common([r0, r1])
+    # What the layers multiply with: the whole weight's own 128x128 codes and scales, bit
+    # for bit (each shard's blocks quantized alone are the whole weight's blocks).
+    assert [g["type"] for g in r0["gathered"]] == ["Fp8BlockWeight"] * LAYERS
+    for gathered, name in zip(r0["gathered"], ["0.weight", "2.weight"], strict=True):
+        codes, scale = fp8_quantize(r0["initial"][name], "e4m3", granularity="128x128")
+        assert torch.equal(gathered["codes"], codes.view(torch.uint8)), name
+        assert torch.equal(gathered["scale"], scale), name
+    # On the wire, from the gathered tensors' sizes: per gather and rank, each weight's
+    # codes (1 byte per element of its shard) and its shard's float32 block scales, a
+    # forward and a backward gather per step; nothing else (no bias).
+    shapes = [r0["initial"][n].shape for n in ("0.weight", "2.weight")]
+    elements = sum(rows * k for rows, k in shapes) // 2
+    scales = sum((rows // 2 // 128) * -(-k // 128) for rows, k in shapes)
+    sent = sum(nbytes for _, nbytes in r0["wire"])
+    assert {dtype for dtype, _ in r0["wire"]} == {torch.uint8}
+    assert sent == 2 * STEPS * (elements + 4 * scales), (sent, elements, scales)
+    per_element = sent / (2 * STEPS * elements)
+    assert per_element <= 1.05, per_element
+
+
+def test_block_weights_whose_shards_cut_blocks_gather_high_precision_with_one_warning(
+    run_ranks: RunRanks,
+) -> None:
+    # 128- and 64-row weights on 2 ranks: shards of 64 and 32 rows cut the 128-row blocks.
+    common = {"flag": "fp8_block", "rows": 256, "steps": 2, "widths": [64, 128, 64]}
+    ranks = run_ranks("scenarios_granular.py:train", limit_s=LIMIT_S, strategy="fsdp", **common)
+    (one,) = run_ranks("scenarios_granular.py:train", world_size=1, strategy="ddp", **common)
+    for r in ranks:
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert r["warnings"][0].startswith("Fp8GatherFallbackWarning")
+        assert "128" in r["warnings"][0] and "0.weight" in r["warnings"][0]
+        assert [g["type"] for g in r["gathered"]] == ["Parameter"] * LAYERS
+        assert {dtype for dtype, _ in r["wire"]} == {torch.float32}
+    # The layer quantizes the gathered weight itself: one process's training, bit for bit.
+    for name, w in one["weights"].items():
+        assert torch.equal(ranks[0]["weights"][name], w), name

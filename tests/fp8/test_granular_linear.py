@@ -11,7 +11,15 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx, Fp8Format
-from computectx.fp8 import Fp8Linear, Fp8Policy, Fp8Weight, convert_to_fp8, fp8_quantize, reference
+from computectx.fp8 import (
+    Fp8Linear,
+    Fp8Policy,
+    Fp8Weight,
+    convert_to_fp8,
+    fp8_dequantize,
+    fp8_quantize,
+    reference,
+)
 from computectx.fp8 import granular as g
 from computectx.fp8.autograd import Fp8LinearPlan, fp8_linear
 from computectx.fp8.backend import Fp8Backend
@@ -357,3 +365,68 @@ def test_the_row_gemm_is_the_reference_gemm_with_per_row_steps() -> None:
     for out in (torch.float32, torch.bfloat16):
         want = reference.scaled_mm(a, b, sa, sb, bias, out)
         assert torch.equal(block_scaled_mm(a, b, sa, "row", sb, "row", bias, out), want)
+
+
+# ----- a block weight that arrives quantized (FSDP2's fp8 all-gather) -------------------------
+
+
+def test_a_block_weight_given_as_its_128x128_codes_and_scales_is_used_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from computectx.fp8 import granular_linear
+    from computectx.fp8.quantized import Fp8BlockWeight
+
+    text = "e4m3/block/dynamic/0"
+    layer = Fp8Linear(K, N, ctx=ctx_of(text), dtype=torch.float32)
+    w = layer.weight.detach()
+    codes, scale = fp8_quantize(w, "e4m3", granularity="128x128")
+    given = Fp8BlockWeight(codes, scale, torch.float32).requires_grad_()
+    plan = Fp8LinearPlan(layer.policy, layer.scaling, Fp8Backend.REFERENCE, torch.bfloat16)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(24, K, generator=gen) * torch.logspace(-2, 2, K)
+    dy = torch.randn(24, N, generator=gen)
+    # The weight's quantize runs only for the high-precision weight; the given blocks are
+    # the codes and scales that quantize gives, so everything else is the same, bit for bit.
+    seen: list[tuple[int, ...]] = []
+    quantize = granular_linear._quantize
+
+    def counting(x: torch.Tensor, *args: Any) -> Any:
+        seen.append(tuple(x.shape))
+        return quantize(x, *args)
+
+    monkeypatch.setattr(granular_linear, "_quantize", counting)
+    results = []
+    for weight in (w.clone().requires_grad_(), given):
+        seen.clear()
+        xr = x.clone().requires_grad_()
+        y = fp8_linear(xr, weight, None, plan)
+        y.backward(dy)  # type: ignore[no-untyped-call]
+        results.append((y, grad(xr), grad(weight), [*seen]))
+    (y_hp, dx_hp, dw_hp, q_hp), (y_b, dx_b, dw_b, q_b) = results
+    assert torch.equal(y_b, y_hp) and torch.equal(dx_b, dx_hp) and torch.equal(dw_b, dw_hp)
+    assert (N, K) in q_hp and (N, K) not in q_b  # the forward quantizes X only
+    assert type(dw_b) is torch.Tensor and dw_b.dtype == torch.float32
+    # Under row or mx, or in another format, the blocks are refused, naming the weight.
+    for other in ("e4m3/row/dynamic/0", "e4m3/mx/dynamic/0", "e5m2/block/dynamic/0"):
+        bad = Fp8Linear(K, N, ctx=ctx_of(other), dtype=torch.float32)
+        p = Fp8LinearPlan(bad.policy, bad.scaling, Fp8Backend.REFERENCE, torch.bfloat16)
+        with pytest.raises(ValueError, match=r"an fp8 all-gathered weight \(FSDP2\)"):
+            fp8_linear(x, given, None, p)
+
+
+def test_fp8_block_weight_checks_its_parts_and_dequantizes_its_blocks() -> None:
+    from computectx.fp8.quantized import Fp8BlockWeight
+
+    w = torch.randn(200, 160) * torch.logspace(-3, 3, 160)
+    codes, scale = fp8_quantize(w, "e4m3", granularity="128x128")
+    bw = Fp8BlockWeight(codes, scale, torch.bfloat16)
+    assert bw.shape == (200, 160) and bw.dtype == torch.bfloat16
+    want = fp8_dequantize(codes, scale, torch.bfloat16)
+    assert torch.equal(bw.dequantize(), want)
+    assert torch.equal(bw + 0, want)  # any other op sees the dequantized value
+    kept = torch.as_strided(bw, bw.shape, bw.stride())  # FSDP2's view of the gathered weight
+    assert isinstance(kept, Fp8BlockWeight) and kept.fp8_scale is scale
+    with pytest.raises(ValueError, match=r"shape \(2, 2\)"):
+        Fp8BlockWeight(codes, scale[:1], torch.float32)
+    with pytest.raises(TypeError, match="2-D float8"):
+        Fp8BlockWeight(w, scale, torch.float32)
