@@ -13,7 +13,12 @@ from computectx.distributed.amax import (
     sync_fp8_scaling,
 )
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
-from computectx.distributed.fsdp import WeightGatheredAsFp8, enable_fp8_all_gather
+from computectx.distributed.fsdp import (
+    Fp8GatherFallbackWarning,
+    WeightGatheredAsFp8,
+    enable_fp8_all_gather,
+    gathers_as_fp8,
+)
 from computectx.distributed.group import check_same_policy, data_parallel_group
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
@@ -22,6 +27,7 @@ from computectx.distributed.tensor_parallel import dtensor_fp8_linear
 __all__ = [
     "DataParallelGradAccumulator",
     "Fp8AmaxSync",
+    "Fp8GatherFallbackWarning",
     "Parallel",
     "ShardedParams",
     "Strategy",
@@ -31,6 +37,7 @@ __all__ = [
     "dtensor_fp8_linear",
     "enable_fp8_all_gather",
     "fp8_buffer_names",
+    "gathers_as_fp8",
     "optimizer_state_dict",
     "parallelize",
     "rescale_grad_ledger",
