@@ -7,15 +7,18 @@ One formula for every scaling of ``KvFp8`` (the recipes' convention with no marg
     x_hat = code * step                          (dequantization, in float32)
 
 ``per_token_head`` takes ``amax`` from each (token, head) vector of ``head_dim`` values as it is
-written, so every vector uses the whole fp8 range and no value saturates. ``per_head`` and
-``per_tensor`` take it from calibration (``static_kv_steps``): a value beyond the calibrated
-amax saturates at ``fmt.max * step``.
+written: the largest magnitude among the vector's finite entries, so every vector uses the
+whole fp8 range and no finite value saturates. ``per_head`` and ``per_tensor`` take it from
+calibration (``static_kv_steps``): a value beyond the calibrated amax saturates at
+``fmt.max * step``.
 
-Edge cases, decided here once: a step that is not finite and positive (an all-zero vector,
-an amax so small that ``amax / fmt.max`` underflows, or an amax that is inf or NaN) is 1.0,
-so steps are always finite and positive and a finite input never yields a NaN. An inf or
-NaN input value becomes a NaN code (never a saturated finite one), so it shows in the
-attention output as it would through an unquantized cache.
+Edge cases, decided here once: a step that is not finite and positive (a vector with no
+nonzero finite entry, or an amax so small that ``amax / fmt.max`` underflows) is 1.0, so
+steps are always finite and positive and a finite input never yields a NaN. An inf or NaN
+input value becomes a NaN code (never a saturated finite one), so it shows in the attention
+output as it would through an unquantized cache; the finite values of its vector are
+quantized as if it were absent (the amax skips it), so they read back within half a code
+step as in any other vector.
 
 The layout (which ``computectx.fp8.decode_attention`` reads): codes ``(B, H, T, D)``;
 steps ``(B, H, T)`` per_token_head, ``(H,)`` per_head, ``(1,)`` per_tensor.
@@ -31,8 +34,9 @@ __all__ = ["dequantize_kv", "kv_step", "quantize_kv", "static_kv_steps"]
 
 
 def kv_step(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
-    """``amax / fmt.max`` in float32, with every step that is not finite and positive set
-    to 1.0 (see the module docstring)."""
+    """``amax / fmt.max`` in float32, with every step that is not finite and positive (a zero
+    or non-finite ``amax``, or one whose quotient underflows) set to 1.0 (see the module
+    docstring)."""
     step = amax.to(torch.float32) / fmt.max
     return torch.where(torch.isfinite(step) & (step > 0), step, torch.ones_like(step))
 
@@ -56,13 +60,15 @@ def quantize_kv(
 
     With ``step=None`` the steps are per_token_head, ``(B, H, T)`` from each vector's amax;
     with a static ``step`` (``(H,)`` or ``(1,)``, float32, finite and positive) that step is
-    used and returned. Codes are ``fmt.torch``.
+    used and returned. Codes are ``fmt.torch``. A per_token_head amax is taken over the
+    vector's finite entries; inf and NaN entries become NaN codes (the module docstring).
     """
     if x.dim() != 4:
         raise ValueError(f"quantize_kv takes (B, H, T, D) values, got {tuple(x.shape)}")
     wide = x.to(torch.float32)
     if step is None:
-        step = kv_step(wide.abs().amax(dim=-1), fmt)
+        finite = torch.where(torch.isfinite(wide), wide.abs(), torch.zeros_like(wide))
+        step = kv_step(finite.amax(dim=-1), fmt)
     scaled = wide / _step_view(step, 4)
     # clamp keeps NaN as NaN but would turn inf into fmt.max: an inf input becomes NaN instead.
     saturated = torch.where(

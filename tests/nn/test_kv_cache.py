@@ -105,6 +105,27 @@ def test_edge_vectors_never_give_a_nan_step() -> None:
     assert torch.equal(back[:, :, 5:], clean)  # the other vectors are untouched
 
 
+@pytest.mark.parametrize("fmt", list(Fp8Format))
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_a_non_finite_element_leaves_its_vectors_finite_values_alone(
+    fmt: Fp8Format, bad: float
+) -> None:
+    # The step comes from the finite entries' amax: the vector reads back as the same vector
+    # with the bad element zeroed, except that element, which reads back as NaN.
+    x = torch.tensor([bad, 1000.0, 0.001, 3.0, -7.5, 0.25, 12.0, -0.5]).view(1, 1, 1, 8)
+    codes, step = quantize_kv(x, fmt)
+    zeroed = x.clone()
+    zeroed[..., 0] = 0.0
+    want_codes, want_step = quantize_kv(zeroed, fmt)
+    assert torch.equal(step, want_step)
+    assert torch.equal(step.flatten(), torch.tensor([1000.0]) / fmt.max)  # float32 quotient
+    back, want = dequantize_kv(codes, step), dequantize_kv(want_codes, want_step)
+    assert bool(back[..., 0].isnan()) and torch.equal(back[..., 1:], want[..., 1:])
+    # Every element non-finite: nothing finite to take an amax of, the step is 1.0.
+    codes, step = quantize_kv(torch.full((1, 1, 1, 4), bad), fmt)
+    assert float(step) == 1.0 and bool(dequantize_kv(codes, step).isnan().all())
+
+
 def test_static_steps_come_from_calibrated_amax_and_saturate_beyond_it() -> None:
     amax = torch.tensor([[4.48, 0.896], [1.0, 2.0]])  # (2, H): keys, values
     k_step, v_step = static_kv_steps(amax, KvFp8(scaling="per_head"))
