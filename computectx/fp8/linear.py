@@ -68,7 +68,9 @@ class Fp8Linear(nn.Linear):
     traces the same computation as plain torch ops so Inductor can fuse amax, step and cast
     into the neighbouring norm or activation. The bytes, ledgers and tallies are the same
     either way, and eager calls always run the operators. Settable later
-    (``layer.quantize = "inline"``).
+    (``layer.quantize = "inline"``). ``"inline"`` is a per-tensor option: under a ``row``,
+    ``block`` or ``mx`` policy (whose quantize is always its operator) it is refused with a
+    ``ValueError`` when the layer is built or the attribute set.
     """
 
     weight_fp8: torch.Tensor
@@ -97,7 +99,7 @@ class Fp8Linear(nn.Linear):
         policy = policy_of(ctx, "Fp8Linear")
         check_fp8_widths(in_features, out_features)
         check_granularity_widths(policy.granularity, in_features, out_features)
-        self._quantize = parse_quantize(quantize)
+        self._quantize = _check_quantize(parse_quantize(quantize), policy)
         dev = parse_device(device) if device is not None else _default_device(ctx)
         param_dtype = dtype if dtype is not None else ctx.master.torch
         _check_param_dtype("weight", param_dtype)
@@ -179,7 +181,7 @@ class Fp8Linear(nn.Linear):
 
     @quantize.setter
     def quantize(self, value: QuantizeImpl) -> None:
-        self._quantize = parse_quantize(value)
+        self._quantize = _check_quantize(parse_quantize(value), self.policy)
 
     def _storage_device(self) -> torch.device:
         w = self.weight_fp8 if self._frozen else self.weight
@@ -209,6 +211,7 @@ class Fp8Linear(nn.Linear):
             b = None if self.bias is None else self.bias.to(x.dtype)
             return functional.linear(x, w, b)
         policy = self.policy
+        _check_quantize(self._quantize, policy)  # the ctx may have been swapped since
         frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
         self.scaling.conform(policy, self._storage_device())
         # Ledgers advance in training only (as TransformerEngine's do): an eval, no_grad or
@@ -261,9 +264,23 @@ class Fp8Linear(nn.Linear):
         input ledger never seeded, and dynamic scaling, take each request's own amax. The
         layer can no longer train its weight: freeze a copy if you need both. Works inside
         ``torch.inference_mode`` too. Returns ``self``.
+
+        Serving runs per-tensor policies only: under a ``row``, ``block`` or ``mx`` policy
+        this raises ``ValueError`` naming the granularity before anything changes (the
+        frozen weight is quantized per tensor, which the fine-grained linear cannot run).
+        Serve such a model from a copy built with a per-tensor policy.
         """
         if self._frozen:
             return self
+        granularity = self.policy.granularity
+        if granularity != "tensor":
+            raise ValueError(
+                f"freeze_for_serving runs per-tensor policies only; this layer's policy "
+                f"{str(self.policy)!r} has granularity {granularity!r} (freezing quantizes "
+                f"the weight per tensor, which a {granularity!r} linear cannot run). Nothing "
+                f"was changed: serve a copy built with a per-tensor policy (e.g. "
+                f"'e4m3/dynamic/0')"
+            )
         w = self.weight.detach()
         fmt = self.policy.format.forward
         # Not inference tensors, even when frozen inside inference_mode: those could
@@ -433,6 +450,18 @@ def check_granularity_widths(
             f"both to be multiples of {MX_BLOCK} (whole 1x{MX_BLOCK} blocks along each GEMM's "
             f"contraction); use granularity 'block' or 'row' for this layer"
         )
+
+
+def _check_quantize(quantize: QuantizeImpl, policy: Fp8Policy) -> QuantizeImpl:
+    # The inline quantize traces the per-tensor quantize as plain ops; a fine-grained linear
+    # always calls its block-quantize operator, so "inline" would be silently ignored.
+    if quantize == "inline" and policy.granularity != "tensor":
+        raise ValueError(
+            f"quantize='inline' is a per-tensor option; the policy {str(policy)!r} has "
+            f"granularity {policy.granularity!r}, whose quantize is always its operator. "
+            f"Use quantize='op' (the default)"
+        )
+    return quantize
 
 
 def _default_device(ctx: ComputeCtx) -> torch.device:

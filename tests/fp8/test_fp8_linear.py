@@ -431,3 +431,38 @@ def test_mx_refuses_widths_not_a_multiple_of_32_and_conversion_skips_them_so(
     # block runs them (partial 128-wide blocks), so the same layer converts under it.
     block = ComputeCtx.from_flag("fp8_block", "cpu")
     assert Fp8Linear(n_in, n_out, ctx=block)(torch.randn(3, n_in)).shape == (3, n_out)
+
+
+@pytest.mark.parametrize("flag", ["fp8_rowwise", "fp8_block", "fp8_mx"])
+def test_freezing_a_fine_grained_layer_is_refused_and_changes_nothing(flag: str) -> None:
+    layer = Fp8Linear(64, 32, ctx=ComputeCtx.from_flag(flag, "cpu"), dtype=torch.float32)
+    x = torch.randn(4, 64)
+    before = layer(x)
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    granularity = layer.policy.granularity
+    with pytest.raises(ValueError, match=rf"per-tensor policies only.*'{granularity}'"):
+        layer.freeze_for_serving()
+    assert not layer.frozen and isinstance(layer.weight, nn.Parameter)
+    after = layer.state_dict()
+    assert after.keys() == state.keys()
+    assert all(torch.equal(after[k], v) for k, v in state.items())
+    assert torch.equal(layer(x), before)  # still runs, as it did
+
+
+@pytest.mark.parametrize("flag", ["fp8_rowwise", "fp8_block", "fp8_mx"])
+def test_the_inline_quantize_is_refused_under_fine_grained_policies(flag: str) -> None:
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    want = rf"quantize='inline' is a per-tensor option.*'{ctx.fp8.granularity}'"  # type: ignore[union-attr]
+    with pytest.raises(ValueError, match=want):
+        Fp8Linear(32, 32, ctx=ctx, quantize="inline")
+    with pytest.raises(ValueError, match=want):
+        Fp8Linear.from_linear(nn.Linear(32, 32), ctx, quantize="inline")
+    layer = Fp8Linear(32, 32, ctx=ctx)
+    with pytest.raises(ValueError, match=want):
+        layer.quantize = "inline"
+    assert layer.quantize == "op"
+    # A per-tensor layer built inline refuses a fine-grained ctx swapped in, at its next call.
+    inline = Fp8Linear(32, 32, ctx=ctx.replace(fp8=Fp8Policy()), quantize="inline")
+    inline.ctx = ctx
+    with pytest.raises(ValueError, match=want):
+        inline(torch.randn(2, 32))
