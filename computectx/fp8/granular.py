@@ -59,6 +59,7 @@ import torch
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import reference
+from computectx.recipes import PolicyGranularity
 
 __all__ = [
     "E8M0",
@@ -71,6 +72,7 @@ __all__ = [
     "StepRule",
     "block_amax",
     "block_steps",
+    "check_granularity_widths",
     "dequantize",
     "e8m0_of_steps",
     "expand_steps",
@@ -156,6 +158,31 @@ def layout_of(granularity: Granularity, shape: tuple[int, ...] | torch.Size) -> 
     grid = (-(-rows // block_rows), 1 if granularity == "row" else -(-k // block_cols))
     scale_shape = grid if block_rows == TILE else (*dims[:-1], grid[1])
     return BlockLayout(granularity, rows, k, block_rows, block_cols, grid, scale_shape)
+
+
+def check_granularity_widths(
+    granularity: PolicyGranularity, in_features: int, out_features: int
+) -> None:
+    """Raise ``ValueError`` unless a layer of these widths can run ``granularity``'s blocks.
+
+    ``mx`` needs both widths to be multiples of ``MX_BLOCK`` (32): each is the contraction
+    of one GEMM (``in_features`` the forward's, ``out_features`` the dgrad's), and an MX
+    element block is 32 wide. This is computectx's rule, as torchao's (``MXTensor.to_mx``
+    asserts a last dimension divisible by 32), not a backend limit: the GEMMs would run a
+    ragged contraction as they run the wgrad's (the token count M, any value), as a partial
+    last block zero-padded to whole blocks where cuBLAS needs them, which is exact. Keeping
+    the weight's own widths whole keeps every weight block a full MX block. ``tensor``,
+    ``row`` and ``block`` run every width ``check_fp8_widths`` accepts (``block`` has
+    partial 128-wide blocks at ragged edges). ``Fp8Linear`` raises this error,
+    ``convert_to_fp8`` records its message as the reason it skipped a layer, and an
+    ``fp8_autocast`` region runs such a linear unchanged (in high precision).
+    """
+    if granularity == "mx" and (in_features % MX_BLOCK or out_features % MX_BLOCK):
+        raise ValueError(
+            f"in_features={in_features}, out_features={out_features}: granularity 'mx' needs "
+            f"both to be multiples of {MX_BLOCK} (whole 1x{MX_BLOCK} blocks along each GEMM's "
+            f"contraction); use granularity 'block' or 'row' for this layer"
+        )
 
 
 # ---------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from computectx.ctx import ComputeCtx, parse_device
 from computectx.fp8 import custom_ops, ops, reference
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
-from computectx.fp8.granular import MX_BLOCK
+from computectx.fp8.granular import check_granularity_widths
 from computectx.fp8.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import policy_of
 from computectx.fp8.recompute import in_reentrant_checkpoint_forward
@@ -23,7 +23,7 @@ from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.saved_state import read_saved_dict, read_saved_tensors, tensor_names
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
 from computectx.fp8.world import warn_if_unsynced
-from computectx.recipes import Fp8Policy, PolicyGranularity
+from computectx.recipes import Fp8Policy
 
 __all__ = [
     "FEATURE_MULTIPLE",
@@ -429,26 +429,6 @@ def check_fp8_widths(in_features: int, out_features: int) -> None:
         raise ValueError(
             f"in_features={in_features}, out_features={out_features}: both must be multiples "
             f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
-        )
-
-
-def check_granularity_widths(
-    granularity: PolicyGranularity, in_features: int, out_features: int
-) -> None:
-    """Raise ``ValueError`` unless a layer of these widths can run ``granularity``'s blocks.
-
-    ``mx`` needs both widths to be multiples of ``MX_BLOCK`` (32): each is the contraction
-    of one GEMM (``in_features`` the forward's, ``out_features`` the dgrad's), and the MX
-    GEMMs of cuBLAS and TransformerEngine take whole 1x32 blocks only. ``tensor``, ``row``
-    and ``block`` run every width ``check_fp8_widths`` accepts (``block`` has partial
-    128-wide blocks at ragged edges). ``Fp8Linear`` raises this error and
-    ``convert_to_fp8`` records its message as the reason it skipped a layer.
-    """
-    if granularity == "mx" and (in_features % MX_BLOCK or out_features % MX_BLOCK):
-        raise ValueError(
-            f"in_features={in_features}, out_features={out_features}: granularity 'mx' needs "
-            f"both to be multiples of {MX_BLOCK} (whole 1x{MX_BLOCK} blocks along each GEMM's "
-            f"contraction); use granularity 'block' or 'row' for this layer"
         )
 
 

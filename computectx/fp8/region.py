@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from computectx.ctx import ComputeCtx
 from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
+from computectx.fp8.granular import check_granularity_widths
 from computectx.fp8.policy import describe, policy_of
 from computectx.fp8.scaling import Fp8ScalingState
 from computectx.recipes import Fp8Policy
@@ -360,6 +361,10 @@ def _route_linear(
         return None
     ctx = frame.ctx
     if ctx is None or ctx.fp8 is None:  # pragma: no cover - enabled frames carry a policy
+        return None
+    try:  # the width rule convert_to_fp8 skips by: such a linear runs in high precision
+        check_granularity_widths(ctx.fp8.granularity, w.shape[1], w.shape[0])
+    except ValueError:
         return None
     plan = Fp8LinearPlan(
         policy=ctx.fp8,

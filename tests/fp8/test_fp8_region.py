@@ -331,3 +331,28 @@ def test_a_foreign_mode_closing_out_of_order_leaves_dispatch_inert_then_reused(
         assert mode_depth() == 1  # reused, not pushed twice
         assert is_fp8_result(lin(x), lin, x)
     assert mode_depth() == 0
+
+
+@pytest.mark.parametrize(("n_in", "n_out"), [(48, 32), (32, 48), (40, 24)])
+def test_a_region_runs_mx_only_on_the_widths_conversion_converts(n_in: int, n_out: int) -> None:
+    # convert_to_fp8 skips an mx layer whose widths are not multiples of 32
+    # (check_granularity_widths); a region runs the same linear in high precision, unchanged.
+    from computectx.fp8 import convert_to_fp8, fp8_stats
+
+    ctx = ComputeCtx.from_flag("fp8_mx", "cpu")
+    lin = nn.Linear(n_in, n_out)
+    with pytest.warns(UserWarning, match="converted none"):
+        report = convert_to_fp8(nn.Sequential(nn.Linear(n_in, n_out)), ctx, lambda m, f: True)
+    assert report.converted == ()
+    x = torch.randn(10, n_in, requires_grad=True)
+    with fp8_autocast(ctx):
+        y = lin(x)
+    y.sum().backward()
+    assert torch.equal(y, lin(x))  # the plain linear's own result
+    assert region_scaling_state(lin.weight) is None  # never quantized
+    # A width that converts runs in fp8 inside the region too, and records.
+    ok = nn.Sequential(nn.Linear(64, 32))
+    with fp8_autocast(ctx):
+        y8 = ok(torch.randn(10, 64))
+    assert fp8_stats(ok)["0"].input.elements == 10 * 64
+    assert not torch.equal(y8, ok(torch.randn(10, 64)))
