@@ -18,7 +18,7 @@ from computectx.fp8.convert import (
 from computectx.fp8.granular import Granularity, MxRounding
 from computectx.fp8.linear import Fp8Linear
 from computectx.fp8.ops import fp8_dequantize, fp8_quantize
-from computectx.fp8.quantized import Fp8Weight
+from computectx.fp8.quantized import Fp8BlockWeight, Fp8Weight
 from computectx.fp8.recompute import fp8_checkpoint_context_fn, fp8_checkpoint_policy
 from computectx.fp8.region import fp8_autocast
 from computectx.fp8.scaling import Fp8ScalingState
@@ -33,6 +33,7 @@ __all__ = [
     "DelayedScaling",
     "DynamicScaling",
     "Fp8Backend",
+    "Fp8BlockWeight",
     "Fp8ConversionReport",
     "Fp8Converter",
     "Fp8LayerStats",
