@@ -138,7 +138,11 @@ def check_decode_attention(
     validated its steps when it wrote or loaded them may pass ``check_values=False`` to keep
     the decode step free of host reads.
     """
-    backend = check_backend(backend, q)
+    if not isinstance(backend, Fp8Backend):
+        check_backend(backend)  # the TypeError naming what is accepted
+    refused, runs_kernel = _backend_on(backend, q.device)
+    if refused:
+        raise ValueError(refused)
     if q.dim() != 3 or k.dim() != 4 or v.shape != k.shape:
         raise ValueError(
             f"decode_attention takes q (B, H, D) and k, v (B, H, T_max, D); got q "
@@ -178,7 +182,7 @@ def check_decode_attention(
         raise ValueError(f"sm_scale={sm_scale} must be finite and positive")
     if isinstance(block_t, bool) or not isinstance(block_t, int) or block_t <= 0:
         raise ValueError(f"block_t={block_t!r} must be a positive int")
-    if _runs_kernel(backend, q):
+    if runs_kernel:
         check_kernel_head_dim(d)
         if block_t not in KERNEL_BLOCK_T:
             raise ValueError(
@@ -246,6 +250,28 @@ def _check_values(
                 f"{name} has {int(bad.sum())} step(s) that are not finite and positive (the "
                 f"first is {first}); steps must be finite and > 0"
             )
+
+
+def _backend_on(backend: Fp8Backend, device: torch.device) -> tuple[str, bool]:
+    """``(refused, runs_kernel)``: why ``backend`` cannot run on ``device`` (``''`` when it
+    can; ``check_backend``'s message), and whether it runs the Triton kernel there.
+
+    A trace-time constant under ``torch.compile`` (marked below): the probes behind it
+    (triton's import, ``TRITON_INTERPRET``, which kernel modules are imported, the device's
+    capability) run once while dynamo traces and leave no guard, so a compiled decode step
+    neither breaks its graph on them nor compiles again when the process imports a module.
+    A device's capabilities do not change while a process runs."""
+    probe = torch.empty(0, device=device)
+    try:
+        check_backend(backend, probe)
+    except ValueError as err:
+        return str(err), False
+    return "", _runs_kernel(backend, probe)
+
+
+# What torch.compiler.assume_constant_result does, written out (as computectx.fp8.recompute
+# does: that function imports torch._dynamo, which `import computectx` must not).
+_backend_on._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def _runs_kernel(backend: Fp8Backend, q: torch.Tensor) -> bool:

@@ -302,3 +302,42 @@ def test_kernel_reads_strided_views(device: torch.device) -> None:
     out = kernel(device, *views, ks, vs, length, block_t=16, splits=2)
     dense = kernel(device, q, k, v, ks, vs, length, block_t=16, splits=2)
     assert torch.equal(out, dense)
+
+
+def test_the_triton_backend_compiles_whole_with_no_recompile(
+    device: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The TRITON backend inside torch.compile(fullgraph=True): the backend and capability
+    # checks (triton's import, the interpreter flag, the device's capability) must neither
+    # break the graph nor guard on the process's state (a module imported between two decode
+    # steps must not compile the step again), and a new length tensor must not either.
+    import types
+
+    import torch._dynamo.testing
+
+    q, k, v, ks, vs = (t.to(device) for t in make_case(2, 2, 40, 32, E4M3, "per_head", seed=30))
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def step(q: torch.Tensor, length: torch.Tensor) -> torch.Tensor:
+        out = decode_attention(q, k, v, ks, vs, length, sm_scale=0.25, block_t=16, backend=TRITON)
+        return out * 2
+
+    # A serving process imports the decode kernel only, not the GEMM kernels (here all are
+    # imported by the conftest; hide one, as if it never was).
+    monkeypatch.delitem(sys.modules, "computectx.kernels.scaled_mm_blocks", raising=False)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend=counter)
+    for i, length in enumerate(([40, 7], [19, 40], [1, 33])):
+        lt = torch.tensor(length, device=device)
+        if i == 2:  # another module imported, as a serving process does at any time
+            sys.modules["_computectx_test_late_import"] = types.ModuleType("late")
+        try:
+            out = compiled(q, lt)
+        finally:
+            sys.modules.pop("_computectx_test_late_import", None)
+        assert torch.equal(out, step(q, lt))
+        q0, k0, v0, ks0, vs0 = (t.cpu() for t in (q, k, v, ks, vs))
+        assert_within_bound((out / 2).cpu(), q0, k0, v0, ks0, vs0, length, 0.25, 16)
+    assert counter.frame_count == 1, counter.frame_count
+    ops = [str(node.target) for node in counter.graphs[0].graph.nodes]
+    assert "computectx.fp8_decode_attention.default" in ops, ops
