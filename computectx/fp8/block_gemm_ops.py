@@ -22,12 +22,15 @@ mx x mx             ``torch.nn.functional.scaled_mm``,              sm_100 (E4M3
 ==================  ==============================================  =======================
 
 CUDA's rules are kept as the per-tensor path keeps them (``custom_ops.CUBLAS_MULTIPLE``): the
-operands are row-major with 16-byte aligned rows, K and N zero-padded to multiples of 16 (to
-multiples of 128 for the block recipes, whose scales cover whole 128-wide K blocks), the
-scales laid out as torch's CUDA checks want (``cublas_scales``) and padded with steps of 1
-where the operands were padded with zero codes, which add nothing; the padded columns of the
-result are dropped. A bias is fused only for a 16-bit result of the bias's dtype; otherwise
-the GEMM returns float32 and the bias is added in float32 before the one rounding. Two E5M2
+operands are row-major with 16-byte aligned rows, K and N zero-padded to multiples of 16 (K to
+a multiple of 128 for the block recipes, whose scales cover whole 128-wide K blocks, and the
+rows of a ``128x128`` operand to a multiple of 128: torch's check of those recipes, its meta
+function included, wants that operand's scale to be ``(round_up(K/128, 4), rows // 128)``,
+which only whole 128-row blocks fill), the scales laid out as torch's CUDA checks want
+(``cublas_scales``) and padded with steps of 1 where the operands were padded with zero codes,
+which add nothing; the padded rows and columns of the result are dropped. A bias is fused
+only for a 16-bit result of the bias's dtype; otherwise the GEMM returns float32 and the bias
+is added in float32 before the one rounding. Two E5M2
 operands (which cuBLASLt refuses) and E5M2 operands in the block and MX recipes (torch
 accepts E4M3 only there) take the fallback.
 
@@ -125,13 +128,17 @@ def _scaled_mm_call(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    # The cuBLAS GEMM for a pair, under CUDA's shape rules (module docstring).
+    # The cuBLAS GEMM for a pair, under CUDA's shape rules (module docstring). A 128x128
+    # operand's rows are padded to whole 128-row blocks: torch's check of the block recipes
+    # wants its scale to be (round_up(K/128, 4), rows // 128), so only whole blocks fit.
     m, k = a.shape
     n = b.shape[0]
     multiple = CUBLAS_MULTIPLE if recipe == "row" else _BLOCK_K
-    kp, np_ = round_up(k, multiple), round_up(n, CUBLAS_MULTIPLE)
-    a_p, b_p = cublas_operand(a, m, kp), cublas_operand(b, np_, kp)
-    scale_a = cublas_scales(sa, ga, m, kp, operand="a")
+    kp = round_up(k, multiple)
+    mp = round_up(m, granular.TILE) if ga == "128x128" else m
+    np_ = round_up(n, granular.TILE if gb == "128x128" else CUBLAS_MULTIPLE)
+    a_p, b_p = cublas_operand(a, mp, kp), cublas_operand(b, np_, kp)
+    scale_a = cublas_scales(sa, ga, mp, kp, operand="a")
     scale_b = cublas_scales(sb, gb, np_, kp, operand="b")
     gemm_dtype = _gemm_dtype(bias, out_dtype)
     fuse = bias is not None and gemm_dtype != torch.float32
@@ -162,10 +169,11 @@ def _scaled_mm_call(
             bias=fused_bias,
             output_dtype=gemm_dtype,
         )
-    out = out if np_ == n else out[:, :n]
+    padded = (mp, np_) != (m, n)
+    out = out[:m, :n] if padded else out
     if bias is not None and not fuse:
         return (out + bias.to(torch.float32)).to(out_dtype)
-    return out if np_ == n else out.contiguous()
+    return out.contiguous() if padded else out
 
 
 _PROBE_PAIRS: Final[dict[str, tuple[GemmGranularity, GemmGranularity]]] = {
@@ -174,6 +182,9 @@ _PROBE_PAIRS: Final[dict[str, tuple[GemmGranularity, GemmGranularity]]] = {
     "1x128x1x128": ("1x128", "1x128"),
     "mx": ("mx", "mx"),
 }
+
+
+_PROBE_SHAPE: Final = (144, 160)  # rows of each operand, K: ragged for every recipe
 
 
 def _probe_scale(g: GemmGranularity, rows: int, k: int, dev: torch.device) -> torch.Tensor:
@@ -189,21 +200,23 @@ def _probe_scale(g: GemmGranularity, rows: int, k: int, dev: torch.device) -> to
 def _probe(
     device: torch.device, recipe: str, fa: torch.dtype, fb: torch.dtype, out: torch.dtype
 ) -> tuple[bool, str]:
-    # Run the recipe once on a 128 x 128 x 128 product of ones with these operand formats
-    # and this result dtype; it runs when the call succeeds and gives 128 everywhere.
+    # Run the recipe once on a ragged product of ones (M = N = 144, K = 160: every padding
+    # of _scaled_mm_call is taken) with these operand formats and this result dtype; it runs
+    # when the call succeeds and gives 160 everywhere.
     f = torch.nn.functional
     api = "torch._scaled_mm" if recipe == "row" else "torch.nn.functional.scaled_mm"
     if recipe != "row" and not (hasattr(f, "scaled_mm") and hasattr(f, "ScalingType")):
         return False, f"this torch ({torch.__version__}) has no {api}"
     ga, gb = _PROBE_PAIRS[recipe]
-    one = torch.ones(128, 128, device=device)
-    sa, sb = _probe_scale(ga, 128, 128, device), _probe_scale(gb, 128, 128, device)
+    rows, k = _PROBE_SHAPE
+    one = torch.ones(rows, k, device=device)
+    sa, sb = _probe_scale(ga, rows, k, device), _probe_scale(gb, rows, k, device)
     try:
         got = _scaled_mm_call(recipe, one.to(fa), one.to(fb), sa, ga, sb, gb, None, out)
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return False, f"{api} refuses it on {device}: {first}"
-    if not bool((got == 128.0).all()):
+    if not bool((got == float(k)).all()):
         return False, f"{api} runs on {device} but gave a wrong product"
     return True, f"{api} on {device}"
 
@@ -211,8 +224,9 @@ def _probe(
 def cublas_recipes(device: torch.device) -> dict[str, tuple[bool, str]]:
     """Which cuBLAS recipes run on ``device``: name (``RECIPES``) -> ``(runs, reason)``.
 
-    Probed by running each, E4M3 operands and a bf16 result, on a 128 x 128 x 128 product of
-    ones and checking the result (128 everywhere); a recipe this torch lacks, or one it
+    Probed by running each, E4M3 operands and a bf16 result, on a 144 x 144 x 160 product of
+    ones (ragged, so the call pads as a ragged layer's does) and checking the result (160
+    everywhere); a recipe this torch lacks, or one it
     refuses on this device, is reported with torch's reason (its first line). Each probe
     runs once per device, operand formats and result dtype, the first time a call needs it.
     """

@@ -308,8 +308,8 @@ def test_cublas_rowwise_keeps_cudas_rules(
     # a transposed view (dgrad/wgrad hand these in) is copied row-major
     b_view = b.t().contiguous().t()
     out = block_scaled_mm(a, b_view, sa, "row", sb, "row", bias, out_dtype, backend=CUBLAS)
-    # One GEMM (besides a first-use probe of 128 x 128 x 128, under the same rules).
-    assert len([c for c in cuda_rules if c != ((128, 128), (128, 128))]) == 1
+    # One GEMM (besides a first-use probe of 144 x 144 x 160, under the same rules).
+    assert len([c for c in cuda_rules if c != ((144, 160), (160, 144))]) == 1
     check_within_bound(out, a, sa, "row", b, sb, "row", bias, out_dtype)
 
 
@@ -470,11 +470,16 @@ def _decode_scale(s: torch.Tensor, kind: str, rows: int, k: int) -> torch.Tensor
             refuse(f"1x128 scale strides must be (1, {rows}), got {s.stride()}")
         return s.double()[i, j // 128]
     if kind == "BlockWise128x128":
-        kb4, rb = _round_up(kb, 4), -(-rows // 128)
+        # torch's meta (_check_scaled_mm_sizes_v2, is_1x128_128x128): shape
+        # (round_up(K / 128, 4), rows // 128), strides (1, L4) (or (1, 1) for one column).
+        # rows // 128 floors: only whole 128-row blocks have a step.
+        kb4, rb = _round_up(k // 128, 4), rows // 128
         if s.dtype != torch.float32 or tuple(s.shape) != (kb4, rb):
             refuse(f"128x128 scale must be float32 ({kb4}, {rb}), got {tuple(s.shape)}")
-        if s.stride(0) != 1 or (rb > 1 and s.stride(1) != kb4):
+        if s.stride(0) != 1 or not (s.stride(1) == kb4 or (rb == 1 and s.stride(1) == 1)):
             refuse(f"128x128 scale strides must be (1, {kb4}), got {s.stride()}")
+        if rows % 128:
+            refuse(f"rows {rows} of a 128x128 operand: rows {rb * 128}.. have no step")
         return s.double()[j // 128, i // 128]
     if kind == "BlockWise1x32":
         c4 = _round_up(-(-k // 32), 4)
@@ -551,10 +556,41 @@ def test_block_and_mx_cublas_calls_keep_cudas_layouts(
     b, sb, _ = quantized((n, k), gb, E4M3, seed=n)
     bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
     out = block_scaled_mm(a, b, sa, ga, sb, gb, bias, out_dtype, backend=CUBLAS)
-    # The GEMM ran on the stand-in (not on the twin), K padded to 128 and N to 16.
-    assert cuda_v2[-1].endswith(f" {m}x{_round_up(k, 128)}x{_round_up(n, 16)}"), cuda_v2
+    # The GEMM ran on the stand-in (not on the twin), K padded to 128, N to 16, and the rows
+    # of a 128x128 operand to whole 128-row blocks.
+    mp = _round_up(m, 128) if ga == "128x128" else m
+    np_ = _round_up(n, 128 if gb == "128x128" else 16)
+    assert cuda_v2[-1].endswith(f" {mp}x{_round_up(k, 128)}x{np_}"), cuda_v2
     assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
     check_within_bound(out, a, sa, ga, b, sb, gb, bias, out_dtype)
+
+
+@pytest.mark.parametrize(("ga", "gb"), PAIRS)
+@pytest.mark.parametrize(("m", "n", "k"), [(256, 256, 256), (256, 144, 256), (256, 96, 160),
+    (144, 96, 160), (40, 96, 64), (20, 32, 32), (3, 131, 161)])  # fmt: skip
+def test_every_cublas_call_passes_torchs_own_meta_check(
+    ga: GemmGranularity, gb: GemmGranularity, m: int, n: int, k: int
+) -> None:
+    # torch's meta functions of _scaled_mm and _scaled_mm_v2 state the shapes and scale
+    # layouts its CUDA build accepts; the call, run on meta tensors, must pass them as it is
+    # (ragged shapes included: a 128x128 operand's rows padded to whole blocks).
+    if "mx" in (ga, gb) and k < 32:
+        pytest.skip("mx needs K >= 32")
+    meta = torch.device("meta")
+    a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=meta)
+    b = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=meta)
+
+    def scale(g: GemmGranularity, rows: int) -> torch.Tensor:
+        from computectx.fp8 import granular
+
+        layout = granular.layout_of(g, (rows, k))
+        return torch.empty(layout.scale_shape, dtype=layout.scale_dtype, device=meta)
+
+    recipe = block_gemm_ops.recipe_of(ga, gb)
+    for bias, out_dtype in [(None, torch.bfloat16), (torch.empty(n, device=meta), torch.float32)]:
+        args = (recipe, a, b, scale(ga, m), ga, scale(gb, n), gb, bias, out_dtype)
+        out = block_gemm_ops._scaled_mm_call(*args)
+        assert out.shape == (m, n) and out.dtype == out_dtype
 
 
 def test_a_torch_without_the_v2_api_reports_it_and_runs_the_twin(
