@@ -105,6 +105,24 @@ def test_fp8_policy_runs_end_to_end(
     assert float(row[2]) == pytest.approx(r["train_loss"], abs=1e-4)
     assert float(row[3]) == pytest.approx(r["val_loss"], abs=1e-4)
 
+    # The serving section: the trained model through the KV cache at f32, bf16 and fp8, and
+    # the sample generated with the policy's own kv (bf16: the fp8 flags compute in bf16).
+    assert data["computectx_demo"] == 4
+    assert r["kv"] == "bf16"
+    assert "sample (fp8_e4m3, kv=bf16, temperature 0.8, top-k 40):" in stdout
+    assert "serving: each trained model's validation loss through the KV cache" in stdout
+    serving = {row["kv"]: row for row in r["serving"]}
+    assert list(serving) == ["f32", "bf16", "e4m3/per_token_head"]
+    # One layer of 32 wide (one head): keys and values, plus fp8's two float32 steps.
+    assert [row["kv_bytes_per_token"] for row in serving.values()] == [256, 128, 64 + 8]
+    # f32 KV rounds nothing: the cached loss is the full forward's (the val loss) up to the
+    # bf16 compute's reassociation; the fp8 cache is close to it, not equal.
+    f32 = serving["f32"]["val_loss"]
+    assert f32 == pytest.approx(r["val_loss"], rel=2e-3)
+    assert serving["e4m3/per_token_head"]["val_loss"] == pytest.approx(f32, rel=0.01)
+    assert serving["e4m3/per_token_head"]["val_loss"] != f32
+    assert all(row["decode_tokens_per_s"] > 0 for row in serving.values())
+
 
 def test_fine_grained_policies_train_and_the_table_shows_their_granularity(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path

@@ -24,13 +24,16 @@ __all__ = [
     "printable",
     "results_json",
     "results_table",
+    "serving_notes",
+    "serving_table",
     "table_notes",
 ]
 
-RESULTS_VERSION = 3
+RESULTS_VERSION = 4
 """``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
 ``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added. 3: each
-result's ``fp8_granularity`` (``null`` without fp8) was added."""
+result's ``fp8_granularity`` (``null`` without fp8) was added. 4: each result's ``kv`` and
+``serving`` (the serving section's rows) were added."""
 
 _MIB = 2**20
 
@@ -121,6 +124,49 @@ def table_notes(report: DemoReport) -> list[str]:
     return lines
 
 
+def serving_table(report: DemoReport) -> Table | None:
+    """The serving section: one row per trained policy and KV setting (``None`` when no
+    result has one); ``serving_notes`` says what each column measures."""
+    results = [r for r in report.results if r.serving]
+    if not results:
+        return None
+    table = Table(title="serving: each trained model's validation loss through the KV cache")
+    table.add_column("policy")
+    table.add_column("KV cache")
+    table.add_column("val loss\n(cached)", justify="right")
+    table.add_column("vs f32\nKV", justify="right")
+    table.add_column("KV bytes\n/ token", justify="right")
+    table.add_column("decode\ntokens/s", justify="right")
+    for r in results:
+        ref = next((row.val_loss for row in r.serving if row.kv == "f32"), None)
+        for i, row in enumerate(r.serving):
+            gap = "-" if ref is None or row.kv == "f32" else f"{(row.val_loss - ref) / ref:+.3%}"
+            table.add_row(
+                r.flag if i == 0 else "",
+                row.kv + (" *" if row.kv == r.kv else ""),
+                f"{row.val_loss:.4f}",
+                gap,
+                f"{row.kv_bytes_per_token:,}",
+                f"{row.decode_tokens_per_s:,.0f}",
+                end_section=i == len(r.serving) - 1,
+            )
+    return table
+
+
+def serving_notes(report: DemoReport) -> list[str]:
+    """What the serving table measures, one line each."""
+    s = report.settings
+    n = s.eval_batches * s.batch_size
+    return [
+        f"serving: the trained weights, with the KV cache stored at each setting (the rest of "
+        f"the policy unchanged), decode the {n} validation windows of {s.seq_len} bytes one "
+        f"byte per step, every earlier key and value read back from the cache, as generation "
+        f"reads them (computectx.nn.decode_logits); * marks the policy's own kv, the one its "
+        f"sample is generated with. KV bytes / token: every layer's keys and values (and "
+        f"fp8 steps) for one more position; decode tokens/s: eager, on {report.device}.",
+    ]
+
+
 def memory_notes(report: DemoReport) -> list[str]:
     """What the memory columns measure, one line each (also ``memory_measure`` in JSON)."""
     saved = (
@@ -189,6 +235,16 @@ def results_json(report: DemoReport) -> dict[str, Any]:
                 "train_losses": [_finite_or_none(v) for v in r.train_losses],
                 "val_curve": [[step, _finite_or_none(v)] for step, v in r.val_curve],
                 "sample": r.sample,
+                "kv": r.kv,
+                "serving": [
+                    {
+                        "kv": row.kv,
+                        "val_loss": _finite_or_none(row.val_loss),
+                        "kv_bytes_per_token": row.kv_bytes_per_token,
+                        "decode_tokens_per_s": _finite_or_none(row.decode_tokens_per_s),
+                    }
+                    for row in r.serving
+                ],
             }
             for r in report.results
         ],

@@ -25,6 +25,8 @@ from computectx.demo.report import (
     printable,
     results_json,
     results_table,
+    serving_notes,
+    serving_table,
     table_notes,
 )
 from computectx.demo.settings import DemoError, DemoSettings
@@ -220,9 +222,14 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
                 f"{r.flag}: {r.skipped_steps} step(s) skipped for non-finite gradients",
                 markup=False,
             )
+    serving = serving_table(report)
+    if serving is not None:
+        out.print(serving)
+        for line in serving_notes(report):
+            out.print(line, markup=False, highlight=False)
     for r in results:
         if r.sample:
-            out.print(f"\nsample ({r.flag}, temperature 0.8, top-k 40):", markup=False)
+            out.print(f"\nsample ({r.flag}, kv={r.kv}, temperature 0.8, top-k 40):", markup=False)
             out.print(Text(printable(r.sample)))
     if rank != 0:
         return report

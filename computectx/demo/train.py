@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
+from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoSettings
 from computectx.distributed import parallelize
 from computectx.dtypes import DType
@@ -78,6 +80,11 @@ class PolicyResult:
     ``tokens_per_s`` and ``seconds`` leave out."""
     fp8_granularity: str | None = None
     """Which elements share one fp8 step (``fp8_granularity``), ``None`` without fp8."""
+    kv: str = ""
+    """The policy's own KV setting (``ctx.kv``), the one its sample is generated with."""
+    serving: tuple[ServingRow, ...] = ()
+    """The serving section: the trained model's validation loss through the KV cache under
+    each setting of ``computectx.demo.serving.SERVING_KV`` (empty on ranks other than 0)."""
 
 
 def fp8_granularity(ctx: ComputeCtx) -> str | None:
@@ -171,6 +178,7 @@ def train_policy(
     corpus: Corpus,
     val: list[tuple[torch.Tensor, torch.Tensor]],
     progress: Progress,
+    on_trained: Callable[[ByteLM], None] | None = None,
 ) -> PolicyResult:
     """Train a fresh model under ``flag`` for ``settings.steps`` steps and measure it.
 
@@ -181,6 +189,10 @@ def train_policy(
     Under torch.distributed (``computectx demo --nproc N``) each rank trains its share of
     every batch, set up by ``computectx.distributed.parallelize`` (DDP, fp8 ledgers merged
     across ranks before each forward); the losses reported are the group's means.
+
+    After training, ``on_trained`` (when given) is called with the trained model; then rank
+    0 measures the serving section (``serving_rows``) on ``val`` and draws the sample with
+    the policy's own ``kv``.
     """
     ctx = policy_ctx(flag, settings, device)
     rank, world = data_parallel_rank()
@@ -283,6 +295,9 @@ def train_policy(
     layers: dict[str, Any] = {}
     if ctx.fp8 is not None:
         nonfinite, saturated, layers = _fp8_summary(model)
+    if on_trained is not None:
+        on_trained(model)
+    serving = tuple(serving_rows(model, val)) if rank == 0 else ()
     sample = ""
     if settings.sample_tokens and rank == 0:
         g = torch.Generator().manual_seed(settings.seed)
@@ -318,4 +333,6 @@ def train_policy(
         sample=sample,
         compile_seconds=compile_seconds,
         fp8_granularity=fp8_granularity(ctx),
+        kv=str(ctx.kv),
+        serving=serving,
     )
