@@ -12,7 +12,8 @@ The cache (the storage layout of ``KVCache`` for an fp8 ``kv``)::
     k_step   per_token_head (B, H, T_max) | per_head (H,) | per_tensor (1,), float32;
     v_step   None for a 16/32-bit cache. The value a code stands for is code * step.
     length   (B,) int64 tensor, or a python int for every row: positions >= length[b]
-             are ignored (1 <= length[b] <= T_max)
+             are ignored (1 <= length[b] <= T_max). A tensor is never read on the host
+             (every block of T_max is visited, masked); an int limits the blocks visited
 
 The semantics (the reference twin ``decode_attention_reference``; the Triton kernel in
 ``computectx.kernels.decode_attention`` computes the same function): for each (b, h), over
@@ -293,9 +294,11 @@ def decode_attention_reference(
     block_t: int,
 ) -> torch.Tensor:
     """The pure-torch twin (the module docstring's steps 1-5), all (b, h) at once; arguments
-    already checked, ``length`` an int64 ``(B,)`` tensor. It visits the blocks up to the
-    longest length (one host read of ``length.max()``); a block wholly beyond a row's
-    length adds nothing to it (``alpha = 1``, ``p = 0``)."""
+    already checked, ``length`` an int64 ``(B,)`` tensor. It visits every block of
+    ``T_max``, masked, and reads no tensor value on the host (a CUDA graph can hold it); a
+    block wholly beyond a row's length adds nothing to it (``alpha = 1``, ``p = 0``, both
+    exact). ``decode_attention`` with an int length passes only the first ``length``
+    positions, so eager callers pay for no more."""
     b, h, t_max, d = k.shape
     qf = q.to(torch.float32).unsqueeze(-1)  # (B, H, D, 1)
     ks = None if k_step is None else _step_view(k_step, b, h, t_max)
@@ -304,8 +307,7 @@ def decode_attention_reference(
     l_sum = torch.zeros((b, h), dtype=torch.float32, device=q.device)
     acc = torch.zeros((b, h, d), dtype=torch.float32, device=q.device)
     limit = length.view(b, 1, 1)
-    end = min(int(length.max()), t_max)
-    for start in range(0, end, block_t):
+    for start in range(0, t_max, block_t):
         stop = min(start + block_t, t_max)
         kb = k[:, :, start:stop].to(torch.float32)
         vb = v[:, :, start:stop].to(torch.float32)
@@ -486,7 +488,10 @@ def decode_attention(
     as there). Not differentiable: a decode path, no autograd formula.
 
     Under ``torch.compile`` pass ``length`` as a tensor: an int is a constant of the graph
-    and each new value would compile again.
+    and each new value would compile again. Host reads: a tensor ``length`` is never read
+    on the host (every block of ``T_max`` is visited, masked), except by the value checks
+    (one read, skipped with ``check_values=False`` and while compiling); an int ``length``
+    is a python value, and only the first ``length`` positions are visited.
     """
     check_decode_attention(
         q,
@@ -501,6 +506,13 @@ def decode_attention(
         check_values=check_values,
     )
     if isinstance(length, int):
+        # Positions from `length` on are ignored: pass views without them (no copy), so
+        # the twin visits only the blocks that hold positions.
+        k, v = k[:, :, :length], v[:, :, :length]
+        if k_step is not None and k_step.dim() == 3:
+            k_step = k_step[:, :, :length]
+        if v_step is not None and v_step.dim() == 3:
+            v_step = v_step[:, :, :length]
         length = torch.full((k.shape[0],), length, dtype=torch.int64, device=q.device)
     out: torch.Tensor = _decode_attention_op(
         q, k, v, k_step, v_step, length, float(sm_scale), block_t, backend.value

@@ -17,6 +17,8 @@ cache takes 136 bytes per head per token against 256 for bf16 and 512 for f32.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from computectx.ctx import ComputeCtx
@@ -26,9 +28,18 @@ from computectx.fp8.custom_ops import uses_kernels
 from computectx.fp8.decode_attention import KERNEL_HEAD_DIMS, check_kernel_head_dim
 from computectx.fp8.kv_quant import dequantize_kv, quantize_kv
 
-__all__ = ["KVCache", "decode_backend", "kv_bytes_per_token"]
+__all__ = ["DecodeKernelFallbackWarning", "KVCache", "decode_backend", "kv_bytes_per_token"]
 
 _STEP_BYTES = 4  # float32
+
+
+class DecodeKernelFallbackWarning(UserWarning):
+    """``decode_backend`` chose the reference twin where the device's default backend runs
+    the Triton decode kernel, because the kernel cannot serve the head dim (filter or catch
+    it by this class). Issued once per (device, head dim) in a process."""
+
+
+_WARNED_FALLBACKS: set[tuple[str, int]] = set()
 
 
 def kv_bytes_per_token(kv: DType | KvFp8, n_heads: int, head_dim: int) -> int:
@@ -44,14 +55,26 @@ def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Fp8Backend | str | N
     """The backend that reads an fp8 cache in a decode step.
 
     ``None``: ``default_backend(ctx.device)``, except that a head dim the Triton kernel cannot
-    serve (``KERNEL_HEAD_DIMS``) falls back to the reference twin. A backend asked for by name
-    or member must run on ``ctx.device``, and a kernel backend must serve ``head_dim``:
+    serve (``KERNEL_HEAD_DIMS``) falls back to the reference twin, with a
+    ``DecodeKernelFallbackWarning`` (once per device and head dim). A backend asked for by
+    name or member must run on ``ctx.device``, and a kernel backend must serve ``head_dim``:
     ``ValueError`` naming the head dim otherwise (the reference backend serves any).
     """
     probe = torch.empty(0, device=ctx.device)
     if backend is None:
         chosen = default_backend(ctx.device)
         if uses_kernels(chosen, probe) and head_dim not in KERNEL_HEAD_DIMS:
+            key = (str(ctx.device), head_dim)
+            if key not in _WARNED_FALLBACKS:
+                _WARNED_FALLBACKS.add(key)
+                warnings.warn(
+                    f"the fp8 KV cache on {ctx.device} is read by the reference decode "
+                    f"attention (pure torch), not the {chosen} backend's Triton kernel: the "
+                    f"kernel cannot serve head dim D={head_dim} (it takes multiples of 16 up "
+                    f"to 256). Pass backend='reference' to choose it explicitly",
+                    DecodeKernelFallbackWarning,
+                    stacklevel=3,
+                )
             return Fp8Backend.REFERENCE
         return chosen
     chosen = check_backend(parse_backend(backend), probe)

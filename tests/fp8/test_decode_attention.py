@@ -11,9 +11,11 @@ checked against the same bound in tests/kernels/test_decode_attention_kernel.py.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.decode_attention import (
@@ -21,6 +23,7 @@ from computectx.fp8.decode_attention import (
     check_kernel_head_dim,
     decode_attention,
     decode_attention_error_bound,
+    decode_attention_reference,
     step_layout,
 )
 
@@ -168,6 +171,49 @@ def test_int_length_equals_tensor_length() -> None:
     a = decode_attention(q, k, v, ks, vs, 21, sm_scale=0.25, block_t=8)
     b = decode_attention(q, k, v, ks, vs, torch.tensor([21, 21]), sm_scale=0.25, block_t=8)
     assert torch.equal(a, b)
+
+
+class _HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Counts reads of a tensor's value by the host (``item()``, ``int(t)``, ``bool(t)``,
+    ``tolist()``: all go through ``aten._local_scalar_dense``), which a CUDA graph cannot
+    hold and which make the host wait for the device."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_length_tensor_is_never_read_by_the_host() -> None:
+    # With a length tensor and check_values=False (what a cache that checked its steps
+    # passes), the whole call, checks and twin, reads no tensor value on the host: the
+    # twin masks every block of T_max rather than stopping at max(length).
+    q, k, v, ks, vs = make_case(2, 2, 40, 16, E4M3, "per_token_head", seed=31)
+    length = [33, 5]
+    with _HostReads() as reads:
+        out = decode_attention(
+            q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=8, check_values=False
+        )
+        # (the mode sees the operator as one call: the twin's own ops, directly)
+        twin = decode_attention_reference(
+            q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=8
+        )
+    assert reads.count == 0
+    assert torch.equal(out, twin)
+    assert_within_bound(out, q, k, v, ks, vs, length, 0.25, 8)
+    with _HostReads() as reads:  # the value checks are one host read, when asked for
+        decode_attention(q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=8)
+    assert reads.count == 1
 
 
 def test_positions_beyond_length_are_never_read() -> None:

@@ -294,3 +294,64 @@ def test_static_steps_never_fall_back_to_one() -> None:
     cache = attn.new_cache(1)
     assert cache.k_step is not None
     torch.testing.assert_close(cache.k_step, torch.tensor([0.01]), rtol=2.0**-23, atol=0)
+
+
+def test_the_default_backend_falling_back_to_the_twin_warns_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Where the device's default backend runs the Triton kernel (a GPU; here the TRITON
+    # backend standing in for one), a head dim it cannot serve reads with the twin and says
+    # so, once per device and head dim; a head dim it serves says nothing.
+    import warnings
+
+    from computectx.nn import kv_cache
+
+    monkeypatch.setattr(kv_cache, "default_backend", lambda device: Fp8Backend.TRITON)
+    monkeypatch.setattr(kv_cache, "_WARNED_FALLBACKS", set())
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        first = KVCache(PTH, 1, 2, 24, 8)
+        again = KVCache(PTH, 1, 2, 24, 8)
+        served = KVCache(PTH, 1, 2, 32, 8)
+    assert first.backend is again.backend is Fp8Backend.REFERENCE
+    assert served.backend is Fp8Backend.TRITON
+    fallbacks = [w for w in seen if issubclass(w.category, kv_cache.DecodeKernelFallbackWarning)]
+    assert len(fallbacks) == 1, [str(w.message) for w in seen]
+    assert "head dim D=24" in str(fallbacks[0].message)
+
+
+def test_the_decode_step_reads_no_host_value() -> None:
+    # ByteLM.decode_step's promise (a CUDA graph can hold it): no tensor value read by the
+    # host, for a dtype cache and an fp8 one (the decode operator's own body is checked in
+    # tests/fp8/test_decode_attention.py).
+    from typing import Any
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from computectx.nn import ByteLM, LMConfig
+
+    class HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        def __init__(self) -> None:
+            super().__init__()  # type: ignore[no-untyped-call]
+            self.count = 0
+
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = LMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=16)
+    for ctx in (F32, PTH):
+        torch.manual_seed(0)
+        model = ByteLM(ctx, cfg).eval()
+        caches = model.new_caches(1)
+        with torch.no_grad(), HostReads() as reads:
+            for pos in range(3):
+                model.decode_step(torch.tensor([[65 + pos]]), torch.tensor(pos), caches)
+        assert reads.count == 0, ctx.kv
