@@ -297,8 +297,8 @@ def decode_attention_reference(
     already checked, ``length`` an int64 ``(B,)`` tensor. It visits every block of
     ``T_max``, masked, and reads no tensor value on the host (a CUDA graph can hold it); a
     block wholly beyond a row's length adds nothing to it (``alpha = 1``, ``p = 0``, both
-    exact). ``decode_attention`` with an int length passes only the first ``length``
-    positions, so eager callers pay for no more."""
+    exact). ``decode_attention`` with an int length passes only the blocks that hold its
+    first ``length`` positions, so eager callers pay for no more."""
     b, h, t_max, d = k.shape
     qf = q.to(torch.float32).unsqueeze(-1)  # (B, H, D, 1)
     ks = None if k_step is None else _step_view(k_step, b, h, t_max)
@@ -491,7 +491,8 @@ def decode_attention(
     and each new value would compile again. Host reads: a tensor ``length`` is never read
     on the host (every block of ``T_max`` is visited, masked), except by the value checks
     (one read, skipped with ``check_values=False`` and while compiling); an int ``length``
-    is a python value, and only the first ``length`` positions are visited.
+    is a python value, and only the blocks holding the first ``length`` positions are visited
+    (the same output as a tensor of that length, bit for bit).
     """
     check_decode_attention(
         q,
@@ -506,13 +507,16 @@ def decode_attention(
         check_values=check_values,
     )
     if isinstance(length, int):
-        # Positions from `length` on are ignored: pass views without them (no copy), so
-        # the twin visits only the blocks that hold positions.
-        k, v = k[:, :, :length], v[:, :, :length]
+        # Blocks wholly from `length` on are ignored: pass views without them (no copy), so
+        # the twin visits only the blocks that hold positions. Whole blocks, so the blocks
+        # visited are the ones a length tensor's call visits, the rest of which add exactly
+        # nothing: the same output bit for bit.
+        stop = min(-(-length // block_t) * block_t, k.shape[2])
+        k, v = k[:, :, :stop], v[:, :, :stop]
         if k_step is not None and k_step.dim() == 3:
-            k_step = k_step[:, :, :length]
+            k_step = k_step[:, :, :stop]
         if v_step is not None and v_step.dim() == 3:
-            v_step = v_step[:, :, :length]
+            v_step = v_step[:, :, :stop]
         length = torch.full((k.shape[0],), length, dtype=torch.int64, device=q.device)
     out: torch.Tensor = _decode_attention_op(
         q, k, v, k_step, v_step, length, float(sm_scale), block_t, backend.value
