@@ -52,6 +52,22 @@ float32's normal range; ``u_out`` is half an ulp of ``out_dtype`` (``2**-8`` bf1
 bound (the result is then inf). For ``row`` x ``row`` the bound is
 ``reference.scaled_mm_error_bound``.
 
+**A narrower accumulator** (the Triton kernel on a GPU; ``NARROW_ACCUMULATION``). Hopper's
+fp8 tensor cores sum the products of one ``BLOCK_K`` step (``max_num_imprecise_acc=
+BLOCK_K``, at most ``w = 128`` products, never more than one scale block) in an accumulator
+of about 14 significant bits before the kernel promotes the step's partial to float32. With
+each of that step's ``w' - 1`` additions (``w' = min(w, block width)``; the whole of K for
+``row``) of relative error at most ``u_h = 2**-13``, the step's partial ``P^`` is within
+``gamma_h * sum |a_ik||b_jk|`` of its exact ``P``, ``gamma_h = (w'-1) u_h / (1 - (w'-1)
+u_h)``. Everything after is the float32 computation above applied to ``P^``, whose
+magnitudes are at most ``(1 + gamma_h)`` times the exact ones, so ``gamma_n`` becomes::
+
+    gamma = gamma_h + gamma_n * (1 + gamma_h)
+
+(``gamma_h`` is about 0.0157 for ``w' = 128``, against ``gamma_n`` about 1.8e-5 for
+``K = 300``), for every pair, ``row`` included; ``scaled_mm_error_bound(accumulation=(w,
+u_h))`` computes it.
+
 **Backends** (``backend=``, an ``Fp8Backend``): ``REFERENCE`` runs the twin; ``TRITON`` the
 kernel in ``computectx.kernels.scaled_mm_blocks`` (imported on first use); ``CUBLAS``
 ``torch._scaled_mm`` with row-wise scales for ``row`` x ``row`` and the block and MX recipes
@@ -74,6 +90,7 @@ from computectx.fp8.backend import Fp8Backend, check_backend, parse_backend
 from computectx.fp8.quantized import FP8_DTYPES
 
 __all__ = [
+    "NARROW_ACCUMULATION",
     "OUT_DTYPES",
     "PAIRS",
     "GemmGranularity",
@@ -96,7 +113,13 @@ PAIRS: Final[tuple[tuple[GemmGranularity, GemmGranularity], ...]] = (
 )
 """The ``(granularity_a, granularity_b)`` pairs ``block_scaled_mm`` accepts."""
 OUT_DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
-_BIAS_DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
+"""The dtypes of the result, and of a bias."""
+NARROW_ACCUMULATION: Final[tuple[int, float]] = (128, 2.0**-13)
+"""How the Triton kernel sums on a GPU, for ``scaled_mm_error_bound(accumulation=)``: at most
+128 products (one ``BLOCK_K`` step, ``max_num_imprecise_acc=BLOCK_K``) in the fp8 tensor
+cores' accumulator, each addition with relative error at most ``2**-13`` (14 significant
+bits, truncated: the "around 14 bits" DeepSeek-V3 measured on H800), then promoted to
+float32."""
 _NAMES: Final = get_args(GemmGranularity)
 
 
@@ -184,7 +207,7 @@ def check_args(
     if bias is not None:
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
-        if bias.dtype not in _BIAS_DTYPES or tuple(bias.shape) != (tb.shape[0],):
+        if bias.dtype not in OUT_DTYPES or tuple(bias.shape) != (tb.shape[0],):
             raise ValueError(
                 f"bias must be a bf16/fp16/fp32 tensor of shape ({tb.shape[0]},); got dtype "
                 f"{bias.dtype}, shape {tuple(bias.shape)}"
@@ -319,13 +342,20 @@ def scaled_mm_error_bound(
     granularity_b: GemmGranularity,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
+    accumulation: tuple[int, float] | None = None,
 ) -> torch.Tensor:
     """The a-priori elementwise bound on ``|block_scaled_mm(...) - exact|`` of the module
-    docstring, float64 ``[M, N]`` on the CPU, for checked arguments on any device."""
+    docstring, float64 ``[M, N]`` on the CPU, for checked arguments on any device.
+
+    ``accumulation=(w, u_h)`` widens it for hardware that sums up to ``w`` consecutive
+    products of a block in a narrower accumulator, each addition with relative error at most
+    ``u_h``, before promoting that partial to float32 (``NARROW_ACCUMULATION``: the Triton
+    kernel on a GPU; the module docstring derives the bound)."""
     a, b = a.cpu(), b.cpu()
     scale_a, scale_b = scale_a.cpu(), scale_b.cpu()
     bias = None if bias is None else bias.cpu()
-    if granularity_a == "row":
+    if granularity_a == "row" and accumulation is None:
         return reference.scaled_mm_error_bound(a, b, scale_a, scale_b, bias, out_dtype)
     m, k = a.shape
     n = b.shape[0]
@@ -347,6 +377,11 @@ def scaled_mm_error_bound(
     u = 2.0**-24
     terms = k + n_kb + 4
     gamma = terms * u / (1 - terms * u)
+    if accumulation is not None:
+        w, u_h = accumulation
+        adds = min(w, width) - 1  # additions inside one narrow step
+        gamma_h = adds * u_h / (1 - adds * u_h)
+        gamma = gamma_h + gamma * (1 + gamma_h)
     unscaled = a64.abs() @ b64.abs().t()
     e = gamma * mag + 2.0**-148 * (unscaled + n_kb)
     u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]

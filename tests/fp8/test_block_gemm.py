@@ -184,6 +184,64 @@ def test_zero_k_blocks_and_empty_outputs() -> None:
     assert out.shape == (0, 3)
 
 
+# ----- the bound for a narrower accumulator (the Triton kernel on a GPU) -----------------
+
+
+def _narrow_gemm(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    ga: GemmGranularity,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    gb: GemmGranularity,
+    step: int,
+) -> torch.Tensor:
+    # A model of the fp8 tensor cores: each step of `step` products summed one by one with
+    # the running sum truncated to 14 significant bits after every addition, then promoted
+    # to float32, scaled by its block's steps and added to a float32 accumulator.
+    m, k = a.shape
+    n = b.shape[0]
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    width = k if ga == "row" else (32 if ga == "mx" else 128)
+    step = min(step, width)
+    ea = steps64(sa, ga, m, k).to(torch.float32)
+    eb = steps64(sb, gb, n, k).to(torch.float32)
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for lo in range(0, k, step):
+        part = torch.zeros(m, n, dtype=torch.float64)
+        for j in range(lo, min(k, lo + step)):
+            part = part + a64[:, j : j + 1] * b64[:, j].reshape(1, n)
+            mant, exp = torch.frexp(part)
+            part = torch.ldexp(torch.trunc(mant * 2.0**14) / 2.0**14, exp)
+        if ga == "row":
+            acc = acc + part.to(torch.float32)
+        else:
+            scale = ea[:, lo : lo + 1] * eb[:, lo].reshape(1, n)
+            acc = acc + part.to(torch.float32) * scale
+    if ga == "row":
+        acc = acc * (ea[:, :1] * eb[:, 0].reshape(1, n))
+    return acc
+
+
+@pytest.mark.parametrize(("ga", "gb"), [("row", "row"), ("1x128", "128x128"), ("mx", "mx")])
+@pytest.mark.parametrize("step", [128, 64])
+def test_the_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(
+    ga: GemmGranularity, gb: GemmGranularity, step: int
+) -> None:
+    # Same signs, so partial sums grow and the truncation bites: the float32 bound must
+    # fail for this model (the wider one is needed), the NARROW_ACCUMULATION one hold.
+    a, sa, _ = quantized((12, 300), ga, E4M3, seed=3, spread=2)
+    b, sb, _ = quantized((10, 300), gb, E4M3, seed=4, spread=2)
+    a, b = a.abs(), b.abs()
+    out = _narrow_gemm(a, sa, ga, b, sb, gb, step)
+    err = (out.to(torch.float64) - exact(a, sa, ga, b, sb, gb, None)).abs()
+    args = (a, b, sa, ga, sb, gb, None, torch.float32)
+    f32 = block_gemm.scaled_mm_error_bound(*args)
+    wide = block_gemm.scaled_mm_error_bound(*args, accumulation=block_gemm.NARROW_ACCUMULATION)
+    assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
+    assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
+
+
 # ----- the cuBLAS paths on the CPU ------------------------------------------------------
 
 

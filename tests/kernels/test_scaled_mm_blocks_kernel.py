@@ -2,7 +2,9 @@
 
 The bound is ``block_gemm.scaled_mm_error_bound`` (derived in ``computectx.fp8.block_gemm``'s
 docstring): it allows any float32 order inside a scale block and across the scaled partial
-sums, which is what the kernel's narrower K steps change. When every partial sum is exact
+sums, which is what the kernel's narrower K steps change. On a GPU (CUDA) it is the bound for
+the tensor cores' narrower accumulation of each K step (``block_gemm.NARROW_ACCUMULATION``);
+under the interpreter, the float32 one. When every partial sum is exact
 (small-integer codes, power-of-two steps) the kernel and the twin round the same exact
 value once and must agree bit for bit.
 """
@@ -80,7 +82,12 @@ def check_within_bound(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> None:
-    bound = block_gemm.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
+    # On a GPU the tensor cores sum each BLOCK_K step in a narrower accumulator: the bound
+    # for that accumulation (block_gemm's docstring); the interpreter's dot is float32.
+    narrow = block_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
+    bound = block_gemm.scaled_mm_error_bound(
+        a, b, sa, ga, sb, gb, bias, out_dtype, accumulation=narrow
+    )
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
 
