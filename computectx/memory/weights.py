@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import pathlib
@@ -112,7 +113,9 @@ def load_weights(
     first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
     file and the keys) with the model unchanged. dtypes must match exactly: nothing is
     cast silently. A module that defines ``check_state_tensors`` (an ``Fp8Linear``: its
-    scaling state against its policy) checks its tensors then too. A module that defines
+    scaling state against its policy) checks its tensors then too (its ``ValueError`` is
+    raised again naming the file; given a ``prefix`` keyword, it names its tensors by their
+    full keys). A module that defines
     ``default_state_tensors`` names state a checkpoint may lack (state added after such
     checkpoints were written: an ``Attention``'s calibrated ``kv_amax``); a checkpoint
     without it loads those defaults, and the report says how many. Module extra state that
@@ -172,7 +175,7 @@ def load_weights(
 
     loaded = _materialise(file, header, chosen, device)
     given = {name: loaded[stored] for name, stored in resolved.items()}
-    _check_module_state(model, given | defaulted)
+    _check_module_state(model, given | defaulted, file)
     claimed: dict[str, int] = {}
     with torch.no_grad():
         for name, target in targets.items():
@@ -203,17 +206,28 @@ def load_weights(
     )
 
 
-def _check_module_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+def _check_module_state(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], file: pathlib.Path
+) -> None:
     # A module whose buffers carry state with rules of their own (an Fp8Linear's scaling
     # state must match its policy) defines check_state_tensors(local_name -> tensor); it is
     # asked before anything is replaced, so a checkpoint it refuses leaves the model as it
-    # was. The memory layer knows no such module: this is the seam they plug into.
+    # was. The memory layer knows no such module: this is the seam they plug into. A check
+    # that takes a `prefix` keyword gets the module's key prefix ("blocks.1.attn.") to name
+    # its tensors by their full keys; a ValueError it raises is raised again naming the file.
     for prefix, module in model.named_modules():
         check = getattr(module, "check_state_tensors", None)
         if not callable(check):
             continue
         head = f"{prefix}." if prefix else ""
-        check({k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)})
+        local = {k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)}
+        try:
+            if "prefix" in inspect.signature(check).parameters:
+                check(local, prefix=head)
+            else:
+                check(local)
+        except ValueError as err:
+            raise ValueError(f"checkpoint {str(file)!r}: {err}") from err
 
 
 def _state_defaults(

@@ -94,9 +94,11 @@ class Attention(nn.Module):
             )
         return static_kv_steps(self.kv_amax, kv)
 
-    def check_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+    def check_state_tensors(self, tensors: dict[str, torch.Tensor], *, prefix: str = "") -> None:
         """``load_weights``' check of this layer's tensors before anything is replaced:
-        ``kv_amax`` must be finite, and all zeros (not calibrated) or all positive."""
+        ``kv_amax`` must be finite, and all zeros (not calibrated) or all positive. The
+        ``ValueError`` names the tensor by its full key, ``prefix`` (this layer's key prefix
+        in the model, ``'blocks.1.attn.'``) then ``kv_amax``."""
         amax = tensors.get("kv_amax")
         if amax is None:
             return
@@ -104,8 +106,8 @@ class Attention(nn.Module):
         finite = bool(torch.isfinite(wide).all())
         if not finite or not (bool((wide == 0).all()) or bool((wide > 0).all())):
             raise ValueError(
-                f"kv_amax must be finite and either all zero (not calibrated) or all positive "
-                f"(a calibration), got {wide.tolist()}"
+                f"{prefix}kv_amax must be finite and either all zero (not calibrated) or all "
+                f"positive (a calibration), got {wide.tolist()}"
             )
 
     def default_state_tensors(self) -> dict[str, torch.Tensor]:

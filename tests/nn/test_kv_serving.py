@@ -248,8 +248,10 @@ def test_loading_bad_scales_is_refused_and_changes_nothing(
     target = trained.model(ctx)
     calibrate_kv(target, trained.calib[:1])
     before = {k: v.clone() for k, v in target.state_dict().items()}
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(ValueError, match=needle) as err:
         load_weights(target, path, ctx)
+    # The message names the tensor by its full key (layer 1's) and the file it came from.
+    assert "blocks.1.attn.kv_amax" in str(err.value) and str(path) in str(err.value)
     after = target.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing half-loaded
 
