@@ -355,11 +355,19 @@ def parse_kv(value: object) -> DType | KvFp8:
 
     A bare fp8 format (an ``Fp8Format``, a torch fp8 dtype, ``"e4m3"``) is that format with
     the default, dynamic ``per_token_head`` steps, as in the text form. Anything else raises
-    ``ValueError`` quoting it and naming both accepted forms.
+    ``ValueError`` quoting it and naming both accepted forms (a dict with a key other than
+    ``format`` and ``scaling``: naming the key and those two).
     """
     if isinstance(value, (DType, KvFp8)):
         return value
     if isinstance(value, dict):
+        unknown = sorted(map(repr, set(value) - set(KvFp8.model_fields)))
+        if unknown:
+            raise ValueError(
+                f"unknown fp8 KV cache field(s) {', '.join(unknown)} in {value!r}; a KvFp8 "
+                f"dict takes 'format' (e4m3 or e5m2) and 'scaling' "
+                f"({', '.join(KV_SCALINGS)}), both optional"
+            )
         return KvFp8.model_validate(value)
     if isinstance(value, Fp8Format) or (
         isinstance(value, torch.dtype) and value in _FP8_TORCH.values()
@@ -381,7 +389,13 @@ def parse_kv(value: object) -> DType | KvFp8:
             f"unknown kv {value.strip()!r}; accepted: a dtype ({accepted_dtype_spellings()}) "
             f"or an fp8 cache {_KV_FORM}"
         )
-    return DType.parse(value)  # type: ignore[arg-type]  # its error names what it accepts
+    try:
+        return DType.parse(value)  # type: ignore[arg-type]
+    except ValueError as err:  # it names the dtypes; add the fp8 cache forms
+        raise ValueError(
+            f"{err}; or an fp8 KV cache: a KvFp8, its dict {{'format': ..., 'scaling': ...}}, "
+            f"an fp8 format (Fp8Format, a torch fp8 dtype) or the text {_KV_FORM}"
+        ) from None
 
 
 def is_compute_dtype(dt: torch.dtype) -> bool:

@@ -90,15 +90,35 @@ def test_bad_kv_values_are_one_error_naming_them(value: object, needle: str) -> 
     assert needle in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "value", [None, 3, 2.5, object(), {"fmt": "e4m3"}, {"format": "e4m3", "x": 1}]
+)
+def test_a_value_of_no_kv_form_names_both_accepted_forms(value: object) -> None:
+    # Whatever the value, the error quotes it and names a dtype and an fp8 cache as the
+    # accepted forms (the dict's own fields for a dict).
+    with pytest.raises(ValueError, match=r"accepted|takes") as err:
+        parse_kv(value)
+    text = str(err.value)
+    if isinstance(value, dict):
+        bad = sorted(set(value) - {"format", "scaling"})
+        assert f"unknown fp8 KV cache field(s) {', '.join(map(repr, bad))}" in text, text
+        assert "'format'" in text and "'scaling'" in text and "e4m3" in text, text
+    else:
+        assert repr(value) in text and "'bf16'" in text, text  # a dtype spelling
+        assert "FORMAT[/SCALING]" in text and "KvFp8" in text, text  # the fp8 forms
+
+
 def test_json_form_and_bad_json() -> None:
     ctx = ComputeCtx.new(DType.BF16, CPU).with_kv(KvFp8(format=Fp8Format.E5M2, scaling="per_head"))
     data = json.loads(ctx.model_dump_json())
     assert data["kv"] == {"format": "e5m2", "scaling": "per_head"}
     assert ComputeCtx.model_validate(data) == ctx
-    with pytest.raises(ValidationError, match="extra_forbidden"):
+    # An unknown field is named, with the two a KvFp8 has.
+    with pytest.raises(ValidationError, match=r"unknown fp8 KV cache field\(s\) 'margin'") as err:
         ComputeCtx.model_validate(
             {"compute": "bf16", "device": "cpu", "kv": {"format": "e4m3", "margin": 2}}
         )
+    assert "'format'" in str(err.value) and "'scaling'" in str(err.value)
     with pytest.raises(ValidationError, match="unknown fp8 format 'e3m4'"):
         ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": {"format": "e3m4"}})
     with pytest.raises(ValidationError, match="'per_token_head', 'per_head' or 'per_tensor'"):

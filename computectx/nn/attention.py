@@ -130,7 +130,8 @@ class Attention(nn.Module):
     def new_cache(
         self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None
     ) -> KVCache:
-        """An empty cache for this layer (``max_len`` defaults to the RoPE table length).
+        """An empty cache for this layer (``max_len`` defaults to the RoPE table length; any
+        other value must be a positive int: ``ValueError`` otherwise, 0 included).
 
         For a static fp8 ``kv`` it carries this layer's calibrated steps (``kv_steps``: an
         error when there are none). ``backend`` picks how an fp8 cache is read in decode
@@ -143,7 +144,7 @@ class Attention(nn.Module):
             batch,
             self.n_heads,
             self.head_dim,
-            max_len or self.max_len,
+            self.max_len if max_len is None else max_len,
             steps=steps,
             backend=backend,
         )

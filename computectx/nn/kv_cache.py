@@ -244,7 +244,18 @@ class KVCache:
 
     def read(self, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. end - 1`` (default ``length``): views at
-        ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8."""
+        ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8.
+
+        ``end`` is an int in ``[0, max_len]`` (``ValueError`` naming it otherwise); positions
+        from ``length`` on hold what ``write`` stored there, zeros where nothing was."""
+        if end is not None and (
+            isinstance(end, bool) or not isinstance(end, int) or not 0 <= end <= self.max_len
+        ):
+            raise ValueError(
+                f"KVCache.read: end={end!r} is not a position count of this cache; accepted: "
+                f"an int with 0 <= end <= {self.max_len} (max_len), or None for length="
+                f"{self.length}"
+            )
         stop = self.length if end is None else end
         k, v = self.k[:, :, :stop], self.v[:, :, :stop]
         if self.k_step is None or self.v_step is None:

@@ -355,3 +355,28 @@ def test_the_decode_step_reads_no_host_value() -> None:
             for pos in range(3):
                 model.decode_step(torch.tensor([[65 + pos]]), torch.tensor(pos), caches)
         assert reads.count == 0, ctx.kv
+
+
+@pytest.mark.parametrize("max_len", [0, -3, 2.5, True])
+def test_new_cache_refuses_a_max_len_that_is_not_a_positive_int(max_len: object) -> None:
+    # 0 is not "the default": it is refused like any other bad length.
+    attn = Attention(PTH, H * D, H, max_len=16)
+    with pytest.raises(ValueError, match=f"max_len must be a positive int, got {max_len!r}"):
+        attn.new_cache(1, max_len=max_len)  # type: ignore[arg-type]
+    assert attn.new_cache(1).max_len == 16 and attn.new_cache(1, max_len=5).max_len == 5
+
+
+@pytest.mark.parametrize("ctx", [F32, PTH], ids=["f32", "fp8"])
+def test_read_refuses_an_end_outside_the_cache(ctx: ComputeCtx) -> None:
+    cache = KVCache(ctx, 1, H, D, 8)
+    cache.append(torch.randn(1, H, 3, D), torch.randn(1, H, 3, D))
+    for end in (-1, 9, 2.0, True, None):
+        if end is None:
+            assert cache.read()[0].shape[2] == 3  # the default: the appended positions
+            continue
+        with pytest.raises(ValueError, match=f"end={end!r}.* 0 <= end <= 8"):
+            cache.read(end)  # type: ignore[arg-type]
+    # Any end up to max_len reads: positions past length hold what write() put there.
+    cache.write(torch.ones(1, H, 1, D), torch.ones(1, H, 1, D), torch.tensor(6))
+    keys, _ = cache.read(7)
+    assert keys.shape[2] == 7 and bool((keys[:, :, 6] == 1).all()) and cache.read(0)[0].numel() == 0
