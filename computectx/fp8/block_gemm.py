@@ -124,10 +124,9 @@ _NAMES: Final = get_args(GemmGranularity)
 
 
 def block_width(granularity: GemmGranularity, k: int) -> int:
-    """The width along K of one scale block: 128, or 32 for ``mx``, or K for ``row``."""
-    if granularity == "row":
-        return max(k, 1)
-    return granular.MX_BLOCK if granularity == "mx" else granular.TILE
+    """The width along K of one scale block: 128, or 32 for ``mx``, or K for ``row``
+    (``granular.block_shape``)."""
+    return granular.block_shape(granularity, k)[1]
 
 
 def _pairs_text() -> str:

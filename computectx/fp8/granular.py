@@ -71,6 +71,7 @@ __all__ = [
     "MxRounding",
     "StepRule",
     "block_amax",
+    "block_shape",
     "block_steps",
     "check_granularity_widths",
     "dequantize",
@@ -80,6 +81,7 @@ __all__ = [
     "power_of_two_steps",
     "quantize",
     "quantize_with_steps",
+    "scale_grid",
     "steps_of_scale",
 ]
 
@@ -149,15 +151,35 @@ def layout_of(granularity: Granularity, shape: tuple[int, ...] | torch.Size) -> 
             f"shape {dims}"
         )
     rows = math.prod(dims[:-1])
-    block_rows, block_cols = {
-        "row": (1, max(k, 1)),
-        "1x128": (1, TILE),
-        "128x128": (TILE, TILE),
-        "mx": (1, MX_BLOCK),
-    }[granularity]
-    grid = (-(-rows // block_rows), 1 if granularity == "row" else -(-k // block_cols))
+    block_rows, block_cols = block_shape(granularity, k)
+    grid = scale_grid(granularity, rows, k)
     scale_shape = grid if block_rows == TILE else (*dims[:-1], grid[1])
     return BlockLayout(granularity, rows, k, block_rows, block_cols, grid, scale_shape)
+
+
+# The fixed blocks, (rows, K columns); a row's block is the whole row.
+_BLOCKS: Final[dict[str, tuple[int, int]]] = {
+    "1x128": (1, TILE),
+    "128x128": (TILE, TILE),
+    "mx": (1, MX_BLOCK),
+}
+
+
+def block_shape(granularity: Granularity, k: int) -> tuple[int, int]:
+    """``(block rows, block width along K)`` of a block granularity over a K-wide tensor:
+    ``row`` ``(1, max(K, 1))``, ``1x128`` ``(1, 128)``, ``128x128`` ``(128, 128)``, ``mx``
+    ``(1, 32)``. The one table of block shapes (``layout_of`` and ``block_gemm`` read it)."""
+    return (1, max(k, 1)) if granularity == "row" else _BLOCKS[granularity]
+
+
+def scale_grid(granularity: Granularity, rows: int, k: int) -> tuple[int, int]:
+    """The scale of a 2-D ``rows x K`` operand as a grid: ``(ceil(rows / block rows),
+    ceil(K / block width))``, one column for ``row``. Integer arithmetic only, so a fake
+    implementation can call it with symbolic sizes; unchecked (``layout_of`` checks)."""
+    if granularity == "row":
+        return (rows, 1)
+    block_rows, block_cols = _BLOCKS[granularity]
+    return (-(-rows // block_rows), -(-k // block_cols))
 
 
 def check_granularity_widths(

@@ -63,7 +63,7 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import custom_ops, granular, granular_ops
 from computectx.fp8.backend import parse_backend
 from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
-from computectx.fp8.granular import E8M0, MX_BLOCK, TILE, StepRule
+from computectx.fp8.granular import E8M0, MX_BLOCK, StepRule
 from computectx.fp8.quantized import Fp8BlockWeight, Fp8Weight
 from computectx.fp8.recompute import checkpoint_site
 from computectx.fp8.scaling import OperandScaling
@@ -133,11 +133,10 @@ def _quantize_blocks(
 def _quantize_blocks_fake(
     x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, k = x.shape  # 2-D here; the scale shapes of granular.layout_of, symbolically
-    blocks = {"row": 1, "1x128": -(-k // TILE), "128x128": -(-k // TILE), "mx": -(-k // MX_BLOCK)}
-    scale_rows = -(-rows // TILE) if granularity == "128x128" else rows
+    rows, k = x.shape  # 2-D here; granular.layout_of's scale shape, symbolically
+    grid = granular.scale_grid(cast(GemmGranularity, granularity), rows, k)
     dtype = E8M0 if granularity == "mx" else torch.float32
-    scale = x.new_empty((scale_rows, blocks[granularity]), dtype=dtype)
+    scale = x.new_empty(grid, dtype=dtype)
     return x.new_empty(x.shape, dtype=fp8), scale, x.new_empty(1, dtype=torch.float32)
 
 

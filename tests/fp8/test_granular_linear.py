@@ -3,6 +3,7 @@ its accuracy against float64, its ledgers, training, and what it refuses."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -27,6 +28,10 @@ from computectx.fp8.block_gemm import block_scaled_mm
 from computectx.fp8.custom_ops import TALLY_ELEMENTS
 from computectx.fp8.granular_linear import OPERAND_GRANULARITY
 from computectx.fp8.ledger import ledger_history, ledger_step
+
+from .test_granularity_targets import bench
+
+sqnr: Callable[[torch.Tensor, torch.Tensor], float] = bench.sqnr  # the bench's SQNR, in dB
 
 POLICIES = {
     "fp8_rowwise": "e4m3/row/dynamic/0",
@@ -210,11 +215,6 @@ def test_forward_dx_dw_within_the_a_priori_bound_of_float64(name: str) -> None:
         assert bool(((got - exact).abs() <= bound + slack).all())
 
 
-def sqnr(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    e, a = exact.double(), approx.detach().double()
-    return float(10 * torch.log10(e.square().sum() / (a - e).square().sum()))
-
-
 # docs/fp8.md ("The fine-grained linear"): SQNR in dB against float64 of one 160 -> 96 layer,
 # 40 rows whose input channels span 1e-2 to 1e2, bf16 activations and weights. Measured
 # (forward, dX, dW): row 28.1 / 28.3 / 28.6 (gw_hp dW 55.7), block 29.5 / 28.9 / 29.4,
@@ -324,9 +324,13 @@ def test_serving_fsdp2_fp8_weights_and_amax_reduction_are_refused_clearly(flag: 
     w8 = Fp8Weight(layer.weight.detach().to(torch.float8_e4m3fn), torch.ones(1), torch.float32)
     with pytest.raises(ValueError, match=rf"{needle} an fp8 all-gathered weight \(FSDP2\)"):
         fp8_linear(x, w8, None, plan)
-    layer.freeze_for_serving()
+    with pytest.raises(ValueError, match=f"per-tensor policies only.*'{gran}'"):
+        layer.freeze_for_serving()  # refused before anything changes (test_fp8_linear)
+    # A layer frozen per tensor, then given a fine-grained ctx, is refused at its call.
+    frozen = Fp8Linear(32, 32, ctx=layer.ctx.replace(fp8=Fp8Policy())).freeze_for_serving()
+    frozen.ctx = layer.ctx
     with pytest.raises(ValueError, match=f"{needle} a frozen"):
-        layer(x)
+        frozen(x)
     empty = Fp8Linear(32, 64, ctx=ComputeCtx.from_flag(flag, "cpu"))
     assert empty(torch.randn(0, 32)).shape == (0, 64)
 

@@ -15,9 +15,9 @@ few hundredths of a dB. Two differences by design, both asserted below:
   two give the same SQNR; on a weight with outlier input channels ours is the better one.
 - With ``gw_hp``, torchao's high-precision wgrad is ``torch.mm`` of the bf16 operands, rounded
   to bf16 before autograd widens it to a float32 weight's dtype; ours keeps the float32
-  product for a float32 weight (granular_linear.py). With a float32 weight ours is therefore far more
-  accurate, and rounded to bf16 it is within 0.5 dB of torchao's; with a bf16 weight both
-  round once to bf16.
+  product for a float32 weight (granular_linear.py). With a float32 weight ours is therefore
+  far more accurate, and rounded to bf16 it is within 0.5 dB of torchao's; with a bf16 weight
+  both round once to bf16.
 
 torchao's public ``convert_to_float8_training`` patches inductor's Triton code generation for
 the whole process (``torchao/float8/_inductor_patch.py``), which other tests in the same run
@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -63,15 +64,13 @@ float8_linear = pytest.importorskip("torchao.float8.float8_linear")
 mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 mx_config = pytest.importorskip("torchao.prototype.mx_formats.config")
 
+from .test_granularity_targets import bench  # noqa: E402  (after the skips above)
+
+sqnr: Callable[[torch.Tensor, torch.Tensor], float] = bench.sqnr  # the bench's SQNR, in dB
+
 E8M0 = torch.float8_e8m0fnu
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 MODES: dict[MxRounding, str] = {"floor": "FLOOR", "rceil": "RCEIL"}
-
-
-def sqnr(approx: torch.Tensor, exact: torch.Tensor) -> float:
-    """``10 log10(sum exact^2 / sum (approx - exact)^2)`` in dB, in float64."""
-    e = exact.double()
-    return float(10 * torch.log10(e.square().sum() / (approx.double() - e).square().sum()))
 
 
 # ---------------------------------------------------------------------------------------
