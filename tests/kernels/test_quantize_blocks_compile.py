@@ -1,4 +1,5 @@
-"""The block quantize kernels compile for sm_89 and sm_90 without a GPU, with vector loads.
+"""The block quantize kernels compile for sm_89, sm_90 and sm_100 without a GPU, with vector
+loads.
 
 As test_compile_for_gpu.py does for the older kernels: a child process (without
 ``TRITON_INTERPRET``) builds each kernel ahead of time with the ``ptxas`` Triton ships, for
@@ -40,7 +41,7 @@ def build(kernel, names, types, consts, warps, aligned):
 
 names = ["x_ptr", "q_ptr", "scale_ptr", "R", "C", "stride_r", "stride_c", "n_scale_cols"]
 rnames = ["x_ptr", "q_ptr", "step_ptr", "R", "C", "stride_r", "stride_c"]
-for cap in (89, 90):
+for cap in (89, 90, 100):
     for xdt, rule, block, given, colwise in (
         ("*i16", 0, (1, 128), False, False), ("*fp32", 3, (1, 32), False, False),
         ("*fp16", 1, (128, 128), False, False), ("*i16", 2, (1, 32), True, False),
@@ -68,9 +69,10 @@ json.dump(out, sys.stdout)
 """
 
 
-def test_block_kernels_compile_for_ada_and_hopper(tmp_path: Path) -> None:
+def test_block_kernels_compile_for_ada_hopper_and_blackwell(tmp_path: Path) -> None:
     report = compile_report(_SCRIPT, tmp_path)
-    assert len(report) == 2 * (8 + 2), sorted(report)
+    assert len(report) == 3 * (8 + 2), sorted(report)
+    assert {name.split("/")[1] for name in report} == {"89", "90", "100"}
     for name, facts in report.items():
         assert not facts["ftz"], (name, facts)
         if name.endswith("columnwise=False"):
