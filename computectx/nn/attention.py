@@ -237,8 +237,10 @@ class Attention(nn.Module):
 
         Keys and values are written with ``cache.write`` (no host read; ``cache.length`` is
         left alone) and attention runs over the whole preallocated cache with the positions
-        after ``pos`` masked, so shapes never change and a compiled step does not recompile
-        as ``pos`` moves. An fp8 cache runs ``decode_attention`` with ``length = pos + 1``.
+        after ``pos`` masked (their scores ``-inf``, their values zero: whatever stale value
+        a slot past ``pos`` holds, inf and NaN included, never reaches the output), so shapes
+        never change and a compiled step does not recompile as ``pos`` moves. An fp8 cache
+        runs ``decode_attention`` with ``length = pos + 1``.
         """
         cache.check_read_under(self.ctx)
         b, t, _ = x.shape
@@ -254,4 +256,8 @@ class Attention(nn.Module):
                 return self._merge(self._decode_fp8(q, cache, length))
             visible = (torch.arange(cache.max_len, device=x.device) <= pos).view(1, -1)
             keys, values = self.ctx.to_compute(cache.k), self.ctx.to_compute(cache.v)
+            # Slots past pos may hold anything (a previous sequence, inf, NaN): their scores
+            # are -inf (weight 0) and their values zeroed here, since 0 * inf or 0 * NaN in
+            # the weighted sum would be NaN. Only positions 0 .. pos reach the output.
+            values = values.masked_fill(~visible.view(1, 1, -1, 1), 0.0)
             return self._merge(self._attend(q, keys, values, visible))

@@ -380,3 +380,27 @@ def test_read_refuses_an_end_outside_the_cache(ctx: ComputeCtx) -> None:
     cache.write(torch.ones(1, H, 1, D), torch.ones(1, H, 1, D), torch.tensor(6))
     keys, _ = cache.read(7)
     assert keys.shape[2] == 7 and bool((keys[:, :, 6] == 1).all()) and cache.read(0)[0].numel() == 0
+
+
+@pytest.mark.parametrize("kv", [DType.F32, DType.BF16, KvFp8()], ids=str)
+def test_the_decode_step_never_reads_stale_slots_past_its_position(kv: DType | KvFp8) -> None:
+    # A preallocated cache may hold anything past the position (a previous sequence's
+    # values, NaN, inf): the static-shape decode step's output is the same as over a clean
+    # cache, bit for bit, for a 16/32-bit cache as for an fp8 one.
+    torch.manual_seed(3)
+    ctx = F32.with_kv(kv)
+    attn = Attention(ctx, H * D, H, max_len=12)
+    x = torch.randn(1, 5, H * D)
+    clean, dirty = attn.new_cache(1), attn.new_cache(1)
+    with torch.no_grad():
+        for cache in (clean, dirty):
+            for p in range(4):
+                attn.decode(x[:, p : p + 1], torch.tensor(p), cache)
+        for t, bad in ((dirty.k, math.inf), (dirty.v, math.nan)):
+            if t.element_size() == 1:
+                t[:, :, 5:] = torch.tensor(bad).to(t.dtype)
+            else:
+                t[:, :, 5:] = bad
+        a = attn.decode(x[:, 4:5], torch.tensor(4), clean)
+        b = attn.decode(x[:, 4:5], torch.tensor(4), dirty)
+    assert bool(torch.isfinite(a).all()) and torch.equal(a, b)
