@@ -122,8 +122,9 @@ _FLAGS: dict[str, tuple[DType, Fp8Policy | None]] = {
     # Row-wise (torchao's ROWWISE and ROWWISE_WITH_GW_HP): E4M3 both ways, dynamic.
     "fp8_rowwise": (DType.BF16, Fp8Policy(granularity="row")),
     "fp8_rowwise_gw_hp": (DType.BF16, Fp8Policy(granularity="row", gw_hp=True)),
-    # Blocks (TransformerEngine's Float8BlockScaling, DeepSeek-V3's recipe) and MXFP8
-    # (TransformerEngine's MXFP8BlockScaling): E4M3 both ways, dynamic.
+    # Blocks (DeepSeek-V3's recipe: float32 block scales, not TransformerEngine's default
+    # power-of-two ones, "e4m3/block+pow2/dynamic/0") and MXFP8 (TransformerEngine's
+    # MXFP8BlockScaling): E4M3 both ways, dynamic.
     "fp8_block": (DType.BF16, Fp8Policy(granularity="block")),
     "fp8_mx": (DType.BF16, Fp8Policy(granularity="mx")),
 }
@@ -135,8 +136,9 @@ fp8 schemes with dynamic scaling, ``fp8_e4m3_dynamic``, ``fp8_e5m2_dynamic``,
 ``fp8_hybrid_dynamic``; row-wise scaling, ``fp8_rowwise`` (E4M3 both ways, dynamic, one
 power-of-two step per row: torchao's ``ROWWISE``) and ``fp8_rowwise_gw_hp`` (the same with
 the weight-gradient GEMM in high precision: torchao's ``ROWWISE_WITH_GW_HP``); blocks,
-``fp8_block`` (1x128 tiles for activations and gradients, 128x128 blocks for weights:
-TransformerEngine's ``Float8BlockScaling``, DeepSeek-V3's recipe) and ``fp8_mx`` (MXFP8,
+``fp8_block`` (1x128 tiles for activations and gradients, 128x128 blocks for weights,
+float32 scales: DeepSeek-V3's recipe; TransformerEngine's ``Float8BlockScaling`` defaults
+to power-of-two scales, the policy ``e4m3/block+pow2/dynamic/0``) and ``fp8_mx`` (MXFP8,
 1x32 blocks with E8M0 scales rounded ``rceil``: TransformerEngine's ``MXFP8BlockScaling``)."""
 
 
