@@ -154,6 +154,23 @@ def test_generate_greedy_matches_dynamic_cache() -> None:
     assert int(cache8.get_seq_length()) == prompt.shape[1] + new - 1
 
 
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_beam_search_matches_dynamic_cache() -> None:
+    # Beam search reorders the cache's rows after every step (reorder_cache, in place here).
+    model = tiny_llama(dtype=torch.bfloat16)
+    prompt = ids_of(8, batch=2, length=5)
+    new = 8
+    kw: dict[str, Any] = {
+        "attention_mask": torch.ones_like(prompt),
+        "max_new_tokens": new,
+        "do_sample": False,
+        "num_beams": 3,
+    }
+    want = model.generate(prompt, past_key_values=DynamicCache(config=model.config), **kw)
+    cache = cache_for(model, "bf16", length=prompt.shape[1] + new)
+    assert torch.equal(model.generate(prompt, past_key_values=cache, **kw), want)
+
+
 def test_reset_and_beam_reorder_in_place() -> None:
     model = tiny_llama()
     ids = ids_of(4)
