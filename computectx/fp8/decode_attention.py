@@ -300,7 +300,7 @@ def decode_attention_reference(
     exact). ``decode_attention`` with an int length passes only the blocks that hold its
     first ``length`` positions, so eager callers pay for no more."""
     b, h, t_max, d = k.shape
-    qf = q.to(torch.float32).unsqueeze(-1)  # (B, H, D, 1)
+    qf = q.to(torch.float32).unsqueeze(-2)  # (B, H, 1, D)
     ks = None if k_step is None else _step_view(k_step, b, h, t_max)
     vs = None if v_step is None else _step_view(v_step, b, h, t_max)
     m = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
@@ -318,13 +318,15 @@ def decode_attention_reference(
         # Whatever lies beyond a row's length (stale codes, NaN, zero steps) never reaches
         # the sums: the scores there are -inf and the values 0, as the kernel's masked loads.
         vb = vb.masked_fill(beyond.unsqueeze(-1), 0.0)
-        s = torch.matmul(kb, qf).squeeze(-1) * sm_scale  # (B, H, t)
+        # Products and sums elementwise, not a matmul: float32 whatever the float32 matmul
+        # precision (a CUDA device may run matmuls in TF32, 10 mantissa bits).
+        s = (kb * qf).sum(dim=-1) * sm_scale  # (B, H, t)
         s = s.masked_fill(beyond, -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new.unsqueeze(-1))
         l_sum = l_sum * alpha + p.sum(dim=-1)
-        acc = acc * alpha.unsqueeze(-1) + torch.matmul(p.unsqueeze(-2), vb).squeeze(-2)
+        acc = acc * alpha.unsqueeze(-1) + (p.unsqueeze(-1) * vb).sum(dim=-2)
         m = m_new
     return (acc / l_sum.unsqueeze(-1)).to(q.dtype)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -18,9 +19,41 @@ from computectx.nn.linears import apply_fp8_policy, param_dtype
 from computectx.nn.ops import softmax
 from computectx.nn.rope import RotaryEmbedding
 
-__all__ = ["Attention", "KVCache"]
+__all__ = ["Attention", "Float32MatmulPrecisionWarning", "KVCache"]
 
 _DECODE_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Float32MatmulPrecisionWarning(UserWarning):
+    """An fp8 KV cache's prefill ran on a CUDA device where float32 matmuls may use TF32
+    (``torch.set_float32_matmul_precision`` not ``"highest"``, or
+    ``torch.backends.cuda.matmul.allow_tf32``): its scores and weighted sum then round
+    their operands to 10 mantissa bits, and the float32 reading of the cache documented in
+    docs/serving.md does not hold. Issued once per process."""
+
+
+_TF32_WARNED: list[bool] = []
+
+
+def _check_float32_matmul(device: torch.device) -> None:
+    """Warn (``Float32MatmulPrecisionWarning``, once per process) when float32 matmuls on
+    ``device`` may run in TF32: a CUDA device with ``torch.get_float32_matmul_precision()``
+    other than ``"highest"``. A no-op elsewhere and while ``torch.compile`` traces."""
+    if device.type != "cuda" or _TF32_WARNED or torch.compiler.is_compiling():
+        return
+    precision = torch.get_float32_matmul_precision()
+    if precision == "highest":
+        return
+    _TF32_WARNED.append(True)
+    warnings.warn(
+        f"float32 matmuls on {device} may run in TF32 (float32 matmul precision "
+        f"{precision!r}): the fp8 KV cache's prefill attention (scores and weighted sum) "
+        f"then rounds its operands to 10 mantissa bits instead of reading the cache in "
+        f"float32. Call torch.set_float32_matmul_precision('highest') for the documented "
+        f"accuracy (decode steps are unaffected: they use no matmul)",
+        Float32MatmulPrecisionWarning,
+        stacklevel=3,
+    )
 
 
 class Attention(nn.Module):
@@ -38,6 +71,9 @@ class Attention(nn.Module):
     One query position (a decode step) runs ``computectx.fp8.decode_attention``, which
     dequantizes block by block with float32 accumulation within and across blocks; several
     (a prefill) dequantize the cached prefix to float32 and run the causal attention there.
+    The decode step uses no matmul; the prefill's are float32 matmuls, which a CUDA device
+    runs in TF32 unless ``torch.get_float32_matmul_precision()`` is ``"highest"`` (the
+    default): there the prefill warns once (``Float32MatmulPrecisionWarning``).
 
     The buffer ``kv_amax`` (``(2, H)`` float32: row 0 keys, row 1 values) holds each head's
     calibrated amax (``computectx.nn.calibrate_kv``), from which the static fp8 schemes take
@@ -171,7 +207,9 @@ class Attention(nn.Module):
     def _attend_f32(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        # An fp8 cache's prefill: dequantized keys/values and the scores in float32.
+        # An fp8 cache's prefill: dequantized keys/values and the scores in float32 (float32
+        # matmuls: TF32 on a CUDA device would round them, which _check_float32_matmul warns of).
+        _check_float32_matmul(q.device)
         with torch.autocast(q.device.type, enabled=False):
             scores = q.to(torch.float32) @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))
             scores = scores.masked_fill(~visible, float("-inf"))

@@ -173,14 +173,15 @@ def test_int_length_equals_tensor_length() -> None:
     assert torch.equal(a, b)
 
 
-class _HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+class _Dispatched(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
     """Counts reads of a tensor's value by the host (``item()``, ``int(t)``, ``bool(t)``,
     ``tolist()``: all go through ``aten._local_scalar_dense``), which a CUDA graph cannot
-    hold and which make the host wait for the device."""
+    hold and which make the host wait for the device; and notes every op run."""
 
     def __init__(self) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.count = 0
+        self.ops: set[str] = set()
 
     def __torch_dispatch__(
         self,
@@ -191,6 +192,7 @@ class _HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch l
     ) -> Any:
         if func is torch.ops.aten._local_scalar_dense.default:
             self.count += 1
+        self.ops.add(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {}))
 
 
@@ -200,7 +202,7 @@ def test_a_length_tensor_is_never_read_by_the_host() -> None:
     # twin masks every block of T_max rather than stopping at max(length).
     q, k, v, ks, vs = make_case(2, 2, 40, 16, E4M3, "per_token_head", seed=31)
     length = [33, 5]
-    with _HostReads() as reads:
+    with _Dispatched() as reads:
         out = decode_attention(
             q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=8, check_values=False
         )
@@ -211,9 +213,25 @@ def test_a_length_tensor_is_never_read_by_the_host() -> None:
     assert reads.count == 0
     assert torch.equal(out, twin)
     assert_within_bound(out, q, k, v, ks, vs, length, 0.25, 8)
-    with _HostReads() as reads:  # the value checks are one host read, when asked for
+    with _Dispatched() as reads:  # the value checks are one host read, when asked for
         decode_attention(q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=8)
     assert reads.count == 1
+
+
+# The ops whose float32 form a CUDA device may run in TF32 (allow_tf32,
+# set_float32_matmul_precision("high")), rounding the operands to 10 mantissa bits.
+_TF32_OPS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "einsum", "convolution", "dot", "mv"}
+
+
+def test_the_twin_runs_no_matmul_so_tf32_cannot_touch_it() -> None:
+    # Its scores and weighted sums are elementwise products and sums, computed in float32
+    # whatever the float32 matmul precision is: the error bound holds under TF32 too.
+    q, k, v, ks, vs = make_case(2, 2, 40, 16, E4M3, "per_head", seed=32, q_dtype=torch.float32)
+    with _Dispatched() as seen:
+        decode_attention_reference(
+            q, k, v, ks, vs, torch.tensor([40, 9]), sm_scale=0.25, block_t=16
+        )
+    assert "sum" in seen.ops and not seen.ops & _TF32_OPS, sorted(seen.ops)
 
 
 def test_positions_beyond_length_are_never_read() -> None:

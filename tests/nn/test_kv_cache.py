@@ -404,3 +404,34 @@ def test_the_decode_step_never_reads_stale_slots_past_its_position(kv: DType | K
         a = attn.decode(x[:, 4:5], torch.tensor(4), clean)
         b = attn.decode(x[:, 4:5], torch.tensor(4), dirty)
     assert bool(torch.isfinite(a).all()) and torch.equal(a, b)
+
+
+def test_an_fp8_prefill_under_tf32_on_cuda_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The prefill's float32 matmuls would run in TF32 on a CUDA device whose float32 matmul
+    # precision is not "highest": a named warning, once; never on the CPU or at "highest".
+    import warnings
+
+    from computectx.nn import attention
+
+    calls: list[torch.device] = []
+    check = attention._check_float32_matmul
+    monkeypatch.setattr(attention, "_check_float32_matmul", calls.append)
+    attn = Attention(PTH, H * D, H, max_len=8)
+    with torch.no_grad():
+        attn(torch.randn(1, 3, H * D), attn.new_cache(1))
+    assert calls == [CPU]  # the prefill asks
+    monkeypatch.setattr(attention, "_TF32_WARNED", [])
+    previous = torch.get_float32_matmul_precision()
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.set_float32_matmul_precision("highest")
+            check(torch.device("cuda"))
+            torch.set_float32_matmul_precision("high")
+            check(CPU)
+            check(torch.device("cuda"))
+            check(torch.device("cuda"))
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert [w.category for w in seen] == [attention.Float32MatmulPrecisionWarning]
+    assert "'high'" in str(seen[0].message) and "'highest'" in str(seen[0].message)
