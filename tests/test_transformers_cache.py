@@ -254,7 +254,13 @@ def test_bad_input() -> None:
         CtxStaticCache(sliding, CPU, CACHE_LEN)
     with pytest.raises(ValueError, match="batches is empty"):
         calibrate_transformers_kv(model, [])
-    # Past the end of the buffer: an index error, nothing silently dropped.
+    # Past the end of the buffer: an error, nothing stored or counted.
     short = CtxStaticCache(config, CPU.with_kv(KvFp8()), 3)
-    with pytest.raises((IndexError, RuntimeError)):
+    with pytest.raises(ValueError, match="4 new positions do not fit in max_cache_len=3"):
         teacher_forced(model, ids_of(7, batch=1, length=PREFILL), short)
+    assert int(short.get_seq_length()) == 0
+    with torch.no_grad():
+        model(input_ids=ids_of(7, batch=1, length=3), cache=short, use_cache=True)
+        with pytest.raises(IndexError, match="out of bounds"):
+            model(input_ids=ids_of(7, batch=1, length=1), cache=short, use_cache=True)
+    assert int(short.get_seq_length()) == 3

@@ -150,9 +150,20 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store ``key_states`` / ``value_states`` (``(B, H, T, D)``) at positions
-        ``cumulative_length ..`` and return the whole buffer as the model reads it."""
+        ``cumulative_length ..`` and return the whole buffer as the model reads it.
+
+        More new positions than ``max_cache_len`` raise ``ValueError``; positions that run
+        past the end after earlier writes raise torch's ``IndexError`` from ``index_copy_``
+        (checking them here would read the position on the host every step), and nothing is
+        stored or counted then."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if key_states.shape[-2] > self.max_cache_len:
+            raise ValueError(
+                f"CtxStaticCache: {key_states.shape[-2]} new positions do not fit in "
+                f"max_cache_len={self.max_cache_len}; build the cache for the prompt plus the "
+                f"new tokens"
+            )
         store = self._stored()
         store.write(key_states, value_states, self.cumulative_length)
         self.cumulative_length.add_(key_states.shape[-2])
