@@ -34,8 +34,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from computectx import Fp8Format
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.decode_attention import decode_attention
+from computectx.fp8.kv_quant import quantize_kv
 
 __all__ = ["GPU_SHAPE", "SMOKE_SHAPE", "decode_bytes", "section_kv_decode"]
 
@@ -72,15 +74,6 @@ def _timer(device: torch.device) -> Callable[[Callable[[], object], int], float]
     return run
 
 
-def _fp8_cache(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # Per-(token, head) steps: amax over D maps to E4M3's max (448); an all-zero row gets
-    # step 1, as the cache's rule does.
-    amax = x.float().abs().amax(dim=-1)
-    step = torch.where(amax > 0, amax / torch.finfo(torch.float8_e4m3fn).max, 1.0)
-    codes = (x.float() / step.unsqueeze(-1)).to(torch.float8_e4m3fn)
-    return codes, step.to(torch.float32)
-
-
 def section_kv_decode(
     device: torch.device, smoke: bool, reps: int
 ) -> list[dict[str, Any]] | dict[str, str]:
@@ -104,8 +97,8 @@ def _context_rows(
     q = torch.randn(b, h, d, device=device, generator=gen, dtype=torch.bfloat16)
     k = torch.randn(b, h, t, d, device=device, generator=gen, dtype=torch.bfloat16)
     v = torch.randn(b, h, t, d, device=device, generator=gen, dtype=torch.bfloat16)
-    kc, ks = _fp8_cache(k)
-    vc, vs = _fp8_cache(v)
+    kc, ks = quantize_kv(k, Fp8Format.E4M3)  # per_token_head: what KVCache stores
+    vc, vs = quantize_kv(v, Fp8Format.E4M3)
     length = torch.full((b,), t, dtype=torch.int64, device=device)
     attend = functools.partial(
         decode_attention, sm_scale=d**-0.5, backend=backend, check_values=False

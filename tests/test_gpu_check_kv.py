@@ -76,3 +76,21 @@ def test_cpu_smoke_runs_every_variant() -> None:
     for row in rows:
         assert row["us"] > 0 and row["gbps"] > 0, row
         assert row["backend"] == ("torch" if row["op"] == "bf16 SDPA" else "reference")
+
+
+def test_the_fp8_rows_time_the_caches_own_quantizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fp8 cache the bench times is quantize_kv's (per_token_head, E4M3), what a KVCache
+    # stores, not a copy of its rule.
+    seen: list[tuple[tuple[int, ...], str]] = []
+    real = KV.quantize_kv
+
+    def spy(x: torch.Tensor, fmt: object, step: torch.Tensor | None = None) -> object:
+        seen.append((tuple(x.shape), str(fmt)))
+        return real(x, fmt, step)
+
+    monkeypatch.setattr(KV, "quantize_kv", spy)
+    monkeypatch.setitem(KV.SMOKE_SHAPE, "contexts", (32,))
+    KV.section_kv_decode(torch.device("cpu"), True, 1)
+    s = KV.SMOKE_SHAPE
+    shape = (s["batch"], s["heads"], 32, s["head_dim"])
+    assert seen == [(shape, "e4m3"), (shape, "e4m3")]

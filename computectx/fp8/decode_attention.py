@@ -51,8 +51,10 @@ import torch
 from torch.library import custom_op
 
 from computectx.fp8.backend import Fp8Backend, check_backend, parse_backend
+from computectx.fp8.kv_quant import dequantize_kv, step_layout
 
 __all__ = [
+    "DECODE_QUERY_DTYPES",
     "KERNEL_BLOCK_T",
     "KERNEL_HEAD_DIMS",
     "KV_CODE_DTYPES",
@@ -69,7 +71,8 @@ KV_CODE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """Cache dtypes that hold fp8 codes (and need steps)."""
 KV_VALUE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """Cache dtypes that hold values (no steps)."""
-_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+DECODE_QUERY_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+"""Query dtypes ``decode_attention`` takes (the output is at the query's dtype)."""
 KERNEL_HEAD_DIMS = tuple(range(16, 257, 16))
 """Head dims the Triton kernel serves: multiples of 16 (16-byte rows of fp8 codes) up to 256
 (one row of K and V per position held in registers)."""
@@ -85,33 +88,6 @@ def check_kernel_head_dim(head_dim: int) -> None:
             f"the Triton decode-attention kernel cannot serve head dim D={head_dim}: it takes "
             f"multiples of 16 from 16 to 256; the reference backend serves any D"
         )
-
-
-def step_layout(step: torch.Tensor, batch: int, heads: int, t_max: int) -> str:
-    """``'per_token_head'``, ``'per_head'`` or ``'per_tensor'`` from a step's shape
-    (``(B, H, T_max)``, ``(H,)``, ``(1,)``); ``ValueError`` naming the shape otherwise. A
-    ``(1,)`` step with ``H == 1`` reads as per_tensor (the same function)."""
-    shape = tuple(step.shape)
-    if shape == (1,):
-        return "per_tensor"
-    if shape == (heads,):
-        return "per_head"
-    if shape == (batch, heads, t_max):
-        return "per_token_head"
-    raise ValueError(
-        f"a KV step of shape {shape} fits no layout; accepted: per_token_head "
-        f"{(batch, heads, t_max)}, per_head {(heads,)}, per_tensor (1,)"
-    )
-
-
-def _step_view(step: torch.Tensor, batch: int, heads: int, t_max: int) -> torch.Tensor:
-    # The step broadcast to (B, H, T_max, 1) without copying.
-    layout = step_layout(step, batch, heads, t_max)
-    if layout == "per_token_head":
-        return step.unsqueeze(-1)
-    if layout == "per_head":
-        return step.view(1, heads, 1, 1)
-    return step.view(1, 1, 1, 1)
 
 
 def check_decode_attention(
@@ -156,7 +132,7 @@ def check_decode_attention(
         )
     if 0 in k.shape:
         raise ValueError(f"decode_attention: the cache {tuple(k.shape)} has an empty dim")
-    if q.dtype not in _Q_DTYPES:
+    if q.dtype not in DECODE_QUERY_DTYPES:
         raise ValueError(f"q dtype {q.dtype} not accepted; accepted: bf16, f16, f32")
     if k.dtype != v.dtype or k.dtype not in KV_CODE_DTYPES + KV_VALUE_DTYPES:
         raise ValueError(
@@ -301,19 +277,19 @@ def decode_attention_reference(
     first ``length`` positions, so eager callers pay for no more."""
     b, h, t_max, d = k.shape
     qf = q.to(torch.float32).unsqueeze(-2)  # (B, H, 1, D)
-    ks = None if k_step is None else _step_view(k_step, b, h, t_max)
-    vs = None if v_step is None else _step_view(v_step, b, h, t_max)
+
+    def block_step(step: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+        # A per_token_head step's positions of the block; a static step as it is.
+        return step[:, :, start:stop] if step is not None and step.dim() == 3 else step
+
     m = torch.full((b, h), -math.inf, dtype=torch.float32, device=q.device)
     l_sum = torch.zeros((b, h), dtype=torch.float32, device=q.device)
     acc = torch.zeros((b, h, d), dtype=torch.float32, device=q.device)
     limit = length.view(b, 1, 1)
     for start in range(0, t_max, block_t):
         stop = min(start + block_t, t_max)
-        kb = k[:, :, start:stop].to(torch.float32)
-        vb = v[:, :, start:stop].to(torch.float32)
-        if ks is not None and vs is not None:
-            kb = kb * ks[:, :, start:stop] if ks.shape[2] > 1 else kb * ks
-            vb = vb * vs[:, :, start:stop] if vs.shape[2] > 1 else vb * vs
+        kb = dequantize_kv(k[:, :, start:stop], block_step(k_step, start, stop))
+        vb = dequantize_kv(v[:, :, start:stop], block_step(v_step, start, stop))
         beyond = torch.arange(start, stop, device=q.device).view(1, 1, -1) >= limit
         # Whatever lies beyond a row's length (stale codes, NaN, zero steps) never reaches
         # the sums: the scores there are -inf and the values 0, as the kernel's masked loads.
@@ -378,14 +354,11 @@ def decode_attention_error_bound(
     the rounding to ``q``'s dtype add ``(u + u_out) |result|`` (``u_out`` = 2**-8 bf16,
     2**-11 f16, 2**-24 f32) and half the dtype's smallest subnormal.
     """
-    b, h, t_max, d = k.shape
+    b, _, t_max, d = k.shape
     tiny32 = 2.0**-126
     q64 = q.to(torch.float64)
-    k64 = k.to(torch.float64)
-    v64 = v.to(torch.float64)
-    if k_step is not None and v_step is not None:
-        k64 = k64 * _step_view(k_step, b, h, t_max).to(torch.float64)
-        v64 = v64 * _step_view(v_step, b, h, t_max).to(torch.float64)
+    k64 = dequantize_kv(k, k_step, dtype=torch.float64)
+    v64 = dequantize_kv(v, v_step, dtype=torch.float64)
     valid = torch.arange(t_max, device=q.device).view(1, 1, -1) < length.view(b, 1, 1)
     k64 = k64.masked_fill(~valid.unsqueeze(-1), 0.0)
     v64 = v64.masked_fill(~valid.unsqueeze(-1), 0.0)

@@ -30,7 +30,7 @@ import torch
 
 from computectx.dtypes import Fp8Format, KvFp8
 
-__all__ = ["dequantize_kv", "kv_step", "quantize_kv", "static_kv_steps"]
+__all__ = ["dequantize_kv", "kv_step", "quantize_kv", "static_kv_steps", "step_layout"]
 
 
 def kv_step(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
@@ -41,16 +41,34 @@ def kv_step(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     return torch.where(torch.isfinite(step) & (step > 0), step, torch.ones_like(step))
 
 
-def _step_view(step: torch.Tensor, ndim: int) -> torch.Tensor:
-    # (B, H, T) -> (B, H, T, 1); (H,) -> (1, H, 1, 1); (1,) -> (1, 1, 1, 1), for (B, H, T, D).
-    if step.dim() == ndim - 1:
-        return step.unsqueeze(-1)
-    if step.dim() == 1:
-        return step.view(1, -1, 1, 1)
+def step_layout(step: torch.Tensor, batch: int, heads: int, t_max: int) -> str:
+    """``'per_token_head'``, ``'per_head'`` or ``'per_tensor'`` from a step's shape
+    (``(B, H, T_max)``, ``(H,)``, ``(1,)``); ``ValueError`` naming the shape otherwise. A
+    ``(1,)`` step with ``H == 1`` reads as per_tensor (the same function)."""
+    shape = tuple(step.shape)
+    if shape == (1,):
+        return "per_tensor"
+    if shape == (heads,):
+        return "per_head"
+    if shape == (batch, heads, t_max):
+        return "per_token_head"
     raise ValueError(
-        f"a KV step of shape {tuple(step.shape)} fits no layout for {ndim}-d values; "
-        f"accepted: (B, H, T) per_token_head, (H,) per_head, (1,) per_tensor"
+        f"a KV step of shape {shape} fits no layout; accepted: per_token_head "
+        f"{(batch, heads, t_max)}, per_head {(heads,)}, per_tensor (1,)"
     )
+
+
+def _step_view(step: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    # The step of values of `shape` (B, H, T, D), broadcast to (B, H, T, 1) without copying.
+    if len(shape) != 4:
+        raise ValueError(f"KV codes and values are (B, H, T, D), got {tuple(shape)}")
+    b, h, t, _ = shape
+    layout = step_layout(step, b, h, t)
+    if layout == "per_token_head":
+        return step.unsqueeze(-1)
+    if layout == "per_head":
+        return step.view(1, h, 1, 1)
+    return step.view(1, 1, 1, 1)
 
 
 def quantize_kv(
@@ -69,7 +87,7 @@ def quantize_kv(
     if step is None:
         finite = torch.where(torch.isfinite(wide), wide.abs(), torch.zeros_like(wide))
         step = kv_step(finite.amax(dim=-1), fmt)
-    scaled = wide / _step_view(step, 4)
+    scaled = wide / _step_view(step, x.shape)
     # clamp keeps NaN as NaN but would turn inf into fmt.max: an inf input becomes NaN instead.
     saturated = torch.where(
         torch.isinf(scaled), torch.full_like(scaled, float("nan")), scaled.clamp(-fmt.max, fmt.max)
@@ -77,10 +95,18 @@ def quantize_kv(
     return saturated.to(fmt.torch), step
 
 
-def dequantize_kv(codes: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
-    """``codes * step`` in float32 (``codes`` ``(B, H, T, D)``; ``step`` ``(B, H, T)``,
-    ``(H,)`` or ``(1,)``)."""
-    return codes.to(torch.float32) * _step_view(step, codes.dim())
+def dequantize_kv(
+    codes: torch.Tensor, step: torch.Tensor | None, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``codes * step`` at ``dtype`` (float32 by default; float64 is exact), ``codes``
+    ``(B, H, T, D)`` and ``step`` ``(B, H, T)``, ``(H,)`` or ``(1,)`` (``step_layout``:
+    ``ValueError`` naming a shape that fits none). ``step=None`` (a 16/32-bit cache holds
+    values): ``codes`` widened to ``dtype``. The one dequantization of the fp8 KV cache:
+    the cache's reads, the decode twin's blocks and its error bound's exact reference."""
+    wide = codes.to(dtype)
+    if step is None:
+        return wide
+    return wide * _step_view(step, codes.shape).to(dtype)
 
 
 def static_kv_steps(amax: torch.Tensor, kv: KvFp8) -> tuple[torch.Tensor, torch.Tensor]:

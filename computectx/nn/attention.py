@@ -11,7 +11,7 @@ from torch import nn
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import KvFp8
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.decode_attention import decode_attention
+from computectx.fp8.decode_attention import DECODE_QUERY_DTYPES, decode_attention
 from computectx.fp8.kv_quant import static_kv_steps
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache
@@ -20,8 +20,6 @@ from computectx.nn.ops import softmax
 from computectx.nn.rope import RotaryEmbedding
 
 __all__ = ["Attention", "Float32MatmulPrecisionWarning", "KVCache"]
-
-_DECODE_Q_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class Float32MatmulPrecisionWarning(UserWarning):
@@ -221,7 +219,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # One query per (batch, head) over the fp8 cache: (B, H, 1, D) -> (B, H, 1, D).
         q1 = q[:, :, 0]
-        if q1.dtype not in _DECODE_Q_DTYPES:
+        if q1.dtype not in DECODE_QUERY_DTYPES:
             q1 = q1.to(torch.float32)
         assert cache.backend is not None  # an fp8 cache always has one
         with torch.autocast(q.device.type, enabled=False):

@@ -4,6 +4,7 @@ schemes' steps, writes by position, and the errors of a cache read under another
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -435,3 +436,22 @@ def test_an_fp8_prefill_under_tf32_on_cuda_warns_once(monkeypatch: pytest.Monkey
         torch.set_float32_matmul_precision(previous)
     assert [w.category for w in seen] == [attention.Float32MatmulPrecisionWarning]
     assert "'high'" in str(seen[0].message) and "'highest'" in str(seen[0].message)
+
+
+def test_a_step_that_fits_no_layout_is_refused_naming_its_shape() -> None:
+    # One layout rule for the quantizer, the dequantization and decode attention
+    # (kv_quant.step_layout): (B, H, T) per_token_head, (H,) per_head, (1,) per_tensor.
+    x = torch.randn(1, H, 3, D)
+    codes, step = quantize_kv(x, Fp8Format.E4M3)
+    for bad in (torch.ones(H + 1), torch.ones(1, H, 5), torch.ones(H, 3)):
+        with pytest.raises(ValueError, match=re.escape(f"shape {tuple(bad.shape)} fits no")):
+            quantize_kv(x, Fp8Format.E4M3, bad)
+        with pytest.raises(ValueError, match=re.escape(f"shape {tuple(bad.shape)} fits no")):
+            dequantize_kv(codes, bad)
+    # float64 dequantization is exact: code * step with no rounding (a code has 4 significant
+    # bits and a float32 step 24, so the product fits float64's 53).
+    exact = dequantize_kv(codes, step, dtype=torch.float64)
+    assert exact.dtype == torch.float64
+    assert torch.equal(exact, codes.double() * step.double().unsqueeze(-1))
+    assert torch.equal(exact.float(), dequantize_kv(codes, step))  # float32 exact too here
+    assert torch.equal(dequantize_kv(x, None), x)  # a value cache: widened, nothing else
