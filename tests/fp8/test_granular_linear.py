@@ -278,33 +278,47 @@ def test_activation_checkpointing_changes_no_gradient_and_records_once(reentrant
             assert torch.equal(want.ledger, got.ledger), (name, role)
 
 
-def test_a_small_mlp_trains_under_every_fine_granularity() -> None:
-    def train(flag: str) -> list[float]:
+# docs/fp8.md ("Accuracy"): a 3-layer MLP (two of its linears fp8) learns a noisy target,
+# tanh(x0 + x1 + x2 + x3) + 0.1 N(0, 1), from 150 fresh batches of 256; its validation loss
+# (2048 held-out samples, noise floor 0.01) under each flag is within 10% of float32's.
+# Measured at seeds 0-3: fp32 0.019-0.022; rowwise +2.1..+5.3%, rowwise_gw_hp +1.6..+5.3%,
+# block +1.6..+3.4%, mx +2.1..+5.2%. Seed 0 here.
+TRAIN_TOLERANCE = 0.10
+
+
+def _noisy_target(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(n, 32, generator=gen)
+    y = x[:, :4].sum(1, keepdim=True).tanh() + 0.1 * torch.randn(n, 1, generator=gen)
+    return x, y
+
+
+def test_a_small_mlp_trains_under_every_fine_granularity_to_within_10_percent_of_fp32() -> None:
+    def val_loss(flag: str) -> float:
         torch.manual_seed(0)
         model = nn.Sequential(
             nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 1)
         )
         ctx = ComputeCtx.from_flag(flag, "cpu")
         if ctx.fp8 is not None:
-            convert_to_fp8(model, ctx, module_filter=lambda m, fqn: fqn in ("0", "2"))
+            report = convert_to_fp8(model, ctx, module_filter=lambda m, fqn: fqn in ("0", "2"))
+            assert report.converted == ("0", "2")
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         gen = torch.Generator().manual_seed(2)
-        x = torch.randn(256, 32, generator=gen)
-        target = (x[:, :4].sum(1, keepdim=True)).tanh()
-        losses = []
-        for _ in range(60):
-            loss = (model(x) - target).square().mean()
+        for _ in range(150):
+            x, y = _noisy_target(gen, 256)
+            loss = (model(x) - y).square().mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-            losses.append(float(loss.detach()))
-        return losses
+        xv, yv = _noisy_target(torch.Generator().manual_seed(99), 2048)
+        with torch.no_grad():
+            return float((model.eval()(xv) - yv).square().mean())
 
-    fp32 = train("fp32")
+    fp32 = val_loss("fp32")
+    assert fp32 < 0.03  # learned: the target's variance is about 0.6, its noise 0.01
     for flag in ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "fp8_mx"):
-        fine = train(flag)
-        assert fine[-1] < 0.25 * fine[0], flag
-        assert abs(fine[-1] - fp32[-1]) < 0.1 * fp32[0], flag
+        fine = val_loss(flag)
+        assert abs(fine - fp32) <= TRAIN_TOLERANCE * fp32, (flag, fine, fp32)
 
 
 # ----- what it refuses, empty inputs ---------------------------------------------------------
