@@ -12,11 +12,11 @@ everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
 plain ``nn.Linear``.
 """
 
-from computectx.nn.attention import Attention
+from computectx.nn.attention import Attention, Float32MatmulPrecisionWarning
 from computectx.nn.calibrate import calibrate_kv
 from computectx.nn.gemm import Gemm, GemmPath, forced_gemm_path
 from computectx.nn.generate import DecodeStep, decode_logits, generate, next_token
-from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
+from computectx.nn.kv_cache import DecodeKernelFallbackWarning, KVCache, kv_bytes_per_token
 from computectx.nn.linears import apply_fp8_policy
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
 from computectx.nn.mlp import MLP
@@ -29,8 +29,10 @@ __all__ = [
     "MLP",
     "Attention",
     "ByteLM",
+    "DecodeKernelFallbackWarning",
     "DecodeStep",
     "DecoderBlock",
+    "Float32MatmulPrecisionWarning",
     "Gemm",
     "GemmPath",
     "KVCache",
