@@ -219,7 +219,11 @@ FINE_FLAGS = ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "fp8_mx")
 
 
 def _fine_layers(flag: str) -> tuple[Fp8Linear, Fp8Linear]:
-    ctx = ComputeCtx.from_flag(flag, "cpu")
+    # A --dtype flag, or a policy's text form.
+    if "/" in flag:
+        ctx = ComputeCtx.from_flag("bf16", "cpu").replace(fp8=Fp8Policy.parse(flag))
+    else:
+        ctx = ComputeCtx.from_flag(flag, "cpu")
     torch.manual_seed(0)
     eager = Fp8Linear(64, 32, ctx=ctx, dtype=torch.float32)
     twin = Fp8Linear(64, 32, ctx=ctx, dtype=torch.float32)
@@ -260,6 +264,18 @@ def test_fine_grained_linear_compiles_whole_forward_and_backward_equal_to_eager(
     assert "computectx.fp8_block_scaled_mm.default" in ops, sorted(ops)
 
 
+@pytest.mark.filterwarnings("ignore:Your compiler for AOTAutograd is returning a function")
+def test_the_saturated_count_under_mx_floor_compiles_equal_to_eager() -> None:
+    # mx+floor is the fine policy that saturates: the count, written in the backward too,
+    # comes out of the quantize operator and lands in the ledgers as in eager.
+    eager, twin = _fine_layers("e4m3/mx+floor/dynamic/0")
+    compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")  # a break would raise
+    for batch in (8, 40):
+        _step_both(eager, twin, compiled, batch)
+    stats = fp8_stats(nn.Sequential(twin))["0"]
+    assert stats.input.saturated_fraction > 0 and stats.grad.saturated_fraction > 0
+
+
 def test_inductor_compiles_the_mx_linear_bit_for_bit() -> None:
     # mx scales are float8_e8m0fnu, which Inductor's CPU code generator has no type for:
     # they pass only between the quantize and GEMM operators, never through generated code.
@@ -271,8 +287,8 @@ def test_opcheck_passes_for_the_block_quantize_operator() -> None:
     x = torch.randn(40, 160, dtype=torch.bfloat16)
     for granularity, rule in (("row", "pow2"), ("1x128", "amax"), ("128x128", "pow2"),
                               ("mx", "mx_rceil"), ("mx", "mx_floor")):  # fmt: skip
-        for t in (x, x.t()):
-            args = (t, torch.float8_e4m3fn, granularity, rule, "reference")
+        for t, count in ((x, True), (x.t(), True), (x, False)):
+            args = (t, torch.float8_e4m3fn, granularity, rule, "reference", count)
             op = torch.ops.computectx.fp8_quantize_blocks
             torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
 

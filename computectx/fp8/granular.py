@@ -81,6 +81,8 @@ __all__ = [
     "power_of_two_steps",
     "quantize",
     "quantize_with_steps",
+    "saturated_count",
+    "saturation_threshold",
     "scale_grid",
     "steps_of_scale",
 ]
@@ -296,6 +298,26 @@ def quantize_with_steps(
     one = torch.ones(1, dtype=torch.float32, device=x.device)
     q, _ = reference.quantize_with_step(scaled, fmt, one)
     return q
+
+
+def saturation_threshold(fmt: Fp8Format) -> float:
+    """The magnitude of ``x / step`` above which the clamp to ``fmt.max`` changes a code
+    beyond rounding: halfway from ``fmt.max`` to the next magnitude the format's precision
+    would give (464 for E4M3, 61440 for E5M2)."""
+    top_ulp = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)
+    return fmt.max + top_ulp / 2
+
+
+def saturated_count(
+    x: torch.Tensor, fmt: Fp8Format, scale: torch.Tensor, layout: BlockLayout
+) -> torch.Tensor:
+    """How many elements of the 2-D ``x`` saturate when quantized with ``scale``, float32
+    ``(1,)``: ``|x / step| > saturation_threshold(fmt)``, the division the quantize does
+    (±inf counts; NaN does not). A step from the block's own amax never saturates under
+    ``"amax"``, ``"pow2"`` and ``"mx_rceil"``; ``"mx_floor"`` may (module docstring)."""
+    steps = expand_steps(steps_of_scale(scale).reshape(layout.grid), layout)
+    q = (x.to(torch.float32) / steps).abs()
+    return (q > saturation_threshold(fmt)).sum().to(torch.float32).reshape(1)
 
 
 def quantize(

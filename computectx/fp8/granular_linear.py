@@ -46,9 +46,13 @@ block's amax and adds nothing to a dot product.
 amax (the largest block amax; a non-finite one is counted as per tensor) and its largest
 block step, and its tally the elements: ``X`` in ``input``, ``W`` in ``weight``, and in
 ``grad`` the first quantize of ``dY`` in the backward (the dgrad's, or the wgrad's ``dYᵀ``
-when there is no dgrad; nothing under ``gw_hp`` without a dgrad). The saturation count is
-left alone. Under activation checkpointing a region's recomputation quantizes again to the
-same bytes (every step comes from the operand itself) and records nothing.
+when there is no dgrad; nothing under ``gw_hp`` without a dgrad). The ledger's saturated
+count adds the elements that recorded quantize saturated (``granular.saturated_count``:
+``|x / step|`` past the rounding midpoint above ``fmt.max``): never under ``amax``, ``pow2``
+and ``rceil`` steps, which come from the block's own amax; under ``mx+floor`` the largest
+elements of a block may. A weight that arrives as ``Fp8BlockWeight`` was quantized with a
+dynamic step and adds 0. Under activation checkpointing a region's recomputation quantizes
+again to the same bytes (every step comes from the operand itself) and records nothing.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ from computectx.fp8 import custom_ops, granular, granular_ops
 from computectx.fp8.backend import parse_backend
 from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
 from computectx.fp8.granular import E8M0, MX_BLOCK, StepRule
+from computectx.fp8.ledger import ledger_saturated
 from computectx.fp8.quantized import Fp8BlockWeight, Fp8Weight
 from computectx.fp8.recompute import checkpoint_site
 from computectx.fp8.scaling import OperandScaling
@@ -90,61 +95,87 @@ def step_rule_of(policy: Fp8Policy) -> StepRule:
     return "pow2" if policy.power_of_two else "amax"
 
 
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(codes, scale, largest step, saturated count)``: what the block quantize operator returns."""
+
+
 def _quantize(
-    x: torch.Tensor, fmt: Fp8Format, granularity: GemmGranularity, plan: Fp8LinearPlan
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` quantized in blocks along its last dimension: ``(codes, scale, largest step)``,
-    the scale as ``fp8_quantize`` returns it; an ``mx`` contraction under 32 zero-padded to
-    one block."""
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    granularity: GemmGranularity,
+    plan: Fp8LinearPlan,
+    count_saturated: bool = False,
+) -> Quantized:
+    """``x`` quantized in blocks along its last dimension: ``(codes, scale, largest step,
+    saturated count)``, the scale as ``fp8_quantize`` returns it, the count (float32 ``(1,)``)
+    only when ``count_saturated`` (a recorded quantize; else 0); an ``mx`` contraction under
+    32 zero-padded to one block."""
     if granularity == "mx" and x.shape[-1] < MX_BLOCK:
         x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1]))
     rule = step_rule_of(plan.policy)
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = torch.ops.computectx.fp8_quantize_blocks(
-        x, fmt.torch, granularity, rule, plan.backend.value
+    out: Quantized = torch.ops.computectx.fp8_quantize_blocks(
+        x, fmt.torch, granularity, rule, plan.backend.value, count_saturated
     )
     return out
 
 
 @custom_op("computectx::fp8_quantize_blocks", mutates_args=())
 def _quantize_blocks(
-    x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    fp8: torch.dtype,
+    granularity: str,
+    rule: str,
+    backend: str,
+    count_saturated: bool,
+) -> Quantized:
     """The linear's block quantize as one operator: ``granular_ops.quantize`` (the Triton
-    kernel or the twin) and the largest block step, float32 ``(1,)``.
+    kernel or the twin), the largest block step, float32 ``(1,)``, and, when
+    ``count_saturated``, how many elements saturated (``granular.saturated_count``, float32
+    ``(1,)``; 0 otherwise).
 
     Opaque to ``torch.compile``, as the per-tensor quantizes are: Inductor's CPU code
     generator has no ``float8_e8m0fnu``, so an mx scale must come out of an operator, and
     the only reader of it in the graph is ``block_scaled_mm``'s operator; the ledgers read
-    the largest step as float32.
+    the largest step and the count as float32.
     """
     fmt = Fp8Format.parse(fp8)
+    g = cast(GemmGranularity, granularity)
     q, s = granular_ops.quantize(
-        x,
-        fmt,
-        cast(GemmGranularity, granularity),
-        cast(StepRule, rule),
-        None,
-        backend=parse_backend(backend),
+        x, fmt, g, cast(StepRule, rule), None, backend=parse_backend(backend)
     )
-    return q, s, granular.steps_of_scale(s).amax().reshape(1)
+    if count_saturated:
+        layout = granular.layout_of(g, x.shape)
+        saturated = granular.saturated_count(x, fmt, s, layout)
+    else:
+        saturated = torch.zeros(1, dtype=torch.float32, device=x.device)
+    return q, s, granular.steps_of_scale(s).amax().reshape(1), saturated
 
 
 @_quantize_blocks.register_fake
 def _quantize_blocks_fake(
-    x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    x: torch.Tensor,
+    fp8: torch.dtype,
+    granularity: str,
+    rule: str,
+    backend: str,
+    count_saturated: bool,
+) -> Quantized:
     rows, k = x.shape  # 2-D here; granular.layout_of's scale shape, symbolically
     grid = granular.scale_grid(cast(GemmGranularity, granularity), rows, k)
     dtype = E8M0 if granularity == "mx" else torch.float32
     scale = x.new_empty(grid, dtype=dtype)
-    return x.new_empty(x.shape, dtype=fp8), scale, x.new_empty(1, dtype=torch.float32)
+    one = x.new_empty(1, dtype=torch.float32)
+    return x.new_empty(x.shape, dtype=fp8), scale, one, torch.empty_like(one)
 
 
-def _record(operand: OperandScaling, x: torch.Tensor, largest_step: torch.Tensor) -> None:
+def _record(
+    operand: OperandScaling, x: torch.Tensor, largest_step: torch.Tensor, saturated: torch.Tensor
+) -> None:
     # Statistics only: the tensor's amax (NaN propagates and is counted), the largest block
-    # step, and x's elements in the tally.
+    # step, the saturated elements, and x's elements in the tally.
     amax = x.detach().abs().amax().to(torch.float32).reshape(1)
     operand.record(amax, largest_step)
+    ledger_saturated(operand.ledger).add_(saturated)
     custom_ops.count(operand.tally, x)
 
 
@@ -162,16 +193,17 @@ class _GranularLinearFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         fwd = plan.policy.format.forward
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
-        xq, sx, x_step = _quantize(x, fwd, g_act, plan)
+        xq, sx, x_step, x_sat = _quantize(x, fwd, g_act, plan, record_forward)
         w_seen = weight
         if isinstance(weight, Fp8BlockWeight):  # its 128x128 blocks, gathered by FSDP2
             wq, sw = weight.fp8_data, weight.fp8_scale
             w_seen, w_step = weight.dequantize(), sw.amax().reshape(1)
+            w_sat = torch.zeros(1, dtype=torch.float32, device=sw.device)  # counted 0: dynamic
         else:
-            wq, sw, w_step = _quantize(weight, fwd, g_w, plan)
+            wq, sw, w_step, w_sat = _quantize(weight, fwd, g_w, plan, record_forward)
         if record_forward:
-            _record(plan.state.input, x, x_step)
-            _record(plan.state.weight, w_seen, w_step)
+            _record(plan.state.input, x, x_step, x_sat)
+            _record(plan.state.weight, w_seen, w_step, w_sat)
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
         # row and mx quantize the weight again along N from high precision.
@@ -200,16 +232,16 @@ class _GranularLinearFunction(torch.autograd.Function):
         record = plan.record
         if need_x:
             # dX[M, K] = dY[M, N] · W[N, K]: contraction over N, dY's rows and W's columns.
-            gq, sg, g_step = _quantize(dy, bwd, g_act, plan)
+            gq, sg, g_step, g_sat = _quantize(dy, bwd, g_act, plan, record)
             if record:
-                _record(plan.state.grad, dy, g_step)
+                _record(plan.state.grad, dy, g_step, g_sat)
                 record = False
             g_wt: GemmGranularity = g_w
             if g_w == "128x128":
                 wq, sw = w_saved
                 wtq, swt = wq.t(), sw.t()
             else:
-                wtq, swt, _ = _quantize(w_saved[0].t(), fwd, g_act, plan)
+                wtq, swt, _, _ = _quantize(w_saved[0].t(), fwd, g_act, plan)
             dx = block_scaled_mm(
                 gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
             )
@@ -220,10 +252,10 @@ class _GranularLinearFunction(torch.autograd.Function):
             if policy.gw_hp:
                 dw32 = dy.to(torch.float32).t() @ x.to(torch.float32)
             else:
-                gtq, sgt, gt_step = _quantize(dy.t(), bwd, g_act, plan)
+                gtq, sgt, gt_step, gt_sat = _quantize(dy.t(), bwd, g_act, plan, record)
                 if record:
-                    _record(plan.state.grad, dy, gt_step)
-                xtq, sxt, _ = _quantize(x.t(), fwd, g_act, plan)
+                    _record(plan.state.grad, dy, gt_step, gt_sat)
+                xtq, sxt, _, _ = _quantize(x.t(), fwd, g_act, plan)
                 dw32 = block_scaled_mm(
                     gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
                 )

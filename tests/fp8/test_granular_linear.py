@@ -19,6 +19,7 @@ from computectx.fp8 import (
     convert_to_fp8,
     fp8_dequantize,
     fp8_quantize,
+    fp8_stats,
     reference,
 )
 from computectx.fp8 import granular as g
@@ -251,6 +252,35 @@ def test_ledgers_record_the_amax_the_largest_block_step_and_the_elements(name: s
         largest = g.steps_of_scale(scale).amax().reshape(1)
         assert torch.equal(ledger_step(op.ledger).reshape(1), largest), role
         assert int(op.tally[TALLY_ELEMENTS]) == t.numel(), role
+
+
+@pytest.mark.parametrize(
+    ("text", "saturated"),
+    [("e4m3/mx+floor/dynamic/0", 2), ("e4m3/mx/dynamic/0", 0), ("e4m3/block+pow2/dynamic/0", 0),
+     ("e4m3/row/dynamic/0", 0), ("e4m3/block/dynamic/0", 0)],
+)  # fmt: skip
+def test_the_saturated_count_is_recorded_for_input_and_grad(text: str, saturated: int) -> None:
+    # One 32-wide block of X's row 0 and of dY's row 1 holds 1.99, 1.85, 1.8 and 1.0. Under
+    # mx+floor its step is 2**(floor(log2 1.99) - 8) = 2**-8, so x / step is 509.4, 473.6,
+    # 460.8 and 256: the first two pass 464, E4M3's rounding midpoint above 448, and
+    # saturate; 1.8 rounds to 448 anyway. Every other element is 0.5 (X) or 0.25 (dY), and
+    # the weight a constant: no block of theirs saturates, and no step from a block's own
+    # amax (amax, pow2, rceil) saturates anything.
+    ctx = ctx_of(text)
+    layer = Fp8Linear(64, 32, ctx=ctx, dtype=torch.float32)
+    with torch.no_grad():
+        layer.weight.fill_(0.01)
+    block = torch.tensor([1.99, 1.85, 1.8, 1.0])
+    x = torch.full((4, 64), 0.5)
+    x[0, 3:7] = block
+    dy = torch.full((4, 32), 0.25)
+    dy[1, 10:14] = -block
+    (layer(x) * dy).sum().backward()
+    stats = fp8_stats(nn.Sequential(layer))["0"]
+    assert stats.input.saturated_fraction == saturated / x.numel()
+    assert stats.grad.saturated_fraction == saturated / dy.numel()
+    assert stats.weight.saturated_fraction == 0.0
+    assert stats.input.elements == x.numel() and stats.grad.elements == dy.numel()
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
