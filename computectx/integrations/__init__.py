@@ -5,4 +5,9 @@ see docs/integrations.md.
 - ``computectx.integrations.torchtitan``: a torchtitan model converter that rewrites the model
   config's linears into ``Fp8Linear`` ones, and the ``parallelize_fn`` /
   ``post_optimizer_build_fn`` hooks that keep their scaling in step on many ranks.
+- ``computectx.integrations.transformers_cache``: ``CtxStaticCache``, a transformers ``Cache``
+  that stores K and V as ``ctx.kv`` says (16/32-bit, or fp8 codes with their steps), static
+  and compile-friendly like ``StaticCache``, and ``calibrate_transformers_kv`` for the
+  calibrated fp8 schemes (needs transformers, which the dev extra installs; see
+  docs/serving.md).
 """
