@@ -283,7 +283,7 @@ def test_inductor_compiles_the_mx_linear_bit_for_bit() -> None:
     _step_both(eager, twin, torch.compile(twin, fullgraph=True), 8)
 
 
-def test_opcheck_passes_for_the_block_quantize_operator() -> None:
+def test_opcheck_passes_for_the_block_quantize_and_wgrad_operators() -> None:
     x = torch.randn(40, 160, dtype=torch.bfloat16)
     for granularity, rule in (("row", "pow2"), ("1x128", "amax"), ("128x128", "pow2"),
                               ("mx", "mx_rceil"), ("mx", "mx_floor")):  # fmt: skip
@@ -291,6 +291,10 @@ def test_opcheck_passes_for_the_block_quantize_operator() -> None:
             args = (t, torch.float8_e4m3fn, granularity, rule, "reference", count)
             op = torch.ops.computectx.fp8_quantize_blocks
             torch.library.opcheck(op, args, test_utils=OPCHECK_WITHOUT_SCHEMA)
+    # gw_hp's IEEE float32 wgrad (dY [M, N], X [M, K] -> [N, K]).
+    wgrad = torch.ops.computectx.wgrad_float32
+    for dy, xx in ((torch.randn(40, 24, dtype=torch.bfloat16), x), (x.float(), x.float())):
+        torch.library.opcheck(wgrad, (dy, xx), test_utils=OPCHECK_WITHOUT_SCHEMA)
 
 
 def test_inductor_compiles_fp8_linear_forward_and_backward_within_the_fp8_bound() -> None:

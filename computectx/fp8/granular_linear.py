@@ -32,7 +32,8 @@ Every GEMM is ``block_gemm.block_scaled_mm`` on ``plan.backend`` (its semantics 
 bound are that module's: each K block's float32 partial sum promoted with its scales; one
 scaling of the whole float32 sum for ``row``), with the bias in the forward's epilogue; the
 forward and dgrad write the GEMM dtype, the wgrad float32 until it reaches the weight's
-dtype. The bias gradient sums the unquantized ``dY`` in float32.
+dtype. The bias gradient sums the unquantized ``dY`` in float32. The ``gw_hp`` wgrad is
+an IEEE float32 matmul with TF32 off for that call (``computectx::wgrad_float32``).
 
 **Ragged shapes.** A contraction that is not a multiple of the block is a partial last
 block (``granular``'s rule). The one shape a block layout refuses is an ``mx`` contraction
@@ -168,6 +169,32 @@ def _quantize_blocks_fake(
     return x.new_empty(x.shape, dtype=fp8), scale, one, torch.empty_like(one)
 
 
+@custom_op("computectx::wgrad_float32", mutates_args=())
+def _wgrad_float32(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``gw_hp``'s weight gradient ``dYᵀ X`` as an IEEE float32 matmul, whatever the process's
+    TF32 setting: TF32 would round float32 activations to 10 significant bits, below the
+    high precision the option promises (bf16 and fp16 values are exact in TF32 either way).
+
+    cuBLAS reads the setting when the matmul is launched, and torch offers no per-call
+    argument for it, so the operator sets ``torch.backends.cuda.matmul.fp32_precision`` to
+    ``"ieee"`` around that one call and restores it: nothing leaks, but a float32 matmul
+    another thread launches in that window also runs IEEE. An operator, so that
+    ``torch.compile`` neither traces the setting (a graph break) nor drops it.
+    """
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        return torch.mm(dy.to(torch.float32).t(), x.to(torch.float32))
+    finally:
+        matmul.fp32_precision = before
+
+
+@_wgrad_float32.register_fake
+def _wgrad_float32_fake(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return dy.new_empty((dy.shape[1], x.shape[1]), dtype=torch.float32)
+
+
 def _record(
     operand: OperandScaling, x: torch.Tensor, largest_step: torch.Tensor, saturated: torch.Tensor
 ) -> None:
@@ -250,7 +277,7 @@ class _GranularLinearFunction(torch.autograd.Function):
             # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
             # in float32 until it reaches the weight's dtype.
             if policy.gw_hp:
-                dw32 = dy.to(torch.float32).t() @ x.to(torch.float32)
+                dw32 = torch.ops.computectx.wgrad_float32(dy, x)
             else:
                 gtq, sgt, gt_step, gt_sat = _quantize(dy.t(), bwd, g_act, plan, record)
                 if record:

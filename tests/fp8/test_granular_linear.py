@@ -351,6 +351,36 @@ def test_a_small_mlp_trains_under_every_fine_granularity_to_within_10_percent_of
         assert abs(fine - fp32) <= TRAIN_TOLERANCE * fp32, (flag, fine, fp32)
 
 
+def test_the_gw_hp_wgrad_is_an_ieee_float32_matmul_whatever_the_tf32_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # TF32 would round float32 activations to 10 significant bits on a GPU. The wgrad's
+    # matmul runs with fp32_precision "ieee" and the setting is restored after it.
+    seen: list[str] = []
+    real_mm = torch.mm
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.backends.cuda.matmul.fp32_precision)
+        return real_mm(a, b)
+
+    matmul = torch.backends.cuda.matmul
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        monkeypatch.setattr(torch, "mm", mm)
+        layer = Fp8Linear(64, 32, ctx=ComputeCtx.from_flag("fp8_rowwise_gw_hp", "cpu"),
+                          dtype=torch.float32)  # fmt: skip
+        x = torch.randn(8, 64)
+        dy = torch.randn(8, 32)
+        (layer(x) * dy).sum().backward()
+        assert seen == ["ieee"]
+        assert matmul.fp32_precision == "tf32"  # restored
+    finally:
+        matmul.fp32_precision = before
+    assert layer.weight.grad is not None
+    assert torch.equal(layer.weight.grad, real_mm(dy.t(), x))
+
+
 # ----- what it refuses, empty inputs ---------------------------------------------------------
 
 
