@@ -38,8 +38,9 @@ an IEEE float32 matmul with TF32 off for that call (``computectx::wgrad_float32`
 **Ragged shapes.** A contraction that is not a multiple of the block is a partial last
 block (``granular``'s rule). The one shape a block layout refuses is an ``mx`` contraction
 shorter than one block (``K < 32``): ``Fp8Linear`` refuses ``mx`` widths that are not
-multiples of 32 (``check_granularity_widths``), so that happens only in the wgrad of a call
-with fewer than 32 rows (tokens). Both of its operands are then zero-padded along the
+multiples of 32 (``check_granularity_widths``; ``convert_to_fp8`` skips them and an
+``fp8_autocast`` region runs them in high precision), so that happens only in the wgrad of a
+call with fewer than 32 rows (tokens). Both of its operands are then zero-padded along the
 contraction to one block of 32 before they are quantized: exact, since a zero changes no
 block's amax and adds nothing to a dot product.
 
