@@ -233,7 +233,8 @@ class Fp8Linear(nn.Linear):
             lockstep = record and reduce.lockstep
             if not (record and reduce.reduces):
                 reduce = None
-        elif record and not torch.compiler.is_compiling():
+        elif record and policy.granularity == "tensor" and not torch.compiler.is_compiling():
+            # Row, block and mx keep no scaling history: nothing to keep in step.
             warn_if_unsynced(self)
         plan = Fp8LinearPlan(
             policy=policy,

@@ -201,12 +201,20 @@ def compiled_then_eager(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def warnings_and_order(params: dict[str, Any]) -> dict[str, Any]:
-    """DDP with no sync (warned once per process); the sync built before ``fully_shard``
-    (refused at the first forward)."""
+    """DDP with no sync (warned once per process; not for row-wise scaling, which keeps no
+    history); the sync built before ``fully_shard`` (refused at the first forward)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     rank = dist.get_rank()
+    # Row-wise scaling keeps no history: nothing to sync, so no warning (checked first, as
+    # the warning is given once per process).
+    rowwise = DistributedDataParallel(_mlp(ComputeCtx.from_flag("fp8_rowwise", "cpu")))
+    with warnings.catch_warnings(record=True) as caught_row:
+        warnings.simplefilter("always")
+        for step in range(2):
+            _train_step(rowwise, _x(4, step + rank))
+    unsynced_row = [str(w.message) for w in caught_row if w.category is Fp8ScalingNotSyncedWarning]
     model = _mlp(_ctx("delayed"))
     ddp = DistributedDataParallel(model)
     with warnings.catch_warnings(record=True) as caught:
@@ -224,7 +232,7 @@ def warnings_and_order(params: dict[str, Any]) -> dict[str, Any]:
         _train_step(misordered, _x(4, 5 + rank))
     except RuntimeError as e:
         order_error = str(e)
-    return {"unsynced": unsynced, "order_error": order_error}
+    return {"unsynced": unsynced, "unsynced_row": unsynced_row, "order_error": order_error}
 
 
 class _TiedLM(nn.Module):

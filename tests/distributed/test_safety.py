@@ -91,6 +91,7 @@ def test_an_unsynced_fp8_model_warns_once_and_a_misordered_sync_raises(
     run_ranks: RunRanks,
 ) -> None:
     for r in run_ranks("scenarios_safety.py:warnings_and_order", limit_s=LIMIT_S):
+        assert r["unsynced_row"] == []
         assert len(r["unsynced"]) == 1
         assert "sync_fp8_scaling" in r["unsynced"][0] and "parallelize" in r["unsynced"][0]
         assert "before fully_shard" in r["order_error"]
