@@ -37,6 +37,13 @@ TINY = [
 TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(300))
 
 
+@pytest.fixture(autouse=True)
+def _wide_console(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tests read the result table's cells, one line per row: a width where nothing
+    # wraps. pytest-xdist's workers set COLUMNS=80, which the demo honours.
+    monkeypatch.setenv("COLUMNS", "200")
+
+
 @pytest.fixture
 def text_file(tmp_path: Path) -> Path:
     path = tmp_path / "code.txt"

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +67,8 @@ def results_table(report: DemoReport) -> Table:
     n = tail_steps(report.settings.steps)
     procs = "" if report.world_size == 1 else f", {report.world_size} data-parallel processes"
     table = Table(title=f"computectx demo: one model, one batch order, one policy per row{procs}")
-    table.add_column("policy")
+    # Names are never cut (an 80-column terminal squeezes the figures' columns instead).
+    table.add_column("policy", no_wrap=True, min_width=_widest(r.flag for r in report.results))
     table.add_column("fp8\ngranularity")
     table.add_column(f"train loss\n(last {n} mean)", justify="right")
     table.add_column("val loss", justify="right")
@@ -131,8 +133,8 @@ def serving_table(report: DemoReport) -> Table | None:
     if not results:
         return None
     table = Table(title="serving: each trained model's validation loss through the KV cache")
-    table.add_column("policy")
-    table.add_column("KV cache")
+    table.add_column("policy", no_wrap=True, min_width=_widest(r.flag for r in results))
+    table.add_column("KV cache", no_wrap=True)
     table.add_column("val loss\n(cached)", justify="right")
     table.add_column("vs f32\nKV", justify="right")
     table.add_column("KV bytes\n/ token", justify="right")
@@ -339,3 +341,7 @@ def plot_losses(report: DemoReport) -> None:
 def printable(text: str) -> str:
     """``text`` with control characters (other than newline and tab) shown as U+FFFD."""
     return "".join(c if c.isprintable() or c in "\n\t" else "\ufffd" for c in text)
+
+
+def _widest(names: Iterable[str]) -> int:
+    return max((len(n) for n in names), default=0)
