@@ -416,15 +416,8 @@ def _block_scaled_mm_op(
 
 
 @_block_scaled_mm_op.register_fake
-def _block_scaled_mm_fake(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: str,
-    scale_b: torch.Tensor,
-    granularity_b: str,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    backend: str,
-) -> torch.Tensor:
+def _block_scaled_mm_fake(a: torch.Tensor, b: torch.Tensor, *rest: object) -> torch.Tensor:
+    # The operator's arguments in its schema's order: the output is (M, N) at out_dtype, the
+    # last but one; the scales, granularities, bias and backend do not shape it.
+    out_dtype = cast(torch.dtype, rest[-2])
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
