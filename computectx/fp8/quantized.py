@@ -23,7 +23,7 @@ transposed, in its dgrad.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar, Self
 
 import torch
 from torch.utils._pytree import tree_map
@@ -45,7 +45,82 @@ _ALIASING = {
 }
 
 
-class Fp8Weight(torch.Tensor):
+class _CodesWeight(torch.Tensor):
+    """What ``Fp8Weight`` and ``Fp8BlockWeight`` share: a traceable wrapper subclass over fp8
+    codes (``_fp8_data``, its shape and strides) and their step(s) (the attribute named by
+    ``_STEPS``), at a nominal float dtype. Shape-only aliasing ops make a new weight of the
+    same class over the aliased codes where ``_alias`` says the steps still fit them; every
+    other op sees the subclass's ``dequantize()``. Private: code tells the public classes apart
+    with ``isinstance`` of each, and neither is an instance of the other."""
+
+    _STEPS: ClassVar[str]
+    _fp8_data: torch.Tensor
+
+    @classmethod
+    def _wrap(cls, data: torch.Tensor, dtype: torch.dtype) -> Self:
+        # The weight's metadata over checked codes; the caller sets its steps' attribute.
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(
+                f"{cls.__name__} stands for a float32, bfloat16 or float16 weight, got {dtype}"
+            )
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            data.shape,
+            strides=data.stride(),
+            storage_offset=data.storage_offset(),
+            dtype=dtype,
+            device=data.device,
+            requires_grad=False,
+        )
+        out._fp8_data = data
+        return out
+
+    def __init__(self, data: torch.Tensor, steps: torch.Tensor, dtype: torch.dtype) -> None:
+        super().__init__()
+
+    @property
+    def fp8_data(self) -> torch.Tensor:
+        """The fp8 codes, shaped like the weight."""
+        return self._fp8_data
+
+    def _alias(self, data: torch.Tensor) -> Self | None:
+        """This weight over ``data``, an alias of its codes, or ``None`` where its steps do
+        not fit ``data``."""
+        raise NotImplementedError
+
+    # A traceable wrapper subclass (what torch.compile and module conversions expect).
+    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
+        return ["_fp8_data", self._STEPS], self.dtype
+
+    @classmethod
+    def __tensor_unflatten__(
+        cls, inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any, outer_stride: Any
+    ) -> Self:
+        return cls(inner["_fp8_data"], inner[cls._STEPS], dtype)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _ALIASING and isinstance(args[0], cls):
+            alias = args[0]._alias(func(args[0].fp8_data, *args[1:], **kwargs))
+            if alias is not None:
+                return alias
+
+        def plain(x: Any) -> Any:
+            return x.dequantize() if isinstance(x, cls) else x
+
+        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+
+
+class Fp8Weight(_CodesWeight):
     """A weight held as fp8 codes (``data``) and the float32 ``step`` they were made with.
 
     Its shape is ``data``'s, its dtype is the nominal ``dtype`` it stands for (the dtype the
@@ -54,7 +129,7 @@ class Fp8Weight(torch.Tensor):
     (``FP8_DTYPES``) and ``step`` a float32 tensor of one element on the same device.
     """
 
-    _fp8_data: torch.Tensor
+    _STEPS = "_fp8_step"
     _fp8_step: torch.Tensor
 
     @staticmethod
@@ -77,30 +152,9 @@ class Fp8Weight(torch.Tensor):
                 f"Fp8Weight step must be a float32 tensor of one element on {data.device}, "
                 f"got {got}"
             )
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"Fp8Weight stands for a float32, bfloat16 or float16 weight, got {dtype}"
-            )
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape,
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=dtype,
-            device=data.device,
-            requires_grad=False,
-        )
-        out._fp8_data = data
+        out = cls._wrap(data, dtype)
         out._fp8_step = step
         return out
-
-    def __init__(self, data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-
-    @property
-    def fp8_data(self) -> torch.Tensor:
-        """The fp8 codes, shaped like the weight."""
-        return self._fp8_data
 
     @property
     def fp8_step(self) -> torch.Tensor:
@@ -111,35 +165,9 @@ class Fp8Weight(torch.Tensor):
         """``data * step`` as a plain tensor of ``dtype`` (default: the nominal dtype)."""
         return reference.dequantize(self._fp8_data, self._fp8_step, dtype or self.dtype)
 
-    # A traceable wrapper subclass (what torch.compile and module conversions expect).
-    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
-        return ["_fp8_data", "_fp8_step"], self.dtype
-
-    @staticmethod
-    def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any, outer_stride: Any
-    ) -> Fp8Weight:
-        return Fp8Weight(inner["_fp8_data"], inner["_fp8_step"], dtype)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in _ALIASING and isinstance(args[0], Fp8Weight):
-            src = args[0]
-            return cls(func(src.fp8_data, *args[1:], **kwargs), src.fp8_step, src.dtype)
-
-        def plain(x: Any) -> Any:
-            return x.dequantize() if isinstance(x, Fp8Weight) else x
-
-        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+    def _alias(self, data: torch.Tensor) -> Fp8Weight:
+        # One step serves the codes in any shape.
+        return type(self)(data, self._fp8_step, self.dtype)
 
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         return (
@@ -148,7 +176,7 @@ class Fp8Weight(torch.Tensor):
         )
 
 
-class Fp8BlockWeight(torch.Tensor):
+class Fp8BlockWeight(_CodesWeight):
     """A weight held as fp8 codes (``data``, 2-D) and the float32 steps of its 128x128
     blocks (``scale``, ``(ceil(rows/128), ceil(K/128))``: ``fp8_quantize``'s ``128x128``
     layout).
@@ -158,7 +186,7 @@ class Fp8BlockWeight(torch.Tensor):
     it an ``Fp8BlockWeight`` over the same bytes; every other op sees ``dequantize()``.
     """
 
-    _fp8_data: torch.Tensor
+    _STEPS = "_fp8_scale"
     _fp8_scale: torch.Tensor
 
     @staticmethod
@@ -188,30 +216,9 @@ class Fp8BlockWeight(torch.Tensor):
                 f"Fp8BlockWeight scale of {tuple(data.shape)} codes must be a float32 tensor "
                 f"of shape {grid} (one step per 128x128 block) on {data.device}, got {got}"
             )
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(
-                f"Fp8BlockWeight stands for a float32, bfloat16 or float16 weight, got {dtype}"
-            )
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            data.shape,
-            strides=data.stride(),
-            storage_offset=data.storage_offset(),
-            dtype=dtype,
-            device=data.device,
-            requires_grad=False,
-        )
-        out._fp8_data = data
+        out = cls._wrap(data, dtype)
         out._fp8_scale = scale
         return out
-
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> None:
-        super().__init__()
-
-    @property
-    def fp8_data(self) -> torch.Tensor:
-        """The fp8 codes, shaped like the weight."""
-        return self._fp8_data
 
     @property
     def fp8_scale(self) -> torch.Tensor:
@@ -224,36 +231,10 @@ class Fp8BlockWeight(torch.Tensor):
         layout = granular.layout_of("128x128", self._fp8_data.shape)
         return granular.dequantize(self._fp8_data, self._fp8_scale, layout, dtype or self.dtype)
 
-    def __tensor_flatten__(self) -> tuple[list[str], torch.dtype]:
-        return ["_fp8_data", "_fp8_scale"], self.dtype
-
-    @staticmethod
-    def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], dtype: torch.dtype, outer_size: Any, outer_stride: Any
-    ) -> Fp8BlockWeight:
-        return Fp8BlockWeight(inner["_fp8_data"], inner["_fp8_scale"], dtype)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func in _ALIASING and isinstance(args[0], Fp8BlockWeight):
-            src = args[0]
-            data = func(src.fp8_data, *args[1:], **kwargs)
-            if data.shape == src.fp8_data.shape:  # the blocks stay where they were
-                return cls(data, src.fp8_scale, src.dtype)
-
-        def plain(x: Any) -> Any:
-            return x.dequantize() if isinstance(x, Fp8BlockWeight) else x
-
-        return func(*tree_map(plain, args), **tree_map(plain, kwargs))
+    def _alias(self, data: torch.Tensor) -> Fp8BlockWeight | None:
+        if data.shape == self._fp8_data.shape:  # the blocks stay where they were
+            return type(self)(data, self._fp8_scale, self.dtype)
+        return None
 
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         return (
