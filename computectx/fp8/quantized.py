@@ -23,10 +23,11 @@ transposed, in its dgrad.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar
 
 import torch
 from torch.utils._pytree import tree_map
+from typing_extensions import Self
 
 from computectx.fp8 import granular, reference
 
