@@ -7,11 +7,20 @@ in the epilogue, then the bias is added and the sum rounded once to the output d
 
 The pure-torch twin is ``computectx.fp8.reference.scaled_mm``; results agree within
 ``reference.scaled_mm_error_bound`` (the order of float32 accumulation differs).
+
+The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) is built from this module's
+shared pieces: the autotune configs' form (``tile_configs``) and size filter
+(``fitting_configs``); on the host the argument checks (``check_operands``,
+``check_bias_and_out``), the K-major
+staging (``k_major``), the result and its trivial cases (``new_result``) and the grid
+(``tile_grid``); in the kernel the grouped launch order (``grouped_tile``), the operand
+tiles (``operand_tiles``) and the epilogue (``store_tile``).
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -20,7 +29,20 @@ import triton.language as tl
 
 from computectx.kernels.fp8_codes import round_to_bf16
 
-__all__ = ["INTERPRETED", "scaled_mm"]
+__all__ = [
+    "INTERPRETED",
+    "check_bias_and_out",
+    "check_operands",
+    "fitting_configs",
+    "grouped_tile",
+    "k_major",
+    "new_result",
+    "operand_tiles",
+    "scaled_mm",
+    "store_tile",
+    "tile_configs",
+    "tile_grid",
+]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's kernels run in Triton's interpreter (``TRITON_INTERPRET=1`` when it
@@ -45,6 +67,12 @@ def _configs() -> list[triton.Config]:
         (64, 128, 128, 4, 4),
         (64, 64, 128, 4, 4),
     ]
+    return tile_configs(shapes)
+
+
+def tile_configs(shapes: Sequence[tuple[int, int, int, int, int]]) -> list[triton.Config]:
+    """A GPU build's autotune configs: one per ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+    num_warps)`` of ``shapes``, each launched in groups of ``GROUP_M`` 8 row-tiles."""
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
@@ -55,18 +83,96 @@ def _configs() -> list[triton.Config]:
     ]
 
 
-def _prune(
-    configs: list[triton.Config], named_args: dict[str, Any], **_: Any
-) -> list[triton.Config]:
-    # Tiles far taller or wider than the problem only waste work: keep those that fit, or
-    # the smallest ones when none does.
-    m, n = int(named_args["M"]), int(named_args["N"])
-    fits = [
+def fitting_configs(configs: list[triton.Config], m: int, n: int) -> list[triton.Config]:
+    """Those of ``configs`` whose tile is not far taller or wider than an ``m x n`` result
+    (at most ``max(64, m)`` rows and ``max(64, n)`` columns): larger ones only waste work."""
+    return [
         c
         for c in configs
         if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
     ]
-    return fits or configs[-1:]
+
+
+def _prune(
+    configs: list[triton.Config], named_args: dict[str, Any], **_: Any
+) -> list[triton.Config]:
+    # Keep the tiles that fit the problem, or the smallest ones when none does.
+    m, n = int(named_args["M"]), int(named_args["N"])
+    return fitting_configs(configs, m, n) or configs[-1:]
+
+
+@triton.jit
+def grouped_tile(  # type: ignore[no-untyped-def]
+    M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr
+):
+    # This program's (pid_m, pid_n) in grouped launch order: GROUP_M row-tiles share each
+    # column-tile while it is in L2.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    group = pid // per_group
+    first_m = group * GROUP_M
+    group_size = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+    return pid_m, pid_n
+
+
+@triton.jit
+def operand_tiles(  # type: ignore[no-untyped-def]
+    a_ptr,
+    b_ptr,
+    M,
+    N,
+    stride_am,
+    stride_ak,
+    stride_bn,
+    stride_bk,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # This program's tile (grouped_tile): its row, column and K offsets, the pointers to
+    # its first BLOCK_K slice of a ([BLOCK_M, BLOCK_K]) and of b (read as [BLOCK_K,
+    # BLOCK_N]), and its row and column masks.
+    pid_m, pid_n = grouped_tile(M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # 64-bit row/column offsets: M * stride_am may exceed 2**31 for large operands.
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
+    mask_m = offs_m[:, None] < M
+    mask_n = offs_n[None, :] < N
+    return offs_m, offs_n, offs_k, a_ptrs, b_ptrs, mask_m, mask_n
+
+
+@triton.jit
+def store_tile(  # type: ignore[no-untyped-def]
+    c_ptr,
+    out,
+    bias_ptr,
+    offs_m,
+    offs_n,
+    mask_m,
+    mask_n,
+    N,
+    stride_cm,
+    stride_cn,
+    HAS_BIAS: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
+    # The epilogue after the scaling: the bias added in float32, one rounding to c's dtype
+    # (bf16 rounded on the bits), the masked store.
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        out = out + bias[None, :]
+    if OUT_BF16:
+        out = round_to_bf16(out)
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
 @triton.autotune(
@@ -102,25 +208,10 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order: GROUP_M row-tiles share each column-tile while it is in L2.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    # 64-bit row/column offsets: M * stride_am may exceed 2**31 for large operands.
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
-    mask_m = offs_m[:, None] < M
-    mask_n = offs_n[None, :] < N
+    offs_m, offs_n, offs_k, a_ptrs, b_ptrs, mask_m, mask_n = operand_tiles(
+        a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bn, stride_bk,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    )  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
@@ -137,13 +228,10 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
 
     scale = tl.load(step_a_ptr) * tl.load(step_b_ptr)
     out = acc * scale
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        out = out + bias[None, :]
-    if OUT_BF16:
-        out = round_to_bf16(out)
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
+    store_tile(
+        c_ptr, out, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,
+        HAS_BIAS, OUT_BF16,
+    )  # fmt: skip
 
 
 def scaled_mm(
@@ -156,44 +244,19 @@ def scaled_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` as a new ``[M, N]`` tensor of ``out_dtype``."""
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if a.dtype not in fp8 or b.dtype not in fp8 or a.dim() != 2 or b.dim() != 2:
-        raise ValueError(
-            f"a and b are 2-D fp8 tensors; got {a.dtype} {a.shape}, {b.dtype} {b.shape}"
-        )
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"a [M, K] and b [N, K] disagree on K: {tuple(a.shape)}, {tuple(b.shape)}")
+    check_operands(a, b)
     for s in (step_a, step_b):
         if s.dtype != torch.float32 or s.numel() != 1 or s.device != a.device:
             raise ValueError(f"steps are float32 tensors of one element on {a.device}")
-    if bias is not None and (bias.shape != (b.shape[0],) or bias.device != a.device):
-        raise ValueError(f"bias must have shape ({b.shape[0]},) on {a.device}")
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    check_bias_and_out(a, b, bias, out_dtype)
 
-    if not INTERPRETED:
-        # Hopper's fp8 wgmma reads both operands K-major from shared memory. Compiled for
-        # sm_90, a tile whose K stride is not 1 is not staged with asynchronous copies and
-        # the main loop waits on every load of it; a K-major copy costs one read and one
-        # write of a 1-byte operand, a few percent of the GEMM at LLM shapes. Under the
-        # interpreter the strided path itself runs, so the tests cover it.
-        a = a if a.stride(1) == 1 else a.contiguous()
-        b = b if b.stride(1) == 1 else b.contiguous()
+    a, b = k_major(a, b)
     m, k = a.shape
     n = b.shape[0]
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:  # no output tile: nothing to launch
+    c, done = new_result(a, b, bias, out_dtype)
+    if done:
         return c
-    if k == 0:
-        # An empty operand may have no storage to point at; the sum over K is empty, so
-        # the result is the bias (or zero), rounded once.
-        c.copy_(torch.zeros(n, device=a.device) if bias is None else bias.float().expand(m, n))
-        return c
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _scaled_mm_kernel[grid](
+    _scaled_mm_kernel[tile_grid(m, n)](
         a,
         b,
         c,
@@ -215,3 +278,69 @@ def scaled_mm(
         OUT_BF16=out_dtype == torch.bfloat16,
     )
     return c
+
+
+def check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    """``ValueError`` unless ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are 2-D fp8 tensors that
+    agree on K."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    if a.dtype not in fp8 or b.dtype not in fp8 or a.dim() != 2 or b.dim() != 2:
+        raise ValueError(
+            f"a and b are 2-D fp8 tensors; got {a.dtype} {a.shape}, {b.dtype} {b.shape}"
+        )
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"a [M, K] and b [N, K] disagree on K: {tuple(a.shape)}, {tuple(b.shape)}")
+
+
+def check_bias_and_out(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> None:
+    """``ValueError`` unless ``bias`` is ``None`` or ``(N,)`` on ``a``'s device, and
+    ``out_dtype`` bf16, fp16 or fp32."""
+    if bias is not None and (bias.shape != (b.shape[0],) or bias.device != a.device):
+        raise ValueError(f"bias must have shape ({b.shape[0]},) on {a.device}")
+    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+
+
+def k_major(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a`` and ``b`` with K stride 1 for a GPU build (a copy of an operand that has
+    another); as they are under the interpreter."""
+    if INTERPRETED:
+        # Under the interpreter the strided path itself runs, so the tests cover it.
+        return a, b
+    # Hopper's fp8 wgmma reads both operands K-major from shared memory. Compiled for
+    # sm_90, a tile whose K stride is not 1 is not staged with asynchronous copies and the
+    # main loop waits on every load of it; a K-major copy costs one read and one write of a
+    # 1-byte operand, a few percent of the GEMM at LLM shapes.
+    return (
+        a if a.stride(1) == 1 else a.contiguous(),
+        b if b.stride(1) == 1 else b.contiguous(),
+    )
+
+
+def new_result(
+    a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, bool]:
+    """The new ``[M, N]`` result of ``out_dtype``, and whether it is already complete, with
+    nothing to launch: no output tile (M or N is 0), or an empty sum over K (K is 0: the
+    result is the bias, or zero, rounded once)."""
+    m, k = a.shape
+    n = b.shape[0]
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c, True
+    if k == 0:
+        # An empty operand may have no storage to point at: no launch.
+        c.copy_(torch.zeros(n, device=a.device) if bias is None else bias.float().expand(m, n))
+        return c, True
+    return c, False
+
+
+def tile_grid(m: int, n: int) -> Callable[[dict[str, Any]], tuple[int]]:
+    """The launch grid of an ``m x n`` result: one program per ``BLOCK_M x BLOCK_N`` tile."""
+
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+
+    return grid

@@ -33,16 +33,23 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import round_to_bf16
+from computectx.kernels.scaled_mm import (
+    check_bias_and_out,
+    check_operands,
+    fitting_configs,
+    k_major,
+    new_result,
+    operand_tiles,
+    store_tile,
+    tile_configs,
+    tile_grid,
+)
 
 __all__ = ["INTERPRETED", "scaled_mm_blocks"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` when it
 was imported); fixed at import."""
-
-_FP8: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
-_OUT: Final = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _configs() -> list[triton.Config]:
@@ -66,14 +73,7 @@ def _configs() -> list[triton.Config]:
         (128, 256, 32, 4, 8),
         (64, 64, 32, 4, 4),
     ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-            num_stages=stages,
-            num_warps=warps,
-        )
-        for bm, bn, bk, stages, warps in shapes
-    ]
+    return tile_configs(shapes)
 
 
 def _prune(
@@ -86,10 +86,9 @@ def _prune(
     ok = [c for c in configs if scale_k == 0 or scale_k % c.kwargs["BLOCK_K"] == 0]
     if INTERPRETED:
         return [max(ok, key=lambda c: c.kwargs["BLOCK_K"])]
-    fits = [
-        c for c in ok if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
+    return fitting_configs(ok, m, n) or [
+        min(ok, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
     ]
-    return fits or [min(ok, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
 
 
 @triton.jit
@@ -155,24 +154,10 @@ def _scaled_mm_blocks_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped launch order: GROUP_M row-tiles share each column-tile while it is in L2.
-    pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
-    grid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * grid_n
-    group = pid // per_group
-    first_m = group * GROUP_M
-    group_size = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
-
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None] * stride_bk
-    mask_m = offs_m[:, None] < M
-    mask_n = offs_n[None, :] < N
+    offs_m, offs_n, offs_k, a_ptrs, b_ptrs, mask_m, mask_n = operand_tiles(
+        a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bn, stride_bk,
+        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+    )  # fmt: skip
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
@@ -198,13 +183,10 @@ def _scaled_mm_blocks_kernel(  # type: ignore[no-untyped-def]
         sa = _steps(sa_ptr, offs_m, M, stride_sa_r, 0, 0, 1, False)
         sb = _steps(sb_ptr, offs_n, N, stride_sb_r, 0, 0, 1, False)
         out = acc * (sa[:, None] * sb[None, :])
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-        out = out + bias[None, :]
-    if OUT_BF16:
-        out = round_to_bf16(out)
-    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
+    store_tile(
+        c_ptr, out, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,
+        HAS_BIAS, OUT_BF16,
+    )  # fmt: skip
 
 
 def _scale_arg(
@@ -239,12 +221,7 @@ def scaled_mm_blocks(
     ``(ceil(rows / block_rows), ceil(K / 128))`` float32, ``block_rows`` 1 or 128) or 32
     (MX: ``(rows, ceil(K / 32))`` ``float8_e8m0fnu``, ``block_rows`` 1).
     """
-    if a.dtype not in _FP8 or b.dtype not in _FP8 or a.dim() != 2 or b.dim() != 2:
-        raise ValueError(
-            f"a and b are 2-D fp8 tensors; got {a.dtype} {a.shape}, {b.dtype} {b.shape}"
-        )
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(f"a [M, K] and b [N, K] disagree on K: {tuple(a.shape)}, {tuple(b.shape)}")
+    check_operands(a, b)
     if block_k not in (0, 32, 128) or block_rows_a not in (1, 128) or block_rows_b not in (1, 128):
         raise ValueError(
             f"blocks are rows x K, 1 x 32, 1 x 128 or 128 x 128; got block_k={block_k}, "
@@ -254,26 +231,12 @@ def scaled_mm_blocks(
     n = b.shape[0]
     sa = _scale_arg("scale_a", scale_a, m, block_rows_a, block_k, k)
     sb = _scale_arg("scale_b", scale_b, n, block_rows_b, block_k, k)
-    if bias is not None and (bias.shape != (n,) or bias.device != a.device):
-        raise ValueError(f"bias must have shape ({n},) on {a.device}")
-    if out_dtype not in _OUT:
-        raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
-    if not INTERPRETED:
-        # K-major operands stage with asynchronous copies on sm_90 (see kernels.scaled_mm).
-        a = a if a.stride(1) == 1 else a.contiguous()
-        b = b if b.stride(1) == 1 else b.contiguous()
-    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
-    if m == 0 or n == 0:
+    check_bias_and_out(a, b, bias, out_dtype)
+    a, b = k_major(a, b)
+    c, done = new_result(a, b, bias, out_dtype)
+    if done:
         return c
-    if k == 0:
-        # The sum over K is empty: the result is the bias (or zero), rounded once.
-        c.copy_(torch.zeros(n, device=a.device) if bias is None else bias.float().expand(m, n))
-        return c
-
-    def grid(meta: dict[str, Any]) -> tuple[int]:
-        return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-
-    _scaled_mm_blocks_kernel[grid](
+    _scaled_mm_blocks_kernel[tile_grid(m, n)](
         a,
         b,
         c,
