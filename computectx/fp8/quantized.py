@@ -46,6 +46,13 @@ _ALIASING = {
 }
 
 
+def _described(steps: object) -> str:
+    # The dtype, shape and device of a tensor of steps refused, or the type of a non-tensor.
+    if isinstance(steps, torch.Tensor):
+        return f"{steps.dtype} {tuple(steps.shape)} on {steps.device}"
+    return type(steps).__name__
+
+
 class _CodesWeight(torch.Tensor):
     """What ``Fp8Weight`` and ``Fp8BlockWeight`` share: a traceable wrapper subclass over fp8
     codes (``_fp8_data``, its shape and strides) and their step(s) (the attribute named by
@@ -144,14 +151,9 @@ class Fp8Weight(_CodesWeight):
             or step.numel() != 1
             or step.device != data.device
         ):
-            got = (
-                f"{step.dtype} {tuple(step.shape)} on {step.device}"
-                if isinstance(step, torch.Tensor)
-                else type(step).__name__
-            )
             raise ValueError(
                 f"Fp8Weight step must be a float32 tensor of one element on {data.device}, "
-                f"got {got}"
+                f"got {_described(step)}"
             )
         out = cls._wrap(data, dtype)
         out._fp8_step = step
@@ -208,14 +210,10 @@ class Fp8BlockWeight(_CodesWeight):
             or tuple(scale.shape) != grid
             or scale.device != data.device
         ):
-            got = (
-                f"{scale.dtype} {tuple(scale.shape)} on {scale.device}"
-                if isinstance(scale, torch.Tensor)
-                else type(scale).__name__
-            )
             raise ValueError(
                 f"Fp8BlockWeight scale of {tuple(data.shape)} codes must be a float32 tensor "
-                f"of shape {grid} (one step per 128x128 block) on {data.device}, got {got}"
+                f"of shape {grid} (one step per 128x128 block) on {data.device}, "
+                f"got {_described(scale)}"
             )
         out = cls._wrap(data, dtype)
         out._fp8_scale = scale
