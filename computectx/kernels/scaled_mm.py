@@ -11,10 +11,9 @@ The pure-torch twin is ``computectx.fp8.reference.scaled_mm``; results agree wit
 The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) is built from this module's
 shared pieces: the autotune configs' form (``tile_configs``) and size filter
 (``fitting_configs``); on the host the argument checks (``check_operands``,
-``check_bias_and_out``), the K-major
-staging (``k_major``), the result and its trivial cases (``new_result``) and the grid
-(``tile_grid``); in the kernel the grouped launch order (``grouped_tile``), the operand
-tiles (``operand_tiles``) and the epilogue (``store_tile``).
+``check_bias_and_out``), the K-major staging (``k_major``), the result and its trivial cases
+(``new_result``) and the grid (``tile_grid``); in the kernel the grouped launch order
+(``grouped_tile``), the operand tiles (``operand_tiles``) and the epilogue (``store_tile``).
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
