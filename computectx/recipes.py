@@ -21,7 +21,7 @@ step; it keeps ``step = 1`` (every value quantizes to 0 exactly) rather than div
 from __future__ import annotations
 
 import enum
-from typing import Annotated, Any, Final, Literal, Self, get_args
+from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -32,6 +32,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from typing_extensions import Self
 
 from computectx.dtypes import Fp8Format
 
