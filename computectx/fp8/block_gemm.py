@@ -66,7 +66,8 @@ magnitudes are at most ``(1 + gamma_h)`` times the exact ones, so ``gamma_n`` be
 
 (``gamma_h`` is about 0.0157 for ``w' = 128``, against ``gamma_n`` about 1.8e-5 for
 ``K = 300``), for every pair, ``row`` included; ``scaled_mm_error_bound(accumulation=(w,
-u_h))`` computes it.
+u_h))`` computes it, with ``reference.accumulation_gamma`` (shared with the per-tensor
+bound, ``reference.scaled_mm_error_bound``).
 
 **Backends** (``backend=``, an ``Fp8Backend``): ``REFERENCE`` runs the twin; ``TRITON`` the
 kernel in ``computectx.kernels.scaled_mm_blocks`` (imported on first use); ``CUBLAS``
@@ -115,11 +116,11 @@ PAIRS: Final[tuple[tuple[GemmGranularity, GemmGranularity], ...]] = (
 OUT_DTYPES: Final = (torch.bfloat16, torch.float16, torch.float32)
 """The dtypes of the result, and of a bias."""
 NARROW_ACCUMULATION: Final[tuple[int, float]] = (128, 2.0**-13)
-"""How the Triton kernel sums on a GPU, for ``scaled_mm_error_bound(accumulation=)``: at most
-128 products (one ``BLOCK_K`` step, ``max_num_imprecise_acc=BLOCK_K``) in the fp8 tensor
-cores' accumulator, each addition with relative error at most ``2**-13`` (14 significant
-bits, truncated: the "around 14 bits" DeepSeek-V3 measured on H800), then promoted to
-float32."""
+"""How the Triton kernels (the block-scaled one and the per-tensor one) sum on a GPU, for
+``scaled_mm_error_bound(accumulation=)`` here and in ``reference``: at most 128 products
+(one ``BLOCK_K`` step, ``max_num_imprecise_acc=BLOCK_K``) in the fp8 tensor cores'
+accumulator, each addition with relative error at most ``2**-13`` (14 significant bits,
+truncated: the "around 14 bits" DeepSeek-V3 measured on H800), then promoted to float32."""
 _NAMES: Final = get_args(GemmGranularity)
 
 
@@ -373,14 +374,7 @@ def scaled_mm_error_bound(
     if bias is not None:
         exact = exact + bias.to(torch.float64)
         mag = mag + bias.to(torch.float64).abs()
-    u = 2.0**-24
-    terms = k + n_kb + 4
-    gamma = terms * u / (1 - terms * u)
-    if accumulation is not None:
-        w, u_h = accumulation
-        adds = min(w, width) - 1  # additions inside one narrow step
-        gamma_h = adds * u_h / (1 - adds * u_h)
-        gamma = gamma_h + gamma * (1 + gamma_h)
+    gamma = reference.accumulation_gamma(k + n_kb + 4, width, accumulation)
     unscaled = a64.abs() @ b64.abs().t()
     e = gamma * mag + 2.0**-148 * (unscaled + n_kb)
     u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]

@@ -31,6 +31,7 @@ from computectx.fp8.ledger import (
 )
 
 __all__ = [
+    "accumulation_gamma",
     "amax",
     "dequantize",
     "quantize_delayed",
@@ -213,6 +214,38 @@ def scaled_mm(
     return out.to(out_dtype)
 
 
+def accumulation_gamma(
+    roundings: int, width: int, accumulation: tuple[int, float] | None = None
+) -> float:
+    """The relative factor of the GEMM error bounds: ``gamma_n = n u / (1 - n u)`` for
+    ``n = roundings`` float32 roundings on any path through the sum (``u = 2**-24``), widened
+    for a narrower accumulator.
+
+    ``accumulation=(w, u_h)``: the hardware sums up to ``w' = min(w, width)`` consecutive
+    products (``width``: how many share one scale, all of K for per-tensor or per-row steps)
+    in an accumulator whose every addition has relative error at most ``u_h``, then promotes
+    that partial to float32 (``computectx.fp8.block_gemm.NARROW_ACCUMULATION``: the Triton
+    kernels' fp8 dot on sm_90). Its ``w' - 1`` additions leave the partial within
+    ``gamma_h * sum |a_ik||b_jk|`` of the exact one, ``gamma_h = (w'-1) u_h / (1 - (w'-1)
+    u_h)``; the float32 computation after it sees magnitudes at most ``(1 + gamma_h)`` times
+    the exact ones, so the factor is ``gamma_h + gamma_n * (1 + gamma_h)``. ``None``:
+    ``gamma_n``.
+    """
+    u = 2.0**-24
+    gamma = roundings * u / (1 - roundings * u)
+    if accumulation is None:
+        return gamma
+    w, u_h = accumulation
+    if not (isinstance(w, int) and w >= 1 and 0.0 <= u_h < 1.0 / max(1, w - 1)):
+        raise ValueError(
+            f"accumulation must be (w, u_h) with an int w >= 1 and 0 <= (w - 1) * u_h < 1, "
+            f"got {accumulation!r}"
+        )
+    adds = max(0, min(w, width) - 1)  # additions inside one narrow partial
+    gamma_h = adds * u_h / (1 - adds * u_h)
+    return gamma_h + gamma * (1 + gamma_h)
+
+
 def scaled_mm_error_bound(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -220,6 +253,8 @@ def scaled_mm_error_bound(
     step_b: torch.Tensor,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    *,
+    accumulation: tuple[int, float] | None = None,
 ) -> torch.Tensor:
     """An a-priori elementwise bound on ``|scaled_mm(...) - exact|`` (float64 ``[M, N]``).
 
@@ -235,10 +270,15 @@ def scaled_mm_error_bound(
 
     where ``s = step_a * step_b``. Subnormal outputs would add an absolute term; the bound
     adds the smallest subnormal of ``out_dtype`` for them.
+
+    ``accumulation=(w, u_h)`` bounds hardware that sums up to ``w`` consecutive products in
+    a narrower accumulator before promoting each partial to float32 (the Triton kernel's fp8
+    dot on sm_90: ``computectx.fp8.block_gemm.NARROW_ACCUMULATION``): ``gamma_{K+3}`` becomes
+    ``accumulation_gamma(K + 3, K, accumulation)``, the float32 sum of the partials being one
+    of the orders the float32 bound allows.
     """
-    u = 2.0**-24
     k = a.shape[1]
-    gamma = (k + 3) * u / (1 - (k + 3) * u)
+    gamma = accumulation_gamma(k + 3, k, accumulation)
     a64 = a.to(torch.float64)
     b64 = b.to(torch.float64)
     s = step_a.to(torch.float64).reshape(-1, 1) * step_b.to(torch.float64).reshape(1, -1)

@@ -5,8 +5,12 @@ backward pass can hand in ``.t()`` views; every edge is masked, so any M, N and 
 need not be a multiple of 16). The per-tensor steps multiply the float32 accumulator once
 in the epilogue, then the bias is added and the sum rounded once to the output dtype.
 
-The pure-torch twin is ``computectx.fp8.reference.scaled_mm``; results agree within
-``reference.scaled_mm_error_bound`` (the order of float32 accumulation differs).
+The pure-torch twin is ``computectx.fp8.reference.scaled_mm``. Under the interpreter the dot
+is float32 and results agree within ``reference.scaled_mm_error_bound`` (the order of float32
+accumulation differs). On sm_90 the tensor cores add one ``BLOCK_K`` tile's products in a
+narrower accumulator (about 14 significant bits) before it is promoted to float32: there the
+results agree within the wider bound ``reference.scaled_mm_error_bound(...,
+accumulation=block_gemm.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 
 The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) is built from this module's
 shared pieces: the autotune configs' form (``tile_configs``) and size filter
@@ -218,9 +222,13 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
         # Masked lanes load 0, which adds nothing: K needs no padding to a multiple of 16.
         a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
-        # Products of fp8 values are exact in float32. Hopper's fp8 MMA adds them in a
-        # narrower accumulator; max_num_imprecise_acc=BLOCK_K promotes into this float32
-        # accumulator after every K tile, which is what makes the sum a float32 sum.
+        # Products of fp8 values are exact in float32. Hopper's fp8 MMA adds one tile's
+        # products in a narrower accumulator (about 14 significant bits), not in float32;
+        # max_num_imprecise_acc=BLOCK_K promotes that partial into this float32 accumulator
+        # after every K tile, so the narrow sums span at most BLOCK_K products and only the
+        # tiles' partials are summed in float32 (reference.scaled_mm_error_bound with
+        # accumulation=block_gemm.NARROW_ACCUMULATION bounds it). The interpreter's dot is
+        # float32 throughout.
         acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk

@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, ops, reference
+from computectx.fp8 import Fp8Backend, block_gemm, ops, reference
 from computectx.fp8.ledger import (
     ledger_history,
     ledger_new,
@@ -361,3 +361,109 @@ def test_the_bound_is_not_vacuous() -> None:
     bound = reference.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
     wrong = out + 2 * out.abs() * 2.0**-8 + 1e-3
     assert not bool(((wrong - exact).abs() <= bound).all())
+
+
+# ---------------------------------------------------------------------------------------
+# The bound for a narrower accumulator (the Triton kernel's fp8 dot on sm_90)
+
+NARROW = block_gemm.NARROW_ACCUMULATION
+
+
+@pytest.mark.parametrize("k", [300, 50, 1, 0])
+@pytest.mark.parametrize(
+    ("out_dtype", "u_out"), [(torch.float32, 2.0**-24), (torch.bfloat16, 2.0**-8)]
+)
+def test_narrow_accumulation_bound_by_hand(k: int, out_dtype: torch.dtype, u_out: float) -> None:
+    # All ones, steps 1/2 and 1/4: exact = sum |a||b| s = k / 8 and the bias 3 adds to both.
+    # By the docstring's formula: a tile of w' = min(128, K) products in the narrow
+    # accumulator, w' - 1 additions of relative error 2**-13 each, then gamma_{K+3} on top.
+    a = torch.ones(4, k).to(torch.float8_e4m3fn)
+    b = torch.ones(3, k).to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor([0.5]), torch.tensor([0.25])
+    bias = torch.full((3,), 3.0)
+    adds = max(0, min(128, k) - 1)
+    gamma_h = adds * 2.0**-13 / (1 - adds * 2.0**-13)
+    gamma_n = (k + 3) * 2.0**-24 / (1 - (k + 3) * 2.0**-24)
+    mag = k / 8 + 3
+    e = (gamma_h + gamma_n * (1 + gamma_h)) * mag
+    tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
+    want = e + u_out * (mag + e) + tiny
+    got = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=NARROW)
+    assert got.shape == (4, 3) and got.dtype == torch.float64
+    assert got.flatten().tolist() == pytest.approx([want] * 12, rel=1e-12)
+    # The float32 bound is the same formula with gamma_h = 0, and never wider.
+    e32 = gamma_n * mag
+    plain = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
+    want32 = e32 + u_out * (mag + e32) + tiny
+    assert plain.flatten().tolist() == pytest.approx([want32] * 12, rel=1e-12)
+    assert bool((got >= plain).all())
+
+
+def test_narrow_accumulation_bound_widens_as_the_block_gemms() -> None:
+    # One formula for both bounds (accumulation_gamma): the per-tensor one's K + 3 roundings
+    # over all of K, the block GEMM's K + n_kb + 4 over one block (K for row x row, 128,
+    # 32 for mx), each widened by the same gamma_h of a narrow step of min(128, width).
+    k = 300
+    for roundings, width in ((k + 3, k), (k + 5, k), (k + 7, 128), (k + 14, 32)):
+        adds = min(128, width) - 1
+        gamma_h = adds * 2.0**-13 / (1 - adds * 2.0**-13)
+        gamma_n = roundings * 2.0**-24 / (1 - roundings * 2.0**-24)
+        got = reference.accumulation_gamma(roundings, width, NARROW)
+        assert got == pytest.approx(gamma_h + gamma_n * (1 + gamma_h), rel=1e-14)
+        assert reference.accumulation_gamma(roundings, width) == pytest.approx(gamma_n, rel=1e-14)
+    # The block bound for row x row with the narrow accumulation, on all-ones operands
+    # (exact = mag = K, steps 1): its gamma is accumulation_gamma(K + 5, K, NARROW).
+    a = torch.ones(2, k).to(torch.float8_e4m3fn)
+    b = torch.ones(3, k).to(torch.float8_e4m3fn)
+    one_a, one_b = torch.ones(2, 1), torch.ones(3, 1)
+    got_block = block_gemm.scaled_mm_error_bound(
+        a, b, one_a, "row", one_b, "row", None, torch.float32, accumulation=NARROW
+    )
+    e = reference.accumulation_gamma(k + 5, k, NARROW) * k + 2.0**-148 * (k + 1)
+    tiny = torch.finfo(torch.float32).smallest_normal * 2.0**-24 * 2
+    assert got_block.flatten().tolist() == pytest.approx([e + 2.0**-24 * (k + e) + tiny] * 6)
+
+
+def _narrow_scaled_mm(
+    a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, tile: int
+) -> torch.Tensor:
+    # A model of the fp8 tensor cores: each tile of `tile` products summed one by one with
+    # the running sum truncated to 14 significant bits after every addition, then promoted
+    # to a float32 accumulator; the steps multiply it once.
+    m, k = a.shape
+    n = b.shape[0]
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    acc = torch.zeros(m, n, dtype=torch.float32)
+    for lo in range(0, k, tile):
+        part = torch.zeros(m, n, dtype=torch.float64)
+        for j in range(lo, min(k, lo + tile)):
+            part = part + a64[:, j : j + 1] * b64[:, j].reshape(1, n)
+            mant, exp = torch.frexp(part)
+            part = torch.ldexp(torch.trunc(mant * 2.0**14) / 2.0**14, exp)
+        acc = acc + part.to(torch.float32)
+    return acc * (sa * sb)
+
+
+@pytest.mark.parametrize("tile", [128, 64, 32])
+def test_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(tile: int) -> None:
+    # Same signs, so partial sums grow and the truncation bites: the float32 bound must
+    # fail for this model, the NARROW_ACCUMULATION one hold.
+    gen = torch.Generator().manual_seed(tile)
+    a = random_fp8((12, 300), Fp8Format.E4M3, gen).abs()
+    b = random_fp8((10, 300), Fp8Format.E4M3, gen).abs()
+    sa, sb = torch.tensor([0.37]), torch.tensor([1.9e-3])
+    out = _narrow_scaled_mm(a, b, sa, sb, tile)
+    exact = (a.double() @ b.double().t()) * (sa.double() * sb.double())
+    err = (out.double() - exact).abs()
+    f32 = reference.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32)
+    wide = reference.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32, accumulation=NARROW)
+    assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
+    assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
+
+
+@pytest.mark.parametrize("bad", [(0, 2.0**-13), (128, -1.0), (128, 0.01), (128.0, 2.0**-13)])
+def test_narrow_accumulation_bound_refuses_a_bad_accumulation(bad: tuple[int, float]) -> None:
+    a = torch.ones(2, 4).to(torch.float8_e4m3fn)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match=r"accumulation must be \(w, u_h\).*got"):
+        reference.scaled_mm_error_bound(a, a, one, one, None, torch.float32, accumulation=bad)
