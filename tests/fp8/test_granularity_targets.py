@@ -20,15 +20,12 @@ coarse (18.6 dB at seed 0); the block policy's default has no powers of two.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from bench_loader import load_bench
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend
@@ -38,20 +35,7 @@ SEEDS = (0, 1, 2)
 E4M3 = Fp8Format.parse("e4m3")
 
 
-def load_bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_granularity.py"
-    name = "bench_granularity"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_bench("bench_granularity")
 
 
 def body_sqnr(kind: str, factor: float, seed: int, **options: Any) -> float:

@@ -11,16 +11,13 @@ the magnitude of the keys and values where the calibrated and per-token steps do
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 import torch
+from bench_loader import load_bench
 
 from computectx.demo.corpus import Corpus, load_corpus, train_batches, val_batches
 from computectx.demo.settings import DemoSettings
@@ -30,20 +27,7 @@ SETTINGS = DemoSettings(
 )
 
 
-def load_bench() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "bench_kv.py"
-    name = "bench_kv"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None, path
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = load_bench()
+bench = load_bench("bench_kv")
 
 
 E4M3_MAX = 448.0
