@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
+import gpu_check_kv as KV  # noqa: N812
 import pytest
 import torch
 
+from computectx import Fp8Format
+from computectx.fp8.kv_quant import quantize_kv
+
 ROOT = Path(__file__).resolve().parent.parent
 PATH = ROOT / "bench" / "gpu_check_kv.py"
-
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check_kv", PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-KV = _load()
 
 
 def test_imports_with_cuda_hidden() -> None:
@@ -82,11 +73,12 @@ def test_the_fp8_rows_time_the_caches_own_quantizer(monkeypatch: pytest.MonkeyPa
     # The fp8 cache the bench times is quantize_kv's (per_token_head, E4M3), what a KVCache
     # stores, not a copy of its rule.
     seen: list[tuple[tuple[int, ...], str]] = []
-    real = KV.quantize_kv
 
-    def spy(x: torch.Tensor, fmt: object, step: torch.Tensor | None = None) -> object:
+    def spy(
+        x: torch.Tensor, fmt: Fp8Format, step: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append((tuple(x.shape), str(fmt)))
-        return real(x, fmt, step)
+        return quantize_kv(x, fmt, step)
 
     monkeypatch.setattr(KV, "quantize_kv", spy)
     monkeypatch.setitem(KV.SMOKE_SHAPE, "contexts", (32,))

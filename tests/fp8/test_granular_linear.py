@@ -7,6 +7,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import bench_granularity as bench
 import pytest
 import torch
 from torch import nn
@@ -29,8 +30,6 @@ from computectx.fp8.block_gemm import block_scaled_mm
 from computectx.fp8.custom_ops import TALLY_ELEMENTS
 from computectx.fp8.granular_linear import OPERAND_GRANULARITY
 from computectx.fp8.ledger import ledger_history, ledger_step
-
-from .test_granularity_targets import bench
 
 sqnr: Callable[[torch.Tensor, torch.Tensor], float] = bench.sqnr  # the bench's SQNR, in dB
 

@@ -1,7 +1,7 @@
 """Issue 16's SQNR targets for fine-grained fp8 scaling, as small tests of the bench's figures.
 
 The data, the body and the SQNR are ``bench/bench_granularity.py``'s own (its functions,
-loaded from the file: the bench is a script, not a package), on the issue's shape: a 256 x
+imported from ``bench/``, on the suite's path), on the issue's shape: a 256 x
 1024 Gaussian with 4 random rows or columns times 1e5, E4M3, the pure-torch twins. Each
 quantize takes milliseconds. The targets (issue 16, item 7; docs/benchmarks.md):
 
@@ -23,9 +23,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import bench_granularity as bench
 import pytest
 import torch
-from bench_loader import load_bench
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend
@@ -33,9 +33,6 @@ from computectx.fp8 import Fp8Backend
 ROWS, COLS = 256, 1024
 SEEDS = (0, 1, 2)
 E4M3 = Fp8Format.parse("e4m3")
-
-
-bench = load_bench("bench_granularity")
 
 
 def body_sqnr(kind: str, factor: float, seed: int, **options: Any) -> float:

@@ -64,7 +64,7 @@ float8_linear = pytest.importorskip("torchao.float8.float8_linear")
 mx_tensor = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 mx_config = pytest.importorskip("torchao.prototype.mx_formats.config")
 
-from .test_granularity_targets import bench  # noqa: E402  (after the skips above)
+import bench_granularity as bench  # noqa: E402  (after the skips above)
 
 sqnr: Callable[[torch.Tensor, torch.Tensor], float] = bench.sqnr  # the bench's SQNR, in dB
 

@@ -1,6 +1,6 @@
 """Issue 17's KV targets, as small tests of ``bench/bench_kv.py``'s own measures.
 
-The bench's functions (loaded from the file: the bench is a script, not a package) on a
+The bench's functions (imported from ``bench/``, on the suite's path) on a
 small demo model: ``computectx demo``'s training under ``fp32`` with a smaller width and
 fewer steps (d_model 64, 2 blocks, 80 steps of 8 x 64 bytes of the standard library's
 sources, a few seconds). The targets (docs/benchmarks.md): the validation loss through the
@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import bench_kv as bench
 import pytest
 import torch
-from bench_loader import load_bench
 
 from computectx.demo.corpus import Corpus, load_corpus, train_batches, val_batches
 from computectx.demo.settings import DemoSettings
@@ -25,9 +25,6 @@ from computectx.demo.settings import DemoSettings
 SETTINGS = DemoSettings(
     steps=80, d_model=64, layers=2, seq_len=64, batch_size=8, sample_tokens=0, eval_batches=2
 )
-
-
-bench = load_bench("bench_kv")
 
 
 E4M3_MAX = 448.0
