@@ -66,7 +66,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.library import custom_op
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import custom_ops, granular, granular_ops
+from computectx.fp8 import custom_ops, granular, granular_ops, reference
 from computectx.fp8.backend import parse_backend
 from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
 from computectx.fp8.granular import E8M0, MX_BLOCK, StepRule
@@ -201,8 +201,7 @@ def _record(
 ) -> None:
     # Statistics only: the tensor's amax (NaN propagates and is counted), the largest block
     # step, the saturated elements, and x's elements in the tally.
-    amax = x.detach().abs().amax().to(torch.float32).reshape(1)
-    operand.record(amax, largest_step)
+    operand.record(reference.amax(x), largest_step)
     ledger_saturated(operand.ledger).add_(saturated)
     custom_ops.count(operand.tally, x)
 
@@ -222,16 +221,19 @@ class _GranularLinearFunction(torch.autograd.Function):
         fwd = plan.policy.format.forward
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
         xq, sx, x_step, x_sat = _quantize(x, fwd, g_act, plan, record_forward)
-        w_seen = weight
         if isinstance(weight, Fp8BlockWeight):  # its 128x128 blocks, gathered by FSDP2
             wq, sw = weight.fp8_data, weight.fp8_scale
-            w_seen, w_step = weight.dequantize(), sw.amax().reshape(1)
-            w_sat = torch.zeros(1, dtype=torch.float32, device=sw.device)  # counted 0: dynamic
         else:
             wq, sw, w_step, w_sat = _quantize(weight, fwd, g_w, plan, record_forward)
         if record_forward:
             _record(plan.state.input, x, x_step, x_sat)
-            _record(plan.state.weight, w_seen, w_step, w_sat)
+            if isinstance(weight, Fp8BlockWeight):
+                # Statistics of the gathered blocks (dynamic: nothing saturates), only when
+                # recorded: the dequantized weight is a full-size float32 copy.
+                w_sat = torch.zeros(1, dtype=torch.float32, device=sw.device)
+                _record(plan.state.weight, weight.dequantize(), sw.amax().reshape(1), w_sat)
+            else:
+                _record(plan.state.weight, weight, w_step, w_sat)
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
         # row and mx quantize the weight again along N from high precision.

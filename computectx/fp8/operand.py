@@ -329,12 +329,11 @@ class OperandScaling:
         callers whose ranks all run the call, as FSDP2's all-gather does) turns that amax
         into the group's.
         """
-        if isinstance(scaling, DynamicScaling) and reduce is None:
-            data, step, _ = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
-            return data, step
         if isinstance(scaling, DynamicScaling):
-            whole = reduce(reference.amax(x)) if reduce is not None else reference.amax(x)
-            step = reference.step_from_amax(whole, fmt, scaling.margin)
+            if reduce is None:
+                data, step, _ = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
+                return data, step
+            step = reference.step_from_amax(reduce(reference.amax(x)), fmt, scaling.margin)
         elif not torch.compiler.is_compiling() and self._seeded_hint:
             step = ledger_step(self.ledger).clone()
         else:

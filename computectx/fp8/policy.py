@@ -14,12 +14,10 @@ from computectx.recipes import (
     DynamicScaling,
     Fp8Policy,
     Fp8Scheme,
-    PolicyGranularity,
     Scaling,
 )
 
 __all__ = [
-    "SUPPORTED_GRANULARITIES",
     "DelayedScaling",
     "DynamicScaling",
     "Fp8Policy",
@@ -28,11 +26,6 @@ __all__ = [
     "describe",
     "policy_of",
 ]
-
-SUPPORTED_GRANULARITIES: tuple[PolicyGranularity, ...] = ("tensor", "row", "block", "mx")
-"""The policy granularities ``Fp8Linear`` (and so ``convert_to_fp8``, ``fp8_autocast``) runs:
-all of them (``computectx.fp8.granular_linear`` runs row, block and mx)."""
-
 
 def describe(value: object, limit: int = 60) -> str:
     """``value`` for an error message: its type and a repr cut to ``limit`` characters."""
@@ -46,9 +39,8 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
     """``ctx.fp8`` of a ``ComputeCtx`` that has one; ``who`` names the caller in errors.
 
     Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
-    ``fp8`` is ``None`` or asks for a granularity outside ``SUPPORTED_GRANULARITIES`` (a
-    guard for granularities the core may name before the linears run them; today they run
-    every one); the messages say what is accepted.
+    ``fp8`` is ``None``; the messages say what is accepted. Every granularity the policy can
+    name runs (``computectx.fp8.granular_linear`` runs row, block and mx).
     """
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(
@@ -59,13 +51,5 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
         raise ValueError(
             f"{who} needs a ctx with an fp8 policy, but {str(ctx)!r} has fp8=None; use e.g. "
             f"ctx.replace(fp8=Fp8Policy()) or ComputeCtx.from_flag('fp8_hybrid', device)"
-        )
-    granularity = ctx.fp8.granularity
-    if granularity not in SUPPORTED_GRANULARITIES:
-        accepted = ", ".join(repr(g) for g in SUPPORTED_GRANULARITIES)
-        raise ValueError(
-            f"{who} does not support granularity {granularity!r} yet (fp8 policy "
-            f"{str(ctx.fp8)!r}); it runs {accepted}. The standalone "
-            f"fp8_quantize(x, fmt, granularity=...) quantizes row, 1x128, 128x128 and mx blocks"
         )
     return ctx.fp8
