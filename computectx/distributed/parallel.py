@@ -30,6 +30,7 @@ from computectx.distributed.amax import (
     Fp8AmaxSync,
     LossNormalization,
     fp8_buffer_names,
+    rescale_grad_ledger,
     sync_fp8_scaling,
 )
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
@@ -80,6 +81,8 @@ class Parallel:
     conversion: Fp8ConversionReport | None
     """What ``convert_to_fp8`` did (fp8 policy)."""
     world_size: int
+    loss_normalization: LossNormalization = "per_rank"
+    """What each rank's loss is normalized by (``parallelize``'s argument)."""
 
     def step(self, max_norm: float | None = None) -> float | None:
         """End an optimizer step: hand the gradients over, clip, step, zero them.
@@ -146,6 +149,13 @@ class Parallel:
                 f"state_dict()), got {got}"
             )
         set_model_state_dict(self.module, state[_MODEL])
+        if self.sync is None:
+            # No sync to bring state recorded at another world size to this one at its
+            # first merge (one process): a gradient ledger saved on N ranks would keep steps
+            # N times too large. With a sync, its first merge does this.
+            for layer in self.module.modules():
+                if isinstance(layer, Fp8Linear) and layer.policy.granularity == "tensor":
+                    rescale_grad_ledger(layer, self.world_size, self.loss_normalization)
         opt = self.optimizer
         if isinstance(opt, OffloadedOptimizer):
             set_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
@@ -329,4 +339,5 @@ def parallelize(
         sync=sync,
         conversion=conversion,
         world_size=world,
+        loss_normalization=loss_normalization,
     )

@@ -9,6 +9,7 @@ from torch import nn
 from computectx import ComputeCtx, DType
 from computectx.distributed import parallelize
 from computectx.fp8 import Fp8Linear
+from computectx.fp8.ledger import ledger_step
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
@@ -30,6 +31,30 @@ def test_one_process_needs_no_process_group() -> None:
     assert par.step(max_norm=1.0) is not None
     assert not torch.equal(before, model[0].weight)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_one_process_loading_a_many_rank_checkpoint_rescales_its_gradient_ledger() -> None:
+    # A state recorded on 2 ranks under a per-rank loss holds output gradients twice the
+    # whole batch's; loaded in one process (no sync to do it at a first merge), its gradient
+    # history and step are brought to this world at once, not left 2x too large.
+    model = _mlp()
+    par = parallelize(model, CTX, fp8_filter=lambda m, fqn: True, lr=1e-3)
+    par.model(torch.randn(4, 32)).square().mean().backward()
+    par.step()
+    layer = model[0]
+    assert isinstance(layer, Fp8Linear)
+    layer.scaling.world_size = 2  # as if saved on 2 ranks
+    saved = par.state_dict()
+    grad_step = ledger_step(layer.scaling.grad.ledger).clone()
+    assert float(grad_step) > 0
+
+    other = _mlp()
+    fresh = parallelize(other, CTX, fp8_filter=lambda m, fqn: True, lr=1e-3)
+    fresh.load_state_dict(saved)
+    loaded = other[0]
+    assert isinstance(loaded, Fp8Linear)
+    assert loaded.scaling.world_size == 1
+    assert torch.equal(ledger_step(loaded.scaling.grad.ledger), grad_step / 2)
 
 
 def test_the_ctx_asks_for_the_memory_policys_pieces() -> None:
