@@ -105,6 +105,9 @@ def generate(
     try:
         caches = model.new_caches(ids.shape[0], length) if use_cache else None
         nxt = ids[:, -1:]
+        # The position of the first decoded id, moved on the device after each step (a new
+        # tensor from the host every step would wait for the device on CUDA).
+        pos = torch.tensor(plen, dtype=torch.long, device=ids.device)
         for i in range(max_new_tokens):
             if caches is None:
                 logits = model(ids)[:, -1, :]
@@ -113,8 +116,8 @@ def generate(
             else:
                 # The last id as its own (batch, 1) tensor: a view into the growing ids
                 # would change strides every step, and a compiled step would recompile.
-                pos = torch.tensor(plen + i - 1, dtype=torch.long, device=ids.device)
                 logits = step(nxt, pos, caches)
+                pos = pos + 1
             nxt = next_token(logits, temperature, top_k, generator)[:, None]
             ids = torch.cat((ids, nxt), dim=1)
     finally:
@@ -155,12 +158,13 @@ def decode_logits(
         if caches is None:
             caches = model.new_caches(b, t)
         out = [model(ids[:, :prefill], list(caches))]
+        pos = torch.tensor(prefill, dtype=torch.long, device=ids.device)  # moved on the device
         for i in range(prefill, t):
-            pos = torch.tensor(i, dtype=torch.long, device=ids.device)
             # A fresh contiguous (batch, 1) tensor, strided as generate's ids are: a compiled
             # step specializes on its inputs' strides.
             new = ids[:, i : i + 1].clone(memory_format=torch.contiguous_format)
             out.append(step(new, pos, caches)[:, None, :])
+            pos = pos + 1
     finally:
         model.train(was_training)
     return torch.cat(out, dim=1)
