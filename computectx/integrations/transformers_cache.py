@@ -46,7 +46,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType, KvFp8
-from computectx.fp8.kv_quant import dequantize_kv, static_kv_steps
+from computectx.fp8.kv_quant import static_kv_steps
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 
 __all__ = ["CtxStaticCache", "CtxStaticLayer", "calibrate_transformers_kv"]
@@ -175,10 +175,7 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
         store = self._stored()
         dtype = self.read_dtype
         assert dtype is not None  # set with the store
-        if store.k_step is None or store.v_step is None:
-            return store.k.to(dtype), store.v.to(dtype)
-        k = dequantize_kv(store.k, store.k_step)
-        v = dequantize_kv(store.v, store.v_step)
+        k, v = store.read(store.max_len)
         return k.to(dtype), v.to(dtype)
 
     def reset(self) -> None:
