@@ -377,7 +377,7 @@ def scaled_mm_error_bound(
     gamma = reference.accumulation_gamma(k + n_kb + 4, width, accumulation)
     unscaled = a64.abs() @ b64.abs().t()
     e = gamma * mag + 2.0**-148 * (unscaled + n_kb)
-    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
+    u_out = reference.UNIT_ROUNDOFF[out_dtype]
     tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
     return e + u_out * (exact.abs() + e) + tiny
 

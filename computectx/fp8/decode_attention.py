@@ -50,6 +50,7 @@ import math
 import torch
 from torch.library import custom_op
 
+from computectx.fp8 import reference
 from computectx.fp8.backend import Fp8Backend, check_backend, parse_backend
 from computectx.fp8.kv_quant import dequantize_kv, step_layout
 
@@ -308,7 +309,6 @@ def decode_attention_reference(
 
 
 _U32 = 2.0**-24
-_U_OUT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
 
 def decode_attention_error_bound(
@@ -387,7 +387,7 @@ def decode_attention_error_bound(
     err = err / (1 - a.amax(dim=-1, keepdim=True))
     v_max = v64.abs().amax(dim=(-2, -1)).unsqueeze(-1)
     err = err + 3 * length.to(torch.float64).view(b, 1, 1) * tiny32 * v_max
-    u_out = _U_OUT[q.dtype]
+    u_out = reference.UNIT_ROUNDOFF[q.dtype]
     half_sub = torch.finfo(q.dtype).smallest_normal * u_out
     return exact, err + (_U32 + u_out) * (exact.abs() + err) + half_sub
 

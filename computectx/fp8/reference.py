@@ -31,6 +31,7 @@ from computectx.fp8.ledger import (
 )
 
 __all__ = [
+    "UNIT_ROUNDOFF",
     "accumulation_gamma",
     "amax",
     "dequantize",
@@ -43,6 +44,15 @@ __all__ = [
     "seed_ledger",
     "step_from_amax",
 ]
+
+
+UNIT_ROUNDOFF: dict[torch.dtype, float] = {
+    torch.bfloat16: 2.0**-8,
+    torch.float16: 2.0**-11,
+    torch.float32: 2.0**-24,
+}
+"""Half an ulp of 1.0 (the unit roundoff) of each dtype a GEMM or attention rounds its
+output to: what the error bounds add for that last rounding."""
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
@@ -287,7 +297,7 @@ def scaled_mm_error_bound(
     if bias is not None:
         exact = exact + bias.to(torch.float64)
         mag = mag + bias.to(torch.float64).abs()
-    u_out = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}[out_dtype]
+    u_out = UNIT_ROUNDOFF[out_dtype]
     tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
     e = gamma * mag
     return e + u_out * (exact.abs() + e) + tiny
