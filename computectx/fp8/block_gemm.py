@@ -149,22 +149,8 @@ def _check_scale(
     name: str, scale: object, granularity: GemmGranularity, t: torch.Tensor
 ) -> torch.Tensor:
     layout = granular.layout_of(granularity, t.shape)  # ValueError for mx with K < 32
-    want = f"a {layout.scale_dtype} tensor of shape {layout.scale_shape} on {t.device}"
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(
-            f"{name} for granularity {granularity!r} is {want}, got {type(scale).__name__}"
-        )
-    if (
-        scale.dtype != layout.scale_dtype
-        or tuple(scale.shape) != layout.scale_shape
-        or scale.device != t.device
-    ):
-        raise ValueError(
-            f"{name} for granularity {granularity!r} of an operand of shape "
-            f"{tuple(t.shape)} is {want}; got {scale.dtype}, shape {tuple(scale.shape)} on "
-            f"{scale.device}"
-        )
-    return scale
+    who = f"{name} for granularity {granularity!r} of an operand of shape {tuple(t.shape)}"
+    return granular.check_scale(scale, layout, t.device, who)
 
 
 def check_args(

@@ -74,6 +74,7 @@ __all__ = [
     "block_shape",
     "block_steps",
     "check_granularity_widths",
+    "check_scale",
     "dequantize",
     "e8m0_of_steps",
     "expand_steps",
@@ -207,6 +208,24 @@ def check_granularity_widths(
             f"both to be multiples of {MX_BLOCK} (whole 1x{MX_BLOCK} blocks along each GEMM's "
             f"contraction); use granularity 'block' or 'row' for this layer"
         )
+
+
+def check_scale(scale: object, layout: BlockLayout, device: torch.device, who: str) -> torch.Tensor:
+    """``scale`` itself when it is ``layout``'s scale (dtype, shape) on ``device``; else
+    ``TypeError`` (not a tensor) or ``ValueError`` naming ``who``, what it got and what is
+    accepted."""
+    want = f"a {layout.scale_dtype} tensor of shape {layout.scale_shape} on {device}"
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{who} is {want}, got {type(scale).__name__}")
+    if (
+        scale.dtype != layout.scale_dtype
+        or tuple(scale.shape) != layout.scale_shape
+        or scale.device != device
+    ):
+        raise ValueError(
+            f"{who} is {want}; got {scale.dtype}, shape {tuple(scale.shape)} on {scale.device}"
+        )
+    return scale
 
 
 # ---------------------------------------------------------------------------------------

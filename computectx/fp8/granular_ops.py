@@ -72,21 +72,8 @@ def step_rule(
 
 
 def _scale_arg(scale: object, layout: BlockLayout, device: torch.device) -> torch.Tensor:
-    want = f"a {layout.scale_dtype} tensor of shape {layout.scale_shape} on {device}"
-    if not isinstance(scale, torch.Tensor):
-        raise TypeError(
-            f"granularity {layout.granularity!r} takes its scale as {want} (one step per "
-            f"block), got {type(scale).__name__}"
-        )
-    if (
-        scale.dtype != layout.scale_dtype
-        or tuple(scale.shape) != layout.scale_shape
-        or scale.device != device
-    ):
-        raise ValueError(
-            f"granularity {layout.granularity!r} takes its scale as {want}; got "
-            f"{scale.dtype}, shape {tuple(scale.shape)} on {scale.device}"
-        )
+    who = f"the scale of granularity {layout.granularity!r} (one step per block)"
+    scale = granular.check_scale(scale, layout, device, who)
     # Contiguous: the kernels index the grid row-major (a transposed view of a valid scale
     # is the same values in another layout).
     return scale.reshape(layout.grid).contiguous()
