@@ -22,8 +22,6 @@ from computectx.fp8.ledger import (
     ledger_history,
     ledger_history_len,
     ledger_new,
-    ledger_nonfinite,
-    ledger_saturated,
     ledger_step,
 )
 from computectx.fp8.saved_state import (
@@ -286,26 +284,17 @@ class OperandScaling:
             return self._quantize_reduced(x, fmt, scaling, backend, reduce)
         whole = reduce(reference.amax(x)).to(torch.float32).reshape(1)
         ledger, tally = self.ledger, self.tally
-        history, step = ledger_history(ledger), ledger_step(ledger)
-        finite = torch.isfinite(whole)
+        history = ledger_history(ledger)
         unseeded = tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] == 0
-        seed = unseeded & finite
         with torch.no_grad():
-            history.copy_(torch.where(seed, whole.expand_as(history), history))
-            step.copy_(
-                torch.where(seed, reference.step_from_amax(whole, fmt, scaling.margin), step)
-            )
+            reference.seed_ledger(ledger, whole, fmt, scaling.margin, when=unseeded)
             if history.numel() > 1:
                 history.copy_(torch.roll(history, -1))
-            step_used = step.clone()
+            step_used = ledger_step(ledger).clone()
             data, _ = ops.quantize_with_step(x, fmt, step_used, backend=backend)
-            newest = history[-1:]
-            newest.copy_(torch.where(finite, whole, newest))
-            window = history.amax().reshape(1) if scaling.algo == "max" else whole
-            fresh = reference.step_from_amax(window, fmt, scaling.margin)
-            step.copy_(torch.where(finite, fresh, step))
-            ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
-            ledger_saturated(ledger).add_(reference.saturated_count(x, step_used, fmt))
+            sat = reference.saturated_count(x, step_used, fmt)
+            last = history.numel() - 1
+            reference.advance_ledger(ledger, last, whole, sat, fmt, scaling.algo, scaling.margin)
             custom_ops.count(tally, x)
         if not torch.compiler.is_compiling():
             self._seeded_hint = True

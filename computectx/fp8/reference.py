@@ -33,6 +33,7 @@ from computectx.fp8.ledger import (
 __all__ = [
     "UNIT_ROUNDOFF",
     "accumulation_gamma",
+    "advance_ledger",
     "amax",
     "dequantize",
     "quantize_delayed",
@@ -152,10 +153,25 @@ def quantize_delayed(
     1 to the non-finite count; the number of saturated elements is added to the saturated
     count either way. (The layout is ``computectx.fp8.ledger``'s.)
     """
-    step = ledger_step(ledger)
-    step_used = step.clone()
+    step_used = ledger_step(ledger).clone()
     q, a = quantize_with_step(x, fmt, step_used)
-    sat = saturated_count(x, step_used, fmt)
+    advance_ledger(ledger, idx, a, saturated_count(x, step_used, fmt), fmt, algo, margin)
+    return q, step_used
+
+
+def advance_ledger(
+    ledger: torch.Tensor,
+    idx: int,
+    a: torch.Tensor,
+    saturated: torch.Tensor,
+    fmt: Fp8Format,
+    algo: Literal["max", "most_recent"],
+    margin: int,
+) -> None:
+    """Record a quantize that used the ledger's step: history slot ``idx`` takes the amax
+    ``a`` and the step comes from the window (both only when ``a`` is finite; else the
+    non-finite count grows), and ``saturated`` adds to the saturated count. Device ops."""
+    step = ledger_step(ledger)
     finite = torch.isfinite(a)
     slot = ledger_slot(ledger, idx)
     slot.copy_(torch.where(finite, a, slot))
@@ -163,8 +179,7 @@ def quantize_delayed(
     window = ledger_history(ledger).amax().reshape(1) if algo == "max" else a
     step.copy_(torch.where(finite, step_from_amax(window, fmt, margin), step))
     ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
-    ledger_saturated(ledger).add_(sat)
-    return q, step_used
+    ledger_saturated(ledger).add_(saturated)
 
 
 def seed_ledger(
