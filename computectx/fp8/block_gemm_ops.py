@@ -53,7 +53,15 @@ import torch
 from computectx.fp8 import block_gemm, granular
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.block_gemm import GemmGranularity
-from computectx.fp8.custom_ops import CUBLAS_MULTIPLE, cublas_operand, round_up, uses_kernels
+from computectx.fp8.custom_ops import (
+    CUBLAS_MULTIPLE,
+    cublas_bias,
+    cublas_gemm_dtype,
+    cublas_operand,
+    cublas_result,
+    round_up,
+    uses_kernels,
+)
 
 __all__ = ["RECIPES", "cublas_recipes", "cublas_scales", "recipe_of", "run"]
 
@@ -140,11 +148,8 @@ def _scaled_mm_call(
     a_p, b_p = cublas_operand(a, mp, kp), cublas_operand(b, np_, kp)
     scale_a = cublas_scales(sa, ga, mp, kp, operand="a")
     scale_b = cublas_scales(sb, gb, np_, kp, operand="b")
-    gemm_dtype = _gemm_dtype(bias, out_dtype)
-    fuse = bias is not None and gemm_dtype != torch.float32
-    fused_bias = None
-    if fuse and bias is not None:
-        fused_bias = bias if np_ == n else torch.cat([bias, bias.new_zeros(np_ - n)])
+    gemm_dtype = cublas_gemm_dtype(bias, out_dtype)
+    fused_bias = cublas_bias(bias, out_dtype, np_)
     if recipe == "row":
         out = torch._scaled_mm(
             a_p, b_p.t(), scale_a=scale_a, scale_b=scale_b, bias=fused_bias, out_dtype=gemm_dtype
@@ -169,11 +174,7 @@ def _scaled_mm_call(
             bias=fused_bias,
             output_dtype=gemm_dtype,
         )
-    padded = (mp, np_) != (m, n)
-    out = out[:m, :n] if padded else out
-    if bias is not None and not fuse:
-        return (out + bias.to(torch.float32)).to(out_dtype)
-    return out.contiguous() if padded else out
+    return cublas_result(out, m, n, bias, fused_bias, out_dtype)
 
 
 _PROBE_PAIRS: Final[dict[str, tuple[GemmGranularity, GemmGranularity]]] = {
@@ -234,12 +235,6 @@ def cublas_recipes(device: torch.device) -> dict[str, tuple[bool, str]]:
     return {name: _probe(device, name, e4m3, e4m3, torch.bfloat16) for name in RECIPES}
 
 
-def _gemm_dtype(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
-    # What the cuBLAS call returns: out_dtype, or float32 when the bias is added after.
-    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
-    return out_dtype if bias is None or fuse else torch.float32
-
-
 def _cublas_serves(
     recipe: str, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, out: torch.dtype
 ) -> bool:
@@ -247,7 +242,7 @@ def _cublas_serves(
         return False  # cuBLASLt has no E5M2 x E5M2 GEMM
     if recipe != "row" and torch.float8_e5m2 in (a.dtype, b.dtype):
         return False  # torch's block and MX recipes take E4M3 only
-    return _probe(a.device, recipe, a.dtype, b.dtype, _gemm_dtype(bias, out))[0]
+    return _probe(a.device, recipe, a.dtype, b.dtype, cublas_gemm_dtype(bias, out))[0]
 
 
 def run(

@@ -67,7 +67,10 @@ __all__ = [
     "TALLY_LEN",
     "TALLY_SEEDED",
     "count",
+    "cublas_bias",
+    "cublas_gemm_dtype",
     "cublas_operand",
+    "cublas_result",
     "delayed_call",
     "dequantize",
     "quantize_delayed",
@@ -322,6 +325,42 @@ def cublas_operand(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return out
 
 
+def cublas_gemm_dtype(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
+    """What a cuBLAS scaled GEMM returns: ``out_dtype``, or float32 when the bias cannot be
+    fused (cuBLAS fuses one only into a 16-bit output of the bias's dtype) and is added
+    after, before the one rounding to ``out_dtype``."""
+    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
+    return out_dtype if bias is None or fuse else torch.float32
+
+
+def cublas_bias(
+    bias: torch.Tensor | None, out_dtype: torch.dtype, n_padded: int
+) -> torch.Tensor | None:
+    """The bias cuBLAS fuses, zero-padded to the padded N; ``None`` when there is none to
+    fuse (see ``cublas_gemm_dtype``)."""
+    if bias is None or cublas_gemm_dtype(bias, out_dtype) == torch.float32:
+        return None
+    n = bias.shape[0]
+    return bias if n_padded == n else torch.cat([bias, bias.new_zeros(n_padded - n)])
+
+
+def cublas_result(
+    out: torch.Tensor,
+    m: int,
+    n: int,
+    bias: torch.Tensor | None,
+    fused: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """A padded cuBLAS result cut to ``[m, n]``, with an unfused bias added in float32 and
+    rounded once to ``out_dtype``."""
+    padded = tuple(out.shape) != (m, n)
+    out = out[:m, :n] if padded else out
+    if bias is not None and fused is None:
+        return (out + bias.to(torch.float32)).to(out_dtype)
+    return out.contiguous() if padded else out
+
+
 def _cublas_scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -346,22 +385,16 @@ def _cublas_scaled_mm(
     k16, n16 = round_up(k), round_up(n)
     a16 = cublas_operand(a, m, k16)
     b16 = cublas_operand(b, n16, k16)
-    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
-    fused_bias = None
-    if fuse and bias is not None:
-        fused_bias = bias if n16 == n else torch.cat([bias, bias.new_zeros(n16 - n)])
+    fused_bias = cublas_bias(bias, out_dtype, n16)
     out = torch._scaled_mm(
         a16,
         b16.t(),
         scale_a=step_a.reshape(()),
         scale_b=step_b.reshape(()),
         bias=fused_bias,
-        out_dtype=out_dtype if bias is None or fuse else torch.float32,
+        out_dtype=cublas_gemm_dtype(bias, out_dtype),
     )
-    out = out if n16 == n else out[:, :n]
-    if bias is not None and not fuse:
-        return (out + bias.to(torch.float32)).to(out_dtype)
-    return out if n16 == n else out.contiguous()
+    return cublas_result(out, m, n, bias, fused_bias, out_dtype)
 
 
 @custom_op("computectx::fp8_scaled_mm", mutates_args=())
