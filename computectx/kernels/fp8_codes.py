@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "byte_constants", "fp8_byte", "round_to_bf16"]
+__all__ = ["INTERPRETED", "byte_constants", "e8m0_step", "fp8_byte", "round_to_bf16"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's function was decorated for the interpreter."""
@@ -95,3 +95,11 @@ def round_to_bf16(v):  # type: ignore[no-untyped-def]
     keep = (bits >> 16) & 1
     rounded = (bits + (0x7FFF + keep)) & -65536
     return tl.where(v == v, rounded.to(tl.float32, bitcast=True), v)
+
+
+@triton.jit
+def e8m0_step(byte):  # type: ignore[no-untyped-def]
+    """The float32 step of an E8M0 scale byte (int32 ``byte`` in 0..255), from its bits:
+    ``2**(byte - 127)``, byte 0 the subnormal ``2**-127``, byte 255 NaN."""
+    bits = tl.where(byte == 255, 0x7FC00000, tl.where(byte == 0, 0x400000, byte << 23))
+    return bits.to(tl.float32, bitcast=True)

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import byte_constants, fp8_byte
+from computectx.kernels.fp8_codes import byte_constants, e8m0_step, fp8_byte
 
 __all__ = ["INTERPRETED", "RULES", "quantize_blocks"]
 
@@ -186,8 +186,7 @@ def _quantize_blocks_kernel(  # type: ignore[no-untyped-def]
         if GIVEN:
             if MX_SCALE:
                 b = tl.load(scale_ptr + s_rows * n_scale_cols + sc, mask=s_mask, other=127)
-                b = b.to(tl.int32)
-                step = tl.where(b == 255, float("nan"), _exp2(b - 127))
+                step = e8m0_step(b.to(tl.int32))
             else:
                 step = tl.load(scale_ptr + s_rows * n_scale_cols + sc, mask=s_mask, other=1.0)
         else:

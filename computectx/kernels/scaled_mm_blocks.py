@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from computectx.kernels.fp8_codes import e8m0_step
 from computectx.kernels.scaled_mm import (
     check_bias_and_out,
     check_operands,
@@ -96,9 +97,7 @@ def _steps(ptr, rows, R, stride_r, kb, stride_k, BLOCK_ROWS: tl.constexpr, E8M0:
     # The float32 step of each of ``rows`` in K block ``kb`` (1 where masked).
     offs = (rows // BLOCK_ROWS).to(tl.int64) * stride_r + kb * stride_k
     if E8M0:
-        byte = tl.load(ptr + offs, mask=rows < R, other=127).to(tl.int32)
-        bits = tl.where(byte == 255, 0x7FC00000, tl.where(byte == 0, 0x400000, byte << 23))
-        steps = bits.to(tl.float32, bitcast=True)
+        steps = e8m0_step(tl.load(ptr + offs, mask=rows < R, other=127).to(tl.int32))
     else:
         steps = tl.load(ptr + offs, mask=rows < R, other=1.0)
     return steps
