@@ -27,6 +27,7 @@ __all__ = [
     "policy_of",
 ]
 
+
 def describe(value: object, limit: int = 60) -> str:
     """``value`` for an error message: its type and a repr cut to ``limit`` characters."""
     text = repr(value)
