@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "computectx"
 
 # Rank inside the core: a core module imports only core modules of a lower rank.
 CORE_RANK: dict[str, int] = {
+    "computectx._files": 0,  # durable file writes, for every package that writes a file
     "computectx.dtypes": 0,
     "computectx.recipes": 1,
     "computectx.residency": 1,

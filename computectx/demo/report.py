@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from rich.table import Table
 
+from computectx._files import atomic_path, write_file
 from computectx.demo.corpus import Corpus
 from computectx.demo.settings import DemoSettings
 from computectx.demo.train import PolicyResult, model_config, tail_steps
@@ -28,6 +29,7 @@ __all__ = [
     "serving_notes",
     "serving_table",
     "table_notes",
+    "write_results",
 ]
 
 RESULTS_VERSION = 4
@@ -192,6 +194,12 @@ def _finite_or_none(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
+def write_results(report: DemoReport) -> None:
+    """Write ``report.json_path``: ``results_json`` as strict JSON, durably."""
+    text = json.dumps(results_json(report), indent=1, allow_nan=False)
+    write_file(report.json_path, text.encode(), what="results.json")
+
+
 def results_json(report: DemoReport) -> dict[str, Any]:
     """The content of ``results.json`` (strict JSON: non-finite numbers become ``None``)."""
     s = report.settings
@@ -334,8 +342,11 @@ def plot_losses(report: DemoReport) -> None:
         low.legend(fontsize=8)
     axes[-1][0].set_xlabel(f"optimizer step (train lines: {width}-step moving average)")
     fig.tight_layout()
-    fig.savefig(report.plot_path)
-    plt.close(fig)
+    try:
+        with atomic_path(report.plot_path, what="the loss plot") as tmp:
+            fig.savefig(tmp, format=report.plot_path.suffix.removeprefix(".") or "png")
+    finally:
+        plt.close(fig)
 
 
 def printable(text: str) -> str:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import io
-import json
 import os
 import socket
 import tempfile
@@ -18,16 +17,17 @@ from rich.text import Text
 from torch.multiprocessing.spawn import start_processes
 
 from computectx import capability
+from computectx._files import atomic_path
 from computectx.demo.corpus import load_corpus, val_batches
 from computectx.demo.report import (
     DemoReport,
     plot_losses,
     printable,
-    results_json,
     results_table,
     serving_notes,
     serving_table,
     table_notes,
+    write_results,
 )
 from computectx.demo.settings import DemoError, DemoSettings
 from computectx.demo.train import data_parallel_rank, policy_ctx, train_policy
@@ -115,7 +115,8 @@ def _rank_main(rank: int, settings: DemoSettings, port: int, report_path: str) -
         quiet = None if rank == 0 else Console(file=io.StringIO())
         report = run_demo(settings, quiet)
         if rank == 0:
-            torch.save(report, report_path)
+            with atomic_path(report_path, what="the rank-0 report") as tmp:
+                torch.save(report, tmp)
     finally:
         dist.destroy_process_group()
 
@@ -233,7 +234,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
             out.print(Text(printable(r.sample)))
     if rank != 0:
         return report
-    report.json_path.write_text(json.dumps(results_json(report), indent=1, allow_nan=False))
+    write_results(report)
     plot_losses(report)
     out.print(f"\nwrote {report.json_path} and {report.plot_path}", markup=False)
     return report

@@ -7,12 +7,12 @@ import inspect
 import json
 import os
 import pathlib
-import tempfile
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from computectx._files import atomic_path, target_of
 from computectx.ctx import ComputeCtx
 from computectx.residency import Residency, available_bytes
 
@@ -60,12 +60,17 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> pathli
     aliases in the file's metadata, which ``load_weights`` reads back. Every tensor of the
     state dict is stored, buffers included (an ``Fp8Linear``'s scaling state is buffers, so it
     travels with the weights); module extra state that is not a tensor (``get_extra_state``
-    returning other objects) cannot go into safetensors and is left out. The file is
-    written to a temporary name and renamed, so a crash never leaves a truncated checkpoint.
+    returning other objects) cannot go into safetensors and is left out.
+
+    The file is written durably (``computectx._files.atomic_path``): to a temporary in the
+    same folder, fsynced, renamed over ``path`` and the folder fsynced, so a crash leaves the
+    old checkpoint or the new one. A new file gets the mode the umask gives, an overwritten
+    one keeps its mode, and a symlink is written through to its target. An empty path, a
+    folder, or a missing folder is refused before anything is written.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    target = pathlib.Path(path)
+    target_of(path, what="weights")  # refuse a bad path before copying any tensor
     named = _tensor_entries(model)
     stored: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
@@ -76,20 +81,13 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> pathli
             continue
         first_name[id(t)] = name
         stored[name] = t.detach().to("cpu").contiguous()
-    if not target.parent.exists():
-        raise FileNotFoundError(f"cannot save weights to {str(target)!r}: no such directory")
-    fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
-    os.close(fd)
-    try:
+    metadata = {_ALIASES_KEY: json.dumps(aliases, sort_keys=True)}
+    with atomic_path(path, what="weights") as tmp:
         try:
-            save_file(stored, tmp, metadata={_ALIASES_KEY: json.dumps(aliases, sort_keys=True)})
+            save_file(stored, tmp, metadata=metadata)
         except (SafetensorError, RuntimeError, ValueError) as e:
-            raise ValueError(f"cannot save weights to {str(target)!r}: {e}") from e
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+            raise ValueError(f"cannot save weights to {os.fspath(path)!r}: {e}") from e
+    return pathlib.Path(path)
 
 
 def load_weights(
