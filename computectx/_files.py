@@ -1,18 +1,20 @@
 """Durable file writes: every file the package writes goes through ``atomic_path``.
 
 A write goes to a temporary in the target's folder, named ``.<name>.<16 hex>.computectx-tmp``
-and held under an exclusive ``flock`` while it is written. Then the temporary gets its final
-mode (a new file: what the umask gives; an overwritten file: the mode, and where allowed the
-owner and group, it had), is ``fsync``-ed, renamed over the target with ``os.replace`` and the
-folder is ``fsync``-ed. A crash leaves the old file or the new one, never part of one. A writer
-killed mid-save leaves its temporary; the next write to the same path removes the temporaries
-of that path's pattern whose lock no live writer holds, and nothing else. A symlink is written
-through: its target is replaced, the link stays. (POSIX: ``flock`` and a folder's ``fsync``.)
+(a name too long for that is cut and followed by a hash of it) and held under an exclusive
+``flock`` while it is written. Then the temporary gets its final mode (a new file: what the
+umask gives; an overwritten file: the mode, and where allowed the owner and group, it had), is
+``fsync``-ed, renamed over the target with ``os.replace`` and the folder is ``fsync``-ed. A
+crash leaves the old file or the new one, never part of one. A writer killed mid-save leaves
+its temporary; the next write to the same path removes the temporaries of that path's pattern
+whose lock no live writer holds, and nothing else. A symlink is written through: its target is
+replaced, the link stays. (POSIX: ``flock`` and a folder's ``fsync``.)
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import secrets
@@ -69,8 +71,19 @@ def target_of(path: str | os.PathLike[str], *, what: str) -> Path:
     return real
 
 
+def _stem(name: str) -> str:
+    """``name`` in its temporaries' names; a name too long to take the 33 extra characters
+    within 255 bytes is cut and followed by a hash of the whole name."""
+    raw = name.encode()
+    if len(raw) <= 255 - 33:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:16]
+    return f"{raw[:200].decode(errors='ignore')}~{digest}"
+
+
 def _pattern(real: Path) -> re.Pattern[str]:
-    return re.compile(rf"\.{re.escape(real.name)}\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")
+    stem = re.escape(_stem(real.name))
+    return re.compile(rf"\.{stem}\.[0-9a-f]{{16}}{re.escape(TEMP_SUFFIX)}")
 
 
 def _try_lock(fd: int) -> bool:
@@ -147,7 +160,7 @@ def atomic_path(path: str | os.PathLike[str], *, what: str) -> Iterator[Path]:
     real = target_of(path, what=what)
     old = real.stat() if real.exists() else None
     _remove_stale(real)
-    tmp = real.parent / f".{real.name}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    tmp = real.parent / f".{_stem(real.name)}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
     try:
         # 0o666 and the umask (and a default ACL) give the mode an ordinary new file gets.
         lock = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)

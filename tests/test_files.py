@@ -7,6 +7,7 @@ paths refused before anything is written.
 
 from __future__ import annotations
 
+import ast
 import fcntl
 import os
 import signal
@@ -71,6 +72,16 @@ def test_overwriting_keeps_the_files_mode(tmp_path: Path, mode: int) -> None:
     save_weights(net(1), path)
     assert mode_of(path) == mode
     assert torch.equal(saved_weight(path), net(1).weight.detach())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root may give a file to another user")
+def test_overwriting_as_root_keeps_the_files_owner_and_group(tmp_path: Path) -> None:
+    path = save_weights(net(0), tmp_path / "w.safetensors")
+    os.chown(path, 4321, 4322)
+    path.chmod(0o4750)  # a mode chown would clear (set-user-ID) is kept too
+    save_weights(net(1), path)
+    st = path.stat()
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (4321, 4322, 0o4750)
 
 
 def test_saving_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path: Path) -> None:
@@ -152,6 +163,16 @@ with files.atomic_path(sys.argv[2], what="weights") as tmp:
 """
 
 
+def _kill_a_writer_of(path: Path) -> None:
+    res = subprocess.run(
+        [sys.executable, "-c", _KILLED_WRITER, files_module.__file__, str(path)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert res.returncode == -signal.SIGKILL, res.stderr
+
+
 def test_a_writer_that_fails_or_is_killed_mid_save_leaves_the_old_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,13 +204,7 @@ def test_a_writer_that_fails_or_is_killed_mid_save_leaves_the_old_file(
     ]
     for name in others:
         (tmp_path / name).write_text("keep me")
-    res = subprocess.run(
-        [sys.executable, "-c", _KILLED_WRITER, files_module.__file__, str(path)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert res.returncode == -signal.SIGKILL, res.stderr
+    _kill_a_writer_of(path)
     left = stale_temporaries(path)
     assert len(left) == 1 and left[0].read_bytes() == b"half a checkpoint"
     assert torch.equal(saved_weight(path), net(0).weight.detach())  # the old file, whole
@@ -212,6 +227,23 @@ def test_a_live_writers_temporary_is_kept(tmp_path: Path) -> None:
     save_weights(net(2), path)  # the writer is gone: its temporary is stale now
     assert not live.exists()
     assert torch.equal(saved_weight(path), net(2).weight.detach())
+
+
+def test_names_at_the_filesystems_limit_save_and_keep_their_temporaries_apart(
+    tmp_path: Path,
+) -> None:
+    # Two names of the longest length the folder takes, alike for their first 240 bytes.
+    stem = "w" * (os.pathconf(tmp_path, "PC_NAME_MAX") - len("ab.safetensors"))
+    path, sibling = tmp_path / f"{stem}ab.safetensors", tmp_path / f"{stem}ac.safetensors"
+    for p in (path, sibling):
+        save_weights(net(0), p)
+        _kill_a_writer_of(p)
+    [stale], [sibling_stale] = stale_temporaries(path), stale_temporaries(sibling)
+    assert stale != sibling_stale
+    save_weights(net(1), path)
+    assert torch.equal(saved_weight(path), net(1).weight.detach())
+    assert not stale.exists() and sibling_stale.exists()
+    assert temporaries(tmp_path) == [sibling_stale.name]
 
 
 def test_bad_paths_are_refused_before_anything_is_written(tmp_path: Path) -> None:
@@ -298,3 +330,66 @@ def test_the_demos_files_are_durable_and_a_failed_plot_keeps_the_old_one(
         plot_losses(report)
     assert report.plot_path.read_bytes() == png
     assert temporaries(tmp_path) == temporaries(kept) == []
+
+
+# Calls that write a file, by the called name; each must write into a temporary that
+# ``atomic_path`` gave (one of its arguments is the name `with atomic_path(...) as name` bound).
+_WRITERS = {"write_text", "write_bytes", "savefig", "save_file", "mkstemp", "NamedTemporaryFile"}
+_MODULE_WRITERS = {("torch", "save"), ("os", "replace"), ("os", "rename"), ("shutil", "copy")}
+_PROBES = {("demo/run.py", "NamedTemporaryFile")}  # the --out folder's writability probe
+
+
+def _raw_writes(source: str) -> list[tuple[int, str]]:
+    tree = ast.parse(source)
+    temporaries = {
+        item.optional_vars.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.With)
+        for item in node.items
+        if isinstance(item.context_expr, ast.Call)
+        and isinstance(item.context_expr.func, ast.Name)
+        and item.context_expr.func.id == "atomic_path"
+        and isinstance(item.optional_vars, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+        owner = f.value.id if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) else ""
+        given = node.args[1:2] if isinstance(f, ast.Name) else node.args[:1]  # open / Path.open
+        mode = [*given, *(k.value for k in node.keywords if k.arg == "mode")]
+        writes = (
+            name in _WRITERS
+            or (owner, name) in _MODULE_WRITERS
+            or (
+                name == "open"
+                and any(
+                    isinstance(m, ast.Constant) and set(str(m.value)) & set("wax+") for m in mode
+                )
+            )
+        )
+        args = [*node.args, *(k.value for k in node.keywords)]
+        if writes and not any(isinstance(a, ast.Name) and a.id in temporaries for a in args):
+            found.append((node.lineno, name))
+    return found
+
+
+def test_every_file_the_package_writes_goes_through_atomic_path() -> None:
+    package = Path(files_module.__file__).parent
+    raw = [
+        f"{rel}:{line} {name}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "_files.py"
+        for rel in [path.relative_to(package).as_posix()]
+        for line, name in _raw_writes(path.read_text())
+        if (rel, name) not in _PROBES
+    ]
+    assert raw == []
+    # The check itself finds each kind of raw write.
+    writes = "p.write_text('x')\nopen(p, 'wb')\np.open(mode='a')\ntorch.save(x, p)"
+    assert [n for _, n in _raw_writes(writes)] == ["write_text", "open", "open", "save"]
+    assert _raw_writes("with atomic_path(p, what='x') as tmp:\n    torch.save(x, tmp)") == []
+    reads = "open('/proc/meminfo')\nopen(p, 'rb')\np.open('rb')\n'a'.replace('a', 'b')"
+    assert _raw_writes(reads) == []
