@@ -239,4 +239,4 @@ def test_bad_arguments(tmp_path: pathlib.Path) -> None:
         load_weights(net(0), path, "cpu")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="reserve_bytes"):
         load_weights(net(0), path, ctx("auto"), reserve_bytes=-1)
-    assert not list(tmp_path.glob("*.tmp"))  # no temporary files left behind
+    assert not list(tmp_path.glob("*.computectx-tmp"))  # no temporary files left behind
