@@ -44,6 +44,7 @@ __all__ = [
     "ACTIVATION_DTYPES",
     "DTensorLinear",
     "Fp8LinearPlan",
+    "autocast_dtype",
     "fp8_linear",
     "gemm_dtype_for",
     "is_dtensor",
@@ -143,12 +144,21 @@ def fp8_linear(
     bias: torch.Tensor | None,
     plan: Fp8LinearPlan,
 ) -> torch.Tensor:
-    """``x Wᵀ + b`` in fp8 for ``x`` of any leading shape; the result has ``x``'s dtype.
+    """``x Wᵀ + b`` in fp8 for ``x`` of any leading shape; the result has ``x``'s dtype, or
+    under ``torch.autocast`` for ``x``'s device the autocast dtype, as ``nn.Linear``'s has.
 
     ``weight`` is the high-precision weight (``None`` when ``plan.frozen_weight`` holds a
     pre-quantized one). Inputs are assumed checked by the caller (dtype in
     ``ACTIVATION_DTYPES``, matching ``in_features``).
     """
+    lowered = autocast_dtype(x)
+    if lowered is not None:
+        # As autocast runs a linear: the input at the autocast dtype (what is quantized, and
+        # the output's dtype); the weight stays as it is (it is quantized from its own
+        # dtype). Autocast is then off inside, so it cannot also lower the fp8 path's
+        # float32 work (the reference GEMM's matmul, the amaxes).
+        with torch.autocast(x.device.type, enabled=False):
+            return fp8_linear(x.to(lowered), weight, bias, plan)
     if is_dtensor(x) or is_dtensor(weight) or is_dtensor(bias):
         # Tensor parallelism (or any DTensor activations): the handler runs this call on
         # the local shards, each amax the whole tensor's.
@@ -202,6 +212,16 @@ def fp8_linear(
     # pre-backward hook) warn that an in-place op on a view would drop their hook.
     out: torch.Tensor = torch.ops.aten._unsafe_view(y2, (*lead, y2.shape[-1]))
     return out
+
+
+def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
+    """The dtype ``torch.autocast`` would run a linear of ``x`` at, when it is on for ``x``'s
+    device and that dtype is not ``x``'s; else ``None``."""
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return None
+    dtype = torch.get_autocast_dtype(device)
+    return dtype if dtype != x.dtype and dtype in ACTIVATION_DTYPES else None
 
 
 def _empty_linear(
