@@ -73,6 +73,33 @@ def _lower(value: object) -> object:
     return value.strip().lower() if isinstance(value, str) else value
 
 
+def _flag(value: object) -> object:
+    # Strict booleans: pydantic's lax mode would read "yes", "off", 1 or 0.0 as a bool, so a
+    # typo in a JSON file would switch an option silently. None (JSON null) never reaches
+    # here: the policy's before-validator turns it into the granularity's default.
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"must be a boolean, true or false (JSON) / True or False (Python), or null for "
+            f"the granularity's default; got {type(value).__name__} {value!r}"
+        )
+    return value
+
+
+def _integer(value: object) -> object:
+    # Strict integers: a bool (True is 1 to pydantic's lax mode), a string or a float is
+    # refused, so JSON `"margin": true` or `"history_len": "16"` never reads as a number. The
+    # text forms convert their digits to int before they get here.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+_Flag = Annotated[bool, BeforeValidator(_flag)]
+"""A strictly boolean policy field (``True``/``False``, JSON ``true``/``false``)."""
+_Integer = Annotated[int, BeforeValidator(_integer)]
+"""A strictly integral policy field (no bool, string or float)."""
+
+
 class Fp8Scheme(enum.Enum):
     """Which fp8 format each direction uses.
 
@@ -123,9 +150,9 @@ class DelayedScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     kind: Annotated[Literal["delayed"], BeforeValidator(_lower)] = "delayed"
     """Discriminator for serialization; always ``"delayed"`` (optional on input: a recipe
     without ``kind`` is delayed)."""
-    history_len: int = Field(default=16, ge=1, le=1024)
+    history_len: _Integer = Field(default=16, ge=1, le=1024)
     """Number of past amaxes kept per operand (the window of the ``max`` reduction)."""
-    margin: int = Field(default=0, ge=0, le=16)
+    margin: _Integer = Field(default=0, ge=0, le=16)
     """Headroom exponent: the scale leaves ``2**margin`` above the observed amax."""
     algo: Annotated[Literal["max", "most_recent"], BeforeValidator(_lower)] = "max"
     """Window reduction: ``"max"`` (stable) or ``"most_recent"`` (responsive)."""
@@ -141,7 +168,7 @@ class DynamicScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
 
     kind: Annotated[Literal["dynamic"], BeforeValidator(_lower)] = "dynamic"
     """Discriminator for serialization; always ``"dynamic"``."""
-    margin: int = Field(default=0, ge=0, le=16)
+    margin: _Integer = Field(default=0, ge=0, le=16)
     """Headroom exponent: the scale leaves ``2**margin`` above the observed amax."""
 
     def __str__(self) -> str:
@@ -319,21 +346,25 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
     """Which elements share one step: ``tensor`` (default), ``row`` (one step per row along
     the contraction dimension), ``block`` (1x128 activations and gradients, 128x128
     weights) or ``mx`` (1x32 blocks, E8M0 scales)."""
-    power_of_two: bool = False
+    power_of_two: _Flag = False
     """Round every measured step up to a power of two: on by default for ``row``, always on
     for ``mx``, optional for ``block``, off (and refused) per tensor."""
     mx_rounding: Annotated[Literal["floor", "rceil"] | None, BeforeValidator(_lower)] = None
     """How an ``mx`` block's exponent is chosen: ``"rceil"`` (default for ``mx``) or
     ``"floor"`` (OCP); ``None`` (and only ``None``) for the other granularities."""
-    gw_hp: bool = False
+    gw_hp: _Flag = False
     """``row`` only: the weight-gradient GEMM runs in high precision (torchao's
     ``ROWWISE_WITH_GW_HP``)."""
 
     @model_validator(mode="before")
     @classmethod
     def _granularity_defaults(cls, data: Any) -> Any:
-        # The defaults that depend on the granularity: the format, the recipe, powers of two
-        # and the mx rounding. A None option reads as "the granularity's default".
+        # The defaults that depend on the granularity: the format, the recipe (also the
+        # recipe of a scaling dict without `kind`: delayed per tensor, dynamic for the finer
+        # granularities, whose only recipe it is, unless the dict holds delayed's own fields,
+        # `history_len` or `algo`: then it is delayed, and refused with the rule), powers of
+        # two, the mx rounding and gw_hp. A None option (JSON null) reads as "the
+        # granularity's default".
         if not isinstance(data, dict):
             return data
         g = _lower(data.get("granularity", "tensor"))
@@ -343,10 +374,16 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
         if g != "tensor":
             out.setdefault("format", Fp8Scheme.E4M3)
             out.setdefault("scaling", DynamicScaling())
+            scaling = out["scaling"]
+            delayed_only = set(_TEXT_FIELDS["delayed"]) - set(_TEXT_FIELDS["dynamic"])
+            if isinstance(scaling, dict) and not {"kind", *delayed_only} & set(scaling):
+                out["scaling"] = {"kind": "dynamic", **scaling}
         if out.get("power_of_two") is None:
             out["power_of_two"] = g in ("row", "mx")
         if out.get("mx_rounding") is None and g == "mx":
             out["mx_rounding"] = "rceil"
+        if out.get("gw_hp") is None:
+            out["gw_hp"] = False
         return out
 
     @model_validator(mode="after")
@@ -357,6 +394,15 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
                 f"delayed scaling is per-tensor only: granularity {g!r} takes every step from "
                 f"the current amax of its block, so it needs dynamic scaling, e.g. "
                 f"{f'{self.format}/{g}/dynamic'!r}"
+            )
+        if g != "tensor" and self.scaling.margin:
+            raise ValueError(
+                f"margin={self.scaling.margin} applies to per-tensor scaling only: granularity "
+                f"{g!r} takes each step from the current amax of the very block it quantizes, "
+                f"so no value outgrows its step and a margin would only leave 2**margin of the "
+                f"format's range unused (TransformerEngine's block recipes and torchao's "
+                f"row-wise one have none); write margin 0, e.g. "
+                f"{f'{self.format}/{self._granularity_text()}/dynamic/0'!r}"
             )
         if g == "tensor" and self.power_of_two:
             raise ValueError(
@@ -380,6 +426,10 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
             )
         return self
 
+    def _granularity_text(self) -> str:
+        """The text form's granularity part, ``GRANULARITY[+OPTION...]``."""
+        return "+".join([self.granularity, *self._options()])
+
     def _options(self) -> list[str]:
         """The text form's options: those that differ from the granularity's defaults."""
         g, options = self.granularity, []
@@ -398,8 +448,7 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
         recipe's text form."""
         if self.granularity == "tensor":
             return f"{self.format}/{self.scaling}"
-        part = "+".join([self.granularity, *self._options()])
-        return f"{self.format}/{part}/{self.scaling}"
+        return f"{self.format}/{self._granularity_text()}/{self.scaling}"
 
     @classmethod
     def parse(cls, text: str) -> Fp8Policy:

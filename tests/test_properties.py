@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import math
+import re
 from collections.abc import Callable
 
 import numpy as np
@@ -216,7 +218,8 @@ def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
         options["power_of_two"] = draw(st.sampled_from([None, True, False]))
     if granularity == "mx":
         options["mx_rounding"] = draw(st.sampled_from([None, "rceil", "floor"]))
-    fields = {"format": fmt, "scaling": draw(_DYNAMIC), "granularity": granularity}
+    # The finer granularities take no margin (refused: see the tests below).
+    fields = {"format": fmt, "scaling": DynamicScaling(), "granularity": granularity}
     return Fp8Policy.model_validate(fields | options)
 
 
@@ -395,6 +398,81 @@ def test_delayed_scaling_is_refused_for_every_granularity_but_tensor(
     text = str(policy).replace(f"/{policy.scaling}", f"/delayed/{history}")
     with pytest.raises(ValueError, match="delayed scaling is per-tensor only"):
         Fp8Policy.parse(text)
+
+
+@given(policy=fp8_policies(), margin=st.integers(1, 16))
+def test_a_margin_is_refused_for_every_granularity_but_tensor(
+    policy: Fp8Policy, margin: int
+) -> None:
+    # Python, JSON (tagged, and untagged: a scaling dict without kind is the granularity's
+    # recipe) and text all agree: per tensor the margin is the step's headroom; row, block
+    # and mx take each step from the block's current amax and refuse one, naming the rule.
+    dumped = policy.model_dump(mode="json")
+    tagged = dumped | {"scaling": {"kind": "dynamic", "margin": margin}}
+    untagged = dumped | {"scaling": {"margin": margin}}
+    if policy.granularity == "tensor":
+        got = Fp8Policy.model_validate(tagged)
+        assert got.scaling == DynamicScaling(margin=margin)
+        assert Fp8Policy.model_validate(untagged).scaling.margin == margin
+        assert Fp8Policy.parse(str(got)) == got
+        return
+    text = str(policy).replace("/dynamic/0", f"/dynamic/{margin}")
+    rule = f"margin={margin} applies to per-tensor scaling only"
+    for form in (tagged, untagged):
+        with pytest.raises(ValidationError, match=re.escape(rule)):
+            Fp8Policy.model_validate(form)
+        with pytest.raises(ValidationError, match=re.escape(rule)):
+            Fp8Policy.model_validate_json(json.dumps(form))
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        Fp8Policy.parse(text)
+    with pytest.raises(ValueError, match=re.escape(rule)):
+        ComputeCtx.parse(f"compute=bf16,device=cpu,fp8={text}")
+    # Without a margin the untagged dict is the granularity's own recipe, dynamic.
+    assert Fp8Policy.model_validate(dumped | {"scaling": {}}) == policy
+
+
+_NOT_BOOLS = st.one_of(
+    st.sampled_from(["yes", "no", "true", "false", "on", "off", "1", "0", "", "t"]),
+    st.integers(-2, 2),
+    st.floats(allow_nan=False),
+    st.lists(st.booleans(), max_size=1),
+)
+
+
+@given(policy=fp8_policies(), field=st.sampled_from(["power_of_two", "gw_hp"]), bad=_NOT_BOOLS)
+def test_boolean_fields_are_strict_and_null_is_the_default(
+    policy: Fp8Policy, field: str, bad: object
+) -> None:
+    # pydantic's lax mode reads "yes", "off", 1 or 0.0 as booleans; the policy does not.
+    dumped = policy.model_dump(mode="json")
+    for read in (
+        lambda d: Fp8Policy.model_validate(d),
+        lambda d: Fp8Policy.model_validate_json(json.dumps(d)),
+        lambda d: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "fp8": d}),
+    ):
+        with pytest.raises(ValidationError, match="must be a boolean") as caught:
+            read(dumped | {field: bad})
+        assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
+        assert repr(bad) in str(caught.value), str(caught.value)
+        # null (None) is the granularity's default, for every option.
+        null = dumped | {"power_of_two": None, "gw_hp": None, "mx_rounding": None}
+        default = Fp8Policy(format=policy.format, granularity=policy.granularity)
+        got = read(null)
+        assert (got.fp8 if isinstance(got, ComputeCtx) else got) == default.model_copy(
+            update={"scaling": policy.scaling}
+        )
+
+
+@given(
+    field=st.sampled_from(["history_len", "margin"]),
+    bad=st.one_of(st.booleans(), st.sampled_from(["16", "1", " 2"]), st.floats(0, 16)),
+)
+def test_integer_fields_are_strict(field: str, bad: object) -> None:
+    # A True margin is not 1 and "16" is not 16: JSON numbers only (the text form converts
+    # its own digits).
+    with pytest.raises(ValidationError, match="must be an integer") as caught:
+        Fp8Policy.model_validate_json(json.dumps({"scaling": {field: bad}}))
+    assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
 
 
 # ----- the fp8 KV cache setting ----------------------------------------------------------------

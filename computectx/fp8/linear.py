@@ -17,7 +17,7 @@ from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
 from computectx.fp8.granular import check_granularity_widths
 from computectx.fp8.inline import QuantizeImpl, parse_quantize
-from computectx.fp8.policy import policy_of
+from computectx.fp8.policy import check_quantize, checked_layer_ctx, policy_of
 from computectx.fp8.recompute import in_reentrant_checkpoint_forward
 from computectx.fp8.region import region_fp8_enabled
 from computectx.fp8.saved_state import read_saved_dict, read_saved_tensors, tensor_names
@@ -99,7 +99,7 @@ class Fp8Linear(nn.Linear):
         policy = policy_of(ctx, "Fp8Linear")
         check_fp8_widths(in_features, out_features)
         check_granularity_widths(policy.granularity, in_features, out_features)
-        self._quantize = _check_quantize(parse_quantize(quantize), policy)
+        self._quantize = check_quantize(parse_quantize(quantize), policy)
         dev = parse_device(device) if device is not None else _default_device(ctx)
         param_dtype = dtype if dtype is not None else ctx.master.torch
         _check_param_dtype("weight", param_dtype)
@@ -155,6 +155,19 @@ class Fp8Linear(nn.Linear):
     # ----- properties ---------------------------------------------------------------------
 
     @property
+    def ctx(self) -> ComputeCtx:
+        """The compute policy. ``layer.ctx = other`` checks ``other`` as construction does
+        (``policy.checked_layer_ctx``); a refused one changes nothing."""
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, value: ComputeCtx) -> None:
+        frozen = self.weight_fp8.dtype if getattr(self, "_frozen", False) else None
+        self._ctx = checked_layer_ctx(
+            value, self.in_features, self.out_features, self._quantize, frozen
+        )
+
+    @property
     def policy(self) -> Fp8Policy:
         """The fp8 policy (``ctx.fp8``)."""
         return policy_of(self.ctx, "Fp8Linear")
@@ -181,7 +194,7 @@ class Fp8Linear(nn.Linear):
 
     @quantize.setter
     def quantize(self, value: QuantizeImpl) -> None:
-        self._quantize = _check_quantize(parse_quantize(value), self.policy)
+        self._quantize = check_quantize(parse_quantize(value), self.policy)
 
     def _storage_device(self) -> torch.device:
         w = self.weight_fp8 if self._frozen else self.weight
@@ -211,7 +224,7 @@ class Fp8Linear(nn.Linear):
             b = None if self.bias is None else self.bias.to(x.dtype)
             return functional.linear(x, w, b)
         policy = self.policy
-        _check_quantize(self._quantize, policy)  # the ctx may have been swapped since
+        check_quantize(self._quantize, policy)  # the ctx may have been swapped since
         frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
         self.scaling.conform(policy, self._storage_device())
         # Ledgers advance in training only (as TransformerEngine's do): an eval, no_grad or
@@ -431,18 +444,6 @@ def check_fp8_widths(in_features: int, out_features: int) -> None:
             f"in_features={in_features}, out_features={out_features}: both must be multiples "
             f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
         )
-
-
-def _check_quantize(quantize: QuantizeImpl, policy: Fp8Policy) -> QuantizeImpl:
-    # The inline quantize traces the per-tensor quantize as plain ops; a fine-grained linear
-    # always calls its block-quantize operator, so "inline" would be silently ignored.
-    if quantize == "inline" and policy.granularity != "tensor":
-        raise ValueError(
-            f"quantize='inline' is a per-tensor option; the policy {str(policy)!r} has "
-            f"granularity {policy.granularity!r}, whose quantize is always its operator. "
-            f"Use quantize='op' (the default)"
-        )
-    return quantize
 
 
 def _default_device(ctx: ComputeCtx) -> torch.device:

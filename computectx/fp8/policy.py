@@ -8,7 +8,12 @@ working. ``policy_of`` is how every fp8 entry point (``Fp8Linear``, ``convert_to
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import torch
+
 from computectx.ctx import ComputeCtx
+from computectx.fp8.granular import check_granularity_widths
 from computectx.recipes import (
     DelayedScaling,
     DynamicScaling,
@@ -23,9 +28,13 @@ __all__ = [
     "Fp8Policy",
     "Fp8Scheme",
     "Scaling",
+    "check_quantize",
+    "checked_layer_ctx",
     "describe",
     "policy_of",
 ]
+
+_Q = TypeVar("_Q", bound=str)
 
 
 def describe(value: object, limit: int = 60) -> str:
@@ -54,3 +63,50 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
             f"ctx.replace(fp8=Fp8Policy()) or ComputeCtx.from_flag('fp8_hybrid', device)"
         )
     return ctx.fp8
+
+
+def check_quantize(quantize: _Q, policy: Fp8Policy) -> _Q:
+    """``quantize`` (an ``Fp8Linear``'s ``"op"`` or ``"inline"``) if ``policy`` runs it;
+    ``ValueError`` for ``"inline"`` under a ``row``, ``block`` or ``mx`` policy."""
+    # The inline quantize traces the per-tensor quantize as plain ops; a fine-grained linear
+    # always calls its block-quantize operator, so "inline" would be silently ignored.
+    if quantize == "inline" and policy.granularity != "tensor":
+        raise ValueError(
+            f"quantize='inline' is a per-tensor option; the policy {str(policy)!r} has "
+            f"granularity {policy.granularity!r}, whose quantize is always its operator. "
+            f"Use quantize='op' (the default)"
+        )
+    return quantize
+
+
+def checked_layer_ctx(
+    ctx: object,
+    in_features: int,
+    out_features: int,
+    quantize: str,
+    frozen: torch.dtype | None,
+) -> ComputeCtx:
+    """``ctx`` if an ``Fp8Linear`` of these widths, quantizing as ``quantize``, can run under
+    it: the rules its construction applies (``policy_of``, ``check_granularity_widths``,
+    ``check_quantize``), and for a layer frozen for serving (``frozen``, the dtype its weight
+    codes are held in) a per-tensor policy of that forward format. ``TypeError`` or
+    ``ValueError`` naming the layer's shape and the rule otherwise (``layer.ctx = ...``
+    changes nothing then)."""
+    shape = f"Fp8Linear(in_features={in_features}, out_features={out_features})"
+    policy = policy_of(ctx, f"{shape}.ctx")
+    try:
+        check_granularity_widths(policy.granularity, in_features, out_features)
+        check_quantize(quantize, policy)
+        if frozen is not None and (
+            policy.granularity != "tensor" or policy.format.forward.torch != frozen
+        ):
+            raise ValueError(
+                f"the layer is frozen for serving, its weight held as per-tensor {frozen} "
+                f"codes, so a new policy must be per tensor with that forward format"
+            )
+    except ValueError as e:
+        raise ValueError(
+            f"{shape} cannot take the ctx with fp8={policy}: {e}. The layer keeps its ctx"
+        ) from None
+    assert isinstance(ctx, ComputeCtx)  # policy_of refuses anything else
+    return ctx

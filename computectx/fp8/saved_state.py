@@ -21,7 +21,8 @@ converted (``resize_ledger``).
 Versions 1 and 2 saved the state as a dict in ``_extra_state``; ``read_saved_dict`` reads
 them into the same form, with the same checks (``read_saved_tensors`` reads versions 3 and
 4). Version 3 had the first seven fields only, all per-tensor: it reads as granularity
-``tensor``.
+``tensor``. A ``row``, ``block`` or ``mx`` state saved with a nonzero margin (accepted, and
+ignored, before such policies were refused) reads as margin 0, which it exactly is.
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
         bad = "; ".join(f"{err['loc'][0]}={err['input']!r}: {err['msg']}" for err in e.errors())
         raise ValueError(f"{what}: fp8_meta holds a bad {recipe} recipe: {bad}") from None
     granularity = _decode(what, "granularity", v[META_GRANULARITY], _GRANULARITIES)
+    if granularity != "tensor" and isinstance(scaling, DynamicScaling) and scaling.margin:
+        # Saved before a margin was refused for row/block/mx: it was never applied there (the
+        # block quantizes ignored it), so the state is exactly a margin-0 state.
+        scaling = DynamicScaling(margin=0)
     pow2 = _decode(what, "power_of_two", v[META_POW2], _FLAGS)
     rounding = _decode(what, "mx_rounding", v[META_MX_ROUNDING], _MX_ROUNDINGS)
     gw_hp = _decode(what, "gw_hp", v[META_GW_HP], _FLAGS)

@@ -461,8 +461,9 @@ def test_the_inline_quantize_is_refused_under_fine_grained_policies(flag: str) -
     with pytest.raises(ValueError, match=want):
         layer.quantize = "inline"
     assert layer.quantize == "op"
-    # A per-tensor layer built inline refuses a fine-grained ctx swapped in, at its next call.
+    # A per-tensor layer built inline refuses a fine-grained ctx swapped in, when it is set.
     inline = Fp8Linear(32, 32, ctx=ctx.replace(fp8=Fp8Policy()), quantize="inline")
-    inline.ctx = ctx
     with pytest.raises(ValueError, match=want):
-        inline(torch.randn(2, 32))
+        inline.ctx = ctx
+    assert inline.policy == Fp8Policy()
+    inline(torch.randn(2, 32))
