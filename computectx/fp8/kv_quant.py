@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from computectx.dtypes import Fp8Format, KvFp8
+from computectx.dtypes import Fp8Format, KvFp8, dtype_of
 
 __all__ = ["dequantize_kv", "kv_step", "quantize_kv", "static_kv_steps", "step_layout"]
 
@@ -74,7 +74,8 @@ def _step_view(step: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def quantize_kv(
     x: torch.Tensor, fmt: Fp8Format, step: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes and steps of keys or values ``x`` (``(B, H, T, D)``, any floating dtype).
+    """Codes and steps of keys or values ``x`` (``(B, H, T, D)``, a compute dtype: f16,
+    bf16, f32 or f64; anything else is a ``PromotionError``, as a dtype cache's cast).
 
     With ``step=None`` the steps are per_token_head, ``(B, H, T)`` from each vector's amax;
     with a static ``step`` (``(H,)`` or ``(1,)``, float32, finite and positive) that step is
@@ -83,6 +84,7 @@ def quantize_kv(
     """
     if x.dim() != 4:
         raise ValueError(f"quantize_kv takes (B, H, T, D) values, got {tuple(x.shape)}")
+    dtype_of(x)  # PromotionError for integer, bool, complex and fp8 values (cast_if's rule)
     wide = x.to(torch.float32)
     if step is None:
         finite = torch.where(torch.isfinite(wide), wide.abs(), torch.zeros_like(wide))

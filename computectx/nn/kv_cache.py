@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import DType, KvFp8
+from computectx.dtypes import DType, KvFp8, PromotionError, dtype_of
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, parse_backend
 from computectx.fp8.custom_ops import uses_kernels
 from computectx.fp8.decode_attention import KERNEL_HEAD_DIMS, check_kernel_head_dim
@@ -183,6 +183,15 @@ class KVCache:
             )
 
     def _check_new(self, k: torch.Tensor, v: torch.Tensor, where: str) -> int:
+        # One rule for every cache, before anything is written: keys and values enter at a
+        # compute dtype (f16, bf16, f32, f64). A dtype cache casts them (ctx.to_kv) and an
+        # fp8 cache quantizes them; either way an integer, bool, complex or raw fp8 tensor is
+        # a PromotionError (dtypes.dtype_of, the check cast_if makes), never cast silently.
+        for name, x in (("k", k), ("v", v)):
+            try:
+                dtype_of(x)
+            except PromotionError as e:
+                raise PromotionError(f"KVCache.{where}: {name}: {e}") from None
         b, h, _, d = self.k.shape
         if k.shape != v.shape or k.dim() != 4 or (k.shape[0], k.shape[1], k.shape[3]) != (b, h, d):
             raise ValueError(

@@ -455,3 +455,70 @@ def test_a_step_that_fits_no_layout_is_refused_naming_its_shape() -> None:
     assert torch.equal(exact, codes.double() * step.double().unsqueeze(-1))
     assert torch.equal(exact.float(), dequantize_kv(codes, step))  # float32 exact too here
     assert torch.equal(dequantize_kv(x, None), x)  # a value cache: widened, nothing else
+
+
+def _put(cache: KVCache, where: str, k: torch.Tensor, v: torch.Tensor) -> None:
+    if where == "append":
+        cache.append(k, v)
+    else:
+        cache.write(k, v, torch.tensor(1))
+
+
+def _state(cache: KVCache) -> list[torch.Tensor]:
+    parts = (cache.k, cache.v, cache.k_step, cache.v_step)
+    return [t.clone() for t in parts if t is not None]
+
+
+@pytest.mark.parametrize(
+    "ctx",
+    [
+        F32,
+        ComputeCtx.new(DType.BF16, CPU),
+        PTH,
+        PER_HEAD,
+        F32.with_kv(KvFp8(format=Fp8Format.E5M2)),
+    ],
+    ids=["f32", "bf16", "e4m3/per_token_head", "e4m3/per_head", "e5m2/per_token_head"],
+)
+@pytest.mark.parametrize(
+    "dtype", [torch.int64, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
+)
+@pytest.mark.parametrize("where", ["append", "write"])
+def test_every_cache_refuses_values_outside_the_compute_dtypes_alike(
+    ctx: ComputeCtx, dtype: torch.dtype, where: str
+) -> None:
+    # Integers, bools, complex (whose imaginary part a cast would drop) and raw fp8 codes
+    # (which mean nothing without their scale) are refused by an fp8 cache exactly as by a
+    # dtype cache: a PromotionError with the same message, naming the argument, before
+    # anything is written (k is good and v is bad, or the reverse).
+    steps = _steps((H,)) if ctx is PER_HEAD else None
+    cache = KVCache(ctx, 1, H, D, 4, steps=steps)
+    cache.append(torch.randn(1, H, 1, D), torch.randn(1, H, 1, D))
+    before, length = _state(cache), cache.length
+    good = torch.randn(1, H, 1, D)
+    bad = torch.ones(1, H, 1, D).to(dtype)
+    expected = re.escape(str(dtype))
+    for k, v, name in ((good, bad, "v"), (bad, good, "k")):
+        with pytest.raises(PromotionError, match=rf"KVCache.{where}: {name}: {expected} is") as e:
+            _put(cache, where, k, v)
+        with pytest.raises(PromotionError) as plain:
+            _put(KVCache(F32, 1, H, D, 4), where, k, v)
+        assert str(e.value) == str(plain.value)  # one rule, one message
+        assert cache.length == length
+        assert all(torch.equal(a, b) for a, b in zip(_state(cache), before, strict=True))
+    with pytest.raises(PromotionError, match=expected):
+        quantize_kv(bad, Fp8Format.E4M3)
+
+
+def test_every_compute_dtype_enters_an_fp8_cache() -> None:
+    # The rule refuses what is outside the lattice only: f16, bf16, f32, f64 all quantize.
+    x = torch.randn(1, H, 1, D, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        cache = KVCache(PTH, 1, H, D, 2)
+        cache.append(x.to(dtype), x.to(dtype))
+        k, _ = cache.read()
+        exact = x.to(dtype).to(torch.float32)
+        # Half an E4M3 ulp (2**-4 relative), or half its smallest subnormal times the step.
+        step = exact.abs().amax(dim=-1, keepdim=True) / 448
+        bound = torch.maximum(exact.abs() * 2.0**-4, step * 2.0**-10) * (1 + 2.0**-20)
+        assert bool(((k - exact).abs() <= bound).all()), dtype
