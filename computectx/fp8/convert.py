@@ -28,6 +28,7 @@ from computectx.fp8.linear import (
     check_granularity_widths,
 )
 from computectx.fp8.policy import describe, policy_of
+from computectx.fp8.state_load import guard_whole_loads
 from computectx.recipes import PolicyGranularity
 
 __all__ = [
@@ -145,10 +146,11 @@ def convert_to_fp8(
     lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
 
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
-    working). A linear reachable under several names is converted once and replaced
-    everywhere. All decisions are made before the model changes, so an exception from
-    ``module_filter`` or a converter (or a filter result that is not a bool, a
-    ``TypeError``) leaves it untouched.
+    working), and ``model.load_state_dict`` then checks every fp8 layer's entries before any
+    module loads (``computectx.fp8.state_load.guard_whole_loads``). A linear reachable under
+    several names is converted once and replaced everywhere. All decisions are made before
+    the model changes, so an exception from ``module_filter`` or a converter (or a filter
+    result that is not a bool, a ``TypeError``) leaves it untouched.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
@@ -217,6 +219,8 @@ def convert_to_fp8(
     for lin, new in replacements:
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)
+    if replacements:
+        guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
     names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
     notes = head_dtype_notes(ctx, order, skipped)
     report = Fp8ConversionReport(converted=names, skipped=tuple(skipped), notes=notes)

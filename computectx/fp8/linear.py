@@ -20,8 +20,8 @@ from computectx.fp8.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import check_quantize, checked_layer_ctx, policy_of
 from computectx.fp8.recompute import in_reentrant_checkpoint_forward
 from computectx.fp8.region import region_fp8_enabled
-from computectx.fp8.saved_state import read_saved_dict, read_saved_tensors, tensor_names
 from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
+from computectx.fp8.state_load import ScalingLoad, check_held_dtypes, plan_scaling_load
 from computectx.fp8.world import warn_if_unsynced
 from computectx.recipes import Fp8Policy
 
@@ -333,20 +333,49 @@ class Fp8Linear(nn.Linear):
             if prefix + name in destination:
                 destination[prefix + name] = destination[prefix + name].clone()
 
-    def check_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Check the scaling tensors among ``tensors`` (names local to this layer, as
-        ``computectx.memory.load_weights`` hands them over) against this layer's policy,
-        changing nothing: ``ValueError`` naming both policies when they were recorded under
-        another scheme, recipe, margin or algo, or when they are malformed."""
-        keys = self.scaling.tensor_names()
-        if not any(k in tensors for k in keys):
-            return
-        what = "the fp8 scaling state being loaded"
-        missing = [k for k in keys if k not in tensors]
-        if missing:
-            raise ValueError(f"{what}: {missing} missing; a scaling state loads whole")
-        found = {b: tensors[k] for b, k in zip(tensor_names(), keys, strict=True)}
-        read_saved_tensors(found, self.policy, None, what)
+    def plan_state_load(
+        self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
+    ) -> Callable[[], None]:
+        """``computectx.memory.load_weights``' seam: read this layer's entries among
+        ``tensors`` (local names; ``prefix`` its key prefix, for messages) by the one loading
+        rule ``load_state_dict`` follows (``computectx.fp8.state_load``), on the device the
+        loaded ``weight`` lives on, and return what installs the result, once the weights
+        are in place. Raises ``ValueError`` (naming keys, dtypes or both policies) and
+        changes nothing when the entries cannot load."""
+        w = tensors.get("weight", tensors.get("weight_fp8"))
+        device = w.device if isinstance(w, torch.Tensor) else None
+        plan = self.scaling_load(tensors, prefix, device)
+        return lambda: self._finish_load(plan)
+
+    def state_load_keys(self) -> tuple[str, ...]:
+        """The local names ``plan_state_load`` loads by its own rule (the scaling tensors):
+        ``load_weights`` leaves them out of its key, shape and dtype checks."""
+        return self.scaling.tensor_names()
+
+    def scaling_load(
+        self, entries: Mapping[str, Any], prefix: str = "", device: torch.device | None = None
+    ) -> ScalingLoad:
+        """What loading ``entries`` (local names) does to the scaling state, by the one rule
+        (``computectx.fp8.state_load``), changing nothing; ``ValueError`` when they cannot
+        load (a frozen layer's ``weight_fp8`` and ``weight_step`` only at their dtypes)."""
+        if self._frozen:
+            held = {k: getattr(self, k) for k in _FROZEN_BUFFERS}
+            check_held_dtypes(entries, held, prefix)
+        return plan_scaling_load(
+            entries,
+            names=self.scaling.tensor_names(),
+            weights=("weight", *_FROZEN_BUFFERS),
+            policy=self.policy,
+            device=device,
+            prefix=prefix,
+        )
+
+    def _finish_load(self, plan: ScalingLoad) -> None:
+        if plan.saved is not None:
+            self.scaling.install(plan.saved)
+        elif plan.action == "fresh":
+            self.scaling.reset(self._storage_device())
+        self.scaling.to(self._storage_device())
 
     def _load_from_state_dict(
         self,
@@ -358,35 +387,13 @@ class Fp8Linear(nn.Linear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # The scaling tensors are read here, checked against this layer's policy (and fitted
-        # to its history length) before anything changes, then installed as new tensors
-        # (the amax sync tells a loaded ledger from a trained one by identity). The dict of
-        # versions 1 and 2 (in _extra_state) is read the same way. A state dict without
-        # them (an nn.Linear checkpoint) loads into a fresh state rather than failing strict
-        # loading. Fresh, not kept: the ledgers hold amaxes of the weights being replaced,
-        # and delayed scaling would quantize the new weights with that stale step for up to
-        # history_len calls. A partial state dict that does not mention this layer's weight
-        # changes nothing.
+        # The scaling tensors follow the one loading rule (computectx.fp8.state_load, which
+        # load_weights follows too): read and checked against this layer's policy (and
+        # fitted to its history length) before anything changes, then installed as new
+        # tensors (the amax sync tells a loaded ledger from a trained one by identity).
         names = self.scaling.tensor_names()
-        keys = [prefix + n for n in names]
-        given = [k for k in keys if k in state_dict]
-        legacy = prefix + "_extra_state"
-        what = f"the fp8 scaling state of {prefix[:-1] or 'the layer'!r}"
-        saved = None
-        if given and (len(given) < len(keys) or legacy in state_dict):
-            extra = sorted(set(keys) - set(given)) or [legacy]
-            raise ValueError(
-                f"{what}: the state dict holds {given} and "
-                f"{'not ' if len(given) < len(keys) else ''}{extra}; a scaling state loads "
-                f"whole, from the tensors {keys} or from a version 1/2 {legacy!r}"
-            )
-        if given:
-            bare = tensor_names()
-            found = {b: state_dict[k] for b, k in zip(bare, keys, strict=True)}
-            saved = read_saved_tensors(found, self.policy, None, what)
-        elif legacy in state_dict:
-            saved = read_saved_dict(state_dict[legacy], self.policy, None, what)
-        new_weight = any(prefix + k in state_dict for k in ("weight", *_FROZEN_BUFFERS))
+        local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        plan = self.scaling_load(local, prefix)
         with _held_out(self._buffers, names):
             super()._load_from_state_dict(
                 state_dict,
@@ -397,14 +404,10 @@ class Fp8Linear(nn.Linear):
                 unexpected_keys,
                 error_msgs,
             )
-        for key in (*given, legacy):
+        for key in (*(prefix + n for n in names), prefix + "_extra_state"):
             if key in unexpected_keys:
                 unexpected_keys.remove(key)
-        if saved is not None:
-            self.scaling.install(saved)
-        elif new_weight:
-            self.scaling.reset(self._storage_device())
-        self.scaling.to(self._storage_device())
+        self._finish_load(plan)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # The scaling tensors are float32 and int64 records (a .to(bfloat16) would round the

@@ -7,6 +7,7 @@ import inspect
 import json
 import os
 import pathlib
+from collections.abc import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -110,10 +111,16 @@ def load_weights(
     tied and optimizers built on the model keep their references. Everything is checked
     first -- file, header, keys, shapes and dtypes -- and any problem raises (naming the
     file and the keys) with the model unchanged. dtypes must match exactly: nothing is
-    cast silently. A module that defines ``check_state_tensors`` (an ``Fp8Linear``: its
-    scaling state against its policy) checks its tensors then too (its ``ValueError`` is
-    raised again naming the file; given a ``prefix`` keyword, it names its tensors by their
-    full keys). A module that defines
+    cast silently. A module that defines ``check_state_tensors`` (an ``Attention``: its
+    calibrated ``kv_amax``) checks its tensors then too (its ``ValueError`` is raised again
+    naming the file; given a ``prefix`` keyword, it names its tensors by their full keys).
+    A module that defines ``state_load_keys`` and ``plan_state_load`` (an ``Fp8Linear``:
+    its scaling state) loads those keys by its own rule, the one its ``load_state_dict``
+    follows (``computectx.fp8.state_load``): they are left out of the key, shape and dtype
+    checks here and handed to ``plan_state_load``, which checks them (naming keys, dtypes
+    or both policies; another history length is converted; absent, as from an
+    ``nn.Linear`` checkpoint, the state starts fresh) before anything is replaced, and
+    installs them after the weights. A module that defines
     ``default_state_tensors`` names state a checkpoint may lack (state added after such
     checkpoints were written: an ``Attention``'s calibrated ``kv_amax``); a checkpoint
     without it loads those defaults, and the report says how many. Module extra state that
@@ -134,8 +141,11 @@ def load_weights(
     header, aliases = _read_header(file)
     targets = _tensor_entries(model)
     kept = len(model.state_dict(keep_vars=True)) - len(targets)
+    owners = _state_owners(model)
+    owned = {name for _, _, names in owners for name in names}
+    targets = {name: t for name, t in targets.items() if name not in owned}
     defaults = _state_defaults(model, targets)
-    resolved = _check_keys(file, header, aliases, targets, set(defaults))
+    resolved = _check_keys(file, header, aliases, targets, set(defaults), owned)
     defaulted = {name: t for name, t in defaults.items() if name not in resolved}
     ckpt_bytes = sum(_nbytes(shape, dtype) for shape, dtype in header.values())
 
@@ -174,6 +184,8 @@ def load_weights(
     loaded = _materialise(file, header, chosen, device)
     given = {name: loaded[stored] for name, stored in resolved.items()}
     _check_module_state(model, given | defaulted, file)
+    own_given = {name: loaded[name] for name in owned if name in loaded}
+    finish = _plan_module_state(owners, given | own_given, file)
     claimed: dict[str, int] = {}
     with torch.no_grad():
         for name, target in targets.items():
@@ -191,6 +203,8 @@ def load_weights(
                     target.data = source
             else:
                 _replace_buffer(model, name, source)
+        for install in finish:
+            install()
     return LoadReport(
         path=file,
         requested=requested,
@@ -226,6 +240,43 @@ def _check_module_state(
                 check(local)
         except ValueError as err:
             raise ValueError(f"checkpoint {str(file)!r}: {err}") from err
+
+
+_Owner = tuple[str, Callable[..., Callable[[], None]], set[str]]
+
+
+def _state_owners(model: torch.nn.Module) -> list[_Owner]:
+    # Modules that load some of their tensors by a rule of their own (an Fp8Linear's scaling
+    # state: another history length is converted, an absent state starts fresh) define
+    # state_load_keys() -> local names and plan_state_load(local name -> tensor, prefix=...)
+    # -> a callable that installs the result. Their keys skip the generic checks.
+    out: list[_Owner] = []
+    for prefix, module in model.named_modules():
+        keys, plan = (
+            getattr(module, "state_load_keys", None),
+            getattr(module, "plan_state_load", None),
+        )
+        if callable(keys) and callable(plan):
+            head = f"{prefix}." if prefix else ""
+            out.append((head, plan, {head + k for k in keys()}))
+    return out
+
+
+def _plan_module_state(
+    owners: list[_Owner],
+    tensors: dict[str, torch.Tensor],
+    file: pathlib.Path,
+) -> list[Callable[[], None]]:
+    # Every owner plans (reads and checks) before anything is replaced: a refused entry in
+    # any layer leaves the whole model as it was.
+    finish = []
+    for head, plan, _ in owners:
+        local = {k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)}
+        try:
+            finish.append(plan(local, prefix=head))
+        except ValueError as err:
+            raise ValueError(f"checkpoint {str(file)!r}: {err}") from err
+    return finish
 
 
 def _state_defaults(
@@ -309,9 +360,11 @@ def _check_keys(
     aliases: dict[str, str],
     targets: dict[str, torch.Tensor],
     optional: set[str],
+    owned: set[str],
 ) -> dict[str, str]:
     """Map every model key to the stored tensor it loads from, or raise listing problems.
-    Keys in ``optional`` (buffers with a default) may be absent from the file."""
+    Keys in ``optional`` (buffers with a default) may be absent from the file; keys in
+    ``owned`` (loaded by their module's own rule) are neither missing nor unexpected."""
     shown = repr(str(file))
     # Names bound to one tensor in the model (tied weights) may be stored under any one
     # of them: the file need not repeat a tie that the model already has.
@@ -330,7 +383,7 @@ def _check_keys(
         else:
             resolved.update({n: stored[0] for n in names})
     used = set(resolved.values()) | {s for group in split for s in group}
-    unexpected = sorted((set(header) - used) | (set(aliases) - set(targets)))
+    unexpected = sorted((set(header) - used - owned) | (set(aliases) - set(targets) - owned))
     problems = []
     if missing:
         problems.append(f"missing keys {sorted(missing)}")
