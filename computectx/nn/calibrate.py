@@ -26,7 +26,8 @@ def calibrate_kv(model: nn.Module, batches: Iterable[object]) -> dict[str, torch
     and loaded with the weights (``save_weights`` / ``load_weights``). A new calibration
     replaces the old one.
 
-    ``ValueError`` when ``model`` has no ``Attention``, when ``batches`` is empty, or when a
+    ``ValueError`` when ``model`` has no ``Attention``, when ``batches`` is empty or a batch
+    is an empty tensor (``(B, 0)`` ids, say: no position to measure), or when a
     head's amax is not finite or is zero (a head that saw only zeros has no scale to learn);
     nothing is stored then: every layer keeps its previous amax.
     """
@@ -40,6 +41,12 @@ def calibrate_kv(model: nn.Module, batches: Iterable[object]) -> dict[str, torch
         for _, layer in layers:
             layer.kv_observed = torch.zeros_like(layer.kv_amax)
         for batch in batches:
+            if isinstance(batch, torch.Tensor) and batch.numel() == 0:
+                raise ValueError(
+                    f"calibrate_kv: batch {count} has shape {tuple(batch.shape)}, no positions "
+                    f"to measure; every batch needs at least one row and one position; "
+                    f"nothing was stored"
+                )
             model(batch)
             count += 1
         seen = {name: layer.kv_observed for name, layer in layers}

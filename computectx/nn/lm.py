@@ -13,6 +13,7 @@ from typing_extensions import Self
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Backend, Fp8Linear
+from computectx.fp8.state_load import guard_whole_loads
 from computectx.nn.attention import Attention
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
@@ -101,6 +102,7 @@ class ByteLM(nn.Module):
         self.head = nn.Linear(cfg.d_model, BYTE_VOCAB, bias=False, device=ctx.device, dtype=dt)
         self.gemm = Gemm.for_ctx(ctx)
         self._init_weights()
+        guard_whole_loads(self)  # load_state_dict checks every fp8 layer before any loads
 
     def _init_weights(self) -> None:
         # Small normal weights; projections that write into the residual stream are scaled
@@ -142,10 +144,14 @@ class ByteLM(nn.Module):
         With ``caches`` (from ``new_caches``), ``ids`` continue the cached positions and
         their keys/values are appended.
         """
+        if not isinstance(ids, torch.Tensor):
+            raise TypeError(f"ByteLM takes ids as an int64 tensor, got {type(ids).__name__}")
         if ids.dim() != 2 or ids.dtype != torch.long:
             raise ValueError(
                 f"ByteLM takes int64 ids of shape (batch, T), got {ids.dtype} {tuple(ids.shape)}"
             )
+        if not torch.compiler.is_compiling():
+            _check_values("ByteLM.forward", ids, None, 0)
         blocks = self._blocks()
         if caches is not None and len(caches) != len(blocks):
             raise ValueError(f"ByteLM has {len(blocks)} blocks but got {len(caches)} caches")
@@ -173,22 +179,47 @@ class ByteLM(nn.Module):
         with later positions masked. Shapes never depend on ``pos`` and nothing reads a
         host value, so ``torch.compile(model.decode_step, fullgraph=True)`` compiles once
         and does not recompile as ``pos`` moves (as transformers' ``StaticCache``). The
-        caches' python ``length`` (the eager ``forward``'s cursor) is not moved; ``pos`` is
-        not range-checked (an index beyond ``max_len`` raises in eager mode only). A
-        compiled step also specializes on the strides of ``ids``: pass a contiguous
-        ``(batch, 1)`` tensor each step (``generate`` and ``decode_logits`` do), not a view
-        into a longer sequence.
+        caches' python ``length`` (the eager ``forward``'s cursor) is not moved. A compiled
+        step also specializes on the strides of ``ids``: pass a contiguous ``(batch, 1)``
+        tensor each step (``generate`` and ``decode_logits`` do), not a view into a longer
+        sequence.
+
+        Shapes and dtypes are checked always (free: they are known while tracing). Values
+        are checked in eager mode only, with one host read per call: ``ids`` in ``[0, 256)``
+        and ``pos`` in ``[0, n)``, ``n`` the positions the caches hold (at most
+        ``max_len``), else ``ValueError`` naming the argument and the range. Under
+        ``torch.compile`` nothing reads a value (that would wait for the device every step):
+        a compiled step trusts its caller, as ``generate`` and ``decode_logits`` are (they
+        check their ids once and move ``pos`` themselves).
         """
+        if not isinstance(ids, torch.Tensor) or not isinstance(pos, torch.Tensor):
+            raise TypeError(
+                f"decode_step takes ids and pos as int64 tensors, got {type(ids).__name__} "
+                f"and {type(pos).__name__}"
+            )
         if ids.dim() != 2 or ids.shape[1] != 1 or ids.dtype != torch.long:
             raise ValueError(
                 f"decode_step takes int64 ids of shape (batch, 1), got {ids.dtype} "
                 f"{tuple(ids.shape)}"
             )
-        if not isinstance(pos, torch.Tensor) or pos.dim() != 0 or pos.dtype != torch.long:
-            raise ValueError(f"decode_step takes pos as a 0-d int64 tensor, got {pos!r}")
+        if pos.dim() != 0 or pos.dtype != torch.long:
+            raise ValueError(
+                f"decode_step takes pos as a 0-d int64 tensor, got {pos.dtype} {tuple(pos.shape)}"
+            )
         blocks = self._blocks()
         if len(caches) != len(blocks):
             raise ValueError(f"ByteLM has {len(blocks)} blocks but got {len(caches)} caches")
+        if not torch.compiler.is_compiling():
+            held = min([self.config.max_len, *(c.max_len for c in caches)])
+            _check_values("decode_step", ids, pos, held)
+        return self._decode(ids, pos, caches)
+
+    def _decode(
+        self, ids: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache]
+    ) -> torch.Tensor:
+        # decode_step without its checks: for callers that made ids and pos themselves
+        # (generate, decode_logits), so the eager decode loop reads no value on the host.
+        blocks = self._blocks()
         with self.ctx.autocast():
             x = self.ctx.to_compute(self.embed(ids))
             for blk, cache in zip(blocks, caches, strict=True):
@@ -208,6 +239,31 @@ class ByteLM(nn.Module):
         """``loss`` for logits computed elsewhere (through a data-parallel wrapper, say)."""
         wide = cast_if(logits, promote(dtype_of(logits), self.ctx.accum))
         return nn.functional.cross_entropy(wide.reshape(-1, BYTE_VOCAB), targets.reshape(-1))
+
+
+def _check_values(who: str, ids: torch.Tensor, pos: torch.Tensor | None, held: int) -> None:
+    """``ValueError`` unless ``ids`` lie in ``[0, 256)`` and ``pos`` (when given) in
+    ``[0, held)``: one host read of ``ids``' range and ``pos`` together."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.aminmax(ids)
+    parts = [lo, hi] if pos is None else [lo, hi, pos]
+    values = [int(v) for v in torch.stack(parts).tolist()]
+    if values[0] < 0 or values[1] >= BYTE_VOCAB:
+        bad = values[0] if values[0] < 0 else values[1]
+        raise ValueError(
+            f"{who}: ids must lie in [0, {BYTE_VOCAB}) (byte values), got {bad} (ids range "
+            f"{values[0]}..{values[1]})"
+        )
+    if pos is not None and not 0 <= values[2] < held:
+        raise ValueError(
+            f"{who}: pos must lie in [0, {held}) (the positions the caches hold), got {values[2]}"
+        )
+
+
+def check_ids(who: str, ids: torch.Tensor) -> None:
+    """``ValueError`` naming ``who`` unless every id lies in ``[0, 256)`` (one host read)."""
+    _check_values(who, ids, None, 0)
 
 
 def encode_bytes(text: str | bytes, device: torch.device | str | None = None) -> torch.Tensor:

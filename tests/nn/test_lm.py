@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 
 import pytest
 import torch
 from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType
-from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate, next_token
+from computectx.nn import (
+    ByteLM,
+    LMConfig,
+    calibrate_kv,
+    decode_bytes,
+    decode_logits,
+    encode_bytes,
+    generate,
+    next_token,
+)
+from computectx.nn.attention import Attention
+from computectx.nn.kv_cache import KVCache
 
 CPU = torch.device("cpu")
 F32 = ComputeCtx.parity(CPU)
@@ -196,3 +209,120 @@ def test_byte_round_trip() -> None:
     assert ids.dtype == torch.long and len(ids) == len(text.encode())
     assert decode_bytes(ids) == text
     assert decode_bytes(torch.tensor([0xFF, 0x41])) == "\ufffdA"
+
+
+# ----- bad arguments and non-finite logits: clear errors, not torch's ---------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"temperature": float("inf"), "top_k": 5}, ValueError, "temperature must be finite"),
+        ({"temperature": float("inf")}, ValueError, "temperature must be finite"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be finite"),
+        ({"temperature": "0.5"}, TypeError, "temperature must be a real number.*str '0.5'"),
+        ({"temperature": True}, TypeError, "temperature must be a real number.*bool"),
+        ({"temperature": 1.0, "top_k": True}, TypeError, "top_k must be an int.*bool True"),
+        ({"temperature": 1.0, "top_k": 2.0}, TypeError, "top_k must be an int.*float"),
+        ({"temperature": 1.0, "top_k": "3"}, TypeError, "top_k must be an int.*str"),
+    ],
+)
+def test_sampling_arguments_are_refused_by_name(
+    kwargs: dict[str, object], error: type[Exception], match: str
+) -> None:
+    model = _model(F32)
+    with pytest.raises(error, match=match):
+        generate(model, encode_bytes("ab"), 2, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(error, match=match):
+        next_token(torch.zeros(1, 256), **kwargs)  # type: ignore[arg-type]
+
+
+def test_max_new_tokens_refuses_bools_and_other_types() -> None:
+    for bad in (True, 2.0, "2"):
+        with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+            generate(_model(F32), encode_bytes("ab"), bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 5e-324])
+def test_a_tiny_positive_temperature_samples_among_the_largest_logits(
+    temperature: float,
+) -> None:
+    # The limit of sampling as the temperature goes to 0: uniform over the ids tied at the
+    # maximum, never an overflow (torch's multinomial saw inf/nan here before).
+    logits = torch.tensor([[0.0, 5.0, 5.0, -1.0, 4.999]])
+    g = torch.Generator().manual_seed(0)
+    seen = {int(next_token(logits, temperature, None, g)) for _ in range(100)}
+    assert seen == {1, 2}
+    model = _model(F32, seed=3)
+    g = torch.Generator().manual_seed(0)
+    sampled = generate(model, encode_bytes("ab"), 8, temperature=temperature, generator=g)
+    assert torch.equal(sampled, generate(model, encode_bytes("ab"), 8))  # no ties: greedy
+
+
+def test_nan_logits_raise_naming_the_row() -> None:
+    logits = torch.zeros(3, 256)
+    logits[1, 7] = float("nan")
+    for temperature in (0.0, 0.8):
+        with pytest.raises(ValueError, match="batch row 1 hold NaN"):
+            next_token(logits, temperature)
+    logits = torch.full((1, 256), float("-inf"))
+    with pytest.raises(ValueError, match=r"batch row 0 .* all -inf"):
+        next_token(logits, 0.8)
+    assert int(next_token(logits)) == 0  # greedy over -inf alone is still an argmax
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_nan_logits_in_generation_raise_naming_the_step_and_position(temperature: float) -> None:
+    model = _model(F32)
+    prompt = torch.randint(0, 256, (3, 4))
+
+    def poisoned(ids: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache]) -> torch.Tensor:
+        logits = model.decode_step(ids, pos, caches)
+        if int(pos) == 5:  # the step that picks position 6
+            logits[2] = float("nan")
+        return logits
+
+    g = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"step 2 \(position 6\).*batch row 2 hold NaN"):
+        generate(model, prompt, 5, temperature=temperature, generator=g, decode_step=poisoned)
+    model.train()
+    with torch.no_grad():
+        model.head.weight[9, 0] = float("nan")  # every row's logits hold a NaN at id 9
+    with pytest.raises(ValueError, match=r"step 0 \(position 4\).*batch row 0 hold NaN"):
+        generate(model, prompt, 5, temperature=temperature, generator=g)
+    assert model.training  # restored
+
+
+@pytest.mark.parametrize("bad", [256, -1, 1000])
+def test_ids_outside_the_vocabulary_are_named(bad: int) -> None:
+    model = _model(F32)
+    ids = torch.tensor([[1, 2, bad]])
+    with pytest.raises(ValueError, match=rf"ids must lie in \[0, 256\).*got {bad}"):
+        model(ids)
+    caches = model.new_caches(1, 8)
+    with pytest.raises(ValueError, match=rf"ids must lie in \[0, 256\).*got {bad}"):
+        model.decode_step(torch.tensor([[bad]]), torch.tensor(0), caches)
+    with pytest.raises(ValueError, match=rf"decode_logits: ids must lie in \[0, 256\).*{bad}"):
+        decode_logits(model, ids)
+
+
+@pytest.mark.parametrize("pos", [-1, 8, 48, 10**6])
+def test_a_decode_position_outside_the_caches_is_named(pos: int) -> None:
+    model = _model(F32)
+    caches = model.new_caches(1, 8)
+    with pytest.raises(ValueError, match=rf"pos must lie in \[0, 8\).*got {pos}"):
+        model.decode_step(torch.tensor([[65]]), torch.tensor(pos), caches)
+    with pytest.raises(ValueError, match="caches hold 8 positions, fewer than the T=9"):
+        decode_logits(model, torch.zeros(1, 9, dtype=torch.long), caches=caches)
+
+
+def test_calibrate_kv_refuses_an_empty_batch_and_stores_nothing() -> None:
+    model = _model(F32)
+    calibrate_kv(model, [torch.randint(0, 256, (2, 5))])
+    before = [a.kv_amax.clone() for a in model.modules() if isinstance(a, Attention)]
+    for shape in ((2, 0), (0, 5)):
+        empty = torch.zeros(shape, dtype=torch.long)
+        with pytest.raises(ValueError, match=rf"batch 1 has shape {re.escape(str(shape))}"):
+            calibrate_kv(model, [torch.randint(0, 256, (2, 5)), empty])
+    after = [a.kv_amax for a in model.modules() if isinstance(a, Attention)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
