@@ -217,7 +217,7 @@ def block_scaled_mm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
     *,
-    backend: Fp8Backend = Fp8Backend.REFERENCE,
+    backend: Fp8Backend | str = Fp8Backend.REFERENCE,
 ) -> torch.Tensor:
     """``(a * steps_a) @ (b * steps_b).T (+ bias)`` as a new ``[M, N]`` ``out_dtype`` tensor.
 
@@ -225,11 +225,13 @@ def block_scaled_mm(
     ``fp8_quantize(..., granularity=)`` returned for them (the module docstring's table);
     ``bias`` is ``[N]`` (bf16/fp16/fp32) or None; ``out_dtype`` is bf16, fp16 or fp32. The
     pair of granularities must be one of ``PAIRS``; the semantics and the error bound are
-    the module docstring's. ``backend`` (an ``Fp8Backend``) runs it; ``ValueError`` when it
-    cannot run on the tensors' device.
+    the module docstring's. ``backend`` (an ``Fp8Backend`` or its name, ``"triton"``) runs
+    it; ``ValueError`` saying why (the capability probe's reason: no CUDA device and no
+    ``TRITON_INTERPRET=1``, triton not installed, no fp8 tensor cores) when it cannot run on
+    the tensors' device.
     """
     ga, gb = check_args(a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype)
-    chosen = check_backend(backend, a)
+    chosen = check_backend(parse_backend(backend) if isinstance(backend, str) else backend, a)
     out: torch.Tensor = torch.ops.computectx.fp8_block_scaled_mm(
         a, b, scale_a, ga, scale_b, gb, bias, out_dtype, chosen.value
     )

@@ -444,9 +444,22 @@ def test_mx_needs_e8m0_scales_and_k_of_one_block() -> None:
         block_scaled_mm(small, small, e8, "mx", e8, "mx", None, torch.bfloat16)
 
 
-def test_backend_must_be_a_member() -> None:
+def test_backend_is_a_member_or_its_name() -> None:
+    by_name = block_scaled_mm(**_args(), backend="reference")
+    assert torch.equal(by_name, block_scaled_mm(**_args(), backend=Fp8Backend.REFERENCE))
+    with pytest.raises(ValueError, match=r"unknown fp8 backend 'tpu'; accepted: .*'triton'"):
+        block_scaled_mm(**_args(), backend="tpu")
     with pytest.raises(TypeError, match="backend must be an Fp8Backend"):
-        block_scaled_mm(**_args(), backend="reference")  # type: ignore[arg-type]
+        block_scaled_mm(**_args(), backend=3)  # type: ignore[arg-type]
+
+
+def test_a_triton_backend_that_cannot_run_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the CPU without TRITON_INTERPRET=1 the kernels would compile for a GPU: the error is
+    # the capability probe's reason, not a list of names that includes the one given.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for backend in ("triton", Fp8Backend.TRITON):
+        with pytest.raises(ValueError, match=r"triton fp8 backend cannot run on cpu: .*TRITON_INT"):
+            block_scaled_mm(**_args(), backend=backend)
 
 
 # ----- the operator -----------------------------------------------------------------------
