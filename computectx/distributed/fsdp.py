@@ -31,7 +31,8 @@ the codes (``uint8``) and the float32 block scales together; the gathered pair i
 ``computectx.fp8.quantized.Fp8BlockWeight``, exactly the whole weight's blocks, which the block
 linear uses for its forward and, transposed as its blocks are, for its dgrad, quantizing
 nothing again. On the wire: 1 byte per element and 4 bytes per 16384 (1.0002). Shards that
-cut blocks gather high precision, with one ``Fp8GatherFallbackWarning`` per process. ``row``
+cut blocks gather high precision, with one ``Fp8GatherFallbackWarning`` per such weight (once
+per process). ``row``
 and ``mx`` weights gather high precision (docs/distributed.md says why).
 
 Everywhere else a ``WeightGatheredAsFp8`` is its high-precision tensor: optimizers update it,
@@ -338,20 +339,24 @@ class Fp8GatherFallbackWarning(UserWarning):
     """A weight that would all-gather as fp8 gathers high precision instead."""
 
 
-_fallback_warned: list[bool] = [False]
+_fallback_warned: set[tuple[str, tuple[int, ...], int]] = set()
+"""The weights (name, shape, shard count) already warned about in this process."""
 
 
 def _warn_block_fallback(name: str, outer_size: torch.Size, world: int) -> None:
-    if _fallback_warned[0]:
+    # One warning per weight that falls back (each names its own), once per process.
+    key = (name, tuple(outer_size), world)
+    if key in _fallback_warned:
         return
-    _fallback_warned[0] = True
+    _fallback_warned.add(key)
     warnings.warn(
         Fp8GatherFallbackWarning(
             f"{name!r} ({tuple(outer_size)}) all-gathers high precision: its {world} FSDP2 "
             f"shards of {-(-outer_size[0] // world)} rows cut its 128x128 fp8 blocks (a "
             f"block weight gathers as fp8 when its rows are a multiple of 128 x the shard "
             f"count). The layer quantizes the gathered weight itself: the same result, "
-            f"more bytes. Warned once per process."
+            f"more bytes. Warned once per weight and process; every weight that falls back "
+            f"gets its own warning."
         ),
         stacklevel=2,
     )
