@@ -1,44 +1,52 @@
-"""fp8 scaling ledgers kept identical on every rank: one collective merges what each rank saw.
+"""fp8 scaling ledgers kept identical on every rank: merged at the end of every backward.
 
 Under data parallelism each rank quantizes its own shard, so each records its own amaxes. Left
 alone, the ledgers drift apart (the issue that prompted this measured steps 25x apart after six
 steps) and a checkpoint saves one rank's history as if it were the group's.
-``Fp8AmaxSync`` merges them before every forward: one all-gather of every operand's ledger
-(history, step, counts) for all fp8 layers at once, combined on the device into exactly what one
-process would hold after quantizing the whole batch:
 
-- history: the element-wise max over ranks. Every rank writes the same slots (the same calls
-  in the same order), and the amax of a batch is the max of its shards' amaxes;
-- step: recomputed from the merged history by the recipe's formula (the same float32 division
-  the quantize kernel does), so it is bit-identical to a one-process step;
-- non-finite count: if any rank counted a NaN/inf amax since the last merge, the whole batch
-  had one, and every rank takes that rank's ledger, which is what one process holds after such
-  a call: the history moved on without recording, the step kept, the call counted once (a NaN
-  on one rank poisons no rank);
-- saturated count: the sum of the ranks' new saturations, as one process counts the batch.
+``sync_fp8_scaling`` keeps them identical at every step boundary, with no collective in any
+forward. Its hooks on the model that runs forward (the DDP wrapper, the ``fully_shard``-ed
+model, or a plain module):
 
-Nothing is read on the host: the combination is a few device ops.
+- before a training forward (grad enabled, some fp8 layer in training mode) it arms the
+  layers' seam (``GroupAmax``): only then do they record. Calls outside such a forward (the
+  unwrapped module, eval, ``no_grad``, ``inference_mode``) record nothing;
+- after that forward it puts one gradient hook on the outputs; when the backward reaches
+  them it queues one callback (``queue_callback``, as DDP and FSDP2 queue their own
+  end-of-backward work), which merges every rank's ledgers when the backward ends: one
+  all-gather of every operand's ledger and element count, combined on the device into what
+  one process would hold after quantizing the whole batch (``ledger_merge``). Every rank runs
+  the same backwards (under ``no_sync`` too), so the merge runs the same number of times
+  everywhere, eagerly, outside any compiled graph;
+- a training forward whose backward never runs (a validation loss in train mode, on one rank
+  or on all) is forgotten: the next training forward first puts back, on the device with no
+  collective, the ledgers and tallies the last merge left (``OperandScaling.restore``). So
+  after every backward, and so after every optimizer step, every rank holds the merged state,
+  and any rank's ``state_dict()`` is the world's.
 
-Fine-grained layers (granularity ``row``, ``block`` or ``mx``) keep no amax history: each
-operand is quantized from the amaxes of its own blocks, and every block of ``X``, ``dY`` and
-``W`` lies within one rank's rows (the weight is whole on every rank, or gathered whole). So
-there is nothing to merge and no amax to reduce: the sync leaves them out of the merge, hands
-them a ``RankLocal`` seam (no collective, no ``Fp8ScalingNotSyncedWarning``) and issues no
-collective for them, empty micro-batches included. The one operand whose blocks cross ranks
-is the weight gradient's contraction over tokens: each rank quantizes its own tokens' blocks
-and the gradients are then summed by DDP / FSDP2 (docs/distributed.md says when that equals
-one process exactly). Their ledgers hold statistics only, of the rank's own tokens.
+``sync()`` is the same merge on demand, a collective (every rank must call it).
+
+Fine-grained layers (granularity ``row``, ``block`` or ``mx``) keep no amax history: every
+scale is the current block's, and every block of ``X``, ``dY`` and ``W`` lies within one rank's
+rows (the weight is whole on every rank, or gathered whole). Nothing reduces an amax for them;
+their ledgers hold statistics (newest amax, largest step, counts), merged with the others so
+that they too are the same on every rank. The one operand whose blocks cross ranks is the
+weight gradient's contraction over tokens: each rank quantizes its own tokens' blocks and the
+gradients are then summed by DDP / FSDP2 (docs/distributed.md says when that equals one
+process exactly).
 
 Two quantizes need the amax of the tensor in hand, which exists only once the layer before has
 run, so no merge between steps can supply it: every call of dynamic scaling, and the first call
-of delayed scaling, which seeds its history. ``sync_fp8_scaling`` therefore hands every layer a
-``GroupAmax`` (``Fp8Linear.amax_reduce``): those quantizes of an input or an output gradient
-reduce their amax (one float, MAX) over the group before taking the step, and the scales are
-those of one process on the whole batch from step 1 on. Under ``torch.compile`` the delayed
-seed stays the rank's own (the seeded check is a device value there; the merge after step 1
-makes every history the one-process one). ``current_amax="local"`` opts out: no collective
-inside a step, each rank scaling by its own shard. Weights need none of this: every rank
-quantizes the same weight, and FSDP2's fp8 all-gather reduces its shard amaxes itself.
+of delayed scaling, which seeds its history. ``current_amax`` says whose amax they take. The
+rank's own (``"local"``, the default except under FSDP2) issues no collective inside any
+quantize, as torchao and TransformerEngine do under data parallelism; the scales of those calls
+are the rank's shard's, and the merge makes the delayed histories the whole batch's from step 1
+on. The group's (``"group"``, the default under FSDP2, whose forward is collective anyway) is
+one MAX all-reduce of one float per such quantize (``GroupAmax``): the scales are one
+process's on the whole batch, but every rank must then run every training forward together.
+Under ``torch.compile`` the delayed seed stays the rank's own (the seeded check is a device
+value there). Weights need none of this: every rank quantizes the same weight, and FSDP2's fp8
+all-gather reduces its shard amaxes itself.
 """
 
 from __future__ import annotations
@@ -50,22 +58,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax, RankLocal
 from computectx.distributed.fsdp import WeightGatheredAsFp8, sharded_weight_of
-from computectx.distributed.group import GroupArg, check_same_policy, data_parallel_group
-from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Linear
-from computectx.fp8.ledger import (
-    ledger_history,
-    ledger_nonfinite,
-    ledger_saturated,
-    ledger_step,
+from computectx.distributed.group import (
+    GroupArg,
+    check_same_model,
+    check_same_policy,
+    data_parallel_group,
 )
-from computectx.fp8.reference import step_from_amax
+from computectx.distributed.ledger_merge import (
+    LossNormalization,
+    MergeEntry,
+    merge_operands,
+    payload,
+    rescale_grad_ledger,
+)
+from computectx.fp8 import Fp8Linear
+from computectx.fp8.custom_ops import TALLY_ELEMENTS
 from computectx.fp8.scaling import ROLES, OperandScaling, Role
-from computectx.recipes import DelayedScaling
 
 __all__ = [
     "CurrentAmax",
@@ -76,21 +89,25 @@ __all__ = [
     "sync_fp8_scaling",
 ]
 
-LossNormalization = Literal["per_rank", "global"]
-"""What each rank's loss is divided by: its own batch, or the global batch."""
-
 CurrentAmax = Literal["group", "local"]
 """Whose amax a quantize that needs the current one uses on many ranks: the group's (the
 whole batch's) or each rank's own."""
 
+_PARTS = ("ledger", "tally")
+
 
 @dataclass
 class _Snapshot:
-    """One operand's ledger as it was after the last merge (identical on every rank)."""
+    """One operand as the last merge left it (identical on every rank)."""
 
     ledger: torch.Tensor  # the OperandScaling's ledger object the copy was taken from
+    tally: torch.Tensor  # and its tally object
     copy: torch.Tensor
-    elements: torch.Tensor  # the element count then, a device tensor (no host read)
+    tally_copy: torch.Tensor
+
+    def holds(self, op: OperandScaling) -> bool:
+        """Whether ``op`` still has the tensors this was taken from (not replaced by a load)."""
+        return self.ledger is op.ledger and self.tally is op.tally
 
 
 _Entry = tuple[Fp8Linear, Role, OperandScaling]
@@ -100,15 +117,28 @@ def _fp8_layers(model: nn.Module) -> list[Fp8Linear]:
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]
 
 
-def _layers(model: nn.Module) -> list[Fp8Linear]:
-    # The layers whose scaling keeps a history to merge: granularity "tensor". A row, block
-    # or mx layer scales every operand from the blocks in hand (no history, no step carried
-    # over), so it has nothing to merge and no amax to reduce (_FINE_GRAINED).
-    return [m for m in _fp8_layers(model) if m.policy.granularity == "tensor"]
+def _tensor_layers(layers: list[Fp8Linear]) -> list[Fp8Linear]:
+    # The layers whose scaling keeps a history: granularity "tensor" (the ones whose
+    # ledgers depend on the world size, and whose quantizes may reduce an amax).
+    return [m for m in layers if m.policy.granularity == "tensor"]
 
 
 def _operands(layers: list[Fp8Linear]) -> list[_Entry]:
     return [(layer, role, layer.scaling.operands[role]) for layer in layers for role in ROLES]
+
+
+def _is_fsdp(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def default_current_amax(model: nn.Module) -> CurrentAmax:
+    """``current_amax``'s default for ``model``: ``"group"`` under FSDP2 (whose every forward
+    is collective already: an amax all-reduce adds latency, not a constraint, and the scales
+    are one process's on the whole batch), ``"local"`` otherwise (DDP: no collective inside
+    any forward, so one rank may run one alone)."""
+    return "group" if _is_fsdp(model) else "local"
 
 
 def fp8_buffer_names(model: nn.Module) -> list[str]:
@@ -140,18 +170,18 @@ def _out_of_ddp_broadcast(ddp: DistributedDataParallel) -> None:
         assign()
 
 
-def _format_of(layer: Fp8Linear, role: Role) -> Fp8Format:
-    scheme = layer.policy.format
-    return scheme.backward if role == "grad" else scheme.forward
-
-
 class Fp8AmaxSync:
     """Merges the fp8 scaling ledgers of ``model``'s ``Fp8Linear`` layers across ``group``.
 
-    ``sync_fp8_scaling`` builds one that also runs before every forward of ``model``
-    (``before_forward=True``). ``sync()`` merges now: call it before saving a checkpoint,
-    so the state saved holds the last step's amaxes of every rank. Every rank of the group
-    must call it the same number of times (it is a collective).
+    ``sync_fp8_scaling`` builds one with ``hooks=True``: it arms the layers during training
+    forwards of ``model`` and merges at the end of every backward (the module docstring).
+    ``sync()`` merges now, a collective: every rank of the group must call it the same number
+    of times. Built without hooks, the layers record in every training call and the caller
+    merges with ``sync()`` alone.
+
+    ``check`` compares the ranks' policies and converted layers (``check_same_policy``,
+    ``check_same_model``: parameters too under FSDP2) at construction, one collective;
+    ``parallelize``, which compared them before wrapping, passes ``False``.
     """
 
     def __init__(
@@ -159,12 +189,16 @@ class Fp8AmaxSync:
         model: nn.Module,
         group: GroupArg = None,
         *,
-        before_forward: bool = False,
-        current_amax: CurrentAmax = "group",
+        hooks: bool = False,
+        current_amax: CurrentAmax | None = None,
         loss_normalization: LossNormalization = "per_rank",
+        check: bool = True,
     ) -> None:
-        if current_amax not in ("group", "local"):
-            raise ValueError(f"current_amax must be 'group' or 'local', got {current_amax!r}")
+        if current_amax not in ("group", "local", None):
+            raise ValueError(
+                f"current_amax must be 'group' or 'local' (or None: the default for the "
+                f"model), got {current_amax!r}"
+            )
         if loss_normalization not in ("per_rank", "global"):
             raise ValueError(
                 f"loss_normalization must be 'per_rank' or 'global', got {loss_normalization!r}"
@@ -174,8 +208,14 @@ class Fp8AmaxSync:
         self._handles: list[RemovableHandle] = []
         self._order_checked = False
         self._snapshots: dict[int, _Snapshot] = {}
-        self._current_amax: CurrentAmax = current_amax
+        self._current_amax: CurrentAmax = (
+            default_current_amax(model) if current_amax is None else current_amax
+        )
         self._reduce: GroupAmax | None = None
+        self._recording = False  # inside a training forward of the model
+        self._unfinished = False  # a training forward ran since the last merge
+        self._queued = False  # this backward's merge is queued
+        self._compiled = False  # the last training forward ran compiled
         if group is None and not (dist.is_available() and dist.is_initialized()):
             # One process that no launcher gave a group (python train.py, or accelerate
             # on one machine): a world of one, in which there is nothing to keep in step.
@@ -190,56 +230,71 @@ class Fp8AmaxSync:
             if isinstance(module, DistributedDataParallel):
                 _out_of_ddp_broadcast(module)
         every = _fp8_layers(model)
-        if every:
-            check_same_policy(every[0].ctx, self._group)
-        layers = _layers(model)
-        # Row, block and mx layers: nothing to merge and no amax to reduce (every scale is
-        # the current block's). Their seam says that they are in step by construction:
-        # always armed (training calls record their statistics), never reducing, so they
-        # issue no collective and nothing warns that no sync is attached.
-        fine = RankLocal()
-        for layer in every:
-            if layer.policy.granularity != "tensor":
-                layer.amax_reduce = fine
-        # The layers' seam: armed while a synchronized forward of `model` runs (the
-        # hooks below); outside one, a layer's call is rank-local and records nothing.
-        # Built without hooks (before_forward=False), the layers stay armed: the caller
-        # then runs every forward on every rank and merges with sync() itself.
+        if check:
+            if every:
+                check_same_policy(every[0].ctx, self._group)
+            check_same_model(model, self._group, parameters=_is_fsdp(model))
+        # The layers' seam: armed while a training forward of `model` runs (the hooks
+        # below); outside one, a layer's call is rank-local and records nothing. Built
+        # without hooks, the layers stay armed: the caller then runs every forward on every
+        # rank and merges with sync() itself. Row, block and mx layers share it, never
+        # reducing (each of their scales is the current block's).
         self._reduce = GroupAmax(
-            self._group, reduces=current_amax == "group", always_armed=not before_forward
+            self._group, reduces=self._current_amax == "group", always_armed=not hooks
         )
-        for layer in layers:
-            layer.amax_reduce = self._reduce
-        self._to_this_world(layers)
-        self._take_snapshots(_operands(layers))
-        if before_forward:
+        fine = GroupAmax(self._group, reduces=False, always_armed=not hooks)
+        self._fine = fine
+        for layer in every:
+            layer.amax_reduce = self._reduce if layer.policy.granularity == "tensor" else fine
+        self._to_this_world(every)
+        self._take_snapshots(_operands(every))
+        if hooks:
             # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
             # and with enable_fp8_all_gather quantizes each shard with the ledger's step) must
-            # see the merged step.
+            # see the armed seam and the restored state.
             self._handles = [
                 model.register_forward_pre_hook(self._pre_forward, prepend=True),
                 model.register_forward_hook(self._post_forward, always_call=True),
             ]
+            # A compiled forward's outputs take no hook of ours (registering one would break
+            # the graph): the backward of a compiled training forward is seen where its
+            # gradients land in the parameters, outside any graph.
+            self._handles += [
+                p.register_post_accumulate_grad_hook(self._on_parameter_grad)
+                for p in model.parameters()
+                if p.requires_grad
+            ]
+
+    def _armed(self, value: bool) -> None:
+        for seam in (self._reduce, self._fine):
+            if seam is not None:
+                seam.armed = value
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        # Only a training forward (grad enabled, some fp8 layer in training mode) is one
-        # that every rank runs: eval, no_grad and inference_mode calls (validation or
-        # sampling on one rank) merge nothing, arm nothing and so issue no collective.
+        # Only a training forward (grad enabled, some fp8 layer in training mode) records:
+        # eval, no_grad and inference_mode calls (validation or sampling on one rank) arm
+        # nothing and change nothing. None issues a collective.
+        self._recording = False
         if not torch.is_grad_enabled():
             return
-        layers = _layers(self._model)  # walked once per forward, for the check and the merge
+        layers = _fp8_layers(self._model)
         if not any(layer.training for layer in layers):
             return
         if not self._order_checked:
             self._check_hook_order()
-        self._merge_all(layers)
-        if self._reduce is not None:
-            self._reduce.armed = True
+        if self._unfinished:
+            # The last training forward's backward never ran (or has not merged): what it
+            # recorded is forgotten, on this rank alone, so the ranks stay in step.
+            self._restore(_operands(layers))
+        self._to_this_world(layers)
+        self._unfinished = True
+        self._recording = True
+        self._armed(True)
 
     def _check_hook_order(self) -> None:
         # FSDP2 all-gathers (and with the fp8 all-gather quantizes) in a pre-forward hook
         # it puts first in line when fully_shard runs. A sync built before fully_shard is
-        # therefore second: the gathers would run unmerged and unarmed, and the weights'
+        # therefore second: the gathers would run unarmed and unrestored, and the weights'
         # ledgers would stop advancing without a word. Checked again at every training
         # forward until it passes, so a caught error is raised again, never forgotten.
         from torch.distributed.fsdp import FSDPModule
@@ -251,25 +306,54 @@ class Fp8AmaxSync:
         if hooks and hooks[0] != self._handles[0].id:
             raise RuntimeError(
                 "sync_fp8_scaling was called before fully_shard: FSDP2's all-gather now runs "
-                "before the amax merge. Call sync_fp8_scaling(model) after fully_shard (or "
-                "set up with computectx.distributed.parallelize, which orders it)"
+                "before the fp8 sync's pre-forward hook. Call sync_fp8_scaling(model) after "
+                "fully_shard (or set up with computectx.distributed.parallelize, which "
+                "orders it)"
             )
         self._order_checked = True
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._reduce is not None:
-            self._reduce.armed = False
+        # Traced into a compiled forward (no graph break): attribute writes only, which
+        # torch.compile replays after every call of the graph.
+        self._armed(False)
+        if not self._recording:
+            return
+        self._recording = False
+        self._compiled = torch.compiler.is_compiling()
+        if self._compiled:
+            return  # _on_parameter_grad sees its backward
+        needing = [
+            t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if needing and self._group is not None:
+            torch.autograd.graph.register_multi_grad_hook(needing, self._on_backward, mode="any")
+
+    def _on_parameter_grad(self, param: torch.Tensor) -> None:
+        if self._compiled and self._unfinished:
+            self._on_backward(param)
+
+    def _on_backward(self, grad: torch.Tensor) -> None:
+        # The backward has reached the model's outputs: merge when it ends, after every
+        # layer's backward has recorded its output gradient, once per backward.
+        if not self._queued:
+            self._queued = True
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        self._queued = False
+        self.sync()
 
     def remove(self) -> None:
-        """Stop merging before forwards (``sync()`` still merges on demand), and let each
-        rank scale on its own: the layers' seam becomes ``RankLocal`` (every training call
+        """Stop arming and merging (``sync()`` still merges on demand), and let each rank
+        scale on its own: the layers' seam becomes ``RankLocal`` (every training call
         records the rank's own amaxes; no warning that no sync is attached)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
         local = RankLocal()
-        for layer in _layers(self._model):
-            if self._reduce is not None and layer.amax_reduce is self._reduce:
+        for layer in _fp8_layers(self._model):
+            if layer.amax_reduce is not None and layer.amax_reduce in (self._reduce, self._fine):
                 layer.amax_reduce = local
 
     @property
@@ -278,11 +362,51 @@ class Fp8AmaxSync:
         delayed scaling) uses: the group's or the rank's own."""
         return self._current_amax
 
+    @property
+    def unfinished(self) -> bool:
+        """Whether a training forward ran since the last merge (its backward has not ended):
+        the ledgers then hold this rank's records of it, which no other rank has."""
+        return self._unfinished
+
     def _take_snapshots(self, entries: list[_Entry]) -> None:
-        self._snapshots = {
-            id(op): _Snapshot(op.ledger, op.ledger.detach().clone(), op.elements_tensor.clone())
-            for _, _, op in entries
-        }
+        with torch.no_grad():
+            self._snapshots = {
+                id(op): _Snapshot(
+                    op.ledger, op.tally, op.ledger.detach().clone(), op.tally.detach().clone()
+                )
+                for _, _, op in entries
+            }
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]
+    def _restore(self, entries: list[_Entry]) -> None:
+        for _, _, op in entries:
+            snap = self._snapshots.get(id(op))
+            if snap is not None and snap.holds(op):
+                op.restore(snap.copy, snap.tally_copy)
+
+    def merged_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The scaling tensors the last merge left, keyed as ``module.state_dict()`` keys
+        them (``module``: the model the sync was built on, or the one inside its wrapper),
+        for the operands that a training forward has recorded into since (``unfinished``);
+        empty otherwise. Copies, nothing read on the host, no collective: what
+        ``Parallel.state_dict`` saves in place of this rank's own records."""
+        if not self._unfinished:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for name, layer in module.named_modules():
+            if not isinstance(layer, Fp8Linear):
+                continue
+            keys = iter(layer.scaling.tensor_names())
+            for role in ROLES:
+                ledger_key, tally_key = next(keys), next(keys)
+                op = layer.scaling.operands[role]
+                snap = self._snapshots.get(id(op))
+                if snap is None or not snap.holds(op):
+                    continue
+                at = f"{name}." if name else ""
+                out[at + ledger_key] = snap.copy.clone()
+                out[at + tally_key] = snap.tally_copy.clone()
+        return out
 
     @property
     def loss_normalization(self) -> LossNormalization:
@@ -291,114 +415,48 @@ class Fp8AmaxSync:
 
     def _to_this_world(self, layers: list[Fp8Linear]) -> None:
         # Scaling state recorded at another world size (a checkpoint saved on other ranks):
-        # under a per-rank loss, the output-gradient ledger is in that world's units.
-        for layer in layers:
+        # under a per-rank loss, the output-gradient ledger is in that world's units. Before
+        # any backward quantizes through it: a pre-forward hook calls this (no collective).
+        for layer in _tensor_layers(layers):
             if layer.scaling.world_size != self._world:
                 rescale_grad_ledger(layer, self._world, self._loss_normalization)
 
     def sync(self) -> None:
         """Merge every ledger with the other ranks' (one all-gather), in place, on the device.
 
-        In a world of one (no process group) there is nothing to merge."""
-        self._merge_all(_layers(self._model))
-
-    def _merge_all(self, layers: list[Fp8Linear]) -> None:
+        A collective: every rank of the group calls it together (the hooks call it at the end
+        of every backward). In a world of one (no process group) there is nothing to merge."""
+        layers = _fp8_layers(self._model)
         if not layers or self._group is None:
             return
         self._to_this_world(layers)
         entries = _operands(layers)
-        # A ledger replaced since the last merge (a checkpoint loaded, a policy with another
-        # history length) has no snapshot: it starts from itself, since what it holds came
-        # from outside training, identically on every rank.
-        snaps: list[_Snapshot | None] = []
-        for _, _, op in entries:
+        merging: list[MergeEntry] = []
+        for layer, role, op in entries:
+            # A ledger replaced since the last merge (a checkpoint loaded, a policy with
+            # another history length) has no snapshot: it starts from itself, since what it
+            # holds came from outside training, identically on every rank.
             snap = self._snapshots.get(id(op))
-            snaps.append(snap if snap is not None and snap.ledger is op.ledger else None)
-        local = torch.cat([op.ledger.detach() for _, _, op in entries])
+            valid = snap is not None and snap.holds(op)
+            before = snap.copy if snap is not None and valid else op.ledger.detach().clone()
+            elements = (
+                snap.tally_copy[TALLY_ELEMENTS : TALLY_ELEMENTS + 1]
+                if snap is not None and valid
+                else None
+            )
+            # Inputs and gradients differ per rank, and so do the weight shards that
+            # FSDP2's fp8 all-gather quantizes (per-tensor layers): their counts add up over
+            # the group. A weight every rank quantizes whole is one tensor counted once.
+            split = role != "weight" or (
+                layer.policy.granularity == "tensor" and _quantizes_shards(layer)
+            )
+            merging.append(MergeEntry(layer, role, op, before, elements, split))
+        local = payload(merging)
         gathered = [torch.empty_like(local) for _ in range(self._world)]
         dist.all_gather(gathered, local, group=self._group)
-        stacked = torch.stack(gathered)  # (world, total)
-        offset = 0
-        with torch.no_grad():
-            for (layer, role, op), snap in zip(entries, snaps, strict=True):
-                size = op.ledger.numel()
-                before = op.ledger if snap is None else snap.copy
-                # Inputs and gradients differ per rank, and so do the weight shards that
-                # FSDP2's fp8 all-gather quantizes: their counts add up over the group. A
-                # weight every rank quantizes whole (DDP, FSDP2 gathering high precision)
-                # is one tensor counted once, the same on every rank.
-                split = role != "weight" or _quantizes_shards(layer)
-                self._merge(layer, role, op, before, stacked[:, offset : offset + size], split)
-                offset += size
-                # The element count stays on the device. Summing the other ranks' counts
-                # would take a second collective; equal shards (what DistributedSampler
-                # gives) make the group's count the local one times the world size.
-                if split and snap is not None:
-                    grown = op.elements_tensor - snap.elements
-                    op.elements_tensor.copy_(snap.elements + grown * self._world)
+        merge_operands(merging, torch.stack(gathered))
         self._take_snapshots(entries)
-
-    def _merge(
-        self,
-        layer: Fp8Linear,
-        role: Role,
-        op: OperandScaling,
-        before: torch.Tensor,
-        ledgers: torch.Tensor,
-        split: bool,
-    ) -> None:
-        each = ledgers.unbind(0)  # one ledger per rank
-        nonfinite_all = torch.cat([ledger_nonfinite(r) for r in each])
-        saturated_all = torch.cat([ledger_saturated(r) for r in each])
-        prev_saturated = ledger_saturated(before)
-        # A rank whose non-finite count grew since the last merge saw a NaN/inf amax: the
-        # whole batch has one. That rank's ledger is what one process holds after such a call
-        # (history rotated, nothing recorded, step kept, counted once), so every rank takes
-        # it. Otherwise the history is the element-wise max and the step is recomputed.
-        # index_select with a device index (not t[i]): no data-dependent indexing, so the
-        # merge traces into a compiled graph without a break.
-        poisoned_rank = nonfinite_all.argmax().reshape(1)
-        taken = ledgers.index_select(0, poisoned_rank)[0]
-        poisoned = ledger_nonfinite(taken) > ledger_nonfinite(before)
-        merged_hist = torch.stack([ledger_history(r) for r in each]).amax(dim=0)
-        scaling = layer.policy.scaling
-        if isinstance(scaling, DelayedScaling) and scaling.algo == "max":
-            window = merged_hist.amax().reshape(1)
-        else:
-            window = merged_hist[op.newest_amax_index()].reshape(1)
-        fresh_step = step_from_amax(window, _format_of(layer, role), scaling.margin)
-        ledger_history(op.ledger).copy_(torch.where(poisoned, ledger_history(taken), merged_hist))
-        ledger_step(op.ledger).copy_(torch.where(poisoned, ledger_step(taken), fresh_step))
-        ledger_nonfinite(op.ledger).copy_(ledger_nonfinite(taken))
-        if split:
-            ledger_saturated(op.ledger).copy_(
-                prev_saturated + (saturated_all - prev_saturated).sum()
-            )
-        else:
-            ledger_saturated(op.ledger).copy_(ledger_saturated(taken))
-
-
-def rescale_grad_ledger(
-    layer: Fp8Linear, world_size: int, loss_normalization: LossNormalization = "per_rank"
-) -> None:
-    """Bring ``layer``'s scaling state to ``world_size`` ranks (device ops, in place).
-
-    Under a loss each rank normalizes by its own batch (``"per_rank"``), a rank's output
-    gradient is ``world_size`` times the whole batch's, and so is what its gradient ledger
-    holds: a state recorded at ``layer.scaling.world_size`` ranks has its gradient history
-    and step multiplied by the ratio of the world sizes (exact for powers of two), so the
-    first backward after loading a checkpoint saved at another world size neither saturates
-    nor wastes range. Under a ``"global"`` normalization nothing depends on the world size.
-    Either way the state is then marked as recorded at ``world_size``.
-    """
-    state = layer.scaling
-    if loss_normalization == "per_rank" and state.world_size != world_size:
-        ledger = state.grad.ledger
-        ratio = world_size / state.world_size
-        with torch.no_grad():
-            ledger_history(ledger).mul_(ratio)
-            ledger_step(ledger).mul_(ratio)
-    state.world_size = world_size
+        self._unfinished = False
 
 
 def _quantizes_shards(layer: Fp8Linear) -> bool:
@@ -409,25 +467,30 @@ def sync_fp8_scaling(
     model: nn.Module,
     group: GroupArg = None,
     *,
-    current_amax: CurrentAmax = "group",
+    current_amax: CurrentAmax | None = None,
     loss_normalization: LossNormalization = "per_rank",
 ) -> Fp8AmaxSync:
-    """Keep the fp8 scaling ledgers of ``model`` identical on every rank of ``group``.
+    """Keep the fp8 scaling state of ``model`` identical on every rank of ``group``.
 
     ``model`` is what the ranks run forward: a ``DistributedDataParallel`` module, a
-    ``fully_shard``-ed one, or a plain module. Before each of its forwards the ledgers are
-    merged with the other ranks' (``Fp8AmaxSync``: one all-gather for all layers and
-    operands, no host synchronisation). The ranks' policies are compared once, here.
-    ``sync.remove()`` detaches it: running data-parallel fp8 without it is an explicit
-    choice, and each rank then scales by its own shard only.
+    ``fully_shard``-ed one, or a plain module. At the end of every backward of its training
+    forwards the ledgers are merged with the other ranks' (``Fp8AmaxSync``: one all-gather
+    for all layers and operands, no host synchronisation), so after every backward and every
+    optimizer step every rank holds the same state and any rank's state dict is the world's.
+    No forward issues a collective of the sync's; a training forward whose backward never
+    runs is forgotten at the next one. The ranks' policies and converted layers (and under
+    FSDP2 their parameters) are compared once, here: a mismatch is a ``ValueError`` naming
+    the ranks and the first layer that differs. ``sync.remove()`` detaches it: running
+    data-parallel fp8 without it is an explicit choice, and each rank then scales by its own
+    shard only.
 
-    Quantizes that need the current amax of an input or an output gradient (every call of
-    dynamic scaling; the seeding first call of delayed scaling) reduce it over the group
-    first (``current_amax="group"``, the default): one MAX all-reduce of a single float
-    per such quantize, because that amax exists only once the layer before has run. The
-    scales are then those of one process on the whole batch. ``current_amax="local"``
-    keeps each rank's own (no collective inside a step; the scales then differ from one
-    process's until the first merge, and under dynamic scaling always).
+    ``current_amax`` says whose amax a quantize that needs the current one takes (every
+    call of dynamic scaling; the seeding first call of delayed scaling): the rank's own
+    (``"local"``, the default except under FSDP2: no collective inside any quantize, so one
+    rank may run a forward alone; the scales of those calls are the shard's), or the
+    group's (``"group"``, the default under FSDP2, whose forwards are collective anyway:
+    one MAX all-reduce of one float per such quantize, the scales of one process on the
+    whole batch; every rank must then run every training forward and backward together).
 
     ``loss_normalization`` says what each rank's loss is divided by: its own batch
     (``"per_rank"``, a mean-reduced loss under DDP / FSDP2's gradient averaging, the usual
@@ -439,7 +502,7 @@ def sync_fp8_scaling(
     return Fp8AmaxSync(
         model,
         group,
-        before_forward=True,
+        hooks=True,
         current_amax=current_amax,
         loss_normalization=loss_normalization,
     )

@@ -80,9 +80,11 @@ class GroupAmax:
     over the group.
 
     Also ``computectx.fp8``'s ``AmaxReduce`` seam: ``armed`` is set by ``Fp8AmaxSync``
-    while a synchronized forward runs (``True`` from the start when ``always_armed``: the
-    FSDP2 all-gather, which every rank of the shard group runs together by construction).
-    ``reduces=False`` (``current_amax="local"``) hands the amax back unchanged.
+    while a training forward of its model runs (``True`` from the start when
+    ``always_armed``: the FSDP2 all-gather, which every rank of the shard group runs
+    together by construction, and a sync built without hooks). ``reduces=False``
+    (``current_amax="local"``, and the row, block and mx layers' seam) hands the amax back
+    unchanged: no collective.
     """
 
     def __init__(
@@ -129,11 +131,10 @@ class ShardAmax:
 
 
 class RankLocal:
-    """The ``AmaxReduce`` of layers whose ranks scale on their own: by choice
-    (``Fp8AmaxSync.remove()``), or because the policy keeps no history (granularity
-    ``row``, ``block`` or ``mx``: every scale is the current block's, which no other rank
-    holds). Always armed, reduces nothing, so every training call records its rank's own
-    amaxes, issues no collective, and nothing warns that no sync is attached."""
+    """The ``AmaxReduce`` of layers whose ranks scale on their own by choice
+    (``Fp8AmaxSync.remove()``). Always armed, reduces nothing, so every training call
+    records its rank's own amaxes, issues no collective, and nothing warns that no sync is
+    attached."""
 
     armed = True
     reduces = False

@@ -1,16 +1,19 @@
-"""Which ranks take part, and a check that they all run the same policy."""
+"""Which ranks take part, and checks that they all run the same policy and the same model."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from computectx.ctx import ComputeCtx
+from computectx.fp8 import Fp8Linear
 
-__all__ = ["GroupArg", "check_same_policy", "data_parallel_group"]
+__all__ = ["GroupArg", "check_same_model", "check_same_policy", "data_parallel_group"]
 
 GroupArg = dist.ProcessGroup | DeviceMesh | None
 """A process group, a one-dimensional ``DeviceMesh``, or ``None`` for the default group."""
@@ -81,4 +84,68 @@ def check_same_policy(ctx: ComputeCtx, group: GroupArg = None) -> None:
             f"the ranks of the data-parallel group hold different compute policies: rank(s) "
             f"{', '.join(map(str, differ))} differ from rank 0; this rank "
             f"({dist.get_rank(pg)}) holds {policy!r}. Build the same ComputeCtx on every rank"
+        )
+
+
+_Entry = tuple[str, str]  # (FQN, what is there)
+
+
+def _fp8_layers_of(model: nn.Module) -> list[_Entry]:
+    return [
+        (
+            fqn,
+            f"Fp8Linear({m.in_features}->{m.out_features}, granularity "
+            f"{m.policy.granularity!r}, {m.policy})",
+        )
+        for fqn, m in model.named_modules()
+        if isinstance(m, Fp8Linear)
+    ]
+
+
+def _parameters_of(model: nn.Module) -> list[_Entry]:
+    # A DTensor's shape is the whole parameter's, the same on every rank of its mesh.
+    return [(fqn, f"{tuple(p.shape)} {p.dtype}") for fqn, p in model.named_parameters()]
+
+
+def _first_difference(mine: list[_Entry], theirs: list[_Entry]) -> tuple[str, str, str]:
+    # The first FQN, in the order either rank lists them, whose description differs or that
+    # one rank lacks: (fqn, rank 0's, the other rank's).
+    a, b = dict(mine), dict(theirs)
+    order = [f for f, _ in mine] + [f for f, _ in theirs if f not in a]
+    for fqn in order:
+        if a.get(fqn) != b.get(fqn):
+            return fqn, a.get(fqn, "nothing"), b.get(fqn, "nothing")
+    # The same entries in another order: the first position that differs.
+    at = next(i for i, (x, y) in enumerate(zip(mine, theirs, strict=True)) if x != y)
+    return mine[at][0], f"{mine[at][1]} at position {at}", f"{theirs[at][0]!r} there"
+
+
+def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bool) -> None:
+    """Stop with a clear error, on every rank, when the ranks of ``group`` converted different
+    layers to fp8 (FQN, widths, granularity and policy of every ``Fp8Linear``), or, with
+    ``parameters``, hold different parameters (FQN, shape, dtype: FSDP2 shards each one
+    over the ranks).
+
+    One ``all_gather_object`` at setup, before any collective that the model shapes: a
+    different ``fp8_filter`` on one rank would otherwise abort in gloo ("Received data size
+    doesn't match expected size") or hang at the first merge. The ``ValueError`` names the
+    ranks that differ from rank 0 and the first layer (or parameter) that differs.
+    """
+    pg = data_parallel_group(group)
+    # Parameters first: they shape every collective of FSDP2, fp8 or not.
+    mine: dict[str, Any] = {"parameter": _parameters_of(model)} if parameters else {}
+    mine["fp8 layer"] = _fp8_layers_of(model)
+    everyone: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, mine, group=pg)
+    first: dict[str, Any] = everyone[0]
+    for kind in mine:
+        differ = [r for r, theirs in enumerate(everyone) if theirs[kind] != first[kind]]
+        if not differ:
+            continue
+        fqn, zero, other = _first_difference(first[kind], everyone[differ[0]][kind])
+        raise ValueError(
+            f"the ranks of the data-parallel group set up different models: rank(s) "
+            f"{', '.join(map(str, differ))} differ from rank 0 in their {kind}s; the first "
+            f"that differs is {fqn!r}: rank 0 holds {zero}, rank {differ[0]} holds {other}. "
+            f"Build the same model and convert it with the same fp8_filter on every rank"
         )

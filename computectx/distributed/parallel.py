@@ -31,7 +31,6 @@ from computectx.distributed.amax import (
     LossNormalization,
     fp8_buffer_names,
     rescale_grad_ledger,
-    sync_fp8_scaling,
 )
 from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
 from computectx.distributed.fsdp import (
@@ -39,7 +38,7 @@ from computectx.distributed.fsdp import (
     gathers_as_fp8,
     parameter_holders,
 )
-from computectx.distributed.group import check_same_policy
+from computectx.distributed.group import check_same_model, check_same_policy
 from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -60,8 +59,11 @@ class Parallel:
     """What ``parallelize`` set up. Run forwards on ``model``; keep ``module`` for evaluation
     and sampling. Under DDP and in one process a call on ``module`` is rank-local: it
     issues no collective and records nothing, so one rank may validate or sample alone.
-    Under FSDP2 ``module`` is the sharded model itself: its forward all-gathers the
-    weights, so every rank must call it together.
+    Under DDP one rank may also run ``model`` alone (a validation forward in eval or train
+    mode, with or without grad), and call ``state_dict()`` alone: fp8 adds no collective to
+    either (docs/distributed.md, "What one rank may call"). Under FSDP2 ``module`` is the
+    sharded model itself: its forward all-gathers the weights, so every rank must call it
+    together.
 
     ``world_size`` is 1 in one process, where ``model`` is ``module`` and ``sync`` is
     ``None``.
@@ -76,8 +78,9 @@ class Parallel:
     accumulator: LowPrecGradAccumulator | None
     """The gradient accumulator, where the ctx asks for one (DDP and one process)."""
     sync: Fp8AmaxSync | None
-    """The fp8 amax sync (many ranks, fp8 policy). Under a row, block or mx policy it has
-    nothing to merge or reduce (those scales keep no history): it issues no collective."""
+    """The fp8 amax sync (many ranks, fp8 policy): it merges the ranks' scaling state at the
+    end of every backward of ``model``. Row, block and mx layers reduce no amax (their
+    scales keep no history); their statistics are merged with the rest."""
     conversion: Fp8ConversionReport | None
     """What ``convert_to_fp8`` did (fp8 policy)."""
     world_size: int
@@ -114,23 +117,29 @@ class Parallel:
         """``{"model": ..., "optimizer": ...}`` keyed by parameter FQN, for
         ``torch.distributed.checkpoint`` (it reshards to any world size) or ``torch.save``.
 
-        The fp8 ledgers are merged first, so the state saved holds every rank's last amaxes.
-        Every rank must call it (the merge is a collective).
+        The fp8 scaling state is merged over the ranks at the end of every backward, so
+        it is the world's on every rank: under DDP (and in one process) this issues no
+        collective, and one rank may call it alone (``if rank == 0: torch.save(...)``).
+        A training forward whose backward has not run yet leaves its records out: the
+        state saved is the last merge's. Under FSDP2 it gathers DCP's state dict, a
+        collective in torch: every rank calls it.
         """
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
         )
 
-        if self.sync is not None:
-            self.sync.sync()
         opt = self.optimizer
         optim = (
             optimizer_state_dict(self.module, opt)
             if isinstance(opt, OffloadedOptimizer)
             else get_optimizer_state_dict(self.module, opt)
         )
-        return {_MODEL: get_model_state_dict(self.module), _OPTIMIZER: optim}
+        model = get_model_state_dict(self.module)
+        if self.sync is not None:
+            merged = self.sync.merged_state(self.module)
+            model.update({k: v for k, v in merged.items() if k in model})
+        return {_MODEL: model, _OPTIMIZER: optim}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what ``state_dict`` gave (after ``torch.distributed.checkpoint.load`` filled
@@ -213,7 +222,7 @@ def parallelize(
     shard_units: list[nn.Module] | None = None,
     accumulate: bool | None = None,
     offload: bool | None = None,
-    current_amax: CurrentAmax = "group",
+    current_amax: CurrentAmax | None = None,
     loss_normalization: LossNormalization = "per_rank",
     **optimizer_kwargs: Any,
 ) -> Parallel:
@@ -227,9 +236,14 @@ def parallelize(
        ``shard_units`` (default: every block of a ``ModuleList``, else every child with
        parameters) and the root. ``strategy="ddp"``: ``DistributedDataParallel``.
     3. fp8 policy on many ranks: ``sync_fp8_scaling`` on what runs forward
-       (``current_amax``, ``loss_normalization`` as there). Row, block and mx layers keep
-       no amax history: the sync leaves them alone, and they issue no collective of their
-       own.
+       (``current_amax``, ``loss_normalization`` as there; ``current_amax`` defaults to
+       ``"local"`` under DDP, ``"group"`` under FSDP2). It merges every rank's scaling
+       state at the end of each backward, so no forward and no ``state_dict()`` issues a
+       collective of it. Row, block and mx layers reduce no amax; their statistics are
+       merged with the rest. Before anything is wrapped the ranks compare what was
+       converted (each fp8 layer's FQN, widths and policy; under FSDP2 every parameter's
+       FQN and shape), once: a mismatch is a ``ValueError`` on every rank naming the ranks
+       and the first layer that differs.
     4. The memory policy. The optimizer is an ``OffloadedOptimizer`` over
        ``optimizer_class`` when ``offload`` is true, or by default when the ctx asks for one
        (``ctx.offload`` set, or ``ctx.master`` differing from a parameter's dtype); else
@@ -276,6 +290,10 @@ def parallelize(
     run: nn.Module = model
     sharded = strategy == "fsdp" and world > 1
     if world > 1:
+        # Ranks that converted other layers (another fp8_filter) or built another model
+        # stop here, named, before DDP's broadcast or FSDP2's gathers abort or hang on it.
+        check_same_model(model, group, parameters=sharded)
+    if world > 1:
         if sharded:
             if mesh is None:
                 mesh = init_device_mesh(ctx.device.type, (world,))
@@ -308,11 +326,13 @@ def parallelize(
             run = DistributedDataParallel(model, device_ids=ids, process_group=group)
     sync = None
     if ctx.fp8 and world > 1:
-        sync = sync_fp8_scaling(
+        sync = Fp8AmaxSync(
             run,
             mesh,
+            hooks=True,
             current_amax=current_amax,
             loss_normalization=loss_normalization,
+            check=False,  # compared above, before wrapping
         )
 
     params = [p for p in model.parameters() if p.requires_grad]

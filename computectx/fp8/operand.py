@@ -377,6 +377,16 @@ class OperandScaling:
                 self.tally = self.tally.to(device)
             self._seeded_hint = hint
 
+    def restore(self, ledger: torch.Tensor, tally: torch.Tensor) -> None:
+        """Copy ``ledger`` and ``tally`` (an earlier copy of this operand's) back into this
+        operand's tensors, in place (device ops; the tensors stay the same objects, so a
+        compiled graph that holds them reads the restored values). Whether the tally is
+        seeded is not known on the host afterwards: the next delayed quantize checks it."""
+        with torch.no_grad():
+            self.ledger.copy_(ledger)
+            self.tally.copy_(tally)
+        self._seeded_hint = False
+
     def install(self, ledger: torch.Tensor, tally: torch.Tensor, seeded: bool) -> None:
         """Take ``ledger`` and ``tally`` (new tensors, already checked) as this operand's;
         ``seeded`` is what the tally says, known on the host."""

@@ -15,8 +15,10 @@ Two hooks for the ``ModelSpec``:
 - ``fp8_parallelize_fn(base)``: runs the model's own ``parallelize_fn``, then attaches
   ``sync_fp8_scaling`` over the ranks that see different data (torchtitan's ``loss`` mesh:
   data parallel and context parallel), after ``fully_shard`` as it must be;
-- ``fp8_post_optimizer_build_fn``: after every optimizer step, merges the ledgers of every
-  rank, so the checkpoints torchtitan takes after a step hold every rank's last amaxes.
+- ``fp8_post_optimizer_build_fn``: kept for ModelSpecs that name it; it registers nothing.
+  The sync merges every rank's ledgers at the end of every backward, so after each optimizer
+  step every rank holds them all, and the checkpoints torchtitan takes after a step hold
+  every rank's last amaxes with no further merge.
 
 Tensor-parallel linears (DTensor operands) take the whole tensor's amax by themselves
 (``computectx.distributed.tensor_parallel``).
@@ -28,14 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
 from torch import nn
 from torchtitan.components.quantization import QuantizationConverter
 from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
 from computectx import ComputeCtx
-from computectx.distributed import Fp8AmaxSync, sync_fp8_scaling
+from computectx.distributed import sync_fp8_scaling
 from computectx.fp8 import HEAD_NAMES, Fp8Linear
 
 __all__ = [
@@ -149,27 +150,8 @@ def fp8_parallelize_fn(base: Callable[..., nn.Module]) -> Callable[..., nn.Modul
 def fp8_post_optimizer_build_fn(
     optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any
 ) -> None:
-    """Merge every rank's ledgers after each optimizer step (a step post-hook), so a
-    checkpoint taken after a step holds them all."""
-    syncs: list[Fp8AmaxSync] = [
-        s for part in model_parts if isinstance(s := getattr(part, _SYNC_ATTR, None), Fp8AmaxSync)
-    ]
-    if not syncs:
-        return
-
-    def merge(*args: Any, **kwargs: Any) -> None:
-        for sync in syncs:
-            sync.sync()
-
-    # Once per step: on the container when it is an optimizer itself (torchtitan's
-    # OptimizersContainer, whose step steps every part), else on the last of its optimizers.
-    # Never on each inner one: with k model parts, or one optimizer per parameter (optimizer
-    # in backward), that would merge k times, or once per parameter during the backward.
-    if isinstance(optimizers, torch.optim.Optimizer):
-        optimizers.register_step_post_hook(merge)
-        return
-    inner = [
-        o for o in getattr(optimizers, "optimizers", []) if isinstance(o, torch.optim.Optimizer)
-    ]
-    if inner:
-        inner[-1].register_step_post_hook(merge)
+    """Nothing to add after the optimizer is built: the sync that ``fp8_parallelize_fn``
+    attached merges every rank's ledgers at the end of every backward, so a checkpoint taken
+    after a step already holds them all (a merge here would only repeat it, one more
+    collective per step). Kept, doing nothing, so that a ``ModelSpec`` naming it still
+    builds."""

@@ -103,7 +103,9 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
         for layer in layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=params.get("reshard", True))
         fully_shard(model, mesh=mesh)
-    sync = sync_fp8_scaling(run)
+    # The group's current amax: the one-process scales under DDP too (its default there is
+    # the rank's own, whose cost test_step_boundary.py measures).
+    sync = sync_fp8_scaling(run, current_amax="group")
     opt: torch.optim.Optimizer
     if params.get("offloaded"):
         # Masters and AdamW state as local shards (ShardedParams), for FSDP2 models.
@@ -164,7 +166,7 @@ def _dynamic_steps(compile: bool) -> dict[str, Any]:
     ctx = _ctx("dynamic")
     rank = dist.get_rank()
     model = _model(ctx)
-    sync = sync_fp8_scaling(model)
+    sync = sync_fp8_scaling(model, current_amax="group")  # the reductions traced
     run: Any = model
     if compile:
         run = torch.compile(model, fullgraph=True, backend="aot_eager")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from computectx import ComputeCtx
 from computectx.distributed import parallelize
@@ -139,6 +140,13 @@ def _reference(ctx: ComputeCtx, widths: tuple[int, ...]) -> tuple[nn.Sequential,
     return model, layers
 
 
+def _float32_gathers(strategy: str) -> MixedPrecisionPolicy | None:
+    # These scenarios compare the sharded arithmetic with one process bit for bit, so FSDP2
+    # gathers at the parameters' dtype (float32) as one process computes; the ctx's bf16
+    # gathers are tested against one process in test_mixed_precision.py.
+    return MixedPrecisionPolicy() if strategy == "fsdp" else None
+
+
 def train(params: dict[str, Any]) -> dict[str, Any]:
     """``steps`` SGD steps through ``parallelize(model, ctx, strategy=...)`` under the flag
     ``flag``; the whole batch has ``rows`` rows and each rank takes its share (one process:
@@ -163,6 +171,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
             strategy=params["strategy"],
             optimizer_class=torch.optim.SGD,
             fp8_filter=lambda module, fqn: True,
+            mp_policy=_float32_gathers(params["strategy"]),
             lr=params.get("lr", 0.05),
         )
         layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
@@ -201,7 +210,16 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     out["amax_collectives"] = counter.calls
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
     out["merged_operands"] = -1 if par.sync is None else len(par.sync._snapshots)
-    out["seams"] = [type(m.amax_reduce).__name__ for m in layers]
+    out["seams"] = [
+        f"{type(m.amax_reduce).__name__}(reduces={getattr(m.amax_reduce, 'reduces', None)})"
+        for m in layers
+    ]
+    out["ledgers"] = {
+        f"{i}.{role}.{part}": getattr(op, part).detach().clone()
+        for i, m in enumerate(layers)
+        for role, op in m.scaling.operands.items()
+        for part in ("ledger", "tally")
+    }
     return out
 
 
@@ -249,6 +267,7 @@ def checkpoint_round_trip(params: dict[str, Any]) -> dict[str, Any]:
         ctx,
         strategy=params["strategy"],
         fp8_filter=lambda module, fqn: True,
+        mp_policy=_float32_gathers(params["strategy"]),
         lr=1e-2,
     )
     if params.get("load"):

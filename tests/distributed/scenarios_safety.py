@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
@@ -318,7 +319,15 @@ def parallel_loop(params: dict[str, Any]) -> dict[str, Any]:
     torch.manual_seed(1 if params.get("load") else 0)  # a load must restore the weights
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
     par = parallelize(
-        model, ctx, strategy=params["strategy"], fp8_filter=lambda m, fqn: True, lr=1e-2
+        model,
+        ctx,
+        strategy=params["strategy"],
+        fp8_filter=lambda m, fqn: True,
+        current_amax=params.get("current_amax"),
+        # FSDP2 gathers float32, as one process computes, for the 1e-5 and bitwise
+        # comparisons (the ctx's bf16 gathers: test_mixed_precision.py).
+        mp_policy=MixedPrecisionPolicy() if params["strategy"] == "fsdp" else None,
+        lr=1e-2,
     )
     losses = []
     if params.get("load"):

@@ -112,7 +112,9 @@ def test_parallelize_trains_as_one_process_and_its_checkpoint_reshards(
     run_ranks: RunRanks, strategy: str, tmp_path: Path
 ) -> None:
     two_path, one_path = str(tmp_path / "two"), str(tmp_path / "one")
-    common = {"scaling": "delayed", "strategy": strategy, "steps": 3}
+    # The group's current amax (the default under FSDP2; under DDP the default is the
+    # rank's own, whose cost test_step_boundary measures): one process's scales exactly.
+    common = {"scaling": "delayed", "strategy": strategy, "steps": 3, "current_amax": "group"}
     r0, r1 = run_ranks(
         "scenarios_safety.py:parallel_loop", limit_s=LIMIT_S, path=two_path, **common
     )
