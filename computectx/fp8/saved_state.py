@@ -9,8 +9,10 @@ tensors only and any tensor format takes it as it is (safetensors, DCP,
     fp8_meta            int64    [version, world_size, scheme, recipe, history_len, margin, algo,
                                   granularity, power_of_two, mx_rounding, gw_hp]
 
-``fp8_meta`` records what the ledgers were measured under: the state version
-(``STATE_VERSION``), the data-parallel world size and the policy fields that give the
+``fp8_meta`` records what the ledgers were measured under: the state version (from version 5
+on as ``STATE_CODE``, ``2**24`` plus the version: an integer no float type holds, so a meta
+cast to a floating dtype and back reads as another number, and loading names the cast), the
+data-parallel world size and the policy fields that give the
 numbers their meaning, as the integer codes below. A saved state is read back *checked
 against the loading layer's policy*: another format scheme, recipe, margin, window
 reduction (``algo``), granularity or granularity option raises ``ValueError`` naming both
@@ -19,10 +21,11 @@ the wrong headroom), and the one field with an exact conversion, the history len
 converted (``resize_ledger``).
 
 Versions 1 and 2 saved the state as a dict in ``_extra_state``; ``read_saved_dict`` reads
-them into the same form, with the same checks (``read_saved_tensors`` reads versions 3 and
-4). Version 3 had the first seven fields only, all per-tensor: it reads as granularity
-``tensor``. A ``row``, ``block`` or ``mx`` state saved with a nonzero margin (accepted, and
-ignored, before such policies were refused) reads as margin 0, which it exactly is.
+them into the same form, with the same checks (``read_saved_tensors`` reads versions 3 to 5).
+Version 4 had version 5's fields, its version written plainly. Version 3 had the first seven
+fields only, all per-tensor: it reads as granularity ``tensor``. A ``row``, ``block`` or
+``mx`` state saved with a nonzero margin (accepted, and ignored, before such policies were
+refused) reads as margin 0, which it exactly is.
 """
 
 from __future__ import annotations
@@ -54,9 +57,11 @@ from computectx.recipes import (
 )
 
 __all__ = [
+    "CAST_TAG",
     "META_LEN",
     "META_WORLD",
     "ROLES",
+    "STATE_CODE",
     "STATE_VERSION",
     "Role",
     "SavedScaling",
@@ -75,10 +80,18 @@ Role = Literal["input", "weight", "grad"]
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
 """The operand roles of an fp8 linear, in checkpoint order."""
 
-STATE_VERSION = 4
-"""The version ``fp8_meta`` records. Versions 1 and 2 were dicts in ``_extra_state``
-(``read_saved_dict``); version 3 had no granularity fields (``META_LEN_V3``), read as
-per-tensor."""
+STATE_VERSION = 5
+"""The version ``fp8_meta`` records (as ``STATE_CODE``). Versions 1 and 2 were dicts in
+``_extra_state`` (``read_saved_dict``); version 3 had no granularity fields
+(``META_LEN_V3``), read as per-tensor; version 4 had these fields and its version plainly."""
+CAST_TAG = 1 << 24
+"""Added to the version in ``fp8_meta``'s first slot (``STATE_CODE``): ``2**24 + 5`` needs 25
+significant bits, more than float32 (24), bfloat16 (8) or float16 (11) hold, so a state dict
+cast to a floating dtype and back (torchtitan's ``export_dtype`` casts every tensor, and
+``torch.distributed.checkpoint``'s ``load`` casts a saved tensor into the model's own int64
+meta) reads as another number, and the cast is refused by name."""
+STATE_CODE = CAST_TAG + STATE_VERSION
+"""What ``fp8_meta[0]`` holds in version 5."""
 _LEDGER_KEY_V1 = "ring"  # rename.py: keep (the key version-1 checkpoints use)
 
 META_VERSION, META_WORLD, META_SCHEME, META_RECIPE, META_HISTORY, META_MARGIN, META_ALGO = range(7)
@@ -117,7 +130,7 @@ def meta_new(policy: Fp8Policy, world_size: int, device: torch.device | str) -> 
     inference tensor)."""
     s = policy.scaling
     values = [0] * META_LEN
-    values[META_VERSION] = STATE_VERSION
+    values[META_VERSION] = STATE_CODE
     values[META_WORLD] = world_size
     values[META_SCHEME] = _SCHEMES[policy.format]
     values[META_RECIPE] = _RECIPES[s.kind]
@@ -143,7 +156,7 @@ def _decode(what: str, field: str, value: int, codes: Mapping[_K, int]) -> _K:
 def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
     """The policy and world size ``meta`` records (one host read); ``ValueError`` naming the
     bad field and what is accepted."""
-    lengths = {STATE_VERSION: META_LEN, 3: META_LEN_V3}
+    lengths = {STATE_CODE: META_LEN, 4: META_LEN, 3: META_LEN_V3}
     if not (
         isinstance(meta, torch.Tensor)
         and meta.dtype == torch.int64
@@ -153,14 +166,24 @@ def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
         desc = f"{meta.dtype} {tuple(meta.shape)}" if isinstance(meta, torch.Tensor) else meta
         raise ValueError(
             f"{what}: fp8_meta must be an int64 tensor of shape ({META_LEN},) (version "
-            f"{STATE_VERSION}) or ({META_LEN_V3},) (version 3), got {desc!r}"
+            f"{STATE_VERSION} or 4) or ({META_LEN_V3},) (version 3), got {desc!r}"
         )
     v = [int(x) for x in meta.detach().tolist()]
-    if lengths.get(v[META_VERSION]) != len(v):
+    code = v[META_VERSION]
+    if code not in lengths and not -CAST_TAG // 2 < code < CAST_TAG // 2:
         raise ValueError(
-            f"{what} has version {v[META_VERSION]} in {len(v)} fields; this computectx reads "
-            f"versions {STATE_VERSION} ({META_LEN} fields) and 3 ({META_LEN_V3}) as tensors "
-            f"and versions 1, 2 as an _extra_state dict"
+            f"{what}: fp8_meta holds {code} in its version slot, where version "
+            f"{STATE_VERSION} saves {STATE_CODE}: the state was cast to {_cast_dtype(code)} and "
+            f"back (torchtitan's export_dtype, a model-wide .to(), DCP's load into the int64 "
+            f"meta), which rounded its ledgers and tallies too. Load the checkpoint saved "
+            f"before the cast, or leave the layer's fp8_* entries out to start its scaling fresh"
+        )
+    if lengths.get(code) != len(v):
+        shown = STATE_VERSION if code == STATE_CODE else code
+        raise ValueError(
+            f"{what} has version {shown} in {len(v)} fields; this computectx reads versions "
+            f"{STATE_VERSION} ({STATE_CODE} in the version slot) and 4 ({META_LEN} fields) and "
+            f"3 ({META_LEN_V3}) as tensors and versions 1, 2 as an _extra_state dict"
         )
     if len(v) == META_LEN_V3:  # version 3: per-tensor, as every policy was then
         v += [_GRANULARITIES["tensor"], 0, 0, 0]
@@ -204,6 +227,14 @@ def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
         bad = "; ".join(str(err["msg"]) for err in e.errors())
         raise ValueError(f"{what}: fp8_meta holds a bad fp8 policy: {bad}") from None
     return policy, v[META_WORLD]
+
+
+def _cast_dtype(code: int) -> str:
+    # What STATE_CODE reads as after a cast to each floating dtype and back to int64.
+    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+        if torch.tensor(STATE_CODE).to(dtype).to(torch.int64).item() == code:
+            return str(dtype).removeprefix("torch.")
+    return "a floating dtype"
 
 
 def same_recipe(a: Fp8Policy, b: Fp8Policy) -> bool:

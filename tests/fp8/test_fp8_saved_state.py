@@ -37,6 +37,7 @@ from computectx.fp8 import (
 from computectx.fp8.ledger import ledger_history, ledger_slot, ledger_step
 from computectx.fp8.saved_state import (
     META_WORLD,
+    STATE_CODE,
     STATE_VERSION,
     Role,
     check_same_recipe,
@@ -110,7 +111,7 @@ def test_the_state_dict_is_tensors_only_under_stable_names() -> None:
     assert {str(sd[f"0.{k}"].dtype) for k in SCALING_KEYS if "ledger" not in k} == {"torch.int64"}
     # version, world size, scheme (hybrid), recipe (delayed), history, margin, algo (max),
     # granularity (tensor), power_of_two, mx_rounding (none), gw_hp
-    assert sd["0.fp8_meta"].tolist() == [STATE_VERSION, 1, 1, 1, 4, 0, 1, 1, 0, 0, 0]
+    assert sd["0.fp8_meta"].tolist() == [STATE_CODE, 1, 1, 1, 4, 0, 1, 1, 0, 0, 0]
     # Copies: the saved state does not move when training goes on.
     before = sd["0.fp8_input_ledger"].clone()
     m(PROBE).sum().backward()
@@ -195,7 +196,7 @@ def test_an_old_dict_checkpoint_loads_into_the_state_this_version_trains_to(name
     assert torch.equal(next_output(fresh), next_output(trained))
     # Saved again, it is the tensors of this version.
     assert "0._extra_state" not in fresh.state_dict()
-    assert fresh.state_dict()["0.fp8_meta"][0] == STATE_VERSION
+    assert fresh.state_dict()["0.fp8_meta"][0] == STATE_CODE
 
 
 def test_a_version_3_checkpoint_loads_as_per_tensor_scaling() -> None:
@@ -207,7 +208,7 @@ def test_a_version_3_checkpoint_loads_as_per_tensor_scaling() -> None:
     trained = train_reference(model_of(ctx_of()))
     assert same(scaling_of(fresh), scaling_of(trained))
     assert torch.equal(next_output(fresh), next_output(trained))
-    assert fresh.state_dict()["0.fp8_meta"].tolist()[:1] == [STATE_VERSION]
+    assert fresh.state_dict()["0.fp8_meta"].tolist()[:1] == [STATE_CODE]
     other = model_of(ctx_of("hybrid/delayed/4/1/max"))
     with pytest.raises(ValueError, match="recorded under the fp8 policy hybrid/delayed/4/0/max"):
         other.load_state_dict(old)
@@ -368,14 +369,17 @@ def _replace(key: str, value: object) -> Callable[[dict[str, Any]], None]:
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
-        (_set("fp8_meta", 0, 9), "version 9 in 11 fields; this computectx reads versions 4"),
+        (_set("fp8_meta", 0, 9), "version 9 in 11 fields; this computectx reads versions 5"),
         (_set("fp8_meta", 0, 3), "version 3 in 11 fields"),
         (_set("fp8_meta", 7, 9), r"granularity code 9 is unknown; accepted: 1 \(tensor\), 2"),
         (_set("fp8_meta", 7, 2), "bad fp8 policy: .*delayed scaling is per-tensor only"),
         (_set("fp8_meta", 8, 2), r"power_of_two code 2 is unknown; accepted: 0 \(False\)"),
         (_set("fp8_meta", 9, 1), "bad fp8 policy: .*mx_rounding applies to granularity 'mx'"),
         (_set("fp8_meta", 10, 1), "bad fp8 policy: .*gw_hp .* applies to granularity 'row'"),
-        (_replace("fp8_meta", torch.zeros(8, dtype=torch.int64)), r"shape \(11,\) \(version 4"),
+        (
+            _replace("fp8_meta", torch.zeros(8, dtype=torch.int64)),
+            r"shape \(11,\) \(version 5 or 4",
+        ),
         (_set("fp8_meta", META_WORLD, 0), "world_size must be an int >= 1, got 0"),
         (_set("fp8_meta", 2, 7), r"scheme code 7 is unknown; accepted: 1 \(hybrid\)"),
         (_set("fp8_meta", 3, 0), r"recipe code 0 is unknown; accepted: 1 \(delayed\), 2"),
@@ -417,8 +421,8 @@ def test_a_world_size_travels_with_the_state() -> None:
 
 def test_dynamic_and_delayed_states_use_their_own_codes() -> None:
     policies = {
-        "e4m3/dynamic/2": [STATE_VERSION, 1, 2, 2, 0, 2, 0, 1, 0, 0, 0],
-        "e5m2/delayed/8/3/most_recent": [STATE_VERSION, 1, 3, 1, 8, 3, 2, 1, 0, 0, 0],
+        "e4m3/dynamic/2": [STATE_CODE, 1, 2, 2, 0, 2, 0, 1, 0, 0, 0],
+        "e5m2/delayed/8/3/most_recent": [STATE_CODE, 1, 3, 1, 8, 3, 2, 1, 0, 0, 0],
     }
     for text, meta in policies.items():
         m = Fp8Linear(16, 16, ctx=ctx_of(text))
@@ -428,3 +432,40 @@ def test_dynamic_and_delayed_states_use_their_own_codes() -> None:
         policy = Fp8Policy.parse(text)
         assert isinstance(policy.scaling, DelayedScaling | DynamicScaling)
         assert fresh.policy == policy and policy.format in set(Fp8Scheme)
+
+
+# ----- a state cast to another dtype and back -------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
+def test_an_export_cast_and_read_back_through_dcp_is_refused_naming_the_dtype(
+    dtype: torch.dtype, tmp_path: pathlib.Path
+) -> None:
+    # torchtitan's model-only export casts every tensor (export_dtype); DCP's load then
+    # copies the saved tensors into the model's own float32 and int64 ones, casting back,
+    # so load_state_dict sees the right dtypes and rounded values. The version slot of
+    # fp8_meta (2**24 + 5, which no float type holds) tells.
+    sd = train_reference(model_of(ctx_of())).state_dict()
+    dcp_save({k: v.to(dtype) for k, v in sd.items()}, checkpoint_id=str(tmp_path / "dcp"))
+    target = train_reference(model_of(ctx_of()))
+    into = target.state_dict()
+    dcp_load(into, checkpoint_id=str(tmp_path / "dcp"))
+    assert into["0.fp8_meta"].dtype == torch.int64  # the dtype is gone by now
+    before = scaling_of(target)
+    name = str(dtype).removeprefix("torch.")
+    with pytest.raises(ValueError, match=rf"fp8_meta holds -?\d+ .* cast to {name} and back"):
+        target.load_state_dict(into)
+    assert same(scaling_of(target), before)
+
+
+def test_a_version_4_state_loads_and_is_saved_again_as_version_5() -> None:
+    assert STATE_CODE == 2**24 + STATE_VERSION
+    m = train_reference(model_of(ctx_of()))
+    sd = m.state_dict()
+    for key in [k for k in sd if k.endswith("fp8_meta")]:
+        sd[key] = sd[key].clone()
+        sd[key][0] = 4  # as version 4 wrote it: the version itself
+    fresh = model_of(ctx_of())
+    fresh.load_state_dict(sd)
+    assert same(scaling_of(fresh), scaling_of(m))
+    assert fresh.state_dict()["0.fp8_meta"][0] == STATE_CODE

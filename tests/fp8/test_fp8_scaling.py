@@ -32,7 +32,8 @@ from computectx.fp8.ledger import (
     ledger_step,
     ledger_tail,
 )
-from computectx.fp8.scaling import STATE_VERSION, Fp8ScalingState, OperandScaling
+from computectx.fp8.saved_state import STATE_CODE
+from computectx.fp8.scaling import Fp8ScalingState, OperandScaling
 
 from .conftest import CtxFor, StepOf
 
@@ -264,7 +265,7 @@ def trained(ctx: ComputeCtx, calls: int = 3) -> Fp8Linear:
 def test_state_dict_round_trip_restores_ledgers_and_counters(ctx_for: CtxFor) -> None:
     m = trained(ctx_for(DelayedScaling(history_len=4)))
     sd = m.state_dict()
-    assert sd["fp8_meta"][0] == STATE_VERSION
+    assert sd["fp8_meta"][0] == STATE_CODE
     buf = io.BytesIO()
     torch.save(sd, buf)
     buf.seek(0)
