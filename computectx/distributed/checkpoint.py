@@ -30,9 +30,19 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.memory import OffloadedOptimizer
-from computectx.memory.optimizer_state import MASTER_WEIGHTS, check_master_weight
+from computectx.memory.optimizer_state import (
+    MASTER_WEIGHTS,
+    check_master_weight,
+    check_optimizer_class,
+)
 
-__all__ = ["MASTER_WEIGHTS", "optimizer_state_dict", "parameter_fqns", "set_optimizer_state_dict"]
+__all__ = [
+    "MASTER_WEIGHTS",
+    "check_saved_optimizer",
+    "optimizer_state_dict",
+    "parameter_fqns",
+    "set_optimizer_state_dict",
+]
 
 """The key of the master weights, as in ``OffloadedOptimizer.state_dict()``."""
 
@@ -187,6 +197,21 @@ def _shareable(value: Any, param: torch.Tensor, master: torch.Tensor, what: str)
 
 
 # ----- set ------------------------------------------------------------------------------
+
+
+def check_saved_optimizer(
+    optimizer: torch.optim.Optimizer, state: object, key: str, who: str
+) -> None:
+    """``ValueError`` naming both classes when ``state[key]`` (a checkpoint's optimizer part)
+    was saved by another optimizer class than ``optimizer`` (an ``OffloadedOptimizer``'s
+    master optimizer for one): ``optimizer_state.check_optimizer_class``'s rule. Run before
+    anything loads (``Parallel.load_state_dict`` calls it before the model), so a refused
+    checkpoint changes nothing; a malformed ``state`` is left to the checks that follow."""
+    if not isinstance(state, Mapping):
+        return
+    inner = optimizer.inner if isinstance(optimizer, OffloadedOptimizer) else optimizer
+    check_optimizer_class(state.get(key), type(inner), inner.defaults, who)
+
 
 
 def set_optimizer_state_dict(

@@ -32,7 +32,11 @@ from computectx.distributed.amax import (
     fp8_buffer_names,
     rescale_grad_ledger,
 )
-from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
+from computectx.distributed.checkpoint import (
+    check_saved_optimizer,
+    optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from computectx.distributed.fsdp import (
     enable_fp8_all_gather,
     gathers_as_fp8,
@@ -151,6 +155,8 @@ class Parallel:
             set_optimizer_state_dict as set_plain_optimizer_state_dict,
         )
 
+        # Another optimizer class's state is refused before the model or anything loads.
+        check_saved_optimizer(self.optimizer, state, _OPTIMIZER, "Parallel.load_state_dict")
         if not isinstance(state, Mapping) or set(state) != {_MODEL, _OPTIMIZER}:
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
             raise ValueError(

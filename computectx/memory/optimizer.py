@@ -26,7 +26,12 @@ from computectx.memory._grad_ingest import GradIngest
 from computectx.memory._masters import MasterWeights, Sharding, check_sharding, normalise_groups
 from computectx.memory._transfer import Transfer, check_transfer
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.optimizer_state import MASTER_WEIGHTS, check_saved_masters, state_tensors
+from computectx.memory.optimizer_state import (
+    MASTER_WEIGHTS,
+    check_optimizer_class,
+    check_saved_masters,
+    state_tensors,
+)
 
 __all__ = ["MASTER_WEIGHTS", "OffloadedOptimizer", "Sharding", "state_tensors"]
 
@@ -287,11 +292,17 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         Without ``"master_weights"`` (e.g. a plain torch optimizer's state dict) the
         masters are rebuilt from the current compute parameters. Everything is validated
-        before anything changes: the master weights' count, shapes and dtypes, and that
-        those of trainable parameters are finite (``optimizer_state.check_saved_masters``).
+        before anything changes: that the state is of the master optimizer's class
+        (``optimizer_state.check_optimizer_class``, ``ValueError`` naming both), the master
+        weights' count, shapes and dtypes, and that those of trainable parameters are finite
+        (``optimizer_state.check_saved_masters``).
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        inner = self.inner
+        check_optimizer_class(
+            state_dict, type(inner), inner.defaults, "OffloadedOptimizer.load_state_dict"
+        )
         sd = dict(state_dict)
         saved = sd.pop(MASTER_WEIGHTS, None)
         masters = (

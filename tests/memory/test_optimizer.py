@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -722,3 +723,89 @@ def test_bad_arguments_raise_clear_errors() -> None:
         opt.ingest_grads(LowPrecGradAccumulator(other.parameters(), CPU))
     with pytest.raises(TypeError, match="pickled"):
         copy.deepcopy(opt)
+
+
+def _trained(cls: type[torch.optim.Optimizer], **kwargs: Any) -> OffloadedOptimizer:
+    model, data = model_and_data(10)
+    opt = OffloadedOptimizer(model.parameters(), CPU, cls, **kwargs)
+    for x in data[:2]:
+        backward(loss_of(model, x))
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def _step(opt: OffloadedOptimizer) -> None:
+    for cp in opt.compute_params:
+        cp.grad = torch.full_like(cp, 0.01)
+    opt.step()
+
+
+def _everything(opt: OffloadedOptimizer) -> list[Any]:
+    sd = opt.state_dict()
+    tensors = [mp.detach().clone() for mp in opt.master_params]
+    tensors += [t.clone() for per in opt.state.values() for t in per.values()]
+    tensors += [cp.detach().clone() for cp in opt.compute_params]
+    return [tensors, [{k: v for k, v in g.items() if k != "params"} for g in sd["param_groups"]]]
+
+
+def _same_state(a: list[Any], b: list[Any]) -> bool:
+    same_tensors = all(torch.equal(x, y) for x, y in zip(a[0], b[0], strict=True))
+    return same_tensors and len(a[0]) == len(b[0]) and a[1] == b[1]
+
+
+@pytest.mark.parametrize(
+    ("saved_by", "saved_kwargs", "loaded_by", "loaded_kwargs"),
+    [
+        (torch.optim.AdamW, {}, torch.optim.SGD, {"momentum": 0.9}),
+        (torch.optim.SGD, {"momentum": 0.9}, torch.optim.AdamW, {}),
+        (torch.optim.Adamax, {}, torch.optim.Adam, {}),  # Adamax's options are a subset of Adam's
+        (torch.optim.RAdam, {}, torch.optim.NAdam, {}),
+    ],
+)
+def test_another_optimizer_classs_state_is_refused_naming_both(
+    saved_by: type[torch.optim.Optimizer],
+    saved_kwargs: dict[str, Any],
+    loaded_by: type[torch.optim.Optimizer],
+    loaded_kwargs: dict[str, Any],
+) -> None:
+    # torch optimizer state dicts name no class: without the check, torch's load_state_dict
+    # replaced the groups with another class's and the next step failed (SGD: KeyError
+    # 'momentum'). Refused before anything changes, ours and a plain torch optimizer's.
+    saved = _roundtrip(_trained(saved_by, **saved_kwargs).state_dict())
+    model, _ = model_and_data(11)
+    plain = saved_by(model.parameters(), **saved_kwargs)
+    backward(loss_of(model, torch.randn(8, 6)))
+    plain.step()
+    target = _trained(loaded_by, **loaded_kwargs)
+    before = _everything(target)
+    want = f"saved by torch.optim.{saved_by.__name__}, not torch.optim.{loaded_by.__name__}"
+    for state in (saved, _roundtrip(plain.state_dict())):
+        with pytest.raises(ValueError, match=re.escape(want)):
+            target.load_state_dict(state)
+        assert _same_state(_everything(target), before)
+    _step(target)  # still steps with its own options
+
+
+def test_the_same_class_loads_from_any_torch_version_and_with_a_scheduler() -> None:
+    # What the class check must let through: a state of the same class whose groups lack an
+    # option a newer torch added (an older checkpoint), carry a scheduler's keys, or come
+    # from Adam into AdamW (the same options; AdamW is Adam with decoupled_weight_decay=True,
+    # which loads as saved, as torch loads lr).
+    source = _trained(torch.optim.AdamW, lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(source, step_size=1)
+    _step(source)
+    scheduler.step()
+    saved = _roundtrip(source.state_dict())
+    assert "initial_lr" in saved["param_groups"][0]
+    older = _roundtrip(source.state_dict())
+    for group in older["param_groups"]:
+        del group["decoupled_weight_decay"], group["fused"]
+    adam = _roundtrip(_trained(torch.optim.Adam, lr=1e-2).state_dict())
+    for state in (saved, older, adam):
+        target = _trained(torch.optim.AdamW, lr=1e-2)
+        target.load_state_dict(state)
+        _step(target)
+    sgd = _trained(torch.optim.SGD, momentum=0.9)
+    sgd.load_state_dict(_roundtrip(_trained(torch.optim.SGD, momentum=0.5).state_dict()))
+    assert sgd.param_groups[0]["momentum"] == 0.5  # a hyper-parameter loads as saved
