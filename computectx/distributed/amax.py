@@ -11,29 +11,18 @@ model, or a plain module):
 - before a training forward (grad enabled, some fp8 layer in training mode) it arms the
   layers' seam (``GroupAmax``): only then do they record. Calls outside such a forward (the
   unwrapped module, eval, ``no_grad``, ``inference_mode``) record nothing;
-- after that forward it puts one gradient hook on the outputs; when the backward reaches
-  them it queues one callback (``queue_callback``, as DDP and FSDP2 queue their own
-  end-of-backward work), which merges every rank's ledgers when the backward ends: one
-  all-gather of every operand's ledger and element count, combined on the device into what
-  one process would hold after quantizing the whole batch (``ledger_merge``). Every rank runs
-  the same backwards (under ``no_sync`` too), so the merge runs the same number of times
-  everywhere, eagerly, outside any compiled graph;
+- after that forward it puts one gradient hook on the outputs (after a compiled forward, on
+  the parameters' accumulated gradients, which need no hook in the graph); when the backward
+  reaches it, it queues one callback (``queue_callback``, as DDP and FSDP2 queue theirs) that
+  merges every rank's ledgers when the backward ends, eagerly: one all-gather of every
+  operand's ledger and element count, combined on the device into what one process would
+  hold after quantizing the whole batch (``ledger_merge``; row, block and mx layers keep
+  statistics only, merged too). Every rank runs the same backwards (under ``no_sync`` too);
 - a training forward whose backward never runs (a validation loss in train mode, on one rank
   or on all) is forgotten: the next training forward first puts back, on the device with no
-  collective, the ledgers and tallies the last merge left (``OperandScaling.restore``). So
-  after every backward, and so after every optimizer step, every rank holds the merged state,
-  and any rank's ``state_dict()`` is the world's.
-
-``sync()`` is the same merge on demand, a collective (every rank must call it).
-
-Fine-grained layers (granularity ``row``, ``block`` or ``mx``) keep no amax history: every
-scale is the current block's, and every block of ``X``, ``dY`` and ``W`` lies within one rank's
-rows (the weight is whole on every rank, or gathered whole). Nothing reduces an amax for them;
-their ledgers hold statistics (newest amax, largest step, counts), merged with the others so
-that they too are the same on every rank. The one operand whose blocks cross ranks is the
-weight gradient's contraction over tokens: each rank quantizes its own tokens' blocks and the
-gradients are then summed by DDP / FSDP2 (docs/distributed.md says when that equals one
-process exactly).
+  collective, what the last merge left (``OperandScaling.restore``). So after every backward
+  and every optimizer step every rank holds the merged state; any rank's ``state_dict()`` is
+  the world's. ``sync()`` is the same merge on demand, a collective.
 
 Two quantizes need the amax of the tensor in hand, which exists only once the layer before has
 run, so no merge between steps can supply it: every call of dynamic scaling, and the first call
@@ -51,6 +40,8 @@ all-gather reduces its shard amaxes itself.
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -170,6 +161,17 @@ def _out_of_ddp_broadcast(ddp: DistributedDataParallel) -> None:
         assign()
 
 
+def _parameter_hook(sync: weakref.ref[Fp8AmaxSync]) -> Callable[[torch.Tensor], None]:
+    # A plain function holding a weak reference: a deepcopy of the model (an EMA copy)
+    # copies its parameters' hooks, and must not copy the sync (and its process group).
+    def hook(param: torch.Tensor) -> None:
+        owner = sync()
+        if owner is not None:
+            owner._on_parameter_grad(param)
+
+    return hook
+
+
 class Fp8AmaxSync:
     """Merges the fp8 scaling ledgers of ``model``'s ``Fp8Linear`` layers across ``group``.
 
@@ -259,8 +261,9 @@ class Fp8AmaxSync:
             # A compiled forward's outputs take no hook of ours (registering one would break
             # the graph): the backward of a compiled training forward is seen where its
             # gradients land in the parameters, outside any graph.
+            hook = _parameter_hook(weakref.ref(self))
             self._handles += [
-                p.register_post_accumulate_grad_hook(self._on_parameter_grad)
+                p.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
                 for p in model.parameters()
                 if p.requires_grad
             ]
@@ -362,12 +365,6 @@ class Fp8AmaxSync:
         delayed scaling) uses: the group's or the rank's own."""
         return self._current_amax
 
-    @property
-    def unfinished(self) -> bool:
-        """Whether a training forward ran since the last merge (its backward has not ended):
-        the ledgers then hold this rank's records of it, which no other rank has."""
-        return self._unfinished
-
     def _take_snapshots(self, entries: list[_Entry]) -> None:
         with torch.no_grad():
             self._snapshots = {
@@ -387,9 +384,9 @@ class Fp8AmaxSync:
     def merged_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The scaling tensors the last merge left, keyed as ``module.state_dict()`` keys
         them (``module``: the model the sync was built on, or the one inside its wrapper),
-        for the operands that a training forward has recorded into since (``unfinished``);
-        empty otherwise. Copies, nothing read on the host, no collective: what
-        ``Parallel.state_dict`` saves in place of this rank's own records."""
+        for the operands a training forward has recorded into since; empty otherwise.
+        Copies, nothing read on the host, no collective: what ``Parallel.state_dict`` saves
+        in place of this rank's own records."""
         if not self._unfinished:
             return {}
         out: dict[str, torch.Tensor] = {}
@@ -473,24 +470,18 @@ def sync_fp8_scaling(
     """Keep the fp8 scaling state of ``model`` identical on every rank of ``group``.
 
     ``model`` is what the ranks run forward: a ``DistributedDataParallel`` module, a
-    ``fully_shard``-ed one, or a plain module. At the end of every backward of its training
-    forwards the ledgers are merged with the other ranks' (``Fp8AmaxSync``: one all-gather
-    for all layers and operands, no host synchronisation), so after every backward and every
-    optimizer step every rank holds the same state and any rank's state dict is the world's.
-    No forward issues a collective of the sync's; a training forward whose backward never
-    runs is forgotten at the next one. The ranks' policies and converted layers (and under
-    FSDP2 their parameters) are compared once, here: a mismatch is a ``ValueError`` naming
-    the ranks and the first layer that differs. ``sync.remove()`` detaches it: running
-    data-parallel fp8 without it is an explicit choice, and each rank then scales by its own
-    shard only.
+    ``fully_shard``-ed one, or a plain module. The ledgers are merged with the other ranks'
+    at the end of every backward of its training forwards (the module docstring), so after
+    every optimizer step every rank holds the same state. No forward issues a collective of
+    the sync's. The ranks' policies and converted layers (under FSDP2 their parameters too)
+    are compared once, here: a ``ValueError`` names the ranks and the first layer that
+    differs. ``sync.remove()`` detaches it (each rank then scales by its own shard).
 
-    ``current_amax`` says whose amax a quantize that needs the current one takes (every
-    call of dynamic scaling; the seeding first call of delayed scaling): the rank's own
-    (``"local"``, the default except under FSDP2: no collective inside any quantize, so one
-    rank may run a forward alone; the scales of those calls are the shard's), or the
-    group's (``"group"``, the default under FSDP2, whose forwards are collective anyway:
-    one MAX all-reduce of one float per such quantize, the scales of one process on the
-    whole batch; every rank must then run every training forward and backward together).
+    ``current_amax``: whose amax a quantize that needs the current one takes (every call of
+    dynamic scaling; the seed of delayed scaling). ``"local"`` (default except under FSDP2):
+    the rank's own, no collective. ``"group"`` (default under FSDP2, whose forwards are
+    collective anyway): one MAX all-reduce of one float per such quantize, the scales of one
+    process on the whole batch; every rank must then run every training forward together.
 
     ``loss_normalization`` says what each rank's loss is divided by: its own batch
     (``"per_rank"``, a mean-reduced loss under DDP / FSDP2's gradient averaging, the usual
