@@ -213,7 +213,6 @@ def check_saved_optimizer(
     check_optimizer_class(state.get(key), type(inner), inner.defaults, who)
 
 
-
 def set_optimizer_state_dict(
     model: nn.Module, optimizer: OffloadedOptimizer, state_dict: Mapping[str, Any]
 ) -> None:
