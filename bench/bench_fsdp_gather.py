@@ -1,7 +1,10 @@
 """FSDP2 on fp8 layers: bytes each rank all-gathers and step time, float32 gather against the
 fp8 all-gather (``enable_fp8_all_gather``), and dynamic scaling's whole-batch amax against
-rank-local, side by side from one run; then the fine-grained policies (row, block, mx)
-set up through ``parallelize``.
+rank-local, side by side from one run; then ``bf16`` and each fp8 recipe (``fp8_hybrid``,
+``fp8_rowwise``, ``fp8_block``, ``fp8_mx``) set up through ``parallelize(strategy="fsdp")``,
+with the ctx's mixed precision (gather at ``ctx.compute``, reduce-scatter at ``ctx.grad``)
+and with ``mp_policy=MixedPrecisionPolicy()`` (every parameter gathered at its own dtype,
+float32).
 
     python bench/bench_fsdp_gather.py                    # 2 gloo ranks on the CPU
     python bench/bench_fsdp_gather.py --dim 2048 --steps 10
@@ -10,8 +13,9 @@ Each configuration trains the same fp8 MLP (``--layers`` square ``--dim`` layers
 own ``fully_shard`` unit, no bias) on 2 spawned ranks; every rank counts the bytes it hands
 to the all-gathers (forward and backward gathers) and times its steps. Targets: the per-
 tensor fp8 all-gather sends at most 1.1 bytes per weight element, the 128x128-block one at
-most 1.05 (1 byte of code and one float32 scale per 16384 elements). Row and mx weights
-gather high precision (docs/distributed.md); for them the table adds, as "fp8 (not
+most 1.05 (1 byte of code and one float32 scale per 16384 elements), and what is not
+gathered as fp8 goes at ``ctx.compute`` (2 bytes for bf16). Row and mx weights gather high
+precision (docs/distributed.md); for them the table adds, as "fp8 (not
 built)", what an fp8 gather would send, from the sizes of the quantized shards: the
 forward gather's codes and scales along K, and the backward re-gather's along N (a row-wise
 dgrad also needs a MAX all-reduce of K column amaxes, counted here). On the CPU with gloo
@@ -49,14 +53,17 @@ CONFIGS: list[tuple[str, str, str]] = [
 
 
 class _Sent:
-    """Wraps ``dist.all_gather_single``, adding up the bytes this rank hands it."""
+    """Wraps ``dist.all_gather_single``, adding up the bytes this rank hands it (and the
+    dtypes they travel in)."""
 
     def __init__(self, original: Any) -> None:
         self.original = original
         self.bytes = 0
+        self.dtypes: set[str] = set()
 
     def __call__(self, out: Any, inp: Any, *args: Any, **kwargs: Any) -> Any:
         self.bytes += inp.numel() * inp.element_size()
+        self.dtypes.add(str(inp.dtype).removeprefix("torch."))
         return self.original(out, inp, *args, **kwargs)
 
 
@@ -85,7 +92,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
         sync = sync_fp8_scaling(model, current_amax=current)  # type: ignore[arg-type]
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
-        sent, step_s = _steps(model, opt, x, args)
+        sent, step_s, _ = _steps(model, opt, x, args)
         sync.remove()
         elements = sum(p.numel() for n, p in model.named_parameters() if n.endswith("weight"))
         elements //= world
@@ -96,9 +103,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
                 "step_s": step_s,
             }
         )
-    for flag in FINE_FLAGS:
-        results.append(_fine(flag, rank, world, args))
-        if flag != "fp8_block":
+    for flag in PARALLELIZE_FLAGS:
+        for plain in (False, True):
+            results.append(_through_parallelize(flag, plain, rank, world, args))
+        if flag in ("fp8_rowwise", "fp8_mx"):
             results.append(_fp8_alternative(flag, world, args))
     if rank == 0:
         out.put(results)
@@ -106,12 +114,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     dist.destroy_process_group()
 
 
-FINE_FLAGS = ("fp8_rowwise", "fp8_block", "fp8_mx")
+PARALLELIZE_FLAGS = ("bf16", "fp8_hybrid", "fp8_rowwise", "fp8_block", "fp8_mx")
 
 
 def _steps(run: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, args: Any) -> Any:
     """Train ``warmup + steps`` steps; the bytes handed to the all-gathers in the last
-    ``steps`` and the median step time."""
+    ``steps``, the median step time and the dtypes the gathers sent."""
     counter = _Sent(dist.all_gather_single)
     times = []
     dist.all_gather_single = counter  # type: ignore[assignment]
@@ -120,17 +128,22 @@ def _steps(run: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, args: An
             if i == args.warmup:
                 counter.bytes = 0
             t0 = time.perf_counter()
-            run(x).square().mean().backward()
+            run(x).float().square().mean().backward()
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
     finally:
         dist.all_gather_single = counter.original
-    return counter.bytes, statistics.median(times[args.warmup :])
+    return counter.bytes, statistics.median(times[args.warmup :]), counter.dtypes
 
 
-def _fine(flag: str, rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
-    """A fine-grained policy through ``parallelize(strategy="fsdp")``: measured."""
+def _through_parallelize(
+    flag: str, plain: bool, rank: int, world: int, args: argparse.Namespace
+) -> dict[str, Any]:
+    """``flag`` through ``parallelize(strategy="fsdp")``, with the ctx's mixed precision or
+    (``plain``) ``mp_policy=MixedPrecisionPolicy()``: measured."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     from computectx.distributed import parallelize
 
     ctx = ComputeCtx.from_flag(flag, "cpu")
@@ -138,14 +151,18 @@ def _fine(flag: str, rank: int, world: int, args: argparse.Namespace) -> dict[st
     model = nn.Sequential(*(nn.Linear(args.dim, args.dim, bias=False) for _ in range(args.layers)))
     par = parallelize(
         model, ctx, strategy="fsdp", optimizer_class=torch.optim.SGD, lr=1e-3,
-        fp8_filter=lambda m, fqn: True,
+        fp8_filter=lambda m, fqn: True, offload=False,
+        mp_policy=MixedPrecisionPolicy() if plain else None,
     )  # fmt: skip
     x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
-    sent, step_s = _steps(par.model, par.optimizer, x, args)
+    sent, step_s, dtypes = _steps(par.model, par.optimizer, x, args)
     elements = args.layers * args.dim * args.dim // world
-    gathered = "fp8" if flag == "fp8_block" and _gathers_blocks(model) else "hp"
+    if flag == "fp8_block" and not _gathers_blocks(model):
+        dtypes = {"float32 (blocks cut)"}
+    wire = "fp8" if dtypes == {"uint8"} else "/".join(sorted(dtypes))
+    mp = "fp32 mp" if plain else "ctx mp"
     return {
-        "config": f"{flag}, {gathered} gather (parallelize)",
+        "config": f"{flag}, {wire} gather ({mp})",
         "bytes_per_element": sent / (2 * args.steps * elements),
         "step_s": step_s,
     }

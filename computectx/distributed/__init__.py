@@ -20,6 +20,7 @@ from computectx.distributed.fsdp import (
     gathers_as_fp8,
 )
 from computectx.distributed.group import check_same_policy, data_parallel_group
+from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
 from computectx.distributed.tensor_parallel import dtensor_fp8_linear
@@ -37,6 +38,7 @@ __all__ = [
     "dtensor_fp8_linear",
     "enable_fp8_all_gather",
     "fp8_buffer_names",
+    "fsdp_mixed_precision",
     "gathers_as_fp8",
     "optimizer_state_dict",
     "parallelize",

@@ -18,6 +18,13 @@ FSDP2's extension points:
   again. The gradient is an ordinary tensor of the weight's dtype, reduce-scattered by
   FSDP2 as before.
 
+Under a ``MixedPrecisionPolicy`` (``parallelize`` passes ``fsdp_mixed_precision(ctx)``: gather
+at ``ctx.compute``) FSDP2 casts only what it gathers itself: the codes returned here are those
+of the high-precision shard, whatever ``param_dtype`` is, so the bytes and the steps do not
+change; ``param_dtype`` becomes the gathered weight's nominal dtype, the dtype of its gradient
+(FSDP2 reduce-scatters one dtype per unit, a bias's included), and a ``block`` weight that
+falls back gathers its high-precision shard at ``param_dtype``, as any other parameter.
+
 When FSDP2 gathers again for the backward (``reshard_after_forward=True``), the shard is
 quantized with the step the forward used and nothing is recorded: the backward sees the very
 bytes the forward multiplied with, and the ledger advances once per forward, as in one process.

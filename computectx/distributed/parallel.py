@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
@@ -43,6 +43,7 @@ from computectx.distributed.fsdp import (
     parameter_holders,
 )
 from computectx.distributed.group import check_same_model, check_same_policy
+from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -226,6 +227,7 @@ def parallelize(
     fp8_filter: ModuleFilter | None = None,
     fp8_all_gather: bool = True,
     shard_units: list[nn.Module] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
     accumulate: bool | None = None,
     offload: bool | None = None,
     current_amax: CurrentAmax | None = None,
@@ -240,7 +242,13 @@ def parallelize(
        tied to another module, and ``row`` and ``mx`` weights (``gathers_as_fp8``), gather
        high precision), then ``fully_shard`` each of
        ``shard_units`` (default: every block of a ``ModuleList``, else every child with
-       parameters) and the root. ``strategy="ddp"``: ``DistributedDataParallel``.
+       parameters) and the root, with ``mp_policy`` (default
+       ``fsdp_mixed_precision(ctx)``: gather and compute at ``ctx.compute``, reduce-scatter
+       gradients at ``ctx.grad``, float inputs cast to ``ctx.compute``; the fp8 weights keep
+       their fp8 gather; ``MixedPrecisionPolicy()`` gathers at the parameters' own dtype).
+       ``strategy="ddp"``: ``DistributedDataParallel``, whose gradients are all-reduced at
+       the parameters' dtype (or by the accumulator, below; docs/distributed.md says why
+       not at ``ctx.grad``).
     3. fp8 policy on many ranks: ``sync_fp8_scaling`` on what runs forward
        (``current_amax``, ``loss_normalization`` as there; ``current_amax`` defaults to
        ``"local"`` under DDP, ``"group"`` under FSDP2). It merges every rank's scaling
@@ -269,6 +277,17 @@ def parallelize(
         raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if mp_policy is not None:
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                f"{type(mp_policy).__name__}"
+            )
+        if strategy != "fsdp":
+            raise ValueError(
+                f"mp_policy is FSDP2's mixed precision and strategy={strategy!r} does not "
+                f"shard; pass it with strategy='fsdp' only"
+            )
     if isinstance(model, DistributedDataParallel | FSDPModule):
         raise ValueError(
             f"parallelize wraps the model itself: pass the plain module, not a "
@@ -313,9 +332,12 @@ def parallelize(
                         and len(owners.get(id(m.weight), [])) <= 1
                     ),
                 )
+            # Gather at ctx.compute, reduce-scatter at ctx.grad (fp8 weights keep their
+            # fp8 gather: FSDP2 never casts a WeightGatheredAsFp8's own gather inputs).
+            mixed = fsdp_mixed_precision(ctx) if mp_policy is None else mp_policy
             for unit in shard_units if shard_units is not None else _default_units(model):
-                fully_shard(unit, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(unit, mesh=mesh, mp_policy=mixed)
+            fully_shard(model, mesh=mesh, mp_policy=mixed)
         else:
             ids = None
             if ctx.device.type == "cuda":
@@ -329,6 +351,10 @@ def parallelize(
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
                 model, [*ignored, *fp8_buffer_names(model)]
             )
+            # No compression hook at ctx.grad: a low-precision ctx.grad builds the
+            # DataParallelGradAccumulator (below), which reduces the bf16 sums once per step
+            # in float32 and owns DDP's one comm hook (docs/distributed.md, "Mixed
+            # precision under FSDP2 and DDP").
             run = DistributedDataParallel(model, device_ids=ids, process_group=group)
     sync = None
     if ctx.fp8 and world > 1:
