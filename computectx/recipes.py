@@ -169,7 +169,8 @@ class DynamicScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     kind: Annotated[Literal["dynamic"], BeforeValidator(_lower)] = "dynamic"
     """Discriminator for serialization; always ``"dynamic"``."""
     margin: _Integer = Field(default=0, ge=0, le=16)
-    """Headroom exponent: the scale leaves ``2**margin`` above the observed amax."""
+    """Headroom exponent: the scale leaves ``2**margin`` above the observed amax (per tensor:
+    an ``Fp8Policy`` of granularity ``row``, ``block`` or ``mx`` refuses a nonzero one)."""
 
     def __str__(self) -> str:
         """The text form ``dynamic/MARGIN``, which ``parse_scaling`` reads."""
@@ -326,11 +327,14 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
     ``e4m3/mx+floor/dynamic/0`` (options: ``gw_hp``, ``pow2``, ``no_pow2``, ``rceil``,
     ``floor``; ``str`` writes those that differ from the granularity's defaults). Every name
     is case-insensitive; ``scaling`` also reads its own text form
-    (``Fp8Policy(scaling="dynamic")``) and a dict without ``kind`` (delayed).
+    (``Fp8Policy(scaling="dynamic")``) and a dict without ``kind`` (the granularity's recipe).
+    Booleans and integers are strict (no ``"yes"``, ``1`` or ``"16"``); a ``None`` option is
+    the granularity's default.
 
     Defaults follow the granularity: per tensor, ``hybrid`` and delayed scaling; ``row``,
     ``block`` and ``mx`` (the anchors' recipes) ``e4m3`` and dynamic scaling (delayed
-    scaling is per-tensor only, and refused for the others). Power-of-two steps are on for
+    scaling and a nonzero margin are per-tensor only, and refused for the others: their
+    steps come from each block's current amax). Power-of-two steps are on for
     ``row`` and ``mx`` (always), off for ``block`` (optional) and ``tensor``; ``mx`` rounds
     its exponents ``rceil`` unless told ``floor``.
     """
