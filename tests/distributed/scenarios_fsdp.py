@@ -105,7 +105,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
         fully_shard(model, mesh=mesh)
     # The group's current amax: the one-process scales under DDP too (its default there is
     # the rank's own, whose cost test_step_boundary.py measures).
-    sync = sync_fp8_scaling(run, current_amax="group")
+    sync = sync_fp8_scaling(run, current_amax=params.get("current_amax", "group"))
     opt: torch.optim.Optimizer
     if params.get("offloaded"):
         # Masters and AdamW state as local shards (ShardedParams), for FSDP2 models.
