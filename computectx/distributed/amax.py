@@ -214,6 +214,7 @@ class Fp8AmaxSync:
             default_current_amax(model) if current_amax is None else current_amax
         )
         self._reduce: GroupAmax | None = None
+        self._fine: GroupAmax | None = None
         self._recording = False  # inside a training forward of the model
         self._unfinished = False  # a training forward ran since the last merge
         self._queued = False  # this backward's merge is queued
@@ -244,8 +245,7 @@ class Fp8AmaxSync:
         self._reduce = GroupAmax(
             self._group, reduces=self._current_amax == "group", always_armed=not hooks
         )
-        fine = GroupAmax(self._group, reduces=False, always_armed=not hooks)
-        self._fine = fine
+        fine = self._fine = GroupAmax(self._group, reduces=False, always_armed=not hooks)
         for layer in every:
             layer.amax_reduce = self._reduce if layer.policy.granularity == "tensor" else fine
         self._to_this_world(every)

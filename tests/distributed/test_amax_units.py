@@ -64,3 +64,15 @@ def test_the_world_size_travels_with_the_checkpoint_and_is_checked() -> None:
 def test_a_bad_loss_normalization_is_refused_by_name_before_any_collective() -> None:
     with pytest.raises(ValueError, match=r"'per_rank' or 'global', got 'mean'"):
         sync_fp8_scaling(_trained_layer(), loss_normalization="mean")  # type: ignore[arg-type]
+
+
+def test_a_sync_in_one_process_merges_nothing_and_detaches() -> None:
+    # No process group: nothing to merge, no hooks, and remove() still works.
+    layer = _trained_layer()
+    before = layer.scaling.input.ledger.clone()
+    sync = sync_fp8_scaling(layer)
+    assert sync.current_amax == "local"  # a plain module: the rank's own
+    sync.sync()
+    sync.remove()
+    assert sync.merged_state(layer) == {}
+    assert torch.equal(layer.scaling.input.ledger, before)
