@@ -188,15 +188,16 @@ def _unfilled(cls: type, defaults: Mapping[str, Any], group: Mapping[str, Any]) 
     if not missing:
         return []
     try:
-        p = _probe_param()
-        probe = cls([p])
+        with torch.inference_mode(False):
+            p = _probe_param()
+            probe = cls([p])
         kept = {k: v for k, v in group.items() if k not in _GROUP_ENTRIES}
         probe.__setstate__(
             {"defaults": probe.defaults, "state": {}, "param_groups": [{**kept, "params": [p]}]}
         )
         filled = set(probe.param_groups[0])
-    except Exception:  # a class the probe cannot run: judge by the keys alone
-        return missing
+    except Exception:  # a class the probe cannot build (it needs arguments): not judged here
+        return []
     return [k for k in missing if k not in filled]
 
 
@@ -209,15 +210,16 @@ def _state_keys(
     found: set[frozenset[str]] = set()
     for shape in ((2, 2), (2,)):
         try:
-            p = torch.nn.Parameter(torch.zeros(shape))
-            probe = cls([p])
-            # As loading the group would set them (a constructor may not take every option:
-            # AdamW fixes decoupled_weight_decay).
-            probe.param_groups[0].update(
-                {k: group[k] for k in defaults if k in group and k not in _GROUP_ENTRIES | _HOW}
-            )
-            p.grad = torch.zeros_like(p)
-            probe.step()
+            with torch.inference_mode(False):
+                p = torch.nn.Parameter(torch.zeros(shape))
+                probe = cls([p])
+                # As loading the group would set them (a constructor may not take every
+                # option: AdamW fixes decoupled_weight_decay).
+                probe.param_groups[0].update(
+                    {k: group[k] for k in defaults if k in group and k not in _GROUP_ENTRIES | _HOW}
+                )
+                p.grad = torch.zeros_like(p)
+                probe.step()
             found.add(frozenset(map(str, probe.state[p])))
         except Exception:  # a shape or class the probe cannot run
             continue
