@@ -14,7 +14,9 @@ Two hooks for the ``ModelSpec``:
 
 - ``fp8_parallelize_fn(base)``: runs the model's own ``parallelize_fn``, then attaches
   ``sync_fp8_scaling`` over the ranks that see different data (torchtitan's ``loss`` mesh:
-  data parallel and context parallel), after ``fully_shard`` as it must be;
+  data parallel and context parallel), after ``fully_shard`` as it must be, with
+  torchtitan's loss normalization (``"global"``: each rank's summed loss over the global token
+  count, FSDP2's gradient division off);
 - ``fp8_post_optimizer_build_fn``: kept for ModelSpecs that name it; it registers nothing.
   The sync merges every rank's ledgers at the end of every backward, so after each optimizer
   step every rank holds them all, and the checkpoints torchtitan takes after a step hold
@@ -37,6 +39,7 @@ from torchtitan.protocols.module import Module
 
 from computectx import ComputeCtx
 from computectx.distributed import sync_fp8_scaling
+from computectx.distributed.amax import LossNormalization
 from computectx.fp8 import HEAD_NAMES, Fp8Linear
 
 __all__ = [
@@ -133,15 +136,30 @@ class Fp8LinearConverter(QuantizationConverter):
 _SYNC_ATTR = "_computectx_fp8_sync"
 
 
-def fp8_parallelize_fn(base: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+def fp8_parallelize_fn(
+    base: Callable[..., nn.Module], *, loss_normalization: LossNormalization = "global"
+) -> Callable[..., nn.Module]:
     """``base`` (a model's ``parallelize_fn``), then ``sync_fp8_scaling`` over the ranks that
-    see different data (the ``loss`` mesh), on what ``base`` returned."""
+    see different data (the ``loss`` mesh), on what ``base`` returned.
+
+    ``loss_normalization`` is torchtitan's by default, ``"global"``: its trainer divides each
+    rank's summed loss by the global count of valid tokens and turns FSDP2's gradient
+    division off (``disable_fsdp_gradient_division``), so a rank's output gradients are the
+    whole batch's, whatever the world size, and a checkpoint saved at another world size
+    loads with its gradient ledgers as they are. Pass ``"per_rank"`` for a ``base`` whose
+    loss is each rank's mean with FSDP2's averaging (``sync_fp8_scaling`` says what it
+    changes)."""
+    if loss_normalization not in ("per_rank", "global"):
+        raise ValueError(
+            f"loss_normalization must be 'per_rank' or 'global', got {loss_normalization!r}"
+        )
 
     def parallelize(model: nn.Module, *, parallel_dims: Any, **kwargs: Any) -> nn.Module:
         model = base(model, parallel_dims=parallel_dims, **kwargs)
         mesh = parallel_dims.get_optional_mesh("loss")
         if mesh is not None and mesh.size() > 1:
-            setattr(model, _SYNC_ATTR, sync_fp8_scaling(model, mesh))
+            sync = sync_fp8_scaling(model, mesh, loss_normalization=loss_normalization)
+            setattr(model, _SYNC_ATTR, sync)
         return model
 
     return parallelize

@@ -80,9 +80,11 @@ def main(out: Path) -> None:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=30))
     accelerator = Accelerator(cpu=True, kwargs_handlers=[timeout])
     model, opt, inner = build(accelerator)
-    sync = sync_fp8_scaling(model)  # DDP under torchrun; nothing to keep in step alone
+    # DDP under torchrun; nothing to keep in step alone. Every rank runs every training
+    # forward, so the seeds may take the group's amax (the losses are then one process's).
+    sync_fp8_scaling(model, current_amax="group")
     losses = [train_step(model, opt, accelerator, step) for step in range(4)]
-    sync.sync()  # the last backward's amaxes too, before saving
+    # No merge call before saving: the last backward merged every rank's fp8 state.
     probe = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(99))
     saved_ledgers = ledgers(inner)
     saved_opt = copy.deepcopy(opt.state_dict())

@@ -7,6 +7,7 @@ swaps the inner attention's config for torch's SDPA before the build; nothing el
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +31,8 @@ from computectx.integrations.torchtitan import (
     fp8_parallelize_fn,
     fp8_post_optimizer_build_fn,
 )
+
+from .conftest import torchrun
 
 
 def _build(converters: list[Any]) -> torch.nn.Module:
@@ -89,3 +92,21 @@ def test_the_hooks_do_nothing_in_one_process() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     fp8_post_optimizer_build_fn(opt, [model], Dims())  # no sync attached: no hook
     assert not opt._optimizer_step_post_hooks
+
+
+def test_the_parallelize_hook_normalizes_the_loss_as_torchtitan_does(tmp_path: Path) -> None:
+    # torchtitan divides each rank's summed loss by the global token count and sums the
+    # ranks' gradients, so a rank's output gradients are the whole batch's at any world size.
+    # The hook's sync says so ("global"): a checkpoint recorded in one process loads on 2
+    # ranks with its gradient ledgers as they are, and the next step's scaling state is
+    # one process's on the whole batch, exactly. Under "per_rank" (the sync's own default,
+    # which the hook used) the loaded gradient ledgers were doubled.
+    for r in torchrun("torchtitan_worker.py", 2, tmp_path):
+        assert r["world"] == 2 and r["default_normalization"] == "global"
+        assert r["per_rank_normalization"] == "per_rank"
+        for key, want in r["one"].items():
+            assert torch.equal(r["default"][key], want), key
+        grad = "0.grad.history"
+        assert torch.equal(r["per_rank"][grad][:-1], 2 * r["one"][grad][:-1])  # the loaded slots
+        for name, w in r["one_weights"].items():  # the gradients' sums in another order
+            torch.testing.assert_close(r["default_weights"][name], w, rtol=1e-5, atol=1e-7)
