@@ -10,6 +10,8 @@ dtype. Nothing changes when a load is refused.
 
 from __future__ import annotations
 
+import copy
+import functools
 import pathlib
 import re
 from collections.abc import Callable
@@ -41,12 +43,18 @@ def model_of(policy: str, seed: int = 0) -> nn.Sequential:
     return model
 
 
-def trained(policy: str, seed: int = 0) -> nn.Sequential:
+@functools.cache
+def _trained(policy: str, seed: int) -> nn.Sequential:
     model = model_of(policy, seed)
     g = torch.Generator().manual_seed(seed + 1)
-    for i in range(5):
+    for i in range(3):
         model(torch.randn(8, 16, generator=g) * (1 + i)).square().mean().backward()
     return model
+
+
+def trained(policy: str, seed: int = 0) -> nn.Sequential:
+    """A model after 3 training steps (seeded ledgers), a fresh copy each call."""
+    return copy.deepcopy(_trained(policy, seed))
 
 
 def via_state_dict(model: nn.Module, sd: dict[str, torch.Tensor], _: pathlib.Path) -> None:
