@@ -53,8 +53,9 @@ class Fp8Linear(nn.Linear):
     of its three operands (input, weight, gradient) as persistent buffers, ``fp8_*``
     (``SCALING_PREFIX``): tensors only, which never change dtype and follow the weight's
     device. Loading checks them against the policy (``computectx.fp8.saved_state``).
-    Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype, after
-    an epilogue at ``ctx.compute``. New weights default to ``ctx.master`` on torch's
+    Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype (under
+    ``torch.autocast``, the autocast dtype, as ``nn.Linear``'s), after an epilogue at
+    ``ctx.compute``. New weights default to ``ctx.master`` on torch's
     default device when one other than the CPU is set (``torch.device("meta")`` included),
     else on ``ctx.device``.
 

@@ -1,9 +1,9 @@
 """One rank of the accelerate recipe (docs/integrations.md), started by torchrun.
 
 ``python -m torch.distributed.run --nproc-per-node N accelerate_worker.py OUT_DIR``: trains an
-fp8 MLP with an ``OffloadedOptimizer`` through ``Accelerator.prepare``, clips with
-``accelerator.clip_grad_norm_``, saves with ``save_state()`` and loads the state into a fresh
-model and optimizer with ``load_state()``. Writes ``OUT_DIR/rank{R}.pt``.
+fp8 MLP with an ``OffloadedOptimizer`` through ``Accelerator.prepare`` under bf16 mixed
+precision, clips with ``accelerator.clip_grad_norm_``, saves with ``save_state()`` and loads the
+state into a fresh model and optimizer with ``load_state()``. Writes ``OUT_DIR/rank{R}.pt``.
 """
 
 from __future__ import annotations
@@ -78,8 +78,14 @@ def train_step(
 
 def main(out: Path) -> None:
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=30))
-    accelerator = Accelerator(cpu=True, kwargs_handlers=[timeout])
+    # bf16 mixed precision: accelerate runs the forward under torch.autocast, and the fp8
+    # layers (float32 weights) then return bf16, as nn.Linear does.
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", kwargs_handlers=[timeout])
     model, opt, inner = build(accelerator)
+    out_dtypes: list[str] = []
+    for layer in inner.modules():
+        if isinstance(layer, Fp8Linear):
+            layer.register_forward_hook(lambda m, args, y: out_dtypes.append(str(y.dtype)))
     # DDP under torchrun; nothing to keep in step alone. Every rank runs every training
     # forward, so the seeds may take the group's amax (the losses are then one process's).
     sync_fp8_scaling(model, current_amax="group")
@@ -109,6 +115,7 @@ def main(out: Path) -> None:
             "after": after,
             "optimizer_equal": same(saved_opt, loaded_opt),
             "world": accelerator.num_processes,
+            "out_dtypes": sorted(set(out_dtypes)),
             "distributed_type": str(accelerator.distributed_type),
         },
         out / f"rank{accelerator.process_index}.pt",

@@ -1,6 +1,6 @@
-"""HF accelerate (docs/integrations.md): ``prepare`` with an ``OffloadedOptimizer``,
-``clip_grad_norm_``, ``save_state``/``load_state`` with their defaults, on 2 gloo ranks
-under torchrun (``accelerate launch --cpu`` starts one process on one machine)."""
+"""HF accelerate (docs/integrations.md): ``prepare`` under bf16 mixed precision with an
+``OffloadedOptimizer``, ``clip_grad_norm_``, ``save_state``/``load_state`` with their defaults,
+on 2 gloo ranks under torchrun (``accelerate launch --cpu`` starts one process on one machine)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def test_accelerate_trains_on_two_ranks_as_one_process_and_resumes_exactly(
     (one,) = torchrun("accelerate_worker.py", 1, tmp_path / "one")
     for r in two:
         assert r["distributed_type"] == "DistributedType.MULTI_CPU" and r["world"] == 2
+        assert r["out_dtypes"] == ["torch.bfloat16"]  # under accelerate's bf16 autocast
         # The synced ledgers are the same on both ranks and the losses are one process's
         # on the whole batch (the fp8 bound is 0.5 %; what differs is the gradient sums).
         for key, ledger in two[0]["ledgers"].items():
