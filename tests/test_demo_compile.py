@@ -16,7 +16,7 @@ SMALL = [
     "--sample-tokens", "0", "--device", "cpu", "--steps", "4", "--lr", "1e-2",
     "--dtype", "fp8_hybrid",
 ]  # fmt: skip
-COMPILED_LOSS_REL = 5e-4
+COMPILED_LOSS_REL = 1e-3
 """docs/fp8.md: how far a compiled demo's per-step training loss may be from eager's."""
 
 
@@ -48,6 +48,7 @@ def test_compiled_demo_reports_compile_time_and_trains_like_eager(
     assert runs[True]["compile_seconds"] > 0
     eager, compiled_losses = runs[False]["train_losses"], runs[True]["train_losses"]
     rel = max(abs(a - b) / abs(a) for a, b in zip(eager, compiled_losses, strict=True))
-    # docs/fp8.md ("torch.compile"): at most 5e-4 relative per step (2.4e-4 measured here),
-    # below what running the linears in bf16 instead of fp8 moves these losses (1.6e-3).
+    # docs/fp8.md ("torch.compile"): at most 1e-3 relative per step (2.4e-4 measured on an
+    # AVX-512 CPU, 6.8e-4 on an AVX2-only one), below what running the linears in bf16
+    # instead of fp8 moves these losses (1.6e-3 and 2.1e-3 on the same two CPUs).
     assert rel <= COMPILED_LOSS_REL, (eager, compiled_losses)

@@ -188,7 +188,7 @@ def train_policy(
 
     Under torch.distributed (``computectx demo --nproc N``) each rank trains its share of
     every batch, set up by ``computectx.distributed.parallelize`` (DDP, fp8 ledgers merged
-    across ranks before each forward); the losses reported are the group's means.
+    across ranks at the end of every backward); the losses reported are the group's means.
 
     After training, ``on_trained`` (when given) is called with the trained model; then rank
     0 measures the serving section (``serving_rows``) on ``val`` and draws the sample with
@@ -208,6 +208,12 @@ def train_policy(
         fp8_filter=lambda module, fqn: False,
         accumulate=settings.grad_accum > 1,
         offload=settings.offload,
+        # Every rank runs every training step together here (validation and sampling go
+        # through the unwrapped model: rank-local, recording and reducing nothing), so the
+        # demo takes the group's amax (one float all-reduced per such quantize) and trains
+        # as one process does; DDP's default, the rank's own amax, would differ by the
+        # figures docs/distributed.md gives.
+        current_amax="group",
         lr=settings.lr,
     )
     runner: nn.Module = par.model
