@@ -22,6 +22,8 @@ from pydantic import BaseModel, BeforeValidator, ValidationError
 TorchDType = torch.dtype
 
 __all__ = [
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
     "KV_SCALINGS",
     "DType",
     "Fp8Format",
@@ -213,6 +215,12 @@ _FP8_TORCH: Final[dict[Fp8Format, torch.dtype]] = {
     Fp8Format.E4M3: torch.float8_e4m3fn,
     Fp8Format.E5M2: torch.float8_e5m2,
 }
+FP8_DTYPES: Final[tuple[torch.dtype, ...]] = tuple(_FP8_TORCH.values())
+"""torch's fp8 dtypes of the two formats: what fp8 codes are stored as (weights, activations,
+KV-cache codes, all-gathered shards)."""
+FLOAT_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
+"""The floating dtypes fp8 works between: what it quantizes from, what its GEMMs and
+dequantizes return, and what a 16/32-bit KV cache, a bias and a decode query may be."""
 # (largest finite, smallest normal, mantissa bits). E4M3fn spends the all-ones exponent
 # on normal numbers (only S.1111.111 is NaN), which is why its max is 1.75 * 2**8 = 448
 # rather than the IEEE-style 240; E5M2 keeps IEEE inf/NaN, so max is 1.75 * 2**15.

@@ -18,7 +18,22 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["INTERPRETED", "byte_constants", "e8m0_step", "fp8_byte", "round_to_bf16"]
+__all__ = [
+    "FLOAT_DTYPES",
+    "FP8_DTYPES",
+    "INTERPRETED",
+    "byte_constants",
+    "e8m0_step",
+    "fp8_byte",
+    "round_to_bf16",
+]
+
+FP8_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.float8_e4m3fn, torch.float8_e5m2)
+"""The fp8 dtypes the kernels read and write: ``computectx.dtypes.FP8_DTYPES``, kept here
+because the kernels import nothing of computectx (a test holds the two equal)."""
+FLOAT_DTYPES: Final[tuple[torch.dtype, ...]] = (torch.bfloat16, torch.float16, torch.float32)
+"""The 16/32-bit dtypes the kernels quantize from and write results at:
+``computectx.dtypes.FLOAT_DTYPES`` (a test holds the two equal)."""
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's function was decorated for the interpreter."""

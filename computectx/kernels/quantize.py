@@ -6,12 +6,13 @@ One kernel serves three recipes, chosen by constexpr flags:
 - ``quantize_delayed``: the same with the step read from the operand's ledger; the last
   program to finish (an atomic ticket) writes the amax into the history, reduces the window
   and publishes the next step into the ledger: no host sync, no second launch. The ledger's
-  layout belongs to the caller (``computectx.fp8.ledger``), which passes its history length
+  layout belongs to the caller (``computectx.fp8.numerics.ledger``), which passes its history length
   and offsets; they reach the kernel as constexpr arguments;
 - ``quantize_dynamic``: an amax-only launch that also publishes the step, then a cast-only
   launch that reads it.
 
-The pure-torch twins are in ``computectx.fp8.reference``; quantized bytes agree bit for bit.
+The pure-torch twins are in ``computectx.fp8.numerics.tensorwise``; quantized bytes agree bit for
+bit.
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import byte_constants, fp8_byte
+from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, byte_constants, fp8_byte
 
 __all__ = ["INTERPRETED", "quantize_delayed", "quantize_dynamic", "quantize_with_step"]
 
@@ -55,8 +56,6 @@ _SCRATCH_TICKET = tl.constexpr(0)  # programs finished so far
 _SCRATCH_AMAX = tl.constexpr(1)  # max |x| as int32 bits
 _SCRATCH_SATURATED = tl.constexpr(2)  # saturated elements
 _SCRATCH_LEN: Final[int] = 3
-
-_FP8_DTYPES: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @triton.jit
@@ -208,9 +207,9 @@ def _num_programs(x: torch.Tensor) -> int:
 
 
 def _check_input(x: torch.Tensor, fp8: torch.dtype) -> None:
-    if fp8 not in _FP8_DTYPES:
+    if fp8 not in FP8_DTYPES:
         raise ValueError(f"quantize writes float8_e4m3fn or float8_e5m2, got {fp8}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"quantize reads bf16, fp16 or fp32, got {x.dtype}")
     if not x.is_contiguous():
         raise ValueError("quantize kernels read contiguous tensors; pass x.contiguous()")

@@ -12,7 +12,7 @@ gets step 1. Ragged edges are partial blocks (masked lanes load 0, which changes
 Two kernels: ``_quantize_blocks_kernel`` (1x32, 1x128, 128x128: a program loads each of its
 blocks once, measures, stores the step and the codes) and ``_quantize_rows_kernel`` (one
 step per row: a pass for the amax, a pass for the codes). The pure-torch twins are
-``computectx.fp8.granular``; the bytes and the steps agree bit for bit.
+``computectx.fp8.numerics.blockwise``; the bytes and the steps agree bit for bit.
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import byte_constants, e8m0_step, fp8_byte
+from computectx.kernels.fp8_codes import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    byte_constants,
+    e8m0_step,
+    fp8_byte,
+)
 
 __all__ = ["INTERPRETED", "RULES", "quantize_blocks"]
 
@@ -42,7 +48,6 @@ _RULE_POW2 = tl.constexpr(1)
 _RULE_MX_FLOOR = tl.constexpr(2)
 _FLT_MIN = tl.constexpr(2.0**-126)  # float32's smallest normal
 
-_FP8_DTYPES: Final = (torch.float8_e4m3fn, torch.float8_e5m2)
 _BLOCKS: Final = ((1, None), (1, 32), (1, 128), (128, 128))
 # Per block shape: rows per program, blocks per program along K, warps. Under the
 # interpreter, small tiles make small test tensors span several programs and groups.
@@ -257,9 +262,9 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
 def _check(
     x: torch.Tensor, fp8: torch.dtype, block: tuple[int, int | None], rule: str
 ) -> torch.dtype:
-    if fp8 not in _FP8_DTYPES:
+    if fp8 not in FP8_DTYPES:
         raise ValueError(f"quantize writes float8_e4m3fn or float8_e5m2, got {fp8}")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or x.dim() != 2:
+    if x.dtype not in FLOAT_DTYPES or x.dim() != 2:
         raise ValueError(
             f"quantize_blocks reads a 2-D bf16, fp16 or fp32 tensor (any strides); got "
             f"{x.dtype}, shape {tuple(x.shape)}"

@@ -5,9 +5,9 @@ backward pass can hand in ``.t()`` views; every edge is masked, so any M, N and 
 need not be a multiple of 16). The per-tensor steps multiply the float32 accumulator once
 in the epilogue, then the bias is added and the sum rounded once to the output dtype.
 
-The pure-torch twin is ``computectx.fp8.reference.scaled_mm``. Under the interpreter the dot
-is float32 and results agree within ``reference.scaled_mm_error_bound`` (the order of float32
-accumulation differs). On sm_90 the tensor cores add one ``BLOCK_K`` tile's products in a
+The pure-torch twin is ``computectx.fp8.numerics.tensorwise.scaled_mm``. Under the interpreter the
+dot is float32 and results agree within ``numerics.tensorwise.scaled_mm_error_bound`` (the order of
+float32 accumulation differs). On sm_90 the tensor cores add one ``BLOCK_K`` tile's products in a
 narrower accumulator (about 14 significant bits) before it is promoted to float32: there the
 results agree within the wider bound ``reference.scaled_mm_error_bound(...,
 accumulation=block_gemm.NARROW_ACCUMULATION)``, which the tests use on CUDA.
@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import round_to_bf16
+from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, round_to_bf16
 
 __all__ = [
     "INTERPRETED",
@@ -290,8 +290,7 @@ def scaled_mm(
 def check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     """``ValueError`` unless ``a`` ``[M, K]`` and ``b`` ``[N, K]`` are 2-D fp8 tensors that
     agree on K."""
-    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-    if a.dtype not in fp8 or b.dtype not in fp8 or a.dim() != 2 or b.dim() != 2:
+    if a.dtype not in FP8_DTYPES or b.dtype not in FP8_DTYPES or a.dim() != 2 or b.dim() != 2:
         raise ValueError(
             f"a and b are 2-D fp8 tensors; got {a.dtype} {a.shape}, {b.dtype} {b.shape}"
         )
@@ -306,7 +305,7 @@ def check_bias_and_out(
     ``out_dtype`` bf16, fp16 or fp32."""
     if bias is not None and (bias.shape != (b.shape[0],) or bias.device != a.device):
         raise ValueError(f"bias must have shape ({b.shape[0]},) on {a.device}")
-    if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
 
 
