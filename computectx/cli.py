@@ -36,7 +36,7 @@ def info_lines() -> list[str]:
     from computectx.ctx import DTYPE_FLAGS, ComputeCtx
     from computectx.dtypes import DType
     from computectx.fp8 import Fp8Backend, select_backend
-    from computectx.fp8.backend import check_backend
+    from computectx.fp8.seam import check_backend
 
     dev = capability.default_device()
     lines = ["versions:"]
@@ -87,8 +87,7 @@ def _block_gemm_lines(dev: torch.device) -> list[str]:
     import torch
 
     from computectx.fp8 import Fp8Backend
-    from computectx.fp8.block_gemm_ops import cublas_recipes
-    from computectx.fp8.custom_ops import uses_kernels
+    from computectx.fp8.seam import cublas_recipes, uses_kernels
 
     fallback = (
         "the Triton kernel"

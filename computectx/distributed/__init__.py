@@ -5,22 +5,26 @@ stored in ``ComputeCtx`` (whose text and JSON forms stay lossless). Nothing in t
 this package.
 """
 
-from computectx.distributed.accumulate import DataParallelGradAccumulator
-from computectx.distributed.amax import (
-    Fp8AmaxSync,
-    fp8_buffer_names,
-    rescale_grad_ledger,
-    sync_fp8_scaling,
-)
-from computectx.distributed.checkpoint import optimizer_state_dict, set_optimizer_state_dict
-from computectx.distributed.fsdp import (
+from computectx._moved import redirect
+from computectx.distributed.fp8_all_gather import (
     Fp8GatherFallbackWarning,
     WeightGatheredAsFp8,
     enable_fp8_all_gather,
     gathers_as_fp8,
 )
+from computectx.distributed.fp8_amax_sync import (
+    Fp8AmaxSync,
+    fp8_buffer_names,
+    rescale_grad_ledger,
+    sync_fp8_scaling,
+)
+from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import check_same_policy, data_parallel_group
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
+from computectx.distributed.optimizer_checkpoint import (
+    optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
 from computectx.distributed.tensor_parallel import dtensor_fp8_linear
@@ -46,3 +50,13 @@ __all__ = [
     "set_optimizer_state_dict",
     "sync_fp8_scaling",
 ]
+
+redirect(
+    "computectx.distributed",
+    {
+        "fsdp": ("computectx.distributed.fp8_all_gather",),
+        "amax": ("computectx.distributed.fp8_amax_sync",),
+        "checkpoint": ("computectx.distributed.optimizer_checkpoint",),
+        "accumulate": ("computectx.distributed.grad_accumulator",),
+    },
+)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from computectx.fp8.scaling import AmaxReduce
+from computectx.fp8.seam import AmaxReduce
 
 __all__ = ["GroupAmax", "RankLocal", "ShardAmax", "all_reduce_on", "whole_amax"]
 

@@ -40,14 +40,15 @@ import torch
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear
-from computectx.fp8.ledger import (
+from computectx.fp8.seam import (
+    OperandScaling,
+    Role,
     ledger_history,
     ledger_nonfinite,
     ledger_saturated,
     ledger_step,
+    step_from_amax,
 )
-from computectx.fp8.reference import step_from_amax
-from computectx.fp8.scaling import OperandScaling, Role
 from computectx.recipes import DelayedScaling
 
 __all__ = ["LossNormalization", "MergeEntry", "merge_operands", "payload", "rescale_grad_ledger"]

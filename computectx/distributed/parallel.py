@@ -24,26 +24,26 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
-from computectx.distributed.accumulate import DataParallelGradAccumulator
-from computectx.distributed.amax import (
+from computectx.distributed.fp8_all_gather import (
+    enable_fp8_all_gather,
+    gathers_as_fp8,
+    parameter_holders,
+)
+from computectx.distributed.fp8_amax_sync import (
     CurrentAmax,
     Fp8AmaxSync,
     LossNormalization,
     fp8_buffer_names,
     rescale_grad_ledger,
 )
-from computectx.distributed.checkpoint import (
+from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
+from computectx.distributed.group import check_same_model, check_same_policy
+from computectx.distributed.mixed_precision import fsdp_mixed_precision
+from computectx.distributed.optimizer_checkpoint import (
     check_saved_optimizer,
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from computectx.distributed.fsdp import (
-    enable_fp8_all_gather,
-    gathers_as_fp8,
-    parameter_holders,
-)
-from computectx.distributed.group import check_same_model, check_same_policy
-from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from computectx.distributed.collectives import all_reduce_on
-from computectx.distributed.fsdp import WeightGatheredAsFp8, sharded_weight_of
+from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
 from computectx.distributed.group import GroupArg, data_parallel_group
 
 __all__ = ["ShardedParams"]

@@ -41,8 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from computectx.distributed.collectives import ShardAmax
-from computectx.fp8.autograd import Fp8LinearPlan, fp8_linear, set_dtensor_linear
-from computectx.fp8.scaling import AmaxReduce
+from computectx.fp8.seam import AmaxReduce, Fp8LinearPlan, fp8_linear, set_dtensor_linear
 
 __all__ = ["dtensor_fp8_linear"]
 

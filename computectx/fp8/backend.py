@@ -2,7 +2,7 @@
 
 Three backends compute the same function. ``TRITON`` runs the kernels in
 ``computectx.kernels`` (imported only when first used, so ``import computectx.fp8`` works
-without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``;
+without triton); ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.numerics.tensorwise``;
 ``CUBLAS`` runs the GEMMs through ``torch._scaled_mm`` (cuBLASLt on a GPU, torch's own kernel
 on the CPU) with tensor-wise scales, K and N zero-padded to the multiples of 16 CUDA wants and
 a GEMM of two E5M2 operands (which cuBLAS refuses) on the twin; it quantizes with the same

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from computectx.ctx import ComputeCtx
-from computectx.fp8.autograd import ACTIVATION_DTYPES
+from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.convert_report import (
     Fp8ConversionReport,
@@ -20,15 +20,15 @@ from computectx.fp8.convert_report import (
     head_dtype_notes,
     nothing_converted,
 )
-from computectx.fp8.inline import QuantizeImpl, parse_quantize
-from computectx.fp8.linear import (
+from computectx.fp8.linear.module import (
     FEATURE_MULTIPLE,
     Fp8Linear,
     check_fp8_widths,
     check_granularity_widths,
 )
+from computectx.fp8.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import describe, policy_of
-from computectx.fp8.state_load import guard_whole_loads
+from computectx.fp8.state.load import guard_whole_loads
 from computectx.recipes import PolicyGranularity
 
 __all__ = [
@@ -147,7 +147,7 @@ def convert_to_fp8(
 
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
     working), and ``model.load_state_dict`` then checks every fp8 layer's entries before any
-    module loads (``computectx.fp8.state_load.guard_whole_loads``). A linear reachable under
+    module loads (``computectx.fp8.state.load.guard_whole_loads``). A linear reachable under
     several names is converted once and replaced everywhere. All decisions are made before
     the model changes, so an exception from ``module_filter`` or a converter (or a filter
     result that is not a bool, a ``TypeError``) leaves it untouched.
@@ -396,7 +396,7 @@ class _Rules:
                 f"min(in_features, out_features)={min(n_in, n_out)} < min_features="
                 f"{self.min_features}: the quantize passes cost more than the fp8 GEMMs save"
             )
-        if lin.weight.dtype not in ACTIVATION_DTYPES:
+        if lin.weight.dtype not in FLOAT_DTYPES:
             return "dtype", f"weight dtype {lin.weight.dtype} is not bf16, fp16 or fp32"
         if lin is self.model:
             return "root", "the root module has no parent to swap it in; use Fp8Linear.from_linear"

@@ -13,7 +13,7 @@ from typing import TypeVar
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.fp8.granular import check_granularity_widths
+from computectx.fp8.numerics.layouts import check_granularity_widths
 from computectx.recipes import (
     DelayedScaling,
     DynamicScaling,
@@ -50,7 +50,7 @@ def policy_of(ctx: object, who: str) -> Fp8Policy:
 
     Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
     ``fp8`` is ``None``; the messages say what is accepted. Every granularity the policy can
-    name runs (``computectx.fp8.granular_linear`` runs row, block and mx).
+    name runs (``computectx.fp8.linear.blockwise`` runs row, block and mx).
     """
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(

@@ -39,7 +39,7 @@ from torchtitan.protocols.module import Module
 
 from computectx import ComputeCtx
 from computectx.distributed import sync_fp8_scaling
-from computectx.distributed.amax import LossNormalization
+from computectx.distributed.fp8_amax_sync import LossNormalization
 from computectx.fp8 import HEAD_NAMES, Fp8Linear
 
 __all__ = [

@@ -12,16 +12,17 @@ everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
 plain ``nn.Linear``.
 """
 
+from computectx._moved import redirect
 from computectx.nn.attention import Attention, Float32MatmulPrecisionWarning
 from computectx.nn.calibrate import calibrate_kv
 from computectx.nn.gemm import Gemm, GemmPath, forced_gemm_path
 from computectx.nn.generate import DecodeStep, decode_logits, generate, next_token
 from computectx.nn.kv_cache import DecodeKernelFallbackWarning, KVCache, kv_bytes_per_token
-from computectx.nn.linears import apply_fp8_policy
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
-from computectx.nn.ops import apply_rope, rms_norm, rope_tables, softmax
+from computectx.nn.params import apply_fp8_policy
+from computectx.nn.precise import apply_rope, rms_norm, rope_tables, softmax
 from computectx.nn.rope import RotaryEmbedding
 
 __all__ = [
@@ -53,3 +54,8 @@ __all__ = [
     "rope_tables",
     "softmax",
 ]
+
+redirect(
+    "computectx.nn",
+    {"ops": ("computectx.nn.precise",), "linears": ("computectx.nn.params",)},
+)

@@ -9,14 +9,13 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import KvFp8
-from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.decode_attention import DECODE_QUERY_DTYPES, decode_attention
-from computectx.fp8.kv_quant import static_kv_steps
+from computectx.dtypes import FLOAT_DTYPES, KvFp8
+from computectx.fp8 import Fp8Backend
+from computectx.fp8.seam import decode_attention, static_kv_steps
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache
-from computectx.nn.linears import apply_fp8_policy, param_dtype
-from computectx.nn.ops import softmax
+from computectx.nn.params import apply_fp8_policy, param_dtype
+from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
 
 __all__ = ["Attention", "Float32MatmulPrecisionWarning", "KVCache"]
@@ -66,7 +65,7 @@ class Attention(nn.Module):
 
     With an fp8 ``kv`` (``KvFp8``) the cache is read in float32: scores, softmax and the
     weighted sum of dequantized keys and values run in float32 (never at the compute dtype).
-    One query position (a decode step) runs ``computectx.fp8.decode_attention``, which
+    One query position (a decode step) runs ``computectx.fp8.serving.decode_attention``, which
     dequantizes block by block with float32 accumulation within and across blocks; several
     (a prefill) dequantize the cached prefix to float32 and run the causal attention there.
     The decode step uses no matmul; the prefill's are float32 matmuls, which a CUDA device
@@ -219,7 +218,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # One query per (batch, head) over the fp8 cache: (B, H, 1, D) -> (B, H, 1, D).
         q1 = q[:, :, 0]
-        if q1.dtype not in DECODE_QUERY_DTYPES:
+        if q1.dtype not in FLOAT_DTYPES:
             q1 = q1.to(torch.float32)
         assert cache.backend is not None  # an fp8 cache always has one
         with torch.autocast(q.device.type, enabled=False):

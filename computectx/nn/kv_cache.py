@@ -1,8 +1,9 @@
 """``KVCache``: one attention layer's keys and values, stored as ``ctx.kv`` says.
 
 A ``kv`` in the lattice (``DType``) stores values at that dtype (``ctx.to_kv``, a plain
-cast). An fp8 ``kv`` (``KvFp8``) stores codes plus float32 steps (``computectx.fp8.kv_quant``);
-the layout is the one ``computectx.fp8.decode_attention`` reads::
+cast). An fp8 ``kv`` (``KvFp8``) stores codes plus float32 steps
+(``computectx.fp8.numerics.kv_quant``);
+the layout is the one ``computectx.fp8.serving.decode_attention`` reads::
 
     k, v            (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes
     k_step, v_step  (B, H, T_max) per_token_head (written with each position),
@@ -23,10 +24,17 @@ import torch
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType, KvFp8, PromotionError, dtype_of
-from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, parse_backend
-from computectx.fp8.custom_ops import uses_kernels
-from computectx.fp8.decode_attention import KERNEL_HEAD_DIMS, check_kernel_head_dim
-from computectx.fp8.kv_quant import dequantize_kv, quantize_kv
+from computectx.fp8 import Fp8Backend
+from computectx.fp8.seam import (
+    KERNEL_HEAD_DIMS,
+    check_backend,
+    check_kernel_head_dim,
+    default_backend,
+    dequantize_kv,
+    parse_backend,
+    quantize_kv,
+    uses_kernels,
+)
 
 __all__ = ["DecodeKernelFallbackWarning", "KVCache", "decode_backend", "kv_bytes_per_token"]
 

@@ -13,13 +13,13 @@ from typing_extensions import Self
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Backend, Fp8Linear
-from computectx.fp8.state_load import guard_whole_loads
+from computectx.fp8.seam import guard_whole_loads
 from computectx.nn.attention import Attention
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
-from computectx.nn.linears import param_dtype
 from computectx.nn.mlp import MLP
 from computectx.nn.norm import RMSNorm
+from computectx.nn.params import param_dtype
 
 __all__ = ["BYTE_VOCAB", "ByteLM", "DecoderBlock", "LMConfig", "decode_bytes", "encode_bytes"]
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.nn.gemm import Gemm
-from computectx.nn.linears import apply_fp8_policy, param_dtype
+from computectx.nn.params import apply_fp8_policy, param_dtype
 
 __all__ = ["MLP"]
 

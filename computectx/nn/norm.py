@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.nn.linears import param_dtype
-from computectx.nn.ops import rms_norm
+from computectx.nn.params import param_dtype
+from computectx.nn.precise import rms_norm
 
 __all__ = ["RMSNorm"]
 

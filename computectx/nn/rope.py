@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.nn.ops import apply_rope, rope_tables
+from computectx.nn.precise import apply_rope, rope_tables
 
 __all__ = ["RotaryEmbedding"]
 

@@ -12,17 +12,22 @@ from torch.nn import functional
 from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx, parse_device
-from computectx.fp8 import custom_ops, ops, reference
-from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
+from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
-from computectx.fp8.granular import check_granularity_widths
-from computectx.fp8.inline import QuantizeImpl, parse_quantize
+from computectx.fp8.linear.autocast import region_fp8_enabled
+from computectx.fp8.linear.function import fp8_linear
+from computectx.fp8.linear.plan import Fp8LinearPlan, gemm_dtype_for
+from computectx.fp8.linear.recompute import in_reentrant_checkpoint_forward
+from computectx.fp8.linear.unsynced import warn_if_unsynced
+from computectx.fp8.numerics import tensorwise
+from computectx.fp8.numerics.inline import QuantizeImpl, parse_quantize
+from computectx.fp8.numerics.layouts import check_granularity_widths
+from computectx.fp8.numerics.ledger import count
+from computectx.fp8.ops import quantize
 from computectx.fp8.policy import check_quantize, checked_layer_ctx, policy_of
-from computectx.fp8.recompute import in_reentrant_checkpoint_forward
-from computectx.fp8.region import region_fp8_enabled
-from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
-from computectx.fp8.state_load import ScalingLoad, check_held_dtypes, plan_scaling_load
-from computectx.fp8.world import warn_if_unsynced
+from computectx.fp8.state.layer import Fp8ScalingState
+from computectx.fp8.state.load import ScalingLoad, check_held_dtypes, plan_scaling_load
+from computectx.fp8.state.operand import AmaxReduce
 from computectx.recipes import Fp8Policy
 
 __all__ = [
@@ -42,7 +47,7 @@ check ``check_fp8_widths``."""
 _FROZEN_BUFFERS = ("weight_fp8", "weight_step")
 SCALING_PREFIX = "fp8_"
 """The scaling state's buffers are ``fp8_{role}_ledger``, ``fp8_{role}_tally`` (role in
-input, weight, grad) and ``fp8_meta`` (``computectx.fp8.saved_state``)."""
+input, weight, grad) and ``fp8_meta`` (``computectx.fp8.state.saved``)."""
 
 
 class Fp8Linear(nn.Linear):
@@ -52,7 +57,7 @@ class Fp8Linear(nn.Linear):
     ``nn.Linear`` checkpoint loads; the scaling state starts fresh), plus the scaling state
     of its three operands (input, weight, gradient) as persistent buffers, ``fp8_*``
     (``SCALING_PREFIX``): tensors only, which never change dtype and follow the weight's
-    device. Loading checks them against the policy (``computectx.fp8.saved_state``).
+    device. Loading checks them against the policy (``computectx.fp8.state.saved``).
     Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype (under
     ``torch.autocast``, the autocast dtype, as ``nn.Linear``'s), after an epilogue at
     ``ctx.compute``. New weights default to ``ctx.master`` on torch's
@@ -207,7 +212,7 @@ class Fp8Linear(nn.Linear):
         """``x Wᵀ + b`` in fp8 (or plain, inside ``fp8_autocast(enabled=False)``)."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"Fp8Linear takes a tensor, got {type(x).__name__}")
-        if x.dtype not in ACTIVATION_DTYPES:
+        if x.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"Fp8Linear quantizes bf16, fp16 or fp32 inputs; got {x.dtype}. Cast the "
                 f"input first (e.g. ctx.to_compute(x))"
@@ -218,7 +223,7 @@ class Fp8Linear(nn.Linear):
             )
         if region_fp8_enabled() is False:
             w = (
-                reference.dequantize(self.weight_fp8, self.weight_step, x.dtype)
+                tensorwise.dequantize(self.weight_fp8, self.weight_step, x.dtype)
                 if self._frozen
                 else self.weight.to(x.dtype)
             )
@@ -301,11 +306,11 @@ class Fp8Linear(nn.Linear):
         # Not inference tensors, even when frozen inside inference_mode: those could
         # never be saved for an input gradient or loaded into by load_state_dict later.
         with torch.inference_mode(False), torch.no_grad():
-            data, step, amax = ops.quantize_dynamic(w, fmt, 0, backend=self.backend)
+            data, step, amax = quantize.quantize_dynamic(w, fmt, 0, backend=self.backend)
             step = step.reshape(1).clone()
         state = self.scaling.weight
         state.record(amax, step)
-        custom_ops.count(state.tally, w)
+        count(state.tally, w)
         self.register_parameter("weight", None)
         self.register_buffer("weight_fp8", data)
         self.register_buffer("weight_step", step)
@@ -339,7 +344,7 @@ class Fp8Linear(nn.Linear):
     ) -> Callable[[], None]:
         """``computectx.memory.load_weights``' seam: read this layer's entries among
         ``tensors`` (local names; ``prefix`` its key prefix, for messages) by the one loading
-        rule ``load_state_dict`` follows (``computectx.fp8.state_load``), on the device the
+        rule ``load_state_dict`` follows (``computectx.fp8.state.load``), on the device the
         loaded ``weight`` lives on, and return what installs the result, once the weights
         are in place. Raises ``ValueError`` (naming keys, dtypes or both policies) and
         changes nothing when the entries cannot load."""
@@ -357,7 +362,7 @@ class Fp8Linear(nn.Linear):
         self, entries: Mapping[str, Any], prefix: str = "", device: torch.device | None = None
     ) -> ScalingLoad:
         """What loading ``entries`` (local names) does to the scaling state, by the one rule
-        (``computectx.fp8.state_load``), changing nothing; ``ValueError`` when they cannot
+        (``computectx.fp8.state.load``), changing nothing; ``ValueError`` when they cannot
         load (a frozen layer's ``weight_fp8`` and ``weight_step`` only at their dtypes)."""
         if self._frozen:
             held = {k: getattr(self, k) for k in _FROZEN_BUFFERS}
@@ -388,7 +393,7 @@ class Fp8Linear(nn.Linear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # The scaling tensors follow the one loading rule (computectx.fp8.state_load, which
+        # The scaling tensors follow the one loading rule (computectx.fp8.state.load, which
         # load_weights follows too): read and checked against this layer's policy (and
         # fitted to its history length) before anything changes, then installed as new
         # tensors (the amax sync tells a loaded ledger from a trained one by identity).
@@ -479,7 +484,7 @@ def _held_out(
 def _check_param_dtype(name: str, dtype: torch.dtype) -> None:
     # Checked when the layer is built: a float64 master weight would otherwise only fail
     # at the first forward, deep inside the quantize call.
-    if dtype not in ACTIVATION_DTYPES:
+    if dtype not in FLOAT_DTYPES:
         raise ValueError(
             f"Fp8Linear quantizes its {name} from bf16, fp16 or fp32; got {dtype}. Pass "
             f"dtype=torch.float32 (or a ctx whose master dtype is f32/bf16/f16)"

@@ -35,7 +35,7 @@ Fine-grained policies (``FP8_GATHER_GRANULARITIES``). A ``block`` weight is quan
 128x128 blocks, whose steps need no other rank: when FSDP2's shards are whole 128-row blocks
 (``blocks_align``), each rank quantizes its shard's blocks with no collective and hands FSDP2
 the codes (``uint8``) and the float32 block scales together; the gathered pair is a
-``computectx.fp8.quantized.Fp8BlockWeight``, exactly the whole weight's blocks, which the block
+``computectx.fp8.linear.weights.Fp8BlockWeight``, exactly the whole weight's blocks, which the block
 linear uses for its forward and, transposed as its blocks are, for its dgrad, quantizing
 nothing again. On the wire: 1 byte per element and 4 bytes per 16384 (1.0002). Shards that
 cut blocks gather high precision, with one ``Fp8GatherFallbackWarning`` per such weight (once
@@ -61,7 +61,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from computectx.distributed.collectives import GroupAmax
-from computectx.fp8 import Fp8Linear, Fp8Weight, ops
+from computectx.fp8 import Fp8Linear, Fp8Weight
+from computectx.fp8.seam import quantize_with_step
 from computectx.recipes import DelayedScaling, Fp8Policy, PolicyGranularity
 
 __all__ = [
@@ -246,7 +247,7 @@ class WeightGatheredAsFp8(torch.Tensor):
         record = layer.training and (seam is None or seam.armed)
         if _in_backward() and g.forward_step is not None:
             # The re-gather for the backward: the bytes the forward used, nothing recorded.
-            data, _ = ops.quantize_with_step(hp, fmt, g.forward_step, backend=layer.backend)
+            data, _ = quantize_with_step(hp, fmt, g.forward_step, backend=layer.backend)
             step = g.forward_step
         elif not record:
             data, step = op.quantize_unrecorded(hp, fmt, scaling, layer.backend, reduce=group)
@@ -284,10 +285,9 @@ class WeightGatheredAsFp8(torch.Tensor):
             _warn_block_fallback(self._gather.name, outer_size, world)
             dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
             return (_padded(hp.to(dtype), outer_size, mesh),), ("hp",)
-        from computectx.fp8 import granular_ops
-        from computectx.fp8.granular_linear import step_rule_of
+        from computectx.fp8.seam import quantize_blocks, step_rule_of
 
-        codes, scale = granular_ops.quantize(
+        codes, scale = quantize_blocks(
             hp,
             layer.policy.format.forward,
             "128x128",
@@ -312,7 +312,7 @@ class WeightGatheredAsFp8(torch.Tensor):
             (whole,) = all_gather_outputs
             return None if out is not None else (whole, (whole,))
         if metadata[0] == "block":
-            from computectx.fp8.quantized import Fp8BlockWeight
+            from computectx.fp8 import Fp8BlockWeight
 
             codes, scale = all_gather_outputs
             if out is not None:  # gathered into the same buffers again: out views them

@@ -1,14 +1,14 @@
 """Per-weight scaling state: one ledger per operand role, quantizing through it, checkpoints.
 
 A weight that runs in fp8 quantizes three operands — its ``input`` activation, the
-``weight`` itself and the output ``grad`` — and each keeps one ledger (``computectx.fp8.ledger``
-owns its layout: ``history_len`` amaxes, then the current step, the non-finite count and
-the saturated count). Delayed scaling reads the step from the ledger and writes the
-new amax into it; dynamic scaling keeps a ledger of length 1 only to record the last amax and
-step, so both recipes report the same statistics.
+``weight`` itself and the output ``grad`` — and each keeps one ledger
+(``computectx.fp8.numerics.ledger`` owns its layout: ``history_len`` amaxes, then the current step,
+the non-finite count and the saturated count). Delayed scaling reads the step from the ledger and
+writes the new amax into it; dynamic scaling keeps a ledger of length 1 only to record the last amax
+and step, so both recipes report the same statistics.
 
 Beside each ledger lives an int64 *tally* on the same device, ``[seeded, elements]``
-(``computectx.fp8.custom_ops``): whether the first call has seeded the ledger and how many
+(``computectx.fp8.ops.registry``): whether the first call has seeded the ledger and how many
 elements went through it. Both are device tensors that the quantize operators update in
 place, so no call reads a device value and a ``torch.compile``d step advances exactly what
 an eager one does. Delayed histories are kept oldest to newest (the newest amax in the last
@@ -17,7 +17,7 @@ slot), so there is no host-side write index either.
 The tensors live in a *store*, a mapping from names to tensors: an ``Fp8Linear`` passes its
 own buffers (``Module._buffers``), so the state is persistent buffers that every state dict,
 device move and checkpoint format handles as tensors (names and checks in
-``computectx.fp8.saved_state``); a standalone state (a region's) keeps its own dict. The
+``computectx.fp8.state.saved``); a standalone state (a region's) keeps its own dict. The
 objects here read the store on every access, so a buffer replaced from outside (a
 ``load_state_dict(assign=True)``, ``computectx.memory.load_weights``) is what they use next.
 """
@@ -26,17 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from computectx.fp8.operand import (
-    AmaxReduce,
+from computectx.fp8.state.operand import (
     OperandScaling,
     Store,
     held_tensor,
     replicated_value,
 )
-from computectx.fp8.saved_state import (
+from computectx.fp8.state.saved import (
     META_WORLD,
     ROLES,
-    STATE_VERSION,
     Role,
     SavedScaling,
     history_len_of,
@@ -47,16 +45,7 @@ from computectx.fp8.saved_state import (
 )
 from computectx.recipes import Fp8Policy
 
-__all__ = [
-    "ROLES",
-    "STATE_VERSION",
-    "AmaxReduce",
-    "Fp8ScalingState",
-    "OperandScaling",
-    "Role",
-    "Store",
-    "history_len_of",
-]
+__all__ = ["Fp8ScalingState"]
 
 
 class Fp8ScalingState:
@@ -64,7 +53,7 @@ class Fp8ScalingState:
 
     ``policy`` is the policy the ledgers are shaped for; ``conform`` reshapes them when a
     different policy (another history length, another recipe) starts using the weight.
-    The tensors live in ``store`` under ``prefix`` + ``computectx.fp8.saved_state``'s
+    The tensors live in ``store`` under ``prefix`` + ``computectx.fp8.state.saved``'s
     names: ``{role}_ledger``, ``{role}_tally`` and ``meta`` (int64: the state version, the
     world size and the policy, so that a checkpoint says what it was recorded under).
     """
@@ -112,7 +101,7 @@ class Fp8ScalingState:
 
     @property
     def meta(self) -> torch.Tensor:
-        """The int64 record of the state version, world size and policy (``saved_state``)."""
+        """The int64 record of the state version, world size and policy (``state.saved``)."""
         return held_tensor(self._store, f"{self._prefix}meta")
 
     def tensor_names(self) -> tuple[str, ...]:
@@ -167,7 +156,7 @@ class Fp8ScalingState:
         self.install(read_saved_tensors(found, self.policy, self.device, what))
 
     def install(self, saved: SavedScaling) -> None:
-        """Take a saved state (already read and fitted to this policy: ``saved_state``)."""
+        """Take a saved state (already read and fitted to this policy: ``state.saved``)."""
         for role, op in self.operands.items():
             op.install(saved.ledgers[role], saved.tallies[role], saved.seeded[role])
         self._set_meta(meta_new(self.policy, saved.world_size, self.device), saved.world_size)

@@ -1,12 +1,12 @@
-"""Fine-grained fp8 scaling behind ``fp8_quantize(..., granularity=)``: checks and dispatch.
+"""Block-wise fp8 quantize behind ``fp8_quantize(..., granularity=)``: checks and dispatch.
 
-``computectx.fp8.ops`` checks the tensor and the format and calls here for the block
-granularities (``row``, ``1x128``, ``128x128``, ``mx``). This module checks the options
-(``granularity``, ``power_of_two``, ``mx_rounding``, a given scale's shape), reads the
-tensor as its 2-D view, and runs the Triton kernels (``computectx.kernels.quantize_blocks``,
-imported when first used) or their pure-torch twins (``computectx.fp8.granular``), which
-give the same bytes. ``dequantize`` finds the granularity from the scale's shape and dtype.
-The layouts and the step rules are documented in ``computectx.fp8.granular``.
+``computectx.fp8.ops.quantize`` checks the tensor and the format and calls here for the
+block granularities (``row``, ``1x128``, ``128x128``, ``mx``). This module checks the options
+(``power_of_two``, ``mx_rounding``, a given scale's shape), reads the tensor as its 2-D view,
+and runs the Triton kernels (``computectx.fp8.ops.triton``) or their pure-torch twins
+(``computectx.fp8.numerics.blockwise``), which give the same bytes. ``dequantize_blocks``
+finds the granularity from the scale's shape and dtype. The layouts and the step rules are
+documented in ``computectx.fp8.numerics.layouts`` and ``numerics.blockwise``.
 """
 
 from __future__ import annotations
@@ -16,28 +16,24 @@ from typing import TypeGuard, cast
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import granular
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.custom_ops import uses_kernels
-from computectx.fp8.granular import E8M0, GRANULARITIES, BlockLayout, Granularity, StepRule
+from computectx.fp8.numerics import blockwise, layouts
+from computectx.fp8.numerics.layouts import (
+    BLOCK_GRANULARITIES,
+    E8M0,
+    BlockLayout,
+    Granularity,
+    StepRule,
+)
+from computectx.fp8.ops import triton
 
-__all__ = ["dequantize", "granularity_arg", "is_block_scale", "quantize", "step_rule"]
-
-_BLOCK_GRANULARITIES = tuple(g for g in GRANULARITIES if g != "tensor")
-
-
-def granularity_arg(granularity: object) -> Granularity:
-    """``granularity`` if it is one of ``GRANULARITIES``; else ``ValueError`` listing them."""
-    if isinstance(granularity, str) and granularity in GRANULARITIES:
-        return granularity
-    accepted = ", ".join(repr(g) for g in GRANULARITIES)
-    raise ValueError(f"unknown granularity {granularity!r}; accepted: {accepted}")
+__all__ = ["dequantize_blocks", "is_block_scale", "quantize_blocks", "step_rule"]
 
 
 def step_rule(
     granularity: Granularity, power_of_two: object, mx_rounding: object, *, given: bool
 ) -> StepRule:
-    """The step rule the options ask for (``granular.StepRule``), or ``ValueError`` saying
+    """The step rule the options ask for (``numerics.layouts.StepRule``), or ``ValueError`` saying
     which option does not apply.
 
     ``power_of_two=None`` is the granularity's default: on for ``row`` (as torchao's
@@ -73,13 +69,13 @@ def step_rule(
 
 def _scale_arg(scale: object, layout: BlockLayout, device: torch.device) -> torch.Tensor:
     who = f"the scale of granularity {layout.granularity!r} (one step per block)"
-    scale = granular.check_scale(scale, layout, device, who)
+    scale = layouts.check_scale(scale, layout, device, who)
     # Contiguous: the kernels index the grid row-major (a transposed view of a valid scale
     # is the same values in another layout).
     return scale.reshape(layout.grid).contiguous()
 
 
-def quantize(
+def quantize_blocks(
     x: torch.Tensor,
     fmt: Fp8Format,
     granularity: Granularity,
@@ -94,14 +90,11 @@ def quantize(
     ``x`` is a checked bf16/fp16/fp32 tensor of any strides: the kernels read a transposed
     view (``x.t()``, the column-wise quantize the backward needs) without a copy.
     """
-    layout = granular.layout_of(granularity, x.shape)
+    layout = layouts.layout_of(granularity, x.shape)
     given = None if scale is None else _scale_arg(scale, layout, x.device)
     x2 = x.reshape(layout.rows, layout.cols)  # a 2-D x (or its .t()) is used as it is
-    if uses_kernels(backend, x):
-        # Imported on first use: importing it imports triton (see computectx.kernels).
-        from computectx.kernels import quantize_blocks
-
-        q, s = quantize_blocks.quantize_blocks(
+    if triton.uses_kernels(backend, x):
+        q, s = triton.quantize_blocks(
             x=x2,
             fp8=fmt.torch,
             block_rows=layout.block_rows,
@@ -110,7 +103,7 @@ def quantize(
             scale=given,
         )
     else:
-        q, s = granular.quantize(x2, fmt, layout, rule, given)
+        q, s = blockwise.quantize(x2, fmt, layout, rule, given)
     if given is not None:
         return q.reshape(x.shape), cast(torch.Tensor, scale)  # checked: the given tensor
     return q.reshape(x.shape), s.reshape(layout.scale_shape)
@@ -119,9 +112,9 @@ def quantize(
 def _layout_of_scale(data: torch.Tensor, scale: torch.Tensor) -> BlockLayout:
     shape = tuple(data.shape)
     served = []
-    for g in _BLOCK_GRANULARITIES:
+    for g in BLOCK_GRANULARITIES:
         try:
-            layout = granular.layout_of(g, shape)
+            layout = layouts.layout_of(g, shape)
         except ValueError:
             continue
         served.append(f"{g}: {layout.scale_dtype} {layout.scale_shape}")
@@ -134,7 +127,7 @@ def _layout_of_scale(data: torch.Tensor, scale: torch.Tensor) -> BlockLayout:
     )
 
 
-def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_blocks(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``data * step`` of each element's block, rounded once to ``dtype``.
 
     The granularity is the one whose scale has ``scale``'s shape and dtype for ``data``'s
@@ -144,7 +137,7 @@ def dequantize(data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
         raise ValueError(f"scale is on {scale.device} but the data is on {data.device}")
     layout = _layout_of_scale(data, scale)
     d2 = data.reshape(layout.rows, layout.cols)
-    return granular.dequantize(d2, scale, layout, dtype).reshape(data.shape)
+    return blockwise.dequantize(d2, scale, layout, dtype).reshape(data.shape)
 
 
 def is_block_scale(scale: object) -> TypeGuard[torch.Tensor]:

@@ -4,7 +4,7 @@ An ``Fp8Linear`` keeps its scaling state in persistent buffers, so its ``state_d
 tensors only and any tensor format takes it as it is (safetensors, DCP,
 ``torch.load(weights_only=True)``)::
 
-    fp8_{role}_ledger   float32  the ledger (computectx.fp8.ledger), for role in ROLES
+    fp8_{role}_ledger   float32  the ledger (computectx.fp8.numerics.ledger), for role in ROLES
     fp8_{role}_tally    int64    [seeded, elements]
     fp8_meta            int64    [version, world_size, scheme, recipe, history_len, margin, algo,
                                   granularity, power_of_two, mx_rounding, gw_hp]
@@ -38,9 +38,10 @@ from typing import Literal, TypeVar
 import torch
 from pydantic import ValidationError
 
-from computectx.fp8 import custom_ops
-from computectx.fp8.ledger import (
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.fp8.numerics.ledger import (
     LEDGER_SHAPE,
+    TALLY_LEN,
     is_ledger,
     ledger_history,
     ledger_history_len,
@@ -77,7 +78,9 @@ __all__ = [
 ]
 
 Role = Literal["input", "weight", "grad"]
+"""The three operands of an fp8 linear, each with its own scaling state."""
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
+"""The roles in the order state dicts and merges list them."""
 """The operand roles of an fp8 linear, in checkpoint order."""
 
 STATE_VERSION = 5
@@ -231,7 +234,7 @@ def read_meta(meta: object, what: str) -> tuple[Fp8Policy, int]:
 
 def _cast_dtype(code: int) -> str:
     # What STATE_CODE reads as after a cast to each floating dtype and back to int64.
-    for dtype in (torch.bfloat16, torch.float32, torch.float16):
+    for dtype in FLOAT_DTYPES:
         if torch.tensor(STATE_CODE).to(dtype).to(torch.int64).item() == code:
             return str(dtype).removeprefix("torch.")
     return "a floating dtype"
@@ -427,7 +430,7 @@ def _checked_ledger(what: str, role: str, name: str, ledger: object) -> torch.Te
 
 
 def _checked_tally(what: str, role: str, tally: object) -> tuple[bool, int]:
-    shape = (custom_ops.TALLY_LEN,)
+    shape = (TALLY_LEN,)
     if not (
         isinstance(tally, torch.Tensor)
         and tally.dtype == torch.int64

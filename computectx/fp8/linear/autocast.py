@@ -38,11 +38,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from computectx.ctx import ComputeCtx
-from computectx.fp8.autograd import ACTIVATION_DTYPES, Fp8LinearPlan, fp8_linear, gemm_dtype_for
+from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
-from computectx.fp8.granular import check_granularity_widths
+from computectx.fp8.linear.function import fp8_linear
+from computectx.fp8.linear.plan import Fp8LinearPlan, gemm_dtype_for
+from computectx.fp8.numerics.layouts import check_granularity_widths
 from computectx.fp8.policy import describe, policy_of
-from computectx.fp8.scaling import Fp8ScalingState
+from computectx.fp8.state.layer import Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
 __all__ = ["fp8_autocast", "region_fp8_enabled", "region_scaling_state"]
@@ -380,7 +382,7 @@ def _suits(t: object) -> bool:
     # meta/sparse tensors keep their own linear.
     return (
         type(t) in (torch.Tensor, torch.nn.Parameter)
-        and cast(torch.Tensor, t).dtype in ACTIVATION_DTYPES
+        and cast(torch.Tensor, t).dtype in FLOAT_DTYPES
         and cast(torch.Tensor, t).layout == torch.strided
         and cast(torch.Tensor, t).device.type != "meta"
     )

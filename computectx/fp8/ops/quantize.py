@@ -1,14 +1,14 @@
 """fp8 operations behind one interface: input checks, then dispatch to a backend.
 
 Two modules split the fp8 operations: this one, ``ops``, holds the checked entry points
-users call; ``computectx.fp8.custom_ops`` registers the ``torch.library`` custom operators,
+users call; ``computectx.fp8.ops.registry`` registers the ``torch.library`` custom operators,
 the nodes ``torch.compile`` sees, which these functions call once their checks pass.
 
 Every operation takes a ``backend`` (``computectx.fp8.backend``: ``select_backend`` picks
 one for a device and says why). ``TRITON`` runs the kernels in ``computectx.kernels``,
 imported inside the function that launches them, so ``import computectx.fp8`` works without
-triton; ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.reference``; ``CUBLAS``
-runs the GEMM on ``torch._scaled_mm`` and quantizes as ``TRITON`` does on a GPU, as
+triton; ``REFERENCE`` runs the pure-torch twins in ``computectx.fp8.numerics.tensorwise``;
+``CUBLAS`` runs the GEMM on ``torch._scaled_mm`` and quantizes as ``TRITON`` does on a GPU, as
 ``REFERENCE`` elsewhere. Quantized bytes agree bit for bit between them; GEMM outputs agree
 to float32 accumulation order.
 
@@ -21,8 +21,8 @@ amax): the amax maps to ``fmt.max / 2**margin``, leaving ``2**margin`` of headro
 
 Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device, never
 Python floats, so no operation here waits for the device. The delayed-scaling ledger of one
-operand (``ledger_new``) is laid out by ``computectx.fp8.ledger``; the Triton kernel receives
-that layout's offsets from here.
+operand (``ledger_new``) is laid out by ``computectx.fp8.numerics.ledger``; the Triton kernel
+receives that layout's offsets from here.
 """
 
 from __future__ import annotations
@@ -31,21 +31,21 @@ from typing import Literal
 
 import torch
 
-from computectx.dtypes import DType, Fp8Format
-from computectx.fp8 import custom_ops, granular, granular_ops, inline, reference
+from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES, DType, Fp8Format
 from computectx.fp8.backend import Fp8Backend, check_backend, default_backend, select_backend
-from computectx.fp8.granular import Granularity, MxRounding
-from computectx.fp8.ledger import (
+from computectx.fp8.numerics import blockwise, inline, layouts, tensorwise
+from computectx.fp8.numerics.layouts import Granularity, MxRounding
+from computectx.fp8.numerics.ledger import (
     LEDGER_SHAPE,
+    TALLY_LEN,
     is_ledger,
     ledger_history_len,
     ledger_new,
 )
-from computectx.fp8.quantized import FP8_DTYPES
+from computectx.fp8.ops import block_quantize, ledger_quantize
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = [
-    "QUANTIZABLE_DTYPES",
     "Fp8Backend",
     "fp8_dequantize",
     "fp8_quantize",
@@ -55,14 +55,12 @@ __all__ = [
     "quantize_granular",
     "quantize_operand",
     "quantize_with_step",
-    "scaled_mm",
+    "scalar_arg",
     "seed_ledger",
     "select_backend",
 ]
 
-QUANTIZABLE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 """The dtypes quantize reads (and a GEMM bias may have)."""
-_OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 # ---------------------------------------------------------------------------------------
@@ -81,8 +79,8 @@ def _fmt_arg(fmt: object) -> Fp8Format:
 def _quantizable_arg(x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"expected a tensor to quantize, got {type(x).__name__}")
-    if x.dtype not in QUANTIZABLE_DTYPES:
-        accepted = ", ".join(map(str, QUANTIZABLE_DTYPES))
+    if x.dtype not in FLOAT_DTYPES:
+        accepted = ", ".join(map(str, FLOAT_DTYPES))
         raise ValueError(f"cannot quantize a {x.dtype} tensor; accepted: {accepted}")
     return x
 
@@ -92,7 +90,7 @@ def _input_arg(x: object) -> torch.Tensor:
     return data if data.is_contiguous() else data.contiguous()
 
 
-def _scalar_arg(name: str, s: object, device: torch.device) -> torch.Tensor:
+def scalar_arg(name: str, s: object, device: torch.device) -> torch.Tensor:
     if not isinstance(s, torch.Tensor):
         raise TypeError(f"{name} must be a float32 tensor of one element, got {type(s).__name__}")
     if s.dtype != torch.float32 or s.numel() != 1:
@@ -144,7 +142,7 @@ def seed_ledger(ledger: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: i
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     _ledger_args(ledger, 0, "max", data.device)
-    reference.seed_ledger(ledger, data, fmt, _margin_arg(margin))
+    tensorwise.seed_ledger(ledger, data, fmt, _margin_arg(margin))
 
 
 def quantize_with_step(
@@ -157,7 +155,7 @@ def quantize_with_step(
     """
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
-    s = _scalar_arg("step", step, data.device)
+    s = scalar_arg("step", step, data.device)
     b = check_backend(backend, data)
     q, a = torch.ops.computectx.fp8_quantize_with_step(data, s, fmt.torch, b.value)
     return q, a
@@ -174,7 +172,7 @@ def quantize_dynamic(
     data = _input_arg(x)
     fmt = _fmt_arg(fmt)
     m = _margin_arg(margin)
-    return custom_ops.quantize_dynamic_with(data, fmt, m, check_backend(backend, data))
+    return ledger_quantize.quantize_dynamic_with(data, fmt, m, check_backend(backend, data))
 
 
 def quantize_delayed(
@@ -200,64 +198,9 @@ def quantize_delayed(
     fmt = _fmt_arg(fmt)
     _ledger_args(ledger, idx, algo, data.device)
     m = _margin_arg(margin)
-    return custom_ops.quantize_delayed_at(
+    return ledger_quantize.quantize_delayed_at(
         data, fmt, ledger, idx, algo, m, check_backend(backend, data)
     )
-
-
-def scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    out_dtype: torch.dtype = torch.bfloat16,
-    *,
-    backend: Fp8Backend,
-) -> torch.Tensor:
-    """``(a * step_a) @ (b * step_b).T (+ bias)`` with float32 accumulation.
-
-    ``a`` is ``[M, K]`` and ``b`` is ``[N, K]``, each E4M3 or E5M2 (they may differ), any
-    strides (``.t()`` views work); ``bias`` is ``[N]`` (bf16/fp16/fp32) or None; the result
-    is a new ``[M, N]`` tensor of ``out_dtype`` (bf16, fp16 or fp32).
-    """
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an fp8 tensor, got {type(t).__name__}")
-        if t.dtype not in FP8_DTYPES or t.dim() != 2:
-            raise ValueError(
-                f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor; "
-                f"got dtype {t.dtype}, shape {tuple(t.shape)}"
-            )
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(
-            f"a is [M, K] and b is [N, K] with the same K; got a {tuple(a.shape)}, "
-            f"b {tuple(b.shape)}"
-        )
-    if b.device != a.device:
-        raise ValueError(f"a is on {a.device} but b is on {b.device}")
-    sa = _scalar_arg("step_a", step_a, a.device)
-    sb = _scalar_arg("step_b", step_b, a.device)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
-        if bias.dtype not in QUANTIZABLE_DTYPES or tuple(bias.shape) != (b.shape[0],):
-            raise ValueError(
-                f"bias must be a bf16/fp16/fp32 tensor of shape ({b.shape[0]},); "
-                f"got dtype {bias.dtype}, shape {tuple(bias.shape)}"
-            )
-        if bias.device != a.device:
-            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
-    if out_dtype not in _OUT_DTYPES:
-        raise ValueError(
-            f"out_dtype {out_dtype!r} is not supported; accepted: "
-            f"{', '.join(map(str, _OUT_DTYPES))}"
-        )
-    chosen = check_backend(backend, a)
-    out: torch.Tensor = torch.ops.computectx.fp8_scaled_mm(
-        a, b, sa, sb, bias, out_dtype, chosen.value
-    )
-    return out
 
 
 def quantize_operand(
@@ -271,14 +214,14 @@ def quantize_operand(
     may_seed: bool = True,
     impl: inline.QuantizeImpl = "op",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize one operand through its ledger and tally (``computectx.fp8.custom_ops``'s
+    """Quantize one operand through its ledger and tally (``computectx.fp8.ops.registry``'s
     ``fp8_quantize_delayed`` / ``fp8_quantize_dynamic``): returns ``(data_fp8, step)``.
 
     Delayed: the step is the ledger's (seeded from ``amax(x)`` on the operand's first call);
     dynamic: the step is ``x``'s own. Both record into the ledger and count ``x`` in the tally.
     ``may_seed=False`` promises a seeded ledger (eager callers that know it, to skip a pass).
     ``impl="inline"`` computes the same bytes with plain torch ops
-    (``computectx.fp8.inline``) instead of the operator, so Inductor can fuse them; it
+    (``computectx.fp8.numerics.inline``) instead of the operator, so Inductor can fuse them; it
     always checks the seeded flag (``may_seed`` is ignored) and runs on any backend.
     """
     data = _input_arg(x)
@@ -288,7 +231,7 @@ def quantize_operand(
     if (
         not isinstance(tally, torch.Tensor)
         or tally.dtype != torch.int64
-        or tuple(tally.shape) != (custom_ops.TALLY_LEN,)
+        or tuple(tally.shape) != (TALLY_LEN,)
         or tally.device != data.device
     ):
         got = (
@@ -297,8 +240,8 @@ def quantize_operand(
             else type(tally).__name__
         )
         raise ValueError(
-            f"tally must be an int64 tensor of shape ({custom_ops.TALLY_LEN},) on {data.device} "
-            f"(custom_ops.tally_new); got {got}"
+            f"tally must be an int64 tensor of shape ({TALLY_LEN},) on {data.device} "
+            f"(computectx.fp8.numerics.ledger.tally_new); got {got}"
         )
     b = check_backend(backend, data)
     m = _margin_arg(scaling.margin)
@@ -334,7 +277,7 @@ def _scale_arg(scale: object, device: torch.device) -> torch.Tensor:
         # A fill on the device, not torch.tensor(..., device=...): no blocking host copy.
         return torch.full((1,), value, dtype=torch.float32, device=device)
     if isinstance(scale, torch.Tensor):
-        return _scalar_arg("scale", scale, device)
+        return scalar_arg("scale", scale, device)
     raise TypeError(
         f"scale must be a positive float, a float32 tensor of one element or None, "
         f"got {type(scale).__name__}"
@@ -369,7 +312,7 @@ def fp8_quantize(
     shape, float32; ``float8_e8m0fnu`` for ``"mx"``), measured or given. ``power_of_two``
     rounds measured steps up to powers of two (default: on for ``"row"`` only);
     ``mx_rounding`` picks the MX exponent rule (``"rceil"``, the default, or ``"floor"``).
-    See ``computectx.fp8.granular`` and docs/fp8.md, "Fine-grained scaling".
+    See ``computectx.fp8.numerics.blockwise`` and docs/fp8.md, "Fine-grained scaling".
     """
     data = _quantizable_arg(x)
     return quantize_granular(
@@ -402,8 +345,8 @@ def quantize_granular(
     """
     data = _quantizable_arg(x)
     f = _fmt_arg(fmt)
-    g = granular_ops.granularity_arg(granularity)
-    rule = granular_ops.step_rule(g, power_of_two, mx_rounding, given=scale is not None)
+    g = layouts.granularity_arg(granularity)
+    rule = block_quantize.step_rule(g, power_of_two, mx_rounding, given=scale is not None)
     if not isinstance(columnwise, bool):
         raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
     if columnwise:
@@ -414,12 +357,12 @@ def quantize_granular(
         data = data.t()
     b = check_backend(backend, data)
     if g != "tensor":
-        return granular_ops.quantize(data, f, g, rule, scale, backend=b)
+        return block_quantize.quantize_blocks(data, f, g, rule, scale, backend=b)
     data = data.contiguous()
     if scale is not None:
         step = _scale_arg(scale, data.device)
     elif rule == "pow2":
-        step = granular.power_of_two_steps(reference.step_from_amax(reference.amax(data), f, 0))
+        step = blockwise.power_of_two_steps(tensorwise.step_from_amax(tensorwise.amax(data), f, 0))
     else:
         q, step, _ = quantize_dynamic(data, f, 0, backend=b)
         return q, step
@@ -444,8 +387,8 @@ def fp8_dequantize(
             f"data must be float8_e4m3fn or float8_e5m2 (from fp8_quantize), got {data.dtype}"
         )
     target = DType.parse(dtype).torch
-    if granular_ops.is_block_scale(scale):
-        return granular_ops.dequantize(data, scale, target)
+    if block_quantize.is_block_scale(scale):
+        return block_quantize.dequantize_blocks(data, scale, target)
     out: torch.Tensor = torch.ops.computectx.fp8_dequantize(
         data, _scale_arg(scale, data.device), target
     )

@@ -29,11 +29,11 @@ import torch
 from torch.utils._pytree import tree_map
 from typing_extensions import Self
 
-from computectx.fp8 import granular, reference
+from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
+from computectx.fp8.numerics import blockwise, layouts, tensorwise
 
-__all__ = ["FP8_DTYPES", "Fp8BlockWeight", "Fp8Weight"]
+__all__ = ["Fp8BlockWeight", "Fp8Weight"]
 
-FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 """The fp8 storage dtypes an ``Fp8Weight`` holds."""
 
 _aten = torch.ops.aten
@@ -67,7 +67,7 @@ class _CodesWeight(torch.Tensor):
     @classmethod
     def _wrap(cls, data: torch.Tensor, dtype: torch.dtype) -> Self:
         # The weight's metadata over checked codes; the caller sets its steps' attribute.
-        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        if dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"{cls.__name__} stands for a float32, bfloat16 or float16 weight, got {dtype}"
             )
@@ -166,7 +166,7 @@ class Fp8Weight(_CodesWeight):
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``data * step`` as a plain tensor of ``dtype`` (default: the nominal dtype)."""
-        return reference.dequantize(self._fp8_data, self._fp8_step, dtype or self.dtype)
+        return tensorwise.dequantize(self._fp8_data, self._fp8_step, dtype or self.dtype)
 
     def _alias(self, data: torch.Tensor) -> Fp8Weight:
         # One step serves the codes in any shape.
@@ -203,7 +203,7 @@ class Fp8BlockWeight(_CodesWeight):
             raise TypeError(
                 f"Fp8BlockWeight data must be a 2-D float8_e4m3fn/e5m2 tensor, got {what}"
             )
-        grid = granular.layout_of("128x128", data.shape).grid
+        grid = layouts.layout_of("128x128", data.shape).grid
         if (
             not isinstance(scale, torch.Tensor)
             or scale.dtype != torch.float32
@@ -227,8 +227,8 @@ class Fp8BlockWeight(_CodesWeight):
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Each code times its block's step, as a plain tensor of ``dtype`` (default: the
         nominal dtype)."""
-        layout = granular.layout_of("128x128", self._fp8_data.shape)
-        return granular.dequantize(self._fp8_data, self._fp8_scale, layout, dtype or self.dtype)
+        layout = layouts.layout_of("128x128", self._fp8_data.shape)
+        return blockwise.dequantize(self._fp8_data, self._fp8_scale, layout, dtype or self.dtype)
 
     def _alias(self, data: torch.Tensor) -> Fp8BlockWeight | None:
         if data.shape == self._fp8_data.shape:  # the blocks stay where they were

@@ -38,7 +38,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _python_dispatch
 
-from computectx.fp8.scaling import AmaxReduce, Fp8ScalingState
+from computectx.fp8.state.layer import Fp8ScalingState
+from computectx.fp8.state.operand import AmaxReduce
 
 __all__ = [
     "CheckpointSite",
@@ -379,7 +380,7 @@ def fp8_checkpoint_context_fn(
 SAVE_FP8: Callable[[], tuple[Any, Any]] = fp8_checkpoint_context_fn()
 """``fp8_checkpoint_context_fn()``, made once: what an fp8 call inside a compiled checkpointed
 region without it wraps itself in (``delayed_quantize_in_compiled_checkpoint`` tells it so,
-``computectx.fp8.autograd`` does it)."""
+``computectx.fp8.linear.function`` does it)."""
 
 CompiledRegion = Literal["none", "saved", "unsaved"]
 
@@ -444,7 +445,7 @@ _FOREIGN_ERROR = (
     "whose context_fn is not computectx's: AOTAutograd would recompute its quantize from the "
     "amax history the forward already advanced (pytorch/pytorch#197039), silently giving "
     "other gradients. Pass context_fn=fp8_checkpoint_context_fn(your_policy) "
-    "(computectx.fp8.recompute), which saves the delayed quantize and leaves every other op "
+    "(computectx.fp8.linear.recompute), which saves the delayed quantize and leaves every other op "
     "to your policy"
 )
 _INLINE_ERROR = (

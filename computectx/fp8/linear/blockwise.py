@@ -1,10 +1,10 @@
 """The fine-grained fp8 linear (policy granularity ``row``, ``block`` or ``mx``).
 
 Scaling is dynamic and per block: every GEMM operand is quantized from the current amax of
-each of its blocks, with no history (``granular.StepRule``: ``"pow2"`` or ``"amax"`` as
+each of its blocks, with no history (``numerics.layouts.StepRule``: ``"pow2"`` or ``"amax"`` as
 ``policy.power_of_two`` says for ``row`` and ``block``; ``"mx_rceil"`` or ``"mx_floor"``
 as ``policy.mx_rounding`` says for ``mx``). Each operand below is ``(rows, contraction)``
-as ``block_gemm.block_scaled_mm`` takes it; its blocks run along the contraction:
+as ``ops.gemm.block_scaled_mm`` takes it; its blocks run along the contraction:
 
 =========================  ======================  ======================  ==================
 GEMM (contraction)         ``row``                 ``block``               ``mx``
@@ -22,13 +22,13 @@ rule); the forward therefore keeps ``X`` (and ``W`` for ``row`` and ``mx``) in h
 precision for the backward. A 128x128 block is square: ``Wᵀ`` for the dgrad is the
 forward's weight codes and scales transposed as they are (``wq.t()``, ``sw.t()``), no second
 quantize, so ``block`` keeps the weight's fp8 codes, not the weight. A ``block`` weight that arrives
-quantized (``quantized.Fp8BlockWeight``, FSDP2's fp8 all-gather) is those codes and scales:
+quantized (``linear.weights.Fp8BlockWeight``, FSDP2's fp8 all-gather) is those codes and scales:
 the forward and the dgrad use them as they are. With ``gw_hp``
 (``row`` only, torchao's ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
 high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
 dY and dYᵀ in its backward format, Xᵀ in the forward format.
 
-Every GEMM is ``block_gemm.block_scaled_mm`` on ``plan.backend`` (its semantics and a-priori
+Every GEMM is ``ops.gemm.block_scaled_mm`` on ``plan.backend`` (its semantics and a-priori
 bound are that module's: each K block's float32 partial sum promoted with its scales; one
 scaling of the whole float32 sum for ``row``), with the bias in the forward's epilogue; the
 forward and dgrad write the GEMM dtype, the wgrad float32 until it reaches the weight's
@@ -49,7 +49,7 @@ amax (the largest block amax; a non-finite one is counted as per tensor) and its
 block step, and its tally the elements: ``X`` in ``input``, ``W`` in ``weight``, and in
 ``grad`` the first quantize of ``dY`` in the backward (the dgrad's, or the wgrad's ``dYᵀ``
 when there is no dgrad; nothing under ``gw_hp`` without a dgrad). The ledger's saturated
-count adds the elements that recorded quantize saturated (``granular.saturated_count``:
+count adds the elements that recorded quantize saturated (``numerics.blockwise.saturated_count``:
 ``|x / step|`` past the rounding midpoint above ``fmt.max``): never under ``amax``, ``pow2``
 and ``rceil`` steps, which come from the block's own amax; under ``mx+floor`` the largest
 elements of a block may. A weight that arrives as ``Fp8BlockWeight`` was quantized with a
@@ -59,52 +59,36 @@ again to the same bytes (every step comes from the operand itself) and records n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
-from torch.library import custom_op
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import custom_ops, granular, granular_ops, reference
-from computectx.fp8.backend import parse_backend
-from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
-from computectx.fp8.granular import E8M0, MX_BLOCK, StepRule
-from computectx.fp8.ledger import ledger_saturated
-from computectx.fp8.quantized import Fp8BlockWeight, Fp8Weight
-from computectx.fp8.recompute import checkpoint_site
-from computectx.fp8.scaling import OperandScaling
-from computectx.recipes import Fp8Policy, PolicyGranularity
+from computectx.fp8.linear.recompute import checkpoint_site
+from computectx.fp8.linear.weights import Fp8BlockWeight, Fp8Weight
+from computectx.fp8.numerics import tensorwise
+from computectx.fp8.numerics.layouts import (
+    MX_BLOCK,
+    OPERAND_GRANULARITY,
+    BlockGranularity,
+    step_rule_of,
+)
+from computectx.fp8.numerics.ledger import count, ledger_saturated
+from computectx.fp8.ops.gemm import block_scaled_mm
+from computectx.fp8.ops.registry import Quantized
+from computectx.fp8.state.operand import OperandScaling
 
 if TYPE_CHECKING:
-    from computectx.fp8.autograd import Fp8LinearPlan
+    from computectx.fp8.linear.plan import Fp8LinearPlan
 
-__all__ = ["OPERAND_GRANULARITY", "granular_linear", "step_rule_of"]
-
-OPERAND_GRANULARITY: dict[PolicyGranularity, tuple[GemmGranularity, GemmGranularity]] = {
-    "row": ("row", "row"),
-    "block": ("1x128", "128x128"),
-    "mx": ("mx", "mx"),
-}
-"""A policy granularity's blocks: ``(activation, weight)``. Activations, output gradients
-and every transposed operand take the first; the forward's weight the second."""
-
-
-def step_rule_of(policy: Fp8Policy) -> StepRule:
-    """How ``policy``'s blocks turn their amax into a step (``granular.StepRule``)."""
-    if policy.granularity == "mx":
-        return "mx_floor" if policy.mx_rounding == "floor" else "mx_rceil"
-    return "pow2" if policy.power_of_two else "amax"
-
-
-Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-"""``(codes, scale, largest step, saturated count)``: what the block quantize operator returns."""
+__all__ = ["blockwise_linear"]
 
 
 def _quantize(
     x: torch.Tensor,
     fmt: Fp8Format,
-    granularity: GemmGranularity,
+    granularity: BlockGranularity,
     plan: Fp8LinearPlan,
     count_saturated: bool = False,
 ) -> Quantized:
@@ -121,89 +105,14 @@ def _quantize(
     return out
 
 
-@custom_op("computectx::fp8_quantize_blocks", mutates_args=())
-def _quantize_blocks(
-    x: torch.Tensor,
-    fp8: torch.dtype,
-    granularity: str,
-    rule: str,
-    backend: str,
-    count_saturated: bool,
-) -> Quantized:
-    """The linear's block quantize as one operator: ``granular_ops.quantize`` (the Triton
-    kernel or the twin), the largest block step, float32 ``(1,)``, and, when
-    ``count_saturated``, how many elements saturated (``granular.saturated_count``, float32
-    ``(1,)``; 0 otherwise).
-
-    Opaque to ``torch.compile``, as the per-tensor quantizes are: Inductor's CPU code
-    generator has no ``float8_e8m0fnu``, so an mx scale must come out of an operator, and
-    the only reader of it in the graph is ``block_scaled_mm``'s operator; the ledgers read
-    the largest step and the count as float32.
-    """
-    fmt = Fp8Format.parse(fp8)
-    g = cast(GemmGranularity, granularity)
-    q, s = granular_ops.quantize(
-        x, fmt, g, cast(StepRule, rule), None, backend=parse_backend(backend)
-    )
-    if count_saturated:
-        layout = granular.layout_of(g, x.shape)
-        saturated = granular.saturated_count(x, fmt, s, layout)
-    else:
-        saturated = torch.zeros(1, dtype=torch.float32, device=x.device)
-    return q, s, granular.steps_of_scale(s).amax().reshape(1), saturated
-
-
-@_quantize_blocks.register_fake
-def _quantize_blocks_fake(
-    x: torch.Tensor,
-    fp8: torch.dtype,
-    granularity: str,
-    rule: str,
-    backend: str,
-    count_saturated: bool,
-) -> Quantized:
-    rows, k = x.shape  # 2-D here; granular.layout_of's scale shape, symbolically
-    grid = granular.scale_grid(cast(GemmGranularity, granularity), rows, k)
-    dtype = E8M0 if granularity == "mx" else torch.float32
-    scale = x.new_empty(grid, dtype=dtype)
-    one = x.new_empty(1, dtype=torch.float32)
-    return x.new_empty(x.shape, dtype=fp8), scale, one, torch.empty_like(one)
-
-
-@custom_op("computectx::wgrad_float32", mutates_args=())
-def _wgrad_float32(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``gw_hp``'s weight gradient ``dYᵀ X`` as an IEEE float32 matmul, whatever the process's
-    TF32 setting: TF32 would round float32 activations to 10 significant bits, below the
-    high precision the option promises (bf16 and fp16 values are exact in TF32 either way).
-
-    cuBLAS reads the setting when the matmul is launched, and torch offers no per-call
-    argument for it, so the operator sets ``torch.backends.cuda.matmul.fp32_precision`` to
-    ``"ieee"`` around that one call and restores it: nothing leaks, but a float32 matmul
-    another thread launches in that window also runs IEEE. An operator, so that
-    ``torch.compile`` neither traces the setting (a graph break) nor drops it.
-    """
-    matmul = torch.backends.cuda.matmul
-    before = matmul.fp32_precision
-    matmul.fp32_precision = "ieee"
-    try:
-        return torch.mm(dy.to(torch.float32).t(), x.to(torch.float32))
-    finally:
-        matmul.fp32_precision = before
-
-
-@_wgrad_float32.register_fake
-def _wgrad_float32_fake(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    return dy.new_empty((dy.shape[1], x.shape[1]), dtype=torch.float32)
-
-
 def _record(
     operand: OperandScaling, x: torch.Tensor, largest_step: torch.Tensor, saturated: torch.Tensor
 ) -> None:
     # Statistics only: the tensor's amax (NaN propagates and is counted), the largest block
     # step, the saturated elements, and x's elements in the tally.
-    operand.record(reference.amax(x), largest_step)
+    operand.record(tensorwise.amax(x), largest_step)
     ledger_saturated(operand.ledger).add_(saturated)
-    custom_ops.count(operand.tally, x)
+    count(operand.tally, x)
 
 
 class _GranularLinearFunction(torch.autograd.Function):
@@ -266,7 +175,7 @@ class _GranularLinearFunction(torch.autograd.Function):
             if record:
                 _record(plan.state.grad, dy, g_step, g_sat)
                 record = False
-            g_wt: GemmGranularity = g_w
+            g_wt: BlockGranularity = g_w
             if g_w == "128x128":
                 wq, sw = w_saved
                 wtq, swt = wq.t(), sw.t()
@@ -295,7 +204,7 @@ class _GranularLinearFunction(torch.autograd.Function):
         return dx, dw, db, None, None
 
 
-def granular_linear(
+def blockwise_linear(
     x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
 ) -> torch.Tensor:
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or

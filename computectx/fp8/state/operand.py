@@ -2,7 +2,7 @@
 
 ``OperandScaling`` reads its two tensors from a *store* on every access (an ``Fp8Linear``'s
 buffers, or a standalone dict), so a tensor replaced from outside is what it uses next.
-``Fp8ScalingState`` (``computectx.fp8.scaling``) holds one per operand role. ``AmaxReduce``
+``Fp8ScalingState`` (``computectx.fp8.state.layer``) holds one per operand role. ``AmaxReduce``
 is the seam a data-parallel layer fills (``computectx.distributed``): it turns a call's own
 amax into its group's.
 """
@@ -15,18 +15,27 @@ from typing import Protocol
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import custom_ops, ops, reference
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.inline import QuantizeImpl
-from computectx.fp8.ledger import (
+from computectx.fp8.numerics import tensorwise
+from computectx.fp8.numerics.inline import QuantizeImpl
+from computectx.fp8.numerics.ledger import (
+    TALLY_ELEMENTS,
+    TALLY_SEEDED,
+    count,
     ledger_history,
     ledger_history_len,
     ledger_new,
     ledger_step,
+    record,
+    tally_new,
 )
-from computectx.fp8.saved_state import (
-    resize_ledger,
+from computectx.fp8.ops.quantize import (
+    quantize_dynamic,
+    quantize_operand,
+    quantize_with_step,
+    seed_ledger,
 )
+from computectx.fp8.state.saved import resize_ledger
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = ["AmaxReduce", "OperandScaling", "Store", "held_tensor", "replicated_value"]
@@ -97,7 +106,7 @@ def replicated_value(t: torch.Tensor | None, what: str) -> torch.Tensor | None:
 class OperandScaling:
     """One operand's ledger plus its tally (both device tensors).
 
-    ``ledger`` is laid out by ``computectx.fp8.ledger``, its history oldest to newest: the
+    ``ledger`` is laid out by ``computectx.fp8.numerics.ledger``, its history oldest to newest: the
     newest amax sits in the last slot (``newest_amax_index``). ``tally`` is int64
     ``[seeded, elements]``. ``seeded`` (whether the first call has filled the history) and
     ``elements`` (quantized elements, for saturated fractions) read it on the host, one
@@ -124,11 +133,11 @@ class OperandScaling:
         self._tally_key = f"{prefix}tally"
         self._seeded_for: torch.Tensor | None = None
         self.ledger = ledger_new(history_len, device)
-        self.tally = custom_ops.tally_new(self.ledger.device)
+        self.tally = tally_new(self.ledger.device)
 
     @property
     def ledger(self) -> torch.Tensor:
-        """The float32 ledger (``computectx.fp8.ledger``'s layout)."""
+        """The float32 ledger (``computectx.fp8.numerics.ledger``'s layout)."""
         return held_tensor(self._store, self._ledger_key)
 
     @ledger.setter
@@ -169,26 +178,26 @@ class OperandScaling:
     @property
     def seeded(self) -> bool:
         """Whether the first call has run (one device read)."""
-        return bool(self.tally[custom_ops.TALLY_SEEDED].item())
+        return bool(self.tally[TALLY_SEEDED].item())
 
     @seeded.setter
     def seeded(self, value: bool) -> None:
-        self.tally[custom_ops.TALLY_SEEDED].fill_(int(bool(value)))
+        self.tally[TALLY_SEEDED].fill_(int(bool(value)))
         self._seeded_hint = bool(value)
 
     @property
     def elements(self) -> int:
         """Elements quantized through this operand (one device read)."""
-        return int(self.tally[custom_ops.TALLY_ELEMENTS].item())
+        return int(self.tally[TALLY_ELEMENTS].item())
 
     @elements.setter
     def elements(self, value: int) -> None:
-        self.tally[custom_ops.TALLY_ELEMENTS].fill_(int(value))
+        self.tally[TALLY_ELEMENTS].fill_(int(value))
 
     @property
     def elements_tensor(self) -> torch.Tensor:
         """The element count as an int64 device view of shape ``(1,)`` (no host read)."""
-        return self.tally[custom_ops.TALLY_ELEMENTS : custom_ops.TALLY_ELEMENTS + 1]
+        return self.tally[TALLY_ELEMENTS : TALLY_ELEMENTS + 1]
 
     def quantize(
         self,
@@ -206,7 +215,7 @@ class OperandScaling:
         step comes from ``amax(x)``; the ledger records that amax (when finite), the step, and
         counts a non-finite amax. One ``computectx::fp8_quantize_*`` operator either way,
         except while ``torch.compile`` traces with ``quantize="inline"``: then the same
-        computation as plain torch ops (``computectx.fp8.inline``), for Inductor to fuse.
+        computation as plain torch ops (``computectx.fp8.numerics.inline``), for Inductor to fuse.
         Eager calls run the operator whatever ``quantize`` says (same bytes).
 
         ``reduce`` turns an amax into its data-parallel group's
@@ -224,10 +233,10 @@ class OperandScaling:
                 # already (its flag lives on the device), and re-seeding would both
                 # overwrite the history and issue a collective no other rank issues.
                 if not self.seeded:
-                    ops.seed_ledger(self.ledger, reduce(reference.amax(x)), fmt, scaling.margin)
+                    seed_ledger(self.ledger, reduce(tensorwise.amax(x)), fmt, scaling.margin)
                 self.seeded = True
         may_seed = compiling or not self._seeded_hint
-        data, step = ops.quantize_operand(
+        data, step = quantize_operand(
             x,
             fmt,
             self.ledger,
@@ -252,11 +261,11 @@ class OperandScaling:
         # Dynamic scaling with the group's amax: amax pass, reduction, cast with that step.
         # What the dynamic operator records (amax, step, a non-finite count, the elements)
         # is recorded here from the group's amax, so every rank's ledger is the same.
-        whole = reduce(reference.amax(x))
-        step = reference.step_from_amax(whole, fmt, scaling.margin)
-        data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
-        custom_ops.record(self.ledger, whole, step)
-        custom_ops.count(self.tally, x)
+        whole = reduce(tensorwise.amax(x))
+        step = tensorwise.step_from_amax(whole, fmt, scaling.margin)
+        data, _ = quantize_with_step(x, fmt, step, backend=backend)
+        record(self.ledger, whole, step)
+        count(self.tally, x)
         if not torch.compiler.is_compiling():  # a host flag: never written in a trace
             self._seeded_hint = True
         return data, step
@@ -282,20 +291,20 @@ class OperandScaling:
         """
         if isinstance(scaling, DynamicScaling):
             return self._quantize_reduced(x, fmt, scaling, backend, reduce)
-        whole = reduce(reference.amax(x)).to(torch.float32).reshape(1)
+        whole = reduce(tensorwise.amax(x)).to(torch.float32).reshape(1)
         ledger, tally = self.ledger, self.tally
         history = ledger_history(ledger)
-        unseeded = tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] == 0
+        unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
         with torch.no_grad():
-            reference.seed_ledger(ledger, whole, fmt, scaling.margin, when=unseeded)
+            tensorwise.seed_ledger(ledger, whole, fmt, scaling.margin, when=unseeded)
             if history.numel() > 1:
                 history.copy_(torch.roll(history, -1))
             step_used = ledger_step(ledger).clone()
-            data, _ = ops.quantize_with_step(x, fmt, step_used, backend=backend)
-            sat = reference.saturated_count(x, step_used, fmt)
+            data, _ = quantize_with_step(x, fmt, step_used, backend=backend)
+            sat = tensorwise.saturated_count(x, step_used, fmt)
             last = history.numel() - 1
-            reference.advance_ledger(ledger, last, whole, sat, fmt, scaling.algo, scaling.margin)
-            custom_ops.count(tally, x)
+            tensorwise.advance_ledger(ledger, last, whole, sat, fmt, scaling.algo, scaling.margin)
+            count(tally, x)
         if not torch.compiler.is_compiling():
             self._seeded_hint = True
         return data, step_used
@@ -320,18 +329,20 @@ class OperandScaling:
         """
         if isinstance(scaling, DynamicScaling):
             if reduce is None:
-                data, step, _ = ops.quantize_dynamic(x, fmt, scaling.margin, backend=backend)
+                data, step, _ = quantize_dynamic(x, fmt, scaling.margin, backend=backend)
                 return data, step
-            step = reference.step_from_amax(reduce(reference.amax(x)), fmt, scaling.margin)
+            step = tensorwise.step_from_amax(reduce(tensorwise.amax(x)), fmt, scaling.margin)
         elif not torch.compiler.is_compiling() and self._seeded_hint:
             step = ledger_step(self.ledger).clone()
         else:
-            own = reference.amax(x) if reduce is None else reduce(reference.amax(x))
-            seeded = self.tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] != 0
+            own = tensorwise.amax(x) if reduce is None else reduce(tensorwise.amax(x))
+            seeded = self.tally[TALLY_SEEDED : TALLY_SEEDED + 1] != 0
             step = torch.where(
-                seeded, ledger_step(self.ledger), reference.step_from_amax(own, fmt, scaling.margin)
+                seeded,
+                ledger_step(self.ledger),
+                tensorwise.step_from_amax(own, fmt, scaling.margin),
             )
-        data, _ = ops.quantize_with_step(x, fmt, step, backend=backend)
+        data, _ = quantize_with_step(x, fmt, step, backend=backend)
         return data, step
 
     def record(self, amax: torch.Tensor, step: torch.Tensor) -> None:
@@ -339,8 +350,8 @@ class OperandScaling:
 
         A non-finite amax is counted and leaves the recorded amax as it was.
         """
-        custom_ops.record(self.ledger, amax, step)
-        self.tally[custom_ops.TALLY_SEEDED].fill_(1)
+        record(self.ledger, amax, step)
+        self.tally[TALLY_SEEDED].fill_(1)
         if not torch.compiler.is_compiling():  # a host flag: never written in a trace
             self._seeded_hint = True
 

@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax, RankLocal
-from computectx.distributed.fsdp import WeightGatheredAsFp8, sharded_weight_of
+from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
 from computectx.distributed.group import (
     GroupArg,
     check_same_model,
@@ -68,8 +68,7 @@ from computectx.distributed.ledger_merge import (
     rescale_grad_ledger,
 )
 from computectx.fp8 import Fp8Linear
-from computectx.fp8.custom_ops import TALLY_ELEMENTS
-from computectx.fp8.scaling import ROLES, OperandScaling, Role
+from computectx.fp8.seam import ROLES, TALLY_ELEMENTS, OperandScaling, Role
 
 __all__ = [
     "CurrentAmax",

@@ -26,11 +26,15 @@ the Triton kernel as constexpr arguments (the kernels import nothing from comput
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from typing_extensions import TypeIs
 
 from computectx.ctx import parse_device
+
+if TYPE_CHECKING:
+    pass
 
 __all__ = [
     "LEDGER_NONFINITE",
@@ -38,7 +42,11 @@ __all__ = [
     "LEDGER_SHAPE",
     "LEDGER_STEP",
     "LEDGER_TAIL",
+    "TALLY_ELEMENTS",
+    "TALLY_LEN",
+    "TALLY_SEEDED",
     "LedgerValues",
+    "count",
     "is_ledger",
     "ledger_from_parts",
     "ledger_history",
@@ -51,6 +59,8 @@ __all__ = [
     "ledger_tail",
     "ledger_with_history",
     "read_ledger",
+    "record",
+    "tally_new",
 ]
 
 LEDGER_STEP = 0
@@ -174,3 +184,41 @@ def read_ledger(ledger: torch.Tensor) -> LedgerValues:
         nonfinite=values[n + LEDGER_NONFINITE],
         saturated=values[n + LEDGER_SATURATED],
     )
+
+
+TALLY_SEEDED = 0
+"""Tally slot: 1 once the operand's first call has run (its ledger was seeded), else 0."""
+
+
+TALLY_ELEMENTS = 1
+"""Tally slot: elements quantized through the operand so far."""
+
+
+TALLY_LEN = 2
+
+
+def tally_new(device: torch.device) -> torch.Tensor:
+    """A fresh tally on ``device``: not seeded, no elements (int64 ``[seeded, elements]``).
+
+    Never an inference tensor (it is updated in place, as the ledger is).
+    """
+    with torch.inference_mode(False):
+        return torch.zeros(TALLY_LEN, dtype=torch.int64, device=device)
+
+
+def count(tally: torch.Tensor, x: torch.Tensor) -> None:
+    """Mark the tally seeded and add ``x``'s elements: a fill and an add on the device, no
+    host read."""
+    tally[TALLY_SEEDED : TALLY_SEEDED + 1].fill_(1)
+    tally[TALLY_ELEMENTS : TALLY_ELEMENTS + 1].add_(x.numel())
+
+
+def record(ledger: torch.Tensor, amax: torch.Tensor, step: torch.Tensor) -> None:
+    """Write an amax (into the newest history slot) and the step used with it; a
+    non-finite amax is counted and leaves the recorded amax as it was. Device ops only."""
+    a = amax.reshape(1).to(device=ledger.device, dtype=torch.float32)
+    finite = torch.isfinite(a)
+    slot = ledger_slot(ledger, ledger_history_len(ledger) - 1)
+    slot.copy_(torch.where(finite, a, slot))
+    ledger_step(ledger).copy_(step.reshape(1))
+    ledger_nonfinite(ledger).add_((~finite).to(torch.float32))

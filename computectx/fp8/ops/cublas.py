@@ -1,9 +1,10 @@
-"""The Triton and cuBLAS paths of ``block_scaled_mm``, and which cuBLAS recipes run here.
+"""The cuBLAS GEMMs (``torch._scaled_mm``, ``F.scaled_mm``) under CUDA's rules, and which
+cuBLAS recipes run here.
 
-``computectx::fp8_block_scaled_mm`` (``computectx.fp8.block_gemm``) calls ``run`` for the
-``TRITON`` and ``CUBLAS`` backends, on checked arguments.
-
-``TRITON`` runs ``computectx.kernels.scaled_mm_blocks`` (imported on first use).
+``tensorwise_scaled_mm`` is the per-tensor GEMM of ``computectx::fp8_scaled_mm`` on the
+``CUBLAS`` backend. ``computectx::fp8_block_scaled_mm`` (``computectx.fp8.ops.registry``)
+calls ``run`` for the ``TRITON`` and ``CUBLAS`` backends, on checked arguments; ``TRITON``
+runs ``computectx.kernels.scaled_mm_blocks`` through ``computectx.fp8.ops.triton``.
 
 ``CUBLAS`` runs, per pair of granularities:
 
@@ -21,7 +22,7 @@ mx x mx             ``torch.nn.functional.scaled_mm``,              sm_100 (E4M3
                     swizzled (``SwizzleType.SWIZZLE_32_4_4``)
 ==================  ==============================================  =======================
 
-CUDA's rules are kept as the per-tensor path keeps them (``custom_ops.CUBLAS_MULTIPLE``): the
+CUDA's rules are kept as the per-tensor path keeps them (``CUBLAS_MULTIPLE``): the
 operands are row-major with 16-byte aligned rows, K and N zero-padded to multiples of 16 (K to
 a multiple of 128 for the block recipes, whose scales cover whole 128-wide K blocks, and the
 rows of a ``128x128`` operand to a multiple of 128: torch's check of those recipes, its meta
@@ -38,7 +39,8 @@ accepts E4M3 only there) take the fallback.
 operand formats and result dtype; ``cublas_recipes`` reports E4M3 with a bf16 result): the
 ``CUBLAS`` backend computes that pair with the Triton kernel when the device is a GPU where
 triton imports (as the ``CUBLAS`` backend quantizes with the kernels there), and with the
-twin (``block_gemm.reference_scaled_mm``) otherwise, on the same device; it never raises for
+twin (``numerics.blockwise_gemm.reference_scaled_mm``) otherwise, on the same device; it
+never raises for
 a valid call. So on the CPU, ``row x row`` runs on ``torch._scaled_mm``'s CPU kernel and the
 block pairs run on the twin. ``computectx info`` lists the probe's results.
 """
@@ -50,20 +52,25 @@ from typing import Final
 
 import torch
 
-from computectx.fp8 import block_gemm, granular
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.block_gemm import GemmGranularity
-from computectx.fp8.custom_ops import (
-    CUBLAS_MULTIPLE,
-    cublas_bias,
-    cublas_gemm_dtype,
-    cublas_operand,
-    cublas_result,
-    round_up,
-    uses_kernels,
-)
+from computectx.fp8.numerics import blockwise_gemm, layouts, tensorwise
+from computectx.fp8.numerics.layouts import BlockGranularity
+from computectx.fp8.ops import triton
 
-__all__ = ["RECIPES", "cublas_recipes", "cublas_scales", "recipe_of", "run"]
+__all__ = [
+    "CUBLAS_MULTIPLE",
+    "RECIPES",
+    "cublas_bias",
+    "cublas_gemm_dtype",
+    "cublas_operand",
+    "cublas_recipes",
+    "cublas_result",
+    "cublas_scales",
+    "recipe_of",
+    "round_up",
+    "run",
+    "tensorwise_scaled_mm",
+]
 
 RECIPES: Final[tuple[str, ...]] = ("row", "1x128x128x128", "1x128x1x128", "mx")
 """The cuBLAS recipes, by name: ``row x row``; ``1x128 x 128x128`` (either order);
@@ -71,7 +78,7 @@ RECIPES: Final[tuple[str, ...]] = ("row", "1x128x128x128", "1x128x1x128", "mx")
 _BLOCK_K: Final = 128  # K padding of the block and MX recipes
 
 
-def recipe_of(ga: GemmGranularity, gb: GemmGranularity) -> str:
+def recipe_of(ga: BlockGranularity, gb: BlockGranularity) -> str:
     """The name in ``RECIPES`` of the cuBLAS recipe that serves the pair."""
     if ga == "row":
         return "row"
@@ -98,11 +105,11 @@ def _swizzled(scale: torch.Tensor, rows: int, kblocks: int) -> torch.Tensor:
     padded = torch.full((r128, c4), 127, dtype=torch.uint8, device=scale.device)
     padded[: scale.shape[0], : scale.shape[1]].copy_(scale.view(torch.uint8))
     tiles = padded.view(r128 // 128, 4, 32, c4 // 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.contiguous().flatten().view(granular.E8M0)
+    return tiles.contiguous().flatten().view(layouts.E8M0)
 
 
 def cublas_scales(
-    scale: torch.Tensor, granularity: GemmGranularity, rows: int, k: int, *, operand: str
+    scale: torch.Tensor, granularity: BlockGranularity, rows: int, k: int, *, operand: str
 ) -> torch.Tensor:
     """An operand's scale in the layout torch's CUDA ``scaled_mm`` wants, for an operand
     padded to ``rows`` rows and ``k`` columns (``operand`` is ``"a"`` or ``"b"``, which is
@@ -118,11 +125,11 @@ def cublas_scales(
         s = _pad_rows(scale.reshape(-1, 1), rows, 1, 1.0)
         return s if operand == "a" else s.reshape(1, rows)
     if granularity == "mx":
-        return _swizzled(scale, rows, -(-k // granular.MX_BLOCK))
-    kb = -(-k // granular.TILE)
+        return _swizzled(scale, rows, -(-k // layouts.MX_BLOCK))
+    kb = -(-k // layouts.TILE)
     if granularity == "1x128":
         return _pad_rows(scale, rows, kb, 1.0).t().contiguous().t()
-    return _pad_rows(scale, -(-rows // granular.TILE), round_up(kb, 4), 1.0).t()
+    return _pad_rows(scale, -(-rows // layouts.TILE), round_up(kb, 4), 1.0).t()
 
 
 def _scaled_mm_call(
@@ -130,9 +137,9 @@ def _scaled_mm_call(
     a: torch.Tensor,
     b: torch.Tensor,
     sa: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     sb: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -143,8 +150,8 @@ def _scaled_mm_call(
     n = b.shape[0]
     multiple = CUBLAS_MULTIPLE if recipe == "row" else _BLOCK_K
     kp = round_up(k, multiple)
-    mp = round_up(m, granular.TILE) if ga == "128x128" else m
-    np_ = round_up(n, granular.TILE if gb == "128x128" else CUBLAS_MULTIPLE)
+    mp = round_up(m, layouts.TILE) if ga == "128x128" else m
+    np_ = round_up(n, layouts.TILE if gb == "128x128" else CUBLAS_MULTIPLE)
     a_p, b_p = cublas_operand(a, mp, kp), cublas_operand(b, np_, kp)
     scale_a = cublas_scales(sa, ga, mp, kp, operand="a")
     scale_b = cublas_scales(sb, gb, np_, kp, operand="b")
@@ -177,7 +184,7 @@ def _scaled_mm_call(
     return cublas_result(out, m, n, bias, fused_bias, out_dtype)
 
 
-_PROBE_PAIRS: Final[dict[str, tuple[GemmGranularity, GemmGranularity]]] = {
+_PROBE_PAIRS: Final[dict[str, tuple[BlockGranularity, BlockGranularity]]] = {
     "row": ("row", "row"),
     "1x128x128x128": ("1x128", "128x128"),
     "1x128x1x128": ("1x128", "1x128"),
@@ -188,12 +195,10 @@ _PROBE_PAIRS: Final[dict[str, tuple[GemmGranularity, GemmGranularity]]] = {
 _PROBE_SHAPE: Final = (144, 160)  # rows of each operand, K: ragged for every recipe
 
 
-def _probe_scale(g: GemmGranularity, rows: int, k: int, dev: torch.device) -> torch.Tensor:
-    layout = granular.layout_of(g, (rows, k))
+def _probe_scale(g: BlockGranularity, rows: int, k: int, dev: torch.device) -> torch.Tensor:
+    layout = layouts.layout_of(g, (rows, k))
     if g == "mx":
-        return torch.full(layout.scale_shape, 127, dtype=torch.uint8, device=dev).view(
-            granular.E8M0
-        )
+        return torch.full(layout.scale_shape, 127, dtype=torch.uint8, device=dev).view(layouts.E8M0)
     return torch.ones(layout.scale_shape, dtype=torch.float32, device=dev)
 
 
@@ -245,14 +250,110 @@ def _cublas_serves(
     return _probe(a.device, recipe, a.dtype, b.dtype, cublas_gemm_dtype(bias, out))[0]
 
 
+CUBLAS_MULTIPLE = 16
+"""What ``torch._scaled_mm`` on CUDA wants K and N to be multiples of (M may be anything)."""
+
+
+def round_up(n: int, multiple: int = CUBLAS_MULTIPLE) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
+    return -(-n // multiple) * multiple
+
+
+def cublas_operand(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """``t`` itself when it is row-major with 16-byte aligned rows and the wanted shape; else
+    a row-major copy, zero-padded to ``[rows, cols]`` (one read and write of a 1-byte
+    operand): a GEMM operand as CUDA's ``_scaled_mm`` takes it."""
+    aligned = t.stride(0) % CUBLAS_MULTIPLE == 0 and t.storage_offset() % CUBLAS_MULTIPLE == 0
+    if tuple(t.shape) == (rows, cols) and t.stride(1) == 1 and t.stride(0) >= cols and aligned:
+        return t
+    padded = tuple(t.shape) != (rows, cols)
+    out = t.new_zeros((rows, cols)) if padded else t.new_empty((rows, cols))
+    out[: t.shape[0], : t.shape[1]].copy_(t)
+    return out
+
+
+def cublas_gemm_dtype(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
+    """What a cuBLAS scaled GEMM returns: ``out_dtype``, or float32 when the bias cannot be
+    fused (cuBLAS fuses one only into a 16-bit output of the bias's dtype) and is added
+    after, before the one rounding to ``out_dtype``."""
+    fuse = bias is not None and bias.dtype == out_dtype != torch.float32
+    return out_dtype if bias is None or fuse else torch.float32
+
+
+def cublas_bias(
+    bias: torch.Tensor | None, out_dtype: torch.dtype, n_padded: int
+) -> torch.Tensor | None:
+    """The bias cuBLAS fuses, zero-padded to the padded N; ``None`` when there is none to
+    fuse (see ``cublas_gemm_dtype``)."""
+    if bias is None or cublas_gemm_dtype(bias, out_dtype) == torch.float32:
+        return None
+    n = bias.shape[0]
+    return bias if n_padded == n else torch.cat([bias, bias.new_zeros(n_padded - n)])
+
+
+def cublas_result(
+    out: torch.Tensor,
+    m: int,
+    n: int,
+    bias: torch.Tensor | None,
+    fused: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """A padded cuBLAS result cut to ``[m, n]``, with an unfused bias added in float32 and
+    rounded once to ``out_dtype``."""
+    padded = tuple(out.shape) != (m, n)
+    out = out[:m, :n] if padded else out
+    if bias is not None and fused is None:
+        return (out + bias.to(torch.float32)).to(out_dtype)
+    return out.contiguous() if padded else out
+
+
+def tensorwise_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The per-tensor ``(a * step_a) @ (b * step_b).T (+ bias)`` on ``torch._scaled_mm``,
+    under CUDA's rules (the twin for two E5M2 operands, which cuBLASLt refuses)."""
+    # torch._scaled_mm's rules on CUDA (its meta function states them): mat1 row-major
+    # [M, K], mat2 column-major [K, N] (b [N, K] row-major, transposed), K and N multiples
+    # of 16, float32 scalar scales, never two E5M2 operands. Its scales are exactly our
+    # steps (x = q * step). K and N are zero-padded to multiples of 16: a zero adds nothing
+    # to a float32 sum, and the padded columns of the result are sliced off, so the result
+    # is the same function. It takes a bias only for 16-bit outputs of the bias's dtype; a
+    # float32 result adds it in float32 after, before the one rounding to out_dtype.
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        # cuBLASLt has no E5M2 x E5M2 fp8 GEMM: the twin runs this one (float32 products of
+        # the widened codes, which are exact), on the same device.
+        return tensorwise.scaled_mm(a, b, step_a, step_b, bias, out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    k16, n16 = round_up(k), round_up(n)
+    a16 = cublas_operand(a, m, k16)
+    b16 = cublas_operand(b, n16, k16)
+    fused_bias = cublas_bias(bias, out_dtype, n16)
+    out = torch._scaled_mm(
+        a16,
+        b16.t(),
+        scale_a=step_a.reshape(()),
+        scale_b=step_b.reshape(()),
+        bias=fused_bias,
+        out_dtype=cublas_gemm_dtype(bias, out_dtype),
+    )
+    return cublas_result(out, m, n, bias, fused_bias, out_dtype)
+
+
 def run(
     backend: Fp8Backend,
     a: torch.Tensor,
     b: torch.Tensor,
     scale_a: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     scale_b: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
@@ -261,18 +362,18 @@ def run(
         recipe = recipe_of(ga, gb)
         if _cublas_serves(recipe, a, b, bias, out_dtype):
             return _scaled_mm_call(recipe, a, b, scale_a, ga, scale_b, gb, bias, out_dtype)
-        if not uses_kernels(backend, a):
-            return block_gemm.reference_scaled_mm(a, b, scale_a, ga, scale_b, gb, bias, out_dtype)
-    from computectx.kernels import scaled_mm_blocks
-
-    return scaled_mm_blocks.scaled_mm_blocks(
+        if not triton.uses_kernels(backend, a):
+            return blockwise_gemm.reference_scaled_mm(
+                a, b, scale_a, ga, scale_b, gb, bias, out_dtype
+            )
+    return triton.scaled_mm_blocks(
         a=a,
         b=b,
         scale_a=scale_a,
-        block_rows_a=granular.TILE if ga == "128x128" else 1,
+        block_rows_a=layouts.TILE if ga == "128x128" else 1,
         scale_b=scale_b,
-        block_rows_b=granular.TILE if gb == "128x128" else 1,
-        block_k=block_gemm.block_width(ga, a.shape[1]) if ga != "row" else 0,
+        block_rows_b=layouts.TILE if gb == "128x128" else 1,
+        block_k=layouts.block_width(ga, a.shape[1]) if ga != "row" else 0,
         bias=bias,
         out_dtype=out_dtype,
     )

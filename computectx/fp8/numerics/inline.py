@@ -3,8 +3,8 @@
 ``computectx::fp8_quantize_delayed`` / ``fp8_quantize_dynamic`` are opaque to a compiled
 graph: Inductor cannot fold their amax, step and cast into the norm or activation that
 produces ``x``. The functions here compute the same thing from the pure-torch twins'
-building blocks (``computectx.fp8.reference``), so a compiled graph sees every op, and write
-the ledger and the tally back with one ``copy_`` each, which functionalization turns into the
+building blocks (``computectx.fp8.numerics.tensorwise``), so a compiled graph sees every op, and
+write the ledger and the tally back with one ``copy_`` each, which functionalization turns into the
 same input mutation the operators declare.
 
 Same bytes as the operators: the quantized data, the step used, the ledger and the tally agree
@@ -26,8 +26,10 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import custom_ops, reference
-from computectx.fp8.ledger import (
+from computectx.fp8.numerics import tensorwise
+from computectx.fp8.numerics.ledger import (
+    TALLY_ELEMENTS,
+    TALLY_SEEDED,
     ledger_from_parts,
     ledger_history,
     ledger_history_len,
@@ -67,8 +69,8 @@ def parse_quantize(value: object) -> QuantizeImpl:
 
 def _counted(tally: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     # [seeded, elements] after counting x: seeded becomes 1, elements grows by numel.
-    seeded = torch.ones_like(tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1])
-    elements = tally[custom_ops.TALLY_ELEMENTS : custom_ops.TALLY_ELEMENTS + 1] + x.numel()
+    seeded = torch.ones_like(tally[TALLY_SEEDED : TALLY_SEEDED + 1])
+    elements = tally[TALLY_ELEMENTS : TALLY_ELEMENTS + 1] + x.numel()
     return torch.cat([seeded, elements])
 
 
@@ -90,21 +92,21 @@ def quantize_delayed(
     """
     history, step = ledger_history(ledger), ledger_step(ledger)
     nonfinite, saturated = ledger_nonfinite(ledger), ledger_saturated(ledger)
-    a = reference.amax(x)
+    a = tensorwise.amax(x)
     finite = torch.isfinite(a)
     # Seeding (only on the operand's first call; a non-finite amax is counted once, below).
-    unseeded = tally[custom_ops.TALLY_SEEDED : custom_ops.TALLY_SEEDED + 1] == 0
+    unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
     seed = unseeded & finite
     history = torch.where(seed, a.expand_as(history), history)
-    step_used = torch.where(seed, reference.step_from_amax(a, fmt, margin), step)
+    step_used = torch.where(seed, tensorwise.step_from_amax(a, fmt, margin), step)
     if ledger_history_len(ledger) > 1:
         history = torch.roll(history, -1)
     # The quantize with the ledger's step, and the ledger's advance.
-    q, _ = reference.quantize_with_step(x, fmt, step_used)
-    sat = reference.saturated_count(x, step_used, fmt)
+    q, _ = tensorwise.quantize_with_step(x, fmt, step_used)
+    sat = tensorwise.saturated_count(x, step_used, fmt)
     history = torch.cat([history[:-1], torch.where(finite, a, history[-1:])])
     window = history.amax().reshape(1) if algo == "max" else a
-    next_step = torch.where(finite, reference.step_from_amax(window, fmt, margin), step_used)
+    next_step = torch.where(finite, tensorwise.step_from_amax(window, fmt, margin), step_used)
     nonfinite = nonfinite + (~finite).to(torch.float32)
     ledger.copy_(ledger_from_parts(history, next_step, nonfinite, saturated + sat))
     tally.copy_(_counted(tally, x))
@@ -119,7 +121,7 @@ def quantize_dynamic(
     The step is ``x``'s own; the ledger records the amax in its last slot (when finite; a
     non-finite one is counted) and the step; the tally counts ``x``. Updated in place.
     """
-    q, step, a = reference.quantize_dynamic(x, fmt, margin)
+    q, step, a = tensorwise.quantize_dynamic(x, fmt, margin)
     history = ledger_history(ledger)
     finite = torch.isfinite(a)
     newest = torch.where(finite, a, history[-1:])

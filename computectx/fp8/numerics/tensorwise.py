@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8.ledger import (
+from computectx.fp8.numerics.ledger import (
     ledger_history,
     ledger_nonfinite,
     ledger_saturated,
@@ -151,7 +151,7 @@ def quantize_delayed(
     ledger's step is the one from the window (``algo="max"``: max of the history;
     ``"most_recent"``: this amax). A non-finite amax leaves history and step alone and adds
     1 to the non-finite count; the number of saturated elements is added to the saturated
-    count either way. (The layout is ``computectx.fp8.ledger``'s.)
+    count either way. (The layout is ``computectx.fp8.numerics.ledger``'s.)
     """
     step_used = ledger_step(ledger).clone()
     q, a = quantize_with_step(x, fmt, step_used)
@@ -215,8 +215,8 @@ def scaled_mm(
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
 
     The steps are per tensor (shape ``(1,)``) or per row (``step_a [M, 1]``, ``step_b
-    [N, 1]``, the row-wise GEMM of ``computectx.fp8.granular_linear``): element ``(i, j)`` is scaled
-    by ``step_a[i] * step_b[j]``, which for ``(1,)`` steps is the one scalar product.
+    [N, 1]``, the row-wise GEMM of ``computectx.fp8.linear.blockwise``): element ``(i, j)`` is
+    scaled by ``step_a[i] * step_b[j]``, which for ``(1,)`` steps is the one scalar product.
 
     fp8 values widen to float32 exactly and every product of two fp8 values is exact in
     float32 (at most 4 x 4 significant bits, exponents well inside float32's range), so the
@@ -249,8 +249,8 @@ def accumulation_gamma(
     ``accumulation=(w, u_h)``: the hardware sums up to ``w' = min(w, width)`` consecutive
     products (``width``: how many share one scale, all of K for per-tensor or per-row steps)
     in an accumulator whose every addition has relative error at most ``u_h``, then promotes
-    that partial to float32 (``computectx.fp8.block_gemm.NARROW_ACCUMULATION``: the Triton
-    kernels' fp8 dot on sm_90). Its ``w' - 1`` additions leave the partial within
+    that partial to float32 (``computectx.fp8.numerics.blockwise_gemm.NARROW_ACCUMULATION``: the
+    Triton kernels' fp8 dot on sm_90). Its ``w' - 1`` additions leave the partial within
     ``gamma_h * sum |a_ik||b_jk|`` of the exact one, ``gamma_h = (w'-1) u_h / (1 - (w'-1)
     u_h)``; the float32 computation after it sees magnitudes at most ``(1 + gamma_h)`` times
     the exact ones, so the factor is ``gamma_h + gamma_n * (1 + gamma_h)``. ``None``:
@@ -298,9 +298,9 @@ def scaled_mm_error_bound(
 
     ``accumulation=(w, u_h)`` bounds hardware that sums up to ``w`` consecutive products in
     a narrower accumulator before promoting each partial to float32 (the Triton kernel's fp8
-    dot on sm_90: ``computectx.fp8.block_gemm.NARROW_ACCUMULATION``): ``gamma_{K+3}`` becomes
-    ``accumulation_gamma(K + 3, K, accumulation)``, the float32 sum of the partials being one
-    of the orders the float32 bound allows.
+    dot on sm_90: ``computectx.fp8.numerics.blockwise_gemm.NARROW_ACCUMULATION``): ``gamma_{K+3}``
+    becomes ``accumulation_gamma(K + 3, K, accumulation)``, the float32 sum of the partials being
+    one of the orders the float32 bound allows.
     """
     k = a.shape[1]
     gamma = accumulation_gamma(k + 3, k, accumulation)
