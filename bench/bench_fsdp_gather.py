@@ -169,7 +169,7 @@ def _through_parallelize(
 
 
 def _gathers_blocks(model: nn.Module) -> bool:
-    from computectx.distributed.fsdp import WeightGatheredAsFp8, sharded_weight_of
+    from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
 
     return all(
         isinstance(sharded_weight_of(m.weight), WeightGatheredAsFp8)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from computectx import ComputeCtx, DType
 from computectx.distributed import DataParallelGradAccumulator
-from computectx.distributed.accumulate import DEFAULT_BUCKET_MIB
+from computectx.distributed.grad_accumulator import DEFAULT_BUCKET_MIB
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
 from computectx.memory.accounting import Role
 

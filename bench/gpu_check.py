@@ -14,7 +14,7 @@ Sections, in order (each timed; a section that fails records its error and the r
 5. ``bytelm``: ``ByteLM`` train-step time compiled, bf16 against fp8_hybrid;
 6. ``granularity_gemm`` (issue 16): TFLOP/s of bf16 ``mm``, ``torch._scaled_mm`` per-tensor
    and row-wise, and ``block_scaled_mm`` (Triton) for 1x128 x 128x128 and MX (and its cuBLAS
-   recipes where ``computectx.fp8.block_gemm_ops.cublas_recipes`` finds them), at
+   recipes where ``computectx.fp8.ops.cublas.cublas_recipes`` finds them), at
    M×K×N = 4096×8192×16384 and 8192³, each with its ratio to bf16 and to row-wise
    ``_scaled_mm``, next to the anchors: TransformerEngine's H200 GEMM speedups over bf16
    (delayed 1.69x, current 1.57x, block 1.41x). The table is printed as well.
@@ -44,10 +44,12 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_quantize, ops
-from computectx.fp8 import custom_ops as fp8_custom_ops
-from computectx.fp8.block_gemm import GemmGranularity, block_scaled_mm
-from computectx.fp8.block_gemm_ops import cublas_recipes
+from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_quantize
+from computectx.fp8.numerics.layouts import BlockGranularity
+from computectx.fp8.numerics.ledger import tally_new
+from computectx.fp8.ops import gemm, quantize
+from computectx.fp8.ops.cublas import cublas_recipes
+from computectx.fp8.ops.gemm import block_scaled_mm
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -118,7 +120,9 @@ def section_gemm(device: torch.device, smoke: bool, reps: int) -> list[dict[str,
         flops = 2.0 * m * n * k
         for backend in backends:
             t = timed(
-                functools.partial(ops.scaled_mm, a, b, s, s, None, torch.bfloat16, backend=backend),
+                functools.partial(
+                    gemm.scaled_mm, a, b, s, s, None, torch.bfloat16, backend=backend
+                ),
                 reps,
             )
             rows.append(
@@ -136,13 +140,13 @@ def section_quantize(
     timed = _timer(device)
     numel = 1 << (14 if smoke else 28)
     x = torch.randn(numel, device=device, dtype=torch.bfloat16)
-    ledger = ops.ledger_new(16, device)
-    tally = fp8_custom_ops.tally_new(device)
+    ledger = quantize.ledger_new(16, device)
+    tally = tally_new(device)
     fmt_scaling = DelayedScaling()
     from computectx.dtypes import Fp8Format
 
     def quant() -> object:
-        return ops.quantize_operand(
+        return quantize.quantize_operand(
             x, Fp8Format.E4M3, ledger, tally, fmt_scaling, backend=backend, may_seed=False
         )
 
@@ -242,7 +246,7 @@ def section_bytelm(
 
 
 def _block_operands(
-    x: torch.Tensor, w: torch.Tensor, ga: GemmGranularity, gb: GemmGranularity
+    x: torch.Tensor, w: torch.Tensor, ga: BlockGranularity, gb: BlockGranularity
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     qa, sa = fp8_quantize(x, "e4m3", granularity=ga)
     qb, sb = fp8_quantize(w, "e4m3", granularity=gb)
@@ -256,7 +260,7 @@ def section_granularity_gemm(device: torch.device, smoke: bool, reps: int) -> li
     # On the CPU smoke run the reference backend stands in for the Triton one.
     kernel = Fp8Backend.REFERENCE if smoke else Fp8Backend.TRITON
     recipes = cublas_recipes(device)
-    pairs: dict[str, tuple[GemmGranularity, GemmGranularity, str]] = {
+    pairs: dict[str, tuple[BlockGranularity, BlockGranularity, str]] = {
         "1x128 x 128x128": ("1x128", "128x128", "1x128x128x128"),
         "mx x mx": ("mx", "mx", "mx"),
     }

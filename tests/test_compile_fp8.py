@@ -21,8 +21,7 @@ from computectx import ComputeCtx
 from computectx.demo.settings import POLICY_FLAGS
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_autocast, fp8_stats
-from computectx.fp8 import custom_ops as fp8_custom_ops
-from computectx.fp8.ledger import ledger_new
+from computectx.fp8.numerics.ledger import ledger_new, tally_new
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -83,7 +82,7 @@ def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends(
                 (
                     x,
                     ledger_new(4, "cpu"),
-                    fp8_custom_ops.tally_new(torch.device("cpu")),
+                    tally_new(torch.device("cpu")),
                     torch.float8_e4m3fn,
                     "max",
                     0,
@@ -96,7 +95,7 @@ def test_opcheck_passes_for_every_operator_on_the_reference_and_cublas_backends(
                 (
                     x,
                     ledger_new(1, "cpu"),
-                    fp8_custom_ops.tally_new(torch.device("cpu")),
+                    tally_new(torch.device("cpu")),
                     torch.float8_e5m2,
                     1,
                     backend,
@@ -143,8 +142,9 @@ def test_the_quantize_operators_declare_the_ledgers_they_mutate() -> None:
 
 
 def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
-    from computectx.fp8 import ops, reference
     from computectx.fp8.backend import Fp8Backend, select_backend
+    from computectx.fp8.numerics import tensorwise
+    from computectx.fp8.ops import gemm
 
     assert select_backend("cpu", force="cublas")[0] is Fp8Backend.CUBLAS
     torch.manual_seed(1)
@@ -153,9 +153,9 @@ def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
     sa, sb = torch.full((1,), 0.125), torch.full((1,), 3.0)
     for bias, out in ((None, torch.bfloat16), (torch.randn(32), torch.float32)):
         for bb in (b, b.t().contiguous().t()):  # row-major and a transposed view
-            got = ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.CUBLAS)
-            want = ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.REFERENCE)
-            bound = reference.scaled_mm_error_bound(a, bb, sa, sb, bias, out)
+            got = gemm.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.CUBLAS)
+            want = gemm.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.REFERENCE)
+            bound = tensorwise.scaled_mm_error_bound(a, bb, sa, sb, bias, out)
             # Both are within the bound of the exact result, so within twice it of each other.
             assert ((got.double() - want.double()).abs() <= 2 * bound).all()
 
@@ -478,12 +478,12 @@ def test_bad_input_raises_the_eager_error_under_compile(
 
 
 def test_bad_operator_arguments_raise_the_eager_error_under_compile() -> None:
-    from computectx.fp8 import ops
     from computectx.fp8.backend import Fp8Backend
+    from computectx.fp8.ops.gemm import scaled_mm
 
     def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         s = torch.ones(1)
-        return ops.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=Fp8Backend.REFERENCE)
+        return scaled_mm(a, b, s, s, None, torch.bfloat16, backend=Fp8Backend.REFERENCE)
 
     a = torch.ones(4, 32).to(torch.float8_e4m3fn)
     compiled = torch.compile(gemm, backend="aot_eager")

@@ -11,7 +11,15 @@ The picture in docs/design.md is this table:
 - ``kernels`` imports nothing from ``computectx``, and only ``fp8`` reaches it, lazily (inside
   a function), so ``import computectx.fp8`` works without triton;
 - no module imports another module's ``_private`` names, and a ``_private`` module is used
-  only inside its own package.
+  only inside its own package;
+- inside ``fp8`` the rooms import downwards only (``FP8_RANK``): ``backend``, then the
+  twins (``numerics``), ``policy``, the operators (``ops``), the scaling state (``state``),
+  ``linear`` and ``serving``, then ``convert``/``stats`` and the two doors; only
+  ``fp8.ops.triton`` reaches ``kernels``;
+- outside ``fp8`` a module imports fp8 only through its two doors, ``computectx.fp8`` (the
+  public face) and ``computectx.fp8.seam``;
+- no import cycle anywhere in the package, counting imports inside functions and under
+  ``TYPE_CHECKING``; no folder holds more than 16 modules.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "computectx"
 # Rank inside the core: a core module imports only core modules of a lower rank.
 CORE_RANK: dict[str, int] = {
     "computectx._files": 0,  # durable file writes, for every package that writes a file
+    "computectx._moved": 0,  # old import paths, served with a DeprecationWarning
     "computectx.dtypes": 0,
     "computectx.recipes": 1,
     "computectx.residency": 1,
@@ -46,6 +55,26 @@ ALLOWED: dict[str, frozenset[str]] = {
     "integrations": frozenset({"core", "fp8", "memory", "nn", "distributed"}),
     "app": frozenset({"core", "fp8", "memory", "nn", "distributed"}),
 }
+# Rank of each room of fp8 (by the module's path under computectx.fp8): a module imports
+# fp8 modules of its own room (no cycles) or of a lower rank.
+FP8_RANK: dict[str, int] = {
+    "backend": 0,
+    "numerics": 1,
+    "policy": 2,
+    "ops": 3,
+    "state": 4,
+    "linear": 5,
+    "serving": 5,
+    "convert_report": 6,
+    "convert": 7,
+    "stats": 7,
+    "seam": 8,
+    "": 9,  # the package face, computectx.fp8 itself
+}
+FP8_DOORS = frozenset({"computectx.fp8", "computectx.fp8.seam"})
+KERNEL_LAUNCHER = "computectx.fp8.ops.triton"
+MAX_MODULES_PER_FOLDER = 16
+
 SUBPACKAGE_LAYERS = {"fp8", "memory", "nn", "distributed", "kernels", "integrations"}
 APP_MODULES = {"demo", "cli", "__main__"}
 
@@ -60,6 +89,19 @@ def layer_of(module: str) -> str:
     if first in APP_MODULES:
         return "app"
     raise AssertionError(f"{module} is in no layer; add it to tests/test_layering.py")
+
+
+def fp8_room(module: str) -> str:
+    """The room of an fp8 module: the first part of its path under ``computectx.fp8``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+def fp8_rank(module: str) -> int:
+    room = fp8_room(module)
+    if room not in FP8_RANK:
+        raise AssertionError(f"{module} is in no fp8 room; add it to FP8_RANK")
+    return FP8_RANK[room]
 
 
 @dataclass(frozen=True)
@@ -177,6 +219,26 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                     f"{module}:{imp.line} imports {target} at module level; kernels are "
                     f"reached lazily, inside the function that launches them"
                 )
+            if target_layer == "kernels" and layer == "fp8" and module != KERNEL_LAUNCHER:
+                problems.append(
+                    f"{module}:{imp.line} imports {target}; only {KERNEL_LAUNCHER} launches kernels"
+                )
+            if (
+                target_layer == "fp8"
+                and layer not in ("fp8", "kernels")
+                and target not in FP8_DOORS
+            ):
+                problems.append(
+                    f"{module}:{imp.line} imports {target}, deep inside fp8; import it from "
+                    f"computectx.fp8 or computectx.fp8.seam"
+                )
+            if layer == target_layer == "fp8" and target != module:
+                mine, theirs = fp8_rank(module), fp8_rank(target)
+                if theirs > mine or (theirs == mine and fp8_room(target) != fp8_room(module)):
+                    problems.append(
+                        f"{module}:{imp.line} imports {target}: fp8's rooms import downwards "
+                        f"only (tests/test_layering.py, FP8_RANK)"
+                    )
             if target_layer == layer:
                 if layer == "core" and CORE_RANK[target] >= CORE_RANK[module]:
                     problems.append(
@@ -204,6 +266,83 @@ def test_every_module_has_a_layer() -> None:
     assert {"core", "kernels", "fp8", "memory", "nn", "app"} <= layers
 
 
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the computectx modules it imports, every import counted (module level,
+    inside functions, under ``TYPE_CHECKING``); ``from pkg import mod`` is an edge to
+    ``pkg.mod`` only (a package's ``__init__`` runs first, but that is not an import of it)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = _module_name(path, root)
+        edges: set[str] = set()
+        for imp in collect_imports(path.read_text(), module, _is_package(path)):
+            names = [n for n in imp.names if _module_exists(f"{imp.target}.{n}", root)]
+            edges.update(f"{imp.target}.{n}" for n in names)
+            if not imp.names or len(names) < len(imp.names):
+                edges.add(imp.target)
+        edges.discard(module)
+        graph[module] = edges
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` (its modules in order, the first repeated), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_no_import_cycle_anywhere_in_the_package() -> None:
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_the_graph_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "computectx"
+    (pkg / "fp8").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "fp8" / "__init__.py").write_text("")
+    (pkg / "fp8" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from computectx.fp8.b import X\n"
+    )
+    (pkg / "fp8" / "b.py").write_text("def f():\n    from computectx.fp8 import a\n")
+    graph = import_graph(pkg)
+    assert graph["computectx.fp8.a"] == {"computectx.fp8.b"}
+    assert graph["computectx.fp8.b"] == {"computectx.fp8.a"}
+    assert find_cycle(graph) is not None
+
+
+def test_no_folder_holds_more_than_16_modules() -> None:
+    crowded = {
+        str(folder.relative_to(PACKAGE.parent)): n
+        for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]
+        if (n := len([f for f in folder.glob("*.py") if f.name != "__init__.py"]))
+        > MAX_MODULES_PER_FOLDER
+    }
+    assert crowded == {}, f"folders over {MAX_MODULES_PER_FOLDER} modules: {crowded}"
+
+
 # The checker itself must catch each kind of breach.
 @pytest.mark.parametrize(
     ("module", "source", "expected"),
@@ -218,6 +357,16 @@ def test_every_module_has_a_layer() -> None:
         ("computectx.nn.lm", "from computectx.memory._transfer import X", "private module"),
         ("computectx.nn.lm", "from computectx.fp8 import ops\nops._device_arg(1)", "private attr"),
         ("computectx.ctx", "from computectx import ComputeCtx", "not below it"),
+        ("computectx.nn.lm", "from computectx.fp8.ops.quantize import fp8_quantize", "deep"),
+        ("computectx.distributed.parallel", "from computectx.fp8.state import layer", "deep"),
+        ("computectx.fp8.numerics.ledger", "from computectx.fp8.ops import registry", "down"),
+        ("computectx.fp8.ops.gemm", "from computectx.fp8.linear.weights import X", "down"),
+        (
+            "computectx.fp8.state.saved",
+            "from computectx.fp8.serving import decode_attention",
+            "down",
+        ),
+        ("computectx.fp8.ops.gemm", "def f():\n    from computectx.kernels import x", "only"),
     ],
 )
 def test_checker_catches(module: str, source: str, expected: str) -> None:
@@ -228,11 +377,118 @@ def test_checker_catches(module: str, source: str, expected: str) -> None:
 @pytest.mark.parametrize(
     ("module", "source"),
     [
-        ("computectx.fp8.ops", "def launch():\n    from computectx.kernels import quantize"),
         ("computectx.memory.optimizer", "from computectx.memory._transfer import X"),
         ("computectx.ctx", "from computectx.dtypes import DType\nfrom computectx import recipes"),
-        ("computectx.nn.lm", "from computectx.fp8 import ops\nops.fp8_quantize(1)"),
+        ("computectx.nn.lm", "from computectx.fp8.seam import quantize_kv"),
+        ("computectx.fp8.ops.triton", "def launch():\n    from computectx.kernels import quantize"),
+        ("computectx.fp8.linear.module", "from computectx.fp8.ops import quantize"),
+        ("computectx.fp8.ops.gemm", "from computectx.fp8.ops.quantize import scalar_arg"),
     ],
 )
 def test_checker_allows(module: str, source: str) -> None:
     assert violations_of(source, module, is_package=False) == []
+
+
+# One home for each vocabulary: a search of the package's source for a second definition.
+FP8_SET = frozenset({"float8_e4m3fn", "float8_e5m2"})
+FLOAT_SET = frozenset({"bfloat16", "float16", "float32"})
+DTYPE_SET_HOMES = {"dtypes.py", "kernels/fp8_codes.py"}  # kernels may import nothing else
+OPERATOR_REGISTRY = "fp8/ops/registry.py"
+GRANULARITY_HOMES = {"recipes.py", "fp8/numerics/layouts.py"}
+GRANULARITY_WORDS = frozenset({"tensor", "row", "block", "1x128", "128x128", "mx"})
+
+
+def _dtype_collections(source: str) -> list[tuple[int, frozenset[str]]]:
+    """Tuple, list and set literals of ``torch.<dtype>`` attributes, by line."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2:
+            names = [
+                e.attr
+                for e in node.elts
+                if isinstance(e, ast.Attribute)
+                and isinstance(e.value, ast.Name)
+                and e.value.id == "torch"
+            ]
+            if len(names) == len(node.elts):
+                found.append((node.lineno, frozenset(names)))
+    return found
+
+
+def _where(predicate: object) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for path in SOURCES:
+        rel = str(path.relative_to(PACKAGE))
+        lines = predicate(path.read_text())  # type: ignore[operator]
+        if lines:
+            out[rel] = lines
+    return out
+
+
+def test_each_dtype_set_is_written_once() -> None:
+    for wanted in (FP8_SET, FLOAT_SET):
+        places = _where(
+            lambda src, w=wanted: [line for line, s in _dtype_collections(src) if s == w]
+        )
+        assert set(places) <= DTYPE_SET_HOMES, f"{sorted(wanted)} written in {places}"
+
+
+def test_the_kernels_dtype_sets_are_the_cores() -> None:
+    from computectx import dtypes
+    from computectx.kernels import fp8_codes
+
+    assert fp8_codes.FP8_DTYPES == dtypes.FP8_DTYPES
+    assert fp8_codes.FLOAT_DTYPES == dtypes.FLOAT_DTYPES
+
+
+def test_every_operator_is_registered_in_the_registry() -> None:
+    def registrations(src: str) -> list[int]:
+        return [
+            node.lineno
+            for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.Attribute)
+            and node.attr in ("custom_op", "register_fake", "define", "impl", "Library")
+            and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "library"
+        ] + [
+            node.lineno
+            for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.ImportFrom)
+            and node.module == "torch.library"
+            and any(a.name in ("custom_op", "Library", "define", "impl") for a in node.names)
+        ]
+
+    assert set(_where(registrations)) == {OPERATOR_REGISTRY}
+
+
+def test_the_granularity_vocabulary_is_defined_once() -> None:
+    def literal_aliases(src: str) -> list[int]:
+        lines = []
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, (ast.Assign, ast.AnnAssign)):
+                continue
+            value = node.value
+            if (
+                isinstance(value, ast.Subscript)
+                and isinstance(value.value, ast.Name)
+                and value.value.id == "Literal"
+            ):
+                words = {
+                    e.value
+                    for e in ast.walk(value.slice)
+                    if isinstance(e, ast.Constant) and isinstance(e.value, str)
+                }
+                if len(words & GRANULARITY_WORDS) >= 2:
+                    lines.append(node.lineno)
+        return lines
+
+    places = _where(literal_aliases)
+    assert set(places) == GRANULARITY_HOMES, places
+
+
+def test_the_one_home_checks_find_a_copy() -> None:
+    copy = "X = (torch.float8_e4m3fn, torch.float8_e5m2)\n"
+    assert _dtype_collections(copy) == [(1, FP8_SET)]
+    assert _dtype_collections("y = (torch.bfloat16, torch.float16)\n") == [
+        (1, frozenset({"bfloat16", "float16"}))
+    ]

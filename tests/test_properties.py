@@ -20,7 +20,7 @@ from computectx import ComputeCtx, DType, Fp8Format, KvFp8, Residency, promote
 from computectx.ctx import DTYPE_FLAGS
 from computectx.dtypes import KV_SCALINGS, parse_kv
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
-from computectx.fp8.kv_quant import dequantize_kv, quantize_kv
+from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv
 from computectx.recipes import POLICY_GRANULARITIES, parse_scaling
 
 ALL = list(DType)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.fp8.ledger import ledger_history, ledger_step
+from computectx.fp8.numerics.ledger import ledger_history, ledger_step
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 

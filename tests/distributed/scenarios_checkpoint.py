@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from computectx import ComputeCtx
 from computectx.distributed import ShardedParams, sync_fp8_scaling
-from computectx.distributed.checkpoint import (
+from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
     parameter_fqns,
     set_optimizer_state_dict,

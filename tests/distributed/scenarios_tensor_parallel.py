@@ -29,7 +29,8 @@ from torch.distributed.tensor.parallel import (
 
 from computectx import ComputeCtx, DType
 from computectx.distributed.collectives import GroupAmax, whole_amax
-from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy, convert_to_fp8, reference
+from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy, convert_to_fp8
+from computectx.fp8.numerics import tensorwise
 
 WIDTH = 32
 ROWS = 8
@@ -48,7 +49,7 @@ def amax_placements(params: dict[str, Any]) -> dict[str, Any]:
     out["amax_placements"] = str(a.placements) if isinstance(a, DTensor) else "plain"
     out["sharded"] = seam(a)
     out["sharded_whole"] = whole_amax(a)
-    out["reference"] = seam(reference.amax(sharded))  # replicated by its torch.where
+    out["reference"] = seam(tensorwise.amax(sharded))  # replicated by its torch.where
     partial = DTensor.from_local(local.abs().amax().reshape(1), mesh, [Partial("max")])
     out["partial_max"] = seam(partial)
     replicated = DTensor.from_local(torch.tensor([7.0]), mesh, [Replicate()], run_check=False)

@@ -7,7 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from computectx.fp8.ledger import ledger_history, ledger_nonfinite, ledger_saturated, ledger_step
+from computectx.fp8.numerics.ledger import (
+    ledger_history,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_step,
+)
 
 from .conftest import RunRanks, in_world
 

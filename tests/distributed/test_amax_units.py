@@ -7,9 +7,9 @@ import torch
 
 from computectx import ComputeCtx
 from computectx.distributed import sync_fp8_scaling
-from computectx.distributed.amax import rescale_grad_ledger
+from computectx.distributed.fp8_amax_sync import rescale_grad_ledger
 from computectx.fp8 import Fp8Linear
-from computectx.fp8.ledger import ledger_history, ledger_step
+from computectx.fp8.numerics.ledger import ledger_history, ledger_step
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from computectx import ComputeCtx
-from computectx.distributed.checkpoint import set_optimizer_state_dict
+from computectx.distributed.optimizer_checkpoint import set_optimizer_state_dict
 from computectx.memory import OffloadedOptimizer
 
 from . import scenarios_checkpoint as sc

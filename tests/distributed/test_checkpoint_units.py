@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from computectx import ComputeCtx, DType
-from computectx.distributed.checkpoint import (
+from computectx.distributed.optimizer_checkpoint import (
     MASTER_WEIGHTS,
     optimizer_state_dict,
     parameter_fqns,

@@ -35,8 +35,8 @@ import torch
 
 from computectx import ComputeCtx, Fp8Format
 from computectx.fp8 import Fp8Policy, fp8_quantize
-from computectx.fp8 import granular as g
-from computectx.fp8.granular_linear import OPERAND_GRANULARITY
+from computectx.fp8.numerics import blockwise, layouts
+from computectx.fp8.numerics.layouts import OPERAND_GRANULARITY
 
 from .conftest import RunRanks
 
@@ -56,14 +56,14 @@ def _steps_elementwise(x: torch.Tensor, fmt: Fp8Format, policy: Fp8Policy) -> to
     the activation granularity along its last dimension), as float64."""
     gran = OPERAND_GRANULARITY[policy.granularity][0]
     width = x.shape[-1]
-    if gran == "mx" and x.shape[-1] < g.MX_BLOCK:  # the linear pads it to one block
-        x = torch.nn.functional.pad(x, (0, g.MX_BLOCK - x.shape[-1]))
+    if gran == "mx" and x.shape[-1] < layouts.MX_BLOCK:  # the linear pads it to one block
+        x = torch.nn.functional.pad(x, (0, layouts.MX_BLOCK - x.shape[-1]))
     if gran == "mx":
         _, scale = fp8_quantize(x, fmt, granularity="mx", mx_rounding=policy.mx_rounding)
     else:
         _, scale = fp8_quantize(x, fmt, granularity=gran, power_of_two=policy.power_of_two)
-    layout = g.layout_of(gran, x.shape)
-    steps = g.expand_steps(g.steps_of_scale(scale).reshape(layout.grid), layout)
+    layout = layouts.layout_of(gran, x.shape)
+    steps = blockwise.expand_steps(blockwise.steps_of_scale(scale).reshape(layout.grid), layout)
     return steps[:, :width].double()
 
 
@@ -85,7 +85,7 @@ def wgrad_bound(x: torch.Tensor, dy: torch.Tensor, policy: Fp8Policy) -> torch.T
     ea = ua * a.abs() + _steps_elementwise(dy.t(), fa, policy) * fa.min_subnormal / 2
     eb = ub * b.abs() + _steps_elementwise(x.t(), fb, policy) * fb.min_subnormal / 2
     quant = ea @ (b.abs() + eb).t() + a.abs() @ eb.t()
-    m = max(x.shape[0], g.MX_BLOCK)
+    m = max(x.shape[0], layouts.MX_BLOCK)
     n_terms = m + m / 32 + 4
     gamma = n_terms * f32 / (1 - n_terms * f32)
     accum = gamma * ((a.abs() + ea) @ (b.abs() + eb).t())

@@ -9,7 +9,7 @@ from torch import nn
 from computectx import ComputeCtx, DType
 from computectx.distributed import parallelize
 from computectx.fp8 import Fp8Linear
-from computectx.fp8.ledger import ledger_step
+from computectx.fp8.numerics.ledger import ledger_step
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
@@ -95,7 +95,7 @@ def test_an_empty_input_records_nothing_on_a_rank_scaling_on_its_own() -> None:
     # After sync.remove() (RankLocal) the ranks' ledgers are not merged slot by slot, so an
     # empty call must not push an amax of 0 into this rank's history, as in one process.
     from computectx.distributed.collectives import RankLocal
-    from computectx.fp8.ledger import ledger_history
+    from computectx.fp8.numerics.ledger import ledger_history
 
     layer = Fp8Linear(32, 32, ctx=CTX)
     layer.amax_reduce = RankLocal()

@@ -1,9 +1,9 @@
-"""The block-scaled GEMM (``computectx.fp8.block_gemm``): its twin against float64 within
+"""The block-scaled GEMM (``computectx.fp8.ops.gemm``): its twin against float64 within
 the documented bound for every pair, its exact semantics where they are observable, the
 cuBLAS paths on the CPU (and under CUDA's rules), bad input, and the operator under
 ``torch.compile``.
 
-The bound is the module docstring's (``block_gemm.scaled_mm_error_bound``); the float64
+The bound is the module docstring's (``numerics.blockwise_gemm.scaled_mm_error_bound``); the float64
 result here is computed independently: each operand dequantized in float64 (its steps
 broadcast over their blocks by indexing, not by the module's helpers), one float64 matmul.
 """
@@ -18,9 +18,12 @@ import torch
 import torch._dynamo.testing
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import block_gemm, block_gemm_ops, fp8_quantize, reference
+from computectx.fp8 import fp8_quantize
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.block_gemm import PAIRS, GemmGranularity, block_scaled_mm
+from computectx.fp8.numerics import blockwise_gemm, tensorwise
+from computectx.fp8.numerics.layouts import PAIRS, BlockGranularity
+from computectx.fp8.ops import cublas
+from computectx.fp8.ops.gemm import block_scaled_mm
 
 REF, CUBLAS = Fp8Backend.REFERENCE, Fp8Backend.CUBLAS
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
@@ -29,7 +32,7 @@ WITHOUT_SCHEMA = ("test_autograd_registration", "test_faketensor", "test_aot_dis
 
 
 def quantized(
-    shape: tuple[int, int], g: GemmGranularity, fmt: Fp8Format, seed: int, spread: int = 6
+    shape: tuple[int, int], g: BlockGranularity, fmt: Fp8Format, seed: int, spread: int = 6
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Codes and scale of a random operand at granularity ``g``; also its float32 source.
 
@@ -44,7 +47,7 @@ def quantized(
     return q, s, x
 
 
-def steps64(scale: torch.Tensor, g: GemmGranularity, rows: int, k: int) -> torch.Tensor:
+def steps64(scale: torch.Tensor, g: BlockGranularity, rows: int, k: int) -> torch.Tensor:
     """Each element's step in float64, by index arithmetic (independent of the module)."""
     s = scale.to(torch.float32).to(torch.float64)  # E8M0 widens exactly
     i = torch.arange(rows).reshape(-1, 1)
@@ -61,10 +64,10 @@ def steps64(scale: torch.Tensor, g: GemmGranularity, rows: int, k: int) -> torch
 def exact(
     a: torch.Tensor,
     sa: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     b: torch.Tensor,
     sb: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     k = a.shape[1]
@@ -78,14 +81,14 @@ def check_within_bound(
     out: torch.Tensor,
     a: torch.Tensor,
     sa: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     b: torch.Tensor,
     sb: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> None:
-    bound = block_gemm.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
+    bound = blockwise_gemm.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
 
@@ -100,8 +103,8 @@ SHAPES = [(37, 29, 300), (130, 5, 64), (3, 131, 161), (1, 1, 32)]
     ("with_bias", "out_dtype"), [(False, torch.bfloat16), (True, torch.float32)]
 )
 def test_twin_is_within_the_bound_of_float64(
-    ga: GemmGranularity,
-    gb: GemmGranularity,
+    ga: BlockGranularity,
+    gb: BlockGranularity,
     shape: tuple[int, int, int],
     with_bias: bool,
     out_dtype: torch.dtype,
@@ -130,12 +133,12 @@ def test_row_pair_is_reference_scaled_mm_bit_for_bit() -> None:
     b, sb, _ = quantized((17, 70), "row", E4M3, seed=6)
     bias = torch.randn(17, dtype=torch.bfloat16)
     got = block_scaled_mm(a, b, sa, "row", sb, "row", bias, torch.bfloat16)
-    want = reference.scaled_mm(a, b, sa, sb, bias, torch.bfloat16)
+    want = tensorwise.scaled_mm(a, b, sa, sb, bias, torch.bfloat16)
     assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize(("ga", "gb"), [p for p in PAIRS if p[0] != "row"])
-def test_exact_partial_sums_round_once(ga: GemmGranularity, gb: GemmGranularity) -> None:
+def test_exact_partial_sums_round_once(ga: BlockGranularity, gb: BlockGranularity) -> None:
     # Small-integer codes and power-of-two steps: every partial sum and scaled partial is
     # exact in float32, so the result is the float64 value rounded once to bf16.
     gen = torch.Generator().manual_seed(9)
@@ -143,10 +146,10 @@ def test_exact_partial_sums_round_once(ga: GemmGranularity, gb: GemmGranularity)
     a = torch.randint(-8, 9, (m, k), generator=gen).float().to(torch.float8_e4m3fn)
     b = torch.randint(-8, 9, (n, k), generator=gen).float().to(torch.float8_e4m3fn)
 
-    def pow2_scale(g: GemmGranularity, rows: int) -> torch.Tensor:
-        from computectx.fp8 import granular
+    def pow2_scale(g: BlockGranularity, rows: int) -> torch.Tensor:
+        from computectx.fp8.numerics import layouts
 
-        shape = granular.layout_of(g, (rows, k)).scale_shape
+        shape = layouts.layout_of(g, (rows, k)).scale_shape
         e = torch.randint(-3, 4, shape, generator=gen)
         if g == "mx":
             return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
@@ -190,10 +193,10 @@ def test_zero_k_blocks_and_empty_outputs() -> None:
 def _narrow_gemm(
     a: torch.Tensor,
     sa: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     b: torch.Tensor,
     sb: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     step: int,
 ) -> torch.Tensor:
     # A model of the fp8 tensor cores: each step of `step` products summed one by one with
@@ -226,7 +229,7 @@ def _narrow_gemm(
 @pytest.mark.parametrize(("ga", "gb"), [("row", "row"), ("1x128", "128x128"), ("mx", "mx")])
 @pytest.mark.parametrize("step", [128, 64])
 def test_the_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(
-    ga: GemmGranularity, gb: GemmGranularity, step: int
+    ga: BlockGranularity, gb: BlockGranularity, step: int
 ) -> None:
     # Same signs, so partial sums grow and the truncation bites: the float32 bound must
     # fail for this model (the wider one is needed), the NARROW_ACCUMULATION one hold.
@@ -236,8 +239,10 @@ def test_the_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(
     out = _narrow_gemm(a, sa, ga, b, sb, gb, step)
     err = (out.to(torch.float64) - exact(a, sa, ga, b, sb, gb, None)).abs()
     args = (a, b, sa, ga, sb, gb, None, torch.float32)
-    f32 = block_gemm.scaled_mm_error_bound(*args)
-    wide = block_gemm.scaled_mm_error_bound(*args, accumulation=block_gemm.NARROW_ACCUMULATION)
+    f32 = blockwise_gemm.scaled_mm_error_bound(*args)
+    wide = blockwise_gemm.scaled_mm_error_bound(
+        *args, accumulation=blockwise_gemm.NARROW_ACCUMULATION
+    )
     assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
     assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
 
@@ -246,8 +251,8 @@ def test_the_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(
 
 
 def test_the_probe_reports_what_runs_on_the_cpu() -> None:
-    found = block_gemm_ops.cublas_recipes(torch.device("cpu"))
-    assert set(found) == set(block_gemm_ops.RECIPES)
+    found = cublas.cublas_recipes(torch.device("cpu"))
+    assert set(found) == set(cublas.RECIPES)
     # torch 2.13's CPU _scaled_mm multiplies with row-wise scales; its v2 refuses the
     # block and MX recipes on the CPU.
     assert found["row"][0], found["row"]
@@ -384,15 +389,15 @@ def test_cublas_scale_layouts() -> None:
     # (rows, K/128); 128x128 (K/128 padded to 4, rows/128) with strides (1, padded); MX in
     # 128 x 4 tiles, element (i, j) of a tile at (i % 32) * 16 + (i // 32) * 4 + j.
     s = torch.arange(20 * 3, dtype=torch.float32).reshape(20, 3)
-    one = block_gemm_ops.cublas_scales(s, "1x128", 32, 384, operand="a")
+    one = cublas.cublas_scales(s, "1x128", 32, 384, operand="a")
     assert one.shape == (32, 3) and one.stride() == (1, 32)
     assert torch.equal(one[:20], s) and bool((one[20:] == 1).all())
     blk = torch.arange(2 * 3, dtype=torch.float32).reshape(2, 3)
-    two = block_gemm_ops.cublas_scales(blk, "128x128", 256, 384, operand="b")
+    two = cublas.cublas_scales(blk, "128x128", 256, 384, operand="b")
     assert two.shape == (4, 2) and two.stride() == (1, 4)
     assert torch.equal(two[:3].t(), blk) and bool((two[3] == 1).all())
     e = torch.randint(0, 255, (130, 5), dtype=torch.uint8)
-    sw = block_gemm_ops.cublas_scales(e.view(torch.float8_e8m0fnu), "mx", 130, 160, operand="a")
+    sw = cublas.cublas_scales(e.view(torch.float8_e8m0fnu), "mx", 130, 160, operand="a")
     flat = sw.view(torch.uint8)
     assert flat.numel() == 256 * 8  # rows to 256, K blocks to 8
     tiles_per_row = 2
@@ -490,7 +495,7 @@ def test_opcheck(backend: str) -> None:
 
 @pytest.mark.parametrize(("ga", "gb"), [("1x128", "128x128"), ("mx", "mx"), ("row", "row")])
 def test_compiles_with_no_graph_break_and_equals_eager(
-    ga: GemmGranularity, gb: GemmGranularity
+    ga: BlockGranularity, gb: BlockGranularity
 ) -> None:
     torch._dynamo.reset()
     a, sa, _ = quantized((6, 160), ga, E4M3, seed=1)
@@ -508,7 +513,7 @@ def test_compiles_with_no_graph_break_and_equals_eager(
 
 
 @pytest.mark.parametrize(("ga", "gb"), [("1x128", "1x128"), ("mx", "mx")])
-def test_an_enclosing_autocast_changes_nothing(ga: GemmGranularity, gb: GemmGranularity) -> None:
+def test_an_enclosing_autocast_changes_nothing(ga: BlockGranularity, gb: BlockGranularity) -> None:
     # The partial sums stay float32 under torch.autocast (a bf16 matmul would round them).
     a, sa, _ = quantized((9, 200), ga, E4M3, seed=1)
     b, sb, _ = quantized((7, 200), gb, E4M3, seed=2)
@@ -602,9 +607,9 @@ def cuda_v2(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
         return out.to(output_dtype)
 
     monkeypatch.setattr(f, "scaled_mm", scaled_mm)
-    block_gemm_ops._probe.cache_clear()
+    cublas._probe.cache_clear()
     yield seen
-    block_gemm_ops._probe.cache_clear()
+    cublas._probe.cache_clear()
 
 
 @pytest.mark.parametrize(("ga", "gb"), PAIRS[1:])
@@ -614,15 +619,15 @@ def cuda_v2(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
 ])  # fmt: skip
 def test_block_and_mx_cublas_calls_keep_cudas_layouts(
     cuda_v2: list[str],
-    ga: GemmGranularity,
-    gb: GemmGranularity,
+    ga: BlockGranularity,
+    gb: BlockGranularity,
     m: int,
     n: int,
     k: int,
     bias_dtype: torch.dtype | None,
     out_dtype: torch.dtype,
 ) -> None:
-    assert all(runs for runs, _ in block_gemm_ops.cublas_recipes(torch.device("cpu")).values())
+    assert all(runs for runs, _ in cublas.cublas_recipes(torch.device("cpu")).values())
     a, sa, _ = quantized((m, k), ga, E4M3, seed=m)
     b, sb, _ = quantized((n, k), gb, E4M3, seed=n)
     bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
@@ -640,7 +645,7 @@ def test_block_and_mx_cublas_calls_keep_cudas_layouts(
 @pytest.mark.parametrize(("m", "n", "k"), [(256, 256, 256), (256, 144, 256), (256, 96, 160),
     (144, 96, 160), (40, 96, 64), (20, 32, 32), (3, 131, 161)])  # fmt: skip
 def test_every_cublas_call_passes_torchs_own_meta_check(
-    ga: GemmGranularity, gb: GemmGranularity, m: int, n: int, k: int
+    ga: BlockGranularity, gb: BlockGranularity, m: int, n: int, k: int
 ) -> None:
     # torch's meta functions of _scaled_mm and _scaled_mm_v2 state the shapes and scale
     # layouts its CUDA build accepts; the call, run on meta tensors, must pass them as it is
@@ -649,16 +654,16 @@ def test_every_cublas_call_passes_torchs_own_meta_check(
     a = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=meta)
     b = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=meta)
 
-    def scale(g: GemmGranularity, rows: int) -> torch.Tensor:
-        from computectx.fp8 import granular
+    def scale(g: BlockGranularity, rows: int) -> torch.Tensor:
+        from computectx.fp8.numerics import layouts
 
-        layout = granular.layout_of(g, (rows, k))
+        layout = layouts.layout_of(g, (rows, k))
         return torch.empty(layout.scale_shape, dtype=layout.scale_dtype, device=meta)
 
-    recipe = block_gemm_ops.recipe_of(ga, gb)
+    recipe = cublas.recipe_of(ga, gb)
     for bias, out_dtype in [(None, torch.bfloat16), (torch.empty(n, device=meta), torch.float32)]:
         args = (recipe, a, b, scale(ga, m), ga, scale(gb, n), gb, bias, out_dtype)
-        out = block_gemm_ops._scaled_mm_call(*args)
+        out = cublas._scaled_mm_call(*args)
         assert out.shape == (m, n) and out.dtype == out_dtype
 
 
@@ -666,9 +671,9 @@ def test_a_torch_without_the_v2_api_reports_it_and_runs_the_twin(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delattr(torch.nn.functional, "scaled_mm")
-    block_gemm_ops._probe.cache_clear()
+    cublas._probe.cache_clear()
     try:
-        found = block_gemm_ops.cublas_recipes(torch.device("cpu"))
+        found = cublas.cublas_recipes(torch.device("cpu"))
         assert found["row"][0]
         assert found["mx"] == (False, f"this torch ({torch.__version__}) has no "
                                "torch.nn.functional.scaled_mm")  # fmt: skip
@@ -676,4 +681,4 @@ def test_a_torch_without_the_v2_api_reports_it_and_runs_the_twin(
         got = block_scaled_mm(a, a, sa, "mx", sa, "mx", None, torch.float32, backend=CUBLAS)
         assert torch.equal(got, block_scaled_mm(a, a, sa, "mx", sa, "mx", None, torch.float32))
     finally:
-        block_gemm_ops._probe.cache_clear()
+        cublas._probe.cache_clear()

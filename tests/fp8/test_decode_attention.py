@@ -18,13 +18,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.fp8 import Fp8Backend
-from computectx.fp8.decode_attention import (
+from computectx.fp8.numerics.attention import (
+    decode_attention_error_bound,
+    decode_attention_reference,
+)
+from computectx.fp8.numerics.kv_quant import step_layout
+from computectx.fp8.serving.decode_attention import (
     KERNEL_HEAD_DIMS,
     check_kernel_head_dim,
     decode_attention,
-    decode_attention_error_bound,
-    decode_attention_reference,
-    step_layout,
 )
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

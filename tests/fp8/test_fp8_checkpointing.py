@@ -44,7 +44,7 @@ from torch.utils.checkpoint import (
 
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear, convert_to_fp8
-from computectx.fp8.recompute import (
+from computectx.fp8.linear.recompute import (
     checkpoint_site,
     fp8_checkpoint_context_fn,
     fp8_checkpoint_policy,

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Linear, ops, reference
+from computectx.fp8 import Fp8Linear
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.numerics import tensorwise
+from computectx.fp8.ops import gemm
 from computectx.recipes import DelayedScaling, Fp8Scheme
 
 from .conftest import CtxFor
@@ -120,21 +122,21 @@ def test_cublas_pads_k_and_n_and_matches_the_reference_within_the_gemm_bound(
         a, b = a.t().contiguous().t(), b.t().contiguous().t()
     sa, sb = torch.full((1,), 0.125), torch.full((1,), 3.0)
     bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
-    got = ops.scaled_mm(a, b, sa, sb, bias, out, backend=CUBLAS)
-    want = ops.scaled_mm(a, b, sa, sb, bias, out, backend=REF)
+    got = gemm.scaled_mm(a, b, sa, sb, bias, out, backend=CUBLAS)
+    want = gemm.scaled_mm(a, b, sa, sb, bias, out, backend=REF)
     assert cuda_rules == [((m, -(-k // 16) * 16), (-(-k // 16) * 16, -(-n // 16) * 16))]
     assert got.shape == (m, n) and got.dtype == out and got.is_contiguous()
     # Both are within the bound of the exact product, so within twice it of each other.
-    bound = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out)
+    bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out)
     assert bool(((got.double() - want.double()).abs() <= 2 * bound).all())
 
 
 def test_two_e5m2_operands_run_on_the_twin_not_on_scaled_mm(cuda_rules: Calls) -> None:
     a, b = _codes(24, 32, dtype=E5M2, seed=2), _codes(16, 32, dtype=E5M2, seed=3)
     s = torch.full((1,), 0.5)
-    got = ops.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=CUBLAS)
+    got = gemm.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=CUBLAS)
     assert cuda_rules == []
-    assert torch.equal(got, reference.scaled_mm(a, b, s, s, None, torch.bfloat16))
+    assert torch.equal(got, tensorwise.scaled_mm(a, b, s, s, None, torch.bfloat16))
 
 
 def _fwd_bwd(
@@ -174,18 +176,18 @@ def test_an_fp8_linear_trains_on_cublas_with_24_tokens_like_the_reference(
     # operand's own amax (margin 0), which is dynamic scaling's step.
     fwd, bwd = scheme.forward, scheme.backward
     w, bias = got[4], got[5]
-    xq, sx, _ = reference.quantize_dynamic(x.reshape(24, 32), fwd, 0)
-    wq, sw, _ = reference.quantize_dynamic(w, fwd, 0)
-    gq, sg, _ = reference.quantize_dynamic(dy.reshape(24, 48), bwd, 0)
+    xq, sx, _ = tensorwise.quantize_dynamic(x.reshape(24, 32), fwd, 0)
+    wq, sw, _ = tensorwise.quantize_dynamic(w, fwd, 0)
+    gq, sg, _ = tensorwise.quantize_dynamic(dy.reshape(24, 48), bwd, 0)
     gemm, f32 = torch.bfloat16, torch.float32  # ctx.compute; dW stays float32
     cases = [
-        (got[0], want[0], reference.scaled_mm_error_bound(xq, wq, sx, sw, bias, gemm)),
-        (got[1], want[1], reference.scaled_mm_error_bound(gq, wq.t(), sg, sw, None, gemm)),
-        (got[2], want[2], reference.scaled_mm_error_bound(gq.t(), xq.t(), sg, sx, None, f32)),
+        (got[0], want[0], tensorwise.scaled_mm_error_bound(xq, wq, sx, sw, bias, gemm)),
+        (got[1], want[1], tensorwise.scaled_mm_error_bound(gq, wq.t(), sg, sw, None, gemm)),
+        (got[2], want[2], tensorwise.scaled_mm_error_bound(gq.t(), xq.t(), sg, sx, None, f32)),
     ]  # fmt: skip
     for i, (g, r, bound) in enumerate(cases):
         assert bool(((g.double() - r.double()).abs().reshape(bound.shape) <= 2 * bound).all()), i
     # The reconstruction is the one the layer used: the reference backend's dW is exactly
     # the twin's GEMM of those operands.
-    assert torch.equal(want[2], reference.scaled_mm(gq.t(), xq.t(), sg, sx, None, torch.float32))
+    assert torch.equal(want[2], tensorwise.scaled_mm(gq.t(), xq.t(), sg, sx, None, torch.float32))
     assert torch.equal(got[3], want[3])  # the bias gradient never goes through fp8

@@ -1,4 +1,5 @@
-"""The inline quantize (plain torch ops, ``computectx.fp8.inline``) against the operators, eager.
+"""The inline quantize (plain torch ops, ``computectx.fp8.numerics.inline``) against the operators,
+eager.
 
 The operators are the specification: after every call of a sequence the inline functions
 must give the same fp8 bytes, the same step, and leave the same ledger and tally, bit for bit.
@@ -17,10 +18,19 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Linear, convert_to_fp8, custom_ops, inline, ops
+from computectx.fp8 import Fp8Linear, convert_to_fp8
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.ledger import ledger_new, ledger_nonfinite, read_ledger
-from computectx.fp8.scaling import OperandScaling
+from computectx.fp8.numerics import inline
+from computectx.fp8.numerics.ledger import (
+    TALLY_ELEMENTS,
+    TALLY_SEEDED,
+    ledger_new,
+    ledger_nonfinite,
+    read_ledger,
+    tally_new,
+)
+from computectx.fp8.ops import quantize
+from computectx.fp8.state.operand import OperandScaling
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 SCALINGS = [
@@ -63,7 +73,7 @@ def test_inline_quantize_matches_the_operator_bit_for_bit_call_after_call(
         ledgers, tallies = _run_both(seq, fmt, scaling, backend, n)
         # The sequence did move the state (a no-op would pass the checks in _run_both).
         per_call = 8 * 16
-        assert int(tallies["op"][custom_ops.TALLY_ELEMENTS]) == per_call * (len(seq) - 1)
+        assert int(tallies["op"][TALLY_ELEMENTS]) == per_call * (len(seq) - 1)
         # Every NaN call is counted exactly once, a delayed first call included.
         assert float(ledger_nonfinite(ledgers["op"])) == len(seq) - len(xs) + 1
 
@@ -77,10 +87,10 @@ def _run_both(
 ) -> tuple[dict[inline.QuantizeImpl, torch.Tensor], dict[inline.QuantizeImpl, torch.Tensor]]:
     dev = torch.device("cpu")
     ledgers = {impl: ledger_new(n, dev) for impl in inline.QUANTIZE_IMPLS}
-    tallies = {impl: custom_ops.tally_new(dev) for impl in inline.QUANTIZE_IMPLS}
+    tallies = {impl: tally_new(dev) for impl in inline.QUANTIZE_IMPLS}
     for i, x in enumerate(seq):
         got = {
-            impl: ops.quantize_operand(
+            impl: quantize.quantize_operand(
                 x, fmt, ledgers[impl], tallies[impl], scaling, backend=backend, impl=impl
             )
             for impl in inline.QUANTIZE_IMPLS
@@ -158,11 +168,11 @@ def test_eager_calls_of_an_inline_layer_run_the_operators(
     assert isinstance(fp8_ctx.fp8 and fp8_ctx.fp8.scaling, DelayedScaling)
     # ... while the operand-level switch does route to it.
     x = torch.randn(4, 16)
-    ops.quantize_operand(
+    quantize.quantize_operand(
         x,
         Fp8Format.E4M3,
         ledger_new(4, "cpu"),
-        custom_ops.tally_new(torch.device("cpu")),
+        tally_new(torch.device("cpu")),
         DelayedScaling(history_len=4),
         backend=Fp8Backend.REFERENCE,
         impl="inline",
@@ -196,7 +206,7 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
     # the step stays 1.0 (a fresh ledger's), the count goes up by exactly one and the operand
     # counts as seeded; the next call quantizes with step 1.0 and records its own amax.
     fmt, scaling, dev = Fp8Format.E4M3, DelayedScaling(history_len=4), torch.device("cpu")
-    ledger, tally = ledger_new(4, dev), custom_ops.tally_new(dev)
+    ledger, tally = ledger_new(4, dev), tally_new(dev)
     op = OperandScaling(4, dev)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
     x[2, 5] = math.nan
@@ -208,9 +218,9 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
             reduce = _OneRank() if path.endswith("reduced") else None
             return op.quantize(t, fmt, scaling, Fp8Backend.REFERENCE, reduce=reduce)
         if path.startswith("op, may_seed=False"):
-            ops.seed_ledger(ledger, t, fmt, scaling.margin)
-            tally[custom_ops.TALLY_SEEDED] = 1
-        return ops.quantize_operand(
+            quantize.seed_ledger(ledger, t, fmt, scaling.margin)
+            tally[TALLY_SEEDED] = 1
+        return quantize.quantize_operand(
             t, fmt, ledger, tally, scaling, backend=Fp8Backend.REFERENCE,
             may_seed=not path.startswith("op, may_seed=False"),
             impl="inline" if path == "inline" else "op",
@@ -237,7 +247,7 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
 def _second(
     y: torch.Tensor, ledger: torch.Tensor, tally: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return ops.quantize_operand(
+    return quantize.quantize_operand(
         y, Fp8Format.E4M3, ledger, tally, DelayedScaling(history_len=4),
         backend=Fp8Backend.REFERENCE, may_seed=False,
     )  # fmt: skip

@@ -1,11 +1,12 @@
-"""The scaling ledger's layout, owned by ``computectx.fp8.ledger``: constructor, views, reads."""
+"""The scaling ledger's layout, owned by ``computectx.fp8.numerics.ledger``: constructor, views,
+reads."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from computectx.fp8.ledger import (
+from computectx.fp8.numerics.ledger import (
     LEDGER_NONFINITE,
     LEDGER_SATURATED,
     LEDGER_SHAPE,

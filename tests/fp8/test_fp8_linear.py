@@ -356,7 +356,7 @@ def test_the_default_backend_follows_the_weight_however_it_moves(
 ) -> None:
     # A layer built on meta and filled by load_state_dict(assign=True) has its weight on
     # another device without _apply running: the next call must look the backend up again.
-    import computectx.fp8.linear as linear_module
+    import computectx.fp8.linear.module as linear_module
 
     per_device = {"meta": Fp8Backend.TRITON, "cpu": Fp8Backend.REFERENCE}
     monkeypatch.setattr(linear_module, "default_backend", lambda d: per_device[d.type])

@@ -23,8 +23,8 @@ from computectx.fp8 import (
     fp8_autocast,
     fp8_stats,
 )
-from computectx.fp8.ledger import ledger_history
-from computectx.fp8.region import region_scaling_state
+from computectx.fp8.linear.autocast import region_scaling_state
+from computectx.fp8.numerics.ledger import ledger_history
 
 from .conftest import CtxFor
 

@@ -34,8 +34,8 @@ from computectx.fp8 import (
     Fp8Policy,
     Fp8Scheme,
 )
-from computectx.fp8.ledger import ledger_history, ledger_slot, ledger_step
-from computectx.fp8.saved_state import (
+from computectx.fp8.numerics.ledger import ledger_history, ledger_slot, ledger_step
+from computectx.fp8.state.saved import (
     META_WORLD,
     STATE_CODE,
     STATE_VERSION,

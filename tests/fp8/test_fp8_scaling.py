@@ -23,7 +23,7 @@ from computectx.fp8 import (
     fp8_stats,
 )
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.ledger import (
+from computectx.fp8.numerics.ledger import (
     ledger_history,
     ledger_new,
     ledger_nonfinite,
@@ -32,8 +32,9 @@ from computectx.fp8.ledger import (
     ledger_step,
     ledger_tail,
 )
-from computectx.fp8.saved_state import STATE_CODE
-from computectx.fp8.scaling import Fp8ScalingState, OperandScaling
+from computectx.fp8.state.layer import Fp8ScalingState
+from computectx.fp8.state.operand import OperandScaling
+from computectx.fp8.state.saved import STATE_CODE
 
 from .conftest import CtxFor, StepOf
 

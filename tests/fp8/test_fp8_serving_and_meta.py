@@ -18,7 +18,7 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear, Fp8Policy, convert_to_fp8
-from computectx.fp8.ledger import ledger_new
+from computectx.fp8.numerics.ledger import ledger_new
 from computectx.memory import load_weights, save_weights
 
 

@@ -24,7 +24,7 @@ CHILD = textwrap.dedent(
     import torch
     from computectx import ComputeCtx
     from computectx.fp8 import DelayedScaling, Fp8Linear, Fp8Policy, fp8_autocast
-    from computectx.fp8.region import region_scaling_state
+    from computectx.fp8.linear.autocast import region_scaling_state
 
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(
         fp8=Fp8Policy(scaling=DelayedScaling(history_len=3))

@@ -1,6 +1,6 @@
 """Fine-grained scaling (``fp8_quantize(..., granularity=)``) on the pure-torch twins.
 
-The twins (``computectx.fp8.granular``) are checked against an independent model: every
+The twins (``computectx.fp8.numerics.blockwise``) are checked against an independent model: every
 block cut out by hand, its step computed in plain Python (``math.frexp`` for the powers of
 two and the E8M0 exponents), and the block quantized by the per-tensor twin, which
 test_reference.py pins to the fp8 code tables. They then serve as the oracle for the Triton
@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, fp8_dequantize, fp8_quantize, granular, ops, reference
-from computectx.fp8.granular import Granularity, MxRounding
+from computectx.fp8 import Fp8Backend, fp8_dequantize, fp8_quantize
+from computectx.fp8.numerics import blockwise, layouts, tensorwise
+from computectx.fp8.numerics.layouts import Granularity, MxRounding
+from computectx.fp8.ops import quantize
 
 REF = Fp8Backend.REFERENCE
 FORMATS = list(Fp8Format)
@@ -87,7 +89,7 @@ def model_quantize(
             amax = math.nan if bool(a.isnan().any()) else float(a.max())
             step = model_step(amax, fmt, rule)
             steps[i, j] = step
-            qb, _ = reference.quantize_with_step(part, fmt, torch.tensor([step]))
+            qb, _ = tensorwise.quantize_with_step(part, fmt, torch.tensor([step]))
             q[i * br : (i + 1) * br, j * bc : (j + 1) * bc] = qb
     return q, steps
 
@@ -118,11 +120,11 @@ def test_twin_matches_the_block_by_block_model(
     data, scale = fp8_quantize(
         x, fmt, granularity=granularity, power_of_two=power_of_two, mx_rounding=mx_rounding
     )
-    layout = granular.layout_of(granularity, x.shape)
+    layout = layouts.layout_of(granularity, x.shape)
     rule = RULE_OF[(granularity, power_of_two, mx_rounding)]
     q_model, steps_model = model_quantize(x, fmt, (layout.block_rows, layout.block_cols), rule)
     assert same_bytes(data, q_model)
-    assert torch.equal(granular.steps_of_scale(scale).reshape(layout.grid), steps_model)
+    assert torch.equal(blockwise.steps_of_scale(scale).reshape(layout.grid), steps_model)
 
 
 def test_the_model_sees_what_it_should() -> None:
@@ -255,13 +257,13 @@ def test_dequantize_refuses_a_scale_of_no_granularity() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensor_granularity_is_todays_fp8_quantize(fmt: Fp8Format, dtype: torch.dtype) -> None:
     x = (torch.randn(33, 70, generator=torch.Generator().manual_seed(3)) * 7).to(dtype)
-    q, step, _ = ops.quantize_dynamic(x, fmt, 0, backend=REF)
+    q, step, _ = quantize.quantize_dynamic(x, fmt, 0, backend=REF)
     for data, scale in (fp8_quantize(x, fmt), fp8_quantize(x, fmt, granularity="tensor")):
         assert same_bytes(data, q) and torch.equal(scale, step) and scale.shape == (1,)
     # power_of_two=True: the smallest power of two >= the dynamic step.
     data, scale = fp8_quantize(x, fmt, granularity="tensor", power_of_two=True)
     assert scale.item() == 2.0 ** ceil_log2(step.item())
-    assert same_bytes(data, reference.quantize_with_step(x, fmt, scale)[0])
+    assert same_bytes(data, tensorwise.quantize_with_step(x, fmt, scale)[0])
 
 
 @pytest.mark.parametrize(("granularity", "power_of_two", "mx_rounding"), OPTIONS)
@@ -276,7 +278,7 @@ def test_a_given_scale_is_used_as_is(
     assert same is scale and same_bytes(again, data)
     # Twice the steps: every code changes (up to rounding), so the scale was read.
     doubled = (
-        granular.e8m0_of_steps(2 * granular.steps_of_scale(scale))
+        blockwise.e8m0_of_steps(2 * blockwise.steps_of_scale(scale))
         if granularity == "mx"
         else 2 * scale
     )
@@ -292,7 +294,7 @@ def test_steps_follow_the_rule(
     _, scale = fp8_quantize(
         x, "e4m3", granularity=granularity, power_of_two=power_of_two, mx_rounding=mx_rounding
     )
-    steps = granular.steps_of_scale(scale)
+    steps = blockwise.steps_of_scale(scale)
     pow2 = bool((torch.frexp(steps).mantissa == 0.5).all())
     assert pow2 == (RULE_OF[(granularity, power_of_two, mx_rounding)] != "amax")
 
@@ -308,8 +310,8 @@ def test_dequantize_is_within_half_an_ulp_of_each_block(
         x, fmt, granularity=granularity, power_of_two=power_of_two, mx_rounding=mx_rounding
     )
     back = fp8_dequantize(data, scale, torch.float32)
-    layout = granular.layout_of(granularity, x.shape)
-    step = granular.expand_steps(granular.steps_of_scale(scale).reshape(layout.grid), layout)
+    layout = layouts.layout_of(granularity, x.shape)
+    step = blockwise.expand_steps(blockwise.steps_of_scale(scale).reshape(layout.grid), layout)
     assert torch.equal(back, data.float() * step)
     err = (back.double() - x.double()).abs()
     bound = x.double().abs() * 2.0**-4 + step.double() * fmt.min_subnormal / 2
@@ -338,27 +340,27 @@ def test_a_non_finite_block_is_confined_to_itself(
     bad = x.clone()
     bad[5, 7], bad[5, 9], bad[5, 11] = math.nan, math.inf, -math.inf
     data, scale = fp8_quantize(bad, fmt, **kw)
-    layout = granular.layout_of(granularity, x.shape)
+    layout = layouts.layout_of(granularity, x.shape)
     hit = torch.zeros(layout.grid, dtype=torch.bool)
     hit[5 // layout.block_rows, 7 // layout.block_cols] = True
-    steps = granular.steps_of_scale(scale).reshape(layout.grid)
-    clean_steps = granular.steps_of_scale(clean_scale).reshape(layout.grid)
+    steps = blockwise.steps_of_scale(scale).reshape(layout.grid)
+    clean_steps = blockwise.steps_of_scale(clean_scale).reshape(layout.grid)
     assert bool((steps[hit] == 1.0).all())  # the per-tensor rule, for that block alone
     assert torch.equal(steps[~hit], clean_steps[~hit])
-    in_block = granular.expand_steps(hit.float(), layout).bool()
+    in_block = blockwise.expand_steps(hit.float(), layout).bool()
     assert torch.equal(data.view(torch.uint8)[~in_block], clean_data.view(torch.uint8)[~in_block])
     codes = data[5, 7:12:2].float().tolist()
     assert math.isnan(codes[0]) and codes[1:] == [fmt.max, -fmt.max]
     # The block's finite elements are quantized with step 1.
     assert same_bytes(
-        data[5, 8:9], reference.quantize_with_step(bad[5, 8:9], fmt, torch.ones(1))[0]
+        data[5, 8:9], tensorwise.quantize_with_step(bad[5, 8:9], fmt, torch.ones(1))[0]
     )
 
 
 def test_columnwise_is_the_quantize_of_the_transpose() -> None:
     x = torch.randn(70, 260, generator=torch.Generator().manual_seed(8))
     for g, pow2, mx in OPTIONS:
-        got = ops.quantize_granular(
+        got = quantize.quantize_granular(
             x, "e4m3", g, power_of_two=pow2, mx_rounding=mx, columnwise=True, backend=REF
         )
         want = fp8_quantize(
@@ -367,7 +369,7 @@ def test_columnwise_is_the_quantize_of_the_transpose() -> None:
         assert got[0].shape == (260, 70) and got[0].is_contiguous()
         assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
     with pytest.raises(ValueError, match=r"2-D.*\(2, 3, 4\)"):
-        ops.quantize_granular(torch.ones(2, 3, 4), "e4m3", "row", columnwise=True, backend=REF)
+        quantize.quantize_granular(torch.ones(2, 3, 4), "e4m3", "row", columnwise=True, backend=REF)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -383,11 +385,11 @@ def test_power_of_two_and_e8m0_helpers_are_exact() -> None:
     # Every power of two float32 holds, and one ulp either side of each.
     e = torch.arange(-149, 128, dtype=torch.int32)
     p = torch.tensor([2.0**k for k in range(-149, 128)], dtype=torch.float32)
-    assert torch.equal(granular.power_of_two_steps(p), p)
+    assert torch.equal(blockwise.power_of_two_steps(p), p)
     up = torch.nextafter(p, torch.full_like(p, math.inf))[:-1]
-    assert torch.equal(granular.power_of_two_steps(up), p[1:])
+    assert torch.equal(blockwise.power_of_two_steps(up), p[1:])
     # One ulp below (2**-149 and 2**-148 are one and two ulps above zero: skipped).
     down = torch.nextafter(p[2:], torch.zeros_like(p[2:]))
-    assert torch.equal(granular.power_of_two_steps(down), p[2:])
+    assert torch.equal(blockwise.power_of_two_steps(down), p[2:])
     e8 = p[e >= -127]
-    assert torch.equal(granular.steps_of_scale(granular.e8m0_of_steps(e8)), e8)
+    assert torch.equal(blockwise.steps_of_scale(blockwise.e8m0_of_steps(e8)), e8)

@@ -21,15 +21,14 @@ from computectx.fp8 import (
     fp8_dequantize,
     fp8_quantize,
     fp8_stats,
-    reference,
 )
-from computectx.fp8 import granular as g
-from computectx.fp8.autograd import Fp8LinearPlan, fp8_linear
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.block_gemm import block_scaled_mm
-from computectx.fp8.custom_ops import TALLY_ELEMENTS
-from computectx.fp8.granular_linear import OPERAND_GRANULARITY
-from computectx.fp8.ledger import ledger_history, ledger_step
+from computectx.fp8.linear.function import fp8_linear
+from computectx.fp8.linear.plan import Fp8LinearPlan
+from computectx.fp8.numerics import blockwise, layouts, tensorwise
+from computectx.fp8.numerics.layouts import OPERAND_GRANULARITY
+from computectx.fp8.numerics.ledger import TALLY_ELEMENTS, ledger_history, ledger_step
+from computectx.fp8.ops.gemm import block_scaled_mm
 
 sqnr: Callable[[torch.Tensor, torch.Tensor], float] = bench.sqnr  # the bench's SQNR, in dB
 
@@ -56,8 +55,8 @@ def grad(t: torch.Tensor) -> torch.Tensor:
 def quantize(x: torch.Tensor, fmt: Fp8Format, gran: str, policy: Fp8Policy) -> tuple[Any, ...]:
     """``x`` quantized as the table says, through the public ``fp8_quantize``: ``(codes,
     scale, gran, x_padded)``; an mx contraction under 32 is zero-padded to one block."""
-    if gran == "mx" and x.shape[-1] < g.MX_BLOCK:
-        x = nn.functional.pad(x, (0, g.MX_BLOCK - x.shape[-1]))
+    if gran == "mx" and x.shape[-1] < layouts.MX_BLOCK:
+        x = nn.functional.pad(x, (0, layouts.MX_BLOCK - x.shape[-1]))
     if gran == "mx":
         q, s = fp8_quantize(x, fmt, granularity="mx", mx_rounding=policy.mx_rounding)
     else:
@@ -149,8 +148,8 @@ def test_an_mx_operand_under_one_block_padded_with_zeros_is_one_partial_block() 
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(24, 20, generator=gen) * torch.logspace(-3, 3, 24).unsqueeze(1)
     padded, scale = fp8_quantize(nn.functional.pad(a, (0, 12)), "e4m3", granularity="mx")
-    partial = g.BlockLayout("mx", 24, 20, 1, 32, (24, 1), (24, 1))
-    codes, want = g.quantize(a, Fp8Format.E4M3, partial, "mx_rceil")
+    partial = layouts.BlockLayout("mx", 24, 20, 1, 32, (24, 1), (24, 1))
+    codes, want = blockwise.quantize(a, Fp8Format.E4M3, partial, "mx_rceil")
     assert torch.equal(scale.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(padded[:, :20].view(torch.uint8), codes.view(torch.uint8))
     assert not padded[:, 20:].float().any()
@@ -160,9 +159,9 @@ def test_an_mx_operand_under_one_block_padded_with_zeros_is_one_partial_block() 
 
 
 def elementwise_steps(scale: torch.Tensor, gran: str, shape: torch.Size) -> torch.Tensor:
-    layout = g.layout_of(gran, shape)  # type: ignore[arg-type]
-    steps = g.steps_of_scale(scale).reshape(layout.grid)
-    return g.expand_steps(steps, layout).double()
+    layout = layouts.layout_of(gran, shape)  # type: ignore[arg-type]
+    steps = blockwise.steps_of_scale(scale).reshape(layout.grid)
+    return blockwise.expand_steps(steps, layout).double()
 
 
 def gemm_bound(op_a: tuple[Any, ...], op_b: tuple[Any, ...], fa: Fp8Format, fb: Fp8Format,
@@ -248,7 +247,7 @@ def test_ledgers_record_the_amax_the_largest_block_step_and_the_elements(name: s
     for role, (t, (_, scale, _, _)) in recorded.items():
         op = layer.scaling.operands[role]
         assert torch.equal(ledger_history(op.ledger), t.detach().abs().amax().reshape(1)), role
-        largest = g.steps_of_scale(scale).amax().reshape(1)
+        largest = blockwise.steps_of_scale(scale).amax().reshape(1)
         assert torch.equal(ledger_step(op.ledger).reshape(1), largest), role
         assert int(op.tally[TALLY_ELEMENTS]) == t.numel(), role
 
@@ -414,7 +413,6 @@ def test_serving_fsdp2_fp8_weights_and_amax_reduction_are_refused_clearly(flag: 
 def test_every_gemm_and_quantize_runs_on_the_layers_backend(
     flag: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from computectx.fp8 import granular_linear, granular_ops
 
     seen: list[tuple[str, Fp8Backend]] = []
 
@@ -422,14 +420,17 @@ def test_every_gemm_and_quantize_runs_on_the_layers_backend(
         seen.append(("gemm", backend))
         return block_scaled_mm(*args, backend=Fp8Backend.REFERENCE)
 
-    real_quantize = granular_ops.quantize
+    from computectx.fp8.linear import blockwise as blockwise_linear
+    from computectx.fp8.ops import block_quantize
+
+    real_quantize = block_quantize.quantize_blocks
 
     def quantize(*args: Any, backend: Fp8Backend) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append(("quantize", backend))
         return real_quantize(*args, backend=Fp8Backend.REFERENCE)
 
-    monkeypatch.setattr(granular_linear, "block_scaled_mm", gemm)
-    monkeypatch.setattr(granular_ops, "quantize", quantize)
+    monkeypatch.setattr(blockwise_linear, "block_scaled_mm", gemm)
+    monkeypatch.setattr(block_quantize, "quantize_blocks", quantize)
     layer = Fp8Linear(64, 32, ctx=ComputeCtx.from_flag(flag, "cpu"), backend="cublas")
     layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
     assert [what for what, _ in seen].count("gemm") == 3
@@ -442,7 +443,7 @@ def test_the_row_gemm_is_the_reference_gemm_with_per_row_steps() -> None:
     b, sb = fp8_quantize(torch.randn(40, 80, generator=gen), "e4m3", granularity="row")
     bias = torch.randn(40, generator=gen)
     for out in (torch.float32, torch.bfloat16):
-        want = reference.scaled_mm(a, b, sa, sb, bias, out)
+        want = tensorwise.scaled_mm(a, b, sa, sb, bias, out)
         assert torch.equal(block_scaled_mm(a, b, sa, "row", sb, "row", bias, out), want)
 
 
@@ -452,8 +453,8 @@ def test_the_row_gemm_is_the_reference_gemm_with_per_row_steps() -> None:
 def test_a_block_weight_given_as_its_128x128_codes_and_scales_is_used_as_it_is(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from computectx.fp8 import granular_linear
-    from computectx.fp8.quantized import Fp8BlockWeight
+    from computectx.fp8.linear import blockwise
+    from computectx.fp8.linear.weights import Fp8BlockWeight
 
     text = "e4m3/block/dynamic/0"
     layer = Fp8Linear(K, N, ctx=ctx_of(text), dtype=torch.float32)
@@ -467,13 +468,13 @@ def test_a_block_weight_given_as_its_128x128_codes_and_scales_is_used_as_it_is(
     # The weight's quantize runs only for the high-precision weight; the given blocks are
     # the codes and scales that quantize gives, so everything else is the same, bit for bit.
     seen: list[tuple[int, ...]] = []
-    quantize = granular_linear._quantize
+    quantize = blockwise._quantize
 
     def counting(x: torch.Tensor, *args: Any) -> Any:
         seen.append(tuple(x.shape))
         return quantize(x, *args)
 
-    monkeypatch.setattr(granular_linear, "_quantize", counting)
+    monkeypatch.setattr(blockwise, "_quantize", counting)
     results = []
     for weight in (w.clone().requires_grad_(), given):
         seen.clear()
@@ -494,7 +495,7 @@ def test_a_block_weight_given_as_its_128x128_codes_and_scales_is_used_as_it_is(
 
 
 def test_fp8_block_weight_checks_its_parts_and_dequantizes_its_blocks() -> None:
-    from computectx.fp8.quantized import Fp8BlockWeight
+    from computectx.fp8.linear.weights import Fp8BlockWeight
 
     w = torch.randn(200, 160) * torch.logspace(-3, 3, 160)
     codes, scale = fp8_quantize(w, "e4m3", granularity="128x128")

@@ -1,4 +1,4 @@
-"""The pure-torch twins (``computectx.fp8.reference``): scale convention, rounding,
+"""The pure-torch twins (``computectx.fp8.numerics.tensorwise``): scale convention, rounding,
 saturation, the ledger, the GEMM.
 
 These tests check the pure-torch twins against independent models (float64 arithmetic,
@@ -16,14 +16,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, block_gemm, ops, reference
-from computectx.fp8.ledger import (
+from computectx.fp8 import Fp8Backend
+from computectx.fp8.numerics import blockwise_gemm, tensorwise
+from computectx.fp8.numerics.ledger import (
     ledger_history,
     ledger_new,
     ledger_nonfinite,
     ledger_saturated,
     ledger_step,
 )
+from computectx.fp8.ops import gemm, quantize
 
 REF = Fp8Backend.REFERENCE
 FORMATS = list(Fp8Format)
@@ -48,21 +50,21 @@ def step1() -> torch.Tensor:
 @pytest.mark.parametrize("margin", [0, 1, 3])
 def test_step_is_amax_over_max_over_two_to_the_margin(fmt: Fp8Format, margin: int) -> None:
     a = torch.tensor([3.7], dtype=torch.float32)
-    step = reference.step_from_amax(a, fmt, margin)
+    step = tensorwise.step_from_amax(a, fmt, margin)
     expected = torch.tensor([3.7], dtype=torch.float32) / (fmt.max / 2**margin)
     assert step.dtype == torch.float32
     assert torch.equal(step, expected)
     # The amax lands exactly on fmt.max / 2**margin, a value of the fp8 grid: a / step is
     # within a float32 rounding of it, far inside half an fp8 ulp. That is the headroom the
     # margin promises.
-    q, _ = reference.quantize_with_step(a, fmt, step)
+    q, _ = tensorwise.quantize_with_step(a, fmt, step)
     assert q.to(torch.float64).item() == fmt.max / 2**margin
 
 
 @pytest.mark.parametrize("bad", [0.0, float("inf"), float("-inf"), float("nan"), 1e-44])
 def test_degenerate_amax_gives_step_one(bad: float) -> None:
     # 1e-44 is a positive float32 subnormal whose step (1e-44 / 448) underflows to zero.
-    step = reference.step_from_amax(torch.tensor([bad]), Fp8Format.E4M3, 0)
+    step = tensorwise.step_from_amax(torch.tensor([bad]), Fp8Format.E4M3, 0)
     assert step.item() == 1.0
 
 
@@ -74,7 +76,7 @@ def test_degenerate_amax_gives_step_one(bad: float) -> None:
 def test_grid_values_quantize_exactly(fmt: Fp8Format) -> None:
     g = grid(fmt)
     x = torch.cat([g, -g]).to(torch.float32)
-    q, a = reference.quantize_with_step(x, fmt, step1())
+    q, a = tensorwise.quantize_with_step(x, fmt, step1())
     assert torch.equal(q.to(torch.float32), x)
     assert a.item() == fmt.max
 
@@ -87,9 +89,9 @@ def test_midpoints_round_to_even(fmt: Fp8Format) -> None:
     # Consecutive grid values alternate even/odd code; the even neighbour's value wins.
     lo_even = (codes[:-1] % 2) == 0
     expected = torch.where(lo_even, g[:-1], g[1:])
-    q, _ = reference.quantize_with_step(mid.to(torch.float32), fmt, step1())
+    q, _ = tensorwise.quantize_with_step(mid.to(torch.float32), fmt, step1())
     assert torch.equal(q.to(torch.float64), expected)
-    qn, _ = reference.quantize_with_step(-mid.to(torch.float32), fmt, step1())
+    qn, _ = tensorwise.quantize_with_step(-mid.to(torch.float32), fmt, step1())
     assert torch.equal(qn.to(torch.float64), -expected)
 
 
@@ -98,7 +100,7 @@ def test_midpoints_round_to_even(fmt: Fp8Format) -> None:
 def test_saturates_at_max_and_keeps_nan(fmt: Fp8Format, dtype: torch.dtype) -> None:
     big = min(torch.finfo(dtype).max, 1e30)
     x = torch.tensor([big, -big, math.inf, -math.inf, -math.nan, 0.0, -0.0], dtype=dtype)
-    q, a = reference.quantize_with_step(x, fmt, step1())
+    q, a = tensorwise.quantize_with_step(x, fmt, step1())
     v = q.to(torch.float32)
     assert v[:4].tolist() == [fmt.max, -fmt.max, fmt.max, -fmt.max]
     assert math.isnan(v[4].item())
@@ -107,18 +109,18 @@ def test_saturates_at_max_and_keeps_nan(fmt: Fp8Format, dtype: torch.dtype) -> N
     # -0.0 keeps its sign bit: the byte pattern of fp8 negative zero is 0x80.
     assert q.view(torch.uint8)[6].item() == 0x80
     assert math.isnan(a.item())  # a NaN input makes the amax NaN, so callers can count it
-    n_sat = reference.saturated_count(x, step1(), fmt)
+    n_sat = tensorwise.saturated_count(x, step1(), fmt)
     assert n_sat.item() == 4.0
 
 
 def test_zero_and_empty_tensors() -> None:
     z = torch.zeros(5, 3, dtype=torch.bfloat16)
-    q, step, a = reference.quantize_dynamic(z, Fp8Format.E4M3, 0)
+    q, step, a = tensorwise.quantize_dynamic(z, Fp8Format.E4M3, 0)
     assert step.item() == 1.0
     assert a.item() == 0.0
     assert torch.equal(q.view(torch.uint8), torch.zeros(5, 3, dtype=torch.uint8))
     e = torch.empty(0, 7, dtype=torch.float16)
-    q, step, a = reference.quantize_dynamic(e, Fp8Format.E5M2, 2)
+    q, step, a = tensorwise.quantize_dynamic(e, Fp8Format.E5M2, 2)
     assert q.shape == (0, 7)
     assert q.dtype == torch.float8_e5m2
     assert (step.item(), a.item()) == (1.0, 0.0)
@@ -134,7 +136,7 @@ def _normal_range_values(fmt: Fp8Format) -> st.SearchStrategy[list[float]]:
 def test_relative_error_in_normal_range(fmt: Fp8Format, margin: int, data: st.DataObject) -> None:
     values = data.draw(_normal_range_values(fmt))
     x = torch.tensor(values, dtype=torch.float32)
-    q, step, _ = reference.quantize_dynamic(x, fmt, margin)
+    q, step, _ = tensorwise.quantize_dynamic(x, fmt, margin)
     x_hat = q.to(torch.float64) * step.to(torch.float64)
     scaled = x.to(torch.float64) / step.to(torch.float64)
     normal = scaled.abs() >= fmt.min_normal
@@ -160,7 +162,7 @@ def test_never_infinite_for_any_finite_step(
     fmt: Fp8Format, values: list[float], step: float
 ) -> None:
     x = torch.tensor(values, dtype=torch.float32)
-    q, _ = reference.quantize_with_step(x, fmt, torch.tensor([step]))
+    q, _ = tensorwise.quantize_with_step(x, fmt, torch.tensor([step]))
     v = q.to(torch.float32)
     assert bool(torch.isfinite(v).all())
     assert bool((v.abs() <= fmt.max).all())
@@ -224,9 +226,9 @@ def test_ledger_follows_model(algo: str, margin: int) -> None:
         if not math.isfinite(sc):
             x[3] = sc
         step_before = ledger_step(ledger).clone()
-        q, used = ops.quantize_delayed(x, fmt, ledger, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
+        q, used = quantize.quantize_delayed(x, fmt, ledger, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
         assert torch.equal(used, step_before)
-        expected_q, _ = reference.quantize_with_step(x, fmt, step_before)
+        expected_q, _ = tensorwise.quantize_with_step(x, fmt, step_before)
         assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
         model.update(x, fmt, i % n, algo, margin)
         assert model.matches(ledger), (i, ledger, model.__dict__)
@@ -238,23 +240,25 @@ def test_window_max_and_most_recent_differ() -> None:
     fmt = Fp8Format.E5M2
     for algo, expected_amax in (("max", 100.0), ("most_recent", 1.0)):
         ledger = ledger_new(3, "cpu")
-        ops.quantize_delayed(torch.tensor([100.0]), fmt, ledger, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
-        ops.quantize_delayed(torch.tensor([1.0]), fmt, ledger, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
+        quantize.quantize_delayed(torch.tensor([100.0]), fmt, ledger, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
+        quantize.quantize_delayed(torch.tensor([1.0]), fmt, ledger, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
         # One float32 division, so the step is exactly that quotient.
         assert torch.equal(ledger_step(ledger), torch.tensor([expected_amax]) / fmt.max)
 
 
 def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
     ledger = ledger_new(2, "cpu")
-    ops.seed_ledger(ledger, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
+    quantize.seed_ledger(ledger, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
     assert ledger_history(ledger).tolist() == [8.0, 8.0]
     # One float32 division of the amax by 448 / 2**margin, exactly.
     assert torch.equal(ledger_step(ledger), torch.tensor([8.0]) / (448 / 2))
-    ops.quantize_delayed(torch.zeros(3), Fp8Format.E4M3, ledger, 0, "most_recent", 1, backend=REF)
+    quantize.quantize_delayed(
+        torch.zeros(3), Fp8Format.E4M3, ledger, 0, "most_recent", 1, backend=REF
+    )
     assert ledger_step(ledger).item() == 1.0
     before = ledger.clone()
     x = torch.tensor([1.0, math.nan])
-    ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 1, "max", 1, backend=REF)
+    quantize.quantize_delayed(x, Fp8Format.E4M3, ledger, 1, "max", 1, backend=REF)
     assert torch.equal(ledger_history(ledger), ledger_history(before))
     assert torch.equal(ledger_step(ledger), ledger_step(before))
     assert ledger_nonfinite(ledger).item() == ledger_nonfinite(before).item() + 1
@@ -263,7 +267,7 @@ def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
 def test_seed_with_nonfinite_keeps_the_ledger_and_counts_nothing() -> None:
     # The quantize of the same call counts the non-finite amax, once (docs/fp8.md).
     ledger = ledger_new(3, "cpu")
-    ops.seed_ledger(ledger, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
+    quantize.seed_ledger(ledger, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
     assert ledger_history(ledger).tolist() == [0.0, 0.0, 0.0]
     assert (ledger_step(ledger).item(), ledger_nonfinite(ledger).item()) == (1.0, 0.0)
     assert ledger_saturated(ledger).item() == 0.0
@@ -272,8 +276,8 @@ def test_seed_with_nonfinite_keeps_the_ledger_and_counts_nothing() -> None:
 def test_saturated_count_accumulates() -> None:
     ledger = ledger_new(1, "cpu")
     x = torch.tensor([500.0, -449.0, 448.0, 3.0])  # step 1: two beyond E4M3's 448
-    ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
-    ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
+    quantize.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
+    quantize.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
     assert ledger_saturated(ledger).item() == 2.0  # second call uses step 500/448
 
 
@@ -305,14 +309,14 @@ def test_scaled_mm_within_derived_bound(
     sa = torch.tensor([0.37])
     sb = torch.tensor([1.9e-3])
     bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
-    out = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
     assert out.dtype == out_dtype
     assert out.shape == (m, n)
     # The steps as the GEMM sees them: float32 values, multiplied exactly in float64.
     exact = (a.to(torch.float64) @ b.to(torch.float64).t()) * (sa.double() * sb.double())
     if bias is not None:
         exact = exact + bias.to(torch.float64)
-    bound = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
+    bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
     err = (out.to(torch.float64) - exact).abs()
     assert bool((err <= bound).all()), (err - bound).max()
 
@@ -330,9 +334,9 @@ def test_scaled_mm_property(m: int, n: int, k: int, seed: int, sa: float, sb: fl
     a = random_fp8((m, k), Fp8Format.E4M3, gen)
     b = random_fp8((n, k), Fp8Format.E5M2, gen)
     ta, tb = torch.tensor([sa]), torch.tensor([sb])
-    out = ops.scaled_mm(a, b, ta, tb, None, torch.float32, backend=REF)
+    out = gemm.scaled_mm(a, b, ta, tb, None, torch.float32, backend=REF)
     exact = (a.double() @ b.double().t()) * (ta.double() * tb.double())
-    bound = reference.scaled_mm_error_bound(a, b, ta, tb, None, torch.float32)
+    bound = tensorwise.scaled_mm_error_bound(a, b, ta, tb, None, torch.float32)
     assert bool(((out.double() - exact).abs() <= bound).all())
 
 
@@ -343,9 +347,9 @@ def test_scaled_mm_ignores_an_enclosing_autocast() -> None:
     a = random_fp8((24, 256), Fp8Format.E4M3, gen)
     b = random_fp8((16, 256), Fp8Format.E4M3, gen)
     sa, sb = torch.tensor([0.37]), torch.tensor([0.011])
-    plain = ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
+    plain = gemm.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
+        under = gemm.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
     assert under.dtype == torch.float32
     assert torch.equal(under, plain)
 
@@ -356,9 +360,9 @@ def test_the_bound_is_not_vacuous() -> None:
     a = random_fp8((8, 16), Fp8Format.E4M3, gen)
     b = random_fp8((8, 16), Fp8Format.E4M3, gen)
     one = torch.ones(1)
-    out = ops.scaled_mm(a, b, one, one, None, torch.bfloat16, backend=REF).double()
+    out = gemm.scaled_mm(a, b, one, one, None, torch.bfloat16, backend=REF).double()
     exact = a.double() @ b.double().t()
-    bound = reference.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
+    bound = tensorwise.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
     wrong = out + 2 * out.abs() * 2.0**-8 + 1e-3
     assert not bool(((wrong - exact).abs() <= bound).all())
 
@@ -366,7 +370,7 @@ def test_the_bound_is_not_vacuous() -> None:
 # ---------------------------------------------------------------------------------------
 # The bound for a narrower accumulator (the Triton kernel's fp8 dot on sm_90)
 
-NARROW = block_gemm.NARROW_ACCUMULATION
+NARROW = blockwise_gemm.NARROW_ACCUMULATION
 
 
 @pytest.mark.parametrize("k", [300, 50, 1, 0])
@@ -388,12 +392,12 @@ def test_narrow_accumulation_bound_by_hand(k: int, out_dtype: torch.dtype, u_out
     e = (gamma_h + gamma_n * (1 + gamma_h)) * mag
     tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
     want = e + u_out * (mag + e) + tiny
-    got = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=NARROW)
+    got = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=NARROW)
     assert got.shape == (4, 3) and got.dtype == torch.float64
     assert got.flatten().tolist() == pytest.approx([want] * 12, rel=1e-12)
     # The float32 bound is the same formula with gamma_h = 0, and never wider.
     e32 = gamma_n * mag
-    plain = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
+    plain = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
     want32 = e32 + u_out * (mag + e32) + tiny
     assert plain.flatten().tolist() == pytest.approx([want32] * 12, rel=1e-12)
     assert bool((got >= plain).all())
@@ -408,18 +412,18 @@ def test_narrow_accumulation_bound_widens_as_the_block_gemms() -> None:
         adds = min(128, width) - 1
         gamma_h = adds * 2.0**-13 / (1 - adds * 2.0**-13)
         gamma_n = roundings * 2.0**-24 / (1 - roundings * 2.0**-24)
-        got = reference.accumulation_gamma(roundings, width, NARROW)
+        got = tensorwise.accumulation_gamma(roundings, width, NARROW)
         assert got == pytest.approx(gamma_h + gamma_n * (1 + gamma_h), rel=1e-14)
-        assert reference.accumulation_gamma(roundings, width) == pytest.approx(gamma_n, rel=1e-14)
+        assert tensorwise.accumulation_gamma(roundings, width) == pytest.approx(gamma_n, rel=1e-14)
     # The block bound for row x row with the narrow accumulation, on all-ones operands
     # (exact = mag = K, steps 1): its gamma is accumulation_gamma(K + 5, K, NARROW).
     a = torch.ones(2, k).to(torch.float8_e4m3fn)
     b = torch.ones(3, k).to(torch.float8_e4m3fn)
     one_a, one_b = torch.ones(2, 1), torch.ones(3, 1)
-    got_block = block_gemm.scaled_mm_error_bound(
+    got_block = blockwise_gemm.scaled_mm_error_bound(
         a, b, one_a, "row", one_b, "row", None, torch.float32, accumulation=NARROW
     )
-    e = reference.accumulation_gamma(k + 5, k, NARROW) * k + 2.0**-148 * (k + 1)
+    e = tensorwise.accumulation_gamma(k + 5, k, NARROW) * k + 2.0**-148 * (k + 1)
     tiny = torch.finfo(torch.float32).smallest_normal * 2.0**-24 * 2
     assert got_block.flatten().tolist() == pytest.approx([e + 2.0**-24 * (k + e) + tiny] * 6)
 
@@ -455,8 +459,8 @@ def test_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(tile: int) -> 
     out = _narrow_scaled_mm(a, b, sa, sb, tile)
     exact = (a.double() @ b.double().t()) * (sa.double() * sb.double())
     err = (out.double() - exact).abs()
-    f32 = reference.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32)
-    wide = reference.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32, accumulation=NARROW)
+    f32 = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32)
+    wide = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32, accumulation=NARROW)
     assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
     assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
 
@@ -466,4 +470,4 @@ def test_narrow_accumulation_bound_refuses_a_bad_accumulation(bad: tuple[int, fl
     a = torch.ones(2, 4).to(torch.float8_e4m3fn)
     one = torch.ones(1)
     with pytest.raises(ValueError, match=r"accumulation must be \(w, u_h\).*got"):
-        reference.scaled_mm_error_bound(a, a, one, one, None, torch.float32, accumulation=bad)
+        tensorwise.scaled_mm_error_bound(a, a, one, one, None, torch.float32, accumulation=bad)

@@ -15,9 +15,9 @@ few hundredths of a dB. Two differences by design, both asserted below:
   two give the same SQNR; on a weight with outlier input channels ours is the better one.
 - With ``gw_hp``, torchao's high-precision wgrad is ``torch.mm`` of the bf16 operands, rounded
   to bf16 before autograd widens it to a float32 weight's dtype; ours keeps the float32
-  product for a float32 weight (granular_linear.py). With a float32 weight ours is therefore
-  far more accurate, and rounded to bf16 it is within 0.5 dB of torchao's; with a bf16 weight
-  both round once to bf16.
+  product for a float32 weight (computectx/fp8/linear/blockwise.py). With a float32 weight ours is
+  therefore far more accurate, and rounded to bf16 it is within 0.5 dB of torchao's; with a bf16
+  weight both round once to bf16.
 
 torchao's public ``convert_to_float8_training`` patches inductor's Triton code generation for
 the whole process (``torchao/float8/_inductor_patch.py``), which other tests in the same run

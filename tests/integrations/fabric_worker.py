@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from computectx import ComputeCtx, DType
 from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
 from computectx.fp8 import Fp8Linear, convert_to_fp8
-from computectx.fp8.linear import SCALING_PREFIX
+from computectx.fp8.linear.module import SCALING_PREFIX
 
 ROWS, WIDTH, STEPS = 8, 32, 4
 TIMEOUT = datetime.timedelta(seconds=30)

@@ -30,7 +30,7 @@ from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 from computectx import ComputeCtx, DType
 from computectx.distributed import Fp8AmaxSync
 from computectx.fp8 import Fp8Linear, convert_to_fp8
-from computectx.fp8.ledger import ledger_history, ledger_step
+from computectx.fp8.numerics.ledger import ledger_history, ledger_step
 from computectx.integrations.torchtitan import fp8_parallelize_fn
 
 ROWS, WIDTH = 8, 32  # a row is a token here: every one valid

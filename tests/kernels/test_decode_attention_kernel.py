@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from computectx.fp8 import Fp8Backend
-from computectx.fp8.decode_attention import (
-    decode_attention,
+from computectx.fp8.numerics.attention import (
     decode_attention_error_bound,
     decode_attention_reference,
 )
+from computectx.fp8.serving.decode_attention import decode_attention
 
 from .conftest import ON_GPU
 

@@ -16,8 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, custom_ops, ops
-from computectx.fp8.ledger import ledger_new, read_ledger
+from computectx.fp8 import Fp8Backend
+from computectx.fp8.numerics.ledger import ledger_new, read_ledger, tally_new
+from computectx.fp8.ops import ledger_quantize
+from computectx.fp8.ops.quantize import quantize_operand
 from computectx.kernels import quantize
 from computectx.recipes import DelayedScaling
 
@@ -34,10 +36,10 @@ _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_st
 def test_a_nan_first_call_is_counted_once_on_the_operator(
     backend: Fp8Backend, device: torch.device
 ) -> None:
-    ledger, tally = ledger_new(4, device), custom_ops.tally_new(device)
+    ledger, tally = ledger_new(4, device), tally_new(device)
     x = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(device)
     x[17] = math.nan
-    q, used = ops.quantize_operand(
+    q, used = quantize_operand(
         x, E4M3, ledger, tally, DelayedScaling(history_len=4), backend=backend
     )
     after = read_ledger(ledger)
@@ -92,11 +94,11 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> _Launches:
 def test_one_seeded_delayed_quantize_is_the_launches_the_docs_state(
     history: int, expected: list[str], launches: _Launches, device: torch.device
 ) -> None:
-    ledger, tally = ledger_new(history, device), custom_ops.tally_new(device)
+    ledger, tally = ledger_new(history, device), tally_new(device)
     x = torch.randn(4096, device=device)
 
     def call(may_seed: bool) -> None:
-        custom_ops.delayed_call(x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed)
+        ledger_quantize.delayed_call(x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed)
 
     call(True)  # seeds (and creates the kernel's scratch)
     launches.kernels = 0
@@ -110,10 +112,12 @@ def test_one_seeded_delayed_quantize_is_the_launches_the_docs_state(
 def test_the_seeding_check_adds_the_launches_the_docs_state(
     launches: _Launches, device: torch.device
 ) -> None:
-    ledger, tally = ledger_new(16, device), custom_ops.tally_new(device)
+    ledger, tally = ledger_new(16, device), tally_new(device)
     x = torch.randn(4096, device=device)
     with launches:
-        custom_ops.delayed_call(x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed=True)
+        ledger_quantize.delayed_call(
+            x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed=True
+        )
     assert launches.kernels == 1
     assert launches.ops[-4:] == ["roll", "copy_", "fill_", "add_"]
     seeding = launches.ops[:-4]

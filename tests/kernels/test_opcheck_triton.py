@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.fp8 import custom_ops as fp8_custom_ops
-from computectx.fp8.ledger import ledger_new
+from computectx.fp8.numerics.ledger import ledger_new, tally_new
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # torch's test_schema compares inputs with allclose, which has no fp8 kernel on the CPU.
@@ -34,7 +33,7 @@ def _cases(device: torch.device) -> list[tuple[str, Any, tuple[object, ...]]]:
             (
                 x,
                 ledger_new(4, device),
-                fp8_custom_ops.tally_new(device),
+                tally_new(device),
                 torch.float8_e4m3fn,
                 "max",
                 0,
@@ -48,7 +47,7 @@ def _cases(device: torch.device) -> list[tuple[str, Any, tuple[object, ...]]]:
             (
                 x,
                 ledger_new(1, device),
-                fp8_custom_ops.tally_new(device),
+                tally_new(device),
                 torch.float8_e5m2,
                 0,
                 "triton",

@@ -1,12 +1,12 @@
 """The Triton block-scaled GEMM against float64 and its twin, within the twin's bound.
 
-The bound is ``block_gemm.scaled_mm_error_bound`` (derived in ``computectx.fp8.block_gemm``'s
-docstring): it allows any float32 order inside a scale block and across the scaled partial
-sums, which is what the kernel's narrower K steps change. On a GPU (CUDA) it is the bound for
-the tensor cores' narrower accumulation of each K step (``block_gemm.NARROW_ACCUMULATION``);
-under the interpreter, the float32 one. When every partial sum is exact
-(small-integer codes, power-of-two steps) the kernel and the twin round the same exact
-value once and must agree bit for bit.
+The bound is ``numerics.blockwise_gemm.scaled_mm_error_bound`` (derived in
+``computectx.fp8.ops.gemm``'s docstring): it allows any float32 order inside a scale block and
+across the scaled partial sums, which is what the kernel's narrower K steps change. On a GPU (CUDA)
+it is the bound for the tensor cores' narrower accumulation of each K step
+(``numerics.blockwise_gemm.NARROW_ACCUMULATION``); under the interpreter, the float32 one. When
+every partial sum is exact (small-integer codes, power-of-two steps) the kernel and the twin round
+the same exact value once and must agree bit for bit.
 """
 
 from __future__ import annotations
@@ -16,9 +16,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from computectx.fp8 import block_gemm, fp8_quantize, granular
+from computectx.fp8 import fp8_quantize
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.block_gemm import PAIRS, GemmGranularity, block_scaled_mm
+from computectx.fp8.numerics import blockwise_gemm, layouts
+from computectx.fp8.numerics.layouts import PAIRS, BlockGranularity
+from computectx.fp8.ops.gemm import block_scaled_mm
 
 pytestmark = pytest.mark.interpreter
 
@@ -28,7 +30,7 @@ E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 def operand(
     shape: tuple[int, int],
-    g: GemmGranularity,
+    g: BlockGranularity,
     fp8: torch.dtype,
     seed: int,
     transposed: bool,
@@ -47,15 +49,15 @@ def operand(
 def exact(
     a: torch.Tensor,
     sa: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     b: torch.Tensor,
     sb: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     k = a.shape[1]
 
-    def deq(t: torch.Tensor, s: torch.Tensor, g: GemmGranularity) -> torch.Tensor:
+    def deq(t: torch.Tensor, s: torch.Tensor, g: BlockGranularity) -> torch.Tensor:
         s64 = s.cpu().to(torch.float32).to(torch.float64)
         i = torch.arange(t.shape[0]).reshape(-1, 1)
         j = torch.arange(k).reshape(1, -1)
@@ -75,17 +77,17 @@ def check_within_bound(
     out: torch.Tensor,
     a: torch.Tensor,
     sa: torch.Tensor,
-    ga: GemmGranularity,
+    ga: BlockGranularity,
     b: torch.Tensor,
     sb: torch.Tensor,
-    gb: GemmGranularity,
+    gb: BlockGranularity,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> None:
     # On a GPU the tensor cores sum each BLOCK_K step in a narrower accumulator: the bound
     # for that accumulation (block_gemm's docstring); the interpreter's dot is float32.
-    narrow = block_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
-    bound = block_gemm.scaled_mm_error_bound(
+    narrow = blockwise_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
+    bound = blockwise_gemm.scaled_mm_error_bound(
         a, b, sa, ga, sb, gb, bias, out_dtype, accumulation=narrow
     )
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
@@ -104,8 +106,8 @@ CASES = [
 @pytest.mark.parametrize(("ga", "gb"), PAIRS)
 @pytest.mark.parametrize(("m", "n", "k", "ta", "tb", "bias_dtype", "out_dtype"), CASES)
 def test_every_pair_is_within_the_twins_bound(
-    ga: GemmGranularity,
-    gb: GemmGranularity,
+    ga: BlockGranularity,
+    gb: BlockGranularity,
     m: int,
     n: int,
     k: int,
@@ -131,7 +133,7 @@ def test_every_pair_is_within_the_twins_bound(
 @pytest.mark.parametrize(("ga", "gb"), PAIRS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_exact_sums_give_the_twins_bits(
-    ga: GemmGranularity, gb: GemmGranularity, out_dtype: torch.dtype, device: torch.device
+    ga: BlockGranularity, gb: BlockGranularity, out_dtype: torch.dtype, device: torch.device
 ) -> None:
     gen = torch.Generator().manual_seed(4)
     m, n, k = 133, 19, 200
@@ -139,8 +141,8 @@ def test_exact_sums_give_the_twins_bits(
     def codes(rows: int) -> torch.Tensor:
         return torch.randint(-8, 9, (rows, k), generator=gen).float().to(E4M3)
 
-    def pow2(g: GemmGranularity, rows: int) -> torch.Tensor:
-        shape = granular.layout_of(g, (rows, k)).scale_shape
+    def pow2(g: BlockGranularity, rows: int) -> torch.Tensor:
+        shape = layouts.layout_of(g, (rows, k)).scale_shape
         e = torch.randint(-4, 5, shape, generator=gen)
         if g == "mx":
             return (e + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
@@ -191,7 +193,7 @@ def test_random_shapes_within_bound(
     m: int,
     n: int,
     k: int,
-    pair: tuple[GemmGranularity, GemmGranularity],
+    pair: tuple[BlockGranularity, BlockGranularity],
     with_bias: bool,
     seed: int,
     device: torch.device,
@@ -236,7 +238,7 @@ def test_launcher_rejects_bad_blocks_and_scales(device: torch.device) -> None:
 def test_opcheck_on_the_triton_backend(device: torch.device) -> None:
     op = torch.ops.computectx.fp8_block_scaled_mm
     without_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
-    pairs: list[tuple[GemmGranularity, GemmGranularity]] = [("1x128", "128x128"), ("mx", "mx")]
+    pairs: list[tuple[BlockGranularity, BlockGranularity]] = [("1x128", "128x128"), ("mx", "mx")]
     for ga, gb in pairs:
         a, sa = operand((6, 64), ga, E4M3, 1, False)
         b, sb = operand((16, 64), gb, E4M3, 2, False)

@@ -1,6 +1,6 @@
 """The Triton scaled GEMM against float64 and its twin, within a derived error bound.
 
-The bound (``reference.scaled_mm_error_bound``, derived in its docstring): fp8 products
+The bound (``numerics.tensorwise.scaled_mm_error_bound``, derived in its docstring): fp8 products
 are exact in float32, so the only errors are float32 summation of K terms in some order,
 ``gamma_K * sum|a||b|`` with ``gamma_K = K u / (1 - K u)``, ``u = 2**-24``, three more
 float32 roundings in the epilogue (``step_a * step_b``, the scaling, the bias add), and the
@@ -8,8 +8,8 @@ final rounding to the output dtype, half an ulp (``2**-8`` relative for bf16, ``
 fp16, ``2**-24`` for fp32). That is the bound under the interpreter, whose dot is float32;
 on CUDA the tensor cores sum each ``BLOCK_K`` tile in a narrower accumulator before
 promoting it, and the tests use the wider bound for that accumulation
-(``accumulation=block_gemm.NARROW_ACCUMULATION``). When every partial sum is exact (small
-integers, power-of-two steps; exact in the narrow accumulator too) the bound leaves only the
+(``accumulation=numerics.blockwise_gemm.NARROW_ACCUMULATION``). When every partial sum is exact
+(small integers, power-of-two steps; exact in the narrow accumulator too) the bound leaves only the
 output rounding, and the kernel must match exactly.
 """
 
@@ -21,7 +21,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, block_gemm, ops, reference
+from computectx.fp8 import Fp8Backend
+from computectx.fp8.numerics import blockwise_gemm, tensorwise
+from computectx.fp8.ops import gemm
 
 pytestmark = pytest.mark.interpreter
 
@@ -57,10 +59,10 @@ def check_within_bound(
     # On a GPU the tensor cores sum each BLOCK_K tile in a narrower accumulator: the bound
     # for that accumulation (reference.scaled_mm_error_bound's docstring); the interpreter's
     # dot, and the twin, are float32.
-    narrow = block_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
+    narrow = blockwise_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
     a, b, sa, sb, out = a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), out.cpu()
     bias = None if bias is None else bias.cpu()
-    bound = reference.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=narrow)
+    bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=narrow)
     err = (out.double() - exact(a, b, sa, sb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
 
@@ -100,11 +102,11 @@ def test_odd_shapes_within_bound(
     sa = torch.tensor([0.37], device=device)
     sb = torch.tensor([2.3e-3], device=device)
     bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype).to(device)
-    out = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
+    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
     assert out.shape == (m, n)
     assert out.dtype == out_dtype
     check_within_bound(out, a, b, sa, sb, bias, out_dtype)
-    twin = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    twin = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
     check_within_bound(twin, a, b, sa, sb, bias, out_dtype)
 
 
@@ -126,8 +128,8 @@ def test_exact_sums_give_identical_outputs(
     sa = torch.tensor([2.0**-3], device=device)
     sb = torch.tensor([2.0**-7 * 3], device=device)  # 3/128: exact products, rounding in out
     bias = (torch.randint(-50, 50, (n,), generator=gen).float() / 8).to(device)
-    out = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
-    twin = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
+    twin = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
     assert torch.equal(out.cpu(), twin.cpu())
 
 
@@ -167,7 +169,7 @@ def test_random_shapes_within_bound(
     sa = torch.tensor([1.3 * 2.0**log_sa], device=device)
     sb = torch.tensor([0.7 * 2.0**log_sb], device=device)
     bias = torch.randn(n, generator=gen).to(device) if with_bias else None
-    out = ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
+    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
     check_within_bound(out, a, b, sa, sb, bias, out_dtype)
 
 

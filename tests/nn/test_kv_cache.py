@@ -11,7 +11,7 @@ import torch
 
 from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError
 from computectx.fp8 import Fp8Backend
-from computectx.fp8.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
+from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
 from computectx.nn import Attention, KVCache, kv_bytes_per_token
 
 CPU = torch.device("cpu")
