@@ -1,4 +1,5 @@
-"""Suite-wide settings: a hypothesis profile sized for 2-core CI machines."""
+"""Suite-wide settings: a hypothesis profile sized for 2-core CI machines, and one CPU's worth
+of torch threads per xdist worker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,26 @@ settings.register_profile(
 )
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def _share_the_cores() -> None:
+    # Under `pytest -n N` every worker would start torch with a thread per core, N times over
+    # on the same cores, and the processes a test starts (docs samples, the demo) would do the
+    # same: on a 2-core CI machine that is 4+ busy threads on 2 cores. Each worker takes its
+    # share, and so do its children (OMP_NUM_THREADS); ranks launched by the distributed
+    # harness pin themselves to 1 already. Results do not depend on it: every comparison in
+    # the suite is within one process or against a bound.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    share = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    import torch
+
+    torch.set_num_threads(share)
+
+
+_share_the_cores()
 
 
 def _triton_interpreted_first() -> None:
