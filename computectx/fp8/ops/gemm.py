@@ -110,6 +110,39 @@ def _check_operand(name: str, t: object) -> torch.Tensor:
     return t
 
 
+def _check_operands(a: object, b: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a [M, K]`` and ``b [N, K]``: 2-D fp8 tensors on one device with the same K."""
+    ta, tb = _check_operand("a", a), _check_operand("b", b)
+    if ta.shape[1] != tb.shape[1]:
+        raise ValueError(
+            f"a is [M, K] and b is [N, K] with the same K; got a {tuple(ta.shape)}, "
+            f"b {tuple(tb.shape)}"
+        )
+    if tb.device != ta.device:
+        raise ValueError(f"a is on {ta.device} but b is on {tb.device}")
+    return ta, tb
+
+
+def _check_bias_and_out(bias: object, out_dtype: object, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``bias`` None or ``[N]`` of a ``FLOAT_DTYPES`` dtype on ``a``'s device; ``out_dtype``
+    one of ``FLOAT_DTYPES``."""
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+        if bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (b.shape[0],):
+            raise ValueError(
+                f"bias must be a bf16/fp16/fp32 tensor of shape ({b.shape[0]},); got dtype "
+                f"{bias.dtype}, shape {tuple(bias.shape)}"
+            )
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"out_dtype {out_dtype!r} is not supported; accepted: "
+            f"{', '.join(map(str, FLOAT_DTYPES))}"
+        )
+
+
 def _check_scale(
     name: str, scale: object, granularity: BlockGranularity, t: torch.Tensor
 ) -> torch.Tensor:
@@ -145,31 +178,10 @@ def check_args(
             f"block_scaled_mm does not multiply granularity {ga!r} by {gb!r}; accepted "
             f"pairs (granularity_a, granularity_b): {_pairs_text()}"
         )
-    ta, tb = _check_operand("a", a), _check_operand("b", b)
-    if ta.shape[1] != tb.shape[1]:
-        raise ValueError(
-            f"a is [M, K] and b is [N, K] with the same K; got a {tuple(ta.shape)}, "
-            f"b {tuple(tb.shape)}"
-        )
-    if tb.device != ta.device:
-        raise ValueError(f"a is on {ta.device} but b is on {tb.device}")
+    ta, tb = _check_operands(a, b)
     _check_scale("scale_a", scale_a, ga, ta)
     _check_scale("scale_b", scale_b, gb, tb)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
-        if bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (tb.shape[0],):
-            raise ValueError(
-                f"bias must be a bf16/fp16/fp32 tensor of shape ({tb.shape[0]},); got dtype "
-                f"{bias.dtype}, shape {tuple(bias.shape)}"
-            )
-        if bias.device != ta.device:
-            raise ValueError(f"bias is on {bias.device} but a is on {ta.device}")
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(
-            f"out_dtype {out_dtype!r} is not supported; accepted: "
-            f"{', '.join(map(str, FLOAT_DTYPES))}"
-        )
+    _check_bias_and_out(bias, out_dtype, ta, tb)
     return ga, gb
 
 
@@ -228,38 +240,10 @@ def scaled_mm(
     strides (``.t()`` views work); ``bias`` is ``[N]`` (bf16/fp16/fp32) or None; the result
     is a new ``[M, N]`` tensor of ``out_dtype`` (bf16, fp16 or fp32).
     """
-    for name, t in (("a", a), ("b", b)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be an fp8 tensor, got {type(t).__name__}")
-        if t.dtype not in FP8_DTYPES or t.dim() != 2:
-            raise ValueError(
-                f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor; "
-                f"got dtype {t.dtype}, shape {tuple(t.shape)}"
-            )
-    if a.shape[1] != b.shape[1]:
-        raise ValueError(
-            f"a is [M, K] and b is [N, K] with the same K; got a {tuple(a.shape)}, "
-            f"b {tuple(b.shape)}"
-        )
-    if b.device != a.device:
-        raise ValueError(f"a is on {a.device} but b is on {b.device}")
+    _check_operands(a, b)
     sa = scalar_arg("step_a", step_a, a.device)
     sb = scalar_arg("step_b", step_b, a.device)
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor):
-            raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
-        if bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (b.shape[0],):
-            raise ValueError(
-                f"bias must be a bf16/fp16/fp32 tensor of shape ({b.shape[0]},); "
-                f"got dtype {bias.dtype}, shape {tuple(bias.shape)}"
-            )
-        if bias.device != a.device:
-            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
-    if out_dtype not in FLOAT_DTYPES:
-        raise ValueError(
-            f"out_dtype {out_dtype!r} is not supported; accepted: "
-            f"{', '.join(map(str, FLOAT_DTYPES))}"
-        )
+    _check_bias_and_out(bias, out_dtype, a, b)
     chosen = check_backend(backend, a)
     out: torch.Tensor = torch.ops.computectx.fp8_scaled_mm(
         a, b, sa, sb, bias, out_dtype, chosen.value
