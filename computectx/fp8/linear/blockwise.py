@@ -36,7 +36,7 @@ dtype. The bias gradient sums the unquantized ``dY`` in float32. The ``gw_hp`` w
 an IEEE float32 matmul with TF32 off for that call (``computectx::wgrad_float32``).
 
 **Ragged shapes.** A contraction that is not a multiple of the block is a partial last
-block (``granular``'s rule). The one shape a block layout refuses is an ``mx`` contraction
+block (``numerics.blockwise``'s rule). The one shape a block layout refuses is an ``mx`` contraction
 shorter than one block (``K < 32``): ``Fp8Linear`` refuses ``mx`` widths that are not
 multiples of 32 (``check_granularity_widths``; ``convert_to_fp8`` skips them and an
 ``fp8_autocast`` region runs them in high precision), so that happens only in the wgrad of a
@@ -75,8 +75,8 @@ from computectx.fp8.numerics.layouts import (
     step_rule_of,
 )
 from computectx.fp8.numerics.ledger import count, ledger_saturated
+from computectx.fp8.ops import registry
 from computectx.fp8.ops.gemm import block_scaled_mm
-from computectx.fp8.ops.registry import Quantized
 from computectx.fp8.state.operand import OperandScaling
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def _quantize(
     granularity: BlockGranularity,
     plan: Fp8LinearPlan,
     count_saturated: bool = False,
-) -> Quantized:
+) -> registry.Quantized:
     """``x`` quantized in blocks along its last dimension: ``(codes, scale, largest step,
     saturated count)``, the scale as ``fp8_quantize`` returns it, the count (float32 ``(1,)``)
     only when ``count_saturated`` (a recorded quantize; else 0); an ``mx`` contraction under
@@ -99,7 +99,7 @@ def _quantize(
     if granularity == "mx" and x.shape[-1] < MX_BLOCK:
         x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1]))
     rule = step_rule_of(plan.policy)
-    out: Quantized = torch.ops.computectx.fp8_quantize_blocks(
+    out: registry.Quantized = registry.fp8_quantize_blocks(
         x, fmt.torch, granularity, rule, plan.backend.value, count_saturated
     )
     return out
@@ -189,7 +189,7 @@ class _GranularLinearFunction(torch.autograd.Function):
             # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
             # in float32 until it reaches the weight's dtype.
             if policy.gw_hp:
-                dw32 = torch.ops.computectx.wgrad_float32(dy, x)
+                dw32 = registry.wgrad_float32(dy, x)
             else:
                 gtq, sgt, gt_step, gt_sat = _quantize(dy.t(), bwd, g_act, plan, record)
                 if record:

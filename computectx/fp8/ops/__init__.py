@@ -7,11 +7,14 @@ Up to 0.1.0 this name was the module of the checked entry points; reading one of
 names here still works for one release, with a ``DeprecationWarning``.
 """
 
-from computectx._moved import package_getattr
+from typing import TYPE_CHECKING
 
-__getattr__ = package_getattr(
-    "computectx.fp8.ops",
-    "the checked entry points",
-    ("computectx.fp8.ops.quantize", "computectx.fp8.ops.gemm", "computectx.dtypes"),
-    {"QUANTIZABLE_DTYPES": "FLOAT_DTYPES"},
-)
+from computectx._moved import package_getattr as _package_getattr
+
+if not TYPE_CHECKING:  # mypy reads the real modules: a typo stays an error
+    __getattr__ = _package_getattr(
+        "computectx.fp8.ops",
+        "the checked entry points",
+        ("computectx.fp8.ops.quantize", "computectx.fp8.ops.gemm", "computectx.dtypes"),
+        {"QUANTIZABLE_DTYPES": "FLOAT_DTYPES"},
+    )

@@ -1,9 +1,10 @@
-"""The block-scaled fp8 GEMM: one entry point for every fine granularity, and its twin.
+"""The checked fp8 GEMMs: ``scaled_mm`` (per-tensor or per-row steps) and ``block_scaled_mm``
+(every fine granularity; its twin and bound are ``numerics.blockwise_gemm``'s).
 
 ``block_scaled_mm(a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype)``
 computes ``(a * steps_a) @ (b * steps_b).T (+ bias)`` for fp8 codes ``a [M, K]`` and
 ``b [N, K]`` (K, the last dimension of both, is contracted), each scaled at a granularity of
-``computectx.fp8.numerics.blockwise``, with the scale ``fp8_quantize`` returns for the 2-D operand:
+``computectx.fp8.numerics.layouts``, with the scale ``fp8_quantize`` returns for the 2-D operand:
 
 ==========  ===========================================  =============================
 name        scale of an operand of ``rows x K``          accepted with
@@ -15,7 +16,7 @@ name        scale of an operand of ``rows x K``          accepted with
 ==========  ===========================================  =============================
 
 The accepted ``(granularity_a, granularity_b)`` pairs are ``PAIRS``. Ragged K is a partial
-last K block (as in ``granular``): its step came from the elements there are, and the GEMM
+last K block (as in ``numerics.blockwise``): its step came from the elements there are, and the GEMM
 sums just those. Anything else (another pair, a scale of the wrong shape or dtype, K that
 differs between the operands, a non-fp8 operand) is a ``ValueError`` naming the values and
 what is accepted; nothing runs.
@@ -67,7 +68,7 @@ magnitudes are at most ``(1 + gamma_h)`` times the exact ones, so ``gamma_n`` be
 
 (``gamma_h`` is about 0.0157 for ``w' = 128``, against ``gamma_n`` about 1.8e-5 for
 ``K = 300``), for every pair, ``row`` included; ``scaled_mm_error_bound(accumulation=(w,
-u_h))`` computes it, with ``reference.accumulation_gamma`` (shared with the per-tensor
+u_h))`` computes it, with ``numerics.tensorwise.accumulation_gamma`` (shared with the per-tensor
 bound, ``numerics.tensorwise.scaled_mm_error_bound``).
 
 **Backends** (``backend=``, an ``Fp8Backend``): ``REFERENCE`` runs the twin; ``TRITON`` the
@@ -90,6 +91,7 @@ from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.fp8.backend import Fp8Backend, check_backend, parse_backend
 from computectx.fp8.numerics import layouts
 from computectx.fp8.numerics.layouts import BLOCK_GRANULARITIES, PAIRS, BlockGranularity
+from computectx.fp8.ops import registry
 from computectx.fp8.ops.quantize import scalar_arg
 
 __all__ = ["block_scaled_mm", "check_args", "scaled_mm"]
@@ -210,7 +212,7 @@ def block_scaled_mm(
     """
     ga, gb = check_args(a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype)
     chosen = check_backend(parse_backend(backend) if isinstance(backend, str) else backend, a)
-    out: torch.Tensor = torch.ops.computectx.fp8_block_scaled_mm(
+    out: torch.Tensor = registry.fp8_block_scaled_mm(
         a, b, scale_a, ga, scale_b, gb, bias, out_dtype, chosen.value
     )
     return out
@@ -245,7 +247,5 @@ def scaled_mm(
     sb = scalar_arg("step_b", step_b, a.device)
     _check_bias_and_out(bias, out_dtype, a, b)
     chosen = check_backend(backend, a)
-    out: torch.Tensor = torch.ops.computectx.fp8_scaled_mm(
-        a, b, sa, sb, bias, out_dtype, chosen.value
-    )
+    out: torch.Tensor = registry.fp8_scaled_mm(a, b, sa, sb, bias, out_dtype, chosen.value)
     return out

@@ -1,7 +1,7 @@
 """fp8 operations behind one interface: input checks, then dispatch to a backend.
 
-Two modules split the fp8 operations: this one, ``ops``, holds the checked entry points
-users call; ``computectx.fp8.ops.registry`` registers the ``torch.library`` custom operators,
+The checked quantize entry points users call live here (the GEMMs' in ``ops.gemm``);
+``computectx.fp8.ops.registry`` registers the ``torch.library`` custom operators,
 the nodes ``torch.compile`` sees, which these functions call once their checks pass.
 
 Every operation takes a ``backend`` (``computectx.fp8.backend``: ``select_backend`` picks
@@ -22,7 +22,7 @@ amax): the amax maps to ``fmt.max / 2**margin``, leaving ``2**margin`` of headro
 Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device, never
 Python floats, so no operation here waits for the device. The delayed-scaling ledger of one
 operand (``ledger_new``) is laid out by ``computectx.fp8.numerics.ledger``; the Triton kernel
-receives that layout's offsets from here.
+receives that layout's offsets from ``ops.ledger_quantize``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from computectx.fp8.numerics.ledger import (
     ledger_history_len,
     ledger_new,
 )
-from computectx.fp8.ops import block_quantize, ledger_quantize
+from computectx.fp8.ops import block_quantize, ledger_quantize, registry
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = [
@@ -59,8 +59,6 @@ __all__ = [
     "seed_ledger",
     "select_backend",
 ]
-
-"""The dtypes quantize reads (and a GEMM bias may have)."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -157,7 +155,7 @@ def quantize_with_step(
     fmt = _fmt_arg(fmt)
     s = scalar_arg("step", step, data.device)
     b = check_backend(backend, data)
-    q, a = torch.ops.computectx.fp8_quantize_with_step(data, s, fmt.torch, b.value)
+    q, a = registry.fp8_quantize_with_step(data, s, fmt.torch, b.value)
     return q, a
 
 
@@ -251,15 +249,13 @@ def quantize_operand(
     if isinstance(scaling, DelayedScaling):
         if how == "inline":
             return inline.quantize_delayed(data, ledger, tally, fmt, scaling.algo, m)
-        q, step = torch.ops.computectx.fp8_quantize_delayed(
+        q, step = registry.fp8_quantize_delayed(
             data, ledger, tally, fmt.torch, scaling.algo, m, b.value, may_seed
         )
     elif how == "inline":
         return inline.quantize_dynamic(data, ledger, tally, fmt, m)
     else:
-        q, step = torch.ops.computectx.fp8_quantize_dynamic(
-            data, ledger, tally, fmt.torch, m, b.value
-        )
+        q, step = registry.fp8_quantize_dynamic(data, ledger, tally, fmt.torch, m, b.value)
     return q, step
 
 
@@ -389,7 +385,5 @@ def fp8_dequantize(
     target = DType.parse(dtype).torch
     if block_quantize.is_block_scale(scale):
         return block_quantize.dequantize_blocks(data, scale, target)
-    out: torch.Tensor = torch.ops.computectx.fp8_dequantize(
-        data, _scale_arg(scale, data.device), target
-    )
+    out: torch.Tensor = registry.fp8_dequantize(data, _scale_arg(scale, data.device), target)
     return out

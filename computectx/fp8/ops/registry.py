@@ -7,10 +7,12 @@ Python function, on arguments the checked entry points (``computectx.fp8.ops.qua
 ``computectx.fp8.ops.gemm``, ``computectx.fp8.serving.decode_attention``) have validated,
 so bytes, bounds and the absence of host synchronisation are the same compiled or not.
 
-The Python name of each function here is its operator's name: ``registry.fp8_scaled_mm`` is
-``torch.ops.computectx.fp8_scaled_mm``. A new operator (for MoE's grouped GEMMs, for the
-optimizer state) goes here, with its fake, and its body calls an implementation in a
-sibling module (the twin in ``numerics``, a launcher in ``ops.triton`` or ``ops.cublas``).
+Each function here is named as its operator: calling ``registry.fp8_scaled_mm`` calls
+``torch.ops.computectx.fp8_scaled_mm``, and importing this module is what registers it (the
+other modules call the functions here, never ``torch.ops.computectx`` by name). A new
+operator (for MoE's grouped GEMMs, for the optimizer state) goes here, with its fake, and its
+body calls an implementation in a sibling module (the twin in ``numerics``, a launcher in
+``ops.triton`` or ``ops.cublas``).
 
 ======================================  =========================================================
 operator                                semantics
@@ -32,7 +34,8 @@ int64 *tally* ``[seeded, elements]``. Nothing is kept in Python attributes, so a
 step advances exactly what an eager step advances and no value is specialised into a guard.
 
 None of these operators has an autograd formula of its own: gradients flow through the fp8
-linear's ``autograd.Function`` (``computectx.fp8.linear``), which is written over them.
+linear's ``autograd.Function`` (``computectx.fp8.linear.tensorwise``, ``linear.blockwise``),
+which is written over them.
 Calling one on a tensor that requires grad and then differentiating raises torch's
 "no autograd formula" error rather than returning a wrong gradient.
 """
@@ -81,7 +84,7 @@ def fp8_quantize_delayed(
     may_seed: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Delayed scaling through one operand's ledger: ``delayed_call``'s ``(data_fp8,
-    step_used)``. Arguments are checked by ``computectx.fp8.ops.quantize_operand``."""
+    step_used)``. Arguments are checked by ``computectx.fp8.ops.quantize.quantize_operand``."""
     window: Literal["max", "most_recent"] = "max" if algo == "max" else "most_recent"
     return ledger_quantize.delayed_call(
         x, ledger, tally, Fp8Format.parse(fp8), window, margin, parse_backend(backend), may_seed
