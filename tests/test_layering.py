@@ -110,6 +110,7 @@ class Import:
     names: tuple[str, ...]  # for `from target import a, b`; () for `import target`
     lazy: bool  # inside a function body
     line: int
+    aliases: tuple[str, ...] = ()  # the local names bound: asname or name, per name
 
 
 def _module_name(path: Path, root: Path) -> str:
@@ -135,7 +136,8 @@ def collect_imports(source: str, module: str, is_package: bool) -> list[Import]:
             if isinstance(child, ast.Import):
                 for alias in child.names:
                     if alias.name.split(".")[0] == "computectx":
-                        found.append(Import(alias.name, (), lazy, child.lineno))
+                        bound = alias.asname or alias.name.split(".")[0]
+                        found.append(Import(alias.name, (), lazy, child.lineno, (bound,)))
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     anchor = base[: len(base) - (child.level - 1)]
@@ -144,7 +146,8 @@ def collect_imports(source: str, module: str, is_package: bool) -> list[Import]:
                     target = child.module or ""
                 if target.split(".")[0] == "computectx":
                     names = tuple(a.name for a in child.names)
-                    found.append(Import(target, names, lazy, child.lineno))
+                    bound_names = tuple(a.asname or a.name for a in child.names)
+                    found.append(Import(target, names, lazy, child.lineno, bound_names))
             visit(child, inner)
 
     visit(ast.parse(source), False)
@@ -190,12 +193,21 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
         # `from pkg import mod` imports the submodule; the package itself counts only when
         # a name is not a submodule (`from computectx import ComputeCtx`).
         targets = [] if imp.names else [imp.target]
-        for name in imp.names:
+        for name, bound in zip(imp.names, imp.aliases if imp.names else (), strict=True):
             sub = f"{imp.target}.{name}"
             if _module_exists(sub, root):
                 targets.append(sub)
-                module_aliases.add(name)
+                module_aliases.add(bound)
                 continue
+            if (
+                imp.target == "computectx.fp8"
+                and layer not in ("fp8", "kernels")
+                and name not in _fp8_face(root)
+            ):
+                problems.append(
+                    f"{module}:{imp.line} imports {name!r} from computectx.fp8, which does not "
+                    f"export it (its __all__, or computectx.fp8.seam)"
+                )
             if imp.target not in targets:
                 targets.append(imp.target)
             if name.startswith("_") and not name.startswith("__") and imp.target != module:
@@ -203,7 +215,7 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                     f"{module}:{imp.line} imports the private name {name!r} from {imp.target}"
                 )
         if not imp.names:
-            module_aliases.add(imp.target.split(".")[0])
+            module_aliases.update(imp.aliases or (imp.target.split(".")[0],))
         for target in targets:
             owner = _private_segment_owner(target)
             if owner is not None and not (module == owner or module.startswith(owner + ".")):
@@ -249,7 +261,67 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                 problems.append(f"{module}:{imp.line} ({layer}) imports {target} ({target_layer})")
     for line, use in _private_attribute_uses(source, module_aliases):
         problems.append(f"{module}:{line} uses the private attribute {use}")
+    if layer not in ("fp8", "kernels"):
+        for line, chain in _deep_fp8_attributes(source, module, is_package, root):
+            problems.append(
+                f"{module}:{line} reaches {chain}, deep inside fp8; use computectx.fp8 or "
+                f"computectx.fp8.seam"
+            )
     return problems
+
+
+def _fp8_face(root: Path) -> frozenset[str]:
+    """The names ``computectx.fp8`` exports (its ``__all__``, read from the source)."""
+    tree = ast.parse((root / "fp8" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return frozenset(ast.literal_eval(node.value))
+    return frozenset()
+
+
+def _dotted(node: ast.AST) -> str | None:
+    """``a.b.c`` for an attribute chain rooted at a name, else None."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _deep_fp8_attributes(
+    source: str, module: str, is_package: bool, root: Path
+) -> list[tuple[int, str]]:
+    """Attribute chains that reach a module inside fp8 (other than its doors) through a name
+    bound to ``computectx`` or ``computectx.fp8`` (``computectx.fp8.ops.quantize.f``)."""
+    bound: dict[str, str] = {}  # local name -> the module it stands for
+    for imp in collect_imports(source, module, is_package):
+        if not imp.names:
+            name = imp.aliases[0] if imp.aliases else imp.target.split(".")[0]
+            bound[name] = imp.target if name != imp.target.split(".")[0] else name
+        else:
+            for name, alias in zip(imp.names, imp.aliases if imp.names else (), strict=True):
+                if _module_exists(f"{imp.target}.{name}", root):
+                    bound[alias] = f"{imp.target}.{name}"
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute) or (chain := _dotted(node)) is None:
+            continue
+        head, _, rest = chain.partition(".")
+        if head not in bound or not rest:
+            continue
+        full = f"{bound[head]}.{rest}"
+        parts = full.split(".")
+        for i in range(3, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if prefix.startswith("computectx.fp8.") and prefix not in FP8_DOORS:
+                if _module_exists(prefix, root):
+                    found.append((node.lineno, prefix))
+                break
+    return sorted(set(found))
 
 
 SOURCES = sorted(PACKAGE.rglob("*.py"))
@@ -367,6 +439,12 @@ def test_no_folder_holds_more_than_16_modules() -> None:
             "down",
         ),
         ("computectx.fp8.ops.gemm", "def f():\n    from computectx.kernels import x", "only"),
+        ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.ops.quantize.f()", "deep"),
+        ("computectx.nn.lm", "from computectx import fp8\nfp8.numerics.tensorwise.amax", "deep"),
+        ("computectx.nn.lm", "from computectx.fp8 import custom_ops", "does not export"),
+        ("computectx.nn.lm", "from computectx.fp8 import redirect", "does not export"),
+        ("computectx.nn.lm", "import computectx.fp8.seam as s\ns._x", "private attr"),
+        ("computectx.nn.lm", "from computectx.fp8 import seam as s\ns._x", "private attr"),
     ],
 )
 def test_checker_catches(module: str, source: str, expected: str) -> None:
@@ -380,6 +458,8 @@ def test_checker_catches(module: str, source: str, expected: str) -> None:
         ("computectx.memory.optimizer", "from computectx.memory._transfer import X"),
         ("computectx.ctx", "from computectx.dtypes import DType\nfrom computectx import recipes"),
         ("computectx.nn.lm", "from computectx.fp8.seam import quantize_kv"),
+        ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.Fp8Linear"),
+        ("computectx.nn.lm", "from computectx import fp8\nfp8.seam.quantize_kv"),
         ("computectx.fp8.ops.triton", "def launch():\n    from computectx.kernels import quantize"),
         ("computectx.fp8.linear.module", "from computectx.fp8.ops import quantize"),
         ("computectx.fp8.ops.gemm", "from computectx.fp8.ops.quantize import scalar_arg"),
@@ -394,6 +474,9 @@ FP8_SET = frozenset({"float8_e4m3fn", "float8_e5m2"})
 FLOAT_SET = frozenset({"bfloat16", "float16", "float32"})
 DTYPE_SET_HOMES = {"dtypes.py", "kernels/fp8_codes.py"}  # kernels may import nothing else
 OPERATOR_REGISTRY = "fp8/ops/registry.py"
+REGISTERING = frozenset(
+    {"custom_op", "register_fake", "register_kernel", "triton_op", "Library", "register_autograd"}
+)
 GRANULARITY_HOMES = {"recipes.py", "fp8/numerics/layouts.py"}
 GRANULARITY_WORDS = frozenset({"tensor", "row", "block", "1x128", "128x128", "mx"})
 
@@ -443,22 +526,48 @@ def test_the_kernels_dtype_sets_are_the_cores() -> None:
 
 def test_every_operator_is_registered_in_the_registry() -> None:
     def registrations(src: str) -> list[int]:
+        # Any mention of torch.library's registering names, however imported, and any
+        # import from torch.library.
+        lines = []
+        for node in ast.walk(ast.parse(src)):
+            if not isinstance(node, (ast.Attribute, ast.Name, ast.ImportFrom)):
+                continue
+            name = (
+                node.attr
+                if isinstance(node, ast.Attribute)
+                else node.id
+                if isinstance(node, ast.Name)
+                else None
+            )
+            if name in REGISTERING or (
+                isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.library")
+            ):
+                lines.append(node.lineno)
+        return lines
+
+    assert set(_where(registrations)) == {OPERATOR_REGISTRY}
+
+
+def test_only_the_registry_calls_torch_ops_computectx() -> None:
+    # Every other module calls the registry's functions, so importing it is what registers
+    # the operators it uses (a torch.ops.computectx call hides that dependency).
+    def calls(src: str) -> list[int]:
         return [
             node.lineno
             for node in ast.walk(ast.parse(src))
-            if isinstance(node, ast.Attribute)
-            and node.attr in ("custom_op", "register_fake", "define", "impl", "Library")
-            and isinstance(node.value, ast.Attribute)
-            and node.value.attr == "library"
-        ] + [
-            node.lineno
-            for node in ast.walk(ast.parse(src))
-            if isinstance(node, ast.ImportFrom)
-            and node.module == "torch.library"
-            and any(a.name in ("custom_op", "Library", "define", "impl") for a in node.names)
+            if isinstance(node, ast.Attribute) and _dotted(node) == "torch.ops.computectx"
         ]
 
-    assert set(_where(registrations)) == {OPERATOR_REGISTRY}
+    assert set(_where(calls)) <= {OPERATOR_REGISTRY}
+
+
+def test_no_module_in_the_package_is_over_500_lines() -> None:
+    long = {
+        str(p.relative_to(PACKAGE)): n
+        for p in SOURCES
+        if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert long == {}
 
 
 def test_the_granularity_vocabulary_is_defined_once() -> None:
