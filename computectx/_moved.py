@@ -32,6 +32,8 @@ class _MovedModule(types.ModuleType):
         self._moved_renamed = dict(renamed)
 
     def __getattr__(self, attr: str) -> object:
+        if attr == "__all__":  # what `from old import *` takes: every name served
+            return [n for n in self.__dir__() if not n.startswith("_")]
         if attr.startswith("__"):
             raise AttributeError(attr)
         wanted = self._moved_renamed.get(attr, attr)

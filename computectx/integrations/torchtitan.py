@@ -40,7 +40,7 @@ from torchtitan.protocols.module import Module
 from computectx import ComputeCtx
 from computectx.distributed import sync_fp8_scaling
 from computectx.distributed.fp8_amax_sync import LossNormalization
-from computectx.fp8 import HEAD_NAMES, Fp8Linear
+from computectx.fp8 import FEATURE_MULTIPLE, HEAD_NAMES, Fp8Linear
 
 __all__ = [
     "Fp8LinearConverter",
@@ -49,8 +49,6 @@ __all__ = [
     "fp8_post_optimizer_build_fn",
     "policy_of",
 ]
-
-FEATURE_MULTIPLE = 16
 
 
 def policy_of(policy: str, device: str = "cuda") -> ComputeCtx:

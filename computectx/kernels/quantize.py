@@ -149,7 +149,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 step_new = tl.div_rn(amax, TARGET)
                 ok = (step_new > 0.0) & (step_new <= FLT_MAX)
                 # A step below float32's normal range keeps too few bits: it is raised to
-                # the smallest normal (reference.step_from_amax does the same).
+                # the smallest normal (numerics.tensorwise.step_from_amax does the same).
                 step_new = tl.where(ok & (step_new < FLT_MIN), FLT_MIN, step_new)
                 tl.store(step_out_ptr, tl.where(ok, step_new, 1.0))
             if REDUCE == _REDUCE_LEDGER:

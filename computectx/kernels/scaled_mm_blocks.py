@@ -21,7 +21,7 @@ the dot is float32 and results agree within ``numerics.blockwise_gemm.scaled_mm_
 tensor cores add one ``BLOCK_K`` step's products in a narrower accumulator (about 14 significant
 bits) before it is promoted, as in DeepSeek-V3 and the per-tensor kernel: there the results agree
 within the wider bound for that accumulation, ``scaled_mm_error_bound(...,
-accumulation=block_gemm.NARROW_ACCUMULATION)``, which the tests use on CUDA.
+accumulation=numerics.blockwise_gemm.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)

@@ -17,7 +17,7 @@ grained scaling on many ranks"):
   training is bit for bit one process's, weights included.
 - Otherwise (``row``: one block spans all the tokens; ``row+gw_hp``: a float32 GEMM whose sum
   runs in another order; ``block`` or ``mx`` with per-rank tokens that cut blocks) each rank's
-  wgrad and one process's are each within ``block_gemm``'s a-priori bound of the exact
+  wgrad and one process's are each within the block GEMM's a-priori bound of the exact
   product, and so the gradients are within the sum of those bounds of each other:
   ``|g_ranks - g_one| <= B_one + (B_0 + B_1) / 2 + 2**-24 |g_ranks|`` (the last term: the
   float32 rounding of the reduction's sum). That is checked at every step against one
@@ -74,7 +74,7 @@ def wgrad_bound(x: torch.Tensor, dy: torch.Tensor, policy: Fp8Policy) -> torch.T
     ``gw_hp``: a float32 GEMM, ``(M + 2) 2**-24 |dY|ᵀ|X|``. Otherwise both operands are
     quantized along M, each element within ``u|v| + step * min_subnormal / 2`` (``u`` half
     an ulp of its format; the step rules here never saturate), fp8 products are exact, and
-    ``block_gemm``'s bound adds ``gamma_n`` of ``sum |â||b̂|`` (``n = M + M/32 + 4``) and
+    the block GEMM's bound adds ``gamma_n`` of ``sum |â||b̂|`` (``n = M + M/32 + 4``) and
     one float32 rounding of the result."""
     f32 = 2.0**-24
     a, b = dy.t().double(), x.t().double()  # dYᵀ (N x M), Xᵀ (K x M)

@@ -143,7 +143,7 @@ def test_block_weight_blocks_transpose_as_they_are_and_the_weight_is_not_kept() 
 
 def test_an_mx_operand_under_one_block_padded_with_zeros_is_one_partial_block() -> None:
     # The wgrad of 20 rows contracts 20-wide dYᵀ and Xᵀ: zero-padded to one block of 32
-    # (granular.layout_of refuses K < 32), they quantize exactly as a partial block of the
+    # (numerics.layouts.layout_of refuses K < 32), they quantize exactly as a partial block of the
     # 20 elements would (a zero changes no amax), and the padding adds nothing to the GEMM.
     gen = torch.Generator().manual_seed(3)
     a = torch.randn(24, 20, generator=gen) * torch.logspace(-3, 3, 24).unsqueeze(1)
@@ -171,7 +171,7 @@ def gemm_bound(op_a: tuple[Any, ...], op_b: tuple[Any, ...], fa: Fp8Format, fb: 
     Each element is quantized with ``|q*s - v| <= u|v| + s*min_subnormal/2`` (``u`` half an
     ulp; no step rule here saturates: each step is at least its block's amax / fmt.max);
     products of fp8 values are exact, the block-scaled sums add ``gamma_n`` of
-    ``sum |â||b̂|`` with ``n = K + K/32 + 4`` (``block_gemm``'s bound, every block width
+    ``sum |â||b̂|`` with ``n = K + K/32 + 4`` (the block GEMM's bound, every block width
     >= 32), and the result is rounded once to the output (``out_unit``)."""
     (_, sa, ga, a), (_, sb, gb, b) = op_a, op_b
     a64, b64 = a.double().abs(), b.double().abs()

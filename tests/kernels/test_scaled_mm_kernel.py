@@ -57,8 +57,8 @@ def check_within_bound(
     out_dtype: torch.dtype,
 ) -> None:
     # On a GPU the tensor cores sum each BLOCK_K tile in a narrower accumulator: the bound
-    # for that accumulation (reference.scaled_mm_error_bound's docstring); the interpreter's
-    # dot, and the twin, are float32.
+    # for that accumulation (numerics.tensorwise.scaled_mm_error_bound's docstring); the
+    # interpreter's dot, and the twin, are float32.
     narrow = blockwise_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
     a, b, sa, sb, out = a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), out.cpu()
     bias = None if bias is None else bias.cpu()

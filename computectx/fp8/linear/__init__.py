@@ -5,8 +5,11 @@ Up to 0.1.0 this name was the module holding ``Fp8Linear``; reading one of that
 module's names here still works for one release, with a ``DeprecationWarning``.
 """
 
-from computectx._moved import package_getattr
+from typing import TYPE_CHECKING
 
-__getattr__ = package_getattr(
-    "computectx.fp8.linear", "Fp8Linear's module", ("computectx.fp8.linear.module",)
-)
+from computectx._moved import package_getattr as _package_getattr
+
+if not TYPE_CHECKING:  # mypy reads the real modules: a typo stays an error
+    __getattr__ = _package_getattr(
+        "computectx.fp8.linear", "Fp8Linear's module", ("computectx.fp8.linear.module",)
+    )

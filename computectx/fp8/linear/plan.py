@@ -31,8 +31,6 @@ __all__ = [
     "set_dtensor_linear",
 ]
 
-"""Input and weight dtypes an fp8 linear quantizes from."""
-
 
 def gemm_dtype_for(compute: DType) -> torch.dtype:
     """Dtype the GEMM epilogue writes for a ctx's compute dtype.

@@ -34,8 +34,6 @@ from computectx.fp8.numerics import blockwise, layouts, tensorwise
 
 __all__ = ["Fp8BlockWeight", "Fp8Weight"]
 
-"""The fp8 storage dtypes an ``Fp8Weight`` holds."""
-
 _aten = torch.ops.aten
 _ALIASING = {
     _aten.detach.default,

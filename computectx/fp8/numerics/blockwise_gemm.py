@@ -23,7 +23,7 @@ __all__ = ["NARROW_ACCUMULATION", "reference_scaled_mm", "row_steps", "scaled_mm
 
 NARROW_ACCUMULATION: Final[tuple[int, float]] = (128, 2.0**-13)
 """How the Triton kernels (the block-scaled one and the per-tensor one) sum on a GPU, for
-``scaled_mm_error_bound(accumulation=)`` here and in ``reference``: at most 128 products
+``scaled_mm_error_bound(accumulation=)`` here and in ``numerics.tensorwise``: at most 128 products
 (one ``BLOCK_K`` step, ``max_num_imprecise_acc=BLOCK_K``) in the fp8 tensor cores'
 accumulator, each addition with relative error at most ``2**-13`` (14 significant bits,
 truncated: the "around 14 bits" DeepSeek-V3 measured on H800), then promoted to float32."""

@@ -145,7 +145,7 @@ _BLOCKS: Final[dict[str, tuple[int, int]]] = {
 def block_shape(granularity: Granularity, k: int) -> tuple[int, int]:
     """``(block rows, block width along K)`` of a block granularity over a K-wide tensor:
     ``row`` ``(1, max(K, 1))``, ``1x128`` ``(1, 128)``, ``128x128`` ``(128, 128)``, ``mx``
-    ``(1, 32)``. The one table of block shapes (``layout_of`` and ``block_gemm`` read it)."""
+    ``(1, 32)``. The one table of block shapes (``layout_of`` and the block GEMM read it)."""
     return (1, max(k, 1)) if granularity == "row" else _BLOCKS[granularity]
 
 

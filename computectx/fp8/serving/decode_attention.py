@@ -63,7 +63,6 @@ __all__ = [
     "decode_attention",
 ]
 
-"""Query dtypes ``decode_attention`` takes (the output is at the query's dtype)."""
 KERNEL_HEAD_DIMS = tuple(range(16, 257, 16))
 """Head dims the Triton kernel serves: multiples of 16 (16-byte rows of fp8 codes) up to 256
 (one row of K and V per position held in registers)."""

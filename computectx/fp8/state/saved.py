@@ -80,7 +80,6 @@ __all__ = [
 Role = Literal["input", "weight", "grad"]
 """The three operands of an fp8 linear, each with its own scaling state."""
 ROLES: tuple[Role, ...] = ("input", "weight", "grad")
-"""The roles in the order state dicts and merges list them."""
 """The operand roles of an fp8 linear, in checkpoint order."""
 
 STATE_VERSION = 5
