@@ -173,6 +173,25 @@ def test_random_shapes_within_bound(
     check_within_bound(out, a, b, sa, sb, bias, out_dtype)
 
 
+@pytest.mark.xfail(
+    not torch.cuda.is_available(),
+    strict=True,
+    reason="known: the interpreted kernel exceeds the bound by 2.6e-5 on this E4M3 x E5M2 input "
+    "(found by hypothesis on 2026-12-02; the same at 0.1.0, 1f53250); not yet explained",
+)
+def test_known_excess_e4m3_by_e5m2_k8(device: torch.device) -> None:
+    # The example hypothesis found: kernel error 5.7e-5 against a bound of 3.1e-5 at the
+    # worst element; the twin is exact here. Strict: when a fix lands this passes and fails
+    # the suite, so the mark comes off.
+    gen = torch.Generator().manual_seed(1048575)
+    a = fp8((1, 8), E4M3, gen, False).to(device)
+    b = fp8((16, 8), E5M2, gen, False).to(device)
+    sa = torch.tensor([1.3], device=device)
+    sb = torch.tensor([0.7], device=device)
+    out = gemm.scaled_mm(a, b, sa, sb, None, torch.float32, backend=TRITON)
+    check_within_bound(out, a, b, sa, sb, None, torch.float32)
+
+
 def test_launcher_rejects_mismatched_k(device: torch.device) -> None:
     from computectx.kernels import scaled_mm as kg
 
