@@ -14,7 +14,8 @@ The picture in docs/design.md is this table:
   only inside its own package;
 - inside ``fp8`` the rooms import downwards only (``FP8_RANK``): ``backend``, then the
   twins (``numerics``), ``policy``, the operators (``ops``), the scaling state (``state``),
-  ``linear`` and ``serving``, then ``convert``/``stats`` and the two doors; only
+  ``linear`` and ``serving``, the report, ``convert_experts``, then ``convert``/``stats``
+  and the two doors; only
   ``fp8.ops.triton`` reaches ``kernels``;
 - outside ``fp8`` a module imports fp8 only through its two doors, ``computectx.fp8`` (the
   public face) and ``computectx.fp8.seam``;
@@ -66,10 +67,11 @@ FP8_RANK: dict[str, int] = {
     "linear": 5,
     "serving": 5,
     "convert_report": 6,
-    "convert": 7,
-    "stats": 7,
-    "seam": 8,
-    "": 9,  # the package face, computectx.fp8 itself
+    "convert_experts": 7,
+    "convert": 8,
+    "stats": 8,
+    "seam": 9,
+    "": 10,  # the package face, computectx.fp8 itself
 }
 FP8_DOORS = frozenset({"computectx.fp8", "computectx.fp8.seam"})
 KERNEL_LAUNCHER = "computectx.fp8.ops.triton"

@@ -24,7 +24,9 @@ from computectx.fp8.convert import (
     SkippedLinear,
     convert_to_fp8,
 )
+from computectx.fp8.convert_experts import ExpertsConverter, register_experts_converter
 from computectx.fp8.linear.autocast import fp8_autocast
+from computectx.fp8.linear.grouped import ExpertsFp8, fp8_grouped_mm
 from computectx.fp8.linear.module import Fp8Linear
 from computectx.fp8.linear.recompute import fp8_checkpoint_context_fn, fp8_checkpoint_policy
 from computectx.fp8.linear.unsynced import Fp8ScalingNotSyncedWarning
@@ -41,6 +43,8 @@ __all__ = [
     "HEAD_NAMES",
     "DelayedScaling",
     "DynamicScaling",
+    "ExpertsConverter",
+    "ExpertsFp8",
     "Fp8Backend",
     "Fp8BlockWeight",
     "Fp8ConversionReport",
@@ -61,8 +65,10 @@ __all__ = [
     "fp8_checkpoint_context_fn",
     "fp8_checkpoint_policy",
     "fp8_dequantize",
+    "fp8_grouped_mm",
     "fp8_quantize",
     "fp8_stats",
+    "register_experts_converter",
     "select_backend",
 ]
 

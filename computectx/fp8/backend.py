@@ -32,6 +32,8 @@ _KERNEL_MODULES = (
     "computectx.kernels.quantize_blocks",
     "computectx.kernels.scaled_mm",
     "computectx.kernels.scaled_mm_blocks",
+    "computectx.kernels.grouped_mm",
+    "computectx.kernels.grouped_wgrad",
     "computectx.kernels.decode_attention",
 )
 

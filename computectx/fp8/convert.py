@@ -13,6 +13,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.convert_experts import plan_experts
 from computectx.fp8.convert_report import (
     Fp8ConversionReport,
     SkippedLinear,
@@ -142,6 +143,13 @@ def convert_to_fp8(
     ``notes`` say how to run it (a ``ctx.compute`` activation from the fp8 layers would
     not match its weight).
 
+    **Grouped experts** (mixture-of-experts layers) convert in place through their
+    framework's ``ExpertsConverter`` (``computectx.fp8.convert_experts``: ``computectx.nn``'s
+    ``GroupedExperts``, transformers' experts through its ``ExpertsInterface``, torchtitan's):
+    their expert GEMMs then run through ``fp8_grouped_mm``, under the same rules (the filter,
+    or ``min_features`` and the widths of every expert weight), and the report lists them in
+    ``converted`` and ``experts``. Routers stay in high precision (rule ``router``).
+
     ``backend`` and ``quantize`` are passed to every new ``Fp8Linear`` (``quantize="inline"``
     lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
 
@@ -154,7 +162,8 @@ def convert_to_fp8(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
-    granularity = policy_of(ctx, "convert_to_fp8").granularity
+    policy = policy_of(ctx, "convert_to_fp8")
+    granularity = policy.granularity
     how = parse_quantize(quantize)
     if module_filter is not None:
         if not callable(module_filter):
@@ -204,10 +213,14 @@ def convert_to_fp8(
         order.insert(0, ("", model))
 
     _refuse_another_policy(ctx, order)
+    experts = plan_experts(model, policy, module_filter, rules.min_features)
     heads = _heads(model, order)
     converted: list[tuple[str, nn.Linear]] = []
-    skipped: list[SkippedLinear] = []
+    skipped: list[SkippedLinear] = list(experts.skipped)
     for fqn, lin in order:
+        if id(lin) in experts.routers and not isinstance(lin, Fp8Linear):
+            skipped.append(SkippedLinear(fqn, "the router of a mixture of experts", "router"))
+            continue
         found = rules.skip(fqn, lin, heads)
         if found is None:
             converted.append((fqn, lin))
@@ -221,10 +234,13 @@ def convert_to_fp8(
             setattr(parent, name, new)
     if replacements:
         guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
+    expert_names = experts.apply(policy, backend)
     names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
     notes = head_dtype_notes(ctx, order, skipped)
-    report = Fp8ConversionReport(converted=names, skipped=tuple(skipped), notes=notes)
-    if not names and not any(s.rule == "already_fp8" for s in skipped):
+    report = Fp8ConversionReport(
+        converted=names + expert_names, skipped=tuple(skipped), notes=notes, experts=expert_names
+    )
+    if not report.converted and not any(s.rule == "already_fp8" for s in skipped):
         warnings.warn(
             nothing_converted(model, rules.min_features, report), UserWarning, stacklevel=2
         )

@@ -28,6 +28,7 @@ SkipRule = Literal[
     "min_features",
     "dtype",
     "root",
+    "router",
 ]
 """Which rule left a linear alone (``SkippedLinear.rule``); ``convert_to_fp8`` lists them."""
 
@@ -50,6 +51,9 @@ class Fp8ConversionReport:
     converted: tuple[str, ...]
     skipped: tuple[SkippedLinear, ...]
     notes: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+    """The grouped-experts modules among ``converted`` (``convert_experts``): their expert
+    GEMMs now run through ``fp8_grouped_mm``."""
 
     @property
     def already_fp8(self) -> tuple[str, ...]:
@@ -58,7 +62,10 @@ class Fp8ConversionReport:
 
     def __str__(self) -> str:
         lines = [f"converted {len(self.converted)} linear(s) to fp8:"]
-        lines += [f"  {fqn}" for fqn in self.converted]
+        lines += [
+            f"  {fqn}" + (" (grouped experts)" if fqn in self.experts else "")
+            for fqn in self.converted
+        ]
         if self.already_fp8:
             lines.append(
                 f"already fp8 under this policy, left as they are: {len(self.already_fp8)}"
@@ -118,6 +125,7 @@ def nothing_converted(model: nn.Module, min_features: int, report: Fp8Conversion
             "to convert it"
         ),
         "root": "the model itself; use Fp8Linear.from_linear",
+        "router": "a mixture-of-experts router: routing stays in high precision",
     }
     groups: dict[SkipRule, list[str]] = {}
     for s in report.skipped:

@@ -26,6 +26,8 @@ operator                                semantics
 ``fp8_block_scaled_mm``                 the block-scaled GEMM, every granularity pair
 ``wgrad_float32``                       ``dY^T X`` as an IEEE float32 matmul (``gw_hp``)
 ``fp8_decode_attention``                one decode step's attention over a (fp8) KV cache
+``fp8_grouped_mm``                      each row group times its own matrix, in fp8
+``fp8_grouped_wgrad``                   each group's ``dYᵀ X`` over its own rows, in fp8
 ======================================  =========================================================
 
 The state the quantize operators advance lives in two device tensors per operand, both
@@ -53,13 +55,15 @@ from computectx.fp8.numerics import blockwise, blockwise_gemm, layouts, tensorwi
 from computectx.fp8.numerics.attention import decode_attention_reference
 from computectx.fp8.numerics.layouts import E8M0, BlockGranularity, StepRule
 from computectx.fp8.numerics.ledger import count, record
-from computectx.fp8.ops import block_quantize, cublas, ledger_quantize, triton
+from computectx.fp8.ops import block_quantize, cublas, grouped, ledger_quantize, triton
 
 __all__ = [
     "Quantized",
     "fp8_block_scaled_mm",
     "fp8_decode_attention",
     "fp8_dequantize",
+    "fp8_grouped_mm",
+    "fp8_grouped_wgrad",
     "fp8_quantize_blocks",
     "fp8_quantize_delayed",
     "fp8_quantize_dynamic",
@@ -341,3 +345,63 @@ def _decode_attention_fake(q: torch.Tensor, *_: object) -> torch.Tensor:
     # The operator's arguments in its schema's order; the output is shaped like q, at its
     # dtype, whatever the rest.
     return torch.empty_like(q)
+
+
+@custom_op("computectx::fp8_grouped_mm", mutates_args=())
+def fp8_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    granularity_a: str,
+    granularity_b: str,
+    fp8_a: torch.dtype,
+    fp8_b: torch.dtype,
+    rule: str,
+    margin: int,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``ops.grouped.grouped_mm``: ``[M, N]``, group ``g``'s rows of ``a [M, K]`` times
+    ``b[g]ᵀ`` (``b [E, N, K]``), each operand quantized dynamically at its granularity; the
+    values of ``offs`` are checked here, so a compiled call checks them too."""
+    return grouped.grouped_mm(
+        a, b, offs,
+        cast(layouts.Granularity, granularity_a), cast(layouts.Granularity, granularity_b),
+        Fp8Format.parse(fp8_a), Fp8Format.parse(fp8_b), cast(StepRule, rule), margin,
+        out_dtype, parse_backend(backend),
+    )  # fmt: skip
+
+
+@fp8_grouped_mm.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, *rest: object) -> torch.Tensor:
+    # The output is (M, N) at out_dtype, the last but one argument.
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=cast(torch.dtype, rest[-2]))
+
+
+@custom_op("computectx::fp8_grouped_wgrad", mutates_args=())
+def fp8_grouped_wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    granularity: str,
+    fp8_dy: torch.dtype,
+    fp8_x: torch.dtype,
+    rule: str,
+    margin: int,
+    high_precision: bool,
+    backend: str,
+) -> torch.Tensor:
+    """``ops.grouped.grouped_wgrad``: float32 ``[E, N, K]``, ``dY[rows of g]ᵀ X[rows of g]``
+    over each group's own rows (``high_precision``: ``gw_hp``'s float32 product)."""
+    return grouped.grouped_wgrad(
+        dy, x, offs, cast(layouts.Granularity, granularity), Fp8Format.parse(fp8_dy),
+        Fp8Format.parse(fp8_x), cast(StepRule, rule), margin, high_precision,
+        parse_backend(backend),
+    )  # fmt: skip
+
+
+@fp8_grouped_wgrad.register_fake
+def _grouped_wgrad_fake(
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *_: object
+) -> torch.Tensor:
+    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=torch.float32)

@@ -17,10 +17,12 @@ import torch
 
 from computectx import capability
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.numerics.layouts import StepRule
+from computectx.fp8.numerics.layouts import Granularity, StepRule
 
 __all__ = [
     "decode_attention",
+    "grouped_scaled_mm",
+    "grouped_scaled_wgrad",
     "quantize_blocks",
     "quantize_delayed",
     "quantize_dynamic",
@@ -181,4 +183,48 @@ def decode_attention(
         length=length,
         sm_scale=sm_scale,
         block_t=block_t,
+    )
+
+
+def grouped_scaled_mm(
+    *,
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    granularity_a: Granularity,
+    granularity_b: Granularity,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``computectx.kernels.grouped_mm.grouped_scaled_mm``."""
+    from computectx.kernels import grouped_mm as kernel
+
+    return kernel.grouped_scaled_mm(
+        a=a,
+        sa=sa,
+        b=b,
+        sb=sb,
+        offs=offs,
+        granularity_a=granularity_a,
+        granularity_b=granularity_b,
+        out_dtype=out_dtype,
+    )
+
+
+def grouped_scaled_wgrad(
+    *,
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    block_start: torch.Tensor,
+    granularity: Granularity,
+) -> torch.Tensor:
+    """``computectx.kernels.grouped_wgrad.grouped_scaled_wgrad`` (``"128x128"`` is refused)."""
+    from computectx.kernels import grouped_wgrad as kernel
+
+    return kernel.grouped_scaled_wgrad(
+        a=a, sa=sa, b=b, sb=sb, offs=offs, block_start=block_start, granularity=granularity
     )
