@@ -7,18 +7,24 @@ and checkpoint weights live, at which dtype, and how many bytes each device hold
   ``ctx.offload_device``; a ``torch.optim.Optimizer`` to schedulers and checkpoints.
 - ``memory_report`` / ``MemoryReport``: bytes per device and role, each storage once.
 - ``save_weights`` / ``load_weights``: safetensors checkpoints placed by ``ctx.residency``.
+- ``expert_residency`` / ``prefetch_experts``: how many bytes of each memory-mapped expert
+  are resident, and reading ahead only the experts a batch selects.
 """
 
 from computectx.memory.accounting import MemoryReport, memory_report
 from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.expert_residency import ExpertResidency, expert_residency, prefetch_experts
 from computectx.memory.optimizer import OffloadedOptimizer
 from computectx.memory.weights import load_weights, save_weights
 
 __all__ = [
+    "ExpertResidency",
     "LowPrecGradAccumulator",
     "MemoryReport",
     "OffloadedOptimizer",
+    "expert_residency",
     "load_weights",
     "memory_report",
+    "prefetch_experts",
     "save_weights",
 ]

@@ -1,6 +1,8 @@
 """Blocks that thread a ``ComputeCtx``: precise ops, RMSNorm, RoPE, attention with a KV
-cache (at a dtype, or fp8 codes and steps: ``KVCache``, ``calibrate_kv``), a SwiGLU MLP, and
-``ByteLM``, a small byte-level decoder-only LM with generation and a static-shape decode step.
+cache (at a dtype, or fp8 codes and steps: ``KVCache``, ``calibrate_kv``), a SwiGLU MLP,
+a dropless mixture of experts (``MoE``: a ``Router``, ``GroupedExperts`` run by grouped GEMMs,
+optional shared experts, auxiliary-loss-free or auxiliary-loss balancing), and ``ByteLM``, a
+small byte-level decoder-only LM (dense or MoE) with generation and a static-shape decode step.
 
 Their GEMMs run at ``ctx.compute`` with float32 accumulation through ``Gemm``: torch's
 kernel, or, on a CPU without native bf16/f16 GEMMs, the same numerics as float32 GEMMs of the
@@ -9,17 +11,19 @@ exactly widened operands rounded once (``GemmPath.UPCAST``).
 Every module takes ``ctx`` in its constructor, so the policy is decided once and read
 everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
 ``computectx.fp8.Fp8Linear`` (through ``convert_to_fp8``); the LM's output head stays a
-plain ``nn.Linear``.
+plain ``nn.Linear``; an ``MoE``'s experts run ``fp8_grouped_mm`` and its router stays precise.
 """
 
 from computectx._moved import redirect
 from computectx.nn.attention import Attention, Float32MatmulPrecisionWarning
 from computectx.nn.calibrate import calibrate_kv
+from computectx.nn.experts import GroupedExperts, grouped_linear
 from computectx.nn.gemm import Gemm, GemmPath, forced_gemm_path
 from computectx.nn.generate import DecodeStep, decode_logits, generate, next_token
 from computectx.nn.kv_cache import DecodeKernelFallbackWarning, KVCache, kv_bytes_per_token
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
 from computectx.nn.mlp import MLP
+from computectx.nn.moe import ExpertDispatch, LoadBalance, MoE, Router, RouterScore, Routing
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import apply_fp8_policy
 from computectx.nn.precise import apply_rope, rms_norm, rope_tables, softmax
@@ -33,13 +37,20 @@ __all__ = [
     "DecodeKernelFallbackWarning",
     "DecodeStep",
     "DecoderBlock",
+    "ExpertDispatch",
     "Float32MatmulPrecisionWarning",
     "Gemm",
     "GemmPath",
+    "GroupedExperts",
     "KVCache",
     "LMConfig",
+    "LoadBalance",
+    "MoE",
     "RMSNorm",
     "RotaryEmbedding",
+    "Router",
+    "RouterScore",
+    "Routing",
     "apply_fp8_policy",
     "apply_rope",
     "calibrate_kv",
@@ -48,6 +59,7 @@ __all__ = [
     "encode_bytes",
     "forced_gemm_path",
     "generate",
+    "grouped_linear",
     "kv_bytes_per_token",
     "next_token",
     "rms_norm",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Annotated
 
 import torch
 from pydantic import BaseModel, Field, model_validator
@@ -15,9 +16,11 @@ from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Backend, Fp8Linear
 from computectx.fp8.seam import guard_whole_loads
 from computectx.nn.attention import Attention
+from computectx.nn.experts import GroupedExperts
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 from computectx.nn.mlp import MLP
+from computectx.nn.moe import LoadBalance, MoE, RouterScore
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import param_dtype
 
@@ -25,6 +28,18 @@ __all__ = ["BYTE_VOCAB", "ByteLM", "DecoderBlock", "LMConfig", "decode_bytes", "
 
 BYTE_VOCAB = 256
 """Vocabulary size of a byte-level model: one token per byte value."""
+
+
+# The LMConfig fields that shape experts: only meaningful with n_experts >= 1.
+_EXPERT_FIELDS: tuple[str, ...] = (
+    "top_k",
+    "n_shared_experts",
+    "moe_hidden",
+    "moe_score",
+    "moe_balance",
+    "moe_bias_rate",
+    "moe_aux_coef",
+)
 
 
 class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -44,6 +59,27 @@ class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=
     """RoPE frequency base."""
     norm_eps: float = Field(default=1e-6, gt=0.0, lt=1.0)
     """RMSNorm epsilon."""
+    n_experts: int = Field(default=0, ge=0, le=4096)
+    """Routed experts in each block's feed-forward (``computectx.nn.MoE``); 0: the dense
+    SwiGLU MLP of width ``d_ff``, and the ``top_k``/``moe_*`` fields must stay unset."""
+    top_k: int = Field(default=2, ge=1, le=4096)
+    """Experts each token is routed to, at most ``n_experts``."""
+    n_shared_experts: int = Field(default=0, ge=0, le=64)
+    """Shared experts every token goes through besides its routed ones (one MLP of width
+    ``n_shared_experts * moe_hidden``)."""
+    moe_hidden: Annotated[int, Field(ge=16, le=262144, multiple_of=16)] | None = None
+    """Hidden width of each expert; ``None``: ``d_ff``."""
+    moe_score: RouterScore = "softmax"
+    """Router scores: ``"softmax"``, or DeepSeek-V3's ``"sigmoid"`` with normalized top-k
+    weights."""
+    moe_balance: LoadBalance = "aux_free"
+    """Load balancing: ``"aux_free"`` (a selection bias moved by
+    ``ByteLM.update_expert_bias()`` after each optimizer step), ``"aux_loss"`` (add
+    ``ByteLM.aux_loss()`` to the loss) or ``"none"``."""
+    moe_bias_rate: float = Field(default=1e-3, ge=0.0, le=1.0)
+    """``aux_free``'s bias step per update (DeepSeek-V3's 0.001)."""
+    moe_aux_coef: float = Field(default=1e-2, ge=0.0, le=10.0)
+    """``aux_loss``'s coefficient (uniform routing gives this value)."""
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> Self:
@@ -54,16 +90,55 @@ class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=
             )
         return self
 
+    @model_validator(mode="after")
+    def _experts_fields_agree(self) -> Self:
+        fields = type(self).model_fields
+        if self.n_experts == 0:
+            given = [
+                f"{n}={getattr(self, n)!r}"
+                for n in _EXPERT_FIELDS
+                if getattr(self, n) != fields[n].default
+            ]
+            if given:
+                raise ValueError(
+                    f"{', '.join(given)} configure experts, but n_experts=0 builds the dense "
+                    f"MLP; set n_experts >= 1 for a mixture of experts, or drop them"
+                )
+        elif self.top_k > self.n_experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds n_experts={self.n_experts}: each token is routed "
+                f"to top_k distinct experts"
+            )
+        return self
+
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, residual at compute."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``, residual at compute.
+
+    ``mlp`` is the dense ``MLP``, or an ``MoE`` when ``config.n_experts > 0``.
+    """
 
     def __init__(self, ctx: ComputeCtx, config: LMConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(ctx, config.d_model, config.norm_eps)
         self.attn = Attention(ctx, config.d_model, config.n_heads, config.max_len, config.rope_base)
         self.mlp_norm = RMSNorm(ctx, config.d_model, config.norm_eps)
-        self.mlp = MLP(ctx, config.d_model, config.d_ff)
+        self.mlp: MLP | MoE
+        if config.n_experts:
+            self.mlp = MoE(
+                ctx,
+                config.d_model,
+                config.moe_hidden or config.d_ff,
+                config.n_experts,
+                config.top_k,
+                n_shared=config.n_shared_experts,
+                score=config.moe_score,
+                balance=config.moe_balance,
+                bias_rate=config.moe_bias_rate,
+                aux_coef=config.moe_aux_coef,
+            )
+        else:
+            self.mlp = MLP(ctx, config.d_model, config.d_ff)
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), cache)
@@ -77,6 +152,10 @@ class DecoderBlock(nn.Module):
         return out
 
 
+# Projections that write into the residual stream (their init is scaled down with depth).
+_RESIDUAL_WRITERS = ("attn.out.weight", "mlp.down.weight", "mlp.experts.down", "shared.down.weight")
+
+
 class ByteLM(nn.Module):
     """Decoder-only LM over bytes (vocabulary 256) threading one ``ComputeCtx``.
 
@@ -88,6 +167,11 @@ class ByteLM(nn.Module):
     ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
     ``head``, stays a plain ``nn.Linear`` (logits feed a softmax over all 256 bytes, where
     fp8's coarse steps would show most).
+
+    With ``config.n_experts > 0`` each block's feed-forward is an ``MoE`` (its experts run in
+    fp8 under an fp8 ctx, its router never). Training then adds ``aux_loss()`` to the loss
+    (``moe_balance="aux_loss"``) or calls ``update_expert_bias()`` after each optimizer step
+    (``"aux_free"``); ``expert_load()`` gives the tokens per expert of the last forward.
     """
 
     def __init__(self, ctx: ComputeCtx, config: LMConfig | None = None) -> None:
@@ -111,13 +195,47 @@ class ByteLM(nn.Module):
             if p.dim() < 2:
                 continue
             std = 0.02
-            if name.endswith(("attn.out.weight", "mlp.down.weight")):
+            if name.endswith(_RESIDUAL_WRITERS):
                 std /= math.sqrt(2 * self.config.n_layers)
             nn.init.normal_(p, mean=0.0, std=std)
 
     def fp8_layers(self) -> list[str]:
-        """Names of the layers that run in fp8 (empty unless ``ctx.fp8`` is set)."""
-        return [name for name, m in self.named_modules() if isinstance(m, Fp8Linear)]
+        """Names of the layers that run in fp8, linears and experts (empty unless ``ctx.fp8``
+        is set)."""
+        return [
+            name
+            for name, m in self.named_modules()
+            if isinstance(m, Fp8Linear) or (isinstance(m, GroupedExperts) and m.fp8 is not None)
+        ]
+
+    def moe_layers(self) -> list[MoE]:
+        """Each block's ``MoE``, in order (empty for a dense model)."""
+        return [b.mlp for b in self._blocks() if isinstance(b.mlp, MoE)]
+
+    def aux_loss(self) -> torch.Tensor:
+        """The sum of the blocks' auxiliary load-balancing losses from the last forward in
+        training mode (``moe_balance="aux_loss"``); a float32 zero when there is none. Add it
+        to ``loss`` when training."""
+        losses = [m.aux_loss for m in self.moe_layers() if m.aux_loss is not None]
+        if not losses:
+            return torch.zeros((), device=self.ctx.device)
+        return torch.stack([loss.float() for loss in losses]).sum()
+
+    def expert_load(self) -> torch.Tensor:
+        """Routed copies per expert in the last forward: int64 ``(MoE layers, n_experts)``
+        (``(0, 0)`` for a dense model)."""
+        layers = self.moe_layers()
+        if not layers:
+            return torch.zeros(0, 0, dtype=torch.int64, device=self.ctx.device)
+        return torch.stack([m.last_load for m in layers])
+
+    def update_expert_bias(self) -> None:
+        """``MoE.update_bias()`` for every block: call it after each optimizer step under
+        ``moe_balance="aux_free"`` (with data parallelism, after all-reducing each block's
+        ``tokens_per_expert``), e.g. ``optimizer.register_step_post_hook(lambda *_:
+        model.update_expert_bias())``."""
+        for m in self.moe_layers():
+            m.update_bias()
 
     def new_caches(
         self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None
@@ -231,7 +349,8 @@ class ByteLM(nn.Module):
         """Mean next-byte cross-entropy (nats) of ``targets`` given ``ids``.
 
         The logits are lifted to ``compute ⊔ accum`` first: a BF16 log-sum-exp over 256
-        logits would round the loss itself to ~3 significant digits.
+        logits would round the loss itself to ~3 significant digits. An MoE model's
+        auxiliary loss is not in it: training adds ``aux_loss()``.
         """
         return self.loss_of(self(ids), targets)
 

@@ -1,0 +1,274 @@
+"""``GroupedExperts``: the SwiGLU experts of a mixture-of-experts block as 3-D parameters,
+run by grouped GEMMs over tokens sorted by expert.
+
+The grouped GEMM of group ``g`` multiplies rows ``offs[g-1]:offs[g]`` of ``x`` (``offs[-1]``
+read as 0) by ``w[g].T``, where ``w`` is ``(E, N, K)``, stored as ``nn.Linear`` stores a
+weight (out x in) and as transformers 5 and torchtitan store experts. In high precision it
+runs at ``ctx.compute`` with float32 accumulation and one rounding, by the block's
+``GemmPath`` (``computectx.nn.Gemm``):
+
+- ``NATIVE`` and ``WIDE``: ``torch.nn.functional.grouped_mm`` at the compute dtype;
+- ``UPCAST`` (a CPU without native bf16/f16 GEMMs): the operands widened exactly to float32,
+  a float32 ``grouped_mm``, one rounding; only the half-precision operands wait for backward.
+
+``grouped_mm`` needs strides that are multiples of 16 bytes: widths that are not are padded
+with zeros (exact) and the padding is cut off. It runs bf16 everywhere and, in eager mode on
+the CPU, float32 and float16 too. Inside ``torch.compile``, whose fake kernel of
+``grouped_mm`` accepts only bf16, ``UPCAST`` bf16 runs bf16's own ``grouped_mm`` (float32
+accumulation too, in another order; slower on such a CPU). Where it does not run at all
+(float64; float32/float16 on CUDA or compiled) a dense twin computes the same rows: one GEMM
+of every row against every expert, each row keeping its own expert's columns (``E`` times the
+FLOPs: a fallback for parity runs and small models, not a fast path). Rows past ``offs[-1]``
+come out zero, and their gradients are zero.
+
+With ``fp8`` set (a ``computectx.fp8.ExpertsFp8``), the GEMMs run through ``fp8.mm(x, w,
+offs)`` instead: ``convert_to_fp8`` and ``apply_fp8_policy`` set it through the converter this
+module registers with ``computectx.fp8.register_experts_converter``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+from computectx.ctx import ComputeCtx
+from computectx.fp8 import ExpertsFp8, register_experts_converter
+from computectx.nn.gemm import Gemm, GemmPath
+from computectx.nn.params import param_dtype
+
+__all__ = ["GroupedExperts", "grouped_linear"]
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts: ``down[e] @ (silu(gate[e] @ x) * (up[e] @ x))`` for each row ``x``
+    of expert ``e``'s group.
+
+    Parameters, at ``param_dtype(ctx)``: ``gate_up`` ``(E, 2 * hidden, dim)`` (rows
+    ``:hidden`` are the gate, rows ``hidden:`` the up projection: transformers'
+    ``gate_up_proj`` layout) and ``down`` ``(E, dim, hidden)``. ``forward(x_sorted, offs)``
+    takes rows sorted by expert and ``offs``, int32 ``(E,)`` cumulative end offsets
+    (``F.grouped_mm``'s convention), and returns ``(M, dim)`` at ``ctx.compute``.
+
+    ``fp8`` is ``None`` (high precision) or the ``ExpertsFp8`` its GEMMs run through; an
+    ``MoE`` built under an fp8 ctx sets it at construction (``apply_fp8_policy``).
+    """
+
+    fp8: ExpertsFp8 | None
+
+    def __init__(self, ctx: ComputeCtx, dim: int, hidden: int, n_experts: int) -> None:
+        super().__init__()
+        if dim <= 0 or hidden <= 0 or n_experts <= 0:
+            raise ValueError(
+                f"GroupedExperts sizes must be positive, got dim={dim!r}, hidden={hidden!r}, "
+                f"n_experts={n_experts!r}"
+            )
+        self.ctx = ctx
+        self.dim, self.hidden, self.n_experts = dim, hidden, n_experts
+        dt = param_dtype(ctx)
+        self.gate_up = nn.Parameter(
+            torch.empty(n_experts, 2 * hidden, dim, device=ctx.device, dtype=dt)
+        )
+        self.down = nn.Parameter(torch.empty(n_experts, dim, hidden, device=ctx.device, dtype=dt))
+        self.fp8 = None
+        self.path = Gemm.for_ctx(ctx).path
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Each expert as ``nn.Linear`` initializes a weight: uniform in ``±1/sqrt(in)``."""
+        with torch.no_grad():
+            self.gate_up.uniform_(-1 / math.sqrt(self.dim), 1 / math.sqrt(self.dim))
+            self.down.uniform_(-1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden))
+
+    def extra_repr(self) -> str:
+        fp8 = "" if self.fp8 is None else f", fp8={self.fp8}"
+        return f"n_experts={self.n_experts}, dim={self.dim}, hidden={self.hidden}{fp8}"
+
+    def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        _check_offs(offs, self.n_experts)
+        if x.dim() != 2 or x.shape[1] != self.dim:
+            raise ValueError(
+                f"GroupedExperts takes rows of shape (M, {self.dim}), got {tuple(x.shape)}"
+            )
+        with self.ctx.autocast():
+            x = self.ctx.to_compute(x)
+            h = self._mm(x, self.gate_up, offs)
+            act = nn.functional.silu(h[:, : self.hidden]) * h[:, self.hidden :]
+            return self.ctx.to_compute(self._mm(act, self.down, offs))
+
+    def _mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if self.fp8 is not None:
+            return self.fp8.mm(x, w, offs)
+        return grouped_linear(x, w, offs, self.path)
+
+
+def grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, path: GemmPath
+) -> torch.Tensor:
+    """Row ``i`` of group ``g`` (``offs[g-1] <= i < offs[g]``) times ``w[g].T``, at ``x``'s
+    dtype by ``path`` (see the module); ``w`` ``(E, N, K)`` is rounded to ``x``'s dtype first
+    (what autocast does). Rows past ``offs[-1]`` are zero. Differentiable in ``x`` and ``w``."""
+    dtype = x.dtype
+    work = torch.float32 if path is GemmPath.UPCAST and dtype != torch.float64 else dtype
+    if _grouped_mm_runs(work, x.device):
+        w = _experts_at(w, offs, dtype)
+        out: torch.Tensor = _GroupedMM.apply(x, w, offs, work)  # type: ignore[no-untyped-call]
+        return out
+    w = w if w.dtype == dtype else w.to(dtype)
+    if _grouped_mm_runs(dtype, x.device):
+        # Inside torch.compile on the CPU: bf16's own grouped_mm (float32 accumulation, one
+        # rounding, as UPCAST) rather than the dense twin.
+        out = _GroupedMM.apply(x, w, offs, dtype)  # type: ignore[no-untyped-call]
+        return out
+    return _dense_twin(x, w, offs, work)
+
+
+def _experts_at(w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``w`` at ``dtype`` for a grouped GEMM over ``offs``' groups.
+
+    When nothing records a graph (``torch.no_grad``/inference, the decode path) and outside
+    ``torch.compile``, only the experts that have rows are converted: the others stay
+    uninitialized, as ``F.grouped_mm`` never reads an empty group's weight. So a memory-mapped
+    expert that no token chose is not read from the checkpoint (``Residency.MMAP``). Otherwise
+    the whole weight is converted (autograd's cast, whose backward returns ``dW`` at ``w``'s
+    dtype), and on an accelerator (a copy per expert and a host read of ``offs`` would cost
+    more than the cast; a mapped checkpoint lives in host memory)."""
+    if w.dtype == dtype:
+        return w
+    if (
+        w.device.type != "cpu"
+        or torch.compiler.is_compiling()
+        or (torch.is_grad_enabled() and w.requires_grad)
+    ):
+        return w.to(dtype)
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    for e in counts.nonzero().flatten().tolist():
+        out[e].copy_(w[e])
+    return out
+
+
+def _check_offs(offs: torch.Tensor, n_experts: int) -> None:
+    # Shapes and dtypes only: checking the values would read them on the host every step.
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
+        got = offs.dtype if isinstance(offs, torch.Tensor) else type(offs).__name__
+        raise TypeError(f"offs must be an int32 tensor of cumulative end offsets, got {got}")
+    if offs.dim() != 1 or offs.shape[0] != n_experts:
+        raise ValueError(
+            f"offs must be 1-D with one end offset per expert ({n_experts}), got shape "
+            f"{tuple(offs.shape)}"
+        )
+
+
+def _grouped_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``F.grouped_mm`` takes ``dtype`` operands here (bf16 everywhere; float32 and
+    float16 on the CPU in eager mode)."""
+    if dtype == torch.bfloat16:
+        return True
+    return (
+        dtype in (torch.float32, torch.float16)
+        and device.type == "cpu"
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _pad_to(t: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -t.shape[dim] % multiple
+    if not extra:
+        return t
+    pad = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, extra]
+    return nn.functional.pad(t, pad)
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``F.grouped_mm(a, w.mT)`` for ``a`` ``(M, K)`` and ``w`` ``(E, N, K)``, the widths padded
+    with zeros to 16 bytes and cut back: ``(M, N)``."""
+    multiple = 16 // a.element_size()
+    n = w.shape[1]
+    a = _pad_to(a.contiguous(), 1, multiple)
+    w = _pad_to(_pad_to(w, 2, multiple), 1, multiple)
+    y = nn.functional.grouped_mm(a, w.transpose(-2, -1), offs=offs)
+    return y[:, :n] if y.shape[1] != n else y
+
+
+def _grouped_wgrad(g: torch.Tensor, a: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``(E, N, K)``: group ``e``'s ``g_e.T @ a_e`` (zero for an empty group)."""
+    multiple = 16 // a.element_size()
+    n, k = g.shape[1], a.shape[1]
+    g = _pad_to(g.contiguous(), 1, multiple)
+    a = _pad_to(a.contiguous(), 1, multiple)
+    dw = nn.functional.grouped_mm(g.t(), a, offs=offs)
+    return dw[:, :n, :k] if dw.shape[1:] != (n, k) else dw
+
+
+def _zero_tail(y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    # grouped_mm leaves rows past offs[-1] unwritten (whatever the memory held).
+    rows = torch.arange(y.shape[0], device=y.device)
+    return y.masked_fill_((rows >= offs[-1]).unsqueeze(1), 0)
+
+
+class _GroupedMM(torch.autograd.Function):
+    """``grouped_linear`` through ``F.grouped_mm`` at ``work`` (the operands widened exactly
+    when ``work`` is wider), each result rounded once to the operands' dtype."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, work: torch.dtype
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        ctx.work = work  # type: ignore[attr-defined]
+        with torch.autocast(x.device.type, enabled=False):
+            y = _grouped(x.to(work), _experts_at(w, offs, work), offs)
+        return _zero_tail(y, offs).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w, offs = ctx.saved_tensors
+        work = ctx.work
+        needs = ctx.needs_input_grad
+        gx = gw = None
+        with torch.autocast(grad.device.type, enabled=False):
+            g = grad.to(work)
+            if needs[0]:
+                gx = _zero_tail(_grouped(g, w.to(work).transpose(-2, -1), offs), offs).to(x.dtype)
+            if needs[1]:
+                gw = _grouped_wgrad(g, x.to(work), offs).to(w.dtype)
+        return gx, gw, None, None
+
+
+def _dense_twin(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, work: torch.dtype
+) -> torch.Tensor:
+    """``grouped_linear`` where ``grouped_mm`` does not run: every row against every expert in
+    one GEMM at ``work``, each row keeping its own expert's columns, one rounding."""
+    m, (e, n, k) = x.shape[0], w.shape
+    rows = torch.arange(m, device=x.device)
+    group = torch.searchsorted(offs, rows.to(offs.dtype), right=True)  # E past offs[-1]
+    with torch.autocast(x.device.type, enabled=False):
+        every = (x.to(work) @ w.to(work).reshape(e * n, k).t()).view(m, e, n)
+        pick = group.clamp(max=e - 1).view(m, 1, 1).expand(m, 1, n)
+        y = every.gather(1, pick).squeeze(1)
+        y = torch.where((group < e).unsqueeze(1), y, torch.zeros((), dtype=work, device=x.device))
+    return y.to(x.dtype)
+
+
+class _GroupedExpertsConverter:
+    """How ``convert_to_fp8`` finds and converts a ``GroupedExperts``."""
+
+    def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        if not isinstance(module, GroupedExperts):
+            return None
+        return {"gate_up": module.gate_up, "down": module.down}
+
+    def current(self, module: nn.Module) -> ExpertsFp8 | None:
+        return module.fp8 if isinstance(module, GroupedExperts) else None
+
+    def convert(self, module: nn.Module, fp8: ExpertsFp8 | None) -> None:
+        if isinstance(module, GroupedExperts):
+            module.fp8 = fp8
+
+
+register_experts_converter(_GroupedExpertsConverter())

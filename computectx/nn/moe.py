@@ -1,0 +1,300 @@
+"""``MoE``: a dropless token-choice mixture-of-experts block that reads the ctx.
+
+Each token picks ``top_k`` of ``n_experts`` SwiGLU experts through a ``Router`` whose scores,
+selection and weights run at ``compute ⊔ accum`` (the dtype ``ctx.precise`` lifts to: a gate
+in bf16 would move tokens between experts on rounding alone). The tokens' copies are sorted
+by expert (a stable sort, so each expert sees its tokens in order), run through the
+``GroupedExperts`` as two grouped GEMMs, put back in token order and summed with their
+routing weights at ``compute ⊔ accum``, rounded once to ``ctx.compute``. No token is dropped
+and no expert has a capacity. Optional shared experts (one ``MLP`` of width ``n_shared *
+hidden``, as DeepSeek-V3 builds them) see every token and add to the output.
+
+Load balancing is the user's choice (``balance``):
+
+- ``"aux_free"``: DeepSeek-V3's auxiliary-loss-free balancing. The router adds a per-expert
+  ``bias`` (a buffer, never learned) to the scores when it selects experts, not when it
+  weighs them. The training loop moves it after each optimizer step with ``update_bias()``:
+  ``bias += bias_rate * sign(mean(load) - load)``, ``load`` the tokens each expert received
+  since the last update (``tokens_per_expert``, counted by every forward in training mode).
+  Called between steps rather than inside the forward, it is deterministic, runs once per step
+  under gradient accumulation, and is not repeated by activation checkpointing's recompute
+  (which counts the recomputed layer's tokens twice: every expert's count doubles, and the
+  sign of ``mean - load`` does not change). With data parallelism, all-reduce (sum) each
+  ``tokens_per_expert`` across ranks before ``update_bias()``, so every rank moves its bias
+  the same way (``ByteLM.update_expert_bias`` calls it for every block).
+- ``"aux_loss"``: a switch-style auxiliary loss, ``aux_coef * E * sum_e f_e * P_e``, ``f_e``
+  the fraction of the ``T * top_k`` routed copies that expert ``e`` received and ``P_e`` the
+  mean over tokens of its normalized score (the softmax probability; for sigmoid scores,
+  each token's scores divided by their sum). Uniform routing gives ``aux_coef``. It is
+  stored in ``aux_loss`` by each forward in training mode; add it to the loss.
+- ``"none"``: neither. The ``bias`` is still added for selection (a loaded checkpoint's,
+  DeepSeek-V3 inference), never moved.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Literal, NamedTuple, get_args
+
+import torch
+from torch import nn
+
+from computectx.ctx import ComputeCtx
+from computectx.dtypes import cast_if, dtype_of, promote
+from computectx.nn.experts import GroupedExperts
+from computectx.nn.mlp import MLP
+from computectx.nn.params import apply_fp8_policy, param_dtype
+
+__all__ = ["ExpertDispatch", "LoadBalance", "MoE", "Router", "RouterScore", "Routing"]
+
+RouterScore = Literal["softmax", "sigmoid"]
+"""How the router scores experts: ``softmax`` over all experts, or DeepSeek-V3's ``sigmoid``
+of each expert's logit."""
+LoadBalance = Literal["aux_free", "aux_loss", "none"]
+"""How an ``MoE`` balances its experts' load (the module docstring)."""
+
+ExpertDispatch = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+"""``(x_sorted, counts, experts) -> y_sorted``: runs the experts on rows sorted by expert,
+``counts`` int64 ``(E,)`` rows per expert (expert parallelism, ``computectx.distributed``)."""
+
+
+class Routing(NamedTuple):
+    """A router's decision for ``T`` tokens."""
+
+    weights: torch.Tensor
+    """``(T, top_k)`` at ``compute ⊔ accum``: each chosen expert's weight in the combine."""
+    experts: torch.Tensor
+    """``(T, top_k)`` int64: the chosen experts, by descending biased score."""
+    probs: torch.Tensor
+    """``(T, E)`` at ``compute ⊔ accum``: every expert's normalized score (rows sum to 1),
+    the ``P`` of the auxiliary loss."""
+
+
+class Router(nn.Module):
+    """Token-choice top-k gate: ``weight`` ``(E, dim)`` scores each token against every expert.
+
+    Not an ``nn.Linear``, so no fp8 conversion touches it; its GEMM, scores, selection and
+    weights run at ``x.dtype ⊔ ctx.accum`` with autocast off. ``softmax``: probabilities, the
+    top ``top_k`` of ``probs + bias`` chosen, weighted by their probabilities (renormalized
+    to sum 1 when ``renormalize``). ``sigmoid`` (DeepSeek-V3): the top ``top_k`` of
+    ``sigmoid(logits) + bias`` chosen, weighted by their sigmoid scores (normalized to sum 1
+    when ``renormalize``). Either way the weights are then multiplied by ``route_scale``.
+    ``bias`` is a float32 buffer, used for selection only (``MoE``'s ``aux_free``).
+    """
+
+    bias: torch.Tensor
+
+    def __init__(
+        self,
+        ctx: ComputeCtx,
+        dim: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        score: RouterScore = "softmax",
+        renormalize: bool = True,
+        route_scale: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if score not in get_args(RouterScore):
+            raise ValueError(
+                f"router score must be one of {', '.join(map(repr, get_args(RouterScore)))}, "
+                f"got {score!r}"
+            )
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k must lie in [1, n_experts={n_experts}], got {top_k!r}")
+        if not (isinstance(route_scale, (int, float)) and math.isfinite(route_scale)):
+            raise ValueError(f"route_scale must be a finite number, got {route_scale!r}")
+        self.ctx = ctx
+        self.n_experts, self.top_k = n_experts, top_k
+        self.score, self.renormalize, self.route_scale = score, renormalize, float(route_scale)
+        bound = 1 / math.sqrt(dim)
+        self.weight = nn.Parameter(
+            torch.empty(n_experts, dim, device=ctx.device, dtype=param_dtype(ctx)).uniform_(
+                -bound, bound
+            )
+        )
+        self.register_buffer("bias", torch.zeros(n_experts, device=ctx.device))
+
+    def extra_repr(self) -> str:
+        return (
+            f"n_experts={self.n_experts}, top_k={self.top_k}, score={self.score!r}, "
+            f"renormalize={self.renormalize}, route_scale={self.route_scale}"
+        )
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """The routing of ``x`` ``(T, dim)``."""
+        work = promote(dtype_of(x), self.ctx.accum)
+        with torch.autocast(x.device.type, enabled=False):
+            wide = cast_if(x, work)
+            logits = nn.functional.linear(wide, cast_if(self.weight, work))
+            # Already at accum: ctx.precise runs the score as it is and casts nothing back.
+            scores = self.ctx.precise(
+                logits, torch.sigmoid if self.score == "sigmoid" else _softmax_last
+            )
+            chosen = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
+            picked = scores.gather(-1, chosen)
+            if self.renormalize:
+                tiny = torch.finfo(picked.dtype).tiny
+                picked = picked / picked.sum(-1, keepdim=True).clamp_min(tiny)
+            weights = picked * self.route_scale if self.route_scale != 1.0 else picked
+            if self.score == "sigmoid":
+                probs = scores / scores.sum(-1, keepdim=True).clamp_min(
+                    torch.finfo(work.torch).tiny
+                )
+            else:
+                probs = scores
+        return Routing(weights, chosen, probs)
+
+
+def _softmax_last(t: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(t, dim=-1)
+
+
+class MoE(nn.Module):
+    """Dropless top-k mixture of SwiGLU experts (the module docstring).
+
+    ``forward(x)`` takes ``(..., dim)`` and returns the same shape at ``ctx.compute``.
+    Submodules: ``router`` (a ``Router``), ``experts`` (``GroupedExperts``: ``gate_up``
+    ``(E, 2 * hidden, dim)``, ``down`` ``(E, dim, hidden)``) and ``shared`` (an ``MLP`` of
+    width ``n_shared * hidden``, or ``None``). Under an fp8 ctx the experts and the shared
+    MLP run in fp8 from construction (``apply_fp8_policy``); the router never does.
+
+    After each forward: ``last_load`` (buffer, int64 ``(E,)``) holds the routed copies each
+    expert received; in training mode ``tokens_per_expert`` (int64 ``(E,)``) adds them up
+    until ``update_bias()``, and ``aux_loss`` holds the auxiliary loss under
+    ``balance="aux_loss"`` (``None`` otherwise, and in eval mode).
+
+    ``dispatch`` (default ``None``): when set, an ``ExpertDispatch`` called as
+    ``dispatch(x_sorted, counts, experts)`` instead of ``experts(x_sorted, offs)``: the hook
+    expert parallelism fills (``computectx.distributed``; ``nn`` never imports it).
+    ``last_load``, ``tokens_per_expert`` are rank-local: keep them out of DDP's buffer
+    broadcast (``local_buffer_names``).
+    """
+
+    last_load: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    aux_loss: torch.Tensor | None
+    dispatch: ExpertDispatch | None
+
+    def __init__(
+        self,
+        ctx: ComputeCtx,
+        dim: int,
+        hidden: int,
+        n_experts: int,
+        top_k: int,
+        *,
+        n_shared: int = 0,
+        score: RouterScore = "softmax",
+        balance: LoadBalance = "aux_free",
+        renormalize: bool = True,
+        route_scale: float = 1.0,
+        bias_rate: float = 1e-3,
+        aux_coef: float = 1e-2,
+    ) -> None:
+        super().__init__()
+        if balance not in get_args(LoadBalance):
+            raise ValueError(
+                f"MoE balance must be one of {', '.join(map(repr, get_args(LoadBalance)))}, "
+                f"got {balance!r}"
+            )
+        if n_shared < 0:
+            raise ValueError(f"n_shared must be >= 0, got {n_shared!r}")
+        for name, value in (("bias_rate", bias_rate), ("aux_coef", aux_coef)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        self.ctx = ctx
+        self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
+        self.balance: LoadBalance = balance
+        self.bias_rate, self.aux_coef = float(bias_rate), float(aux_coef)
+        self.experts = GroupedExperts(ctx, dim, hidden, n_experts)
+        self.router = Router(
+            ctx,
+            dim,
+            n_experts,
+            top_k,
+            score=score,
+            renormalize=renormalize,
+            route_scale=route_scale,
+        )
+        self.shared = MLP(ctx, dim, n_shared * hidden) if n_shared else None
+        for name in self.local_buffer_names():
+            zeros = torch.zeros(n_experts, device=ctx.device, dtype=torch.int64)
+            self.register_buffer(name, zeros, persistent=False)
+        self.aux_loss = None
+        self.dispatch = None
+        apply_fp8_policy(self, ctx)
+
+    def extra_repr(self) -> str:
+        return f"balance={self.balance!r}"
+
+    @staticmethod
+    def local_buffer_names() -> tuple[str, ...]:
+        """The buffers each rank keeps for itself (DDP must not broadcast rank 0's)."""
+        return ("last_load", "tokens_per_expert")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.dim:
+            raise ValueError(f"MoE takes (..., {self.dim}) inputs, got {tuple(x.shape)}")
+        with self.ctx.autocast():
+            x = self.ctx.to_compute(x)
+            flat = x.reshape(-1, self.dim)
+            n, k = flat.shape[0], self.top_k
+            routing = self.router(flat)
+            chosen = routing.experts.reshape(-1)  # copy i*k + j is token i's j-th choice
+            order = torch.argsort(chosen, stable=True)
+            # A bincount with a static length (bincount's own length depends on the values,
+            # which torch.compile cannot trace without a graph break).
+            counts = torch.zeros(self.n_experts, dtype=torch.int64, device=chosen.device)
+            counts = counts.scatter_add_(0, chosen, torch.ones_like(chosen))
+            x_sorted = flat[order // k]
+            if self.dispatch is None:
+                offs = torch.cumsum(counts, 0, dtype=torch.int32)
+                y_sorted = self.experts(x_sorted, offs)
+            else:
+                y_sorted = self.dispatch(x_sorted, counts, self.experts)
+            back = torch.empty_like(order).scatter_(
+                0, order, torch.arange(n * k, device=order.device)
+            )
+            y = y_sorted[back].view(n, k, self.dim)
+            work = routing.weights.dtype
+            # The combine at compute ⊔ accum: top_k products summed, then one rounding.
+            out = (y.to(work) * routing.weights.unsqueeze(-1)).sum(1)
+            if self.shared is not None:
+                out = out + self.shared(flat).to(work)
+            self._account(counts, routing.probs, n * k)
+            return self.ctx.to_compute(out).view(x.shape)
+
+    def _account(self, counts: torch.Tensor, probs: torch.Tensor, copies: int) -> None:
+        with torch.no_grad():
+            self.last_load.copy_(counts)
+            if self.training:
+                self.tokens_per_expert.add_(counts)
+        if self.balance == "aux_loss" and self.training and copies:
+            f = counts.to(probs.dtype) / copies
+            self.aux_loss = self.aux_coef * self.n_experts * (f * probs.mean(0)).sum()
+        else:
+            self.aux_loss = None
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor | None = None) -> None:
+        """One auxiliary-loss-free step: ``router.bias += bias_rate * sign(mean(load) -
+        load)``, ``load`` the tokens per expert since the last call (``tokens_per_expert``,
+        all-reduced across data-parallel ranks by the caller) or the ``load`` given; then
+        ``tokens_per_expert`` starts again from zero. Call it after each optimizer step.
+        Under ``balance`` other than ``"aux_free"`` the bias does not move (the count is
+        still reset); nor does it when no token was counted."""
+        counted = self.tokens_per_expert if load is None else load
+        if counted.shape != (self.n_experts,):
+            raise ValueError(
+                f"update_bias takes a load per expert, shape ({self.n_experts},), got "
+                f"{tuple(counted.shape)}"
+            )
+        if self.balance == "aux_free":
+            wide = counted.to(torch.float64)
+            step = torch.sign(wide.mean() - wide) * self.bias_rate
+            # No tokens (an eval-only call): mean - load is 0 everywhere, so no step.
+            self.router.bias.add_(step.to(self.router.bias.dtype))
+        self.tokens_per_expert.zero_()

@@ -1,0 +1,422 @@
+"""MoE: routing, grouped experts and the combine equal a naive per-token loop over experts;
+load balancing (auxiliary-loss-free bias, auxiliary loss) by its formulas; ByteLM with
+experts trains; fp8 experts; one fullgraph compile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+from torch.nn import functional
+
+from computectx import ComputeCtx, DType
+from computectx.fp8 import ExpertsFp8, convert_to_fp8
+from computectx.nn import (
+    MLP,
+    ByteLM,
+    GemmPath,
+    GroupedExperts,
+    LMConfig,
+    MoE,
+    Router,
+    grouped_linear,
+)
+
+CPU = torch.device("cpu")
+F32 = ComputeCtx.parity(CPU)
+F64 = ComputeCtx.new(DType.F64, CPU)
+BF16 = ComputeCtx.new(DType.BF16, CPU)
+DIM, HIDDEN, E, K = 16, 8, 4, 2
+
+
+def _moe(ctx: ComputeCtx = F32, seed: int = 0, **kw: object) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(ctx, DIM, HIDDEN, E, K, **kw)  # type: ignore[arg-type]
+    return moe
+
+
+def _naive(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """The block token by token, expert by expert, in plain torch."""
+    r = moe.router
+    out = []
+    for t in x.reshape(-1, moe.dim):
+        logits = r.weight.to(t.dtype) @ t
+        scores = torch.sigmoid(logits) if r.score == "sigmoid" else torch.softmax(logits, -1)
+        chosen = torch.topk(scores + r.bias.to(t.dtype), moe.top_k).indices
+        picked = scores[chosen]
+        if r.renormalize:
+            picked = picked / picked.sum()
+        picked = picked * r.route_scale
+        y = torch.zeros_like(t)
+        for w, e in zip(picked, chosen.tolist(), strict=True):
+            h = moe.experts.gate_up[e].to(t.dtype) @ t
+            act = functional.silu(h[: moe.hidden]) * h[moe.hidden :]
+            y = y + w * (moe.experts.down[e].to(t.dtype) @ act)
+        if moe.shared is not None:
+            y = y + moe.shared(t[None])[0]
+        out.append(y)
+    return torch.stack(out).reshape(x.shape)
+
+
+def _grads(moe: MoE, x: torch.Tensor, y: torch.Tensor, g: torch.Tensor) -> list[torch.Tensor]:
+    params = [x, *(p for p in moe.parameters())]
+    return list(torch.autograd.grad(y, params, g))
+
+
+@pytest.mark.parametrize(
+    ("ctx", "tol"),
+    [(F32, 2e-6), (F64, 1e-13)],  # F64: the dense twin (grouped_mm has no float64)
+    ids=["f32", "f64"],
+)
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("n_shared", [0, 2])
+def test_moe_equals_a_naive_loop_over_tokens_and_experts(
+    ctx: ComputeCtx, tol: float, score: str, n_shared: int
+) -> None:
+    moe = _moe(ctx, score=score, n_shared=n_shared, route_scale=1.5)
+    dt = ctx.compute.torch
+    with torch.no_grad():  # a bias that changes the selection, not the weights
+        moe.router.bias.copy_(torch.tensor([0.3, -0.2, 0.1, 0.0]))
+    x = torch.randn(3, 5, DIM, dtype=dt, requires_grad=True)
+    y, ref = moe(x), _naive(moe, x)
+    assert y.dtype == dt and y.shape == x.shape
+    torch.testing.assert_close(y, ref, rtol=tol, atol=tol)
+    g = torch.randn_like(y)
+    for got, want in zip(_grads(moe, x, y, g), _grads(moe, x, ref, g), strict=True):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    assert int(moe.last_load.sum()) == 15 * K
+
+
+def test_experts_without_tokens_get_zero_gradients_and_zero_load() -> None:
+    moe = _moe()
+    with torch.no_grad():  # every token picks experts 1 and 3
+        moe.router.bias.copy_(torch.tensor([0.0, 10.0, 0.0, 10.0]))
+    x = torch.randn(7, DIM, requires_grad=True)
+    y = moe(x)
+    torch.testing.assert_close(y, _naive(moe, x), rtol=2e-6, atol=2e-6)
+    assert moe.last_load.tolist() == [0, 7, 0, 7]
+    y.square().sum().backward()
+    for grad in (moe.experts.gate_up.grad, moe.experts.down.grad):
+        assert grad is not None
+        assert grad[[0, 2]].eq(0).all() and grad[[1, 3]].ne(0).any()
+
+
+def test_no_tokens_at_all() -> None:
+    moe = _moe()
+    y = moe(torch.randn(0, DIM))
+    assert y.shape == (0, DIM) and moe.last_load.tolist() == [0] * E
+
+
+@pytest.mark.parametrize("route_scale", [1.0, 2.5])
+def test_sigmoid_weights_are_the_picked_scores_normalized(route_scale: float) -> None:
+    moe = _moe(score="sigmoid", route_scale=route_scale)
+    with torch.no_grad():
+        moe.router.bias.copy_(torch.tensor([0.0, 5.0, 0.0, 0.0]))
+    x = torch.randn(9, DIM)
+    weights, chosen, probs = moe.router(x)
+    assert weights.dtype == torch.float32 and chosen.dtype == torch.int64
+    torch.testing.assert_close(weights.sum(-1), torch.full((9,), route_scale))
+    assert (chosen[:, 0] == 1).all()  # the bias selects ...
+    sig = torch.sigmoid(x @ moe.router.weight.T)
+    picked = sig.gather(-1, chosen)  # ... but the unbiased scores weigh
+    torch.testing.assert_close(weights, picked / picked.sum(-1, keepdim=True) * route_scale)
+    torch.testing.assert_close(probs, sig / sig.sum(-1, keepdim=True))
+
+
+def test_the_router_is_precise_under_bf16_and_never_a_linear() -> None:
+    moe = _moe(BF16)
+    assert not isinstance(moe.router, torch.nn.Linear)
+    x = torch.randn(6, DIM).bfloat16()
+    weights, _, probs = moe.router(x)
+    assert weights.dtype == probs.dtype == torch.float32
+    assert moe(x).dtype == torch.bfloat16
+
+
+def test_bf16_moe_is_the_f32_moe_within_bf16_rounding() -> None:
+    wide, narrow = _moe(F32, n_shared=1), _moe(BF16, n_shared=1)
+    assert narrow.experts.path in (GemmPath.NATIVE, GemmPath.UPCAST)
+    x = torch.randn(10, DIM)
+    # The routing at f32 from bf16 inputs: the same experts as the f32 block's almost surely.
+    y = narrow(x.bfloat16())
+    assert narrow.last_load.sum() == 10 * K
+    torch.testing.assert_close(y.float(), wide(x.bfloat16().float()), rtol=2**-6, atol=2e-3)
+
+
+def test_aux_free_bias_moves_against_the_load_and_only_between_steps() -> None:
+    moe = _moe(bias_rate=0.01)
+    with torch.no_grad():
+        moe.router.bias.copy_(torch.tensor([1.0, 1.0, 0.0, 0.0]))  # experts 0, 1 take all
+    moe.train()
+    moe(torch.randn(5, DIM))
+    moe(torch.randn(3, DIM))
+    assert moe.tokens_per_expert.tolist() == [8, 8, 0, 0]
+    assert moe.last_load.tolist() == [3, 3, 0, 0]
+    assert moe.router.bias.tolist() == [1.0, 1.0, 0.0, 0.0]  # the forward never moves it
+    moe.update_bias()
+    torch.testing.assert_close(moe.router.bias, torch.tensor([0.99, 0.99, 0.01, 0.01]))
+    assert moe.tokens_per_expert.tolist() == [0] * E
+    moe.eval()
+    moe(torch.randn(5, DIM))
+    assert moe.tokens_per_expert.tolist() == [0] * E  # eval forwards are not counted
+    moe.update_bias()  # nothing counted: no step
+    torch.testing.assert_close(moe.router.bias, torch.tensor([0.99, 0.99, 0.01, 0.01]))
+    # A load given (all-reduced elsewhere) instead of the local count; a tie stays put.
+    moe.update_bias(torch.tensor([4, 2, 3, 3]))
+    torch.testing.assert_close(moe.router.bias, torch.tensor([0.98, 1.0, 0.01, 0.01]))
+
+
+def test_aux_free_balancing_evens_out_a_skewed_router() -> None:
+    moe = _moe(bias_rate=0.02)
+    gen = torch.Generator().manual_seed(0)
+    skew = torch.randn(DIM, generator=gen)
+    with torch.no_grad():  # expert 0 scores high on tokens near `skew`
+        moe.router.weight[0].add_(0.1 * skew)
+    moe.train()
+    spread = []
+    for _ in range(40):
+        moe(torch.randn(64, DIM, generator=gen) + skew)
+        spread.append(int(moe.last_load.max() - moe.last_load.min()))
+        moe.update_bias()
+    assert sum(spread[-10:]) / 10 < spread[0] / 2, spread
+    assert moe.router.bias[0] < 0
+
+
+def test_bias_and_balance_only_for_aux_free() -> None:
+    moe = _moe(balance="none")
+    moe.train()
+    moe(torch.randn(5, DIM))
+    moe.update_bias()
+    assert moe.router.bias.eq(0).all() and moe.aux_loss is None
+
+
+def test_aux_loss_is_the_switch_formula_and_trains_the_router() -> None:
+    moe = _moe(balance="aux_loss", aux_coef=0.1)
+    moe.train()
+    x = torch.randn(10, DIM)
+    moe(x)
+    assert moe.aux_loss is not None
+    probs = torch.softmax(x @ moe.router.weight.T, -1)
+    chosen = torch.topk(probs, K).indices
+    f = torch.bincount(chosen.reshape(-1), minlength=E).float() / (10 * K)
+    torch.testing.assert_close(moe.aux_loss, 0.1 * E * (f * probs.mean(0)).sum())
+    (grad,) = torch.autograd.grad(moe.aux_loss, moe.router.weight)
+    assert grad.abs().sum() > 0
+    moe.eval()
+    moe(x)
+    assert moe.aux_loss is None
+
+
+def test_shared_experts_add_one_mlp_of_their_width() -> None:
+    moe = _moe(n_shared=3)
+    assert isinstance(moe.shared, MLP) and moe.shared.up.out_features == 3 * HIDDEN
+    x = torch.randn(4, DIM)
+    with_shared, shared = moe(x), moe.shared(x)
+    moe.shared = None
+    torch.testing.assert_close(with_shared - moe(x), shared, rtol=1e-5, atol=1e-6)
+
+
+def test_dispatch_hook_replaces_the_expert_call() -> None:
+    moe = _moe()
+    x = torch.randn(6, DIM)
+    want = moe(x)
+    seen: list[torch.Tensor] = []
+
+    def dispatch(xs: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts) -> torch.Tensor:
+        seen.append(counts)
+        out: torch.Tensor = experts(xs, torch.cumsum(counts, 0, dtype=torch.int32))
+        return out
+
+    moe.dispatch = dispatch
+    torch.testing.assert_close(moe(x), want, rtol=0, atol=0)
+    assert seen[0].dtype == torch.int64 and seen[0].tolist() == moe.last_load.tolist()
+
+
+def _offs(*ends: int) -> torch.Tensor:
+    return torch.tensor(ends, dtype=torch.int32)
+
+
+def _per_group(x: torch.Tensor, w: torch.Tensor, ends: list[int]) -> torch.Tensor:
+    out, start = torch.zeros(x.shape[0], w.shape[1], dtype=x.dtype), 0
+    for g, end in enumerate(ends):
+        out[start:end] = x[start:end] @ w[g].T
+        start = end
+    return out
+
+
+@pytest.mark.parametrize(("k", "n"), [(16, 8), (6, 5)])  # 6, 5: padded to 16 bytes
+def test_grouped_linear_groups_of_any_size_and_rows_past_the_end(k: int, n: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(11, k, dtype=torch.float64).float().requires_grad_()
+    w = torch.randn(4, n, k).requires_grad_()
+    ends = [3, 3, 7, 9]  # an empty group; rows 9, 10 belong to none
+    y = grouped_linear(x, w, _offs(*ends), GemmPath.WIDE)
+    ref = _per_group(x, w, ends)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+    assert y[9:].eq(0).all()
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), g)
+    rx, rw = torch.autograd.grad(ref, (x, w), g)
+    torch.testing.assert_close(gx, rx, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gw, rw, rtol=1e-6, atol=1e-6)
+    assert gx[9:].eq(0).all() and gw[1].eq(0).all()
+
+
+def test_upcast_is_a_float32_grouped_gemm_rounded_once() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(12, 32).bfloat16().requires_grad_()
+    w = torch.randn(3, 16, 32).bfloat16().requires_grad_()
+    offs = _offs(5, 5, 12)
+    y = grouped_linear(x, w, offs, GemmPath.UPCAST)
+    want = functional.grouped_mm(x.float(), w.float().transpose(-2, -1), offs=offs).bfloat16()
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    torch.autograd.backward(y, torch.ones_like(y))
+    assert x.grad is not None and w.grad is not None
+    assert x.grad.dtype == w.grad.dtype == torch.bfloat16
+    ref = _per_group(x.detach().float(), w.detach().float(), [5, 5, 12])
+    torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-2)
+
+
+def test_grouped_experts_check_offs() -> None:
+    experts = GroupedExperts(F32, DIM, HIDDEN, E)
+    x = torch.randn(5, DIM)
+    with pytest.raises(TypeError, match="int32"):
+        experts(x, torch.tensor([1, 2, 3, 5]))
+    with pytest.raises(ValueError, match=r"one end offset per expert \(4\)"):
+        experts(x, _offs(2, 5))
+    with pytest.raises(ValueError, match=r"\(M, 16\)"):
+        experts(torch.randn(5, 8), _offs(1, 2, 3, 5))
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"top_k": 5}, r"top_k must lie in \[1, n_experts=4\]"),
+        ({"balance": "switch"}, "balance must be one of 'aux_free', 'aux_loss', 'none'"),
+        ({"score": "relu"}, "score must be one of 'softmax', 'sigmoid'"),
+        ({"bias_rate": -1.0}, "bias_rate must be a finite number >= 0"),
+    ],
+)
+def test_moe_rejects_bad_settings(kw: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"top_k": K, **kw}
+    top_k = args.pop("top_k")
+    with pytest.raises(ValueError, match=match):
+        MoE(F32, DIM, HIDDEN, E, top_k, **args)  # type: ignore[arg-type]
+
+
+def _tiny_moe_lm(**kw: object) -> LMConfig:
+    fields: dict[str, object] = {
+        "d_model": 32,
+        "n_layers": 2,
+        "n_heads": 2,
+        "d_ff": 32,
+        "max_len": 32,
+        "n_experts": 4,
+        "top_k": 2,
+        **kw,
+    }
+    return LMConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("balance", ["aux_free", "aux_loss"])
+def test_byte_lm_with_experts_trains(balance: str) -> None:
+    torch.manual_seed(0)
+    cfg = _tiny_moe_lm(moe_balance=balance, n_shared_experts=1, moe_score="sigmoid")
+    model = ByteLM(F32, cfg)
+    assert all(isinstance(b.mlp, MoE) for b in model.blocks)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 256, (4, 17))
+    losses = []
+    for _ in range(8):
+        loss = model.loss(ids[:, :-1], ids[:, 1:])
+        losses.append(loss.item())
+        aux = model.aux_loss()
+        assert (aux.item() > 0) == (balance == "aux_loss")
+        opt.zero_grad()
+        torch.autograd.backward(loss + aux)
+        opt.step()
+        model.update_expert_bias()
+    assert losses[-1] < losses[0] - 0.5, losses
+    load = model.expert_load()
+    assert load.shape == (2, 4) and load.sum(1).tolist() == [4 * 16 * 2] * 2
+    moved = any(m.router.bias.ne(0).any() for m in model.moe_layers())
+    assert moved == (balance == "aux_free")
+
+
+def test_dense_byte_lm_has_no_expert_load() -> None:
+    model = ByteLM(F32, LMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=8))
+    assert model.moe_layers() == [] and model.expert_load().shape == (0, 0)
+    assert float(model.aux_loss()) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"n_experts": 0, "top_k": 4}, r"top_k=4 configure experts, but n_experts=0"),
+        ({"n_experts": 0, "moe_score": "sigmoid"}, "moe_score='sigmoid' configure experts"),
+        ({"n_experts": 2, "top_k": 3}, "top_k=3 exceeds n_experts=2"),
+        ({"moe_score": "tanh"}, "moe_score"),
+        ({"moe_balance": "switch"}, "moe_balance"),
+        ({"moe_hidden": 24}, "multiple of 16"),
+    ],
+)
+def test_lm_config_rejects_inconsistent_experts(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ValidationError, match=match):
+        _tiny_moe_lm(**kw)
+
+
+def test_lm_config_moe_hidden_defaults_to_d_ff() -> None:
+    model = ByteLM(F32, _tiny_moe_lm(d_ff=48, n_layers=1))
+    assert model.moe_layers()[0].hidden == 48
+    assert ByteLM(F32, _tiny_moe_lm(moe_hidden=16, n_layers=1)).moe_layers()[0].hidden == 16
+
+
+def _sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.detach().double(), got.detach().double()
+    return 10 * math.log10(ref.square().sum() / (ref - got).square().sum())
+
+
+def test_fp8_ctx_runs_the_experts_in_fp8_and_never_the_router() -> None:
+    fp8 = ComputeCtx.from_flag("fp8_e4m3_dynamic", CPU)
+    torch.manual_seed(0)
+    moe = MoE(fp8, 32, 16, E, K, n_shared=1)  # fp8 GEMM tiles: widths of 16
+    hp = MoE(BF16, 32, 16, E, K, n_shared=1)
+    loaded = hp.load_state_dict(moe.state_dict(), strict=False)
+    assert loaded.missing_keys == [] and all("fp8_" in k for k in loaded.unexpected_keys)
+    assert isinstance(moe.experts.fp8, ExpertsFp8) and moe.experts.fp8.policy == fp8.fp8
+    assert type(moe.router) is Router and hp.experts.fp8 is None
+    x = torch.randn(24, 32).bfloat16()
+    assert _sqnr(hp(x), moe(x)) > 20
+    model = ByteLM(fp8, _tiny_moe_lm(n_layers=1))
+    assert "blocks.0.mlp.experts" in model.fp8_layers()
+    assert not any("router" in name for name in model.fp8_layers())
+
+
+def test_convert_to_fp8_converts_grouped_experts() -> None:
+    model = ByteLM(BF16, _tiny_moe_lm(n_layers=1))
+    fp8 = ComputeCtx.from_flag("fp8_e4m3_dynamic", CPU)
+    report = convert_to_fp8(model, fp8, min_features=16)
+    assert "blocks.0.mlp.experts" in report.experts
+    assert not any("router" in name for name in report.converted)
+    assert model.moe_layers()[0].experts.fp8 is not None
+    logits = model(torch.randint(0, 256, (2, 8)))
+    assert logits.isfinite().all()
+
+
+def test_moe_compiles_fullgraph() -> None:
+    moe = _moe(BF16, n_shared=1)
+    moe.train()
+    x = torch.randn(2, 6, DIM).bfloat16().requires_grad_()
+    eager = moe(x)
+    (eager_grad,) = torch.autograd.grad(eager.float().square().sum(), x)
+    moe.tokens_per_expert.zero_()
+    compiled = torch.compile(moe, fullgraph=True, backend="aot_eager")
+    got = compiled(x)
+    (got_grad,) = torch.autograd.grad(got.float().square().sum(), x)
+    # Compiled, the bf16 grouped GEMMs are grouped_mm's own (torch's fake kernel takes only
+    # bf16): float32 accumulation too, in another order, so a bf16 ulp here and there.
+    torch.testing.assert_close(got, eager, rtol=2**-7, atol=1e-3)
+    torch.testing.assert_close(got_grad, eager_grad, rtol=2**-6, atol=1e-2)
+    assert int(moe.tokens_per_expert.sum()) == 12 * K  # the buffer update ran
+    assert moe.last_load.tolist() == moe.tokens_per_expert.tolist()
