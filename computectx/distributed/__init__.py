@@ -6,6 +6,11 @@ this package.
 """
 
 from computectx._moved import redirect
+from computectx.distributed.expert_parallel import (
+    AllToAllDispatch,
+    expert_parallel,
+    update_expert_bias,
+)
 from computectx.distributed.fp8_all_gather import (
     Fp8GatherFallbackWarning,
     WeightGatheredAsFp8,
@@ -17,6 +22,10 @@ from computectx.distributed.fp8_amax_sync import (
     fp8_buffer_names,
     rescale_grad_ledger,
     sync_fp8_scaling,
+)
+from computectx.distributed.fp8_expert_gather import (
+    ExpertsGatheredAsFp8,
+    enable_fp8_expert_gather,
 )
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import check_same_policy, data_parallel_group
@@ -30,7 +39,9 @@ from computectx.distributed.sharding import ShardedParams
 from computectx.distributed.tensor_parallel import dtensor_fp8_linear
 
 __all__ = [
+    "AllToAllDispatch",
     "DataParallelGradAccumulator",
+    "ExpertsGatheredAsFp8",
     "Fp8AmaxSync",
     "Fp8GatherFallbackWarning",
     "Parallel",
@@ -41,6 +52,8 @@ __all__ = [
     "data_parallel_group",
     "dtensor_fp8_linear",
     "enable_fp8_all_gather",
+    "enable_fp8_expert_gather",
+    "expert_parallel",
     "fp8_buffer_names",
     "fsdp_mixed_precision",
     "gathers_as_fp8",
@@ -49,6 +62,7 @@ __all__ = [
     "rescale_grad_ledger",
     "set_optimizer_state_dict",
     "sync_fp8_scaling",
+    "update_expert_bias",
 ]
 
 redirect(

@@ -66,7 +66,9 @@ from computectx.fp8.seam import quantize_with_step
 from computectx.recipes import DelayedScaling, Fp8Policy, PolicyGranularity
 
 __all__ = [
+    "BLOCK_ROWS",
     "FP8_GATHER_GRANULARITIES",
+    "SHARD_OPS",
     "Fp8GatherFallbackWarning",
     "WeightGatheredAsFp8",
     "blocks_align",
@@ -94,8 +96,8 @@ def gathers_as_fp8(policy: Fp8Policy) -> bool:
 
 _aten = torch.ops.aten
 # Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
-# result must stay a WeightGatheredAsFp8 so that the shard keeps the extension points.
-_KEEP = {
+# result must stay the wrapper (WeightGatheredAsFp8, ExpertsGatheredAsFp8): its gather hooks.
+SHARD_OPS = {
     _aten.detach.default,
     _aten.alias.default,
     _aten.view.default,
@@ -206,7 +208,7 @@ class WeightGatheredAsFp8(torch.Tensor):
             return x
 
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        if func not in _KEEP or gather is None:
+        if func not in SHARD_OPS or gather is None:
             return out
         g = gather
 

@@ -24,6 +24,14 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
+from computectx.distributed.expert_parallel import (
+    clip_grad_norm_with_experts,
+    expert_parallel_group,
+    expert_parameters,
+    moe_local_buffers,
+    same_ranks,
+    update_expert_bias,
+)
 from computectx.distributed.fp8_all_gather import (
     enable_fp8_all_gather,
     gathers_as_fp8,
@@ -36,8 +44,13 @@ from computectx.distributed.fp8_amax_sync import (
     fp8_buffer_names,
     rescale_grad_ledger,
 )
+from computectx.distributed.fp8_expert_gather import enable_fp8_expert_gather
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
-from computectx.distributed.group import check_same_model, check_same_policy
+from computectx.distributed.group import (
+    check_same_model,
+    check_same_policy,
+    data_parallel_group,
+)
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
     check_saved_optimizer,
@@ -91,13 +104,20 @@ class Parallel:
     world_size: int
     loss_normalization: LossNormalization = "per_rank"
     """What each rank's loss is normalized by (``parallelize``'s argument)."""
+    expert_params: tuple[nn.Parameter, ...] = ()
+    """The expert weights of an expert-parallel model (``expert_parallel``): each rank's
+    own, left out of DDP's all-reduce and FSDP2's sharding."""
+    group: dist.ProcessGroup | None = None
+    """The data-parallel group (``None`` in one process)."""
 
     def step(self, max_norm: float | None = None) -> float | None:
         """End an optimizer step: hand the gradients over, clip, step, zero them.
 
         Returns the total gradient norm when ``max_norm`` is given (measured over every
         rank; a non-finite norm skips the step, as ``OffloadedOptimizer`` does), else
-        ``None``.
+        ``None``. Then every ``MoE``'s router bias moves with the load all ranks counted
+        since the last step (``update_expert_bias``: one all-reduce on many ranks, none
+        without MoE layers).
         """
         opt, acc = self.optimizer, self.accumulator
         norm: float | None = None
@@ -112,10 +132,20 @@ class Parallel:
                 acc.flush_to_param_grads()
             if max_norm is not None:
                 params = [p for g in opt.param_groups for p in g["params"]]
-                norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                if self.expert_params and self.group is not None:
+                    # Each rank's experts are its own: the norm sums them over the ranks,
+                    # so every rank clips (or skips) alike.
+                    norm = clip_grad_norm_with_experts(
+                        params, self.expert_params, self.group, max_norm
+                    )
+                else:
+                    norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             if norm is None or math.isfinite(norm):
                 opt.step()
         opt.zero_grad(set_to_none=True)
+        # The routers' auxiliary-loss-free biases move with the whole batch's load (one
+        # all-reduce per step, none without MoE layers): every rank's stay identical.
+        update_expert_bias(self.module, self.group)
         return norm
 
     def state_dict(self) -> dict[str, Any]:
@@ -268,6 +298,17 @@ def parallelize(
        process. FSDP2 reduce-scatters gradients itself and takes none: a ctx that asks for
        one under FSDP2 is a ``ValueError`` unless ``accumulate=False`` says so.
 
+    Mixture-of-experts models (``computectx.nn.MoE``) take part as they are: under DDP the
+    3-D expert weights are replicated (an expert no token chose has a zero gradient, so the
+    reducer sees every parameter), under FSDP2 they are sharded along their expert dimension
+    (a ``block`` fp8 policy gathers them as fp8: ``enable_fp8_expert_gather``), and each
+    ``MoE``'s rank-local load counters stay out of DDP's buffer broadcast. ``Parallel.step``
+    moves the routers' auxiliary-loss-free biases with the whole batch's load (one
+    all-reduce per step), so they stay identical on every rank. A model spread over the
+    ranks by ``expert_parallel`` (over this same group) keeps each rank's experts out of
+    DDP's all-reduce and FSDP2's sharding and scales their gradients by ``1/world``, as
+    DDP averages the rest; it takes a plain optimizer and no accumulator (``ValueError``).
+
     Everything is checked before the model changes. Then: ``out = par.model(x)``,
     ``loss.backward()``, ``par.step(max_norm)``; checkpoints through ``par.state_dict()``.
     """
@@ -307,6 +348,26 @@ def parallelize(
     if world > 1:
         # Ranks that parsed another policy stop here, before anything changes.
         check_same_policy(ctx, group)
+    experts = expert_parameters(model)
+    if experts and world > 1:
+        # Expert parallelism over the data-parallel ranks (each rank its experts, each
+        # expert every rank's tokens): other layouts need a 2-D mesh this does not take.
+        if not same_ranks(expert_parallel_group(model), group):
+            raise ValueError(
+                "the model's experts are spread over another group than parallelize's: "
+                "call expert_parallel(model, group) with the data-parallel group (or mesh)"
+            )
+        if build_acc:
+            raise ValueError(
+                "an expert-parallel model takes no gradient accumulator here: it would "
+                "average each rank's own experts with the others'. Pass accumulate=False"
+            )
+        if _uses_offloaded(ctx, model, offload):
+            raise ValueError(
+                "an expert-parallel model steps with a plain optimizer here: the "
+                "OffloadedOptimizer's clipping and inf/NaN skips are rank-local, and each "
+                "rank's experts are its own. Pass offload=False"
+            )
     # The optimizer's arguments are checked on a stand-in before the model changes: a bad
     # learning rate must not leave a model half converted, sharded or wrapped.
     # (An OffloadedOptimizer hands them to optimizer_class as they are.)
@@ -332,12 +393,15 @@ def parallelize(
                         and len(owners.get(id(m.weight), [])) <= 1
                     ),
                 )
+                enable_fp8_expert_gather(model, world, skip=frozenset(map(id, experts)))
             # Gather at ctx.compute, reduce-scatter at ctx.grad (fp8 weights keep their
             # fp8 gather: FSDP2 never casts a WeightGatheredAsFp8's own gather inputs).
+            # Expert-parallel weights are each rank's own: FSDP2 leaves them alone.
             mixed = fsdp_mixed_precision(ctx) if mp_policy is None else mp_policy
+            own = set(experts) or None
             for unit in shard_units if shard_units is not None else _default_units(model):
-                fully_shard(unit, mesh=mesh, mp_policy=mixed)
-            fully_shard(model, mesh=mesh, mp_policy=mixed)
+                fully_shard(unit, mesh=mesh, mp_policy=mixed, ignored_params=own)
+            fully_shard(model, mesh=mesh, mp_policy=mixed, ignored_params=own)
         else:
             ids = None
             if ctx.device.type == "cuda":
@@ -349,13 +413,24 @@ def parallelize(
             # amax sync merges them (fp8_buffer_names).
             ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
             DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
-                model, [*ignored, *fp8_buffer_names(model)]
+                model,
+                [
+                    *ignored,
+                    *fp8_buffer_names(model),
+                    *moe_local_buffers(model),
+                    *_names_of(model, experts),
+                ],
             )
             # No compression hook at ctx.grad: a low-precision ctx.grad builds the
             # DataParallelGradAccumulator (below), which reduces the bf16 sums once per step
             # in float32 and owns DDP's one comm hook (docs/distributed.md, "Mixed
             # precision under FSDP2 and DDP").
             run = DistributedDataParallel(model, device_ids=ids, process_group=group)
+    if world > 1:
+        for p in experts:
+            # DDP and FSDP2 average the other gradients over the ranks; an expert's
+            # gradient already sums every rank's tokens, so it takes the same 1/world.
+            p.register_hook(lambda grad: grad / world)  # type: ignore[no-untyped-call]
     sync = None
     if ctx.fp8 and world > 1:
         sync = Fp8AmaxSync(
@@ -392,4 +467,11 @@ def parallelize(
         conversion=conversion,
         world_size=world,
         loss_normalization=loss_normalization,
+        expert_params=tuple(experts) if world > 1 else (),
+        group=data_parallel_group(group) if world > 1 else None,
     )
+
+
+def _names_of(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    ids = {id(p) for p in params}
+    return [n for n, p in model.named_parameters() if id(p) in ids]

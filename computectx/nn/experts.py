@@ -188,6 +188,8 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tens
     with zeros to 16 bytes and cut back: ``(M, N)``."""
     multiple = 16 // a.element_size()
     n = w.shape[1]
+    if a.shape[0] == 0:  # grouped_mm refuses an empty operand
+        return a.new_zeros((0, n))
     a = _pad_to(a.contiguous(), 1, multiple)
     w = _pad_to(_pad_to(w, 2, multiple), 1, multiple)
     y = nn.functional.grouped_mm(a, w.transpose(-2, -1), offs=offs)
@@ -198,6 +200,8 @@ def _grouped_wgrad(g: torch.Tensor, a: torch.Tensor, offs: torch.Tensor) -> torc
     """``(E, N, K)``: group ``e``'s ``g_e.T @ a_e`` (zero for an empty group)."""
     multiple = 16 // a.element_size()
     n, k = g.shape[1], a.shape[1]
+    if a.shape[0] == 0:  # no rows: every expert's gradient is zero
+        return a.new_zeros((offs.shape[0], n, k))
     g = _pad_to(g.contiguous(), 1, multiple)
     a = _pad_to(a.contiguous(), 1, multiple)
     dw = nn.functional.grouped_mm(g.t(), a, offs=offs)

@@ -420,3 +420,15 @@ def test_moe_compiles_fullgraph() -> None:
     torch.testing.assert_close(got_grad, eager_grad, rtol=2**-6, atol=1e-2)
     assert int(moe.tokens_per_expert.sum()) == 12 * K  # the buffer update ran
     assert moe.last_load.tolist() == moe.tokens_per_expert.tolist()
+
+
+def test_no_rows_give_empty_outputs_and_zero_expert_gradients() -> None:
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    experts = GroupedExperts(ctx, 32, 16, 4)
+    x = torch.zeros(0, 32, dtype=torch.bfloat16, requires_grad=True)
+    offs = torch.zeros(4, dtype=torch.int32)
+    y = experts(x, offs)
+    assert y.shape == (0, 32)
+    y.sum().backward()
+    assert experts.gate_up.grad is not None and experts.down.grad is not None
+    assert not experts.gate_up.grad.any() and not experts.down.grad.any()

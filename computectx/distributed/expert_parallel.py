@@ -1,0 +1,390 @@
+"""Expert parallelism: each rank of a group holds ``E / world`` experts of every MoE, and the
+tokens travel to the experts they chose and back with ``all_to_all_single``.
+
+``expert_parallel(model, group)`` keeps, on rank ``r``, experts ``r * E/world .. (r+1) * E/world
+- 1`` of each ``computectx.nn.MoE`` (the 3-D ``gate_up`` and ``down`` parameters sliced along
+their expert dimension) and sets ``MoE.dispatch`` to an ``AllToAllDispatch``. The router, the
+shared experts and everything else stay whole on every rank. A forward of an MoE then runs, on
+every rank of the group and whatever the routing:
+
+1. one ``all_to_all_single`` of the per-expert token counts (``E`` int64 each way), then one
+   host read of them (the split sizes of the next two exchanges);
+2. one ``all_to_all_single`` of the token rows (variable split sizes; a rank may send or
+   receive none), regrouped by local expert: expert ``e``'s rows from rank 0, then rank 1...,
+   which is the order one process sorting the whole batch (rank 0's rows first) gives them;
+3. the local experts' grouped GEMMs (``experts(x, offs)``, fp8 where the experts are);
+4. one ``all_to_all_single`` of the outputs back to the ranks the tokens came from.
+
+The exchanges are differentiable (``AllToAll``): the backward sends the output gradients to the
+experts' ranks and the input gradients back, one ``all_to_all_single`` each, in the reverse
+order on every rank. Every rank runs the same three collectives per forward and two per
+backward, so routing skew (every token to one rank's experts, a rank with no tokens at all)
+neither hangs nor drops a token. Since an expert's rows reach it in one process's order, the
+forward and the gradients equal one process on the whole batch: bit for bit for float32 and
+for the fp8 grouped GEMM's reference backend (each group's amax and blocks are one process's),
+with a loss normalized by the whole batch (``tests/distributed/test_moe_distributed.py``).
+
+A forward of an expert-parallel MoE is a collective: every rank of the group runs every forward
+together (evaluation included), as under FSDP2. ``state_dict`` holds the expert weights as
+DTensors sharded along the expert dimension over the group (whole shapes, every rank's experts:
+``torch.distributed.checkpoint`` saves them all and reshards them on load, into one process
+too; no collective), and ``load_state_dict`` takes such DTensors or whole ``(E, ...)`` tensors
+(a one-process checkpoint), keeping this rank's experts. ``parallelize`` takes an expert-parallel
+model (the group must be its data-parallel group): the expert parameters stay out of DDP's
+all-reduce and of FSDP2's sharding, since each rank's are its own (``expert_parameters``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from computectx.distributed.group import GroupArg, data_parallel_group
+from computectx.dtypes import FP8_DTYPES
+from computectx.nn.experts import GroupedExperts
+from computectx.nn.moe import MoE
+
+__all__ = [
+    "AllToAll",
+    "AllToAllDispatch",
+    "clip_grad_norm_with_experts",
+    "expert_parallel",
+    "expert_parallel_group",
+    "expert_parameters",
+    "moe_local_buffers",
+    "same_ranks",
+    "update_expert_bias",
+]
+
+_EXPERT_WEIGHTS = ("gate_up", "down")
+
+
+def _comm_device(group: dist.ProcessGroup) -> torch.device:
+    # gloo exchanges CPU tensors; a pure nccl group needs them on this rank's GPU.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _exchange(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    # float8 rows travel as their bytes: gloo refuses float8 dtypes.
+    wire = x.contiguous()
+    fp8 = wire.dtype in FP8_DTYPES
+    if fp8:
+        wire = wire.view(torch.uint8)
+    out = wire.new_empty((sum(out_splits), *wire.shape[1:]))
+    dist.all_to_all_single(out, wire, out_splits, in_splits, group=group)
+    return out.view(x.dtype) if fp8 else out
+
+
+class AllToAll(torch.autograd.Function):
+    """``all_to_all_single`` of rows with split sizes, differentiable: the backward sends
+    the output's gradient back along the same routes (the splits swapped)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        out_splits: list[int],
+        in_splits: list[int],
+        group: dist.ProcessGroup,
+    ) -> torch.Tensor:
+        ctx.routes = (in_splits, out_splits, group)
+        return _exchange(x, out_splits, in_splits, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        back_out, back_in, group = ctx.routes
+        return _exchange(grad, back_out, back_in, group), None, None, None
+
+
+def _all_to_all(
+    x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup
+) -> torch.Tensor:
+    out: torch.Tensor = AllToAll.apply(x, out_splits, in_splits, group)  # type: ignore[no-untyped-call]
+    return out
+
+
+class AllToAllDispatch:
+    """``MoE.dispatch`` of an expert-parallel MoE: ``(x_sorted, counts, experts) -> y_sorted``
+    with this rank's ``local`` experts (module docstring). Built by ``expert_parallel``.
+
+    ``x_sorted`` are this rank's token rows sorted by global expert, ``counts`` (``E``,
+    int64) the rows of each global expert, ``experts`` this rank's ``GroupedExperts`` (its
+    ``E / world`` experts). A copy (``copy.deepcopy`` of the model) shares the group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, local: int) -> None:
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local = local
+
+    @property
+    def first_expert(self) -> int:
+        """The global index of this rank's first expert."""
+        return self.rank * self.local
+
+    def __deepcopy__(self, memo: dict[int, object]) -> AllToAllDispatch:
+        return AllToAllDispatch(self.group, self.local)
+
+    def __repr__(self) -> str:
+        last = self.first_expert + self.local - 1
+        return (
+            f"AllToAllDispatch(rank {self.rank} of {self.world}: experts "
+            f"{self.first_expert}..{last})"
+        )
+
+    def __call__(
+        self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts
+    ) -> torch.Tensor:
+        world, local, group = self.world, self.local, self.group
+        if counts.shape != (world * local,):
+            raise ValueError(
+                f"{self!r} takes counts for {world * local} experts, got shape "
+                f"{tuple(counts.shape)}"
+            )
+        # 1. Counts: send[j] = my rows for rank j's experts; got[s, e] = rank s's rows for
+        # my expert e. One host read of both: the splits of the two exchanges.
+        device = _comm_device(group)
+        send = counts.detach().to(device=device, dtype=torch.int64)
+        got = torch.empty_like(send)
+        dist.all_to_all_single(got, send, group=group)
+        table = torch.cat([send.view(world, local), got.view(world, local)]).cpu()
+        sent_rows = table[:world].sum(1).tolist()
+        got_rows = table[world:]
+        recv_rows = got_rows.sum(1).tolist()
+        # 2. Rows out, ordered (source rank, my expert); regrouped (my expert, source rank).
+        mine = _all_to_all(x, recv_rows, sent_rows, group)
+        ids = torch.arange(local).repeat(world)
+        expert_of_row = torch.repeat_interleave(ids, got_rows.flatten())
+        order = torch.argsort(expert_of_row, stable=True).to(x.device)
+        per_expert = got_rows.sum(0)
+        offs = torch.cumsum(per_expert, 0).to(device=x.device, dtype=torch.int32)
+        # 3. My experts. No row at all: one zero row past offs[-1] (its output and every
+        # weight gradient are zero), so the experts' backward runs, as on the other ranks.
+        rows = mine.index_select(0, order)
+        if rows.shape[0] == 0:
+            y: torch.Tensor = experts(torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), offs)
+            y = y[:0]
+        else:
+            y = experts(rows, offs)
+        # 4. Rows back, in the (source rank, my expert) order they came in.
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=order.device)
+        return _all_to_all(y.index_select(0, back), sent_rows, recv_rows, group)
+
+
+def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The expert weights of every expert-parallel MoE in ``model``: each rank holds its own
+    experts, so data parallelism must neither average nor shard them."""
+    out: list[nn.Parameter] = []
+    for _, moe in _moe_layers(model):
+        if isinstance(moe.dispatch, AllToAllDispatch):
+            out.extend(getattr(moe.experts, n) for n in _EXPERT_WEIGHTS)
+    return out
+
+
+def expert_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
+    """The group ``model``'s experts are spread over (``expert_parallel``), or ``None``."""
+    for _, moe in _moe_layers(model):
+        if isinstance(moe.dispatch, AllToAllDispatch):
+            return moe.dispatch.group
+    return None
+
+
+def expert_parallel(model: nn.Module, group: GroupArg = None) -> list[str]:
+    """Spread the experts of every ``computectx.nn.MoE`` in ``model`` over the ranks of
+    ``group`` (a process group, a one-dimensional ``DeviceMesh`` (``mesh["ep"]``) or the
+    default group), and route tokens to them with ``all_to_all_single``; returns the FQNs of
+    the MoE layers (module docstring).
+
+    Each MoE's expert count must be a multiple of the group's size (``ValueError`` naming the
+    layer otherwise). Call it on the whole model on every rank, after building (and loading)
+    it and before ``parallelize``, ``fully_shard`` or DDP and before building an optimizer
+    (the expert weights become new ``Parameter`` objects). In a group of one it changes
+    nothing. The ranks compare their MoE layers and expert counts once (one
+    ``all_gather_object``): a mismatch is a ``ValueError`` on every rank. Everything is
+    checked before any layer changes.
+    """
+    pg = data_parallel_group(group)
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    layers = _moe_layers(model)
+    plan: list[tuple[str, MoE, int]] = []
+    for fqn, moe in layers:
+        name = fqn or "the model"
+        experts = moe.experts
+        if not isinstance(experts, GroupedExperts):
+            raise TypeError(f"{name}.experts is a {type(experts).__name__}, not GroupedExperts")
+        if moe.dispatch is not None:
+            raise ValueError(
+                f"{name} already has a dispatch ({moe.dispatch!r}): expert_parallel runs once"
+            )
+        weights = [getattr(experts, n) for n in _EXPERT_WEIGHTS]
+        if any(isinstance(w, DTensor) for w in weights):
+            raise RuntimeError(
+                f"{name}'s experts are already sharded (DTensor): call expert_parallel before "
+                f"parallelize / fully_shard"
+            )
+        n = int(weights[0].shape[0])
+        if n % world:
+            raise ValueError(
+                f"{name} has {n} experts, which {world} ranks cannot share evenly: expert "
+                f"parallelism needs the expert count to be a multiple of the group's size"
+            )
+        plan.append((fqn, moe, n))
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, [(f, n) for f, _, n in plan], group=pg)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        raise ValueError(
+            f"the ranks set up different MoE layers for expert parallelism: rank(s) "
+            f"{', '.join(map(str, differ))} differ from rank 0 ({everyone[0]} there, "
+            f"{everyone[differ[0]]} on rank {differ[0]}); build the same model on every rank"
+        )
+    if world == 1:
+        return [f for f, _, _ in plan]
+    for _, moe, n in plan:
+        local = n // world
+        experts = moe.experts
+        for attr in _EXPERT_WEIGHTS:
+            w = getattr(experts, attr)
+            piece = w.detach()[rank * local : (rank + 1) * local].clone()
+            setattr(experts, attr, nn.Parameter(piece, requires_grad=w.requires_grad))
+        experts.n_experts = local
+        moe.dispatch = AllToAllDispatch(pg, local)
+        _ExpertShards(pg, local).attach(experts)
+    return [f for f, _, _ in plan]
+
+
+class _ExpertShards:
+    """State-dict hooks of an expert-parallel ``GroupedExperts``: its weights are saved as
+    DTensors sharded along the expert dimension over the group (the whole ``(E, ...)`` shape:
+    ``torch.distributed.checkpoint`` saves every rank's experts and reshards them on load,
+    into one process too), and loaded from such a DTensor or from a whole ``(E, ...)`` tensor
+    (a one-process checkpoint) by taking this rank's experts."""
+
+    def __init__(self, group: dist.ProcessGroup, local: int) -> None:
+        self.mesh = DeviceMesh.from_group(group, _comm_device(group).type)
+        self.rank = dist.get_rank(group)
+        self.local = local
+
+    def attach(self, experts: GroupedExperts) -> None:
+        # Functions, not bound methods: torch marks the hooks it is given with attributes.
+        def save(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
+            self.save(module, state, prefix, meta)
+
+        def load(module: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
+            self.load(module, state, prefix, *rest)
+
+        experts.register_state_dict_post_hook(save)  # type: ignore[no-untyped-call]
+        experts.register_load_state_dict_pre_hook(load)  # type: ignore[no-untyped-call]
+
+    def save(
+        self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
+        for attr in _EXPERT_WEIGHTS:
+            value = state.get(prefix + attr)
+            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                state[prefix + attr] = DTensor.from_local(
+                    value, self.mesh, [Shard(0)], run_check=False
+                )
+
+    def load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+        for attr in _EXPERT_WEIGHTS:
+            value = state.get(prefix + attr)
+            if isinstance(value, DTensor):
+                if value.device_mesh != self.mesh or value.placements != (Shard(0),):
+                    value = value.redistribute(self.mesh, [Shard(0)])
+                state[prefix + attr] = value.to_local()
+            elif isinstance(value, torch.Tensor) and value.shape[0] != self.local:
+                first = self.rank * self.local
+                state[prefix + attr] = value[first : first + self.local]
+
+
+def same_ranks(a: dist.ProcessGroup | None, b: GroupArg) -> bool:
+    """Whether the groups ``a`` and ``b`` (``None``: the default group) hold the same ranks."""
+    ranks = [dist.get_process_group_ranks(data_parallel_group(g)) for g in (a, b)]
+    return sorted(ranks[0]) == sorted(ranks[1])
+
+
+def _full_norm(norm: torch.Tensor) -> torch.Tensor:
+    full = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return full.detach().float()
+
+
+def clip_grad_norm_with_experts(
+    params: list[nn.Parameter],
+    experts: tuple[nn.Parameter, ...],
+    group: dist.ProcessGroup,
+    max_norm: float,
+) -> float:
+    """Clip the gradients of ``params`` to the total norm ``max_norm`` and return the norm
+    before, when the ``experts`` among them are each rank's own (``expert_parallel`` over
+    ``group``): their squares are summed over the group (one all-reduce), the others' are
+    the same on every rank (replicated, or DTensors whose norm is the whole one). Every rank
+    gets the same norm, so every rank clips alike, and a non-finite norm (any rank's inf or
+    NaN) is returned on all."""
+    mine = {id(p) for p in experts}
+    rest = [p for p in params if id(p) not in mine and p.grad is not None]
+    own = [p for p in experts if p.grad is not None]
+    zero = torch.zeros((), dtype=torch.float32)
+    shared, local = (
+        _full_norm(torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None]))
+        if ps
+        else zero
+        for ps in (rest, own)
+    )
+    squares = (local.cpu() ** 2).reshape(1).to(_comm_device(group))
+    dist.all_reduce(squares, group=group)
+    total = torch.sqrt(shared.cpu() ** 2 + squares.cpu().reshape(()))
+    norm = float(total)
+    if math.isfinite(norm):
+        for ps in (rest, own):
+            if ps:
+                grad = ps[0].grad
+                assert grad is not None
+                torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(grad.device))
+    return norm
+
+
+def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:
+    """``MoE.update_bias`` for every MoE of ``model`` with the load of the whole group: every
+    layer's ``tokens_per_expert`` summed over the ranks of ``group`` in one all-reduce, so
+    every rank moves its router biases alike (``balance="aux_free"``; other layers only
+    reset their counts). Call it after each optimizer step on every rank (``Parallel.step``
+    does); ``group=None`` outside torch.distributed (or a world of one) reduces nothing.
+    With no MoE layer it issues nothing. Each rank's counts are its own tokens for every
+    expert (the global ones under ``expert_parallel`` too), so the sum is the batch's."""
+    layers = [m for _, m in _moe_layers(model)]
+    if not layers:
+        return
+    counts = torch.cat([m.tokens_per_expert.detach().reshape(-1) for m in layers])
+    if dist.is_available() and dist.is_initialized():
+        pg = data_parallel_group(group)
+        if dist.get_world_size(pg) > 1:
+            wire = counts.to(_comm_device(pg))
+            dist.all_reduce(wire, group=pg)
+            counts = wire.to(counts.device)
+    for m, load in zip(layers, torch.split(counts, [m.n_experts for m in layers]), strict=True):
+        m.update_bias(load)
+
+
+def moe_local_buffers(model: nn.Module) -> list[str]:
+    """The names of every MoE's rank-local buffers (``MoE.local_buffer_names``): DDP must
+    not broadcast rank 0's over the others'."""
+    return [
+        f"{fqn}.{b}" if fqn else b for fqn, m in _moe_layers(model) for b in m.local_buffer_names()
+    ]

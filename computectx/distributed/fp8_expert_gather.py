@@ -1,0 +1,249 @@
+"""FSDP2 all-gathers 3-D expert weights of a ``block`` fp8 policy as fp8: one byte per element
+and one float32 step per 128x128 block of each expert.
+
+FSDP2 shards a parameter along its first dimension; for the experts' ``gate_up`` ``(E, 2H, D)``
+and ``down`` ``(E, D, H)`` that is the expert dimension, so each rank's shard is whole experts
+when ``E`` is a multiple of the shard count. Each expert's 128x128 blocks then lie in one
+rank's shard, and the rank quantizes them itself with no collective, exactly as the grouped GEMM
+quantizes that expert (``computectx.fp8.fp8_grouped_mm``: ``quantize_blocks`` of ``w[g]``,
+``128x128``, the policy's step rule). ``enable_fp8_expert_gather`` turns such weights into an
+``ExpertsGatheredAsFp8``, whose FSDP2 extension points hand over the codes (``uint8``: gloo
+refuses float8) and the block steps, and, once gathered, rebuild the weight as the codes times
+their steps at the gathered dtype. The grouped GEMM quantizes that weight again, per expert;
+its blocks' amaxes are the dequantized ones, so the codes come out the same (with
+power-of-two steps, the steps too; with the ``amax`` rule a step may move by a float32 ulp).
+On the wire: ``1 + 4/16384`` bytes per element against 4 (float32) or 2 (bf16).
+
+Experts whose count is not a multiple of the shard count (their shards would cut experts) and
+experts under other granularities gather high precision, as FSDP2 does by itself (one
+``Fp8GatherFallbackWarning`` per layer for the first kind). Everywhere else the weight is its
+high-precision tensor: optimizers update it and ``state_dict`` saves plain tensors.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
+
+from computectx.distributed.fp8_all_gather import (
+    BLOCK_ROWS,
+    SHARD_OPS,
+    Fp8GatherFallbackWarning,
+    sharded_weight_of,
+)
+from computectx.fp8.seam import quantize_blocks, step_rule_of
+from computectx.nn.experts import GroupedExperts
+
+__all__ = ["ExpertsGatheredAsFp8", "dequantize_expert_blocks", "enable_fp8_expert_gather"]
+
+_WEIGHTS = ("gate_up", "down")
+
+
+def dequantize_expert_blocks(
+    codes: torch.Tensor, steps: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """``codes`` ``(E, N, K)`` (float8) times the steps of their 128x128 blocks ``steps``
+    ``(E, ceil(N/128), ceil(K/128))``, as ``dtype``."""
+    _, n, k = codes.shape
+    with torch.autocast(codes.device.type, enabled=False):
+        whole = steps.repeat_interleave(BLOCK_ROWS, 1)[:, :n].repeat_interleave(BLOCK_ROWS, 2)
+        return (codes.float() * whole[:, :, :k]).to(dtype)
+
+
+class ExpertsGatheredAsFp8(torch.Tensor):
+    """A 3-D expert weight that FSDP2 all-gathers as fp8 codes and 128x128 block steps
+    (module docstring). Wraps the high-precision tensor ``hp``; every other op runs on it."""
+
+    _hp: torch.Tensor
+    _name: str
+
+    @staticmethod
+    def __new__(cls, hp: torch.Tensor, name: str) -> ExpertsGatheredAsFp8:
+        out = torch.Tensor._make_wrapper_subclass(
+            cls,
+            hp.shape,
+            strides=hp.stride(),
+            storage_offset=hp.storage_offset(),
+            dtype=hp.dtype,
+            device=hp.device,
+            layout=hp.layout,
+            requires_grad=hp.requires_grad,
+        )
+        out._hp = hp
+        out._name = name
+        return out
+
+    def __init__(self, hp: torch.Tensor, name: str) -> None:
+        super().__init__()
+
+    @property
+    def hp(self) -> torch.Tensor:
+        """The high-precision tensor (the master copy of this shard)."""
+        return self._hp
+
+    def __tensor_flatten__(self) -> tuple[list[str], str]:
+        return ["_hp"], self._name
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, torch.Tensor], name: str, outer_size: Any, outer_stride: Any
+    ) -> ExpertsGatheredAsFp8:
+        return ExpertsGatheredAsFp8(inner["_hp"], name)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+
+    @classmethod
+    def __torch_dispatch__(  # type: ignore[override]
+        cls,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        name: str | None = None
+
+        def unwrap(x: Any) -> Any:
+            nonlocal name
+            if isinstance(x, ExpertsGatheredAsFp8):
+                name = x._name
+                return x._hp
+            return x
+
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
+        if func not in SHARD_OPS or name is None:
+            return out
+        n = name
+        return tree_map(lambda x: cls(x, n) if isinstance(x, torch.Tensor) else x, out)
+
+    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
+        return f"ExpertsGatheredAsFp8({self._name}, {self._hp!r})"
+
+    # ----- FSDP2's extension points --------------------------------------------------------
+
+    def fsdp_pre_all_gather(
+        self,
+        mesh: DeviceMesh,
+        outer_size: torch.Size,
+        outer_stride: tuple[int, ...],
+        module: nn.Module,
+        mp_policy: Any,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """This shard's experts quantized in 128x128 blocks: codes (uint8) and steps."""
+        fp8 = getattr(module, "fp8", None)
+        if not isinstance(module, GroupedExperts) or fp8 is None:
+            raise TypeError(
+                f"{self._name!r} gathers as fp8 for fp8 GroupedExperts, but FSDP2 gathered it "
+                f"for a {type(module).__name__} without an fp8 policy"
+            )
+        hp = self._hp.detach()
+        fmt, rule = fp8.policy.format.forward, step_rule_of(fp8.policy)
+        pieces = [
+            quantize_blocks(hp[e], fmt, "128x128", rule, None, backend=fp8.backend)
+            for e in range(hp.shape[0])
+        ]
+        grid = (-(-hp.shape[1] // BLOCK_ROWS), -(-hp.shape[2] // BLOCK_ROWS))
+        codes = torch.empty(hp.shape, dtype=torch.uint8, device=hp.device)
+        steps = torch.empty((hp.shape[0], *grid), dtype=torch.float32, device=hp.device)
+        for e, (c, step) in enumerate(pieces):  # copies: no op here sees a float8 dtype
+            codes[e].copy_(c.view(torch.uint8))
+            steps[e].copy_(step)
+        return (codes, steps), fmt.torch
+
+    def fsdp_post_all_gather(
+        self,
+        all_gather_outputs: tuple[torch.Tensor, ...],
+        metadata: Any,
+        param_dtype: torch.dtype,
+        *,
+        out: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+        """The gathered experts: codes times their block steps, at ``param_dtype``."""
+        codes, steps = all_gather_outputs
+        with torch.no_grad():
+            whole = dequantize_expert_blocks(codes.view(metadata), steps, param_dtype)
+            if out is not None:
+                # Gathered again (the backward's re-gather): the same shards quantized again,
+                # so the same values into the weight FSDP2 kept, which the forward's GEMMs
+                # saved for their backward: its version must not move.
+                with torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
+                    out.copy_(whole)
+                return None
+        return whole, (whole,)
+
+
+def _plain(value: Any) -> Any:
+    local = sharded_weight_of(value) if isinstance(value, torch.Tensor) else value
+    if not isinstance(local, ExpertsGatheredAsFp8):
+        return value
+    if isinstance(value, DTensor):
+        return DTensor.from_local(
+            local.hp,
+            value.device_mesh,
+            value.placements,
+            run_check=False,
+            shape=value.shape,
+            stride=value.stride(),
+        )
+    return local.hp
+
+
+def _state_dict_hook(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    for attr in _WEIGHTS:
+        key = prefix + attr
+        if key in state_dict:
+            state_dict[key] = _plain(state_dict[key])
+
+
+def gathers_experts_as_fp8(experts: GroupedExperts, world: int) -> bool:
+    """Whether FSDP2 on ``world`` ranks gathers ``experts``' weights as fp8: a ``block``
+    policy and whole experts in every shard."""
+    fp8 = experts.fp8
+    if fp8 is None or fp8.policy.granularity != "block":
+        return False
+    return int(experts.gate_up.shape[0]) % world == 0
+
+
+def enable_fp8_expert_gather(
+    model: nn.Module, world: int, *, skip: frozenset[int] = frozenset()
+) -> int:
+    """Make FSDP2 (``world`` shards) all-gather the expert weights of every fp8 ``block``
+    ``GroupedExperts`` of ``model`` as fp8; returns how many modules. Call it after
+    ``convert_to_fp8`` and before ``fully_shard`` and the optimizer (the weights become new
+    ``Parameter`` objects). Weights whose ``id`` is in ``skip`` (expert-parallel ones, which
+    FSDP2 does not shard) are left alone; experts whose count ``world`` does not divide gather
+    high precision, with one ``Fp8GatherFallbackWarning`` each."""
+    count = 0
+    for fqn, m in model.named_modules():
+        if not isinstance(m, GroupedExperts) or m.fp8 is None:
+            continue
+        if m.fp8.policy.granularity != "block" or id(m.gate_up) in skip:
+            continue
+        if isinstance(m.gate_up, ExpertsGatheredAsFp8 | DTensor):
+            continue
+        if not gathers_experts_as_fp8(m, world):
+            warnings.warn(
+                Fp8GatherFallbackWarning(
+                    f"{fqn or 'the model'} has {m.gate_up.shape[0]} experts, which {world} "
+                    f"FSDP2 shards would cut: its expert weights all-gather high precision "
+                    f"(an fp8 gather needs the expert count to be a multiple of the shard "
+                    f"count). The same result, more bytes."
+                ),
+                stacklevel=2,
+            )
+            continue
+        for attr in _WEIGHTS:
+            w = getattr(m, attr)
+            name = f"{fqn}.{attr}" if fqn else attr
+            wrapped = ExpertsGatheredAsFp8(w.detach(), name)
+            setattr(m, attr, nn.Parameter(wrapped, requires_grad=w.requires_grad))
+        m.register_state_dict_post_hook(_state_dict_hook)  # type: ignore[no-untyped-call]
+        count += 1
+    return count

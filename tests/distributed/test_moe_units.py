@@ -1,0 +1,97 @@
+"""Mixture-of-experts pieces of ``computectx.distributed`` in one process: the fp8 expert
+gather's round trip, its state dict, the router-bias update, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from computectx import ComputeCtx
+from computectx.distributed import (
+    ExpertsGatheredAsFp8,
+    enable_fp8_expert_gather,
+    expert_parallel,
+    parallelize,
+    update_expert_bias,
+)
+from computectx.distributed.fp8_expert_gather import dequantize_expert_blocks
+from computectx.fp8 import Fp8Backend, Fp8Policy, fp8_grouped_mm
+from computectx.fp8.seam import quantize_blocks, step_rule_of
+from computectx.nn import ByteLM, LMConfig, MoE
+
+CONFIG = LMConfig(
+    d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=16, n_experts=4, top_k=2,
+    moe_hidden=32, moe_bias_rate=0.05,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_gathered_expert_codes_requantize_to_the_same_gemm(power_of_two: bool) -> None:
+    # What a rank sends (each expert's 128x128 codes and steps), rebuilt, is quantized by
+    # the grouped GEMM to the same codes: the GEMM equals the one on the weight itself (the
+    # amax rule's steps may move by an ulp: within 2**-20 of it).
+    policy = Fp8Policy(granularity="block", power_of_two=power_of_two)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 160, 136, generator=gen)
+    w[1] *= 1e4
+    fmt, rule = policy.format.forward, step_rule_of(policy)
+    ref = Fp8Backend.REFERENCE
+    pieces = [quantize_blocks(w[e], fmt, "128x128", rule, None, backend=ref) for e in range(3)]
+    codes = torch.stack([c.view(torch.uint8) for c, _ in pieces]).view(fmt.torch)
+    steps = torch.stack([s for _, s in pieces])
+    rebuilt = dequantize_expert_blocks(codes, steps, torch.float32)
+    x = torch.randn(40, 136, generator=gen)
+    offs = torch.tensor([10, 10, 40], dtype=torch.int32)
+    want = fp8_grouped_mm(x, w, offs, policy)
+    got = fp8_grouped_mm(x, rebuilt, offs, policy)
+    if power_of_two:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want, rtol=2.0**-20, atol=0.0)
+
+
+def test_fp8_expert_gather_wraps_block_experts_and_saves_plain_tensors() -> None:
+    ctx = ComputeCtx.from_flag("fp8_block", "cpu")
+    torch.manual_seed(0)
+    model = ByteLM(ctx, CONFIG)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert enable_fp8_expert_gather(model, world=2) == 1
+    experts = model.moe_layers()[0].experts
+    assert isinstance(experts.gate_up.data, ExpertsGatheredAsFp8)
+    assert isinstance(experts.gate_up.detach(), ExpertsGatheredAsFp8)
+    state = model.state_dict()
+    for key in ("blocks.0.mlp.experts.gate_up", "blocks.0.mlp.experts.down"):
+        assert type(state[key]) is torch.Tensor
+        assert torch.equal(state[key], before[key])
+    # Three experts cannot be whole in each of 2 shards: they gather high precision, warned.
+    odd = ByteLM(ctx, CONFIG.model_copy(update={"n_experts": 3}))
+    with pytest.warns(UserWarning, match="3 experts"):
+        assert enable_fp8_expert_gather(odd, world=2) == 0
+
+
+def test_one_process_parallel_step_moves_router_biases_as_the_model_does() -> None:
+    ctx = ComputeCtx.from_flag("fp32", "cpu")
+    torch.manual_seed(0)
+    model = ByteLM(ctx, CONFIG)
+    twin = ByteLM(ctx, CONFIG)
+    twin.load_state_dict(model.state_dict())
+    par = parallelize(model, ctx, optimizer_class=torch.optim.SGD, lr=0.1)
+    opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    for m, step in ((model, par.step), (twin, opt.step)):
+        m.loss(ids[:, :-1], ids[:, 1:]).backward()  # type: ignore[no-untyped-call]
+        step()
+    twin.update_expert_bias()
+    bias = model.moe_layers()[0].router.bias
+    assert bias.abs().sum() > 0
+    assert torch.equal(bias, twin.moe_layers()[0].router.bias)
+    assert int(model.moe_layers()[0].tokens_per_expert.sum()) == 0
+    # Again with nothing counted: nothing moves.
+    update_expert_bias(model)
+    assert torch.equal(bias, twin.moe_layers()[0].router.bias)
+
+
+def test_expert_parallel_needs_torch_distributed() -> None:
+    moe = MoE(ComputeCtx.from_flag("fp32", "cpu"), 32, 32, 4, 2)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        expert_parallel(moe)
