@@ -11,7 +11,8 @@ and how to make their GEMMs run through ``ExpertsFp8.mm`` (``fp8_grouped_mm``) i
 - ``computectx.integrations.transformers_moe`` registers one for transformers' experts
   (through transformers' own ``ExpertsInterface``), imported by ``convert_to_fp8`` when the
   model holds a module of a ``transformers`` class;
-- ``computectx.integrations.torchtitan`` registers one for torchtitan's.
+- ``computectx.integrations.torchtitan_moe`` registers one for torchtitan's, imported the
+  same way for a model holding a ``torchtitan`` class.
 
 The rules are the linears' (``convert_to_fp8``): a ``module_filter`` alone decides when
 given; else ``min_features`` applies to ``min(N, K)`` of every expert weight; widths must be
@@ -71,7 +72,10 @@ class ExpertsConverter(Protocol):
 
 _CONVERTERS: list[ExpertsConverter] = []
 
-_PROVIDERS = {"transformers": "computectx.integrations.transformers_moe"}
+_PROVIDERS = {
+    "transformers": "computectx.integrations.transformers_moe",
+    "torchtitan": "computectx.integrations.torchtitan_moe",
+}
 """Top-level package of a model's module class -> the module registering its converter."""
 
 
@@ -202,7 +206,9 @@ def _routers(
     for fqn, _, _, weights in found:
         parent = fqn.rpartition(".")[0] if fqn != "<root>" else ""
         counts = {w.shape[0] for w in weights.values()}
-        experts_at.setdefault(parent, set()).update(counts)
+        # torchtitan nests them: moe.routed_experts.inner_experts beside moe.router.gate.
+        for place in {parent, parent.rpartition(".")[0]}:
+            experts_at.setdefault(place, set()).update(counts)
     routers: dict[int, str] = {}
     for fqn, m in model.named_modules():
         named = ".".join(fqn.split(".")[-2:]).lower()

@@ -8,7 +8,10 @@ parses. ``Fp8TitanLinear`` is an ``Fp8Linear`` that is also a torchtitan ``Modul
 building, ``init_states``; its scaling buffers start fresh when the model is materialized from
 the meta device). Linears left alone: the names in ``filter_fqns``, output heads
 (``computectx.fp8.HEAD_NAMES``) unless ``convert_head``, widths that are not multiples of 16,
-and subclasses of ``Linear`` (their forward is their own).
+and subclasses of ``Linear`` (their forward is their own). A mixture-of-experts model's
+routers keep their ``gate`` linear as it is (routing decides from its scores), and its grouped
+experts (``GroupedExperts.Config``) become ``computectx.integrations.torchtitan_moe``'s fp8
+class, whose grouped GEMMs run through ``ExpertsFp8.mm`` (``convert_experts``).
 
 Two hooks for the ``ModelSpec``:
 
@@ -41,6 +44,7 @@ from computectx import ComputeCtx
 from computectx.distributed import sync_fp8_scaling
 from computectx.distributed.fp8_amax_sync import LossNormalization
 from computectx.fp8 import FEATURE_MULTIPLE, HEAD_NAMES, Fp8Linear
+from computectx.integrations.torchtitan_moe import convert_experts_configs, router_gates
 
 __all__ = [
     "Fp8LinearConverter",
@@ -95,13 +99,20 @@ class Fp8LinearConverter(QuantizationConverter):
         convert_head: bool = False
         """Whether output heads (``lm_head``, ``output``, ``head``) run in fp8 too."""
 
+        convert_experts: bool = True
+        """Whether MoE grouped experts (``GroupedExperts``) run their GEMMs in fp8 too (those
+        named in ``filter_fqns`` and those of widths not multiples of 16 stay)."""
+
     def __init__(self, config: Config) -> None:
         self.config = config
         ctx = policy_of(config.policy, config.device)
         if ctx.fp8 is None:
             raise ValueError(f"the policy {config.policy!r} has no fp8 policy: {ctx}")
         self.policy = str(ctx)
+        self.multiple = 32 if ctx.fp8.granularity == "mx" else FEATURE_MULTIPLE
         self.converted: list[str] = []
+        """The linears and experts converted, by fqn (experts also in ``experts``)."""
+        self.experts: list[str] = []
 
     def selects(self, fqn: str, linear: Any) -> bool:
         """Whether the linear config at ``fqn`` becomes fp8."""
@@ -115,9 +126,10 @@ class Fp8LinearConverter(QuantizationConverter):
         )
 
     def convert(self, model_config: Any) -> Any:
-        """The model config with the selected linears' configs replaced."""
+        """The model config with the selected linears' and experts' configs replaced."""
+        gates = router_gates(model_config)
         for fqn, linear, parent, attr in list(model_config.traverse(Linear.Config)):
-            if not self.selects(fqn, linear):
+            if id(linear) in gates or not self.selects(fqn, linear):
                 continue
             values = {f.name: getattr(linear, f.name) for f in fields(linear)}
             new = Fp8TitanLinear.Config(**values, policy=self.policy)
@@ -128,6 +140,12 @@ class Fp8LinearConverter(QuantizationConverter):
                 parent[attr] = new
             else:
                 setattr(parent, attr, new)
+        if self.config.convert_experts:
+            model_config, experts = convert_experts_configs(
+                model_config, self.policy, self.multiple, self.config.filter_fqns
+            )
+            self.experts += experts
+            self.converted += experts
         return model_config
 
 

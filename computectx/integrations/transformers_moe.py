@@ -1,0 +1,203 @@
+"""fp8 experts for transformers 5's mixture-of-experts models, through its ``ExpertsInterface``.
+
+transformers 5 stores a model's routed experts as 3-D parameters in one module per layer
+(``Qwen3MoeExperts``, ``MixtralExperts``, ``GptOssExperts``, ...), decorated with
+``use_experts_implementation``: the module's ``forward`` looks up
+``self.config._experts_implementation`` in ``ALL_EXPERTS_FUNCTIONS`` (``"grouped_mm"`` by
+default) and runs that function. Importing this module registers one more function there,
+``"computectx_fp8"`` (``IMPLEMENTATION``), and an ``ExpertsConverter`` with
+``computectx.fp8.register_experts_converter``, so ``convert_to_fp8(model, ctx)`` converts the
+experts of a transformers model like its linears (``computectx.fp8`` imports this module when
+a model holds transformers modules). No transformers class is patched.
+
+Converting one experts module (``TransformersExperts.convert``) stores the ``ExpertsFp8`` on it
+(attribute ``computectx_fp8``, ``FP8_ATTR``) and gives it its own shallow copy of its config
+whose ``_experts_implementation`` is ``"computectx_fp8"``. The model's config is left as it
+was: ``save_pretrained`` writes what it wrote before, a module left unconverted (a
+``module_filter``) keeps its implementation, and ``model.set_experts_implementation`` later
+does not undo the conversion (``convert(module, None)`` does: it restores the config the module
+had).
+
+The function is transformers' ``grouped_mm`` experts forward with the two grouped GEMMs run by
+``ExpertsFp8.mm``: the (token, expert) pairs sorted by expert (stable), int32 cumulative
+``offs``, ``gate_up_proj`` (or ``up_proj``), the module's ``_apply_gate`` (or ``act_fn``),
+``down_proj``, the routing weights, and each token's ``top_k`` rows summed. The layouts the
+decorator declares are all served: transposed weights (gpt-oss: ``(E, in, out)``, passed to
+the GEMM as the ``(E, out, in)`` view), biases (added per row after the GEMM), interleaved
+gate/up columns (the module's own ``_apply_gate`` splits them), ungated experts, a post-expert
+norm, and expert parallelism's sentinel rows (ids ``>= num_experts`` sort to the end, past
+``offs[-1]``, and come out zero). Routers (``Qwen3MoeTopKRouter``, ...) hold no 3-D experts and
+are never converted; they run at the model's precision.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
+
+from computectx.fp8 import ExpertsFp8, register_experts_converter
+
+__all__ = ["FP8_ATTR", "IMPLEMENTATION", "TransformersExperts", "fp8_experts_forward"]
+
+IMPLEMENTATION = "computectx_fp8"
+"""The name of the experts function in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
+
+FP8_ATTR = "computectx_fp8"
+"""The attribute of a converted experts module that holds its ``ExpertsFp8``."""
+
+_HP_CONFIG = "_computectx_hp_config"  # the config the module had before it was converted
+
+
+class _Probe(nn.Module):
+    """Decorated once, to learn the code of the decorator's dispatching ``forward``."""
+
+    def forward(self, *args: Any) -> Any:
+        return None
+
+
+_DISPATCH = use_experts_implementation(_Probe).forward.__code__
+
+
+def _dispatches_here(module: nn.Module) -> bool:
+    """Whether ``type(module).forward`` is ``use_experts_implementation``'s dispatcher, reading
+    ``ALL_EXPERTS_FUNCTIONS`` (not another interface, as transformers' own fp8 experts do)."""
+    forward = getattr(type(module), "forward", None)
+    if getattr(forward, "__code__", None) is not _DISPATCH:
+        return False
+    assert forward is not None
+    found = inspect.getclosurevars(forward).nonlocals.get("experts_interface")
+    return found is ALL_EXPERTS_FUNCTIONS
+
+
+def _names(module: nn.Module) -> tuple[str, str] | None:
+    """The names of a decorated module's two expert weights, ``None`` when they are not 3-D
+    parameters of ``num_experts`` experts."""
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    experts = getattr(module, "num_experts", None)
+    for name in (first, "down_proj"):
+        p = getattr(module, name, None)
+        if not isinstance(p, nn.Parameter) or p.dim() != 3 or p.shape[0] != experts:
+            return None
+    return first, "down_proj"
+
+
+def _as_out_in(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """``w`` as ``(E, out, in)``: a transposed layout (gpt-oss) as its transposed view."""
+    return w.transpose(-2, -1) if getattr(module, "is_transposed", False) else w
+
+
+class TransformersExperts:
+    """The ``ExpertsConverter`` for transformers' experts modules (any class decorated with
+    ``use_experts_implementation`` on ``ALL_EXPERTS_FUNCTIONS``)."""
+
+    def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The two expert weights as ``(E, out, in)`` (the transposed views for a transposed
+        layout), by parameter name; ``None`` for any other module."""
+        if not _dispatches_here(module):
+            return None
+        names = _names(module)
+        if names is None:
+            return None
+        return {name: _as_out_in(module, getattr(module, name)) for name in names}
+
+    def current(self, module: nn.Module) -> ExpertsFp8 | None:
+        """The module's ``ExpertsFp8`` if it is converted."""
+        found = vars(module).get(FP8_ATTR)
+        return found if isinstance(found, ExpertsFp8) else None
+
+    def convert(self, module: nn.Module, fp8: ExpertsFp8 | None) -> None:
+        """From now on the module's GEMMs run through ``fp8.mm``; ``None``: as before."""
+        state = vars(module)
+        if fp8 is None:
+            if _HP_CONFIG in state:
+                module.config = state.pop(_HP_CONFIG)
+            state.pop(FP8_ATTR, None)
+            return
+        if not isinstance(fp8, ExpertsFp8):
+            raise TypeError(f"convert takes an ExpertsFp8 or None, got {type(fp8).__name__}")
+        if self.weights(module) is None:
+            raise ValueError(
+                f"{type(module).__name__} is not a transformers experts module with 3-D "
+                f"expert weights dispatched through ALL_EXPERTS_FUNCTIONS"
+            )
+        if _HP_CONFIG not in state:
+            own: Any = copy.copy(module.config)
+            # The internal field: the property's setter would also set the sub-configs,
+            # which the shallow copy shares with the model's config.
+            own._experts_implementation_internal = IMPLEMENTATION
+            state[_HP_CONFIG] = module.config
+            module.config = own
+        state[FP8_ATTR] = fp8
+
+
+def _grouped(
+    fp8: ExpertsFp8,
+    module: nn.Module,
+    x: torch.Tensor,
+    name: str,
+    offs: torch.Tensor,
+    ids: torch.Tensor,
+) -> torch.Tensor:
+    """One grouped projection of the sorted rows ``x``, with its bias if it has one."""
+    w = getattr(module, name)
+    out = fp8.mm(x.to(w.dtype), _as_out_in(module, w), offs)
+    if getattr(module, "has_bias", False):
+        out = out + getattr(module, f"{name}_bias")[ids]
+    return out
+
+
+def fp8_experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """transformers' ``grouped_mm`` experts forward, its grouped GEMMs in fp8 (the module's
+    ``ExpertsFp8``); registered as ``"computectx_fp8"`` in ``ALL_EXPERTS_FUNCTIONS``."""
+    fp8 = vars(self).get(FP8_ATTR)
+    if not isinstance(fp8, ExpertsFp8):
+        raise RuntimeError(
+            f"{type(self).__name__} runs experts_implementation={IMPLEMENTATION!r} but holds no "
+            f"ExpertsFp8: convert the model with computectx.fp8.convert_to_fp8(model, ctx) "
+            f"instead of naming the implementation"
+        )
+    experts: Any = self.num_experts
+    n_experts = int(experts)
+    top_k = top_k_index.size(-1)
+    n_tokens, hidden = hidden_states.shape
+
+    # (token, expert) pairs sorted by expert; sentinels (>= n_experts) sort past offs[-1].
+    ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+    x = hidden_states[perm // top_k]
+    pair_weights = top_k_weights.reshape(-1)[perm]
+    bounds = torch.arange(1, n_experts + 1, device=ids.device, dtype=ids.dtype)
+    offs = torch.searchsorted(ids, bounds, out_int32=True)  # pairs with id < g + 1
+    sentinel = None
+    if getattr(self, "_is_expert_parallel", False):
+        sentinel = (ids >= n_experts).unsqueeze(-1)
+        ids = ids.clamp(max=n_experts - 1)  # in bounds for the bias gathers
+
+    gated = bool(getattr(self, "has_gate", True))
+    h = _grouped(fp8, self, x, "gate_up_proj" if gated else "up_proj", offs, ids)
+    h = getattr(self, "_apply_gate" if gated else "act_fn")(h)
+    y = _grouped(fp8, self, h, "down_proj", offs, ids)
+    if getattr(self, "has_post_expert_norm", False):
+        norm: Any = self.post_expert_norm
+        y = norm(y)
+    if sentinel is not None:
+        y = y.masked_fill(sentinel, 0.0)
+    y = y * pair_weights.unsqueeze(-1)
+
+    back = torch.empty_like(perm)
+    back[perm] = torch.arange(perm.numel(), device=perm.device)
+    out: torch.Tensor = y[back].view(n_tokens, top_k, hidden).sum(dim=1)
+    return out.to(hidden_states.dtype)
+
+
+ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, fp8_experts_forward)
+register_experts_converter(TransformersExperts())

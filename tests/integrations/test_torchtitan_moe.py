@@ -1,0 +1,158 @@
+"""torchtitan's MoE in fp8 (``computectx.integrations.torchtitan_moe``), in one process: the
+Qwen3 MoE debug model's config through ``Fp8LinearConverter``, a tiny MoE layer (16 experts
+of 64 -> 32, top 2) built with and without it and converted when built, and gpt-oss's
+grouped experts (biases, interleaved SwiGLU)."""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip(
+    "torchtitan", reason="torchtitan is in the optional extra: pip install -e '.[integrations]'"
+)
+
+from torchtitan.models.common.config_utils import (
+    make_moe_config,
+    make_routed_experts_config,
+    make_router_config,
+)
+from torchtitan.models.common.linear import Linear
+from torchtitan.models.common.moe import GroupedExperts
+from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+from torchtitan.models.qwen3 import model_registry
+
+from computectx import ComputeCtx
+from computectx.fp8 import ExpertsFp8, Fp8Backend, Fp8Linear, convert_to_fp8
+from computectx.integrations.torchtitan import Fp8LinearConverter
+from computectx.integrations.torchtitan_moe import (
+    FP8_ATTR,
+    TitanExperts,
+    fp8_experts_class,
+)
+
+DIM, HIDDEN, EXPERTS, TOP_K = 64, 32, 16, 2
+HYBRID = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+ROWWISE = ComputeCtx.from_flag("fp8_rowwise", "cpu")
+INIT = partial(nn.init.normal_, std=0.05)
+
+
+def tiny_moe_config() -> Any:
+    return make_moe_config(
+        num_experts=EXPERTS,
+        load_balance_coeff=None,
+        router=make_router_config(
+            dim=DIM,
+            num_experts=EXPERTS,  # the gate is 64 -> 16: fp8 widths, yet never converted
+            gate_param_init={"weight": INIT},
+            top_k=TOP_K,
+            score_func="softmax",
+            route_norm=True,
+        ),
+        routed_experts=make_routed_experts_config(
+            dim=DIM,
+            hidden_dim=HIDDEN,
+            num_experts=EXPERTS,
+            top_k=TOP_K,
+            param_init={"w1_EFD": INIT, "w2_EDF": INIT, "w3_EFD": INIT},
+            comm_backend="standard",
+        ),
+    )
+
+
+def build(config: Any) -> nn.Module:
+    torch.manual_seed(0)
+    model: nn.Module = config.build()
+    model.init_states(buffer_device=torch.device("cpu"))  # type: ignore[operator]
+    return model
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref64, x64 = ref.detach().double(), x.detach().double()
+    return 10 * math.log10(float(ref64.pow(2).sum()) / float((x64 - ref64).pow(2).sum()))
+
+
+def run(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    x = torch.randn(2, 24, DIM, generator=torch.Generator().manual_seed(1))
+    y = model(x)
+    y.pow(2).sum().backward()
+    grads = [p.grad for _, p in sorted(model.named_parameters())]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+    return y, [g for g in grads if g is not None]
+
+
+def test_the_converter_turns_the_qwen3_moe_debug_model_experts_to_fp8() -> None:
+    converter = Fp8LinearConverter.Config(policy="fp8_hybrid", device="cpu").build()
+    spec = model_registry("debugmodel_moe")
+    config = converter.convert(spec.model)
+    experts = [f"layers.{i}.moe.routed_experts.inner_experts" for i in range(8)]
+    assert converter.experts == experts
+    assert set(experts) <= set(converter.converted)
+    assert not any("router" in fqn for fqn in converter.converted)  # 256 -> 64 gates stay
+    assert "lm_head" not in converter.converted
+    with torch.device("meta"):
+        model = config.build()
+    moe = model.get_submodule("layers.0.moe")
+    assert type(moe.router.gate) is Linear
+    inner = moe.routed_experts.inner_experts
+    assert type(inner).__name__ == "Fp8GroupedExperts" and isinstance(inner, GroupedExperts)
+    assert getattr(inner, FP8_ATTR) == ExpertsFp8(HYBRID.fp8, Fp8Backend.REFERENCE)  # type: ignore[arg-type]
+    again = converter.convert(config)  # converting a converted config changes nothing
+    assert again is config and converter.experts == experts
+
+
+def test_a_tiny_moe_built_with_the_converter_runs_its_experts_in_fp8() -> None:
+    converter = Fp8LinearConverter.Config(policy="fp8_hybrid", device="cpu").build()
+    fp8 = build(converter.convert(tiny_moe_config()))
+    plain = build(tiny_moe_config())
+    assert converter.experts == ["routed_experts.inner_experts"]
+    assert not any(isinstance(m, Fp8Linear) for m in fp8.modules())  # the gate stays
+    y8, g8 = run(fp8)
+    y, g = run(plain)
+    # The same weights (same seed); e4m3 forward and e5m2 gradients, a step per group, over
+    # the three grouped GEMMs of SwiGLU experts (torchtitan runs them at bf16 either way).
+    assert 20.0 < sqnr_db(y8, y) < 45.0, sqnr_db(y8, y)
+    for a, b in zip(g8, g, strict=True):
+        assert sqnr_db(a, b) > 15.0, sqnr_db(a, b)
+
+
+def test_convert_to_fp8_converts_a_built_torchtitan_moe_in_place_and_back() -> None:
+    model = build(tiny_moe_config())
+    inner = model.get_submodule("routed_experts.inner_experts")
+    weights = dict(inner.named_parameters())
+    y, _ = run(model)
+    model.zero_grad()
+    report = convert_to_fp8(model, HYBRID, module_filter=lambda m, fqn: True)
+    assert report.experts == report.converted == ("routed_experts.inner_experts",)
+    # The router stays in high precision, whatever the filter says.
+    assert [(s.fqn, s.rule) for s in report.skipped] == [("router.gate", "router")]
+    assert type(inner) is fp8_experts_class(GroupedExperts)
+    assert dict(inner.named_parameters()) == weights  # the same Parameter objects
+    y8, _ = run(model)
+    assert 20.0 < sqnr_db(y8, y) < 45.0
+    TitanExperts().convert(inner, None)
+    assert type(inner) is GroupedExperts and TitanExperts().current(inner) is None
+    model.zero_grad()
+    assert torch.equal(run(model)[0], y)
+
+
+def test_gpt_oss_grouped_experts_with_biases_convert_too() -> None:
+    names = ("mlp1_weight_EGD", "mlp1_bias_EG", "mlp2_weight_EDF", "mlp2_bias_ED")
+    config = GptOssGroupedExperts.Config(
+        dim=DIM, hidden_dim=HIDDEN, num_experts=4, param_init=dict.fromkeys(names, INIT)
+    )
+    model = build(config)
+    assert TitanExperts().weights(model) is not None
+    x = torch.randn(20, DIM, generator=torch.Generator().manual_seed(1))
+    counts = torch.tensor([5, 0, 7, 6])  # an empty expert, and 2 rows past the last group
+    want = model(x, counts)[:18]
+    TitanExperts().convert(model, ExpertsFp8(ROWWISE.fp8, Fp8Backend.REFERENCE))  # type: ignore[arg-type]
+    got = model(x, counts)
+    assert type(model).__name__ == "Fp8GptOssGroupedExperts"
+    assert 20.0 < sqnr_db(got[:18], want) < 45.0, sqnr_db(got[:18], want)
+    assert not got[18:].any()  # rows past the groups come out zero
