@@ -214,9 +214,8 @@ def _routers(
         named = ".".join(fqn.split(".")[-2:]).lower()
         if not isinstance(m, nn.Linear) or not ("router" in named or "gate" in named):
             continue
-        parent = fqn.rpartition(".")[0]
-        grand = parent.rpartition(".")[0] if parent else None
-        for place in (parent, grand):
-            if place is not None and m.out_features in experts_at.get(place, set()):
-                routers[id(m)] = fqn
+        up = fqn.rpartition(".")[0]
+        places = (up, up.rpartition(".")[0]) if up else ("",)
+        if any(m.out_features in experts_at.get(place, set()) for place in places):
+            routers[id(m)] = fqn
     return routers
