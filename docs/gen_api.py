@@ -45,8 +45,8 @@ INTRO = """\
 Every public name of `computectx`, `computectx.fp8`, `computectx.memory`,
 `computectx.distributed` and `computectx.nn`, of `computectx.fp8.seam` (what packages built
 on fp8 use), and of the modules a user calls directly (the fine-grained linear, the
-block-scaled GEMM, the KV quantizer, decode attention, the FSDP2 fp8 all-gather, the
-transformers cache): its signature and the first paragraph of its docstring, with the public
+block-scaled GEMM, the grouped GEMM and its experts converters, expert parallelism, the KV
+quantizer, decode attention, the FSDP2 fp8 all-gather, the transformers cache): its signature and the first paragraph of its docstring, with the public
 methods and properties of each class. This page reads as it is. The docs build
 (`.venv/bin/mkdocs build --strict`) also renders the full docstrings from the code where a
 `:::` line stands, at the end of each section.
@@ -122,6 +122,11 @@ SECTIONS: tuple[Section, ...] = (
     Section("computectx.fp8.seam", "What packages built on fp8 use"),
     Section("computectx.fp8.linear.blockwise", "The fine-grained fp8 linear"),
     Section("computectx.fp8.ops.gemm", "The block-scaled GEMM"),
+    Section("computectx.fp8.linear.grouped", "The grouped fp8 GEMM (mixture of experts)"),
+    Section("computectx.fp8.convert_experts", "Converting grouped experts"),
+    Section("computectx.distributed.expert_parallel", "Expert parallelism"),
+    Section("computectx.integrations.transformers_moe", "transformers MoE experts in fp8"),
+    Section("computectx.integrations.torchtitan_moe", "torchtitan MoE experts in fp8"),
     Section("computectx.fp8.numerics.kv_quant", "The fp8 KV cache's quantizer"),
     Section("computectx.fp8.serving.decode_attention", "Decode attention over an fp8 KV cache"),
     Section("computectx.distributed.fp8_all_gather", "FSDP2 fp8 all-gather"),

@@ -68,7 +68,6 @@ from computectx.recipes import DelayedScaling, Fp8Policy, PolicyGranularity
 __all__ = [
     "BLOCK_ROWS",
     "FP8_GATHER_GRANULARITIES",
-    "SHARD_OPS",
     "Fp8GatherFallbackWarning",
     "WeightGatheredAsFp8",
     "blocks_align",
