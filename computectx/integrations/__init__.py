@@ -10,4 +10,9 @@ see docs/integrations.md.
   and compile-friendly like ``StaticCache``, and ``calibrate_transformers_kv`` for the
   calibrated fp8 schemes (needs transformers, which the dev extra installs; see
   docs/serving.md).
+- ``computectx.integrations.transformers_moe``: transformers 5's mixture-of-experts experts
+  (Qwen3-MoE, Mixtral, gpt-oss) in fp8 through transformers' own ``ExpertsInterface``;
+  ``convert_to_fp8`` imports it when a model holds a transformers module (docs/moe.md).
+- ``computectx.integrations.torchtitan_moe``: torchtitan's grouped experts in fp8, for its
+  converter and for ``convert_to_fp8`` on a built model (docs/moe.md).
 """
