@@ -18,6 +18,11 @@ Sections, in order (each timed; a section that fails records its error and the r
    M×K×N = 4096×8192×16384 and 8192³, each with its ratio to bf16 and to row-wise
    ``_scaled_mm``, next to the anchors: TransformerEngine's H200 GEMM speedups over bf16
    (delayed 1.69x, current 1.57x, block 1.41x). The table is printed as well.
+7. ``kv_decode`` (issue 17): decode attention over an fp8 KV cache against bf16
+   (``gpu_check_kv``);
+8. ``moe_gemm`` (issue 23): fp8 grouped GEMMs per recipe against bf16 ``F.grouped_mm`` at
+   torchao's Llama 4 17B-16E and DeepSeek-V3 shapes, fwd and fwd+bwd TFLOP/s, with torchao's
+   B200 MXFP8 speedups beside the ``mx`` rows (``gpu_check_moe``).
 
 Figures are whatever this machine measures; the JSON records the device, torch, triton and
 CUDA versions next to them. Nothing here is a target or a pass/fail threshold: the issue's
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_check_kv
+import gpu_check_moe
 import torch
 from torch import nn
 
@@ -377,6 +383,8 @@ def main(argv: list[str] | None = None) -> int:
         "bytelm": lambda: section_bytelm(device, smoke, reps, compile_backend),
         "granularity_gemm": lambda: section_granularity_gemm(device, smoke, reps),
         "kv_decode": lambda: gpu_check_kv.section_kv_decode(device, smoke, reps),
+        # Each fwd+bwd at M = 128,000 is tens of ms: 10 reps keep the section near a minute.
+        "moe_gemm": lambda: gpu_check_moe.section_moe_gemm(device, smoke, min(reps, 10)),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

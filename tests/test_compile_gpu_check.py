@@ -38,8 +38,9 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
         "bytelm",
         "granularity_gemm",
         "kv_decode",
+        "moe_gemm",
     }
-    for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm"):
+    for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm", "moe_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])
     assert {row["op"] for row in sections["gemm"]} >= {"fp8 cublas", "bf16 mm"}
     assert {row["flag"] for row in sections["bytelm"]} == {"bf16", "fp8_hybrid"}

@@ -114,7 +114,8 @@ def test_fp8_policy_runs_end_to_end(
 
     # The serving section: the trained model through the KV cache at f32, bf16 and fp8, and
     # the sample generated with the policy's own kv (bf16: the fp8 flags compute in bf16).
-    assert data["computectx_demo"] == 4
+    assert data["computectx_demo"] == 5
+    assert r["expert_load"] is None and r["fp8_converted_experts"] == 0  # dense (no --moe)
     assert r["kv"] == "bf16"
     assert "sample (fp8_e4m3, kv=bf16, temperature 0.8, top-k 40):" in stdout
     assert "serving: each trained model's validation loss through the KV cache" in stdout

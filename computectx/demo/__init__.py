@@ -6,8 +6,9 @@ download. Every policy starts from the same weights and sees the same batches in
 order, so the differences in the results table are the policy's doing.
 
 The modules, one job each: ``settings`` (``DemoSettings``, torch-free), ``args`` (the flags,
-torch-free), ``corpus``, ``train``, ``footprint`` (memory by role), ``serving`` (the loss
-through the KV cache), ``report`` (tables, JSON, plot) and ``run`` (``run_demo``). Importing
+torch-free), ``corpus``, ``moe`` (``--moe``: the experts' shape, their load per step, its
+table and picture), ``train``, ``footprint`` (memory by role), ``serving`` (the loss through
+the KV cache), ``report`` (tables, JSON, plot) and ``run`` (``run_demo``). Importing
 this package loads only the torch-free two; the other names load their module, and torch, on
 first use.
 """

@@ -103,7 +103,9 @@ def settings_from_args(args: argparse.Namespace) -> DemoSettings:
             flag = flag_of(name) if name in DemoSettings.model_fields else name
             msg = str(err["msg"]).removeprefix("Value error, ")
             if err["type"] == "value_error":
-                msgs.append(f"{flag}: {msg}")  # our validators name the value themselves
+                # Our validators name the value themselves; a whole-settings check (no
+                # field) names its flags in its message.
+                msgs.append(f"{flag}: {msg}" if flag else msg)
             else:
                 msgs.append(f"{flag} {err['input']!r}: {msg}")
         raise DemoError("; ".join(msgs)) from None

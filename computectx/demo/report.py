@@ -32,11 +32,13 @@ __all__ = [
     "write_results",
 ]
 
-RESULTS_VERSION = 4
+RESULTS_VERSION = 5
 """``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
 ``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added. 3: each
 result's ``fp8_granularity`` (``null`` without fp8) was added. 4: each result's ``kv`` and
-``serving`` (the serving section's rows) were added."""
+``serving`` (the serving section's rows) were added. 5: the ``--moe`` settings, each result's
+``expert_load`` (tokens per step, layer and expert; ``null`` for the dense model) and
+``fp8_converted_experts`` were added."""
 
 _MIB = 2**20
 
@@ -61,6 +63,8 @@ class DemoReport:
     plot_path: Path
     world_size: int = 1
     """Data-parallel processes that trained (``--nproc``); figures are the group's."""
+    load_plot_path: Path | None = None
+    """Under ``--moe``: where the expert load picture goes (``expert-load.png``)."""
 
 
 def results_table(report: DemoReport) -> Table:
@@ -237,6 +241,7 @@ def results_json(report: DemoReport) -> dict[str, Any]:
                 "memory": r.memory.as_dict(),
                 "skipped_steps": r.skipped_steps,
                 "fp8_converted_linears": r.fp8_converted,
+                "fp8_converted_experts": r.fp8_experts,
                 "fp8_backend": r.fp8_backend,
                 "fp8_granularity": r.fp8_granularity,
                 "fp8_nonfinite": r.fp8_nonfinite,
@@ -246,6 +251,7 @@ def results_json(report: DemoReport) -> dict[str, Any]:
                 "val_curve": [[step, _finite_or_none(v)] for step, v in r.val_curve],
                 "sample": r.sample,
                 "kv": r.kv,
+                "expert_load": None if r.expert_load is None else r.expert_load.tolist(),
                 "serving": [
                     {
                         "kv": row.kv,

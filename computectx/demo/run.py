@@ -19,6 +19,7 @@ from torch.multiprocessing.spawn import start_processes
 from computectx import capability
 from computectx._files import atomic_path
 from computectx.demo.corpus import load_corpus, val_batches
+from computectx.demo.moe import load_notes, load_table, plot_expert_load
 from computectx.demo.report import (
     DemoReport,
     plot_losses,
@@ -30,7 +31,7 @@ from computectx.demo.report import (
     write_results,
 )
 from computectx.demo.settings import DemoError, DemoSettings
-from computectx.demo.train import data_parallel_rank, policy_ctx, train_policy
+from computectx.demo.train import data_parallel_rank, policy_ctx, tail_steps, train_policy
 from computectx.fp8 import select_backend
 
 __all__ = ["check_output_dir", "resolve_device", "run_demo"]
@@ -91,6 +92,15 @@ def _half_gemm_line(settings: DemoSettings, dev: torch.device) -> str | None:
     return "; ".join(parts) or None
 
 
+def _load_title(report: DemoReport) -> str:
+    s = report.settings
+    return (
+        f"expert load per step: ByteLM {s.layers}x{s.d_model}, {s.experts} experts, "
+        f"top-{s.top_k}, {s.shared_experts} shared, balance {s.balance} ({report.device})\n"
+        f"each expert's tokens over the balanced share (1 = balanced)"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -147,11 +157,11 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
     """Train every policy in ``settings.dtypes``, print the table and write the outputs.
 
     Checks the device, the data and the output folder before training (``DemoError``).
-    Writes ``results.json`` and ``loss.png`` into ``settings.out``. Sets torch's intra-op
-    thread count to ``settings.threads`` for the training and restores it. With
-    ``settings.nproc`` above 1 it spawns that many processes (gloo on the CPU, one GPU each
-    with nccl) that train data-parallel; rank 0 prints and writes, and its report is
-    returned.
+    Writes ``results.json`` and ``loss.png`` (and under ``--moe`` ``expert-load.png``) into
+    ``settings.out``. Sets torch's intra-op thread count to ``settings.threads`` for the
+    training and restores it. With ``settings.nproc`` above 1 it spawns that many processes
+    (gloo on the CPU, one GPU each with nccl) that train data-parallel; rank 0 prints and
+    writes, and its report is returned.
     """
     rank, world = data_parallel_rank()
     if settings.nproc > 1 and world == 1:
@@ -212,6 +222,7 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         json_path=folder / "results.json",
         plot_path=folder / "loss.png",
         world_size=world,
+        load_plot_path=folder / "expert-load.png" if settings.moe else None,
     )
     out.print(results_table(report))
     for line in table_notes(report):
@@ -223,6 +234,13 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
                 f"{r.flag}: {r.skipped_steps} step(s) skipped for non-finite gradients",
                 markup=False,
             )
+    loads = [(r.flag, r.expert_load) for r in results if r.expert_load is not None]
+    tail = tail_steps(settings.steps)
+    if loads:
+        out.print(load_table(loads, tail))
+        tokens = settings.batch_size * settings.grad_accum * settings.seq_len
+        for line in load_notes(settings, tail, tokens):
+            out.print(line, markup=False, highlight=False)
     serving = serving_table(report)
     if serving is not None:
         out.print(serving)
@@ -236,5 +254,9 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         return report
     write_results(report)
     plot_losses(report)
-    out.print(f"\nwrote {report.json_path} and {report.plot_path}", markup=False)
+    wrote = [report.json_path, report.plot_path]
+    if loads and report.load_plot_path is not None:
+        plot_expert_load(loads, report.load_plot_path, _load_title(report))
+        wrote.append(report.load_plot_path)
+    out.print(f"\nwrote {', '.join(map(str, wrote[:-1]))} and {wrote[-1]}", markup=False)
     return report

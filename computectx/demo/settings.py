@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 from typing_extensions import Self
@@ -40,6 +40,7 @@ DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid")
 """The policies compared when ``--dtype`` is not given."""
 
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
+_MOE_FIELDS = frozenset({"experts", "top_k", "shared_experts", "balance", "bias_rate"})
 
 
 class DemoError(ValueError):
@@ -71,7 +72,8 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     offload: bool = False
     """Step master weights and optimizer state with an OffloadedOptimizer on the CPU."""
     out: Path = Path("computectx-demo")
-    """Folder for results.json and loss.png (created if missing)."""
+    """Folder for results.json and loss.png, and expert-load.png with --moe (created if
+    missing)."""
     device: str | None = Field(
         default=None,
         json_schema_extra={"metavar": "DEV", "shown_default": "cuda if usable, else cpu"},
@@ -108,6 +110,25 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Intra-op CPU threads torch uses during the run (restored afterwards). One by default:
     the model's matrices are ~128 wide, so a second thread gains little, and on a busy machine
     threads waiting for a core slow the run several-fold (docs/demo.md has measurements)."""
+    moe: bool = False
+    """Train the mixture-of-experts ByteLM: every block's MLP becomes routed experts (shaped
+    by --experts, --top-k, --shared-experts and --balance) with the same active width; the
+    demo then prints each policy's expert load and draws it per step (expert-load.png)."""
+    experts: int = Field(default=8, ge=2, le=256)
+    """Routed experts per block (with --moe)."""
+    top_k: int = Field(default=2, ge=1, le=256)
+    """Experts each token is routed to (with --moe; at most --experts)."""
+    shared_experts: int = Field(default=1, ge=0, le=16)
+    """Shared experts per block, which every token passes through (with --moe)."""
+    balance: Literal["aux_free", "aux_loss", "none"] = Field(
+        default="aux_free", json_schema_extra={"metavar": "NAME"}
+    )
+    """Expert load balancing (with --moe): aux_free (DeepSeek-V3's per-expert router bias,
+    nudged toward balance after every step), aux_loss (a switch-style auxiliary loss added to
+    the training loss) or none."""
+    bias_rate: float = Field(default=1e-2, ge=0.0, le=1.0)
+    """How far aux_free moves an expert's router bias per step (with --moe). DeepSeek-V3's
+    1e-3 is meant for runs of many thousand steps; the demo's hundred or so need more."""
 
     @field_validator("dtypes", mode="before")
     @classmethod
@@ -136,6 +157,19 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
         if dups:
             raise ValueError(f"{', '.join(dups)} given more than once")
         return tuple(flags)
+
+    @model_validator(mode="after")
+    def _moe_shape(self) -> Self:
+        shaped = sorted(_MOE_FIELDS & self.model_fields_set)
+        if not self.moe and shaped:
+            flags = ", ".join("--" + n.replace("_", "-") for n in shaped)
+            raise ValueError(f"{flags} shape the experts of --moe; add --moe (or drop them)")
+        if self.top_k > self.experts:
+            raise ValueError(
+                f"top_k={self.top_k} exceeds experts={self.experts}; a token is routed to at "
+                f"most every expert"
+            )
+        return self
 
     @model_validator(mode="after")
     def _nproc_fits(self) -> Self:

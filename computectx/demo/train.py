@@ -17,9 +17,10 @@ from torch import nn
 from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
+from computectx.demo.moe import LoadRecorder, fp8_experts_backends, moe_config
 from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoSettings
-from computectx.distributed import parallelize
+from computectx.distributed import parallelize, update_expert_bias
 from computectx.dtypes import DType
 from computectx.fp8 import Fp8Linear, fp8_stats
 from computectx.memory import OffloadedOptimizer
@@ -85,6 +86,11 @@ class PolicyResult:
     serving: tuple[ServingRow, ...] = ()
     """The serving section: the trained model's validation loss through the KV cache under
     each setting of ``computectx.demo.serving.SERVING_KV`` (empty on ranks other than 0)."""
+    expert_load: torch.Tensor | None = None
+    """Under ``--moe``: tokens routed to each expert, ``(steps, layers, experts)`` int64
+    (``computectx.demo.moe.LoadRecorder``); ``None`` for the dense model."""
+    fp8_experts: int = 0
+    """MoE layers whose expert GEMMs ran in fp8 (grouped, ``experts.fp8`` set)."""
 
 
 def fp8_granularity(ctx: ComputeCtx) -> str | None:
@@ -101,12 +107,14 @@ def fp8_granularity(ctx: ComputeCtx) -> str | None:
 def model_config(settings: DemoSettings) -> LMConfig:
     """The ``LMConfig`` of the demo model (long enough for training and the sample)."""
     longest = max(settings.seq_len, len(SAMPLE_PROMPT) + settings.sample_tokens)
+    d_ff = (settings.d_model * 3 + 15) // 16 * 16
     return LMConfig(
         d_model=settings.d_model,
         n_layers=settings.layers,
         n_heads=settings.d_model // 32,
-        d_ff=(settings.d_model * 3 + 15) // 16 * 16,
+        d_ff=d_ff,
         max_len=longest,
+        **moe_config(settings, d_ff),  # --moe: the MLPs become experts of the same width
     )
 
 
@@ -223,7 +231,9 @@ def train_policy(
     share = slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world)
     # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
     fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    backend = ",".join(sorted({m.backend.value for m in fp8_layers})) or None
+    experts_backends = fp8_experts_backends(model)  # one per MoE layer whose experts are fp8
+    backend = ",".join(sorted({m.backend.value for m in fp8_layers} | set(experts_backends)))
+    recorder = LoadRecorder(model) if settings.moe else None
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     params = list(model.parameters())
@@ -254,10 +264,19 @@ def train_policy(
                 measure = step == 0 and micro == 0 and not settings.compile
                 with saved if measure else contextlib.nullcontext():
                     loss = model.loss_of(runner(x), y) / settings.grad_accum
-                    torch.autograd.backward(loss)
+                    total = loss
+                    if settings.moe:
+                        # --balance aux_loss: the blocks' balancing loss joins the gradient,
+                        # not the reported loss (a float32 zero under the other balances).
+                        total = loss + model.aux_loss() / settings.grad_accum
+                    torch.autograd.backward(total)
                 summed += loss.detach()
+                if recorder is not None:
+                    recorder.add()
             # One device-to-host read per step, not per micro-batch (and one all-reduce).
             step_loss = float(_group_mean(summed, world))
+            if recorder is not None:
+                recorder.end_step(world)
             if offloaded is not None:
                 offloaded.ingest_grads(acc)
                 norm = offloaded.clip_grad_norm(1.0)
@@ -271,6 +290,10 @@ def train_policy(
                 # Non-finite gradients (an fp16 overflow, say) are dropped, not applied;
                 # the count goes into the results.
                 skipped += 1
+            if settings.moe:
+                # aux_free's bias step, with the whole group's load (under the other
+                # balances it only resets the counts): one all-reduce with --nproc.
+                update_expert_bias(model)
             if step == settings.steps - 1:
                 memory = state_footprint(
                     model, opt, acc, device, None if settings.compile else saved.bytes
@@ -332,7 +355,7 @@ def train_policy(
         memory=memory,
         skipped_steps=skipped,
         fp8_converted=len(fp8_layers),
-        fp8_backend=backend,
+        fp8_backend=backend or None,
         fp8_nonfinite=nonfinite,
         fp8_saturated=saturated,
         fp8_layers=layers,
@@ -341,4 +364,6 @@ def train_policy(
         fp8_granularity=fp8_granularity(ctx),
         kv=str(ctx.kv),
         serving=serving,
+        expert_load=recorder.load() if recorder is not None else None,
+        fp8_experts=len(experts_backends),
     )
