@@ -46,8 +46,9 @@ Every public name of `computectx`, `computectx.fp8`, `computectx.memory`,
 `computectx.distributed` and `computectx.nn`, of `computectx.fp8.seam` (what packages built
 on fp8 use), and of the modules a user calls directly (the fine-grained linear, the
 block-scaled GEMM, the grouped GEMM and its experts converters, expert parallelism, the KV
-quantizer, decode attention, the FSDP2 fp8 all-gather, the transformers cache): its signature and the first paragraph of its docstring, with the public
-methods and properties of each class. This page reads as it is. The docs build
+quantizer, decode attention, the FSDP2 fp8 all-gather, the transformers cache): its
+signature and the first paragraph of its docstring, with the public methods and properties of
+each class. This page reads as it is. The docs build
 (`.venv/bin/mkdocs build --strict`) also renders the full docstrings from the code where a
 `:::` line stands, at the end of each section.
 
