@@ -228,8 +228,12 @@ def _group_blocks(
     for start, end in bounds:
         starts.append(column)
         if end == start:
+            # tensor and row keep one column per group (the kernel reads column g); the
+            # block granularities give an empty group no column (block_start says where).
             if g == "tensor":
                 scales.append(torch.ones(1, dtype=torch.float32, device=t.device))
+            elif g == "row":
+                scales.append(torch.ones((rows, 1), dtype=torch.float32, device=t.device))
             continue
         if g == "tensor":
             q, s = grouped.quantize_operand(t[:, start:end], fmt, g, rule, margin)
