@@ -1,7 +1,8 @@
 """The KV cache's storage against the demo model's loss, footprint and CPU decode speed.
 
-Run: ``.venv/bin/python bench/bench_kv.py`` (a minute or two on one CPU thread; the trained
+Run: ``.venv/bin/python bench/bench_kv.py`` (a few minutes on one CPU thread; the trained
 weights are kept in ``--cache-dir``, so a second run skips the training).
+``--vs-hf`` prints only the comparison with transformers' ``QuantizedCache`` (6 below, seconds).
 
 **Model.** ``computectx demo``'s ByteLM (2 blocks, d_model 128, 4 heads of 32, ``max_len``
 164) trained under ``fp32`` with the demo's default settings: ``computectx.demo.train``'s
@@ -10,7 +11,9 @@ learning-rate schedule and clipping. Calibration (``calibrate_kv``) runs on 4 tr
 batches drawn with another seed.
 
 **Settings.** The KV cache at f32 (the reference: the cache rounds nothing), bf16, fp8 e4m3
-``per_token_head``, ``per_head`` (calibrated) and ``per_tensor`` (calibrated), and the
+``per_token_head`` (with f32, bf16 and e8m0 steps, and e8m0 steps with a window of the 16
+most recent positions unquantized), ``per_head`` (calibrated) and ``per_tensor``
+(calibrated), and the
 cautionary row: ``per_tensor`` with a step of 1.0 (no calibration). That row is reachable
 only here: the bench builds its ``KVCache`` with ``steps=(1.0, 1.0)`` itself, as no public
 spelling of the policy does. The rest of the policy is ``fp32`` in every row.
@@ -36,6 +39,16 @@ spelling of the policy does. The rest of the policy is ``fp32`` in every row.
    (queries and the output projection 100x smaller, so the f32 outputs are unchanged up to
    rounding) saturates them, and 100x smaller sends them into subnormals; the scale-free
    schemes do not notice.
+6. *Against transformers' ``QuantizedCache``* (``--vs-hf``): its ``fp8`` backend (the one that
+   runs on a CPU here: ``quanto`` and ``hqq`` need packages this project does not install;
+   e4m3 codes, one step per layer for keys and one for values, taken from the prefill and
+   then frozen; the prefill itself attends to its unquantized keys and values) against
+   ``CtxStaticCache`` under each step format and window, on the tiny random Llama of
+   tests/test_transformers_cache.py (2 layers, 2 key/value heads of 16, batch 2), 63
+   positions teacher-forced (4 in the prefill, then one per step): the logits' SQNR against
+   ``DynamicCache`` (no rounding) and the bytes each cache holds at the end, codes, steps
+   and window, ours preallocated for exactly those 63 positions. The static schemes are
+   calibrated on two other batches of ids.
 """
 
 from __future__ import annotations
@@ -43,19 +56,22 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.progress import Progress
+from torch import nn
 
 from computectx import ComputeCtx, KvFp8
 from computectx.demo.corpus import Corpus, load_corpus, train_batches, val_batches
 from computectx.demo.settings import DemoSettings
 from computectx.demo.train import model_config, train_policy
-from computectx.dtypes import parse_kv
+from computectx.kv_policy import parse_kv
 from computectx.nn import Attention, ByteLM, KVCache, calibrate_kv, decode_logits
 
 BANDS = ((1, 32), (33, 64), (65, 128), (129, 164))
@@ -70,6 +86,9 @@ SETTINGS: tuple[str, ...] = (
     "f32",
     "bf16",
     "e4m3/per_token_head",
+    "e4m3/per_token_head/bf16",
+    "e4m3/per_token_head/e8m0",
+    "e4m3/per_token_head/e8m0/recent=16",
     "e4m3/per_head",
     "e4m3/per_tensor",
     IDENTITY,
@@ -215,13 +234,130 @@ def row(cells: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+HF_SETTINGS: tuple[str, ...] = (
+    "bf16",
+    *(
+        f"e4m3/{scaling}{step}{window}"
+        for scaling in ("per_token_head", "per_tensor")
+        for step in ("", "/bf16", "/e8m0")
+        for window in ("", "/recent=4", "/recent=16")
+    ),
+)
+"""Our settings in the comparison with transformers' QuantizedCache (6); bf16 (a plain cast)
+for scale."""
+HF_NAME = "transformers QuantizedCache('fp8')"
+
+
+def tiny_llama() -> Any:
+    """The tiny random Llama of tests/test_transformers_cache.py (f32, eager attention)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    fields: dict[str, Any] = {"attn_implementation": "eager"}
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        **fields,
+    )
+    model = LlamaForCausalLM(config)
+    nn.Module.train(model, False)
+    return model
+
+
+def llama_ids(seed: int, length: int, batch: int = 2) -> torch.Tensor:
+    """Random ids of the tiny Llama's vocabulary (as tests/test_transformers_cache.py's)."""
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def teacher_forced(model: Any, ids: torch.Tensor, cache: Any, prefill: int) -> torch.Tensor:
+    """Logits of every position: ``prefill`` in one pass, then one position per call."""
+    out = [model(input_ids=ids[:, :prefill], cache=cache, use_cache=True).logits]
+    for i in range(prefill, ids.shape[1]):
+        out.append(model(input_ids=ids[:, i : i + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(out, dim=1)
+
+
+def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
+    ref64, x64 = ref.to(torch.float64), x.to(torch.float64)
+    return 10 * math.log10(float(ref64.pow(2).sum()) / float((x64 - ref64).pow(2).sum()))
+
+
+def hf_cache_bytes(cache: Any) -> int:
+    """Bytes a transformers ``QuantizedCache('fp8')`` holds: each layer's codes and steps
+    (``_quantized_keys``/``_quantized_values``) and any unquantized keys and values."""
+    total = 0
+    for layer in cache.layers:
+        for part in (layer._quantized_keys, layer._quantized_values):
+            total += sum(t.numel() * t.element_size() for t in part)
+        total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+    return total
+
+
+def vs_hf(
+    model: Any,
+    ids: torch.Tensor,
+    calib: list[torch.Tensor],
+    prefill: int = 4,
+    settings: tuple[str, ...] = HF_SETTINGS,
+) -> dict[str, tuple[float, int]]:
+    """``{name: (logit SQNR dB, bytes held)}`` for transformers' ``QuantizedCache('fp8')``
+    (under ``HF_NAME``) and ``CtxStaticCache`` under each of ``settings``, all at the
+    positions of ``ids`` (6 in the module docstring)."""
+    from transformers import DynamicCache, QuantizedCache
+
+    from computectx.integrations.transformers_cache import (
+        CtxStaticCache,
+        calibrate_transformers_kv,
+    )
+
+    ref = teacher_forced(model, ids, DynamicCache(config=model.config), prefill)
+    hf = QuantizedCache("fp8", model.config)
+    out = {HF_NAME: (sqnr_db(teacher_forced(model, ids, hf, prefill), ref), hf_cache_bytes(hf))}
+    amax = calibrate_transformers_kv(model, calib)
+    ctx = ComputeCtx.parity("cpu")
+    for name in settings:
+        kv = parse_kv(name)
+        static = isinstance(kv, KvFp8) and kv.static
+        cache = CtxStaticCache(
+            model.config, ctx.with_kv(kv), ids.shape[1], kv_amax=amax if static else None
+        )
+        out[name] = (sqnr_db(teacher_forced(model, ids, cache, prefill), ref), cache.nbytes)
+    return out
+
+
+def print_vs_hf() -> None:
+    """6: the table of ``vs_hf`` on the tiny Llama, 63 positions."""
+    model = tiny_llama()
+    results = vs_hf(model, llama_ids(0, 63), [llama_ids(100, 24), llama_ids(101, 24)])
+    hf_db, hf_bytes = results[HF_NAME]
+    print("\nlogit SQNR and bytes held at 63 positions, tiny Llama (head dim 16, batch 2)\n")
+    print(row(["KV cache", "logit SQNR (dB)", "bytes held", "vs transformers' bytes"]))
+    print(row(["---", "---:", "---:", "---:"]))
+    for name, (db, held) in results.items():
+        label = name if name == HF_NAME else f"`{name}`"
+        print(row([label, f"{db:.2f}", f"{held:,}", f"{held / hf_bytes:.4f}"]))
+    print(f"(transformers: {hf_db:.2f} dB in {hf_bytes:,} bytes)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=120, help="training steps (the demo's)")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the demo's)")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp/computectx-bench-kv"))
+    parser.add_argument(
+        "--vs-hf", action="store_true", help="only the comparison with transformers (6)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.vs_hf:
+        print_vs_hf()
+        return
     settings = DemoSettings(steps=args.steps)
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "

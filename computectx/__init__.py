@@ -1,8 +1,8 @@
 """computectx: one immutable compute policy for PyTorch models.
 
 ``ComputeCtx`` decides compute, KV-cache (a dtype or fp8) and accumulation dtypes, weight
-residency, the device, and the fp8 and memory policy; everything downstream reads it and
-never re-decides.
+residency, the device, and the fp8 and memory policy (optimizer state included); everything
+downstream reads it and never re-decides.
 The names below load on first use, so ``computectx --help`` answers without importing torch.
 """
 
@@ -16,28 +16,32 @@ if TYPE_CHECKING:
     from computectx.dtypes import (
         DType,
         Fp8Format,
-        KvFp8,
         PromotionError,
         cast_if,
         dtype_of,
         promote,
         promoted,
     )
+    from computectx.kv_policy import KvFp8
+    from computectx.optim_state import OPTIM_STATE_FLAGS, OptimState, parse_optim_state
     from computectx.residency import Residency, available_bytes
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "OPTIM_STATE_FLAGS",
     "ComputeCtx",
     "DType",
     "Fp8Format",
     "KvFp8",
+    "OptimState",
     "PromotionError",
     "Residency",
     "__version__",
     "available_bytes",
     "cast_if",
     "dtype_of",
+    "parse_optim_state",
     "promote",
     "promoted",
 ]
@@ -46,12 +50,15 @@ _HOME = {
     "ComputeCtx": "ctx",
     "DType": "dtypes",
     "Fp8Format": "dtypes",
-    "KvFp8": "dtypes",
+    "KvFp8": "kv_policy",
     "PromotionError": "dtypes",
     "cast_if": "dtypes",
     "dtype_of": "dtypes",
     "promote": "dtypes",
     "promoted": "dtypes",
+    "OPTIM_STATE_FLAGS": "optim_state",
+    "OptimState": "optim_state",
+    "parse_optim_state": "optim_state",
     "Residency": "residency",
     "available_bytes": "residency",
 }

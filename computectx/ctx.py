@@ -20,14 +20,14 @@ from typing_extensions import Self, Unpack
 
 from computectx.dtypes import (
     DType,
-    KvFp8,
     PromotionError,
     cast_if,
     is_compute_dtype,
     outside_lattice_message,
-    parse_kv,
     promote,
 )
+from computectx.kv_policy import KvFp8, parse_kv
+from computectx.optim_state import OptimState, parse_optim_state
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 from computectx.residency import Residency
 
@@ -78,6 +78,12 @@ def _lenient_offload(value: object) -> object:
     return None if _is_none_text(value) else value
 
 
+def _lenient_optim_state(value: object) -> object:
+    # Text ("int8/block=128") reads through OptimState.parse; a dict is left to pydantic, so
+    # its errors carry the field's location; anything else gets parse_optim_state's error.
+    return value if isinstance(value, dict) else parse_optim_state(value)
+
+
 def _same_as_compute(validated: dict[str, Any]) -> DType:
     # ComputeCtx._defaults_from_compute fills kv and accum before validation; the factories
     # mark the fields optional in the schema and serve model_construct.
@@ -103,6 +109,7 @@ KvField = Annotated[DType | KvFp8, BeforeValidator(_lenient_kv)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
 Fp8Field = Annotated[Fp8Policy | None, BeforeValidator(_lenient_fp8)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
+OptimStateField = Annotated[OptimState, BeforeValidator(_lenient_optim_state)]
 
 
 def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[str, Fp8Policy]:
@@ -154,6 +161,7 @@ class CtxChanges(TypedDict, total=False):
     grad: DType
     master: DType
     offload: torch.device | None
+    optim_state: OptimState
 
 
 class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -161,15 +169,16 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     Build one with a preset (``new``, ``parity``, ``serving``, ``from_flag``), from its text
     form (``ComputeCtx.parse``) or from JSON (``model_validate_json``). Change one with
-    ``with_kv``, ``with_accum`` or ``replace``: each returns a new, validated value.
+    ``with_kv``, ``with_accum``, ``with_optim_state`` or ``replace``: each returns a new,
+    validated value.
     """
 
     compute: DTypeField
     """Dtype activations flow in (projections, attention, residual stream)."""
     kv: KvField = Field(default_factory=_same_as_compute)
     """How the KV cache stores keys and values: a dtype (defaults to ``compute``), or a
-    ``KvFp8`` (fp8 codes with float32 steps, ``e4m3/per_token_head`` in the text form), which
-    the cache quantizes into and attention reads back in float32."""
+    ``KvFp8`` (fp8 codes with float32, bf16 or e8m0 steps, ``e4m3/per_token_head`` in the
+    text form), which the cache quantizes into and attention reads back in float32."""
     accum: DTypeField = Field(default_factory=_compute_join_f32)
     """Dtype precision-sensitive ops run in through ``precise``; at or above ``compute``
     (defaults to ``compute ⊔ f32``)."""
@@ -185,6 +194,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     """Dtype of the optimizer's master weights."""
     offload: OffloadField = Field(default=None)
     """Device for gradient buffers, master weights and optimizer state; ``None`` = ``device``."""
+    optim_state: OptimStateField = OptimState()
+    """How optimizer state tensors are stored: ``f32`` (default, torch's own), ``bf16``, or
+    block-wise ``int8``, ``fp8``, ``int4`` codes with scales (an ``OptimState``; text form
+    ``int8``, ``int4/block=64/min=0``). Scalars and tensors under ``min_size`` elements stay
+    float32."""
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
     _NULLABLE: ClassVar[frozenset[str]] = frozenset({"fp8", "offload"})
@@ -291,6 +305,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         """The same policy accumulating in ``accum`` (must be at or above ``compute``)."""
         return self.replace(accum=accum)
 
+    def with_optim_state(self, optim_state: OptimState | str) -> ComputeCtx:
+        """The same policy storing optimizer state as ``optim_state``: an ``OptimState`` or
+        its text form (``with_optim_state("int8")``: block-wise 8-bit moments)."""
+        return self.replace(optim_state=parse_optim_state(optim_state))
+
     # ----- the casts ----------------------------------------------------------------------
 
     def precise(self, t: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -350,8 +369,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     def __str__(self) -> str:
         """The policy string, e.g. ``compute=bf16,kv=f32,accum=f32,residency=auto,device=cpu``.
 
-        ``fp8``, ``grad``, ``master`` and ``offload`` appear only when they differ from
-        their defaults; ``ComputeCtx.parse`` reads the string back to an equal value.
+        ``fp8``, ``grad``, ``master``, ``offload`` and ``optim_state`` appear only when they
+        differ from their defaults (``...,optim_state=int4/block=64``); ``ComputeCtx.parse``
+        reads the string back to an equal value.
         """
         fields = type(self).model_fields
         parts = []

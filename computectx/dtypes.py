@@ -1,22 +1,25 @@
-"""The compute-dtype lattice, fp8 format constants, the fp8 KV-cache format, and the minimal
-casts built on them.
+"""The compute-dtype lattice, fp8 format constants, and the minimal casts built on them.
 
 The lattice is data: ``_DIRECTLY_ABOVE`` says which dtype sits immediately above which.
 Everything else (the order, the join, the golden table tests pin) is computed from it,
 once, at import time. fp8 formats are deliberately *not* lattice members: an fp8 tensor
 means nothing without its scale, so there is no implicit path from fp8 into the lattice.
-``KvFp8`` (an fp8 KV cache: a format and how its steps are shared) is not one either: the
-cache quantizes what enters it, which no cast can do.
+``KvFp8`` (an fp8 KV cache, ``computectx.kv_policy``) is not one either: the cache quantizes
+what enters it, which no cast can do. ``KvFp8``, ``KvScaling``, ``KV_SCALINGS`` and
+``parse_kv`` lived here in 0.1.0; this module still serves them, with a
+``DeprecationWarning`` naming ``computectx.kv_policy`` (it cannot import that module, which
+sits above it in the core).
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 import itertools
-from typing import Annotated, Final, Literal, get_args
+import warnings
+from typing import Any, Final
 
 import torch
-from pydantic import BaseModel, BeforeValidator, ValidationError
 
 # Alias used in class bodies, where the `torch` properties would shadow the module name.
 TorchDType = torch.dtype
@@ -24,17 +27,13 @@ TorchDType = torch.dtype
 __all__ = [
     "FLOAT_DTYPES",
     "FP8_DTYPES",
-    "KV_SCALINGS",
     "DType",
     "Fp8Format",
-    "KvFp8",
-    "KvScaling",
     "PromotionError",
     "cast_if",
     "dtype_of",
     "is_compute_dtype",
     "outside_lattice_message",
-    "parse_kv",
     "promote",
     "promoted",
 ]
@@ -274,136 +273,9 @@ def accepted_dtype_spellings() -> str:
     return ", ".join(repr(k) for k in _ALIASES)
 
 
-KvScaling = Literal["per_token_head", "per_head", "per_tensor"]
-"""Which cached values share one step in an fp8 KV cache, and where the steps come from:
-``per_token_head`` (dynamic: one step per (token, head) vector, from its amax when it is
-written; no calibration), ``per_head`` (static: one step per head, from calibration) or
-``per_tensor`` (static: one step per layer for keys and one for values, from calibration)."""
-KV_SCALINGS: Final[tuple[KvScaling, ...]] = get_args(KvScaling)
-_KV_FORM = "'FORMAT[/SCALING]' (FORMAT e4m3 or e5m2; SCALING " + ", ".join(KV_SCALINGS) + ")"
-
-
-def _kv_format(value: object) -> object:
-    # The format reads every spelling Fp8Format.parse does, in any case.
-    if isinstance(value, (str, torch.dtype)):
-        return Fp8Format.parse(value)
-    return value
-
-
-def _kv_lower(value: object) -> object:
-    return value.strip().lower() if isinstance(value, str) else value
-
-
-class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
-    """An fp8 KV cache: keys and values stored as fp8 codes of ``format``, each code standing
-    for ``code * step`` with float32 steps shared as ``scaling`` says.
-
-    ``ComputeCtx.kv`` holds a ``DType`` (a cache at that dtype: a plain cast) or a ``KvFp8``
-    (a cache that quantizes what enters it). Serving with an fp8 cache is
-    ``ComputeCtx.serving(device).with_kv(KvFp8())``: bf16 compute, e4m3 codes, dynamic
-    ``per_token_head`` steps (the default, which needs no calibration). The static schemes
-    ``per_head`` and ``per_tensor`` take their steps from calibration
-    (``computectx.nn.calibrate_kv``); a cache of a static scheme with no calibrated steps is
-    refused when it is built, never run with a step of 1.0.
-
-    Text form ``FORMAT/SCALING`` (``e4m3/per_token_head``), which ``parse`` reads back with the
-    scaling optional (``"e4m3"`` is ``e4m3/per_token_head``) and names in any case; JSON form
-    ``{"format": "e4m3", "scaling": "per_token_head"}``.
-    """
-
-    format: Annotated[Fp8Format, BeforeValidator(_kv_format)] = Fp8Format.E4M3
-    """Storage format of the codes: ``e4m3`` (default: 3 mantissa bits, max 448) or ``e5m2``
-    (2 mantissa bits, max 57344)."""
-    scaling: Annotated[KvScaling, BeforeValidator(_kv_lower)] = "per_token_head"
-    """Which values share a step: ``per_token_head`` (default, dynamic), ``per_head`` or
-    ``per_tensor`` (static, calibrated)."""
-
-    @property
-    def static(self) -> bool:
-        """Whether the steps come from calibration (``per_head``, ``per_tensor``) rather than
-        from each (token, head) vector as it is written."""
-        return self.scaling != "per_token_head"
-
-    def __str__(self) -> str:
-        """The text form ``FORMAT/SCALING``, which ``parse`` reads back."""
-        return f"{self.format}/{self.scaling}"
-
-    @classmethod
-    def parse(cls, text: str) -> KvFp8:
-        """Read the text form ``FORMAT[/SCALING]`` (``"e4m3/per_head"``, ``"E5M2"``);
-        ``ValueError`` quoting ``text`` and naming the accepted form otherwise."""
-        if not isinstance(text, str):
-            raise TypeError(f"KvFp8.parse takes a str, got {type(text).__name__}")
-        parts = [p.strip().lower() for p in text.strip().split("/")]
-        if len(parts) > 2:
-            raise ValueError(f"too many fields in fp8 KV cache {text.strip()!r}; form {_KV_FORM}")
-        try:
-            fmt = Fp8Format.parse(parts[0])
-        except ValueError:
-            raise ValueError(
-                f"unknown fp8 KV cache format {parts[0]!r} in {text.strip()!r}; form {_KV_FORM}"
-            ) from None
-        if len(parts) == 1:
-            return cls(format=fmt)
-        if parts[1] not in KV_SCALINGS:
-            raise ValueError(
-                f"unknown KV scaling {parts[1]!r} in {text.strip()!r}; accepted: "
-                f"{', '.join(repr(s) for s in KV_SCALINGS)} (form {_KV_FORM})"
-            )
-        try:
-            return cls.model_validate({"format": fmt, "scaling": parts[1]})
-        except ValidationError as e:  # pragma: no cover - both fields were checked above
-            raise ValueError(f"bad fp8 KV cache {text.strip()!r}: {e}") from None
-
-
-def parse_kv(value: object) -> DType | KvFp8:
-    """A KV-cache setting from a ``DType``, a ``KvFp8``, a dict of ``KvFp8`` fields, a lattice
-    ``torch.dtype`` or text: a dtype spelling (``"f32"``) or an fp8 cache
-    (``"e4m3/per_token_head"``, ``"e5m2"``).
-
-    A bare fp8 format (an ``Fp8Format``, a torch fp8 dtype, ``"e4m3"``) is that format with
-    the default, dynamic ``per_token_head`` steps, as in the text form. Anything else raises
-    ``ValueError`` quoting it and naming both accepted forms (a dict with a key other than
-    ``format`` and ``scaling``: naming the key and those two).
-    """
-    if isinstance(value, (DType, KvFp8)):
-        return value
-    if isinstance(value, dict):
-        unknown = sorted(map(repr, set(value) - set(KvFp8.model_fields)))
-        if unknown:
-            raise ValueError(
-                f"unknown fp8 KV cache field(s) {', '.join(unknown)} in {value!r}; a KvFp8 "
-                f"dict takes 'format' (e4m3 or e5m2) and 'scaling' "
-                f"({', '.join(KV_SCALINGS)}), both optional"
-            )
-        return KvFp8.model_validate(value)
-    if isinstance(value, Fp8Format) or (
-        isinstance(value, torch.dtype) and value in _FP8_TORCH.values()
-    ):
-        return KvFp8(format=Fp8Format.parse(value))
-    if isinstance(value, str):
-        try:
-            return DType.parse(value)
-        except ValueError:
-            pass
-        try:
-            Fp8Format.parse(value.split("/")[0])
-        except ValueError:
-            if "/" in value:  # FORMAT/SCALING with a bad format: KvFp8.parse names it
-                return KvFp8.parse(value)
-        else:
-            return KvFp8.parse(value)
-        raise ValueError(
-            f"unknown kv {value.strip()!r}; accepted: a dtype ({accepted_dtype_spellings()}) "
-            f"or an fp8 cache {_KV_FORM}"
-        )
-    try:
-        return DType.parse(value)  # type: ignore[arg-type]
-    except ValueError as err:  # it names the dtypes; add the fp8 cache forms
-        raise ValueError(
-            f"{err}; or an fp8 KV cache: a KvFp8, its dict {{'format': ..., 'scaling': ...}}, "
-            f"an fp8 format (Fp8Format, a torch fp8 dtype) or the text {_KV_FORM}"
-        ) from None
+def _explains(value: object) -> bool:
+    """Whether ``value`` is a policy value that says why it is no dtype (a ``KvFp8``)."""
+    return callable(getattr(value, "outside_lattice_message", None))
 
 
 def is_compute_dtype(dt: torch.dtype) -> bool:
@@ -417,13 +289,9 @@ def outside_lattice_message(dt: object) -> str:
     The text every ``PromotionError`` about a non-lattice dtype carries: fp8 is pointed at
     its scale, anything else at an explicit cast.
     """
-    if isinstance(dt, KvFp8):
-        return (
-            f"kv={dt} is an fp8 KV cache, not a compute dtype: values enter it through the "
-            f"cache's quantizer, which computes their steps (computectx.nn.KVCache), and leave "
-            f"it dequantized in float32; no plain cast reaches it. Compute dtypes are "
-            f"{', '.join(str(d) for d in DType)}"
-        )
+    explain = getattr(dt, "outside_lattice_message", None)
+    if callable(explain):  # a policy value that is no dtype says why (KvFp8: an fp8 cache)
+        return str(explain())
     if isinstance(dt, Fp8Format) or dt in _FP8_TORCH.values():
         return (
             f"{dt} is an fp8 storage format, not a compute dtype: an fp8 tensor means nothing "
@@ -460,7 +328,7 @@ def promote(a: DType, b: DType) -> DType:
             f"promote takes two DType values, got {bad!r}; "
             + (
                 outside_lattice_message(bad)
-                if isinstance(bad, (Fp8Format, KvFp8, torch.dtype))
+                if isinstance(bad, (Fp8Format, torch.dtype)) or _explains(bad)
                 else "use DType.parse(...) to read a name or a torch.dtype"
             )
         ) from None
@@ -478,7 +346,7 @@ def cast_if(t: torch.Tensor, d: DType) -> torch.Tensor:
             f"cast_if takes a DType target, got {d!r}; "
             + (
                 outside_lattice_message(d)
-                if isinstance(d, (Fp8Format, KvFp8))
+                if isinstance(d, Fp8Format) or _explains(d)
                 else "use DType.parse(...) to read a name or a torch.dtype"
             )
         )
@@ -497,3 +365,21 @@ def promoted(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """
     p = _JOIN[(dtype_of(x), dtype_of(y))]
     return cast_if(x, p), cast_if(y, p)
+
+
+# The 0.1.0 names of the fp8 KV cache, served from their new home with a DeprecationWarning
+# (as computectx._moved serves moved modules; that module shares this one's rank, so the few
+# lines are written out here).
+_MOVED_TO_KV_POLICY: Final = frozenset({"KV_SCALINGS", "KvFp8", "KvScaling", "parse_kv"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED_TO_KV_POLICY:
+        warnings.warn(
+            f"{__name__}.{name} moved: import it from computectx.kv_policy (or the package "
+            f"face); the old path goes in the next release (docs/migrating.md)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(importlib.import_module("computectx.kv_policy"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

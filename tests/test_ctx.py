@@ -9,7 +9,15 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError, Residency
+from computectx import (
+    ComputeCtx,
+    DType,
+    Fp8Format,
+    KvFp8,
+    OptimState,
+    PromotionError,
+    Residency,
+)
 from computectx.ctx import DTYPE_FLAGS
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 from computectx.recipes import parse_scaling
@@ -31,6 +39,11 @@ def test_presets_set_the_rust_dtypes() -> None:
     )
     assert n.device == CPU and n.fp8 is None and n.grad is DType.F32 and n.master is DType.F32
     assert n.offload is None and n.offload_device == CPU
+    # Optimizer state stays torch's own f32 unless asked: every preset keeps today's behaviour.
+    assert n.optim_state == OptimState() and n.optim_state.format == "f32"
+    assert {
+        c.optim_state for c in (s, p, *(ComputeCtx.from_flag(f, CPU) for f in DTYPE_FLAGS))
+    } == {OptimState()}
     # F64 compute accumulates in F64: accum is compute ⊔ F32, never below compute.
     assert ComputeCtx.new(DType.F64, "cpu").accum is DType.F64
 
@@ -183,7 +196,7 @@ def test_text_form_is_compact_and_round_trips() -> None:
     )
     text = str(rich)
     assert "fp8=e5m2/dynamic/2" in text and "grad=bf16" in text and "offload=cpu" in text
-    assert "master" not in text  # equal to its default
+    assert "master" not in text and "optim_state" not in text  # equal to their defaults
     assert ComputeCtx.parse(text) == rich
     assert ComputeCtx.parse(" compute = bf16 , device = cpu ") == ComputeCtx.new(DType.BF16, "cpu")
     assert ComputeCtx.parse("compute=bf16,device=cpu,fp8=none,offload=none").fp8 is None
@@ -239,13 +252,30 @@ def test_json_round_trip_and_schema() -> None:
             "unknown KV scaling 'per_row' in 'e4m3/per_row'",
         ),
         ("compute=bf16,device=cpu,kv=e3m4/per_head", "unknown fp8 KV cache format 'e3m4'"),
-        ("compute=bf16,device=cpu,kv=e4m3/per_head/2", "too many fields in fp8 KV cache"),
+        (
+            "compute=bf16,device=cpu,kv=e4m3/per_head/2",
+            "unknown KV scaling '2' in 'e4m3/per_head/2'",
+        ),
         (
             "compute=bf16,device=cpu,fp8=hybrid/delayed/x",
             "history_len must be an integer from 1 to 1024, got 'x'",
         ),
         ("device=cpu", "compute"),
         ("", "expected key=value"),
+        (
+            "compute=bf16,device=cpu,optim_state=int3",
+            "unknown optimizer state format 'int3' in 'int3'; accepted: f32, bf16, int8",
+        ),
+        (
+            "compute=bf16,device=cpu,optim_state=int8/block=48",
+            "block=48 is not a power of two from 32 to 4096",
+        ),
+        (
+            "compute=bf16,device=cpu,optim_state=bf16/block=64",
+            "block=64 given for format bf16, which has no blocks",
+        ),
+        ("compute=bf16,device=cpu,optim_state=fp8/min=-1", "min_size=-1 is negative"),
+        ("compute=bf16,device=cpu,optim_state=int4/size=3", "bad part 'size=3'"),
     ],
 )
 def test_bad_policy_strings_name_the_bad_value(text: str, needle: str) -> None:

@@ -49,6 +49,8 @@ def test_importing_the_core_loads_nothing_downstream() -> None:
         "['computectx',",
         "'computectx.ctx',",
         "'computectx.dtypes',",
+        "'computectx.kv_policy',",
+        "'computectx.optim_state',",
         "'computectx.recipes',",
         "'computectx.residency']",
     ]

@@ -8,10 +8,12 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError, cast_if, promote
-from computectx.dtypes import KV_SCALINGS, parse_kv
+from computectx.kv_policy import KV_SCALINGS, KV_STEPS, parse_kv
 
 CPU = torch.device("cpu")
 
@@ -75,7 +77,15 @@ def test_parse_kv_reads_every_form(value: object, want: DType | KvFp8) -> None:
         ),
         ("e4m3/dynamic", "unknown KV scaling 'dynamic'"),
         ("int8/per_head", "unknown fp8 KV cache format 'int8' in 'int8/per_head'"),
-        ("e4m3/per_head/2", "too many fields in fp8 KV cache 'e4m3/per_head/2'"),
+        ("e4m3/per_head/2", "unknown KV scaling '2' in 'e4m3/per_head/2'"),
+        ("e4m3/e9m0", "unknown KV scaling 'e9m0' in 'e4m3/e9m0'; accepted: 'per_token_head'"),
+        ("e4m3/step=e9m0", "unknown KV step format 'e9m0' in 'e4m3/step=e9m0'; accepted: 'f32'"),
+        ("e4m3/recent=-1", "recent='-1' in 'e4m3/recent=-1' is not a count of positions"),
+        ("e4m3/recent=1.5", "recent='1.5' in 'e4m3/recent=1.5' is not a count of positions"),
+        ("e4m3/bf16/e8m0", "the step of fp8 KV cache 'e4m3/bf16/e8m0' is given twice"),
+        ("e4m3/recent=1/recent=2", "the recent of fp8 KV cache 'e4m3/recent=1/recent=2' is"),
+        ("e4m3/window=4", "unknown KV cache field 'window' in 'e4m3/window=4'; accepted: step="),
+        ("e4m3/per_head/f32/recent=1/x", "too many fields in fp8 KV cache 'e4m3/per_head/f32/"),
         ("/per_head", "unknown fp8 KV cache format ''"),
         (torch.int8, "torch.int8 is not in the compute lattice"),
         (3, "cannot read a dtype from 3"),
@@ -100,9 +110,10 @@ def test_a_value_of_no_kv_form_names_both_accepted_forms(value: object) -> None:
         parse_kv(value)
     text = str(err.value)
     if isinstance(value, dict):
-        bad = sorted(set(value) - {"format", "scaling"})
+        bad = sorted(set(value) - {"format", "scaling", "step", "recent"})
         assert f"unknown fp8 KV cache field(s) {', '.join(map(repr, bad))}" in text, text
         assert "'format'" in text and "'scaling'" in text and "e4m3" in text, text
+        assert "'step'" in text and "'recent'" in text and "e8m0" in text, text
     else:
         assert repr(value) in text and "'bf16'" in text, text  # a dtype spelling
         assert "FORMAT[/SCALING]" in text and "KvFp8" in text, text  # the fp8 forms
@@ -111,7 +122,15 @@ def test_a_value_of_no_kv_form_names_both_accepted_forms(value: object) -> None:
 def test_json_form_and_bad_json() -> None:
     ctx = ComputeCtx.new(DType.BF16, CPU).with_kv(KvFp8(format=Fp8Format.E5M2, scaling="per_head"))
     data = json.loads(ctx.model_dump_json())
-    assert data["kv"] == {"format": "e5m2", "scaling": "per_head"}
+    assert data["kv"] == {"format": "e5m2", "scaling": "per_head"}  # as before step and recent
+    compact = ctx.with_kv(KvFp8(step="e8m0", recent=8))
+    assert json.loads(compact.model_dump_json())["kv"] == {
+        "format": "e4m3",
+        "scaling": "per_token_head",
+        "step": "e8m0",
+        "recent": 8,
+    }
+    assert ComputeCtx.model_validate_json(compact.model_dump_json()) == compact
     assert ComputeCtx.model_validate(data) == ctx
     # An unknown field is named, with the two a KvFp8 has.
     with pytest.raises(ValidationError, match=r"unknown fp8 KV cache field\(s\) 'margin'") as err:
@@ -150,3 +169,108 @@ def test_kv_settings_are_distinct_policies() -> None:
     assert len(settings | {base}) == 7
     with pytest.raises(TypeError, match="takes a str"):
         KvFp8.parse(3)  # type: ignore[arg-type]
+
+
+# ----- compact steps and the window of recent positions (KvFp8.step, KvFp8.recent) ------------
+
+
+@pytest.mark.parametrize(
+    ("text", "want", "canonical"),
+    [
+        # The 0.1.0 strings read as they did, and print as they did.
+        ("e4m3", KvFp8(), "e4m3/per_token_head"),
+        ("e5m2/per_tensor", KvFp8(format=Fp8Format.E5M2, scaling="per_tensor"), None),
+        ("e4m3/e8m0", KvFp8(step="e8m0"), "e4m3/per_token_head/e8m0"),
+        ("E4M3/Per_Token_Head/BF16", KvFp8(step="bf16"), "e4m3/per_token_head/bf16"),
+        (" e4m3 / recent=64 / e8m0 ", KvFp8(step="e8m0", recent=64), None),
+        ("e4m3/step=float8_e8m0fnu/per_head", KvFp8(scaling="per_head", step="e8m0"), None),
+        ("e4m3/per_token_head/f32/recent=0", KvFp8(), "e4m3/per_token_head"),
+        ("fp8_e5m2/RECENT=8", KvFp8(format=Fp8Format.E5M2, recent=8), None),
+    ],
+)
+def test_the_text_form_reads_step_and_recent(text: str, want: KvFp8, canonical: str | None) -> None:
+    assert KvFp8.parse(text) == want and parse_kv(text) == want
+    if canonical is not None:
+        assert str(want) == canonical
+    assert KvFp8.parse(str(want)) == want
+    ctx = ComputeCtx.parse(f"compute=bf16,kv={text},device=cpu")
+    assert ctx.kv == want and ComputeCtx.parse(str(ctx)) == ctx
+
+
+def test_step_and_recent_fields() -> None:
+    kv = KvFp8(step="e8m0", recent=16)
+    assert (kv.step_dtype, kv.step_bytes, kv.static) == (torch.float8_e8m0fnu, 1, False)
+    assert (KvFp8().step_bytes, KvFp8(step="bf16").step_bytes) == (4, 2)
+    assert KvFp8(step=torch.bfloat16) == KvFp8(step="bf16")  # type: ignore[arg-type]
+    assert KvFp8(step=" FP32 ") == KvFp8()  # type: ignore[arg-type]
+    # A static scheme stores its few steps at the format too (its bytes do not grow with T).
+    assert str(KvFp8(scaling="per_tensor", step="e8m0")) == "e4m3/per_tensor/e8m0"
+    for bad, needle in ((True, "recent must be an int"), (2.0, "recent must be an int")):
+        with pytest.raises(ValidationError, match=needle):
+            KvFp8(recent=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValidationError, match="greater than or equal to 0"):
+        KvFp8(recent=-1)
+    with pytest.raises(ValidationError, match="'f32', 'bf16' or 'e8m0'"):
+        KvFp8(step="e9m0")  # type: ignore[arg-type]
+    assert len({KvFp8(step=s, recent=r) for s in KV_STEPS for r in (0, 1, 64)}) == 9
+
+
+def test_the_old_dtypes_path_warns_and_serves_the_same_objects() -> None:
+    import computectx.dtypes as dtypes
+    import computectx.kv_policy as kv_policy
+
+    for name in ("KvFp8", "KvScaling", "KV_SCALINGS", "parse_kv"):
+        with pytest.warns(DeprecationWarning, match=rf"dtypes\.{name} moved: .*kv_policy"):
+            assert getattr(dtypes, name) is getattr(kv_policy, name)
+    with pytest.raises(AttributeError, match="has no attribute 'KvStep'"):
+        dtypes.KvStep  # noqa: B018  # the new names live only in kv_policy
+
+
+_CASE_FLIPS = st.lists(st.booleans(), min_size=64, max_size=64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    fmt=st.sampled_from(list(Fp8Format)),
+    scaling=st.sampled_from(KV_SCALINGS),
+    step=st.sampled_from(KV_STEPS),
+    recent=st.integers(0, 10_000),
+    order=st.permutations([0, 1, 2]),
+    flips=_CASE_FLIPS,
+)
+def test_every_setting_round_trips_through_text_and_json(
+    fmt: Fp8Format,
+    scaling: str,
+    step: str,
+    recent: int,
+    order: list[int],
+    flips: list[bool],
+) -> None:
+    kv = KvFp8(format=fmt, scaling=scaling, step=step, recent=recent)  # type: ignore[arg-type]
+    assert KvFp8.parse(str(kv)) == kv
+    assert KvFp8.model_validate_json(kv.model_dump_json()) == kv
+    assert parse_kv(json.loads(kv.model_dump_json())) == kv
+    # The parts after the format in any order and any case read the same.
+    parts = [scaling, f"step={step}" if order[0] == 0 else step, f"recent={recent}"]
+    text = "/".join([str(fmt)] + [parts[i] for i in order])
+    text = "".join(c.upper() if f else c for c, f in zip(text, flips * 4, strict=False))
+    assert KvFp8.parse(text) == kv == parse_kv(text)
+
+
+_GOOD_PART = re.compile(
+    r"(per_token_head|per_head|per_tensor|f32|fp32|float32|bf16|bfloat16|e8m0|e8m0fnu"
+    r"|step=(f32|fp32|float32|bf16|bfloat16|e8m0|e8m0fnu)|recent=\d+)"
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(part=st.text(alphabet="abcdefhmnoprst0123456789_=-.", min_size=1, max_size=14))
+def test_a_bad_part_is_one_error_naming_it(part: str) -> None:
+    text = f"e4m3/{part}"
+    if _GOOD_PART.fullmatch(part):  # a scaling, a step format or a window
+        kv = KvFp8.parse(text)
+        assert kv == KvFp8.parse(str(kv)) and kv.format is Fp8Format.E4M3
+        return
+    with pytest.raises(ValueError, match=re.escape(repr(text))) as err:
+        KvFp8.parse(text)
+    assert "FORMAT[/SCALING][/STEP][/recent=N]" in str(err.value)

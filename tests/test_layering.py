@@ -2,9 +2,9 @@
 
 The picture in docs/design.md is this table:
 
-- the core (``dtypes``, ``recipes``, ``residency``, ``capability``, ``ctx`` and the package
-  face) imports nothing downstream, and inside the core each module only imports the ones
-  below it;
+- the core (``dtypes``, ``kv_policy``, ``optim_state``, ``recipes``, ``residency``,
+  ``capability``, ``ctx`` and the package face) imports nothing downstream, and inside the
+  core each module only imports the ones below it;
 - ``fp8`` and ``memory`` read the core; ``nn`` reads the core, ``fp8`` and ``memory``;
   ``distributed`` may read all four; ``integrations`` (adapters that import a training
   framework) may read all five and nothing reads it; ``demo``/``cli`` sit on top;
@@ -39,6 +39,8 @@ CORE_RANK: dict[str, int] = {
     "computectx._moved": 0,  # old import paths, served with a DeprecationWarning
     "computectx.dtypes": 0,
     "computectx.recipes": 1,
+    "computectx.kv_policy": 1,  # the fp8 KV cache setting (KvFp8, parse_kv)
+    "computectx.optim_state": 1,  # how optimizer state is stored (OptimState)
     "computectx.residency": 1,
     "computectx.capability": 1,
     "computectx.ctx": 2,

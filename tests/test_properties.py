@@ -16,11 +16,17 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from computectx import ComputeCtx, DType, Fp8Format, KvFp8, Residency, promote
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, OptimState, Residency, promote
 from computectx.ctx import DTYPE_FLAGS
-from computectx.dtypes import KV_SCALINGS, parse_kv
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv
+from computectx.kv_policy import KV_SCALINGS, KV_STEPS, parse_kv
+from computectx.optim_state import (
+    DEFAULT_BLOCK,
+    DEFAULT_MIN_SIZE,
+    OPTIM_STATE_FLAGS,
+    parse_optim_state,
+)
 from computectx.recipes import POLICY_GRANULARITIES, parse_scaling
 
 ALL = list(DType)
@@ -224,9 +230,26 @@ def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
 
 
 kv_fp8s = st.builds(
-    KvFp8, format=st.sampled_from(list(Fp8Format)), scaling=st.sampled_from(KV_SCALINGS)
+    KvFp8,
+    format=st.sampled_from(list(Fp8Format)),
+    scaling=st.sampled_from(KV_SCALINGS),
+    step=st.sampled_from(KV_STEPS),
+    recent=st.integers(0, 4096),
 )
 """Every fp8 KV cache setting."""
+
+
+@st.composite
+def optim_states(draw: st.DrawFn) -> OptimState:
+    """Every optimizer-state setting: each format, its block given (every power of two the
+    policy accepts) or left to the default, and min_size where the format has one."""
+    fmt = draw(st.sampled_from(OPTIM_STATE_FLAGS))
+    fields: dict[str, object] = {"format": fmt}
+    if fmt in DEFAULT_BLOCK:
+        fields["block"] = draw(st.sampled_from([None, *(2**k for k in range(5, 13))]))
+    if fmt != "f32":
+        fields["min_size"] = draw(st.sampled_from([DEFAULT_MIN_SIZE, 0]) | st.integers(0, 2**40))
+    return OptimState.model_validate(fields)
 
 
 @st.composite
@@ -244,6 +267,7 @@ def contexts(draw: st.DrawFn) -> ComputeCtx:
         grad=draw(st.sampled_from(ALL)),
         master=draw(st.sampled_from(ALL)),
         offload=draw(st.one_of(st.none(), devices)),
+        optim_state=draw(optim_states()),
     )
 
 
@@ -265,7 +289,8 @@ _alphabet = st.sampled_from(list("=,/:;+_ abcdefghklmnoprtuvwx01236")) | st.char
 def test_bad_strings_raise_only_documented_errors(text: str) -> None:
     with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
         ComputeCtx.parse(text)
-    for parse in (DType.parse, Residency.parse, Fp8Policy.parse, parse_scaling, KvFp8.parse):
+    parsers = (DType.parse, Residency.parse, Fp8Policy.parse, parse_scaling, KvFp8.parse)
+    for parse in (*parsers, OptimState.parse, parse_optim_state):
         with contextlib.suppress(ValueError):
             parse(text)
     with contextlib.suppress(ValueError):
@@ -353,6 +378,7 @@ _BAD_VALUES = {
     "grad": "int8",
     "master": "fp4",
     "offload": "tpu0",
+    "optim_state": "int8/block=100",
 }
 
 
@@ -475,6 +501,121 @@ def test_integer_fields_are_strict(field: str, bad: object) -> None:
     assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
 
 
+# ----- how optimizer state is stored ------------------------------------------------------------
+
+
+@given(state=optim_states(), data=st.data())
+def test_optim_state_text_and_json_round_trip_in_any_case(
+    state: OptimState, data: st.DataObject
+) -> None:
+    text = str(state)
+    assert OptimState.parse(text) == state == parse_optim_state(text)
+    assert str(OptimState.parse(text)) == text
+    flips = data.draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
+    assert OptimState.parse(_mangle(text, flips)) == state
+    assert OptimState.model_validate_json(state.model_dump_json()) == state
+    assert parse_optim_state(state.model_dump(mode="json")) == state
+    assert OptimState.model_validate(_mangle_values(state.model_dump(mode="json"), data)) == state
+    # The parts after the format read in any order, the default block spelled out or not.
+    parts = text.split("/")
+    assert OptimState.parse("/".join([parts[0], *reversed(parts[1:])])) == state
+    if state.quantized:
+        assert OptimState.parse(f"{state.format}/block={state.block_size}/min={state.min_size}")
+        assert state.block_size == (state.block or 0) > 0
+        assert (state.block == DEFAULT_BLOCK[state.format]) is ("block=" not in text)
+    else:
+        assert state.block is None and state.block_size == 0 and "block=" not in text
+    assert state.compact is (state.format != "f32")
+    assert (state.min_size == DEFAULT_MIN_SIZE) is ("min=" not in text)
+
+
+@given(ctx=contexts(), state=optim_states())
+def test_with_optim_state_changes_only_it_and_round_trips(
+    ctx: ComputeCtx, state: OptimState
+) -> None:
+    for given_as in (state, str(state)):
+        changed = ctx.with_optim_state(given_as)
+        assert changed.optim_state == state
+        assert changed.replace(optim_state=ctx.optim_state) == ctx
+        assert ComputeCtx.parse(str(changed)) == changed
+        assert ComputeCtx.model_validate_json(changed.model_dump_json()) == changed
+        # Shown in the text form only when it is not the default, f32.
+        assert (f",optim_state={state}" in str(changed)) is state.compact
+
+
+_NOT_INTEGERS = st.one_of(
+    st.booleans(), st.sampled_from(["256", "64", " 0", ""]), st.floats(0, 4096), st.none()
+)
+
+
+@given(
+    field=st.sampled_from(["block", "min_size"]),
+    fmt=st.sampled_from(sorted(DEFAULT_BLOCK)),
+    bad=_NOT_INTEGERS,
+)
+def test_optim_state_integer_fields_are_strict(field: str, fmt: str, bad: object) -> None:
+    # A True block is not 1 and "256" is not 256: JSON numbers only (the text form converts
+    # its own digits). null is the default block, and no min_size.
+    fields = {"format": fmt, field: bad}
+    if bad is None and field == "block":
+        assert OptimState.model_validate(fields).block == DEFAULT_BLOCK[fmt]
+        return
+    for read in (
+        lambda d: OptimState.model_validate_json(json.dumps(d)),
+        lambda d: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "optim_state": d}),
+    ):
+        with pytest.raises(ValidationError) as caught:
+            read(fields)
+        assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
+        assert "integer" in str(caught.value) or "valid int" in str(caught.value)
+
+
+@given(
+    fmt=st.sampled_from(OPTIM_STATE_FLAGS),
+    block=st.integers(-(2**13), 2**13),
+    min_size=st.integers(-(2**20), 2**20),
+)
+@example(fmt="int8", block=100, min_size=0)
+@example(fmt="bf16", block=64, min_size=0)
+@example(fmt="f32", block=256, min_size=4096)
+@example(fmt="f32", block=32, min_size=-1)
+@example(fmt="int8", block=32, min_size=0)
+@example(fmt="int4", block=8192, min_size=4096)
+def test_optim_state_accepts_exactly_its_documented_values(
+    fmt: str, block: int, min_size: int
+) -> None:
+    text = f"{fmt}/block={block}/min={min_size}"
+    in_range = 32 <= block <= 4096 and block & (block - 1) == 0
+    fields = {"format": fmt, "block": block, "min_size": min_size}
+    # Each field's own rule first; the rules between fields only for values that pass them.
+    if not in_range or min_size < 0:
+        reasons = [f"block={block} is not a power of two from 32 to 4096"] * (not in_range)
+        reasons += [f"min_size={min_size} is negative; accepted: an integer >= 0"] * (min_size < 0)
+    elif fmt not in DEFAULT_BLOCK:
+        reasons = [f"block={block} given for format {fmt}, which has no blocks"]
+    else:
+        state = OptimState.parse(text)
+        assert (state.format, state.block, state.min_size) == (fmt, block, min_size)
+        assert OptimState.model_validate(fields) == state
+        return
+    with pytest.raises(ValueError, match="bad optimizer state") as caught:
+        OptimState.parse(text)
+    with pytest.raises(ValidationError) as validated:
+        OptimState.model_validate(fields)
+    # The error names each refused value and what is accepted.
+    for message in (str(caught.value), str(validated.value)):
+        for reason in reasons:
+            assert reason in message, message
+
+
+@given(min_size=st.integers(-(2**20), 2**20).filter(lambda m: m != DEFAULT_MIN_SIZE))
+def test_f32_state_takes_no_min_size(min_size: int) -> None:
+    rule = f"min_size={min_size} given for format f32" if min_size >= 0 else "is negative"
+    with pytest.raises(ValueError, match=rule):
+        OptimState.parse(f"f32/min={min_size}")
+    assert OptimState.parse(f"bf16/min={max(min_size, 0)}").min_size == max(min_size, 0)
+
+
 # ----- the fp8 KV cache setting ----------------------------------------------------------------
 
 
@@ -486,7 +627,8 @@ def test_kv_fp8_text_and_json_round_trip(kv: KvFp8, data: st.DataObject) -> None
     assert KvFp8.parse(_mangle(text, flips)) == kv
     assert KvFp8.model_validate_json(kv.model_dump_json()) == kv
     assert KvFp8.model_validate(kv.model_dump()) == kv
-    if kv.scaling == "per_token_head":  # the default scaling may be left out
+    if kv.scaling == "per_token_head" and kv.step == "f32" and kv.recent == 0:
+        # The defaults (scaling, step, window) may be left out.
         assert KvFp8.parse(str(kv.format)) == kv == parse_kv(kv.format.torch)
     # An fp8 cache never reads as a lattice dtype.
     with pytest.raises(ValueError, match="unknown dtype"):

@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from computectx.dtypes import DType, KvFp8, parse_kv
+from computectx.dtypes import DType
+from computectx.kv_policy import KvFp8, parse_kv
 from computectx.nn import ByteLM, decode_logits
 
 __all__ = ["SERVING_KV", "ServingRow", "serving_rows"]

@@ -9,16 +9,19 @@ read, and does not recompile as the position moves. Each layer holds a
 
 - a ``kv`` in the lattice (``f32``, ``bf16``, ``f16``) stores the keys and values at that
   dtype (``ctx.to_kv``, a plain cast);
-- an fp8 ``kv`` (``KvFp8``) stores fp8 codes and float32 steps
-(``computectx.fp8.numerics.kv_quant``):
+- an fp8 ``kv`` (``KvFp8``) stores fp8 codes and steps at ``kv.step``'s format (f32, bf16
+  or e8m0, ``computectx.fp8.numerics.kv_quant`` and ``computectx.nn.kv_steps``):
   ``per_token_head`` takes a step from each (token, head) vector as it is written, and the
   static ``per_head`` / ``per_tensor`` take theirs from a calibrated amax
   (``calibrate_transformers_kv``), given as ``kv_amax``. A static scheme with no ``kv_amax``
-  is refused when the cache is built: a step of 1.0 is never assumed.
+  is refused when the cache is built: a step of 1.0 is never assumed. With ``kv.recent =
+  N > 0`` each layer also holds the last N positions written at the dtype of the model's
+  keys (a ring of N slots).
 
 What the model's attention reads back (``update``'s result) is the whole buffer: the stored
 values cast to the dtype of the keys the model passed in, or the codes dequantized (code
-times step, in float32) and rounded once to that dtype. The attention itself is the model's
+times step, in float32), the window's positions taken unquantized, and rounded once to
+that dtype. The attention itself is the model's
 (its ``attn_implementation``); positions past the cache's length are masked as for
 ``StaticCache`` (``get_mask_sizes``). So with fp8 codes the scores and the weighted sum run
 at the model's dtype, not in float32 as ``computectx.fp8.serving.decode_attention`` runs them.
@@ -46,8 +49,9 @@ from transformers.cache_utils import (
 from transformers.configuration_utils import PreTrainedConfig
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import DType, KvFp8
+from computectx.dtypes import DType
 from computectx.fp8.seam import static_kv_steps
+from computectx.kv_policy import KvFp8
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 
 __all__ = ["CtxStaticCache", "CtxStaticLayer", "calibrate_transformers_kv"]
@@ -131,13 +135,15 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
             self.k_head_dim,
             self.max_cache_len,
             steps=self.steps,
+            window_dtype=key_states.dtype if isinstance(self.ctx.kv, KvFp8) else None,
         )
         self.store = store
         self.keys, self.values = store.k, store.v
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():
             # Fixed addresses, as StaticLayer marks its buffers: no recompile, CUDA graphs.
-            for t in (store.k, store.v, store.k_step, store.v_step, self.cumulative_length):
+            held = (store.k, store.v, store.k_step, store.v_step, store.k_recent, store.v_recent)
+            for t in (*held, store.window_end, self.cumulative_length):
                 if t is not None:
                     torch._dynamo.mark_static_address(t)
         self.is_initialized = True
@@ -182,26 +188,15 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
     def reset(self) -> None:
         """Empty the cache in place (same buffers, so a compiled step stays valid)."""
         if self.store is not None:
-            for t in (self.store.k, self.store.v):
-                t.view(torch.uint8).zero_()
-            if self.store.k_step is not None and self.store.k_step.dim() == 3:
-                for step in (self.store.k_step, self.store.v_step):
-                    assert step is not None
-                    step.fill_(1.0)
+            self.store.reset()
         self.cumulative_length.zero_()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Reorder the batch rows for beam search, in place: codes or values, and the steps of
-        ``per_token_head`` (static steps are shared by every row)."""
+        """Reorder the batch rows for beam search, in place: codes or values, the steps of
+        ``per_token_head`` (static steps are shared by every row) and the window."""
         if self.store is None:
             return
-        idx = beam_idx.to(self.device)
-        parts = [self.store.k.view(torch.uint8), self.store.v.view(torch.uint8)]
-        for step in (self.store.k_step, self.store.v_step):
-            if step is not None and step.dim() == 3:
-                parts.append(step)
-        for t in parts:
-            t.copy_(t.index_select(0, idx))
+        self.store.reorder(beam_idx.to(self.device))
 
     def offload(self) -> None:
         raise NotImplementedError("CtxStaticCache does not offload its layers")
@@ -276,7 +271,8 @@ class CtxStaticCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the preallocated buffers hold (0 before the first ``update``)."""
+        """Bytes the preallocated buffers hold (0 before the first ``update``): codes or
+        values, steps, and the window of recent positions."""
         total = 0
         for layer in self.layers:
             if isinstance(layer, CtxStaticLayer) and layer.store is not None:

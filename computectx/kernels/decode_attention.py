@@ -17,6 +17,12 @@ batch of 8 sequences x 32 heads is 256 programs, two per SM on a 132-SM H100/H20
 every program streams ``T * D`` bytes of K and of V, so long contexts at small batches
 need the split to keep every SM reading.
 
+Steps are float32, bfloat16 or e8m0 (``KvFp8.step``): a bf16 step is loaded and widened, an
+e8m0 step (passed as its uint8 bytes) becomes the float32 whose exponent field
+it is (``e << 23``; code 0 is ``2**-127`` and 255 NaN, as torch reads them), all exact, so the
+kernel reads the compact steps themselves: no float32 copy of them is made per decode step.
+The step's type is the pointer's, so each step format compiles its own kernel.
+
 The codes are loaded as fp8 and widened (exact); the bf16 output is rounded to nearest even
 on the bit pattern (Triton's interpreter truncates in the cast, GPUs round), so the
 interpreter and a GPU compute the same function. Sums use ``tl.sum`` (CUDA cores, no tensor
@@ -50,6 +56,20 @@ def _store_out(out_ptr, offs_d, dmask, res, OUT_BF16: tl.constexpr):  # type: ig
     if OUT_BF16:
         res = round_to_bf16(res)
     tl.store(out_ptr + offs_d, res.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+@triton.jit
+def _widen_step(s):  # type: ignore[no-untyped-def]
+    # A loaded step as float32, exactly: e8m0 bytes (uint8, known when the kernel is
+    # compiled from the pointer's type) via their exponent field.
+    if s.dtype == tl.uint8:
+        e = s.to(tl.int32)
+        wide = (e << 23).to(tl.float32, bitcast=True)
+        wide = tl.where(e == 0, 5.877471754111438e-39, wide)  # 2**-127, a float32 subnormal
+        wide = tl.where(e == 255, float("nan"), wide)
+    else:
+        wide = s.to(tl.float32)
+    return wide
 
 
 @triton.jit
@@ -109,8 +129,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     vs_base = vs_ptr + b * stride_vsb + h * stride_vsh
     if HAS_STEP:
         # per_head / per_tensor steps: one float32 for the whole program.
-        k_one = tl.load(ks_base)
-        v_one = tl.load(vs_base)
+        k_one = _widen_step(tl.load(ks_base))
+        v_one = _widen_step(tl.load(vs_base))
 
     m = tl.full((), float("-inf"), tl.float32)
     l_sum = tl.full((), 0.0, tl.float32)
@@ -125,10 +145,12 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         kk = tl.load(k_base + rows * stride_kt + offs_d[None, :], mask=tile, other=0.0)
         vv = tl.load(v_base + rows * stride_vt + offs_d[None, :], mask=tile, other=0.0)
         if HAS_STEP:
+            # Masked positions load 0 (an e8m0 0 is 2**-127): their scores are -inf and their
+            # values zero below, whatever the step.
             if K_PER_TOKEN:
-                k_st = tl.load(ks_base + offs_t * stride_kst, mask=tmask, other=1.0)
+                k_st = _widen_step(tl.load(ks_base + offs_t * stride_kst, mask=tmask, other=0))
             if V_PER_TOKEN:
-                v_st = tl.load(vs_base + offs_t * stride_vst, mask=tmask, other=1.0)
+                v_st = _widen_step(tl.load(vs_base + offs_t * stride_vst, mask=tmask, other=0))
         kk = kk.to(tl.float32)
         vv = vv.to(tl.float32)
         if HAS_STEP:
@@ -227,6 +249,11 @@ def decode_attention(
     n_split = triton.cdiv(t_max, split_len)
     block_d = triton.next_power_of_2(d)
     has_step = k_step is not None and v_step is not None
+    # e8m0 steps are read as their bytes (triton has no e8m0 type); bf16 and f32 as they are.
+    if k_step is not None and k_step.element_size() == 1:
+        k_step = k_step.view(torch.uint8)
+    if v_step is not None and v_step.element_size() == 1:
+        v_step = v_step.view(torch.uint8)
     ks = k_step if k_step is not None else out
     vs = v_step if v_step is not None else out
 

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import FLOAT_DTYPES, KvFp8
+from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.seam import decode_attention, static_kv_steps
+from computectx.kv_policy import KvFp8
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache
 from computectx.nn.params import apply_fp8_policy, param_dtype
@@ -70,7 +71,10 @@ class Attention(nn.Module):
     (a prefill) dequantize the cached prefix to float32 and run the causal attention there.
     The decode step uses no matmul; the prefill's are float32 matmuls, which a CUDA device
     runs in TF32 unless ``torch.get_float32_matmul_precision()`` is ``"highest"`` (the
-    default): there the prefill warns once (``Float32MatmulPrecisionWarning``).
+    default): there the prefill warns once (``Float32MatmulPrecisionWarning``). A cache with a
+    window of recent positions (``KvFp8.recent``) is read as the prefill reads, in every step:
+    ``KVCache.read`` splices the window's unquantized positions into the dequantized codes
+    and one query attends over them in float32 (``decode_attention`` reads codes only).
 
     The buffer ``kv_amax`` (``(2, H)`` float32: row 0 keys, row 1 values) holds each head's
     calibrated amax (``computectx.nn.calibrate_kv``), from which the static fp8 schemes take
@@ -256,7 +260,7 @@ class Attention(nn.Module):
                 keys, values = k, v
             else:
                 cache.append(k, v)
-                if cache.fp8 is not None and t == 1:
+                if cache.fp8 is not None and t == 1 and not cache.recent:
                     return self._merge(self._decode_fp8(q, cache, cache.length))
                 keys, values = cache.read()
             # Query i sits at position start + i and sees keys 0 .. start + i.
@@ -286,10 +290,14 @@ class Attention(nn.Module):
             q = self.rope.at(q, pos)
             k = self.rope.at(k, pos)
             cache.write(k, v, pos)
-            if cache.fp8 is not None:
+            if cache.fp8 is not None and not cache.recent:
                 length = (pos + 1).expand(b).contiguous()
                 return self._merge(self._decode_fp8(q, cache, length))
             visible = (torch.arange(cache.max_len, device=x.device) <= pos).view(1, -1)
+            if cache.fp8 is not None:  # a window: the float32 read, masked past pos
+                keys, values = cache.read(cache.max_len)
+                values = values.masked_fill(~visible.view(1, 1, -1, 1), 0.0)
+                return self._merge(self._attend_f32(q, keys, values, visible))
             keys, values = self.ctx.to_compute(cache.k), self.ctx.to_compute(cache.v)
             # Slots past pos may hold anything (a previous sequence, inf, NaN): their scores
             # are -inf (weight 0) and their values zeroed here, since 0 * inf or 0 * NaN in

@@ -1,19 +1,23 @@
 """``KVCache``: one attention layer's keys and values, stored as ``ctx.kv`` says.
 
 A ``kv`` in the lattice (``DType``) stores values at that dtype (``ctx.to_kv``, a plain
-cast). An fp8 ``kv`` (``KvFp8``) stores codes plus float32 steps
-(``computectx.fp8.numerics.kv_quant``);
-the layout is the one ``computectx.fp8.serving.decode_attention`` reads::
+cast). An fp8 ``kv`` (``KvFp8``) stores codes plus steps at ``kv.step``'s format
+(``computectx.fp8.numerics.kv_quant`` quantizes; ``computectx.nn.kv_steps`` rounds the steps
+up to their format); the layout is the one ``computectx.fp8.serving.decode_attention`` reads::
 
     k, v            (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes
     k_step, v_step  (B, H, T_max) per_token_head (written with each position),
-                    (H,) per_head or (1,) per_tensor (calibrated, fixed when the cache is built)
+                    (H,) per_head or (1,) per_tensor (calibrated, fixed when the cache is built);
+                    float32, bfloat16 or float8_e8m0fnu as kv.step says
+    k_recent,       (B, H, N, D) at the compute dtype, with kv.recent = N > 0: the last N
+    v_recent        positions written, also held unquantized (a ring, ``kv_steps``)
 
 Bytes per token per layer (``kv_bytes_per_token``): ``2 * H * D * itemsize`` for a dtype
-cache; ``2 * H * D`` codes plus, for ``per_token_head``, ``2 * H * 4`` bytes of steps (4 bytes
-per head for keys and 4 for values) for fp8. The static schemes' steps are a fixed
-``2 * H * 4`` or 8 bytes per layer, not per token. So at D = 64 an fp8 ``per_token_head``
-cache takes 136 bytes per head per token against 256 for bf16 and 512 for f32.
+cache; ``2 * H * D`` codes plus, for ``per_token_head``, ``2 * H * s`` bytes of steps (``s`` = 4,
+2 or 1 for f32, bf16, e8m0 steps) for fp8. The static schemes' steps are a fixed ``2 * H * s``
+or ``2 * s`` bytes per layer, not per token, and the window a fixed ``kv_window_bytes`` per
+layer and batch row. So at D = 32 an fp8 ``per_token_head`` cache takes 72, 68 or 66 bytes per
+head per token (f32, bf16, e8m0 steps) against 128 for bf16: 0.5625, 0.53 and 0.516 of it.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import warnings
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import DType, KvFp8, PromotionError, dtype_of
+from computectx.dtypes import DType, PromotionError, dtype_of
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.seam import (
     KERNEL_HEAD_DIMS,
@@ -35,10 +39,22 @@ from computectx.fp8.seam import (
     quantize_kv,
     uses_kernels,
 )
+from computectx.kv_policy import STEP_DTYPES, KvFp8, KvStep
+from computectx.nn.kv_steps import (
+    copy_positions,
+    ones_steps,
+    splice_window,
+    stored_steps,
+    window_slots,
+)
 
-__all__ = ["DecodeKernelFallbackWarning", "KVCache", "decode_backend", "kv_bytes_per_token"]
-
-_STEP_BYTES = 4  # float32
+__all__ = [
+    "DecodeKernelFallbackWarning",
+    "KVCache",
+    "decode_backend",
+    "kv_bytes_per_token",
+    "kv_window_bytes",
+]
 
 
 class DecodeKernelFallbackWarning(UserWarning):
@@ -52,11 +68,25 @@ _WARNED_FALLBACKS: set[tuple[str, int]] = set()
 
 def kv_bytes_per_token(kv: DType | KvFp8, n_heads: int, head_dim: int) -> int:
     """Bytes one more cached position costs in one layer: keys and values of ``n_heads`` heads
-    of ``head_dim``, plus their per-token steps for an fp8 ``per_token_head`` cache."""
+    of ``head_dim``, plus their per-token steps (``kv.step_bytes`` each) for an fp8
+    ``per_token_head`` cache. A window of recent positions is a fixed cost on top
+    (``kv_window_bytes``), not a cost per position."""
     if isinstance(kv, KvFp8):
-        steps = 2 * n_heads * _STEP_BYTES if kv.scaling == "per_token_head" else 0
+        steps = 2 * n_heads * kv.step_bytes if kv.scaling == "per_token_head" else 0
         return 2 * n_heads * head_dim * kv.format.torch.itemsize + steps
     return 2 * n_heads * head_dim * kv.torch.itemsize
+
+
+def kv_window_bytes(
+    kv: DType | KvFp8, n_heads: int, head_dim: int, dtype: torch.dtype | DType
+) -> int:
+    """Bytes the window of an fp8 cache with ``kv.recent = N`` holds in one layer per batch
+    row: ``2 * n_heads * N * head_dim`` values at ``dtype`` (the compute dtype); 0 for a dtype
+    cache or ``N = 0``."""
+    if not isinstance(kv, KvFp8):
+        return 0
+    size = dtype.torch.itemsize if isinstance(dtype, DType) else dtype.itemsize
+    return 2 * n_heads * kv.recent * head_dim * size
 
 
 def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Fp8Backend | str | None) -> Fp8Backend:
@@ -116,6 +146,7 @@ class KVCache:
         *,
         steps: tuple[torch.Tensor, torch.Tensor] | None = None,
         backend: Fp8Backend | str | None = None,
+        window_dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (
             ("batch", batch),
@@ -136,11 +167,18 @@ class KVCache:
         self.k_step: torch.Tensor | None = None
         self.v_step: torch.Tensor | None = None
         self.backend: Fp8Backend | None = None
+        self.recent = 0
+        """Positions held unquantized too (``kv.recent``; 0 for a dtype cache)."""
+        self.k_recent: torch.Tensor | None = None
+        self.v_recent: torch.Tensor | None = None
+        self.window_end = torch.zeros((), dtype=torch.int64, device=ctx.device)
+        """One past the last position written (a 0-d tensor; the window ends there)."""
         if isinstance(kv, DType):
-            if steps is not None or backend is not None:
+            if steps is not None or backend is not None or window_dtype is not None:
                 raise ValueError(
                     f"a kv={kv} cache stores values, not fp8 codes: it takes no steps and no "
-                    f"decode backend (those are for an fp8 kv such as 'e4m3/per_token_head')"
+                    f"decode backend, nor a window dtype (those are for an fp8 kv such as "
+                    f"'e4m3/per_token_head')"
                 )
             store = kv.torch
         else:
@@ -154,8 +192,14 @@ class KVCache:
                     f"takes no calibrated steps (those are for per_head and per_tensor)"
                 )
             else:
-                self.k_step = torch.ones(shape[:3], dtype=torch.float32, device=ctx.device)
-                self.v_step = torch.ones(shape[:3], dtype=torch.float32, device=ctx.device)
+                self.k_step = ones_steps(shape[:3], kv.step, ctx.device)
+                self.v_step = ones_steps(shape[:3], kv.step, ctx.device)
+            if kv.recent:
+                self.recent = kv.recent
+                ring = (batch, n_heads, kv.recent, head_dim)
+                at = ctx.compute.torch if window_dtype is None else window_dtype
+                self.k_recent = torch.zeros(ring, dtype=at, device=ctx.device)
+                self.v_recent = torch.zeros(ring, dtype=at, device=ctx.device)
         self.k = torch.zeros(shape, dtype=store, device=ctx.device)
         self.v = torch.zeros(shape, dtype=store, device=ctx.device)
 
@@ -177,8 +221,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the whole preallocated cache holds: keys, values and steps."""
-        parts = (self.k, self.v, self.k_step, self.v_step)
+        """Bytes the whole preallocated cache holds: keys, values, steps and the window."""
+        parts = (self.k, self.v, self.k_step, self.v_step, self.k_recent, self.v_recent)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def check_read_under(self, ctx: ComputeCtx) -> None:
@@ -215,9 +259,27 @@ class KVCache:
         if isinstance(kv, DType):
             return self.ctx.to_kv(x), None
         if kv.static:
-            codes, _ = quantize_kv(x, kv.format, step)
+            assert step is not None  # a static cache holds its steps from the start
+            codes, _ = quantize_kv(x, kv.format, step.to(torch.float32))
             return codes, None
-        return quantize_kv(x, kv.format)
+        codes, exact = quantize_kv(x, kv.format)
+        if kv.step == "f32":
+            return codes, exact
+        # A compact step is the exact one rounded up; the codes are made with it.
+        stored = stored_steps(exact, kv.step)
+        codes, _ = quantize_kv(x, kv.format, stored.to(torch.float32))
+        return codes, stored
+
+    def _hold_recent(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        # The window keeps the last `recent` of the positions written (all of them when fewer).
+        n = self.recent
+        if self.k_recent is None or self.v_recent is None:
+            return
+        if positions.shape[0] > n:
+            k, v, positions = k[:, :, -n:], v[:, :, -n:], positions[-n:]
+        slots = window_slots(positions, n)
+        self.k_recent.index_copy_(2, slots, k.to(self.k_recent.dtype))
+        self.v_recent.index_copy_(2, slots, v.to(self.v_recent.dtype))
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) after the cached positions and
@@ -237,6 +299,9 @@ class KVCache:
             store[:, :, self.length : end] = codes
             if new_step is not None and step is not None:
                 step[:, :, self.length : end] = new_step
+        if self.recent:
+            self._hold_recent(k, v, torch.arange(self.length, end, device=self.k.device))
+            self.window_end.fill_(end)
         self.length = end
 
     def write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
@@ -253,15 +318,17 @@ class KVCache:
         index = pos + torch.arange(t, device=pos.device)
         for store, step, x in ((self.k, self.k_step, k), (self.v, self.v_step, v)):
             codes, new_step = self._encode(x, step)
-            if store.element_size() == 1:  # torch has no fp8 index_copy_: copy the bytes
-                store, codes = store.view(torch.uint8), codes.view(torch.uint8)
-            store.index_copy_(2, index, codes)
+            copy_positions(store, index, codes)
             if new_step is not None and step is not None:
-                step.index_copy_(2, index, new_step)
+                copy_positions(step, index, new_step)
+        if self.recent:
+            self._hold_recent(k, v, index)
+            self.window_end.copy_(pos + t)
 
     def read(self, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. end - 1`` (default ``length``): views at
-        ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8.
+        ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8, the
+        positions in the window (``recent``) taken unquantized from it.
 
         ``end`` is an int in ``[0, max_len]`` (``ValueError`` naming it otherwise); positions
         from ``length`` on hold what ``write`` stored there, zeros where nothing was."""
@@ -280,7 +347,42 @@ class KVCache:
         ks, vs = self.k_step, self.v_step
         if ks.dim() == 3:
             ks, vs = ks[:, :, :stop], vs[:, :, :stop]
-        return dequantize_kv(k, ks), dequantize_kv(v, vs)
+        kf, vf = dequantize_kv(k, ks), dequantize_kv(v, vs)
+        if self.k_recent is None or self.v_recent is None:
+            return kf, vf
+        return (
+            splice_window(kf, self.k_recent, self.window_end, self.recent),
+            splice_window(vf, self.v_recent, self.window_end, self.recent),
+        )
+
+    def reset(self) -> None:
+        """Empty the cache in place (the same buffers): codes and window zero, per-token steps
+        1.0, ``length`` and ``window_end`` 0."""
+        for t in (self.k, self.v, self.k_recent, self.v_recent):
+            if t is not None:
+                t.view(torch.uint8).zero_()
+        for step in (self.k_step, self.v_step):
+            if step is not None and step.dim() == 3:
+                step.copy_(ones_steps(tuple(step.shape), _step_format(step), step.device))
+        self.length = 0
+        self.window_end.zero_()
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Take batch rows ``rows`` (int64 ``(B,)``), in place (beam search): codes or values,
+        per-token steps and the window (static steps are shared by every row)."""
+        parts = [self.k, self.v, self.k_recent, self.v_recent]
+        parts += [s for s in (self.k_step, self.v_step) if s is not None and s.dim() == 3]
+        for t in parts:
+            if t is not None:
+                raw = t.view(torch.uint8) if t.element_size() == 1 else t
+                raw.copy_(raw.index_select(0, rows))
+
+
+def _step_format(step: torch.Tensor) -> KvStep:
+    for name, dt in STEP_DTYPES.items():
+        if dt == step.dtype:
+            return name
+    raise ValueError(f"a KV step of dtype {step.dtype} is of no step format")  # pragma: no cover
 
 
 def _static_steps(
@@ -299,7 +401,7 @@ def _static_steps(
             f"use kv={kv.format}/per_token_head, which needs no calibration"
         )
     want = (n_heads,) if kv.scaling == "per_head" else (1,)
-    out = []
+    out: list[torch.Tensor] = []
     for name, s in zip(("key", "value"), steps, strict=True):
         if not isinstance(s, torch.Tensor) or tuple(s.shape) != want:
             got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
@@ -309,5 +411,5 @@ def _static_steps(
             raise ValueError(
                 f"kv={kv}: the {name} steps must be finite and positive, got {wide.tolist()}"
             )
-        out.append(wide.clone())
+        out.append(stored_steps(wide, kv.step).clone())
     return out[0], out[1]

@@ -425,3 +425,94 @@ def test_opcheck_on_the_reference_backend() -> None:
         torch.ops.computectx.fp8_decode_attention,
         (q, kv, kv, None, None, torch.tensor([24, 3]), 0.25, 16, "reference"),
     )
+
+
+# ----- compact steps (KvFp8.step): bf16 and e8m0 -------------------------------------------
+
+
+def _compact(step: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``step`` stored as ``fmt`` the way the cache stores it (rounded up)."""
+    from computectx.nn.kv_steps import stored_steps
+
+    return stored_steps(step, fmt)  # type: ignore[arg-type]
+
+
+def _interpreted_kernel(monkeypatch: pytest.MonkeyPatch) -> Any:
+    # As tests/kernels/conftest.py does: the kernel modules decorated for Triton's
+    # interpreter on the CPU, whatever imported them before, with TRITON_INTERPRET set for
+    # this test only (the backend checks read it too).
+    import importlib
+    import sys
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    module: Any = None
+    for name in ("computectx.kernels.fp8_codes", "computectx.kernels.decode_attention"):
+        module = sys.modules.get(name)
+        if module is None:
+            module = importlib.import_module(name)
+        elif not getattr(module, "INTERPRETED", False):
+            module = importlib.reload(module)
+    return module
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "e8m0"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_compact_steps_read_as_their_float32_values(
+    fmt: str, layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A bf16 or e8m0 step widens to float32 exactly, so a cache with compact steps gives the
+    # very output of the same cache with those steps stored as float32: bit for bit, on the
+    # twin and (under the interpreter) on the Triton kernel, which reads the compact steps
+    # itself (e8m0 as bytes, widened by its exponent field).
+    q, k, v, ks, vs = make_case(2, 2, 40, 16, E4M3, layout, seed=21)
+    cks, cvs = _compact(ks, fmt), _compact(vs, fmt)
+    assert cks.dtype == {"bf16": torch.bfloat16, "e8m0": torch.float8_e8m0fnu}[fmt]
+    assert bool((cks.float() >= ks).all())  # rounded up: no code grows past the format's max
+    wks, wvs = cks.float(), cvs.float()
+    length = torch.tensor([40, 23])
+    twin = decode_attention(q, k, v, cks, cvs, length, sm_scale=0.25, block_t=16)
+    assert torch.equal(twin, decode_attention(q, k, v, wks, wvs, length, sm_scale=0.25, block_t=16))
+    assert_within_bound(twin, q, k, v, wks, wvs, [40, 23], 0.25, 16)
+    if (layout, fmt) not in (("per_token_head", "bf16"), ("per_head", "e8m0")):
+        return  # the interpreter is slow: the kernel on one per-token and one static case
+    kernel = _interpreted_kernel(monkeypatch)
+    args: dict[str, Any] = {"q": q, "k": k, "v": v, "length": length, "sm_scale": 0.25}
+    compact = kernel.decode_attention(**args, k_step=cks, v_step=cvs, block_t=16, splits=2)
+    wide = kernel.decode_attention(**args, k_step=wks, v_step=wvs, block_t=16, splits=2)
+    assert torch.equal(compact, wide)
+    assert_within_bound(compact, q, k, v, wks, wvs, [40, 23], 0.25, 16)
+
+
+def test_e8m0_extremes_widen_as_torch_reads_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Code 0 is 2**-127 (a float32 subnormal) and a power of two reads as itself; the kernel
+    # and the twin agree on both (the cache itself clamps its exponents to float32's normal
+    # range, so code 0 is only reachable by hand).
+    q, k, v, _, _ = make_case(1, 2, 16, 16, E4M3, "per_token_head", seed=22)
+    codes = torch.tensor([0, 1, 127, 130], dtype=torch.uint8).repeat(8).view(1, 2, 16)
+    steps = codes.view(torch.float8_e8m0fnu)
+    assert steps.float()[0, 0, :4].tolist() == [2.0**-127, 2.0**-126, 1.0, 8.0]
+    length = torch.tensor([16])
+    twin = decode_attention(q, k, v, steps, steps, length, sm_scale=0.25, block_t=16)
+    kernel = _interpreted_kernel(monkeypatch)
+    out = kernel.decode_attention(
+        q=q, k=k, v=v, k_step=steps, v_step=steps, length=length, sm_scale=0.25, block_t=16
+    )
+    wide = kernel.decode_attention(
+        q=q, k=k, v=v, k_step=steps.float(), v_step=steps.float(), length=length,
+        sm_scale=0.25, block_t=16,
+    )  # fmt: skip
+    assert torch.equal(out, wide)
+    assert_within_bound(out, q, k, v, steps.float(), steps.float(), [16], 0.25, 16)
+    assert_within_bound(twin, q, k, v, steps.float(), steps.float(), [16], 0.25, 16)
+
+
+def test_compact_steps_are_checked_like_float32_ones() -> None:
+    q, k, v, ks, vs = make_case(1, 2, 8, 16, E4M3, "per_token_head", seed=23)
+    with pytest.raises(ValueError, match=r"k_step must be float32, bfloat16 or float8_e8m0fnu"):
+        decode_attention(q, k, v, ks.half(), vs, 8, sm_scale=0.25)
+    with pytest.raises(ValueError, match=r"share one step format, got torch.bfloat16 and"):
+        decode_attention(q, k, v, ks.bfloat16(), vs, 8, sm_scale=0.25)
+    nan = torch.full_like(ks, 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"k_step has 16 step\(s\) that are not finite"):
+        decode_attention(q, k, v, nan, _compact(vs, "e8m0"), 8, sm_scale=0.25)

@@ -32,7 +32,6 @@ from transformers import (
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from computectx import ComputeCtx
-from computectx.dtypes import KvFp8
 from computectx.fp8 import ExpertsFp8, Fp8Backend, convert_to_fp8
 from computectx.integrations.transformers_cache import CtxStaticCache, CtxStaticLayer
 from computectx.integrations.transformers_moe import (
@@ -40,6 +39,7 @@ from computectx.integrations.transformers_moe import (
     IMPLEMENTATION,
     TransformersExperts,
 )
+from computectx.kv_policy import KvFp8
 
 VOCAB, HIDDEN, EXPERTS, TOP_K = 128, 64, 4, 2
 HYBRID = ComputeCtx.from_flag("fp8_hybrid", "cpu")

@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from computectx.dtypes import Fp8Format, KvFp8, dtype_of
+from computectx.dtypes import Fp8Format, dtype_of
+from computectx.kv_policy import KvFp8
 
 __all__ = ["dequantize_kv", "kv_step", "quantize_kv", "static_kv_steps", "step_layout"]
 

@@ -9,8 +9,10 @@ tensor's values change.
 The cache (the storage layout of ``KVCache`` for an fp8 ``kv``)::
 
     k, v     (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes; or bf16/f16/f32 values
-    k_step   per_token_head (B, H, T_max) | per_head (H,) | per_tensor (1,), float32;
-    v_step   None for a 16/32-bit cache. The value a code stands for is code * step.
+    k_step   per_token_head (B, H, T_max) | per_head (H,) | per_tensor (1,), float32,
+    v_step   bfloat16 or float8_e8m0fnu (``KvFp8.step``; both of one dtype), widened to
+             float32 exactly where they are read; None for a 16/32-bit cache. The value a
+             code stands for is code * step.
     length   (B,) int64 tensor, or a python int for every row: positions >= length[b]
              are ignored (1 <= length[b] <= T_max). A tensor is never read on the host
              (every block of T_max is visited, masked); an int limits the blocks visited
@@ -54,6 +56,7 @@ from computectx.fp8.backend import Fp8Backend, check_backend
 from computectx.fp8.numerics.kv_quant import step_layout
 from computectx.fp8.ops.registry import fp8_decode_attention
 from computectx.fp8.ops.triton import uses_kernels
+from computectx.kv_policy import STEP_DTYPES
 
 __all__ = [
     "KERNEL_BLOCK_T",
@@ -170,12 +173,20 @@ def _check_steps(
                 f"a {k.dtype} cache holds values, not codes: pass k_step=None and v_step=None"
             )
         return
+    accepted = tuple(STEP_DTYPES.values())
     for name, s in (("k_step", k_step), ("v_step", v_step)):
         if s is None:
             raise ValueError(f"an {k.dtype} cache needs {name}: float32 steps, got None")
-        if s.dtype != torch.float32 or s.device != dev:
-            raise ValueError(f"{name} must be float32 on {dev}, got {s.dtype} on {s.device}")
+        if s.dtype not in accepted or s.device != dev:
+            raise ValueError(
+                f"{name} must be float32, bfloat16 or float8_e8m0fnu (KvFp8.step) on {dev}, "
+                f"got {s.dtype} on {s.device}"
+            )
         step_layout(s, b, h, t_max)
+    if k_step is not None and v_step is not None and k_step.dtype != v_step.dtype:
+        raise ValueError(
+            f"k_step and v_step must share one step format, got {k_step.dtype} and {v_step.dtype}"
+        )
 
 
 def _check_values(
@@ -189,7 +200,8 @@ def _check_values(
     if isinstance(length, torch.Tensor):
         flags.append(((length >= 1) & (length <= t_max)).all())
 
-    def bad_steps(s: torch.Tensor) -> torch.Tensor:
+    def bad_steps(step: torch.Tensor) -> torch.Tensor:
+        s = step.to(torch.float32)  # exact for every step format
         bad = ~(torch.isfinite(s) & (s > 0))
         if s.dim() == 3:  # per_token_head: only the written positions, t < length[b]
             pos = torch.arange(t_max, device=s.device).view(1, 1, -1)
@@ -212,7 +224,7 @@ def _check_values(
             continue
         bad = bad_steps(s)
         if bool(bad.any()):
-            first = s[bad][0].item()
+            first = s.to(torch.float32)[bad][0].item()
             raise ValueError(
                 f"{name} has {int(bad.sum())} step(s) that are not finite and positive (the "
                 f"first is {first}); steps must be finite and > 0"
@@ -258,11 +270,12 @@ def decode_attention(
     dtype (the module docstring gives the layout and the semantics).
 
     ``q`` is ``(B, H, D)`` (bf16, f16 or f32); ``k``/``v`` ``(B, H, T_max, D)`` fp8 codes with
-    float32 steps ``k_step``/``v_step`` (per_token_head ``(B, H, T_max)``, per_head ``(H,)``
-    or per_tensor ``(1,)``, each its own layout), or 16/32-bit values with both steps
-    ``None``; ``length`` an int64 ``(B,)`` tensor or an int. ``sm_scale`` multiplies the
-    scores (usually ``D**-0.5``). Checked by ``check_decode_attention`` (``check_values``
-    as there). Not differentiable: a decode path, no autograd formula.
+    steps ``k_step``/``v_step`` (float32, bfloat16 or float8_e8m0fnu; per_token_head
+    ``(B, H, T_max)``, per_head ``(H,)`` or per_tensor ``(1,)``, each its own layout), or
+    16/32-bit values with both steps ``None``; ``length`` an int64 ``(B,)`` tensor or an
+    int. ``sm_scale`` multiplies the scores (usually ``D**-0.5``). Checked by
+    ``check_decode_attention`` (``check_values`` as there). Not differentiable: a decode
+    path, no autograd formula.
 
     Under ``torch.compile`` pass ``length`` as a tensor: an int is a constant of the graph
     and each new value would compile again. Host reads: a tensor ``length`` is never read

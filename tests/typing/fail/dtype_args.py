@@ -2,7 +2,7 @@
 
 import torch
 
-from computectx import ComputeCtx, DType, Fp8Format, KvFp8, cast_if, promote
+from computectx import ComputeCtx, DType, Fp8Format, KvFp8, OptimState, cast_if, promote
 
 ctx = ComputeCtx.new(DType.BF16, "cpu")
 promote(DType.F16, Fp8Format.E4M3)  # E: arg-type
@@ -21,3 +21,6 @@ ctx.with_kv("e4m3/per_head")  # E: arg-type
 KvFp8.parse(Fp8Format.E4M3)  # E: arg-type
 promote(DType.F32, KvFp8())  # E: arg-type
 cast_if(torch.zeros(2), KvFp8())  # E: arg-type
+ctx.replace(optim_state="int8")  # E: arg-type
+ctx.with_optim_state(DType.BF16)  # E: arg-type
+OptimState.parse(OptimState())  # E: arg-type

@@ -2,7 +2,7 @@
 
 import torch
 
-from computectx import ComputeCtx, DType
+from computectx import ComputeCtx, DType, OptimState
 from computectx.fp8 import DelayedScaling
 
 ctx = ComputeCtx.new(DType.BF16, "cpu")
@@ -11,3 +11,6 @@ ctx.kv = DType.F32  # E: misc
 ctx.device = torch.device("cpu")  # E: misc
 policy = DelayedScaling()
 policy.history_len = 4  # E: misc
+ctx.optim_state = OptimState(format="int8")  # E: misc
+state = OptimState(format="int4")
+state.block = 64  # E: misc

@@ -11,6 +11,7 @@ from computectx import (
     DType,
     Fp8Format,
     KvFp8,
+    OptimState,
     Residency,
     cast_if,
     promote,
@@ -18,6 +19,7 @@ from computectx import (
 )
 from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Linear, Fp8Policy, Fp8Scheme
 from computectx.fp8.convert import Fp8Converter
+from computectx.optim_state import StateFormat
 from computectx.recipes import parse_scaling
 
 ctx = ComputeCtx.new(DType.BF16, "cpu")
@@ -53,6 +55,15 @@ with ctx.autocast():
 # Fp8Linear.from_linear as a converter.
 assert_type(parse_scaling("dynamic/2"), DelayedScaling | DynamicScaling)
 assert_type(ComputeCtx.from_flag("fp8_hybrid_dynamic", "cpu"), ComputeCtx)
+
+# How optimizer state is stored: an OptimState, set by value or by its text form.
+int8 = ctx.replace(optim_state=OptimState(format="int8"))
+assert_type(int8, ComputeCtx)
+assert_type(int8.optim_state, OptimState)
+assert_type(int8.optim_state.format, StateFormat)
+assert_type(int8.optim_state.block_size, int)
+assert_type(ctx.with_optim_state("int4/block=64").optim_state.quantized, bool)
+assert_type(OptimState.parse("bf16").compact, bool)
 
 
 class TitanLinear(nn.Linear):

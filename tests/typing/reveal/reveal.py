@@ -14,4 +14,6 @@ reveal_type(promoted(x, x))  # R: tuple[torch._tensor.Tensor, torch._tensor.Tens
 reveal_type(ctx.accum)  # R: computectx.dtypes.DType
 reveal_type(ctx.residency.resolve(1, 2))  # R: computectx.residency.Residency
 reveal_type(ComputeCtx.from_flag("bf16", "cpu"))  # R: computectx.ctx.ComputeCtx
-reveal_type(ctx.kv)  # R: computectx.dtypes.DType | computectx.dtypes.KvFp8
+reveal_type(ctx.kv)  # R: computectx.dtypes.DType | computectx.kv_policy.KvFp8
+reveal_type(ctx.with_optim_state("int8"))  # R: computectx.ctx.ComputeCtx
+reveal_type(ctx.optim_state)  # R: computectx.optim_state.OptimState

@@ -1,0 +1,235 @@
+"""How optimizer state is stored: the ``optim_state`` policy. Pure data in the core layer.
+
+``ComputeCtx.optim_state`` holds an ``OptimState``; ``computectx.memory`` reads it (the codecs
+own the bytes, the optimizers the stepping). The formats:
+
+- ``f32``: torch's own state, untouched (the default: today's behaviour).
+- ``bf16``: every parameter-shaped state tensor stored in bfloat16 (round to nearest).
+- ``int8``: block-wise absmax with the dynamic (tree) map of Dettmers et al.: the signed map
+  for signed state (first moments, momentum), the unsigned map for non-negative state (second
+  moments, sums of squares).
+- ``fp8``: block-wise e4m3 codes with one float32 scale per block (``absmax / 448``).
+- ``int4``: signed state block-wise with a signed 4-bit dynamic-exponent map; non-negative
+  state rank-1 normalized (per-row and per-column maxima of the tensor viewed 2-D as
+  ``(shape[0], -1)``; a 1-D tensor uses blocks) with the 4-bit linear map that excludes zero
+  (Li et al., lpmm). Two codes per byte.
+
+Scalars (``step``) and tensors with fewer than ``min_size`` elements stay float32 in every
+format (bitsandbytes' ``min_8bit_size``). Blocks never straddle parameters (nor shards).
+
+Text form ``FORMAT[/block=N][/min=M]`` (``"int8"``, ``"int4/block=64/min=0"``), names in any
+case; JSON form ``{"format": "int8", "block": 256, "min_size": 4096}``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import BaseModel, BeforeValidator, ValidationError, model_validator
+from typing_extensions import Self
+
+__all__ = [
+    "DEFAULT_BLOCK",
+    "DEFAULT_MIN_SIZE",
+    "OPTIM_STATE_FLAGS",
+    "OptimState",
+    "StateFormat",
+    "parse_optim_state",
+]
+
+StateFormat = Literal["f32", "bf16", "int8", "fp8", "int4"]
+"""How each parameter-shaped optimizer state tensor is stored (see the module docstring)."""
+OPTIM_STATE_FLAGS: Final[tuple[str, ...]] = get_args(StateFormat)
+"""The format names, as the text form and a ``--optim-state``-style flag spell them."""
+DEFAULT_BLOCK: Final[dict[str, int]] = {"int8": 256, "fp8": 256, "int4": 128}
+"""The block size of each block-wise format when none is given (bitsandbytes' and torchao's
+256 for 8 bits, torchao's and lpmm's 128 for 4 bits)."""
+DEFAULT_MIN_SIZE: Final = 4096
+"""State tensors with fewer elements than this stay float32 (bitsandbytes' ``min_8bit_size``)."""
+BLOCK_RANGE: Final = (32, 4096)
+"""The smallest and largest block size accepted (powers of two between them)."""
+
+_FORM = "'FORMAT[/block=N][/min=M]'"
+_FORMATS = ", ".join(OPTIM_STATE_FLAGS)
+_BLOCKS = f"a power of two from {BLOCK_RANGE[0]} to {BLOCK_RANGE[1]}"
+_TEXT_KEYS = {"block": "block", "min": "min_size", "min_size": "min_size"}
+
+
+def _format(value: object) -> object:
+    # Names are case-insensitive everywhere in the policy.
+    key = value.strip().lower() if isinstance(value, str) else value
+    if key not in OPTIM_STATE_FLAGS:
+        raise ValueError(f"unknown optimizer state format {value!r}; accepted: {_FORMATS}")
+    return key
+
+
+def _integer(value: object) -> object:
+    # Strict integers, as every integer field of the policy: a bool (True is 1 to pydantic's
+    # lax mode), a string or a float is refused. The text form converts its own digits.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _block(value: object) -> object:
+    if value is None:
+        return None
+    _integer(value)
+    assert isinstance(value, int)
+    lo, hi = BLOCK_RANGE
+    if not (lo <= value <= hi and value & (value - 1) == 0):
+        raise ValueError(f"block={value} is not {_BLOCKS}")
+    return value
+
+
+def _min_size(value: object) -> object:
+    _integer(value)
+    assert isinstance(value, int)
+    if value < 0:
+        raise ValueError(f"min_size={value} is negative; accepted: an integer >= 0")
+    return value
+
+
+class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+    """How an optimizer's parameter-shaped state tensors are stored (``ComputeCtx.optim_state``).
+
+    ``OptimState()`` is float32 state (torch's own, untouched); ``OptimState(format="int8")``
+    block-wise 8-bit moments (blocks of 256), ``OptimState(format="int4", block=64)`` 4-bit
+    moments in blocks of 64. Scalars and tensors with fewer than ``min_size`` elements stay
+    float32 in every format.
+
+    Text form ``FORMAT[/block=N][/min=M]`` (``"int8"``, ``"int4/block=64/min=0"``: the block
+    and min only when not the default), which ``parse`` reads back in any case with the parts
+    after ``FORMAT`` in any order; JSON form ``{"format": "int8", "block": 256,
+    "min_size": 4096}``.
+    """
+
+    format: Annotated[StateFormat, BeforeValidator(_format)] = "f32"
+    """Storage format of each state tensor: ``f32`` (default), ``bf16``, ``int8`` (block-wise
+    dynamic map), ``fp8`` (block-wise e4m3) or ``int4`` (block-wise signed, rank-1
+    normalized non-negative)."""
+    block: Annotated[int | None, BeforeValidator(_block)] = None
+    """Elements per quantization block of ``int8``, ``fp8`` and ``int4``: a power of two from
+    32 to 4096, filled in from ``DEFAULT_BLOCK`` when not given (256, 256, 128); always
+    ``None`` for ``f32`` and ``bf16``, which have no blocks."""
+    min_size: Annotated[int, BeforeValidator(_min_size)] = DEFAULT_MIN_SIZE
+    """State tensors with fewer elements than this stay float32 (default 4096); ``0`` compacts
+    every non-scalar state tensor. Only meaningful for a compact format, so ``f32`` keeps the
+    default."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_block(cls, data: Any) -> Any:
+        # The default block is filled in here so that "int8" and "int8/block=256" are one
+        # value (equal, one text form). A bad format is left for the field's own error.
+        if isinstance(data, dict) and data.get("block") is None:
+            fmt = data.get("format", "f32")
+            key = fmt.strip().lower() if isinstance(fmt, str) else None
+            if key in DEFAULT_BLOCK:
+                data = {**data, "block": DEFAULT_BLOCK[key]}
+        return data
+
+    @model_validator(mode="after")
+    def _fits_format(self) -> Self:
+        if self.format in DEFAULT_BLOCK:
+            return self
+        if self.block is not None:
+            raise ValueError(
+                f"block={self.block} given for format {self.format}, which has no blocks; a "
+                f"block applies to {', '.join(DEFAULT_BLOCK)} only"
+            )
+        if self.format == "f32" and self.min_size != DEFAULT_MIN_SIZE:
+            raise ValueError(
+                f"min_size={self.min_size} given for format f32, which keeps every tensor "
+                f"float32; min_size applies to {', '.join(OPTIM_STATE_FLAGS[1:])} only"
+            )
+        return self
+
+    @property
+    def block_size(self) -> int:
+        """The block size in elements (``0`` for ``f32`` and ``bf16``, which have none)."""
+        return 0 if self.block is None else self.block
+
+    @property
+    def compact(self) -> bool:
+        """Whether state is stored below float32 (every format but ``f32``)."""
+        return self.format != "f32"
+
+    @property
+    def quantized(self) -> bool:
+        """Whether state is stored as codes with scales (``int8``, ``fp8``, ``int4``)."""
+        return self.format in DEFAULT_BLOCK
+
+    def __str__(self) -> str:
+        """The text form ``FORMAT[/block=N][/min=M]`` (only what differs from the defaults),
+        which ``parse`` reads back."""
+        parts: list[str] = [self.format]
+        if self.block is not None and self.block != DEFAULT_BLOCK[self.format]:
+            parts.append(f"block={self.block}")
+        if self.min_size != DEFAULT_MIN_SIZE:
+            parts.append(f"min={self.min_size}")
+        return "/".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> OptimState:
+        """Read the text form ``FORMAT[/block=N][/min=M]`` (``"int8"``, ``"INT4/min=0/block=64"``):
+        names in any case, the parts after ``FORMAT`` in any order (``min_size=M`` is read as
+        ``min=M``). ``ValueError`` quoting ``text`` and naming the accepted form otherwise."""
+        if not isinstance(text, str):
+            raise TypeError(f"OptimState.parse takes a str, got {type(text).__name__}")
+        shown = text.strip()
+        head, *rest = [p.strip() for p in shown.split("/")]
+        fmt = head.lower()
+        if fmt not in OPTIM_STATE_FLAGS:
+            raise ValueError(
+                f"unknown optimizer state format {head!r} in {shown!r}; accepted: {_FORMATS} "
+                f"(form {_FORM})"
+            )
+        data: dict[str, object] = {"format": fmt}
+        for part in rest:
+            key, sep, value = (s.strip() for s in part.partition("="))
+            name = _TEXT_KEYS.get(key.lower())
+            if not sep or name is None:
+                raise ValueError(
+                    f"bad part {part!r} in optimizer state {shown!r}; accepted: block=N, min=M "
+                    f"(form {_FORM})"
+                )
+            if name in data:
+                raise ValueError(f"{key.lower()} given twice in optimizer state {shown!r}")
+            if not re.fullmatch(r"[+-]?[0-9]+", value):
+                raise ValueError(
+                    f"{key.lower()}={value!r} in optimizer state {shown!r} is not an integer "
+                    f"(form {_FORM})"
+                )
+            data[name] = int(value)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            reasons = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+            raise ValueError(f"bad optimizer state {shown!r}: {reasons}") from None
+
+
+def parse_optim_state(value: object) -> OptimState:
+    """An ``OptimState`` from an ``OptimState``, its text form (``"int8"``,
+    ``"int4/block=64"``) or its JSON form (a dict of ``format``, ``block``, ``min_size``, each
+    optional). Anything else raises ``ValueError`` quoting it and naming the accepted forms (a
+    dict with another key: naming the key and the three fields)."""
+    if isinstance(value, OptimState):
+        return value
+    if isinstance(value, str):
+        return OptimState.parse(value)
+    if isinstance(value, dict):
+        unknown = sorted(map(repr, set(value) - set(OptimState.model_fields)))
+        if unknown:
+            raise ValueError(
+                f"unknown optimizer state field(s) {', '.join(unknown)} in {value!r}; an "
+                f"OptimState dict takes 'format' ({_FORMATS}), 'block' and 'min_size', each "
+                f"optional"
+            )
+        return OptimState.model_validate(value)
+    raise ValueError(
+        f"bad optimizer state {value!r} ({type(value).__name__}); accepted: an OptimState, its "
+        f"text form {_FORM} with FORMAT one of {_FORMATS}, or its dict "
+        f"{{'format': ..., 'block': ..., 'min_size': ...}}"
+    )
