@@ -10,14 +10,18 @@ import torch
 
 from computectx.dtypes import DType
 from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.compact_optimizer import CompactOptimizer
 from computectx.memory.optimizer import OffloadedOptimizer
 from computectx.memory.optimizer_state import state_tensors
 
 __all__ = ["MemoryReport", "MemoryRow", "Role", "memory_report"]
 
-Role = Literal["params", "grads", "accumulator", "master", "optimizer_state", "staging"]
+Role = Literal["params", "grads", "accumulator", "master", "optimizer_state", "staging", "scratch"]
 """What a tensor is for. ``grads`` covers ``param.grad`` and the masters' ``.grad``;
-``staging`` is the reusable (pinned) host buffers of asynchronous copies."""
+``optimizer_state`` is the state as stored (packed parts under a compact ``optim_state``);
+``staging`` is the reusable (pinned) host buffers of asynchronous copies; ``scratch`` is the
+reused float32 buffer a compact-state step decodes one parameter's state into (the peak
+extra memory of a step)."""
 
 ROLES: tuple[Role, ...] = get_args(Role)
 _ROLE_OF: dict[str, Role] = {r: r for r in ROLES}
@@ -143,7 +147,8 @@ def memory_report(
     ``model`` gives the parameters (``params``) and their ``.grad`` (``grads``); when it is
     omitted, an ``OffloadedOptimizer``'s compute parameters (or a plain optimizer's
     parameters) stand in. ``accumulator`` adds its buffers; ``optimizer`` adds master
-    weights, their gradients, optimizer state and staging buffers. Only real tensors are
+    weights, their gradients, optimizer state (as stored: packed parts for a compact
+    ``optim_state``), staging buffers and the step's scratch buffer. Only real tensors are
     counted (module buffers are not parameters and are left out); a storage shared by
     several tensors counts once.
     """
@@ -207,7 +212,7 @@ def _model_params(
 
 
 def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(optimizer, OffloadedOptimizer):
+    if isinstance(optimizer, (OffloadedOptimizer, CompactOptimizer)):
         yield from optimizer.memory_tensors()
         return
     if not isinstance(optimizer, torch.optim.Optimizer):

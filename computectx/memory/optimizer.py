@@ -32,6 +32,8 @@ from computectx.memory.optimizer_state import (
     check_saved_masters,
     state_tensors,
 )
+from computectx.memory.state.stepper import Stepper, below_f32, check_compile, check_seed
+from computectx.memory.state.store import load_plan
 
 __all__ = ["MASTER_WEIGHTS", "OffloadedOptimizer", "Sharding", "state_tensors"]
 
@@ -63,6 +65,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     compute copy is lower precision. LBFGS is rejected: it re-evaluates its closure against
     the tensors it steps, which here are the masters, not the model.
 
+    ``ctx.optim_state`` says how optimizer state is stored (``"f32"``: torch's own state,
+    the step above exactly). A compact format (bf16, int8, fp8, int4) or a master below
+    float32 (``ctx.master`` bf16/f16) steps the masters one at a time through
+    ``computectx.memory.state.Stepper``: state decoded into one reused float32 scratch
+    buffer (``memory_report``'s ``"scratch"``), torch's own update (or the fused Adam(W)
+    update; ``compile``: ``None`` compiles it on CUDA only), state encoded back, masters
+    below float32 written back with stochastic rounding drawn from generators seeded by
+    ``seed`` (the same on every rank, so data-parallel masters stay identical). An
+    optimizer class whose state is not parameter-shaped (Adafactor, SparseAdam) is then
+    refused at construction. ``state_dict`` adds ``"optim_state"`` and, for masters below
+    float32, ``"master_rounding"``; packed state sits under ``"name.part"`` keys.
+
     ``sharding`` (keyword, a ``Sharding``) is for parameters split across ranks (FSDP2's
     DTensors): each master is then this rank's local shard as a plain tensor on the offload
     device, optimizer state is per shard, ``clip_grad_norm`` measures the global norm with
@@ -89,6 +103,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         *,
         transfer: Transfer = "auto",
         sharding: Sharding | None = None,
+        seed: int = 0,
+        compile: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         if not isinstance(ctx, ComputeCtx):
@@ -108,6 +124,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "it optimizes, which here are the offloaded master copies, not the model; "
                 "use LBFGS directly on the model's parameters"
             )
+        check_seed(seed)
+        check_compile(compile)
         self._weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
         self._ingest = GradIngest(self._weights)
         self._health = GradHealth(self._weights)
@@ -127,6 +145,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self.defaults = self.inner.defaults
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        self._rounds = below_f32(ctx.master.torch)
+        self._stepper = (
+            Stepper(
+                self.inner, ctx.optim_state, seed=seed, compile=compile, who="OffloadedOptimizer"
+            )
+            if ctx.optim_state.compact or self._rounds
+            else None
+        )
 
     @property
     def inner(self) -> torch.optim.Optimizer:
@@ -149,6 +175,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     def ctx(self) -> ComputeCtx:
         """The policy this optimizer was built from."""
         return self._weights.ctx
+
+    @property
+    def stepper(self) -> Stepper | None:
+        """The per-parameter stepper (``None``: f32 state and f32 masters, torch's step)."""
+        return self._stepper
 
     @property
     def compute_params(self) -> tuple[torch.Tensor, ...]:
@@ -260,7 +291,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        self.inner.step()
+        if self._stepper is None:
+            self.inner.step()
+        else:
+            self._stepper.step()
         self._weights.copy_to_compute()
         self.last_step_skipped = False
         return loss
@@ -281,10 +315,13 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     # ----- checkpoints ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The inner optimizer's state dict plus ``"master_weights"`` (index -> tensor)."""
+        """The inner optimizer's state dict plus ``"master_weights"`` (index -> tensor); with
+        the stepper also ``"optim_state"`` and (masters below float32) ``"master_rounding"``."""
         self._weights.adopt_outside_edits()
         sd = dict(super().state_dict())
         sd[MASTER_WEIGHTS] = dict(enumerate(self._weights.master))
+        if self._stepper is not None:
+            sd.update(self._stepper.extras(self._rounds))
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -295,7 +332,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         before anything changes: that the state is of the master optimizer's class
         (``optimizer_state.check_optimizer_class``, ``ValueError`` naming both), the master
         weights' count, shapes and dtypes, and that those of trainable parameters are finite
-        (``optimizer_state.check_saved_masters``).
+        (``optimizer_state.check_saved_masters``), packed state parts (``ValueError`` naming
+        the key) and the rounding generators. State saved under another ``optim_state`` is
+        converted, with a ``UserWarning`` naming both formats and the bound; a plain float
+        tensor of the parameter's shape (a DCP or plain torch checkpoint) is encoded.
         """
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
@@ -310,10 +350,24 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             if saved is None
             else check_saved_masters(saved, self._weights.master, self._weights.ctx.master)
         )
-        for key in ("state", "param_groups"):
-            if key not in sd:
-                raise ValueError(f"state_dict has no {key!r} entry; got keys {sorted(sd)}")
-        super().load_state_dict(sd)
+        stepper = self._stepper
+        plan = load_plan(
+            sd,
+            self.param_groups,
+            self.ctx.optim_state,
+            stepped=stepper is not None,
+            who="OffloadedOptimizer.load_state_dict",
+        )
+        rounding = None
+        if stepper is not None and self._rounds:
+            devices = [mp.device for mp in self._weights.master]
+            rounding = stepper.checked_rounding(plan.rounding, devices)
+        super().load_state_dict(plan.torch_sd)
+        plan.finish(self.state)
+        if stepper is not None:
+            stepper.forget()
+            if rounding is not None:
+                stepper.rounding = rounding
         self._weights.load(masters)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -346,8 +400,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
 
         ``("master", w)`` and, while it exists, ``("grads", w.grad)`` per master weight;
         ``("optimizer_state", t)`` per tensor in the inner optimizer's state; and
-        ``("staging", buffer)`` per staging buffer. The compute parameters are the model's
-        and are not included.
+        ``("staging", buffer)`` per staging buffer; ``("scratch", buffer)`` per scratch
+        buffer of the stepper. The compute parameters are the model's and are not included.
         """
         for mp in self._weights.master:
             yield "master", mp
@@ -357,3 +411,6 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             yield from (("optimizer_state", t) for t in state_tensors(per_param))
         for buffer in (*self._ingest.staging_buffers(), *self._weights.staging_buffers()):
             yield "staging", buffer
+        if self._stepper is not None:
+            for buffer in self._stepper.scratch_buffers():
+                yield "scratch", buffer

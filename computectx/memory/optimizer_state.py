@@ -138,7 +138,8 @@ def state_tensors(value: Any) -> Iterator[torch.Tensor]:
 #    over the years, so an older checkpoint still loads);
 # 3. where the saved state has per-parameter entries, their keys are the ones the loading
 #    class keeps under the group's options (found by one step of that class, with those
-#    options, on a 2x2 zero parameter).
+#    options, on a 2x2 zero parameter). A packed state's parts ("exp_avg.codes",
+#    "exp_avg.absmax": see computectx.memory.state.store) count as their state name.
 #
 # Adam and AdamW pass all three both ways (AdamW is Adam with decoupled_weight_decay=True,
 # an option the group carries, which loads as saved, as lr does), as in torch. An error names
@@ -278,7 +279,8 @@ def check_optimizer_class(
             found.append(f"no {unfilled}, which {target} needs")
         if not found and entries and j == 0:
             want = _state_keys(optimizer_class, defaults, group)
-            got = {frozenset(map(str, e)) for e in entries}
+            # Packed state is stored as "name.part" keys: the state names are what count.
+            got = {frozenset(str(k).partition(".")[0] for k in e) for e in entries}
             if want and not got <= want:
                 keeps = " or ".join(str(sorted(w)) for w in sorted(want, key=sorted))
                 found.append(

@@ -98,6 +98,7 @@ def test_meta_offload_keeps_every_gradient_and_master_off_the_compute_device() -
         "master": 0,
         "optimizer_state": 0,
         "staging": 0,
+        "scratch": 0,
     }
     assert r.bytes(device="meta", role="accumulator", dtype="bfloat16") == 2 * p
     assert r.bytes(device="meta", role="master", dtype="float32") == 4 * p

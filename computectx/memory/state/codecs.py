@@ -1,0 +1,459 @@
+"""Encode and decode optimizer state tensors in the compact formats of ``OptimState``.
+
+``encode(x, state, kind)`` stores a floating tensor as a ``Packed`` (named parts);
+``decode(p)`` gives it back as float32. Blocks are taken over the flattened tensor in
+row-major order, never cross its end (the last block is zero-padded while encoding; the
+padding is not stored) and so never straddle parameters or shards. Nearest rounding
+everywhere (ties to the lower code for the maps, to even for fp8 and bf16).
+
+Round-trip bound, ``|decode(encode(x)) - x|`` per element (``round_trip_bound`` computes
+it; property-tested). ``s`` is the element's scale: its block's absmax, or for rank-1
+``min(row max, column max)``; ``n = x / s``; ``gap(n)`` is the distance between the two map
+entries around ``n``; ``slack = s * 2**-20 + 2**-149`` (float32 rounding of ``x / s`` and of
+``code * s``, subnormals included):
+
+| format / kind | bound per element | worst case |
+|---|---|---|
+| bf16 (both) | ``|x| * 2**-8 + 2**-134`` | relative 2**-8 = 0.39 % |
+| int8 signed | ``gap(n) / 2 * s + slack`` | 0.0070 * block absmax |
+| int8 unsigned | ``gap(n) / 2 * s + slack`` | 0.0035 * block absmax |
+| fp8 (both) | ``max(|x| * 2**-4, s * 2**-10 / 448) + slack`` | relative 6.25 %; s * 2.2e-6 near 0 |
+| int4 signed | ``gap(n) / 2 * s + slack`` | 0.1125 * block absmax |
+| int4 unsigned | ``s / 32 + slack`` for n >= 1/16, else ``(1/16 - n) * s + slack`` | s / 16 at 0 |
+
+Measured (1024 x 1024, default blocks; m ~ N(0, 1e-3), v = (N(0, 1e-3) * e**N(0, 1))**2),
+relative RMS error ``|decode(encode(x)) - x| / |x|``: bf16 1.7e-3 / 1.8e-3 (m / v), int8
+1.1e-2 / 2.4e-3, fp8 2.6e-2 / 8.2e-3, int4 0.16 / 0.65 (rank-1 on i.i.d. heavy-tailed v;
+0.036 on a v with row-times-column structure, which rank-1 normalization is made for).
+
+The maps (``maps.py``): int8 signed/unsigned = dynamic tree map (255 / 256 entries, smallest
+non-zero 1e-6 / 1e-7 of the block absmax); int4 signed = 4-bit dynamic exponent map (15
+entries); int4 unsigned = ``(i + 1) / 16``. Zeros stay zero and signs are kept (a value may
+round to zero, never across it) in every format but int4 unsigned, whose map has no zero.
+fp8 stores e4m3 (``torch.float8_e4m3fn``) bit patterns as uint8 with the block absmax:
+``decode = e4m3(code) / 448 * absmax``, i.e. a scale of ``absmax / 448`` per block.
+
+int4 unsigned is rank-1 normalized (lpmm) when the tensor has 2 or more dims and its row and
+column maxima (of the tensor viewed as ``(shape[0], -1)``) take no more room than one absmax
+per block would (``rows + cols <= ceil(numel / block)``); otherwise it uses blocks.
+
+Fixed point: each block's (row's, column's) largest magnitude decodes exactly (the maps hold
+±1, e4m3 holds 448), so the scales of ``decode(p)`` are ``p``'s own scales, and every value
+decodes within a few f32 ulps of a code's value, which re-encodes to the same code. Hence
+``encode(decode(p))`` has parts identical to ``p`` for bf16, int8, fp8 and int4 (both kinds),
+provided ``map_min * s`` is a normal float32 (s above about 1e-31 for int8, 1e-36 for int4,
+1e-33 for fp8): below that the decoded values are f32 subnormals and may land on another code.
+The check is ``test_state_codecs.py::test_re_encoding_is_a_fixed_point``.
+
+Resharding (DCP 2 <-> 1): blocks are per block, so shards cut at block boundaries re-form the
+blocks exactly (the same parts, concatenated); a cut inside a block re-encodes the blocks it
+touches, within the saved layout's bound plus ``round_trip_bound`` of the new layout
+(``test_shards_split_at_a_block_boundary_merge_exactly``). Rank-1 int4's column maxima
+depend on which rows a shard holds, so it is re-encoded under that same combined bound.
+
+Non-finite input is refused (ValueError); so is a negative value for ``kind="unsigned"``,
+and a bf16 encode that overflows (|x| beyond bf16's max, 3.39e38).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Literal, NamedTuple
+
+import torch
+from torch.nn import functional
+
+from computectx.memory.state.maps import map_for, qmap, qmap_midpoints
+from computectx.optim_state import OptimState, StateFormat
+
+__all__ = [
+    "PACKED_FORMATS",
+    "Kind",
+    "Maps",
+    "Packed",
+    "Spec",
+    "decode",
+    "decode_tensors",
+    "encode",
+    "encode_tensors",
+    "from_parts",
+    "maps_for",
+    "packed_nbytes",
+    "part_layout",
+    "part_names",
+    "parts_of",
+    "round_trip_bound",
+    "spec_of",
+]
+
+Kind = Literal["signed", "unsigned"]
+"""Signed state (first moments, momentum) or non-negative state (second moments, sums)."""
+KINDS: tuple[Kind, ...] = ("signed", "unsigned")
+PACKED_FORMATS: tuple[StateFormat, ...] = ("bf16", "int8", "fp8", "int4")
+"""The formats ``encode`` stores (``f32`` state stays a plain tensor)."""
+
+FP8_MAX = 448.0
+_TINY = 2.0**-149
+_SLACK = 2.0**-20
+
+
+@dataclasses.dataclass(eq=False)
+class Packed:
+    """One state tensor in a compact format: its parts and what they mean."""
+
+    format: StateFormat
+    kind: Kind
+    shape: torch.Size
+    """The tensor's (the parameter's local shard's) shape."""
+    block: int
+    """Elements per block; 0 for bf16 and for rank-1 normalized int4."""
+    parts: dict[str, torch.Tensor]
+    """``{"codes": uint8, "absmax": f32[nblocks]}``, ``{"codes", "rows", "cols"}`` for rank-1
+    int4, ``{"values": bf16 of shape}`` for bf16."""
+
+    def nbytes(self) -> int:
+        """Bytes held by the parts."""
+        return sum(t.numel() * t.element_size() for t in self.parts.values())
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.parts.values())).device
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# ----- layout ------------------------------------------------------------------------------
+
+
+class Spec(NamedTuple):
+    """What a packed tensor looks like: static facts, no tensors (the compiled update's key)."""
+
+    format: str
+    signed: bool
+    block: int  # 0 for bf16 and rank-1
+    rank1: bool
+
+
+def _check_format(state: OptimState, kind: str) -> None:
+    if state.format not in PACKED_FORMATS:
+        raise ValueError(
+            f"optimizer state format {state.format!r} is not packed (f32 state stays a plain "
+            f"tensor); encode accepts: {', '.join(PACKED_FORMATS)}"
+        )
+    if kind not in KINDS:
+        raise ValueError(f"kind={kind!r} is not a state kind; accepted: 'signed', 'unsigned'")
+
+
+def _uses_rank1(fmt: str, signed: bool, shape: Sequence[int], block: int) -> bool:
+    if fmt != "int4" or signed or len(shape) < 2:
+        return False
+    numel = math.prod(shape)
+    if numel == 0:
+        return False
+    return shape[0] + numel // shape[0] <= -(-numel // block)
+
+
+def _spec(state: OptimState, kind: str, shape: Sequence[int]) -> Spec:
+    _check_format(state, kind)
+    signed = kind == "signed"
+    block = state.block_size
+    if state.format == "bf16":
+        return Spec("bf16", signed, 0, False)
+    rank1 = _uses_rank1(state.format, signed, shape, block)
+    return Spec(state.format, signed, 0 if rank1 else block, rank1)
+
+
+def part_layout(spec: Spec, shape: Sequence[int]) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    numel = math.prod(shape)
+    if spec.format == "bf16":
+        return {"values": (torch.bfloat16, tuple(shape))}
+    ncodes = (numel + 1) // 2 if spec.format == "int4" else numel
+    layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"codes": (torch.uint8, (ncodes,))}
+    if spec.rank1:
+        layout["rows"] = (torch.float32, (shape[0],))
+        layout["cols"] = (torch.float32, (numel // shape[0],))
+    else:
+        layout["absmax"] = (torch.float32, (-(-numel // spec.block),))
+    return layout
+
+
+def part_names(state: OptimState, kind: Kind, shape: Sequence[int]) -> tuple[str, ...]:
+    """The names of the parts ``encode`` makes for a tensor of ``shape``."""
+    return tuple(part_layout(_spec(state, kind, shape), shape))
+
+
+def packed_nbytes(numel_or_shape: int | Sequence[int], state: OptimState, kind: Kind) -> int:
+    """Bytes ``encode`` would hold for a tensor of this shape (an int is read as 1-D).
+
+    ``f32`` is ``4 * numel``. ``min_size`` is not applied here (the caller keeps small tensors
+    f32). Rank-1 int4 needs the shape: given only a count, blocks are assumed.
+    """
+    shape = (numel_or_shape,) if isinstance(numel_or_shape, int) else tuple(numel_or_shape)
+    if state.format == "f32":
+        return 4 * math.prod(shape)
+    layout = part_layout(_spec(state, kind, shape), shape)
+    return sum(math.prod(s) * torch.empty((), dtype=d).element_size() for d, s in layout.values())
+
+
+# ----- the tensor kernels (traceable by torch.compile: no Python loop over blocks) ---------
+
+
+class Maps(NamedTuple):
+    """The map and its midpoints on the tensor's device (empty for bf16 and fp8)."""
+
+    values: torch.Tensor
+    mids: torch.Tensor
+
+
+def maps_for(spec: Spec, device: torch.device) -> Maps:
+    """The map of ``spec`` and its midpoints on ``device`` (cached)."""
+    if spec.format not in ("int8", "int4"):
+        empty = torch.empty(0, device=device)
+        return Maps(empty, empty)
+    name = map_for(spec.format, spec.signed)
+    return Maps(qmap(name, device), qmap_midpoints(name, device))
+
+
+def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
+    pad = (-flat.numel()) % block
+    return functional.pad(flat, (0, pad)).view(-1, block)
+
+
+def _per_element(scale: torch.Tensor, block: int, numel: int) -> torch.Tensor:
+    return scale[:, None].expand(-1, block).reshape(-1)[:numel]
+
+
+def _safe(scale: torch.Tensor) -> torch.Tensor:
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _pack4(codes: torch.Tensor) -> torch.Tensor:
+    pairs = functional.pad(codes, (0, codes.numel() % 2)).view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).to(torch.uint8)
+
+
+def _unpack4(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    b = packed.to(torch.int64)
+    return torch.stack((b & 15, b >> 4), dim=1).reshape(-1)[:numel]
+
+
+def _scales(x32: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, ...]:
+    """Per-block absmax ``(absmax,)`` or rank-1 ``(rows, cols)`` of ``x32``."""
+    if spec.rank1:
+        a2 = x32.reshape(x32.shape[0], -1).abs()
+        return a2.amax(dim=1), a2.amax(dim=0)
+    return (_blocks(x32.reshape(-1), spec.block).abs().amax(dim=1),)
+
+
+def _element_scale(scales: Sequence[torch.Tensor], spec: Spec, numel: int) -> torch.Tensor:
+    """The scale of each element (flat), from ``_scales``."""
+    if spec.rank1:
+        rows, cols = scales
+        return torch.minimum(rows[:, None], cols[None, :]).reshape(-1)
+    return _per_element(scales[0], spec.block, numel)
+
+
+def encode_tensors(x32: torch.Tensor, spec: Spec, maps: Maps) -> tuple[torch.Tensor, ...]:
+    """The parts of ``x32`` (float32) in ``part_names`` order; no checks."""
+    if spec.format == "bf16":
+        return (x32.to(torch.bfloat16),)
+    numel = x32.numel()
+    if spec.rank1:
+        a2 = x32.reshape(x32.shape[0], -1)
+        scales: tuple[torch.Tensor, ...] = (a2.abs().amax(dim=1), a2.abs().amax(dim=0))
+        n = (a2 / _safe(torch.minimum(scales[0][:, None], scales[1][None, :]))).reshape(-1)
+    else:
+        blocks = _blocks(x32.reshape(-1), spec.block)
+        scales = (blocks.abs().amax(dim=1),)
+        n = (blocks / _safe(scales[0])[:, None]).reshape(-1)[:numel]
+    if spec.format == "fp8":
+        codes = (n * FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        return (codes, *scales)
+    idx = torch.bucketize(n, maps.mids)
+    if spec.format == "int4":
+        return (_pack4(idx), *scales)
+    return (idx.to(torch.uint8), *scales)
+
+
+def decode_tensors(
+    parts: Sequence[torch.Tensor], spec: Spec, maps: Maps, numel: int
+) -> torch.Tensor:
+    """``parts`` (``part_names`` order) decoded to a flat float32 tensor of ``numel``."""
+    if spec.format == "bf16":
+        return parts[0].reshape(-1).float()
+    codes, scales = parts[0], parts[1:]
+    scale = _element_scale(scales, spec, numel)
+    if spec.format == "fp8":
+        return codes.view(torch.float8_e4m3fn).float() / FP8_MAX * scale
+    idx = _unpack4(codes, numel) if spec.format == "int4" else codes.to(torch.int64)
+    return maps.values[idx] * scale
+
+
+# ----- the public API --------------------------------------------------------------------
+
+
+def _check_input(x: object, state: OptimState, kind: str, what: str) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} takes a tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what} takes a floating tensor (read as float32), got {x.dtype}")
+    _check_format(state, kind)
+    return x.float()
+
+
+def encode(x: torch.Tensor, state: OptimState, kind: Kind, *, check_finite: bool = True) -> Packed:
+    """``x`` (floating, any shape, read as float32) stored in ``state.format``.
+
+    Raises ValueError on non-finite values, on a negative value when ``kind="unsigned"``,
+    and on a bf16 overflow (``check_finite=False`` skips these checks and their device sync,
+    for callers that know their state is finite and, if unsigned, non-negative).
+    """
+    x32 = _check_input(x, state, kind, "encode")
+    spec = _spec(state, kind, x.shape)
+    parts = encode_tensors(x32, spec, maps_for(spec, x32.device))
+    if check_finite and x32.numel() > 0:
+        bad = ~torch.isfinite(x32).all()
+        if kind == "unsigned":
+            bad = bad | (x32 < 0).any()
+        if spec.format == "bf16":
+            bad = bad | ~torch.isfinite(parts[0]).all()
+        if bool(bad):
+            raise ValueError(_bad_input_message(x32, state, kind))
+    names = part_layout(spec, x.shape)
+    return Packed(
+        state.format, kind, torch.Size(x.shape), spec.block, dict(zip(names, parts, strict=True))
+    )
+
+
+def _bad_input_message(x32: torch.Tensor, state: OptimState, kind: str) -> str:
+    nonfinite = int((~torch.isfinite(x32)).sum())
+    if nonfinite:
+        return (
+            f"encode({state.format}, {kind}) got {nonfinite} non-finite value(s) in a tensor of "
+            f"shape {list(x32.shape)}; only finite state can be encoded"
+        )
+    if kind == "unsigned" and bool((x32 < 0).any()):
+        return (
+            f"encode({state.format}, unsigned) got negative value(s) (min {float(x32.min())}); "
+            f"unsigned state (second moments, sums of squares) must be >= 0: use kind='signed'"
+        )
+    big = float(x32.abs().max())
+    return (
+        f"encode(bf16) got |x| = {big:g}, beyond bfloat16's largest finite value "
+        f"{torch.finfo(torch.bfloat16).max:g}"
+    )
+
+
+def spec_of(p: Packed) -> Spec:
+    """The static facts of ``p`` (format, signedness, block, rank-1)."""
+    return Spec(p.format, p.kind == "signed", p.block, p.format == "int4" and "rows" in p.parts)
+
+
+def decode(p: Packed, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``p`` as a float32 tensor of ``p.shape`` (written into ``out`` when given)."""
+    spec = spec_of(p)
+    names = tuple(part_layout(spec, p.shape))
+    flat = decode_tensors([p.parts[k] for k in names], spec, maps_for(spec, p.device), p.numel)
+    if out is None:
+        return flat.view(p.shape)
+    if out.dtype != torch.float32 or out.shape != p.shape or out.device != p.device:
+        raise ValueError(
+            f"decode's out must be float32 of shape {list(p.shape)} on {p.device}, got "
+            f"{out.dtype}{list(out.shape)} on {out.device}"
+        )
+    return out.copy_(flat.view(p.shape))
+
+
+def parts_of(p: Packed) -> dict[str, torch.Tensor]:
+    """The parts of ``p`` by name, for a ``state_dict`` (the tensors themselves, no copy)."""
+    return dict(p.parts)
+
+
+def from_parts(
+    parts: Mapping[str, object],
+    shape: Sequence[int],
+    state: OptimState,
+    kind: Kind,
+    where: str,
+) -> Packed:
+    """A ``Packed`` from ``parts`` (``parts_of``'s form), checked; it holds the given tensors.
+
+    Checks the names, dtypes, shapes and devices of the parts, and that every code is one the
+    format makes and every scale is finite and >= 0. Raises ValueError naming ``where`` and
+    what is accepted.
+    """
+    _check_format(state, kind)
+    shape = torch.Size(shape)
+    spec = _spec(state, kind, shape)
+    layout = part_layout(spec, shape)
+    what = f"{where}: {state.format} {kind} state of shape {list(shape)}"
+    got = sorted(map(str, parts))
+    if got != sorted(layout):
+        raise ValueError(f"{what} has parts {got}; accepted: exactly {sorted(layout)}")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, (dtype, part_shape) in layout.items():
+        t = parts[name]
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{what}: part {name!r} must be a tensor, got {type(t).__name__}")
+        if t.dtype != dtype or tuple(t.shape) != part_shape:
+            raise ValueError(
+                f"{what}: part {name!r} is {t.dtype}{list(t.shape)}; accepted: "
+                f"{dtype}{list(part_shape)}"
+            )
+        tensors[name] = t
+    devices = {t.device for t in tensors.values()}
+    if len(devices) > 1:
+        raise ValueError(f"{what}: parts lie on several devices {sorted(map(str, devices))}")
+    _check_values(tensors, spec, what)
+    return Packed(state.format, kind, shape, spec.block, tensors)
+
+
+def _check_values(tensors: dict[str, torch.Tensor], spec: Spec, what: str) -> None:
+    for name in ("absmax", "rows", "cols"):
+        t = tensors.get(name)
+        if t is not None and t.numel() and not bool((torch.isfinite(t) & (t >= 0)).all()):
+            raise ValueError(f"{what}: part {name!r} holds negative or non-finite scales")
+    codes = tensors.get("codes")
+    if codes is None or codes.numel() == 0:
+        return
+    if spec.format == "fp8":
+        if bool((codes & 0x7F == 0x7F).any()):
+            raise ValueError(f"{what}: part 'codes' holds e4m3 NaN codes (0x7f/0xff)")
+        return
+    size = len(qmap(map_for(spec.format, spec.signed)))
+    top = (
+        int(codes.max()) if spec.format == "int8" else int(_unpack4(codes, 2 * codes.numel()).max())
+    )
+    if top >= size:
+        raise ValueError(
+            f"{what}: part 'codes' holds code {top}; the {spec.format} "
+            f"{'signed' if spec.signed else 'unsigned'} map has codes 0..{size - 1}"
+        )
+
+
+def round_trip_bound(x: torch.Tensor, state: OptimState, kind: Kind) -> torch.Tensor:
+    """The documented bound on ``|decode(encode(x)) - x|`` per element (float32, x's shape).
+
+    See the table in this module's docstring. ``f32`` state is not encoded: zeros.
+    """
+    if state.format == "f32":
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    x32 = _check_input(x, state, kind, "round_trip_bound")
+    ax = x32.abs().reshape(-1)
+    spec = _spec(state, kind, x.shape)
+    if spec.format == "bf16":
+        return (ax * 2.0**-8 + 2.0**-134).view(x.shape)
+    scale = _element_scale(_scales(x32, spec), spec, ax.numel())
+    slack = scale * _SLACK + _TINY
+    if spec.format == "fp8":
+        return (torch.maximum(ax * 2.0**-4, scale * (2.0**-10 / FP8_MAX)) + slack).view(x.shape)
+    values = maps_for(spec, x32.device).values
+    n = x32.reshape(-1) / _safe(scale)
+    i = (torch.bucketize(n, values, right=True) - 1).clamp(0, len(values) - 2)
+    half_gap = (values[i + 1] - values[i]) / 2
+    half_gap = torch.where(n < values[0], values[0] - n, half_gap)
+    return (half_gap * scale + slack).view(x.shape)

@@ -1,0 +1,430 @@
+"""The per-parameter step over compact optimizer state and low-precision weights.
+
+``Stepper`` steps the parameters of a torch optimizer (``inner``) one at a time, so the
+extra memory of a step is one parameter's float32 working copy of weight, gradient and
+decoded state, in one reused ``Scratch`` buffer:
+
+- the generic path, for any torch.optim class whose state tensors have the parameter's
+  shape or are scalars: the inner optimizer's group is pointed at the one working tensor
+  (the weight itself when it is float32, else its float32 copy) and its decoded state,
+  ``inner.step()`` runs torch's own update, and the state is encoded back. The inner
+  optimizer's ``param_groups`` and ``defaults`` stay the real objects between steps, so LR
+  schedulers and checkpoints see them as usual;
+- the fused path, for ``torch.optim.Adam``/``AdamW`` without amsgrad, capturable,
+  differentiable or torch's fused kernel: ``fused.adam_update`` decodes, updates and
+  encodes in one (compiled on CUDA by default) function.
+
+A weight below float32 (a bf16/f16 master, or a bf16 parameter of ``CompactOptimizer``) is
+updated in float32 and written back with stochastic rounding, from ``RoundingGenerators``
+seeded with ``seed``: the same seed draws the same bits on every rank, so data-parallel
+ranks keep identical weights without a collective.
+
+Classes whose state does not fit (Adafactor's factored moments, SparseAdam's sparse
+updates, LBFGS's history) are refused at construction by ``check_fits``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, cast
+
+import torch
+
+from computectx.memory._rounding import RoundingGenerators, stochastic_round
+from computectx.memory.state.codecs import Packed, decode, parts_of
+from computectx.memory.state.fused import adam_update
+from computectx.memory.state.store import (
+    MASTER_ROUNDING_KEY,
+    OPTIM_STATE_KEY,
+    PART_SEP,
+    Scratch,
+    encode_entry,
+    packed_of,
+    packs,
+    split_entry,
+)
+from computectx.optim_state import OptimState
+
+__all__ = [
+    "MASTER_ROUNDING",
+    "OPTIM_STATE",
+    "Stepper",
+    "below_f32",
+    "check_compile",
+    "check_fits",
+    "check_seed",
+]
+
+OPTIM_STATE = OPTIM_STATE_KEY
+MASTER_ROUNDING = MASTER_ROUNDING_KEY
+
+_GROUP_ENTRIES = frozenset({"params", "param_names"})
+_HOW = frozenset({"foreach", "fused", "capturable", "differentiable"})
+_PROBE_SHAPES = ((4, 3), (5,))
+
+
+def check_seed(seed: object) -> None:
+    """``TypeError`` unless ``seed`` is an int (not a bool)."""
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise TypeError(f"seed must be an int, got {seed!r}")
+
+
+def check_compile(compile: object) -> None:
+    """``TypeError`` unless ``compile`` is ``True``, ``False`` or ``None``."""
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"compile must be True, False or None, got {compile!r}")
+
+
+def below_f32(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` are written back with stochastic rounding."""
+    return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
+def _name(cls: type) -> str:
+    if getattr(torch.optim, cls.__name__, None) is cls:
+        return f"torch.optim.{cls.__name__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def check_fits(
+    cls: type[torch.optim.Optimizer], options: dict[str, Any], optim_state: OptimState, who: str
+) -> None:
+    """``ValueError`` unless every state tensor ``cls`` keeps has the parameter's shape or is
+    a scalar, found by two steps on a matrix and a vector probe under the group ``options``.
+
+    SparseAdam (sparse gradients: a step touches only some rows) and LBFGS (a closure
+    re-evaluated per step, history vectors of the flattened parameters) are refused by
+    name; a class whose probe cannot step is refused with the probe's error. Draws nothing
+    from torch's global generator.
+    """
+    name = _name(cls)
+    why = (
+        f"{who}: optimizer state stored as {optim_state} (or a weight below float32) is "
+        f"stepped one parameter at a time, with blocks inside each parameter's state, so "
+        f"every state tensor must have the parameter's shape or be a scalar"
+    )
+    use = (
+        "Use optim_state='f32' and a float32 weight with it, or a class whose state fits "
+        "(AdamW, Adam, SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, ...)"
+    )
+    if issubclass(cls, torch.optim.SparseAdam):
+        raise ValueError(
+            f"{why}; {name} is refused: it steps sparse gradients, touching only the rows "
+            f"a batch used, which a per-block encoding of the whole state cannot follow. {use}"
+        )
+    if issubclass(cls, torch.optim.LBFGS):
+        raise ValueError(
+            f"{why}; {name} is refused: its state is a history of flattened update vectors, "
+            f"not per-parameter tensors. {use}"
+        )
+    kept = {k: v for k, v in options.items() if k not in _GROUP_ENTRIES | _HOW}
+    for shape in _PROBE_SHAPES:
+        try:
+            with torch.inference_mode(False), torch.enable_grad():
+                n = 1
+                for d in shape:
+                    n *= d
+                p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, n).reshape(shape))
+                build: Any = cls
+                probe = build([p], lr=kept.get("lr", 1e-3))
+                probe.param_groups[0].update(kept)
+                for k in range(2):
+                    p.grad = torch.linspace(0.5, -0.5 - k, n).reshape(shape)
+                    probe.step()
+            state = dict(probe.state[p])
+        except Exception as e:  # the probe cannot step: we cannot tell, so we refuse
+            raise ValueError(
+                f"{why}; {name} could not be checked: a step on a probe parameter of shape "
+                f"{list(shape)} failed ({type(e).__name__}: {e}). {use}"
+            ) from e
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                if value.dim() == 0 or value.shape == p.shape:
+                    continue
+                got = f"a tensor of shape {list(value.shape)}"
+            elif value is None or isinstance(value, (bool, int, float)):
+                continue
+            else:
+                got = f"a {type(value).__name__}"
+            raise ValueError(
+                f"{why}; {name} keeps state {key!r} as {got} for a parameter of shape "
+                f"{list(shape)}. {use}"
+            )
+
+
+@dataclasses.dataclass
+class _Work:
+    """One parameter's float32 working tensors during its step."""
+
+    weight: torch.Tensor
+    state: dict[str, Any]
+
+
+class Stepper:
+    """Steps the parameters of ``inner`` one at a time, state stored as ``optim_state``.
+
+    ``compile``: run the fused Adam update through ``torch.compile`` (``None``: on CUDA
+    tensors only). ``seed`` seeds the stochastic rounding of weights below float32.
+    """
+
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        optim_state: OptimState,
+        *,
+        seed: int,
+        compile: bool | None,
+        who: str,
+    ) -> None:
+        check_seed(seed)
+        check_compile(compile)
+        check_fits(type(inner), dict(inner.param_groups[0]), optim_state, who)
+        self.inner = inner
+        self.optim_state = optim_state
+        self.compile = compile
+        self.rounding = RoundingGenerators(seed)
+        self.scratch = Scratch()
+        # The Packed values of the last encode, per parameter: their parts are the tensors
+        # in ``inner.state``, so a step rebuilds nothing (and checks nothing) while the
+        # state still holds them; a loaded state is checked by the codec once.
+        self._packed: dict[torch.Tensor, dict[str, Packed]] = {}
+        self.fused = type(inner) in (torch.optim.Adam, torch.optim.AdamW)
+        """Whether Adam/AdamW steps take ``fused.adam_update`` (set ``False`` to run torch's
+        own update through the generic path instead; other classes always do)."""
+        # State a class makes at construction (Adagrad's sums) is stored as ours at once.
+        with torch.no_grad():
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if inner.state.get(p):
+                        self._store(p, dict(inner.state[p]))
+
+    # ----- the step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Step every parameter with a gradient, group by group, in order."""
+        inner = self.inner
+        groups = inner.param_groups
+        for group in list(groups):
+            params = group["params"]
+            for p in list(params):
+                if p.grad is None:
+                    continue
+                if self._uses_fused(group, p):
+                    self._step_fused(group, p)
+                else:
+                    self._step_generic(group, p)
+
+    def _uses_fused(self, group: dict[str, Any], p: torch.Tensor) -> bool:
+        return (
+            self.fused
+            and not group.get("amsgrad", False)
+            and not group.get("capturable", False)
+            and not group.get("differentiable", False)
+            and not group.get("fused", False)
+            and not p.is_complex()
+            and p.grad is not None
+            and not p.grad.is_sparse
+        )
+
+    def _generator(self, p: torch.Tensor) -> torch.Generator | None:
+        return self.rounding.get(p.device) if below_f32(p.dtype) else None
+
+    def _step_generic(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        inner = self.inner
+        entry = inner.state.pop(p, None) or {}
+        try:
+            work = self._decode(p, entry)
+            w = work.weight
+            groups, params = inner.param_groups, group["params"]
+            inner.param_groups = [group]
+            group["params"] = [w]
+            if work.state:
+                inner.state[w] = work.state
+            try:
+                inner.step()
+            finally:
+                group["params"] = params
+                inner.param_groups = groups
+                new = dict(inner.state.pop(w, {}))
+                if w is not p:
+                    w.grad = None
+        except BaseException:
+            inner.state[p] = entry
+            raise
+        self._check_shapes(p, new)
+        for name, value in new.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and self.scratch.owns(value)
+                and not packs(value, p.shape, self.optim_state)
+            ):
+                new[name] = value.clone()
+        try:
+            self._store(p, new)
+        except ValueError as e:
+            # A finite gradient drove the state out of range (the codec refuses inf/NaN):
+            # the state before this step is kept rather than lost.
+            inner.state[p] = entry
+            raise ValueError(
+                f"the optimizer state of a parameter of shape {list(p.shape)} is not finite "
+                f"after its step and cannot be stored as {self.optim_state}; its state is "
+                f"kept as before this step ({e})"
+            ) from e
+        if w is not p:
+            self._write_back(p, w)
+
+    def _decode(self, p: torch.Tensor, entry: dict[str, Any]) -> _Work:
+        """The working weight (with its float32 gradient) and decoded state of ``p``."""
+        plain, packed = split_entry(entry)
+        low = below_f32(p.dtype)
+        views = self.scratch.views(p.device, p.shape, len(packed) + (2 if low else 0))
+        state = dict(plain)
+        for name, parts in packed.items():
+            state[name] = decode(self._packed_value(p, name, parts), out=views.pop())
+        # Back in torch's order (step first), whatever order the parts were stored in.
+        order: dict[str, int] = {}
+        for key in entry:
+            order.setdefault(str(key).partition(PART_SEP)[0], len(order))
+        state = {k: state[k] for k in sorted(state, key=lambda k: order.get(k, len(order)))}
+        if not low:
+            return _Work(p, state)
+        w, g = views.pop(), views.pop()
+        w.copy_(p)
+        assert p.grad is not None
+        g.copy_(p.grad)
+        w.grad = g
+        return _Work(w, state)
+
+    def _packed_value(self, p: torch.Tensor, name: str, parts: dict[str, Any]) -> Packed:
+        """The ``Packed`` value of state ``name`` of ``p`` stored as ``parts``."""
+        cached = self._packed.get(p, {}).get(name)
+        if (
+            cached is not None
+            and cached.parts.keys() == parts.keys()
+            and all(cached.parts[k] is v for k, v in parts.items())
+        ):
+            return cached
+        return packed_of(parts, name, p.shape, self.optim_state, f"state[{name!r}]")
+
+    def _store(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        """Encode ``state`` (decoded, by name) into ``inner.state[p]``."""
+        made: dict[str, Packed] = {}
+        self.inner.state[p] = encode_entry(
+            state, p.shape, self.optim_state, check_finite=p.device.type == "cpu", packed_out=made
+        )
+        self._packed[p] = made
+
+    def _write_back(self, p: torch.Tensor, w: torch.Tensor) -> None:
+        gen = self._generator(p)
+        if gen is None:
+            p.copy_(w)
+        else:
+            p.copy_(stochastic_round(w, p.dtype, gen))
+
+    def _check_shapes(self, p: torch.Tensor, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
+                raise ValueError(
+                    f"{_name(type(self.inner))} made state {key!r} of shape "
+                    f"{list(value.shape)} for a parameter of shape {list(p.shape)}; compact "
+                    f"optimizer state needs the parameter's shape or a scalar"
+                )
+
+    def _step_fused(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        inner = self.inner
+        entry = inner.state.get(p) or {}
+        plain, packed = split_entry(entry)
+        shape, fmt = p.shape, self.optim_state
+        moments: list[Packed | torch.Tensor] = []
+        fresh = not entry
+        if fresh:
+            step_t = torch.tensor(0.0, dtype=_scalar_dtype())
+            moments = [torch.zeros(shape, dtype=torch.float32, device=p.device) for _ in "mv"]
+        else:
+            step_t = plain["step"]
+            for name in ("exp_avg", "exp_avg_sq"):
+                if name in packed:
+                    moments.append(self._packed_value(p, name, packed[name]))
+                else:
+                    moments.append(cast(torch.Tensor, plain[name]))
+        step_t += 1
+        beta1, beta2 = group["betas"]
+        m, v = adam_update(
+            p,
+            cast(torch.Tensor, p.grad),
+            moments[0],
+            moments[1],
+            int(step_t.item()),
+            lr=float(group["lr"]),
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            decoupled=bool(
+                group.get("decoupled_weight_decay", isinstance(inner, torch.optim.AdamW))
+            ),
+            maximize=bool(group.get("maximize", False)),
+            state=fmt,
+            generator=self._generator(p),
+            compiled=self.compile if self.compile is not None else p.device.type == "cuda",
+        )
+        new: dict[str, Any] = {"step": step_t}
+        made: dict[str, Packed] = {}
+        for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
+            if isinstance(value, Packed):
+                new.update({f"{name}{PART_SEP}{k}": t for k, t in parts_of(value).items()})
+                made[name] = value
+            else:
+                new.update(
+                    encode_entry(
+                        {name: value},
+                        shape,
+                        fmt,
+                        check_finite=p.device.type == "cpu",
+                        packed_out=made,
+                    )
+                )
+        inner.state[p] = new
+        self._packed[p] = made
+
+    # ----- checkpoints ------------------------------------------------------------------
+
+    def forget(self) -> None:
+        """Drop the kept ``Packed`` values (the state was replaced: a load)."""
+        self._packed.clear()
+
+    def extras(self, rounds: bool) -> dict[str, Any]:
+        """What a state dict carries beside torch's entries: the format, and the rounding
+        generators when ``rounds`` (some weight is below float32)."""
+        out: dict[str, Any] = {OPTIM_STATE: str(self.optim_state)}
+        if rounds:
+            out[MASTER_ROUNDING] = self.rounding.state_dict()
+        return out
+
+    def checked_rounding(
+        self, saved: object, devices: list[torch.device]
+    ) -> RoundingGenerators | None:
+        """A new ``RoundingGenerators`` loaded from ``saved`` (checked; ``ValueError`` on a
+        bad entry), or ``None`` when nothing was saved."""
+        if saved is None:
+            return None
+        if not isinstance(saved, dict):
+            raise TypeError(
+                f"state_dict[{MASTER_ROUNDING!r}] must be a dict (RoundingGenerators."
+                f"state_dict()), got {type(saved).__name__}"
+            )
+        gens = RoundingGenerators(self.rounding.seed)
+        gens.load_state_dict(saved, devices, "stochastic")
+        return gens
+
+    # ----- accounting -------------------------------------------------------------------
+
+    def scratch_buffers(self) -> list[torch.Tensor]:
+        """The reused float32 scratch buffers (``memory_report``'s ``"scratch"``)."""
+        return self.scratch.buffers()
+
+
+def _scalar_dtype() -> torch.dtype:
+    # torch.optim keeps ``step`` at float64 when that is the default dtype, else float32.
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32

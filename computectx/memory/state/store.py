@@ -1,0 +1,373 @@
+"""Optimizer state in its stored form: per-parameter entries of packed parts, and the scratch.
+
+Between steps ``optimizer.state[p]`` is one flat dict per parameter, exactly what
+``state_dict()["state"][i]`` holds: a packed tensor ``name`` is stored as its parts under
+``"name.part"`` (``"exp_avg.codes"``, ``"exp_avg.absmax"``); a scalar (``step``), a tensor
+with fewer than ``min_size`` elements, and every tensor under ``optim_state="f32"`` stay
+under their own name as torch made them. Torch's state names hold no ``"."``, so the first
+``"."`` splits a key into state name and part.
+
+``Scratch`` is the one reused float32 buffer per device that a step decodes into: one
+parameter's working weight, gradient and decoded state at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from computectx.memory.state.codecs import (
+    Packed,
+    decode,
+    encode,
+    from_parts,
+    parts_of,
+    round_trip_bound,
+)
+from computectx.memory.state.kinds import kind_of
+from computectx.optim_state import OptimState, parse_optim_state
+
+__all__ = [
+    "MASTER_ROUNDING_KEY",
+    "OPTIM_STATE_KEY",
+    "PART_SEP",
+    "LoadPlan",
+    "Scratch",
+    "convert_entries",
+    "decode_entry",
+    "encode_entry",
+    "load_plan",
+    "packed_of",
+    "packs",
+    "param_index_map",
+    "split_entry",
+    "state_name",
+]
+
+PART_SEP = "."
+"""Separates the state name from the part name in a stored key (``"exp_avg.codes"``)."""
+OPTIM_STATE_KEY = "optim_state"
+"""The key of ``str(optim_state)`` in a state dict (absent: ``"f32"``)."""
+MASTER_ROUNDING_KEY = "master_rounding"
+"""The key of the stochastic rounding generators' state in a state dict."""
+
+
+def state_name(key: object) -> str:
+    """The state name of a stored key: ``"exp_avg"`` for ``"exp_avg.codes"`` and ``"exp_avg"``."""
+    return str(key).partition(PART_SEP)[0]
+
+
+def split_entry(entry: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``entry`` split into plain values (by name) and packed parts (name -> part -> value)."""
+    plain: dict[str, Any] = {}
+    packed: dict[str, dict[str, Any]] = {}
+    for key, value in entry.items():
+        name, sep, part = str(key).partition(PART_SEP)
+        if sep:
+            packed.setdefault(name, {})[part] = value
+        else:
+            plain[name] = value
+    return plain, packed
+
+
+def packs(value: object, shape: torch.Size, optim_state: OptimState) -> bool:
+    """Whether ``value`` is stored packed under ``optim_state``: a floating tensor of the
+    parameter's ``shape`` (not a scalar) with at least ``min_size`` (and at least one)
+    elements, under a compact format."""
+    return (
+        optim_state.compact
+        and isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dim() > 0
+        and value.shape == shape
+        and value.numel() >= max(optim_state.min_size, 1)
+    )
+
+
+def encode_entry(
+    state: Mapping[str, Any],
+    shape: torch.Size,
+    optim_state: OptimState,
+    *,
+    check_finite: bool = True,
+    packed_out: dict[str, Packed] | None = None,
+) -> dict[str, Any]:
+    """A parameter's decoded state (name -> value) in its stored form (see the module doc).
+
+    ``check_finite`` is the codec's check (a device sync per tensor); ``packed_out``, when
+    given, receives the ``Packed`` values by name.
+    """
+    out: dict[str, Any] = {}
+    for name, value in state.items():
+        if packs(value, shape, optim_state):
+            packed = encode(value, optim_state, kind_of(name), check_finite=check_finite)
+            if packed_out is not None:
+                packed_out[name] = packed
+            for part, t in parts_of(packed).items():
+                out[f"{name}{PART_SEP}{part}"] = t
+        else:
+            out[name] = value
+    return out
+
+
+def packed_of(
+    parts: Mapping[str, Any], name: str, shape: torch.Size, optim_state: OptimState, where: str
+) -> Packed:
+    """The ``Packed`` value of state ``name`` from its stored ``parts`` (checked by the codec:
+    ``ValueError`` naming ``where``)."""
+    return from_parts(parts, shape, optim_state, kind_of(name), where)
+
+
+def decode_entry(
+    entry: Mapping[str, Any], shape: torch.Size, optim_state: OptimState, where: str
+) -> dict[str, Any]:
+    """A stored entry decoded: every packed state as a new float32 tensor of ``shape`` under
+    its name, plain values as they are. The form of a DCP checkpoint and of a plain torch
+    optimizer's state."""
+    plain, packed = split_entry(entry)
+    out = dict(plain)
+    for name, parts in packed.items():
+        if name in plain:
+            raise ValueError(
+                f"{where} holds both {name!r} and its packed parts "
+                f"{sorted(f'{name}{PART_SEP}{p}' for p in parts)}; accepted: one of the two"
+            )
+        out[name] = decode(packed_of(parts, name, shape, optim_state, f"{where}[{name!r}]"))
+    return out
+
+
+class Scratch:
+    """One reused float32 buffer per device, cut into views of one parameter's shape.
+
+    It grows to the largest request (``numel * count``) and is never shrunk, so its size is
+    the peak extra memory of a step: one parameter's working weight, gradient and decoded
+    state. ``memory_report`` counts it under the role ``"scratch"``.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[torch.device, torch.Tensor] = {}
+
+    def views(self, device: torch.device, shape: torch.Size, count: int) -> list[torch.Tensor]:
+        """``count`` disjoint float32 views of ``shape`` on ``device`` (contents undefined)."""
+        n = math.prod(shape)
+        need = n * count
+        buf = self._buffers.get(device)
+        if need and (buf is None or buf.numel() < need):
+            self._buffers.pop(device, None)  # free the smaller one before allocating
+            buf = torch.empty(need, dtype=torch.float32, device=device)
+            self._buffers[device] = buf
+        if buf is None:
+            return [torch.empty(shape, dtype=torch.float32, device=device) for _ in range(count)]
+        return [buf[i * n : (i + 1) * n].view(shape) for i in range(count)]
+
+    def owns(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` views one of the scratch buffers."""
+        buf = self._buffers.get(t.device)
+        return buf is not None and (
+            t.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+        )
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers allocated so far (for ``memory_report``)."""
+        return list(self._buffers.values())
+
+
+def param_index_map(
+    saved_groups: object, groups: Sequence[Mapping[str, Any]], who: str
+) -> dict[int, torch.Tensor]:
+    """Saved parameter index -> this optimizer's parameter, as torch's ``load_state_dict``
+    pairs them (groups in order, parameters in order); its errors when the groups differ."""
+    if not isinstance(saved_groups, (list, tuple)):
+        raise ValueError(
+            f"{who}: state_dict['param_groups'] must be a list of groups, got "
+            f"{type(saved_groups).__name__}"
+        )
+    if len(saved_groups) != len(groups):
+        raise ValueError("loaded state dict has a different number of parameter groups")
+    out: dict[int, torch.Tensor] = {}
+    for j, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
+        ids = saved.get("params") if isinstance(saved, Mapping) else None
+        if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
+            raise ValueError(
+                "loaded state dict contains a parameter group that doesn't match the size of "
+                f"optimizer's group (param_groups[{j}])"
+            )
+        out.update({int(i): p for i, p in zip(ids, group["params"], strict=True)})
+    return out
+
+
+def convert_entries(
+    saved_state: Mapping[Any, Any],
+    params: Mapping[int, torch.Tensor],
+    saved_format: OptimState,
+    ours: OptimState,
+    *,
+    f32_state: bool,
+) -> tuple[dict[int, dict[str, Any]], float]:
+    """Every saved per-parameter entry in our stored form, checked; nothing changes here.
+
+    Packed parts are checked by the codec (``ValueError`` naming the key); kept bit for bit
+    when ``saved_format == ours``, else decoded with the saved format and stored as ours. A
+    plain tensor of the parameter's shape (the decoded form: a DCP or plain torch
+    checkpoint) is encoded when ours packs it, else kept (as float32 when ``f32_state``:
+    the stepper's state is float32). Another shape is refused. Values land on the
+    parameter's device as copies. Returns the entries and the largest round-trip bound of
+    the values that went through our encoder after a format change (0.0 when none did).
+    """
+    out: dict[int, dict[str, Any]] = {}
+    worst = 0.0
+    same = saved_format == ours
+    for index, entry in saved_state.items():
+        where = f"state_dict['state'][{index!r}]"
+        param = params.get(index) if isinstance(index, int) else None
+        if param is None:
+            raise ValueError(
+                f"{where}: no parameter has index {index!r} in the saved param_groups "
+                f"(indices {sorted(params)})"
+            )
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"{where} must be a dict of state values, got {type(entry).__name__}")
+        plain, packed = split_entry(entry)
+        if packed and not saved_format.compact:
+            raise ValueError(
+                f"{where} holds packed parts {sorted(f'{n}{PART_SEP}*' for n in packed)} but the "
+                f"state dict says optim_state={saved_format} (absent means f32); accepted: the "
+                f"'optim_state' entry the parts were saved under"
+            )
+        shape = param.shape
+        decoded: dict[str, Any] = {}
+        new: dict[str, Any] = {}
+        for name, value in plain.items():
+            if name in packed:
+                raise ValueError(
+                    f"{where} holds both {name!r} and its packed parts; accepted: one of the two"
+                )
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                # Scalars (step) stay where they were saved, as torch keeps them.
+                new[name] = value.clone() if isinstance(value, torch.Tensor) else value
+            elif value.shape != shape:
+                raise ValueError(
+                    f"{where}[{name!r}] has shape {list(value.shape)}, but the parameter is "
+                    f"{list(shape)}; accepted: a scalar or a tensor of the parameter's shape"
+                )
+            elif not value.is_floating_point():
+                raise ValueError(f"{where}[{name!r}] is {value.dtype}; accepted: a floating tensor")
+            else:
+                decoded[name] = value
+        for name, parts in packed.items():
+            pk = packed_of(parts, name, shape, saved_format, f"{where}[{name!r}]")
+            if same:
+                for part, t in parts_of(pk).items():
+                    new[f"{name}{PART_SEP}{part}"] = _to(t, param.device, None)
+            else:
+                decoded[name] = decode(pk)
+        for name, value in decoded.items():
+            value = value.to(device=param.device)
+            if packs(value, shape, ours):
+                if not same:
+                    worst = max(worst, _bound(value, ours, name))
+                new.update(encode_entry({name: value}, shape, ours))
+            else:
+                new[name] = _to(value, param.device, torch.float32 if f32_state else None)
+        # Keep torch's key order where it can be told (step first).
+        out[index] = {k: new[k] for k in sorted(new, key=lambda k: _order(entry, k))}
+    return out, worst
+
+
+def _order(entry: Mapping[str, Any], key: str) -> int:
+    names = [state_name(k) for k in entry]
+    name = state_name(key)
+    return names.index(name) if name in names else len(names)
+
+
+def _bound(value: torch.Tensor, ours: OptimState, name: str) -> float:
+    return float(round_trip_bound(value.float(), ours, kind_of(name)).max())
+
+
+def _to(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``value`` as a copy on ``device`` (at ``dtype`` when given); non-tensors as they are."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.to(device=device, dtype=dtype or value.dtype, copy=True)
+
+
+@dataclasses.dataclass
+class LoadPlan:
+    """A state dict checked and converted for loading (``load_plan``); nothing changed yet."""
+
+    torch_sd: dict[str, Any]
+    """What torch's ``Optimizer.load_state_dict`` gets (groups; state unless ``install``)."""
+    install: dict[int, dict[str, Any]] | None
+    """Entries to put into ``optimizer.state`` after torch's load (stepped optimizers:
+    torch's load would cast packed parts and float32 state to the parameter's dtype)."""
+    params: dict[int, torch.Tensor]
+    """Saved index -> parameter."""
+    rounding: object
+    """``state_dict["master_rounding"]`` (``None`` when absent)."""
+    warning: str | None
+    """The conversion warning to give once everything loaded."""
+
+    def finish(self, state: dict[Any, Any]) -> None:
+        """Install the entries into ``state`` (the optimizer's) and give the warning."""
+        if self.install is not None:
+            for index, entry in self.install.items():
+                state[self.params[index]] = entry
+        if self.warning is not None:
+            warnings.warn(self.warning, UserWarning, stacklevel=3)
+
+
+def load_plan(
+    state_dict: Mapping[str, Any],
+    groups: Sequence[Mapping[str, Any]],
+    ours: OptimState,
+    *,
+    stepped: bool,
+    who: str,
+) -> LoadPlan:
+    """Check ``state_dict`` and bring its state into our stored form (nothing changes).
+
+    ``"optim_state"`` (absent: f32) names the format the entries were saved under; when it
+    differs from ``ours`` the state is converted (decoded, encoded as ours) and a
+    ``UserWarning`` names both formats and the bound. An optimizer that is not ``stepped``
+    (torch's own f32 state) whose state dict holds nothing packed gets it as it was.
+    """
+    sd = dict(state_dict)
+    saved_text = sd.pop(OPTIM_STATE_KEY, None)
+    rounding = sd.pop(MASTER_ROUNDING_KEY, None)
+    try:
+        saved = OptimState() if saved_text is None else parse_optim_state(saved_text)
+    except ValueError as e:
+        raise ValueError(f"{who}: state_dict[{OPTIM_STATE_KEY!r}] is not a format: {e}") from e
+    for key in ("state", "param_groups"):
+        if key not in sd:
+            raise ValueError(f"state_dict has no {key!r} entry; got keys {sorted(sd)}")
+    state = sd["state"]
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
+    has_parts = any(
+        isinstance(e, Mapping) and any(PART_SEP in str(k) for k in e) for e in state.values()
+    )
+    if not stepped and not saved.compact and not has_parts:
+        return LoadPlan(sd, None, {}, rounding, None)
+    params = param_index_map(sd["param_groups"], groups, who)
+    entries, worst = convert_entries(state, params, saved, ours, f32_state=stepped)
+    warning = None
+    if saved != ours and entries:
+        how = (
+            f"each value re-encoded moved by at most {worst:.3g} (the round-trip bound of "
+            f"{ours}), on top of the rounding the saved format already had"
+            if ours.compact
+            else "the values are decoded exactly; they keep the rounding of the saved format"
+        )
+        warning = (
+            f"{who}: the optimizer state was saved with optim_state={saved} and is converted "
+            f"to this optimizer's optim_state={ours}: {how}"
+        )
+    if stepped:
+        return LoadPlan({**sd, "state": {}}, entries, params, rounding, warning)
+    return LoadPlan({**sd, "state": entries}, None, params, rounding, warning)
