@@ -14,7 +14,8 @@ parameters (given one, torch 2.13 raises ``KeyError: 0``, after stepping a fresh
 with zero gradients), and its masters are not part of a torch optimizer state dict at all, so
 the mapping and the resharding are done here, in the same form torch uses
 (``{"state": {fqn: {...}}, "param_groups": [{"params": [fqn, ...], ...}]}``) plus
-``"master_weights": {fqn: tensor}``.
+``"master_weights": {fqn: tensor}``. Compact state (``ctx.optim_state``) is decoded into that
+form and encoded again on load: ``computectx.distributed.optimizer_state_form``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from computectx.distributed.optimizer_state_form import (
+    MASTER_ROUNDING,
+    OPTIM_STATE,
+    decoded_entries,
+    packed_keys,
+    saved_format,
+)
 from computectx.memory import OffloadedOptimizer
 from computectx.memory.optimizer_state import (
     MASTER_WEIGHTS,
@@ -47,7 +55,7 @@ __all__ = [
 """The key of the master weights, as in ``OffloadedOptimizer.state_dict()``."""
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
-_KEYS = (_STATE, _GROUPS, MASTER_WEIGHTS)
+_KEYS = (_STATE, _GROUPS, MASTER_WEIGHTS, OPTIM_STATE, MASTER_ROUNDING)
 # torch.distributed.algorithms checkpoint_wrapper's child name: left out of FQNs, as
 # get_model_state_dict leaves it out.
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
@@ -129,7 +137,16 @@ def optimizer_state_dict(model: nn.Module, optimizer: OffloadedOptimizer) -> dic
     ``load`` reshards it to the loading ranks; zero-dimensional state (Adam's ``step``) is
     the same on every rank and stays a plain tensor. Otherwise everything is a plain tensor.
 
-    The tensors share storage with the optimizer (no copy), as torch's state dicts do:
+    Packed state (``ctx.optim_state`` ``bf16``, ``int8``, ``fp8``, ``int4``) goes in decoded:
+    float32 of the master's shape under the plain name (``"exp_avg"``), so it reshards as
+    float32 state does, and loading encodes it again with the loading ranks' blocks: exactly
+    the saved codes where the blocks are the same, else within one round trip's bound
+    (``computectx.distributed.optimizer_state_form``). The format's text form is kept under
+    ``"optim_state"`` (not for ``f32``), the stochastic-rounding generators of a master below
+    f32 under ``"master_rounding"`` (plain tensors: ``torch.distributed.checkpoint`` keeps one
+    rank's, which under DDP is every rank's).
+
+    Other tensors share storage with the optimizer (no copy), as torch's state dicts do:
     loading a checkpoint into this dict writes into the optimizer, and
     ``set_optimizer_state_dict`` must follow (it checks the values and refreshes the model's
     parameters). An optimizer that has not stepped yet has no state to load into; as torch's
@@ -141,27 +158,42 @@ def optimizer_state_dict(model: nn.Module, optimizer: OffloadedOptimizer) -> dic
     position = optimizer.state_dict()
     states: Mapping[int, Any] = position[_STATE] if optimizer.state else _initial_state(optimizer)
     compute, masters = optimizer.compute_params, optimizer.master_params
+    fmt = optimizer.ctx.optim_state
     out_state: dict[str, dict[str, Any]] = {}
     for i, per_param in states.items():
         fqn = fqns[i]
+        # Packed entries (ctx.optim_state) go in decoded: float32 of the master's shape, which
+        # reshards as float32 state does (computectx.distributed.optimizer_state_form).
+        plain = decoded_entries(per_param, masters[i].shape, fmt, f"state of {fqn!r}")
         out_state[fqn] = {
             name: _shareable(value, compute[i], masters[i], f"state {name!r} of {fqn!r}")
-            for name, value in per_param.items()
+            for name, value in plain.items()
         }
     groups = [{**group, _PARAMS: [fqns[i] for i in group[_PARAMS]]} for group in position[_GROUPS]]
     out_masters = {
         fqn: _shareable(mp.detach(), cp, mp, f"the master weight of {fqn!r}")
         for fqn, cp, mp in zip(fqns, compute, masters, strict=True)
     }
-    return {_STATE: out_state, _GROUPS: groups, MASTER_WEIGHTS: out_masters}
+    out: dict[str, Any] = {_STATE: out_state, _GROUPS: groups, MASTER_WEIGHTS: out_masters}
+    if fmt.compact:  # an f32 checkpoint keeps its form (and loads where it loaded before)
+        out[OPTIM_STATE] = str(fmt)
+    if MASTER_ROUNDING in position:  # a master below f32: the same on every rank
+        out[MASTER_ROUNDING] = position[MASTER_ROUNDING]
+    return out
 
 
 def _initial_state(optimizer: OffloadedOptimizer) -> dict[int, Any]:
     """The state one step with zero gradients creates, made on a copy of the inner optimizer."""
     inner = optimizer.inner
-    # The copy steps zeros shaped as the masters; the real masters are never touched.
+    # The copy steps zeros shaped as the masters; the real masters are never touched. Packed
+    # state and masters below f32 step through a float32 working copy: their state (as the
+    # checkpoint form holds it) is float32.
+    f32 = optimizer.ctx.optim_state.compact or optimizer.ctx.master.torch != torch.float32
     memo: dict[int, Any] = {
-        id(mp): nn.Parameter(torch.zeros_like(mp), requires_grad=mp.requires_grad)
+        id(mp): nn.Parameter(
+            torch.zeros_like(mp, dtype=torch.float32 if f32 else mp.dtype),
+            requires_grad=mp.requires_grad,
+        )
         for mp in optimizer.master_params
     }
     shadow = copy.deepcopy(inner, memo)
@@ -219,15 +251,19 @@ def set_optimizer_state_dict(
     """Install a state keyed by FQN (``optimizer_state_dict``'s form), then refresh the model.
 
     Everything is checked before anything changes: the keys (``"state"``, ``"param_groups"``,
-    optionally ``"master_weights"``), that the groups hold exactly this optimizer's
-    parameters group by group, that every FQN is one of them, and that each tensor fits its
-    parameter -- for a sharded (``DTensor``) parameter a ``DTensor`` of the parameter's
-    shape on its mesh and placements (or a scalar), otherwise a plain tensor of the
-    master's shape (or a scalar); masters also in the master dtype (``ctx.master``). Errors
+    optionally ``"master_weights"``, ``"optim_state"``, ``"master_rounding"``), that the
+    groups hold exactly this optimizer's parameters group by group, that every FQN is one of
+    them, and that each tensor fits its parameter -- for a sharded (``DTensor``) parameter a
+    ``DTensor`` of the parameter's shape on its mesh and placements (or a scalar), otherwise
+    a plain tensor of the master's shape (or a scalar); masters also in the master dtype
+    (``ctx.master``). Errors
     name the bad key and what is accepted. Then the state goes in as
     ``OffloadedOptimizer.load_state_dict`` puts it in, which copies the masters into the
     model's parameters. Without ``"master_weights"`` (a plain torch optimizer's state) the
-    masters are taken from the model's current parameters.
+    masters are taken from the model's current parameters. State is float32 (decoded, as
+    ``optimizer_state_dict`` gives it, never packed parts): ``load_state_dict`` encodes it
+    with this optimizer's ``ctx.optim_state`` and its own blocks, and converts, with a
+    warning naming both, a state whose ``"optim_state"`` is another format (absent: ``f32``).
 
     As ``Optimizer.load_state_dict`` does, the state's tensors are taken, not copied (the
     masters are copied into the optimizer's own): the dict ``optimizer_state_dict`` gave and
@@ -242,8 +278,9 @@ def set_optimizer_state_dict(
     if unknown or _STATE not in state_dict or _GROUPS not in state_dict:
         raise ValueError(
             f"state_dict has keys {sorted(map(str, state_dict))}; accepted: 'state', "
-            f"'param_groups' (both required) and 'master_weights' (as optimizer_state_dict "
-            f"gives; a flattened state dict is not accepted)"
+            f"'param_groups' (both required), 'master_weights', 'optim_state' and "
+            f"'master_rounding' (as optimizer_state_dict gives; a flattened state dict is "
+            f"not accepted)"
         )
     index = {fqn: i for i, fqn in enumerate(fqns)}
     groups = _check_groups(state_dict[_GROUPS], optimizer, fqns, index)
@@ -251,6 +288,13 @@ def set_optimizer_state_dict(
     position: dict[str, Any] = {_STATE: state, _GROUPS: groups}
     if MASTER_WEIGHTS in state_dict:
         position[MASTER_WEIGHTS] = _check_masters(state_dict[MASTER_WEIGHTS], optimizer, index)
+    if OPTIM_STATE in state_dict:
+        # The saving format, for load_state_dict's conversion rule (absent: f32). The values
+        # are decoded whatever it is; load_state_dict encodes them with this optimizer's.
+        fmt = saved_format(state_dict[OPTIM_STATE], f"state_dict[{OPTIM_STATE!r}]")
+        position[OPTIM_STATE] = str(fmt)
+    if MASTER_ROUNDING in state_dict:
+        position[MASTER_ROUNDING] = state_dict[MASTER_ROUNDING]  # load_state_dict checks it
     optimizer.load_state_dict(position)
 
 
@@ -304,6 +348,13 @@ def _check_state(
             )
         i = index[fqn]
         where = f"state_dict['state'][{fqn!r}]"
+        parts = packed_keys(per_param)
+        if parts:
+            raise ValueError(
+                f"{where} holds packed parts {parts}; accepted: each state tensor decoded, "
+                f"under its plain name (as optimizer_state_dict gives; optimizer.state_dict() "
+                f"keeps parts and loads through optimizer.load_state_dict)"
+            )
         out[i] = {
             name: _local_value(value, optimizer, i, f"{where}[{name!r}]", master=False)
             for name, value in per_param.items()

@@ -239,12 +239,17 @@ def _default_units(model: nn.Module) -> list[nn.Module]:
 
 def _uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:
     """Whether ``parallelize`` steps ``model`` with an ``OffloadedOptimizer``: ``offload``
-    when given, else when the ctx asks for one (``ctx.offload`` set, or ``ctx.master``
-    differing from a trainable parameter's dtype)."""
+    when given, else when the ctx asks for one (``ctx.offload`` set, ``ctx.master``
+    differing from a trainable parameter's dtype, or compact state: ``ctx.optim_state``
+    other than ``f32``, which a plain optimizer would silently keep at float32)."""
     if offload is not None:
         return bool(offload)
     params = [p for p in model.parameters() if p.requires_grad]
-    return ctx.offload is not None or any(p.dtype != ctx.master.torch for p in params)
+    return (
+        ctx.offload is not None
+        or ctx.optim_state.compact
+        or any(p.dtype != ctx.master.torch for p in params)
+    )
 
 
 def parallelize(
@@ -290,7 +295,8 @@ def parallelize(
        and the first layer that differs.
     4. The memory policy. The optimizer is an ``OffloadedOptimizer`` over
        ``optimizer_class`` when ``offload`` is true, or by default when the ctx asks for one
-       (``ctx.offload`` set, or ``ctx.master`` differing from a parameter's dtype); else
+       (``ctx.offload`` set, ``ctx.master`` differing from a parameter's dtype, or
+       ``ctx.optim_state`` other than ``f32``: packed moments); else
        ``optimizer_class`` itself. ``optimizer_kwargs`` (``lr=...``) go to it. A gradient
        accumulator is built when ``accumulate`` is true, or by default when the ctx asks
        for one (``ctx.grad`` differing from ``ctx.master``: low-precision gradient sums):
@@ -367,7 +373,20 @@ def parallelize(
                 "an expert-parallel model steps with a plain optimizer here: the "
                 "OffloadedOptimizer's clipping and inf/NaN skips are rank-local, and each "
                 "rank's experts are its own. Pass offload=False"
+                + (
+                    f" and ctx.optim_state='f32' (ctx.optim_state={ctx.optim_state} is kept "
+                    f"only by the OffloadedOptimizer)"
+                    if ctx.optim_state.compact
+                    else ""
+                )
             )
+    if ctx.optim_state.compact and not _uses_offloaded(ctx, model, offload):
+        raise ValueError(
+            f"ctx.optim_state={ctx.optim_state} asks for compact optimizer state, which "
+            f"parallelize keeps through an OffloadedOptimizer; offload=False would build a "
+            f"plain {optimizer_class.__name__} holding float32 state. Pass offload=None (or "
+            f"True), or set optim_state='f32'"
+        )
     # The optimizer's arguments are checked on a stand-in before the model changes: a bad
     # learning rate must not leave a model half converted, sharded or wrapped.
     # (An OffloadedOptimizer hands them to optimizer_class as they are.)

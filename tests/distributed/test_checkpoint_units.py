@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from computectx import ComputeCtx, DType
+from computectx.distributed import parallelize
 from computectx.distributed.optimizer_checkpoint import (
     MASTER_WEIGHTS,
     optimizer_state_dict,
@@ -34,6 +36,8 @@ from computectx.distributed.optimizer_checkpoint import (
 )
 from computectx.fp8 import Fp8Linear, convert_to_fp8
 from computectx.memory import OffloadedOptimizer
+from computectx.memory.state import kind_of, round_trip_bound
+from computectx.optim_state import OptimState
 
 CTX = ComputeCtx.parity("cpu").replace(master=DType.F32, offload=torch.device("cpu"))
 
@@ -357,3 +361,134 @@ def test_a_model_or_optimizer_that_does_not_match_is_refused() -> None:
         set_optimizer_state_dict(list(model.parameters()), opt, {})  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="state_dict must be a mapping, got list"):
         set_optimizer_state_dict(model, opt, [])  # type: ignore[arg-type]
+
+
+# ----- compact state (ctx.optim_state): the decoded form --------------------------------
+
+
+def _compact(fmt: str, master: DType = DType.F32, seed: int = 0) -> tuple[nn.Module, Any]:
+    model = _model(seed)
+    ctx = CTX.replace(master=master).with_optim_state(fmt)
+    return model, OffloadedOptimizer(model.parameters(), ctx, torch.optim.AdamW, lr=1e-2)
+
+
+def _parts(opt: OffloadedOptimizer) -> dict[str, torch.Tensor]:
+    return {f"{i}/{k}": v for i, per in opt.state_dict()["state"].items() for k, v in per.items()}
+
+
+@pytest.mark.parametrize("fmt", ["bf16/min=0", "int8/min=0", "fp8/min=0", "int4/block=32/min=0"])
+def test_compact_state_goes_in_decoded_and_loads_back_exactly(fmt: str) -> None:
+    model, opt = _compact(fmt, DType.BF16)
+    _train(model, opt, range(2))
+    form = optimizer_state_dict(model, opt)
+    assert form["optim_state"] == fmt and "master_rounding" in form
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    for fqn, per in form["state"].items():
+        assert sorted(per) == ["exp_avg", "exp_avg_sq", "step"], fqn  # no packed part
+        assert per["exp_avg"].dtype == torch.float32 and per["exp_avg"].shape == shapes[fqn]
+    assert all(m.dtype == torch.bfloat16 for m in form[MASTER_WEIGHTS].values())
+    # Through torch.save (weights_only): a fresh optimizer re-forms every part bit for bit
+    # (same blocks), with no conversion warning, and both train on identically (the
+    # stochastic rounding generators ride along).
+    saved = _roundtrip(form)
+    model2, opt2 = _compact(fmt, DType.BF16, seed=5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        set_optimizer_state_dict(model2, opt2, saved)
+    assert not [w for w in caught if issubclass(w.category, UserWarning)]
+    assert _same(_parts(opt2), _parts(opt))
+    _train(model, opt, range(2, 4))
+    _train(model2, opt2, range(2, 4))
+    assert _same(_parts(opt2), _parts(opt))
+    assert all(
+        torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters(), strict=True)
+    )
+
+
+def test_a_state_of_another_format_converts_within_one_round_trip() -> None:
+    model, opt = _compact("int8/min=0")
+    _train(model, opt, range(2))
+    saved = _roundtrip(optimizer_state_dict(model, opt))
+    model2, opt2 = _compact("int4/block=32/min=0", seed=5)
+    with pytest.warns(UserWarning, match=r"int8[\s\S]*int4|int4[\s\S]*int8"):
+        set_optimizer_state_dict(model2, opt2, saved)
+    loaded = optimizer_state_dict(model2, opt2)
+    target = OptimState.parse("int4/block=32/min=0")
+    for fqn, per in saved["state"].items():
+        for name in ("exp_avg", "exp_avg_sq"):
+            bound = round_trip_bound(per[name], target, kind_of(name))
+            assert bool(((loaded["state"][fqn][name] - per[name]).abs() <= bound).all())
+    # An f32 optimizer's form (no "optim_state": f32) converts too, with the warning.
+    plain_model, plain = _compact("f32")
+    _train(plain_model, plain, range(1))
+    f32_form = optimizer_state_dict(plain_model, plain)
+    assert "optim_state" not in f32_form  # the f32 form is as it was
+    with pytest.warns(UserWarning, match="f32"):
+        set_optimizer_state_dict(model2, opt2, _roundtrip(f32_form))
+
+
+def test_an_unstepped_compact_optimizer_gives_float32_placeholders() -> None:
+    model, opt = _compact("int8/min=0", DType.BF16)
+    form = optimizer_state_dict(model, opt)
+    assert not opt.state
+    moment = form["state"]["0.weight"]["exp_avg"]
+    assert moment.dtype == torch.float32 and moment.shape == (16, 8) and not moment.any()
+
+
+COMPACT_REFUSALS: list[tuple[str, Callable[[dict[str, Any]], Any], type[Exception], str]] = [
+    (
+        "packed parts",
+        _set_key(("state", "0.weight", "exp_avg.codes"), torch.zeros(128, dtype=torch.uint8)),
+        ValueError,
+        "['0.weight'] holds packed parts ['exp_avg.codes']; accepted: each state tensor decoded",
+    ),
+    (
+        "an unknown format",
+        _set_key(("optim_state",), "int3"),
+        ValueError,
+        "state_dict['optim_state']: ",
+    ),
+    (
+        "a format that is no text",
+        _set_key(("optim_state",), 8),
+        TypeError,
+        "state_dict['optim_state'] must be the text form of an optim_state",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "part"),
+    [r[1:] for r in COMPACT_REFUSALS],
+    ids=[r[0] for r in COMPACT_REFUSALS],
+)
+def test_a_bad_compact_state_is_refused_and_changes_nothing(
+    edit: Callable[[dict[str, Any]], Any], error: type[Exception], part: str
+) -> None:
+    model, opt = _compact("int8/min=0")
+    _train(model, opt, range(2))
+    before = _parts(opt)
+    sd = _roundtrip(optimizer_state_dict(model, opt))
+    sd["param_groups"][0]["lr"] = 0.5
+    edit(sd)
+    with pytest.raises(error) as caught:
+        set_optimizer_state_dict(model, opt, sd)
+    assert part in str(caught.value)
+    assert _same(_parts(opt), before) and opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_parallelize_steps_compact_state_and_resumes_it_bitwise() -> None:
+    # Without offload or a lower master, a plain torch optimizer would keep f32 state.
+    ctx = CTX.replace(offload=None).with_optim_state("int8/min=0")
+    par, other = parallelize(_model(), ctx, lr=1e-2), parallelize(_model(5), ctx, lr=1e-2)
+    assert isinstance(par.optimizer, OffloadedOptimizer)
+    _train(par.model, par.optimizer, range(2))
+    assert "exp_avg.codes" in par.optimizer.state_dict()["state"][0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        other.load_state_dict(_roundtrip(par.state_dict()))
+    assert not [w for w in caught if issubclass(w.category, UserWarning)]  # no conversion
+    _train(par.model, par.optimizer, range(2, 4))
+    _train(other.model, other.optimizer, range(2, 4))
+    pairs = zip(par.module.parameters(), other.module.parameters(), strict=True)
+    assert all(torch.equal(p, q) for p, q in pairs)

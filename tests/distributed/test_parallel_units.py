@@ -68,6 +68,20 @@ def test_the_ctx_asks_for_the_memory_policys_pieces() -> None:
     assert forced.accumulator is None and type(forced.optimizer) is torch.optim.AdamW
 
 
+def test_compact_optimizer_state_is_kept_or_refused_never_dropped() -> None:
+    ctx = CTX.with_optim_state("int8/min=0")
+    par = parallelize(_mlp(), ctx, fp8_filter=lambda m, fqn: True, lr=1e-3)
+    assert isinstance(par.optimizer, OffloadedOptimizer)
+    par.model(torch.randn(4, 32)).square().mean().backward()
+    par.step(max_norm=1.0)
+    names = {k for entry in par.optimizer.state.values() for k in entry}
+    assert "exp_avg.codes" in names and "exp_avg" not in names
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"optim_state=int8/min=0 .* offload=False would build"):
+        parallelize(model, ctx, fp8_filter=lambda m, fqn: True, offload=False, lr=1e-3)
+    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+
+
 def test_a_bad_optimizer_argument_leaves_the_model_unchanged() -> None:
     model = _mlp()
     with pytest.raises(ValueError, match="learning rate"):
