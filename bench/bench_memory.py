@@ -4,6 +4,7 @@ against plain mixed-precision AdamW, from one run.
     python bench/bench_memory.py                 # CUDA when available, else CPU
     python bench/bench_memory.py --device cpu    # CPU-only: same figures, see the note printed
     python bench/bench_memory.py --dp-reduce     # the DP accumulator's reduction, 2 gloo ranks
+    python bench/bench_memory.py --optim-state   # master + AdamW state bytes per optim_state
 
 Plain: f32 weights on the compute device, bf16 autocast, f32 gradients, AdamW state on the
 compute device (the 16 bytes/param baseline). Offloaded: bf16 weights on the compute device,
@@ -18,6 +19,7 @@ figures side by side.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
 import os
 import socket
@@ -33,6 +35,8 @@ from computectx.distributed import DataParallelGradAccumulator
 from computectx.distributed.grad_accumulator import DEFAULT_BUCKET_MIB
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
 from computectx.memory.accounting import Role
+from computectx.memory.state.codecs import Kind, packed_nbytes
+from computectx.optim_state import OptimState
 
 COMPUTE_ROLES: tuple[Role, ...] = ("params", "grads")
 
@@ -178,6 +182,77 @@ def dp_reduce(grad: str, steps: int) -> None:
             raise SystemExit(f"a rank failed: exit codes {[proc.exitcode for proc in ranks]}")
 
 
+# ----- --optim-state: master + AdamW moments per optim_state, measured and computed ---------
+
+STATE_FORMATS = ("f32", "bf16", "int8", "fp8", "int4")
+KINDS: tuple[Kind, ...] = ("signed", "unsigned")
+# Llama 3 8B: vocabulary 128256, width 4096, 32 blocks (GQA: 8 KV heads of 128), MLP 14336,
+# untied head; 8,030,261,248 parameters.
+LLAMA3_8B: list[tuple[int, ...]] = [(128256, 4096), (128256, 4096), (4096,)] + 32 * [
+    (4096, 4096), (1024, 4096), (1024, 4096), (4096, 4096),
+    (14336, 4096), (14336, 4096), (4096, 14336), (4096,), (4096,),
+]  # fmt: skip
+
+
+def adamw_bytes(shapes: list[tuple[int, ...]], state: str, master: DType) -> tuple[int, int]:
+    """``(master, AdamW state)`` bytes for parameters of ``shapes``, from the codecs'
+    accounting (``packed_nbytes``): both moments in ``state`` (float32 below ``min_size``
+    elements) and one float32 ``step`` per parameter."""
+    st = OptimState.parse(state)
+    held = 0
+    for shape in shapes:
+        n = math.prod(shape)
+        for kind in KINDS:  # exp_avg, exp_avg_sq
+            small = not st.compact or n < st.min_size
+            held += 4 * n if small else packed_nbytes(shape, st, kind)
+        held += 4  # step
+    return sum(math.prod(s) for s in shapes) * master.bits // 8, held
+
+
+def optim_state_table(dim: int, layers: int) -> None:
+    """Master + AdamW state per parameter for each ``optim_state`` x master: measured by
+    ``memory_report`` after one ``OffloadedOptimizer`` step of a ``layers x Linear(dim)``
+    model (bf16 weights), and computed for it and for Llama 3 8B."""
+    build_shapes = [(dim, dim), (dim,)] * layers
+    n8 = sum(math.prod(s) for s in LLAMA3_8B)
+    print(f"measured: {layers} x Linear({dim}, {dim}), bf16 weights, OffloadedOptimizer(AdamW)")
+    print(f"computed: the same, and Llama 3 8B ({n8:,} parameters), by packed_nbytes\n")
+    print(f"{'':13}{'------- measured, bytes/param -------':>37}{'computed':>10}{'8B':>16}")
+    head = f"{'master':7}{'state':6}{'master':>9}{'moments':>9}{'scratch':>9}{'total':>10}"
+    print(f"{head}{'total':>10}{'bytes/param':>12}{'GB':>8}{'exact':>7}")
+    lo, hi = 12 * n8 / 1e9, 16 * n8 / 1e9
+    seeds = "seeds: master fp32 4P + states 8-12P"
+    print(f"{seeds:<60}{'12-16':>12}{f'{lo:.0f}-{hi:.0f}':>8}")
+    for master in (DType.F32, DType.BF16):
+        for fmt in STATE_FORMATS:
+            ctx = ComputeCtx.new(DType.BF16, "cpu").replace(
+                master=master,
+                offload=torch.device("cpu"),
+                optim_state=OptimState.parse(fmt),
+            )
+            model = build(dim, layers, torch.bfloat16, torch.device("cpu"))
+            opt = OffloadedOptimizer(model.parameters(), ctx, lr=1e-4)
+            model(torch.randn(8, dim, dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            rep = memory_report(model, optimizer=opt)
+            p = rep.parameters
+            got = [rep.bytes(role=r) / p for r in ("master", "optimizer_state", "scratch")]
+            computed = adamw_bytes(build_shapes, fmt, master)
+            want = sum(computed) / p
+            exact = computed == (rep.bytes(role="master"), rep.bytes(role="optimizer_state"))
+            big = sum(adamw_bytes(LLAMA3_8B, fmt, master))
+            print(
+                f"{master!s:7}{fmt:6}{got[0]:>9.3f}{got[1]:>9.3f}{got[2]:>9.3f}"
+                f"{got[0] + got[1]:>10.3f}{want:>10.3f}{big / n8:>12.3f}{big / 1e9:>8.1f}"
+                f"{'yes' if exact else 'NO':>7}"
+            )
+            del model, opt
+    print(
+        "\ntotal = master + moments (measured); exact: measured and computed bytes equal; "
+        "scratch: the reused float32 buffer of the compact step, not part of the total"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -195,7 +270,17 @@ def main(argv: list[str] | None = None) -> None:
         help="instead: time DataParallelGradAccumulator's reduction (sums in this dtype) on\n"
         "2 gloo ranks against the one-vector reduction it replaced, with peak RSS growth",
     )
+    ap.add_argument(
+        "--optim-state",
+        action="store_true",
+        help="instead: master + AdamW state bytes per parameter for each optim_state and\n"
+        "master dtype, measured (--dim, --layers; default 24 x 2048: 100.7M parameters)\n"
+        "and computed, with Llama 3 8B computed from the same accounting",
+    )
     args = ap.parse_args(argv)
+    if args.optim_state:
+        optim_state_table(args.dim or 2048, args.layers or 24)
+        return
     if args.dp_reduce is not None:
         dp_reduce(args.dp_reduce, args.steps)
         return

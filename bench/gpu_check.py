@@ -22,7 +22,10 @@ Sections, in order (each timed; a section that fails records its error and the r
    (``gpu_check_kv``);
 8. ``moe_gemm`` (issue 23): fp8 grouped GEMMs per recipe against bf16 ``F.grouped_mm`` at
    torchao's Llama 4 17B-16E and DeepSeek-V3 shapes, fwd and fwd+bwd TFLOP/s, with torchao's
-   B200 MXFP8 speedups beside the ``mx`` rows (``gpu_check_moe``).
+   B200 MXFP8 speedups beside the ``mx`` rows (``gpu_check_moe``);
+9. ``optim_state`` (issue 24): the compact AdamW step (``CompactOptimizer`` per
+   ``optim_state``, f32 and bf16 masters) against fused f32 AdamW: step time, bytes moved per
+   parameter and GB/s (``gpu_check_optim``).
 
 Figures are whatever this machine measures; the JSON records the device, torch, triton and
 CUDA versions next to them. Nothing here is a target or a pass/fail threshold: the issue's
@@ -46,6 +49,7 @@ from typing import Any
 
 import gpu_check_kv
 import gpu_check_moe
+import gpu_check_optim
 import torch
 from torch import nn
 
@@ -385,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
         "kv_decode": lambda: gpu_check_kv.section_kv_decode(device, smoke, reps),
         # Each fwd+bwd at M = 128,000 is tens of ms: 10 reps keep the section near a minute.
         "moe_gemm": lambda: gpu_check_moe.section_moe_gemm(device, smoke, min(reps, 10)),
+        "optim_state": lambda: gpu_check_optim.section_optim_state(device, smoke, reps),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

@@ -39,6 +39,7 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(tmp_path: Path) -> None:
         "granularity_gemm",
         "kv_decode",
         "moe_gemm",
+        "optim_state",
     }
     for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm", "moe_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])

@@ -114,7 +114,7 @@ def test_fp8_policy_runs_end_to_end(
 
     # The serving section: the trained model through the KV cache at f32, bf16 and fp8, and
     # the sample generated with the policy's own kv (bf16: the fp8 flags compute in bf16).
-    assert data["computectx_demo"] == 5
+    assert data["computectx_demo"] == 6
     assert r["expert_load"] is None and r["fp8_converted_experts"] == 0  # dense (no --moe)
     assert r["kv"] == "bf16"
     assert "sample (fp8_e4m3, kv=bf16, temperature 0.8, top-k 40):" in stdout
@@ -194,11 +194,28 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
         )
         assert code == 0
         assert list(_table_rows(stdout)) == ["fp32", "bf16"]
+        assert "optimizer state: AdamW's weights and moments per setting" in stdout
         assert "mean step loss over the last 1 of 4 steps" in stdout
         results: list[dict[str, Any]] = _results(tmp_path / name)["results"]
         return results
 
     first, again, other = run("3", "a"), run("3", "b"), run("4", "c")
+    # The optimizer-state table, computed: its f32 row is what the fp32 run measured, and
+    # every compact setting holds less (4-bit least; a bf16 master halves the weights).
+    data = _results(tmp_path / "a")
+    rows = {(r["optim_state"], r["master"]): r for r in data["optim_state"]}
+    assert list(rows) == [(f, "f32") for f in ("f32", "bf16", "int8", "fp8", "int4")] + [
+        ("int8", "bf16"),
+        ("int4", "bf16"),
+    ]
+    f32 = rows["f32", "f32"]
+    assert f32["weights"] == first[0]["memory"]["params"]
+    assert f32["moments"] == first[0]["memory"]["optimizer"]
+    moments = [rows[f, "f32"]["moments"] for f in ("f32", "bf16", "int8", "int4")]
+    assert moments == sorted(moments, reverse=True) and len(set(moments)) == 4
+    assert rows["fp8", "f32"]["moments"] == rows["int8", "f32"]["moments"]
+    assert rows["int8", "bf16"]["weights"] * 2 == f32["weights"]
+    assert rows["int4", "bf16"]["moments"] == rows["int4", "f32"]["moments"]
     for a, b in zip(first, again, strict=True):
         assert a["train_losses"] == b["train_losses"]
         assert a["val_curve"] == b["val_curve"]

@@ -1,17 +1,39 @@
 """Memory of one policy's training, by role: state from ``memory_report``, plus what autograd
-keeps for backward (measured with ``torch.autograd.graph.saved_tensors_hooks``)."""
+keeps for backward (measured with ``torch.autograd.graph.saved_tensors_hooks``); and what
+AdamW's weights and moments would take under each optimizer-state setting (computed)."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from types import TracebackType
 
 import torch
 
 from computectx.memory import LowPrecGradAccumulator, memory_report
+from computectx.memory.state.codecs import packed_nbytes
+from computectx.optim_state import OptimState
 
-__all__ = ["Footprint", "SavedForBackward", "state_footprint"]
+__all__ = [
+    "OPTIM_STATE_ROWS",
+    "Footprint",
+    "OptimStateRow",
+    "SavedForBackward",
+    "optim_state_rows",
+    "state_footprint",
+]
+
+OPTIM_STATE_ROWS: tuple[tuple[str, str], ...] = (
+    ("f32", "f32"),
+    ("bf16", "f32"),
+    ("int8", "f32"),
+    ("fp8", "f32"),
+    ("int4", "f32"),
+    ("int8", "bf16"),
+    ("int4", "bf16"),
+)
+"""The ``(optim_state, master)`` settings of the optimizer-state table, in order."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,3 +128,48 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
 
 def _address(t: torch.Tensor) -> tuple[str, int]:
     return str(t.device), t.untyped_storage().data_ptr()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimStateRow:
+    """AdamW's bytes for one model under one ``(optim_state, master)`` setting, computed.
+
+    ``weights`` is the weights the optimizer steps (float32 or bf16), ``moments`` both
+    moments (compact from ``min_size`` elements up, float32 below) and a float32 ``step``
+    per parameter tensor, as ``CompactOptimizer`` holds them.
+    """
+
+    optim_state: str
+    master: str
+    parameters: int
+    weights: int
+    moments: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.moments
+
+    @property
+    def per_param(self) -> float:
+        """Weights and moments per parameter, in bytes."""
+        return self.total / self.parameters if self.parameters else 0.0
+
+
+def optim_state_rows(params: Iterable[torch.Tensor]) -> list[OptimStateRow]:
+    """One ``OptimStateRow`` per ``OPTIM_STATE_ROWS`` setting for these parameters, from the
+    codecs' accounting (``packed_nbytes``), without training."""
+    shapes = [tuple(p.shape) for p in params]
+    count = sum(math.prod(s) for s in shapes)
+    rows = []
+    for fmt, master in OPTIM_STATE_ROWS:
+        state = OptimState.parse(fmt)
+        moments = 0
+        for shape in shapes:
+            n = math.prod(shape)
+            for kind in ("signed", "unsigned"):  # exp_avg, exp_avg_sq
+                small = not state.compact or n < state.min_size
+                moments += 4 * n if small else packed_nbytes(shape, state, kind)
+            moments += 4  # step, a float32 scalar
+        width = 4 if master == "f32" else 2
+        rows.append(OptimStateRow(fmt, master, count, count * width, moments))
+    return rows

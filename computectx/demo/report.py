@@ -14,14 +14,20 @@ import torch
 from rich.table import Table
 
 from computectx._files import atomic_path, write_file
+from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus
+from computectx.demo.footprint import OptimStateRow, optim_state_rows
 from computectx.demo.settings import DemoSettings
 from computectx.demo.train import PolicyResult, model_config, tail_steps
+from computectx.nn import ByteLM
 
 __all__ = [
     "RESULTS_VERSION",
     "DemoReport",
     "memory_notes",
+    "optim_state_notes",
+    "optim_state_of",
+    "optim_state_table",
     "plot_losses",
     "printable",
     "results_json",
@@ -32,13 +38,14 @@ __all__ = [
     "write_results",
 ]
 
-RESULTS_VERSION = 5
+RESULTS_VERSION = 6
 """``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
 ``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added. 3: each
 result's ``fp8_granularity`` (``null`` without fp8) was added. 4: each result's ``kv`` and
 ``serving`` (the serving section's rows) were added. 5: the ``--moe`` settings, each result's
 ``expert_load`` (tokens per step, layer and expert; ``null`` for the dense model) and
-``fp8_converted_experts`` were added."""
+``fp8_converted_experts`` were added. 6: ``optim_state`` (AdamW's weights and moments per
+optimizer-state setting, computed) was added."""
 
 _MIB = 2**20
 
@@ -130,6 +137,48 @@ def table_notes(report: DemoReport) -> list[str]:
             "(steady-state) steps only."
         )
     return lines
+
+
+def optim_state_of(report: DemoReport) -> list[OptimStateRow]:
+    """AdamW's weights and moments for the demo's model under each optimizer-state setting,
+    computed from the codecs' accounting (the model is built on the CPU, not trained)."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):  # draws nothing for the run
+        model = ByteLM(ComputeCtx.from_flag("fp32", "cpu"), model_config(report.settings))
+    return optim_state_rows(model.parameters())
+
+
+def optim_state_table(rows: list[OptimStateRow]) -> Table:
+    """One row per optimizer-state setting: weights, moments, their total and per parameter."""
+    table = Table(title="optimizer state: AdamW's weights and moments per setting (computed)")
+    table.add_column("optim_state", no_wrap=True)
+    table.add_column("master", no_wrap=True)
+    table.add_column("weights\nMiB", justify="right")
+    table.add_column("moments\nMiB", justify="right")
+    table.add_column("total\nMiB", justify="right")
+    table.add_column("bytes\n/ param", justify="right")
+    for r in rows:
+        table.add_row(
+            r.optim_state,
+            r.master,
+            f"{r.weights / _MIB:.2f}",
+            f"{r.moments / _MIB:.2f}",
+            f"{r.total / _MIB:.2f}",
+            f"{r.per_param:.2f}",
+        )
+    return table
+
+
+def optim_state_notes(rows: list[OptimStateRow]) -> list[str]:
+    """What the optimizer-state table counts, one line."""
+    n = rows[0].parameters if rows else 0
+    return [
+        f"optimizer state: the {n:,} parameters' weights as the optimizer steps them (f32, or "
+        f"a bf16 master with stochastic rounding) and AdamW's two moments stored per "
+        f"ctx.optim_state (CompactOptimizer / OffloadedOptimizer), computed by "
+        f"computectx.memory.state.codecs.packed_nbytes, not trained: tensors under 4096 "
+        f"elements keep f32 moments; the f32/f32 row is what the fp32 policy's run holds "
+        f"(docs/memory.md: Optimizer state formats)."
+    ]
 
 
 def serving_table(report: DemoReport) -> Table | None:
@@ -228,6 +277,10 @@ def results_json(report: DemoReport) -> dict[str, Any]:
         "half_gemm": report.half_gemm,
         "train_loss_steps": tail_steps(s.steps),
         "memory_measure": " ".join(memory_notes(report)),
+        "optim_state": [
+            {**dataclasses.asdict(r), "bytes_per_param": r.per_param}
+            for r in optim_state_of(report)
+        ],
         "results": [
             {
                 "flag": r.flag,

@@ -22,6 +22,9 @@ from computectx.demo.corpus import load_corpus, val_batches
 from computectx.demo.moe import load_notes, load_table, plot_expert_load
 from computectx.demo.report import (
     DemoReport,
+    optim_state_notes,
+    optim_state_of,
+    optim_state_table,
     plot_losses,
     printable,
     results_table,
@@ -234,6 +237,10 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
                 f"{r.flag}: {r.skipped_steps} step(s) skipped for non-finite gradients",
                 markup=False,
             )
+    rows = optim_state_of(report)
+    out.print(optim_state_table(rows))
+    for line in optim_state_notes(rows):
+        out.print(line, markup=False, highlight=False)
     loads = [(r.flag, r.expert_load) for r in results if r.expert_load is not None]
     tail = tail_steps(settings.steps)
     if loads:
