@@ -439,6 +439,15 @@ def _block(head: str, doc: str | None, extra: Sequence[str] = ()) -> list[str]:
     return lines
 
 
+def _private_base(base: type) -> bool:
+    """Whether ``base`` is computectx's and private: its name, or a module on its path
+    (``computectx.memory._wrapper``), starts with ``_``."""
+    module = base.__module__
+    if module.split(".")[0] != "computectx":
+        return False
+    return any(part.startswith("_") for part in [*module.split("."), base.__name__])
+
+
 def member_lines(cls: type) -> list[str]:
     """The ``- method(...)`` bullets of the public callables and properties ``cls`` defines
     (itself or through a private base), in definition order."""
@@ -446,7 +455,7 @@ def member_lines(cls: type) -> list[str]:
     # A private base's members read as the class's own (the page never names that base).
     scanned = [cls]
     for base in cls.__mro__[1:]:
-        if not base.__name__.startswith("_") or not base.__module__.startswith("computectx"):
+        if not _private_base(base):
             break
         scanned.append(base)
     defined: dict[str, object] = {}
@@ -482,7 +491,7 @@ def _display_bases(cls: type) -> list[type]:
     for base in cls.__bases__:
         if base in (object, typing.Generic) or getattr(base, "_is_protocol", False):
             continue
-        while base.__name__.startswith("_") and base.__bases__:
+        while (base.__name__.startswith("_") or _private_base(base)) and base.__bases__:
             base = base.__bases__[0]
         if base is not object and base not in shown:
             shown.append(base)

@@ -12,24 +12,22 @@ rounding. Non-finite gradients skip the step, as ``OffloadedOptimizer`` skips it
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
 
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.memory._grad_health import GradHealth, check_max_norm
-from computectx.memory._masters import MasterWeights, is_dtensor, normalise_groups
+from computectx.memory._grad_health import check_max_norm
+from computectx.memory._masters import MasterWeights, is_dtensor
+from computectx.memory._wrapper import InnerWrapper
 from computectx.memory.optimizer import OffloadedOptimizer
-from computectx.memory.optimizer_state import check_optimizer_class, state_tensors
-from computectx.memory.state.stepper import Stepper, below_f32, check_compile, check_seed
-from computectx.memory.state.store import load_plan
+from computectx.memory.state.stepper import Stepper
 
 __all__ = ["CompactOptimizer"]
 
 
-class CompactOptimizer(torch.optim.Optimizer):
+class CompactOptimizer(InnerWrapper):
     """Step the model's parameters in place with optimizer state stored as ``ctx.optim_state``.
 
     ``optimizer_class(params, **optimizer_kwargs)`` is built on the model's parameters; any
@@ -59,6 +57,8 @@ class CompactOptimizer(torch.optim.Optimizer):
     bound) and encodes plain float tensors (a torch or DCP checkpoint).
     """
 
+    _who = "CompactOptimizer"
+
     def __init__(
         self,
         params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -69,79 +69,40 @@ class CompactOptimizer(torch.optim.Optimizer):
         compile: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        if not isinstance(ctx, ComputeCtx):
-            raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
-        if not (
-            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
-        ):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
-                f"torch.optim.AdamW), got {optimizer_class!r}"
-            )
+        self._check_args(ctx, optimizer_class, seed, compile)
+        # The gradient health of OffloadedOptimizer, over the parameters themselves (their
+        # "masters" are the parameters: nothing is copied).
+        weights = MasterWeights(ctx, "blocking", None)
+        super().__init__(
+            params, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
+        )
+
+    @classmethod
+    def _refuse(cls, optimizer_class: type[torch.optim.Optimizer]) -> None:
         if issubclass(optimizer_class, (OffloadedOptimizer, CompactOptimizer)):
             raise TypeError(
                 f"optimizer_class cannot itself be a {optimizer_class.__name__}; pass the "
                 f"torch.optim class"
             )
-        check_seed(seed)
-        check_compile(compile)
-        self._ctx = ctx
-        self._seed = seed
-        self._compile = compile
-        self._optimizer_class = optimizer_class
-        self._optimizer_kwargs = optimizer_kwargs
-        self._inner: torch.optim.Optimizer | None = None
-        self._stepper: Stepper | None = None
-        # The gradient health of OffloadedOptimizer, over the parameters themselves (their
-        # "masters" are the parameters: nothing is copied).
-        self._weights = MasterWeights(ctx, "blocking", None)
-        self._health = GradHealth(self._weights)
-        self.last_step_skipped = False
-        """Whether the most recent ``step`` skipped the update (non-finite gradients)."""
-        self.skipped_steps = 0
-        """How many steps were skipped for non-finite gradients."""
-        super().__init__(normalise_groups(params), {})
-        self.defaults = self.inner.defaults
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
-        self._ensure_stepper()
 
     @property
     def inner(self) -> torch.optim.Optimizer:
         """The torch optimizer whose update runs on each parameter."""
-        if self._inner is None:
-            raise RuntimeError("the CompactOptimizer is still being constructed")
-        return self._inner
+        return self._built()
 
     @property
     def ctx(self) -> ComputeCtx:
         """The policy this optimizer was built from (``ctx.optim_state`` is read)."""
-        return self._ctx
+        return self._weights.ctx
 
     @property
     def stepper(self) -> Stepper | None:
         """The per-parameter stepper (``None``: f32 state and f32 parameters, torch's step)."""
         return self._stepper
 
-    def _rounds(self) -> bool:
-        return any(below_f32(p.dtype) for p in self._weights.master)
-
-    def _ensure_stepper(self) -> None:
-        if self._stepper is None and (self._ctx.optim_state.compact or self._rounds()):
-            self._stepper = Stepper(
-                self.inner,
-                self._ctx.optim_state,
-                seed=self._seed,
-                compile=self._compile,
-                who="CompactOptimizer",
-            )
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of parameters (checked before anything is added)."""
-        if not isinstance(param_group, Mapping):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        inner = self._inner
-        where = f"param_groups[{0 if inner is None else len(inner.param_groups)}]"
+        where = self._where(param_group)
         raw = param_group.get("params")
         listed = [raw] if isinstance(raw, torch.Tensor) else list(raw or [])
         for i, p in enumerate(listed):
@@ -153,14 +114,7 @@ class CompactOptimizer(torch.optim.Optimizer):
                     f"each rank's shard and its compact state"
                 )
         params = self._weights.check_group(dict(param_group), where)
-        group = {**param_group, "params": params}
-        if inner is None:
-            self._inner = self._optimizer_class([group], **self._optimizer_kwargs)
-        else:
-            inner.add_param_group(group)
-        self._weights.add(params, params)
-        if inner is not None:
-            self._ensure_stepper()
+        self._join({**param_group, "params": params}, params, params)
 
     # ----- the step -------------------------------------------------------------------
 
@@ -180,44 +134,22 @@ class CompactOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Step every parameter with a gradient; skipped for inf or NaN gradients."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self._health.finite():
-            self.skipped_steps += 1
-            self.last_step_skipped = True
-            for p in self._weights.master:
-                p.grad = None
-            self._health.forget()
-            warnings.warn(
-                f"CompactOptimizer.step() skipped the update: the gradients hold inf or NaN "
-                f"values and were dropped ({self.skipped_steps} step(s) skipped so far)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            return loss
-        if self._stepper is None:
-            self.inner.step()
-        else:
-            self._stepper.step()
-        self.last_step_skipped = False
+        loss = self._loss(closure)
+        if not self._skipped():
+            self._update()
+            self.last_step_skipped = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients."""
-        self.inner.zero_grad(set_to_none=set_to_none)
-        self._health.forget()
+        self._zero_inner(set_to_none)
 
     # ----- checkpoints ----------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """Torch's state dict (packed state under ``"name.part"``) plus ``"optim_state"`` and,
         with a parameter below float32, ``"master_rounding"``."""
-        sd = dict(super().state_dict())
-        if self._stepper is not None:
-            sd.update(self._stepper.extras(self._rounds()))
-        return sd
+        return self._with_extras(dict(super().state_dict()))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore groups and state; all of it is checked before anything changes.
@@ -226,47 +158,10 @@ class CompactOptimizer(torch.optim.Optimizer):
         packed parts (``ValueError`` naming the key) and bad rounding generators. A state
         saved under another ``optim_state`` is converted with a ``UserWarning``.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        inner = self.inner
-        check_optimizer_class(
-            state_dict, type(inner), inner.defaults, "CompactOptimizer.load_state_dict"
-        )
-        stepper = self._stepper
-        plan = load_plan(
-            state_dict,
-            self.param_groups,
-            self._ctx.optim_state,
-            stepped=stepper is not None,
-            who="CompactOptimizer.load_state_dict",
-        )
-        rounding = None
-        if stepper is not None and self._rounds():
-            devices = [p.device for p in self._weights.master if below_f32(p.dtype)]
-            rounding = stepper.checked_rounding(plan.rounding, devices)
-        super().load_state_dict(plan.torch_sd)
-        plan.finish(self.state)
-        if stepper is not None:
-            stepper.forget()
-            if rounding is not None:
-                stepper.rounding = rounding
+        self._load(self._checked(state_dict))
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        inner = self.inner
-        inner.__setstate__(state)
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        self.defaults = inner.defaults
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            "CompactOptimizer cannot be pickled or deep-copied; save state_dict() and build "
-            "a new one around the model"
-        )
-
-    def __repr__(self) -> str:
-        inner = repr(self.inner).replace("\n", "\n  ")
-        return f"CompactOptimizer(optim_state={self._ctx.optim_state}, inner={inner})"
+    def _repr_fields(self) -> str:
+        return f"optim_state={self.ctx.optim_state}"
 
     # ----- accounting -----------------------------------------------------------------
 
@@ -277,8 +172,5 @@ class CompactOptimizer(torch.optim.Optimizer):
         for p in self._weights.master:
             if p.grad is not None:
                 yield "grads", p.grad
-        for per_param in self.state.values():
-            yield from (("optimizer_state", t) for t in state_tensors(per_param))
-        if self._stepper is not None:
-            for buffer in self._stepper.scratch_buffers():
-                yield "scratch", buffer
+        yield from self._state_tensors()
+        yield from self._scratch_tensors()

@@ -9,7 +9,9 @@ This module puts one step together; each part is a module of its own:
 ``computectx.memory._masters`` (parameter groups, master weights, copy-back),
 ``computectx.memory._grad_ingest`` (gradients onto the masters),
 ``computectx.memory._grad_health`` (the clip norm and the non-finite verdict) and
-``computectx.memory.optimizer_state`` (what a checkpoint holds, and its checks).
+``computectx.memory.optimizer_state`` (what a checkpoint holds, and its checks); what it
+shares with ``CompactOptimizer`` (the inner optimizer's objects, the stepper, the skip, the
+load) is ``computectx.memory._wrapper``'s.
 """
 
 from __future__ import annotations
@@ -21,24 +23,19 @@ from typing import Any, overload
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.memory._grad_health import GradHealth, check_max_norm
+from computectx.memory._grad_health import check_max_norm
 from computectx.memory._grad_ingest import GradIngest
-from computectx.memory._masters import MasterWeights, Sharding, check_sharding, normalise_groups
+from computectx.memory._masters import MasterWeights, Sharding, check_sharding
 from computectx.memory._transfer import Transfer, check_transfer
+from computectx.memory._wrapper import InnerWrapper
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.optimizer_state import (
-    MASTER_WEIGHTS,
-    check_optimizer_class,
-    check_saved_masters,
-    state_tensors,
-)
-from computectx.memory.state.stepper import Stepper, below_f32, check_compile, check_seed
-from computectx.memory.state.store import load_plan
+from computectx.memory.optimizer_state import MASTER_WEIGHTS, check_saved_masters, state_tensors
+from computectx.memory.state.stepper import Stepper
 
 __all__ = ["MASTER_WEIGHTS", "OffloadedOptimizer", "Sharding", "state_tensors"]
 
 
-class OffloadedOptimizer(torch.optim.Optimizer):
+class OffloadedOptimizer(InnerWrapper):
     """Step master weights (``ctx.master``) and optimizer state on ``ctx.offload_device``.
 
     The compute parameters stay where they are; each gets a master copy at ``ctx.master``
@@ -95,6 +92,8 @@ class OffloadedOptimizer(torch.optim.Optimizer):
     optimizer's ``load_state_dict`` runs first.
     """
 
+    _who = "OffloadedOptimizer"
+
     def __init__(
         self,
         params_or_groups: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
@@ -107,15 +106,15 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         compile: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
-        if not isinstance(ctx, ComputeCtx):
-            raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
-        if not (
-            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
-        ):
-            raise TypeError(
-                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
-                f"torch.optim.AdamW), got {optimizer_class!r}"
-            )
+        self._check_args(ctx, optimizer_class, seed, compile)
+        weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
+        self._ingest = GradIngest(weights)
+        super().__init__(
+            params_or_groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
+        )
+
+    @classmethod
+    def _refuse(cls, optimizer_class: type[torch.optim.Optimizer]) -> None:
         if issubclass(optimizer_class, OffloadedOptimizer):
             raise TypeError("optimizer_class cannot itself be an OffloadedOptimizer")
         if issubclass(optimizer_class, torch.optim.LBFGS):
@@ -124,42 +123,11 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 "it optimizes, which here are the offloaded master copies, not the model; "
                 "use LBFGS directly on the model's parameters"
             )
-        check_seed(seed)
-        check_compile(compile)
-        self._weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
-        self._ingest = GradIngest(self._weights)
-        self._health = GradHealth(self._weights)
-        self._optimizer_class = optimizer_class
-        self._optimizer_kwargs = optimizer_kwargs
-        self._master_optimizer: torch.optim.Optimizer | None = None
-        self.last_step_skipped = False
-        """Whether the most recent ``step`` skipped the update (non-finite gradients)."""
-        self.skipped_steps = 0
-        """How many steps were skipped for non-finite gradients."""
-        # Optimizer.__init__ hands each group to add_param_group (below), which builds the
-        # master optimizer from the first group and adds the rest to it, as torch does.
-        super().__init__(normalise_groups(params_or_groups), {})
-        # One set of groups, state and defaults: the base class's (still empty) ones are
-        # replaced by the master optimizer's objects themselves, so a scheduler writing
-        # ``lr`` into a group writes what the master step reads.
-        self.defaults = self.inner.defaults
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
-        self._rounds = below_f32(ctx.master.torch)
-        self._stepper = (
-            Stepper(
-                self.inner, ctx.optim_state, seed=seed, compile=compile, who="OffloadedOptimizer"
-            )
-            if ctx.optim_state.compact or self._rounds
-            else None
-        )
 
     @property
     def inner(self) -> torch.optim.Optimizer:
         """The optimizer that steps the master weights."""
-        if self._master_optimizer is None:
-            raise RuntimeError("the OffloadedOptimizer is still being constructed")
-        return self._master_optimizer
+        return self._built()
 
     @property
     def transfer(self) -> Transfer:
@@ -201,20 +169,10 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         Options the group leaves out take the inner optimizer's defaults. Everything is
         checked before anything is added.
         """
-        if not isinstance(param_group, Mapping):
-            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
-        inner = self._master_optimizer
-        where = f"param_groups[{0 if inner is None else len(inner.param_groups)}]"
+        where = self._where(param_group)
         compute = self._weights.check_group(dict(param_group), where)
         masters = self._weights.make(compute)
-        master_group = {**param_group, "params": masters}
-        if inner is None:
-            # Optimizer.__init__ passes the first group: the optimizer class is built on it
-            # (and checks its keyword arguments) here.
-            self._master_optimizer = self._optimizer_class([master_group], **self._optimizer_kwargs)
-        else:
-            inner.add_param_group(master_group)
-        self._weights.add(compute, masters)
+        self._join({**param_group, "params": masters}, compute, masters)
 
     # ----- gradients ------------------------------------------------------------------
 
@@ -265,23 +223,9 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         optimizer state are untouched, a ``RuntimeWarning`` says so, ``last_step_skipped``
         is set and ``skipped_steps`` counts it. Returns the closure's loss, if any.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._loss(closure)
         self._take_param_grads()
-        if not self._health.finite():
-            self.skipped_steps += 1
-            self.last_step_skipped = True
-            for mp in self._weights.master:
-                mp.grad = None
-            self._health.forget()
-            warnings.warn(
-                f"OffloadedOptimizer.step() skipped the update: the gradients hold inf or "
-                f"NaN values and were dropped ({self.skipped_steps} step(s) skipped so far)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        if self._skipped():
             return loss
         self._weights.adopt_outside_edits()
         if all(mp.grad is None for mp in self._weights.master):
@@ -291,18 +235,14 @@ class OffloadedOptimizer(torch.optim.Optimizer):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        if self._stepper is None:
-            self.inner.step()
-        else:
-            self._stepper.step()
+        self._update()
         self._weights.copy_to_compute()
         self.last_step_skipped = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
-        self.inner.zero_grad(set_to_none=set_to_none)
-        self._health.forget()
+        self._zero_inner(set_to_none)
         for cp in self._weights.compute:
             if cp.grad is None:
                 continue
@@ -320,9 +260,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         self._weights.adopt_outside_edits()
         sd = dict(super().state_dict())
         sd[MASTER_WEIGHTS] = dict(enumerate(self._weights.master))
-        if self._stepper is not None:
-            sd.update(self._stepper.extras(self._rounds))
-        return sd
+        return self._with_extras(sd)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Restore state, groups and master weights, then refresh the compute parameters.
@@ -337,61 +275,18 @@ class OffloadedOptimizer(torch.optim.Optimizer):
         converted, with a ``UserWarning`` naming both formats and the bound; a plain float
         tensor of the parameter's shape (a DCP or plain torch checkpoint) is encoded.
         """
-        if not isinstance(state_dict, Mapping):
-            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
-        inner = self.inner
-        check_optimizer_class(
-            state_dict, type(inner), inner.defaults, "OffloadedOptimizer.load_state_dict"
-        )
-        sd = dict(state_dict)
+        sd = self._checked(state_dict)
         saved = sd.pop(MASTER_WEIGHTS, None)
         masters = (
             None
             if saved is None
             else check_saved_masters(saved, self._weights.master, self._weights.ctx.master)
         )
-        stepper = self._stepper
-        plan = load_plan(
-            sd,
-            self.param_groups,
-            self.ctx.optim_state,
-            stepped=stepper is not None,
-            who="OffloadedOptimizer.load_state_dict",
-        )
-        rounding = None
-        if stepper is not None and self._rounds:
-            devices = [mp.device for mp in self._weights.master]
-            rounding = stepper.checked_rounding(plan.rounding, devices)
-        super().load_state_dict(plan.torch_sd)
-        plan.finish(self.state)
-        if stepper is not None:
-            stepper.forget()
-            if rounding is not None:
-                stepper.rounding = rounding
+        self._load(sd)
         self._weights.load(masters)
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # Optimizer.load_state_dict installs the loaded groups and state through
-        # __setstate__. The master optimizer takes them (its class fills in the options it
-        # needs), and the wrapper goes on sharing its objects.
-        inner = self.inner
-        inner.__setstate__(state)
-        self.param_groups = inner.param_groups
-        self.state = inner.state
-        self.defaults = inner.defaults
-
-    def __getstate__(self) -> dict[str, Any]:
-        raise TypeError(
-            "OffloadedOptimizer cannot be pickled or deep-copied; save state_dict() and "
-            "build a new one around the model"
-        )
-
-    def __repr__(self) -> str:
-        inner = repr(self.inner).replace("\n", "\n  ")
-        return (
-            f"OffloadedOptimizer(master={self.ctx.master}, "
-            f"device={self.ctx.offload_device}, inner={inner})"
-        )
+    def _repr_fields(self) -> str:
+        return f"master={self.ctx.master}, device={self.ctx.offload_device}"
 
     # ----- accounting -----------------------------------------------------------------
 
@@ -407,10 +302,7 @@ class OffloadedOptimizer(torch.optim.Optimizer):
             yield "master", mp
             if mp.grad is not None:
                 yield "grads", mp.grad
-        for per_param in self.state.values():
-            yield from (("optimizer_state", t) for t in state_tensors(per_param))
+        yield from self._state_tensors()
         for buffer in (*self._ingest.staging_buffers(), *self._weights.staging_buffers()):
             yield "staging", buffer
-        if self._stepper is not None:
-            for buffer in self._stepper.scratch_buffers():
-                yield "scratch", buffer
+        yield from self._scratch_tensors()

@@ -312,13 +312,14 @@ class LoadPlan:
     warning: str | None
     """The conversion warning to give once everything loaded."""
 
-    def finish(self, state: dict[Any, Any]) -> None:
-        """Install the entries into ``state`` (the optimizer's) and give the warning."""
+    def finish(self, state: dict[Any, Any], *, stacklevel: int = 3) -> None:
+        """Install the entries into ``state`` (the optimizer's) and give the warning
+        (``stacklevel`` as ``warnings.warn`` counts it from here: 3 is the caller's caller)."""
         if self.install is not None:
             for index, entry in self.install.items():
                 state[self.params[index]] = entry
         if self.warning is not None:
-            warnings.warn(self.warning, UserWarning, stacklevel=3)
+            warnings.warn(self.warning, UserWarning, stacklevel=stacklevel)
 
 
 def load_plan(

@@ -1,0 +1,260 @@
+"""What ``OffloadedOptimizer`` and ``CompactOptimizer`` share: a ``torch.optim.Optimizer``
+around an inner torch optimizer whose ``param_groups``, ``state`` and ``defaults`` it holds.
+
+``InnerWrapper`` is built by ``Optimizer.__init__``, which hands each group to the
+subclass's ``add_param_group``: the first builds the inner optimizer, the rest join it.
+The wrapper then holds no optimizer state of its own: its groups, state and defaults are the
+inner optimizer's very objects, so LR schedulers write the learning rate the inner step
+reads, and ``state_dict`` describes exactly one optimizer. It also keeps what both steps
+share: the stepper of compact state (``computectx.memory.state.Stepper``, built when the
+state is compact or a stepped weight is below float32), the skip of non-finite gradients,
+the load of a checked state dict, and the tensors that optimizer state and scratch take.
+
+The subclasses keep the public methods, with their own documentation; what they step (the
+``MasterWeights``' masters: copies on the offload device, or the model's parameters) is
+theirs to make.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from computectx.ctx import ComputeCtx
+from computectx.memory._grad_health import GradHealth
+from computectx.memory._masters import MasterWeights, normalise_groups
+from computectx.memory.optimizer_state import check_optimizer_class, state_tensors
+from computectx.memory.state.stepper import Stepper, below_f32, check_compile, check_seed
+from computectx.memory.state.store import load_plan
+
+__all__ = ["InnerWrapper"]
+
+
+class InnerWrapper(torch.optim.Optimizer):
+    """A torch optimizer stepping ``weights.master`` through an inner ``optimizer_class``.
+
+    ``_who`` (the subclass's name) opens its errors and warnings. A subclass checks its
+    arguments with ``_check_args`` (refusing classes in ``_refuse``), makes the
+    ``MasterWeights`` and calls ``__init__``; its ``add_param_group`` checks a group and
+    hands it to ``_join``.
+    """
+
+    _who: ClassVar[str] = "InnerWrapper"
+
+    @classmethod
+    def _check_args(
+        cls, ctx: object, optimizer_class: object, seed: object, compile: object
+    ) -> None:
+        """``TypeError`` (or ``_refuse``'s error) for a bad argument, in argument order."""
+        if not isinstance(ctx, ComputeCtx):
+            raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
+        if not (
+            isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+        ):
+            raise TypeError(
+                f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
+                f"torch.optim.AdamW), got {optimizer_class!r}"
+            )
+        cls._refuse(optimizer_class)
+        check_seed(seed)
+        check_compile(compile)
+
+    @classmethod
+    def _refuse(cls, optimizer_class: type[torch.optim.Optimizer]) -> None:
+        """Raise for an optimizer class this wrapper cannot step (none here)."""
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        weights: MasterWeights,
+        optimizer_class: type[torch.optim.Optimizer],
+        optimizer_kwargs: dict[str, Any],
+        *,
+        seed: int,
+        compile: bool | None,
+    ) -> None:
+        self._weights = weights
+        self._health = GradHealth(weights)
+        self._seed = seed
+        self._compile = compile
+        self._optimizer_class = optimizer_class
+        self._optimizer_kwargs = optimizer_kwargs
+        self._inner: torch.optim.Optimizer | None = None
+        self._stepper: Stepper | None = None
+        self.last_step_skipped = False
+        """Whether the most recent ``step`` skipped the update (non-finite gradients)."""
+        self.skipped_steps = 0
+        """How many steps were skipped for non-finite gradients."""
+        # Optimizer.__init__ hands each group to add_param_group, which builds the inner
+        # optimizer from the first group and adds the rest to it (``_join``), as torch does.
+        super().__init__(normalise_groups(params), {})
+        self._share_inner()
+        self._ensure_stepper()
+
+    def _built(self) -> torch.optim.Optimizer:
+        """The inner optimizer (``RuntimeError`` while the first group is being added)."""
+        if self._inner is None:
+            raise RuntimeError(f"the {self._who} is still being constructed")
+        return self._inner
+
+    def _share_inner(self) -> None:
+        # One set of groups, state and defaults: the base class's ones are replaced by the
+        # inner optimizer's objects themselves, so a scheduler writing ``lr`` into a group
+        # writes what the inner step reads.
+        inner = self._built()
+        self.defaults = inner.defaults
+        self.param_groups = inner.param_groups
+        self.state = inner.state
+
+    def _rounds(self) -> bool:
+        """Whether some stepped weight is below float32 (written back with rounding)."""
+        return any(below_f32(w.dtype) for w in self._weights.master)
+
+    def _ensure_stepper(self) -> None:
+        if self._stepper is None and (self._weights.ctx.optim_state.compact or self._rounds()):
+            self._stepper = Stepper(
+                self._built(),
+                self._weights.ctx.optim_state,
+                seed=self._seed,
+                compile=self._compile,
+                who=self._who,
+            )
+
+    def _where(self, param_group: object) -> str:
+        """``"param_groups[i]"`` for the group about to be added (``TypeError`` unless a dict)."""
+        if not isinstance(param_group, Mapping):
+            raise TypeError(f"param_group must be a dict, got {type(param_group).__name__}")
+        inner = self._inner
+        return f"param_groups[{0 if inner is None else len(inner.param_groups)}]"
+
+    def _join(
+        self, group: dict[str, Any], compute: list[torch.Tensor], stepped: list[torch.Tensor]
+    ) -> None:
+        """Add ``group`` (its params: ``stepped``) to the inner optimizer, which the first
+        group builds (the class checks its keyword arguments here), and align ``compute``."""
+        inner = self._inner
+        if inner is None:
+            self._inner = self._optimizer_class([group], **self._optimizer_kwargs)
+        else:
+            inner.add_param_group(group)
+        self._weights.add(compute, stepped)
+        if inner is not None:
+            self._ensure_stepper()
+
+    # ----- the step -------------------------------------------------------------------
+
+    @staticmethod
+    def _loss(closure: Callable[[], float] | None) -> float | None:
+        """The closure's loss, evaluated once with grad enabled (``None`` without one)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
+    def _skipped(self) -> bool:
+        """Whether the gradients are non-finite, so the step is skipped: they are then
+        dropped, the skip counted and a ``RuntimeWarning`` given (at ``step``'s caller)."""
+        if self._health.finite():
+            return False
+        self.skipped_steps += 1
+        self.last_step_skipped = True
+        for w in self._weights.master:
+            w.grad = None
+        self._health.forget()
+        warnings.warn(
+            f"{self._who}.step() skipped the update: the gradients hold inf or NaN values and "
+            f"were dropped ({self.skipped_steps} step(s) skipped so far)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return True
+
+    def _update(self) -> None:
+        """Step every weight with a gradient: torch's step, or the stepper's."""
+        if self._stepper is None:
+            self._built().step()
+        else:
+            self._stepper.step()
+
+    def _zero_inner(self, set_to_none: bool) -> None:
+        self._built().zero_grad(set_to_none=set_to_none)
+        self._health.forget()
+
+    # ----- checkpoints ----------------------------------------------------------------
+
+    def _with_extras(self, sd: dict[str, Any]) -> dict[str, Any]:
+        """``sd`` with the stepper's ``"optim_state"`` and ``"master_rounding"`` added."""
+        if self._stepper is not None:
+            sd.update(self._stepper.extras(self._rounds()))
+        return sd
+
+    def _checked(self, state_dict: object) -> dict[str, Any]:
+        """``state_dict`` as a dict, refused unless a mapping of the inner optimizer's class
+        (``optimizer_state.check_optimizer_class``)."""
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
+        inner = self._built()
+        check_optimizer_class(
+            state_dict, type(inner), inner.defaults, f"{self._who}.load_state_dict"
+        )
+        return dict(state_dict)
+
+    def _load(self, sd: Mapping[str, Any]) -> None:
+        """Load groups and state: the packed parts and the rounding generators are checked
+        (and the state converted from another ``optim_state``) before anything changes."""
+        stepper = self._stepper
+        plan = load_plan(
+            sd,
+            self.param_groups,
+            self._weights.ctx.optim_state,
+            stepped=stepper is not None,
+            who=f"{self._who}.load_state_dict",
+        )
+        rounding = None
+        if stepper is not None and self._rounds():
+            devices = [w.device for w in self._weights.master if below_f32(w.dtype)]
+            rounding = stepper.checked_rounding(plan.rounding, devices)
+        super().load_state_dict(plan.torch_sd)
+        # The conversion warning points at the caller of the subclass's load_state_dict.
+        plan.finish(self.state, stacklevel=4)
+        if stepper is not None:
+            stepper.forget()
+            if rounding is not None:
+                stepper.rounding = rounding
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Optimizer.load_state_dict installs the loaded groups and state through
+        # __setstate__. The inner optimizer takes them (its class fills in the options it
+        # needs), and the wrapper goes on sharing its objects.
+        self._built().__setstate__(state)
+        self._share_inner()
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError(
+            f"{self._who} cannot be pickled or deep-copied; save state_dict() and build a new "
+            f"one around the model"
+        )
+
+    def _repr_fields(self) -> str:
+        """What ``repr`` shows before the inner optimizer."""
+        return ""
+
+    def __repr__(self) -> str:
+        inner = repr(self._built()).replace("\n", "\n  ")
+        return f"{self._who}({self._repr_fields()}, inner={inner})"
+
+    # ----- accounting -----------------------------------------------------------------
+
+    def _state_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``("optimizer_state", t)`` per stored state tensor (packed parts included)."""
+        for per_param in self.state.values():
+            yield from (("optimizer_state", t) for t in state_tensors(per_param))
+
+    def _scratch_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``("scratch", buffer)`` per scratch buffer of the stepper."""
+        if self._stepper is not None:
+            for buffer in self._stepper.scratch_buffers():
+                yield "scratch", buffer
