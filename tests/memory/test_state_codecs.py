@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computectx.memory.state import codecs
+from computectx.memory.state import codecs, search
 from computectx.memory.state.codecs import (
     Kind,
     Packed,
@@ -78,6 +78,67 @@ def test_maps_hold_their_defining_values() -> None:
     assert bool(((mids > signed8[:-1]) & (mids < signed8[1:])).all())
     with pytest.raises(ValueError, match="unknown quantization map 'nope'"):
         qmap("nope")  # type: ignore[arg-type]
+
+
+MAP_NAMES: tuple[MapName, ...] = (
+    "dynamic8_signed",
+    "dynamic8_unsigned",
+    "dynamic4_signed",
+    "linear4_unsigned",
+)
+
+
+def _patterns_as_f32(patterns: torch.Tensor) -> torch.Tensor:
+    """int64 bit patterns in ``[0, 2**32)`` as float32, non-finite ones dropped."""
+    signed = torch.where(patterns >= 2**31, patterns - 2**32, patterns)
+    x = signed.to(torch.int32).view(torch.float32)
+    return x[x.isfinite()]
+
+
+def _search_inputs(mids: torch.Tensor, seed: int) -> torch.Tensor:
+    """(a) each midpoint and the f32 patterns 1 and 2 ulps either side of it; (b) random bit
+    patterns (every magnitude: subnormals to 3.4e38, both signs), random values in [-1, 1],
+    both ends of every 2**16-pattern bucket, 0, -0 and the smallest subnormals."""
+    inf = torch.full_like(mids, math.inf)
+    up = torch.nextafter(mids, inf)
+    down = torch.nextafter(mids, -inf)
+    near = [mids, up, down, torch.nextafter(up, inf), torch.nextafter(down, -inf)]
+    gen = torch.Generator().manual_seed(seed)
+    random_bits = _patterns_as_f32(torch.randint(0, 2**32, (1 << 20,), generator=gen))
+    in_range = torch.rand(1 << 18, generator=gen) * 2 - 1
+    buckets = torch.arange(1 << 16, dtype=torch.int64) << 16
+    edges = _patterns_as_f32(torch.cat((buckets, buckets | 0xFFFF)))
+    tiny = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 2e-45, -2e-45, 1.1754942e-38])
+    return torch.cat((*near, random_bits, in_range, edges, tiny))
+
+
+@pytest.mark.parametrize("name", MAP_NAMES)
+def test_table_search_gives_exactly_the_codes_of_bucketize(name: MapName) -> None:
+    mids = qmap_midpoints(name)
+    found = search.nearest_table(name)
+    assert found is not None  # every map passes the one-midpoint-per-bucket check
+    x = _search_inputs(mids, seed=len(mids))
+    expected = torch.bucketize(x, mids)  # the old way: right=False, a tie to the lower code
+    assert torch.equal(search.nearest_codes(x, *found).long(), expected)
+    compiled = torch.compile(search.nearest_codes, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x, *found).long(), expected)
+    # Ties: a value equal to a midpoint takes the lower code, as bucketize does.
+    assert torch.equal(search.nearest_codes(mids, *found).long(), torch.arange(len(mids)))
+    # The codec's encode goes through the table and gives bucketize's codes.
+    spec = codecs.Spec("int8" if "8" in name else "int4", "_signed" in name, 256, False)
+    maps = codecs.maps_for(spec, torch.device("cpu"))
+    assert maps.table is found.table
+    n = torch.rand(4096, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    n = n.abs() if "unsigned" in name else n
+    table_parts = codecs.encode_tensors(n, spec, maps)
+    bucketize_parts = codecs.encode_tensors(n, spec, codecs.Maps(maps.values, maps.mids))
+    assert all(torch.equal(a, b) for a, b in zip(table_parts, bucketize_parts, strict=True))
+
+
+def test_table_search_refuses_midpoints_closer_than_a_bucket() -> None:
+    # Two midpoints within one 2**16-pattern bucket (relative width 2**-7): no table.
+    assert search.build_table(torch.tensor([0.5, 0.501, 0.75])) is None
+    assert search.build_table(torch.tensor([0.5, 0.51, 0.75])) is not None
 
 
 @pytest.mark.parametrize(

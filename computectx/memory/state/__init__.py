@@ -4,6 +4,8 @@
   (``Packed``: its parts), ``from_parts``/``parts_of`` for checkpoints, ``round_trip_bound``
   and ``packed_nbytes`` (bytes without encoding);
 - ``fused``: the Adam/AdamW update on packed state in one (compilable) function;
+- ``maps``: the quantization maps; ``search``: the nearest map entry of each element by a
+  table on its float32 bit pattern (the codes of ``torch.bucketize``, faster);
 - ``kinds``: which map (signed/unsigned) each torch.optim state name takes;
 - ``store``: the stored form of a parameter's state (``"name.part"`` keys), the scratch
   buffer, and loading a state dict saved under any format;

@@ -66,6 +66,7 @@ import torch
 from torch.nn import functional
 
 from computectx.memory.state.maps import map_for, qmap, qmap_midpoints
+from computectx.memory.state.search import nearest_codes, nearest_table
 from computectx.optim_state import OptimState, StateFormat
 
 __all__ = [
@@ -203,10 +204,13 @@ def packed_nbytes(numel_or_shape: int | Sequence[int], state: OptimState, kind: 
 
 
 class Maps(NamedTuple):
-    """The map and its midpoints on the tensor's device (empty for bf16 and fp8)."""
+    """The map and its midpoints on the tensor's device (empty for bf16 and fp8), and the
+    nearest-code table (``search.py``; ``None`` where the search falls back to bucketize)."""
 
     values: torch.Tensor
     mids: torch.Tensor
+    table: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
 
 
 def maps_for(spec: Spec, device: torch.device) -> Maps:
@@ -215,7 +219,10 @@ def maps_for(spec: Spec, device: torch.device) -> Maps:
         empty = torch.empty(0, device=device)
         return Maps(empty, empty)
     name = map_for(spec.format, spec.signed)
-    return Maps(qmap(name, device), qmap_midpoints(name, device))
+    search = nearest_table(name, device)
+    if search is None:
+        return Maps(qmap(name, device), qmap_midpoints(name, device))
+    return Maps(qmap(name, device), qmap_midpoints(name, device), *search)
 
 
 def _blocks(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -273,7 +280,10 @@ def encode_tensors(x32: torch.Tensor, spec: Spec, maps: Maps) -> tuple[torch.Ten
     if spec.format == "fp8":
         codes = (n * FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         return (codes, *scales)
-    idx = torch.bucketize(n, maps.mids)
+    if maps.table is not None and maps.bounds is not None:
+        idx = nearest_codes(n, maps.table, maps.bounds)  # = bucketize, by a table (search.py)
+    else:
+        idx = torch.bucketize(n, maps.mids)
     if spec.format == "int4":
         return (_pack4(idx), *scales)
     return (idx.to(torch.uint8), *scales)
