@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 
 from computectx import ComputeCtx, DType
+from computectx.demo.footprint import adamw_moment_bytes
 from computectx.distributed import DataParallelGradAccumulator
 from computectx.distributed.grad_accumulator import DEFAULT_BUCKET_MIB
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, memory_report
 from computectx.memory.accounting import Role
-from computectx.memory.state.codecs import Kind, packed_nbytes
 from computectx.optim_state import OptimState
 
 COMPUTE_ROLES: tuple[Role, ...] = ("params", "grads")
@@ -185,7 +185,6 @@ def dp_reduce(grad: str, steps: int) -> None:
 # ----- --optim-state: master + AdamW moments per optim_state, measured and computed ---------
 
 STATE_FORMATS = ("f32", "bf16", "int8", "fp8", "int4")
-KINDS: tuple[Kind, ...] = ("signed", "unsigned")
 # Llama 3 8B: vocabulary 128256, width 4096, 32 blocks (GQA: 8 KV heads of 128), MLP 14336,
 # untied head; 8,030,261,248 parameters.
 LLAMA3_8B: list[tuple[int, ...]] = [(128256, 4096), (128256, 4096), (4096,)] + 32 * [
@@ -199,13 +198,7 @@ def adamw_bytes(shapes: list[tuple[int, ...]], state: str, master: DType) -> tup
     accounting (``packed_nbytes``): both moments in ``state`` (float32 below ``min_size``
     elements) and one float32 ``step`` per parameter."""
     st = OptimState.parse(state)
-    held = 0
-    for shape in shapes:
-        n = math.prod(shape)
-        for kind in KINDS:  # exp_avg, exp_avg_sq
-            small = not st.compact or n < st.min_size
-            held += 4 * n if small else packed_nbytes(shape, st, kind)
-        held += 4  # step
+    held = sum(adamw_moment_bytes(shape, st) + 4 for shape in shapes)  # and step
     return sum(math.prod(s) for s in shapes) * master.bits // 8, held
 
 

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 
 from computectx import ComputeCtx, DType
+from computectx.demo.footprint import adamw_moment_bytes
 from computectx.memory import CompactOptimizer
-from computectx.memory.state.codecs import Kind, packed_nbytes
 from computectx.optim_state import OptimState
 
 __all__ = ["GPU_SHAPES", "SMOKE_SHAPES", "bytes_per_param", "section_optim_state"]
@@ -46,7 +46,6 @@ GPU_SHAPES: list[tuple[int, int]] = [(2048, 2048)] * 16
 SMOKE_SHAPES: list[tuple[int, int]] = [(64, 128)] * 2
 """The CPU smoke parameters."""
 FORMATS = ("bf16", "int8", "fp8", "int4")
-KINDS: tuple[Kind, ...] = ("signed", "unsigned")
 
 
 def bytes_per_param(shapes: list[tuple[int, int]], state: str, weight: torch.dtype) -> float:
@@ -56,12 +55,7 @@ def bytes_per_param(shapes: list[tuple[int, int]], state: str, weight: torch.dty
     st = OptimState.parse(state)
     w = torch.empty((), dtype=weight).element_size()
     n = sum(math.prod(s) for s in shapes)
-    moments = 0
-    for shape in shapes:
-        numel = math.prod(shape)
-        for kind in KINDS:
-            small = not st.compact or numel < st.min_size
-            moments += 4 * numel if small else packed_nbytes(shape, st, kind)
+    moments = sum(adamw_moment_bytes(shape, st) for shape in shapes)
     return 3 * w + 2 * moments / n
 
 

@@ -5,14 +5,14 @@ AdamW's weights and moments would take under each optimizer-state setting (compu
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from types import TracebackType
 
 import torch
 
 from computectx.memory import LowPrecGradAccumulator, memory_report
 from computectx.memory.state.codecs import packed_nbytes
+from computectx.memory.state.store import packs
 from computectx.optim_state import OptimState
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "Footprint",
     "OptimStateRow",
     "SavedForBackward",
+    "adamw_moment_bytes",
     "optim_state_rows",
     "state_footprint",
 ]
@@ -155,21 +156,27 @@ class OptimStateRow:
         return self.total / self.parameters if self.parameters else 0.0
 
 
+def adamw_moment_bytes(shape: Sequence[int], state: OptimState) -> int:
+    """Bytes AdamW's two moments (``exp_avg``, ``exp_avg_sq``) of a parameter of ``shape``
+    hold under ``state``, as the state store keeps them (``packs``: compact from ``min_size``
+    elements up, float32 below and for a scalar), from the codecs' ``packed_nbytes``."""
+    p = torch.empty(tuple(shape), device="meta")
+    if packs(p, p.shape, state):
+        return sum(packed_nbytes(p.shape, state, k) for k in ("signed", "unsigned"))
+    return 2 * 4 * p.numel()
+
+
 def optim_state_rows(params: Iterable[torch.Tensor]) -> list[OptimStateRow]:
     """One ``OptimStateRow`` per ``OPTIM_STATE_ROWS`` setting for these parameters, from the
     codecs' accounting (``packed_nbytes``), without training."""
-    shapes = [tuple(p.shape) for p in params]
-    count = sum(math.prod(s) for s in shapes)
+    params = list(params)
+    count = sum(p.numel() for p in params)
     rows = []
     for fmt, master in OPTIM_STATE_ROWS:
         state = OptimState.parse(fmt)
         moments = 0
-        for shape in shapes:
-            n = math.prod(shape)
-            for kind in ("signed", "unsigned"):  # exp_avg, exp_avg_sq
-                small = not state.compact or n < state.min_size
-                moments += 4 * n if small else packed_nbytes(shape, state, kind)
-            moments += 4  # step, a float32 scalar
+        for p in params:
+            moments += adamw_moment_bytes(p.shape, state) + 4  # and step, a float32 scalar
         width = 4 if master == "f32" else 2
         rows.append(OptimStateRow(fmt, master, count, count * width, moments))
     return rows

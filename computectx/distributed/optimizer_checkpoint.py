@@ -33,7 +33,6 @@ from torch.nn.parallel import DistributedDataParallel
 from computectx.distributed.optimizer_state_form import (
     MASTER_ROUNDING,
     OPTIM_STATE,
-    decoded_entries,
     packed_keys,
     saved_format,
 )
@@ -43,6 +42,7 @@ from computectx.memory.optimizer_state import (
     check_master_weight,
     check_optimizer_class,
 )
+from computectx.memory.state import decode_entry
 
 __all__ = [
     "MASTER_WEIGHTS",
@@ -163,8 +163,9 @@ def optimizer_state_dict(model: nn.Module, optimizer: OffloadedOptimizer) -> dic
     for i, per_param in states.items():
         fqn = fqns[i]
         # Packed entries (ctx.optim_state) go in decoded: float32 of the master's shape, which
-        # reshards as float32 state does (computectx.distributed.optimizer_state_form).
-        plain = decoded_entries(per_param, masters[i].shape, fmt, f"state of {fqn!r}")
+        # reshards as float32 state does (computectx.distributed.optimizer_state_form); plain
+        # entries (f32 state, step) stay the optimizer's own tensors.
+        plain = decode_entry(per_param, masters[i].shape, fmt, f"state of {fqn!r}")
         out_state[fqn] = {
             name: _shareable(value, compute[i], masters[i], f"state {name!r} of {fqn!r}")
             for name, value in plain.items()

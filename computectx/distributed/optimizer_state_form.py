@@ -33,17 +33,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
 from computectx.memory.state import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
     PART_SEP,
-    decode_entry,
 )
 from computectx.optim_state import OptimState, parse_optim_state
 
-__all__ = ["MASTER_ROUNDING", "OPTIM_STATE", "decoded_entries", "packed_keys", "saved_format"]
+__all__ = ["MASTER_ROUNDING", "OPTIM_STATE", "packed_keys", "saved_format"]
 
 OPTIM_STATE = OPTIM_STATE_KEY
 """The key of the state format's text form, in both state dict forms."""
@@ -54,17 +51,6 @@ MASTER_ROUNDING = MASTER_ROUNDING_KEY
 def packed_keys(per_param: Mapping[Any, Any]) -> list[str]:
     """The keys of packed parts (``"exp_avg.codes"``) in one parameter's state."""
     return [str(k) for k in per_param if PART_SEP in str(k)]
-
-
-def decoded_entries(
-    per_param: Mapping[str, Any], shape: torch.Size, state: OptimState, where: str
-) -> dict[str, Any]:
-    """One parameter's state with every packed entry decoded to a new float32 tensor of
-    ``shape`` under its name; everything else (``step``, a tensor kept float32) as it is.
-    The parts are checked by the codec (``ValueError`` naming ``where``)."""
-    if not packed_keys(per_param):
-        return dict(per_param)  # f32 state: the optimizer's own tensors, shared as before
-    return decode_entry(per_param, shape, state, where)
 
 
 def saved_format(value: object, where: str) -> OptimState:

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import round_to_bf16
+from computectx.kernels.fp8_codes import e8m0_step, round_to_bf16
 
 __all__ = ["INTERPRETED", "decode_attention", "split_count"]
 
@@ -62,14 +62,7 @@ def _store_out(out_ptr, offs_d, dmask, res, OUT_BF16: tl.constexpr):  # type: ig
 def _widen_step(s):  # type: ignore[no-untyped-def]
     # A loaded step as float32, exactly: e8m0 bytes (uint8, known when the kernel is
     # compiled from the pointer's type) via their exponent field.
-    if s.dtype == tl.uint8:
-        e = s.to(tl.int32)
-        wide = (e << 23).to(tl.float32, bitcast=True)
-        wide = tl.where(e == 0, 5.877471754111438e-39, wide)  # 2**-127, a float32 subnormal
-        wide = tl.where(e == 255, float("nan"), wide)
-    else:
-        wide = s.to(tl.float32)
-    return wide
+    return e8m0_step(s.to(tl.int32)) if s.dtype == tl.uint8 else s.to(tl.float32)
 
 
 @triton.jit

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from computectx.dtypes import DType
+from computectx.memory.state.store import state_name
 
 __all__ = [
     "MASTER_WEIGHTS",
@@ -280,7 +281,7 @@ def check_optimizer_class(
         if not found and entries and j == 0:
             want = _state_keys(optimizer_class, defaults, group)
             # Packed state is stored as "name.part" keys: the state names are what count.
-            got = {frozenset(str(k).partition(".")[0] for k in e) for e in entries}
+            got = {frozenset(map(state_name, e)) for e in entries}
             if want and not got <= want:
                 keeps = " or ".join(str(sorted(w)) for w in sorted(want, key=sorted))
                 found.append(

@@ -39,7 +39,7 @@ from computectx.fp8.seam import (
     quantize_kv,
     uses_kernels,
 )
-from computectx.kv_policy import STEP_DTYPES, KvFp8, KvStep
+from computectx.kv_policy import KvFp8
 from computectx.nn.kv_steps import (
     copy_positions,
     ones_steps,
@@ -362,8 +362,8 @@ class KVCache:
             if t is not None:
                 t.view(torch.uint8).zero_()
         for step in (self.k_step, self.v_step):
-            if step is not None and step.dim() == 3:
-                step.copy_(ones_steps(tuple(step.shape), _step_format(step), step.device))
+            if step is not None and step.dim() == 3 and self.fp8 is not None:
+                step.copy_(ones_steps(tuple(step.shape), self.fp8.step, step.device))
         self.length = 0
         self.window_end.zero_()
 
@@ -376,13 +376,6 @@ class KVCache:
             if t is not None:
                 raw = t.view(torch.uint8) if t.element_size() == 1 else t
                 raw.copy_(raw.index_select(0, rows))
-
-
-def _step_format(step: torch.Tensor) -> KvStep:
-    for name, dt in STEP_DTYPES.items():
-        if dt == step.dtype:
-            return name
-    raise ValueError(f"a KV step of dtype {step.dtype} is of no step format")  # pragma: no cover
 
 
 def _static_steps(

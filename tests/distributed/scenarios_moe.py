@@ -91,6 +91,17 @@ def expert_parallel_cases(params: dict[str, Any]) -> dict[str, Any]:
         out["error"] = ""
     except ValueError as e:
         out["error"] = str(e)
+    # Compact optimizer state on an expert-parallel model: refused on every rank, whether
+    # parallelize would build an OffloadedOptimizer (offload=None) or a plain one (False).
+    compact = ComputeCtx.from_flag("fp32", "cpu").with_optim_state("int8")
+    for offload in (None, False):
+        moe = _moe(compact)
+        expert_parallel(moe)
+        try:
+            parallelize(moe, compact, offload=offload, optimizer_class=torch.optim.SGD, lr=0.1)
+            out[f"compact/offload={offload}"] = ""
+        except ValueError as e:
+            out[f"compact/offload={offload}"] = str(e)
     return out
 
 

@@ -34,6 +34,9 @@ def test_expert_parallel_equals_one_process_and_survives_skew(run_ranks: RunRank
     ranks = run_ranks("scenarios_moe.py:expert_parallel_cases", limit_s=LIMIT_S, flags=FLAGS)
     for rank, r in enumerate(ranks):
         assert "3 experts" in r["error"] and "multiple of the group's size" in r["error"]
+        assert "steps with a plain optimizer" in r["compact/offload=None"]
+        assert "and ctx.optim_state='f32'" in r["compact/offload=None"]
+        assert "offload=False would build a plain SGD" in r["compact/offload=False"]
         for flag in FLAGS:
             for case in (flag, f"{flag}-skew"):
                 got = r[case]

@@ -219,10 +219,10 @@ def adam_update(
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
     values = [1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps]
-    hp = torch.tensor(
-        [*values, -(lr / bc1)],
-        dtype=torch.float32,
-        device=param.device,
+    # Made on the host and copied without blocking: ``torch.tensor(..., device=cuda)`` would
+    # wait for the stream once per parameter per step.
+    hp = torch.tensor([*values, -(lr / bc1)], dtype=torch.float32).to(
+        param.device, non_blocking=True
     )
     with torch.no_grad():
         work = param if param.is_contiguous() else param.contiguous()

@@ -26,6 +26,7 @@ updates, LBFGS's history) are refused at construction by ``check_fits``.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, cast
 
 import torch
@@ -42,6 +43,7 @@ from computectx.memory.state.store import (
     packed_of,
     packs,
     split_entry,
+    state_name,
 )
 from computectx.optim_state import OptimState
 
@@ -121,9 +123,7 @@ def check_fits(
     for shape in _PROBE_SHAPES:
         try:
             with torch.inference_mode(False), torch.enable_grad():
-                n = 1
-                for d in shape:
-                    n *= d
+                n = math.prod(shape)
                 p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, n).reshape(shape))
                 build: Any = cls
                 probe = build([p], lr=kept.get("lr", 1e-3))
@@ -285,7 +285,7 @@ class Stepper:
         # Back in torch's order (step first), whatever order the parts were stored in.
         order: dict[str, int] = {}
         for key in entry:
-            order.setdefault(str(key).partition(PART_SEP)[0], len(order))
+            order.setdefault(state_name(key), len(order))
         state = {k: state[k] for k in sorted(state, key=lambda k: order.get(k, len(order)))}
         if not low:
             return _Work(p, state)
