@@ -23,6 +23,7 @@ case; JSON form ``{"format": "int8", "block": 256, "min_size": 4096}``.
 
 from __future__ import annotations
 
+import operator
 import re
 from typing import Annotated, Any, Final, Literal, get_args
 
@@ -54,6 +55,10 @@ _FORM = "'FORMAT[/block=N][/min=M]'"
 _FORMATS = ", ".join(OPTIM_STATE_FLAGS)
 _BLOCKS = f"a power of two from {BLOCK_RANGE[0]} to {BLOCK_RANGE[1]}"
 _TEXT_KEYS = {"block": "block", "min": "min_size", "min_size": "min_size"}
+_ACCEPTS = {
+    "block": f"{_BLOCKS} (an int; None for the format's default)",
+    "min_size": "an int from 0 to 2**63 - 1",
+}
 
 
 def _format(value: object) -> object:
@@ -64,31 +69,61 @@ def _format(value: object) -> object:
     return key
 
 
-def _integer(value: object) -> object:
+MIN_SIZE_MAX: Final = 2**63 - 1
+"""The largest ``min_size`` accepted (the largest element count a torch tensor can have)."""
+
+
+def _integer(value: object, what: str) -> int:
     # Strict integers, as every integer field of the policy: a bool (True is 1 to pydantic's
-    # lax mode), a string or a float is refused. The text form converts its own digits.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
+    # lax mode), a string, a float (even 2.0) or None is refused; a numpy integer reads as
+    # its value (it has __index__, as KvFp8's recent reads it). The text form converts its
+    # own digits.
+    if isinstance(value, (bool, float, str, bytes)) or value is None:
+        index = None
+    else:
+        try:
+            index = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            index = None
+    if index is None or type(value).__name__ in ("bool_", "bool"):
+        raise ValueError(
+            f"{what} must be an integer, got {type(value).__name__} {value!r}; accepted: "
+            f"{_ACCEPTS[what]}"
+        )
+    return int(index)
 
 
 def _block(value: object) -> object:
     if value is None:
         return None
-    _integer(value)
-    assert isinstance(value, int)
+    block = _integer(value, "block")
     lo, hi = BLOCK_RANGE
-    if not (lo <= value <= hi and value & (value - 1) == 0):
-        raise ValueError(f"block={value} is not {_BLOCKS}")
-    return value
+    if not (lo <= block <= hi and block & (block - 1) == 0):
+        raise ValueError(f"block={block} is not {_BLOCKS}")
+    return block
 
 
 def _min_size(value: object) -> object:
-    _integer(value)
-    assert isinstance(value, int)
-    if value < 0:
-        raise ValueError(f"min_size={value} is negative; accepted: an integer >= 0")
-    return value
+    size = _integer(value, "min_size")
+    if size < 0:
+        raise ValueError(f"min_size={size} is negative; accepted: an integer >= 0")
+    if size > MIN_SIZE_MAX:
+        raise ValueError(f"min_size={size} is too large; accepted: {_ACCEPTS['min_size']}")
+    return size
+
+
+def _errors(e: ValidationError) -> str:
+    """pydantic's errors as ``field=value: message`` clauses (no URL), one per bad field."""
+    out = []
+    for err in e.errors():
+        field = ".".join(str(p) for p in err["loc"])
+        msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("bad OptimState: ")
+        if err["type"] == "extra_forbidden":
+            msg = "no such field; accepted: format, block, min_size"
+        out.append(
+            msg if not field or msg.startswith(f"{field}") else f"{field}={err['input']!r}: {msg}"
+        )
+    return "; ".join(out)
 
 
 class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -117,6 +152,30 @@ class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     """State tensors with fewer elements than this stay float32 (default 4096); ``0`` compacts
     every non-scalar state tensor. Only meaningful for a compact format, so ``f32`` keeps the
     default."""
+
+    def __init__(self, /, **data: Any) -> None:
+        """Validated fields; a bad one is a ``ValueError`` naming the field, the value and
+        what is accepted (pydantic's ``ValidationError`` is not let through)."""
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ValueError(f"bad OptimState: {_errors(e)}") from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """``obj`` (a dict of the fields) as an ``OptimState``; ``ValueError`` as ``__init__``."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise ValueError(f"bad OptimState: {_errors(e)}") from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        """The JSON form as an ``OptimState``; ``ValueError`` as ``__init__``."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise ValueError(f"bad OptimState: {_errors(e)}") from None
 
     @model_validator(mode="before")
     @classmethod
@@ -204,9 +263,9 @@ class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                 )
             data[name] = int(value)
         try:
-            return cls.model_validate(data)
-        except ValidationError as e:
-            reasons = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
+            return cls(**data)
+        except ValueError as e:
+            reasons = str(e).removeprefix("bad OptimState: ")
             raise ValueError(f"bad optimizer state {shown!r}: {reasons}") from None
 
 
@@ -227,7 +286,7 @@ def parse_optim_state(value: object) -> OptimState:
                 f"OptimState dict takes 'format' ({_FORMATS}), 'block' and 'min_size', each "
                 f"optional"
             )
-        return OptimState.model_validate(value)
+        return OptimState(**{str(k): v for k, v in value.items()})
     raise ValueError(
         f"bad optimizer state {value!r} ({type(value).__name__}); accepted: an OptimState, its "
         f"text form {_FORM} with FORMAT one of {_FORMATS}, or its dict "

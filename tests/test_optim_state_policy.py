@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
@@ -177,15 +178,14 @@ def test_dicts_are_checked_field_by_field() -> None:
     def read(state: object) -> ComputeCtx:
         return ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "optim_state": state})
 
+    # Inside a ComputeCtx the error is the policy's (at the optim_state field); the message
+    # names each bad field, its value and what is accepted.
     with pytest.raises(ValidationError) as caught:
         read({"format": "int8", "block": True, "min_size": "0"})
-    assert {e["loc"] for e in caught.value.errors()} == {
-        ("optim_state", "block"),
-        ("optim_state", "min_size"),
-    }
-    assert "must be an integer, got bool True" in str(caught.value)
-    assert "must be an integer, got str '0'" in str(caught.value)
-    with pytest.raises(ValidationError, match="extra_forbidden"):
+    assert {e["loc"] for e in caught.value.errors()} == {("optim_state",)}
+    assert "block must be an integer, got bool True" in str(caught.value)
+    assert "min_size must be an integer, got str '0'" in str(caught.value)
+    with pytest.raises(ValidationError, match="bits=8: no such field; accepted: format, block"):
         read({"format": "int8", "bits": 8})
     with pytest.raises(ValidationError, match="unknown optimizer state format 'q8'"):
         read({"format": "q8", "block": 64})
@@ -193,6 +193,51 @@ def test_dicts_are_checked_field_by_field() -> None:
         read({"block": 64})
     with pytest.raises(ValueError, match="bad optimizer state"):
         read(8)
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"format": "int8", "block": 2.0}, "integer, got float 2.0; accepted: a power"),
+        ({"format": "int8", "block": True}, "block must be an integer, got bool True"),
+        ({"format": "int8", "block": "64"}, "block must be an integer, got str '64'"),
+        ({"format": "int8", "block": 2**70}, f"block={2**70} is not a power of two"),
+        ({"format": "int8", "min_size": 2.0}, "integer, got float 2.0; accepted: an int"),
+        ({"format": "int8", "min_size": True}, "min_size must be an integer, got bool True"),
+        ({"format": "int8", "min_size": "2"}, "min_size must be an integer, got str '2'"),
+        ({"format": "int8", "min_size": None}, "min_size must be an integer, got NoneType None"),
+        ({"format": "int8", "min_size": np.bool_(True)}, "min_size must be an integer, got bool"),
+        ({"format": "int8", "min_size": 2**64}, f"min_size={2**64} is too large; accepted: an int"),
+        ({"format": "int8", "min_size": -1}, "min_size=-1 is negative"),
+        ({"format": None}, "format=None: unknown optimizer state format None; accepted: f32, bf16"),
+        ({"format": 8}, "format=8: unknown optimizer state format 8; accepted: f32, bf16"),
+        ({"format": "int8", "bits": 8}, "bits"),
+    ],
+)  # fmt: skip
+def test_bad_fields_are_our_value_error_naming_value_and_accepted(
+    fields: dict[str, object], needle: str
+) -> None:
+    # Every way in (the constructor, model_validate, the JSON form, parse_optim_state's dict
+    # form, with_optim_state) gives the library's ValueError, never pydantic's (no URL).
+    ways = [
+        lambda: OptimState(**fields),  # type: ignore[arg-type]
+        lambda: OptimState.model_validate(fields),
+        lambda: parse_optim_state(fields),
+        lambda: ComputeCtx.parity("cpu").with_optim_state(fields),  # type: ignore[arg-type]
+    ]
+    if not isinstance(fields.get("min_size"), np.generic):
+        ways.append(lambda: OptimState.model_validate_json(json.dumps(fields)))
+    for way in ways:
+        with pytest.raises(ValueError, match=re.escape(needle)) as caught:
+            way()
+        assert not isinstance(caught.value, ValidationError), caught.value
+        assert "errors.pydantic.dev" not in str(caught.value)
+
+
+def test_numpy_integers_read_as_their_value() -> None:
+    state = OptimState(format="int8", block=np.int64(64), min_size=np.int32(0))  # type: ignore[arg-type]
+    assert state == OptimState.parse("int8/block=64/min=0")
+    assert type(state.block) is int and type(state.min_size) is int
 
 
 def test_frozen_and_hashable() -> None:

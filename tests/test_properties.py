@@ -560,14 +560,14 @@ def test_optim_state_integer_fields_are_strict(field: str, fmt: str, bad: object
     if bad is None and field == "block":
         assert OptimState.model_validate(fields).block == DEFAULT_BLOCK[fmt]
         return
-    for read in (
-        lambda d: OptimState.model_validate_json(json.dumps(d)),
-        lambda d: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "optim_state": d}),
-    ):
-        with pytest.raises(ValidationError) as caught:
-            read(fields)
-        assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
-        assert "integer" in str(caught.value) or "valid int" in str(caught.value)
+    # Our ValueError naming the field (not pydantic's, with its URL); inside a ComputeCtx,
+    # the policy's error at the optim_state field with the same message.
+    with pytest.raises(ValueError, match=f"{field} must be an integer") as caught:
+        OptimState.model_validate_json(json.dumps(fields))
+    assert not isinstance(caught.value, ValidationError)
+    with pytest.raises(ValidationError, match=f"{field} must be an integer") as nested:
+        ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "optim_state": fields})
+    assert nested.value.errors()[0]["loc"] == ("optim_state",), str(nested.value)
 
 
 @given(
@@ -600,7 +600,7 @@ def test_optim_state_accepts_exactly_its_documented_values(
         return
     with pytest.raises(ValueError, match="bad optimizer state") as caught:
         OptimState.parse(text)
-    with pytest.raises(ValidationError) as validated:
+    with pytest.raises(ValueError, match="bad OptimState") as validated:
         OptimState.model_validate(fields)
     # The error names each refused value and what is accepted.
     for message in (str(caught.value), str(validated.value)):
