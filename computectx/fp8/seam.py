@@ -3,7 +3,8 @@
 ``computectx.fp8`` is the public face (what users import); this module is the other door, for
 the packages built on fp8: the backend checks, the ledger's layout, the operand scaling state
 and its reduce hook, the weight-gather quantizes, the tensor-parallel linear, and the serving
-quantizes and decode attention. Outside ``computectx.fp8`` nothing imports a deeper module
+quantizes and decode attention, and the grouped GEMM's input checks (the high-precision
+grouped experts share them). Outside ``computectx.fp8`` nothing imports a deeper module
 (``tests/test_layering.py`` keeps it so), so fp8's rooms can move without touching the
 packages above; a name added here is a promise to them.
 """
@@ -25,6 +26,7 @@ from computectx.fp8.numerics.ledger import (
 from computectx.fp8.numerics.tensorwise import step_from_amax
 from computectx.fp8.ops.block_quantize import quantize_blocks
 from computectx.fp8.ops.cublas import cublas_recipes
+from computectx.fp8.ops.grouped import check_grouped, checked_bounds
 from computectx.fp8.ops.quantize import quantize_with_step
 from computectx.fp8.ops.triton import uses_kernels
 from computectx.fp8.serving.decode_attention import (
@@ -45,7 +47,9 @@ __all__ = [
     "OperandScaling",
     "Role",
     "check_backend",
+    "check_grouped",
     "check_kernel_head_dim",
+    "checked_bounds",
     "cublas_recipes",
     "decode_attention",
     "default_backend",

@@ -36,6 +36,7 @@ exact; on sm_90 within the bound for ``NARROW_ACCUMULATION``, as the dense kerne
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import torch
@@ -52,6 +53,7 @@ __all__ = [
     "check_scale",
     "gemm_configs",
     "grouped_scaled_mm",
+    "nan_through",
     "prune_configs",
     "scale_block",
 ]
@@ -374,4 +376,23 @@ def grouped_scaled_mm(
         OUT_BF16=out_dtype == torch.bfloat16,
         BLOCK_E=triton.next_power_of_2(e + 1),
     )
+    if INTERPRETED:
+        nan_through(c, a, b, offs)
     return c
+
+
+def nan_through(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
+    """Under the interpreter, NaN where an fp8 NaN code entered ``c``'s sum, in place.
+
+    The interpreter's ``tl.dot`` decodes the fp8 NaN byte as a number (E4M3's ``0x7F`` as
+    480), where a GPU's fp8 MMA gives NaN, as the dense twin does: a NaN in ``a``'s row
+    makes that output row NaN, one in ``b[g]``'s row ``j`` column ``j`` of group ``g``'s rows.
+    Device ops only; rows past ``offs[-1]`` (and the never-written codes of an empty group's
+    expert) are left alone."""
+    m, e = a.shape[0], b.shape[0]
+    rows = torch.arange(m, device=a.device, dtype=torch.int32)
+    group = torch.searchsorted(offs, rows, right=True)
+    nan_rows = torch.isnan(a.to(torch.float32)).any(1)
+    nan_cols = torch.isnan(b.to(torch.float32)).any(2)  # (E, N)
+    mask = (nan_rows.unsqueeze(1) | nan_cols[group.clamp(max=e - 1)]) & (group < e).unsqueeze(1)
+    c.masked_fill_(mask, math.nan)

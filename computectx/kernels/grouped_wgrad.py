@@ -32,6 +32,7 @@ do; the bounds and the bit-for-bit standard are theirs.
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
+import math
 from typing import Any, Final
 
 import torch
@@ -228,4 +229,20 @@ def grouped_scaled_wgrad(
         SCALE_K=scale_k,
         E8M0=e8m0,
     )
+    if INTERPRETED:
+        _nan_through(c, a, b, offs)
     return c
+
+
+def _nan_through(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> None:
+    # The interpreter's tl.dot reads the fp8 NaN byte as a number (grouped_mm.nan_through):
+    # a NaN in a[j] or b[i] among group g's columns makes out[g][j, :] or out[g][:, i] NaN, as
+    # a GPU's fp8 MMA and the twin give. Device ops: per-group counts from prefix sums.
+    def per_group(t: torch.Tensor) -> torch.Tensor:  # (E, rows): NaNs among g's columns
+        seen = torch.nn.functional.pad(torch.isnan(t.to(torch.float32)).cumsum(1), (1, 0))
+        ends = offs.to(torch.int64)
+        starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+        return (seen[:, ends] - seen[:, starts]).t() > 0
+
+    mask = per_group(a).unsqueeze(2) | per_group(b).unsqueeze(1)
+    c.masked_fill_(mask, math.nan)

@@ -29,6 +29,7 @@ module registers with ``computectx.fp8.register_experts_converter``.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 import torch
@@ -37,10 +38,54 @@ from torch.autograd.function import FunctionCtx
 
 from computectx.ctx import ComputeCtx
 from computectx.fp8 import ExpertsFp8, register_experts_converter
+from computectx.fp8.seam import check_grouped, checked_bounds
 from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.params import param_dtype
 
 __all__ = ["GroupedExperts", "grouped_linear"]
+
+_MAX_COUNT = 2**31 - 1  # offs are int32: no count, size or row index beyond it
+
+
+def checked_count(owner: str, name: str, value: object, minimum: int) -> int:
+    """``value`` as an ``int`` in ``[minimum, 2**31 - 1]``, else ``TypeError``/``ValueError``
+    naming it. Python and numpy integers are accepted; ``bool``, floats (``2.0``) and
+    strings (``"2"``) are not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(
+            f"{owner} {name} must be an int (a Python or numpy integer), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    count = int(value)
+    if not minimum <= count <= _MAX_COUNT:
+        raise ValueError(
+            f"{owner} {name} must be an int in [{minimum}, {_MAX_COUNT}], got {count!r}"
+        )
+    return count
+
+
+def checked_real(owner: str, name: str, value: object, *, non_negative: bool) -> float:
+    """``value`` as a finite ``float`` (``>= 0`` when ``non_negative``), else
+    ``TypeError``/``ValueError`` naming it; ints and numpy reals are accepted, ``bool`` and
+    strings are not."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{owner} {name} must be a real number (int or float), got "
+            f"{type(value).__name__} {value!r}"
+        )
+    real = float(value)
+    if not math.isfinite(real) or (non_negative and real < 0):
+        accepted = "a finite number >= 0" if non_negative else "a finite number"
+        raise ValueError(f"{owner} {name} must be {accepted}, got {value!r}")
+    return real
+
+
+def checked_flag(owner: str, name: str, value: object) -> bool:
+    """``value`` when it is a ``bool`` (numpy's too), else ``TypeError`` naming it."""
+    if type(value).__name__ not in ("bool", "bool_"):
+        got = f"{type(value).__name__} {value!r}"
+        raise TypeError(f"{owner} {name} must be True or False, got {got}")
+    return bool(value)
 
 
 class GroupedExperts(nn.Module):
@@ -61,11 +106,11 @@ class GroupedExperts(nn.Module):
 
     def __init__(self, ctx: ComputeCtx, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
-        if dim <= 0 or hidden <= 0 or n_experts <= 0:
-            raise ValueError(
-                f"GroupedExperts sizes must be positive, got dim={dim!r}, hidden={hidden!r}, "
-                f"n_experts={n_experts!r}"
-            )
+        dim = checked_count("GroupedExperts", "dim", dim, 1)
+        hidden = checked_count("GroupedExperts", "hidden", hidden, 1)
+        n_experts = checked_count("GroupedExperts", "n_experts", n_experts, 1)
+        if not isinstance(ctx, ComputeCtx):
+            raise TypeError(f"GroupedExperts takes a ComputeCtx, got {type(ctx).__name__}")
         self.ctx = ctx
         self.dim, self.hidden, self.n_experts = dim, hidden, n_experts
         dt = param_dtype(ctx)
@@ -88,11 +133,9 @@ class GroupedExperts(nn.Module):
         return f"n_experts={self.n_experts}, dim={self.dim}, hidden={self.hidden}{fp8}"
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        _check_offs(offs, self.n_experts)
-        if x.dim() != 2 or x.shape[1] != self.dim:
-            raise ValueError(
-                f"GroupedExperts takes rows of shape (M, {self.dim}), got {tuple(x.shape)}"
-            )
+        # One check for both paths (the fp8 GEMM's own): the same inputs refused with the
+        # same message, whether ``fp8`` is set or not.
+        check_inputs(x, self.gate_up, offs, "GroupedExperts")
         with self.ctx.autocast():
             x = self.ctx.to_compute(x)
             h = self._mm(x, self.gate_up, offs)
@@ -102,7 +145,27 @@ class GroupedExperts(nn.Module):
     def _mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         if self.fp8 is not None:
             return self.fp8.mm(x, w, offs)
-        return grouped_linear(x, w, offs, self.path)
+        return _grouped_linear(x, w, offs, self.path)
+
+
+HIGH_PRECISION: tuple[torch.dtype, ...] = (
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+)
+
+
+def check_inputs(x: object, w: object, offs: object, op: str) -> None:
+    """The grouped GEMM's input check (``computectx.fp8``'s ``check_grouped``, which the fp8
+    path runs too) and, in eager mode, ``offs``' values: non-decreasing end rows in
+    ``[0, M]``, ``ValueError`` naming the first bad entry. A host read of ``offs`` (``E``
+    integers); inside ``torch.compile`` the values are not read here (a graph break), and
+    the fp8 operator still checks them."""
+    m = check_grouped(x, w, offs, dtypes=HIGH_PRECISION, op=op)[0]
+    assert isinstance(offs, torch.Tensor)
+    if not torch.compiler.is_compiling():
+        checked_bounds(offs, m)
 
 
 def grouped_linear(
@@ -110,7 +173,16 @@ def grouped_linear(
 ) -> torch.Tensor:
     """Row ``i`` of group ``g`` (``offs[g-1] <= i < offs[g]``) times ``w[g].T``, at ``x``'s
     dtype by ``path`` (see the module); ``w`` ``(E, N, K)`` is rounded to ``x``'s dtype first
-    (what autocast does). Rows past ``offs[-1]`` are zero. Differentiable in ``x`` and ``w``."""
+    (what autocast does). Rows past ``offs[-1]`` are zero. Differentiable in ``x`` and ``w``.
+    Bad inputs (``offs`` not int32 ``(E,)``, negative, decreasing or past ``M``; shapes,
+    dtypes, devices) raise as ``fp8_grouped_mm`` does (``check_inputs``)."""
+    check_inputs(x, w, offs, "grouped_linear")
+    return _grouped_linear(x, w, offs, path)
+
+
+def _grouped_linear(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, path: GemmPath
+) -> torch.Tensor:
     dtype = x.dtype
     work = torch.float32 if path is GemmPath.UPCAST and dtype != torch.float64 else dtype
     if _grouped_mm_runs(work, x.device):
@@ -149,18 +221,6 @@ def _experts_at(w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torc
     for e in counts.nonzero().flatten().tolist():
         out[e].copy_(w[e])
     return out
-
-
-def _check_offs(offs: torch.Tensor, n_experts: int) -> None:
-    # Shapes and dtypes only: checking the values would read them on the host every step.
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32:
-        got = offs.dtype if isinstance(offs, torch.Tensor) else type(offs).__name__
-        raise TypeError(f"offs must be an int32 tensor of cumulative end offsets, got {got}")
-    if offs.dim() != 1 or offs.shape[0] != n_experts:
-        raise ValueError(
-            f"offs must be 1-D with one end offset per expert ({n_experts}), got shape "
-            f"{tuple(offs.shape)}"
-        )
 
 
 def _grouped_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:

@@ -42,7 +42,8 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
-from computectx.nn.experts import GroupedExperts
+from computectx.fp8.seam import guard_whole_loads
+from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, checked_real
 from computectx.nn.mlp import MLP
 from computectx.nn.params import apply_fp8_policy, param_dtype
 
@@ -97,18 +98,19 @@ class Router(nn.Module):
         route_scale: float = 1.0,
     ) -> None:
         super().__init__()
-        if score not in get_args(RouterScore):
+        dim = checked_count("Router", "dim", dim, 1)
+        n_experts = checked_count("Router", "n_experts", n_experts, 1)
+        top_k = _checked_top_k("Router", top_k, n_experts)
+        if not isinstance(score, str) or score not in get_args(RouterScore):
             raise ValueError(
                 f"router score must be one of {', '.join(map(repr, get_args(RouterScore)))}, "
                 f"got {score!r}"
             )
-        if not 1 <= top_k <= n_experts:
-            raise ValueError(f"top_k must lie in [1, n_experts={n_experts}], got {top_k!r}")
-        if not (isinstance(route_scale, (int, float)) and math.isfinite(route_scale)):
-            raise ValueError(f"route_scale must be a finite number, got {route_scale!r}")
+        renormalize = checked_flag("Router", "renormalize", renormalize)
+        route_scale = checked_real("Router", "route_scale", route_scale, non_negative=False)
         self.ctx = ctx
         self.n_experts, self.top_k = n_experts, top_k
-        self.score, self.renormalize, self.route_scale = score, renormalize, float(route_scale)
+        self.score, self.renormalize, self.route_scale = score, renormalize, route_scale
         bound = 1 / math.sqrt(dim)
         self.weight = nn.Parameter(
             torch.empty(n_experts, dim, device=ctx.device, dtype=param_dtype(ctx)).uniform_(
@@ -116,6 +118,17 @@ class Router(nn.Module):
             )
         )
         self.register_buffer("bias", torch.zeros(n_experts, device=ctx.device))
+        guard_whole_loads(self)  # load_state_dict checks the bias (check_load) first
+
+    def check_load(self, entries: dict[str, object], prefix: str) -> None:
+        """``ValueError`` unless ``entries`` (this router's, by local name) hold a float
+        ``bias`` of shape ``(n_experts,)`` with every value finite (or none): run by
+        ``load_state_dict`` on the whole state dict before any module loads. A NaN or inf
+        bias would send every token to one expert, with finite outputs."""
+        bias = entries.get("bias")
+        if bias is None:
+            return
+        check_bias(bias, self.n_experts, f"{prefix}bias")
 
     def extra_repr(self) -> str:
         return (
@@ -146,6 +159,32 @@ class Router(nn.Module):
             else:
                 probs = scores
         return Routing(weights, chosen, probs)
+
+
+def _checked_top_k(owner: str, top_k: object, n_experts: int) -> int:
+    k = checked_count(owner, "top_k", top_k, 1)
+    if k > n_experts:
+        raise ValueError(f"top_k must lie in [1, n_experts={n_experts}], got {k!r}")
+    return k
+
+
+def check_bias(bias: object, n_experts: int, what: str) -> None:
+    """``TypeError``/``ValueError`` naming ``what`` unless ``bias`` is a floating tensor of
+    shape ``(n_experts,)`` whose values are all finite (one host read)."""
+    if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+        got = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise TypeError(f"{what} must be a floating-point tensor, got {got}")
+    if tuple(bias.shape) != (n_experts,):
+        raise ValueError(
+            f"{what} must have shape ({n_experts},), one per expert, got {tuple(bias.shape)}"
+        )
+    bad = ~torch.isfinite(bias)
+    if bool(bad.any()):
+        experts = bad.nonzero().flatten().tolist()
+        raise ValueError(
+            f"{what} must be finite; experts {experts} hold {bias[bad].tolist()} (a NaN or "
+            f"inf router bias sends every token to one expert)"
+        )
 
 
 def _softmax_last(t: torch.Tensor) -> torch.Tensor:
@@ -195,20 +234,36 @@ class MoE(nn.Module):
         aux_coef: float = 1e-2,
     ) -> None:
         super().__init__()
-        if balance not in get_args(LoadBalance):
+        # Every argument checked before anything is built (numpy integers count as ints).
+        if not isinstance(ctx, ComputeCtx):
+            raise TypeError(f"MoE takes a ComputeCtx, got {type(ctx).__name__}")
+        dim = checked_count("MoE", "dim", dim, 1)
+        hidden = checked_count("MoE", "hidden", hidden, 1)
+        n_experts = checked_count("MoE", "n_experts", n_experts, 1)
+        top_k = _checked_top_k("MoE", top_k, n_experts)
+        n_shared = checked_count("MoE", "n_shared", n_shared, 0)
+        if not isinstance(balance, str) or balance not in get_args(LoadBalance):
             raise ValueError(
                 f"MoE balance must be one of {', '.join(map(repr, get_args(LoadBalance)))}, "
                 f"got {balance!r}"
             )
-        if n_shared < 0:
-            raise ValueError(f"n_shared must be >= 0, got {n_shared!r}")
-        for name, value in (("bias_rate", bias_rate), ("aux_coef", aux_coef)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if not isinstance(score, str) or score not in get_args(RouterScore):
+            raise ValueError(
+                f"router score must be one of {', '.join(map(repr, get_args(RouterScore)))}, "
+                f"got {score!r}"
+            )
+        renormalize = checked_flag("MoE", "renormalize", renormalize)
+        route_scale = checked_real("MoE", "route_scale", route_scale, non_negative=False)
+        bias_rate = checked_real("MoE", "bias_rate", bias_rate, non_negative=True)
+        aux_coef = checked_real("MoE", "aux_coef", aux_coef, non_negative=True)
+        if n_shared * hidden > 2**31 - 1:
+            raise ValueError(
+                f"MoE n_shared * hidden must be at most {2**31 - 1}, got {n_shared} * {hidden}"
+            )
         self.ctx = ctx
         self.dim, self.hidden, self.n_experts, self.top_k = dim, hidden, n_experts, top_k
         self.balance: LoadBalance = balance
-        self.bias_rate, self.aux_coef = float(bias_rate), float(aux_coef)
+        self.bias_rate, self.aux_coef = bias_rate, aux_coef
         self.experts = GroupedExperts(ctx, dim, hidden, n_experts)
         self.router = Router(
             ctx,
@@ -226,6 +281,7 @@ class MoE(nn.Module):
         self.aux_loss = None
         self.dispatch = None
         apply_fp8_policy(self, ctx)
+        guard_whole_loads(self)  # the router's bias is checked before anything loads
 
     def extra_repr(self) -> str:
         return f"balance={self.balance!r}"
@@ -287,14 +343,32 @@ class MoE(nn.Module):
         Under ``balance`` other than ``"aux_free"`` the bias does not move (the count is
         still reset); nor does it when no token was counted."""
         counted = self.tokens_per_expert if load is None else load
+        if not isinstance(counted, torch.Tensor):
+            raise TypeError(
+                f"update_bias takes a load per expert as a tensor, got {type(counted).__name__}"
+            )
         if counted.shape != (self.n_experts,):
             raise ValueError(
                 f"update_bias takes a load per expert, shape ({self.n_experts},), got "
                 f"{tuple(counted.shape)}"
             )
+        if counted.is_complex() or counted.dtype == torch.bool:
+            raise TypeError(f"update_bias takes a real load per expert, got {counted.dtype}")
+        # Everything checked before the bias moves: a non-finite or negative load, or a
+        # bias already non-finite (written around load_state_dict), raises and changes
+        # nothing. One host read, between steps.
+        wide = counted.to(device=self.router.bias.device, dtype=torch.float64)
+        bad_load = ~torch.isfinite(wide) | (wide < 0)
+        if bool(bad_load.any()):
+            experts = bad_load.nonzero().flatten().tolist()
+            raise ValueError(
+                f"update_bias takes a finite, non-negative load per expert (token counts); "
+                f"experts {experts} have {wide[bad_load].tolist()}"
+            )
         if self.balance == "aux_free":
-            wide = counted.to(torch.float64)
             step = torch.sign(wide.mean() - wide) * self.bias_rate
             # No tokens (an eval-only call): mean - load is 0 everywhere, so no step.
-            self.router.bias.add_(step.to(self.router.bias.dtype))
+            moved = self.router.bias + step.to(self.router.bias.dtype)
+            check_bias(moved, self.n_experts, "the router bias after update_bias")
+            self.router.bias.copy_(moved)
         self.tokens_per_expert.zero_()

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from torch.nn import functional
 
 from computectx import ComputeCtx, DType
-from computectx.fp8 import ExpertsFp8, convert_to_fp8
+from computectx.fp8 import ExpertsFp8, Fp8Backend, Fp8Policy, convert_to_fp8
 from computectx.nn import (
     MLP,
     ByteLM,
@@ -278,15 +278,38 @@ def test_upcast_is_a_float32_grouped_gemm_rounded_once() -> None:
     torch.testing.assert_close(y.float(), ref, rtol=2**-8, atol=1e-2)
 
 
-def test_grouped_experts_check_offs() -> None:
+BAD_OFFS: list[tuple[object, type[Exception], str]] = [
+    (torch.tensor([1, 2, 3, 5]), TypeError, "int32"),
+    (torch.tensor([1, 2, 3, 5], dtype=torch.float32), TypeError, "int32"),
+    ([1, 2, 3, 5], TypeError, "int32 tensor"),
+    (torch.tensor([[1, 2, 3, 5]], dtype=torch.int32), ValueError, "1-D"),
+    (_offs(2, 5), ValueError, r"E = 4 groups"),
+    (_offs(3, 1, 4, 5), ValueError, r"offs\[1\] = 1 is below offs\[0\] = 3"),
+    (_offs(-1, 2, 3, 5), ValueError, r"offs\[0\] = -1 is negative"),
+    (_offs(1, 2, 3, 9), ValueError, r"offs\[3\] = 9 is past the 5 rows"),
+]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["high_precision", "fp8"])
+def test_grouped_experts_one_check_for_both_paths(fp8: bool) -> None:
+    # Before: the high-precision path took decreasing/negative offs (wrong rows) and clamped
+    # ends past M; the fp8 path refused them. Now one checker, one message, both paths.
     experts = GroupedExperts(F32, DIM, HIDDEN, E)
+    if fp8:
+        experts.fp8 = ExpertsFp8(Fp8Policy.parse("e4m3/row/dynamic/0"), Fp8Backend.REFERENCE)
     x = torch.randn(5, DIM)
-    with pytest.raises(TypeError, match="int32"):
-        experts(x, torch.tensor([1, 2, 3, 5]))
-    with pytest.raises(ValueError, match=r"one end offset per expert \(4\)"):
-        experts(x, _offs(2, 5))
-    with pytest.raises(ValueError, match=r"\(M, 16\)"):
+    for offs, error, match in BAD_OFFS:
+        with pytest.raises(error, match=match):
+            experts(x, offs)
+    with pytest.raises(ValueError, match=r"x is \[M, K\] = \(5, 8\)"):
         experts(torch.randn(5, 8), _offs(1, 2, 3, 5))
+    with pytest.raises(TypeError, match="x must be one of"):
+        experts(torch.ones(5, DIM, dtype=torch.int64), _offs(1, 2, 3, 5))
+    with pytest.raises(ValueError, match="2-D"):
+        experts(torch.randn(5), _offs(1, 2, 3, 5))
+    for offs, error, match in BAD_OFFS[3:]:  # grouped_linear, the bare function, too
+        with pytest.raises(error, match=match):
+            grouped_linear(x, experts.gate_up, offs, GemmPath.UPCAST)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -432,3 +455,105 @@ def test_no_rows_give_empty_outputs_and_zero_expert_gradients() -> None:
     y.sum().backward()
     assert experts.gate_up.grad is not None and experts.down.grad is not None
     assert not experts.gate_up.grad.any() and not experts.down.grad.any()
+
+
+@pytest.mark.parametrize(
+    ("kw", "error", "match"),
+    [
+        ({"top_k": 2.0}, TypeError, "top_k must be an int.*float 2.0"),
+        ({"top_k": True}, TypeError, "top_k must be an int.*bool True"),
+        ({"top_k": "2"}, TypeError, "top_k must be an int.*str '2'"),
+        ({"top_k": 5}, ValueError, r"top_k must lie in \[1, n_experts=4\], got 5"),
+        ({"n_shared": 1.5}, TypeError, "n_shared must be an int.*1.5"),
+        ({"n_shared": -1}, ValueError, r"n_shared must be an int in \[0, "),
+        ({"n_experts": 0}, ValueError, r"n_experts must be an int in \[1, "),
+        ({"dim": 2**40}, ValueError, r"dim must be an int in \[1, 2147483647\]"),
+        ({"hidden": None}, TypeError, "hidden must be an int.*NoneType"),
+        ({"bias_rate": True}, TypeError, "bias_rate must be a real number.*bool True"),
+        ({"bias_rate": "1e-3"}, TypeError, "bias_rate must be a real number.*str"),
+        ({"bias_rate": -1e-3}, ValueError, "bias_rate must be a finite number >= 0"),
+        ({"aux_coef": math.inf}, ValueError, "aux_coef must be a finite number >= 0"),
+        ({"route_scale": math.nan}, ValueError, "route_scale must be a finite number"),
+        ({"renormalize": 1}, TypeError, "renormalize must be True or False, got int 1"),
+        ({"score": ["softmax"]}, ValueError, "router score must be one of"),
+        ({"balance": None}, ValueError, "MoE balance must be one of"),
+    ],
+)
+def test_moe_checks_every_argument_at_construction(
+    kw: dict[str, object], error: type[Exception], match: str
+) -> None:
+    # Before: top_k=2.0/True/"2", n_shared=1.5, bias_rate=True were accepted and failed at
+    # the first forward with torch's messages (or silently ran top_k=True as 1).
+    args: dict[str, object] = {"dim": DIM, "hidden": HIDDEN, "n_experts": E, "top_k": K}
+    args.update(kw)
+    with pytest.raises(error, match=match):
+        MoE(F32, **args)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_and_reals_are_accepted() -> None:
+    np = pytest.importorskip("numpy")
+    moe = MoE(F32, np.int64(DIM), np.int32(HIDDEN), np.int64(E), np.int64(K), n_shared=np.int8(1),
+              bias_rate=np.float32(1e-3))  # fmt: skip
+    assert type(moe.top_k) is int and type(moe.bias_rate) is float and moe.shared is not None
+    with pytest.raises(TypeError, match="dim must be an int"):
+        GroupedExperts(F32, 2.0, HIDDEN, E)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="top_k must be an int"):
+        Router(F32, DIM, E, np.float64(2.0))
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _unchanged(module: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    now = module.state_dict(keep_vars=True)
+    return now.keys() == before.keys() and all(
+        torch.equal(now[k].detach(), v) for k, v in before.items()
+    )
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_a_non_finite_router_bias_is_refused_by_load_state_dict(bad: float) -> None:
+    # Before: a NaN bias loaded silently and sent every token to one expert.
+    moe = _moe(n_shared=1)
+    sd = {k: v.clone() for k, v in _moe(seed=1, n_shared=1).state_dict().items()}
+    sd["router.bias"][2] = bad
+    before = _tensors(moe)
+    with pytest.raises(ValueError, match=r"router.bias must be finite; experts \[2\]"):
+        moe.load_state_dict(sd)
+    assert _unchanged(moe, before)  # the experts (loaded before the router) too
+    cfg = LMConfig(d_model=32, n_layers=1, n_heads=2, n_experts=4, top_k=2, moe_hidden=16,
+                   max_len=8)  # fmt: skip
+    lm = ByteLM(F32, cfg)
+    sd = {k: v.clone() for k, v in lm.state_dict().items()}
+    sd["blocks.0.mlp.router.bias"][0] = bad
+    before = _tensors(lm)
+    with pytest.raises(ValueError, match=r"blocks.0.mlp.router.bias must be finite"):
+        lm.load_state_dict(sd)
+    assert _unchanged(lm, before)
+
+
+def test_update_bias_refuses_a_non_finite_load_or_bias() -> None:
+    moe = _moe()
+    moe.train()
+    moe(torch.randn(6, DIM))
+    before, counts = moe.router.bias.clone(), moe.tokens_per_expert.clone()
+    for load, match in [
+        (torch.tensor([1.0, math.nan, 2.0, 3.0]), r"experts \[1\] have \[nan\]"),
+        (torch.tensor([1.0, 2.0, -math.inf, 3.0]), r"experts \[2\] have \[-inf\]"),
+        (torch.tensor([1, 2, -3, 3]), r"non-negative load"),
+        ([1, 2, 3, 4], "as a tensor"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            moe.update_bias(load)  # type: ignore[arg-type]
+        assert torch.equal(moe.router.bias, before)
+        assert torch.equal(moe.tokens_per_expert, counts)
+    with torch.no_grad():
+        moe.router.bias[3] = math.nan  # written around load_state_dict
+    with pytest.raises(ValueError, match=r"bias after update_bias must be finite; experts \[3\]"):
+        moe.update_bias()
+    assert torch.equal(moe.tokens_per_expert, counts)
+    with torch.no_grad():
+        moe.router.bias[3] = 0.0
+    moe.update_bias()
+    assert torch.isfinite(moe.router.bias).all() and int(moe.tokens_per_expert.sum()) == 0

@@ -33,16 +33,25 @@ from computectx.fp8.ops import block_quantize, triton
 __all__ = ["check_grouped", "checked_bounds", "grouped_mm", "grouped_wgrad"]
 
 
-def check_grouped(x: object, w: object, offs: object) -> tuple[int, int, int, int]:
+def check_grouped(
+    x: object,
+    w: object,
+    offs: object,
+    *,
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    op: str = "fp8_grouped_mm",
+) -> tuple[int, int, int, int]:
     """``(M, K, E, N)`` of a grouped GEMM's operands, or ``TypeError``/``ValueError``.
 
-    ``x`` is ``[M, K]`` and ``w`` ``[E, N, K]``, both floating point (bf16, fp16, fp32) on
-    one device; ``offs`` an int32 ``[E]`` tensor on that device. Values are checked by
-    ``checked_bounds`` when the operator runs.
+    ``x`` is ``[M, K]`` and ``w`` ``[E, N, K]``, both of ``dtypes`` (bf16, fp16, fp32 for the
+    fp8 GEMM: they are quantized) on one device; ``offs`` an int32 ``[E]`` tensor on that
+    device. Values are checked by ``checked_bounds``. The one check of these inputs: the fp8
+    GEMM and the high-precision grouped experts (``computectx.nn.GroupedExperts``) both call
+    it, so they refuse the same inputs with the same message (``op`` names the caller).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(
-            f"fp8_grouped_mm takes tensors x [M, K] and w [E, N, K], got "
+            f"{op} takes tensors x [M, K] and w [E, N, K], got "
             f"{type(x).__name__} and {type(w).__name__}"
         )
     if not isinstance(offs, torch.Tensor):
@@ -51,15 +60,13 @@ def check_grouped(x: object, w: object, offs: object) -> tuple[int, int, int, in
         )
     if x.dim() != 2 or w.dim() != 3:
         raise ValueError(
-            f"fp8_grouped_mm takes x [M, K] (2-D) and w [E, N, K] (3-D: one [N, K] matrix per "
+            f"{op} takes x [M, K] (2-D) and w [E, N, K] (3-D: one [N, K] matrix per "
             f"group, as nn.Linear stores a weight), got x {tuple(x.shape)}, w {tuple(w.shape)}"
         )
+    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
     for name, t in (("x", x), ("w", w)):
-        if t.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"{name} must be bfloat16, float16 or float32 (it is quantized to fp8), got "
-                f"{t.dtype}"
-            )
+        if t.dtype not in dtypes:
+            raise TypeError(f"{name} must be one of {names} for {op}, got {t.dtype}")
     m, k = x.shape
     e, n, kw = w.shape
     if kw != k:

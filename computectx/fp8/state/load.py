@@ -106,7 +106,8 @@ def guard_whole_loads(model: nn.Module) -> None:
 
     torch loads a state dict module by module, so a layer that refuses its entries would
     otherwise raise after the modules before it had loaded theirs. The check is each
-    layer's own plan (``Fp8Linear.scaling_load``), run on the whole state dict first."""
+    layer's own plan (``Fp8Linear.scaling_load``), and any module's ``check_load(entries,
+    prefix)`` (``computectx.nn.Router``'s bias), run on the whole state dict first."""
     if getattr(model, _GUARDED, False):
         return
     model.register_load_state_dict_pre_hook(_check_every_layer)  # type: ignore[no-untyped-call]
@@ -120,10 +121,12 @@ def _check_every_layer(
     module: nn.Module, state_dict: Mapping[str, object], prefix: str, *_: object
 ) -> None:
     for name, layer in module.named_modules():
-        plan = getattr(layer, "scaling_load", None)
-        if callable(plan):
-            head = f"{prefix}{name}." if name else prefix
-            plan({k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}, head)
+        head = f"{prefix}{name}." if name else prefix
+        for hook in ("scaling_load", "check_load"):  # check_load: any module's own check
+            plan = getattr(layer, hook, None)
+            if callable(plan):
+                entries = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
+                plan(entries, head)
 
 
 def plan_scaling_load(
