@@ -20,10 +20,14 @@ Two hooks for the ``ModelSpec``:
   data parallel and context parallel), after ``fully_shard`` as it must be, with
   torchtitan's loss normalization (``"global"``: each rank's summed loss over the global token
   count, FSDP2's gradient division off);
-- ``fp8_post_optimizer_build_fn``: kept for ModelSpecs that name it; it registers nothing.
-  The sync merges every rank's ledgers at the end of every backward, so after each optimizer
-  step every rank holds them all, and the checkpoints torchtitan takes after a step hold
-  every rank's last amaxes with no further merge.
+- ``compose_post_optimizer_build_fn(spec)``: the spec's own ``post_optimizer_build_fn``
+  (DeepSeek-V3's, Qwen3's and gpt-oss's ``register_moe_load_balancing_hook``, which moves
+  the expert biases) and then fp8's, which registers nothing: the sync merges every rank's
+  ledgers at the end of every backward, so after each optimizer step every rank holds them
+  all, and the checkpoints torchtitan takes after a step hold every rank's last amaxes with
+  no further merge. ``fp8_post_optimizer_build_fn`` alone is kept for ModelSpecs that name
+  it, and refuses a model whose MoE layers balance their load when no optimizer step hook
+  was registered before it (it replaced the spec's own hook: the biases would not move).
 
 Tensor-parallel linears (DTensor operands) take the whole tensor's amax by themselves
 (``computectx.distributed.tensor_parallel``).
@@ -49,6 +53,7 @@ from computectx.integrations.torchtitan_moe import convert_experts_configs, rout
 __all__ = [
     "Fp8LinearConverter",
     "Fp8TitanLinear",
+    "compose_post_optimizer_build_fn",
     "fp8_parallelize_fn",
     "fp8_post_optimizer_build_fn",
     "policy_of",
@@ -181,11 +186,74 @@ def fp8_parallelize_fn(
     return parallelize
 
 
+PostOptimizerBuildFn = Callable[[Any, list[nn.Module], Any], None]
+"""A ``ModelSpec.post_optimizer_build_fn``: ``(optimizers, model_parts, parallel_dims)``."""
+
+_COMPOSED = "_computectx_composed"
+
+
+def compose_post_optimizer_build_fn(spec: Any) -> PostOptimizerBuildFn:
+    """The hook to set as ``spec.post_optimizer_build_fn``: the spec's own hook (when it has
+    one), then fp8's (which adds nothing now, module docstring). Setting
+    ``fp8_post_optimizer_build_fn`` instead would *replace* the spec's hook: on DeepSeek-V3,
+    Qwen3 MoE and gpt-oss, torchtitan's ``register_moe_load_balancing_hook``, so the expert
+    biases would stop moving. Composing twice gives the same hook."""
+    if not hasattr(spec, "post_optimizer_build_fn"):
+        raise TypeError(
+            f"compose_post_optimizer_build_fn takes a torchtitan ModelSpec, got "
+            f"{type(spec).__name__}"
+        )
+    base = spec.post_optimizer_build_fn
+    if base is fp8_post_optimizer_build_fn:
+        base = None  # an older recipe's line: fp8's hook alone (nothing to keep)
+    if base is not None and getattr(base, _COMPOSED, False):
+        composed: PostOptimizerBuildFn = base
+        return composed
+    if base is not None and not callable(base):
+        raise TypeError(f"spec.post_optimizer_build_fn must be callable or None, got {base!r}")
+
+    def post_optimizer_build(
+        optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any
+    ) -> None:
+        if base is not None:
+            base(optimizers, model_parts, parallel_dims)
+
+    setattr(post_optimizer_build, _COMPOSED, True)
+    return post_optimizer_build
+
+
+def _balanced_moe_layers(model_parts: list[nn.Module]) -> list[str]:
+    """The names of torchtitan MoE layers with auxiliary-loss-free balancing on."""
+    found = []
+    for i, part in enumerate(model_parts):
+        for name, module in part.named_modules():
+            coeff = getattr(module, "load_balance_coeff", None)
+            if coeff is not None and hasattr(module, "expert_bias_E"):
+                found.append(f"{i}:{name}")
+    return found
+
+
 def fp8_post_optimizer_build_fn(
     optimizers: Any, model_parts: list[nn.Module], parallel_dims: Any
 ) -> None:
     """Nothing to add after the optimizer is built: the sync that ``fp8_parallelize_fn``
     attached merges every rank's ledgers at the end of every backward, so a checkpoint taken
     after a step already holds them all (a merge here would only repeat it, one more
-    collective per step). Kept, doing nothing, so that a ``ModelSpec`` naming it still
-    builds."""
+    collective per step). Kept so that a ``ModelSpec`` naming it still builds; use
+    ``compose_post_optimizer_build_fn(spec)``, which keeps the spec's own hook.
+
+    ``ValueError`` when the model has MoE layers that balance their load
+    (``load_balance_coeff`` set) and no optimizer step hook is registered yet: this hook
+    then stands where ``register_moe_load_balancing_hook`` was, and the expert biases would
+    silently stop moving."""
+    balanced = _balanced_moe_layers(model_parts)
+    hooks = getattr(optimizers, "_optimizer_step_pre_hooks", None)
+    if balanced and not hooks:
+        raise ValueError(
+            f"spec.post_optimizer_build_fn = fp8_post_optimizer_build_fn replaced the spec's "
+            f"own hook, and the MoE layers {balanced[:3]}{' ...' if len(balanced) > 3 else ''} "
+            f"balance their load (load_balance_coeff) through torchtitan's "
+            f"register_moe_load_balancing_hook: their expert biases would stop moving. Set "
+            f"spec.post_optimizer_build_fn = compose_post_optimizer_build_fn(spec) before "
+            f"building the trainer"
+        )

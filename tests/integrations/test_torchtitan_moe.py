@@ -156,3 +156,45 @@ def test_gpt_oss_grouped_experts_with_biases_convert_too() -> None:
     assert type(model).__name__ == "Fp8GptOssGroupedExperts"
     assert 20.0 < sqnr_db(got[:18], want) < 45.0, sqnr_db(got[:18], want)
     assert not got[18:].any()  # rows past the groups come out zero
+
+
+def test_deepseek_v3_load_balancing_keeps_moving_under_the_composed_hook() -> None:
+    # Before: the docs set spec.post_optimizer_build_fn = fp8_post_optimizer_build_fn, which
+    # replaced DeepSeek-V3's register_moe_load_balancing_hook: the expert biases never moved.
+    from types import SimpleNamespace
+
+    from torchtitan.models.common.attention import FlexAttention, ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3
+
+    from computectx.integrations.torchtitan import (
+        compose_post_optimizer_build_fn,
+        fp8_post_optimizer_build_fn,
+    )
+
+    converter = Fp8LinearConverter.Config(policy="fp8_rowwise", device="cpu")
+    spec = deepseek_v3("debugmodel", converters=[converter])
+    spec.model.layers = spec.model.layers[:2]  # tiny: the dense block and one MoE block
+    for _, _, parent, attr in list(spec.model.traverse(FlexAttention.Config)):
+        setattr(parent, attr, ScaledDotProductAttention.Config())  # a CPU backward
+    own = spec.post_optimizer_build_fn
+    spec.post_optimizer_build_fn = compose_post_optimizer_build_fn(spec)
+    assert compose_post_optimizer_build_fn(spec) is spec.post_optimizer_build_fn
+    with torch.device("meta"):
+        model = spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_states(buffer_device=torch.device("cpu"))
+    moe = model.layers["1"].moe
+    assert moe.load_balance_coeff is not None
+    assert type(moe.routed_experts.inner_experts).__name__ == "Fp8GroupedExperts"
+    dims = SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, tp=1)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="compose_post_optimizer_build_fn"):
+        fp8_post_optimizer_build_fn(opt, [model], dims)  # in place of the spec's own: refused
+    spec.post_optimizer_build_fn(opt, [model], dims)
+    before = moe.expert_bias_E.clone()
+    tokens = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(0))
+    model(tokens).float().square().mean().backward()
+    opt.step()
+    assert not torch.equal(moe.expert_bias_E, before)  # the load balancing moved them
+    assert torch.isfinite(moe.expert_bias_E).all() and own is not None
