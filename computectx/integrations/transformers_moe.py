@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import inspect
+import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -42,7 +44,13 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_imp
 
 from computectx.fp8 import ExpertsFp8, register_experts_converter
 
-__all__ = ["FP8_ATTR", "IMPLEMENTATION", "TransformersExperts", "fp8_experts_forward"]
+__all__ = [
+    "FP8_ATTR",
+    "IMPLEMENTATION",
+    "TransformersExperts",
+    "fp8_experts_forward",
+    "load_fp8_pretrained",
+]
 
 IMPLEMENTATION = "computectx_fp8"
 """The name of the experts function in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
@@ -201,3 +209,49 @@ def fp8_experts_forward(
 
 ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, fp8_experts_forward)
 register_experts_converter(TransformersExperts())
+
+
+def _is_fp8_state(key: str) -> bool:
+    return key.rsplit(".", 1)[-1].startswith("fp8_")
+
+
+def load_fp8_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """Load the fp8 scaling state that ``save_pretrained`` wrote at ``path`` (a directory of
+    ``*.safetensors`` files, sharded or not, or one file) into ``model``, which
+    ``from_pretrained`` built from the same directory and ``convert_to_fp8`` converted as the
+    saved model was. Returns the keys loaded.
+
+    The reload of a transformers model, MoE or not: ``save_pretrained`` writes a MoE
+    block's experts one by one under their checkpoint names (``experts.0.gate_proj.weight``,
+    ...; Mixtral's ``block_sparse_moe``), while the live module holds them fused
+    (``gate_up_proj``), so ``load_state_dict(load_file(...))`` reports missing and
+    unexpected keys. ``from_pretrained`` already merged the weights; this loads only the
+    ``fp8_*`` keys. Checked before anything loads: every one of the model's fp8 keys must be
+    in the checkpoint and every fp8 key of the checkpoint in the model (``ValueError``
+    naming them: another conversion, another ``min_features``), and each layer's state
+    against its policy (``load_state_dict``'s own checks). A refused call changes nothing."""
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    files = sorted(root.glob("*.safetensors")) if root.is_dir() else [root]
+    if not files or not all(f.is_file() for f in files):
+        raise ValueError(f"load_fp8_pretrained found no .safetensors file at {str(root)!r}")
+    saved: dict[str, torch.Tensor] = {}
+    for f in files:
+        saved.update({k: v for k, v in load_file(f).items() if _is_fp8_state(k)})
+    own = {k for k in model.state_dict() if _is_fp8_state(k)}
+    if not own:
+        raise ValueError(
+            "load_fp8_pretrained: the model holds no fp8 scaling state; call convert_to_fp8 "
+            "on it first, as the saved model was converted"
+        )
+    missing, unexpected = sorted(own - saved.keys()), sorted(saved.keys() - own)
+    if missing or unexpected:
+        raise ValueError(
+            f"load_fp8_pretrained: the checkpoint at {str(root)!r} and the model hold other "
+            f"fp8 layers (convert the model as the saved one was): missing from the "
+            f"checkpoint {missing[:4]}{' ...' if len(missing) > 4 else ''}, not in the model "
+            f"{unexpected[:4]}{' ...' if len(unexpected) > 4 else ''}"
+        )
+    model.load_state_dict(saved, strict=False)
+    return tuple(sorted(saved))

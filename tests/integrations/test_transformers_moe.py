@@ -38,6 +38,7 @@ from computectx.integrations.transformers_moe import (
     FP8_ATTR,
     IMPLEMENTATION,
     TransformersExperts,
+    load_fp8_pretrained,
 )
 from computectx.kv_policy import KvFp8
 
@@ -286,3 +287,33 @@ def test_save_pretrained_from_pretrained_convert_load_gives_the_same_logits(
     with torch.no_grad():
         after = loaded(input_ids=probe).logits
     assert torch.equal(after, before)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
+def test_load_fp8_pretrained_is_the_one_call_reload(kind: str, tmp_path: Path) -> None:
+    # Before: the documented load_state_dict(load_file(...)) raised missing/unexpected keys
+    # (save_pretrained de-fuses the experts) and no one call reloaded the fp8 state.
+    model = tiny(kind)
+    convert_to_fp8(model, HYBRID, min_features=16)
+    train(model, steps=1)
+    model.save_pretrained(tmp_path)
+    model.eval()
+    probe = ids_of(9, batch=1)
+    with torch.no_grad():
+        before = model(input_ids=probe).logits
+    loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager")
+    with pytest.raises(ValueError, match="holds no fp8 scaling state"):
+        load_fp8_pretrained(loaded, tmp_path)
+    convert_to_fp8(loaded, HYBRID, min_features=16)
+    keys = load_fp8_pretrained(loaded, tmp_path)
+    assert keys and all(".fp8_" in k for k in keys)
+    loaded.eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=probe).logits, before)
+    # Converted otherwise (only the first layer): refused, naming the keys; nothing loads.
+    other = type(model).from_pretrained(tmp_path, attn_implementation="eager")
+    convert_to_fp8(other, HYBRID, module_filter=lambda m, f: "layers.0" in f and "head" not in f)
+    state = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(ValueError, match="not in the model"):
+        load_fp8_pretrained(other, tmp_path)
+    assert all(torch.equal(v, state[k]) for k, v in other.state_dict().items())
