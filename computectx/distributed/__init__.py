@@ -9,6 +9,7 @@ from computectx._moved import redirect
 from computectx.distributed.expert_parallel import (
     AllToAllDispatch,
     expert_parallel,
+    full_state_dict,
     update_expert_bias,
 )
 from computectx.distributed.fp8_all_gather import (
@@ -28,7 +29,7 @@ from computectx.distributed.fp8_expert_gather import (
     enable_fp8_expert_gather,
 )
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
-from computectx.distributed.group import check_same_policy, data_parallel_group
+from computectx.distributed.group import agree, check_same_policy, data_parallel_group, join
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
@@ -48,6 +49,7 @@ __all__ = [
     "ShardedParams",
     "Strategy",
     "WeightGatheredAsFp8",
+    "agree",
     "check_same_policy",
     "data_parallel_group",
     "dtensor_fp8_linear",
@@ -56,7 +58,9 @@ __all__ = [
     "expert_parallel",
     "fp8_buffer_names",
     "fsdp_mixed_precision",
+    "full_state_dict",
     "gathers_as_fp8",
+    "join",
     "optimizer_state_dict",
     "parallelize",
     "rescale_grad_ledger",

@@ -12,7 +12,15 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from computectx.fp8.seam import AmaxReduce
 
-__all__ = ["GroupAmax", "RankLocal", "ShardAmax", "all_reduce_on", "whole_amax"]
+__all__ = ["GroupAmax", "RankLocal", "ShardAmax", "all_reduce_on", "comm_device", "whole_amax"]
+
+
+def comm_device(group: dist.ProcessGroup) -> torch.device:
+    """Where ``group``'s collectives take their tensors: gloo exchanges CPU tensors; a pure
+    nccl group needs them on this rank's GPU."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def all_reduce_on(t: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType) -> None:

@@ -25,13 +25,20 @@ for the fp8 grouped GEMM's reference backend (each group's amax and blocks are o
 with a loss normalized by the whole batch (``tests/distributed/test_moe_distributed.py``).
 
 A forward of an expert-parallel MoE is a collective: every rank of the group runs every forward
-together (evaluation included), as under FSDP2. ``state_dict`` holds the expert weights as
-DTensors sharded along the expert dimension over the group (whole shapes, every rank's experts:
-``torch.distributed.checkpoint`` saves them all and reshards them on load, into one process
-too; no collective), and ``load_state_dict`` takes such DTensors or whole ``(E, ...)`` tensors
-(a one-process checkpoint), keeping this rank's experts. ``parallelize`` takes an expert-parallel
-model (the group must be its data-parallel group): the expert parameters stay out of DDP's
-all-reduce and of FSDP2's sharding, since each rank's are its own (``expert_parameters``).
+together (evaluation included), as under FSDP2. It first joins the group (``group.join``: a
+few store round trips, once per forward of the model given to ``expert_parallel``), so a rank
+that runs one alone gets a ``RuntimeError`` naming the ranks that did not join after
+``join_timeout`` instead of waiting in ``all_to_all`` until the group's timeout, and the group
+stays usable. ``state_dict`` holds the expert weights as DTensors sharded along the expert
+dimension over the group (whole shapes, every rank's experts: ``torch.distributed.checkpoint``
+saves them all and reshards them on load, into one process too; no collective), each marked
+with the rank that saved it; ``load_state_dict`` takes such DTensors of this rank (or filled by
+DCP) or whole ``(E, ...)`` tensors (a one-process checkpoint, ``full_state_dict``), keeping
+this rank's experts, and refuses another rank's slice (a one-rank ``torch.save``) before
+anything loads. ``parallelize`` takes an expert-parallel model (the group must be its
+data-parallel group): the expert parameters stay out of DDP's all-reduce and of FSDP2's
+sharding, since each rank's are its own (``expert_parameters``), and their optimizer state
+travels in ``Parallel.state_dict`` as DTensors too (``shard_expert_optimizer_state``).
 """
 
 from __future__ import annotations
@@ -42,10 +49,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
-from computectx.distributed.group import GroupArg, data_parallel_group
+from computectx.distributed.collectives import comm_device
+from computectx.distributed.expert_checkpoint import (
+    EXPERT_WEIGHTS,
+    SHARDS,
+    ExpertShards,
+    full_state_dict,
+    shard_expert_optimizer_state,
+    unshard_expert_optimizer_state,
+)
+from computectx.distributed.group import (
+    GroupArg,
+    agree,
+    check_join_timeout,
+    data_parallel_group,
+    describe_forward,
+    join,
+    join_forwards,
+    joined,
+)
 from computectx.dtypes import FP8_DTYPES
 from computectx.nn.experts import GroupedExperts
 from computectx.nn.moe import MoE
@@ -57,19 +81,13 @@ __all__ = [
     "expert_parallel",
     "expert_parallel_group",
     "expert_parameters",
+    "full_state_dict",
     "moe_local_buffers",
     "same_ranks",
+    "shard_expert_optimizer_state",
+    "unshard_expert_optimizer_state",
     "update_expert_bias",
 ]
-
-_EXPERT_WEIGHTS = ("gate_up", "down")
-
-
-def _comm_device(group: dist.ProcessGroup) -> torch.device:
-    # gloo exchanges CPU tensors; a pure nccl group needs them on this rank's GPU.
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _exchange(
@@ -122,11 +140,14 @@ class AllToAllDispatch:
     ``E / world`` experts). A copy (``copy.deepcopy`` of the model) shares the group.
     """
 
-    def __init__(self, group: dist.ProcessGroup, local: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, local: int, join_timeout: float | None = None
+    ) -> None:
         self.group = group
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local = local
+        self.join_timeout = join_timeout
 
     @property
     def first_expert(self) -> int:
@@ -134,7 +155,7 @@ class AllToAllDispatch:
         return self.rank * self.local
 
     def __deepcopy__(self, memo: dict[int, object]) -> AllToAllDispatch:
-        return AllToAllDispatch(self.group, self.local)
+        return AllToAllDispatch(self.group, self.local, self.join_timeout)
 
     def __repr__(self) -> str:
         last = self.first_expert + self.local - 1
@@ -152,9 +173,11 @@ class AllToAllDispatch:
                 f"{self!r} takes counts for {world * local} experts, got shape "
                 f"{tuple(counts.shape)}"
             )
+        if not joined(group):  # an MoE called outside a joined forward of its model
+            join(group, describe_forward(experts), self.join_timeout)
         # 1. Counts: send[j] = my rows for rank j's experts; got[s, e] = rank s's rows for
         # my expert e. One host read of both: the splits of the two exchanges.
-        device = _comm_device(group)
+        device = comm_device(group)
         send = counts.detach().to(device=device, dtype=torch.int64)
         got = torch.empty_like(send)
         dist.all_to_all_single(got, send, group=group)
@@ -193,7 +216,7 @@ def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     out: list[nn.Parameter] = []
     for _, moe in _moe_layers(model):
         if isinstance(moe.dispatch, AllToAllDispatch):
-            out.extend(getattr(moe.experts, n) for n in _EXPERT_WEIGHTS)
+            out.extend(getattr(moe.experts, n) for n in EXPERT_WEIGHTS)
     return out
 
 
@@ -205,7 +228,9 @@ def expert_parallel_group(model: nn.Module) -> dist.ProcessGroup | None:
     return None
 
 
-def expert_parallel(model: nn.Module, group: GroupArg = None) -> list[str]:
+def expert_parallel(
+    model: nn.Module, group: GroupArg = None, *, join_timeout: float | None = None
+) -> list[str]:
     """Spread the experts of every ``computectx.nn.MoE`` in ``model`` over the ranks of
     ``group`` (a process group, a one-dimensional ``DeviceMesh`` (``mesh["ep"]``) or the
     default group), and route tokens to them with ``all_to_all_single``; returns the FQNs of
@@ -215,38 +240,39 @@ def expert_parallel(model: nn.Module, group: GroupArg = None) -> list[str]:
     layer otherwise). Call it on the whole model on every rank, after building (and loading)
     it and before ``parallelize``, ``fully_shard`` or DDP and before building an optimizer
     (the expert weights become new ``Parameter`` objects). In a group of one it changes
-    nothing. The ranks compare their MoE layers and expert counts once (one
-    ``all_gather_object``): a mismatch is a ``ValueError`` on every rank. Everything is
-    checked before any layer changes.
+    nothing. Every check runs on every rank and the verdicts are exchanged in one
+    ``all_gather_object`` (``agree``), together with each rank's MoE layers and expert
+    counts: a check that fails on one rank (a model not ``GroupedExperts`` there, already set
+    up, already sharded, an expert count the group cannot divide), or layers that differ,
+    raise the same error on every rank, naming the ranks, before any layer changes.
+
+    Every forward of ``model`` (and of any of its MoE layers called alone) is then a
+    collective: it first joins the group (``join``: a few store round trips), so a rank that
+    runs a forward alone, an evaluation included, gets a ``RuntimeError`` naming the ranks
+    that did not join after ``join_timeout`` seconds (``None``: the group's timeout) instead
+    of waiting in ``all_to_all`` until the group's timeout; nothing was exchanged and the
+    group stays usable. Ranks that enter different forwards together (one in eval mode, one
+    training) get a ``RuntimeError`` on every rank.
+
+    Checkpoints: ``state_dict()`` issues no collective (one rank may call it) and holds each
+    expert weight as a DTensor of this rank's slice, marked with the rank and world that
+    saved it. ``load_state_dict`` refuses (``ValueError``, before anything loads) such a
+    slice saved by another rank, as ``if rank == 0: torch.save(model.state_dict())`` then a
+    load on every rank would give every rank rank 0's experts. Save with
+    ``torch.distributed.checkpoint`` on every rank (every rank's experts; it reshards to any
+    world, one process included), or gather the whole experts with ``full_state_dict(model)``
+    on every rank and save that on one rank: whole ``(E, ...)`` tensors load into one process
+    or into any expert-parallel world (each rank takes its experts).
     """
     pg = data_parallel_group(group)
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     layers = _moe_layers(model)
-    plan: list[tuple[str, MoE, int]] = []
-    for fqn, moe in layers:
-        name = fqn or "the model"
-        experts = moe.experts
-        if not isinstance(experts, GroupedExperts):
-            raise TypeError(f"{name}.experts is a {type(experts).__name__}, not GroupedExperts")
-        if moe.dispatch is not None:
-            raise ValueError(
-                f"{name} already has a dispatch ({moe.dispatch!r}): expert_parallel runs once"
-            )
-        weights = [getattr(experts, n) for n in _EXPERT_WEIGHTS]
-        if any(isinstance(w, DTensor) for w in weights):
-            raise RuntimeError(
-                f"{name}'s experts are already sharded (DTensor): call expert_parallel before "
-                f"parallelize / fully_shard"
-            )
-        n = int(weights[0].shape[0])
-        if n % world:
-            raise ValueError(
-                f"{name} has {n} experts, which {world} ranks cannot share evenly: expert "
-                f"parallelism needs the expert count to be a multiple of the group's size"
-            )
-        plan.append((fqn, moe, n))
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, [(f, n) for f, _, n in plan], group=pg)
+
+    def check() -> list[tuple[str, int]]:
+        check_join_timeout(join_timeout)
+        return [(fqn, _check_layer(fqn, moe, world)) for fqn, moe in layers]
+
+    everyone = agree(check, pg, what="expert_parallel")
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
         raise ValueError(
@@ -254,64 +280,59 @@ def expert_parallel(model: nn.Module, group: GroupArg = None) -> list[str]:
             f"{', '.join(map(str, differ))} differ from rank 0 ({everyone[0]} there, "
             f"{everyone[differ[0]]} on rank {differ[0]}); build the same model on every rank"
         )
+    plan = [(fqn, moe, n) for (fqn, moe), (_, n) in zip(layers, everyone[rank], strict=True)]
     if world == 1:
         return [f for f, _, _ in plan]
-    for _, moe, n in plan:
+    shards: list[tuple[str, ExpertShards]] = []
+    for fqn, moe, n in plan:
         local = n // world
         experts = moe.experts
-        for attr in _EXPERT_WEIGHTS:
+        for attr in EXPERT_WEIGHTS:
             w = getattr(experts, attr)
             piece = w.detach()[rank * local : (rank + 1) * local].clone()
             setattr(experts, attr, nn.Parameter(piece, requires_grad=w.requires_grad))
         experts.n_experts = local
-        moe.dispatch = AllToAllDispatch(pg, local)
-        _ExpertShards(pg, local).attach(experts)
+        moe.dispatch = AllToAllDispatch(pg, local, join_timeout)
+        shard = ExpertShards(pg, local)
+        shard.attach(experts)
+        SHARDS[experts] = shard
+        shards.append((f"{fqn}.experts." if fqn else "experts.", shard))
+    if plan:
+        join_forwards(model, pg, join_timeout)
+
+        def refuse(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
+            # Every expert slice is checked before any module of the model loads.
+            for where, shard in shards:
+                shard.check(state, prefix + where)
+
+        model.register_load_state_dict_pre_hook(refuse)  # type: ignore[no-untyped-call]
     return [f for f, _, _ in plan]
 
 
-class _ExpertShards:
-    """State-dict hooks of an expert-parallel ``GroupedExperts``: its weights are saved as
-    DTensors sharded along the expert dimension over the group (the whole ``(E, ...)`` shape:
-    ``torch.distributed.checkpoint`` saves every rank's experts and reshards them on load,
-    into one process too), and loaded from such a DTensor or from a whole ``(E, ...)`` tensor
-    (a one-process checkpoint) by taking this rank's experts."""
-
-    def __init__(self, group: dist.ProcessGroup, local: int) -> None:
-        self.mesh = DeviceMesh.from_group(group, _comm_device(group).type)
-        self.rank = dist.get_rank(group)
-        self.local = local
-
-    def attach(self, experts: GroupedExperts) -> None:
-        # Functions, not bound methods: torch marks the hooks it is given with attributes.
-        def save(module: nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
-            self.save(module, state, prefix, meta)
-
-        def load(module: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
-            self.load(module, state, prefix, *rest)
-
-        experts.register_state_dict_post_hook(save)  # type: ignore[no-untyped-call]
-        experts.register_load_state_dict_pre_hook(load)  # type: ignore[no-untyped-call]
-
-    def save(
-        self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any
-    ) -> None:
-        for attr in _EXPERT_WEIGHTS:
-            value = state.get(prefix + attr)
-            if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                state[prefix + attr] = DTensor.from_local(
-                    value, self.mesh, [Shard(0)], run_check=False
-                )
-
-    def load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
-        for attr in _EXPERT_WEIGHTS:
-            value = state.get(prefix + attr)
-            if isinstance(value, DTensor):
-                if value.device_mesh != self.mesh or value.placements != (Shard(0),):
-                    value = value.redistribute(self.mesh, [Shard(0)])
-                state[prefix + attr] = value.to_local()
-            elif isinstance(value, torch.Tensor) and value.shape[0] != self.local:
-                first = self.rank * self.local
-                state[prefix + attr] = value[first : first + self.local]
+def _check_layer(fqn: str, moe: MoE, world: int) -> int:
+    """This rank's checks of one MoE layer (raises before anything changes); its expert
+    count."""
+    name = fqn or "the model"
+    experts = moe.experts
+    if not isinstance(experts, GroupedExperts):
+        raise TypeError(f"{name}.experts is a {type(experts).__name__}, not GroupedExperts")
+    if moe.dispatch is not None:
+        raise ValueError(
+            f"{name} already has a dispatch ({moe.dispatch!r}): expert_parallel runs once"
+        )
+    weights = [getattr(experts, n) for n in EXPERT_WEIGHTS]
+    if any(isinstance(w, DTensor) for w in weights):
+        raise RuntimeError(
+            f"{name}'s experts are already sharded (DTensor): call expert_parallel before "
+            f"parallelize / fully_shard"
+        )
+    n = int(weights[0].shape[0])
+    if n % world:
+        raise ValueError(
+            f"{name} has {n} experts, which {world} ranks cannot share evenly: expert "
+            f"parallelism needs the expert count to be a multiple of the group's size"
+        )
+    return n
 
 
 def same_ranks(a: dist.ProcessGroup | None, b: GroupArg) -> bool:
@@ -347,7 +368,7 @@ def clip_grad_norm_with_experts(
         else zero
         for ps in (rest, own)
     )
-    squares = (local.cpu() ** 2).reshape(1).to(_comm_device(group))
+    squares = (local.cpu() ** 2).reshape(1).to(comm_device(group))
     dist.all_reduce(squares, group=group)
     total = torch.sqrt(shared.cpu() ** 2 + squares.cpu().reshape(()))
     norm = float(total)
@@ -375,7 +396,7 @@ def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:
     if dist.is_available() and dist.is_initialized():
         pg = data_parallel_group(group)
         if dist.get_world_size(pg) > 1:
-            wire = counts.to(_comm_device(pg))
+            wire = counts.to(comm_device(pg))
             dist.all_reduce(wire, group=pg)
             counts = wire.to(counts.device)
     for m, load in zip(layers, torch.split(counts, [m.n_experts for m in layers]), strict=True):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
-from typing import Any
+import math
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -13,7 +16,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from computectx.ctx import ComputeCtx
 from computectx.fp8 import Fp8Linear
 
-__all__ = ["GroupArg", "check_same_model", "check_same_policy", "data_parallel_group"]
+__all__ = [
+    "GroupArg",
+    "agree",
+    "check_join_timeout",
+    "check_same_model",
+    "check_same_policy",
+    "data_parallel_group",
+    "describe_forward",
+    "join",
+    "join_forwards",
+    "joined",
+]
+
+_T = TypeVar("_T")
 
 GroupArg = dist.ProcessGroup | DeviceMesh | None
 """A process group, a one-dimensional ``DeviceMesh``, or ``None`` for the default group."""
@@ -149,3 +165,209 @@ def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bo
             f"that differs is {fqn!r}: rank 0 holds {zero}, rank {differ[0]} holds {other}. "
             f"Build the same model and convert it with the same fp8_filter on every rank"
         )
+
+
+# ----- Ranks agree before anyone raises ------------------------------------------------------
+
+_RAISED = (ValueError, TypeError, RuntimeError)
+
+
+def agree(check: Callable[[], _T], group: GroupArg = None, *, what: str) -> list[_T]:
+    """Run the rank-local ``check`` on every rank of ``group`` and exchange the outcomes in one
+    ``all_gather_object``: every rank's value, in rank order, when no rank raised; else the
+    same error on every rank, promptly, naming the rank(s) that raised and each one's message.
+
+    A setup check that can fail on one rank (a model built differently there, an argument
+    parsed differently) would otherwise raise on that rank alone while the others wait in
+    their next collective until the group's timeout. ``check`` must raise before it changes
+    anything. The error is the first failing rank's ``ValueError``, ``TypeError`` or
+    ``RuntimeError`` (any other exception travels as a ``RuntimeError``), chained, on the
+    ranks that raised, to their own exception. ``what`` names the call (``"expert_parallel"``).
+    """
+    pg = data_parallel_group(group)
+    mine: tuple[str, Any]
+    own: BaseException | None = None
+    try:
+        mine = ("ok", check())
+    except Exception as e:  # every kind crosses: a rank must never raise alone
+        own = e
+        kind = type(e).__name__ if isinstance(e, _RAISED) else "RuntimeError"
+        mine = (kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
+    everyone: list[Any] = [None] * dist.get_world_size(pg)
+    dist.all_gather_object(everyone, mine, group=pg)
+    failed = [(r, kind, text) for r, (kind, text) in enumerate(everyone) if kind != "ok"]
+    if not failed:
+        return [value for _, value in everyone]
+    ranks = ", ".join(str(r) for r, _, _ in failed)
+    texts = {text for _, _, text in failed}
+    why = (
+        failed[0][2] if len(texts) == 1 else "; ".join(f"rank {r}: {text}" for r, _, text in failed)
+    )
+    error = {e.__name__: e for e in _RAISED}[failed[0][1]]
+    raise error(
+        f"{what} failed on rank(s) {ranks} of the group (every rank raises this): {why}"
+    ) from own
+
+
+# ----- Ranks join a collective call before its first collective ------------------------------
+
+_JOIN_PREFIX = "computectx/join/"
+
+
+class _Join:
+    """The rendezvous of one process group's collective calls (``join``), through the group's
+    c10d store: attempt ``g`` (every rank counts its calls alike) holds a count ``n{g}``, a
+    verdict ``go{g}`` and, per rank, ``{rank}`` = ``"{g}:{call}"``.
+
+    A rank writes its call, adds one to the count; the rank that completes it compares the
+    calls and sets the verdict (``ok``, or the calls that differ); the others wait for it, at
+    most ``timeout``. A rank whose wait runs out sets the verdict ``abort`` instead: both are
+    one ``compare_set`` on an empty key, so exactly one decision stands. Every rank that
+    meets an aborted attempt without having decided it goes on to the next attempt (its call
+    was in time; the abort was another's), so every rank skips the same attempts and the
+    group stays usable."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        base = dist.distributed_c10d._get_process_group_store(group)
+        self.store = dist.distributed_c10d.PrefixStore(_JOIN_PREFIX, base)
+        # The store's timeout is the group's (init_process_group sets it so).
+        wait = getattr(base, "timeout", None)
+        self.default_timeout = (
+            wait if isinstance(wait, datetime.timedelta) else datetime.timedelta(minutes=10)
+        )
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.gen = 0
+        self.depth = 0  # forwards of this group underway on this rank (join_forwards)
+
+    def __call__(self, call: str, timeout: float | None) -> None:
+        wait = self.default_timeout if timeout is None else datetime.timedelta(seconds=timeout)
+        while True:
+            verdict = self._attempt(call, wait)
+            if not verdict.startswith("abort:"):
+                break  # an abort decided by another rank: this call goes on to the next
+        if verdict != "ok":
+            raise RuntimeError(verdict)
+
+    def _attempt(self, call: str, wait: datetime.timedelta) -> str:
+        g, s = self.gen, self.store
+        self.gen = g + 1
+        s.set(str(self.rank), f"{g}:{call}")
+        if s.add(f"n{g}", 1) == self.world:
+            got = s.compare_set(f"go{g}", "", self._compare(g)).decode()
+            if g:  # every rank is past attempt g - 1
+                s.delete_key(f"n{g - 1}")
+                s.delete_key(f"go{g - 1}")
+            return got
+        try:
+            s.wait([f"go{g}"], wait)
+        except dist.DistStoreError:
+            mine = f"abort:{self.rank}"
+            if s.compare_set(f"go{g}", "", mine).decode() == mine:
+                raise RuntimeError(self._missing(g, call, wait)) from None
+        return s.get(f"go{g}").decode()
+
+    def _compare(self, g: int) -> str:
+        calls = [
+            v.decode().split(":", 1)[1]
+            for v in self.store.multi_get([str(r) for r in range(self.world)])
+        ]
+        if all(c == calls[0] for c in calls):
+            return "ok"
+        listed = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        return (
+            f"the ranks of the group entered different collective calls together ({listed}): "
+            f"every rank must make the same calls in the same order; nothing was exchanged"
+        )
+
+    def _missing(self, g: int, call: str, wait: datetime.timedelta) -> str:
+        s = self.store
+        joined = [
+            r
+            for r in range(self.world)
+            if s.check([str(r)]) and s.get(str(r)).decode().startswith(f"{g}:")
+        ]
+        absent = [r for r in range(self.world) if r not in joined]
+        return (
+            f"{call} on rank {self.rank}: rank(s) {', '.join(map(str, absent)) or 'none'} of "
+            f"the group did not join it within {wait.total_seconds():g} s. It is a collective "
+            f"call: every rank of the group must run it together, in the same order "
+            f"(evaluation forwards included). Nothing was exchanged and the group is still "
+            f"usable"
+        )
+
+
+_JOINS: dict[dist.ProcessGroup, _Join] = {}
+
+
+def _join_of(group: dist.ProcessGroup) -> _Join:
+    join = _JOINS.get(group)
+    if join is None:
+        join = _JOINS[group] = _Join(group)
+    return join
+
+
+def check_join_timeout(join_timeout: object) -> None:
+    """A ``join_timeout`` argument: ``None`` (the group's timeout) or a positive finite
+    number of seconds (``ValueError`` otherwise)."""
+    if join_timeout is not None and (
+        isinstance(join_timeout, bool)
+        or not isinstance(join_timeout, int | float)
+        or not 0 < join_timeout < math.inf
+    ):
+        raise ValueError(
+            f"join_timeout must be a positive number of seconds or None (the group's "
+            f"timeout), got {join_timeout!r}"
+        )
+
+
+@torch.compiler.disable  # type: ignore[untyped-decorator]
+def join(group: dist.ProcessGroup, call: str, timeout: float | None = None) -> None:
+    """Wait until every rank of ``group`` has entered the collective call ``call`` (a short
+    description: ``"forward (eval, grad off)"``), before its first collective: one
+    ``RuntimeError`` on the ranks that came, naming the ranks that did not, when they do not
+    all come within ``timeout`` seconds (``None``: the group's own timeout), instead of a
+    hang in the call's first collective; one ``RuntimeError`` on every rank when the ranks
+    entered different calls. A refused call exchanged nothing, and the next call that every
+    rank makes together goes through (``_Join``). A few store round trips (docs/distributed.md
+    measures them); nothing in a group of one."""
+    j = _join_of(group)
+    if j.world > 1:
+        j(call, timeout)
+
+
+def joined(group: dist.ProcessGroup) -> bool:
+    """Whether a forward that ``join_forwards`` joined over ``group`` is underway on this rank
+    (a collective inside it need not join again)."""
+    j = _JOINS.get(group)
+    return j is not None and j.depth > 0
+
+
+def describe_forward(module: nn.Module) -> str:
+    """What ``join`` compares for a forward of ``module``: its mode and autograd's."""
+    grad = (
+        "inference mode"
+        if torch.is_inference_mode_enabled()
+        else ("grad on" if torch.is_grad_enabled() else "grad off")
+    )
+    return f"forward of {type(module).__name__} ({'train' if module.training else 'eval'}, {grad})"
+
+
+def join_forwards(module: nn.Module, group: dist.ProcessGroup, timeout: float | None) -> None:
+    """Make every forward of ``module`` join ``group`` first (``join``), once however deeply
+    its forwards nest: a forward pre-hook placed before any other (FSDP2's all-gather, DDP's)
+    and a forward hook that runs whatever the forward raised."""
+    j = _join_of(group)
+    if j.world == 1:
+        return
+
+    def enter(m: nn.Module, args: Any) -> None:
+        if j.depth == 0:
+            join(group, describe_forward(m), timeout)
+        j.depth += 1
+
+    def leave(m: nn.Module, args: Any, out: Any) -> None:
+        j.depth = max(0, j.depth - 1)
+
+    module.register_forward_pre_hook(enter, prepend=True)
+    module.register_forward_hook(leave, always_call=True)

@@ -26,10 +26,10 @@ from torch.nn.parallel import DistributedDataParallel
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import (
     clip_grad_norm_with_experts,
-    expert_parallel_group,
     expert_parameters,
     moe_local_buffers,
-    same_ranks,
+    shard_expert_optimizer_state,
+    unshard_expert_optimizer_state,
     update_expert_bias,
 )
 from computectx.distributed.fp8_all_gather import (
@@ -47,9 +47,12 @@ from computectx.distributed.fp8_amax_sync import (
 from computectx.distributed.fp8_expert_gather import enable_fp8_expert_gather
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
+    agree,
     check_same_model,
     check_same_policy,
     data_parallel_group,
+    join,
+    join_forwards,
 )
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
@@ -57,6 +60,7 @@ from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
+from computectx.distributed.parallel_checks import check_parallelize, uses_offloaded
 from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -109,6 +113,9 @@ class Parallel:
     own, left out of DDP's all-reduce and FSDP2's sharding."""
     group: dist.ProcessGroup | None = None
     """The data-parallel group (``None`` in one process)."""
+    join_timeout: float | None = None
+    """How long a collective call (``step``, a forward under FSDP2 or expert parallelism)
+    waits for every rank to join it (``parallelize``'s argument)."""
 
     def step(self, max_norm: float | None = None) -> float | None:
         """End an optimizer step: hand the gradients over, clip, step, zero them.
@@ -118,7 +125,15 @@ class Parallel:
         ``None``. Then every ``MoE``'s router bias moves with the load all ranks counted
         since the last step (``update_expert_bias``: one all-reduce on many ranks, none
         without MoE layers).
+
+        On many ranks it is a collective call: every rank steps together. It first joins
+        the group (``join``), so a rank that steps alone gets a ``RuntimeError`` naming the
+        ranks that did not join after ``join_timeout``, with nothing changed.
         """
+        if self.group is not None:
+            # A collective (the gradients' hand-over, the norm, the biases' load, the
+            # replicas' agreement): every rank steps together, or a clear error here.
+            join(self.group, "Parallel.step", self.join_timeout)
         opt, acc = self.optimizer, self.accumulator
         norm: float | None = None
         if isinstance(opt, OffloadedOptimizer):
@@ -170,6 +185,9 @@ class Parallel:
             if isinstance(opt, OffloadedOptimizer)
             else get_optimizer_state_dict(self.module, opt)
         )
+        if self.expert_params:
+            # Each rank's experts' moments are its own: DTensors, as the experts are.
+            optim = shard_expert_optimizer_state(self.module, optim)
         model = get_model_state_dict(self.module)
         if self.sync is not None:
             merged = self.sync.merged_state(self.module)
@@ -178,7 +196,14 @@ class Parallel:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load what ``state_dict`` gave (after ``torch.distributed.checkpoint.load`` filled
-        it): the model first, then the optimizer, whose masters follow the model."""
+        it): the model first, then the optimizer, whose masters follow the model.
+
+        Under DDP (and in one process) it issues no collective: one rank may load alone.
+        Under FSDP2 torch's loaders issue a collective, so it first joins the group (as
+        ``step`` does): a rank that loads alone gets a ``RuntimeError`` naming the ranks
+        that did not join, with nothing loaded. An expert-parallel model refuses, before
+        anything loads, expert weights or moments that another rank saved (a one-rank
+        ``torch.save`` of ``state_dict()``): ``ValueError`` naming both ranks and the fix."""
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
         )
@@ -194,6 +219,11 @@ class Parallel:
                 f"a Parallel checkpoint has the keys {[_MODEL, _OPTIMIZER]} (Parallel."
                 f"state_dict()), got {got}"
             )
+        # Another rank's expert moments are refused before anything loads.
+        optim_state = unshard_expert_optimizer_state(self.module, state[_OPTIMIZER])
+        if self.group is not None and isinstance(self.module, FSDPModule):
+            # torch's loaders issue a collective under FSDP2: every rank loads together.
+            join(self.group, "Parallel.load_state_dict", self.join_timeout)
         set_model_state_dict(self.module, state[_MODEL])
         if self.sync is None:
             # No sync to bring state recorded at another world size to this one at its
@@ -206,7 +236,7 @@ class Parallel:
         if isinstance(opt, OffloadedOptimizer):
             set_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
         else:
-            set_plain_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
+            set_plain_optimizer_state_dict(self.module, opt, optim_state)
 
 
 def _world(mesh: DeviceMesh | None) -> int:
@@ -237,21 +267,6 @@ def _default_units(model: nn.Module) -> list[nn.Module]:
     return [c for c in model.children() if any(True for _ in c.parameters())]
 
 
-def _uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:
-    """Whether ``parallelize`` steps ``model`` with an ``OffloadedOptimizer``: ``offload``
-    when given, else when the ctx asks for one (``ctx.offload`` set, ``ctx.master``
-    differing from a trainable parameter's dtype, or compact state: ``ctx.optim_state``
-    other than ``f32``, which a plain optimizer would silently keep at float32)."""
-    if offload is not None:
-        return bool(offload)
-    params = [p for p in model.parameters() if p.requires_grad]
-    return (
-        ctx.offload is not None
-        or ctx.optim_state.compact
-        or any(p.dtype != ctx.master.torch for p in params)
-    )
-
-
 def parallelize(
     model: nn.Module,
     ctx: ComputeCtx,
@@ -267,6 +282,7 @@ def parallelize(
     offload: bool | None = None,
     current_amax: CurrentAmax | None = None,
     loss_normalization: LossNormalization = "per_rank",
+    join_timeout: float | None = None,
     **optimizer_kwargs: Any,
 ) -> Parallel:
     """Set ``model`` up to train under ``ctx`` on every rank of ``mesh`` (default: the whole
@@ -318,79 +334,33 @@ def parallelize(
     Everything is checked before the model changes. Then: ``out = par.model(x)``,
     ``loss.backward()``, ``par.step(max_norm)``; checkpoints through ``par.state_dict()``.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(ctx, ComputeCtx):
-        raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
-    if mp_policy is not None:
-        if not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(
-                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-                f"{type(mp_policy).__name__}"
-            )
-        if strategy != "fsdp":
-            raise ValueError(
-                f"mp_policy is FSDP2's mixed precision and strategy={strategy!r} does not "
-                f"shard; pass it with strategy='fsdp' only"
-            )
-    if isinstance(model, DistributedDataParallel | FSDPModule):
-        raise ValueError(
-            f"parallelize wraps the model itself: pass the plain module, not a "
-            f"{type(model).__name__} (it was wrapped already)"
-        )
     world = _world(mesh)
-    wants_acc = ctx.grad != ctx.master
-    build_acc = wants_acc if accumulate is None else bool(accumulate)
-    if build_acc and strategy == "fsdp" and world > 1:
-        why = "accumulate=True" if accumulate else f"the ctx ({ctx}) asks for one"
-        raise ValueError(
-            f"strategy='fsdp' takes no gradient accumulator ({why}): FSDP2 reduce-scatters "
-            f"the gradients itself. Pass accumulate=False, or strategy='ddp'"
+    group = mesh.get_group() if mesh is not None else None
+
+    def check() -> None:
+        check_parallelize(
+            model,
+            ctx,
+            world=world,
+            group=group,
+            strategy=strategy,
+            mp_policy=mp_policy,
+            accumulate=accumulate,
+            offload=offload,
+            join_timeout=join_timeout,
+            optimizer_class=optimizer_class,
+            optimizer_kwargs=optimizer_kwargs,
         )
 
-    group = mesh.get_group() if mesh is not None else None
     if world > 1:
+        agree(check, group, what="parallelize")
         # Ranks that parsed another policy stop here, before anything changes.
         check_same_policy(ctx, group)
+    else:
+        check()
     experts = expert_parameters(model)
-    if experts and world > 1:
-        # Expert parallelism over the data-parallel ranks (each rank its experts, each
-        # expert every rank's tokens): other layouts need a 2-D mesh this does not take.
-        if not same_ranks(expert_parallel_group(model), group):
-            raise ValueError(
-                "the model's experts are spread over another group than parallelize's: "
-                "call expert_parallel(model, group) with the data-parallel group (or mesh)"
-            )
-        if build_acc:
-            raise ValueError(
-                "an expert-parallel model takes no gradient accumulator here: it would "
-                "average each rank's own experts with the others'. Pass accumulate=False"
-            )
-        if _uses_offloaded(ctx, model, offload):
-            raise ValueError(
-                "an expert-parallel model steps with a plain optimizer here: the "
-                "OffloadedOptimizer's clipping and inf/NaN skips are rank-local, and each "
-                "rank's experts are its own. Pass offload=False"
-                + (
-                    f" and ctx.optim_state='f32' (ctx.optim_state={ctx.optim_state} is kept "
-                    f"only by the OffloadedOptimizer)"
-                    if ctx.optim_state.compact
-                    else ""
-                )
-            )
-    if ctx.optim_state.compact and not _uses_offloaded(ctx, model, offload):
-        raise ValueError(
-            f"ctx.optim_state={ctx.optim_state} asks for compact optimizer state, which "
-            f"parallelize keeps through an OffloadedOptimizer; offload=False would build a "
-            f"plain {optimizer_class.__name__} holding float32 state. Pass offload=None (or "
-            f"True), or set optim_state='f32'"
-        )
-    # The optimizer's arguments are checked on a stand-in before the model changes: a bad
-    # learning rate must not leave a model half converted, sharded or wrapped.
-    # (An OffloadedOptimizer hands them to optimizer_class as they are.)
-    optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)
+    wants_acc = ctx.grad != ctx.master
+    build_acc = wants_acc if accumulate is None else bool(accumulate)
     conversion = convert_to_fp8(model, ctx, module_filter=fp8_filter) if ctx.fp8 else None
     run: nn.Module = model
     sharded = strategy == "fsdp" and world > 1
@@ -445,6 +415,11 @@ def parallelize(
             # in float32 and owns DDP's one comm hook (docs/distributed.md, "Mixed
             # precision under FSDP2 and DDP").
             run = DistributedDataParallel(model, device_ids=ids, process_group=group)
+    if world > 1 and (sharded or experts):
+        # Every forward of what runs is a collective here (FSDP2's all-gathers, the experts'
+        # all-to-alls): it joins the group first, before DDP's or FSDP2's own hooks, so a
+        # rank that runs one alone gets a clear error instead of a hang.
+        join_forwards(run, data_parallel_group(group), join_timeout)
     if world > 1:
         for p in experts:
             # DDP and FSDP2 average the other gradients over the ranks; an expert's
@@ -462,7 +437,7 @@ def parallelize(
         )
 
     params = [p for p in model.parameters() if p.requires_grad]
-    use_offloaded = _uses_offloaded(ctx, model, offload)
+    use_offloaded = uses_offloaded(ctx, model, offload)
     opt: torch.optim.Optimizer
     if use_offloaded:
         sharding = ShardedParams(mesh) if sharded else None
@@ -488,6 +463,7 @@ def parallelize(
         loss_normalization=loss_normalization,
         expert_params=tuple(experts) if world > 1 else (),
         group=data_parallel_group(group) if world > 1 else None,
+        join_timeout=join_timeout,
     )
 
 

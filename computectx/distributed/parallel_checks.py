@@ -1,0 +1,123 @@
+"""What ``parallelize`` accepts: every rank-local check of its arguments, run before anything
+changes (on many ranks inside ``agree``, so a check that fails on one rank raises on all)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx.ctx import ComputeCtx
+from computectx.distributed.expert_parallel import (
+    expert_parallel_group,
+    expert_parameters,
+    same_ranks,
+)
+from computectx.distributed.group import check_join_timeout
+
+__all__ = ["check_parallelize", "uses_offloaded"]
+
+
+def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:
+    """Whether ``parallelize`` steps ``model`` with an ``OffloadedOptimizer``: ``offload``
+    when given, else when the ctx asks for one (``ctx.offload`` set, ``ctx.master``
+    differing from a trainable parameter's dtype, or compact state: ``ctx.optim_state``
+    other than ``f32``, which a plain optimizer would silently keep at float32)."""
+    if offload is not None:
+        return bool(offload)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return (
+        ctx.offload is not None
+        or ctx.optim_state.compact
+        or any(p.dtype != ctx.master.torch for p in params)
+    )
+
+
+def check_parallelize(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    *,
+    world: int,
+    group: dist.ProcessGroup | None,
+    strategy: str,
+    mp_policy: MixedPrecisionPolicy | None,
+    accumulate: bool | None,
+    offload: bool | None,
+    join_timeout: float | None,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+) -> None:
+    """``parallelize``'s checks of its arguments on this rank (its docstring says what each
+    refuses); raises before anything changes."""
+    check_join_timeout(join_timeout)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(ctx, ComputeCtx):
+        raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    if mp_policy is not None:
+        if not isinstance(mp_policy, MixedPrecisionPolicy):
+            raise TypeError(
+                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+                f"{type(mp_policy).__name__}"
+            )
+        if strategy != "fsdp":
+            raise ValueError(
+                f"mp_policy is FSDP2's mixed precision and strategy={strategy!r} does not "
+                f"shard; pass it with strategy='fsdp' only"
+            )
+    if isinstance(model, DistributedDataParallel | FSDPModule):
+        raise ValueError(
+            f"parallelize wraps the model itself: pass the plain module, not a "
+            f"{type(model).__name__} (it was wrapped already)"
+        )
+    wants_acc = ctx.grad != ctx.master
+    build_acc = wants_acc if accumulate is None else bool(accumulate)
+    if build_acc and strategy == "fsdp" and world > 1:
+        why = "accumulate=True" if accumulate else f"the ctx ({ctx}) asks for one"
+        raise ValueError(
+            f"strategy='fsdp' takes no gradient accumulator ({why}): FSDP2 reduce-scatters "
+            f"the gradients itself. Pass accumulate=False, or strategy='ddp'"
+        )
+
+    if expert_parameters(model) and world > 1:
+        # Expert parallelism over the data-parallel ranks (each rank its experts, each
+        # expert every rank's tokens): other layouts need a 2-D mesh this does not take.
+        if not same_ranks(expert_parallel_group(model), group):
+            raise ValueError(
+                "the model's experts are spread over another group than parallelize's: "
+                "call expert_parallel(model, group) with the data-parallel group (or mesh)"
+            )
+        if build_acc:
+            raise ValueError(
+                "an expert-parallel model takes no gradient accumulator here: it would "
+                "average each rank's own experts with the others'. Pass accumulate=False"
+            )
+        if uses_offloaded(ctx, model, offload):
+            raise ValueError(
+                "an expert-parallel model steps with a plain optimizer here: the "
+                "OffloadedOptimizer's clipping and inf/NaN skips are rank-local, and each "
+                "rank's experts are its own. Pass offload=False"
+                + (
+                    f" and ctx.optim_state='f32' (ctx.optim_state={ctx.optim_state} is kept "
+                    f"only by the OffloadedOptimizer)"
+                    if ctx.optim_state.compact
+                    else ""
+                )
+            )
+    if ctx.optim_state.compact and not uses_offloaded(ctx, model, offload):
+        raise ValueError(
+            f"ctx.optim_state={ctx.optim_state} asks for compact optimizer state, which "
+            f"parallelize keeps through an OffloadedOptimizer; offload=False would build a "
+            f"plain {optimizer_class.__name__} holding float32 state. Pass offload=None (or "
+            f"True), or set optim_state='f32'"
+        )
+    # The optimizer's arguments are checked on a stand-in before the model changes: a bad
+    # learning rate must not leave a model half converted, sharded or wrapped.
+    # (An OffloadedOptimizer hands them to optimizer_class as they are.)
+    optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)

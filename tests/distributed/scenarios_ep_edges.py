@@ -1,0 +1,222 @@
+"""Expert parallelism at its edges (issue 32, items 1, 9, 10): one rank's checkpoint, one
+rank's forward, one rank's failed setup check. One launch; the checks live in
+``test_ep_edges.py``. Each case also runs in the same process without the edge, so what the
+edge must leave unchanged is compared bit for bit."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.distributed import expert_parallel, full_state_dict, parallelize
+from computectx.nn import MoE
+
+DIM, EXPERTS, TOP_K, ROWS = 16, 4, 2, 8
+JOIN_S = 1.0
+
+
+class Net(nn.Module):
+    """A linear layer, then an MoE: the smallest model with a replicated and an expert part."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        ctx = ComputeCtx.from_flag("fp32", "cpu")
+        self.proj = nn.Linear(DIM, DIM)
+        self.moe = MoE(ctx, DIM, DIM, EXPERTS, TOP_K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.moe(self.proj(x))
+        return out
+
+
+def _x(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _setup(seed: int = 0, **ep: Any) -> tuple[Net, Any]:
+    model = Net(seed)
+    expert_parallel(model, join_timeout=JOIN_S, **ep)
+    par = parallelize(
+        model,
+        ComputeCtx.from_flag("fp32", "cpu"),
+        optimizer_class=torch.optim.AdamW,
+        lr=1e-2,
+        join_timeout=JOIN_S,
+    )
+    return model, par
+
+
+def _train(par: Any, steps: int, first: int = 0) -> torch.Tensor:
+    losses = []
+    for step in range(first, first + steps):
+        loss = par.model(_x(100 * step + dist.get_rank())).square().mean()
+        loss.backward()
+        par.step()
+        losses.append(float(loss))
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _error(call: Any) -> str:
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def _moments(par: Any) -> dict[str, torch.Tensor]:
+    names = {id(p): n for n, p in par.module.named_parameters()}
+    return {
+        names[id(p)]: s["exp_avg"].clone() for p, s in par.optimizer.state.items() if "exp_avg" in s
+    }
+
+
+def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
+    """Item 1: rank 0 alone saves ``par.state_dict()`` and the module's; every rank loads
+    them. Then the ways that work: ``full_state_dict`` saved on rank 0 (into a fresh
+    expert-parallel model and into one process), and DCP 2 -> 2 with AdamW moments."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    rank = dist.get_rank()
+    model, par = _setup()
+    _train(par, 2)
+    files = [io.BytesIO(), io.BytesIO()]
+    if rank == 0:  # the documented one-rank save
+        torch.save(par.state_dict(), files[0])
+        torch.save(model.state_dict(), files[1])
+    blobs: list[Any] = [[f.getvalue() for f in files]]
+    dist.broadcast_object_list(blobs, src=0)
+    saved = [torch.load(io.BytesIO(b), weights_only=True) for b in blobs[0]]
+    before = _params(model)
+    out: dict[str, Any] = {
+        "parallel_error": _error(lambda: par.load_state_dict(saved[0])),
+        "module_error": _error(lambda: model.load_state_dict(saved[1])),
+    }
+    out["unchanged"] = all(torch.equal(p, before[n]) for n, p in _params(model).items())
+    # The gathered checkpoint: whole experts, saved by one rank, loads anywhere.
+    whole = full_state_dict(model)
+    out["whole_shape"] = tuple(whole["moe.experts.gate_up"].shape)
+    fresh, _ = _setup(seed=5)
+    fresh.load_state_dict(whole)
+    out["fresh_equal"] = all(torch.equal(p, before[n]) for n, p in _params(fresh).items())
+    plain = Net(seed=6)
+    plain.load_state_dict(whole)
+    ref = Net(seed=0)
+    ref.load_state_dict(whole)
+    x = _x(77)
+    out["plain_equal"] = torch.equal(plain(x), ref(x))
+    # DCP on every rank, 2 -> 2: the model and the AdamW moments of each rank's experts.
+    path = params["path"]
+    save(par.state_dict(), checkpoint_id=path)
+    again_model, again = _setup(seed=9)
+    _train(again, 1, first=50)  # other moments, other weights: the load must bring them
+    state = again.state_dict()
+    load(state, checkpoint_id=path)
+    again.load_state_dict(state)
+    want = _moments(par)
+    got = _moments(again)
+    out["dcp_weights_equal"] = all(
+        torch.equal(p, before[n]) for n, p in _params(again_model).items()
+    )
+    out["dcp_moments_equal"] = sorted(got) == sorted(want) and all(
+        torch.equal(got[n], want[n]) for n in want
+    )
+    return out
+
+
+def lone_forward(params: dict[str, Any]) -> dict[str, Any]:
+    """Item 9: rank 0 alone runs an eval forward (``par.model`` under DDP, and the module),
+    then both ranks train; the same training without the lone calls, bit for bit."""
+    rank = dist.get_rank()
+    runs: dict[str, Any] = {}
+    for lone in (True, False):
+        model, par = _setup()
+        _train(par, 1)
+        errors, seconds = [], []
+        if lone and rank == 0:
+            for run in (par.model, par.module, model.moe):
+                run.eval()
+                start = time.monotonic()
+                with torch.no_grad():
+                    errors.append(_error(lambda run=run: run(_x(5))))
+                seconds.append(time.monotonic() - start)
+                run.train()
+        dist.barrier()
+        losses = _train(par, 2, first=1)
+        runs["lone" if lone else "joint"] = {
+            "errors": errors,
+            "seconds": seconds,
+            "losses": losses,
+            "params": _params(model),
+        }
+    return runs
+
+
+class _Dispatch:
+    """A dispatch some earlier call set (on one rank only)."""
+
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, experts: Any) -> torch.Tensor:
+        raise AssertionError("never called")
+
+    def __repr__(self) -> str:
+        return "_Dispatch()"
+
+
+def disagree(params: dict[str, Any]) -> dict[str, Any]:
+    """Item 10: a setup check that fails on rank 1 only raises the same error on every rank,
+    promptly: expert_parallel (rank 1's MoE already set up; rank 1's expert count that the
+    group cannot divide) and parallelize (rank 1's learning rate)."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+
+    def timed(key: str, call: Any) -> None:
+        start = time.monotonic()
+        out[key] = _error(call)
+        out[f"{key}_s"] = time.monotonic() - start
+
+    model = Net()
+    if rank == 1:
+        model.moe.dispatch = _Dispatch()
+    timed("dispatch", lambda: expert_parallel(model))
+    three = Net()
+    if rank == 1:
+        three.moe = MoE(ComputeCtx.from_flag("fp32", "cpu"), DIM, DIM, 3, TOP_K)
+    timed("count", lambda: expert_parallel(three))
+    plain = Net()
+    weight = plain.proj.weight.detach().clone()
+    lr = 0.1 if rank == 0 else -1.0
+    timed(
+        "lr",
+        lambda: parallelize(
+            plain, ComputeCtx.from_flag("fp32", "cpu"), optimizer_class=torch.optim.SGD, lr=lr
+        ),
+    )
+    out["lr_unchanged"] = torch.equal(plain.proj.weight, weight) and not hasattr(
+        plain, "_ddp_params_and_buffers_to_ignore"
+    )
+    # The group is still usable: an all-reduce after the refused calls.
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
+def edges(params: dict[str, Any]) -> dict[str, Any]:
+    """Every case above in one launch."""
+    return {
+        "disagree": disagree(params),
+        "lone_forward": lone_forward(params),
+        "checkpoint": checkpoint(params),
+    }

@@ -1,0 +1,201 @@
+"""What one rank may call, under each strategy (``test_one_rank.py``; docs/distributed.md's
+table "What one rank may call" is checked against what this reports).
+
+Each family (``ddp``, ``fsdp``, ``ep``, ``ep+ddp``) is set up twice from the same weights. In
+the first, rank 0 alone makes every call of ``CALLS`` while rank 1 waits on the store (no
+collective); each call either returns (``runs``; its result is checked here against a plain
+copy of the model) or raises (``raises``: the message). Then both ranks train two steps
+together, in both setups: the steps after the lone calls must equal the steps without them
+bit for bit, so the group is still usable and nothing the lone calls did leaked into it."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import io
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from computectx import ComputeCtx
+from computectx.distributed import expert_parallel, parallelize
+from computectx.nn import MoE
+
+DIM, ROWS = 16, 8
+JOIN_S = 0.5
+FAMILIES = ("ddp", "fsdp", "ep", "ep+ddp")
+CALLS = (
+    "forward, train mode, grad on",
+    "forward, eval mode, grad on",
+    "forward, eval mode, no_grad",
+    "forward, inference_mode",
+    "module forward, eval mode, no_grad",
+    "state_dict()",
+    "torch.save(state_dict())",
+    "load_state_dict(state)",
+    "step()",
+)
+
+
+class Net(nn.Module):
+    """A linear layer, then (``moe``) an MoE of 4 experts, top 2, or a second linear."""
+
+    def __init__(self, moe: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(DIM, DIM)
+        ctx = ComputeCtx.from_flag("fp32", "cpu")
+        self.out: nn.Module = MoE(ctx, DIM, DIM, 4, 2) if moe else nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.out(torch.relu(self.proj(x)))
+        return out
+
+
+class _Plain:
+    """What ``parallelize`` returns, for a model under expert parallelism alone."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = self.module = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state)
+
+
+def _setup(family: str, mesh: DeviceMesh) -> tuple[Any, nn.Module]:
+    model = Net(moe=family.startswith("ep"))
+    ref = copy.deepcopy(model)
+    if family.startswith("ep"):
+        expert_parallel(model, mesh, join_timeout=JOIN_S)
+    if family == "ep":
+        return _Plain(model), ref
+    par = parallelize(
+        model,
+        ComputeCtx.from_flag("fp32", "cpu"),
+        mesh,
+        strategy="fsdp" if family == "fsdp" else "ddp",
+        optimizer_class=torch.optim.SGD,
+        lr=0.1,
+        mp_policy=MixedPrecisionPolicy() if family == "fsdp" else None,
+        join_timeout=JOIN_S,
+    )
+    return par, ref
+
+
+def _x(seed: int) -> torch.Tensor:
+    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _forward(run: nn.Module, ref: nn.Module, train: bool, mode: Any) -> None:
+    run.train(train)
+    ref.train(train)
+    try:
+        with mode():
+            got, want = run(_x(3)), ref(_x(3))
+    finally:
+        run.train(True)
+        ref.train(True)
+    if not torch.equal(got.detach(), want.detach()):
+        raise AssertionError("a lone forward returned another result than the plain model")
+
+
+def _calls(par: Any, ref: nn.Module) -> dict[str, Callable[[], None]]:
+    def state() -> None:
+        got = par.state_dict()
+        model = got.get("model", got)
+        if sorted(model) != sorted(ref.state_dict()):
+            raise AssertionError(f"state_dict keys {sorted(model)}")
+
+    def save() -> None:
+        buf = io.BytesIO()
+        torch.save(par.state_dict(), buf)
+        buf.seek(0)
+        torch.load(buf, weights_only=True)
+
+    def load() -> None:
+        before = {n: p.detach().clone() for n, p in par.module.named_parameters()}
+        par.load_state_dict(par.state_dict())
+        for n, p in par.module.named_parameters():
+            if not torch.equal(p.detach(), before[n]):
+                raise AssertionError(f"loading its own state changed {n}")
+
+    def step() -> None:
+        par.step()
+
+    m, r = par.model, ref
+    return {
+        CALLS[0]: lambda: _forward(m, r, True, torch.enable_grad),
+        CALLS[1]: lambda: _forward(m, r, False, torch.enable_grad),
+        CALLS[2]: lambda: _forward(m, r, False, torch.no_grad),
+        CALLS[3]: lambda: _forward(m, r, False, torch.inference_mode),
+        CALLS[4]: lambda: _forward(par.module, r, False, torch.no_grad),
+        CALLS[5]: state,
+        CALLS[6]: save,
+        CALLS[7]: load,
+        CALLS[8]: step,
+    }
+
+
+def _train(par: Any, steps: int) -> dict[str, torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        loss = par.model(_x(10 * step + dist.get_rank())).square().mean()
+        loss.backward()
+        par.step()
+        losses.append(float(loss.detach()))
+    out = {"losses": torch.tensor(losses, dtype=torch.float64)}
+    for n, p in par.module.named_parameters():
+        local = getattr(p, "to_local", None)
+        out[n] = (local() if local is not None else p).detach().clone()
+    return out
+
+
+def family(name: str, mesh: DeviceMesh, params: dict[str, Any]) -> dict[str, Any]:
+    """One family: the lone calls' outcomes, and the training after them and without them."""
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, Any] = {}
+    par, ref = _setup(name, mesh)
+    if rank == 0:
+        for call, fn in _calls(par, ref).items():
+            if call not in params.get("calls", CALLS):
+                continue
+            start = time.monotonic()
+            try:
+                fn()
+                out[call] = ("runs", "")
+            except Exception as e:  # recorded, judged by the test
+                out[call] = ("raises", f"{type(e).__name__}: {e}")
+            out[f"{call} s"] = time.monotonic() - start
+        store.set(f"one-rank/{name}", "done")
+    else:
+        store.wait([f"one-rank/{name}"], datetime.timedelta(seconds=60))
+    dist.barrier()
+    out["after"] = _train(par, 2)
+    again, _ = _setup(name, mesh)
+    out["without"] = _train(again, 2)
+    return out
+
+
+def table(params: dict[str, Any]) -> dict[str, Any]:
+    """Every family of ``params["families"]`` in one launch, on a group whose collectives
+    time out after 10 s (a lone collective would fail the test in seconds, not hang it)."""
+    group = dist.new_group(
+        list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=10)
+    )
+    mesh = DeviceMesh.from_group(group, "cpu")
+    return {name: family(name, mesh, params) for name in params["families"]}

@@ -1,0 +1,82 @@
+"""Expert parallelism at its edges on 2 gloo ranks (scenarios in scenarios_ep_edges.py, one
+launch shared by the tests below, 1 s join timeout, 90 s wall limit over the workers' 30 s
+collective timeout): one rank's checkpoint is refused, not loaded into another rank's
+experts; one rank's forward raises instead of hanging and leaves the group's training
+unchanged; one rank's failed setup check raises the same error on every rank at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from .conftest import _run
+
+LIMIT_S = 90.0
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("ep-edges")
+    return _run(tmp, "scenarios_ep_edges.py:edges", 2, LIMIT_S, {"path": str(tmp / "dcp")})
+
+
+def test_one_ranks_checkpoint_is_refused_and_the_gathered_or_dcp_one_loads(
+    ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["checkpoint"] for r in ranks)
+    # Rank 0 loads its own slice; rank 1 refuses rank 0's, naming both and the fixes.
+    assert r0["parallel_error"] == "" and r0["module_error"] == ""
+    # Parallel checks the experts' AdamW moments first (they are marked as the weights are).
+    for key, start in (
+        ("parallel_error", "ValueError: the optimizer state of moe.experts.gate_up: exp_avg "),
+        ("module_error", "ValueError: moe.experts.gate_up "),
+    ):
+        error = r1[key]
+        assert error.startswith(start), error
+        assert "experts 0..1 that rank 0 of 2 saved" in error, error
+        assert "rank 1 of 2 (experts 2..3)" in error, error
+        assert "torch.distributed.checkpoint" in error and "full_state_dict" in error, error
+    # The refused load changed nothing (the check runs before any module loads).
+    assert r1["unchanged"]
+    for r in (r0, r1):
+        assert r["whole_shape"][0] == 4  # every expert
+        assert r["fresh_equal"] and r["plain_equal"]
+        assert r["dcp_weights_equal"] and r["dcp_moments_equal"]
+
+
+def test_one_ranks_forward_raises_names_the_absent_rank_and_changes_nothing(
+    ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["lone_forward"] for r in ranks)
+    lone = r0["lone"]
+    assert len(lone["errors"]) == 3  # par.model (DDP), par.module, one MoE layer alone
+    for error, seconds in zip(lone["errors"], lone["seconds"], strict=True):
+        assert error.startswith("RuntimeError: forward of "), error
+        assert "rank(s) 1 of the group did not join it within 1 s" in error, error
+        assert "every rank of the group must run it together" in error, error
+        assert "evaluation forwards included" in error, error
+        assert seconds < 10.0, seconds  # the join timeout, not the group's 30 s
+    for r in (r0, r1):
+        assert torch.equal(r["lone"]["losses"], r["joint"]["losses"])
+        for name, p in r["joint"]["params"].items():
+            assert torch.equal(r["lone"]["params"][name], p), name
+
+
+def test_a_check_failing_on_one_rank_raises_the_same_error_on_every_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["disagree"] for r in ranks)
+    for key, kind, text in (
+        ("dispatch", "ValueError", "moe already has a dispatch (_Dispatch())"),
+        ("count", "ValueError", "moe has 3 experts, which 2 ranks cannot share evenly"),
+        ("lr", "ValueError", "Invalid learning rate: -1.0"),
+    ):
+        assert r0[key] == r1[key], key
+        assert r0[key].startswith(f"{kind}: "), r0[key]
+        assert "failed on rank(s) 1 of the group (every rank raises this)" in r0[key]
+        assert text in r0[key], r0[key]
+        assert r0[f"{key}_s"] < 10.0 and r1[f"{key}_s"] < 10.0
+    assert r0["lr_unchanged"] and r1["lr_unchanged"]
+    assert r0["after"] == r1["after"] == 2.0
