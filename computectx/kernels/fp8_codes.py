@@ -23,6 +23,7 @@ __all__ = [
     "FP8_DTYPES",
     "INTERPRETED",
     "byte_constants",
+    "code_bound",
     "e8m0_step",
     "fp8_byte",
     "round_to_bf16",
@@ -76,6 +77,19 @@ def fp8_byte(  # type: ignore[no-untyped-def]
     # NaN produced by x / step is not the same on CPUs and GPUs, so it carries nothing.
     code = tl.where(mag > 0x7F800000, 0x7F, code)
     return code.to(tl.uint8)
+
+
+@triton.jit
+def code_bound(step, FMAX: tl.constexpr, MANT: tl.constexpr):  # type: ignore[no-untyped-def]
+    """The largest magnitude a code may take with float32 ``step``: ``FMAX``, or the largest
+    grid value whose product with the step is finite (``numerics.tensorwise.code_bound``,
+    bit for bit): ``FLT_MAX / |step|`` (IEEE division) with its mantissa cut to ``MANT``
+    bits, at most ``FMAX``. Clamping ``x / step`` to it keeps ``code * step`` finite."""
+    a = (step.to(tl.int32, bitcast=True) & 0x7FFFFFFF).to(tl.float32, bitcast=True)
+    r = tl.div_rn(tl.full(a.shape, 3.4028234663852886e38, tl.float32), a)
+    CUT: tl.constexpr = (1 << (23 - MANT)) - 1
+    v = (r.to(tl.int32, bitcast=True) & ~CUT).to(tl.float32, bitcast=True)
+    return tl.where(v < FMAX, v, FMAX)
 
 
 def _f32_bits(value: float) -> int:

@@ -27,7 +27,13 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, byte_constants, fp8_byte
+from computectx.kernels.fp8_codes import (
+    FLOAT_DTYPES,
+    FP8_DTYPES,
+    byte_constants,
+    code_bound,
+    fp8_byte,
+)
 
 __all__ = ["INTERPRETED", "quantize_delayed", "quantize_dynamic", "quantize_with_step"]
 
@@ -95,6 +101,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     nprog = tl.num_programs(0)
     if CAST:
         step = tl.load(step_ptr)
+        bound = code_bound(step, FMAX, MANT)
         if REDUCE == _REDUCE_LEDGER:  # noqa: SIM102  (constexpr test, then a run-time one)
             if pid == 0:
                 tl.store(step_out_ptr, step)
@@ -120,8 +127,9 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
             s = tl.div_rn(x, step)
             if REDUCE == _REDUCE_LEDGER:
                 n_sat += ((s > FMAX) | (s < -FMAX)).to(tl.int32)
-            # Comparisons are false for NaN, so NaN passes through; ±inf becomes ±max.
-            s = tl.where(s > FMAX, FMAX, tl.where(s < -FMAX, -FMAX, s))
+            # Comparisons are false for NaN, so NaN passes through; ±inf becomes ±bound
+            # (±max, lower only where max * step would overflow float32).
+            s = tl.where(s > bound, bound, tl.where(s < -bound, -bound, s))
             code = fp8_byte(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
             tl.store(q_ptr + offs, code, mask=mask)
     if REDUCE != _REDUCE_NONE:

@@ -32,6 +32,7 @@ from computectx.kernels.fp8_codes import (
     FLOAT_DTYPES,
     FP8_DTYPES,
     byte_constants,
+    code_bound,
     e8m0_step,
     fp8_byte,
 )
@@ -141,10 +142,12 @@ def _codes(  # type: ignore[no-untyped-def]
     SUB_MAGIC: tl.constexpr,
     SUB_MAGIC_BITS: tl.constexpr,
 ):
-    # fp8(clamp(x / step)): IEEE division as in the twin, then ±inf and overflow to ±max;
-    # comparisons are false for NaN, so NaN passes to fp8_code, which writes 0x7F.
+    # fp8(clamp(x / step)): IEEE division as in the twin, then ±inf and overflow to ±bound
+    # (±max, lower only where max * step would overflow float32); comparisons are false
+    # for NaN, so NaN passes to fp8_code, which writes 0x7F.
     s = tl.div_rn(x, step[:, None])
-    s = tl.where(s > FMAX, FMAX, tl.where(s < -FMAX, -FMAX, s))
+    bound = code_bound(step, FMAX, MANT)[:, None]
+    s = tl.where(s > bound, bound, tl.where(s < -bound, -bound, s))
     return fp8_byte(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
 
 

@@ -91,8 +91,11 @@ def assert_same(
 Option = tuple[Granularity, bool | None, MxRounding | None]
 
 
-def both(x: torch.Tensor, fmt: Fp8Format, option: Option, **kw: Any) -> None:
-    """Quantize on the kernels and on the twin; compare the data and the scale, bit for bit."""
+def both(
+    x: torch.Tensor, fmt: Fp8Format, option: Option, **kw: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize on the kernels and on the twin; compare the data and the scale, bit for bit;
+    return the kernels' ``(data, scale)``."""
     g, pow2, mx = option
     if "scale" not in kw:
         kw = {"power_of_two": pow2, "mx_rounding": mx, **kw}
@@ -100,6 +103,7 @@ def both(x: torch.Tensor, fmt: Fp8Format, option: Option, **kw: Any) -> None:
     cpu: dict[str, Any] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
     want = quantize.quantize_granular(x.cpu(), fmt, g, backend=REF, **cpu)
     assert_same(got, want)
+    return got
 
 
 def hard(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -256,3 +260,17 @@ def test_kernel_constants_match_the_format_table(fmt: Fp8Format) -> None:
     assert c["MANT"] == fmt.mantissa_bits
     assert c["BIAS"] == 2 ** (fmt.exponent_bits - 1) - 1
     assert c["SUB_MAGIC"] == fmt.min_subnormal * 2.0**23
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_float32_max_bit_exact_and_finite(fmt: Fp8Format, device: torch.device) -> None:
+    # Power-of-two steps of an amax near float32's max exceed FLT_MAX / fmt.max: the codes
+    # stop at the largest whose product with the step is finite, on the kernels as on the twin.
+    x = torch.zeros(4, 64)
+    x[0, 3], x[1, 40], x[2, 0], x[3, 63] = 3.4e38, -3.4e38, torch.finfo(torch.float32).max, 3e38
+    for option in [("row", None, None), ("1x128", True, None), ("mx", None, None)]:
+        q, scale = both(x.to(device), fmt, option)  # type: ignore[arg-type]
+        layout = layouts.layout_of(option[0], x.shape)  # type: ignore[arg-type]
+        steps = scale.cpu().to(torch.float32).repeat_interleave(layout.block_rows, 0)
+        steps = steps.repeat_interleave(layout.block_cols, 1)[: x.shape[0], : x.shape[1]]
+        assert torch.isfinite(q.cpu().to(torch.float32) * steps).all(), option

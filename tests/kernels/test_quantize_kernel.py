@@ -404,3 +404,25 @@ def test_reference_twin_matches_on_the_same_call(device: torch.device) -> None:
     q1, _ = tensorwise.quantize_with_step(x, Fp8Format.E5M2, step)
     q2, _ = quantize.quantize_with_step(x, Fp8Format.E5M2, step, backend=TRITON)
     assert_same_bytes(q2, q1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_steps_past_float32_range_bit_exact_and_finite(
+    fmt: Fp8Format, device: torch.device
+) -> None:
+    # Steps above FLT_MAX / fmt.max (a given one, or a dynamic one with a margin) lower the
+    # clamp to the largest code whose product with the step is finite, as the twin does.
+    flt_max = torch.finfo(torch.float32).max
+    x = torch.tensor([3.4e38, -3.4e38, flt_max, 3.39e38, 1.0, 0.0, math.inf, -math.inf])
+    x = x.to(device)
+    for step_value in (2.0**120, 2.0**113, 1e37, 3.4e38):
+        step = torch.tensor([step_value], device=device)
+        q, _ = quantize.quantize_with_step(x, fmt, step, backend=TRITON)
+        q_ref, _ = quantize.quantize_with_step(x.cpu(), fmt, step.cpu(), backend=REF)
+        assert_same_bytes(q, q_ref)
+        assert torch.isfinite(tensorwise.dequantize(q.cpu(), step.cpu(), torch.float32)).all()
+    q, step, _ = quantize.quantize_dynamic(x[:4], fmt, 4, backend=TRITON)
+    q_ref, step_ref, _ = quantize.quantize_dynamic(x[:4].cpu(), fmt, 4, backend=REF)
+    assert_same_bytes(q, q_ref)
+    assert_same_f32(step, step_ref)
+    assert torch.isfinite(tensorwise.dequantize(q.cpu(), step.cpu(), torch.float32)).all()

@@ -44,9 +44,16 @@ exactly the per-tensor rule applied to that block alone: its NaN elements become
 
 Elements are then quantized as the per-tensor twin does
 (``numerics.tensorwise.quantize_with_step``): ``fp8(clamp(x / step, ±fmt.max))``, one IEEE float32
-division, round to nearest even, NaN to ``0x7F``. The functions here take the 2-D view and assume
-validated inputs (``computectx.fp8.ops.block_quantize`` checks them and reshapes); their Triton
-twins are in ``computectx.kernels.quantize_blocks``, bit for bit.
+division, round to nearest even, NaN to ``0x7F``. Where ``fmt.max * step`` would overflow
+float32 (a step above about ``FLT_MAX / fmt.max``: ``"pow2"`` and ``"mx_rceil"`` give one to a
+block whose amax is above ``1.75 * 2**127``, about 2.98e38), the clamp is at
+``tensorwise.code_bound(step)`` instead, the largest grid value whose product with the step is
+finite: 3.4e38 keeps its step ``2**120`` and takes the code 240 (``3.19e38``), not 256
+(``2**128``, inf). The step, and so the scale byte, is the rule's.
+
+The functions here take the 2-D view and assume validated inputs
+(``computectx.fp8.ops.block_quantize`` checks them and reshapes); their Triton twins are in
+``computectx.kernels.quantize_blocks``, bit for bit.
 """
 
 from __future__ import annotations
@@ -161,11 +168,11 @@ def quantize_with_steps(
 ) -> torch.Tensor:
     """``fp8(clamp(x / step))`` with each element's block step: the fp8 codes of ``x``."""
     # contiguous: the codes of x.t() are written as a tensor of their own, as the kernels do.
-    scaled = (x.to(torch.float32) / expand_steps(steps.to(torch.float32), layout)).contiguous()
-    # x / step is exact to divide again by 1: the per-tensor twin owns the cast's rules.
-    one = torch.ones(1, dtype=torch.float32, device=x.device)
-    q, _ = tensorwise.quantize_with_step(scaled, fmt, one)
-    return q
+    steps = steps.to(torch.float32)
+    scaled = (x.to(torch.float32) / expand_steps(steps, layout)).contiguous()
+    # The per-tensor twin owns the cast's rules, the bound included.
+    bound = expand_steps(tensorwise.code_bound(steps, fmt), layout)
+    return tensorwise.fp8_codes(scaled, fmt, bound)
 
 
 def saturation_threshold(fmt: Fp8Format) -> float:

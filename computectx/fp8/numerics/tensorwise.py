@@ -8,6 +8,9 @@ convention of ``computectx.fp8.policy``, with the margin as headroom (the amax l
     q     = fp8(clamp(x / step, -fmt.max, fmt.max))   round to nearest even; NaN -> 0x7F
     x_hat = q.float() * step
 
+(with ``fmt.max`` lowered to ``code_bound(step)`` for the steps above about ``FLT_MAX /
+fmt.max``, so that ``x_hat`` of a finite ``x`` is always finite).
+
 All arithmetic is float32 in the order the kernels use, so quantized bytes agree bit for bit.
 Scalars (steps, amaxes) are float32 tensors of shape ``(1,)`` on the data's device; nothing
 here reads a tensor value on the host, so no function synchronises with the device.
@@ -35,7 +38,9 @@ __all__ = [
     "accumulation_gamma",
     "advance_ledger",
     "amax",
+    "code_bound",
     "dequantize",
+    "fp8_codes",
     "quantize_delayed",
     "quantize_dynamic",
     "quantize_with_step",
@@ -97,22 +102,52 @@ def _scaled(x: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float32) / step.to(torch.float32).reshape(())
 
 
+def code_bound(step: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """The largest magnitude a code may take with ``step`` (elementwise, float32): ``fmt.max``,
+    or, for a step above about ``FLT_MAX / fmt.max``, the largest value of the format's grid
+    whose product with the step is finite in float32.
+
+    Without it a value near float32's maximum could round up to a code whose dequantized
+    value ``code * step`` is inf: 3.4e38 under a power-of-two step takes step ``2**120``
+    and ``x / step = 255.8`` would round to the code 256, and ``256 * 2**120 = 2**128``.
+    The bound is ``FLT_MAX / |step|`` (one IEEE division) truncated onto the grid (its
+    float32 mantissa cut to the format's bits: toward zero), at most ``fmt.max``; that
+    ``bound * step`` never rounds past ``FLT_MAX`` is checked exhaustively for every step
+    whose bound is below ``fmt.max`` (tests/fp8/test_extreme_finite.py). A NaN step gives
+    ``fmt.max`` (its codes are NaN anyway).
+    """
+    s = step.to(torch.float32).abs()
+    r = torch.full_like(s, torch.finfo(torch.float32).max) / s
+    cut = (1 << (23 - fmt.mantissa_bits)) - 1
+    v = (r.view(torch.int32) & ~cut).view(torch.float32)
+    return torch.where(v < fmt.max, v, torch.full_like(v, fmt.max))
+
+
+def fp8_codes(s: torch.Tensor, fmt: Fp8Format, bound: torch.Tensor) -> torch.Tensor:
+    """The fp8 codes of the scaled values ``s = x / step`` (float32): ``fp8(clamp(s,
+    ±bound))`` rounded to nearest even, NaN to the positive fp8 NaN (byte ``0x7F``);
+    ``bound`` is ``code_bound(step)``, broadcast to ``s``."""
+    # The sign of a NaN that arithmetic produces differs between CPUs and GPUs, so every NaN
+    # becomes the one positive NaN (fp8 byte 0x7F) on every backend.
+    s = torch.where(torch.isnan(s), torch.full_like(s, math.nan), s)
+    # The comparisons are false for NaN, which passes through; ±inf becomes ±bound. bound is
+    # a grid value, so the rounding that follows never carries past it. torch's float32 ->
+    # fp8 conversion rounds to nearest even, handling subnormals.
+    s = torch.where(s > bound, bound, torch.where(s < -bound, -bound, s))
+    return s.to(fmt.torch)
+
+
 def quantize_with_step(
     x: torch.Tensor, fmt: Fp8Format, step: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` with a given step; also return ``amax(x)`` (float32, shape ``(1,)``).
 
-    Out-of-range values (including ±inf) saturate to ``±fmt.max``; NaN stays NaN, always
-    the positive fp8 NaN (byte ``0x7F``) whatever the sign or payload of the input NaN.
+    Out-of-range values (including ±inf) saturate to ``±fmt.max`` (to ``±code_bound(step)``
+    where ``fmt.max * step`` would overflow float32); NaN stays NaN, always the positive fp8
+    NaN (byte ``0x7F``) whatever the sign or payload of the input NaN.
     """
-    s = _scaled(x, step)
-    # The sign of a NaN that arithmetic produces differs between CPUs and GPUs, so every NaN
-    # becomes the one positive NaN (fp8 byte 0x7F) on every backend.
-    s = torch.where(torch.isnan(s), torch.full_like(s, math.nan), s)
-    # clamp keeps NaN (it is not ordered against the bounds) and maps ±inf to ±fmt.max;
-    # torch's float32 -> fp8 conversion rounds to nearest even, handling subnormals.
-    q = s.clamp(-fmt.max, fmt.max).to(fmt.torch)
-    return q, amax(x)
+    bound = code_bound(step.reshape(()), fmt)
+    return fp8_codes(_scaled(x, step), fmt, bound), amax(x)
 
 
 def dequantize(data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
