@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx, DType
-from computectx.fp8 import Fp8Linear, Fp8Policy, fp8_grouped_mm
+from computectx.fp8 import Fp8Linear, Fp8Policy, convert_to_fp8, fp8_grouped_mm
 
 POLICIES = {
     "tensor": "e4m3/tensor/dynamic/0",
@@ -129,3 +129,63 @@ def test_a_ctx_is_not_a_policy() -> None:
     offs = torch.tensor([2, 4, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="Fp8Policy"):
         fp8_grouped_mm(x, w, offs, ComputeCtx.from_flag("fp8_hybrid", "cpu"), backend="reference")  # type: ignore[arg-type]
+
+
+FLAGS = [
+    "fp8_e4m3",  # tensor-wise delayed: the dense layer's ledger, the experts dynamic
+    "fp8_e4m3_dynamic",
+    "fp8_rowwise",
+    "fp8_rowwise_gw_hp",
+    "fp8_block",
+    "fp8_mx",
+]
+INF, NAN = float("inf"), float("nan")
+
+
+@pytest.mark.parametrize("case", ["inf_weight", "nan_and_inf_input", "huge_weight"])
+@pytest.mark.parametrize("flag", FLAGS)
+def test_nonfinite_operands_give_what_the_converted_dense_linear_gives(
+    flag: str, case: str
+) -> None:
+    # One expert's weight (or the input) holding ±inf, NaN or 3e38, through fp8_grouped_mm
+    # and through an nn.Linear that convert_to_fp8 converted (a filter forces it): the same
+    # bits, forward and backward, under every recipe. ±inf saturates to ±fmt.max, so it gives
+    # finite outputs on both paths; a NaN makes its output column (weight) or row (input)
+    # NaN; 3e38 quantizes finite and its products overflow the sum as in float32.
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    gen = torch.Generator().manual_seed(7)
+    k, n, m = 64, 32, 5
+    w = torch.randn(2, n, k, generator=gen).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    if case == "inf_weight":
+        w[1, 3, 5], w[1, 7, 9] = INF, -INF
+    elif case == "huge_weight":
+        w[1, 3, 5] = -3e38
+    else:
+        w[1, 10, 2], x[1, 5], x[3, 8] = NAN, INF, NAN
+    linear = nn.Linear(k, n, bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        linear.weight.copy_(w[1])
+    dense = nn.Sequential(linear)
+    convert_to_fp8(dense, ctx, module_filter=lambda _m, _fqn: True)
+    layer = dense[0]
+    assert isinstance(layer, Fp8Linear)
+    dy = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+    xd, xg, wg = x.clone().requires_grad_(), x.clone().requires_grad_(), w.requires_grad_()
+    yd = dense(xd)
+    yd.backward(dy)
+    offs = torch.tensor([0, m], dtype=torch.int32)  # every row to expert 1
+    assert ctx.fp8 is not None
+    yg = fp8_grouped_mm(xg, wg, offs, ctx.fp8)
+    yg.backward(dy)  # type: ignore[no-untyped-call]
+    assert xd.grad is not None and xg.grad is not None and wg.grad is not None
+    got = (yg, xg.grad, wg.grad[1])
+    want = (yd, xd.grad, layer.weight.grad)
+    for name, a, b in zip(("y", "dx", "dw"), got, want, strict=True):
+        assert b is not None
+        torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=name)
+    if case == "inf_weight":
+        assert torch.isfinite(yg).all() and torch.isfinite(xg.grad).all()
+    elif case == "nan_and_inf_input":
+        assert torch.isnan(yg[:, 10]).all() and torch.isnan(yg[3]).all()
+        assert torch.isfinite(yg[[0, 1, 2, 4]][:, [c for c in range(n) if c != 10]]).all()
