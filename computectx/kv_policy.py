@@ -9,7 +9,8 @@ in ``computectx.dtypes``, which still serves them with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
-from typing import Annotated, Final, Literal, get_args
+import numbers
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, get_args
 
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
@@ -22,6 +23,7 @@ from computectx.dtypes import (
 )
 
 __all__ = [
+    "KV_RECENT_MAX",
     "KV_SCALINGS",
     "KV_STEPS",
     "KvFp8",
@@ -55,6 +57,10 @@ _STEP_ALIASES: Final[dict[str, KvStep]] = {
     "e8m0": "e8m0", "e8m0fnu": "e8m0", "float8_e8m0fnu": "e8m0",
 }  # fmt: skip
 
+KV_RECENT_MAX: Final[int] = 1 << 20
+"""The largest ``KvFp8.recent`` accepted (2**20 positions): a window is meant to be a few
+recent positions; a cache holds at most ``max_len`` of them whatever ``recent`` says."""
+
 _KV_FORM = (
     "'FORMAT[/SCALING][/STEP][/recent=N]' (FORMAT e4m3 or e5m2; SCALING "
     + ", ".join(KV_SCALINGS)
@@ -85,11 +91,29 @@ def _kv_step(value: object) -> object:
     return value
 
 
-def _kv_recent(value: object) -> object:
-    # An int count; a bool or a float is refused rather than read as 0/1 or truncated.
-    if isinstance(value, bool) or (not isinstance(value, int) and not isinstance(value, str)):
-        raise ValueError(f"recent must be an int count of positions >= 0, got {value!r}")
-    return value
+def _kv_recent(value: object) -> int:
+    # An int count (a numpy integer reads as its value); a bool, a float, a str (a JSON
+    # "4") or None is refused rather than read as 0/1, truncated or coerced.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got "
+            f"{value!r} ({type(value).__name__})"
+        )
+    count = int(value)
+    if not 0 <= count <= KV_RECENT_MAX:
+        raise ValueError(
+            f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got {count}"
+        )
+    return count
+
+
+def _errors(e: ValidationError) -> str:
+    """pydantic's errors as ``field=value: message`` clauses (no URL), one per bad field."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'KvFp8'}={err['input']!r}: "
+        f"{str(err['msg']).removeprefix('Value error, ')}"
+        for err in e.errors()
+    )
 
 
 class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -128,14 +152,28 @@ class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tru
     head at f32: 12.5% of the codes at head dim 32); a static scheme's few steps may take any
     format too, for the same reading everywhere."""
     recent: Annotated[
-        int, BeforeValidator(_kv_recent), Field(ge=0, exclude_if=lambda v: v == 0)
+        int,
+        BeforeValidator(_kv_recent),
+        Field(ge=0, le=KV_RECENT_MAX, exclude_if=lambda v: v == 0),
     ] = 0
     """Positions kept unquantized (default 0): the cache also holds the last ``recent``
     positions written at the compute dtype of the keys written, and attention reads those
     positions from there instead of from their codes. Every position has its codes too
     (quantization is position-local, so codes written on entry are the codes of a position
     leaving the window), so the window costs ``2 * H * recent * D`` values of the compute
-    dtype per layer and batch row, a fixed cost on top of ``kv_bytes_per_token``."""
+    dtype per layer and batch row, a fixed cost on top of ``kv_bytes_per_token``. An int
+    from 0 to ``KV_RECENT_MAX`` (a numpy integer reads as its value; a bool, float, str or
+    None is refused); a cache of ``max_len`` positions holds ``min(recent, max_len)``."""
+
+    if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
+
+        def __init__(self, /, **data: Any) -> None:
+            """Validated fields; a bad one is a ``ValueError`` naming the field, the value and
+            what is accepted (pydantic's ``ValidationError`` is not let through)."""
+            try:
+                super().__init__(**data)
+            except ValidationError as e:
+                raise ValueError(f"bad KvFp8: {_errors(e)}") from None
 
     @property
     def static(self) -> bool:
@@ -199,9 +237,9 @@ class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tru
                 )
             fields[key] = value
         try:
-            return cls.model_validate(fields)
-        except ValidationError as e:  # pragma: no cover - _field_of checked every value
-            raise ValueError(f"bad fp8 KV cache {whole!r}: {e}") from None
+            return cls(**{str(k): v for k, v in fields.items()})  # type: ignore[arg-type]
+        except ValueError as e:  # recent beyond KV_RECENT_MAX
+            raise ValueError(f"fp8 KV cache {whole!r}: {e} (form {_KV_FORM})") from None
 
 
 def _field_of(part: str, whole: str) -> tuple[str, object]:
@@ -258,7 +296,7 @@ def parse_kv(value: object) -> DType | KvFp8:
                 f"dict takes 'format' (e4m3 or e5m2), 'scaling' ({', '.join(KV_SCALINGS)}), "
                 f"'step' ({', '.join(KV_STEPS)}) and 'recent' (an int >= 0), all optional"
             )
-        return KvFp8.model_validate(value)
+        return KvFp8(**{str(k): v for k, v in value.items()})
     if isinstance(value, Fp8Format) or (isinstance(value, torch.dtype) and value in FP8_DTYPES):
         return KvFp8(format=Fp8Format.parse(value))
     if isinstance(value, str):

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError, cast_if, promote
-from computectx.kv_policy import KV_SCALINGS, KV_STEPS, parse_kv
+from computectx.kv_policy import KV_RECENT_MAX, KV_SCALINGS, KV_STEPS, parse_kv
 
 CPU = torch.device("cpu")
 
@@ -205,14 +207,51 @@ def test_step_and_recent_fields() -> None:
     assert KvFp8(step=" FP32 ") == KvFp8()  # type: ignore[arg-type]
     # A static scheme stores its few steps at the format too (its bytes do not grow with T).
     assert str(KvFp8(scaling="per_tensor", step="e8m0")) == "e4m3/per_tensor/e8m0"
-    for bad, needle in ((True, "recent must be an int"), (2.0, "recent must be an int")):
-        with pytest.raises(ValidationError, match=needle):
+    for bad in (True, 2.0, -1):
+        with pytest.raises(ValueError, match="recent must be an int count"):
             KvFp8(recent=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValidationError, match="greater than or equal to 0"):
-        KvFp8(recent=-1)
-    with pytest.raises(ValidationError, match="'f32', 'bf16' or 'e8m0'"):
+    with pytest.raises(ValueError, match="'f32', 'bf16' or 'e8m0'"):
         KvFp8(step="e9m0")  # type: ignore[arg-type]
     assert len({KvFp8(step=s, recent=r) for s in KV_STEPS for r in (0, 1, 64)}) == 9
+
+
+_BAD_FIELD_VALUES: list[object] = [True, 2.0, "2", None, np.int64(1), 10**12, -1, [4]]
+
+
+@pytest.mark.parametrize("field", list(KvFp8.model_fields))
+@pytest.mark.parametrize("bad", _BAD_FIELD_VALUES, ids=repr)
+def test_every_field_refuses_what_a_user_might_pass_with_our_error(field: str, bad: object) -> None:
+    # Issue 32 item 15: recent="4" and recent=10**12 were accepted; every other junk value
+    # surfaced as pydantic's ValidationError with a URL. Now: one ValueError of ours, naming
+    # the field, the value and what is accepted, from the constructor and the dict form
+    # alike. (np.int64(1) is a valid count for recent: it reads as the int 1.)
+    if field == "recent" and isinstance(bad, np.integer):
+        kv = KvFp8(recent=bad)  # type: ignore[arg-type]  # typed int; numpy reads as one
+        assert kv.recent == 1 and type(kv.recent) is int
+        return
+    makers: list[Callable[[], object]] = [
+        lambda: KvFp8(**{field: bad}),  # type: ignore[arg-type]
+        lambda: parse_kv({field: bad}),
+    ]
+    for make in makers:
+        with pytest.raises(ValueError, match=field) as err:
+            make()
+        assert not isinstance(err.value, ValidationError)
+        text = str(err.value)
+        assert f"{field}={bad!r}" in text and "pydantic.dev" not in text, text
+        assert {"format": "e4m3", "scaling": "per_head", "step": "e8m0", "recent": "1048576"}[
+            field
+        ] in text
+
+
+def test_recent_has_a_sane_range_in_every_form() -> None:
+    assert KvFp8(recent=KV_RECENT_MAX).recent == KV_RECENT_MAX
+    for text in (f"e4m3/recent={KV_RECENT_MAX + 1}", "e4m3/recent=1000000000000"):
+        with pytest.raises(ValueError, match=f"from 0 to {KV_RECENT_MAX}") as err:
+            parse_kv(text)
+        assert not isinstance(err.value, ValidationError)
+    with pytest.raises(ValueError, match="got '4' \\(str\\)"):  # JSON's "4" is not a count
+        KvFp8.model_validate_json('{"recent": "4"}')
 
 
 def test_the_old_dtypes_path_warns_and_serves_the_same_objects() -> None:
