@@ -14,6 +14,9 @@ from typing import Any, cast
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
@@ -180,12 +183,12 @@ def test_reset_and_beam_reorder_in_place(kv: str) -> None:
     first = teacher_forced(model, ids, cache)
     layer = cache.layers[0]
     assert isinstance(layer, CtxStaticLayer) and layer.store is not None
-    buffers = [layer.store.k, layer.store.k_step]
+    buffers = [t.data_ptr() for t in layer.store.held]
     cache.reset()  # type: ignore[no-untyped-call]
     assert int(cache.get_seq_length()) == 0
     again = teacher_forced(model, ids, cache)
     assert torch.equal(again, first)
-    assert layer.store.k is buffers[0] and layer.store.k_step is buffers[1]
+    assert [t.data_ptr() for t in layer.store.held] == buffers
     # Swapping the rows moves codes and per-token steps with them.
     k_before = layer.read()[0].clone()
     cache.reorder_cache(cast(torch.LongTensor, torch.tensor([1, 0])))
@@ -243,6 +246,11 @@ def test_compiled_decode_step_one_graph_no_recompile(kv: str) -> None:
     assert counter.frame_count == 1
 
 
+def _stores_held(cache: CtxStaticCache) -> list[torch.Tensor]:
+    stores = [cast(CtxStaticLayer, layer).store for layer in cache.layers]
+    return [t for s in stores if s is not None for t in s.held]
+
+
 def test_bad_input() -> None:
     model = tiny_llama()
     config = model.config
@@ -274,9 +282,15 @@ def test_bad_input() -> None:
     assert int(short.get_seq_length()) == 0
     with torch.no_grad():
         model(input_ids=ids_of(7, batch=1, length=3), cache=short, use_cache=True)
-        with pytest.raises(IndexError, match="out of bounds"):
+        held = [t.clone() for t in _stores_held(short)]
+        with pytest.raises(ValueError, match=r"positions 3 \.\. 3 .*max_len=3"):
             model(input_ids=ids_of(7, batch=1, length=1), cache=short, use_cache=True)
     assert int(short.get_seq_length()) == 3
+    now = _stores_held(short)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(held, now, strict=True)
+    )
 
 
 def test_beats_transformers_quantized_cache_on_sqnr_and_bytes() -> None:
@@ -302,3 +316,160 @@ def test_beats_transformers_quantized_cache_on_sqnr_and_bytes() -> None:
     # two float32 steps per layer, ours the same codes and two e8m0 steps per layer.
     codes = 2 * 63 * LAYERS * 2 * KV_HEADS * HEAD_DIM
     assert (hf_bytes, ours_bytes) == (codes + LAYERS * 8, codes + LAYERS * 2)
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 32: CtxStaticCache against a float32 model, and refused calls that change nothing.
+
+_SM_LEN, _SM_D = 5, 8
+
+
+def _layer_cache(kv: str) -> CtxStaticCache:
+    config = LlamaConfig(
+        vocab_size=16,
+        hidden_size=2 * _SM_D,
+        intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
+    return CtxStaticCache(config, CPU.with_kv(parse_kv(kv)), _SM_LEN)
+
+
+def _held(cache: CtxStaticCache) -> list[bytes]:
+    out = []
+    for layer in cache.layers:
+        assert isinstance(layer, CtxStaticLayer)
+        out.append(layer.cumulative_length.numpy().tobytes())
+        out.append(repr((layer.is_initialized, layer.store is None)).encode())
+        if layer.store is not None:
+            out += [
+                t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                for t in layer.store.held
+            ]
+    return out
+
+
+def _kv(t: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, t, _SM_D, generator=gen) * 10.0 ** (
+        torch.rand(2, 2, t, 1, generator=gen) * 4 - 2
+    )
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.update(_kv(_SM_LEN + 1, 0), _kv(_SM_LEN + 1, 1), 0),  # more than it holds
+        lambda c: c.update(_kv(3, 0), _kv(3, 1), 0),  # past the end after the 3 cached
+        lambda c: c.update(_kv(1, 0), _kv(2, 1), 0),  # keys and values of other shapes
+        lambda c: c.update(_kv(1, 0)[0], _kv(1, 1)[0], 0),  # 3-d
+        lambda c: c.update(_kv(1, 0).long(), _kv(1, 1).long(), 0),  # integer
+        lambda c: c.update(_kv(1, 0)[:1], _kv(1, 1)[:1], 0),  # another batch
+        lambda c: c.crop(-4),  # more than is cached
+        lambda c: c.crop(1),
+        lambda c: c.crop(-1.0),
+        lambda c: c.crop(True),
+        lambda c: c.reorder_cache(torch.tensor([2, 0])),
+        lambda c: c.reorder_cache(torch.tensor([0])),
+    ],
+)
+@pytest.mark.parametrize("kv", ["bf16", "e4m3/e8m0/recent=2", "e4m3/bf16"])
+def test_a_refused_cache_call_changes_nothing(
+    call: Callable[[CtxStaticCache], Any], kv: str
+) -> None:
+    # Issue 32 item 12: update past the end raised IndexError after writing the key codes.
+    # Every refused update, crop and reorder leaves every buffer and counter as it was.
+    cache = _layer_cache(kv)
+    for i in range(2):
+        cache.update(_kv(3, 2), _kv(3, 3), i)
+    before = _held(cache)
+    with pytest.raises((ValueError, TypeError, RuntimeError)):
+        call(cache)
+    assert _held(cache) == before
+
+
+def test_a_refused_first_update_builds_nothing() -> None:
+    cache = _layer_cache("e4m3")
+    before = _held(cache)
+    with pytest.raises(ValueError, match="do not fit in max_cache_len"):
+        cache.update(_kv(_SM_LEN + 1, 0), _kv(_SM_LEN + 1, 1), 0)
+    assert _held(cache) == before and not cast(CtxStaticLayer, cache.layers[0]).is_initialized
+
+
+class CtxStaticCacheMachine(RuleBasedStateMachine):
+    """``CtxStaticCache`` (two layers) against a float32 model: updates, rollbacks
+    (``crop``), resets, beam reorders and refused updates; what ``update`` returns equals the
+    model exactly where the window holds a position, within half a code step elsewhere."""
+
+    @initialize(
+        kv=st.sampled_from(
+            ["e4m3", "e4m3/bf16/recent=2", "e5m2/e8m0/recent=3", "e4m3/e8m0/recent=9"]
+        )
+    )
+    def build(self, kv: str) -> None:
+        self.kv = parse_kv(kv)
+        assert isinstance(self.kv, KvFp8)
+        self.cache = _layer_cache(kv)
+        self.slots = min(self.kv.recent, _SM_LEN)
+        self.model = torch.zeros(2, 2, 2, 2, _SM_LEN, _SM_D)  # layer, k/v, B, H, T, D
+        self.tags = [[-1] * self.slots for _ in range(2)]
+        self.length = 0
+
+    @rule(t=st.integers(1, 3), seed=st.integers(0, 2**16))
+    def update(self, t: int, seed: int) -> None:
+        for layer in range(2):
+            k, v = _kv(t, seed + layer), _kv(t, seed + 7 + layer)
+            if self.length + t > _SM_LEN:
+                before = _held(self.cache)
+                with pytest.raises(ValueError, match="max_cache_len"):
+                    self.cache.update(k, v, layer)
+                assert _held(self.cache) == before
+                return
+            got = self.cache.update(k, v, layer)
+            self.model[layer, 0, :, :, self.length : self.length + t] = k
+            self.model[layer, 1, :, :, self.length : self.length + t] = v
+            start = self.length
+            for p in range(max(start, start + t - self.slots), start + t):
+                self.tags[layer][p % self.slots] = p
+            self._check(layer, got, start + t)
+        self.length += t
+
+    @precondition(lambda self: self.length > 0)
+    @rule(data=st.data())
+    def crop(self, data: st.DataObject) -> None:
+        n = data.draw(st.integers(1, self.length))
+        self.cache.crop(-n)
+        self.length -= n
+
+    @rule()
+    def reset(self) -> None:
+        self.cache.reset()  # type: ignore[no-untyped-call]
+        self.model.zero_()
+        self.tags = [[-1] * self.slots for _ in range(2)]
+        self.length = 0
+
+    @rule()
+    def reorder(self) -> None:
+        self.cache.reorder_cache(torch.tensor([1, 0]))  # type: ignore[arg-type]
+        self.model = self.model.flip(2).clone()
+
+    def _check(self, layer: int, got: tuple[torch.Tensor, torch.Tensor], end: int) -> None:
+        assert isinstance(self.kv, KvFp8)
+        fmt = self.kv.format
+        rel = 2.0 ** -(fmt.mantissa_bits + 1)
+        for x, want in zip(got, self.model[layer], strict=True):
+            assert x.shape == want.shape and bool(torch.isfinite(x).all())
+            x, want = x[:, :, :end], want[:, :, :end]
+            step = 2 * want.abs().amax(-1, keepdim=True) / fmt.max
+            bound = (rel * want.abs() + 0.5 * fmt.min_subnormal * step) * (1 + 2.0**-20)
+            assert bool(((x - want).abs() <= bound + want.abs() * 2.0**-22).all()), self.kv
+            for p in range(end):
+                if self.slots and self.tags[layer][p % self.slots] == p:
+                    assert torch.equal(x[:, :, p], want[:, :, p]), (self.kv, p)
+
+
+TestCtxStaticCacheMachine = CtxStaticCacheMachine.TestCase
+TestCtxStaticCacheMachine.settings = settings(
+    max_examples=25, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
+)

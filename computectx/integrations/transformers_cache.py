@@ -98,6 +98,19 @@ def _checked_amax(kv_amax: torch.Tensor, layers: int, heads: int) -> torch.Tenso
     return wide
 
 
+def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    """``ValueError`` unless the keys and values are tensors of one 4-d shape."""
+    for name, x in (("keys", key_states), ("values", value_states)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 4:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"CtxStaticCache stores (B, H, T, D) {name}; got {got}")
+    if key_states.shape != value_states.shape:
+        raise ValueError(
+            f"CtxStaticCache stores keys and values of one shape (B, H, T, D); got keys "
+            f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}"
+        )
+
+
 class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
     """One full-attention layer of a ``CtxStaticCache``: a ``KVCache`` built at the first
     ``update`` (batch, heads, head dim and device from the keys) and written in place at
@@ -119,33 +132,29 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
         """The dtype of the keys the model writes: what ``update`` returns."""
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        if key_states.shape != value_states.shape:
-            raise ValueError(
-                f"CtxStaticCache stores keys and values of one shape (B, H, T, D); got keys "
-                f"{tuple(key_states.shape)} and values {tuple(value_states.shape)}"
-            )
-        self.device = key_states.device
-        self.batch_size, self.num_heads = key_states.shape[:2]
-        self.k_head_dim = self.v_head_dim = key_states.shape[-1]
-        self.read_dtype = key_states.dtype
+        _check_states(key_states, value_states)
+        # The store is built (and may be refused) before any attribute of the layer changes.
+        b, h, _, d = key_states.shape
         store = KVCache(
             self.ctx.replace(device=key_states.device),
-            self.batch_size,
-            self.num_heads,
-            self.k_head_dim,
+            b,
+            h,
+            d,
             self.max_cache_len,
             steps=self.steps,
             window_dtype=key_states.dtype if isinstance(self.ctx.kv, KvFp8) else None,
         )
+        self.device = key_states.device
+        self.batch_size, self.num_heads = b, h
+        self.k_head_dim = self.v_head_dim = d
+        self.read_dtype = key_states.dtype
         self.store = store
         self.keys, self.values = store.k, store.v
         self.cumulative_length = self.cumulative_length.to(self.device)
         if not torch.compiler.is_compiling():
             # Fixed addresses, as StaticLayer marks its buffers: no recompile, CUDA graphs.
-            held = (store.k, store.v, store.k_step, store.v_step, store.k_recent, store.v_recent)
-            for t in (*held, store.window_end, self.cumulative_length):
-                if t is not None:
-                    torch._dynamo.mark_static_address(t)
+            for t in (*store.held, self.cumulative_length):
+                torch._dynamo.mark_static_address(t)
         self.is_initialized = True
 
     def _stored(self) -> KVCache:
@@ -159,21 +168,30 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
         """Store ``key_states`` / ``value_states`` (``(B, H, T, D)``) at positions
         ``cumulative_length ..`` and return the whole buffer as the model reads it.
 
-        More new positions than ``max_cache_len`` raise ``ValueError``; positions that run
-        past the end after earlier writes raise torch's ``IndexError`` from ``index_copy_``
-        (checking them here would read the position on the host every step), and nothing is
-        stored or counted then."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if key_states.shape[-2] > self.max_cache_len:
+        Positions that do not fit in ``max_cache_len`` (more new ones than it holds, or
+        running past its end after earlier writes) raise ``ValueError``, and nothing is
+        stored or counted then, the layer's first call included (it builds no store). The
+        end is checked in eager mode with no host read (``KVCache.write``); a compiled step
+        checks no value and trusts ``generate`` to stop at the end."""
+        _check_states(key_states, value_states)
+        t = key_states.shape[-2]
+        if t > self.max_cache_len:
             raise ValueError(
-                f"CtxStaticCache: {key_states.shape[-2]} new positions do not fit in "
+                f"CtxStaticCache: {t} new positions do not fit in "
                 f"max_cache_len={self.max_cache_len}; build the cache for the prompt plus the "
                 f"new tokens"
             )
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
         store = self._stored()
-        store.write(key_states, value_states, self.cumulative_length)
-        self.cumulative_length.add_(key_states.shape[-2])
+        try:
+            store.write(key_states, value_states, self.cumulative_length)
+        except ValueError as e:
+            raise ValueError(
+                f"CtxStaticCache (max_cache_len={self.max_cache_len}): {e}; build the cache "
+                f"for the prompt plus the new tokens"
+            ) from None
+        self.cumulative_length.add_(t)
         return self.read()
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +208,27 @@ class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
         if self.store is not None:
             self.store.reset()
         self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last ``-tokens_to_remove`` positions (a rollback: the next ``update``
+        writes over them), as ``StaticLayer.crop``; ``ValueError`` for anything but an int
+        ``-cumulative_length <= tokens_to_remove <= 0`` (one host read), nothing changed."""
+        self.check_crop(tokens_to_remove)
+        self.cumulative_length.sub_(-tokens_to_remove)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        """``crop``'s checks, changing nothing."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int):
+            raise ValueError(
+                f"CtxStaticCache.crop takes an int <= 0 (minus the positions to forget), got "
+                f"{tokens_to_remove!r}"
+            )
+        held = int(self.cumulative_length)
+        if not -held <= tokens_to_remove <= 0:
+            raise ValueError(
+                f"CtxStaticCache.crop: tokens_to_remove={tokens_to_remove} with {held} "
+                f"position(s) cached; accepted: an int from {-held} to 0"
+            )
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch rows for beam search, in place: codes or values, the steps of
@@ -268,6 +307,14 @@ class CtxStaticCache(Cache):
             steps = [static_kv_steps(amax[i], kv) for i in range(len(layer_types))]
         layers = [CtxStaticLayer(max_cache_len, ctx, s) for s in steps]
         super().__init__(layers=list(layers))
+
+    def crop(self, max_length: int) -> None:
+        """Forget the last ``-max_length`` positions of every layer (``CtxStaticLayer.crop``),
+        every layer checked before any changes."""
+        for layer in self.layers:
+            if isinstance(layer, CtxStaticLayer):
+                layer.check_crop(max_length)
+        super().crop(max_length)
 
     @property
     def nbytes(self) -> int:

@@ -8,16 +8,20 @@ up to their format); the layout is the one ``computectx.fp8.serving.decode_atten
     k, v            (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes
     k_step, v_step  (B, H, T_max) per_token_head (written with each position),
                     (H,) per_head or (1,) per_tensor (calibrated, fixed when the cache is built);
-                    float32, bfloat16 or float8_e8m0fnu as kv.step says
-    k_recent,       (B, H, N, D) at the compute dtype, with kv.recent = N > 0: the last N
-    v_recent        positions written, also held unquantized (a ring, ``kv_steps``)
+                    float32, bfloat16 or float8_e8m0fnu as kv.step says (e8m0 held as its
+                    uint8 bytes and shown as a float8_e8m0fnu view, ``kv_steps``)
+    k_recent,       (B, H, n, D) at the compute dtype, with kv.recent = N > 0 and
+    v_recent        n = min(N, max_len): recently written positions also held unquantized
+                    (a ring, ``kv_steps``)
+    window_pos      (n,) int64: the position each ring slot holds (-1: none)
 
 Bytes per token per layer (``kv_bytes_per_token``): ``2 * H * D * itemsize`` for a dtype
 cache; ``2 * H * D`` codes plus, for ``per_token_head``, ``2 * H * s`` bytes of steps (``s`` = 4,
 2 or 1 for f32, bf16, e8m0 steps) for fp8. The static schemes' steps are a fixed ``2 * H * s``
 or ``2 * s`` bytes per layer, not per token, and the window a fixed ``kv_window_bytes`` per
-layer and batch row. So at D = 32 an fp8 ``per_token_head`` cache takes 72, 68 or 66 bytes per
-head per token (f32, bf16, e8m0 steps) against 128 for bf16: 0.5625, 0.53 and 0.516 of it.
+layer and batch row (``min(N, max_len)`` positions). So at D = 32 an fp8 ``per_token_head``
+cache takes 72, 68 or 66 bytes per head per token (f32, bf16, e8m0 steps) against 128 for
+bf16: 0.5625, 0.53 and 0.516 of it.
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ from computectx.fp8.seam import (
 from computectx.kv_policy import KvFp8
 from computectx.nn.kv_steps import (
     copy_positions,
+    held_steps,
     ones_steps,
     splice_window,
-    stored_steps,
+    static_steps,
+    widen_steps,
     window_slots,
 )
 
@@ -78,15 +84,22 @@ def kv_bytes_per_token(kv: DType | KvFp8, n_heads: int, head_dim: int) -> int:
 
 
 def kv_window_bytes(
-    kv: DType | KvFp8, n_heads: int, head_dim: int, dtype: torch.dtype | DType
+    kv: DType | KvFp8,
+    n_heads: int,
+    head_dim: int,
+    dtype: torch.dtype | DType,
+    *,
+    max_len: int | None = None,
 ) -> int:
     """Bytes the window of an fp8 cache with ``kv.recent = N`` holds in one layer per batch
-    row: ``2 * n_heads * N * head_dim`` values at ``dtype`` (the compute dtype); 0 for a dtype
-    cache or ``N = 0``."""
+    row: ``2 * n_heads * n * head_dim`` values at ``dtype`` (the compute dtype), ``n = N``,
+    or ``min(N, max_len)`` for a cache of ``max_len`` positions (it never holds more); 0 for
+    a dtype cache or ``N = 0``. The slots' positions (``n`` int64) are not counted."""
     if not isinstance(kv, KvFp8):
         return 0
     size = dtype.torch.itemsize if isinstance(dtype, DType) else dtype.itemsize
-    return 2 * n_heads * kv.recent * head_dim * size
+    slots = kv.recent if max_len is None else min(kv.recent, max_len)
+    return 2 * n_heads * slots * head_dim * size
 
 
 def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Fp8Backend | str | None) -> Fp8Backend:
@@ -130,6 +143,9 @@ class KVCache:
     decode step, ``ByteLM.decode_step``). ``read`` returns the cached keys and values as
     attention sees them: at ``kv`` for a dtype, dequantized to float32 for fp8.
 
+    Every mutating call (``append``, ``write``, ``reorder``) checks all its arguments before
+    it changes anything: a refused call leaves every tensor and attribute as it was.
+
     An fp8 cache of a static scheme (``per_head``, ``per_tensor``) takes its calibrated
     ``steps`` (keys, values) when it is built (``Attention.new_cache`` passes the layer's);
     without them it is refused, never run with a step of 1.0. ``backend`` picks how decode
@@ -164,15 +180,15 @@ class KVCache:
         """Positions written through ``append`` (``write`` does not move it)."""
         shape = (batch, n_heads, max_len, head_dim)
         kv = ctx.kv
-        self.k_step: torch.Tensor | None = None
-        self.v_step: torch.Tensor | None = None
+        self._k_held: torch.Tensor | None = None
+        self._v_held: torch.Tensor | None = None
         self.backend: Fp8Backend | None = None
         self.recent = 0
-        """Positions held unquantized too (``kv.recent``; 0 for a dtype cache)."""
+        """Ring slots of the window: ``min(kv.recent, max_len)`` (0 for a dtype cache)."""
         self.k_recent: torch.Tensor | None = None
         self.v_recent: torch.Tensor | None = None
-        self.window_end = torch.zeros((), dtype=torch.int64, device=ctx.device)
-        """One past the last position written (a 0-d tensor; the window ends there)."""
+        self.window_pos = torch.full((0,), -1, dtype=torch.int64, device=ctx.device)
+        """The position each ring slot holds, -1 for none (``kv_steps``)."""
         if isinstance(kv, DType):
             if steps is not None or backend is not None or window_dtype is not None:
                 raise ValueError(
@@ -185,23 +201,46 @@ class KVCache:
             store = kv.format.torch
             self.backend = decode_backend(ctx, head_dim, backend)
             if kv.static:
-                self.k_step, self.v_step = _static_steps(kv, steps, n_heads, ctx.device)
+                self._k_held, self._v_held = static_steps(kv, steps, n_heads, ctx.device)
             elif steps is not None:
                 raise ValueError(
                     f"kv={kv} computes a step for every (token, head) as it is written; it "
                     f"takes no calibrated steps (those are for per_head and per_tensor)"
                 )
             else:
-                self.k_step = ones_steps(shape[:3], kv.step, ctx.device)
-                self.v_step = ones_steps(shape[:3], kv.step, ctx.device)
+                self._k_held = ones_steps(shape[:3], kv.step, ctx.device)
+                self._v_held = ones_steps(shape[:3], kv.step, ctx.device)
             if kv.recent:
-                self.recent = kv.recent
-                ring = (batch, n_heads, kv.recent, head_dim)
+                # Never more slots than positions: a window as long as the cache holds all.
+                self.recent = min(kv.recent, max_len)
+                ring = (batch, n_heads, self.recent, head_dim)
                 at = ctx.compute.torch if window_dtype is None else window_dtype
                 self.k_recent = torch.zeros(ring, dtype=at, device=ctx.device)
                 self.v_recent = torch.zeros(ring, dtype=at, device=ctx.device)
+                self.window_pos = torch.full(
+                    (self.recent,), -1, dtype=torch.int64, device=ctx.device
+                )
         self.k = torch.zeros(shape, dtype=store, device=ctx.device)
         self.v = torch.zeros(shape, dtype=store, device=ctx.device)
+
+    @property
+    def k_step(self) -> torch.Tensor | None:
+        """The key steps at their format's dtype (``kv.step_dtype``; a view of the held
+        bytes for e8m0), or ``None`` for a dtype cache."""
+        return _shown(self._k_held, self.kv)
+
+    @property
+    def v_step(self) -> torch.Tensor | None:
+        """The value steps, as ``k_step``."""
+        return _shown(self._v_held, self.kv)
+
+    @property
+    def held(self) -> tuple[torch.Tensor, ...]:
+        """Every tensor the cache holds (codes or values, steps as held, window, its slots'
+        positions): what a refused call leaves unchanged and a compiled step keeps at fixed
+        addresses."""
+        parts = (self.k, self.v, self._k_held, self._v_held, self.k_recent, self.v_recent)
+        return (*(t for t in parts if t is not None), self.window_pos)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -221,8 +260,9 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the whole preallocated cache holds: keys, values, steps and the window."""
-        parts = (self.k, self.v, self.k_step, self.v_step, self.k_recent, self.v_recent)
+        """Bytes the whole preallocated cache holds: keys, values, steps and the window
+        (its values; not the ``recent`` int64 positions of its slots)."""
+        parts = (self.k, self.v, self._k_held, self._v_held, self.k_recent, self.v_recent)
         return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def check_read_under(self, ctx: ComputeCtx) -> None:
@@ -240,6 +280,8 @@ class KVCache:
         # fp8 cache quantizes them; either way an integer, bool, complex or raw fp8 tensor is
         # a PromotionError (dtypes.dtype_of, the check cast_if makes), never cast silently.
         for name, x in (("k", k), ("v", v)):
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"KVCache.{where}: {name} must be a tensor, got {type(x).__name__}")
             try:
                 dtype_of(x)
             except PromotionError as e:
@@ -250,28 +292,38 @@ class KVCache:
                 f"KVCache.{where}: got k {tuple(k.shape)} and v {tuple(v.shape)}; expected "
                 f"both ({b}, {h}, T, {d})"
             )
+        for name, x in (("k", k), ("v", v)):
+            if x.device != self.k.device:
+                raise ValueError(
+                    f"KVCache.{where}: {name} is on {x.device}; the cache is on "
+                    f"{self.k.device} (move it there first)"
+                )
         return int(k.shape[2])
 
     def _encode(
-        self, x: torch.Tensor, step: torch.Tensor | None
+        self, x: torch.Tensor, held: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # Codes and, for per_token_head, the steps as held (e8m0 as bytes: no e8m0 tensor
+        # is computed, so Inductor compiles the write; kv_steps).
         kv = self.kv
         if isinstance(kv, DType):
             return self.ctx.to_kv(x), None
         if kv.static:
-            assert step is not None  # a static cache holds its steps from the start
-            codes, _ = quantize_kv(x, kv.format, step.to(torch.float32))
+            assert held is not None  # a static cache holds its steps from the start
+            codes, _ = quantize_kv(x, kv.format, widen_steps(held))
             return codes, None
         codes, exact = quantize_kv(x, kv.format)
         if kv.step == "f32":
             return codes, exact
         # A compact step is the exact one rounded up; the codes are made with it.
-        stored = stored_steps(exact, kv.step)
-        codes, _ = quantize_kv(x, kv.format, stored.to(torch.float32))
-        return codes, stored
+        new = held_steps(exact, kv.step)
+        codes, _ = quantize_kv(x, kv.format, widen_steps(new))
+        return codes, new
 
     def _hold_recent(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        # The window keeps the last `recent` of the positions written (all of them when fewer).
+        # The window keeps the last `recent` of the positions written (all of them when
+        # fewer) and tags each slot with its position (kv_steps: why a tag makes rollbacks
+        # safe).
         n = self.recent
         if self.k_recent is None or self.v_recent is None:
             return
@@ -280,12 +332,26 @@ class KVCache:
         slots = window_slots(positions, n)
         self.k_recent.index_copy_(2, slots, k.to(self.k_recent.dtype))
         self.v_recent.index_copy_(2, slots, v.to(self.v_recent.dtype))
+        self.window_pos.index_copy_(0, slots, positions)
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
+        # Everything is checked: encode both, then write codes, steps and window.
+        encoded = [self._encode(x, held) for x, held in ((k, self._k_held), (v, self._v_held))]
+        for store, held, (codes, new) in zip(
+            (self.k, self.v), (self._k_held, self._v_held), encoded, strict=True
+        ):
+            copy_positions(store, index, codes)
+            if new is not None and held is not None:
+                copy_positions(held, index, new)
+        if self.recent:
+            self._hold_recent(k, v, index)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) after the cached positions and
         move ``length`` past them; ``read()`` then returns every position so far. A dtype
         cache casts them with ``ctx.to_kv`` (the cache-append boundary); an fp8 cache
-        quantizes them. A refused append (too many positions, bad shapes) changes nothing."""
+        quantizes them. A refused append (too many positions, bad shapes, dtypes or
+        devices) changes nothing."""
         t = self._check_new(k, v, "append")
         cap = self.max_len
         if self.length + t > cap:
@@ -294,41 +360,59 @@ class KVCache:
                 f"max_len={cap}; at most {cap - self.length} more fit"
             )
         end = self.length + t
-        for store, step, x in ((self.k, self.k_step, k), (self.v, self.v_step, v)):
-            codes, new_step = self._encode(x, step)
-            store[:, :, self.length : end] = codes
-            if new_step is not None and step is not None:
-                step[:, :, self.length : end] = new_step
-        if self.recent:
-            self._hold_recent(k, v, torch.arange(self.length, end, device=self.k.device))
-            self.window_end.fill_(end)
+        self._store(k, v, torch.arange(self.length, end, device=self.k.device))
         self.length = end
 
     def write(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> None:
         """Store ``k``/``v`` (``(batch, n_heads, T, head_dim)``) at positions ``pos ..
-        pos + T - 1`` (``pos`` a 0-d int64 tensor, the same for every row), with no host
-        read and no change to ``length``: shapes are static, so a compiled decode step does
-        not recompile as ``pos`` moves. Positions must lie within ``max_len`` (an index
-        beyond it raises in eager mode)."""
+        pos + T - 1`` (``pos`` a 0-d int64 tensor on the cache's device, the same for every
+        row) and leave ``length`` alone: shapes are static, so a compiled decode step does
+        not recompile as ``pos`` moves. Writing an earlier position again (a rollback) is
+        allowed; ``read`` then returns the last values written at each position.
+
+        Everything is checked before anything is written (``TypeError``/``ValueError``
+        naming the argument; a refused write changes nothing): types, shapes, dtypes,
+        devices, and in eager mode the range ``0 <= pos`` and ``pos + T <= max_len``, by
+        torch's own bounds check of a gather (no host read unless it fails, so a decode
+        step stays free of host reads; on CUDA a failing check is torch's device-side
+        assert). Under ``torch.compile`` nothing checks a value: a compiled step trusts its
+        caller to keep ``pos`` in range, as ``ByteLM.decode_step``'s eager checks and
+        ``generate`` do."""
         t = self._check_new(k, v, "write")
+        if not isinstance(pos, torch.Tensor):
+            raise TypeError(
+                f"KVCache.write takes pos as a 0-d int64 tensor, got {type(pos).__name__}"
+            )
         if pos.dim() != 0 or pos.dtype != torch.int64:
             raise ValueError(
                 f"KVCache.write takes pos as a 0-d int64 tensor, got {pos.dtype} {tuple(pos.shape)}"
             )
+        if pos.device != self.k.device:
+            raise ValueError(
+                f"KVCache.write: pos is on {pos.device}; the cache is on {self.k.device}"
+            )
         index = pos + torch.arange(t, device=pos.device)
-        for store, step, x in ((self.k, self.k_step, k), (self.v, self.v_step, v)):
-            codes, new_step = self._encode(x, step)
-            copy_positions(store, index, codes)
-            if new_step is not None and step is not None:
-                copy_positions(step, index, new_step)
-        if self.recent:
-            self._hold_recent(k, v, index)
-            self.window_end.copy_(pos + t)
+        if t > self.max_len:
+            raise ValueError(
+                f"KVCache.write: {t} new positions do not fit in max_len={self.max_len}"
+            )
+        if not torch.compiler.is_compiling():
+            try:
+                # A gather raises on an index outside [0, max_len) before anything is
+                # written, and reads nothing on the host when every index is inside.
+                self.k.view(torch.uint8)[0, 0, :, 0].index_select(0, index)
+            except IndexError:
+                at = int(pos)
+                raise ValueError(
+                    f"KVCache.write: positions {at} .. {at + t - 1} (pos={at}, T={t}) do not "
+                    f"fit in max_len={self.max_len}; accepted: 0 <= pos <= {self.max_len - t}"
+                ) from None
+        self._store(k, v, index)
 
     def read(self, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. end - 1`` (default ``length``): views at
         ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8, the
-        positions in the window (``recent``) taken unquantized from it.
+        positions the window holds (``recent``) taken unquantized from it.
 
         ``end`` is an int in ``[0, max_len]`` (``ValueError`` naming it otherwise); positions
         from ``length`` on hold what ``write`` stored there, zeros where nothing was."""
@@ -342,67 +426,63 @@ class KVCache:
             )
         stop = self.length if end is None else end
         k, v = self.k[:, :, :stop], self.v[:, :, :stop]
-        if self.k_step is None or self.v_step is None:
+        if self._k_held is None or self._v_held is None:
             return k, v
-        ks, vs = self.k_step, self.v_step
+        ks, vs = self._k_held, self._v_held
         if ks.dim() == 3:
             ks, vs = ks[:, :, :stop], vs[:, :, :stop]
-        kf, vf = dequantize_kv(k, ks), dequantize_kv(v, vs)
+        kf, vf = dequantize_kv(k, widen_steps(ks)), dequantize_kv(v, widen_steps(vs))
         if self.k_recent is None or self.v_recent is None:
             return kf, vf
         return (
-            splice_window(kf, self.k_recent, self.window_end, self.recent),
-            splice_window(vf, self.v_recent, self.window_end, self.recent),
+            splice_window(kf, self.k_recent, self.window_pos),
+            splice_window(vf, self.v_recent, self.window_pos),
         )
 
     def reset(self) -> None:
         """Empty the cache in place (the same buffers): codes and window zero, per-token steps
-        1.0, ``length`` and ``window_end`` 0."""
+        1.0, no slot holding a position, ``length`` 0."""
         for t in (self.k, self.v, self.k_recent, self.v_recent):
             if t is not None:
                 t.view(torch.uint8).zero_()
-        for step in (self.k_step, self.v_step):
-            if step is not None and step.dim() == 3 and self.fp8 is not None:
-                step.copy_(ones_steps(tuple(step.shape), self.fp8.step, step.device))
+        for held in (self._k_held, self._v_held):
+            if held is not None and held.dim() == 3 and self.fp8 is not None:
+                held.copy_(ones_steps(tuple(held.shape), self.fp8.step, held.device))
         self.length = 0
-        self.window_end.zero_()
+        self.window_pos.fill_(-1)
 
     def reorder(self, rows: torch.Tensor) -> None:
-        """Take batch rows ``rows`` (int64 ``(B,)``), in place (beam search): codes or values,
-        per-token steps and the window (static steps are shared by every row)."""
-        parts = [self.k, self.v, self.k_recent, self.v_recent]
-        parts += [s for s in (self.k_step, self.v_step) if s is not None and s.dim() == 3]
-        for t in parts:
-            if t is not None:
-                raw = t.view(torch.uint8) if t.element_size() == 1 else t
-                raw.copy_(raw.index_select(0, rows))
-
-
-def _static_steps(
-    kv: KvFp8,
-    steps: tuple[torch.Tensor, torch.Tensor] | None,
-    n_heads: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked static steps: float32, ``(H,)`` per_head or ``(1,)`` per_tensor, finite and
-    positive, on ``device``."""
-    if steps is None:
-        raise ValueError(
-            f"kv={kv} is a static scheme: the cache needs calibrated steps and none were given "
-            f"(a step of 1.0 is never assumed). Calibrate the model "
-            f"(computectx.nn.calibrate_kv(model, batches)), load a calibrated checkpoint, or "
-            f"use kv={kv.format}/per_token_head, which needs no calibration"
-        )
-    want = (n_heads,) if kv.scaling == "per_head" else (1,)
-    out: list[torch.Tensor] = []
-    for name, s in zip(("key", "value"), steps, strict=True):
-        if not isinstance(s, torch.Tensor) or tuple(s.shape) != want:
-            got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
-            raise ValueError(f"kv={kv} needs {name} steps of shape {want}, got {got}")
-        wide = s.detach().to(device=device, dtype=torch.float32)
-        if not bool((torch.isfinite(wide) & (wide > 0)).all()):
+        """Take batch rows ``rows`` (int64 or int32 ``(B,)`` on the cache's device, each in
+        ``[0, B)``), in place (beam search): codes or values, per-token steps and the window
+        (static steps are shared by every row). Checked before anything moves (the range by
+        torch's bounds check of the first gather); a refused call changes nothing."""
+        b = self.k.shape[0]
+        if not isinstance(rows, torch.Tensor):
+            raise TypeError(f"KVCache.reorder takes rows as a tensor, got {type(rows).__name__}")
+        wrong = rows.dtype not in (torch.int64, torch.int32) or tuple(rows.shape) != (b,)
+        if wrong or rows.device != self.k.device:
             raise ValueError(
-                f"kv={kv}: the {name} steps must be finite and positive, got {wide.tolist()}"
+                f"KVCache.reorder takes rows as int64 or int32 ({b},) on {self.k.device} (one "
+                f"source "
+                f"row per batch row), got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
             )
-        out.append(stored_steps(wide, kv.step).clone())
-    return out[0], out[1]
+        parts = [self.k, self.v, self.k_recent, self.v_recent]
+        parts += [s for s in (self._k_held, self._v_held) if s is not None and s.dim() == 3]
+        raws = [t.view(torch.uint8) if t.element_size() == 1 else t for t in parts if t is not None]
+        try:
+            taken = raws[0].index_select(0, rows)  # raises on a row outside [0, B), writes nothing
+        except IndexError:
+            raise ValueError(
+                f"KVCache.reorder: rows {rows.tolist()} hold a row outside [0, {b}) (the batch "
+                f"rows of this cache)"
+            ) from None
+        raws[0].copy_(taken)
+        for raw in raws[1:]:
+            raw.copy_(raw.index_select(0, rows))
+
+
+def _shown(held: torch.Tensor | None, kv: DType | KvFp8) -> torch.Tensor | None:
+    # e8m0 steps are held as bytes and shown at their own dtype (a view: the same bytes).
+    if held is not None and isinstance(kv, KvFp8) and kv.step == "e8m0":
+        return held.view(torch.float8_e8m0fnu)
+    return held

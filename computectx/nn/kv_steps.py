@@ -8,29 +8,60 @@ so ``code * step`` reads back exactly what was quantized and no code exceeds ``f
 e8m0 step is a power of two ``2**e`` with ``e`` in ``[-126, 127]`` (float32's normal range,
 so every reader, the Triton kernel's bit shift included, widens it exactly).
 
-Window. A cache with ``recent = N > 0`` holds the last ``N`` positions written also at the
-compute dtype, in a ring of ``N`` slots (position ``p`` in slot ``p % N``); ``window_end`` (a
-0-d int64 tensor, so a compiled step reads no host value) is one past the last position
-written. Reading position ``p`` takes the ring's value when ``window_end - N <= p <
-window_end`` and the dequantized codes otherwise (``splice_window``).
+The cache holds e8m0 steps as their bytes (``uint8``, ``HELD_DTYPES``) and shows them as
+``torch.float8_e8m0fnu`` (a view of the same bytes): Inductor's CPU code generator has no
+``float8_e8m0fnu`` (``DTYPE_TO_CPP``), so a compiled step computes, writes and widens the
+bytes (``held_steps``, ``widen_steps``) and only the decode operator, opaque to Inductor,
+receives the e8m0 view, as the MX path keeps its E8M0 scales out of Inductor's kernels.
+
+Window. A cache with ``recent = N > 0`` holds recently written positions also at the
+compute dtype, in a ring of ``n = min(N, max_len)`` slots (position ``p`` in slot ``p % n``),
+and beside it the position each slot holds (``window_pos``, int64 ``(n,)``, -1 for none; a
+tensor, so a compiled step reads no host value). Every write of position ``p`` either puts
+``p``'s values in slot ``p % n`` and tags it ``p``, or (a write of more than ``n``
+positions) fills that slot with a later position of the same write. So a slot tagged ``p``
+holds the last values written at ``p``, whatever order the writes came in (a rollback
+rewrites an earlier position: the slots of the positions it displaced no longer carry
+their tags), and reading ``p`` takes the ring's value exactly when the tag says so, the
+dequantized codes otherwise (``splice_window``).
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 import torch
 
-from computectx.kv_policy import STEP_DTYPES, KvStep
+from computectx.kv_policy import KvFp8, KvStep
 
-__all__ = ["copy_positions", "ones_steps", "splice_window", "stored_steps", "window_slots"]
+__all__ = [
+    "HELD_DTYPES",
+    "copy_positions",
+    "held_steps",
+    "ones_steps",
+    "splice_window",
+    "static_steps",
+    "stored_steps",
+    "widen_steps",
+    "window_slots",
+]
 
 _E8M0_BIAS = 127
 _E8M0_MIN_EXP, _E8M0_MAX_EXP = -126, 127
 
+HELD_DTYPES: Final[dict[KvStep, torch.dtype]] = {
+    "f32": torch.float32,
+    "bf16": torch.bfloat16,
+    "e8m0": torch.uint8,
+}
+"""The dtype a cache holds each step format's tensor at (e8m0 as its bytes)."""
 
-def stored_steps(step: torch.Tensor, fmt: KvStep) -> torch.Tensor:
-    """``step`` (float32, finite and positive) stored as ``fmt``: itself for ``f32``; the
-    smallest bf16 at or above it for ``bf16``; the smallest power of two at or above it
-    (exponent clamped to ``[-126, 127]``) as ``torch.float8_e8m0fnu`` for ``e8m0``."""
+
+def held_steps(step: torch.Tensor, fmt: KvStep) -> torch.Tensor:
+    """``step`` (float32, finite and positive) as the cache holds it: itself for ``f32``;
+    the smallest bf16 at or above it for ``bf16``; for ``e8m0`` the biased exponent byte
+    (``uint8``) of the smallest power of two at or above it, the exponent clamped to
+    ``[-126, 127]`` (bytes 1 .. 254)."""
     wide = step.to(torch.float32)
     if fmt == "f32":
         return wide
@@ -40,39 +71,89 @@ def stored_steps(step: torch.Tensor, fmt: KvStep) -> torch.Tensor:
         return torch.where(near.to(torch.float32) < wide, up, near)
     mant, exp = torch.frexp(wide)
     exp = exp - (mant == 0.5).to(exp.dtype)  # an exact power of two keeps its exponent
-    code = exp.clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP) + _E8M0_BIAS
-    return code.to(torch.uint8).view(torch.float8_e8m0fnu)
+    return (exp.clamp(_E8M0_MIN_EXP, _E8M0_MAX_EXP) + _E8M0_BIAS).to(torch.uint8)
+
+
+def stored_steps(step: torch.Tensor, fmt: KvStep) -> torch.Tensor:
+    """``held_steps`` at the step format's own dtype: e8m0 bytes viewed as
+    ``torch.float8_e8m0fnu`` (the same bytes), the others as they are."""
+    held = held_steps(step, fmt)
+    return held.view(torch.float8_e8m0fnu) if fmt == "e8m0" else held
+
+
+def widen_steps(held: torch.Tensor) -> torch.Tensor:
+    """Held steps as float32, exactly: e8m0 bytes (``uint8``, or a ``float8_e8m0fnu`` view)
+    by their bits, ``2**(byte - 127)`` (byte 0 the subnormal ``2**-127``, byte 255 NaN, as
+    torch widens ``float8_e8m0fnu``), with no e8m0 arithmetic for Inductor to miss; float32
+    and bf16 by a cast."""
+    if held.dtype == torch.float8_e8m0fnu:
+        held = held.view(torch.uint8)
+    if held.dtype != torch.uint8:
+        return held.to(torch.float32)
+    byte = held.to(torch.int32)
+    bits = torch.where(byte == 0, torch.full_like(byte, 0x400000), byte << 23)
+    bits = torch.where(byte == 255, torch.full_like(byte, 0x7FC00000), bits)
+    return bits.view(torch.float32)
 
 
 def ones_steps(shape: tuple[int, ...], fmt: KvStep, device: torch.device) -> torch.Tensor:
-    """Steps of 1.0 at ``fmt`` (what an unwritten per_token_head position holds)."""
+    """Steps of 1.0 as the cache holds them (``HELD_DTYPES``): what an unwritten
+    per_token_head position holds."""
     if fmt == "e8m0":
-        ones = torch.full(shape, _E8M0_BIAS, dtype=torch.uint8, device=device)
-        return ones.view(torch.float8_e8m0fnu)
-    return torch.ones(shape, dtype=STEP_DTYPES[fmt], device=device)
+        return torch.full(shape, _E8M0_BIAS, dtype=torch.uint8, device=device)
+    return torch.ones(shape, dtype=HELD_DTYPES[fmt], device=device)
 
 
 def copy_positions(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.index_copy_(2, index, src)`` for any dtype: torch has no index_copy_ for fp8 or
-    e8m0 tensors, so 1-byte ones are copied as their bytes."""
+    """``dst.index_copy_(2, index, src)`` for any dtype: torch has no index_copy_ for fp8
+    tensors, so 1-byte ones are copied as their bytes."""
     if dst.element_size() == 1:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     dst.index_copy_(2, index, src)
 
 
-def window_slots(positions: torch.Tensor, recent: int) -> torch.Tensor:
-    """The ring slot of each position (``p % recent``)."""
-    return torch.remainder(positions, recent)
+def window_slots(positions: torch.Tensor, slots: int) -> torch.Tensor:
+    """The ring slot of each position (``p % slots``)."""
+    return torch.remainder(positions, slots)
 
 
-def splice_window(
-    deq: torch.Tensor, ring: torch.Tensor, window_end: torch.Tensor, recent: int
-) -> torch.Tensor:
-    """``deq`` (``(B, H, T, D)`` float32, positions ``0 .. T - 1``) with the positions in the
-    window, ``window_end - recent <= p < window_end``, taken from ``ring`` (``(B, H, recent,
-    D)``, widened to float32, exact)."""
-    t = deq.shape[2]
+def splice_window(deq: torch.Tensor, ring: torch.Tensor, window_pos: torch.Tensor) -> torch.Tensor:
+    """``deq`` (``(B, H, T, D)`` float32, positions ``0 .. T - 1``) with each position whose
+    slot holds it (``window_pos[p % n] == p``) taken from ``ring`` (``(B, H, n, D)``,
+    widened to float32, exact)."""
+    t, n = deq.shape[2], ring.shape[2]
     pos = torch.arange(t, device=deq.device)
-    held = ring.index_select(2, window_slots(pos, recent)).to(deq.dtype)
-    inside = (pos >= window_end - recent) & (pos < window_end)
+    slots = window_slots(pos, n)
+    held = ring.index_select(2, slots).to(deq.dtype)
+    inside = window_pos.index_select(0, slots) == pos
     return torch.where(inside.view(1, 1, t, 1), held, deq)
+
+
+def static_steps(
+    kv: KvFp8,
+    steps: tuple[torch.Tensor, torch.Tensor] | None,
+    n_heads: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked static steps, as the cache holds them (``held_steps``): ``(H,)``
+    per_head or ``(1,)`` per_tensor, finite and positive, on ``device``."""
+    if steps is None:
+        raise ValueError(
+            f"kv={kv} is a static scheme: the cache needs calibrated steps and none were given "
+            f"(a step of 1.0 is never assumed). Calibrate the model "
+            f"(computectx.nn.calibrate_kv(model, batches)), load a calibrated checkpoint, or "
+            f"use kv={kv.format}/per_token_head, which needs no calibration"
+        )
+    want = (n_heads,) if kv.scaling == "per_head" else (1,)
+    out: list[torch.Tensor] = []
+    for name, s in zip(("key", "value"), steps, strict=True):
+        if not isinstance(s, torch.Tensor) or tuple(s.shape) != want:
+            got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ValueError(f"kv={kv} needs {name} steps of shape {want}, got {got}")
+        wide = s.detach().to(device=device, dtype=torch.float32)
+        if not bool((torch.isfinite(wide) & (wide > 0)).all()):
+            raise ValueError(
+                f"kv={kv}: the {name} steps must be finite and positive, got {wide.tolist()}"
+            )
+        out.append(held_steps(wide, kv.step).clone())
+    return out[0], out[1]

@@ -119,7 +119,8 @@ def test_the_window_reads_the_last_positions_exactly(step: KvStep) -> None:
         assert torch.equal(by_pos.read(i + 1)[0], k)
     # The window holds the last n positions at the compute dtype; the codes every position.
     assert torch.equal(window.k, plain.k) and window.k_recent is not None
-    assert window.k_recent.dtype == torch.float32 and int(window.window_end) == 16
+    assert window.k_recent.dtype == torch.float32
+    assert sorted(window.window_pos.tolist()) == list(range(16 - n, 16))
     extra = kv_window_bytes(KvFp8(recent=n), H, D, DType.F32)
     assert extra == 2 * H * n * D * 4 and window.nbytes == plain.nbytes + 2 * extra
     assert kv_window_bytes(DType.BF16, H, D, DType.F32) == 0
@@ -156,13 +157,13 @@ def test_reset_and_reorder_keep_the_buffers_and_move_the_window() -> None:
     cache = KVCache(F32.with_kv(KvFp8(step="e8m0", recent=3)), 2, H, D, 8)
     x = _values(2, 5, seed=4)
     cache.append(x, x)
-    buffers = (cache.k, cache.k_step, cache.k_recent)
+    buffers = [t.data_ptr() for t in cache.held]
     before = cache.read()[0].clone()
     cache.reorder(torch.tensor([1, 0]))
     assert torch.equal(cache.read()[0], before.flip(0))
     cache.reset()
-    assert (cache.length, int(cache.window_end)) == (0, 0)
-    assert (cache.k, cache.k_step, cache.k_recent) == buffers
+    assert cache.length == 0 and cache.window_pos.tolist() == [-1, -1, -1]
+    assert [t.data_ptr() for t in cache.held] == buffers
     assert cache.k_step is not None and bool((cache.k_step.float() == 1).all())
     cache.append(x, x)
     assert torch.equal(cache.read()[0], before)

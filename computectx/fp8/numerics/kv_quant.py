@@ -14,8 +14,11 @@ calibration (``static_kv_steps``): a value beyond the calibrated amax saturates 
 
 Edge cases, decided here once: a step that is not finite and positive (a vector with no
 nonzero finite entry, or an amax so small that ``amax / fmt.max`` underflows) is 1.0, so
-steps are always finite and positive and a finite input never yields a NaN. An inf or NaN
-input value becomes a NaN code (never a saturated finite one), so it shows in the attention
+steps are always finite and positive and a finite input never yields a NaN. A finite value
+whose nearest code times its step would pass float32's max (only within a code of 3.4e38)
+takes the code below instead, so a finite input never reads back as inf either (up to one
+code step off rather than half of one: the one saturation at the top of float32). An inf or
+NaN input value becomes a NaN code (never a saturated finite one), so it shows in the attention
 output as it would through an unquantized cache; the finite values of its vector are
 quantized as if it were absent (the amax skips it), so they read back within half a code
 step as in any other vector.
@@ -90,12 +93,22 @@ def quantize_kv(
     if step is None:
         finite = torch.where(torch.isfinite(wide), wide.abs(), torch.zeros_like(wide))
         step = kv_step(finite.amax(dim=-1), fmt)
-    scaled = wide / _step_view(step, x.shape)
+    per = _step_view(step, x.shape).to(torch.float32)
+    scaled = wide / per
     # clamp keeps NaN as NaN but would turn inf into fmt.max: an inf input becomes NaN instead.
+    # A finite input whose quotient overflows (beyond a calibrated step's range) saturates.
     saturated = torch.where(
-        torch.isinf(scaled), torch.full_like(scaled, float("nan")), scaled.clamp(-fmt.max, fmt.max)
+        torch.isinf(wide), torch.full_like(scaled, float("nan")), scaled.clamp(-fmt.max, fmt.max)
     )
-    return saturated.to(fmt.torch), step
+    codes = saturated.to(fmt.torch)
+    # A finite value within a code of float32's max (3.4e38) may round to a code whose product
+    # with its step passes the max (a step rounded up to bf16 or a power of two, or an f32
+    # step's own rounding): that code becomes the one below it (the byte of the magnitude
+    # minus one), so a finite value never reads back as inf.
+    over = torch.isinf(codes.to(torch.float32) * per) & torch.isfinite(wide)
+    raw = codes.view(torch.uint8)
+    codes = torch.where(over, raw - 1, raw).view(fmt.torch)
+    return codes, step
 
 
 def dequantize_kv(
