@@ -26,8 +26,19 @@ import torch
 from computectx.ctx import ComputeCtx
 from computectx.memory._grad_health import GradHealth
 from computectx.memory._masters import MasterWeights, normalise_groups
-from computectx.memory.optimizer_state import check_optimizer_class, state_tensors
-from computectx.memory.state.stepper import Stepper, below_f32, check_compile, check_seed
+from computectx.memory.optimizer_state import (
+    check_checkpoint_scalars,
+    check_optimizer_class,
+    state_tensors,
+)
+from computectx.memory.state.scalars import check_scalars
+from computectx.memory.state.stepper import (
+    Stepper,
+    below_f32,
+    check_compile,
+    check_fits,
+    check_seed,
+)
 from computectx.memory.state.store import load_plan
 
 __all__ = ["InnerWrapper"]
@@ -139,6 +150,11 @@ class InnerWrapper(torch.optim.Optimizer):
         if inner is None:
             self._inner = self._optimizer_class([group], **self._optimizer_kwargs)
         else:
+            if self._stepper is None and any(below_f32(w.dtype) for w in stepped):
+                # This group brings the first weight below float32, so the stepper will be
+                # needed: the class is checked before anything is added.
+                options = {**inner.defaults, **{k: v for k, v in group.items() if k != "params"}}
+                check_fits(type(inner), options, self._weights.ctx.optim_state, self._who)
             inner.add_param_group(group)
         self._weights.add(compute, stepped)
         if inner is not None:
@@ -155,9 +171,10 @@ class InnerWrapper(torch.optim.Optimizer):
             return closure()
 
     def _skipped(self) -> bool:
-        """Whether the gradients are non-finite, so the step is skipped: they are then
-        dropped, the skip counted and a ``RuntimeWarning`` given (at ``step``'s caller)."""
-        if self._health.finite():
+        """Whether the gradients are non-finite (or an element's square overflows float32),
+        so the step is skipped: they are then dropped, the skip counted and a
+        ``RuntimeWarning`` given (at ``step``'s caller)."""
+        if self._health.applicable():
             return False
         self.skipped_steps += 1
         self.last_step_skipped = True
@@ -165,12 +182,31 @@ class InnerWrapper(torch.optim.Optimizer):
             w.grad = None
         self._health.forget()
         warnings.warn(
-            f"{self._who}.step() skipped the update: the gradients hold inf or NaN values and "
-            f"were dropped ({self.skipped_steps} step(s) skipped so far)",
+            f"{self._who}.step() skipped the update: the gradients hold inf or NaN values, or "
+            f"finite values of magnitude >= 2**64 (~1.8e19) whose square overflows float32, "
+            f"and were dropped ({self.skipped_steps} step(s) skipped so far)",
             RuntimeWarning,
             stacklevel=3,
         )
         return True
+
+    def _check_state(self) -> None:
+        """``ValueError`` unless every weight's state is sound (its scalars: ``step`` a whole
+        number >= 0, the rest finite; its packed parts), so that a refused ``step`` changes
+        nothing (state edited in place since the last step or load is caught here, before
+        any gradient is moved or weight written)."""
+        if self._stepper is not None:
+            self._stepper.check()
+            return
+        inner = self._built()
+        check_scalars(
+            [
+                (f"{self._who}.step: state of param_groups[{j}]['params'][{k}]", inner.state[p])
+                for j, group in enumerate(inner.param_groups)
+                for k, p in enumerate(group["params"])
+                if inner.state.get(p)
+            ]
+        )
 
     def _update(self) -> None:
         """Step every weight with a gradient: torch's step, or the stepper's."""
@@ -197,9 +233,9 @@ class InnerWrapper(torch.optim.Optimizer):
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         inner = self._built()
-        check_optimizer_class(
-            state_dict, type(inner), inner.defaults, f"{self._who}.load_state_dict"
-        )
+        who = f"{self._who}.load_state_dict"
+        check_optimizer_class(state_dict, type(inner), inner.defaults, who)
+        check_checkpoint_scalars(state_dict, who)
         return dict(state_dict)
 
     def _load(self, sd: Mapping[str, Any]) -> None:

@@ -133,8 +133,12 @@ class CompactOptimizer(InnerWrapper):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step every parameter with a gradient; skipped for inf or NaN gradients."""
+        """Step every parameter with a gradient; skipped for inf or NaN gradients (or one
+        whose square overflows float32: ``|g| >= 2**64``). State that cannot be stepped (a
+        ``step`` that is not a whole number >= 0, a bad packed part) raises ``ValueError``
+        before anything changes."""
         loss = self._loss(closure)
+        self._check_state()
         if not self._skipped():
             self._update()
             self.last_step_skipped = False

@@ -221,9 +221,13 @@ class OffloadedOptimizer(InnerWrapper):
         applied is inf or NaN (or ``clip_grad_norm`` measured a non-finite norm for these
         gradients), the step is skipped instead: the gradients are dropped, weights and
         optimizer state are untouched, a ``RuntimeWarning`` says so, ``last_step_skipped``
-        is set and ``skipped_steps`` counts it. Returns the closure's loss, if any.
+        is set and ``skipped_steps`` counts it; so is a step with a gradient element whose
+        float32 square overflows (``|g| >= 2**64``). State that cannot be stepped (a
+        ``step`` that is not a whole number >= 0, a bad packed part) raises ``ValueError``
+        before any gradient is moved or weight written. Returns the closure's loss, if any.
         """
         loss = self._loss(closure)
+        self._check_state()
         self._take_param_grads()
         if self._skipped():
             return loss

@@ -12,16 +12,19 @@ position-keyed mapping with it, and adds the finiteness check, which reads the d
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from computectx.dtypes import DType
+from computectx.memory.state.scalars import check_scalars
 from computectx.memory.state.store import state_name
 
 __all__ = [
     "MASTER_WEIGHTS",
+    "check_checkpoint_scalars",
     "check_master_weight",
     "check_optimizer_class",
     "check_saved_masters",
@@ -106,6 +109,76 @@ def _nonfinite(tensors: Sequence[torch.Tensor]) -> list[int]:
         finite = torch.stack([torch.isfinite(tensors[i]).all() for i in positions]).tolist()
         bad.extend(i for i, ok in zip(positions, finite, strict=True) if not ok)
     return sorted(bad)
+
+
+# Options torch's own constructors hold to a range (Adam, SGD, RMSprop, ...): a checkpoint
+# may not bring in what the constructor would refuse.
+_NON_NEGATIVE = frozenset({"lr", "eps", "weight_decay", "momentum"})
+
+
+def check_checkpoint_scalars(state_dict: Mapping[str, Any], who: str) -> None:
+    """``ValueError`` naming the key, the parameter index or group, and the value, for a bad
+    scalar of an optimizer state dict: in each per-parameter entry, ``step`` must be a whole
+    number >= 0 and every other scalar finite (``store.check_scalars``); in each group,
+    every number (and every number of a tuple, ``betas``) finite, ``lr``, ``eps``,
+    ``weight_decay`` and ``momentum`` >= 0 and each of ``betas`` in [0, 1), as torch's
+    constructors require. Changes nothing; reads each scalar tensor once."""
+    state = state_dict.get("state")
+    if isinstance(state, Mapping):
+        check_scalars(
+            [
+                (f"{who}: state_dict['state'][{index!r}]", entry)
+                for index, entry in state.items()
+                if isinstance(entry, Mapping)
+            ]
+        )
+    groups = state_dict.get("param_groups")
+    if not isinstance(groups, (list, tuple)):
+        return
+    for j, group in enumerate(groups):
+        if not isinstance(group, Mapping):
+            continue
+        for key, value in group.items():
+            if key in ("params", "param_names"):
+                continue
+            where = f"{who}: state_dict['param_groups'][{j}][{key!r}]"
+            values = value if isinstance(value, (list, tuple)) else (value,)
+            for k, v in enumerate(values):
+                number = _number(v)
+                if number is None:
+                    continue
+                shown = f"{where}[{k}]" if isinstance(value, (list, tuple)) else where
+                accepted = _accepted(str(key))
+                ok = math.isfinite(number)
+                if ok and key in _NON_NEGATIVE:
+                    ok = number >= 0
+                if ok and key == "betas":
+                    ok = 0 <= number < 1
+                if not ok:
+                    raise ValueError(f"{shown} is {v!r}; accepted: {accepted}")
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float when it is a number or a one-element tensor (not a bool)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.is_complex() or value.dtype == torch.bool:
+            return None
+        return float(value.detach().reshape(()).item())
+    if isinstance(value, int):
+        return float(value) if abs(value) < 2**1000 else math.inf
+    if isinstance(value, float):
+        return value
+    return None
+
+
+def _accepted(key: str) -> str:
+    if key == "betas":
+        return "each in [0, 1)"
+    if key in _NON_NEGATIVE:
+        return "a finite number >= 0"
+    return "a finite number"
 
 
 def state_tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -423,14 +423,14 @@ def test_step_decides_by_the_clip_norm_only_while_the_gradients_are_unchanged() 
     assert opt.skipped_steps == 3
 
 
-def test_a_finite_gradient_whose_sum_overflows_is_applied() -> None:
-    # The unclipped check sums each gradient; a finite one whose sum overflows must still
-    # count as finite.
+def test_a_gradient_whose_norm_overflows_but_whose_squares_do_not_is_applied() -> None:
+    # The unclipped check takes each gradient's norm; a gradient whose norm overflows while
+    # every element's square is finite (|g| < 2**64) must still be applied, as torch does.
     p, ref = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
-    opt = OffloadedOptimizer([p], CPU, torch.optim.SGD, lr=1e-40)
-    ref_opt = torch.optim.SGD([ref], lr=1e-40)
-    p.grad, ref.grad = torch.full((4,), 3e38), torch.full((4,), 3e38)
-    assert math.isinf(float(p.grad.sum()))
+    opt = OffloadedOptimizer([p], CPU, torch.optim.SGD, lr=1e-30)
+    ref_opt = torch.optim.SGD([ref], lr=1e-30)
+    p.grad, ref.grad = torch.full((4,), 1.5e19), torch.full((4,), 1.5e19)
+    assert math.isinf(float(torch.linalg.vector_norm(p.grad)))
     opt.step()
     ref_opt.step()
     assert not opt.last_step_skipped

@@ -320,8 +320,11 @@ def test_encode_and_decode_refuse_bad_input() -> None:
         encode(torch.tensor([1.0, math.inf]), int8, "signed")
     with pytest.raises(ValueError, match="negative value"):
         encode(torch.tensor([1.0, -1.0]), int8, "unsigned")
-    with pytest.raises(ValueError, match="beyond bfloat16's largest"):
-        encode(torch.tensor([3.4e38]), OptimState(format="bf16"), "signed")
+    with pytest.raises(ValueError, match=r"1 NaN value\(s\)"):
+        encode(torch.tensor([1.0, math.nan]), int8, "signed", saturate=True)
+    # A finite value beyond bf16's range saturates (round to nearest would give inf).
+    big = decode(encode(torch.tensor([3.4e38, -3.4e38]), OptimState(format="bf16"), "signed"))
+    assert big.tolist() == [torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max]
     with pytest.raises(ValueError, match="'f32' is not packed"):
         encode(torch.ones(3), OptimState(), "signed")
     with pytest.raises(ValueError, match="floating tensor"):

@@ -9,6 +9,7 @@
 - ``kinds``: which map (signed/unsigned) each torch.optim state name takes;
 - ``store``: the stored form of a parameter's state (``"name.part"`` keys), the scratch
   buffer, and loading a state dict saved under any format;
+- ``scalars``: the check of a state's scalars (``step`` a whole number >= 0, the rest finite);
 - ``stepper``: ``Stepper``, the per-parameter step behind ``CompactOptimizer`` and
   ``OffloadedOptimizer``.
 """

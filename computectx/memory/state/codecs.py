@@ -51,8 +51,15 @@ touches, within the saved layout's bound plus ``round_trip_bound`` of the new la
 (``test_shards_split_at_a_block_boundary_merge_exactly``). Rank-1 int4's column maxima
 depend on which rows a shard holds, so it is re-encoded under that same combined bound.
 
-Non-finite input is refused (ValueError); so is a negative value for ``kind="unsigned"``,
-and a bf16 encode that overflows (|x| beyond bf16's max, 3.39e38).
+Saturation: every finite float32 input encodes to finite parts and decodes to finite
+values, never NaN (property-tested over the whole float32 range, subnormals included). A
+finite value beyond bf16's largest (``|x| > 3.3895e38``) is stored as ``±3.3895e38`` (bf16
+round to nearest would make it inf); the block formats hold every finite float32 exactly
+in scale. ``encode`` refuses NaN, a negative value for ``kind="unsigned"`` and, unless
+``saturate=True``, ±inf (ValueError); with ``saturate=True`` (the optimizers' own state after
+torch's arithmetic overflowed, as float32 state then holds inf) ±inf is stored as the
+format's largest finite magnitude: ``±3.4028e38`` in the block formats, ``±3.3895e38`` in
+bf16. It decodes as that finite value.
 """
 
 from __future__ import annotations
@@ -265,9 +272,14 @@ def _element_scale(scales: Sequence[torch.Tensor], spec: Spec, numel: int) -> to
 
 
 def encode_tensors(x32: torch.Tensor, spec: Spec, maps: Maps) -> tuple[torch.Tensor, ...]:
-    """The parts of ``x32`` (float32) in ``part_names`` order; no checks."""
+    """The parts of ``x32`` (float32) in ``part_names`` order; no checks. ±inf and values
+    beyond the format's range saturate to its largest finite magnitude (NaN stays NaN)."""
     if spec.format == "bf16":
-        return (x32.to(torch.bfloat16),)
+        bf16 = torch.finfo(torch.bfloat16)
+        return (x32.clamp(bf16.min, bf16.max).to(torch.bfloat16),)
+    # An inf would make its block's scale inf (and every code of the block NaN or 0).
+    # (torch.finfo inline: a module-level float makes dynamo compile a second frame.)
+    x32 = x32.clamp(torch.finfo(torch.float32).min, torch.finfo(torch.float32).max)
     numel = x32.numel()
     if spec.rank1:
         a2 = x32.reshape(x32.shape[0], -1)
@@ -315,46 +327,49 @@ def _check_input(x: object, state: OptimState, kind: str, what: str) -> torch.Te
     return x.float()
 
 
-def encode(x: torch.Tensor, state: OptimState, kind: Kind, *, check_finite: bool = True) -> Packed:
+def encode(
+    x: torch.Tensor,
+    state: OptimState,
+    kind: Kind,
+    *,
+    check_finite: bool = True,
+    saturate: bool = False,
+) -> Packed:
     """``x`` (floating, any shape, read as float32) stored in ``state.format``.
 
-    Raises ValueError on non-finite values, on a negative value when ``kind="unsigned"``,
-    and on a bf16 overflow (``check_finite=False`` skips these checks and their device sync,
-    for callers that know their state is finite and, if unsigned, non-negative).
+    Finite values beyond the format's range saturate (see the module docstring). Raises
+    ValueError on NaN, on ±inf unless ``saturate`` (then stored as the largest finite
+    magnitude), and on a negative value when ``kind="unsigned"``; ``check_finite=False``
+    skips these checks and their device sync, for callers that know their state is not NaN
+    and, if unsigned, non-negative. Nothing is encoded when a check fails.
     """
     x32 = _check_input(x, state, kind, "encode")
     spec = _spec(state, kind, x.shape)
-    parts = encode_tensors(x32, spec, maps_for(spec, x32.device))
     if check_finite and x32.numel() > 0:
-        bad = ~torch.isfinite(x32).all()
+        bad = x32.isnan().any() if saturate else ~torch.isfinite(x32).all()
         if kind == "unsigned":
             bad = bad | (x32 < 0).any()
-        if spec.format == "bf16":
-            bad = bad | ~torch.isfinite(parts[0]).all()
         if bool(bad):
-            raise ValueError(_bad_input_message(x32, state, kind))
+            raise ValueError(_bad_input_message(x32, state, kind, saturate))
+    parts = encode_tensors(x32, spec, maps_for(spec, x32.device))
     names = part_layout(spec, x.shape)
     return Packed(
         state.format, kind, torch.Size(x.shape), spec.block, dict(zip(names, parts, strict=True))
     )
 
 
-def _bad_input_message(x32: torch.Tensor, state: OptimState, kind: str) -> str:
-    nonfinite = int((~torch.isfinite(x32)).sum())
-    if nonfinite:
+def _bad_input_message(x32: torch.Tensor, state: OptimState, kind: str, saturate: bool) -> str:
+    bad = x32.isnan() if saturate else ~torch.isfinite(x32)
+    count = int(bad.sum())
+    if count:
+        what = "NaN" if saturate else "non-finite"
         return (
-            f"encode({state.format}, {kind}) got {nonfinite} non-finite value(s) in a tensor of "
-            f"shape {list(x32.shape)}; only finite state can be encoded"
+            f"encode({state.format}, {kind}) got {count} {what} value(s) in a tensor of shape "
+            f"{list(x32.shape)}; only {'non-NaN' if saturate else 'finite'} state can be encoded"
         )
-    if kind == "unsigned" and bool((x32 < 0).any()):
-        return (
-            f"encode({state.format}, unsigned) got negative value(s) (min {float(x32.min())}); "
-            f"unsigned state (second moments, sums of squares) must be >= 0: use kind='signed'"
-        )
-    big = float(x32.abs().max())
     return (
-        f"encode(bf16) got |x| = {big:g}, beyond bfloat16's largest finite value "
-        f"{torch.finfo(torch.bfloat16).max:g}"
+        f"encode({state.format}, unsigned) got negative value(s) (min {float(x32.min())}); "
+        f"unsigned state (second moments, sums of squares) must be >= 0: use kind='signed'"
     )
 
 

@@ -34,14 +34,17 @@ import torch
 from computectx.memory._rounding import RoundingGenerators, stochastic_round
 from computectx.memory.state.codecs import Packed, decode, parts_of
 from computectx.memory.state.fused import adam_update
+from computectx.memory.state.scalars import check_scalars
 from computectx.memory.state.store import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
+    PARAM_SHAPES_KEY,
     PART_SEP,
     Scratch,
     encode_entry,
     packed_of,
     packs,
+    param_shapes,
     split_entry,
     state_name,
 )
@@ -180,6 +183,7 @@ class Stepper:
         check_compile(compile)
         check_fits(type(inner), dict(inner.param_groups[0]), optim_state, who)
         self.inner = inner
+        self.who = who
         self.optim_state = optim_state
         self.compile = compile
         self.rounding = RoundingGenerators(seed)
@@ -202,7 +206,13 @@ class Stepper:
 
     @torch.no_grad()
     def step(self) -> None:
-        """Step every parameter with a gradient, group by group, in order."""
+        """Step every parameter with a gradient, group by group, in order.
+
+        Everything a step reads is checked first (``check``), so a refused step changes
+        nothing; then each parameter's update is computed in full (weight and state) before
+        either is written.
+        """
+        self.check()
         inner = self.inner
         groups = inner.param_groups
         for group in list(groups):
@@ -214,6 +224,24 @@ class Stepper:
                     self._step_fused(group, p)
                 else:
                     self._step_generic(group, p)
+
+    def check(self) -> None:
+        """``ValueError`` unless the state of every parameter can be stepped: its scalars
+        (``step`` a whole number >= 0, the rest finite: ``check_scalars``) and its packed
+        parts (the codec's checks, once per set of parts: cached after)."""
+        inner = self.inner
+        entries: list[tuple[str, dict[str, Any]]] = []
+        for j, group in enumerate(inner.param_groups):
+            for k, p in enumerate(group["params"]):
+                entry = inner.state.get(p)
+                if not entry:
+                    continue
+                where = f"{self.who}.step: state of param_groups[{j}]['params'][{k}]"
+                entries.append((where, entry))
+                _, packed = split_entry(entry)
+                for name, parts in packed.items():
+                    self._packed_value(p, name, parts, where)
+        check_scalars(entries)
 
     def _uses_fused(self, group: dict[str, Any], p: torch.Tensor) -> bool:
         return (
@@ -231,55 +259,76 @@ class Stepper:
         return self.rounding.get(p.device) if below_f32(p.dtype) else None
 
     def _step_generic(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        # Torch's update runs on a float32 working copy of the weight, and its state is
+        # encoded, before either is written: an error (a class's own check, state the codec
+        # refuses) leaves this parameter's weight and state as they were.
         inner = self.inner
-        entry = inner.state.pop(p, None) or {}
+        entry = inner.state.get(p) or {}
+        work = self._decode(p, entry)
+        w = work.weight
+        groups, params = inner.param_groups, group["params"]
+        inner.param_groups = [group]
+        group["params"] = [w]
+        if work.state:
+            inner.state[w] = work.state
         try:
-            work = self._decode(p, entry)
-            w = work.weight
-            groups, params = inner.param_groups, group["params"]
-            inner.param_groups = [group]
-            group["params"] = [w]
-            if work.state:
-                inner.state[w] = work.state
-            try:
-                inner.step()
-            finally:
-                group["params"] = params
-                inner.param_groups = groups
-                new = dict(inner.state.pop(w, {}))
-                if w is not p:
-                    w.grad = None
-        except BaseException:
-            inner.state[p] = entry
-            raise
+            inner.step()
+        finally:
+            group["params"] = params
+            inner.param_groups = groups
+            new = dict(inner.state.pop(w, {}))
+            w.grad = None
         self._check_shapes(p, new)
         for name, value in new.items():
             if (
                 isinstance(value, torch.Tensor)
                 and self.scratch.owns(value)
                 and not packs(value, p.shape, self.optim_state)
+                and not _param_shaped(entry.get(name), p)
             ):
                 new[name] = value.clone()
+        made: dict[str, Packed] = {}
         try:
-            self._store(p, new)
+            stored = encode_entry(
+                new, p.shape, self.optim_state, check_finite=p.device.type == "cpu", packed_out=made
+            )
         except ValueError as e:
-            # A finite gradient drove the state out of range (the codec refuses inf/NaN):
-            # the state before this step is kept rather than lost.
-            inner.state[p] = entry
             raise ValueError(
-                f"the optimizer state of a parameter of shape {list(p.shape)} is not finite "
-                f"after its step and cannot be stored as {self.optim_state}; its state is "
-                f"kept as before this step ({e})"
+                f"the optimizer state of a parameter of shape {list(p.shape)} is NaN after "
+                f"its step and cannot be stored as {self.optim_state}; this parameter's weight "
+                f"and state are kept as before this step ({e})"
             ) from e
-        if w is not p:
-            self._write_back(p, w)
+        # Everything is computed: now written. A plain value torch kept (step, a tensor
+        # below min_size, f32 state) is written into the stored tensor itself.
+        for name, value in stored.items():
+            old = entry.get(name)
+            if (
+                isinstance(old, torch.Tensor)
+                and isinstance(value, torch.Tensor)
+                and value is not old
+                and (old.shape, old.dtype, old.device) == (value.shape, value.dtype, value.device)
+            ):
+                old.copy_(value)
+                stored[name] = old
+        inner.state[p] = stored
+        self._packed[p] = made
+        self._write_back(p, w)
 
     def _decode(self, p: torch.Tensor, entry: dict[str, Any]) -> _Work:
-        """The working weight (with its float32 gradient) and decoded state of ``p``."""
+        """The working weight (a float32 copy, with its float32 gradient) and the decoded
+        state of ``p``: packed state decoded into scratch views, plain tensors (scalars,
+        tensors below ``min_size``, f32 state) copied, so that torch's in-place update
+        changes none of the stored values."""
         plain, packed = split_entry(entry)
         low = below_f32(p.dtype)
-        views = self.scratch.views(p.device, p.shape, len(packed) + (2 if low else 0))
-        state = dict(plain)
+        full = [k for k, v in plain.items() if _param_shaped(v, p)]
+        views = self.scratch.views(p.device, p.shape, len(packed) + len(full) + (2 if low else 1))
+        state: dict[str, Any] = {}
+        for name, value in plain.items():
+            if name in full:
+                state[name] = views.pop().copy_(value)
+            else:
+                state[name] = value.clone() if isinstance(value, torch.Tensor) else value
         for name, parts in packed.items():
             state[name] = decode(self._packed_value(p, name, parts), out=views.pop())
         # Back in torch's order (step first), whatever order the parts were stored in.
@@ -287,17 +336,16 @@ class Stepper:
         for key in entry:
             order.setdefault(state_name(key), len(order))
         state = {k: state[k] for k in sorted(state, key=lambda k: order.get(k, len(order)))}
-        if not low:
-            return _Work(p, state)
-        w, g = views.pop(), views.pop()
-        w.copy_(p)
+        w = views.pop().copy_(p)
         assert p.grad is not None
-        g.copy_(p.grad)
-        w.grad = g
+        w.grad = views.pop().copy_(p.grad) if low else p.grad
         return _Work(w, state)
 
-    def _packed_value(self, p: torch.Tensor, name: str, parts: dict[str, Any]) -> Packed:
-        """The ``Packed`` value of state ``name`` of ``p`` stored as ``parts``."""
+    def _packed_value(
+        self, p: torch.Tensor, name: str, parts: dict[str, Any], where: str = "state"
+    ) -> Packed:
+        """The ``Packed`` value of state ``name`` of ``p`` stored as ``parts`` (checked by the
+        codec the first time these very tensors are met, then kept)."""
         cached = self._packed.get(p, {}).get(name)
         if (
             cached is not None
@@ -305,7 +353,9 @@ class Stepper:
             and all(cached.parts[k] is v for k, v in parts.items())
         ):
             return cached
-        return packed_of(parts, name, p.shape, self.optim_state, f"state[{name!r}]")
+        packed = packed_of(parts, name, p.shape, self.optim_state, f"{where}[{name!r}]")
+        self._packed.setdefault(p, {})[name] = packed
+        return packed
 
     def _store(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         """Encode ``state`` (decoded, by name) into ``inner.state[p]``."""
@@ -348,14 +398,16 @@ class Stepper:
                     moments.append(self._packed_value(p, name, packed[name]))
                 else:
                     moments.append(cast(torch.Tensor, plain[name]))
-        step_t += 1
+        # The stored step is incremented once the update is done (torch adds 1 first; the
+        # count the update reads is the same).
+        count = int(step_t.item()) + 1
         beta1, beta2 = group["betas"]
         m, v = adam_update(
             p,
             cast(torch.Tensor, p.grad),
             moments[0],
             moments[1],
-            int(step_t.item()),
+            count,
             lr=float(group["lr"]),
             beta1=float(beta1),
             beta2=float(beta2),
@@ -369,6 +421,7 @@ class Stepper:
             generator=self._generator(p),
             compiled=self.compile if self.compile is not None else p.device.type == "cuda",
         )
+        step_t += 1
         new: dict[str, Any] = {"step": step_t}
         made: dict[str, Packed] = {}
         for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
@@ -395,9 +448,13 @@ class Stepper:
         self._packed.clear()
 
     def extras(self, rounds: bool) -> dict[str, Any]:
-        """What a state dict carries beside torch's entries: the format, and the rounding
-        generators when ``rounds`` (some weight is below float32)."""
+        """What a state dict carries beside torch's entries: the format, the parameters'
+        shapes under a quantized format (``PARAM_SHAPES_KEY``: a load checks them against
+        the packed parts'), and the rounding generators when ``rounds`` (some weight is below
+        float32)."""
         out: dict[str, Any] = {OPTIM_STATE: str(self.optim_state)}
+        if self.optim_state.quantized:
+            out[PARAM_SHAPES_KEY] = param_shapes(self.inner.param_groups)
         if rounds:
             out[MASTER_ROUNDING] = self.rounding.state_dict()
         return out
@@ -423,6 +480,11 @@ class Stepper:
     def scratch_buffers(self) -> list[torch.Tensor]:
         """The reused float32 scratch buffers (``memory_report``'s ``"scratch"``)."""
         return self.scratch.buffers()
+
+
+def _param_shaped(value: object, p: torch.Tensor) -> bool:
+    """Whether ``value`` is a plain tensor of ``p``'s shape (not a scalar)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == p.shape
 
 
 def _scalar_dtype() -> torch.dtype:

@@ -35,6 +35,7 @@ from computectx.optim_state import OptimState, parse_optim_state
 __all__ = [
     "MASTER_ROUNDING_KEY",
     "OPTIM_STATE_KEY",
+    "PARAM_SHAPES_KEY",
     "PART_SEP",
     "LoadPlan",
     "Scratch",
@@ -45,6 +46,7 @@ __all__ = [
     "packed_of",
     "packs",
     "param_index_map",
+    "param_shapes",
     "split_entry",
     "state_name",
 ]
@@ -55,6 +57,11 @@ OPTIM_STATE_KEY = "optim_state"
 """The key of ``str(optim_state)`` in a state dict (absent: ``"f32"``)."""
 MASTER_ROUNDING_KEY = "master_rounding"
 """The key of the stochastic rounding generators' state in a state dict."""
+PARAM_SHAPES_KEY = "param_shapes"
+"""The key of the parameters' shapes (index -> list of ints) in a state dict of a quantized
+format: codes and block scales have the same sizes for every shape of one element count,
+so a load checks the saved shape against the parameter's (f32 and bf16 state tensors carry
+their shape themselves)."""
 
 
 def state_name(key: object) -> str:
@@ -99,13 +106,16 @@ def encode_entry(
 ) -> dict[str, Any]:
     """A parameter's decoded state (name -> value) in its stored form (see the module doc).
 
-    ``check_finite`` is the codec's check (a device sync per tensor); ``packed_out``, when
-    given, receives the ``Packed`` values by name.
+    ``check_finite`` is the codec's check (a device sync per tensor): NaN is refused, ±inf
+    (float32 state after torch's arithmetic overflowed) saturates to the format's largest
+    finite magnitude. ``packed_out``, when given, receives the ``Packed`` values by name.
     """
     out: dict[str, Any] = {}
     for name, value in state.items():
         if packs(value, shape, optim_state):
-            packed = encode(value, optim_state, kind_of(name), check_finite=check_finite)
+            packed = encode(
+                value, optim_state, kind_of(name), check_finite=check_finite, saturate=True
+            )
             if packed_out is not None:
                 packed_out[name] = packed
             for part, t in parts_of(packed).items():
@@ -208,6 +218,7 @@ def convert_entries(
     ours: OptimState,
     *,
     f32_state: bool,
+    saved_shapes: Mapping[int, torch.Size] | None = None,
 ) -> tuple[dict[int, dict[str, Any]], float]:
     """Every saved per-parameter entry in our stored form, checked; nothing changes here.
 
@@ -216,8 +227,10 @@ def convert_entries(
     plain tensor of the parameter's shape (the decoded form: a DCP or plain torch
     checkpoint) is encoded when ours packs it, else kept (as float32 when ``f32_state``:
     the stepper's state is float32). Another shape is refused. Values land on the
-    parameter's device as copies. Returns the entries and the largest round-trip bound of
-    the values that went through our encoder after a format change (0.0 when none did).
+    parameter's device as copies. Packed parts saved for a parameter of another shape
+    (``saved_shapes``, the checkpoint's ``"param_shapes"``) are refused naming both shapes.
+    Returns the entries and the largest round-trip bound of the values that went through
+    our encoder after a format change (0.0 when none did).
     """
     out: dict[int, dict[str, Any]] = {}
     worst = 0.0
@@ -240,6 +253,15 @@ def convert_entries(
                 f"'optim_state' entry the parts were saved under"
             )
         shape = param.shape
+        saved_shape = None if saved_shapes is None else saved_shapes.get(index)
+        if packed and saved_shapes is not None and saved_shape != shape:
+            saved_as = "no shape" if saved_shape is None else f"shape {list(saved_shape)}"
+            raise ValueError(
+                f"{where} holds packed state {sorted(packed)} saved for a parameter of "
+                f"{saved_as} (state_dict[{PARAM_SHAPES_KEY!r}]), but parameter {index} of this "
+                f"optimizer has shape {list(shape)}; accepted: the state of a parameter of the "
+                f"same shape (the parameters in the order they were saved)"
+            )
         decoded: dict[str, Any] = {}
         new: dict[str, Any] = {}
         for name, value in plain.items():
@@ -277,6 +299,66 @@ def convert_entries(
         # Keep torch's key order where it can be told (step first).
         out[index] = {k: new[k] for k in sorted(new, key=lambda k: _order(entry, k))}
     return out, worst
+
+
+def _check_plain_shapes(state: Mapping[Any, Any], params: Mapping[int, torch.Tensor]) -> None:
+    """``ValueError`` for a saved state tensor with its parameter's element count but
+    another shape (state of another parameter: a transposed one, or the parameters in
+    another order), or an entry of no parameter. Tensors of other counts are a class's own
+    layout (Adafactor's factored moments) and are left to it."""
+    for index, entry in state.items():
+        where = f"state_dict['state'][{index!r}]"
+        param = params.get(index) if isinstance(index, int) else None
+        if param is None:
+            raise ValueError(
+                f"{where}: no parameter has index {index!r} in the saved param_groups "
+                f"(indices {sorted(params)})"
+            )
+        if not isinstance(entry, Mapping):
+            raise TypeError(f"{where} must be a dict of state values, got {type(entry).__name__}")
+        for name, value in entry.items():
+            if (
+                isinstance(value, torch.Tensor)
+                and value.dim() > 0
+                and value.numel() == param.numel()
+                and value.shape != param.shape
+            ):
+                raise ValueError(
+                    f"{where}[{name!r}] has shape {list(value.shape)}, but the parameter is "
+                    f"{list(param.shape)}; accepted: a scalar or a tensor of the parameter's shape"
+                )
+
+
+def param_shapes(groups: Sequence[Mapping[str, Any]]) -> dict[int, list[int]]:
+    """``state_dict()[PARAM_SHAPES_KEY]``: each parameter's shape by torch's state-dict index
+    (groups in order, parameters in order)."""
+    params = [p for group in groups for p in group["params"]]
+    return {i: list(p.shape) for i, p in enumerate(params)}
+
+
+def _saved_shapes(value: object, who: str) -> dict[int, torch.Size] | None:
+    """``state_dict[PARAM_SHAPES_KEY]`` checked (``None`` when absent: a checkpoint made
+    before shapes were saved, whose packed parts are checked by size only)."""
+    if value is None:
+        return None
+    where = f"{who}: state_dict[{PARAM_SHAPES_KEY!r}]"
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{where} must be a dict index -> shape, got {type(value).__name__}")
+    out: dict[int, torch.Size] = {}
+    for index, shape in value.items():
+        ok = (
+            isinstance(index, int)
+            and not isinstance(index, bool)
+            and isinstance(shape, (list, tuple))
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
+        )
+        if not ok:
+            raise ValueError(
+                f"{where} has entry {index!r}: {shape!r}; accepted: an int index -> a list of "
+                f"ints >= 0 (the parameter's shape)"
+            )
+        out[index] = torch.Size(shape)
+    return out
 
 
 def _order(entry: Mapping[str, Any], key: str) -> int:
@@ -340,6 +422,7 @@ def load_plan(
     sd = dict(state_dict)
     saved_text = sd.pop(OPTIM_STATE_KEY, None)
     rounding = sd.pop(MASTER_ROUNDING_KEY, None)
+    shapes = _saved_shapes(sd.pop(PARAM_SHAPES_KEY, None), who)
     try:
         saved = OptimState() if saved_text is None else parse_optim_state(saved_text)
     except ValueError as e:
@@ -353,10 +436,15 @@ def load_plan(
     has_parts = any(
         isinstance(e, Mapping) and any(PART_SEP in str(k) for k in e) for e in state.values()
     )
-    if not stepped and not saved.compact and not has_parts:
-        return LoadPlan(sd, None, {}, rounding, None)
     params = param_index_map(sd["param_groups"], groups, who)
-    entries, worst = convert_entries(state, params, saved, ours, f32_state=stepped)
+    if not stepped and not saved.compact and not has_parts:
+        # Torch's own load: its state is loaded as saved, after the same shape check (torch
+        # itself checks none, and its next step would fail midway, or broadcast).
+        _check_plain_shapes(state, params)
+        return LoadPlan(sd, None, {}, rounding, None)
+    entries, worst = convert_entries(
+        state, params, saved, ours, f32_state=stepped, saved_shapes=shapes
+    )
     warning = None
     if saved != ours and entries:
         how = (
