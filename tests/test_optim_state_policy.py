@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -219,8 +220,8 @@ def test_bad_fields_are_our_value_error_naming_value_and_accepted(
 ) -> None:
     # Every way in (the constructor, model_validate, the JSON form, parse_optim_state's dict
     # form, with_optim_state) gives the library's ValueError, never pydantic's (no URL).
-    ways = [
-        lambda: OptimState(**fields),  # type: ignore[arg-type]
+    ways: list[Callable[[], object]] = [
+        lambda: OptimState(**fields),
         lambda: OptimState.model_validate(fields),
         lambda: parse_optim_state(fields),
         lambda: ComputeCtx.parity("cpu").with_optim_state(fields),  # type: ignore[arg-type]
@@ -235,7 +236,7 @@ def test_bad_fields_are_our_value_error_naming_value_and_accepted(
 
 
 def test_numpy_integers_read_as_their_value() -> None:
-    state = OptimState(format="int8", block=np.int64(64), min_size=np.int32(0))  # type: ignore[arg-type]
+    state = OptimState(format="int8", block=np.int64(64), min_size=np.int32(0))
     assert state == OptimState.parse("int8/block=64/min=0")
     assert type(state.block) is int and type(state.min_size) is int
 
