@@ -25,9 +25,10 @@ quantized: a memory-mapped expert no token chose stays on disk); its output rows
 exist and its weight gradient is zero. Rows past the last group's end come out zero, as do
 their gradients.
 
-Under ``mx`` a contraction shorter than one block (a wgrad over a group of fewer than 32
-rows) is zero-padded to one block of 32 before it is quantized, as the dense linear does:
-exact, since a zero changes no block's amax and adds nothing to a dot product.
+Under ``mx`` a contraction shorter than one block (``K < 32`` in the forward, ``N < 32`` in
+the input gradient, a wgrad over a group of fewer than 32 rows) is zero-padded to one block of
+32 before it is quantized, as the dense linear does: exact, since a zero changes no block's
+amax and adds nothing to a dot product. The Triton path pads the same operands.
 """
 
 from __future__ import annotations

@@ -132,6 +132,13 @@ def grouped_mm(
         return grouped.reference_grouped_mm(
             a, b, bounds, ga, gb, fmt_a, fmt_b, rule, margin, out_dtype
         )
+    if ga == "mx" and a.shape[1] < MX_BLOCK:
+        # A contraction shorter than one MX block (K < 32 forward, N < 32 in the dgrad) is
+        # zero-padded to one block, as the twin's quantize_operand pads it: exact, since a
+        # zero changes no amax and adds nothing to a dot product. The block quantize needs one
+        # whole block; the padded operands are at most 32 wide.
+        pad = (0, MX_BLOCK - a.shape[1])
+        a, b = torch.nn.functional.pad(a, pad), torch.nn.functional.pad(b, pad)
     e = b.shape[0]
     if ga == "tensor":
         qa = torch.empty_like(a, dtype=fmt_a.torch)
