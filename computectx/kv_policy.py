@@ -9,12 +9,12 @@ in ``computectx.dtypes``, which still serves them with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
-import numbers
 from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, get_args
 
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
 
+from computectx._checks import as_int, validation_message
 from computectx.dtypes import (
     FP8_DTYPES,
     DType,
@@ -92,28 +92,19 @@ def _kv_step(value: object) -> object:
 
 
 def _kv_recent(value: object) -> int:
-    # An int count (a numpy integer reads as its value); a bool, a float, a str (a JSON
-    # "4") or None is refused rather than read as 0/1, truncated or coerced.
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    # An int count (``_checks.as_int``): a bool, a float, a str (a JSON "4") or None is
+    # refused rather than read as 0/1, truncated or coerced.
+    count = as_int(value)
+    if count is None:
         raise ValueError(
             f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got "
             f"{value!r} ({type(value).__name__})"
         )
-    count = int(value)
     if not 0 <= count <= KV_RECENT_MAX:
         raise ValueError(
             f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got {count}"
         )
     return count
-
-
-def _errors(e: ValidationError) -> str:
-    """pydantic's errors as ``field=value: message`` clauses (no URL), one per bad field."""
-    return "; ".join(
-        f"{'.'.join(str(p) for p in err['loc']) or 'KvFp8'}={err['input']!r}: "
-        f"{str(err['msg']).removeprefix('Value error, ')}"
-        for err in e.errors()
-    )
 
 
 class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -173,7 +164,7 @@ class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tru
             try:
                 super().__init__(**data)
             except ValidationError as e:
-                raise ValueError(f"bad KvFp8: {_errors(e)}") from None
+                raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
 
     @property
     def static(self) -> bool:

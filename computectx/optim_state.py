@@ -23,12 +23,13 @@ case; JSON form ``{"format": "int8", "block": 256, "min_size": 4096}``.
 
 from __future__ import annotations
 
-import operator
 import re
 from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import BaseModel, BeforeValidator, ValidationError, model_validator
 from typing_extensions import Self
+
+from computectx._checks import as_int, validation_message
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -74,23 +75,15 @@ MIN_SIZE_MAX: Final = 2**63 - 1
 
 
 def _integer(value: object, what: str) -> int:
-    # Strict integers, as every integer field of the policy: a bool (True is 1 to pydantic's
-    # lax mode), a string, a float (even 2.0) or None is refused; a numpy integer reads as
-    # its value (it has __index__, as KvFp8's recent reads it). The text form converts its
-    # own digits.
-    if isinstance(value, (bool, float, str, bytes)) or value is None:
-        index = None
-    else:
-        try:
-            index = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            index = None
-    if index is None or type(value).__name__ in ("bool_", "bool"):
+    # Strict integers, as every integer field of the policy (``_checks.as_int``); the text
+    # form converts its own digits.
+    index = as_int(value)
+    if index is None:
         raise ValueError(
             f"{what} must be an integer, got {type(value).__name__} {value!r}; accepted: "
             f"{_ACCEPTS[what]}"
         )
-    return int(index)
+    return index
 
 
 def _block(value: object) -> object:
@@ -113,17 +106,7 @@ def _min_size(value: object) -> object:
 
 
 def _errors(e: ValidationError) -> str:
-    """pydantic's errors as ``field=value: message`` clauses (no URL), one per bad field."""
-    out = []
-    for err in e.errors():
-        field = ".".join(str(p) for p in err["loc"])
-        msg = str(err["msg"]).removeprefix("Value error, ").removeprefix("bad OptimState: ")
-        if err["type"] == "extra_forbidden":
-            msg = "no such field; accepted: format, block, min_size"
-        out.append(
-            msg if not field or msg.startswith(f"{field}") else f"{field}={err['input']!r}: {msg}"
-        )
-    return "; ".join(out)
+    return validation_message(e, "OptimState", ("format", "block", "min_size"))
 
 
 class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -159,7 +142,7 @@ class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         try:
             super().__init__(**data)
         except ValidationError as e:
-            raise ValueError(f"bad OptimState: {_errors(e)}") from None
+            raise ValueError(_errors(e)) from None
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
@@ -167,7 +150,7 @@ class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         try:
             return super().model_validate(obj, **kwargs)
         except ValidationError as e:
-            raise ValueError(f"bad OptimState: {_errors(e)}") from None
+            raise ValueError(_errors(e)) from None
 
     @classmethod
     def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
@@ -175,7 +158,7 @@ class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         try:
             return super().model_validate_json(json_data, **kwargs)
         except ValidationError as e:
-            raise ValueError(f"bad OptimState: {_errors(e)}") from None
+            raise ValueError(_errors(e)) from None
 
     @model_validator(mode="before")
     @classmethod

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from computectx._checks import as_int
 from computectx.ctx import ComputeCtx
 from computectx.fp8 import ExpertsFp8, register_experts_converter
 from computectx.fp8.seam import check_grouped, checked_bounds
@@ -51,12 +52,12 @@ def checked_count(owner: str, name: str, value: object, minimum: int) -> int:
     """``value`` as an ``int`` in ``[minimum, 2**31 - 1]``, else ``TypeError``/``ValueError``
     naming it. Python and numpy integers are accepted; ``bool``, floats (``2.0``) and
     strings (``"2"``) are not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    count = as_int(value)
+    if count is None:
         raise TypeError(
             f"{owner} {name} must be an int (a Python or numpy integer), got "
             f"{type(value).__name__} {value!r}"
         )
-    count = int(value)
     if not minimum <= count <= _MAX_COUNT:
         raise ValueError(
             f"{owner} {name} must be an int in [{minimum}, {_MAX_COUNT}], got {count!r}"
