@@ -4,7 +4,9 @@ of torch threads per xdist worker."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Timing varies too much on shared 2-core machines for per-example deadlines to mean
@@ -67,3 +69,70 @@ def _triton_interpreted_first() -> None:
 
 
 _triton_interpreted_first()
+
+
+def _freeze(obj: object, memo: dict[int, tuple[int, object]] | None = None) -> object:
+    """A comparable picture of ``obj`` and everything it holds, for fault-injection tests
+    ("a refused call changes nothing"): every tensor by its metadata, storage address,
+    bytes, ``grad`` and hook counts; every module, and every object of this library, by all
+    its attributes (hook dicts included), recursively; anything else by its identity."""
+    import torch
+
+    memo = {} if memo is None else memo
+    if isinstance(obj, (type(None), bool, int, float, complex, str, bytes, torch.dtype)):
+        return obj
+    if isinstance(obj, torch.device):
+        return ("device", str(obj))
+    if id(obj) in memo:
+        return ("seen", memo[id(obj)][0])
+    memo[id(obj)] = (len(memo), obj)  # held, so that no temporary's id is reused
+    if isinstance(obj, torch.Tensor) and obj.layout != torch.strided:
+        dense = obj.detach().to_dense().cpu().reshape(-1).view(torch.uint8)
+        return ("tensor", str(obj.layout), obj.dtype, tuple(obj.shape), dense.numpy().tobytes())
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach()
+        local = t.to_local() if hasattr(t, "to_local") else t
+        data = (
+            None
+            if local.is_meta
+            else local.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+        hooks = getattr(obj, "_post_accumulate_grad_hooks", None) or {}
+        back = getattr(obj, "_backward_hooks", None) or {}
+        return (
+            "tensor", type(obj).__name__, obj.dtype, tuple(obj.shape), tuple(local.stride()),
+            str(obj.device), None if local.is_meta else local.untyped_storage().data_ptr(),
+            local.storage_offset(), obj.requires_grad, data,
+            _freeze(obj.grad, memo) if obj.is_leaf else None, len(hooks), len(back),
+            _freeze(dict(vars(obj)), memo) if isinstance(obj, torch.nn.Parameter) else None,
+        )  # fmt: skip
+    if isinstance(obj, torch.Generator):
+        return ("generator", obj.get_state().numpy().tobytes())
+    if isinstance(obj, dict):
+        items = tuple((repr(k), _freeze(v, memo)) for k, v in obj.items())
+        return ("dict", type(obj).__name__, items)
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, tuple(_freeze(v, memo) for v in obj))
+    if isinstance(obj, (set, frozenset)):
+        return (type(obj).__name__, tuple(sorted(repr(_freeze(v, memo)) for v in obj)))
+    module = type(obj).__module__ or ""
+    if isinstance(obj, torch.nn.Module) or module.startswith("computectx"):
+        fields: dict[str, object] = dict(getattr(obj, "__dict__", {}))
+        for cls in type(obj).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if hasattr(obj, name):
+                    fields[name] = getattr(obj, name)
+        return ("object", type(obj).__qualname__, _freeze(fields, memo))
+    return ("identity", type(obj).__qualname__, id(obj))
+
+
+@pytest.fixture
+def freeze() -> Callable[..., object]:
+    """``freeze(*objects)``: a comparable picture of the objects and all they hold
+    (``_freeze``): equal pictures before and after a refused call mean nothing changed."""
+
+    def picture(*objects: object) -> object:
+        memo: dict[int, tuple[int, object]] = {}
+        return tuple(_freeze(o, memo) for o in objects)
+
+    return picture

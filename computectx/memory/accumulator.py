@@ -313,9 +313,9 @@ class LowPrecGradAccumulator:
         """Move every accumulated sum into ``param.grad`` (at ``dtype``, on the param's device).
 
         torch requires ``param.grad`` to have the parameter's dtype, so ``dtype`` must equal
-        the dtype of every parameter with a sum to flush; this is checked for all of them
-        before any gradient changes. A ``param.grad`` that already exists is added to. The
-        buffers are emptied.
+        the dtype of every parameter with a sum to flush, and a ``param.grad`` that already
+        exists (it is added to) must be dense; both are checked for all of them before any
+        gradient or sum changes. The buffers are emptied, each once its gradient is written.
         """
         dtype = DType.parse(dtype)
         self.sync()
@@ -328,16 +328,31 @@ class LowPrecGradAccumulator:
                 f"dtype {', '.join(kinds)} a {dtype} gradient, which torch rejects; pass the "
                 f"parameters' dtype, or hand the sums to OffloadedOptimizer.ingest_grads"
             )
+        sparse = [
+            i
+            for i, s in enumerate(self._slots.values())
+            if s in flushing and s.param.grad is not None and s.param.grad.layout != torch.strided
+        ]
+        if sparse:
+            raise ValueError(
+                f"flush_to_param_grads adds the sums to param.grad, but parameter(s) "
+                f"{sparse[:8]} (in the accumulator's order) hold a sparse param.grad, which a "
+                f"dense sum cannot be added to in place; set those param.grad to None (or "
+                f"dense) first. Nothing was flushed"
+            )
         with torch.no_grad():
             for slot in flushing:
-                buf = self.pop(slot.param)
-                if buf is None:
+                self._fold_pending(slot)
+                if slot.buffer is None:
                     continue
-                g = buf.to(device=slot.param.device, dtype=dtype.torch)
+                # The sum is forgotten only once its gradient is written: a failure here
+                # (out of memory on the way) loses no sum.
+                g = slot.buffer.to(device=slot.param.device, dtype=dtype.torch)
                 if slot.param.grad is None:
                     slot.param.grad = g
                 else:
                     slot.param.grad.add_(g)
+                slot.buffer, slot.count = None, 0
 
     def reset(self) -> None:
         """Drop every accumulated sum (the next backward starts from zero)."""

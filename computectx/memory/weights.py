@@ -182,6 +182,7 @@ def load_weights(
         )
 
     loaded = _materialise(file, header, chosen, device)
+    _check_unchanged(file, header, loaded)
     given = {name: loaded[stored] for name, stored in resolved.items()}
     _check_module_state(model, given | defaulted, file)
     own_given = {name: loaded[name] for name in owned if name in loaded}
@@ -436,6 +437,28 @@ def _materialise(
     except RuntimeError as e:
         raise ValueError(f"checkpoint {shown} could not be placed on {device}: {e}") from e
     return out
+
+
+def _check_unchanged(
+    file: pathlib.Path,
+    header: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    loaded: dict[str, torch.Tensor],
+) -> None:
+    # The keys, shapes and dtypes were checked on the header; the tensors are read by a
+    # second open of the file. A file replaced in between (another process saving over it)
+    # must not hand over tensors nobody checked: ``param.data = t`` would take any shape.
+    changed = sorted(
+        key
+        for key in header.keys() | loaded.keys()
+        if key not in header
+        or key not in loaded
+        or (tuple(loaded[key].shape), loaded[key].dtype) != header[key]
+    )
+    if changed:
+        raise ValueError(
+            f"checkpoint {str(file)!r} changed while it was read (another process wrote "
+            f"it?): tensors {changed[:8]} are not what its header said; nothing was loaded"
+        )
 
 
 def _replace_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
