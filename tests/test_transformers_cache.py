@@ -473,3 +473,24 @@ TestCtxStaticCacheMachine = CtxStaticCacheMachine.TestCase
 TestCtxStaticCacheMachine.settings = settings(
     max_examples=25, stateful_step_count=10, deadline=None, suppress_health_check=list(HealthCheck)
 )
+
+
+def test_calibration_refused_or_not_gives_each_module_its_own_mode_back() -> None:
+    # A frozen part kept in eval stays in eval: the root's mode used to be spread over every
+    # module, and a refused calibration changed nothing else (issue 32, validate then write).
+    model = tiny_llama()
+    model.train()
+    model.model.layers[0].eval()
+    modes = [m.training for m in model.modules()]
+    with pytest.raises(ValueError, match="empty"):
+        calibrate_transformers_kv(model, [])
+    assert [m.training for m in model.modules()] == modes
+    calibrate_transformers_kv(model, [ids_of(0)])
+    assert [m.training for m in model.modules()] == modes
+    with torch.no_grad():
+        model.model.layers[1].self_attn.v_proj.weight.zero_()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="layer 1 values"):
+        calibrate_transformers_kv(model, [ids_of(0)])
+    assert [m.training for m in model.modules()] == modes
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())

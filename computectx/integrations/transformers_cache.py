@@ -359,7 +359,7 @@ def calibrate_transformers_kv(model: nn.Module, batches: Iterable[object]) -> to
         raise ValueError(
             f"calibrate_transformers_kv takes a transformers model, got {type(model).__name__}"
         )
-    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]  # each module's own, restored
     model.eval()
     found: torch.Tensor | None = None
     count = 0
@@ -372,7 +372,8 @@ def calibrate_transformers_kv(model: nn.Module, batches: Iterable[object]) -> to
             found = now if found is None else torch.maximum(found, now)
             count += 1
     finally:
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     if found is None:
         raise ValueError("calibrate_transformers_kv: batches is empty; calibration needs a batch")
     bad = ~(torch.isfinite(found) & (found > 0))

@@ -29,12 +29,17 @@ def calibrate_kv(model: nn.Module, batches: Iterable[object]) -> dict[str, torch
     ``ValueError`` when ``model`` has no ``Attention``, when ``batches`` is empty or a batch
     is an empty tensor (``(B, 0)`` ids, say: no position to measure), or when a
     head's amax is not finite or is zero (a head that saw only zeros has no scale to learn);
-    nothing is stored then: every layer keeps its previous amax.
+    nothing is stored then: every layer keeps its previous amax. Each module's training
+    mode is restored as it was, whatever happens.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"calibrate_kv: model must be an nn.Module, got {type(model).__name__}")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, Attention)]
     if not layers:
         raise ValueError(f"calibrate_kv: {type(model).__name__} has no Attention layer")
-    was_training = model.training
+    # Each module's own mode comes back (a frozen submodule kept in eval stays there), not
+    # the root's mode spread over every module by model.train(...).
+    modes = [(m, m.training) for m in model.modules()]
     model.eval()
     count = 0
     try:
@@ -53,7 +58,8 @@ def calibrate_kv(model: nn.Module, batches: Iterable[object]) -> dict[str, torch
     finally:
         for _, layer in layers:
             layer.kv_observed = None
-        model.train(was_training)
+        for m, training in modes:
+            m.training = training
     if count == 0:
         raise ValueError("calibrate_kv: batches is empty; calibration needs at least one batch")
     found: dict[str, torch.Tensor] = {}
