@@ -158,7 +158,8 @@ def convert_to_fp8(
     module loads (``computectx.fp8.state.load.guard_whole_loads``). A linear reachable under
     several names is converted once and replaced everywhere. All decisions are made before
     the model changes, so an exception from ``module_filter`` or a converter (or a filter
-    result that is not a bool, a ``TypeError``) leaves it untouched.
+    result that is not a bool, a ``TypeError``) leaves it untouched; an experts converter
+    that raises in ``convert`` has what was swapped put back before the error goes on.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
@@ -229,12 +230,21 @@ def convert_to_fp8(
 
     # Build every replacement (which validates ctx and backend) before swapping any.
     replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
+    settings = experts.settings(policy, backend)
     for lin, new in replacements:
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)
+    try:
+        # An experts converter is the one step that can still fail (a framework's own
+        # convert()): it undoes its modules, and the linears go back in their places.
+        expert_names = experts.apply(settings)
+    except BaseException:
+        for lin, _ in replacements:
+            for _, parent, name in places[id(lin)]:
+                setattr(parent, name, lin)
+        raise
     if replacements:
         guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
-    expert_names = experts.apply(policy, backend)
     names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
     notes = head_dtype_notes(ctx, order, skipped)
     report = Fp8ConversionReport(

@@ -110,13 +110,31 @@ class ExpertsPlan:
     skipped: tuple[SkippedLinear, ...]
     routers: dict[int, str]
 
-    def apply(self, policy: Fp8Policy, backend: Fp8Backend | str | None) -> tuple[str, ...]:
-        """Convert the planned modules; their names."""
+    def settings(
+        self, policy: Fp8Policy, backend: Fp8Backend | str | None
+    ) -> tuple[ExpertsFp8, ...]:
+        """What each planned module will run with (the backend checked); changes nothing."""
+        out = []
         for _, module, conv in self.convert:
             weights = conv.weights(module) or {}
             device = next(iter(weights.values())).device if weights else torch.device("cpu")
             chosen = default_backend(device) if backend is None else parse_backend(backend)
-            conv.convert(module, ExpertsFp8(policy, chosen))
+            out.append(ExpertsFp8(policy, chosen))
+        return tuple(out)
+
+    def apply(self, settings: tuple[ExpertsFp8, ...]) -> tuple[str, ...]:
+        """Convert the planned modules with ``settings`` (``self.settings``); their names.
+        A converter that raises midway has the modules converted before it put back to high
+        precision (``convert(module, None)``), and the error goes on."""
+        done: list[tuple[nn.Module, ExpertsConverter]] = []
+        try:
+            for (_, module, conv), fp8 in zip(self.convert, settings, strict=True):
+                conv.convert(module, fp8)
+                done.append((module, conv))
+        except BaseException:
+            for module, conv in reversed(done):
+                conv.convert(module, None)
+            raise
         return tuple(fqn for fqn, _, _ in self.convert)
 
 

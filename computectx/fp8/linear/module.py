@@ -26,7 +26,12 @@ from computectx.fp8.numerics.ledger import count
 from computectx.fp8.ops import quantize
 from computectx.fp8.policy import check_quantize, checked_layer_ctx, policy_of
 from computectx.fp8.state.layer import Fp8ScalingState
-from computectx.fp8.state.load import ScalingLoad, check_held_dtypes, plan_scaling_load
+from computectx.fp8.state.load import (
+    ScalingLoad,
+    check_held_dtypes,
+    plan_scaling_load,
+    refuse_whole,
+)
 from computectx.fp8.state.operand import AmaxReduce
 from computectx.recipes import Fp8Policy
 
@@ -400,6 +405,8 @@ class Fp8Linear(nn.Linear):
         names = self.scaling.tensor_names()
         local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         plan = self.scaling_load(local, prefix)
+        if refuse_whole(self, state_dict, prefix, error_msgs, missing_keys, unexpected_keys):
+            return  # torch raises what was recorded; the layer is left as it was
         with _held_out(self._buffers, names):
             super()._load_from_state_dict(
                 state_dict,

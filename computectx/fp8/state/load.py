@@ -22,8 +22,10 @@ Everything is read and checked before anything changes; the plan holds new tenso
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Literal
 
 import torch
@@ -39,11 +41,15 @@ from computectx.recipes import Fp8Policy
 
 __all__ = [
     "LEGACY_KEY",
+    "LoadRefusals",
     "ScalingLoad",
     "check_held_dtypes",
     "check_state_dtypes",
     "guard_whole_loads",
+    "load_refusals",
+    "outer_strict",
     "plan_scaling_load",
+    "refuse_whole",
 ]
 
 LEGACY_KEY = "_extra_state"
@@ -107,7 +113,10 @@ def guard_whole_loads(model: nn.Module) -> None:
     torch loads a state dict module by module, so a layer that refuses its entries would
     otherwise raise after the modules before it had loaded theirs. The check is each
     layer's own plan (``Fp8Linear.scaling_load``), and any module's ``check_load(entries,
-    prefix)`` (``computectx.nn.Router``'s bias), run on the whole state dict first."""
+    prefix)`` (``computectx.nn.Router``'s bias), run on the whole state dict first; then
+    what torch itself would refuse after loading the rest (``load_refusals``: a size
+    mismatch, a value that is not a tensor, and under ``strict`` a missing or unexpected
+    key) raises torch's ``RuntimeError`` before anything loads."""
     if getattr(model, _GUARDED, False):
         return
     model.register_load_state_dict_pre_hook(_check_every_layer)  # type: ignore[no-untyped-call]
@@ -127,6 +136,192 @@ def _check_every_layer(
             if callable(plan):
                 entries = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
                 plan(entries, head)
+    # A pre-hook registered after this one runs after it and may still rewrite the state
+    # dict (rename old keys, say): torch's verdict cannot be foreseen from here then.
+    hooks = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
+    if _check_every_layer in hooks and hooks[-1] is not _check_every_layer:
+        return
+    refusals = load_refusals(module, state_dict, prefix, strict=outer_strict())
+    if refusals.refused:
+        raise RuntimeError(refusals.message(module))
+
+
+@dataclass(frozen=True)
+class LoadRefusals:
+    """What torch's ``load_state_dict`` would report for a module tree, found without
+    loading: ``errors`` (raised whatever ``strict``), ``missing`` and ``unexpected`` keys
+    (raised under ``strict``; listed only then)."""
+
+    errors: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+
+    @property
+    def refused(self) -> bool:
+        """Whether torch would raise (after loading what it could)."""
+        return bool(self.errors or self.missing or self.unexpected)
+
+    def message(self, module: nn.Module) -> str:
+        """torch's message for these, and that nothing was loaded."""
+        msgs = list(self.errors)
+        for what, keys in (("Unexpected", self.unexpected), ("Missing", self.missing)):
+            if keys:
+                msgs.insert(0, f"{what} key(s) in state_dict: {', '.join(map(repr, keys))}. ")
+        return (
+            f"Error(s) in loading state_dict for {type(module).__name__}:\n\t"
+            + "\n\t".join(msgs)
+            + "\n\tNothing was loaded (checked before any module loads)"
+        )
+
+
+def outer_strict() -> bool:
+    """The ``strict`` of the ``nn.Module.load_state_dict`` call that is running.
+
+    torch hands ``strict=True`` to every module's ``_load_from_state_dict`` and load hook
+    whatever the caller passed (the caller's flag only decides, at the end, whether missing
+    and unexpected keys raise), so a check that must not be stricter than the call reads the
+    flag from the call's frame. Outside such a call: ``False`` (never stricter than torch)."""
+    frame: FrameType | None = sys._getframe(1)
+    code = nn.Module.load_state_dict.__code__
+    while frame is not None:
+        if frame.f_code is code:
+            return bool(frame.f_locals.get("strict", True))
+        frame = frame.f_back
+    return False
+
+
+def _own_load_keys(module: nn.Module) -> frozenset[str] | None:
+    # The local names a module loads by a rule of its own (an fp8 layer's scaling tensors
+    # and its version 1/2 dict: Fp8Linear.state_load_keys), or None when its loading cannot
+    # be foreseen: a _load_from_state_dict of its own that does not say which keys it takes.
+    keys = getattr(module, "state_load_keys", None)
+    if callable(keys):
+        return frozenset((*keys(), LEGACY_KEY))
+    overridden = type(module)._load_from_state_dict is not nn.Module._load_from_state_dict
+    return None if overridden else frozenset()
+
+
+def _foreign_pre_hooks(module: nn.Module) -> bool:
+    # A load pre-hook other than this module's check may rewrite the state dict (rename,
+    # drop or add keys) before the modules under it load: what they get is not foreseeable.
+    return any(
+        getattr(h, "hook", h) is not _check_every_layer
+        for h in module._load_state_dict_pre_hooks.values()
+    )
+
+
+def load_refusals(
+    module: nn.Module, state_dict: Mapping[str, object], prefix: str, *, strict: bool
+) -> LoadRefusals:
+    """What torch's ``load_state_dict`` of ``state_dict`` would refuse in ``module``'s tree
+    (torch's own rules, ``nn.Module._load_from_state_dict``), without loading anything.
+
+    Modules whose loading cannot be foreseen are left out: one with a
+    ``_load_from_state_dict`` of its own (other than an fp8 layer's, which names the keys it
+    loads itself), and everything under a foreign load pre-hook (it may rewrite the state
+    dict); a load post-hook anywhere (it may forgive keys) leaves the key lists out. So this
+    never refuses what torch would load."""
+    modules = list(module.named_modules(remove_duplicate=False))
+    keyed = strict and not any(m._load_state_dict_post_hooks for _, m in modules)
+    errors: list[str] = []
+    missing: list[str] = []
+    blocked: list[str] = []
+    # head -> (module, the local names it takes), or None where its keys are not judged.
+    judged: dict[str, tuple[nn.Module, frozenset[str]] | None] = {}
+    for name, m in modules:
+        head = f"{prefix}{name}." if name else prefix
+        if name and _foreign_pre_hooks(m):
+            blocked.append(head)
+        own = _own_load_keys(m)
+        if own is None or any(head.startswith(b) for b in blocked):
+            judged[head] = None
+            continue
+        buffers = {k: v for k, v in m._buffers.items() if k not in m._non_persistent_buffers_set}
+        local = {k: v for k, v in (*m._parameters.items(), *buffers.items()) if v is not None}
+        local = {k: v for k, v in local.items() if k not in own}
+        judged[head] = (m, frozenset(local) | own)
+        for k, param in local.items():
+            key = head + k
+            if key in state_dict:
+                error = _entry_error(key, param, state_dict[key])
+                if error is not None:
+                    errors.append(error)
+            elif keyed:
+                missing.append(key)
+        if keyed and _has_extra_state(m) and head + "_extra_state" not in state_dict:
+            missing.append(head + "_extra_state")
+    unexpected = [
+        k for k in state_dict if keyed and k.startswith(prefix) and _unexpected(k, prefix, judged)
+    ]
+    return LoadRefusals(tuple(errors), tuple(missing), tuple(unexpected))
+
+
+def refuse_whole(
+    module: nn.Module,
+    state_dict: Mapping[str, object],
+    prefix: str,
+    error_msgs: list[str],
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+) -> bool:
+    """For a module's own ``_load_from_state_dict``: when torch would refuse its entries
+    after copying the rest (``load_refusals``), record them in torch's lists (torch raises
+    at the end) and return ``True``: the module loads nothing."""
+    refusals = load_refusals(module, state_dict, prefix, strict=outer_strict())
+    if refusals.refused:
+        error_msgs.extend(refusals.errors)
+        missing_keys.extend(refusals.missing)
+        unexpected_keys.extend(refusals.unexpected)
+    return refusals.refused
+
+
+def _has_extra_state(m: nn.Module) -> bool:
+    return type(m).set_extra_state is not nn.Module.set_extra_state
+
+
+def _unexpected(
+    key: str, head: str, judged: Mapping[str, tuple[nn.Module, frozenset[str]] | None]
+) -> bool:
+    # torch's rule, applied where the key ends up: down the key's path through the modules,
+    # a name that is not a child with more to come, or not a local name at the end, is
+    # unexpected (an _extra_state key only where the module keeps none).
+    rest = key[len(head) :]
+    while True:
+        info = judged.get(head)
+        if info is None:
+            return False
+        m, names = info
+        first, _, more = rest.partition(".")
+        if not more and "." not in rest:
+            if first == "_extra_state":
+                return not _has_extra_state(m) and first not in names
+            return first not in names
+        if first not in m._modules:
+            return True
+        if m._modules[first] is None:
+            return False
+        head, rest = f"{head}{first}.", more
+
+
+def _entry_error(key: str, param: torch.Tensor, value: object) -> str | None:
+    # torch's own two refusals of one entry, in its words.
+    if not torch.overrides.is_tensor_like(value):  # type: ignore[no-untyped-call]
+        return (
+            f'While copying the parameter named "{key}", expected torch.Tensor or Tensor-like '
+            f"object from checkpoint but received {type(value)}"
+        )
+    assert isinstance(value, torch.Tensor)
+    if torch.nn.parameter.is_lazy(param):
+        return None
+    shape = value.shape
+    if param.dim() == 0 and value.dim() == 1 and shape[0] == 1:
+        shape = value[0].shape  # torch's allowance for checkpoints of torch 0.3
+    if shape != param.shape:
+        return (
+            f"size mismatch for {key}: copying a param with shape {value.shape} from "
+            f"checkpoint, the shape in current model is {param.shape}."
+        )
+    return None
 
 
 def plan_scaling_load(
