@@ -350,6 +350,11 @@ def parallelize(
             join_timeout=join_timeout,
             optimizer_class=optimizer_class,
             optimizer_kwargs=optimizer_kwargs,
+            fp8_filter=fp8_filter,
+            fp8_all_gather=fp8_all_gather,
+            shard_units=shard_units,
+            current_amax=current_amax,
+            loss_normalization=loss_normalization,
         )
 
     if world > 1:

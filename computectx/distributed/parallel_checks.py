@@ -18,6 +18,7 @@ from computectx.distributed.expert_parallel import (
     same_ranks,
 )
 from computectx.distributed.group import check_join_timeout
+from computectx.memory import OffloadedOptimizer
 
 __all__ = ["check_parallelize", "uses_offloaded"]
 
@@ -50,9 +51,15 @@ def check_parallelize(
     join_timeout: float | None,
     optimizer_class: type[torch.optim.Optimizer],
     optimizer_kwargs: dict[str, Any],
+    fp8_filter: object = None,
+    fp8_all_gather: object = True,
+    shard_units: object = None,
+    current_amax: object = None,
+    loss_normalization: object = "per_rank",
 ) -> None:
     """``parallelize``'s checks of its arguments on this rank (its docstring says what each
-    refuses); raises before anything changes."""
+    refuses); raises before anything changes. Every argument is checked here, the ones only
+    many ranks use too, so a bad one never stops ``parallelize`` after the model changed."""
     check_join_timeout(join_timeout)
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -60,6 +67,39 @@ def check_parallelize(
         raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
     if strategy not in ("ddp", "fsdp"):
         raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+    for name, flag, accepted in (
+        ("accumulate", accumulate, (True, False, None)),
+        ("offload", offload, (True, False, None)),
+        ("fp8_all_gather", fp8_all_gather, (True, False)),
+    ):
+        if not any(flag is a for a in accepted):
+            raise TypeError(
+                f"{name} must be {' or '.join(map(str, accepted))}, got {flag!r} (a string "
+                f"such as 'no' would read as true)"
+            )
+    if fp8_filter is not None and not callable(fp8_filter):
+        raise TypeError(
+            f"fp8_filter must be callable(module, fqn) -> bool or None, got "
+            f"{type(fp8_filter).__name__}"
+        )
+    if current_amax not in ("group", "local", None):
+        raise ValueError(
+            f"current_amax must be 'group' or 'local' (or None: the strategy's default), got "
+            f"{current_amax!r}"
+        )
+    if loss_normalization not in ("per_rank", "global"):
+        raise ValueError(
+            f"loss_normalization must be 'per_rank' or 'global', got {loss_normalization!r}"
+        )
+    if shard_units is not None:
+        _check_shard_units(model, shard_units)
+    if not (
+        isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
+    ):
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
+            f"torch.optim.AdamW), got {optimizer_class!r}"
+        )
     if mp_policy is not None:
         if not isinstance(mp_policy, MixedPrecisionPolicy):
             raise TypeError(
@@ -117,7 +157,29 @@ def check_parallelize(
             f"plain {optimizer_class.__name__} holding float32 state. Pass offload=None (or "
             f"True), or set optim_state='f32'"
         )
-    # The optimizer's arguments are checked on a stand-in before the model changes: a bad
-    # learning rate must not leave a model half converted, sharded or wrapped.
-    # (An OffloadedOptimizer hands them to optimizer_class as they are.)
-    optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)
+    # The optimizer is built on a stand-in before the model changes, the way parallelize
+    # builds it: a bad learning rate, or a class the OffloadedOptimizer refuses (LBFGS), must
+    # not leave a model half converted, sharded or wrapped.
+    if uses_offloaded(ctx, model, offload):
+        if "sharding" in optimizer_kwargs:
+            raise ValueError(
+                "parallelize chooses the OffloadedOptimizer's sharding itself (FSDP2's "
+                "shards under strategy='fsdp'); leave sharding out of its arguments"
+            )
+        stand_in = nn.Parameter(torch.zeros(1, device=ctx.device))
+        OffloadedOptimizer([stand_in], ctx, optimizer_class, **optimizer_kwargs)
+    else:
+        optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)
+
+
+def _check_shard_units(model: nn.Module, units: object) -> None:
+    """``shard_units``: a list of submodules of ``model`` (each at most once)."""
+    if not isinstance(units, list | tuple) or not all(isinstance(u, nn.Module) for u in units):
+        raise TypeError(f"shard_units must be a list of submodules of the model, got {units!r:.80}")
+    inside = {id(m) for m in model.modules()}
+    stray = [i for i, u in enumerate(units) if id(u) not in inside]
+    if stray:
+        raise ValueError(
+            f"shard_units[{stray[0]}] ({type(units[stray[0]]).__name__}) is not a submodule "
+            f"of the model; pass the model's own blocks"
+        )

@@ -84,7 +84,7 @@ def test_refused_calibrations_change_nothing(model: ByteLM, freeze: Freeze) -> N
         (lambda: calibrate_kv(model, [_ids(1), torch.full((1, 3), 999)]), ValueError, "ids must"),
         # The batches themselves fail midway.
         (lambda: calibrate_kv(model, _then([_ids(2)], KeyError("gone"))), KeyError, "gone"),
-        (lambda: calibrate_kv(model, [_ids(3, length=20)]), ValueError, ""),  # past max_len
+        (lambda: calibrate_kv(model, [_ids(3, length=20)]), ValueError, "exceeds max_len"),
         (lambda: calibrate_kv("model", [_ids(1)]), TypeError, "nn.Module"),  # type: ignore[arg-type]
     ]
     for call, error, match in faults:

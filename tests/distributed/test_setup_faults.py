@@ -1,0 +1,177 @@
+"""Fault injection for the setup calls, in one process (a gloo world of one): ``expert_parallel``
+and ``parallelize`` refused at each of their local checks in turn leave every parameter,
+buffer, attribute, hook and submodule type of the model as it was (the ``freeze`` fixture,
+tests/conftest.py: each module by all its attributes, hook dicts included, each tensor by its
+values, metadata, storage and hooks).
+
+What a world of one cannot reach: the checks that only many ranks make (an expert count the
+group cannot divide, another expert-parallel group, the accumulator and optimizer rules of an
+expert-parallel model, FSDP2 with an accumulator, ranks that disagree) run inside the same
+``agree`` before anything changes and are tested on two ranks in test_ep_edges.py and
+test_safety.py. Here every argument those paths read is checked too, so none of them can stop
+``parallelize`` after the model changed."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx import ComputeCtx, DType
+from computectx.distributed import expert_parallel, parallelize
+from computectx.memory import OffloadedOptimizer
+from computectx.nn import MoE
+from computectx.optim_state import OptimState
+
+Freeze = Callable[..., object]
+F32 = ComputeCtx.from_flag("fp32", "cpu")
+FP8 = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+ALL: Callable[[nn.Module, str], bool] = lambda m, fqn: True  # noqa: E731
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    assert not dist.is_initialized()
+    store = pathlib.Path(tmp_path_factory.mktemp("pg")) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList([MoE(F32, 32, 32, 4, 2), MoE(F32, 32, 32, 4, 2)])
+        self.out = nn.Linear(32, 32)
+
+
+def _refused(
+    freeze: Freeze, model: nn.Module, call: Callable[[], object], error: type[Exception], match: str
+) -> None:
+    before = freeze(model)
+    with pytest.raises(error, match=match):
+        call()
+    assert freeze(model) == before
+
+
+def test_refused_expert_parallel_changes_nothing(world_of_one: None, freeze: Freeze) -> None:
+    model = Net()
+    moe = model.blocks[1]
+    assert isinstance(moe, MoE)
+    _refused(freeze, model, lambda: expert_parallel(model, join_timeout=-1), ValueError, "join")
+    bad_group: Any = "all"
+    _refused(freeze, model, lambda: expert_parallel(model, group=bad_group), TypeError, "group")
+
+    # The second layer fails each check in turn; the first, which passes, is left alone too.
+    experts = moe.experts
+    moe.experts = nn.Linear(2, 2)  # type: ignore[assignment]
+    _refused(freeze, model, lambda: expert_parallel(model), TypeError, "blocks.1.experts")
+    moe.experts = experts
+
+    moe.dispatch = object()  # type: ignore[assignment]
+    _refused(freeze, model, lambda: expert_parallel(model), ValueError, "already has a dispatch")
+    moe.dispatch = None
+
+    mesh = init_device_mesh("cpu", (1,))
+    whole = experts.gate_up
+    experts.gate_up = nn.Parameter(distribute_tensor(whole.detach(), mesh, [Shard(0)]))
+    _refused(freeze, model, lambda: expert_parallel(model), RuntimeError, "already sharded")
+    experts.gate_up = whole
+
+    # The control: the same model passes (and a world of one changes nothing).
+    assert expert_parallel(model) == ["blocks.0", "blocks.1"]
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32))
+
+
+# name -> (ctx, parallelize's keywords, error, match)
+PARALLELIZE_FAULTS: dict[str, tuple[Any, dict[str, Any], type[Exception], str]] = {
+    "ctx": ("cpu", {}, TypeError, "ComputeCtx"),
+    "strategy": (FP8, {"strategy": "zero3"}, ValueError, "strategy"),
+    "join_timeout": (FP8, {"join_timeout": 0}, ValueError, "join_timeout"),
+    "mp_policy type": (FP8, {"mp_policy": "bf16", "strategy": "fsdp"}, TypeError, "mp_policy"),
+    "mp_policy under ddp": (FP8, {"mp_policy": MixedPrecisionPolicy()}, ValueError, "mp_policy"),
+    "accumulate as text": (FP8, {"accumulate": "no"}, TypeError, "accumulate"),
+    "offload as text": (FP8, {"offload": "no"}, TypeError, "offload"),
+    "fp8_all_gather as text": (FP8, {"fp8_all_gather": "x"}, TypeError, "fp8_all_gather"),
+    "fp8_filter": (FP8, {"fp8_filter": 3}, TypeError, "fp8_filter"),
+    "fp8_filter raises": (FP8, {"fp8_filter": lambda m, f: 1 / 0}, ZeroDivisionError, "division"),
+    "current_amax": (FP8, {"current_amax": "mine"}, ValueError, "current_amax"),
+    "loss_normalization": (FP8, {"loss_normalization": "sum"}, ValueError, "loss_normalization"),
+    "shard_units not a list": (FP8, {"shard_units": 3}, TypeError, "shard_units"),
+    "shard_units stray": (FP8, {"shard_units": [nn.Linear(2, 2)]}, ValueError, "shard_units"),
+    "optimizer_class text": (FP8, {"optimizer_class": "AdamW"}, TypeError, "optimizer_class"),
+    "optimizer_class wrapper": (
+        FP8,
+        {"optimizer_class": OffloadedOptimizer, "offload": True},
+        TypeError,
+        "cannot itself",
+    ),
+    "learning rate": (FP8, {"lr": -1.0}, ValueError, "learning rate"),
+    "unknown optimizer argument": (FP8, {"momentum": 0.9}, TypeError, "momentum"),
+    # Refused by the OffloadedOptimizer itself: used to be after the model was converted.
+    "LBFGS offloaded": (
+        FP8,
+        {"optimizer_class": torch.optim.LBFGS, "offload": True},
+        ValueError,
+        "LBFGS",
+    ),
+    "offloaded transfer": (FP8, {"offload": True, "transfer": "pinned"}, ValueError, "transfer"),
+    "offloaded sharding": (FP8, {"offload": True, "sharding": None}, ValueError, "sharding"),
+    "compact state, offload=False": (
+        FP8.replace(optim_state=OptimState.parse("int8")),
+        {"offload": False},
+        ValueError,
+        "optim_state",
+    ),
+}
+
+
+@pytest.mark.parametrize("fault", sorted(PARALLELIZE_FAULTS))
+def test_refused_parallelize_changes_nothing(fault: str, freeze: Freeze) -> None:
+    ctx, kwargs, error, match = PARALLELIZE_FAULTS[fault]
+    model = _mlp()
+    call = lambda: parallelize(model, ctx, fp8_filter=ALL, **kwargs)  # noqa: E731
+    if "fp8_filter" in kwargs:
+        call = lambda: parallelize(model, ctx, **kwargs)  # noqa: E731
+    _refused(freeze, model, call, error, match)
+
+
+def test_parallelize_controls_pass(freeze: Freeze) -> None:
+    # The faults above are refusals of these arguments, not of the model: each good twin
+    # converts the model (so a change would have shown).
+    for kwargs in (
+        {},
+        {"offload": True, "compile": False},
+        {"accumulate": False, "loss_normalization": "global", "current_amax": "local"},
+    ):
+        model = _mlp()
+        before = freeze(model)
+        par = parallelize(model, FP8.replace(grad=DType.BF16), fp8_filter=ALL, **kwargs)
+        assert freeze(model) != before and par.world_size == 1
+
+
+def test_refused_parallelize_of_a_wrapped_model_changes_nothing(
+    world_of_one: None, freeze: Freeze
+) -> None:
+    ddp = DistributedDataParallel(_mlp())
+    _refused(freeze, ddp, lambda: parallelize(ddp, FP8), ValueError, "wrapped already")
+    sharded = _mlp()
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+    _refused(freeze, sharded, lambda: parallelize(sharded, FP8), ValueError, "wrapped already")
