@@ -313,7 +313,9 @@ def parallelize(
        ``optimizer_class`` when ``offload`` is true, or by default when the ctx asks for one
        (``ctx.offload`` set, ``ctx.master`` differing from a parameter's dtype, or
        ``ctx.optim_state`` other than ``f32``: packed moments); else
-       ``optimizer_class`` itself. ``optimizer_kwargs`` (``lr=...``) go to it. A gradient
+       ``optimizer_class`` itself. ``optimizer_kwargs`` (``lr=...``) go to it (an
+       ``OffloadedOptimizer`` also takes its own: ``transfer``, ``seed``, ``compile``; its
+       ``sharding`` is parallelize's choice). A gradient
        accumulator is built when ``accumulate`` is true, or by default when the ctx asks
        for one (``ctx.grad`` differing from ``ctx.master``: low-precision gradient sums):
        ``DataParallelGradAccumulator`` under DDP, ``LowPrecGradAccumulator`` in one
