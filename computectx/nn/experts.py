@@ -159,14 +159,22 @@ HIGH_PRECISION: tuple[torch.dtype, ...] = (
 
 def check_inputs(x: object, w: object, offs: object, op: str) -> None:
     """The grouped GEMM's input check (``computectx.fp8``'s ``check_grouped``, which the fp8
-    path runs too) and, in eager mode, ``offs``' values: non-decreasing end rows in
-    ``[0, M]``, ``ValueError`` naming the first bad entry. A host read of ``offs`` (``E``
-    integers); inside ``torch.compile`` the values are not read here (a graph break), and
-    the fp8 operator still checks them."""
+    path runs too) and ``offs``' values: non-decreasing end rows in ``[0, M]``. In eager
+    mode a host read of ``offs`` (``E`` integers) and a ``ValueError`` naming the first bad
+    entry; inside ``torch.compile``, where a host read would break the graph, a check on
+    the device (``torch._assert_async``): a ``RuntimeError`` on the CPU, a device-side
+    assertion on an accelerator (as an index out of range is), never rows computed from
+    bad ``offs``."""
     m = check_grouped(x, w, offs, dtypes=HIGH_PRECISION, op=op)[0]
     assert isinstance(offs, torch.Tensor)
     if not torch.compiler.is_compiling():
         checked_bounds(offs, m)
+    elif offs.numel():
+        before = torch.cat([offs.new_zeros(1), offs[:-1]])
+        ok = ((offs >= before) & (offs <= m)).all()
+        torch._assert_async(
+            ok, f"{op}: offs must be non-decreasing end rows in [0, M] (the rows of x)"
+        )
 
 
 def grouped_linear(

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import torch
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
 from torch import nn
 from typing_extensions import Self
 
+from computectx._checks import as_int, validation_message
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Backend, Fp8Linear
@@ -20,7 +22,7 @@ from computectx.nn.experts import GroupedExperts
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 from computectx.nn.mlp import MLP
-from computectx.nn.moe import LoadBalance, MoE, RouterScore
+from computectx.nn.moe import LoadBalance, MoE, RouterScore, update_biases
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import param_dtype
 
@@ -42,6 +44,32 @@ _EXPERT_FIELDS: tuple[str, ...] = (
 )
 
 
+def _strict_int(value: object) -> object:
+    # The MoE counts as MoE itself takes them (``_checks.as_int``): a bool, a float (2.0) or
+    # a str ("2") is refused rather than coerced; the range is the field's.
+    if value is None or as_int(value) is not None:
+        return value if value is None else as_int(value)
+    raise ValueError(
+        f"must be an int (a Python or numpy integer), got {type(value).__name__} {value!r}"
+    )
+
+
+def _strict_real(value: object) -> object:
+    # A real number as MoE takes one: an int or float (numpy's too), never a bool or a str.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"must be a real number (int or float), got {type(value).__name__} {value!r}"
+        )
+    real = float(value)
+    if not math.isfinite(real):
+        raise ValueError(f"must be a finite number, got {value!r}")
+    return real
+
+
+def _config_errors(e: ValidationError) -> str:
+    return validation_message(e, "LMConfig", LMConfig.model_fields)
+
+
 class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """Shape of a ``ByteLM``. Linear widths are multiples of 16 so fp8 GEMMs can run them."""
 
@@ -59,15 +87,17 @@ class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=
     """RoPE frequency base."""
     norm_eps: float = Field(default=1e-6, gt=0.0, lt=1.0)
     """RMSNorm epsilon."""
-    n_experts: int = Field(default=0, ge=0, le=4096)
+    n_experts: Annotated[int, BeforeValidator(_strict_int), Field(ge=0, le=4096)] = 0
     """Routed experts in each block's feed-forward (``computectx.nn.MoE``); 0: the dense
     SwiGLU MLP of width ``d_ff``, and the ``top_k``/``moe_*`` fields must stay unset."""
-    top_k: int = Field(default=2, ge=1, le=4096)
+    top_k: Annotated[int, BeforeValidator(_strict_int), Field(ge=1, le=4096)] = 2
     """Experts each token is routed to, at most ``n_experts``."""
-    n_shared_experts: int = Field(default=0, ge=0, le=64)
+    n_shared_experts: Annotated[int, BeforeValidator(_strict_int), Field(ge=0, le=64)] = 0
     """Shared experts every token goes through besides its routed ones (one MLP of width
     ``n_shared_experts * moe_hidden``)."""
-    moe_hidden: Annotated[int, Field(ge=16, le=262144, multiple_of=16)] | None = None
+    moe_hidden: (
+        Annotated[int, BeforeValidator(_strict_int), Field(ge=16, le=262144, multiple_of=16)] | None
+    ) = None
     """Hidden width of each expert; ``None``: ``d_ff``."""
     moe_score: RouterScore = "softmax"
     """Router scores: ``"softmax"``, or DeepSeek-V3's ``"sigmoid"`` with normalized top-k
@@ -76,10 +106,36 @@ class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=
     """Load balancing: ``"aux_free"`` (a selection bias moved by
     ``ByteLM.update_expert_bias()`` after each optimizer step), ``"aux_loss"`` (add
     ``ByteLM.aux_loss()`` to the loss) or ``"none"``."""
-    moe_bias_rate: float = Field(default=1e-3, ge=0.0, le=1.0)
+    moe_bias_rate: Annotated[float, BeforeValidator(_strict_real), Field(ge=0.0, le=1.0)] = 1e-3
     """``aux_free``'s bias step per update (DeepSeek-V3's 0.001)."""
-    moe_aux_coef: float = Field(default=1e-2, ge=0.0, le=10.0)
+    moe_aux_coef: Annotated[float, BeforeValidator(_strict_real), Field(ge=0.0, le=10.0)] = 1e-2
     """``aux_loss``'s coefficient (uniform routing gives this value)."""
+
+    if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
+
+        def __init__(self, /, **data: Any) -> None:
+            """Validated fields; a bad one is a ``ValueError`` naming the field, the value
+            and what is accepted (pydantic's ``ValidationError`` is not let through)."""
+            try:
+                super().__init__(**data)
+            except ValidationError as e:
+                raise ValueError(_config_errors(e)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """``obj`` (a dict of the fields) as an ``LMConfig``; ``ValueError`` as ``__init__``."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise ValueError(_config_errors(e)) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        """The JSON form as an ``LMConfig``; ``ValueError`` as ``__init__``."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise ValueError(_config_errors(e)) from None
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> Self:
@@ -233,9 +289,9 @@ class ByteLM(nn.Module):
         """``MoE.update_bias()`` for every block: call it after each optimizer step under
         ``moe_balance="aux_free"`` (with data parallelism, after all-reducing each block's
         ``tokens_per_expert``), e.g. ``optimizer.register_step_post_hook(lambda *_:
-        model.update_expert_bias())``."""
-        for m in self.moe_layers():
-            m.update_bias()
+        model.update_expert_bias())``. Every block is checked before any bias moves
+        (``computectx.nn.moe.update_biases``): a refused block changes no block."""
+        update_biases(self.moe_layers())
 
     def new_caches(
         self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None

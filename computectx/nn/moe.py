@@ -17,11 +17,15 @@ Load balancing is the user's choice (``balance``):
   ``bias += bias_rate * sign(mean(load) - load)``, ``load`` the tokens each expert received
   since the last update (``tokens_per_expert``, counted by every forward in training mode).
   Called between steps rather than inside the forward, it is deterministic, runs once per step
-  under gradient accumulation, and is not repeated by activation checkpointing's recompute
-  (which counts the recomputed layer's tokens twice: every expert's count doubles, and the
-  sign of ``mean - load`` does not change). With data parallelism, all-reduce (sum) each
-  ``tokens_per_expert`` across ranks before ``update_bias()``, so every rank moves its bias
-  the same way (``ByteLM.update_expert_bias`` calls it for every block).
+  under gradient accumulation, and is not repeated by activation checkpointing's recompute.
+  The count is the forward's last step, so torch's default non-reentrant checkpointing
+  (``use_reentrant=False``, early stop on) counts each token once: its recompute stops once
+  the saved tensors are back, before the count. Reentrant checkpointing, or early stop
+  turned off, reruns the whole forward and counts the layer's tokens twice: every expert's
+  count doubles, and the sign of ``mean - load`` does not change. With data parallelism,
+  all-reduce (sum) each ``tokens_per_expert`` across ranks before ``update_bias()``, so every
+  rank moves its bias the same way (``ByteLM.update_expert_bias`` calls it for every block;
+  ``update_biases`` checks every layer before it changes any).
 - ``"aux_loss"``: a switch-style auxiliary loss, ``aux_coef * E * sum_e f_e * P_e``, ``f_e``
   the fraction of the ``T * top_k`` routed copies that expert ``e`` received and ``P_e`` the
   mean over tokens of its normalized score (the softmax probability; for sigmoid scores,
@@ -34,7 +38,7 @@ Load balancing is the user's choice (``balance``):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -47,7 +51,15 @@ from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, c
 from computectx.nn.mlp import MLP
 from computectx.nn.params import apply_fp8_policy, param_dtype
 
-__all__ = ["ExpertDispatch", "LoadBalance", "MoE", "Router", "RouterScore", "Routing"]
+__all__ = [
+    "ExpertDispatch",
+    "LoadBalance",
+    "MoE",
+    "Router",
+    "RouterScore",
+    "Routing",
+    "update_biases",
+]
 
 RouterScore = Literal["softmax", "sigmoid"]
 """How the router scores experts: ``softmax`` over all experts, or DeepSeek-V3's ``sigmoid``
@@ -330,7 +342,9 @@ class MoE(nn.Module):
                 self.tokens_per_expert.add_(counts)
         if self.balance == "aux_loss" and self.training and copies:
             f = counts.to(probs.dtype) / copies
-            self.aux_loss = self.aux_coef * self.n_experts * (f * probs.mean(0)).sum()
+            # sum_e f_e P_e <= 1, so sum * E <= E: multiplied by aux_coef last, the loss
+            # overflows only when its true value does (aux_coef * E formed first may not fit).
+            self.aux_loss = (f * probs.mean(0)).sum() * self.n_experts * self.aux_coef
         else:
             self.aux_loss = None
 
@@ -341,7 +355,14 @@ class MoE(nn.Module):
         all-reduced across data-parallel ranks by the caller) or the ``load`` given; then
         ``tokens_per_expert`` starts again from zero. Call it after each optimizer step.
         Under ``balance`` other than ``"aux_free"`` the bias does not move (the count is
-        still reset); nor does it when no token was counted."""
+        still reset); nor does it when no token was counted. A load that is not a finite,
+        non-negative count per expert, a bias that is not finite, or a step that would make
+        it so raises and changes nothing (``update_biases`` for many layers at once)."""
+        update_biases([self], [load])
+
+    def _planned_bias(self, load: torch.Tensor | None) -> torch.Tensor | None:
+        # update_bias's checks and the bias it would write (None: the bias stays), changing
+        # nothing. One host read, between steps.
         counted = self.tokens_per_expert if load is None else load
         if not isinstance(counted, torch.Tensor):
             raise TypeError(
@@ -354,10 +375,11 @@ class MoE(nn.Module):
             )
         if counted.is_complex() or counted.dtype == torch.bool:
             raise TypeError(f"update_bias takes a real load per expert, got {counted.dtype}")
-        # Everything checked before the bias moves: a non-finite or negative load, or a
-        # bias already non-finite (written around load_state_dict), raises and changes
-        # nothing. One host read, between steps.
-        wide = counted.to(device=self.router.bias.device, dtype=torch.float64)
+        bias = self.router.bias
+        # A bias already non-finite (written around load_state_dict) is refused in every
+        # balance: it still decides the selection.
+        check_bias(bias, self.n_experts, "the router bias")
+        wide = counted.detach().to(device=bias.device, dtype=torch.float64)
         bad_load = ~torch.isfinite(wide) | (wide < 0)
         if bool(bad_load.any()):
             experts = bad_load.nonzero().flatten().tolist()
@@ -365,10 +387,44 @@ class MoE(nn.Module):
                 f"update_bias takes a finite, non-negative load per expert (token counts); "
                 f"experts {experts} have {wide[bad_load].tolist()}"
             )
-        if self.balance == "aux_free":
-            step = torch.sign(wide.mean() - wide) * self.bias_rate
-            # No tokens (an eval-only call): mean - load is 0 everywhere, so no step.
-            moved = self.router.bias + step.to(self.router.bias.dtype)
-            check_bias(moved, self.n_experts, "the router bias after update_bias")
-            self.router.bias.copy_(moved)
-        self.tokens_per_expert.zero_()
+        if self.balance != "aux_free":
+            return None
+        step = torch.sign(wide.mean() - wide) * self.bias_rate
+        # No tokens (an eval-only call): mean - load is 0 everywhere, so no step.
+        moved = bias + step.to(bias.dtype)
+        check_bias(moved, self.n_experts, "the router bias after update_bias")
+        return moved
+
+
+@torch.no_grad()
+def update_biases(
+    layers: Sequence[MoE], loads: Sequence[torch.Tensor | None] | None = None
+) -> None:
+    """``MoE.update_bias`` for every layer of ``layers`` (``loads[i]`` the load of layer
+    ``i``, ``None`` or left out: its own ``tokens_per_expert``), every layer checked before
+    any changes: a refused layer (a bad load, a non-finite bias, a step that would make one
+    non-finite) raises naming it, and no layer's bias or count has moved. Then every bias
+    moves and every count starts again from zero. ``ByteLM.update_expert_bias`` calls it."""
+    layers = list(layers)
+    if not all(isinstance(m, MoE) for m in layers):
+        bad = next(m for m in layers if not isinstance(m, MoE))
+        raise TypeError(f"update_biases takes MoE layers, got {type(bad).__name__}")
+    given = [None] * len(layers) if loads is None else list(loads)
+    if len(given) != len(layers):
+        raise ValueError(
+            f"update_biases takes one load per layer: {len(layers)} layers, {len(given)} loads"
+        )
+    planned = []
+    for i, (m, load) in enumerate(zip(layers, given, strict=True)):
+        try:
+            planned.append(m._planned_bias(load))
+        except (TypeError, ValueError) as e:
+            if len(layers) == 1:
+                raise
+            raise type(e)(
+                f"MoE layer {i} of {len(layers)}: {e} (no layer's bias or count was changed)"
+            ) from None
+    for m, moved in zip(layers, planned, strict=True):
+        if moved is not None:
+            m.router.bias.copy_(moved)
+        m.tokens_per_expert.zero_()

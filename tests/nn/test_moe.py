@@ -23,6 +23,7 @@ from computectx.nn import (
     Router,
     grouped_linear,
 )
+from computectx.nn.moe import update_biases
 
 CPU = torch.device("cpu")
 F32 = ComputeCtx.parity(CPU)
@@ -385,8 +386,9 @@ def test_dense_byte_lm_has_no_expert_load() -> None:
     ],
 )
 def test_lm_config_rejects_inconsistent_experts(kw: dict[str, object], match: str) -> None:
-    with pytest.raises(ValidationError, match=match):
+    with pytest.raises(ValueError, match=match) as caught:
         _tiny_moe_lm(**kw)
+    assert not isinstance(caught.value, ValidationError) and "pydantic" not in str(caught.value)
 
 
 def test_lm_config_moe_hidden_defaults_to_d_ff() -> None:
@@ -550,10 +552,149 @@ def test_update_bias_refuses_a_non_finite_load_or_bias() -> None:
         assert torch.equal(moe.tokens_per_expert, counts)
     with torch.no_grad():
         moe.router.bias[3] = math.nan  # written around load_state_dict
-    with pytest.raises(ValueError, match=r"bias after update_bias must be finite; experts \[3\]"):
+    with pytest.raises(ValueError, match=r"router bias must be finite; experts \[3\]"):
         moe.update_bias()
     assert torch.equal(moe.tokens_per_expert, counts)
     with torch.no_grad():
         moe.router.bias[3] = 0.0
     moe.update_bias()
     assert torch.isfinite(moe.router.bias).all() and int(moe.tokens_per_expert.sum()) == 0
+
+
+def _two_layer_lm() -> ByteLM:
+    torch.manual_seed(0)
+    cfg = LMConfig(d_model=32, n_layers=2, n_heads=2, n_experts=4, top_k=2, moe_hidden=16,
+                   max_len=16)  # fmt: skip
+    model = ByteLM(F32, cfg)
+    ids = torch.randint(0, 256, (2, 9))
+    torch.autograd.backward(model.loss(ids[:, :-1], ids[:, 1:]))
+    return model
+
+
+def _moe_state(layers: list[MoE]) -> list[torch.Tensor]:
+    return [t.clone() for m in layers for t in (m.router.bias, m.tokens_per_expert)]
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_update_expert_bias_checks_every_layer_before_any_moves(bad: float) -> None:
+    # Before: layer 1's bad bias raised after layer 0's bias had moved and its count was reset.
+    model = _two_layer_lm()
+    layers = model.moe_layers()
+    with torch.no_grad():
+        layers[1].router.bias[2] = bad  # written around load_state_dict
+    before = _moe_state(layers)
+    with pytest.raises(ValueError, match=r"MoE layer 1 of 2: the router bias must be finite"):
+        model.update_expert_bias()
+    torch.testing.assert_close(_moe_state(layers), before, rtol=0, atol=0, equal_nan=True)
+    with torch.no_grad():
+        layers[1].router.bias[2] = 0.0
+    model.update_expert_bias()
+    assert all(int(m.tokens_per_expert.sum()) == 0 for m in layers)
+    assert all(bool(m.router.bias.ne(0).any()) for m in layers)
+
+
+def test_update_biases_refuses_a_step_that_overflows_before_any_layer_moves() -> None:
+    first, second = _moe(), _moe(seed=1, bias_rate=3e38)
+    with torch.no_grad():
+        second.router.bias.fill_(3e38)  # + 3e38 for an underloaded expert: inf
+    first.tokens_per_expert.copy_(torch.tensor([3, 1, 2, 2]))
+    before = _moe_state([first, second])
+    with pytest.raises(ValueError, match=r"MoE layer 1 of 2: .*after update_bias must be finite"):
+        update_biases([first, second], [None, torch.tensor([0, 4, 4, 4])])
+    torch.testing.assert_close(_moe_state([first, second]), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="one load per layer"):
+        update_biases([first, second], [None])
+    update_biases([first, second], [None, torch.tensor([4, 4, 4, 4])])  # balanced: no step
+    assert first.router.bias.tolist() != [0.0] * E and int(first.tokens_per_expert.sum()) == 0
+
+
+def test_a_refused_load_changes_nothing_under_any_root() -> None:
+    # Before: the check ran in the MoE's own hook, after the modules before it had loaded.
+    ctx = BF16
+    nested = torch.nn.Sequential(torch.nn.Linear(DIM, DIM), MoE(ctx, DIM, HIDDEN, E, K))
+
+    class TopDown(torch.nn.Module):  # containers placed first, then filled
+        def __init__(self) -> None:
+            super().__init__()
+            self.head = torch.nn.Linear(DIM, DIM)
+            self.blocks = torch.nn.ModuleList()
+            self.blocks.append(torch.nn.ModuleDict({"mlp": MoE(ctx, DIM, HIDDEN, E, K)}))
+
+    for model, key in [(nested, "1.router.bias"), (TopDown(), "blocks.0.mlp.router.bias")]:
+        sd = {k: v.clone() + 1 for k, v in model.state_dict().items()}
+        sd[key] = torch.tensor([0.0, math.nan, 0.0, 0.0])
+        before = _tensors(model)
+        with pytest.raises(ValueError, match=f"{key} must be finite"):
+            model.load_state_dict(sd)
+        assert _unchanged(model, before)
+        sd[key] = torch.zeros(E)
+        model.load_state_dict(sd)
+        assert not _unchanged(model, before)
+
+
+def test_aux_loss_does_not_overflow_where_its_value_fits() -> None:
+    # Before: aux_coef * E (4e38) was formed first and overflowed float32: inf.
+    huge, unit = _moe(balance="aux_loss", aux_coef=1e38), _moe(balance="aux_loss", aux_coef=1.0)
+    x = torch.randn(8, DIM)
+    huge.train()(x), unit.train()(x)
+    assert huge.aux_loss is not None and unit.aux_loss is not None
+    assert bool(torch.isfinite(huge.aux_loss))
+    torch.testing.assert_close(
+        huge.aux_loss.double(), unit.aux_loss.double() * 1e38, rtol=1e-6, atol=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"n_experts": True, "top_k": 1}, "n_experts=True: must be an int"),
+        ({"top_k": "2"}, "top_k='2': must be an int"),
+        ({"top_k": 2.0}, "top_k=2.0: must be an int"),
+        ({"n_shared_experts": 1.0}, "n_shared_experts=1.0: must be an int"),
+        ({"moe_hidden": "32"}, "moe_hidden='32': must be an int"),
+        ({"moe_bias_rate": "1e-3"}, "moe_bias_rate='1e-3': must be a real number"),
+        ({"moe_aux_coef": True}, "moe_aux_coef=True: must be a real number"),
+        ({"moe_aux_coef": math.nan}, "moe_aux_coef=nan: must be a finite number"),
+    ],
+)
+def test_lm_config_takes_the_moe_fields_as_moe_does(kw: dict[str, object], match: str) -> None:
+    # Before: pydantic's lax mode read True as 1, "2" and 2.0 as 2, "1e-3" as 0.001.
+    with pytest.raises(ValueError, match=match) as caught:
+        _tiny_moe_lm(**kw)
+    assert not isinstance(caught.value, ValidationError) and "pydantic" not in str(caught.value)
+    with pytest.raises(ValueError, match=match):
+        LMConfig.model_validate(_tiny_moe_lm().model_dump() | kw)
+
+
+def test_lm_config_moe_fields_take_numpy_numbers() -> None:
+    np = pytest.importorskip("numpy")
+    cfg = _tiny_moe_lm(top_k=np.int64(2), moe_hidden=np.int32(32), moe_bias_rate=np.float32(0.5))
+    assert (type(cfg.top_k), cfg.moe_hidden, cfg.moe_bias_rate) == (int, 32, 0.5)
+    assert LMConfig.model_validate_json(cfg.model_dump_json()) == cfg
+
+
+def test_compiled_high_precision_experts_refuse_bad_offs_on_the_device() -> None:
+    # Before: compiled, the high-precision path did not read offs and computed wrong rows.
+    torch.manual_seed(0)
+    experts = GroupedExperts(BF16, DIM, HIDDEN, E)
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, DIM, dtype=torch.bfloat16)
+    torch.testing.assert_close(compiled(x, _offs(1, 3, 3, 6)), experts(x, _offs(1, 3, 3, 6)))
+    for bad in [_offs(3, 2, 6, 6), _offs(-1, 2, 3, 6), _offs(1, 2, 3, 7)]:
+        with pytest.raises(RuntimeError, match="offs must be non-decreasing end rows"):
+            compiled(x, bad)
+
+
+@pytest.mark.parametrize(("reentrant", "times"), [(False, 1), (True, 2)])
+def test_checkpoint_recompute_counts_tokens_as_the_docstring_says(
+    reentrant: bool, times: int
+) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    moe = _moe().train()
+    x = torch.randn(8, DIM, requires_grad=True)
+    moe(x)
+    once = moe.tokens_per_expert.clone()
+    moe.tokens_per_expert.zero_()
+    checkpoint(moe, x, use_reentrant=reentrant).sum().backward()
+    assert torch.equal(moe.tokens_per_expert, once * times)

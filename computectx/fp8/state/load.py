@@ -22,7 +22,9 @@ Everything is read and checked before anything changes; the plan holds new tenso
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
@@ -116,14 +118,51 @@ def guard_whole_loads(model: nn.Module) -> None:
     prefix)`` (``computectx.nn.Router``'s bias), run on the whole state dict first; then
     what torch itself would refuse after loading the rest (``load_refusals``: a size
     mismatch, a value that is not a tensor, and under ``strict`` a missing or unexpected
-    key) raises torch's ``RuntimeError`` before anything loads."""
-    if getattr(model, _GUARDED, False):
+    key) raises torch's ``RuntimeError`` before anything loads.
+
+    The guard climbs: every module that holds a guarded one is guarded too, whatever the
+    root a user calls ``load_state_dict`` on (an ``nn.Sequential`` around an ``MoE``, a
+    wrapper around a converted model), since torch loads the root's other children first.
+    Each module registered under another (attribute assignment, ``add_module``,
+    ``register_module``, the containers: torch's module registration hook) is remembered
+    with its parents (weakly), so a module guarded after it was placed guards the modules
+    above it then, and a guarded module placed under a parent guards that parent and the
+    modules above it. A module put into ``parent._modules`` directly, around torch's
+    registration, is not seen."""
+    if _guarded(model):
         return
     model.register_load_state_dict_pre_hook(_check_every_layer)  # type: ignore[no-untyped-call]
     object.__setattr__(model, _GUARDED, True)
+    for parent in list(_PARENTS.get(model, ())):
+        guard_whole_loads(parent)
 
 
 _GUARDED = "_fp8_whole_loads"
+
+_PARENTS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Each registered module's parents (weakly: neither is kept alive by this)."""
+
+
+def _on_registration(parent: nn.Module, name: str, child: object) -> None:
+    # torch's global module registration hook: remember the parent, and pass a guard up.
+    if not isinstance(child, nn.Module) or child is parent:
+        return
+    with contextlib.suppress(TypeError):  # a module made unhashable is not remembered
+        _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
+    if _guarded(child):
+        guard_whole_loads(parent)
+
+
+def _guarded(module: nn.Module) -> bool:
+    # Read from the instance itself: a parent is registering its children, maybe inside its
+    # own __init__, and its __getattr__ (torch.compile's wrapper forwards to _orig_mod) may
+    # not answer yet.
+    return bool(vars(module).get(_GUARDED, False))
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
 
 
 def _check_every_layer(
