@@ -26,8 +26,9 @@ Two hooks for the ``ModelSpec``:
   ledgers at the end of every backward, so after each optimizer step every rank holds them
   all, and the checkpoints torchtitan takes after a step hold every rank's last amaxes with
   no further merge. ``fp8_post_optimizer_build_fn`` alone is kept for ModelSpecs that name
-  it, and refuses a model whose MoE layers balance their load when no optimizer step hook
-  was registered before it (it replaced the spec's own hook: the biases would not move).
+  it, and refuses a model whose MoE layers balance their load when torchtitan's
+  load-balancing step hook is not registered before it (it replaced the spec's own hook: the
+  biases would not move); so does a hook composed over it.
 
 Tensor-parallel linears (DTensor operands) take the whole tensor's amax by themselves
 (``computectx.distributed.tensor_parallel``).
@@ -197,15 +198,24 @@ def compose_post_optimizer_build_fn(spec: Any) -> PostOptimizerBuildFn:
     one), then fp8's (which adds nothing now, module docstring). Setting
     ``fp8_post_optimizer_build_fn`` instead would *replace* the spec's hook: on DeepSeek-V3,
     Qwen3 MoE and gpt-oss, torchtitan's ``register_moe_load_balancing_hook``, so the expert
-    biases would stop moving. Composing twice gives the same hook."""
+    biases would stop moving. Composing twice gives the same hook. Composing a spec whose
+    hook already *is* ``fp8_post_optimizer_build_fn`` (the older recipe's line ran first)
+    keeps nothing, and the hook returned raises ``ValueError`` when the optimizer is built
+    if the model's MoE layers balance their load and torchtitan's load-balancing hook is not
+    registered: set the spec's own hook back before composing."""
     if not hasattr(spec, "post_optimizer_build_fn"):
         raise TypeError(
             f"compose_post_optimizer_build_fn takes a torchtitan ModelSpec, got "
             f"{type(spec).__name__}"
         )
     base = spec.post_optimizer_build_fn
-    if base is fp8_post_optimizer_build_fn:
-        base = None  # an older recipe's line: fp8's hook alone (nothing to keep)
+    # An older recipe's line ran first (spec.post_optimizer_build_fn =
+    # fp8_post_optimizer_build_fn): the spec's own hook is already gone and cannot be found
+    # again from here. Nothing is kept, and the composed hook refuses, when the optimizer is
+    # built, a model whose MoE layers balance their load (their biases would not move).
+    replaced = base is fp8_post_optimizer_build_fn
+    if replaced:
+        base = None
     if base is not None and getattr(base, _COMPOSED, False):
         composed: PostOptimizerBuildFn = base
         return composed
@@ -217,6 +227,8 @@ def compose_post_optimizer_build_fn(spec: Any) -> PostOptimizerBuildFn:
     ) -> None:
         if base is not None:
             base(optimizers, model_parts, parallel_dims)
+        if replaced:
+            _check_balancing_hook(optimizers, model_parts, composed=True)
 
     setattr(post_optimizer_build, _COMPOSED, True)
     return post_optimizer_build
@@ -243,17 +255,71 @@ def fp8_post_optimizer_build_fn(
     ``compose_post_optimizer_build_fn(spec)``, which keeps the spec's own hook.
 
     ``ValueError`` when the model has MoE layers that balance their load
-    (``load_balance_coeff`` set) and no optimizer step hook is registered yet: this hook
-    then stands where ``register_moe_load_balancing_hook`` was, and the expert biases would
-    silently stop moving."""
+    (``load_balance_coeff`` set) and torchtitan's load-balancing step hook (the one
+    ``register_moe_load_balancing_hook`` registers) is not on the optimizer: this hook then
+    stands where that one was, and the expert biases would silently stop moving. Any other
+    step hook (a logger, torchtitan's bf16 state hook) does not count."""
+    _check_balancing_hook(optimizers, model_parts, composed=False)
+
+
+def _is_balancing_hook(hook: object) -> bool:
+    # torchtitan's hook is a lambda made inside register_moe_load_balancing_hook: known by
+    # its qualified name under that function (and its module, where torchtitan has one).
+    hook = getattr(hook, "func", hook)  # a functools.partial around it
+    qualname = getattr(hook, "__qualname__", "")
+    if not isinstance(qualname, str):
+        return False
+    owner, _, _ = qualname.partition(".<locals>.")
+    if owner != _BALANCING_OWNER[0]:
+        return False
+    return _BALANCING_OWNER[1] is None or getattr(hook, "__module__", None) == _BALANCING_OWNER[1]
+
+
+def _balancing_owner() -> tuple[str, str | None]:
+    try:
+        from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
+    except ImportError:  # another torchtitan layout: the name alone
+        return "register_moe_load_balancing_hook", None
+    return (
+        register_moe_load_balancing_hook.__qualname__,
+        register_moe_load_balancing_hook.__module__,
+    )
+
+
+_BALANCING_OWNER = _balancing_owner()
+
+
+def _check_balancing_hook(optimizers: Any, model_parts: list[nn.Module], *, composed: bool) -> None:
     balanced = _balanced_moe_layers(model_parts)
-    hooks = getattr(optimizers, "_optimizer_step_pre_hooks", None)
-    if balanced and not hooks:
-        raise ValueError(
-            f"spec.post_optimizer_build_fn = fp8_post_optimizer_build_fn replaced the spec's "
-            f"own hook, and the MoE layers {balanced[:3]}{' ...' if len(balanced) > 3 else ''} "
-            f"balance their load (load_balance_coeff) through torchtitan's "
-            f"register_moe_load_balancing_hook: their expert biases would stop moving. Set "
-            f"spec.post_optimizer_build_fn = compose_post_optimizer_build_fn(spec) before "
-            f"building the trainer"
+    if not balanced:
+        return
+    hooks = getattr(optimizers, "_optimizer_step_pre_hooks", None) or {}
+    if any(_is_balancing_hook(h) for h in hooks.values()):
+        return
+    layers = f"{balanced[:3]}{' ...' if len(balanced) > 3 else ''}"
+    if composed:
+        how = (
+            "compose_post_optimizer_build_fn(spec) was given a spec whose "
+            "post_optimizer_build_fn was already fp8_post_optimizer_build_fn (the older "
+            "recipe's line ran first and replaced the spec's own hook, which cannot be found "
+            "again)"
         )
+        fix = (
+            "Drop the line spec.post_optimizer_build_fn = fp8_post_optimizer_build_fn, or set "
+            "the spec's own hook back (torchtitan's register_moe_load_balancing_hook) before "
+            "spec.post_optimizer_build_fn = compose_post_optimizer_build_fn(spec)"
+        )
+    else:
+        how = (
+            "spec.post_optimizer_build_fn = fp8_post_optimizer_build_fn replaced the spec's own "
+            "hook"
+        )
+        fix = (
+            "Set spec.post_optimizer_build_fn = compose_post_optimizer_build_fn(spec) before "
+            "building the trainer"
+        )
+    raise ValueError(
+        f"{how}, and the MoE layers {layers} balance their load (load_balance_coeff) through "
+        f"torchtitan's register_moe_load_balancing_hook, which is not registered on the "
+        f"optimizer: their expert biases would stop moving. {fix}"
+    )

@@ -14,7 +14,14 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx, DType
-from computectx.fp8 import Fp8Linear, Fp8Policy, convert_to_fp8, fp8_grouped_mm
+from computectx.fp8 import (
+    ExpertsFp8,
+    Fp8Backend,
+    Fp8Linear,
+    Fp8Policy,
+    convert_to_fp8,
+    fp8_grouped_mm,
+)
 
 POLICIES = {
     "tensor": "e4m3/tensor/dynamic/0",
@@ -129,6 +136,24 @@ def test_a_ctx_is_not_a_policy() -> None:
     offs = torch.tensor([2, 4, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="Fp8Policy"):
         fp8_grouped_mm(x, w, offs, ComputeCtx.from_flag("fp8_hybrid", "cpu"), backend="reference")  # type: ignore[arg-type]
+
+
+def test_experts_fp8_checks_its_settings_when_built() -> None:
+    # Before: each of these was accepted and failed at the first GEMM.
+    ctx = ComputeCtx.from_flag("fp8_rowwise", "cpu")
+    assert ctx.fp8 is not None
+    for policy, backend, error, match in [
+        (None, Fp8Backend.REFERENCE, TypeError, "Fp8Policy .ctx.fp8. as its policy, got NoneType"),
+        ("fp8_rowwise", Fp8Backend.REFERENCE, TypeError, "as its policy, got str"),
+        (ctx, Fp8Backend.REFERENCE, TypeError, "as its policy, got ComputeCtx"),
+        (ctx.fp8, None, TypeError, "Fp8Backend as its backend .* got NoneType"),
+        (ctx.fp8, 3, TypeError, "Fp8Backend as its backend .* got int 3"),
+        (ctx.fp8, "bogus", ValueError, "unknown fp8 backend 'bogus'"),
+    ]:
+        with pytest.raises(error, match=match):
+            ExpertsFp8(policy, backend)  # type: ignore[arg-type]
+    named = ExpertsFp8(ctx.fp8, "reference")  # type: ignore[arg-type]
+    assert named == ExpertsFp8(ctx.fp8, Fp8Backend.REFERENCE)
 
 
 FLAGS = [

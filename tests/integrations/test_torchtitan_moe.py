@@ -191,7 +191,19 @@ def test_deepseek_v3_load_balancing_keeps_moving_under_the_composed_hook() -> No
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with pytest.raises(ValueError, match="compose_post_optimizer_build_fn"):
         fp8_post_optimizer_build_fn(opt, [model], dims)  # in place of the spec's own: refused
+    # Before: any step pre-hook (a logger) passed for torchtitan's load-balancing hook.
+    logged = torch.optim.SGD(model.parameters(), lr=1e-3)
+    logged.register_step_pre_hook(lambda *_: None)
+    with pytest.raises(ValueError, match="register_moe_load_balancing_hook, which is not"):
+        fp8_post_optimizer_build_fn(logged, [model], dims)
+    # Before: the old line, then compose, composed to a hook that did nothing, silently.
+    old_line = SimpleNamespace(post_optimizer_build_fn=fp8_post_optimizer_build_fn)
+    over_old = compose_post_optimizer_build_fn(old_line)
+    with pytest.raises(ValueError, match="was already fp8_post_optimizer_build_fn"):
+        over_old(torch.optim.SGD(model.parameters(), lr=1e-3), [model], dims)
     spec.post_optimizer_build_fn(opt, [model], dims)
+    fp8_post_optimizer_build_fn(opt, [model], dims)  # torchtitan's hook is on it: passes
+    over_old(opt, [model], dims)
     before = moe.expert_bias_E.clone()
     tokens = torch.randint(0, 2048, (1, 16), generator=torch.Generator().manual_seed(0))
     model(tokens).float().square().mean().backward()

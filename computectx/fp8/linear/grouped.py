@@ -153,6 +153,25 @@ class ExpertsFp8:
     policy: Fp8Policy
     backend: Fp8Backend
 
+    def __post_init__(self) -> None:
+        # Checked when built, not at the first GEMM: an Fp8Policy (``ctx.fp8``, not the ctx
+        # or a flag) and an Fp8Backend member or its name (read as the member).
+        if not isinstance(self.policy, Fp8Policy):
+            raise TypeError(
+                f"ExpertsFp8 takes an Fp8Policy (ctx.fp8) as its policy, got "
+                f"{describe(self.policy)}"
+            )
+        backend: object = self.backend
+        if isinstance(backend, str) and not isinstance(backend, Fp8Backend):
+            backend = parse_backend(backend)
+        if not isinstance(backend, Fp8Backend):
+            accepted = ", ".join(repr(b.value) for b in Fp8Backend)
+            raise TypeError(
+                f"ExpertsFp8 takes an Fp8Backend as its backend (a member or one of "
+                f"{accepted}), got {describe(backend)}"
+            )
+        object.__setattr__(self, "backend", backend)
+
     def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """``fp8_grouped_mm(x, w, offs, self.policy, backend=self.backend)``."""
         return fp8_grouped_mm(x, w, offs, self.policy, backend=self.backend)
