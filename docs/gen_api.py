@@ -125,7 +125,14 @@ SECTIONS: tuple[Section, ...] = (
     Section("computectx.fp8.ops.gemm", "The block-scaled GEMM"),
     Section("computectx.fp8.linear.grouped", "The grouped fp8 GEMM (mixture of experts)"),
     Section("computectx.fp8.convert_experts", "Converting grouped experts"),
-    Section("computectx.distributed.expert_parallel", "Expert parallelism"),
+    # `import computectx.distributed.expert_parallel as ep` gives the function the package
+    # exports under that name: its public names are exported from computectx.distributed
+    # (documented there); the rest are reached with `from ... import`.
+    Section(
+        "computectx.distributed.expert_parallel",
+        "Expert parallelism's other names (`from ... import` them)",
+        skip_names_of=("computectx.distributed",),
+    ),
     Section("computectx.integrations.transformers_moe", "transformers MoE experts in fp8"),
     Section("computectx.integrations.torchtitan_moe", "torchtitan MoE experts in fp8"),
     Section("computectx.fp8.numerics.kv_quant", "The fp8 KV cache's quantizer"),

@@ -8,8 +8,12 @@ this package.
 from computectx._moved import redirect
 from computectx.distributed.expert_parallel import (
     AllToAllDispatch,
+    clip_grad_norm_with_experts,
     expert_parallel,
+    expert_parallel_group,
+    expert_parameters,
     full_state_dict,
+    moe_local_buffers,
     update_expert_bias,
 )
 from computectx.distributed.fp8_all_gather import (
@@ -51,16 +55,20 @@ __all__ = [
     "WeightGatheredAsFp8",
     "agree",
     "check_same_policy",
+    "clip_grad_norm_with_experts",
     "data_parallel_group",
     "dtensor_fp8_linear",
     "enable_fp8_all_gather",
     "enable_fp8_expert_gather",
     "expert_parallel",
+    "expert_parallel_group",
+    "expert_parameters",
     "fp8_buffer_names",
     "fsdp_mixed_precision",
     "full_state_dict",
     "gathers_as_fp8",
     "join",
+    "moe_local_buffers",
     "optimizer_state_dict",
     "parallelize",
     "rescale_grad_ledger",

@@ -2,7 +2,8 @@
 experts, so its state dict holds them as DTensors of its slice, marked with the rank that saved
 them; a slice another rank saved is refused on load (a one-rank ``torch.save`` loaded on every
 rank would otherwise give every rank rank 0's experts), and ``full_state_dict`` gathers whole
-experts for one rank to save."""
+experts for one rank to save. And the state every rank moves alike after a step: the routers'
+biases (``update_expert_bias``)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from computectx.distributed.collectives import comm_device
+from computectx.distributed.group import GroupArg, data_parallel_group, join, joining
 from computectx.nn.experts import GroupedExperts
-from computectx.nn.moe import MoE
+from computectx.nn.moe import MoE, check_bias
 
 __all__ = [
     "EXPERT_WEIGHTS",
+    "JOIN_TIMEOUTS",
     "SHARDS",
     "ExpertShards",
     "full_state_dict",
     "shard_expert_optimizer_state",
     "unshard_expert_optimizer_state",
+    "update_expert_bias",
 ]
 
 EXPERT_WEIGHTS = ("gate_up", "down")
@@ -45,11 +49,19 @@ class ExpertShards:
     (a one-process checkpoint, ``full_state_dict``) by taking this rank's experts. Another
     rank's slice is refused (``check``)."""
 
-    def __init__(self, group: dist.ProcessGroup, local: int) -> None:
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        local: int,
+        whole: dict[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.group = group
         self.mesh = DeviceMesh.from_group(group, comm_device(group).type)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.local = local
+        self.whole = dict(whole or {})
+        """Each expert weight's whole ``(E, ...)`` shape (``check_shapes``)."""
 
     def attach(self, experts: GroupedExperts) -> None:
         # Functions, not bound methods: torch marks the hooks it is given with attributes.
@@ -110,7 +122,10 @@ class ExpertShards:
         keys: tuple[str, ...] = EXPERT_WEIGHTS,
         what: str = "",
     ) -> None:
-        """Refuse a slice that another rank (or another world) saved (``ValueError``)."""
+        """Refuse a slice that another rank (or another world) saved, and (for the weights)
+        a tensor of another shape (``ValueError``)."""
+        if keys == EXPERT_WEIGHTS and not what:
+            self.check_shapes(state, prefix)
         for key in (prefix + k for k in keys):
             value = state.get(key)
             saved = getattr(value, _SLICE, None) if isinstance(value, DTensor) else None
@@ -128,6 +143,38 @@ class ExpertShards:
                 f"rank and save that on one; nothing was loaded"
             )
 
+    def check_shapes(self, state: dict[str, Any], prefix: str) -> None:
+        """Refuse (``ValueError``) an expert weight whose whole shape is not the model's: a
+        DTensor of another global shape, or a plain tensor that is neither the whole
+        ``(E, ...)`` weight nor, in a group of one, this rank's. Checked before anything
+        loads, so a tensor of the same size and another shape is never sliced into a shape
+        that is nowhere in the checkpoint. A plain tensor over ``E / world`` experts says
+        nothing of whose experts they are: refused too."""
+        for attr, want in self.whole.items():
+            key = prefix + attr
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue  # not a tensor: torch's own load says so
+            got = tuple(value.shape)
+            if got == want:
+                continue
+            mine = (self.local, *want[1:])
+            if isinstance(value, DTensor):
+                held = f"a DTensor of whole shape {got}"
+            elif got == mine:
+                held = (
+                    f"a plain tensor of shape {got}: {self.local} experts, with nothing to say "
+                    f"whose (a rank's share of this model's is a DTensor: state_dict())"
+                )
+            else:
+                held = f"a tensor of shape {got}"
+            raise ValueError(
+                f"{key} holds {held}, and this expert-parallel model's {attr} is {want} (all "
+                f"{want[0]} experts; each of the {self.world} ranks holds {mine}): load the "
+                f"whole (E, ...) weights (full_state_dict) or this model's own state_dict "
+                f"(torch.distributed.checkpoint); nothing was loaded"
+            )
+
     def load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
         self.check(state, prefix)
         for attr in EXPERT_WEIGHTS:
@@ -136,6 +183,11 @@ class ExpertShards:
 
 
 SHARDS: weakref.WeakKeyDictionary[nn.Module, ExpertShards] = weakref.WeakKeyDictionary()
+
+JOIN_TIMEOUTS: dict[dist.ProcessGroup, float | None] = {}
+"""The ``join_timeout`` that ``expert_parallel`` was given for each group: the expert
+helpers that are collectives (``full_state_dict``, ``update_expert_bias``,
+``clip_grad_norm_with_experts``) join with it."""
 
 
 def _expert_weights(model: nn.Module) -> dict[str, ExpertShards]:
@@ -177,14 +229,133 @@ def unshard_expert_optimizer_state(model: nn.Module, optim: Any) -> Any:
     return {**optim, "state": state}
 
 
-def full_state_dict(model: nn.Module) -> dict[str, Any]:
-    """``model.state_dict()`` with every DTensor gathered whole (``full_tensor``): the
-    experts of an expert-parallel model as whole ``(E, ...)`` tensors, FSDP2's shards as whole
-    parameters. A collective: every rank of the groups calls it, in the same order (the
-    DTensors are gathered in the state dict's order). What it returns is the same on every
-    rank, so one rank may ``torch.save`` it; it loads into one process, or into an
-    expert-parallel model of any world (each rank takes its experts)."""
-    out: dict[str, Any] = {}
-    for key, value in model.state_dict().items():
-        out[key] = value.full_tensor() if isinstance(value, DTensor) else value
+def _groups_of(model: nn.Module, state: dict[str, Any]) -> list[dist.ProcessGroup]:
+    # The groups that gathering ``state``'s DTensors reduces over, in a fixed order: an
+    # expert shard's own group, else each dimension's group of the DTensor's mesh.
+    by_mesh = {id(s.mesh): s.group for m in model.modules() if (s := SHARDS.get(m)) is not None}
+    out: list[dist.ProcessGroup] = []
+    for value in state.values():
+        if isinstance(value, DTensor):
+            mesh = value.device_mesh
+            known = by_mesh.get(id(mesh))
+            for g in [known] if known is not None else mesh.get_all_groups():
+                if all(g is not h for h in out):
+                    out.append(g)
     return out
+
+
+def full_state_dict(model: nn.Module) -> dict[str, Any]:
+    """A snapshot of ``model.state_dict()`` with every DTensor gathered whole
+    (``full_tensor``): the experts of an expert-parallel model as whole ``(E, ...)`` tensors,
+    FSDP2's shards as whole parameters. Every tensor in it is a detached copy (the others
+    too, not references to the live weights and buffers), so it stays what the model held
+    at the call: a rollback (``load_state_dict``) restores every weight of that moment.
+
+    A collective: every rank of the groups calls it, in the same order (the DTensors are
+    gathered in the state dict's order). It first joins each group (``join``, with
+    ``expert_parallel``'s ``join_timeout``), so a rank that calls it alone gets a
+    ``RuntimeError`` naming the ranks that did not join, and the group stays usable. What
+    it returns is the same on every rank, so one rank may ``torch.save`` it; it loads into
+    one process, or into an expert-parallel model of any world (each rank takes its
+    experts). Without a DTensor it issues nothing."""
+    state = model.state_dict()
+    for group in _groups_of(model, state):
+        join(group, "full_state_dict", JOIN_TIMEOUTS.get(group))
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            out[key] = value.full_tensor()
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+        else:
+            out[key] = value
+    return out
+
+
+def _refusal(fqn: str, moe: MoE) -> str | None:
+    # Why ``update_bias`` would refuse this layer, or would leave a non-finite bias: a
+    # non-finite or negative count, a non-finite bias, or one that a step of bias_rate
+    # overflows. Checked on every layer before any moves.
+    name = fqn or "the model"
+    counts = moe.tokens_per_expert.detach()
+    wide = counts.to(torch.float64)
+    bad = ~torch.isfinite(wide) | (wide < 0)
+    if bool(bad.any()):
+        return (
+            f"{name}.tokens_per_expert must hold finite, non-negative token counts; experts "
+            f"{bad.nonzero().flatten().tolist()} hold {counts[bad].tolist()}"
+        )
+    if moe.balance != "aux_free":
+        return None
+    bias = moe.router.bias.detach()
+    try:
+        check_bias(bias, moe.n_experts, f"{name}.router.bias")
+    except (TypeError, ValueError) as e:
+        return str(e)
+    reach = bias.abs() + torch.tensor(moe.bias_rate, dtype=bias.dtype, device=bias.device)
+    over = ~torch.isfinite(reach)
+    if bool(over.any()):
+        return (
+            f"{name}.router.bias would overflow {bias.dtype} by a step of bias_rate="
+            f"{moe.bias_rate:g}: experts {over.nonzero().flatten().tolist()} hold "
+            f"{bias[over].tolist()}"
+        )
+    return None
+
+
+def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:
+    """``MoE.update_bias`` for every MoE of ``model`` with the load of the whole group: every
+    layer's ``tokens_per_expert`` summed over the ranks of ``group`` in one all-reduce, so
+    every rank moves its router biases alike (``balance="aux_free"``; other layers only
+    reset their counts). Call it after each optimizer step on every rank (``Parallel.step``
+    does); ``group=None`` outside torch.distributed (or a world of one) reduces nothing.
+    With no MoE layer it issues nothing. Each rank's counts are its own tokens for every
+    expert (the global ones under ``expert_parallel`` too), so the sum is the batch's.
+
+    Every layer is checked before any moves (a non-finite router bias, one that a step
+    would overflow, a non-finite or negative count): one ``ValueError`` and nothing changed
+    (no bias, no count). On many ranks each rank's verdict travels in the same all-reduce
+    as the counts (no extra collective), so every rank refuses alike, naming the ranks; and
+    it joins the group first (``join``, with ``expert_parallel``'s ``join_timeout``), so a
+    rank that calls it alone gets a ``RuntimeError`` naming the ranks that did not join,
+    and the group stays usable."""
+    named = [(f, m) for f, m in model.named_modules() if isinstance(m, MoE)]
+    if not named:
+        return
+    pg: dist.ProcessGroup | None = None
+    if dist.is_available() and dist.is_initialized():
+        pg = data_parallel_group(group)
+        if dist.get_world_size(pg) == 1:
+            pg = None
+    if pg is None:
+        _update_biases(named, None)
+        return
+    with joining(pg, "update_expert_bias", JOIN_TIMEOUTS.get(pg)):
+        _update_biases(named, pg)
+
+
+def _update_biases(named: list[tuple[str, MoE]], pg: dist.ProcessGroup | None) -> None:
+    layers = [m for _, m in named]
+    why = next((w for fqn, m in named if (w := _refusal(fqn, m)) is not None), None)
+    counts = torch.cat([m.tokens_per_expert.detach().reshape(-1) for m in layers])
+    failed: list[int] = [0] if why is not None else []
+    if pg is not None:
+        world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+        # Each rank's verdict rides with the counts: one all-reduce, every rank decides alike.
+        flags = torch.zeros(world, dtype=counts.dtype, device=counts.device)
+        flags[rank] = int(why is not None)
+        wire = torch.cat([counts, flags]).to(comm_device(pg))
+        dist.all_reduce(wire, group=pg)
+        wire = wire.to(counts.device)
+        counts, flags = wire[: counts.numel()], wire[counts.numel() :]
+        failed = flags.nonzero().flatten().tolist()
+    if failed:
+        ranks = ", ".join(map(str, failed))
+        where = "" if pg is None else f" on rank(s) {ranks} of the group (every rank raises this)"
+        detail = why if why is not None else "see the error on those ranks"
+        raise ValueError(
+            f"update_expert_bias refused{where}: {detail}; no router bias moved and no count "
+            f"was reset"
+        )
+    for m, load in zip(layers, torch.split(counts, [m.n_experts for m in layers]), strict=True):
+        m.update_bias(load)

@@ -54,13 +54,16 @@ from torch.distributed.tensor import DTensor
 from computectx.distributed.collectives import comm_device
 from computectx.distributed.expert_checkpoint import (
     EXPERT_WEIGHTS,
+    JOIN_TIMEOUTS,
     SHARDS,
     ExpertShards,
     full_state_dict,
     shard_expert_optimizer_state,
     unshard_expert_optimizer_state,
+    update_expert_bias,
 )
 from computectx.distributed.group import (
+    COMPILE_REFUSED,
     GroupArg,
     agree,
     check_join_timeout,
@@ -69,6 +72,7 @@ from computectx.distributed.group import (
     join,
     join_forwards,
     joined,
+    joining,
 )
 from computectx.dtypes import FP8_DTYPES
 from computectx.nn.experts import GroupedExperts
@@ -77,6 +81,7 @@ from computectx.nn.moe import MoE
 __all__ = [
     "AllToAll",
     "AllToAllDispatch",
+    "check_max_norm",
     "clip_grad_norm_with_experts",
     "expert_parallel",
     "expert_parallel_group",
@@ -164,6 +169,9 @@ class AllToAllDispatch:
             f"{self.first_expert}..{last})"
         )
 
+    # Eager: it joins, then routes with split sizes read on the host (a compiled forward
+    # breaks its graph here; fullgraph=True refuses, naming COMPILE_REFUSED).
+    @torch.compiler.disable(reason=COMPILE_REFUSED)  # type: ignore[untyped-decorator, no-untyped-call]
     def __call__(
         self, x: torch.Tensor, counts: torch.Tensor, experts: GroupedExperts
     ) -> torch.Tensor:
@@ -268,19 +276,26 @@ def expert_parallel(
     world, rank = dist.get_world_size(pg), dist.get_rank(pg)
     layers = _moe_layers(model)
 
-    def check() -> list[tuple[str, int]]:
+    def check() -> list[tuple[str, int, str]]:
         check_join_timeout(join_timeout)
-        return [(fqn, _check_layer(fqn, moe, world)) for fqn, moe in layers]
+        return [(fqn, _check_layer(fqn, moe, world), _describe(moe)) for fqn, moe in layers]
 
     everyone = agree(check, pg, what="expert_parallel")
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
+        other = everyone[differ[0]]
+        ours = {fqn: text for fqn, _, text in everyone[0]}
+        theirs = {fqn: text for fqn, _, text in other}
+        names = [f for f, _, _ in everyone[0]] + [f for f, _, _ in other if f not in ours]
+        first = next((f for f in names if ours.get(f) != theirs.get(f)), names[0])
         raise ValueError(
             f"the ranks set up different MoE layers for expert parallelism: rank(s) "
-            f"{', '.join(map(str, differ))} differ from rank 0 ({everyone[0]} there, "
-            f"{everyone[differ[0]]} on rank {differ[0]}); build the same model on every rank"
+            f"{', '.join(map(str, differ))} differ from rank 0; the first that differs is "
+            f"{first or 'the model'!r}: rank 0 holds {ours.get(first, 'no such MoE')}, rank "
+            f"{differ[0]} holds {theirs.get(first, 'no such MoE')}. Build the same model on "
+            f"every rank; nothing changed"
         )
-    plan = [(fqn, moe, n) for (fqn, moe), (_, n) in zip(layers, everyone[rank], strict=True)]
+    plan = [(fqn, moe, n) for (fqn, moe), (_, n, _) in zip(layers, everyone[rank], strict=True)]
     if world == 1:
         return [f for f, _, _ in plan]
     shards: list[tuple[str, ExpertShards]] = []
@@ -293,12 +308,17 @@ def expert_parallel(
             setattr(experts, attr, nn.Parameter(piece, requires_grad=w.requires_grad))
         experts.n_experts = local
         moe.dispatch = AllToAllDispatch(pg, local, join_timeout)
-        shard = ExpertShards(pg, local)
+        # An MoE called alone joins as itself ("forward of MoE ..."); inside a forward of
+        # the model it is already joined.
+        join_forwards(moe, pg, join_timeout)
+        whole = {a: (n, *getattr(experts, a).shape[1:]) for a in EXPERT_WEIGHTS}
+        shard = ExpertShards(pg, local, whole)
         shard.attach(experts)
         SHARDS[experts] = shard
         shards.append((f"{fqn}.experts." if fqn else "experts.", shard))
     if plan:
         join_forwards(model, pg, join_timeout)
+        JOIN_TIMEOUTS[pg] = join_timeout
 
         def refuse(module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
             # Every expert slice is checked before any module of the model loads.
@@ -307,6 +327,20 @@ def expert_parallel(
 
         model.register_load_state_dict_pre_hook(refuse)  # type: ignore[no-untyped-call]
     return [f for f, _, _ in plan]
+
+
+def _describe(moe: MoE) -> str:
+    """What the ranks compare of one MoE layer: every expert weight's whole shape and dtype
+    (they size the exchanges and the experts' GEMMs) and the layer's configuration."""
+    weights = ", ".join(
+        f"{a} {tuple(getattr(moe.experts, a).shape)} {getattr(moe.experts, a).dtype}"
+        for a in EXPERT_WEIGHTS
+        if isinstance(getattr(moe.experts, a, None), torch.Tensor)
+    )
+    return (
+        f"MoE(dim {moe.dim}, hidden {moe.hidden}, {moe.n_experts} experts, top_k "
+        f"{moe.top_k}, balance {moe.balance!r}; {weights}; router {moe.router.extra_repr()})"
+    )
 
 
 def _check_layer(fqn: str, moe: MoE, world: int) -> int:
@@ -346,18 +380,53 @@ def _full_norm(norm: torch.Tensor) -> torch.Tensor:
     return full.detach().float()
 
 
+def check_max_norm(max_norm: object) -> None:
+    """A ``max_norm``: a real number (not a bool or a string), ``> 0`` and not NaN;
+    ``math.inf`` measures the norm without clipping, as in torch. ``TypeError`` /
+    ``ValueError`` naming the value otherwise (NaN would make every weight NaN, a negative
+    one flip every gradient's sign)."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise TypeError(
+            f"max_norm must be a real number > 0 (math.inf to only measure), got {max_norm!r}"
+        )
+    if not max_norm > 0:  # NaN too
+        raise ValueError(
+            f"max_norm must be a real number > 0 (math.inf to only measure), got {max_norm!r}"
+        )
+
+
 def clip_grad_norm_with_experts(
     params: list[nn.Parameter],
     experts: tuple[nn.Parameter, ...],
     group: dist.ProcessGroup,
     max_norm: float,
+    *,
+    join_timeout: float | None = None,
 ) -> float:
     """Clip the gradients of ``params`` to the total norm ``max_norm`` and return the norm
     before, when the ``experts`` among them are each rank's own (``expert_parallel`` over
     ``group``): their squares are summed over the group (one all-reduce), the others' are
     the same on every rank (replicated, or DTensors whose norm is the whole one). Every rank
     gets the same norm, so every rank clips alike, and a non-finite norm (any rank's inf or
-    NaN) is returned on all."""
+    NaN) is returned on all, nothing clipped.
+
+    ``max_norm`` is checked first (``check_max_norm``: a real number > 0, ``math.inf`` to
+    only measure). A collective: it joins ``group`` first (``join``; ``join_timeout`` or
+    else ``expert_parallel``'s), so a rank that calls it alone gets a ``RuntimeError``
+    naming the ranks that did not join, no gradient changed, and the group stays usable."""
+    check_max_norm(max_norm)
+    timeout = JOIN_TIMEOUTS.get(group) if join_timeout is None else join_timeout
+    check_join_timeout(timeout)
+    with joining(group, "clip_grad_norm_with_experts", timeout):
+        return _clip_with_experts(params, experts, group, float(max_norm))
+
+
+def _clip_with_experts(
+    params: list[nn.Parameter],
+    experts: tuple[nn.Parameter, ...],
+    group: dist.ProcessGroup,
+    max_norm: float,
+) -> float:
     mine = {id(p) for p in experts}
     rest = [p for p in params if id(p) not in mine and p.grad is not None]
     own = [p for p in experts if p.grad is not None]
@@ -379,28 +448,6 @@ def clip_grad_norm_with_experts(
                 assert grad is not None
                 torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total.to(grad.device))
     return norm
-
-
-def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:
-    """``MoE.update_bias`` for every MoE of ``model`` with the load of the whole group: every
-    layer's ``tokens_per_expert`` summed over the ranks of ``group`` in one all-reduce, so
-    every rank moves its router biases alike (``balance="aux_free"``; other layers only
-    reset their counts). Call it after each optimizer step on every rank (``Parallel.step``
-    does); ``group=None`` outside torch.distributed (or a world of one) reduces nothing.
-    With no MoE layer it issues nothing. Each rank's counts are its own tokens for every
-    expert (the global ones under ``expert_parallel`` too), so the sum is the batch's."""
-    layers = [m for _, m in _moe_layers(model)]
-    if not layers:
-        return
-    counts = torch.cat([m.tokens_per_expert.detach().reshape(-1) for m in layers])
-    if dist.is_available() and dist.is_initialized():
-        pg = data_parallel_group(group)
-        if dist.get_world_size(pg) > 1:
-            wire = counts.to(comm_device(pg))
-            dist.all_reduce(wire, group=pg)
-            counts = wire.to(counts.device)
-    for m, load in zip(layers, torch.split(counts, [m.n_experts for m in layers]), strict=True):
-        m.update_bias(load)
 
 
 def moe_local_buffers(model: nn.Module) -> list[str]:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
-import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
@@ -27,6 +27,7 @@ __all__ = [
     "join",
     "join_forwards",
     "joined",
+    "joining",
 ]
 
 _T = TypeVar("_T")
@@ -182,22 +183,35 @@ def agree(check: Callable[[], _T], group: GroupArg = None, *, what: str) -> list
     their next collective until the group's timeout. ``check`` must raise before it changes
     anything. The error is the first failing rank's ``ValueError``, ``TypeError`` or
     ``RuntimeError`` (any other exception travels as a ``RuntimeError``), chained, on the
-    ranks that raised, to their own exception. ``what`` names the call (``"expert_parallel"``).
+    ranks that raised, to their own exception. ``what`` names the call (``"expert_parallel"``)
+    and travels with the outcome: ranks that meet here from different calls (one rank in
+    ``expert_parallel``, another already in ``parallelize``) all raise a ``ValueError``
+    naming each rank's call, instead of taking each other's outcome and parting ways.
     """
     pg = data_parallel_group(group)
-    mine: tuple[str, Any]
+    mine: tuple[str, str, Any]
     own: BaseException | None = None
     try:
-        mine = ("ok", check())
+        mine = (what, "ok", check())
     except Exception as e:  # every kind crosses: a rank must never raise alone
         own = e
         kind = type(e).__name__ if isinstance(e, _RAISED) else "RuntimeError"
-        mine = (kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
+        mine = (what, kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
-    failed = [(r, kind, text) for r, (kind, text) in enumerate(everyone) if kind != "ok"]
+    calls = [call for call, _, _ in everyone]
+    if any(call != what for call in calls):
+        # Ranks in different setup calls met in this exchange (expert_parallel on one rank,
+        # parallelize on another): nothing of either may go on.
+        listed = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        raise ValueError(
+            f"the ranks of the group entered different setup calls together ({listed}): every "
+            f"rank must make the same calls in the same order (expert_parallel on every rank "
+            f"or on none, then parallelize); nothing changed"
+        ) from own
+    failed = [(r, kind, text) for r, (_, kind, text) in enumerate(everyone) if kind != "ok"]
     if not failed:
-        return [value for _, value in everyone]
+        return [value for _, _, value in everyone]
     ranks = ", ".join(str(r) for r, _, _ in failed)
     texts = {text for _, _, text in failed}
     why = (
@@ -307,17 +321,23 @@ def _join_of(group: dist.ProcessGroup) -> _Join:
     return join
 
 
+JOIN_TIMEOUT_MAX = datetime.timedelta(days=999_999_999).total_seconds()
+"""The longest ``join_timeout`` in seconds (about 8.64e13): the store waits a
+``datetime.timedelta``, which holds no more days than this."""
+
+
 def check_join_timeout(join_timeout: object) -> None:
-    """A ``join_timeout`` argument: ``None`` (the group's timeout) or a positive finite
-    number of seconds (``ValueError`` otherwise)."""
+    """A ``join_timeout`` argument: ``None`` (the group's timeout) or a number of seconds
+    ``0 < t <= JOIN_TIMEOUT_MAX`` (``ValueError`` otherwise: a longer one would overflow the
+    store's ``timedelta`` at every forward)."""
     if join_timeout is not None and (
         isinstance(join_timeout, bool)
         or not isinstance(join_timeout, int | float)
-        or not 0 < join_timeout < math.inf
+        or not 0 < join_timeout <= JOIN_TIMEOUT_MAX
     ):
         raise ValueError(
-            f"join_timeout must be a positive number of seconds or None (the group's "
-            f"timeout), got {join_timeout!r}"
+            f"join_timeout must be a number of seconds in (0, {JOIN_TIMEOUT_MAX:.6g}] (the "
+            f"longest datetime.timedelta) or None (the group's timeout), got {join_timeout!r}"
         )
 
 
@@ -353,19 +373,46 @@ def describe_forward(module: nn.Module) -> str:
     return f"forward of {type(module).__name__} ({'train' if module.training else 'eval'}, {grad})"
 
 
+@contextlib.contextmanager
+def joining(group: dist.ProcessGroup, call: str, timeout: float | None) -> Iterator[None]:
+    """Run a collective call's body after joining ``group`` (``join``), unless a call that
+    joined it is already underway on this rank (``Parallel.step`` calling
+    ``update_expert_bias``): one rendezvous per outermost call."""
+    j = _join_of(group)
+    if j.depth == 0:
+        join(group, call, timeout)
+    j.depth += 1
+    try:
+        yield
+    finally:
+        j.depth = max(0, j.depth - 1)
+
+
+COMPILE_REFUSED = (
+    "the forward of a model whose forwards are collectives (expert parallelism, FSDP2 under "
+    "parallelize) first joins its group eagerly (store round trips), and an expert-parallel "
+    "MoE routes with split sizes read on the host, so it cannot be one graph: compile with "
+    "fullgraph=False (the join and the exchanges stay eager) or compile the blocks"
+)
+"""Why ``torch.compile(..., fullgraph=True)`` refuses such a model (dynamo shows it)."""
+
+
 def join_forwards(module: nn.Module, group: dist.ProcessGroup, timeout: float | None) -> None:
     """Make every forward of ``module`` join ``group`` first (``join``), once however deeply
     its forwards nest: a forward pre-hook placed before any other (FSDP2's all-gather, DDP's)
-    and a forward hook that runs whatever the forward raised."""
+    and a forward hook that runs whatever the forward raised. Both run eagerly (a compiled
+    forward breaks its graph there; ``fullgraph=True`` names ``COMPILE_REFUSED``)."""
     j = _join_of(group)
     if j.world == 1:
         return
 
+    @torch.compiler.disable(reason=COMPILE_REFUSED)  # type: ignore[untyped-decorator, no-untyped-call]
     def enter(m: nn.Module, args: Any) -> None:
         if j.depth == 0:
             join(group, describe_forward(m), timeout)
         j.depth += 1
 
+    @torch.compiler.disable(reason=COMPILE_REFUSED)  # type: ignore[untyped-decorator, no-untyped-call]
     def leave(m: nn.Module, args: Any, out: Any) -> None:
         j.depth = max(0, j.depth - 1)
 

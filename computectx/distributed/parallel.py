@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import (
+    check_max_norm,
     clip_grad_norm_with_experts,
     expert_parameters,
     moe_local_buffers,
@@ -53,6 +54,7 @@ from computectx.distributed.group import (
     data_parallel_group,
     join,
     join_forwards,
+    joining,
 )
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
@@ -60,7 +62,12 @@ from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from computectx.distributed.parallel_checks import check_parallelize, uses_offloaded
+from computectx.distributed.parallel_checks import (
+    check_parallelize,
+    check_same_setup,
+    setup_choices,
+    uses_offloaded,
+)
 from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
@@ -129,11 +136,21 @@ class Parallel:
         On many ranks it is a collective call: every rank steps together. It first joins
         the group (``join``), so a rank that steps alone gets a ``RuntimeError`` naming the
         ranks that did not join after ``join_timeout``, with nothing changed.
+
+        ``max_norm`` is checked before any gradient moves: a real number > 0, not NaN
+        (``math.inf`` measures the norm without clipping, as in torch); a bool, a string,
+        NaN, zero or a negative number is a ``TypeError``/``ValueError``.
         """
-        if self.group is not None:
-            # A collective (the gradients' hand-over, the norm, the biases' load, the
-            # replicas' agreement): every rank steps together, or a clear error here.
-            join(self.group, "Parallel.step", self.join_timeout)
+        if max_norm is not None:
+            check_max_norm(max_norm)
+        if self.group is None:
+            return self._step(max_norm)
+        # A collective (the gradients' hand-over, the norm, the biases' load): every rank
+        # steps together, or a clear error here; the expert helpers ride on this join.
+        with joining(self.group, "Parallel.step", self.join_timeout):
+            return self._step(max_norm)
+
+    def _step(self, max_norm: float | None) -> float | None:
         opt, acc = self.optimizer, self.accumulator
         norm: float | None = None
         if isinstance(opt, OffloadedOptimizer):
@@ -339,28 +356,21 @@ def parallelize(
     world = _world(mesh)
     group = mesh.get_group() if mesh is not None else None
 
-    def check() -> None:
-        check_parallelize(
-            model,
-            ctx,
-            world=world,
-            group=group,
-            strategy=strategy,
-            mp_policy=mp_policy,
-            accumulate=accumulate,
-            offload=offload,
-            join_timeout=join_timeout,
-            optimizer_class=optimizer_class,
-            optimizer_kwargs=optimizer_kwargs,
-            fp8_filter=fp8_filter,
-            fp8_all_gather=fp8_all_gather,
-            shard_units=shard_units,
-            current_amax=current_amax,
-            loss_normalization=loss_normalization,
-        )
+    choices: dict[str, Any] = {
+        "strategy": strategy, "mp_policy": mp_policy, "accumulate": accumulate,
+        "offload": offload, "join_timeout": join_timeout, "optimizer_class": optimizer_class,
+        "optimizer_kwargs": optimizer_kwargs, "fp8_filter": fp8_filter,
+        "fp8_all_gather": fp8_all_gather, "shard_units": shard_units,
+        "current_amax": current_amax, "loss_normalization": loss_normalization,
+    }  # fmt: skip
+
+    def check() -> list[tuple[str, str]]:
+        check_parallelize(model, ctx, world=world, group=group, **choices)
+        return setup_choices(model, ctx, world=world, **choices)
 
     if world > 1:
-        agree(check, group, what="parallelize")
+        # One exchange: a check failing on one rank, or ranks choosing differently, raise alike.
+        check_same_setup(agree(check, group, what="parallelize"))
         # Ranks that parsed another policy stop here, before anything changes.
         check_same_policy(ctx, group)
     else:

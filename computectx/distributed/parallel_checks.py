@@ -20,7 +20,7 @@ from computectx.distributed.expert_parallel import (
 from computectx.distributed.group import check_join_timeout
 from computectx.memory import OffloadedOptimizer
 
-__all__ = ["check_parallelize", "uses_offloaded"]
+__all__ = ["check_parallelize", "check_same_setup", "setup_choices", "uses_offloaded"]
 
 
 def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:
@@ -170,6 +170,82 @@ def check_parallelize(
         OffloadedOptimizer([stand_in], ctx, optimizer_class, **optimizer_kwargs)
     else:
         optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)
+
+
+def setup_choices(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    *,
+    world: int,
+    strategy: str,
+    mp_policy: MixedPrecisionPolicy | None,
+    accumulate: bool | None,
+    offload: bool | None,
+    join_timeout: float | None,
+    optimizer_class: type[torch.optim.Optimizer],
+    optimizer_kwargs: dict[str, Any],
+    fp8_filter: object,
+    fp8_all_gather: object,
+    shard_units: object,
+    current_amax: object,
+    loss_normalization: object,
+) -> list[tuple[str, str]]:
+    """What ``parallelize`` will set up on this rank, as ``(choice, text)`` pairs the ranks
+    compare (``check_same_setup``) before anything changes: the strategy and every choice
+    that shapes a collective or the training (expert parallelism included). Run after
+    ``check_parallelize`` passed."""
+    names = {id(m): n for n, m in model.named_modules()}
+    ep = expert_parallel_group(model)
+    ep_ranks = None if ep is None else sorted(dist.get_process_group_ranks(ep))
+    units = None if shard_units is None else [names.get(id(u), "?") for u in shard_units]  # type: ignore[attr-defined]
+    kwargs = {k: repr(v) for k, v in sorted(optimizer_kwargs.items())}
+    return [
+        ("strategy", repr(strategy)),
+        ("world", str(world)),
+        ("expert parallelism", "none" if ep is None else f"over ranks {ep_ranks}"),
+        (
+            "expert parameters",
+            str(
+                sorted(
+                    n
+                    for n, p in model.named_parameters()
+                    if any(p is e for e in expert_parameters(model))
+                )
+            ),
+        ),
+        (
+            "gradient accumulator",
+            str(bool(ctx.grad != ctx.master if accumulate is None else accumulate)),
+        ),
+        ("OffloadedOptimizer", str(uses_offloaded(ctx, model, offload))),
+        ("optimizer_class", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
+        ("optimizer arguments", str(kwargs)),
+        ("mp_policy", repr(mp_policy)),
+        ("fp8_filter", "None" if fp8_filter is None else "a filter"),
+        ("fp8_all_gather", repr(fp8_all_gather)),
+        ("shard_units", str(units)),
+        ("current_amax", repr(current_amax)),
+        ("loss_normalization", repr(loss_normalization)),
+        ("join_timeout", repr(join_timeout)),
+    ]
+
+
+def check_same_setup(everyone: list[list[tuple[str, str]]]) -> None:
+    """Stop with the same ``ValueError`` on every rank when the ranks called ``parallelize``
+    with different choices (``setup_choices`` of every rank, in rank order): it names the
+    ranks that differ from rank 0 and the first choice that differs."""
+    first = everyone[0]
+    differ = [r for r, theirs in enumerate(everyone) if theirs != first]
+    if not differ:
+        return
+    theirs = dict(everyone[differ[0]])
+    name, ours = next((n, t) for n, t in first if theirs.get(n) != t)
+    raise ValueError(
+        f"parallelize was called differently on the ranks of the group: rank(s) "
+        f"{', '.join(map(str, differ))} differ from rank 0 in their {name} (rank 0: {ours}, "
+        f"rank {differ[0]}: {theirs.get(name)}); every rank must set up the same model the "
+        f"same way. Nothing changed"
+    )
 
 
 def _check_shard_units(model: nn.Module, units: object) -> None:

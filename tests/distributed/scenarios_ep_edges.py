@@ -213,9 +213,137 @@ def disagree(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+class Net2(nn.Module):
+    """Two MoE layers: a refusal in the second must not move the first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        ctx = ComputeCtx.from_flag("fp32", "cpu")
+        self.moe = MoE(ctx, DIM, DIM, EXPERTS, TOP_K)
+        self.moe2 = MoE(ctx, DIM, DIM, EXPERTS, TOP_K)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.moe2(self.moe(x))
+        return out
+
+
+def _buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    # NaN compares equal to NaN here: a refused call left it where it was.
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].nan_to_num(), b[k].nan_to_num()) for k in a
+    )
+
+
+def helpers(params: dict[str, Any]) -> dict[str, Any]:
+    """The expert helpers at their edges (the adversarial pass on issue 32): one rank alone
+    calls each helper that is a collective; ranks that disagree in parallelize's choices, in
+    whether they are expert-parallel, in an expert's width; a non-finite bias in a second
+    layer on one rank; a whole expert weight of the same size and another shape; a
+    rollback to a full_state_dict; a fullgraph compile; an MoE layer called alone."""
+    from computectx.distributed import (
+        clip_grad_norm_with_experts,
+        expert_parameters,
+        update_expert_bias,
+    )
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+
+    def timed(key: str, call: Any) -> None:
+        start = time.monotonic()
+        out[key] = _error(call)
+        out[f"{key}_s"] = time.monotonic() - start
+
+    # 1. Each collective helper on rank 0 alone: a prompt error naming rank 1; then together.
+    model, par = _setup()
+    _train(par, 1)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    group = dist.group.WORLD
+    assert group is not None
+    experts = tuple(expert_parameters(model))
+    calls = {
+        "lone_full": lambda: full_state_dict(model),
+        "lone_bias": lambda: update_expert_bias(model),
+        "lone_clip": lambda: clip_grad_norm_with_experts(
+            list(model.parameters()), experts, group, 1.0
+        ),
+    }
+    if rank == 0:
+        for key, call in calls.items():
+            timed(key, call)
+    dist.barrier()
+    out["together"] = {k: _error(call) for k, call in calls.items()}
+    # 2. Ranks that set up differently: every rank raises the same error at once.
+    model = Net()
+    expert_parallel(model, join_timeout=JOIN_S)
+    ctx = ComputeCtx.from_flag("fp32", "cpu")
+    strategy = "fsdp" if rank == 1 else "ddp"
+    timed("strategy", lambda: parallelize(model, ctx, strategy=strategy, lr=0.1))  # type: ignore[arg-type]
+
+    def ep_on_rank_1() -> None:
+        plain = Net()
+        if rank == 1:
+            expert_parallel(plain, join_timeout=JOIN_S)
+        parallelize(plain, ctx, lr=0.1, join_timeout=JOIN_S)
+
+    timed("ep_one_rank", ep_on_rank_1)
+    wide = Net()
+    if rank == 1:
+        wide.moe = MoE(ctx, DIM, 2 * DIM, EXPERTS, TOP_K)
+    timed("hidden", lambda: expert_parallel(wide, join_timeout=JOIN_S))
+    # 3. A NaN router bias in the second layer on rank 1 only: every rank refuses, nothing
+    # moves (the first layer's bias and counts included).
+    two = Net2()
+    expert_parallel(two, join_timeout=JOIN_S)
+    two(_x(rank)).sum().backward()
+    if rank == 1:
+        with torch.no_grad():
+            two.moe2.router.bias[1] = float("nan")
+    before = _buffers(two)
+    timed("nan_bias", lambda: update_expert_bias(two))
+    out["nan_bias_unchanged"] = _same(before, _buffers(two))
+    # 4. A whole expert weight of the same size and another shape: refused naming both
+    # shapes, before anything loads.
+    wider = Net()
+    wider.moe = MoE(ctx, DIM, 2 * DIM, EXPERTS, TOP_K)  # down (4, 16, 32)
+    expert_parallel(wider, join_timeout=JOIN_S)
+    whole = full_state_dict(wider)
+    bad = {**whole, "moe.experts.down": whole["moe.experts.down"].reshape(EXPERTS, 2 * DIM, DIM)}
+    bad["proj.weight"] = torch.zeros(DIM, DIM)
+    params_before = _params(wider)
+    timed("shape", lambda: wider.load_state_dict(bad))
+    out["shape_unchanged"] = _same(params_before, _params(wider))
+    # 5. full_state_dict is a snapshot: after a step, loading it brings back every weight.
+    model, par = _setup()
+    _train(par, 1)
+    snap = full_state_dict(model)
+    at_snap = _params(model)
+    _train(par, 1, first=1)
+    model.load_state_dict(snap)
+    out["rollback_equal"] = _same(at_snap, _params(model))
+    # 6. A fullgraph compile refuses with our reason; an MoE layer alone joins as an MoE.
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    out["compile"] = _error(lambda: compiled(_x(rank)))
+    torch.compiler.reset()
+    if rank == 0:
+        timed("moe_alone", lambda: model.moe(_x(5)))
+    dist.barrier()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    out["after"] = float(t)
+    return out
+
+
 def edges(params: dict[str, Any]) -> dict[str, Any]:
     """Every case above in one launch."""
     return {
+        "helpers": helpers(params),
         "disagree": disagree(params),
         "lone_forward": lone_forward(params),
         "checkpoint": checkpoint(params),

@@ -80,3 +80,68 @@ def test_a_check_failing_on_one_rank_raises_the_same_error_on_every_rank(
         assert r0[f"{key}_s"] < 10.0 and r1[f"{key}_s"] < 10.0
     assert r0["lr_unchanged"] and r1["lr_unchanged"]
     assert r0["after"] == r1["after"] == 2.0
+
+
+def test_each_collective_helper_alone_raises_naming_the_absent_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["helpers"] for r in ranks)
+    for key, call in (
+        ("lone_full", "full_state_dict"),
+        ("lone_bias", "update_expert_bias"),
+        ("lone_clip", "clip_grad_norm_with_experts"),
+    ):
+        assert r0[key].startswith(f"RuntimeError: {call} on rank 0: rank(s) 1 "), r0[key]
+        assert "did not join it within 1 s" in r0[key], r0[key]
+        assert r0[f"{key}_s"] < 10.0
+    # Then every rank calls them together, and they go through.
+    assert r0["together"] == r1["together"] == {k: "" for k in r0["together"]}
+    assert r0["after"] == r1["after"] == 2.0
+
+
+def test_ranks_that_set_up_differently_raise_the_same_error_at_once(
+    ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["helpers"] for r in ranks)
+    for key, text in (
+        ("strategy", "rank(s) 1 differ from rank 0 in their strategy (rank 0: 'ddp', rank 1: "
+         "'fsdp')"),
+        ("ep_one_rank", "entered different setup calls together (rank 0: parallelize; rank 1: "
+         "expert_parallel)"),
+        ("hidden", "the first that differs is 'moe': rank 0 holds MoE(dim 16, hidden 16,"),
+    ):  # fmt: skip
+        assert r0[key] == r1[key], (r0[key], r1[key])
+        assert r0[key].startswith("ValueError: ") and text in r0[key], r0[key]
+        assert r0[f"{key}_s"] < 10.0 and r1[f"{key}_s"] < 10.0
+    assert "down (4, 16, 32) torch.float32" in r1["hidden"]
+
+
+def test_a_bad_bias_on_one_rank_is_refused_on_every_rank_before_anything_moves(
+    ranks: list[dict[str, Any]],
+) -> None:
+    r0, r1 = (r["helpers"] for r in ranks)
+    want = "ValueError: update_expert_bias refused on rank(s) 1 of the group (every rank raises"
+    assert r0["nan_bias"].startswith(want) and r1["nan_bias"].startswith(want)
+    assert "moe2.router.bias must be finite" in r1["nan_bias"]
+    assert r0["nan_bias_unchanged"] and r1["nan_bias_unchanged"]
+
+
+def test_a_whole_expert_weight_of_another_shape_is_refused_before_anything_loads(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in (r["helpers"] for r in ranks):
+        assert r["shape"].startswith(
+            "ValueError: moe.experts.down holds a tensor of shape (4, 32, 16), and this "
+            "expert-parallel model's down is (4, 16, 32)"
+        ), r["shape"]
+        assert r["shape_unchanged"]
+
+
+def test_full_state_dict_is_a_snapshot_and_compile_and_a_lone_moe_say_what_they_are(
+    ranks: list[dict[str, Any]],
+) -> None:
+    for r in (r["helpers"] for r in ranks):
+        assert r["rollback_equal"]
+        assert "cannot be one graph: compile with fullgraph=False" in r["compile"], r["compile"]
+    moe = ranks[0]["helpers"]["moe_alone"]
+    assert moe.startswith("RuntimeError: forward of MoE (train, grad on) on rank 0"), moe

@@ -95,3 +95,51 @@ def test_expert_parallel_needs_torch_distributed() -> None:
     moe = MoE(ComputeCtx.from_flag("fp32", "cpu"), 32, 32, 4, 2)
     with pytest.raises(RuntimeError, match="not initialised"):
         expert_parallel(moe)
+
+
+def test_update_expert_bias_checks_every_layer_before_moving_any() -> None:
+    # Layer 1's router bias is NaN: layer 0's bias and counts must not move before the refusal.
+    ctx = ComputeCtx.from_flag("fp32", "cpu")
+    torch.manual_seed(0)
+    first, second = MoE(ctx, 16, 16, 4, 2), MoE(ctx, 16, 16, 4, 2)
+    model = torch.nn.Sequential(first, second)
+    model(torch.randn(8, 16)).sum().backward()
+    for bad in (float("nan"), float("inf")):
+        with torch.no_grad():
+            second.router.bias[2] = bad
+        before = {k: v.clone() for k, v in model.named_buffers()}
+        with pytest.raises(ValueError, match=r"1\.router\.bias must be finite.*no router bias"):
+            update_expert_bias(model)
+        for k, v in model.named_buffers():
+            assert torch.equal(v.nan_to_num(), before[k].nan_to_num()), k
+    # A bias that one step of bias_rate would overflow is refused alike.
+    with torch.no_grad():
+        second.router.bias[2] = 3e38
+    second.bias_rate = 3e38
+    with pytest.raises(ValueError, match=r"1\.router\.bias would overflow"):
+        update_expert_bias(model)
+    assert int(first.tokens_per_expert.sum()) > 0
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "error"),
+    [(float("nan"), ValueError), (-1.0, ValueError), (0, ValueError), ("1", TypeError),
+     (None, TypeError), (True, TypeError)],
+)  # fmt: skip
+def test_clip_grad_norm_with_experts_refuses_a_bad_max_norm_first(
+    max_norm: object, error: type[Exception]
+) -> None:
+    from computectx.distributed import clip_grad_norm_with_experts
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(error, match=r"max_norm must be a real number > 0"):
+        clip_grad_norm_with_experts([p], (p,), None, max_norm)  # type: ignore[arg-type]
+    assert torch.equal(p.grad, torch.ones(3))
+
+
+def test_the_expert_helpers_import_from_the_package() -> None:
+    import computectx.distributed as cd
+
+    for name in ("clip_grad_norm_with_experts", "expert_parameters", "moe_local_buffers"):
+        assert name in cd.__all__ and callable(getattr(cd, name)), name

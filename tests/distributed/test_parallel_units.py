@@ -117,3 +117,29 @@ def test_an_empty_input_records_nothing_on_a_rank_scaling_on_its_own() -> None:
     before = ledger_history(layer.scaling.input.ledger).clone()
     layer(torch.randn(0, 32)).sum().backward()
     assert torch.equal(ledger_history(layer.scaling.input.ledger), before)
+
+
+@pytest.mark.parametrize(
+    ("max_norm", "error"),
+    [(float("nan"), ValueError), (-1.0, ValueError), ("1", TypeError), (True, TypeError)],
+)
+def test_step_refuses_a_bad_max_norm_before_any_gradient_moves(
+    max_norm: object, error: type[Exception]
+) -> None:
+    model = _mlp()
+    par = parallelize(model, ComputeCtx.from_flag("fp32", "cpu"), lr=1e-3)
+    par.model(torch.randn(4, 32)).square().mean().backward()
+    grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+    weights = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(error, match=r"max_norm must be a real number > 0"):
+        par.step(max_norm=max_norm)  # type: ignore[arg-type]
+    now = [p.grad for p in model.parameters() if p.grad is not None]
+    assert len(now) == len(grads) and all(map(torch.equal, now, grads))
+    assert all(torch.equal(p, w) for p, w in zip(model.parameters(), weights, strict=True))
+    # inf measures without clipping, as in torch.
+    assert par.step(max_norm=float("inf")) is not None
+
+
+def test_a_join_timeout_past_what_a_timedelta_holds_is_refused_at_setup() -> None:
+    with pytest.raises(ValueError, match=r"join_timeout must be a number of seconds in \(0, "):
+        parallelize(_mlp(), CTX, join_timeout=10**30)
