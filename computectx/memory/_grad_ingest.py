@@ -3,6 +3,12 @@
 Gradients come from a ``LowPrecGradAccumulator`` (its sums are handed over) and from the
 compute parameters' ``.grad``; either way they are added to the masters' ``.grad`` at the
 master dtype, on the offload device.
+
+A master gradient that a step has applied (``mark_applied``) and that no ``zero_grad`` has
+cleared is replaced, not added to, by the next gradient ingested for it: the master gradient
+then holds what torch's ``param.grad`` would hold when the user assigns ``param.grad`` each
+step without ``zero_grad`` (``torch.autograd.grad`` style), and gradients ingested between
+two steps still add up.
 """
 
 from __future__ import annotations
@@ -22,6 +28,22 @@ class GradIngest:
     def __init__(self, weights: MasterWeights) -> None:
         self.weights = weights
         self._staging: dict[int, Staging] = {}  # download buffers, by position
+        self._applied: set[int] = set()  # positions whose master gradient a step applied
+
+    def mark_applied(self) -> None:
+        """A step applied the master gradients: the next gradient ingested for a master
+        replaces its gradient instead of adding to it."""
+        self._applied = {i for i, mp in enumerate(self.weights.master) if mp.grad is not None}
+
+    def clear_applied(self) -> None:
+        """The master gradients were cleared (``zero_grad``, a skipped step)."""
+        self._applied.clear()
+
+    def _add(self, i: int, master: torch.Tensor, g: torch.Tensor) -> None:
+        if i in self._applied:
+            self._applied.discard(i)
+            master.grad = None
+        add_grad(master, g)
 
     def from_accumulator(self, accumulator: LowPrecGradAccumulator) -> bool:
         """Hand ``accumulator``'s sums over to the masters (they are emptied there); return
@@ -71,10 +93,10 @@ class GradIngest:
             )
         moved = False
         with torch.no_grad():
-            for cp, mp in zip(compute, self.weights.master, strict=True):
+            for i, (cp, mp) in enumerate(zip(compute, self.weights.master, strict=True)):
                 buf = accumulator.pop(cp)
                 if buf is not None:
-                    add_grad(mp, buf)
+                    self._add(i, mp, buf)
                     moved = True
         return moved
 
@@ -85,7 +107,7 @@ class GradIngest:
         whether any gradient moved.
         """
         weights = self.weights
-        staged: list[tuple[Staging, torch.Tensor]] = []
+        staged: list[tuple[int, Staging, torch.Tensor]] = []
         moved = False
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(weights.compute, weights.master, strict=True)):
@@ -101,13 +123,13 @@ class GradIngest:
                         st = Staging(g.shape, g.dtype, host=mp.device, peer=g.device)
                         self._staging[i] = st
                     st.fill_from(g)
-                    staged.append((st, mp))
+                    staged.append((i, st, mp))
                 else:
-                    add_grad(mp, g)
-            for st, mp in staged:
+                    self._add(i, mp, g)
+            for i, st, mp in staged:
                 st.wait()
                 # The staging buffer is reused, so the master gradient must be a copy of it.
-                add_grad(mp, st.buffer.to(mp.dtype, copy=True))
+                self._add(i, mp, st.buffer.to(mp.dtype, copy=True))
         return moved
 
     def staging_buffers(self) -> list[torch.Tensor]:

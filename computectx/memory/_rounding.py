@@ -14,6 +14,7 @@ from typing import Literal
 
 import torch
 
+from computectx._checks import as_int
 from computectx.dtypes import DType
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "SEED",
     "AccumMode",
     "RoundingGenerators",
+    "check_seed",
     "stochastic_round",
     "subnormal_spacing",
     "unit_roundoff",
@@ -89,6 +91,18 @@ def _stochastic_round_generic(
     draw = torch.rand(x32.shape, device=x32.device, generator=gen)
     pick = torch.isfinite(x32) & torch.isfinite(p) & (draw < p)
     return torch.where(pick, other, near)
+
+
+def check_seed(seed: object) -> None:
+    """``TypeError`` unless ``seed`` is an int (not a bool), ``ValueError`` unless it lies in
+    ``[0, 2**63)``: it is saved as an int64 tensor (``master_rounding``), so a negative seed
+    or one of 2**63 and above would not come back as given (``-1`` and ``2**64 - 1`` both
+    save as -1), and one beyond 64 bits fails in torch's ``manual_seed`` at the first step."""
+    value = as_int(seed)
+    if value is None:
+        raise TypeError(f"seed must be an int, got {seed!r}")
+    if not 0 <= value < 2**63:
+        raise ValueError(f"seed={value} is out of range; accepted: an int in [0, 2**63)")
 
 
 def _as_int64(seed: int) -> int:

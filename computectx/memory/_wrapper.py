@@ -28,18 +28,20 @@ from computectx.memory._grad_health import GradHealth
 from computectx.memory._masters import MasterWeights, normalise_groups
 from computectx.memory.optimizer_state import (
     check_checkpoint_scalars,
+    check_group_options,
     check_optimizer_class,
     state_tensors,
 )
 from computectx.memory.state.scalars import check_scalars
 from computectx.memory.state.stepper import (
+    STEPPED_DTYPES,
     Stepper,
     below_f32,
     check_compile,
     check_fits,
     check_seed,
 )
-from computectx.memory.state.store import load_plan
+from computectx.memory.state.store import LoadPlan, load_plan
 
 __all__ = ["InnerWrapper"]
 
@@ -145,8 +147,19 @@ class InnerWrapper(torch.optim.Optimizer):
         self, group: dict[str, Any], compute: list[torch.Tensor], stepped: list[torch.Tensor]
     ) -> None:
         """Add ``group`` (its params: ``stepped``) to the inner optimizer, which the first
-        group builds (the class checks its keyword arguments here), and align ``compute``."""
+        group builds (the class checks its keyword arguments here), and align ``compute``.
+
+        Checked first: the group's options (``check_group_options``, the rule a load
+        applies, so that what is saved can be loaded) and, when the stepper steps these
+        weights, their dtypes."""
         inner = self._inner
+        where = f"{self._who}.add_param_group: param_groups[{len(self.param_groups)}]"
+        options = {k: v for k, v in group.items() if k != "params"}
+        if inner is None:
+            # The keyword arguments are the class's to check (torch's own messages).
+            where = f"{self._who}: param_groups[0]"
+        check_group_options(options, where)
+        self._check_stepped_dtypes(stepped, where)
         if inner is None:
             self._inner = self._optimizer_class([group], **self._optimizer_kwargs)
         else:
@@ -159,6 +172,29 @@ class InnerWrapper(torch.optim.Optimizer):
         self._weights.add(compute, stepped)
         if inner is not None:
             self._ensure_stepper()
+
+    def _check_stepped_dtypes(self, stepped: list[torch.Tensor], where: str) -> None:
+        """``TypeError`` naming the weight when the stepper would step one it cannot: the
+        stepper (compact state, or a weight below float32 among all of them) updates each
+        weight in float32 and writes it back as float32, bfloat16 or float16."""
+        old = list(self._weights.master)
+        every = old + stepped
+        if not (self._weights.ctx.optim_state.compact or any(below_f32(w.dtype) for w in every)):
+            return
+        for i, w in enumerate(every):
+            if w.dtype not in STEPPED_DTYPES:
+                which = (
+                    f"{where}['params'][{i - len(old)}]"
+                    if i >= len(old)
+                    else f"parameter {i} (already in this optimizer)"
+                )
+                raise TypeError(
+                    f"{which} has dtype {w.dtype} (shape {list(w.shape)}); with "
+                    f"optim_state={self._weights.ctx.optim_state} or a weight below float32 "
+                    f"each weight is stepped in float32 and written back, which takes "
+                    f"float32, bfloat16 or float16 weights; convert it (e.g. model.float()) "
+                    f"or keep optim_state='f32' with float32/float64 weights"
+                )
 
     # ----- the step -------------------------------------------------------------------
 
@@ -238,9 +274,16 @@ class InnerWrapper(torch.optim.Optimizer):
         check_checkpoint_scalars(state_dict, who)
         return dict(state_dict)
 
-    def _load(self, sd: Mapping[str, Any]) -> None:
-        """Load groups and state: the packed parts and the rounding generators are checked
-        (and the state converted from another ``optim_state``) before anything changes."""
+    def check_step(self) -> None:
+        """Run every check ``step`` runs on the optimizer's state before it moves a gradient
+        (``step`` a whole number >= 0, the other scalars finite, the packed parts sound, the
+        stepped dtypes), changing nothing: the ``ValueError``/``TypeError`` ``step`` would
+        raise. ``Parallel.step`` has the ranks agree on it before any of them steps."""
+        self._check_state()
+
+    def _plan(self, sd: Mapping[str, Any]) -> tuple[LoadPlan, Any]:
+        """The checked load of groups and state (nothing changes): the plan, and the checked
+        rounding generators (``None`` unless a stepped master is below float32)."""
         stepper = self._stepper
         plan = load_plan(
             sd,
@@ -253,6 +296,13 @@ class InnerWrapper(torch.optim.Optimizer):
         if stepper is not None and self._rounds():
             devices = [w.device for w in self._weights.master if below_f32(w.dtype)]
             rounding = stepper.checked_rounding(plan.rounding, devices)
+        return plan, rounding
+
+    def _load(self, sd: Mapping[str, Any]) -> None:
+        """Load groups and state: the packed parts and the rounding generators are checked
+        (and the state converted from another ``optim_state``) before anything changes."""
+        stepper = self._stepper
+        plan, rounding = self._plan(sd)
         super().load_state_dict(plan.torch_sd)
         # The conversion warning points at the caller of the subclass's load_state_dict.
         plan.finish(self.state, stacklevel=4)

@@ -44,7 +44,14 @@ class OffloadedOptimizer(InnerWrapper):
     ``param.grad`` onto the masters), optional ``clip_grad_norm``, ``step`` (step the
     masters, copy them back into the compute parameters at their dtype), ``zero_grad``.
     ``step`` ingests any ``param.grad`` left behind, so ``loss.backward(); opt.step()``
-    works as with any torch optimizer.
+    works as with any torch optimizer. Gradients ingested between two steps add up; the
+    first one ingested for a master after a step replaces the gradient that step applied
+    (unless ``zero_grad`` cleared it), so the master gradient a step applies is what torch's
+    ``param.grad`` would be when ``param.grad`` is assigned each step without ``zero_grad``
+    (``torch.autograd.grad`` style). One use differs from torch: ``loss.backward()`` over
+    several steps with no ``zero_grad`` sums every step's gradient in torch's ``param.grad``
+    (kept after its step), whereas here ``param.grad`` moved to the master at the step, so
+    each step applies the gradients since the step before.
 
     Non-finite gradients are never applied, and nothing else is needed: a ``step`` whose
     gradients hold an inf or NaN (or whose norm ``clip_grad_norm`` measured as inf or NaN)
@@ -177,7 +184,8 @@ class OffloadedOptimizer(InnerWrapper):
     # ----- gradients ------------------------------------------------------------------
 
     def ingest_grads(self, accumulator: LowPrecGradAccumulator | None = None) -> None:
-        """Move gradients onto the master copies (adding to any already there).
+        """Move gradients onto the master copies (adding to any ingested since the last
+        step; replacing a gradient the last step applied, unless ``zero_grad`` cleared it).
 
         From ``accumulator`` (its sums are handed over and emptied) when given, then from
         every compute ``param.grad`` (which becomes ``None``). Staged copies (see
@@ -240,6 +248,7 @@ class OffloadedOptimizer(InnerWrapper):
                 stacklevel=2,
             )
         self._update()
+        self._ingest.mark_applied()
         self._weights.copy_to_compute()
         self.last_step_skipped = False
         return loss
@@ -247,6 +256,7 @@ class OffloadedOptimizer(InnerWrapper):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
         self._zero_inner(set_to_none)
+        self._ingest.clear_applied()
         for cp in self._weights.compute:
             if cp.grad is None:
                 continue
@@ -288,6 +298,16 @@ class OffloadedOptimizer(InnerWrapper):
         )
         self._load(sd)
         self._weights.load(masters)
+
+    def check_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Run every check ``load_state_dict`` runs, loading nothing: the error it would
+        raise, or ``None`` when it would load (``Parallel.load_state_dict`` checks the
+        optimizer part before the model loads, the ranks agreeing under FSDP2)."""
+        sd = self._checked(state_dict)
+        saved = sd.pop(MASTER_WEIGHTS, None)
+        if saved is not None:
+            check_saved_masters(saved, self._weights.master, self._weights.ctx.master)
+        self._plan(sd)
 
     def _repr_fields(self) -> str:
         return f"master={self.ctx.master}, device={self.ctx.offload_device}"

@@ -25,6 +25,7 @@ from computectx.memory.state.store import state_name
 __all__ = [
     "MASTER_WEIGHTS",
     "check_checkpoint_scalars",
+    "check_group_options",
     "check_master_weight",
     "check_optimizer_class",
     "check_saved_masters",
@@ -136,26 +137,37 @@ def check_checkpoint_scalars(state_dict: Mapping[str, Any], who: str) -> None:
     if not isinstance(groups, (list, tuple)):
         return
     for j, group in enumerate(groups):
-        if not isinstance(group, Mapping):
+        if isinstance(group, Mapping):
+            check_group_options(group, f"{who}: state_dict['param_groups'][{j}]")
+
+
+def check_group_options(group: Mapping[str, Any], where: str) -> None:
+    """``ValueError`` naming ``where[key]`` and the value for a bad option of one param group:
+    every number (and every number of a tuple, ``betas``) finite, ``lr``, ``eps``,
+    ``weight_decay`` and ``momentum`` >= 0 and each of ``betas`` in [0, 1), as torch's
+    constructors require; those options must be numbers (a string or a bool is refused:
+    ``float("1e-3")`` would step). The one rule of ``load_state_dict``, the constructor and
+    ``add_param_group``, so a group that can be saved can be loaded."""
+    for key, value in group.items():
+        if key in ("params", "param_names"):
             continue
-        for key, value in group.items():
-            if key in ("params", "param_names"):
+        shown_key = f"{where}[{key!r}]"
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        for k, v in enumerate(values):
+            shown = f"{shown_key}[{k}]" if isinstance(value, (list, tuple)) else shown_key
+            accepted = _accepted(str(key))
+            if (key in _NON_NEGATIVE or key == "betas") and isinstance(v, (str, bytes, bool)):
+                raise ValueError(f"{shown} is {v!r}; accepted: {accepted}")
+            number = _number(v)
+            if number is None:
                 continue
-            where = f"{who}: state_dict['param_groups'][{j}][{key!r}]"
-            values = value if isinstance(value, (list, tuple)) else (value,)
-            for k, v in enumerate(values):
-                number = _number(v)
-                if number is None:
-                    continue
-                shown = f"{where}[{k}]" if isinstance(value, (list, tuple)) else where
-                accepted = _accepted(str(key))
-                ok = math.isfinite(number)
-                if ok and key in _NON_NEGATIVE:
-                    ok = number >= 0
-                if ok and key == "betas":
-                    ok = 0 <= number < 1
-                if not ok:
-                    raise ValueError(f"{shown} is {v!r}; accepted: {accepted}")
+            ok = math.isfinite(number)
+            if ok and key in _NON_NEGATIVE:
+                ok = number >= 0
+            if ok and key == "betas":
+                ok = 0 <= number < 1
+            if not ok:
+                raise ValueError(f"{shown} is {v!r}; accepted: {accepted}")
 
 
 def _number(value: object) -> float | None:

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounterWithBackend
 
+from computectx import ComputeCtx
+from computectx.memory import CompactOptimizer
 from computectx.memory.state import fused
 from computectx.memory.state.codecs import Packed, decode, encode
 from computectx.memory.state.fused import adam_update
@@ -154,6 +156,16 @@ def test_compiled_is_one_graph_without_breaks_for_every_size_and_equals_eager(
         for eager_parts, comp_parts in ((me, mc), (ve, vc)):
             for name, t in eager_parts.items():
                 assert torch.equal(t, comp_parts[name])
+    # Through the optimizer: Parameters (a 1-D one is passed flat as it is: it must enter
+    # as a plain tensor, not a Parameter) of several sizes, the first step (fresh state)
+    # and a later one all run the same graph.
+    params = [torch.nn.Parameter(torch.randn(s)) for s in [(64, 80), (1000,), (3, 5, 77)]]
+    ctx = ComputeCtx.parity("cpu").with_optim_state(f"{state}/min=0")
+    opt = CompactOptimizer(params, ctx, compile=True)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
     # fullgraph=True raises on any graph break; dynamic=True keeps one graph for all sizes.
     assert counter.frame_count == 1
 

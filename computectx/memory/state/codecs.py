@@ -14,10 +14,11 @@ entries around ``n``; ``slack = s * 2**-20 + 2**-149`` (float32 rounding of ``x 
 
 | format / kind | bound per element | worst case |
 |---|---|---|
-| bf16 (both) | ``|x| * 2**-8 + 2**-134`` | relative 2**-8 = 0.39 % |
+| bf16 | ``|x| * 2**-8 + 2**-134`` (unsigned: ``2**-133``) | relative 2**-8 = 0.39 % |
 | int8 signed | ``gap(n) / 2 * s + slack`` | 0.0070 * block absmax |
-| int8 unsigned | ``gap(n) / 2 * s + slack`` | 0.0035 * block absmax |
-| fp8 (both) | ``max(|x| * 2**-4, s * 2**-10 / 448) + slack`` | relative 6.25 %; s * 2.2e-6 near 0 |
+| int8 unsigned | ``gap(n) / 2 * s + slack`` (*) | 0.0035 * block absmax |
+| fp8 signed | ``max(|x| * 2**-4, s * 2**-10 / 448) + slack`` | relative 6.25 %; s * 2.2e-6 near 0 |
+| fp8 unsigned | as signed (*) | relative 6.25 %; s * 4.4e-6 near 0 |
 | int4 signed | ``gap(n) / 2 * s + slack`` | 0.1125 * block absmax |
 | int4 unsigned | ``s / 32 + slack`` for n >= 1/16, else ``(1/16 - n) * s + slack`` | s / 16 at 0 |
 
@@ -30,6 +31,9 @@ The maps (``maps.py``): int8 signed/unsigned = dynamic tree map (255 / 256 entri
 non-zero 1e-6 / 1e-7 of the block absmax); int4 signed = 4-bit dynamic exponent map (15
 entries); int4 unsigned = ``(i + 1) / 16``. Zeros stay zero and signs are kept (a value may
 round to zero, never across it) in every format but int4 unsigned, whose map has no zero.
+Unsigned state never rounds an x > 0 to zero but to the smallest code c > 0 at least (int8
+1e-7 * s, fp8 2**-9 / 448 * s, bf16 2**-133; after either search), so Adam's update can only
+shrink; (*): or ``c - x + slack`` where larger. (c underflows only for s below ~1e-38.)
 fp8 stores e4m3 (``torch.float8_e4m3fn``) bit patterns as uint8 with the block absmax:
 ``decode = e4m3(code) / 448 * absmax``, i.e. a scale of ``absmax / 448`` per block.
 
@@ -276,7 +280,10 @@ def encode_tensors(x32: torch.Tensor, spec: Spec, maps: Maps) -> tuple[torch.Ten
     beyond the format's range saturate to its largest finite magnitude (NaN stays NaN)."""
     if spec.format == "bf16":
         bf16 = torch.finfo(torch.bfloat16)
-        return (x32.clamp(bf16.min, bf16.max).to(torch.bfloat16),)
+        values = x32.clamp(bf16.min, bf16.max).to(torch.bfloat16)
+        if not spec.signed:  # x > 0 stays > 0: bf16's smallest subnormal at least
+            values = torch.where((x32 > 0) & (values == 0), 2.0**-133, values)
+        return (values,)
     # An inf would make its block's scale inf (and every code of the block NaN or 0).
     # (torch.finfo inline: a module-level float makes dynamo compile a second frame.)
     x32 = x32.clamp(torch.finfo(torch.float32).min, torch.finfo(torch.float32).max)
@@ -289,13 +296,17 @@ def encode_tensors(x32: torch.Tensor, spec: Spec, maps: Maps) -> tuple[torch.Ten
         blocks = _blocks(x32.reshape(-1), spec.block)
         scales = (blocks.abs().amax(dim=1),)
         n = (blocks / _safe(scales[0])[:, None]).reshape(-1)[:numel]
+    positive = None if spec.signed else x32.reshape(-1) > 0
     if spec.format == "fp8":
         codes = (n * FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        codes = codes if positive is None else torch.where(positive, codes.clamp_min(1), codes)
         return (codes, *scales)
     if maps.table is not None and maps.bounds is not None:
         idx = nearest_codes(n, maps.table, maps.bounds)  # = bucketize, by a table (search.py)
     else:
         idx = torch.bucketize(n, maps.mids)
+    if positive is not None and spec.format == "int8":  # int4's unsigned map has no zero
+        idx = torch.where(positive, idx.clamp_min(1), idx)
     if spec.format == "int4":
         return (_pack4(idx), *scales)
     return (idx.to(torch.uint8), *scales)
@@ -471,14 +482,19 @@ def round_trip_bound(x: torch.Tensor, state: OptimState, kind: Kind) -> torch.Te
     ax = x32.abs().reshape(-1)
     spec = _spec(state, kind, x.shape)
     if spec.format == "bf16":
-        return (ax * 2.0**-8 + 2.0**-134).view(x.shape)
+        return (ax * 2.0**-8 + (2.0**-134 if spec.signed else 2.0**-133)).view(x.shape)
     scale = _element_scale(_scales(x32, spec), spec, ax.numel())
     slack = scale * _SLACK + _TINY
+    positive = ax > 0 if not spec.signed else torch.zeros_like(ax, dtype=torch.bool)
     if spec.format == "fp8":
-        return (torch.maximum(ax * 2.0**-4, scale * (2.0**-10 / FP8_MAX)) + slack).view(x.shape)
+        bound = torch.maximum(ax * 2.0**-4, scale * (2.0**-10 / FP8_MAX))
+        floor = torch.where(positive, scale * (2.0**-9 / FP8_MAX) - ax, 0.0)  # below code 1
+        return (torch.maximum(bound, floor) + slack).view(x.shape)
     values = maps_for(spec, x32.device).values
     n = x32.reshape(-1) / _safe(scale)
     i = (torch.bucketize(n, values, right=True) - 1).clamp(0, len(values) - 2)
     half_gap = (values[i + 1] - values[i]) / 2
     half_gap = torch.where(n < values[0], values[0] - n, half_gap)
+    if float(values[0]) == 0.0:  # int8 unsigned: a positive value below entry 1 takes entry 1
+        half_gap = torch.where(positive & (n < values[1]), values[1] - n, half_gap)
     return (half_gap * scale + slack).view(x.shape)

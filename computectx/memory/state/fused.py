@@ -134,11 +134,13 @@ def compiled_update(backend: str | None = None) -> Callable[..., Any]:
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous ``t`` as a 1-D tensor on the same memory that is not a view of ``t``.
+    """Contiguous ``t`` as a plain 1-D tensor on the same memory that is not a view of ``t``.
 
-    A view would make the compiler guard on (and recompile for) its base's rank.
+    A view would make the compiler guard on (and recompile for) its base's rank, and a
+    ``Parameter`` on its type (another graph for a 1-D parameter than for the flattened
+    view of a 2-D one).
     """
-    if t.dim() == 1:
+    if t.dim() == 1 and type(t) is torch.Tensor and not t._is_view():
         return t
     flat = torch.empty(0, dtype=t.dtype, device=t.device)
     return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))

@@ -31,9 +31,11 @@ from typing import Any, cast
 
 import torch
 
-from computectx.memory._rounding import RoundingGenerators, stochastic_round
-from computectx.memory.state.codecs import Packed, decode, parts_of
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.memory._rounding import RoundingGenerators, check_seed, stochastic_round
+from computectx.memory.state.codecs import Packed, decode, encode, parts_of
 from computectx.memory.state.fused import adam_update
+from computectx.memory.state.kinds import kind_of
 from computectx.memory.state.scalars import check_scalars
 from computectx.memory.state.store import (
     MASTER_ROUNDING_KEY,
@@ -53,6 +55,7 @@ from computectx.optim_state import OptimState
 __all__ = [
     "MASTER_ROUNDING",
     "OPTIM_STATE",
+    "STEPPED_DTYPES",
     "Stepper",
     "below_f32",
     "check_compile",
@@ -63,15 +66,11 @@ __all__ = [
 OPTIM_STATE = OPTIM_STATE_KEY
 MASTER_ROUNDING = MASTER_ROUNDING_KEY
 
+STEPPED_DTYPES = FLOAT_DTYPES  # the weights the stepper updates in float32 and writes back
+
 _GROUP_ENTRIES = frozenset({"params", "param_names"})
 _HOW = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _PROBE_SHAPES = ((4, 3), (5,))
-
-
-def check_seed(seed: object) -> None:
-    """``TypeError`` unless ``seed`` is an int (not a bool)."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {seed!r}")
 
 
 def check_compile(compile: object) -> None:
@@ -233,6 +232,12 @@ class Stepper:
         entries: list[tuple[str, dict[str, Any]]] = []
         for j, group in enumerate(inner.param_groups):
             for k, p in enumerate(group["params"]):
+                if p.grad is not None and p.dtype not in STEPPED_DTYPES:
+                    raise TypeError(
+                        f"{self.who}.step: param_groups[{j}]['params'][{k}] has dtype "
+                        f"{p.dtype} (changed since it was added); the stepper takes float32, "
+                        f"bfloat16 or float16 weights. Nothing was stepped"
+                    )
                 entry = inner.state.get(p)
                 if not entry:
                     continue
@@ -389,8 +394,11 @@ class Stepper:
         moments: list[Packed | torch.Tensor] = []
         fresh = not entry
         if fresh:
+            # Zero moments as later steps read them (packed): one compiled graph, not two.
             step_t = torch.tensor(0.0, dtype=_scalar_dtype())
-            moments = [torch.zeros(shape, dtype=torch.float32, device=p.device) for _ in "mv"]
+            for name in ("exp_avg", "exp_avg_sq"):
+                z = torch.zeros(shape, dtype=torch.float32, device=p.device)
+                moments.append(encode(z, fmt, kind_of(name)) if packs(z, shape, fmt) else z)
         else:
             step_t = plain["step"]
             for name in ("exp_avg", "exp_avg_sq"):

@@ -291,6 +291,7 @@ def convert_entries(
         for name, value in decoded.items():
             value = value.to(device=param.device)
             if packs(value, shape, ours):
+                _check_finite(value, f"{where}[{name!r}]", index, ours)
                 if not same:
                     worst = max(worst, _bound(value, ours, name))
                 new.update(encode_entry({name: value}, shape, ours))
@@ -299,6 +300,23 @@ def convert_entries(
         # Keep torch's key order where it can be told (step first).
         out[index] = {k: new[k] for k in sorted(new, key=lambda k: _order(entry, k))}
     return out, worst
+
+
+def _check_finite(value: torch.Tensor, where: str, index: object, ours: OptimState) -> None:
+    """``ValueError`` naming ``where`` (the key), the parameter and the first element, when
+    a plain state tensor about to be encoded holds an inf or NaN. Our own state saturates an
+    inf that torch's arithmetic made; a checkpoint's inf is refused, as NaN is: it would
+    become its block's scale, and the block's other values would decode to (about) zero."""
+    bad = ~torch.isfinite(value)
+    if not bool(bad.any()):
+        return
+    count = int(bad.sum())
+    first = [int(i) for i in bad.nonzero()[0]]
+    raise ValueError(
+        f"{where} (the state of parameter {index!r}, shape {list(value.shape)}) holds {count} "
+        f"inf or NaN value(s), the first at index {first} ({float(value[tuple(first)])}); "
+        f"accepted: finite state, to be stored as {ours}"
+    )
 
 
 def _check_plain_shapes(state: Mapping[Any, Any], params: Mapping[int, torch.Tensor]) -> None:
