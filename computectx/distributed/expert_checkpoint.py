@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from computectx.distributed.collectives import comm_device
 from computectx.distributed.group import GroupArg, data_parallel_group, join, joining
 from computectx.nn.experts import GroupedExperts
-from computectx.nn.moe import MoE, check_bias
+from computectx.nn.moe import MoE, planned_biases, update_biases
 
 __all__ = [
     "EXPERT_WEIGHTS",
@@ -272,37 +272,6 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _refusal(fqn: str, moe: MoE) -> str | None:
-    # Why ``update_bias`` would refuse this layer, or would leave a non-finite bias: a
-    # non-finite or negative count, a non-finite bias, or one that a step of bias_rate
-    # overflows. Checked on every layer before any moves.
-    name = fqn or "the model"
-    counts = moe.tokens_per_expert.detach()
-    wide = counts.to(torch.float64)
-    bad = ~torch.isfinite(wide) | (wide < 0)
-    if bool(bad.any()):
-        return (
-            f"{name}.tokens_per_expert must hold finite, non-negative token counts; experts "
-            f"{bad.nonzero().flatten().tolist()} hold {counts[bad].tolist()}"
-        )
-    if moe.balance != "aux_free":
-        return None
-    bias = moe.router.bias.detach()
-    try:
-        check_bias(bias, moe.n_experts, f"{name}.router.bias")
-    except (TypeError, ValueError) as e:
-        return str(e)
-    reach = bias.abs() + torch.tensor(moe.bias_rate, dtype=bias.dtype, device=bias.device)
-    over = ~torch.isfinite(reach)
-    if bool(over.any()):
-        return (
-            f"{name}.router.bias would overflow {bias.dtype} by a step of bias_rate="
-            f"{moe.bias_rate:g}: experts {over.nonzero().flatten().tolist()} hold "
-            f"{bias[over].tolist()}"
-        )
-    return None
-
-
 def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:
     """``MoE.update_bias`` for every MoE of ``model`` with the load of the whole group: every
     layer's ``tokens_per_expert`` summed over the ranks of ``group`` in one all-reduce, so
@@ -336,7 +305,11 @@ def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:
 
 def _update_biases(named: list[tuple[str, MoE]], pg: dist.ProcessGroup | None) -> None:
     layers = [m for _, m in named]
-    why = next((w for fqn, m in named if (w := _refusal(fqn, m)) is not None), None)
+    why: str | None = None
+    try:  # this rank's own counts: every check update_biases makes, nothing written
+        planned_biases(layers, names=[fqn or "the model" for fqn, _ in named])
+    except (TypeError, ValueError) as e:
+        why = str(e)
     counts = torch.cat([m.tokens_per_expert.detach().reshape(-1) for m in layers])
     failed: list[int] = [0] if why is not None else []
     if pg is not None:
@@ -352,10 +325,12 @@ def _update_biases(named: list[tuple[str, MoE]], pg: dist.ProcessGroup | None) -
     if failed:
         ranks = ", ".join(map(str, failed))
         where = "" if pg is None else f" on rank(s) {ranks} of the group (every rank raises this)"
-        detail = why if why is not None else "see the error on those ranks"
-        raise ValueError(
-            f"update_expert_bias refused{where}: {detail}; no router bias moved and no count "
-            f"was reset"
+        detail = (
+            why
+            if why is not None
+            else "see the error on those ranks; no router bias moved and no count was reset"
         )
-    for m, load in zip(layers, torch.split(counts, [m.n_experts for m in layers]), strict=True):
-        m.update_bias(load)
+        raise ValueError(f"update_expert_bias refused{where}: {detail}")
+    # The group's counts, checked again as a whole (the same on every rank, so every rank
+    # refuses alike) before any layer moves.
+    update_biases(layers, list(torch.split(counts, [m.n_experts for m in layers])))

@@ -396,15 +396,14 @@ class MoE(nn.Module):
         return moved
 
 
-@torch.no_grad()
-def update_biases(
-    layers: Sequence[MoE], loads: Sequence[torch.Tensor | None] | None = None
-) -> None:
-    """``MoE.update_bias`` for every layer of ``layers`` (``loads[i]`` the load of layer
-    ``i``, ``None`` or left out: its own ``tokens_per_expert``), every layer checked before
-    any changes: a refused layer (a bad load, a non-finite bias, a step that would make one
-    non-finite) raises naming it, and no layer's bias or count has moved. Then every bias
-    moves and every count starts again from zero. ``ByteLM.update_expert_bias`` calls it."""
+def planned_biases(
+    layers: Sequence[MoE],
+    loads: Sequence[torch.Tensor | None] | None = None,
+    names: Sequence[str] | None = None,
+) -> list[torch.Tensor | None]:
+    """Every check ``update_biases`` makes, changing nothing: the bias each layer of
+    ``layers`` would get (``None``: it stays), or the first refusal, naming the layer (by
+    ``names[i]``, its FQN, where given)."""
     layers = list(layers)
     if not all(isinstance(m, MoE) for m in layers):
         bad = next(m for m in layers if not isinstance(m, MoE))
@@ -419,11 +418,25 @@ def update_biases(
         try:
             planned.append(m._planned_bias(load))
         except (TypeError, ValueError) as e:
-            if len(layers) == 1:
+            if len(layers) == 1 and names is None:
                 raise
-            raise type(e)(
-                f"MoE layer {i} of {len(layers)}: {e} (no layer's bias or count was changed)"
-            ) from None
+            which = f"MoE layer {i} of {len(layers)}" if names is None else names[i]
+            raise type(e)(f"{which}: {e} (no layer's bias or count was changed)") from None
+    return planned
+
+
+@torch.no_grad()
+def update_biases(
+    layers: Sequence[MoE], loads: Sequence[torch.Tensor | None] | None = None
+) -> None:
+    """``MoE.update_bias`` for every layer of ``layers`` (``loads[i]`` the load of layer
+    ``i``, ``None`` or left out: its own ``tokens_per_expert``), every layer checked before
+    any changes (``planned_biases``): a refused layer (a bad load, a non-finite bias, a step
+    that would make one non-finite) raises naming it, and no layer's bias or count has
+    moved. Then every bias moves and every count starts again from zero.
+    ``ByteLM.update_expert_bias`` and ``distributed.update_expert_bias`` call it."""
+    layers = list(layers)
+    planned = planned_biases(layers, loads)
     for m, moved in zip(layers, planned, strict=True):
         if moved is not None:
             m.router.bias.copy_(moved)
