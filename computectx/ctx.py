@@ -13,11 +13,13 @@ from pydantic import (
     Field,
     PlainSerializer,
     PlainValidator,
+    ValidationError,
     WithJsonSchema,
     model_validator,
 )
 from typing_extensions import Self, Unpack
 
+from computectx._checks import validation_message
 from computectx.dtypes import (
     DType,
     PromotionError,
@@ -202,6 +204,23 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
     _NULLABLE: ClassVar[frozenset[str]] = frozenset({"fp8", "offload"})
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """``obj`` (a dict of the fields) as a ``ComputeCtx``; a bad ``kv`` or
+        ``optim_state`` is a ``ValueError`` naming it (``_nested_errors``)."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise _nested_errors(e) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        """The JSON form as a ``ComputeCtx``; errors as ``model_validate``."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise _nested_errors(e) from None
 
     @model_validator(mode="before")
     @classmethod
@@ -409,6 +428,16 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                 raise ValueError(f"policy key {key!r} given twice in {text!r}")
             data[key] = None if key in cls._NULLABLE and _is_none_text(value) else value
         return cls.model_validate(data)
+
+
+def _nested_errors(e: ValidationError) -> ValueError:
+    # The errors of the nested policy values (kv: a KvFp8 or a dtype; optim_state) are the
+    # library's ValueError, without pydantic's URL, as KvFp8 and OptimState raise them on
+    # their own; any other field's error stays pydantic's ValidationError (a ValueError).
+    errors = e.errors()
+    if errors and all(err["loc"][:1] in (("kv",), ("optim_state",)) for err in errors):
+        return ValueError(validation_message(e, "ComputeCtx", ComputeCtx.model_fields))
+    return e
 
 
 # (input torch dtype, accum) -> the torch dtype precise() runs f in: input ⊔ accum. One

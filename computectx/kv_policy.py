@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, get_args
 
 import torch
 from pydantic import BaseModel, BeforeValidator, Field, ValidationError
+from typing_extensions import Self
 
 from computectx._checks import as_int, validation_message
 from computectx.dtypes import (
@@ -165,6 +166,22 @@ class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tru
                 super().__init__(**data)
             except ValidationError as e:
                 raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """``obj`` (a dict of the fields) as a ``KvFp8``; ``ValueError`` as ``__init__``."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        """The JSON form as a ``KvFp8``; ``ValueError`` as ``__init__``."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
 
     @property
     def static(self) -> bool:

@@ -96,10 +96,17 @@ def test_parse_kv_reads_every_form(value: object, want: DType | KvFp8) -> None:
 def test_bad_kv_values_are_one_error_naming_them(value: object, needle: str) -> None:
     with pytest.raises(ValueError, match=re.escape(needle)):
         parse_kv(value)
-    with pytest.raises(ValidationError) as caught:
+    # Through the policy too: the library's ValueError naming kv, never pydantic's
+    # ValidationError with its URL (model_validate, the JSON form and the text form).
+    with pytest.raises(ValueError, match=r"^bad ComputeCtx: kv=") as caught:
         ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": value})
-    assert caught.value.error_count() == 1 and caught.value.errors()[0]["loc"] == ("kv",)
-    assert needle in str(caught.value)
+    assert not isinstance(caught.value, ValidationError)
+    assert str(caught.value).startswith(f"bad ComputeCtx: kv={value!r}: "), str(caught.value)
+    assert needle in str(caught.value) and "http" not in str(caught.value)
+    if isinstance(value, str):
+        with pytest.raises(ValueError, match=r"^bad ComputeCtx: kv=") as parsed:
+            ComputeCtx.parse(f"compute=bf16,kv={value},device=cpu")
+        assert not isinstance(parsed.value, ValidationError) and needle in str(parsed.value)
 
 
 @pytest.mark.parametrize(
@@ -135,15 +142,56 @@ def test_json_form_and_bad_json() -> None:
     assert ComputeCtx.model_validate_json(compact.model_dump_json()) == compact
     assert ComputeCtx.model_validate(data) == ctx
     # An unknown field is named, with the two a KvFp8 has.
-    with pytest.raises(ValidationError, match=r"unknown fp8 KV cache field\(s\) 'margin'") as err:
+    with pytest.raises(ValueError, match=r"unknown fp8 KV cache field\(s\) 'margin'") as err:
         ComputeCtx.model_validate(
             {"compute": "bf16", "device": "cpu", "kv": {"format": "e4m3", "margin": 2}}
         )
     assert "'format'" in str(err.value) and "'scaling'" in str(err.value)
-    with pytest.raises(ValidationError, match="unknown fp8 format 'e3m4'"):
+    with pytest.raises(ValueError, match="unknown fp8 format 'e3m4'"):
         ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": {"format": "e3m4"}})
-    with pytest.raises(ValidationError, match="'per_token_head', 'per_head' or 'per_tensor'"):
+    with pytest.raises(ValueError, match="'per_token_head', 'per_head' or 'per_tensor'"):
         KvFp8.model_validate({"scaling": "per_row"})
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('{"recent": null}', "bad KvFp8: recent=None: recent must be an int count"),
+        ('{"recent": "4"}', "bad KvFp8: recent='4': recent must be an int count"),
+        ('{"recent": 4.0}', "bad KvFp8: recent=4.0: recent must be an int count"),
+        ('{"step": null}', "bad KvFp8: step=None: Input should be 'f32', 'bf16' or 'e8m0'"),
+        ('{"format": null}', "bad KvFp8: format=None"),
+        ('{"scaling": "per_row"}', "bad KvFp8: scaling='per_row'"),
+    ],
+)
+def test_bad_kv_json_is_our_value_error_everywhere(text: str, needle: str) -> None:
+    # KvFp8's JSON form and dict form, and the same inside a ComputeCtx's JSON: one
+    # ValueError of ours naming the field and the value, no pydantic URL.
+    data = json.loads(text)
+    for call in (
+        lambda: KvFp8.model_validate_json(text),
+        lambda: KvFp8.model_validate(data),
+        lambda: ComputeCtx.model_validate_json(
+            f'{{"compute": "bf16", "device": "cpu", "kv": {text}}}'
+        ),
+        lambda: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "kv": data}),
+    ):
+        with pytest.raises(ValueError, match=r"^bad (KvFp8|ComputeCtx): ") as err:
+            call()
+        assert not isinstance(err.value, ValidationError), str(err.value)
+        assert needle in str(err.value) and "http" not in str(err.value), str(err.value)
+    assert str(err.value).startswith("bad ComputeCtx: kv=")
+
+
+@pytest.mark.parametrize("kv", ["e4m3/per_row", "e4m3/recent=True", "e4m3/recent=-1",
+                                "e4m3/recent=99999999"])  # fmt: skip
+def test_bad_kv_text_in_a_policy_string_is_our_value_error(kv: str) -> None:
+    with pytest.raises(ValueError, match=r"^bad ComputeCtx: kv=") as err:
+        ComputeCtx.parse(f"compute=bf16,kv={kv},accum=f32,device=cpu")
+    assert not isinstance(err.value, ValidationError) and "http" not in str(err.value)
+    # Another field's error stays pydantic's ValidationError (a ValueError too).
+    with pytest.raises(ValidationError, match="compute"):
+        ComputeCtx.parse(f"compute=bf17,kv={kv},device=cpu")
 
 
 def test_fp8_kv_is_an_explicit_boundary() -> None:
