@@ -16,7 +16,9 @@ most recent positions unquantized), ``per_head`` (calibrated) and ``per_tensor``
 (calibrated), and the
 cautionary row: ``per_tensor`` with a step of 1.0 (no calibration). That row is reachable
 only here: the bench builds its ``KVCache`` with ``steps=(1.0, 1.0)`` itself, as no public
-spelling of the policy does. The rest of the policy is ``fp32`` in every row.
+spelling of the policy does (and sets each layer's ``kv_amax`` to e4m3's max, 448, whose step
+is 1.0: a model refuses a cache whose static steps its calibration does not give). The rest
+of the policy is ``fp32`` in every row.
 
 **Measures.**
 
@@ -146,6 +148,10 @@ class Bench:
                 attn = m.get_submodule(layer)
                 assert isinstance(attn, Attention)
                 attn.kv_amax.copy_(amax)
+        if name == IDENTITY:  # the amax whose step is 1.0, so the model reads those caches
+            for attn in m.modules():
+                if isinstance(attn, Attention):
+                    attn.kv_amax.fill_(torch.finfo(torch.float8_e4m3fn).max)
         return m.eval()
 
     def amax_for(self, magnitude: float) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -15,6 +16,7 @@ from computectx.fp8.seam import decode_attention, static_kv_steps
 from computectx.kv_policy import KvFp8
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache
+from computectx.nn.kv_steps import held_steps, widen_steps
 from computectx.nn.params import apply_fp8_policy, param_dtype
 from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
@@ -72,9 +74,13 @@ class Attention(nn.Module):
     The decode step uses no matmul; the prefill's are float32 matmuls, which a CUDA device
     runs in TF32 unless ``torch.get_float32_matmul_precision()`` is ``"highest"`` (the
     default): there the prefill warns once (``Float32MatmulPrecisionWarning``). A cache with a
-    window of recent positions (``KvFp8.recent``) is read as the prefill reads, in every step:
+    window of recent positions (``KvFp8.recent``) is read in float32 in every step:
     ``KVCache.read`` splices the window's unquantized positions into the dequantized codes
-    and one query attends over them in float32 (``decode_attention`` reads codes only).
+    and one query attends over them (``decode_attention`` reads codes only); a prefill over
+    such a cache reads as those steps would, each query the window as of its own position.
+
+    Every cache is checked before anything is written (``check_cache``): its ``kv``, heads,
+    head dim and, for a static scheme, that its steps are this layer's calibration.
 
     The buffer ``kv_amax`` (``(2, H)`` float32: row 0 keys, row 1 values) holds each head's
     calibrated amax (``computectx.nn.calibrate_kv``), from which the static fp8 schemes take
@@ -176,7 +182,7 @@ class Attention(nn.Module):
         """
         kv = self.ctx.kv
         steps = self.kv_steps() if isinstance(kv, KvFp8) and kv.static else None
-        return KVCache(
+        cache = KVCache(
             self.ctx,
             batch,
             self.n_heads,
@@ -185,6 +191,73 @@ class Attention(nn.Module):
             steps=steps,
             backend=backend,
         )
+        if steps is not None:
+            cache.steps_tag = self._calibration_tag()
+        return cache
+
+    def _calibration_tag(self) -> tuple[weakref.ref[torch.Tensor], int] | None:
+        # This layer's kv_amax and its version counter: the same tensor, unchanged since
+        # (calibrate_kv and load_state_dict write it in place, which moves the counter).
+        amax = self.kv_amax
+        try:
+            return weakref.ref(amax), amax._version
+        except RuntimeError:  # an inference tensor keeps no version counter
+            return None
+
+    def check_cache(self, cache: KVCache, batch: int | None = None, new: int | None = None) -> None:
+        """Refuse a cache this layer cannot read or write, before anything is written
+        (``ByteLM`` checks every layer's cache this way before any layer writes): a
+        ``ValueError`` when it was built for another ``kv`` (``KVCache.check_read_under``),
+        another number of heads, head dim or (``batch`` given) batch, when ``new`` more
+        positions would not fit after its ``length``, or, for a static fp8 ``kv``, when it
+        holds steps other than this layer's calibration gives now (a cache built by another
+        model, or before a new calibration or load: its codes were made with other steps).
+
+        The steps are compared by a tag the cache got from ``new_cache`` (no host read while
+        the layer's ``kv_amax`` is the same tensor, unchanged), by value otherwise (one host
+        read; a match tags the cache). Under ``torch.compile`` the steps are not compared: a
+        compiled step trusts its caller, as with ``pos``."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"expected a KVCache, got {type(cache).__name__}")
+        cache.check_read_under(self.ctx)
+        b, h, _, d = cache.k.shape
+        if (h, d) != (self.n_heads, self.head_dim) or (batch is not None and b != batch):
+            want = f"batch {batch}, " if batch is not None else ""
+            raise ValueError(
+                f"this KV cache holds batch {b}, {h} heads of dim {d}; this attention layer "
+                f"reads {want}{self.n_heads} heads of dim {self.head_dim} (build the caches "
+                f"from the model that reads them, for this batch: model.new_caches(batch))"
+            )
+        if new is not None and cache.length + new > cache.max_len:
+            raise ValueError(
+                f"{new} new position(s) after the {cache.length} cached exceed the cache's "
+                f"max_len={cache.max_len}; at most {cache.max_len - cache.length} more fit"
+            )
+        kv = self.ctx.kv
+        if not isinstance(kv, KvFp8) or not kv.static or torch.compiler.is_compiling():
+            return
+        tag, now = cache.steps_tag, self._calibration_tag()
+        if isinstance(tag, tuple) and now is not None and tag[0]() is now[0]() and tag[1] == now[1]:
+            return
+        ks, vs = cache.k_step, cache.v_step
+        assert ks is not None and vs is not None  # a static fp8 cache holds its steps
+        try:
+            mine = [held_steps(s, kv.step) for s in self.kv_steps()]
+        except ValueError:
+            mine = []
+        same = bool(mine) and all(
+            torch.equal(widen_steps(a), widen_steps(b)) for a, b in zip((ks, vs), mine, strict=True)
+        )
+        if not same:
+            ours = [widen_steps(s).tolist() for s in mine] if mine else "none (not calibrated)"
+            raise ValueError(
+                f"this kv={kv} cache holds the static steps of another calibration (key "
+                f"{widen_steps(ks).tolist()}, value {widen_steps(vs).tolist()}; this layer's "
+                f"calibration gives {ours}): its codes were made with those steps. Build the "
+                f"caches from the model that reads them, after calibrating or loading "
+                f"(model.new_caches(...))"
+            )
+        cache.steps_tag = now
 
     # ----- forward ----------------------------------------------------------------------------
 
@@ -216,6 +289,42 @@ class Attention(nn.Module):
             scores = scores.masked_fill(~visible, float("-inf"))
             probs = softmax(self.ctx, scores, dim=-1)
             return probs @ v
+
+    def _attend_window(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: KVCache,
+        before: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        # A prefill of T > 1 positions into a cache with a window of n slots, read as T
+        # decode steps read it: the query at position s sees position p <= s unquantized
+        # (as the window holds it) when s - n < p, from its codes otherwise. Positions
+        # before the prefill come as the window held them before it (``before``: a later
+        # position of this prefill may take their slot), the prefill's own from k and v.
+        end, t = cache.length, q.shape[2]
+        start = end - t
+        k_codes, v_codes = cache.read(end, window=False)
+        k_win = torch.cat([before[0], cache.windowed(k)], dim=2)
+        v_win = torch.cat([before[1], cache.windowed(v)], dim=2)
+        at = torch.arange(end, device=q.device)
+        query_at = (start + torch.arange(t, device=q.device)).view(t, 1)
+        visible = at <= query_at
+        recent = visible & (at > query_at - cache.recent)
+        _check_float32_matmul(q.device)
+        with torch.autocast(q.device.type, enabled=False):
+            qf, scale = q.to(torch.float32), 1.0 / math.sqrt(self.head_dim)
+            scores = torch.where(
+                recent,
+                qf @ k_win.transpose(-2, -1) * scale,
+                qf @ k_codes.transpose(-2, -1) * scale,
+            )
+            probs = softmax(self.ctx, scores.masked_fill(~visible, float("-inf")), dim=-1)
+            # Each weight multiplies the value it read (the other reading gets weight 0).
+            from_win = probs.masked_fill(~recent, 0.0) @ v_win
+            from_codes = probs.masked_fill(recent, 0.0) @ v_codes
+            return from_win + from_codes
 
     def _decode_fp8(
         self, q: torch.Tensor, cache: KVCache, length: torch.Tensor | int
@@ -250,7 +359,7 @@ class Attention(nn.Module):
         t = x.shape[1]
         start = 0 if cache is None else cache.length
         if cache is not None:
-            cache.check_read_under(self.ctx)
+            self.check_cache(cache)
         with self.ctx.autocast():
             q, k, v = self._qkv(x)
             q = self.rope(q, start)
@@ -259,7 +368,13 @@ class Attention(nn.Module):
             if cache is None:
                 keys, values = k, v
             else:
+                windowed = cache.fp8 is not None and cache.recent > 0 and t > 1
+                # A prefill over a window reads each position as a decode step at each query
+                # would: the positions before it as the window held them before it.
+                before = cache.read(start) if windowed else None
                 cache.append(k, v)
+                if before is not None:
+                    return self._merge(self._attend_window(q, k, v, cache, before))
                 if cache.fp8 is not None and t == 1 and not cache.recent:
                     return self._merge(self._decode_fp8(q, cache, cache.length))
                 keys, values = cache.read()
@@ -281,7 +396,7 @@ class Attention(nn.Module):
         never change and a compiled step does not recompile as ``pos`` moves. An fp8 cache
         runs ``decode_attention`` with ``length = pos + 1``.
         """
-        cache.check_read_under(self.ctx)
+        self.check_cache(cache)
         b, t, _ = x.shape
         if t != 1:
             raise ValueError(f"Attention.decode takes one position per row, got x {x.shape}")

@@ -45,6 +45,8 @@ from computectx.fp8.seam import (
 )
 from computectx.kv_policy import KvFp8
 from computectx.nn.kv_steps import (
+    check_sizes,
+    check_window_dtype,
     copy_positions,
     held_steps,
     ones_steps,
@@ -52,6 +54,7 @@ from computectx.nn.kv_steps import (
     static_steps,
     widen_steps,
     window_slots,
+    window_values,
 )
 
 __all__ = [
@@ -162,16 +165,10 @@ class KVCache:
         *,
         steps: tuple[torch.Tensor, torch.Tensor] | None = None,
         backend: Fp8Backend | str | None = None,
-        window_dtype: torch.dtype | None = None,
+        window_dtype: torch.dtype | DType | None = None,
     ) -> None:
-        for name, value in (
-            ("batch", batch),
-            ("n_heads", n_heads),
-            ("head_dim", head_dim),
-            ("max_len", max_len),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+        batch, n_heads, head_dim, max_len = check_sizes(batch, n_heads, head_dim, max_len)
+        window_at = check_window_dtype(window_dtype)
         self.ctx = ctx
         self.kv: DType | KvFp8 = ctx.kv
         """The KV setting the cache was built for; attention under another refuses it."""
@@ -189,6 +186,8 @@ class KVCache:
         self.v_recent: torch.Tensor | None = None
         self.window_pos = torch.full((0,), -1, dtype=torch.int64, device=ctx.device)
         """The position each ring slot holds, -1 for none (``kv_steps``)."""
+        self.steps_tag: object = None
+        """The calibration the static steps came from (``Attention.check_cache``)."""
         if isinstance(kv, DType):
             if steps is not None or backend is not None or window_dtype is not None:
                 raise ValueError(
@@ -214,7 +213,7 @@ class KVCache:
                 # Never more slots than positions: a window as long as the cache holds all.
                 self.recent = min(kv.recent, max_len)
                 ring = (batch, n_heads, self.recent, head_dim)
-                at = ctx.compute.torch if window_dtype is None else window_dtype
+                at = ctx.compute.torch if window_at is None else window_at
                 self.k_recent = torch.zeros(ring, dtype=at, device=ctx.device)
                 self.v_recent = torch.zeros(ring, dtype=at, device=ctx.device)
                 self.window_pos = torch.full(
@@ -330,8 +329,8 @@ class KVCache:
         if positions.shape[0] > n:
             k, v, positions = k[:, :, -n:], v[:, :, -n:], positions[-n:]
         slots = window_slots(positions, n)
-        self.k_recent.index_copy_(2, slots, k.to(self.k_recent.dtype))
-        self.v_recent.index_copy_(2, slots, v.to(self.v_recent.dtype))
+        self.k_recent.index_copy_(2, slots, window_values(k, self.k_recent.dtype))
+        self.v_recent.index_copy_(2, slots, window_values(v, self.v_recent.dtype))
         self.window_pos.index_copy_(0, slots, positions)
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor) -> None:
@@ -398,9 +397,10 @@ class KVCache:
             )
         if not torch.compiler.is_compiling():
             try:
-                # A gather raises on an index outside [0, max_len) before anything is
-                # written, and reads nothing on the host when every index is inside.
-                self.k.view(torch.uint8)[0, 0, :, 0].index_select(0, index)
+                # A gather (of one byte expanded) raises on pos or pos + T outside
+                # [0, max_len], T = 0 included, and reads nothing on the host otherwise.
+                one = torch.zeros((), dtype=torch.uint8, device=pos.device)
+                one.expand(self.max_len + 1).index_select(0, torch.stack([pos, pos + t]))
             except IndexError:
                 at = int(pos)
                 raise ValueError(
@@ -409,10 +409,14 @@ class KVCache:
                 ) from None
         self._store(k, v, index)
 
-    def read(self, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, end: int | None = None, *, window: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions ``0 .. end - 1`` (default ``length``): views at
         ``kv`` for a dtype cache; float32 copies dequantized with their steps for fp8, the
-        positions the window holds (``recent``) taken unquantized from it.
+        positions the window holds (``recent``) taken unquantized from it (with
+        ``window=False``: every position from its codes, as it reads once it leaves the
+        window).
 
         ``end`` is an int in ``[0, max_len]`` (``ValueError`` naming it otherwise); positions
         from ``length`` on hold what ``write`` stored there, zeros where nothing was."""
@@ -432,12 +436,20 @@ class KVCache:
         if ks.dim() == 3:
             ks, vs = ks[:, :, :stop], vs[:, :, :stop]
         kf, vf = dequantize_kv(k, widen_steps(ks)), dequantize_kv(v, widen_steps(vs))
-        if self.k_recent is None or self.v_recent is None:
+        if self.k_recent is None or self.v_recent is None or not window:
             return kf, vf
         return (
             splice_window(kf, self.k_recent, self.window_pos),
             splice_window(vf, self.v_recent, self.window_pos),
         )
+
+    def windowed(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (keys or values at a compute dtype) as this cache's window holds it, widened
+        to float32: at the window's dtype, an inf or NaN entry as NaN, a finite one beyond
+        the window dtype's range at its finite max. A cache with no window: ``ValueError``."""
+        if self.k_recent is None:
+            raise ValueError(f"this kv={self.kv} cache has no window of recent positions")
+        return window_values(x, self.k_recent.dtype).to(torch.float32)
 
     def reset(self) -> None:
         """Empty the cache in place (the same buffers): codes and window zero, per-token steps

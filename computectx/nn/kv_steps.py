@@ -32,10 +32,16 @@ from typing import Final
 
 import torch
 
+from computectx._checks import as_int
+from computectx.dtypes import FLOAT_DTYPES, DType
 from computectx.kv_policy import KvFp8, KvStep
 
 __all__ = [
     "HELD_DTYPES",
+    "MAX_ELEMENTS",
+    "WINDOW_DTYPES",
+    "check_sizes",
+    "check_window_dtype",
     "copy_positions",
     "held_steps",
     "ones_steps",
@@ -44,6 +50,7 @@ __all__ = [
     "stored_steps",
     "widen_steps",
     "window_slots",
+    "window_values",
 ]
 
 _E8M0_BIAS = 127
@@ -110,6 +117,64 @@ def copy_positions(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) ->
     if dst.element_size() == 1:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     dst.index_copy_(2, index, src)
+
+
+MAX_ELEMENTS: Final[int] = (1 << 63) // 8 - 1
+"""The most values one cache tensor may hold: its bytes (at most 8 per value) must fit
+torch's int64 storage size (``KVCache`` refuses larger sizes naming them)."""
+
+WINDOW_DTYPES: Final[tuple[torch.dtype, ...]] = (*FLOAT_DTYPES, torch.float64)
+"""The dtypes a window may hold its values at (``KVCache(window_dtype=...)``): the compute
+dtypes f16, bf16, f32 and f64."""
+
+
+def check_sizes(batch: int, n_heads: int, head_dim: int, max_len: int) -> tuple[int, ...]:
+    """``KVCache``'s sizes checked, as ints: each a positive Python or numpy integer
+    (``_checks.as_int``), and together no more than ``MAX_ELEMENTS`` values per tensor;
+    ``ValueError`` naming them otherwise (never torch's overflow at allocation)."""
+    named = {"batch": batch, "n_heads": n_heads, "head_dim": head_dim, "max_len": max_len}
+    sizes = []
+    for name, value in named.items():
+        count = as_int(value)  # a numpy integer reads as its value, as in KvFp8.recent
+        if count is None or count <= 0:
+            raise ValueError(f"KVCache {name} must be a positive int, got {value!r}")
+        sizes.append(count)
+    total = sizes[0] * sizes[1] * sizes[2] * sizes[3]
+    if total > MAX_ELEMENTS:
+        given = ", ".join(f"{k}={v}" for k, v in zip(named, sizes, strict=True))
+        raise ValueError(
+            f"KVCache {given} make {total} values per tensor, more than torch can address "
+            f"(at most {MAX_ELEMENTS}); a smaller max_len (or batch) is accepted"
+        )
+    return tuple(sizes)
+
+
+def check_window_dtype(value: object) -> torch.dtype | None:
+    """``KVCache``'s ``window_dtype`` checked: ``None`` (the compute dtype), a ``DType`` or
+    one of ``WINDOW_DTYPES``; anything else (an integer, bool or fp8 dtype, which would read
+    0.7 back as 0 or 1, or a string) is a ``ValueError`` naming it and what is accepted."""
+    if value is None:
+        return None
+    at = value.torch if isinstance(value, DType) else value
+    if isinstance(at, torch.dtype) and at in WINDOW_DTYPES:
+        return at
+    raise ValueError(
+        f"KVCache window_dtype={value!r} is not a dtype the window of recent positions can "
+        f"hold values at; accepted: None (the compute dtype), a DType, or "
+        f"{', '.join(str(d) for d in WINDOW_DTYPES)}"
+    )
+
+
+def window_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` as a window at ``dtype`` holds it: an inf or NaN entry as NaN (what its codes
+    read back as, so a position reads the same in the window and after it), a finite one
+    beyond ``dtype``'s range saturated to its finite max (the codes read it finite too; a
+    plain cast to f16 would give inf)."""
+    bad = ~torch.isfinite(x)
+    top = torch.finfo(dtype).max
+    if torch.finfo(x.dtype).max > top:
+        x = x.clamp(-top, top)
+    return x.to(dtype).masked_fill(bad, float("nan"))
 
 
 def window_slots(positions: torch.Tensor, slots: int) -> torch.Tensor:

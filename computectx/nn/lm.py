@@ -335,6 +335,8 @@ class ByteLM(nn.Module):
                 f"sequence of {start + ids.shape[1]} positions exceeds max_len="
                 f"{self.config.max_len}"
             )
+        if caches is not None:
+            self._check_caches("ByteLM.forward", caches, ids.shape[0], ids.shape[1])
         with self.ctx.autocast():
             x = self.ctx.to_compute(self.embed(ids))
             for i, blk in enumerate(blocks):
@@ -383,10 +385,28 @@ class ByteLM(nn.Module):
         blocks = self._blocks()
         if len(caches) != len(blocks):
             raise ValueError(f"ByteLM has {len(blocks)} blocks but got {len(caches)} caches")
+        self._check_caches("decode_step", caches, ids.shape[0], None)
         if not torch.compiler.is_compiling():
             held = min([self.config.max_len, *(c.max_len for c in caches)])
             _check_values("decode_step", ids, pos, held)
         return self._decode(ids, pos, caches)
+
+    def _check_caches(
+        self, who: str, caches: Sequence[KVCache], batch: int, new: int | None
+    ) -> None:
+        # Every layer's cache, before any layer writes (Attention.check_cache): a cache of
+        # another kv, batch, shape, calibration, or too short, refuses the call and leaves
+        # every cache as it was. Appends (new given) also need one length for all layers.
+        for i, (blk, cache) in enumerate(zip(self._blocks(), caches, strict=True)):
+            try:
+                blk.attn.check_cache(cache, batch, new)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{who}: caches[{i}]: {e}") from None
+            if new is not None and cache.length != caches[0].length:
+                raise ValueError(
+                    f"{who}: caches[{i}] holds {cache.length} positions but caches[0] holds "
+                    f"{caches[0].length}; every layer's cache must hold the same positions"
+                )
 
     def _decode(
         self, ids: torch.Tensor, pos: torch.Tensor, caches: Sequence[KVCache]
