@@ -147,7 +147,9 @@ _PARENTS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet[nn.Module]] = (
 
 def _on_registration(parent: nn.Module, name: str, child: object) -> None:
     # torch's global module registration hook: remember the parent, and pass a guard up.
-    if not isinstance(child, nn.Module) or child is parent:
+    # Not while dynamo traces (a module set as an attribute inside a compiled forward): the
+    # weak maps would become guards of the graph, whose size changes as modules are freed.
+    if torch.compiler.is_compiling() or not isinstance(child, nn.Module) or child is parent:
         return
     with contextlib.suppress(TypeError):  # a module made unhashable is not remembered
         _PARENTS.setdefault(child, weakref.WeakSet()).add(parent)
