@@ -33,9 +33,16 @@ from computectx.distributed.fp8_expert_gather import (
     enable_fp8_expert_gather,
 )
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
-from computectx.distributed.group import agree, check_same_policy, data_parallel_group, join
+from computectx.distributed.group import (
+    agree,
+    agree_ok,
+    check_same_policy,
+    data_parallel_group,
+    join,
+)
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
+    check_optimizer_state_dict,
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
@@ -54,6 +61,8 @@ __all__ = [
     "Strategy",
     "WeightGatheredAsFp8",
     "agree",
+    "agree_ok",
+    "check_optimizer_state_dict",
     "check_same_policy",
     "clip_grad_norm_with_experts",
     "data_parallel_group",

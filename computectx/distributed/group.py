@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from computectx.ctx import ComputeCtx
+from computectx.distributed.collectives import all_reduce_on
 from computectx.fp8 import Fp8Linear
 
 __all__ = [
@@ -221,6 +222,30 @@ def agree(check: Callable[[], _T], group: GroupArg = None, *, what: str) -> list
     raise error(
         f"{what} failed on rank(s) {ranks} of the group (every rank raises this): {why}"
     ) from own
+
+
+def agree_ok(check: Callable[[], None], group: GroupArg = None, *, what: str) -> None:
+    """``agree`` for a check that returns nothing, run where the ranks already joined the
+    same call (``Parallel.step``): one 1-element all-reduce of the verdicts when every rank
+    passes (about a join's cost; ``agree``'s ``all_gather_object`` is two all-gathers and a
+    pickle, several times more), and only when some rank failed ``agree``'s exchange of the
+    messages: the same error on every rank, naming the rank(s), promptly."""
+    pg = data_parallel_group(group)
+    try:
+        check()
+        failed = 0.0
+    except Exception:  # every kind crosses, below
+        failed = 1.0
+    verdict = torch.tensor([failed])
+    all_reduce_on(verdict, pg, dist.ReduceOp.MAX)  # a CPU tensor, as ShardedParams reduces
+    if verdict.item() == 0.0:
+        return
+    # Some rank failed: every rank runs the check again inside agree, which exchanges the
+    # messages (a check that raises before it changes anything raises alike again).
+    agree(check, pg, what=what)
+    raise RuntimeError(  # a check that passed on its second run on every rank
+        f"{what}: a rank's check failed, then passed when run again; nothing changed"
+    )
 
 
 # ----- Ranks join a collective call before its first collective ------------------------------

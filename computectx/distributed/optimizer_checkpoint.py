@@ -46,6 +46,7 @@ from computectx.memory.state import decode_entry
 
 __all__ = [
     "MASTER_WEIGHTS",
+    "check_optimizer_state_dict",
     "check_saved_optimizer",
     "optimizer_state_dict",
     "parameter_fqns",
@@ -272,6 +273,22 @@ def set_optimizer_state_dict(
     (``set_model_state_dict``), then the optimizer: the masters are the more precise copy,
     and this call writes them into the model.
     """
+    optimizer.load_state_dict(_position(model, optimizer, state_dict))
+
+
+def check_optimizer_state_dict(
+    model: nn.Module, optimizer: OffloadedOptimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Run every check ``set_optimizer_state_dict`` runs (its own and the optimizer's
+    ``load_state_dict``'s), loading nothing: the error it would raise, else ``None``."""
+    optimizer.check_state_dict(_position(model, optimizer, state_dict))
+
+
+def _position(
+    model: nn.Module, optimizer: OffloadedOptimizer, state_dict: Mapping[str, Any]
+) -> dict[str, Any]:
+    """``state_dict`` (keyed by FQN) checked and keyed by position, as
+    ``OffloadedOptimizer.load_state_dict`` takes it (nothing changes)."""
     fqns = _fqns_of(model, optimizer)
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
@@ -296,7 +313,7 @@ def set_optimizer_state_dict(
         position[OPTIM_STATE] = str(fmt)
     if MASTER_ROUNDING in state_dict:
         position[MASTER_ROUNDING] = state_dict[MASTER_ROUNDING]  # load_state_dict checks it
-    optimizer.load_state_dict(position)
+    return position
 
 
 def _check_groups(

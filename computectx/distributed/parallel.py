@@ -30,7 +30,6 @@ from computectx.distributed.expert_parallel import (
     expert_parameters,
     moe_local_buffers,
     shard_expert_optimizer_state,
-    unshard_expert_optimizer_state,
     update_expert_bias,
 )
 from computectx.distributed.fp8_all_gather import (
@@ -49,6 +48,7 @@ from computectx.distributed.fp8_expert_gather import enable_fp8_expert_gather
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
     agree,
+    agree_ok,
     check_same_model,
     check_same_policy,
     data_parallel_group,
@@ -58,11 +58,11 @@ from computectx.distributed.group import (
 )
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
-    check_saved_optimizer,
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
 from computectx.distributed.parallel_checks import (
+    check_parallel_load,
     check_parallelize,
     check_same_setup,
     setup_choices,
@@ -139,7 +139,12 @@ class Parallel:
 
         ``max_norm`` is checked before any gradient moves: a real number > 0, not NaN
         (``math.inf`` measures the norm without clipping, as in torch); a bool, a string,
-        NaN, zero or a negative number is a ``TypeError``/``ValueError``.
+        NaN, zero or a negative number is a ``TypeError``/``ValueError``. So is the state of
+        an ``OffloadedOptimizer`` (``check_step``: a ``step`` that is not a whole number
+        >= 0, a non-finite scalar, a bad packed part), and on many ranks the ranks agree on
+        it (``agree_ok``: one 1-element all-reduce per step) before any rank steps: state that
+        cannot step on one rank is the same ``ValueError`` on every rank, naming that rank,
+        with nothing changed on any.
         """
         if max_norm is not None:
             check_max_norm(max_norm)
@@ -148,6 +153,12 @@ class Parallel:
         # A collective (the gradients' hand-over, the norm, the biases' load): every rank
         # steps together, or a clear error here; the expert helpers ride on this join.
         with joining(self.group, "Parallel.step", self.join_timeout):
+            opt = self.optimizer
+            if isinstance(opt, OffloadedOptimizer):
+                # Its state's checks (step counts, packed parts), exchanged before anything
+                # moves: state that cannot step on one rank makes every rank raise, naming
+                # it, before any rank steps (its replicas or shards would part ways).
+                agree_ok(opt.check_step, self.group, what="Parallel.step")
             return self._step(max_norm)
 
     def _step(self, max_norm: float | None) -> float | None:
@@ -228,19 +239,20 @@ class Parallel:
             set_optimizer_state_dict as set_plain_optimizer_state_dict,
         )
 
-        # Another optimizer class's state is refused before the model or anything loads.
-        check_saved_optimizer(self.optimizer, state, _OPTIMIZER, "Parallel.load_state_dict")
-        if not isinstance(state, Mapping) or set(state) != {_MODEL, _OPTIMIZER}:
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(
-                f"a Parallel checkpoint has the keys {[_MODEL, _OPTIMIZER]} (Parallel."
-                f"state_dict()), got {got}"
-            )
-        # Another rank's expert moments are refused before anything loads.
-        optim_state = unshard_expert_optimizer_state(self.module, state[_OPTIMIZER])
+        opt, ready = self.optimizer, list[Any]()
+
+        def check() -> None:
+            ready.append(check_parallel_load(self.module, opt, state))
+
         if self.group is not None and isinstance(self.module, FSDPModule):
-            # torch's loaders issue a collective under FSDP2: every rank loads together.
+            # torch's loaders issue a collective under FSDP2: every rank loads together,
+            # and every rank has checked its part before any loads (one rank's bad part is
+            # the same error on every rank, naming it).
             join(self.group, "Parallel.load_state_dict", self.join_timeout)
+            agree(check, self.group, what="Parallel.load_state_dict")
+        else:
+            check()
+        optim_state = ready[0]
         set_model_state_dict(self.module, state[_MODEL])
         if self.sync is None:
             # No sync to bring state recorded at another world size to this one at its
@@ -249,7 +261,6 @@ class Parallel:
             for layer in self.module.modules():
                 if isinstance(layer, Fp8Linear) and layer.policy.granularity == "tensor":
                     rescale_grad_ledger(layer, self.world_size, self.loss_normalization)
-        opt = self.optimizer
         if isinstance(opt, OffloadedOptimizer):
             set_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
         else:
@@ -457,7 +468,7 @@ def parallelize(
     use_offloaded = uses_offloaded(ctx, model, offload)
     opt: torch.optim.Optimizer
     if use_offloaded:
-        sharding = ShardedParams(mesh) if sharded else None
+        sharding = ShardedParams(mesh, join_timeout=join_timeout) if sharded else None
         opt = OffloadedOptimizer(
             params, ctx, optimizer_class, sharding=sharding, **optimizer_kwargs
         )

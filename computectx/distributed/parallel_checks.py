@@ -3,6 +3,7 @@ changes (on many ranks inside ``agree``, so a check that fails on one rank raise
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,11 +17,86 @@ from computectx.distributed.expert_parallel import (
     expert_parallel_group,
     expert_parameters,
     same_ranks,
+    unshard_expert_optimizer_state,
 )
 from computectx.distributed.group import check_join_timeout
+from computectx.distributed.optimizer_checkpoint import (
+    check_optimizer_state_dict,
+    check_saved_optimizer,
+)
 from computectx.memory import OffloadedOptimizer
 
-__all__ = ["check_parallelize", "check_same_setup", "setup_choices", "uses_offloaded"]
+__all__ = [
+    "check_model_state",
+    "check_parallel_load",
+    "check_parallelize",
+    "check_same_setup",
+    "setup_choices",
+    "uses_offloaded",
+]
+
+
+_MODEL, _OPTIMIZER = "model", "optimizer"
+
+
+def check_parallel_load(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> Any:
+    """Everything ``Parallel.load_state_dict`` checks before it loads ``state`` into ``model``
+    (the module) and ``optimizer``, changing nothing: the checkpoint's keys, its optimizer's
+    class, other ranks' expert moments, the model part (``check_model_state``) and, for an
+    ``OffloadedOptimizer``, everything its load would check. Returns the optimizer part with
+    this rank's expert moments (``unshard_expert_optimizer_state``)."""
+    # Another optimizer class's state is refused before the model or anything loads.
+    check_saved_optimizer(optimizer, state, _OPTIMIZER, "Parallel.load_state_dict")
+    if not isinstance(state, Mapping) or set(state) != {_MODEL, _OPTIMIZER}:
+        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(
+            f"a Parallel checkpoint has the keys {[_MODEL, _OPTIMIZER]} (Parallel."
+            f"state_dict()), got {got}"
+        )
+    # Another rank's expert moments are refused before anything loads.
+    optim = unshard_expert_optimizer_state(model, state[_OPTIMIZER])
+    # Both parts are checked whole before either loads: a refused load changes neither the
+    # model nor the optimizer (whose masters follow the model).
+    check_model_state(model, state[_MODEL])
+    if isinstance(optimizer, OffloadedOptimizer):
+        check_optimizer_state_dict(model, optimizer, state[_OPTIMIZER])
+    return optim
+
+
+def check_model_state(model: nn.Module, saved: object) -> None:
+    """What ``set_model_state_dict`` (strict) would refuse of ``saved`` (a checkpoint's model
+    part) after loading the rest, refused first: not a mapping (``TypeError``), a key missing
+    or unexpected, a tensor where the model holds none or of another shape (``ValueError``
+    naming the keys or the key and both shapes). The values are not read."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    if not isinstance(saved, Mapping):
+        raise TypeError(
+            f"the checkpoint's 'model' part must be a mapping FQN -> tensor (Parallel."
+            f"state_dict()['model']), got {type(saved).__name__}"
+        )
+    ours = get_model_state_dict(model)
+    missing = sorted(k for k in ours if k not in saved)
+    extra = sorted(str(k) for k in saved if k not in ours)
+    if missing or extra:
+        raise ValueError(
+            f"the checkpoint's 'model' part does not hold this model's keys: missing "
+            f"{missing[:8]}, unexpected {extra[:8]}; nothing was loaded"
+        )
+    for key, own in ours.items():
+        if not isinstance(own, torch.Tensor):
+            continue
+        value = saved[key]
+        if not isinstance(value, torch.Tensor) or value.shape != own.shape:
+            got = (
+                f"shape {list(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else type(value).__name__
+            )
+            raise ValueError(
+                f"the checkpoint's 'model'[{key!r}] is {got}; accepted: a tensor of the "
+                f"model's shape {list(own.shape)}; nothing was loaded"
+            )
 
 
 def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:

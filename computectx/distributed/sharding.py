@@ -9,7 +9,12 @@ import torch.distributed as dist
 
 from computectx.distributed.collectives import all_reduce_on
 from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
-from computectx.distributed.group import GroupArg, data_parallel_group
+from computectx.distributed.group import (
+    GroupArg,
+    check_join_timeout,
+    data_parallel_group,
+    joining,
+)
 
 __all__ = ["ShardedParams"]
 
@@ -27,11 +32,14 @@ class ShardedParams:
     gloo and ``cpu:gloo,cuda:nccl`` groups reduce it in place, a pure nccl group through
     the current CUDA device. ``group`` is the mesh (one-dimensional: for HSDP pass the
     shard dimension, ``mesh["shard"]``), a process group, or ``None`` for the default
-    group.
+    group. Each reduction joins the group first (``join``; ``join_timeout`` as
+    ``parallelize``'s): a rank that clips or steps alone gets a clear error, not a hang.
     """
 
-    def __init__(self, group: GroupArg = None) -> None:
+    def __init__(self, group: GroupArg = None, *, join_timeout: float | None = None) -> None:
+        check_join_timeout(join_timeout)
         self.group = data_parallel_group(group)
+        self.join_timeout = join_timeout
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself; a
@@ -42,11 +50,19 @@ class ShardedParams:
         return local.hp if isinstance(local, WeightGatheredAsFp8) else local
 
     def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
-        """``values`` summed (or maxed) over the group; a new CPU tensor."""
+        """``values`` summed (or maxed) over the group; a new CPU tensor.
+
+        A collective: it first joins the group (``join``), unless a call that joined it is
+        underway on this rank (``Parallel.step``), so the optimizer's ``clip_grad_norm`` or
+        ``step`` called on one rank alone raises a ``RuntimeError`` naming the ranks that
+        did not join after ``join_timeout`` (``None``: the group's timeout), nothing
+        exchanged, instead of pairing with their next collective."""
         if op not in _OPS:
             raise ValueError(f"unknown op {op!r}; accepted: 'sum', 'max'")
         out = values.detach().to("cpu", copy=True)
-        all_reduce_on(out, self.group, _OPS[op])
+        call = f"the sharded optimizer's all-reduce ({op}: clip_grad_norm's norm or step's verdict)"
+        with joining(self.group, call, self.join_timeout):
+            all_reduce_on(out, self.group, _OPS[op])
         return out
 
     def __repr__(self) -> str:

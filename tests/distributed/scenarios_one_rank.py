@@ -40,7 +40,12 @@ CALLS = (
     "torch.save(state_dict())",
     "load_state_dict(state)",
     "step()",
+    "optimizer.clip_grad_norm(1.0)",
+    "optimizer.step()",
 )
+NOT_APPLICABLE = "absent"
+"""The outcome of a call the family's optimizer has not (a plain torch optimizer's
+``clip_grad_norm``)."""
 
 
 class Net(nn.Module):
@@ -56,6 +61,10 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.out(torch.relu(self.proj(x)))
         return out
+
+
+class NotApplicableError(Exception):
+    """The family's optimizer has no such call."""
 
 
 class _Plain:
@@ -92,6 +101,8 @@ def _setup(family: str, mesh: DeviceMesh) -> tuple[Any, nn.Module]:
         lr=0.1,
         mp_policy=MixedPrecisionPolicy() if family == "fsdp" else None,
         join_timeout=JOIN_S,
+        # Under FSDP2 an OffloadedOptimizer: its clip and step reduce over the shards.
+        offload=True if family == "fsdp" else None,
     )
     return par, ref
 
@@ -136,6 +147,12 @@ def _calls(par: Any, ref: nn.Module) -> dict[str, Callable[[], None]]:
     def step() -> None:
         par.step()
 
+    def clip() -> None:
+        clip_grad_norm = getattr(par.optimizer, "clip_grad_norm", None)
+        if clip_grad_norm is None:
+            raise NotApplicableError
+        clip_grad_norm(1.0)
+
     m, r = par.model, ref
     return {
         CALLS[0]: lambda: _forward(m, r, True, torch.enable_grad),
@@ -147,6 +164,8 @@ def _calls(par: Any, ref: nn.Module) -> dict[str, Callable[[], None]]:
         CALLS[6]: save,
         CALLS[7]: load,
         CALLS[8]: step,
+        CALLS[9]: clip,
+        CALLS[10]: lambda: par.optimizer.step(),
     }
 
 
@@ -178,6 +197,8 @@ def family(name: str, mesh: DeviceMesh, params: dict[str, Any]) -> dict[str, Any
             try:
                 fn()
                 out[call] = ("runs", "")
+            except NotApplicableError:
+                out[call] = (NOT_APPLICABLE, "")
             except Exception as e:  # recorded, judged by the test
                 out[call] = ("raises", f"{type(e).__name__}: {e}")
             out[f"{call} s"] = time.monotonic() - start

@@ -27,6 +27,9 @@ Every rank reports what it holds; the test compares ranks and worlds.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -260,6 +263,75 @@ def parallelize_family(params: Result) -> Result:
     return out
 
 
+def _held(par: Parallel) -> list[torch.Tensor]:
+    """This rank's weights, masters and stored state tensors, copied."""
+    assert isinstance(par.optimizer, OffloadedOptimizer)
+    held = [
+        (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+        for p in par.module.parameters()
+    ]
+    held += [m.detach().clone() for m in par.optimizer.master_params]
+    held += [
+        v.detach().clone()
+        for per_param in par.optimizer.state.values()
+        for v in per_param.values()
+        if isinstance(v, torch.Tensor)
+    ]
+    return held
+
+
+def _refused(par: Parallel, call: Any) -> Result:
+    """``call()``'s error (type and message) on this rank, how long it took, and whether
+    anything this rank holds changed."""
+    before = _held(par)
+    start = time.monotonic()
+    try:
+        call()
+        error = ""
+    except Exception as e:  # recorded, judged by the test
+        error = f"{type(e).__name__}: {e}"
+    after = _held(par)
+    changed = len(before) != len(after) or any(
+        not torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, after, strict=True)
+    )
+    return {"error": error, "s": time.monotonic() - start, "changed": changed}
+
+
+def one_rank_faults(params: Result) -> Result:
+    """State that only rank 1 holds bad, through ``parallelize`` (int8, f32 masters): a
+    ``step`` count of -1 in its optimizer state, then ``Parallel.step`` (DDP and FSDP2); a
+    checkpoint whose optimizer ``step`` is NaN on rank 1 only, then ``Parallel.load_state_dict``
+    (FSDP2, where the load is a collective). Every rank must raise the same error naming rank
+    1, promptly, with nothing changed on either rank; the group then trains on."""
+    rank, out, fmt = dist.get_rank(), Result(), DDP_FORMATS[0]
+    runs: tuple[Strategy, ...] = ("ddp", "fsdp")
+    for strategy in runs:
+        par = parallelize(Net(seed=0), ctx_for(fmt, DType.F32), strategy=strategy, lr=LR)
+        assert isinstance(par.optimizer, OffloadedOptimizer)
+        train(par.model, par, range(1))
+        first = next(iter(par.optimizer.state.values()))
+        good = first["step"].clone()
+        if rank == 1:
+            first["step"].fill_(-1.0)
+        batch = tuple(t[rank * 4 : (rank + 1) * 4] for t in batches()[1])
+        par.model(batch, 1 / 2**9).backward()
+        out[f"{strategy}/step"] = _refused(par, par.step)
+        first["step"].copy_(good)
+        par.optimizer.zero_grad()
+        if strategy == "fsdp":
+            sd = par.state_dict()
+            if rank == 1:
+                opt_part = sd["optimizer"]
+                opt_part["state"][next(iter(opt_part["state"]))]["step"] = torch.tensor(math.nan)
+            load = functools.partial(par.load_state_dict, sd)
+            out[f"{strategy}/load"] = _refused(par, load)
+        if strategy == "fsdp" and isinstance(par.optimizer.sharding, ShardedParams):
+            out["fsdp/one_group"] = par.optimizer.sharding.group is par.group
+        train(par.model, par, range(2, 3))  # the group goes on
+        out[f"{strategy}/trained_on"] = [p.detach().clone() for p in par.optimizer.master_params]
+    return out
+
+
 # ----- FSDP2 -------------------------------------------------------------------------------
 
 
@@ -364,6 +436,7 @@ def two_ranks(params: Result) -> Result:
     out: Result = {f"ddp/{k}": v for k, v in ddp_family(params).items()}
     out.update({f"fsdp/{k}": v for k, v in fsdp_family(params).items()})
     out.update({f"parallelize/{k}": v for k, v in parallelize_family(params).items()})
+    out.update({f"faults/{k}": v for k, v in one_rank_faults(params).items()})
     mesh = _mesh()
     for fmt in DCP_ALIGNED:
         run = dcp_train_save_resume(mesh, fmt, _dcp_path(params, "path", fmt))

@@ -66,6 +66,31 @@ def test_compact_state_on_two_ranks_ddp_fsdp2_and_dcp(run_ranks: RunRanks, tmp_p
     for fmt in so.DCP_ALIGNED:
         check_dcp(fmt, *(_under(r, f"dcp/{fmt}/") for r in (r0, r1, one, back)))
     check_dcp_files(f"{two_path}-int8")
+    check_one_rank_faults(r0, r1)
+
+
+def check_one_rank_faults(r0: Result, r1: Result) -> None:
+    """State bad on rank 1 only: every rank raises the same error naming rank 1, at once,
+    before any rank changes anything (a step: DDP replicas or FSDP2 shards would part ways;
+    a load under FSDP2); then the group trains on."""
+    cases = {
+        "ddp/step": ("Parallel.step", "['step'] is -1.0"),
+        "fsdp/step": ("Parallel.step", "['step'] is -1.0"),
+        "fsdp/load": ("Parallel.load_state_dict", "['step'] is nan"),
+    }
+    for case, (call, why) in cases.items():
+        for r in (r0, r1):
+            got = r[f"faults/{case}"]
+            assert got["error"].startswith(f"ValueError: {call} failed on rank(s) 1 of the"), (
+                case,
+                got["error"],
+            )
+            assert why in got["error"], (case, got["error"])
+            assert got["s"] < 5.0, (case, got["s"])
+            assert not got["changed"], case
+    assert r0["faults/fsdp/one_group"]  # the optimizer's reductions ride on step's one join
+    for a, b in zip(r0["faults/ddp/trained_on"], r1["faults/ddp/trained_on"], strict=True):
+        assert torch.equal(a, b)
 
 
 def _under(r: Result, prefix: str) -> Result:

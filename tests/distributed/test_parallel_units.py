@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -143,3 +147,45 @@ def test_step_refuses_a_bad_max_norm_before_any_gradient_moves(
 def test_a_join_timeout_past_what_a_timedelta_holds_is_refused_at_setup() -> None:
     with pytest.raises(ValueError, match=r"join_timeout must be a number of seconds in \(0, "):
         parallelize(_mlp(), CTX, join_timeout=10**30)
+
+
+def _bad_model_part(sd: dict[str, Any]) -> None:
+    sd["model"]["0.weight"] = torch.zeros(3, 3)
+
+
+def _bad_optimizer_part(sd: dict[str, Any]) -> None:
+    state = sd["optimizer"]["state"]
+    state[next(iter(state))]["step"] = torch.tensor(float("nan"))
+
+
+@pytest.mark.parametrize(
+    ("spoil", "match"),
+    [
+        (_bad_optimizer_part, r"\['step'\] is nan"),
+        (_bad_model_part, r"'model'\['0.weight'\] is shape \[3, 3\]"),
+    ],
+    ids=["optimizer step NaN", "model shape"],
+)
+def test_a_refused_load_changes_neither_the_model_nor_the_optimizer(
+    spoil: Callable[[dict[str, Any]], None], match: str
+) -> None:
+    """One part valid (every model weight moved by 1, or the optimizer's own state), the
+    other bad: refused before either part loads (the model had loaded before the optimizer's
+    step was refused; torch's strict load copies the other keys before a shape mismatch)."""
+    ctx = ComputeCtx.new(DType.F32, "cpu").with_optim_state("int8/block=32/min=0")
+    par = parallelize(_mlp(), ctx, lr=1e-2)
+    par.model(torch.randn(4, 32)).square().mean().backward()
+    par.step(max_norm=1.0)
+    assert isinstance(par.optimizer, OffloadedOptimizer)
+    sd = copy.deepcopy(par.state_dict())
+    sd["model"] = {k: v + 1.0 for k, v in sd["model"].items()}
+    spoil(sd)
+    weights = [p.detach().clone() for p in par.module.parameters()]
+    masters = [m.detach().clone() for m in par.optimizer.master_params]
+    state = copy.deepcopy(par.optimizer.state_dict()["state"])
+    with pytest.raises(ValueError, match=match):
+        par.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(weights, par.module.parameters(), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(masters, par.optimizer.master_params, strict=True))
+    now = par.optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i][k], now[i][k]) for i in state for k in state[i])
