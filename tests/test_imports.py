@@ -47,6 +47,7 @@ def test_importing_the_core_loads_nothing_downstream() -> None:
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == [
         "['computectx',",
+        "'computectx._checks',",
         "'computectx.ctx',",
         "'computectx.dtypes',",
         "'computectx.kv_policy',",
