@@ -183,7 +183,7 @@ def test_dicts_are_checked_field_by_field() -> None:
 
     # Inside a ComputeCtx the error is ours (a ValueError at the optim_state field, no
     # pydantic URL); the message names each bad field, its value and what is accepted.
-    with pytest.raises(ValueError) as caught:
+    with pytest.raises(ValueError, match="bad ComputeCtx: optim_state=") as caught:
         read({"format": "int8", "block": True, "min_size": "0"})
     assert not isinstance(caught.value, ValidationError)
     assert str(caught.value).startswith("bad ComputeCtx: optim_state=")
