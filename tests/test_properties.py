@@ -387,7 +387,11 @@ def test_each_bad_field_is_one_error_naming_it(bad: set[str]) -> None:
     data = {"compute": "bf16", "device": "cpu"} | {k: _BAD_VALUES[k] for k in bad}
     text = ",".join(f"{k}={v}" for k, v in data.items())
     if bad <= {"kv", "optim_state"}:  # the nested policy values alone: our ValueError
-        for call in (lambda: ComputeCtx.model_validate(data), lambda: ComputeCtx.parse(text)):
+        calls: list[Callable[[], object]] = [
+            lambda: ComputeCtx.model_validate(data),
+            lambda: ComputeCtx.parse(text),
+        ]
+        for call in calls:
             with pytest.raises(ValueError, match=r"^bad ComputeCtx: ") as ours:
                 call()
             assert not isinstance(ours.value, ValidationError), str(ours.value)

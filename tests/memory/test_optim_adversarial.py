@@ -16,7 +16,8 @@ from computectx import ComputeCtx
 from computectx.memory import CompactOptimizer, OffloadedOptimizer
 from computectx.memory.state.codecs import decode, encode, round_trip_bound
 from computectx.optim_state import parse_optim_state
-from tests.memory.test_optim_edges import give_grads, params_of, unchanged
+
+from .test_optim_edges import give_grads, params_of, unchanged
 
 CPU = ComputeCtx.parity("cpu")
 PACKED = ["bf16", "int8", "fp8", "int4"]

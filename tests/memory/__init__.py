@@ -1,0 +1,1 @@
+"""Memory-policy tests: the accumulators, the optimizers and their state, weight loading."""
