@@ -1,14 +1,17 @@
 """Input checks shared by the policy's values and the modules that read them: what counts as an
-integer (one rule everywhere), and pydantic's errors in the library's own words."""
+integer (one rule everywhere), and pydantic's errors in the library's own words
+(``CheckedModel``)."""
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+from typing_extensions import Self
 
-__all__ = ["as_int", "validation_message"]
+__all__ = ["CheckedModel", "as_int", "validation_message"]
 
 
 def as_int(value: object) -> int | None:
@@ -33,3 +36,39 @@ def validation_message(e: ValidationError, model: str, fields: Iterable[str]) ->
         named = not field or msg.startswith(f"{field}=")
         out.append(msg if named else f"{field}={err['input']!r}: {msg}")
     return f"bad {model}: " + "; ".join(out)
+
+
+class CheckedModel(BaseModel, frozen=True):
+    """A pydantic model whose every way in (the constructor, ``model_validate``,
+    ``model_validate_json``) refuses bad fields with the library's ``ValueError``
+    (``validation_message``: each bad field, its value and what is accepted, no documentation
+    URL) instead of pydantic's ``ValidationError``. Frozen, as every value of the policy; the
+    policy's values and ``LMConfig`` derive from it."""
+
+    if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature of each model
+
+        def __init__(self, /, **data: Any) -> None:
+            try:
+                super().__init__(**data)
+            except ValidationError as e:
+                raise ValueError(type(self)._message(e)) from None
+
+    @classmethod
+    def _message(cls, e: ValidationError) -> str:
+        return validation_message(e, cls.__name__, cls.model_fields)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
+        """``obj`` (a dict of the fields) as this model; ``ValueError`` as the constructor."""
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as e:
+            raise ValueError(cls._message(e)) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
+        """The JSON form as this model; ``ValueError`` as the constructor."""
+        try:
+            return super().model_validate_json(json_data, **kwargs)
+        except ValidationError as e:
+            raise ValueError(cls._message(e)) from None

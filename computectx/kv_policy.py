@@ -9,13 +9,12 @@ in ``computectx.dtypes``, which still serves them with a ``DeprecationWarning``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Final, Literal, get_args
 
 import torch
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError
-from typing_extensions import Self
+from pydantic import BeforeValidator, Field
 
-from computectx._checks import as_int, validation_message
+from computectx._checks import CheckedModel, as_int
 from computectx.dtypes import (
     FP8_DTYPES,
     DType,
@@ -108,7 +107,7 @@ def _kv_recent(value: object) -> int:
     return count
 
 
-class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+class KvFp8(CheckedModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """An fp8 KV cache: keys and values stored as fp8 codes of ``format``, each code standing
     for ``code * step`` with steps shared as ``scaling`` says and stored as ``step`` says;
     the ``recent`` most recently written positions are also held unquantized.
@@ -156,32 +155,6 @@ class KvFp8(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tru
     dtype per layer and batch row, a fixed cost on top of ``kv_bytes_per_token``. An int
     from 0 to ``KV_RECENT_MAX`` (a numpy integer reads as its value; a bool, float, str or
     None is refused); a cache of ``max_len`` positions holds ``min(recent, max_len)``."""
-
-    if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
-
-        def __init__(self, /, **data: Any) -> None:
-            """Validated fields; a bad one is a ``ValueError`` naming the field, the value and
-            what is accepted (pydantic's ``ValidationError`` is not let through)."""
-            try:
-                super().__init__(**data)
-            except ValidationError as e:
-                raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
-        """``obj`` (a dict of the fields) as a ``KvFp8``; ``ValueError`` as ``__init__``."""
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as e:
-            raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
-
-    @classmethod
-    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
-        """The JSON form as a ``KvFp8``; ``ValueError`` as ``__init__``."""
-        try:
-            return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as e:
-            raise ValueError(validation_message(e, "KvFp8", KvFp8.model_fields)) from None
 
     @property
     def static(self) -> bool:

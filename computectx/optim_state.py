@@ -26,10 +26,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Final, Literal, get_args
 
-from pydantic import BaseModel, BeforeValidator, ValidationError, model_validator
+from pydantic import BeforeValidator, model_validator
 from typing_extensions import Self
 
-from computectx._checks import as_int, validation_message
+from computectx._checks import CheckedModel, as_int
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -105,11 +105,7 @@ def _min_size(value: object) -> object:
     return size
 
 
-def _errors(e: ValidationError) -> str:
-    return validation_message(e, "OptimState", ("format", "block", "min_size"))
-
-
-class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+class OptimState(CheckedModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """How an optimizer's parameter-shaped state tensors are stored (``ComputeCtx.optim_state``).
 
     ``OptimState()`` is float32 state (torch's own, untouched); ``OptimState(format="int8")``
@@ -138,27 +134,9 @@ class OptimState(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     def __init__(self, /, **data: Any) -> None:
         """Validated fields; a bad one is a ``ValueError`` naming the field, the value and
-        what is accepted (pydantic's ``ValidationError`` is not let through)."""
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise ValueError(_errors(e)) from None
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
-        """``obj`` (a dict of the fields) as an ``OptimState``; ``ValueError`` as ``__init__``."""
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as e:
-            raise ValueError(_errors(e)) from None
-
-    @classmethod
-    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
-        """The JSON form as an ``OptimState``; ``ValueError`` as ``__init__``."""
-        try:
-            return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as e:
-            raise ValueError(_errors(e)) from None
+        what is accepted (``CheckedModel``). Typed as taking any values: a format reads in
+        any case, so a literal type would refuse what the value accepts."""
+        super().__init__(**data)
 
     @model_validator(mode="before")
     @classmethod

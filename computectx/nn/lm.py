@@ -5,14 +5,14 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated
 
 import torch
-from pydantic import BaseModel, BeforeValidator, Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 from torch import nn
 from typing_extensions import Self
 
-from computectx._checks import as_int, validation_message
+from computectx._checks import CheckedModel, as_int
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.fp8 import Fp8Backend, Fp8Linear
@@ -66,11 +66,7 @@ def _strict_real(value: object) -> object:
     return real
 
 
-def _config_errors(e: ValidationError) -> str:
-    return validation_message(e, "LMConfig", LMConfig.model_fields)
-
-
-class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+class LMConfig(CheckedModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """Shape of a ``ByteLM``. Linear widths are multiples of 16 so fp8 GEMMs can run them."""
 
     d_model: int = Field(default=128, ge=16, le=65536, multiple_of=16)
@@ -110,32 +106,6 @@ class LMConfig(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=
     """``aux_free``'s bias step per update (DeepSeek-V3's 0.001)."""
     moe_aux_coef: Annotated[float, BeforeValidator(_strict_real), Field(ge=0.0, le=10.0)] = 1e-2
     """``aux_loss``'s coefficient (uniform routing gives this value)."""
-
-    if not TYPE_CHECKING:  # type checkers keep pydantic's typed signature
-
-        def __init__(self, /, **data: Any) -> None:
-            """Validated fields; a bad one is a ``ValueError`` naming the field, the value
-            and what is accepted (pydantic's ``ValidationError`` is not let through)."""
-            try:
-                super().__init__(**data)
-            except ValidationError as e:
-                raise ValueError(_config_errors(e)) from None
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
-        """``obj`` (a dict of the fields) as an ``LMConfig``; ``ValueError`` as ``__init__``."""
-        try:
-            return super().model_validate(obj, **kwargs)
-        except ValidationError as e:
-            raise ValueError(_config_errors(e)) from None
-
-    @classmethod
-    def model_validate_json(cls, json_data: str | bytes | bytearray, **kwargs: Any) -> Self:
-        """The JSON form as an ``LMConfig``; ``ValueError`` as ``__init__``."""
-        try:
-            return super().model_validate_json(json_data, **kwargs)
-        except ValidationError as e:
-            raise ValueError(_config_errors(e)) from None
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> Self:
