@@ -135,8 +135,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         # One check for both paths (the fp8 GEMM's own): the same inputs refused with the
-        # same message, whether ``fp8`` is set or not.
-        check_inputs(x, self.gate_up, offs, "GroupedExperts")
+        # same message, whether ``fp8`` is set or not. Compiled, the fp8 operator reads offs
+        # on the host as in eager mode (its ValueError names the entry), so only the
+        # high-precision path needs the device check.
+        check_inputs(x, self.gate_up, offs, "GroupedExperts", device_check=self.fp8 is None)
         with self.ctx.autocast():
             x = self.ctx.to_compute(x)
             h = self._mm(x, self.gate_up, offs)
@@ -157,19 +159,20 @@ HIGH_PRECISION: tuple[torch.dtype, ...] = (
 )
 
 
-def check_inputs(x: object, w: object, offs: object, op: str) -> None:
+def check_inputs(x: object, w: object, offs: object, op: str, *, device_check: bool = True) -> None:
     """The grouped GEMM's input check (``computectx.fp8``'s ``check_grouped``, which the fp8
     path runs too) and ``offs``' values: non-decreasing end rows in ``[0, M]``. In eager
     mode a host read of ``offs`` (``E`` integers) and a ``ValueError`` naming the first bad
     entry; inside ``torch.compile``, where a host read would break the graph, a check on
     the device (``torch._assert_async``): a ``RuntimeError`` on the CPU, a device-side
     assertion on an accelerator (as an index out of range is), never rows computed from
-    bad ``offs``."""
+    bad ``offs``; ``device_check=False`` leaves that to a caller whose operator reads
+    ``offs`` itself (the fp8 grouped GEMM)."""
     m = check_grouped(x, w, offs, dtypes=HIGH_PRECISION, op=op)[0]
     assert isinstance(offs, torch.Tensor)
     if not torch.compiler.is_compiling():
         checked_bounds(offs, m)
-    elif offs.numel():
+    elif device_check and offs.numel():
         before = torch.cat([offs.new_zeros(1), offs[:-1]])
         ok = ((offs >= before) & (offs <= m)).all()
         torch._assert_async(

@@ -685,6 +685,24 @@ def test_compiled_high_precision_experts_refuse_bad_offs_on_the_device() -> None
             compiled(x, bad)
 
 
+def test_compiled_fp8_experts_refuse_bad_offs_as_in_eager_mode() -> None:
+    # The fp8 operator reads offs on the host under compile too: its ValueError names the
+    # entry, as eagerly (the high-precision device check had fired first, a RuntimeError
+    # that on CUDA would be a device-side assertion).
+    fp8 = ComputeCtx.from_flag("fp8_e4m3_dynamic", CPU)
+    torch.manual_seed(0)
+    experts = MoE(fp8, 32, 16, E, K).experts
+    assert isinstance(experts, GroupedExperts) and experts.fp8 is not None
+    compiled = torch.compile(experts, fullgraph=True, backend="aot_eager")
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    bad = _offs(3, 2, 6, 6)
+    named = r"offs\[1\] = 2 is below offs\[0\] = 3"
+    with pytest.raises(ValueError, match=named):
+        experts(x, bad)
+    with pytest.raises(ValueError, match=named):
+        compiled(x, bad)
+
+
 @pytest.mark.parametrize(("reentrant", "times"), [(False, 1), (True, 2)])
 def test_checkpoint_recompute_counts_tokens_as_the_docstring_says(
     reentrant: bool, times: int
