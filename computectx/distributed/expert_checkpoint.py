@@ -257,7 +257,10 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     ``RuntimeError`` naming the ranks that did not join, and the group stays usable. What
     it returns is the same on every rank, so one rank may ``torch.save`` it; it loads into
     one process, or into an expert-parallel model of any world (each rank takes its
-    experts). Without a DTensor it issues nothing."""
+    experts), plain or under DDP. Not into an FSDP2-sharded model: torch's
+    ``load_state_dict`` refuses whole tensors for its DTensor parameters there (roll an
+    FSDP2 model back through ``torch.distributed.checkpoint``). Without a DTensor it issues
+    nothing."""
     state = model.state_dict()
     for group in _groups_of(model, state):
         join(group, "full_state_dict", JOIN_TIMEOUTS.get(group))
