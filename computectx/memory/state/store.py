@@ -237,14 +237,7 @@ def convert_entries(
     same = saved_format == ours
     for index, entry in saved_state.items():
         where = f"state_dict['state'][{index!r}]"
-        param = params.get(index) if isinstance(index, int) else None
-        if param is None:
-            raise ValueError(
-                f"{where}: no parameter has index {index!r} in the saved param_groups "
-                f"(indices {sorted(params)})"
-            )
-        if not isinstance(entry, Mapping):
-            raise TypeError(f"{where} must be a dict of state values, got {type(entry).__name__}")
+        param = _entry_param(where, index, entry, params)
         plain, packed = split_entry(entry)
         if packed and not saved_format.compact:
             raise ValueError(
@@ -319,6 +312,21 @@ def _check_finite(value: torch.Tensor, where: str, index: object, ours: OptimSta
     )
 
 
+def _entry_param(
+    where: str, index: object, entry: object, params: Mapping[int, torch.Tensor]
+) -> torch.Tensor:
+    # The parameter a saved state entry belongs to; the entry must be a dict.
+    param = params.get(index) if isinstance(index, int) else None
+    if param is None:
+        raise ValueError(
+            f"{where}: no parameter has index {index!r} in the saved param_groups "
+            f"(indices {sorted(params)})"
+        )
+    if not isinstance(entry, Mapping):
+        raise TypeError(f"{where} must be a dict of state values, got {type(entry).__name__}")
+    return param
+
+
 def _check_plain_shapes(state: Mapping[Any, Any], params: Mapping[int, torch.Tensor]) -> None:
     """``ValueError`` for a saved state tensor with its parameter's element count but
     another shape (state of another parameter: a transposed one, or the parameters in
@@ -326,14 +334,7 @@ def _check_plain_shapes(state: Mapping[Any, Any], params: Mapping[int, torch.Ten
     layout (Adafactor's factored moments) and are left to it."""
     for index, entry in state.items():
         where = f"state_dict['state'][{index!r}]"
-        param = params.get(index) if isinstance(index, int) else None
-        if param is None:
-            raise ValueError(
-                f"{where}: no parameter has index {index!r} in the saved param_groups "
-                f"(indices {sorted(params)})"
-            )
-        if not isinstance(entry, Mapping):
-            raise TypeError(f"{where} must be a dict of state values, got {type(entry).__name__}")
+        param = _entry_param(where, index, entry, params)
         for name, value in entry.items():
             if (
                 isinstance(value, torch.Tensor)
