@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
-__all__ = ["CheckedModel", "as_int", "validation_message"]
+__all__ = ["CheckedModel", "as_int", "check_max_norm", "validation_message"]
 
 
 def as_int(value: object) -> int | None:
@@ -22,6 +22,21 @@ def as_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
+
+
+def check_max_norm(max_norm: object) -> None:
+    """A ``max_norm``: a real number (not a bool or a string), ``> 0`` and not NaN;
+    ``math.inf`` measures the norm without clipping, as in torch. ``TypeError`` /
+    ``ValueError`` naming the value otherwise (NaN would make every weight NaN, a negative
+    one flip every gradient's sign). Every clip of the package checks with it."""
+    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
+        raise TypeError(
+            f"max_norm must be a real number > 0 (math.inf to only measure), got {max_norm!r}"
+        )
+    if not max_norm > 0:  # NaN too
+        raise ValueError(
+            f"max_norm must be a real number > 0 (math.inf to only measure), got {max_norm!r}"
+        )
 
 
 def validation_message(e: ValidationError, model: str, fields: Iterable[str]) -> str:

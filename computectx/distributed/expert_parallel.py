@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from computectx._checks import check_max_norm
 from computectx.distributed.collectives import comm_device
 from computectx.distributed.expert_checkpoint import (
     EXPERT_WEIGHTS,
@@ -81,7 +82,6 @@ from computectx.nn.moe import MoE
 __all__ = [
     "AllToAll",
     "AllToAllDispatch",
-    "check_max_norm",
     "clip_grad_norm_with_experts",
     "expert_parallel",
     "expert_parallel_group",
@@ -378,21 +378,6 @@ def same_ranks(a: dist.ProcessGroup | None, b: GroupArg) -> bool:
 def _full_norm(norm: torch.Tensor) -> torch.Tensor:
     full = norm.full_tensor() if isinstance(norm, DTensor) else norm
     return full.detach().float()
-
-
-def check_max_norm(max_norm: object) -> None:
-    """A ``max_norm``: a real number (not a bool or a string), ``> 0`` and not NaN;
-    ``math.inf`` measures the norm without clipping, as in torch. ``TypeError`` /
-    ``ValueError`` naming the value otherwise (NaN would make every weight NaN, a negative
-    one flip every gradient's sign)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, int | float):
-        raise TypeError(
-            f"max_norm must be a real number > 0 (math.inf to only measure), got {max_norm!r}"
-        )
-    if not max_norm > 0:  # NaN too
-        raise ValueError(
-            f"max_norm must be a real number > 0 (math.inf to only measure), got {max_norm!r}"
-        )
 
 
 def clip_grad_norm_with_experts(

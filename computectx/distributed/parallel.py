@@ -23,9 +23,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import (
-    check_max_norm,
     clip_grad_norm_with_experts,
     expert_parameters,
     moe_local_buffers,

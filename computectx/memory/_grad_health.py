@@ -18,9 +18,10 @@ import math
 
 import torch
 
+from computectx._checks import check_max_norm
 from computectx.memory._masters import MasterWeights, Sharding
 
-__all__ = ["SQUARE_OVERFLOW", "GradHealth", "all_applicable", "check_max_norm"]
+__all__ = ["SQUARE_OVERFLOW", "GradHealth", "all_applicable"]
 
 SQUARE_OVERFLOW = 2.0**64
 """The smallest magnitude whose float32 square overflows (``2**64 * 2**64 = 2**128``; the
@@ -103,14 +104,6 @@ class GradHealth:
 
     def _stamps(self) -> tuple[GradStamp, ...]:
         return tuple(None if mp.grad is None else grad_stamp(mp.grad) for mp in self.weights.master)
-
-
-def check_max_norm(max_norm: object) -> None:
-    """``TypeError`` unless ``max_norm`` is a number, ``ValueError`` unless it is > 0."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)):
-        raise TypeError(f"max_norm must be a number, got {max_norm!r}")
-    if not max_norm > 0:
-        raise ValueError(f"max_norm must be > 0 (math.inf to only measure), got {max_norm}")
 
 
 def clip_sharded(

@@ -17,8 +17,8 @@ from typing import Any, overload
 
 import torch
 
+from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
-from computectx.memory._grad_health import check_max_norm
 from computectx.memory._masters import MasterWeights, is_dtensor
 from computectx.memory._wrapper import InnerWrapper
 from computectx.memory.optimizer import OffloadedOptimizer

@@ -22,8 +22,8 @@ from typing import Any, overload
 
 import torch
 
+from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
-from computectx.memory._grad_health import check_max_norm
 from computectx.memory._grad_ingest import GradIngest
 from computectx.memory._masters import MasterWeights, Sharding, check_sharding
 from computectx.memory._transfer import Transfer, check_transfer
