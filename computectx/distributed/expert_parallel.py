@@ -280,7 +280,7 @@ def expert_parallel(
         check_join_timeout(join_timeout)
         return [(fqn, _check_layer(fqn, moe, world), _describe(moe)) for fqn, moe in layers]
 
-    everyone = agree(check, pg, what="expert_parallel")
+    everyone = agree(check, pg, what="expert_parallel", join_timeout=join_timeout)
     differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
         other = everyone[differ[0]]

@@ -174,7 +174,13 @@ def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bo
 _RAISED = (ValueError, TypeError, RuntimeError)
 
 
-def agree(check: Callable[[], _T], group: GroupArg = None, *, what: str) -> list[_T]:
+def agree(
+    check: Callable[[], _T],
+    group: GroupArg = None,
+    *,
+    what: str,
+    join_timeout: object = None,
+) -> list[_T]:
     """Run the rank-local ``check`` on every rank of ``group`` and exchange the outcomes in one
     ``all_gather_object``: every rank's value, in rank order, when no rank raised; else the
     same error on every rank, promptly, naming the rank(s) that raised and each one's message.
@@ -185,34 +191,33 @@ def agree(check: Callable[[], _T], group: GroupArg = None, *, what: str) -> list
     anything. The error is the first failing rank's ``ValueError``, ``TypeError`` or
     ``RuntimeError`` (any other exception travels as a ``RuntimeError``), chained, on the
     ranks that raised, to their own exception. ``what`` names the call (``"expert_parallel"``)
-    and travels with the outcome: ranks that meet here from different calls (one rank in
-    ``expert_parallel``, another already in ``parallelize``) all raise a ``ValueError``
-    naming each rank's call, instead of taking each other's outcome and parting ways.
+    and is what the ranks join first (``join``, waiting at most ``join_timeout`` seconds; one
+    that ``check_join_timeout`` refuses waits the group's timeout, and ``check`` refuses it
+    on every rank): a rank that makes the call alone gets a ``RuntimeError`` naming the
+    absent ranks instead of waiting in ``all_gather_object``, and ranks that meet from
+    different calls (one in ``expert_parallel``, another already in ``parallelize``) all
+    raise one naming each rank's call, instead of taking each other's outcome.
     """
     pg = data_parallel_group(group)
-    mine: tuple[str, str, Any]
+    try:
+        check_join_timeout(join_timeout)
+        wait = join_timeout if isinstance(join_timeout, int | float) else None
+    except ValueError:
+        wait = None
+    join(pg, what, wait)
+    mine: tuple[str, Any]
     own: BaseException | None = None
     try:
-        mine = (what, "ok", check())
+        mine = ("ok", check())
     except Exception as e:  # every kind crosses: a rank must never raise alone
         own = e
         kind = type(e).__name__ if isinstance(e, _RAISED) else "RuntimeError"
-        mine = (what, kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
+        mine = (kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
-    calls = [call for call, _, _ in everyone]
-    if any(call != what for call in calls):
-        # Ranks in different setup calls met in this exchange (expert_parallel on one rank,
-        # parallelize on another): nothing of either may go on.
-        listed = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
-        raise ValueError(
-            f"the ranks of the group entered different setup calls together ({listed}): every "
-            f"rank must make the same calls in the same order (expert_parallel on every rank "
-            f"or on none, then parallelize); nothing changed"
-        ) from own
-    failed = [(r, kind, text) for r, (_, kind, text) in enumerate(everyone) if kind != "ok"]
+    failed = [(r, kind, text) for r, (kind, text) in enumerate(everyone) if kind != "ok"]
     if not failed:
-        return [value for _, _, value in everyone]
+        return [value for _, value in everyone]
     ranks = ", ".join(str(r) for r, _, _ in failed)
     texts = {text for _, _, text in failed}
     why = (

@@ -52,7 +52,6 @@ from computectx.distributed.group import (
     check_same_model,
     check_same_policy,
     data_parallel_group,
-    join,
     join_forwards,
     joining,
 )
@@ -248,8 +247,9 @@ class Parallel:
             # torch's loaders issue a collective under FSDP2: every rank loads together,
             # and every rank has checked its part before any loads (one rank's bad part is
             # the same error on every rank, naming it).
-            join(self.group, "Parallel.load_state_dict", self.join_timeout)
-            agree(check, self.group, what="Parallel.load_state_dict")
+            agree(
+                check, self.group, what="Parallel.load_state_dict", join_timeout=self.join_timeout
+            )
         else:
             check()
         optim_state = ready[0]
@@ -379,10 +379,8 @@ def parallelize(
         check_parallelize(model, ctx, world=world, group=group, **choices)
         return setup_choices(model, ctx, world=world, **choices)
 
-    if world > 1:
-        # One exchange: a check failing on one rank, or ranks choosing differently, raise alike.
-        check_same_setup(agree(check, group, what="parallelize"))
-        # Ranks that parsed another policy stop here, before anything changes.
+    if world > 1:  # agree joins first; every rank raises alike before anything changes
+        check_same_setup(agree(check, group, what="parallelize", join_timeout=join_timeout))
         check_same_policy(ctx, group)
     else:
         check()

@@ -267,13 +267,19 @@ def helpers(params: dict[str, Any]) -> dict[str, Any]:
     group = dist.group.WORLD
     assert group is not None
     experts = tuple(expert_parameters(model))
-    calls = {
+    calls: dict[str, Any] = {
         "lone_full": lambda: full_state_dict(model),
         "lone_bias": lambda: update_expert_bias(model),
         "lone_clip": lambda: clip_grad_norm_with_experts(
             list(model.parameters()), experts, group, 1.0
         ),
     }
+    # The setup calls too: their first collective (agree's all_gather_object) is joined.
+    ctx = ComputeCtx.from_flag("fp32", "cpu")
+    calls["lone_expert_parallel"] = lambda: expert_parallel(Net(), join_timeout=JOIN_S)
+    calls["lone_parallelize"] = lambda: parallelize(
+        Net(), ctx, strategy="ddp", optimizer_class=torch.optim.SGD, lr=0.1, join_timeout=JOIN_S
+    )
     if rank == 0:
         for key, call in calls.items():
             timed(key, call)

@@ -90,6 +90,8 @@ def test_each_collective_helper_alone_raises_naming_the_absent_rank(
         ("lone_full", "full_state_dict"),
         ("lone_bias", "update_expert_bias"),
         ("lone_clip", "clip_grad_norm_with_experts"),
+        ("lone_expert_parallel", "expert_parallel"),
+        ("lone_parallelize", "parallelize"),
     ):
         assert r0[key].startswith(f"RuntimeError: {call} on rank 0: rank(s) 1 "), r0[key]
         assert "did not join it within 1 s" in r0[key], r0[key]
@@ -103,15 +105,17 @@ def test_ranks_that_set_up_differently_raise_the_same_error_at_once(
     ranks: list[dict[str, Any]],
 ) -> None:
     r0, r1 = (r["helpers"] for r in ranks)
-    for key, text in (
-        ("strategy", "rank(s) 1 differ from rank 0 in their strategy (rank 0: 'ddp', rank 1: "
-         "'fsdp')"),
-        ("ep_one_rank", "entered different setup calls together (rank 0: parallelize; rank 1: "
-         "expert_parallel)"),
-        ("hidden", "the first that differs is 'moe': rank 0 holds MoE(dim 16, hidden 16,"),
+    # Ranks in different setup calls meet in the setup's join, which names each rank's call.
+    for key, kind, text in (
+        ("strategy", "ValueError: ", "rank(s) 1 differ from rank 0 in their strategy (rank 0: "
+         "'ddp', rank 1: 'fsdp')"),
+        ("ep_one_rank", "RuntimeError: ", "entered different collective calls together (rank 0: "
+         "parallelize; rank 1: expert_parallel)"),
+        ("hidden", "ValueError: ", "the first that differs is 'moe': rank 0 holds MoE(dim 16, "
+         "hidden 16,"),
     ):  # fmt: skip
         assert r0[key] == r1[key], (r0[key], r1[key])
-        assert r0[key].startswith("ValueError: ") and text in r0[key], r0[key]
+        assert r0[key].startswith(kind) and text in r0[key], r0[key]
         assert r0[f"{key}_s"] < 10.0 and r1[f"{key}_s"] < 10.0
     assert "down (4, 16, 32) torch.float32" in r1["hidden"]
 
