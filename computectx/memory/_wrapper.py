@@ -245,11 +245,12 @@ class InnerWrapper(torch.optim.Optimizer):
         )
 
     def _update(self) -> None:
-        """Step every weight with a gradient: torch's step, or the stepper's."""
+        """Step every weight with a gradient: torch's step, or the stepper's (``step`` ran
+        ``_check_state`` before it moved a gradient, so the stepper does not check again)."""
         if self._stepper is None:
             self._built().step()
         else:
-            self._stepper.step()
+            self._stepper.step(checked=True)
 
     def _zero_inner(self, set_to_none: bool) -> None:
         self._built().zero_grad(set_to_none=set_to_none)

@@ -204,14 +204,13 @@ class Stepper:
     # ----- the step ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Step every parameter with a gradient, group by group, in order.
-
-        Everything a step reads is checked first (``check``), so a refused step changes
-        nothing; then each parameter's update is computed in full (weight and state) before
-        either is written.
-        """
-        self.check()
+    def step(self, *, checked: bool = False) -> None:
+        """Step every parameter with a gradient, group by group, in order. Everything a step
+        reads is checked first (``check``; ``checked=True``: the caller just ran it), so a
+        refused step changes nothing; then each parameter's update is computed in full
+        (weight and state) before either is written."""
+        if not checked:
+            self.check()
         inner = self.inner
         groups = inner.param_groups
         for group in list(groups):
