@@ -167,10 +167,15 @@ def test_state_that_overflows_in_torchs_arithmetic_saturates_and_weights_stay_fi
         torch_opt.step()
     assert math.isinf(float(torch_opt.state[ref[0]]["sum"][0]))
     assert all(bool(torch.isfinite(p).all()) for p in params)
-    sd = opt.state_dict()
-    assert "sum" in sd["state"][0] or fmt != "f32"
-    # Elsewhere the weights follow torch's within the format's error.
-    assert float((params[0] - ref[0]).detach().abs().max()) < 0.5
+    if fmt == "f32":  # torch's own arithmetic: the same weights, bit for bit
+        assert all(torch.equal(p, r) for p, r in zip(params, ref, strict=True))
+        return
+    # Outside the spike's block (whose mates' sums decode at least the block's smallest code,
+    # so they move less than torch's; bf16 has no blocks: outside the spiked elements) the
+    # weights follow torch's within one step's length (lr; measured 2e-4 bf16, 1e-3 int8,
+    # 5e-3 fp8, 6e-2 int4).
+    first = ctx_of(fmt).optim_state.block_size or 4
+    assert float((params[0] - ref[0]).detach()[first:].abs().max()) < 0.1
 
 
 # ----- item 3: state saved for another shape ---------------------------------------------
