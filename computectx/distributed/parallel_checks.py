@@ -275,19 +275,14 @@ def setup_choices(
     ep_ranks = None if ep is None else sorted(dist.get_process_group_ranks(ep))
     units = None if shard_units is None else [names.get(id(u), "?") for u in shard_units]  # type: ignore[attr-defined]
     kwargs = {k: repr(v) for k, v in sorted(optimizer_kwargs.items())}
+    experts = {id(e) for e in expert_parameters(model)}
     return [
         ("strategy", repr(strategy)),
         ("world", str(world)),
         ("expert parallelism", "none" if ep is None else f"over ranks {ep_ranks}"),
         (
             "expert parameters",
-            str(
-                sorted(
-                    n
-                    for n, p in model.named_parameters()
-                    if any(p is e for e in expert_parameters(model))
-                )
-            ),
+            str(sorted(n for n, p in model.named_parameters() if id(p) in experts)),
         ),
         (
             "gradient accumulator",
