@@ -14,10 +14,8 @@ sits above it in the core).
 from __future__ import annotations
 
 import enum
-import importlib
 import itertools
-import warnings
-from typing import Any, Final
+from typing import Final
 
 import torch
 
@@ -365,21 +363,3 @@ def promoted(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     """
     p = _JOIN[(dtype_of(x), dtype_of(y))]
     return cast_if(x, p), cast_if(y, p)
-
-
-# The 0.1.0 names of the fp8 KV cache, served from their new home with a DeprecationWarning
-# (as computectx._moved serves moved modules; that module shares this one's rank, so the few
-# lines are written out here).
-_MOVED_TO_KV_POLICY: Final = frozenset({"KV_SCALINGS", "KvFp8", "KvScaling", "parse_kv"})
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED_TO_KV_POLICY:
-        warnings.warn(
-            f"{__name__}.{name} moved: import it from computectx.kv_policy (or the package "
-            f"face); the old path goes in the next release (docs/migrating.md)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module("computectx.kv_policy"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,7 +5,6 @@ stored in ``ComputeCtx`` (whose text and JSON forms stay lossless). Nothing in t
 this package.
 """
 
-from computectx._moved import redirect
 from computectx.distributed.expert_parallel import (
     AllToAllDispatch,
     clip_grad_norm_with_experts,
@@ -85,13 +84,3 @@ __all__ = [
     "sync_fp8_scaling",
     "update_expert_bias",
 ]
-
-redirect(
-    "computectx.distributed",
-    {
-        "fsdp": ("computectx.distributed.fp8_all_gather",),
-        "amax": ("computectx.distributed.fp8_amax_sync",),
-        "checkpoint": ("computectx.distributed.optimizer_checkpoint",),
-        "accumulate": ("computectx.distributed.grad_accumulator",),
-    },
-)

@@ -13,7 +13,6 @@ top, and ``seam`` is the one door for the packages built on fp8. The module path
 computectx 0.1.0 still import, with a ``DeprecationWarning`` naming the new one.
 """
 
-from computectx._moved import redirect
 from computectx.fp8.backend import Fp8Backend, select_backend
 from computectx.fp8.convert import (
     DEFAULT_MIN_FEATURES,
@@ -71,57 +70,3 @@ __all__ = [
     "register_experts_converter",
     "select_backend",
 ]
-
-_FP8 = "computectx.fp8."
-redirect(
-    "computectx.fp8",
-    {
-        old: tuple("computectx.dtypes" if new == "dtypes" else _FP8 + new for new in news)
-        for old, news in {
-            "reference": ("numerics.tensorwise",),
-            "ledger": ("numerics.ledger",),
-            "inline": ("numerics.inline",),
-            "granular": ("numerics.layouts", "numerics.blockwise"),
-            "operand": ("state.operand",),
-            "scaling": ("state.layer", "state.operand", "state.saved"),
-            "saved_state": ("state.saved",),
-            "state_load": ("state.load",),
-            "recompute": ("linear.recompute",),
-            "region": ("linear.autocast",),
-            "quantized": ("linear.weights", "dtypes"),
-            "world": ("linear.unsynced",),
-            "kv_quant": ("numerics.kv_quant",),
-            "decode_attention": ("serving.decode_attention", "numerics.attention", "dtypes"),
-            "custom_ops": (
-                "ops.registry",
-                "numerics.ledger",
-                "ops.triton",
-                "ops.cublas",
-                "ops.ledger_quantize",
-            ),
-            "block_gemm_ops": ("ops.cublas",),
-            "granular_ops": ("ops.block_quantize", "numerics.layouts"),
-            "block_gemm": ("ops.gemm", "numerics.layouts", "numerics.blockwise_gemm", "dtypes"),
-            "granular_linear": ("linear.blockwise", "numerics.layouts"),
-            "autograd": ("linear.function", "linear.plan", "linear.tensorwise", "dtypes"),
-            "modules": ("convert", "linear.module"),
-        }.items()
-    },
-    {
-        ("block_gemm", "GemmGranularity"): "BlockGranularity",
-        ("granular_ops", "quantize"): "quantize_blocks",
-        ("granular_ops", "dequantize"): "dequantize_blocks",
-        ("custom_ops", "quantize_delayed"): "fp8_quantize_delayed",
-        ("custom_ops", "quantize_dynamic"): "fp8_quantize_dynamic",
-        ("custom_ops", "quantize_with_step"): "fp8_quantize_with_step",
-        ("custom_ops", "scaled_mm"): "fp8_scaled_mm",
-        ("custom_ops", "dequantize"): "fp8_dequantize",
-        ("autograd", "_Fp8LinearFunction"): "TensorwiseLinearFunction",
-        ("decode_attention", "KV_CODE_DTYPES"): "FP8_DTYPES",
-        ("decode_attention", "KV_VALUE_DTYPES"): "FLOAT_DTYPES",
-        ("decode_attention", "DECODE_QUERY_DTYPES"): "FLOAT_DTYPES",
-        ("block_gemm", "OUT_DTYPES"): "FLOAT_DTYPES",
-        ("autograd", "ACTIVATION_DTYPES"): "FLOAT_DTYPES",
-        ("granular_linear", "granular_linear"): "blockwise_linear",
-    },
-)

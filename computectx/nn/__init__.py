@@ -14,7 +14,6 @@ everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
 plain ``nn.Linear``; an ``MoE``'s experts run ``fp8_grouped_mm`` and its router stays precise.
 """
 
-from computectx._moved import redirect
 from computectx.nn.attention import Attention, Float32MatmulPrecisionWarning
 from computectx.nn.calibrate import calibrate_kv
 from computectx.nn.experts import GroupedExperts, grouped_linear
@@ -66,8 +65,3 @@ __all__ = [
     "rope_tables",
     "softmax",
 ]
-
-redirect(
-    "computectx.nn",
-    {"ops": ("computectx.nn.precise",), "linears": ("computectx.nn.params",)},
-)
