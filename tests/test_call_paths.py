@@ -1,4 +1,4 @@
-"""A reader follows a call through a handful of modules, each entered once (docs/design.md, "Four calls").
+"""A reader follows a call through a handful of modules, each entered once (docs/design.md).
 
 For four reference calls on the CPU this counts the ``computectx`` modules the call enters and how
 often it comes back to one it had left: the count of ``../shared/tools/trace_depth.py``, written
@@ -27,7 +27,7 @@ ROOT = os.path.dirname(computectx.__file__ or "")
 
 
 def modules_entered(fn: Callable[[], Any]) -> tuple[int, int, list[str]]:
-    """``(modules, reentries, path)`` of one call of ``fn`` (path: the modules in the order entered)."""
+    """``(modules, reentries, path)`` of one call of ``fn``; path: the modules in order."""
     seq: list[str] = []
 
     def profile(frame: FrameType, event: str, arg: object) -> None:
@@ -85,7 +85,8 @@ def optimizer_call() -> Callable[[], Any]:
     from computectx.memory import CompactOptimizer
 
     p = torch.nn.Parameter(torch.randn(256, 256))
-    opt = CompactOptimizer([p], ComputeCtx.from_flag("fp32", "cpu").with_optim_state("int8"), lr=1e-3)
+    ctx = ComputeCtx.from_flag("fp32", "cpu").with_optim_state("int8")
+    opt = CompactOptimizer([p], ctx, lr=1e-3)
     p.grad = torch.randn_like(p)
     opt.step()
     p.grad = torch.randn_like(p)
