@@ -19,55 +19,36 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import (
     clip_grad_norm_with_experts,
     expert_parameters,
-    moe_local_buffers,
     shard_expert_optimizer_state,
     update_expert_bias,
-)
-from computectx.distributed.fp8_all_gather import (
-    enable_fp8_all_gather,
-    gathers_as_fp8,
-    parameter_holders,
 )
 from computectx.distributed.fp8_amax_sync import (
     CurrentAmax,
     Fp8AmaxSync,
     LossNormalization,
-    fp8_buffer_names,
     rescale_grad_ledger,
 )
-from computectx.distributed.fp8_expert_gather import enable_fp8_expert_gather
-from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
-from computectx.distributed.group import (
-    agree,
-    agree_ok,
-    check_same_model,
-    check_same_policy,
-    data_parallel_group,
-    join_forwards,
-    joining,
-)
-from computectx.distributed.mixed_precision import fsdp_mixed_precision
+from computectx.distributed.group import agree, agree_ok, data_parallel_group, joining
 from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from computectx.distributed.parallel_checks import (
-    check_parallel_load,
-    check_parallelize,
-    check_same_setup,
-    setup_choices,
-    uses_offloaded,
+from computectx.distributed.parallel_checks import ParallelArgs, check_parallel_load
+from computectx.distributed.parallel_steps import (
+    build_accumulator,
+    build_optimizer,
+    check_setup,
+    distribute,
+    world_of,
 )
-from computectx.distributed.sharding import ShardedParams
 from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
@@ -267,34 +248,6 @@ class Parallel:
             set_plain_optimizer_state_dict(self.module, opt, optim_state)
 
 
-def _world(mesh: DeviceMesh | None) -> int:
-    if mesh is not None:
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"parallelize takes a one-dimensional DeviceMesh (data parallel), got "
-                f"{mesh.ndim} dimensions {mesh.mesh_dim_names or ''}"
-            )
-        return int(mesh.size())
-    if dist.is_available() and dist.is_initialized():
-        return int(dist.get_world_size())
-    return 1
-
-
-def _default_units(model: nn.Module) -> list[nn.Module]:
-    # FSDP2's usual grain: every block of a ModuleList (transformer layers), else every
-    # direct child that holds parameters; the root is sharded last in any case.
-    blocks = [
-        child
-        for m in model.modules()
-        if isinstance(m, nn.ModuleList)
-        for child in m
-        if any(True for _ in child.parameters())
-    ]
-    if blocks:
-        return blocks
-    return [c for c in model.children() if any(True for _ in c.parameters())]
-
-
 def parallelize(
     model: nn.Module,
     ctx: ComputeCtx,
@@ -364,125 +317,27 @@ def parallelize(
     Everything is checked before the model changes. Then: ``out = par.model(x)``,
     ``loss.backward()``, ``par.step(max_norm)``; checkpoints through ``par.state_dict()``.
     """
-    world = _world(mesh)
+    world = world_of(mesh)
     group = mesh.get_group() if mesh is not None else None
-
-    choices: dict[str, Any] = {
-        "strategy": strategy, "mp_policy": mp_policy, "accumulate": accumulate,
-        "offload": offload, "join_timeout": join_timeout, "optimizer_class": optimizer_class,
-        "optimizer_kwargs": optimizer_kwargs, "fp8_filter": fp8_filter,
-        "fp8_all_gather": fp8_all_gather, "shard_units": shard_units,
-        "current_amax": current_amax, "loss_normalization": loss_normalization,
-    }  # fmt: skip
-
-    def check() -> list[tuple[str, str]]:
-        check_parallelize(model, ctx, world=world, group=group, **choices)
-        return setup_choices(model, ctx, world=world, **choices)
-
-    if world > 1:  # agree joins first; every rank raises alike before anything changes
-        check_same_setup(agree(check, group, what="parallelize", join_timeout=join_timeout))
-        check_same_policy(ctx, group)
-    else:
-        check()
+    args = ParallelArgs(
+        strategy=strategy, mp_policy=mp_policy, accumulate=accumulate, offload=offload,
+        join_timeout=join_timeout, optimizer_class=optimizer_class,
+        optimizer_kwargs=optimizer_kwargs, fp8_filter=fp8_filter, fp8_all_gather=fp8_all_gather,
+        shard_units=shard_units, current_amax=current_amax, loss_normalization=loss_normalization,
+    )  # fmt: skip
+    check_setup(model, ctx, args, world, group)
     experts = expert_parameters(model)
-    wants_acc = ctx.grad != ctx.master
-    build_acc = wants_acc if accumulate is None else bool(accumulate)
     conversion = convert_to_fp8(model, ctx, module_filter=fp8_filter) if ctx.fp8 else None
-    run: nn.Module = model
-    sharded = strategy == "fsdp" and world > 1
+    run, sync, sharded = model, None, strategy == "fsdp" and world > 1
     if world > 1:
-        # Ranks that converted other layers (another fp8_filter) or built another model
-        # stop here, named, before DDP's broadcast or FSDP2's gathers abort or hang on it.
-        check_same_model(model, group, parameters=sharded)
-    if world > 1:
-        if sharded:
-            if mesh is None:
-                mesh = init_device_mesh(ctx.device.type, (world,))
-            if ctx.fp8 and fp8_all_gather:
-                owners = parameter_holders(model)
-                enable_fp8_all_gather(
-                    model,
-                    module_filter=lambda m, fqn: (
-                        isinstance(m, Fp8Linear)
-                        and gathers_as_fp8(m.policy)
-                        and len(owners.get(id(m.weight), [])) <= 1
-                    ),
-                )
-                enable_fp8_expert_gather(model, world, skip=frozenset(map(id, experts)))
-            # Gather at ctx.compute, reduce-scatter at ctx.grad (fp8 weights keep their
-            # fp8 gather: FSDP2 never casts a WeightGatheredAsFp8's own gather inputs).
-            # Expert-parallel weights are each rank's own: FSDP2 leaves them alone.
-            mixed = fsdp_mixed_precision(ctx) if mp_policy is None else mp_policy
-            own = set(experts) or None
-            for unit in shard_units if shard_units is not None else _default_units(model):
-                fully_shard(unit, mesh=mesh, mp_policy=mixed, ignored_params=own)
-            fully_shard(model, mesh=mesh, mp_policy=mixed, ignored_params=own)
-        else:
-            ids = None
-            if ctx.device.type == "cuda":
-                # A bare "cuda" means this rank's current device (torchrun's
-                # torch.cuda.set_device(local_rank)), not cuda:0 on every rank.
-                index = ctx.device.index
-                ids = [torch.cuda.current_device() if index is None else index]
-            # The fp8 scaling buffers stay out of DDP's broadcasts, at construction too: the
-            # amax sync merges them (fp8_buffer_names).
-            ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
-                model,
-                [
-                    *ignored,
-                    *fp8_buffer_names(model),
-                    *moe_local_buffers(model),
-                    *_names_of(model, experts),
-                ],
-            )
-            # No compression hook at ctx.grad: a low-precision ctx.grad builds the
-            # DataParallelGradAccumulator (below), which reduces the bf16 sums once per step
-            # in float32 and owns DDP's one comm hook (docs/distributed.md, "Mixed
-            # precision under FSDP2 and DDP").
-            run = DistributedDataParallel(model, device_ids=ids, process_group=group)
-    if world > 1 and (sharded or experts):
-        # Every forward of what runs is a collective here (FSDP2's all-gathers, the experts'
-        # all-to-alls): it joins the group first, before DDP's or FSDP2's own hooks, so a
-        # rank that runs one alone gets a clear error instead of a hang.
-        join_forwards(run, data_parallel_group(group), join_timeout)
-    if world > 1:
-        for p in experts:
-            # DDP and FSDP2 average the other gradients over the ranks; an expert's
-            # gradient already sums every rank's tokens, so it takes the same 1/world.
-            p.register_hook(lambda grad: grad / world)  # type: ignore[no-untyped-call]
-    sync = None
-    if ctx.fp8 and world > 1:
-        sync = Fp8AmaxSync(
-            run,
-            mesh,
-            hooks=True,
-            current_amax=current_amax,
-            loss_normalization=loss_normalization,
-            check=False,  # compared above, before wrapping
-        )
-
-    params = [p for p in model.parameters() if p.requires_grad]
-    use_offloaded = uses_offloaded(ctx, model, offload)
-    opt: torch.optim.Optimizer
-    if use_offloaded:
-        sharding = ShardedParams(mesh, join_timeout=join_timeout) if sharded else None
-        opt = OffloadedOptimizer(
-            params, ctx, optimizer_class, sharding=sharding, **optimizer_kwargs
-        )
-    else:
-        opt = optimizer_class(params, **optimizer_kwargs)
-    acc: LowPrecGradAccumulator | None = None
-    if build_acc and not sharded:
-        if isinstance(run, DistributedDataParallel):
-            acc = DataParallelGradAccumulator(run, ctx)
-        else:
-            acc = LowPrecGradAccumulator(params, ctx)
+        run, mesh, sync = distribute(model, ctx, args, mesh, group, world, experts)
+    optimizer = build_optimizer(model, ctx, args, mesh if sharded else None)
+    accumulator = build_accumulator(model, run, ctx, args, sharded)
     return Parallel(
         model=run,
         module=model,
-        optimizer=opt,
-        accumulator=acc,
+        optimizer=optimizer,
+        accumulator=accumulator,
         sync=sync,
         conversion=conversion,
         world_size=world,
@@ -491,8 +346,3 @@ def parallelize(
         group=data_parallel_group(group) if world > 1 else None,
         join_timeout=join_timeout,
     )
-
-
-def _names_of(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
-    ids = {id(p) for p in params}
-    return [n for n, p in model.named_parameters() if id(p) in ids]

@@ -3,7 +3,8 @@ changes (on many ranks inside ``agree``, so a check that fails on one rank raise
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from computectx.distributed.expert_parallel import (
     same_ranks,
     unshard_expert_optimizer_state,
 )
+from computectx.distributed.fp8_amax_sync import CurrentAmax, LossNormalization
 from computectx.distributed.group import check_join_timeout
 from computectx.distributed.optimizer_checkpoint import (
     check_optimizer_state_dict,
@@ -27,6 +29,7 @@ from computectx.distributed.optimizer_checkpoint import (
 from computectx.memory import OffloadedOptimizer
 
 __all__ = [
+    "ParallelArgs",
     "check_model_state",
     "check_parallel_load",
     "check_parallelize",
@@ -37,6 +40,25 @@ __all__ = [
 
 
 _MODEL, _OPTIMIZER = "model", "optimizer"
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelArgs:
+    """``parallelize``'s keyword arguments as the caller gave them, unchecked (its docstring
+    says what each means); ``check_parallelize`` checks them, the setup steps read them."""
+
+    strategy: str
+    mp_policy: MixedPrecisionPolicy | None
+    accumulate: bool | None
+    offload: bool | None
+    join_timeout: float | None
+    optimizer_class: type[torch.optim.Optimizer]
+    optimizer_kwargs: dict[str, Any]
+    fp8_filter: Callable[[nn.Module, str], bool] | None
+    fp8_all_gather: bool
+    shard_units: list[nn.Module] | None
+    current_amax: CurrentAmax | None
+    loss_normalization: LossNormalization
 
 
 def check_parallel_load(model: nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> Any:
@@ -117,58 +139,74 @@ def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> b
 def check_parallelize(
     model: nn.Module,
     ctx: ComputeCtx,
+    args: ParallelArgs,
     *,
     world: int,
     group: dist.ProcessGroup | None,
-    strategy: str,
-    mp_policy: MixedPrecisionPolicy | None,
-    accumulate: bool | None,
-    offload: bool | None,
-    join_timeout: float | None,
-    optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    fp8_filter: object = None,
-    fp8_all_gather: object = True,
-    shard_units: object = None,
-    current_amax: object = None,
-    loss_normalization: object = "per_rank",
 ) -> None:
     """``parallelize``'s checks of its arguments on this rank (its docstring says what each
     refuses); raises before anything changes. Every argument is checked here, the ones only
     many ranks use too, so a bad one never stops ``parallelize`` after the model changed."""
-    check_join_timeout(join_timeout)
+    check_join_timeout(args.join_timeout)
+    _check_model_and_ctx(model, ctx)
+    _check_choices(args)
+    if args.shard_units is not None:
+        _check_shard_units(model, args.shard_units)
+    _check_optimizer_class(args.optimizer_class)
+    _check_mp_policy(args.mp_policy, args.strategy)
+    _check_not_wrapped(model)
+    builds_accumulator = _check_accumulator(ctx, args, world)
+    offloaded = uses_offloaded(ctx, model, args.offload)
+    if expert_parameters(model) and world > 1:
+        _check_expert_parallel(model, ctx, group, builds_accumulator, offloaded)
+    if ctx.optim_state.compact and not offloaded:
+        raise ValueError(
+            f"ctx.optim_state={ctx.optim_state} asks for compact optimizer state, which "
+            f"parallelize keeps through an OffloadedOptimizer; offload=False would build a "
+            f"plain {args.optimizer_class.__name__} holding float32 state. Pass offload=None "
+            f"(or True), or set optim_state='f32'"
+        )
+    _check_optimizer_builds(ctx, args, offloaded)
+
+
+def _check_model_and_ctx(model: object, ctx: object) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {strategy!r}")
+
+
+def _check_choices(args: ParallelArgs) -> None:
+    """The strategy, the three flags, ``fp8_filter``, ``current_amax``, ``loss_normalization``."""
+    if args.strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"strategy must be 'ddp' or 'fsdp', got {args.strategy!r}")
     for name, flag, accepted in (
-        ("accumulate", accumulate, (True, False, None)),
-        ("offload", offload, (True, False, None)),
-        ("fp8_all_gather", fp8_all_gather, (True, False)),
+        ("accumulate", args.accumulate, (True, False, None)),
+        ("offload", args.offload, (True, False, None)),
+        ("fp8_all_gather", args.fp8_all_gather, (True, False)),
     ):
         if not any(flag is a for a in accepted):
             raise TypeError(
                 f"{name} must be {' or '.join(map(str, accepted))}, got {flag!r} (a string "
                 f"such as 'no' would read as true)"
             )
-    if fp8_filter is not None and not callable(fp8_filter):
+    if args.fp8_filter is not None and not callable(args.fp8_filter):
         raise TypeError(
             f"fp8_filter must be callable(module, fqn) -> bool or None, got "
-            f"{type(fp8_filter).__name__}"
+            f"{type(args.fp8_filter).__name__}"
         )
-    if current_amax not in ("group", "local", None):
+    if args.current_amax not in ("group", "local", None):
         raise ValueError(
             f"current_amax must be 'group' or 'local' (or None: the strategy's default), got "
-            f"{current_amax!r}"
+            f"{args.current_amax!r}"
         )
-    if loss_normalization not in ("per_rank", "global"):
+    if args.loss_normalization not in ("per_rank", "global"):
         raise ValueError(
-            f"loss_normalization must be 'per_rank' or 'global', got {loss_normalization!r}"
+            f"loss_normalization must be 'per_rank' or 'global', got {args.loss_normalization!r}"
         )
-    if shard_units is not None:
-        _check_shard_units(model, shard_units)
+
+
+def _check_optimizer_class(optimizer_class: object) -> None:
     if not (
         isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)
     ):
@@ -176,95 +214,98 @@ def check_parallelize(
             f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. "
             f"torch.optim.AdamW), got {optimizer_class!r}"
         )
-    if mp_policy is not None:
-        if not isinstance(mp_policy, MixedPrecisionPolicy):
-            raise TypeError(
-                f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
-                f"{type(mp_policy).__name__}"
-            )
-        if strategy != "fsdp":
-            raise ValueError(
-                f"mp_policy is FSDP2's mixed precision and strategy={strategy!r} does not "
-                f"shard; pass it with strategy='fsdp' only"
-            )
+
+
+def _check_mp_policy(mp_policy: object, strategy: str) -> None:
+    if mp_policy is None:
+        return
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(
+            f"mp_policy must be a torch.distributed.fsdp.MixedPrecisionPolicy, got "
+            f"{type(mp_policy).__name__}"
+        )
+    if strategy != "fsdp":
+        raise ValueError(
+            f"mp_policy is FSDP2's mixed precision and strategy={strategy!r} does not "
+            f"shard; pass it with strategy='fsdp' only"
+        )
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
     if isinstance(model, DistributedDataParallel | FSDPModule):
         raise ValueError(
             f"parallelize wraps the model itself: pass the plain module, not a "
             f"{type(model).__name__} (it was wrapped already)"
         )
-    wants_acc = ctx.grad != ctx.master
-    build_acc = wants_acc if accumulate is None else bool(accumulate)
-    if build_acc and strategy == "fsdp" and world > 1:
-        why = "accumulate=True" if accumulate else f"the ctx ({ctx}) asks for one"
+
+
+def _check_accumulator(ctx: ComputeCtx, args: ParallelArgs, world: int) -> bool:
+    """Whether ``parallelize`` builds a gradient accumulator (``accumulate``, else when the
+    ctx asks for one), refused under FSDP2 on many ranks."""
+    wants = ctx.grad != ctx.master
+    builds = wants if args.accumulate is None else bool(args.accumulate)
+    if builds and args.strategy == "fsdp" and world > 1:
+        why = "accumulate=True" if args.accumulate else f"the ctx ({ctx}) asks for one"
         raise ValueError(
             f"strategy='fsdp' takes no gradient accumulator ({why}): FSDP2 reduce-scatters "
             f"the gradients itself. Pass accumulate=False, or strategy='ddp'"
         )
+    return builds
 
-    if expert_parameters(model) and world > 1:
-        # Expert parallelism over the data-parallel ranks (each rank its experts, each
-        # expert every rank's tokens): other layouts need a 2-D mesh this does not take.
-        if not same_ranks(expert_parallel_group(model), group):
-            raise ValueError(
-                "the model's experts are spread over another group than parallelize's: "
-                "call expert_parallel(model, group) with the data-parallel group (or mesh)"
-            )
-        if build_acc:
-            raise ValueError(
-                "an expert-parallel model takes no gradient accumulator here: it would "
-                "average each rank's own experts with the others'. Pass accumulate=False"
-            )
-        if uses_offloaded(ctx, model, offload):
-            raise ValueError(
-                "an expert-parallel model steps with a plain optimizer here: the "
-                "OffloadedOptimizer's clipping and inf/NaN skips are rank-local, and each "
-                "rank's experts are its own. Pass offload=False"
-                + (
-                    f" and ctx.optim_state='f32' (ctx.optim_state={ctx.optim_state} is kept "
-                    f"only by the OffloadedOptimizer)"
-                    if ctx.optim_state.compact
-                    else ""
-                )
-            )
-    if ctx.optim_state.compact and not uses_offloaded(ctx, model, offload):
+
+def _check_expert_parallel(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    group: dist.ProcessGroup | None,
+    builds_accumulator: bool,
+    offloaded: bool,
+) -> None:
+    """An expert-parallel model on many ranks: its experts spread over ``group``, with no
+    accumulator and a plain optimizer."""
+    # Expert parallelism over the data-parallel ranks (each rank its experts, each
+    # expert every rank's tokens): other layouts need a 2-D mesh this does not take.
+    if not same_ranks(expert_parallel_group(model), group):
         raise ValueError(
-            f"ctx.optim_state={ctx.optim_state} asks for compact optimizer state, which "
-            f"parallelize keeps through an OffloadedOptimizer; offload=False would build a "
-            f"plain {optimizer_class.__name__} holding float32 state. Pass offload=None (or "
-            f"True), or set optim_state='f32'"
+            "the model's experts are spread over another group than parallelize's: "
+            "call expert_parallel(model, group) with the data-parallel group (or mesh)"
         )
-    # The optimizer is built on a stand-in before the model changes, the way parallelize
-    # builds it: a bad learning rate, or a class the OffloadedOptimizer refuses (LBFGS), must
-    # not leave a model half converted, sharded or wrapped.
-    if uses_offloaded(ctx, model, offload):
-        if "sharding" in optimizer_kwargs:
-            raise ValueError(
-                "parallelize chooses the OffloadedOptimizer's sharding itself (FSDP2's "
-                "shards under strategy='fsdp'); leave sharding out of its arguments"
+    if builds_accumulator:
+        raise ValueError(
+            "an expert-parallel model takes no gradient accumulator here: it would "
+            "average each rank's own experts with the others'. Pass accumulate=False"
+        )
+    if offloaded:
+        raise ValueError(
+            "an expert-parallel model steps with a plain optimizer here: the "
+            "OffloadedOptimizer's clipping and inf/NaN skips are rank-local, and each "
+            "rank's experts are its own. Pass offload=False"
+            + (
+                f" and ctx.optim_state='f32' (ctx.optim_state={ctx.optim_state} is kept "
+                f"only by the OffloadedOptimizer)"
+                if ctx.optim_state.compact
+                else ""
             )
-        stand_in = nn.Parameter(torch.zeros(1, device=ctx.device))
-        OffloadedOptimizer([stand_in], ctx, optimizer_class, **optimizer_kwargs)
-    else:
-        optimizer_class([nn.Parameter(torch.zeros(1))], **optimizer_kwargs)
+        )
+
+
+def _check_optimizer_builds(ctx: ComputeCtx, args: ParallelArgs, offloaded: bool) -> None:
+    """The optimizer is built on a stand-in before the model changes, the way parallelize
+    builds it: a bad learning rate, or a class the OffloadedOptimizer refuses (LBFGS), must
+    not leave a model half converted, sharded or wrapped."""
+    if not offloaded:
+        args.optimizer_class([nn.Parameter(torch.zeros(1))], **args.optimizer_kwargs)
+        return
+    if "sharding" in args.optimizer_kwargs:
+        raise ValueError(
+            "parallelize chooses the OffloadedOptimizer's sharding itself (FSDP2's "
+            "shards under strategy='fsdp'); leave sharding out of its arguments"
+        )
+    stand_in = nn.Parameter(torch.zeros(1, device=ctx.device))
+    OffloadedOptimizer([stand_in], ctx, args.optimizer_class, **args.optimizer_kwargs)
 
 
 def setup_choices(
-    model: nn.Module,
-    ctx: ComputeCtx,
-    *,
-    world: int,
-    strategy: str,
-    mp_policy: MixedPrecisionPolicy | None,
-    accumulate: bool | None,
-    offload: bool | None,
-    join_timeout: float | None,
-    optimizer_class: type[torch.optim.Optimizer],
-    optimizer_kwargs: dict[str, Any],
-    fp8_filter: object,
-    fp8_all_gather: object,
-    shard_units: object,
-    current_amax: object,
-    loss_normalization: object,
+    model: nn.Module, ctx: ComputeCtx, args: ParallelArgs, *, world: int
 ) -> list[tuple[str, str]]:
     """What ``parallelize`` will set up on this rank, as ``(choice, text)`` pairs the ranks
     compare (``check_same_setup``) before anything changes: the strategy and every choice
@@ -273,11 +314,12 @@ def setup_choices(
     names = {id(m): n for n, m in model.named_modules()}
     ep = expert_parallel_group(model)
     ep_ranks = None if ep is None else sorted(dist.get_process_group_ranks(ep))
-    units = None if shard_units is None else [names.get(id(u), "?") for u in shard_units]  # type: ignore[attr-defined]
-    kwargs = {k: repr(v) for k, v in sorted(optimizer_kwargs.items())}
+    units = None if args.shard_units is None else [names.get(id(u), "?") for u in args.shard_units]
+    kwargs = {k: repr(v) for k, v in sorted(args.optimizer_kwargs.items())}
     experts = {id(e) for e in expert_parameters(model)}
+    accumulate, cls = args.accumulate, args.optimizer_class
     return [
-        ("strategy", repr(strategy)),
+        ("strategy", repr(args.strategy)),
         ("world", str(world)),
         ("expert parallelism", "none" if ep is None else f"over ranks {ep_ranks}"),
         (
@@ -288,16 +330,16 @@ def setup_choices(
             "gradient accumulator",
             str(bool(ctx.grad != ctx.master if accumulate is None else accumulate)),
         ),
-        ("OffloadedOptimizer", str(uses_offloaded(ctx, model, offload))),
-        ("optimizer_class", f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"),
+        ("OffloadedOptimizer", str(uses_offloaded(ctx, model, args.offload))),
+        ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),
         ("optimizer arguments", str(kwargs)),
-        ("mp_policy", repr(mp_policy)),
-        ("fp8_filter", "None" if fp8_filter is None else "a filter"),
-        ("fp8_all_gather", repr(fp8_all_gather)),
+        ("mp_policy", repr(args.mp_policy)),
+        ("fp8_filter", "None" if args.fp8_filter is None else "a filter"),
+        ("fp8_all_gather", repr(args.fp8_all_gather)),
         ("shard_units", str(units)),
-        ("current_amax", repr(current_amax)),
-        ("loss_normalization", repr(loss_normalization)),
-        ("join_timeout", repr(join_timeout)),
+        ("current_amax", repr(args.current_amax)),
+        ("loss_normalization", repr(args.loss_normalization)),
+        ("join_timeout", repr(args.join_timeout)),
     ]
 
 

@@ -1,0 +1,259 @@
+"""The steps ``parallelize`` takes, in its one right order, each one job: check on every rank
+(``check_setup``), then on many ranks spread the converted model over them (``distribute``:
+shard it or wrap it in DDP, join its collective forwards, scale the experts' gradients, sync
+the fp8 scaling), then build the optimizer and the accumulator.
+
+Every rank runs the same steps with the same choices (the ranks compared them in
+``check_setup``), so every rank issues the same collectives in the same order."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx.ctx import ComputeCtx
+from computectx.distributed.expert_parallel import moe_local_buffers
+from computectx.distributed.fp8_all_gather import (
+    enable_fp8_all_gather,
+    gathers_as_fp8,
+    parameter_holders,
+)
+from computectx.distributed.fp8_amax_sync import Fp8AmaxSync, fp8_buffer_names
+from computectx.distributed.fp8_expert_gather import enable_fp8_expert_gather
+from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
+from computectx.distributed.group import (
+    agree,
+    check_same_model,
+    check_same_policy,
+    data_parallel_group,
+    join_forwards,
+)
+from computectx.distributed.mixed_precision import fsdp_mixed_precision
+from computectx.distributed.parallel_checks import (
+    ParallelArgs,
+    check_parallelize,
+    check_same_setup,
+    setup_choices,
+    uses_offloaded,
+)
+from computectx.distributed.sharding import ShardedParams
+from computectx.fp8 import Fp8Linear
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+
+__all__ = [
+    "build_accumulator",
+    "build_optimizer",
+    "check_setup",
+    "distribute",
+    "world_of",
+]
+
+
+def world_of(mesh: DeviceMesh | None) -> int:
+    """How many ranks ``parallelize`` sets up: ``mesh``'s size, else the default group's,
+    else 1 (one process)."""
+    if mesh is not None:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"parallelize takes a one-dimensional DeviceMesh (data parallel), got "
+                f"{mesh.ndim} dimensions {mesh.mesh_dim_names or ''}"
+            )
+        return int(mesh.size())
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def check_setup(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    args: ParallelArgs,
+    world: int,
+    group: dist.ProcessGroup | None,
+) -> None:
+    """Check every argument before anything changes; on many ranks the ranks also agree that
+    they all passed, and that they set up the same model the same way under the same policy
+    (one ``ValueError``, alike on every rank, naming the rank that differs)."""
+
+    def check() -> list[tuple[str, str]]:
+        check_parallelize(model, ctx, args, world=world, group=group)
+        return setup_choices(model, ctx, args, world=world)
+
+    if world > 1:  # agree joins first; every rank raises alike before anything changes
+        check_same_setup(agree(check, group, what="parallelize", join_timeout=args.join_timeout))
+        check_same_policy(ctx, group)
+    else:
+        check()
+
+
+def distribute(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    args: ParallelArgs,
+    mesh: DeviceMesh | None,
+    group: dist.ProcessGroup | None,
+    world: int,
+    experts: list[nn.Parameter],
+) -> tuple[nn.Module, DeviceMesh | None, Fp8AmaxSync | None]:
+    """Spread the (converted) ``model`` over ``world`` ranks: what runs forward, the mesh
+    (FSDP2 makes one over the default group when none was given) and the fp8 amax sync."""
+    sharded = args.strategy == "fsdp"
+    # Ranks that converted other layers (another fp8_filter) or built another model
+    # stop here, named, before DDP's broadcast or FSDP2's gathers abort or hang on it.
+    check_same_model(model, group, parameters=sharded)
+    run: nn.Module = model
+    if sharded:
+        if mesh is None:
+            mesh = init_device_mesh(ctx.device.type, (world,))
+        shard(model, ctx, args, mesh, world, experts)
+    else:
+        run = wrap_ddp(model, ctx, group, experts)
+    if sharded or experts:
+        # Every forward of what runs is a collective here (FSDP2's all-gathers, the experts'
+        # all-to-alls): it joins the group first, before DDP's or FSDP2's own hooks, so a
+        # rank that runs one alone gets a clear error instead of a hang.
+        join_forwards(run, data_parallel_group(group), args.join_timeout)
+    average_expert_grads(experts, world)
+    sync = None
+    if ctx.fp8:
+        sync = Fp8AmaxSync(
+            run,
+            mesh,
+            hooks=True,
+            current_amax=args.current_amax,
+            loss_normalization=args.loss_normalization,
+            check=False,  # compared in check_setup, before wrapping
+        )
+    return run, mesh, sync
+
+
+def shard(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    args: ParallelArgs,
+    mesh: DeviceMesh,
+    world: int,
+    experts: list[nn.Parameter],
+) -> None:
+    """FSDP2: the fp8 weights all-gather as fp8 (``args.fp8_all_gather``), then
+    ``fully_shard`` each shard unit and the root, in place."""
+    if ctx.fp8 and args.fp8_all_gather:
+        gather_fp8_weights_as_fp8(model, world, experts)
+    # Gather at ctx.compute, reduce-scatter at ctx.grad (fp8 weights keep their
+    # fp8 gather: FSDP2 never casts a WeightGatheredAsFp8's own gather inputs).
+    # Expert-parallel weights are each rank's own: FSDP2 leaves them alone.
+    mixed = fsdp_mixed_precision(ctx) if args.mp_policy is None else args.mp_policy
+    own = set(experts) or None
+    units = args.shard_units if args.shard_units is not None else default_units(model)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, mp_policy=mixed, ignored_params=own)
+    fully_shard(model, mesh=mesh, mp_policy=mixed, ignored_params=own)
+
+
+def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:
+    """Make FSDP2 gather the fp8 layers' weights (but tied ones, and those whose policy
+    gathers high precision: ``gathers_as_fp8``) and the block fp8 experts as fp8."""
+    owners = parameter_holders(model)
+    enable_fp8_all_gather(
+        model,
+        module_filter=lambda m, fqn: (
+            isinstance(m, Fp8Linear)
+            and gathers_as_fp8(m.policy)
+            and len(owners.get(id(m.weight), [])) <= 1
+        ),
+    )
+    enable_fp8_expert_gather(model, world, skip=frozenset(map(id, experts)))
+
+
+def default_units(model: nn.Module) -> list[nn.Module]:
+    """FSDP2's usual grain: every block of a ModuleList (transformer layers), else every
+    direct child that holds parameters; the root is sharded last in any case."""
+    blocks = [
+        child
+        for m in model.modules()
+        if isinstance(m, nn.ModuleList)
+        for child in m
+        if any(True for _ in child.parameters())
+    ]
+    if blocks:
+        return blocks
+    return [c for c in model.children() if any(True for _ in c.parameters())]
+
+
+def wrap_ddp(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    group: dist.ProcessGroup | None,
+    experts: list[nn.Parameter],
+) -> DistributedDataParallel:
+    """``DistributedDataParallel`` over ``model`` on this rank's device, the buffers and
+    weights it must not broadcast or all-reduce left out."""
+    ids = None
+    if ctx.device.type == "cuda":
+        # A bare "cuda" means this rank's current device (torchrun's
+        # torch.cuda.set_device(local_rank)), not cuda:0 on every rank.
+        index = ctx.device.index
+        ids = [torch.cuda.current_device() if index is None else index]
+    # The fp8 scaling buffers stay out of DDP's broadcasts, at construction too: the
+    # amax sync merges them (fp8_buffer_names).
+    ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+        model,
+        [
+            *ignored,
+            *fp8_buffer_names(model),
+            *moe_local_buffers(model),
+            *_names_of(model, experts),
+        ],
+    )
+    # No compression hook at ctx.grad: a low-precision ctx.grad builds the
+    # DataParallelGradAccumulator (build_accumulator), which reduces the bf16 sums once per
+    # step in float32 and owns DDP's one comm hook (docs/distributed.md, "Mixed precision
+    # under FSDP2 and DDP").
+    return DistributedDataParallel(model, device_ids=ids, process_group=group)
+
+
+def average_expert_grads(experts: list[nn.Parameter], world: int) -> None:
+    """Scale each expert-parallel weight's gradient by ``1/world``."""
+    for p in experts:
+        # DDP and FSDP2 average the other gradients over the ranks; an expert's
+        # gradient already sums every rank's tokens, so it takes the same 1/world.
+        p.register_hook(lambda grad: grad / world)  # type: ignore[no-untyped-call]
+
+
+def build_optimizer(
+    model: nn.Module, ctx: ComputeCtx, args: ParallelArgs, shards: DeviceMesh | None
+) -> torch.optim.Optimizer:
+    """The optimizer over ``model``'s trainable parameters: an ``OffloadedOptimizer`` over
+    ``args.optimizer_class`` where ``uses_offloaded`` says so (stepping FSDP2's shards of
+    ``shards``, the mesh, when sharded), else ``args.optimizer_class`` itself."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not uses_offloaded(ctx, model, args.offload):
+        return args.optimizer_class(params, **args.optimizer_kwargs)
+    sharding = None if shards is None else ShardedParams(shards, join_timeout=args.join_timeout)
+    return OffloadedOptimizer(
+        params, ctx, args.optimizer_class, sharding=sharding, **args.optimizer_kwargs
+    )
+
+
+def build_accumulator(
+    model: nn.Module, run: nn.Module, ctx: ComputeCtx, args: ParallelArgs, sharded: bool
+) -> LowPrecGradAccumulator | None:
+    """The gradient accumulator, when ``args.accumulate`` or (by default) the ctx asks for
+    one and FSDP2 does not shard: over DDP's ``run`` a ``DataParallelGradAccumulator``, in
+    one process a ``LowPrecGradAccumulator``."""
+    wants = ctx.grad != ctx.master
+    if not (wants if args.accumulate is None else bool(args.accumulate)) or sharded:
+        return None
+    if isinstance(run, DistributedDataParallel):
+        return DataParallelGradAccumulator(run, ctx)
+    return LowPrecGradAccumulator([p for p in model.parameters() if p.requires_grad], ctx)
+
+
+def _names_of(model: nn.Module, params: list[nn.Parameter]) -> list[str]:
+    ids = {id(p) for p in params}
+    return [n for n, p in model.named_parameters() if id(p) in ids]
