@@ -11,8 +11,8 @@ from types import TracebackType
 import torch
 
 from computectx.memory import LowPrecGradAccumulator, memory_report
-from computectx.memory.state.codecs import packed_nbytes
-from computectx.memory.state.store import packs
+from computectx.memory.optim.state.codecs import packed_nbytes
+from computectx.memory.optim.state.store import packs
 from computectx.optim_state import OptimState
 
 __all__ = [

@@ -37,12 +37,12 @@ from computectx.distributed.optimizer_state_form import (
     saved_format,
 )
 from computectx.memory import OffloadedOptimizer
-from computectx.memory.optimizer_state import (
+from computectx.memory.optim.checkpoint import (
     MASTER_WEIGHTS,
     check_master_weight,
     check_optimizer_class,
 )
-from computectx.memory.state import decode_entry
+from computectx.memory.optim.state import decode_entry
 
 __all__ = [
     "MASTER_WEIGHTS",

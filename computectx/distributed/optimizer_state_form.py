@@ -21,7 +21,7 @@ What that costs and what it keeps:
   saving rank's blocks: the same world size, or shards whose boundaries fall on block
   boundaries (and, for ``int4`` second moments, the same rows). Elsewhere a loaded value
   differs from the saved one by at most ``round_trip_bound(saved, optim_state, kind)``
-  (``computectx.memory.state.codecs``): one more quantization, no more.
+  (``computectx.memory.optim.state.codecs``): one more quantization, no more.
 - ``"optim_state"`` (the text form of the saving optimizer's ``ctx.optim_state``) is carried
   at the top level when it is not ``f32``, so a state loaded under another format is
   converted with the warning naming both (``OffloadedOptimizer.load_state_dict``); an ``f32``
@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from computectx.memory.state import (
+from computectx.memory.optim.state import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
     PART_SEP,

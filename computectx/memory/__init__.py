@@ -16,9 +16,8 @@ and checkpoint weights live, at which dtype, and how many bytes each device hold
 
 from computectx.memory.accounting import MemoryReport, memory_report
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.compact_optimizer import CompactOptimizer
 from computectx.memory.expert_residency import ExpertResidency, expert_residency, prefetch_experts
-from computectx.memory.optimizer import OffloadedOptimizer
+from computectx.memory.optim import CompactOptimizer, OffloadedOptimizer
 from computectx.memory.weights import load_weights, save_weights
 
 __all__ = [

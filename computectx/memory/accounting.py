@@ -10,9 +10,9 @@ import torch
 
 from computectx.dtypes import DType
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.compact_optimizer import CompactOptimizer
-from computectx.memory.optimizer import OffloadedOptimizer
-from computectx.memory.optimizer_state import state_tensors
+from computectx.memory.optim.checkpoint import state_tensors
+from computectx.memory.optim.compact import CompactOptimizer
+from computectx.memory.optim.offloaded import OffloadedOptimizer
 
 __all__ = ["MemoryReport", "MemoryRow", "Role", "memory_report"]
 

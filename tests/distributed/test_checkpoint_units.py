@@ -36,7 +36,7 @@ from computectx.distributed.optimizer_checkpoint import (
 )
 from computectx.fp8 import Fp8Linear, convert_to_fp8
 from computectx.memory import OffloadedOptimizer
-from computectx.memory.state import kind_of, round_trip_bound
+from computectx.memory.optim.state import kind_of, round_trip_bound
 from computectx.optim_state import OptimState
 
 CTX = ComputeCtx.parity("cpu").replace(master=DType.F32, offload=torch.device("cpu"))

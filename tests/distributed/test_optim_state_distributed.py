@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from computectx.memory.state import encode, kind_of, parts_of, round_trip_bound
+from computectx.memory.optim.state import encode, kind_of, parts_of, round_trip_bound
 from computectx.optim_state import OptimState
 
 from . import scenarios_optim_state as so

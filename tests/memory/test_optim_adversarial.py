@@ -14,7 +14,7 @@ import torch
 
 from computectx import ComputeCtx
 from computectx.memory import CompactOptimizer, OffloadedOptimizer
-from computectx.memory.state.codecs import decode, encode, round_trip_bound
+from computectx.memory.optim.state.codecs import decode, encode, round_trip_bound
 from computectx.optim_state import parse_optim_state
 
 from .test_optim_edges import give_grads, params_of, unchanged

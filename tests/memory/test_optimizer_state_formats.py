@@ -16,7 +16,7 @@ import torch
 
 from computectx import ComputeCtx, DType
 from computectx.memory import CompactOptimizer, OffloadedOptimizer
-from computectx.memory.state import Kind, decode_entry, round_trip_bound, split_entry
+from computectx.memory.optim.state import Kind, decode_entry, round_trip_bound, split_entry
 
 CPU = ComputeCtx.parity("cpu")
 STEPS = 12

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computectx.memory.state import codecs, search
-from computectx.memory.state.codecs import (
+from computectx.memory.optim.state import codecs, search
+from computectx.memory.optim.state.codecs import (
     Kind,
     Packed,
     decode,
@@ -21,7 +21,7 @@ from computectx.memory.state.codecs import (
     parts_of,
     round_trip_bound,
 )
-from computectx.memory.state.maps import MapName, dynamic_tree_values, qmap, qmap_midpoints
+from computectx.memory.optim.state.maps import MapName, dynamic_tree_values, qmap, qmap_midpoints
 from computectx.optim_state import OptimState, StateFormat
 
 FORMATS: tuple[StateFormat, ...] = ("bf16", "int8", "fp8", "int4")

@@ -10,9 +10,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 from computectx import ComputeCtx
 from computectx.memory import CompactOptimizer
-from computectx.memory.state import fused
-from computectx.memory.state.codecs import Packed, decode, encode
-from computectx.memory.state.fused import adam_update
+from computectx.memory.optim import fused
+from computectx.memory.optim.fused import adam_update
+from computectx.memory.optim.state.codecs import Packed, decode, encode
 from computectx.optim_state import OptimState, StateFormat
 
 F32 = OptimState()

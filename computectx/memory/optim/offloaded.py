@@ -6,12 +6,12 @@ objects of the inner (master) optimizer, so LR schedulers write the learning rat
 master step reads, and ``state_dict`` describes exactly one optimizer.
 
 This module puts one step together; each part is a module of its own:
-``computectx.memory._masters`` (parameter groups, master weights, copy-back),
-``computectx.memory._grad_ingest`` (gradients onto the masters),
-``computectx.memory._grad_health`` (the clip norm and the non-finite verdict) and
-``computectx.memory.optimizer_state`` (what a checkpoint holds, and its checks); what it
+``computectx.memory.optim._masters`` (parameter groups, master weights, copy-back),
+``computectx.memory.optim._grad_ingest`` (gradients onto the masters),
+``computectx.memory.optim._grad_health`` (the clip norm and the non-finite verdict) and
+``computectx.memory.optim.checkpoint`` (what a checkpoint holds, and its checks); what it
 shares with ``CompactOptimizer`` (the inner optimizer's objects, the stepper, the skip, the
-load) is ``computectx.memory._wrapper``'s.
+load) is ``computectx.memory.optim._wrapper``'s.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import torch
 
 from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
-from computectx.memory._grad_ingest import GradIngest
-from computectx.memory._masters import MasterWeights, Sharding, check_sharding
 from computectx.memory._transfer import Transfer, check_transfer
-from computectx.memory._wrapper import InnerWrapper
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.optimizer_state import MASTER_WEIGHTS, check_saved_masters, state_tensors
-from computectx.memory.state.stepper import Stepper
+from computectx.memory.optim._grad_ingest import GradIngest
+from computectx.memory.optim._masters import MasterWeights, Sharding, check_sharding
+from computectx.memory.optim._wrapper import InnerWrapper
+from computectx.memory.optim.checkpoint import MASTER_WEIGHTS, check_saved_masters, state_tensors
+from computectx.memory.optim.stepper import Stepper
 
 __all__ = ["MASTER_WEIGHTS", "OffloadedOptimizer", "Sharding", "state_tensors"]
 
@@ -72,7 +72,7 @@ class OffloadedOptimizer(InnerWrapper):
     ``ctx.optim_state`` says how optimizer state is stored (``"f32"``: torch's own state,
     the step above exactly). A compact format (bf16, int8, fp8, int4) or a master below
     float32 (``ctx.master`` bf16/f16) steps the masters one at a time through
-    ``computectx.memory.state.Stepper``: state decoded into one reused float32 scratch
+    ``computectx.memory.optim.state.Stepper``: state decoded into one reused float32 scratch
     buffer (``memory_report``'s ``"scratch"``), torch's own update (or the fused Adam(W)
     update; ``compile``: ``None`` compiles it on CUDA only), state encoded back, masters
     below float32 written back with stochastic rounding drawn from generators seeded by

@@ -76,8 +76,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch.nn import functional
 
-from computectx.memory.state.maps import map_for, qmap, qmap_midpoints
-from computectx.memory.state.search import nearest_codes, nearest_table
+from computectx.memory.optim.state.maps import map_for, qmap, qmap_midpoints
+from computectx.memory.optim.state.search import nearest_codes, nearest_table
 from computectx.optim_state import OptimState, StateFormat
 
 __all__ = [

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from computectx.dtypes import DType
-from computectx.memory.state.scalars import check_scalars
-from computectx.memory.state.store import state_name
+from computectx.memory.optim.state.scalars import check_scalars
+from computectx.memory.optim.state.store import state_name
 
 __all__ = [
     "MASTER_WEIGHTS",
@@ -225,7 +225,7 @@ def state_tensors(value: Any) -> Iterator[torch.Tensor]:
 # 3. where the saved state has per-parameter entries, their keys are the ones the loading
 #    class keeps under the group's options (found by one step of that class, with those
 #    options, on a 2x2 zero parameter). A packed state's parts ("exp_avg.codes",
-#    "exp_avg.absmax": see computectx.memory.state.store) count as their state name.
+#    "exp_avg.absmax": see computectx.memory.optim.state.store) count as their state name.
 #
 # Adam and AdamW pass all three both ways (AdamW is Adam with decoupled_weight_decay=True,
 # an option the group carries, which loads as saved, as lr does), as in torch. An error names

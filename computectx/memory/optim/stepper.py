@@ -33,11 +33,11 @@ import torch
 
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.memory._rounding import RoundingGenerators, check_seed, stochastic_round
-from computectx.memory.state.codecs import Packed, decode, encode, parts_of
-from computectx.memory.state.fused import adam_update
-from computectx.memory.state.kinds import kind_of
-from computectx.memory.state.scalars import check_scalars
-from computectx.memory.state.store import (
+from computectx.memory.optim.fused import adam_update
+from computectx.memory.optim.state.codecs import Packed, decode, encode, parts_of
+from computectx.memory.optim.state.kinds import kind_of
+from computectx.memory.optim.state.scalars import check_scalars
+from computectx.memory.optim.state.store import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
     PARAM_SHAPES_KEY,

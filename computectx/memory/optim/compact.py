@@ -4,7 +4,7 @@ its state stored as ``ctx.optim_state`` (bf16, int8, fp8 or int4), without maste
 The wrapper is a real ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and
 ``defaults`` are the very objects of the inner optimizer (as ``OffloadedOptimizer``'s are), so
 LR schedulers and checkpoints work as with the inner class. The step is
-``computectx.memory.state.Stepper``'s: one parameter at a time, state decoded into a reused
+``computectx.memory.optim.state.Stepper``'s: one parameter at a time, state decoded into a reused
 float32 scratch buffer, torch's own update (or the fused Adam(W) update), state encoded back;
 a parameter below float32 (bf16/f16) is updated in float32 and written back with stochastic
 rounding. Non-finite gradients skip the step, as ``OffloadedOptimizer`` skips it.
@@ -19,10 +19,10 @@ import torch
 
 from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
-from computectx.memory._masters import MasterWeights, is_dtensor
-from computectx.memory._wrapper import InnerWrapper
-from computectx.memory.optimizer import OffloadedOptimizer
-from computectx.memory.state.stepper import Stepper
+from computectx.memory.optim._masters import MasterWeights, is_dtensor
+from computectx.memory.optim._wrapper import InnerWrapper
+from computectx.memory.optim.offloaded import OffloadedOptimizer
+from computectx.memory.optim.stepper import Stepper
 
 __all__ = ["CompactOptimizer"]
 

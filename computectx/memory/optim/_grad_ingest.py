@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from computectx.memory._masters import MasterWeights, is_dtensor
 from computectx.memory._transfer import Staging, uses_staging
 from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.optim._masters import MasterWeights, is_dtensor
 
 __all__ = ["GradIngest"]
 

@@ -14,7 +14,7 @@
   ``OffloadedOptimizer``.
 """
 
-from computectx.memory.state.codecs import (
+from computectx.memory.optim.state.codecs import (
     Kind,
     Packed,
     decode,
@@ -25,10 +25,8 @@ from computectx.memory.state.codecs import (
     parts_of,
     round_trip_bound,
 )
-from computectx.memory.state.fused import adam_update
-from computectx.memory.state.kinds import SIGNED_STATE, UNSIGNED_STATE, kind_of
-from computectx.memory.state.stepper import Stepper, check_fits
-from computectx.memory.state.store import (
+from computectx.memory.optim.state.kinds import SIGNED_STATE, UNSIGNED_STATE, kind_of
+from computectx.memory.optim.state.store import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
     PART_SEP,
@@ -48,9 +46,6 @@ __all__ = [
     "Kind",
     "Packed",
     "Scratch",
-    "Stepper",
-    "adam_update",
-    "check_fits",
     "decode",
     "decode_entry",
     "encode",

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from computectx.memory.state.codecs import (
+from computectx.memory.optim.state.codecs import (
     Packed,
     decode,
     encode,
@@ -29,7 +29,7 @@ from computectx.memory.state.codecs import (
     parts_of,
     round_trip_bound,
 )
-from computectx.memory.state.kinds import kind_of
+from computectx.memory.optim.state.kinds import kind_of
 from computectx.optim_state import OptimState, parse_optim_state
 
 __all__ = [

@@ -9,7 +9,7 @@ would lose the sign.
 
 from __future__ import annotations
 
-from computectx.memory.state.codecs import Kind
+from computectx.memory.optim.state.codecs import Kind
 
 __all__ = ["SIGNED_STATE", "UNSIGNED_STATE", "kind_of"]
 

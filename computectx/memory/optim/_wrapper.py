@@ -6,7 +6,7 @@ subclass's ``add_param_group``: the first builds the inner optimizer, the rest j
 The wrapper then holds no optimizer state of its own: its groups, state and defaults are the
 inner optimizer's very objects, so LR schedulers write the learning rate the inner step
 reads, and ``state_dict`` describes exactly one optimizer. It also keeps what both steps
-share: the stepper of compact state (``computectx.memory.state.Stepper``, built when the
+share: the stepper of compact state (``computectx.memory.optim.state.Stepper``, built when the
 state is compact or a stepped weight is below float32), the skip of non-finite gradients,
 the load of a checked state dict, and the tensors that optimizer state and scratch take.
 
@@ -24,16 +24,17 @@ from typing import Any, ClassVar
 import torch
 
 from computectx.ctx import ComputeCtx
-from computectx.memory._grad_health import GradHealth
-from computectx.memory._masters import MasterWeights, normalise_groups
-from computectx.memory.optimizer_state import (
+from computectx.memory.optim._grad_health import GradHealth
+from computectx.memory.optim._masters import MasterWeights, normalise_groups
+from computectx.memory.optim.checkpoint import (
     check_checkpoint_scalars,
     check_group_options,
     check_optimizer_class,
     state_tensors,
 )
-from computectx.memory.state.scalars import check_scalars
-from computectx.memory.state.stepper import (
+from computectx.memory.optim.state.scalars import check_scalars
+from computectx.memory.optim.state.store import LoadPlan, load_plan
+from computectx.memory.optim.stepper import (
     STEPPED_DTYPES,
     Stepper,
     below_f32,
@@ -41,7 +42,6 @@ from computectx.memory.state.stepper import (
     check_fits,
     check_seed,
 )
-from computectx.memory.state.store import LoadPlan, load_plan
 
 __all__ = ["InnerWrapper"]
 

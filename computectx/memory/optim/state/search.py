@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from computectx.memory.state.maps import MapName, qmap_midpoints
+from computectx.memory.optim.state.maps import MapName, qmap_midpoints
 
 __all__ = ["NearestTable", "nearest_codes", "nearest_table"]
 

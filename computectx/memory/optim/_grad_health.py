@@ -19,7 +19,7 @@ import math
 import torch
 
 from computectx._checks import check_max_norm
-from computectx.memory._masters import MasterWeights, Sharding
+from computectx.memory.optim._masters import MasterWeights, Sharding
 
 __all__ = ["SQUARE_OVERFLOW", "GradHealth", "all_applicable"]
 
