@@ -109,7 +109,7 @@ SECTIONS: tuple[Section, ...] = (
             "computectx.fp8.linear.module",
             "computectx.fp8.convert",
             "computectx.fp8.linear.autocast",
-            "computectx.fp8.state.layer",
+            "computectx.fp8.scaling.layer",
             "computectx.fp8.numerics.ledger",
             "computectx.fp8.stats",
             "computectx.fp8.backend",

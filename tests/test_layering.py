@@ -13,7 +13,7 @@ The picture in docs/design.md is this table:
 - no module imports another module's ``_private`` names, and a ``_private`` module is used
   only inside its own package;
 - inside ``fp8`` the rooms import downwards only (``FP8_RANK``): ``backend``, then the
-  twins (``numerics``), ``policy``, the operators (``ops``), the scaling state (``state``),
+  twins (``numerics``), ``policy``, the operators (``ops``), the scaling state (``scaling``),
   ``linear`` and ``serving``, the report, ``convert_experts``, then ``convert``/``stats``
   and the two doors; only
   ``fp8.ops.triton`` reaches ``kernels``;
@@ -66,7 +66,7 @@ FP8_RANK: dict[str, int] = {
     "numerics": 1,
     "policy": 2,
     "ops": 3,
-    "state": 4,
+    "scaling": 4,
     "linear": 5,
     "serving": 5,
     "convert_report": 6,
@@ -435,11 +435,11 @@ def test_no_folder_holds_more_than_16_modules() -> None:
         ("computectx.nn.lm", "from computectx.fp8 import ops\nops._device_arg(1)", "private attr"),
         ("computectx.ctx", "from computectx import ComputeCtx", "not below it"),
         ("computectx.nn.lm", "from computectx.fp8.ops.quantize import fp8_quantize", "deep"),
-        ("computectx.distributed.parallel", "from computectx.fp8.state import layer", "deep"),
+        ("computectx.distributed.parallel", "from computectx.fp8.scaling import layer", "deep"),
         ("computectx.fp8.numerics.ledger", "from computectx.fp8.ops import registry", "down"),
         ("computectx.fp8.ops.gemm", "from computectx.fp8.linear.weights import X", "down"),
         (
-            "computectx.fp8.state.saved",
+            "computectx.fp8.scaling.saved",
             "from computectx.fp8.serving import decode_attention",
             "down",
         ),

@@ -32,7 +32,7 @@ from computectx.fp8.linear.unsynced import Fp8ScalingNotSyncedWarning
 from computectx.fp8.linear.weights import Fp8BlockWeight, Fp8Weight
 from computectx.fp8.numerics.layouts import Granularity, MxRounding
 from computectx.fp8.ops.quantize import fp8_dequantize, fp8_quantize
-from computectx.fp8.state.layer import Fp8ScalingState
+from computectx.fp8.scaling.layer import Fp8ScalingState
 from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
 

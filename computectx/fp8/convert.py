@@ -29,7 +29,7 @@ from computectx.fp8.linear.module import (
 )
 from computectx.fp8.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.policy import describe, policy_of
-from computectx.fp8.state.load import guard_whole_loads
+from computectx.fp8.scaling.load import guard_whole_loads
 from computectx.recipes import PolicyGranularity
 
 __all__ = [
@@ -155,7 +155,7 @@ def convert_to_fp8(
 
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
     working), and ``model.load_state_dict`` then checks every fp8 layer's entries before any
-    module loads (``computectx.fp8.state.load.guard_whole_loads``). A linear reachable under
+    module loads (``computectx.fp8.scaling.load.guard_whole_loads``). A linear reachable under
     several names is converted once and replaced everywhere. All decisions are made before
     the model changes, so an exception from ``module_filter`` or a converter (or a filter
     result that is not a bool, a ``TypeError``) leaves it untouched; an experts converter

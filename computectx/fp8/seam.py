@@ -34,9 +34,9 @@ from computectx.fp8.serving.decode_attention import (
     check_kernel_head_dim,
     decode_attention,
 )
-from computectx.fp8.state.load import guard_whole_loads
-from computectx.fp8.state.operand import AmaxReduce, OperandScaling
-from computectx.fp8.state.saved import ROLES, Role
+from computectx.fp8.scaling.load import guard_whole_loads
+from computectx.fp8.scaling.operand import AmaxReduce, OperandScaling
+from computectx.fp8.scaling.saved import ROLES, Role
 
 __all__ = [
     "KERNEL_HEAD_DIMS",

@@ -9,9 +9,9 @@ from torch import nn
 from computectx.fp8.linear.autocast import region_scaling_state
 from computectx.fp8.linear.module import Fp8Linear
 from computectx.fp8.numerics.ledger import read_ledger
-from computectx.fp8.state.layer import Fp8ScalingState
-from computectx.fp8.state.operand import OperandScaling
-from computectx.fp8.state.saved import ROLES, Role
+from computectx.fp8.scaling.layer import Fp8ScalingState
+from computectx.fp8.scaling.operand import OperandScaling
+from computectx.fp8.scaling.saved import ROLES, Role
 from computectx.recipes import DelayedScaling
 
 __all__ = ["Fp8LayerStats", "Fp8OperandStats", "fp8_stats", "scaling_stats"]

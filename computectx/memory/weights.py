@@ -116,7 +116,7 @@ def load_weights(
     naming the file; given a ``prefix`` keyword, it names its tensors by their full keys).
     A module that defines ``state_load_keys`` and ``plan_state_load`` (an ``Fp8Linear``:
     its scaling state) loads those keys by its own rule, the one its ``load_state_dict``
-    follows (``computectx.fp8.state.load``): they are left out of the key, shape and dtype
+    follows (``computectx.fp8.scaling.load``): they are left out of the key, shape and dtype
     checks here and handed to ``plan_state_load``, which checks them (naming keys, dtypes
     or both policies; another history length is converted; absent, as from an
     ``nn.Linear`` checkpoint, the state starts fresh) before anything is replaced, and

@@ -30,7 +30,7 @@ from computectx.fp8.numerics.ledger import (
     tally_new,
 )
 from computectx.fp8.ops import quantize
-from computectx.fp8.state.operand import OperandScaling
+from computectx.fp8.scaling.operand import OperandScaling
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 SCALINGS = [

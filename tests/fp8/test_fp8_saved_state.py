@@ -35,7 +35,7 @@ from computectx.fp8 import (
     Fp8Scheme,
 )
 from computectx.fp8.numerics.ledger import ledger_history, ledger_slot, ledger_step
-from computectx.fp8.state.saved import (
+from computectx.fp8.scaling.saved import (
     META_WORLD,
     STATE_CODE,
     STATE_VERSION,

@@ -32,9 +32,9 @@ from computectx.fp8.numerics.ledger import (
     ledger_step,
     ledger_tail,
 )
-from computectx.fp8.state.layer import Fp8ScalingState
-from computectx.fp8.state.operand import OperandScaling
-from computectx.fp8.state.saved import STATE_CODE
+from computectx.fp8.scaling.layer import Fp8ScalingState
+from computectx.fp8.scaling.operand import OperandScaling
+from computectx.fp8.scaling.saved import STATE_CODE
 
 from .conftest import CtxFor, StepOf
 

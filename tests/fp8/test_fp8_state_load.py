@@ -1,6 +1,6 @@
 """One loading rule for fp8 layers: ``load_state_dict`` and ``load_weights`` agree.
 
-Both hand a layer's entries to ``computectx.fp8.state.load.plan_scaling_load``: another
+Both hand a layer's entries to ``computectx.fp8.scaling.load.plan_scaling_load``: another
 history length is converted by both, a state under another policy is refused by both naming
 the two policies (not shapes), a plain ``nn.Linear`` checkpoint loads into a converted model
 through both with a fresh scaling state, and a scaling tensor at another dtype than the one
@@ -24,7 +24,7 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear, Fp8Policy, convert_to_fp8
 from computectx.fp8.numerics.ledger import ledger_history
-from computectx.fp8.state.load import guard_whole_loads
+from computectx.fp8.scaling.load import guard_whole_loads
 from computectx.memory import load_weights, save_weights
 
 Load = Callable[[nn.Module, dict[str, torch.Tensor], pathlib.Path], None]

@@ -11,7 +11,7 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear, Fp8Policy, convert_to_fp8
-from computectx.fp8.state.saved import META_MARGIN
+from computectx.fp8.scaling.saved import META_MARGIN
 
 FINE = ["e4m3/row/dynamic", "e4m3/row+gw_hp/dynamic", "e4m3/block/dynamic", "hybrid/mx/dynamic"]
 

@@ -44,7 +44,7 @@ from computectx.fp8.linear.function import fp8_linear
 from computectx.fp8.linear.plan import Fp8LinearPlan, gemm_dtype_for
 from computectx.fp8.numerics.layouts import check_granularity_widths
 from computectx.fp8.policy import describe, policy_of
-from computectx.fp8.state.layer import Fp8ScalingState
+from computectx.fp8.scaling.layer import Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
 __all__ = ["fp8_autocast", "region_fp8_enabled", "region_scaling_state"]

@@ -77,7 +77,7 @@ from computectx.fp8.numerics.layouts import (
 from computectx.fp8.numerics.ledger import count, ledger_saturated
 from computectx.fp8.ops import registry
 from computectx.fp8.ops.gemm import block_scaled_mm
-from computectx.fp8.state.operand import OperandScaling
+from computectx.fp8.scaling.operand import OperandScaling
 
 if TYPE_CHECKING:
     from computectx.fp8.linear.plan import Fp8LinearPlan

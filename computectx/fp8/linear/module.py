@@ -25,14 +25,14 @@ from computectx.fp8.numerics.layouts import check_granularity_widths
 from computectx.fp8.numerics.ledger import count
 from computectx.fp8.ops import quantize
 from computectx.fp8.policy import check_quantize, checked_layer_ctx, policy_of
-from computectx.fp8.state.layer import Fp8ScalingState
-from computectx.fp8.state.load import (
+from computectx.fp8.scaling.layer import Fp8ScalingState
+from computectx.fp8.scaling.load import (
     ScalingLoad,
     check_held_dtypes,
     plan_scaling_load,
     refuse_whole,
 )
-from computectx.fp8.state.operand import AmaxReduce
+from computectx.fp8.scaling.operand import AmaxReduce
 from computectx.recipes import Fp8Policy
 
 __all__ = [
@@ -52,7 +52,7 @@ check ``check_fp8_widths``."""
 _FROZEN_BUFFERS = ("weight_fp8", "weight_step")
 SCALING_PREFIX = "fp8_"
 """The scaling state's buffers are ``fp8_{role}_ledger``, ``fp8_{role}_tally`` (role in
-input, weight, grad) and ``fp8_meta`` (``computectx.fp8.state.saved``)."""
+input, weight, grad) and ``fp8_meta`` (``computectx.fp8.scaling.saved``)."""
 
 
 class Fp8Linear(nn.Linear):
@@ -62,7 +62,7 @@ class Fp8Linear(nn.Linear):
     ``nn.Linear`` checkpoint loads; the scaling state starts fresh), plus the scaling state
     of its three operands (input, weight, gradient) as persistent buffers, ``fp8_*``
     (``SCALING_PREFIX``): tensors only, which never change dtype and follow the weight's
-    device. Loading checks them against the policy (``computectx.fp8.state.saved``).
+    device. Loading checks them against the policy (``computectx.fp8.scaling.saved``).
     Inputs of any leading shape in bf16/fp16/fp32; the output has the input's dtype (under
     ``torch.autocast``, the autocast dtype, as ``nn.Linear``'s), after an epilogue at
     ``ctx.compute``. New weights default to ``ctx.master`` on torch's
@@ -349,7 +349,7 @@ class Fp8Linear(nn.Linear):
     ) -> Callable[[], None]:
         """``computectx.memory.load_weights``' seam: read this layer's entries among
         ``tensors`` (local names; ``prefix`` its key prefix, for messages) by the one loading
-        rule ``load_state_dict`` follows (``computectx.fp8.state.load``), on the device the
+        rule ``load_state_dict`` follows (``computectx.fp8.scaling.load``), on the device the
         loaded ``weight`` lives on, and return what installs the result, once the weights
         are in place. Raises ``ValueError`` (naming keys, dtypes or both policies) and
         changes nothing when the entries cannot load."""
@@ -367,7 +367,7 @@ class Fp8Linear(nn.Linear):
         self, entries: Mapping[str, Any], prefix: str = "", device: torch.device | None = None
     ) -> ScalingLoad:
         """What loading ``entries`` (local names) does to the scaling state, by the one rule
-        (``computectx.fp8.state.load``), changing nothing; ``ValueError`` when they cannot
+        (``computectx.fp8.scaling.load``), changing nothing; ``ValueError`` when they cannot
         load (a frozen layer's ``weight_fp8`` and ``weight_step`` only at their dtypes)."""
         if self._frozen:
             held = {k: getattr(self, k) for k in _FROZEN_BUFFERS}
@@ -398,7 +398,7 @@ class Fp8Linear(nn.Linear):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        # The scaling tensors follow the one loading rule (computectx.fp8.state.load, which
+        # The scaling tensors follow the one loading rule (computectx.fp8.scaling.load, which
         # load_weights follows too): read and checked against this layer's policy (and
         # fitted to its history length) before anything changes, then installed as new
         # tensors (the amax sync tells a loaded ledger from a trained one by identity).

@@ -17,8 +17,8 @@ import torch
 from computectx.dtypes import FLOAT_DTYPES, DType
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.numerics.inline import QuantizeImpl
-from computectx.fp8.state.layer import Fp8ScalingState
-from computectx.fp8.state.operand import AmaxReduce
+from computectx.fp8.scaling.layer import Fp8ScalingState
+from computectx.fp8.scaling.operand import AmaxReduce
 from computectx.recipes import Fp8Policy
 
 __all__ = [

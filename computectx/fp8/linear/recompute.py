@@ -38,8 +38,8 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 from torch.utils import _python_dispatch
 
-from computectx.fp8.state.layer import Fp8ScalingState
-from computectx.fp8.state.operand import AmaxReduce
+from computectx.fp8.scaling.layer import Fp8ScalingState
+from computectx.fp8.scaling.operand import AmaxReduce
 
 __all__ = [
     "CheckpointSite",

@@ -2,7 +2,7 @@
 
 ``OperandScaling`` reads its two tensors from a *store* on every access (an ``Fp8Linear``'s
 buffers, or a standalone dict), so a tensor replaced from outside is what it uses next.
-``Fp8ScalingState`` (``computectx.fp8.state.layer``) holds one per operand role. ``AmaxReduce``
+``Fp8ScalingState`` (``computectx.fp8.scaling.layer``) holds one per operand role. ``AmaxReduce``
 is the seam a data-parallel layer fills (``computectx.distributed``): it turns a call's own
 amax into its group's.
 """
@@ -35,7 +35,7 @@ from computectx.fp8.ops.quantize import (
     quantize_with_step,
     seed_ledger,
 )
-from computectx.fp8.state.saved import resize_ledger
+from computectx.fp8.scaling.saved import resize_ledger
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = ["AmaxReduce", "OperandScaling", "Store", "held_tensor", "replicated_value"]

@@ -17,7 +17,7 @@ slot), so there is no host-side write index either.
 The tensors live in a *store*, a mapping from names to tensors: an ``Fp8Linear`` passes its
 own buffers (``Module._buffers``), so the state is persistent buffers that every state dict,
 device move and checkpoint format handles as tensors (names and checks in
-``computectx.fp8.state.saved``); a standalone state (a region's) keeps its own dict. The
+``computectx.fp8.scaling.saved``); a standalone state (a region's) keeps its own dict. The
 objects here read the store on every access, so a buffer replaced from outside (a
 ``load_state_dict(assign=True)``, ``computectx.memory.load_weights``) is what they use next.
 """
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import torch
 
-from computectx.fp8.state.operand import (
+from computectx.fp8.scaling.operand import (
     OperandScaling,
     Store,
     held_tensor,
     replicated_value,
 )
-from computectx.fp8.state.saved import (
+from computectx.fp8.scaling.saved import (
     META_WORLD,
     ROLES,
     Role,
@@ -53,7 +53,7 @@ class Fp8ScalingState:
 
     ``policy`` is the policy the ledgers are shaped for; ``conform`` reshapes them when a
     different policy (another history length, another recipe) starts using the weight.
-    The tensors live in ``store`` under ``prefix`` + ``computectx.fp8.state.saved``'s
+    The tensors live in ``store`` under ``prefix`` + ``computectx.fp8.scaling.saved``'s
     names: ``{role}_ledger``, ``{role}_tally`` and ``meta`` (int64: the state version, the
     world size and the policy, so that a checkpoint says what it was recorded under).
     """
@@ -101,7 +101,7 @@ class Fp8ScalingState:
 
     @property
     def meta(self) -> torch.Tensor:
-        """The int64 record of the state version, world size and policy (``state.saved``)."""
+        """The int64 record of the state version, world size and policy (``scaling.saved``)."""
         return held_tensor(self._store, f"{self._prefix}meta")
 
     def tensor_names(self) -> tuple[str, ...]:
@@ -156,7 +156,7 @@ class Fp8ScalingState:
         self.install(read_saved_tensors(found, self.policy, self.device, what))
 
     def install(self, saved: SavedScaling) -> None:
-        """Take a saved state (already read and fitted to this policy: ``state.saved``)."""
+        """Take a saved state (already read and fitted to this policy: ``scaling.saved``)."""
         for role, op in self.operands.items():
             op.install(saved.ledgers[role], saved.tallies[role], saved.seeded[role])
         self._set_meta(meta_new(self.policy, saved.world_size, self.device), saved.world_size)

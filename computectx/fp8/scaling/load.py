@@ -8,7 +8,7 @@ entries they were given for one layer to ``plan_scaling_load``, and do what it r
   their dtypes are checked first (float32 ledgers, int64 tallies and meta: any other dtype
   raises naming the key, as a cast, torchtitan's ``export_dtype="bfloat16"`` say, has
   already rounded the amaxes, steps and counts), then the state is read against the layer's
-  policy (``state.saved.read_saved_tensors``: another scheme, granularity, recipe, margin or
+  policy (``scaling.saved.read_saved_tensors``: another scheme, granularity, recipe, margin or
   algo raises naming both policies; another history length is converted) and installed;
 - some of them present: ``ValueError`` (a scaling state loads whole);
 - none present, the version 1/2 ``_extra_state`` dict present: read the same way;
@@ -33,7 +33,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from computectx.fp8.state.saved import (
+from computectx.fp8.scaling.saved import (
     SavedScaling,
     read_saved_dict,
     read_saved_tensors,
