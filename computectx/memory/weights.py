@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import pathlib
-from collections.abc import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -15,6 +13,12 @@ from safetensors.torch import save_file
 
 from computectx._files import atomic_path, target_of
 from computectx.ctx import ComputeCtx
+from computectx.memory._load_hooks import (
+    check_module_state,
+    plan_module_state,
+    state_defaults,
+    state_owners,
+)
 from computectx.residency import Residency, available_bytes
 
 __all__ = ["LoadReport", "load_weights", "save_weights"]
@@ -127,88 +131,34 @@ def load_weights(
     is not a tensor (see ``save_weights``) is left as it is, and the report says how many
     entries that was.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not isinstance(ctx, ComputeCtx):
-        raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
-    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
-        raise ValueError(f"reserve_bytes must be a non-negative int, got {reserve_bytes!r}")
-    file = pathlib.Path(path)
-    shown = repr(str(file))
-    if not file.is_file():
-        raise FileNotFoundError(f"checkpoint {shown} does not exist or is not a file")
-
+    file = _checked_load_args(model, path, ctx, reserve_bytes)
     header, aliases = _read_header(file)
     targets = _tensor_entries(model)
     kept = len(model.state_dict(keep_vars=True)) - len(targets)
-    owners = _state_owners(model)
+    owners = state_owners(model)
     owned = {name for _, _, names in owners for name in names}
     targets = {name: t for name, t in targets.items() if name not in owned}
-    defaults = _state_defaults(model, targets)
+    defaults = state_defaults(model, targets)
     resolved = _check_keys(file, header, aliases, targets, set(defaults), owned)
     defaulted = {name: t for name, t in defaults.items() if name not in resolved}
     ckpt_bytes = sum(_nbytes(shape, dtype) for shape, dtype in header.values())
-
-    requested = ctx.residency
-    measured: int | None = None
-    if requested is Residency.AUTO:
-        measured = available_bytes(ctx.device)
-        budget = max(measured - reserve_bytes, 0)
-        chosen = requested.resolve(ckpt_bytes, budget)
-        relation = "fits in" if chosen is Residency.DEVICE else "exceeds"
-        reason = (
-            f"auto -> {chosen}: the checkpoint's {ckpt_bytes:,} tensor bytes {relation} the "
-            f"{budget:,} bytes free on {ctx.device} ({measured:,} measured free, "
-            f"{reserve_bytes:,} reserved)"
-        )
-    else:
-        chosen = requested
-        reason = f"{chosen}: requested by ctx.residency"
-
-    if chosen is Residency.MMAP:
-        device = torch.device("cpu")
-        if ctx.device.type != "cpu":
-            reason += f"; weights stay memory-mapped in host memory, not on {ctx.device}"
-        else:
-            reason += "; tensors are views of a private memory map of the file"
-    else:
-        device = ctx.device
-    if kept:
-        reason += f"; {kept} module extra-state entr{'y' if kept == 1 else 'ies'} left as they were"
-    if defaulted:
-        reason += (
-            f"; {len(defaulted)} tensor(s) the checkpoint lacks took their defaults "
-            f"({', '.join(sorted(defaulted))})"
-        )
+    chosen, measured, reason = _choose_residency(ctx, ckpt_bytes, reserve_bytes)
+    device = torch.device("cpu") if chosen is Residency.MMAP else ctx.device
+    reason += _placement_notes(chosen, ctx, kept, defaulted)
 
     loaded = _materialise(file, header, chosen, device)
     _check_unchanged(file, header, loaded)
     given = {name: loaded[stored] for name, stored in resolved.items()}
-    _check_module_state(model, given | defaulted, file)
+    check_module_state(model, given | defaulted, file)
     own_given = {name: loaded[name] for name in owned if name in loaded}
-    finish = _plan_module_state(owners, given | own_given, file)
-    claimed: dict[str, int] = {}
+    finish = plan_module_state(owners, given | own_given, file)
     with torch.no_grad():
-        for name, target in targets.items():
-            if name in defaulted:
-                _replace_buffer(model, name, defaulted[name].to(device=device, copy=True))
-                continue
-            stored = resolved[name]
-            source = loaded[stored]
-            if claimed.setdefault(stored, id(target)) != id(target):
-                # Tied in the file, separate in the model: give each its own storage, or
-                # an optimizer would update one memory twice through two parameters.
-                source = source.clone()
-            if isinstance(target, torch.nn.Parameter):
-                if target.data is not source:
-                    target.data = source
-            else:
-                _replace_buffer(model, name, source)
+        _install(model, targets, resolved, loaded, defaulted, device)
         for install in finish:
             install()
     return LoadReport(
         path=file,
-        requested=requested,
+        requested=ctx.residency,
         chosen=chosen,
         checkpoint_bytes=ckpt_bytes,
         available_bytes=measured,
@@ -219,97 +169,89 @@ def load_weights(
     )
 
 
-def _check_module_state(
-    model: torch.nn.Module, tensors: dict[str, torch.Tensor], file: pathlib.Path
-) -> None:
-    # A module whose buffers carry state with rules of their own (an Fp8Linear's scaling
-    # state must match its policy) defines check_state_tensors(local_name -> tensor); it is
-    # asked before anything is replaced, so a checkpoint it refuses leaves the model as it
-    # was. The memory layer knows no such module: this is the seam they plug into. A check
-    # that takes a `prefix` keyword gets the module's key prefix ("blocks.1.attn.") to name
-    # its tensors by their full keys; a ValueError it raises is raised again naming the file.
-    for prefix, module in model.named_modules():
-        check = getattr(module, "check_state_tensors", None)
-        if not callable(check):
-            continue
-        head = f"{prefix}." if prefix else ""
-        local = {k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)}
-        try:
-            if "prefix" in inspect.signature(check).parameters:
-                check(local, prefix=head)
-            else:
-                check(local)
-        except ValueError as err:
-            raise ValueError(f"checkpoint {str(file)!r}: {err}") from err
+def _checked_load_args(
+    model: object, path: str | os.PathLike[str], ctx: object, reserve_bytes: object
+) -> pathlib.Path:
+    """``load_weights``' arguments checked; the checkpoint's path, an existing file."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(ctx, ComputeCtx):
+        raise TypeError(f"ctx must be a ComputeCtx, got {type(ctx).__name__}")
+    if isinstance(reserve_bytes, bool) or not isinstance(reserve_bytes, int) or reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes must be a non-negative int, got {reserve_bytes!r}")
+    file = pathlib.Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"checkpoint {str(file)!r} does not exist or is not a file")
+    return file
 
 
-_Owner = tuple[str, Callable[..., Callable[[], None]], set[str]]
+def _choose_residency(
+    ctx: ComputeCtx, ckpt_bytes: int, reserve_bytes: int
+) -> tuple[Residency, int | None, str]:
+    """Where the tensors go (``DEVICE`` or ``MMAP``), the free bytes measured (``AUTO``
+    only) and why, in words."""
+    requested = ctx.residency
+    if requested is not Residency.AUTO:
+        return requested, None, f"{requested}: requested by ctx.residency"
+    measured = available_bytes(ctx.device)
+    budget = max(measured - reserve_bytes, 0)
+    chosen = requested.resolve(ckpt_bytes, budget)
+    relation = "fits in" if chosen is Residency.DEVICE else "exceeds"
+    reason = (
+        f"auto -> {chosen}: the checkpoint's {ckpt_bytes:,} tensor bytes {relation} the "
+        f"{budget:,} bytes free on {ctx.device} ({measured:,} measured free, "
+        f"{reserve_bytes:,} reserved)"
+    )
+    return chosen, measured, reason
 
 
-def _state_owners(model: torch.nn.Module) -> list[_Owner]:
-    # Modules that load some of their tensors by a rule of their own (an Fp8Linear's scaling
-    # state: another history length is converted, an absent state starts fresh) define
-    # state_load_keys() -> local names and plan_state_load(local name -> tensor, prefix=...)
-    # -> a callable that installs the result. Their keys skip the generic checks.
-    out: list[_Owner] = []
-    for prefix, module in model.named_modules():
-        keys, plan = (
-            getattr(module, "state_load_keys", None),
-            getattr(module, "plan_state_load", None),
+def _placement_notes(
+    chosen: Residency, ctx: ComputeCtx, kept: int, defaulted: dict[str, torch.Tensor]
+) -> str:
+    """The report's words on where a memory-mapped load lives, the extra state left as it
+    was and the tensors that took their defaults."""
+    notes = ""
+    if chosen is Residency.MMAP:
+        if ctx.device.type != "cpu":
+            notes += f"; weights stay memory-mapped in host memory, not on {ctx.device}"
+        else:
+            notes += "; tensors are views of a private memory map of the file"
+    if kept:
+        notes += f"; {kept} module extra-state entr{'y' if kept == 1 else 'ies'} left as they were"
+    if defaulted:
+        notes += (
+            f"; {len(defaulted)} tensor(s) the checkpoint lacks took their defaults "
+            f"({', '.join(sorted(defaulted))})"
         )
-        if callable(keys) and callable(plan):
-            head = f"{prefix}." if prefix else ""
-            out.append((head, plan, {head + k for k in keys()}))
-    return out
+    return notes
 
 
-def _plan_module_state(
-    owners: list[_Owner],
-    tensors: dict[str, torch.Tensor],
-    file: pathlib.Path,
-) -> list[Callable[[], None]]:
-    # Every owner plans (reads and checks) before anything is replaced: a refused entry in
-    # any layer leaves the whole model as it was.
-    finish = []
-    for head, plan, _ in owners:
-        local = {k[len(head) :]: t for k, t in tensors.items() if k.startswith(head)}
-        try:
-            finish.append(plan(local, prefix=head))
-        except ValueError as err:
-            raise ValueError(f"checkpoint {str(file)!r}: {err}") from err
-    return finish
-
-
-def _state_defaults(
-    model: torch.nn.Module, targets: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    # A module whose state grew after checkpoints were written defines
-    # default_state_tensors() -> {local name: value}: what such a checkpoint loads instead.
-    # Only buffers may default (a missing weight is always an error), at their own shape and
-    # dtype.
-    out: dict[str, torch.Tensor] = {}
-    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    for prefix, module in model.named_modules():
-        fn = getattr(module, "default_state_tensors", None)
-        if not callable(fn):
+def _install(
+    model: torch.nn.Module,
+    targets: dict[str, torch.Tensor],
+    resolved: dict[str, str],
+    loaded: dict[str, torch.Tensor],
+    defaulted: dict[str, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Hand every checked tensor to the model: a parameter's ``data`` is replaced in place
+    (tied weights stay tied, optimizers keep their references), a buffer is replaced."""
+    claimed: dict[str, int] = {}
+    for name, target in targets.items():
+        if name in defaulted:
+            _replace_buffer(model, name, defaulted[name].to(device=device, copy=True))
             continue
-        head = f"{prefix}." if prefix else ""
-        for local, value in fn().items():
-            name = head + local
-            target = targets.get(name)
-            if name in params or target is None or not isinstance(value, torch.Tensor):
-                raise TypeError(
-                    f"{type(module).__name__}.default_state_tensors: {local!r} must name a "
-                    f"buffer of the module and give a tensor"
-                )
-            if value.shape != target.shape or value.dtype != target.dtype:
-                raise TypeError(
-                    f"{type(module).__name__}.default_state_tensors: {local!r} defaults to "
-                    f"{value.dtype}{list(value.shape)}, the buffer is "
-                    f"{target.dtype}{list(target.shape)}"
-                )
-            out[name] = value
-    return out
+        stored = resolved[name]
+        source = loaded[stored]
+        if claimed.setdefault(stored, id(target)) != id(target):
+            # Tied in the file, separate in the model: give each its own storage, or
+            # an optimizer would update one memory twice through two parameters.
+            source = source.clone()
+        if isinstance(target, torch.nn.Parameter):
+            if target.data is not source:
+                target.data = source
+        else:
+            _replace_buffer(model, name, source)
 
 
 def _tensor_entries(model: torch.nn.Module) -> dict[str, torch.Tensor]:
