@@ -149,6 +149,29 @@ def generate(
     ``model.decode_step`` without its per-call value checks (``generate`` makes the ids
     and positions itself).
     """
+    temp, k, length = _generate_args(model, prompt, max_new_tokens, temperature, top_k, cache_len)
+    ids = (prompt[None, :] if prompt.dim() == 1 else prompt).to(model.ctx.device)
+    step = model._decode if decode_step is None else decode_step
+    was_training = model.training
+    model.eval()
+    try:
+        caches = model.new_caches(ids.shape[0], length) if use_cache else None
+        ids = _extend(model, ids, max_new_tokens, temp, k, generator, caches, step)
+    finally:
+        model.train(was_training)
+    return ids[0] if prompt.dim() == 1 else ids
+
+
+def _generate_args(
+    model: ByteLM,
+    prompt: object,
+    max_new_tokens: object,
+    temperature: object,
+    top_k: object,
+    cache_len: object,
+) -> tuple[float, int | None, int]:
+    """``generate``'s arguments checked, in its documented order; returns the temperature,
+    ``top_k`` and the caches' length."""
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
         raise TypeError(
             f"generate: max_new_tokens must be an int >= 0, got "
@@ -157,6 +180,13 @@ def generate(
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
     temp, k = _sampling_args(temperature, top_k, BYTE_VOCAB, "generate")
+    plen = _checked_prompt(prompt).shape[-1]
+    return temp, k, _cache_length(model, plen, max_new_tokens, cache_len)
+
+
+def _checked_prompt(prompt: object) -> torch.Tensor:
+    """``prompt``, checked: non-empty int64 ids of shape ``(T,)`` or ``(batch, T)``, each in
+    ``[0, 256)``."""
     if not isinstance(prompt, torch.Tensor):
         raise TypeError(
             f"generate: prompt must be a tensor of int64 ids, got {type(prompt).__name__}"
@@ -168,7 +198,12 @@ def generate(
         )
     if int(prompt.min()) < 0 or int(prompt.max()) >= BYTE_VOCAB:
         raise ValueError(f"prompt ids must lie in 0..{BYTE_VOCAB - 1}")
-    plen = prompt.shape[-1]
+    return prompt
+
+
+def _cache_length(model: ByteLM, plen: int, max_new_tokens: int, cache_len: object) -> int:
+    """How many positions the caches hold: ``cache_len``, by default the prompt's ``plen``
+    plus the new ids; both within the model's ``max_len``."""
     total = plen + max_new_tokens
     limit = model.config.max_len
     if total > limit:
@@ -182,50 +217,59 @@ def generate(
             f"cache_len must be an int from {total} (prompt plus new ids) to max_len={limit}, "
             f"got {cache_len!r}"
         )
-    ids = (prompt[None, :] if prompt.dim() == 1 else prompt).to(model.ctx.device)
-    step = model._decode if decode_step is None else decode_step
-    was_training = model.training
-    model.eval()
-    try:
-        caches = model.new_caches(ids.shape[0], length) if use_cache else None
-        nxt = ids[:, -1:]
-        # The position of the first decoded id, moved on the device after each step (a new
-        # tensor from the host every step would wait for the device on CUDA).
-        pos = torch.tensor(plen, dtype=torch.long, device=ids.device)
-        # Greedy decoding reads nothing on the host per step: the first step whose logits
-        # held a NaN (and its row) is kept on the device and read once at the end.
-        nan_step = torch.tensor(-1, dtype=torch.long, device=ids.device)
-        nan_row = torch.tensor(-1, dtype=torch.long, device=ids.device)
-        for i in range(max_new_tokens):
-            if caches is None:
-                logits = model(ids)[:, -1, :]
-            elif i == 0:
-                logits = model(ids, caches)[:, -1, :]  # the prompt, in one pass
-            else:
-                # The last id as its own (batch, 1) tensor: a view into the growing ids
-                # would change strides every step, and a compiled step would recompile.
-                logits = step(nxt, pos, caches)
-                pos = pos + 1
-            if temp == 0.0:
-                rows = logits.isnan().any(dim=-1)
-                first = (nan_step < 0) & rows.any()
-                nan_row = torch.where(first, rows.long().argmax(), nan_row)
-                nan_step = torch.where(first, i, nan_step)
-            try:
-                nxt = _pick(logits, temp, k, generator)[:, None]
-            except ValueError as e:
-                raise ValueError(f"generate: step {i} (position {plen + i}): {e}") from None
-            ids = torch.cat((ids, nxt), dim=1)
-        if int(nan_step) >= 0:
-            s, r = int(nan_step), int(nan_row)
-            raise ValueError(
-                f"generate: step {s} (position {plen + s}): the logits of batch row {r} hold "
-                f"NaN; greedy decoding cannot pick an id from them (the model's weights or "
-                f"activations are not finite)"
-            )
-    finally:
-        model.train(was_training)
-    return ids[0] if prompt.dim() == 1 else ids
+    return length
+
+
+def _extend(
+    model: ByteLM,
+    ids: torch.Tensor,
+    max_new_tokens: int,
+    temp: float,
+    k: int | None,
+    generator: torch.Generator | None,
+    caches: list[KVCache] | None,
+    step: DecodeStep,
+) -> torch.Tensor:
+    """``ids`` (``(batch, T)``, on the model's device) followed by ``max_new_tokens`` ids
+    picked one step at a time: through ``caches`` (the prompt in one pass, then one ``step``
+    per id) or, without caches, recomputing the whole sequence."""
+    plen = ids.shape[1]
+    nxt = ids[:, -1:]
+    # The position of the first decoded id, moved on the device after each step (a new
+    # tensor from the host every step would wait for the device on CUDA).
+    pos = torch.tensor(plen, dtype=torch.long, device=ids.device)
+    # Greedy decoding reads nothing on the host per step: the first step whose logits
+    # held a NaN (and its row) is kept on the device and read once at the end.
+    nan_step = torch.tensor(-1, dtype=torch.long, device=ids.device)
+    nan_row = torch.tensor(-1, dtype=torch.long, device=ids.device)
+    for i in range(max_new_tokens):
+        if caches is None:
+            logits = model(ids)[:, -1, :]
+        elif i == 0:
+            logits = model(ids, caches)[:, -1, :]  # the prompt, in one pass
+        else:
+            # The last id as its own (batch, 1) tensor: a view into the growing ids
+            # would change strides every step, and a compiled step would recompile.
+            logits = step(nxt, pos, caches)
+            pos = pos + 1
+        if temp == 0.0:
+            rows = logits.isnan().any(dim=-1)
+            first = (nan_step < 0) & rows.any()
+            nan_row = torch.where(first, rows.long().argmax(), nan_row)
+            nan_step = torch.where(first, i, nan_step)
+        try:
+            nxt = _pick(logits, temp, k, generator)[:, None]
+        except ValueError as e:
+            raise ValueError(f"generate: step {i} (position {plen + i}): {e}") from None
+        ids = torch.cat((ids, nxt), dim=1)
+    if int(nan_step) >= 0:
+        s, r = int(nan_step), int(nan_row)
+        raise ValueError(
+            f"generate: step {s} (position {plen + s}): the logits of batch row {r} hold "
+            f"NaN; greedy decoding cannot pick an id from them (the model's weights or "
+            f"activations are not finite)"
+        )
+    return ids
 
 
 @torch.no_grad()
