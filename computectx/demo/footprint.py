@@ -11,7 +11,7 @@ from types import TracebackType
 import torch
 
 from computectx.memory import LowPrecGradAccumulator, memory_report
-from computectx.memory.optim.state.codecs import packed_nbytes
+from computectx.memory.optim.state.packed import packed_nbytes
 from computectx.memory.optim.state.store import packs
 from computectx.optim_state import OptimState
 

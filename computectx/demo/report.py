@@ -175,7 +175,7 @@ def optim_state_notes(rows: list[OptimStateRow]) -> list[str]:
         f"optimizer state: the {n:,} parameters' weights as the optimizer steps them (f32, or "
         f"a bf16 master with stochastic rounding) and AdamW's two moments stored per "
         f"ctx.optim_state (CompactOptimizer / OffloadedOptimizer), computed by "
-        f"computectx.memory.optim.state.codecs.packed_nbytes, not trained: tensors under 4096 "
+        f"computectx.memory.optim.state.packed_nbytes, not trained: tensors under 4096 "
         f"elements keep f32 moments; the f32/f32 row is what the fp32 policy's run holds "
         f"(docs/memory.md: Optimizer state formats)."
     ]

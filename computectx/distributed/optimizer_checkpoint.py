@@ -15,7 +15,7 @@ with zero gradients), and its masters are not part of a torch optimizer state di
 the mapping and the resharding are done here, in the same form torch uses
 (``{"state": {fqn: {...}}, "param_groups": [{"params": [fqn, ...], ...}]}``) plus
 ``"master_weights": {fqn: tensor}``. Compact state (``ctx.optim_state``) is decoded into that
-form and encoded again on load: ``computectx.distributed.optimizer_state_form``.
+form and encoded again on load: ``computectx.memory.optim.state.load``.
 """
 
 from __future__ import annotations
@@ -30,19 +30,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from computectx.distributed.optimizer_state_form import (
-    MASTER_ROUNDING,
-    OPTIM_STATE,
-    packed_keys,
-    saved_format,
-)
 from computectx.memory import OffloadedOptimizer
-from computectx.memory.optim.checkpoint import (
-    MASTER_WEIGHTS,
-    check_master_weight,
-    check_optimizer_class,
+from computectx.memory.optim.checkpoint import MASTER_WEIGHTS, check_master_weight
+from computectx.memory.optim.classes import check_optimizer_class
+from computectx.memory.optim.state.load import saved_format
+from computectx.memory.optim.state.store import (
+    MASTER_ROUNDING_KEY,
+    OPTIM_STATE_KEY,
+    decode_entry,
+    packed_keys,
 )
-from computectx.memory.optim.state import decode_entry
 
 __all__ = [
     "MASTER_WEIGHTS",
@@ -56,7 +53,7 @@ __all__ = [
 """The key of the master weights, as in ``OffloadedOptimizer.state_dict()``."""
 
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
-_KEYS = (_STATE, _GROUPS, MASTER_WEIGHTS, OPTIM_STATE, MASTER_ROUNDING)
+_KEYS = (_STATE, _GROUPS, MASTER_WEIGHTS, OPTIM_STATE_KEY, MASTER_ROUNDING_KEY)
 # torch.distributed.algorithms checkpoint_wrapper's child name: left out of FQNs, as
 # get_model_state_dict leaves it out.
 _CHECKPOINT_WRAPPED = "_checkpoint_wrapped_module"
@@ -142,7 +139,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: OffloadedOptimizer) -> dic
     float32 of the master's shape under the plain name (``"exp_avg"``), so it reshards as
     float32 state does, and loading encodes it again with the loading ranks' blocks: exactly
     the saved codes where the blocks are the same, else within one round trip's bound
-    (``computectx.distributed.optimizer_state_form``). The format's text form is kept under
+    (``computectx.memory.optim.state.load``). The format's text form is kept under
     ``"optim_state"`` (not for ``f32``), the stochastic-rounding generators of a master below
     f32 under ``"master_rounding"`` (plain tensors: ``torch.distributed.checkpoint`` keeps one
     rank's, which under DDP is every rank's).
@@ -164,7 +161,7 @@ def optimizer_state_dict(model: nn.Module, optimizer: OffloadedOptimizer) -> dic
     for i, per_param in states.items():
         fqn = fqns[i]
         # Packed entries (ctx.optim_state) go in decoded: float32 of the master's shape, which
-        # reshards as float32 state does (computectx.distributed.optimizer_state_form); plain
+        # reshards as float32 state does (computectx.memory.optim.state.load); plain
         # entries (f32 state, step) stay the optimizer's own tensors.
         plain = decode_entry(per_param, masters[i].shape, fmt, f"state of {fqn!r}")
         out_state[fqn] = {
@@ -178,9 +175,9 @@ def optimizer_state_dict(model: nn.Module, optimizer: OffloadedOptimizer) -> dic
     }
     out: dict[str, Any] = {_STATE: out_state, _GROUPS: groups, MASTER_WEIGHTS: out_masters}
     if fmt.compact:  # an f32 checkpoint keeps its form (and loads where it loaded before)
-        out[OPTIM_STATE] = str(fmt)
-    if MASTER_ROUNDING in position:  # a master below f32: the same on every rank
-        out[MASTER_ROUNDING] = position[MASTER_ROUNDING]
+        out[OPTIM_STATE_KEY] = str(fmt)
+    if MASTER_ROUNDING_KEY in position:  # a master below f32: the same on every rank
+        out[MASTER_ROUNDING_KEY] = position[MASTER_ROUNDING_KEY]
     return out
 
 
@@ -238,9 +235,10 @@ def check_saved_optimizer(
 ) -> None:
     """``ValueError`` naming both classes when ``state[key]`` (a checkpoint's optimizer part)
     was saved by another optimizer class than ``optimizer`` (an ``OffloadedOptimizer``'s
-    master optimizer for one): ``optimizer_state.check_optimizer_class``'s rule. Run before
-    anything loads (``Parallel.load_state_dict`` calls it before the model), so a refused
-    checkpoint changes nothing; a malformed ``state`` is left to the checks that follow."""
+    master optimizer for one): ``computectx.memory.optim.classes.check_optimizer_class``'s
+    rule. Run before anything loads (``Parallel.load_state_dict`` calls it before the
+    model), so a refused checkpoint changes nothing; a malformed ``state`` is left to the
+    checks that follow."""
     if not isinstance(state, Mapping):
         return
     inner = optimizer.inner if isinstance(optimizer, OffloadedOptimizer) else optimizer
@@ -306,13 +304,13 @@ def _position(
     position: dict[str, Any] = {_STATE: state, _GROUPS: groups}
     if MASTER_WEIGHTS in state_dict:
         position[MASTER_WEIGHTS] = _check_masters(state_dict[MASTER_WEIGHTS], optimizer, index)
-    if OPTIM_STATE in state_dict:
+    if OPTIM_STATE_KEY in state_dict:
         # The saving format, for load_state_dict's conversion rule (absent: f32). The values
         # are decoded whatever it is; load_state_dict encodes them with this optimizer's.
-        fmt = saved_format(state_dict[OPTIM_STATE], f"state_dict[{OPTIM_STATE!r}]")
-        position[OPTIM_STATE] = str(fmt)
-    if MASTER_ROUNDING in state_dict:
-        position[MASTER_ROUNDING] = state_dict[MASTER_ROUNDING]  # load_state_dict checks it
+        fmt = saved_format(state_dict[OPTIM_STATE_KEY], f"state_dict[{OPTIM_STATE_KEY!r}]")
+        position[OPTIM_STATE_KEY] = str(fmt)
+    if MASTER_ROUNDING_KEY in state_dict:
+        position[MASTER_ROUNDING_KEY] = state_dict[MASTER_ROUNDING_KEY]  # load_state_dict checks it
     return position
 
 

@@ -15,11 +15,11 @@ two runs whose quantization blocks hold the same elements step identically, bit 
   boundaries into separate parameters (``pieces=2``): rank r's state is piece r's, bitwise.
 - ``parallelize`` (DDP with its gradient accumulator, FSDP2) wires the same runs: bitwise
   equal to the hand-built ones.
-- DCP checkpoints decode packed state to float32 (``optimizer_state_form``); loading encodes
-  it again with the loading ranks' blocks. Weights whose shards hold whole blocks are
-  re-formed exactly at either world size (``DCP_ALIGNED``); the others (``int8``'s ``c_w``,
-  640 elements a shard; ``int4``'s ``d_w`` second moment, rank-1 scales over a rank's rows)
-  are re-encoded, within one round trip's bound of what was saved.
+- DCP checkpoints decode packed state to float32 (``computectx.memory.optim.state.load``);
+  loading encodes it again with the loading ranks' blocks. Weights whose shards hold whole
+  blocks are re-formed exactly at either world size (``DCP_ALIGNED``); the others
+  (``int8``'s ``c_w``, 640 elements a shard; ``int4``'s ``d_w`` second moment, rank-1 scales
+  over a rank's rows) are re-encoded, within one round trip's bound of what was saved.
 
 Every rank reports what it holds; the test compares ranks and worlds.
 """

@@ -24,24 +24,18 @@ from typing import Any, ClassVar
 import torch
 
 from computectx.ctx import ComputeCtx
+from computectx.memory._rounding import check_seed
 from computectx.memory.optim._grad_health import GradHealth
 from computectx.memory.optim._masters import MasterWeights, normalise_groups
 from computectx.memory.optim.checkpoint import (
     check_checkpoint_scalars,
     check_group_options,
-    check_optimizer_class,
     state_tensors,
 )
-from computectx.memory.optim.state.scalars import check_scalars
-from computectx.memory.optim.state.store import LoadPlan, load_plan
-from computectx.memory.optim.stepper import (
-    STEPPED_DTYPES,
-    Stepper,
-    below_f32,
-    check_compile,
-    check_fits,
-    check_seed,
-)
+from computectx.memory.optim.classes import check_fits, check_optimizer_class
+from computectx.memory.optim.state.load import LoadPlan, load_plan
+from computectx.memory.optim.state.store import check_scalars
+from computectx.memory.optim.stepper import STEPPED_DTYPES, Stepper, below_f32, check_compile
 
 __all__ = ["InnerWrapper"]
 
@@ -266,7 +260,7 @@ class InnerWrapper(torch.optim.Optimizer):
 
     def _checked(self, state_dict: object) -> dict[str, Any]:
         """``state_dict`` as a dict, refused unless a mapping of the inner optimizer's class
-        (``optimizer_state.check_optimizer_class``)."""
+        (``classes.check_optimizer_class``)."""
         if not isinstance(state_dict, Mapping):
             raise TypeError(f"state_dict must be a mapping, got {type(state_dict).__name__}")
         inner = self._built()

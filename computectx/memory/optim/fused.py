@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 from computectx.memory._rounding import stochastic_round
-from computectx.memory.optim.state.codecs import (
+from computectx.memory.optim.state.packed import (
     Maps,
     Packed,
     Spec,

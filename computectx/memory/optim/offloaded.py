@@ -282,9 +282,9 @@ class OffloadedOptimizer(InnerWrapper):
         Without ``"master_weights"`` (e.g. a plain torch optimizer's state dict) the
         masters are rebuilt from the current compute parameters. Everything is validated
         before anything changes: that the state is of the master optimizer's class
-        (``optimizer_state.check_optimizer_class``, ``ValueError`` naming both), the master
+        (``classes.check_optimizer_class``, ``ValueError`` naming both), the master
         weights' count, shapes and dtypes, and that those of trainable parameters are finite
-        (``optimizer_state.check_saved_masters``), packed state parts (``ValueError`` naming
+        (``checkpoint.check_saved_masters``), packed state parts (``ValueError`` naming
         the key) and the rounding generators. State saved under another ``optim_state`` is
         converted, with a ``UserWarning`` naming both formats and the bound; a plain float
         tensor of the parameter's shape (a DCP or plain torch checkpoint) is encoded.

@@ -20,30 +20,31 @@ seeded with ``seed``: the same seed draws the same bits on every rank, so data-p
 ranks keep identical weights without a collective.
 
 Classes whose state does not fit (Adafactor's factored moments, SparseAdam's sparse
-updates, LBFGS's history) are refused at construction by ``check_fits``.
+updates, LBFGS's history) are refused at construction by ``classes.check_fits``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, cast
 
 import torch
 
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.memory._rounding import RoundingGenerators, check_seed, stochastic_round
+from computectx.memory.optim.classes import check_fits, class_name
 from computectx.memory.optim.fused import adam_update
-from computectx.memory.optim.state.codecs import Packed, decode, encode, parts_of
-from computectx.memory.optim.state.kinds import kind_of
-from computectx.memory.optim.state.scalars import check_scalars
+from computectx.memory.optim.state.codecs import decode, encode
+from computectx.memory.optim.state.packed import Packed, parts_of
 from computectx.memory.optim.state.store import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
     PARAM_SHAPES_KEY,
     PART_SEP,
     Scratch,
+    check_scalars,
     encode_entry,
+    kind_of,
     packed_of,
     packs,
     param_shapes,
@@ -53,8 +54,8 @@ from computectx.memory.optim.state.store import (
 from computectx.optim_state import OptimState
 
 __all__ = [
-    "MASTER_ROUNDING",
-    "OPTIM_STATE",
+    "MASTER_ROUNDING_KEY",
+    "OPTIM_STATE_KEY",
     "STEPPED_DTYPES",
     "Stepper",
     "below_f32",
@@ -63,14 +64,7 @@ __all__ = [
     "check_seed",
 ]
 
-OPTIM_STATE = OPTIM_STATE_KEY
-MASTER_ROUNDING = MASTER_ROUNDING_KEY
-
 STEPPED_DTYPES = FLOAT_DTYPES  # the weights the stepper updates in float32 and writes back
-
-_GROUP_ENTRIES = frozenset({"params", "param_names"})
-_HOW = frozenset({"foreach", "fused", "capturable", "differentiable"})
-_PROBE_SHAPES = ((4, 3), (5,))
 
 
 def check_compile(compile: object) -> None:
@@ -82,76 +76,6 @@ def check_compile(compile: object) -> None:
 def below_f32(dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` are written back with stochastic rounding."""
     return dtype.is_floating_point and torch.finfo(dtype).bits < 32
-
-
-def _name(cls: type) -> str:
-    if getattr(torch.optim, cls.__name__, None) is cls:
-        return f"torch.optim.{cls.__name__}"
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def check_fits(
-    cls: type[torch.optim.Optimizer], options: dict[str, Any], optim_state: OptimState, who: str
-) -> None:
-    """``ValueError`` unless every state tensor ``cls`` keeps has the parameter's shape or is
-    a scalar, found by two steps on a matrix and a vector probe under the group ``options``.
-
-    SparseAdam (sparse gradients: a step touches only some rows) and LBFGS (a closure
-    re-evaluated per step, history vectors of the flattened parameters) are refused by
-    name; a class whose probe cannot step is refused with the probe's error. Draws nothing
-    from torch's global generator.
-    """
-    name = _name(cls)
-    why = (
-        f"{who}: optimizer state stored as {optim_state} (or a weight below float32) is "
-        f"stepped one parameter at a time, with blocks inside each parameter's state, so "
-        f"every state tensor must have the parameter's shape or be a scalar"
-    )
-    use = (
-        "Use optim_state='f32' and a float32 weight with it, or a class whose state fits "
-        "(AdamW, Adam, SGD, RMSprop, Adagrad, Adamax, NAdam, RAdam, ...)"
-    )
-    if issubclass(cls, torch.optim.SparseAdam):
-        raise ValueError(
-            f"{why}; {name} is refused: it steps sparse gradients, touching only the rows "
-            f"a batch used, which a per-block encoding of the whole state cannot follow. {use}"
-        )
-    if issubclass(cls, torch.optim.LBFGS):
-        raise ValueError(
-            f"{why}; {name} is refused: its state is a history of flattened update vectors, "
-            f"not per-parameter tensors. {use}"
-        )
-    kept = {k: v for k, v in options.items() if k not in _GROUP_ENTRIES | _HOW}
-    for shape in _PROBE_SHAPES:
-        try:
-            with torch.inference_mode(False), torch.enable_grad():
-                n = math.prod(shape)
-                p = torch.nn.Parameter(torch.linspace(-1.0, 1.0, n).reshape(shape))
-                build: Any = cls
-                probe = build([p], lr=kept.get("lr", 1e-3))
-                probe.param_groups[0].update(kept)
-                for k in range(2):
-                    p.grad = torch.linspace(0.5, -0.5 - k, n).reshape(shape)
-                    probe.step()
-            state = dict(probe.state[p])
-        except Exception as e:  # the probe cannot step: we cannot tell, so we refuse
-            raise ValueError(
-                f"{why}; {name} could not be checked: a step on a probe parameter of shape "
-                f"{list(shape)} failed ({type(e).__name__}: {e}). {use}"
-            ) from e
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                if value.dim() == 0 or value.shape == p.shape:
-                    continue
-                got = f"a tensor of shape {list(value.shape)}"
-            elif value is None or isinstance(value, (bool, int, float)):
-                continue
-            else:
-                got = f"a {type(value).__name__}"
-            raise ValueError(
-                f"{why}; {name} keeps state {key!r} as {got} for a parameter of shape "
-                f"{list(shape)}. {use}"
-            )
 
 
 @dataclasses.dataclass
@@ -380,7 +304,7 @@ class Stepper:
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != p.shape:
                 raise ValueError(
-                    f"{_name(type(self.inner))} made state {key!r} of shape "
+                    f"{class_name(type(self.inner))} made state {key!r} of shape "
                     f"{list(value.shape)} for a parameter of shape {list(p.shape)}; compact "
                     f"optimizer state needs the parameter's shape or a scalar"
                 )
@@ -459,11 +383,11 @@ class Stepper:
         shapes under a quantized format (``PARAM_SHAPES_KEY``: a load checks them against
         the packed parts'), and the rounding generators when ``rounds`` (some weight is below
         float32)."""
-        out: dict[str, Any] = {OPTIM_STATE: str(self.optim_state)}
+        out: dict[str, Any] = {OPTIM_STATE_KEY: str(self.optim_state)}
         if self.optim_state.quantized:
             out[PARAM_SHAPES_KEY] = param_shapes(self.inner.param_groups)
         if rounds:
-            out[MASTER_ROUNDING] = self.rounding.state_dict()
+            out[MASTER_ROUNDING_KEY] = self.rounding.state_dict()
         return out
 
     def checked_rounding(
@@ -475,7 +399,7 @@ class Stepper:
             return None
         if not isinstance(saved, dict):
             raise TypeError(
-                f"state_dict[{MASTER_ROUNDING!r}] must be a dict (RoundingGenerators."
+                f"state_dict[{MASTER_ROUNDING_KEY!r}] must be a dict (RoundingGenerators."
                 f"state_dict()), got {type(saved).__name__}"
             )
         gens = RoundingGenerators(self.rounding.seed)

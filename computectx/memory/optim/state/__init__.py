@@ -1,38 +1,35 @@
-"""Compact optimizer state: quantization maps, codecs, the fused update and the engine.
+"""Optimizer state in its stored form: the compact formats of ``ctx.optim_state``.
 
-- ``codecs``: ``encode``/``decode`` one state tensor in a format of ``ctx.optim_state``
-  (``Packed``: its parts), ``from_parts``/``parts_of`` for checkpoints, ``round_trip_bound``
-  and ``packed_nbytes`` (bytes without encoding);
-- ``fused``: the Adam/AdamW update on packed state in one (compilable) function;
-- ``maps``: the quantization maps; ``search``: the nearest map entry of each element by a
-  table on its float32 bit pattern (the codes of ``torch.bucketize``, faster);
-- ``kinds``: which map (signed/unsigned) each torch.optim state name takes;
-- ``store``: the stored form of a parameter's state (``"name.part"`` keys), the scratch
-  buffer, and loading a state dict saved under any format;
-- ``scalars``: the check of a state's scalars (``step`` a whole number >= 0, the rest finite);
-- ``stepper``: ``Stepper``, the per-parameter step behind ``CompactOptimizer`` and
-  ``OffloadedOptimizer``.
+- ``packed``: ``Packed``, one state tensor as its parts (``Spec``, ``part_layout``), and the
+  tensor kernels between float32 and parts (``encode_tensors``/``decode_tensors``);
+- ``codecs``: ``encode``/``decode`` one state tensor, checked, ``from_parts`` for
+  checkpoints and ``round_trip_bound`` (the formats' bounds, with their proofs);
+- ``maps``: the quantization maps and the nearest map entry of each element, by a table on
+  its float32 bit pattern (the codes of ``torch.bucketize``, faster);
+- ``store``: one parameter's entry (``"name.part"`` keys), which map each state name takes
+  (``kind_of``), the check of its scalars (``step`` a whole number >= 0, the rest finite)
+  and the scratch buffer a step decodes into;
+- ``load``: a state dict saved under any format, or decoded, brought into the stored form.
 """
 
-from computectx.memory.optim.state.codecs import (
+from computectx.memory.optim.state.codecs import decode, encode, from_parts, round_trip_bound
+from computectx.memory.optim.state.packed import (
     Kind,
     Packed,
-    decode,
-    encode,
-    from_parts,
     packed_nbytes,
     part_names,
     parts_of,
-    round_trip_bound,
 )
-from computectx.memory.optim.state.kinds import SIGNED_STATE, UNSIGNED_STATE, kind_of
 from computectx.memory.optim.state.store import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
     PART_SEP,
+    SIGNED_STATE,
+    UNSIGNED_STATE,
     Scratch,
     decode_entry,
     encode_entry,
+    kind_of,
     split_entry,
     state_name,
 )

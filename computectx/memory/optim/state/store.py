@@ -1,4 +1,4 @@
-"""Optimizer state in its stored form: per-parameter entries of packed parts, and the scratch.
+"""Optimizer state in its stored form: one parameter's entry, its kinds and its scalars.
 
 Between steps ``optimizer.state[p]`` is one flat dict per parameter, exactly what
 ``state_dict()["state"][i]`` holds: a packed tensor ``name`` is stored as its parts under
@@ -7,45 +7,51 @@ with fewer than ``min_size`` elements, and every tensor under ``optim_state="f32
 under their own name as torch made them. Torch's state names hold no ``"."``, so the first
 ``"."`` splits a key into state name and part.
 
+**Kinds.** Which quantization map each state tensor takes, by its torch.optim name: signed
+state (first moments, momentum, averages of gradients or weights) takes the signed map;
+state that is never negative (second moments, sums of squares, maxima of magnitudes, step
+sizes) takes the unsigned one, which spends every code on magnitudes. A name no torch.optim
+class uses is read as signed: the signed map holds any value, the unsigned one would lose
+the sign.
+
+**Scalars.** Torch keeps ``step`` (the count of steps taken, which its update raises the
+betas to) and a few other scalars (ASGD's ``eta`` and ``mu``, NAdam's ``mu_product``) beside
+the tensors; a NaN, inf, negative or fractional one is accepted by torch's
+``load_state_dict`` and fails (or turns the weights NaN) in the next step.
+``check_scalars`` is the one check of them, run on a checkpoint's entries before a load and
+on the optimizer's own before a step.
+
 ``Scratch`` is the one reused float32 buffer per device that a step decodes into: one
 parameter's working weight, gradient and decoded state at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-from computectx.memory.optim.state.codecs import (
-    Packed,
-    decode,
-    encode,
-    from_parts,
-    parts_of,
-    round_trip_bound,
-)
-from computectx.memory.optim.state.kinds import kind_of
-from computectx.optim_state import OptimState, parse_optim_state
+from computectx.memory.optim.state.codecs import decode, encode, from_parts
+from computectx.memory.optim.state.packed import Kind, Packed, parts_of
+from computectx.optim_state import OptimState
 
 __all__ = [
     "MASTER_ROUNDING_KEY",
     "OPTIM_STATE_KEY",
     "PARAM_SHAPES_KEY",
     "PART_SEP",
-    "LoadPlan",
+    "SIGNED_STATE",
+    "UNSIGNED_STATE",
     "Scratch",
-    "convert_entries",
+    "check_scalars",
     "decode_entry",
     "encode_entry",
-    "load_plan",
+    "kind_of",
+    "packed_keys",
     "packed_of",
     "packs",
-    "param_index_map",
     "param_shapes",
     "split_entry",
     "state_name",
@@ -62,6 +68,22 @@ PARAM_SHAPES_KEY = "param_shapes"
 format: codes and block scales have the same sizes for every shape of one element count,
 so a load checks the saved shape against the parameter's (f32 and bf16 state tensors carry
 their shape themselves)."""
+
+SIGNED_STATE = frozenset({"exp_avg", "momentum_buffer", "grad_avg", "ax", "prev"})
+"""Names of signed state: Adam's first moment, SGD's momentum, centered RMSprop's mean
+gradient, ASGD's average, Rprop's previous gradient."""
+
+UNSIGNED_STATE = frozenset(
+    {"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf", "acc_delta", "step_size"}
+)
+"""Names of non-negative state: second moments (Adam, RMSprop, Adadelta), AMSGrad's maximum,
+Adagrad's sum of squares, Adamax's infinity norm, Adadelta's accumulated updates, Rprop's
+step sizes."""
+
+
+def kind_of(name: str) -> Kind:
+    """``"unsigned"`` for the names of ``UNSIGNED_STATE``, ``"signed"`` for any other."""
+    return "unsigned" if name in UNSIGNED_STATE else "signed"
 
 
 def state_name(key: object) -> str:
@@ -151,6 +173,66 @@ def decode_entry(
     return out
 
 
+def packed_keys(per_param: Mapping[Any, Any]) -> list[str]:
+    """The keys of packed parts (``"exp_avg.codes"``) in one parameter's state."""
+    return [str(k) for k in per_param if PART_SEP in str(k)]
+
+
+def param_shapes(groups: Sequence[Mapping[str, Any]]) -> dict[int, list[int]]:
+    """``state_dict()[PARAM_SHAPES_KEY]``: each parameter's shape by torch's state-dict index
+    (groups in order, parameters in order)."""
+    params = [p for group in groups for p in group["params"]]
+    return {i: list(p.shape) for i, p in enumerate(params)}
+
+
+def check_scalars(entries: Sequence[tuple[str, Mapping[Any, Any]]]) -> None:
+    """``ValueError`` naming the first bad scalar of the per-parameter ``entries`` (``(where,
+    entry)`` pairs): every scalar (a number or a 0-dim tensor) must be finite, and ``step``
+    a whole number >= 0 (torch's count of steps taken, which its update raises powers of
+    the betas to). Reads every scalar tensor once: one host read per device."""
+    items: list[tuple[str, str, int | float | torch.Tensor]] = []
+    for where, entry in entries:
+        for key, value in entry.items():
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+                    continue
+            elif not isinstance(value, (int, float)):
+                continue
+            items.append((where, str(key), value))
+    read: dict[int, float] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    for i, (_, _, value) in enumerate(items):
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(i)
+    for positions in by_device.values():
+        stacked = torch.stack([_as_tensor(items[i][2]).detach().double() for i in positions])
+        read.update(zip(positions, stacked.cpu().tolist(), strict=True))
+    for i, (where, key, value) in enumerate(items):
+        if isinstance(value, int):  # a Python int: exact, any size
+            if key == "step" and value < 0:
+                raise ValueError(_bad_scalar(where, key, value))
+            continue
+        number = read[i] if isinstance(value, torch.Tensor) else float(value)
+        if not math.isfinite(number) or (
+            key == "step" and (number < 0 or number != math.floor(number))
+        ):
+            raise ValueError(_bad_scalar(where, key, number))
+
+
+def _as_tensor(value: object) -> torch.Tensor:
+    assert isinstance(value, torch.Tensor)
+    return value
+
+
+def _bad_scalar(where: str, key: str, value: float) -> str:
+    accepted = (
+        "a whole number >= 0 (the count of steps taken)" if key == "step" else "a finite number"
+    )
+    return f"{where}[{key!r}] is {value!r}; accepted: {accepted}"
+
+
 class Scratch:
     """One reused float32 buffer per device, cut into views of one parameter's shape.
 
@@ -185,297 +267,3 @@ class Scratch:
     def buffers(self) -> list[torch.Tensor]:
         """The buffers allocated so far (for ``memory_report``)."""
         return list(self._buffers.values())
-
-
-def param_index_map(
-    saved_groups: object, groups: Sequence[Mapping[str, Any]], who: str
-) -> dict[int, torch.Tensor]:
-    """Saved parameter index -> this optimizer's parameter, as torch's ``load_state_dict``
-    pairs them (groups in order, parameters in order); its errors when the groups differ."""
-    if not isinstance(saved_groups, (list, tuple)):
-        raise ValueError(
-            f"{who}: state_dict['param_groups'] must be a list of groups, got "
-            f"{type(saved_groups).__name__}"
-        )
-    if len(saved_groups) != len(groups):
-        raise ValueError("loaded state dict has a different number of parameter groups")
-    out: dict[int, torch.Tensor] = {}
-    for j, (saved, group) in enumerate(zip(saved_groups, groups, strict=True)):
-        ids = saved.get("params") if isinstance(saved, Mapping) else None
-        if not isinstance(ids, (list, tuple)) or len(ids) != len(group["params"]):
-            raise ValueError(
-                "loaded state dict contains a parameter group that doesn't match the size of "
-                f"optimizer's group (param_groups[{j}])"
-            )
-        out.update({int(i): p for i, p in zip(ids, group["params"], strict=True)})
-    return out
-
-
-def convert_entries(
-    saved_state: Mapping[Any, Any],
-    params: Mapping[int, torch.Tensor],
-    saved_format: OptimState,
-    ours: OptimState,
-    *,
-    f32_state: bool,
-    saved_shapes: Mapping[int, torch.Size] | None = None,
-) -> tuple[dict[int, dict[str, Any]], float]:
-    """Every saved per-parameter entry in our stored form, checked; nothing changes here.
-
-    Packed parts are checked by the codec (``ValueError`` naming the key); kept bit for bit
-    when ``saved_format == ours``, else decoded with the saved format and stored as ours. A
-    plain tensor of the parameter's shape (the decoded form: a DCP or plain torch
-    checkpoint) is encoded when ours packs it, else kept (as float32 when ``f32_state``:
-    the stepper's state is float32). Another shape is refused. Values land on the
-    parameter's device as copies. Packed parts saved for a parameter of another shape
-    (``saved_shapes``, the checkpoint's ``"param_shapes"``) are refused naming both shapes.
-    Returns the entries and the largest round-trip bound of the values that went through
-    our encoder after a format change (0.0 when none did).
-    """
-    out: dict[int, dict[str, Any]] = {}
-    worst = 0.0
-    same = saved_format == ours
-    for index, entry in saved_state.items():
-        where = f"state_dict['state'][{index!r}]"
-        param = _entry_param(where, index, entry, params)
-        plain, packed = split_entry(entry)
-        if packed and not saved_format.compact:
-            raise ValueError(
-                f"{where} holds packed parts {sorted(f'{n}{PART_SEP}*' for n in packed)} but the "
-                f"state dict says optim_state={saved_format} (absent means f32); accepted: the "
-                f"'optim_state' entry the parts were saved under"
-            )
-        shape = param.shape
-        saved_shape = None if saved_shapes is None else saved_shapes.get(index)
-        if packed and saved_shapes is not None and saved_shape != shape:
-            saved_as = "no shape" if saved_shape is None else f"shape {list(saved_shape)}"
-            raise ValueError(
-                f"{where} holds packed state {sorted(packed)} saved for a parameter of "
-                f"{saved_as} (state_dict[{PARAM_SHAPES_KEY!r}]), but parameter {index} of this "
-                f"optimizer has shape {list(shape)}; accepted: the state of a parameter of the "
-                f"same shape (the parameters in the order they were saved)"
-            )
-        decoded: dict[str, Any] = {}
-        new: dict[str, Any] = {}
-        for name, value in plain.items():
-            if name in packed:
-                raise ValueError(
-                    f"{where} holds both {name!r} and its packed parts; accepted: one of the two"
-                )
-            if not isinstance(value, torch.Tensor) or value.dim() == 0:
-                # Scalars (step) stay where they were saved, as torch keeps them.
-                new[name] = value.clone() if isinstance(value, torch.Tensor) else value
-            elif value.shape != shape:
-                raise ValueError(
-                    f"{where}[{name!r}] has shape {list(value.shape)}, but the parameter is "
-                    f"{list(shape)}; accepted: a scalar or a tensor of the parameter's shape"
-                )
-            elif not value.is_floating_point():
-                raise ValueError(f"{where}[{name!r}] is {value.dtype}; accepted: a floating tensor")
-            else:
-                decoded[name] = value
-        for name, parts in packed.items():
-            pk = packed_of(parts, name, shape, saved_format, f"{where}[{name!r}]")
-            if same:
-                for part, t in parts_of(pk).items():
-                    new[f"{name}{PART_SEP}{part}"] = _to(t, param.device, None)
-            else:
-                decoded[name] = decode(pk)
-        for name, value in decoded.items():
-            value = value.to(device=param.device)
-            if packs(value, shape, ours):
-                _check_finite(value, f"{where}[{name!r}]", index, ours)
-                if not same:
-                    worst = max(worst, _bound(value, ours, name))
-                new.update(encode_entry({name: value}, shape, ours))
-            else:
-                new[name] = _to(value, param.device, torch.float32 if f32_state else None)
-        # Keep torch's key order where it can be told (step first).
-        out[index] = {k: new[k] for k in sorted(new, key=lambda k: _order(entry, k))}
-    return out, worst
-
-
-def _check_finite(value: torch.Tensor, where: str, index: object, ours: OptimState) -> None:
-    """``ValueError`` naming ``where`` (the key), the parameter and the first element, when
-    a plain state tensor about to be encoded holds an inf or NaN. Our own state saturates an
-    inf that torch's arithmetic made; a checkpoint's inf is refused, as NaN is: it would
-    become its block's scale, and the block's other values would decode to (about) zero."""
-    bad = ~torch.isfinite(value)
-    if not bool(bad.any()):
-        return
-    count = int(bad.sum())
-    first = [int(i) for i in bad.nonzero()[0]]
-    raise ValueError(
-        f"{where} (the state of parameter {index!r}, shape {list(value.shape)}) holds {count} "
-        f"inf or NaN value(s), the first at index {first} ({float(value[tuple(first)])}); "
-        f"accepted: finite state, to be stored as {ours}"
-    )
-
-
-def _entry_param(
-    where: str, index: object, entry: object, params: Mapping[int, torch.Tensor]
-) -> torch.Tensor:
-    # The parameter a saved state entry belongs to; the entry must be a dict.
-    param = params.get(index) if isinstance(index, int) else None
-    if param is None:
-        raise ValueError(
-            f"{where}: no parameter has index {index!r} in the saved param_groups "
-            f"(indices {sorted(params)})"
-        )
-    if not isinstance(entry, Mapping):
-        raise TypeError(f"{where} must be a dict of state values, got {type(entry).__name__}")
-    return param
-
-
-def _check_plain_shapes(state: Mapping[Any, Any], params: Mapping[int, torch.Tensor]) -> None:
-    """``ValueError`` for a saved state tensor with its parameter's element count but
-    another shape (state of another parameter: a transposed one, or the parameters in
-    another order), or an entry of no parameter. Tensors of other counts are a class's own
-    layout (Adafactor's factored moments) and are left to it."""
-    for index, entry in state.items():
-        where = f"state_dict['state'][{index!r}]"
-        param = _entry_param(where, index, entry, params)
-        for name, value in entry.items():
-            if (
-                isinstance(value, torch.Tensor)
-                and value.dim() > 0
-                and value.numel() == param.numel()
-                and value.shape != param.shape
-            ):
-                raise ValueError(
-                    f"{where}[{name!r}] has shape {list(value.shape)}, but the parameter is "
-                    f"{list(param.shape)}; accepted: a scalar or a tensor of the parameter's shape"
-                )
-
-
-def param_shapes(groups: Sequence[Mapping[str, Any]]) -> dict[int, list[int]]:
-    """``state_dict()[PARAM_SHAPES_KEY]``: each parameter's shape by torch's state-dict index
-    (groups in order, parameters in order)."""
-    params = [p for group in groups for p in group["params"]]
-    return {i: list(p.shape) for i, p in enumerate(params)}
-
-
-def _saved_shapes(value: object, who: str) -> dict[int, torch.Size] | None:
-    """``state_dict[PARAM_SHAPES_KEY]`` checked (``None`` when absent: a checkpoint made
-    before shapes were saved, whose packed parts are checked by size only)."""
-    if value is None:
-        return None
-    where = f"{who}: state_dict[{PARAM_SHAPES_KEY!r}]"
-    if not isinstance(value, Mapping):
-        raise TypeError(f"{where} must be a dict index -> shape, got {type(value).__name__}")
-    out: dict[int, torch.Size] = {}
-    for index, shape in value.items():
-        ok = (
-            isinstance(index, int)
-            and not isinstance(index, bool)
-            and isinstance(shape, (list, tuple))
-            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
-        )
-        if not ok:
-            raise ValueError(
-                f"{where} has entry {index!r}: {shape!r}; accepted: an int index -> a list of "
-                f"ints >= 0 (the parameter's shape)"
-            )
-        out[index] = torch.Size(shape)
-    return out
-
-
-def _order(entry: Mapping[str, Any], key: str) -> int:
-    names = [state_name(k) for k in entry]
-    name = state_name(key)
-    return names.index(name) if name in names else len(names)
-
-
-def _bound(value: torch.Tensor, ours: OptimState, name: str) -> float:
-    return float(round_trip_bound(value.float(), ours, kind_of(name)).max())
-
-
-def _to(value: Any, device: torch.device, dtype: torch.dtype | None) -> Any:
-    """``value`` as a copy on ``device`` (at ``dtype`` when given); non-tensors as they are."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.to(device=device, dtype=dtype or value.dtype, copy=True)
-
-
-@dataclasses.dataclass
-class LoadPlan:
-    """A state dict checked and converted for loading (``load_plan``); nothing changed yet."""
-
-    torch_sd: dict[str, Any]
-    """What torch's ``Optimizer.load_state_dict`` gets (groups; state unless ``install``)."""
-    install: dict[int, dict[str, Any]] | None
-    """Entries to put into ``optimizer.state`` after torch's load (stepped optimizers:
-    torch's load would cast packed parts and float32 state to the parameter's dtype)."""
-    params: dict[int, torch.Tensor]
-    """Saved index -> parameter."""
-    rounding: object
-    """``state_dict["master_rounding"]`` (``None`` when absent)."""
-    warning: str | None
-    """The conversion warning to give once everything loaded."""
-
-    def finish(self, state: dict[Any, Any], *, stacklevel: int = 3) -> None:
-        """Install the entries into ``state`` (the optimizer's) and give the warning
-        (``stacklevel`` as ``warnings.warn`` counts it from here: 3 is the caller's caller)."""
-        if self.install is not None:
-            for index, entry in self.install.items():
-                state[self.params[index]] = entry
-        if self.warning is not None:
-            warnings.warn(self.warning, UserWarning, stacklevel=stacklevel)
-
-
-def load_plan(
-    state_dict: Mapping[str, Any],
-    groups: Sequence[Mapping[str, Any]],
-    ours: OptimState,
-    *,
-    stepped: bool,
-    who: str,
-) -> LoadPlan:
-    """Check ``state_dict`` and bring its state into our stored form (nothing changes).
-
-    ``"optim_state"`` (absent: f32) names the format the entries were saved under; when it
-    differs from ``ours`` the state is converted (decoded, encoded as ours) and a
-    ``UserWarning`` names both formats and the bound. An optimizer that is not ``stepped``
-    (torch's own f32 state) whose state dict holds nothing packed gets it as it was.
-    """
-    sd = dict(state_dict)
-    saved_text = sd.pop(OPTIM_STATE_KEY, None)
-    rounding = sd.pop(MASTER_ROUNDING_KEY, None)
-    shapes = _saved_shapes(sd.pop(PARAM_SHAPES_KEY, None), who)
-    try:
-        saved = OptimState() if saved_text is None else parse_optim_state(saved_text)
-    except ValueError as e:
-        raise ValueError(f"{who}: state_dict[{OPTIM_STATE_KEY!r}] is not a format: {e}") from e
-    for key in ("state", "param_groups"):
-        if key not in sd:
-            raise ValueError(f"state_dict has no {key!r} entry; got keys {sorted(sd)}")
-    state = sd["state"]
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state_dict['state'] must be a dict, got {type(state).__name__}")
-    has_parts = any(
-        isinstance(e, Mapping) and any(PART_SEP in str(k) for k in e) for e in state.values()
-    )
-    params = param_index_map(sd["param_groups"], groups, who)
-    if not stepped and not saved.compact and not has_parts:
-        # Torch's own load: its state is loaded as saved, after the same shape check (torch
-        # itself checks none, and its next step would fail midway, or broadcast).
-        _check_plain_shapes(state, params)
-        return LoadPlan(sd, None, {}, rounding, None)
-    entries, worst = convert_entries(
-        state, params, saved, ours, f32_state=stepped, saved_shapes=shapes
-    )
-    warning = None
-    if saved != ours and entries:
-        how = (
-            f"each value re-encoded moved by at most {worst:.3g} (the round-trip bound of "
-            f"{ours}), on top of the rounding the saved format already had"
-            if ours.compact
-            else "the values are decoded exactly; they keep the rounding of the saved format"
-        )
-        warning = (
-            f"{who}: the optimizer state was saved with optim_state={saved} and is converted "
-            f"to this optimizer's optim_state={ours}: {how}"
-        )
-    if stepped:
-        return LoadPlan({**sd, "state": {}}, entries, params, rounding, warning)
-    return LoadPlan({**sd, "state": entries}, None, params, rounding, warning)

@@ -16,8 +16,7 @@ from hypothesis import strategies as st
 
 from computectx import ComputeCtx
 from computectx.memory import CompactOptimizer
-from computectx.memory.optim.state import decode, decode_entry, encode, round_trip_bound
-from computectx.memory.optim.state.codecs import Kind
+from computectx.memory.optim.state import Kind, decode, decode_entry, encode, round_trip_bound
 from computectx.optim_state import OptimState
 
 F32_MAX = float(torch.finfo(torch.float32).max)

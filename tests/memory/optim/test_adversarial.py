@@ -17,7 +17,7 @@ from computectx.memory import CompactOptimizer, OffloadedOptimizer
 from computectx.memory.optim.state.codecs import decode, encode, round_trip_bound
 from computectx.optim_state import parse_optim_state
 
-from .test_optim_edges import give_grads, params_of, unchanged
+from .test_edges import give_grads, params_of, unchanged
 
 CPU = ComputeCtx.parity("cpu")
 PACKED = ["bf16", "int8", "fp8", "int4"]

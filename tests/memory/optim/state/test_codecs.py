@@ -9,19 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from computectx.memory.optim.state import codecs, search
-from computectx.memory.optim.state.codecs import (
-    Kind,
-    Packed,
-    decode,
-    encode,
-    from_parts,
-    packed_nbytes,
-    part_names,
-    parts_of,
-    round_trip_bound,
-)
+from computectx.memory.optim.state import codecs, maps, packed
+from computectx.memory.optim.state.codecs import decode, encode, from_parts, round_trip_bound
 from computectx.memory.optim.state.maps import MapName, dynamic_tree_values, qmap, qmap_midpoints
+from computectx.memory.optim.state.packed import Kind, Packed, packed_nbytes, part_names, parts_of
 from computectx.optim_state import OptimState, StateFormat
 
 FORMATS: tuple[StateFormat, ...] = ("bf16", "int8", "fp8", "int4")
@@ -115,30 +106,30 @@ def _search_inputs(mids: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("name", MAP_NAMES)
 def test_table_search_gives_exactly_the_codes_of_bucketize(name: MapName) -> None:
     mids = qmap_midpoints(name)
-    found = search.nearest_table(name)
+    found = maps.nearest_table(name)
     assert found is not None  # every map passes the one-midpoint-per-bucket check
     x = _search_inputs(mids, seed=len(mids))
     expected = torch.bucketize(x, mids)  # the old way: right=False, a tie to the lower code
-    assert torch.equal(search.nearest_codes(x, *found).long(), expected)
-    compiled = torch.compile(search.nearest_codes, fullgraph=True, backend="aot_eager")
+    assert torch.equal(packed.nearest_codes(x, *found).long(), expected)
+    compiled = torch.compile(packed.nearest_codes, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x, *found).long(), expected)
     # Ties: a value equal to a midpoint takes the lower code, as bucketize does.
-    assert torch.equal(search.nearest_codes(mids, *found).long(), torch.arange(len(mids)))
+    assert torch.equal(packed.nearest_codes(mids, *found).long(), torch.arange(len(mids)))
     # The codec's encode goes through the table and gives bucketize's codes.
-    spec = codecs.Spec("int8" if "8" in name else "int4", "_signed" in name, 256, False)
-    maps = codecs.maps_for(spec, torch.device("cpu"))
-    assert maps.table is found.table
+    spec = packed.Spec("int8" if "8" in name else "int4", "_signed" in name, 256, False)
+    spec_maps = packed.maps_for(spec, torch.device("cpu"))
+    assert spec_maps.table is found.table
     n = torch.rand(4096, generator=torch.Generator().manual_seed(1)) * 2 - 1
     n = n.abs() if "unsigned" in name else n
-    table_parts = codecs.encode_tensors(n, spec, maps)
-    bucketize_parts = codecs.encode_tensors(n, spec, codecs.Maps(maps.values, maps.mids))
+    table_parts = packed.encode_tensors(n, spec, spec_maps)
+    bucketize_parts = packed.encode_tensors(n, spec, packed.Maps(spec_maps.values, spec_maps.mids))
     assert all(torch.equal(a, b) for a, b in zip(table_parts, bucketize_parts, strict=True))
 
 
 def test_table_search_refuses_midpoints_closer_than_a_bucket() -> None:
     # Two midpoints within one 2**16-pattern bucket (relative width 2**-7): no table.
-    assert search.build_table(torch.tensor([0.5, 0.501, 0.75])) is None
-    assert search.build_table(torch.tensor([0.5, 0.51, 0.75])) is not None
+    assert maps.build_table(torch.tensor([0.5, 0.501, 0.75])) is None
+    assert maps.build_table(torch.tensor([0.5, 0.51, 0.75])) is not None
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,7 @@ from computectx import ComputeCtx
 from computectx.memory import CompactOptimizer
 from computectx.memory.optim import fused
 from computectx.memory.optim.fused import adam_update
-from computectx.memory.optim.state.codecs import Packed, decode, encode
+from computectx.memory.optim.state import Packed, decode, encode
 from computectx.optim_state import OptimState, StateFormat
 
 F32 = OptimState()

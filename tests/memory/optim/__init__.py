@@ -1,0 +1,1 @@
+"""Tests of computectx.memory.optim: the optimizers, their step and their checkpoints."""
