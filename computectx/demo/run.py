@@ -18,7 +18,7 @@ from torch.multiprocessing.spawn import start_processes
 
 from computectx import capability
 from computectx._files import atomic_path
-from computectx.demo.corpus import load_corpus, val_batches
+from computectx.demo.corpus import Corpus, load_corpus, val_batches
 from computectx.demo.moe import load_notes, load_table, plot_expert_load
 from computectx.demo.report import (
     DemoReport,
@@ -34,7 +34,13 @@ from computectx.demo.report import (
     write_results,
 )
 from computectx.demo.settings import DemoError, DemoSettings
-from computectx.demo.train import data_parallel_rank, policy_ctx, tail_steps, train_policy
+from computectx.demo.train import (
+    PolicyResult,
+    data_parallel_rank,
+    policy_ctx,
+    tail_steps,
+    train_policy,
+)
 from computectx.fp8 import select_backend
 
 __all__ = ["check_output_dir", "resolve_device", "run_demo"]
@@ -174,16 +180,53 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
             f"run_demo with nproc={settings.nproc} inside a process group of {world} "
             f"process(es); give nproc={world}, or call it outside torch.distributed"
         )
-    out = console or Console()
-    if console is None and not out.is_terminal and "COLUMNS" not in os.environ:
-        out = Console(width=120)  # rich assumes 80 columns off a terminal: too narrow
+    out = _console(console)
     dev = resolve_device(settings)
     corpus = load_corpus(settings.data, min_bytes=settings.seq_len + 1)
     folder = check_output_dir(settings.out)
-    backend = reason = None
-    if any(f.startswith("fp8_") for f in settings.dtypes):
-        chosen, reason = select_backend(dev)
-        backend = chosen.value
+    backend, reason = _fp8_backend(settings, dev)
+    half_gemm = _print_setup(out, settings, dev, corpus, reason)
+    val = val_batches(corpus, settings.batch_size, settings.seq_len, settings.eval_batches)
+    results = _train_all(settings, dev, corpus, val, rank)
+    report = DemoReport(
+        settings=settings,
+        device=dev,
+        corpus=corpus,
+        fp8_backend=backend,
+        fp8_reason=reason,
+        half_gemm=half_gemm,
+        results=results,
+        json_path=folder / "results.json",
+        plot_path=folder / "loss.png",
+        world_size=world,
+        load_plot_path=folder / "expert-load.png" if settings.moe else None,
+    )
+    _print_report(out, report)
+    if rank == 0:
+        _write_outputs(out, report)
+    return report
+
+
+def _console(console: Console | None) -> Console:
+    out = console or Console()
+    if console is None and not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(width=120)  # rich assumes 80 columns off a terminal: too narrow
+    return out
+
+
+def _fp8_backend(settings: DemoSettings, dev: torch.device) -> tuple[str | None, str | None]:
+    """The fp8 backend the fp8 policies run on and why (``None`` without an fp8 policy)."""
+    if not any(f.startswith("fp8_") for f in settings.dtypes):
+        return None, None
+    chosen, reason = select_backend(dev)
+    return chosen.value, reason
+
+
+def _print_setup(
+    out: Console, settings: DemoSettings, dev: torch.device, corpus: Corpus, reason: str | None
+) -> str | None:
+    """Print the corpus, the fp8 backend's reason and how half-precision GEMMs run on the
+    CPU; returns that last line (``None`` off the CPU or without half policies)."""
     out.print(
         f"corpus: {corpus.name} ({corpus.source}): {corpus.files} files, "
         f"{corpus.train.numel():,} train + {corpus.val.numel():,} validation bytes"
@@ -191,13 +234,24 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         markup=False,
         highlight=False,
     )
-    if backend is not None:
+    if reason is not None:
         # select_backend's reason starts with the backend's name ("reference: no CUDA ...").
         out.print(f"fp8 backend: {reason}", markup=False, highlight=False)
     half_gemm = _half_gemm_line(settings, dev)
     if half_gemm is not None:
         out.print(half_gemm, markup=False, highlight=False)
-    val = val_batches(corpus, settings.batch_size, settings.seq_len, settings.eval_batches)
+    return half_gemm
+
+
+def _train_all(
+    settings: DemoSettings,
+    dev: torch.device,
+    corpus: Corpus,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+    rank: int,
+) -> list[PolicyResult]:
+    """Train every policy in turn at ``settings.threads`` intra-op threads (restored after),
+    rank 0 showing the progress bars."""
     results = []
     columns = (
         TextColumn("{task.description:<10}"),
@@ -214,23 +268,20 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
                 results.append(train_policy(flag, settings, dev, corpus, val, progress))
     finally:
         torch.set_num_threads(threads)
-    report = DemoReport(
-        settings=settings,
-        device=dev,
-        corpus=corpus,
-        fp8_backend=backend,
-        fp8_reason=reason,
-        half_gemm=half_gemm,
-        results=results,
-        json_path=folder / "results.json",
-        plot_path=folder / "loss.png",
-        world_size=world,
-        load_plot_path=folder / "expert-load.png" if settings.moe else None,
-    )
+    return results
+
+
+def _expert_loads(report: DemoReport) -> list[tuple[str, torch.Tensor]]:
+    return [(r.flag, r.expert_load) for r in report.results if r.expert_load is not None]
+
+
+def _print_report(out: Console, report: DemoReport) -> None:
+    """The results table and its notes, the optimizer-state, expert-load and serving
+    sections, then the samples."""
     out.print(results_table(report))
     for line in table_notes(report):
         out.print(line, markup=False, highlight=False)
-    for r in results:
+    for r in report.results:
         out.print(f"{r.flag:<10} {r.policy}", markup=False, highlight=False)
         if r.skipped_steps:
             out.print(
@@ -241,29 +292,38 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
     out.print(optim_state_table(rows))
     for line in optim_state_notes(rows):
         out.print(line, markup=False, highlight=False)
-    loads = [(r.flag, r.expert_load) for r in results if r.expert_load is not None]
-    tail = tail_steps(settings.steps)
-    if loads:
-        out.print(load_table(loads, tail))
-        tokens = settings.batch_size * settings.grad_accum * settings.seq_len
-        for line in load_notes(settings, tail, tokens):
-            out.print(line, markup=False, highlight=False)
+    _print_expert_load(out, report)
     serving = serving_table(report)
     if serving is not None:
         out.print(serving)
         for line in serving_notes(report):
             out.print(line, markup=False, highlight=False)
-    for r in results:
+    for r in report.results:
         if r.sample:
             out.print(f"\nsample ({r.flag}, kv={r.kv}, temperature 0.8, top-k 40):", markup=False)
             out.print(Text(printable(r.sample)))
-    if rank != 0:
-        return report
+
+
+def _print_expert_load(out: Console, report: DemoReport) -> None:
+    """Under ``--moe``: each policy's expert load over the last steps, with its notes."""
+    loads = _expert_loads(report)
+    if not loads:
+        return
+    settings = report.settings
+    tail = tail_steps(settings.steps)
+    out.print(load_table(loads, tail))
+    tokens = settings.batch_size * settings.grad_accum * settings.seq_len
+    for line in load_notes(settings, tail, tokens):
+        out.print(line, markup=False, highlight=False)
+
+
+def _write_outputs(out: Console, report: DemoReport) -> None:
+    """Rank 0: ``results.json``, ``loss.png`` and (under ``--moe``) ``expert-load.png``."""
     write_results(report)
     plot_losses(report)
     wrote = [report.json_path, report.plot_path]
+    loads = _expert_loads(report)
     if loads and report.load_plot_path is not None:
         plot_expert_load(loads, report.load_plot_path, _load_title(report))
         wrote.append(report.load_plot_path)
     out.print(f"\nwrote {', '.join(map(str, wrote[:-1]))} and {wrote[-1]}", markup=False)
-    return report

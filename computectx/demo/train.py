@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -20,10 +20,10 @@ from computectx.demo.footprint import Footprint, SavedForBackward, state_footpri
 from computectx.demo.moe import LoadRecorder, fp8_experts_backends, moe_config
 from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoSettings
-from computectx.distributed import parallelize, update_expert_bias
+from computectx.distributed import Parallel, parallelize, update_expert_bias
 from computectx.dtypes import DType
 from computectx.fp8 import Fp8Linear, fp8_stats
-from computectx.memory import OffloadedOptimizer
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
 __all__ = [
@@ -206,10 +206,95 @@ def train_policy(
     rank, world = data_parallel_rank()
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, model_config(settings))
+    loop = _loop(model, _parallelize(model, ctx, settings), settings, device, rank, world)
+    # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
+    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    experts_backends = fp8_experts_backends(model)  # one per MoE layer whose experts are fp8
+    backend = ",".join(sorted({m.backend.value for m in fp8_layers} | set(experts_backends)))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    curves = _train(loop, corpus, val, progress, flag)
+    memory = curves.memory
+    assert memory is not None  # the last step always runs (settings.steps >= 1)
+    if device.type == "cuda":
+        memory = dataclasses.replace(memory, peak=int(torch.cuda.max_memory_allocated(device)))
+    tail = curves.losses[-tail_steps(len(curves.losses)) :]
+    nonfinite = saturated = None
+    layers: dict[str, Any] = {}
+    if ctx.fp8 is not None:
+        nonfinite, saturated, layers = _fp8_summary(model)
+    if on_trained is not None:
+        on_trained(model)
+    serving = tuple(serving_rows(model, val)) if rank == 0 else ()
+    sample = _sample(model, settings, device) if settings.sample_tokens and rank == 0 else ""
+    # The whole batch (every rank's share) per step: the group's throughput.
+    timed_steps = settings.steps - (1 if curves.compile_seconds is not None else 0)
+    tokens = timed_steps * settings.grad_accum * settings.batch_size * settings.seq_len
+    seconds = curves.train_seconds
+    return PolicyResult(
+        flag=flag,
+        policy=str(ctx),
+        gemm=model.gemm.path.value,
+        train_losses=curves.losses,
+        val_curve=curves.val_curve,
+        train_loss=sum(tail) / len(tail),
+        val_loss=curves.val_curve[-1][1],
+        tokens_per_s=tokens / seconds if seconds > 0 else float("inf"),
+        seconds=seconds,
+        memory=memory,
+        skipped_steps=curves.skipped,
+        fp8_converted=len(fp8_layers),
+        fp8_backend=backend or None,
+        fp8_nonfinite=nonfinite,
+        fp8_saturated=saturated,
+        fp8_layers=layers,
+        sample=sample,
+        compile_seconds=curves.compile_seconds,
+        fp8_granularity=fp8_granularity(ctx),
+        kv=str(ctx.kv),
+        serving=serving,
+        expert_load=loop.recorder.load() if loop.recorder is not None else None,
+        fp8_experts=len(experts_backends),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What one policy's training loop works with, set up once (``_loop``)."""
+
+    settings: DemoSettings
+    device: torch.device
+    world: int
+    model: ByteLM
+    runner: nn.Module
+    """What runs forward: ``Parallel.model``, compiled under ``--compile``."""
+    optimizer: torch.optim.Optimizer
+    accumulator: LowPrecGradAccumulator | None
+    params: list[nn.Parameter]
+    share: slice
+    """This rank's rows of every batch."""
+    recorder: LoadRecorder | None
+    saved: SavedForBackward
+    """Measures what the first micro-batch keeps for backward."""
+
+
+@dataclasses.dataclass
+class _Curves:
+    """What the loop measured."""
+
+    losses: list[float]
+    val_curve: list[tuple[int, float]]
+    skipped: int = 0
+    train_seconds: float = 0.0
+    compile_seconds: float | None = None
+    memory: Footprint | None = None
+
+
+def _parallelize(model: ByteLM, ctx: ComputeCtx, settings: DemoSettings) -> Parallel:
     # One call sets up the ranks (DDP, the fp8 amax sync, the memory policy's optimizer and
     # accumulator) or, in one process, just the optimizer and accumulator. The blocks built
     # their Fp8Linear layers already, so nothing more is converted (the head stays).
-    par = parallelize(
+    return parallelize(
         model,
         ctx,
         strategy="ddp",
@@ -224,146 +309,154 @@ def train_policy(
         current_amax="group",
         lr=settings.lr,
     )
+
+
+def _loop(
+    model: ByteLM,
+    par: Parallel,
+    settings: DemoSettings,
+    device: torch.device,
+    rank: int,
+    world: int,
+) -> _Loop:
     runner: nn.Module = par.model
     if settings.compile:
         # torch.compile of a module returns an OptimizedModule, itself an nn.Module.
         runner = cast(nn.Module, torch.compile(runner))
-    share = slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world)
-    # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
-    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    experts_backends = fp8_experts_backends(model)  # one per MoE layer whose experts are fp8
-    backend = ",".join(sorted({m.backend.value for m in fp8_layers} | set(experts_backends)))
-    recorder = LoadRecorder(model) if settings.moe else None
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     params = list(model.parameters())
-    opt = par.optimizer
-    offloaded = opt if isinstance(opt, OffloadedOptimizer) else None
-    acc = par.accumulator
+    return _Loop(
+        settings=settings,
+        device=device,
+        world=world,
+        model=model,
+        runner=runner,
+        optimizer=par.optimizer,
+        accumulator=par.accumulator,
+        params=params,
+        share=slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world),
+        recorder=LoadRecorder(model) if settings.moe else None,
+        saved=SavedForBackward(exclude=params),
+    )
+
+
+def _train(
+    loop: _Loop,
+    corpus: Corpus,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+    progress: Progress,
+    flag: str,
+) -> _Curves:
+    """Run ``settings.steps`` optimizer steps, evaluating on ``val`` at the start and at six
+    even points; the progress task shows each step's loss."""
+    settings, opt = loop.settings, loop.optimizer
     batches = train_batches(corpus, settings.batch_size, settings.seq_len, settings.seed)
     eval_at = {round(settings.steps * k / 6) for k in range(1, 7)} - {0}
-    losses: list[float] = []
-    val_curve: list[tuple[int, float]] = [(0, evaluate(model, val))]
-    skipped = 0
-    train_seconds = 0.0
-    compile_seconds: float | None = None
-    saved = SavedForBackward(exclude=params)
-    memory: Footprint | None = None
+    curves = _Curves(losses=[], val_curve=[(0, evaluate(loop.model, val))])
     task = progress.add_task(flag, total=settings.steps, loss=float("nan"))
     try:
         for step in range(settings.steps):
             t0 = time.perf_counter()
             for group in opt.param_groups:
                 group["lr"] = lr_at(step, settings.steps, settings.lr)
-            summed = torch.zeros((), device=device)
-            for micro in range(settings.grad_accum):
-                x, y = next(batches)
-                x, y = x[share].to(device), y[share].to(device)
-                # What one micro-batch keeps for backward, measured once (not when compiled:
-                # the hooks would be traced into the graph).
-                measure = step == 0 and micro == 0 and not settings.compile
-                with saved if measure else contextlib.nullcontext():
-                    loss = model.loss_of(runner(x), y) / settings.grad_accum
-                    total = loss
-                    if settings.moe:
-                        # --balance aux_loss: the blocks' balancing loss joins the gradient,
-                        # not the reported loss (a float32 zero under the other balances).
-                        total = loss + model.aux_loss() / settings.grad_accum
-                    torch.autograd.backward(total)
-                summed += loss.detach()
-                if recorder is not None:
-                    recorder.add()
             # One device-to-host read per step, not per micro-batch (and one all-reduce).
-            step_loss = float(_group_mean(summed, world))
-            if recorder is not None:
-                recorder.end_step(world)
-            if offloaded is not None:
-                offloaded.ingest_grads(acc)
-                norm = offloaded.clip_grad_norm(1.0)
-            else:
-                if acc is not None:
-                    acc.flush_to_param_grads()
-                norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0))
-            if math.isfinite(norm):
-                opt.step()
-            else:
+            step_loss = float(_group_mean(_forward_backward(loop, batches, step), loop.world))
+            if loop.recorder is not None:
+                loop.recorder.end_step(loop.world)
+            if not _clip_and_step(loop):
                 # Non-finite gradients (an fp16 overflow, say) are dropped, not applied;
                 # the count goes into the results.
-                skipped += 1
+                curves.skipped += 1
             if settings.moe:
                 # aux_free's bias step, with the whole group's load (under the other
                 # balances it only resets the counts): one all-reduce with --nproc.
-                update_expert_bias(model)
+                update_expert_bias(loop.model)
             if step == settings.steps - 1:
-                memory = state_footprint(
-                    model, opt, acc, device, None if settings.compile else saved.bytes
+                saved = None if settings.compile else loop.saved.bytes
+                curves.memory = state_footprint(
+                    loop.model, opt, loop.accumulator, loop.device, saved
                 )
             opt.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if settings.compile and step == 0:
-                compile_seconds = time.perf_counter() - t0
-                progress.console.print(
-                    f"{flag}: first step (torch.compile) took {compile_seconds:.1f} s, "
-                    f"left out of tokens/s"
-                )
-            else:
-                train_seconds += time.perf_counter() - t0
-            losses.append(step_loss)
+            _time_step(loop, curves, step, t0, progress, flag)
+            curves.losses.append(step_loss)
             if step + 1 in eval_at:
-                val_curve.append((step + 1, evaluate(model, val)))
+                curves.val_curve.append((step + 1, evaluate(loop.model, val)))
             progress.update(task, advance=1, loss=step_loss)
     finally:
+        if loop.accumulator is not None:
+            loop.accumulator.close()
+    return curves
+
+
+def _forward_backward(
+    loop: _Loop, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], step: int
+) -> torch.Tensor:
+    """Forward and backward over one step's micro-batches; their summed loss, on the
+    device."""
+    settings, device, model = loop.settings, loop.device, loop.model
+    summed = torch.zeros((), device=device)
+    for micro in range(settings.grad_accum):
+        x, y = next(batches)
+        x, y = x[loop.share].to(device), y[loop.share].to(device)
+        # What one micro-batch keeps for backward, measured once (not when compiled:
+        # the hooks would be traced into the graph).
+        measure = step == 0 and micro == 0 and not settings.compile
+        with loop.saved if measure else contextlib.nullcontext():
+            loss = model.loss_of(loop.runner(x), y) / settings.grad_accum
+            total = loss
+            if settings.moe:
+                # --balance aux_loss: the blocks' balancing loss joins the gradient,
+                # not the reported loss (a float32 zero under the other balances).
+                total = loss + model.aux_loss() / settings.grad_accum
+            torch.autograd.backward(total)
+        summed += loss.detach()
+        if loop.recorder is not None:
+            loop.recorder.add()
+    return summed
+
+
+def _clip_and_step(loop: _Loop) -> bool:
+    """Hand the accumulated gradients over, clip them to norm 1 and step, unless the norm
+    is not finite; whether it stepped."""
+    opt, acc = loop.optimizer, loop.accumulator
+    if isinstance(opt, OffloadedOptimizer):
+        opt.ingest_grads(acc)
+        norm = opt.clip_grad_norm(1.0)
+    else:
         if acc is not None:
-            acc.close()
-    assert memory is not None  # the last step always runs (settings.steps >= 1)
-    if device.type == "cuda":
-        memory = dataclasses.replace(memory, peak=int(torch.cuda.max_memory_allocated(device)))
-    tail = losses[-tail_steps(len(losses)) :]
-    nonfinite = saturated = None
-    layers: dict[str, Any] = {}
-    if ctx.fp8 is not None:
-        nonfinite, saturated, layers = _fp8_summary(model)
-    if on_trained is not None:
-        on_trained(model)
-    serving = tuple(serving_rows(model, val)) if rank == 0 else ()
-    sample = ""
-    if settings.sample_tokens and rank == 0:
-        g = torch.Generator().manual_seed(settings.seed)
-        out = generate(
-            model,
-            encode_bytes(SAMPLE_PROMPT, device),
-            settings.sample_tokens,
-            temperature=0.8,
-            top_k=40,
-            generator=g,
+            acc.flush_to_param_grads()
+        norm = float(torch.nn.utils.clip_grad_norm_(loop.params, 1.0))
+    if not math.isfinite(norm):
+        return False
+    opt.step()
+    return True
+
+
+def _time_step(
+    loop: _Loop, curves: _Curves, step: int, t0: float, progress: Progress, flag: str
+) -> None:
+    """Add the step's time to the training time; under ``--compile`` the first step's
+    (compilation included) is reported apart."""
+    if loop.device.type == "cuda":
+        torch.cuda.synchronize(loop.device)
+    if loop.settings.compile and step == 0:
+        curves.compile_seconds = time.perf_counter() - t0
+        progress.console.print(
+            f"{flag}: first step (torch.compile) took {curves.compile_seconds:.1f} s, "
+            f"left out of tokens/s"
         )
-        sample = decode_bytes(out)
-    # The whole batch (every rank's share) per step: the group's throughput.
-    timed_steps = settings.steps - (1 if compile_seconds is not None else 0)
-    tokens = timed_steps * settings.grad_accum * settings.batch_size * settings.seq_len
-    return PolicyResult(
-        flag=flag,
-        policy=str(ctx),
-        gemm=model.gemm.path.value,
-        train_losses=losses,
-        val_curve=val_curve,
-        train_loss=sum(tail) / len(tail),
-        val_loss=val_curve[-1][1],
-        tokens_per_s=tokens / train_seconds if train_seconds > 0 else float("inf"),
-        seconds=train_seconds,
-        memory=memory,
-        skipped_steps=skipped,
-        fp8_converted=len(fp8_layers),
-        fp8_backend=backend or None,
-        fp8_nonfinite=nonfinite,
-        fp8_saturated=saturated,
-        fp8_layers=layers,
-        sample=sample,
-        compile_seconds=compile_seconds,
-        fp8_granularity=fp8_granularity(ctx),
-        kv=str(ctx.kv),
-        serving=serving,
-        expert_load=recorder.load() if recorder is not None else None,
-        fp8_experts=len(experts_backends),
+    else:
+        curves.train_seconds += time.perf_counter() - t0
+
+
+def _sample(model: ByteLM, settings: DemoSettings, device: torch.device) -> str:
+    """The trained model's continuation of ``SAMPLE_PROMPT`` (temperature 0.8, top-k 40)."""
+    g = torch.Generator().manual_seed(settings.seed)
+    out = generate(
+        model,
+        encode_bytes(SAMPLE_PROMPT, device),
+        settings.sample_tokens,
+        temperature=0.8,
+        top_k=40,
+        generator=g,
     )
+    return decode_bytes(out)
