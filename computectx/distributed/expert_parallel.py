@@ -281,41 +281,11 @@ def expert_parallel(
         return [(fqn, _check_layer(fqn, moe, world), _describe(moe)) for fqn, moe in layers]
 
     everyone = agree(check, pg, what="expert_parallel", join_timeout=join_timeout)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if differ:
-        other = everyone[differ[0]]
-        ours = {fqn: text for fqn, _, text in everyone[0]}
-        theirs = {fqn: text for fqn, _, text in other}
-        names = [f for f, _, _ in everyone[0]] + [f for f, _, _ in other if f not in ours]
-        first = next((f for f in names if ours.get(f) != theirs.get(f)), names[0])
-        raise ValueError(
-            f"the ranks set up different MoE layers for expert parallelism: rank(s) "
-            f"{', '.join(map(str, differ))} differ from rank 0; the first that differs is "
-            f"{first or 'the model'!r}: rank 0 holds {ours.get(first, 'no such MoE')}, rank "
-            f"{differ[0]} holds {theirs.get(first, 'no such MoE')}. Build the same model on "
-            f"every rank; nothing changed"
-        )
+    _check_same_layers(everyone)
     plan = [(fqn, moe, n) for (fqn, moe), (_, n, _) in zip(layers, everyone[rank], strict=True)]
     if world == 1:
         return [f for f, _, _ in plan]
-    shards: list[tuple[str, ExpertShards]] = []
-    for fqn, moe, n in plan:
-        local = n // world
-        experts = moe.experts
-        for attr in EXPERT_WEIGHTS:
-            w = getattr(experts, attr)
-            piece = w.detach()[rank * local : (rank + 1) * local].clone()
-            setattr(experts, attr, nn.Parameter(piece, requires_grad=w.requires_grad))
-        experts.n_experts = local
-        moe.dispatch = AllToAllDispatch(pg, local, join_timeout)
-        # An MoE called alone joins as itself ("forward of MoE ..."); inside a forward of
-        # the model it is already joined.
-        join_forwards(moe, pg, join_timeout)
-        whole = {a: (n, *getattr(experts, a).shape[1:]) for a in EXPERT_WEIGHTS}
-        shard = ExpertShards(pg, local, whole)
-        shard.attach(experts)
-        SHARDS[experts] = shard
-        shards.append((f"{fqn}.experts." if fqn else "experts.", shard))
+    shards = [_spread_layer(fqn, moe, n, pg, join_timeout) for fqn, moe, n in plan]
     if plan:
         join_forwards(model, pg, join_timeout)
         JOIN_TIMEOUTS[pg] = join_timeout
@@ -327,6 +297,50 @@ def expert_parallel(
 
         model.register_load_state_dict_pre_hook(refuse)  # type: ignore[no-untyped-call]
     return [f for f, _, _ in plan]
+
+
+def _check_same_layers(everyone: list[list[tuple[str, int, str]]]) -> None:
+    """The same ``ValueError`` on every rank when the ranks' MoE layers (every rank's
+    ``(fqn, experts, description)``, in rank order) differ from rank 0's, naming the first."""
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if not differ:
+        return
+    other = everyone[differ[0]]
+    ours = {fqn: text for fqn, _, text in everyone[0]}
+    theirs = {fqn: text for fqn, _, text in other}
+    names = [f for f, _, _ in everyone[0]] + [f for f, _, _ in other if f not in ours]
+    first = next((f for f in names if ours.get(f) != theirs.get(f)), names[0])
+    raise ValueError(
+        f"the ranks set up different MoE layers for expert parallelism: rank(s) "
+        f"{', '.join(map(str, differ))} differ from rank 0; the first that differs is "
+        f"{first or 'the model'!r}: rank 0 holds {ours.get(first, 'no such MoE')}, rank "
+        f"{differ[0]} holds {theirs.get(first, 'no such MoE')}. Build the same model on "
+        f"every rank; nothing changed"
+    )
+
+
+def _spread_layer(
+    fqn: str, moe: MoE, n: int, pg: dist.ProcessGroup, join_timeout: float | None
+) -> tuple[str, ExpertShards]:
+    """Keep this rank's ``n // world`` of ``moe``'s ``n`` experts and route its tokens over
+    ``pg``; returns the experts' key prefix and their ``ExpertShards``."""
+    world, rank = dist.get_world_size(pg), dist.get_rank(pg)
+    local = n // world
+    experts = moe.experts
+    for attr in EXPERT_WEIGHTS:
+        w = getattr(experts, attr)
+        piece = w.detach()[rank * local : (rank + 1) * local].clone()
+        setattr(experts, attr, nn.Parameter(piece, requires_grad=w.requires_grad))
+    experts.n_experts = local
+    moe.dispatch = AllToAllDispatch(pg, local, join_timeout)
+    # An MoE called alone joins as itself ("forward of MoE ..."); inside a forward of
+    # the model it is already joined.
+    join_forwards(moe, pg, join_timeout)
+    whole = {a: (n, *getattr(experts, a).shape[1:]) for a in EXPERT_WEIGHTS}
+    shard = ExpertShards(pg, local, whole)
+    shard.attach(experts)
+    SHARDS[experts] = shard
+    return (f"{fqn}.experts." if fqn else "experts.", shard)
 
 
 def _describe(moe: MoE) -> str:
