@@ -6,23 +6,26 @@ subclass's ``add_param_group``: the first builds the inner optimizer, the rest j
 The wrapper then holds no optimizer state of its own: its groups, state and defaults are the
 inner optimizer's very objects, so LR schedulers write the learning rate the inner step
 reads, and ``state_dict`` describes exactly one optimizer. It also keeps what both steps
-share: the stepper of compact state (``computectx.memory.optim.state.Stepper``, built when the
-state is compact or a stepped weight is below float32), the skip of non-finite gradients,
-the load of a checked state dict, and the tensors that optimizer state and scratch take.
+share: the step itself (``step``: check the state, skip non-finite gradients, update), the
+clip, the stepper of compact state (``computectx.memory.optim.stepper.Stepper``, built when
+the state is compact or a stepped weight is below float32), the load of a checked state
+dict, and the tensors that optimizer state and scratch take.
 
-The subclasses keep the public methods, with their own documentation; what they step (the
-``MasterWeights``' masters: copies on the offload device, or the model's parameters) is
-theirs to make.
+What the subclasses step (the ``MasterWeights``' masters: copies on the offload device, or
+the model's parameters) is theirs to make; ``OffloadedOptimizer`` adds to the step through
+``_gather`` (ingest ``param.grad``), ``_before_update`` and ``_after_update`` (adopt outside
+edits, copy the masters back).
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, ClassVar
+from typing import Any, ClassVar, overload
 
 import torch
 
+from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.memory._rounding import check_seed
 from computectx.memory.optim._grad_health import GradHealth
@@ -106,6 +109,22 @@ class InnerWrapper(torch.optim.Optimizer):
         if self._inner is None:
             raise RuntimeError(f"the {self._who} is still being constructed")
         return self._inner
+
+    @property
+    def inner(self) -> torch.optim.Optimizer:
+        """The torch optimizer whose update steps the weights (``OffloadedOptimizer``: the
+        masters)."""
+        return self._built()
+
+    @property
+    def ctx(self) -> ComputeCtx:
+        """The policy this optimizer was built from."""
+        return self._weights.ctx
+
+    @property
+    def stepper(self) -> Stepper | None:
+        """The per-parameter stepper (``None``: f32 state and f32 weights, torch's step)."""
+        return self._stepper
 
     def _share_inner(self) -> None:
         # One set of groups, state and defaults: the base class's ones are replaced by the
@@ -192,6 +211,64 @@ class InnerWrapper(torch.optim.Optimizer):
 
     # ----- the step -------------------------------------------------------------------
 
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients to total norm ``max_norm``; return the norm before.
+
+        ``math.inf`` measures only. ``OffloadedOptimizer`` first ingests the gradients left
+        in ``param.grad`` and clips the master gradients; with a ``sharding`` the norm is the
+        global one over every rank's shards (one all-reduce). A non-finite norm (an inf or
+        NaN gradient) is returned as is, and the next ``step`` skips these gradients without
+        being told; that ``step`` decides by this norm, without looking at them again.
+        """
+        check_max_norm(max_norm)
+        self._gather()
+        return self._health.clip(max_norm, norm_type)
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step every weight with a gradient; skipped for inf or NaN gradients.
+
+        A ``closure`` is evaluated once (with grad enabled) first; its loss is returned.
+        ``OffloadedOptimizer`` ingests the gradients left in ``param.grad``, steps the masters
+        and copies them into the model. When a gradient about to be applied is inf or NaN, or
+        finite with a float32 square that overflows (``|g| >= 2**64``), or ``clip_grad_norm``
+        measured a non-finite norm for these gradients, the step is skipped instead: the
+        gradients are dropped, weights and optimizer state are untouched, a
+        ``RuntimeWarning`` says so, ``last_step_skipped`` is set and ``skipped_steps``
+        counts it. State that cannot be stepped (a ``step`` that is not a whole number >= 0,
+        a bad packed part) raises ``ValueError`` before any gradient is moved or weight
+        written.
+        """
+        loss = self._loss(closure)
+        self._check_state()
+        self._gather()
+        if self._skipped():
+            return loss
+        self._before_update()
+        self._update()
+        self._after_update()
+        self.last_step_skipped = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients."""
+        self._built().zero_grad(set_to_none=set_to_none)
+        self._health.forget()
+
+    def _gather(self) -> None:
+        """Bring the gradients to the stepped weights before a clip or a step (none here)."""
+
+    def _before_update(self) -> None:
+        """Run after the skip check, before the update, when the step is not skipped."""
+
+    def _after_update(self) -> None:
+        """Run after the update."""
+
     @staticmethod
     def _loss(closure: Callable[[], float] | None) -> float | None:
         """The closure's loss, evaluated once with grad enabled (``None`` without one)."""
@@ -245,10 +322,6 @@ class InnerWrapper(torch.optim.Optimizer):
             self._built().step()
         else:
             self._stepper.step(checked=True)
-
-    def _zero_inner(self, set_to_none: bool) -> None:
-        self._built().zero_grad(set_to_none=set_to_none)
-        self._health.forget()
 
     # ----- checkpoints ----------------------------------------------------------------
 

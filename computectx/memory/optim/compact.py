@@ -4,7 +4,7 @@ its state stored as ``ctx.optim_state`` (bf16, int8, fp8 or int4), without maste
 The wrapper is a real ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and
 ``defaults`` are the very objects of the inner optimizer (as ``OffloadedOptimizer``'s are), so
 LR schedulers and checkpoints work as with the inner class. The step is
-``computectx.memory.optim.state.Stepper``'s: one parameter at a time, state decoded into a reused
+``computectx.memory.optim.stepper.Stepper``'s: one parameter at a time, state decoded into a reused
 float32 scratch buffer, torch's own update (or the fused Adam(W) update), state encoded back;
 a parameter below float32 (bf16/f16) is updated in float32 and written back with stochastic
 rounding. Non-finite gradients skip the step, as ``OffloadedOptimizer`` skips it.
@@ -12,17 +12,15 @@ rounding. Non-finite gradients skip the step, as ``OffloadedOptimizer`` skips it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, overload
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.memory.optim._masters import MasterWeights, is_dtensor
 from computectx.memory.optim._wrapper import InnerWrapper
 from computectx.memory.optim.offloaded import OffloadedOptimizer
-from computectx.memory.optim.stepper import Stepper
 
 __all__ = ["CompactOptimizer"]
 
@@ -85,21 +83,6 @@ class CompactOptimizer(InnerWrapper):
                 f"torch.optim class"
             )
 
-    @property
-    def inner(self) -> torch.optim.Optimizer:
-        """The torch optimizer whose update runs on each parameter."""
-        return self._built()
-
-    @property
-    def ctx(self) -> ComputeCtx:
-        """The policy this optimizer was built from (``ctx.optim_state`` is read)."""
-        return self._weights.ctx
-
-    @property
-    def stepper(self) -> Stepper | None:
-        """The per-parameter stepper (``None``: f32 state and f32 parameters, torch's step)."""
-        return self._stepper
-
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group of parameters (checked before anything is added)."""
         where = self._where(param_group)
@@ -115,38 +98,6 @@ class CompactOptimizer(InnerWrapper):
                 )
         params = self._weights.check_group(dict(param_group), where)
         self._join({**param_group, "params": params}, params, params)
-
-    # ----- the step -------------------------------------------------------------------
-
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the gradients to total norm ``max_norm``; return the norm before.
-
-        ``math.inf`` measures only. A non-finite norm makes the next ``step`` skip.
-        """
-        check_max_norm(max_norm)
-        return self._health.clip(max_norm, norm_type)
-
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step every parameter with a gradient; skipped for inf or NaN gradients (or one
-        whose square overflows float32: ``|g| >= 2**64``). State that cannot be stepped (a
-        ``step`` that is not a whole number >= 0, a bad packed part) raises ``ValueError``
-        before anything changes."""
-        loss = self._loss(closure)
-        self._check_state()
-        if not self._skipped():
-            self._update()
-            self.last_step_skipped = False
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradients."""
-        self._zero_inner(set_to_none)
 
     # ----- checkpoints ----------------------------------------------------------------
 

@@ -101,23 +101,19 @@ def _update(
     v_new = torch.addcmul(v * hp[_B2], hp[_ONE_MINUS_B2] * g, g)
     denom = v_new.sqrt() / hp[_BC2_SQRT] + hp[_EPS]  # (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     p_new = p + hp[_NEG_STEP] * m_new / denom  # param.addcdiv_(exp_avg, denom, -step_size)
-    m_out = _store(m_new, m_in, cfg.m, m_maps)
-    v_out = _store(v_new, v_in, cfg.v, v_maps)
+    stored: list[tuple[torch.Tensor, ...]] = []
+    for new, old, spec, maps in ((m_new, m_in, cfg.m, m_maps), (v_new, v_in, cfg.v, v_maps)):
+        if spec is None:  # a plain float32 moment, updated in place
+            old[0].copy_(new)
+            stored.append(old)
+        else:  # a rank-1 moment is encoded from its 2-D view (rows from its ``rows`` part)
+            stored.append(
+                encode_tensors(new.view(old[1].numel(), -1) if spec.rank1 else new, spec, maps)
+            )
     if cfg.write_param:
         param.copy_(p_new)
-        return None, m_out, v_out
-    return p_new, m_out, v_out
-
-
-def _store(
-    new: torch.Tensor, old: tuple[torch.Tensor, ...], spec: Spec | None, maps: Maps
-) -> tuple[torch.Tensor, ...]:
-    if spec is None:
-        old[0].copy_(new)
-        return old
-    if spec.rank1:
-        new = new.view(old[1].numel(), -1)
-    return encode_tensors(new, spec, maps)
+        return None, stored[0], stored[1]
+    return p_new, stored[0], stored[1]
 
 
 _COMPILED: dict[str, Callable[..., Any]] = {}
@@ -146,36 +142,61 @@ def _flat(t: torch.Tensor) -> torch.Tensor:
     return flat.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 
-def _moment(
-    x: Packed | torch.Tensor, name: str, state: OptimState, param: torch.Tensor
-) -> tuple[Spec | None, tuple[torch.Tensor, ...], Maps]:
-    if isinstance(x, Packed):
-        if x.shape != param.shape or x.device != param.device:
-            raise ValueError(
-                f"adam_update: {name} is packed for shape {list(x.shape)} on {x.device}, but "
-                f"the parameter is {list(param.shape)} on {param.device}"
+class _Laid(NamedTuple):
+    """A moment as the update reads it: its spec (``None``: plain float32), its parts in
+    ``part_layout`` order (flat), their names, and its map."""
+
+    spec: Spec | None
+    parts: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+    maps: Maps
+
+
+def _lay_out(
+    m: Packed | torch.Tensor, v: Packed | torch.Tensor, state: OptimState, param: torch.Tensor
+) -> tuple[_Laid, _Laid]:
+    """``m`` and ``v`` checked against ``param`` and ``state`` and laid out for ``_update``."""
+    laid: list[tuple[Spec | None, list[torch.Tensor], tuple[str, ...], Maps]] = []
+    for name, x in (("m", m), ("v", v)):
+        if isinstance(x, Packed):
+            if x.shape != param.shape or x.device != param.device:
+                raise ValueError(
+                    f"adam_update: {name} is packed for shape {list(x.shape)} on {x.device}, "
+                    f"but the parameter is {list(param.shape)} on {param.device}"
+                )
+            if x.format != state.format:
+                raise ValueError(
+                    f"adam_update: {name} is packed as {x.format}, but state says {state.format}"
+                )
+            spec = spec_of(x)
+            names = tuple(part_layout(spec, x.shape))
+            parts = []
+            for k in names:  # a loop, not a comprehension: the step reads ``packed`` once
+                parts.append(x.parts[k])
+            laid.append((spec, parts, names, maps_for(spec, x.device)))
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"adam_update: {name} must be a Packed or a tensor, got {type(x).__name__}"
             )
-        if x.format != state.format:
+        if (
+            x.dtype != torch.float32
+            or x.shape != param.shape
+            or x.device != param.device
+            or not x.is_contiguous()
+        ):
             raise ValueError(
-                f"adam_update: {name} is packed as {x.format}, but state says {state.format}"
+                f"adam_update: plain {name} must be contiguous float32 of the parameter's "
+                f"shape {list(param.shape)} on {param.device}, got {x.dtype}{list(x.shape)} "
+                f"on {x.device}"
             )
-        spec = spec_of(x)
-        parts = tuple(_flat(x.parts[k].contiguous()) for k in part_layout(spec, x.shape))
-        return spec, parts, maps_for(spec, x.device)
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"adam_update: {name} must be a Packed or a tensor, got {type(x).__name__}")
-    if (
-        x.dtype != torch.float32
-        or x.shape != param.shape
-        or x.device != param.device
-        or not x.is_contiguous()
-    ):
-        raise ValueError(
-            f"adam_update: plain {name} must be contiguous float32 of the parameter's shape "
-            f"{list(param.shape)} on {param.device}, got {x.dtype}{list(x.shape)} on {x.device}"
-        )
-    empty = torch.empty(0, device=x.device)
-    return None, (_flat(x),), Maps(empty, empty)
+        empty = torch.empty(0, device=x.device)
+        laid.append((None, [x], (), Maps(empty, empty)))
+    m_laid, v_laid = (
+        _Laid(spec, tuple(_flat(t.contiguous()) for t in parts), names, maps)
+        for spec, parts, names, maps in laid
+    )
+    return m_laid, v_laid
 
 
 def adam_update(
@@ -213,10 +234,9 @@ def adam_update(
         )
     if step < 1:
         raise ValueError(f"adam_update: step={step}; accepted: the step number, >= 1")
-    m_spec, m_parts, m_maps = _moment(m, "m", state, param)
-    v_spec, v_parts, v_maps = _moment(v, "v", state, param)
+    m_laid, v_laid = _lay_out(m, v, state, param)
     rounds = param.dtype != torch.float32 and generator is not None
-    cfg = _Config(m_spec, v_spec, weight_decay != 0, decoupled, maximize, not rounds)
+    cfg = _Config(m_laid.spec, v_laid.spec, weight_decay != 0, decoupled, maximize, not rounds)
     # Python floats as torch computes them (double), then float32 as its kernels read them.
     bc1 = 1 - beta1**step
     bc2 = 1 - beta2**step
@@ -228,7 +248,16 @@ def adam_update(
     )
     with torch.no_grad():
         work = param if param.is_contiguous() else param.contiguous()
-        args = (_flat(work), _flat(grad.contiguous()), m_parts, v_parts, m_maps, v_maps, hp, cfg)
+        args = (
+            _flat(work),
+            _flat(grad.contiguous()),
+            m_laid.parts,
+            v_laid.parts,
+            m_laid.maps,
+            v_laid.maps,
+            hp,
+            cfg,
+        )
         if compiled:
             # One graph per configuration (formats, kinds, flags, dtypes): more than dynamo's
             # default limit of 8 per function when many are in use in one process.
@@ -241,16 +270,13 @@ def adam_update(
             work.copy_(stochastic_round(p_new, param.dtype, generator).view(param.shape))
         if work is not param:
             param.copy_(work)
-    return _result(m, m_spec, m_out), _result(v, v_spec, v_out)
-
-
-def _result(
-    old: Packed | torch.Tensor, spec: Spec | None, parts: tuple[torch.Tensor, ...]
-) -> Packed | torch.Tensor:
-    if not isinstance(old, Packed):
-        return old
-    assert spec is not None
-    names = part_layout(spec, old.shape)
-    if spec.format == "bf16":
-        parts = (parts[0].view(old.shape),)
-    return Packed(old.format, old.kind, old.shape, old.block, dict(zip(names, parts, strict=True)))
+    out: list[Packed | torch.Tensor] = []
+    for x, lay, parts in ((m, m_laid, m_out), (v, v_laid, v_out)):
+        if isinstance(x, Packed):  # the same layout, new parts
+            if x.format == "bf16":
+                parts = (parts[0].view(x.shape),)
+            named = dict(zip(lay.names, parts, strict=True))
+            out.append(Packed(x.format, x.kind, x.shape, x.block, named))
+        else:
+            out.append(x)
+    return out[0], out[1]

@@ -17,12 +17,11 @@ load) is ``computectx.memory.optim._wrapper``'s.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, overload
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
-from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Transfer, check_transfer
 from computectx.memory.accumulator import LowPrecGradAccumulator
@@ -30,7 +29,6 @@ from computectx.memory.optim._grad_ingest import GradIngest
 from computectx.memory.optim._masters import MasterWeights, Sharding, check_sharding
 from computectx.memory.optim._wrapper import InnerWrapper
 from computectx.memory.optim.checkpoint import MASTER_WEIGHTS, check_saved_masters, state_tensors
-from computectx.memory.optim.stepper import Stepper
 
 __all__ = ["MASTER_WEIGHTS", "OffloadedOptimizer", "Sharding", "state_tensors"]
 
@@ -72,7 +70,7 @@ class OffloadedOptimizer(InnerWrapper):
     ``ctx.optim_state`` says how optimizer state is stored (``"f32"``: torch's own state,
     the step above exactly). A compact format (bf16, int8, fp8, int4) or a master below
     float32 (``ctx.master`` bf16/f16) steps the masters one at a time through
-    ``computectx.memory.optim.state.Stepper``: state decoded into one reused float32 scratch
+    ``computectx.memory.optim.stepper.Stepper``: state decoded into one reused float32 scratch
     buffer (``memory_report``'s ``"scratch"``), torch's own update (or the fused Adam(W)
     update; ``compile``: ``None`` compiles it on CUDA only), state encoded back, masters
     below float32 written back with stochastic rounding drawn from generators seeded by
@@ -132,11 +130,6 @@ class OffloadedOptimizer(InnerWrapper):
             )
 
     @property
-    def inner(self) -> torch.optim.Optimizer:
-        """The optimizer that steps the master weights."""
-        return self._built()
-
-    @property
     def transfer(self) -> Transfer:
         """How gradients and weights cross devices (the ``transfer`` constructor option)."""
         return self._weights.transfer
@@ -145,16 +138,6 @@ class OffloadedOptimizer(InnerWrapper):
     def sharding(self) -> Sharding | None:
         """How the parameters are split across ranks (``None``: each rank holds them whole)."""
         return self._weights.sharding
-
-    @property
-    def ctx(self) -> ComputeCtx:
-        """The policy this optimizer was built from."""
-        return self._weights.ctx
-
-    @property
-    def stepper(self) -> Stepper | None:
-        """The per-parameter stepper (``None``: f32 state and f32 masters, torch's step)."""
-        return self._stepper
 
     @property
     def compute_params(self) -> tuple[torch.Tensor, ...]:
@@ -199,63 +182,29 @@ class OffloadedOptimizer(InnerWrapper):
         if self._ingest.from_param_grads():
             self._health.forget()
 
-    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
-        """Clip the master gradients to total norm ``max_norm``; return the norm before.
-
-        ``max_norm=math.inf`` measures without clipping. ``param.grad`` left on the compute
-        parameters is ingested first. A non-finite norm (an inf or NaN gradient) is returned
-        as is, and the next ``step`` skips these gradients without being told; nothing
-        else is needed, and ``zero_grad`` leaves nothing pending. The norm is also what
-        that ``step`` decides by, so it need not look at the gradients again. With a
-        ``sharding`` the norm is the global one over every rank's shards (one all-reduce).
-        """
-        check_max_norm(max_norm)
+    def _gather(self) -> None:
+        """Ingest the gradients left in ``param.grad`` (``clip_grad_norm`` and ``step``)."""
         self._take_param_grads()
-        return self._health.clip(max_norm, norm_type)
 
     # ----- the step -------------------------------------------------------------------
 
-    @overload
-    def step(self, closure: None = None) -> None: ...
-
-    @overload
-    def step(self, closure: Callable[[], float]) -> float: ...
-
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step the masters and copy them into the model; skipped for inf or NaN gradients.
-
-        A ``closure`` is evaluated once (with grad enabled) before the step, and the
-        gradients it leaves in ``param.grad`` are ingested. When any gradient about to be
-        applied is inf or NaN (or ``clip_grad_norm`` measured a non-finite norm for these
-        gradients), the step is skipped instead: the gradients are dropped, weights and
-        optimizer state are untouched, a ``RuntimeWarning`` says so, ``last_step_skipped``
-        is set and ``skipped_steps`` counts it; so is a step with a gradient element whose
-        float32 square overflows (``|g| >= 2**64``). State that cannot be stepped (a
-        ``step`` that is not a whole number >= 0, a bad packed part) raises ``ValueError``
-        before any gradient is moved or weight written. Returns the closure's loss, if any.
-        """
-        loss = self._loss(closure)
-        self._check_state()
-        self._take_param_grads()
-        if self._skipped():
-            return loss
+    def _before_update(self) -> None:
         self._weights.adopt_outside_edits()
         if all(mp.grad is None for mp in self._weights.master):
             warnings.warn(
                 "OffloadedOptimizer.step() found no gradient on any parameter; if a "
                 "LowPrecGradAccumulator holds them, call ingest_grads(accumulator) first",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=4,
             )
-        self._update()
+
+    def _after_update(self) -> None:
         self._ingest.mark_applied()
         self._weights.copy_to_compute()
-        self.last_step_skipped = False
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters."""
-        self._zero_inner(set_to_none)
+        super().zero_grad(set_to_none)
         self._ingest.clear_applied()
         for cp in self._weights.compute:
             if cp.grad is None:

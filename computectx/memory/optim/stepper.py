@@ -357,7 +357,8 @@ class Stepper:
         made: dict[str, Packed] = {}
         for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
             if isinstance(value, Packed):
-                new.update({f"{name}{PART_SEP}{k}": t for k, t in parts_of(value).items()})
+                for k, t in parts_of(value).items():
+                    new[f"{name}{PART_SEP}{k}"] = t
                 made[name] = value
             else:
                 new.update(
