@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from types import TracebackType
 from typing import get_args
 
 import torch
@@ -244,15 +243,7 @@ class LowPrecGradAccumulator:
                 f"set_sum needs a tensor of the parameter's shape {tuple(param.shape)}, got "
                 f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}"
             )
-        self._fold_pending(slot)
-        with torch.no_grad():
-            rounded = self._round(value.detach().to(self.device))
-            if slot.buffer is not None:
-                slot.buffer.copy_(rounded)
-            else:
-                # Never an alias of the caller's tensor; contiguous, as every sum is.
-                slot.buffer = rounded.clone(memory_format=torch.contiguous_format)
-        slot.count = max(slot.count, 1)
+        self._write(slot, param, value, None)
 
     def set_sum_part(self, param: torch.Tensor, start: int, values: torch.Tensor) -> None:
         """Replace elements ``start .. start + values.numel()`` of ``param``'s sum (in
@@ -278,14 +269,29 @@ class LowPrecGradAccumulator:
                 f"elements {start} .. {start + values.numel()} are outside the parameter's "
                 f"{param.numel()} elements"
             )
+        self._write(slot, param, values, start)
+
+    def _write(
+        self, slot: _Slot, param: torch.Tensor, values: torch.Tensor, start: int | None
+    ) -> None:
+        """Fold what is pending into ``slot``, then replace its whole sum (``start`` None) or
+        the elements from ``start`` with ``values`` rounded once into ``ctx.grad``; the
+        micro-batch count is kept (at least 1)."""
         self._fold_pending(slot)
         with torch.no_grad():
             rounded = self._round(values.detach().to(self.device))
-            if slot.buffer is None:
-                slot.buffer = torch.zeros(
-                    param.shape, dtype=self.grad_dtype.torch, device=self.device
-                )
-            slot.buffer.view(-1)[start : start + values.numel()].copy_(rounded)
+            if start is None and slot.buffer is None:
+                # Never an alias of the caller's tensor; contiguous, as every sum is.
+                slot.buffer = rounded.clone(memory_format=torch.contiguous_format)
+            elif start is None:
+                assert slot.buffer is not None
+                slot.buffer.copy_(rounded)
+            else:
+                if slot.buffer is None:
+                    slot.buffer = torch.zeros(
+                        param.shape, dtype=self.grad_dtype.torch, device=self.device
+                    )
+                slot.buffer.view(-1)[start : start + values.numel()].copy_(rounded)
         slot.count = max(slot.count, 1)
 
     def peek(self, param: torch.Tensor) -> torch.Tensor | None:
@@ -415,12 +421,7 @@ class LowPrecGradAccumulator:
     def __enter__(self) -> LowPrecGradAccumulator:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
