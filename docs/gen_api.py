@@ -448,7 +448,7 @@ def _block(head: str, doc: str | None, extra: Sequence[str] = ()) -> list[str]:
 
 def _private_base(base: type) -> bool:
     """Whether ``base`` is computectx's and private: its name, or a module on its path
-    (``computectx.memory._wrapper``), starts with ``_``."""
+    (``computectx.memory.optim._wrapper``), starts with ``_``."""
     module = base.__module__
     if module.split(".")[0] != "computectx":
         return False
