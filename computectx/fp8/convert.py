@@ -13,7 +13,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.convert_experts import plan_experts
+from computectx.fp8.convert_experts import ExpertsPlan, plan_experts
 from computectx.fp8.convert_report import (
     Fp8ConversionReport,
     SkippedLinear,
@@ -21,16 +21,18 @@ from computectx.fp8.convert_report import (
     head_dtype_notes,
     nothing_converted,
 )
-from computectx.fp8.linear.module import (
+from computectx.fp8.linear.module import Fp8Linear
+from computectx.fp8.numerics.inline import QuantizeImpl, parse_quantize
+from computectx.fp8.ops.grouped import ExpertsFp8
+from computectx.fp8.policy import (
     FEATURE_MULTIPLE,
-    Fp8Linear,
     check_fp8_widths,
     check_granularity_widths,
+    describe,
+    policy_of,
 )
-from computectx.fp8.numerics.inline import QuantizeImpl, parse_quantize
-from computectx.fp8.policy import describe, policy_of
 from computectx.fp8.scaling.load import guard_whole_loads
-from computectx.recipes import PolicyGranularity
+from computectx.recipes import Fp8Policy, PolicyGranularity
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -161,10 +163,63 @@ def convert_to_fp8(
     result that is not a bool, a ``TypeError``) leaves it untouched; an experts converter
     that raises in ``convert`` has what was swapped put back before the error goes on.
     """
+    policy, how = _checked_args(model, ctx, module_filter, include_head, min_features, quantize)
+    least = DEFAULT_MIN_FEATURES if min_features is None else min_features
+    checked = _checked_converters(converters)
+    rules = _Rules(
+        model, ctx, module_filter, bool(include_head), least, checked, policy.granularity
+    )
+    places, order = _linear_places(model)
+    _refuse_another_policy(ctx, order)
+    experts = plan_experts(model, policy, module_filter, rules.min_features)
+    converted, skipped = _decide(order, experts, rules, _heads(model, order))
+    # Build every replacement (which validates ctx and backend) before swapping any.
+    replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
+    expert_names = _swap(replacements, places, experts, experts.settings(policy, backend))
+    if replacements:
+        guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
+    return _reported(rules, order, places, converted, skipped, expert_names)
+
+
+Places = dict[int, list[tuple[str, nn.Module, str]]]
+"""``id(linear) -> [(fqn, parent, attribute)]``: every place a linear sits (a module shared
+under two names sits in two)."""
+
+
+def _reported(
+    rules: _Rules,
+    order: list[tuple[str, nn.Linear]],
+    places: Places,
+    converted: list[tuple[str, nn.Linear]],
+    skipped: list[SkippedLinear],
+    experts: tuple[str, ...],
+) -> Fp8ConversionReport:
+    """The call's report (every name a converted linear sits under, then the experts), with
+    a ``UserWarning`` when nothing converted (``nothing_converted`` says why, by rule)."""
+    names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
+    notes = head_dtype_notes(rules.ctx, order, skipped)
+    report = Fp8ConversionReport(
+        converted=names + experts, skipped=tuple(skipped), notes=notes, experts=experts
+    )
+    if not report.converted and not any(s.rule == "already_fp8" for s in skipped):
+        warnings.warn(
+            nothing_converted(rules.model, rules.min_features, report), UserWarning, stacklevel=3
+        )
+    return report
+
+
+def _checked_args(
+    model: object,
+    ctx: object,
+    module_filter: object,
+    include_head: object,
+    min_features: object,
+    quantize: object,
+) -> tuple[Fp8Policy, QuantizeImpl]:
+    """``convert_to_fp8``'s arguments checked in order: ``(policy, quantize)``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8 takes an nn.Module, got {describe(model)}")
     policy = policy_of(ctx, "convert_to_fp8")
-    granularity = policy.granularity
     how = parse_quantize(quantize)
     if module_filter is not None:
         if not callable(module_filter):
@@ -189,18 +244,13 @@ def convert_to_fp8(
         isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 1
     ):
         raise ValueError(f"min_features must be an int >= 1, got {min_features!r}")
-    rules = _Rules(
-        model=model,
-        ctx=ctx,
-        module_filter=module_filter,
-        include_head=bool(include_head),
-        min_features=DEFAULT_MIN_FEATURES if min_features is None else min_features,
-        converters=_checked_converters(converters),
-        granularity=granularity,
-    )
+    return policy, how
 
-    # Every place each linear sits (a module shared under two names sits in two).
-    places: dict[int, list[tuple[str, nn.Module, str]]] = {}
+
+def _linear_places(model: nn.Module) -> tuple[Places, list[tuple[str, nn.Linear]]]:
+    """Where each linear of ``model`` sits, and the linears in registration order (``model``
+    itself first when it is one)."""
+    places: Places = {}
     order: list[tuple[str, nn.Linear]] = []
     for fqn, child in model.named_modules(remove_duplicate=False):
         if isinstance(child, nn.Linear) and fqn:
@@ -212,10 +262,17 @@ def convert_to_fp8(
             places[id(child)].append((fqn, parent, name))
     if isinstance(model, nn.Linear):
         order.insert(0, ("", model))
+    return places, order
 
-    _refuse_another_policy(ctx, order)
-    experts = plan_experts(model, policy, module_filter, rules.min_features)
-    heads = _heads(model, order)
+
+def _decide(
+    order: list[tuple[str, nn.Linear]],
+    experts: ExpertsPlan,
+    rules: _Rules,
+    heads: dict[int, str],
+) -> tuple[list[tuple[str, nn.Linear]], list[SkippedLinear]]:
+    """``(converted, skipped)``: each linear in order converts or is skipped with its rule
+    (routers of mixtures of experts stay in high precision)."""
     converted: list[tuple[str, nn.Linear]] = []
     skipped: list[SkippedLinear] = list(experts.skipped)
     for fqn, lin in order:
@@ -227,34 +284,28 @@ def convert_to_fp8(
             converted.append((fqn, lin))
         else:
             skipped.append(SkippedLinear(fqn or "<root>", found[1], found[0]))
+    return converted, skipped
 
-    # Build every replacement (which validates ctx and backend) before swapping any.
-    replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
-    settings = experts.settings(policy, backend)
+
+def _swap(
+    replacements: list[tuple[nn.Linear, nn.Module]],
+    places: Places,
+    experts: ExpertsPlan,
+    settings: tuple[ExpertsFp8, ...],
+) -> tuple[str, ...]:
+    """Put every replacement in each of its linear's places, then convert the experts; the
+    names of the converted experts. An experts converter is the one step that can still fail
+    (a framework's own ``convert()``): it undoes its modules, and the linears go back."""
     for lin, new in replacements:
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)
     try:
-        # An experts converter is the one step that can still fail (a framework's own
-        # convert()): it undoes its modules, and the linears go back in their places.
-        expert_names = experts.apply(settings)
+        return experts.apply(settings)
     except BaseException:
         for lin, _ in replacements:
             for _, parent, name in places[id(lin)]:
                 setattr(parent, name, lin)
         raise
-    if replacements:
-        guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
-    names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
-    notes = head_dtype_notes(ctx, order, skipped)
-    report = Fp8ConversionReport(
-        converted=names + expert_names, skipped=tuple(skipped), notes=notes, experts=expert_names
-    )
-    if not report.converted and not any(s.rule == "already_fp8" for s in skipped):
-        warnings.warn(
-            nothing_converted(model, rules.min_features, report), UserWarning, stacklevel=2
-        )
-    return report
 
 
 def _checked_converters(

@@ -8,7 +8,7 @@ from typing import Literal
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.fp8.linear.module import FEATURE_MULTIPLE
+from computectx.fp8.policy import FEATURE_MULTIPLE
 
 __all__ = [
     "Fp8ConversionReport",

@@ -1,9 +1,11 @@
-"""The fp8 recipe types (re-exported from the core) and ``policy_of``, the ctx check.
+"""The rules an fp8 layer is built under: ``policy_of`` (the ctx check), the widths, the quantize.
 
 The recipe is data the policy carries, so it lives in the core module
-``computectx.recipes``; this module keeps the import path ``computectx.fp8.policy``
-working. ``policy_of`` is how every fp8 entry point (``Fp8Linear``, ``convert_to_fp8``,
-``fp8_autocast``) reads the policy from the ctx it is given.
+``computectx.recipes`` (its types are re-exported here). ``policy_of`` is how every fp8 entry
+point (``Fp8Linear``, ``convert_to_fp8``, ``fp8_autocast``) reads the policy from the ctx it
+is given; ``check_fp8_widths`` and ``check_granularity_widths`` are the width rules
+``Fp8Linear`` raises and ``convert_to_fp8`` skips by; ``check_quantize`` and
+``checked_layer_ctx`` the rules a layer's ``quantize`` and a new ``ctx`` are held to.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import TypeVar
 import torch
 
 from computectx.ctx import ComputeCtx
+from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.numerics.layouts import check_granularity_widths
 from computectx.recipes import (
     DelayedScaling,
@@ -23,18 +26,29 @@ from computectx.recipes import (
 )
 
 __all__ = [
+    "FEATURE_MULTIPLE",
     "DelayedScaling",
     "DynamicScaling",
     "Fp8Policy",
     "Fp8Scheme",
     "Scaling",
+    "check_fp8_widths",
+    "check_granularity_widths",
+    "check_param_dtype",
     "check_quantize",
     "checked_layer_ctx",
+    "default_device",
     "describe",
     "policy_of",
 ]
 
 _Q = TypeVar("_Q", bound=str)
+
+FEATURE_MULTIPLE = 16
+"""``in_features`` and ``out_features`` must be multiples of this for fp8: fp8 tensor core
+tiles (and cuBLASLt's fp8 GEMMs, which refuse other widths) work on 16-element K and N
+steps. ``Fp8Linear`` refuses other widths and ``convert_to_fp8`` skips them, through the one
+check ``check_fp8_widths``."""
 
 
 def describe(value: object, limit: int = 60) -> str:
@@ -110,3 +124,38 @@ def checked_layer_ctx(
         ) from None
     assert isinstance(ctx, ComputeCtx)  # policy_of refuses anything else
     return ctx
+
+
+def check_fp8_widths(in_features: int, out_features: int) -> None:
+    """Raise ``ValueError`` unless both widths are multiples of ``FEATURE_MULTIPLE`` (16).
+
+    The one width rule of fp8 layers: ``Fp8Linear`` raises this error and ``convert_to_fp8``
+    records its message as the reason it skipped a layer.
+    """
+    if in_features % FEATURE_MULTIPLE or out_features % FEATURE_MULTIPLE:
+        raise ValueError(
+            f"in_features={in_features}, out_features={out_features}: both must be multiples "
+            f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
+        )
+
+
+def check_param_dtype(name: str, dtype: torch.dtype) -> None:
+    """``ValueError`` unless an ``Fp8Linear`` parameter's dtype is bf16, fp16 or fp32.
+
+    Checked when the layer is built: a float64 master weight would otherwise only fail at
+    the first forward, deep inside the quantize call."""
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"Fp8Linear quantizes its {name} from bf16, fp16 or fp32; got {dtype}. Pass "
+            f"dtype=torch.float32 (or a ctx whose master dtype is f32/bf16/f16)"
+        )
+
+
+def default_device(ctx: ComputeCtx) -> torch.device:
+    """Where an ``Fp8Linear`` puts new weights: torch's default device when one is set,
+    else ``ctx.device``."""
+    # torch's default device when one is set (torch.set_default_device, a `with
+    # torch.device(...)` block: "meta" builds a layer to materialise later with to_empty),
+    # else the policy's. The CPU is torch's default when none is set, so it never overrides.
+    default = torch.get_default_device()
+    return default if default.type != "cpu" else ctx.device

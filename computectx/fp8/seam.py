@@ -11,9 +11,9 @@ packages above; a name added here is a promise to them.
 
 from __future__ import annotations
 
-from computectx.fp8.backend import check_backend, default_backend, parse_backend
-from computectx.fp8.linear.function import fp8_linear
-from computectx.fp8.linear.plan import Fp8LinearPlan, set_dtensor_linear
+from computectx.fp8.backend import check_backend, default_backend, parse_backend, uses_kernels
+from computectx.fp8.linear.function import fp8_linear, set_dtensor_linear
+from computectx.fp8.linear.plan import Fp8LinearPlan
 from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
 from computectx.fp8.numerics.layouts import step_rule_of
 from computectx.fp8.numerics.ledger import (
@@ -24,16 +24,14 @@ from computectx.fp8.numerics.ledger import (
     ledger_step,
 )
 from computectx.fp8.numerics.tensorwise import step_from_amax
-from computectx.fp8.ops.block_quantize import quantize_blocks
-from computectx.fp8.ops.cublas import cublas_recipes
-from computectx.fp8.ops.grouped import check_grouped, checked_bounds
-from computectx.fp8.ops.quantize import quantize_with_step
-from computectx.fp8.ops.triton import uses_kernels
-from computectx.fp8.serving.decode_attention import (
+from computectx.fp8.ops.attention import (
     KERNEL_HEAD_DIMS,
     check_kernel_head_dim,
     decode_attention,
 )
+from computectx.fp8.ops.blockwise import cublas_recipes, quantize_blocks
+from computectx.fp8.ops.grouped import check_grouped, checked_bounds
+from computectx.fp8.ops.tensorwise import quantize_with_step
 from computectx.fp8.scaling.load import guard_whole_loads
 from computectx.fp8.scaling.operand import AmaxReduce, OperandScaling
 from computectx.fp8.scaling.saved import ROLES, Role

@@ -28,7 +28,7 @@ from computectx.fp8.linear.plan import Fp8LinearPlan
 from computectx.fp8.numerics import blockwise, layouts, tensorwise
 from computectx.fp8.numerics.layouts import OPERAND_GRANULARITY
 from computectx.fp8.numerics.ledger import TALLY_ELEMENTS, ledger_history, ledger_step
-from computectx.fp8.ops.gemm import block_scaled_mm
+from computectx.fp8.ops.blockwise import block_scaled_mm
 
 sqnr: Callable[[torch.Tensor, torch.Tensor], float] = bench.sqnr  # the bench's SQNR, in dB
 
@@ -421,16 +421,16 @@ def test_every_gemm_and_quantize_runs_on_the_layers_backend(
         return block_scaled_mm(*args, backend=Fp8Backend.REFERENCE)
 
     from computectx.fp8.linear import blockwise as blockwise_linear
-    from computectx.fp8.ops import block_quantize
+    from computectx.fp8.ops import blockwise as block_ops
 
-    real_quantize = block_quantize.quantize_blocks
+    real_quantize = block_ops.quantize_blocks
 
     def quantize(*args: Any, backend: Fp8Backend) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append(("quantize", backend))
         return real_quantize(*args, backend=Fp8Backend.REFERENCE)
 
     monkeypatch.setattr(blockwise_linear, "block_scaled_mm", gemm)
-    monkeypatch.setattr(block_quantize, "quantize_blocks", quantize)
+    monkeypatch.setattr(block_ops, "quantize_blocks", quantize)
     layer = Fp8Linear(64, 32, ctx=ComputeCtx.from_flag(flag, "cpu"), backend="cublas")
     layer(torch.randn(8, 64, requires_grad=True)).sum().backward()
     assert [what for what, _ in seen].count("gemm") == 3
@@ -468,13 +468,13 @@ def test_a_block_weight_given_as_its_128x128_codes_and_scales_is_used_as_it_is(
     # The weight's quantize runs only for the high-precision weight; the given blocks are
     # the codes and scales that quantize gives, so everything else is the same, bit for bit.
     seen: list[tuple[int, ...]] = []
-    quantize = blockwise._quantize
+    quantize_all = blockwise._quantize_all  # every quantize of the linear goes through it
 
-    def counting(x: torch.Tensor, *args: Any) -> Any:
-        seen.append(tuple(x.shape))
-        return quantize(x, *args)
+    def counting(operands: list[tuple[torch.Tensor, str]], *args: Any) -> Any:
+        seen.extend(tuple(x.shape) for x, _ in operands)
+        return quantize_all(operands, *args)
 
-    monkeypatch.setattr(blockwise, "_quantize", counting)
+    monkeypatch.setattr(blockwise, "_quantize_all", counting)
     results = []
     for weight in (w.clone().requires_grad_(), given):
         seen.clear()

@@ -47,7 +47,7 @@ from computectx.fp8.policy import describe, policy_of
 from computectx.fp8.scaling.layer import Fp8ScalingState
 from computectx.recipes import Fp8Policy
 
-__all__ = ["fp8_autocast", "region_fp8_enabled", "region_scaling_state"]
+__all__ = ["REGION", "fp8_autocast", "region_fp8_enabled", "region_scaling_state"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -67,7 +67,9 @@ class _Frame:
     dispatch: _ThreadDispatch | None  # the thread whose mode this frame holds, if enabled
 
 
-_REGION: ContextVar[_Frame | None] = ContextVar("computectx_fp8_region", default=None)
+REGION: ContextVar[_Frame | None] = ContextVar("computectx_fp8_region", default=None)
+"""The innermost open region of this context (``None`` outside every region): what
+``region_fp8_enabled`` reads, and ``Fp8Linear.forward`` reads directly."""
 
 # How many enabled=False regions are open in the process (all threads). Compiled code cannot
 # read the ContextVar above; it reads this plain global instead, which dynamo guards on, so a
@@ -101,7 +103,7 @@ def region_fp8_enabled() -> bool | None:
                 )
             )
         return None
-    frame = _REGION.get()
+    frame = REGION.get()
     return None if frame is None else frame.enabled
 
 
@@ -165,8 +167,8 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
 
     def __enter__(self) -> fp8_autocast:
         dispatch = _acquire_mode() if self._enabled else None
-        frame = _Frame(self._enabled, self._ctx, self._backend, _REGION.get(), self, dispatch)
-        _REGION.set(frame)
+        frame = _Frame(self._enabled, self._ctx, self._backend, REGION.get(), self, dispatch)
+        REGION.set(frame)
         if not self._enabled:
             _count_disabled(1)
         return self
@@ -177,13 +179,13 @@ class fp8_autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        frame = _REGION.get()
+        frame = REGION.get()
         if frame is None or frame.owner is not self:
             raise RuntimeError(
                 "fp8_autocast exited out of order: the innermost open region in this "
                 "context is not this one (regions must close in the reverse order they open)"
             )
-        _REGION.set(frame.parent)
+        REGION.set(frame.parent)
         if not frame.enabled:
             _count_disabled(-1)
         if frame.dispatch is not None:
@@ -291,7 +293,7 @@ class _Fp8DispatchMode(TorchFunctionMode):
                         "enabled fp8_autocast region was open on this thread"
                     )
                 )
-            frame = _REGION.get()
+            frame = REGION.get()
             if frame is not None and frame.enabled and frame.ctx is not None:
                 routed = _route_linear(frame, args, kwargs)
                 if routed is not None:

@@ -4,7 +4,7 @@ Scaling is dynamic and per block: every GEMM operand is quantized from the curre
 each of its blocks, with no history (``numerics.layouts.StepRule``: ``"pow2"`` or ``"amax"`` as
 ``policy.power_of_two`` says for ``row`` and ``block``; ``"mx_rceil"`` or ``"mx_floor"``
 as ``policy.mx_rounding`` says for ``mx``). Each operand below is ``(rows, contraction)``
-as ``ops.gemm.block_scaled_mm`` takes it; its blocks run along the contraction:
+as ``ops.blockwise.block_scaled_mm`` takes it; its blocks run along the contraction:
 
 =========================  ======================  ======================  ==================
 GEMM (contraction)         ``row``                 ``block``               ``mx``
@@ -28,7 +28,7 @@ the forward and the dgrad use them as they are. With ``gw_hp``
 high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
 dY and dYᵀ in its backward format, Xᵀ in the forward format.
 
-Every GEMM is ``ops.gemm.block_scaled_mm`` on ``plan.backend`` (its semantics and a-priori
+Every GEMM is ``ops.blockwise.block_scaled_mm`` on ``plan.backend`` (its semantics and a-priori
 bound are that module's: each K block's float32 partial sum promoted with its scales; one
 scaling of the whole float32 sum for ``row``), with the bias in the forward's epilogue; the
 forward and dgrad write the GEMM dtype, the wgrad float32 until it reaches the weight's
@@ -59,28 +59,27 @@ again to the same bytes (every step comes from the operand itself) and records n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8.linear.recompute import checkpoint_site
+from computectx.fp8.linear.recompute import CheckpointSite
 from computectx.fp8.linear.weights import Fp8BlockWeight, Fp8Weight
-from computectx.fp8.numerics import tensorwise
 from computectx.fp8.numerics.layouts import (
     MX_BLOCK,
     OPERAND_GRANULARITY,
     BlockGranularity,
-    step_rule_of,
 )
-from computectx.fp8.numerics.ledger import count, ledger_saturated
-from computectx.fp8.ops import registry
-from computectx.fp8.ops.gemm import block_scaled_mm
-from computectx.fp8.scaling.operand import OperandScaling
+from computectx.fp8.ops import blockwise as block_ops
+from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.fp8.ops.blockwise import block_scaled_mm
+from computectx.fp8.scaling.operand import record_statistics
 
 if TYPE_CHECKING:
-    from computectx.fp8.linear.plan import Fp8LinearPlan
+    from computectx.fp8.linear.plan import Fp8LinearPlan, LinearGrads
 
 __all__ = ["blockwise_linear"]
 
@@ -91,28 +90,32 @@ def _quantize(
     granularity: BlockGranularity,
     plan: Fp8LinearPlan,
     count_saturated: bool = False,
-) -> registry.Quantized:
+) -> block_ops.Quantized:
     """``x`` quantized in blocks along its last dimension: ``(codes, scale, largest step,
     saturated count)``, the scale as ``fp8_quantize`` returns it, the count (float32 ``(1,)``)
     only when ``count_saturated`` (a recorded quantize; else 0); an ``mx`` contraction under
     32 zero-padded to one block."""
-    if granularity == "mx" and x.shape[-1] < MX_BLOCK:
-        x = torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1]))
-    rule = step_rule_of(plan.policy)
-    out: registry.Quantized = registry.fp8_quantize_blocks(
-        x, fmt.torch, granularity, rule, plan.backend.value, count_saturated
-    )
-    return out
+    return _quantize_all([(x, granularity)], fmt, plan, count_saturated)[0]
 
 
-def _record(
-    operand: OperandScaling, x: torch.Tensor, largest_step: torch.Tensor, saturated: torch.Tensor
-) -> None:
-    # Statistics only: the tensor's amax (NaN propagates and is counted), the largest block
-    # step, the saturated elements, and x's elements in the tally.
-    operand.record(tensorwise.amax(x), largest_step)
-    ledger_saturated(operand.ledger).add_(saturated)
-    count(operand.tally, x)
+def _quantize_all(
+    operands: Sequence[tuple[torch.Tensor, BlockGranularity]],
+    fmt: Fp8Format,
+    plan: Fp8LinearPlan,
+    count_saturated: bool,
+) -> list[block_ops.Quantized]:
+    """Each ``(x, granularity)`` quantized as ``_quantize`` says, in one call."""
+    padded = [
+        (torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1])), g)
+        if g == "mx" and x.shape[-1] < MX_BLOCK
+        else (x, g)
+        for x, g in operands
+    ]
+    rule, backend = plan.step_rule, plan.backend.value
+    return [
+        block_ops.fp8_quantize_blocks(x, fmt.torch, g, rule, backend, count_saturated)
+        for x, g in padded
+    ]
 
 
 class _GranularLinearFunction(torch.autograd.Function):
@@ -127,22 +130,25 @@ class _GranularLinearFunction(torch.autograd.Function):
         plan: Fp8LinearPlan,
         record_forward: bool,
     ) -> torch.Tensor:
-        fwd = plan.policy.format.forward
+        fwd = plan.fwd
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
-        xq, sx, x_step, x_sat = _quantize(x, fwd, g_act, plan, record_forward)
-        if isinstance(weight, Fp8BlockWeight):  # its 128x128 blocks, gathered by FSDP2
-            wq, sw = weight.fp8_data, weight.fp8_scale
+        gathered = weight if isinstance(weight, Fp8BlockWeight) else None  # from FSDP2
+        operands = [(x, g_act)] if gathered is not None else [(x, g_act), (weight, g_w)]
+        (xq, sx, x_step, x_sat), *quantized_w = _quantize_all(operands, fwd, plan, record_forward)
+        if gathered is not None:  # its 128x128 blocks, as they are
+            wq, sw = gathered.fp8_data, gathered.fp8_scale
         else:
-            wq, sw, w_step, w_sat = _quantize(weight, fwd, g_w, plan, record_forward)
+            wq, sw, w_step, w_sat = quantized_w[0]
         if record_forward:
-            _record(plan.state.input, x, x_step, x_sat)
-            if isinstance(weight, Fp8BlockWeight):
+            if gathered is not None:
                 # Statistics of the gathered blocks (dynamic: nothing saturates), only when
                 # recorded: the dequantized weight is a full-size float32 copy.
                 w_sat = torch.zeros(1, dtype=torch.float32, device=sw.device)
-                _record(plan.state.weight, weight.dequantize(), sw.amax().reshape(1), w_sat)
+                w_stats = (gathered.dequantize(), sw.amax().reshape(1), w_sat)
             else:
-                _record(plan.state.weight, weight, w_step, w_sat)
+                w_stats = (weight, w_step, w_sat)
+            state = plan.state
+            record_statistics([(state.input, x, x_step, x_sat), (state.weight, *w_stats)])
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
         # row and mx quantize the weight again along N from high precision.
@@ -158,12 +164,10 @@ class _GranularLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(
-        ctx: Any, dy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> LinearGrads:
         plan: Fp8LinearPlan = ctx.plan
         policy = plan.policy
-        fwd, bwd = policy.format.forward, policy.format.backward
+        fwd, bwd = plan.fwd, plan.bwd
         g_act, g_w = OPERAND_GRANULARITY[policy.granularity]
         x, *w_saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
@@ -173,7 +177,7 @@ class _GranularLinearFunction(torch.autograd.Function):
             # dX[M, K] = dY[M, N] · W[N, K]: contraction over N, dY's rows and W's columns.
             gq, sg, g_step, g_sat = _quantize(dy, bwd, g_act, plan, record)
             if record:
-                _record(plan.state.grad, dy, g_step, g_sat)
+                record_statistics([(plan.state.grad, dy, g_step, g_sat)])
                 record = False
             g_wt: BlockGranularity = g_w
             if g_w == "128x128":
@@ -189,11 +193,11 @@ class _GranularLinearFunction(torch.autograd.Function):
             # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
             # in float32 until it reaches the weight's dtype.
             if policy.gw_hp:
-                dw32 = registry.wgrad_float32(dy, x)
+                dw32 = tensor_ops.wgrad_float32(dy, x)
             else:
                 gtq, sgt, gt_step, gt_sat = _quantize(dy.t(), bwd, g_act, plan, record)
                 if record:
-                    _record(plan.state.grad, dy, gt_step, gt_sat)
+                    record_statistics([(plan.state.grad, dy, gt_step, gt_sat)])
                 xtq, sxt, _, _ = _quantize(x.t(), fwd, g_act, plan)
                 dw32 = block_scaled_mm(
                     gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
@@ -205,11 +209,16 @@ class _GranularLinearFunction(torch.autograd.Function):
 
 
 def blockwise_linear(
-    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+    site: CheckpointSite | None,
 ) -> torch.Tensor:
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
-    mx). ``block`` also takes its weight already quantized in 128x128 blocks, in the forward
-    format (an ``Fp8BlockWeight``: FSDP2's fp8 all-gather), and uses it as it is.
+    mx; ``site``: where the call sits with respect to activation checkpointing). ``block``
+    also takes its weight already quantized in 128x128 blocks, in the forward format (an
+    ``Fp8BlockWeight``: FSDP2's fp8 all-gather), and uses it as it is.
     ``ValueError`` for what it does not run yet: a frozen (serving) weight, any other
     pre-quantized weight, data-parallel amax reduction."""
     unsupported = [
@@ -217,7 +226,7 @@ def blockwise_linear(
         for what, present in (
             ("a frozen (serving) weight", plan.frozen_weight is not None),
             ("an fp8 all-gathered weight (FSDP2)", _is_fp8_weight(weight, plan)),
-            ("data-parallel amax reduction", plan.reduces()),
+            ("data-parallel amax reduction", plan.reduces),
         )
         if present
     ]
@@ -229,7 +238,6 @@ def blockwise_linear(
         )
     # Under activation checkpointing the recomputation quantizes again, to the same bytes (the
     # steps are the operands' own), and records nothing; the backward records dY once.
-    site = checkpoint_site(plan.record)
     record_forward = plan.record and (site is None or not site.recomputing)
     out: torch.Tensor = _GranularLinearFunction.apply(x2, weight, bias, plan, record_forward)  # type: ignore[no-untyped-call]
     return out
@@ -239,6 +247,5 @@ def _is_fp8_weight(weight: torch.Tensor | None, plan: Fp8LinearPlan) -> bool:
     # A pre-quantized weight this call cannot use as it is: a per-tensor Fp8Weight, or
     # 128x128 blocks under another granularity or in another format.
     if isinstance(weight, Fp8BlockWeight):
-        fwd = plan.policy.format.forward
-        return plan.policy.granularity != "block" or weight.fp8_data.dtype != fwd.torch
+        return plan.policy.granularity != "block" or weight.fp8_data.dtype != plan.fwd.torch
     return isinstance(weight, Fp8Weight)

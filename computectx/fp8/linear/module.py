@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from typing_extensions import Self
 from computectx.ctx import ComputeCtx, parse_device
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend, default_backend, select_backend
-from computectx.fp8.linear.autocast import region_fp8_enabled
+from computectx.fp8.linear.autocast import REGION, region_fp8_enabled
 from computectx.fp8.linear.function import fp8_linear
 from computectx.fp8.linear.plan import Fp8LinearPlan, gemm_dtype_for
 from computectx.fp8.linear.recompute import in_reentrant_checkpoint_forward
@@ -23,9 +22,16 @@ from computectx.fp8.numerics import tensorwise
 from computectx.fp8.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.fp8.numerics.layouts import check_granularity_widths
 from computectx.fp8.numerics.ledger import count
-from computectx.fp8.ops import quantize
-from computectx.fp8.policy import check_quantize, checked_layer_ctx, policy_of
-from computectx.fp8.scaling.layer import Fp8ScalingState
+from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.fp8.policy import (
+    check_fp8_widths,
+    check_param_dtype,
+    check_quantize,
+    checked_layer_ctx,
+    default_device,
+    policy_of,
+)
+from computectx.fp8.scaling.layer import Fp8ScalingState, held_out
 from computectx.fp8.scaling.load import (
     ScalingLoad,
     check_held_dtypes,
@@ -35,24 +41,13 @@ from computectx.fp8.scaling.load import (
 from computectx.fp8.scaling.operand import AmaxReduce
 from computectx.recipes import Fp8Policy
 
-__all__ = [
-    "FEATURE_MULTIPLE",
-    "SCALING_PREFIX",
-    "Fp8Linear",
-    "check_fp8_widths",
-    "check_granularity_widths",
-]
-
-FEATURE_MULTIPLE = 16
-"""``in_features`` and ``out_features`` must be multiples of this for fp8: fp8 tensor core
-tiles (and cuBLASLt's fp8 GEMMs, which refuse other widths) work on 16-element K and N
-steps. ``Fp8Linear`` refuses other widths and ``convert_to_fp8`` skips them, through the one
-check ``check_fp8_widths``."""
+__all__ = ["SCALING_PREFIX", "Fp8Linear"]
 
 _FROZEN_BUFFERS = ("weight_fp8", "weight_step")
 SCALING_PREFIX = "fp8_"
 """The scaling state's buffers are ``fp8_{role}_ledger``, ``fp8_{role}_tally`` (role in
 input, weight, grad) and ``fp8_meta`` (``computectx.fp8.scaling.saved``)."""
+_META = f"{SCALING_PREFIX}meta"
 
 
 class Fp8Linear(nn.Linear):
@@ -88,6 +83,8 @@ class Fp8Linear(nn.Linear):
     """The pre-quantized weight (after ``freeze_for_serving``)."""
     weight_step: torch.Tensor
     """The step of ``weight_fp8`` (after ``freeze_for_serving``)."""
+    _settled: tuple[torch.Tensor | None, torch.device] | None
+    _plans: dict[bool, Fp8LinearPlan] | None
     amax_reduce: AmaxReduce | None
     """The data-parallel seam (``computectx.distributed.sync_fp8_scaling`` sets it;
     ``None``: one process, or ranks that nothing keeps in step). While it is armed (a
@@ -111,9 +108,9 @@ class Fp8Linear(nn.Linear):
         check_fp8_widths(in_features, out_features)
         check_granularity_widths(policy.granularity, in_features, out_features)
         self._quantize = check_quantize(parse_quantize(quantize), policy)
-        dev = parse_device(device) if device is not None else _default_device(ctx)
+        dev = parse_device(device) if device is not None else default_device(ctx)
         param_dtype = dtype if dtype is not None else ctx.master.torch
-        _check_param_dtype("weight", param_dtype)
+        check_param_dtype("weight", param_dtype)
         super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
         self.ctx = ctx
         self._forced_backend = None if backend is None else select_backend(dev, force=backend)[0]
@@ -142,9 +139,9 @@ class Fp8Linear(nn.Linear):
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {type(linear).__name__}")
         w = linear.weight
-        _check_param_dtype("weight", w.dtype)
+        check_param_dtype("weight", w.dtype)
         if linear.bias is not None:
-            _check_param_dtype("bias", linear.bias.dtype)
+            check_param_dtype("bias", linear.bias.dtype)
         forced = None if backend is None else select_backend(w.device, force=backend)[0]
         new = cls(
             linear.in_features,
@@ -159,6 +156,7 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new._forced_backend = forced
         new._auto = (w.device, default_backend(w.device))
+        new._unsettle()
         new.scaling.reset(w.device)
         new.train(linear.training)
         return new
@@ -177,11 +175,13 @@ class Fp8Linear(nn.Linear):
         self._ctx = checked_layer_ctx(
             value, self.in_features, self.out_features, self._quantize, frozen
         )
+        self._policy = policy_of(self._ctx, "Fp8Linear")
+        self._unsettle()
 
     @property
     def policy(self) -> Fp8Policy:
         """The fp8 policy (``ctx.fp8``)."""
-        return policy_of(self.ctx, "Fp8Linear")
+        return self._policy
 
     @property
     def frozen(self) -> bool:
@@ -206,6 +206,7 @@ class Fp8Linear(nn.Linear):
     @quantize.setter
     def quantize(self, value: QuantizeImpl) -> None:
         self._quantize = check_quantize(parse_quantize(value), self.policy)
+        self._unsettle()
 
     def _storage_device(self) -> torch.device:
         w = self.weight_fp8 if self._frozen else self.weight
@@ -215,29 +216,30 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` in fp8 (or plain, inside ``fp8_autocast(enabled=False)``)."""
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"Fp8Linear takes a tensor, got {type(x).__name__}")
-        if x.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"Fp8Linear quantizes bf16, fp16 or fp32 inputs; got {x.dtype}. Cast the "
-                f"input first (e.g. ctx.to_compute(x))"
-            )
-        if x.dim() < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"Fp8Linear expects inputs of shape (..., {self.in_features}), got {tuple(x.shape)}"
-            )
-        if region_fp8_enabled() is False:
-            w = (
-                tensorwise.dequantize(self.weight_fp8, self.weight_step, x.dtype)
-                if self._frozen
-                else self.weight.to(x.dtype)
-            )
-            b = None if self.bias is None else self.bias.to(x.dtype)
-            return functional.linear(x, w, b)
-        policy = self.policy
-        check_quantize(self._quantize, policy)  # the ctx may have been swapped since
-        frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
-        self.scaling.conform(policy, self._storage_device())
+        _check_input(x, self.in_features)
+        if _region_turns_fp8_off():
+            return self._plain_linear(x)
+        return fp8_linear(x, None if self._frozen else self.weight, self.bias, self._call_plan())
+
+    def _plain_linear(self, x: torch.Tensor) -> torch.Tensor:
+        w = (
+            tensorwise.dequantize(self.weight_fp8, self.weight_step, x.dtype)
+            if self._frozen
+            else self.weight.to(x.dtype)
+        )
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return functional.linear(x, w, b)
+
+    def _call_plan(self) -> Fp8LinearPlan:
+        """This call's plan: the layer's own for its mode, armed for a data-parallel sync."""
+        dev = self._storage_device()
+        compiling = torch.compiler.is_compiling()
+        if compiling:
+            self.scaling.conform(self._policy, dev)
+        elif self._settled is None or not (
+            self._settled[0] is self._buffers.get(_META) and self._settled[1] == dev
+        ):
+            self._settle(dev)
         # Ledgers advance in training only (as TransformerEngine's do): an eval, no_grad or
         # inference_mode call quantizes from the state as it stands and writes nothing,
         # so its output never depends on earlier calls of its kind, and on many ranks it
@@ -251,27 +253,48 @@ class Fp8Linear(nn.Linear):
             and (torch.is_grad_enabled() or in_reentrant_checkpoint_forward())
         )
         reduce = self.amax_reduce
-        lockstep = False
         if reduce is not None:
             record = record and reduce.armed
-            lockstep = record and reduce.lockstep
-            if not (record and reduce.reduces):
-                reduce = None
-        elif record and policy.granularity == "tensor" and not torch.compiler.is_compiling():
+            armed = reduce if record and reduce.reduces else None
+            return self._plan(record, armed, lockstep=record and reduce.lockstep)
+        dist = torch.distributed  # a single process (no process group) never warns
+        many = dist.is_available() and dist.is_initialized()
+        if record and self._policy.granularity == "tensor" and not compiling and many:
             # Row, block and mx keep no scaling history: nothing to keep in step.
             warn_if_unsynced(self)
-        plan = Fp8LinearPlan(
-            policy=policy,
+        if compiling or self._plans is None:
+            return self._plan(record)
+        return self._plans[record]
+
+    def _plan(
+        self, record: bool, amax_reduce: AmaxReduce | None = None, lockstep: bool = False
+    ) -> Fp8LinearPlan:
+        frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
+        return Fp8LinearPlan(
+            policy=self._policy,
             state=self.scaling,
             backend=self.backend,
             gemm_dtype=gemm_dtype_for(self.ctx.compute),
             frozen_weight=frozen,
             quantize=self._quantize,
-            amax_reduce=reduce,
+            amax_reduce=amax_reduce,
             record=record,
             lockstep=lockstep,
         )
-        return fp8_linear(x, None if self._frozen else self.weight, self.bias, plan)
+
+    def _settle(self, device: torch.device) -> None:
+        """Fit the scaling state to the policy and ``device`` (adopting tensors loaded from
+        outside, ``Fp8ScalingState.conform``) and make the plans the next calls read; later
+        calls skip this while the state's ``meta`` tensor and the weight's device stay."""
+        self.scaling.conform(self._policy, device)
+        self._settled = (self._buffers.get(_META), device)
+        # A frozen weight's buffers may be replaced by assignment: its plan is made per call.
+        self._plans = None if self._frozen else {r: self._plan(r) for r in (False, True)}
+
+    def _unsettle(self) -> None:
+        """The policy, the quantize, the device or the weight changed: settle again."""
+        self._settled = None
+        self._plans = None
 
     # ----- serving ------------------------------------------------------------------------
 
@@ -311,7 +334,7 @@ class Fp8Linear(nn.Linear):
         # Not inference tensors, even when frozen inside inference_mode: those could
         # never be saved for an input gradient or loaded into by load_state_dict later.
         with torch.inference_mode(False), torch.no_grad():
-            data, step, amax = quantize.quantize_dynamic(w, fmt, 0, backend=self.backend)
+            data, step, amax = tensor_ops.quantize_dynamic(w, fmt, 0, backend=self.backend)
             step = step.reshape(1).clone()
         state = self.scaling.weight
         state.record(amax, step)
@@ -320,6 +343,7 @@ class Fp8Linear(nn.Linear):
         self.register_buffer("weight_fp8", data)
         self.register_buffer("weight_step", step)
         self._frozen = True
+        self._unsettle()
         return self
 
     # ----- state ----------------------------------------------------------------------------
@@ -407,7 +431,7 @@ class Fp8Linear(nn.Linear):
         plan = self.scaling_load(local, prefix)
         if refuse_whole(self, state_dict, prefix, error_msgs, missing_keys, unexpected_keys):
             return  # torch raises what was recorded; the layer is left as it was
-        with _held_out(self._buffers, names):
+        with held_out(self._buffers, names):
             super()._load_from_state_dict(
                 state_dict,
                 prefix,
@@ -429,7 +453,7 @@ class Fp8Linear(nn.Linear):
         # for a frozen weight: fp8 counts as floating point, so a module-wide .half() or
         # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the
         # float32 step; both only follow the device, which fn applied to the step reveals.
-        with _held_out(self._buffers, (*self.scaling.tensor_names(), *_FROZEN_BUFFERS)) as held:
+        with held_out(self._buffers, (*self.scaling.tensor_names(), *_FROZEN_BUFFERS)) as held:
             super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
             step = held.get("weight_step")
             if step is not None:
@@ -441,6 +465,7 @@ class Fp8Linear(nn.Linear):
         dev = self._storage_device()
         self.scaling.to(dev)
         self._auto = (dev, default_backend(dev))
+        self._unsettle()
         return self
 
     def extra_repr(self) -> str:
@@ -449,50 +474,28 @@ class Fp8Linear(nn.Linear):
         return f"{base}, fp8={self.policy}{frozen}"
 
 
-def check_fp8_widths(in_features: int, out_features: int) -> None:
-    """Raise ``ValueError`` unless both widths are multiples of ``FEATURE_MULTIPLE`` (16).
+def _check_input(x: object, in_features: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Fp8Linear takes a tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"Fp8Linear quantizes bf16, fp16 or fp32 inputs; got {x.dtype}. Cast the "
+            f"input first (e.g. ctx.to_compute(x))"
+        )
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"Fp8Linear expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
+        )
 
-    The one width rule of fp8 layers: ``Fp8Linear`` raises this error and ``convert_to_fp8``
-    records its message as the reason it skipped a layer.
+
+def _region_turns_fp8_off() -> bool:
+    """Whether the innermost open ``fp8_autocast`` region is ``enabled=False``.
+
+    Read from the region's ``ContextVar`` directly (no call into ``linear.autocast``). While
+    compiling the region cannot be read: ``region_fp8_enabled`` then raises while a disabled
+    region is open anywhere, and is ``None`` otherwise (fp8 stays on).
     """
-    if in_features % FEATURE_MULTIPLE or out_features % FEATURE_MULTIPLE:
-        raise ValueError(
-            f"in_features={in_features}, out_features={out_features}: both must be multiples "
-            f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
-        )
-
-
-def _default_device(ctx: ComputeCtx) -> torch.device:
-    # torch's default device when one is set (torch.set_default_device, a `with
-    # torch.device(...)` block: "meta" builds a layer to materialise later with to_empty),
-    # else the policy's. The CPU is torch's default when none is set, so it never overrides.
-    default = torch.get_default_device()
-    return default if default.type != "cpu" else ctx.device
-
-
-@contextmanager
-def _held_out(
-    buffers: dict[str, torch.Tensor | None], names: tuple[str, ...]
-) -> Iterator[dict[str, torch.Tensor | None]]:
-    """Take ``names`` out of ``buffers`` for the block (which may replace them in the dict it
-    gets), then put them back in their places. The same dict object throughout: the
-    scaling state reads its tensors from it."""
-    order = list(buffers)
-    held = {k: buffers.pop(k) for k in names if k in buffers}
-    try:
-        yield held
-    finally:
-        now = {**buffers, **held}
-        buffers.clear()
-        buffers.update({k: now.pop(k) for k in order if k in now})
-        buffers.update(now)
-
-
-def _check_param_dtype(name: str, dtype: torch.dtype) -> None:
-    # Checked when the layer is built: a float64 master weight would otherwise only fail
-    # at the first forward, deep inside the quantize call.
-    if dtype not in FLOAT_DTYPES:
-        raise ValueError(
-            f"Fp8Linear quantizes its {name} from bf16, fp16 or fp32; got {dtype}. Pass "
-            f"dtype=torch.float32 (or a ctx whose master dtype is f32/bf16/f16)"
-        )
+    if torch.compiler.is_compiling():
+        return region_fp8_enabled() is False
+    frame = REGION.get()
+    return frame is not None and not frame.enabled

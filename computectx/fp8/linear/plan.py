@@ -1,35 +1,31 @@
-"""What one fp8 linear call needs to know, decided once per call: ``Fp8LinearPlan``.
+"""What one fp8 linear call needs to know besides its tensors: ``Fp8LinearPlan``.
 
 The plan carries the layer's policy, backend, scaling state and the GEMM's dtype, so the
 router (``linear.function``) and the autograd functions (``linear.tensorwise``,
-``linear.blockwise``) read one value rather than the module. ``set_dtensor_linear`` is the
-seam tensor parallelism fills (``computectx.distributed``); ``autocast_dtype`` reads an open
-``torch.autocast`` region.
+``linear.blockwise``) read one value rather than the module. It is data: nothing on a call's
+path calls into this module (an ``Fp8Linear`` builds its plans when its ctx or device
+changes, and what the plan derives from the policy is read once, then held).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from computectx.dtypes import FLOAT_DTYPES, DType
+from computectx.dtypes import DType, Fp8Format
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.numerics.inline import QuantizeImpl
+from computectx.fp8.numerics.layouts import StepRule, step_rule_of
 from computectx.fp8.scaling.layer import Fp8ScalingState
 from computectx.fp8.scaling.operand import AmaxReduce
 from computectx.recipes import Fp8Policy
 
-__all__ = [
-    "DTensorLinear",
-    "Fp8LinearPlan",
-    "autocast_dtype",
-    "dtensor_linears",
-    "gemm_dtype_for",
-    "is_dtensor",
-    "set_dtensor_linear",
-]
+__all__ = ["Fp8LinearPlan", "LinearGrads", "gemm_dtype_for"]
+
+LinearGrads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]
+"""What an fp8 linear's autograd function returns from its backward: ``(dX, dW, db)`` (each
+``None`` where not needed), then nothing for the plan and the call's last argument."""
 
 
 def gemm_dtype_for(compute: DType) -> torch.dtype:
@@ -82,45 +78,27 @@ class Fp8LinearPlan:
     """The layer is kept in step with other ranks and this call records: an empty input
     still goes through the recording path, so its history moves with theirs."""
 
-    def reduces(self) -> bool:
-        """Whether any quantize of this call reduces its amax with other ranks."""
-        return any(
-            r is not None
-            for r in (self.amax_reduce, self.input_reduce, self.weight_reduce, self.grad_reduce)
-        )
+    fwd: Fp8Format = field(init=False, repr=False)
+    """The policy's forward format (inputs and weights)."""
+    bwd: Fp8Format = field(init=False, repr=False)
+    """The policy's backward format (output gradients)."""
+    step_rule: StepRule = field(init=False, repr=False)
+    """How a fine-grained policy's blocks turn their amax into a step (``step_rule_of``)."""
+    reduces: bool = field(init=False, repr=False)
+    """Whether any quantize of this call reduces its amax with other ranks."""
 
-
-DTensorLinear = Callable[
-    [torch.Tensor, "torch.Tensor | None", "torch.Tensor | None", Fp8LinearPlan], torch.Tensor
-]
-"""Computes ``fp8_linear`` of operands some of which are DTensors (the seam
-``computectx.distributed`` fills: it runs the call on the local shards)."""
-
-
-dtensor_linears: list[DTensorLinear] = []
-
-
-def set_dtensor_linear(fn: DTensorLinear) -> None:
-    """Make ``fn`` the handler of fp8 linears whose operands include a DTensor."""
-    dtensor_linears[:] = [fn]
-
-
-def is_dtensor(t: torch.Tensor | None) -> bool:
-    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (no import for plain tensors)."""
-    if t is None or type(t) is torch.Tensor or type(t) is torch.nn.Parameter:
-        return False
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def autocast_dtype(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype ``torch.autocast`` would run a linear of ``x`` at, when it is on for ``x``'s
-    device and that dtype is not ``x``'s; else ``None``."""
-    device = x.device.type
-    if not torch.is_autocast_enabled(device):
-        return None
-    dtype = torch.get_autocast_dtype(device)
-    return dtype if dtype != x.dtype and dtype in FLOAT_DTYPES else None
+    def __post_init__(self) -> None:
+        # What a call reads of the policy, derived once when the plan is made (an Fp8Linear
+        # keeps its plans), so the call reads attributes. Set here as a frozen dataclass's
+        # own __init__ sets its fields; dataclasses.replace derives them again.
+        derived = {
+            "fwd": self.policy.format.forward,
+            "bwd": self.policy.format.backward,
+            "step_rule": step_rule_of(self.policy),
+            "reduces": any(
+                r is not None
+                for r in (self.amax_reduce, self.input_reduce, self.weight_reduce, self.grad_reduce)
+            ),
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, value)

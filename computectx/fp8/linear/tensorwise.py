@@ -1,11 +1,12 @@
-"""The fp8 linear as an autograd function: three scaled GEMMs sharing one quantized gradient.
+"""The per-tensor fp8 linear as an autograd function: three scaled GEMMs, one quantized gradient.
 
 Forward ``Y = X Wᵀ (+ b)`` with ``X`` and ``W`` quantized in the policy's forward format;
 backward ``dX = dY W`` and ``dW = dYᵀ X`` with ``dY`` quantized once in the backward format
 and shared by both GEMMs (the transposes are views handed to ``ops.gemm.scaled_mm``). The
 forward saves the fp8 operands and the steps it used together with its plan (policy,
 scaling state, backend), so ``loss.backward()`` needs nothing from the region or module
-that ran the forward and may run after both are gone.
+that ran the forward and may run after both are gone. ``tensorwise_linear`` is the entry the
+router (``linear.function``) calls with a 2-D input.
 
 Under activation checkpointing the original forward of a checkpointed region remembers the
 steps it quantized with, and the region's recomputation during the backward quantizes with
@@ -21,22 +22,44 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from computectx.fp8.linear.plan import Fp8LinearPlan
+from computectx.fp8.linear.plan import Fp8LinearPlan, LinearGrads
 from computectx.fp8.linear.recompute import (
     SAVE_FP8,
     CheckpointSite,
     StepsUsed,
+    delayed_quantize_in_compiled_checkpoint,
     selective_modes_set_aside,
     warn_nothing_to_replay,
 )
 from computectx.fp8.linear.weights import Fp8Weight
 from computectx.fp8.numerics import tensorwise
-from computectx.fp8.ops import gemm, quantize
+from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.recipes import DelayedScaling
 
-__all__ = ["TensorwiseLinearFunction", "dequantized", "saving_the_quantize", "unsaveable"]
+__all__ = ["TensorwiseLinearFunction", "dequantized", "tensorwise_linear"]
 
 
-def saving_the_quantize(
+def tensorwise_linear(
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+    site: CheckpointSite | None,
+) -> torch.Tensor:
+    """The per-tensor fp8 linear on 2-D ``x2`` (``site``: where the call sits with respect
+    to activation checkpointing, ``linear.recompute.checkpoint_site``)."""
+    if (
+        torch.compiler.is_compiling()
+        and plan.record
+        and isinstance(plan.policy.scaling, DelayedScaling)
+        and delayed_quantize_in_compiled_checkpoint(_unsaveable(plan)) == "unsaved"
+    ):
+        return _saving_the_quantize(x2, weight, bias, plan)
+    y: torch.Tensor = TensorwiseLinearFunction.apply(x2, weight, bias, plan, site)  # type: ignore[no-untyped-call]
+    return y
+
+
+def _saving_the_quantize(
     x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
 ) -> torch.Tensor:
     """A recording delayed call that dynamo traces inside a checkpointed region without a
@@ -56,7 +79,7 @@ def saving_the_quantize(
     return out
 
 
-def unsaveable(plan: Fp8LinearPlan) -> Literal["", "inline", "sharded"]:
+def _unsaveable(plan: Fp8LinearPlan) -> Literal["", "inline", "sharded"]:
     # Quantizes that no checkpointing policy can single out for saving (recompute.py).
     if plan.quantize != "op":
         return "inline"
@@ -110,7 +133,7 @@ class TensorwiseLinearFunction(torch.autograd.Function):
                         amax_reduce=plan.amax_reduce,
                     )
                 )
-        y = gemm.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
+        y = tensor_ops.scaled_mm(xq, wq, sx, sw, bias, plan.gemm_dtype, backend=plan.backend)
         # The fp8 operands (1 byte per element) are what the backward GEMMs consume, so
         # they, not the high-precision inputs, are what stays alive until backward.
         # An Fp8Weight's codes live in a buffer that FSDP2 frees after the forward and
@@ -127,9 +150,7 @@ class TensorwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(
-        ctx: Any, dy: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]:
+    def backward(ctx: Any, dy: torch.Tensor) -> LinearGrads:
         xq, wq, sx, sw = ctx.saved_tensors
         if ctx.live_step is not None:
             sw = ctx.live_step
@@ -139,7 +160,7 @@ class TensorwiseLinearFunction(torch.autograd.Function):
         if need_x or need_w:
             # One quantization of dY serves both GEMMs: its amax pass is paid once and
             # both products see the same rounded gradient.
-            bwd = plan.policy.format.backward
+            bwd = plan.bwd
             grad = plan.state.grad
             if plan.record and plan.grad_reduce is not None:
                 gq, sg = grad.quantize_sharded(
@@ -155,12 +176,14 @@ class TensorwiseLinearFunction(torch.autograd.Function):
                 )
             if need_x:
                 # dX[M, K] = dY[M, N] · W[N, K]; scaled_mm wants b as [K, N]: W's transpose.
-                dx = gemm.scaled_mm(gq, wq.t(), sg, sw, None, plan.gemm_dtype, backend=plan.backend)
+                dx = tensor_ops.scaled_mm(
+                    gq, wq.t(), sg, sw, None, plan.gemm_dtype, backend=plan.backend
+                )
                 dx = dx.to(ctx.x_dtype)
             if need_w:
                 # dW[N, K] = dYᵀ[N, M] · X[M, K], kept in float32 until it reaches the
                 # weight's dtype: it feeds the optimizer's (master) weights.
-                dw = gemm.scaled_mm(
+                dw = tensor_ops.scaled_mm(
                     gq.t(), xq.t(), sg, sx, None, torch.float32, backend=plan.backend
                 ).to(ctx.w_dtype)
         if need_b:
@@ -183,23 +206,22 @@ def _quantize_operands(
     ``Fp8Weight``'s step (read again in the backward); ``own_w`` says the weight was
     quantized here, from this layer's scaling state.
     """
-    fwd = plan.policy.format.forward
+    fwd = plan.fwd
     scaling = plan.policy.scaling
+    state = plan.state
     live_step: torch.Tensor | None = None
     own_w = False
     if replay is not None:
-        xq, _ = quantize.quantize_with_step(x, fwd, replay.input_step, backend=plan.backend)
+        xq, _ = tensor_ops.quantize_with_step(x, fwd, replay.input_step, backend=plan.backend)
         sx = replay.input_step
     elif plan.record and plan.input_reduce is not None:
-        xq, sx = plan.state.input.quantize_sharded(x, fwd, scaling, plan.backend, plan.input_reduce)
+        xq, sx = state.input.quantize_sharded(x, fwd, scaling, plan.backend, plan.input_reduce)
     elif plan.record:
-        xq, sx = plan.state.input.quantize(
+        xq, sx = state.input.quantize(
             x, fwd, scaling, plan.backend, plan.quantize, plan.amax_reduce
         )
     else:
-        xq, sx = plan.state.input.quantize_unrecorded(
-            x, fwd, scaling, plan.backend, plan.input_reduce
-        )
+        xq, sx = state.input.quantize_unrecorded(x, fwd, scaling, plan.backend, plan.input_reduce)
     if plan.frozen_weight is not None:
         wq, sw = plan.frozen_weight
     elif isinstance(weight, Fp8Weight):
@@ -213,15 +235,15 @@ def _quantize_operands(
         own_w = True
         if replay is not None and replay.weight_step is not None:
             sw = replay.weight_step
-            wq, _ = quantize.quantize_with_step(weight, fwd, sw, backend=plan.backend)
+            wq, _ = tensor_ops.quantize_with_step(weight, fwd, sw, backend=plan.backend)
         elif plan.record and plan.weight_reduce is not None:
-            wq, sw = plan.state.weight.quantize_sharded(
+            wq, sw = state.weight.quantize_sharded(
                 weight, fwd, scaling, plan.backend, plan.weight_reduce
             )
         elif plan.record:
-            wq, sw = plan.state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
+            wq, sw = state.weight.quantize(weight, fwd, scaling, plan.backend, plan.quantize)
         else:
-            wq, sw = plan.state.weight.quantize_unrecorded(
+            wq, sw = state.weight.quantize_unrecorded(
                 weight, fwd, scaling, plan.backend, plan.weight_reduce
             )
     return xq, sx, wq, sw, live_step, own_w

@@ -63,8 +63,18 @@ class _CodesWeight(torch.Tensor):
     _fp8_data: torch.Tensor
 
     @classmethod
-    def _wrap(cls, data: torch.Tensor, dtype: torch.dtype) -> Self:
-        # The weight's metadata over checked codes; the caller sets its steps' attribute.
+    def _wrap(
+        cls, data: torch.Tensor, steps: object, fits: bool, wanted: str, dtype: torch.dtype
+    ) -> Self:
+        # The weight's metadata over checked codes, with its steps: a float32 tensor on the
+        # codes' device that ``fits`` them (``wanted``: the rule, as the error states it).
+        if (
+            not isinstance(steps, torch.Tensor)
+            or steps.dtype != torch.float32
+            or not fits
+            or steps.device != data.device
+        ):
+            raise ValueError(f"{wanted} on {data.device}, got {_described(steps)}")
         if dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"{cls.__name__} stands for a float32, bfloat16 or float16 weight, got {dtype}"
@@ -79,6 +89,7 @@ class _CodesWeight(torch.Tensor):
             requires_grad=False,
         )
         out._fp8_data = data
+        setattr(out, cls._STEPS, steps)
         return out
 
     def __init__(self, data: torch.Tensor, steps: torch.Tensor, dtype: torch.dtype) -> None:
@@ -143,19 +154,9 @@ class Fp8Weight(_CodesWeight):
         if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES:
             what = str(data.dtype) if isinstance(data, torch.Tensor) else type(data).__name__
             raise TypeError(f"Fp8Weight data must be a float8_e4m3fn/e5m2 tensor, got {what}")
-        if (
-            not isinstance(step, torch.Tensor)
-            or step.dtype != torch.float32
-            or step.numel() != 1
-            or step.device != data.device
-        ):
-            raise ValueError(
-                f"Fp8Weight step must be a float32 tensor of one element on {data.device}, "
-                f"got {_described(step)}"
-            )
-        out = cls._wrap(data, dtype)
-        out._fp8_step = step
-        return out
+        fits = isinstance(step, torch.Tensor) and step.numel() == 1
+        wanted = "Fp8Weight step must be a float32 tensor of one element"
+        return cls._wrap(data, step, fits, wanted, dtype)
 
     @property
     def fp8_step(self) -> torch.Tensor:
@@ -202,20 +203,12 @@ class Fp8BlockWeight(_CodesWeight):
                 f"Fp8BlockWeight data must be a 2-D float8_e4m3fn/e5m2 tensor, got {what}"
             )
         grid = layouts.layout_of("128x128", data.shape).grid
-        if (
-            not isinstance(scale, torch.Tensor)
-            or scale.dtype != torch.float32
-            or tuple(scale.shape) != grid
-            or scale.device != data.device
-        ):
-            raise ValueError(
-                f"Fp8BlockWeight scale of {tuple(data.shape)} codes must be a float32 tensor "
-                f"of shape {grid} (one step per 128x128 block) on {data.device}, "
-                f"got {_described(scale)}"
-            )
-        out = cls._wrap(data, dtype)
-        out._fp8_scale = scale
-        return out
+        fits = isinstance(scale, torch.Tensor) and tuple(scale.shape) == grid
+        wanted = (
+            f"Fp8BlockWeight scale of {tuple(data.shape)} codes must be a float32 tensor "
+            f"of shape {grid} (one step per 128x128 block)"
+        )
+        return cls._wrap(data, scale, fits, wanted, dtype)
 
     @property
     def fp8_scale(self) -> torch.Tensor:

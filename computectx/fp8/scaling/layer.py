@@ -8,7 +8,7 @@ writes the new amax into it; dynamic scaling keeps a ledger of length 1 only to 
 and step, so both recipes report the same statistics.
 
 Beside each ledger lives an int64 *tally* on the same device, ``[seeded, elements]``
-(``computectx.fp8.ops.registry``): whether the first call has seeded the ledger and how many
+(``computectx.fp8.ops.tensorwise``): whether the first call has seeded the ledger and how many
 elements went through it. Both are device tensors that the quantize operators update in
 place, so no call reads a device value and a ``torch.compile``d step advances exactly what
 an eager one does. Delayed histories are kept oldest to newest (the newest amax in the last
@@ -23,6 +23,9 @@ objects here read the store on every access, so a buffer replaced from outside (
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -45,11 +48,15 @@ from computectx.fp8.scaling.saved import (
 )
 from computectx.recipes import Fp8Policy
 
-__all__ = ["Fp8ScalingState"]
+__all__ = ["Fp8ScalingState", "held_out"]
 
 
 class Fp8ScalingState:
     """The scaling state of one fp8 weight: an ``OperandScaling`` per role, and ``meta``.
+
+    ``input``, ``weight`` and ``grad`` are the three operands' ``OperandScaling`` (plain
+    attributes, also in ``operands`` by role): the input activation's, the weight's and the
+    output gradient's ledger and tally.
 
     ``policy`` is the policy the ledgers are shaped for; ``conform`` reshapes them when a
     different policy (another history length, another recipe) starts using the weight.
@@ -58,7 +65,18 @@ class Fp8ScalingState:
     world size and the policy, so that a checkpoint says what it was recorded under).
     """
 
-    __slots__ = ("_meta_seen", "_prefix", "_store", "_world", "operands", "policy")
+    __slots__ = (
+        "_meta_seen",
+        "_names",
+        "_prefix",
+        "_store",
+        "_world",
+        "grad",
+        "input",
+        "operands",
+        "policy",
+        "weight",
+    )
 
     def __init__(
         self,
@@ -72,27 +90,21 @@ class Fp8ScalingState:
         self._prefix = prefix
         self.policy = policy
         n = history_len_of(policy)
+        self._names = tensor_names(prefix)
         self.operands: dict[Role, OperandScaling] = {
             r: OperandScaling(n, device, store=self._store, prefix=f"{prefix}{r}_") for r in ROLES
         }
+        # The three operands as plain attributes (the objects never change; what they hold
+        # does): a call reads them without entering this module.
+        self.input: OperandScaling = self.operands["input"]
+        """The input activation's ledger."""
+        self.weight: OperandScaling = self.operands["weight"]
+        """The weight's ledger."""
+        self.grad: OperandScaling = self.operands["grad"]
+        """The output gradient's ledger."""
         self._meta_seen: torch.Tensor | None = None
         self._world = 1
         self._set_meta(meta_new(policy, 1, self.device), 1)
-
-    @property
-    def input(self) -> OperandScaling:
-        """The input activation's ledger."""
-        return self.operands["input"]
-
-    @property
-    def weight(self) -> OperandScaling:
-        """The weight's ledger."""
-        return self.operands["weight"]
-
-    @property
-    def grad(self) -> OperandScaling:
-        """The output gradient's ledger."""
-        return self.operands["grad"]
 
     @property
     def device(self) -> torch.device:
@@ -106,7 +118,7 @@ class Fp8ScalingState:
 
     def tensor_names(self) -> tuple[str, ...]:
         """The store keys of every tensor of this state, in saving order."""
-        return tensor_names(self._prefix)
+        return self._names
 
     @property
     def world_size(self) -> int:
@@ -204,3 +216,21 @@ class Fp8ScalingState:
                 self._store[key] = meta.to(device)
             if meta is self._meta_seen:  # else not adopted yet: check_loaded reads it there
                 self._meta_seen = self._store[key]
+
+
+@contextmanager
+def held_out(
+    buffers: dict[str, torch.Tensor | None], names: tuple[str, ...]
+) -> Iterator[dict[str, torch.Tensor | None]]:
+    """Take ``names`` out of ``buffers`` for the block (which may replace them in the dict it
+    gets), then put them back in their places. The same dict object throughout: the
+    scaling state reads its tensors from it."""
+    order = list(buffers)
+    held = {k: buffers.pop(k) for k in names if k in buffers}
+    try:
+        yield held
+    finally:
+        now = {**buffers, **held}
+        buffers.clear()
+        buffers.update({k: now.pop(k) for k in order if k in now})
+        buffers.update(now)

@@ -9,7 +9,7 @@ amax into its group's.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from typing import Protocol
 
 import torch
@@ -25,11 +25,12 @@ from computectx.fp8.numerics.ledger import (
     ledger_history,
     ledger_history_len,
     ledger_new,
+    ledger_saturated,
     ledger_step,
     record,
     tally_new,
 )
-from computectx.fp8.ops.quantize import (
+from computectx.fp8.ops.tensorwise import (
     quantize_dynamic,
     quantize_operand,
     quantize_with_step,
@@ -38,7 +39,15 @@ from computectx.fp8.ops.quantize import (
 from computectx.fp8.scaling.saved import resize_ledger
 from computectx.recipes import DelayedScaling, DynamicScaling
 
-__all__ = ["AmaxReduce", "OperandScaling", "Store", "held_tensor", "replicated_value"]
+__all__ = [
+    "AmaxReduce",
+    "OperandScaling",
+    "StatisticsRecord",
+    "Store",
+    "held_tensor",
+    "record_statistics",
+    "replicated_value",
+]
 
 
 class AmaxReduce(Protocol):
@@ -225,6 +234,9 @@ class OperandScaling:
         merged between steps), so step 1 is the whole batch's too.
         """
         compiling = torch.compiler.is_compiling()
+        # The tensors and the host flag read once, before the operator, and the flag written
+        # as a plain attribute after it: the call enters this module once.
+        ledger, tally = self.ledger, self.tally
         if reduce is not None:
             if isinstance(scaling, DynamicScaling):
                 return self._quantize_reduced(x, fmt, scaling, backend, reduce)
@@ -235,19 +247,19 @@ class OperandScaling:
                 if not self.seeded:
                     seed_ledger(self.ledger, reduce(tensorwise.amax(x)), fmt, scaling.margin)
                 self.seeded = True
-        may_seed = compiling or not self._seeded_hint
+        may_seed = compiling or self._seeded_for is not tally
         data, step = quantize_operand(
             x,
             fmt,
-            self.ledger,
-            self.tally,
+            ledger,
+            tally,
             scaling,
             backend=backend,
             may_seed=may_seed,
             impl="inline" if compiling and quantize == "inline" else "op",
         )
         if not compiling:
-            self._seeded_hint = True
+            self._seeded_for = tally  # seeded now (the _seeded_hint it stands for)
         return data, step
 
     def _quantize_reduced(
@@ -404,3 +416,27 @@ class OperandScaling:
         self.ledger = ledger
         self.tally = tally
         self._seeded_hint = seeded
+
+
+StatisticsRecord = tuple[OperandScaling, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(operand, x, largest_step, saturated)``: what one block-scaled quantize of ``x`` measured."""
+
+
+def record_statistics(records: Sequence[StatisticsRecord]) -> None:
+    """Record what block-scaled quantizes measured, each into its operand (device ops only).
+
+    Per ``(operand, x, largest_step, saturated)``: ``x``'s amax (NaN propagates and is
+    counted) and its largest block step into the ledger, the elements that quantize saturated
+    (float32 ``(1,)``) into the ledger's count, ``x``'s elements into the tally. Statistics
+    only: no block-scaled quantize reads them back. One call for a GEMM's operands, every
+    amax measured before anything is written.
+    """
+    held = [(op, op.ledger, op.tally) for op, _, _, _ in records]
+    amaxes = [tensorwise.amax(x) for _, x, _, _ in records]
+    for (op, ledger, tally), (_, x, step, saturated), a in zip(held, records, amaxes, strict=True):
+        record(ledger, a, step)
+        tally[TALLY_SEEDED].fill_(1)
+        ledger_saturated(ledger).add_(saturated)
+        count(tally, x)
+        if not torch.compiler.is_compiling():  # a host flag: never written in a trace
+            op._seeded_for = tally
