@@ -38,8 +38,8 @@ from torch import nn
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.fp8.backend import Fp8Backend, default_backend, parse_backend
 from computectx.fp8.convert_report import SkippedLinear, SkipRule
-from computectx.fp8.linear.grouped import ExpertsFp8
-from computectx.fp8.linear.module import check_fp8_widths, check_granularity_widths
+from computectx.fp8.policy import check_fp8_widths, check_granularity_widths
+from computectx.fp8.ops.grouped import ExpertsFp8
 from computectx.fp8.policy import describe
 from computectx.recipes import Fp8Policy
 
