@@ -58,8 +58,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
+from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
 from computectx.distributed.collectives import GroupAmax
 from computectx.fp8 import Fp8Linear, Fp8Weight
 from computectx.fp8.seam import quantize_with_step
@@ -93,31 +93,9 @@ def gathers_as_fp8(policy: Fp8Policy) -> bool:
     return policy.granularity in FP8_GATHER_GRANULARITIES
 
 
-_aten = torch.ops.aten
-# Ops whose result is (a piece of) the same weight: FSDP2 builds the shard with them, and the
-# result must stay the wrapper (WeightGatheredAsFp8, ExpertsGatheredAsFp8): its gather hooks.
-SHARD_OPS = {
-    _aten.detach.default,
-    _aten.alias.default,
-    _aten.view.default,
-    _aten.as_strided.default,
-    _aten.slice.Tensor,
-    _aten.split.Tensor,
-    _aten.split_with_sizes.default,
-    _aten.chunk.default,
-    _aten.narrow.default,
-    _aten.clone.default,
-    _aten.copy_.default,
-    _aten.empty_like.default,
-    _aten.new_zeros.default,
-    _aten.new_empty.default,
-    _aten._to_copy.default,
-    _aten._pin_memory.default,
-}
-
-
 class _Gather:
-    """What a weight's shards share: its name and the step of the last forward.
+    """What a weight's shards share (its ``GatheredAsFp8`` meta): its name and the step of the
+    last forward.
 
     The layer is not kept here: FSDP2 hands the owning module to each gather, so a copy of
     the model (``copy.deepcopy``, an EMA copy) quantizes through its own layers' ledgers.
@@ -141,7 +119,7 @@ class _Gather:
         return module
 
 
-class WeightGatheredAsFp8(torch.Tensor):
+class WeightGatheredAsFp8(GatheredAsFp8):
     """An ``Fp8Linear`` weight that FSDP2 all-gathers as fp8 (see the module docstring).
 
     Wraps the high-precision tensor ``hp``; every op other than FSDP2's two extension points
@@ -149,75 +127,10 @@ class WeightGatheredAsFp8(torch.Tensor):
     the piece). Built by ``enable_fp8_all_gather``.
     """
 
-    _hp: torch.Tensor
-    _gather: _Gather
+    _meta: _Gather
 
-    @staticmethod
-    def __new__(cls, hp: torch.Tensor, gather: _Gather) -> WeightGatheredAsFp8:
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            hp.shape,
-            strides=hp.stride(),
-            storage_offset=hp.storage_offset(),
-            dtype=hp.dtype,
-            device=hp.device,
-            layout=hp.layout,
-            requires_grad=hp.requires_grad,
-        )
-        out._hp = hp
-        out._gather = gather
-        return out
-
-    def __init__(self, hp: torch.Tensor, gather: _Gather) -> None:
-        super().__init__()
-
-    @property
-    def hp(self) -> torch.Tensor:
-        """The high-precision tensor (the master copy of this shard)."""
-        return self._hp
-
-    # A traceable wrapper subclass: module.to(dtype) / .half() then swap the whole tensor
-    # (torch.utils.swap_tensors) instead of setting .data, which would leave _hp behind.
-    def __tensor_flatten__(self) -> tuple[list[str], _Gather]:
-        return ["_hp"], self._gather
-
-    @staticmethod
-    def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], gather: _Gather, outer_size: Any, outer_stride: Any
-    ) -> WeightGatheredAsFp8:
-        return WeightGatheredAsFp8(inner["_hp"], gather)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        gather: _Gather | None = None
-
-        def unwrap(x: Any) -> Any:
-            nonlocal gather
-            if isinstance(x, WeightGatheredAsFp8):
-                gather = x._gather
-                return x._hp
-            return x
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        if func not in SHARD_OPS or gather is None:
-            return out
-        g = gather
-
-        def wrap(x: Any) -> Any:
-            return cls(x, g) if isinstance(x, torch.Tensor) else x
-
-        return tree_map(wrap, out)
-
-    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
-        return f"WeightGatheredAsFp8({self._gather.name}, {self._hp!r})"
+    def _label(self) -> str:
+        return self._meta.name
 
     # ----- FSDP2's extension points --------------------------------------------------------
 
@@ -231,7 +144,7 @@ class WeightGatheredAsFp8(torch.Tensor):
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """Quantize this shard with the group-wide step; hand FSDP2 its codes as uint8.
         A ``block`` layer's shard: its 128x128 blocks' codes and scales (``_block_inputs``)."""
-        g = self._gather
+        g = self._meta
         layer = g.layer(module)
         if layer.policy.granularity == "block":
             return self._block_inputs(layer, mesh, outer_size, mp_policy)
@@ -283,7 +196,7 @@ class WeightGatheredAsFp8(torch.Tensor):
         hp = self._hp.detach()
         world = mesh.size(mesh.ndim - 1)
         if not blocks_align(outer_size[0], world):
-            _warn_block_fallback(self._gather.name, outer_size, world)
+            _warn_block_fallback(self._meta.name, outer_size, world)
             dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
             return (_padded(hp.to(dtype), outer_size, mesh),), ("hp",)
         from computectx.fp8.seam import quantize_blocks, step_rule_of
@@ -331,6 +244,8 @@ class WeightGatheredAsFp8(torch.Tensor):
             return None
         return Fp8Weight(gathered.view(fp8), step, param_dtype), (gathered,)
 
+
+_SAVE_PLAIN = plain_state_dict_hook(("weight",))
 
 BLOCK_ROWS = 128
 """The rows of a ``block`` weight's 128x128 scale block."""
@@ -398,31 +313,6 @@ def sharded_weight_of(value: torch.Tensor) -> torch.Tensor:
     return value.to_local() if isinstance(value, DTensor) else value
 
 
-def _plain(value: Any) -> Any:
-    local = sharded_weight_of(value) if isinstance(value, torch.Tensor) else value
-    if not isinstance(local, WeightGatheredAsFp8):
-        return value
-    if isinstance(value, DTensor):
-        return DTensor.from_local(
-            local.hp,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
-    return local.hp
-
-
-def _state_dict_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    # Checkpoints hold plain tensors: the subclass is a runtime arrangement, not data.
-    key = prefix + "weight"
-    if key in state_dict:
-        state_dict[key] = _plain(state_dict[key])
-
-
 def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
     """``id(parameter) -> every 'module.attribute' of ``model`` that holds it`` (a tied
     weight has more than one)."""
@@ -487,6 +377,6 @@ def enable_fp8_all_gather(
             WeightGatheredAsFp8(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
             requires_grad=w.requires_grad,
         )
-        layer.register_state_dict_post_hook(_state_dict_hook)  # type: ignore[no-untyped-call]
+        layer.register_state_dict_post_hook(_SAVE_PLAIN)  # type: ignore[no-untyped-call]
         count += 1
     return count

@@ -29,20 +29,16 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
 
-from computectx.distributed.fp8_all_gather import (
-    BLOCK_ROWS,
-    SHARD_OPS,
-    Fp8GatherFallbackWarning,
-    sharded_weight_of,
-)
+from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
+from computectx.distributed.fp8_all_gather import BLOCK_ROWS, Fp8GatherFallbackWarning
 from computectx.fp8.seam import quantize_blocks, step_rule_of
 from computectx.nn.experts import GroupedExperts
 
 __all__ = ["ExpertsGatheredAsFp8", "dequantize_expert_blocks", "enable_fp8_expert_gather"]
 
 _WEIGHTS = ("gate_up", "down")
+_SAVE_PLAIN = plain_state_dict_hook(_WEIGHTS)
 
 
 def dequantize_expert_blocks(
@@ -56,73 +52,11 @@ def dequantize_expert_blocks(
         return (codes.float() * whole[:, :, :k]).to(dtype)
 
 
-class ExpertsGatheredAsFp8(torch.Tensor):
+class ExpertsGatheredAsFp8(GatheredAsFp8):
     """A 3-D expert weight that FSDP2 all-gathers as fp8 codes and 128x128 block steps
     (module docstring). Wraps the high-precision tensor ``hp``; every other op runs on it."""
 
-    _hp: torch.Tensor
-    _name: str
-
-    @staticmethod
-    def __new__(cls, hp: torch.Tensor, name: str) -> ExpertsGatheredAsFp8:
-        out = torch.Tensor._make_wrapper_subclass(
-            cls,
-            hp.shape,
-            strides=hp.stride(),
-            storage_offset=hp.storage_offset(),
-            dtype=hp.dtype,
-            device=hp.device,
-            layout=hp.layout,
-            requires_grad=hp.requires_grad,
-        )
-        out._hp = hp
-        out._name = name
-        return out
-
-    def __init__(self, hp: torch.Tensor, name: str) -> None:
-        super().__init__()
-
-    @property
-    def hp(self) -> torch.Tensor:
-        """The high-precision tensor (the master copy of this shard)."""
-        return self._hp
-
-    def __tensor_flatten__(self) -> tuple[list[str], str]:
-        return ["_hp"], self._name
-
-    @staticmethod
-    def __tensor_unflatten__(
-        inner: dict[str, torch.Tensor], name: str, outer_size: Any, outer_stride: Any
-    ) -> ExpertsGatheredAsFp8:
-        return ExpertsGatheredAsFp8(inner["_hp"], name)
-
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        name: str | None = None
-
-        def unwrap(x: Any) -> Any:
-            nonlocal name
-            if isinstance(x, ExpertsGatheredAsFp8):
-                name = x._name
-                return x._hp
-            return x
-
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs or {}))
-        if func not in SHARD_OPS or name is None:
-            return out
-        n = name
-        return tree_map(lambda x: cls(x, n) if isinstance(x, torch.Tensor) else x, out)
-
-    def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
-        return f"ExpertsGatheredAsFp8({self._name}, {self._hp!r})"
+    _meta: str  # the weight's name
 
     # ----- FSDP2's extension points --------------------------------------------------------
 
@@ -138,7 +72,7 @@ class ExpertsGatheredAsFp8(torch.Tensor):
         fp8 = getattr(module, "fp8", None)
         if not isinstance(module, GroupedExperts) or fp8 is None:
             raise TypeError(
-                f"{self._name!r} gathers as fp8 for fp8 GroupedExperts, but FSDP2 gathered it "
+                f"{self._meta!r} gathers as fp8 for fp8 GroupedExperts, but FSDP2 gathered it "
                 f"for a {type(module).__name__} without an fp8 policy"
             )
         hp = self._hp.detach()
@@ -175,31 +109,6 @@ class ExpertsGatheredAsFp8(torch.Tensor):
                     out.copy_(whole)
                 return None
         return whole, (whole,)
-
-
-def _plain(value: Any) -> Any:
-    local = sharded_weight_of(value) if isinstance(value, torch.Tensor) else value
-    if not isinstance(local, ExpertsGatheredAsFp8):
-        return value
-    if isinstance(value, DTensor):
-        return DTensor.from_local(
-            local.hp,
-            value.device_mesh,
-            value.placements,
-            run_check=False,
-            shape=value.shape,
-            stride=value.stride(),
-        )
-    return local.hp
-
-
-def _state_dict_hook(
-    module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    for attr in _WEIGHTS:
-        key = prefix + attr
-        if key in state_dict:
-            state_dict[key] = _plain(state_dict[key])
 
 
 def gathers_experts_as_fp8(experts: GroupedExperts, world: int) -> bool:
@@ -244,6 +153,6 @@ def enable_fp8_expert_gather(
             name = f"{fqn}.{attr}" if fqn else attr
             wrapped = ExpertsGatheredAsFp8(w.detach(), name)
             setattr(m, attr, nn.Parameter(wrapped, requires_grad=w.requires_grad))
-        m.register_state_dict_post_hook(_state_dict_hook)  # type: ignore[no-untyped-call]
+        m.register_state_dict_post_hook(_SAVE_PLAIN)  # type: ignore[no-untyped-call]
         count += 1
     return count
