@@ -46,7 +46,7 @@ of the policy is ``fp32`` in every row.
    e4m3 codes, one step per layer for keys and one for values, taken from the prefill and
    then frozen; the prefill itself attends to its unquantized keys and values) against
    ``CtxStaticCache`` under each step format and window, on the tiny random Llama of
-   tests/test_transformers_cache.py (2 layers, 2 key/value heads of 16, batch 2), 63
+   tests/integrations/test_transformers_cache.py (2 layers, 2 key/value heads of 16, batch 2), 63
    positions teacher-forced (4 in the prefill, then one per step): the logits' SQNR against
    ``DynamicCache`` (no rounding) and the bytes each cache holds at the end, codes, steps
    and window, ours preallocated for exactly those 63 positions. The static schemes are
@@ -255,7 +255,7 @@ HF_NAME = "transformers QuantizedCache('fp8')"
 
 
 def tiny_llama() -> Any:
-    """The tiny random Llama of tests/test_transformers_cache.py (f32, eager attention)."""
+    """The tiny random Llama of tests/integrations/test_transformers_cache.py (f32, eager attention)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -276,7 +276,7 @@ def tiny_llama() -> Any:
 
 
 def llama_ids(seed: int, length: int, batch: int = 2) -> torch.Tensor:
-    """Random ids of the tiny Llama's vocabulary (as tests/test_transformers_cache.py's)."""
+    """Random ids of the tiny Llama's vocabulary (as tests/integrations/test_transformers_cache.py's)."""
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 

@@ -5,7 +5,7 @@ finite) leaves every tensor and every attribute of the model as it was, each mod
 training mode included (the ``freeze`` fixture, tests/conftest.py). A model whose modules
 are in mixed modes (a frozen part kept in eval) gets each module's own mode back, refused or
 not: the root's mode used to be spread over every module. (``calibrate_transformers_kv``'s
-case is in tests/test_transformers_cache.py, which imports transformers anyway.)"""
+case is in tests/integrations/test_transformers_cache.py, which imports transformers anyway.)"""
 
 from __future__ import annotations
 

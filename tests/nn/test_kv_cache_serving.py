@@ -116,7 +116,7 @@ def test_the_cached_f32_path_is_the_full_forward(trained: Trained) -> None:
 def test_fp8_kv_loss_is_within_the_targets_of_f32_kv(trained: Trained) -> None:
     # The targets on the decode path: per_token_head within 0.5% of f32 KV, with
     # float32, bf16 or e8m0 steps; calibrated per_head within 1%. (A window of recent
-    # positions reads them exactly: tests/nn/test_kv_compact.py; its loss is in
+    # positions reads them exactly: tests/nn/test_kv_steps.py; its loss is in
     # bench/bench_kv.py's table.)
     ref = trained.loss(trained.model(F32))
     targets = (

@@ -40,7 +40,7 @@ def test_rows_per_kv_setting(flag: str) -> None:
     assert f32 == pytest.approx(full, rel=1e-3 if flag != "fp32" else 1e-5)
     for other in (bf16, fp8):
         # Measured gaps up to 7.3e-5 on this untrained model; docs/demo.md says 0.01% for the
-        # trained demo. (bench/bench_kv.py and tests/nn/test_kv_targets.py hold the targets
+        # trained demo. (bench/bench_kv.py and tests/bench/test_bench_kv.py hold the targets
         # on trained models, where the cache matters more.)
         assert other == pytest.approx(f32, rel=2e-4)
     assert fp8 != f32

@@ -13,7 +13,7 @@ import torch
 from computectx import Fp8Format
 from computectx.fp8.numerics.kv_quant import quantize_kv
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "bench" / "gpu_check_kv.py"
 
 
