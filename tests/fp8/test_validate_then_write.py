@@ -24,7 +24,7 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Backend, Fp8Linear, convert_to_fp8
 from computectx.fp8 import convert_experts as ce
-from computectx.fp8.linear.grouped import ExpertsFp8
+from computectx.fp8.ops.grouped import ExpertsFp8
 from computectx.nn import GroupedExperts
 
 FLAGS = [

@@ -161,8 +161,6 @@ class Fp8Linear(nn.Linear):
         new.train(linear.training)
         return new
 
-    # ----- properties ---------------------------------------------------------------------
-
     @property
     def ctx(self) -> ComputeCtx:
         """The compute policy. ``layer.ctx = other`` checks ``other`` as construction does
@@ -257,8 +255,7 @@ class Fp8Linear(nn.Linear):
             record = record and reduce.armed
             armed = reduce if record and reduce.reduces else None
             return self._plan(record, armed, lockstep=record and reduce.lockstep)
-        dist = torch.distributed  # a single process (no process group) never warns
-        many = dist.is_available() and dist.is_initialized()
+        many = torch.distributed.is_available() and torch.distributed.is_initialized()
         if record and self._policy.granularity == "tensor" and not compiling and many:
             # Row, block and mx keep no scaling history: nothing to keep in step.
             warn_if_unsynced(self)
@@ -283,9 +280,9 @@ class Fp8Linear(nn.Linear):
         )
 
     def _settle(self, device: torch.device) -> None:
-        """Fit the scaling state to the policy and ``device`` (adopting tensors loaded from
-        outside, ``Fp8ScalingState.conform``) and make the plans the next calls read; later
-        calls skip this while the state's ``meta`` tensor and the weight's device stay."""
+        # Fit the scaling state to the policy and device (Fp8ScalingState.conform, which also
+        # adopts tensors loaded from outside) and make the plans the next calls read; calls
+        # skip this while the state's meta tensor and the weight's device stay.
         self.scaling.conform(self._policy, device)
         self._settled = (self._buffers.get(_META), device)
         # A frozen weight's buffers may be replaced by assignment: its plan is made per call.
@@ -489,12 +486,9 @@ def _check_input(x: object, in_features: int) -> None:
 
 
 def _region_turns_fp8_off() -> bool:
-    """Whether the innermost open ``fp8_autocast`` region is ``enabled=False``.
-
-    Read from the region's ``ContextVar`` directly (no call into ``linear.autocast``). While
-    compiling the region cannot be read: ``region_fp8_enabled`` then raises while a disabled
-    region is open anywhere, and is ``None`` otherwise (fp8 stays on).
-    """
+    # The innermost open fp8_autocast region's ContextVar, read here (no call into
+    # linear.autocast). Compiled code cannot read it: region_fp8_enabled then raises while a
+    # disabled region is open anywhere, and is None otherwise (fp8 stays on).
     if torch.compiler.is_compiling():
         return region_fp8_enabled() is False
     frame = REGION.get()

@@ -153,7 +153,7 @@ def live_regions() -> int:
 # - reentrant (use_reentrant=True): CheckpointFunction.forward runs the region under
 #   no_grad, CheckpointFunction.backward runs it again; both frames hold the same "ctx".
 #
-# tests/fp8/test_fp8_checkpointing.py checks every one of these paths, so a torch release
+# tests/fp8/linear/test_recompute.py checks every one of these paths, so a torch release
 # that changes them fails there rather than silently recording twice.
 
 

@@ -25,7 +25,7 @@ from computectx.fp8 import (
     fp8_stats,
 )
 
-from .conftest import StepOf
+from ..conftest import StepOf
 
 # ----- the error bound ----------------------------------------------------------------------
 

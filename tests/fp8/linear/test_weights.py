@@ -11,7 +11,7 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Linear, Fp8Weight
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.numerics import tensorwise
-from computectx.fp8.ops.quantize import quantize_dynamic, quantize_with_step
+from computectx.fp8.ops.tensorwise import quantize_dynamic, quantize_with_step
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 

@@ -26,7 +26,7 @@ from computectx.fp8 import (
 from computectx.fp8.linear.autocast import region_scaling_state
 from computectx.fp8.numerics.ledger import ledger_history
 
-from .conftest import CtxFor
+from ..conftest import CtxFor
 
 
 def fixture_linear(seed: int = 0) -> tuple[nn.Linear, torch.Tensor]:

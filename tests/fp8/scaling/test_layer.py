@@ -36,7 +36,7 @@ from computectx.fp8.scaling.layer import Fp8ScalingState
 from computectx.fp8.scaling.operand import OperandScaling
 from computectx.fp8.scaling.saved import STATE_CODE
 
-from .conftest import CtxFor, StepOf
+from ..conftest import CtxFor, StepOf
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 

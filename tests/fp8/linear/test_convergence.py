@@ -21,7 +21,7 @@ from computectx.fp8 import (
     fp8_stats,
 )
 
-from .conftest import CtxFor
+from ..conftest import CtxFor
 
 STEPS = 200
 BATCH = 128
