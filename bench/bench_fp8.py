@@ -140,15 +140,17 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     import torch
 
     from computectx.dtypes import Fp8Format
-    from computectx.fp8.ops import quantize
+    from computectx.fp8 import backend as fp8_backend
+    from computectx.fp8.numerics import ledger
+    from computectx.fp8.ops import tensorwise as tensor_ops
 
-    tri = quantize.Fp8Backend.TRITON
+    tri = fp8_backend.Fp8Backend.TRITON
     fmt = Fp8Format.E4M3
     x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
     step = torch.tensor([x.float().abs().max().item() / fmt.max], device=dev)
-    ledger = quantize.ledger_new(16, dev)
-    quantize.seed_ledger(ledger, x, fmt, 0)
+    ledger = ledger.ledger_new(16, dev)
+    tensor_ops.seed_ledger(ledger, x, fmt, 0)
 
     t_copy = time_ms(dev, lambda: dst.copy_(x), warmup, reps)
     copy_bw = 2 * x.nbytes / t_copy / 1e6  # read + write, GB/s
@@ -156,28 +158,28 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     # Minimal traffic of a quantize: read 2 bytes, write 1 byte per element.
     moved = 3 * numel
 
-    q_ref, _ = quantize.quantize_with_step(x, fmt, step, backend=quantize.Fp8Backend.REFERENCE)
-    q_tri, _ = quantize.quantize_with_step(x, fmt, step, backend=tri)
+    q_ref, _ = tensor_ops.quantize_with_step(x, fmt, step, backend=fp8_backend.Fp8Backend.REFERENCE)
+    q_tri, _ = tensor_ops.quantize_with_step(x, fmt, step, backend=tri)
     same = torch.equal(q_ref.view(torch.uint8), q_tri.view(torch.uint8))
     check = "bytes == reference" if same else "BYTES DIFFER FROM REFERENCE"
 
     cases: list[tuple[str, Callable[[], object]]] = [
         (
             "quantize_with_step (triton)",
-            lambda: quantize.quantize_with_step(x, fmt, step, backend=tri),
+            lambda: tensor_ops.quantize_with_step(x, fmt, step, backend=tri),
         ),
         (
             "quantize_delayed (triton, ledger finalize)",
-            lambda: quantize.quantize_delayed(x, fmt, ledger, 0, "max", 0, backend=tri),
+            lambda: tensor_ops.quantize_delayed(x, fmt, ledger, 0, "max", 0, backend=tri),
         ),
         (
             "quantize_dynamic (triton, 2 passes)",
-            lambda: quantize.quantize_dynamic(x, fmt, 0, backend=tri),
+            lambda: tensor_ops.quantize_dynamic(x, fmt, 0, backend=tri),
         ),
         (
             "quantize_with_step (torch reference)",
-            lambda: quantize.quantize_with_step(
-                x, fmt, step, backend=quantize.Fp8Backend.REFERENCE
+            lambda: tensor_ops.quantize_with_step(
+                x, fmt, step, backend=fp8_backend.Fp8Backend.REFERENCE
             ),
         ),
     ]
@@ -207,22 +209,23 @@ def _gemm_rows(dev: str, m: int, k: int, n: int, warmup: int, reps: int) -> list
     import torch
 
     from computectx.dtypes import Fp8Format
-    from computectx.fp8.ops import gemm, quantize
+    from computectx.fp8 import backend as fp8_backend
+    from computectx.fp8.ops import tensorwise as tensor_ops
 
-    tri = quantize.Fp8Backend.TRITON
+    tri = fp8_backend.Fp8Backend.TRITON
     fmt = Fp8Format.E4M3
     flops = 2.0 * m * n * k
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
     w = torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02
-    a, sa, _ = quantize.quantize_dynamic(x, fmt, 0, backend=tri)
-    b, sb, _ = quantize.quantize_dynamic(w, fmt, 0, backend=tri)
+    a, sa, _ = tensor_ops.quantize_dynamic(x, fmt, 0, backend=tri)
+    b, sb, _ = tensor_ops.quantize_dynamic(w, fmt, 0, backend=tri)
     # The layouts the backward pass hands in: dgrad dY @ W (b is a .t() view) and wgrad
     # dY^T @ X (both operands are .t() views).
     b_cm = b.t().contiguous().t()
     a_cm = a.t().contiguous().t()
 
     def ours() -> torch.Tensor:
-        return gemm.scaled_mm(a, b, sa, sb, None, torch.bfloat16, backend=tri)
+        return tensor_ops.scaled_mm(a, b, sa, sb, None, torch.bfloat16, backend=tri)
 
     def theirs(fast: bool = False) -> torch.Tensor:
         out: torch.Tensor = torch._scaled_mm(
@@ -231,10 +234,10 @@ def _gemm_rows(dev: str, m: int, k: int, n: int, warmup: int, reps: int) -> list
         return out
 
     def dgrad_layout() -> torch.Tensor:
-        return gemm.scaled_mm(a, b_cm, sa, sb, None, torch.bfloat16, backend=tri)
+        return tensor_ops.scaled_mm(a, b_cm, sa, sb, None, torch.bfloat16, backend=tri)
 
     def wgrad_layout() -> torch.Tensor:
-        return gemm.scaled_mm(a_cm, b_cm, sa, sb, None, torch.float32, backend=tri)
+        return tensor_ops.scaled_mm(a_cm, b_cm, sa, sb, None, torch.float32, backend=tri)
 
     t0 = time.perf_counter()
     y = ours()  # the first call autotunes
@@ -323,11 +326,11 @@ def bench_linear(
 def run_gpu(quick: bool) -> int:
     import torch
 
-    from computectx.fp8.ops import quantize
+    from computectx.fp8 import backend as fp8_backend
 
-    backend, why = quantize.select_backend("cuda")
+    backend, why = fp8_backend.select_backend("cuda")
     print(f"fp8 backend on cuda: {why}")
-    if backend is not quantize.Fp8Backend.TRITON:
+    if backend is not fp8_backend.Fp8Backend.TRITON:
         print("The Triton fp8 kernels cannot run on this GPU; nothing to benchmark.")
         return 0
     warmup, reps = (3, 10) if quick else (10, 50)
@@ -367,12 +370,13 @@ def run_cpu_smoke() -> int:
     import torch
 
     from computectx.dtypes import Fp8Format
-    from computectx.fp8.numerics import tensorwise
-    from computectx.fp8.ops import gemm, quantize
+    from computectx.fp8 import backend as fp8_backend
+    from computectx.fp8.numerics import ledger, tensorwise
+    from computectx.fp8.ops import tensorwise as tensor_ops
 
-    tri, ref = quantize.Fp8Backend.TRITON, quantize.Fp8Backend.REFERENCE
-    print(f"fp8 backend on cpu: {quantize.select_backend('cpu')[1]}")
-    print(f"forced: {quantize.select_backend('cpu', force='triton')[1]}")
+    tri, ref = fp8_backend.Fp8Backend.TRITON, fp8_backend.Fp8Backend.REFERENCE
+    print(f"fp8 backend on cpu: {fp8_backend.select_backend('cpu')[1]}")
+    print(f"forced: {fp8_backend.select_backend('cpu', force='triton')[1]}")
     gen = torch.Generator().manual_seed(0)
     ok = True
 
@@ -380,30 +384,32 @@ def run_cpu_smoke() -> int:
     for fmt in Fp8Format:
         step = torch.tensor([0.013])
         t0 = time.perf_counter()
-        q_t, a_t = quantize.quantize_with_step(x, fmt, step, backend=tri)
+        q_t, a_t = tensor_ops.quantize_with_step(x, fmt, step, backend=tri)
         dt = time.perf_counter() - t0
-        q_r, a_r = quantize.quantize_with_step(x, fmt, step, backend=ref)
+        q_r, a_r = tensor_ops.quantize_with_step(x, fmt, step, backend=ref)
         same = torch.equal(q_t.view(torch.uint8), q_r.view(torch.uint8)) and torch.equal(a_t, a_r)
         ok &= same
         print(f"  quantize {fmt} n={x.numel()}: interpreter {dt * 1e3:.0f} ms, bit-exact: {same}")
-        ledger_t, ledger_r = quantize.ledger_new(4, "cpu"), quantize.ledger_new(4, "cpu")
+        ledger_t, ledger_r = ledger.ledger_new(4, "cpu"), ledger.ledger_new(4, "cpu")
         for i in range(3):
             xi = x * (i + 1)
-            quantize.quantize_delayed(xi, fmt, ledger_t, i, "max", 1, backend=tri)
-            quantize.quantize_delayed(xi, fmt, ledger_r, i, "max", 1, backend=ref)
+            tensor_ops.quantize_delayed(xi, fmt, ledger_t, i, "max", 1, backend=tri)
+            tensor_ops.quantize_delayed(xi, fmt, ledger_r, i, "max", 1, backend=ref)
         same = torch.equal(ledger_t, ledger_r)
         ok &= same
         print(f"  delayed ledger {fmt}, 3 steps: ledger bit-exact: {same}")
 
     for m, k, n in ((37, 45, 29), (64, 100, 48)):
-        a, sa, _ = quantize.quantize_dynamic(
+        a, sa, _ = tensor_ops.quantize_dynamic(
             torch.randn(m, k, generator=gen), Fp8Format.E4M3, 0, backend=ref
         )
-        b, sb, _ = quantize.quantize_dynamic(
+        b, sb, _ = tensor_ops.quantize_dynamic(
             torch.randn(n, k, generator=gen), Fp8Format.E5M2, 0, backend=ref
         )
         t0 = time.perf_counter()
-        out = gemm.scaled_mm(a, b.t().contiguous().t(), sa, sb, None, torch.bfloat16, backend=tri)
+        out = tensor_ops.scaled_mm(
+            a, b.t().contiguous().t(), sa, sb, None, torch.bfloat16, backend=tri
+        )
         dt = time.perf_counter() - t0
         exact = (a.double() @ b.double().t()) * (sa.double() * sb.double())
         bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, torch.bfloat16)

@@ -52,7 +52,7 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_dequantize, select_backend
-from computectx.fp8.ops import quantize
+from computectx.fp8.ops import blockwise as block_ops
 
 FACTORS = (1e2, 1e4, 1e5)
 CASES: tuple[tuple[str, float], ...] = (
@@ -134,9 +134,9 @@ def body_sqnr(
     opts: dict[str, Any],
 ) -> float:
     """SQNR of ``x`` quantized and dequantized with ``opts``, over ``body`` (None: whole)."""
-    data, scale = quantize.quantize_granular(x, fmt, backend=backend, **opts)
+    data, scale = block_ops.quantize_granular(x, fmt, backend=backend, **opts)
     if backend is not Fp8Backend.REFERENCE:  # the kernels' bytes are the twins', or stop
-        ref = quantize.quantize_granular(x.cpu(), fmt, backend=Fp8Backend.REFERENCE, **opts)
+        ref = block_ops.quantize_granular(x.cpu(), fmt, backend=Fp8Backend.REFERENCE, **opts)
         for got, want in zip((data, scale), ref, strict=True):
             if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
                 raise SystemExit(f"{opts}: {backend} differs from the reference twin")

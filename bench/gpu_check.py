@@ -14,7 +14,7 @@ Sections, in order (each timed; a section that fails records its error and the r
 5. ``bytelm``: ``ByteLM`` train-step time compiled, bf16 against fp8_hybrid;
 6. ``granularity_gemm`` (issue 16): TFLOP/s of bf16 ``mm``, ``torch._scaled_mm`` per-tensor
    and row-wise, and ``block_scaled_mm`` (Triton) for 1x128 x 128x128 and MX (and its cuBLAS
-   recipes where ``computectx.fp8.ops.cublas.cublas_recipes`` finds them), at
+   recipes where ``computectx.fp8.ops.blockwise.cublas_recipes`` finds them), at
    M×K×N = 4096×8192×16384 and 8192³, each with its ratio to bf16 and to row-wise
    ``_scaled_mm``, next to the anchors: TransformerEngine's H200 GEMM speedups over bf16
    (delayed 1.69x, current 1.57x, block 1.41x). The table is printed as well.
@@ -56,10 +56,9 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_quantize
 from computectx.fp8.numerics.layouts import BlockGranularity
-from computectx.fp8.numerics.ledger import tally_new
-from computectx.fp8.ops import gemm, quantize
-from computectx.fp8.ops.cublas import cublas_recipes
-from computectx.fp8.ops.gemm import block_scaled_mm
+from computectx.fp8.numerics.ledger import ledger_new, tally_new
+from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.fp8.ops.blockwise import block_scaled_mm, cublas_recipes
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
 
@@ -131,7 +130,7 @@ def section_gemm(device: torch.device, smoke: bool, reps: int) -> list[dict[str,
         for backend in backends:
             t = timed(
                 functools.partial(
-                    gemm.scaled_mm, a, b, s, s, None, torch.bfloat16, backend=backend
+                    tensor_ops.scaled_mm, a, b, s, s, None, torch.bfloat16, backend=backend
                 ),
                 reps,
             )
@@ -150,13 +149,13 @@ def section_quantize(
     timed = _timer(device)
     numel = 1 << (14 if smoke else 28)
     x = torch.randn(numel, device=device, dtype=torch.bfloat16)
-    ledger = quantize.ledger_new(16, device)
+    ledger = ledger_new(16, device)
     tally = tally_new(device)
     fmt_scaling = DelayedScaling()
     from computectx.dtypes import Fp8Format
 
     def quant() -> object:
-        return quantize.quantize_operand(
+        return tensor_ops.quantize_operand(
             x, Fp8Format.E4M3, ledger, tally, fmt_scaling, backend=backend, may_seed=False
         )
 

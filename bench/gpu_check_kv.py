@@ -37,7 +37,7 @@ import torch.nn.functional as F  # noqa: N812
 from computectx import Fp8Format
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.numerics.kv_quant import quantize_kv
-from computectx.fp8.serving.decode_attention import decode_attention
+from computectx.fp8.ops.attention import decode_attention
 
 __all__ = ["GPU_SHAPE", "SMOKE_SHAPE", "decode_bytes", "section_kv_decode"]
 

@@ -144,7 +144,7 @@ def test_the_quantize_operators_declare_the_ledgers_they_mutate() -> None:
 def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
     from computectx.fp8.backend import Fp8Backend, select_backend
     from computectx.fp8.numerics import tensorwise
-    from computectx.fp8.ops import gemm
+    from computectx.fp8.ops import tensorwise as tensor_ops
 
     assert select_backend("cpu", force="cublas")[0] is Fp8Backend.CUBLAS
     torch.manual_seed(1)
@@ -153,8 +153,8 @@ def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
     sa, sb = torch.full((1,), 0.125), torch.full((1,), 3.0)
     for bias, out in ((None, torch.bfloat16), (torch.randn(32), torch.float32)):
         for bb in (b, b.t().contiguous().t()):  # row-major and a transposed view
-            got = gemm.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.CUBLAS)
-            want = gemm.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.REFERENCE)
+            got = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.CUBLAS)
+            want = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.REFERENCE)
             bound = tensorwise.scaled_mm_error_bound(a, bb, sa, sb, bias, out)
             # Both are within the bound of the exact result, so within twice it of each other.
             assert ((got.double() - want.double()).abs() <= 2 * bound).all()
@@ -480,7 +480,7 @@ def test_bad_input_raises_the_eager_error_under_compile(
 
 def test_bad_operator_arguments_raise_the_eager_error_under_compile() -> None:
     from computectx.fp8.backend import Fp8Backend
-    from computectx.fp8.ops.gemm import scaled_mm
+    from computectx.fp8.ops.tensorwise import scaled_mm
 
     def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         s = torch.ones(1)

@@ -15,8 +15,7 @@ The picture in docs/design.md is this table:
 - inside ``fp8`` the rooms import downwards only (``FP8_RANK``): ``backend``, then the
   twins (``numerics``), ``policy``, the operators (``ops``), the scaling state (``scaling``),
   ``linear`` and ``serving``, the report, ``convert_experts``, then ``convert``/``stats``
-  and the two doors; only
-  ``fp8.ops.triton`` reaches ``kernels``;
+  and the two doors; only the operator families, ``fp8.ops.*``, reach ``kernels``;
 - outside ``fp8`` a module imports fp8 only through its two doors, ``computectx.fp8`` (the
   public face) and ``computectx.fp8.seam``;
 - no import cycle anywhere in the package, counting imports inside functions and under
@@ -70,7 +69,6 @@ FP8_RANK: dict[str, int] = {
     "ops": 3,
     "scaling": 4,
     "linear": 5,
-    "serving": 5,
     "convert_report": 6,
     "convert_experts": 7,
     "convert": 8,
@@ -79,7 +77,7 @@ FP8_RANK: dict[str, int] = {
     "": 10,  # the package face, computectx.fp8 itself
 }
 FP8_DOORS = frozenset({"computectx.fp8", "computectx.fp8.seam"})
-KERNEL_LAUNCHER = "computectx.fp8.ops.triton"
+KERNEL_LAUNCHERS = "computectx.fp8.ops."  # the operator families, each launching its own
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 100
 
@@ -239,9 +237,13 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                     f"{module}:{imp.line} imports {target} at module level; kernels are "
                     f"reached lazily, inside the function that launches them"
                 )
-            if target_layer == "kernels" and layer == "fp8" and module != KERNEL_LAUNCHER:
+            if (
+                target_layer == "kernels"
+                and layer == "fp8"
+                and not module.startswith(KERNEL_LAUNCHERS)
+            ):
                 problems.append(
-                    f"{module}:{imp.line} imports {target}; only {KERNEL_LAUNCHER} launches kernels"
+                    f"{module}:{imp.line} imports {target}; only {KERNEL_LAUNCHERS}* launch kernels"
                 )
             if (
                 target_layer == "fp8"
@@ -304,7 +306,7 @@ def _deep_fp8_attributes(
     source: str, module: str, is_package: bool, root: Path
 ) -> list[tuple[int, str]]:
     """Attribute chains that reach a module inside fp8 (other than its doors) through a name
-    bound to ``computectx`` or ``computectx.fp8`` (``computectx.fp8.ops.quantize.f``)."""
+    bound to ``computectx`` or ``computectx.fp8`` (``computectx.fp8.ops.tensorwise.f``)."""
     bound: dict[str, str] = {}  # local name -> the module it stands for
     for imp in collect_imports(source, module, is_package):
         if not imp.names:
@@ -427,17 +429,17 @@ def test_the_graph_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None
         ("computectx.nn.lm", "from computectx.memory._transfer import X", "private module"),
         ("computectx.nn.lm", "from computectx.fp8 import ops\nops._device_arg(1)", "private attr"),
         ("computectx.ctx", "from computectx import ComputeCtx", "not below it"),
-        ("computectx.nn.lm", "from computectx.fp8.ops.quantize import fp8_quantize", "deep"),
+        ("computectx.nn.lm", "from computectx.fp8.ops.blockwise import fp8_quantize", "deep"),
         ("computectx.distributed.parallel", "from computectx.fp8.scaling import layer", "deep"),
-        ("computectx.fp8.numerics.ledger", "from computectx.fp8.ops import registry", "down"),
-        ("computectx.fp8.ops.gemm", "from computectx.fp8.linear.weights import X", "down"),
+        ("computectx.fp8.numerics.ledger", "from computectx.fp8.ops import tensorwise", "down"),
+        ("computectx.fp8.ops.blockwise", "from computectx.fp8.linear.weights import X", "down"),
         (
             "computectx.fp8.scaling.saved",
-            "from computectx.fp8.serving import decode_attention",
+            "from computectx.fp8.linear import module",
             "down",
         ),
-        ("computectx.fp8.ops.gemm", "def f():\n    from computectx.kernels import x", "only"),
-        ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.ops.quantize.f()", "deep"),
+        ("computectx.fp8.linear.module", "def f():\n    from computectx.kernels import x", "only"),
+        ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.ops.tensorwise.f()", "deep"),
         ("computectx.nn.lm", "from computectx import fp8\nfp8.numerics.tensorwise.amax", "deep"),
         ("computectx.nn.lm", "from computectx.fp8 import custom_ops", "does not export"),
         ("computectx.nn.lm", "from computectx.fp8 import redirect", "does not export"),
@@ -458,9 +460,12 @@ def test_checker_catches(module: str, source: str, expected: str) -> None:
         ("computectx.nn.lm", "from computectx.fp8.seam import quantize_kv"),
         ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.Fp8Linear"),
         ("computectx.nn.lm", "from computectx import fp8\nfp8.seam.quantize_kv"),
-        ("computectx.fp8.ops.triton", "def launch():\n    from computectx.kernels import quantize"),
-        ("computectx.fp8.linear.module", "from computectx.fp8.ops import quantize"),
-        ("computectx.fp8.ops.gemm", "from computectx.fp8.ops.quantize import scalar_arg"),
+        (
+            "computectx.fp8.ops.tensorwise",
+            "def launch():\n    from computectx.kernels import quantize",
+        ),
+        ("computectx.fp8.linear.module", "from computectx.fp8.ops import tensorwise"),
+        ("computectx.fp8.ops.grouped", "from computectx.fp8.ops.blockwise import quantize_blocks"),
     ],
 )
 def test_checker_allows(module: str, source: str) -> None:
@@ -471,7 +476,7 @@ def test_checker_allows(module: str, source: str) -> None:
 FP8_SET = frozenset({"float8_e4m3fn", "float8_e5m2"})
 FLOAT_SET = frozenset({"bfloat16", "float16", "float32"})
 DTYPE_SET_HOMES = {"dtypes.py", "kernels/fp8_codes.py"}  # kernels may import nothing else
-OPERATOR_REGISTRY = "fp8/ops/registry.py"
+OPERATOR_FAMILIES = "fp8/ops/"  # each family module registers its own operators
 REGISTERING = frozenset(
     {"custom_op", "register_fake", "register_kernel", "triton_op", "Library", "register_autograd"}
 )
@@ -522,7 +527,22 @@ def test_the_kernels_dtype_sets_are_the_cores() -> None:
     assert fp8_codes.FLOAT_DTYPES == dtypes.FLOAT_DTYPES
 
 
-def test_every_operator_is_registered_in_the_registry() -> None:
+OPERATOR_FAMILY_OPS = {
+    "fp8/ops/tensorwise.py": {
+        "fp8_quantize_delayed",
+        "fp8_quantize_dynamic",
+        "fp8_quantize_with_step",
+        "fp8_scaled_mm",
+        "fp8_dequantize",
+        "wgrad_float32",
+    },
+    "fp8/ops/blockwise.py": {"fp8_quantize_blocks", "fp8_block_scaled_mm"},
+    "fp8/ops/grouped.py": {"fp8_grouped_mm", "fp8_grouped_wgrad"},
+    "fp8/ops/attention.py": {"fp8_decode_attention"},
+}
+
+
+def test_every_operator_is_registered_in_its_family_module() -> None:
     def registrations(src: str) -> list[int]:
         # Any mention of torch.library's registering names, however imported, and any
         # import from torch.library.
@@ -543,11 +563,27 @@ def test_every_operator_is_registered_in_the_registry() -> None:
                 lines.append(node.lineno)
         return lines
 
-    assert set(_where(registrations)) == {OPERATOR_REGISTRY}
+    places = set(_where(registrations))
+    assert all(p.startswith(OPERATOR_FAMILIES) for p in places), places
+    assert places == set(OPERATOR_FAMILY_OPS)
+
+    # Each family registers its own operators, and their names never change (saved graphs
+    # and docs name them).
+    def names(src: str) -> list[str]:
+        return [
+            node.value.removeprefix("computectx::")
+            for node in ast.walk(ast.parse(src))
+            if isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and node.value.startswith("computectx::")
+        ]
+
+    for rel, wanted in OPERATOR_FAMILY_OPS.items():
+        assert set(names((PACKAGE / rel).read_text())) == wanted, rel
 
 
-def test_only_the_registry_calls_torch_ops_computectx() -> None:
-    # Every other module calls the registry's functions, so importing it is what registers
+def test_only_the_operator_families_call_torch_ops_computectx() -> None:
+    # Every other module calls the families' functions, so importing one is what registers
     # the operators it uses (a torch.ops.computectx call hides that dependency).
     def calls(src: str) -> list[int]:
         return [
@@ -556,7 +592,7 @@ def test_only_the_registry_calls_torch_ops_computectx() -> None:
             if isinstance(node, ast.Attribute) and _dotted(node) == "torch.ops.computectx"
         ]
 
-    assert set(_where(calls)) <= {OPERATOR_REGISTRY}
+    assert all(p.startswith(OPERATOR_FAMILIES) for p in _where(calls))
 
 
 def test_no_module_in_the_package_is_over_500_lines() -> None:

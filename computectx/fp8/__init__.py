@@ -25,13 +25,13 @@ from computectx.fp8.convert import (
 )
 from computectx.fp8.convert_experts import ExpertsConverter, register_experts_converter
 from computectx.fp8.linear.autocast import fp8_autocast
-from computectx.fp8.linear.grouped import ExpertsFp8, fp8_grouped_mm
 from computectx.fp8.linear.module import Fp8Linear
 from computectx.fp8.linear.recompute import fp8_checkpoint_context_fn, fp8_checkpoint_policy
 from computectx.fp8.linear.unsynced import Fp8ScalingNotSyncedWarning
 from computectx.fp8.linear.weights import Fp8BlockWeight, Fp8Weight
 from computectx.fp8.numerics.layouts import Granularity, MxRounding
-from computectx.fp8.ops.quantize import fp8_dequantize, fp8_quantize
+from computectx.fp8.ops.blockwise import fp8_dequantize, fp8_quantize
+from computectx.fp8.ops.grouped import ExpertsFp8, fp8_grouped_mm
 from computectx.fp8.scaling.layer import Fp8ScalingState
 from computectx.fp8.stats import Fp8LayerStats, Fp8OperandStats, fp8_stats
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme

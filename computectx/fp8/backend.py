@@ -9,7 +9,13 @@ a GEMM of two E5M2 operands (which cuBLAS refuses) on the twin; it quantizes wit
 operators and ledgers as the others (the kernels on a GPU, the twins elsewhere).
 ``select_backend`` picks one for a device and says why; ``default_backend`` caches that
 choice per device; ``check_backend`` is the test every dispatched operation runs before it
-hands tensors to a backend.
+hands tensors to a backend; ``uses_kernels`` says whether a backend runs a tensor on the
+Triton kernels at all.
+
+The argument checks every operator family's entry point shares live here too (a format, a
+tensor to quantize, a float32 scalar, a margin, the fp8 operands of a GEMM, its bias and
+result dtype): each raises ``TypeError``/``ValueError`` quoting the value and what is
+accepted, and none reads a tensor's contents (that would wait for the device).
 """
 
 from __future__ import annotations
@@ -22,8 +28,24 @@ import torch
 
 from computectx import capability
 from computectx.ctx import parse_device
+from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES, Fp8Format
 
-__all__ = ["Fp8Backend", "check_backend", "default_backend", "parse_backend", "select_backend"]
+__all__ = [
+    "Fp8Backend",
+    "check_backend",
+    "check_bias_and_out",
+    "check_gemm_operands",
+    "default_backend",
+    "fmt_arg",
+    "input_arg",
+    "margin_arg",
+    "parse_backend",
+    "quantizable_arg",
+    "scalar_arg",
+    "select_backend",
+    "triton_imports",
+    "uses_kernels",
+]
 
 _TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
 _KERNEL_MODULES = (
@@ -179,3 +201,115 @@ def _triton_runs_on_cuda(dev: torch.device) -> tuple[bool, str]:
         return False, tri.reason
     cores = capability.fp8_tensor_cores(dev)
     return cores.ok, f"{cores.reason}; {tri.reason}"
+
+
+@functools.cache
+def triton_imports() -> bool:
+    """Whether triton imports here (``capability.triton_available``, probed once)."""
+    return capability.triton_available().ok
+
+
+def uses_kernels(backend: Fp8Backend, x: torch.Tensor) -> bool:
+    """Whether ``backend`` runs ``x`` on the Triton kernels (else the pure-torch twins).
+
+    TRITON runs every op on the kernels; CUBLAS quantizes with them on a GPU where triton
+    imports (its GEMM is torch._scaled_mm) and with the twins elsewhere: ``select_backend``
+    picks CUBLAS precisely when triton does not import.
+    """
+    return backend is Fp8Backend.TRITON or (
+        backend is Fp8Backend.CUBLAS and x.device.type == "cuda" and triton_imports()
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# The argument checks every family's entry point shares.
+
+
+def fmt_arg(fmt: object) -> Fp8Format:
+    """``fmt`` as an ``Fp8Format`` (a member, its name or its torch dtype)."""
+    if isinstance(fmt, Fp8Format):
+        return fmt
+    if isinstance(fmt, (str, torch.dtype)):
+        return Fp8Format.parse(fmt)
+    raise TypeError(f"fmt must be an Fp8Format or its name, got {fmt!r}; accepted: e4m3, e5m2")
+
+
+def quantizable_arg(x: object) -> torch.Tensor:
+    """``x`` when it is a bf16/fp16/fp32 tensor."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected a tensor to quantize, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        accepted = ", ".join(map(str, FLOAT_DTYPES))
+        raise ValueError(f"cannot quantize a {x.dtype} tensor; accepted: {accepted}")
+    return x
+
+
+def input_arg(x: object) -> torch.Tensor:
+    """``quantizable_arg(x)``, contiguous."""
+    data = quantizable_arg(x)
+    return data if data.is_contiguous() else data.contiguous()
+
+
+def scalar_arg(name: str, s: object, device: torch.device) -> torch.Tensor:
+    """``s`` as a float32 ``(1,)`` tensor on ``device`` (shape ``(1,)`` or ``()`` accepted)."""
+    if not isinstance(s, torch.Tensor):
+        raise TypeError(f"{name} must be a float32 tensor of one element, got {type(s).__name__}")
+    if s.dtype != torch.float32 or s.numel() != 1:
+        raise ValueError(
+            f"{name} must be a float32 tensor of one element (shape (1,) or ()); "
+            f"got dtype {s.dtype}, shape {tuple(s.shape)}"
+        )
+    if s.device != device:
+        raise ValueError(f"{name} is on {s.device} but the data is on {device}")
+    return s.reshape(1)
+
+
+def margin_arg(margin: object) -> int:
+    """``margin`` when it is an int in ``[0, 64]``."""
+    if isinstance(margin, bool) or not isinstance(margin, int) or not 0 <= margin <= 64:
+        raise ValueError(f"margin must be an int in [0, 64], got {margin!r}")
+    return margin
+
+
+def _gemm_operand(name: str, t: object) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a 2-D fp8 tensor, got {type(t).__name__}")
+    if t.dtype not in FP8_DTYPES or t.dim() != 2:
+        raise ValueError(
+            f"{name} must be a 2-D float8_e4m3fn or float8_e5m2 tensor; got dtype {t.dtype}, "
+            f"shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def check_gemm_operands(a: object, b: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a [M, K]`` and ``b [N, K]``: 2-D fp8 tensors on one device with the same K."""
+    ta, tb = _gemm_operand("a", a), _gemm_operand("b", b)
+    if ta.shape[1] != tb.shape[1]:
+        raise ValueError(
+            f"a is [M, K] and b is [N, K] with the same K; got a {tuple(ta.shape)}, "
+            f"b {tuple(tb.shape)}"
+        )
+    if tb.device != ta.device:
+        raise ValueError(f"a is on {ta.device} but b is on {tb.device}")
+    return ta, tb
+
+
+def check_bias_and_out(bias: object, out_dtype: object, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``bias`` None or ``[N]`` of a ``FLOAT_DTYPES`` dtype on ``a``'s device; ``out_dtype``
+    one of ``FLOAT_DTYPES``."""
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"bias must be a tensor or None, got {type(bias).__name__}")
+        if bias.dtype not in FLOAT_DTYPES or tuple(bias.shape) != (b.shape[0],):
+            raise ValueError(
+                f"bias must be a bf16/fp16/fp32 tensor of shape ({b.shape[0]},); got dtype "
+                f"{bias.dtype}, shape {tuple(bias.shape)}"
+            )
+        if bias.device != a.device:
+            raise ValueError(f"bias is on {bias.device} but a is on {a.device}")
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(
+            f"out_dtype {out_dtype!r} is not supported; accepted: "
+            f"{', '.join(map(str, FLOAT_DTYPES))}"
+        )

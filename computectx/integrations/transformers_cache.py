@@ -24,7 +24,7 @@ times step, in float32), the window's positions taken unquantized, and rounded o
 that dtype. The attention itself is the model's
 (its ``attn_implementation``); positions past the cache's length are masked as for
 ``StaticCache`` (``get_mask_sizes``). So with fp8 codes the scores and the weighted sum run
-at the model's dtype, not in float32 as ``computectx.fp8.serving.decode_attention`` runs them.
+at the model's dtype, not in float32 as ``computectx.fp8.ops.attention`` runs them.
 
 Every layer must be a full-attention layer (``layer_types``: ``"full_attention"``): sliding,
 chunked and linear-attention layers are refused by name. The buffers live on the device of

@@ -7,7 +7,7 @@ the last dimension of ``b`` is always contracted with the last of ``a``). ``offs
 ``(E,)``, torch's ``F.grouped_mm`` convention: group ``g`` is rows ``offs[g-1]:offs[g]``
 (``offs[-1]`` read as 0); rows past ``offs[E-1]`` come out zero. Each group is exactly the
 dense block-scaled GEMM of ``computectx.kernels.scaled_mm_blocks`` (twin:
-``numerics.blockwise_gemm.reference_scaled_mm``) of its rows with its expert, for the pairs
+``numerics.blockwise.reference_scaled_mm``) of its rows with its expert, for the pairs
 
 ==================  ==========================  ===================================
 ``(ga, gb)``        ``sa``                      ``sb``
@@ -29,7 +29,7 @@ group and row tile (``group_row_tile``); the tail's programs store zeros, the sp
 store nothing. The K loop, the scales and the epilogue are the dense block kernel's; the
 wgrad, which contracts over each group's rows, is ``computectx.kernels.grouped_wgrad``.
 Under the interpreter the dot is float32 and each group agrees with its dense twin within
-``numerics.blockwise_gemm.scaled_mm_error_bound``, bit for bit when every partial sum is
+``numerics.blockwise.scaled_mm_error_bound``, bit for bit when every partial sum is
 exact; on sm_90 within the bound for ``NARROW_ACCUMULATION``, as the dense kernels.
 """
 

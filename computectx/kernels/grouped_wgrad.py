@@ -18,7 +18,7 @@ granularity   ``sa`` / ``sb``            group ``g``'s steps
 
 ``block_start`` (int32 ``(E,)``, the exclusive cumulative sum of ``ceil(size_g / W)``, formed
 on the device by the caller) says where each group's columns begin; ``row`` and ``tensor``
-ignore it. Group ``g`` is exactly the dense ``numerics.blockwise_gemm.reference_scaled_mm`` of
+ignore it. Group ``g`` is exactly the dense ``numerics.blockwise.reference_scaled_mm`` of
 ``(a[:, rows_g], b[:, rows_g])`` with those scales (``1x128`` x ``1x128``, ``row`` x ``row``,
 ``mx`` x ``mx``; ``tensor`` the per-tensor twin ``numerics.tensorwise.scaled_mm``).
 

@@ -10,7 +10,7 @@ dot is float32 and results agree within ``numerics.tensorwise.scaled_mm_error_bo
 float32 accumulation differs). On sm_90 the tensor cores add one ``BLOCK_K`` tile's products in a
 narrower accumulator (about 14 significant bits) before it is promoted to float32: there the
 results agree within the wider bound ``numerics.tensorwise.scaled_mm_error_bound(...,
-accumulation=numerics.blockwise_gemm.NARROW_ACCUMULATION)``, which the tests use on CUDA.
+accumulation=numerics.blockwise.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 
 The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) is built from this module's
 shared pieces: the autotune configs' form (``tile_configs``) and size filter
@@ -227,7 +227,7 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
         # max_num_imprecise_acc=BLOCK_K promotes that partial into this float32 accumulator
         # after every K tile, so the narrow sums span at most BLOCK_K products and only the
         # tiles' partials are summed in float32 (numerics.tensorwise.scaled_mm_error_bound
-        # with accumulation=numerics.blockwise_gemm.NARROW_ACCUMULATION bounds it). The
+        # with accumulation=numerics.blockwise.NARROW_ACCUMULATION bounds it). The
         # interpreter's dot is float32 throughout.
         acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K * stride_ak

@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
     With an fp8 ``kv`` (``KvFp8``) the cache is read in float32: scores, softmax and the
     weighted sum of dequantized keys and values run in float32 (never at the compute dtype).
-    One query position (a decode step) runs ``computectx.fp8.serving.decode_attention``, which
+    One query position (a decode step) runs ``computectx.fp8.ops.attention``, which
     dequantizes block by block with float32 accumulation within and across blocks; several
     (a prefill) dequantize the cached prefix to float32 and run the causal attention there.
     The decode step uses no matmul; the prefill's are float32 matmuls, which a CUDA device

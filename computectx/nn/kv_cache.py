@@ -3,7 +3,7 @@
 A ``kv`` in the lattice (``DType``) stores values at that dtype (``ctx.to_kv``, a plain
 cast). An fp8 ``kv`` (``KvFp8``) stores codes plus steps at ``kv.step``'s format
 (``computectx.fp8.numerics.kv_quant`` quantizes; ``computectx.nn.kv_steps`` rounds the steps
-up to their format); the layout is the one ``computectx.fp8.serving.decode_attention`` reads::
+up to their format); the layout is the one ``computectx.fp8.ops.attention`` reads::
 
     k, v            (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes
     k_step, v_step  (B, H, T_max) per_token_head (written with each position),

@@ -1,9 +1,9 @@
-"""The block-scaled GEMM (``computectx.fp8.ops.gemm``): its twin against float64 within
+"""The block-scaled GEMM (``computectx.fp8.numerics.blockwise``): its twin against float64 within
 the documented bound for every pair, its exact semantics where they are observable, the
 cuBLAS paths on the CPU (and under CUDA's rules), bad input, and the operator under
 ``torch.compile``.
 
-The bound is the module docstring's (``numerics.blockwise_gemm.scaled_mm_error_bound``); the float64
+The bound is the module docstring's (``numerics.blockwise.scaled_mm_error_bound``); the float64
 result here is computed independently: each operand dequantized in float64 (its steps
 broadcast over their blocks by indexing, not by the module's helpers), one float64 matmul.
 """
@@ -20,10 +20,10 @@ import torch._dynamo.testing
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import fp8_quantize
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.numerics import blockwise_gemm, tensorwise
+from computectx.fp8.numerics import blockwise, tensorwise
 from computectx.fp8.numerics.layouts import PAIRS, BlockGranularity
-from computectx.fp8.ops import cublas
-from computectx.fp8.ops.gemm import block_scaled_mm
+from computectx.fp8.ops.blockwise import block_scaled_mm
+from computectx.kernels import cublas
 
 REF, CUBLAS = Fp8Backend.REFERENCE, Fp8Backend.CUBLAS
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
@@ -88,7 +88,7 @@ def check_within_bound(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> None:
-    bound = blockwise_gemm.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
+    bound = blockwise.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
 
@@ -239,10 +239,8 @@ def test_the_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(
     out = _narrow_gemm(a, sa, ga, b, sb, gb, step)
     err = (out.to(torch.float64) - exact(a, sa, ga, b, sb, gb, None)).abs()
     args = (a, b, sa, ga, sb, gb, None, torch.float32)
-    f32 = blockwise_gemm.scaled_mm_error_bound(*args)
-    wide = blockwise_gemm.scaled_mm_error_bound(
-        *args, accumulation=blockwise_gemm.NARROW_ACCUMULATION
-    )
+    f32 = blockwise.scaled_mm_error_bound(*args)
+    wide = blockwise.scaled_mm_error_bound(*args, accumulation=blockwise.NARROW_ACCUMULATION)
     assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
     assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
 
@@ -660,10 +658,11 @@ def test_every_cublas_call_passes_torchs_own_meta_check(
         layout = layouts.layout_of(g, (rows, k))
         return torch.empty(layout.scale_shape, dtype=layout.scale_dtype, device=meta)
 
-    recipe = cublas.recipe_of(ga, gb)
     for bias, out_dtype in [(None, torch.bfloat16), (torch.empty(n, device=meta), torch.float32)]:
-        args = (recipe, a, b, scale(ga, m), ga, scale(gb, n), gb, bias, out_dtype)
-        out = cublas._scaled_mm_call(*args)
+        out = cublas.block_scaled_mm(
+            a=a, b=b, scale_a=scale(ga, m), granularity_a=ga, scale_b=scale(gb, n),
+            granularity_b=gb, bias=bias, out_dtype=out_dtype,
+        )  # fmt: skip
         assert out.shape == (m, n) and out.dtype == out_dtype
 
 

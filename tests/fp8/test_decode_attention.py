@@ -23,7 +23,7 @@ from computectx.fp8.numerics.attention import (
     decode_attention_reference,
 )
 from computectx.fp8.numerics.kv_quant import step_layout
-from computectx.fp8.serving.decode_attention import (
+from computectx.fp8.ops.attention import (
     KERNEL_HEAD_DIMS,
     check_kernel_head_dim,
     decode_attention,

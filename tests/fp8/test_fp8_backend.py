@@ -11,8 +11,9 @@ import torch
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend, select_backend
+from computectx.fp8 import backend as fp8_backend
 from computectx.fp8.backend import check_backend, default_backend, parse_backend
-from computectx.fp8.ops import quantize, triton
+from computectx.fp8.ops import tensorwise as tensor_ops
 
 
 def test_select_backend_on_cpu_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,7 +49,7 @@ def test_forcing_triton_on_cpu_needs_the_interpreter(monkeypatch: pytest.MonkeyP
     assert select_backend("cpu")[0] is Fp8Backend.REFERENCE
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="triton fp8 backend cannot run on cpu"):
-        quantize.quantize_with_step(
+        tensor_ops.quantize_with_step(
             torch.ones(2), Fp8Format.E4M3, torch.ones(1), backend=Fp8Backend.TRITON
         )
 
@@ -105,8 +106,8 @@ def test_cublas_quantizes_on_the_twins_where_triton_does_not_import(
     on_gpu = cast(torch.Tensor, types.SimpleNamespace(device=torch.device("cuda", 0)))
     on_cpu = torch.ones(1)
     for imports in (False, True):
-        monkeypatch.setattr(triton, "triton_imports", lambda imports=imports: imports)
-        assert triton.uses_kernels(Fp8Backend.CUBLAS, on_gpu) is imports
-        assert triton.uses_kernels(Fp8Backend.CUBLAS, on_cpu) is False
-        assert triton.uses_kernels(Fp8Backend.TRITON, on_gpu) is True
-        assert triton.uses_kernels(Fp8Backend.REFERENCE, on_gpu) is False
+        monkeypatch.setattr(fp8_backend, "triton_imports", lambda imports=imports: imports)
+        assert fp8_backend.uses_kernels(Fp8Backend.CUBLAS, on_gpu) is imports
+        assert fp8_backend.uses_kernels(Fp8Backend.CUBLAS, on_cpu) is False
+        assert fp8_backend.uses_kernels(Fp8Backend.TRITON, on_gpu) is True
+        assert fp8_backend.uses_kernels(Fp8Backend.REFERENCE, on_gpu) is False

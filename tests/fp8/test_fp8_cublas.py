@@ -20,7 +20,7 @@ from computectx import ComputeCtx
 from computectx.fp8 import Fp8Linear
 from computectx.fp8.backend import Fp8Backend
 from computectx.fp8.numerics import tensorwise
-from computectx.fp8.ops import gemm
+from computectx.fp8.ops import tensorwise as tensor_ops
 from computectx.recipes import DelayedScaling, Fp8Scheme
 
 from .conftest import CtxFor
@@ -122,8 +122,8 @@ def test_cublas_pads_k_and_n_and_matches_the_reference_within_the_gemm_bound(
         a, b = a.t().contiguous().t(), b.t().contiguous().t()
     sa, sb = torch.full((1,), 0.125), torch.full((1,), 3.0)
     bias = None if bias_dtype is None else torch.randn(n).to(bias_dtype)
-    got = gemm.scaled_mm(a, b, sa, sb, bias, out, backend=CUBLAS)
-    want = gemm.scaled_mm(a, b, sa, sb, bias, out, backend=REF)
+    got = tensor_ops.scaled_mm(a, b, sa, sb, bias, out, backend=CUBLAS)
+    want = tensor_ops.scaled_mm(a, b, sa, sb, bias, out, backend=REF)
     assert cuda_rules == [((m, -(-k // 16) * 16), (-(-k // 16) * 16, -(-n // 16) * 16))]
     assert got.shape == (m, n) and got.dtype == out and got.is_contiguous()
     # Both are within the bound of the exact product, so within twice it of each other.
@@ -134,7 +134,7 @@ def test_cublas_pads_k_and_n_and_matches_the_reference_within_the_gemm_bound(
 def test_two_e5m2_operands_run_on_the_twin_not_on_scaled_mm(cuda_rules: Calls) -> None:
     a, b = _codes(24, 32, dtype=E5M2, seed=2), _codes(16, 32, dtype=E5M2, seed=3)
     s = torch.full((1,), 0.5)
-    got = gemm.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=CUBLAS)
+    got = tensor_ops.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=CUBLAS)
     assert cuda_rules == []
     assert torch.equal(got, tensorwise.scaled_mm(a, b, s, s, None, torch.bfloat16))
 

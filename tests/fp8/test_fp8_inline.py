@@ -29,7 +29,7 @@ from computectx.fp8.numerics.ledger import (
     read_ledger,
     tally_new,
 )
-from computectx.fp8.ops import quantize
+from computectx.fp8.ops import tensorwise as tensor_ops
 from computectx.fp8.scaling.operand import OperandScaling
 from computectx.recipes import DelayedScaling, DynamicScaling
 
@@ -90,7 +90,7 @@ def _run_both(
     tallies = {impl: tally_new(dev) for impl in inline.QUANTIZE_IMPLS}
     for i, x in enumerate(seq):
         got = {
-            impl: quantize.quantize_operand(
+            impl: tensor_ops.quantize_operand(
                 x, fmt, ledgers[impl], tallies[impl], scaling, backend=backend, impl=impl
             )
             for impl in inline.QUANTIZE_IMPLS
@@ -168,7 +168,7 @@ def test_eager_calls_of_an_inline_layer_run_the_operators(
     assert isinstance(fp8_ctx.fp8 and fp8_ctx.fp8.scaling, DelayedScaling)
     # ... while the operand-level switch does route to it.
     x = torch.randn(4, 16)
-    quantize.quantize_operand(
+    tensor_ops.quantize_operand(
         x,
         Fp8Format.E4M3,
         ledger_new(4, "cpu"),
@@ -218,9 +218,9 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
             reduce = _OneRank() if path.endswith("reduced") else None
             return op.quantize(t, fmt, scaling, Fp8Backend.REFERENCE, reduce=reduce)
         if path.startswith("op, may_seed=False"):
-            quantize.seed_ledger(ledger, t, fmt, scaling.margin)
+            tensor_ops.seed_ledger(ledger, t, fmt, scaling.margin)
             tally[TALLY_SEEDED] = 1
-        return quantize.quantize_operand(
+        return tensor_ops.quantize_operand(
             t, fmt, ledger, tally, scaling, backend=Fp8Backend.REFERENCE,
             may_seed=not path.startswith("op, may_seed=False"),
             impl="inline" if path == "inline" else "op",
@@ -247,7 +247,7 @@ def test_a_nan_in_the_first_delayed_call_is_counted_once_and_leaves_step_one(pat
 def _second(
     y: torch.Tensor, ledger: torch.Tensor, tally: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return quantize.quantize_operand(
+    return tensor_ops.quantize_operand(
         y, Fp8Format.E4M3, ledger, tally, DelayedScaling(history_len=4),
         backend=Fp8Backend.REFERENCE, may_seed=False,
     )  # fmt: skip

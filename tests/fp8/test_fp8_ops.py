@@ -14,7 +14,8 @@ import torch
 from computectx.dtypes import DType, Fp8Format
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.numerics.ledger import ledger_new
-from computectx.fp8.ops import gemm, quantize
+from computectx.fp8.ops import blockwise as block_ops
+from computectx.fp8.ops import tensorwise as tensor_ops
 
 REF = Fp8Backend.REFERENCE
 # Wrongly typed arguments, typed Any so the checks run (mypy would reject them as literals).
@@ -26,22 +27,22 @@ BAD_ALGO: Any = "mean"
 @pytest.mark.parametrize("fmt", ["e4m3", "fp8_e5m2", Fp8Format.E4M3])
 def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
     x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    data, scale = quantize.fp8_quantize(x, fmt)
+    data, scale = block_ops.fp8_quantize(x, fmt)
     f = Fp8Format.parse(fmt)
     assert data.dtype == f.torch
     assert scale.shape == (1,)
     # Dynamic scale: the amax lands exactly on fmt.max.
     amax = x.float().abs().max()
     assert scale.item() == (amax / f.max).item()
-    back = quantize.fp8_dequantize(data, scale, DType.F32)
+    back = block_ops.fp8_dequantize(data, scale, DType.F32)
     assert torch.equal(back, data.float() * scale)
     # Half an fp8 ulp relative in the normal range, half a subnormal step below it.
     err = (back - x.float()).abs()
     normal = x.float().abs() / scale >= f.min_normal
     assert bool((err[normal] <= x.float().abs()[normal] * 2.0 ** -(f.mantissa_bits + 1)).all())
     assert bool((err[~normal] <= scale * f.min_subnormal / 2).all())
-    assert quantize.fp8_dequantize(data, scale, "bf16").dtype == torch.bfloat16
-    data2, scale2 = quantize.fp8_quantize(x, fmt, 0.5)
+    assert block_ops.fp8_dequantize(data, scale, "bf16").dtype == torch.bfloat16
+    data2, scale2 = block_ops.fp8_quantize(x, fmt, 0.5)
     assert scale2.item() == 0.5
     assert torch.equal(data2.float(), (x.float() / 0.5).clamp(-f.max, f.max).to(f.torch).float())
 
@@ -50,62 +51,64 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
     ("call", "exc", "needle"),
     [
         (
-            lambda: quantize.fp8_quantize(torch.ones(2, dtype=torch.float64), "e4m3"),
+            lambda: block_ops.fp8_quantize(torch.ones(2, dtype=torch.float64), "e4m3"),
             ValueError,
             "float64",
         ),
-        (lambda: quantize.fp8_quantize(torch.ones(2), "e3m4"), ValueError, "e3m4"),
-        (lambda: quantize.fp8_quantize(torch.ones(2), "e4m3", -1.0), ValueError, "-1.0"),
-        (lambda: quantize.fp8_quantize(torch.ones(2), "e4m3", BAD_SCALE), TypeError, "str"),
-        (lambda: quantize.fp8_dequantize(torch.ones(2), 1.0, "f32"), ValueError, "float32"),
+        (lambda: block_ops.fp8_quantize(torch.ones(2), "e3m4"), ValueError, "e3m4"),
+        (lambda: block_ops.fp8_quantize(torch.ones(2), "e4m3", -1.0), ValueError, "-1.0"),
+        (lambda: block_ops.fp8_quantize(torch.ones(2), "e4m3", BAD_SCALE), TypeError, "str"),
+        (lambda: block_ops.fp8_dequantize(torch.ones(2), 1.0, "f32"), ValueError, "float32"),
         (
-            lambda: quantize.fp8_dequantize(torch.ones(2).to(torch.float8_e4m3fn), 1.0, torch.int8),
+            lambda: block_ops.fp8_dequantize(
+                torch.ones(2).to(torch.float8_e4m3fn), 1.0, torch.int8
+            ),
             ValueError,
             "int8",
         ),
         (
-            lambda: quantize.quantize_with_step(
+            lambda: tensor_ops.quantize_with_step(
                 torch.ones(2), Fp8Format.E4M3, torch.ones(2), backend=REF
             ),
             ValueError,
             "(2,)",
         ),
         (
-            lambda: quantize.quantize_with_step(
+            lambda: tensor_ops.quantize_with_step(
                 torch.ones(2), Fp8Format.E4M3, torch.ones(1), backend=BAD_BACKEND
             ),
             TypeError,
             "'reference'",
         ),
         (
-            lambda: quantize.quantize_delayed(
+            lambda: tensor_ops.quantize_delayed(
                 torch.ones(2), Fp8Format.E4M3, ledger_new(2, "cpu"), 2, "max", 0, backend=REF
             ),
             ValueError,
             "[0, 2)",
         ),
         (
-            lambda: quantize.quantize_delayed(
+            lambda: tensor_ops.quantize_delayed(
                 torch.ones(2), Fp8Format.E4M3, ledger_new(2, "cpu"), 0, BAD_ALGO, 0, backend=REF
             ),
             ValueError,
             "'mean'",
         ),
         (
-            lambda: quantize.quantize_dynamic(torch.ones(2), Fp8Format.E4M3, -1, backend=REF),
+            lambda: tensor_ops.quantize_dynamic(torch.ones(2), Fp8Format.E4M3, -1, backend=REF),
             ValueError,
             "margin must be an int in [0, 64], got -1",
         ),
         (lambda: ledger_new(0, "cpu"), ValueError, "history_len must be an int >= 1, got 0"),
         (
-            lambda: gemm.scaled_mm(
+            lambda: tensor_ops.scaled_mm(
                 torch.ones(2, 3), torch.ones(2, 3), torch.ones(1), torch.ones(1), backend=REF
             ),
             ValueError,
             "torch.float32",
         ),
         (
-            lambda: gemm.scaled_mm(
+            lambda: tensor_ops.scaled_mm(
                 torch.ones(2, 3).to(torch.float8_e4m3fn),
                 torch.ones(2, 4).to(torch.float8_e4m3fn),
                 torch.ones(1),
@@ -116,7 +119,7 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
             "(2, 4)",
         ),
         (
-            lambda: gemm.scaled_mm(
+            lambda: tensor_ops.scaled_mm(
                 torch.ones(2, 3).to(torch.float8_e4m3fn),
                 torch.ones(2, 3).to(torch.float8_e4m3fn),
                 torch.ones(1),
@@ -128,7 +131,7 @@ def test_fp8_quantize_round_trip(fmt: Fp8Format | str) -> None:
             "(2,)",
         ),
         (
-            lambda: gemm.scaled_mm(
+            lambda: tensor_ops.scaled_mm(
                 torch.ones(2, 3).to(torch.float8_e4m3fn),
                 torch.ones(2, 3).to(torch.float8_e4m3fn),
                 torch.ones(1),
@@ -153,7 +156,7 @@ def test_bad_input_leaves_ledger_untouched() -> None:
     ledger = ledger_new(2, "cpu")
     before = ledger.clone()
     with pytest.raises(ValueError, match="float64"):
-        quantize.quantize_delayed(
+        tensor_ops.quantize_delayed(
             torch.ones(2, dtype=torch.float64), Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF
         )
     assert torch.equal(ledger, before)
@@ -161,8 +164,8 @@ def test_bad_input_leaves_ledger_untouched() -> None:
 
 def test_non_contiguous_input_quantizes_like_its_copy() -> None:
     x = torch.randn(6, 5, generator=torch.Generator().manual_seed(2)).t()
-    q, _ = quantize.quantize_with_step(x, Fp8Format.E4M3, torch.tensor([0.01]), backend=REF)
-    q2, _ = quantize.quantize_with_step(
+    q, _ = tensor_ops.quantize_with_step(x, Fp8Format.E4M3, torch.tensor([0.01]), backend=REF)
+    q2, _ = tensor_ops.quantize_with_step(
         x.contiguous(), Fp8Format.E4M3, torch.tensor([0.01]), backend=REF
     )
     assert q.shape == (5, 6)

@@ -20,7 +20,8 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend, fp8_dequantize, fp8_quantize
 from computectx.fp8.numerics import blockwise, layouts, tensorwise
 from computectx.fp8.numerics.layouts import Granularity, MxRounding
-from computectx.fp8.ops import quantize
+from computectx.fp8.ops import blockwise as block_ops
+from computectx.fp8.ops import tensorwise as tensor_ops
 
 REF = Fp8Backend.REFERENCE
 FORMATS = list(Fp8Format)
@@ -257,7 +258,7 @@ def test_dequantize_refuses_a_scale_of_no_granularity() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tensor_granularity_is_todays_fp8_quantize(fmt: Fp8Format, dtype: torch.dtype) -> None:
     x = (torch.randn(33, 70, generator=torch.Generator().manual_seed(3)) * 7).to(dtype)
-    q, step, _ = quantize.quantize_dynamic(x, fmt, 0, backend=REF)
+    q, step, _ = tensor_ops.quantize_dynamic(x, fmt, 0, backend=REF)
     for data, scale in (fp8_quantize(x, fmt), fp8_quantize(x, fmt, granularity="tensor")):
         assert same_bytes(data, q) and torch.equal(scale, step) and scale.shape == (1,)
     # power_of_two=True: the smallest power of two >= the dynamic step.
@@ -360,7 +361,7 @@ def test_a_non_finite_block_is_confined_to_itself(
 def test_columnwise_is_the_quantize_of_the_transpose() -> None:
     x = torch.randn(70, 260, generator=torch.Generator().manual_seed(8))
     for g, pow2, mx in OPTIONS:
-        got = quantize.quantize_granular(
+        got = block_ops.quantize_granular(
             x, "e4m3", g, power_of_two=pow2, mx_rounding=mx, columnwise=True, backend=REF
         )
         want = fp8_quantize(
@@ -369,7 +370,9 @@ def test_columnwise_is_the_quantize_of_the_transpose() -> None:
         assert got[0].shape == (260, 70) and got[0].is_contiguous()
         assert same_bytes(got[0], want[0]) and same_bytes(got[1], want[1])
     with pytest.raises(ValueError, match=r"2-D.*\(2, 3, 4\)"):
-        quantize.quantize_granular(torch.ones(2, 3, 4), "e4m3", "row", columnwise=True, backend=REF)
+        block_ops.quantize_granular(
+            torch.ones(2, 3, 4), "e4m3", "row", columnwise=True, backend=REF
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

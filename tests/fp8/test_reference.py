@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics import blockwise_gemm, tensorwise
+from computectx.fp8.numerics import blockwise, tensorwise
 from computectx.fp8.numerics.ledger import (
     ledger_history,
     ledger_new,
@@ -25,7 +25,7 @@ from computectx.fp8.numerics.ledger import (
     ledger_saturated,
     ledger_step,
 )
-from computectx.fp8.ops import gemm, quantize
+from computectx.fp8.ops import tensorwise as tensor_ops
 
 REF = Fp8Backend.REFERENCE
 FORMATS = list(Fp8Format)
@@ -226,7 +226,7 @@ def test_ledger_follows_model(algo: str, margin: int) -> None:
         if not math.isfinite(sc):
             x[3] = sc
         step_before = ledger_step(ledger).clone()
-        q, used = quantize.quantize_delayed(x, fmt, ledger, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
+        q, used = tensor_ops.quantize_delayed(x, fmt, ledger, i % n, algo, margin, backend=REF)  # type: ignore[arg-type]
         assert torch.equal(used, step_before)
         expected_q, _ = tensorwise.quantize_with_step(x, fmt, step_before)
         assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
@@ -240,25 +240,25 @@ def test_window_max_and_most_recent_differ() -> None:
     fmt = Fp8Format.E5M2
     for algo, expected_amax in (("max", 100.0), ("most_recent", 1.0)):
         ledger = ledger_new(3, "cpu")
-        quantize.quantize_delayed(torch.tensor([100.0]), fmt, ledger, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
-        quantize.quantize_delayed(torch.tensor([1.0]), fmt, ledger, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
+        tensor_ops.quantize_delayed(torch.tensor([100.0]), fmt, ledger, 0, algo, 0, backend=REF)  # type: ignore[arg-type]
+        tensor_ops.quantize_delayed(torch.tensor([1.0]), fmt, ledger, 1, algo, 0, backend=REF)  # type: ignore[arg-type]
         # One float32 division, so the step is exactly that quotient.
         assert torch.equal(ledger_step(ledger), torch.tensor([expected_amax]) / fmt.max)
 
 
 def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
     ledger = ledger_new(2, "cpu")
-    quantize.seed_ledger(ledger, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
+    tensor_ops.seed_ledger(ledger, torch.tensor([4.0, -8.0]), Fp8Format.E4M3, 1)
     assert ledger_history(ledger).tolist() == [8.0, 8.0]
     # One float32 division of the amax by 448 / 2**margin, exactly.
     assert torch.equal(ledger_step(ledger), torch.tensor([8.0]) / (448 / 2))
-    quantize.quantize_delayed(
+    tensor_ops.quantize_delayed(
         torch.zeros(3), Fp8Format.E4M3, ledger, 0, "most_recent", 1, backend=REF
     )
     assert ledger_step(ledger).item() == 1.0
     before = ledger.clone()
     x = torch.tensor([1.0, math.nan])
-    quantize.quantize_delayed(x, Fp8Format.E4M3, ledger, 1, "max", 1, backend=REF)
+    tensor_ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 1, "max", 1, backend=REF)
     assert torch.equal(ledger_history(ledger), ledger_history(before))
     assert torch.equal(ledger_step(ledger), ledger_step(before))
     assert ledger_nonfinite(ledger).item() == ledger_nonfinite(before).item() + 1
@@ -267,7 +267,7 @@ def test_zero_amax_step_is_one_and_nonfinite_keeps_state() -> None:
 def test_seed_with_nonfinite_keeps_the_ledger_and_counts_nothing() -> None:
     # The quantize of the same call counts the non-finite amax, once (docs/fp8.md).
     ledger = ledger_new(3, "cpu")
-    quantize.seed_ledger(ledger, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
+    tensor_ops.seed_ledger(ledger, torch.tensor([1.0, math.inf]), Fp8Format.E4M3, 0)
     assert ledger_history(ledger).tolist() == [0.0, 0.0, 0.0]
     assert (ledger_step(ledger).item(), ledger_nonfinite(ledger).item()) == (1.0, 0.0)
     assert ledger_saturated(ledger).item() == 0.0
@@ -276,8 +276,8 @@ def test_seed_with_nonfinite_keeps_the_ledger_and_counts_nothing() -> None:
 def test_saturated_count_accumulates() -> None:
     ledger = ledger_new(1, "cpu")
     x = torch.tensor([500.0, -449.0, 448.0, 3.0])  # step 1: two beyond E4M3's 448
-    quantize.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
-    quantize.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
+    tensor_ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
+    tensor_ops.quantize_delayed(x, Fp8Format.E4M3, ledger, 0, "max", 0, backend=REF)
     assert ledger_saturated(ledger).item() == 2.0  # second call uses step 500/448
 
 
@@ -309,7 +309,7 @@ def test_scaled_mm_within_derived_bound(
     sa = torch.tensor([0.37])
     sb = torch.tensor([1.9e-3])
     bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
-    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    out = tensor_ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
     assert out.dtype == out_dtype
     assert out.shape == (m, n)
     # The steps as the GEMM sees them: float32 values, multiplied exactly in float64.
@@ -334,7 +334,7 @@ def test_scaled_mm_property(m: int, n: int, k: int, seed: int, sa: float, sb: fl
     a = random_fp8((m, k), Fp8Format.E4M3, gen)
     b = random_fp8((n, k), Fp8Format.E5M2, gen)
     ta, tb = torch.tensor([sa]), torch.tensor([sb])
-    out = gemm.scaled_mm(a, b, ta, tb, None, torch.float32, backend=REF)
+    out = tensor_ops.scaled_mm(a, b, ta, tb, None, torch.float32, backend=REF)
     exact = (a.double() @ b.double().t()) * (ta.double() * tb.double())
     bound = tensorwise.scaled_mm_error_bound(a, b, ta, tb, None, torch.float32)
     assert bool(((out.double() - exact).abs() <= bound).all())
@@ -347,9 +347,9 @@ def test_scaled_mm_ignores_an_enclosing_autocast() -> None:
     a = random_fp8((24, 256), Fp8Format.E4M3, gen)
     b = random_fp8((16, 256), Fp8Format.E4M3, gen)
     sa, sb = torch.tensor([0.37]), torch.tensor([0.011])
-    plain = gemm.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
+    plain = tensor_ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        under = gemm.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
+        under = tensor_ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=REF)
     assert under.dtype == torch.float32
     assert torch.equal(under, plain)
 
@@ -360,7 +360,7 @@ def test_the_bound_is_not_vacuous() -> None:
     a = random_fp8((8, 16), Fp8Format.E4M3, gen)
     b = random_fp8((8, 16), Fp8Format.E4M3, gen)
     one = torch.ones(1)
-    out = gemm.scaled_mm(a, b, one, one, None, torch.bfloat16, backend=REF).double()
+    out = tensor_ops.scaled_mm(a, b, one, one, None, torch.bfloat16, backend=REF).double()
     exact = a.double() @ b.double().t()
     bound = tensorwise.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
     wrong = out + 2 * out.abs() * 2.0**-8 + 1e-3
@@ -370,7 +370,7 @@ def test_the_bound_is_not_vacuous() -> None:
 # ---------------------------------------------------------------------------------------
 # The bound for a narrower accumulator (the Triton kernel's fp8 dot on sm_90)
 
-NARROW = blockwise_gemm.NARROW_ACCUMULATION
+NARROW = blockwise.NARROW_ACCUMULATION
 
 
 @pytest.mark.parametrize("k", [300, 50, 1, 0])
@@ -420,7 +420,7 @@ def test_narrow_accumulation_bound_widens_as_the_block_gemms() -> None:
     a = torch.ones(2, k).to(torch.float8_e4m3fn)
     b = torch.ones(3, k).to(torch.float8_e4m3fn)
     one_a, one_b = torch.ones(2, 1), torch.ones(3, 1)
-    got_block = blockwise_gemm.scaled_mm_error_bound(
+    got_block = blockwise.scaled_mm_error_bound(
         a, b, one_a, "row", one_b, "row", None, torch.float32, accumulation=NARROW
     )
     e = tensorwise.accumulation_gamma(k + 5, k, NARROW) * k + 2.0**-148 * (k + 1)

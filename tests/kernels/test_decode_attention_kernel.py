@@ -26,7 +26,7 @@ from computectx.fp8.numerics.attention import (
     decode_attention_error_bound,
     decode_attention_reference,
 )
-from computectx.fp8.serving.decode_attention import decode_attention
+from computectx.fp8.ops.attention import decode_attention
 
 from .conftest import ON_GPU
 

@@ -18,8 +18,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.numerics.ledger import ledger_new, read_ledger, tally_new
-from computectx.fp8.ops import ledger_quantize
-from computectx.fp8.ops.quantize import quantize_operand
+from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.fp8.ops.tensorwise import quantize_operand
 from computectx.kernels import quantize
 from computectx.recipes import DelayedScaling
 
@@ -74,7 +74,7 @@ class _Launches(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> _Launches:
     mode = _Launches()
-    real = quantize.quantize_delayed
+    real = tensor_ops.quantize_delayed
 
     def launcher(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         mode.kernels += 1
@@ -98,7 +98,7 @@ def test_one_seeded_delayed_quantize_is_the_launches_the_docs_state(
     x = torch.randn(4096, device=device)
 
     def call(may_seed: bool) -> None:
-        ledger_quantize.delayed_call(x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed)
+        tensor_ops.delayed_call(x, ledger, tally, E4M3.torch, "max", 0, "triton", may_seed)
 
     call(True)  # seeds (and creates the kernel's scratch)
     launches.kernels = 0
@@ -115,9 +115,7 @@ def test_the_seeding_check_adds_the_launches_the_docs_state(
     ledger, tally = ledger_new(16, device), tally_new(device)
     x = torch.randn(4096, device=device)
     with launches:
-        ledger_quantize.delayed_call(
-            x, ledger, tally, E4M3, "max", 0, Fp8Backend.TRITON, may_seed=True
-        )
+        tensor_ops.delayed_call(x, ledger, tally, E4M3.torch, "max", 0, "triton", may_seed=True)
     assert launches.kernels == 1
     assert launches.ops[-4:] == ["roll", "copy_", "fill_", "add_"]
     seeding = launches.ops[:-4]

@@ -7,7 +7,7 @@ Forward/dgrad (``computectx.kernels.grouped_mm``): group ``g``'s rows are the de
 group's columns of ``dY.T`` and ``X.T`` with the group's own scale columns, zero for a group
 without rows. The standards are the dense kernel's (tests/kernels/test_scaled_mm_blocks_kernel.py):
 bit for bit when every partial sum is exact (small-integer codes, power-of-two steps), else
-within the dense twin's a-priori bound (``numerics.blockwise_gemm.scaled_mm_error_bound``, the
+within the dense twin's a-priori bound (``numerics.blockwise.scaled_mm_error_bound``, the
 narrow-accumulator one on a GPU). The groups include an empty one and sizes that are not
 multiples of 16, 32 or 128, with rows past the last group.
 """
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.numerics import blockwise_gemm, tensorwise
+from computectx.fp8.numerics import blockwise, tensorwise
 from computectx.fp8.numerics.layouts import BlockGranularity, Granularity, block_width
-from computectx.fp8.ops import triton as launch
-from computectx.fp8.ops.gemm import block_scaled_mm
+from computectx.fp8.ops.blockwise import block_scaled_mm
+from computectx.kernels import grouped_mm, grouped_wgrad
 
 pytestmark = pytest.mark.interpreter
 
@@ -96,7 +96,7 @@ def deq(t: torch.Tensor, s: torch.Tensor, gran: Granularity) -> torch.Tensor:
     if gran == "tensor":
         return t64 * s.double()
     rows, k = t.shape
-    st = blockwise_gemm.row_steps(s, gran, rows).double()
+    st = blockwise.row_steps(s, gran, rows).double()
     return t64 * st.repeat_interleave(block_width(gran, k), dim=1)[:, :k]
 
 
@@ -122,17 +122,17 @@ def check_group(
         elif ga == "mx" and a.shape[1] < 32:
             # block_scaled_mm's checks refuse an MX contraction shorter than one block
             # (dense layers never have one; a wgrad group may): the twin it runs, unchecked.
-            twin = blockwise_gemm.reference_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype)
+            twin = blockwise.reference_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype)
         else:
             ref = Fp8Backend.REFERENCE
             twin = block_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype, backend=ref)
         assert torch.equal(out, twin), f"{what}: {(out.float() - twin.float()).abs().max()}"
         return
-    acc = blockwise_gemm.NARROW_ACCUMULATION if narrow else None
+    acc = blockwise.NARROW_ACCUMULATION if narrow else None
     if ga == "tensor":
         bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, out.dtype, accumulation=acc)
     else:
-        bound = blockwise_gemm.scaled_mm_error_bound(
+        bound = blockwise.scaled_mm_error_bound(
             a, b, sa, ga, sb, bg, None, out.dtype, accumulation=acc
         )
     err = (out.double() - deq(a, sa, ga) @ deq(b, sb, gb).t()).abs()
@@ -168,7 +168,7 @@ def test_forward_is_the_dense_twin_per_group(
     sb_rows = -(-n // 128) if gb == "128x128" else n
     sb = steps((e,) if gb == "tensor" else (e, sb_rows, nkb), gb, exact, gen)
 
-    got = launch.grouped_scaled_mm(
+    got = grouped_mm.grouped_scaled_mm(
         a=a.to(device), sa=sa.to(device), b=b.to(device), sb=sb.to(device),
         offs=offs.to(device), granularity_a=ga, granularity_b=gb, out_dtype=out_dtype,
     ).cpu()  # fmt: skip
@@ -217,7 +217,7 @@ def test_wgrad_is_the_dense_twin_per_group(
     a, b = (dy.t(), x.t()) if exact else (dy.t().contiguous(), x.t().contiguous())
     sa, sb, block_start = wgrad_scales(gran, WG_SIZES, exact, gen)
 
-    got = launch.grouped_scaled_wgrad(
+    got = grouped_wgrad.grouped_scaled_wgrad(
         a=a.to(device), sa=sa.to(device), b=b.to(device), sb=sb.to(device),
         offs=offs.to(device), block_start=block_start.to(device), granularity=gran,
     ).cpu()  # fmt: skip
@@ -247,7 +247,7 @@ def test_no_rows_no_groups_and_no_k(device: torch.device) -> None:
     ones = torch.ones(5, 1, device=device)
 
     def fwd(m: int, k: int, e: int, offs: list[int]) -> torch.Tensor:
-        return launch.grouped_scaled_mm(
+        return grouped_mm.grouped_scaled_mm(
             a=z8[:m, :k], sa=ones[:m], b=z8[:e, :k].reshape(e, 1, k).expand(e, 3, k),
             sb=torch.ones(e, 3, 1, device=device),
             offs=torch.tensor(offs, dtype=torch.int32, device=device),
@@ -259,7 +259,7 @@ def test_no_rows_no_groups_and_no_k(device: torch.device) -> None:
     assert torch.equal(fwd(5, 0, 2, [2, 5]).cpu(), torch.zeros(5, 3))  # an empty sum
     # Launched: every row past offs[-1] (the tail's programs alone store).
     ones8 = torch.ones(5, 64, device=device).to(E4M3)
-    got = launch.grouped_scaled_mm(
+    got = grouped_mm.grouped_scaled_mm(
         a=ones8, sa=ones, b=ones8[:2].reshape(2, 1, 64).expand(2, 5, 64),
         sb=torch.ones(2, 5, 1, device=device),
         offs=torch.zeros(2, dtype=torch.int32, device=device),
@@ -270,7 +270,7 @@ def test_no_rows_no_groups_and_no_k(device: torch.device) -> None:
     def wgrad(m: int, offs: list[int], gran: WgradGranularity, cols: int) -> torch.Tensor:
         e = len(offs)
         scale = torch.ones(3, cols, device=device)
-        return launch.grouped_scaled_wgrad(
+        return grouped_wgrad.grouped_scaled_wgrad(
             a=ones8[:3, :m], sa=scale, b=ones8[:3, :m], sb=scale,
             offs=torch.tensor(offs, dtype=torch.int32, device=device),
             block_start=torch.zeros(e, dtype=torch.int32, device=device), granularity=gran,
@@ -304,7 +304,7 @@ def test_launchers_reject_bad_arguments(device: torch.device) -> None:
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
-            launch.grouped_scaled_mm(**{**fwd, **change})  # type: ignore[arg-type]
+            grouped_mm.grouped_scaled_mm(**{**fwd, **change})  # type: ignore[arg-type]
     at, bt = a.t(), a[:, :5].t()  # dY.T (64, 6) and X.T (5, 6)
     wg = {
         "a": at, "sa": torch.ones(64, 2, device=device), "b": bt,
@@ -322,7 +322,7 @@ def test_launchers_reject_bad_arguments(device: torch.device) -> None:
     ]
     for change, match in bad:
         with pytest.raises(ValueError, match=match):
-            launch.grouped_scaled_wgrad(**{**wg, **change})  # type: ignore[arg-type]
+            grouped_wgrad.grouped_scaled_wgrad(**{**wg, **change})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(

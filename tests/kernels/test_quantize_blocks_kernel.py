@@ -26,7 +26,7 @@ from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend
 from computectx.fp8.numerics import layouts
 from computectx.fp8.numerics.layouts import Granularity, MxRounding
-from computectx.fp8.ops import quantize
+from computectx.fp8.ops import blockwise as block_ops
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -99,9 +99,9 @@ def both(
     g, pow2, mx = option
     if "scale" not in kw:
         kw = {"power_of_two": pow2, "mx_rounding": mx, **kw}
-    got = quantize.quantize_granular(x, fmt, g, backend=TRITON, **kw)
+    got = block_ops.quantize_granular(x, fmt, g, backend=TRITON, **kw)
     cpu: dict[str, Any] = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-    want = quantize.quantize_granular(x.cpu(), fmt, g, backend=REF, **cpu)
+    want = block_ops.quantize_granular(x.cpu(), fmt, g, backend=REF, **cpu)
     assert_same(got, want)
     return got
 
@@ -148,7 +148,7 @@ def test_given_scales_bit_exact(option: Option, device: torch.device) -> None:
     # NaN, inf, a subnormal and a negative one; for E8M0 the bytes 0 (2**-127) and 255 (NaN).
     g = option[0]
     x = hard(9 if g != "128x128" else 130, 300, seed=4).to(device)
-    _, scale = quantize.quantize_granular(x, "e4m3", g, backend=REF if x.is_cpu else TRITON)
+    _, scale = block_ops.quantize_granular(x, "e4m3", g, backend=REF if x.is_cpu else TRITON)
     both(x, Fp8Format.E4M3, option, scale=scale)
     odd = scale.clone().reshape(-1)
     if g == "mx":
@@ -177,7 +177,7 @@ def test_rounding_boundaries_bit_exact(fmt: Fp8Format, device: torch.device) -> 
     both(x, fmt, ("1x128", None, None), scale=ones)
     both(x, fmt, ("row", None, None))
     both(x, fmt, ("mx", None, None))
-    q, _ = quantize.quantize_granular(x, fmt, "1x128", ones, backend=TRITON)
+    q, _ = block_ops.quantize_granular(x, fmt, "1x128", ones, backend=TRITON)
     if fmt is Fp8Format.E4M3:
         at = (x == 31.19).nonzero()[0]
         assert q[at[0], at[1]].float().item() == 32.0
@@ -207,7 +207,7 @@ def test_edge_shapes(shape: tuple[int, ...], option: Option, device: torch.devic
     except ValueError as refused:  # a shape the granularity cannot serve: refused alike
         for backend in (TRITON, REF):
             with pytest.raises(ValueError, match=re.escape(str(refused))):
-                quantize.quantize_granular(x, "e4m3", option[0], backend=backend)
+                block_ops.quantize_granular(x, "e4m3", option[0], backend=backend)
         return
     both(x, Fp8Format.E4M3, option)
 

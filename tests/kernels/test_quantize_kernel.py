@@ -31,7 +31,7 @@ from computectx.fp8.numerics.ledger import (
     ledger_step,
     ledger_tail,
 )
-from computectx.fp8.ops import quantize
+from computectx.fp8.ops import tensorwise as tensor_ops
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -86,8 +86,8 @@ def rounding_probes(fmt: Fp8Format) -> torch.Tensor:
 def test_rounding_probes_bit_exact(fmt: Fp8Format, device: torch.device) -> None:
     x = rounding_probes(fmt).to(device)
     one = torch.ones(1, device=device)
-    q, a = quantize.quantize_with_step(x, fmt, one, backend=TRITON)
-    q_ref, a_ref = quantize.quantize_with_step(x, fmt, one, backend=REF)
+    q, a = tensor_ops.quantize_with_step(x, fmt, one, backend=TRITON)
+    q_ref, a_ref = tensor_ops.quantize_with_step(x, fmt, one, backend=REF)
     assert_same_bytes(q, q_ref)
     assert_same_f32(a, a_ref)
 
@@ -100,8 +100,8 @@ def test_random_bit_patterns_bit_exact(fmt: Fp8Format, device: torch.device) -> 
     bits = torch.randint(-(2**31), 2**31, (3000,), generator=gen, dtype=torch.int64)
     x = bits.to(torch.int32).view(torch.float32).to(device)
     step = torch.tensor([2.0**-100], device=device)
-    q, a = quantize.quantize_with_step(x, fmt, step, backend=TRITON)
-    q_ref, a_ref = quantize.quantize_with_step(x, fmt, step, backend=REF)
+    q, a = tensor_ops.quantize_with_step(x, fmt, step, backend=TRITON)
+    q_ref, a_ref = tensor_ops.quantize_with_step(x, fmt, step, backend=REF)
     assert_same_bytes(q, q_ref)
     assert_same_f32(a, a_ref)
 
@@ -119,8 +119,8 @@ def test_with_step_bit_exact(
     x = x.to(dtype).to(device)
     for step_value in (0.173, 1.0, 3.1e-3):
         step = torch.tensor([step_value], device=device)
-        q, a = quantize.quantize_with_step(x, fmt, step, backend=TRITON)
-        q_ref, a_ref = quantize.quantize_with_step(x, fmt, step, backend=REF)
+        q, a = tensor_ops.quantize_with_step(x, fmt, step, backend=TRITON)
+        q_ref, a_ref = tensor_ops.quantize_with_step(x, fmt, step, backend=REF)
         assert_same_bytes(q, q_ref)
         assert_same_f32(a, a_ref)
 
@@ -142,8 +142,8 @@ def test_dynamic_bit_exact(fmt: Fp8Format, margin: int, kind: str, device: torch
     elif kind == "tiny":  # amax so small that the step underflows: step 1, all zeros
         x = torch.full((9,), 1e-44, dtype=torch.float32)
     x = x.to(device)
-    q, step, a = quantize.quantize_dynamic(x, fmt, margin, backend=TRITON)
-    q_ref, step_ref, a_ref = quantize.quantize_dynamic(x, fmt, margin, backend=REF)
+    q, step, a = tensor_ops.quantize_dynamic(x, fmt, margin, backend=TRITON)
+    q_ref, step_ref, a_ref = tensor_ops.quantize_dynamic(x, fmt, margin, backend=REF)
     assert_same_bytes(q, q_ref)
     assert_same_f32(step, step_ref)
     assert_same_f32(a, a_ref)
@@ -162,8 +162,8 @@ def test_with_step_property_bit_exact(
 ) -> None:
     x = torch.tensor(values, dtype=torch.float32).to(dtype).to(device)
     s = torch.tensor([step], device=device)
-    q, a = quantize.quantize_with_step(x, fmt, s, backend=TRITON)
-    q_ref, a_ref = quantize.quantize_with_step(x, fmt, s, backend=REF)
+    q, a = tensor_ops.quantize_with_step(x, fmt, s, backend=TRITON)
+    q_ref, a_ref = tensor_ops.quantize_with_step(x, fmt, s, backend=REF)
     assert_same_bytes(q, q_ref)
     assert_same_f32(a, a_ref)
     v = q.float()
@@ -194,8 +194,8 @@ def test_delayed_ledger_bit_exact(
     ledger = ledger_new(history, device)
     ledger_ref = ledger_new(history, device)
     x0 = torch.randn(50, generator=torch.Generator().manual_seed(0)).to(device)
-    quantize.seed_ledger(ledger, x0, fmt, margin)
-    quantize.seed_ledger(ledger_ref, x0, fmt, margin)
+    tensor_ops.seed_ledger(ledger, x0, fmt, margin)
+    tensor_ops.seed_ledger(ledger_ref, x0, fmt, margin)
     gen = torch.Generator().manual_seed(history + margin)
     plan: list[tuple[float, float | None, int]] = [
         (1.0, None, 257),
@@ -214,8 +214,8 @@ def test_delayed_ledger_bit_exact(
             x[n // 2] = special
         x = x.to(torch.bfloat16).to(device)
         idx = i % history
-        q, used = quantize.quantize_delayed(x, fmt, ledger, idx, algo, margin, backend=TRITON)
-        q_ref, used_ref = quantize.quantize_delayed(
+        q, used = tensor_ops.quantize_delayed(x, fmt, ledger, idx, algo, margin, backend=TRITON)
+        q_ref, used_ref = tensor_ops.quantize_delayed(
             x, fmt, ledger_ref, idx, algo, margin, backend=REF
         )
         assert_same_bytes(q, q_ref)
@@ -253,10 +253,10 @@ def test_delayed_ledger_property(
         if not math.isfinite(sc):
             x[5] = sc
         x = x.to(device)
-        q, used = quantize.quantize_delayed(
+        q, used = tensor_ops.quantize_delayed(
             x, fmt, ledger, i % history, algo, margin, backend=TRITON
         )
-        q_ref, used_ref = quantize.quantize_delayed(
+        q_ref, used_ref = tensor_ops.quantize_delayed(
             x, fmt, ledger_ref, i % history, algo, margin, backend=REF
         )
         assert_same_bytes(q, q_ref)
@@ -274,7 +274,7 @@ def test_scratch_is_rezeroed_after_each_launch(device: torch.device) -> None:
 
     x = torch.randn(700, device=device)
     for _ in range(3):
-        _, a = quantize.quantize_with_step(
+        _, a = tensor_ops.quantize_with_step(
             x, Fp8Format.E4M3, torch.ones(1, device=device), backend=TRITON
         )
         assert a.item() == x.abs().max().item()
@@ -365,7 +365,9 @@ def test_the_kernel_follows_the_ledger_layout_it_is_given(algo: Algo, device: to
         if special is not None:
             x[3] = special
         x = x.to(device)
-        q_ref, used_ref = quantize.quantize_delayed(x, fmt, ledger_ref, i % n, algo, 1, backend=REF)
+        q_ref, used_ref = tensor_ops.quantize_delayed(
+            x, fmt, ledger_ref, i % n, algo, 1, backend=REF
+        )
         q, used = kq.quantize_delayed(
             x=x, fp8=fmt.torch, ledger=permuted, history_len=n, slot=i % n, algo=algo, margin=1,
             **order,
@@ -402,7 +404,7 @@ def test_reference_twin_matches_on_the_same_call(device: torch.device) -> None:
     x = torch.randn(40, generator=torch.Generator().manual_seed(9)).to(device)
     step = torch.tensor([0.01], device=device)
     q1, _ = tensorwise.quantize_with_step(x, Fp8Format.E5M2, step)
-    q2, _ = quantize.quantize_with_step(x, Fp8Format.E5M2, step, backend=TRITON)
+    q2, _ = tensor_ops.quantize_with_step(x, Fp8Format.E5M2, step, backend=TRITON)
     assert_same_bytes(q2, q1)
 
 
@@ -417,12 +419,12 @@ def test_steps_past_float32_range_bit_exact_and_finite(
     x = x.to(device)
     for step_value in (2.0**120, 2.0**113, 1e37, 3.4e38):
         step = torch.tensor([step_value], device=device)
-        q, _ = quantize.quantize_with_step(x, fmt, step, backend=TRITON)
-        q_ref, _ = quantize.quantize_with_step(x.cpu(), fmt, step.cpu(), backend=REF)
+        q, _ = tensor_ops.quantize_with_step(x, fmt, step, backend=TRITON)
+        q_ref, _ = tensor_ops.quantize_with_step(x.cpu(), fmt, step.cpu(), backend=REF)
         assert_same_bytes(q, q_ref)
         assert torch.isfinite(tensorwise.dequantize(q.cpu(), step.cpu(), torch.float32)).all()
-    q, step, _ = quantize.quantize_dynamic(x[:4], fmt, 4, backend=TRITON)
-    q_ref, step_ref, _ = quantize.quantize_dynamic(x[:4].cpu(), fmt, 4, backend=REF)
+    q, step, _ = tensor_ops.quantize_dynamic(x[:4], fmt, 4, backend=TRITON)
+    q_ref, step_ref, _ = tensor_ops.quantize_dynamic(x[:4].cpu(), fmt, 4, backend=REF)
     assert_same_bytes(q, q_ref)
     assert_same_f32(step, step_ref)
     assert torch.isfinite(tensorwise.dequantize(q.cpu(), step.cpu(), torch.float32)).all()

@@ -1,10 +1,11 @@
 """The Triton block-scaled GEMM against float64 and its twin, within the twin's bound.
 
-The bound is ``numerics.blockwise_gemm.scaled_mm_error_bound`` (derived in
-``computectx.fp8.ops.gemm``'s docstring): it allows any float32 order inside a scale block and
+The bound is ``numerics.blockwise.scaled_mm_error_bound`` (derived in
+the module docstring of ``computectx.fp8.numerics.blockwise``): it allows any float32 order
+inside a scale block and
 across the scaled partial sums, which is what the kernel's narrower K steps change. On a GPU (CUDA)
 it is the bound for the tensor cores' narrower accumulation of each K step
-(``numerics.blockwise_gemm.NARROW_ACCUMULATION``); under the interpreter, the float32 one. When
+(``numerics.blockwise.NARROW_ACCUMULATION``); under the interpreter, the float32 one. When
 every partial sum is exact (small-integer codes, power-of-two steps) the kernel and the twin round
 the same exact value once and must agree bit for bit.
 """
@@ -18,9 +19,9 @@ from hypothesis import strategies as st
 
 from computectx.fp8 import fp8_quantize
 from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.numerics import blockwise_gemm, layouts
+from computectx.fp8.numerics import blockwise, layouts
 from computectx.fp8.numerics.layouts import PAIRS, BlockGranularity
-from computectx.fp8.ops.gemm import block_scaled_mm
+from computectx.fp8.ops.blockwise import block_scaled_mm
 
 pytestmark = pytest.mark.interpreter
 
@@ -86,8 +87,8 @@ def check_within_bound(
 ) -> None:
     # On a GPU the tensor cores sum each BLOCK_K step in a narrower accumulator: the bound
     # for that accumulation (block_gemm's docstring); the interpreter's dot is float32.
-    narrow = blockwise_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
-    bound = blockwise_gemm.scaled_mm_error_bound(
+    narrow = blockwise.NARROW_ACCUMULATION if out.device.type == "cuda" else None
+    bound = blockwise.scaled_mm_error_bound(
         a, b, sa, ga, sb, gb, bias, out_dtype, accumulation=narrow
     )
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()

@@ -8,7 +8,7 @@ final rounding to the output dtype, half an ulp (``2**-8`` relative for bf16, ``
 fp16, ``2**-24`` for fp32). That is the bound under the interpreter, whose dot is float32;
 on CUDA the tensor cores sum each ``BLOCK_K`` tile in a narrower accumulator before
 promoting it, and the tests use the wider bound for that accumulation
-(``accumulation=numerics.blockwise_gemm.NARROW_ACCUMULATION``). When every partial sum is exact
+(``accumulation=numerics.blockwise.NARROW_ACCUMULATION``). When every partial sum is exact
 (small integers, power-of-two steps; exact in the narrow accumulator too) the bound leaves only the
 output rounding, and the kernel must match exactly.
 """
@@ -22,8 +22,8 @@ from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics import blockwise_gemm, tensorwise
-from computectx.fp8.ops import gemm
+from computectx.fp8.numerics import blockwise, tensorwise
+from computectx.fp8.ops import tensorwise as tensor_ops
 
 pytestmark = pytest.mark.interpreter
 
@@ -59,7 +59,7 @@ def check_within_bound(
     # On a GPU the tensor cores sum each BLOCK_K tile in a narrower accumulator: the bound
     # for that accumulation (numerics.tensorwise.scaled_mm_error_bound's docstring); the
     # interpreter's dot, and the twin, are float32.
-    narrow = blockwise_gemm.NARROW_ACCUMULATION if out.device.type == "cuda" else None
+    narrow = blockwise.NARROW_ACCUMULATION if out.device.type == "cuda" else None
     a, b, sa, sb, out = a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), out.cpu()
     bias = None if bias is None else bias.cpu()
     bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=narrow)
@@ -102,11 +102,11 @@ def test_odd_shapes_within_bound(
     sa = torch.tensor([0.37], device=device)
     sb = torch.tensor([2.3e-3], device=device)
     bias = None if bias_dtype is None else torch.randn(n, generator=gen).to(bias_dtype).to(device)
-    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
+    out = tensor_ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
     assert out.shape == (m, n)
     assert out.dtype == out_dtype
     check_within_bound(out, a, b, sa, sb, bias, out_dtype)
-    twin = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    twin = tensor_ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
     check_within_bound(twin, a, b, sa, sb, bias, out_dtype)
 
 
@@ -128,8 +128,8 @@ def test_exact_sums_give_identical_outputs(
     sa = torch.tensor([2.0**-3], device=device)
     sb = torch.tensor([2.0**-7 * 3], device=device)  # 3/128: exact products, rounding in out
     bias = (torch.randint(-50, 50, (n,), generator=gen).float() / 8).to(device)
-    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
-    twin = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
+    out = tensor_ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
+    twin = tensor_ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=REF)
     assert torch.equal(out.cpu(), twin.cpu())
 
 
@@ -169,7 +169,7 @@ def test_random_shapes_within_bound(
     sa = torch.tensor([1.3 * 2.0**log_sa], device=device)
     sb = torch.tensor([0.7 * 2.0**log_sb], device=device)
     bias = torch.randn(n, generator=gen).to(device) if with_bias else None
-    out = gemm.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
+    out = tensor_ops.scaled_mm(a, b, sa, sb, bias, out_dtype, backend=TRITON)
     check_within_bound(out, a, b, sa, sb, bias, out_dtype)
 
 
@@ -188,7 +188,7 @@ def test_known_excess_e4m3_by_e5m2_k8(device: torch.device) -> None:
     b = fp8((16, 8), E5M2, gen, False).to(device)
     sa = torch.tensor([1.3], device=device)
     sb = torch.tensor([0.7], device=device)
-    out = gemm.scaled_mm(a, b, sa, sb, None, torch.float32, backend=TRITON)
+    out = tensor_ops.scaled_mm(a, b, sa, sb, None, torch.float32, backend=TRITON)
     check_within_bound(out, a, b, sa, sb, None, torch.float32)
 
 

@@ -5,7 +5,7 @@ backend: one query position against a KV cache of fp8 codes and float32 steps (d
 float32 by ``numerics.kv_quant``) or of 16/32-bit values, in blocks of ``block_t`` positions
 with a running max and sum, in float32, rounded once to the query's dtype.
 ``decode_attention_error_bound`` bounds the kernel against it. The checked entry point is
-``computectx.fp8.serving.decode_attention``.
+``computectx.fp8.ops.attention``.
 """
 
 from __future__ import annotations

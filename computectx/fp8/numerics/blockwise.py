@@ -1,4 +1,5 @@
-"""Fine-grained fp8 scaling: block layouts and the pure-torch twins of the block quantizes.
+"""Fine-grained fp8 scaling: block layouts, the pure-torch twins of the block quantize and of
+the block-scaled GEMM, and the GEMM's error bound.
 
 A *granularity* says which elements share one step (the dequantize factor, as everywhere in
 computectx: ``x ≈ data * step``). For a 2-D ``x`` of ``rows x K`` (K, the last dimension,
@@ -52,21 +53,102 @@ finite: 3.4e38 keeps its step ``2**120`` and takes the code 240 (``3.19e38``), n
 (``2**128``, inf). The step, and so the scale byte, is the rule's.
 
 The functions here take the 2-D view and assume validated inputs
-(``computectx.fp8.ops.block_quantize`` checks them and reshapes); their Triton twins are in
+(``computectx.fp8.ops.blockwise`` checks them and reshapes); their Triton twins are in
 ``computectx.kernels.quantize_blocks``, bit for bit.
+
+**The block-scaled GEMM** (``reference_scaled_mm``; checked by ``ops.blockwise``, run there
+on the kernel ``computectx.kernels.scaled_mm_blocks`` or cuBLAS):
+``block_scaled_mm(a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype)``
+computes ``(a * steps_a) @ (b * steps_b).T (+ bias)`` for fp8 codes ``a [M, K]`` and
+``b [N, K]`` (K, the last dimension of both, is contracted), each scaled at a granularity of
+``computectx.fp8.numerics.layouts``, with the scale ``fp8_quantize`` returns for the 2-D operand:
+
+==========  ===========================================  =============================
+name        scale of an operand of ``rows x K``          accepted with
+==========  ===========================================  =============================
+``row``     ``(rows, 1)`` float32                        ``row``
+``1x128``   ``(rows, ceil(K/128))`` float32              ``1x128``, ``128x128``
+``128x128`` ``(ceil(rows/128), ceil(K/128))`` float32    ``1x128``
+``mx``      ``(rows, ceil(K/32))`` ``float8_e8m0fnu``    ``mx``
+==========  ===========================================  =============================
+
+The accepted ``(granularity_a, granularity_b)`` pairs are ``PAIRS``. Ragged K is a partial
+last K block (as above): its step came from the elements there are, and the GEMM
+sums just those. Anything else (another pair, a scale of the wrong shape or dtype, K that
+differs between the operands, a non-fp8 operand) is a ``ValueError`` naming the values and
+what is accepted; nothing runs.
+
+**Semantics (the twin, ``reference_scaled_mm``)**
+
+- ``row`` x ``row``: exactly ``numerics.tensorwise.scaled_mm`` with per-row steps (the same
+function,
+  called): a float32 sum over all of K, ``acc * (step_a[i] * step_b[j])`` once, then bias.
+- The block pairs: K is cut into blocks of the scale's width ``W`` (128 for ``1x128`` and
+  ``128x128``, 32 for ``mx``). For each block ``kb``, in order, the partial sum of the exact
+  fp8 products over the block is formed in float32, multiplied by the block's scale
+  ``s = step_a[i, kb] * step_b[j, kb]`` (one float32 product), and added to a float32
+  accumulator: ``acc = acc + partial_kb * s``. This is DeepSeek-V3's recipe on Hopper: each
+  128-wide partial sum is promoted to float32 with its scales. A ``128x128`` operand's step
+  is its block's, the same for the 128 rows in the block. E8M0 scales are the exact powers
+  of two ``2**(byte - 127)``. Then the bias is added in float32 and the sum rounded once to
+  ``out_dtype``.
+
+**The bound** (``scaled_mm_error_bound``): fp8 products are exact in float32, so the error
+of any implementation that sums each block (or any split of it into sub-blocks, as a kernel
+with a narrower K step does) in float32 in any order, scales each partial sum in float32 and
+sums the scaled partials in float32 in any order is at most::
+
+    e = gamma_n * (sum_kb |s_kb| * sum_{k in kb} |a_ik| |b_jk| + |bias_j|)
+        + 2**-148 * (sum_k |a_ik| |b_jk| + n_kb)
+    bound = e + u_out * (|exact| + e) + tiny(out_dtype)
+
+with ``gamma_n = n u / (1 - n u)``, ``u = 2**-24``, ``n = K + n_kb + 4`` (a sub-block of
+width ``w`` costs ``w - 1`` additions and the ``ceil(K / w)`` scaled partials ``ceil(K / w)``
+more; at most ``K + n_kb + 2`` for ``1 <= w <= W``, plus the two roundings of the scaling);
+the absolute term covers a scale product ``s`` or a scaled partial that falls below
+float32's normal range; ``u_out`` is half an ulp of ``out_dtype`` (``2**-8`` bf16,
+``2**-11`` fp16, ``2**-24`` fp32). A scale product that overflows float32 is outside the
+bound (the result is then inf). For ``row`` x ``row`` the bound is
+``numerics.tensorwise.scaled_mm_error_bound``.
+
+**A narrower accumulator** (the Triton kernel on a GPU; ``NARROW_ACCUMULATION``). Hopper's
+fp8 tensor cores sum the products of one ``BLOCK_K`` step (``max_num_imprecise_acc=
+BLOCK_K``, at most ``w = 128`` products, never more than one scale block) in an accumulator
+of about 14 significant bits before the kernel promotes the step's partial to float32. With
+each of that step's ``w' - 1`` additions (``w' = min(w, block width)``; the whole of K for
+``row``) of relative error at most ``u_h = 2**-13``, the step's partial ``P^`` is within
+``gamma_h * sum |a_ik||b_jk|`` of its exact ``P``, ``gamma_h = (w'-1) u_h / (1 - (w'-1)
+u_h)``. Everything after is the float32 computation above applied to ``P^``, whose
+magnitudes are at most ``(1 + gamma_h)`` times the exact ones, so ``gamma_n`` becomes::
+
+    gamma = gamma_h + gamma_n * (1 + gamma_h)
+
+(``gamma_h`` is about 0.0157 for ``w' = 128``, against ``gamma_n`` about 1.8e-5 for
+``K = 300``), for every pair, ``row`` included; ``scaled_mm_error_bound(accumulation=(w,
+u_h))`` computes it, with ``numerics.tensorwise.accumulation_gamma`` (shared with the per-tensor
+bound, ``numerics.tensorwise.scaled_mm_error_bound``).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Final
 
 import torch
 
 from computectx.dtypes import Fp8Format
 from computectx.fp8.numerics import tensorwise
-from computectx.fp8.numerics.layouts import E8M0, BlockLayout, StepRule
+from computectx.fp8.numerics.layouts import (
+    E8M0,
+    TILE,
+    BlockGranularity,
+    BlockLayout,
+    StepRule,
+    block_width,
+)
 
 __all__ = [
+    "NARROW_ACCUMULATION",
     "block_amax",
     "block_steps",
     "dequantize",
@@ -75,8 +157,11 @@ __all__ = [
     "power_of_two_steps",
     "quantize",
     "quantize_with_steps",
+    "reference_scaled_mm",
+    "row_steps",
     "saturated_count",
     "saturation_threshold",
+    "scaled_mm_error_bound",
     "steps_of_scale",
 ]
 
@@ -223,3 +308,139 @@ def dequantize(
     steps, one rounding otherwise) and rounded once to ``dtype``; 2-D ``data``."""
     steps = expand_steps(steps_of_scale(scale).reshape(layout.grid), layout)
     return (data.to(torch.float32) * steps).to(dtype)
+
+
+NARROW_ACCUMULATION: Final[tuple[int, float]] = (128, 2.0**-13)
+"""How the Triton kernels (the block-scaled one and the per-tensor one) sum on a GPU, for
+``scaled_mm_error_bound(accumulation=)`` here and in ``numerics.tensorwise``: at most 128 products
+(one ``BLOCK_K`` step, ``max_num_imprecise_acc=BLOCK_K``) in the fp8 tensor cores'
+accumulator, each addition with relative error at most ``2**-13`` (14 significant bits,
+truncated: the "around 14 bits" DeepSeek-V3 measured on H800), then promoted to float32."""
+
+
+def row_steps(scale: torch.Tensor, granularity: BlockGranularity, rows: int) -> torch.Tensor:
+    """float32 steps of one operand, one per row and K block: ``(rows, n_kb)`` (a
+    ``128x128`` block's step repeated over its rows; E8M0 widened exactly)."""
+    steps = steps_of_scale(scale)
+    if granularity == "128x128":
+        steps = steps.repeat_interleave(TILE, dim=0)[:rows]
+    return steps
+
+
+def _block_partials(
+    a: torch.Tensor, b: torch.Tensor, width: int, first: int, last: int
+) -> torch.Tensor:
+    # The float32 partial sums of K blocks first..last-1: (blocks, M, N). fp8 values widen
+    # exactly and their products are exact in float32 (TF32 too: 4 significant bits).
+    k = a.shape[1]
+    lo, hi = first * width, min(k, last * width)
+    pad = (last - first) * width - (hi - lo)
+    a3 = torch.nn.functional.pad(a[:, lo:hi].to(torch.float32), (0, pad))
+    b3 = torch.nn.functional.pad(b[:, lo:hi].to(torch.float32), (0, pad))
+    a3 = a3.reshape(a.shape[0], last - first, width).transpose(0, 1)
+    b3 = b3.reshape(b.shape[0], last - first, width).permute(1, 2, 0)
+    return torch.bmm(a3, b3)
+
+
+def _twin_blocks(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    ga: BlockGranularity,
+    scale_b: torch.Tensor,
+    gb: BlockGranularity,
+) -> torch.Tensor:
+    m, k = a.shape
+    n = b.shape[0]
+    width = block_width(ga, k)
+    sa = row_steps(scale_a, ga, m)
+    sb = row_steps(scale_b, gb, n)
+    n_kb = sa.shape[1]
+    acc = torch.zeros((m, n), dtype=torch.float32, device=a.device)
+    # Blocks in groups, so the (group, M, N) partials stay near 2**24 elements.
+    group = max(1, 2**24 // max(1, m * n))
+    for first in range(0, n_kb, group):
+        last = min(n_kb, first + group)
+        partials = _block_partials(a, b, width, first, last)
+        # Each block's scale step_a[i, kb] * step_b[j, kb] (one float32 product), then
+        # partial * scale (one rounding), then the in-order float32 sum.
+        scales = sa[:, first:last].t().unsqueeze(2) * sb[:, first:last].t().unsqueeze(1)
+        partials.mul_(scales)
+        for i in range(last - first):
+            acc.add_(partials[i])
+    return acc
+
+
+def reference_scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    granularity_a: BlockGranularity,
+    scale_b: torch.Tensor,
+    granularity_b: BlockGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The twin: ``block_scaled_mm``'s semantics (module docstring) in plain torch, on the
+    operands' device. Arguments are assumed checked (``ops.blockwise.check_args``)."""
+    if granularity_a == "row":
+        return tensorwise.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
+    dev = a.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        # An enclosing autocast would run the partial sums in 16 bits.
+        with torch.autocast(dev, enabled=False):
+            acc = _twin_blocks(a, b, scale_a, granularity_a, scale_b, granularity_b)
+    else:
+        acc = _twin_blocks(a, b, scale_a, granularity_a, scale_b, granularity_b)
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def scaled_mm_error_bound(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    granularity_a: BlockGranularity,
+    scale_b: torch.Tensor,
+    granularity_b: BlockGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    accumulation: tuple[int, float] | None = None,
+) -> torch.Tensor:
+    """The a-priori elementwise bound on ``|block_scaled_mm(...) - exact|`` of the module
+    docstring, float64 ``[M, N]`` on the CPU, for checked arguments on any device.
+
+    ``accumulation=(w, u_h)`` widens it for hardware that sums up to ``w`` consecutive
+    products of a block in a narrower accumulator, each addition with relative error at most
+    ``u_h``, before promoting that partial to float32 (``NARROW_ACCUMULATION``: the Triton
+    kernel on a GPU; the module docstring derives the bound)."""
+    a, b = a.cpu(), b.cpu()
+    scale_a, scale_b = scale_a.cpu(), scale_b.cpu()
+    bias = None if bias is None else bias.cpu()
+    if granularity_a == "row" and accumulation is None:
+        return tensorwise.scaled_mm_error_bound(a, b, scale_a, scale_b, bias, out_dtype)
+    m, k = a.shape
+    n = b.shape[0]
+    width = block_width(granularity_a, k)
+    sa = row_steps(scale_a, granularity_a, m).to(torch.float64)
+    sb = row_steps(scale_b, granularity_b, n).to(torch.float64)
+    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    n_kb = sa.shape[1]
+    exact = torch.zeros((m, n), dtype=torch.float64)
+    mag = torch.zeros((m, n), dtype=torch.float64)
+    for kb in range(n_kb):
+        sl = slice(kb * width, min(k, (kb + 1) * width))
+        s = sa[:, kb : kb + 1] * sb[:, kb].reshape(1, n)  # exact in float64
+        exact += (a64[:, sl] @ b64[:, sl].t()) * s
+        mag += (a64[:, sl].abs() @ b64[:, sl].abs().t()) * s.abs()
+    if bias is not None:
+        exact = exact + bias.to(torch.float64)
+        mag = mag + bias.to(torch.float64).abs()
+    gamma = tensorwise.accumulation_gamma(k + n_kb + 4, width, accumulation)
+    unscaled = a64.abs() @ b64.abs().t()
+    e = gamma * mag + 2.0**-148 * (unscaled + n_kb)
+    u_out = tensorwise.UNIT_ROUNDOFF[out_dtype]
+    tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
+    return e + u_out * (exact.abs() + e) + tiny

@@ -9,7 +9,7 @@ bounds (``bounds_of``) that calls the dense twins unchanged:
 
 - ``reference_grouped_mm(a, b, bounds, ...)``: ``a [M, K]`` and ``b [E, N, K]``; group ``g``
   quantizes ``a``'s rows and ``b[g]`` at the operand granularities (dynamically, from their
-  own amax) and multiplies them with ``numerics.blockwise_gemm.reference_scaled_mm`` (the
+  own amax) and multiplies them with ``numerics.blockwise.reference_scaled_mm`` (the
   block pairs) or ``numerics.tensorwise.scaled_mm`` (``tensor``: one step for the group's
   rows, one for the expert). The forward (``X·Wᵀ``) and the input gradient (``dY·W``, with
   ``b = Wᵀ`` per expert) are this call.
@@ -36,7 +36,7 @@ from __future__ import annotations
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8.numerics import blockwise, blockwise_gemm, tensorwise
+from computectx.fp8.numerics import blockwise, tensorwise
 from computectx.fp8.numerics.layouts import MX_BLOCK, Granularity, StepRule, layout_of
 
 __all__ = [
@@ -84,7 +84,7 @@ def scaled_gemm(
     if ga == "tensor":
         return tensorwise.scaled_mm(qa, qb, sa, sb, None, out_dtype)
     assert gb != "tensor"
-    return blockwise_gemm.reference_scaled_mm(qa, qb, sa, ga, sb, gb, None, out_dtype)
+    return blockwise.reference_scaled_mm(qa, qb, sa, ga, sb, gb, None, out_dtype)
 
 
 def reference_grouped_mm(

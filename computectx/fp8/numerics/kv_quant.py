@@ -23,7 +23,7 @@ output as it would through an unquantized cache; the finite values of its vector
 quantized as if it were absent (the amax skips it), so they read back within half a code
 step as in any other vector.
 
-The layout (which ``computectx.fp8.serving.decode_attention`` reads): codes ``(B, H, T, D)``;
+The layout (which ``computectx.fp8.ops.attention`` reads): codes ``(B, H, T, D)``;
 steps ``(B, H, T)`` per_token_head, ``(H,)`` per_head, ``(1,)`` per_tensor.
 """
 

@@ -284,7 +284,7 @@ def accumulation_gamma(
     ``accumulation=(w, u_h)``: the hardware sums up to ``w' = min(w, width)`` consecutive
     products (``width``: how many share one scale, all of K for per-tensor or per-row steps)
     in an accumulator whose every addition has relative error at most ``u_h``, then promotes
-    that partial to float32 (``computectx.fp8.numerics.blockwise_gemm.NARROW_ACCUMULATION``: the
+    that partial to float32 (``computectx.fp8.numerics.blockwise.NARROW_ACCUMULATION``: the
     Triton kernels' fp8 dot on sm_90). Its ``w' - 1`` additions leave the partial within
     ``gamma_h * sum |a_ik||b_jk|`` of the exact one, ``gamma_h = (w'-1) u_h / (1 - (w'-1)
     u_h)``; the float32 computation after it sees magnitudes at most ``(1 + gamma_h)`` times
@@ -333,7 +333,7 @@ def scaled_mm_error_bound(
 
     ``accumulation=(w, u_h)`` bounds hardware that sums up to ``w`` consecutive products in
     a narrower accumulator before promoting each partial to float32 (the Triton kernel's fp8
-    dot on sm_90: ``computectx.fp8.numerics.blockwise_gemm.NARROW_ACCUMULATION``): ``gamma_{K+3}``
+    dot on sm_90: ``computectx.fp8.numerics.blockwise.NARROW_ACCUMULATION``): ``gamma_{K+3}``
     becomes ``accumulation_gamma(K + 3, K, accumulation)``, the float32 sum of the partials being
     one of the orders the float32 bound allows.
     """

@@ -1,4 +1,8 @@
-"""The fp8 operations: the one registry of ``computectx::`` operators (``ops.registry``), the
-checked entry points (``ops.quantize``, ``ops.gemm``), the ledger and block quantizes behind
-them, and the cuBLAS and Triton launchers (``ops.triton`` is the one importer of
-``computectx.kernels``)."""
+"""The fp8 operators, one module per family: ``tensorwise`` (one step per tensor: the ledger
+quantizes, dequantize, the scaled GEMM, the float32 wgrad), ``blockwise`` (a step per block:
+the block quantize and the block-scaled GEMM, and the standalone quantize API over every
+granularity), ``grouped`` (the grouped GEMMs of mixture-of-experts layers and their autograd
+entry point) and ``attention`` (decode attention over an fp8 KV cache). Each module holds its
+operators' ``torch.library`` registrations, fakes, checks and dispatch; the kernels it
+launches sit in ``computectx.kernels`` (imported inside the launching function), the
+pure-torch twins in ``computectx.fp8.numerics`` under the family's name."""

@@ -1,36 +1,85 @@
-"""The grouped fp8 GEMMs behind ``fp8_grouped_mm``: the checks, and each backend's run.
+"""The grouped fp8 operators of mixture-of-experts layers, and ``fp8_grouped_mm``, their
+differentiable entry point.
 
-``check_grouped`` is what the entry point checks before anything runs (dimensions, dtypes,
-devices, ``offs``' dtype and length: no data is read); ``checked_bounds`` reads ``offs``'
-values, inside the operators, so a compiled call checks them as an eager one does (not
-negative, not decreasing, not past ``M``). Both raise naming the value and what is accepted.
+======================================  =========================================================
+operator                                semantics
+======================================  =========================================================
+``fp8_grouped_mm``                      each row group times its own matrix, in fp8
+``fp8_grouped_wgrad``                   each group's ``dYᵀ X`` over its own rows, in fp8
+======================================  =========================================================
 
-``grouped_mm`` and ``grouped_wgrad`` run the two operators of ``ops.registry``
-(``fp8_grouped_mm``, ``fp8_grouped_wgrad``) on a backend:
+``fp8_grouped_mm(x, w, offs, policy)`` computes, for tokens sorted by expert, each group's
+rows ``x[rows of g] · w[g]ᵀ`` in fp8, with ``w [E, N, K]`` stored as ``nn.Linear`` stores a
+weight (out x in; transformers' ``gate_up_proj``/``down_proj``, torchtitan's ``w1``/``w2``/
+``w3``) and ``offs`` each group's end row (int32, ``F.grouped_mm``'s convention). Each group
+is the dense fine-grained linear (``linear.blockwise``) on its own rows, GEMM for GEMM:
 
-- ``REFERENCE``: the float32 twin, ``numerics.grouped``, a loop over the groups.
-- ``TRITON``: the operands quantized as the twin quantizes them (the block quantize kernel,
-  or the per-tensor twin for ``tensor``: a few torch ops per group), then one launch of the
-  grouped kernel (``computectx.kernels.grouped_mm``), which finds each tile's group from
-  ``offs`` on the device.
-- ``CUBLAS``: ``torch.nn.functional.scaled_grouped_mm`` for the row-wise recipe on CUDA
-  (torch's grouped kernel with per-row scales); every other case runs the Triton kernel where
-  Triton runs, else the twin (``F.scaled_grouped_mm`` is CUDA only).
+================  ====================  ======================  ====================
+GEMM              operands              ``block``               contraction
+================  ====================  ======================  ====================
+forward ``Y_g``   ``X_g``, ``W_g``      1x128, 128x128          K
+dgrad ``dX_g``    ``dY_g``, ``W_gᵀ``    1x128, 128x128 (same    N
+                                        blocks, transposed)
+wgrad ``dW_g``    ``dY_gᵀ``, ``X_gᵀ``   1x128, 1x128            the group's own rows
+================  ====================  ======================  ====================
+
+``row`` and ``mx`` quantize every operand along its contraction (row-wise / 1x32);
+``row+gw_hp`` computes ``dW_g`` in float32 from the unquantized ``dY_g`` and ``X_g``;
+``tensor`` takes one step per group's rows and one per expert. X and W are quantized in the
+policy's forward format, dY in its backward format, every step dynamic (experts keep no
+scaling history; a delayed policy's experts run dynamically, with its ``margin``). The GEMMs
+write ``x``'s dtype (bf16/fp16 rounded once from the float32 sum; float32 otherwise); ``dW``
+is float32 until it reaches ``w``'s dtype.
+
+``check_grouped`` is what the entry point checks before anything runs (no data is read);
+``checked_bounds`` reads ``offs``' values inside the operators, so a compiled call checks
+them as an eager one does, and ``offs`` is data, never a guard. Backends: ``REFERENCE`` the
+float32 twin (``numerics.grouped``); ``TRITON`` the operands quantized as the twin quantizes
+them, then one launch of the grouped kernel (``computectx.kernels.grouped_mm``,
+``kernels.grouped_wgrad``), which finds each tile's group from ``offs`` on the device;
+``CUBLAS`` ``F.scaled_grouped_mm`` for the row-wise recipe on CUDA (``kernels.cublas``), else
+as ``TRITON`` where Triton runs, else the twin.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES, Fp8Format
-from computectx.fp8.backend import Fp8Backend
+from computectx.fp8.backend import (
+    Fp8Backend,
+    check_backend,
+    default_backend,
+    parse_backend,
+    uses_kernels,
+)
 from computectx.fp8.numerics import grouped
-from computectx.fp8.numerics.layouts import MX_BLOCK, TILE, Granularity, StepRule
-from computectx.fp8.ops import block_quantize, triton
+from computectx.fp8.numerics.layouts import (
+    MX_BLOCK,
+    OPERAND_GRANULARITY,
+    Granularity,
+    StepRule,
+    scale_grid,
+    step_rule_of,
+)
+from computectx.fp8.ops.blockwise import quantize_blocks
+from computectx.fp8.policy import describe
+from computectx.recipes import Fp8Policy
 
-__all__ = ["check_grouped", "checked_bounds", "grouped_mm", "grouped_wgrad"]
+__all__ = [
+    "ExpertsFp8",
+    "check_grouped",
+    "checked_bounds",
+    "fp8_grouped_mm",
+    "grouped_mm_op",
+    "grouped_operands",
+    "grouped_wgrad_op",
+]
 
 
 def check_grouped(
@@ -41,14 +90,10 @@ def check_grouped(
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
     op: str = "fp8_grouped_mm",
 ) -> tuple[int, int, int, int]:
-    """``(M, K, E, N)`` of a grouped GEMM's operands, or ``TypeError``/``ValueError``.
-
-    ``x`` is ``[M, K]`` and ``w`` ``[E, N, K]``, both of ``dtypes`` (bf16, fp16, fp32 for the
-    fp8 GEMM: they are quantized) on one device; ``offs`` an int32 ``[E]`` tensor on that
-    device. Values are checked by ``checked_bounds``. The one check of these inputs: the fp8
-    GEMM and the high-precision grouped experts (``computectx.nn.GroupedExperts``) both call
-    it, so they refuse the same inputs with the same message (``op`` names the caller).
-    """
+    """``(M, K, E, N)`` of a grouped GEMM's operands, or ``TypeError``/``ValueError``: ``x
+    [M, K]`` and ``w [E, N, K]`` of ``dtypes`` on one device, ``offs`` int32 ``[E]`` there
+    (values: ``checked_bounds``). The fp8 GEMM and the high-precision grouped experts
+    (``computectx.nn.GroupedExperts``) both call it: same inputs refused, same message."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(
             f"{op} takes tensors x [M, K] and w [E, N, K], got "
@@ -111,75 +156,107 @@ def checked_bounds(offs: torch.Tensor, m: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def grouped_mm(
+@custom_op("computectx::fp8_grouped_mm", mutates_args=())
+def grouped_mm_op(
     a: torch.Tensor,
     b: torch.Tensor,
     offs: torch.Tensor,
-    ga: Granularity,
-    gb: Granularity,
-    fmt_a: Fp8Format,
-    fmt_b: Fp8Format,
-    rule: StepRule,
+    granularity_a: str,
+    granularity_b: str,
+    fp8_a: torch.dtype,
+    fp8_b: torch.dtype,
+    rule: str,
     margin: int,
     out_dtype: torch.dtype,
-    backend: Fp8Backend,
+    backend: str,
 ) -> torch.Tensor:
-    """``[M, N]``: each group's rows of ``a`` times ``b[g]ᵀ`` in fp8 (module docstring)."""
+    """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times ``b[g]ᵀ`` (``b [E, N, K]``), each
+    operand quantized dynamically at its granularity (module docstring)."""
     bounds = checked_bounds(offs, a.shape[0])
-    if backend is Fp8Backend.CUBLAS and ga == "row" and a.is_cuda and out_dtype == torch.bfloat16:
-        return _cublas_rowwise(a, b, offs, bounds, fmt_a, fmt_b, rule, out_dtype)
-    if not triton.uses_kernels(backend, a):
-        return grouped.reference_grouped_mm(
-            a, b, bounds, ga, gb, fmt_a, fmt_b, rule, margin, out_dtype
-        )
+    ga, gb, chosen = _g(granularity_a), _g(granularity_b), parse_backend(backend)
+    fa, fb, r = Fp8Format.parse(fp8_a), Fp8Format.parse(fp8_b), _rule(rule)
+    if chosen is Fp8Backend.CUBLAS and ga == "row" and a.is_cuda and out_dtype == torch.bfloat16:
+        from computectx.kernels import cublas
+
+        qa, sa = quantize_blocks(a, fa, "row", r, None, backend=Fp8Backend.TRITON)
+        qb, sb = _quantize_experts(b, bounds, fb, "row", r, 0, Fp8Backend.TRITON)
+        return cublas.grouped_rowwise_mm(qa=qa, sa=sa, qb=qb, sb=sb, offs=offs, out_dtype=out_dtype)
+    if not uses_kernels(chosen, a):
+        return grouped.reference_grouped_mm(a, b, bounds, ga, gb, fa, fb, r, margin, out_dtype)
     if ga == "mx" and a.shape[1] < MX_BLOCK:
         # A contraction shorter than one MX block (K < 32 forward, N < 32 in the dgrad) is
-        # zero-padded to one block, as the twin's quantize_operand pads it: exact, since a
-        # zero changes no amax and adds nothing to a dot product. The block quantize needs one
-        # whole block; the padded operands are at most 32 wide.
+        # zero-padded to one block, as the twin pads it: exact, since a zero changes no amax
+        # and adds nothing to a dot product.
         pad = (0, MX_BLOCK - a.shape[1])
         a, b = torch.nn.functional.pad(a, pad), torch.nn.functional.pad(b, pad)
-    e = b.shape[0]
     if ga == "tensor":
-        qa = torch.empty_like(a, dtype=fmt_a.torch)
-        sa = torch.ones(e, dtype=torch.float32, device=a.device)
+        qa = torch.empty_like(a, dtype=fa.torch)
+        sa = torch.ones(b.shape[0], dtype=torch.float32, device=a.device)
         for g, (start, end) in enumerate(bounds):
             if end > start:
                 qa[start:end], sa[g : g + 1] = grouped.quantize_operand(
-                    a[start:end], fmt_a, ga, rule, margin
+                    a[start:end], fa, ga, r, margin
                 )
     else:
-        qa, sa = block_quantize.quantize_blocks(a, fmt_a, ga, rule, None, backend=backend)
-    qb, sb = _quantize_experts(b, bounds, fmt_b, gb, rule, margin, backend)
-    return triton.grouped_scaled_mm(
+        qa, sa = quantize_blocks(a, fa, ga, r, None, backend=chosen)
+    qb, sb = _quantize_experts(b, bounds, fb, gb, r, margin, chosen)
+    from computectx.kernels import grouped_mm as kernel
+
+    return kernel.grouped_scaled_mm(
         a=qa, sa=sa, b=qb, sb=sb, offs=offs, granularity_a=ga, granularity_b=gb,
         out_dtype=out_dtype,
     )  # fmt: skip
 
 
-def grouped_wgrad(
+@grouped_mm_op.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, *rest: object) -> torch.Tensor:
+    # The output is (M, N) at out_dtype, the last but one argument.
+    out_dtype: Any = rest[-2]
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+@custom_op("computectx::fp8_grouped_wgrad", mutates_args=())
+def grouped_wgrad_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     offs: torch.Tensor,
-    granularity: Granularity,
-    fmt_dy: Fp8Format,
-    fmt_x: Fp8Format,
-    rule: StepRule,
+    granularity: str,
+    fp8_dy: torch.dtype,
+    fp8_x: torch.dtype,
+    rule: str,
     margin: int,
     high_precision: bool,
-    backend: Fp8Backend,
+    backend: str,
 ) -> torch.Tensor:
-    """float32 ``[E, N, K]``: ``dY[rows of g]ᵀ · X[rows of g]`` per group (module docstring)."""
+    """float32 ``[E, N, K]``: ``dY[rows of g]ᵀ X[rows of g]`` over each group's own rows
+    (``high_precision``: ``gw_hp``'s float32 product)."""
     bounds = checked_bounds(offs, dy.shape[0])
-    if high_precision or not triton.uses_kernels(backend, dy):
-        return grouped.reference_grouped_wgrad(
-            dy, x, bounds, granularity, fmt_dy, fmt_x, rule, margin, high_precision
-        )
-    qd, sd, start = _group_blocks(dy.t(), bounds, fmt_dy, granularity, rule, margin, backend)
-    qx, sx, _ = _group_blocks(x.t(), bounds, fmt_x, granularity, rule, margin, backend)
-    return triton.grouped_scaled_wgrad(
-        a=qd, sa=sd, b=qx, sb=sx, offs=offs, block_start=start, granularity=granularity
+    g, chosen, r = _g(granularity), parse_backend(backend), _rule(rule)
+    fd, fx = Fp8Format.parse(fp8_dy), Fp8Format.parse(fp8_x)
+    if high_precision or not uses_kernels(chosen, dy):
+        return grouped.reference_grouped_wgrad(dy, x, bounds, g, fd, fx, r, margin, high_precision)
+    qd, sd, start = _group_blocks(dy.t(), bounds, fd, g, r, margin, chosen)
+    qx, sx, _ = _group_blocks(x.t(), bounds, fx, g, r, margin, chosen)
+    from computectx.kernels import grouped_wgrad as kernel
+
+    return kernel.grouped_scaled_wgrad(
+        a=qd, sa=sd, b=qx, sb=sx, offs=offs, block_start=start, granularity=g
     )
+
+
+@grouped_wgrad_op.register_fake
+def _grouped_wgrad_fake(
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *_: object
+) -> torch.Tensor:
+    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=torch.float32)
+
+
+def _g(granularity: str) -> Granularity:
+    return granularity  # type: ignore[return-value]  # checked by the entry point
+
+
+def _rule(rule: str) -> StepRule:
+    return rule  # type: ignore[return-value]  # step_rule_of's
 
 
 def _quantize_experts(
@@ -199,7 +276,7 @@ def _quantize_experts(
     if gb == "tensor":
         sb = torch.ones(e, dtype=torch.float32, device=b.device)
     else:
-        grid = _expert_scale_grid(gb, n, k)
+        grid = scale_grid(gb, n, k)
         dtype = torch.float8_e8m0fnu if gb == "mx" else torch.float32
         sb = torch.ones((e, *grid), dtype=torch.float32, device=b.device).to(dtype)
     for g, (start, end) in enumerate(bounds):
@@ -208,19 +285,8 @@ def _quantize_experts(
         if gb == "tensor":
             qb[g], sb[g : g + 1] = grouped.quantize_operand(b[g], fmt, gb, rule, margin)
         else:
-            qb[g], sb[g] = block_quantize.quantize_blocks(
-                b[g], fmt, gb, rule, None, backend=backend
-            )
+            qb[g], sb[g] = quantize_blocks(b[g], fmt, gb, rule, None, backend=backend)
     return qb, sb
-
-
-def _expert_scale_grid(g: Granularity, n: int, k: int) -> tuple[int, int]:
-    if g == "row":
-        return (n, 1)
-    if g == "128x128":
-        return (-(-n // TILE), -(-k // TILE))
-    width = MX_BLOCK if g == "mx" else TILE
-    return (n, -(-k // width))
 
 
 def _group_blocks(
@@ -255,7 +321,7 @@ def _group_blocks(
             part = t[:, start:end]
             if g == "mx" and end - start < MX_BLOCK:
                 part = torch.nn.functional.pad(part, (0, MX_BLOCK - (end - start)))
-            q, s = block_quantize.quantize_blocks(part, fmt, g, rule, None, backend=backend)
+            q, s = quantize_blocks(part, fmt, g, rule, None, backend=backend)
             column += s.shape[1]
         codes[:, start:end] = q[:, : end - start]
         scales.append(s)
@@ -270,26 +336,161 @@ def _group_blocks(
     return codes, scale, start_t
 
 
-def _cublas_rowwise(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    offs: torch.Tensor,
-    bounds: list[tuple[int, int]],
-    fmt_a: Fp8Format,
-    fmt_b: Fp8Format,
-    rule: StepRule,
-    out_dtype: torch.dtype,
+# ---------------------------------------------------------------------------------------
+# The differentiable entry point.
+
+
+def grouped_operands(policy: Fp8Policy) -> tuple[Granularity, Granularity]:
+    """The ``(activation, weight)`` granularities of ``policy``'s grouped GEMMs."""
+    if policy.granularity == "tensor":
+        return "tensor", "tensor"
+    return OPERAND_GRANULARITY[policy.granularity]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    # What a policy asks of the grouped GEMMs, read once: plain values the operators take.
+    act: Granularity
+    weight: Granularity
+    fwd: torch.dtype
+    bwd: torch.dtype
+    rule: StepRule
+    margin: int
+    gw_hp: bool
+
+    @staticmethod
+    def of(policy: Fp8Policy) -> _Plan:
+        act, weight = grouped_operands(policy)
+        fmt = policy.format
+        return _Plan(
+            act, weight, fmt.forward.torch, fmt.backward.torch, step_rule_of(policy),
+            policy.scaling.margin, policy.gw_hp,
+        )  # fmt: skip
+
+
+def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+
+
+class _GroupedMmFunction(torch.autograd.Function):
+    """``Y[rows of g] = X[rows of g] W[g]ᵀ`` in fp8 and its two gradients (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        offs: torch.Tensor,
+        plan: _Plan,
+        backend: Fp8Backend,
+    ) -> torch.Tensor:
+        p = plan
+        y: torch.Tensor = grouped_mm_op(
+            x, w, offs, p.act, p.weight, p.fwd, p.fwd, p.rule, p.margin, _gemm_dtype(x.dtype),
+            backend.value,
+        )  # fmt: skip
+        ctx.save_for_backward(x, w, offs)
+        c: Any = ctx
+        c.plan, c.backend = plan, backend
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        p: _Plan = ctx.plan
+        backend: str = ctx.backend.value
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            # dX_g [m, K] = dY_g [m, N] · W_g [N, K]: W_gᵀ [K, N] contracted over N.
+            dx = grouped_mm_op(
+                dy, w.transpose(1, 2), offs, p.act, p.weight, p.bwd, p.fwd, p.rule, p.margin,
+                _gemm_dtype(x.dtype), backend,
+            ).to(x.dtype)  # fmt: skip
+        if ctx.needs_input_grad[1]:
+            # dW_g [N, K] = dY_gᵀ · X_g over the group's own rows, float32 until w's dtype.
+            dw = grouped_wgrad_op(
+                dy, x, offs, p.act, p.bwd, p.fwd, p.rule, p.margin, p.gw_hp, backend
+            ).to(w.dtype)
+        return dx, dw, None, None, None
+
+
+def _run(
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: _Plan, backend: Fp8Backend
 ) -> torch.Tensor:
-    # torch's grouped fp8 GEMM (CUDA only) with one float32 step per row of a and per row of
-    # each b[g], writing bf16; rows past the last group are zeroed (torch leaves them as is).
-    f = torch.nn.functional
-    # torch/nn/functional.pyi (2.13) does not declare scaled_grouped_mm.
-    scaled_grouped_mm: Callable[..., torch.Tensor] = getattr(f, "scaled_grouped_mm")  # noqa: B009
-    qa, sa = block_quantize.quantize_blocks(a, fmt_a, "row", rule, None, backend=Fp8Backend.TRITON)
-    qb, sb = _quantize_experts(b, bounds, fmt_b, "row", rule, 0, Fp8Backend.TRITON)
-    out = scaled_grouped_mm(
-        qa, qb.transpose(-2, -1), sa.reshape(-1), f.ScalingType.RowWise,
-        sb.reshape(sb.shape[0], -1), f.ScalingType.RowWise, offs=offs, output_dtype=out_dtype,
-    )  # fmt: skip
-    out[bounds[-1][1] :] = 0
+    # The checked call: under torch.autocast for x's device, x at the autocast dtype.
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        lowered = torch.get_autocast_dtype(device)
+        with torch.autocast(device, enabled=False):
+            return _run(x.to(lowered), w, offs, plan, backend)
+    out: torch.Tensor = _GroupedMmFunction.apply(x, w, offs, plan, backend)  # type: ignore[no-untyped-call]
     return out
+
+
+def fp8_grouped_mm(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    offs: torch.Tensor,
+    policy: Fp8Policy,
+    *,
+    backend: Fp8Backend | str | None = None,
+) -> torch.Tensor:
+    """``[M, N]``: group ``g``'s rows ``x[offs[g-1]:offs[g]] · w[g]ᵀ`` in fp8 under
+    ``policy`` (module docstring), differentiable in ``x`` and ``w``.
+
+    ``x`` is ``[M, K]`` (rows sorted by group), ``w`` ``[E, N, K]``, ``offs`` int32 ``[E]``
+    of non-decreasing end rows in ``[0, M]``; groups may be empty and of any size, and rows
+    past ``offs[-1]`` come out zero. The result has ``x``'s dtype, or under ``torch.autocast``
+    for ``x``'s device the autocast dtype. ``backend`` defaults to the device's
+    (``default_backend``). Wrong shapes, dtypes or devices raise ``TypeError``/``ValueError``
+    before anything runs; bad ``offs`` values (negative, decreasing, past ``M``) raise
+    ``ValueError`` naming the entry when the operator runs.
+    """
+    if not isinstance(policy, Fp8Policy):
+        raise TypeError(f"fp8_grouped_mm takes an Fp8Policy (ctx.fp8), got {describe(policy)}")
+    check_grouped(x, w, offs)
+    chosen = default_backend(x.device) if backend is None else parse_backend(backend)
+    check_backend(chosen, x, w)
+    return _run(x, w, offs, _Plan.of(policy), chosen)
+
+
+@dataclass(frozen=True)
+class ExpertsFp8:
+    """What a converted experts module runs its GEMMs with: a policy and a backend.
+
+    ``convert_to_fp8`` stores one on each experts module it converts (through that module's
+    ``ExpertsConverter``); the module's forward calls ``mm`` for each expert projection.
+    """
+
+    policy: Fp8Policy
+    backend: Fp8Backend
+    _plan: _Plan = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Checked when built, not at the first GEMM: an Fp8Policy (``ctx.fp8``, not the ctx
+        # or a flag) and an Fp8Backend member or its name (read as the member).
+        if not isinstance(self.policy, Fp8Policy):
+            raise TypeError(
+                f"ExpertsFp8 takes an Fp8Policy (ctx.fp8) as its policy, got "
+                f"{describe(self.policy)}"
+            )
+        backend: object = self.backend
+        if isinstance(backend, str) and not isinstance(backend, Fp8Backend):
+            backend = parse_backend(backend)
+        if not isinstance(backend, Fp8Backend):
+            accepted = ", ".join(repr(b.value) for b in Fp8Backend)
+            raise TypeError(
+                f"ExpertsFp8 takes an Fp8Backend as its backend (a member or one of "
+                f"{accepted}), got {describe(backend)}"
+            )
+        object.__setattr__(self, "backend", backend)
+        # The policy read once, here: each GEMM gets its plain values.
+        object.__setattr__(self, "_plan", _Plan.of(self.policy))
+
+    def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """``fp8_grouped_mm(x, w, offs, self.policy, backend=self.backend)``."""
+        check_grouped(x, w, offs)
+        check_backend(self.backend, x, w)
+        return _run(x, w, offs, self._plan, self.backend)

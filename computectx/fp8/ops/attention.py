@@ -2,9 +2,12 @@
 
 One query position per (batch, head) against the cached keys and values, the decode step
 of serving. ``decode_attention`` checks its arguments and runs one ``torch.library`` custom
-operator (``computectx::fp8_decode_attention``), so a compiled decode step sees a single
-opaque node with a fake implementation: no graph break, no recompile when the length
-tensor's values change.
+operator (``computectx::fp8_decode_attention``, this family's one), so a compiled decode step
+sees a single opaque node with a fake implementation: no graph break, no recompile when the
+length tensor's values change. The operator's signature is the argument list's one
+spelling: the kernel (``computectx.kernels.decode_attention``) and the twin
+(``numerics.attention.decode_attention_reference``) are called with its keywords. The KV
+cache's codes and steps are quantized by ``numerics.kv_quant`` (numerics, not an operator).
 
 The cache (the storage layout of ``KVCache`` for an fp8 ``kv``)::
 
@@ -50,12 +53,12 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
-from computectx.fp8.backend import Fp8Backend, check_backend
+from computectx.fp8.backend import Fp8Backend, check_backend, parse_backend, uses_kernels
+from computectx.fp8.numerics.attention import decode_attention_reference
 from computectx.fp8.numerics.kv_quant import step_layout
-from computectx.fp8.ops.registry import fp8_decode_attention
-from computectx.fp8.ops.triton import uses_kernels
 from computectx.kv_policy import STEP_DTYPES
 
 __all__ = [
@@ -64,6 +67,7 @@ __all__ = [
     "check_decode_attention",
     "check_kernel_head_dim",
     "decode_attention",
+    "fp8_decode_attention",
 ]
 
 KERNEL_HEAD_DIMS = tuple(range(16, 257, 16))
@@ -71,6 +75,36 @@ KERNEL_HEAD_DIMS = tuple(range(16, 257, 16))
 (one row of K and V per position held in registers)."""
 KERNEL_BLOCK_T = (16, 32, 64, 128, 256)
 """``block_t`` values the Triton kernel takes (a power of two: one tile of positions)."""
+
+
+@custom_op("computectx::fp8_decode_attention", mutates_args=())
+def fp8_decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_step: torch.Tensor | None,
+    v_step: torch.Tensor | None,
+    length: torch.Tensor,
+    sm_scale: float,
+    block_t: int,
+    backend: str,
+) -> torch.Tensor:
+    """``decode_attention`` on checked arguments (``length`` a ``(B,)`` tensor): the kernel
+    or the twin, called with this signature's keywords."""
+    if uses_kernels(parse_backend(backend), q):
+        from computectx.kernels.decode_attention import decode_attention as run
+    else:
+        run = decode_attention_reference
+    return run(
+        q=q, k=k, v=v, k_step=k_step, v_step=v_step, length=length, sm_scale=sm_scale,
+        block_t=block_t,
+    )  # fmt: skip
+
+
+@fp8_decode_attention.register_fake
+def _decode_attention_fake(q: torch.Tensor, *_: object) -> torch.Tensor:
+    # Shaped like q, at its dtype, whatever the rest.
+    return torch.empty_like(q)
 
 
 def check_kernel_head_dim(head_dim: int) -> None:
