@@ -7,7 +7,7 @@ ragged for 1x128 and 128x128). Y, dX and dW are compared with the float64 groupe
 torch's bf16 grouped GEMM (``F.grouped_mm``) on the same bf16 values, through the bench's
 ``sqnr`` (``bench/bench_granularity.py``). The targets are the dense linear's:
 
-- Gaussian data (tests/fp8/test_granular_linear.py): Y, dX and dW >= 26 dB under every
+- Gaussian data (tests/fp8/linear/test_blockwise.py): Y, dX and dW >= 26 dB under every
   granularity, the per-tensor one included, and gw_hp's float32 dW >= 45 dB (rounded once to
   the bf16 weight's dtype). Measured against float64: 28.5-29.1 dB (tensor 28.5-28.6, block
   28.6-29.1), gw_hp's dW 55.6 dB; against the bf16 grouped GEMM within 0.02 dB of that (gw_hp's
@@ -49,7 +49,7 @@ POLICIES = {
 FINE = [name for name in POLICIES if name != "tensor"]
 SIZES = (0, 45, 7, 0, 120, 28)  # M = 200, a multiple of 8 as F.grouped_mm's strides want
 M, K, N, E = sum(SIZES), 160, 96, len(SIZES)
-SQNR_FLOOR = 26.0  # Gaussian data, as the dense linear's test_granular_linear.py
+SQNR_FLOOR = 26.0  # Gaussian data, as the dense linear's linear/test_blockwise.py
 GW_HP_FLOOR = 45.0
 OUTLIER_BODY = 25.0  # 1e5 outliers, as test_granularity_targets.py
 COLLAPSED = 10.0
