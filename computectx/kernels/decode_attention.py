@@ -66,6 +66,18 @@ def _widen_step(s):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def _store_partial(  # type: ignore[no-untyped-def]
+    part_ptr, bh, split, m, l_sum, acc, offs_d, dmask, BLOCK_D: tl.constexpr
+):
+    # Partials, float32 rows of [m, l, acc[0:D]] at (bh, split); an empty split stores
+    # m = -inf, l = 0, acc = 0, which the merge weighs by exp(-inf) = 0.
+    row = part_ptr + (bh.to(tl.int64) * tl.num_programs(1) + split) * (BLOCK_D + 2)
+    tl.store(row, m)
+    tl.store(row + 1, l_sum)
+    tl.store(row + 2 + offs_d, acc, mask=dmask)
+
+
+@triton.jit
 def _decode_kernel(  # type: ignore[no-untyped-def]
     q_ptr,
     k_ptr,
@@ -160,12 +172,7 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
         m = m_new
 
     if SPLIT:
-        # Partials, float32 rows of [m, l, acc[0:D]] at (bh, split); an empty split stores
-        # m = -inf, l = 0, acc = 0, which the merge weighs by exp(-inf) = 0.
-        row = part_ptr + (bh.to(tl.int64) * tl.num_programs(1) + split) * (BLOCK_D + 2)
-        tl.store(row, m)
-        tl.store(row + 1, l_sum)
-        tl.store(row + 2 + offs_d, acc, mask=dmask)
+        _store_partial(part_ptr, bh, split, m, l_sum, acc, offs_d, dmask, BLOCK_D)
     else:
         _store_out(out_ptr + b * stride_ob + h * stride_oh, offs_d, dmask, acc / l_sum, OUT_BF16)
 
@@ -213,6 +220,27 @@ def split_count(batch_heads: int, t_max: int, block_t: int, device: torch.device
     return max(1, min(want, most))
 
 
+def _splits(
+    batch_heads: int, t_max: int, block_t: int, splits: int | None, device: torch.device
+) -> tuple[int, int]:
+    # (programs per (b, h), positions per program): split_count's (or the forced) number,
+    # at most one per block, each program a whole number of blocks.
+    n_split = splits if splits is not None else split_count(batch_heads, t_max, block_t, device)
+    n_blocks = triton.cdiv(t_max, block_t)
+    n_split = max(1, min(n_split, n_blocks))
+    split_len = triton.cdiv(n_blocks, n_split) * block_t
+    return triton.cdiv(t_max, split_len), split_len
+
+
+def _step_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
+    # (b, h, t) strides of a step: none for a 16/32-bit cache or a per_tensor step.
+    if s is None or (s.dim() == 1 and s.numel() == 1):
+        return 0, 0, 0
+    if s.dim() == 1:  # per_head (H,)
+        return 0, s.stride(0), 0
+    return s.stride(0), s.stride(1), s.stride(2)
+
+
 def decode_attention(
     *,
     q: torch.Tensor,
@@ -235,11 +263,7 @@ def decode_attention(
     # Rows of D elements are read as contiguous vectors (any other strides are free).
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     out = torch.empty((b, h, d), dtype=q.dtype, device=q.device)
-    n_split = splits if splits is not None else split_count(b * h, t_max, block_t, q.device)
-    n_blocks = triton.cdiv(t_max, block_t)
-    n_split = max(1, min(n_split, n_blocks))
-    split_len = triton.cdiv(n_blocks, n_split) * block_t
-    n_split = triton.cdiv(t_max, split_len)
+    n_split, split_len = _splits(b * h, t_max, block_t, splits, q.device)
     block_d = triton.next_power_of_2(d)
     has_step = k_step is not None and v_step is not None
     # e8m0 steps are read as their bytes (triton has no e8m0 type); bf16 and f32 as they are.
@@ -249,15 +273,7 @@ def decode_attention(
         v_step = v_step.view(torch.uint8)
     ks = k_step if k_step is not None else out
     vs = v_step if v_step is not None else out
-
-    def step_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
-        if s is None or (s.dim() == 1 and s.numel() == 1):
-            return 0, 0, 0
-        if s.dim() == 1:  # per_head (H,)
-            return 0, s.stride(0), 0
-        return s.stride(0), s.stride(1), s.stride(2)
-
-    kss, vss = step_strides(k_step), step_strides(v_step)
+    kss, vss = _step_strides(k_step), _step_strides(v_step)
     part = (
         torch.empty((b * h, n_split, block_d + 2), dtype=torch.float32, device=q.device)
         if n_split > 1

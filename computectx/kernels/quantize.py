@@ -65,6 +65,72 @@ _SCRATCH_LEN: Final[int] = 3
 
 
 @triton.jit
+def _load_widened(x_ptr, offs, mask, X_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
+    # x as float32. bf16 arrives as int16 bits; widening is a 16-bit shift, exact for every
+    # value (the interpreter's own bf16 -> float32 conversion flushes subnormals).
+    if X_BF16:
+        raw = tl.load(x_ptr + offs, mask=mask, other=0)
+        x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _step_of(  # type: ignore[no-untyped-def]
+    amax, TARGET: tl.constexpr, FLT_MAX: tl.constexpr, FLT_MIN: tl.constexpr
+):
+    # amax / TARGET; NaN, inf, underflow to 0 and overflow to inf all give 1. A step below
+    # float32's normal range keeps too few bits: it is raised to the smallest normal
+    # (numerics.tensorwise.step_from_amax does the same).
+    step = tl.div_rn(amax, TARGET)
+    ok = (step > 0.0) & (step <= FLT_MAX)
+    step = tl.where(ok & (step < FLT_MIN), FLT_MIN, step)
+    return tl.where(ok, step, 1.0)
+
+
+@triton.jit
+def _advance_ledger(  # type: ignore[no-untyped-def]
+    ledger_ptr,
+    ledger_idx,
+    n_hist,
+    amax,
+    finite,
+    sat_count,
+    TARGET: tl.constexpr,
+    FLT_MAX: tl.constexpr,
+    FLT_MIN: tl.constexpr,
+    ALGO_MAX: tl.constexpr,
+    LEDGER_STEP: tl.constexpr,
+    LEDGER_NONFINITE: tl.constexpr,
+    LEDGER_SATURATED: tl.constexpr,
+    RBLOCK: tl.constexpr,
+):
+    # The window with this amax in slot ledger_idx, built in registers (the ledger itself is
+    # written once, below): history ledger_ptr[:n_hist], then the step, the non-finite count
+    # and the saturated count at n_hist + the LEDGER_* offsets.
+    window = tl.zeros((RBLOCK,), dtype=tl.float32)
+    for hstart in tl.range(0, n_hist, RBLOCK):
+        h_offs = hstart + tl.arange(0, RBLOCK)
+        h = tl.load(ledger_ptr + h_offs, mask=h_offs < n_hist, other=0.0)
+        h = tl.where(h_offs == ledger_idx, amax, h)
+        window = tl.maximum(window, h)
+    chosen = tl.max(window, axis=0) if ALGO_MAX else amax
+    step_new = _step_of(chosen, TARGET, FLT_MAX, FLT_MIN)
+    step_ptr_ledger = ledger_ptr + n_hist + LEDGER_STEP
+    nonfinite_ptr = ledger_ptr + n_hist + LEDGER_NONFINITE
+    saturated_ptr = ledger_ptr + n_hist + LEDGER_SATURATED
+    old_hist = tl.load(ledger_ptr + ledger_idx)
+    old_step = tl.load(step_ptr_ledger)
+    n_bad = tl.load(nonfinite_ptr)
+    n_sat_old = tl.load(saturated_ptr)
+    tl.store(ledger_ptr + ledger_idx, tl.where(finite, amax, old_hist))
+    tl.store(step_ptr_ledger, tl.where(finite, step_new, old_step))
+    tl.store(nonfinite_ptr, n_bad + tl.where(finite, 0.0, 1.0))
+    tl.store(saturated_ptr, n_sat_old + sat_count.to(tl.float32))
+
+
+@triton.jit
 def _quantize_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     q_ptr,
@@ -113,13 +179,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     for tile in tl.range(pid, num_tiles, nprog):
         offs = tl.cast(tile, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_elements
-        if X_BF16:
-            # bf16 arrives as int16 bits; widening is a 16-bit shift, exact for every value.
-            # (The interpreter's own bf16 -> float32 conversion flushes subnormals.)
-            raw = tl.load(x_ptr + offs, mask=mask, other=0)
-            x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-        else:
-            x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _load_widened(x_ptr, offs, mask, X_BF16)
         if REDUCE != _REDUCE_NONE:
             amax_bits = tl.maximum(amax_bits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         if CAST:
@@ -153,38 +213,12 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 tl.store(amax_out_ptr, amax)
             if REDUCE == _REDUCE_DYNAMIC:
                 tl.store(amax_out_ptr, amax)
-                # NaN, inf, underflow to 0 and overflow to inf all fail this test.
-                step_new = tl.div_rn(amax, TARGET)
-                ok = (step_new > 0.0) & (step_new <= FLT_MAX)
-                # A step below float32's normal range keeps too few bits: it is raised to
-                # the smallest normal (numerics.tensorwise.step_from_amax does the same).
-                step_new = tl.where(ok & (step_new < FLT_MIN), FLT_MIN, step_new)
-                tl.store(step_out_ptr, tl.where(ok, step_new, 1.0))
+                tl.store(step_out_ptr, _step_of(amax, TARGET, FLT_MAX, FLT_MIN))
             if REDUCE == _REDUCE_LEDGER:
-                # The window with this amax in slot ledger_idx, built in registers (the ledger
-                # itself is written once, below).
-                window = tl.zeros((RBLOCK,), dtype=tl.float32)
-                for hstart in tl.range(0, n_hist, RBLOCK):
-                    h_offs = hstart + tl.arange(0, RBLOCK)
-                    h = tl.load(ledger_ptr + h_offs, mask=h_offs < n_hist, other=0.0)
-                    h = tl.where(h_offs == ledger_idx, amax, h)
-                    window = tl.maximum(window, h)
-                chosen = tl.max(window, axis=0) if ALGO_MAX else amax
-                step_new = tl.div_rn(chosen, TARGET)
-                ok = (step_new > 0.0) & (step_new <= FLT_MAX)
-                step_new = tl.where(ok & (step_new < FLT_MIN), FLT_MIN, step_new)
-                step_new = tl.where(ok, step_new, 1.0)
-                step_ptr_ledger = ledger_ptr + n_hist + LEDGER_STEP
-                nonfinite_ptr = ledger_ptr + n_hist + LEDGER_NONFINITE
-                saturated_ptr = ledger_ptr + n_hist + LEDGER_SATURATED
-                old_hist = tl.load(ledger_ptr + ledger_idx)
-                old_step = tl.load(step_ptr_ledger)
-                n_bad = tl.load(nonfinite_ptr)
-                n_sat_old = tl.load(saturated_ptr)
-                tl.store(ledger_ptr + ledger_idx, tl.where(finite, amax, old_hist))
-                tl.store(step_ptr_ledger, tl.where(finite, step_new, old_step))
-                tl.store(nonfinite_ptr, n_bad + tl.where(finite, 0.0, 1.0))
-                tl.store(saturated_ptr, n_sat_old + sat_count.to(tl.float32))
+                _advance_ledger(
+                    ledger_ptr, ledger_idx, n_hist, amax, finite, sat_count, TARGET, FLT_MAX,
+                    FLT_MIN, ALGO_MAX, LEDGER_STEP, LEDGER_NONFINITE, LEDGER_SATURATED, RBLOCK,
+                )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class _Launches(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch le
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> _Launches:
     mode = _Launches()
-    real = tensor_ops.quantize_delayed
+    real = quantize.quantize_delayed
 
     def launcher(**kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         mode.kernels += 1

@@ -1,7 +1,7 @@
 """Non-finite operands through the Triton grouped GEMMs: what the reference twin gives.
 
 ``fp8_grouped_mm(backend="triton")`` against ``backend="reference"`` (each group the dense
-fp8 linear, tests/fp8/test_grouped_mm.py) with a NaN and a ±inf in one expert's weight and in
+fp8 linear, tests/fp8/ops/test_grouped.py) with a NaN and a ±inf in one expert's weight and in
 the input rows of one group, forward, dgrad and wgrad, at every recipe: the same NaN
 positions (a NaN operand element makes its output row, column or gradient NaN), ±inf
 saturating to ``±fmt.max`` as the dense quantize does (docs/fp8.md), and the finite values

@@ -324,7 +324,7 @@ def test_the_default_backend_falling_back_to_the_twin_warns_once(
 def test_the_decode_step_reads_no_host_value() -> None:
     # ByteLM.decode_step's promise (a CUDA graph can hold it): no tensor value read by the
     # host, for a dtype cache and an fp8 one (the decode operator's own body is checked in
-    # tests/fp8/test_decode_attention.py).
+    # tests/fp8/ops/test_attention.py).
     from typing import Any
 
     from torch.utils._python_dispatch import TorchDispatchMode

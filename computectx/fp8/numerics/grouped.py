@@ -81,7 +81,8 @@ def scaled_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The dense twin of one group's GEMM ``(qa * sa) @ (qb * sb)ᵀ`` at ``out_dtype``."""
-    if ga == "tensor":
+    if ga in ("tensor", "row"):
+        # Per-tensor or per-row steps: blockwise.reference_scaled_mm's row x row is this call.
         return tensorwise.scaled_mm(qa, qb, sa, sb, None, out_dtype)
     assert gb != "tensor"
     return blockwise.reference_scaled_mm(qa, qb, sa, ga, sb, gb, None, out_dtype)

@@ -113,7 +113,7 @@ def code_bound(step: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     The bound is ``FLT_MAX / |step|`` (one IEEE division) truncated onto the grid (its
     float32 mantissa cut to the format's bits: toward zero), at most ``fmt.max``; that
     ``bound * step`` never rounds past ``FLT_MAX`` is checked exhaustively for every step
-    whose bound is below ``fmt.max`` (tests/fp8/test_extreme_finite.py). A NaN step gives
+    whose bound is below ``fmt.max`` (tests/fp8/numerics/test_extreme_finite.py). A NaN step gives
     ``fmt.max`` (its codes are NaN anyway).
     """
     s = step.to(torch.float32).abs()

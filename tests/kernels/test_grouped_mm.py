@@ -5,7 +5,7 @@ Forward/dgrad (``computectx.kernels.grouped_mm``): group ``g``'s rows are the de
 ``numerics.tensorwise.scaled_mm`` for ``tensor``), rows past ``offs[-1]`` zero. Wgrad
 (``computectx.kernels.grouped_wgrad``): expert ``g``'s ``[N, K]`` is the dense GEMM of the
 group's columns of ``dY.T`` and ``X.T`` with the group's own scale columns, zero for a group
-without rows. The standards are the dense kernel's (tests/kernels/test_scaled_mm_blocks_kernel.py):
+without rows. The standards are the dense kernel's (tests/kernels/test_scaled_mm_blocks.py):
 bit for bit when every partial sum is exact (small-integer codes, power-of-two steps), else
 within the dense twin's a-priori bound (``numerics.blockwise.scaled_mm_error_bound``, the
 narrow-accumulator one on a GPU). The groups include an empty one and sizes that are not

@@ -23,7 +23,7 @@ from computectx.fp8.numerics import tensorwise
 from computectx.fp8.ops import tensorwise as tensor_ops
 from computectx.recipes import DelayedScaling, Fp8Scheme
 
-from .conftest import CtxFor
+from ..conftest import CtxFor
 
 CUBLAS, REF = Fp8Backend.CUBLAS, Fp8Backend.REFERENCE
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

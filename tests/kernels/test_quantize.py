@@ -1,8 +1,8 @@
 """The Triton quantize kernel against its pure-torch twin: fp8 bytes bit for bit.
 
 Runs on an fp8 GPU when there is one, else under ``TRITON_INTERPRET=1`` (see conftest).
-The twin's own rounding is pinned by test_reference.py against the fp8 code tables; here
-every byte the kernel writes must equal the twin's byte, every amax and step must have the
+The twin's own rounding is pinned by tests/fp8/numerics/test_tensorwise.py against the fp8
+code tables; here every byte the kernel writes must equal the twin's byte, every amax and step must have the
 same float32 bits, and a ledger must hold the same float32 bits after every step.
 """
 

@@ -3,8 +3,8 @@
 The twins (``computectx.fp8.numerics.blockwise``) are checked against an independent model: every
 block cut out by hand, its step computed in plain Python (``math.frexp`` for the powers of
 two and the E8M0 exponents), and the block quantized by the per-tensor twin, which
-test_reference.py pins to the fp8 code tables. They then serve as the oracle for the Triton
-kernels (tests/kernels/test_quantize_blocks_kernel.py).
+tests/fp8/numerics/test_tensorwise.py pins to the fp8 code tables. They then serve as the
+oracle for the Triton kernels (tests/kernels/test_quantize_blocks.py).
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def assert_within_bound(
 ) -> None:
     """``out`` within ``decode_attention_error_bound`` of float64 attention over the
     dequantized cache (that function's float64 attention is checked against an independent
-    one in tests/fp8/test_decode_attention.py)."""
+    one in tests/fp8/ops/test_attention.py)."""
     exact, bound = decode_attention_error_bound(
         q, k, v, ks, vs, torch.tensor(length), sm_scale=sm_scale, block_t=block_t
     )

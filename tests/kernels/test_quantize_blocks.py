@@ -4,7 +4,7 @@ Runs on an fp8 GPU when there is one, else under ``TRITON_INTERPRET=1`` (see con
 Every granularity (row-wise, 1x128, 128x128, MX) and option, its column-wise (transposed)
 variant, given scales, and the inputs where rounding is decided: the fp8 midpoints, the
 carries into the exponent that the interpreter's own fp8 conversion gets wrong, subnormal
-steps, NaN and ±inf blocks. The twins themselves are pinned in tests/fp8/test_granular.py.
+steps, NaN and ±inf blocks. The twins themselves are pinned in tests/fp8/ops/test_blockwise.py.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the twin: the score dot products, the exponentials and the two levels of accumul
 final rounding to ``q``'s dtype. The reference here is softmax attention computed in
 float64 over the *dequantized* cache (``code * step`` exactly), per row up to its length,
 written independently of the module (a plain loop over the batch). The Triton kernel is
-checked against the same bound in tests/kernels/test_decode_attention_kernel.py.
+checked against the same bound in tests/kernels/test_decode_attention.py.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ torch's bf16 grouped GEMM (``F.grouped_mm``) on the same bf16 values, through th
   powers of two, and a power-of-two step changes an e4m3 code's relative rounding only where
   a finer block keeps a value out of the subnormals.
 - 4 outlier tokens x1e5 (rows of X and dY, the bench's ``linear_data``) and 4 outlier
-  channels and features x1e5 (columns of X and dY) (tests/fp8/test_granularity_targets.py):
+  channels and features x1e5 (columns of X and dY) (tests/fp8/ops/test_blockwise_targets.py):
   every fine granularity keeps the body of Y and dX (rows) and of dW (columns) >= 25 dB
   (measured 28.4-29.1, gw_hp's dW 55.6; mx and block 28.4-29.1 over seeds 0-4), while
   per-tensor scaling falls below 10 dB: Y 8.8 and dX 8.9 dB (8.6-9.8 over seeds 0-4), dW
@@ -51,7 +51,7 @@ SIZES = (0, 45, 7, 0, 120, 28)  # M = 200, a multiple of 8 as F.grouped_mm's str
 M, K, N, E = sum(SIZES), 160, 96, len(SIZES)
 SQNR_FLOOR = 26.0  # Gaussian data, as the dense linear's linear/test_blockwise.py
 GW_HP_FLOOR = 45.0
-OUTLIER_BODY = 25.0  # 1e5 outliers, as test_granularity_targets.py
+OUTLIER_BODY = 25.0  # 1e5 outliers, as tests/fp8/ops/test_blockwise_targets.py
 COLLAPSED = 10.0
 Results = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
