@@ -2,7 +2,7 @@
 
 Forward ``Y = X Wᵀ (+ b)`` with ``X`` and ``W`` quantized in the policy's forward format;
 backward ``dX = dY W`` and ``dW = dYᵀ X`` with ``dY`` quantized once in the backward format
-and shared by both GEMMs (the transposes are views handed to ``ops.gemm.scaled_mm``). The
+and shared by both GEMMs (the transposes are views handed to ``ops.tensorwise.scaled_mm``). The
 forward saves the fp8 operands and the steps it used together with its plan (policy,
 scaling state, backend), so ``loss.backward()`` needs nothing from the region or module
 that ran the forward and may run after both are gone. ``tensorwise_linear`` is the entry the

@@ -1,6 +1,6 @@
 """``fp8_grouped_mm``: each group is the dense fp8 linear on its own rows, bit for bit.
 
-The contract (computectx/fp8/linear/grouped.py): on the reference backend, group ``g``'s rows
+The contract (computectx/fp8/ops/grouped.py): on the reference backend, group ``g``'s rows
 of the output, of dX and the expert's dW are exactly what an ``Fp8Linear`` holding ``w[g]``
 computes from those rows under the same (dynamic) policy. Groups may be empty or ragged (not
 multiples of 16, 32 or 128); rows past the last group are zero, with zero gradients; an
