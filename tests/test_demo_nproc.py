@@ -1,4 +1,10 @@
-"""``computectx demo --nproc N``: data-parallel ranks against one process, and the bounds."""
+"""``computectx demo --nproc N``: data-parallel ranks against one process, and the bounds.
+
+The training runs call the CLI's ``main`` in the test's process (as tests/demo/test_run.py
+does): ``--nproc 2`` still spawns its two ranks as fresh interpreters, only the launcher is
+not a third one (each ``python -m computectx`` imports torch, seconds); the bad values go
+through ``python -m computectx`` itself, which refuses them before importing torch.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+
+from computectx.cli import main
 
 TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(300))
 SMALL = [
@@ -35,7 +44,9 @@ def _results(out: Path) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--offload"]], ids=["plain", "memory"])
-def test_two_processes_train_like_one(tmp_path: Path, extra: list[str]) -> None:
+def test_two_processes_train_like_one(
+    tmp_path: Path, extra: list[str], capfd: pytest.CaptureFixture[str]
+) -> None:
     # "memory": micro-batches summed in the data-parallel accumulator (one reduction per
     # step) and stepped by the offloaded optimizer.
     data = tmp_path / "code.txt"
@@ -43,9 +54,13 @@ def test_two_processes_train_like_one(tmp_path: Path, extra: list[str]) -> None:
     runs = {}
     for n in (1, 2):
         out = tmp_path / f"out{n}"
-        res = _demo(*SMALL, *extra, "--data", str(data), "--out", str(out), "--nproc", str(n))
-        assert res.returncode == 0, res.stdout + res.stderr
-        assert res.stdout.count("wrote ") == 1  # one table and one report, from rank 0
+        threads = torch.get_num_threads()
+        code = main(["demo", *SMALL, *extra, "--data", str(data), "--out", str(out),
+                     "--nproc", str(n)])  # fmt: skip
+        captured = capfd.readouterr()  # the file descriptors: the spawned ranks' output too
+        assert code == 0, captured.out + captured.err
+        assert captured.out.count("wrote ") == 1  # one table and one report, from rank 0
+        assert torch.get_num_threads() == threads  # the demo leaves this process as it was
         runs[n] = _results(out)
     assert [runs[n]["world_size"] for n in (1, 2)] == [1, 2]
     one, two = ({r["flag"]: r["train_losses"] for r in runs[n]["results"]} for n in (1, 2))
