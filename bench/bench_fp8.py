@@ -141,7 +141,7 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
 
     from computectx.dtypes import Fp8Format
     from computectx.fp8 import backend as fp8_backend
-    from computectx.fp8.numerics import ledger
+    from computectx.fp8.numerics.ledger import ledger_new
     from computectx.fp8.ops import tensorwise as tensor_ops
 
     tri = fp8_backend.Fp8Backend.TRITON
@@ -149,7 +149,7 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
     step = torch.tensor([x.float().abs().max().item() / fmt.max], device=dev)
-    ledger = ledger.ledger_new(16, dev)
+    ledger = ledger_new(16, dev)
     tensor_ops.seed_ledger(ledger, x, fmt, 0)
 
     t_copy = time_ms(dev, lambda: dst.copy_(x), warmup, reps)

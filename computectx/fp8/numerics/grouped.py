@@ -81,7 +81,7 @@ def scaled_gemm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """The dense twin of one group's GEMM ``(qa * sa) @ (qb * sb)ᵀ`` at ``out_dtype``."""
-    if ga in ("tensor", "row"):
+    if ga == "tensor" or ga == "row":  # == narrows the Literal for mypy
         # Per-tensor or per-row steps: blockwise.reference_scaled_mm's row x row is this call.
         return tensorwise.scaled_mm(qa, qb, sa, sb, None, out_dtype)
     assert gb != "tensor"

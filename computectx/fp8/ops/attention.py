@@ -51,6 +51,7 @@ triton imports and the twin elsewhere, as the quantize operators do. The twin se
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch.library import custom_op
@@ -91,10 +92,11 @@ def fp8_decode_attention(
 ) -> torch.Tensor:
     """``decode_attention`` on checked arguments (``length`` a ``(B,)`` tensor): the kernel
     or the twin, called with this signature's keywords."""
+    run: Callable[..., torch.Tensor] = decode_attention_reference
     if uses_kernels(parse_backend(backend), q):
-        from computectx.kernels.decode_attention import decode_attention as run
-    else:
-        run = decode_attention_reference
+        from computectx.kernels import decode_attention as kernel
+
+        run = kernel.decode_attention
     return run(
         q=q, k=k, v=v, k_step=k_step, v_step=v_step, length=length, sm_scale=sm_scale,
         block_t=block_t,

@@ -29,7 +29,7 @@ with triton) or the twin, on the same device; it never raises for a valid call.
 
 from __future__ import annotations
 
-from typing import TypeGuard, cast
+from typing import Any, TypeGuard, cast
 
 import torch
 from torch.library import custom_op
@@ -148,7 +148,7 @@ def fp8_block_scaled_mm(
     """``block_scaled_mm`` on a checked call: the twin, cuBLAS or the kernel."""
     chosen = parse_backend(backend)
     ga, gb = cast(BlockGranularity, granularity_a), cast(BlockGranularity, granularity_b)
-    args = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}
+    args: dict[str, Any] = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}
     if chosen is Fp8Backend.CUBLAS:
         from computectx.kernels import cublas
 

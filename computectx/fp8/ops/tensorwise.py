@@ -39,6 +39,7 @@ flow through the fp8 linear's ``autograd.Function``, written over them.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Literal, cast
 
 import torch
@@ -97,7 +98,8 @@ Window = Literal["max", "most_recent"]
 # The operators.
 
 
-def _quantize_kernels():  # type: ignore[no-untyped-def]
+def _quantize_kernels() -> ModuleType:
+    # computectx.kernels.quantize, imported on first use (it imports triton).
     from computectx.kernels import quantize
 
     return quantize
@@ -111,11 +113,12 @@ def _delayed_at(
     # own, it gets this one's offsets.
     if not uses_kernels(backend, x):
         return tensorwise.quantize_delayed(x, Fp8Format.parse(fp8), ledger, slot, algo, margin)
-    return _quantize_kernels().quantize_delayed(  # type: ignore[no-any-return]
+    out: tuple[torch.Tensor, torch.Tensor] = _quantize_kernels().quantize_delayed(
         x=x, fp8=fp8, ledger=ledger, history_len=ledger_history_len(ledger), slot=slot,
         step_offset=LEDGER_STEP, nonfinite_offset=LEDGER_NONFINITE,
         saturated_offset=LEDGER_SATURATED, algo=algo, margin=margin,
     )  # fmt: skip
+    return out
 
 
 def _dynamic(
@@ -123,7 +126,9 @@ def _dynamic(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not uses_kernels(backend, x):
         return tensorwise.quantize_dynamic(x, Fp8Format.parse(fp8), margin)
-    return _quantize_kernels().quantize_dynamic(x=x, fp8=fp8, margin=margin)  # type: ignore[no-any-return]
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    out = _quantize_kernels().quantize_dynamic(x=x, fp8=fp8, margin=margin)
+    return out
 
 
 def delayed_call(
@@ -223,15 +228,23 @@ def fp8_scaled_mm(
 ) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``."""
     chosen = parse_backend(backend)
+    kernel: ModuleType
     if chosen is Fp8Backend.TRITON:
-        from computectx.kernels import scaled_mm as kernel
+        from computectx.kernels import scaled_mm
+
+        kernel = scaled_mm
     elif chosen is Fp8Backend.CUBLAS and not a.dtype == b.dtype == torch.float8_e5m2:
-        from computectx.kernels import cublas as kernel
+        from computectx.kernels import cublas
+
+        kernel = cublas
     else:
         # The twin; also CUBLAS's for two E5M2 operands, which cuBLASLt refuses (float32
         # products of the widened codes, which are exact), on the same device.
         return tensorwise.scaled_mm(a, b, step_a, step_b, bias, out_dtype)
-    return kernel.scaled_mm(a=a, b=b, step_a=step_a, step_b=step_b, bias=bias, out_dtype=out_dtype)
+    out: torch.Tensor = kernel.scaled_mm(
+        a=a, b=b, step_a=step_a, step_b=step_b, bias=bias, out_dtype=out_dtype
+    )
+    return out
 
 
 @fp8_scaled_mm.register_fake
@@ -410,8 +423,8 @@ def quantize_operand(
     """
     data = input_arg(x)
     fmt = fmt_arg(fmt)
-    delayed = isinstance(scaling, DelayedScaling)
-    _ledger_args(ledger, 0, scaling.algo if delayed else "max", data.device)
+    algo = scaling.algo if isinstance(scaling, DelayedScaling) else "max"
+    _ledger_args(ledger, 0, algo, data.device)
     _tally_arg(tally, data.device)
     b = check_backend(backend, data)
     m = margin_arg(scaling.margin)
