@@ -153,6 +153,7 @@ def delayed_call(
     kernel, the rotation (none for a history of 1), the tally, and the seeding check's small
     ops when ``may_seed``.
     """
+    chosen = parse_backend(backend)
     if may_seed:
         unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
         tensorwise.seed_ledger(ledger, x, Fp8Format.parse(fp8), margin, when=unseeded)
@@ -160,7 +161,6 @@ def delayed_call(
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1))
     window: Window = "max" if algo == "max" else "most_recent"
-    chosen = parse_backend(backend)
     q, step_used = _delayed_at(x, fp8, ledger, history.numel() - 1, window, margin, chosen)
     count(tally, x)
     return q, step_used
@@ -423,11 +423,11 @@ def quantize_operand(
     """
     data = input_arg(x)
     fmt = fmt_arg(fmt)
+    b = check_backend(backend, data)
+    m = margin_arg(scaling.margin)
     algo = scaling.algo if isinstance(scaling, DelayedScaling) else "max"
     _ledger_args(ledger, 0, algo, data.device)
     _tally_arg(tally, data.device)
-    b = check_backend(backend, data)
-    m = margin_arg(scaling.margin)
     if impl != "op" and inline.parse_quantize(impl) == "inline":
         if isinstance(scaling, DelayedScaling):
             return inline.quantize_delayed(data, ledger, tally, fmt, scaling.algo, m)
