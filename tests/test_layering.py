@@ -37,7 +37,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "computectx"
 # Rank inside the core: a core module imports only core modules of a lower rank.
 CORE_RANK: dict[str, int] = {
     "computectx._files": 0,  # durable file writes, for every package that writes a file
-    "computectx._moved": 0,  # old import paths, served with a DeprecationWarning
     "computectx._checks": 0,  # what counts as an integer; pydantic's errors in our words
     "computectx.dtypes": 0,
     "computectx.recipes": 1,
@@ -422,7 +421,11 @@ def test_the_graph_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None
         ("computectx.ctx", "from computectx.fp8.ops import select_backend", "(core) imports"),
         ("computectx.dtypes", "from computectx.ctx import ComputeCtx", "not below it"),
         ("computectx.kernels.quantize", "from computectx.dtypes import DType", "(kernels)"),
-        ("computectx.memory.optimizer", "import computectx.nn", "(memory) imports computectx.nn"),
+        (
+            "computectx.memory.optim.offloaded",
+            "import computectx.nn",
+            "(memory) imports computectx.nn",
+        ),
         ("computectx.fp8.ops", "from computectx.kernels import quantize", "at module level"),
         ("computectx.nn.lm", "def f():\n    from computectx.kernels import quantize", "(nn)"),
         ("computectx.memory.accounting", "from computectx.dtypes import _JOIN", "private name"),
@@ -455,7 +458,7 @@ def test_checker_catches(module: str, source: str, expected: str) -> None:
 @pytest.mark.parametrize(
     ("module", "source"),
     [
-        ("computectx.memory.optimizer", "from computectx.memory._transfer import X"),
+        ("computectx.memory.optim.offloaded", "from computectx.memory._transfer import X"),
         ("computectx.ctx", "from computectx.dtypes import DType\nfrom computectx import recipes"),
         ("computectx.nn.lm", "from computectx.fp8.seam import quantize_kv"),
         ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.Fp8Linear"),
