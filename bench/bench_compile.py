@@ -42,9 +42,9 @@ import torch
 from computectx import ComputeCtx
 from computectx.demo.settings import DemoSettings
 from computectx.demo.train import model_config
-from computectx.fp8 import Fp8Linear
+from computectx.formats import QuantizedLinear
 from computectx.nn import ByteLM, LMConfig
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
+from computectx.recipes import DelayedScaling, DynamicScaling, Recipe
 
 DEMO = model_config(DemoSettings())
 """The demo's default model."""
@@ -75,11 +75,11 @@ def build(
     cfg: Config, shape: LMConfig, backend: str
 ) -> Callable[[torch.Tensor, torch.Tensor], float]:
     """A training step for ``cfg``: returns the step's loss (one host read per step)."""
-    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(fp8=Fp8Policy(scaling=cfg.scaling))
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(recipe=Recipe(scaling=cfg.scaling))
     torch.manual_seed(0)
     model = ByteLM(ctx, shape)
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
-    assert layers, "fp8_hybrid must put Fp8Linear layers in ByteLM"
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    assert layers, "fp8_hybrid must put QuantizedLinear layers in ByteLM"
     for layer in layers:
         layer.quantize = "inline" if cfg.quantize == "inline" else "op"
     runner: Callable[[torch.Tensor], torch.Tensor] = model

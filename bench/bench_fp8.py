@@ -6,7 +6,7 @@ Measures, in one run on one device:
    bandwidth; target: >= 90% of copy bandwidth;
 2. fp8 GEMM TFLOP/s against ``torch._scaled_mm`` and bf16 ``torch.mm`` at 8192^3 and two LLM
    shapes; target: >= 1.0x ``torch._scaled_mm`` at 8192^3;
-3. ``Fp8Linear`` forward+backward against bf16 ``nn.Linear`` (eager); target: >= 1.4x.
+3. ``QuantizedLinear`` forward+backward against bf16 ``nn.Linear`` (eager); target: >= 1.4x.
 
 Every timed result is also checked (quantized bytes against the reference twin, GEMM and
 linear outputs against torch) so a fast wrong kernel cannot pass. Prints the GPU, driver,
@@ -140,11 +140,11 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     import torch
 
     from computectx.dtypes import Fp8Format
-    from computectx.fp8 import backend as fp8_backend
-    from computectx.fp8.numerics.ledger import ledger_new
-    from computectx.fp8.ops import tensorwise as tensor_ops
+    from computectx.formats import backend as fp8_backend
+    from computectx.formats.numerics.ledger import ledger_new
+    from computectx.formats.ops import tensorwise as tensor_ops
 
-    tri = fp8_backend.Fp8Backend.TRITON
+    tri = fp8_backend.Backend.TRITON
     fmt = Fp8Format.E4M3
     x = torch.randn(numel, device=dev, dtype=torch.bfloat16)
     dst = torch.empty_like(x)
@@ -158,7 +158,7 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
     # Minimal traffic of a quantize: read 2 bytes, write 1 byte per element.
     moved = 3 * numel
 
-    q_ref, _ = tensor_ops.quantize_with_step(x, fmt, step, backend=fp8_backend.Fp8Backend.REFERENCE)
+    q_ref, _ = tensor_ops.quantize_with_step(x, fmt, step, backend=fp8_backend.Backend.REFERENCE)
     q_tri, _ = tensor_ops.quantize_with_step(x, fmt, step, backend=tri)
     same = torch.equal(q_ref.view(torch.uint8), q_tri.view(torch.uint8))
     check = "bytes == reference" if same else "BYTES DIFFER FROM REFERENCE"
@@ -179,7 +179,7 @@ def bench_quantize(dev: str, numel: int, warmup: int, reps: int) -> list[Row]:
         (
             "quantize_with_step (torch reference)",
             lambda: tensor_ops.quantize_with_step(
-                x, fmt, step, backend=fp8_backend.Fp8Backend.REFERENCE
+                x, fmt, step, backend=fp8_backend.Backend.REFERENCE
             ),
         ),
     ]
@@ -209,10 +209,10 @@ def _gemm_rows(dev: str, m: int, k: int, n: int, warmup: int, reps: int) -> list
     import torch
 
     from computectx.dtypes import Fp8Format
-    from computectx.fp8 import backend as fp8_backend
-    from computectx.fp8.ops import tensorwise as tensor_ops
+    from computectx.formats import backend as fp8_backend
+    from computectx.formats.ops import tensorwise as tensor_ops
 
-    tri = fp8_backend.Fp8Backend.TRITON
+    tri = fp8_backend.Backend.TRITON
     fmt = Fp8Format.E4M3
     flops = 2.0 * m * n * k
     x = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
@@ -271,21 +271,21 @@ def _gemm_rows(dev: str, m: int, k: int, n: int, warmup: int, reps: int) -> list
 def bench_linear(
     dev: str, shape: tuple[int, int, int], warmup: int, reps: int, force: str | None = None
 ) -> list[Row]:
-    """Fp8Linear (HYBRID, delayed scaling) forward+backward against bf16 nn.Linear."""
+    """QuantizedLinear (HYBRID, delayed scaling) forward+backward against bf16 nn.Linear."""
     import torch
     from torch import nn
 
     from computectx.ctx import ComputeCtx
 
     try:
-        from computectx.fp8 import Fp8Linear
+        from computectx.formats import QuantizedLinear
     except ImportError as e:
-        return [Row("Fp8Linear", "unavailable", check=f"import failed: {e}")]
+        return [Row("QuantizedLinear", "unavailable", check=f"import failed: {e}")]
 
     m, k, n = shape
     ctx = ComputeCtx.from_flag("fp8_hybrid", dev)
     ref = nn.Linear(k, n, bias=True, device=dev, dtype=torch.bfloat16)
-    fp8 = Fp8Linear(k, n, bias=True, ctx=ctx, backend=force, device=dev, dtype=torch.bfloat16)
+    fp8 = QuantizedLinear(k, n, bias=True, ctx=ctx, backend=force, device=dev, dtype=torch.bfloat16)
     with torch.no_grad():
         fp8.weight.copy_(ref.weight)
         assert fp8.bias is not None and ref.bias is not None
@@ -314,7 +314,7 @@ def bench_linear(
     return [
         Row(f"{label} bf16 nn.Linear fwd+bwd", f"{flops / t16 / 1e9:7.0f} TFLOP/s"),
         Row(
-            f"{label} Fp8Linear fwd+bwd (hybrid)",
+            f"{label} QuantizedLinear fwd+bwd (hybrid)",
             f"{flops / t8 / 1e9:7.0f} TFLOP/s",
             t16 / t8,
             LINEAR_TARGET,
@@ -326,11 +326,11 @@ def bench_linear(
 def run_gpu(quick: bool) -> int:
     import torch
 
-    from computectx.fp8 import backend as fp8_backend
+    from computectx.formats import backend as fp8_backend
 
     backend, why = fp8_backend.select_backend("cuda")
     print(f"fp8 backend on cuda: {why}")
-    if backend is not fp8_backend.Fp8Backend.TRITON:
+    if backend is not fp8_backend.Backend.TRITON:
         print("The Triton fp8 kernels cannot run on this GPU; nothing to benchmark.")
         return 0
     warmup, reps = (3, 10) if quick else (10, 50)
@@ -346,7 +346,7 @@ def run_gpu(quick: bool) -> int:
             lambda: bench_gemm("cuda", GEMM_SHAPES, warmup, reps),
         ),
         (
-            "Fp8Linear forward+backward, eager (ratio = bf16 time / fp8 time)",
+            "QuantizedLinear forward+backward, eager (ratio = bf16 time / fp8 time)",
             lambda: bench_linear("cuda", LINEAR_SHAPE, warmup, reps),
         ),
     ]
@@ -370,11 +370,11 @@ def run_cpu_smoke() -> int:
     import torch
 
     from computectx.dtypes import Fp8Format
-    from computectx.fp8 import backend as fp8_backend
-    from computectx.fp8.numerics import ledger, tensorwise
-    from computectx.fp8.ops import tensorwise as tensor_ops
+    from computectx.formats import backend as fp8_backend
+    from computectx.formats.numerics import ledger, tensorwise
+    from computectx.formats.ops import tensorwise as tensor_ops
 
-    tri, ref = fp8_backend.Fp8Backend.TRITON, fp8_backend.Fp8Backend.REFERENCE
+    tri, ref = fp8_backend.Backend.TRITON, fp8_backend.Backend.REFERENCE
     print(f"fp8 backend on cpu: {fp8_backend.select_backend('cpu')[1]}")
     print(f"forced: {fp8_backend.select_backend('cpu', force='triton')[1]}")
     gen = torch.Generator().manual_seed(0)
@@ -421,14 +421,16 @@ def run_cpu_smoke() -> int:
 
     try:
         from computectx.ctx import ComputeCtx
-        from computectx.fp8 import Fp8Linear
+        from computectx.formats import QuantizedLinear
     except ImportError as e:
-        print(f"  Fp8Linear: not available ({e})")
+        print(f"  QuantizedLinear: not available ({e})")
     else:
         ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
         xin = torch.randn(6, 48, generator=gen).to(torch.bfloat16)
         for backend in (ref, tri):
-            layer = Fp8Linear(48, 80, ctx=ctx, backend=backend, device="cpu", dtype=torch.bfloat16)
+            layer = QuantizedLinear(
+                48, 80, ctx=ctx, backend=backend, device="cpu", dtype=torch.bfloat16
+            )
             xg = xin.clone().requires_grad_()
             y = layer(xg)
             y.float().sum().backward()
@@ -438,7 +440,9 @@ def run_cpu_smoke() -> int:
             good = xg.grad is not None and bool(torch.isfinite(xg.grad.float()).all())
             good &= sqnr > 20
             ok &= good
-            print(f"  Fp8Linear fwd+bwd ({backend}): output SQNR vs bf16 {sqnr:.1f} dB: {good}")
+            print(
+                f"  QuantizedLinear fwd+bwd ({backend}): output SQNR vs bf16 {sqnr:.1f} dB: {good}"
+            )
     # The benchmark functions themselves, at tiny sizes (their timings mean nothing here).
     print("benchmark code paths at tiny sizes (CPU timings, not performance):")
     rows = bench_quantize("cpu", 4099, 0, 1)

@@ -1,5 +1,5 @@
-"""Cost of ``fp8_autocast``'s dispatch outside regions: ``F.linear`` and ``torch.add`` timed
-in a process that never imports computectx against one that imported ``computectx.fp8`` and
+"""Cost of ``autocast``'s dispatch outside regions: ``F.linear`` and ``torch.add`` timed
+in a process that never imports computectx against one that imported ``computectx.formats`` and
 opened and closed a region, side by side; plus the cost inside regions, for reference.
 
     .venv/bin/python bench/bench_fp8_dispatch.py            # CPU (or --device cuda)
@@ -28,9 +28,9 @@ SHAPES = ((8, 64, 64), (256, 1024, 1024))
 MODES = ("baseline", "imported", "disabled_region", "fp8_region")
 LABELS = {
     "baseline": "computectx not imported",
-    "imported": "computectx.fp8 imported + a region used, now outside",
-    "disabled_region": "inside fp8_autocast(enabled=False)",
-    "fp8_region": "inside fp8_autocast(ctx) (fp8, reference backend)",
+    "imported": "computectx.formats imported + a region used, now outside",
+    "disabled_region": "inside autocast(enabled=False)",
+    "fp8_region": "inside autocast(ctx) (fp8, reference backend)",
 }
 
 
@@ -67,16 +67,16 @@ def child(mode: str, device: torch.device, budget_s: float) -> dict[str, float]:
     region = None
     if mode != "baseline":
         from computectx import ComputeCtx
-        from computectx.fp8 import fp8_autocast
+        from computectx.formats import autocast
 
         ctx = ComputeCtx.from_flag("fp8_hybrid", device)
         w0 = torch.randn(16, 16, device=device)
-        with fp8_autocast(ctx):  # "used": the dispatch mode was pushed and popped
+        with autocast(ctx):  # "used": the dispatch mode was pushed and popped
             functional.linear(torch.randn(4, 16, device=device), w0)
         if mode == "disabled_region":
-            region = fp8_autocast(enabled=False)
+            region = autocast(enabled=False)
         elif mode == "fp8_region":
-            region = fp8_autocast(ctx)
+            region = autocast(ctx)
     if region is not None:
         region.__enter__()
     out: dict[str, float] = {}

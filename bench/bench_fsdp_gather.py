@@ -1,5 +1,5 @@
 """FSDP2 on fp8 layers: bytes each rank all-gathers and step time, float32 gather against the
-fp8 all-gather (``enable_fp8_all_gather``), and dynamic scaling's whole-batch amax against
+fp8 all-gather (``enable_quantized_all_gather``), and dynamic scaling's whole-batch amax against
 rank-local, side by side from one run; then ``bf16`` and each fp8 recipe (``fp8_hybrid``,
 ``fp8_rowwise``, ``fp8_block``, ``fp8_mx``) set up through ``parallelize(strategy="fsdp")``,
 with the ctx's mixed precision (gather at ``ctx.compute``, reduce-scatter at ``ctx.grad``)
@@ -40,8 +40,8 @@ from torch import nn
 from torch.multiprocessing.spawn import start_processes
 
 from computectx import ComputeCtx
-from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
-from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy
+from computectx.distributed import enable_quantized_all_gather, sync_scaling
+from computectx.formats import DynamicScaling, QuantizedLinear, Recipe
 
 CONFIGS: list[tuple[str, str, str]] = [
     # (scaling, gather, current_amax)
@@ -79,17 +79,17 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) 
     for scaling, gather, current in CONFIGS:
         ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
         if scaling == "dynamic":
-            ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+            ctx = ctx.replace(recipe=Recipe(scaling=DynamicScaling()))
         torch.manual_seed(0)
         model = nn.Sequential(
-            *(Fp8Linear(args.dim, args.dim, bias=False, ctx=ctx) for _ in range(args.layers))
+            *(QuantizedLinear(args.dim, args.dim, bias=False, ctx=ctx) for _ in range(args.layers))
         )
         if gather == "fp8":
-            enable_fp8_all_gather(model)
+            enable_quantized_all_gather(model)
         for layer in model:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        sync = sync_fp8_scaling(model, current_amax=current)  # type: ignore[arg-type]
+        sync = sync_scaling(model, current_amax=current)  # type: ignore[arg-type]
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         x = torch.randn(args.batch, args.dim, generator=torch.Generator().manual_seed(rank))
         sent, step_s, _ = _steps(model, opt, x, args)
@@ -169,28 +169,28 @@ def _through_parallelize(
 
 
 def _gathers_blocks(model: nn.Module) -> bool:
-    from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
+    from computectx.distributed.fp8_all_gather import WeightGatheredQuantized, sharded_weight_of
 
     return all(
-        isinstance(sharded_weight_of(m.weight), WeightGatheredAsFp8)
+        isinstance(sharded_weight_of(m.weight), WeightGatheredQuantized)
         for m in model.modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
     )
 
 
 def _fp8_alternative(flag: str, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """What one weight's fp8 gather would send under ``flag`` (row or mx), per element of
     a shard, averaged over a step's forward gather and backward re-gather."""
-    from computectx.fp8 import fp8_quantize
+    from computectx.formats import quantize_tensor
 
     rows, k = args.dim // world, args.dim
     shard = torch.randn(rows, k)
     if flag == "fp8_mx":
-        fwd = fp8_quantize(shard, "e4m3", granularity="mx")
-        bwd = fp8_quantize(shard.t(), "e4m3", granularity="mx")  # 32-row blocks: shard-local
+        fwd = quantize_tensor(shard, "e4m3", granularity="mx")
+        bwd = quantize_tensor(shard.t(), "e4m3", granularity="mx")  # 32-row blocks: shard-local
         extra = 0
     else:
-        fwd = fp8_quantize(shard, "e4m3", granularity="row")
+        fwd = quantize_tensor(shard, "e4m3", granularity="row")
         # Wᵀ's rows are W's columns, which span every shard: the codes with the column
         # scales of the whole weight, after a MAX all-reduce of K float32 amaxes.
         bwd = (fwd[0], torch.empty(0))
@@ -222,8 +222,8 @@ def main() -> None:
     results = queue.get()
     base = results[0]
     print(
-        f"2 gloo ranks, {args.layers} x Fp8Linear({args.dim}, {args.dim}), batch {args.batch} "
-        f"per rank, median of {args.steps} steps (torch {torch.__version__})"
+        f"2 gloo ranks, {args.layers} x QuantizedLinear({args.dim}, {args.dim}), "
+        f"batch {args.batch} per rank, median of {args.steps} steps (torch {torch.__version__})"
     )
     print(f"{'configuration':40s} {'bytes/elem':>10s} {'vs fp32':>8s} {'step s':>8s} {'ratio':>6s}")
     for r in results:

@@ -18,9 +18,9 @@ and ``blocks.0.attn.qkv``: their input ``X``, output gradient ``dY`` and weight 
 (``sqnr``), against float64. Outliers carry almost all of a tensor's energy, so the figure is
 taken over the *body*: the elements outside the outlier rows or columns.
 
-1. *Quantize-dequantize*: ``fp8_dequantize(*fp8_quantize(x, "e4m3", granularity=...))``
+1. *Quantize-dequantize*: ``dequantize_tensor(*quantize_tensor(x, "e4m3", granularity=...))``
    against ``x``, over the body; the demo columns are ``X`` and ``dY``, whole.
-2. *The linear*: ``Fp8Linear`` (no bias) under each ``--dtype`` flag on bf16 ``X`` and ``dY``
+2. *The linear*: ``QuantizedLinear`` (no bias) under each ``--dtype`` flag on bf16 ``X`` and ``dY``
    (the flags' activations) and a float32 ``W`` (their master weights), one forward and
    backward; its output ``Y = X Wᵀ``, ``dX = dY W`` and ``dW = dYᵀ X`` against float64 on the
    same values. The body of a result is what no outlier enters exactly: in the row case
@@ -51,8 +51,8 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_dequantize, select_backend
-from computectx.fp8.ops import blockwise as block_ops
+from computectx.formats import Backend, QuantizedLinear, dequantize_tensor, select_backend
+from computectx.formats.ops import blockwise as block_ops
 
 FACTORS = (1e2, 1e4, 1e5)
 CASES: tuple[tuple[str, float], ...] = (
@@ -130,17 +130,17 @@ def body_sqnr(
     x: torch.Tensor,
     body: torch.Tensor | None,
     fmt: Fp8Format,
-    backend: Fp8Backend,
+    backend: Backend,
     opts: dict[str, Any],
 ) -> float:
     """SQNR of ``x`` quantized and dequantized with ``opts``, over ``body`` (None: whole)."""
     data, scale = block_ops.quantize_granular(x, fmt, backend=backend, **opts)
-    if backend is not Fp8Backend.REFERENCE:  # the kernels' bytes are the twins', or stop
-        ref = block_ops.quantize_granular(x.cpu(), fmt, backend=Fp8Backend.REFERENCE, **opts)
+    if backend is not Backend.REFERENCE:  # the kernels' bytes are the twins', or stop
+        ref = block_ops.quantize_granular(x.cpu(), fmt, backend=Backend.REFERENCE, **opts)
         for got, want in zip((data, scale), ref, strict=True):
             if not torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8)):
                 raise SystemExit(f"{opts}: {backend} differs from the reference twin")
-    return sqnr(fp8_dequantize(data, scale, torch.float32), x.float(), body)
+    return sqnr(dequantize_tensor(data, scale, torch.float32), x.float(), body)
 
 
 # ---------------------------------------------------------------------------------------
@@ -214,7 +214,7 @@ def run_linear(
     n, k = data.weight.shape
     ctx = ComputeCtx.from_flag(flag, device)
     x = data.x.clone().requires_grad_()
-    if ctx.fp8 is None:  # the policy's own GEMM: float32 accumulation, one rounding
+    if ctx.recipe is None:  # the policy's own GEMM: float32 accumulation, one rounding
         from computectx.nn import Gemm
 
         w = data.weight.clone().requires_grad_()
@@ -223,7 +223,7 @@ def run_linear(
         weight_grad = w.grad
     else:
         try:
-            layer = Fp8Linear(k, n, bias=False, ctx=ctx, device=device, dtype=torch.float32)
+            layer = QuantizedLinear(k, n, bias=False, ctx=ctx, device=device, dtype=torch.float32)
             with torch.no_grad():
                 layer.weight.copy_(data.weight)
             y = layer(x)
@@ -428,7 +428,9 @@ def main() -> None:
                     cells.append(cell(fig[i]))
             rows.append((f"{lv.label} (`{lv.flag}`)", cells))
         table(
-            f"Fp8Linear {result}: SQNR against float64 (body where outliers leave one)", heads, rows
+            f"QuantizedLinear {result}: SQNR against float64 (body where outliers leave one)",
+            heads,
+            rows,
         )
     for name, why in refused.items():
         print(f"\n{name}: not run: {why}")

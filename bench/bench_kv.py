@@ -255,7 +255,7 @@ HF_NAME = "transformers QuantizedCache('fp8')"
 
 
 def tiny_llama() -> Any:
-    """The tiny random Llama of tests/integrations/test_transformers_cache.py (f32, eager attention)."""
+    """The tiny random Llama of tests/integrations/test_transformers_cache.py (f32, eager)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -276,7 +276,7 @@ def tiny_llama() -> Any:
 
 
 def llama_ids(seed: int, length: int, batch: int = 2) -> torch.Tensor:
-    """Random ids of the tiny Llama's vocabulary (as tests/integrations/test_transformers_cache.py's)."""
+    """Random ids of the tiny Llama's vocabulary (as in the transformers cache tests)."""
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 

@@ -16,7 +16,8 @@ median round), with ``torch`` at ``--threads`` intra-op threads:
 
 - ``bf16 F.grouped_mm``: torch's grouped GEMM in bf16, the baseline every ratio is over;
 - ``f32 F.grouped_mm``: the same in float32, the reference of the SQNR columns;
-- ``fp8 <granularity>``: ``computectx.fp8.fp8_grouped_mm`` under the ``--dtype`` flag's policy
+- ``fp8 <granularity>``: ``computectx.formats.quantized_grouped_mm`` under the ``--dtype`` flag's
+policy
   (``fp8_hybrid_dynamic``: tensor; ``fp8_rowwise``; ``fp8_rowwise_gw_hp``; ``fp8_block``;
   ``fp8_mx``) on ``--backend`` (``reference``, the float32 twin, by default: a loop over the
   groups in pure torch, so its times say what the twin costs, nothing about a GPU).
@@ -32,7 +33,7 @@ weights against fp8 codes plus the steps of each granularity's weight operand
 per output row, ``block`` one per 128x128 block, ``mx`` one E8M0 byte per 1x32 block.
 "Training" adds what the input gradient's ``Wᵀ`` operand holds besides: ``row`` and ``mx``
 quantize ``Wᵀ`` again along the other axis (codes and steps); ``tensor`` and ``block`` reuse
-the forward's codes. The step formula is checked against the bytes ``fp8_quantize`` returns
+the forward's codes. The step formula is checked against the bytes ``quantize_tensor`` returns
 for the bench's own ``w``.
 """
 
@@ -50,7 +51,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Backend, fp8_grouped_mm, fp8_quantize
+from computectx.formats import Backend, quantize_tensor, quantized_grouped_mm
 
 RECIPES: tuple[tuple[str, str], ...] = (
     ("tensor", "fp8_hybrid_dynamic"),
@@ -117,7 +118,7 @@ def operands(m: int, k: int, n: int, sizes: list[int], seed: int) -> Operands:
 Runner = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def runners(backend: Fp8Backend) -> dict[str, Runner]:
+def runners(backend: Backend) -> dict[str, Runner]:
     """Each row's grouped GEMM ``(x, w, offs) -> Y``, by label."""
 
     def torch_grouped(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
@@ -131,7 +132,7 @@ def runners(backend: Fp8Backend) -> dict[str, Runner]:
         def fp8(
             x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, policy: object = policy
         ) -> torch.Tensor:
-            return fp8_grouped_mm(x, w, offs, policy, backend=backend)  # type: ignore[arg-type]
+            return quantized_grouped_mm(x, w, offs, policy, backend=backend)  # type: ignore[arg-type]
 
         out[f"fp8 {label}"] = fp8
     return out
@@ -162,7 +163,7 @@ def run_once(
 
 
 def bench(
-    ops: Operands, backend: Fp8Backend, reps: int
+    ops: Operands, backend: Backend, reps: int
 ) -> tuple[dict[str, dict[str, float]], dict[str, tuple[torch.Tensor, ...]]]:
     """Median seconds of every row (``fwd``, ``fwd+bwd``), measured in interleaved rounds
     after one warm-up round, and each row's ``(Y, dX, dW)``."""
@@ -212,15 +213,15 @@ def expert_weight_bytes(
 
 
 def check_bytes(w: torch.Tensor) -> None:
-    """Stop unless ``scale_bytes`` is what ``fp8_quantize`` returns for each expert of ``w``."""
+    """Stop unless ``scale_bytes`` is what ``quantize_tensor`` returns for each expert of ``w``."""
     _, n, k = w.shape
     for label, g in _QUANT_GRANULARITY.items():
         measured = 0
         for expert in w:
-            codes, steps = fp8_quantize(expert.float(), "e4m3", granularity=g)  # type: ignore[arg-type]
+            codes, steps = quantize_tensor(expert.float(), "e4m3", granularity=g)  # type: ignore[arg-type]
             measured += codes.nbytes + steps.nbytes
         if measured != w.shape[0] * (n * k + scale_bytes(label, n, k)):
-            raise SystemExit(f"{label}: fp8_quantize holds {measured} bytes, the formula not")
+            raise SystemExit(f"{label}: quantize_tensor holds {measured} bytes, the formula not")
 
 
 def _ms(seconds: float) -> str:
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    backend = Fp8Backend(args.backend)
+    backend = Backend(args.backend)
     sizes = group_sizes(args.tokens, args.experts, args.top_k, args.seed)
     m, k, n = sum(sizes), args.dim, args.hidden
     print(

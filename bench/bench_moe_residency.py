@@ -27,7 +27,7 @@ each experts module that calls ``prefetch_experts`` with the group sizes: one
 ``madvise(WILLNEED)`` per chosen expert slice before the GEMM touches it), ``bf16`` (the
 serving policy: bf16 compute from float32 parameters), ``bf16-params`` (serving with bf16
 parameters, ``master=BF16``, saved at bf16) and ``fp8-block`` (serving with
-``Fp8Policy(granularity="block")``).
+``Recipe(granularity="block")``).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from computectx.nn.experts import GroupedExperts
 from computectx.nn.generate import generate
 from computectx.nn.moe import MoE
 from computectx.nn.params import param_dtype
-from computectx.recipes import Fp8Policy
+from computectx.recipes import Recipe
 
 CHOSEN = (3, 11)
 SETTINGS = ("f32", "f32+prefetch", "bf16", "bf16-params", "fp8-block")
@@ -68,7 +68,7 @@ def ctx_of(setting: str) -> ComputeCtx:
     if setting == "bf16-params":
         return serving.replace(master=DType.BF16)
     if setting == "fp8-block":
-        return serving.replace(fp8=Fp8Policy(granularity="block"))
+        return serving.replace(recipe=Recipe(granularity="block"))
     return serving
 
 

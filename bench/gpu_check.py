@@ -9,12 +9,12 @@ Sections, in order (each timed; a section that fails records its error and the r
 2. ``gemm``: TFLOP/s of the Triton fp8 GEMM, ``torch._scaled_mm`` (cuBLAS) and bf16 ``mm`` at
    8192³, 4096×4096×14336, 8192×8192×28672 and decode M = 1, 16;
 3. ``quantize``: delayed-scaling quantize GB/s against a plain device copy of the same tensor;
-4. ``linear``: ``Fp8Linear`` fwd+bwd against bf16 ``nn.Linear``, eager and compiled, at
+4. ``linear``: ``QuantizedLinear`` fwd+bwd against bf16 ``nn.Linear``, eager and compiled, at
    M×K×N = 4096×8192×16384 (delayed and dynamic scaling);
 5. ``bytelm``: ``ByteLM`` train-step time compiled, bf16 against fp8_hybrid;
 6. ``granularity_gemm`` (issue 16): TFLOP/s of bf16 ``mm``, ``torch._scaled_mm`` per-tensor
    and row-wise, and ``block_scaled_mm`` (Triton) for 1x128 x 128x128 and MX (and its cuBLAS
-   recipes where ``computectx.fp8.ops.blockwise.cublas_recipes`` finds them), at
+   recipes where ``computectx.formats.ops.blockwise.cublas_recipes`` finds them), at
    M×K×N = 4096×8192×16384 and 8192³, each with its ratio to bf16 and to row-wise
    ``_scaled_mm``, next to the anchors: TransformerEngine's H200 GEMM speedups over bf16
    (delayed 1.69x, current 1.57x, block 1.41x). The table is printed as well.
@@ -54,13 +54,13 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Backend, Fp8Linear, fp8_quantize
-from computectx.fp8.numerics.layouts import BlockGranularity
-from computectx.fp8.numerics.ledger import ledger_new, tally_new
-from computectx.fp8.ops import tensorwise as tensor_ops
-from computectx.fp8.ops.blockwise import block_scaled_mm, cublas_recipes
+from computectx.formats import Backend, QuantizedLinear, quantize_tensor
+from computectx.formats.numerics.layouts import BlockGranularity
+from computectx.formats.numerics.ledger import ledger_new, tally_new
+from computectx.formats.ops import tensorwise as tensor_ops
+from computectx.formats.ops.blockwise import block_scaled_mm, cublas_recipes
 from computectx.nn import ByteLM, LMConfig
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
+from computectx.recipes import DelayedScaling, DynamicScaling, Recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_GEMM_SHAPES = [(8192, 8192, 8192), (4096, 4096, 14336), (8192, 8192, 28672)]
@@ -116,11 +116,7 @@ def section_cuda_tests(smoke: bool) -> dict[str, Any]:
 def section_gemm(device: torch.device, smoke: bool, reps: int) -> list[dict[str, Any]]:
     timed = _timer(device)
     shapes = (SMOKE_GEMM_SHAPES + SMOKE_DECODE) if smoke else (GPU_GEMM_SHAPES + GPU_DECODE)
-    backends = (
-        [Fp8Backend.CUBLAS, Fp8Backend.REFERENCE]
-        if smoke
-        else [Fp8Backend.TRITON, Fp8Backend.CUBLAS]
-    )
+    backends = [Backend.CUBLAS, Backend.REFERENCE] if smoke else [Backend.TRITON, Backend.CUBLAS]
     rows = []
     for m, k, n in shapes:
         a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
@@ -144,7 +140,7 @@ def section_gemm(device: torch.device, smoke: bool, reps: int) -> list[dict[str,
 
 
 def section_quantize(
-    device: torch.device, smoke: bool, reps: int, backend: Fp8Backend
+    device: torch.device, smoke: bool, reps: int, backend: Backend
 ) -> list[dict[str, Any]]:
     timed = _timer(device)
     numel = 1 << (14 if smoke else 28)
@@ -179,7 +175,7 @@ def _fwd_bwd(layer: nn.Module, x: torch.Tensor) -> Callable[[], object]:
 
 
 def section_linear(
-    device: torch.device, smoke: bool, reps: int, backend: Fp8Backend, compile_backend: str
+    device: torch.device, smoke: bool, reps: int, backend: Backend, compile_backend: str
 ) -> list[dict[str, Any]]:
     timed = _timer(device)
     m, k, n = (32, 64, 96) if smoke else (4096, 8192, 16384)
@@ -195,15 +191,15 @@ def section_linear(
         t = timed(_fwd_bwd(runner, x), reps)
         rows.append({"op": "bf16 nn.Linear", "compiled": compiled, "ms": t * 1e3})
         for name, scaling in (("delayed", DelayedScaling()), ("dynamic", DynamicScaling())):
-            ctx = base.replace(fp8=Fp8Policy(scaling=scaling))
-            layer = Fp8Linear(k, n, ctx=ctx, backend=backend, device=device)
+            ctx = base.replace(recipe=Recipe(scaling=scaling))
+            layer = QuantizedLinear(k, n, ctx=ctx, backend=backend, device=device)
             r: nn.Module = layer
             if compiled:
                 torch._dynamo.reset()
                 r = torch.compile(layer, backend=compile_backend)  # type: ignore[assignment]
             t = timed(_fwd_bwd(r, x), reps)
             rows.append(
-                {"op": f"Fp8Linear {name} ({backend})", "compiled": compiled, "ms": t * 1e3}
+                {"op": f"QuantizedLinear {name} ({backend})", "compiled": compiled, "ms": t * 1e3}
             )
     return rows
 
@@ -257,8 +253,8 @@ def section_bytelm(
 def _block_operands(
     x: torch.Tensor, w: torch.Tensor, ga: BlockGranularity, gb: BlockGranularity
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    qa, sa = fp8_quantize(x, "e4m3", granularity=ga)
-    qb, sb = fp8_quantize(w, "e4m3", granularity=gb)
+    qa, sa = quantize_tensor(x, "e4m3", granularity=ga)
+    qb, sb = quantize_tensor(w, "e4m3", granularity=gb)
     return qa, sa, qb, sb
 
 
@@ -267,7 +263,7 @@ def section_granularity_gemm(device: torch.device, smoke: bool, reps: int) -> li
     timed = _timer(device)
     shapes = SMOKE_GRANULARITY_SHAPES if smoke else GPU_GRANULARITY_SHAPES
     # On the CPU smoke run the reference backend stands in for the Triton one.
-    kernel = Fp8Backend.REFERENCE if smoke else Fp8Backend.TRITON
+    kernel = Backend.REFERENCE if smoke else Backend.TRITON
     recipes = cublas_recipes(device)
     pairs: dict[str, tuple[BlockGranularity, BlockGranularity, str]] = {
         "1x128 x 128x128": ("1x128", "128x128", "1x128x128x128"),
@@ -280,8 +276,8 @@ def section_granularity_gemm(device: torch.device, smoke: bool, reps: int) -> li
         flops = 2.0 * m * n * k
         timings: dict[str, float] = {}
         timings["bf16 mm"] = timed(functools.partial(torch.matmul, x, w.t()), reps)
-        qa, sa = fp8_quantize(x, "e4m3")
-        qb, sb = fp8_quantize(w, "e4m3")
+        qa, sa = quantize_tensor(x, "e4m3")
+        qb, sb = quantize_tensor(w, "e4m3")
         timings["_scaled_mm per-tensor"] = timed(
             functools.partial(
                 torch._scaled_mm,
@@ -308,7 +304,7 @@ def section_granularity_gemm(device: torch.device, smoke: bool, reps: int) -> li
             )
             if recipes[recipe][0]:
                 timings[f"block_scaled_mm cublas {label}"] = timed(
-                    functools.partial(call, torch.bfloat16, backend=Fp8Backend.CUBLAS), reps
+                    functools.partial(call, torch.bfloat16, backend=Backend.CUBLAS), reps
                 )
         for op, t in timings.items():
             anchor = next((text for key, text in ANCHORS.items() if key in op), "")
@@ -356,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no CUDA device: run with --cpu-smoke, or on a GPU")
     device = torch.device("cpu" if smoke else "cuda")
     reps = args.reps or (2 if smoke else 20)
-    backend = Fp8Backend.REFERENCE if smoke else Fp8Backend.TRITON
+    backend = Backend.REFERENCE if smoke else Backend.TRITON
     compile_backend = "aot_eager" if smoke else "inductor"
     try:
         import triton

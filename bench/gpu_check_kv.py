@@ -35,9 +35,9 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from computectx import Fp8Format
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics.kv_quant import quantize_kv
-from computectx.fp8.ops.attention import decode_attention
+from computectx.formats import Backend
+from computectx.formats.numerics.kv_quant import quantize_kv
+from computectx.formats.ops.attention import decode_attention
 
 __all__ = ["GPU_SHAPE", "SMOKE_SHAPE", "decode_bytes", "section_kv_decode"]
 
@@ -92,7 +92,7 @@ def _context_rows(
     device: torch.device, reps: int, shape: dict[str, Any], t: int
 ) -> list[dict[str, Any]]:
     b, h, d = int(shape["batch"]), int(shape["heads"]), int(shape["head_dim"])
-    backend = Fp8Backend.REFERENCE if device.type != "cuda" else Fp8Backend.TRITON
+    backend = Backend.REFERENCE if device.type != "cuda" else Backend.TRITON
     gen = torch.Generator(device=device).manual_seed(t)
     q = torch.randn(b, h, d, device=device, generator=gen, dtype=torch.bfloat16)
     k = torch.randn(b, h, t, d, device=device, generator=gen, dtype=torch.bfloat16)

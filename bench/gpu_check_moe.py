@@ -6,7 +6,7 @@ and forward + backward (dX and dW), for:
 
 - ``bf16 F.grouped_mm``: torch's grouped GEMM, the baseline (``vs_bf16`` is its time over the
   row's, fwd+bwd: above 1 is faster than bf16);
-- ``fp8 <granularity> (<backend>)``: ``computectx.fp8.fp8_grouped_mm`` under each grouped
+- ``fp8 <granularity> (<backend>)``: ``computectx.formats.quantized_grouped_mm`` under each grouped
   recipe (tensor, row, row+gw_hp, block, mx; ``RECIPES``) on the Triton grouped kernel, and on
   ``cublas`` for the row-wise recipes (``F.scaled_grouped_mm``; the other recipes run the
   Triton kernel there too, so they are not timed twice).
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Backend, fp8_grouped_mm
+from computectx.formats import Backend, quantized_grouped_mm
 
 __all__ = [
     "ANCHORS",
@@ -59,7 +59,7 @@ RECIPES: tuple[tuple[str, str], ...] = (
     ("block", "fp8_block"),
     ("mx", "fp8_mx"),
 )
-"""Each grouped recipe's granularity and the ``--dtype`` flag whose ``ctx.fp8`` it runs."""
+"""Each grouped recipe's granularity and the ``--dtype`` flag whose ``ctx.recipe`` it runs."""
 
 CUBLAS_RECIPES = ("row", "row+gw_hp")
 """The recipes ``F.scaled_grouped_mm`` runs on the ``cublas`` backend (row-wise scales)."""
@@ -132,14 +132,12 @@ def _variants(device: torch.device) -> list[tuple[str, str, Grouped]]:
         return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
     rows: list[tuple[str, str, Grouped]] = [("bf16 F.grouped_mm", "-", bf16)]
-    backends = (
-        [Fp8Backend.REFERENCE] if device.type != "cuda" else [Fp8Backend.TRITON, Fp8Backend.CUBLAS]
-    )
+    backends = [Backend.REFERENCE] if device.type != "cuda" else [Backend.TRITON, Backend.CUBLAS]
     for granularity, flag in RECIPES:
         policy = ComputeCtx.from_flag(flag, device).fp8
         assert policy is not None
         for backend in backends:
-            if backend is Fp8Backend.CUBLAS and granularity not in CUBLAS_RECIPES:
+            if backend is Backend.CUBLAS and granularity not in CUBLAS_RECIPES:
                 continue
 
             def fp8(
@@ -147,9 +145,9 @@ def _variants(device: torch.device) -> list[tuple[str, str, Grouped]]:
                 w: torch.Tensor,
                 offs: torch.Tensor,
                 policy: Any = policy,
-                backend: Fp8Backend = backend,
+                backend: Backend = backend,
             ) -> torch.Tensor:
-                return fp8_grouped_mm(x, w, offs, policy, backend=backend)
+                return quantized_grouped_mm(x, w, offs, policy, backend=backend)
 
             rows.append((f"fp8 {granularity} ({backend})", granularity, fp8))
     return rows

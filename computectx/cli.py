@@ -35,8 +35,8 @@ def info_lines() -> list[str]:
     from computectx import capability
     from computectx.ctx import DTYPE_FLAGS, ComputeCtx
     from computectx.dtypes import DType
-    from computectx.fp8 import Fp8Backend, select_backend
-    from computectx.fp8.seam import check_backend
+    from computectx.formats import Backend, select_backend
+    from computectx.formats.seam import check_backend
 
     dev = capability.default_device()
     lines = ["versions:"]
@@ -58,9 +58,9 @@ def info_lines() -> list[str]:
     for name, probe in probes.items():
         lines.append(f"  {name:<19} {'yes' if probe.ok else 'no ':<4} {probe.reason}")
     lines.append(f"fp8 backend: {select_backend(dev)[1]}")
-    # Every backend, and whether it could be forced here (Fp8Linear(backend=...)).
+    # Every backend, and whether it could be forced here (QuantizedLinear(backend=...)).
     probe_tensor = torch.empty(0, device=dev)
-    for backend in Fp8Backend:
+    for backend in Backend:
         try:
             check_backend(backend, probe_tensor)
         except ValueError as e:
@@ -86,12 +86,12 @@ def _block_gemm_lines(dev: torch.device) -> list[str]:
     # here, probed by running each; a pair whose recipe does not run takes the fallback.
     import torch
 
-    from computectx.fp8 import Fp8Backend
-    from computectx.fp8.seam import cublas_recipes, uses_kernels
+    from computectx.formats import Backend
+    from computectx.formats.seam import cublas_recipes, uses_kernels
 
     fallback = (
         "the Triton kernel"
-        if uses_kernels(Fp8Backend.CUBLAS, torch.empty(0, device=dev))
+        if uses_kernels(Backend.CUBLAS, torch.empty(0, device=dev))
         else "the twin (reference)"
     )
     labels = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, TypedDict
+from typing import Annotated, Any, ClassVar, TypedDict, cast
 
 import torch
 from pydantic import (
@@ -30,7 +30,7 @@ from computectx.dtypes import (
 )
 from computectx.kv_policy import KvFp8, parse_kv
 from computectx.optim_state import OptimState, parse_optim_state
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.residency import Residency
 
 __all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
@@ -69,9 +69,9 @@ def _is_none_text(value: object) -> bool:
     return isinstance(value, str) and value.strip().lower() == "none"
 
 
-def _lenient_fp8(value: object) -> object:
+def _lenient_recipe(value: object) -> object:
     if isinstance(value, str):
-        return None if _is_none_text(value) else Fp8Policy.parse(value)
+        return None if _is_none_text(value) else Recipe.parse(value)
     return value
 
 
@@ -109,33 +109,33 @@ TorchDevice = Annotated[
 DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
 KvField = Annotated[DType | KvFp8, BeforeValidator(_lenient_kv)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
-Fp8Field = Annotated[Fp8Policy | None, BeforeValidator(_lenient_fp8)]
+RecipeField = Annotated[Recipe | None, BeforeValidator(_lenient_recipe)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
 OptimStateField = Annotated[OptimState, BeforeValidator(_lenient_optim_state)]
 
 
-def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[str, Fp8Policy]:
+def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[str, Recipe]:
     order = (Fp8Scheme.E4M3, Fp8Scheme.E5M2, Fp8Scheme.HYBRID)
-    return {f"fp8_{s}{suffix}": Fp8Policy(format=s, scaling=scaling) for s in order}
+    return {f"fp8_{s}{suffix}": Recipe(format=s, scaling=scaling) for s in order}
 
 
 # The flag table: each --dtype flag, its compute dtype and its fp8 policy. fp32 is parity
 # (new(F32) is the same value); the fp8 flags are BF16 activations with fp8 linears, delayed
 # scaling by default and dynamic with the _dynamic suffix.
-_FLAGS: dict[str, tuple[DType, Fp8Policy | None]] = {
+_FLAGS: dict[str, tuple[DType, Recipe | None]] = {
     "fp32": (DType.F32, None),
     "fp16": (DType.F16, None),
     "bf16": (DType.BF16, None),
     **{k: (DType.BF16, p) for k, p in _fp8_flags("", DelayedScaling()).items()},
     **{k: (DType.BF16, p) for k, p in _fp8_flags("_dynamic", DynamicScaling()).items()},
     # Row-wise (torchao's ROWWISE and ROWWISE_WITH_GW_HP): E4M3 both ways, dynamic.
-    "fp8_rowwise": (DType.BF16, Fp8Policy(granularity="row")),
-    "fp8_rowwise_gw_hp": (DType.BF16, Fp8Policy(granularity="row", gw_hp=True)),
+    "fp8_rowwise": (DType.BF16, Recipe(granularity="row")),
+    "fp8_rowwise_gw_hp": (DType.BF16, Recipe(granularity="row", gw_hp=True)),
     # Blocks (DeepSeek-V3's recipe: float32 block scales, not TransformerEngine's default
     # power-of-two ones, "e4m3/block+pow2/dynamic/0") and MXFP8 (TransformerEngine's
     # MXFP8BlockScaling): E4M3 both ways, dynamic.
-    "fp8_block": (DType.BF16, Fp8Policy(granularity="block")),
-    "fp8_mx": (DType.BF16, Fp8Policy(granularity="mx")),
+    "fp8_block": (DType.BF16, Recipe(granularity="block")),
+    "fp8_mx": (DType.BF16, Recipe(granularity="mx")),
 }
 
 DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
@@ -159,7 +159,8 @@ class CtxChanges(TypedDict, total=False):
     accum: DType
     residency: Residency
     device: torch.device
-    fp8: Fp8Policy | None
+    recipe: Recipe | None
+    fp8: Recipe | None  # the 0.1.0 name of recipe
     grad: DType
     master: DType
     offload: torch.device | None
@@ -188,8 +189,10 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     """Where weights live: ``device``, ``mmap``, or ``auto`` (device when the model fits)."""
     device: TorchDevice
     """Device the model computes on."""
-    fp8: Fp8Field = None
-    """fp8 linear policy; ``None`` means no fp8 anywhere."""
+    recipe: RecipeField = None
+    """The low-precision recipe of the linears and grouped GEMMs (a ``Recipe``: format,
+    scaling, granularity); ``None`` means every GEMM runs at ``compute``. The text and JSON
+    forms of 0.1.0 named it ``fp8``, which still reads."""
     grad: DTypeField = DType.F32
     """Dtype gradients are accumulated in across micro-batches."""
     master: DTypeField = DType.F32
@@ -203,7 +206,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     float32."""
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
-    _NULLABLE: ClassVar[frozenset[str]] = frozenset({"fp8", "offload"})
+    _NULLABLE: ClassVar[frozenset[str]] = frozenset({"recipe", "offload"})
+    # The 0.1.0 names of fields, read as the field they became.
+    _OLD_KEYS: ClassVar[dict[str, str]] = {"fp8": "recipe"}
 
     @classmethod
     def model_validate(cls, obj: Any, **kwargs: Any) -> Self:
@@ -229,6 +234,8 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         # factories: pydantic skips a factory that reads validated data as soon as any
         # earlier field failed, and reports one more error for it. Placeholders stand in
         # when compute itself is missing or bad, so its error is the only one.
+        if isinstance(data, dict):
+            data = cls._new_keys(data)
         if isinstance(data, dict) and not ("kv" in data and "accum" in data):
             try:
                 compute = DType.parse(data["compute"])
@@ -238,6 +245,23 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                 defaults = {"kv": compute, "accum": promote(compute, DType.F32)}
             data = {**defaults, **data}
         return data
+
+    @classmethod
+    def _new_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
+        # An old key (fp8=) reads as the field it became; both at once is a repeated key.
+        for old, new in cls._OLD_KEYS.items():
+            if old in data:
+                if new in data:
+                    raise ValueError(
+                        f"ComputeCtx got both {old!r} and {new!r}: {old} is the old name of {new}"
+                    )
+                data = {(new if k == old else k): v for k, v in data.items()}
+        return data
+
+    @property
+    def fp8(self) -> Recipe | None:
+        """The old name of ``recipe`` (0.1.0); it goes in 0.3.0."""
+        return self.recipe
 
     @model_validator(mode="after")
     def _accum_not_below_compute(self) -> Self:
@@ -286,9 +310,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         and E5M2 for gradients. They scale with ``DelayedScaling()``; the same flags with a
         ``_dynamic`` suffix (``fp8_hybrid_dynamic``) scale with ``DynamicScaling()``.
         ``fp8_rowwise`` and ``fp8_rowwise_gw_hp`` scale every row of every operand
-        (``Fp8Policy(granularity="row")``, with ``gw_hp=True`` for the second);
+        (``Recipe(granularity="row")``, with ``gw_hp=True`` for the second);
         ``fp8_block`` and ``fp8_mx`` scale 1x128/128x128 and 1x32 blocks
-        (``Fp8Policy(granularity="block")``, ``Fp8Policy(granularity="mx")``).
+        (``Recipe(granularity="block")``, ``Recipe(granularity="mx")``).
         """
         key = name.strip().lower() if isinstance(name, str) else name
         found = _FLAGS.get(key) if isinstance(key, str) else None
@@ -298,13 +322,14 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                 f"{', '.join(repr(f) for f in DTYPE_FLAGS)}"
             )
         compute, policy = found
-        return cls(compute=compute, device=parse_device(device), fp8=policy)
+        return cls(compute=compute, device=parse_device(device), recipe=policy)
 
     # ----- validated copies ---------------------------------------------------------------
 
     def replace(self, **changes: Unpack[CtxChanges]) -> ComputeCtx:
         """A new context with ``changes`` applied and validated; ``self`` never changes."""
         fields = type(self).model_fields
+        changes = cast(CtxChanges, self._new_keys(dict(changes)))
         unknown = [k for k in changes if k not in fields]
         if unknown:
             raise ValueError(
@@ -388,7 +413,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     def __str__(self) -> str:
         """The policy string, e.g. ``compute=bf16,kv=f32,accum=f32,residency=auto,device=cpu``.
 
-        ``fp8``, ``grad``, ``master``, ``offload`` and ``optim_state`` appear only when they
+        ``recipe``, ``grad``, ``master``, ``offload`` and ``optim_state`` appear only when they
         differ from their defaults (``...,optim_state=int4/block=64``); ``ComputeCtx.parse``
         reads the string back to an equal value.
         """
@@ -415,6 +440,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         for item in text.split(","):
             key, sep, value = item.partition("=")
             key, value = key.strip().lower(), value.strip()
+            key = cls._OLD_KEYS.get(key, key)
             if not sep or not key:
                 raise ValueError(
                     f"bad policy item {item.strip()!r} in {text!r}: expected key=value with "

@@ -294,7 +294,7 @@ def outside_lattice_message(dt: object) -> str:
         return (
             f"{dt} is an fp8 storage format, not a compute dtype: an fp8 tensor means nothing "
             f"without its scale. Dequantize it through its scale first "
-            f"(computectx.fp8.fp8_dequantize(data, scale, dtype)); compute dtypes are "
+            f"(computectx.formats.dequantize_tensor(data, scale, dtype)); compute dtypes are "
             f"{', '.join(str(d) for d in DType)}"
         )
     return (

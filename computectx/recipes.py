@@ -1,9 +1,9 @@
 """The fp8 recipe: which formats, which granularity, which scaling recipe. Pure data in the
 core layer.
 
-``ComputeCtx.fp8`` holds an ``Fp8Policy``; everything in ``computectx.fp8`` reads it. The
+``ComputeCtx.recipe`` holds a ``Recipe``; everything in ``computectx.formats`` reads it. The
 recipe lives here, beside ``dtypes``, and not in the fp8 package, so that the core never
-imports the layer that consumes it (``computectx.fp8.policy`` re-exports these names).
+imports the layer that consumes it (``computectx.formats.policy`` re-exports these names).
 
 Scale convention (one formula for every recipe, every kernel and the reference twin):
 
@@ -40,9 +40,9 @@ __all__ = [
     "POLICY_GRANULARITIES",
     "DelayedScaling",
     "DynamicScaling",
-    "Fp8Policy",
     "Fp8Scheme",
     "PolicyGranularity",
+    "Recipe",
     "Scaling",
     "parse_scaling",
 ]
@@ -170,7 +170,7 @@ class DynamicScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     """Discriminator for serialization; always ``"dynamic"``."""
     margin: _Integer = Field(default=0, ge=0, le=16)
     """Headroom exponent: the scale leaves ``2**margin`` above the observed amax (per tensor:
-    an ``Fp8Policy`` of granularity ``row``, ``block`` or ``mx`` refuses a nonzero one)."""
+    a ``Recipe`` of granularity ``row``, ``block`` or ``mx`` refuses a nonzero one)."""
 
     def __str__(self) -> str:
         """The text form ``dynamic/MARGIN``, which ``parse_scaling`` reads."""
@@ -264,7 +264,7 @@ def parse_scaling(text: str) -> DelayedScaling | DynamicScaling:
 
 
 def _scaling_tag(value: Any) -> str | None:
-    # A dict without `kind` is the default recipe, delayed (as for Fp8Policy() and the
+    # A dict without `kind` is the default recipe, delayed (as for Recipe() and the
     # text form "hybrid"); the tag is case-insensitive like every name.
     if isinstance(value, dict):
         tag = _lower(value.get("kind", "delayed"))
@@ -317,7 +317,7 @@ def _granularity_fields(part: str, text: str) -> dict[str, object]:
     return fields
 
 
-class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+class Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """How fp8 linears quantize: the format scheme, the granularity and the scaling recipe.
 
     Text form (used inside a ``ComputeCtx`` policy string): ``hybrid/delayed/16/0/max``
@@ -327,7 +327,7 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
     ``e4m3/mx+floor/dynamic/0`` (options: ``gw_hp``, ``pow2``, ``no_pow2``, ``rceil``,
     ``floor``; ``str`` writes those that differ from the granularity's defaults). Every name
     is case-insensitive; ``scaling`` also reads its own text form
-    (``Fp8Policy(scaling="dynamic")``) and a dict without ``kind`` (the granularity's recipe).
+    (``Recipe(scaling="dynamic")``) and a dict without ``kind`` (the granularity's recipe).
     Booleans and integers are strict (no ``"yes"``, ``1`` or ``"16"``); a ``None`` option is
     the granularity's default.
 
@@ -455,12 +455,12 @@ class Fp8Policy(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
         return f"{self.format}/{self._granularity_text()}/{self.scaling}"
 
     @classmethod
-    def parse(cls, text: str) -> Fp8Policy:
+    def parse(cls, text: str) -> Recipe:
         """Read the text form ``str(policy)`` writes; trailing fields may be omitted and
         take their defaults (``"hybrid"``, ``"e4m3/dynamic"``, ``"e4m3/row"``), and so may the
         scheme before a granularity (``"row+gw_hp"``); names are case-insensitive."""
         if not isinstance(text, str):
-            raise TypeError(f"Fp8Policy.parse takes a str, got {type(text).__name__}")
+            raise TypeError(f"Recipe.parse takes a str, got {type(text).__name__}")
         parts = [p.strip() for p in text.strip().split("/")]
         fields: dict[str, object] = {}
         if _granularity_name(parts[0]) in POLICY_GRANULARITIES:

@@ -42,8 +42,8 @@ API_MD = ROOT / "docs" / "api.md"
 INTRO = """\
 # API reference
 
-Every public name of `computectx`, `computectx.fp8`, `computectx.memory`,
-`computectx.distributed` and `computectx.nn`, of `computectx.fp8.seam` (what packages built
+Every public name of `computectx`, `computectx.formats`, `computectx.memory`,
+`computectx.distributed` and `computectx.nn`, of `computectx.formats.seam` (what packages built
 on fp8 use), and of the modules a user calls directly (the fine-grained linear, the
 block-scaled GEMM, the grouped GEMM and its experts converters, expert parallelism, the KV
 quantizer, decode attention, the FSDP2 fp8 all-gather, the transformers cache): its
@@ -103,28 +103,28 @@ SECTIONS: tuple[Section, ...] = (
         ),
     ),
     Section(
-        "computectx.fp8",
+        "computectx.formats",
         "fp8",
         full_reference=(
-            "computectx.fp8.linear.module",
-            "computectx.fp8.convert",
-            "computectx.fp8.linear.autocast",
-            "computectx.fp8.scaling.layer",
-            "computectx.fp8.numerics.ledger",
-            "computectx.fp8.stats",
-            "computectx.fp8.backend",
-            "computectx.fp8.ops.blockwise",
+            "computectx.formats.linear.module",
+            "computectx.formats.convert",
+            "computectx.formats.linear.autocast",
+            "computectx.formats.scaling.layer",
+            "computectx.formats.numerics.ledger",
+            "computectx.formats.stats",
+            "computectx.formats.backend",
+            "computectx.formats.ops.blockwise",
             "computectx.recipes",
         ),
     ),
     Section("computectx.memory", "Memory"),
     Section("computectx.distributed", "Distributed"),
     Section("computectx.nn", "Model blocks"),
-    Section("computectx.fp8.seam", "What packages built on fp8 use"),
-    Section("computectx.fp8.linear.blockwise", "The fine-grained fp8 linear"),
-    Section("computectx.fp8.ops.tensorwise", "The tensor-wise fp8 operators"),
-    Section("computectx.fp8.ops.grouped", "The grouped fp8 GEMM (mixture of experts)"),
-    Section("computectx.fp8.convert_experts", "Converting grouped experts"),
+    Section("computectx.formats.seam", "What packages built on fp8 use"),
+    Section("computectx.formats.linear.blockwise", "The fine-grained fp8 linear"),
+    Section("computectx.formats.ops.tensorwise", "The tensor-wise fp8 operators"),
+    Section("computectx.formats.ops.grouped", "The grouped fp8 GEMM (mixture of experts)"),
+    Section("computectx.formats.convert_experts", "Converting grouped experts"),
     # `import computectx.distributed.expert_parallel as ep` gives the function the package
     # exports under that name: its public names are exported from computectx.distributed
     # (documented there); the rest are reached with `from ... import`.
@@ -135,17 +135,20 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section("computectx.integrations.transformers_moe", "transformers MoE experts in fp8"),
     Section("computectx.integrations.torchtitan_moe", "torchtitan MoE experts in fp8"),
-    Section("computectx.fp8.numerics.kv_quant", "The fp8 KV cache's quantizer"),
-    Section("computectx.fp8.ops.attention", "Decode attention over an fp8 KV cache"),
+    Section("computectx.formats.numerics.kv_quant", "The fp8 KV cache's quantizer"),
+    Section("computectx.formats.ops.attention", "Decode attention over an fp8 KV cache"),
     Section("computectx.distributed.fp8_all_gather", "FSDP2 fp8 all-gather"),
     Section("computectx.integrations.transformers_cache", "The transformers cache"),
-    Section("computectx.fp8.numerics.layouts", "The granularity vocabulary and block layouts"),
-    Section("computectx.fp8.numerics.blockwise", "Fine-grained quantize layouts and the block GEMM's twin"),
+    Section("computectx.formats.numerics.layouts", "The granularity vocabulary and block layouts"),
+    Section(
+        "computectx.formats.numerics.blockwise",
+        "Fine-grained quantize layouts and the block GEMM's twin",
+    ),
     Section("computectx.kernels.cublas", "The cuBLAS recipes"),
     Section(
-        "computectx.fp8.policy",
+        "computectx.formats.policy",
         "The fp8 entry points' ctx check",
-        skip_names_of=("computectx.fp8", "computectx.recipes"),
+        skip_names_of=("computectx.formats", "computectx.recipes"),
     ),
     # computectx.recipes renders in full under the fp8 section; here only what that
     # section does not list.
@@ -153,7 +156,7 @@ SECTIONS: tuple[Section, ...] = (
         "computectx.recipes",
         "Policy granularities",
         full_reference=(),
-        skip_names_of=("computectx.fp8",),
+        skip_names_of=("computectx.formats",),
     ),
 )
 

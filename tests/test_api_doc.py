@@ -36,9 +36,12 @@ def test_api_md_is_what_the_generator_writes(rendered: str) -> None:
 
 
 def test_the_page_holds_a_known_signature(rendered: str) -> None:
-    assert "### `convert_to_fp8`\n\n`convert_to_fp8(model: nn.Module, ctx: ComputeCtx, " in rendered
+    assert (
+        "### `convert_to_quantized`\n\n`convert_to_quantized(model: nn.Module, ctx: ComputeCtx, "
+        in rendered
+    )
     assert "min_features: int | None = None" in rendered
-    assert "## What packages built on fp8 use: `computectx.fp8.seam`" in rendered
+    assert "## What packages built on fp8 use: `computectx.formats.seam`" in rendered
     assert " at 0x" not in rendered
 
 

@@ -60,12 +60,14 @@ def test_the_counter_counts_modules_and_returns() -> None:
 
 
 def fp8_linear_call(flag: str) -> Callable[[], Any]:
-    from computectx.fp8 import convert_to_fp8
+    from computectx.formats import convert_to_quantized
 
     ctx = ComputeCtx.from_flag(flag, "cpu")
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
     model = model.to(ctx.compute.torch)
-    convert_to_fp8(model, ctx, min_features=16)  # the last linear is the head and stays as it is
+    convert_to_quantized(
+        model, ctx, min_features=16
+    )  # the last linear is the head and stays as it is
     x = torch.randn(32, 256, dtype=ctx.compute.torch)
     model[0](x)  # warm-up
     return lambda: model[0](x)

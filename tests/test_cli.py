@@ -24,7 +24,7 @@ def test_info_reports_versions_probes_and_presets(capsys: pytest.CaptureFixture[
     ratio = capability.native_half_gemm(torch.bfloat16).measured
     assert ratio is not None and f"takes {ratio:.1f}x the float32 time" in out
     assert str(ComputeCtx.serving("cpu" if not torch.cuda.is_available() else "cuda")) in out
-    assert "fp8=hybrid/delayed/16/0/max" in out
+    assert "recipe=hybrid/delayed/16/0/max" in out
     if not torch.cuda.is_available():
         assert "fp8 backend: reference: no CUDA device" in out
         # Every backend, and whether it can be forced on this device.

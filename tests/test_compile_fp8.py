@@ -20,10 +20,10 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.demo.settings import POLICY_FLAGS
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_autocast, fp8_stats
-from computectx.fp8.numerics.ledger import ledger_new, tally_new
+from computectx.formats import QuantizedLinear, autocast, convert_to_quantized, scaling_stats
+from computectx.formats.numerics.ledger import ledger_new, tally_new
 from computectx.nn import ByteLM, LMConfig
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Policy
+from computectx.recipes import DelayedScaling, DynamicScaling, Recipe
 
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 SCALINGS = [DelayedScaling(history_len=4), DynamicScaling()]
@@ -47,13 +47,13 @@ def _fresh_dynamo() -> Iterator[None]:
 
 
 def ctx_with(scaling: DelayedScaling | DynamicScaling) -> ComputeCtx:
-    return ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(fp8=Fp8Policy(scaling=scaling))
+    return ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(recipe=Recipe(scaling=scaling))
 
 
 def mlp(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16))
-    report = convert_to_fp8(m, ctx, min_features=16, include_head=True)
+    report = convert_to_quantized(m, ctx, min_features=16, include_head=True)
     assert len(report.converted) == 3
     return m
 
@@ -61,7 +61,7 @@ def mlp(ctx: ComputeCtx) -> nn.Sequential:
 def states(m: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, mod in m.named_modules():
-        if isinstance(mod, Fp8Linear):
+        if isinstance(mod, QuantizedLinear):
             for role, op in mod.scaling.operands.items():
                 out[f"{name}.{role}.ledger"] = op.ledger.clone()
                 out[f"{name}.{role}.tally"] = op.tally.clone()
@@ -142,19 +142,19 @@ def test_the_quantize_operators_declare_the_ledgers_they_mutate() -> None:
 
 
 def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
-    from computectx.fp8.backend import Fp8Backend, select_backend
-    from computectx.fp8.numerics import tensorwise
-    from computectx.fp8.ops import tensorwise as tensor_ops
+    from computectx.formats.backend import Backend, select_backend
+    from computectx.formats.numerics import tensorwise
+    from computectx.formats.ops import tensorwise as tensor_ops
 
-    assert select_backend("cpu", force="cublas")[0] is Fp8Backend.CUBLAS
+    assert select_backend("cpu", force="cublas")[0] is Backend.CUBLAS
     torch.manual_seed(1)
     a = torch.randn(24, 48).to(torch.float8_e4m3fn)
     b = torch.randn(32, 48).to(torch.float8_e5m2)
     sa, sb = torch.full((1,), 0.125), torch.full((1,), 3.0)
     for bias, out in ((None, torch.bfloat16), (torch.randn(32), torch.float32)):
         for bb in (b, b.t().contiguous().t()):  # row-major and a transposed view
-            got = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.CUBLAS)
-            want = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Fp8Backend.REFERENCE)
+            got = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Backend.CUBLAS)
+            want = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Backend.REFERENCE)
             bound = tensorwise.scaled_mm_error_bound(a, bb, sa, sb, bias, out)
             # Both are within the bound of the exact result, so within twice it of each other.
             assert ((got.double() - want.double()).abs() <= 2 * bound).all()
@@ -190,7 +190,7 @@ def test_converted_model_compiles_whole_and_matches_eager_state_for_state(
         for key in se:
             assert torch.equal(se[key], sc[key]), (batch, key)
     assert counter.frame_count <= 3, counter.frame_count  # not one graph per batch size
-    stats = fp8_stats(compiled_model)["0"]
+    stats = scaling_stats(compiled_model)["0"]
     assert stats.input.elements == sum(sizes) * 32
     assert stats.grad.elements == sum(sizes) * 64
 
@@ -211,27 +211,29 @@ def test_bytelm_loss_compiles_without_graph_breaks_under_every_dtype_flag(flag: 
     explanation = torch._dynamo.explain(model.loss)(ids, ids)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    if ctx.fp8 is not None:
-        assert model.fp8_layers()  # the fp8 flags do put Fp8Linear layers in the graph
+    if ctx.recipe is not None:
+        assert model.fp8_layers()  # the fp8 flags do put QuantizedLinear layers in the graph
 
 
 FINE_FLAGS = ("fp8_rowwise", "fp8_rowwise_gw_hp", "fp8_block", "fp8_mx")
 
 
-def _fine_layers(flag: str) -> tuple[Fp8Linear, Fp8Linear]:
+def _fine_layers(flag: str) -> tuple[QuantizedLinear, QuantizedLinear]:
     # A --dtype flag, or a policy's text form.
     if "/" in flag:
-        ctx = ComputeCtx.from_flag("bf16", "cpu").replace(fp8=Fp8Policy.parse(flag))
+        ctx = ComputeCtx.from_flag("bf16", "cpu").replace(recipe=Recipe.parse(flag))
     else:
         ctx = ComputeCtx.from_flag(flag, "cpu")
     torch.manual_seed(0)
-    eager = Fp8Linear(64, 32, ctx=ctx, dtype=torch.float32)
-    twin = Fp8Linear(64, 32, ctx=ctx, dtype=torch.float32)
+    eager = QuantizedLinear(64, 32, ctx=ctx, dtype=torch.float32)
+    twin = QuantizedLinear(64, 32, ctx=ctx, dtype=torch.float32)
     twin.load_state_dict(eager.state_dict())
     return eager, twin
 
 
-def _step_both(eager: Fp8Linear, twin: Fp8Linear, compiled: Callable[..., Any], batch: int) -> None:
+def _step_both(
+    eager: QuantizedLinear, twin: QuantizedLinear, compiled: Callable[..., Any], batch: int
+) -> None:
     """One forward and backward of each; outputs, gradients and states equal bit for bit."""
     x = torch.randn(batch, 64) * torch.logspace(-2, 2, 64)
     xe, xc = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -272,7 +274,7 @@ def test_the_saturated_count_under_mx_floor_compiles_equal_to_eager() -> None:
     compiled = torch.compile(twin, fullgraph=True, backend="aot_eager")  # a break would raise
     for batch in (8, 40):
         _step_both(eager, twin, compiled, batch)
-    stats = fp8_stats(nn.Sequential(twin))["0"]
+    stats = scaling_stats(nn.Sequential(twin))["0"]
     assert stats.input.saturated_fraction > 0 and stats.grad.saturated_fraction > 0
 
 
@@ -300,8 +302,8 @@ def test_opcheck_passes_for_the_block_quantize_and_wgrad_operators() -> None:
 def test_inductor_compiles_fp8_linear_forward_and_backward_within_the_fp8_bound() -> None:
     ctx = ctx_with(DelayedScaling(history_len=4))
     torch.manual_seed(0)
-    eager = Fp8Linear(32, 48, ctx=ctx)
-    compiled_layer = Fp8Linear(32, 48, ctx=ctx)
+    eager = QuantizedLinear(32, 48, ctx=ctx)
+    compiled_layer = QuantizedLinear(32, 48, ctx=ctx)
     compiled_layer.load_state_dict(eager.state_dict())
     compiled = torch.compile(compiled_layer, fullgraph=True)  # Inductor
     for batch in (8, 16):
@@ -340,7 +342,7 @@ def test_inline_quantize_compiles_whole_to_plain_ops_and_advances_state_as_eager
     eager = mlp(ctx)  # the operators, eager: the specification
     inline_model = mlp(ctx)
     for layer in inline_model.modules():
-        if isinstance(layer, Fp8Linear):
+        if isinstance(layer, QuantizedLinear):
             layer.quantize = "inline"
     recorder = torch._dynamo.testing.AotEagerAndRecordGraphs()
     compiled = torch.compile(inline_model, fullgraph=True, backend=recorder)  # 0 breaks
@@ -381,8 +383,8 @@ def test_inductor_fuses_the_inline_quantize_with_the_same_bytes_as_the_operators
 
     ctx = ctx_with(DelayedScaling(history_len=4))
     torch.manual_seed(0)
-    eager = Fp8Linear(32, 16, ctx=ctx)
-    layer = Fp8Linear(32, 16, ctx=ctx, quantize="inline")
+    eager = QuantizedLinear(32, 16, ctx=ctx)
+    layer = QuantizedLinear(32, 16, ctx=ctx, quantize="inline")
     layer.load_state_dict(eager.state_dict())
 
     def step(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -412,31 +414,31 @@ def test_a_plain_linear_compiled_inside_a_region_refuses_with_what_to_do() -> No
     torch.manual_seed(0)
     plain = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
     compiled = torch.compile(plain, fullgraph=True, backend="aot_eager")
-    with fp8_autocast(ctx), pytest.raises(Exception, match="convert_to_fp8") as info:
+    with autocast(ctx), pytest.raises(Exception, match="convert_to_quantized") as info:
         compiled(torch.randn(4, 32))
-    assert "fp8_autocast" in str(info.value)
+    assert "autocast" in str(info.value)
     # Eager inside the region routes to fp8 as before (the ledger records the call).
-    with fp8_autocast(ctx):
+    with autocast(ctx):
         plain(torch.randn(4, 32))
-    assert fp8_stats(plain)["0"].input.elements == 4 * 32
+    assert scaling_stats(plain)["0"].input.elements == 4 * 32
 
 
 def test_fp8_linear_compiled_inside_regions_runs_as_eager_or_refuses() -> None:
     ctx = ctx_with(DelayedScaling())
     torch.manual_seed(0)
-    layer = Fp8Linear(32, 16, ctx=ctx)
-    twin = Fp8Linear(32, 16, ctx=ctx)
+    layer = QuantizedLinear(32, 16, ctx=ctx)
+    twin = QuantizedLinear(32, 16, ctx=ctx)
     twin.load_state_dict(layer.state_dict())
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     x = torch.randn(4, 32)
-    # An enabled region does not change an Fp8Linear: compiled inside it equals eager.
-    with fp8_autocast(ctx):
+    # An enabled region does not change a QuantizedLinear: compiled inside it equals eager.
+    with autocast(ctx):
         assert torch.equal(compiled(x), twin(x))
     # A disabled region would run it in high precision in eager; compiled code cannot see
     # the region, so it refuses rather than run fp8 where eager would not.
-    with fp8_autocast(enabled=False), pytest.raises(Exception, match="Fp8Linear"):
+    with autocast(enabled=False), pytest.raises(Exception, match="QuantizedLinear"):
         compiled(x)
-    with fp8_autocast(enabled=False):
+    with autocast(enabled=False):
         plain = twin(x)  # eager: high precision
     assert torch.equal(plain, nn.functional.linear(x, twin.weight, twin.bias))
     assert torch.equal(compiled(x), twin(x))  # outside every region again: fp8, recompiled
@@ -445,9 +447,9 @@ def test_fp8_linear_compiled_inside_regions_runs_as_eager_or_refuses() -> None:
 # ----- bad input and non-finite input --------------------------------------------------------
 
 
-def _compiled_layer() -> tuple[Fp8Linear, Callable[..., torch.Tensor]]:
+def _compiled_layer() -> tuple[QuantizedLinear, Callable[..., torch.Tensor]]:
     torch.manual_seed(0)
-    layer = Fp8Linear(32, 16, ctx=ctx_with(DelayedScaling()))
+    layer = QuantizedLinear(32, 16, ctx=ctx_with(DelayedScaling()))
     return layer, torch.compile(layer, backend="aot_eager")
 
 
@@ -479,12 +481,12 @@ def test_bad_input_raises_the_eager_error_under_compile(
 
 
 def test_bad_operator_arguments_raise_the_eager_error_under_compile() -> None:
-    from computectx.fp8.backend import Fp8Backend
-    from computectx.fp8.ops.tensorwise import scaled_mm
+    from computectx.formats.backend import Backend
+    from computectx.formats.ops.tensorwise import scaled_mm
 
     def gemm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         s = torch.ones(1)
-        return scaled_mm(a, b, s, s, None, torch.bfloat16, backend=Fp8Backend.REFERENCE)
+        return scaled_mm(a, b, s, s, None, torch.bfloat16, backend=Backend.REFERENCE)
 
     a = torch.ones(4, 32).to(torch.float8_e4m3fn)
     compiled = torch.compile(gemm, backend="aot_eager")
@@ -511,6 +513,6 @@ def test_a_nan_input_in_a_compiled_step_is_counted_and_skipped_as_in_eager() -> 
         se, sc = states(eager), states(compiled_model)
         for key in se:
             assert torch.equal(se[key], sc[key]), (step, key)
-    stats = fp8_stats(compiled_model)["0"].input
+    stats = scaling_stats(compiled_model)["0"].input
     assert stats.nonfinite_count == 1  # counted once; the history skipped that amax
     assert math.isfinite(stats.step) and math.isfinite(stats.window_amax)

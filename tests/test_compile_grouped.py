@@ -3,7 +3,7 @@
 ``computectx::fp8_grouped_mm`` and ``computectx::fp8_grouped_wgrad`` pass
 ``torch.library.opcheck`` on the reference backend, every check included (no fp8 tensor
 crosses their boundary, so torch's schema check runs too), on ragged groups with an empty
-one and rows past the last group. A function calling ``fp8_grouped_mm`` compiles whole
+one and rows past the last group. A function calling ``quantized_grouped_mm`` compiles whole
 (``fullgraph=True``, so a graph break would raise), forward and backward, with the eager
 results bit for bit, and does not recompile when the group sizes change with M fixed: the
 group sizes are the values of ``offs``, data that no guard reads. M changing is one
@@ -27,7 +27,7 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from computectx.fp8 import Fp8Policy, fp8_grouped_mm
+from computectx.formats import Recipe, quantized_grouped_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E, K, N = 4, 64, 48
@@ -87,10 +87,10 @@ def test_the_grouped_operators_mutate_nothing() -> None:
 
 
 def grouped(
-    policy: Fp8Policy,
+    policy: Recipe,
 ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     def f(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        return fp8_grouped_mm(x, w, offs, policy, backend="reference") * 2
+        return quantized_grouped_mm(x, w, offs, policy, backend="reference") * 2
 
     return f
 
@@ -127,7 +127,7 @@ GROUP_SIZES = [
 
 @pytest.mark.parametrize("text", ["e4m3/block/dynamic/0", "hybrid/row+gw_hp/dynamic/0"])
 def test_compiles_whole_equals_eager_and_does_not_recompile_as_the_groups_change(text: str) -> None:
-    policy = Fp8Policy.parse(text)
+    policy = Recipe.parse(text)
     f = grouped(policy)
     counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(f, fullgraph=True, backend=counter)  # a break would raise
@@ -143,7 +143,7 @@ def test_compiles_whole_equals_eager_and_does_not_recompile_as_the_groups_change
 
 
 def test_m_changing_is_one_recompile_by_default_and_none_with_dynamic_shapes() -> None:
-    f = grouped(Fp8Policy.parse("e4m3/mx/dynamic/0"))
+    f = grouped(Recipe.parse("e4m3/mx/dynamic/0"))
     gen = torch.Generator().manual_seed(2)
     w = (torch.randn(E, N, K, generator=gen) / 8).bfloat16()
     for dynamic, frames in ((None, 2), (True, 1)):
@@ -165,7 +165,7 @@ def test_m_changing_is_one_recompile_by_default_and_none_with_dynamic_shapes() -
 
 def test_bad_offs_raise_from_a_compiled_call() -> None:
     compiled = torch.compile(
-        grouped(Fp8Policy.parse("e4m3/row/dynamic/0")), fullgraph=True, backend="aot_eager"
+        grouped(Recipe.parse("e4m3/row/dynamic/0")), fullgraph=True, backend="aot_eager"
     )
     x, w = torch.randn(16, K), torch.randn(E, N, K)
     assert compiled(x, w, offsets([4, 4, 4, 4])).shape == (16, N)
@@ -176,7 +176,7 @@ def test_bad_offs_raise_from_a_compiled_call() -> None:
 
 
 def test_inductor_compiles_forward_and_backward_bit_for_bit() -> None:
-    f = grouped(Fp8Policy.parse("e4m3/block/dynamic/0"))
+    f = grouped(Recipe.parse("e4m3/block/dynamic/0"))
     compiled = torch.compile(f, fullgraph=True)
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(E, N, K, generator=gen) / 8).bfloat16()

@@ -19,7 +19,7 @@ from computectx import (
     Residency,
 )
 from computectx.ctx import DTYPE_FLAGS
-from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
+from computectx.formats import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.recipes import parse_scaling
 
 CPU = torch.device("cpu")
@@ -189,13 +189,13 @@ def test_text_form_is_compact_and_round_trips() -> None:
     assert str(s) == "compute=bf16,kv=f32,accum=f32,residency=auto,device=cpu"
     assert ComputeCtx.parse(str(s)) == s
     rich = s.replace(
-        fp8=Fp8Policy(format=Fp8Scheme.E5M2, scaling=DynamicScaling(margin=2)),
+        recipe=Recipe(format=Fp8Scheme.E5M2, scaling=DynamicScaling(margin=2)),
         grad=DType.BF16,
         offload=torch.device("cpu"),
         device=torch.device("cuda:1"),
     )
     text = str(rich)
-    assert "fp8=e5m2/dynamic/2" in text and "grad=bf16" in text and "offload=cpu" in text
+    assert "recipe=e5m2/dynamic/2" in text and "grad=bf16" in text and "offload=cpu" in text
     assert "master" not in text and "optim_state" not in text  # equal to their defaults
     assert ComputeCtx.parse(text) == rich
     assert ComputeCtx.parse(" compute = bf16 , device = cpu ") == ComputeCtx.new(DType.BF16, "cpu")
@@ -226,7 +226,7 @@ def test_json_round_trip_and_schema() -> None:
     text = ctx.model_dump_json()
     data = json.loads(text)
     assert data["device"] == "cuda:0" and data["offload"] == "cpu"
-    assert data["fp8"]["scaling"]["kind"] == "delayed"
+    assert data["recipe"]["scaling"]["kind"] == "delayed"
     assert ComputeCtx.model_validate_json(text) == ctx
     schema = ComputeCtx.model_json_schema()
     assert set(schema["required"]) == {"compute", "device"}
@@ -320,9 +320,9 @@ def test_dynamic_flags_sit_beside_the_delayed_ones() -> None:
     for scheme in Fp8Scheme:
         delayed = ComputeCtx.from_flag(f"fp8_{scheme}", "cpu")
         dynamic = ComputeCtx.from_flag(f"fp8_{scheme}_dynamic", "cpu")
-        assert delayed.fp8 == Fp8Policy(format=scheme, scaling=DelayedScaling())
-        assert dynamic.fp8 == Fp8Policy(format=scheme, scaling=DynamicScaling())
-        assert dynamic == delayed.replace(fp8=dynamic.fp8)  # only the scaling differs
+        assert delayed.fp8 == Recipe(format=scheme, scaling=DelayedScaling())
+        assert dynamic.fp8 == Recipe(format=scheme, scaling=DynamicScaling())
+        assert dynamic == delayed.replace(recipe=dynamic.fp8)  # only the scaling differs
     with pytest.raises(ValueError, match="'fp8_hybrid', 'fp8_e4m3_dynamic', 'fp8_e5m2_dynamic'"):
         ComputeCtx.from_flag("fp8_hybrid_lazy", "cpu")
 
@@ -330,7 +330,7 @@ def test_dynamic_flags_sit_beside_the_delayed_ones() -> None:
 def test_names_are_case_insensitive_in_every_text_field() -> None:
     want = ComputeCtx.new(DType.BF16, "cpu").replace(
         residency=Residency.MMAP,
-        fp8=Fp8Policy(format=Fp8Scheme.E4M3, scaling=DelayedScaling(algo="most_recent")),
+        recipe=Recipe(format=Fp8Scheme.E4M3, scaling=DelayedScaling(algo="most_recent")),
         grad=DType.BF16,
         offload=CPU,
     )
@@ -341,50 +341,50 @@ def test_names_are_case_insensitive_in_every_text_field() -> None:
             compute="BFloat16",  # type: ignore[arg-type]
             device="CPU",  # type: ignore[arg-type]
             residency="MMAP",  # type: ignore[arg-type]
-            fp8={"format": "E4M3", "scaling": {"kind": "DELAYED", "algo": "MOST_RECENT"}},  # type: ignore[arg-type]
+            recipe={"format": "E4M3", "scaling": {"kind": "DELAYED", "algo": "MOST_RECENT"}},  # type: ignore[arg-type]
             grad="BF16",  # type: ignore[arg-type]
             offload="CPU",  # type: ignore[arg-type]
         )
         == want
     )
     assert ComputeCtx.from_flag(" FP8_Hybrid_Dynamic ", "CUDA:1").device == torch.device("cuda:1")
-    assert Fp8Policy(format="HYBRID") == Fp8Policy()  # type: ignore[arg-type]
+    assert Recipe(format="HYBRID") == Recipe()  # type: ignore[arg-type]
     assert ComputeCtx.parse("compute=bf16,device=cpu,fp8=NONE,offload=None").fp8 is None
     assert ComputeCtx(compute=DType.BF16, device=CPU, offload="NONE").offload is None  # type: ignore[arg-type]
 
 
 def test_scaling_reads_its_text_form_wherever_the_policy_does() -> None:
-    assert Fp8Policy(scaling="dynamic") == Fp8Policy(scaling=DynamicScaling())  # type: ignore[arg-type]
-    assert Fp8Policy(scaling="dynamic/3").scaling == DynamicScaling(margin=3)  # type: ignore[arg-type]
-    assert Fp8Policy(scaling="delayed").scaling == DelayedScaling()  # type: ignore[arg-type]
-    got = Fp8Policy(scaling="delayed/8/1/most_recent").scaling  # type: ignore[arg-type]
+    assert Recipe(scaling="dynamic") == Recipe(scaling=DynamicScaling())  # type: ignore[arg-type]
+    assert Recipe(scaling="dynamic/3").scaling == DynamicScaling(margin=3)  # type: ignore[arg-type]
+    assert Recipe(scaling="delayed").scaling == DelayedScaling()  # type: ignore[arg-type]
+    got = Recipe(scaling="delayed/8/1/most_recent").scaling  # type: ignore[arg-type]
     assert got == DelayedScaling(history_len=8, margin=1, algo="most_recent")
     assert parse_scaling("delayed/32") == DelayedScaling(history_len=32)
     # The recipe's text is the tail of the policy's: one spelling.
     for s in (DelayedScaling(history_len=4, margin=2), DynamicScaling(margin=5)):
         assert parse_scaling(str(s)) == s
-        assert str(Fp8Policy(format=Fp8Scheme.E5M2, scaling=s)) == f"e5m2/{s}"
+        assert str(Recipe(format=Fp8Scheme.E5M2, scaling=s)) == f"e5m2/{s}"
     ctx = ComputeCtx.model_validate_json(
         '{"compute": "bf16", "device": "cpu", "fp8": {"scaling": "dynamic/2"}}'
     )
-    assert ctx.fp8 == Fp8Policy(scaling=DynamicScaling(margin=2))
+    assert ctx.recipe == Recipe(scaling=DynamicScaling(margin=2))
     with pytest.raises(ValueError, match=r"scaling must be a DelayedScaling, .* got int 5"):
-        Fp8Policy(scaling=5)  # type: ignore[arg-type]
+        Recipe(scaling=5)  # type: ignore[arg-type]
 
 
 def test_json_kind_tags_are_optional_and_default_to_delayed() -> None:
     ctx = ComputeCtx.model_validate_json(
         '{"compute": "bf16", "device": "cpu", "fp8": {"scaling": {"margin": 1}}}'
     )
-    assert ctx.fp8 == Fp8Policy(scaling=DelayedScaling(margin=1))
-    only_history = Fp8Policy.model_validate({"scaling": {"history_len": 4}})
+    assert ctx.recipe == Recipe(scaling=DelayedScaling(margin=1))
+    only_history = Recipe.model_validate({"scaling": {"history_len": 4}})
     assert only_history.scaling == DelayedScaling(history_len=4)
-    tagged = Fp8Policy.model_validate({"scaling": {"kind": "dynamic", "margin": 2}})
+    tagged = Recipe.model_validate({"scaling": {"kind": "dynamic", "margin": 2}})
     assert tagged.scaling == DynamicScaling(margin=2)
     with pytest.raises(ValidationError, match=r"'lazy' .* expected tags: 'delayed', 'dynamic'"):
-        Fp8Policy.model_validate({"scaling": {"kind": "lazy"}})
+        Recipe.model_validate({"scaling": {"kind": "lazy"}})
     with pytest.raises(ValidationError, match="history_len"):  # a dynamic recipe has no window
-        Fp8Policy.model_validate({"scaling": {"kind": "dynamic", "history_len": 4}})
+        Recipe.model_validate({"scaling": {"kind": "dynamic", "history_len": 4}})
 
 
 @pytest.mark.parametrize(
@@ -434,7 +434,7 @@ def test_one_error_per_bad_field_naming_it(data: dict[str, object], bad: set[str
 )
 def test_bad_fp8_text_names_the_field_and_the_form(text: str, needles: list[str]) -> None:
     with pytest.raises(ValueError, match=re.escape(needles[0])) as caught:
-        Fp8Policy.parse(text)
+        Recipe.parse(text)
     for needle in needles:
         assert needle in str(caught.value), str(caught.value)
     with pytest.raises(ValueError, match=re.escape(needles[0])):
@@ -443,37 +443,37 @@ def test_bad_fp8_text_names_the_field_and_the_form(text: str, needles: list[str]
 
 def test_granularity_defaults_follow_the_anchor_recipes() -> None:
     # Per tensor nothing changed: every existing form parses and prints as before.
-    assert Fp8Policy() == Fp8Policy.parse("hybrid") == Fp8Policy(granularity="tensor")
-    assert str(Fp8Policy.parse("e4m3/dynamic")) == "e4m3/dynamic/0"
-    assert Fp8Policy().model_dump(mode="json")["granularity"] == "tensor"
+    assert Recipe() == Recipe.parse("hybrid") == Recipe(granularity="tensor")
+    assert str(Recipe.parse("e4m3/dynamic")) == "e4m3/dynamic/0"
+    assert Recipe().model_dump(mode="json")["granularity"] == "tensor"
     # row, block, mx: E4M3 both ways, dynamic scaling; powers of two on for row and mx.
-    row = Fp8Policy(granularity="row")
+    row = Recipe(granularity="row")
     assert (row.format, row.scaling, row.power_of_two, row.gw_hp) == (
         Fp8Scheme.E4M3,
         DynamicScaling(),
         True,
         False,
     )
-    assert row == Fp8Policy.parse("row") == Fp8Policy.parse("e4m3/row/dynamic/0")
+    assert row == Recipe.parse("row") == Recipe.parse("e4m3/row/dynamic/0")
     assert str(row) == "e4m3/row/dynamic/0"
-    assert Fp8Policy.parse("Row+GW_HP").gw_hp and str(Fp8Policy.parse("row+gw_hp")) == (
+    assert Recipe.parse("Row+GW_HP").gw_hp and str(Recipe.parse("row+gw_hp")) == (
         "e4m3/row+gw_hp/dynamic/0"
     )
-    block = Fp8Policy.parse("block")
-    assert not block.power_of_two and Fp8Policy.parse("block+pow2").power_of_two
-    mx = Fp8Policy.parse("mx")
+    block = Recipe.parse("block")
+    assert not block.power_of_two and Recipe.parse("block+pow2").power_of_two
+    mx = Recipe.parse("mx")
     assert mx.power_of_two and mx.mx_rounding == "rceil" and str(mx) == "e4m3/mx/dynamic/0"
-    assert Fp8Policy.parse("mx+floor").mx_rounding == "floor"
+    assert Recipe.parse("mx+floor").mx_rounding == "floor"
     # Hybrid stays allowed, and an option at its default reads as the default.
-    assert Fp8Policy.parse("hybrid/row").format is Fp8Scheme.HYBRID
+    assert Recipe.parse("hybrid/row").format is Fp8Scheme.HYBRID
     assert (
-        Fp8Policy.parse("row+pow2")
+        Recipe.parse("row+pow2")
         == row
-        == Fp8Policy.model_validate({"granularity": "row", "power_of_two": None})
+        == Recipe.model_validate({"granularity": "row", "power_of_two": None})
     )
-    assert Fp8Policy.parse("mx+rceil") == mx
+    assert Recipe.parse("mx+rceil") == mx
     ctx = ComputeCtx.parse("compute=bf16,device=cpu,fp8=row+gw_hp")
-    assert str(ctx).endswith(",fp8=e4m3/row+gw_hp/dynamic/0")
+    assert str(ctx).endswith(",recipe=e4m3/row+gw_hp/dynamic/0")
     assert ComputeCtx.model_validate_json(ctx.model_dump_json()) == ctx
 
 
@@ -494,23 +494,42 @@ def test_granularity_defaults_follow_the_anchor_recipes() -> None:
 )
 def test_bad_granularity_text_names_the_rule(text: str, needle: str) -> None:
     with pytest.raises(ValueError, match=re.escape(needle)):
-        Fp8Policy.parse(text)
+        Recipe.parse(text)
     with pytest.raises(ValueError, match=re.escape(needle)):
         ComputeCtx.parse(f"compute=bf16,device=cpu,fp8={text}")
 
 
 def test_a_delayed_non_tensor_policy_is_refused_when_built() -> None:
     with pytest.raises(ValidationError, match="delayed scaling is per-tensor only"):
-        Fp8Policy(granularity="row", scaling=DelayedScaling())
+        Recipe(granularity="row", scaling=DelayedScaling())
     with pytest.raises(ValidationError, match="delayed scaling is per-tensor only"):
-        Fp8Policy.model_validate({"granularity": "mx", "scaling": {"history_len": 4}})
+        Recipe.model_validate({"granularity": "mx", "scaling": {"history_len": 4}})
     with pytest.raises(ValidationError, match="granularity"):
-        Fp8Policy(granularity="1x128")  # type: ignore[arg-type]  # a block, not a policy name
+        Recipe(granularity="1x128")  # type: ignore[arg-type]  # a block, not a policy name
 
 
 def test_rowwise_flags_mirror_torchaos_rowwise_recipes() -> None:
     row = ComputeCtx.from_flag("fp8_rowwise", "cpu")
-    assert row == ComputeCtx.from_flag("fp8_e4m3_dynamic", "cpu").replace(fp8=row.fp8)
-    assert row.fp8 == Fp8Policy.parse("e4m3/row/dynamic/0") and row.fp8.power_of_two
+    assert row == ComputeCtx.from_flag("fp8_e4m3_dynamic", "cpu").replace(recipe=row.fp8)
+    assert row.fp8 == Recipe.parse("e4m3/row/dynamic/0") and row.fp8.power_of_two
     hp = ComputeCtx.from_flag("FP8_RowWise_GW_HP", "cpu")
-    assert hp.fp8 == Fp8Policy.parse("row+gw_hp") and hp.compute is DType.BF16
+    assert hp.fp8 == Recipe.parse("row+gw_hp") and hp.compute is DType.BF16
+
+
+def test_the_old_name_of_the_recipe_field_still_reads() -> None:
+    """0.1.0 called ``recipe`` ``fp8``: its text, JSON and keyword forms give the same value."""
+    want = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    assert want.recipe is not None and want.fp8 == want.recipe
+    text = str(want)
+    assert ",recipe=hybrid/delayed/" in text and "fp8=" not in text
+    assert ComputeCtx.parse(text.replace("recipe=", "fp8=")) == want
+    data = json.loads(want.model_dump_json())
+    data["fp8"] = data.pop("recipe")
+    assert ComputeCtx.model_validate(data) == want
+    assert ComputeCtx.model_validate_json(json.dumps(data)) == want
+    plain = ComputeCtx.new(DType.BF16, "cpu")
+    assert plain.replace(fp8=want.recipe) == want
+    with pytest.raises(ValueError, match="given twice"):
+        ComputeCtx.parse(text + ",fp8=hybrid")
+    with pytest.raises(ValueError, match="both 'fp8' and 'recipe'"):
+        plain.replace(fp8=want.recipe, recipe=None)

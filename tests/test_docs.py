@@ -132,7 +132,7 @@ def _context() -> ForkServerContext:
                 "torch",
                 "torch.distributed",
                 "computectx.distributed",
-                "computectx.fp8",
+                "computectx.formats",
                 "torch.distributed.fsdp",
                 "computectx.nn",
                 "computectx.memory",
@@ -203,6 +203,8 @@ def test_page_runs_in_order(script: Chain, tmp_path: Path) -> None:
 def test_spawned_ranks_run_as_for_a_user(tmp_path: Path) -> None:
     """Once with ranks that are fresh interpreters, as ``spawn`` starts them for a user (the
     other runs fork them from the test's forkserver, which has torch imported already)."""
-    launch = next(c for c in CHAINS if c.page == "docs/distributed.md" and "fp8_stats" in c.code)
+    launch = next(
+        c for c in CHAINS if c.page == "docs/distributed.md" and "scaling_stats" in c.code
+    )
     assert "mp.spawn(" in launch.code
     _run(launch, "spawned", tmp_path, real_spawn=True)

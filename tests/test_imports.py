@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-MODULES = "computectx, computectx.fp8, computectx.memory, computectx.nn, computectx.cli"
+MODULES = "computectx, computectx.formats, computectx.memory, computectx.nn, computectx.cli"
 
 
 def _run(code: str) -> subprocess.CompletedProcess[str]:

@@ -302,17 +302,6 @@ def test_recent_has_a_sane_range_in_every_form() -> None:
         KvFp8.model_validate_json('{"recent": "4"}')
 
 
-def test_the_old_dtypes_path_warns_and_serves_the_same_objects() -> None:
-    import computectx.dtypes as dtypes
-    import computectx.kv_policy as kv_policy
-
-    for name in ("KvFp8", "KvScaling", "KV_SCALINGS", "parse_kv"):
-        with pytest.warns(DeprecationWarning, match=rf"dtypes\.{name} moved: .*kv_policy"):
-            assert getattr(dtypes, name) is getattr(kv_policy, name)
-    with pytest.raises(AttributeError, match="has no attribute 'KvStep'"):
-        dtypes.KvStep  # noqa: B018  # the new names live only in kv_policy
-
-
 _CASE_FLIPS = st.lists(st.booleans(), min_size=64, max_size=64)
 
 

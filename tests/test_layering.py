@@ -5,19 +5,19 @@ The picture in docs/design.md is this table:
 - the core (``dtypes``, ``kv_policy``, ``optim_state``, ``recipes``, ``residency``,
   ``capability``, ``ctx`` and the package face) imports nothing downstream, and inside the
   core each module only imports the ones below it;
-- ``fp8`` and ``memory`` read the core; ``nn`` reads the core, ``fp8`` and ``memory``;
+- ``formats`` and ``memory`` read the core; ``nn`` reads the core, ``formats`` and ``memory``;
   ``distributed`` may read all four; ``integrations`` (adapters that import a training
   framework) may read all five and nothing reads it; ``demo``/``cli`` sit on top;
-- ``kernels`` imports nothing from ``computectx``, and only ``fp8`` reaches it, lazily (inside
-  a function), so ``import computectx.fp8`` works without triton;
+- ``kernels`` imports nothing from ``computectx``, and only ``formats`` reaches it, lazily (inside
+  a function), so ``import computectx.formats`` works without triton;
 - no module imports another module's ``_private`` names, and a ``_private`` module is used
   only inside its own package;
-- inside ``fp8`` the rooms import downwards only (``FP8_RANK``): ``backend``, then the
+- inside ``formats`` the rooms import downwards only (``FP8_RANK``): ``backend``, then the
   twins (``numerics``), ``policy``, the operators (``ops``), the scaling state (``scaling``),
   ``linear`` and ``serving``, the report, ``convert_experts``, then ``convert``/``stats``
-  and the two doors; only the operator families, ``fp8.ops.*``, reach ``kernels``;
-- outside ``fp8`` a module imports fp8 only through its two doors, ``computectx.fp8`` (the
-  public face) and ``computectx.fp8.seam``;
+  and the two doors; only the operator families, ``formats.ops.*``, reach ``kernels``;
+- outside ``formats`` a module imports fp8 only through its two doors, ``computectx.formats`` (the
+  public face) and ``computectx.formats.seam``;
 - no import cycle anywhere in the package, counting imports inside functions and under
   ``TYPE_CHECKING``;
 - a module reads in one sitting (aim at 400 lines, at most 500) and no function is over 100
@@ -52,14 +52,14 @@ CORE_RANK: dict[str, int] = {
 ALLOWED: dict[str, frozenset[str]] = {
     "core": frozenset(),
     "kernels": frozenset(),
-    "fp8": frozenset({"core", "kernels"}),
+    "formats": frozenset({"core", "kernels"}),
     "memory": frozenset({"core"}),
-    "nn": frozenset({"core", "fp8", "memory"}),
-    "distributed": frozenset({"core", "fp8", "memory", "nn"}),
-    "integrations": frozenset({"core", "fp8", "memory", "nn", "distributed"}),
-    "app": frozenset({"core", "fp8", "memory", "nn", "distributed"}),
+    "nn": frozenset({"core", "formats", "memory"}),
+    "distributed": frozenset({"core", "formats", "memory", "nn"}),
+    "integrations": frozenset({"core", "formats", "memory", "nn", "distributed"}),
+    "app": frozenset({"core", "formats", "memory", "nn", "distributed"}),
 }
-# Rank of each room of fp8 (by the module's path under computectx.fp8): a module imports
+# Rank of each room of fp8 (by the module's path under computectx.formats): a module imports
 # fp8 modules of its own room (no cycles) or of a lower rank.
 FP8_RANK: dict[str, int] = {
     "backend": 0,
@@ -73,14 +73,14 @@ FP8_RANK: dict[str, int] = {
     "convert": 8,
     "stats": 8,
     "seam": 9,
-    "": 10,  # the package face, computectx.fp8 itself
+    "": 10,  # the package face, computectx.formats itself
 }
-FP8_DOORS = frozenset({"computectx.fp8", "computectx.fp8.seam"})
-KERNEL_LAUNCHERS = "computectx.fp8.ops."  # the operator families, each launching its own
+FP8_DOORS = frozenset({"computectx.formats", "computectx.formats.seam"})
+KERNEL_LAUNCHERS = "computectx.formats.ops."  # the operator families, each launching its own
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 100
 
-SUBPACKAGE_LAYERS = {"fp8", "memory", "nn", "distributed", "kernels", "integrations"}
+SUBPACKAGE_LAYERS = {"formats", "memory", "nn", "distributed", "kernels", "integrations"}
 APP_MODULES = {"demo", "cli", "__main__"}
 
 
@@ -97,7 +97,7 @@ def layer_of(module: str) -> str:
 
 
 def fp8_room(module: str) -> str:
-    """The room of an fp8 module: the first part of its path under ``computectx.fp8``."""
+    """The room of an fp8 module: the first part of its path under ``computectx.formats``."""
     parts = module.split(".")
     return parts[2] if len(parts) > 2 else ""
 
@@ -205,13 +205,13 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                 module_aliases.add(bound)
                 continue
             if (
-                imp.target == "computectx.fp8"
-                and layer not in ("fp8", "kernels")
+                imp.target == "computectx.formats"
+                and layer not in ("formats", "kernels")
                 and name not in _fp8_face(root)
             ):
                 problems.append(
-                    f"{module}:{imp.line} imports {name!r} from computectx.fp8, which does not "
-                    f"export it (its __all__, or computectx.fp8.seam)"
+                    f"{module}:{imp.line} imports {name!r} from computectx.formats, which does not "
+                    f"export it (its __all__, or computectx.formats.seam)"
                 )
             if imp.target not in targets:
                 targets.append(imp.target)
@@ -238,22 +238,22 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                 )
             if (
                 target_layer == "kernels"
-                and layer == "fp8"
+                and layer == "formats"
                 and not module.startswith(KERNEL_LAUNCHERS)
             ):
                 problems.append(
                     f"{module}:{imp.line} imports {target}; only {KERNEL_LAUNCHERS}* launch kernels"
                 )
             if (
-                target_layer == "fp8"
-                and layer not in ("fp8", "kernels")
+                target_layer == "formats"
+                and layer not in ("formats", "kernels")
                 and target not in FP8_DOORS
             ):
                 problems.append(
                     f"{module}:{imp.line} imports {target}, deep inside fp8; import it from "
-                    f"computectx.fp8 or computectx.fp8.seam"
+                    f"computectx.formats or computectx.formats.seam"
                 )
-            if layer == target_layer == "fp8" and target != module:
+            if layer == target_layer == "formats" and target != module:
                 mine, theirs = fp8_rank(module), fp8_rank(target)
                 if theirs > mine or (theirs == mine and fp8_room(target) != fp8_room(module)):
                     problems.append(
@@ -270,18 +270,18 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
                 problems.append(f"{module}:{imp.line} ({layer}) imports {target} ({target_layer})")
     for line, use in _private_attribute_uses(source, module_aliases):
         problems.append(f"{module}:{line} uses the private attribute {use}")
-    if layer not in ("fp8", "kernels"):
+    if layer not in ("formats", "kernels"):
         for line, chain in _deep_fp8_attributes(source, module, is_package, root):
             problems.append(
-                f"{module}:{line} reaches {chain}, deep inside fp8; use computectx.fp8 or "
-                f"computectx.fp8.seam"
+                f"{module}:{line} reaches {chain}, deep inside fp8; use computectx.formats or "
+                f"computectx.formats.seam"
             )
     return problems
 
 
 def _fp8_face(root: Path) -> frozenset[str]:
-    """The names ``computectx.fp8`` exports (its ``__all__``, read from the source)."""
-    tree = ast.parse((root / "fp8" / "__init__.py").read_text())
+    """The names ``computectx.formats`` exports (its ``__all__``, read from the source)."""
+    tree = ast.parse((root / "formats" / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
@@ -305,7 +305,7 @@ def _deep_fp8_attributes(
     source: str, module: str, is_package: bool, root: Path
 ) -> list[tuple[int, str]]:
     """Attribute chains that reach a module inside fp8 (other than its doors) through a name
-    bound to ``computectx`` or ``computectx.fp8`` (``computectx.fp8.ops.tensorwise.f``)."""
+    bound to ``computectx`` or ``computectx.formats`` (``computectx.formats.ops.tensorwise.f``)."""
     bound: dict[str, str] = {}  # local name -> the module it stands for
     for imp in collect_imports(source, module, is_package):
         if not imp.names:
@@ -326,7 +326,7 @@ def _deep_fp8_attributes(
         parts = full.split(".")
         for i in range(3, len(parts) + 1):
             prefix = ".".join(parts[:i])
-            if prefix.startswith("computectx.fp8.") and prefix not in FP8_DOORS:
+            if prefix.startswith("computectx.formats.") and prefix not in FP8_DOORS:
                 if _module_exists(prefix, root):
                     found.append((node.lineno, prefix))
                 break
@@ -344,7 +344,7 @@ def test_module_respects_the_layers(path: Path) -> None:
 
 def test_every_module_has_a_layer() -> None:
     layers = {layer_of(_module_name(p, PACKAGE)) for p in SOURCES}
-    assert {"core", "kernels", "fp8", "memory", "nn", "app"} <= layers
+    assert {"core", "kernels", "formats", "memory", "nn", "app"} <= layers
 
 
 def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
@@ -401,16 +401,17 @@ def test_the_cycle_finder_finds_a_cycle() -> None:
 
 def test_the_graph_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None:
     pkg = tmp_path / "computectx"
-    (pkg / "fp8").mkdir(parents=True)
+    (pkg / "formats").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    (pkg / "fp8" / "__init__.py").write_text("")
-    (pkg / "fp8" / "a.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from computectx.fp8.b import X\n"
+    (pkg / "formats" / "__init__.py").write_text("")
+    (pkg / "formats" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from computectx.formats.b import X\n"
     )
-    (pkg / "fp8" / "b.py").write_text("def f():\n    from computectx.fp8 import a\n")
+    (pkg / "formats" / "b.py").write_text("def f():\n    from computectx.formats import a\n")
     graph = import_graph(pkg)
-    assert graph["computectx.fp8.a"] == {"computectx.fp8.b"}
-    assert graph["computectx.fp8.b"] == {"computectx.fp8.a"}
+    assert graph["computectx.formats.a"] == {"computectx.formats.b"}
+    assert graph["computectx.formats.b"] == {"computectx.formats.a"}
     assert find_cycle(graph) is not None
 
 
@@ -418,7 +419,7 @@ def test_the_graph_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None
 @pytest.mark.parametrize(
     ("module", "source", "expected"),
     [
-        ("computectx.ctx", "from computectx.fp8.ops import select_backend", "(core) imports"),
+        ("computectx.ctx", "from computectx.formats.ops import select_backend", "(core) imports"),
         ("computectx.dtypes", "from computectx.ctx import ComputeCtx", "not below it"),
         ("computectx.kernels.quantize", "from computectx.dtypes import DType", "(kernels)"),
         (
@@ -426,28 +427,56 @@ def test_the_graph_counts_lazy_and_type_checking_imports(tmp_path: Path) -> None
             "import computectx.nn",
             "(memory) imports computectx.nn",
         ),
-        ("computectx.fp8.ops", "from computectx.kernels import quantize", "at module level"),
+        ("computectx.formats.ops", "from computectx.kernels import quantize", "at module level"),
         ("computectx.nn.lm", "def f():\n    from computectx.kernels import quantize", "(nn)"),
         ("computectx.memory.accounting", "from computectx.dtypes import _JOIN", "private name"),
         ("computectx.nn.lm", "from computectx.memory._transfer import X", "private module"),
-        ("computectx.nn.lm", "from computectx.fp8 import ops\nops._device_arg(1)", "private attr"),
-        ("computectx.ctx", "from computectx import ComputeCtx", "not below it"),
-        ("computectx.nn.lm", "from computectx.fp8.ops.blockwise import fp8_quantize", "deep"),
-        ("computectx.distributed.parallel", "from computectx.fp8.scaling import layer", "deep"),
-        ("computectx.fp8.numerics.ledger", "from computectx.fp8.ops import tensorwise", "down"),
-        ("computectx.fp8.ops.blockwise", "from computectx.fp8.linear.weights import X", "down"),
         (
-            "computectx.fp8.scaling.saved",
-            "from computectx.fp8.linear import module",
+            "computectx.nn.lm",
+            "from computectx.formats import ops\nops._device_arg(1)",
+            "private attr",
+        ),
+        ("computectx.ctx", "from computectx import ComputeCtx", "not below it"),
+        (
+            "computectx.nn.lm",
+            "from computectx.formats.ops.blockwise import quantize_tensor",
+            "deep",
+        ),
+        ("computectx.distributed.parallel", "from computectx.formats.scaling import layer", "deep"),
+        (
+            "computectx.formats.numerics.ledger",
+            "from computectx.formats.ops import tensorwise",
             "down",
         ),
-        ("computectx.fp8.linear.module", "def f():\n    from computectx.kernels import x", "only"),
-        ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.ops.tensorwise.f()", "deep"),
-        ("computectx.nn.lm", "from computectx import fp8\nfp8.numerics.tensorwise.amax", "deep"),
-        ("computectx.nn.lm", "from computectx.fp8 import custom_ops", "does not export"),
-        ("computectx.nn.lm", "from computectx.fp8 import redirect", "does not export"),
-        ("computectx.nn.lm", "import computectx.fp8.seam as s\ns._x", "private attr"),
-        ("computectx.nn.lm", "from computectx.fp8 import seam as s\ns._x", "private attr"),
+        (
+            "computectx.formats.ops.blockwise",
+            "from computectx.formats.linear.weights import X",
+            "down",
+        ),
+        (
+            "computectx.formats.scaling.saved",
+            "from computectx.formats.linear import module",
+            "down",
+        ),
+        (
+            "computectx.formats.linear.module",
+            "def f():\n    from computectx.kernels import x",
+            "only",
+        ),
+        (
+            "computectx.nn.lm",
+            "import computectx.formats\ncomputectx.formats.ops.tensorwise.f()",
+            "deep",
+        ),
+        (
+            "computectx.nn.lm",
+            "from computectx import formats\nformats.numerics.tensorwise.amax",
+            "deep",
+        ),
+        ("computectx.nn.lm", "from computectx.formats import custom_ops", "does not export"),
+        ("computectx.nn.lm", "from computectx.formats import redirect", "does not export"),
+        ("computectx.nn.lm", "import computectx.formats.seam as s\ns._x", "private attr"),
+        ("computectx.nn.lm", "from computectx.formats import seam as s\ns._x", "private attr"),
     ],
 )
 def test_checker_catches(module: str, source: str, expected: str) -> None:
@@ -460,15 +489,18 @@ def test_checker_catches(module: str, source: str, expected: str) -> None:
     [
         ("computectx.memory.optim.offloaded", "from computectx.memory._transfer import X"),
         ("computectx.ctx", "from computectx.dtypes import DType\nfrom computectx import recipes"),
-        ("computectx.nn.lm", "from computectx.fp8.seam import quantize_kv"),
-        ("computectx.nn.lm", "import computectx.fp8\ncomputectx.fp8.Fp8Linear"),
-        ("computectx.nn.lm", "from computectx import fp8\nfp8.seam.quantize_kv"),
+        ("computectx.nn.lm", "from computectx.formats.seam import quantize_kv"),
+        ("computectx.nn.lm", "import computectx.formats\ncomputectx.formats.QuantizedLinear"),
+        ("computectx.nn.lm", "from computectx import formats\nformats.seam.quantize_kv"),
         (
-            "computectx.fp8.ops.tensorwise",
+            "computectx.formats.ops.tensorwise",
             "def launch():\n    from computectx.kernels import quantize",
         ),
-        ("computectx.fp8.linear.module", "from computectx.fp8.ops import tensorwise"),
-        ("computectx.fp8.ops.grouped", "from computectx.fp8.ops.blockwise import quantize_blocks"),
+        ("computectx.formats.linear.module", "from computectx.formats.ops import tensorwise"),
+        (
+            "computectx.formats.ops.grouped",
+            "from computectx.formats.ops.blockwise import quantize_blocks",
+        ),
     ],
 )
 def test_checker_allows(module: str, source: str) -> None:
@@ -479,11 +511,11 @@ def test_checker_allows(module: str, source: str) -> None:
 FP8_SET = frozenset({"float8_e4m3fn", "float8_e5m2"})
 FLOAT_SET = frozenset({"bfloat16", "float16", "float32"})
 DTYPE_SET_HOMES = {"dtypes.py", "kernels/fp8_codes.py"}  # kernels may import nothing else
-OPERATOR_FAMILIES = "fp8/ops/"  # each family module registers its own operators
+OPERATOR_FAMILIES = "formats/ops/"  # each family module registers its own operators
 REGISTERING = frozenset(
     {"custom_op", "register_fake", "register_kernel", "triton_op", "Library", "register_autograd"}
 )
-GRANULARITY_HOMES = {"recipes.py", "fp8/numerics/layouts.py"}
+GRANULARITY_HOMES = {"recipes.py", "formats/numerics/layouts.py"}
 GRANULARITY_WORDS = frozenset({"tensor", "row", "block", "1x128", "128x128", "mx"})
 
 
@@ -531,7 +563,7 @@ def test_the_kernels_dtype_sets_are_the_cores() -> None:
 
 
 OPERATOR_FAMILY_OPS = {
-    "fp8/ops/tensorwise.py": {
+    "formats/ops/tensorwise.py": {
         "fp8_quantize_delayed",
         "fp8_quantize_dynamic",
         "fp8_quantize_with_step",
@@ -539,9 +571,9 @@ OPERATOR_FAMILY_OPS = {
         "fp8_dequantize",
         "wgrad_float32",
     },
-    "fp8/ops/blockwise.py": {"fp8_quantize_blocks", "fp8_block_scaled_mm"},
-    "fp8/ops/grouped.py": {"fp8_grouped_mm", "fp8_grouped_wgrad"},
-    "fp8/ops/attention.py": {"fp8_decode_attention"},
+    "formats/ops/blockwise.py": {"fp8_quantize_blocks", "fp8_block_scaled_mm"},
+    "formats/ops/grouped.py": {"fp8_grouped_mm", "fp8_grouped_wgrad"},
+    "formats/ops/attention.py": {"fp8_decode_attention"},
 }
 
 

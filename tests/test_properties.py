@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType, Fp8Format, KvFp8, OptimState, Residency, promote
 from computectx.ctx import DTYPE_FLAGS
-from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Policy, Fp8Scheme
-from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv
+from computectx.formats import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
+from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv
 from computectx.kv_policy import KV_SCALINGS, KV_STEPS, parse_kv
 from computectx.optim_state import (
     DEFAULT_BLOCK,
@@ -204,7 +204,7 @@ _DYNAMIC = st.builds(DynamicScaling, margin=st.integers(0, 16))
 
 
 @st.composite
-def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
+def fp8_policies(draw: st.DrawFn) -> Recipe:
     """Every fp8 policy: per tensor (delayed or dynamic), or row, block, mx (dynamic) with
     every option that applies, each option given or left to its default (None)."""
     fmt = draw(st.sampled_from(list(Fp8Scheme)))
@@ -216,7 +216,7 @@ def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
             margin=st.integers(0, 16),
             algo=st.sampled_from(["max", "most_recent"]),
         )
-        return Fp8Policy(format=fmt, scaling=draw(st.one_of(delayed, _DYNAMIC)))
+        return Recipe(format=fmt, scaling=draw(st.one_of(delayed, _DYNAMIC)))
     options: dict[str, object] = {}
     if granularity == "row":
         options["gw_hp"] = draw(st.booleans())
@@ -226,7 +226,7 @@ def fp8_policies(draw: st.DrawFn) -> Fp8Policy:
         options["mx_rounding"] = draw(st.sampled_from([None, "rceil", "floor"]))
     # The finer granularities take no margin (refused: see the tests below).
     fields = {"format": fmt, "scaling": DynamicScaling(), "granularity": granularity}
-    return Fp8Policy.model_validate(fields | options)
+    return Recipe.model_validate(fields | options)
 
 
 kv_fp8s = st.builds(
@@ -255,7 +255,7 @@ def optim_states(draw: st.DrawFn) -> OptimState:
 @st.composite
 def contexts(draw: st.DrawFn) -> ComputeCtx:
     compute = draw(st.sampled_from(ALL))
-    policy: Fp8Policy | None = draw(st.one_of(st.none(), fp8_policies()))
+    policy: Recipe | None = draw(st.one_of(st.none(), fp8_policies()))
     devices = st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:3", "meta"]).map(torch.device)
     return ComputeCtx(
         compute=compute,
@@ -263,7 +263,7 @@ def contexts(draw: st.DrawFn) -> ComputeCtx:
         accum=draw(st.sampled_from([d for d in ALL if compute <= d])),
         residency=draw(st.sampled_from(list(Residency))),
         device=draw(devices),
-        fp8=policy,
+        recipe=policy,
         grad=draw(st.sampled_from(ALL)),
         master=draw(st.sampled_from(ALL)),
         offload=draw(st.one_of(st.none(), devices)),
@@ -289,7 +289,7 @@ _alphabet = st.sampled_from(list("=,/:;+_ abcdefghklmnoprtuvwx01236")) | st.char
 def test_bad_strings_raise_only_documented_errors(text: str) -> None:
     with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
         ComputeCtx.parse(text)
-    parsers = (DType.parse, Residency.parse, Fp8Policy.parse, parse_scaling, KvFp8.parse)
+    parsers = (DType.parse, Residency.parse, Recipe.parse, parse_scaling, KvFp8.parse)
     for parse in (*parsers, OptimState.parse, parse_optim_state):
         with contextlib.suppress(ValueError):
             parse(text)
@@ -356,15 +356,15 @@ def test_every_text_field_reads_in_any_case(
 
 @given(ctx=contexts())
 def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
-    if ctx.fp8 is None:
+    if ctx.recipe is None:
         return
-    scaling = ctx.fp8.scaling
+    scaling = ctx.recipe.scaling
     assert parse_scaling(str(scaling)) == scaling
-    fields = ctx.fp8.model_dump(mode="json") | {"scaling": str(scaling)}
-    assert Fp8Policy.model_validate(fields) == ctx.fp8
+    fields = ctx.recipe.model_dump(mode="json") | {"scaling": str(scaling)}
+    assert Recipe.model_validate(fields) == ctx.recipe
     dumped = ctx.model_dump(mode="json")
     if isinstance(scaling, DelayedScaling):  # the default recipe needs no tag
-        del dumped["fp8"]["scaling"]["kind"]
+        del dumped["recipe"]["scaling"]["kind"]
     assert ComputeCtx.model_validate(dumped) == ctx
 
 
@@ -374,7 +374,7 @@ _BAD_VALUES = {
     "accum": "f33",
     "residency": "ram",
     "device": "gpu",
-    "fp8": "hybrid/delayed/16/max",
+    "recipe": "hybrid/delayed/16/max",
     "grad": "int8",
     "master": "fp4",
     "offload": "tpu0",
@@ -408,40 +408,38 @@ def test_each_bad_field_is_one_error_naming_it(bad: set[str]) -> None:
 
 
 @given(policy=fp8_policies())
-def test_fp8_policy_text_and_json_round_trip(policy: Fp8Policy) -> None:
+def test_fp8_policy_text_and_json_round_trip(policy: Recipe) -> None:
     text = str(policy)
-    assert Fp8Policy.parse(text) == policy
-    assert Fp8Policy.parse(text.upper()) == policy
-    assert Fp8Policy.model_validate_json(policy.model_dump_json()) == policy
-    assert str(Fp8Policy.parse(text)) == text
+    assert Recipe.parse(text) == policy
+    assert Recipe.parse(text.upper()) == policy
+    assert Recipe.model_validate_json(policy.model_dump_json()) == policy
+    assert str(Recipe.parse(text)) == text
     if policy.granularity == "tensor":  # the forms that existed before granularity
         assert "/" + policy.granularity not in text
-        assert Fp8Policy(format=policy.format, scaling=policy.scaling) == policy
+        assert Recipe(format=policy.format, scaling=policy.scaling) == policy
     else:  # the scheme before a granularity may be left out when it is the default
         default = text.removeprefix("e4m3/")
-        assert Fp8Policy.parse(default) == policy
+        assert Recipe.parse(default) == policy
         assert (default != text) is (policy.format is Fp8Scheme.E4M3)
 
 
 @given(policy=fp8_policies(), history=st.integers(1, 1024))
 def test_delayed_scaling_is_refused_for_every_granularity_but_tensor(
-    policy: Fp8Policy, history: int
+    policy: Recipe, history: int
 ) -> None:
     fields = policy.model_dump() | {"scaling": DelayedScaling(history_len=history)}
     if policy.granularity == "tensor":
-        assert Fp8Policy.model_validate(fields).scaling.kind == "delayed"
+        assert Recipe.model_validate(fields).scaling.kind == "delayed"
         return
     with pytest.raises(ValidationError, match="delayed scaling is per-tensor only"):
-        Fp8Policy.model_validate(fields)
+        Recipe.model_validate(fields)
     text = str(policy).replace(f"/{policy.scaling}", f"/delayed/{history}")
     with pytest.raises(ValueError, match="delayed scaling is per-tensor only"):
-        Fp8Policy.parse(text)
+        Recipe.parse(text)
 
 
 @given(policy=fp8_policies(), margin=st.integers(1, 16))
-def test_a_margin_is_refused_for_every_granularity_but_tensor(
-    policy: Fp8Policy, margin: int
-) -> None:
+def test_a_margin_is_refused_for_every_granularity_but_tensor(policy: Recipe, margin: int) -> None:
     # Python, JSON (tagged, and untagged: a scaling dict without kind is the granularity's
     # recipe) and text all agree: per tensor the margin is the step's headroom; row, block
     # and mx take each step from the block's current amax and refuse one, naming the rule.
@@ -449,24 +447,24 @@ def test_a_margin_is_refused_for_every_granularity_but_tensor(
     tagged = dumped | {"scaling": {"kind": "dynamic", "margin": margin}}
     untagged = dumped | {"scaling": {"margin": margin}}
     if policy.granularity == "tensor":
-        got = Fp8Policy.model_validate(tagged)
+        got = Recipe.model_validate(tagged)
         assert got.scaling == DynamicScaling(margin=margin)
-        assert Fp8Policy.model_validate(untagged).scaling.margin == margin
-        assert Fp8Policy.parse(str(got)) == got
+        assert Recipe.model_validate(untagged).scaling.margin == margin
+        assert Recipe.parse(str(got)) == got
         return
     text = str(policy).replace("/dynamic/0", f"/dynamic/{margin}")
     rule = f"margin={margin} applies to per-tensor scaling only"
     for form in (tagged, untagged):
         with pytest.raises(ValidationError, match=re.escape(rule)):
-            Fp8Policy.model_validate(form)
+            Recipe.model_validate(form)
         with pytest.raises(ValidationError, match=re.escape(rule)):
-            Fp8Policy.model_validate_json(json.dumps(form))
+            Recipe.model_validate_json(json.dumps(form))
     with pytest.raises(ValueError, match=re.escape(rule)):
-        Fp8Policy.parse(text)
+        Recipe.parse(text)
     with pytest.raises(ValueError, match=re.escape(rule)):
-        ComputeCtx.parse(f"compute=bf16,device=cpu,fp8={text}")
+        ComputeCtx.parse(f"compute=bf16,device=cpu,recipe={text}")
     # Without a margin the untagged dict is the granularity's own recipe, dynamic.
-    assert Fp8Policy.model_validate(dumped | {"scaling": {}}) == policy
+    assert Recipe.model_validate(dumped | {"scaling": {}}) == policy
 
 
 _NOT_BOOLS = st.one_of(
@@ -479,14 +477,14 @@ _NOT_BOOLS = st.one_of(
 
 @given(policy=fp8_policies(), field=st.sampled_from(["power_of_two", "gw_hp"]), bad=_NOT_BOOLS)
 def test_boolean_fields_are_strict_and_null_is_the_default(
-    policy: Fp8Policy, field: str, bad: object
+    policy: Recipe, field: str, bad: object
 ) -> None:
     # pydantic's lax mode reads "yes", "off", 1 or 0.0 as booleans; the policy does not.
     dumped = policy.model_dump(mode="json")
     for read in (
-        lambda d: Fp8Policy.model_validate(d),
-        lambda d: Fp8Policy.model_validate_json(json.dumps(d)),
-        lambda d: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "fp8": d}),
+        lambda d: Recipe.model_validate(d),
+        lambda d: Recipe.model_validate_json(json.dumps(d)),
+        lambda d: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "recipe": d}),
     ):
         with pytest.raises(ValidationError, match="must be a boolean") as caught:
             read(dumped | {field: bad})
@@ -494,9 +492,9 @@ def test_boolean_fields_are_strict_and_null_is_the_default(
         assert repr(bad) in str(caught.value), str(caught.value)
         # null (None) is the granularity's default, for every option.
         null = dumped | {"power_of_two": None, "gw_hp": None, "mx_rounding": None}
-        default = Fp8Policy(format=policy.format, granularity=policy.granularity)
+        default = Recipe(format=policy.format, granularity=policy.granularity)
         got = read(null)
-        assert (got.fp8 if isinstance(got, ComputeCtx) else got) == default.model_copy(
+        assert (got.recipe if isinstance(got, ComputeCtx) else got) == default.model_copy(
             update={"scaling": policy.scaling}
         )
 
@@ -509,7 +507,7 @@ def test_integer_fields_are_strict(field: str, bad: object) -> None:
     # A True margin is not 1 and "16" is not 16: JSON numbers only (the text form converts
     # its own digits).
     with pytest.raises(ValidationError, match="must be an integer") as caught:
-        Fp8Policy.model_validate_json(json.dumps({"scaling": {field: bad}}))
+        Recipe.model_validate_json(json.dumps({"scaling": {field: bad}}))
     assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
 
 

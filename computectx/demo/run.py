@@ -41,7 +41,7 @@ from computectx.demo.train import (
     tail_steps,
     train_policy,
 )
-from computectx.fp8 import select_backend
+from computectx.formats import select_backend
 
 __all__ = ["check_output_dir", "resolve_device", "run_demo"]
 

@@ -22,7 +22,7 @@ from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoSettings
 from computectx.distributed import Parallel, parallelize, update_expert_bias
 from computectx.dtypes import DType
-from computectx.fp8 import Fp8Linear, fp8_stats
+from computectx.formats import QuantizedLinear, scaling_stats
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
@@ -97,11 +97,11 @@ def fp8_granularity(ctx: ComputeCtx) -> str | None:
     """The fp8 policy's granularity with its options as its text form writes them
     (``tensor``, ``row``, ``row+gw_hp``, ``block``, ``mx``, ``mx+floor``), ``None`` without
     fp8."""
-    if ctx.fp8 is None:
+    if ctx.recipe is None:
         return None
-    if ctx.fp8.granularity == "tensor":
+    if ctx.recipe.granularity == "tensor":
         return "tensor"
-    return str(ctx.fp8).split("/")[1]  # SCHEME/GRANULARITY[+OPTION...]/RECIPE...
+    return str(ctx.recipe).split("/")[1]  # SCHEME/GRANULARITY[+OPTION...]/RECIPE...
 
 
 def model_config(settings: DemoSettings) -> LMConfig:
@@ -152,7 +152,7 @@ def evaluate(model: ByteLM, batches: list[tuple[torch.Tensor, torch.Tensor]]) ->
 
 
 def _fp8_summary(model: ByteLM) -> tuple[int, float, dict[str, Any]]:
-    stats = fp8_stats(model)
+    stats = scaling_stats(model)
     nonfinite = 0
     saturated = 0.0
     layers: dict[str, Any] = {}
@@ -207,8 +207,8 @@ def train_policy(
     torch.manual_seed(settings.seed)
     model = ByteLM(ctx, model_config(settings))
     loop = _loop(model, _parallelize(model, ctx, settings), settings, device, rank, world)
-    # Under an fp8 policy the blocks build their linears as Fp8Linear (the head stays).
-    fp8_layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    # Under an fp8 policy the blocks build their linears as QuantizedLinear (the head stays).
+    fp8_layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     experts_backends = fp8_experts_backends(model)  # one per MoE layer whose experts are fp8
     backend = ",".join(sorted({m.backend.value for m in fp8_layers} | set(experts_backends)))
     if device.type == "cuda":
@@ -221,7 +221,7 @@ def train_policy(
     tail = curves.losses[-tail_steps(len(curves.losses)) :]
     nonfinite = saturated = None
     layers: dict[str, Any] = {}
-    if ctx.fp8 is not None:
+    if ctx.recipe is not None:
         nonfinite, saturated, layers = _fp8_summary(model)
     if on_trained is not None:
         on_trained(model)
@@ -293,7 +293,7 @@ class _Curves:
 def _parallelize(model: ByteLM, ctx: ComputeCtx, settings: DemoSettings) -> Parallel:
     # One call sets up the ranks (DDP, the fp8 amax sync, the memory policy's optimizer and
     # accumulator) or, in one process, just the optimizer and accumulator. The blocks built
-    # their Fp8Linear layers already, so nothing more is converted (the head stays).
+    # their QuantizedLinear layers already, so nothing more is converted (the head stays).
     return parallelize(
         model,
         ctx,

@@ -16,20 +16,20 @@ from computectx.distributed.expert_parallel import (
     update_expert_bias,
 )
 from computectx.distributed.fp8_all_gather import (
-    Fp8GatherFallbackWarning,
-    WeightGatheredAsFp8,
-    enable_fp8_all_gather,
-    gathers_as_fp8,
+    GatherFallbackWarning,
+    WeightGatheredQuantized,
+    enable_quantized_all_gather,
+    gathers_quantized,
 )
 from computectx.distributed.fp8_amax_sync import (
-    Fp8AmaxSync,
-    fp8_buffer_names,
+    AmaxSync,
     rescale_grad_ledger,
-    sync_fp8_scaling,
+    scaling_buffer_names,
+    sync_scaling,
 )
 from computectx.distributed.fp8_expert_gather import (
-    ExpertsGatheredAsFp8,
-    enable_fp8_expert_gather,
+    ExpertsGatheredQuantized,
+    enable_quantized_expert_gather,
 )
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
@@ -47,40 +47,53 @@ from computectx.distributed.optimizer_checkpoint import (
 )
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
 from computectx.distributed.sharding import ShardedParams
-from computectx.distributed.tensor_parallel import dtensor_fp8_linear
+from computectx.distributed.tensor_parallel import dtensor_quantized_linear
 
 __all__ = [
     "AllToAllDispatch",
+    "AmaxSync",
     "DataParallelGradAccumulator",
-    "ExpertsGatheredAsFp8",
-    "Fp8AmaxSync",
-    "Fp8GatherFallbackWarning",
+    "ExpertsGatheredQuantized",
+    "GatherFallbackWarning",
     "Parallel",
     "ShardedParams",
     "Strategy",
-    "WeightGatheredAsFp8",
+    "WeightGatheredQuantized",
     "agree",
     "agree_ok",
     "check_optimizer_state_dict",
     "check_same_policy",
     "clip_grad_norm_with_experts",
     "data_parallel_group",
-    "dtensor_fp8_linear",
-    "enable_fp8_all_gather",
-    "enable_fp8_expert_gather",
+    "dtensor_quantized_linear",
+    "enable_quantized_all_gather",
+    "enable_quantized_expert_gather",
     "expert_parallel",
     "expert_parallel_group",
     "expert_parameters",
-    "fp8_buffer_names",
     "fsdp_mixed_precision",
     "full_state_dict",
-    "gathers_as_fp8",
+    "gathers_quantized",
     "join",
     "moe_local_buffers",
     "optimizer_state_dict",
     "parallelize",
     "rescale_grad_ledger",
+    "scaling_buffer_names",
     "set_optimizer_state_dict",
-    "sync_fp8_scaling",
+    "sync_scaling",
     "update_expert_bias",
 ]
+
+
+# The 0.1.0 names, plain aliases of the names above until 0.3.0 (CHANGELOG.md; not in __all__).
+ExpertsGatheredAsFp8 = ExpertsGatheredQuantized
+Fp8AmaxSync = AmaxSync
+Fp8GatherFallbackWarning = GatherFallbackWarning
+WeightGatheredAsFp8 = WeightGatheredQuantized
+dtensor_fp8_linear = dtensor_quantized_linear
+enable_fp8_all_gather = enable_quantized_all_gather
+enable_fp8_expert_gather = enable_quantized_expert_gather
+fp8_buffer_names = scaling_buffer_names
+gathers_as_fp8 = gathers_quantized
+sync_fp8_scaling = sync_scaling

@@ -1,7 +1,7 @@
 """What the two FSDP2 fp8-gather subclasses share: a wrapper around a high-precision shard.
 
-``WeightGatheredAsFp8`` (an ``Fp8Linear`` weight, ``fp8_all_gather``) and
-``ExpertsGatheredAsFp8`` (3-D expert weights, ``fp8_expert_gather``) are both
+``WeightGatheredQuantized`` (a ``QuantizedLinear`` weight, ``fp8_all_gather``) and
+``ExpertsGatheredQuantized`` (3-D expert weights, ``fp8_expert_gather``) are both
 ``GatheredAsFp8``: a tensor subclass over the shard ``hp`` whose every op runs on ``hp``
 (ops that take a piece of the weight, ``SHARD_OPS``, return the same kind of wrapper over the
 piece), traceable (flattened to ``hp`` and the subclass's ``meta``), and saved as a plain

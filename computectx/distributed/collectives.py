@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
-from computectx.fp8.seam import AmaxReduce
+from computectx.formats.seam import AmaxReduce
 
 __all__ = ["GroupAmax", "RankLocal", "ShardAmax", "all_reduce_on", "comm_device", "whole_amax"]
 
@@ -87,7 +87,7 @@ class GroupAmax:
     tensor's (``whole_amax``: its mesh's non-replicated dimensions reduced), then reduced
     over the group.
 
-    Also ``computectx.fp8``'s ``AmaxReduce`` seam: ``armed`` is set by ``Fp8AmaxSync``
+    Also ``computectx.formats``'s ``AmaxReduce`` seam: ``armed`` is set by ``AmaxSync``
     while a training forward of its model runs (``True`` from the start when
     ``always_armed``: the FSDP2 all-gather, which every rank of the shard group runs
     together by construction, and a sync built without hooks). ``reduces=False``
@@ -140,7 +140,7 @@ class ShardAmax:
 
 class RankLocal:
     """The ``AmaxReduce`` of layers whose ranks scale on their own by choice
-    (``Fp8AmaxSync.remove()``). Always armed, reduces nothing, so every training call
+    (``AmaxSync.remove()``). Always armed, reduces nothing, so every training call
     records its rank's own amaxes, issues no collective, and nothing warns that no sync is
     attached."""
 

@@ -1,9 +1,10 @@
 """FSDP2 all-gathers fp8 weights: each shard quantized once, one byte per element on the wire.
 
 ``fully_shard`` keeps each rank's shard of a weight and all-gathers the whole weight before
-the layer runs. For an ``Fp8Linear`` that gather would ship float32 (4 bytes per element) only
-for the layer to quantize it to fp8 straight after. ``enable_fp8_all_gather(model)`` turns
-each ``Fp8Linear`` weight into a ``WeightGatheredAsFp8``, a tensor subclass that implements
+the layer runs. For a ``QuantizedLinear`` that gather would ship float32 (4 bytes per element) only
+for the layer to quantize it to fp8 straight after. ``enable_quantized_all_gather(model)`` turns
+each ``QuantizedLinear`` weight into a ``WeightGatheredQuantized``, a tensor subclass that
+implements
 FSDP2's extension points:
 
 - ``fsdp_pre_all_gather``: the rank quantizes its own shard in the policy's forward format
@@ -13,8 +14,8 @@ FSDP2's extension points:
   all-reduce of a single float over the shard group (dynamic scaling). Either way the
   weight's ledger advances exactly as in one process quantizing the whole weight: the shard
   amax goes into the history and the amax sync's max over ranks makes it the weight's;
-- ``fsdp_post_all_gather``: the gathered bytes become an ``computectx.fp8.Fp8Weight`` (the
-  codes and the step), which ``Fp8Linear`` uses as its quantized weight without quantizing
+- ``fsdp_post_all_gather``: the gathered bytes become an ``computectx.formats.QuantizedWeight`` (the
+  codes and the step), which ``QuantizedLinear`` uses as its quantized weight without quantizing
   again. The gradient is an ordinary tensor of the weight's dtype, reduce-scattered by
   FSDP2 as before.
 
@@ -35,14 +36,15 @@ Fine-grained policies (``FP8_GATHER_GRANULARITIES``). A ``block`` weight is quan
 128x128 blocks, whose steps need no other rank: when FSDP2's shards are whole 128-row blocks
 (``blocks_align``), each rank quantizes its shard's blocks with no collective and hands FSDP2
 the codes (``uint8``) and the float32 block scales together; the gathered pair is a
-``computectx.fp8.linear.weights.Fp8BlockWeight``, exactly the whole weight's blocks, which the block
+``computectx.formats.linear.weights.QuantizedBlockWeight``, exactly the whole weight's blocks,
+which the block
 linear uses for its forward and, transposed as its blocks are, for its dgrad, quantizing
 nothing again. On the wire: 1 byte per element and 4 bytes per 16384 (1.0002). Shards that
-cut blocks gather high precision, with one ``Fp8GatherFallbackWarning`` per such weight (once
+cut blocks gather high precision, with one ``GatherFallbackWarning`` per such weight (once
 per process). ``row``
 and ``mx`` weights gather high precision (docs/distributed.md says why).
 
-Everywhere else a ``WeightGatheredAsFp8`` is its high-precision tensor: optimizers update it,
+Everywhere else a ``WeightGatheredQuantized`` is its high-precision tensor: optimizers update it,
 ``state_dict`` saves plain tensors (DTensors of plain tensors under FSDP2), and loading copies
 into it.
 """
@@ -61,18 +63,18 @@ from torch.distributed.tensor import DTensor
 
 from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
 from computectx.distributed.collectives import GroupAmax
-from computectx.fp8 import Fp8Linear, Fp8Weight
-from computectx.fp8.seam import quantize_with_step
-from computectx.recipes import DelayedScaling, Fp8Policy, PolicyGranularity
+from computectx.formats import QuantizedLinear, QuantizedWeight
+from computectx.formats.seam import quantize_with_step
+from computectx.recipes import DelayedScaling, PolicyGranularity, Recipe
 
 __all__ = [
     "BLOCK_ROWS",
     "FP8_GATHER_GRANULARITIES",
-    "Fp8GatherFallbackWarning",
-    "WeightGatheredAsFp8",
+    "GatherFallbackWarning",
+    "WeightGatheredQuantized",
     "blocks_align",
-    "enable_fp8_all_gather",
-    "gathers_as_fp8",
+    "enable_quantized_all_gather",
+    "gathers_quantized",
     "parameter_holders",
     "sharded_weight_of",
 ]
@@ -87,7 +89,7 @@ transpose, so the dgrad needs ``W`` quantized along its other axis too, and an f
 would have to carry codes for each axis (the forward's and the dgrad's)."""
 
 
-def gathers_as_fp8(policy: Fp8Policy) -> bool:
+def gathers_quantized(policy: Recipe) -> bool:
     """Whether a layer under ``policy`` all-gathers its weight as fp8
     (``FP8_GATHER_GRANULARITIES``)."""
     return policy.granularity in FP8_GATHER_GRANULARITIES
@@ -105,26 +107,26 @@ class _Gather:
         self.name = name
         self.forward_step: torch.Tensor | None = None
 
-    def layer(self, module: nn.Module) -> Fp8Linear:
-        if not isinstance(module, Fp8Linear):
+    def layer(self, module: nn.Module) -> QuantizedLinear:
+        if not isinstance(module, QuantizedLinear):
             raise TypeError(
-                f"{self.name!r} gathers as fp8 for an Fp8Linear, but FSDP2 gathered it for "
+                f"{self.name!r} gathers as fp8 for a QuantizedLinear, but FSDP2 gathered it for "
                 f"a {type(module).__name__}"
             )
         if module.frozen:
             raise RuntimeError(
-                f"{self.name!r} was frozen for serving after enable_fp8_all_gather; freeze "
+                f"{self.name!r} was frozen for serving after enable_quantized_all_gather; freeze "
                 f"an unsharded copy instead"
             )
         return module
 
 
-class WeightGatheredAsFp8(GatheredAsFp8):
-    """An ``Fp8Linear`` weight that FSDP2 all-gathers as fp8 (see the module docstring).
+class WeightGatheredQuantized(GatheredAsFp8):
+    """A ``QuantizedLinear`` weight that FSDP2 all-gathers as fp8 (see the module docstring).
 
     Wraps the high-precision tensor ``hp``; every op other than FSDP2's two extension points
-    runs on ``hp`` (ops that take a piece of the weight return a ``WeightGatheredAsFp8`` over
-    the piece). Built by ``enable_fp8_all_gather``.
+    runs on ``hp`` (ops that take a piece of the weight return a ``WeightGatheredQuantized`` over
+    the piece). Built by ``enable_quantized_all_gather``.
     """
 
     _meta: _Gather
@@ -155,7 +157,7 @@ class WeightGatheredAsFp8(GatheredAsFp8):
         group = GroupAmax(_shard_group(mesh), always_armed=True)
         seam = layer.amax_reduce
         # Whether this is a training forward in which the layer records (the rule of
-        # Fp8Linear.forward): eval and no_grad gathers quantize from the state as it is.
+        # QuantizedLinear.forward): eval and no_grad gathers quantize from the state as it is.
         # FSDP2 gathers under no_grad, so the grad mode of the forward is what the sync's
         # pre-forward hook saw when it armed the seam.
         record = layer.training and (seam is None or seam.armed)
@@ -176,7 +178,7 @@ class WeightGatheredAsFp8(GatheredAsFp8):
                 raise RuntimeError(
                     f"{g.name!r} all-gathers as fp8 under delayed scaling, but nothing keeps "
                     f"the ranks' weight steps identical: call "
-                    f"computectx.distributed.sync_fp8_scaling(model) after fully_shard (and "
+                    f"computectx.distributed.sync_scaling(model) after fully_shard (and "
                     f"keep it attached), or set up with computectx.distributed.parallelize"
                 )
             # The quantize an unsharded layer runs, with the shard group's amax wherever it
@@ -187,7 +189,7 @@ class WeightGatheredAsFp8(GatheredAsFp8):
         return (_padded(data, outer_size, mesh).view(torch.uint8),), (step, data.dtype)
 
     def _block_inputs(
-        self, layer: Fp8Linear, mesh: DeviceMesh, outer_size: torch.Size, mp_policy: Any
+        self, layer: QuantizedLinear, mesh: DeviceMesh, outer_size: torch.Size, mp_policy: Any
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         # Shards of whole 128-row blocks (blocks_align): each rank quantizes its own blocks,
         # exactly the whole weight's blocks, with no collective; the codes (uint8) and the
@@ -199,7 +201,7 @@ class WeightGatheredAsFp8(GatheredAsFp8):
             _warn_block_fallback(self._meta.name, outer_size, world)
             dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
             return (_padded(hp.to(dtype), outer_size, mesh),), ("hp",)
-        from computectx.fp8.seam import quantize_blocks, step_rule_of
+        from computectx.formats.seam import quantize_blocks, step_rule_of
 
         codes, scale = quantize_blocks(
             hp,
@@ -219,30 +221,30 @@ class WeightGatheredAsFp8(GatheredAsFp8):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """The gathered codes and the step as an ``Fp8Weight`` of the weight's dtype (a
-        ``block`` layer's: the codes and block scales as an ``Fp8BlockWeight``, or the
+        """The gathered codes and the step as a ``QuantizedWeight`` of the weight's dtype (a
+        ``block`` layer's: the codes and block scales as a ``QuantizedBlockWeight``, or the
         high-precision weight where its shards cut 128-row blocks)."""
         if metadata[0] == "hp":
             (whole,) = all_gather_outputs
             return None if out is not None else (whole, (whole,))
         if metadata[0] == "block":
-            from computectx.fp8 import Fp8BlockWeight
+            from computectx.formats import QuantizedBlockWeight
 
             codes, scale = all_gather_outputs
             if out is not None:  # gathered into the same buffers again: out views them
                 return None
-            return Fp8BlockWeight(codes.view(metadata[1]), scale, param_dtype), (codes, scale)
+            return QuantizedBlockWeight(codes.view(metadata[1]), scale, param_dtype), (codes, scale)
         (gathered,) = all_gather_outputs
         step, fp8 = metadata
         if out is not None:
             # FSDP2 gathered into the same buffer again: ``out`` already views it.
-            if not isinstance(out, Fp8Weight):
-                raise TypeError(f"expected the Fp8Weight gathered before, got {type(out)}")
+            if not isinstance(out, QuantizedWeight):
+                raise TypeError(f"expected the QuantizedWeight gathered before, got {type(out)}")
             if out.fp8_step is not step:
                 with torch.no_grad():
                     out.fp8_step.copy_(step)
             return None
-        return Fp8Weight(gathered.view(fp8), step, param_dtype), (gathered,)
+        return QuantizedWeight(gathered.view(fp8), step, param_dtype), (gathered,)
 
 
 _SAVE_PLAIN = plain_state_dict_hook(("weight",))
@@ -258,7 +260,7 @@ def blocks_align(rows: int, world: int) -> bool:
     return rows % world == 0 and (rows // world) % BLOCK_ROWS == 0
 
 
-class Fp8GatherFallbackWarning(UserWarning):
+class GatherFallbackWarning(UserWarning):
     """A weight that would all-gather as fp8 gathers high precision instead."""
 
 
@@ -273,7 +275,7 @@ def _warn_block_fallback(name: str, outer_size: torch.Size, world: int) -> None:
         return
     _fallback_warned.add(key)
     warnings.warn(
-        Fp8GatherFallbackWarning(
+        GatherFallbackWarning(
             f"{name!r} ({tuple(outer_size)}) all-gathers high precision: its {world} FSDP2 "
             f"shards of {-(-outer_size[0] // world)} rows cut its 128x128 fp8 blocks (a "
             f"block weight gathers as fp8 when its rows are a multiple of 128 x the shard "
@@ -325,18 +327,18 @@ def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
     return owners
 
 
-def enable_fp8_all_gather(
+def enable_quantized_all_gather(
     model: nn.Module, *, module_filter: Callable[[nn.Module, str], bool] | None = None
 ) -> int:
-    """Make FSDP2 all-gather the ``Fp8Linear`` weights of ``model`` as fp8; returns how many.
+    """Make FSDP2 all-gather the ``QuantizedLinear`` weights of ``model`` as fp8; returns how many.
 
-    Call it after ``convert_to_fp8`` and before ``fully_shard`` and before building the
+    Call it after ``convert_to_quantized`` and before ``fully_shard`` and before building the
     optimizer (the weights become new ``Parameter`` objects). Then ``fully_shard`` as usual
-    and ``sync_fp8_scaling`` (which keeps the step every rank quantizes its shard with
-    identical). ``module_filter(module, fqn)`` (torchao's order, as ``convert_to_fp8``'s) may
+    and ``sync_scaling`` (which keeps the step every rank quantizes its shard with
+    identical). ``module_filter(module, fqn)`` (torchao's order, as ``convert_to_quantized``'s) may
     leave some layers gathering high precision. Frozen layers (``freeze_for_serving``) have
     no weight to gather and are skipped, and so are layers whose granularity gathers high
-    precision (``gathers_as_fp8``: ``row`` and ``mx``).
+    precision (``gathers_quantized``: ``row`` and ``mx``).
 
     A weight shared with another module (an output head tied to the input embedding) would
     reach that module as fp8 codes and its tie would break: it is refused with a
@@ -344,22 +346,22 @@ def enable_fp8_all_gather(
     ``parallelize`` does that by itself). ``RuntimeError`` if a weight is already sharded
     (a DTensor). Everything is checked before any weight changes.
     """
-    chosen: list[tuple[str, Fp8Linear]] = []
+    chosen: list[tuple[str, QuantizedLinear]] = []
     owners = parameter_holders(model)
     for name, layer in model.named_modules():
-        if not isinstance(layer, Fp8Linear) or layer.frozen:
+        if not isinstance(layer, QuantizedLinear) or layer.frozen:
             continue
         if module_filter is not None and not module_filter(layer, name):
             continue
-        if not gathers_as_fp8(layer.policy):
+        if not gathers_quantized(layer.policy):
             continue
         w = layer.weight
-        if isinstance(w, WeightGatheredAsFp8):
+        if isinstance(w, WeightGatheredQuantized):
             continue
         if isinstance(w, DTensor):
             raise RuntimeError(
                 f"{name or 'the model'}.weight is already sharded (a DTensor): call "
-                f"enable_fp8_all_gather before fully_shard"
+                f"enable_quantized_all_gather before fully_shard"
             )
         holders = owners.get(id(w), [])
         if len(holders) > 1:
@@ -374,7 +376,7 @@ def enable_fp8_all_gather(
     for name, layer in chosen:
         w = layer.weight
         layer.weight = nn.Parameter(
-            WeightGatheredAsFp8(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
+            WeightGatheredQuantized(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
             requires_grad=w.requires_grad,
         )
         layer.register_state_dict_post_hook(_SAVE_PLAIN)  # type: ignore[no-untyped-call]

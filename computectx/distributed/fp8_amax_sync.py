@@ -4,7 +4,7 @@ Under data parallelism each rank quantizes its own shard, so each records its ow
 alone, the ledgers drift apart (the issue that prompted this measured steps 25x apart after six
 steps) and a checkpoint saves one rank's history as if it were the group's.
 
-``sync_fp8_scaling`` keeps them identical at every step boundary, with no collective in any
+``sync_scaling`` keeps them identical at every step boundary, with no collective in any
 forward. Its hooks on the model that runs forward (the DDP wrapper, the ``fully_shard``-ed
 model, or a plain module):
 
@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax, RankLocal
-from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
+from computectx.distributed.fp8_all_gather import WeightGatheredQuantized, sharded_weight_of
 from computectx.distributed.group import (
     GroupArg,
     check_same_model,
@@ -67,16 +67,16 @@ from computectx.distributed.ledger_merge import (
     payload,
     rescale_grad_ledger,
 )
-from computectx.fp8 import Fp8Linear
-from computectx.fp8.seam import ROLES, TALLY_ELEMENTS, OperandScaling, Role
+from computectx.formats import QuantizedLinear
+from computectx.formats.seam import ROLES, TALLY_ELEMENTS, OperandScaling, Role
 
 __all__ = [
+    "AmaxSync",
     "CurrentAmax",
-    "Fp8AmaxSync",
     "LossNormalization",
-    "fp8_buffer_names",
     "rescale_grad_ledger",
-    "sync_fp8_scaling",
+    "scaling_buffer_names",
+    "sync_scaling",
 ]
 
 CurrentAmax = Literal["group", "local"]
@@ -100,20 +100,20 @@ class _Snapshot:
         return self.ledger is op.ledger and self.tally is op.tally
 
 
-_Entry = tuple[Fp8Linear, Role, OperandScaling]
+_Entry = tuple[QuantizedLinear, Role, OperandScaling]
 
 
-def _fp8_layers(model: nn.Module) -> list[Fp8Linear]:
-    return [m for m in model.modules() if isinstance(m, Fp8Linear)]
+def _fp8_layers(model: nn.Module) -> list[QuantizedLinear]:
+    return [m for m in model.modules() if isinstance(m, QuantizedLinear)]
 
 
-def _tensor_layers(layers: list[Fp8Linear]) -> list[Fp8Linear]:
+def _tensor_layers(layers: list[QuantizedLinear]) -> list[QuantizedLinear]:
     # The layers whose scaling keeps a history: granularity "tensor" (the ones whose
     # ledgers depend on the world size, and whose quantizes may reduce an amax).
     return [m for m in layers if m.policy.granularity == "tensor"]
 
 
-def _operands(layers: list[Fp8Linear]) -> list[_Entry]:
+def _operands(layers: list[QuantizedLinear]) -> list[_Entry]:
     return [(layer, role, layer.scaling.operands[role]) for layer in layers for role in ROLES]
 
 
@@ -131,22 +131,22 @@ def default_current_amax(model: nn.Module) -> CurrentAmax:
     return "group" if _is_fsdp(model) else "local"
 
 
-def fp8_buffer_names(model: nn.Module) -> list[str]:
-    """The names of the scaling-state buffers of every ``Fp8Linear`` in ``model`` (ledgers,
+def scaling_buffer_names(model: nn.Module) -> list[str]:
+    """The names of the scaling-state buffers of every ``QuantizedLinear`` in ``model`` (ledgers,
     tallies, ``fp8_meta``), as ``model.named_buffers()`` gives them.
 
     DDP must leave these out of its buffer broadcast: with ``broadcast_buffers=True`` (its
     default) it copies rank 0's buffers over every rank's before each forward with
-    gradients on, and ``Fp8AmaxSync`` merges the ranks' ledgers instead (and a rank-local
+    gradients on, and ``AmaxSync`` merges the ranks' ledgers instead (and a rank-local
     ledger is the rank's own). ``parallelize`` passes them to
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` before
-    wrapping; ``sync_fp8_scaling`` of a ``DistributedDataParallel`` adds them to its ignore
+    wrapping; ``sync_scaling`` of a ``DistributedDataParallel`` adds them to its ignore
     list.
     """
     return [
         f"{name}.{buffer}" if name else buffer
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for buffer in m.scaling.tensor_names()
     ]
 
@@ -154,13 +154,13 @@ def fp8_buffer_names(model: nn.Module) -> list[str]:
 def _out_of_ddp_broadcast(ddp: DistributedDataParallel) -> None:
     # DDP filters its buffers by name on every broadcast (_sync_buffers reassigns them),
     # so names added here are left out from the next forward on.
-    ddp.parameters_to_ignore.update(fp8_buffer_names(ddp.module))
+    ddp.parameters_to_ignore.update(scaling_buffer_names(ddp.module))
     assign = getattr(ddp, "_assign_modules_buffers", None)
     if callable(assign):
         assign()
 
 
-def _parameter_hook(sync: weakref.ref[Fp8AmaxSync]) -> Callable[[torch.Tensor], None]:
+def _parameter_hook(sync: weakref.ref[AmaxSync]) -> Callable[[torch.Tensor], None]:
     # A plain function holding a weak reference: a deepcopy of the model (an EMA copy)
     # copies its parameters' hooks, and must not copy the sync (and its process group).
     def hook(param: torch.Tensor) -> None:
@@ -171,10 +171,10 @@ def _parameter_hook(sync: weakref.ref[Fp8AmaxSync]) -> Callable[[torch.Tensor], 
     return hook
 
 
-class Fp8AmaxSync:
-    """Merges the fp8 scaling ledgers of ``model``'s ``Fp8Linear`` layers across ``group``.
+class AmaxSync:
+    """Merges the fp8 scaling ledgers of ``model``'s ``QuantizedLinear`` layers across ``group``.
 
-    ``sync_fp8_scaling`` builds one with ``hooks=True``: it arms the layers during training
+    ``sync_scaling`` builds one with ``hooks=True``: it arms the layers during training
     forwards of ``model`` and merges at the end of every backward (the module docstring).
     ``sync()`` merges now, a collective: every rank of the group must call it the same number
     of times. Built without hooks, the layers record in every training call and the caller
@@ -251,7 +251,7 @@ class Fp8AmaxSync:
         self._take_snapshots(_operands(every))
         if hooks:
             # First among the model's pre-forward hooks: FSDP2's own (which all-gathers,
-            # and with enable_fp8_all_gather quantizes each shard with the ledger's step) must
+            # and with enable_quantized_all_gather quantizes each shard with the ledger's step) must
             # see the armed seam and the restored state.
             self._handles = [
                 model.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -307,8 +307,8 @@ class Fp8AmaxSync:
         hooks = list(self._model._forward_pre_hooks)
         if hooks and hooks[0] != self._handles[0].id:
             raise RuntimeError(
-                "sync_fp8_scaling was called before fully_shard: FSDP2's all-gather now runs "
-                "before the fp8 sync's pre-forward hook. Call sync_fp8_scaling(model) after "
+                "sync_scaling was called before fully_shard: FSDP2's all-gather now runs "
+                "before the fp8 sync's pre-forward hook. Call sync_scaling(model) after "
                 "fully_shard (or set up with computectx.distributed.parallelize, which "
                 "orders it)"
             )
@@ -390,7 +390,7 @@ class Fp8AmaxSync:
             return {}
         out: dict[str, torch.Tensor] = {}
         for name, layer in module.named_modules():
-            if not isinstance(layer, Fp8Linear):
+            if not isinstance(layer, QuantizedLinear):
                 continue
             keys = iter(layer.scaling.tensor_names())
             for role in ROLES:
@@ -406,10 +406,10 @@ class Fp8AmaxSync:
 
     @property
     def loss_normalization(self) -> LossNormalization:
-        """What each rank's loss is normalized by (see ``sync_fp8_scaling``)."""
+        """What each rank's loss is normalized by (see ``sync_scaling``)."""
         return self._loss_normalization
 
-    def _to_this_world(self, layers: list[Fp8Linear]) -> None:
+    def _to_this_world(self, layers: list[QuantizedLinear]) -> None:
         # Scaling state recorded at another world size (a checkpoint saved on other ranks):
         # under a per-rank loss, the output-gradient ledger is in that world's units. Before
         # any backward quantizes through it: a pre-forward hook calls this (no collective).
@@ -455,17 +455,17 @@ class Fp8AmaxSync:
         self._unfinished = False
 
 
-def _quantizes_shards(layer: Fp8Linear) -> bool:
-    return isinstance(sharded_weight_of(layer.weight), WeightGatheredAsFp8)
+def _quantizes_shards(layer: QuantizedLinear) -> bool:
+    return isinstance(sharded_weight_of(layer.weight), WeightGatheredQuantized)
 
 
-def sync_fp8_scaling(
+def sync_scaling(
     model: nn.Module,
     group: GroupArg = None,
     *,
     current_amax: CurrentAmax | None = None,
     loss_normalization: LossNormalization = "per_rank",
-) -> Fp8AmaxSync:
+) -> AmaxSync:
     """Keep the fp8 scaling state of ``model`` identical on every rank of ``group``.
 
     ``model`` is what the ranks run forward: a ``DistributedDataParallel`` module, a
@@ -489,7 +489,7 @@ def sync_fp8_scaling(
     ``"per_rank"`` the gradient ledgers are rescaled to this world size
     (``rescale_grad_ledger``).
     """
-    return Fp8AmaxSync(
+    return AmaxSync(
         model,
         group,
         hooks=True,

@@ -5,9 +5,9 @@ FSDP2 shards a parameter along its first dimension; for the experts' ``gate_up``
 and ``down`` ``(E, D, H)`` that is the expert dimension, so each rank's shard is whole experts
 when ``E`` is a multiple of the shard count. Each expert's 128x128 blocks then lie in one
 rank's shard, and the rank quantizes them itself with no collective, exactly as the grouped GEMM
-quantizes that expert (``computectx.fp8.fp8_grouped_mm``: ``quantize_blocks`` of ``w[g]``,
-``128x128``, the policy's step rule). ``enable_fp8_expert_gather`` turns such weights into an
-``ExpertsGatheredAsFp8``, whose FSDP2 extension points hand over the codes (``uint8``: gloo
+quantizes that expert (``computectx.formats.quantized_grouped_mm``: ``quantize_blocks`` of ``w[g]``,
+``128x128``, the policy's step rule). ``enable_quantized_expert_gather`` turns such weights into an
+``ExpertsGatheredQuantized``, whose FSDP2 extension points hand over the codes (``uint8``: gloo
 refuses float8) and the block steps, and, once gathered, rebuild the weight as the codes times
 their steps at the gathered dtype. The grouped GEMM quantizes that weight again, per expert;
 its blocks' amaxes are the dequantized ones, so the codes come out the same (with
@@ -16,7 +16,7 @@ On the wire: ``1 + 4/16384`` bytes per element against 4 (float32) or 2 (bf16).
 
 Experts whose count is not a multiple of the shard count (their shards would cut experts) and
 experts under other granularities gather high precision, as FSDP2 does by itself (one
-``Fp8GatherFallbackWarning`` per layer for the first kind). Everywhere else the weight is its
+``GatherFallbackWarning`` per layer for the first kind). Everywhere else the weight is its
 high-precision tensor: optimizers update it and ``state_dict`` saves plain tensors.
 """
 
@@ -31,11 +31,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
-from computectx.distributed.fp8_all_gather import BLOCK_ROWS, Fp8GatherFallbackWarning
-from computectx.fp8.seam import quantize_blocks, step_rule_of
+from computectx.distributed.fp8_all_gather import BLOCK_ROWS, GatherFallbackWarning
+from computectx.formats.seam import quantize_blocks, step_rule_of
 from computectx.nn.experts import GroupedExperts
 
-__all__ = ["ExpertsGatheredAsFp8", "dequantize_expert_blocks", "enable_fp8_expert_gather"]
+__all__ = ["ExpertsGatheredQuantized", "dequantize_expert_blocks", "enable_quantized_expert_gather"]
 
 _WEIGHTS = ("gate_up", "down")
 _SAVE_PLAIN = plain_state_dict_hook(_WEIGHTS)
@@ -52,7 +52,7 @@ def dequantize_expert_blocks(
         return (codes.float() * whole[:, :, :k]).to(dtype)
 
 
-class ExpertsGatheredAsFp8(GatheredAsFp8):
+class ExpertsGatheredQuantized(GatheredAsFp8):
     """A 3-D expert weight that FSDP2 all-gathers as fp8 codes and 128x128 block steps
     (module docstring). Wraps the high-precision tensor ``hp``; every other op runs on it."""
 
@@ -120,26 +120,26 @@ def gathers_experts_as_fp8(experts: GroupedExperts, world: int) -> bool:
     return int(experts.gate_up.shape[0]) % world == 0
 
 
-def enable_fp8_expert_gather(
+def enable_quantized_expert_gather(
     model: nn.Module, world: int, *, skip: frozenset[int] = frozenset()
 ) -> int:
     """Make FSDP2 (``world`` shards) all-gather the expert weights of every fp8 ``block``
     ``GroupedExperts`` of ``model`` as fp8; returns how many modules. Call it after
-    ``convert_to_fp8`` and before ``fully_shard`` and the optimizer (the weights become new
+    ``convert_to_quantized`` and before ``fully_shard`` and the optimizer (the weights become new
     ``Parameter`` objects). Weights whose ``id`` is in ``skip`` (expert-parallel ones, which
     FSDP2 does not shard) are left alone; experts whose count ``world`` does not divide gather
-    high precision, with one ``Fp8GatherFallbackWarning`` each."""
+    high precision, with one ``GatherFallbackWarning`` each."""
     count = 0
     for fqn, m in model.named_modules():
         if not isinstance(m, GroupedExperts) or m.fp8 is None:
             continue
         if m.fp8.policy.granularity != "block" or id(m.gate_up) in skip:
             continue
-        if isinstance(m.gate_up, ExpertsGatheredAsFp8 | DTensor):
+        if isinstance(m.gate_up, ExpertsGatheredQuantized | DTensor):
             continue
         if not gathers_experts_as_fp8(m, world):
             warnings.warn(
-                Fp8GatherFallbackWarning(
+                GatherFallbackWarning(
                     f"{fqn or 'the model'} has {m.gate_up.shape[0]} experts, which {world} "
                     f"FSDP2 shards would cut: its expert weights all-gather high precision "
                     f"(an fp8 gather needs the expert count to be a multiple of the shard "
@@ -151,7 +151,7 @@ def enable_fp8_expert_gather(
         for attr in _WEIGHTS:
             w = getattr(m, attr)
             name = f"{fqn}.{attr}" if fqn else attr
-            wrapped = ExpertsGatheredAsFp8(w.detach(), name)
+            wrapped = ExpertsGatheredQuantized(w.detach(), name)
             setattr(m, attr, nn.Parameter(wrapped, requires_grad=w.requires_grad))
         m.register_state_dict_post_hook(_SAVE_PLAIN)  # type: ignore[no-untyped-call]
         count += 1

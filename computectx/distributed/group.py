@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from computectx.ctx import ComputeCtx
 from computectx.distributed.collectives import all_reduce_on
-from computectx.fp8 import Fp8Linear
+from computectx.formats import QuantizedLinear
 
 __all__ = [
     "GroupArg",
@@ -112,11 +112,11 @@ def _fp8_layers_of(model: nn.Module) -> list[_Entry]:
     return [
         (
             fqn,
-            f"Fp8Linear({m.in_features}->{m.out_features}, granularity "
+            f"QuantizedLinear({m.in_features}->{m.out_features}, granularity "
             f"{m.policy.granularity!r}, {m.policy})",
         )
         for fqn, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
     ]
 
 
@@ -140,7 +140,7 @@ def _first_difference(mine: list[_Entry], theirs: list[_Entry]) -> tuple[str, st
 
 def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bool) -> None:
     """Stop with a clear error, on every rank, when the ranks of ``group`` converted different
-    layers to fp8 (FQN, widths, granularity and policy of every ``Fp8Linear``), or, with
+    layers to fp8 (FQN, widths, granularity and policy of every ``QuantizedLinear``), or, with
     ``parameters``, hold different parameters (FQN, shape, dtype: FSDP2 shards each one
     over the ranks).
 

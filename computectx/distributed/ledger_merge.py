@@ -1,4 +1,4 @@
-"""The merge of the ranks' fp8 ledgers: what every rank holds after ``Fp8AmaxSync`` merges.
+"""The merge of the ranks' fp8 ledgers: what every rank holds after ``AmaxSync`` merges.
 
 ``merge_operands`` takes the ledgers and element counts of every rank (one all-gather, done
 by the caller) and writes into each operand what one process quantizing the whole batch
@@ -39,8 +39,8 @@ from typing import Literal
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Linear
-from computectx.fp8.seam import (
+from computectx.formats import QuantizedLinear
+from computectx.formats.seam import (
     OperandScaling,
     Role,
     ledger_history,
@@ -61,7 +61,7 @@ LossNormalization = Literal["per_rank", "global"]
 class MergeEntry:
     """One operand to merge, with what the last merge left in it."""
 
-    layer: Fp8Linear
+    layer: QuantizedLinear
     role: Role
     op: OperandScaling
     before: torch.Tensor
@@ -80,7 +80,7 @@ def payload(entries: list[MergeEntry]) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _format_of(layer: Fp8Linear, role: Role) -> Fp8Format:
+def _format_of(layer: QuantizedLinear, role: Role) -> Fp8Format:
     scheme = layer.policy.format
     return scheme.backward if role == "grad" else scheme.forward
 
@@ -161,7 +161,7 @@ def _merge_elements(entry: MergeEntry, counts: torch.Tensor) -> None:
 
 
 def rescale_grad_ledger(
-    layer: Fp8Linear, world_size: int, loss_normalization: LossNormalization = "per_rank"
+    layer: QuantizedLinear, world_size: int, loss_normalization: LossNormalization = "per_rank"
 ) -> None:
     """Bring ``layer``'s scaling state to ``world_size`` ranks (device ops, in place).
 

@@ -8,10 +8,10 @@ cast to ``ctx.compute`` (FSDP2's default, as torchtitan's ``mixed_precision_para
 ``fully_shard``; call it yourself where you shard by hand (Lightning's
 ``ModelParallelStrategy``, a torchtitan ``parallelize_fn``).
 
-The fp8 weights are unaffected: a ``WeightGatheredAsFp8`` hands FSDP2 its own all-gather
+The fp8 weights are unaffected: a ``WeightGatheredQuantized`` hands FSDP2 its own all-gather
 inputs (``fsdp_pre_all_gather``: the codes of its high-precision shard, as ``uint8``), which
 FSDP2 never casts, so the codes and the bytes are those of the float32 master; only the
-nominal dtype of the gathered ``Fp8Weight`` (the dtype of its gradient) becomes
+nominal dtype of the gathered ``QuantizedWeight`` (the dtype of its gradient) becomes
 ``ctx.compute``. docs/distributed.md, "Mixed precision under FSDP2 and DDP", has the bytes,
 the bounds against one process and why DDP's all-reduce keeps its own dtype.
 """

@@ -31,8 +31,8 @@ from computectx.distributed.expert_parallel import (
     update_expert_bias,
 )
 from computectx.distributed.fp8_amax_sync import (
+    AmaxSync,
     CurrentAmax,
-    Fp8AmaxSync,
     LossNormalization,
     rescale_grad_ledger,
 )
@@ -49,7 +49,7 @@ from computectx.distributed.parallel_steps import (
     distribute,
     world_of,
 )
-from computectx.fp8 import Fp8ConversionReport, Fp8Linear, convert_to_fp8
+from computectx.formats import ConversionReport, QuantizedLinear, convert_to_quantized
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 __all__ = ["Parallel", "Strategy", "parallelize"]
@@ -86,12 +86,12 @@ class Parallel:
     """An ``OffloadedOptimizer`` where the ctx asks for one, else ``optimizer_class``."""
     accumulator: LowPrecGradAccumulator | None
     """The gradient accumulator, where the ctx asks for one (DDP and one process)."""
-    sync: Fp8AmaxSync | None
+    sync: AmaxSync | None
     """The fp8 amax sync (many ranks, fp8 policy): it merges the ranks' scaling state at the
     end of every backward of ``model``. Row, block and mx layers reduce no amax (their
     scales keep no history); their statistics are merged with the rest."""
-    conversion: Fp8ConversionReport | None
-    """What ``convert_to_fp8`` did (fp8 policy)."""
+    conversion: ConversionReport | None
+    """What ``convert_to_quantized`` did (fp8 policy)."""
     world_size: int
     loss_normalization: LossNormalization = "per_rank"
     """What each rank's loss is normalized by (``parallelize``'s argument)."""
@@ -240,7 +240,7 @@ class Parallel:
             # first merge (one process): a gradient ledger saved on N ranks would keep steps
             # N times too large. With a sync, its first merge does this.
             for layer in self.module.modules():
-                if isinstance(layer, Fp8Linear) and layer.policy.granularity == "tensor":
+                if isinstance(layer, QuantizedLinear) and layer.policy.granularity == "tensor":
                     rescale_grad_ledger(layer, self.world_size, self.loss_normalization)
         if isinstance(opt, OffloadedOptimizer):
             set_optimizer_state_dict(self.module, opt, state[_OPTIMIZER])
@@ -269,9 +269,9 @@ def parallelize(
     """Set ``model`` up to train under ``ctx`` on every rank of ``mesh`` (default: the whole
     default group; none: one process), in the one right order, and return a ``Parallel``.
 
-    1. fp8 policy: ``convert_to_fp8(model, ctx, module_filter=fp8_filter)``.
+    1. fp8 policy: ``convert_to_quantized(model, ctx, module_filter=fp8_filter)``.
     2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 (``fp8_all_gather``; weights
-       tied to another module, and ``row`` and ``mx`` weights (``gathers_as_fp8``), gather
+       tied to another module, and ``row`` and ``mx`` weights (``gathers_quantized``), gather
        high precision), then ``fully_shard`` each of
        ``shard_units`` (default: every block of a ``ModuleList``, else every child with
        parameters) and the root, with ``mp_policy`` (default
@@ -281,7 +281,7 @@ def parallelize(
        ``strategy="ddp"``: ``DistributedDataParallel``, whose gradients are all-reduced at
        the parameters' dtype (or by the accumulator, below; docs/distributed.md says why
        not at ``ctx.grad``).
-    3. fp8 policy on many ranks: ``sync_fp8_scaling`` on what runs forward
+    3. fp8 policy on many ranks: ``sync_scaling`` on what runs forward
        (``current_amax``, ``loss_normalization`` as there; ``current_amax`` defaults to
        ``"local"`` under DDP, ``"group"`` under FSDP2). It merges every rank's scaling
        state at the end of each backward, so no forward and no ``state_dict()`` issues a
@@ -306,7 +306,7 @@ def parallelize(
     Mixture-of-experts models (``computectx.nn.MoE``) take part as they are: under DDP the
     3-D expert weights are replicated (an expert no token chose has a zero gradient, so the
     reducer sees every parameter), under FSDP2 they are sharded along their expert dimension
-    (a ``block`` fp8 policy gathers them as fp8: ``enable_fp8_expert_gather``), and each
+    (a ``block`` fp8 policy gathers them as fp8: ``enable_quantized_expert_gather``), and each
     ``MoE``'s rank-local load counters stay out of DDP's buffer broadcast. ``Parallel.step``
     moves the routers' auxiliary-loss-free biases with the whole batch's load (one
     all-reduce per step), so they stay identical on every rank. A model spread over the
@@ -327,7 +327,7 @@ def parallelize(
     )  # fmt: skip
     check_setup(model, ctx, args, world, group)
     experts = expert_parameters(model)
-    conversion = convert_to_fp8(model, ctx, module_filter=fp8_filter) if ctx.fp8 else None
+    conversion = convert_to_quantized(model, ctx, module_filter=fp8_filter) if ctx.recipe else None
     run, sync, sharded = model, None, strategy == "fsdp" and world > 1
     if world > 1:
         run, mesh, sync = distribute(model, ctx, args, mesh, group, world, experts)

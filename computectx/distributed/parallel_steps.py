@@ -18,12 +18,12 @@ from torch.nn.parallel import DistributedDataParallel
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import moe_local_buffers
 from computectx.distributed.fp8_all_gather import (
-    enable_fp8_all_gather,
-    gathers_as_fp8,
+    enable_quantized_all_gather,
+    gathers_quantized,
     parameter_holders,
 )
-from computectx.distributed.fp8_amax_sync import Fp8AmaxSync, fp8_buffer_names
-from computectx.distributed.fp8_expert_gather import enable_fp8_expert_gather
+from computectx.distributed.fp8_amax_sync import AmaxSync, scaling_buffer_names
+from computectx.distributed.fp8_expert_gather import enable_quantized_expert_gather
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
     agree,
@@ -41,7 +41,7 @@ from computectx.distributed.parallel_checks import (
     uses_offloaded,
 )
 from computectx.distributed.sharding import ShardedParams
-from computectx.fp8 import Fp8Linear
+from computectx.formats import QuantizedLinear
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 __all__ = [
@@ -98,7 +98,7 @@ def distribute(
     group: dist.ProcessGroup | None,
     world: int,
     experts: list[nn.Parameter],
-) -> tuple[nn.Module, DeviceMesh | None, Fp8AmaxSync | None]:
+) -> tuple[nn.Module, DeviceMesh | None, AmaxSync | None]:
     """Spread the (converted) ``model`` over ``world`` ranks: what runs forward, the mesh
     (FSDP2 makes one over the default group when none was given) and the fp8 amax sync."""
     sharded = args.strategy == "fsdp"
@@ -119,8 +119,8 @@ def distribute(
         join_forwards(run, data_parallel_group(group), args.join_timeout)
     average_expert_grads(experts, world)
     sync = None
-    if ctx.fp8:
-        sync = Fp8AmaxSync(
+    if ctx.recipe:
+        sync = AmaxSync(
             run,
             mesh,
             hooks=True,
@@ -141,10 +141,10 @@ def shard(
 ) -> None:
     """FSDP2: the fp8 weights all-gather as fp8 (``args.fp8_all_gather``), then
     ``fully_shard`` each shard unit and the root, in place."""
-    if ctx.fp8 and args.fp8_all_gather:
+    if ctx.recipe and args.fp8_all_gather:
         gather_fp8_weights_as_fp8(model, world, experts)
     # Gather at ctx.compute, reduce-scatter at ctx.grad (fp8 weights keep their
-    # fp8 gather: FSDP2 never casts a WeightGatheredAsFp8's own gather inputs).
+    # fp8 gather: FSDP2 never casts a WeightGatheredQuantized's own gather inputs).
     # Expert-parallel weights are each rank's own: FSDP2 leaves them alone.
     mixed = fsdp_mixed_precision(ctx) if args.mp_policy is None else args.mp_policy
     own = set(experts) or None
@@ -156,17 +156,17 @@ def shard(
 
 def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:
     """Make FSDP2 gather the fp8 layers' weights (but tied ones, and those whose policy
-    gathers high precision: ``gathers_as_fp8``) and the block fp8 experts as fp8."""
+    gathers high precision: ``gathers_quantized``) and the block fp8 experts as fp8."""
     owners = parameter_holders(model)
-    enable_fp8_all_gather(
+    enable_quantized_all_gather(
         model,
         module_filter=lambda m, fqn: (
-            isinstance(m, Fp8Linear)
-            and gathers_as_fp8(m.policy)
+            isinstance(m, QuantizedLinear)
+            and gathers_quantized(m.policy)
             and len(owners.get(id(m.weight), [])) <= 1
         ),
     )
-    enable_fp8_expert_gather(model, world, skip=frozenset(map(id, experts)))
+    enable_quantized_expert_gather(model, world, skip=frozenset(map(id, experts)))
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -199,13 +199,13 @@ def wrap_ddp(
         index = ctx.device.index
         ids = [torch.cuda.current_device() if index is None else index]
     # The fp8 scaling buffers stay out of DDP's broadcasts, at construction too: the
-    # amax sync merges them (fp8_buffer_names).
+    # amax sync merges them (scaling_buffer_names).
     ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
         model,
         [
             *ignored,
-            *fp8_buffer_names(model),
+            *scaling_buffer_names(model),
             *moe_local_buffers(model),
             *_names_of(model, experts),
         ],

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from computectx.distributed.collectives import all_reduce_on
-from computectx.distributed.fp8_all_gather import WeightGatheredAsFp8, sharded_weight_of
+from computectx.distributed.fp8_all_gather import WeightGatheredQuantized, sharded_weight_of
 from computectx.distributed.group import (
     GroupArg,
     check_join_timeout,
@@ -43,11 +43,11 @@ class ShardedParams:
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself; a
-        weight that FSDP2 gathers in fp8 (``WeightGatheredAsFp8``) gives the plain tensor it
+        weight that FSDP2 gathers in fp8 (``WeightGatheredQuantized``) gives the plain tensor it
         wraps, so masters and optimizer state are plain tensors."""
         with torch.no_grad():  # the shard itself (a view), not an autograd copy
             local = sharded_weight_of(tensor)
-        return local.hp if isinstance(local, WeightGatheredAsFp8) else local
+        return local.hp if isinstance(local, WeightGatheredQuantized) else local
 
     def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
         """``values`` summed (or maxed) over the group; a new CPU tensor.

@@ -1,10 +1,11 @@
 """fp8 linears of DTensors: tensor parallelism, and DTensor activations in general.
 
 Under ``parallelize_module`` (``ColwiseParallel``, ``RowwiseParallel``, sequence parallel
-inputs) or torchtitan's full_dtensor mode, an ``Fp8Linear`` receives DTensors: its weight is
+inputs) or torchtitan's full_dtensor mode, a ``QuantizedLinear`` receives DTensors: its weight is
 sharded over the tensor-parallel mesh dimension, its input is replicated or sharded there,
 and other mesh dimensions may shard the batch. The fp8 operators take plain tensors, so the
-call runs on the local shards (``dtensor_fp8_linear``, which ``computectx.fp8`` calls for any
+call runs on the local shards (``dtensor_quantized_linear``, which ``computectx.formats`` calls for
+any
 linear that has a DTensor operand once this package is imported), with one rule: **every
 quantize uses the amax of the whole tensor**, never of the rank's shard. For each operand
 the mesh dimensions it is sharded over are known from its placements, and its amax is
@@ -41,9 +42,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
 from computectx.distributed.collectives import ShardAmax
-from computectx.fp8.seam import AmaxReduce, Fp8LinearPlan, fp8_linear, set_dtensor_linear
+from computectx.formats.seam import AmaxReduce, Fp8LinearPlan, fp8_linear, set_dtensor_linear
 
-__all__ = ["dtensor_fp8_linear"]
+__all__ = ["dtensor_quantized_linear"]
 
 
 def _mesh_of(*ts: torch.Tensor | None) -> DeviceMesh:
@@ -115,7 +116,7 @@ def _reducer(groups: list[dist.ProcessGroup], then: AmaxReduce | None) -> AmaxRe
     return ShardAmax(groups, then) if groups else None
 
 
-def dtensor_fp8_linear(
+def dtensor_quantized_linear(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -195,4 +196,4 @@ def _contiguous(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-set_dtensor_linear(dtensor_fp8_linear)
+set_dtensor_linear(dtensor_quantized_linear)

@@ -3,7 +3,7 @@ framework: install the ``integrations`` extra). HF accelerate and Lightning Fabr
 see docs/integrations.md.
 
 - ``computectx.integrations.torchtitan``: a torchtitan model converter that rewrites the model
-  config's linears into ``Fp8Linear`` ones, and the ``parallelize_fn`` /
+  config's linears into ``QuantizedLinear`` ones, and the ``parallelize_fn`` /
   ``post_optimizer_build_fn`` hooks that keep their scaling in step on many ranks.
 - ``computectx.integrations.transformers_cache``: ``CtxStaticCache``, a transformers ``Cache``
   that stores K and V as ``ctx.kv`` says (16/32-bit, or fp8 codes with their steps), static
@@ -12,7 +12,7 @@ see docs/integrations.md.
   docs/serving.md).
 - ``computectx.integrations.transformers_moe``: transformers 5's mixture-of-experts experts
   (Qwen3-MoE, Mixtral, gpt-oss) in fp8 through transformers' own ``ExpertsInterface``;
-  ``convert_to_fp8`` imports it when a model holds a transformers module (docs/moe.md).
+  ``convert_to_quantized`` imports it when a model holds a transformers module (docs/moe.md).
 - ``computectx.integrations.torchtitan_moe``: torchtitan's grouped experts in fp8, for its
-  converter and for ``convert_to_fp8`` on a built model (docs/moe.md).
+  converter and for ``convert_to_quantized`` on a built model (docs/moe.md).
 """

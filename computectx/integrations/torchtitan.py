@@ -4,19 +4,19 @@ torchtitan (0.3) builds a model from a config tree, and its converters rewrite t
 the build. ``Fp8LinearConverter`` replaces every ``Linear.Config`` it selects with
 ``Fp8TitanLinear.Config``: the same widths, bias, ``param_init`` and ``sharding_config``, plus
 the ``ComputeCtx`` as its text form (``policy``), so the config stays plain data that dumps and
-parses. ``Fp8TitanLinear`` is an ``Fp8Linear`` that is also a torchtitan ``Module`` (config
+parses. ``Fp8TitanLinear`` is a ``QuantizedLinear`` that is also a torchtitan ``Module`` (config
 building, ``init_states``; its scaling buffers start fresh when the model is materialized from
 the meta device). Linears left alone: the names in ``filter_fqns``, output heads
-(``computectx.fp8.HEAD_NAMES``) unless ``convert_head``, widths that are not multiples of 16,
+(``computectx.formats.HEAD_NAMES``) unless ``convert_head``, widths that are not multiples of 16,
 and subclasses of ``Linear`` (their forward is their own). A mixture-of-experts model's
 routers keep their ``gate`` linear as it is (routing decides from its scores), and its grouped
 experts (``GroupedExperts.Config``) become ``computectx.integrations.torchtitan_moe``'s fp8
-class, whose grouped GEMMs run through ``ExpertsFp8.mm`` (``convert_experts``).
+class, whose grouped GEMMs run through ``QuantizedExperts.mm`` (``convert_experts``).
 
 Two hooks for the ``ModelSpec``:
 
 - ``fp8_parallelize_fn(base)``: runs the model's own ``parallelize_fn``, then attaches
-  ``sync_fp8_scaling`` over the ranks that see different data (torchtitan's ``loss`` mesh:
+  ``sync_scaling`` over the ranks that see different data (torchtitan's ``loss`` mesh:
   data parallel and context parallel), after ``fully_shard`` as it must be, with
   torchtitan's loss normalization (``"global"``: each rank's summed loss over the global token
   count, FSDP2's gradient division off);
@@ -46,9 +46,9 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.protocols.module import Module
 
 from computectx import ComputeCtx
-from computectx.distributed import sync_fp8_scaling
+from computectx.distributed import sync_scaling
 from computectx.distributed.fp8_amax_sync import LossNormalization
-from computectx.fp8 import FEATURE_MULTIPLE, HEAD_NAMES, Fp8Linear
+from computectx.formats import FEATURE_MULTIPLE, HEAD_NAMES, QuantizedLinear
 from computectx.integrations.torchtitan_moe import convert_experts_configs, router_gates
 
 __all__ = [
@@ -68,8 +68,8 @@ def policy_of(policy: str, device: str = "cuda") -> ComputeCtx:
     return ComputeCtx.from_flag(policy, device)
 
 
-class Fp8TitanLinear(Fp8Linear, Module):
-    """``Fp8Linear`` built from a torchtitan config (``Fp8TitanLinear.Config``)."""
+class Fp8TitanLinear(QuantizedLinear, Module):
+    """``QuantizedLinear`` built from a torchtitan config (``Fp8TitanLinear.Config``)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(Linear.Config):
@@ -78,7 +78,7 @@ class Fp8TitanLinear(Fp8Linear, Module):
         policy: str
 
     def __init__(self, config: Config) -> None:
-        Fp8Linear.__init__(
+        QuantizedLinear.__init__(
             self,
             config.in_features,
             config.out_features,
@@ -112,10 +112,10 @@ class Fp8LinearConverter(QuantizationConverter):
     def __init__(self, config: Config) -> None:
         self.config = config
         ctx = policy_of(config.policy, config.device)
-        if ctx.fp8 is None:
+        if ctx.recipe is None:
             raise ValueError(f"the policy {config.policy!r} has no fp8 policy: {ctx}")
         self.policy = str(ctx)
-        self.multiple = 32 if ctx.fp8.granularity == "mx" else FEATURE_MULTIPLE
+        self.multiple = 32 if ctx.recipe.granularity == "mx" else FEATURE_MULTIPLE
         self.converted: list[str] = []
         """The linears and experts converted, by fqn (experts also in ``experts``)."""
         self.experts: list[str] = []
@@ -161,7 +161,7 @@ _SYNC_ATTR = "_computectx_fp8_sync"
 def fp8_parallelize_fn(
     base: Callable[..., nn.Module], *, loss_normalization: LossNormalization = "global"
 ) -> Callable[..., nn.Module]:
-    """``base`` (a model's ``parallelize_fn``), then ``sync_fp8_scaling`` over the ranks that
+    """``base`` (a model's ``parallelize_fn``), then ``sync_scaling`` over the ranks that
     see different data (the ``loss`` mesh), on what ``base`` returned.
 
     ``loss_normalization`` is torchtitan's by default, ``"global"``: its trainer divides each
@@ -169,7 +169,7 @@ def fp8_parallelize_fn(
     division off (``disable_fsdp_gradient_division``), so a rank's output gradients are the
     whole batch's, whatever the world size, and a checkpoint saved at another world size
     loads with its gradient ledgers as they are. Pass ``"per_rank"`` for a ``base`` whose
-    loss is each rank's mean with FSDP2's averaging (``sync_fp8_scaling`` says what it
+    loss is each rank's mean with FSDP2's averaging (``sync_scaling`` says what it
     changes)."""
     if loss_normalization not in ("per_rank", "global"):
         raise ValueError(
@@ -180,7 +180,7 @@ def fp8_parallelize_fn(
         model = base(model, parallel_dims=parallel_dims, **kwargs)
         mesh = parallel_dims.get_optional_mesh("loss")
         if mesh is not None and mesh.size() > 1:
-            sync = sync_fp8_scaling(model, mesh, loss_normalization=loss_normalization)
+            sync = sync_scaling(model, mesh, loss_normalization=loss_normalization)
             setattr(model, _SYNC_ATTR, sync)
         return model
 

@@ -1,11 +1,13 @@
-"""fp8 grouped experts in torchtitan: its ``GroupedExperts`` with their GEMMs in ``ExpertsFp8``.
+"""fp8 grouped experts in torchtitan: its ``GroupedExperts`` with their GEMMs in
+``QuantizedExperts``.
 
 torchtitan (0.3) keeps a mixture-of-experts layer's routed experts in one ``GroupedExperts``
 (``w1_EFD``, ``w3_EFD`` ``(E, hidden, dim)``, ``w2_EDF`` ``(E, dim, hidden)``; gpt-oss's
 ``GptOssGroupedExperts`` with ``mlp1``/``mlp2`` weights and biases), and runs each projection
 through one seam, ``_grouped_mm(A=x, B_t=w.transpose(-2, -1), offs=offs)`` (torchtitan's own
 MXFP8 converter overrides the same seam). ``fp8_experts_class(cls)`` is ``cls`` with that seam
-running ``ExpertsFp8.mm(x, w, offs)`` instead (one subclass per class, cached), so routing, the
+running ``QuantizedExperts.mm(x, w, offs)`` instead (one subclass per class, cached), so routing,
+the
 activation, biases and the token dispatcher stay torchtitan's; the router (``moe.router``,
 its ``gate`` a ``Linear``) is never converted.
 
@@ -15,7 +17,8 @@ Two ways in:
   ``GroupedExperts.Config`` with ``fp8_experts_class(cls).Config`` (the same fields plus the
   policy as ``str(ctx)``), as it does linears, and leaves the routers' gates alone;
 - a built model: ``TitanExperts``, the ``ExpertsConverter`` registered here, lets
-  ``computectx.fp8.convert_to_fp8`` switch a built ``GroupedExperts`` to its fp8 class in place
+  ``computectx.formats.convert_to_quantized`` switch a built ``GroupedExperts`` to its fp8 class in
+  place
   (and back), keeping its parameters.
 """
 
@@ -29,7 +32,7 @@ from torch import nn
 from torchtitan.models.common.moe import GroupedExperts, TokenChoiceTopKRouter
 
 from computectx import ComputeCtx
-from computectx.fp8 import ExpertsFp8, register_experts_converter, select_backend
+from computectx.formats import QuantizedExperts, register_experts_converter, select_backend
 
 __all__ = [
     "FP8_ATTR",
@@ -41,17 +44,17 @@ __all__ = [
 ]
 
 FP8_ATTR = "computectx_fp8"
-"""The attribute of a converted experts module that holds its ``ExpertsFp8``."""
+"""The attribute of a converted experts module that holds its ``QuantizedExperts``."""
 
 _FP8_CLASSES: dict[type[GroupedExperts], type[GroupedExperts]] = {}  # class -> its fp8 one
 _BASES: dict[type[GroupedExperts], type[GroupedExperts]] = {}  # fp8 class -> its base
 
 
-def experts_fp8_of(ctx: ComputeCtx) -> ExpertsFp8:
-    """The ``ExpertsFp8`` of ``ctx``: its fp8 policy, the backend of ``ctx.device``."""
-    if ctx.fp8 is None:
+def experts_fp8_of(ctx: ComputeCtx) -> QuantizedExperts:
+    """The ``QuantizedExperts`` of ``ctx``: its fp8 policy, the backend of ``ctx.device``."""
+    if ctx.recipe is None:
         raise ValueError(f"the policy has no fp8 policy: {ctx}")
-    return ExpertsFp8(ctx.fp8, select_backend(ctx.device)[0])
+    return QuantizedExperts(ctx.recipe, select_backend(ctx.device)[0])
 
 
 def fp8_experts_class(base: type[GroupedExperts]) -> type[GroupedExperts]:
@@ -82,7 +85,7 @@ def fp8_experts_class(base: type[GroupedExperts]) -> type[GroupedExperts]:
             B_t: torch.Tensor,  # noqa: N803
             offs: torch.Tensor,
         ) -> torch.Tensor:
-            fp8: ExpertsFp8 = vars(self)[FP8_ATTR]
+            fp8: QuantizedExperts = vars(self)[FP8_ATTR]
             return fp8.mm(A, B_t.transpose(-2, -1), offs)
 
     Fp8Experts.__name__ = Fp8Experts.__qualname__ = f"Fp8{base.__name__}"
@@ -131,12 +134,12 @@ class TitanExperts:
         found = {n: p for n, p in module.named_parameters(recurse=False) if p.dim() == 3}
         return found or None
 
-    def current(self, module: nn.Module) -> ExpertsFp8 | None:
-        """The module's ``ExpertsFp8`` if it is converted."""
+    def current(self, module: nn.Module) -> QuantizedExperts | None:
+        """The module's ``QuantizedExperts`` if it is converted."""
         found = vars(module).get(FP8_ATTR)
-        return found if type(module) in _BASES and isinstance(found, ExpertsFp8) else None
+        return found if type(module) in _BASES and isinstance(found, QuantizedExperts) else None
 
-    def convert(self, module: nn.Module, fp8: ExpertsFp8 | None) -> None:
+    def convert(self, module: nn.Module, fp8: QuantizedExperts | None) -> None:
         """Switch ``module`` to its fp8 class with ``fp8`` (``None``: back to its own)."""
         if not isinstance(module, GroupedExperts):
             raise TypeError(f"not a torchtitan GroupedExperts: {type(module).__name__}")
@@ -144,8 +147,8 @@ class TitanExperts:
             module.__class__ = _BASES.get(type(module), type(module))
             vars(module).pop(FP8_ATTR, None)
             return
-        if not isinstance(fp8, ExpertsFp8):
-            raise TypeError(f"convert takes an ExpertsFp8 or None, got {type(fp8).__name__}")
+        if not isinstance(fp8, QuantizedExperts):
+            raise TypeError(f"convert takes a QuantizedExperts or None, got {type(fp8).__name__}")
         module.__class__ = fp8_experts_class(type(module))
         setattr(module, FP8_ATTR, fp8)
 

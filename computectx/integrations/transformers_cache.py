@@ -10,7 +10,7 @@ read, and does not recompile as the position moves. Each layer holds a
 - a ``kv`` in the lattice (``f32``, ``bf16``, ``f16``) stores the keys and values at that
   dtype (``ctx.to_kv``, a plain cast);
 - an fp8 ``kv`` (``KvFp8``) stores fp8 codes and steps at ``kv.step``'s format (f32, bf16
-  or e8m0, ``computectx.fp8.numerics.kv_quant`` and ``computectx.nn.kv_steps``):
+  or e8m0, ``computectx.formats.numerics.kv_quant`` and ``computectx.nn.kv_steps``):
   ``per_token_head`` takes a step from each (token, head) vector as it is written, and the
   static ``per_head`` / ``per_tensor`` take theirs from a calibrated amax
   (``calibrate_transformers_kv``), given as ``kv_amax``. A static scheme with no ``kv_amax``
@@ -24,7 +24,7 @@ times step, in float32), the window's positions taken unquantized, and rounded o
 that dtype. The attention itself is the model's
 (its ``attn_implementation``); positions past the cache's length are masked as for
 ``StaticCache`` (``get_mask_sizes``). So with fp8 codes the scores and the weighted sum run
-at the model's dtype, not in float32 as ``computectx.fp8.ops.attention`` runs them.
+at the model's dtype, not in float32 as ``computectx.formats.ops.attention`` runs them.
 
 Every layer must be a full-attention layer (``layer_types``: ``"full_attention"``): sliding,
 chunked and linear-attention layers are refused by name. The buffers live on the device of
@@ -50,7 +50,7 @@ from transformers.configuration_utils import PreTrainedConfig
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType
-from computectx.fp8.seam import static_kv_steps
+from computectx.formats.seam import static_kv_steps
 from computectx.kv_policy import KvFp8
 from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 

@@ -6,11 +6,13 @@ transformers 5 stores a model's routed experts as 3-D parameters in one module p
 ``self.config._experts_implementation`` in ``ALL_EXPERTS_FUNCTIONS`` (``"grouped_mm"`` by
 default) and runs that function. Importing this module registers one more function there,
 ``"computectx_fp8"`` (``IMPLEMENTATION``), and an ``ExpertsConverter`` with
-``computectx.fp8.register_experts_converter``, so ``convert_to_fp8(model, ctx)`` converts the
-experts of a transformers model like its linears (``computectx.fp8`` imports this module when
+``computectx.formats.register_experts_converter``, so ``convert_to_quantized(model, ctx)`` converts
+the
+experts of a transformers model like its linears (``computectx.formats`` imports this module when
 a model holds transformers modules). No transformers class is patched.
 
-Converting one experts module (``TransformersExperts.convert``) stores the ``ExpertsFp8`` on it
+Converting one experts module (``TransformersExperts.convert``) stores the ``QuantizedExperts`` on
+it
 (attribute ``computectx_fp8``, ``FP8_ATTR``) and gives it its own shallow copy of its config
 whose ``_experts_implementation`` is ``"computectx_fp8"``. The model's config is left as it
 was: ``save_pretrained`` writes what it wrote before, a module left unconverted (a
@@ -19,7 +21,7 @@ does not undo the conversion (``convert(module, None)`` does: it restores the co
 had).
 
 The function is transformers' ``grouped_mm`` experts forward with the two grouped GEMMs run by
-``ExpertsFp8.mm``: the (token, expert) pairs sorted by expert (stable), int32 cumulative
+``QuantizedExperts.mm``: the (token, expert) pairs sorted by expert (stable), int32 cumulative
 ``offs``, ``gate_up_proj`` (or ``up_proj``), the module's ``_apply_gate`` (or ``act_fn``),
 ``down_proj``, the routing weights, and each token's ``top_k`` rows summed. The layouts the
 decorator declares are all served: transposed weights (gpt-oss: ``(E, in, out)``, passed to
@@ -42,7 +44,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
 
-from computectx.fp8 import ExpertsFp8, register_experts_converter
+from computectx.formats import QuantizedExperts, register_experts_converter
 
 __all__ = [
     "FP8_ATTR",
@@ -56,7 +58,7 @@ IMPLEMENTATION = "computectx_fp8"
 """The name of the experts function in transformers' ``ALL_EXPERTS_FUNCTIONS``."""
 
 FP8_ATTR = "computectx_fp8"
-"""The attribute of a converted experts module that holds its ``ExpertsFp8``."""
+"""The attribute of a converted experts module that holds its ``QuantizedExperts``."""
 
 _HP_CONFIG = "_computectx_hp_config"  # the config the module had before it was converted
 
@@ -113,12 +115,12 @@ class TransformersExperts:
             return None
         return {name: _as_out_in(module, getattr(module, name)) for name in names}
 
-    def current(self, module: nn.Module) -> ExpertsFp8 | None:
-        """The module's ``ExpertsFp8`` if it is converted."""
+    def current(self, module: nn.Module) -> QuantizedExperts | None:
+        """The module's ``QuantizedExperts`` if it is converted."""
         found = vars(module).get(FP8_ATTR)
-        return found if isinstance(found, ExpertsFp8) else None
+        return found if isinstance(found, QuantizedExperts) else None
 
-    def convert(self, module: nn.Module, fp8: ExpertsFp8 | None) -> None:
+    def convert(self, module: nn.Module, fp8: QuantizedExperts | None) -> None:
         """From now on the module's GEMMs run through ``fp8.mm``; ``None``: as before."""
         state = vars(module)
         if fp8 is None:
@@ -126,8 +128,8 @@ class TransformersExperts:
                 module.config = state.pop(_HP_CONFIG)
             state.pop(FP8_ATTR, None)
             return
-        if not isinstance(fp8, ExpertsFp8):
-            raise TypeError(f"convert takes an ExpertsFp8 or None, got {type(fp8).__name__}")
+        if not isinstance(fp8, QuantizedExperts):
+            raise TypeError(f"convert takes a QuantizedExperts or None, got {type(fp8).__name__}")
         if self.weights(module) is None:
             raise ValueError(
                 f"{type(module).__name__} is not a transformers experts module with 3-D "
@@ -144,7 +146,7 @@ class TransformersExperts:
 
 
 def _grouped(
-    fp8: ExpertsFp8,
+    fp8: QuantizedExperts,
     module: nn.Module,
     x: torch.Tensor,
     name: str,
@@ -166,13 +168,13 @@ def fp8_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """transformers' ``grouped_mm`` experts forward, its grouped GEMMs in fp8 (the module's
-    ``ExpertsFp8``); registered as ``"computectx_fp8"`` in ``ALL_EXPERTS_FUNCTIONS``."""
+    ``QuantizedExperts``); registered as ``"computectx_fp8"`` in ``ALL_EXPERTS_FUNCTIONS``."""
     fp8 = vars(self).get(FP8_ATTR)
-    if not isinstance(fp8, ExpertsFp8):
+    if not isinstance(fp8, QuantizedExperts):
         raise RuntimeError(
             f"{type(self).__name__} runs experts_implementation={IMPLEMENTATION!r} but holds no "
-            f"ExpertsFp8: convert the model with computectx.fp8.convert_to_fp8(model, ctx) "
-            f"instead of naming the implementation"
+            f"QuantizedExperts: convert the model with computectx.formats.convert_to_quantized("
+            f"model, ctx) instead of naming the implementation"
         )
     experts: Any = self.num_experts
     n_experts = int(experts)
@@ -218,7 +220,7 @@ def _is_fp8_state(key: str) -> bool:
 def load_fp8_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> tuple[str, ...]:
     """Load the fp8 scaling state that ``save_pretrained`` wrote at ``path`` (a directory of
     ``*.safetensors`` files, sharded or not, or one file) into ``model``, which
-    ``from_pretrained`` built from the same directory and ``convert_to_fp8`` converted as the
+    ``from_pretrained`` built from the same directory and ``convert_to_quantized`` converted as the
     saved model was. Returns the keys loaded.
 
     The reload of a transformers model, MoE or not: ``save_pretrained`` writes a MoE
@@ -242,7 +244,7 @@ def load_fp8_pretrained(model: nn.Module, path: str | os.PathLike[str]) -> tuple
     own = {k for k in model.state_dict() if _is_fp8_state(k)}
     if not own:
         raise ValueError(
-            "load_fp8_pretrained: the model holds no fp8 scaling state; call convert_to_fp8 "
+            "load_fp8_pretrained: the model holds no fp8 scaling state; call convert_to_quantized "
             "on it first, as the saved model was converted"
         )
     missing, unexpected = sorted(own - saved.keys()), sorted(saved.keys() - own)

@@ -1,7 +1,7 @@
 """The ``CUBLAS`` backend's launchers: torch's scaled GEMMs (``torch._scaled_mm``,
 ``F.scaled_mm``, ``F.scaled_grouped_mm``) under CUDA's rules, and which cuBLAS recipes run
 here. Like the Triton kernels beside it, it imports only torch and is reached lazily by the
-operator families (``computectx.fp8.ops.tensorwise``, ``ops.blockwise``, ``ops.grouped``),
+operator families (``computectx.formats.ops.tensorwise``, ``ops.blockwise``, ``ops.grouped``),
 which call it on checked arguments.
 
 ``scaled_mm`` is the per-tensor GEMM of ``computectx::fp8_scaled_mm``; ``block_scaled_mm``

@@ -1,6 +1,6 @@
 """Decode attention over an fp8 (or 16/32-bit) KV cache: one query per (batch, head).
 
-The twin and the semantics are in ``computectx.fp8.ops.attention``: keys and values
+The twin and the semantics are in ``computectx.formats.ops.attention``: keys and values
 dequantized per block in float32 (code widened, times its step), scores and online softmax
 in float32, the weighted sum in a float32 accumulator rescaled across blocks, one rounding
 to the query's dtype at the end.
@@ -254,7 +254,7 @@ def decode_attention(
     splits: int | None = None,
 ) -> torch.Tensor:
     """``(B, H, D)`` attention output at ``q``'s dtype; arguments as the twin's, already
-    checked by ``computectx.fp8.ops.attention`` (steps ``None`` for a 16/32-bit cache).
+    checked by ``computectx.formats.ops.attention`` (steps ``None`` for a 16/32-bit cache).
     ``splits`` forces the number of programs per (b, h) (tests); by default
     ``split_count``."""
     b, h, t_max, d = k.shape

@@ -12,7 +12,7 @@ gets step 1. Ragged edges are partial blocks (masked lanes load 0, which changes
 Two kernels: ``_quantize_blocks_kernel`` (1x32, 1x128, 128x128: a program loads each of its
 blocks once, measures, stores the step and the codes) and ``_quantize_rows_kernel`` (one
 step per row: a pass for the amax, a pass for the codes). The pure-torch twins are
-``computectx.fp8.numerics.blockwise``; the bytes and the steps agree bit for bit.
+``computectx.formats.numerics.blockwise``; the bytes and the steps agree bit for bit.
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)

@@ -15,7 +15,7 @@ accumulator once, in the epilogue. Then bias, and one rounding to the output dty
 rounded to nearest even on the bits, ``round_to_bf16``). Every edge is
 masked: any M, N and K (a partial last K block sums the columns there are).
 
-The twin is ``computectx.fp8.numerics.blockwise.reference_scaled_mm``. Under the interpreter
+The twin is ``computectx.formats.numerics.blockwise.reference_scaled_mm``. Under the interpreter
 the dot is float32 and results agree within ``numerics.blockwise.scaled_mm_error_bound``
 (splitting a block into sub-steps only reorders the float32 sums the bound allows). On sm_90 the
 tensor cores add one ``BLOCK_K`` step's products in a narrower accumulator (about 14 significant

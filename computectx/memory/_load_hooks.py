@@ -4,7 +4,7 @@ memory layer knows no such module, they plug in by defining any of these methods
 - ``check_state_tensors(local name -> tensor[, prefix=...])``: a check of the module's
   tensors before anything is replaced (an ``Attention``'s calibrated ``kv_amax``);
 - ``state_load_keys()`` and ``plan_state_load(local name -> tensor, prefix=...)``: keys the
-  module loads by its own rule (an ``Fp8Linear``'s scaling state), planned before anything
+  module loads by its own rule (a ``QuantizedLinear``'s scaling state), planned before anything
   is replaced and installed after the weights;
 - ``default_state_tensors()``: what a checkpoint that lacks some buffers loads instead.
 """
@@ -23,7 +23,7 @@ __all__ = ["Owner", "check_module_state", "plan_module_state", "state_defaults",
 def check_module_state(
     model: torch.nn.Module, tensors: dict[str, torch.Tensor], file: pathlib.Path
 ) -> None:
-    # A module whose buffers carry state with rules of their own (an Fp8Linear's scaling
+    # A module whose buffers carry state with rules of their own (a QuantizedLinear's scaling
     # state must match its policy) defines check_state_tensors(local_name -> tensor); it is
     # asked before anything is replaced, so a checkpoint it refuses leaves the model as it
     # was. A check that takes a `prefix` keyword gets the module's key prefix
@@ -48,7 +48,7 @@ Owner = tuple[str, Callable[..., Callable[[], None]], set[str]]
 
 
 def state_owners(model: torch.nn.Module) -> list[Owner]:
-    # Modules that load some of their tensors by a rule of their own (an Fp8Linear's scaling
+    # Modules that load some of their tensors by a rule of their own (a QuantizedLinear's scaling
     # state: another history length is converted, an absent state starts fresh) define
     # state_load_keys() -> local names and plan_state_load(local name -> tensor, prefix=...)
     # -> a callable that installs the result. Their keys skip the generic checks.

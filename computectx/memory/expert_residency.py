@@ -6,7 +6,7 @@ A mixture-of-experts layer stores each projection of its experts as one 3-D tens
 contiguous slice ``w[e]``. ``load_weights`` under ``Residency.MMAP`` leaves those tensors as
 views of a private memory map of the checkpoint, so a page of an expert is read from the file
 only when something touches it, and a grouped GEMM touches only the experts that have rows
-(``F.grouped_mm`` and every ``fp8_grouped_mm`` backend skip an empty group's weight). Decoding
+(``F.grouped_mm`` and every ``quantized_grouped_mm`` backend skip an empty group's weight). Decoding
 with a few experts selected then keeps a few experts resident, not the set.
 
 - ``experts_of(model)``: the experts modules of ``model`` and their 3-D weights, by fqn.

@@ -63,7 +63,7 @@ def save_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> pathli
 
     Tied tensors (the same tensor under several names) are stored once and recorded as
     aliases in the file's metadata, which ``load_weights`` reads back. Every tensor of the
-    state dict is stored, buffers included (an ``Fp8Linear``'s scaling state is buffers, so it
+    state dict is stored, buffers included (a ``QuantizedLinear``'s scaling state is buffers, so it
     travels with the weights); module extra state that is not a tensor (``get_extra_state``
     returning other objects) cannot go into safetensors and is left out.
 
@@ -118,9 +118,9 @@ def load_weights(
     cast silently. A module that defines ``check_state_tensors`` (an ``Attention``: its
     calibrated ``kv_amax``) checks its tensors then too (its ``ValueError`` is raised again
     naming the file; given a ``prefix`` keyword, it names its tensors by their full keys).
-    A module that defines ``state_load_keys`` and ``plan_state_load`` (an ``Fp8Linear``:
+    A module that defines ``state_load_keys`` and ``plan_state_load`` (a ``QuantizedLinear``:
     its scaling state) loads those keys by its own rule, the one its ``load_state_dict``
-    follows (``computectx.fp8.scaling.load``): they are left out of the key, shape and dtype
+    follows (``computectx.formats.scaling.load``): they are left out of the key, shape and dtype
     checks here and handed to ``plan_state_load``, which checks them (naming keys, dtypes
     or both policies; another history length is converted; absent, as from an
     ``nn.Linear`` checkpoint, the state starts fresh) before anything is replaced, and

@@ -9,9 +9,10 @@ kernel, or, on a CPU without native bf16/f16 GEMMs, the same numerics as float32
 exactly widened operands rounded once (``GemmPath.UPCAST``).
 
 Every module takes ``ctx`` in its constructor, so the policy is decided once and read
-everywhere. When ``ctx.fp8`` is set, the attention and MLP linears are built as
-``computectx.fp8.Fp8Linear`` (through ``convert_to_fp8``); the LM's output head stays a
-plain ``nn.Linear``; an ``MoE``'s experts run ``fp8_grouped_mm`` and its router stays precise.
+everywhere. When ``ctx.recipe`` is set, the attention and MLP linears are built as
+``computectx.formats.QuantizedLinear`` (through ``convert_to_quantized``); the LM's output head
+stays a
+plain ``nn.Linear``; an ``MoE``'s experts run ``quantized_grouped_mm`` and its router stays precise.
 """
 
 from computectx.nn.attention import Attention, Float32MatmulPrecisionWarning
@@ -24,7 +25,7 @@ from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_
 from computectx.nn.mlp import MLP
 from computectx.nn.moe import ExpertDispatch, LoadBalance, MoE, Router, RouterScore, Routing
 from computectx.nn.norm import RMSNorm
-from computectx.nn.params import apply_fp8_policy
+from computectx.nn.params import apply_recipe
 from computectx.nn.precise import apply_rope, rms_norm, rope_tables, softmax
 from computectx.nn.rope import RotaryEmbedding
 
@@ -50,7 +51,7 @@ __all__ = [
     "Router",
     "RouterScore",
     "Routing",
-    "apply_fp8_policy",
+    "apply_recipe",
     "apply_rope",
     "calibrate_kv",
     "decode_bytes",
@@ -65,3 +66,7 @@ __all__ = [
     "rope_tables",
     "softmax",
 ]
+
+
+# The 0.1.0 names, plain aliases of the names above until 0.3.0 (CHANGELOG.md; not in __all__).
+apply_fp8_policy = apply_recipe

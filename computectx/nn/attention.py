@@ -11,13 +11,13 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.seam import decode_attention, static_kv_steps
+from computectx.formats import Backend
+from computectx.formats.seam import decode_attention, static_kv_steps
 from computectx.kv_policy import KvFp8
 from computectx.nn.gemm import Gemm
 from computectx.nn.kv_cache import KVCache
 from computectx.nn.kv_steps import held_steps, widen_steps
-from computectx.nn.params import apply_fp8_policy, param_dtype
+from computectx.nn.params import apply_recipe, param_dtype
 from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
 
@@ -59,7 +59,7 @@ def _check_float32_matmul(device: torch.device) -> None:
 class Attention(nn.Module):
     """Multi-head causal self-attention with RoPE.
 
-    Projections (``Fp8Linear`` when ``ctx.fp8`` is set, else ``nn.Linear``), the scores and
+    Projections (``QuantizedLinear`` when ``ctx.recipe`` is set, else ``nn.Linear``), the scores and
     the weighted sum are GEMMs at ``ctx.compute`` with float32 accumulation (``Gemm``: torch's
     kernel, or its float32 emulation on CPUs without a half-precision one), inside
     ``ctx.autocast()``; RoPE and the softmax go through ``ctx.precise``. With a ``KVCache``,
@@ -68,7 +68,7 @@ class Attention(nn.Module):
 
     With an fp8 ``kv`` (``KvFp8``) the cache is read in float32: scores, softmax and the
     weighted sum of dequantized keys and values run in float32 (never at the compute dtype).
-    One query position (a decode step) runs ``computectx.fp8.ops.attention``, which
+    One query position (a decode step) runs ``computectx.formats.ops.attention``, which
     dequantizes block by block with float32 accumulation within and across blocks; several
     (a prefill) dequantize the cached prefix to float32 and run the causal attention there.
     The decode step uses no matmul; the prefill's are float32 matmuls, which a CUDA device
@@ -107,7 +107,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim, bias=False, device=ctx.device, dtype=dt)
         self.out = nn.Linear(dim, dim, bias=False, device=ctx.device, dtype=dt)
         self.rope = RotaryEmbedding(ctx, self.head_dim, max_len, rope_base)
-        apply_fp8_policy(self, ctx)
+        apply_recipe(self, ctx)
         self.gemm = Gemm.for_ctx(ctx)
         self.register_buffer("kv_amax", torch.zeros(2, n_heads, device=ctx.device))
         self.kv_observed: torch.Tensor | None = None
@@ -171,7 +171,7 @@ class Attention(nn.Module):
     # ----- caches -----------------------------------------------------------------------------
 
     def new_cache(
-        self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None
+        self, batch: int, max_len: int | None = None, *, backend: Backend | str | None = None
     ) -> KVCache:
         """An empty cache for this layer (``max_len`` defaults to the RoPE table length; any
         other value must be a positive int: ``ValueError`` otherwise, 0 included).

@@ -21,9 +21,9 @@ of every row against every expert, each row keeping its own expert's columns (``
 FLOPs: a fallback for parity runs and small models, not a fast path). Rows past ``offs[-1]``
 come out zero, and their gradients are zero.
 
-With ``fp8`` set (a ``computectx.fp8.ExpertsFp8``), the GEMMs run through ``fp8.mm(x, w,
-offs)`` instead: ``convert_to_fp8`` and ``apply_fp8_policy`` set it through the converter this
-module registers with ``computectx.fp8.register_experts_converter``.
+With ``fp8`` set (a ``computectx.formats.QuantizedExperts``), the GEMMs run through ``fp8.mm(x, w,
+offs)`` instead: ``convert_to_quantized`` and ``apply_recipe`` set it through the converter this
+module registers with ``computectx.formats.register_experts_converter``.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from torch.autograd.function import FunctionCtx
 
 from computectx._checks import as_int
 from computectx.ctx import ComputeCtx
-from computectx.fp8 import ExpertsFp8, register_experts_converter
-from computectx.fp8.seam import check_grouped, checked_bounds
+from computectx.formats import QuantizedExperts, register_experts_converter
+from computectx.formats.seam import check_grouped, checked_bounds
 from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.params import param_dtype
 
@@ -99,11 +99,11 @@ class GroupedExperts(nn.Module):
     takes rows sorted by expert and ``offs``, int32 ``(E,)`` cumulative end offsets
     (``F.grouped_mm``'s convention), and returns ``(M, dim)`` at ``ctx.compute``.
 
-    ``fp8`` is ``None`` (high precision) or the ``ExpertsFp8`` its GEMMs run through; an
-    ``MoE`` built under an fp8 ctx sets it at construction (``apply_fp8_policy``).
+    ``fp8`` is ``None`` (high precision) or the ``QuantizedExperts`` its GEMMs run through; an
+    ``MoE`` built under an fp8 ctx sets it at construction (``apply_recipe``).
     """
 
-    fp8: ExpertsFp8 | None
+    fp8: QuantizedExperts | None
 
     def __init__(self, ctx: ComputeCtx, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
@@ -160,7 +160,7 @@ HIGH_PRECISION: tuple[torch.dtype, ...] = (
 
 
 def check_inputs(x: object, w: object, offs: object, op: str, *, device_check: bool = True) -> None:
-    """The grouped GEMM's input check (``computectx.fp8``'s ``check_grouped``, which the fp8
+    """The grouped GEMM's input check (``computectx.formats``'s ``check_grouped``, which the fp8
     path runs too) and ``offs``' values: non-decreasing end rows in ``[0, M]``. In eager
     mode a host read of ``offs`` (``E`` integers) and a ``ValueError`` naming the first bad
     entry; inside ``torch.compile``, where a host read would break the graph, a check on
@@ -187,7 +187,7 @@ def grouped_linear(
     dtype by ``path`` (see the module); ``w`` ``(E, N, K)`` is rounded to ``x``'s dtype first
     (what autocast does). Rows past ``offs[-1]`` are zero. Differentiable in ``x`` and ``w``.
     Bad inputs (``offs`` not int32 ``(E,)``, negative, decreasing or past ``M``; shapes,
-    dtypes, devices) raise as ``fp8_grouped_mm`` does (``check_inputs``)."""
+    dtypes, devices) raise as ``quantized_grouped_mm`` does (``check_inputs``)."""
     check_inputs(x, w, offs, "grouped_linear")
     return _grouped_linear(x, w, offs, path)
 
@@ -332,17 +332,17 @@ def _dense_twin(
 
 
 class _GroupedExpertsConverter:
-    """How ``convert_to_fp8`` finds and converts a ``GroupedExperts``."""
+    """How ``convert_to_quantized`` finds and converts a ``GroupedExperts``."""
 
     def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         if not isinstance(module, GroupedExperts):
             return None
         return {"gate_up": module.gate_up, "down": module.down}
 
-    def current(self, module: nn.Module) -> ExpertsFp8 | None:
+    def current(self, module: nn.Module) -> QuantizedExperts | None:
         return module.fp8 if isinstance(module, GroupedExperts) else None
 
-    def convert(self, module: nn.Module, fp8: ExpertsFp8 | None) -> None:
+    def convert(self, module: nn.Module, fp8: QuantizedExperts | None) -> None:
         if isinstance(module, GroupedExperts):
             module.fp8 = fp8
 

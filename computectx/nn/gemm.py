@@ -11,7 +11,7 @@ forward and in both backward GEMMs; what autograd keeps for backward stays at th
 
 ``Gemm.for_ctx`` picks the path once, when a block is built, from
 ``computectx.capability.native_half_gemm`` (a measured bf16/f32 time ratio), so the forward
-holds no probe and compiles without graph breaks. ``Fp8Linear`` layers run their own GEMMs and
+holds no probe and compiles without graph breaks. ``QuantizedLinear`` layers run their own GEMMs and
 are called as they are.
 """
 
@@ -123,7 +123,8 @@ class Gemm:
 
     def project(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``layer(x)`` for a block's linear layer: a plain ``nn.Linear`` runs through
-        ``linear`` with its own weight and bias; anything else (an ``Fp8Linear``, which does its
+        ``linear`` with its own weight and bias; anything else (a ``QuantizedLinear``, which does
+        its
         own GEMMs) is called as it is."""
         if type(layer) is nn.Linear:
             return self.linear(x, layer.weight, layer.bias)

@@ -2,8 +2,8 @@
 
 A ``kv`` in the lattice (``DType``) stores values at that dtype (``ctx.to_kv``, a plain
 cast). An fp8 ``kv`` (``KvFp8``) stores codes plus steps at ``kv.step``'s format
-(``computectx.fp8.numerics.kv_quant`` quantizes; ``computectx.nn.kv_steps`` rounds the steps
-up to their format); the layout is the one ``computectx.fp8.ops.attention`` reads::
+(``computectx.formats.numerics.kv_quant`` quantizes; ``computectx.nn.kv_steps`` rounds the steps
+up to their format); the layout is the one ``computectx.formats.ops.attention`` reads::
 
     k, v            (B, H, T_max, D)  float8_e4m3fn / float8_e5m2 codes
     k_step, v_step  (B, H, T_max) per_token_head (written with each position),
@@ -32,8 +32,8 @@ import torch
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType, PromotionError, dtype_of
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.seam import (
+from computectx.formats import Backend
+from computectx.formats.seam import (
     KERNEL_HEAD_DIMS,
     check_backend,
     check_kernel_head_dim,
@@ -105,7 +105,7 @@ def kv_window_bytes(
     return 2 * n_heads * slots * head_dim * size
 
 
-def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Fp8Backend | str | None) -> Fp8Backend:
+def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Backend | str | None) -> Backend:
     """The backend that reads an fp8 cache in a decode step.
 
     ``None``: ``default_backend(ctx.device)``, except that a head dim the Triton kernel cannot
@@ -129,7 +129,7 @@ def decode_backend(ctx: ComputeCtx, head_dim: int, backend: Fp8Backend | str | N
                     DecodeKernelFallbackWarning,
                     stacklevel=3,
                 )
-            return Fp8Backend.REFERENCE
+            return Backend.REFERENCE
         return chosen
     chosen = check_backend(parse_backend(backend), probe)
     if uses_kernels(chosen, probe):
@@ -164,7 +164,7 @@ class KVCache:
         max_len: int,
         *,
         steps: tuple[torch.Tensor, torch.Tensor] | None = None,
-        backend: Fp8Backend | str | None = None,
+        backend: Backend | str | None = None,
         window_dtype: torch.dtype | DType | None = None,
     ) -> None:
         batch, n_heads, head_dim, max_len = check_sizes(batch, n_heads, head_dim, max_len)
@@ -179,7 +179,7 @@ class KVCache:
         kv = ctx.kv
         self._k_held: torch.Tensor | None = None
         self._v_held: torch.Tensor | None = None
-        self.backend: Fp8Backend | None = None
+        self.backend: Backend | None = None
         self.recent = 0
         """Ring slots of the window: ``min(kv.recent, max_len)`` (0 for a dtype cache)."""
         self.k_recent: torch.Tensor | None = None

@@ -1,7 +1,7 @@
 """How an fp8 KV cache stores its steps (``KvFp8.step``) and its window of recent positions
 (``KvFp8.recent``): the pieces ``KVCache`` builds on.
 
-Steps. The quantizer (``computectx.fp8.numerics.kv_quant``) computes a float32 step
+Steps. The quantizer (``computectx.formats.numerics.kv_quant``) computes a float32 step
 ``amax / fmt.max``. A cache whose ``step`` is ``bf16`` or ``e8m0`` stores that step rounded
 *up* to the next value of its format (``stored_steps``) and quantizes with the stored value,
 so ``code * step`` reads back exactly what was quantized and no code exceeds ``fmt.max``. An

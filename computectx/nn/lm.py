@@ -15,8 +15,8 @@ from typing_extensions import Self
 from computectx._checks import CheckedModel, as_int
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
-from computectx.fp8 import Fp8Backend, Fp8Linear
-from computectx.fp8.seam import guard_whole_loads
+from computectx.formats import Backend, QuantizedLinear
+from computectx.formats.seam import guard_whole_loads
 from computectx.nn.attention import Attention
 from computectx.nn.experts import GroupedExperts
 from computectx.nn.gemm import Gemm
@@ -190,7 +190,7 @@ class ByteLM(nn.Module):
     with float32 accumulation (``computectx.nn.Gemm``); norms, RoPE and softmax run
     through ``ctx.precise``; the KV cache is stored as ``ctx.kv`` says (a dtype, or fp8 codes
     and steps); the loss's log-sum-exp runs at ``compute ⊔ accum``. When
-    ``ctx.fp8`` is set every block linear is an ``Fp8Linear``; the output projection,
+    ``ctx.recipe`` is set every block linear is a ``QuantizedLinear``; the output projection,
     ``head``, stays a plain ``nn.Linear`` (logits feed a softmax over all 256 bytes, where
     fp8's coarse steps would show most).
 
@@ -226,12 +226,13 @@ class ByteLM(nn.Module):
             nn.init.normal_(p, mean=0.0, std=std)
 
     def fp8_layers(self) -> list[str]:
-        """Names of the layers that run in fp8, linears and experts (empty unless ``ctx.fp8``
+        """Names of the layers that run in fp8, linears and experts (empty unless ``ctx.recipe``
         is set)."""
         return [
             name
             for name, m in self.named_modules()
-            if isinstance(m, Fp8Linear) or (isinstance(m, GroupedExperts) and m.fp8 is not None)
+            if isinstance(m, QuantizedLinear)
+            or (isinstance(m, GroupedExperts) and m.fp8 is not None)
         ]
 
     def moe_layers(self) -> list[MoE]:
@@ -264,7 +265,7 @@ class ByteLM(nn.Module):
         update_biases(self.moe_layers())
 
     def new_caches(
-        self, batch: int, max_len: int | None = None, *, backend: Fp8Backend | str | None = None
+        self, batch: int, max_len: int | None = None, *, backend: Backend | str | None = None
     ) -> list[KVCache]:
         """One empty KV cache per block, stored as ``ctx.kv`` says, for ``max_len`` positions
         (default ``config.max_len``). A static fp8 ``kv`` takes each layer's calibrated steps

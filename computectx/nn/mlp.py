@@ -7,7 +7,7 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.nn.gemm import Gemm
-from computectx.nn.params import apply_fp8_policy, param_dtype
+from computectx.nn.params import apply_recipe, param_dtype
 
 __all__ = ["MLP"]
 
@@ -15,7 +15,7 @@ __all__ = ["MLP"]
 class MLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``, bias-free.
 
-    The linears are ``Fp8Linear`` when ``ctx.fp8`` is set and ``nn.Linear`` otherwise; the
+    The linears are ``QuantizedLinear`` when ``ctx.recipe`` is set and ``nn.Linear`` otherwise; the
     forward runs under ``ctx.autocast()``, and the ``nn.Linear`` GEMMs run at ``ctx.compute``
     through ``Gemm`` (float32 accumulation, one rounding).
     """
@@ -29,7 +29,7 @@ class MLP(nn.Module):
         self.gate = nn.Linear(dim, hidden, bias=False, device=ctx.device, dtype=dt)
         self.up = nn.Linear(dim, hidden, bias=False, device=ctx.device, dtype=dt)
         self.down = nn.Linear(hidden, dim, bias=False, device=ctx.device, dtype=dt)
-        apply_fp8_policy(self, ctx)
+        apply_recipe(self, ctx)
         self.gemm = Gemm.for_ctx(ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

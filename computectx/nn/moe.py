@@ -46,10 +46,10 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
-from computectx.fp8.seam import guard_whole_loads
+from computectx.formats.seam import guard_whole_loads
 from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, checked_real
 from computectx.nn.mlp import MLP
-from computectx.nn.params import apply_fp8_policy, param_dtype
+from computectx.nn.params import apply_recipe, param_dtype
 
 __all__ = [
     "ExpertDispatch",
@@ -210,7 +210,7 @@ class MoE(nn.Module):
     Submodules: ``router`` (a ``Router``), ``experts`` (``GroupedExperts``: ``gate_up``
     ``(E, 2 * hidden, dim)``, ``down`` ``(E, dim, hidden)``) and ``shared`` (an ``MLP`` of
     width ``n_shared * hidden``, or ``None``). Under an fp8 ctx the experts and the shared
-    MLP run in fp8 from construction (``apply_fp8_policy``); the router never does.
+    MLP run in fp8 from construction (``apply_recipe``); the router never does.
 
     After each forward: ``last_load`` (buffer, int64 ``(E,)``) holds the routed copies each
     expert received; in training mode ``tokens_per_expert`` (int64 ``(E,)``) adds them up
@@ -292,7 +292,7 @@ class MoE(nn.Module):
             self.register_buffer(name, zeros, persistent=False)
         self.aux_loss = None
         self.dispatch = None
-        apply_fp8_policy(self, ctx)
+        apply_recipe(self, ctx)
         guard_whole_loads(self)  # the router's bias is checked before anything loads
 
     def extra_repr(self) -> str:

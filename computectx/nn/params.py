@@ -1,4 +1,4 @@
-"""How the blocks store parameters: at ``compute ⊔ master``, as ``Fp8Linear`` under fp8."""
+"""How the blocks store parameters: at ``compute ⊔ master``, as ``QuantizedLinear`` under fp8."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import promote
-from computectx.fp8 import FEATURE_MULTIPLE, Fp8Linear, convert_to_fp8
+from computectx.formats import FEATURE_MULTIPLE, QuantizedLinear, convert_to_quantized
 
-__all__ = ["apply_fp8_policy", "param_dtype"]
+__all__ = ["apply_recipe", "param_dtype"]
 
 
 def param_dtype(ctx: ComputeCtx) -> torch.dtype:
@@ -24,23 +24,26 @@ def param_dtype(ctx: ComputeCtx) -> torch.dtype:
     return promote(ctx.compute, ctx.master).torch
 
 
-def apply_fp8_policy(block: nn.Module, ctx: ComputeCtx) -> None:
-    """Swap every ``nn.Linear`` inside ``block`` for an ``Fp8Linear`` when ``ctx.fp8`` is set;
+def apply_recipe(block: nn.Module, ctx: ComputeCtx) -> None:
+    """Swap every ``nn.Linear`` inside ``block`` for a ``QuantizedLinear`` when ``ctx.recipe`` is
+    set;
     do nothing otherwise.
 
     A ctx with an fp8 policy asks for fp8, so the blocks convert at any width: the width
-    threshold of ``convert_to_fp8`` is for picking layers of someone else's model. Widths
+    threshold of ``convert_to_quantized`` is for picking layers of someone else's model. Widths
     that are not multiples of ``FEATURE_MULTIPLE`` (16) cannot run fp8 GEMM tiles and raise
     ``ValueError`` rather than quietly staying in high precision.
     """
-    if ctx.fp8 is None:
+    if ctx.recipe is None:
         return
-    # convert_to_fp8 warns when it converts nothing; here that case raises below with the
+    # convert_to_quantized warns when it converts nothing; here that case raises below with the
     # widths that fp8 refused, so its warnings are replayed only when the block is built.
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = convert_to_fp8(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
-    refused = [s for s in report.skipped if not isinstance(block.get_submodule(s.fqn), Fp8Linear)]
+        report = convert_to_quantized(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
+    refused = [
+        s for s in report.skipped if not isinstance(block.get_submodule(s.fqn), QuantizedLinear)
+    ]
     if refused:
         raise ValueError(
             f"{type(block).__name__} cannot run its linears in fp8 under {str(ctx)!r}: "

@@ -7,14 +7,14 @@ import gpu_check_moe as GM  # noqa: N812
 import pytest
 import torch
 
-from computectx.fp8 import fp8_quantize
+from computectx.formats import quantize_tensor
 
 
 def test_scale_bytes_are_what_fp8_quantize_returns() -> None:
     # Ragged N and K (not multiples of 32 or 128): partial blocks count as whole ones.
     w = torch.randn(3, 40, 200)
     BM.check_bytes(w)  # stops the bench unless every granularity's formula holds
-    _, steps = fp8_quantize(w[0], "e4m3", granularity="128x128")
+    _, steps = quantize_tensor(w[0], "e4m3", granularity="128x128")
     assert steps.numel() == 1 * 2 and BM.scale_bytes("block", 40, 200) == 8
     assert BM.scale_bytes("mx", 40, 200) == 40 * 7  # ceil(200 / 32) one-byte steps per row
     assert BM.scale_bytes("row+gw_hp", 40, 200) == BM.scale_bytes("row", 40, 200) == 160

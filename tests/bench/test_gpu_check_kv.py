@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from computectx import Fp8Format
-from computectx.fp8.numerics.kv_quant import quantize_kv
+from computectx.formats.numerics.kv_quant import quantize_kv
 
 ROOT = Path(__file__).resolve().parents[2]
 PATH = ROOT / "bench" / "gpu_check_kv.py"

@@ -98,7 +98,7 @@ def test_fp8_policy_runs_end_to_end(
     data = _results(out)
     assert data["fp8_backend"] == "reference"
     (r,) = data["results"]
-    assert r["flag"] == "fp8_e4m3" and "fp8=e4m3/delayed" in r["policy"]
+    assert r["flag"] == "fp8_e4m3" and "recipe=e4m3/delayed" in r["policy"]
     assert len(r["train_losses"]) == 12
     assert r["train_loss"] < r["train_losses"][0] - 0.5  # it learned something
     assert r["val_curve"][-1][1] < r["val_curve"][0][1]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.fp8.numerics.ledger import ledger_history, ledger_step
+from computectx.formats.numerics.ledger import ledger_history, ledger_step
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 
@@ -60,7 +60,7 @@ def _context() -> ForkServerContext:
                 "torch",
                 "torch.distributed",
                 "computectx.distributed",
-                "computectx.fp8",
+                "computectx.formats",
                 "torch.distributed.fsdp",
             ]
         )

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from computectx import ComputeCtx
-from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
-from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy, convert_to_fp8
+from computectx.distributed import enable_quantized_all_gather, sync_scaling
+from computectx.formats import DynamicScaling, QuantizedLinear, Recipe, convert_to_quantized
 
 BATCH = 8
 IN, HIDDEN, OUT = 64, 128, 64
@@ -32,12 +32,12 @@ IN, HIDDEN, OUT = 64, 128, 64
 def _train(scaling: str, impl: str | None, steps: int) -> dict[str, Any]:
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
     if scaling == "dynamic":
-        ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+        ctx = ctx.replace(recipe=Recipe(scaling=DynamicScaling()))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, OUT))
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
-    layers = [m for m in model if isinstance(m, Fp8Linear)]
-    enable_fp8_all_gather(model)
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
+    layers = [m for m in model if isinstance(m, QuantizedLinear)]
+    enable_quantized_all_gather(model)
     block: nn.Module = model
     if impl is not None:
         kind = CheckpointImpl.REENTRANT if impl == "reentrant" else CheckpointImpl.NO_REENTRANT
@@ -46,7 +46,7 @@ def _train(scaling: str, impl: str | None, steps: int) -> dict[str, Any]:
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(block, mesh=mesh)
-    sync = sync_fp8_scaling(block)
+    sync = sync_scaling(block)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     world, rank = dist.get_world_size(), dist.get_rank()
     per = BATCH // world

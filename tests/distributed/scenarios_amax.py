@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
-from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.distributed import enable_quantized_all_gather, sync_scaling
+from computectx.formats import QuantizedLinear, convert_to_quantized
 
 BATCH = 8
 
@@ -21,7 +21,7 @@ BATCH = 8
 def _model(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
     return model
 
 
@@ -41,7 +41,7 @@ def _ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for role, op in m.scaling.operands.items()
     }
 
@@ -58,7 +58,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     model = _model(ctx)
     run: nn.Module = DistributedDataParallel(model) if world > 1 else model
     current = params.get("current_amax", "group")
-    sync = sync_fp8_scaling(run, current_amax=current) if params["sync"] else None
+    sync = sync_scaling(run, current_amax=current) if params["sync"] else None
     if params.get("compile"):
         # As `computectx demo --nproc N --compile` does: the DDP module, hook included.
         run = torch.compile(run, backend="aot_eager")  # type: ignore[assignment]
@@ -118,7 +118,7 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(ctx)
     if params.get("fp8_gather"):
-        enable_fp8_all_gather(model)
+        enable_quantized_all_gather(model)
     if world > 1:
         mesh = init_device_mesh("cpu", (world,))
         for layer in (model[0], model[2]):
@@ -130,9 +130,9 @@ def fsdp_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
         state = get_model_state_dict(model)
         load(state, checkpoint_id=params["path"])
         set_model_state_dict(model, state)
-        sync = sync_fp8_scaling(model)
+        sync = sync_scaling(model)
     else:
-        sync = sync_fp8_scaling(model)
+        sync = sync_scaling(model)
         if not params.get("sync", True):
             sync.remove()
         opt = torch.optim.SGD(model.parameters(), lr=1e-4)

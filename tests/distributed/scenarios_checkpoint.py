@@ -1,8 +1,8 @@
 """Scenarios for distributed checkpoints of model + fp8 scaling + ``OffloadedOptimizer``
 (``test_checkpoint.py``).
 
-An fp8 model (two ``Fp8Linear`` layers and a plain ``Linear`` whose 3 rows split 2/1 over two
-ranks) trains with AdamW masters in an ``OffloadedOptimizer`` and ``sync_fp8_scaling``: on two
+An fp8 model (two ``QuantizedLinear`` layers and a plain ``Linear`` whose 3 rows split 2/1 over two
+ranks) trains with AdamW masters in an ``OffloadedOptimizer`` and ``sync_scaling``: on two
 ranks sharded by FSDP2 (``sharding=ShardedParams(mesh)``), in one process (the reference) as a
 plain module. After ``BEFORE`` steps everything is saved with ``torch.distributed.checkpoint``,
 then training goes on for ``AFTER`` steps (the uninterrupted run). A fresh model (other initial
@@ -26,13 +26,13 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
 
 from computectx import ComputeCtx
-from computectx.distributed import ShardedParams, sync_fp8_scaling
+from computectx.distributed import ShardedParams, sync_scaling
 from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
     parameter_fqns,
     set_optimizer_state_dict,
 )
-from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 
 BATCH, BEFORE, AFTER = 8, 3, 3
@@ -49,7 +49,7 @@ def make_model(seed: int) -> nn.Sequential:
         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 3)
     )
     # The last layer (16 -> 3) is too narrow for fp8 and stays a plain Linear.
-    convert_to_fp8(model, _ctx(), module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, _ctx(), module_filter=lambda module, fqn: True)
     return model
 
 
@@ -79,7 +79,7 @@ class Run:
         self.opt = OffloadedOptimizer(
             self.model.parameters(), _ctx(), torch.optim.AdamW, sharding=sharding, lr=1e-2
         )
-        self.sync = sync_fp8_scaling(self.model)
+        self.sync = sync_scaling(self.model)
 
     def train(self, steps: range) -> list[float]:
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -157,7 +157,7 @@ def ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for role, op in m.scaling.operands.items()
     }
 

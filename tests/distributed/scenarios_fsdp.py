@@ -10,8 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.distributed import ShardedParams, enable_fp8_all_gather, sync_fp8_scaling
-from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy, convert_to_fp8
+from computectx.distributed import ShardedParams, enable_quantized_all_gather, sync_scaling
+from computectx.formats import DynamicScaling, QuantizedLinear, Recipe, convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 
 BATCH = 8
@@ -21,14 +21,14 @@ IN, HIDDEN, OUT = 64, 128, 64
 def _ctx(scaling: str) -> ComputeCtx:
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
     if scaling == "dynamic":
-        ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+        ctx = ctx.replace(recipe=Recipe(scaling=DynamicScaling()))
     return ctx
 
 
 def _model(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, OUT))
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
     return model
 
 
@@ -77,7 +77,7 @@ class _CountGathers:
 def train(params: dict[str, Any]) -> dict[str, Any]:
     """``steps`` SGD steps on a 2-layer fp8 MLP; the ranks split every batch.
 
-    ``gather``: ``"fp8"`` (enable_fp8_all_gather), ``"hp"`` (FSDP2's own float32 gather),
+    ``gather``: ``"fp8"`` (enable_quantized_all_gather), ``"hp"`` (FSDP2's own float32 gather),
     ``"ddp"`` (DistributedDataParallel, no gather) or ``"none"`` (the one-process reference).
     ``offloaded``: AdamW in an ``OffloadedOptimizer`` (``ShardedParams`` under FSDP2), not SGD.
     Reports the losses, the first step's full gradients, the final full weights, the ledgers
@@ -86,10 +86,10 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     ctx = _ctx(params["scaling"])
     world, rank = dist.get_world_size(), dist.get_rank()
     model = _model(ctx)
-    layers = [m for m in model if isinstance(m, Fp8Linear)]
+    layers = [m for m in model if isinstance(m, QuantizedLinear)]
     converted = 0
     if params["gather"] == "fp8":
-        converted = enable_fp8_all_gather(model)
+        converted = enable_quantized_all_gather(model)
     run: nn.Module = model
     if params["gather"] == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -105,7 +105,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
         fully_shard(model, mesh=mesh)
     # The group's current amax: the one-process scales under DDP too (its default there is
     # the rank's own, whose cost test_step_boundary.py measures).
-    sync = sync_fp8_scaling(run, current_amax=params.get("current_amax", "group"))
+    sync = sync_scaling(run, current_amax=params.get("current_amax", "group"))
     opt: torch.optim.Optimizer
     if params.get("offloaded"):
         # Masters and AdamW state as local shards (ShardedParams), for FSDP2 models.
@@ -166,7 +166,7 @@ def _dynamic_steps(compile: bool) -> dict[str, Any]:
     ctx = _ctx("dynamic")
     rank = dist.get_rank()
     model = _model(ctx)
-    sync = sync_fp8_scaling(model, current_amax="group")  # the reductions traced
+    sync = sync_scaling(model, current_amax="group")  # the reductions traced
     run: Any = model
     if compile:
         run = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -185,7 +185,7 @@ def _dynamic_steps(compile: bool) -> dict[str, Any]:
         "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
         "ledgers": {
             f"{i}.{role}": op.ledger.detach().clone()
-            for i, layer in enumerate(m for m in model if isinstance(m, Fp8Linear))
+            for i, layer in enumerate(m for m in model if isinstance(m, QuantizedLinear))
             for role, op in layer.scaling.operands.items()
         },
     }

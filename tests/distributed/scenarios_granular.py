@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from computectx import ComputeCtx
 from computectx.distributed import parallelize
-from computectx.fp8 import Fp8Linear
+from computectx.formats import QuantizedLinear
 
 IN = 64
 WIDTHS = (64, 256, 256)
@@ -109,7 +109,7 @@ def _peek(into: list[Any]) -> Any:
     return hook
 
 
-def _capture(layers: list[Fp8Linear], store: dict[str, torch.Tensor]) -> list[Any]:
+def _capture(layers: list[QuantizedLinear], store: dict[str, torch.Tensor]) -> list[Any]:
     """Hooks that keep each layer's input and output gradient of the next call."""
     handles = []
     for i, layer in enumerate(layers):
@@ -126,15 +126,17 @@ def _capture(layers: list[Fp8Linear], store: dict[str, torch.Tensor]) -> list[An
     return handles
 
 
-def _reference(ctx: ComputeCtx, widths: tuple[int, ...]) -> tuple[nn.Sequential, list[Fp8Linear]]:
+def _reference(
+    ctx: ComputeCtx, widths: tuple[int, ...]
+) -> tuple[nn.Sequential, list[QuantizedLinear]]:
     """The same model in this process alone: one process on the whole batch (its layers'
     seam reduces nothing, as a one-process layer's; the sync's seam says the same)."""
     from computectx.distributed.collectives import RankLocal
-    from computectx.fp8 import convert_to_fp8
+    from computectx.formats import convert_to_quantized
 
     model = _model(widths)
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
-    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     for layer in layers:
         layer.amax_reduce = RankLocal()
     return model, layers
@@ -174,7 +176,7 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
             mp_policy=_float32_gathers(params["strategy"]),
             lr=params.get("lr", 0.05),
         )
-        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         ref, ref_layers = _reference(ctx, widths) if params.get("reference") else (None, [])
         out["initial"] = {n: _full(p) for n, p in model.named_parameters()}
         gathered: list[Any] = []
@@ -229,7 +231,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def _reference_step(
     ref: nn.Sequential,
-    layers: list[Fp8Linear],
+    layers: list[QuantizedLinear],
     model: nn.Module,
     x: torch.Tensor,
     y: torch.Tensor,

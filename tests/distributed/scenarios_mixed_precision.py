@@ -214,7 +214,7 @@ def _data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _full(t: torch.Tensor) -> torch.Tensor:
     full = getattr(t, "full_tensor", None)
     out: torch.Tensor = full() if full is not None else t
-    out = getattr(out, "hp", out)  # a WeightGatheredAsFp8: its plain tensor
+    out = getattr(out, "hp", out)  # a WeightGatheredQuantized: its plain tensor
     return out.detach().clone()
 
 
@@ -229,14 +229,14 @@ def _fsdp_one_rank(model: nn.Module, ctx: ComputeCtx, lr: float) -> torch.optim.
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from computectx.distributed import enable_fp8_all_gather
+    from computectx.distributed import enable_quantized_all_gather
     from computectx.distributed.mixed_precision import fsdp_mixed_precision
-    from computectx.fp8 import convert_to_fp8
+    from computectx.formats import convert_to_quantized
 
     if dist.get_world_size() != 1:
         raise RuntimeError("the one-rank reference runs in a world of one")
-    convert_to_fp8(model, ctx, module_filter=_fp8_filter)
-    enable_fp8_all_gather(model)
+    convert_to_quantized(model, ctx, module_filter=_fp8_filter)
+    enable_quantized_all_gather(model)
     mesh = init_device_mesh("cpu", (1,))
     for child in model.children():
         fully_shard(child, mesh=mesh, mp_policy=fsdp_mixed_precision(ctx))

@@ -17,13 +17,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.distributed import enable_fp8_all_gather, parallelize, sync_fp8_scaling
-from computectx.fp8 import (
+from computectx.distributed import enable_quantized_all_gather, parallelize, sync_scaling
+from computectx.formats import (
     DynamicScaling,
-    Fp8Linear,
-    Fp8Policy,
-    Fp8ScalingNotSyncedWarning,
-    convert_to_fp8,
+    QuantizedLinear,
+    Recipe,
+    ScalingNotSyncedWarning,
+    convert_to_quantized,
 )
 
 WIDTH = 32
@@ -32,14 +32,14 @@ WIDTH = 32
 def _ctx(scaling: str) -> ComputeCtx:
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
     if scaling == "dynamic":
-        ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+        ctx = ctx.replace(recipe=Recipe(scaling=DynamicScaling()))
     return ctx
 
 
 def _mlp(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
     return model
 
 
@@ -52,7 +52,7 @@ def _ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for role, op in m.scaling.operands.items()
     }
 
@@ -64,7 +64,7 @@ def _train_step(run: Any, x: torch.Tensor) -> torch.Tensor:
 
 
 def fsdp_gather_without_sync(params: dict[str, Any]) -> dict[str, Any]:
-    """FSDP2 gathering fp8 with no ``sync_fp8_scaling``; each rank's data at another range.
+    """FSDP2 gathering fp8 with no ``sync_scaling``; each rank's data at another range.
     Delayed scaling must refuse at the first forward; dynamic scaling must train as FSDP2's
     own float32 gather does."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -75,7 +75,7 @@ def fsdp_gather_without_sync(params: dict[str, Any]) -> dict[str, Any]:
     for gather in ("fp8", "hp"):
         model = _mlp(_ctx(params["scaling"]))
         if gather == "fp8":
-            enable_fp8_all_gather(model)
+            enable_quantized_all_gather(model)
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in (model[0], model[2]):
             fully_shard(layer, mesh=mesh)
@@ -84,7 +84,7 @@ def fsdp_gather_without_sync(params: dict[str, Any]) -> dict[str, Any]:
         outs = []
         try:
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", Fp8ScalingNotSyncedWarning)
+                warnings.simplefilter("ignore", ScalingNotSyncedWarning)
                 for step in range(4):
                     outs.append(_train_step(model, _x(4, 10 * step + rank, 1.0 + 30 * rank)))
                     opt.step()
@@ -103,7 +103,7 @@ def rank_local_calls(params: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
     model = _mlp(ctx)
     ddp = DistributedDataParallel(model)
-    sync = sync_fp8_scaling(ddp)
+    sync = sync_scaling(ddp)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     _train_step(ddp, _x(4, rank, 1.0 + 30 * rank))
     opt.step()
@@ -140,7 +140,7 @@ def empty_shard(params: dict[str, Any]) -> dict[str, Any]:
     if reentrant is not None:
         inner = _Checkpointed(model, reentrant == "reentrant")
     run: nn.Module = DistributedDataParallel(inner, static_graph=True) if world > 1 else inner
-    sync = sync_fp8_scaling(run)
+    sync = sync_scaling(run)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     outs = []
     for step in range(3):
@@ -177,7 +177,7 @@ def compiled_then_eager(params: dict[str, Any]) -> dict[str, Any]:
     rank = dist.get_rank()
     model = _mlp(ctx)
     ddp = DistributedDataParallel(model)
-    sync = sync_fp8_scaling(ddp)
+    sync = sync_scaling(ddp)
     compiled = torch.compile(ddp, backend="aot_eager")
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for step in range(2):
@@ -215,17 +215,17 @@ def warnings_and_order(params: dict[str, Any]) -> dict[str, Any]:
         warnings.simplefilter("always")
         for step in range(2):
             _train_step(rowwise, _x(4, step + rank))
-    unsynced_row = [str(w.message) for w in caught_row if w.category is Fp8ScalingNotSyncedWarning]
+    unsynced_row = [str(w.message) for w in caught_row if w.category is ScalingNotSyncedWarning]
     model = _mlp(_ctx("delayed"))
     ddp = DistributedDataParallel(model)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
             _train_step(ddp, _x(4, step + rank))
-    unsynced = [str(w.message) for w in caught if w.category is Fp8ScalingNotSyncedWarning]
+    unsynced = [str(w.message) for w in caught if w.category is ScalingNotSyncedWarning]
 
     misordered = _mlp(_ctx("delayed"))
-    sync_fp8_scaling(misordered)  # too early: before fully_shard
+    sync_scaling(misordered)  # too early: before fully_shard
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     fully_shard(misordered, mesh=mesh)
     order_error = ""
@@ -294,13 +294,13 @@ def tied_and_copied(params: dict[str, Any]) -> dict[str, Any]:
         copy_ledgers_own = copy_ledgers_own and all(
             a.scaling is not b.scaling
             for a, b in zip(ema.modules(), par.module.modules(), strict=True)
-            if isinstance(a, Fp8Linear) and isinstance(b, Fp8Linear)
+            if isinstance(a, QuantizedLinear) and isinstance(b, QuantizedLinear)
         )
     weight = head.weight
     full = getattr(weight, "full_tensor", None)
     return {
         "tied": tied,
-        "head_is_fp8": isinstance(head, Fp8Linear),
+        "head_is_fp8": isinstance(head, QuantizedLinear),
         "head": (full() if full is not None else weight).detach().clone(),
         "copy_ledgers_own": copy_ledgers_own,
     }

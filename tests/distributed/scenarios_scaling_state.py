@@ -18,12 +18,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
 from computectx.distributed import (
-    enable_fp8_all_gather,
-    fp8_buffer_names,
+    enable_quantized_all_gather,
     parallelize,
-    sync_fp8_scaling,
+    scaling_buffer_names,
+    sync_scaling,
 )
-from computectx.fp8 import Fp8Linear, Fp8ScalingNotSyncedWarning, convert_to_fp8
+from computectx.formats import QuantizedLinear, ScalingNotSyncedWarning, convert_to_quantized
 
 WIDTH = 32
 
@@ -37,7 +37,7 @@ def _plain() -> nn.Sequential:
 
 
 def _fp8(model: nn.Module) -> nn.Module:
-    convert_to_fp8(model, _ctx(), module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, _ctx(), module_filter=lambda module, fqn: True)
     return model
 
 
@@ -48,7 +48,7 @@ def _x(step: int, rank: int) -> torch.Tensor:
 
 def _scaling(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every scaling buffer of ``model`` by name (copies)."""
-    names = set(fp8_buffer_names(model))
+    names = set(scaling_buffer_names(model))
     return {k: t.detach().clone() for k, t in model.named_buffers() if k in names}
 
 
@@ -61,9 +61,9 @@ def ddp_leaves_the_scaling_buffers_alone(params: dict[str, Any]) -> dict[str, An
     model = _fp8(_plain())
     twin = copy.deepcopy(model)
     ddp = DistributedDataParallel(model)
-    sync_fp8_scaling(ddp).remove()  # each rank scales on its own, by choice
+    sync_scaling(ddp).remove()  # each rank scales on its own, by choice
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", Fp8ScalingNotSyncedWarning)
+        warnings.simplefilter("ignore", ScalingNotSyncedWarning)
         for step in range(3):
             if step == 2:
                 ddp.eval()
@@ -99,9 +99,9 @@ def meta_build_fully_shard(params: dict[str, Any]) -> dict[str, Any]:
                 model = _fp8(_plain())
         else:
             model = _fp8(_plain())
-        layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+        layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
         if params["gather"] == "fp8":
-            enable_fp8_all_gather(model)
+            enable_quantized_all_gather(model)
         for layer in layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -117,7 +117,7 @@ def meta_build_fully_shard(params: dict[str, Any]) -> dict[str, Any]:
         torch.manual_seed(0)
         for layer in layers:
             layer.reset_parameters()
-        sync = sync_fp8_scaling(model)
+        sync = sync_scaling(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         outs = []
         for step in range(3):

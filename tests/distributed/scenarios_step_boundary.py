@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.distributed import parallelize, sync_fp8_scaling
-from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.distributed import parallelize, sync_scaling
+from computectx.formats import QuantizedLinear, convert_to_quantized
 
 WIDTH = 32
 
@@ -31,7 +31,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{key}": t.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for key in m.scaling.tensor_names()
         if (t := m._buffers.get(key)) is not None
     }
@@ -104,7 +104,7 @@ def _after_error(run: Any) -> dict[str, Any]:
 
 
 def different_setups(params: dict[str, Any]) -> dict[str, Any]:
-    """Another ``fp8_filter`` on rank 1 under DDP (``parallelize`` and ``sync_fp8_scaling``),
+    """Another ``fp8_filter`` on rank 1 under DDP (``parallelize`` and ``sync_scaling``),
     another hidden width on rank 1 under FSDP2 (``parallelize``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -122,8 +122,8 @@ def different_setups(params: dict[str, Any]) -> dict[str, Any]:
 
     def sync_filter() -> None:
         model = mlp()
-        convert_to_fp8(model, ctx, module_filter=lambda m, fqn: fqn != skip)
-        sync_fp8_scaling(model)
+        convert_to_quantized(model, ctx, module_filter=lambda m, fqn: fqn != skip)
+        sync_scaling(model)
 
     def fsdp_width() -> None:
         parallelize(
@@ -136,10 +136,10 @@ def different_setups(params: dict[str, Any]) -> dict[str, Any]:
 
     def fsdp_sync_width() -> None:
         model = mlp(64 if rank == 0 else 96)
-        convert_to_fp8(model, ctx, module_filter=lambda m, fqn: True)
+        convert_to_quantized(model, ctx, module_filter=lambda m, fqn: True)
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         fully_shard(model, mesh=mesh)
-        sync_fp8_scaling(model)
+        sync_scaling(model)
 
     return {
         "ddp_filter": _after_error(ddp_filter),

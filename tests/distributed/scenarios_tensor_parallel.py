@@ -29,8 +29,8 @@ from torch.distributed.tensor.parallel import (
 
 from computectx import ComputeCtx, DType
 from computectx.distributed.collectives import GroupAmax, whole_amax
-from computectx.fp8 import DynamicScaling, Fp8Linear, Fp8Policy, convert_to_fp8
-from computectx.fp8.numerics import tensorwise
+from computectx.formats import DynamicScaling, QuantizedLinear, Recipe, convert_to_quantized
+from computectx.formats.numerics import tensorwise
 
 WIDTH = 32
 ROWS = 8
@@ -70,14 +70,14 @@ def _ctx(scaling: str) -> ComputeCtx:
     # with one process is not blurred by rounding each partial to bf16.
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(compute=DType.F32)
     if scaling == "dynamic":
-        ctx = ctx.replace(fp8=Fp8Policy(scaling=DynamicScaling()))
+        ctx = ctx.replace(recipe=Recipe(scaling=DynamicScaling()))
     return ctx
 
 
 def _mlp(ctx: ComputeCtx) -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
     return model
 
 
@@ -100,7 +100,7 @@ def _ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for role, op in m.scaling.operands.items()
     }
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from computectx.fp8.numerics.ledger import (
+from computectx.formats.numerics.ledger import (
     ledger_history,
     ledger_nonfinite,
     ledger_saturated,
@@ -72,7 +72,7 @@ def test_fsdp2_checkpoint_saved_on_two_ranks_loads_in_one_process(
     loaded = run_ranks(
         "scenarios_amax.py:fsdp_checkpoint", world_size=1, flag="fp8_hybrid", path=path, load=True
     )[0]
-    # Fp8Linear returns a new tensor, not a view: FSDP2 has no in-place hazard to warn about.
+    # QuantizedLinear returns a new tensor, not a view: FSDP2 has no in-place hazard to warn about.
     assert [r["view_warnings"] for r in saved] == [0, 0]
     # The gradient ledgers are in per-rank units (a mean loss per rank): the sync on one
     # process rescales them by 1/2 (rescale_grad_ledger); everything else loads as saved.

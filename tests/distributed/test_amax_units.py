@@ -6,17 +6,17 @@ import pytest
 import torch
 
 from computectx import ComputeCtx
-from computectx.distributed import sync_fp8_scaling
+from computectx.distributed import sync_scaling
 from computectx.distributed.fp8_amax_sync import rescale_grad_ledger
-from computectx.fp8 import Fp8Linear
-from computectx.fp8.numerics.ledger import ledger_history, ledger_step
+from computectx.formats import QuantizedLinear
+from computectx.formats.numerics.ledger import ledger_history, ledger_step
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 
 
-def _trained_layer() -> Fp8Linear:
+def _trained_layer() -> QuantizedLinear:
     torch.manual_seed(0)
-    layer = Fp8Linear(16, 16, ctx=CTX, backend="reference")
+    layer = QuantizedLinear(16, 16, ctx=CTX, backend="reference")
     for _ in range(3):
         layer(torch.randn(4, 16)).square().mean().backward()
     return layer
@@ -49,7 +49,7 @@ def test_the_world_size_travels_with_the_checkpoint_and_is_checked() -> None:
     layer = _trained_layer()
     rescale_grad_ledger(layer, 2)
     state = layer.state_dict()
-    fresh = Fp8Linear(16, 16, ctx=CTX, backend="reference")
+    fresh = QuantizedLinear(16, 16, ctx=CTX, backend="reference")
     fresh.load_state_dict(state)
     assert fresh.scaling.world_size == 2
     assert torch.equal(fresh.scaling.grad.ledger, layer.scaling.grad.ledger)
@@ -63,14 +63,14 @@ def test_the_world_size_travels_with_the_checkpoint_and_is_checked() -> None:
 
 def test_a_bad_loss_normalization_is_refused_by_name_before_any_collective() -> None:
     with pytest.raises(ValueError, match=r"'per_rank' or 'global', got 'mean'"):
-        sync_fp8_scaling(_trained_layer(), loss_normalization="mean")  # type: ignore[arg-type]
+        sync_scaling(_trained_layer(), loss_normalization="mean")  # type: ignore[arg-type]
 
 
 def test_a_sync_in_one_process_merges_nothing_and_detaches() -> None:
     # No process group: nothing to merge, no hooks, and remove() still works.
     layer = _trained_layer()
     before = layer.scaling.input.ledger.clone()
-    sync = sync_fp8_scaling(layer)
+    sync = sync_scaling(layer)
     assert sync.current_amax == "local"  # a plain module: the rank's own
     sync.sync()
     sync.remove()

@@ -34,7 +34,7 @@ from computectx.distributed.optimizer_checkpoint import (
     parameter_fqns,
     set_optimizer_state_dict,
 )
-from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 from computectx.memory.optim.state import kind_of, round_trip_bound
 from computectx.optim_state import OptimState
@@ -139,7 +139,7 @@ def test_resume_through_torch_save_weights_only_is_bitwise() -> None:
     def build(seed: int) -> tuple[nn.Sequential, OffloadedOptimizer]:
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-        convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+        convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
         return model, OffloadedOptimizer(model.parameters(), ctx, torch.optim.AdamW, lr=1e-2)
 
     def train(model: nn.Module, opt: OffloadedOptimizer, steps: range) -> None:
@@ -169,8 +169,8 @@ def test_resume_through_torch_save_weights_only_is_bitwise() -> None:
         for a, b in zip(model.parameters(), model2.parameters(), strict=True):
             assert torch.equal(a, b)
         for m, m2 in zip(model.modules(), model2.modules(), strict=True):
-            if isinstance(m, Fp8Linear):
-                assert isinstance(m2, Fp8Linear)
+            if isinstance(m, QuantizedLinear):
+                assert isinstance(m2, QuantizedLinear)
                 for role, op in m.scaling.operands.items():
                     assert torch.equal(op.ledger, m2.scaling.operands[role].ledger), role
         assert _same(

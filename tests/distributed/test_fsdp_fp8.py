@@ -1,4 +1,4 @@
-"""FSDP2 all-gathering fp8 weights (enable_fp8_all_gather), against one process on the batch."""
+"""FSDP2 all-gathering fp8 weights (enable_quantized_all_gather), against one process."""
 
 from __future__ import annotations
 

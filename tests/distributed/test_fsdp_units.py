@@ -1,4 +1,4 @@
-"""One-process checks of ``enable_fp8_all_gather`` (the gather itself runs on 2 ranks in
+"""One-process checks of ``enable_quantized_all_gather`` (the gather itself runs on 2 ranks in
 test_fsdp_fp8.py): which weights it converts, and that outside FSDP2 nothing changes."""
 
 from __future__ import annotations
@@ -10,8 +10,12 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.distributed import WeightGatheredAsFp8, enable_fp8_all_gather, sync_fp8_scaling
-from computectx.fp8 import Fp8Linear
+from computectx.distributed import (
+    WeightGatheredQuantized,
+    enable_quantized_all_gather,
+    sync_scaling,
+)
+from computectx.formats import QuantizedLinear
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 
@@ -19,10 +23,10 @@ CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        Fp8Linear(16, 32, ctx=CTX),
+        QuantizedLinear(16, 32, ctx=CTX),
         nn.ReLU(),
-        Fp8Linear(32, 16, ctx=CTX),
-        Fp8Linear(16, 16, ctx=CTX),
+        QuantizedLinear(32, 16, ctx=CTX),
+        QuantizedLinear(16, 16, ctx=CTX),
     )
 
 
@@ -43,19 +47,19 @@ def _train(model: nn.Module, steps: int = 3) -> list[float]:
 def test_it_converts_the_fp8_weights_it_is_asked_to_and_only_once() -> None:
     model = _model()
     last = model[3]
-    assert isinstance(last, Fp8Linear)
+    assert isinstance(last, QuantizedLinear)
     last.freeze_for_serving()
-    assert enable_fp8_all_gather(model, module_filter=lambda module, fqn: fqn != "2") == 1
-    assert isinstance(model[0].weight, WeightGatheredAsFp8)
+    assert enable_quantized_all_gather(model, module_filter=lambda module, fqn: fqn != "2") == 1
+    assert isinstance(model[0].weight, WeightGatheredQuantized)
     assert isinstance(model[0].weight, nn.Parameter)
-    assert not isinstance(model[2].weight, WeightGatheredAsFp8)
-    assert enable_fp8_all_gather(model) == 1  # layer 2 now; layer 0 already; 3 is frozen
-    assert enable_fp8_all_gather(model) == 0
+    assert not isinstance(model[2].weight, WeightGatheredQuantized)
+    assert enable_quantized_all_gather(model) == 1  # layer 2 now; layer 0 already; 3 is frozen
+    assert enable_quantized_all_gather(model) == 0
 
 
 def test_outside_fsdp2_a_converted_model_trains_bit_for_bit_as_before() -> None:
     plain, converted = _model(), _model()
-    enable_fp8_all_gather(converted)
+    enable_quantized_all_gather(converted)
     assert _train(converted) == _train(plain)
     for (name, p), q in zip(plain.named_parameters(), converted.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -63,7 +67,7 @@ def test_outside_fsdp2_a_converted_model_trains_bit_for_bit_as_before() -> None:
 
 def test_its_state_dict_holds_plain_tensors_that_load_back_weights_only() -> None:
     model = _model()
-    enable_fp8_all_gather(model)
+    enable_quantized_all_gather(model)
     _train(model, steps=1)
     state = model.state_dict()
     assert type(state["0.weight"]) is torch.Tensor
@@ -72,9 +76,9 @@ def test_its_state_dict_holds_plain_tensors_that_load_back_weights_only() -> Non
     buf.seek(0)
     loaded = torch.load(buf, weights_only=True)
     fresh = _model()
-    enable_fp8_all_gather(fresh)
+    enable_quantized_all_gather(fresh)
     fresh.load_state_dict(loaded)
-    assert isinstance(fresh[0].weight, WeightGatheredAsFp8)  # loading copies into it
+    assert isinstance(fresh[0].weight, WeightGatheredQuantized)  # loading copies into it
     for key, value in state.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(fresh.state_dict()[key], value), key
@@ -87,18 +91,18 @@ def test_a_bad_current_amax_is_refused_by_name_before_any_collective() -> None:
     with pytest.raises(
         ValueError, match=r"current_amax must be 'group' or 'local' \(or None.*got 'batch'"
     ):
-        sync_fp8_scaling(_model(), current_amax="batch")  # type: ignore[arg-type]
+        sync_scaling(_model(), current_amax="batch")  # type: ignore[arg-type]
 
 
 def test_a_module_dtype_conversion_converts_the_tensor_it_wraps() -> None:
     # module.to(dtype) swaps the whole subclass: setting .data would leave the wrapped
     # float32 tensor behind a bfloat16 face.
     model = _model()
-    enable_fp8_all_gather(model)
+    enable_quantized_all_gather(model)
     weight = model[0].weight
     model.to(torch.bfloat16)
     assert model[0].weight is weight  # the same Parameter object, now bfloat16 inside too
-    assert isinstance(weight, WeightGatheredAsFp8)
+    assert isinstance(weight, WeightGatheredQuantized)
     assert weight.dtype == weight.hp.dtype == torch.bfloat16
     model(torch.randn(2, 16, dtype=torch.bfloat16)).sum().backward()
     assert weight.grad is not None and weight.grad.dtype == torch.bfloat16

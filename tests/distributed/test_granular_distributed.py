@@ -34,9 +34,9 @@ import pytest
 import torch
 
 from computectx import ComputeCtx, Fp8Format
-from computectx.fp8 import Fp8Policy, fp8_quantize
-from computectx.fp8.numerics import blockwise, layouts
-from computectx.fp8.numerics.layouts import OPERAND_GRANULARITY
+from computectx.formats import Recipe, quantize_tensor
+from computectx.formats.numerics import blockwise, layouts
+from computectx.formats.numerics.layouts import OPERAND_GRANULARITY
 
 from .conftest import RunRanks
 
@@ -45,13 +45,13 @@ STEPS = 3
 LAYERS = 2
 
 
-def _policy(flag: str) -> Fp8Policy:
+def _policy(flag: str) -> Recipe:
     policy = ComputeCtx.from_flag(flag, "cpu").fp8
     assert policy is not None
     return policy
 
 
-def _steps_elementwise(x: torch.Tensor, fmt: Fp8Format, policy: Fp8Policy) -> torch.Tensor:
+def _steps_elementwise(x: torch.Tensor, fmt: Fp8Format, policy: Recipe) -> torch.Tensor:
     """Each element's step when ``x`` is quantized as the wgrad's operands are (blocks of
     the activation granularity along its last dimension), as float64."""
     gran = OPERAND_GRANULARITY[policy.granularity][0]
@@ -59,15 +59,15 @@ def _steps_elementwise(x: torch.Tensor, fmt: Fp8Format, policy: Fp8Policy) -> to
     if gran == "mx" and x.shape[-1] < layouts.MX_BLOCK:  # the linear pads it to one block
         x = torch.nn.functional.pad(x, (0, layouts.MX_BLOCK - x.shape[-1]))
     if gran == "mx":
-        _, scale = fp8_quantize(x, fmt, granularity="mx", mx_rounding=policy.mx_rounding)
+        _, scale = quantize_tensor(x, fmt, granularity="mx", mx_rounding=policy.mx_rounding)
     else:
-        _, scale = fp8_quantize(x, fmt, granularity=gran, power_of_two=policy.power_of_two)
+        _, scale = quantize_tensor(x, fmt, granularity=gran, power_of_two=policy.power_of_two)
     layout = layouts.layout_of(gran, x.shape)
     steps = blockwise.expand_steps(blockwise.steps_of_scale(scale).reshape(layout.grid), layout)
     return steps[:, :width].double()
 
 
-def wgrad_bound(x: torch.Tensor, dy: torch.Tensor, policy: Fp8Policy) -> torch.Tensor:
+def wgrad_bound(x: torch.Tensor, dy: torch.Tensor, policy: Recipe) -> torch.Tensor:
     """A-priori bound on ``|dW - dYᵀ X|`` for the fine-grained linear's wgrad of ``x``
     (M x K) and ``dy`` (M x N), ``dYᵀ X`` exact.
 
@@ -252,9 +252,9 @@ def test_fsdp2_gathers_block_weights_as_their_fp8_blocks_and_scales(run_ranks: R
     _check_common([r0, r1])
     # What the layers multiply with: the whole weight's own 128x128 codes and scales, bit
     # for bit (each shard's blocks quantized alone are the whole weight's blocks).
-    assert [g["type"] for g in r0["gathered"]] == ["Fp8BlockWeight"] * LAYERS
+    assert [g["type"] for g in r0["gathered"]] == ["QuantizedBlockWeight"] * LAYERS
     for gathered, name in zip(r0["gathered"], ["0.weight", "2.weight"], strict=True):
-        codes, scale = fp8_quantize(r0["initial"][name], "e4m3", granularity="128x128")
+        codes, scale = quantize_tensor(r0["initial"][name], "e4m3", granularity="128x128")
         assert torch.equal(gathered["codes"], codes.view(torch.uint8)), name
         assert torch.equal(gathered["scale"], scale), name
     # On the wire, from the gathered tensors' sizes: per gather and rank, each weight's
@@ -280,7 +280,7 @@ def test_block_weights_whose_shards_cut_blocks_gather_high_precision_with_one_wa
     (one,) = run_ranks("scenarios_granular.py:train", world_size=1, strategy="ddp", **common)
     for r in ranks:
         assert len(r["warnings"]) == LAYERS, r["warnings"]
-        assert all(w.startswith("Fp8GatherFallbackWarning") for w in r["warnings"])
+        assert all(w.startswith("GatherFallbackWarning") for w in r["warnings"])
         named = sorted(w.split("'")[1] for w in r["warnings"])
         assert named == ["0.weight", "2.weight"], r["warnings"]
         assert "(128, 64)" in " ".join(r["warnings"]) and "(64, 128)" in " ".join(r["warnings"])

@@ -29,7 +29,7 @@ def test_different_policies_fail_on_every_rank_naming_the_policy(run_ranks: RunR
     assert "rank(s) 1 differ from rank 0" in results[0]["error"]
     assert "holds 'compute=bf16,kv=bf16,accum=f32" in results[0]["error"]
     assert "rank(s) 1 differ from rank 0" in results[1]["error"]
-    assert "fp8=hybrid/delayed/16/0/max" in results[1]["error"]
+    assert "recipe=hybrid/delayed/16/0/max" in results[1]["error"]
 
 
 def test_scenarios_from_other_files_and_one_process_references(run_ranks: RunRanks) -> None:

@@ -24,9 +24,9 @@ EXPECTED: dict[str, tuple[float, str, str]] = {
     "norm": (2.0, "Parameter:torch.bfloat16", "torch.float32"),
     "head (not fp8)": (2.0, "Parameter:torch.bfloat16", "torch.float32"),
     # The fp8 gathers: the codes (and block scales), unchanged by the bf16 policy.
-    "fp8 tensor, delayed": (1.0, "Fp8Weight:torch.bfloat16", "torch.float32"),
-    "fp8 tensor, dynamic": (1.0, "Fp8Weight:torch.bfloat16", "torch.float32"),
-    "fp8 block": (1 + 4 / 128**2, "Fp8BlockWeight:torch.bfloat16", "torch.float32"),
+    "fp8 tensor, delayed": (1.0, "QuantizedWeight:torch.bfloat16", "torch.float32"),
+    "fp8 tensor, dynamic": (1.0, "QuantizedWeight:torch.bfloat16", "torch.float32"),
+    "fp8 block": (1 + 4 / 128**2, "QuantizedBlockWeight:torch.bfloat16", "torch.float32"),
     # Row and mx weights gather high precision: now bf16.
     "fp8 row": (2.0, "Parameter:torch.bfloat16", "torch.float32"),
     "fp8 mx": (2.0, "Parameter:torch.bfloat16", "torch.float32"),

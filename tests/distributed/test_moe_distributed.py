@@ -105,7 +105,7 @@ def test_moe_bytelm_trains_as_one_process_under_ddp_fsdp2_and_expert_parallelism
 def test_fsdp2_gathers_block_fp8_experts_as_fp8(run_ranks: RunRanks) -> None:
     r0 = run_ranks("scenarios_moe.py:fp8_expert_gather", limit_s=LIMIT_S, steps=2)[0]
     fp8, hp = r0["fp8"], r0["hp"]
-    assert fp8["kinds"] == ["ExpertsGatheredAsFp8"] and hp["kinds"] == ["Tensor"]
+    assert fp8["kinds"] == ["ExpertsGatheredQuantized"] and hp["kinds"] == ["Tensor"]
     # One FSDP2 gather per unit and pass (forward, backward re-gather), 2 steps: the block
     # unit's bytes shrink by the expert shard's 3 bytes per element, less its block steps
     # (2 local experts x 2 weights, each one 128x128 block: 4 float32).

@@ -8,15 +8,15 @@ import torch
 
 from computectx import ComputeCtx
 from computectx.distributed import (
-    ExpertsGatheredAsFp8,
-    enable_fp8_expert_gather,
+    ExpertsGatheredQuantized,
+    enable_quantized_expert_gather,
     expert_parallel,
     parallelize,
     update_expert_bias,
 )
 from computectx.distributed.fp8_expert_gather import dequantize_expert_blocks
-from computectx.fp8 import Fp8Backend, Fp8Policy, fp8_grouped_mm
-from computectx.fp8.seam import quantize_blocks, step_rule_of
+from computectx.formats import Backend, Recipe, quantized_grouped_mm
+from computectx.formats.seam import quantize_blocks, step_rule_of
 from computectx.nn import ByteLM, LMConfig, MoE
 
 CONFIG = LMConfig(
@@ -30,20 +30,20 @@ def test_gathered_expert_codes_requantize_to_the_same_gemm(power_of_two: bool) -
     # What a rank sends (each expert's 128x128 codes and steps), rebuilt, is quantized by
     # the grouped GEMM to the same codes: the GEMM equals the one on the weight itself (the
     # amax rule's steps may move by an ulp: within 2**-20 of it).
-    policy = Fp8Policy(granularity="block", power_of_two=power_of_two)
+    policy = Recipe(granularity="block", power_of_two=power_of_two)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3, 160, 136, generator=gen)
     w[1] *= 1e4
     fmt, rule = policy.format.forward, step_rule_of(policy)
-    ref = Fp8Backend.REFERENCE
+    ref = Backend.REFERENCE
     pieces = [quantize_blocks(w[e], fmt, "128x128", rule, None, backend=ref) for e in range(3)]
     codes = torch.stack([c.view(torch.uint8) for c, _ in pieces]).view(fmt.torch)
     steps = torch.stack([s for _, s in pieces])
     rebuilt = dequantize_expert_blocks(codes, steps, torch.float32)
     x = torch.randn(40, 136, generator=gen)
     offs = torch.tensor([10, 10, 40], dtype=torch.int32)
-    want = fp8_grouped_mm(x, w, offs, policy)
-    got = fp8_grouped_mm(x, rebuilt, offs, policy)
+    want = quantized_grouped_mm(x, w, offs, policy)
+    got = quantized_grouped_mm(x, rebuilt, offs, policy)
     if power_of_two:
         assert torch.equal(got, want)
     else:
@@ -55,10 +55,10 @@ def test_fp8_expert_gather_wraps_block_experts_and_saves_plain_tensors() -> None
     torch.manual_seed(0)
     model = ByteLM(ctx, CONFIG)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert enable_fp8_expert_gather(model, world=2) == 1
+    assert enable_quantized_expert_gather(model, world=2) == 1
     experts = model.moe_layers()[0].experts
-    assert isinstance(experts.gate_up.data, ExpertsGatheredAsFp8)
-    assert isinstance(experts.gate_up.detach(), ExpertsGatheredAsFp8)
+    assert isinstance(experts.gate_up.data, ExpertsGatheredQuantized)
+    assert isinstance(experts.gate_up.detach(), ExpertsGatheredQuantized)
     state = model.state_dict()
     for key in ("blocks.0.mlp.experts.gate_up", "blocks.0.mlp.experts.down"):
         assert type(state[key]) is torch.Tensor
@@ -66,7 +66,7 @@ def test_fp8_expert_gather_wraps_block_experts_and_saves_plain_tensors() -> None
     # Three experts cannot be whole in each of 2 shards: they gather high precision, warned.
     odd = ByteLM(ctx, CONFIG.model_copy(update={"n_experts": 3}))
     with pytest.warns(UserWarning, match="3 experts"):
-        assert enable_fp8_expert_gather(odd, world=2) == 0
+        assert enable_quantized_expert_gather(odd, world=2) == 0
 
 
 def test_one_process_parallel_step_moves_router_biases_as_the_model_does() -> None:

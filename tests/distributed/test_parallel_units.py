@@ -12,8 +12,8 @@ from torch import nn
 
 from computectx import ComputeCtx, DType
 from computectx.distributed import parallelize
-from computectx.fp8 import Fp8Linear
-from computectx.fp8.numerics.ledger import ledger_step
+from computectx.formats import QuantizedLinear
+from computectx.formats.numerics.ledger import ledger_step
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
@@ -29,7 +29,7 @@ def test_one_process_needs_no_process_group() -> None:
     par = parallelize(model, CTX, fp8_filter=lambda m, fqn: True, lr=1e-3)
     assert par.world_size == 1 and par.model is model and par.module is model
     assert par.sync is None and par.accumulator is None
-    assert isinstance(model[0], Fp8Linear) and type(par.optimizer) is torch.optim.AdamW
+    assert isinstance(model[0], QuantizedLinear) and type(par.optimizer) is torch.optim.AdamW
     par.model(torch.randn(4, 32)).square().mean().backward()
     before = model[0].weight.detach().clone()
     assert par.step(max_norm=1.0) is not None
@@ -46,7 +46,7 @@ def test_one_process_loading_a_many_rank_checkpoint_rescales_its_gradient_ledger
     par.model(torch.randn(4, 32)).square().mean().backward()
     par.step()
     layer = model[0]
-    assert isinstance(layer, Fp8Linear)
+    assert isinstance(layer, QuantizedLinear)
     layer.scaling.world_size = 2  # as if saved on 2 ranks
     saved = par.state_dict()
     grad_step = ledger_step(layer.scaling.grad.ledger).clone()
@@ -56,7 +56,7 @@ def test_one_process_loading_a_many_rank_checkpoint_rescales_its_gradient_ledger
     fresh = parallelize(other, CTX, fp8_filter=lambda m, fqn: True, lr=1e-3)
     fresh.load_state_dict(saved)
     loaded = other[0]
-    assert isinstance(loaded, Fp8Linear)
+    assert isinstance(loaded, QuantizedLinear)
     assert loaded.scaling.world_size == 1
     assert torch.equal(ledger_step(loaded.scaling.grad.ledger), grad_step / 2)
 
@@ -83,14 +83,14 @@ def test_compact_optimizer_state_is_kept_or_refused_never_dropped() -> None:
     model = _mlp()
     with pytest.raises(ValueError, match=r"optim_state=int8/min=0 .* offload=False would build"):
         parallelize(model, ctx, fp8_filter=lambda m, fqn: True, offload=False, lr=1e-3)
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def test_a_bad_optimizer_argument_leaves_the_model_unchanged() -> None:
     model = _mlp()
     with pytest.raises(ValueError, match="learning rate"):
         parallelize(model, CTX, fp8_filter=lambda m, fqn: True, lr=-1.0)
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 @pytest.mark.parametrize(
@@ -113,9 +113,9 @@ def test_an_empty_input_records_nothing_on_a_rank_scaling_on_its_own() -> None:
     # After sync.remove() (RankLocal) the ranks' ledgers are not merged slot by slot, so an
     # empty call must not push an amax of 0 into this rank's history, as in one process.
     from computectx.distributed.collectives import RankLocal
-    from computectx.fp8.numerics.ledger import ledger_history
+    from computectx.formats.numerics.ledger import ledger_history
 
-    layer = Fp8Linear(32, 32, ctx=CTX)
+    layer = QuantizedLinear(32, 32, ctx=CTX)
     layer.amax_reduce = RankLocal()
     layer(torch.randn(4, 32) * 3).sum().backward()
     before = ledger_history(layer.scaling.input.ledger).clone()

@@ -23,7 +23,7 @@ def test_fsdp2_fp8_gather_without_sync_refuses_delayed_and_is_exact_dynamic(
         "scenarios_safety.py:fsdp_gather_without_sync", limit_s=LIMIT_S, scaling="delayed"
     )
     for r in delayed:
-        assert "sync_fp8_scaling" in r["fp8"]["error"]
+        assert "sync_scaling" in r["fp8"]["error"]
         assert "parallelize" in r["fp8"]["error"]
         assert r["hp"]["error"] == ""
     dynamic = run_ranks(
@@ -93,7 +93,7 @@ def test_an_unsynced_fp8_model_warns_once_and_a_misordered_sync_raises(
     for r in run_ranks("scenarios_safety.py:warnings_and_order", limit_s=LIMIT_S):
         assert r["unsynced_row"] == []
         assert len(r["unsynced"]) == 1
-        assert "sync_fp8_scaling" in r["unsynced"][0] and "parallelize" in r["unsynced"][0]
+        assert "sync_scaling" in r["unsynced"][0] and "parallelize" in r["unsynced"][0]
         assert "before fully_shard" in r["order_error"]
 
 

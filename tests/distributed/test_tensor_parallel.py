@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from computectx.fp8.numerics.ledger import ledger_history, ledger_step
+from computectx.formats.numerics.ledger import ledger_history, ledger_step
 
 from .conftest import RunRanks
 

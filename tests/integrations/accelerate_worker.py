@@ -19,8 +19,8 @@ from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.distributed import sync_fp8_scaling
-from computectx.fp8 import Fp8Linear, convert_to_fp8
+from computectx.distributed import sync_scaling
+from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 
 ROWS, WIDTH = 8, 32
@@ -31,7 +31,7 @@ def build(accelerator: Accelerator) -> tuple[nn.Module, OffloadedOptimizer, nn.M
     ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(offload=torch.device("cpu"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
-    convert_to_fp8(model, ctx, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
     opt = OffloadedOptimizer(model.parameters(), ctx, torch.optim.AdamW, lr=1e-3)
     prepared, opt = accelerator.prepare(model, opt)
     return prepared, opt, model
@@ -41,7 +41,7 @@ def ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for role, op in m.scaling.operands.items()
     }
 
@@ -84,11 +84,11 @@ def main(out: Path) -> None:
     model, opt, inner = build(accelerator)
     out_dtypes: list[str] = []
     for layer in inner.modules():
-        if isinstance(layer, Fp8Linear):
+        if isinstance(layer, QuantizedLinear):
             layer.register_forward_hook(lambda m, args, y: out_dtypes.append(str(y.dtype)))
     # DDP under torchrun; nothing to keep in step alone. Every rank runs every training
     # forward, so the seeds may take the group's amax (the losses are then one process's).
-    sync_fp8_scaling(model, current_amax="group")
+    sync_scaling(model, current_amax="group")
     losses = [train_step(model, opt, accelerator, step) for step in range(4)]
     # No merge call before saving: the last backward merged every rank's fp8 state.
     probe = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(99))

@@ -29,9 +29,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from computectx import ComputeCtx, DType
-from computectx.distributed import enable_fp8_all_gather, sync_fp8_scaling
-from computectx.fp8 import Fp8Linear, convert_to_fp8
-from computectx.fp8.linear.module import SCALING_PREFIX
+from computectx.distributed import enable_quantized_all_gather, sync_scaling
+from computectx.formats import QuantizedLinear, convert_to_quantized
+from computectx.formats.linear.module import SCALING_PREFIX
 
 ROWS, WIDTH, STEPS = 8, 32, 4
 TIMEOUT = datetime.timedelta(seconds=30)
@@ -43,7 +43,7 @@ CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(compute=DType.F32)
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
-    convert_to_fp8(model, CTX, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, CTX, module_filter=lambda module, fqn: True)
     return model
 
 
@@ -53,7 +53,7 @@ def tensor_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     parallelize_module(
         model, mesh["tensor_parallel"], {"0": ColwiseParallel(), "2": RowwiseParallel()}
     )
-    sync_fp8_scaling(model, mesh["data_parallel"])
+    sync_scaling(model, mesh["data_parallel"])
     return model
 
 
@@ -61,12 +61,12 @@ def data_parallel(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """A ``parallelize_fn``: FSDP2 over the data-parallel dimension, fp8 weights gathered as
     fp8; the sync after ``fully_shard`` (its hooks keep it: nothing else needs to)."""
     dp = mesh["data_parallel"]
-    enable_fp8_all_gather(model)
+    enable_quantized_all_gather(model)
     for layer in model.children():
         if any(True for _ in layer.parameters()):
             fully_shard(layer, mesh=dp)
     fully_shard(model, mesh=dp)
-    sync_fp8_scaling(model, dp)
+    sync_scaling(model, dp)
     return model
 
 
@@ -88,7 +88,7 @@ def ledgers(model: nn.Module) -> dict[str, torch.Tensor]:
     return {
         f"{name}.{role}": op.ledger.detach().clone()
         for name, m in model.named_modules()
-        if isinstance(m, Fp8Linear)
+        if isinstance(m, QuantizedLinear)
         for role, op in m.scaling.operands.items()
     }
 
@@ -139,7 +139,7 @@ def main(out: Path, strategy: str) -> None:
     assert isinstance(opt, torch.optim.Optimizer)
     if strategy == "ddp":
         # Every rank runs every training forward: the seeds may take the group's amax.
-        sync_fp8_scaling(model, current_amax="group")
+        sync_scaling(model, current_amax="group")
 
     def train(step: int) -> float:
         x = batch(step)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from computectx.fp8.numerics.ledger import ledger_history, ledger_step
+from computectx.formats.numerics.ledger import ledger_history, ledger_step
 
 pytest.importorskip(
     "lightning.fabric",

@@ -24,7 +24,7 @@ from torchtitan.models.common.attention import (
 from torchtitan.models.llama3 import model_registry
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Linear
+from computectx.formats import QuantizedLinear
 from computectx.integrations.torchtitan import (
     Fp8LinearConverter,
     Fp8TitanLinear,
@@ -56,7 +56,7 @@ def test_the_llama3_debug_model_trains_in_fp8_on_the_cpu() -> None:
     # Every linear of the 6 blocks (fused qkv, wo, w1, w2, w3); the output head stays.
     assert len(fp8) == 30 and "lm_head" not in fp8
     layer = model.get_submodule("layers.0.feed_forward.w1")
-    assert isinstance(layer, Fp8Linear)
+    assert isinstance(layer, QuantizedLinear)
     assert str(layer.ctx) == str(ComputeCtx.from_flag("fp8_hybrid", "cpu"))
     assert all(op.seeded is False for op in layer.scaling.operands.values())  # fresh, not meta
 

@@ -28,7 +28,7 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
 from torchtitan.models.qwen3 import model_registry
 
 from computectx import ComputeCtx
-from computectx.fp8 import ExpertsFp8, Fp8Backend, Fp8Linear, convert_to_fp8
+from computectx.formats import Backend, QuantizedExperts, QuantizedLinear, convert_to_quantized
 from computectx.integrations.torchtitan import Fp8LinearConverter
 from computectx.integrations.torchtitan_moe import (
     FP8_ATTR,
@@ -101,7 +101,7 @@ def test_the_converter_turns_the_qwen3_moe_debug_model_experts_to_fp8() -> None:
     assert type(moe.router.gate) is Linear
     inner = moe.routed_experts.inner_experts
     assert type(inner).__name__ == "Fp8GroupedExperts" and isinstance(inner, GroupedExperts)
-    assert getattr(inner, FP8_ATTR) == ExpertsFp8(HYBRID.fp8, Fp8Backend.REFERENCE)  # type: ignore[arg-type]
+    assert getattr(inner, FP8_ATTR) == QuantizedExperts(HYBRID.fp8, Backend.REFERENCE)  # type: ignore[arg-type]
     again = converter.convert(config)  # converting a converted config changes nothing
     assert again is config and converter.experts == experts
 
@@ -111,7 +111,7 @@ def test_a_tiny_moe_built_with_the_converter_runs_its_experts_in_fp8() -> None:
     fp8 = build(converter.convert(tiny_moe_config()))
     plain = build(tiny_moe_config())
     assert converter.experts == ["routed_experts.inner_experts"]
-    assert not any(isinstance(m, Fp8Linear) for m in fp8.modules())  # the gate stays
+    assert not any(isinstance(m, QuantizedLinear) for m in fp8.modules())  # the gate stays
     y8, g8 = run(fp8)
     y, g = run(plain)
     # The same weights (same seed); e4m3 forward and e5m2 gradients, a step per group, over
@@ -127,7 +127,7 @@ def test_convert_to_fp8_converts_a_built_torchtitan_moe_in_place_and_back() -> N
     weights = dict(inner.named_parameters())
     y, _ = run(model)
     model.zero_grad()
-    report = convert_to_fp8(model, HYBRID, module_filter=lambda m, fqn: True)
+    report = convert_to_quantized(model, HYBRID, module_filter=lambda m, fqn: True)
     assert report.experts == report.converted == ("routed_experts.inner_experts",)
     # The router stays in high precision, whatever the filter says.
     assert [(s.fqn, s.rule) for s in report.skipped] == [("router.gate", "router")]
@@ -151,7 +151,7 @@ def test_gpt_oss_grouped_experts_with_biases_convert_too() -> None:
     x = torch.randn(20, DIM, generator=torch.Generator().manual_seed(1))
     counts = torch.tensor([5, 0, 7, 6])  # an empty expert, and 2 rows past the last group
     want = model(x, counts)[:18]
-    TitanExperts().convert(model, ExpertsFp8(ROWWISE.fp8, Fp8Backend.REFERENCE))  # type: ignore[arg-type]
+    TitanExperts().convert(model, QuantizedExperts(ROWWISE.fp8, Backend.REFERENCE))  # type: ignore[arg-type]
     got = model(x, counts)
     assert type(model).__name__ == "Fp8GptOssGroupedExperts"
     assert 20.0 < sqnr_db(got[:18], want) < 45.0, sqnr_db(got[:18], want)

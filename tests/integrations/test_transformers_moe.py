@@ -32,7 +32,7 @@ from transformers import (
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from computectx import ComputeCtx
-from computectx.fp8 import ExpertsFp8, Fp8Backend, convert_to_fp8
+from computectx.formats import Backend, QuantizedExperts, convert_to_quantized
 from computectx.integrations.transformers_cache import CtxStaticCache, CtxStaticLayer
 from computectx.integrations.transformers_moe import (
     FP8_ATTR,
@@ -107,16 +107,17 @@ def sqnr_db(x: torch.Tensor, ref: torch.Tensor) -> float:
     return 10 * math.log10(float(ref64.pow(2).sum()) / float((x64 - ref64).pow(2).sum()))
 
 
-class ExactMm(ExpertsFp8):
-    """An ``ExpertsFp8`` whose ``mm`` is torch's bf16 grouped GEMM: the fp8 function's routing,
+class ExactMm(QuantizedExperts):
+    """A ``QuantizedExperts`` whose ``mm`` is torch's bf16 grouped GEMM: the fp8 function's
+    routing,
     layout, bias, gate and combine, compared with transformers' ``grouped_mm`` path alone."""
 
     def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-class Counting(ExpertsFp8):
-    """``ExpertsFp8`` itself, recording the weight shape of every call."""
+class Counting(QuantizedExperts):
+    """``QuantizedExperts`` itself, recording the weight shape of every call."""
 
     shapes: ClassVar[list[tuple[int, ...]]] = []
 
@@ -138,7 +139,7 @@ def test_the_fp8_function_is_transformers_grouped_mm_with_other_gemms(
     x = torch.randn(24, HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
     index, weights = routing(2, 24, sentinel)
     want = grouped_mm_experts_forward(module, x, index, weights.bfloat16())
-    TransformersExperts().convert(module, ExactMm(HYBRID.fp8, Fp8Backend.REFERENCE))  # type: ignore[arg-type]
+    TransformersExperts().convert(module, ExactMm(HYBRID.fp8, Backend.REFERENCE))  # type: ignore[arg-type]
     assert module.config._experts_implementation == IMPLEMENTATION
     got = module(x, index, weights.bfloat16())
     assert torch.equal(got, want)
@@ -147,13 +148,13 @@ def test_the_fp8_function_is_transformers_grouped_mm_with_other_gemms(
 @pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
 def test_converted_experts_run_their_gemms_in_fp8(kind: str) -> None:
     model = tiny(kind)
-    report = convert_to_fp8(model, HYBRID, module_filter=only_experts)
+    report = convert_to_quantized(model, HYBRID, module_filter=only_experts)
     modules = experts_of(model)
     assert report.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
     assert set(report.experts) <= set(report.converted)
     module: Any = modules[0]
     fp8 = TransformersExperts().current(module)
-    assert fp8 == ExpertsFp8(HYBRID.fp8, Fp8Backend.REFERENCE)  # type: ignore[arg-type]
+    assert fp8 == QuantizedExperts(HYBRID.fp8, Backend.REFERENCE)  # type: ignore[arg-type]
     assert fp8 is not None
     Counting.shapes.clear()
     TransformersExperts().convert(module, Counting(fp8.policy, fp8.backend))
@@ -182,7 +183,7 @@ def test_converted_experts_run_their_gemms_in_fp8(kind: str) -> None:
 def test_conversion_leaves_the_model_config_routers_and_other_experts_alone() -> None:
     model = tiny("qwen3_moe")
     first: Any = experts_of(model)[0]
-    report = convert_to_fp8(model, HYBRID, module_filter=first_experts)
+    report = convert_to_quantized(model, HYBRID, module_filter=first_experts)
     assert report.experts == ("model.layers.0.mlp.experts",)
     assert not any("gate" in fqn for fqn in report.converted)  # routers are not linears here
     # The model's config (what save_pretrained writes) still names transformers' default;
@@ -192,14 +193,14 @@ def test_conversion_leaves_the_model_config_routers_and_other_experts_alone() ->
     assert experts_of(model)[1].config is model.config  # filtered out: as it was
     model.set_experts_implementation("batched_mm")  # does not undo the conversion
     assert first.config._experts_implementation == IMPLEMENTATION
-    again = convert_to_fp8(model, HYBRID, module_filter=first_experts)
+    again = convert_to_quantized(model, HYBRID, module_filter=first_experts)
     assert "model.layers.0.mlp.experts" in again.already_fp8 and not again.experts
     with pytest.raises(ValueError, match="already run in fp8"):
-        convert_to_fp8(model, ROWWISE, module_filter=only_experts)
+        convert_to_quantized(model, ROWWISE, module_filter=only_experts)
     # Naming the implementation without converting: a clear error, not bf16 in disguise.
     plain = tiny("mixtral")
     plain.set_experts_implementation(IMPLEMENTATION)
-    with pytest.raises(RuntimeError, match="holds no ExpertsFp8"):
+    with pytest.raises(RuntimeError, match="holds no QuantizedExperts"):
         plain(ids_of(0))
 
 
@@ -222,7 +223,7 @@ def test_twenty_steps_with_fp8_experts_end_within_1_percent_of_bf16(
 ) -> None:
     want = train(tiny(kind))
     model = tiny(kind)
-    report = convert_to_fp8(model, ctx, module_filter=only_experts)
+    report = convert_to_quantized(model, ctx, module_filter=only_experts)
     assert len(report.experts) == 2
     got = train(model)
     assert want[-1] < 0.5 * want[0]  # it learns (one batch, memorized)
@@ -233,7 +234,7 @@ def test_twenty_steps_with_fp8_experts_end_within_1_percent_of_bf16(
 @pytest.mark.parametrize("kind", ["qwen3_moe", "mixtral"])
 def test_generate_with_fp8_experts_and_an_fp8_kv_cache(kind: str) -> None:
     model = tiny(kind)
-    convert_to_fp8(model, HYBRID, module_filter=only_experts)
+    convert_to_quantized(model, HYBRID, module_filter=only_experts)
     model.eval()
     prompt = ids_of(3, length=5)
     new = 8
@@ -261,7 +262,7 @@ def test_save_pretrained_from_pretrained_convert_load_gives_the_same_logits(
     kind: str, tmp_path: Path
 ) -> None:
     model = tiny(kind)
-    convert_to_fp8(model, HYBRID, min_features=16)  # attention linears too: they hold state
+    convert_to_quantized(model, HYBRID, min_features=16)  # attention linears too: they hold state
     train(model, steps=2)
     model.save_pretrained(tmp_path)
     model.eval()
@@ -273,7 +274,7 @@ def test_save_pretrained_from_pretrained_convert_load_gives_the_same_logits(
     # Experts merged back from their per-expert keys; the attention as the model ran it.
     loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager")
     assert loaded.config._experts_implementation == "grouped_mm"
-    report = convert_to_fp8(loaded, HYBRID, min_features=16)
+    report = convert_to_quantized(loaded, HYBRID, min_features=16)
     assert len(report.experts) == 2
     saved = load_file(tmp_path / "model.safetensors")
     own = loaded.state_dict()
@@ -294,7 +295,7 @@ def test_load_fp8_pretrained_is_the_one_call_reload(kind: str, tmp_path: Path) -
     # Before: the documented load_state_dict(load_file(...)) raised missing/unexpected keys
     # (save_pretrained de-fuses the experts) and no one call reloaded the fp8 state.
     model = tiny(kind)
-    convert_to_fp8(model, HYBRID, min_features=16)
+    convert_to_quantized(model, HYBRID, min_features=16)
     train(model, steps=1)
     model.save_pretrained(tmp_path)
     model.eval()
@@ -304,7 +305,7 @@ def test_load_fp8_pretrained_is_the_one_call_reload(kind: str, tmp_path: Path) -
     loaded = type(model).from_pretrained(tmp_path, attn_implementation="eager")
     with pytest.raises(ValueError, match="holds no fp8 scaling state"):
         load_fp8_pretrained(loaded, tmp_path)
-    convert_to_fp8(loaded, HYBRID, min_features=16)
+    convert_to_quantized(loaded, HYBRID, min_features=16)
     keys = load_fp8_pretrained(loaded, tmp_path)
     assert keys and all(".fp8_" in k for k in keys)
     loaded.eval()
@@ -312,7 +313,9 @@ def test_load_fp8_pretrained_is_the_one_call_reload(kind: str, tmp_path: Path) -
         assert torch.equal(loaded(input_ids=probe).logits, before)
     # Converted otherwise (only the first layer): refused, naming the keys; nothing loads.
     other = type(model).from_pretrained(tmp_path, attn_implementation="eager")
-    convert_to_fp8(other, HYBRID, module_filter=lambda m, f: "layers.0" in f and "head" not in f)
+    convert_to_quantized(
+        other, HYBRID, module_filter=lambda m, f: "layers.0" in f and "head" not in f
+    )
     state = {k: v.clone() for k, v in other.state_dict().items()}
     with pytest.raises(ValueError, match="not in the model"):
         load_fp8_pretrained(other, tmp_path)

@@ -28,9 +28,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.distributed.fsdp import disable_fsdp_gradient_division
 
 from computectx import ComputeCtx, DType
-from computectx.distributed import Fp8AmaxSync
-from computectx.fp8 import Fp8Linear, convert_to_fp8
-from computectx.fp8.numerics.ledger import ledger_history, ledger_step
+from computectx.distributed import AmaxSync
+from computectx.formats import QuantizedLinear, convert_to_quantized
+from computectx.formats.numerics.ledger import ledger_history, ledger_step
 from computectx.integrations.torchtitan import fp8_parallelize_fn
 
 ROWS, WIDTH = 8, 32  # a row is a token here: every one valid
@@ -59,7 +59,7 @@ def data_parallel(model: nn.Module, *, parallel_dims: Dims, **kwargs: Any) -> nn
 def mlp() -> nn.Sequential:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(WIDTH, 64), nn.ReLU(), nn.Linear(64, WIDTH))
-    convert_to_fp8(model, CTX, module_filter=lambda module, fqn: True)
+    convert_to_quantized(model, CTX, module_filter=lambda module, fqn: True)
     return model
 
 
@@ -79,7 +79,7 @@ def scaling(model: nn.Module) -> dict[str, torch.Tensor]:
     """Each operand's history and step (the counts are each rank's)."""
     out = {}
     for name, m in model.named_modules():
-        if isinstance(m, Fp8Linear):
+        if isinstance(m, QuantizedLinear):
             for role, op in m.scaling.operands.items():
                 out[f"{name}.{role}.history"] = ledger_history(op.ledger).detach().clone()
                 out[f"{name}.{role}.step"] = ledger_step(op.ledger).detach().clone()
@@ -119,7 +119,7 @@ def main(out: Path) -> None:
         result[name] = scaling(parallel)
         result[f"{name}_weights"] = weights(parallel)
         sync = getattr(parallel, "_computectx_fp8_sync")  # noqa: B009 (the hook's private slot)
-        assert isinstance(sync, Fp8AmaxSync)
+        assert isinstance(sync, AmaxSync)
         result[f"{name}_normalization"] = sync.loss_normalization
     result["world"] = world
     torch.save(result, out / f"rank{rank}.pt")

@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import torch
 from computectx.kernels import quantize as kq, scaled_mm as kg
-from computectx.fp8.numerics.ledger import LEDGER_NONFINITE, LEDGER_SATURATED, LEDGER_STEP
+from computectx.formats.numerics.ledger import LEDGER_NONFINITE, LEDGER_SATURATED, LEDGER_STEP
 
 out = {}
 q_names = ["x_ptr", "q_ptr", "step_ptr", "n_elements", "scratch_ptr", "amax_out_ptr",

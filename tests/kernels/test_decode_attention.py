@@ -21,12 +21,12 @@ import sys
 import pytest
 import torch
 
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics.attention import (
+from computectx.formats import Backend
+from computectx.formats.numerics.attention import (
     decode_attention_error_bound,
     decode_attention_reference,
 )
-from computectx.fp8.ops.attention import decode_attention
+from computectx.formats.ops.attention import decode_attention
 
 from .conftest import ON_GPU
 
@@ -106,7 +106,7 @@ def assert_within_bound(
 ) -> None:
     """``out`` within ``decode_attention_error_bound`` of float64 attention over the
     dequantized cache (that function's float64 attention is checked against an independent
-    one in tests/fp8/ops/test_attention.py)."""
+    one in tests/formats/ops/test_attention.py)."""
     exact, bound = decode_attention_error_bound(
         q, k, v, ks, vs, torch.tensor(length), sm_scale=sm_scale, block_t=block_t
     )
@@ -115,7 +115,7 @@ def assert_within_bound(
 
 
 KERNEL = _kernel_module()
-TRITON = Fp8Backend.TRITON
+TRITON = Backend.TRITON
 
 
 def kernel(

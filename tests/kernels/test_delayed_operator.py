@@ -16,10 +16,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics.ledger import ledger_new, read_ledger, tally_new
-from computectx.fp8.ops import tensorwise as tensor_ops
-from computectx.fp8.ops.tensorwise import quantize_operand
+from computectx.formats import Backend
+from computectx.formats.numerics.ledger import ledger_new, read_ledger, tally_new
+from computectx.formats.ops import tensorwise as tensor_ops
+from computectx.formats.ops.tensorwise import quantize_operand
 from computectx.kernels import quantize
 from computectx.recipes import DelayedScaling
 
@@ -32,9 +32,9 @@ SEEDING_LAUNCHES = 28
 _NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"}
 
 
-@pytest.mark.parametrize("backend", [Fp8Backend.TRITON, Fp8Backend.REFERENCE])
+@pytest.mark.parametrize("backend", [Backend.TRITON, Backend.REFERENCE])
 def test_a_nan_first_call_is_counted_once_on_the_operator(
-    backend: Fp8Backend, device: torch.device
+    backend: Backend, device: torch.device
 ) -> None:
     ledger, tally = ledger_new(4, device), tally_new(device)
     x = torch.randn(300, generator=torch.Generator().manual_seed(0)).to(device)

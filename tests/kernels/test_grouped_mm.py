@@ -19,10 +19,10 @@ from typing import Literal, cast
 import pytest
 import torch
 
-from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.numerics import blockwise, tensorwise
-from computectx.fp8.numerics.layouts import BlockGranularity, Granularity, block_width
-from computectx.fp8.ops.blockwise import block_scaled_mm
+from computectx.formats.backend import Backend
+from computectx.formats.numerics import blockwise, tensorwise
+from computectx.formats.numerics.layouts import BlockGranularity, Granularity, block_width
+from computectx.formats.ops.blockwise import block_scaled_mm
 from computectx.kernels import grouped_mm, grouped_wgrad
 
 pytestmark = pytest.mark.interpreter
@@ -124,7 +124,7 @@ def check_group(
             # (dense layers never have one; a wgrad group may): the twin it runs, unchecked.
             twin = blockwise.reference_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype)
         else:
-            ref = Fp8Backend.REFERENCE
+            ref = Backend.REFERENCE
             twin = block_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype, backend=ref)
         assert torch.equal(out, twin), f"{what}: {(out.float() - twin.float()).abs().max()}"
         return
@@ -332,7 +332,7 @@ def test_fp8_grouped_mm_on_triton_is_the_twin_through_autograd(flag: str) -> Non
     # End to end through the operators (quantize, group-local wgrad scales, kernels) with an
     # empty group first: small-integer operands and power-of-two steps make every code and
     # every partial sum exact, so the two backends must agree bit for bit.
-    from computectx.fp8 import Fp8Policy, fp8_grouped_mm
+    from computectx.formats import Recipe, quantized_grouped_mm
 
     gen = torch.Generator().manual_seed(7)
     sizes = [0, 5, 40, 0, 19]
@@ -341,12 +341,12 @@ def test_fp8_grouped_mm_on_triton_is_the_twin_through_autograd(flag: str) -> Non
     x = torch.randint(-8, 9, (m, k), generator=gen).float()
     w = torch.randint(-8, 9, (len(sizes), n, k), generator=gen).float()
     dy = torch.randint(-8, 9, (m, n), generator=gen).float()
-    policy = Fp8Policy.parse(flag)
+    policy = Recipe.parse(flag)
     got: list[torch.Tensor] = []
     want: list[torch.Tensor] = []
-    for backend, out in ((Fp8Backend.TRITON, got), (Fp8Backend.REFERENCE, want)):
+    for backend, out in ((Backend.TRITON, got), (Backend.REFERENCE, want)):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fp8_grouped_mm(xg, wg, offs, policy, backend=backend)
+        y = quantized_grouped_mm(xg, wg, offs, policy, backend=backend)
         y.backward(dy)  # type: ignore[no-untyped-call]
         assert xg.grad is not None and wg.grad is not None
         out += [y.detach(), xg.grad, wg.grad]
@@ -359,7 +359,7 @@ def test_mx_contraction_under_one_block_is_the_twin() -> None:
     # a group of 4 rows in the wgrad) is zero-padded to one block by the twin; the Triton path
     # pads it too (forward and dgrad used to refuse: "granularity 'mx' needs K >= 32").
     # Exact data: the same bits. One expert with rows (and an empty one): few launches.
-    from computectx.fp8 import Fp8Policy, fp8_grouped_mm
+    from computectx.formats import Recipe, quantized_grouped_mm
 
     gen = torch.Generator().manual_seed(3)
     offs = torch.tensor([0, 4], dtype=torch.int32)
@@ -367,9 +367,9 @@ def test_mx_contraction_under_one_block_is_the_twin() -> None:
     w = torch.randint(-8, 9, (2, 8, 8), generator=gen).float()
     dy = torch.randint(-8, 9, (4, 8), generator=gen).float()
     results = []
-    for backend in (Fp8Backend.TRITON, Fp8Backend.REFERENCE):
+    for backend in (Backend.TRITON, Backend.REFERENCE):
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fp8_grouped_mm(xg, wg, offs, Fp8Policy.parse("e4m3/mx/dynamic/0"), backend=backend)
+        y = quantized_grouped_mm(xg, wg, offs, Recipe.parse("e4m3/mx/dynamic/0"), backend=backend)
         y.backward(dy)  # type: ignore[no-untyped-call]
         assert xg.grad is not None and wg.grad is not None
         results.append((y.detach(), xg.grad, wg.grad))

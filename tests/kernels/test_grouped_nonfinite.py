@@ -1,7 +1,7 @@
 """Non-finite operands through the Triton grouped GEMMs: what the reference twin gives.
 
-``fp8_grouped_mm(backend="triton")`` against ``backend="reference"`` (each group the dense
-fp8 linear, tests/fp8/ops/test_grouped.py) with a NaN and a ±inf in one expert's weight and in
+``quantized_grouped_mm(backend="triton")`` against ``backend="reference"`` (each group the dense
+fp8 linear, tests/formats/ops/test_grouped.py) with a NaN and a ±inf in one expert's weight and in
 the input rows of one group, forward, dgrad and wgrad, at every recipe: the same NaN
 positions (a NaN operand element makes its output row, column or gradient NaN), ±inf
 saturating to ``±fmt.max`` as the dense quantize does (docs/fp8.md), and the finite values
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from computectx.fp8 import Fp8Policy, fp8_grouped_mm
+from computectx.formats import Recipe, quantized_grouped_mm
 
 pytestmark = pytest.mark.interpreter
 
@@ -26,7 +26,7 @@ RECIPES = [f"e4m3/{g}/dynamic/0" for g in ("tensor", "row", "block", "mx")]
 def test_nan_and_inf_in_one_expert_and_one_group_as_the_twin(
     recipe: str, device: torch.device
 ) -> None:
-    policy = Fp8Policy.parse(recipe)
+    policy = Recipe.parse(recipe)
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(3, 32, 32, generator=gen)
     x = torch.randn(6, 32, generator=gen)
@@ -37,7 +37,7 @@ def test_nan_and_inf_in_one_expert_and_one_group_as_the_twin(
     for backend in ("reference", "triton"):
         xg = x.to(device).requires_grad_()
         wg = w.to(device).requires_grad_()
-        y = fp8_grouped_mm(xg, wg, offs.to(device), policy, backend=backend)
+        y = quantized_grouped_mm(xg, wg, offs.to(device), policy, backend=backend)
         y.backward(torch.ones_like(y))  # type: ignore[no-untyped-call]
         assert xg.grad is not None and wg.grad is not None
         results.append((y.cpu(), xg.grad.cpu(), wg.grad.cpu()))

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.fp8.numerics.ledger import ledger_new, tally_new
+from computectx.formats.numerics.ledger import ledger_new, tally_new
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 # torch's test_schema compares inputs with allclose, which has no fp8 kernel on the CPU.

@@ -1,8 +1,9 @@
 """The Triton quantize kernel against its pure-torch twin: fp8 bytes bit for bit.
 
 Runs on an fp8 GPU when there is one, else under ``TRITON_INTERPRET=1`` (see conftest).
-The twin's own rounding is pinned by tests/fp8/numerics/test_tensorwise.py against the fp8
-code tables; here every byte the kernel writes must equal the twin's byte, every amax and step must have the
+The twin's own rounding is pinned by tests/formats/numerics/test_tensorwise.py against the fp8
+code tables; here every byte the kernel writes must equal the twin's byte, every amax and step must
+have the
 same float32 bits, and a ledger must hold the same float32 bits after every step.
 """
 
@@ -18,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics import tensorwise
-from computectx.fp8.numerics.ledger import (
+from computectx.formats import Backend
+from computectx.formats.numerics import tensorwise
+from computectx.formats.numerics.ledger import (
     LEDGER_NONFINITE,
     LEDGER_SATURATED,
     LEDGER_STEP,
@@ -31,7 +32,7 @@ from computectx.fp8.numerics.ledger import (
     ledger_step,
     ledger_tail,
 )
-from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.formats.ops import tensorwise as tensor_ops
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -40,8 +41,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
 ]
 
-TRITON = Fp8Backend.TRITON
-REF = Fp8Backend.REFERENCE
+TRITON = Backend.TRITON
+REF = Backend.REFERENCE
 FORMATS = list(Fp8Format)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 Algo = Literal["max", "most_recent"]

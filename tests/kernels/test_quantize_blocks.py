@@ -4,7 +4,7 @@ Runs on an fp8 GPU when there is one, else under ``TRITON_INTERPRET=1`` (see con
 Every granularity (row-wise, 1x128, 128x128, MX) and option, its column-wise (transposed)
 variant, given scales, and the inputs where rounding is decided: the fp8 midpoints, the
 carries into the exponent that the interpreter's own fp8 conversion gets wrong, subnormal
-steps, NaN and ±inf blocks. The twins themselves are pinned in tests/fp8/ops/test_blockwise.py.
+steps, NaN and ±inf blocks. The twins themselves are pinned in tests/formats/ops/test_blockwise.py.
 """
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 
 from computectx import capability
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics import layouts
-from computectx.fp8.numerics.layouts import Granularity, MxRounding
-from computectx.fp8.ops import blockwise as block_ops
+from computectx.formats import Backend
+from computectx.formats.numerics import layouts
+from computectx.formats.numerics.layouts import Granularity, MxRounding
+from computectx.formats.ops import blockwise as block_ops
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -59,8 +59,8 @@ if not capability.fp8_tensor_cores():
 
 from computectx.kernels import quantize_blocks as kb  # noqa: E402  (imported interpreted above)
 
-TRITON = Fp8Backend.TRITON
-REF = Fp8Backend.REFERENCE
+TRITON = Backend.TRITON
+REF = Backend.REFERENCE
 FORMATS = list(Fp8Format)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 OPTIONS: list[tuple[Granularity, bool | None, MxRounding | None]] = [

@@ -21,14 +21,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from computectx.dtypes import Fp8Format
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics import blockwise, tensorwise
-from computectx.fp8.ops import tensorwise as tensor_ops
+from computectx.formats import Backend
+from computectx.formats.numerics import blockwise, tensorwise
+from computectx.formats.ops import tensorwise as tensor_ops
 
 pytestmark = pytest.mark.interpreter
 
-TRITON = Fp8Backend.TRITON
-REF = Fp8Backend.REFERENCE
+TRITON = Backend.TRITON
+REF = Backend.REFERENCE
 E4M3, E5M2 = Fp8Format.E4M3, Fp8Format.E5M2
 
 

@@ -1,7 +1,7 @@
 """The Triton block-scaled GEMM against float64 and its twin, within the twin's bound.
 
 The bound is ``numerics.blockwise.scaled_mm_error_bound`` (derived in
-the module docstring of ``computectx.fp8.numerics.blockwise``): it allows any float32 order
+the module docstring of ``computectx.formats.numerics.blockwise``): it allows any float32 order
 inside a scale block and
 across the scaled partial sums, which is what the kernel's narrower K steps change. On a GPU (CUDA)
 it is the bound for the tensor cores' narrower accumulation of each K step
@@ -17,15 +17,15 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from computectx.fp8 import fp8_quantize
-from computectx.fp8.backend import Fp8Backend
-from computectx.fp8.numerics import blockwise, layouts
-from computectx.fp8.numerics.layouts import PAIRS, BlockGranularity
-from computectx.fp8.ops.blockwise import block_scaled_mm
+from computectx.formats import quantize_tensor
+from computectx.formats.backend import Backend
+from computectx.formats.numerics import blockwise, layouts
+from computectx.formats.numerics.layouts import PAIRS, BlockGranularity
+from computectx.formats.ops.blockwise import block_scaled_mm
 
 pytestmark = pytest.mark.interpreter
 
-TRITON, REF = Fp8Backend.TRITON, Fp8Backend.REFERENCE
+TRITON, REF = Backend.TRITON, Backend.REFERENCE
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
@@ -42,7 +42,7 @@ def operand(
     x = torch.randn(shape, generator=gen)
     x = x * torch.exp2(torch.randint(-spread, spread + 1, (shape[0], 1), generator=gen).float())
     x = x * torch.exp2(torch.randint(-spread, spread + 1, (1, shape[1]), generator=gen).float())
-    q, s = fp8_quantize(x, "e4m3" if fp8 == E4M3 else "e5m2", granularity=g)
+    q, s = quantize_tensor(x, "e4m3" if fp8 == E4M3 else "e5m2", granularity=g)
     # Same values in column-major storage: the strides a .t() view hands to dgrad/wgrad.
     return (q.t().contiguous().t() if transposed else q), s
 

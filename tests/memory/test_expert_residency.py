@@ -32,7 +32,7 @@ from computectx.memory.expert_residency import (
 from computectx.nn.gemm import GemmPath, forced_gemm_path
 from computectx.nn.moe import MoE
 from computectx.nn.params import param_dtype
-from computectx.recipes import Fp8Policy
+from computectx.recipes import Recipe
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not os.access("/proc/self/pagemap", os.R_OK),
@@ -131,9 +131,9 @@ def test_mmap_decode_pages_in_only_the_chosen_experts(
 def test_fp8_experts_quantize_only_the_chosen_experts(
     f32_checkpoint: tuple[pathlib.Path, MoE],
 ) -> None:
-    # fp8_grouped_mm quantizes each expert's weight on its own, and never an empty group's.
+    # quantized_grouped_mm quantizes each expert's weight on its own, and never an empty group's.
     dst = load_mapped(
-        f32_checkpoint[0], ComputeCtx.serving("cpu").replace(fp8=Fp8Policy(granularity="block"))
+        f32_checkpoint[0], ComputeCtx.serving("cpu").replace(recipe=Recipe(granularity="block"))
     )
     assert dst.experts.fp8 is not None
     decode(dst, steps=1)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from computectx import ComputeCtx, Residency
-from computectx.fp8 import Fp8Linear
+from computectx.formats import QuantizedLinear
 from computectx.memory import load_weights, save_weights
 from computectx.memory.weights import LoadReport
 from computectx.nn import ByteLM, LMConfig
@@ -148,13 +148,13 @@ def test_tied_weights_are_stored_once_and_stay_tied(tmp_path: pathlib.Path) -> N
 def test_fp8_model_round_trips_its_weights_and_its_scaling_state(
     tmp_path: pathlib.Path,
 ) -> None:
-    # Fp8Linear's scaling state is buffers (ledgers, tallies, fp8_meta): tensors, stored and
+    # QuantizedLinear's scaling state is buffers (ledgers, tallies, fp8_meta): tensors, stored and
     # loaded with the weights.
     fp8 = ComputeCtx.from_flag("fp8_e4m3", "cpu")
     config = LMConfig(d_model=32, n_heads=1, d_ff=32, n_layers=1, max_len=16)
     torch.manual_seed(0)
     src = ByteLM(fp8, config)
-    layers = [m for m in src.modules() if isinstance(m, Fp8Linear)]
+    layers = [m for m in src.modules() if isinstance(m, QuantizedLinear)]
     assert layers
     for m in layers:
         m.scaling.input.seeded = True  # a state the fresh model does not have

@@ -3,7 +3,7 @@ leaves every tensor (values, dtype, shape, storage) and every attribute of the m
 
 One model holds each kind of state ``load_weights`` treats apart: plain parameters, tied
 parameters, a BatchNorm's buffers (an int64 counter among them), an ``Attention``'s calibrated
-``kv_amax`` (checked by ``check_state_tensors``, defaulted when absent) and ``Fp8Linear``
+``kv_amax`` (checked by ``check_state_tensors``, defaulted when absent) and ``QuantizedLinear``
 scaling state (planned by ``plan_state_load``). The pictures come from the ``freeze`` fixture
 (tests/conftest.py)."""
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from computectx import ComputeCtx, DType, Fp8Format, KvFp8, PromotionError
-from computectx.fp8 import Fp8Backend
-from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
+from computectx.formats import Backend
+from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
 from computectx.nn import Attention, KVCache, kv_bytes_per_token
 
 CPU = torch.device("cpu")
@@ -237,9 +237,9 @@ def test_kernel_backend_refuses_a_head_dim_it_cannot_serve(
     with pytest.raises(ValueError, match="cannot serve head dim D=24"):
         attn.new_cache(1, backend="triton")
     with pytest.raises(ValueError, match="cannot serve head dim D=24"):
-        attn.new_cache(1, backend=Fp8Backend.TRITON)
+        attn.new_cache(1, backend=Backend.TRITON)
     cache = attn.new_cache(1)
-    assert cache.backend is Fp8Backend.REFERENCE
+    assert cache.backend is Backend.REFERENCE
     with torch.no_grad():
         out = attn(torch.randn(1, 3, 48), cache)
         step = attn(torch.randn(1, 1, 48), cache)
@@ -307,15 +307,15 @@ def test_the_default_backend_falling_back_to_the_twin_warns_once(
 
     from computectx.nn import kv_cache
 
-    monkeypatch.setattr(kv_cache, "default_backend", lambda device: Fp8Backend.TRITON)
+    monkeypatch.setattr(kv_cache, "default_backend", lambda device: Backend.TRITON)
     monkeypatch.setattr(kv_cache, "_WARNED_FALLBACKS", set())
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         first = KVCache(PTH, 1, 2, 24, 8)
         again = KVCache(PTH, 1, 2, 24, 8)
         served = KVCache(PTH, 1, 2, 32, 8)
-    assert first.backend is again.backend is Fp8Backend.REFERENCE
-    assert served.backend is Fp8Backend.TRITON
+    assert first.backend is again.backend is Backend.REFERENCE
+    assert served.backend is Backend.TRITON
     fallbacks = [w for w in seen if issubclass(w.category, kv_cache.DecodeKernelFallbackWarning)]
     assert len(fallbacks) == 1, [str(w.message) for w in seen]
     assert "head dim D=24" in str(fallbacks[0].message)
@@ -324,7 +324,7 @@ def test_the_default_backend_falling_back_to_the_twin_warns_once(
 def test_the_decode_step_reads_no_host_value() -> None:
     # ByteLM.decode_step's promise (a CUDA graph can hold it): no tensor value read by the
     # host, for a dtype cache and an fp8 one (the decode operator's own body is checked in
-    # tests/fp8/ops/test_attention.py).
+    # tests/formats/ops/test_attention.py).
     from typing import Any
 
     from torch.utils._python_dispatch import TorchDispatchMode

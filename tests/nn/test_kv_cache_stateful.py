@@ -20,7 +20,7 @@ from hypothesis.stateful import (
 )
 
 from computectx import ComputeCtx, DType, Fp8Format
-from computectx.fp8.numerics.kv_quant import dequantize_kv, quantize_kv
+from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv
 from computectx.kv_policy import KV_STEPS, KvFp8, KvStep
 from computectx.nn import KVCache
 from computectx.nn.kv_steps import held_steps, stored_steps, widen_steps

@@ -1,4 +1,4 @@
-"""The blocks under an fp8 policy: linears are Fp8Linear, the head stays, training works."""
+"""The blocks under an fp8 policy: linears are QuantizedLinear, the head stays, training works."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from computectx import ComputeCtx
-from computectx.fp8 import Fp8Linear, convert_to_fp8, fp8_stats
+from computectx.formats import QuantizedLinear, convert_to_quantized, scaling_stats
 from computectx.nn import MLP, Attention, ByteLM, LMConfig, encode_bytes, generate
 
 CTX = ComputeCtx.from_flag("fp8_hybrid", "cpu")
@@ -29,23 +29,25 @@ def test_every_linear_but_the_head_runs_in_fp8() -> None:
     }
     assert set(model.fp8_layers()) == expected
     assert type(model.head) is torch.nn.Linear
-    assert all(isinstance(m, Fp8Linear) and m.ctx == CTX for m in model.modules()
+    assert all(isinstance(m, QuantizedLinear) and m.ctx == CTX for m in model.modules()
                if isinstance(m, torch.nn.Linear) and m is not model.head)  # fmt: skip
     # Converting again finds nothing left to do but the head it is told to leave alone.
-    again = convert_to_fp8(model, CTX, min_features=16)
+    again = convert_to_quantized(model, CTX, min_features=16)
     assert again.converted == ()
 
 
 def test_without_fp8_the_blocks_keep_plain_linears() -> None:
     model = ByteLM(ComputeCtx.from_flag("bf16", "cpu"), TINY)
     assert model.fp8_layers() == []
-    assert not any(isinstance(m, Fp8Linear) for m in model.modules())
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
 
 
 def test_standalone_blocks_follow_ctx_fp8() -> None:
     mlp = MLP(CTX, 32, 64)
     attn = Attention(CTX, 32, 2, max_len=8)
-    assert all(isinstance(m, Fp8Linear) for m in (mlp.gate, mlp.up, mlp.down, attn.qkv, attn.out))
+    assert all(
+        isinstance(m, QuantizedLinear) for m in (mlp.gate, mlp.up, mlp.down, attn.qkv, attn.out)
+    )
     x = torch.randn(2, 5, 32)
     assert mlp(x).dtype == torch.bfloat16 and attn(x).shape == (2, 5, 32)
 
@@ -70,7 +72,7 @@ def test_fp8_model_trains_and_reports_finite_scales() -> None:
         opt.zero_grad()
         losses.append(float(loss.detach()))
     assert losses[-1] < losses[0] - 1.0
-    stats = fp8_stats(model)
+    stats = scaling_stats(model)
     assert len(stats) == 10
     for layer in stats.values():
         for role in ("input", "weight", "grad"):

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from torch.nn import functional
 
 from computectx import ComputeCtx, DType
-from computectx.fp8 import ExpertsFp8, Fp8Backend, Fp8Policy, convert_to_fp8
+from computectx.formats import Backend, QuantizedExperts, Recipe, convert_to_quantized
 from computectx.nn import (
     MLP,
     ByteLM,
@@ -297,7 +297,7 @@ def test_grouped_experts_one_check_for_both_paths(fp8: bool) -> None:
     # ends past M; the fp8 path refused them. Now one checker, one message, both paths.
     experts = GroupedExperts(F32, DIM, HIDDEN, E)
     if fp8:
-        experts.fp8 = ExpertsFp8(Fp8Policy.parse("e4m3/row/dynamic/0"), Fp8Backend.REFERENCE)
+        experts.fp8 = QuantizedExperts(Recipe.parse("e4m3/row/dynamic/0"), Backend.REFERENCE)
     x = torch.randn(5, DIM)
     for offs, error, match in BAD_OFFS:
         with pytest.raises(error, match=match):
@@ -409,7 +409,7 @@ def test_fp8_ctx_runs_the_experts_in_fp8_and_never_the_router() -> None:
     hp = MoE(BF16, 32, 16, E, K, n_shared=1)
     loaded = hp.load_state_dict(moe.state_dict(), strict=False)
     assert loaded.missing_keys == [] and all("fp8_" in k for k in loaded.unexpected_keys)
-    assert isinstance(moe.experts.fp8, ExpertsFp8) and moe.experts.fp8.policy == fp8.fp8
+    assert isinstance(moe.experts.fp8, QuantizedExperts) and moe.experts.fp8.policy == fp8.fp8
     assert type(moe.router) is Router and hp.experts.fp8 is None
     x = torch.randn(24, 32).bfloat16()
     assert _sqnr(hp(x), moe(x)) > 20
@@ -421,7 +421,7 @@ def test_fp8_ctx_runs_the_experts_in_fp8_and_never_the_router() -> None:
 def test_convert_to_fp8_converts_grouped_experts() -> None:
     model = ByteLM(BF16, _tiny_moe_lm(n_layers=1))
     fp8 = ComputeCtx.from_flag("fp8_e4m3_dynamic", CPU)
-    report = convert_to_fp8(model, fp8, min_features=16)
+    report = convert_to_quantized(model, fp8, min_features=16)
     assert "blocks.0.mlp.experts" in report.experts
     assert not any("router" in name for name in report.converted)
     assert model.moe_layers()[0].experts.fp8 is not None

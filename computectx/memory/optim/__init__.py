@@ -15,7 +15,7 @@
   per-parameter entry, loading a state dict saved under any format).
 
 "State" in this package means the optimizer state torch keeps per parameter (moments,
-``step``); the fp8 scaling state is ``computectx.fp8.scaling``'s.
+``step``); the fp8 scaling state is ``computectx.formats.scaling``'s.
 """
 
 from computectx.memory.optim.compact import CompactOptimizer

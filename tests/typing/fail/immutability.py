@@ -3,7 +3,7 @@
 import torch
 
 from computectx import ComputeCtx, DType, OptimState
-from computectx.fp8 import DelayedScaling
+from computectx.formats import DelayedScaling
 
 ctx = ComputeCtx.new(DType.BF16, "cpu")
 ctx.compute = DType.F32  # E: misc

@@ -17,8 +17,8 @@ from computectx import (
     promote,
     promoted,
 )
-from computectx.fp8 import DelayedScaling, DynamicScaling, Fp8Linear, Fp8Policy, Fp8Scheme
-from computectx.fp8.convert import Fp8Converter
+from computectx.formats import DelayedScaling, DynamicScaling, Fp8Scheme, QuantizedLinear, Recipe
+from computectx.formats.convert import Converter
 from computectx.optim_state import StateFormat
 from computectx.recipes import parse_scaling
 
@@ -32,8 +32,8 @@ assert_type(ctx.replace(kv=KvFp8()), ComputeCtx)
 assert_type(KvFp8.parse("e4m3/per_tensor").static, bool)
 if isinstance(fp8_kv.kv, KvFp8):
     assert_type(fp8_kv.kv.format, Fp8Format)
-fp8 = ctx.replace(fp8=Fp8Policy(format=Fp8Scheme.HYBRID, scaling=DynamicScaling(margin=1)))
-assert_type(fp8.fp8, Fp8Policy | None)
+fp8 = ctx.replace(recipe=Recipe(format=Fp8Scheme.HYBRID, scaling=DynamicScaling(margin=1)))
+assert_type(fp8.fp8, Recipe | None)
 assert_type(ctx.compute, DType)
 assert_type(ctx.device, torch.device)
 assert_type(promote(ctx.compute, DType.F16), DType)
@@ -52,7 +52,7 @@ with ctx.autocast():
     pass
 
 # Text forms read back to typed values; the fp8 conversion's extension point takes
-# Fp8Linear.from_linear as a converter.
+# QuantizedLinear.from_linear as a converter.
 assert_type(parse_scaling("dynamic/2"), DelayedScaling | DynamicScaling)
 assert_type(ComputeCtx.from_flag("fp8_hybrid_dynamic", "cpu"), ComputeCtx)
 
@@ -70,4 +70,4 @@ class TitanLinear(nn.Linear):
     pass
 
 
-converters: dict[type[nn.Linear], Fp8Converter] = {TitanLinear: Fp8Linear.from_linear}
+converters: dict[type[nn.Linear], Converter] = {TitanLinear: QuantizedLinear.from_linear}

@@ -1,0 +1,141 @@
+"""What ``convert_to_quantized`` returns and says: its report, the skip rules, notes and warning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from computectx.ctx import ComputeCtx
+from computectx.formats.policy import FEATURE_MULTIPLE
+
+__all__ = [
+    "ConversionReport",
+    "SkipRule",
+    "SkippedLinear",
+    "head_dtype_notes",
+    "nothing_converted",
+]
+
+SkipRule = Literal[
+    "already_fp8",
+    "subclass",
+    "module_filter",
+    "head",
+    "feature_multiple",
+    "granularity",
+    "min_features",
+    "dtype",
+    "root",
+    "router",
+]
+"""Which rule left a linear alone (``SkippedLinear.rule``); ``convert_to_quantized`` lists them."""
+
+
+@dataclass(frozen=True)
+class SkippedLinear:
+    """A linear ``convert_to_quantized`` left alone, why (``reason``), and by which rule."""
+
+    fqn: str
+    reason: str
+    rule: SkipRule
+
+
+@dataclass(frozen=True)
+class ConversionReport:
+    """What ``convert_to_quantized`` did: converted layer names, skipped ones with reasons (layers
+    converted before are skipped with rule ``already_fp8``), and ``notes`` on what to do
+    next."""
+
+    converted: tuple[str, ...]
+    skipped: tuple[SkippedLinear, ...]
+    notes: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()
+    """The grouped-experts modules among ``converted`` (``convert_experts``): their expert
+    GEMMs now run through ``quantized_grouped_mm``."""
+
+    @property
+    def already_fp8(self) -> tuple[str, ...]:
+        """Layers that were already ``QuantizedLinear`` under the same policy (left as they are)."""
+        return tuple(s.fqn for s in self.skipped if s.rule == "already_fp8")
+
+    def __str__(self) -> str:
+        lines = [f"converted {len(self.converted)} linear(s) to fp8:"]
+        lines += [
+            f"  {fqn}" + (" (grouped experts)" if fqn in self.experts else "")
+            for fqn in self.converted
+        ]
+        if self.already_fp8:
+            lines.append(
+                f"already fp8 under this policy, left as they are: {len(self.already_fp8)}"
+            )
+            lines += [f"  {fqn}" for fqn in self.already_fp8]
+        others = [s for s in self.skipped if s.rule != "already_fp8"]
+        lines.append(f"skipped {len(others)}:")
+        lines += [f"  {s.fqn}: {s.reason}" for s in others]
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def head_dtype_notes(
+    ctx: ComputeCtx, order: list[tuple[str, nn.Linear]], skipped: list[SkippedLinear]
+) -> tuple[str, ...]:
+    """What to do when a skipped head's weight is not at ``ctx.compute``: fp8 layers return
+    their input's dtype, but a plain linear needs its input at its weight's dtype."""
+    by_name = dict(order)
+    compute = ctx.compute.torch
+    notes = []
+    for s in skipped:
+        head = by_name.get(s.fqn)
+        if s.rule != "head" or head is None or head.weight.dtype == compute:
+            continue
+        notes.append(
+            f"the head {s.fqn!r} stays an nn.Linear with {head.weight.dtype} weights while "
+            f"ctx.compute is {ctx.compute}: an {ctx.compute} activation reaching it fails "
+            f"with a dtype mismatch. Run the forward under ctx.autocast() (the head then "
+            f"computes at {ctx.compute} from its {head.weight.dtype} weights), cast the "
+            f"model to {compute} before converting, or pass include_head=True"
+        )
+    return tuple(notes)
+
+
+def nothing_converted(model: nn.Module, min_features: int, report: ConversionReport) -> str:
+    """The warning text for a conversion that converted nothing: reasons grouped by rule."""
+    what = type(model).__name__
+    if not report.skipped:
+        return f"convert_to_quantized found no nn.Linear in {what}: nothing runs in fp8"
+    hints: dict[SkipRule, str] = {
+        "module_filter": "module_filter returned False; with a filter given it alone decides",
+        "head": "output head; pass include_head=True (or a module_filter) to convert it",
+        "min_features": (
+            f"min(in_features, out_features) < min_features={min_features}; pass a "
+            f"smaller min_features (e.g. min_features={FEATURE_MULTIPLE}) or a module_filter"
+        ),
+        "feature_multiple": (
+            f"in_features or out_features not a multiple of {FEATURE_MULTIPLE}, which fp8 "
+            f"GEMM tiles need"
+        ),
+        "granularity": "widths the policy's granularity cannot run (mx: multiples of 32)",
+        "dtype": "weight dtype is not bf16, fp16 or fp32; cast the model first",
+        "subclass": (
+            "a subclass of nn.Linear that adds to it (see each reason); pass converters= "
+            "to convert it"
+        ),
+        "root": "the model itself; use QuantizedLinear.from_linear",
+        "router": "a mixture-of-experts router: routing stays in high precision",
+    }
+    groups: dict[SkipRule, list[str]] = {}
+    for s in report.skipped:
+        groups.setdefault(s.rule, []).append(s.fqn)
+    lines = [
+        f"convert_to_quantized converted none of the {len(report.skipped)} nn.Linear layer(s) in "
+        f"{what}, so nothing in it runs in fp8:"
+    ]
+    for rule, fqns in groups.items():
+        shown = ", ".join(repr(f) for f in fqns[:3]) + (", ..." if len(fqns) > 3 else "")
+        lines.append(f"  {len(fqns)} skipped ({shown}): {hints.get(rule, rule)}")
+    lines.append("The returned ConversionReport gives every layer's reason.")
+    return "\n".join(lines)

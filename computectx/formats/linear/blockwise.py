@@ -1,0 +1,252 @@
+"""The fine-grained fp8 linear (policy granularity ``row``, ``block`` or ``mx``).
+
+Scaling is dynamic and per block: every GEMM operand is quantized from the current amax of
+each of its blocks, with no history (``numerics.layouts.StepRule``: ``"pow2"`` or ``"amax"`` as
+``policy.power_of_two`` says for ``row`` and ``block``; ``"mx_rceil"`` or ``"mx_floor"``
+as ``policy.mx_rounding`` says for ``mx``). Each operand below is ``(rows, contraction)``
+as ``ops.blockwise.block_scaled_mm`` takes it; its blocks run along the contraction:
+
+=========================  ======================  ======================  ==================
+GEMM (contraction)         ``row``                 ``block``               ``mx``
+=========================  ======================  ======================  ==================
+forward ``X·Wᵀ`` (K)       X 1xK, W 1xK            X 1x128, W 128x128      X 1x32, W 1x32
+dgrad ``dY·W`` (N)         dY 1xN, Wᵀ 1xN (again)  dY 1x128, Wᵀ 128x128    dY 1x32, Wᵀ 1x32
+                                                   (W's blocks transposed) (again)
+wgrad ``dYᵀ·X`` (M)        dYᵀ 1xM, Xᵀ 1xM         dYᵀ 1x128, Xᵀ 1x128     dYᵀ 1x32, Xᵀ 1x32
+                           (both again)            (both again)            (both again)
+=========================  ======================  ======================  ==================
+
+"Again": a block of one row does not transpose, so an operand that a backward GEMM contracts
+along its other axis is quantized again from high precision along that axis (issue 16's
+rule); the forward therefore keeps ``X`` (and ``W`` for ``row`` and ``mx``) in high
+precision for the backward. A 128x128 block is square: ``Wᵀ`` for the dgrad is the
+forward's weight codes and scales transposed as they are (``wq.t()``, ``sw.t()``), no second
+quantize, so ``block`` keeps the weight's fp8 codes, not the weight. A ``block`` weight that arrives
+quantized (``linear.weights.QuantizedBlockWeight``, FSDP2's fp8 all-gather) is those codes and
+scales:
+the forward and the dgrad use them as they are. With ``gw_hp``
+(``row`` only, torchao's ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
+high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
+dY and dYᵀ in its backward format, Xᵀ in the forward format.
+
+Every GEMM is ``ops.blockwise.block_scaled_mm`` on ``plan.backend`` (its semantics and a-priori
+bound are that module's: each K block's float32 partial sum promoted with its scales; one
+scaling of the whole float32 sum for ``row``), with the bias in the forward's epilogue; the
+forward and dgrad write the GEMM dtype, the wgrad float32 until it reaches the weight's
+dtype. The bias gradient sums the unquantized ``dY`` in float32. The ``gw_hp`` wgrad is
+an IEEE float32 matmul with TF32 off for that call (``computectx::wgrad_float32``).
+
+**Ragged shapes.** A contraction that is not a multiple of the block is a partial last
+block (``numerics.blockwise``'s rule). The one shape a block layout refuses is an ``mx`` contraction
+shorter than one block (``K < 32``): ``QuantizedLinear`` refuses ``mx`` widths that are not
+multiples of 32 (``check_granularity_widths``; ``convert_to_quantized`` skips them and an
+``autocast`` region runs them in high precision), so that happens only in the wgrad of a
+call with fewer than 32 rows (tokens). Both of its operands are then zero-padded along the
+contraction to one block of 32 before they are quantized: exact, since a zero changes no
+block's amax and adds nothing to a dot product.
+
+**Ledgers** keep statistics only: in training each operand's ledger records the operand's
+amax (the largest block amax; a non-finite one is counted as per tensor) and its largest
+block step, and its tally the elements: ``X`` in ``input``, ``W`` in ``weight``, and in
+``grad`` the first quantize of ``dY`` in the backward (the dgrad's, or the wgrad's ``dYᵀ``
+when there is no dgrad; nothing under ``gw_hp`` without a dgrad). The ledger's saturated
+count adds the elements that recorded quantize saturated (``numerics.blockwise.saturated_count``:
+``|x / step|`` past the rounding midpoint above ``fmt.max``): never under ``amax``, ``pow2``
+and ``rceil`` steps, which come from the block's own amax; under ``mx+floor`` the largest
+elements of a block may. A weight that arrives as ``QuantizedBlockWeight`` was quantized with a
+dynamic step and adds 0. Under activation checkpointing a region's recomputation quantizes
+again to the same bytes (every step comes from the operand itself) and records nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from computectx.dtypes import Fp8Format
+from computectx.formats.linear.recompute import CheckpointSite
+from computectx.formats.linear.weights import QuantizedBlockWeight, QuantizedWeight
+from computectx.formats.numerics.layouts import (
+    MX_BLOCK,
+    OPERAND_GRANULARITY,
+    BlockGranularity,
+)
+from computectx.formats.ops import blockwise as block_ops
+from computectx.formats.ops import tensorwise as tensor_ops
+from computectx.formats.ops.blockwise import block_scaled_mm
+from computectx.formats.scaling.operand import record_statistics
+
+if TYPE_CHECKING:
+    from computectx.formats.linear.plan import Fp8LinearPlan, LinearGrads
+
+__all__ = ["blockwise_linear"]
+
+
+def _quantize(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    granularity: BlockGranularity,
+    plan: Fp8LinearPlan,
+    count_saturated: bool = False,
+) -> block_ops.Quantized:
+    """``x`` quantized in blocks along its last dimension: ``(codes, scale, largest step,
+    saturated count)``, the scale as ``quantize_tensor`` returns it, the count (float32 ``(1,)``)
+    only when ``count_saturated`` (a recorded quantize; else 0); an ``mx`` contraction under
+    32 zero-padded to one block."""
+    return _quantize_all([(x, granularity)], fmt, plan, count_saturated)[0]
+
+
+def _quantize_all(
+    operands: Sequence[tuple[torch.Tensor, BlockGranularity]],
+    fmt: Fp8Format,
+    plan: Fp8LinearPlan,
+    count_saturated: bool,
+) -> list[block_ops.Quantized]:
+    """Each ``(x, granularity)`` quantized as ``_quantize`` says, in one call."""
+    padded = [
+        (torch.nn.functional.pad(x, (0, MX_BLOCK - x.shape[-1])), g)
+        if g == "mx" and x.shape[-1] < MX_BLOCK
+        else (x, g)
+        for x, g in operands
+    ]
+    rule, backend = plan.step_rule, plan.backend.value
+    return [
+        block_ops.fp8_quantize_blocks(x, fmt.torch, g, rule, backend, count_saturated)
+        for x, g in padded
+    ]
+
+
+class _GranularLinearFunction(torch.autograd.Function):
+    """``Y = X Wᵀ + b`` on 2-D ``X`` with block-scaled fp8 operands (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        plan: Fp8LinearPlan,
+        record_forward: bool,
+    ) -> torch.Tensor:
+        fwd = plan.fwd
+        g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
+        gathered = weight if isinstance(weight, QuantizedBlockWeight) else None  # from FSDP2
+        operands = [(x, g_act)] if gathered is not None else [(x, g_act), (weight, g_w)]
+        (xq, sx, x_step, x_sat), *quantized_w = _quantize_all(operands, fwd, plan, record_forward)
+        if gathered is not None:  # its 128x128 blocks, as they are
+            wq, sw = gathered.fp8_data, gathered.fp8_scale
+        else:
+            wq, sw, w_step, w_sat = quantized_w[0]
+        if record_forward:
+            if gathered is not None:
+                # Statistics of the gathered blocks (dynamic: nothing saturates), only when
+                # recorded: the dequantized weight is a full-size float32 copy.
+                w_sat = torch.zeros(1, dtype=torch.float32, device=sw.device)
+                w_stats = (gathered.dequantize(), sw.amax().reshape(1), w_sat)
+            else:
+                w_stats = (weight, w_step, w_sat)
+            state = plan.state
+            record_statistics([(state.input, x, x_step, x_sat), (state.weight, *w_stats)])
+        y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
+        # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
+        # row and mx quantize the weight again along N from high precision.
+        if g_w == "128x128":
+            ctx.save_for_backward(x, wq, sw)
+        else:
+            ctx.save_for_backward(x, weight)
+        c: Any = ctx
+        c.plan = plan
+        c.w_dtype = weight.dtype
+        c.b_dtype = None if bias is None else bias.dtype
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> LinearGrads:
+        plan: Fp8LinearPlan = ctx.plan
+        policy = plan.policy
+        fwd, bwd = plan.fwd, plan.bwd
+        g_act, g_w = OPERAND_GRANULARITY[policy.granularity]
+        x, *w_saved = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        record = plan.record
+        if need_x:
+            # dX[M, K] = dY[M, N] · W[N, K]: contraction over N, dY's rows and W's columns.
+            gq, sg, g_step, g_sat = _quantize(dy, bwd, g_act, plan, record)
+            if record:
+                record_statistics([(plan.state.grad, dy, g_step, g_sat)])
+                record = False
+            g_wt: BlockGranularity = g_w
+            if g_w == "128x128":
+                wq, sw = w_saved
+                wtq, swt = wq.t(), sw.t()
+            else:
+                wtq, swt, _, _ = _quantize(w_saved[0].t(), fwd, g_act, plan)
+            dx = block_scaled_mm(
+                gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
+            )
+            dx = dx.to(x.dtype)
+        if need_w:
+            # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
+            # in float32 until it reaches the weight's dtype.
+            if policy.gw_hp:
+                dw32 = tensor_ops.wgrad_float32(dy, x)
+            else:
+                gtq, sgt, gt_step, gt_sat = _quantize(dy.t(), bwd, g_act, plan, record)
+                if record:
+                    record_statistics([(plan.state.grad, dy, gt_step, gt_sat)])
+                xtq, sxt, _, _ = _quantize(x.t(), fwd, g_act, plan)
+                dw32 = block_scaled_mm(
+                    gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
+                )
+            dw = dw32.to(ctx.w_dtype)
+        if need_b:
+            db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
+        return dx, dw, db, None, None
+
+
+def blockwise_linear(
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+    site: CheckpointSite | None,
+) -> torch.Tensor:
+    """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
+    mx; ``site``: where the call sits with respect to activation checkpointing). ``block``
+    also takes its weight already quantized in 128x128 blocks, in the forward format (an
+    ``QuantizedBlockWeight``: FSDP2's fp8 all-gather), and uses it as it is.
+    ``ValueError`` for what it does not run yet: a frozen (serving) weight, any other
+    pre-quantized weight, data-parallel amax reduction."""
+    unsupported = [
+        what
+        for what, present in (
+            ("a frozen (serving) weight", plan.frozen_weight is not None),
+            ("an fp8 all-gathered weight (FSDP2)", _is_fp8_weight(weight, plan)),
+            ("data-parallel amax reduction", plan.reduces),
+        )
+        if present
+    ]
+    if weight is None or unsupported:
+        what = ", ".join(unsupported) or "a missing weight"
+        raise ValueError(
+            f"granularity {plan.policy.granularity!r} in QuantizedLinear does not support {what} "
+            f"yet; use granularity 'tensor' for it"
+        )
+    # Under activation checkpointing the recomputation quantizes again, to the same bytes (the
+    # steps are the operands' own), and records nothing; the backward records dY once.
+    record_forward = plan.record and (site is None or not site.recomputing)
+    out: torch.Tensor = _GranularLinearFunction.apply(x2, weight, bias, plan, record_forward)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _is_fp8_weight(weight: torch.Tensor | None, plan: Fp8LinearPlan) -> bool:
+    # A pre-quantized weight this call cannot use as it is: a per-tensor QuantizedWeight, or
+    # 128x128 blocks under another granularity or in another format.
+    if isinstance(weight, QuantizedBlockWeight):
+        return plan.policy.granularity != "block" or weight.fp8_data.dtype != plan.fwd.torch
+    return isinstance(weight, QuantizedWeight)

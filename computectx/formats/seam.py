@@ -1,0 +1,70 @@
+"""What ``nn``, ``distributed``, ``integrations`` and the CLI read of fp8's insides: the one door.
+
+``computectx.formats`` is the public face (what users import); this module is the other door, for
+the packages built on fp8: the backend checks, the ledger's layout, the operand scaling state
+and its reduce hook, the weight-gather quantizes, the tensor-parallel linear, and the serving
+quantizes and decode attention, and the grouped GEMM's input checks (the high-precision
+grouped experts share them). Outside ``computectx.formats`` nothing imports a deeper module
+(``tests/test_layering.py`` keeps it so), so fp8's rooms can move without touching the
+packages above; a name added here is a promise to them.
+"""
+
+from __future__ import annotations
+
+from computectx.formats.backend import check_backend, default_backend, parse_backend, uses_kernels
+from computectx.formats.linear.function import fp8_linear, set_dtensor_linear
+from computectx.formats.linear.plan import Fp8LinearPlan
+from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
+from computectx.formats.numerics.layouts import step_rule_of
+from computectx.formats.numerics.ledger import (
+    TALLY_ELEMENTS,
+    ledger_history,
+    ledger_nonfinite,
+    ledger_saturated,
+    ledger_step,
+)
+from computectx.formats.numerics.tensorwise import step_from_amax
+from computectx.formats.ops.attention import (
+    KERNEL_HEAD_DIMS,
+    check_kernel_head_dim,
+    decode_attention,
+)
+from computectx.formats.ops.blockwise import cublas_recipes, quantize_blocks
+from computectx.formats.ops.grouped import check_grouped, checked_bounds
+from computectx.formats.ops.tensorwise import quantize_with_step
+from computectx.formats.scaling.load import guard_whole_loads
+from computectx.formats.scaling.operand import AmaxReduce, OperandScaling
+from computectx.formats.scaling.saved import ROLES, Role
+
+__all__ = [
+    "KERNEL_HEAD_DIMS",
+    "ROLES",
+    "TALLY_ELEMENTS",
+    "AmaxReduce",
+    "Fp8LinearPlan",
+    "OperandScaling",
+    "Role",
+    "check_backend",
+    "check_grouped",
+    "check_kernel_head_dim",
+    "checked_bounds",
+    "cublas_recipes",
+    "decode_attention",
+    "default_backend",
+    "dequantize_kv",
+    "fp8_linear",
+    "guard_whole_loads",
+    "ledger_history",
+    "ledger_nonfinite",
+    "ledger_saturated",
+    "ledger_step",
+    "parse_backend",
+    "quantize_blocks",
+    "quantize_kv",
+    "quantize_with_step",
+    "set_dtensor_linear",
+    "static_kv_steps",
+    "step_from_amax",
+    "step_rule_of",
+    "uses_kernels",
+]

@@ -1,0 +1,1 @@
+"""Tests of computectx.formats.linear: QuantizedLinear, the router, the families, recompute."""

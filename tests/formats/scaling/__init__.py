@@ -1,0 +1,1 @@
+"""Tests of computectx.formats.scaling: operand and layer scaling state, checkpoints, load."""
