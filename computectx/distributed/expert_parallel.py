@@ -22,7 +22,7 @@ backward, so routing skew (every token to one rank's experts, a rank with no tok
 neither hangs nor drops a token. Since an expert's rows reach it in one process's order, the
 forward and the gradients equal one process on the whole batch: bit for bit for float32 and
 for the fp8 grouped GEMM's reference backend (each group's amax and blocks are one process's),
-with a loss normalized by the whole batch (``tests/distributed/test_moe_distributed.py``).
+with a loss normalized by the whole batch (``tests/distributed/test_expert_parallel.py``).
 
 A forward of an expert-parallel MoE is a collective: every rank of the group runs every forward
 together (evaluation included), as under FSDP2. It first joins the group (``group.join``: a

@@ -1,4 +1,4 @@
-"""Scenario for ``test_accumulator_state.py``: a DataParallelGradAccumulator's stochastic
+"""Scenario for ``test_grad_accumulator.py``: a DataParallelGradAccumulator's stochastic
 rounding resumed from its ``state_dict`` on every rank, bit for bit."""
 
 from __future__ import annotations

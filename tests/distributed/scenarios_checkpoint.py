@@ -1,5 +1,5 @@
 """Scenarios for distributed checkpoints of model + fp8 scaling + ``OffloadedOptimizer``
-(``test_checkpoint.py``).
+(``test_optimizer_checkpoint.py``).
 
 An fp8 model (two ``QuantizedLinear`` layers and a plain ``Linear`` whose 3 rows split 2/1 over two
 ranks) trains with AdamW masters in an ``OffloadedOptimizer`` and ``sync_scaling``: on two

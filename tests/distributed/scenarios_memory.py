@@ -1,4 +1,4 @@
-"""Scenarios for the memory policy on many ranks (``test_memory_distributed.py``).
+"""Scenarios for the memory policy on many ranks (``test_parallel_memory.py``).
 
 Every scenario runs on 2 ranks and, as the reference, in one process (world_size=1) on the whole
 batch: the same global micro-batches, split evenly over the ranks, with mean losses, so the

@@ -2,7 +2,7 @@
 through ``parallelize`` (DDP, FSDP2), each against one process on the whole batch, computed
 in the same rank from the same initial weights (so each family is one launch).
 
-Every scenario returns tensors and strings; the checks live in ``test_moe_distributed.py``.
+Every scenario returns tensors and strings; the checks live in ``test_expert_parallel.py``.
 """
 
 from __future__ import annotations

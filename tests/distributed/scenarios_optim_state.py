@@ -1,5 +1,5 @@
 """Scenarios for compact optimizer state (``ctx.optim_state``) on many ranks
-(``test_optim_state_distributed.py``).
+(``test_parallel_optim_state.py``).
 
 The gradients are exact, so every difference is the optimizer's. The loss is linear in every
 weight (``Net``: ``sum(out * y)`` times a power of two, ``out`` linear in the weights), the data

@@ -7,7 +7,7 @@ values, metadata, storage and hooks).
 What a world of one cannot reach: the checks that only many ranks make (an expert count the
 group cannot divide, another expert-parallel group, the accumulator and optimizer rules of an
 expert-parallel model, FSDP2 with an accumulator, ranks that disagree) run inside the same
-``agree`` before anything changes and are tested on two ranks in test_ep_edges.py and
+``agree`` before anything changes and are tested on two ranks in test_expert_parallel_edges.py and
 test_safety.py. Here every argument those paths read is checked too, so none of them can stop
 ``parallelize`` after the model changed."""
 
