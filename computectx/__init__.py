@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from computectx.optim_state import OPTIM_STATE_FLAGS, OptimState, parse_optim_state
     from computectx.residency import Residency, available_bytes
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "OPTIM_STATE_FLAGS",

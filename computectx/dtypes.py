@@ -5,10 +5,7 @@ Everything else (the order, the join, the golden table tests pin) is computed fr
 once, at import time. fp8 formats are deliberately *not* lattice members: an fp8 tensor
 means nothing without its scale, so there is no implicit path from fp8 into the lattice.
 ``KvFp8`` (an fp8 KV cache, ``computectx.kv_policy``) is not one either: the cache quantizes
-what enters it, which no cast can do. ``KvFp8``, ``KvScaling``, ``KV_SCALINGS`` and
-``parse_kv`` lived here in 0.1.0; this module still serves them, with a
-``DeprecationWarning`` naming ``computectx.kv_policy`` (it cannot import that module, which
-sits above it in the core).
+what enters it, which no cast can do.
 """
 
 from __future__ import annotations

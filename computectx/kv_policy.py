@@ -3,8 +3,7 @@ is stored, and a window of recent positions kept unquantized), its text and JSON
 ``parse_kv``, which reads a KV-cache setting (a dtype or an fp8 cache) from any of them.
 
 ``KvFp8`` is not a lattice member: the cache quantizes what enters it, which no cast can do
-(``computectx.dtypes`` explains that to whoever casts to one). In 0.1.0 these names lived
-in ``computectx.dtypes``, which still serves them with a ``DeprecationWarning``.
+(``computectx.dtypes`` explains that to whoever casts to one).
 """
 
 from __future__ import annotations
