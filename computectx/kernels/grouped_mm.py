@@ -43,12 +43,17 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, e8m0_step
-from computectx.kernels.scaled_mm import fitting_configs, grouped_tile, store_tile, tile_configs
+from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES
+from computectx.kernels.scaled_mm import (
+    fitting_configs,
+    grouped_tile,
+    scaled_dot,
+    store_tile,
+    tile_configs,
+)
 
 __all__ = [
     "INTERPRETED",
-    "block_steps",
     "check_offsets",
     "check_scale",
     "gemm_configs",
@@ -116,20 +121,6 @@ def _prune(
     scale_k = int({**named_args, **kwargs}["SCALE_K"])
     m, e, n = int(named_args["M"]), int(named_args["E"]), int(named_args["N"])
     return prune_configs(configs, scale_k, max(1, m // max(1, e)), n)
-
-
-@triton.jit
-def block_steps(  # type: ignore[no-untyped-def]
-    ptr, rows, ok, stride_r, kb, stride_k, BLOCK_ROWS: tl.constexpr, E8M0: tl.constexpr
-):
-    # The float32 step of each of ``rows`` (row block rows // BLOCK_ROWS) in scale column
-    # ``kb``; 1 where ``ok`` is false. E8M0 bytes become 2**(byte - 127) exactly.
-    offs = (rows // BLOCK_ROWS).to(tl.int64) * stride_r + kb * stride_k
-    if E8M0:
-        steps = e8m0_step(tl.load(ptr + offs, mask=ok, other=127).to(tl.int32))
-    else:
-        steps = tl.load(ptr + offs, mask=ok, other=1.0)
-    return steps
 
 
 @triton.jit
@@ -218,32 +209,13 @@ def _grouped_mm_kernel(  # type: ignore[no-untyped-def]
     sa_base = sa_ptr + ge * stride_sa_e
     sb_base = sb_ptr + ge * stride_sb_e
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(0, tl.where(active, tl.cdiv(K, BLOCK_K), 0)):
-        k_left = K - kt * BLOCK_K
-        # Masked lanes load 0, which adds nothing: a partial last block sums what is there.
-        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
-        if SCALE_K == 0:
-            # Row-wise or per-tensor: one float32 sum over K, scaled in the epilogue.
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-        else:
-            # This step's partial sum on its own, promoted with its block's two scales.
-            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-            kb = (kt * BLOCK_K) // SCALE_K
-            sa = block_steps(sa_base, offs_m, rows_ok, stride_sa_r, kb, stride_sa_k, 1, E8M0)
-            sb = block_steps(
-                sb_base, offs_n, offs_n < N, stride_sb_r, kb, stride_sb_k, BLOCK_ROWS_B, E8M0
-            )
-            acc = acc + part * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    out = acc
-    if SCALE_K == 0:
-        sa = block_steps(sa_base, offs_m, rows_ok, stride_sa_r, 0, 0, 1, False)
-        sb = block_steps(sb_base, offs_n, offs_n < N, stride_sb_r, 0, 0, 1, False)
-        out = acc * (sa[:, None] * sb[None, :])
+    out = scaled_dot(
+        a_ptrs, b_ptrs, stride_ak, stride_bk, mask_m, mask_n, offs_k, K,
+        tl.where(active, tl.cdiv(K, BLOCK_K), 0),
+        sa_base, offs_m, rows_ok, stride_sa_r, stride_sa_k,
+        sb_base, offs_n, offs_n < N, stride_sb_r, stride_sb_k, 0,
+        SCALE_K, 1, BLOCK_ROWS_B, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     out = tl.where(active, out, 0.0)
     store_tile(
         c_ptr, out, c_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,

@@ -41,13 +41,12 @@ import triton.language as tl
 
 from computectx.kernels.fp8_codes import FP8_DTYPES
 from computectx.kernels.grouped_mm import (
-    block_steps,
     check_offsets,
     check_scale,
     gemm_configs,
     prune_configs,
 )
-from computectx.kernels.scaled_mm import grouped_tile, k_major, store_tile
+from computectx.kernels.scaled_mm import grouped_tile, k_major, scaled_dot, store_tile
 
 __all__ = ["INTERPRETED", "grouped_scaled_wgrad"]
 
@@ -120,28 +119,13 @@ def _grouped_wgrad_kernel(  # type: ignore[no-untyped-def]
     # Row and tensor steps: column g; blocks: the group's first column, then one per W rows.
     col = g if SCALE_K == 0 else tl.load(start_ptr + g)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(0, tl.cdiv(size, BLOCK_K)):
-        k_left = size - kt * BLOCK_K
-        # Masked lanes load 0: the group's partial last block sums the rows there are.
-        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
-        if SCALE_K == 0:
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-        else:
-            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-            kb = col + (kt * BLOCK_K) // SCALE_K
-            sa = block_steps(sa_ptr, offs_m, ok_m, stride_sa_r, kb, stride_sa_c, 1, E8M0)
-            sb = block_steps(sb_ptr, offs_n, ok_n, stride_sb_r, kb, stride_sb_c, 1, E8M0)
-            acc = acc + part * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_K * stride_am
-        b_ptrs += BLOCK_K * stride_bm
-
-    out = acc
-    if SCALE_K == 0:
-        sa = block_steps(sa_ptr, offs_m, ok_m, stride_sa_r, col, stride_sa_c, 1, False)
-        sb = block_steps(sb_ptr, offs_n, ok_n, stride_sb_r, col, stride_sb_c, 1, False)
-        out = acc * (sa[:, None] * sb[None, :])
+    # The group's partial last block sums the rows there are (masked lanes load 0).
+    out = scaled_dot(
+        a_ptrs, b_ptrs, stride_am, stride_bm, mask_m, mask_n, offs_k, size,
+        tl.cdiv(size, BLOCK_K), sa_ptr, offs_m, ok_m, stride_sa_r, stride_sa_c,
+        sb_ptr, offs_n, ok_n, stride_sb_r, stride_sb_c, col,
+        SCALE_K, 1, 1, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     out = tl.where(size > 0, out, 0.0)  # no rows: zeros, whatever the unused steps hold
     store_tile(
         c_ptr + g.to(tl.int64) * stride_ce, out, c_ptr, offs_m, offs_n, mask_m, mask_n, K,

@@ -31,10 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, round_to_bf16
+from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, e8m0_step, round_to_bf16
 
 __all__ = [
     "INTERPRETED",
+    "block_steps",
     "check_bias_and_out",
     "check_operands",
     "fitting_configs",
@@ -42,6 +43,7 @@ __all__ = [
     "k_major",
     "new_result",
     "operand_tiles",
+    "scaled_dot",
     "scaled_mm",
     "store_tile",
     "tile_configs",
@@ -154,6 +156,88 @@ def operand_tiles(  # type: ignore[no-untyped-def]
 
 
 @triton.jit
+def block_steps(  # type: ignore[no-untyped-def]
+    ptr, rows, ok, stride_r, kb, stride_k, BLOCK_ROWS: tl.constexpr, E8M0: tl.constexpr
+):
+    # The float32 step of each of ``rows`` (row block rows // BLOCK_ROWS) in scale column
+    # ``kb``; 1 where ``ok`` is false. E8M0 bytes become 2**(byte - 127) exactly.
+    offs = (rows // BLOCK_ROWS).to(tl.int64) * stride_r + kb * stride_k
+    if E8M0:
+        steps = e8m0_step(tl.load(ptr + offs, mask=ok, other=127).to(tl.int32))
+    else:
+        steps = tl.load(ptr + offs, mask=ok, other=1.0)
+    return steps
+
+
+@triton.jit
+def scaled_dot(  # type: ignore[no-untyped-def]
+    a_ptrs,
+    b_ptrs,
+    stride_a_k,
+    stride_b_k,
+    mask_m,
+    mask_n,
+    offs_k,
+    k_len,
+    k_tiles,
+    sa_ptr,
+    rows_a,
+    ok_a,
+    stride_sa_r,
+    stride_sa_k,
+    sb_ptr,
+    rows_b,
+    ok_b,
+    stride_sb_r,
+    stride_sb_k,
+    kb0,
+    SCALE_K: tl.constexpr,
+    BLOCK_ROWS_A: tl.constexpr,
+    BLOCK_ROWS_B: tl.constexpr,
+    E8M0: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # The scaled float32 [BLOCK_M, BLOCK_N] tile over the first k_tiles BLOCK_K steps of a
+    # contraction of k_len (a_ptrs, b_ptrs at its first step; the pointers advance by
+    # stride_a_k and stride_b_k). Steps come from block_steps, scale column kb0 first:
+    # SCALE_K 0, one step per row (a per-tensor step is a row stride of 0) multiplying the
+    # accumulator once at the end; else each step's partial dot promoted with its block's
+    # two scales, column kb0 + k // SCALE_K.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in tl.range(0, k_tiles):
+        k_left = k_len - kt * BLOCK_K
+        # Masked lanes load 0, which adds nothing: K needs no padding to a multiple of 16,
+        # and a partial last block sums what is there.
+        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
+        # Products of fp8 values are exact in float32. Hopper's fp8 MMA adds one tile's
+        # products in a narrower accumulator (about 14 significant bits), not in float32;
+        # max_num_imprecise_acc=BLOCK_K promotes that partial into float32 after every K
+        # tile, so the narrow sums span at most BLOCK_K products and only the tiles'
+        # partials are summed in float32 (numerics.tensorwise.scaled_mm_error_bound with
+        # accumulation=numerics.blockwise.NARROW_ACCUMULATION bounds it). The
+        # interpreter's dot is float32 throughout.
+        if SCALE_K == 0:
+            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+        else:
+            # This step's partial sum on its own, promoted with its block's two scales.
+            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
+            kb = kb0 + (kt * BLOCK_K) // SCALE_K
+            sa = block_steps(sa_ptr, rows_a, ok_a, stride_sa_r, kb, stride_sa_k, BLOCK_ROWS_A, E8M0)
+            sb = block_steps(sb_ptr, rows_b, ok_b, stride_sb_r, kb, stride_sb_k, BLOCK_ROWS_B, E8M0)
+            acc = acc + part * (sa[:, None] * sb[None, :])
+        a_ptrs += BLOCK_K * stride_a_k
+        b_ptrs += BLOCK_K * stride_b_k
+    if SCALE_K == 0:
+        sa = block_steps(sa_ptr, rows_a, ok_a, stride_sa_r, kb0, stride_sa_k, 1, False)
+        sb = block_steps(sb_ptr, rows_b, ok_b, stride_sb_r, kb0, stride_sb_k, 1, False)
+        acc = acc * (sa[:, None] * sb[None, :])
+    return acc
+
+
+@triton.jit
 def store_tile(  # type: ignore[no-untyped-def]
     c_ptr,
     out,
@@ -217,25 +301,13 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
     )  # fmt: skip
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kt * BLOCK_K
-        # Masked lanes load 0, which adds nothing: K needs no padding to a multiple of 16.
-        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
-        # Products of fp8 values are exact in float32. Hopper's fp8 MMA adds one tile's
-        # products in a narrower accumulator (about 14 significant bits), not in float32;
-        # max_num_imprecise_acc=BLOCK_K promotes that partial into this float32 accumulator
-        # after every K tile, so the narrow sums span at most BLOCK_K products and only the
-        # tiles' partials are summed in float32 (numerics.tensorwise.scaled_mm_error_bound
-        # with accumulation=numerics.blockwise.NARROW_ACCUMULATION bounds it). The
-        # interpreter's dot is float32 throughout.
-        acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    scale = tl.load(step_a_ptr) * tl.load(step_b_ptr)
-    out = acc * scale
+    # One step each: a row stride of 0 gives every row the tensor's step, and the
+    # accumulator is multiplied once by their product, as the per-tensor twin does.
+    out = scaled_dot(
+        a_ptrs, b_ptrs, stride_ak, stride_bk, mask_m, mask_n, offs_k, K, tl.cdiv(K, BLOCK_K),
+        step_a_ptr, offs_m, offs_m < M, 0, 0, step_b_ptr, offs_n, offs_n < N, 0, 0, 0,
+        0, 1, 1, False, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     store_tile(
         c_ptr, out, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,
         HAS_BIAS, OUT_BF16,

@@ -33,7 +33,6 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import e8m0_step
 from computectx.kernels.scaled_mm import (
     check_bias_and_out,
     check_operands,
@@ -41,6 +40,7 @@ from computectx.kernels.scaled_mm import (
     k_major,
     new_result,
     operand_tiles,
+    scaled_dot,
     store_tile,
     tile_configs,
     tile_grid,
@@ -90,17 +90,6 @@ def _prune(
     return fitting_configs(ok, m, n) or [
         min(ok, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])
     ]
-
-
-@triton.jit
-def _steps(ptr, rows, R, stride_r, kb, stride_k, BLOCK_ROWS: tl.constexpr, E8M0: tl.constexpr):  # type: ignore[no-untyped-def]
-    # The float32 step of each of ``rows`` in K block ``kb`` (1 where masked).
-    offs = (rows // BLOCK_ROWS).to(tl.int64) * stride_r + kb * stride_k
-    if E8M0:
-        steps = e8m0_step(tl.load(ptr + offs, mask=rows < R, other=127).to(tl.int32))
-    else:
-        steps = tl.load(ptr + offs, mask=rows < R, other=1.0)
-    return steps
 
 
 @triton.autotune(
@@ -158,30 +147,12 @@ def _scaled_mm_blocks_kernel(  # type: ignore[no-untyped-def]
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
     )  # fmt: skip
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - kt * BLOCK_K
-        # Masked lanes load 0, which adds nothing: a partial last block sums what is there.
-        a = tl.load(a_ptrs, mask=mask_m & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & mask_n, other=0.0)
-        if SCALE_K == 0:
-            # Row-wise: one float32 sum over K, scaled in the epilogue.
-            acc = tl.dot(a, b, acc, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-        else:
-            # This step's partial sum on its own, promoted with its block's two scales.
-            part = tl.dot(a, b, out_dtype=tl.float32, max_num_imprecise_acc=BLOCK_K)
-            kb = (kt * BLOCK_K) // SCALE_K
-            sa = _steps(sa_ptr, offs_m, M, stride_sa_r, kb, stride_sa_k, BLOCK_ROWS_A, E8M0)
-            sb = _steps(sb_ptr, offs_n, N, stride_sb_r, kb, stride_sb_k, BLOCK_ROWS_B, E8M0)
-            acc = acc + part * (sa[:, None] * sb[None, :])
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-
-    out = acc
-    if SCALE_K == 0:
-        sa = _steps(sa_ptr, offs_m, M, stride_sa_r, 0, 0, 1, False)
-        sb = _steps(sb_ptr, offs_n, N, stride_sb_r, 0, 0, 1, False)
-        out = acc * (sa[:, None] * sb[None, :])
+    out = scaled_dot(
+        a_ptrs, b_ptrs, stride_ak, stride_bk, mask_m, mask_n, offs_k, K, tl.cdiv(K, BLOCK_K),
+        sa_ptr, offs_m, offs_m < M, stride_sa_r, stride_sa_k,
+        sb_ptr, offs_n, offs_n < N, stride_sb_r, stride_sb_k, 0,
+        SCALE_K, BLOCK_ROWS_A, BLOCK_ROWS_B, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     store_tile(
         c_ptr, out, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,
         HAS_BIAS, OUT_BF16,
