@@ -49,7 +49,11 @@ from computectx import ComputeCtx
 from computectx.distributed import sync_scaling
 from computectx.distributed.fp8_amax_sync import LossNormalization
 from computectx.formats import FEATURE_MULTIPLE, HEAD_NAMES, QuantizedLinear
-from computectx.integrations.torchtitan_moe import convert_experts_configs, router_gates
+from computectx.integrations.torchtitan_moe import (
+    convert_experts_configs,
+    router_gates,
+    swap_config,
+)
 
 __all__ = [
     "Fp8LinearConverter",
@@ -139,13 +143,8 @@ class Fp8LinearConverter(QuantizationConverter):
                 continue
             values = {f.name: getattr(linear, f.name) for f in fields(linear)}
             new = Fp8TitanLinear.Config(**values, policy=self.policy)
+            model_config = swap_config(model_config, (parent, attr), new)
             self.converted.append(fqn)
-            if parent is None:
-                model_config = new
-            elif isinstance(parent, list):
-                parent[attr] = new
-            else:
-                setattr(parent, attr, new)
         if self.config.convert_experts:
             model_config, experts = convert_experts_configs(
                 model_config, self.policy, self.multiple, self.config.filter_fqns

@@ -111,17 +111,28 @@ def convert_experts_configs(
             continue
         if cfg.dim % multiple or cfg.hidden_dim % multiple:
             continue
-        values = {f.name: getattr(cfg, f.name) for f in fields(cfg)}
         fp8_config: Any = fp8_experts_class(owner).Config
-        new = fp8_config(**values, policy=policy)
+        new = fp8_config(**_fields(cfg), policy=policy)
+        model_config = swap_config(model_config, (parent, attr), new)
         done.append(fqn)
-        if parent is None:
-            model_config = new
-        elif isinstance(parent, list):
-            parent[attr] = new
-        else:
-            setattr(parent, attr, new)
     return model_config, done
+
+
+def _fields(cfg: Any) -> dict[str, Any]:
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
+
+
+def swap_config(model_config: Any, place: tuple[Any, Any], new: Any) -> Any:
+    """``model_config`` with ``new`` put at ``place``, a ``(parent, attr)`` pair from
+    ``model_config.traverse``: ``new`` itself when the parent is ``None`` (the root)."""
+    parent, attr = place
+    if parent is None:
+        return new
+    if isinstance(parent, list):
+        parent[attr] = new
+    else:
+        setattr(parent, attr, new)
+    return model_config
 
 
 class TitanExperts:

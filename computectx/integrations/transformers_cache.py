@@ -87,15 +87,22 @@ def _checked_amax(kv_amax: torch.Tensor, layers: int, heads: int) -> torch.Tenso
             f"got {tuple(kv_amax.shape)} (calibrate_transformers_kv(model, batches) makes one)"
         )
     wide = kv_amax.detach().to(torch.float32)
-    bad = ~(torch.isfinite(wide) & (wide > 0))
-    if bool(bad.any()):
-        layer, which, head = (int(i) for i in bad.nonzero()[0])
-        raise ValueError(
-            f"kv_amax must be finite and positive: layer {layer} "
-            f"{'keys' if which == 0 else 'values'} of head {head} is "
-            f"{float(wide[layer, which, head])}"
-        )
+    bad = _first_bad_amax(wide)
+    if bad is not None:
+        where, value = bad
+        raise ValueError(f"kv_amax must be finite and positive: {where} is {value}")
     return wide
+
+
+def _first_bad_amax(amax: torch.Tensor) -> tuple[str, float] | None:
+    # The first (layer, keys/values, head) of a (layers, 2, heads) amax that is not finite
+    # and positive, as "layer L keys|values of head H", with its value; None when all are.
+    bad = ~(torch.isfinite(amax) & (amax > 0))
+    if not bool(bad.any()):
+        return None
+    layer, which, head = (int(i) for i in bad.nonzero()[0])
+    where = f"layer {layer} {'keys' if which == 0 else 'values'} of head {head}"
+    return where, float(amax[layer, which, head])
 
 
 def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -376,12 +383,11 @@ def calibrate_transformers_kv(model: nn.Module, batches: Iterable[object]) -> to
             m.training = training
     if found is None:
         raise ValueError("calibrate_transformers_kv: batches is empty; calibration needs a batch")
-    bad = ~(torch.isfinite(found) & (found > 0))
-    if bool(bad.any()):
-        layer, which, head = (int(i) for i in bad.nonzero()[0])
+    bad = _first_bad_amax(found)
+    if bad is not None:
+        where, value = bad
         raise ValueError(
-            f"calibrate_transformers_kv: layer {layer} {'keys' if which == 0 else 'values'} of "
-            f"head {head} have amax {float(found[layer, which, head])} over {count} batch(es); "
+            f"calibrate_transformers_kv: {where} have amax {value} over {count} batch(es); "
             f"a calibrated amax must be finite and positive"
         )
     return found

@@ -113,11 +113,7 @@ class Router(nn.Module):
         dim = checked_count("Router", "dim", dim, 1)
         n_experts = checked_count("Router", "n_experts", n_experts, 1)
         top_k = _checked_top_k("Router", top_k, n_experts)
-        if not isinstance(score, str) or score not in get_args(RouterScore):
-            raise ValueError(
-                f"router score must be one of {', '.join(map(repr, get_args(RouterScore)))}, "
-                f"got {score!r}"
-            )
+        _check_choice("router score", score, get_args(RouterScore))
         renormalize = checked_flag("Router", "renormalize", renormalize)
         route_scale = checked_real("Router", "route_scale", route_scale, non_negative=False)
         self.ctx = ctx
@@ -178,6 +174,12 @@ def _checked_top_k(owner: str, top_k: object, n_experts: int) -> int:
     if k > n_experts:
         raise ValueError(f"top_k must lie in [1, n_experts={n_experts}], got {k!r}")
     return k
+
+
+def _check_choice(what: str, value: object, accepted: tuple[str, ...]) -> None:
+    # ValueError naming what unless value is one of the accepted strings.
+    if not isinstance(value, str) or value not in accepted:
+        raise ValueError(f"{what} must be one of {', '.join(map(repr, accepted))}, got {value!r}")
 
 
 def check_bias(bias: object, n_experts: int, what: str) -> None:
@@ -254,16 +256,8 @@ class MoE(nn.Module):
         n_experts = checked_count("MoE", "n_experts", n_experts, 1)
         top_k = _checked_top_k("MoE", top_k, n_experts)
         n_shared = checked_count("MoE", "n_shared", n_shared, 0)
-        if not isinstance(balance, str) or balance not in get_args(LoadBalance):
-            raise ValueError(
-                f"MoE balance must be one of {', '.join(map(repr, get_args(LoadBalance)))}, "
-                f"got {balance!r}"
-            )
-        if not isinstance(score, str) or score not in get_args(RouterScore):
-            raise ValueError(
-                f"router score must be one of {', '.join(map(repr, get_args(RouterScore)))}, "
-                f"got {score!r}"
-            )
+        _check_choice("MoE balance", balance, get_args(LoadBalance))
+        _check_choice("router score", score, get_args(RouterScore))
         renormalize = checked_flag("MoE", "renormalize", renormalize)
         route_scale = checked_real("MoE", "route_scale", route_scale, non_negative=False)
         bias_rate = checked_real("MoE", "bias_rate", bias_rate, non_negative=True)
