@@ -3,18 +3,26 @@
 ``python -m torch.distributed.run --nproc-per-node N accelerate_worker.py OUT_DIR``: trains an
 fp8 MLP with an ``OffloadedOptimizer`` through ``Accelerator.prepare`` under bf16 mixed
 precision, clips with ``accelerator.clip_grad_norm_``, saves with ``save_state()`` and loads the
-state into a fresh model and optimizer with ``load_state()``. Writes ``OUT_DIR/rank{R}.pt``.
+state into a fresh model and optimizer with ``load_state()``. Every rank first runs the same
+recipe as one process, on a group of one of its own (the environment ``torchrun
+--nproc-per-node 1`` gives, in this launch: a launch's imports cost more than its training),
+before the launch's group exists: the reference, under ``"one"``. Writes
+``OUT_DIR/rank{R}.pt``.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
+import os
+import socket
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import InitProcessGroupKwargs
 from torch import nn
 
@@ -76,7 +84,8 @@ def train_step(
     return float(accelerator.reduce(loss.detach(), reduction="mean"))
 
 
-def main(out: Path) -> None:
+def run(out: Path) -> tuple[int, dict[str, Any]]:
+    """The recipe on the group this process's environment names: its rank, its results."""
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=30))
     # bf16 mixed precision: accelerate runs the forward under torch.autocast, and the fp8
     # layers (float32 weights) then return bf16, as nn.Linear does.
@@ -106,22 +115,46 @@ def main(out: Path) -> None:
     with torch.no_grad():
         after = inner(probe)
     loaded_opt = opt.state_dict()
-    torch.save(
-        {
-            "losses": torch.tensor(losses),
-            "ledgers": saved_ledgers,
-            "ledgers_loaded": ledgers(inner),
-            "before": before,
-            "after": after,
-            "optimizer_equal": same(saved_opt, loaded_opt),
-            "world": accelerator.num_processes,
-            "out_dtypes": sorted(set(out_dtypes)),
-            "distributed_type": str(accelerator.distributed_type),
-        },
-        out / f"rank{accelerator.process_index}.pt",
-    )
+    result = {
+        "losses": torch.tensor(losses),
+        "ledgers": saved_ledgers,
+        "ledgers_loaded": ledgers(inner),
+        "before": before,
+        "after": after,
+        "optimizer_equal": same(saved_opt, loaded_opt),
+        "world": accelerator.num_processes,
+        "out_dtypes": sorted(set(out_dtypes)),
+        "distributed_type": str(accelerator.distributed_type),
+    }
     accelerator.wait_for_everyone()  # no rank tears the group down while another uses it
     accelerator.end_training()
+    return accelerator.process_index, result
+
+
+def one_process(out: Path) -> dict[str, Any]:
+    """The recipe as ``torchrun --nproc-per-node 1`` runs it (a gloo group of one, here on a
+    store of its own), before the launch's group exists; accelerate's state then forgotten."""
+    environ = dict(os.environ)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(
+        WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_PORT=str(port)
+    )
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # the launch's store is not ours
+    try:
+        return run(out)[1]
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+
+
+def main(out: Path) -> None:
+    one = one_process(out / f"one{os.environ['RANK']}")
+    rank, result = run(out / "two")
+    torch.save({**result, "one": one}, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":

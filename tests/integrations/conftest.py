@@ -4,11 +4,16 @@ optional ``integrations`` extra: each test module skips, with its reason, when o
 The worker sets its own collective timeout (30 s); ``torchrun`` runs here with a limit of
 150 s (a launch takes about 50 s on a busy 2-core machine, most of it imports),
 so a hang fails the test within minutes instead of stalling CI.
+
+A launch costs more in imports (torchrun, then each rank importing torch and the framework)
+than in training, so each framework's recipes run in one launch: ``torchrun_once`` launches
+once per test session, even across xdist workers, and every test reads its part.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from filelock import FileLock
 
 HERE = Path(__file__).resolve().parent
 LIMIT_S = 150.0
@@ -52,4 +58,27 @@ def torchrun(worker: str, nproc: int, out: Path, *args: str) -> list[dict[str, A
         pytest.fail(f"{worker} on {nproc} rank(s) ran past {LIMIT_S} s:\n{err[-6000:]}")
     if done.returncode != 0:
         pytest.fail(f"{worker} on {nproc} rank(s) failed:\n{done.stderr[-6000:]}")
+    return _ranks(out, nproc)
+
+
+def _ranks(out: Path, nproc: int) -> list[dict[str, Any]]:
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(nproc)]
+
+
+def torchrun_once(
+    factory: pytest.TempPathFactory, name: str, worker: str, nproc: int, *args: str
+) -> list[dict[str, Any]]:
+    """``torchrun(worker, nproc, ..., *args)`` once per test session: under xdist the first
+    worker to ask launches (in the folder the session's workers share) and the others, waiting
+    on a lock meanwhile, read its ranks' files. A failed launch leaves nothing to read, so the
+    next to ask launches again and fails on its own."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return torchrun(worker, nproc, factory.mktemp(name), *args)
+    root = factory.getbasetemp().parent  # the session's; each worker's own is below it
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(root / f"{name}.lock"):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            torchrun(worker, nproc, out, *args)
+            done.touch()
+    return _ranks(out, nproc)

@@ -1,13 +1,15 @@
 """One rank of the Lightning Fabric recipes (docs/integrations.md), started by torchrun.
 
-``python -m torch.distributed.run --nproc-per-node 2 fabric_worker.py OUT_DIR STRATEGY``:
-STRATEGY ``ddp`` (``DDPStrategy``, each rank its rows of the batch), ``fsdp``
-(``ModelParallelStrategy`` data parallel only: FSDP2 with the fp8 all-gather, each rank its
-rows) or ``tensor_parallel`` (``ModelParallelStrategy`` tensor parallel over every rank, each
-rank the whole batch). Every rank first trains the same model in one process on the whole
-batch, before any group exists (the reference). Under ``ddp`` and ``fsdp`` it then saves with
-``fabric.save`` and no merge call, trains one more step and loads with ``fabric.load``.
-Writes ``OUT_DIR/rank{R}.pt``.
+``python -m torch.distributed.run --nproc-per-node 2 fabric_worker.py OUT_DIR STRATEGY...``:
+each STRATEGY in turn, in one launch (a launch's imports cost more than its training): ``ddp``
+(``DDPStrategy``, each rank its rows of the batch), ``fsdp`` (``ModelParallelStrategy`` data
+parallel only: FSDP2 with the fp8 all-gather, each rank its rows) or ``tensor_parallel``
+(``ModelParallelStrategy`` tensor parallel over every rank, each rank the whole batch), each
+with a fresh ``Fabric``, model and optimizer over the one process group (the first strategy's
+``Fabric`` creates it; the others find it). Every rank first trains the same model in one
+process on the whole batch, before any group exists (the reference). Under ``ddp`` and
+``fsdp`` it then saves with ``fabric.save`` and no merge call, trains one more step and loads
+with ``fabric.load``. Writes ``OUT_DIR/rank{R}.pt``: each strategy's results by its name.
 """
 
 from __future__ import annotations
@@ -127,8 +129,9 @@ def launch(strategy: str) -> Fabric:
     return Fabric(accelerator="cpu", devices=2, strategy=mp)
 
 
-def main(out: Path, strategy: str) -> None:
-    result: dict[str, Any] = {"one": alone()}
+def run(strategy: str, out: Path, one: dict[str, Any]) -> dict[str, Any]:
+    """One strategy's run on the group, with its own ``Fabric``, model and optimizer."""
+    result: dict[str, Any] = {"one": one}
     fabric = launch(strategy)
     fabric.launch()
     rank, world = fabric.global_rank, fabric.world_size
@@ -164,11 +167,11 @@ def main(out: Path, strategy: str) -> None:
         result["saved"] = fp8_state(model.module)
         state: dict[str, Any] = {"model": model, "optimizer": opt}
         # No sync() first: the merge ran at the end of the last backward.
-        fabric.save(out / "checkpoint", state)
+        fabric.save(out / strategy / "checkpoint", state)
         moved = copy.deepcopy(result["saved"])
         train(STEPS)  # moves the weights and the fp8 state on
         result["moved"] = fp8_state(model.module)
-        fabric.load(out / "checkpoint", state)
+        fabric.load(out / strategy / "checkpoint", state)
         result["loaded"] = fp8_state(model.module)
         model.eval()
         with torch.no_grad():
@@ -176,11 +179,17 @@ def main(out: Path, strategy: str) -> None:
         result["stepped_changed"] = any(
             not torch.equal(moved[k], v) for k, v in result["moved"].items()
         )
-    torch.save(result, out / f"rank{rank}.pt")
-    fabric.barrier()  # no rank tears the group down while another still uses it
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    fabric.barrier()  # every rank done with this strategy before the next one starts
+    return result
+
+
+def main(out: Path, strategies: list[str]) -> None:
+    one = alone()
+    results = {strategy: run(strategy, out, one) for strategy in strategies}
+    torch.save(results, out / f"rank{torch.distributed.get_rank()}.pt")
+    torch.distributed.barrier()  # no rank tears the group down while another still uses it
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    main(Path(sys.argv[1]), sys.argv[2:])

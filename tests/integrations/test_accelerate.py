@@ -1,6 +1,8 @@
 """HF accelerate (docs/integrations.md): ``prepare`` under bf16 mixed precision with an
 ``OffloadedOptimizer``, ``clip_grad_norm_``, ``save_state``/``load_state`` with their defaults,
-on 2 gloo ranks under torchrun (``accelerate launch --cpu`` starts one process on one machine)."""
+on 2 gloo ranks under torchrun (``accelerate launch --cpu`` starts one process on one machine),
+against the same recipe on a group of one process (run by each rank, in the same launch,
+before the 2-rank group exists)."""
 
 from __future__ import annotations
 
@@ -19,9 +21,14 @@ from .conftest import torchrun
 def test_accelerate_trains_on_two_ranks_as_one_process_and_resumes_exactly(
     tmp_path: Path,
 ) -> None:
-    two = torchrun("accelerate_worker.py", 2, tmp_path / "two")
-    (one,) = torchrun("accelerate_worker.py", 1, tmp_path / "one")
+    two = torchrun("accelerate_worker.py", 2, tmp_path)
+    one = two[0]["one"]
     for r in two:
+        # The reference is one process on a group of its own, as torchrun with one rank runs
+        # it, the same on each rank.
+        assert r["one"]["distributed_type"] == "DistributedType.MULTI_CPU"
+        assert r["one"]["world"] == 1
+        assert torch.equal(r["one"]["losses"], one["losses"])
         assert r["distributed_type"] == "DistributedType.MULTI_CPU" and r["world"] == 2
         assert r["out_dtypes"] == ["torch.bfloat16"]  # under accelerate's bf16 autocast
         # The synced ledgers are the same on both ranks and the losses are one process's

@@ -1,10 +1,13 @@
 """Lightning Fabric (docs/integrations.md): an fp8 model under ``DDPStrategy``, under
 ``ModelParallelStrategy`` data parallel (FSDP2) and tensor parallel, on 2 gloo ranks against
-one process; under DDP and FSDP2 ``fabric.save`` / ``fabric.load`` with no merge call."""
+one process; under DDP and FSDP2 ``fabric.save`` / ``fabric.load`` with no merge call.
+
+The three strategies run in one torchrun launch (the launch's imports are most of its cost);
+each test reads its strategy's part of the ranks' results (under xdist too)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,14 +19,22 @@ pytest.importorskip(
     reason="lightning is in the optional extra: pip install -e '.[integrations]'",
 )
 
-from .conftest import torchrun
+from .conftest import torchrun_once
+
+STRATEGIES = ["ddp", "fsdp", "tensor_parallel"]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "tensor_parallel"])
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every rank's results of one launch that runs each strategy in turn, by strategy."""
+    return torchrun_once(tmp_path_factory, "fabric", "fabric_worker.py", 2, *STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_fabric_trains_an_fp8_model_on_two_ranks_as_one_process(
-    tmp_path: Path, strategy: str
+    launch: list[dict[str, Any]], strategy: str
 ) -> None:
-    ranks = torchrun("fabric_worker.py", 2, tmp_path, strategy)
+    ranks = [r[strategy] for r in launch]
     for r in ranks:
         one = r["one"]
         assert r["world"] == 2
