@@ -80,24 +80,9 @@ _FWD_PAIRS: Final[dict[tuple[str, str], tuple[int, int]]] = {
 def gemm_configs(block_m: int) -> list[triton.Config]:
     """The autotune configs of the grouped kernels. Interpreted: ``block_m`` x 32 tiles with
     ``BLOCK_K`` 64 (a 128-wide scale block in two steps) or 32 (MX), so small test groups
-    span several programs; ``prune_configs`` keeps one. Compiled: the dense block kernel's
-    Hopper shapes (64-row warpgroup tiles; 128- or 64-wide K steps, 32 for MX)."""
-    if INTERPRETED:
-        return [
-            triton.Config({"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 4})
-            for bk in (64, 32)
-        ]
-    shapes = [
-        (128, 128, 128, 4, 8),
-        (128, 256, 128, 3, 8),
-        (128, 128, 64, 4, 4),
-        (64, 128, 128, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 128, 32, 5, 4),
-        (64, 128, 32, 4, 4),
-        (64, 64, 32, 4, 4),
-    ]
-    return tile_configs(shapes)
+    span several programs; ``prune_configs`` keeps one. Compiled: ``HOPPER_TILES["grouped"]``
+    (64-row warpgroup tiles; 128- or 64-wide K steps, 32 for MX)."""
+    return tile_configs("grouped", block_m, (64, 32))
 
 
 def prune_configs(

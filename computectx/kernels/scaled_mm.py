@@ -13,12 +13,15 @@ narrower accumulator (about 14 significant bits) before it is promoted to float3
 results agree within the wider bound ``numerics.tensorwise.scaled_mm_error_bound(...,
 accumulation=numerics.blockwise.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 
-The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) is built from this module's
-shared pieces: the autotune configs' form (``tile_configs``) and size filter
-(``fitting_configs``); on the host the argument checks (``check_operands``,
-``check_bias_and_out``), the K-major staging (``k_major``), the result and its trivial cases
-(``new_result``) and the grid (``tile_grid``); in the kernel the grouped launch order
-(``grouped_tile``), the operand tiles (``operand_tiles``) and the epilogue (``store_tile``).
+The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) runs this module's kernel,
+``scaled_tiles``, autotuned with its own configs: per-tensor steps are its ``SCALE_K == 0``
+case with one-element steps read at strides of 0 (the same float32 products). The shared
+pieces: the autotune configs' form (``tile_configs``) and size filter (``fitting_configs``);
+on the host the argument checks (``check_operands``, ``check_bias_and_out``), the K-major
+staging (``k_major``), the result and its trivial cases (``new_result``), the launch
+(``launch_tiles``) and the grid (``tile_grid``); in the kernels (the grouped GEMMs' too) the
+grouped launch order (``grouped_tile``), the operand tiles (``operand_tiles``), the scaled K
+loop (``scaled_dot``, with ``block_steps``) and the epilogue (``store_tile``).
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
@@ -34,6 +37,7 @@ import triton.language as tl
 from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, e8m0_step, round_to_bf16
 
 __all__ = [
+    "HOPPER_TILES",
     "INTERPRETED",
     "block_steps",
     "check_bias_and_out",
@@ -41,10 +45,12 @@ __all__ = [
     "fitting_configs",
     "grouped_tile",
     "k_major",
+    "launch_tiles",
     "new_result",
     "operand_tiles",
     "scaled_dot",
     "scaled_mm",
+    "scaled_tiles",
     "store_tile",
     "tile_configs",
     "tile_grid",
@@ -55,14 +61,12 @@ INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 was imported) rather than compiled for a GPU; fixed at import."""
 
 
-def _configs() -> list[triton.Config]:
-    if INTERPRETED:
-        # One small tile: the interpreter runs every program on the CPU, and one config
-        # means the autotuner never benchmarks.
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4})]
-    # Hopper: fp8 wgmma wants 64-row warpgroup tiles and 128-byte K slices; 3-4 stages of
-    # cp.async pipelining hide HBM latency within 228 KB of shared memory per SM.
-    shapes = [
+HOPPER_TILES: Final[dict[str, tuple[tuple[int, int, int, int, int], ...]]] = {
+    # The GEMMs' autotune shapes on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
+    # num_warps). Hopper's fp8 wgmma wants 64-row warpgroup tiles and 128-byte K slices;
+    # 3-4 stages of cp.async pipelining hide HBM latency within 228 KB of shared memory per
+    # SM. Per-tensor steps:
+    "tensorwise": (
         (128, 256, 128, 3, 8),
         (256, 128, 128, 3, 8),
         (128, 256, 64, 4, 8),
@@ -72,21 +76,60 @@ def _configs() -> list[triton.Config]:
         (128, 128, 64, 4, 8),
         (64, 128, 128, 4, 4),
         (64, 64, 128, 4, 4),
-    ]
-    return tile_configs(shapes)
+    ),
+    # Block scales: one 128-wide scale block per K step where it fits in shared memory,
+    # else two 64-wide steps; 32-wide steps for MX.
+    "blockwise": (
+        (128, 128, 128, 4, 8),
+        (128, 256, 128, 3, 8),
+        (256, 128, 128, 3, 8),
+        (128, 256, 64, 4, 8),
+        (128, 128, 64, 4, 4),
+        (64, 128, 128, 4, 4),
+        (128, 128, 32, 5, 4),
+        (128, 256, 32, 4, 8),
+        (64, 64, 32, 4, 4),
+    ),
+    # The grouped GEMMs (forward, dgrad, wgrad): the block shapes with smaller row tiles
+    # for an expert's share of the tokens.
+    "grouped": (
+        (128, 128, 128, 4, 8),
+        (128, 256, 128, 3, 8),
+        (128, 128, 64, 4, 4),
+        (64, 128, 128, 4, 4),
+        (64, 128, 64, 4, 4),
+        (128, 128, 32, 5, 4),
+        (64, 128, 32, 4, 4),
+        (64, 64, 32, 4, 4),
+    ),
+}
 
 
-def tile_configs(shapes: Sequence[tuple[int, int, int, int, int]]) -> list[triton.Config]:
-    """A GPU build's autotune configs: one per ``(BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
-    num_warps)`` of ``shapes``, each launched in groups of ``GROUP_M`` 8 row-tiles."""
+def tile_configs(
+    kernel: str, interpreted_m: int, interpreted_k: Sequence[int]
+) -> list[triton.Config]:
+    """``kernel``'s autotune configs (a key of ``HOPPER_TILES``): compiled, one per shape,
+    each launched in groups of ``GROUP_M`` 8 row-tiles; interpreted, ``interpreted_m x 32``
+    tiles with each ``BLOCK_K`` of ``interpreted_k`` (small, so test shapes span several
+    programs; with one config the autotuner never benchmarks)."""
+    if INTERPRETED:
+        return [
+            triton.Config({"BLOCK_M": interpreted_m, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 4})
+            for bk in interpreted_k
+        ]
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
             num_stages=stages,
             num_warps=warps,
         )
-        for bm, bn, bk, stages, warps in shapes
+        for bm, bn, bk, stages, warps in HOPPER_TILES[kernel]
     ]
+
+
+def _configs() -> list[triton.Config]:
+    # Interpreted, one 32 x 32 x 32 tile: the interpreter runs every program on the CPU.
+    return tile_configs("tensorwise", 32, (32,))
 
 
 def fitting_configs(configs: list[triton.Config], m: int, n: int) -> list[triton.Config]:
@@ -171,34 +214,12 @@ def block_steps(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def scaled_dot(  # type: ignore[no-untyped-def]
-    a_ptrs,
-    b_ptrs,
-    stride_a_k,
-    stride_b_k,
-    mask_m,
-    mask_n,
-    offs_k,
-    k_len,
-    k_tiles,
-    sa_ptr,
-    rows_a,
-    ok_a,
-    stride_sa_r,
-    stride_sa_k,
-    sb_ptr,
-    rows_b,
-    ok_b,
-    stride_sb_r,
-    stride_sb_k,
-    kb0,
-    SCALE_K: tl.constexpr,
-    BLOCK_ROWS_A: tl.constexpr,
-    BLOCK_ROWS_B: tl.constexpr,
-    E8M0: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
+    a_ptrs, b_ptrs, stride_a_k, stride_b_k, mask_m, mask_n, offs_k, k_len, k_tiles,
+    sa_ptr, rows_a, ok_a, stride_sa_r, stride_sa_k,
+    sb_ptr, rows_b, ok_b, stride_sb_r, stride_sb_k, kb0,
+    SCALE_K: tl.constexpr, BLOCK_ROWS_A: tl.constexpr, BLOCK_ROWS_B: tl.constexpr,
+    E8M0: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
     # The scaled float32 [BLOCK_M, BLOCK_N] tile over the first k_tiles BLOCK_K steps of a
     # contraction of k_len (a_ptrs, b_ptrs at its first step; the pointers advance by
     # stride_a_k and stride_b_k). Steps come from block_steps, scale column kb0 first:
@@ -263,21 +284,14 @@ def store_tile(  # type: ignore[no-untyped-def]
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=mask_m & mask_n)
 
 
-@triton.autotune(
-    configs=_configs(),
-    # Tuned per power-of-two bucket of M (token counts vary from call to call; N and K are
-    # a layer's shape) and per operand layout, so a new batch size does not retune.
-    key=["m_bucket", "N", "K", "layout", "HAS_BIAS", "OUT_BF16"],
-    prune_configs_by={"early_config_prune": _prune},
-)
 @triton.jit
-def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
+def scaled_tiles(  # type: ignore[no-untyped-def]
     a_ptr,
     b_ptr,
     c_ptr,
     bias_ptr,
-    step_a_ptr,
-    step_b_ptr,
+    sa_ptr,
+    sb_ptr,
     M,
     N,
     K,
@@ -287,8 +301,16 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
     stride_bk,
     stride_cm,
     stride_cn,
+    stride_sa_r,
+    stride_sa_k,
+    stride_sb_r,
+    stride_sb_k,
     m_bucket,  # autotune key only
     layout,  # autotune key only
+    SCALE_K: tl.constexpr,
+    BLOCK_ROWS_A: tl.constexpr,
+    BLOCK_ROWS_B: tl.constexpr,
+    E8M0: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     OUT_BF16: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -296,22 +318,33 @@ def _scaled_mm_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
+    # The dense GEMM's program, per-tensor and block-scaled alike (each module autotunes
+    # it with its own configs): one BLOCK_M x BLOCK_N tile of the result, its K loop and
+    # scales (scaled_dot), the epilogue (store_tile). Per-tensor steps are one-element
+    # tensors read with strides of 0, SCALE_K 0.
     offs_m, offs_n, offs_k, a_ptrs, b_ptrs, mask_m, mask_n = operand_tiles(
         a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bn, stride_bk,
         BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
     )  # fmt: skip
-
-    # One step each: a row stride of 0 gives every row the tensor's step, and the
-    # accumulator is multiplied once by their product, as the per-tensor twin does.
     out = scaled_dot(
         a_ptrs, b_ptrs, stride_ak, stride_bk, mask_m, mask_n, offs_k, K, tl.cdiv(K, BLOCK_K),
-        step_a_ptr, offs_m, offs_m < M, 0, 0, step_b_ptr, offs_n, offs_n < N, 0, 0, 0,
-        0, 1, 1, False, BLOCK_M, BLOCK_N, BLOCK_K,
+        sa_ptr, offs_m, offs_m < M, stride_sa_r, stride_sa_k,
+        sb_ptr, offs_n, offs_n < N, stride_sb_r, stride_sb_k, 0,
+        SCALE_K, BLOCK_ROWS_A, BLOCK_ROWS_B, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     store_tile(
         c_ptr, out, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,
         HAS_BIAS, OUT_BF16,
     )  # fmt: skip
+
+
+_scaled_mm_kernel = triton.autotune(
+    configs=_configs(),
+    # Tuned per power-of-two bucket of M (token counts vary from call to call; N and K are
+    # a layer's shape) and per operand layout, so a new batch size does not retune.
+    key=["m_bucket", "N", "K", "layout", "HAS_BIAS", "OUT_BF16"],
+    prune_configs_by={"early_config_prune": _prune},
+)(scaled_tiles)
 
 
 def scaled_mm(
@@ -331,32 +364,10 @@ def scaled_mm(
     check_bias_and_out(a, b, bias, out_dtype)
 
     a, b = k_major(a, b)
-    m, k = a.shape
-    n = b.shape[0]
     c, done = new_result(a, b, bias, out_dtype)
     if done:
         return c
-    _scaled_mm_kernel[tile_grid(m, n)](
-        a,
-        b,
-        c,
-        bias if bias is not None else c,
-        step_a,
-        step_b,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
-        triton.next_power_of_2(m),
-        int(a.stride(1) == 1) + 2 * int(b.stride(1) == 1),
-        HAS_BIAS=bias is not None,
-        OUT_BF16=out_dtype == torch.bfloat16,
-    )
+    launch_tiles(_scaled_mm_kernel, a, b, c, bias, (step_a, 0, 0), (step_b, 0, 0))
     return c
 
 
@@ -414,6 +425,54 @@ def new_result(
         c.copy_(torch.zeros(n, device=a.device) if bias is None else bias.float().expand(m, n))
         return c, True
     return c, False
+
+
+def launch_tiles(
+    kernel: Any,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale_a: tuple[torch.Tensor, int, int],
+    scale_b: tuple[torch.Tensor, int, int],
+    *,
+    scale_k: int = 0,
+    block_rows_a: int = 1,
+    block_rows_b: int = 1,
+) -> None:
+    """Launch ``kernel`` (``scaled_tiles`` autotuned) into ``c``, the ``new_result`` of
+    checked K-major operands. ``scale_a``/``scale_b``: each operand's steps and their
+    (row, K-block) strides; E8M0 steps (``scale_k`` 32) as their bytes."""
+    m, k = a.shape
+    n = b.shape[0]
+    (sa, *sa_strides), (sb, *sb_strides) = scale_a, scale_b
+    kernel[tile_grid(m, n)](
+        a,
+        b,
+        c,
+        bias if bias is not None else c,
+        sa,
+        sb,
+        m,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        c.stride(0),
+        c.stride(1),
+        *sa_strides,
+        *sb_strides,
+        triton.next_power_of_2(m),
+        int(a.stride(1) == 1) + 2 * int(b.stride(1) == 1),
+        SCALE_K=scale_k,
+        BLOCK_ROWS_A=block_rows_a,
+        BLOCK_ROWS_B=block_rows_b,
+        E8M0=scale_k == 32,
+        HAS_BIAS=bias is not None,
+        OUT_BF16=c.dtype == torch.bfloat16,
+    )
 
 
 def tile_grid(m: int, n: int) -> Callable[[dict[str, Any]], tuple[int]]:

@@ -24,26 +24,22 @@ within the wider bound for that accumulation, ``scaled_mm_error_bound(...,
 accumulation=numerics.blockwise.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 """
 
-# ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
 from typing import Any, Final
 
 import torch
 import triton
-import triton.language as tl
 
 from computectx.kernels.scaled_mm import (
     check_bias_and_out,
     check_operands,
     fitting_configs,
     k_major,
+    launch_tiles,
     new_result,
-    operand_tiles,
-    scaled_dot,
-    store_tile,
+    scaled_tiles,
     tile_configs,
-    tile_grid,
 )
 
 __all__ = ["INTERPRETED", "scaled_mm_blocks"]
@@ -54,27 +50,9 @@ was imported); fixed at import."""
 
 
 def _configs() -> list[triton.Config]:
-    if INTERPRETED:
-        # Small tiles, so test shapes span several programs; BLOCK_K 64 splits a 128-wide
-        # block in two (the scale read twice), 32 serves MX. _prune keeps one.
-        return [
-            triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 4})
-            for bk in (64, 32)
-        ]
-    # Hopper: 64-row warpgroup tiles; one 128-wide scale block per K step where it fits in
-    # shared memory, else two 64-wide steps; 32-wide steps for MX.
-    shapes = [
-        (128, 128, 128, 4, 8),
-        (128, 256, 128, 3, 8),
-        (256, 128, 128, 3, 8),
-        (128, 256, 64, 4, 8),
-        (128, 128, 64, 4, 4),
-        (64, 128, 128, 4, 4),
-        (128, 128, 32, 5, 4),
-        (128, 256, 32, 4, 8),
-        (64, 64, 32, 4, 4),
-    ]
-    return tile_configs(shapes)
+    # Interpreted, 32 x 32 tiles: BLOCK_K 64 splits a 128-wide block in two (the scale read
+    # twice), 32 serves MX; _prune keeps one.
+    return tile_configs("blockwise", 32, (64, 32))
 
 
 def _prune(
@@ -92,7 +70,7 @@ def _prune(
     ]
 
 
-@triton.autotune(
+_scaled_mm_blocks_kernel = triton.autotune(
     configs=_configs(),
     key=[
         "m_bucket",
@@ -107,56 +85,7 @@ def _prune(
         "OUT_BF16",
     ],
     prune_configs_by={"early_config_prune": _prune},
-)
-@triton.jit
-def _scaled_mm_blocks_kernel(  # type: ignore[no-untyped-def]
-    a_ptr,
-    b_ptr,
-    c_ptr,
-    bias_ptr,
-    sa_ptr,
-    sb_ptr,
-    M,
-    N,
-    K,
-    stride_am,
-    stride_ak,
-    stride_bn,
-    stride_bk,
-    stride_cm,
-    stride_cn,
-    stride_sa_r,
-    stride_sa_k,
-    stride_sb_r,
-    stride_sb_k,
-    m_bucket,  # autotune key only
-    layout,  # autotune key only
-    SCALE_K: tl.constexpr,
-    BLOCK_ROWS_A: tl.constexpr,
-    BLOCK_ROWS_B: tl.constexpr,
-    E8M0: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-):
-    offs_m, offs_n, offs_k, a_ptrs, b_ptrs, mask_m, mask_n = operand_tiles(
-        a_ptr, b_ptr, M, N, stride_am, stride_ak, stride_bn, stride_bk,
-        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-    )  # fmt: skip
-
-    out = scaled_dot(
-        a_ptrs, b_ptrs, stride_ak, stride_bk, mask_m, mask_n, offs_k, K, tl.cdiv(K, BLOCK_K),
-        sa_ptr, offs_m, offs_m < M, stride_sa_r, stride_sa_k,
-        sb_ptr, offs_n, offs_n < N, stride_sb_r, stride_sb_k, 0,
-        SCALE_K, BLOCK_ROWS_A, BLOCK_ROWS_B, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
-    store_tile(
-        c_ptr, out, bias_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,
-        HAS_BIAS, OUT_BF16,
-    )  # fmt: skip
+)(scaled_tiles)
 
 
 def _scale_arg(
@@ -206,33 +135,9 @@ def scaled_mm_blocks(
     c, done = new_result(a, b, bias, out_dtype)
     if done:
         return c
-    _scaled_mm_blocks_kernel[tile_grid(m, n)](
-        a,
-        b,
-        c,
-        bias if bias is not None else c,
-        sa,
-        sb,
-        m,
-        n,
-        k,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
-        sa.stride(0),
-        sa.stride(1),
-        sb.stride(0),
-        sb.stride(1),
-        triton.next_power_of_2(m),
-        int(a.stride(1) == 1) + 2 * int(b.stride(1) == 1),
-        SCALE_K=block_k,
-        BLOCK_ROWS_A=block_rows_a,
-        BLOCK_ROWS_B=block_rows_b,
-        E8M0=block_k == 32,
-        HAS_BIAS=bias is not None,
-        OUT_BF16=out_dtype == torch.bfloat16,
-    )
+    launch_tiles(
+        _scaled_mm_blocks_kernel, a, b, c, bias, (sa, sa.stride(0), sa.stride(1)),
+        (sb, sb.stride(0), sb.stride(1)), scale_k=block_k, block_rows_a=block_rows_a,
+        block_rows_b=block_rows_b,
+    )  # fmt: skip
     return c

@@ -4,7 +4,8 @@ for sm_90 and sm_100), and pipelines, without a GPU.
 The interpreter runs the kernels' semantics but never lowers them to PTX, so an op that
 does not compile for a GPU would only surface on one. Triton compiles ahead of time for a
 named target with the ``ptxas`` it ships, so a child process (without
-``TRITON_INTERPRET``) builds each kernel for Ada and Hopper here, with the alignment hints
+``TRITON_INTERPRET``; one for every GPU-compile test of the session, ``compiles_for_gpu`` in
+conftest.py) builds each kernel for Ada and Hopper here, with the alignment hints
 Triton's JIT derives at run time for aligned shapes. It checks the code generation we rely
 on for speed: 16-byte vector loads in the quantize kernel, Hopper ``wgmma`` (Blackwell
 ``tcgen05.mma``) and asynchronous multi-stage copies in the GEMMs' main loops for K-major
@@ -13,11 +14,11 @@ operands.
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import compile_report
+from .conftest import compiles_for_gpu
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +53,17 @@ for cap in (89, 90):
             "ftz": ".ftz" in ptx,
         }
 
-g_names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "step_a_ptr", "step_b_ptr", "M", "N", "K",
+g_names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "sa_ptr", "sb_ptr", "M", "N", "K",
            "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_cm", "stride_cn",
-           "m_bucket", "layout"]
+           "stride_sa_r", "stride_sa_k", "stride_sb_r", "stride_sb_k", "m_bucket", "layout"]
 cfg = next(c for c in kg._configs() if c.kwargs["BLOCK_M"] == 128 and c.kwargs["BLOCK_N"] == 128
            and c.kwargs["BLOCK_K"] == 64 and c.num_warps == 4)
 for cap in (89, 90):
     sig = dict(zip(g_names, ["*fp8e5", "*fp8e4nv", "*bf16", "*fp32", "*fp32", "*fp32"]
-                   + ["i32"] * 11))
-    consts = dict(cfg.kwargs, HAS_BIAS=True, OUT_BF16=True, stride_ak=1, stride_bk=1)
+                   + ["i32"] * 15))
+    # Per-tensor steps: the shared kernel's SCALE_K == 0 case, one step each.
+    consts = dict(cfg.kwargs, SCALE_K=0, BLOCK_ROWS_A=1, BLOCK_ROWS_B=1, E8M0=False,
+                  HAS_BIAS=True, OUT_BF16=True, stride_ak=1, stride_bk=1)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(g_names.index(n),): [["tt.divisibility", 16]]
              for n in ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "M", "N", "K", "stride_am",
@@ -78,8 +81,9 @@ json.dump(out, sys.stdout)
 """
 
 
-def test_kernels_compile_for_ada_and_hopper(tmp_path: Path) -> None:
-    report = compile_report(_SCRIPT, tmp_path)
+@compiles_for_gpu(_SCRIPT)
+def test_kernels_compile_for_ada_and_hopper(compile_report: dict[str, Any]) -> None:
+    report = compile_report
     for name, facts in report.items():
         if name.startswith("quantize/"):
             # 16-byte vector loads, and no flush-to-zero arithmetic: subnormal inputs and
@@ -177,8 +181,11 @@ json.dump(out, sys.stdout)
 """
 
 
-def test_block_scaled_gemm_compiles_for_hopper_and_blackwell(tmp_path: Path) -> None:
-    report = compile_report(_BLOCKS_SCRIPT, tmp_path)
+@compiles_for_gpu(_BLOCKS_SCRIPT)
+def test_block_scaled_gemm_compiles_for_hopper_and_blackwell(
+    compile_report: dict[str, Any],
+) -> None:
+    report = compile_report
     assert len(report) == 12, sorted(report)
     for name, facts in report.items():
         cap = name.split("/")[2 if name.startswith("grouped/") else 1]
