@@ -13,11 +13,11 @@ exponential the bound allows for (``ex2.approx.f32``, within 8 ulp).
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import compile_report
+from .conftest import compiles_for_gpu
 
 pytestmark = pytest.mark.slow
 
@@ -80,8 +80,9 @@ json.dump(out, sys.stdout)
 """
 
 
-def test_decode_kernels_compile_for_hopper_and_blackwell(tmp_path: Path) -> None:
-    report = compile_report(_SCRIPT, tmp_path)
+@compiles_for_gpu(_SCRIPT)
+def test_decode_kernels_compile_for_hopper_and_blackwell(compile_report: dict[str, Any]) -> None:
+    report = compile_report
     assert len(report) == 2 * (3 + 1), sorted(report)
     for name, facts in report.items():
         assert not facts["ftz"], (name, facts)

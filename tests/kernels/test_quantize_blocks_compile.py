@@ -10,11 +10,11 @@ It checks 16-byte vector loads where K is contiguous, and no flush-to-zero arith
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 
-from .conftest import compile_report
+from .conftest import compiles_for_gpu
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +69,9 @@ json.dump(out, sys.stdout)
 """
 
 
-def test_block_kernels_compile_for_ada_hopper_and_blackwell(tmp_path: Path) -> None:
-    report = compile_report(_SCRIPT, tmp_path)
+@compiles_for_gpu(_SCRIPT)
+def test_block_kernels_compile_for_ada_hopper_and_blackwell(compile_report: dict[str, Any]) -> None:
+    report = compile_report
     assert len(report) == 3 * (8 + 2), sorted(report)
     assert {name.split("/")[1] for name in report} == {"89", "90", "100"}
     for name, facts in report.items():
