@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, TypedDict, cast
 
 import torch
@@ -258,6 +258,23 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                 data = {(new if k == old else k): v for k, v in data.items()}
         return data
 
+    def __setstate__(self, state: dict[Any, Any]) -> None:
+        # A ctx pickled by 0.1.0 holds its recipe under the field's old name.
+        values = state.get("__dict__")
+        if isinstance(values, dict) and "recipe" not in values:
+            state = {**state, "__dict__": self._new_keys(values)}
+            fields_set = state.get("__pydantic_fields_set__")
+            if isinstance(fields_set, set):
+                state["__pydantic_fields_set__"] = set(self._new_keys(dict.fromkeys(fields_set)))
+        super().__setstate__(state)
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> Self:
+        """pydantic's copy; an ``update`` may name ``recipe`` by its old name, ``fp8``.
+        ``replace`` is the validated way to change a ctx."""
+        return super().model_copy(
+            update=None if update is None else self._new_keys(dict(update)), deep=deep
+        )
+
     @property
     def fp8(self) -> Recipe | None:
         """The old name of ``recipe`` (0.1.0); it goes in 0.3.0."""
@@ -437,10 +454,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
             raise TypeError(f"ComputeCtx.parse takes a str, got {type(text).__name__}")
         fields = cls.model_fields
         data: dict[str, object] = {}
+        written: dict[str, str] = {}  # field -> the key as the text spelled it
         for item in text.split(","):
             key, sep, value = item.partition("=")
-            key, value = key.strip().lower(), value.strip()
-            key = cls._OLD_KEYS.get(key, key)
+            spelled, value = key.strip().lower(), value.strip()
+            key = cls._OLD_KEYS.get(spelled, spelled)
             if not sep or not key:
                 raise ValueError(
                     f"bad policy item {item.strip()!r} in {text!r}: expected key=value with "
@@ -451,7 +469,13 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
                     f"unknown policy key {key!r} in {text!r}; accepted: {', '.join(fields)}"
                 )
             if key in data:
-                raise ValueError(f"policy key {key!r} given twice in {text!r}")
+                if written[key] == spelled:
+                    raise ValueError(f"policy key {spelled!r} given twice in {text!r}")
+                raise ValueError(
+                    f"policy keys {written[key]!r} and {spelled!r} both given in {text!r}: fp8 is "
+                    f"the old name of recipe"
+                )
+            written[key] = spelled
             data[key] = None if key in cls._NULLABLE and _is_none_text(value) else value
         return cls.model_validate(data)
 

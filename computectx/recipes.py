@@ -490,3 +490,8 @@ class Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tr
         except ValidationError as e:
             msgs = "; ".join(str(err["msg"]).removeprefix("Value error, ") for err in e.errors())
             raise ValueError(f"bad fp8 policy {text!r}: {msgs}") from None
+
+
+# The 0.1.0 name of ``Recipe``, a plain alias until 0.3.0 (CHANGELOG.md): a ctx pickled by
+# 0.1.0 names its recipe's class by this path.
+Fp8Policy = Recipe

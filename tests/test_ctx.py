@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import pickle
 import re
 
 import pytest
@@ -529,7 +531,54 @@ def test_the_old_name_of_the_recipe_field_still_reads() -> None:
     assert ComputeCtx.model_validate_json(json.dumps(data)) == want
     plain = ComputeCtx.new(DType.BF16, "cpu")
     assert plain.replace(fp8=want.recipe) == want
-    with pytest.raises(ValueError, match="given twice"):
+    with pytest.raises(ValueError, match="'recipe' and 'fp8' both given"):
         ComputeCtx.parse(text + ",fp8=hybrid")
     with pytest.raises(ValueError, match="both 'fp8' and 'recipe'"):
         plain.replace(fp8=want.recipe, recipe=None)
+
+
+# pickle.dumps(ComputeCtx.from_flag("bf16", "cpu")) and of ("fp8_hybrid", "cpu"), written by 0.1.0
+# (commit 99ca679), whose field was named fp8 and whose recipe class was Fp8Policy.
+OLD_PICKLE_BF16 = base64.b64decode(
+    "gASV1AEAAAAAAACMDmNvbXB1dGVjdHguY3R4lIwKQ29tcHV0ZUN0eJSTlCmBlH2UKIwIX19kaWN0X1+UfZQojAdj"
+    "b21wdXRllIwRY29tcHV0ZWN0eC5kdHlwZXOUjAVEVHlwZZSTlIwEYmYxNpSFlFKUjAJrdpRoDYwFYWNjdW2UaAqM"
+    "A2YzMpSFlFKUjAlyZXNpZGVuY3mUjBRjb21wdXRlY3R4LnJlc2lkZW5jeZSMCVJlc2lkZW5jeZSTlIwEYXV0b5SF"
+    "lFKUjAZkZXZpY2WUjAV0b3JjaJSMBmRldmljZZSTlIwDY3B1lIWUUpSMA2ZwOJROjARncmFklGgSjAZtYXN0ZXKU"
+    "aBKMB29mZmxvYWSUTowLb3B0aW1fc3RhdGWUjBZjb21wdXRlY3R4Lm9wdGltX3N0YXRllIwKT3B0aW1TdGF0ZZST"
+    "lCmBlH2UKGgFfZQojAZmb3JtYXSUaBCMBWJsb2NrlE6MCG1pbl9zaXpllE0AEHWMEl9fcHlkYW50aWNfZXh0cmFf"
+    "X5ROjBdfX3B5ZGFudGljX2ZpZWxkc19zZXRfX5SPlIwUX19weWRhbnRpY19wcml2YXRlX1+UTnVidWgvTmgwj5Qo"
+    "aA9oB2gaaCFoDpBoMk51Yi4="
+)
+OLD_PICKLE_FP8 = base64.b64decode(
+    "gASV5gIAAAAAAACMDmNvbXB1dGVjdHguY3R4lIwKQ29tcHV0ZUN0eJSTlCmBlH2UKIwIX19kaWN0X1+UfZQojAdj"
+    "b21wdXRllIwRY29tcHV0ZWN0eC5kdHlwZXOUjAVEVHlwZZSTlIwEYmYxNpSFlFKUjAJrdpRoDYwFYWNjdW2UaAqM"
+    "A2YzMpSFlFKUjAlyZXNpZGVuY3mUjBRjb21wdXRlY3R4LnJlc2lkZW5jeZSMCVJlc2lkZW5jeZSTlIwEYXV0b5SF"
+    "lFKUjAZkZXZpY2WUjAV0b3JjaJSMBmRldmljZZSTlIwDY3B1lIWUUpSMA2ZwOJSMEmNvbXB1dGVjdHgucmVjaXBl"
+    "c5SMCUZwOFBvbGljeZSTlCmBlH2UKGgFfZQojAZmb3JtYXSUaCKMCUZwOFNjaGVtZZSTlIwGaHlicmlklIWUUpSM"
+    "B3NjYWxpbmeUaCKMDkRlbGF5ZWRTY2FsaW5nlJOUKYGUfZQoaAV9lCiMBGtpbmSUjAdkZWxheWVklIwLaGlzdG9y"
+    "eV9sZW6USxCMBm1hcmdpbpRLAIwEYWxnb5SMA21heJR1jBJfX3B5ZGFudGljX2V4dHJhX1+UTowXX19weWRhbnRp"
+    "Y19maWVsZHNfc2V0X1+Uj5SMFF9fcHlkYW50aWNfcHJpdmF0ZV9flE51YowLZ3JhbnVsYXJpdHmUjAZ0ZW5zb3KU"
+    "jAxwb3dlcl9vZl90d2+UiYwLbXhfcm91bmRpbmeUTowFZ3dfaHCUiXVoOk5oO4+UKGgoaEJoLmhAkGg9TnVijARn"
+    "cmFklGgSjAZtYXN0ZXKUaBKMB29mZmxvYWSUTowLb3B0aW1fc3RhdGWUjBZjb21wdXRlY3R4Lm9wdGltX3N0YXRl"
+    "lIwKT3B0aW1TdGF0ZZSTlCmBlH2UKGgFfZQoaChoEIwFYmxvY2uUTowIbWluX3NpemWUTQAQdWg6Tmg7j5RoPU51"
+    "YnVoOk5oO4+UKGgPaAdoGmghaA6QaD1OdWIu"
+)
+
+
+def test_a_ctx_pickled_by_0_1_0_unpickles_to_an_equal_working_value() -> None:
+    plain = pickle.loads(OLD_PICKLE_BF16)
+    assert str(plain) == "compute=bf16,kv=bf16,accum=f32,residency=auto,device=cpu"
+    assert plain == ComputeCtx.from_flag("bf16", "cpu") and plain.recipe is None
+    fp8 = pickle.loads(OLD_PICKLE_FP8)
+    assert fp8 == ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    assert ComputeCtx.model_validate_json(fp8.model_dump_json()) == fp8
+    assert pickle.loads(pickle.dumps(fp8)) == fp8
+
+
+def test_model_copy_reads_the_old_field_name_and_the_text_form_names_the_key_written() -> None:
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    assert ctx.model_copy(update={"fp8": None}).recipe is None
+    with pytest.raises(ValueError, match="'fp8' given twice"):
+        ComputeCtx.parse("compute=bf16,device=cpu,fp8=hybrid,fp8=hybrid")
+    with pytest.raises(ValueError, match="'fp8' and 'recipe' both given"):
+        ComputeCtx.parse("compute=bf16,device=cpu,fp8=hybrid,recipe=hybrid")

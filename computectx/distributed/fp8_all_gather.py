@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from typing_extensions import Self
 
 from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
 from computectx.distributed.collectives import GroupAmax
@@ -130,6 +131,12 @@ class WeightGatheredQuantized(GatheredAsFp8):
     """
 
     _meta: _Gather
+
+    def __new__(cls, hp: torch.Tensor, gather: _Gather) -> Self:
+        return super().__new__(cls, hp, gather)
+
+    def __init__(self, hp: torch.Tensor, gather: _Gather) -> None:
+        super().__init__(hp, gather)
 
     def _label(self) -> str:
         return self._meta.name

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from typing_extensions import Self
 
 from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
 from computectx.distributed.fp8_all_gather import BLOCK_ROWS, GatherFallbackWarning
@@ -57,6 +58,12 @@ class ExpertsGatheredQuantized(GatheredAsFp8):
     (module docstring). Wraps the high-precision tensor ``hp``; every other op runs on it."""
 
     _meta: str  # the weight's name
+
+    def __new__(cls, hp: torch.Tensor, name: str) -> Self:
+        return super().__new__(cls, hp, name)
+
+    def __init__(self, hp: torch.Tensor, name: str) -> None:
+        super().__init__(hp, name)
 
     # ----- FSDP2's extension points --------------------------------------------------------
 

@@ -74,7 +74,7 @@ def policy_of(ctx: object, who: str) -> Recipe:
         )
     if ctx.recipe is None:
         raise ValueError(
-            f"{who} needs a ctx with an fp8 policy, but {str(ctx)!r} has fp8=None; use e.g. "
+            f"{who} needs a ctx with a recipe, but {str(ctx)!r} has recipe=None; use e.g. "
             f"ctx.replace(recipe=Recipe()) or ComputeCtx.from_flag('fp8_hybrid', device)"
         )
     return ctx.recipe

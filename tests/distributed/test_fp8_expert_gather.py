@@ -145,3 +145,16 @@ def test_the_expert_helpers_import_from_the_package() -> None:
 
     for name in ("clip_grad_norm_with_experts", "expert_parameters", "moe_local_buffers"):
         assert name in cd.__all__ and callable(getattr(cd, name)), name
+
+
+def test_the_gather_classes_keep_their_constructors() -> None:
+    """The two FSDP2 gather classes share a base; each keeps its own second argument's name."""
+    import inspect
+
+    from computectx.distributed import ExpertsGatheredQuantized, WeightGatheredQuantized
+
+    assert list(inspect.signature(ExpertsGatheredQuantized).parameters) == ["hp", "name"]
+    assert list(inspect.signature(WeightGatheredQuantized).parameters) == ["hp", "gather"]
+    w = ExpertsGatheredQuantized(torch.zeros(2, 3, 4), name="w1")
+    assert isinstance(w, ExpertsGatheredQuantized) and "w1" in repr(w)
+    assert torch.equal(w.hp, torch.zeros(2, 3, 4))

@@ -216,7 +216,7 @@ def test_convert_errors_leave_the_model_untouched(fp8_ctx: ComputeCtx) -> None:
     with pytest.raises(RuntimeError, match="filter failed"):
         convert_to_quantized(model, fp8_ctx, boom)
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
-    with pytest.raises(ValueError, match="fp8=None"):
+    with pytest.raises(ValueError, match="recipe=None"):
         convert_to_quantized(model, ComputeCtx.new(DType.BF16, "cpu"))
     with pytest.raises(ValueError, match="min_features"):
         convert_to_quantized(model, fp8_ctx, min_features=0)

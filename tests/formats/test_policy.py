@@ -85,7 +85,7 @@ def test_swapping_a_layers_ctx_is_checked_as_construction_is() -> None:
     # Not a ctx, or a ctx without fp8: refused as construction refuses them.
     with pytest.raises(TypeError, match=r"QuantizedLinear\(in_features=48, out_features=64\)\.ctx"):
         layer.ctx = "fp8_mx"  # type: ignore[assignment]
-    with pytest.raises(ValueError, match="has fp8=None"):
+    with pytest.raises(ValueError, match="has recipe=None"):
         layer.ctx = ComputeCtx.from_flag("bf16", "cpu")
     assert layer.ctx is ctx
     # What construction accepts is accepted, and runs.

@@ -107,6 +107,21 @@ class ScalingState:
         self._world = 1
         self._set_meta(meta_new(policy, 1, self.device), 1)
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # input, weight and grad are read-only once set, as the operands of ``operands`` they
+        # name: assigning one would leave the two views of the state disagreeing.
+        if name in ROLES and hasattr(self, name):
+            raise AttributeError(
+                f"ScalingState.{name} cannot be assigned: it is the state's own {name} operand "
+                f"(operands[{name!r}]); load a state dict or conform the state instead"
+            )
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in ROLES:
+            raise AttributeError(f"ScalingState.{name} cannot be deleted")
+        super().__delattr__(name)
+
     @property
     def device(self) -> torch.device:
         """Device the ledgers live on."""

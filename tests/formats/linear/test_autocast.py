@@ -231,7 +231,7 @@ def test_disabled_region_needs_no_ctx_and_turns_off_fp8_linear_modules(fp8_ctx: 
 def test_bad_arguments_are_clear_errors(fp8_ctx: ComputeCtx) -> None:
     with pytest.raises(ValueError, match="needs a ComputeCtx"):
         autocast()
-    with pytest.raises(ValueError, match="fp8=None"):
+    with pytest.raises(ValueError, match="recipe=None"):
         autocast(ComputeCtx.new(DType.BF16, "cpu"))
     with pytest.raises(TypeError, match="ComputeCtx"):
         autocast("fp8_hybrid")  # type: ignore[arg-type]

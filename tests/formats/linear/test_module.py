@@ -141,7 +141,7 @@ def test_drop_in_keys_dtypes_and_leading_shapes(fp8_ctx: ComputeCtx) -> None:
 
 
 def test_bad_inputs_and_ctx_are_clear_errors(fp8_ctx: ComputeCtx) -> None:
-    with pytest.raises(ValueError, match="fp8=None"):
+    with pytest.raises(ValueError, match="recipe=None"):
         QuantizedLinear(16, 16, ctx=ComputeCtx.new(DType.BF16, "cpu"))
     # Only a ComputeCtx is accepted: an object with the same attributes is not one, and the
     # error names what was passed.

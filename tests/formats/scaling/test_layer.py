@@ -357,3 +357,14 @@ def test_a_refused_quantize_leaves_the_operand_state_alone(
         op.quantize(torch.ones(3, dtype=torch.float64), E4M3, scaling, Backend.REFERENCE)
     assert (op.elements, op.seeded, op.idx) == (0, False, 0)
     assert torch.equal(op.ledger, ledger_new(op.history_len, "cpu"))
+
+
+def test_the_operands_of_a_scaling_state_are_read_only() -> None:
+    state = QuantizedLinear(64, 64, ctx=ComputeCtx.from_flag("fp8_hybrid", "cpu")).scaling
+    for role in ("input", "weight", "grad"):
+        mine = getattr(state, role)
+        with pytest.raises(AttributeError, match=f"ScalingState.{role} cannot be assigned"):
+            setattr(state, role, state.operands["grad" if role != "grad" else "input"])
+        with pytest.raises(AttributeError, match="cannot be deleted"):
+            delattr(state, role)
+        assert getattr(state, role) is mine is state.operands[role]
