@@ -74,6 +74,7 @@ from computectx.formats.numerics.layouts import (
     OPERAND_GRANULARITY,
     BlockGranularity,
 )
+from computectx.formats.numerics.tensorwise import FORMATS
 from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.ops.blockwise import block_scaled_mm
@@ -112,10 +113,9 @@ def _quantize_all(
         else (x, g)
         for x, g in operands
     ]
-    rule, backend = plan.step_rule, plan.backend.value
+    rule, backend, fp8 = plan.step_rule, plan.backend.value, FORMATS[fmt].dtype
     return [
-        block_ops.fp8_quantize_blocks(x, fmt.torch, g, rule, backend, count_saturated)
-        for x, g in padded
+        block_ops.fp8_quantize_blocks(x, fp8, g, rule, backend, count_saturated) for x, g in padded
     ]
 
 

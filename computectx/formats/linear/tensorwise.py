@@ -100,13 +100,9 @@ class TensorwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx,
-        x: torch.Tensor,
-        weight: torch.Tensor | None,
-        bias: torch.Tensor | None,
-        plan: Fp8LinearPlan,
-        site: CheckpointSite | None,
-    ) -> torch.Tensor:
+        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None,
+        bias: torch.Tensor | None, plan: Fp8LinearPlan, site: CheckpointSite | None,
+    ) -> torch.Tensor:  # fmt: skip
         if site is None:
             xq, sx, wq, sw, live_step, own_w = _quantize_operands(x, weight, plan, None)
         else:

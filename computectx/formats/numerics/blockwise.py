@@ -211,9 +211,10 @@ def block_steps(amax: torch.Tensor, fmt: Fp8Format, rule: StepRule) -> torch.Ten
     usable = torch.isfinite(amax) & (amax > 0)
     a = torch.where(usable, amax, torch.ones_like(amax))  # keeps the bit tricks finite
     if rule == "mx_rceil":
-        e = _ceil_log2(a / torch.full_like(a, fmt.max))
+        e = _ceil_log2(a / torch.full_like(a, tensorwise.FORMATS[fmt].max))
     else:  # mx_floor: floor(log2(amax)) - emax; subnormal amaxes clamp to -127 anyway
-        e = ((a.view(torch.int32) >> 23) - 127) - math.floor(math.log2(fmt.max))
+        emax = math.floor(math.log2(tensorwise.FORMATS[fmt].max))
+        e = ((a.view(torch.int32) >> 23) - 127) - emax
     e = torch.where(usable, e.clamp(_E8M0_MIN, _E8M0_MAX), torch.zeros_like(e))
     return _exp2(e)
 
@@ -265,8 +266,9 @@ def saturation_threshold(fmt: Fp8Format) -> float:
     """The magnitude of ``x / step`` above which the clamp to ``fmt.max`` changes a code
     beyond rounding: halfway from ``fmt.max`` to the next magnitude the format's precision
     would give (464 for E4M3, 61440 for E5M2)."""
-    top_ulp = 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)
-    return fmt.max + top_ulp / 2
+    c = tensorwise.FORMATS[fmt]
+    top_ulp = 2.0 ** (math.floor(math.log2(c.max)) - c.mantissa_bits)
+    return c.max + top_ulp / 2
 
 
 def saturated_count(
@@ -373,15 +375,10 @@ def _twin_blocks(
 
 
 def reference_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: BlockGranularity,
-    scale_b: torch.Tensor,
-    granularity_b: BlockGranularity,
-    bias: torch.Tensor | None,
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: BlockGranularity,
+    scale_b: torch.Tensor, granularity_b: BlockGranularity, bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """The twin: ``block_scaled_mm``'s semantics (module docstring) in plain torch, on the
     operands' device. Arguments are assumed checked (``ops.blockwise.check_args``)."""
     if granularity_a == "row":
@@ -399,17 +396,10 @@ def reference_scaled_mm(
 
 
 def scaled_mm_error_bound(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: BlockGranularity,
-    scale_b: torch.Tensor,
-    granularity_b: BlockGranularity,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    *,
-    accumulation: tuple[int, float] | None = None,
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: BlockGranularity,
+    scale_b: torch.Tensor, granularity_b: BlockGranularity, bias: torch.Tensor | None,
+    out_dtype: torch.dtype, *, accumulation: tuple[int, float] | None = None,
+) -> torch.Tensor:  # fmt: skip
     """The a-priori elementwise bound on ``|block_scaled_mm(...) - exact|`` of the module
     docstring, float64 ``[M, N]`` on the CPU, for checked arguments on any device.
 

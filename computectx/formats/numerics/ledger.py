@@ -26,15 +26,12 @@ the Triton kernel as constexpr arguments (the kernels import nothing from comput
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 from typing_extensions import TypeIs
 
 from computectx.ctx import parse_device
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "LEDGER_NONFINITE",
@@ -45,7 +42,10 @@ __all__ = [
     "TALLY_ELEMENTS",
     "TALLY_LEN",
     "TALLY_SEEDED",
+    "LedgerParts",
     "LedgerValues",
+    "check_ledger",
+    "check_tally",
     "count",
     "is_ledger",
     "ledger_from_parts",
@@ -53,6 +53,7 @@ __all__ = [
     "ledger_history_len",
     "ledger_new",
     "ledger_nonfinite",
+    "ledger_parts",
     "ledger_saturated",
     "ledger_slot",
     "ledger_step",
@@ -103,6 +104,27 @@ def is_ledger(value: object) -> TypeIs[torch.Tensor]:
     )
 
 
+def check_ledger(ledger: object, idx: object, device: torch.device) -> int:
+    """The history length of ``ledger`` when it is a contiguous ledger on ``device`` and
+    ``idx`` one of its history slots; ``TypeError``/``ValueError`` quoting what is wrong
+    otherwise. Values unread."""
+    if not isinstance(ledger, torch.Tensor):
+        raise TypeError(f"ledger must be a tensor from ledger_new, got {type(ledger).__name__}")
+    if not is_ledger(ledger):
+        raise ValueError(
+            f"ledger must be {LEDGER_SHAPE} (ledger_new); "
+            f"got dtype {ledger.dtype}, shape {tuple(ledger.shape)}"
+        )
+    if not ledger.is_contiguous():
+        raise ValueError("ledger must be contiguous (it is updated in place)")
+    if ledger.device != device:
+        raise ValueError(f"ledger is on {ledger.device} but the data is on {device}")
+    n = ledger_history_len(ledger)
+    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
+        raise ValueError(f"ledger index must be an int in [0, {n}), got {idx!r}")
+    return n
+
+
 def ledger_history_len(ledger: torch.Tensor) -> int:
     """The length of the amax history."""
     return ledger.numel() - LEDGER_TAIL
@@ -136,6 +158,23 @@ def ledger_nonfinite(ledger: torch.Tensor) -> torch.Tensor:
 def ledger_saturated(ledger: torch.Tensor) -> torch.Tensor:
     """The count of saturated elements, a view of shape ``(1,)``."""
     return _tail_slot(ledger, LEDGER_SATURATED)
+
+
+class LedgerParts(NamedTuple):
+    """Views of every part of one ledger (``ledger_parts``)."""
+
+    history: torch.Tensor
+    step: torch.Tensor
+    nonfinite: torch.Tensor
+    saturated: torch.Tensor
+
+
+def ledger_parts(ledger: torch.Tensor) -> LedgerParts:
+    """The history and the three ``(1,)`` tail slots as views, in one call: for code that
+    reads and writes several parts of a ledger in one pass (the twin's delayed quantize)."""
+    n = ledger_history_len(ledger)
+    s, f, t = n + LEDGER_STEP, n + LEDGER_NONFINITE, n + LEDGER_SATURATED
+    return LedgerParts(ledger[:n], ledger[s : s + 1], ledger[f : f + 1], ledger[t : t + 1])
 
 
 def ledger_tail(ledger: torch.Tensor) -> torch.Tensor:
@@ -204,6 +243,21 @@ def tally_new(device: torch.device) -> torch.Tensor:
     """
     with torch.inference_mode(False):
         return torch.zeros(TALLY_LEN, dtype=torch.int64, device=device)
+
+
+def check_tally(tally: object, device: torch.device) -> None:
+    """``ValueError`` unless ``tally`` is a tally (``tally_new``) on ``device``."""
+    if isinstance(tally, torch.Tensor):
+        shape = tuple(tally.shape)
+        if tally.dtype == torch.int64 and shape == (TALLY_LEN,) and tally.device == device:
+            return
+        got = f"{tally.dtype} {shape} on {tally.device}"
+    else:
+        got = type(tally).__name__
+    raise ValueError(
+        f"tally must be an int64 tensor of shape ({TALLY_LEN},) on {device} "
+        f"(computectx.formats.numerics.ledger.tally_new); got {got}"
+    )
 
 
 def count(tally: torch.Tensor, x: torch.Tensor) -> None:

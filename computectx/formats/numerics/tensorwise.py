@@ -20,21 +20,18 @@ Inputs are assumed validated (``computectx.formats.ops`` checks them).
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Final, Literal, NamedTuple
 
 import torch
 
 from computectx.dtypes import Fp8Format
-from computectx.formats.numerics.ledger import (
-    ledger_history,
-    ledger_nonfinite,
-    ledger_saturated,
-    ledger_slot,
-    ledger_step,
-)
+from computectx.formats.numerics.ledger import LedgerParts, ledger_parts
 
 __all__ = [
+    "FORMATS",
+    "FORMAT_OF",
     "UNIT_ROUNDOFF",
+    "FormatConstants",
     "accumulation_gamma",
     "advance_ledger",
     "amax",
@@ -50,6 +47,24 @@ __all__ = [
     "seed_ledger",
     "step_from_amax",
 ]
+
+
+class FormatConstants(NamedTuple):
+    """The constants of one fp8 format the twins compute with (``computectx.dtypes``'s)."""
+
+    dtype: torch.dtype
+    max: float
+    mantissa_bits: int
+
+
+FORMATS: Final[dict[Fp8Format, FormatConstants]] = {
+    f: FormatConstants(f.torch, f.max, f.mantissa_bits) for f in Fp8Format
+}
+"""Each format's constants, read once from ``computectx.dtypes`` at import: the per-operand
+code looks them up here instead of asking the format for each one on every call."""
+
+FORMAT_OF: Final[dict[torch.dtype, Fp8Format]] = {f.torch: f for f in Fp8Format}
+"""The format of each torch fp8 dtype (what an operator's ``fp8`` argument names)."""
 
 
 UNIT_ROUNDOFF: dict[torch.dtype, float] = {
@@ -88,7 +103,7 @@ def step_from_amax(a: torch.Tensor, fmt: Fp8Format, margin: int) -> torch.Tensor
     # tensor: a Python scalar would let CUDA divide by multiplying with its rounded
     # reciprocal, and torch.tensor(value, device=...) would be a blocking host-to-device
     # copy on every call; full_like is a fill on the device.
-    target = torch.full_like(a32, fmt.max / 2.0**margin)
+    target = torch.full_like(a32, FORMATS[fmt].max / 2.0**margin)
     step = a32 / target
     # A non-finite amax gives a non-finite step; so does a finite one that overflows.
     good = torch.isfinite(step) & (step > 0)
@@ -117,11 +132,12 @@ def code_bound(step: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     gives
     ``fmt.max`` (its codes are NaN anyway).
     """
+    c = FORMATS[fmt]
     s = step.to(torch.float32).abs()
     r = torch.full_like(s, torch.finfo(torch.float32).max) / s
-    cut = (1 << (23 - fmt.mantissa_bits)) - 1
+    cut = (1 << (23 - c.mantissa_bits)) - 1
     v = (r.view(torch.int32) & ~cut).view(torch.float32)
-    return torch.where(v < fmt.max, v, torch.full_like(v, fmt.max))
+    return torch.where(v < c.max, v, torch.full_like(v, c.max))
 
 
 def fp8_codes(s: torch.Tensor, fmt: Fp8Format, bound: torch.Tensor) -> torch.Tensor:
@@ -135,7 +151,7 @@ def fp8_codes(s: torch.Tensor, fmt: Fp8Format, bound: torch.Tensor) -> torch.Ten
     # a grid value, so the rounding that follows never carries past it. torch's float32 ->
     # fp8 conversion rounds to nearest even, handling subnormals.
     s = torch.where(s > bound, bound, torch.where(s < -bound, -bound, s))
-    return s.to(fmt.torch)
+    return s.to(FORMATS[fmt].dtype)
 
 
 def quantize_with_step(
@@ -160,7 +176,7 @@ def dequantize(data: torch.Tensor, step: torch.Tensor, dtype: torch.dtype) -> to
 def saturated_count(x: torch.Tensor, step: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """How many elements of ``x / step`` exceed ``fmt.max`` in magnitude, float32 ``(1,)``."""
     s = _scaled(x, step)
-    return (s.abs() > fmt.max).sum().to(torch.float32).reshape(1)
+    return (s.abs() > FORMATS[fmt].max).sum().to(torch.float32).reshape(1)
 
 
 def quantize_dynamic(
@@ -189,14 +205,15 @@ def quantize_delayed(
     1 to the non-finite count; the number of saturated elements is added to the saturated
     count either way. (The layout is ``computectx.formats.numerics.ledger``'s.)
     """
-    step_used = ledger_step(ledger).clone()
+    parts = ledger_parts(ledger)
+    step_used = parts.step.clone()
     q, a = quantize_with_step(x, fmt, step_used)
-    advance_ledger(ledger, idx, a, saturated_count(x, step_used, fmt), fmt, algo, margin)
+    advance_ledger(parts, idx, a, saturated_count(x, step_used, fmt), fmt, algo, margin)
     return q, step_used
 
 
 def advance_ledger(
-    ledger: torch.Tensor,
+    ledger: torch.Tensor | LedgerParts,
     idx: int,
     a: torch.Tensor,
     saturated: torch.Tensor,
@@ -206,16 +223,17 @@ def advance_ledger(
 ) -> None:
     """Record a quantize that used the ledger's step: history slot ``idx`` takes the amax
     ``a`` and the step comes from the window (both only when ``a`` is finite; else the
-    non-finite count grows), and ``saturated`` adds to the saturated count. Device ops."""
-    step = ledger_step(ledger)
+    non-finite count grows), and ``saturated`` adds to the saturated count. Device ops.
+    ``ledger`` may be its ``ledger_parts`` already taken."""
+    parts = ledger if isinstance(ledger, LedgerParts) else ledger_parts(ledger)
     finite = torch.isfinite(a)
-    slot = ledger_slot(ledger, idx)
+    slot = parts.history[idx : idx + 1]
     slot.copy_(torch.where(finite, a, slot))
     # The window includes the amax just written, as in the kernel's last program.
-    window = ledger_history(ledger).amax().reshape(1) if algo == "max" else a
-    step.copy_(torch.where(finite, step_from_amax(window, fmt, margin), step))
-    ledger_nonfinite(ledger).add_((~finite).to(torch.float32))
-    ledger_saturated(ledger).add_(saturated)
+    window = parts.history.amax().reshape(1) if algo == "max" else a
+    parts.step.copy_(torch.where(finite, step_from_amax(window, fmt, margin), parts.step))
+    parts.nonfinite.add_((~finite).to(torch.float32))
+    parts.saturated.add_(saturated)
 
 
 def seed_ledger(
@@ -233,7 +251,7 @@ def seed_ledger(
     shape ``(1,)``) seeds only where it is true, without a host read; the ledger is left
     alone where it is false.
     """
-    history, step = ledger_history(ledger), ledger_step(ledger)
+    history, step = ledger_parts(ledger)[:2]
     a = amax(x)
     seed = torch.isfinite(a) if when is None else when & torch.isfinite(a)
     history.copy_(torch.where(seed, a.expand_as(history), history))
@@ -241,13 +259,9 @@ def seed_ledger(
 
 
 def scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, step_a: torch.Tensor, step_b: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
 
     The steps are per tensor (shape ``(1,)``) or per row (``step_a [M, 1]``, ``step_b
@@ -308,15 +322,10 @@ def accumulation_gamma(
 
 
 def scaled_mm_error_bound(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    *,
+    a: torch.Tensor, b: torch.Tensor, step_a: torch.Tensor, step_b: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, *,
     accumulation: tuple[int, float] | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor:  # fmt: skip
     """An a-priori elementwise bound on ``|scaled_mm(...) - exact|`` (float64 ``[M, N]``).
 
     Products of fp8 values are exact in float32, so the error comes from: summing K terms in

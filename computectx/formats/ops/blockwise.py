@@ -58,6 +58,7 @@ from computectx.formats.numerics.layouts import (
     MxRounding,
     StepRule,
 )
+from computectx.formats.numerics.tensorwise import FORMAT_OF, FORMATS
 from computectx.formats.ops import tensorwise as tensor_ops
 
 __all__ = [
@@ -79,42 +80,48 @@ __all__ = [
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """``(codes, scale, largest step, saturated count)``: what the block quantize operator returns."""
 
+_BACKENDS = {b.value: b for b in Backend}
+# An operator's backend argument is a member's value (the checked entry points pass
+# `b.value`): looked up here, with parse_backend for any other spelling and its error.
+
 
 # ---------------------------------------------------------------------------------------
 # The operators.
 
 
-def _quantize(
+def _quantize_kernel(
     x: torch.Tensor, fmt: Fp8Format, layout: BlockLayout, rule: StepRule,
-    scale: torch.Tensor | None, backend: Backend,
+    scale: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # The 2-D view `x` of a layout on the kernel or the twin; same bytes.
-    if not uses_kernels(backend, x):
-        return blockwise.quantize(x, fmt, layout, rule, scale)
+    # The 2-D view `x` of a layout on the kernel: the twin's bytes (blockwise.quantize).
+    # Its callers run the twin on REFERENCE without asking uses_kernels (the call then
+    # goes from the layout to the twin and never into backend.py).
     from computectx.kernels import quantize_blocks as kernel
 
     cols = None if layout.granularity == "row" else layout.block_cols
     return kernel.quantize_blocks(
-        x=x, fp8=fmt.torch, block_rows=layout.block_rows, block_cols=cols, rule=rule, scale=scale
-    )
+        x=x, fp8=FORMATS[fmt].dtype, block_rows=layout.block_rows, block_cols=cols, rule=rule,
+        scale=scale,
+    )  # fmt: skip
 
 
 @custom_op("computectx::fp8_quantize_blocks", mutates_args=())
 def fp8_quantize_blocks(
-    x: torch.Tensor,
-    fp8: torch.dtype,
-    granularity: str,
-    rule: str,
-    backend: str,
+    x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str,
     count_saturated: bool,
-) -> Quantized:
+) -> Quantized:  # fmt: skip
     """The linear's block quantize of a 2-D ``x`` as one operator: the codes and scale, the
     largest block step (float32 ``(1,)``) and, when ``count_saturated``, how many elements
     saturated (``numerics.blockwise.saturated_count``, float32 ``(1,)``; 0 otherwise)."""
-    fmt = Fp8Format.parse(fp8)
-    g = cast(BlockGranularity, granularity)
-    q, s = quantize_blocks(x, fmt, g, cast(StepRule, rule), None, backend=parse_backend(backend))
-    layout = layouts.layout_of(g, x.shape)
+    fmt = FORMAT_OF.get(fp8) or Fp8Format.parse(fp8)
+    chosen = _BACKENDS.get(backend) or parse_backend(backend)
+    # x is 2-D: its layout's 2-D view is x itself, and the scale is shaped as its grid.
+    layout = layouts.layout_of(cast(BlockGranularity, granularity), x.shape)
+    r = cast(StepRule, rule)
+    if chosen is Backend.REFERENCE or not uses_kernels(chosen, x):
+        q, s = blockwise.quantize(x, fmt, layout, r, None)
+    else:
+        q, s = _quantize_kernel(x, fmt, layout, r, None)
     if count_saturated:
         saturated = blockwise.saturated_count(x, fmt, s, layout)
     else:
@@ -135,18 +142,12 @@ def _quantize_blocks_fake(
 
 @custom_op("computectx::fp8_block_scaled_mm", mutates_args=())
 def fp8_block_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: str,
-    scale_b: torch.Tensor,
-    granularity_b: str,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    backend: str,
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: str,
+    scale_b: torch.Tensor, granularity_b: str, bias: torch.Tensor | None,
+    out_dtype: torch.dtype, backend: str,
+) -> torch.Tensor:  # fmt: skip
     """``block_scaled_mm`` on a checked call: the twin, cuBLAS or the kernel."""
-    chosen = parse_backend(backend)
+    chosen = _BACKENDS.get(backend) or parse_backend(backend)
     ga, gb = cast(BlockGranularity, granularity_a), cast(BlockGranularity, granularity_b)
     args: dict[str, Any] = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}
     if chosen is Backend.CUBLAS:
@@ -227,14 +228,9 @@ def step_rule(
 
 
 def quantize_blocks(
-    x: torch.Tensor,
-    fmt: Fp8Format,
-    granularity: Granularity,
-    rule: StepRule,
-    scale: object,
-    *,
-    backend: Backend,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, fmt: Fp8Format, granularity: Granularity, rule: StepRule, scale: object,
+    *, backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(data, scale)`` for a block ``granularity``: ``data`` has ``x``'s shape (contiguous),
     ``scale`` the layout's ``scale_shape`` (the given one when ``scale`` is not None).
 
@@ -250,7 +246,10 @@ def quantize_blocks(
         given = layouts.check_scale(scale, layout, x.device, who).reshape(layout.grid)
         given = given.contiguous()
     x2 = x.reshape(layout.rows, layout.cols)  # a 2-D x (or its .t()) is used as it is
-    q, s = _quantize(x2, fmt, layout, rule, given, backend)
+    if backend is Backend.REFERENCE or not uses_kernels(backend, x2):
+        q, s = blockwise.quantize(x2, fmt, layout, rule, given)
+    else:
+        q, s = _quantize_kernel(x2, fmt, layout, rule, given)
     if given is not None:
         return q.reshape(x.shape), cast(torch.Tensor, scale)  # checked: the given tensor
     return q.reshape(x.shape), s.reshape(layout.scale_shape)
@@ -298,20 +297,25 @@ def _pairs_text() -> str:
 
 
 def check_args(
-    a: object,
-    b: object,
-    scale_a: object,
-    granularity_a: object,
-    scale_b: object,
-    granularity_b: object,
-    bias: object,
-    out_dtype: object,
-) -> tuple[BlockGranularity, BlockGranularity]:
+    a: object, b: object, scale_a: object, granularity_a: object, scale_b: object,
+    granularity_b: object, bias: object, out_dtype: object,
+) -> tuple[BlockGranularity, BlockGranularity]:  # fmt: skip
     """Check ``block_scaled_mm``'s arguments; the two granularities, typed.
 
     ``TypeError`` for a non-tensor where a tensor belongs, ``ValueError`` naming the bad
     value and what is accepted otherwise. Reads no tensor contents.
     """
+    ga, gb, _ = _checked(
+        a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype, None
+    )
+    return ga, gb
+
+
+def _checked(
+    a: object, b: object, scale_a: object, granularity_a: object, scale_b: object,
+    granularity_b: object, bias: object, out_dtype: object, backend: Backend | str | None,
+) -> tuple[BlockGranularity, BlockGranularity, Backend]:  # fmt: skip
+    # check_args, and the backend (when given) with the other checks backend.py makes.
     for g in (granularity_a, granularity_b):
         if g not in BLOCK_GRANULARITIES:
             raise ValueError(
@@ -325,26 +329,22 @@ def check_args(
             f"pairs (granularity_a, granularity_b): {_pairs_text()}"
         )
     ta, tb = check_gemm_operands(a, b)
+    check_bias_and_out(bias, out_dtype, ta, tb)
+    chosen = Backend.REFERENCE
+    if backend is not None:
+        chosen = check_backend(parse_backend(backend) if isinstance(backend, str) else backend, ta)
     for name, scale, g, t in (("scale_a", scale_a, ga, ta), ("scale_b", scale_b, gb, tb)):
         layout = layouts.layout_of(g, t.shape)  # ValueError for mx with K < 32
         who = f"{name} for granularity {g!r} of an operand of shape {tuple(t.shape)}"
         layouts.check_scale(scale, layout, t.device, who)
-    check_bias_and_out(bias, out_dtype, ta, tb)
-    return ga, gb
+    return ga, gb, chosen
 
 
 def block_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: BlockGranularity,
-    scale_b: torch.Tensor,
-    granularity_b: BlockGranularity,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    *,
-    backend: Backend | str = Backend.REFERENCE,
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: BlockGranularity,
+    scale_b: torch.Tensor, granularity_b: BlockGranularity, bias: torch.Tensor | None,
+    out_dtype: torch.dtype, *, backend: Backend | str = Backend.REFERENCE,
+) -> torch.Tensor:  # fmt: skip
     """``(a * steps_a) @ (b * steps_b).T (+ bias)`` as a new ``[M, N]`` ``out_dtype`` tensor.
 
     ``a [M, K]`` and ``b [N, K]`` are fp8 codes (E4M3 or E5M2, any strides) with the scales
@@ -356,8 +356,9 @@ def block_scaled_mm(
     ``TRITON_INTERPRET=1``, triton not installed, no fp8 tensor cores) when it cannot run on
     the tensors' device.
     """
-    ga, gb = check_args(a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype)
-    chosen = check_backend(parse_backend(backend) if isinstance(backend, str) else backend, a)
+    ga, gb, chosen = _checked(
+        a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype, backend
+    )
     out: torch.Tensor = fp8_block_scaled_mm(
         a, b, scale_a, ga, scale_b, gb, bias, out_dtype, chosen.value
     )

@@ -63,16 +63,16 @@ from computectx.formats.numerics.inline import QuantizeImpl
 from computectx.formats.numerics.ledger import (
     LEDGER_NONFINITE,
     LEDGER_SATURATED,
-    LEDGER_SHAPE,
     LEDGER_STEP,
-    TALLY_LEN,
     TALLY_SEEDED,
+    check_ledger,
+    check_tally,
     count,
-    is_ledger,
     ledger_history,
     ledger_history_len,
     record,
 )
+from computectx.formats.numerics.tensorwise import FORMAT_OF, FORMATS
 from computectx.recipes import DelayedScaling, DynamicScaling
 
 __all__ = [
@@ -93,6 +93,10 @@ __all__ = [
 
 Window = Literal["max", "most_recent"]
 
+_BACKENDS = {b.value: b for b in Backend}
+# An operator's backend argument is a member's value (the checked entry points pass
+# `b.value`): looked up here, with parse_backend for any other spelling and its error.
+
 
 # ---------------------------------------------------------------------------------------
 # The operators.
@@ -106,13 +110,20 @@ def _quantize_kernels() -> ModuleType:
 
 
 def _delayed_at(
-    x: torch.Tensor, fp8: torch.dtype, ledger: torch.Tensor, slot: int, algo: Window,
+    x: torch.Tensor, fmt: Fp8Format, ledger: torch.Tensor, slot: int, algo: Window,
     margin: int, backend: Backend,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    # One delayed quantize writing history `slot`: the kernel knows no ledger layout of its
-    # own, it gets this one's offsets.
+    # One delayed quantize writing history `slot`, on the twin or the kernel.
     if not uses_kernels(backend, x):
-        return tensorwise.quantize_delayed(x, Fp8Format.parse(fp8), ledger, slot, algo, margin)
+        return tensorwise.quantize_delayed(x, fmt, ledger, slot, algo, margin)
+    return _delayed_kernel(x, FORMATS[fmt].dtype, ledger, slot, algo, margin)
+
+
+def _delayed_kernel(
+    x: torch.Tensor, fp8: torch.dtype, ledger: torch.Tensor, slot: int, algo: Window,
+    margin: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    # The kernel knows no ledger layout of its own: it gets this one's offsets.
     out: tuple[torch.Tensor, torch.Tensor] = _quantize_kernels().quantize_delayed(
         x=x, fp8=fp8, ledger=ledger, history_len=ledger_history_len(ledger), slot=slot,
         step_offset=LEDGER_STEP, nonfinite_offset=LEDGER_NONFINITE,
@@ -125,7 +136,7 @@ def _dynamic(
     x: torch.Tensor, fp8: torch.dtype, margin: int, backend: Backend
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     if not uses_kernels(backend, x):
-        return tensorwise.quantize_dynamic(x, Fp8Format.parse(fp8), margin)
+        return tensorwise.quantize_dynamic(x, FORMAT_OF.get(fp8) or Fp8Format.parse(fp8), margin)
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     out = _quantize_kernels().quantize_dynamic(x=x, fp8=fp8, margin=margin)
     return out
@@ -153,17 +164,24 @@ def delayed_call(
     kernel, the rotation (none for a history of 1), the tally, and the seeding check's small
     ops when ``may_seed``.
     """
-    chosen = parse_backend(backend)
+    chosen = _BACKENDS.get(backend) or parse_backend(backend)
+    # REFERENCE runs the twin without asking (the call stays out of backend.py).
+    kernels = chosen is not Backend.REFERENCE and uses_kernels(chosen, x)
+    fmt = FORMAT_OF.get(fp8) or Fp8Format.parse(fp8)
     if may_seed:
         unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
-        tensorwise.seed_ledger(ledger, x, Fp8Format.parse(fp8), margin, when=unseeded)
+        tensorwise.seed_ledger(ledger, x, fmt, margin, when=unseeded)
     history = ledger_history(ledger)
+    # The tally counts x before the quantize runs: no quantize reads it, and the ledger's
+    # views and the tally are then touched together.
+    count(tally, x)
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1))
     window: Window = "max" if algo == "max" else "most_recent"
-    q, step_used = _delayed_at(x, fp8, ledger, history.numel() - 1, window, margin, chosen)
-    count(tally, x)
-    return q, step_used
+    slot = history.numel() - 1
+    if kernels:
+        return _delayed_kernel(x, fp8, ledger, slot, window, margin)
+    return tensorwise.quantize_delayed(x, fmt, ledger, slot, window, margin)
 
 
 fp8_quantize_delayed = custom_op(
@@ -184,7 +202,7 @@ def fp8_quantize_dynamic(
     """Dynamic scaling through one operand's ledger: ``(data_fp8, step)``. The step comes from
     ``amax(x)``; the ledger records that amax in its last history slot (when finite; a
     non-finite one is counted instead) and the step; the tally counts ``x``."""
-    q, step, a = _dynamic(x, fp8, margin, parse_backend(backend))
+    q, step, a = _dynamic(x, fp8, margin, _BACKENDS.get(backend) or parse_backend(backend))
     record(ledger, a, step)
     count(tally, x)
     return q, step
@@ -204,9 +222,9 @@ def fp8_quantize_with_step(
     x: torch.Tensor, step: torch.Tensor, fp8: torch.dtype, backend: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(fp8(clamp(x / step)), amax(x))``: quantize with a given step (no state)."""
-    if uses_kernels(parse_backend(backend), x):
+    if uses_kernels(_BACKENDS.get(backend) or parse_backend(backend), x):
         return _quantize_kernels().quantize_with_step(x=x, fp8=fp8, step=step)  # type: ignore[no-any-return]
-    return tensorwise.quantize_with_step(x, Fp8Format.parse(fp8), step)
+    return tensorwise.quantize_with_step(x, FORMAT_OF.get(fp8) or Fp8Format.parse(fp8), step)
 
 
 @fp8_quantize_with_step.register_fake
@@ -218,16 +236,11 @@ def _quantize_with_step_fake(
 
 @custom_op("computectx::fp8_scaled_mm", mutates_args=())
 def fp8_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    backend: str,
-) -> torch.Tensor:
+    a: torch.Tensor, b: torch.Tensor, step_a: torch.Tensor, step_b: torch.Tensor,
+    bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str,
+) -> torch.Tensor:  # fmt: skip
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``."""
-    chosen = parse_backend(backend)
+    chosen = _BACKENDS.get(backend) or parse_backend(backend)
     kernel: ModuleType
     if chosen is Backend.TRITON:
         from computectx.kernels import scaled_mm
@@ -294,42 +307,8 @@ def _wgrad_float32_fake(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 # The checked entry points.
 
 
-def _ledger_args(ledger: object, idx: object, algo: object, device: torch.device) -> int:
-    if not isinstance(ledger, torch.Tensor):
-        raise TypeError(f"ledger must be a tensor from ledger_new, got {type(ledger).__name__}")
-    if not is_ledger(ledger):
-        raise ValueError(
-            f"ledger must be {LEDGER_SHAPE} (ledger_new); "
-            f"got dtype {ledger.dtype}, shape {tuple(ledger.shape)}"
-        )
-    if not ledger.is_contiguous():
-        raise ValueError("ledger must be contiguous (it is updated in place)")
-    if ledger.device != device:
-        raise ValueError(f"ledger is on {ledger.device} but the data is on {device}")
-    n = ledger_history_len(ledger)
-    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < n:
-        raise ValueError(f"ledger index must be an int in [0, {n}), got {idx!r}")
-    if algo not in ("max", "most_recent"):
-        raise ValueError(f"unknown amax window algo {algo!r}; accepted: 'max', 'most_recent'")
-    return n
-
-
-def _tally_arg(tally: object, device: torch.device) -> None:
-    if (
-        not isinstance(tally, torch.Tensor)
-        or tally.dtype != torch.int64
-        or tuple(tally.shape) != (TALLY_LEN,)
-        or tally.device != device
-    ):
-        got = (
-            f"{tally.dtype} {tuple(tally.shape)} on {tally.device}"
-            if isinstance(tally, torch.Tensor)
-            else type(tally).__name__
-        )
-        raise ValueError(
-            f"tally must be an int64 tensor of shape ({TALLY_LEN},) on {device} "
-            f"(computectx.formats.numerics.ledger.tally_new); got {got}"
-        )
+def _unknown_window(algo: object) -> ValueError:
+    return ValueError(f"unknown amax window algo {algo!r}; accepted: 'max', 'most_recent'")
 
 
 def seed_ledger(ledger: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: int) -> None:
@@ -340,7 +319,7 @@ def seed_ledger(ledger: torch.Tensor, x: torch.Tensor, fmt: Fp8Format, margin: i
     """
     data = input_arg(x)
     fmt = fmt_arg(fmt)
-    _ledger_args(ledger, 0, "max", data.device)
+    check_ledger(ledger, 0, data.device)
     tensorwise.seed_ledger(ledger, data, fmt, margin_arg(margin))
 
 
@@ -356,7 +335,7 @@ def quantize_with_step(
     fmt = fmt_arg(fmt)
     s = scalar_arg("step", step, data.device)
     b = check_backend(backend, data)
-    q, a = fp8_quantize_with_step(data, s, fmt.torch, b.value)
+    q, a = fp8_quantize_with_step(data, s, FORMATS[fmt].dtype, b.value)
     return q, a
 
 
@@ -371,7 +350,7 @@ def quantize_dynamic(
     data = input_arg(x)
     fmt = fmt_arg(fmt)
     m = margin_arg(margin)
-    return _dynamic(data, fmt.torch, m, check_backend(backend, data))
+    return _dynamic(data, FORMATS[fmt].dtype, m, check_backend(backend, data))
 
 
 def quantize_delayed(
@@ -395,9 +374,11 @@ def quantize_delayed(
     """
     data = input_arg(x)
     fmt = fmt_arg(fmt)
-    _ledger_args(ledger, idx, algo, data.device)
+    check_ledger(ledger, idx, data.device)
+    if algo not in ("max", "most_recent"):
+        raise _unknown_window(algo)
     m = margin_arg(margin)
-    return _delayed_at(data, fmt.torch, ledger, idx, algo, m, check_backend(backend, data))
+    return _delayed_at(data, fmt, ledger, idx, algo, m, check_backend(backend, data))
 
 
 def quantize_operand(
@@ -426,20 +407,21 @@ def quantize_operand(
     b = check_backend(backend, data)
     m = margin_arg(scaling.margin)
     algo = scaling.algo if isinstance(scaling, DelayedScaling) else "max"
-    _ledger_args(ledger, 0, algo, data.device)
-    _tally_arg(tally, data.device)
+    check_ledger(ledger, 0, data.device)
+    if algo not in ("max", "most_recent"):
+        raise _unknown_window(algo)
+    check_tally(tally, data.device)
     if impl != "op" and inline.parse_quantize(impl) == "inline":
         if isinstance(scaling, DelayedScaling):
             return inline.quantize_delayed(data, ledger, tally, fmt, scaling.algo, m)
         return inline.quantize_dynamic(data, ledger, tally, fmt, m)
     q: torch.Tensor
     step: torch.Tensor
+    fp8 = FORMATS[fmt].dtype
     if isinstance(scaling, DelayedScaling):
-        q, step = fp8_quantize_delayed(
-            data, ledger, tally, fmt.torch, scaling.algo, m, b.value, may_seed
-        )
+        q, step = fp8_quantize_delayed(data, ledger, tally, fp8, scaling.algo, m, b.value, may_seed)
     else:
-        q, step = fp8_quantize_dynamic(data, ledger, tally, fmt.torch, m, b.value)
+        q, step = fp8_quantize_dynamic(data, ledger, tally, fp8, m, b.value)
     return q, step
 
 
