@@ -147,15 +147,24 @@ def optim_state_of(report: DemoReport) -> list[OptimStateRow]:
     return optim_state_rows(model.parameters())
 
 
+def _table(title: str, keys: list[tuple[str, int | None]], numbers: list[str]) -> Table:
+    """A table titled ``title``: its key columns (name, minimum width or ``None``), never
+    wrapped, then right-justified number columns."""
+    table = Table(title=title)
+    for name, width in keys:
+        table.add_column(name, no_wrap=True, min_width=width)
+    for name in numbers:
+        table.add_column(name, justify="right")
+    return table
+
+
 def optim_state_table(rows: list[OptimStateRow]) -> Table:
     """One row per optimizer-state setting: weights, moments, their total and per parameter."""
-    table = Table(title="optimizer state: AdamW's weights and moments per setting (computed)")
-    table.add_column("optim_state", no_wrap=True)
-    table.add_column("master", no_wrap=True)
-    table.add_column("weights\nMiB", justify="right")
-    table.add_column("moments\nMiB", justify="right")
-    table.add_column("total\nMiB", justify="right")
-    table.add_column("bytes\n/ param", justify="right")
+    table = _table(
+        "optimizer state: AdamW's weights and moments per setting (computed)",
+        [("optim_state", None), ("master", None)],
+        ["weights\nMiB", "moments\nMiB", "total\nMiB", "bytes\n/ param"],
+    )
     for r in rows:
         table.add_row(
             r.optim_state,
@@ -187,13 +196,11 @@ def serving_table(report: DemoReport) -> Table | None:
     results = [r for r in report.results if r.serving]
     if not results:
         return None
-    table = Table(title="serving: each trained model's validation loss through the KV cache")
-    table.add_column("policy", no_wrap=True, min_width=_widest(r.flag for r in results))
-    table.add_column("KV cache", no_wrap=True)
-    table.add_column("val loss\n(cached)", justify="right")
-    table.add_column("vs f32\nKV", justify="right")
-    table.add_column("KV bytes\n/ token", justify="right")
-    table.add_column("decode\ntokens/s", justify="right")
+    table = _table(
+        "serving: each trained model's validation loss through the KV cache",
+        [("policy", _widest(r.flag for r in results)), ("KV cache", None)],
+        ["val loss\n(cached)", "vs f32\nKV", "KV bytes\n/ token", "decode\ntokens/s"],
+    )
     for r in results:
         ref = next((row.val_loss for row in r.serving if row.kv == "f32"), None)
         for i, row in enumerate(r.serving):

@@ -26,12 +26,13 @@ accumulation=numerics.blockwise.NARROW_ACCUMULATION)``, which the tests use on C
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 import torch
 import triton
 
 from computectx.kernels.scaled_mm import (
+    INTERPRETED,
     check_bias_and_out,
     check_operands,
     fitting_configs,
@@ -42,11 +43,9 @@ from computectx.kernels.scaled_mm import (
     tile_configs,
 )
 
+# INTERPRETED is scaled_mm's: the kernel this module autotunes, scaled_tiles, is decorated
+# there (for the interpreter or a GPU, fixed when scaled_mm was imported).
 __all__ = ["INTERPRETED", "scaled_mm_blocks"]
-
-INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
-"""Whether this module's kernel runs in Triton's interpreter (``TRITON_INTERPRET=1`` when it
-was imported); fixed at import."""
 
 
 def _configs() -> list[triton.Config]:
