@@ -61,12 +61,13 @@ again to the same bytes (every step comes from the operand itself) and records n
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
 from computectx.dtypes import Fp8Format
+from computectx.formats.linear.plan import Fp8LinearPlan, LinearGrads, linear_grads
 from computectx.formats.linear.recompute import CheckpointSite
 from computectx.formats.linear.weights import QuantizedBlockWeight, QuantizedWeight
 from computectx.formats.numerics.layouts import (
@@ -79,9 +80,6 @@ from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.ops.blockwise import block_scaled_mm
 from computectx.formats.scaling.operand import record_statistics
-
-if TYPE_CHECKING:
-    from computectx.formats.linear.plan import Fp8LinearPlan, LinearGrads
 
 __all__ = ["blockwise_linear"]
 
@@ -172,7 +170,7 @@ class _GranularLinearFunction(torch.autograd.Function):
         g_act, g_w = OPERAND_GRANULARITY[policy.granularity]
         x, *w_saved = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dx = dw = db = None
+        dx = dw = None
         record = plan.record
         if need_x:
             # dX[M, K] = dY[M, N] · W[N, K]: contraction over N, dY's rows and W's columns.
@@ -204,18 +202,13 @@ class _GranularLinearFunction(torch.autograd.Function):
                     gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
                 )
             dw = dw32.to(ctx.w_dtype)
-        if need_b:
-            db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+        return linear_grads(dx, dw, dy, ctx.b_dtype if need_b else None)
 
 
 def blockwise_linear(
-    x2: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    plan: Fp8LinearPlan,
-    site: CheckpointSite | None,
-) -> torch.Tensor:
+    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    plan: Fp8LinearPlan, site: CheckpointSite | None,
+) -> torch.Tensor:  # fmt: skip
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
     mx; ``site``: where the call sits with respect to activation checkpointing). ``block``
     also takes its weight already quantized in 128x128 blocks, in the forward format (an

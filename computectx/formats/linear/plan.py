@@ -3,8 +3,9 @@
 The plan carries the layer's policy, backend, scaling state and the GEMM's dtype, so the
 router (``linear.function``) and the autograd functions (``linear.tensorwise``,
 ``linear.blockwise``) read one value rather than the module. It is data: nothing on a call's
-path calls into this module (a ``QuantizedLinear`` builds its plans when its ctx or device
-changes, and what the plan derives from the policy is read once, then held).
+forward's path calls into this module (a ``QuantizedLinear`` builds its plans when its ctx or
+device changes, and what the plan derives from the policy is read once, then held); the
+backwards end in ``linear_grads``.
 """
 
 from __future__ import annotations
@@ -21,11 +22,21 @@ from computectx.formats.scaling.layer import ScalingState
 from computectx.formats.scaling.operand import AmaxReduce
 from computectx.recipes import Recipe
 
-__all__ = ["Fp8LinearPlan", "LinearGrads", "gemm_dtype_for"]
+__all__ = ["Fp8LinearPlan", "LinearGrads", "gemm_dtype_for", "linear_grads"]
 
 LinearGrads = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None]
 """What an fp8 linear's autograd function returns from its backward: ``(dX, dW, db)`` (each
 ``None`` where not needed), then nothing for the plan and the call's last argument."""
+
+
+def linear_grads(
+    dx: torch.Tensor | None, dw: torch.Tensor | None, dy: torch.Tensor, b_dtype: torch.dtype | None
+) -> LinearGrads:
+    """A backward's ``LinearGrads``: ``dx``, ``dw`` and, when ``b_dtype`` (the bias's dtype)
+    says the bias needs one, its gradient. The bias never goes through fp8: its gradient
+    sums the unquantized ``dy`` in float32, then rounds once to ``b_dtype``."""
+    db = None if b_dtype is None else dy.sum(0, dtype=torch.float32).to(b_dtype)
+    return dx, dw, db, None, None
 
 
 def gemm_dtype_for(compute: DType) -> torch.dtype:

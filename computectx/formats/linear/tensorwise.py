@@ -22,7 +22,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.utils.checkpoint import checkpoint
 
-from computectx.formats.linear.plan import Fp8LinearPlan, LinearGrads
+from computectx.formats.linear.plan import Fp8LinearPlan, LinearGrads, linear_grads
 from computectx.formats.linear.recompute import (
     SAVE_FP8,
     CheckpointSite,
@@ -40,12 +40,9 @@ __all__ = ["TensorwiseLinearFunction", "dequantized", "tensorwise_linear"]
 
 
 def tensorwise_linear(
-    x2: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    plan: Fp8LinearPlan,
-    site: CheckpointSite | None,
-) -> torch.Tensor:
+    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+    plan: Fp8LinearPlan, site: CheckpointSite | None,
+) -> torch.Tensor:  # fmt: skip
     """The per-tensor fp8 linear on 2-D ``x2`` (``site``: where the call sits with respect
     to activation checkpointing, ``linear.recompute.checkpoint_site``)."""
     if (
@@ -152,7 +149,7 @@ class TensorwiseLinearFunction(torch.autograd.Function):
             sw = ctx.live_step
         plan: Fp8LinearPlan = ctx.plan
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dx = dw = db = None
+        dx = dw = None
         if need_x or need_w:
             # One quantization of dY serves both GEMMs: its amax pass is paid once and
             # both products see the same rounded gradient.
@@ -182,10 +179,7 @@ class TensorwiseLinearFunction(torch.autograd.Function):
                 dw = tensor_ops.scaled_mm(
                     gq.t(), xq.t(), sg, sx, None, torch.float32, backend=plan.backend
                 ).to(ctx.w_dtype)
-        if need_b:
-            # The bias never goes through fp8: its gradient sums the unquantized dY in float32.
-            db = dy.sum(0, dtype=torch.float32).to(ctx.b_dtype)
-        return dx, dw, db, None, None
+        return linear_grads(dx, dw, dy, ctx.b_dtype if need_b else None)
 
 
 def _quantize_operands(
