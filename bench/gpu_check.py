@@ -101,7 +101,7 @@ def section_cuda_tests(smoke: bool) -> dict[str, Any]:
         "-q",
         "tests/kernels",
         "tests/fp8",
-        "tests/test_compile_fp8.py",
+        "tests/formats/test_compile.py",
     ]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)

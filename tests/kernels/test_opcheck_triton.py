@@ -2,7 +2,7 @@
 
 On an fp8 GPU the kernels are compiled; elsewhere they run in Triton's CPU interpreter (see
 conftest), at small shapes. The reference and cublas backends are checked in
-tests/test_compile_fp8.py.
+tests/formats/test_compile.py.
 """
 
 from __future__ import annotations

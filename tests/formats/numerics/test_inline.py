@@ -6,7 +6,7 @@ The operators are the specification: after every call of a sequence the inline f
 must give the same fp8 bytes, the same step, and leave the same ledger and tally, bit for bit.
 The sequences start unseeded, vary the scale so the steps move, and include a NaN input
 and an empty tensor, so seeding, rotation, the window, the counts and the tally are all
-exercised. (Compiled runs are in tests/test_compile_fp8.py.)
+exercised. (Compiled runs are in tests/formats/test_compile.py.)
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Every compile here uses ``backend="aot_eager"`` (dynamo and AOTAutograd, the tra
 and backward graphs, without code generation), except one Inductor test, whose graphs hold the
 two operators (extern calls), a scaling and a cast: 4-9 s on a loaded 2-core machine when
 Inductor has already compiled something in the process, about 25 s in a fresh one (as the
-other Inductor tests of tests/test_compile_fp8.py).
+other Inductor tests of tests/formats/test_compile.py).
 """
 
 from __future__ import annotations
