@@ -1,7 +1,7 @@
 """Expert parallelism at its edges (issue 32, items 1, 9, 10): one rank's checkpoint, one
 rank's forward, one rank's failed setup check. One launch; the checks live in
-``test_expert_parallel_edges.py``. Each case also runs in the same process without the edge, so what the
-edge must leave unchanged is compared bit for bit."""
+``test_expert_parallel_edges.py``. Each case also runs in the same process without the edge,
+so what the edge must leave unchanged is compared bit for bit."""
 
 from __future__ import annotations
 
