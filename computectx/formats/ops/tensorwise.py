@@ -172,11 +172,11 @@ def delayed_call(
         unseeded = tally[TALLY_SEEDED : TALLY_SEEDED + 1] == 0
         tensorwise.seed_ledger(ledger, x, fmt, margin, when=unseeded)
     history = ledger_history(ledger)
-    # The tally counts x before the quantize runs: no quantize reads it, and the ledger's
-    # views and the tally are then touched together.
-    count(tally, x)
     if history.numel() > 1:
         history.copy_(torch.roll(history, -1))
+    # The tally counts x after the rotation and before the quantize (which never reads it):
+    # the launches stay in the order docs/fp8-kernels.md gives, the ledger's module entered once.
+    count(tally, x)
     window: Window = "max" if algo == "max" else "most_recent"
     slot = history.numel() - 1
     if kernels:
