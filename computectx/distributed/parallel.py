@@ -320,11 +320,19 @@ def parallelize(
     world = world_of(mesh)
     group = mesh.get_group() if mesh is not None else None
     args = ParallelArgs(
-        strategy=strategy, mp_policy=mp_policy, accumulate=accumulate, offload=offload,
-        join_timeout=join_timeout, optimizer_class=optimizer_class,
-        optimizer_kwargs=optimizer_kwargs, fp8_filter=fp8_filter, fp8_all_gather=fp8_all_gather,
-        shard_units=shard_units, current_amax=current_amax, loss_normalization=loss_normalization,
-    )  # fmt: skip
+        strategy=strategy,
+        mp_policy=mp_policy,
+        accumulate=accumulate,
+        offload=offload,
+        join_timeout=join_timeout,
+        optimizer_class=optimizer_class,
+        optimizer_kwargs=optimizer_kwargs,
+        fp8_filter=fp8_filter,
+        fp8_all_gather=fp8_all_gather,
+        shard_units=shard_units,
+        current_amax=current_amax,
+        loss_normalization=loss_normalization,
+    )
     check_setup(model, ctx, args, world, group)
     experts = expert_parameters(model)
     conversion = convert_to_quantized(model, ctx, module_filter=fp8_filter) if ctx.recipe else None

@@ -265,9 +265,17 @@ def block_scaled_mm(
         }
         swizzle = f.SwizzleType.SWIZZLE_32_4_4 if recipe == "mx" else f.SwizzleType.NO_SWIZZLE
         out = f.scaled_mm(
-            a_p, b_p.t(), sa, kinds[ga], sb, kinds[gb], swizzle_a=swizzle, swizzle_b=swizzle,
-            bias=fused_bias, output_dtype=gemm_dtype,
-        )  # fmt: skip
+            a_p,
+            b_p.t(),
+            sa,
+            kinds[ga],
+            sb,
+            kinds[gb],
+            swizzle_a=swizzle,
+            swizzle_b=swizzle,
+            bias=fused_bias,
+            output_dtype=gemm_dtype,
+        )
     return cublas_result(out, m, n, bias, fused_bias, out_dtype)
 
 
@@ -310,9 +318,15 @@ def _probe(
     sa, sb = _probe_scale(ga, rows, k, device), _probe_scale(gb, rows, k, device)
     try:
         got = block_scaled_mm(
-            a=one.to(fa), b=one.to(fb), scale_a=sa, granularity_a=ga, scale_b=sb,
-            granularity_b=gb, bias=None, out_dtype=out,
-        )  # fmt: skip
+            a=one.to(fa),
+            b=one.to(fb),
+            scale_a=sa,
+            granularity_a=ga,
+            scale_b=sb,
+            granularity_b=gb,
+            bias=None,
+            out_dtype=out,
+        )
     except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return False, f"{api} refuses it on {device}: {first}"

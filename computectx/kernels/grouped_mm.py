@@ -195,12 +195,34 @@ def _grouped_mm_kernel(  # type: ignore[no-untyped-def]
     sb_base = sb_ptr + ge * stride_sb_e
 
     out = scaled_dot(
-        a_ptrs, b_ptrs, stride_ak, stride_bk, mask_m, mask_n, offs_k, K,
+        a_ptrs,
+        b_ptrs,
+        stride_ak,
+        stride_bk,
+        mask_m,
+        mask_n,
+        offs_k,
+        K,
         tl.where(active, tl.cdiv(K, BLOCK_K), 0),
-        sa_base, offs_m, rows_ok, stride_sa_r, stride_sa_k,
-        sb_base, offs_n, offs_n < N, stride_sb_r, stride_sb_k, 0,
-        SCALE_K, 1, BLOCK_ROWS_B, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+        sa_base,
+        offs_m,
+        rows_ok,
+        stride_sa_r,
+        stride_sa_k,
+        sb_base,
+        offs_n,
+        offs_n < N,
+        stride_sb_r,
+        stride_sb_k,
+        0,
+        SCALE_K,
+        1,
+        BLOCK_ROWS_B,
+        E8M0,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     out = tl.where(active, out, 0.0)
     store_tile(
         c_ptr, out, c_ptr, offs_m, offs_n, mask_m, mask_n, N, stride_cm, stride_cn,

@@ -121,11 +121,34 @@ def _grouped_wgrad_kernel(  # type: ignore[no-untyped-def]
 
     # The group's partial last block sums the rows there are (masked lanes load 0).
     out = scaled_dot(
-        a_ptrs, b_ptrs, stride_am, stride_bm, mask_m, mask_n, offs_k, size,
-        tl.cdiv(size, BLOCK_K), sa_ptr, offs_m, ok_m, stride_sa_r, stride_sa_c,
-        sb_ptr, offs_n, ok_n, stride_sb_r, stride_sb_c, col,
-        SCALE_K, 1, 1, E8M0, BLOCK_M, BLOCK_N, BLOCK_K,
-    )  # fmt: skip
+        a_ptrs,
+        b_ptrs,
+        stride_am,
+        stride_bm,
+        mask_m,
+        mask_n,
+        offs_k,
+        size,
+        tl.cdiv(size, BLOCK_K),
+        sa_ptr,
+        offs_m,
+        ok_m,
+        stride_sa_r,
+        stride_sa_c,
+        sb_ptr,
+        offs_n,
+        ok_n,
+        stride_sb_r,
+        stride_sb_c,
+        col,
+        SCALE_K,
+        1,
+        1,
+        E8M0,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+    )
     out = tl.where(size > 0, out, 0.0)  # no rows: zeros, whatever the unused steps hold
     store_tile(
         c_ptr + g.to(tl.int64) * stride_ce, out, c_ptr, offs_m, offs_n, mask_m, mask_n, K,

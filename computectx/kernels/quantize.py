@@ -218,9 +218,21 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 tl.store(step_out_ptr, _step_of(amax, TARGET, FLT_MAX, FLT_MIN))
             if REDUCE == _REDUCE_LEDGER:
                 _advance_ledger(
-                    ledger_ptr, ledger_idx, n_hist, amax, finite, sat_count, TARGET, FLT_MAX,
-                    FLT_MIN, ALGO_MAX, LEDGER_STEP, LEDGER_NONFINITE, LEDGER_SATURATED, RBLOCK,
-                )  # fmt: skip
+                    ledger_ptr,
+                    ledger_idx,
+                    n_hist,
+                    amax,
+                    finite,
+                    sat_count,
+                    TARGET,
+                    FLT_MAX,
+                    FLT_MIN,
+                    ALGO_MAX,
+                    LEDGER_STEP,
+                    LEDGER_NONFINITE,
+                    LEDGER_SATURATED,
+                    RBLOCK,
+                )
 
 
 # ---------------------------------------------------------------------------------------

@@ -135,8 +135,15 @@ def scaled_mm_blocks(
     if done:
         return c
     launch_tiles(
-        _scaled_mm_blocks_kernel, a, b, c, bias, (sa, sa.stride(0), sa.stride(1)),
-        (sb, sb.stride(0), sb.stride(1)), scale_k=block_k, block_rows_a=block_rows_a,
+        _scaled_mm_blocks_kernel,
+        a,
+        b,
+        c,
+        bias,
+        (sa, sa.stride(0), sa.stride(1)),
+        (sb, sb.stride(0), sb.stride(1)),
+        scale_k=block_k,
+        block_rows_a=block_rows_a,
         block_rows_b=block_rows_b,
-    )  # fmt: skip
+    )
     return c

@@ -206,9 +206,12 @@ class _GranularLinearFunction(torch.autograd.Function):
 
 
 def blockwise_linear(
-    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-    plan: Fp8LinearPlan, site: CheckpointSite | None,
-) -> torch.Tensor:  # fmt: skip
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+    site: CheckpointSite | None,
+) -> torch.Tensor:
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
     mx; ``site``: where the call sits with respect to activation checkpointing). ``block``
     also takes its weight already quantized in 128x128 blocks, in the forward format (an

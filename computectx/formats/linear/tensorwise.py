@@ -40,9 +40,12 @@ __all__ = ["TensorwiseLinearFunction", "dequantized", "tensorwise_linear"]
 
 
 def tensorwise_linear(
-    x2: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-    plan: Fp8LinearPlan, site: CheckpointSite | None,
-) -> torch.Tensor:  # fmt: skip
+    x2: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    plan: Fp8LinearPlan,
+    site: CheckpointSite | None,
+) -> torch.Tensor:
     """The per-tensor fp8 linear on 2-D ``x2`` (``site``: where the call sits with respect
     to activation checkpointing, ``linear.recompute.checkpoint_site``)."""
     if (
@@ -97,9 +100,13 @@ class TensorwiseLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, x: torch.Tensor, weight: torch.Tensor | None,
-        bias: torch.Tensor | None, plan: Fp8LinearPlan, site: CheckpointSite | None,
-    ) -> torch.Tensor:  # fmt: skip
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        plan: Fp8LinearPlan,
+        site: CheckpointSite | None,
+    ) -> torch.Tensor:
         if site is None:
             xq, sx, wq, sw, live_step, own_w = _quantize_operands(x, weight, plan, None)
         else:

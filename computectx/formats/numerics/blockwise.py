@@ -375,10 +375,15 @@ def _twin_blocks(
 
 
 def reference_scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: BlockGranularity,
-    scale_b: torch.Tensor, granularity_b: BlockGranularity, bias: torch.Tensor | None,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    granularity_a: BlockGranularity,
+    scale_b: torch.Tensor,
+    granularity_b: BlockGranularity,
+    bias: torch.Tensor | None,
     out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The twin: ``block_scaled_mm``'s semantics (module docstring) in plain torch, on the
     operands' device. Arguments are assumed checked (``ops.blockwise.check_args``)."""
     if granularity_a == "row":
@@ -396,10 +401,17 @@ def reference_scaled_mm(
 
 
 def scaled_mm_error_bound(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: BlockGranularity,
-    scale_b: torch.Tensor, granularity_b: BlockGranularity, bias: torch.Tensor | None,
-    out_dtype: torch.dtype, *, accumulation: tuple[int, float] | None = None,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    granularity_a: BlockGranularity,
+    scale_b: torch.Tensor,
+    granularity_b: BlockGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    accumulation: tuple[int, float] | None = None,
+) -> torch.Tensor:
     """The a-priori elementwise bound on ``|block_scaled_mm(...) - exact|`` of the module
     docstring, float64 ``[M, N]`` on the CPU, for checked arguments on any device.
 

@@ -259,9 +259,13 @@ def seed_ledger(
 
 
 def scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, step_a: torch.Tensor, step_b: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
 
     The steps are per tensor (shape ``(1,)``) or per row (``step_a [M, 1]``, ``step_b
@@ -322,10 +326,15 @@ def accumulation_gamma(
 
 
 def scaled_mm_error_bound(
-    a: torch.Tensor, b: torch.Tensor, step_a: torch.Tensor, step_b: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, *,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
     accumulation: tuple[int, float] | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """An a-priori elementwise bound on ``|scaled_mm(...) - exact|`` (float64 ``[M, N]``).
 
     Products of fp8 values are exact in float32, so the error comes from: summing K terms in

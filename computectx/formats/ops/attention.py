@@ -98,9 +98,15 @@ def fp8_decode_attention(
 
         run = kernel.decode_attention
     return run(
-        q=q, k=k, v=v, k_step=k_step, v_step=v_step, length=length, sm_scale=sm_scale,
+        q=q,
+        k=k,
+        v=v,
+        k_step=k_step,
+        v_step=v_step,
+        length=length,
+        sm_scale=sm_scale,
         block_t=block_t,
-    )  # fmt: skip
+    )
 
 
 @fp8_decode_attention.register_fake

@@ -90,9 +90,12 @@ _BACKENDS = {b.value: b for b in Backend}
 
 
 def _quantize_kernel(
-    x: torch.Tensor, fmt: Fp8Format, layout: BlockLayout, rule: StepRule,
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    layout: BlockLayout,
+    rule: StepRule,
     scale: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     # The 2-D view `x` of a layout on the kernel: the twin's bytes (blockwise.quantize).
     # Its callers run the twin on REFERENCE without asking uses_kernels (the call then
     # goes from the layout to the twin and never into backend.py).
@@ -100,16 +103,24 @@ def _quantize_kernel(
 
     cols = None if layout.granularity == "row" else layout.block_cols
     return kernel.quantize_blocks(
-        x=x, fp8=FORMATS[fmt].dtype, block_rows=layout.block_rows, block_cols=cols, rule=rule,
+        x=x,
+        fp8=FORMATS[fmt].dtype,
+        block_rows=layout.block_rows,
+        block_cols=cols,
+        rule=rule,
         scale=scale,
-    )  # fmt: skip
+    )
 
 
 @custom_op("computectx::fp8_quantize_blocks", mutates_args=())
 def fp8_quantize_blocks(
-    x: torch.Tensor, fp8: torch.dtype, granularity: str, rule: str, backend: str,
+    x: torch.Tensor,
+    fp8: torch.dtype,
+    granularity: str,
+    rule: str,
+    backend: str,
     count_saturated: bool,
-) -> Quantized:  # fmt: skip
+) -> Quantized:
     """The linear's block quantize of a 2-D ``x`` as one operator: the codes and scale, the
     largest block step (float32 ``(1,)``) and, when ``count_saturated``, how many elements
     saturated (``numerics.blockwise.saturated_count``, float32 ``(1,)``; 0 otherwise)."""
@@ -142,10 +153,16 @@ def _quantize_blocks_fake(
 
 @custom_op("computectx::fp8_block_scaled_mm", mutates_args=())
 def fp8_block_scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: str,
-    scale_b: torch.Tensor, granularity_b: str, bias: torch.Tensor | None,
-    out_dtype: torch.dtype, backend: str,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    granularity_a: str,
+    scale_b: torch.Tensor,
+    granularity_b: str,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
     """``block_scaled_mm`` on a checked call: the twin, cuBLAS or the kernel."""
     chosen = _BACKENDS.get(backend) or parse_backend(backend)
     ga, gb = cast(BlockGranularity, granularity_a), cast(BlockGranularity, granularity_b)
@@ -228,9 +245,14 @@ def step_rule(
 
 
 def quantize_blocks(
-    x: torch.Tensor, fmt: Fp8Format, granularity: Granularity, rule: StepRule, scale: object,
-    *, backend: Backend,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    granularity: Granularity,
+    rule: StepRule,
+    scale: object,
+    *,
+    backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(data, scale)`` for a block ``granularity``: ``data`` has ``x``'s shape (contiguous),
     ``scale`` the layout's ``scale_shape`` (the given one when ``scale`` is not None).
 
@@ -297,9 +319,15 @@ def _pairs_text() -> str:
 
 
 def check_args(
-    a: object, b: object, scale_a: object, granularity_a: object, scale_b: object,
-    granularity_b: object, bias: object, out_dtype: object,
-) -> tuple[BlockGranularity, BlockGranularity]:  # fmt: skip
+    a: object,
+    b: object,
+    scale_a: object,
+    granularity_a: object,
+    scale_b: object,
+    granularity_b: object,
+    bias: object,
+    out_dtype: object,
+) -> tuple[BlockGranularity, BlockGranularity]:
     """Check ``block_scaled_mm``'s arguments; the two granularities, typed.
 
     ``TypeError`` for a non-tensor where a tensor belongs, ``ValueError`` naming the bad
@@ -312,9 +340,16 @@ def check_args(
 
 
 def _checked(
-    a: object, b: object, scale_a: object, granularity_a: object, scale_b: object,
-    granularity_b: object, bias: object, out_dtype: object, backend: Backend | str | None,
-) -> tuple[BlockGranularity, BlockGranularity, Backend]:  # fmt: skip
+    a: object,
+    b: object,
+    scale_a: object,
+    granularity_a: object,
+    scale_b: object,
+    granularity_b: object,
+    bias: object,
+    out_dtype: object,
+    backend: Backend | str | None,
+) -> tuple[BlockGranularity, BlockGranularity, Backend]:
     # check_args, and the backend (when given) with the other checks backend.py makes.
     for g in (granularity_a, granularity_b):
         if g not in BLOCK_GRANULARITIES:
@@ -341,10 +376,17 @@ def _checked(
 
 
 def block_scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, granularity_a: BlockGranularity,
-    scale_b: torch.Tensor, granularity_b: BlockGranularity, bias: torch.Tensor | None,
-    out_dtype: torch.dtype, *, backend: Backend | str = Backend.REFERENCE,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    granularity_a: BlockGranularity,
+    scale_b: torch.Tensor,
+    granularity_b: BlockGranularity,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    backend: Backend | str = Backend.REFERENCE,
+) -> torch.Tensor:
     """``(a * steps_a) @ (b * steps_b).T (+ bias)`` as a new ``[M, N]`` ``out_dtype`` tensor.
 
     ``a [M, K]`` and ``b [N, K]`` are fp8 codes (E4M3 or E5M2, any strides) with the scales

@@ -363,9 +363,14 @@ class _Plan:
         act, weight = grouped_operands(policy)
         fmt = policy.format
         return _Plan(
-            act, weight, fmt.forward.torch, fmt.backward.torch, step_rule_of(policy),
-            policy.scaling.margin, policy.gw_hp,
-        )  # fmt: skip
+            act,
+            weight,
+            fmt.forward.torch,
+            fmt.backward.torch,
+            step_rule_of(policy),
+            policy.scaling.margin,
+            policy.gw_hp,
+        )
 
 
 def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -386,9 +391,18 @@ class _GroupedMmFunction(torch.autograd.Function):
     ) -> torch.Tensor:
         p = plan
         y: torch.Tensor = grouped_mm_op(
-            x, w, offs, p.act, p.weight, p.fwd, p.fwd, p.rule, p.margin, _gemm_dtype(x.dtype),
+            x,
+            w,
+            offs,
+            p.act,
+            p.weight,
+            p.fwd,
+            p.fwd,
+            p.rule,
+            p.margin,
+            _gemm_dtype(x.dtype),
             backend.value,
-        )  # fmt: skip
+        )
         ctx.save_for_backward(x, w, offs)
         c: Any = ctx
         c.plan, c.backend = plan, backend
@@ -405,9 +419,18 @@ class _GroupedMmFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # dX_g [m, K] = dY_g [m, N] · W_g [N, K]: W_gᵀ [K, N] contracted over N.
             dx = grouped_mm_op(
-                dy, w.transpose(1, 2), offs, p.act, p.weight, p.bwd, p.fwd, p.rule, p.margin,
-                _gemm_dtype(x.dtype), backend,
-            ).to(x.dtype)  # fmt: skip
+                dy,
+                w.transpose(1, 2),
+                offs,
+                p.act,
+                p.weight,
+                p.bwd,
+                p.fwd,
+                p.rule,
+                p.margin,
+                _gemm_dtype(x.dtype),
+                backend,
+            ).to(x.dtype)
         if ctx.needs_input_grad[1]:
             # dW_g [N, K] = dY_gᵀ · X_g over the group's own rows, float32 until w's dtype.
             dw = grouped_wgrad_op(

@@ -110,9 +110,14 @@ def _quantize_kernels() -> ModuleType:
 
 
 def _delayed_at(
-    x: torch.Tensor, fmt: Fp8Format, ledger: torch.Tensor, slot: int, algo: Window,
-    margin: int, backend: Backend,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    ledger: torch.Tensor,
+    slot: int,
+    algo: Window,
+    margin: int,
+    backend: Backend,
+) -> tuple[torch.Tensor, torch.Tensor]:
     # One delayed quantize writing history `slot`, on the twin or the kernel.
     if not uses_kernels(backend, x):
         return tensorwise.quantize_delayed(x, fmt, ledger, slot, algo, margin)
@@ -120,15 +125,26 @@ def _delayed_at(
 
 
 def _delayed_kernel(
-    x: torch.Tensor, fp8: torch.dtype, ledger: torch.Tensor, slot: int, algo: Window,
+    x: torch.Tensor,
+    fp8: torch.dtype,
+    ledger: torch.Tensor,
+    slot: int,
+    algo: Window,
     margin: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor]:
     # The kernel knows no ledger layout of its own: it gets this one's offsets.
     out: tuple[torch.Tensor, torch.Tensor] = _quantize_kernels().quantize_delayed(
-        x=x, fp8=fp8, ledger=ledger, history_len=ledger_history_len(ledger), slot=slot,
-        step_offset=LEDGER_STEP, nonfinite_offset=LEDGER_NONFINITE,
-        saturated_offset=LEDGER_SATURATED, algo=algo, margin=margin,
-    )  # fmt: skip
+        x=x,
+        fp8=fp8,
+        ledger=ledger,
+        history_len=ledger_history_len(ledger),
+        slot=slot,
+        step_offset=LEDGER_STEP,
+        nonfinite_offset=LEDGER_NONFINITE,
+        saturated_offset=LEDGER_SATURATED,
+        algo=algo,
+        margin=margin,
+    )
     return out
 
 
@@ -236,9 +252,14 @@ def _quantize_with_step_fake(
 
 @custom_op("computectx::fp8_scaled_mm", mutates_args=())
 def fp8_scaled_mm(
-    a: torch.Tensor, b: torch.Tensor, step_a: torch.Tensor, step_b: torch.Tensor,
-    bias: torch.Tensor | None, out_dtype: torch.dtype, backend: str,
-) -> torch.Tensor:  # fmt: skip
+    a: torch.Tensor,
+    b: torch.Tensor,
+    step_a: torch.Tensor,
+    step_b: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``."""
     chosen = _BACKENDS.get(backend) or parse_backend(backend)
     kernel: ModuleType
