@@ -23,6 +23,7 @@ import torch
 
 from computectx.formats import Backend
 from computectx.formats.numerics.attention import (
+    DecodeArgs,
     decode_attention_error_bound,
     decode_attention_reference,
 )
@@ -108,7 +109,7 @@ def assert_within_bound(
     dequantized cache (that function's float64 attention is checked against an independent
     one in tests/formats/ops/test_attention.py)."""
     exact, bound = decode_attention_error_bound(
-        q, k, v, ks, vs, torch.tensor(length), sm_scale=sm_scale, block_t=block_t
+        DecodeArgs(q, k, v, ks, vs, torch.tensor(length), sm_scale, block_t)
     )
     err = (out.double() - exact).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
@@ -207,7 +208,7 @@ def test_kernel_bit_exact_with_twin_where_float32_is_exact(
 ) -> None:
     q, k, v, ks, vs = exact_case(layout, E4M3 if splits != 2 else E5M2, q_dtype, seed=23)
     length = torch.tensor([45, 19])
-    twin = decode_attention_reference(q, k, v, ks, vs, length, sm_scale=0.3, block_t=16)
+    twin = decode_attention_reference(DecodeArgs(q, k, v, ks, vs, length, 0.3, 16))
     out = kernel(device, q, k, v, ks, vs, length, block_t=16, splits=splits, sm_scale=0.3)
     assert torch.equal(out, twin)
 

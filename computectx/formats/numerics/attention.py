@@ -10,6 +10,7 @@ with a running max and sum, in float32, rounded once to the query's dtype.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -17,26 +18,34 @@ import torch
 from computectx.formats.numerics import tensorwise
 from computectx.formats.numerics.kv_quant import dequantize_kv
 
-__all__ = ["decode_attention_error_bound", "decode_attention_reference"]
+__all__ = ["DecodeArgs", "decode_attention_error_bound", "decode_attention_reference"]
 
 
-def decode_attention_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_step: torch.Tensor | None,
-    v_step: torch.Tensor | None,
-    length: torch.Tensor,
-    *,
-    sm_scale: float,
-    block_t: int,
-) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class DecodeArgs:
+    """``computectx::fp8_decode_attention``'s arguments but the backend, checked (``length``
+    an int64 ``(B,)`` tensor): what the twin, its error bound and the kernel take. The
+    operator's schema and this class are the argument list's two spellings."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_step: torch.Tensor | None
+    v_step: torch.Tensor | None
+    length: torch.Tensor
+    sm_scale: float
+    block_t: int
+
+
+def decode_attention_reference(args: DecodeArgs) -> torch.Tensor:
     """The pure-torch twin (the module docstring's steps 1-5), all (b, h) at once; arguments
     already checked, ``length`` an int64 ``(B,)`` tensor. It visits every block of
     ``T_max``, masked, and reads no tensor value on the host (a CUDA graph can hold it); a
     block wholly beyond a row's length adds nothing to it (``alpha = 1``, ``p = 0``, both
     exact). ``decode_attention`` with an int length passes only the blocks that hold its
     first ``length`` positions, so eager callers pay for no more."""
+    q, k, v, k_step, v_step, length = args.q, args.k, args.v, args.k_step, args.v_step, args.length
+    sm_scale, block_t = args.sm_scale, args.block_t
     b, h, t_max, d = k.shape
     qf = q.to(torch.float32).unsqueeze(-2)  # (B, H, 1, D)
 
@@ -72,17 +81,7 @@ def decode_attention_reference(
 _U32 = 2.0**-24
 
 
-def decode_attention_error_bound(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_step: torch.Tensor | None,
-    v_step: torch.Tensor | None,
-    length: torch.Tensor,
-    *,
-    sm_scale: float,
-    block_t: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_attention_error_bound(args: DecodeArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """``(exact, bound)``, float64 ``(B, H, D)``: softmax attention over the dequantized cache
     computed in float64, and an a-priori bound on ``|decode_attention(...) - exact|`` for the
     twin and the kernel (any summation order, any split of T into blocks and programs).
@@ -115,6 +114,8 @@ def decode_attention_error_bound(
     the rounding to ``q``'s dtype add ``(u + u_out) |result|`` (``u_out`` = 2**-8 bf16,
     2**-11 f16, 2**-24 f32) and half the dtype's smallest subnormal.
     """
+    q, k, v, k_step, v_step, length = args.q, args.k, args.v, args.k_step, args.v_step, args.length
+    sm_scale, block_t = args.sm_scale, args.block_t
     b, _, t_max, d = k.shape
     tiny32 = 2.0**-126
     q64 = q.to(torch.float64)

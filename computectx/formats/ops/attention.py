@@ -4,10 +4,12 @@ One query position per (batch, head) against the cached keys and values, the dec
 of serving. ``decode_attention`` checks its arguments and runs one ``torch.library`` custom
 operator (``computectx::fp8_decode_attention``, this family's one), so a compiled decode step
 sees a single opaque node with a fake implementation: no graph break, no recompile when the
-length tensor's values change. The operator's signature is the argument list's one
-spelling: the kernel (``computectx.kernels.decode_attention``) and the twin
-(``numerics.attention.decode_attention_reference``) are called with its keywords. The KV
-cache's codes and steps are quantized by ``numerics.kv_quant`` (numerics, not an operator).
+length tensor's values change. The argument list has three spellings: the operator's
+signature, ``numerics.attention.DecodeArgs`` (taken whole by the twin,
+``numerics.attention.decode_attention_reference``, and its error bound) and the kernel's
+(``computectx.kernels.decode_attention``, which imports nothing from the package, takes the
+fields as keywords). The KV cache's codes and steps are quantized by ``numerics.kv_quant``
+(numerics, not an operator).
 
 The cache (the storage layout of ``KVCache`` for an fp8 ``kv``)::
 
@@ -51,14 +53,13 @@ triton imports and the twin elsewhere, as the quantize operators do. The twin se
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats.backend import Backend, check_backend, parse_backend, uses_kernels
-from computectx.formats.numerics.attention import decode_attention_reference
+from computectx.formats.numerics.attention import DecodeArgs, decode_attention_reference
 from computectx.formats.numerics.kv_quant import step_layout
 from computectx.kv_policy import STEP_DTYPES
 
@@ -91,22 +92,14 @@ def fp8_decode_attention(
     backend: str,
 ) -> torch.Tensor:
     """``decode_attention`` on checked arguments (``length`` a ``(B,)`` tensor): the kernel
-    or the twin, called with this signature's keywords."""
-    run: Callable[..., torch.Tensor] = decode_attention_reference
+    or the twin, given them as one ``DecodeArgs`` (the kernel as its keywords)."""
+    args = DecodeArgs(q, k, v, k_step, v_step, length, sm_scale, block_t)
     if uses_kernels(parse_backend(backend), q):
         from computectx.kernels import decode_attention as kernel
 
-        run = kernel.decode_attention
-    return run(
-        q=q,
-        k=k,
-        v=v,
-        k_step=k_step,
-        v_step=v_step,
-        length=length,
-        sm_scale=sm_scale,
-        block_t=block_t,
-    )
+        out: torch.Tensor = kernel.decode_attention(**vars(args))
+        return out
+    return decode_attention_reference(args)
 
 
 @fp8_decode_attention.register_fake
@@ -327,18 +320,7 @@ def decode_attention(
     is a python value, and only the blocks holding the first ``length`` positions are visited
     (the same output as a tensor of that length, bit for bit).
     """
-    check_decode_attention(
-        q,
-        k,
-        v,
-        k_step,
-        v_step,
-        length,
-        sm_scale=sm_scale,
-        block_t=block_t,
-        backend=backend,
-        check_values=check_values,
-    )
+    check_decode_attention(**locals())  # this signature is the check's, name for name
     if isinstance(length, int):
         # Blocks wholly from `length` on are ignored: pass views without them (no copy), so
         # the twin visits only the blocks that hold positions. Whole blocks, so the blocks

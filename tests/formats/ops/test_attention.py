@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.formats import Backend
 from computectx.formats.numerics.attention import (
+    DecodeArgs,
     decode_attention_error_bound,
     decode_attention_reference,
 )
@@ -109,9 +110,7 @@ def assert_within_bound(
     """``out`` within the bound of float64 attention over the dequantized cache; returns the
     worst error as a fraction of the bound."""
     lt = torch.tensor(length)
-    exact, bound = decode_attention_error_bound(
-        q, k, v, ks, vs, lt, sm_scale=sm_scale, block_t=block_t
-    )
+    exact, bound = decode_attention_error_bound(DecodeArgs(q, k, v, ks, vs, lt, sm_scale, block_t))
     mine = attention64(q, dequantized(k, ks), dequantized(v, vs), length, sm_scale)
     # The bound's own float64 attention is the independent one (to float64 rounding).
     assert torch.allclose(exact, mine, rtol=1e-12, atol=1e-12)
@@ -210,7 +209,7 @@ def test_a_length_tensor_is_never_read_by_the_host() -> None:
         )
         # (the mode sees the operator as one call: the twin's own ops, directly)
         twin = decode_attention_reference(
-            q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=8
+            DecodeArgs(q, k, v, ks, vs, torch.tensor(length), 0.25, 8)
         )
     assert reads.count == 0
     assert torch.equal(out, twin)
@@ -230,9 +229,7 @@ def test_the_twin_runs_no_matmul_so_tf32_cannot_touch_it() -> None:
     # whatever the float32 matmul precision is: the error bound holds under TF32 too.
     q, k, v, ks, vs = make_case(2, 2, 40, 16, E4M3, "per_head", seed=32, q_dtype=torch.float32)
     with _Dispatched() as seen:
-        decode_attention_reference(
-            q, k, v, ks, vs, torch.tensor([40, 9]), sm_scale=0.25, block_t=16
-        )
+        decode_attention_reference(DecodeArgs(q, k, v, ks, vs, torch.tensor([40, 9]), 0.25, 16))
     assert "sum" in seen.ops and not seen.ops & _TF32_OPS, sorted(seen.ops)
 
 
@@ -272,7 +269,7 @@ def test_long_context_does_not_drift(fp8: torch.dtype) -> None:
     out = decode_attention(q, k, v, ks, vs, 4096, sm_scale=0.25, block_t=64)
     assert_within_bound(out, q, k, v, ks, vs, length, 0.25, 64)
     _, bound = decode_attention_error_bound(
-        q, k, v, ks, vs, torch.tensor(length), sm_scale=0.25, block_t=64
+        DecodeArgs(q, k, v, ks, vs, torch.tensor(length), 0.25, 64)
     )
     big_w = attention64(q, dequantized(k, ks), dequantized(v, vs).abs(), length, 0.25)
     assert float((bound / big_w).max()) < 2e-4  # docs/decode-attention.md's figure
