@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -317,22 +317,10 @@ def parallelize(
     Everything is checked before the model changes. Then: ``out = par.model(x)``,
     ``loss.backward()``, ``par.step(max_norm)``; checkpoints through ``par.state_dict()``.
     """
+    given = locals()  # the keyword arguments, by name: ParallelArgs' fields
+    args = ParallelArgs(**{f.name: given[f.name] for f in fields(ParallelArgs)})
     world = world_of(mesh)
     group = mesh.get_group() if mesh is not None else None
-    args = ParallelArgs(
-        strategy=strategy,
-        mp_policy=mp_policy,
-        accumulate=accumulate,
-        offload=offload,
-        join_timeout=join_timeout,
-        optimizer_class=optimizer_class,
-        optimizer_kwargs=optimizer_kwargs,
-        fp8_filter=fp8_filter,
-        fp8_all_gather=fp8_all_gather,
-        shard_units=shard_units,
-        current_amax=current_amax,
-        loss_normalization=loss_normalization,
-    )
     check_setup(model, ctx, args, world, group)
     experts = expert_parameters(model)
     conversion = convert_to_quantized(model, ctx, module_filter=fp8_filter) if ctx.recipe else None
