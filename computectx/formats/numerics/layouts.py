@@ -45,6 +45,7 @@ __all__ = [
     "granularity_arg",
     "layout_of",
     "scale_grid",
+    "step_rule",
     "step_rule_of",
 ]
 
@@ -240,3 +241,40 @@ def granularity_arg(granularity: object) -> Granularity:
         return granularity
     accepted = ", ".join(repr(g) for g in GRANULARITIES)
     raise ValueError(f"unknown granularity {granularity!r}; accepted: {accepted}")
+
+
+def step_rule(
+    granularity: Granularity, power_of_two: object, mx_rounding: object, *, given: bool
+) -> StepRule:
+    """The step rule the options ask for (``numerics.layouts.StepRule``), or ``ValueError``
+    saying which option does not apply.
+
+    ``power_of_two=None`` is the granularity's default: on for ``row`` (as torchao's
+    row-wise recipe), off for ``tensor``, ``1x128`` and ``128x128``; ``mx`` steps are
+    always powers of two, so ``False`` is refused there. ``mx_rounding`` (``"rceil"`` by
+    default, or ``"floor"``) applies to ``mx`` only. Neither applies to a given scale
+    (``given``), which is used as is.
+    """
+    if power_of_two is not None and not isinstance(power_of_two, bool):
+        raise TypeError(f"power_of_two must be a bool or None, got {power_of_two!r}")
+    if mx_rounding not in (None, "floor", "rceil"):
+        raise ValueError(f"unknown mx_rounding {mx_rounding!r}; accepted: 'rceil', 'floor'")
+    if given and (power_of_two is not None or mx_rounding is not None):
+        raise ValueError(
+            "power_of_two and mx_rounding choose how a measured step is rounded; a given "
+            "scale is used as is, so pass scale=None or neither option"
+        )
+    if granularity == "mx":
+        if power_of_two is False:
+            raise ValueError(
+                "granularity 'mx' has E8M0 scales, always powers of two; power_of_two=False "
+                "cannot apply (choose the exponent's rounding with mx_rounding)"
+            )
+        return "mx_floor" if mx_rounding == "floor" else "mx_rceil"
+    if mx_rounding is not None:
+        raise ValueError(
+            f"mx_rounding applies to granularity 'mx' only, not {granularity!r}; for a "
+            f"power-of-two step pass power_of_two=True"
+        )
+    default = granularity == "row"
+    return "pow2" if (default if power_of_two is None else power_of_two) else "amax"

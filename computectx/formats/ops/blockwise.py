@@ -74,7 +74,6 @@ __all__ = [
     "quantize_blocks",
     "quantize_granular",
     "quantize_tensor",
-    "step_rule",
 ]
 
 Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -207,43 +206,6 @@ def cublas_recipes(device: torch.device) -> dict[str, tuple[bool, str]]:
 # The checked entry points.
 
 
-def step_rule(
-    granularity: Granularity, power_of_two: object, mx_rounding: object, *, given: bool
-) -> StepRule:
-    """The step rule the options ask for (``numerics.layouts.StepRule``), or ``ValueError``
-    saying which option does not apply.
-
-    ``power_of_two=None`` is the granularity's default: on for ``row`` (as torchao's
-    row-wise recipe), off for ``tensor``, ``1x128`` and ``128x128``; ``mx`` steps are
-    always powers of two, so ``False`` is refused there. ``mx_rounding`` (``"rceil"`` by
-    default, or ``"floor"``) applies to ``mx`` only. Neither applies to a given scale
-    (``given``), which is used as is.
-    """
-    if power_of_two is not None and not isinstance(power_of_two, bool):
-        raise TypeError(f"power_of_two must be a bool or None, got {power_of_two!r}")
-    if mx_rounding not in (None, "floor", "rceil"):
-        raise ValueError(f"unknown mx_rounding {mx_rounding!r}; accepted: 'rceil', 'floor'")
-    if given and (power_of_two is not None or mx_rounding is not None):
-        raise ValueError(
-            "power_of_two and mx_rounding choose how a measured step is rounded; a given "
-            "scale is used as is, so pass scale=None or neither option"
-        )
-    if granularity == "mx":
-        if power_of_two is False:
-            raise ValueError(
-                "granularity 'mx' has E8M0 scales, always powers of two; power_of_two=False "
-                "cannot apply (choose the exponent's rounding with mx_rounding)"
-            )
-        return "mx_floor" if mx_rounding == "floor" else "mx_rceil"
-    if mx_rounding is not None:
-        raise ValueError(
-            f"mx_rounding applies to granularity 'mx' only, not {granularity!r}; for a "
-            f"power-of-two step pass power_of_two=True"
-        )
-    default = granularity == "row"
-    return "pow2" if (default if power_of_two is None else power_of_two) else "amax"
-
-
 def quantize_blocks(
     x: torch.Tensor,
     fmt: Fp8Format,
@@ -333,24 +295,6 @@ def check_args(
     ``TypeError`` for a non-tensor where a tensor belongs, ``ValueError`` naming the bad
     value and what is accepted otherwise. Reads no tensor contents.
     """
-    ga, gb, _ = _checked(
-        a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype, None
-    )
-    return ga, gb
-
-
-def _checked(
-    a: object,
-    b: object,
-    scale_a: object,
-    granularity_a: object,
-    scale_b: object,
-    granularity_b: object,
-    bias: object,
-    out_dtype: object,
-    backend: Backend | str | None,
-) -> tuple[BlockGranularity, BlockGranularity, Backend]:
-    # check_args, and the backend (when given) with the other checks backend.py makes.
     for g in (granularity_a, granularity_b):
         if g not in BLOCK_GRANULARITIES:
             raise ValueError(
@@ -365,14 +309,11 @@ def _checked(
         )
     ta, tb = check_gemm_operands(a, b)
     check_bias_and_out(bias, out_dtype, ta, tb)
-    chosen = Backend.REFERENCE
-    if backend is not None:
-        chosen = check_backend(parse_backend(backend) if isinstance(backend, str) else backend, ta)
     for name, scale, g, t in (("scale_a", scale_a, ga, ta), ("scale_b", scale_b, gb, tb)):
         layout = layouts.layout_of(g, t.shape)  # ValueError for mx with K < 32
         who = f"{name} for granularity {g!r} of an operand of shape {tuple(t.shape)}"
         layouts.check_scale(scale, layout, t.device, who)
-    return ga, gb, chosen
+    return ga, gb
 
 
 def block_scaled_mm(
@@ -398,9 +339,8 @@ def block_scaled_mm(
     ``TRITON_INTERPRET=1``, triton not installed, no fp8 tensor cores) when it cannot run on
     the tensors' device.
     """
-    ga, gb, chosen = _checked(
-        a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype, backend
-    )
+    ga, gb = check_args(a, b, scale_a, granularity_a, scale_b, granularity_b, bias, out_dtype)
+    chosen = check_backend(parse_backend(backend) if isinstance(backend, str) else backend, a)
     out: torch.Tensor = fp8_block_scaled_mm(
         a, b, scale_a, ga, scale_b, gb, bias, out_dtype, chosen.value
     )
@@ -490,7 +430,7 @@ def quantize_granular(
     data = quantizable_arg(x)
     f = fmt_arg(fmt)
     g = layouts.granularity_arg(granularity)
-    rule = step_rule(g, power_of_two, mx_rounding, given=scale is not None)
+    rule = layouts.step_rule(g, power_of_two, mx_rounding, given=scale is not None)
     if not isinstance(columnwise, bool):
         raise TypeError(f"columnwise must be a bool, got {columnwise!r}")
     if columnwise:

@@ -361,20 +361,25 @@ class _Plan:
     @staticmethod
     def of(policy: Recipe) -> _Plan:
         act, weight = grouped_operands(policy)
-        fmt = policy.format
-        return _Plan(
-            act,
-            weight,
-            fmt.forward.torch,
-            fmt.backward.torch,
-            step_rule_of(policy),
-            policy.scaling.margin,
-            policy.gw_hp,
-        )
+        fwd, bwd = policy.format.forward.torch, policy.format.backward.torch
+        rule, margin = step_rule_of(policy), policy.scaling.margin
+        return _Plan(act, weight, fwd, bwd, rule, margin, policy.gw_hp)
 
-
-def _gemm_dtype(dtype: torch.dtype) -> torch.dtype:
-    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
+    def gemm(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        offs: torch.Tensor,
+        fmt_a: torch.dtype,
+        like: torch.dtype,
+        backend: str,
+    ) -> torch.Tensor:
+        """``grouped_mm_op`` of ``a`` at ``fmt_a`` by the experts ``b`` at the forward format,
+        at ``like`` if it is a 16-bit dtype (else float32)."""
+        out = like if like in (torch.bfloat16, torch.float16) else torch.float32
+        args = (self.act, self.weight, fmt_a, self.fwd, self.rule, self.margin, out, backend)
+        y: torch.Tensor = grouped_mm_op(a, b, offs, *args)
+        return y
 
 
 class _GroupedMmFunction(torch.autograd.Function):
@@ -389,20 +394,7 @@ class _GroupedMmFunction(torch.autograd.Function):
         plan: _Plan,
         backend: Backend,
     ) -> torch.Tensor:
-        p = plan
-        y: torch.Tensor = grouped_mm_op(
-            x,
-            w,
-            offs,
-            p.act,
-            p.weight,
-            p.fwd,
-            p.fwd,
-            p.rule,
-            p.margin,
-            _gemm_dtype(x.dtype),
-            backend.value,
-        )
+        y = plan.gemm(x, w, offs, plan.fwd, x.dtype, backend.value)
         ctx.save_for_backward(x, w, offs)
         c: Any = ctx
         c.plan, c.backend = plan, backend
@@ -418,19 +410,7 @@ class _GroupedMmFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             # dX_g [m, K] = dY_g [m, N] · W_g [N, K]: W_gᵀ [K, N] contracted over N.
-            dx = grouped_mm_op(
-                dy,
-                w.transpose(1, 2),
-                offs,
-                p.act,
-                p.weight,
-                p.bwd,
-                p.fwd,
-                p.rule,
-                p.margin,
-                _gemm_dtype(x.dtype),
-                backend,
-            ).to(x.dtype)
+            dx = p.gemm(dy, w.transpose(1, 2), offs, p.bwd, x.dtype, backend).to(x.dtype)
         if ctx.needs_input_grad[1]:
             # dW_g [N, K] = dY_gᵀ · X_g over the group's own rows, float32 until w's dtype.
             dw = grouped_wgrad_op(
