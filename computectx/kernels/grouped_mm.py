@@ -43,13 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
+from computectx.kernels.autotune import fitting_configs, tile_configs
 from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.kernels.scaled_mm import (
-    fitting_configs,
     grouped_tile,
     scaled_dot,
     store_tile,
-    tile_configs,
 )
 
 __all__ = [
@@ -82,7 +81,7 @@ def gemm_configs(block_m: int) -> list[triton.Config]:
     ``BLOCK_K`` 64 (a 128-wide scale block in two steps) or 32 (MX), so small test groups
     span several programs; ``prune_configs`` keeps one. Compiled: ``HOPPER_TILES["grouped"]``
     (64-row warpgroup tiles; 128- or 64-wide K steps, 32 for MX)."""
-    return tile_configs("grouped", block_m, (64, 32))
+    return tile_configs("grouped", INTERPRETED, block_m, (64, 32))
 
 
 def prune_configs(
@@ -338,13 +337,9 @@ def grouped_scaled_mm(
         n,
         k,
         e,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
-        c.stride(0),
-        c.stride(1),
+        *a.stride(),  # a [M, K], b [E, N, K], c [M, N]: every stride of each
+        *b.stride(),
+        *c.stride(),
         *sa_strides,
         *sb_strides,
         triton.next_power_of_2(m),

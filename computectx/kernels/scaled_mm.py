@@ -14,35 +14,34 @@ results agree within the wider bound ``numerics.tensorwise.scaled_mm_error_bound
 accumulation=numerics.blockwise.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 
 The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) runs this module's kernel,
-``scaled_tiles``, autotuned with its own configs: per-tensor steps are its ``SCALE_K == 0``
-case with one-element steps read at strides of 0 (the same float32 products). The shared
-pieces: the autotune configs' form (``tile_configs``) and size filter (``fitting_configs``);
-on the host the argument checks (``check_operands``, ``check_bias_and_out``), the K-major
-staging (``k_major``), the result and its trivial cases (``new_result``), the launch
-(``launch_tiles``) and the grid (``tile_grid``); in the kernels (the grouped GEMMs' too) the
-grouped launch order (``grouped_tile``), the operand tiles (``operand_tiles``), the scaled K
-loop (``scaled_dot``, with ``block_steps``) and the epilogue (``store_tile``).
+``scaled_tiles``, autotuned with its own configs (``computectx.kernels.autotune``):
+per-tensor steps are its ``SCALE_K == 0`` case with one-element steps read at strides of 0
+(the same float32 products). The shared pieces: on the host the argument checks
+(``check_operands``, ``check_bias_and_out``), the K-major staging (``k_major``), the result
+and its trivial cases (``new_result``), the launch (``launch_tiles``) and the grid
+(``tile_grid``); in the kernels (the grouped GEMMs' too) the grouped launch order
+(``grouped_tile``), the operand tiles (``operand_tiles``), the scaled K loop
+(``scaled_dot``, with ``block_steps``) and the epilogue (``store_tile``).
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Final
 
 import torch
 import triton
 import triton.language as tl
 
+from computectx.kernels.autotune import fitting_configs, tile_configs
 from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, e8m0_step, round_to_bf16
 
 __all__ = [
-    "HOPPER_TILES",
     "INTERPRETED",
     "block_steps",
     "check_bias_and_out",
     "check_operands",
-    "fitting_configs",
     "grouped_tile",
     "k_major",
     "launch_tiles",
@@ -52,7 +51,6 @@ __all__ = [
     "scaled_mm",
     "scaled_tiles",
     "store_tile",
-    "tile_configs",
     "tile_grid",
 ]
 
@@ -61,85 +59,9 @@ INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 was imported) rather than compiled for a GPU; fixed at import."""
 
 
-HOPPER_TILES: Final[dict[str, tuple[tuple[int, int, int, int, int], ...]]] = {
-    # The GEMMs' autotune shapes on a GPU, (BLOCK_M, BLOCK_N, BLOCK_K, num_stages,
-    # num_warps). Hopper's fp8 wgmma wants 64-row warpgroup tiles and 128-byte K slices;
-    # 3-4 stages of cp.async pipelining hide HBM latency within 228 KB of shared memory per
-    # SM. Per-tensor steps:
-    "tensorwise": (
-        (128, 256, 128, 3, 8),
-        (256, 128, 128, 3, 8),
-        (128, 256, 64, 4, 8),
-        (256, 128, 64, 4, 8),
-        (128, 128, 128, 4, 8),
-        (128, 128, 64, 4, 4),
-        (128, 128, 64, 4, 8),
-        (64, 128, 128, 4, 4),
-        (64, 64, 128, 4, 4),
-    ),
-    # Block scales: one 128-wide scale block per K step where it fits in shared memory,
-    # else two 64-wide steps; 32-wide steps for MX.
-    "blockwise": (
-        (128, 128, 128, 4, 8),
-        (128, 256, 128, 3, 8),
-        (256, 128, 128, 3, 8),
-        (128, 256, 64, 4, 8),
-        (128, 128, 64, 4, 4),
-        (64, 128, 128, 4, 4),
-        (128, 128, 32, 5, 4),
-        (128, 256, 32, 4, 8),
-        (64, 64, 32, 4, 4),
-    ),
-    # The grouped GEMMs (forward, dgrad, wgrad): the block shapes with smaller row tiles
-    # for an expert's share of the tokens.
-    "grouped": (
-        (128, 128, 128, 4, 8),
-        (128, 256, 128, 3, 8),
-        (128, 128, 64, 4, 4),
-        (64, 128, 128, 4, 4),
-        (64, 128, 64, 4, 4),
-        (128, 128, 32, 5, 4),
-        (64, 128, 32, 4, 4),
-        (64, 64, 32, 4, 4),
-    ),
-}
-
-
-def tile_configs(
-    kernel: str, interpreted_m: int, interpreted_k: Sequence[int]
-) -> list[triton.Config]:
-    """``kernel``'s autotune configs (a key of ``HOPPER_TILES``): compiled, one per shape,
-    each launched in groups of ``GROUP_M`` 8 row-tiles; interpreted, ``interpreted_m x 32``
-    tiles with each ``BLOCK_K`` of ``interpreted_k`` (small, so test shapes span several
-    programs; with one config the autotuner never benchmarks)."""
-    if INTERPRETED:
-        return [
-            triton.Config({"BLOCK_M": interpreted_m, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 4})
-            for bk in interpreted_k
-        ]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-            num_stages=stages,
-            num_warps=warps,
-        )
-        for bm, bn, bk, stages, warps in HOPPER_TILES[kernel]
-    ]
-
-
 def _configs() -> list[triton.Config]:
     # Interpreted, one 32 x 32 x 32 tile: the interpreter runs every program on the CPU.
-    return tile_configs("tensorwise", 32, (32,))
-
-
-def fitting_configs(configs: list[triton.Config], m: int, n: int) -> list[triton.Config]:
-    """Those of ``configs`` whose tile is not far taller or wider than an ``m x n`` result
-    (at most ``max(64, m)`` rows and ``max(64, n)`` columns): larger ones only waste work."""
-    return [
-        c
-        for c in configs
-        if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
-    ]
+    return tile_configs("tensorwise", INTERPRETED, 32, (32,))
 
 
 def _prune(
@@ -501,12 +423,9 @@ def launch_tiles(
         m,
         n,
         k,
-        a.stride(0),
-        a.stride(1),
-        b.stride(0),
-        b.stride(1),
-        c.stride(0),
-        c.stride(1),
+        *a.stride(),  # a, b and c are 2-D: their (row, column) strides
+        *b.stride(),
+        *c.stride(),
         *sa_strides,
         *sb_strides,
         triton.next_power_of_2(m),

@@ -31,16 +31,15 @@ from typing import Any
 import torch
 import triton
 
+from computectx.kernels.autotune import fitting_configs, tile_configs
 from computectx.kernels.scaled_mm import (
     INTERPRETED,
     check_bias_and_out,
     check_operands,
-    fitting_configs,
     k_major,
     launch_tiles,
     new_result,
     scaled_tiles,
-    tile_configs,
 )
 
 # INTERPRETED is scaled_mm's: the kernel this module autotunes, scaled_tiles, is decorated
@@ -51,7 +50,7 @@ __all__ = ["INTERPRETED", "scaled_mm_blocks"]
 def _configs() -> list[triton.Config]:
     # Interpreted, 32 x 32 tiles: BLOCK_K 64 splits a 128-wide block in two (the scale read
     # twice), 32 serves MX; _prune keeps one.
-    return tile_configs("blockwise", 32, (64, 32))
+    return tile_configs("blockwise", INTERPRETED, 32, (64, 32))
 
 
 def _prune(
