@@ -7,14 +7,12 @@ One kernel serves three recipes, chosen by constexpr flags:
   program to finish (an atomic ticket) writes the amax into the history, reduces the window
   and publishes the next step into the ledger: no host sync, no second launch. The ledger's
   layout belongs to the caller (``computectx.formats.numerics.ledger``), which passes its history
-  length
-  and offsets; they reach the kernel as constexpr arguments;
+  length and offsets; they reach the kernel as constexpr arguments;
 - ``quantize_dynamic``: an amax-only launch that also publishes the step, then a cast-only
   launch that reads it.
 
 The pure-torch twins are in ``computectx.formats.numerics.tensorwise``; quantized bytes agree bit
-for
-bit.
+for bit.
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)

@@ -6,11 +6,10 @@ need not be a multiple of 16). The per-tensor steps multiply the float32 accumul
 in the epilogue, then the bias is added and the sum rounded once to the output dtype.
 
 The pure-torch twin is ``computectx.formats.numerics.tensorwise.scaled_mm``. Under the interpreter
-the
-dot is float32 and results agree within ``numerics.tensorwise.scaled_mm_error_bound`` (the order of
-float32 accumulation differs). On sm_90 the tensor cores add one ``BLOCK_K`` tile's products in a
-narrower accumulator (about 14 significant bits) before it is promoted to float32: there the
-results agree within the wider bound ``numerics.tensorwise.scaled_mm_error_bound(...,
+the dot is float32 and results agree within ``numerics.tensorwise.scaled_mm_error_bound`` (the
+order of float32 accumulation differs). On sm_90 the tensor cores add one ``BLOCK_K`` tile's
+products in a narrower accumulator (about 14 significant bits) before it is promoted to float32:
+there the results agree within the wider bound ``numerics.tensorwise.scaled_mm_error_bound(...,
 accumulation=numerics.blockwise.NARROW_ACCUMULATION)``, which the tests use on CUDA.
 
 The block-scaled GEMM (``computectx.kernels.scaled_mm_blocks``) runs this module's kernel,

@@ -1,7 +1,6 @@
 """``fp8_linear``: the router every fp8 linear call goes through.
 
-It takes the input, the weight (a parameter, a ``QuantizedWeight`` or ``QuantizedBlockWeight``, or
-a
+It takes the input, the weight (a parameter, a ``QuantizedWeight`` or ``QuantizedBlockWeight``, or a
 DTensor under tensor parallelism) and the plan, decides the call's path once, and hands the
 2-D call to its family's autograd function: ``linear.tensorwise`` for per-tensor policies,
 ``linear.blockwise`` for ``row``, ``block`` and ``mx``. Before that it lowers the input to an

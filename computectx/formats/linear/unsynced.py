@@ -2,8 +2,7 @@
 
 fp8 never reduces, gathers or otherwise talks to other ranks: ``computectx.distributed``
 does, through the seams fp8 exposes (``QuantizedLinear.amax_reduce``, ``QuantizedWeight``). But a
-user
-who wraps an fp8 model in ``DistributedDataParallel`` or ``fully_shard`` without that
+user who wraps an fp8 model in ``DistributedDataParallel`` or ``fully_shard`` without that
 package has nothing of it running, and each rank would scale by its own shard in silence.
 So the first training call of a ``QuantizedLinear`` with no seam filled asks whether a process
 group of more than one rank exists, and warns once per process, naming the fix.
