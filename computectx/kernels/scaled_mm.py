@@ -18,9 +18,9 @@ per-tensor steps are its ``SCALE_K == 0`` case with one-element steps read at st
 (the same float32 products). The shared pieces: on the host the argument checks
 (``check_operands``, ``check_bias_and_out``), the K-major staging (``k_major``), the result
 and its trivial cases (``new_result``), the launch (``launch_tiles``) and the grid
-(``tile_grid``); in the kernels (the grouped GEMMs' too) the grouped launch order
-(``grouped_tile``), the operand tiles (``operand_tiles``), the scaled K loop
-(``scaled_dot``, with ``block_steps``) and the epilogue (``store_tile``).
+(``tile_grid``); in the kernel the operand tiles (``operand_tiles``) and, the grouped GEMMs'
+too, the grouped launch order (``grouped_tile``), the scaled K loop (``scaled_dot``, with
+``block_steps``) and the epilogue (``store_tile``).
 """
 
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
