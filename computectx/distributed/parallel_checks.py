@@ -36,6 +36,7 @@ __all__ = [
     "check_same_setup",
     "setup_choices",
     "uses_offloaded",
+    "wants_accumulator",
 ]
 
 
@@ -134,6 +135,12 @@ def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> b
         or ctx.optim_state.compact
         or any(p.dtype != ctx.master.torch for p in params)
     )
+
+
+def wants_accumulator(ctx: ComputeCtx, accumulate: bool | None) -> bool:
+    """Whether ``parallelize`` asks for a gradient accumulator: ``accumulate`` when given,
+    else when the ctx asks for one (``ctx.grad`` differing from ``ctx.master``)."""
+    return ctx.grad != ctx.master if accumulate is None else bool(accumulate)
 
 
 def check_parallelize(
@@ -242,8 +249,7 @@ def _check_not_wrapped(model: nn.Module) -> None:
 def _check_accumulator(ctx: ComputeCtx, args: ParallelArgs, world: int) -> bool:
     """Whether ``parallelize`` builds a gradient accumulator (``accumulate``, else when the
     ctx asks for one), refused under FSDP2 on many ranks."""
-    wants = ctx.grad != ctx.master
-    builds = wants if args.accumulate is None else bool(args.accumulate)
+    builds = wants_accumulator(ctx, args.accumulate)
     if builds and args.strategy == "fsdp" and world > 1:
         why = "accumulate=True" if args.accumulate else f"the ctx ({ctx}) asks for one"
         raise ValueError(
@@ -317,7 +323,7 @@ def setup_choices(
     units = None if args.shard_units is None else [names.get(id(u), "?") for u in args.shard_units]
     kwargs = {k: repr(v) for k, v in sorted(args.optimizer_kwargs.items())}
     experts = {id(e) for e in expert_parameters(model)}
-    accumulate, cls = args.accumulate, args.optimizer_class
+    cls = args.optimizer_class
     return [
         ("strategy", repr(args.strategy)),
         ("world", str(world)),
@@ -328,7 +334,7 @@ def setup_choices(
         ),
         (
             "gradient accumulator",
-            str(bool(ctx.grad != ctx.master if accumulate is None else accumulate)),
+            str(wants_accumulator(ctx, args.accumulate)),
         ),
         ("OffloadedOptimizer", str(uses_offloaded(ctx, model, args.offload))),
         ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),

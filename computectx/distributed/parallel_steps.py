@@ -39,6 +39,7 @@ from computectx.distributed.parallel_checks import (
     check_same_setup,
     setup_choices,
     uses_offloaded,
+    wants_accumulator,
 )
 from computectx.distributed.sharding import ShardedParams
 from computectx.formats import QuantizedLinear
@@ -246,8 +247,7 @@ def build_accumulator(
     """The gradient accumulator, when ``args.accumulate`` or (by default) the ctx asks for
     one and FSDP2 does not shard: over DDP's ``run`` a ``DataParallelGradAccumulator``, in
     one process a ``LowPrecGradAccumulator``."""
-    wants = ctx.grad != ctx.master
-    if not (wants if args.accumulate is None else bool(args.accumulate)) or sharded:
+    if not wants_accumulator(ctx, args.accumulate) or sharded:
         return None
     if isinstance(run, DistributedDataParallel):
         return DataParallelGradAccumulator(run, ctx)
