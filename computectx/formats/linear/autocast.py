@@ -162,7 +162,7 @@ class autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
 
     @property
     def ctx(self) -> ComputeCtx | None:
-        """The context whose ``fp8`` policy the region applies."""
+        """The context whose recipe (``ctx.recipe``) the region applies."""
         return self._ctx
 
     def __enter__(self) -> autocast:
