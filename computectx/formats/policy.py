@@ -64,7 +64,7 @@ def policy_of(ctx: object, who: str) -> Recipe:
     """``ctx.recipe`` of a ``ComputeCtx`` that has one; ``who`` names the caller in errors.
 
     Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
-    ``fp8`` is ``None``; the messages say what is accepted. Every granularity the policy can
+    ``recipe`` is ``None``; the messages say what is accepted. Every granularity the policy can
     name runs (``computectx.formats.linear.blockwise`` runs row, block and mx).
     """
     if not isinstance(ctx, ComputeCtx):
