@@ -473,7 +473,7 @@ class QuantizedExperts:
 
     def __post_init__(self) -> None:
         # Checked when built, not at the first GEMM: a Recipe (``ctx.recipe``, not the ctx
-        # or a flag) and an Backend member or its name (read as the member).
+        # or a flag) and a Backend member or its name (read as the member).
         if not isinstance(self.policy, Recipe):
             raise TypeError(
                 f"QuantizedExperts takes a Recipe (ctx.recipe) as its policy, got "
