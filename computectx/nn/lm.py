@@ -47,11 +47,12 @@ _EXPERT_FIELDS: tuple[str, ...] = (
 def _strict_int(value: object) -> object:
     # The MoE counts as MoE itself takes them (``_checks.as_int``): a bool, a float (2.0) or
     # a str ("2") is refused rather than coerced; the range is the field's.
-    if value is None or as_int(value) is not None:
-        return value if value is None else as_int(value)
-    raise ValueError(
-        f"must be an int (a Python or numpy integer), got {type(value).__name__} {value!r}"
-    )
+    count = None if value is None else as_int(value)
+    if value is not None and count is None:
+        raise ValueError(
+            f"must be an int (a Python or numpy integer), got {type(value).__name__} {value!r}"
+        )
+    return count
 
 
 def _strict_real(value: object) -> object:
