@@ -72,8 +72,9 @@ def make_case(
     q_dtype: torch.dtype = torch.bfloat16,
     aligned: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A query and a quantized cache, on the CPU (the cases of tests/fp8's twin tests: keys
-    of spread magnitudes, values growing with the head, amax mapped to the format's max).
+    """A query and a quantized cache, on the CPU (the cases of
+    tests/formats/ops/test_attention.py: keys of spread magnitudes, values growing with the
+    head, amax mapped to the format's max).
     ``aligned``: a non-negative float32 query and non-negative keys."""
     gen = torch.Generator().manual_seed(seed)
     if aligned:
