@@ -328,7 +328,7 @@ def parallelize(
     if world > 1:
         run, mesh, sync = distribute(model, ctx, args, mesh, group, world, experts)
     optimizer = build_optimizer(model, ctx, args, mesh if sharded else None)
-    accumulator = build_accumulator(model, run, ctx, args, sharded)
+    accumulator = build_accumulator(model, run, ctx, args)
     return Parallel(
         model=run,
         module=model,

@@ -242,12 +242,12 @@ def build_optimizer(
 
 
 def build_accumulator(
-    model: nn.Module, run: nn.Module, ctx: ComputeCtx, args: ParallelArgs, sharded: bool
+    model: nn.Module, run: nn.Module, ctx: ComputeCtx, args: ParallelArgs
 ) -> LowPrecGradAccumulator | None:
     """The gradient accumulator, when ``args.accumulate`` or (by default) the ctx asks for
-    one and FSDP2 does not shard: over DDP's ``run`` a ``DataParallelGradAccumulator``, in
-    one process a ``LowPrecGradAccumulator``."""
-    if not wants_accumulator(ctx, args.accumulate) or sharded:
+    one (never under FSDP2 on many ranks: ``check_setup`` refused that): over DDP's ``run``
+    a ``DataParallelGradAccumulator``, in one process a ``LowPrecGradAccumulator``."""
+    if not wants_accumulator(ctx, args.accumulate):
         return None
     if isinstance(run, DistributedDataParallel):
         return DataParallelGradAccumulator(run, ctx)
