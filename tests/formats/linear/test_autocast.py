@@ -237,7 +237,7 @@ def test_bad_arguments_are_clear_errors(fp8_ctx: ComputeCtx) -> None:
         autocast("fp8_hybrid")  # type: ignore[arg-type]
     # An object that merely has a ctx's attributes is refused, enabled or not.
     lookalike: Any = SimpleNamespace(
-        fp8=fp8_ctx.fp8, compute=fp8_ctx.compute, device=fp8_ctx.device
+        recipe=fp8_ctx.recipe, compute=fp8_ctx.compute, device=fp8_ctx.device
     )
     with pytest.raises(TypeError, match=r"autocast needs a computectx\.ComputeCtx"):
         autocast(lookalike)

@@ -146,7 +146,7 @@ def test_bad_inputs_and_ctx_are_clear_errors(fp8_ctx: ComputeCtx) -> None:
     # Only a ComputeCtx is accepted: an object with the same attributes is not one, and the
     # error names what was passed.
     lookalike: Any = SimpleNamespace(
-        fp8=fp8_ctx.fp8, compute=fp8_ctx.compute, device=fp8_ctx.device
+        recipe=fp8_ctx.recipe, compute=fp8_ctx.compute, device=fp8_ctx.device
     )
     with pytest.raises(
         TypeError, match=r"QuantizedLinear needs a computectx\.ComputeCtx .*namespace"

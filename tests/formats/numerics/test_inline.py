@@ -166,7 +166,7 @@ def test_eager_calls_of_an_inline_layer_run_the_operators(
     layer = QuantizedLinear(16, 16, ctx=fp8_ctx, quantize="inline")
     layer(torch.randn(4, 16)).sum().backward()
     assert called == []
-    assert isinstance(fp8_ctx.fp8 and fp8_ctx.fp8.scaling, DelayedScaling)
+    assert isinstance(fp8_ctx.recipe and fp8_ctx.recipe.scaling, DelayedScaling)
     # ... while the operand-level switch does route to it.
     x = torch.randn(4, 16)
     tensor_ops.quantize_operand(
