@@ -2,7 +2,7 @@
 core layer.
 
 ``ComputeCtx.recipe`` holds a ``Recipe``; everything in ``computectx.formats`` reads it. The
-recipe lives here, beside ``dtypes``, and not in the fp8 package, so that the core never
+recipe lives here, beside ``dtypes``, and not in ``computectx.formats``, so that the core never
 imports the layer that consumes it (``computectx.formats.policy`` re-exports these names).
 
 Scale convention (one formula for every recipe, every kernel and the reference twin):
