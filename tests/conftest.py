@@ -3,8 +3,11 @@ of torch threads per xdist worker."""
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+import signal
+from collections.abc import Callable, Iterator
+from types import FrameType
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -136,3 +139,26 @@ def freeze() -> Callable[..., object]:
         return tuple(_freeze(o, memo) for o in objects)
 
     return picture
+
+
+@contextlib.contextmanager
+def _wall_limit(seconds: float, what: str) -> Iterator[None]:
+    # SIGALRM interrupts the test's (main) thread: a run that hangs in-process fails the test
+    # with TimeoutError after ``seconds`` rather than holding the suite.
+    def expired(signum: int, frame: FrameType | None) -> None:
+        raise TimeoutError(f"{what} ran past its wall limit of {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+@pytest.fixture
+def wall_limit() -> Callable[[float, str], contextlib.AbstractContextManager[None]]:
+    """A context manager that fails the test when its block runs longer than a wall limit,
+    for runs a test makes in its own process (where a subprocess's ``timeout`` used to be)."""
+    return _wall_limit

@@ -6,6 +6,9 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import pytest
@@ -48,3 +51,14 @@ def test_triton_is_an_extra_not_a_requirement() -> None:
     assert not any(d.startswith("triton") for d in project["dependencies"])
     assert any(d.startswith("triton") for d in project["optional-dependencies"]["triton"])
     assert any(d.startswith("triton") for d in project["optional-dependencies"]["dev"])
+
+
+def test_the_wall_limit_stops_a_block_that_runs_too_long(
+    wall_limit: Callable[[float, str], AbstractContextManager[None]],
+) -> None:
+    expired = pytest.raises(TimeoutError, match=r"sleeper ran past its wall limit of 0\.05 s")
+    with expired, wall_limit(0.05, "sleeper"):
+        time.sleep(5)
+    with wall_limit(5, "quick"):
+        pass
+    time.sleep(0.1)  # the alarm was cancelled: nothing fires after the block

@@ -8,6 +8,8 @@ cleared before and after, so its compiles neither meet nor leave another test's.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import gpu_check
@@ -16,11 +18,14 @@ import torch
 
 
 def test_gpu_check_cpu_smoke_writes_json_and_markdown(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    wall_limit: Callable[[float, str], AbstractContextManager[None]],
 ) -> None:
     torch._dynamo.reset()
     try:
-        code = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path)])
+        with wall_limit(600, "gpu_check --cpu-smoke"):  # as the subprocess's timeout was
+            code = gpu_check.main(["--cpu-smoke", "--out", str(tmp_path)])
     finally:
         torch._dynamo.reset()
     stdout = capsys.readouterr().out

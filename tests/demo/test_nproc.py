@@ -12,6 +12,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +47,10 @@ def _results(out: Path) -> dict[str, Any]:
 
 @pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--offload"]], ids=["plain", "memory"])
 def test_two_processes_train_like_one(
-    tmp_path: Path, extra: list[str], capfd: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    extra: list[str],
+    capfd: pytest.CaptureFixture[str],
+    wall_limit: Callable[[float, str], AbstractContextManager[None]],
 ) -> None:
     # "memory": micro-batches summed in the data-parallel accumulator (one reduction per
     # step) and stepped by the offloaded optimizer.
@@ -55,8 +60,9 @@ def test_two_processes_train_like_one(
     for n in (1, 2):
         out = tmp_path / f"out{n}"
         threads = torch.get_num_threads()
-        code = main(["demo", *SMALL, *extra, "--data", str(data), "--out", str(out),
-                     "--nproc", str(n)])  # fmt: skip
+        with wall_limit(300, f"demo --nproc {n}"):  # as the subprocess's timeout was
+            code = main(["demo", *SMALL, *extra, "--data", str(data), "--out", str(out),
+                         "--nproc", str(n)])  # fmt: skip
         captured = capfd.readouterr()  # the file descriptors: the spawned ranks' output too
         assert code == 0, captured.out + captured.err
         assert captured.out.count("wrote ") == 1  # one table and one report, from rank 0
