@@ -141,7 +141,7 @@ def default_backend(device: torch.device) -> Backend:
 
 
 def check_backend(backend: object, *tensors: torch.Tensor) -> Backend:
-    """``backend`` if it is an ``Backend`` that can run on every tensor's device.
+    """``backend`` if it is a ``Backend`` that can run on every tensor's device.
 
     ``TypeError`` for anything but a member (names are for ``select_backend``), and
     ``ValueError`` saying why when ``TRITON`` cannot run on a tensor's device. Reads no
@@ -149,7 +149,7 @@ def check_backend(backend: object, *tensors: torch.Tensor) -> Backend:
     """
     if not isinstance(backend, Backend):
         raise TypeError(
-            f"backend must be an Backend (from select_backend), got {backend!r}; "
+            f"backend must be a Backend (from select_backend), got {backend!r}; "
             f"accepted: {', '.join(str(b) for b in Backend)}"
         )
     if backend is not Backend.REFERENCE:

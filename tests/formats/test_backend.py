@@ -85,7 +85,7 @@ def test_bad_devices_are_refused_by_the_ctx_device_parser() -> None:
 
 def test_check_backend_wants_a_member() -> None:
     name: Any = "reference"
-    with pytest.raises(TypeError, match=r"backend must be an Backend .* got 'reference'"):
+    with pytest.raises(TypeError, match=r"backend must be a Backend .* got 'reference'"):
         check_backend(name, torch.ones(1))
     assert check_backend(Backend.REFERENCE, torch.ones(1)) is Backend.REFERENCE
 

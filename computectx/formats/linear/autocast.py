@@ -123,7 +123,7 @@ class autocast:  # noqa: N801  # named like torch.autocast, which it mirrors
     inside it, also for ``QuantizedLinear`` modules), work as decorators (of plain and ``async``
     functions), and are private to the thread and asyncio task that opened them.
 
-    ``backend`` forces an ``Backend`` for the region's linears (default:
+    ``backend`` forces a ``Backend`` for the region's linears (default:
     ``select_backend`` for each weight's device).
     """
 

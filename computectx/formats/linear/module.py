@@ -64,7 +64,7 @@ class QuantizedLinear(nn.Linear):
     default device when one other than the CPU is set (``torch.device("meta")`` included),
     else on ``ctx.device``.
 
-    ``backend`` forces an ``Backend`` (or ``"triton"``/``"reference"``); by default each
+    ``backend`` forces a ``Backend`` (or ``"triton"``/``"reference"``); by default each
     call uses ``select_backend`` for the weight's device. Inside ``autocast(
     enabled=False)`` the layer runs as a plain linear at the input's dtype.
     ``freeze_for_serving()`` quantizes the weight once for inference.

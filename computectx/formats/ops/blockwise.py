@@ -334,7 +334,7 @@ def block_scaled_mm(
     ``quantize_tensor(..., granularity=)`` returned for them (``numerics.blockwise``'s table);
     ``bias`` is ``[N]`` (bf16/fp16/fp32) or None; ``out_dtype`` is bf16, fp16 or fp32. The
     pair of granularities must be one of ``PAIRS``; the semantics and the error bound are
-    ``numerics.blockwise``'s. ``backend`` (an ``Backend`` or its name, ``"triton"``) runs
+    ``numerics.blockwise``'s. ``backend`` (a ``Backend`` or its name, ``"triton"``) runs
     it; ``ValueError`` saying why (the capability probe's reason: no CUDA device and no
     ``TRITON_INTERPRET=1``, triton not installed, no fp8 tensor cores) when it cannot run on
     the tensors' device.

@@ -485,7 +485,7 @@ class QuantizedExperts:
         if not isinstance(backend, Backend):
             accepted = ", ".join(repr(b.value) for b in Backend)
             raise TypeError(
-                f"QuantizedExperts takes an Backend as its backend (a member or one of "
+                f"QuantizedExperts takes a Backend as its backend (a member or one of "
                 f"{accepted}), got {describe(backend)}"
             )
         object.__setattr__(self, "backend", backend)

@@ -453,7 +453,7 @@ def test_backend_is_a_member_or_its_name() -> None:
     assert torch.equal(by_name, block_scaled_mm(**_args(), backend=Backend.REFERENCE))
     with pytest.raises(ValueError, match=r"unknown fp8 backend 'tpu'; accepted: .*'triton'"):
         block_scaled_mm(**_args(), backend="tpu")
-    with pytest.raises(TypeError, match="backend must be an Backend"):
+    with pytest.raises(TypeError, match="backend must be a Backend"):
         block_scaled_mm(**_args(), backend=3)  # type: ignore[arg-type]
 
 
