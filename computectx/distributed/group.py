@@ -269,7 +269,14 @@ class _Join:
     one ``compare_set`` on an empty key, so exactly one decision stands. Every rank that
     meets an aborted attempt without having decided it goes on to the next attempt (its call
     was in time; the abort was another's), so every rank skips the same attempts and the
-    group stays usable."""
+    group stays usable.
+
+    The store lives in global rank 0's process (``env://`` and ``tcp://`` groups): were it to
+    leave a join as soon as the verdict stood and exit (a DDP step, the last of the run, has no
+    collective after it), a rank still reading the verdict would meet a closed connection. So
+    the other ranks count ``a{g}`` once they have read it, the last sets ``d{g}``, and rank 0
+    waits for that before it returns (not after an abort: a rank that never came would not
+    count)."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         base = dist.distributed_c10d._get_process_group_store(group)
@@ -281,6 +288,7 @@ class _Join:
         )
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.hosts = dist.get_rank() == 0  # the store's process (see the class's docstring)
         self.gen = 0
         self.depth = 0  # forwards of this group underway on this rank (join_forwards)
 
@@ -300,16 +308,29 @@ class _Join:
         if s.add(f"n{g}", 1) == self.world:
             got = s.compare_set(f"go{g}", "", self._compare(g)).decode()
             if g:  # every rank is past attempt g - 1
-                s.delete_key(f"n{g - 1}")
-                s.delete_key(f"go{g - 1}")
-            return got
-        try:
-            s.wait([f"go{g}"], wait)
-        except dist.DistStoreError:
-            mine = f"abort:{self.rank}"
-            if s.compare_set(f"go{g}", "", mine).decode() == mine:
-                raise RuntimeError(self._missing(g, call, wait)) from None
-        return s.get(f"go{g}").decode()
+                for key in ("n", "go", "a", "d"):
+                    s.delete_key(f"{key}{g - 1}")
+        else:
+            try:
+                s.wait([f"go{g}"], wait)
+            except dist.DistStoreError:
+                mine = f"abort:{self.rank}"
+                if s.compare_set(f"go{g}", "", mine).decode() == mine:
+                    self._read(g, mine, wait)
+                    raise RuntimeError(self._missing(g, call, wait)) from None
+            got = s.get(f"go{g}").decode()
+        self._read(g, got, wait)
+        return got
+
+    def _read(self, g: int, verdict: str, wait: datetime.timedelta) -> None:
+        """This rank has read attempt ``g``'s verdict: rank 0 waits until every rank has."""
+        s = self.store
+        if not self.hosts:
+            if s.add(f"a{g}", 1) == self.world - 1:
+                s.set(f"d{g}", "")
+        elif not verdict.startswith("abort:"):
+            with contextlib.suppress(dist.DistStoreError):  # a rank that died after joining
+                s.wait([f"d{g}"], wait)
 
     def _compare(self, g: int) -> str:
         calls = [

@@ -37,3 +37,12 @@ def test_scenarios_from_other_files_and_one_process_references(run_ranks: RunRan
     one = run_ranks("scenarios_harness.py:sum_of_ranks", world_size=1, offset=10)
     assert [float(r["sum"]) for r in two] == [21.0, 21.0]
     assert [float(r["sum"]) for r in one] == [10.0]
+
+
+def test_the_rank_holding_the_store_waits_until_every_rank_read_the_verdict(
+    run_ranks: RunRanks,
+) -> None:
+    # Rank 0 completes the last join of the run and exits; rank 1, slow to read the verdict,
+    # met a closed store ("Connection reset by peer") before rank 0 waited for its read.
+    results = run_ranks("scenarios_group.py:last_join_then_exit", limit_s=60.0, delay=1.5)
+    assert [r["gen"] for r in results] == [1, 1]
