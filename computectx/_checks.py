@@ -87,3 +87,12 @@ class CheckedModel(BaseModel, frozen=True):
             return super().model_validate_json(json_data, **kwargs)
         except ValidationError as e:
             raise ValueError(cls._message(e)) from None
+
+    @classmethod
+    def from_fields(cls, value: dict[Any, Any], what: str, takes: str) -> Self:
+        """A dict of this model's fields as the model: ``ValueError`` naming the unknown
+        keys, the ``value`` and what a dict of ``what`` ``takes``, before any field is read."""
+        unknown = sorted(map(repr, set(value) - set(cls.model_fields)))
+        if unknown:
+            raise ValueError(f"unknown {what} field(s) {', '.join(unknown)} in {value!r}; {takes}")
+        return cls(**{str(k): v for k, v in value.items()})

@@ -269,14 +269,12 @@ def parse_kv(value: object) -> DType | KvFp8:
     if isinstance(value, (DType, KvFp8)):
         return value
     if isinstance(value, dict):
-        unknown = sorted(map(repr, set(value) - set(KvFp8.model_fields)))
-        if unknown:
-            raise ValueError(
-                f"unknown fp8 KV cache field(s) {', '.join(unknown)} in {value!r}; a KvFp8 "
-                f"dict takes 'format' (e4m3 or e5m2), 'scaling' ({', '.join(KV_SCALINGS)}), "
-                f"'step' ({', '.join(KV_STEPS)}) and 'recent' (an int >= 0), all optional"
-            )
-        return KvFp8(**{str(k): v for k, v in value.items()})
+        return KvFp8.from_fields(
+            value,
+            "fp8 KV cache",
+            f"a KvFp8 dict takes 'format' (e4m3 or e5m2), 'scaling' ({', '.join(KV_SCALINGS)}), "
+            f"'step' ({', '.join(KV_STEPS)}) and 'recent' (an int >= 0), all optional",
+        )
     if isinstance(value, Fp8Format) or (isinstance(value, torch.dtype) and value in FP8_DTYPES):
         return KvFp8(format=Fp8Format.parse(value))
     if isinstance(value, str):

@@ -240,14 +240,12 @@ def parse_optim_state(value: object) -> OptimState:
     if isinstance(value, str):
         return OptimState.parse(value)
     if isinstance(value, dict):
-        unknown = sorted(map(repr, set(value) - set(OptimState.model_fields)))
-        if unknown:
-            raise ValueError(
-                f"unknown optimizer state field(s) {', '.join(unknown)} in {value!r}; an "
-                f"OptimState dict takes 'format' ({_FORMATS}), 'block' and 'min_size', each "
-                f"optional"
-            )
-        return OptimState(**{str(k): v for k, v in value.items()})
+        return OptimState.from_fields(
+            value,
+            "optimizer state",
+            f"an OptimState dict takes 'format' ({_FORMATS}), 'block' and 'min_size', each "
+            f"optional",
+        )
     raise ValueError(
         f"bad optimizer state {value!r} ({type(value).__name__}); accepted: an OptimState, its "
         f"text form {_FORM} with FORMAT one of {_FORMATS}, or its dict "

@@ -29,6 +29,7 @@ from computectx.formats.policy import (
     check_fp8_widths,
     check_granularity_widths,
     describe,
+    filtered_out,
     policy_of,
 )
 from computectx.formats.scaling.load import guard_whole_loads
@@ -449,13 +450,7 @@ class _Rules:
                 f"converters={{{type(lin).__name__}: ...}} to convert it"
             )
         if self.module_filter is not None:
-            chosen = self.module_filter(lin, fqn)
-            if not isinstance(chosen, bool):
-                raise TypeError(
-                    f"module_filter must return a bool, got {describe(chosen)} for "
-                    f"{fqn or '<root>'!r}; the model was left unchanged"
-                )
-            if not chosen:
+            if filtered_out(self.module_filter, lin, fqn):
                 return "module_filter", "module_filter returned False"
         elif id(lin) in heads and not self.include_head:
             return "head", f"{heads[id(lin)]}; pass include_head=True to convert it"

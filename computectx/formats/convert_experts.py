@@ -39,7 +39,12 @@ from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend, default_backend, parse_backend
 from computectx.formats.convert_report import SkippedLinear, SkipRule
 from computectx.formats.ops.grouped import QuantizedExperts
-from computectx.formats.policy import check_fp8_widths, check_granularity_widths, describe
+from computectx.formats.policy import (
+    check_fp8_widths,
+    check_granularity_widths,
+    describe,
+    filtered_out,
+)
 from computectx.recipes import Recipe
 
 __all__ = [
@@ -185,15 +190,8 @@ def _skip(
     module_filter: Callable[[nn.Module, str], bool] | None,
     min_features: int,
 ) -> tuple[SkipRule, str] | None:
-    if module_filter is not None:
-        chosen = module_filter(module, fqn)
-        if not isinstance(chosen, bool):
-            raise TypeError(
-                f"module_filter must return a bool, got {describe(chosen)} for {fqn!r}; the "
-                f"model was left unchanged"
-            )
-        if not chosen:
-            return "module_filter", "module_filter returned False"
+    if module_filter is not None and filtered_out(module_filter, module, fqn):
+        return "module_filter", "module_filter returned False"
     for name, w in weights.items():
         e, n, k = w.shape
         try:

@@ -10,9 +10,11 @@ is given; ``check_fp8_widths`` and ``check_granularity_widths`` are the width ru
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TypeVar
 
 import torch
+from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
@@ -58,6 +60,20 @@ def describe(value: object, limit: int = 60) -> str:
     if len(text) > limit:
         text = text[: limit - 3] + "..."
     return f"{type(value).__name__} {text}"
+
+
+def filtered_out(
+    module_filter: Callable[[nn.Module, str], bool], module: nn.Module, fqn: str
+) -> bool:
+    """Whether ``module_filter`` keeps ``module`` (at ``fqn``) out of a conversion;
+    ``TypeError`` when it returns anything but a bool (nothing converted yet)."""
+    chosen = module_filter(module, fqn)
+    if not isinstance(chosen, bool):
+        raise TypeError(
+            f"module_filter must return a bool, got {describe(chosen)} for "
+            f"{fqn or '<root>'!r}; the model was left unchanged"
+        )
+    return not chosen
 
 
 def policy_of(ctx: object, who: str) -> Recipe:

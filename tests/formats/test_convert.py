@@ -19,6 +19,7 @@ from computectx.formats import (
     convert_to_quantized,
 )
 from computectx.formats.convert import Converter
+from computectx.nn import GroupedExperts
 
 
 class Tiny(nn.Module):
@@ -132,6 +133,22 @@ def test_a_filter_must_return_a_bool(fp8_ctx: ComputeCtx) -> None:
     with pytest.raises(TypeError, match=r"module_filter must return a bool, got NoneType None"):
         convert_to_quantized(model, fp8_ctx, forgot_return)
     assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def test_a_filter_must_return_a_bool_for_experts_too() -> None:
+    # The experts' filter answer is checked as the linears' is: a None for the experts alone
+    # raises naming them, and nothing is converted (neither the linear nor the experts).
+    ctx = ComputeCtx.from_flag("fp8_rowwise", "cpu")
+    experts = GroupedExperts(ctx.replace(recipe=None), 32, 32, 3)
+    model = nn.ModuleDict({"proj": nn.Linear(32, 32), "experts": experts})
+
+    def forgot_experts(module: nn.Module, fqn: str) -> Any:
+        return True if fqn == "proj" else None
+
+    with pytest.raises(TypeError, match=r"must return a bool, got NoneType None for 'experts'"):
+        convert_to_quantized(model, ctx, forgot_experts)
+    assert isinstance(model["proj"], nn.Linear) and not isinstance(model["proj"], QuantizedLinear)
+    assert experts.fp8 is None
 
 
 def test_converting_nothing_warns_naming_the_knobs(fp8_ctx: ComputeCtx) -> None:
