@@ -1,0 +1,111 @@
+"""``ServingWeight``: a weight as the fp8 codes and steps a serving format holds.
+
+The checkpoint formats that serving stacks read (transformers' fine-grained FP8, the
+DeepSeek-V3 layout; compressed-tensors' FP8 schemes, vLLM's main quantized format) store a
+linear's weight as ``float8_e4m3fn`` codes and float32 dequantize steps in one of three
+layouts: one step for the whole weight, one per output row (a channel), or one per 128x128
+block. ``ServingWeight`` is that pair under its layout, checked once, for one linear
+(``codes`` ``[N, K]``) or a module's experts (``[E, N, K]``, every expert laid out alike): the
+value the export writes, the import reads and a frozen layer serves with. ``weight ≈ codes *
+step`` of the element's block, formed in float32 (``dequantize``), as ``quantize_tensor``'s
+``(data, scale)`` of the same granularity.
+
+| ``layout`` | steps of ``[N, K]`` codes | steps of ``[E, N, K]`` codes |
+| --- | --- | --- |
+| ``"tensor"`` | ``(1,)`` | ``(E, 1)`` |
+| ``"row"`` | ``(N, 1)`` | ``(E, N, 1)`` |
+| ``"128x128"`` | ``(ceil(N/128), ceil(K/128))`` | ``(E, ceil(N/128), ceil(K/128))`` |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+import torch
+
+from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
+from computectx.formats.numerics import blockwise, layouts
+
+__all__ = ["WEIGHT_LAYOUTS", "ServingWeight", "WeightLayout"]
+
+WeightLayout = Literal["tensor", "row", "128x128"]
+"""Which codes of a serving weight share one step: all, a row's, a 128x128 block's."""
+WEIGHT_LAYOUTS: Final[tuple[WeightLayout, ...]] = get_args(WeightLayout)
+"""Every ``WeightLayout``, in order."""
+
+
+def _steps_shape(layout: WeightLayout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    # The steps' shape of codes of ``shape`` (2-D, or 3-D: experts first).
+    *experts, n, k = shape
+    one = (1,) if layout == "tensor" else layouts.layout_of(layout, (n, k)).grid
+    return (*experts, *one) if experts or layout != "tensor" else one
+
+
+@dataclass(frozen=True, eq=False)
+class ServingWeight:
+    """fp8 ``codes`` (``float8_e4m3fn``/``e5m2``, ``[N, K]`` or experts' ``[E, N, K]``) and
+    their float32 ``steps`` on the same device, laid out by ``layout`` (module docstring's
+    table). The constructor checks all three and raises ``ValueError`` naming what it got
+    and what the layout takes; it copies nothing."""
+
+    codes: torch.Tensor
+    steps: torch.Tensor
+    layout: WeightLayout
+
+    def __post_init__(self) -> None:
+        codes, steps, layout = self.codes, self.steps, self.layout
+        if layout not in WEIGHT_LAYOUTS:
+            raise ValueError(
+                f"ServingWeight layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {layout!r}"
+            )
+        if not isinstance(codes, torch.Tensor) or codes.dtype not in FP8_DTYPES:
+            what = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
+            raise ValueError(
+                f"ServingWeight codes must be a float8_e4m3fn or float8_e5m2 tensor, got {what}"
+            )
+        if codes.dim() not in (2, 3):
+            raise ValueError(
+                f"ServingWeight codes must be 2-D [N, K] (a linear) or 3-D [E, N, K] (experts), "
+                f"got shape {tuple(codes.shape)}"
+            )
+        want = _steps_shape(layout, tuple(codes.shape))
+        if (
+            not isinstance(steps, torch.Tensor)
+            or steps.dtype != torch.float32
+            or tuple(steps.shape) != want
+            or steps.device != codes.device
+        ):
+            got = (
+                f"{steps.dtype} {tuple(steps.shape)} on {steps.device}"
+                if isinstance(steps, torch.Tensor)
+                else type(steps).__name__
+            )
+            raise ValueError(
+                f"ServingWeight steps of {tuple(codes.shape)} codes laid out {layout!r} must be "
+                f"a float32 tensor of shape {want} on {codes.device}, got {got}"
+            )
+
+    @property
+    def experts(self) -> int | None:
+        """The expert count of experts' codes, ``None`` for a linear's."""
+        return self.codes.shape[0] if self.codes.dim() == 3 else None
+
+    def expert(self, e: int) -> ServingWeight:
+        """Expert ``e``'s codes and steps (views), as a linear's."""
+        if self.codes.dim() != 3:
+            raise ValueError("ServingWeight.expert: these are a linear's codes, not experts'")
+        steps = self.steps[e].reshape(1) if self.layout == "tensor" else self.steps[e]
+        return ServingWeight(self.codes[e], steps, self.layout)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Each code times its step, formed in float32 and rounded once to ``dtype``."""
+        if dtype not in FLOAT_DTYPES:
+            raise ValueError(f"dequantize to a float dtype, got {dtype}")
+        if self.codes.dim() == 3:
+            experts = [self.expert(e).dequantize(dtype) for e in range(self.codes.shape[0])]
+            return torch.stack(experts) if experts else self.codes.to(dtype)
+        if self.layout == "tensor":
+            return (self.codes.float() * self.steps).to(dtype)
+        layout = layouts.layout_of(self.layout, self.codes.shape)
+        return blockwise.dequantize(self.codes, self.steps, layout, dtype)

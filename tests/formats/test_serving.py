@@ -1,0 +1,55 @@
+"""``computectx.formats.serving.ServingWeight``: the checked pair of codes and steps."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from computectx.formats import quantize_tensor
+from computectx.formats.serving import ServingWeight
+
+
+@pytest.mark.parametrize("layout", ["tensor", "row", "128x128"])
+def test_a_weight_dequantizes_as_quantize_tensor_made_it(layout: str) -> None:
+    w = torch.randn(200, 264, generator=torch.Generator().manual_seed(0))
+    codes, steps = quantize_tensor(w, "e4m3", granularity=layout)  # type: ignore[arg-type]
+    sw = ServingWeight(codes, steps, layout)  # type: ignore[arg-type]
+    want = (codes.float() * steps) if layout != "128x128" else None
+    got = sw.dequantize()
+    if want is not None:
+        assert torch.equal(got, want)
+    # Every element within half a code's spacing of w (e4m3: 3 mantissa bits).
+    assert ((got - w).abs() <= w.abs() * 2.0**-4 + steps.max() * 2.0**-6).all()
+    assert sw.experts is None
+
+
+@pytest.mark.parametrize("layout", ["tensor", "row", "128x128"])
+def test_experts_are_linears_stacked(layout: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    g: Any = layout
+    pairs = [
+        quantize_tensor(torch.randn(128, 256, generator=gen) * m, "e4m3", granularity=g)
+        for m in (1.0, 9.0)
+    ]
+    codes = torch.stack([c for c, _ in pairs])
+    steps = torch.stack([s.reshape(1) if layout == "tensor" else s for _, s in pairs])
+    sw = ServingWeight(codes, steps, layout)  # type: ignore[arg-type]
+    assert sw.experts == 2
+    for e, (c, s) in enumerate(pairs):
+        assert torch.equal(sw.dequantize()[e], ServingWeight(c, s, layout).dequantize())  # type: ignore[arg-type]
+
+
+def test_bad_pairs_are_refused_naming_what_the_layout_takes() -> None:
+    codes, steps = quantize_tensor(torch.randn(256, 128), "e4m3", granularity="128x128")
+    with pytest.raises(ValueError, match=r"shape \(2, 1\) on cpu, got torch.float32 \(1,\)"):
+        ServingWeight(codes, steps.reshape(-1)[:1], "128x128")
+    with pytest.raises(ValueError, match="layout must be one of tensor, row, 128x128, got 'mx'"):
+        ServingWeight(codes, steps, "mx")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"float8_e4m3fn or float8_e5m2 tensor, got torch\.bfloat16"
+    ):
+        ServingWeight(codes.bfloat16(), steps, "128x128")
+    with pytest.raises(ValueError, match="must be a float32 tensor"):
+        ServingWeight(codes, steps.double(), "128x128")
