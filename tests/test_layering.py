@@ -65,6 +65,7 @@ FP8_RANK: dict[str, int] = {
     "backend": 0,
     "numerics": 1,
     "policy": 2,
+    "serving": 2,  # ServingWeight: codes and steps as serving formats lay them out
     "ops": 3,
     "scaling": 4,
     "linear": 5,

@@ -20,22 +20,22 @@ step`` of the element's block, formed in float32 (``dequantize``), as ``quantize
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
+from typing import Final
 
 import torch
 
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats.numerics import blockwise, layouts
+from computectx.formats.numerics.layouts import Granularity
 
-__all__ = ["WEIGHT_LAYOUTS", "ServingWeight", "WeightLayout"]
+__all__ = ["WEIGHT_LAYOUTS", "ServingWeight"]
 
-WeightLayout = Literal["tensor", "row", "128x128"]
-"""Which codes of a serving weight share one step: all, a row's, a 128x128 block's."""
-WEIGHT_LAYOUTS: Final[tuple[WeightLayout, ...]] = get_args(WeightLayout)
-"""Every ``WeightLayout``, in order."""
+WEIGHT_LAYOUTS: Final[tuple[Granularity, ...]] = ("tensor", "row", "128x128")
+"""The granularities a serving weight is laid out in: which codes share one step (all, a
+row's, a 128x128 block's)."""
 
 
-def _steps_shape(layout: WeightLayout, shape: tuple[int, ...]) -> tuple[int, ...]:
+def _steps_shape(layout: Granularity, shape: tuple[int, ...]) -> tuple[int, ...]:
     # The steps' shape of codes of ``shape`` (2-D, or 3-D: experts first).
     *experts, n, k = shape
     one = (1,) if layout == "tensor" else layouts.layout_of(layout, (n, k)).grid
@@ -51,7 +51,7 @@ class ServingWeight:
 
     codes: torch.Tensor
     steps: torch.Tensor
-    layout: WeightLayout
+    layout: Granularity
 
     def __post_init__(self) -> None:
         codes, steps, layout = self.codes, self.steps, self.layout

@@ -46,7 +46,7 @@ def test_bad_pairs_are_refused_naming_what_the_layout_takes() -> None:
     with pytest.raises(ValueError, match=r"shape \(2, 1\) on cpu, got torch.float32 \(1,\)"):
         ServingWeight(codes, steps.reshape(-1)[:1], "128x128")
     with pytest.raises(ValueError, match="layout must be one of tensor, row, 128x128, got 'mx'"):
-        ServingWeight(codes, steps, "mx")  # type: ignore[arg-type]
+        ServingWeight(codes, steps, "mx")
     with pytest.raises(
         ValueError, match=r"float8_e4m3fn or float8_e5m2 tensor, got torch\.bfloat16"
     ):
