@@ -412,7 +412,9 @@ def run_cpu_smoke() -> int:
         )
         dt = time.perf_counter() - t0
         exact = (a.double() @ b.double().t()) * (sa.double() * sb.double())
-        bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, torch.bfloat16)
+        bound = tensorwise.scaled_mm_error_bound(
+            tensorwise.GemmArgs(a, b, sa, sb, None, torch.bfloat16)
+        )
         within = bool(((out.double() - exact).abs() <= bound).all())
         ok &= within
         print(

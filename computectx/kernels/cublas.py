@@ -4,15 +4,17 @@ here. Like the Triton kernels beside it, it imports only torch and is reached la
 operator families (``computectx.formats.ops.tensorwise``, ``ops.blockwise``, ``ops.grouped``),
 which call it on checked arguments.
 
-``scaled_mm`` is the per-tensor GEMM of ``computectx::fp8_scaled_mm``; ``block_scaled_mm``
-serves ``computectx::fp8_block_scaled_mm`` where ``serves`` says the recipe runs;
-``grouped_rowwise_mm`` the row-wise grouped GEMM of ``computectx::fp8_grouped_mm``.
+``scaled_mm`` is the one dense launcher, for a pair of granularities: the per-tensor GEMM of
+``computectx::fp8_scaled_mm`` (``tensor x tensor``, which runs wherever ``torch._scaled_mm``
+does) and ``computectx::fp8_block_scaled_mm`` where ``serves`` says the recipe runs;
+``grouped_rowwise_mm`` is the row-wise grouped GEMM of ``computectx::fp8_grouped_mm``.
 
 ``CUBLAS`` runs, per pair of granularities:
 
 ==================  ==============================================  =======================
 pair                call                                            where it runs
 ==================  ==============================================  =======================
+tensor x tensor     ``torch._scaled_mm``, float32 scalar scales     CUDA and the CPU
 row x row           ``torch._scaled_mm``, scales ``(M, 1)`` and     CUDA (cuBLASLt >= 12.9
                     ``(1, N)`` float32                              on sm_90, else CUTLASS)
                                                                     and the CPU
@@ -58,7 +60,6 @@ import torch
 __all__ = [
     "CUBLAS_MULTIPLE",
     "RECIPES",
-    "block_scaled_mm",
     "cublas_bias",
     "cublas_gemm_dtype",
     "cublas_operand",
@@ -136,45 +137,11 @@ def cublas_result(
     return out.contiguous() if padded else out
 
 
-def scaled_mm(
-    *,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """The per-tensor ``(a * step_a) @ (b * step_b).T (+ bias)`` on ``torch._scaled_mm``,
-    under CUDA's rules (never two E5M2 operands: the caller runs those on the twin)."""
-    # torch._scaled_mm's rules on CUDA (its meta function states them): mat1 row-major
-    # [M, K], mat2 column-major [K, N] (b [N, K] row-major, transposed), K and N multiples
-    # of 16, float32 scalar scales, never two E5M2 operands. Its scales are exactly our
-    # steps (x = q * step). K and N are zero-padded to multiples of 16: a zero adds nothing
-    # to a float32 sum, and the padded columns of the result are sliced off, so the result
-    # is the same function. It takes a bias only for 16-bit outputs of the bias's dtype; a
-    # float32 result adds it in float32 after, before the one rounding to out_dtype.
-    m, k = a.shape
-    n = b.shape[0]
-    k16, n16 = round_up(k), round_up(n)
-    a16 = cublas_operand(a, m, k16)
-    b16 = cublas_operand(b, n16, k16)
-    fused_bias = cublas_bias(bias, out_dtype, n16)
-    out = torch._scaled_mm(
-        a16,
-        b16.t(),
-        scale_a=step_a.reshape(()),
-        scale_b=step_b.reshape(()),
-        bias=fused_bias,
-        out_dtype=cublas_gemm_dtype(bias, out_dtype),
-    )
-    return cublas_result(out, m, n, bias, fused_bias, out_dtype)
-
-
 def recipe_of(ga: str, gb: str) -> str:
-    """The name in ``RECIPES`` of the cuBLAS recipe that serves the pair of granularities."""
-    if ga == "row":
-        return "row"
+    """The name in ``RECIPES`` of the cuBLAS recipe that serves the pair of granularities
+    (``"tensor"`` for the per-tensor pair, which runs everywhere and is not probed)."""
+    if ga in ("tensor", "row"):
+        return ga
     if ga == "mx":
         return "mx"
     return "1x128x1x128" if ga == gb else "1x128x128x128"
@@ -208,12 +175,15 @@ def cublas_scales(
     padded to ``rows`` rows and ``k`` columns (``operand`` is ``"a"`` or ``"b"``, which is
     passed transposed, as ``b.t()``).
 
-    row: ``a`` ``(M, 1)``, ``b`` ``(1, N)``; ``1x128``: ``(rows, K/128)`` column-major;
-    ``128x128``: ``(K/128 rounded up to 4, rows/128)`` column-major, that is the row-major
-    ``(rows/128, K/128 padded to 4)`` transposed; ``mx``: the swizzled E8M0 bytes, flat.
+    tensor: the step as a scalar; row: ``a`` ``(M, 1)``, ``b`` ``(1, N)``; ``1x128``:
+    ``(rows, K/128)`` column-major; ``128x128``: ``(K/128 rounded up to 4, rows/128)``
+    column-major, that is the row-major ``(rows/128, K/128 padded to 4)`` transposed;
+    ``mx``: the swizzled E8M0 bytes, flat.
     (torch's checks for the CUDA v2 path, ``_scaled_block1x128_block1x128`` and its
     siblings in ``ScaledBlas.cpp``, state these layouts.)
     """
+    if granularity == "tensor":
+        return scale.reshape(())
     if granularity == "row":
         s = _pad_rows(scale.reshape(-1, 1), rows, 1, 1.0)
         return s if operand == "a" else s.reshape(1, rows)
@@ -225,8 +195,7 @@ def cublas_scales(
     return _pad_rows(scale, -(-rows // _TILE), round_up(kb, 4), 1.0).t()
 
 
-def block_scaled_mm(
-    *,
+def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
     scale_a: torch.Tensor,
@@ -236,15 +205,22 @@ def block_scaled_mm(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``computectx::fp8_block_scaled_mm`` on cuBLAS, under CUDA's shape rules (module
-    docstring), for a pair ``serves`` accepts."""
+    """``(a * steps_a) @ (b * steps_b).T (+ bias)`` on cuBLAS, under CUDA's shape rules
+    (module docstring): ``computectx::fp8_scaled_mm`` as the pair ``("tensor", "tensor")``
+    (never two E5M2 operands: the caller runs those on the twin), and
+    ``computectx::fp8_block_scaled_mm`` for a pair ``serves`` accepts."""
+    # torch._scaled_mm's rules on CUDA (its meta function states them): mat1 row-major
+    # [M, K], mat2 column-major [K, N] (b [N, K] row-major, transposed), K and N multiples
+    # of 16, never two E5M2 operands. Its scales are exactly our steps (x = q * step). K and
+    # N are zero-padded: a zero adds nothing to a float32 sum, and the padded columns of the
+    # result are sliced off, so the result is the same function.
     # A 128x128 operand's rows are padded to whole 128-row blocks: torch's check of the block
     # recipes wants its scale to be (round_up(K/128, 4), rows // 128), so only whole blocks fit.
     ga, gb = granularity_a, granularity_b
     recipe = recipe_of(ga, gb)
     m, k = a.shape
     n = b.shape[0]
-    kp = round_up(k, CUBLAS_MULTIPLE if recipe == "row" else _TILE)
+    kp = round_up(k, CUBLAS_MULTIPLE if recipe in ("tensor", "row") else _TILE)
     mp = round_up(m, _TILE) if ga == "128x128" else m
     np_ = round_up(n, _TILE if gb == "128x128" else CUBLAS_MULTIPLE)
     a_p, b_p = cublas_operand(a, mp, kp), cublas_operand(b, np_, kp)
@@ -252,7 +228,7 @@ def block_scaled_mm(
     sb = cublas_scales(scale_b, gb, np_, kp, operand="b")
     gemm_dtype = cublas_gemm_dtype(bias, out_dtype)
     fused_bias = cublas_bias(bias, out_dtype, np_)
-    if recipe == "row":
+    if recipe in ("tensor", "row"):
         out = torch._scaled_mm(
             a_p, b_p.t(), scale_a=sa, scale_b=sb, bias=fused_bias, out_dtype=gemm_dtype
         )
@@ -306,7 +282,7 @@ def _probe(
     device: torch.device, recipe: str, fa: torch.dtype, fb: torch.dtype, out: torch.dtype
 ) -> tuple[bool, str]:
     # Run the recipe once on a ragged product of ones (M = N = 144, K = 160: every padding
-    # of block_scaled_mm is taken) with these operand formats and this result dtype; it runs
+    # of scaled_mm is taken) with these operand formats and this result dtype; it runs
     # when the call succeeds and gives 160 everywhere.
     f = torch.nn.functional
     api = "torch._scaled_mm" if recipe == "row" else "torch.nn.functional.scaled_mm"
@@ -317,7 +293,7 @@ def _probe(
     one = torch.ones(rows, k, device=device)
     sa, sb = _probe_scale(ga, rows, k, device), _probe_scale(gb, rows, k, device)
     try:
-        got = block_scaled_mm(
+        got = scaled_mm(
             a=one.to(fa),
             b=one.to(fb),
             scale_a=sa,

@@ -155,7 +155,7 @@ def test_cublas_backend_matches_the_reference_within_the_gemm_bound() -> None:
         for bb in (b, b.t().contiguous().t()):  # row-major and a transposed view
             got = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Backend.CUBLAS)
             want = tensor_ops.scaled_mm(a, bb, sa, sb, bias, out, backend=Backend.REFERENCE)
-            bound = tensorwise.scaled_mm_error_bound(a, bb, sa, sb, bias, out)
+            bound = tensorwise.scaled_mm_error_bound(tensorwise.GemmArgs(a, bb, sa, sb, bias, out))
             # Both are within the bound of the exact result, so within twice it of each other.
             assert ((got.double() - want.double()).abs() <= 2 * bound).all()
 

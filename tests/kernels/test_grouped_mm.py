@@ -118,11 +118,13 @@ def check_group(
     bg = cast(BlockGranularity, gb)  # where ga is a block granularity, gb is one too
     if exact:
         if ga == "tensor":
-            twin = tensorwise.scaled_mm(a, b, sa, sb, None, out.dtype)
+            twin = tensorwise.scaled_mm(tensorwise.GemmArgs(a, b, sa, sb, None, out.dtype))
         elif ga == "mx" and a.shape[1] < 32:
             # block_scaled_mm's checks refuse an MX contraction shorter than one block
             # (dense layers never have one; a wgrad group may): the twin it runs, unchecked.
-            twin = blockwise.reference_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype)
+            twin = blockwise.reference_scaled_mm(
+                blockwise.BlockGemmArgs(a, b, sa, ga, sb, bg, None, out.dtype)
+            )
         else:
             ref = Backend.REFERENCE
             twin = block_scaled_mm(a, b, sa, ga, sb, bg, None, out.dtype, backend=ref)
@@ -130,10 +132,12 @@ def check_group(
         return
     acc = blockwise.NARROW_ACCUMULATION if narrow else None
     if ga == "tensor":
-        bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, out.dtype, accumulation=acc)
+        bound = tensorwise.scaled_mm_error_bound(
+            tensorwise.GemmArgs(a, b, sa, sb, None, out.dtype), accumulation=acc
+        )
     else:
         bound = blockwise.scaled_mm_error_bound(
-            a, b, sa, ga, sb, bg, None, out.dtype, accumulation=acc
+            blockwise.BlockGemmArgs(a, b, sa, ga, sb, bg, None, out.dtype), accumulation=acc
         )
     err = (out.double() - deq(a, sa, ga) @ deq(b, sb, gb).t()).abs()
     assert bool((err <= bound).all()), f"{what}: worst excess {(err - bound).max()}"

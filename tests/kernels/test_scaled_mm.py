@@ -62,7 +62,9 @@ def check_within_bound(
     narrow = blockwise.NARROW_ACCUMULATION if out.device.type == "cuda" else None
     a, b, sa, sb, out = a.cpu(), b.cpu(), sa.cpu(), sb.cpu(), out.cpu()
     bias = None if bias is None else bias.cpu()
-    bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=narrow)
+    bound = tensorwise.scaled_mm_error_bound(
+        tensorwise.GemmArgs(a, b, sa, sb, bias, out_dtype), accumulation=narrow
+    )
     err = (out.double() - exact(a, b, sa, sb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
 

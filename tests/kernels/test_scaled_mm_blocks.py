@@ -89,7 +89,7 @@ def check_within_bound(
     # for that accumulation (block_gemm's docstring); the interpreter's dot is float32.
     narrow = blockwise.NARROW_ACCUMULATION if out.device.type == "cuda" else None
     bound = blockwise.scaled_mm_error_bound(
-        a, b, sa, ga, sb, gb, bias, out_dtype, accumulation=narrow
+        blockwise.BlockGemmArgs(a, b, sa, ga, sb, gb, bias, out_dtype), accumulation=narrow
     )
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"

@@ -132,8 +132,9 @@ bound, ``numerics.tensorwise.scaled_mm_error_bound``).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Final
+from typing import Any, Final
 
 import torch
 
@@ -150,6 +151,7 @@ from computectx.formats.numerics.layouts import (
 
 __all__ = [
     "NARROW_ACCUMULATION",
+    "BlockGemmArgs",
     "block_amax",
     "block_steps",
     "dequantize",
@@ -345,19 +347,42 @@ def _block_partials(
     return torch.bmm(a3, b3)
 
 
-def _twin_blocks(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    ga: BlockGranularity,
-    scale_b: torch.Tensor,
-    gb: BlockGranularity,
-) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class BlockGemmArgs:
+    """``computectx::fp8_block_scaled_mm``'s arguments but the backend, checked
+    (``ops.blockwise.check_args``): what the twin (``reference_scaled_mm``), its error bound and
+    cuBLAS's launcher (as its keywords) take. The operator's schema and this class are the
+    argument list's two spellings."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    scale_a: torch.Tensor
+    granularity_a: BlockGranularity
+    scale_b: torch.Tensor
+    granularity_b: BlockGranularity
+    bias: torch.Tensor | None
+    out_dtype: torch.dtype
+
+    def per_row(self) -> tensorwise.GemmArgs:
+        """The ``row`` x ``row`` call as the per-tensor twin's, with per-row steps."""
+        return tensorwise.GemmArgs(
+            self.a, self.b, self.scale_a, self.scale_b, self.bias, self.out_dtype
+        )
+
+    def row_steps(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Both operands' ``row_steps`` in ``dtype`` (widening float32 is exact):
+        ``(M, n_kb)`` and ``(N, n_kb)``."""
+        sa = row_steps(self.scale_a, self.granularity_a, self.a.shape[0])
+        sb = row_steps(self.scale_b, self.granularity_b, self.b.shape[0])
+        return sa.to(dtype), sb.to(dtype)
+
+
+def _twin_blocks(args: BlockGemmArgs) -> torch.Tensor:
+    a, b = args.a, args.b
     m, k = a.shape
     n = b.shape[0]
-    width = block_width(ga, k)
-    sa = row_steps(scale_a, ga, m)
-    sb = row_steps(scale_b, gb, n)
+    width = block_width(args.granularity_a, k)
+    sa, sb = args.row_steps(torch.float32)
     n_kb = sa.shape[1]
     acc = torch.zeros((m, n), dtype=torch.float32, device=a.device)
     # Blocks in groups, so the (group, M, N) partials stay near 2**24 elements.
@@ -374,43 +399,19 @@ def _twin_blocks(
     return acc
 
 
-def reference_scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: BlockGranularity,
-    scale_b: torch.Tensor,
-    granularity_b: BlockGranularity,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+def reference_scaled_mm(args: BlockGemmArgs) -> torch.Tensor:
     """The twin: ``block_scaled_mm``'s semantics (module docstring) in plain torch, on the
     operands' device. Arguments are assumed checked (``ops.blockwise.check_args``)."""
-    if granularity_a == "row":
-        return tensorwise.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype)
-    dev = a.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+    if args.granularity_a == "row":
+        return tensorwise.scaled_mm(args.per_row())
+    with tensorwise.float32_matmuls(args.a.device):
         # An enclosing autocast would run the partial sums in 16 bits.
-        with torch.autocast(dev, enabled=False):
-            acc = _twin_blocks(a, b, scale_a, granularity_a, scale_b, granularity_b)
-    else:
-        acc = _twin_blocks(a, b, scale_a, granularity_a, scale_b, granularity_b)
-    if bias is not None:
-        acc = acc + bias.to(torch.float32)
-    return acc.to(out_dtype)
+        acc = _twin_blocks(args)
+    return tensorwise.epilogue(acc, args.bias, args.out_dtype)
 
 
 def scaled_mm_error_bound(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    scale_a: torch.Tensor,
-    granularity_a: BlockGranularity,
-    scale_b: torch.Tensor,
-    granularity_b: BlockGranularity,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    *,
-    accumulation: tuple[int, float] | None = None,
+    args: BlockGemmArgs, *, accumulation: tuple[int, float] | None = None
 ) -> torch.Tensor:
     """The a-priori elementwise bound on ``|block_scaled_mm(...) - exact|`` of the module
     docstring, float64 ``[M, N]`` on the CPU, for checked arguments on any device.
@@ -419,17 +420,17 @@ def scaled_mm_error_bound(
     products of a block in a narrower accumulator, each addition with relative error at most
     ``u_h``, before promoting that partial to float32 (``NARROW_ACCUMULATION``: the Triton
     kernel on a GPU; the module docstring derives the bound)."""
-    a, b = a.cpu(), b.cpu()
-    scale_a, scale_b = scale_a.cpu(), scale_b.cpu()
-    bias = None if bias is None else bias.cpu()
-    if granularity_a == "row" and accumulation is None:
-        return tensorwise.scaled_mm_error_bound(a, b, scale_a, scale_b, bias, out_dtype)
-    m, k = a.shape
-    n = b.shape[0]
-    width = block_width(granularity_a, k)
-    sa = row_steps(scale_a, granularity_a, m).to(torch.float64)
-    sb = row_steps(scale_b, granularity_b, n).to(torch.float64)
-    a64, b64 = a.to(torch.float64), b.to(torch.float64)
+    on_cpu: dict[str, Any] = {
+        k: v.cpu() for k, v in vars(args).items() if isinstance(v, torch.Tensor)
+    }
+    args = dataclasses.replace(args, **on_cpu)
+    if args.granularity_a == "row" and accumulation is None:
+        return tensorwise.scaled_mm_error_bound(args.per_row())
+    m, k = args.a.shape
+    n = args.b.shape[0]
+    width = block_width(args.granularity_a, k)
+    sa, sb = args.row_steps(torch.float64)
+    a64, b64 = args.a.to(torch.float64), args.b.to(torch.float64)
     n_kb = sa.shape[1]
     exact = torch.zeros((m, n), dtype=torch.float64)
     mag = torch.zeros((m, n), dtype=torch.float64)
@@ -438,12 +439,7 @@ def scaled_mm_error_bound(
         s = sa[:, kb : kb + 1] * sb[:, kb].reshape(1, n)  # exact in float64
         exact += (a64[:, sl] @ b64[:, sl].t()) * s
         mag += (a64[:, sl].abs() @ b64[:, sl].abs().t()) * s.abs()
-    if bias is not None:
-        exact = exact + bias.to(torch.float64)
-        mag = mag + bias.to(torch.float64).abs()
     gamma = tensorwise.accumulation_gamma(k + n_kb + 4, width, accumulation)
     unscaled = a64.abs() @ b64.abs().t()
-    e = gamma * mag + 2.0**-148 * (unscaled + n_kb)
-    u_out = tensorwise.UNIT_ROUNDOFF[out_dtype]
-    tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
-    return e + u_out * (exact.abs() + e) + tiny
+    absolute = 2.0**-148 * (unscaled + n_kb)
+    return tensorwise.output_bound(exact, mag, gamma, args.bias, args.out_dtype, absolute)

@@ -83,9 +83,11 @@ def scaled_gemm(
     """The dense twin of one group's GEMM ``(qa * sa) @ (qb * sb)ᵀ`` at ``out_dtype``."""
     if ga == "tensor" or ga == "row":  # == narrows the Literal for mypy
         # Per-tensor or per-row steps: blockwise.reference_scaled_mm's row x row is this call.
-        return tensorwise.scaled_mm(qa, qb, sa, sb, None, out_dtype)
+        return tensorwise.scaled_mm(tensorwise.GemmArgs(qa, qb, sa, sb, None, out_dtype))
     assert gb != "tensor"
-    return blockwise.reference_scaled_mm(qa, qb, sa, ga, sb, gb, None, out_dtype)
+    return blockwise.reference_scaled_mm(
+        blockwise.BlockGemmArgs(qa, qb, sa, ga, sb, gb, None, out_dtype)
+    )
 
 
 def reference_grouped_mm(

@@ -19,6 +19,8 @@ Inputs are assumed validated (``computectx.formats.ops`` checks them).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from typing import Final, Literal, NamedTuple
 
@@ -32,12 +34,16 @@ __all__ = [
     "FORMAT_OF",
     "UNIT_ROUNDOFF",
     "FormatConstants",
+    "GemmArgs",
     "accumulation_gamma",
     "advance_ledger",
     "amax",
     "code_bound",
     "dequantize",
+    "epilogue",
+    "float32_matmuls",
     "fp8_codes",
+    "output_bound",
     "quantize_delayed",
     "quantize_dynamic",
     "quantize_with_step",
@@ -258,14 +264,44 @@ def seed_ledger(
     step.copy_(torch.where(seed, step_from_amax(a, fmt, margin), step))
 
 
-def scaled_mm(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
+@dataclasses.dataclass(frozen=True)
+class GemmArgs:
+    """``computectx::fp8_scaled_mm``'s arguments but the backend, checked: what the twin
+    (``scaled_mm``), its error bound and the kernels (as its keywords) take. The operator's
+    schema and this class are the argument list's two spellings."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    step_a: torch.Tensor
+    step_b: torch.Tensor
+    bias: torch.Tensor | None
+    out_dtype: torch.dtype
+
+    def scales(self, dtype: torch.dtype) -> torch.Tensor:
+        """``step_a[i] * step_b[j]`` as ``[M, N]`` (``[1, 1]`` for per-tensor steps), formed
+        in ``dtype``: one rounding in float32, exact in float64."""
+        return self.step_a.to(dtype).reshape(-1, 1) * self.step_b.to(dtype).reshape(1, -1)
+
+
+def float32_matmuls(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """A context in which matmuls on ``device`` stay float32: an enclosing ``torch.autocast``
+    would run them in bf16/fp16 and round the sums before the epilogue, where the twins
+    promise a float32 accumulation, as the kernels have."""
+    dev = device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.autocast(dev, enabled=False)
+    return contextlib.nullcontext()
+
+
+def epilogue(acc: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """The GEMMs' epilogue on the scaled float32 accumulator: the bias added in float32, the
+    sum rounded once to ``out_dtype``."""
+    if bias is not None:
+        acc = acc + bias.to(torch.float32)
+    return acc.to(out_dtype)
+
+
+def scaled_mm(args: GemmArgs) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``.
 
     The steps are per tensor (shape ``(1,)``) or per row (``step_a [M, 1]``, ``step_b
@@ -278,19 +314,9 @@ def scaled_mm(
     multiply the accumulator once, ``acc * (step_a * step_b)``, then bias is added in float32
     and the sum rounded once to ``out_dtype``.
     """
-    dev = a.device.type
-    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
-        # An enclosing torch.autocast would run this matmul in bf16/fp16 and round the sum
-        # before the epilogue; the twin promises a float32 accumulation, as the kernel has.
-        with torch.autocast(dev, enabled=False):
-            acc = a.to(torch.float32) @ b.to(torch.float32).t()
-    else:
-        acc = a.to(torch.float32) @ b.to(torch.float32).t()
-    scale = step_a.to(torch.float32).reshape(-1, 1) * step_b.to(torch.float32).reshape(1, -1)
-    out = acc * scale
-    if bias is not None:
-        out = out + bias.to(torch.float32)
-    return out.to(out_dtype)
+    with float32_matmuls(args.a.device):
+        acc = args.a.to(torch.float32) @ args.b.to(torch.float32).t()
+    return epilogue(acc * args.scales(torch.float32), args.bias, args.out_dtype)
 
 
 def accumulation_gamma(
@@ -326,16 +352,9 @@ def accumulation_gamma(
 
 
 def scaled_mm_error_bound(
-    a: torch.Tensor,
-    b: torch.Tensor,
-    step_a: torch.Tensor,
-    step_b: torch.Tensor,
-    bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
-    *,
-    accumulation: tuple[int, float] | None = None,
+    args: GemmArgs, *, accumulation: tuple[int, float] | None = None
 ) -> torch.Tensor:
-    """An a-priori elementwise bound on ``|scaled_mm(...) - exact|`` (float64 ``[M, N]``).
+    """An a-priori elementwise bound on ``|scaled_mm(args) - exact|`` (float64 ``[M, N]``).
 
     Products of fp8 values are exact in float32, so the error comes from: summing K terms in
     float32 in any order, at most ``gamma_K * sum_k |a_ik b_jk|`` with
@@ -356,17 +375,34 @@ def scaled_mm_error_bound(
     becomes ``accumulation_gamma(K + 3, K, accumulation)``, the float32 sum of the partials being
     one of the orders the float32 bound allows.
     """
-    k = a.shape[1]
-    gamma = accumulation_gamma(k + 3, k, accumulation)
-    a64 = a.to(torch.float64)
-    b64 = b.to(torch.float64)
-    s = step_a.to(torch.float64).reshape(-1, 1) * step_b.to(torch.float64).reshape(1, -1)
+    k = args.a.shape[1]
+    a64 = args.a.to(torch.float64)
+    b64 = args.b.to(torch.float64)
+    s = args.scales(torch.float64)
     exact = (a64 @ b64.t()) * s
     mag = (a64.abs() @ b64.abs().t()) * s.abs()
+    gamma = accumulation_gamma(k + 3, k, accumulation)
+    return output_bound(exact, mag, gamma, args.bias, args.out_dtype)
+
+
+def output_bound(
+    exact: torch.Tensor,
+    mag: torch.Tensor,
+    gamma: float,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    absolute: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The GEMM bounds' last step, float64: with the bias added to the exact scaled sum and
+    its magnitude to ``mag``, ``e = gamma * mag (+ absolute)`` bounds the float32 result and
+    ``e + u_out * (|exact| + e) + tiny`` the result rounded to ``out_dtype`` (half an ulp,
+    ``UNIT_ROUNDOFF``, and a subnormal's absolute error)."""
     if bias is not None:
         exact = exact + bias.to(torch.float64)
         mag = mag + bias.to(torch.float64).abs()
+    e = gamma * mag
+    if absolute is not None:
+        e = e + absolute
     u_out = UNIT_ROUNDOFF[out_dtype]
     tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
-    e = gamma * mag
     return e + u_out * (exact.abs() + e) + tiny

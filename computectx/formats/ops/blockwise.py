@@ -10,9 +10,11 @@ operator                                semantics
 Each is a ``torch.library`` custom op with a fake (one opaque node in a compiled graph; a
 ``128x128``/``mx`` scale never meets Inductor's CPU code generator, which has no
 ``float8_e8m0fnu``). The operator's signature is its argument list's one spelling: the
-Triton kernels (``computectx.kernels.quantize_blocks``, ``kernels.scaled_mm_blocks``),
-cuBLAS's recipes (``computectx.kernels.cublas``; ``cublas_recipes`` says which run here) and
-the twins (``computectx.formats.numerics.blockwise``) are called with its keywords.
+Triton kernels (``computectx.kernels.quantize_blocks``, ``kernels.scaled_mm_blocks``) and
+cuBLAS's recipes (``computectx.kernels.cublas``; ``cublas_recipes`` says which run here) are
+called with its keywords, the twins (``computectx.formats.numerics.blockwise``) with its
+values; the GEMM's twin and its error bound take the one ``BlockGemmArgs`` the operator
+builds.
 
 The checked entry points: ``quantize_blocks``/``dequantize_blocks`` (the layouts and step
 rules of ``numerics.layouts``), ``block_scaled_mm`` (its table of accepted pairs, semantics
@@ -29,7 +31,7 @@ with triton) or the twin, on the same device; it never raises for a valid call.
 
 from __future__ import annotations
 
-from typing import Any, TypeGuard, cast
+from typing import TypeGuard, cast
 
 import torch
 from torch.library import custom_op
@@ -165,26 +167,23 @@ def fp8_block_scaled_mm(
     """``block_scaled_mm`` on a checked call: the twin, cuBLAS or the kernel."""
     chosen = _BACKENDS.get(backend) or parse_backend(backend)
     ga, gb = cast(BlockGranularity, granularity_a), cast(BlockGranularity, granularity_b)
-    args: dict[str, Any] = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias}
+    args = blockwise.BlockGemmArgs(a, b, scale_a, ga, scale_b, gb, bias, out_dtype)
     if chosen is Backend.CUBLAS:
         from computectx.kernels import cublas
 
         if cublas.serves(ga, gb, a, b, bias, out_dtype):
-            return cublas.block_scaled_mm(
-                **args, granularity_a=ga, granularity_b=gb, out_dtype=out_dtype
-            )
+            return cublas.scaled_mm(**vars(args))
     if chosen is Backend.REFERENCE or not uses_kernels(chosen, a):
-        return blockwise.reference_scaled_mm(
-            **args, granularity_a=ga, granularity_b=gb, out_dtype=out_dtype
-        )
+        return blockwise.reference_scaled_mm(args)
     from computectx.kernels import scaled_mm_blocks as kernel
 
+    # The kernel takes the same keywords with the granularities as block shapes.
+    kept = {k: v for k, v in vars(args).items() if k not in ("granularity_a", "granularity_b")}
     return kernel.scaled_mm_blocks(
-        **args,
+        **kept,
         block_rows_a=layouts.TILE if ga == "128x128" else 1,
         block_rows_b=layouts.TILE if gb == "128x128" else 1,
         block_k=layouts.block_width(ga, a.shape[1]) if ga != "row" else 0,
-        out_dtype=out_dtype,
     )
 
 

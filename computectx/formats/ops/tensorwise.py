@@ -3,9 +3,10 @@
 Each operator is one ``torch.library`` custom op, one opaque node in a compiled graph: dynamo
 does not trace into it, AOTAutograd functionalizes it through its declared mutations
 (``mutates_args``), and its fake gives the output shapes without touching data. The
-operator's Python signature is its argument list's one spelling: the Triton kernel
-(``computectx.kernels.quantize``, ``kernels.scaled_mm``, imported on first use) and the
-pure-torch twin (``computectx.formats.numerics.tensorwise``) are called with its keywords.
+operator's Python signature is its argument list's one spelling: the Triton kernels
+(``computectx.kernels.quantize``, ``kernels.scaled_mm``, imported on first use) are called
+with its keywords and the pure-torch twins (``computectx.formats.numerics.tensorwise``) with
+its values; the GEMM's twin and its error bound take the one ``GemmArgs`` the operator builds.
 
 ======================================  =========================================================
 operator                                semantics
@@ -262,22 +263,21 @@ def fp8_scaled_mm(
 ) -> torch.Tensor:
     """``(a * step_a) @ (b * step_b).T (+ bias)`` for fp8 ``a [M, K]``, ``b [N, K]``."""
     chosen = _BACKENDS.get(backend) or parse_backend(backend)
-    kernel: ModuleType
+    args = tensorwise.GemmArgs(a, b, step_a, step_b, bias, out_dtype)
+    out: torch.Tensor
     if chosen is Backend.TRITON:
-        from computectx.kernels import scaled_mm
+        from computectx.kernels import scaled_mm as kernel
 
-        kernel = scaled_mm
+        out = kernel.scaled_mm(**vars(args))
     elif chosen is Backend.CUBLAS and not a.dtype == b.dtype == torch.float8_e5m2:
         from computectx.kernels import cublas
 
-        kernel = cublas
+        # cuBLAS's one launcher, at the per-tensor pair of granularities.
+        out = cublas.scaled_mm(a, b, step_a, "tensor", step_b, "tensor", bias, out_dtype)
     else:
         # The twin; also CUBLAS's for two E5M2 operands, which cuBLASLt refuses (float32
         # products of the widened codes, which are exact), on the same device.
-        return tensorwise.scaled_mm(a, b, step_a, step_b, bias, out_dtype)
-    out: torch.Tensor = kernel.scaled_mm(
-        a=a, b=b, step_a=step_a, step_b=step_b, bias=bias, out_dtype=out_dtype
-    )
+        out = tensorwise.scaled_mm(args)
     return out
 
 

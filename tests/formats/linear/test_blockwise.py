@@ -447,7 +447,7 @@ def test_the_row_gemm_is_the_reference_gemm_with_per_row_steps() -> None:
     b, sb = quantize_tensor(torch.randn(40, 80, generator=gen), "e4m3", granularity="row")
     bias = torch.randn(40, generator=gen)
     for out in (torch.float32, torch.bfloat16):
-        want = tensorwise.scaled_mm(a, b, sa, sb, bias, out)
+        want = tensorwise.scaled_mm(tensorwise.GemmArgs(a, b, sa, sb, bias, out))
         assert torch.equal(block_scaled_mm(a, b, sa, "row", sb, "row", bias, out), want)
 
 

@@ -316,7 +316,7 @@ def test_scaled_mm_within_derived_bound(
     exact = (a.to(torch.float64) @ b.to(torch.float64).t()) * (sa.double() * sb.double())
     if bias is not None:
         exact = exact + bias.to(torch.float64)
-    bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
+    bound = tensorwise.scaled_mm_error_bound(tensorwise.GemmArgs(a, b, sa, sb, bias, out_dtype))
     err = (out.to(torch.float64) - exact).abs()
     assert bool((err <= bound).all()), (err - bound).max()
 
@@ -336,7 +336,7 @@ def test_scaled_mm_property(m: int, n: int, k: int, seed: int, sa: float, sb: fl
     ta, tb = torch.tensor([sa]), torch.tensor([sb])
     out = tensor_ops.scaled_mm(a, b, ta, tb, None, torch.float32, backend=REF)
     exact = (a.double() @ b.double().t()) * (ta.double() * tb.double())
-    bound = tensorwise.scaled_mm_error_bound(a, b, ta, tb, None, torch.float32)
+    bound = tensorwise.scaled_mm_error_bound(tensorwise.GemmArgs(a, b, ta, tb, None, torch.float32))
     assert bool(((out.double() - exact).abs() <= bound).all())
 
 
@@ -362,7 +362,9 @@ def test_the_bound_is_not_vacuous() -> None:
     one = torch.ones(1)
     out = tensor_ops.scaled_mm(a, b, one, one, None, torch.bfloat16, backend=REF).double()
     exact = a.double() @ b.double().t()
-    bound = tensorwise.scaled_mm_error_bound(a, b, one, one, None, torch.bfloat16)
+    bound = tensorwise.scaled_mm_error_bound(
+        tensorwise.GemmArgs(a, b, one, one, None, torch.bfloat16)
+    )
     wrong = out + 2 * out.abs() * 2.0**-8 + 1e-3
     assert not bool(((wrong - exact).abs() <= bound).all())
 
@@ -392,12 +394,14 @@ def test_narrow_accumulation_bound_by_hand(k: int, out_dtype: torch.dtype, u_out
     e = (gamma_h + gamma_n * (1 + gamma_h)) * mag
     tiny = torch.finfo(out_dtype).smallest_normal * u_out * 2
     want = e + u_out * (mag + e) + tiny
-    got = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype, accumulation=NARROW)
+    got = tensorwise.scaled_mm_error_bound(
+        tensorwise.GemmArgs(a, b, sa, sb, bias, out_dtype), accumulation=NARROW
+    )
     assert got.shape == (4, 3) and got.dtype == torch.float64
     assert got.flatten().tolist() == pytest.approx([want] * 12, rel=1e-12)
     # The float32 bound is the same formula with gamma_h = 0, and never wider.
     e32 = gamma_n * mag
-    plain = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out_dtype)
+    plain = tensorwise.scaled_mm_error_bound(tensorwise.GemmArgs(a, b, sa, sb, bias, out_dtype))
     want32 = e32 + u_out * (mag + e32) + tiny
     assert plain.flatten().tolist() == pytest.approx([want32] * 12, rel=1e-12)
     assert bool((got >= plain).all())
@@ -421,7 +425,8 @@ def test_narrow_accumulation_bound_widens_as_the_block_gemms() -> None:
     b = torch.ones(3, k).to(torch.float8_e4m3fn)
     one_a, one_b = torch.ones(2, 1), torch.ones(3, 1)
     got_block = blockwise.scaled_mm_error_bound(
-        a, b, one_a, "row", one_b, "row", None, torch.float32, accumulation=NARROW
+        blockwise.BlockGemmArgs(a, b, one_a, "row", one_b, "row", None, torch.float32),
+        accumulation=NARROW,
     )
     e = tensorwise.accumulation_gamma(k + 5, k, NARROW) * k + 2.0**-148 * (k + 1)
     tiny = torch.finfo(torch.float32).smallest_normal * 2.0**-24 * 2
@@ -459,8 +464,10 @@ def test_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(tile: int) -> 
     out = _narrow_scaled_mm(a, b, sa, sb, tile)
     exact = (a.double() @ b.double().t()) * (sa.double() * sb.double())
     err = (out.double() - exact).abs()
-    f32 = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32)
-    wide = tensorwise.scaled_mm_error_bound(a, b, sa, sb, None, torch.float32, accumulation=NARROW)
+    f32 = tensorwise.scaled_mm_error_bound(tensorwise.GemmArgs(a, b, sa, sb, None, torch.float32))
+    wide = tensorwise.scaled_mm_error_bound(
+        tensorwise.GemmArgs(a, b, sa, sb, None, torch.float32), accumulation=NARROW
+    )
     assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
     assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
 
@@ -470,4 +477,6 @@ def test_narrow_accumulation_bound_refuses_a_bad_accumulation(bad: tuple[int, fl
     a = torch.ones(2, 4).to(torch.float8_e4m3fn)
     one = torch.ones(1)
     with pytest.raises(ValueError, match=r"accumulation must be \(w, u_h\).*got"):
-        tensorwise.scaled_mm_error_bound(a, a, one, one, None, torch.float32, accumulation=bad)
+        tensorwise.scaled_mm_error_bound(
+            tensorwise.GemmArgs(a, a, one, one, None, torch.float32), accumulation=bad
+        )

@@ -89,7 +89,9 @@ def check_within_bound(
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> None:
-    bound = blockwise.scaled_mm_error_bound(a, b, sa, ga, sb, gb, bias, out_dtype)
+    bound = blockwise.scaled_mm_error_bound(
+        blockwise.BlockGemmArgs(a, b, sa, ga, sb, gb, bias, out_dtype)
+    )
     err = (out.cpu().to(torch.float64) - exact(a, sa, ga, b, sb, gb, bias)).abs()
     assert bool((err <= bound).all()), f"worst excess {(err - bound).max().item()}"
 
@@ -134,7 +136,7 @@ def test_row_pair_is_reference_scaled_mm_bit_for_bit() -> None:
     b, sb, _ = quantized((17, 70), "row", E4M3, seed=6)
     bias = torch.randn(17, dtype=torch.bfloat16)
     got = block_scaled_mm(a, b, sa, "row", sb, "row", bias, torch.bfloat16)
-    want = tensorwise.scaled_mm(a, b, sa, sb, bias, torch.bfloat16)
+    want = tensorwise.scaled_mm(tensorwise.GemmArgs(a, b, sa, sb, bias, torch.bfloat16))
     assert torch.equal(got, want)
 
 
@@ -239,9 +241,9 @@ def test_the_narrow_accumulation_bound_holds_for_a_14_bit_accumulator(
     a, b = a.abs(), b.abs()
     out = _narrow_gemm(a, sa, ga, b, sb, gb, step)
     err = (out.to(torch.float64) - exact(a, sa, ga, b, sb, gb, None)).abs()
-    args = (a, b, sa, ga, sb, gb, None, torch.float32)
-    f32 = blockwise.scaled_mm_error_bound(*args)
-    wide = blockwise.scaled_mm_error_bound(*args, accumulation=blockwise.NARROW_ACCUMULATION)
+    args = blockwise.BlockGemmArgs(a, b, sa, ga, sb, gb, None, torch.float32)
+    f32 = blockwise.scaled_mm_error_bound(args)
+    wide = blockwise.scaled_mm_error_bound(args, accumulation=blockwise.NARROW_ACCUMULATION)
     assert bool((err > f32).any()), "the model is within the float32 bound: not a test"
     assert bool((err <= wide).all()), f"worst excess {(err - wide).max().item()}"
 
@@ -660,7 +662,7 @@ def test_every_cublas_call_passes_torchs_own_meta_check(
         return torch.empty(layout.scale_shape, dtype=layout.scale_dtype, device=meta)
 
     for bias, out_dtype in [(None, torch.bfloat16), (torch.empty(n, device=meta), torch.float32)]:
-        out = cublas.block_scaled_mm(
+        out = cublas.scaled_mm(
             a=a, b=b, scale_a=scale(ga, m), granularity_a=ga, scale_b=scale(gb, n),
             granularity_b=gb, bias=bias, out_dtype=out_dtype,
         )  # fmt: skip

@@ -127,7 +127,7 @@ def test_cublas_pads_k_and_n_and_matches_the_reference_within_the_gemm_bound(
     assert cuda_rules == [((m, -(-k // 16) * 16), (-(-k // 16) * 16, -(-n // 16) * 16))]
     assert got.shape == (m, n) and got.dtype == out and got.is_contiguous()
     # Both are within the bound of the exact product, so within twice it of each other.
-    bound = tensorwise.scaled_mm_error_bound(a, b, sa, sb, bias, out)
+    bound = tensorwise.scaled_mm_error_bound(tensorwise.GemmArgs(a, b, sa, sb, bias, out))
     assert bool(((got.double() - want.double()).abs() <= 2 * bound).all())
 
 
@@ -136,7 +136,9 @@ def test_two_e5m2_operands_run_on_the_twin_not_on_scaled_mm(cuda_rules: Calls) -
     s = torch.full((1,), 0.5)
     got = tensor_ops.scaled_mm(a, b, s, s, None, torch.bfloat16, backend=CUBLAS)
     assert cuda_rules == []
-    assert torch.equal(got, tensorwise.scaled_mm(a, b, s, s, None, torch.bfloat16))
+    assert torch.equal(
+        got, tensorwise.scaled_mm(tensorwise.GemmArgs(a, b, s, s, None, torch.bfloat16))
+    )
 
 
 def _fwd_bwd(
@@ -182,14 +184,15 @@ def test_an_fp8_linear_trains_on_cublas_with_24_tokens_like_the_reference(
     wq, sw, _ = tensorwise.quantize_dynamic(w, fwd, 0)
     gq, sg, _ = tensorwise.quantize_dynamic(dy.reshape(24, 48), bwd, 0)
     gemm, f32 = torch.bfloat16, torch.float32  # ctx.compute; dW stays float32
-    cases = [
-        (got[0], want[0], tensorwise.scaled_mm_error_bound(xq, wq, sx, sw, bias, gemm)),
-        (got[1], want[1], tensorwise.scaled_mm_error_bound(gq, wq.t(), sg, sw, None, gemm)),
-        (got[2], want[2], tensorwise.scaled_mm_error_bound(gq.t(), xq.t(), sg, sx, None, f32)),
-    ]  # fmt: skip
-    for i, (g, r, bound) in enumerate(cases):
+    gemms = [  # forward, dgrad, wgrad
+        tensorwise.GemmArgs(xq, wq, sx, sw, bias, gemm),
+        tensorwise.GemmArgs(gq, wq.t(), sg, sw, None, gemm),
+        tensorwise.GemmArgs(gq.t(), xq.t(), sg, sx, None, f32),
+    ]
+    for i, (g, r, args) in enumerate(zip(got[:3], want[:3], gemms, strict=True)):
+        bound = tensorwise.scaled_mm_error_bound(args)
         assert bool(((g.double() - r.double()).abs().reshape(bound.shape) <= 2 * bound).all()), i
     # The reconstruction is the one the layer used: the reference backend's dW is exactly
     # the twin's GEMM of those operands.
-    assert torch.equal(want[2], tensorwise.scaled_mm(gq.t(), xq.t(), sg, sx, None, torch.float32))
+    assert torch.equal(want[2], tensorwise.scaled_mm(gemms[2]))
     assert torch.equal(got[3], want[3])  # the bias gradient never goes through fp8
