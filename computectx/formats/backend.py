@@ -51,6 +51,7 @@ __all__ = [
 _TRITON_NEEDS = "Triton fp8 needs CUDA compute capability >= 8.9"
 _KERNEL_MODULES = (
     "computectx.kernels.fp8_codes",  # first: the others import its function
+    "computectx.kernels.quantize_cast",  # then the quantize kernels' shared functions
     "computectx.kernels.quantize",
     "computectx.kernels.quantize_blocks",
     "computectx.kernels.scaled_mm",

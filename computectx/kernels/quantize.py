@@ -18,21 +18,20 @@ for bit.
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Final, Literal, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import (
-    FLOAT_DTYPES,
-    FP8_DTYPES,
-    byte_constants,
-    code_bound,
-    fp8_byte,
+from computectx.kernels.fp8_codes import FLOAT_DTYPES, code_bound
+from computectx.kernels.quantize_cast import (
+    FLT_MAX,
+    FLT_MIN,
+    check_fp8,
+    clamped_byte,
+    fp8_constants,
+    load_widened,
 )
 
 __all__ = ["INTERPRETED", "quantize_delayed", "quantize_dynamic", "quantize_with_step"]
@@ -65,21 +64,7 @@ _SCRATCH_LEN: Final[int] = 3
 
 
 @triton.jit
-def _load_widened(x_ptr, offs, mask, X_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
-    # x as float32. bf16 arrives as int16 bits; widening is a 16-bit shift, exact for every
-    # value (the interpreter's own bf16 -> float32 conversion flushes subnormals).
-    if X_BF16:
-        raw = tl.load(x_ptr + offs, mask=mask, other=0)
-        x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def _step_of(  # type: ignore[no-untyped-def]
-    amax, TARGET: tl.constexpr, FLT_MAX: tl.constexpr, FLT_MIN: tl.constexpr
-):
+def _step_of(amax, TARGET: tl.constexpr):  # type: ignore[no-untyped-def]
     # amax / TARGET; NaN, inf, underflow to 0 and overflow to inf all give 1. A step below
     # float32's normal range keeps too few bits: it is raised to the smallest normal
     # (numerics.tensorwise.step_from_amax does the same).
@@ -98,8 +83,6 @@ def _advance_ledger(  # type: ignore[no-untyped-def]
     finite,
     sat_count,
     TARGET: tl.constexpr,
-    FLT_MAX: tl.constexpr,
-    FLT_MIN: tl.constexpr,
     ALGO_MAX: tl.constexpr,
     LEDGER_STEP: tl.constexpr,
     LEDGER_NONFINITE: tl.constexpr,
@@ -116,7 +99,7 @@ def _advance_ledger(  # type: ignore[no-untyped-def]
         h = tl.where(h_offs == ledger_idx, amax, h)
         window = tl.maximum(window, h)
     chosen = tl.max(window, axis=0) if ALGO_MAX else amax
-    step_new = _step_of(chosen, TARGET, FLT_MAX, FLT_MIN)
+    step_new = _step_of(chosen, TARGET)
     step_ptr_ledger = ledger_ptr + n_hist + LEDGER_STEP
     nonfinite_ptr = ledger_ptr + n_hist + LEDGER_NONFINITE
     saturated_ptr = ledger_ptr + n_hist + LEDGER_SATURATED
@@ -142,15 +125,8 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     ledger_ptr,
     ledger_idx,
     n_hist,
-    FMAX: tl.constexpr,
-    FLT_MAX: tl.constexpr,
-    FLT_MIN: tl.constexpr,
+    FMT: tl.constexpr,
     TARGET: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
     X_BF16: tl.constexpr,
     CAST: tl.constexpr,
     REDUCE: tl.constexpr,
@@ -167,7 +143,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     nprog = tl.num_programs(0)
     if CAST:
         step = tl.load(step_ptr)
-        bound = code_bound(step, FMAX, MANT)
+        bound = code_bound(step, FMT.FMAX, FMT.MANT)
         if REDUCE == _REDUCE_LEDGER:  # noqa: SIM102  (constexpr test, then a run-time one)
             if pid == 0:
                 tl.store(step_out_ptr, step)
@@ -179,19 +155,15 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     for tile in tl.range(pid, num_tiles, nprog):
         offs = tl.cast(tile, tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n_elements
-        x = _load_widened(x_ptr, offs, mask, X_BF16)
+        x = load_widened(x_ptr, offs, mask, X_BF16)
         if REDUCE != _REDUCE_NONE:
             amax_bits = tl.maximum(amax_bits, x.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         if CAST:
             # IEEE division, as the twin does: x / step, not x * (1 / step).
             s = tl.div_rn(x, step)
             if REDUCE == _REDUCE_LEDGER:
-                n_sat += ((s > FMAX) | (s < -FMAX)).to(tl.int32)
-            # Comparisons are false for NaN, so NaN passes through; ±inf becomes ±bound
-            # (±max, lower only where max * step would overflow float32).
-            s = tl.where(s > bound, bound, tl.where(s < -bound, -bound, s))
-            code = fp8_byte(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
-            tl.store(q_ptr + offs, code, mask=mask)
+                n_sat += ((s > FMT.FMAX) | (s < -FMT.FMAX)).to(tl.int32)
+            tl.store(q_ptr + offs, clamped_byte(s, bound, FMT), mask=mask)
     if REDUCE != _REDUCE_NONE:
         # Cross-program traffic is scalar atomics only, issued in program order by one
         # thread: fold this program's amax and saturation count into the scratch, then take
@@ -213,7 +185,7 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                 tl.store(amax_out_ptr, amax)
             if REDUCE == _REDUCE_DYNAMIC:
                 tl.store(amax_out_ptr, amax)
-                tl.store(step_out_ptr, _step_of(amax, TARGET, FLT_MAX, FLT_MIN))
+                tl.store(step_out_ptr, _step_of(amax, TARGET))
             if REDUCE == _REDUCE_LEDGER:
                 _advance_ledger(
                     ledger_ptr,
@@ -223,8 +195,6 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
                     finite,
                     sat_count,
                     TARGET,
-                    FLT_MAX,
-                    FLT_MIN,
                     ALGO_MAX,
                     LEDGER_STEP,
                     LEDGER_NONFINITE,
@@ -261,8 +231,7 @@ def _num_programs(x: torch.Tensor) -> int:
 
 
 def _check_input(x: torch.Tensor, fp8: torch.dtype) -> None:
-    if fp8 not in FP8_DTYPES:
-        raise ValueError(f"quantize writes float8_e4m3fn or float8_e5m2, got {fp8}")
+    check_fp8(fp8)
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"quantize reads bf16, fp16 or fp32, got {x.dtype}")
     if not x.is_contiguous():
@@ -307,21 +276,9 @@ class _Ledger(NamedTuple):
         return self.tensor[at : at + 1]
 
 
-@functools.cache
-def _fmt_constants(fp8: torch.dtype, margin: int) -> Mapping[str, object]:
-    # Everything derives from torch.finfo, so this module needs only torch and triton.
-    # Cached: it runs before every launch, and a run uses a handful of (format, margin).
-    fi = torch.finfo(fp8)
-    return MappingProxyType(
-        {
-            "FMAX": fi.max,
-            "FLT_MAX": torch.finfo(torch.float32).max,
-            "FLT_MIN": torch.finfo(torch.float32).tiny,
-            # fmax / 2**margin is exact, so the step is a single rounded division.
-            "TARGET": fi.max / 2.0**margin,
-            **byte_constants(fp8),
-        }
-    )
+def _target(fp8: torch.dtype, margin: int) -> float:
+    # The amax a step maps to: fmax / 2**margin, exact, so the step is one rounded division.
+    return fp8_constants(fp8).FMAX / 2.0**margin
 
 
 def _launch(
@@ -365,7 +322,8 @@ def _launch(
         BLOCK=_BLOCK,
         RBLOCK=_RBLOCK,
         num_warps=_WARPS,
-        **_fmt_constants(fp8, margin),
+        FMT=fp8_constants(fp8),
+        TARGET=_target(fp8, margin),
     )
 
 

@@ -18,23 +18,19 @@ step per row: a pass for the amax, a pass for the codes). The pure-torch twins a
 # ruff: noqa: N803  (upper-case names mark constexpr parameters, as in triton)
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Final, Literal
 
 import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.fp8_codes import (
-    FLOAT_DTYPES,
-    FP8_DTYPES,
-    byte_constants,
-    code_bound,
-    e8m0_step,
-    fp8_byte,
+from computectx.kernels.fp8_codes import FLOAT_DTYPES, code_bound, e8m0_step
+from computectx.kernels.quantize_cast import (
+    FLT_MIN,
+    check_fp8,
+    clamped_byte,
+    fp8_constants,
+    load_widened,
 )
 
 __all__ = ["INTERPRETED", "RULES", "quantize_blocks"]
@@ -47,7 +43,6 @@ RULES: Final[dict[Rule, int]] = {"amax": 0, "pow2": 1, "mx_floor": 2, "mx_rceil"
 """The step rules, by the number the kernels receive."""
 _RULE_POW2 = tl.constexpr(1)
 _RULE_MX_FLOOR = tl.constexpr(2)
-_FLT_MIN = tl.constexpr(2.0**-126)  # float32's smallest normal
 
 _BLOCKS: Final = ((1, None), (1, 32), (1, 128), (128, 128))
 # Per block shape: rows per program, blocks per program along K, warps. Under the
@@ -60,34 +55,12 @@ _TILES: Final[dict[tuple[int, int | None], tuple[int, int, int]]] = {
 _ROW_TILE: Final = (4, 32, 1) if INTERPRETED else (8, 512, 4)  # rows, chunk of K, warps
 
 
-@functools.cache
-def _fmt_constants(fp8: torch.dtype) -> Mapping[str, object]:
-    """The constexpr arguments of ``fp8_codes.fp8_byte`` for ``fp8``, plus ``FMAX`` (the
-    largest finite value) and ``EMAX`` (``floor(log2(FMAX))``, the OCP MX ``emax``), all from
-    ``torch.finfo`` so this module needs only torch and triton."""
-    fi = torch.finfo(fp8)
-    return MappingProxyType(
-        {
-            "FMAX": fi.max,
-            "EMAX": math.floor(math.log2(fi.max)),
-            **byte_constants(fp8),
-        }
-    )
-
-
 @triton.jit
 def _load_tile(x_ptr, rows, cols, R, C, stride_r, stride_c, X_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
     # Rows x cols of x as float32 (0 where masked), and the mask.
     mask = (rows[:, None] < R) & (cols[None, :] < C)
     offs = rows[:, None].to(tl.int64) * stride_r + cols[None, :].to(tl.int64) * stride_c
-    if X_BF16:
-        # bf16 arrives as int16 bits; widening is a 16-bit shift, exact for every value.
-        # (The interpreter's own bf16 -> float32 conversion flushes subnormals.)
-        raw = tl.load(x_ptr + offs, mask=mask, other=0)
-        x = ((raw.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-    else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x, mask
+    return load_widened(x_ptr, offs, mask, X_BF16), mask
 
 
 @triton.jit
@@ -112,43 +85,31 @@ def _exp2(e):  # type: ignore[no-untyped-def]
 
 
 @triton.jit
-def _steps(amax_bits, FMAX: tl.constexpr, EMAX: tl.constexpr, RULE: tl.constexpr):  # type: ignore[no-untyped-def]
+def _steps(amax_bits, FMT: tl.constexpr, RULE: tl.constexpr):  # type: ignore[no-untyped-def]
     # The float32 step of each block from its amax (as int32 bits; NaN sorts above inf).
     usable = (amax_bits > 0) & (amax_bits < 0x7F800000)
     amax = tl.where(usable, amax_bits, 0x3F800000).to(tl.float32, bitcast=True)
     if RULE <= _RULE_POW2:
         # A subnormal step keeps too few bits: it is raised to float32's smallest normal.
-        q = tl.div_rn(amax, FMAX)
-        step = tl.where(usable & (q > 0.0), tl.maximum(q, _FLT_MIN), 1.0)
+        q = tl.div_rn(amax, FMT.FMAX)
+        step = tl.where(usable & (q > 0.0), tl.maximum(q, FLT_MIN), 1.0)
         if RULE == _RULE_POW2:
             step = _exp2(_ceil_log2(step))
     else:
         if RULE == _RULE_MX_FLOOR:
-            e = ((amax.to(tl.int32, bitcast=True) >> 23) - 127) - EMAX
+            e = ((amax.to(tl.int32, bitcast=True) >> 23) - 127) - FMT.EMAX
         else:
-            e = _ceil_log2(tl.div_rn(amax, FMAX))
+            e = _ceil_log2(tl.div_rn(amax, FMT.FMAX))
         step = _exp2(tl.where(usable, tl.minimum(tl.maximum(e, -127), 127), 0))
     return step
 
 
 @triton.jit
-def _codes(  # type: ignore[no-untyped-def]
-    x,
-    step,
-    FMAX: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
-):
-    # fp8(clamp(x / step)): IEEE division as in the twin, then ±inf and overflow to ±bound
-    # (±max, lower only where max * step would overflow float32); comparisons are false
-    # for NaN, so NaN passes to fp8_code, which writes 0x7F.
+def _codes(x, step, FMT: tl.constexpr):  # type: ignore[no-untyped-def]
+    # fp8(clamp(x / step)), a step per row: IEEE division as in the twin, then the clamp and
+    # the byte (quantize_cast.clamped_byte).
     s = tl.div_rn(x, step[:, None])
-    bound = code_bound(step, FMAX, MANT)[:, None]
-    s = tl.where(s > bound, bound, tl.where(s < -bound, -bound, s))
-    return fp8_byte(s, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
+    return clamped_byte(s, code_bound(step, FMT.FMAX, FMT.MANT)[:, None], FMT)
 
 
 @triton.jit
@@ -161,13 +122,7 @@ def _quantize_blocks_kernel(  # type: ignore[no-untyped-def]
     stride_r,
     stride_c,
     n_scale_cols,
-    FMAX: tl.constexpr,
-    EMAX: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
+    FMT: tl.constexpr,
     X_BF16: tl.constexpr,
     RULE: tl.constexpr,
     GIVEN: tl.constexpr,
@@ -203,13 +158,13 @@ def _quantize_blocks_kernel(  # type: ignore[no-untyped-def]
                 # One block spans the tile: every row gets its amax; lane 0 stores the step.
                 amax_bits = tl.zeros((TILE_R,), dtype=tl.int32) + tl.max(amax_bits, axis=0)
                 s_mask = s_mask & (lane == 0)
-            step = _steps(amax_bits, FMAX, EMAX, RULE)
+            step = _steps(amax_bits, FMT, RULE)
             if MX_SCALE:
                 e8m0 = (step.to(tl.int32, bitcast=True) >> 23).to(tl.uint8)
                 tl.store(scale_ptr + s_rows * n_scale_cols + sc, e8m0, mask=s_mask)
             else:
                 tl.store(scale_ptr + s_rows * n_scale_cols + sc, step, mask=s_mask)
-        code = _codes(x, step, FMAX, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
+        code = _codes(x, step, FMT)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], code, mask=mask)
 
 
@@ -222,13 +177,7 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
     C,
     stride_r,
     stride_c,
-    FMAX: tl.constexpr,
-    EMAX: tl.constexpr,
-    MANT: tl.constexpr,
-    BIAS: tl.constexpr,
-    MIN_NORMAL_BITS: tl.constexpr,
-    SUB_MAGIC: tl.constexpr,
-    SUB_MAGIC_BITS: tl.constexpr,
+    FMT: tl.constexpr,
     X_BF16: tl.constexpr,
     RULE: tl.constexpr,
     GIVEN: tl.constexpr,
@@ -249,12 +198,12 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
             )
             bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
             amax_bits = tl.maximum(amax_bits, tl.max(bits, axis=1))
-        step = _steps(amax_bits, FMAX, EMAX, RULE)
+        step = _steps(amax_bits, FMT, RULE)
         tl.store(step_ptr + rows, step, mask=r_mask)
     for c0 in tl.range(0, C, CHUNK):
         cols = c0 + tl.arange(0, CHUNK)
         x, mask = _load_tile(x_ptr, rows, cols, R, C, stride_r, stride_c, X_BF16)
-        code = _codes(x, step, FMAX, MANT, BIAS, MIN_NORMAL_BITS, SUB_MAGIC, SUB_MAGIC_BITS)
+        code = _codes(x, step, FMT)
         tl.store(q_ptr + rows[:, None].to(tl.int64) * C + cols[None, :], code, mask=mask)
 
 
@@ -265,8 +214,7 @@ def _quantize_rows_kernel(  # type: ignore[no-untyped-def]
 def _check(
     x: torch.Tensor, fp8: torch.dtype, block: tuple[int, int | None], rule: str
 ) -> torch.dtype:
-    if fp8 not in FP8_DTYPES:
-        raise ValueError(f"quantize writes float8_e4m3fn or float8_e5m2, got {fp8}")
+    check_fp8(fp8)
     if x.dtype not in FLOAT_DTYPES or x.dim() != 2:
         raise ValueError(
             f"quantize_blocks reads a 2-D bf16, fp16 or fp32 tensor (any strides); got "
@@ -329,7 +277,7 @@ def quantize_blocks(
         x.stride(0),
         x.stride(1),
     )
-    consts = dict(_fmt_constants(fp8), X_BF16=x.dtype == torch.bfloat16, RULE=RULES[rule])
+    consts = dict(FMT=fp8_constants(fp8), X_BF16=x.dtype == torch.bfloat16, RULE=RULES[rule])
     if block_cols is None:
         tile_r, chunk, warps = _ROW_TILE
         _quantize_rows_kernel[(triton.cdiv(rows, tile_r),)](

@@ -33,6 +33,7 @@ DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 
 _KERNEL_MODULES = (
     "computectx.kernels.fp8_codes",  # first: the others import its function
+    "computectx.kernels.quantize_cast",  # then the quantize kernels' shared functions
     "computectx.kernels.quantize",
     "computectx.kernels.quantize_blocks",
     "computectx.kernels.scaled_mm",

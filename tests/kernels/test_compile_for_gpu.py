@@ -28,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import torch
 from computectx.kernels import quantize as kq, scaled_mm as kg
+from computectx.kernels.quantize_cast import fp8_constants
 from computectx.formats.numerics.ledger import LEDGER_NONFINITE, LEDGER_SATURATED, LEDGER_STEP
 
 out = {}
@@ -38,7 +39,8 @@ for cap in (89, 90):
                               ("*fp32", True, 0)):
         sig = dict(zip(q_names, [xdt, "*u8", "*fp32", "i32", "*i32", "*fp32", "*fp32",
                                  "*fp32", "i32", "i32"]))
-        consts = dict(kq._fmt_constants(torch.float8_e4m3fn, 1), X_BF16=xdt == "*i16", CAST=cast,
+        consts = dict(FMT=fp8_constants(torch.float8_e4m3fn),
+                      TARGET=kq._target(torch.float8_e4m3fn, 1), X_BF16=xdt == "*i16", CAST=cast,
                       REDUCE=reduce, ALGO_MAX=True, LEDGER_STEP=LEDGER_STEP,
                       LEDGER_NONFINITE=LEDGER_NONFINITE, LEDGER_SATURATED=LEDGER_SATURATED,
                       BLOCK=4096, RBLOCK=1024)

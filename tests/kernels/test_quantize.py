@@ -388,15 +388,16 @@ def test_kernel_constants_match_the_format_table(fmt: Fp8Format, margin: int) ->
     # The kernels import only torch and triton, so they derive each format's constants from
     # torch.finfo; these must be the numbers computectx.dtypes publishes.
     from computectx.kernels import quantize as kq
+    from computectx.kernels.quantize_cast import fp8_constants
 
-    c = kq._fmt_constants(fmt.torch, margin)
-    assert c["FMAX"] == fmt.max
-    assert c["TARGET"] == fmt.max / 2.0**margin
-    assert c["MANT"] == fmt.mantissa_bits
-    assert c["BIAS"] == 2 ** (fmt.exponent_bits - 1) - 1
+    c = fp8_constants(fmt.torch)
+    assert fmt.max == c.FMAX
+    assert kq._target(fmt.torch, margin) == fmt.max / 2.0**margin
+    assert fmt.mantissa_bits == c.MANT
+    assert 2 ** (fmt.exponent_bits - 1) - 1 == c.BIAS
     min_normal_bits = struct.unpack("<i", struct.pack("<f", fmt.min_normal))[0]
-    assert c["MIN_NORMAL_BITS"] == min_normal_bits
-    assert c["SUB_MAGIC"] == fmt.min_subnormal * 2.0**23
+    assert min_normal_bits == c.MIN_NORMAL_BITS
+    assert fmt.min_subnormal * 2.0**23 == c.SUB_MAGIC
 
 
 def test_reference_twin_matches_on_the_same_call(device: torch.device) -> None:

@@ -24,9 +24,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 import torch
 from computectx.kernels import quantize_blocks as kb
+from computectx.kernels.quantize_cast import fp8_constants
 
 out = {}
-fmt = kb._fmt_constants(torch.float8_e4m3fn)
+fmt = {"FMT": fp8_constants(torch.float8_e4m3fn)}
 
 
 def build(kernel, names, types, consts, warps, aligned):
