@@ -1,17 +1,19 @@
 """The GEMM kernels' autotune configs: the tile shapes they try on a GPU (``HOPPER_TILES``),
-the configs' form compiled and interpreted (``tile_configs``) and the filter that keeps the
-tiles an output fits (``fitting_configs``). Shared by ``scaled_mm``, ``scaled_mm_blocks`` and
-``grouped_mm``; plain python, no kernel (each caller says whether its kernels run
-interpreted: a module reloaded for the interpreter asks with its own flag)."""
+the configs' form compiled and interpreted (``tile_configs``), the filter that keeps the
+tiles an output fits (``fitting_configs``) and the launch arguments that carry the strides
+and the autotune keys (``launch_args``). Shared by ``scaled_mm``, ``scaled_mm_blocks``,
+``grouped_mm`` and ``grouped_wgrad``; plain python, no kernel (each caller says whether its
+kernels run interpreted: a module reloaded for the interpreter asks with its own flag)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Final
 
+import torch
 import triton
 
-__all__ = ["HOPPER_TILES", "fitting_configs", "tile_configs"]
+__all__ = ["HOPPER_TILES", "fitting_configs", "launch_args", "tile_configs"]
 
 
 HOPPER_TILES: Final[dict[str, tuple[tuple[int, int, int, int, int], ...]]] = {
@@ -88,3 +90,27 @@ def fitting_configs(configs: list[triton.Config], m: int, n: int) -> list[triton
         for c in configs
         if c.kwargs["BLOCK_M"] <= max(64, m) and c.kwargs["BLOCK_N"] <= max(64, n)
     ]
+
+
+def launch_args(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    sa_strides: Sequence[int],
+    sb_strides: Sequence[int],
+    m: int,
+) -> tuple[int, ...]:
+    """A GEMM kernel's launch arguments after its pointers and sizes: every stride of ``a``,
+    ``b`` and ``c``, the scales' strides, then its two autotune keys, ``m_bucket`` (``m``, the
+    dimension that changes from call to call, rounded up to a power of two, so a new token
+    count does not tune again) and ``layout`` (which operands are contiguous along their last,
+    contracted, dimension: 1 for ``a``, 2 for ``b``)."""
+    return (
+        *a.stride(),
+        *b.stride(),
+        *c.stride(),
+        *sa_strides,
+        *sb_strides,
+        triton.next_power_of_2(m),
+        int(a.stride(-1) == 1) + 2 * int(b.stride(-1) == 1),
+    )

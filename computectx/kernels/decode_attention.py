@@ -52,6 +52,13 @@ _MIN_BLOCKS_PER_SPLIT = 4
 
 
 @triton.jit
+def _batch_head(H):  # type: ignore[no-untyped-def]
+    # This program's row of the B * H grid axis, and its (b, h) as int64 offsets.
+    bh = tl.program_id(0)
+    return bh, (bh // H).to(tl.int64), (bh % H).to(tl.int64)
+
+
+@triton.jit
 def _store_out(out_ptr, offs_d, dmask, res, OUT_BF16: tl.constexpr):  # type: ignore[no-untyped-def]
     if OUT_BF16:
         res = round_to_bf16(res)
@@ -116,10 +123,8 @@ def _decode_kernel(  # type: ignore[no-untyped-def]
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    bh = tl.program_id(0)
+    bh, b, h = _batch_head(H)
     split = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
     n = tl.minimum(tl.load(len_ptr + b), T_max)
     start = split * split_len
     stop = tl.minimum(start + split_len, n)
@@ -190,9 +195,7 @@ def _merge_kernel(  # type: ignore[no-untyped-def]
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    bh, b, h = _batch_head(H)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     smask = offs_s < S

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.autotune import fitting_configs, tile_configs
+from computectx.kernels.autotune import fitting_configs, launch_args, tile_configs
 from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.kernels.scaled_mm import (
     grouped_tile,
@@ -337,13 +337,7 @@ def grouped_scaled_mm(
         n,
         k,
         e,
-        *a.stride(),  # a [M, K], b [E, N, K], c [M, N]: every stride of each
-        *b.stride(),
-        *c.stride(),
-        *sa_strides,
-        *sb_strides,
-        triton.next_power_of_2(m),
-        int(a.stride(1) == 1) + 2 * int(b.stride(2) == 1),
+        *launch_args(a, b, c, sa_strides, sb_strides, m),  # a [M, K], b [E, N, K], c [M, N]
         SCALE_K=scale_k,
         BLOCK_ROWS_B=rows_b,
         E8M0=e8m0,

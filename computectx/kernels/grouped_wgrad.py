@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from computectx.kernels.autotune import launch_args
 from computectx.kernels.fp8_codes import FP8_DTYPES
 from computectx.kernels.grouped_mm import (
     check_offsets,
@@ -222,13 +223,7 @@ def grouped_scaled_wgrad(
         block_start,
         n,
         k,
-        *a.stride(),  # a [N, M], b [K, M], c [E, N, K]: every stride of each
-        *b.stride(),
-        *c.stride(),
-        *sa_strides,
-        *sb_strides,
-        triton.next_power_of_2(m),
-        int(a.stride(1) == 1) + 2 * int(b.stride(1) == 1),
+        *launch_args(a, b, c, sa_strides, sb_strides, m),  # a [N, M], b [K, M], c [E, N, K]
         SCALE_K=scale_k,
         E8M0=e8m0,
     )
