@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from computectx.kernels.autotune import fitting_configs, tile_configs
+from computectx.kernels.autotune import fitting_configs, launch_args, tile_configs
 from computectx.kernels.fp8_codes import FLOAT_DTYPES, FP8_DTYPES, e8m0_step, round_to_bf16
 
 __all__ = [
@@ -422,13 +422,7 @@ def launch_tiles(
         m,
         n,
         k,
-        *a.stride(),  # a, b and c are 2-D: their (row, column) strides
-        *b.stride(),
-        *c.stride(),
-        *sa_strides,
-        *sb_strides,
-        triton.next_power_of_2(m),
-        int(a.stride(1) == 1) + 2 * int(b.stride(1) == 1),
+        *launch_args(a, b, c, sa_strides, sb_strides, m),  # 2-D: (row, column) strides
         SCALE_K=scale_k,
         BLOCK_ROWS_A=block_rows_a,
         BLOCK_ROWS_B=block_rows_b,
