@@ -8,10 +8,11 @@ import numbers
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
-__all__ = ["CheckedModel", "as_int", "check_max_norm", "validation_message"]
+__all__ = ["CheckedModel", "as_int", "check_max_norm", "described", "validation_message"]
 
 
 def as_int(value: object) -> int | None:
@@ -22,6 +23,14 @@ def as_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
+
+
+def described(value: object) -> str:
+    """``value`` refused, for an error message: a tensor's dtype, shape and device
+    (``torch.bfloat16 (4, 8) on cpu``), anything else's type name."""
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)} on {value.device}"
+    return type(value).__name__
 
 
 def check_max_norm(max_norm: object) -> None:

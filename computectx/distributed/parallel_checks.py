@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.nn.parallel import DistributedDataParallel
 
+from computectx._checks import described
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import (
     expert_parallel_group,
@@ -111,14 +112,9 @@ def check_model_state(model: nn.Module, saved: object) -> None:
             continue
         value = saved[key]
         if not isinstance(value, torch.Tensor) or value.shape != own.shape:
-            got = (
-                f"shape {list(value.shape)}"
-                if isinstance(value, torch.Tensor)
-                else type(value).__name__
-            )
             raise ValueError(
-                f"the checkpoint's 'model'[{key!r}] is {got}; accepted: a tensor of the "
-                f"model's shape {list(own.shape)}; nothing was loaded"
+                f"the checkpoint's 'model'[{key!r}] is {described(value)}; accepted: a tensor "
+                f"of the model's shape {tuple(own.shape)}; nothing was loaded"
             )
 
 

@@ -24,6 +24,7 @@ from typing import Final
 
 import torch
 
+from computectx._checks import described
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats.numerics import blockwise, layouts
 from computectx.formats.numerics.layouts import Granularity
@@ -60,9 +61,9 @@ class ServingWeight:
                 f"ServingWeight layout must be one of {', '.join(WEIGHT_LAYOUTS)}, got {layout!r}"
             )
         if not isinstance(codes, torch.Tensor) or codes.dtype not in FP8_DTYPES:
-            what = codes.dtype if isinstance(codes, torch.Tensor) else type(codes).__name__
             raise ValueError(
-                f"ServingWeight codes must be a float8_e4m3fn or float8_e5m2 tensor, got {what}"
+                f"ServingWeight codes must be a float8_e4m3fn or float8_e5m2 tensor, got "
+                f"{described(codes)}"
             )
         if codes.dim() not in (2, 3):
             raise ValueError(
@@ -76,14 +77,9 @@ class ServingWeight:
             or tuple(steps.shape) != want
             or steps.device != codes.device
         ):
-            got = (
-                f"{steps.dtype} {tuple(steps.shape)} on {steps.device}"
-                if isinstance(steps, torch.Tensor)
-                else type(steps).__name__
-            )
             raise ValueError(
                 f"ServingWeight steps of {tuple(codes.shape)} codes laid out {layout!r} must be "
-                f"a float32 tensor of shape {want} on {codes.device}, got {got}"
+                f"a float32 tensor of shape {want} on {codes.device}, got {described(steps)}"
             )
 
     @property

@@ -102,3 +102,20 @@ def test_another_optimizers_checkpoint_is_refused_before_anything_loads(offload:
     again = _parallel(torch.optim.AdamW, offload)
     again.load_state_dict(saved_adamw)
     assert _same(_snapshot(again), adamw_at_save)
+
+
+def test_a_model_part_of_another_shape_is_refused_naming_both() -> None:
+    # A same-keys checkpoint of another width: refused before anything loads, naming the key,
+    # what it holds and the model's shape.
+    par = _parallel(torch.optim.SGD, False)
+    saved = _checkpoint(par)
+    key = next(k for k, v in saved["model"].items() if isinstance(v, torch.Tensor) and v.dim() == 2)
+    own = tuple(saved["model"][key].shape)
+    saved["model"][key] = torch.zeros(own[0] + 1, own[1])
+    before = _snapshot(par)
+    with pytest.raises(ValueError, match="nothing was loaded") as caught:
+        par.load_state_dict(saved)
+    message = str(caught.value)
+    assert f"'model'[{key!r}] is torch.float32 {(own[0] + 1, own[1])} on cpu" in message, message
+    assert f"a tensor of the model's shape {own}; nothing was loaded" in message, message
+    assert _same(_snapshot(par), before)

@@ -29,6 +29,7 @@ import torch
 from torch.utils._pytree import tree_map
 from typing_extensions import Self
 
+from computectx._checks import described
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats.numerics import blockwise, layouts, tensorwise
 
@@ -42,13 +43,6 @@ _ALIASING = {
     _aten.as_strided.default,
     _aten._unsafe_view.default,
 }
-
-
-def _described(steps: object) -> str:
-    # The dtype, shape and device of a tensor of steps refused, or the type of a non-tensor.
-    if isinstance(steps, torch.Tensor):
-        return f"{steps.dtype} {tuple(steps.shape)} on {steps.device}"
-    return type(steps).__name__
 
 
 class _CodesWeight(torch.Tensor):
@@ -75,7 +69,7 @@ class _CodesWeight(torch.Tensor):
             or not fits
             or steps.device != data.device
         ):
-            raise ValueError(f"{wanted} on {data.device}, got {_described(steps)}")
+            raise ValueError(f"{wanted} on {data.device}, got {described(steps)}")
         if dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"{cls.__name__} stands for a float32, bfloat16 or float16 weight, got {dtype}"
@@ -197,13 +191,9 @@ class QuantizedBlockWeight(_CodesWeight):
         cls, data: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
     ) -> QuantizedBlockWeight:
         if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES or data.dim() != 2:
-            what = (
-                f"{data.dtype} of shape {tuple(data.shape)}"
-                if isinstance(data, torch.Tensor)
-                else type(data).__name__
-            )
             raise TypeError(
-                f"QuantizedBlockWeight data must be a 2-D float8_e4m3fn/e5m2 tensor, got {what}"
+                f"QuantizedBlockWeight data must be a 2-D float8_e4m3fn/e5m2 tensor, got "
+                f"{described(data)}"
             )
         grid = layouts.layout_of("128x128", data.shape).grid
         fits = isinstance(scale, torch.Tensor) and tuple(scale.shape) == grid

@@ -8,7 +8,7 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.dtypes import Fp8Format
-from computectx.formats import QuantizedLinear, QuantizedWeight
+from computectx.formats import QuantizedBlockWeight, QuantizedLinear, QuantizedWeight
 from computectx.formats.backend import Backend
 from computectx.formats.numerics import tensorwise
 from computectx.formats.ops.tensorwise import quantize_dynamic, quantize_with_step
@@ -109,3 +109,20 @@ def test_backward_reads_the_step_the_codes_carry_then() -> None:
     ref(x2).sum().backward()
     assert x.grad is not None and x2.grad is not None
     assert torch.equal(x.grad, x2.grad)
+
+
+@pytest.mark.parametrize(
+    ("data", "got"),
+    [
+        (torch.zeros(4, 4, dtype=torch.bfloat16), "torch.bfloat16 (4, 4) on cpu"),
+        (torch.zeros(2, 4, 4, dtype=torch.float8_e4m3fn), "torch.float8_e4m3fn (2, 4, 4) on cpu"),
+        ([[0.0]], "list"),
+    ],
+)
+def test_block_weight_codes_other_than_2d_fp8_are_refused_naming_them(
+    data: object, got: str
+) -> None:
+    scale = torch.ones(1, 1)
+    with pytest.raises(TypeError, match="must be a 2-D float8_e4m3fn/e5m2 tensor, got ") as e:
+        QuantizedBlockWeight(data, scale, torch.bfloat16)  # type: ignore[arg-type]
+    assert str(e.value).endswith(got), str(e.value)
