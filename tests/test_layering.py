@@ -72,6 +72,7 @@ FP8_RANK: dict[str, int] = {
     "convert_report": 6,
     "convert_experts": 7,
     "convert": 8,
+    "exchange": 8,  # serving_weights: the codes and steps a converted model serves with
     "stats": 8,
     "seam": 9,
     "": 10,  # the package face, computectx.formats itself

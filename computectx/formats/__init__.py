@@ -25,6 +25,7 @@ from computectx.formats.convert import (
     convert_to_quantized,
 )
 from computectx.formats.convert_experts import ExpertsConverter, register_experts_converter
+from computectx.formats.exchange import serving_recipes, serving_weights
 from computectx.formats.linear.autocast import autocast
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
@@ -34,6 +35,7 @@ from computectx.formats.numerics.layouts import Granularity, MxRounding
 from computectx.formats.ops.blockwise import dequantize_tensor, quantize_tensor
 from computectx.formats.ops.grouped import QuantizedExperts, quantized_grouped_mm
 from computectx.formats.scaling.layer import ScalingState
+from computectx.formats.serving import ServingWeight
 from computectx.formats.stats import LayerStats, OperandStats, scaling_stats
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 
@@ -59,6 +61,7 @@ __all__ = [
     "Recipe",
     "ScalingNotSyncedWarning",
     "ScalingState",
+    "ServingWeight",
     "SkippedLinear",
     "autocast",
     "checkpoint_context_fn",
@@ -70,6 +73,8 @@ __all__ = [
     "register_experts_converter",
     "scaling_stats",
     "select_backend",
+    "serving_recipes",
+    "serving_weights",
 ]
 
 
