@@ -15,4 +15,8 @@ see docs/integrations.md.
   ``convert_to_quantized`` imports it when a model holds a transformers module (docs/moe.md).
 - ``computectx.integrations.torchtitan_moe``: torchtitan's grouped experts in fp8, for its
   converter and for ``convert_to_quantized`` on a built model (docs/moe.md).
+- ``computectx.integrations.hf_checkpoint``: ``export_pretrained``, a converted transformers
+  model written as a Hugging Face directory in transformers' fine-grained FP8 or
+  compressed-tensors' FP8 format (the codes and steps it serves with), for vLLM, SGLang and
+  transformers to load.
 """
