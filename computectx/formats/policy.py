@@ -115,12 +115,13 @@ def checked_layer_ctx(
     in_features: int,
     out_features: int,
     quantize: str,
-    frozen: torch.dtype | None,
+    frozen: tuple[str, torch.dtype] | None,
 ) -> ComputeCtx:
     """``ctx`` if a ``QuantizedLinear`` of these widths, quantizing as ``quantize``, can run under
     it: the rules its construction applies (``policy_of``, ``check_granularity_widths``,
-    ``check_quantize``), and for a layer frozen for serving (``frozen``, the dtype its weight
-    codes are held in) a per-tensor policy of that forward format. ``TypeError`` or
+    ``check_quantize``), and for a layer frozen for serving (``frozen``: the granularity its
+    weight codes are laid out for and their dtype) a policy of that granularity and forward
+    format. ``TypeError`` or
     ``ValueError`` naming the layer's shape and the rule otherwise (``layer.ctx = ...``
     changes nothing then)."""
     shape = f"QuantizedLinear(in_features={in_features}, out_features={out_features})"
@@ -128,12 +129,12 @@ def checked_layer_ctx(
     try:
         check_granularity_widths(policy.granularity, in_features, out_features)
         check_quantize(quantize, policy)
-        if frozen is not None and (
-            policy.granularity != "tensor" or policy.format.forward.torch != frozen
-        ):
+        if frozen is not None and (policy.granularity, policy.format.forward.torch) != frozen:
+            granularity, dtype = frozen
+            held = {"tensor": "per-tensor", "row": "per-row"}.get(granularity, "128x128-block")
             raise ValueError(
-                f"the layer is frozen for serving, its weight held as per-tensor {frozen} "
-                f"codes, so a new policy must be per tensor with that forward format"
+                f"the layer is frozen for serving, its weight held as {held} {dtype} codes, so "
+                f"a new policy must have granularity {granularity!r} and that forward format"
             )
     except ValueError as e:
         raise ValueError(

@@ -21,11 +21,13 @@ along its other axis is quantized again from high precision along that axis (iss
 rule); the forward therefore keeps ``X`` (and ``W`` for ``row`` and ``mx``) in high
 precision for the backward. A 128x128 block is square: ``Wᵀ`` for the dgrad is the
 forward's weight codes and scales transposed as they are (``wq.t()``, ``sw.t()``), no second
-quantize, so ``block`` keeps the weight's fp8 codes, not the weight. A ``block`` weight that arrives
-quantized (``linear.weights.QuantizedBlockWeight``, FSDP2's fp8 all-gather) is those codes and
-scales:
-the forward and the dgrad use them as they are. With ``gw_hp``
-(``row`` only, torchao's ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
+quantize, so ``block`` keeps the weight's fp8 codes, not the weight. A ``block`` weight
+that arrives quantized (``linear.weights.QuantizedBlockWeight``, FSDP2's fp8 all-gather) is
+those codes and scales: the forward and the dgrad use them as they are. So is a frozen
+(serving) weight under ``row`` and ``block`` (``linear.frozen``: codes and steps per row or
+per 128x128 block); the dgrad of a frozen ``row`` weight quantizes ``Wᵀ`` along N from its
+codes times their steps (float32). With ``gw_hp`` (``row`` only, torchao's
+``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
 high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
 dY and dYᵀ in its backward format, Xᵀ in the forward format.
 
@@ -81,7 +83,7 @@ from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.ops.blockwise import block_scaled_mm
 from computectx.formats.scaling.operand import record_statistics
 
-__all__ = ["blockwise_linear"]
+__all__ = ["blockwise_linear", "quantize_weight_blocks"]
 
 
 def _quantize(
@@ -117,6 +119,24 @@ def _quantize_all(
     ]
 
 
+def quantize_weight_blocks(weight: torch.Tensor, plan: Fp8LinearPlan) -> block_ops.Quantized:
+    """``weight`` quantized as the forward quantizes it under ``plan`` (its recipe's weight
+    blocks, the forward format, the step rule): what a frozen layer holds."""
+    return _quantize(weight, plan.fwd, OPERAND_GRANULARITY[plan.policy.granularity][1], plan)
+
+
+def _held(
+    weight: torch.Tensor | None, plan: Fp8LinearPlan
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # The weight's codes and scale when they came quantized: a frozen layer's (its
+    # recipe's layout) or FSDP2's gathered 128x128 blocks; None: quantize the weight here.
+    if plan.frozen_weight is not None:
+        return plan.frozen_weight
+    if isinstance(weight, QuantizedBlockWeight):
+        return weight.fp8_data, weight.fp8_scale
+    return None
+
+
 class _GranularLinearFunction(torch.autograd.Function):
     """``Y = X Wᵀ + b`` on 2-D ``X`` with block-scaled fp8 operands (module docstring)."""
 
@@ -124,40 +144,44 @@ class _GranularLinearFunction(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx,
         x: torch.Tensor,
-        weight: torch.Tensor,
+        weight: torch.Tensor | None,
         bias: torch.Tensor | None,
         plan: Fp8LinearPlan,
         record_forward: bool,
     ) -> torch.Tensor:
         fwd = plan.fwd
         g_act, g_w = OPERAND_GRANULARITY[plan.policy.granularity]
-        gathered = weight if isinstance(weight, QuantizedBlockWeight) else None  # from FSDP2
-        operands = [(x, g_act)] if gathered is not None else [(x, g_act), (weight, g_w)]
+        held = _held(weight, plan)
+        operands = (
+            [(x, g_act)] if held is not None or weight is None else [(x, g_act), (weight, g_w)]
+        )
         (xq, sx, x_step, x_sat), *quantized_w = _quantize_all(operands, fwd, plan, record_forward)
-        if gathered is not None:  # its 128x128 blocks, as they are
-            wq, sw = gathered.fp8_data, gathered.fp8_scale
+        if held is not None:  # its codes and scale, as they are
+            wq, sw = held
         else:
             wq, sw, w_step, w_sat = quantized_w[0]
-        if record_forward:
-            if gathered is not None:
+        if record_forward:  # never frozen: a frozen layer records nothing
+            if isinstance(weight, QuantizedBlockWeight):  # gathered by FSDP2
                 # Statistics of the gathered blocks (dynamic: nothing saturates), only when
                 # recorded: the dequantized weight is a full-size float32 copy.
                 w_sat = torch.zeros(1, dtype=torch.float32, device=sw.device)
-                w_stats = (gathered.dequantize(), sw.amax().reshape(1), w_sat)
+                w_stats = (weight.dequantize(), sw.amax().reshape(1), w_sat)
             else:
+                assert weight is not None  # quantized above: nothing was held
                 w_stats = (weight, w_step, w_sat)
             state = plan.state
             record_statistics([(state.input, x, x_step, x_sat), (state.weight, *w_stats)])
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
-        # row and mx quantize the weight again along N from high precision.
-        if g_w == "128x128":
+        # row and mx quantize the weight again along N from high precision (a frozen row
+        # weight: from its codes times their steps, in float32).
+        if g_w == "128x128" or weight is None:
             ctx.save_for_backward(x, wq, sw)
         else:
             ctx.save_for_backward(x, weight)
         c: Any = ctx
         c.plan = plan
-        c.w_dtype = weight.dtype
+        c.w_dtype = None if weight is None else weight.dtype
         c.b_dtype = None if bias is None else bias.dtype
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -183,7 +207,8 @@ class _GranularLinearFunction(torch.autograd.Function):
                 wq, sw = w_saved
                 wtq, swt = wq.t(), sw.t()
             else:
-                wtq, swt, _, _ = _quantize(w_saved[0].t(), fwd, g_act, plan)
+                w = w_saved[0] if len(w_saved) == 1 else w_saved[0].to(torch.float32) * w_saved[1]
+                wtq, swt, _, _ = _quantize(w.t(), fwd, g_act, plan)
             dx = block_scaled_mm(
                 gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
             )
@@ -213,24 +238,27 @@ def blockwise_linear(
     site: CheckpointSite | None,
 ) -> torch.Tensor:
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
-    mx; ``site``: where the call sits with respect to activation checkpointing). ``block``
-    also takes its weight already quantized in 128x128 blocks, in the forward format (an
-    ``QuantizedBlockWeight``: FSDP2's fp8 all-gather), and uses it as it is.
-    ``ValueError`` for what it does not run yet: a frozen (serving) weight, any other
+    mx; ``site``: where the call sits with respect to activation checkpointing). ``row`` and
+    ``block`` take a frozen weight (``plan.frozen_weight``: codes and steps in the forward
+    format, per row or per 128x128 block, ``weight`` ``None``) and ``block`` also its weight
+    already quantized in 128x128 blocks, in the forward format (a ``QuantizedBlockWeight``:
+    FSDP2's fp8 all-gather): both are used as they are, with no second quantize.
+    ``ValueError`` for what it does not run yet: an ``mx`` frozen weight, any other
     pre-quantized weight, data-parallel amax reduction."""
+    granularity = plan.policy.granularity
     unsupported = [
         what
         for what, present in (
-            ("a frozen (serving) weight", plan.frozen_weight is not None),
+            ("a frozen (serving) weight", plan.frozen_weight is not None and granularity == "mx"),
             ("an fp8 all-gathered weight (FSDP2)", _is_fp8_weight(weight, plan)),
             ("data-parallel amax reduction", plan.reduces),
         )
         if present
     ]
-    if weight is None or unsupported:
+    if (weight is None and plan.frozen_weight is None) or unsupported:
         what = ", ".join(unsupported) or "a missing weight"
         raise ValueError(
-            f"granularity {plan.policy.granularity!r} in QuantizedLinear does not support {what} "
+            f"granularity {granularity!r} in QuantizedLinear does not support {what} "
             f"yet; use granularity 'tensor' for it"
         )
     # Under activation checkpointing the recomputation quantizes again, to the same bytes (the

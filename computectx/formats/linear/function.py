@@ -20,9 +20,10 @@ import torch
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend
 from computectx.formats.linear.blockwise import blockwise_linear
+from computectx.formats.linear.frozen import dequantized
 from computectx.formats.linear.plan import Fp8LinearPlan
 from computectx.formats.linear.recompute import CheckpointSite, checkpoint_site
-from computectx.formats.linear.tensorwise import dequantized, tensorwise_linear
+from computectx.formats.linear.tensorwise import tensorwise_linear
 
 __all__ = [
     "DTensorLinear",

@@ -14,15 +14,20 @@ from computectx.ctx import ComputeCtx, parse_device
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend, default_backend, select_backend
 from computectx.formats.linear.autocast import REGION, region_fp8_enabled
+from computectx.formats.linear.frozen import (
+    FROZEN_BUFFERS,
+    adopt,
+    check_given,
+    dequantized,
+    quantize_weight,
+    weight_layout,
+)
 from computectx.formats.linear.function import fp8_linear
 from computectx.formats.linear.plan import Fp8LinearPlan, gemm_dtype_for
 from computectx.formats.linear.recompute import in_reentrant_checkpoint_forward
 from computectx.formats.linear.unsynced import warn_if_unsynced
-from computectx.formats.numerics import tensorwise
 from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.formats.numerics.layouts import check_granularity_widths
-from computectx.formats.numerics.ledger import count
-from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.policy import (
     check_fp8_widths,
     check_param_dtype,
@@ -39,11 +44,11 @@ from computectx.formats.scaling.load import (
     refuse_whole,
 )
 from computectx.formats.scaling.operand import AmaxReduce
+from computectx.formats.serving import ServingWeight
 from computectx.recipes import Recipe
 
 __all__ = ["SCALING_PREFIX", "QuantizedLinear"]
 
-_FROZEN_BUFFERS = ("weight_fp8", "weight_step")
 SCALING_PREFIX = "fp8_"
 """The scaling state's buffers are ``fp8_{role}_ledger``, ``fp8_{role}_tally`` (role in
 input, weight, grad) and ``fp8_meta`` (``computectx.formats.scaling.saved``)."""
@@ -67,7 +72,7 @@ class QuantizedLinear(nn.Linear):
     ``backend`` forces a ``Backend`` (or ``"triton"``/``"reference"``); by default each
     call uses ``select_backend`` for the weight's device. Inside ``autocast(
     enabled=False)`` the layer runs as a plain linear at the input's dtype.
-    ``freeze_for_serving()`` quantizes the weight once for inference.
+    ``freeze_for_serving()`` quantizes the weight once for inference (or takes given codes).
 
     ``quantize`` says how a *compiled* call quantizes: ``"op"`` (default) keeps the opaque
     ``computectx::fp8_quantize_*`` operators (the Triton kernel on a GPU); ``"inline"``
@@ -80,9 +85,10 @@ class QuantizedLinear(nn.Linear):
     """
 
     weight_fp8: torch.Tensor
-    """The pre-quantized weight (after ``freeze_for_serving``)."""
+    """The pre-quantized weight's codes (after ``freeze_for_serving``)."""
     weight_step: torch.Tensor
-    """The step of ``weight_fp8`` (after ``freeze_for_serving``)."""
+    """The steps of ``weight_fp8`` in the recipe's weight layout (after
+    ``freeze_for_serving``): ``(1,)``, per row ``(N, 1)`` or per 128x128 block."""
     _settled: tuple[torch.Tensor | None, torch.device] | None
     _plans: dict[bool, Fp8LinearPlan] | None
     amax_reduce: AmaxReduce | None
@@ -169,7 +175,11 @@ class QuantizedLinear(nn.Linear):
 
     @ctx.setter
     def ctx(self, value: ComputeCtx) -> None:
-        frozen = self.weight_fp8.dtype if getattr(self, "_frozen", False) else None
+        frozen = (
+            (self.policy.granularity, self.weight_fp8.dtype)
+            if getattr(self, "_frozen", False)
+            else None
+        )
         self._ctx = checked_layer_ctx(
             value, self.in_features, self.out_features, self._quantize, frozen
         )
@@ -220,11 +230,7 @@ class QuantizedLinear(nn.Linear):
         return fp8_linear(x, None if self._frozen else self.weight, self.bias, self._call_plan())
 
     def _plain_linear(self, x: torch.Tensor) -> torch.Tensor:
-        w = (
-            tensorwise.dequantize(self.weight_fp8, self.weight_step, x.dtype)
-            if self._frozen
-            else self.weight.to(x.dtype)
-        )
+        w = dequantized(self._plan(False), x.dtype) if self._frozen else self.weight.to(x.dtype)
         b = None if self.bias is None else self.bias.to(x.dtype)
         return functional.linear(x, w, b)
 
@@ -295,50 +301,44 @@ class QuantizedLinear(nn.Linear):
 
     # ----- serving ------------------------------------------------------------------------
 
-    def freeze_for_serving(self) -> Self:
-        """Quantize the weight once and drop the high-precision copy (for inference).
+    def freeze_for_serving(self, weight: ServingWeight | None = None) -> Self:
+        """Hold the weight as fp8 codes and steps, dropping the high-precision copy.
 
-        The weight becomes ``weight_fp8`` (the fp8 data, 1 byte per element: half of bf16)
-        and ``weight_step`` buffers, in the policy's forward format with the step from the
-        weight's own amax. No margin: a frozen weight never grows, so headroom would only
-        cost precision. Later calls skip the weight quantize; inputs are still quantized
-        under the policy, and a frozen layer records nothing in any mode, so an output
-        depends on its own request only: under delayed scaling the input step is the one
-        training (or calibration: training-mode forwards before freezing) left in the
-        input ledger, a static step saved with the weights in ``fp8_input_ledger``; an
-        input ledger never seeded, and dynamic scaling, take each request's own amax. The
-        layer can no longer train its weight: freeze a copy if you need both. Works inside
+        The weight becomes the buffers ``weight_fp8`` (codes in the recipe's forward format,
+        1 byte per element) and ``weight_step`` (float32, ``weight ≈ codes * step``), laid
+        out as the recipe's forward quantizes its weight (``linear.frozen``): one step, one
+        per output row (``(N, 1)``) or one per 128x128 block. Without ``weight``, they are
+        the codes that forward makes (per tensor from the weight's own amax, no margin: a
+        frozen weight never grows). ``weight``, a ``ServingWeight`` of this layer's
+        ``[out_features, in_features]`` laid out ``"tensor"``, ``"row"`` or ``"128x128"``
+        for granularity ``tensor``, ``row`` or ``block``, codes in the forward format, on
+        the layer's device, is copied bit for bit instead (also into a frozen layer); else
+        ``TypeError``/``ValueError`` naming what was given and what the layer takes, and
+        nothing changes. ``mx`` is refused (``ValueError`` naming it and the granularities
+        that freeze) before anything changes. Freezing records the weight's statistics once.
+
+        Later calls multiply with the codes as they are; inputs are still quantized under
+        the policy, and a frozen layer records nothing in any mode, so an output depends on
+        its own request only: under delayed scaling the input step is the one training (or
+        calibration: training-mode forwards before freezing) left in the input ledger, a
+        static step saved in ``fp8_input_ledger``; an input ledger never seeded, and
+        dynamic scaling, take each request's own amax. Input gradients still flow; the
+        weight no longer trains (freeze a copy if you need both). Works inside
         ``torch.inference_mode`` too. Returns ``self``.
-
-        Serving runs per-tensor policies only: under a ``row``, ``block`` or ``mx`` policy
-        this raises ``ValueError`` naming the granularity before anything changes (the
-        frozen weight is quantized per tensor, which the fine-grained linear cannot run).
-        Serve such a model from a copy built with a per-tensor policy.
         """
-        if self._frozen:
+        policy = self.policy
+        weight_layout(policy)  # mx: refused before anything changes
+        if weight is None and self._frozen:
             return self
-        granularity = self.policy.granularity
-        if granularity != "tensor":
-            raise ValueError(
-                f"freeze_for_serving runs per-tensor policies only; this layer's policy "
-                f"{str(self.policy)!r} has granularity {granularity!r} (freezing quantizes "
-                f"the weight per tensor, which a {granularity!r} linear cannot run). Nothing "
-                f"was changed: serve a copy built with a per-tensor policy (e.g. "
-                f"'e4m3/dynamic/0')"
-            )
-        w = self.weight.detach()
-        fmt = self.policy.format.forward
-        # Not inference tensors, even when frozen inside inference_mode: those could
-        # never be saved for an input gradient or loaded into by load_state_dict later.
-        with torch.inference_mode(False), torch.no_grad():
-            data, step, amax = tensor_ops.quantize_dynamic(w, fmt, 0, backend=self.backend)
-            step = step.reshape(1).clone()
-        state = self.scaling.weight
-        state.record(amax, step)
-        count(state.tally, w)
-        self.register_parameter("weight", None)
+        shape = (self.out_features, self.in_features)
+        device = self._storage_device()
+        given = None if weight is None else check_given(weight, policy, shape, device)
+        plan = self._plan(False)
+        data, steps = quantize_weight(self.weight, plan) if given is None else adopt(given, plan)
+        if not self._frozen:
+            self.register_parameter("weight", None)
         self.register_buffer("weight_fp8", data)
-        self.register_buffer("weight_step", step)
+        self.register_buffer("weight_step", steps)
         self._frozen = True
         self._unsettle()
         return self
@@ -391,12 +391,12 @@ class QuantizedLinear(nn.Linear):
         (``computectx.formats.scaling.load``), changing nothing; ``ValueError`` when they cannot
         load (a frozen layer's ``weight_fp8`` and ``weight_step`` only at their dtypes)."""
         if self._frozen:
-            held = {k: getattr(self, k) for k in _FROZEN_BUFFERS}
+            held = {k: getattr(self, k) for k in FROZEN_BUFFERS}
             check_held_dtypes(entries, held, prefix)
         return plan_scaling_load(
             entries,
             names=self.scaling.tensor_names(),
-            weights=("weight", *_FROZEN_BUFFERS),
+            weights=("weight", *FROZEN_BUFFERS),
             policy=self.policy,
             device=device,
             prefix=prefix,
@@ -450,12 +450,12 @@ class QuantizedLinear(nn.Linear):
         # for a frozen weight: fp8 counts as floating point, so a module-wide .half() or
         # .to(torch.bfloat16) would widen weight_fp8 (doubling its bytes) and round the
         # float32 step; both only follow the device, which fn applied to the step reveals.
-        with held_out(self._buffers, (*self.scaling.tensor_names(), *_FROZEN_BUFFERS)) as held:
+        with held_out(self._buffers, (*self.scaling.tensor_names(), *FROZEN_BUFFERS)) as held:
             super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
             step = held.get("weight_step")
             if step is not None:
                 device = fn(step).device
-                for k in _FROZEN_BUFFERS:
+                for k in FROZEN_BUFFERS:
                     t = held.get(k)
                     if t is not None:
                         held[k] = t.to(device)

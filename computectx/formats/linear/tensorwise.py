@@ -32,11 +32,10 @@ from computectx.formats.linear.recompute import (
     warn_nothing_to_replay,
 )
 from computectx.formats.linear.weights import QuantizedWeight
-from computectx.formats.numerics import tensorwise
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.recipes import DelayedScaling
 
-__all__ = ["TensorwiseLinearFunction", "dequantized", "tensorwise_linear"]
+__all__ = ["TensorwiseLinearFunction", "tensorwise_linear"]
 
 
 def tensorwise_linear(
@@ -86,13 +85,6 @@ def _unsaveable(plan: Fp8LinearPlan) -> Literal["", "inline", "sharded"]:
     if plan.input_reduce is not None or plan.weight_reduce is not None:
         return "sharded"
     return ""
-
-
-def dequantized(plan: Fp8LinearPlan, dtype: torch.dtype) -> torch.Tensor:
-    if plan.frozen_weight is None:
-        raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
-    data, step = plan.frozen_weight
-    return tensorwise.dequantize(data, step, dtype)
 
 
 class TensorwiseLinearFunction(torch.autograd.Function):

@@ -91,6 +91,8 @@ def _weights(model: nn.Module, ctx: ComputeCtx, path: pathlib.Path) -> nn.Module
         ("hybrid/delayed/16/0/max", True),  # static input steps, from training
         ("hybrid/delayed/16/0/max", False),  # never seeded: each request's own amax
         ("hybrid/dynamic/0", True),  # dynamic: each request's own amax
+        ("e4m3/row/dynamic/0", True),  # frozen per row
+        ("hybrid/block/dynamic/0", True),  # frozen per 128x128 block
     ],
 )
 def test_a_frozen_model_answers_each_request_alone_before_and_after_a_reload(
