@@ -18,6 +18,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import stat
 import sys
 from collections.abc import Iterator
@@ -26,7 +27,14 @@ from pathlib import Path
 if sys.platform != "win32":
     import fcntl
 
-__all__ = ["TEMP_SUFFIX", "atomic_path", "stale_temporaries", "target_of", "write_file"]
+__all__ = [
+    "TEMP_SUFFIX",
+    "atomic_directory",
+    "atomic_path",
+    "stale_temporaries",
+    "target_of",
+    "write_file",
+]
 
 TEMP_SUFFIX = ".computectx-tmp"
 """The last part of every temporary's name: ``.<name>.<16 hex digits>.computectx-tmp``."""
@@ -194,3 +202,45 @@ def write_file(path: str | os.PathLike[str], data: bytes, *, what: str) -> Path:
     with atomic_path(path, what=what) as tmp:
         tmp.write_bytes(data)
     return Path(path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_directory(target: Path) -> Iterator[Path]:
+    """Yield a new, empty folder beside ``target`` to write a whole folder into; on exit each
+    file in it and the folder are fsynced and the folder is renamed to ``target`` (an existing
+    ``target`` moved aside first and removed after), so a crash leaves the old folder or the
+    new one. If the body or the commit raises, the new folder is removed and ``target`` is as
+    it was. The caller checked ``target`` (that it may be replaced)."""
+    parent = target.absolute().parent
+    tmp = parent / f".{_stem(target.name)}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    tmp.mkdir()
+    old: Path | None = None
+    try:
+        yield tmp
+        for path in sorted(tmp.rglob("*")):
+            if path.is_file():
+                _fsync_file(path)
+        _fsync_folder(tmp)
+        if target.exists():
+            old = parent / f".{_stem(target.name)}.{secrets.token_hex(8)}.old{TEMP_SUFFIX}"
+            os.rename(target, old)
+        os.rename(tmp, target)
+        _fsync_folder(parent)
+    except BaseException:
+        if old is not None and not target.exists():
+            os.rename(old, target)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(old)

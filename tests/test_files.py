@@ -348,7 +348,7 @@ def _raw_writes(source: str) -> list[tuple[int, str]]:
         for item in node.items
         if isinstance(item.context_expr, ast.Call)
         and isinstance(item.context_expr.func, ast.Name)
-        and item.context_expr.func.id == "atomic_path"
+        and item.context_expr.func.id in ("atomic_path", "atomic_directory")
         and isinstance(item.optional_vars, ast.Name)
     }
     found = []
@@ -371,6 +371,12 @@ def _raw_writes(source: str) -> list[tuple[int, str]]:
             )
         )
         args = [*node.args, *(k.value for k in node.keywords)]
+        if isinstance(
+            f, ast.Attribute
+        ):  # (folder / name).write_text(...): the path it is called on
+            args.append(f.value)
+        # A path in an atomic_directory's folder: ``folder / name``.
+        args += [a.left for a in list(args) if isinstance(a, ast.BinOp)]
         if writes and not any(isinstance(a, ast.Name) and a.id in temporaries for a in args):
             found.append((node.lineno, name))
     return found
@@ -391,5 +397,34 @@ def test_every_file_the_package_writes_goes_through_atomic_path() -> None:
     writes = "p.write_text('x')\nopen(p, 'wb')\np.open(mode='a')\ntorch.save(x, p)"
     assert [n for _, n in _raw_writes(writes)] == ["write_text", "open", "open", "save"]
     assert _raw_writes("with atomic_path(p, what='x') as tmp:\n    torch.save(x, tmp)") == []
+    inside = (
+        "with atomic_directory(p) as d:\n    save_file(x, d / 'a')\n    (d / 'b').write_text('x')"
+    )
+    assert _raw_writes(inside) == []
+    assert [n for _, n in _raw_writes("save_file(x, p / 'a')\n(p / 'b').write_text('x')")] == [
+        "save_file",
+        "write_text",
+    ]
     reads = "open('/proc/meminfo')\nopen(p, 'rb')\np.open('rb')\n'a'.replace('a', 'b')"
     assert _raw_writes(reads) == []
+
+
+def test_a_folder_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+
+    def half_written() -> None:
+        with files_module.atomic_directory(target) as d:
+            (d / "a.txt").write_text("new")
+            raise RuntimeError("midway")
+
+    with pytest.raises(RuntimeError, match="midway"):
+        half_written()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left
+    assert sorted(p.name for p in target.iterdir()) == ["old.txt"]
+    with files_module.atomic_directory(target) as d:
+        (d / "a.txt").write_text("new")
+        assert not (target / "a.txt").exists()  # nothing shows before the commit
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in target.iterdir()) == ["a.txt"]

@@ -1,0 +1,50 @@
+"""A converted transformers model as a Hugging Face checkpoint that serving stacks load.
+
+``export_pretrained(model, directory, format=...)`` writes a model that ``convert_to_quantized``
+converted as a model directory in one of two published fp8 formats, with the codes and steps
+the model serves with (``computectx.formats.serving_weights``: no requantization):
+
+- ``"fine-grained-fp8"``: transformers' ``FineGrainedFP8Config`` layout (DeepSeek-V3's), read by
+  transformers and vLLM: each quantized ``{module}.weight`` in ``float8_e4m3fn`` with
+  ``{module}.weight_scale_inv``, float32, one per 128x128 block (``ceil(N/128), ceil(K/128)``),
+  and ``quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic",
+  "weight_block_size": [128, 128], "modules_to_not_convert": [...]}``.
+- ``"compressed-tensors"``: llm-compressor's ``float-quantized`` format, read by vLLM and by
+  the ``compressed_tensors`` package: ``{module}.weight`` in ``float8_e4m3fn`` with
+  ``{module}.weight_scale`` float32, shaped by the strategy (``tensor`` ``(1,)``, ``channel``
+  ``(N, 1)``, ``block`` ``(ceil(N/128), ceil(K/128))``), the ``quantization_config`` built with
+  ``compressed_tensors``' own classes: one group targeting ``Linear``, dynamic fp8
+  activations (per token; per group of 128 for blocks), an ``ignore`` list.
+
+Both scales are dequantize multipliers (``weight ≈ code * scale``), as ``ServingWeight``'s
+steps are. Which recipe each format holds, exactly:
+
+============================  ======================  ======================
+recipe (granularity)          ``fine-grained-fp8``    ``compressed-tensors``
+============================  ======================  ======================
+``tensor`` (e4m3 forward)     yes (the step repeated  yes (``tensor``)
+                              over every block)
+``row``                       refused                 yes (``channel``)
+``block``                     yes                     yes (``block``)
+``mx``, e5m2 forward          refused                 refused
+============================  ======================  ======================
+
+Everything else is written as the model holds it (embeddings, norms, the head, routers, the
+linears and experts left unconverted, which the ``modules_to_not_convert`` / ``ignore`` list
+names); no scaling state (``fp8_*``). Tensors carry transformers' on-disk names: the model's
+own reverse weight conversion (``save_pretrained``'s) lays fused experts out per expert
+(``mlp.experts.{e}.gate_proj.weight``, ...), and each scale is its weight's name with the
+format's suffix, so reading back is the straight inverse. A tied head is written once, as
+``save_pretrained`` writes it.
+"""
+
+from __future__ import annotations
+
+from computectx.integrations.hf_checkpoint.export import export_pretrained
+from computectx.integrations.hf_checkpoint.formats import (
+    EXPORT_FORMATS,
+    FORMAT_LAYOUTS,
+    ExportFormat,
+)
+
+__all__ = ["EXPORT_FORMATS", "FORMAT_LAYOUTS", "ExportFormat", "export_pretrained"]

@@ -1,0 +1,200 @@
+"""``export_pretrained``: the tensors and config.json of a converted model in a format."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+from computectx.formats import QuantizedLinear, ServingWeight, serving_recipes, serving_weights
+from computectx.integrations.hf_checkpoint.files import SHARD_BYTES, write_checkpoint
+from computectx.integrations.hf_checkpoint.formats import (
+    BLOCK,
+    SCALE_SUFFIX,
+    ExportFormat,
+    check_recipes,
+    format_arg,
+    quantization_config,
+)
+from computectx.integrations.transformers_moe import TransformersExperts
+
+__all__ = ["export_pretrained"]
+
+
+def export_pretrained(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    *,
+    format: ExportFormat,
+    overwrite: bool = False,
+    max_shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Write ``model`` (a transformers model converted by ``convert_to_quantized``) to
+    ``directory`` in ``format`` (module docstring); return the directory.
+
+    Everything is checked and laid out in memory before anything is written; then the files
+    go to a new folder beside ``directory``, are fsynced, and the folder is renamed into
+    place, so a crash leaves the old directory or the new one. ``ValueError`` (nothing
+    written) for: an unknown format; a recipe the format cannot hold (naming the recipe, the
+    layer and the formats that can); an existing non-empty ``directory`` without
+    ``overwrite=True``; a quantized weight tied to another; experts whose layout the
+    model's reverse conversion splits inside a 128x128 block. ``TypeError`` for a model
+    that is not a transformers ``PreTrainedModel``. Safetensors files above
+    ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained`` does.
+    """
+    fmt = format_arg(format)
+    target = _target_arg(directory, overwrite)
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"export_pretrained writes a transformers PreTrainedModel (it reads model.config "
+            f"and the model's weight conversions), got {type(model).__name__}"
+        )
+    recipes = serving_recipes(model)
+    check_recipes(recipes, fmt)
+    weights = serving_weights(model)
+    tensors = _disk_tensors(model, weights, fmt)
+    ignore = _not_converted(model, set(weights))
+    config = _config(model)
+    config["quantization_config"] = quantization_config(fmt, weights, ignore)
+    write_checkpoint(target, tensors, config, max_shard_bytes)
+    return target
+
+
+def _target_arg(directory: object, overwrite: bool) -> Path:
+    if not isinstance(directory, (str, os.PathLike)) or os.fspath(directory) in ("", b""):
+        raise TypeError(f"export_pretrained takes a directory path, got {directory!r}")
+    target = Path(os.fsdecode(directory))
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"cannot export to {str(target)!r}: it exists and is not a directory")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise ValueError(
+            f"cannot export to {str(target)!r}: the directory exists and is not empty; pass "
+            f"overwrite=True to replace it"
+        )
+    if not target.absolute().parent.is_dir():
+        raise ValueError(f"cannot export to {str(target)!r}: its parent folder does not exist")
+    return target
+
+
+def _disk_tensors(
+    model: PreTrainedModel, weights: Mapping[str, ServingWeight], fmt: ExportFormat
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by its on-disk name: the high-precision state, the
+    codes in place of the quantized weights and their scales."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = _high_precision_state(model, weights)
+    for name, w in weights.items():
+        held = state.get(name)
+        if held is not None and tuple(held.shape) != tuple(w.codes.shape):
+            raise ValueError(
+                f"{name}: the model holds it as {tuple(held.shape)} but multiplies it as "
+                f"{tuple(w.codes.shape)} (a transposed experts layout); exporting it is not "
+                f"supported yet"
+            )
+        state[name] = w.codes
+    out = {k: t.contiguous() for k, t in revert_weight_conversion(model, state).items()}
+    # Each weight's steps with one row per code row go through the same conversion (per
+    # layout), so they reach the names its codes reach, split or stacked as the rows are.
+    for layout in sorted({w.layout for w in weights.values()}):
+        by_row = {k: _steps_by_row(w) for k, w in weights.items() if w.layout == layout}
+        for name, rows in revert_weight_conversion(model, by_row).items():
+            out[name + SCALE_SUFFIX[fmt]] = _scale(name, out[name], rows, layout, fmt)
+    return out
+
+
+def _high_precision_state(
+    model: nn.Module, weights: Mapping[str, ServingWeight]
+) -> dict[str, torch.Tensor]:
+    """The model's state dict without the scaling state, the frozen buffers and the tied
+    copies (``save_pretrained`` writes a tied weight once)."""
+    drop: set[str] = set()
+    for fqn, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            names = (*module.state_load_keys(), "weight", "weight_fp8", "weight_step")
+            drop.update(f"{fqn}.{n}" if fqn else n for n in names)
+    full = model.state_dict()
+    state = {k: v for k, v in full.items() if k not in drop}
+    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
+    for tied_name, source in tied.items():
+        a, b = full.get(tied_name), full.get(source)
+        if a is None or b is None or a.data_ptr() != b.data_ptr():
+            continue  # not tied in this model (tie_word_embeddings=False)
+        if tied_name in weights or source in weights:
+            raise ValueError(
+                f"{tied_name} is tied to {source} and one of them is quantized: a checkpoint "
+                f"holds a tied weight once; convert without the head (include_head=False) or "
+                f"untie the weights"
+            )
+        state.pop(tied_name, None)
+    return state
+
+
+def _steps_by_row(w: ServingWeight) -> torch.Tensor:
+    """``w``'s steps with one row per code row (``[..., N, C]``), so that a reverse
+    conversion splitting or stacking rows moves each row's steps with its codes."""
+    *lead, n, _ = w.codes.shape
+    if w.layout == "tensor":
+        return w.steps.reshape(*lead, 1, 1).expand(*lead, n, 1)
+    if w.layout == "row":
+        return w.steps
+    return w.steps.repeat_interleave(BLOCK, dim=-2)[..., :n, :]
+
+
+def _scale(
+    name: str, codes: torch.Tensor, rows: torch.Tensor, layout: str, fmt: ExportFormat
+) -> torch.Tensor:
+    """The format's scale of on-disk weight ``name`` from its steps by row (``[N, C]``)."""
+    n, k = codes.shape[-2:]
+    grid = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
+    if layout == "tensor":
+        one = rows.reshape(-1)[:1]
+        if not torch.equal(rows, one.expand_as(rows)):
+            raise ValueError(f"{name}: a piece of weights with several per-tensor steps")
+        return one.expand(grid).contiguous() if fmt == "fine-grained-fp8" else one.clone()
+    if layout == "row":
+        return rows.contiguous()
+    blocks = rows[..., ::BLOCK, :].contiguous()
+    if not torch.equal(blocks.repeat_interleave(BLOCK, dim=-2)[..., :n, :], rows):
+        raise ValueError(
+            f"{name}: the checkpoint's layout splits this weight at a row inside a 128x128 "
+            f"block of the fused weight the model multiplies (the fused rows per piece must "
+            f"be a multiple of 128), so its block steps cannot be written as they are"
+        )
+    return blocks
+
+
+def _not_converted(model: nn.Module, quantized: set[str]) -> list[str]:
+    """Modules a serving stack would take for quantized linears but that are not: linears
+    and routers (a 2-D ``weight`` outside an embedding) and experts left in high precision."""
+    experts = TransformersExperts()
+    names = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, (QuantizedLinear, nn.Embedding)) or not fqn:
+            continue
+        own = module._parameters.get("weight")
+        is_linear_like = isinstance(own, torch.Tensor) and own.dim() == 2
+        weights = experts.weights(module)
+        is_hp_experts = weights is not None and not any(f"{fqn}.{n}" in quantized for n in weights)
+        if (is_linear_like and f"{fqn}.weight" not in quantized) or is_hp_experts:
+            names.append(fqn)
+    return names
+
+
+def _config(model: nn.Module) -> dict[str, Any]:
+    config: Any = model.config
+    out: dict[str, Any] = config.to_dict()
+    out.pop("quantization_config", None)
+    if not out.get("architectures"):
+        out["architectures"] = [type(model).__name__]
+    return out
