@@ -15,6 +15,10 @@ step`` of the element's block, formed in float32 (``dequantize``), as ``quantize
 | ``"tensor"`` | ``(1,)`` | ``(E, 1)`` |
 | ``"row"`` | ``(N, 1)`` | ``(E, N, 1)`` |
 | ``"128x128"`` | ``(ceil(N/128), ceil(K/128))`` | ``(E, ceil(N/128), ceil(K/128))`` |
+
+A recipe's weights serve in the layout its forward quantizes them in (``recipe_layout``):
+granularity ``tensor`` in ``"tensor"``, ``row`` in ``"row"``, ``block`` in ``"128x128"``;
+``mx`` has none yet.
 """
 
 from __future__ import annotations
@@ -28,12 +32,35 @@ from computectx._checks import described
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats.numerics import blockwise, layouts
 from computectx.formats.numerics.layouts import Granularity
+from computectx.recipes import Recipe
 
-__all__ = ["WEIGHT_LAYOUTS", "ServingWeight"]
+__all__ = ["LAYOUT_OF_GRANULARITY", "WEIGHT_LAYOUTS", "ServingWeight", "recipe_layout"]
 
 WEIGHT_LAYOUTS: Final[tuple[Granularity, ...]] = ("tensor", "row", "128x128")
 """The granularities a serving weight is laid out in: which codes share one step (all, a
 row's, a 128x128 block's)."""
+
+
+LAYOUT_OF_GRANULARITY: Final[dict[str, Granularity]] = {
+    "tensor": "tensor",
+    "row": "row",
+    "block": "128x128",
+}
+"""A recipe's granularity -> the layout its forward quantizes its weights in (``mx``: none)."""
+
+
+def recipe_layout(recipe: Recipe) -> Granularity:
+    """The layout ``recipe``'s weights serve in; ``ValueError`` naming the recipe and the
+    granularities that have one when it has none (``mx``)."""
+    layout = LAYOUT_OF_GRANULARITY.get(recipe.granularity)
+    if layout is None:
+        held = ", ".join(f"{g!r} ({layout})" for g, layout in LAYOUT_OF_GRANULARITY.items())
+        raise ValueError(
+            f"recipe {str(recipe)!r} (granularity {recipe.granularity!r}) has no serving weight "
+            f"layout: serving formats hold granularities {held} (layouts "
+            f"{', '.join(WEIGHT_LAYOUTS)})"
+        )
+    return layout
 
 
 def _steps_shape(layout: Granularity, shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from computectx.formats import quantize_tensor
+from computectx.formats import Recipe, quantize_tensor
 from computectx.formats.serving import ServingWeight
 
 
@@ -53,3 +53,16 @@ def test_bad_pairs_are_refused_naming_what_the_layout_takes() -> None:
         ServingWeight(codes.bfloat16(), steps, "128x128")
     with pytest.raises(ValueError, match="must be a float32 tensor"):
         ServingWeight(codes, steps.double(), "128x128")
+
+
+def test_each_recipe_serves_in_its_forwards_weight_layout() -> None:
+    from computectx.formats.serving import recipe_layout
+
+    for text, layout in [
+        ("e4m3/dynamic/0", "tensor"),
+        ("hybrid/row/dynamic/0", "row"),
+        ("e4m3/block+pow2/dynamic/0", "128x128"),
+    ]:
+        assert recipe_layout(Recipe.parse(text)) == layout
+    with pytest.raises(ValueError, match=r"recipe 'e4m3/mx/dynamic/0' \(granularity 'mx'\) has no"):
+        recipe_layout(Recipe.parse("e4m3/mx/dynamic/0"))

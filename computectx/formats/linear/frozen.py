@@ -3,13 +3,14 @@
 ``QuantizedLinear.freeze_for_serving`` replaces the high-precision weight by two buffers,
 ``weight_fp8`` (the codes, ``[out_features, in_features]`` in the recipe's forward format)
 and ``weight_step`` (their float32 dequantize steps, ``weight ≈ codes * step``), laid out as
-the recipe's forward quantizes its weight (``WEIGHT_LAYOUT``): one step (``(1,)``) for
+the recipe's forward quantizes its weight (``serving.recipe_layout``): one step (``(1,)``) for
 ``tensor``, one per output row (``(N, 1)``) for ``row``, one per 128x128 block
 (``(ceil(N/128), ceil(K/128))``) for ``block``: the steps of a ``ServingWeight`` of that
 layout, so one state-dict form covers the three. ``mx`` has no such layout yet.
 
 This module holds what freezing reads: the layout (``weight_layout``), the codes the
-forward itself would make of the weight (``quantize_weight``), the check and copy of codes
+forward itself makes of the weight (``quantize_weight``; ``serving_weight``, what
+``QuantizedLinear.serving_weight`` gives), the check and copy of codes
 given from outside (``check_given``, ``adopt``) and the frozen weight dequantized
 (``dequantized``, for a call that runs without fp8). The forward multiplies with the codes
 as they are (``linear.tensorwise``; ``linear.blockwise`` for ``row`` and ``block``).
@@ -28,66 +29,79 @@ from computectx.formats.numerics.layouts import Granularity
 from computectx.formats.numerics.ledger import count
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.scaling.operand import record_statistics
-from computectx.formats.serving import ServingWeight
+from computectx.formats.serving import ServingWeight, recipe_layout
 from computectx.recipes import Recipe
 
 __all__ = [
     "FROZEN_BUFFERS",
-    "WEIGHT_LAYOUT",
     "adopt",
     "check_given",
     "dequantized",
     "quantize_weight",
+    "serving_weight",
     "weight_layout",
 ]
 
 FROZEN_BUFFERS: Final = ("weight_fp8", "weight_step")
 """A frozen layer's buffers: the codes and their steps."""
 
-WEIGHT_LAYOUT: Final[dict[str, Granularity]] = {
-    "tensor": "tensor",
-    "row": "row",
-    "block": "128x128",
-}
-"""A recipe granularity -> the layout its forward quantizes the weight in (a
-``ServingWeight`` layout)."""
-
 
 def weight_layout(policy: Recipe) -> Granularity:
-    """The layout ``policy``'s forward quantizes its weight in; ``ValueError`` for a
-    granularity that has none a frozen layer can hold (``mx``)."""
-    layout = WEIGHT_LAYOUT.get(policy.granularity)
-    if layout is None:
-        held = ", ".join(f"{g} ({w})" for g, w in WEIGHT_LAYOUT.items())
+    """The layout ``policy``'s forward quantizes its weight in (``serving.recipe_layout``);
+    ``ValueError`` for a granularity that has none a frozen layer can hold (``mx``)."""
+    try:
+        return recipe_layout(policy)
+    except ValueError as e:
         raise ValueError(
-            f"freeze_for_serving runs the granularities {held}; this layer's policy "
-            f"{str(policy)!r} has granularity {policy.granularity!r}, whose weight no serving "
-            f"layout holds yet. Nothing was changed: serve a copy built with one of those "
-            f"(e.g. 'e4m3/dynamic/0' or 'e4m3/block/dynamic/0')"
-        )
-    return layout
+            f"freeze_for_serving: {e}. Nothing was changed: serve a copy built with one of "
+            f"those granularities (e.g. 'e4m3/dynamic/0' or 'e4m3/block/dynamic/0')"
+        ) from None
 
 
 def quantize_weight(weight: torch.Tensor, plan: Fp8LinearPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """``(codes, steps)`` of ``weight`` as the layer's forward makes them under ``plan``'s
-    recipe, with the weight's statistics recorded once into ``plan.state.weight``:
-    per tensor, the step of the weight's own amax with no margin (a frozen weight never
-    grows); per row or 128x128 block, the recipe's step rule (its ``power_of_two``), the
-    block quantize the forward runs. Plain tensors even inside ``inference_mode`` (a
-    frozen layer is still saved for an input gradient and loaded into)."""
+    recipe (``serving_weight``), with the weight's statistics recorded once into
+    ``plan.state.weight``."""
     w = weight.detach()
+    data, steps, measured = _quantized(w, plan)
     state = plan.state.weight
     if plan.policy.granularity == "tensor":
-        with torch.inference_mode(False), torch.no_grad():
-            data, step, amax = tensor_ops.quantize_dynamic(w, plan.fwd, 0, backend=plan.backend)
-            step = step.reshape(1).clone()
-        state.record(amax, step)
+        state.record(measured, steps)
         count(state.tally, w)
-        return data, step
+        return data, steps
     with torch.inference_mode(False), torch.no_grad():
-        data, steps, largest, saturated = quantize_weight_blocks(w, plan)
-        record_statistics([(state, w, largest, saturated)])
+        nothing = torch.zeros(1, dtype=torch.float32, device=steps.device)  # dynamic steps
+        record_statistics([(state, w, measured, nothing)])
     return data, steps
+
+
+def serving_weight(weight: torch.Tensor | None, plan: Fp8LinearPlan) -> ServingWeight:
+    """The codes and steps a layer serves with: its frozen ones (``plan.frozen_weight``, as
+    they are), else ``weight``'s as its forward makes them under ``plan``'s recipe (nothing
+    recorded): per tensor, the step of the weight's own amax with no margin (a frozen
+    weight never grows); per row or 128x128 block, the forward's block quantize under the
+    recipe's step rule (its ``power_of_two``). Plain tensors even inside
+    ``inference_mode`` (a frozen layer is still saved for an input gradient and loaded
+    into)."""
+    layout = weight_layout(plan.policy)
+    if plan.frozen_weight is not None:
+        return ServingWeight(*plan.frozen_weight, layout)
+    if weight is None:
+        raise ValueError("an fp8 linear needs a weight or a frozen (pre-quantized) weight")
+    data, steps, _ = _quantized(weight.detach(), plan)
+    return ServingWeight(data, steps, layout)
+
+
+def _quantized(
+    w: torch.Tensor, plan: Fp8LinearPlan
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (codes, steps, what the freeze records: the amax per tensor, the largest block step).
+    with torch.inference_mode(False), torch.no_grad():
+        if plan.policy.granularity == "tensor":
+            data, step, amax = tensor_ops.quantize_dynamic(w, plan.fwd, 0, backend=plan.backend)
+            return data, step.reshape(1).clone(), amax
+        data, steps, largest, _ = quantize_weight_blocks(w, plan)
+        return data, steps, largest
 
 
 def check_given(

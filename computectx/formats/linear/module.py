@@ -20,6 +20,7 @@ from computectx.formats.linear.frozen import (
     check_given,
     dequantized,
     quantize_weight,
+    serving_weight,
     weight_layout,
 )
 from computectx.formats.linear.function import fp8_linear
@@ -307,31 +308,27 @@ class QuantizedLinear(nn.Linear):
         The weight becomes the buffers ``weight_fp8`` (codes in the recipe's forward format,
         1 byte per element) and ``weight_step`` (float32, ``weight ≈ codes * step``), laid
         out as the recipe's forward quantizes its weight (``linear.frozen``): one step, one
-        per output row (``(N, 1)``) or one per 128x128 block. Without ``weight``, they are
-        the codes that forward makes (per tensor from the weight's own amax, no margin: a
-        frozen weight never grows). ``weight``, a ``ServingWeight`` of this layer's
-        ``[out_features, in_features]`` laid out ``"tensor"``, ``"row"`` or ``"128x128"``
-        for granularity ``tensor``, ``row`` or ``block``, codes in the forward format, on
-        the layer's device, is copied bit for bit instead (also into a frozen layer); else
-        ``TypeError``/``ValueError`` naming what was given and what the layer takes, and
-        nothing changes. ``mx`` is refused (``ValueError`` naming it and the granularities
-        that freeze) before anything changes. Freezing records the weight's statistics once.
+        per output row or one per 128x128 block. Without ``weight`` they are the codes that
+        forward makes (per tensor from the weight's own amax, no margin). ``weight``, a
+        ``ServingWeight`` of this layer's ``[out_features, in_features]`` in the recipe's
+        layout (``"tensor"``, ``"row"``, ``"128x128"``) and forward format, on the layer's
+        device, is copied bit for bit instead (also into a frozen layer); else
+        ``TypeError``/``ValueError`` naming what was given and what the layer takes. ``mx``
+        is refused naming it. A refused call changes nothing.
 
         Later calls multiply with the codes as they are; inputs are still quantized under
         the policy, and a frozen layer records nothing in any mode, so an output depends on
         its own request only: under delayed scaling the input step is the one training (or
-        calibration: training-mode forwards before freezing) left in the input ledger, a
-        static step saved in ``fp8_input_ledger``; an input ledger never seeded, and
-        dynamic scaling, take each request's own amax. Input gradients still flow; the
-        weight no longer trains (freeze a copy if you need both). Works inside
-        ``torch.inference_mode`` too. Returns ``self``.
+        calibration) left in the input ledger, saved in ``fp8_input_ledger``; an input
+        ledger never seeded, and dynamic scaling, take each request's own amax. Input
+        gradients still flow; the weight no longer trains (freeze a copy for both). Works
+        inside ``torch.inference_mode``. Returns ``self``.
         """
         policy = self.policy
         weight_layout(policy)  # mx: refused before anything changes
         if weight is None and self._frozen:
             return self
-        shape = (self.out_features, self.in_features)
-        device = self._storage_device()
+        shape, device = (self.out_features, self.in_features), self._storage_device()
         given = None if weight is None else check_given(weight, policy, shape, device)
         plan = self._plan(False)
         data, steps = quantize_weight(self.weight, plan) if given is None else adopt(given, plan)
@@ -342,6 +339,11 @@ class QuantizedLinear(nn.Linear):
         self._frozen = True
         self._unsettle()
         return self
+
+    def serving_weight(self) -> ServingWeight:
+        """The codes and steps this layer serves with: a frozen layer's buffers (views),
+        else its weight's as ``freeze_for_serving`` would make them (nothing recorded)."""
+        return serving_weight(None if self._frozen else self.weight, self._plan(False))
 
     # ----- state ----------------------------------------------------------------------------
 

@@ -402,7 +402,7 @@ def test_serving_fsdp2_fp8_weights_and_amax_reduction_are_refused_clearly(flag: 
         fp8_linear(x, w8, None, plan)
     if gran == "mx":  # row and block freeze (linear/test_frozen.py)
         with pytest.raises(
-            ValueError, match=f"freeze_for_serving runs the granularities.*'{gran}'"
+            ValueError, match=f"freeze_for_serving: .*'{gran}'.* no serving weight layout"
         ):
             layer.freeze_for_serving()  # refused before anything changes (linear/test_module.py)
     # A layer frozen per tensor refuses a fine-grained ctx when it is set (it holds per-tensor

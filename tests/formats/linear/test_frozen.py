@@ -248,3 +248,17 @@ def test_a_frozen_layer_compiles_whole(name: str) -> None:
     compiled = torch.compile(served, fullgraph=True)
     with torch.no_grad():
         assert torch.equal(compiled(x), want)
+
+
+@pytest.mark.parametrize("name", THREE)
+def test_serving_weight_is_what_the_layer_serves_with(name: str) -> None:
+    layer = layer_of(name)
+    before = snapshot(layer)
+    live = layer.serving_weight()
+    assert unchanged(layer, before)  # a trainable layer's codes, nothing recorded
+    assert live.layout == LAYOUTS[name][1] and not layer.frozen
+    layer.freeze_for_serving()
+    assert torch.equal(bits(live.codes), bits(layer.weight_fp8))
+    assert torch.equal(live.steps, layer.weight_step)
+    held = layer.serving_weight()
+    assert held.codes is layer.weight_fp8 and held.steps is layer.weight_step
