@@ -14,6 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+from computectx.dtypes import DType
 from computectx.formats import QuantizedLinear, ServingWeight, serving_recipes, serving_weights
 from computectx.integrations.hf_checkpoint.files import SHARD_BYTES, write_checkpoint
 from computectx.integrations.hf_checkpoint.formats import (
@@ -24,7 +25,9 @@ from computectx.integrations.hf_checkpoint.formats import (
     format_arg,
     quantization_config,
 )
+from computectx.integrations.hf_checkpoint.kv import kv_cache_scheme, kv_scale_tensors
 from computectx.integrations.transformers_moe import TransformersExperts
+from computectx.kv_policy import KvFp8
 
 __all__ = ["export_pretrained"]
 
@@ -36,6 +39,8 @@ def export_pretrained(
     format: ExportFormat,
     overwrite: bool = False,
     max_shard_bytes: int = SHARD_BYTES,
+    kv: KvFp8 | DType | None = None,
+    kv_amax: torch.Tensor | None = None,
 ) -> Path:
     """Write ``model`` (a transformers model converted by ``convert_to_quantized``) to
     ``directory`` in ``format`` (module docstring); return the directory.
@@ -49,6 +54,14 @@ def export_pretrained(
     model's reverse conversion splits inside a 128x128 block. ``TypeError`` for a model
     that is not a transformers ``PreTrainedModel``. Safetensors files above
     ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained`` does.
+
+    ``kv`` / ``kv_amax``: the KV cache the model is served with here (``ctx.kv``) and, for a
+    static fp8 scheme (``per_tensor``, ``per_head``), its calibrated amax ``(layers, 2,
+    key/value heads)`` (``calibrate_transformers_kv``, the ``kv_amax`` ``CtxStaticCache``
+    takes): the checkpoint then carries each layer's ``k_scale`` / ``v_scale``, the steps that
+    cache serves with, as the format holds them (``hf_checkpoint.kv``); any other ``kv``
+    writes none and takes no ``kv_amax``. Their refusals (a static scheme without its amax,
+    e5m2, a wrong shape) come before anything is written too.
     """
     fmt = format_arg(format)
     target = _target_arg(directory, overwrite)
@@ -61,11 +74,15 @@ def export_pretrained(
         )
     recipes = serving_recipes(model)
     check_recipes(recipes, fmt)
+    kv_scales = kv_scale_tensors(model, fmt, kv, kv_amax)
     weights = serving_weights(model)
-    tensors = _disk_tensors(model, weights, fmt)
+    tensors = {**_disk_tensors(model, weights, fmt), **kv_scales}
     ignore = _not_converted(model, set(weights))
     config = _config(model)
     config["quantization_config"] = quantization_config(fmt, weights, ignore)
+    scheme = kv_cache_scheme(fmt, kv)
+    if scheme is not None:
+        config["quantization_config"]["kv_cache_scheme"] = scheme
     write_checkpoint(target, tensors, config, max_shard_bytes)
     return target
 
