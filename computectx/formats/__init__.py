@@ -25,7 +25,12 @@ from computectx.formats.convert import (
     convert_to_quantized,
 )
 from computectx.formats.convert_experts import ExpertsConverter, register_experts_converter
-from computectx.formats.exchange import serving_recipes, serving_weights
+from computectx.formats.exchange import (
+    LoadMode,
+    load_serving_weights,
+    serving_recipes,
+    serving_weights,
+)
 from computectx.formats.linear.autocast import autocast
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
@@ -35,7 +40,7 @@ from computectx.formats.numerics.layouts import Granularity, MxRounding
 from computectx.formats.ops.blockwise import dequantize_tensor, quantize_tensor
 from computectx.formats.ops.grouped import QuantizedExperts, quantized_grouped_mm
 from computectx.formats.scaling.layer import ScalingState
-from computectx.formats.serving import ServingWeight
+from computectx.formats.serving import ServingWeight, recipe_layout
 from computectx.formats.stats import LayerStats, OperandStats, scaling_stats
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 
@@ -52,6 +57,7 @@ __all__ = [
     "Fp8Scheme",
     "Granularity",
     "LayerStats",
+    "LoadMode",
     "MxRounding",
     "OperandStats",
     "QuantizedBlockWeight",
@@ -68,8 +74,10 @@ __all__ = [
     "checkpoint_policy",
     "convert_to_quantized",
     "dequantize_tensor",
+    "load_serving_weights",
     "quantize_tensor",
     "quantized_grouped_mm",
+    "recipe_layout",
     "register_experts_converter",
     "scaling_stats",
     "select_backend",

@@ -22,11 +22,22 @@ buffers as they are. A trainable one is quantized here by the very operator and 
 forward quantizes the weight with, so the codes are those its fp8 GEMM multiplies by (for
 ``tensor``, those freezing would keep; a delayed recipe's training forward reads its ledger's
 step instead). Nothing in the model changes.
+
+``load_serving_weights(model, weights, mode=...)`` is the way back: every quantized weight of
+the model given under the names ``serving_weights`` uses, each checked against its layer (the
+layout of its recipe, the codes' format, the shape) before anything is written, then taken
+as it is. ``mode="serve"`` freezes each linear with exactly those codes and steps
+(``freeze_for_serving(weight=...)``); experts have no frozen form yet, so a model with
+converted experts is refused in that mode, naming ``"train"``. ``mode="train"`` writes each
+weight dequantized (``ServingWeight.dequantize`` to the weight's dtype) into the
+high-precision weight in place, the master the policy trains and quantizes again, and
+gives the linears a fresh scaling state (their ledgers measured other weights).
 """
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import Final, Literal
 
 import torch
 from torch import nn
@@ -34,36 +45,23 @@ from torch import nn
 from computectx.formats.convert_experts import experts_converters
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.numerics import grouped
-from computectx.formats.numerics.layouts import OPERAND_GRANULARITY, Granularity, step_rule_of
+from computectx.formats.numerics.layouts import OPERAND_GRANULARITY, step_rule_of
 from computectx.formats.ops import blockwise as block_ops
-from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.ops.grouped import QuantizedExperts
-from computectx.formats.serving import WEIGHT_LAYOUTS, ServingWeight
+from computectx.formats.serving import ServingWeight, recipe_layout
 from computectx.recipes import Recipe
 
-__all__ = ["LAYOUT_OF_GRANULARITY", "serving_layout", "serving_recipes", "serving_weights"]
+__all__ = [
+    "LOAD_MODES",
+    "LoadMode",
+    "load_serving_weights",
+    "serving_recipes",
+    "serving_weights",
+]
 
-LAYOUT_OF_GRANULARITY: Final[dict[str, Granularity]] = {
-    "tensor": "tensor",
-    "row": "row",
-    "block": "128x128",
-}
-"""A recipe's granularity -> the ``ServingWeight`` layout its weights serve in (``mx`` has
-none)."""
-
-
-def serving_layout(recipe: Recipe) -> Granularity:
-    """The ``ServingWeight`` layout of ``recipe``'s weights; ``ValueError`` naming the recipe
-    and the layouts that exist when it has none (``mx``)."""
-    layout = LAYOUT_OF_GRANULARITY.get(recipe.granularity)
-    if layout is None:
-        held = ", ".join(f"{g!r} ({layout})" for g, layout in LAYOUT_OF_GRANULARITY.items())
-        raise ValueError(
-            f"recipe {str(recipe)!r} (granularity {recipe.granularity!r}) has no serving weight "
-            f"layout: serving formats hold granularities {held} (layouts "
-            f"{', '.join(WEIGHT_LAYOUTS)})"
-        )
-    return layout
+LoadMode = Literal["serve", "train"]
+"""What ``load_serving_weights`` makes of the weights: frozen codes, or trainable masters."""
+LOAD_MODES: Final[tuple[LoadMode, ...]] = ("serve", "train")
 
 
 def serving_recipes(model: nn.Module) -> dict[str, Recipe]:
@@ -83,10 +81,10 @@ def serving_weights(model: nn.Module) -> dict[str, ServingWeight]:
     anything is quantized."""
     for name, recipe in serving_recipes(model).items():
         try:
-            serving_layout(recipe)
+            recipe_layout(recipe)
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
-    out = {_join(f, "weight"): _linear_weight(m) for f, m in _linears(model)}
+    out = {_join(f, "weight"): m.serving_weight() for f, m in _linears(model)}
     for fqn, experts, weights in _converted_experts(model):
         for name, w in weights.items():
             out[_join(fqn, name)] = _experts_weight(w, experts)
@@ -120,38 +118,12 @@ def _converted_experts(
     return found
 
 
-def _linear_weight(linear: QuantizedLinear) -> ServingWeight:
-    """The codes and steps ``linear`` serves with (module docstring)."""
-    recipe = linear.policy
-    layout = serving_layout(recipe)
-    if linear.frozen:
-        step = linear.weight_step
-        return ServingWeight(
-            linear.weight_fp8, step.reshape(1) if layout == "tensor" else step, layout
-        )
-    w = linear.weight.detach()
-    fmt = recipe.format.forward
-    with torch.no_grad():
-        if layout == "tensor":
-            # freeze_for_serving's quantize: the weight's own amax, no margin (a frozen
-            # weight never grows, so headroom would only cost precision).
-            codes, step, _ = tensor_ops.quantize_dynamic(w, fmt, 0, backend=linear.backend)
-            return ServingWeight(codes, step.reshape(1), layout)
-        # The forward's weight quantize (linear.blockwise): the block operator on the
-        # weight's granularity with the recipe's step rule; its scale is the dequantize step.
-        granularity = OPERAND_GRANULARITY[recipe.granularity][1]
-        codes, scale, _, _ = block_ops.fp8_quantize_blocks(
-            w, fmt.torch, granularity, step_rule_of(recipe), linear.backend.value, False
-        )
-    return ServingWeight(codes, scale, layout)
-
-
 def _experts_weight(w: torch.Tensor, experts: QuantizedExperts) -> ServingWeight:
     """Experts ``w [E, N, K]`` quantized per expert as the grouped forward quantizes them
     (``ops.grouped``: dynamic with the recipe's margin for ``tensor``, the block operator
     with its step rule otherwise)."""
     recipe = experts.policy
-    layout = serving_layout(recipe)
+    layout = recipe_layout(recipe)
     fmt, rule = recipe.format.forward, step_rule_of(recipe)
     codes, steps = [], []
     with torch.no_grad():
@@ -168,3 +140,117 @@ def _experts_weight(w: torch.Tensor, experts: QuantizedExperts) -> ServingWeight
             codes.append(q)
             steps.append(s.reshape(1) if layout == "tensor" else s)
     return ServingWeight(torch.stack(codes), torch.stack(steps), layout)
+
+
+def load_serving_weights(
+    model: nn.Module, weights: Mapping[str, ServingWeight], *, mode: LoadMode
+) -> None:
+    """Load ``weights`` (the names ``serving_weights(model)`` gives) into ``model`` as
+    ``mode`` says (module docstring): ``"serve"``, each linear frozen with exactly the given
+    codes and steps; ``"train"``, each weight := the given one dequantized to its dtype, in
+    place (the same ``Parameter`` objects, so an optimizer built before keeps working).
+
+    Everything is checked first; ``ValueError`` naming the weight, what was given and what
+    the layer takes, with nothing changed, for: an unknown mode; a quantized weight of the
+    model not given, or a name the model has no quantized weight under; a layout other
+    than the recipe's (``tensor``, ``row``, ``128x128`` for granularity ``tensor``, ``row``,
+    ``block``); codes in another format than the recipe's forward format; another shape;
+    non-finite steps; ``"train"`` into a layer frozen for serving (it holds no
+    high-precision weight); ``"serve"`` for a model with converted experts. Codes and steps
+    on another device are moved to the layer's."""
+    if mode not in LOAD_MODES:
+        raise ValueError(f"load_serving_weights: unknown mode {mode!r}; accepted: 'serve', 'train'")
+    targets = _load_targets(model)
+    missing = [name for name in targets if name not in weights]
+    unknown = [name for name in weights if name not in targets]
+    if missing or unknown:
+        raise ValueError(
+            f"load_serving_weights: the weights given do not match the model's quantized "
+            f"weights; not given: {missing or 'none'}; unknown to the model: {unknown or 'none'}. "
+            f"Nothing was changed"
+        )
+    placed = {name: target.check(name, weights[name], mode) for name, target in targets.items()}
+    with torch.no_grad():
+        for name, target in targets.items():
+            target.write(placed[name], mode)
+
+
+class _Target:
+    """One quantized weight of the model: its recipe, the tensor it is held in (a linear's
+    ``weight``, or an experts module's ``[E, N, K]`` view), its shape and device."""
+
+    def __init__(self, recipe: Recipe, held: torch.Tensor | None, linear: QuantizedLinear | None):
+        self.recipe, self.held, self.linear = recipe, held, linear
+
+    def _shape_device(self) -> tuple[tuple[int, ...], torch.device]:
+        if self.linear is not None:
+            device = (self.linear.weight_fp8 if self.linear.frozen else self.linear.weight).device
+            return (self.linear.out_features, self.linear.in_features), device
+        assert self.held is not None
+        return tuple(self.held.shape), self.held.device
+
+    def check(self, name: str, given: ServingWeight, mode: LoadMode) -> ServingWeight:
+        """``given`` moved to the layer's device, once it fits the layer and ``mode``
+        (``load_serving_weights``' refusals); reads nothing but ``given`` and the layer."""
+        if not isinstance(given, ServingWeight):
+            raise TypeError(
+                f"load_serving_weights: {name} must be a ServingWeight, got {type(given).__name__}"
+            )
+        recipe = self.recipe
+        shape, device = self._shape_device()
+        fmt = recipe.format.forward.torch
+        try:
+            layout = recipe_layout(recipe)
+        except ValueError as e:
+            raise ValueError(f"load_serving_weights: {name}: {e}") from None
+        want = _described(fmt, shape, layout)
+        got = _described(given.codes.dtype, tuple(given.codes.shape), given.layout)
+        if got != want:
+            raise ValueError(
+                f"load_serving_weights: {name} under recipe {str(recipe)!r} takes {want}; "
+                f"given {got}. Nothing was changed"
+            )
+        finite = torch.isfinite(given.steps)
+        if not bool(finite.all()):
+            raise ValueError(
+                f"load_serving_weights: {name} was given {int((~finite).sum())} non-finite "
+                f"step(s) among {given.steps.numel()}. Nothing was changed"
+            )
+        if mode == "train" and self.linear is not None and self.linear.frozen:
+            raise ValueError(
+                f"load_serving_weights: {name} is frozen for serving (it holds codes, no "
+                f"high-precision weight), so mode='train' cannot write its master; load into "
+                f"a model converted without freezing, or use mode='serve'. Nothing was changed"
+            )
+        if mode == "serve" and self.linear is None:
+            raise ValueError(
+                f"load_serving_weights: {name} belongs to converted experts, which have no "
+                f"frozen (serving) form yet; load with mode='train' (the experts' weights "
+                f"become the dequantized codes, which their forward quantizes again). "
+                f"Nothing was changed"
+            )
+        return ServingWeight(given.codes.to(device), given.steps.to(device), given.layout)
+
+    def write(self, given: ServingWeight, mode: LoadMode) -> None:
+        linear = self.linear
+        if mode == "serve":
+            assert linear is not None
+            linear.freeze_for_serving(weight=given)
+            return
+        held = linear.weight if linear is not None else self.held
+        assert held is not None
+        held.copy_(given.dequantize(held.dtype))
+        if linear is not None:
+            linear.scaling.reset(held.device)
+
+
+def _described(dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> str:
+    return f"{str(dtype).removeprefix('torch.')} codes of shape {shape} laid out {layout!r}"
+
+
+def _load_targets(model: nn.Module) -> dict[str, _Target]:
+    """The model's quantized weights by ``serving_weights``' names, in its order."""
+    out = {_join(f, "weight"): _Target(m.policy, None, m) for f, m in _linears(model)}
+    for fqn, experts, weights in _converted_experts(model):
+        out.update({_join(fqn, n): _Target(experts.policy, w, None) for n, w in weights.items()})
+    return out

@@ -18,6 +18,7 @@ from computectx.formats import (
     Recipe,
     ServingWeight,
     convert_to_quantized,
+    load_serving_weights,
     serving_recipes,
     serving_weights,
 )
@@ -116,3 +117,61 @@ def test_mx_has_no_serving_layout(base: nn.Module) -> None:
     with pytest.raises(ValueError, match=r"0\.weight: recipe .*mx.* has no serving weight layout"):
         serving_weights(model)
     assert set(serving_recipes(model)) == {"0.weight", "2.weight"}  # naming them is fine
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+def test_load_serving_weights_serves_and_trains_with_the_given_codes(
+    base: nn.Module, granularity: str
+) -> None:
+    source = converted(base, granularity)
+    given = serving_weights(source)
+    served = converted(base, granularity)
+    with torch.no_grad():
+        for i in (0, 2):
+            served[i].weight.mul_(3)  # other weights: the codes must come from `given`
+    trained = copy.deepcopy(served)
+    load_serving_weights(served, given, mode="serve")
+    assert served[0].frozen and served[2].frozen
+    for name, w in serving_weights(served).items():
+        assert torch.equal(w.codes.view(torch.uint8), given[name].codes.view(torch.uint8))
+        assert torch.equal(w.steps, given[name].steps)
+    params = [trained[0].weight, trained[2].weight]
+    opt = torch.optim.SGD(trained.parameters(), lr=0.1)
+    load_serving_weights(trained, given, mode="train")
+    assert [trained[0].weight, trained[2].weight] == params  # in place, same Parameters
+    for name, w in given.items():
+        assert torch.equal(trained.get_parameter(name), w.dequantize(torch.bfloat16))
+    trained(torch.randn(4, 256).bfloat16()).float().pow(2).mean().backward()
+    opt.step()
+
+
+def test_load_serving_weights_refusals_change_nothing(base: nn.Module) -> None:
+    model = converted(base, "block")
+    given = serving_weights(converted(base, "block"))
+    row = serving_weights(converted(base, "row"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    w = given["0.weight"]
+    e5m2 = ServingWeight(w.codes.float().to(torch.float8_e5m2), w.steps, w.layout)
+    short = ServingWeight(w.codes[:256], w.steps[:2], w.layout)
+    nan = ServingWeight(w.codes, w.steps.clone().fill_(float("nan")), w.layout)
+    cases = [
+        ({"0.weight": w}, r"not given: \['2\.weight'\]"),
+        ({**given, "1.weight": w}, r"unknown to the model: \['1\.weight'\]"),
+        ({**given, "0.weight": row["0.weight"]}, r"0\.weight.*takes .*'128x128'; given .*'row'"),
+        ({**given, "0.weight": e5m2}, r"takes float8_e4m3fn codes.*given float8_e5m2"),
+        ({**given, "0.weight": short}, r"shape \(384, 256\).*given .*shape \(256, 256\)"),
+        ({**given, "0.weight": nan}, r"non-finite step"),
+    ]
+    for weights, match in cases:
+        with pytest.raises(ValueError, match=match):
+            load_serving_weights(model, weights, mode="serve")
+    with pytest.raises(ValueError, match="unknown mode 'eval'"):
+        load_serving_weights(model, given, mode="eval")  # type: ignore[arg-type]
+    assert not model[0].frozen and list(model.state_dict()) == list(before)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    frozen = converted(base, "block")
+    frozen[0].freeze_for_serving()
+    with pytest.raises(ValueError, match=r"0\.weight is frozen for serving.*mode='train'"):
+        load_serving_weights(frozen, given, mode="train")
+    assert frozen[2].weight is not None and not frozen[2].frozen

@@ -46,5 +46,12 @@ from computectx.integrations.hf_checkpoint.formats import (
     FORMAT_LAYOUTS,
     ExportFormat,
 )
+from computectx.integrations.hf_checkpoint.load import import_pretrained
 
-__all__ = ["EXPORT_FORMATS", "FORMAT_LAYOUTS", "ExportFormat", "export_pretrained"]
+__all__ = [
+    "EXPORT_FORMATS",
+    "FORMAT_LAYOUTS",
+    "ExportFormat",
+    "export_pretrained",
+    "import_pretrained",
+]

@@ -1,14 +1,20 @@
 """The checkpoint formats ``export_pretrained`` writes and ``import_pretrained`` reads: their
-names, the weight layouts each holds exactly, their tensor names and ``quantization_config``."""
+names, the weight layouts each holds exactly, their tensor names and ``quantization_config``
+(written by ``quantization_config``, read back by ``read_quantization_config``), and a weight's
+steps with one row per code row (``steps_of_scale``, ``steps_from_rows``): the form in which
+transformers' weight conversions move steps with their codes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from typing import Any, Final, Literal, get_args
 
 import torch
+from torch import nn
 
-from computectx.formats import ServingWeight
+from computectx.formats import Granularity, QuantizedLinear, ServingWeight, recipe_layout
 from computectx.recipes import Recipe
 
 __all__ = [
@@ -16,10 +22,16 @@ __all__ = [
     "EXPORT_FORMATS",
     "FORMAT_LAYOUTS",
     "SCALE_SUFFIX",
+    "CheckpointScheme",
     "ExportFormat",
     "check_recipes",
+    "check_scheme",
+    "checkpoint_state",
     "format_arg",
     "quantization_config",
+    "read_quantization_config",
+    "steps_from_rows",
+    "steps_of_scale",
 ]
 
 ExportFormat = Literal["fine-grained-fp8", "compressed-tensors"]
@@ -39,6 +51,7 @@ SCALE_SUFFIX: Final[dict[ExportFormat, str]] = {
 }
 """A weight's scale is stored under the weight's name with this suffix."""
 _STRATEGY: Final[dict[str, str]] = {"tensor": "tensor", "row": "channel", "128x128": "block"}
+_LAYOUT_OF_STRATEGY: Final[dict[str, Granularity]] = {s: g for g, s in _STRATEGY.items()}  # type: ignore[misc]
 
 
 def format_arg(format: object) -> ExportFormat:
@@ -52,17 +65,29 @@ def format_arg(format: object) -> ExportFormat:
 def _formats_holding(recipe: Recipe) -> list[ExportFormat]:
     if recipe.format.forward.torch != torch.float8_e4m3fn:
         return []
-    layout = {"tensor": "tensor", "row": "row", "block": "128x128"}.get(recipe.granularity)
+    layout = _layout(recipe)
     return [f for f in EXPORT_FORMATS if layout in FORMAT_LAYOUTS[f]]
+
+
+def _layout(recipe: Recipe) -> Granularity | None:
+    """``recipe``'s serving layout, ``None`` when it has none (``mx``)."""
+    try:
+        return recipe_layout(recipe)
+    except ValueError:
+        return None
+
+
+def _require_quantized(recipes: Mapping[str, Recipe], who: str, under: str) -> None:
+    if not recipes:
+        raise ValueError(
+            f"{who}: the model holds no quantized layer; convert it with "
+            f"computectx.formats.convert_to_quantized{under} first"
+        )
 
 
 def check_recipes(recipes: Mapping[str, Recipe], fmt: ExportFormat) -> None:
     """``ValueError`` naming the first recipe ``fmt`` cannot hold and the formats that can."""
-    if not recipes:
-        raise ValueError(
-            "export_pretrained: the model holds no quantized layer; convert it with "
-            "computectx.formats.convert_to_quantized first"
-        )
+    _require_quantized(recipes, "export_pretrained", "")
     for fqn, recipe in recipes.items():
         holding = _formats_holding(recipe)
         if fmt in holding:
@@ -148,3 +173,223 @@ def _compressed_tensors_config(layout: str, ignore: list[str]) -> dict[str, Any]
         "transform_config": {},
         **config.model_dump(exclude={"quant_method"}),
     }
+
+
+def checkpoint_state(model: nn.Module, quantized: Collection[str]) -> dict[str, torch.Tensor]:
+    """The model's tensors a checkpoint holds as they are (views of the model's, so writing
+    into them loads the model): its state dict without the quantized weights
+    (``quantized``), the scaling state (``fp8_*``), the frozen buffers and the tied copies
+    (``save_pretrained`` writes a tied weight once). ``ValueError`` when a quantized
+    weight is tied to another (a checkpoint holds a tied weight once)."""
+    drop = set(quantized)
+    for fqn, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            names = (*module.state_load_keys(), "weight", "weight_fp8", "weight_step")
+            drop.update(f"{fqn}.{n}" if fqn else n for n in names)
+    full = model.state_dict()
+    state = {k: v for k, v in full.items() if k not in drop}
+    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
+    for tied_name, source in tied.items():
+        a, b = full.get(tied_name), full.get(source)
+        if a is None or b is None or a.data_ptr() != b.data_ptr():
+            continue  # not tied in this model (tie_word_embeddings=False)
+        if tied_name in quantized or source in quantized:
+            raise ValueError(
+                f"{tied_name} is tied to {source} and one of them is quantized: a checkpoint "
+                f"holds a tied weight once; convert without the head (include_head=False) or "
+                f"untie the weights"
+            )
+        state.pop(tied_name, None)
+    return state
+
+
+# ----- reading -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckpointScheme:
+    """What a checkpoint's ``quantization_config`` says about its weights: the format, the
+    layout of every scale on disk (fine-grained: always ``"128x128"``), and the modules it
+    leaves in high precision (``modules_to_not_convert`` / ``ignore``)."""
+
+    format: ExportFormat
+    layout: Granularity
+    ignore: tuple[str, ...]
+
+    @property
+    def suffix(self) -> str:
+        """A weight's scale is stored under ``{weight name}{suffix}``."""
+        return SCALE_SUFFIX[self.format]
+
+    def described(self) -> str:
+        if self.format == "fine-grained-fp8":
+            return "a fine-grained FP8 checkpoint (one step per 128x128 block)"
+        strategy = _STRATEGY[self.layout]
+        return f"a compressed-tensors FP8 checkpoint (weight strategy {strategy!r})"
+
+
+def read_quantization_config(config: Mapping[str, Any]) -> CheckpointScheme:
+    """The ``CheckpointScheme`` of a checkpoint's ``config.json`` (``config``);
+    ``ValueError`` naming what the checkpoint holds and what is read here for anything else:
+    no or another ``quant_method``; fine-grained FP8 with a block size other than [128, 128]
+    or static activations; compressed-tensors other than float-quantized 8-bit symmetric
+    weights per tensor, channel or 128x128 block with dynamic (or no) activation
+    quantization (int8, NVFP4, sparsity, static activation scales...)."""
+    q = config.get("quantization_config")
+    if not isinstance(q, Mapping):
+        raise ValueError(
+            "import_pretrained: config.json has no quantization_config; this reads fp8 "
+            "checkpoints ('fine-grained-fp8', 'compressed-tensors'). Load a high-precision "
+            "checkpoint with transformers' from_pretrained, then convert_to_quantized"
+        )
+    method = q.get("quant_method")
+    if method == "fp8":
+        return _fine_grained_scheme(q)
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(q)
+    raise ValueError(
+        f"import_pretrained: quant_method {method!r} is not read here; accepted: 'fp8' "
+        f"(fine-grained FP8) and 'compressed-tensors' (FP8)"
+    )
+
+
+def _fine_grained_scheme(q: Mapping[str, Any]) -> CheckpointScheme:
+    block = q.get("weight_block_size")
+    if list(block or ()) != [BLOCK, BLOCK]:
+        raise ValueError(
+            f"import_pretrained: the fine-grained FP8 checkpoint has weight_block_size "
+            f"{block!r}; the block recipe (and the per-tensor one, read from blocks) takes "
+            f"[{BLOCK}, {BLOCK}]"
+        )
+    if q.get("activation_scheme", "dynamic") != "dynamic":
+        raise ValueError(
+            f"import_pretrained: the fine-grained FP8 checkpoint has activation_scheme "
+            f"{q.get('activation_scheme')!r} (static input scales); only 'dynamic' is read here"
+        )
+    ignore = tuple(q.get("modules_to_not_convert") or ())
+    return CheckpointScheme("fine-grained-fp8", "128x128", ignore)
+
+
+def _compressed_tensors_scheme(q: Mapping[str, Any]) -> CheckpointScheme:
+    fmt = q.get("format")
+    if fmt != "float-quantized":
+        raise ValueError(
+            f"import_pretrained: the compressed-tensors checkpoint is in format {fmt!r}; only "
+            f"'float-quantized' (fp8 weights and scales) is read here"
+        )
+    if q.get("sparsity_config"):
+        raise ValueError(
+            "import_pretrained: the compressed-tensors checkpoint is sparse (sparsity_config "
+            "is set); only dense float-quantized weights are read here"
+        )
+    groups = q.get("config_groups") or {}
+    layouts = {_group_layout(name, g) for name, g in groups.items()}
+    if len(layouts) != 1:
+        found = sorted(layouts) or "none"
+        raise ValueError(
+            f"import_pretrained: the compressed-tensors checkpoint must quantize its weights "
+            f"in one strategy (tensor, channel or block); its config_groups give {found}"
+        )
+    return CheckpointScheme("compressed-tensors", layouts.pop(), tuple(q.get("ignore") or ()))
+
+
+def _group_layout(name: str, group: Mapping[str, Any]) -> Granularity:
+    """The layout of one compressed-tensors config group's weights (refusals named)."""
+    w = group.get("weights") or {}
+    what = f"{w.get('type')!r} {w.get('num_bits')}-bit weights, strategy {w.get('strategy')!r}"
+    layout = _LAYOUT_OF_STRATEGY.get(str(w.get("strategy")))
+    fp8 = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True)
+    block = w.get("block_structure")
+    if not fp8 or layout is None or (layout == "128x128" and list(block or ()) != [BLOCK, BLOCK]):
+        raise ValueError(
+            f"import_pretrained: compressed-tensors group {name!r} holds {what}"
+            f"{f', block_structure {block}' if block else ''}; read here: 'float' 8-bit "
+            f"symmetric weights, strategy 'tensor', 'channel' or 'block' ({BLOCK}x{BLOCK})"
+        )
+    for role in ("input_activations", "output_activations"):
+        a = group.get(role)
+        if a and (role == "output_activations" or not a.get("dynamic")):
+            raise ValueError(
+                f"import_pretrained: compressed-tensors group {name!r} has {role} "
+                f"{'(static scales)' if role == 'input_activations' else ''} {dict(a)}; "
+                f"read here: dynamic input activations only"
+            )
+    return layout
+
+
+def check_scheme(recipes: Mapping[str, Recipe], scheme: CheckpointScheme) -> None:
+    """``ValueError`` naming the model's layer, its recipe and the checkpoint's scheme when
+    the checkpoint's steps cannot be the recipe's as they are (fine-grained FP8's blocks hold
+    the ``block`` and ``tensor`` recipes; compressed-tensors' strategy must be the recipe's
+    layout); also for a model with no quantized layer."""
+    _require_quantized(recipes, "import_pretrained", " under the checkpoint's recipe")
+    for fqn, recipe in recipes.items():
+        holding = _formats_holding(recipe)
+        layout = _layout(recipe)
+        if scheme.format in holding and (
+            scheme.format != "compressed-tensors" or layout == scheme.layout
+        ):
+            continue
+        raise ValueError(
+            f"import_pretrained: {fqn} is converted under recipe {str(recipe)!r} (granularity "
+            f"{recipe.granularity!r}) and the directory is {scheme.described()}; convert the "
+            f"model under the recipe whose steps the checkpoint holds"
+        )
+
+
+def steps_of_scale(
+    name: str, codes: torch.Tensor, scale: torch.Tensor, layout: str
+) -> torch.Tensor:
+    """On-disk weight ``name``'s ``scale`` (laid out ``layout`` for ``codes [..., N, K]``)
+    as float32 steps with one row per code row (``[..., N, C]``); ``ValueError`` naming the
+    tensor, its shape and the shape the layout takes."""
+    *lead, n, k = codes.shape
+    want: tuple[int, ...] = {
+        "tensor": (*lead, 1) if lead else (1,),
+        "row": (*lead, n, 1),
+        "128x128": (*lead, math.ceil(n / BLOCK), math.ceil(k / BLOCK)),
+    }[layout]
+    held = tuple(scale.shape)
+    if held != want and not (layout == "tensor" and scale.numel() == 1 and not lead):
+        raise ValueError(
+            f"{name}: scale of shape {held} for {tuple(codes.shape)} codes laid out {layout!r}; "
+            f"the layout takes {want}"
+        )
+    if not scale.is_floating_point():
+        raise ValueError(f"{name}: the scale is {scale.dtype}, not a float tensor")
+    steps = scale.to(torch.float32)  # bf16, fp16, e8m0 steps are float32 values exactly
+    if layout == "tensor":
+        return steps.reshape(*lead, 1, 1).expand(*lead, n, 1)
+    if layout == "row":
+        return steps
+    return steps.repeat_interleave(BLOCK, dim=-2)[..., :n, :]
+
+
+def steps_from_rows(
+    name: str, rows: torch.Tensor, layout: Granularity, scheme: str
+) -> torch.Tensor:
+    """Steps of ``layout`` (``ServingWeight``'s shapes) from steps with one row per code row
+    ``rows [..., N, C]``; ``ValueError`` naming the weight, the layout and ``scheme`` (the
+    checkpoint's, described) when the rows differ where the layout holds one step."""
+    n = rows.shape[-2]
+    if layout == "tensor":
+        one = rows.flatten(-2)[..., :1]
+        if not torch.equal(rows, one.unsqueeze(-1).expand_as(rows)):
+            raise ValueError(
+                f"{name}: {scheme} holds several steps for this weight (or one of its "
+                f"experts); the model's recipe takes one step per weight ('tensor')"
+            )
+        return one.reshape(1) if rows.dim() == 2 else one
+    if layout == "row":
+        if rows.shape[-1] != 1:
+            raise ValueError(
+                f"{name}: {scheme} holds blocks; the model's recipe takes one step per row"
+            )
+        return rows.contiguous()
+    blocks = rows[..., ::BLOCK, :].contiguous()
+    if not torch.equal(blocks.repeat_interleave(BLOCK, dim=-2)[..., :n, :], rows):
+        raise ValueError(
+            f"{name}: {scheme} splits this fused weight at a row inside a 128x128 block of "
+            f"the weight the model multiplies, so its steps are not the model's blocks"
+        )
+    return blocks

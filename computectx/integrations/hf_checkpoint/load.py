@@ -1,0 +1,243 @@
+"""``import_pretrained``: a fine-grained FP8 or compressed-tensors FP8 directory into a model
+converted here, its codes and steps taken as they are.
+
+The straight inverse of ``export_pretrained``: config.json's ``quantization_config`` says the
+format and the layout of the scales (``formats.read_quantization_config``); the tensors are
+read from the safetensors (one file or shards and their index); each scale is expanded to one
+step per code row (``formats.steps_of_scale``), and the codes, those steps and every
+high-precision tensor go through transformers' own forward weight conversion (what
+``from_pretrained`` runs: per-expert tensors stacked and fused into ``gate_up_proj`` ...), so
+on-disk names become the model's and each row's steps stay with its codes; the fused steps
+are then read back in the model's recipe's layout (``formats.steps_from_rows``). Everything is
+checked before anything is written; ``computectx.formats.load_serving_weights`` loads the
+quantized weights, the high-precision tensors are copied into the model's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from copy import deepcopy
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from computectx.formats import (
+    LoadMode,
+    ServingWeight,
+    load_serving_weights,
+    recipe_layout,
+    serving_recipes,
+)
+from computectx.integrations.hf_checkpoint.formats import (
+    CheckpointScheme,
+    check_scheme,
+    checkpoint_state,
+    read_quantization_config,
+    steps_from_rows,
+    steps_of_scale,
+)
+from computectx.recipes import Recipe
+
+__all__ = ["import_pretrained"]
+
+_KV_SUFFIXES = (".k_scale", ".v_scale")
+
+
+def import_pretrained(
+    model: nn.Module, directory: str | os.PathLike[str], *, mode: LoadMode = "serve"
+) -> nn.Module:
+    """Load the checkpoint in ``directory`` (fine-grained FP8 or compressed-tensors FP8, as
+    ``export_pretrained`` writes them or as published) into ``model``, a transformers model
+    already converted by ``convert_to_quantized`` under the recipe whose steps the
+    checkpoint holds; return ``model``.
+
+    The codes and steps are taken bit for bit: ``mode="serve"`` freezes each quantized
+    linear with them; ``mode="train"`` makes each quantized weight the dequantized codes
+    in place (the master the policy then trains; the same ``Parameter`` objects, so an
+    optimizer built before keeps working). Converted experts have no frozen form yet:
+    ``"serve"`` is refused for them, naming ``"train"``. Every high-precision tensor
+    (embeddings, norms, the head, routers, unconverted linears) is copied in too, cast to
+    the model's dtype.
+
+    Everything is checked before anything is written, and a refusal (``ValueError``) names
+    both sides and changes nothing: a format or scheme not read here (int8, NVFP4, sparse,
+    static activations, a block size other than [128, 128]); a layer whose recipe the
+    checkpoint's layout does not hold (the model converted per row, the checkpoint in
+    blocks); a model tensor the checkpoint lacks or a checkpoint tensor the model has no
+    place for (listed); a scale of the wrong shape; codes in another format or shape than
+    the layer takes.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"import_pretrained loads into a transformers PreTrainedModel (it reads the "
+            f"model's weight conversions), got {type(model).__name__}"
+        )
+    folder = Path(os.fsdecode(directory))
+    config = json.loads((folder / "config.json").read_text("utf-8"))
+    scheme = read_quantization_config(config)
+    recipes = serving_recipes(model)
+    check_scheme(recipes, scheme)
+    tensors = _read_tensors(folder)
+    write_extra = _extra_tensors(model, tensors, config)
+    _, rows = _split(tensors, scheme)
+    converted = _converted(model, tensors)  # the codes in place of their weights
+    fused_rows = _converted(model, rows)
+    weights = {
+        name: _serving_weight(name, converted.pop(name), fused_rows[name], recipe, scheme)
+        for name, recipe in recipes.items()
+        if name in converted and name in fused_rows
+    }
+    state = checkpoint_state(model, weights)
+    _check_accounted(state, converted, set(weights), set(recipes), set(fused_rows))
+    load_serving_weights(model, weights, mode=mode)  # checks, then writes; else nothing
+    with torch.no_grad():
+        for name, tensor in converted.items():
+            state[name].copy_(tensor)
+    write_extra()
+    return model
+
+
+def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's safetensors: ``model.safetensors``, or the shards its
+    ``model.safetensors.index.json`` names."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: Mapping[str, str] = json.loads(index.read_text("utf-8"))["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ValueError(
+            f"import_pretrained: {str(folder)!r} holds neither model.safetensors nor "
+            f"model.safetensors.index.json"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        out.update(load_file(folder / file))
+    return out
+
+
+def _extra_tensors(
+    model: nn.Module, tensors: dict[str, torch.Tensor], config: Mapping[str, Any]
+) -> Callable[[], None]:
+    """The one place for tensors beside the weights and their scales: takes them out of
+    ``tensors``, checks them against ``model`` and ``config`` (config.json), and returns what
+    writes them once everything is checked (a refusal here comes before anything is
+    written). KV-cache scales (``*.k_scale``, ``*.v_scale``) have no reader here yet: they
+    are set aside unread."""
+    for name in [n for n in tensors if n.endswith(_KV_SUFFIXES)]:
+        del tensors[name]
+    return lambda: None
+
+
+def _split(
+    tensors: dict[str, torch.Tensor], scheme: CheckpointScheme
+) -> tuple[set[str], dict[str, torch.Tensor]]:
+    """Takes the scales out of ``tensors``; returns the on-disk names of the weights they
+    scale and those weights' steps with one row per code row (by the same names)."""
+    suffix = scheme.suffix
+    scaled = {n.removesuffix(suffix) for n in tensors if n.endswith("weight" + suffix)}
+    orphans = sorted(n + suffix for n in scaled if n not in tensors)
+    if orphans:
+        raise ValueError(f"import_pretrained: scales without their weight: {orphans}")
+    rows = {
+        n: steps_of_scale(n, tensors[n], tensors.pop(n + suffix), scheme.layout) for n in scaled
+    }
+    return scaled, rows
+
+
+def _serving_weight(
+    name: str, codes: torch.Tensor, rows: torch.Tensor, recipe: Recipe, scheme: CheckpointScheme
+) -> ServingWeight:
+    """Model weight ``name``'s codes and steps in its recipe's layout (``ValueError`` naming
+    both when the checkpoint's steps are not of that layout)."""
+    layout = recipe_layout(recipe)
+    steps = steps_from_rows(name, rows, layout, scheme.described())
+    try:
+        return ServingWeight(codes, steps, layout)
+    except ValueError as e:
+        raise ValueError(f"import_pretrained: {name}: {e}") from None
+
+
+def _check_accounted(
+    state: Mapping[str, torch.Tensor],
+    high: Mapping[str, torch.Tensor],
+    quantized: set[str],
+    model_quantized: set[str],
+    disk_quantized: set[str],
+) -> None:
+    """``ValueError`` listing what does not pair up: the model's quantized weights the
+    checkpoint holds without scales or not at all, weights scaled on disk the model holds
+    in high precision, the model's other tensors missing, the checkpoint's unknown, and
+    high-precision tensors of another shape."""
+    problems = []
+    lists = {
+        "quantized in the model, not in the checkpoint (no scale)": model_quantized - quantized,
+        "quantized in the checkpoint, not in the model": disk_quantized - model_quantized,
+        "missing from the checkpoint": set(state) - set(high) - model_quantized,
+        "in the checkpoint, unknown to the model": set(high) - set(state) - model_quantized,
+    }
+    problems = [f"{what}: {sorted(names)}" for what, names in lists.items() if names]
+    shapes = [
+        f"{n} {tuple(t.shape)} (the model's: {tuple(state[n].shape)})"
+        for n, t in high.items()
+        if n in state and t.shape != state[n].shape
+    ]
+    if shapes:
+        problems.append(f"of another shape: {shapes}")
+    if problems:
+        raise ValueError(
+            f"import_pretrained: the checkpoint's tensors do not match the model's; "
+            f"{'; '.join(problems)}. Nothing was changed"
+        )
+
+
+def _converted(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (on-disk names) under the model's names, through transformers' forward
+    weight conversion (``from_pretrained``'s renamings and converters, the inverse of
+    ``revert_weight_conversion``, which ``export_pretrained`` runs)."""
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    conversions = _conversions(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    pending: dict[str, Any] = {}
+    for key in sorted(tensors, key=dot_natural_key):  # experts in order, as from_pretrained
+        renamed, pattern = rename_source_key(key, renamings, converters)
+        if pattern is not None:
+            mapping = pending.setdefault(renamed, deepcopy(by_pattern[pattern]))
+        else:
+            mapping = pending.setdefault(renamed, WeightRenaming(key, renamed))
+            pattern = key
+        mapping.add_tensor(renamed, key, pattern, tensors[key])
+    out: dict[str, torch.Tensor] = {}
+    for first, mapping in pending.items():
+        for name, value in mapping.convert(first, model=model, config=model.config).items():
+            out[name] = value[0] if isinstance(value, list) else value
+    return out
+
+
+def _conversions(model: nn.Module) -> list[Any]:
+    """The model's weight conversions, as ``revert_weight_conversion`` finds them."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange
+
+    found = getattr(model, "_weight_conversions", None)
+    if found is None:
+        found = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
+        found = [c for c in found if not isinstance(c, PrefixChange)]
+    return list(found)
