@@ -40,6 +40,7 @@ from computectx.integrations.hf_checkpoint.formats import (
     steps_from_rows,
     steps_of_scale,
 )
+from computectx.integrations.hf_checkpoint.kv import read_kv_scales
 from computectx.recipes import Recipe
 
 __all__ = ["import_pretrained"]
@@ -131,10 +132,11 @@ def _extra_tensors(
     """The one place for tensors beside the weights and their scales: takes them out of
     ``tensors``, checks them against ``model`` and ``config`` (config.json), and returns what
     writes them once everything is checked (a refusal here comes before anything is
-    written). KV-cache scales (``*.k_scale``, ``*.v_scale``) have no reader here yet: they
-    are set aside unread."""
-    for name in [n for n in tensors if n.endswith(_KV_SUFFIXES)]:
-        del tensors[name]
+    written). KV-cache scales (``*.k_scale``, ``*.v_scale``): checked by ``kv.read_kv_scales``
+    (a model holds no KV policy to write them into: the caller reads the ``KvCalibration``
+    with ``read_kv_scales`` and serves with it, ``CtxStaticCache(kv_amax=...)``)."""
+    kv = {n: tensors.pop(n) for n in [n for n in tensors if n.endswith(_KV_SUFFIXES)]}
+    read_kv_scales(kv, config, model)
     return lambda: None
 
 
