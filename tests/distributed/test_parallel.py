@@ -162,7 +162,11 @@ def _bad_optimizer_part(sd: dict[str, Any]) -> None:
     ("spoil", "match"),
     [
         (_bad_optimizer_part, r"\['step'\] is nan"),
-        (_bad_model_part, r"'model'\['0.weight'\] is shape \[3, 3\]"),
+        (
+            _bad_model_part,
+            r"'model'\['0.weight'\] is torch.float32 \(3, 3\) on cpu; accepted: a tensor of "
+            r"the model's shape \(64, 32\)",
+        ),
     ],
     ids=["optimizer step NaN", "model shape"],
 )
