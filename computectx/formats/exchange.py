@@ -203,19 +203,9 @@ class _Target:
             layout = recipe_layout(recipe)
         except ValueError as e:
             raise ValueError(f"load_serving_weights: {name}: {e}") from None
-        want = _described(fmt, shape, layout)
-        got = _described(given.codes.dtype, tuple(given.codes.shape), given.layout)
-        if got != want:
-            raise ValueError(
-                f"load_serving_weights: {name} under recipe {str(recipe)!r} takes {want}; "
-                f"given {got}. Nothing was changed"
-            )
-        finite = torch.isfinite(given.steps)
-        if not bool(finite.all()):
-            raise ValueError(
-                f"load_serving_weights: {name} was given {int((~finite).sum())} non-finite "
-                f"step(s) among {given.steps.numel()}. Nothing was changed"
-            )
+        given.check_fits(
+            f"load_serving_weights: {name} under recipe {str(recipe)!r}", fmt, shape, layout
+        )
         if mode == "train" and self.linear is not None and self.linear.frozen:
             raise ValueError(
                 f"load_serving_weights: {name} is frozen for serving (it holds codes, no "
@@ -242,10 +232,6 @@ class _Target:
         held.copy_(given.dequantize(held.dtype))
         if linear is not None:
             linear.scaling.reset(held.device)
-
-
-def _described(dtype: torch.dtype, shape: tuple[int, ...], layout: str) -> str:
-    return f"{str(dtype).removeprefix('torch.')} codes of shape {shape} laid out {layout!r}"
 
 
 def _load_targets(model: nn.Module) -> dict[str, _Target]:

@@ -109,6 +109,39 @@ class ServingWeight:
                 f"a float32 tensor of shape {want} on {codes.device}, got {described(steps)}"
             )
 
+    def check_fits(
+        self,
+        who: str,
+        fmt: torch.dtype,
+        shape: tuple[int, ...],
+        layout: Granularity,
+        device: torch.device | None = None,
+        *,
+        takes: str = "takes",
+        given: str = "given",
+    ) -> None:
+        """``ValueError`` unless these are ``fmt`` codes of ``shape`` laid out ``layout`` (on
+        ``device``, when given) with finite steps: ``"{who} {takes} <what fits>; {given}
+        <what these are>. Nothing was changed"``, or the count of non-finite steps."""
+
+        def described(dtype: torch.dtype, shape: tuple[int, ...], layout: str, at: str) -> str:
+            return (
+                f"{str(dtype).removeprefix('torch.')} codes of shape {shape} laid out "
+                f"{layout!r}{at}"
+            )
+
+        here = f" on {self.codes.device}" if device is not None else ""
+        want = described(fmt, shape, layout, f" on {device}" if device is not None else "")
+        got = described(self.codes.dtype, tuple(self.codes.shape), self.layout, here)
+        if got != want:
+            raise ValueError(f"{who} {takes} {want}; {given} {got}. Nothing was changed")
+        finite = torch.isfinite(self.steps)
+        if not bool(finite.all()):
+            raise ValueError(
+                f"{who} was given {int((~finite).sum())} non-finite step(s) among "
+                f"{self.steps.numel()}. Nothing was changed"
+            )
+
     @property
     def experts(self) -> int | None:
         """The expert count of experts' codes, ``None`` for a linear's."""

@@ -66,3 +66,16 @@ def test_each_recipe_serves_in_its_forwards_weight_layout() -> None:
         assert recipe_layout(Recipe.parse(text)) == layout
     with pytest.raises(ValueError, match=r"recipe 'e4m3/mx/dynamic/0' \(granularity 'mx'\) has no"):
         recipe_layout(Recipe.parse("e4m3/mx/dynamic/0"))
+
+
+def test_check_fits_names_what_fits_and_what_was_given() -> None:
+    codes, steps = quantize_tensor(torch.randn(256, 128), "e4m3", granularity="row")
+    sw = ServingWeight(codes, steps, "row")
+    sw.check_fits("L", torch.float8_e4m3fn, (256, 128), "row", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^L takes float8_e4m3fn codes of shape \(128, 256\)"):
+        sw.check_fits("L", torch.float8_e4m3fn, (128, 256), "row")  # same size, other shape
+    with pytest.raises(ValueError, match=r"laid out 'row' on meta; given float8_e4m3fn .* on cpu"):
+        sw.check_fits("L", torch.float8_e4m3fn, (256, 128), "row", torch.device("meta"))
+    bad = ServingWeight(codes, steps.clone().index_fill_(0, torch.tensor([3]), float("inf")), "row")
+    with pytest.raises(ValueError, match=r"^L was given 1 non-finite step\(s\) among 256"):
+        bad.check_fits("L", torch.float8_e4m3fn, (256, 128), "row")

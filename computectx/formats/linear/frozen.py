@@ -118,31 +118,16 @@ def check_given(
             f"{who}.freeze_for_serving(weight=...) takes a ServingWeight, got "
             f"{type(given).__name__}"
         )
-    codes = given.codes
-    want = _described(policy.format.forward.torch, shape, weight_layout(policy), device)
-    got = _described(codes.dtype, tuple(codes.shape), given.layout, codes.device)
-    if got != want:
-        raise ValueError(
-            f"{who} under policy {str(policy)!r} serves with {want}; freeze_for_serving was "
-            f"given {got}. Nothing was changed"
-        )
-    finite = torch.isfinite(given.steps)
-    if not bool(finite.all()):
-        raise ValueError(
-            f"{who}.freeze_for_serving was given {want} with "
-            f"{int((~finite).sum())} non-finite step(s) among {given.steps.numel()}. Nothing "
-            f"was changed"
-        )
-    return given
-
-
-def _described(
-    dtype: torch.dtype, shape: tuple[int, ...], layout: str, device: torch.device
-) -> str:
-    return (
-        f"{str(dtype).removeprefix('torch.')} codes of shape {shape} laid out {layout!r} "
-        f"on {device}"
+    given.check_fits(
+        f"{who} under policy {str(policy)!r}",
+        policy.format.forward.torch,
+        shape,
+        weight_layout(policy),
+        device,
+        takes="serves with",
+        given="freeze_for_serving was given",
     )
+    return given
 
 
 def adopt(given: ServingWeight, plan: Fp8LinearPlan) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ from computectx.integrations.hf_checkpoint.formats import (
     SCALE_SUFFIX,
     ExportFormat,
     check_recipes,
+    checkpoint_state,
     format_arg,
     quantization_config,
 )
@@ -110,9 +111,10 @@ def _disk_tensors(
     codes in place of the quantized weights and their scales."""
     from transformers.core_model_loading import revert_weight_conversion
 
-    state = _high_precision_state(model, weights)
+    state = checkpoint_state(model, weights)
+    full = model.state_dict()
     for name, w in weights.items():
-        held = state.get(name)
+        held = full.get(name)
         if held is not None and tuple(held.shape) != tuple(w.codes.shape):
             raise ValueError(
                 f"{name}: the model holds it as {tuple(held.shape)} but multiplies it as "
@@ -128,33 +130,6 @@ def _disk_tensors(
         for name, rows in revert_weight_conversion(model, by_row).items():
             out[name + SCALE_SUFFIX[fmt]] = _scale(name, out[name], rows, layout, fmt)
     return out
-
-
-def _high_precision_state(
-    model: nn.Module, weights: Mapping[str, ServingWeight]
-) -> dict[str, torch.Tensor]:
-    """The model's state dict without the scaling state, the frozen buffers and the tied
-    copies (``save_pretrained`` writes a tied weight once)."""
-    drop: set[str] = set()
-    for fqn, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
-            names = (*module.state_load_keys(), "weight", "weight_fp8", "weight_step")
-            drop.update(f"{fqn}.{n}" if fqn else n for n in names)
-    full = model.state_dict()
-    state = {k: v for k, v in full.items() if k not in drop}
-    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
-    for tied_name, source in tied.items():
-        a, b = full.get(tied_name), full.get(source)
-        if a is None or b is None or a.data_ptr() != b.data_ptr():
-            continue  # not tied in this model (tie_word_embeddings=False)
-        if tied_name in weights or source in weights:
-            raise ValueError(
-                f"{tied_name} is tied to {source} and one of them is quantized: a checkpoint "
-                f"holds a tied weight once; convert without the head (include_head=False) or "
-                f"untie the weights"
-            )
-        state.pop(tied_name, None)
-    return state
 
 
 def _steps_by_row(w: ServingWeight) -> torch.Tensor:
