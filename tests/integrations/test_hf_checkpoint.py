@@ -246,3 +246,20 @@ def test_an_existing_directory_is_replaced_only_when_asked(
     assert "keep.txt" not in names and "config.json" in names
     assert "model.safetensors.index.json" in names and "model-00001-of-00002.safetensors" in names
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporaries left beside it
+
+
+def test_experts_split_inside_a_block_are_refused_before_writing(tmp_path: Path) -> None:
+    # moe_intermediate_size 192: up_proj's rows start in the middle of gate_up_proj's second
+    # 128-row block, so its file's first block would need two steps; nothing is written.
+    config = Qwen3MoeConfig(
+        **COMMON,
+        intermediate_size=384,
+        moe_intermediate_size=192,
+        num_experts=2,
+        num_experts_per_tok=1,
+    )
+    model = tiny(config)
+    convert_to_quantized(model, ctx_of(RECIPES["block"]), min_features=16)
+    with pytest.raises(ValueError, match=r"up_proj\.weight: .* inside a 128x128 block"):
+        export_pretrained(model, tmp_path / "moe", format="fine-grained-fp8")
+    assert list(tmp_path.iterdir()) == []

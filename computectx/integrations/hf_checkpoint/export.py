@@ -15,7 +15,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 from computectx.dtypes import DType
-from computectx.formats import QuantizedLinear, ServingWeight, serving_recipes, serving_weights
+from computectx.formats import (
+    Granularity,
+    QuantizedLinear,
+    ServingWeight,
+    serving_recipes,
+    serving_weights,
+)
 from computectx.integrations.hf_checkpoint.files import SHARD_BYTES, write_checkpoint
 from computectx.integrations.hf_checkpoint.formats import (
     BLOCK,
@@ -25,6 +31,8 @@ from computectx.integrations.hf_checkpoint.formats import (
     checkpoint_state,
     format_arg,
     quantization_config,
+    steps_by_row,
+    steps_from_rows,
 )
 from computectx.integrations.hf_checkpoint.kv import kv_cache_scheme, kv_scale_tensors
 from computectx.integrations.transformers_moe import TransformersExperts
@@ -126,44 +134,28 @@ def _disk_tensors(
     # Each weight's steps with one row per code row go through the same conversion (per
     # layout), so they reach the names its codes reach, split or stacked as the rows are.
     for layout in sorted({w.layout for w in weights.values()}):
-        by_row = {k: _steps_by_row(w) for k, w in weights.items() if w.layout == layout}
+        by_row = {
+            k: steps_by_row(w.steps, w.layout, tuple(w.codes.shape))
+            for k, w in weights.items()
+            if w.layout == layout
+        }
         for name, rows in revert_weight_conversion(model, by_row).items():
             out[name + SCALE_SUFFIX[fmt]] = _scale(name, out[name], rows, layout, fmt)
     return out
 
 
-def _steps_by_row(w: ServingWeight) -> torch.Tensor:
-    """``w``'s steps with one row per code row (``[..., N, C]``), so that a reverse
-    conversion splitting or stacking rows moves each row's steps with its codes."""
-    *lead, n, _ = w.codes.shape
-    if w.layout == "tensor":
-        return w.steps.reshape(*lead, 1, 1).expand(*lead, n, 1)
-    if w.layout == "row":
-        return w.steps
-    return w.steps.repeat_interleave(BLOCK, dim=-2)[..., :n, :]
-
-
 def _scale(
-    name: str, codes: torch.Tensor, rows: torch.Tensor, layout: str, fmt: ExportFormat
+    name: str, codes: torch.Tensor, rows: torch.Tensor, layout: Granularity, fmt: ExportFormat
 ) -> torch.Tensor:
-    """The format's scale of on-disk weight ``name`` from its steps by row (``[N, C]``)."""
-    n, k = codes.shape[-2:]
-    grid = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
-    if layout == "tensor":
-        one = rows.reshape(-1)[:1]
-        if not torch.equal(rows, one.expand_as(rows)):
-            raise ValueError(f"{name}: a piece of weights with several per-tensor steps")
-        return one.expand(grid).contiguous() if fmt == "fine-grained-fp8" else one.clone()
-    if layout == "row":
-        return rows.contiguous()
-    blocks = rows[..., ::BLOCK, :].contiguous()
-    if not torch.equal(blocks.repeat_interleave(BLOCK, dim=-2)[..., :n, :], rows):
-        raise ValueError(
-            f"{name}: the checkpoint's layout splits this weight at a row inside a 128x128 "
-            f"block of the fused weight the model multiplies (the fused rows per piece must "
-            f"be a multiple of 128), so its block steps cannot be written as they are"
-        )
-    return blocks
+    """The format's scale of on-disk weight ``name`` from its steps by row (``[N, C]``):
+    ``ServingWeight``'s steps of the piece, a per-tensor step repeated over the blocks in the
+    fine-grained format (which holds blocks only)."""
+    steps = steps_from_rows(name, rows, layout, "the model's reverse weight conversion")
+    if layout == "tensor" and fmt == "fine-grained-fp8":
+        n, k = codes.shape[-2:]
+        grid = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
+        return steps.reshape(-1)[:1].expand(grid).contiguous()
+    return steps.clone()  # a tensor of its own: safetensors refuses tensors sharing memory
 
 
 def _not_converted(model: nn.Module, quantized: set[str]) -> list[str]:

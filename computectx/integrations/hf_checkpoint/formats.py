@@ -30,6 +30,7 @@ __all__ = [
     "format_arg",
     "quantization_config",
     "read_quantization_config",
+    "steps_by_row",
     "steps_from_rows",
     "steps_of_scale",
 ]
@@ -358,6 +359,14 @@ def steps_of_scale(
     if not scale.is_floating_point():
         raise ValueError(f"{name}: the scale is {scale.dtype}, not a float tensor")
     steps = scale.to(torch.float32)  # bf16, fp16, e8m0 steps are float32 values exactly
+    return steps_by_row(steps.reshape(want), layout, tuple(codes.shape))
+
+
+def steps_by_row(steps: torch.Tensor, layout: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Steps of ``layout`` for codes of ``shape`` (``ServingWeight``'s shapes) with one row
+    per code row (``[..., N, C]``): a conversion that splits or stacks the codes' rows (the
+    model's weight conversions, either way) moves each row's steps with it."""
+    *lead, n, _ = shape
     if layout == "tensor":
         return steps.reshape(*lead, 1, 1).expand(*lead, n, 1)
     if layout == "row":
