@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from pathlib import Path
@@ -40,7 +41,12 @@ from computectx import ComputeCtx
 from computectx.dtypes import DType, Fp8Format
 from computectx.formats import Recipe, convert_to_quantized
 from computectx.formats.seam import static_kv_steps
-from computectx.integrations.hf_checkpoint import ExportFormat, export_pretrained
+from computectx.integrations.hf_checkpoint import (
+    ExportFormat,
+    export_pretrained,
+    import_kv_calibration,
+    import_pretrained,
+)
 from computectx.integrations.hf_checkpoint.kv import (
     KvCalibration,
     kv_cache_scheme,
@@ -240,3 +246,25 @@ def test_read_refuses_scales_that_do_not_fit_the_model(llama: Any, amax: torch.T
     assert torch.equal(
         static_kv_steps(back.amax[0], back.kv)[0], scalars[f"{ATTN.format(0)}.k_scale"].reshape(1)
     )
+
+
+def test_an_imported_checkpoint_serves_with_its_kv_scales(
+    llama: Any, amax: torch.Tensor, tmp_path: Path
+) -> None:
+    # export -> import_pretrained (the scales checked, the weights loaded) and
+    # import_kv_calibration (only the scales read): the cache built from what it returns
+    # serves with the written steps, bit for bit.
+    kv = KvFp8(scaling="per_head")
+    out = export_pretrained(
+        llama, tmp_path / "out", format="compressed-tensors", kv=kv, kv_amax=amax
+    )
+    copy_ = copy.deepcopy(llama)
+    import_pretrained(copy_, out, mode="train")
+    cal = import_kv_calibration(copy_, out)
+    assert cal is not None and cal.kv == kv
+    tensors, _ = scales_of(out)
+    for layer, steps in enumerate(served_steps(llama.config, cal.kv, cal.amax)):
+        for row, name in enumerate(("k_scale", "v_scale")):
+            assert torch.equal(steps[row], tensors[f"{ATTN.format(layer)}.{name}"].reshape(-1))
+    plain = export_pretrained(llama, tmp_path / "plain", format="compressed-tensors")
+    assert import_kv_calibration(copy_, plain) is None

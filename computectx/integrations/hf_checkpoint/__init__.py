@@ -46,12 +46,15 @@ from computectx.integrations.hf_checkpoint.formats import (
     FORMAT_LAYOUTS,
     ExportFormat,
 )
-from computectx.integrations.hf_checkpoint.load import import_pretrained
+from computectx.integrations.hf_checkpoint.kv import KvCalibration
+from computectx.integrations.hf_checkpoint.load import import_kv_calibration, import_pretrained
 
 __all__ = [
     "EXPORT_FORMATS",
     "FORMAT_LAYOUTS",
     "ExportFormat",
+    "KvCalibration",
     "export_pretrained",
+    "import_kv_calibration",
     "import_pretrained",
 ]

@@ -40,10 +40,10 @@ from computectx.integrations.hf_checkpoint.formats import (
     steps_from_rows,
     steps_of_scale,
 )
-from computectx.integrations.hf_checkpoint.kv import read_kv_scales
+from computectx.integrations.hf_checkpoint.kv import KvCalibration, read_kv_scales
 from computectx.recipes import Recipe
 
-__all__ = ["import_pretrained"]
+__all__ = ["import_kv_calibration", "import_pretrained"]
 
 _KV_SUFFIXES = (".k_scale", ".v_scale")
 
@@ -104,10 +104,29 @@ def import_pretrained(
     return model
 
 
-def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's safetensors: ``model.safetensors``, or the shards its
-    ``model.safetensors.index.json`` names."""
-    from safetensors.torch import load_file
+def import_kv_calibration(
+    model: nn.Module, directory: str | os.PathLike[str]
+) -> KvCalibration | None:
+    """The KV-cache scales of the checkpoint in ``directory`` for ``model``'s attention
+    layers, as this library serves them (``KvCalibration``: the scheme and an amax
+    ``(layers, 2, key/value heads)`` whose steps are the checkpoint's, bit for bit), or
+    ``None`` when it carries none; reads only the scale tensors. Serve with
+    ``CtxStaticCache(model.config, ctx.with_kv(cal.kv), max_cache_len, kv_amax=cal.amax)``.
+    ``ValueError`` as ``import_pretrained``'s check of them (scales on some layers only, a
+    shape other than the scheme's, a step that is not finite and positive)."""
+    folder = Path(os.fsdecode(directory))
+    config = json.loads((folder / "config.json").read_text("utf-8"))
+    kv = _read_tensors(folder, lambda name: name.endswith(_KV_SUFFIXES))
+    return read_kv_scales(kv, config, model)
+
+
+def _read_tensors(
+    folder: Path, wanted: Callable[[str], bool] = lambda name: True
+) -> dict[str, torch.Tensor]:
+    """The tensors of the directory's safetensors whose names are ``wanted`` (all, by
+    default): ``model.safetensors``, or the shards its ``model.safetensors.index.json``
+    names."""
+    from safetensors import safe_open
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -122,7 +141,8 @@ def _read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         )
     out: dict[str, torch.Tensor] = {}
     for file in files:
-        out.update(load_file(folder / file))
+        with safe_open(folder / file, framework="pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys() if wanted(k)})  # noqa: SIM118
     return out
 
 
