@@ -225,6 +225,10 @@ class _Target:
         linear = self.linear
         if mode == "serve":
             assert linear is not None
+            # The layer's own scaling state was measured for other weights (its earlier
+            # forwards): it starts fresh, so what the import serves depends on the checkpoint
+            # alone (inputs then take each request's own amax until calibrated again).
+            linear.scaling.reset(given.codes.device)
             linear.freeze_for_serving(weight=given)
             return
         held = linear.weight if linear is not None else self.held

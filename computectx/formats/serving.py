@@ -121,8 +121,9 @@ class ServingWeight:
         given: str = "given",
     ) -> None:
         """``ValueError`` unless these are ``fmt`` codes of ``shape`` laid out ``layout`` (on
-        ``device``, when given) with finite steps: ``"{who} {takes} <what fits>; {given}
-        <what these are>. Nothing was changed"``, or the count of non-finite steps."""
+        ``device``, when given), every code finite and every step finite and positive:
+        ``"{who} {takes} <what fits>; {given} <what these are>. Nothing was changed"``, or the
+        count of bad steps or codes."""
 
         def described(dtype: torch.dtype, shape: tuple[int, ...], layout: str, at: str) -> str:
             return (
@@ -135,11 +136,19 @@ class ServingWeight:
         got = described(self.codes.dtype, tuple(self.codes.shape), self.layout, here)
         if got != want:
             raise ValueError(f"{who} {takes} {want}; {given} {got}. Nothing was changed")
-        finite = torch.isfinite(self.steps)
-        if not bool(finite.all()):
+        bad = ~(torch.isfinite(self.steps) & (self.steps > 0))
+        if bool(bad.any()):
             raise ValueError(
-                f"{who} was given {int((~finite).sum())} non-finite step(s) among "
-                f"{self.steps.numel()}. Nothing was changed"
+                f"{who} was given {int(bad.sum())} step(s) that are not finite and positive "
+                f"among {self.steps.numel()} (a step multiplies its codes: zero or negative "
+                f"would zero or flip the weight). Nothing was changed"
+            )
+        wide = self.codes.float()  # NaN codes (e4m3fn 0x7f/0xff; e5m2's NaN and inf too)
+        bad = ~torch.isfinite(wide)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{who} was given {int(bad.sum())} non-finite code(s) (NaN or inf) among "
+                f"{self.codes.numel()}: a weight holds finite values. Nothing was changed"
             )
 
     @property

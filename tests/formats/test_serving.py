@@ -77,5 +77,25 @@ def test_check_fits_names_what_fits_and_what_was_given() -> None:
     with pytest.raises(ValueError, match=r"laid out 'row' on meta; given float8_e4m3fn .* on cpu"):
         sw.check_fits("L", torch.float8_e4m3fn, (256, 128), "row", torch.device("meta"))
     bad = ServingWeight(codes, steps.clone().index_fill_(0, torch.tensor([3]), float("inf")), "row")
-    with pytest.raises(ValueError, match=r"^L was given 1 non-finite step\(s\) among 256"):
+    with pytest.raises(
+        ValueError, match=r"^L was given 1 step\(s\) that are not finite and positive among 256"
+    ):
         bad.check_fits("L", torch.float8_e4m3fn, (256, 128), "row")
+
+
+@pytest.mark.parametrize("bad", ["zero step", "negative step", "nan code"])
+def test_check_fits_refuses_steps_that_zero_or_flip_and_nan_codes(bad: str) -> None:
+    # A negative step served the weight sign-flipped, a zero one zeroed it, a NaN code made
+    # NaN outputs: all were accepted when only the steps' finiteness was checked.
+    codes, steps = quantize_tensor(torch.randn(128, 128), "e4m3", granularity="128x128")
+    if bad == "zero step":
+        steps = torch.zeros_like(steps)
+    elif bad == "negative step":
+        steps = -steps
+    else:
+        codes = codes.clone()
+        codes.view(torch.uint8)[5, 7] = 0x7F  # e4m3fn's NaN
+    sw = ServingWeight(codes, steps, "128x128")
+    what = "non-finite code" if bad == "nan code" else "not finite and positive"
+    with pytest.raises(ValueError, match=what):
+        sw.check_fits("L", torch.float8_e4m3fn, (128, 128), "128x128")

@@ -142,7 +142,7 @@ def test_given_codes_that_do_not_fit_the_layer_are_refused_naming_both(name: str
             layer.freeze_for_serving(weight=given)
     nan = mine.steps.clone()
     nan.view(-1)[0] = float("nan")
-    with pytest.raises(ValueError, match="1 non-finite step"):
+    with pytest.raises(ValueError, match=r"1 step\(s\) that are not finite and positive"):
         layer.freeze_for_serving(weight=ServingWeight(mine.codes, nan, mine.layout))
     with pytest.raises(TypeError, match="takes a ServingWeight, got tuple"):
         layer.freeze_for_serving(weight=(mine.codes, mine.steps))  # type: ignore[arg-type]
