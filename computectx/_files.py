@@ -212,15 +212,28 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _remove_tree(path: Path) -> None:
+    """Remove ``path`` whatever it is (a folder, a file, a symlink: never followed)."""
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            shutil.rmtree(path)
+
+
 @contextlib.contextmanager
 def atomic_directory(target: Path) -> Iterator[Path]:
     """Yield a new, empty folder beside ``target`` to write a whole folder into; on exit each
     file in it and the folder are fsynced and the folder is renamed to ``target`` (an existing
     ``target`` moved aside first and removed after), so a crash leaves the old folder or the
     new one. If the body or the commit raises, the new folder is removed and ``target`` is as
-    it was. The caller checked ``target`` (that it may be replaced)."""
-    parent = target.absolute().parent
-    tmp = parent / f".{_stem(target.name)}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
+    it was. A symlink is written through, as ``atomic_path`` writes a file: the folder it
+    resolves to is replaced (the new folder made beside that one), the link stays. The
+    caller checked ``target`` (that it may be replaced, that it is no symlink loop)."""
+    real = Path(os.path.realpath(target))
+    parent = real.parent
+    stem = _stem(real.name)
+    tmp = parent / f".{stem}.{secrets.token_hex(8)}{TEMP_SUFFIX}"
     tmp.mkdir()
     old: Path | None = None
     try:
@@ -229,18 +242,19 @@ def atomic_directory(target: Path) -> Iterator[Path]:
             if path.is_file():
                 _fsync_file(path)
         _fsync_folder(tmp)
-        if target.exists():
-            old = parent / f".{_stem(target.name)}.{secrets.token_hex(8)}.old{TEMP_SUFFIX}"
-            os.rename(target, old)
-        os.rename(tmp, target)
+        if os.path.lexists(real):
+            old = parent / f".{stem}.{secrets.token_hex(8)}.old{TEMP_SUFFIX}"
+            os.rename(real, old)
+        os.rename(tmp, real)
         _fsync_folder(parent)
     except BaseException:
-        if old is not None and not target.exists():
-            os.rename(old, target)
+        if old is not None and not os.path.lexists(real):
+            os.rename(old, real)
             old = None
-        shutil.rmtree(tmp, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _remove_tree(tmp)
         raise
     finally:
         if old is not None:
             with contextlib.suppress(OSError):
-                shutil.rmtree(old)
+                _remove_tree(old)

@@ -428,3 +428,29 @@ def test_a_folder_is_written_whole_or_not_at_all(tmp_path: Path) -> None:
         assert not (target / "a.txt").exists()  # nothing shows before the commit
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert sorted(p.name for p in target.iterdir()) == ["a.txt"]
+
+
+def test_a_folder_is_written_through_a_symlink_and_the_link_stays(tmp_path: Path) -> None:
+    # As atomic_path writes a file: the folder the link resolves to is replaced, the link
+    # stays a link, and no temporary is left beside either, on success or on failure.
+    real, links = tmp_path / "real", tmp_path / "links"
+    real.mkdir()
+    links.mkdir()
+    (real / "old.txt").write_text("old")
+    link = links / "ckpt"
+    link.symlink_to(real)
+
+    def half_written() -> None:
+        with files_module.atomic_directory(link) as d:
+            (d / "a.txt").write_text("new")
+            raise RuntimeError("midway")
+
+    with pytest.raises(RuntimeError, match="midway"):
+        half_written()
+    assert link.is_symlink() and sorted(p.name for p in real.iterdir()) == ["old.txt"]
+    with files_module.atomic_directory(link) as d:
+        (d / "a.txt").write_text("new")
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert sorted(p.name for p in real.iterdir()) == ["a.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["links", "real"]
+    assert [p.name for p in links.iterdir()] == ["ckpt"]

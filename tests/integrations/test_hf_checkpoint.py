@@ -248,6 +248,44 @@ def test_an_existing_directory_is_replaced_only_when_asked(
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporaries left beside it
 
 
+def test_a_bad_max_shard_bytes_is_refused_before_writing(
+    llamas: dict[str, Any], tmp_path: Path
+) -> None:
+    target = tmp_path / "out"
+    cases: list[tuple[Any, type[Exception], str]] = [
+        (0, ValueError, "must be >= 1"),
+        (-1, ValueError, "must be >= 1"),
+        (1.5, TypeError, "takes an int"),
+        (True, TypeError, "takes an int"),
+        ("100", TypeError, "takes an int"),
+        (None, TypeError, "takes an int"),
+    ]
+    for value, error, message in cases:
+        with pytest.raises(error, match=rf"max_shard_bytes {message} .*got {value!r}$"):
+            export_pretrained(
+                llamas["tensor"], target, format="compressed-tensors", max_shard_bytes=value
+            )
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_symlinked_directory_is_written_through(llamas: dict[str, Any], tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (real / "old.txt").write_text("old")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with pytest.raises(ValueError, match="not empty; pass overwrite=True"):
+        export_pretrained(llamas["block"], link, format="fine-grained-fp8")
+    out = export_pretrained(llamas["block"], link, format="fine-grained-fp8", overwrite=True)
+    assert out == link
+    assert link.is_symlink() and "config.json" in [p.name for p in real.iterdir()]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no temporaries
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    with pytest.raises(ValueError, match="symlink loop"):
+        export_pretrained(llamas["block"], loop, format="fine-grained-fp8")
+
+
 def test_experts_split_inside_a_block_are_refused_before_writing(tmp_path: Path) -> None:
     # moe_intermediate_size 192: up_proj's rows start in the middle of gate_up_proj's second
     # 128-row block, so its file's first block would need two steps; nothing is written.

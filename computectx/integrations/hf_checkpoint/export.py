@@ -56,9 +56,11 @@ def export_pretrained(
 
     Everything is checked and laid out in memory before anything is written; then the files
     go to a new folder beside ``directory``, are fsynced, and the folder is renamed into
-    place, so a crash leaves the old directory or the new one. ``ValueError`` (nothing
-    written) for: an unknown format; a recipe the format cannot hold (naming the recipe, the
-    layer and the formats that can); an existing non-empty ``directory`` without
+    place, so a crash leaves the old directory or the new one. A ``directory`` that is a
+    symlink is written through: the folder it points to is replaced, the link stays.
+    ``ValueError`` (nothing written) for: an unknown format; a ``max_shard_bytes`` below 1
+    (``TypeError`` for one that is not an ``int``); a recipe the format cannot hold (naming
+    the recipe, the layer and the formats that can); an existing non-empty ``directory`` without
     ``overwrite=True``; a quantized weight tied to another; experts whose layout the
     model's reverse conversion splits inside a 128x128 block. ``TypeError`` for a model
     that is not a transformers ``PreTrainedModel``. Safetensors files above
@@ -74,6 +76,7 @@ def export_pretrained(
     """
     fmt = format_arg(format)
     target = _target_arg(directory, overwrite)
+    shard_bytes = _shard_arg(max_shard_bytes)
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -92,24 +95,41 @@ def export_pretrained(
     scheme = kv_cache_scheme(fmt, kv)
     if scheme is not None:
         config["quantization_config"]["kv_cache_scheme"] = scheme
-    write_checkpoint(target, tensors, config, max_shard_bytes)
+    write_checkpoint(target, tensors, config, shard_bytes)
     return target
 
 
 def _target_arg(directory: object, overwrite: bool) -> Path:
+    """The directory to write, checked; a symlink is checked as the folder it resolves to
+    (the export writes through it: that folder is replaced, the link stays)."""
     if not isinstance(directory, (str, os.PathLike)) or os.fspath(directory) in ("", b""):
         raise TypeError(f"export_pretrained takes a directory path, got {directory!r}")
     target = Path(os.fsdecode(directory))
-    if target.exists() and not target.is_dir():
+    real = Path(os.path.realpath(target))
+    if real.is_symlink():  # realpath stops inside a loop
+        raise ValueError(f"cannot export to {str(target)!r}: it is a symlink loop")
+    if real.exists() and not real.is_dir():
         raise ValueError(f"cannot export to {str(target)!r}: it exists and is not a directory")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
+    if real.is_dir() and any(real.iterdir()) and not overwrite:
         raise ValueError(
             f"cannot export to {str(target)!r}: the directory exists and is not empty; pass "
             f"overwrite=True to replace it"
         )
-    if not target.absolute().parent.is_dir():
+    if not real.parent.is_dir():
         raise ValueError(f"cannot export to {str(target)!r}: its parent folder does not exist")
     return target
+
+
+def _shard_arg(max_shard_bytes: object) -> int:
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int):
+        raise TypeError(
+            f"export_pretrained max_shard_bytes takes an int (bytes, >= 1), got {max_shard_bytes!r}"
+        )
+    if max_shard_bytes < 1:
+        raise ValueError(
+            f"export_pretrained max_shard_bytes must be >= 1 (bytes), got {max_shard_bytes!r}"
+        )
+    return max_shard_bytes
 
 
 def _disk_tensors(
