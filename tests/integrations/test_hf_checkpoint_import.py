@@ -320,6 +320,38 @@ def bad_scale(t: dict[str, torch.Tensor]) -> None:
     t[name] = t[name][:, :1].contiguous()
 
 
+def fp4_norm(t: dict[str, torch.Tensor]) -> None:
+    # Of the model's shape: only the dtype tells it is no norm (copy_ cannot cast it).
+    t["model.norm.weight"] = torch.full((256,), 0x22, dtype=torch.uint8).view(
+        torch.float4_e2m1fn_x2
+    )
+
+
+def fp8_head(t: dict[str, torch.Tensor]) -> None:
+    t["lm_head.weight"] = t["lm_head.weight"].to(torch.float8_e4m3fn)  # codes, no scale
+
+
+def int_norm(t: dict[str, torch.Tensor]) -> None:
+    t["model.norm.weight"] = t["model.norm.weight"].to(torch.int32)
+
+
+def edit_scale(suffix: str, edit: Any) -> Any:
+    def edit_tensors(t: dict[str, torch.Tensor]) -> None:
+        name = "model.layers.0.self_attn.q_proj.weight" + suffix
+        t[name] = edit(t[name].clone())
+
+    return edit_tensors
+
+
+def nan_first(s: torch.Tensor) -> torch.Tensor:
+    s.view(-1)[0] = float("nan")
+    return s
+
+
+def off_grid(s: torch.Tensor) -> torch.Tensor:
+    return s.double() * (1 + 1e-12)
+
+
 @pytest.mark.parametrize(
     ("model_granularity", "source", "edit_config", "edit_tensors", "match"),
     [
@@ -363,6 +395,51 @@ def bad_scale(t: dict[str, torch.Tensor]) -> None:
             bad_scale,
             r"up_proj.*\(3, 1\).*takes \(3, 2\)",
         ),
+        (
+            "block",
+            ("block", "fine-grained-fp8"),
+            None,
+            fp4_norm,
+            r"dtype not read: \[\"model\.norm\.weight torch\.float4_e2m1fn_x2 \(the model's: "
+            r"torch\.bfloat16\)\"\]; .* float32, bfloat16, float16, float64",
+        ),
+        ("block", ("block", "fine-grained-fp8"), None, fp8_head, r"lm_head\.weight torch\.float8"),
+        ("row", ("row", "compressed-tensors"), None, int_norm, r"model\.norm\.weight torch\.int32"),
+        (
+            "block",
+            ("block", "fine-grained-fp8"),
+            None,
+            edit_scale("_scale_inv", nan_first),
+            r"q_proj\.weight: 1 of the scale's 4 steps are not finite and positive \(.*nan\)",
+        ),
+        (
+            "tensor",
+            ("tensor", "compressed-tensors"),
+            None,
+            edit_scale("_scale", nan_first),
+            r"q_proj\.weight: 1 of the scale's 1 steps are not finite and positive",
+        ),
+        (
+            "tensor",
+            ("tensor", "compressed-tensors"),
+            None,
+            edit_scale("_scale", lambda s: -s),
+            r"q_proj\.weight: 1 of the scale's 1 steps are not finite and positive",
+        ),
+        (
+            "block",
+            ("block", "fine-grained-fp8"),
+            None,
+            edit_scale("_scale_inv", off_grid),
+            r"q_proj\.weight: a float64 scale with 4 value\(s\) that are not float32 values",
+        ),
+        (
+            "row",
+            ("row", "compressed-tensors"),
+            None,
+            edit_scale("_scale", lambda s: s.to(torch.int32)),
+            r"q_proj\.weight: the scale is torch\.int32; read here: float32",
+        ),
     ],
 )
 def test_refusals_name_both_sides_and_change_nothing(
@@ -381,3 +458,34 @@ def test_refusals_name_both_sides_and_change_nothing(
     with pytest.raises(ValueError, match=match):
         import_pretrained(loaded, target)
     unchanged(loaded, before)
+
+
+def test_float64_tensors_on_the_float32_grid_import_exactly(
+    exported: dict[tuple[str, str, str], Any], tmp_path: Path
+) -> None:
+    # A float64 scale holding float32 values and a float64 norm (cast to the model's dtype,
+    # as from_pretrained casts it) import as the float32 / bf16 originals do.
+    model, directory = exported["llama", "block", "fine-grained-fp8"]
+
+    def widen(t: dict[str, torch.Tensor]) -> None:
+        for name in ("model.layers.0.self_attn.q_proj.weight_scale_inv", "model.norm.weight"):
+            t[name] = t[name].double()
+
+    target = rewrite(directory, tmp_path / "f64", None, widen)
+    loaded = tiny(llama_config(), 1, "block")
+    import_pretrained(loaded, target)
+    same_weights(model_serving_weights(model), model_serving_weights(loaded))
+    assert torch.equal(loaded.model.norm.weight, model.model.norm.weight)
+
+
+@pytest.mark.parametrize("mode", ["serve", "train"])
+def test_a_model_on_the_meta_device_is_refused(
+    exported: dict[tuple[str, str, str], Any], mode: Any
+) -> None:
+    _, directory = exported["llama", "block", "fine-grained-fp8"]
+    with torch.device("meta"):
+        loaded = tiny(llama_config(), 1, "block")
+    with pytest.raises(ValueError, match=r"on the meta device .*model\.to_empty\(device=\.\.\.\)"):
+        import_pretrained(loaded, directory, mode=mode)
+    assert {t.device.type for t in loaded.state_dict().values()} == {"meta"}
+    assert not any(m.frozen for m in loaded.modules() if isinstance(m, QuantizedLinear))

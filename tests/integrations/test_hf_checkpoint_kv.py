@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -232,8 +233,22 @@ def test_read_refuses_scales_that_do_not_fit_the_model(llama: Any, amax: torch.T
     name = f"{ATTN.format(0)}.v_scale"
     with pytest.raises(ValueError, match=rf"KV scale {name}: per_head scales are 2"):
         read_kv_scales({**tensors, name: torch.ones(3)}, config, llama)
+    zero = torch.tensor([0.0, 1.0]).reshape(2, 1, 1)
     with pytest.raises(ValueError, match=rf"KV scale {name}.*\[0.0, 1.0\]"):
-        read_kv_scales({**tensors, name: torch.tensor([0.0, 1.0])}, config, llama)
+        read_kv_scales({**tensors, name: zero}, config, llama)
+    # attn_head scales are (H, 1, 1) exactly: the same two values in another shape are refused.
+    for shape in [(2,), (1, 2), (2, 1)]:
+        got = re.escape(f"of shape (2, 1, 1), got torch.float32 {shape}")
+        with pytest.raises(ValueError, match=got):
+            read_kv_scales({**tensors, name: tensors[name].reshape(shape)}, config, llama)
+    # float64 scales: read when each value is a float32, refused off that grid; ints refused.
+    wide = {k: v.double() for k, v in tensors.items()}
+    back64, back32 = read_kv_scales(wide, config, llama), read_kv_scales(tensors, config, llama)
+    assert back64 is not None and back32 is not None and torch.equal(back64.amax, back32.amax)
+    with pytest.raises(ValueError, match=rf"KV scale {name}: a float64 scale with 2 value"):
+        read_kv_scales({**tensors, name: tensors[name].double() * (1 + 1e-12)}, config, llama)
+    with pytest.raises(ValueError, match=rf"KV scale {name}: the scale is torch.int64"):
+        read_kv_scales({**tensors, name: torch.ones(2, 1, 1, dtype=torch.long)}, config, llama)
     with pytest.raises(ValueError, match="has no k_scale / v_scale tensors"):
         read_kv_scales({}, config, llama)
     dynamic = {**config["quantization_config"], "kv_cache_scheme": {**fragment, "dynamic": True}}
@@ -246,6 +261,17 @@ def test_read_refuses_scales_that_do_not_fit_the_model(llama: Any, amax: torch.T
     assert torch.equal(
         static_kv_steps(back.amax[0], back.kv)[0], scalars[f"{ATTN.format(0)}.k_scale"].reshape(1)
     )
+    # Per tensor: () (fine-grained, vLLM) or (1,) (compressed-tensors) are read, nothing else.
+    ones = {k: v.reshape(1) for k, v in scalars.items()}
+    again = read_kv_scales(ones, {"quantization_config": {"quant_method": "fp8"}}, llama)
+    assert again is not None and torch.equal(again.amax, back.amax)
+    k0 = f"{ATTN.format(0)}.k_scale"
+    with pytest.raises(ValueError, match=r"per_tensor scales are 1 .* of shape \(\) or \(1,\)"):
+        read_kv_scales(
+            {**scalars, k0: scalars[k0].reshape(1, 1, 1)},
+            {"quantization_config": {"quant_method": "fp8"}},
+            llama,
+        )
 
 
 def test_an_imported_checkpoint_serves_with_its_kv_scales(

@@ -27,6 +27,7 @@ __all__ = [
     "check_recipes",
     "check_scheme",
     "checkpoint_state",
+    "float32_scale",
     "format_arg",
     "quantization_config",
     "read_quantization_config",
@@ -342,8 +343,11 @@ def steps_of_scale(
     name: str, codes: torch.Tensor, scale: torch.Tensor, layout: str
 ) -> torch.Tensor:
     """On-disk weight ``name``'s ``scale`` (laid out ``layout`` for ``codes [..., N, K]``)
-    as float32 steps with one row per code row (``[..., N, C]``); ``ValueError`` naming the
-    tensor, its shape and the shape the layout takes."""
+    as float32 steps with one row per code row (``[..., N, C]``), exactly as held
+    (``float32_scale``); ``ValueError`` naming the tensor for a shape other than the layout's
+    (naming both), a dtype ``float32_scale`` refuses, and steps that are not finite and
+    positive (counted; checked before any step is compared with another, so a NaN is never
+    taken for a split block)."""
     *lead, n, k = codes.shape
     want: tuple[int, ...] = {
         "tensor": (*lead, 1) if lead else (1,),
@@ -356,10 +360,40 @@ def steps_of_scale(
             f"{name}: scale of shape {held} for {tuple(codes.shape)} codes laid out {layout!r}; "
             f"the layout takes {want}"
         )
-    if not scale.is_floating_point():
-        raise ValueError(f"{name}: the scale is {scale.dtype}, not a float tensor")
-    steps = scale.to(torch.float32)  # bf16, fp16, e8m0 steps are float32 values exactly
+    steps = float32_scale(name, scale)
+    bad = ~(torch.isfinite(steps) & (steps > 0))
+    if bool(bad.any()):
+        raise ValueError(
+            f"{name}: {int(bad.sum())} of the scale's {steps.numel()} steps are not finite "
+            f"and positive (the first: {steps[bad][0].item()}); a step multiplies its codes"
+        )
     return steps_by_row(steps.reshape(want), layout, tuple(codes.shape))
+
+
+_SCALE_DTYPES: Final = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e8m0fnu)
+
+
+def float32_scale(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's scale (weight or KV) ``name`` as the float32 steps it holds, exactly:
+    float32 as it is; bfloat16, float16 and float8_e8m0fnu widened (each of their values is a
+    float32); float64 only when every value is a float32 (a float64 scale off that grid would
+    be rounded: refused). ``ValueError`` naming the tensor and its dtype otherwise."""
+    if scale.dtype != torch.float64 and scale.dtype not in _SCALE_DTYPES:
+        accepted = ", ".join(str(d).removeprefix("torch.") for d in _SCALE_DTYPES)
+        raise ValueError(
+            f"{name}: the scale is {scale.dtype}; read here: {accepted}, or float64 holding "
+            f"float32 values"
+        )
+    steps = scale.detach().to(torch.float32)
+    if scale.dtype == torch.float64:
+        off = (steps.double() != scale) & ~torch.isnan(scale)
+        if bool(off.any()):
+            raise ValueError(
+                f"{name}: a float64 scale with {int(off.sum())} value(s) that are not float32 "
+                f"values (the first: {scale[off][0].item()!r}); steps are float32, and "
+                f"rounding them would change the weights: store the scale in float32"
+            )
+    return steps
 
 
 def steps_by_row(steps: torch.Tensor, layout: str, shape: tuple[int, ...]) -> torch.Tensor:

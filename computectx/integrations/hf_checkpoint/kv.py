@@ -31,6 +31,7 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType, Fp8Format
+from computectx.integrations.hf_checkpoint.formats import float32_scale
 from computectx.kv_policy import KvFp8, KvScaling
 from computectx.nn.kv_steps import static_steps, widen_steps
 
@@ -214,10 +215,16 @@ def read_kv_scales(
     tensors: Mapping[str, torch.Tensor], config: Mapping[str, Any], model: nn.Module
 ) -> KvCalibration | None:
     """The KV scales of a checkpoint (its ``tensors`` by name and its config.json ``config``)
-    for ``model``'s attention modules, or ``None`` when it has none. ``ValueError`` naming the
-    tensor for: scales on some layers only, or on a module that is not an attention module of
-    ``model``; a shape other than the scheme's; a scale that is not finite and positive; a
-    ``kv_cache_scheme`` this library has no scheme for."""
+    for ``model``'s attention modules, or ``None`` when it has none. The shapes read, exactly:
+    a per-tensor scale (compressed-tensors strategy ``"tensor"``, or fine-grained FP8) ``()``
+    or ``(1,)`` (export writes ``(1,)`` and ``()`` respectively; vLLM-style checkpoints hold
+    either), an ``"attn_head"`` scale ``(H, 1, 1)`` for ``H`` key/value heads (what
+    compressed_tensors registers). The dtypes read: those of ``formats.float32_scale``
+    (float32; bfloat16, float16, e8m0 widened; float64 holding float32 values). ``ValueError``
+    naming the tensor for: scales on some layers only, or on a module that is not an attention
+    module of ``model``; a shape other than the scheme's; another dtype, or a float64 value
+    off the float32 grid; a scale that is not finite and positive; a ``kv_cache_scheme`` this
+    library has no scheme for."""
     present = {k for k in tensors if k.rpartition(".")[2] in KV_SCALE_NAMES}
     kv = _scheme(config, bool(present))
     if kv is None:
@@ -233,20 +240,26 @@ def read_kv_scales(
     text: Any = getattr(model, "config", None)
     text = text.get_text_config(decoder=True)
     heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    per_head = kv.scaling == "per_head"
+    count = heads if per_head else 1
+    shapes: list[tuple[int, ...]] = [(heads, 1, 1)] if per_head else [(), (1,)]
     rows = []
     for fqn in names:
         pair = []
         for n in KV_SCALE_NAMES:
             name = f"{fqn}.{n}"
             t = tensors[name]
-            count = heads if kv.scaling == "per_head" else 1
-            ok = t.is_floating_point() and t.numel() == count
-            step = t.detach().to(torch.float32).reshape(-1).cpu() if ok else t
-            if not ok or not bool((torch.isfinite(step) & (step > 0)).all()):
+            if tuple(t.shape) not in shapes:
                 raise ValueError(
-                    f"KV scale {name}: {kv.scaling} scales are {count} finite positive "
-                    f"float value(s), got {t.dtype} {tuple(t.shape)}"
-                    + (f" {step.tolist()}" if ok else "")
+                    f"KV scale {name}: {kv.scaling} scales are {count} finite positive float "
+                    f"value(s) of shape {' or '.join(str(s) for s in shapes)}, got {t.dtype} "
+                    f"{tuple(t.shape)}"
+                )
+            step = float32_scale(f"KV scale {name}", t).reshape(-1).cpu()
+            if not bool((torch.isfinite(step) & (step > 0)).all()):
+                raise ValueError(
+                    f"KV scale {name}: {kv.scaling} scales are {count} finite positive float "
+                    f"value(s), got {t.dtype} {tuple(t.shape)} {step.tolist()}"
                 )
             pair.append(_amax_of(step).expand(heads))
         rows.append(torch.stack(pair))

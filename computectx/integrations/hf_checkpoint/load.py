@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable, Mapping
 from copy import deepcopy
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 from torch import nn
@@ -61,16 +61,22 @@ def import_pretrained(
     in place (the master the policy then trains; the same ``Parameter`` objects, so an
     optimizer built before keeps working). Converted experts have no frozen form yet:
     ``"serve"`` is refused for them, naming ``"train"``. Every high-precision tensor
-    (embeddings, norms, the head, routers, unconverted linears) is copied in too, cast to
-    the model's dtype.
+    (embeddings, norms, the head, routers, unconverted linears) is copied in too: one held
+    in float32, bfloat16, float16 or float64 is cast to the model tensor's dtype (the cast
+    ``from_pretrained`` makes), one in the model tensor's own dtype is copied as it is.
 
     Everything is checked before anything is written, and a refusal (``ValueError``) names
     both sides and changes nothing: a format or scheme not read here (int8, NVFP4, sparse,
     static activations, a block size other than [128, 128]); a layer whose recipe the
     checkpoint's layout does not hold (the model converted per row, the checkpoint in
     blocks); a model tensor the checkpoint lacks or a checkpoint tensor the model has no
-    place for (listed); a scale of the wrong shape; codes in another format or shape than
-    the layer takes.
+    place for (listed); a high-precision tensor of another shape, or of another dtype than
+    those above (float8 / float4 / e8m0 codes without a scale, integers, bool, complex:
+    listed with their dtypes); a scale of the wrong shape, of a dtype other than float32,
+    bfloat16, float16 or e8m0 (float64 only holding float32 values, as it is never rounded),
+    or with steps that are not finite and positive (counted); codes in another format or
+    shape than the layer takes; a model with parameters or buffers on the meta device
+    (materialize it first: ``model.to_empty(device=...)``).
     """
     from transformers import PreTrainedModel
 
@@ -79,6 +85,7 @@ def import_pretrained(
             f"import_pretrained loads into a transformers PreTrainedModel (it reads the "
             f"model's weight conversions), got {type(model).__name__}"
         )
+    _check_materialized(model)
     folder = Path(os.fsdecode(directory))
     config = json.loads((folder / "config.json").read_text("utf-8"))
     scheme = read_quantization_config(config)
@@ -118,6 +125,18 @@ def import_kv_calibration(
     config = json.loads((folder / "config.json").read_text("utf-8"))
     kv = _read_tensors(folder, lambda name: name.endswith(_KV_SUFFIXES))
     return read_kv_scales(kv, config, model)
+
+
+def _check_materialized(model: nn.Module) -> None:
+    """``ValueError`` when ``model`` holds tensors on the meta device (nothing to load into)."""
+    tensors = (*model.named_parameters(), *model.named_buffers())
+    meta = [name for name, t in tensors if t.device.type == "meta"]
+    if meta:
+        raise ValueError(
+            f"import_pretrained: the model has {len(meta)} parameter(s) or buffer(s) on the "
+            f"meta device (the first: {meta[0]}); materialize it first "
+            f"(model.to_empty(device=...)), then import. Nothing was changed"
+        )
 
 
 def _read_tensors(
@@ -199,7 +218,7 @@ def _check_accounted(
     """``ValueError`` listing what does not pair up: the model's quantized weights the
     checkpoint holds without scales or not at all, weights scaled on disk the model holds
     in high precision, the model's other tensors missing, the checkpoint's unknown, and
-    high-precision tensors of another shape."""
+    high-precision tensors of another shape or of a dtype not read (``_reads_as``)."""
     problems = []
     lists = {
         "quantized in the model, not in the checkpoint (no scale)": model_quantized - quantized,
@@ -215,11 +234,32 @@ def _check_accounted(
     ]
     if shapes:
         problems.append(f"of another shape: {shapes}")
+    dtypes = [
+        f"{n} {t.dtype} (the model's: {state[n].dtype})"
+        for n, t in high.items()
+        if n in state and not _reads_as(t.dtype, state[n].dtype)
+    ]
+    if dtypes:
+        floats = ", ".join(str(d).removeprefix("torch.") for d in _HIGH_PRECISION)
+        problems.append(
+            f"of a dtype not read: {dtypes}; a high-precision tensor is read in {floats} "
+            f"(cast to the model's dtype) or in the model tensor's own dtype; float8 / float4 "
+            f"codes without their scale, integers, bool and complex are not values to cast"
+        )
     if problems:
         raise ValueError(
             f"import_pretrained: the checkpoint's tensors do not match the model's; "
             f"{'; '.join(problems)}. Nothing was changed"
         )
+
+
+_HIGH_PRECISION: Final = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""The dtypes a high-precision tensor is read in and cast from, as ``from_pretrained`` casts."""
+
+
+def _reads_as(held: torch.dtype, model: torch.dtype) -> bool:
+    """Whether a checkpoint tensor of dtype ``held`` loads into a model tensor of ``model``."""
+    return held == model or (held in _HIGH_PRECISION and model.is_floating_point)
 
 
 def _converted(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
