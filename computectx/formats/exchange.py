@@ -14,7 +14,9 @@ granularity   layout        the codes and steps
 ``row``       ``row``       one step per output row, by the recipe's step rule
                             (``power_of_two``), the forward's block quantize
 ``block``     ``128x128``   one step per 128x128 block, the forward's block quantize
-``mx``        (refused)     MXFP8's E8M0 steps over 1x32 blocks: no serving layout yet
+``mx``        ``mx``        one power-of-two step per 1x32 group along K (MXFP8's E8M0
+                            scales, widened to float32 exactly), the forward's block quantize
+                            under the recipe's ``mx_rounding``
 ============  ============  ===========================================================
 
 A frozen linear (``freeze_for_serving``) gives its own ``weight_fp8`` and ``weight_step``
@@ -44,7 +46,7 @@ from torch import nn
 
 from computectx.formats.convert_experts import experts_converters
 from computectx.formats.linear.module import QuantizedLinear
-from computectx.formats.numerics import grouped
+from computectx.formats.numerics import blockwise, grouped
 from computectx.formats.numerics.layouts import OPERAND_GRANULARITY, step_rule_of
 from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.ops.grouped import QuantizedExperts
@@ -77,8 +79,8 @@ def serving_weights(model: nn.Module) -> dict[str, ServingWeight]:
     """fqn -> ``ServingWeight`` of each ``QuantizedLinear``'s ``weight`` (``"{fqn}.weight"``)
     and each converted experts module's expert weights (``"{fqn}.{parameter}"``, ``[E, N,
     K]`` as the module multiplies them), in module order (module docstring). ``ValueError``
-    naming the weight and its recipe when a recipe has no serving layout (``mx``), before
-    anything is quantized."""
+    naming the weight and its recipe when a recipe has no serving layout, before anything
+    is quantized."""
     for name, recipe in serving_recipes(model).items():
         try:
             recipe_layout(recipe)
@@ -121,7 +123,7 @@ def _converted_experts(
 def _experts_weight(w: torch.Tensor, experts: QuantizedExperts) -> ServingWeight:
     """Experts ``w [E, N, K]`` quantized per expert as the grouped forward quantizes them
     (``ops.grouped``: dynamic with the recipe's margin for ``tensor``, the block operator
-    with its step rule otherwise)."""
+    with its step rule otherwise; ``mx``'s E8M0 scales widened to float32 steps, exactly)."""
     recipe = experts.policy
     layout = recipe_layout(recipe)
     fmt, rule = recipe.format.forward, step_rule_of(recipe)
@@ -138,7 +140,7 @@ def _experts_weight(w: torch.Tensor, experts: QuantizedExperts) -> ServingWeight
                     w[e].detach(), fmt, granularity, rule, None, backend=experts.backend
                 )
             codes.append(q)
-            steps.append(s.reshape(1) if layout == "tensor" else s)
+            steps.append(s.reshape(1) if layout == "tensor" else blockwise.steps_of_scale(s))
     return ServingWeight(torch.stack(codes), torch.stack(steps), layout)
 
 
@@ -153,11 +155,12 @@ def load_serving_weights(
     Everything is checked first; ``ValueError`` naming the weight, what was given and what
     the layer takes, with nothing changed, for: an unknown mode; a quantized weight of the
     model not given, or a name the model has no quantized weight under; a layout other
-    than the recipe's (``tensor``, ``row``, ``128x128`` for granularity ``tensor``, ``row``,
-    ``block``); codes in another format than the recipe's forward format; another shape;
-    non-finite steps; ``"train"`` into a layer frozen for serving (it holds no
-    high-precision weight); ``"serve"`` for a model with converted experts. Codes and steps
-    on another device are moved to the layer's."""
+    than the recipe's (``tensor``, ``row``, ``128x128``, ``mx`` for granularity ``tensor``,
+    ``row``, ``block``, ``mx``); codes in another format than the recipe's forward format;
+    another shape; steps that are not finite and positive (``mx``: not powers of two in
+    E8M0's range); ``"train"`` into a layer frozen for serving (it holds no high-precision
+    weight); ``"serve"`` for a model with converted experts. Codes and steps on another
+    device are moved to the layer's."""
     if mode not in LOAD_MODES:
         raise ValueError(f"load_serving_weights: unknown mode {mode!r}; accepted: 'serve', 'train'")
     targets = _load_targets(model)

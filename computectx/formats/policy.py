@@ -131,7 +131,9 @@ def checked_layer_ctx(
         check_quantize(quantize, policy)
         if frozen is not None and (policy.granularity, policy.format.forward.torch) != frozen:
             granularity, dtype = frozen
-            held = {"tensor": "per-tensor", "row": "per-row"}.get(granularity, "128x128-block")
+            held = {"tensor": "per-tensor", "row": "per-row", "mx": "1x32 MX-block"}.get(
+                granularity, "128x128-block"
+            )
             raise ValueError(
                 f"the layer is frozen for serving, its weight held as {held} {dtype} codes, so "
                 f"a new policy must have granularity {granularity!r} and that forward format"

@@ -1,10 +1,11 @@
 """``ServingWeight``: a weight as the fp8 codes and steps a serving format holds.
 
 The checkpoint formats that serving stacks read (transformers' fine-grained FP8, the
-DeepSeek-V3 layout; compressed-tensors' FP8 schemes, vLLM's main quantized format) store a
-linear's weight as ``float8_e4m3fn`` codes and float32 dequantize steps in one of three
-layouts: one step for the whole weight, one per output row (a channel), or one per 128x128
-block. ``ServingWeight`` is that pair under its layout, checked once, for one linear
+DeepSeek-V3 layout; compressed-tensors' FP8 and MXFP8 schemes, vLLM's main quantized format)
+store a linear's weight as ``float8_e4m3fn`` codes and dequantize steps in one of four
+layouts: one step for the whole weight, one per output row (a channel), one per 128x128
+block, or one per 1x32 group along K (MXFP8: each step a power of two, an E8M0 exponent on
+disk). ``ServingWeight`` is that pair under its layout, checked once, for one linear
 (``codes`` ``[N, K]``) or a module's experts (``[E, N, K]``, every expert laid out alike): the
 value the export writes, the import reads and a frozen layer serves with. ``weight ≈ codes *
 step`` of the element's block, formed in float32 (``dequantize``), as ``quantize_tensor``'s
@@ -15,10 +16,16 @@ step`` of the element's block, formed in float32 (``dequantize``), as ``quantize
 | ``"tensor"`` | ``(1,)`` | ``(E, 1)`` |
 | ``"row"`` | ``(N, 1)`` | ``(E, N, 1)`` |
 | ``"128x128"`` | ``(ceil(N/128), ceil(K/128))`` | ``(E, ceil(N/128), ceil(K/128))`` |
+| ``"mx"`` | ``(N, ceil(K/32))`` | ``(E, N, ceil(K/32))`` |
+
+Steps are float32 in every layout, ``"mx"`` included: an E8M0 exponent ``b`` is the step
+``2**(b - 127)``, exact in float32 both ways (``numerics.blockwise.steps_of_scale``,
+``e8m0_of_steps``), so a format's bytes are a writer's concern; ``check_fits`` refuses an
+``"mx"`` step that is not a power of two in ``[2**-127, 2**127]`` (no E8M0 byte holds it).
 
 A recipe's weights serve in the layout its forward quantizes them in (``recipe_layout``):
-granularity ``tensor`` in ``"tensor"``, ``row`` in ``"row"``, ``block`` in ``"128x128"``;
-``mx`` has none yet.
+granularity ``tensor`` in ``"tensor"``, ``row`` in ``"row"``, ``block`` in ``"128x128"``,
+``mx`` in ``"mx"``.
 """
 
 from __future__ import annotations
@@ -36,22 +43,23 @@ from computectx.recipes import Recipe
 
 __all__ = ["LAYOUT_OF_GRANULARITY", "WEIGHT_LAYOUTS", "ServingWeight", "recipe_layout"]
 
-WEIGHT_LAYOUTS: Final[tuple[Granularity, ...]] = ("tensor", "row", "128x128")
+WEIGHT_LAYOUTS: Final[tuple[Granularity, ...]] = ("tensor", "row", "128x128", "mx")
 """The granularities a serving weight is laid out in: which codes share one step (all, a
-row's, a 128x128 block's)."""
+row's, a 128x128 block's, a 1x32 MX group's)."""
 
 
 LAYOUT_OF_GRANULARITY: Final[dict[str, Granularity]] = {
     "tensor": "tensor",
     "row": "row",
     "block": "128x128",
+    "mx": "mx",
 }
-"""A recipe's granularity -> the layout its forward quantizes its weights in (``mx``: none)."""
+"""A recipe's granularity -> the layout its forward quantizes its weights in."""
 
 
 def recipe_layout(recipe: Recipe) -> Granularity:
     """The layout ``recipe``'s weights serve in; ``ValueError`` naming the recipe and the
-    granularities that have one when it has none (``mx``)."""
+    granularities that have one when it has none (every granularity has one today)."""
     layout = LAYOUT_OF_GRANULARITY.get(recipe.granularity)
     if layout is None:
         held = ", ".join(f"{g!r} ({layout})" for g, layout in LAYOUT_OF_GRANULARITY.items())
@@ -121,9 +129,10 @@ class ServingWeight:
         given: str = "given",
     ) -> None:
         """``ValueError`` unless these are ``fmt`` codes of ``shape`` laid out ``layout`` (on
-        ``device``, when given), every code finite and every step finite and positive:
-        ``"{who} {takes} <what fits>; {given} <what these are>. Nothing was changed"``, or the
-        count of bad steps or codes."""
+        ``device``, when given), every code finite and every step finite and positive (under
+        ``"mx"``, a power of two in ``[2**-127, 2**127]``, an E8M0 exponent): ``"{who} {takes}
+        <what fits>; {given} <what these are>. Nothing was changed"``, or the count of bad
+        steps or codes."""
 
         def described(dtype: torch.dtype, shape: tuple[int, ...], layout: str, at: str) -> str:
             return (
@@ -143,6 +152,14 @@ class ServingWeight:
                 f"among {self.steps.numel()} (a step multiplies its codes: zero or negative "
                 f"would zero or flip the weight). Nothing was changed"
             )
+        if self.layout == "mx":
+            bad = blockwise.steps_of_scale(blockwise.e8m0_of_steps(self.steps)) != self.steps
+            if bool(bad.any()):
+                raise ValueError(
+                    f"{who} was given {int(bad.sum())} 'mx' step(s) that are not powers of two "
+                    f"in [2**-127, 2**127] among {self.steps.numel()} (an MX step is an E8M0 "
+                    f"exponent). Nothing was changed"
+                )
         wide = self.codes.float()  # NaN codes (e4m3fn 0x7f/0xff; e5m2's NaN and inf too)
         bad = ~torch.isfinite(wide)
         if bool(bad.any()):

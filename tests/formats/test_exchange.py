@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import computectx.formats.linear.blockwise as linear_blockwise
+import computectx.formats.numerics.grouped as numerics_grouped
 import computectx.formats.ops.tensorwise as tensor_ops
 from computectx import ComputeCtx
 from computectx.formats import (
@@ -19,16 +20,19 @@ from computectx.formats import (
     ServingWeight,
     convert_to_quantized,
     load_serving_weights,
+    serving,
     serving_recipes,
     serving_weights,
 )
+from computectx.nn import GroupedExperts
 
 RECIPES = {
     "tensor": "e4m3/dynamic/0",
     "row": "e4m3/row/dynamic/0",
     "block": "e4m3/block/dynamic/0",
+    "mx": "e4m3/mx/dynamic/0",
 }
-LAYOUTS = {"tensor": "tensor", "row": "row", "block": "128x128"}
+LAYOUTS = {"tensor": "tensor", "row": "row", "block": "128x128", "mx": "mx"}
 
 
 def ctx_of(recipe: str) -> ComputeCtx:
@@ -75,7 +79,7 @@ def forward_weight_operands(
     return seen
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("granularity", list(RECIPES))
 def test_codes_are_what_the_forward_multiplies(
     base: nn.Module, granularity: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -91,7 +95,10 @@ def test_codes_are_what_the_forward_multiplies(
         assert isinstance(w, ServingWeight) and w.layout == LAYOUTS[granularity]
         assert w.codes.dtype == torch.float8_e4m3fn
         assert torch.equal(w.codes.view(torch.uint8), codes.view(torch.uint8))
-        assert torch.equal(w.steps, steps.reshape(w.steps.shape))
+        # mx: the GEMM's E8M0 scale bytes are the float32 steps' exactly.
+        assert torch.equal(w.steps, steps.float().reshape(w.steps.shape))
+        if granularity == "mx":
+            assert torch.equal(w.steps.to(steps.dtype).view(torch.uint8), steps.view(torch.uint8))
     # Nothing in the model changed: still trainable, no frozen buffers.
     assert not model[0].frozen and model[0].weight is not None
 
@@ -111,15 +118,19 @@ def test_a_frozen_layer_gives_its_own_buffers(base: nn.Module) -> None:
         assert torch.equal(w.steps, trainable[name].steps)
 
 
-def test_mx_has_no_serving_layout(base: nn.Module) -> None:
-    model = copy.deepcopy(base)
-    convert_to_quantized(model, ctx_of("e4m3/mx/dynamic/0"), module_filter=lambda m, fqn: True)
+def test_a_granularity_without_a_layout_is_refused_naming_the_weight(
+    base: nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every granularity has a layout today; one without (the 4-bit recipes until a format
+    # holds them) is refused before anything is quantized, naming the weight.
+    model = converted(base, "mx")
+    monkeypatch.delitem(serving.LAYOUT_OF_GRANULARITY, "mx")
     with pytest.raises(ValueError, match=r"0\.weight: recipe .*mx.* has no serving weight layout"):
         serving_weights(model)
     assert set(serving_recipes(model)) == {"0.weight", "2.weight"}  # naming them is fine
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("granularity", list(RECIPES))
 def test_load_serving_weights_serves_and_trains_with_the_given_codes(
     base: nn.Module, granularity: str
 ) -> None:
@@ -130,8 +141,13 @@ def test_load_serving_weights_serves_and_trains_with_the_given_codes(
         for i in (0, 2):
             served[i].weight.mul_(3)  # other weights: the codes must come from `given`
     trained = copy.deepcopy(served)
+    x = torch.randn(4, 256, generator=torch.Generator().manual_seed(2)).bfloat16()
+    with torch.no_grad():
+        want = source.eval()(x)
     load_serving_weights(served, given, mode="serve")
     assert served[0].frozen and served[2].frozen
+    with torch.no_grad():
+        assert torch.equal(served.eval()(x), want)  # the source's own eval output
     for name, w in serving_weights(served).items():
         assert torch.equal(w.codes.view(torch.uint8), given[name].codes.view(torch.uint8))
         assert torch.equal(w.steps, given[name].steps)
@@ -154,6 +170,7 @@ def test_load_serving_weights_refusals_change_nothing(base: nn.Module) -> None:
     e5m2 = ServingWeight(w.codes.float().to(torch.float8_e5m2), w.steps, w.layout)
     short = ServingWeight(w.codes[:256], w.steps[:2], w.layout)
     nan = ServingWeight(w.codes, w.steps.clone().fill_(float("nan")), w.layout)
+    mx = serving_weights(converted(base, "mx"))["0.weight"]
     cases = [
         ({"0.weight": w}, r"not given: \['2\.weight'\]"),
         ({**given, "1.weight": w}, r"unknown to the model: \['1\.weight'\]"),
@@ -161,6 +178,7 @@ def test_load_serving_weights_refusals_change_nothing(base: nn.Module) -> None:
         ({**given, "0.weight": e5m2}, r"takes float8_e4m3fn codes.*given float8_e5m2"),
         ({**given, "0.weight": short}, r"shape \(384, 256\).*given .*shape \(256, 256\)"),
         ({**given, "0.weight": nan}, r"not finite and positive"),
+        ({**given, "0.weight": mx}, r"0\.weight.*takes .*'128x128'; given .*'mx'"),
     ]
     for weights, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -195,3 +213,51 @@ def test_a_serve_load_does_not_keep_the_targets_own_scaling_state(base: nn.Modul
     x = torch.randn(4, 256, generator=gen).bfloat16()
     with torch.no_grad():
         assert torch.equal(fresh(x), used(x))
+
+
+def test_mx_refuses_steps_no_e8m0_byte_holds(base: nn.Module) -> None:
+    model = converted(base, "mx")
+    given = serving_weights(converted(base, "mx"))
+    w = given["0.weight"]
+    odd = ServingWeight(w.codes, w.steps * 3, "mx")
+    for mode in ("serve", "train"):
+        with pytest.raises(ValueError, match=r"0\.weight .*'mx' step\(s\) that are not powers"):
+            load_serving_weights(model, {**given, "0.weight": odd}, mode=mode)
+    assert not model[0].frozen
+
+
+@pytest.mark.parametrize("granularity", list(RECIPES))
+def test_experts_codes_are_what_the_grouped_forward_multiplies(
+    granularity: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(0)
+    ctx = ctx_of(RECIPES[granularity])
+    model = nn.ModuleDict({"experts": GroupedExperts(ctx.replace(recipe=None), 64, 96, 3)})
+    convert_to_quantized(model, ctx, module_filter=lambda m, fqn: True)
+    weights = serving_weights(model)
+    assert list(weights) == ["experts.gate_up", "experts.down"]
+    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    real = numerics_grouped.quantize_operand
+
+    def probe(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        q, s = real(x, *args)
+        seen.append((x, q, s))
+        return q, s
+
+    monkeypatch.setattr(numerics_grouped, "quantize_operand", probe)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
+    offs = torch.tensor([3, 6, 9], dtype=torch.int32)
+    with torch.no_grad():
+        model["experts"](x, offs)
+    matched = 0
+    for name, w in weights.items():
+        assert w.layout == LAYOUTS[granularity] and w.experts == 3
+        held = model.get_parameter(name)
+        for e in range(3):
+            for operand, q, s in seen:
+                if operand.shape == held[e].shape and torch.equal(operand, held[e]):
+                    assert torch.equal(q.view(torch.uint8), w.codes[e].view(torch.uint8))
+                    assert torch.equal(s.float().reshape(w.steps[e].shape), w.steps[e])
+                    matched += 1
+                    break
+    assert matched == 6  # every expert's two weights

@@ -10,13 +10,21 @@ import torch
 from computectx.formats import Recipe, quantize_tensor
 from computectx.formats.serving import ServingWeight
 
+LAYOUTS = ["tensor", "row", "128x128", "mx"]
 
-@pytest.mark.parametrize("layout", ["tensor", "row", "128x128"])
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_weight_dequantizes_as_quantize_tensor_made_it(layout: str) -> None:
     w = torch.randn(200, 264, generator=torch.Generator().manual_seed(0))
-    codes, steps = quantize_tensor(w, "e4m3", granularity=layout)  # type: ignore[arg-type]
+    codes, scale = quantize_tensor(w, "e4m3", granularity=layout)  # type: ignore[arg-type]
+    steps = scale.float()  # mx: E8M0 exponents widened, exactly
+    if layout == "mx":
+        assert torch.equal(
+            steps.to(torch.float8_e8m0fnu).view(torch.uint8), scale.view(torch.uint8)
+        )
+        assert steps.shape == (200, 9)  # a partial last group of 8
     sw = ServingWeight(codes, steps, layout)  # type: ignore[arg-type]
-    want = (codes.float() * steps) if layout != "128x128" else None
+    want = (codes.float() * steps) if layout in ("tensor", "row") else None
     got = sw.dequantize()
     if want is not None:
         assert torch.equal(got, want)
@@ -25,7 +33,7 @@ def test_a_weight_dequantizes_as_quantize_tensor_made_it(layout: str) -> None:
     assert sw.experts is None
 
 
-@pytest.mark.parametrize("layout", ["tensor", "row", "128x128"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_experts_are_linears_stacked(layout: str) -> None:
     gen = torch.Generator().manual_seed(1)
     g: Any = layout
@@ -34,6 +42,7 @@ def test_experts_are_linears_stacked(layout: str) -> None:
         for m in (1.0, 9.0)
     ]
     codes = torch.stack([c for c, _ in pairs])
+    pairs = [(c, s.float()) for c, s in pairs]
     steps = torch.stack([s.reshape(1) if layout == "tensor" else s for _, s in pairs])
     sw = ServingWeight(codes, steps, layout)  # type: ignore[arg-type]
     assert sw.experts == 2
@@ -45,8 +54,14 @@ def test_bad_pairs_are_refused_naming_what_the_layout_takes() -> None:
     codes, steps = quantize_tensor(torch.randn(256, 128), "e4m3", granularity="128x128")
     with pytest.raises(ValueError, match=r"shape \(2, 1\) on cpu, got torch.float32 \(1,\)"):
         ServingWeight(codes, steps.reshape(-1)[:1], "128x128")
-    with pytest.raises(ValueError, match="layout must be one of tensor, row, 128x128, got 'mx'"):
+    with pytest.raises(
+        ValueError, match="layout must be one of tensor, row, 128x128, mx, got '1x128'"
+    ):
+        ServingWeight(codes, steps, "1x128")
+    with pytest.raises(ValueError, match=r"laid out 'mx' must be .* shape \(256, 4\)"):
         ServingWeight(codes, steps, "mx")
+    with pytest.raises(ValueError, match=r"granularity 'mx' needs K .* >= 32"):
+        ServingWeight(codes[:, :16], torch.ones(256, 1), "mx")
     with pytest.raises(
         ValueError, match=r"float8_e4m3fn or float8_e5m2 tensor, got torch\.bfloat16"
     ):
@@ -55,15 +70,20 @@ def test_bad_pairs_are_refused_naming_what_the_layout_takes() -> None:
         ServingWeight(codes, steps.double(), "128x128")
 
 
-def test_each_recipe_serves_in_its_forwards_weight_layout() -> None:
+def test_each_recipe_serves_in_its_forwards_weight_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from computectx.formats import serving
     from computectx.formats.serving import recipe_layout
 
     for text, layout in [
         ("e4m3/dynamic/0", "tensor"),
         ("hybrid/row/dynamic/0", "row"),
         ("e4m3/block+pow2/dynamic/0", "128x128"),
+        ("e4m3/mx/dynamic/0", "mx"),
+        ("e4m3/mx+floor/dynamic/0", "mx"),
     ]:
         assert recipe_layout(Recipe.parse(text)) == layout
+    # A granularity with no layout (as the 4-bit recipes will be until a format holds them).
+    monkeypatch.delitem(serving.LAYOUT_OF_GRANULARITY, "mx")
     with pytest.raises(ValueError, match=r"recipe 'e4m3/mx/dynamic/0' \(granularity 'mx'\) has no"):
         recipe_layout(Recipe.parse("e4m3/mx/dynamic/0"))
 
@@ -99,3 +119,18 @@ def test_check_fits_refuses_steps_that_zero_or_flip_and_nan_codes(bad: str) -> N
     what = "non-finite code" if bad == "nan code" else "not finite and positive"
     with pytest.raises(ValueError, match=what):
         sw.check_fits("L", torch.float8_e4m3fn, (128, 128), "128x128")
+
+
+def test_check_fits_refuses_mx_steps_no_e8m0_byte_holds() -> None:
+    codes, scale = quantize_tensor(torch.randn(64, 96), "e4m3", granularity="mx")
+    steps = scale.float()
+    ServingWeight(codes, steps, "mx").check_fits("L", torch.float8_e4m3fn, (64, 96), "mx")
+    # Powers of two at both ends of E8M0's range fit (2**-127 is a float32 subnormal).
+    ends = steps.clone()
+    ends[0, 0], ends[0, 1] = 2.0**-127, 2.0**127
+    ServingWeight(codes, ends, "mx").check_fits("L", torch.float8_e4m3fn, (64, 96), "mx")
+    for bad in (1.5, 2.0**-128, 3.0 * 2.0**-10):
+        odd = steps.clone()
+        odd[3, 2] = bad
+        with pytest.raises(ValueError, match=r"^L was given 1 'mx' step\(s\) that are not powers"):
+            ServingWeight(codes, odd, "mx").check_fits("L", torch.float8_e4m3fn, (64, 96), "mx")

@@ -24,9 +24,10 @@ forward's weight codes and scales transposed as they are (``wq.t()``, ``sw.t()``
 quantize, so ``block`` keeps the weight's fp8 codes, not the weight. A ``block`` weight
 that arrives quantized (``linear.weights.QuantizedBlockWeight``, FSDP2's fp8 all-gather) is
 those codes and scales: the forward and the dgrad use them as they are. So is a frozen
-(serving) weight under ``row`` and ``block`` (``linear.frozen``: codes and steps per row or
-per 128x128 block); the dgrad of a frozen ``row`` weight quantizes ``Wᵀ`` along N from its
-codes times their steps (float32). With ``gw_hp`` (``row`` only, torchao's
+(serving) weight (``linear.frozen``: codes and float32 steps per row, per 128x128 block or
+per 1x32 MX group, whose power-of-two steps the GEMM takes as E8M0 bytes again, exactly);
+the dgrad of a frozen ``row`` or ``mx`` weight quantizes ``Wᵀ`` along N from its codes times
+their steps (float32). With ``gw_hp`` (``row`` only, torchao's
 ``ROWWISE_WITH_GW_HP``) the wgrad is ``dYᵀ X`` in float32 from the
 high-precision ``dY`` and ``X``. X, W and Wᵀ are quantized in the policy's forward format,
 dY and dYᵀ in its backward format, Xᵀ in the forward format.
@@ -72,10 +73,13 @@ from computectx.dtypes import Fp8Format
 from computectx.formats.linear.plan import Fp8LinearPlan, LinearGrads, linear_grads
 from computectx.formats.linear.recompute import CheckpointSite
 from computectx.formats.linear.weights import QuantizedBlockWeight, QuantizedWeight
+from computectx.formats.numerics import blockwise
 from computectx.formats.numerics.layouts import (
+    E8M0,
     MX_BLOCK,
     OPERAND_GRANULARITY,
     BlockGranularity,
+    layout_of,
 )
 from computectx.formats.numerics.tensorwise import FORMATS
 from computectx.formats.ops import blockwise as block_ops
@@ -129,9 +133,12 @@ def _held(
     weight: torch.Tensor | None, plan: Fp8LinearPlan
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     # The weight's codes and scale when they came quantized: a frozen layer's (its
-    # recipe's layout) or FSDP2's gathered 128x128 blocks; None: quantize the weight here.
+    # recipe's layout; mx's float32 steps as the E8M0 scale the GEMM takes, exactly) or
+    # FSDP2's gathered 128x128 blocks; None: quantize the weight here.
     if plan.frozen_weight is not None:
-        return plan.frozen_weight
+        data, steps = plan.frozen_weight
+        # A dtype conversion, exact for E8M0's powers of two (and one inductor compiles).
+        return data, steps.to(E8M0) if plan.policy.granularity == "mx" else steps
     if isinstance(weight, QuantizedBlockWeight):
         return weight.fp8_data, weight.fp8_scale
     return None
@@ -173,8 +180,8 @@ class _GranularLinearFunction(torch.autograd.Function):
             record_statistics([(state.input, x, x_step, x_sat), (state.weight, *w_stats)])
         y = block_scaled_mm(xq, wq, sx, g_act, sw, g_w, bias, plan.gemm_dtype, backend=plan.backend)
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
-        # row and mx quantize the weight again along N from high precision (a frozen row
-        # weight: from its codes times their steps, in float32).
+        # row and mx quantize the weight again along N from high precision (a frozen row or
+        # mx weight: from its codes times their steps, in float32).
         if g_w == "128x128" or weight is None:
             ctx.save_for_backward(x, wq, sw)
         else:
@@ -207,7 +214,7 @@ class _GranularLinearFunction(torch.autograd.Function):
                 wq, sw = w_saved
                 wtq, swt = wq.t(), sw.t()
             else:
-                w = w_saved[0] if len(w_saved) == 1 else w_saved[0].to(torch.float32) * w_saved[1]
+                w = w_saved[0] if len(w_saved) == 1 else _dequantized(w_saved[0], w_saved[1], g_w)
                 wtq, swt, _, _ = _quantize(w.t(), fwd, g_act, plan)
             dx = block_scaled_mm(
                 gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
@@ -238,18 +245,17 @@ def blockwise_linear(
     site: CheckpointSite | None,
 ) -> torch.Tensor:
     """The fine-grained fp8 linear on 2-D ``x2`` (``plan.policy.granularity`` row, block or
-    mx; ``site``: where the call sits with respect to activation checkpointing). ``row`` and
-    ``block`` take a frozen weight (``plan.frozen_weight``: codes and steps in the forward
-    format, per row or per 128x128 block, ``weight`` ``None``) and ``block`` also its weight
-    already quantized in 128x128 blocks, in the forward format (a ``QuantizedBlockWeight``:
-    FSDP2's fp8 all-gather): both are used as they are, with no second quantize.
-    ``ValueError`` for what it does not run yet: an ``mx`` frozen weight, any other
-    pre-quantized weight, data-parallel amax reduction."""
+    mx; ``site``: where the call sits with respect to activation checkpointing). Each takes
+    a frozen weight (``plan.frozen_weight``: codes and steps in the forward format, per row,
+    per 128x128 block or per 1x32 MX group, ``weight`` ``None``) and ``block`` also its
+    weight already quantized in 128x128 blocks, in the forward format (a
+    ``QuantizedBlockWeight``: FSDP2's fp8 all-gather): both are used as they are, with no
+    second quantize. ``ValueError`` for what it does not run yet: any other pre-quantized
+    weight, data-parallel amax reduction."""
     granularity = plan.policy.granularity
     unsupported = [
         what
         for what, present in (
-            ("a frozen (serving) weight", plan.frozen_weight is not None and granularity == "mx"),
             ("an fp8 all-gathered weight (FSDP2)", _is_fp8_weight(weight, plan)),
             ("data-parallel amax reduction", plan.reduces),
         )
@@ -266,6 +272,12 @@ def blockwise_linear(
     record_forward = plan.record and (site is None or not site.recomputing)
     out: torch.Tensor = _GranularLinearFunction.apply(x2, weight, bias, plan, record_forward)  # type: ignore[no-untyped-call]
     return out
+
+
+def _dequantized(codes: torch.Tensor, scale: torch.Tensor, g: BlockGranularity) -> torch.Tensor:
+    # A frozen row or mx weight in float32: each code times its step (exact for powers of
+    # two), from which the dgrad quantizes Wᵀ along N.
+    return blockwise.dequantize(codes, scale, layout_of(g, codes.shape), torch.float32)
 
 
 def _is_fp8_weight(weight: torch.Tensor | None, plan: Fp8LinearPlan) -> bool:

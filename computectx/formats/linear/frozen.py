@@ -5,15 +5,17 @@
 and ``weight_step`` (their float32 dequantize steps, ``weight ≈ codes * step``), laid out as
 the recipe's forward quantizes its weight (``serving.recipe_layout``): one step (``(1,)``) for
 ``tensor``, one per output row (``(N, 1)``) for ``row``, one per 128x128 block
-(``(ceil(N/128), ceil(K/128))``) for ``block``: the steps of a ``ServingWeight`` of that
-layout, so one state-dict form covers the three. ``mx`` has no such layout yet.
+(``(ceil(N/128), ceil(K/128))``) for ``block``, one per 1x32 group along K (``(N, K/32)``,
+powers of two: the E8M0 scales widened exactly) for ``mx``: the steps of a ``ServingWeight``
+of that layout, so one state-dict form covers the four.
 
 This module holds what freezing reads: the layout (``weight_layout``), the codes the
 forward itself makes of the weight (``quantize_weight``; ``serving_weight``, what
 ``QuantizedLinear.serving_weight`` gives), the check and copy of codes
 given from outside (``check_given``, ``adopt``) and the frozen weight dequantized
 (``dequantized``, for a call that runs without fp8). The forward multiplies with the codes
-as they are (``linear.tensorwise``; ``linear.blockwise`` for ``row`` and ``block``).
+as they are (``linear.tensorwise``; ``linear.blockwise`` for ``row``, ``block`` and ``mx``,
+which hands the GEMM an ``mx`` weight's steps as E8M0 bytes again, exactly).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ FROZEN_BUFFERS: Final = ("weight_fp8", "weight_step")
 
 def weight_layout(policy: Recipe) -> Granularity:
     """The layout ``policy``'s forward quantizes its weight in (``serving.recipe_layout``);
-    ``ValueError`` for a granularity that has none a frozen layer can hold (``mx``)."""
+    ``ValueError`` for a granularity that has none a frozen layer can hold."""
     try:
         return recipe_layout(policy)
     except ValueError as e:
@@ -95,13 +97,14 @@ def serving_weight(weight: torch.Tensor | None, plan: Fp8LinearPlan) -> ServingW
 def _quantized(
     w: torch.Tensor, plan: Fp8LinearPlan
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # (codes, steps, what the freeze records: the amax per tensor, the largest block step).
+    # (codes, steps, what the freeze records: the amax per tensor, the largest block step);
+    # mx's E8M0 scales as float32 steps (exact).
     with torch.inference_mode(False), torch.no_grad():
         if plan.policy.granularity == "tensor":
             data, step, amax = tensor_ops.quantize_dynamic(w, plan.fwd, 0, backend=plan.backend)
             return data, step.reshape(1).clone(), amax
-        data, steps, largest, _ = quantize_weight_blocks(w, plan)
-        return data, steps, largest
+        data, scale, largest, _ = quantize_weight_blocks(w, plan)
+        return data, blockwise.steps_of_scale(scale), largest
 
 
 def check_given(

@@ -308,13 +308,13 @@ class QuantizedLinear(nn.Linear):
         The weight becomes the buffers ``weight_fp8`` (codes in the recipe's forward format,
         1 byte per element) and ``weight_step`` (float32, ``weight ≈ codes * step``), laid
         out as the recipe's forward quantizes its weight (``linear.frozen``): one step, one
-        per output row or one per 128x128 block. Without ``weight`` they are the codes that
-        forward makes (per tensor from the weight's own amax, no margin). ``weight``, a
-        ``ServingWeight`` of this layer's ``[out_features, in_features]`` in the recipe's
-        layout (``"tensor"``, ``"row"``, ``"128x128"``) and forward format, on the layer's
-        device, is copied bit for bit instead (also into a frozen layer); else
-        ``TypeError``/``ValueError`` naming what was given and what the layer takes. ``mx``
-        is refused naming it. A refused call changes nothing.
+        per output row, per 128x128 block or per 1x32 MX group. Without ``weight`` they are
+        the codes that forward makes (per tensor from the weight's own amax, no margin).
+        ``weight``, a ``ServingWeight`` of this layer's ``[out_features, in_features]`` in the
+        recipe's layout (``"tensor"``, ``"row"``, ``"128x128"``, ``"mx"``) and forward
+        format, on the layer's device, is copied bit for bit instead (also into a frozen
+        layer); else ``TypeError``/``ValueError`` naming what was given and what the layer
+        takes. A refused call changes nothing.
 
         Later calls multiply with the codes as they are; inputs are still quantized under
         the policy, and a frozen layer records nothing in any mode, so an output depends on
@@ -325,7 +325,7 @@ class QuantizedLinear(nn.Linear):
         inside ``torch.inference_mode``. Returns ``self``.
         """
         policy = self.policy
-        weight_layout(policy)  # mx: refused before anything changes
+        weight_layout(policy)  # a granularity with no layout: refused before any change
         if weight is None and self._frozen:
             return self
         shape, device = (self.out_features, self.in_features), self._storage_device()

@@ -3,6 +3,7 @@ its accuracy against float64, its ledgers, training, and what it refuses."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -400,11 +401,8 @@ def test_serving_fsdp2_fp8_weights_and_amax_reduction_are_refused_clearly(flag: 
     )
     with pytest.raises(ValueError, match=rf"{needle} an fp8 all-gathered weight \(FSDP2\)"):
         fp8_linear(x, w8, None, plan)
-    if gran == "mx":  # row and block freeze (linear/test_frozen.py)
-        with pytest.raises(
-            ValueError, match=f"freeze_for_serving: .*'{gran}'.* no serving weight layout"
-        ):
-            layer.freeze_for_serving()  # refused before anything changes (linear/test_module.py)
+    # Every granularity freezes (linear/test_frozen.py); a frozen mx weight runs as it is.
+    assert torch.equal(copy.deepcopy(layer).eval().freeze_for_serving()(x), layer.eval()(x))
     # A layer frozen per tensor refuses a fine-grained ctx when it is set (it holds per-tensor
     # codes), and keeps its own.
     frozen = QuantizedLinear(32, 32, ctx=layer.ctx.replace(recipe=Recipe())).freeze_for_serving()

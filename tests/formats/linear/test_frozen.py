@@ -1,7 +1,8 @@
 """A layer frozen for serving (``freeze_for_serving``, ``linear.frozen``) under each weight
-layout: per tensor, per row, per 128x128 block. The codes are the ones the layer's own
-forward makes (or the ones given, bit for bit), later calls multiply with them as they are,
-and the frozen weight survives state dicts, casts, moves and ``torch.compile``."""
+layout: per tensor, per row, per 128x128 block, per 1x32 MX group. The codes are the ones
+the layer's own forward makes (or the ones given, bit for bit), later calls multiply with
+them as they are, and the frozen weight survives state dicts, casts, moves and
+``torch.compile``."""
 
 from __future__ import annotations
 
@@ -18,16 +19,19 @@ from computectx.formats import QuantizedLinear, Recipe, autocast, quantize_tenso
 from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.serving import ServingWeight
 
-# granularity -> (recipe, the ServingWeight layout it freezes to, the steps of a 144x160 weight)
+# granularity -> (recipe, the ServingWeight layout it freezes to, the steps of a 224x160 weight)
 LAYOUTS: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "tensor": ("e4m3/dynamic/0", "tensor", (1,)),
-    "row": ("e4m3/row/dynamic/0", "row", (144, 1)),
-    "row+no_pow2": ("hybrid/row+no_pow2/dynamic/0", "row", (144, 1)),
+    "row": ("e4m3/row/dynamic/0", "row", (224, 1)),
+    "row+no_pow2": ("hybrid/row+no_pow2/dynamic/0", "row", (224, 1)),
     "block": ("e4m3/block/dynamic/0", "128x128", (2, 2)),
     "block+pow2": ("hybrid/block+pow2/dynamic/0", "128x128", (2, 2)),
+    "mx": ("e4m3/mx/dynamic/0", "mx", (224, 5)),
+    "mx+floor": ("hybrid/mx+floor/dynamic/0", "mx", (224, 5)),
 }
-K, N = 160, 144  # ragged for 128x128 blocks: a 2x2 grid of partial ones
-THREE = ["tensor", "row", "block"]
+K, N = 160, 224  # ragged for 128x128 blocks (a 2x2 grid of partial ones), whole 1x32 groups
+EVERY = ["tensor", "row", "block", "mx"]
+FINE = ["row", "block", "mx"]
 
 
 def layer_of(name: str, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> QuantizedLinear:
@@ -45,7 +49,7 @@ def codes_of(layer: QuantizedLinear) -> ServingWeight:
     return ServingWeight(layer.weight_fp8, layer.weight_step, layout)
 
 
-LAYOUTS_OF = {"tensor": "tensor", "row": "row", "block": "128x128"}
+LAYOUTS_OF = {"tensor": "tensor", "row": "row", "block": "128x128", "mx": "mx"}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -76,15 +80,16 @@ def test_a_frozen_layer_answers_as_its_own_forward(
     assert served.frozen and served.weight is None
     assert served.weight_fp8.shape == (N, K) and served.weight_fp8.dtype == torch.float8_e4m3fn
     assert served.weight_step.shape == steps and served.weight_step.dtype == torch.float32
-    # The codes are the public quantize's of the weight, under the recipe's rule.
-    codes, scale = quantize_tensor(
-        live.weight.detach(),
-        "e4m3",
-        granularity=layout,
-        power_of_two=live.policy.power_of_two if layout != "tensor" else None,
+    # The codes are the public quantize's of the weight, under the recipe's rule (mx: its
+    # E8M0 scales widened to float32 steps, exactly).
+    rule: dict[str, Any] = (
+        {"mx_rounding": live.policy.mx_rounding}
+        if layout == "mx"
+        else {"power_of_two": live.policy.power_of_two if layout != "tensor" else None}
     )
+    codes, scale = quantize_tensor(live.weight.detach(), "e4m3", granularity=layout, **rule)
     assert torch.equal(bits(served.weight_fp8), bits(codes))
-    assert torch.equal(served.weight_step, scale.reshape(steps))
+    assert torch.equal(served.weight_step, scale.float().reshape(steps))
     blocks: list[int] = []
     real = block_ops.fp8_quantize_blocks
 
@@ -98,7 +103,7 @@ def test_a_frozen_layer_answers_as_its_own_forward(
     assert blocks == ([] if name == "tensor" else [x.shape[0]])
 
 
-@pytest.mark.parametrize("name", THREE)
+@pytest.mark.parametrize("name", EVERY)
 def test_given_codes_are_held_bit_for_bit_and_multiplied_as_they_are(name: str) -> None:
     own, layer = layer_of(name, seed=1).eval(), layer_of(name, seed=2).eval()
     for m in (own, layer):
@@ -123,7 +128,7 @@ def test_given_codes_are_held_bit_for_bit_and_multiplied_as_they_are(name: str) 
     assert torch.equal(layer(x), want)
 
 
-@pytest.mark.parametrize("name", THREE)
+@pytest.mark.parametrize("name", EVERY)
 def test_given_codes_that_do_not_fit_the_layer_are_refused_naming_both(name: str) -> None:
     layer = layer_of(name)
     before = snapshot(layer)
@@ -144,6 +149,10 @@ def test_given_codes_that_do_not_fit_the_layer_are_refused_naming_both(name: str
     nan.view(-1)[0] = float("nan")
     with pytest.raises(ValueError, match=r"1 step\(s\) that are not finite and positive"):
         layer.freeze_for_serving(weight=ServingWeight(mine.codes, nan, mine.layout))
+    if mine.layout == "mx":  # an MX step is an E8M0 exponent: a power of two
+        odd = ServingWeight(mine.codes, mine.steps * 1.5, "mx")
+        with pytest.raises(ValueError, match=r"1120 'mx' step\(s\) that are not powers of two"):
+            layer.freeze_for_serving(weight=odd)
     with pytest.raises(TypeError, match="takes a ServingWeight, got tuple"):
         layer.freeze_for_serving(weight=(mine.codes, mine.steps))  # type: ignore[arg-type]
     assert not layer.frozen and isinstance(layer.weight, nn.Parameter)
@@ -160,10 +169,10 @@ def _steps_for(sw: ServingWeight, shape: tuple[int, int]) -> torch.Tensor:
     # Steps of sw's layout for codes of another shape (transposed codes).
     if sw.layout == "tensor":
         return sw.steps
-    return quantize_tensor(torch.ones(shape), "e4m3", granularity=sw.layout)[1]
+    return quantize_tensor(torch.ones(shape), "e4m3", granularity=sw.layout)[1].float()
 
 
-@pytest.mark.parametrize("name", ["row", "block"])
+@pytest.mark.parametrize("name", FINE)
 def test_a_frozen_state_dict_loads_into_a_frozen_layer_of_its_layout_only(name: str) -> None:
     served = layer_of(name).freeze_for_serving()
     state = served.state_dict()
@@ -185,7 +194,7 @@ def test_a_frozen_state_dict_loads_into_a_frozen_layer_of_its_layout_only(name: 
     assert unchanged(other, before)
 
 
-@pytest.mark.parametrize("name", ["row", "block"])
+@pytest.mark.parametrize("name", FINE)
 def test_a_frozen_weight_keeps_its_bytes_through_casts_and_moves(name: str) -> None:
     served = layer_of(name).freeze_for_serving()
     x = request()
@@ -204,7 +213,7 @@ def test_a_frozen_weight_keeps_its_bytes_through_casts_and_moves(name: str) -> N
     assert moved.weight_fp8.dtype == torch.float8_e4m3fn
 
 
-@pytest.mark.parametrize("name", ["row", "block"])
+@pytest.mark.parametrize("name", FINE)
 def test_a_frozen_layer_passes_input_gradients_and_records_nothing(name: str) -> None:
     live = layer_of(name, dtype=torch.float32)
     served = copy.deepcopy(live).freeze_for_serving()
@@ -238,9 +247,13 @@ def test_a_frozen_layers_ctx_keeps_its_layout_and_format() -> None:
         with pytest.raises(ValueError, match=r"held as per-row torch\.float8_e4m3fn codes"):
             served.ctx = served.ctx.replace(recipe=Recipe.parse(refused))
     assert served.policy.granularity == "row"
+    mx = layer_of("mx").freeze_for_serving()
+    mx.ctx = mx.ctx.replace(recipe=Recipe.parse("e4m3/mx+floor/dynamic/0"))
+    with pytest.raises(ValueError, match=r"held as 1x32 MX-block torch\.float8_e4m3fn codes"):
+        mx.ctx = mx.ctx.replace(recipe=Recipe.parse("e4m3/row/dynamic/0"))
 
 
-@pytest.mark.parametrize("name", ["row", "block"])
+@pytest.mark.parametrize("name", FINE)
 def test_a_frozen_layer_compiles_whole(name: str) -> None:
     served = layer_of(name).eval().freeze_for_serving()
     x = request()
@@ -250,7 +263,7 @@ def test_a_frozen_layer_compiles_whole(name: str) -> None:
         assert torch.equal(compiled(x), want)
 
 
-@pytest.mark.parametrize("name", THREE)
+@pytest.mark.parametrize("name", EVERY)
 def test_serving_weight_is_what_the_layer_serves_with(name: str) -> None:
     layer = layer_of(name)
     before = snapshot(layer)

@@ -435,8 +435,14 @@ def test_mx_refuses_widths_not_a_multiple_of_32_and_conversion_skips_them_so(
     assert QuantizedLinear(n_in, n_out, ctx=block)(torch.randn(3, n_in)).shape == (3, n_out)
 
 
-def test_freezing_an_mx_layer_is_refused_and_changes_nothing() -> None:
-    # row and block freeze (linear/test_frozen.py); no serving layout holds mx weights yet.
+def test_freezing_a_granularity_without_a_layout_is_refused_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every granularity freezes today (linear/test_frozen.py); one with no serving layout
+    # (mx before it had one, as the 4-bit recipes will be) is refused before any change.
+    from computectx.formats import serving
+
+    monkeypatch.delitem(serving.LAYOUT_OF_GRANULARITY, "mx")
     layer = QuantizedLinear(64, 32, ctx=ComputeCtx.from_flag("fp8_mx", "cpu"), dtype=torch.float32)
     x = torch.randn(4, 64)
     before = layer(x)
