@@ -3,8 +3,9 @@
 
 - compressed-tensors: transformers loads the directory through ``compressed_tensors`` (its
   decompression on the CPU: ``CompressedTensorsConfig(dequantize=True)``) to the float32
-  weights ``ServingWeight.dequantize`` gives, bit for bit, for the tensor, row and block
-  recipes.
+  weights ``ServingWeight.dequantize`` gives, bit for bit, for the tensor, row, block and mx
+  recipes (mx: format ``mxfp8-quantized``, uint8 E8M0 scales as ``compress_mx_scale`` writes
+  them, and ``MXFP8QuantizationCompressor.decompress`` called on them directly as well).
 - fine-grained FP8: on the CPU transformers can only dequantize such a checkpoint (its fp8
   GEMMs need a GPU), so the proof is that path: the weights it loads equal ours dequantized
   to the model's dtype bit for bit, and its logits equal those of the bf16 model holding
@@ -56,6 +57,7 @@ RECIPES = {
     "tensor": "e4m3/dynamic/0",
     "row": "e4m3/row/dynamic/0",
     "block": "e4m3/block/dynamic/0",
+    "mx": "e4m3/mx/dynamic/0",
 }
 IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -116,17 +118,18 @@ def check_weights(loaded: nn.Module, weights: dict[str, ServingWeight], dtype: t
         assert torch.equal(held[name], w.dequantize(dtype)), name
 
 
-@pytest.mark.parametrize("granularity", ["tensor", "row", "block"])
+@pytest.mark.parametrize("granularity", list(RECIPES))
 def test_compressed_tensors_decompress_to_our_weights(
     llamas: dict[str, Any], granularity: str, tmp_path: Path
 ) -> None:
     model = llamas[granularity]
     out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
     config = json.loads((out / "config.json").read_text())["quantization_config"]
-    strategy = {"tensor": "tensor", "row": "channel", "block": "block"}[granularity]
+    strategy = {"tensor": "tensor", "row": "channel", "block": "block", "mx": "group"}
     assert config["quant_method"] == "compressed-tensors"
-    assert config["format"] == "float-quantized"
-    assert config["config_groups"]["group_0"]["weights"]["strategy"] == strategy
+    mx = granularity == "mx"
+    assert config["format"] == ("mxfp8-quantized" if mx else "float-quantized")
+    assert config["config_groups"]["group_0"]["weights"]["strategy"] == strategy[granularity]
     assert config["ignore"] == ["lm_head"]
     with safe_open(out / "model.safetensors", "pt") as f:
         keys = set(f.keys())
@@ -135,6 +138,29 @@ def test_compressed_tensors_decompress_to_our_weights(
     assert not [k for k in keys if ".fp8_" in k]
     loaded = load(out, torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True))
     check_weights(loaded, serving_weights(model), torch.float32)
+    if mx:
+        check_mx_scales_decompress(out, serving_weights(model), config)
+
+
+def check_mx_scales_decompress(
+    out: Path, weights: dict[str, ServingWeight], config: dict[str, Any]
+) -> None:
+    """MXFP8's scales are uint8 E8M0 exponents, the bytes ``compress_mx_scale`` makes of our
+    steps, and ``MXFP8QuantizationCompressor.decompress`` gives our weights from them."""
+    from compressed_tensors.compressors import MXFP8QuantizationCompressor  # type: ignore[import-untyped]
+    from compressed_tensors.compressors.mx_utils import compress_mx_scale  # type: ignore[import-untyped]
+    from compressed_tensors.quantization import QuantizationScheme  # type: ignore[import-untyped]
+
+    scheme = QuantizationScheme.model_validate(config["config_groups"]["group_0"])
+    assert scheme.weights is not None and scheme.weights.group_size == 32
+    with safe_open(out / "model.safetensors", "pt") as f:
+        for name, w in weights.items():
+            codes, scale = f.get_tensor(name), f.get_tensor(name + "_scale")
+            assert scale.dtype == torch.uint8 and scale.shape == w.steps.shape, name
+            assert torch.equal(scale, compress_mx_scale(w.steps, torch.uint8)), name
+            state = {"weight": codes, "weight_scale": scale}
+            got = MXFP8QuantizationCompressor.decompress(state, scheme)["weight"]
+            assert torch.equal(got.float(), w.dequantize()), name
 
 
 @pytest.mark.parametrize("granularity", ["tensor", "block"])
@@ -219,12 +245,13 @@ def test_refusals_name_the_recipe_and_the_formats(
     target = tmp_path / "out"
     with pytest.raises(ValueError, match=r"cannot hold recipe 'e4m3/row.*'compressed-tensors'"):
         export_pretrained(llamas["row"], target, format="fine-grained-fp8")
-    for recipe in ("e4m3/mx/dynamic/0", "e5m2/dynamic/0"):
-        model = copy.deepcopy(llama)
-        convert_to_quantized(model, ctx_of(recipe), min_features=16)
-        for fmt in ("fine-grained-fp8", "compressed-tensors"):
-            with pytest.raises(ValueError, match=r"none of the formats written here"):
-                export_pretrained(model, target, format=fmt)
+    with pytest.raises(ValueError, match=r"cannot hold recipe 'e4m3/mx.*'compressed-tensors'"):
+        export_pretrained(llamas["mx"], target, format="fine-grained-fp8")
+    model = copy.deepcopy(llama)
+    convert_to_quantized(model, ctx_of("e5m2/dynamic/0"), min_features=16)
+    for fmt in ("fine-grained-fp8", "compressed-tensors"):
+        with pytest.raises(ValueError, match=r"none of the formats written here"):
+            export_pretrained(model, target, format=fmt)
     with pytest.raises(ValueError, match="unknown checkpoint format 'gguf'"):
         export_pretrained(llamas["block"], target, format="gguf")  # type: ignore[arg-type]
     assert not target.exists() and list(tmp_path.iterdir()) == []  # nothing written

@@ -3,7 +3,7 @@
 
 - Round trips: a directory exported here imports into a model converted under the same recipe
   (from other random weights) with the codes, the steps and every other tensor bit for bit,
-  for tensor / row / block in each format that holds them, dense Llama and Qwen3-MoE (its
+  for tensor / row / block / mx in each format that holds them, dense Llama and Qwen3-MoE (its
   experts come back fused from per-expert tensors); ``mode="serve"`` gives the exporting
   model's frozen serving logits bit for bit; ``mode="train"`` makes the masters the
   dequantized codes, in place, and trains.
@@ -59,6 +59,7 @@ RECIPES = {
     "tensor": "e4m3/dynamic/0",
     "row": "e4m3/row/dynamic/0",
     "block": "e4m3/block/dynamic/0",
+    "mx": "e4m3/mx/dynamic/0",
 }
 HELD: list[tuple[str, ExportFormat]] = [
     ("tensor", "fine-grained-fp8"),
@@ -66,6 +67,7 @@ HELD: list[tuple[str, ExportFormat]] = [
     ("row", "compressed-tensors"),
     ("block", "fine-grained-fp8"),
     ("block", "compressed-tensors"),
+    ("mx", "compressed-tensors"),
 ]
 IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
 
@@ -103,7 +105,7 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str, s
     out: dict[tuple[str, str, str], Any] = {}
     root = tmp_path_factory.mktemp("exported")
     for kind, config in (("llama", llama_config), ("moe", moe_config)):
-        for granularity in RECIPES if kind == "llama" else ("tensor", "block"):
+        for granularity in RECIPES if kind == "llama" else ("tensor", "block", "mx"):
             model = tiny(config(), 0, granularity)
             for g, fmt in HELD:
                 if g == granularity:
@@ -190,6 +192,7 @@ def test_train_mode_writes_the_masters_in_place_and_trains(
         ("tensor", "compressed-tensors"),
         ("block", "fine-grained-fp8"),
         ("block", "compressed-tensors"),
+        ("mx", "compressed-tensors"),
     ],
 )
 def test_moe_round_trip(
@@ -352,6 +355,19 @@ def off_grid(s: torch.Tensor) -> torch.Tensor:
     return s.double() * (1 + 1e-12)
 
 
+def e8m0_nan(s: torch.Tensor) -> torch.Tensor:
+    s.view(-1)[3] = 255  # E8M0's NaN byte
+    return s
+
+
+def mx_as_float(q: dict[str, Any]) -> None:
+    q["format"] = "float-quantized"
+
+
+def mx_group16(q: dict[str, Any]) -> None:
+    q["config_groups"]["group_0"]["weights"]["group_size"] = 16
+
+
 @pytest.mark.parametrize(
     ("model_granularity", "source", "edit_config", "edit_tensors", "match"),
     [
@@ -440,6 +456,24 @@ def off_grid(s: torch.Tensor) -> torch.Tensor:
             edit_scale("_scale", lambda s: s.to(torch.int32)),
             r"q_proj\.weight: the scale is torch\.int32; read here: float32",
         ),
+        ("mx", ("block", "compressed-tensors"), None, None, r"'e4m3/mx.*strategy 'block'"),
+        ("block", ("mx", "compressed-tensors"), None, None, r"'e4m3/block.*MXFP8.*1x32"),
+        ("row", ("mx", "compressed-tensors"), None, None, r"'e4m3/row.*MXFP8"),
+        (
+            "mx",
+            ("mx", "compressed-tensors"),
+            None,
+            edit_scale("_scale", e8m0_nan),
+            r"q_proj\.weight: 1 of the scale's 2048 steps are not finite and positive",
+        ),
+        (
+            "mx",
+            ("mx", "compressed-tensors"),
+            mx_as_float,
+            None,
+            r"format 'float-quantized' does not hold its weights' strategy 'group'.*'mxfp8",
+        ),
+        ("mx", ("mx", "compressed-tensors"), mx_group16, None, r"group_size 16, scale_dtype"),
     ],
 )
 def test_refusals_name_both_sides_and_change_nothing(

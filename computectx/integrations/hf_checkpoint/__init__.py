@@ -14,10 +14,14 @@ the model serves with (``computectx.formats.serving_weights``: no requantization
   ``{module}.weight_scale`` float32, shaped by the strategy (``tensor`` ``(1,)``, ``channel``
   ``(N, 1)``, ``block`` ``(ceil(N/128), ceil(K/128))``), the ``quantization_config`` built with
   ``compressed_tensors``' own classes: one group targeting ``Linear``, dynamic fp8
-  activations (per token; per group of 128 for blocks), an ``ignore`` list.
+  activations (per token; per group of 128 for blocks), an ``ignore`` list. An ``mx``
+  recipe's weights go to its MXFP8 format (``mxfp8-quantized``, the ``MXFP8`` preset scheme):
+  ``weight_scale`` ``(N, K/32)`` in ``uint8``, one E8M0 exponent per 1x32 group, as its
+  ``compress_mx_scale`` writes them (dynamic MXFP8 activations).
 
-Both scales are dequantize multipliers (``weight ≈ code * scale``), as ``ServingWeight``'s
-steps are. Which recipe each format holds, exactly:
+Both formats' scales are dequantize multipliers (``weight ≈ code * scale``; an E8M0 byte
+``b`` is ``2**(b - 127)``), as ``ServingWeight``'s steps are. Which recipe each format
+holds, exactly:
 
 ============================  ======================  ======================
 recipe (granularity)          ``fine-grained-fp8``    ``compressed-tensors``
@@ -26,7 +30,9 @@ recipe (granularity)          ``fine-grained-fp8``    ``compressed-tensors``
                               over every block)
 ``row``                       refused                 yes (``channel``)
 ``block``                     yes                     yes (``block``)
-``mx``, e5m2 forward          refused                 refused
+``mx`` (MXFP8)                refused                 yes (``mxfp8-quantized``,
+                                                      ``group`` of 32)
+e5m2 forward                  refused                 refused
 ============================  ======================  ======================
 
 Everything else is written as the model holds it (embeddings, norms, the head, routers, the

@@ -169,8 +169,11 @@ def _scale(
 ) -> torch.Tensor:
     """The format's scale of on-disk weight ``name`` from its steps by row (``[N, C]``):
     ``ServingWeight``'s steps of the piece, a per-tensor step repeated over the blocks in the
-    fine-grained format (which holds blocks only)."""
+    fine-grained format (which holds blocks only), ``mx``'s powers of two as the uint8 E8M0
+    exponents compressed-tensors stores (``compress_mx_scale``'s bytes, exactly)."""
     steps = steps_from_rows(name, rows, layout, "the model's reverse weight conversion")
+    if layout == "mx":
+        return steps.to(torch.float8_e8m0fnu).view(torch.uint8)
     if layout == "tensor" and fmt == "fine-grained-fp8":
         n, k = codes.shape[-2:]
         grid = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))

@@ -42,7 +42,7 @@ EXPORT_FORMATS: Final[tuple[ExportFormat, ...]] = get_args(ExportFormat)
 
 FORMAT_LAYOUTS: Final[dict[ExportFormat, tuple[str, ...]]] = {
     "fine-grained-fp8": ("tensor", "128x128"),
-    "compressed-tensors": ("tensor", "row", "128x128"),
+    "compressed-tensors": ("tensor", "row", "128x128", "mx"),
 }
 """The ``ServingWeight`` layouts each format holds exactly."""
 
@@ -52,8 +52,16 @@ SCALE_SUFFIX: Final[dict[ExportFormat, str]] = {
     "compressed-tensors": "_scale",
 }
 """A weight's scale is stored under the weight's name with this suffix."""
-_STRATEGY: Final[dict[str, str]] = {"tensor": "tensor", "row": "channel", "128x128": "block"}
+_STRATEGY: Final[dict[str, str]] = {
+    "tensor": "tensor",
+    "row": "channel",
+    "128x128": "block",
+    "mx": "group",  # of 32, with uint8 E8M0 scales: compressed-tensors' MXFP8
+}
 _LAYOUT_OF_STRATEGY: Final[dict[str, Granularity]] = {s: g for g, s in _STRATEGY.items()}  # type: ignore[misc]
+MX_GROUP: Final = 32
+_CT_FORMAT: Final = {"mx": "mxfp8-quantized"}
+"""compressed-tensors' ``format`` by layout (``"float-quantized"`` for the others)."""
 
 
 def format_arg(format: object) -> ExportFormat:
@@ -72,7 +80,7 @@ def _formats_holding(recipe: Recipe) -> list[ExportFormat]:
 
 
 def _layout(recipe: Recipe) -> Granularity | None:
-    """``recipe``'s serving layout, ``None`` when it has none (``mx``)."""
+    """``recipe``'s serving layout, ``None`` when it has none."""
     try:
         return recipe_layout(recipe)
     except ValueError:
@@ -130,19 +138,20 @@ def _compressed_tensors_config(layout: str, ignore: list[str]) -> dict[str, Any]
     """compressed-tensors' ``quantization_config`` for weights of ``layout``, as its
     ``ModelCompressor.update_config`` writes one."""
     try:
-        import compressed_tensors  # type: ignore[import-untyped]
         from compressed_tensors.config import CompressionFormat  # type: ignore[import-untyped]
         from compressed_tensors.quantization import (  # type: ignore[import-untyped]
             QuantizationArgs,
-            QuantizationConfig,
             QuantizationScheme,
-            QuantizationStatus,
+            preset_name_to_scheme,
         )
     except ImportError as e:
         raise ImportError(
             "format 'compressed-tensors' builds its config with the compressed-tensors "
             "package: pip install compressed-tensors"
         ) from e
+    if layout == "mx":  # its own MXFP8 preset: uint8 E8M0 scales, dynamic 1x32 activations
+        mx = preset_name_to_scheme("MXFP8", ["Linear"])
+        return _ct_config(mx, CompressionFormat.mxfp8_quantized.value, ignore)
     strategy = _STRATEGY[layout]
     block = layout == "128x128"
     weights = QuantizationArgs(
@@ -162,9 +171,17 @@ def _compressed_tensors_config(layout: str, ignore: list[str]) -> dict[str, Any]
         group_size=BLOCK if block else None,
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
+    return _ct_config(scheme, CompressionFormat.float_quantized.value, ignore)
+
+
+def _ct_config(scheme: Any, fmt: str, ignore: list[str]) -> dict[str, Any]:
+    """compressed-tensors' ``quantization_config`` of one group ``scheme`` in format ``fmt``."""
+    import compressed_tensors  # type: ignore[import-untyped]
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
+
     config = QuantizationConfig(
         config_groups={"group_0": scheme},
-        format=CompressionFormat.float_quantized.value,
+        format=fmt,
         quantization_status=QuantizationStatus.COMPRESSED,
         ignore=ignore,
     )
@@ -173,7 +190,7 @@ def _compressed_tensors_config(layout: str, ignore: list[str]) -> dict[str, Any]
         "quant_method": "compressed-tensors",
         "sparsity_config": {},
         "transform_config": {},
-        **config.model_dump(exclude={"quant_method"}),
+        **config.model_dump(mode="json", exclude={"quant_method"}),
     }
 
 
@@ -226,6 +243,8 @@ class CheckpointScheme:
     def described(self) -> str:
         if self.format == "fine-grained-fp8":
             return "a fine-grained FP8 checkpoint (one step per 128x128 block)"
+        if self.layout == "mx":
+            return "a compressed-tensors MXFP8 checkpoint (one E8M0 step per 1x32 group)"
         strategy = _STRATEGY[self.layout]
         return f"a compressed-tensors FP8 checkpoint (weight strategy {strategy!r})"
 
@@ -235,8 +254,9 @@ def read_quantization_config(config: Mapping[str, Any]) -> CheckpointScheme:
     ``ValueError`` naming what the checkpoint holds and what is read here for anything else:
     no or another ``quant_method``; fine-grained FP8 with a block size other than [128, 128]
     or static activations; compressed-tensors other than float-quantized 8-bit symmetric
-    weights per tensor, channel or 128x128 block with dynamic (or no) activation
-    quantization (int8, NVFP4, sparsity, static activation scales...)."""
+    weights per tensor, channel or 128x128 block, or mxfp8-quantized (groups of 32 with
+    uint8 E8M0 scales), with dynamic (or no) activation quantization (int8, NVFP4, sparsity,
+    static activation scales...)."""
     q = config.get("quantization_config")
     if not isinstance(q, Mapping):
         raise ValueError(
@@ -274,10 +294,10 @@ def _fine_grained_scheme(q: Mapping[str, Any]) -> CheckpointScheme:
 
 def _compressed_tensors_scheme(q: Mapping[str, Any]) -> CheckpointScheme:
     fmt = q.get("format")
-    if fmt != "float-quantized":
+    if fmt not in ("float-quantized", *_CT_FORMAT.values()):
         raise ValueError(
             f"import_pretrained: the compressed-tensors checkpoint is in format {fmt!r}; only "
-            f"'float-quantized' (fp8 weights and scales) is read here"
+            f"'float-quantized' (fp8 weights and scales) and 'mxfp8-quantized' are read here"
         )
     if q.get("sparsity_config"):
         raise ValueError(
@@ -292,7 +312,14 @@ def _compressed_tensors_scheme(q: Mapping[str, Any]) -> CheckpointScheme:
             f"import_pretrained: the compressed-tensors checkpoint must quantize its weights "
             f"in one strategy (tensor, channel or block); its config_groups give {found}"
         )
-    return CheckpointScheme("compressed-tensors", layouts.pop(), tuple(q.get("ignore") or ()))
+    layout = layouts.pop()
+    holds = _CT_FORMAT.get(layout, "float-quantized")
+    if fmt != holds:
+        raise ValueError(
+            f"import_pretrained: the compressed-tensors checkpoint's format {fmt!r} does not "
+            f"hold its weights' strategy {_STRATEGY[layout]!r} (format {holds!r} does)"
+        )
+    return CheckpointScheme("compressed-tensors", layout, tuple(q.get("ignore") or ()))
 
 
 def _group_layout(name: str, group: Mapping[str, Any]) -> Granularity:
@@ -302,11 +329,20 @@ def _group_layout(name: str, group: Mapping[str, Any]) -> Granularity:
     layout = _LAYOUT_OF_STRATEGY.get(str(w.get("strategy")))
     fp8 = w.get("type") == "float" and w.get("num_bits") == 8 and w.get("symmetric", True)
     block = w.get("block_structure")
-    if not fp8 or layout is None or (layout == "128x128" and list(block or ()) != [BLOCK, BLOCK]):
+    mx = (w.get("group_size"), w.get("scale_dtype")) == (MX_GROUP, "torch.uint8")
+    if (
+        not fp8
+        or layout is None
+        or (layout == "128x128" and list(block or ()) != [BLOCK, BLOCK])
+        or (layout == "mx" and not mx)
+    ):
+        extra = f", block_structure {block}" if block else ""
+        if layout == "mx":
+            extra = f", group_size {w.get('group_size')}, scale_dtype {w.get('scale_dtype')}"
         raise ValueError(
-            f"import_pretrained: compressed-tensors group {name!r} holds {what}"
-            f"{f', block_structure {block}' if block else ''}; read here: 'float' 8-bit "
-            f"symmetric weights, strategy 'tensor', 'channel' or 'block' ({BLOCK}x{BLOCK})"
+            f"import_pretrained: compressed-tensors group {name!r} holds {what}{extra}; read "
+            f"here: 'float' 8-bit symmetric weights, strategy 'tensor', 'channel', 'block' "
+            f"({BLOCK}x{BLOCK}) or 'group' ({MX_GROUP}, scale_dtype torch.uint8: MXFP8)"
         )
     for role in ("input_activations", "output_activations"):
         a = group.get(role)
@@ -344,15 +380,17 @@ def steps_of_scale(
 ) -> torch.Tensor:
     """On-disk weight ``name``'s ``scale`` (laid out ``layout`` for ``codes [..., N, K]``)
     as float32 steps with one row per code row (``[..., N, C]``), exactly as held
-    (``float32_scale``); ``ValueError`` naming the tensor for a shape other than the layout's
-    (naming both), a dtype ``float32_scale`` refuses, and steps that are not finite and
-    positive (counted; checked before any step is compared with another, so a NaN is never
-    taken for a split block)."""
+    (``float32_scale``; ``mx``'s uint8 E8M0 exponents ``b`` as ``2**(b - 127)``, 255 NaN);
+    ``ValueError`` naming the tensor for a shape other than the layout's (naming both), a
+    dtype ``float32_scale`` refuses, and steps that are not finite and positive (counted;
+    checked before any step is compared with another, so a NaN is never taken for a split
+    block)."""
     *lead, n, k = codes.shape
     want: tuple[int, ...] = {
         "tensor": (*lead, 1) if lead else (1,),
         "row": (*lead, n, 1),
         "128x128": (*lead, math.ceil(n / BLOCK), math.ceil(k / BLOCK)),
+        "mx": (*lead, n, math.ceil(k / MX_GROUP)),
     }[layout]
     held = tuple(scale.shape)
     if held != want and not (layout == "tensor" and scale.numel() == 1 and not lead):
@@ -360,6 +398,8 @@ def steps_of_scale(
             f"{name}: scale of shape {held} for {tuple(codes.shape)} codes laid out {layout!r}; "
             f"the layout takes {want}"
         )
+    if layout == "mx" and scale.dtype == torch.uint8:
+        scale = scale.view(torch.float8_e8m0fnu)  # compressed-tensors' E8M0 exponents
     steps = float32_scale(name, scale)
     bad = ~(torch.isfinite(steps) & (steps > 0))
     if bool(bad.any()):
@@ -403,7 +443,7 @@ def steps_by_row(steps: torch.Tensor, layout: str, shape: tuple[int, ...]) -> to
     *lead, n, _ = shape
     if layout == "tensor":
         return steps.reshape(*lead, 1, 1).expand(*lead, n, 1)
-    if layout == "row":
+    if layout in ("row", "mx"):
         return steps
     return steps.repeat_interleave(BLOCK, dim=-2)[..., :n, :]
 
@@ -429,6 +469,8 @@ def steps_from_rows(
                 f"{name}: {scheme} holds blocks; the model's recipe takes one step per row"
             )
         return rows.contiguous()
+    if layout == "mx":
+        return rows.contiguous()  # one row per code row already (ServingWeight checks C)
     blocks = rows[..., ::BLOCK, :].contiguous()
     if not torch.equal(blocks.repeat_interleave(BLOCK, dim=-2)[..., :n, :], rows):
         raise ValueError(

@@ -51,10 +51,10 @@ _KV_SUFFIXES = (".k_scale", ".v_scale")
 def import_pretrained(
     model: nn.Module, directory: str | os.PathLike[str], *, mode: LoadMode = "serve"
 ) -> nn.Module:
-    """Load the checkpoint in ``directory`` (fine-grained FP8 or compressed-tensors FP8, as
-    ``export_pretrained`` writes them or as published) into ``model``, a transformers model
-    already converted by ``convert_to_quantized`` under the recipe whose steps the
-    checkpoint holds; return ``model``.
+    """Load the checkpoint in ``directory`` (fine-grained FP8, compressed-tensors FP8 or
+    MXFP8, as ``export_pretrained`` writes them or as published) into ``model``, a
+    transformers model already converted by ``convert_to_quantized`` under the recipe whose
+    steps the checkpoint holds; return ``model``.
 
     The codes and steps are taken bit for bit: ``mode="serve"`` freezes each quantized
     linear with them; ``mode="train"`` makes each quantized weight the dequantized codes
@@ -74,7 +74,8 @@ def import_pretrained(
     those above (float8 / float4 / e8m0 codes without a scale, integers, bool, complex:
     listed with their dtypes); a scale of the wrong shape, of a dtype other than float32,
     bfloat16, float16 or e8m0 (float64 only holding float32 values, as it is never rounded),
-    or with steps that are not finite and positive (counted); codes in another format or
+    or with steps that are not finite and positive (counted; MXFP8's uint8 E8M0 exponents
+    are read as their powers of two, byte 255 as NaN); codes in another format or
     shape than the layer takes; a model with parameters or buffers on the meta device
     (materialize it first: ``model.to_empty(device=...)``).
     """
