@@ -4,7 +4,8 @@
 the packages built on fp8: the backend checks, the ledger's layout, the operand scaling state
 and its reduce hook, the weight-gather quantizes, the tensor-parallel linear, and the serving
 quantizes and decode attention, and the grouped GEMM's input checks (the high-precision
-grouped experts share them). Outside ``computectx.formats`` nothing imports a deeper module
+grouped experts share them) and frozen experts (``ops.grouped_frozen``: their codes held,
+multiplied as they are). Outside ``computectx.formats`` nothing imports a deeper module
 (``tests/test_layering.py`` keeps it so), so fp8's rooms can move without touching the
 packages above; a name added here is a promise to them.
 """
@@ -31,6 +32,7 @@ from computectx.formats.ops.attention import (
 )
 from computectx.formats.ops.blockwise import cublas_recipes, quantize_blocks
 from computectx.formats.ops.grouped import check_grouped, checked_bounds
+from computectx.formats.ops.grouped_frozen import freeze_experts, frozen_experts_mm, held_experts
 from computectx.formats.ops.tensorwise import quantize_with_step
 from computectx.formats.scaling.load import guard_whole_loads
 from computectx.formats.scaling.operand import AmaxReduce, OperandScaling
@@ -53,7 +55,10 @@ __all__ = [
     "default_backend",
     "dequantize_kv",
     "fp8_linear",
+    "freeze_experts",
+    "frozen_experts_mm",
     "guard_whole_loads",
+    "held_experts",
     "ledger_history",
     "ledger_nonfinite",
     "ledger_saturated",

@@ -18,7 +18,8 @@ whose ``_experts_implementation`` is ``"computectx_fp8"``. The model's config is
 was: ``save_pretrained`` writes what it wrote before, a module left unconverted (a
 ``module_filter``) keeps its implementation, and ``model.set_experts_implementation`` later
 does not undo the conversion (``convert(module, None)`` does: it restores the config the module
-had).
+had). ``freeze_experts_for_serving(module)`` then holds the two expert weights as fp8 codes
+(``formats.ops.grouped_frozen``), dropping the parameters.
 
 The function is transformers' ``grouped_mm`` experts forward with the two grouped GEMMs run by
 ``QuantizedExperts.mm``: the (token, expert) pairs sorted by expert (stable), int32 cumulative
@@ -37,6 +38,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +46,15 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
 
-from computectx.formats import QuantizedExperts, register_experts_converter
+from computectx.formats import QuantizedExperts, ServingWeight, register_experts_converter
+from computectx.formats.seam import freeze_experts, frozen_experts_mm, held_experts
 
 __all__ = [
     "FP8_ATTR",
     "IMPLEMENTATION",
     "TransformersExperts",
     "fp8_experts_forward",
+    "freeze_experts_for_serving",
     "load_fp8_pretrained",
 ]
 
@@ -86,14 +90,27 @@ def _dispatches_here(module: nn.Module) -> bool:
 
 def _names(module: nn.Module) -> tuple[str, str] | None:
     """The names of a decorated module's two expert weights, ``None`` when they are not 3-D
-    parameters of ``num_experts`` experts."""
+    parameters (or frozen codes, ``_held``) of ``num_experts`` experts."""
     first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
     experts = getattr(module, "num_experts", None)
     for name in (first, "down_proj"):
         p = getattr(module, name, None)
-        if not isinstance(p, nn.Parameter) or p.dim() != 3 or p.shape[0] != experts:
+        p = p if isinstance(p, nn.Parameter) else _held(module, name)
+        if p is None or p.dim() != 3 or p.shape[0] != experts:
             return None
     return first, "down_proj"
+
+
+def _held(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The frozen codes ``[E, N, K]`` of expert weight ``name`` (``freeze_experts_for_serving``),
+    ``None`` when it is not frozen."""
+    return module._buffers.get(name + "_fp8") if getattr(module, name, None) is None else None
+
+
+def _out_in(module: nn.Module, name: str) -> torch.Tensor:
+    """Expert weight ``name`` as ``(E, out, in)``: its frozen codes, or the parameter."""
+    held = _held(module, name)
+    return held if held is not None else _as_out_in(module, getattr(module, name))
 
 
 def _as_out_in(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
@@ -113,7 +130,7 @@ class TransformersExperts:
         names = _names(module)
         if names is None:
             return None
-        return {name: _as_out_in(module, getattr(module, name)) for name in names}
+        return {name: _out_in(module, name) for name in names}
 
     def current(self, module: nn.Module) -> QuantizedExperts | None:
         """The module's ``QuantizedExperts`` if it is converted."""
@@ -124,6 +141,11 @@ class TransformersExperts:
         """From now on the module's GEMMs run through ``fp8.mm``; ``None``: as before."""
         state = vars(module)
         if fp8 is None:
+            if any(_held(module, n) is not None for n in ("gate_up_proj", "up_proj", "down_proj")):
+                raise ValueError(
+                    f"{type(module).__name__} is frozen for serving: it holds fp8 codes, no "
+                    f"expert weights to run another way; convert a copy made before freezing"
+                )
             if _HP_CONFIG in state:
                 module.config = state.pop(_HP_CONFIG)
             state.pop(FP8_ATTR, None)
@@ -153,9 +175,14 @@ def _grouped(
     offs: torch.Tensor,
     ids: torch.Tensor,
 ) -> torch.Tensor:
-    """One grouped projection of the sorted rows ``x``, with its bias if it has one."""
-    w = getattr(module, name)
-    out = fp8.mm(x.to(w.dtype), _as_out_in(module, w), offs)
+    """One grouped projection of the sorted rows ``x``, with its bias if it has one: frozen
+    codes at ``x``'s dtype (there is no weight whose dtype to take), else the weight."""
+    held = held_experts(module, name, fp8)
+    if held is not None:
+        out = frozen_experts_mm(fp8, x, held, offs)
+    else:
+        w = getattr(module, name)
+        out = fp8.mm(x.to(w.dtype), _as_out_in(module, w), offs)
     if getattr(module, "has_bias", False):
         out = out + getattr(module, f"{name}_bias")[ids]
     return out
@@ -211,6 +238,32 @@ def fp8_experts_forward(
 
 ALL_EXPERTS_FUNCTIONS.register(IMPLEMENTATION, fp8_experts_forward)
 register_experts_converter(TransformersExperts())
+
+
+def freeze_experts_for_serving(
+    module: nn.Module, weights: Mapping[str, ServingWeight] | None = None
+) -> nn.Module:
+    """Hold a converted transformers experts module's two expert weights as fp8 codes and
+    steps, as ``QuantizedLinear.freeze_for_serving`` holds a linear's (``formats.ops.
+    grouped_frozen``): buffers ``{name}_fp8`` and ``{name}_step`` (``gate_up_proj_fp8``, ...;
+    the codes ``[E, out, in]`` as the GEMM multiplies them, a transposed layout's too), the
+    parameters dropped (``None``: only ``fp8_experts_forward`` runs the module, and it reads
+    the codes). ``weights``: a ``ServingWeight`` for each expert weight name, copied bit for
+    bit after one check (else ``TypeError``/``ValueError``, nothing changed); without it the
+    codes are those the forward makes. Later forwards run each projection at the rows'
+    dtype. Cast the model (``.to(dtype)``) before freezing: a cast afterwards would widen the
+    codes, and the forward then refuses them. ``ValueError`` for a module that is not a
+    converted experts module. Returns ``module``."""
+    converter = TransformersExperts()
+    fp8, weights_now = converter.current(module), converter.weights(module)
+    if fp8 is None or weights_now is None:
+        raise ValueError(
+            f"freeze_experts_for_serving takes a transformers experts module converted by "
+            f"convert_to_quantized, got {type(module).__name__}"
+            f"{'' if weights_now is None else ' in high precision'}. Nothing was changed"
+        )
+    freeze_experts(module, fp8, weights_now, weights)
+    return module
 
 
 def _is_fp8_state(key: str) -> bool:

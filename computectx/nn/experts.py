@@ -24,13 +24,19 @@ come out zero, and their gradients are zero.
 With ``fp8`` set (a ``computectx.formats.QuantizedExperts``), the GEMMs run through ``fp8.mm(x, w,
 offs)`` instead: ``convert_to_quantized`` and ``apply_recipe`` set it through the converter this
 module registers with ``computectx.formats.register_experts_converter``.
+
+``freeze_for_serving`` then holds both weights as fp8 codes and steps (buffers ``gate_up_fp8``,
+``gate_up_step``, ``down_fp8``, ``down_step``; ``formats.ops.grouped_frozen``) and drops the
+parameters, as ``QuantizedLinear.freeze_for_serving`` drops a linear's weight: the forward
+multiplies the held codes as they are, only the rows are quantized.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -38,8 +44,15 @@ from torch.autograd.function import FunctionCtx
 
 from computectx._checks import as_int
 from computectx.ctx import ComputeCtx
-from computectx.formats import QuantizedExperts, register_experts_converter
-from computectx.formats.seam import check_grouped, checked_bounds
+from computectx.dtypes import FP8_DTYPES
+from computectx.formats import QuantizedExperts, ServingWeight, register_experts_converter
+from computectx.formats.seam import (
+    check_grouped,
+    checked_bounds,
+    freeze_experts,
+    frozen_experts_mm,
+    held_experts,
+)
 from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.params import param_dtype
 
@@ -101,7 +114,10 @@ class GroupedExperts(nn.Module):
 
     ``fp8`` is ``None`` (high precision) or the ``QuantizedExperts`` its GEMMs run through; an
     ``MoE`` built under an fp8 ctx sets it at construction (``apply_recipe``).
+    ``freeze_for_serving`` holds the weights as fp8 codes instead (``frozen``).
     """
+
+    NAMES = ("gate_up", "down")
 
     fp8: QuantizedExperts | None
 
@@ -133,22 +149,94 @@ class GroupedExperts(nn.Module):
         fp8 = "" if self.fp8 is None else f", fp8={self.fp8}"
         return f"n_experts={self.n_experts}, dim={self.dim}, hidden={self.hidden}{fp8}"
 
+    @property
+    def frozen(self) -> bool:
+        """Whether the weights are held as fp8 codes (``freeze_for_serving``)."""
+        return self._buffers.get("gate_up_fp8") is not None
+
+    def freeze_for_serving(self, weights: Mapping[str, ServingWeight] | None = None) -> Self:
+        """Hold ``gate_up`` and ``down`` as fp8 codes and steps, dropping the parameters.
+
+        The twin of ``QuantizedLinear.freeze_for_serving`` (``formats.ops.grouped_frozen``):
+        without ``weights`` the codes are those the grouped forward makes of each expert
+        under ``fp8``'s recipe, so the output stays the same bit for bit; ``weights``, a
+        ``ServingWeight`` of ``[E, N, K]`` for each of ``"gate_up"`` and ``"down"`` in the
+        recipe's layout and forward format on the module's device, is copied bit for bit
+        instead (also into frozen experts); else ``TypeError``/``ValueError`` naming what was
+        given and what the module takes, nothing changed. Later calls quantize only the
+        rows; the input gradient flows (from the codes where the layout transposes, else
+        their float32 dequantization), the weights no longer train. ``ValueError`` for
+        experts in high precision (``fp8`` is ``None``). Returns ``self``."""
+        if self.fp8 is None:
+            raise ValueError(
+                "GroupedExperts.freeze_for_serving: the experts run in high precision (fp8 is "
+                "None); convert them first (convert_to_quantized, or an MoE built under an fp8 "
+                "ctx). Nothing was changed"
+            )
+        freeze_experts(self, self.fp8, self.expert_weights(), weights)
+        return self
+
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        """``gate_up`` and ``down`` by name: the parameters, or a frozen module's codes."""
+        frozen = self.frozen
+        out: dict[str, torch.Tensor] = {}
+        for n in self.NAMES:
+            w = self._buffers.get(n + "_fp8") if frozen else getattr(self, n)
+            assert isinstance(w, torch.Tensor)
+            out[n] = w
+        return out
+
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         # One check for both paths (the fp8 GEMM's own): the same inputs refused with the
         # same message, whether ``fp8`` is set or not. Compiled, the fp8 operator reads offs
         # on the host as in eager mode (its ValueError names the entry), so only the
         # high-precision path needs the device check.
-        check_inputs(x, self.gate_up, offs, "GroupedExperts", device_check=self.fp8 is None)
+        gate_up, down = self._weight("gate_up"), self._weight("down")
+        held = isinstance(gate_up, ServingWeight)
+        w = gate_up.codes if isinstance(gate_up, ServingWeight) else gate_up
+        accepted = FP8_DTYPES if held else None
+        check_inputs(x, w, offs, "GroupedExperts", device_check=self.fp8 is None, w_dtypes=accepted)
         with self.ctx.autocast():
             x = self.ctx.to_compute(x)
-            h = self._mm(x, self.gate_up, offs)
+            h = self._mm(x, gate_up, offs)
             act = nn.functional.silu(h[:, : self.hidden]) * h[:, self.hidden :]
-            return self.ctx.to_compute(self._mm(act, self.down, offs))
+            return self.ctx.to_compute(self._mm(act, down, offs))
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def _weight(self, name: str) -> torch.Tensor | ServingWeight:
+        # The parameter, or frozen experts' codes (read without leaving this module when
+        # there are none).
+        held = held_experts(self, name, self.fp8) if self.frozen and self.fp8 else None
+        if held is not None:
+            return held
+        w: torch.Tensor = getattr(self, name)
+        return w
+
+    def _mm(
+        self, x: torch.Tensor, w: torch.Tensor | ServingWeight, offs: torch.Tensor
+    ) -> torch.Tensor:
+        if isinstance(w, ServingWeight):
+            assert self.fp8 is not None  # held codes come with the recipe that made them
+            return frozen_experts_mm(self.fp8, x, w, offs)
         if self.fp8 is not None:
             return self.fp8.mm(x, w, offs)
         return _grouped_linear(x, w, offs, self.path)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        # Frozen codes and steps follow the module's device, never its dtype (as a frozen
+        # linear's): fp8 counts as floating point, so .half() would widen the codes.
+        names = [n + s for n in self.NAMES for s in ("_fp8", "_step")]
+        held: dict[str, torch.Tensor] = {}
+        for n in names:
+            t = self._buffers.pop(n, None)
+            if t is not None:
+                held[n] = t
+        try:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+        finally:
+            if held:
+                device = fn(held["gate_up_step"]).device
+                self._buffers.update({n: t.to(device) for n, t in held.items()})
+        return self
 
 
 HIGH_PRECISION: tuple[torch.dtype, ...] = (
@@ -159,7 +247,15 @@ HIGH_PRECISION: tuple[torch.dtype, ...] = (
 )
 
 
-def check_inputs(x: object, w: object, offs: object, op: str, *, device_check: bool = True) -> None:
+def check_inputs(
+    x: object,
+    w: object,
+    offs: object,
+    op: str,
+    *,
+    device_check: bool = True,
+    w_dtypes: tuple[torch.dtype, ...] | None = None,
+) -> None:
     """The grouped GEMM's input check (``computectx.formats``'s ``check_grouped``, which the fp8
     path runs too) and ``offs``' values: non-decreasing end rows in ``[0, M]``. In eager
     mode a host read of ``offs`` (``E`` integers) and a ``ValueError`` naming the first bad
@@ -167,8 +263,8 @@ def check_inputs(x: object, w: object, offs: object, op: str, *, device_check: b
     the device (``torch._assert_async``): a ``RuntimeError`` on the CPU, a device-side
     assertion on an accelerator (as an index out of range is), never rows computed from
     bad ``offs``; ``device_check=False`` leaves that to a caller whose operator reads
-    ``offs`` itself (the fp8 grouped GEMM)."""
-    m = check_grouped(x, w, offs, dtypes=HIGH_PRECISION, op=op)[0]
+    ``offs`` itself (the fp8 grouped GEMM); ``w_dtypes``: frozen experts' codes."""
+    m = check_grouped(x, w, offs, dtypes=HIGH_PRECISION, op=op, w_dtypes=w_dtypes)[0]
     assert isinstance(offs, torch.Tensor)
     if not torch.compiler.is_compiling():
         checked_bounds(offs, m)
@@ -335,15 +431,18 @@ class _GroupedExpertsConverter:
     """How ``convert_to_quantized`` finds and converts a ``GroupedExperts``."""
 
     def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
-        if not isinstance(module, GroupedExperts):
-            return None
-        return {"gate_up": module.gate_up, "down": module.down}
+        return module.expert_weights() if isinstance(module, GroupedExperts) else None
 
     def current(self, module: nn.Module) -> QuantizedExperts | None:
         return module.fp8 if isinstance(module, GroupedExperts) else None
 
     def convert(self, module: nn.Module, fp8: QuantizedExperts | None) -> None:
         if isinstance(module, GroupedExperts):
+            if module.frozen:
+                raise ValueError(
+                    "GroupedExperts frozen for serving hold fp8 codes, no weights to run "
+                    "another way; convert a copy made before freezing"
+                )
             module.fp8 = fp8
 
 

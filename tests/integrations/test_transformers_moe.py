@@ -38,6 +38,7 @@ from computectx.integrations.transformers_moe import (
     FP8_ATTR,
     IMPLEMENTATION,
     TransformersExperts,
+    freeze_experts_for_serving,
     load_fp8_pretrained,
 )
 from computectx.kv_policy import KvFp8
@@ -320,3 +321,28 @@ def test_load_fp8_pretrained_is_the_one_call_reload(kind: str, tmp_path: Path) -
     with pytest.raises(ValueError, match="not in the model"):
         load_fp8_pretrained(other, tmp_path)
     assert all(torch.equal(v, state[k]) for k, v in other.state_dict().items())
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gpt_oss"])
+def test_frozen_experts_serve_the_same_logits_from_fp8_codes(kind: str) -> None:
+    # gpt-oss: transposed weights (codes held [E, out, in]) and biases (kept as they are).
+    model = tiny(kind).eval()
+    convert_to_quantized(model, ROWWISE, module_filter=only_experts)
+    ids = ids_of(3)
+    with torch.no_grad():
+        want = model(ids).logits
+    modules = experts_of(model)
+    names = list(TransformersExperts().weights(modules[0]) or {})
+    for module in modules:
+        assert freeze_experts_for_serving(module) is module
+    first: Any = modules[0]
+    assert all(getattr(first, n) is None for n in names)  # the parameters are gone
+    held = [k for k in first.state_dict() if k.endswith(("_fp8", "_step"))]
+    assert held == [f"{n}{s}" for n in names for s in ("_fp8", "_step")]
+    assert experts_of(model) == modules  # still known as experts, by their codes
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
+    with pytest.raises(ValueError, match="frozen for serving"):
+        TransformersExperts().convert(first, None)
+    with pytest.raises(ValueError, match="converted by convert_to_quantized"):
+        freeze_experts_for_serving(tiny(kind).model.layers[0].mlp.experts)

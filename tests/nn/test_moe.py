@@ -716,3 +716,75 @@ def test_checkpoint_recompute_counts_tokens_as_the_docstring_says(
     moe.tokens_per_expert.zero_()
     checkpoint(moe, x, use_reentrant=reentrant).sum().backward()
     assert torch.equal(moe.tokens_per_expert, once * times)
+
+
+@pytest.mark.parametrize(
+    "recipe", ["e4m3/tensor/dynamic/0", "e4m3/row/dynamic/0", "e4m3/block/dynamic/0"]
+)
+def test_frozen_experts_serve_the_unfrozen_output_bit_for_bit(recipe: str) -> None:
+    torch.manual_seed(0)
+    moe = MoE(BF16, 32, 16, E, K).eval()
+    moe.experts.fp8 = QuantizedExperts(Recipe.parse(recipe), Backend.REFERENCE)
+    x = torch.randn(24, 32).bfloat16()
+    want = moe(x)
+    from computectx.formats import serving_weights
+
+    given = {n.removeprefix("experts."): w for n, w in serving_weights(moe).items()}
+    assert moe.experts.freeze_for_serving() is moe.experts and moe.experts.frozen
+    # The parameters are gone (serving memory), the codes and steps are buffers.
+    assert moe.experts.gate_up is None and moe.experts.down is None
+    keys = [k for k in moe.state_dict() if k.startswith("experts.")]
+    assert keys == [f"experts.{n}_{s}" for n in ("gate_up", "down") for s in ("fp8", "step")]
+    assert moe.experts.gate_up_fp8.dtype == torch.float8_e4m3fn
+    assert torch.equal(moe(x), want)
+    moe.experts.half()  # frozen codes and steps follow the device, never the dtype
+    assert moe.experts.gate_up_step.dtype == torch.float32
+    assert moe.experts.gate_up_fp8.dtype == torch.float8_e4m3fn and torch.equal(moe(x), want)
+    xg = x.clone().requires_grad_()
+    moe(xg).float().sum().backward()  # the input gradient still flows
+    assert xg.grad is not None and xg.grad.isfinite().all()
+
+    # A state dict round trip into other frozen experts gives the same output.
+    torch.manual_seed(1)
+    other = MoE(BF16, 32, 16, E, K).eval()
+    other.experts.fp8 = moe.experts.fp8
+    other.experts.freeze_for_serving()
+    other.load_state_dict(moe.state_dict())
+    assert torch.equal(other(x), want)
+    # And the frozen codes given to fresh experts are held bit for bit.
+    torch.manual_seed(2)
+    fresh = MoE(BF16, 32, 16, E, K).eval()
+    fresh.router.load_state_dict(moe.router.state_dict())
+    fresh.experts.fp8 = moe.experts.fp8
+    fresh.experts.freeze_for_serving(given)  # the codes serving_weights gave before freezing
+    assert torch.equal(fresh(x), want)
+    for name, w in given.items():
+        assert torch.equal(
+            getattr(fresh.experts, name + "_fp8").view(torch.uint8), w.codes.view(torch.uint8)
+        )
+
+
+def test_freezing_experts_is_refused_without_fp8_or_with_codes_that_do_not_fit() -> None:
+    experts = GroupedExperts(BF16, 32, 16, E)
+    with pytest.raises(ValueError, match="run in high precision"):
+        experts.freeze_for_serving()
+    experts.fp8 = QuantizedExperts(Recipe.parse("e4m3/row/dynamic/0"), Backend.REFERENCE)
+    before = {k: v.clone() for k, v in experts.state_dict().items()}
+    donor = GroupedExperts(BF16, 32, 16, E)
+    donor.fp8 = QuantizedExperts(Recipe.parse("e4m3/block/dynamic/0"), Backend.REFERENCE)
+    from computectx.formats.seam import held_experts
+
+    donor.freeze_for_serving()
+    blocks = {n: held_experts(donor, n, donor.fp8) for n in ("gate_up", "down")}
+    with pytest.raises(ValueError, match=r"laid out 'row'.*laid out '128x128'"):
+        experts.freeze_for_serving(blocks)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"not given: \['down'\]"):
+        experts.freeze_for_serving({"gate_up": blocks["gate_up"]})  # type: ignore[dict-item]
+    assert not experts.frozen and experts.gate_up is not None
+    assert all(torch.equal(v, before[k]) for k, v in experts.state_dict().items())
+    # Frozen experts hold no weights to go back to high precision with.
+    from computectx.formats.convert_experts import experts_converters
+
+    conv = next(c for c in experts_converters(donor) if c.weights(donor) is not None)
+    with pytest.raises(ValueError, match="frozen for serving"):
+        conv.convert(donor, None)

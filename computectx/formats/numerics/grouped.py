@@ -12,7 +12,9 @@ bounds (``bounds_of``) that calls the dense twins unchanged:
   own amax) and multiplies them with ``numerics.blockwise.reference_scaled_mm`` (the
   block pairs) or ``numerics.tensorwise.scaled_mm`` (``tensor``: one step for the group's
   rows, one for the expert). The forward (``X·Wᵀ``) and the input gradient (``dY·W``, with
-  ``b = Wᵀ`` per expert) are this call.
+  ``b = Wᵀ`` per expert) are this call. ``reference_held_grouped_mm`` is the same GEMM
+  with ``b`` already quantized (frozen experts' codes, ``ops.grouped_frozen``): only ``a``'s
+  rows are quantized.
 - ``reference_grouped_wgrad(dy, x, bounds, ...)``: the weight gradient
   ``dW[g] = dY[rows of g]ᵀ · X[rows of g]``, float32 ``[E, N, K]``: the contraction runs over
   the group's own rows, so every block along it starts at the group's first row (a group of
@@ -33,6 +35,8 @@ amax and adds nothing to a dot product. The Triton path pads the same operands.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from computectx.dtypes import Fp8Format
@@ -44,6 +48,7 @@ __all__ = [
     "quantize_operand",
     "reference_grouped_mm",
     "reference_grouped_wgrad",
+    "reference_held_grouped_mm",
     "scaled_gemm",
 ]
 
@@ -103,13 +108,54 @@ def reference_grouped_mm(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows are the dense fp8 GEMM of ``a``'s rows and ``b[g]``."""
-    out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+    def expert(g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_operand(b[g], fmt_b, granularity_b, rule, margin)
+
+    ga, gb = granularity_a, granularity_b
+    return _by_group(a, b.shape[1], bounds, expert, (ga, gb, fmt_a, rule, margin, out_dtype))
+
+
+def reference_held_grouped_mm(
+    a: torch.Tensor,
+    qb: torch.Tensor,
+    sb: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    granularity_a: Granularity,
+    granularity_b: Granularity,
+    fmt_a: Fp8Format,
+    rule: StepRule,
+    margin: int,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``reference_grouped_mm`` with ``b`` held quantized: expert ``g`` is the codes ``qb[g]``
+    and its scale as they are (``sb`` ``(E,)`` for ``tensor``, else ``sb[g]`` the layout's
+    grid); only ``a``'s rows are quantized."""
+
+    def expert(g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return qb[g], sb[g : g + 1] if granularity_b == "tensor" else sb[g]
+
+    ga, gb = granularity_a, granularity_b
+    return _by_group(a, qb.shape[1], bounds, expert, (ga, gb, fmt_a, rule, margin, out_dtype))
+
+
+def _by_group(
+    a: torch.Tensor,
+    n: int,
+    bounds: list[tuple[int, int]],
+    expert: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    how: tuple[Granularity, Granularity, Fp8Format, StepRule, int, torch.dtype],
+) -> torch.Tensor:
+    # Each non-empty group's rows of ``a`` quantized, times its expert's codes (``expert(g)``,
+    # asked only for a group with rows).
+    ga, gb, fmt_a, rule, margin, out_dtype = how
+    out = a.new_zeros((a.shape[0], n), dtype=out_dtype)
     for g, (start, end) in enumerate(bounds):
         if end == start:
             continue
-        qa, sa = quantize_operand(a[start:end], fmt_a, granularity_a, rule, margin)
-        qb, sb = quantize_operand(b[g], fmt_b, granularity_b, rule, margin)
-        out[start:end] = scaled_gemm(qa, sa, granularity_a, qb, sb, granularity_b, out_dtype)
+        qa, sa = quantize_operand(a[start:end], fmt_a, ga, rule, margin)
+        qb, sb = expert(g)
+        out[start:end] = scaled_gemm(qa, sa, ga, qb, sb, gb, out_dtype)
     return out
 
 

@@ -31,6 +31,9 @@ scaling history; a delayed policy's experts run dynamically, with its ``margin``
 write ``x``'s dtype (bf16/fp16 rounded once from the float32 sum; float32 otherwise); ``dW``
 is float32 until it reaches ``w``'s dtype.
 
+``grouped_mm_op`` quantizes the experts (``quantize_experts``), then ``held_grouped_mm`` the
+rows, and multiplies: frozen experts (``ops.grouped_frozen``) call that half with their codes.
+
 ``check_grouped`` is what the entry point checks before anything runs (no data is read);
 ``checked_bounds`` reads ``offs``' values inside the operators, so a compiled call checks
 them as an eager one does, and ``offs`` is data, never a guard. Backends: ``REFERENCE`` the
@@ -67,17 +70,23 @@ from computectx.formats.numerics.layouts import (
     scale_grid,
     step_rule_of,
 )
+from computectx.formats.ops import grouped_wgrad
 from computectx.formats.ops.blockwise import quantize_blocks
 from computectx.formats.policy import describe
 from computectx.recipes import Recipe
 
 __all__ = [
+    "GemmHow",
+    "GroupedPlan",
     "QuantizedExperts",
     "check_grouped",
     "checked_bounds",
     "grouped_mm_op",
     "grouped_operands",
     "grouped_wgrad_op",
+    "held_grouped_mm",
+    "outside_autocast",
+    "quantize_experts",
     "quantized_grouped_mm",
 ]
 
@@ -89,10 +98,12 @@ def check_grouped(
     *,
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
     op: str = "quantized_grouped_mm",
+    w_dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> tuple[int, int, int, int]:
     """``(M, K, E, N)`` of a grouped GEMM's operands, or ``TypeError``/``ValueError``: ``x
-    [M, K]`` and ``w [E, N, K]`` of ``dtypes`` on one device, ``offs`` int32 ``[E]`` there
-    (values: ``checked_bounds``). The fp8 GEMM and the high-precision grouped experts
+    [M, K]`` and ``w [E, N, K]`` of ``dtypes`` (``w``: ``w_dtypes`` when given, frozen
+    experts' codes) on one device, ``offs`` int32 ``[E]`` there (values:
+    ``checked_bounds``). The fp8 GEMM and the high-precision grouped experts
     (``computectx.nn.GroupedExperts``) both call it: same inputs refused, same message."""
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor):
         raise TypeError(
@@ -108,9 +119,9 @@ def check_grouped(
             f"{op} takes x [M, K] (2-D) and w [E, N, K] (3-D: one [N, K] matrix per "
             f"group, as nn.Linear stores a weight), got x {tuple(x.shape)}, w {tuple(w.shape)}"
         )
-    names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-    for name, t in (("x", x), ("w", w)):
-        if t.dtype not in dtypes:
+    for name, t, accepted in (("x", x, dtypes), ("w", w, w_dtypes or dtypes)):
+        if t.dtype not in accepted:
+            names = ", ".join(str(d).removeprefix("torch.") for d in accepted)
             raise TypeError(f"{name} must be one of {names} for {op}, got {t.dtype}")
     m, k = x.shape
     e, n, kw = w.shape
@@ -175,13 +186,8 @@ def grouped_mm_op(
     bounds = checked_bounds(offs, a.shape[0])
     ga, gb, chosen = _g(granularity_a), _g(granularity_b), parse_backend(backend)
     fa, fb, r = Fp8Format.parse(fp8_a), Fp8Format.parse(fp8_b), _rule(rule)
-    if chosen is Backend.CUBLAS and ga == "row" and a.is_cuda and out_dtype == torch.bfloat16:
-        from computectx.kernels import cublas
-
-        qa, sa = quantize_blocks(a, fa, "row", r, None, backend=Backend.TRITON)
-        qb, sb = _quantize_experts(b, bounds, fb, "row", r, 0, Backend.TRITON)
-        return cublas.grouped_rowwise_mm(qa=qa, sa=sa, qb=qb, sb=sb, offs=offs, out_dtype=out_dtype)
-    if not uses_kernels(chosen, a):
+    cublas = _cublas_rows(chosen, ga, a, out_dtype)
+    if not cublas and not uses_kernels(chosen, a):
         return grouped.reference_grouped_mm(a, b, bounds, ga, gb, fa, fb, r, margin, out_dtype)
     if ga == "mx" and a.shape[1] < MX_BLOCK:
         # A contraction shorter than one MX block (K < 32 forward, N < 32 in the dgrad) is
@@ -189,9 +195,49 @@ def grouped_mm_op(
         # and adds nothing to a dot product.
         pad = (0, MX_BLOCK - a.shape[1])
         a, b = torch.nn.functional.pad(a, pad), torch.nn.functional.pad(b, pad)
+    quantizer = Backend.TRITON if cublas else chosen
+    experts = [g for g, (start, end) in enumerate(bounds) if end > start]
+    qb, sb = quantize_experts(b, fb, gb, r, margin, quantizer, experts)
+    return held_grouped_mm(a, qb, sb, offs, (ga, gb, fa, r, margin, out_dtype, chosen), bounds)
+
+
+def _cublas_rows(chosen: Backend, ga: Granularity, a: torch.Tensor, out: torch.dtype) -> bool:
+    return chosen is Backend.CUBLAS and ga == "row" and a.is_cuda and out == torch.bfloat16
+
+
+GemmHow = tuple[Granularity, Granularity, Fp8Format, StepRule, int, torch.dtype, Backend]
+"""The granularities, ``a``'s format, step rule, margin, output dtype, backend of a GEMM."""
+
+
+def held_grouped_mm(
+    a: torch.Tensor,
+    qb: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    how: GemmHow,
+    bounds: list[tuple[int, int]],
+) -> torch.Tensor:
+    """``[M, N]``: the grouped GEMM of ``a`` (quantized here) by experts already quantized,
+    the codes ``qb [E, N, K]`` and their scales ``sb`` (``(E,)`` for ``tensor``, else
+    ``(E, *grid)``; ``mx``'s E8M0) used as they are; ``bounds`` are ``offs``' checked
+    ones. An expert whose group is empty is never read."""
+    ga, gb, fa, r, margin, out_dtype, chosen = how
+    if _cublas_rows(chosen, ga, a, out_dtype):
+        from computectx.kernels import cublas
+
+        qa, sa = quantize_blocks(a, fa, "row", r, None, backend=Backend.TRITON)
+        return cublas.grouped_rowwise_mm(qa=qa, sa=sa, qb=qb, sb=sb, offs=offs, out_dtype=out_dtype)
+    if not uses_kernels(chosen, a):
+        return grouped.reference_held_grouped_mm(
+            a, qb, sb, bounds, ga, gb, fa, r, margin, out_dtype
+        )
+    if ga == "mx" and a.shape[1] < MX_BLOCK:  # the pad above, of held codes (+0 is byte 0)
+        pad = (0, MX_BLOCK - a.shape[1])
+        a = torch.nn.functional.pad(a, pad)
+        qb = torch.nn.functional.pad(qb.view(torch.uint8), pad).view(qb.dtype)
     if ga == "tensor":
         qa = torch.empty_like(a, dtype=fa.torch)
-        sa = torch.ones(b.shape[0], dtype=torch.float32, device=a.device)
+        sa = torch.ones(qb.shape[0], dtype=torch.float32, device=a.device)
         for g, (start, end) in enumerate(bounds):
             if end > start:
                 qa[start:end], sa[g : g + 1] = grouped.quantize_operand(
@@ -199,7 +245,6 @@ def grouped_mm_op(
                 )
     else:
         qa, sa = quantize_blocks(a, fa, ga, r, None, backend=chosen)
-    qb, sb = _quantize_experts(b, bounds, fb, gb, r, margin, chosen)
     from computectx.kernels import grouped_mm as kernel
 
     return kernel.grouped_scaled_mm(
@@ -235,13 +280,7 @@ def grouped_wgrad_op(
     fd, fx = Fp8Format.parse(fp8_dy), Fp8Format.parse(fp8_x)
     if high_precision or not uses_kernels(chosen, dy):
         return grouped.reference_grouped_wgrad(dy, x, bounds, g, fd, fx, r, margin, high_precision)
-    qd, sd, start = _group_blocks(dy.t(), bounds, fd, g, r, margin, chosen)
-    qx, sx, _ = _group_blocks(x.t(), bounds, fx, g, r, margin, chosen)
-    from computectx.kernels import grouped_wgrad as kernel
-
-    return kernel.grouped_scaled_wgrad(
-        a=qd, sa=sd, b=qx, sb=sx, offs=offs, block_start=start, granularity=g
-    )
+    return grouped_wgrad.kernel_wgrad(dy, x, offs, bounds, g, (fd, fx), r, margin, chosen)
 
 
 @grouped_wgrad_op.register_fake
@@ -259,18 +298,20 @@ def _rule(rule: str) -> StepRule:
     return rule  # type: ignore[return-value]  # step_rule_of's
 
 
-def _quantize_experts(
+def quantize_experts(
     b: torch.Tensor,
-    bounds: list[tuple[int, int]],
     fmt: Fp8Format,
     gb: Granularity,
     rule: StepRule,
     margin: int,
     backend: Backend,
+    experts: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # Each expert with rows quantized on its own; an empty group's expert is never read (its
-    # codes stay uninitialized and the kernel skips its group), so a memory-mapped expert no
-    # token chose is not paged in.
+    """``b [E, N, K]`` quantized per expert as the grouped forward quantizes it: the codes
+    ``[E, N, K]`` and the scales (``(E,)`` for ``tensor``, else ``(E, *grid)``; ``mx``'s
+    E8M0). ``experts``: only those (the groups with rows; default all)."""
+    # An expert left out is never read (its codes stay uninitialized and the kernel skips its
+    # group), so a memory-mapped expert no token chose is not paged in.
     e, n, k = b.shape
     qb = torch.empty((e, n, k), dtype=fmt.torch, device=b.device)
     if gb == "tensor":
@@ -279,61 +320,12 @@ def _quantize_experts(
         grid = scale_grid(gb, n, k)
         dtype = torch.float8_e8m0fnu if gb == "mx" else torch.float32
         sb = torch.ones((e, *grid), dtype=torch.float32, device=b.device).to(dtype)
-    for g, (start, end) in enumerate(bounds):
-        if end == start:
-            continue
+    for g in range(e) if experts is None else experts:
         if gb == "tensor":
             qb[g], sb[g : g + 1] = grouped.quantize_operand(b[g], fmt, gb, rule, margin)
         else:
             qb[g], sb[g] = quantize_blocks(b[g], fmt, gb, rule, None, backend=backend)
     return qb, sb
-
-
-def _group_blocks(
-    t: torch.Tensor,
-    bounds: list[tuple[int, int]],
-    fmt: Fp8Format,
-    g: Granularity,
-    rule: StepRule,
-    margin: int,
-    backend: Backend,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``t [R, M]`` quantized along M in group-local blocks: the codes ``[R, M]``, the scales
-    ``[R, C]`` (``[E]`` for ``tensor``) with group ``g``'s blocks from column ``start[g]``."""
-    rows, m = t.shape
-    codes = torch.zeros((rows, m), dtype=fmt.torch, device=t.device)
-    scales: list[torch.Tensor] = []
-    starts: list[int] = []
-    column = 0
-    for start, end in bounds:
-        starts.append(column)
-        if end == start:
-            # tensor and row keep one column per group (the kernel reads column g); the
-            # block granularities give an empty group no column (block_start says where).
-            if g == "tensor":
-                scales.append(torch.ones(1, dtype=torch.float32, device=t.device))
-            elif g == "row":
-                scales.append(torch.ones((rows, 1), dtype=torch.float32, device=t.device))
-            continue
-        if g == "tensor":
-            q, s = grouped.quantize_operand(t[:, start:end], fmt, g, rule, margin)
-        else:
-            part = t[:, start:end]
-            if g == "mx" and end - start < MX_BLOCK:
-                part = torch.nn.functional.pad(part, (0, MX_BLOCK - (end - start)))
-            q, s = quantize_blocks(part, fmt, g, rule, None, backend=backend)
-            column += s.shape[1]
-        codes[:, start:end] = q[:, : end - start]
-        scales.append(s)
-    if g == "tensor":
-        scale = torch.cat(scales).to(torch.float32)
-    elif scales:
-        scale = torch.cat(scales, dim=1)
-    else:
-        dtype = torch.float8_e8m0fnu if g == "mx" else torch.float32
-        scale = torch.ones((rows, 1), dtype=torch.float32, device=t.device).to(dtype)
-    start_t = torch.tensor(starts, dtype=torch.int32, device=t.device)
-    return codes, scale, start_t
 
 
 # ---------------------------------------------------------------------------------------
@@ -348,8 +340,9 @@ def grouped_operands(policy: Recipe) -> tuple[Granularity, Granularity]:
 
 
 @dataclass(frozen=True)
-class _Plan:
-    # What a policy asks of the grouped GEMMs, read once: plain values the operators take.
+class GroupedPlan:
+    """What a policy asks of the grouped GEMMs, read once: plain values the operators take."""
+
     act: Granularity
     weight: Granularity
     fwd: torch.dtype
@@ -359,11 +352,11 @@ class _Plan:
     gw_hp: bool
 
     @staticmethod
-    def of(policy: Recipe) -> _Plan:
+    def of(policy: Recipe) -> GroupedPlan:
         act, weight = grouped_operands(policy)
         fwd, bwd = policy.format.forward.torch, policy.format.backward.torch
         rule, margin = step_rule_of(policy), policy.scaling.margin
-        return _Plan(act, weight, fwd, bwd, rule, margin, policy.gw_hp)
+        return GroupedPlan(act, weight, fwd, bwd, rule, margin, policy.gw_hp)
 
     def gemm(
         self,
@@ -391,7 +384,7 @@ class _GroupedMmFunction(torch.autograd.Function):
         x: torch.Tensor,
         w: torch.Tensor,
         offs: torch.Tensor,
-        plan: _Plan,
+        plan: GroupedPlan,
         backend: Backend,
     ) -> torch.Tensor:
         y = plan.gemm(x, w, offs, plan.fwd, x.dtype, backend.value)
@@ -403,7 +396,7 @@ class _GroupedMmFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        p: _Plan = ctx.plan
+        p: GroupedPlan = ctx.plan
         backend: str = ctx.backend.value
         x, w, offs = ctx.saved_tensors
         dy = dy.contiguous()
@@ -419,17 +412,15 @@ class _GroupedMmFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def _run(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, plan: _Plan, backend: Backend
-) -> torch.Tensor:
-    # The checked call: under torch.autocast for x's device, x at the autocast dtype.
+def outside_autocast(function: type[torch.autograd.Function], x: torch.Tensor, *args: Any) -> Any:
+    """``function.apply(x, *args)``, under ``torch.autocast`` for ``x``'s device with ``x`` at
+    the autocast dtype and autocast off (the grouped GEMMs choose their own dtypes)."""
     device = x.device.type
     if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        lowered = torch.get_autocast_dtype(device)
         with torch.autocast(device, enabled=False):
-            return _run(x.to(lowered), w, offs, plan, backend)
-    out: torch.Tensor = _GroupedMmFunction.apply(x, w, offs, plan, backend)  # type: ignore[no-untyped-call]
-    return out
+            x = x.to(torch.get_autocast_dtype(device))
+            return function.apply(x, *args)  # type: ignore[no-untyped-call]
+    return function.apply(x, *args)  # type: ignore[no-untyped-call]
 
 
 def quantized_grouped_mm(
@@ -456,7 +447,10 @@ def quantized_grouped_mm(
     check_grouped(x, w, offs)
     chosen = default_backend(x.device) if backend is None else parse_backend(backend)
     check_backend(chosen, x, w)
-    return _run(x, w, offs, _Plan.of(policy), chosen)
+    out: torch.Tensor = outside_autocast(
+        _GroupedMmFunction, x, w, offs, GroupedPlan.of(policy), chosen
+    )
+    return out
 
 
 @dataclass(frozen=True)
@@ -469,7 +463,7 @@ class QuantizedExperts:
 
     policy: Recipe
     backend: Backend
-    _plan: _Plan = field(init=False, repr=False, compare=False)
+    plan: GroupedPlan = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # Checked when built, not at the first GEMM: a Recipe (``ctx.recipe``, not the ctx
@@ -490,10 +484,13 @@ class QuantizedExperts:
             )
         object.__setattr__(self, "backend", backend)
         # The policy read once, here: each GEMM gets its plain values.
-        object.__setattr__(self, "_plan", _Plan.of(self.policy))
+        object.__setattr__(self, "plan", GroupedPlan.of(self.policy))
 
     def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """``quantized_grouped_mm(x, w, offs, self.policy, backend=self.backend)``."""
         check_grouped(x, w, offs)
         check_backend(self.backend, x, w)
-        return _run(x, w, offs, self._plan, self.backend)
+        out: torch.Tensor = outside_autocast(
+            _GroupedMmFunction, x, w, offs, self.plan, self.backend
+        )
+        return out
