@@ -179,9 +179,10 @@ def test_resume_through_torch_save_weights_only_is_bitwise() -> None:
 
 
 def test_exchanges_state_with_a_plain_torch_optimizer() -> None:
-    # f32 masters of f32 weights: the offloaded AdamW is the plain AdamW on other tensors.
+    # f32 masters of f32 weights: the offloaded AdamW is the plain AdamW (fused=True, the
+    # kernel the f32 step runs) on other tensors.
     plain_model = _model()
-    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2)
+    plain = torch.optim.AdamW(plain_model.parameters(), lr=1e-2, fused=True)
     _train(plain_model, plain, range(2))
     # torch's FQN form (no master weights) loads: the masters come from the model's weights.
     model = _model(seed=5)

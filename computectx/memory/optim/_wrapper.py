@@ -29,6 +29,7 @@ from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.memory._rounding import check_seed
 from computectx.memory.optim._grad_health import GradHealth
+from computectx.memory.optim._implementation import HOW, fastest
 from computectx.memory.optim._masters import MasterWeights, normalise_groups
 from computectx.memory.optim.checkpoint import (
     check_checkpoint_scalars,
@@ -94,6 +95,8 @@ class InnerWrapper(torch.optim.Optimizer):
         self._optimizer_kwargs = optimizer_kwargs
         self._inner: torch.optim.Optimizer | None = None
         self._stepper: Stepper | None = None
+        # The groups whose implementation this wrapper picked (``_implementation.fastest``).
+        self._picked: list[dict[str, Any]] = []
         self.last_step_skipped = False
         """Whether the most recent ``step`` skipped the update (non-finite gradients)."""
         self.skipped_steps = 0
@@ -139,8 +142,41 @@ class InnerWrapper(torch.optim.Optimizer):
         """Whether some stepped weight is below float32 (written back with rounding)."""
         return any(below_f32(w.dtype) for w in self._weights.master)
 
+    def _steps_itself(self) -> bool:
+        """Whether the stepper steps the weights (compact state, or a weight below float32)."""
+        return self._weights.ctx.optim_state.compact or self._rounds()
+
+    def _pick(self, groups: list[dict[str, Any]]) -> None:
+        """Give each of ``groups`` that names no implementation torch's fastest for it
+        (``_implementation.fastest``), unless the stepper steps the weights."""
+        if self._stepper is not None or self._steps_itself():
+            return
+        for group in groups:
+            how = fastest(group)
+            if how:
+                group.update(how)
+                self._picked.append(group)
+
+    def _unpick(self) -> None:
+        """Put the picked groups back unset: the stepper takes over the step, and reads the
+        groups' options as the user left them."""
+        for group in self._picked:
+            group.update(dict.fromkeys(HOW))
+        self._picked = []
+
+    def _repick_sparse(self) -> None:
+        """A picked fused group that holds a sparse gradient (SGD, Adagrad over a sparse
+        embedding), which torch's fused kernels refuse, goes to its next-fastest path."""
+        for group in self._picked:
+            if group.get("fused") and any(
+                p.grad is not None and p.grad.is_sparse for p in group["params"]
+            ):
+                group.update(dict.fromkeys(HOW))
+                group.update(fastest(group))
+
     def _ensure_stepper(self) -> None:
-        if self._stepper is None and (self._weights.ctx.optim_state.compact or self._rounds()):
+        if self._stepper is None and self._steps_itself():
+            self._unpick()
             self._stepper = Stepper(
                 self._built(),
                 self._weights.ctx.optim_state,
@@ -183,6 +219,7 @@ class InnerWrapper(torch.optim.Optimizer):
                 check_fits(type(inner), options, self._weights.ctx.optim_state, self._who)
             inner.add_param_group(group)
         self._weights.add(compute, stepped)
+        self._pick([self._built().param_groups[-1]])
         if inner is not None:
             self._ensure_stepper()
 
@@ -319,6 +356,7 @@ class InnerWrapper(torch.optim.Optimizer):
         """Step every weight with a gradient: torch's step, or the stepper's (``step`` ran
         ``_check_state`` before it moved a gradient, so the stepper does not check again)."""
         if self._stepper is None:
+            self._repick_sparse()
             self._built().step()
         else:
             self._stepper.step(checked=True)
@@ -372,6 +410,10 @@ class InnerWrapper(torch.optim.Optimizer):
         stepper = self._stepper
         plan, rounding = self._plan(sd)
         super().load_state_dict(plan.torch_sd)
+        # The loaded groups replace the picked ones: those that name no implementation (a
+        # plain torch checkpoint) are picked for again.
+        self._picked = []
+        self._pick(self.param_groups)
         # The conversion warning points at the caller of the subclass's load_state_dict.
         plan.finish(self.state, stacklevel=4)
         if stepper is not None:

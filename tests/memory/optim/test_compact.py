@@ -97,7 +97,8 @@ def test_classes_whose_state_does_not_fit_are_refused_by_name(kind: str) -> None
 
 def test_f32_compact_optimizer_is_the_plain_torch_optimizer() -> None:
     ref, ours = make_model(1), make_model(1)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    # f32 state steps with torch's fused kernel: the plain optimizer built with fused=True.
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = CompactOptimizer(ours.parameters(), CPU, lr=1e-2)
     assert opt.stepper is None and opt.param_groups is opt.inner.param_groups
     for i in range(3):

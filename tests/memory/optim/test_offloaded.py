@@ -59,7 +59,8 @@ def max_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
     """Bitwise equal parameters: with f32 masters on the CPU the offloaded step runs the very
-    kernels of the plain one on the very same values."""
+    kernels of the plain one (built with ``fused=True``, the kernel the f32 step runs) on the
+    very same values."""
     same = [torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True)]
     assert all(same), f"parameters {same} differ by up to {max_diff(a, b)}"
 
@@ -76,7 +77,7 @@ SCHEDULERS: dict[str, SchedulerFactory | None] = {
 def test_matches_plain_adamw_step_for_step(sched: str) -> None:
     ref, data = model_and_data()
     ours, _ = model_and_data()
-    ref_opt = torch.optim.AdamW(groups_of(ref), betas=(0.9, 0.99))
+    ref_opt = torch.optim.AdamW(groups_of(ref), betas=(0.9, 0.99), fused=True)
     opt = OffloadedOptimizer(groups_of(ours), CPU, betas=(0.9, 0.99))
     assert isinstance(opt, torch.optim.Optimizer)
     factory = SCHEDULERS[sched]
@@ -97,20 +98,24 @@ def test_matches_plain_adamw_step_for_step(sched: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("cls", "kwargs"),
+    ("cls", "kwargs", "how"),
     [
-        (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}),
-        (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True}),
-        (torch.optim.RMSprop, {"lr": 1e-3}),
-        (torch.optim.AdamW, {"lr": 1e-2, "fused": True}),  # fast on CPU masters
+        # Unset fused/foreach: torch's fused kernel where the class has one, else foreach.
+        (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.01}, {"fused": True}),
+        (torch.optim.SGD, {"lr": 5e-2, "momentum": 0.9, "nesterov": True}, {"fused": True}),
+        (torch.optim.RMSprop, {"lr": 1e-3}, {"foreach": True}),
+        # The user's own choice runs as given.
+        (torch.optim.AdamW, {"lr": 1e-2, "fused": True}, {}),
+        (torch.optim.AdamW, {"lr": 1e-2, "foreach": False}, {}),
     ],
 )
 def test_any_torch_optimizer_class_matches_its_plain_twin(
-    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any]
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], how: dict[str, bool]
 ) -> None:
     ref, data = model_and_data(1)
     ours, _ = model_and_data(1)
-    ref_opt = cls(ref.parameters(), **kwargs)
+    build: Any = cls
+    ref_opt = build(ref.parameters(), **kwargs, **how)
     opt = OffloadedOptimizer(ours.parameters(), CPU, cls, **kwargs)
     assert isinstance(opt.inner, cls)
     for x in data[:STEPS]:
@@ -124,7 +129,7 @@ def test_any_torch_optimizer_class_matches_its_plain_twin(
 def test_explicit_ingest_clip_step_matches_clip_grad_norm() -> None:
     ref, data = model_and_data(2)
     ours, _ = model_and_data(2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2)
     for x in data[:STEPS]:
         backward(loss_of(ref, x))
@@ -144,7 +149,7 @@ def test_explicit_ingest_clip_step_matches_clip_grad_norm() -> None:
 def test_closure_is_evaluated_and_its_grads_ingested() -> None:
     ref, data = model_and_data(3)
     ours, _ = model_and_data(3)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, torch.optim.SGD, lr=0.1)
     x = data[0]
 
@@ -168,7 +173,7 @@ def test_closure_is_evaluated_and_its_grads_ingested() -> None:
 def test_f32_accumulator_with_three_micro_batches_matches_fp32_accumulation() -> None:
     ref, data = model_and_data(4)
     ours, _ = model_and_data(4)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2)
     acc = LowPrecGradAccumulator(ours.parameters(), CPU.replace(grad=DType.F32))
     for step in range(STEPS):
@@ -233,7 +238,7 @@ def test_tied_unused_and_frozen_params_through_accumulator_and_optimizer() -> No
     ref = TiedWithSpares()
     ours = copy.deepcopy(ref)
     ids = [torch.randint(0, 12, (4, 5)) for _ in range(3 * 4)]
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     ctx = CPU.replace(grad=DType.F32)
     acc = LowPrecGradAccumulator(ours.parameters(), ctx)
     opt = OffloadedOptimizer(ours.parameters(), ctx, lr=1e-2)
@@ -264,7 +269,7 @@ def test_tied_unused_and_frozen_params_through_accumulator_and_optimizer() -> No
 def test_weights_changed_outside_the_optimizer_are_adopted(how: str, tmp_path: Any) -> None:
     ref, data = model_and_data(16)
     ours, _ = model_and_data(16)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2)
     new_weights, _ = model_and_data(17)
     path = save_weights(new_weights, tmp_path / "w.safetensors")
@@ -314,7 +319,7 @@ def test_a_step_with_non_finite_gradients_is_skipped_and_leaves_no_trace(how: st
     # end bitwise equal, without any call beyond the usual loop.
     ref, data = model_and_data(6)
     ours, _ = model_and_data(6)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2)
     acc = None
     if how == "accumulator":
@@ -360,7 +365,7 @@ def test_a_non_finite_norm_dropped_with_zero_grad_leaves_nothing_pending() -> No
     # gradients are then applied, not eaten by a skip left over from the bad norm.
     ref, data = model_and_data(19)
     ours, _ = model_and_data(19)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2)
     backward(loss_of(ours, data[0]) * math.inf)
     with warnings.catch_warnings(record=True) as caught:
@@ -428,7 +433,7 @@ def test_a_gradient_whose_norm_overflows_but_whose_squares_do_not_is_applied() -
     # every element's square is finite (|g| < 2**64) must still be applied, as torch does.
     p, ref = torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4))
     opt = OffloadedOptimizer([p], CPU, torch.optim.SGD, lr=1e-30)
-    ref_opt = torch.optim.SGD([ref], lr=1e-30)
+    ref_opt = torch.optim.SGD([ref], lr=1e-30, fused=True)
     p.grad, ref.grad = torch.full((4,), 1.5e19), torch.full((4,), 1.5e19)
     assert math.isinf(float(torch.linalg.vector_norm(p.grad)))
     opt.step()
@@ -496,7 +501,7 @@ def test_state_dict_resume_is_bitwise_in_either_order(
 
 def test_resumes_from_a_plain_adamw_state_dict() -> None:
     ref, data = model_and_data(8)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     for x in data[:4]:
         backward(loss_of(ref, x))
         ref_opt.step()
@@ -653,7 +658,7 @@ def test_each_transfer_matches_plain_adamw_and_staging_reuses_its_buffers(
     # CPU tensors; "auto" and "blocking" copy directly, as auto does for any CPU pair.
     ref, data = model_and_data(13)
     ours, _ = model_and_data(13)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
     opt = OffloadedOptimizer(ours.parameters(), CPU, lr=1e-2, transfer=transfer)
     assert opt.transfer == transfer
     addresses: set[int] = set()
