@@ -20,7 +20,8 @@ granularity   layout        the codes and steps
 ============  ============  ===========================================================
 
 A frozen linear (``freeze_for_serving``) gives its own ``weight_fp8`` and ``weight_step``
-buffers as they are. A trainable one is quantized here by the very operator and rule its
+buffers as they are, and frozen experts (``ops.grouped_frozen``) their ``{name}_fp8`` and
+``{name}_step``. A trainable one is quantized here by the very operator and rule its
 forward quantizes the weight with, so the codes are those its fp8 GEMM multiplies by (for
 ``tensor``, those freezing would keep; a delayed recipe's training forward reads its ledger's
 step instead). Nothing in the model changes.
@@ -29,8 +30,11 @@ step instead). Nothing in the model changes.
 the model given under the names ``serving_weights`` uses, each checked against its layer (the
 layout of its recipe, the codes' format, the shape) before anything is written, then taken
 as it is. ``mode="serve"`` freezes each linear with exactly those codes and steps
-(``freeze_for_serving(weight=...)``); experts have no frozen form yet, so a model with
-converted experts is refused in that mode, naming ``"train"``. ``mode="train"`` writes each
+(``freeze_for_serving(weight=...)``), and each converted experts module whose framework's
+forward reads frozen codes (``computectx.nn.GroupedExperts``, transformers' experts: its
+converter's ``serves_frozen``) with its experts' (``ops.grouped_frozen.freeze_experts``: the
+parameters dropped); other experts (torchtitan's) are refused in that mode, naming
+``"train"``. ``mode="train"`` writes each
 weight dequantized (``ServingWeight.dequantize`` to the weight's dtype) into the
 high-precision weight in place, the master the policy trains and quantizes again, and
 gives the linears a fresh scaling state (their ledgers measured other weights).
@@ -39,6 +43,7 @@ gives the linears a fresh scaling state (their ledgers measured other weights).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Final, Literal
 
 import torch
@@ -46,10 +51,12 @@ from torch import nn
 
 from computectx.formats.convert_experts import experts_converters
 from computectx.formats.linear.module import QuantizedLinear
-from computectx.formats.numerics import blockwise, grouped
-from computectx.formats.numerics.layouts import OPERAND_GRANULARITY, step_rule_of
-from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.ops.grouped import QuantizedExperts
+from computectx.formats.ops.grouped_frozen import (
+    experts_serving_weight,
+    freeze_experts,
+    held_experts,
+)
 from computectx.formats.serving import ServingWeight, recipe_layout
 from computectx.recipes import Recipe
 
@@ -70,8 +77,8 @@ def serving_recipes(model: nn.Module) -> dict[str, Recipe]:
     """The recipe of each weight ``serving_weights`` gives, by the same names, without
     quantizing anything: what a checkpoint writer checks before it asks for the weights."""
     out = {_join(f, "weight"): m.policy for f, m in _linears(model)}
-    for fqn, experts, weights in _converted_experts(model):
-        out.update({_join(fqn, name): experts.policy for name in weights})
+    for at in _converted_experts(model):
+        out.update({_join(at.fqn, name): at.settings.policy for name in at.weights})
     return out
 
 
@@ -87,9 +94,11 @@ def serving_weights(model: nn.Module) -> dict[str, ServingWeight]:
         except ValueError as e:
             raise ValueError(f"{name}: {e}") from None
     out = {_join(f, "weight"): m.serving_weight() for f, m in _linears(model)}
-    for fqn, experts, weights in _converted_experts(model):
-        for name, w in weights.items():
-            out[_join(fqn, name)] = _experts_weight(w, experts)
+    for at in _converted_experts(model):
+        for name, w in at.weights.items():
+            held = held_experts(at.module, name, at.settings)  # frozen: its codes as they are
+            sw = held if held is not None else experts_serving_weight(w, at.settings)
+            out[_join(at.fqn, name)] = sw
     return out
 
 
@@ -101,11 +110,18 @@ def _linears(model: nn.Module) -> list[tuple[str, QuantizedLinear]]:
     return [(f, m) for f, m in model.named_modules() if isinstance(m, QuantizedLinear)]
 
 
-def _converted_experts(
-    model: nn.Module,
-) -> list[tuple[str, QuantizedExperts, dict[str, torch.Tensor]]]:
-    """``(fqn, settings, weights)`` of each converted experts module: the first converter
-    that knows the module answers, as ``convert_to_quantized`` asks them."""
+@dataclass(frozen=True)
+class _ExpertsAt:
+    fqn: str
+    module: nn.Module
+    settings: QuantizedExperts
+    weights: dict[str, torch.Tensor]
+    serves_frozen: bool  # its framework's forward reads frozen codes (ops.grouped_frozen)
+
+
+def _converted_experts(model: nn.Module) -> list[_ExpertsAt]:
+    """Each converted experts module, its settings and weights (a frozen one's codes): the
+    first converter that knows the module answers, as ``convert_to_quantized`` asks them."""
     converters = experts_converters(model)
     found = []
     for fqn, module in model.named_modules():
@@ -115,42 +131,20 @@ def _converted_experts(
                 continue
             current = converter.current(module)
             if current is not None:
-                found.append((fqn, current, weights))
+                freezes = getattr(converter, "serves_frozen", False) is True
+                found.append(_ExpertsAt(fqn, module, current, weights, freezes))
             break
     return found
-
-
-def _experts_weight(w: torch.Tensor, experts: QuantizedExperts) -> ServingWeight:
-    """Experts ``w [E, N, K]`` quantized per expert as the grouped forward quantizes them
-    (``ops.grouped``: dynamic with the recipe's margin for ``tensor``, the block operator
-    with its step rule otherwise; ``mx``'s E8M0 scales widened to float32 steps, exactly)."""
-    recipe = experts.policy
-    layout = recipe_layout(recipe)
-    fmt, rule = recipe.format.forward, step_rule_of(recipe)
-    codes, steps = [], []
-    with torch.no_grad():
-        for e in range(w.shape[0]):
-            if layout == "tensor":
-                q, s = grouped.quantize_operand(
-                    w[e].detach(), fmt, "tensor", rule, recipe.scaling.margin
-                )
-            else:
-                granularity = OPERAND_GRANULARITY[recipe.granularity][1]
-                q, s = block_ops.quantize_blocks(
-                    w[e].detach(), fmt, granularity, rule, None, backend=experts.backend
-                )
-            codes.append(q)
-            steps.append(s.reshape(1) if layout == "tensor" else blockwise.steps_of_scale(s))
-    return ServingWeight(torch.stack(codes), torch.stack(steps), layout)
 
 
 def load_serving_weights(
     model: nn.Module, weights: Mapping[str, ServingWeight], *, mode: LoadMode
 ) -> None:
     """Load ``weights`` (the names ``serving_weights(model)`` gives) into ``model`` as
-    ``mode`` says (module docstring): ``"serve"``, each linear frozen with exactly the given
-    codes and steps; ``"train"``, each weight := the given one dequantized to its dtype, in
-    place (the same ``Parameter`` objects, so an optimizer built before keeps working).
+    ``mode`` says (module docstring): ``"serve"``, each linear and experts module frozen with
+    exactly the given codes and steps; ``"train"``, each weight := the given one dequantized
+    to its dtype, in place (the same ``Parameter`` objects, so an optimizer built before
+    keeps working).
 
     Everything is checked first; ``ValueError`` naming the weight, what was given and what
     the layer takes, with nothing changed, for: an unknown mode; a quantized weight of the
@@ -159,8 +153,8 @@ def load_serving_weights(
     ``row``, ``block``, ``mx``); codes in another format than the recipe's forward format;
     another shape; steps that are not finite and positive (``mx``: not powers of two in
     E8M0's range); ``"train"`` into a layer frozen for serving (it holds no high-precision
-    weight); ``"serve"`` for a model with converted experts. Codes and steps on another
-    device are moved to the layer's."""
+    weight); ``"serve"`` for converted experts whose forward reads their weights (no frozen
+    form: torchtitan's). Codes and steps on another device are moved to the layer's."""
     if mode not in LOAD_MODES:
         raise ValueError(f"load_serving_weights: unknown mode {mode!r}; accepted: 'serve', 'train'")
     targets = _load_targets(model)
@@ -182,8 +176,20 @@ class _Target:
     """One quantized weight of the model: its recipe, the tensor it is held in (a linear's
     ``weight``, or an experts module's ``[E, N, K]`` view), its shape and device."""
 
-    def __init__(self, recipe: Recipe, held: torch.Tensor | None, linear: QuantizedLinear | None):
-        self.recipe, self.held, self.linear = recipe, held, linear
+    def __init__(
+        self,
+        recipe: Recipe,
+        held: torch.Tensor | None,
+        linear: QuantizedLinear | None,
+        experts: tuple[_ExpertsAt, str] | None = None,
+    ):
+        self.recipe, self.held, self.linear, self.experts = recipe, held, linear, experts
+
+    def _frozen(self) -> bool:
+        if self.experts is not None:
+            at, name = self.experts
+            return held_experts(at.module, name, at.settings) is not None
+        return self.linear is not None and self.linear.frozen
 
     def _shape_device(self) -> tuple[tuple[int, ...], torch.device]:
         if self.linear is not None:
@@ -209,23 +215,28 @@ class _Target:
         given.check_fits(
             f"load_serving_weights: {name} under recipe {str(recipe)!r}", fmt, shape, layout
         )
-        if mode == "train" and self.linear is not None and self.linear.frozen:
+        if mode == "train" and self._frozen():
             raise ValueError(
                 f"load_serving_weights: {name} is frozen for serving (it holds codes, no "
                 f"high-precision weight), so mode='train' cannot write its master; load into "
                 f"a model converted without freezing, or use mode='serve'. Nothing was changed"
             )
-        if mode == "serve" and self.linear is None:
+        if mode == "serve" and self.experts is not None and not self.experts[0].serves_frozen:
             raise ValueError(
-                f"load_serving_weights: {name} belongs to converted experts, which have no "
-                f"frozen (serving) form yet; load with mode='train' (the experts' weights "
-                f"become the dequantized codes, which their forward quantizes again). "
-                f"Nothing was changed"
+                f"load_serving_weights: {name} belongs to converted experts whose forward "
+                f"reads their weights ({type(self.experts[0].module).__name__}: no frozen "
+                f"(serving) form); load with mode='train' (the experts' weights become the "
+                f"dequantized codes, which their forward quantizes again). Nothing was changed"
             )
         return ServingWeight(given.codes.to(device), given.steps.to(device), given.layout)
 
     def write(self, given: ServingWeight, mode: LoadMode) -> None:
         linear = self.linear
+        if mode == "serve" and self.experts is not None:
+            at, name = self.experts
+            assert self.held is not None
+            freeze_experts(at.module, at.settings, {name: self.held}, {name: given})
+            return
         if mode == "serve":
             assert linear is not None
             # The layer's own scaling state was measured for other weights (its earlier
@@ -244,6 +255,7 @@ class _Target:
 def _load_targets(model: nn.Module) -> dict[str, _Target]:
     """The model's quantized weights by ``serving_weights``' names, in its order."""
     out = {_join(f, "weight"): _Target(m.policy, None, m) for f, m in _linears(model)}
-    for fqn, experts, weights in _converted_experts(model):
-        out.update({_join(fqn, n): _Target(experts.policy, w, None) for n, w in weights.items()})
+    for at in _converted_experts(model):
+        for n, w in at.weights.items():
+            out[_join(at.fqn, n)] = _Target(at.settings.policy, w, None, (at, n))
     return out

@@ -122,6 +122,8 @@ class TransformersExperts:
     """The ``ExpertsConverter`` for transformers' experts modules (any class decorated with
     ``use_experts_implementation`` on ``ALL_EXPERTS_FUNCTIONS``)."""
 
+    serves_frozen = True  # fp8_experts_forward reads frozen codes (freeze_experts_for_serving)
+
     def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         """The two expert weights as ``(E, out, in)`` (the transposed views for a transposed
         layout), by parameter name; ``None`` for any other module."""

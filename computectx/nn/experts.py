@@ -430,6 +430,8 @@ def _dense_twin(
 class _GroupedExpertsConverter:
     """How ``convert_to_quantized`` finds and converts a ``GroupedExperts``."""
 
+    serves_frozen = True  # the forward reads frozen codes (``freeze_for_serving``)
+
     def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         return module.expert_weights() if isinstance(module, GroupedExperts) else None
 

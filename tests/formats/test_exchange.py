@@ -230,10 +230,7 @@ def test_mx_refuses_steps_no_e8m0_byte_holds(base: nn.Module) -> None:
 def test_experts_codes_are_what_the_grouped_forward_multiplies(
     granularity: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    torch.manual_seed(0)
-    ctx = ctx_of(RECIPES[granularity])
-    model = nn.ModuleDict({"experts": GroupedExperts(ctx.replace(recipe=None), 64, 96, 3)})
-    convert_to_quantized(model, ctx, module_filter=lambda m, fqn: True)
+    model = experts_model(ctx_of(RECIPES[granularity]), 0)
     weights = serving_weights(model)
     assert list(weights) == ["experts.gate_up", "experts.down"]
     seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -261,3 +258,34 @@ def test_experts_codes_are_what_the_grouped_forward_multiplies(
                     matched += 1
                     break
     assert matched == 6  # every expert's two weights
+
+
+def experts_model(ctx: ComputeCtx, seed: int) -> nn.ModuleDict:
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({"experts": GroupedExperts(ctx.replace(recipe=None), 64, 96, 3)})
+    convert_to_quantized(model, ctx, module_filter=lambda m, fqn: True)
+    return model
+
+
+@pytest.mark.parametrize("granularity", list(RECIPES))
+def test_a_serve_load_freezes_experts_with_the_given_codes(granularity: str) -> None:
+    ctx = ctx_of(RECIPES[granularity])
+    source, served = experts_model(ctx, 0), experts_model(ctx, 1)
+    given = serving_weights(source)
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    offs = torch.tensor([3, 3, 9], dtype=torch.int32)
+    with torch.no_grad():
+        want = source["experts"](x, offs)
+    load_serving_weights(served, given, mode="serve")
+    experts = served["experts"]
+    assert isinstance(experts, GroupedExperts) and experts.frozen and experts.gate_up is None
+    with torch.no_grad():
+        assert torch.equal(experts(x, offs), want)  # the source's own output
+    again = serving_weights(served)  # frozen experts give their held codes as they are
+    for name, w in given.items():
+        assert torch.equal(again[name].codes.view(torch.uint8), w.codes.view(torch.uint8))
+        assert torch.equal(again[name].steps, w.steps) and again[name].layout == w.layout
+    with pytest.raises(ValueError, match=r"experts\.gate_up is frozen for serving"):
+        load_serving_weights(served, given, mode="train")
+    load_serving_weights(served, serving_weights(experts_model(ctx, 2)), mode="serve")
+    assert not torch.equal(experts(x, offs), want)  # into frozen experts: the new codes

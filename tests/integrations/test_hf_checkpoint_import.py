@@ -45,6 +45,10 @@ from computectx.integrations.hf_checkpoint import (
     export_pretrained,
     import_pretrained,
 )
+from computectx.integrations.transformers_moe import (
+    TransformersExperts,
+    freeze_experts_for_serving,
+)
 
 COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -202,13 +206,23 @@ def test_moe_round_trip(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The experts come back fused with their codes and steps as exported (what the import
-    hands ``load_serving_weights``); in train mode they become the dequantized codes."""
+    hands ``load_serving_weights``): in serve mode frozen with them, the exporting model's
+    frozen logits bit for bit; in train mode they become the dequantized codes."""
     model, directory = exported["moe", granularity, fmt]
+    served = tiny(moe_config(), 1, granularity)
+    assert import_pretrained(served, directory) is served  # mode="serve"
+    same_weights(model_serving_weights(model), model_serving_weights(served))
+    experts = [m for m in served.modules() if TransformersExperts().current(m) is not None]
+    assert experts and all(m.gate_up_proj is None and m.down_proj is None for m in experts)
+    frozen = copy.deepcopy(model)
+    for m in frozen.modules():
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+        elif TransformersExperts().current(m) is not None:
+            freeze_experts_for_serving(m)
+    with torch.no_grad():
+        assert torch.equal(served.eval()(IDS).logits, frozen.eval()(IDS).logits)
     loaded = tiny(moe_config(), 1, granularity)
-    before = snapshot(loaded)
-    with pytest.raises(ValueError, match=r"experts.*no frozen \(serving\) form yet.*mode='train'"):
-        import_pretrained(loaded, directory)
-    unchanged(loaded, before)
     given: list[dict[str, ServingWeight]] = []
 
     def probe(m: Any, weights: dict[str, ServingWeight], *, mode: Any) -> None:
