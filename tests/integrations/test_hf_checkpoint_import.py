@@ -222,6 +222,18 @@ def test_moe_round_trip(
             freeze_experts_for_serving(m)
     with torch.no_grad():
         assert torch.equal(served.eval()(IDS).logits, frozen.eval()(IDS).logits)
+    # The served model, experts frozen, exports the same files again (its frozen codes are
+    # written as codes, not as high-precision tensors beside them).
+    again = export_pretrained(served, directory.parent / f"{directory.name}-again", format=fmt)
+    first, second = (
+        load_file(directory / "model.safetensors"),
+        load_file(again / "model.safetensors"),
+    )
+    assert sorted(first) == sorted(second)
+    for key, t in first.items():
+        assert t.dtype == second[key].dtype and torch.equal(
+            t.view(torch.uint8), second[key].view(torch.uint8)
+        ), key
     loaded = tiny(moe_config(), 1, granularity)
     given: list[dict[str, ServingWeight]] = []
 

@@ -200,7 +200,9 @@ def checkpoint_state(model: nn.Module, quantized: Collection[str]) -> dict[str, 
     (``quantized``), the scaling state (``fp8_*``), the frozen buffers and the tied copies
     (``save_pretrained`` writes a tied weight once). ``ValueError`` when a quantized
     weight is tied to another (a checkpoint holds a tied weight once)."""
-    drop = set(quantized)
+    # The quantized weights, and frozen ones' codes and steps (``{weight}_fp8``/``_step``:
+    # linears' and experts' alike).
+    drop = {f"{name}{suffix}" for name in quantized for suffix in ("", "_fp8", "_step")}
     for fqn, module in model.named_modules():
         if isinstance(module, QuantizedLinear):
             names = (*module.state_load_keys(), "weight", "weight_fp8", "weight_step")

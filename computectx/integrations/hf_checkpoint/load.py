@@ -59,8 +59,9 @@ def import_pretrained(
     The codes and steps are taken bit for bit: ``mode="serve"`` freezes each quantized
     linear with them; ``mode="train"`` makes each quantized weight the dequantized codes
     in place (the master the policy then trains; the same ``Parameter`` objects, so an
-    optimizer built before keeps working). Converted experts have no frozen form yet:
-    ``"serve"`` is refused for them, naming ``"train"``. Every high-precision tensor
+    optimizer built before keeps working); converted experts are frozen alike where their
+    forward reads frozen codes (``GroupedExperts``, transformers' experts; torchtitan's are
+    refused for ``"serve"``, naming ``"train"``). Every high-precision tensor
     (embeddings, norms, the head, routers, unconverted linears) is copied in too: one held
     in float32, bfloat16, float16 or float64 is cast to the model tensor's dtype (the cast
     ``from_pretrained`` makes), one in the model tensor's own dtype is copied as it is.
