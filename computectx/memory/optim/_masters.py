@@ -4,6 +4,13 @@
 the masters (``ctx.master`` on ``ctx.offload_device``, this rank's shard under a
 ``Sharding``), adopts weights changed outside the optimizer, and copies the masters back
 into the compute parameters after a step.
+
+A compute parameter that already is what its master would be (``ctx.master`` on the offload
+device, contiguous, no sharding, no staging: an f32 model on the CPU with f32 masters on the
+CPU) is its own master's memory: the master is a second ``Parameter`` over the same storage,
+so the step writes the model's weights directly and the copy-back is skipped (it would copy
+every element onto itself). A skipped step writes nothing, as before; ``param.data = t``
+parts them, and from then on the master is copied back as any other.
 """
 
 from __future__ import annotations
@@ -107,6 +114,18 @@ def matches_copy_back(weight: torch.Tensor, master: torch.Tensor) -> bool:
     return bool(torch.equal(weight.detach(), back))
 
 
+def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` are the same elements of the same storage (a master that is its
+    parameter's memory), so that copying one into the other changes nothing."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.device == b.device
+    )
+
+
 class MasterWeights:
     """Compute parameters and their master copies, aligned by position."""
 
@@ -157,16 +176,33 @@ class MasterWeights:
         return compute
 
     def make(self, compute: list[torch.Tensor]) -> list[torch.Tensor]:
-        """New masters for ``compute`` (not yet added): ``ctx.master`` on the offload device."""
+        """New masters for ``compute`` (not yet added): ``ctx.master`` on the offload device,
+        over the parameter's own storage where it already is one (``shares_master``)."""
         return [
             torch.nn.Parameter(
-                self.local(p.detach()).to(
+                p.detach()
+                if self.shares_master(p)
+                else self.local(p.detach()).to(
                     device=self.ctx.offload_device, dtype=self.ctx.master.torch, copy=True
                 ),
                 requires_grad=p.requires_grad,
             )
             for p in compute
         ]
+
+    def shares_master(self, p: torch.Tensor) -> bool:
+        """Whether compute parameter ``p`` can be its own master's memory: a whole (unsharded)
+        contiguous tensor of dtype ``ctx.master`` on the offload device, with weights and
+        gradients crossing no staging buffer."""
+        return (
+            self.sharding is None
+            and not is_dtensor(p)
+            and p.layout == torch.strided
+            and p.is_contiguous()
+            and p.dtype == self.ctx.master.torch
+            and p.device == self.ctx.offload_device
+            and not uses_staging(self.transfer, p.device, p.device)
+        )
 
     def add(self, compute: list[torch.Tensor], masters: list[torch.Tensor]) -> None:
         """Append aligned compute parameters and masters (``make``'s result)."""
@@ -228,7 +264,7 @@ class MasterWeights:
                     st.wait()
                     st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
                     st.drain_to(dst)
-                else:
+                elif not same_memory(dst, mp):
                     dst.copy_(mp)
                 self._seen[i] = stamp(dst)
 

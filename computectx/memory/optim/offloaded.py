@@ -38,9 +38,12 @@ class OffloadedOptimizer(InnerWrapper):
 
     The compute parameters stay where they are; each gets a master copy at ``ctx.master``
     on the offload device, and ``optimizer_class(master_groups, **optimizer_kwargs)`` steps
-    those. One step is: ``ingest_grads`` (move gradients from an accumulator and/or
-    ``param.grad`` onto the masters), optional ``clip_grad_norm``, ``step`` (step the
-    masters, copy them back into the compute parameters at their dtype), ``zero_grad``.
+    those. A parameter that already is its master (contiguous, ``ctx.master``'s dtype, on the
+    offload device, unsharded, not staged) shares its storage with it: the step writes it
+    directly and nothing is copied back. One step is: ``ingest_grads`` (move gradients from
+    an accumulator and/or ``param.grad`` onto the masters), optional ``clip_grad_norm``,
+    ``step`` (step the masters, copy them back into the compute parameters at their dtype),
+    ``zero_grad``.
     ``step`` ingests any ``param.grad`` left behind, so ``loss.backward(); opt.step()``
     works as with any torch optimizer. Gradients ingested between two steps add up; the
     first one ingested for a master after a step replaces the gradient that step applied
