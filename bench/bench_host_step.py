@@ -13,16 +13,21 @@ training loop frees its gradients). The first ``--warmup`` rounds are not counte
 - ``torch AdamW fused=True`` (the ratios' base), ``foreach=True``, single-tensor
   (``foreach=False``, torch's default on the CPU);
 - ``ours OffloadedOptimizer f32``: masters (f32) and state on the CPU, the model's weights on
-  the CPU too: the step is torch's fused kernel on the masters, the non-finite check (one
-  read of the gradients) and the copy of the masters back into the model;
+  the CPU too, so the masters are the model's own storage (nothing is copied back): the step
+  is torch's fused kernel and the non-finite check (one read of the gradients);
 - ``ours CompactOptimizer f32``: the fused kernel on the model's own parameters and the
   non-finite check;
+- the same three (torch fused, ours offloaded, ours compact) with a clip to total norm 1.0
+  before the step, timed together, as a fine-tuning loop runs them: torch's
+  ``clip_grad_norm_``, ours ``clip_grad_norm``, whose norm the step reuses as its
+  non-finite check. Their ratio is to torch's fused row with the clip;
 - ``DeepSpeed CPUAdam``: only where ``deepspeed`` imports (not a dependency; skipped with a
   note otherwise).
 
 ``GB/s`` counts the 28 bytes per parameter an AdamW update must move (read weight, gradient
 and both moments, write weight and moments); ``B/param`` is what the row moves (ours: 4 more
-for the check, the offloaded 8 more for the copy-back). Medians; nothing is asserted.
+for the check; a clip: 12 more, a read for the norm and a read and write to scale).
+Medians; nothing is asserted.
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ from computectx.memory import CompactOptimizer, OffloadedOptimizer
 UPDATE_BYTES = 28
 """Bytes an AdamW update moves per float32 parameter: read w, g, m, v; write w, m, v."""
 
+CLIP_BYTES = 12
+"""Bytes a clip moves per float32 parameter: read g for the norm, then read and write g to
+scale it (torch scales by the clamped coefficient even when it is 1)."""
+
+MAX_NORM = 1.0
+
 
 @dataclass
 class Row:
@@ -55,6 +66,7 @@ class Row:
     params: list[torch.nn.Parameter]
     opt: torch.optim.Optimizer
     times: list[float]
+    clip: bool = False
 
 
 def _params(shape: tuple[int, ...]) -> list[torch.nn.Parameter]:
@@ -69,8 +81,13 @@ def contenders(shape: tuple[int, ...]) -> tuple[list[Row], list[str]]:
         ("torch AdamW fused=True", UPDATE_BYTES, lambda p: torch.optim.AdamW(p, fused=True)),
         ("torch AdamW foreach=True", UPDATE_BYTES, lambda p: torch.optim.AdamW(p, foreach=True)),
         ("torch AdamW single-tensor", UPDATE_BYTES, lambda p: torch.optim.AdamW(p, foreach=False)),
-        ("ours OffloadedOptimizer f32", UPDATE_BYTES + 12, lambda p: OffloadedOptimizer(p, ctx)),
+        ("ours OffloadedOptimizer f32", UPDATE_BYTES + 4, lambda p: OffloadedOptimizer(p, ctx)),
         ("ours CompactOptimizer f32", UPDATE_BYTES + 4, lambda p: CompactOptimizer(p, ctx)),
+    ]
+    clipped: list[tuple[str, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]]] = [
+        ("torch AdamW fused=True", lambda p: torch.optim.AdamW(p, fused=True)),
+        ("ours OffloadedOptimizer f32", lambda p: OffloadedOptimizer(p, ctx)),
+        ("ours CompactOptimizer f32", lambda p: CompactOptimizer(p, ctx)),
     ]
     notes = []
     try:
@@ -82,7 +99,20 @@ def contenders(shape: tuple[int, ...]) -> tuple[list[Row], list[str]]:
     for label, nbytes, make in makers:
         params = _params(shape)
         rows.append(Row(label, nbytes, params, make(params), []))
+    for label, make in clipped:
+        params = _params(shape)
+        nbytes = UPDATE_BYTES + CLIP_BYTES
+        rows.append(Row(f"{label}, clip + step", nbytes, params, make(params), [], clip=True))
     return rows, notes
+
+
+def _clip(row: Row) -> None:
+    """Clip the row's gradients to ``MAX_NORM`` as its loop would: ours through the optimizer
+    (whose step then reuses the norm), torch's with ``clip_grad_norm_``."""
+    if isinstance(row.opt, (OffloadedOptimizer, CompactOptimizer)):
+        row.opt.clip_grad_norm(MAX_NORM)
+    else:
+        torch.nn.utils.clip_grad_norm_(row.params, MAX_NORM)
 
 
 def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> None:
@@ -94,6 +124,8 @@ def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> 
             for p, g in zip(row.params, grads, strict=True):
                 p.grad = g.clone()
             start = time.perf_counter()
+            if row.clip:
+                _clip(row)
             row.opt.step()
             elapsed = time.perf_counter() - start
             row.opt.zero_grad()
@@ -102,8 +134,11 @@ def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> 
 
 
 def table(rows: list[Row], numel: int) -> list[str]:
-    """The markdown table: median, min, ratio of medians to the first row, GB/s."""
-    base = statistics.median(rows[0].times)
+    """The markdown table: median, min, ratio of medians to the first row of the same kind
+    (with or without the clip), GB/s."""
+    bases: dict[bool, float] = {}
+    for row in rows:
+        bases.setdefault(row.clip, statistics.median(row.times))
     out = [
         "| contender | median ms | min ms | ratio | GB/s | B/param |",
         "|---|---|---|---|---|---|",
@@ -113,7 +148,7 @@ def table(rows: list[Row], numel: int) -> list[str]:
         gbs = UPDATE_BYTES * numel / med / 1e9
         out.append(
             f"| {row.label} | {med * 1e3:.1f} | {min(row.times) * 1e3:.1f} | "
-            f"{med / base:.2f} | {gbs:.1f} | {row.bytes_per_param} |"
+            f"{med / bases[row.clip]:.2f} | {gbs:.1f} | {row.bytes_per_param} |"
         )
     return out
 
