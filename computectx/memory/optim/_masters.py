@@ -6,11 +6,11 @@ the masters (``ctx.master`` on ``ctx.offload_device``, this rank's shard under a
 into the compute parameters after a step.
 
 A compute parameter that already is what its master would be (``ctx.master`` on the offload
-device, contiguous, no sharding, no staging: an f32 model on the CPU with f32 masters on the
-CPU) is its own master's memory: the master is a second ``Parameter`` over the same storage,
-so the step writes the model's weights directly and the copy-back is skipped (it would copy
-every element onto itself). A skipped step writes nothing, as before; ``param.data = t``
-parts them, and from then on the master is copied back as any other.
+device, contiguous, all of its storage, no sharding, no staging: an f32 model on the CPU with
+f32 masters on the CPU) is its own master's memory: the master is a second ``Parameter`` over
+the same storage, so the step writes the model's weights directly and the copy-back is
+skipped (it would copy every element onto itself). A skipped step writes nothing, as before;
+``param.data = t`` parts them, and from then on the master is copied back as any other.
 """
 
 from __future__ import annotations
@@ -192,13 +192,16 @@ class MasterWeights:
 
     def shares_master(self, p: torch.Tensor) -> bool:
         """Whether compute parameter ``p`` can be its own master's memory: a whole (unsharded)
-        contiguous tensor of dtype ``ctx.master`` on the offload device, with weights and
+        contiguous tensor of dtype ``ctx.master`` on the offload device that is all of its
+        storage (no view of a buffer another parameter may share), with weights and
         gradients crossing no staging buffer."""
         return (
             self.sharding is None
             and not is_dtensor(p)
             and p.layout == torch.strided
             and p.is_contiguous()
+            and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size()
             and p.dtype == self.ctx.master.torch
             and p.device == self.ctx.offload_device
             and not uses_staging(self.transfer, p.device, p.device)

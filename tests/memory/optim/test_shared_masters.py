@@ -92,7 +92,9 @@ def test_param_data_swapped_parts_the_master_and_the_copy_back_resumes() -> None
     assert torch.equal(opt.master_params[0], first)
 
 
-@pytest.mark.parametrize("case", ["bf16 model", "staged", "non-contiguous", "bf16 master"])
+@pytest.mark.parametrize(
+    "case", ["bf16 model", "staged", "non-contiguous", "bf16 master", "view of a buffer"]
+)
 def test_masters_are_copies_where_the_model_is_not_what_they_would_be(case: str) -> None:
     model = model_of(torch.bfloat16 if case == "bf16 model" else torch.float32)
     if case == "non-contiguous":
@@ -100,6 +102,12 @@ def test_masters_are_copies_where_the_model_is_not_what_they_would_be(case: str)
             lin = next(iter(model.children()))
             assert isinstance(lin, torch.nn.Linear)
             lin.weight = torch.nn.Parameter(lin.weight.detach().t().contiguous().t())
+    if case == "view of a buffer":
+        params = list(model.parameters())
+        flat = torch.cat([q.detach().reshape(-1) for q in params])
+        parts = torch.split(flat, [q.numel() for q in params])
+        for q, part in zip(params, parts, strict=True):
+            q.data = part.view_as(q)
     ctx = CPU.replace(master=DType.BF16) if case == "bf16 master" else CPU
     transfer: Transfer = "staged" if case == "staged" else "auto"
     with warnings.catch_warnings():
