@@ -156,13 +156,19 @@ def _cleared(v: torch.Tensor) -> torch.Tensor:
     finite float32 square (false may be a false alarm, which ``all_applicable`` then tells
     apart exactly).
 
-    A contiguous float32 tensor: its dot product with itself, a float32 sum of the squares
-    (non-negative terms, so at least each one) that is inf when a square overflows (``|g| >=
+    A contiguous float32 tensor on the CPU (with fewer than ``2**31`` elements, the count
+    BLAS takes): its dot product with itself, a float32 sum of the squares (non-negative
+    terms, so at least each one) that is inf when a square overflows (``|g| >=
     SQUARE_OVERFLOW``) or the sum does, NaN with a NaN or inf element; BLAS's dot reads the
     tensor once at memory speed (measured on a 2-core CPU: under half the time of the
     2-norm). Any other tensor: its 2-norm, below ``SQUARE_OVERFLOW``.
     """
-    if v.dtype == torch.float32 and v.is_contiguous():
+    if (
+        v.dtype == torch.float32
+        and v.device.type == "cpu"
+        and v.is_contiguous()
+        and v.numel() < 2**31
+    ):
         flat = v.view(-1)
         squares: torch.Tensor = torch.dot(flat, flat)
         return squares < math.inf  # false for inf and NaN
