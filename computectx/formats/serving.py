@@ -41,7 +41,13 @@ from computectx.formats.numerics import blockwise, layouts
 from computectx.formats.numerics.layouts import Granularity
 from computectx.recipes import Recipe
 
-__all__ = ["LAYOUT_OF_GRANULARITY", "WEIGHT_LAYOUTS", "ServingWeight", "recipe_layout"]
+__all__ = [
+    "LAYOUT_OF_GRANULARITY",
+    "WEIGHT_LAYOUTS",
+    "ServingWeight",
+    "check_state_entries",
+    "recipe_layout",
+]
 
 WEIGHT_LAYOUTS: Final[tuple[Granularity, ...]] = ("tensor", "row", "128x128", "mx")
 """The granularities a serving weight is laid out in: which codes share one step (all, a
@@ -130,9 +136,9 @@ class ServingWeight:
     ) -> None:
         """``ValueError`` unless these are ``fmt`` codes of ``shape`` laid out ``layout`` (on
         ``device``, when given), every code finite and every step finite and positive (under
-        ``"mx"``, a power of two in ``[2**-127, 2**127]``, an E8M0 exponent): ``"{who} {takes}
-        <what fits>; {given} <what these are>. Nothing was changed"``, or the count of bad
-        steps or codes."""
+        ``"mx"``, a power of two in ``[2**-127, 2**127]``, an E8M0 exponent), and every
+        code times its step finite in float32: ``"{who} {takes} <what fits>; {given} <what
+        these are>. Nothing was changed"``, or the count of bad steps or codes."""
 
         def described(dtype: torch.dtype, shape: tuple[int, ...], layout: str, at: str) -> str:
             return (
@@ -167,6 +173,13 @@ class ServingWeight:
                 f"{who} was given {int(bad.sum())} non-finite code(s) (NaN or inf) among "
                 f"{self.codes.numel()}: a weight holds finite values. Nothing was changed"
             )
+        bad = ~torch.isfinite(self.dequantize())  # one pass; checked once, at load or freeze
+        if bool(bad.any()):
+            raise ValueError(
+                f"{who} was given {int(bad.sum())} code(s) among {self.codes.numel()} whose "
+                f"value (code times step) overflows float32 to inf: a weight holds finite "
+                f"values. Nothing was changed"
+            )
 
     @property
     def experts(self) -> int | None:
@@ -191,3 +204,38 @@ class ServingWeight:
             return (self.codes.float() * self.steps).to(dtype)
         layout = layouts.layout_of(self.layout, self.codes.shape)
         return blockwise.dequantize(self.codes, self.steps, layout, dtype)
+
+
+def check_state_entries(
+    who: str, held: ServingWeight, keys: tuple[str, str], codes: object, steps: object
+) -> None:
+    """``ValueError`` unless a state dict's ``codes`` and ``steps`` (its entries under
+    ``keys``; ``None`` where absent: the held one stands in) can replace ``held``, a frozen
+    weight's buffers: tensors of exactly ``held``'s dtypes (``load_state_dict`` would
+    ``copy_`` any other in, converted with no sign) that ``check_fits`` ``held``'s format,
+    shape and layout, checked on ``held``'s device. What is not a tensor of ``held``'s
+    shapes is left to torch's own refusals (a size mismatch)."""
+    c = held.codes if codes is None else codes
+    s = held.steps if steps is None else steps
+    if not isinstance(c, torch.Tensor) or not isinstance(s, torch.Tensor):
+        return
+    for key, value, own in ((keys[0], c, held.codes), (keys[1], s, held.steps)):
+        if value.dtype != own.dtype:
+            raise ValueError(
+                f"{who}: {key} is {str(value.dtype).removeprefix('torch.')}, but it holds "
+                f"{str(own.dtype).removeprefix('torch.')} and loads only at that dtype "
+                f"(load_state_dict would convert it with no sign). Nothing was changed"
+            )
+    devices = (c.device.type, s.device.type, held.codes.device.type)
+    if c.shape != held.codes.shape or s.shape != held.steps.shape or "meta" in devices:
+        return
+    device = held.codes.device
+    given = ServingWeight(c.to(device), s.to(device), held.layout)
+    given.check_fits(
+        who,
+        held.codes.dtype,
+        tuple(held.codes.shape),
+        held.layout,
+        takes="holds",
+        given="load_state_dict was given",
+    )

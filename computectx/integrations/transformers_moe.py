@@ -47,7 +47,12 @@ from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, use_experts_implementation
 
 from computectx.formats import QuantizedExperts, ServingWeight, register_experts_converter
-from computectx.formats.seam import freeze_experts, frozen_experts_mm, held_experts
+from computectx.formats.seam import (
+    freeze_experts,
+    frozen_experts_mm,
+    guard_whole_loads,
+    held_experts,
+)
 
 __all__ = [
     "FP8_ATTR",
@@ -265,6 +270,7 @@ def freeze_experts_for_serving(
             f"{'' if weights_now is None else ' in high precision'}. Nothing was changed"
         )
     freeze_experts(module, fp8, weights_now, weights)
+    guard_whole_loads(module)  # load_state_dict checks the codes and steps before any load
     return module
 
 

@@ -51,6 +51,7 @@ from computectx.formats.seam import (
     checked_bounds,
     freeze_experts,
     frozen_experts_mm,
+    guard_whole_loads,
     held_experts,
 )
 from computectx.nn.gemm import Gemm, GemmPath
@@ -174,6 +175,7 @@ class GroupedExperts(nn.Module):
                 "ctx). Nothing was changed"
             )
         freeze_experts(self, self.fp8, self.expert_weights(), weights)
+        guard_whole_loads(self)  # load_state_dict checks the codes and steps before any load
         return self
 
     def expert_weights(self) -> dict[str, torch.Tensor]:

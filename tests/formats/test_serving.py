@@ -128,9 +128,33 @@ def test_check_fits_refuses_mx_steps_no_e8m0_byte_holds() -> None:
     # Powers of two at both ends of E8M0's range fit (2**-127 is a float32 subnormal).
     ends = steps.clone()
     ends[0, 0], ends[0, 1] = 2.0**-127, 2.0**127
-    ServingWeight(codes, ends, "mx").check_fits("L", torch.float8_e4m3fn, (64, 96), "mx")
+    # Under a step of 2**127 only codes below 2 in magnitude stay finite in float32.
+    small = codes.clone()
+    small[0, 32:64] = codes[0, 32:64].float().clamp(-1, 1).to(codes.dtype)
+    ServingWeight(small, ends, "mx").check_fits("L", torch.float8_e4m3fn, (64, 96), "mx")
     for bad in (1.5, 2.0**-128, 3.0 * 2.0**-10):
         odd = steps.clone()
         odd[3, 2] = bad
         with pytest.raises(ValueError, match=r"^L was given 1 'mx' step\(s\) that are not powers"):
             ServingWeight(codes, odd, "mx").check_fits("L", torch.float8_e4m3fn, (64, 96), "mx")
+
+
+@pytest.mark.parametrize(
+    ("layout", "step"), [("mx", 2.0**127), ("tensor", 3e38), ("row", 3e38), ("128x128", 3e38)]
+)
+def test_codes_whose_value_overflows_float32_are_refused_counted(layout: str, step: float) -> None:
+    # A valid step (an E8M0 byte of 254 under mx) times a large code is inf in float32.
+    g: Any = layout
+    codes = torch.full((64, 64), 2.0).to(torch.float8_e4m3fn)
+    codes[0, :3] = 448.0
+    steps = ServingWeight(codes, torch.ones(_steps_of(layout)), g).steps.clone()
+    steps.view(-1)[0] = step
+    sw = ServingWeight(codes, steps, g)
+    with pytest.raises(ValueError, match=r"was given (\d+) code\(s\) .*overflows float32 to inf"):
+        sw.check_fits("w", torch.float8_e4m3fn, (64, 64), g)
+    sw.steps.view(-1)[0] = 1.0
+    sw.check_fits("w", torch.float8_e4m3fn, (64, 64), g)  # finite again: fits
+
+
+def _steps_of(layout: str) -> tuple[int, ...]:
+    return {"tensor": (1,), "row": (64, 1), "128x128": (1, 1), "mx": (64, 2)}[layout]

@@ -346,3 +346,36 @@ def test_frozen_experts_serve_the_same_logits_from_fp8_codes(kind: str) -> None:
         TransformersExperts().convert(first, None)
     with pytest.raises(ValueError, match="converted by convert_to_quantized"):
         freeze_experts_for_serving(tiny(kind).model.layers[0].mlp.experts)
+
+
+def test_frozen_experts_refuse_a_state_dict_of_bad_codes_or_steps_and_change_nothing() -> None:
+    models = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = tiny("qwen3_moe").eval()
+        convert_to_quantized(model, ROWWISE, module_filter=only_experts)
+        for module in experts_of(model):
+            freeze_experts_for_serving(module)
+        models.append(model)
+    model, source = models[0], models[1].state_dict()
+    key = next(k for k in source if k.endswith("down_proj_step"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    steps = source[key].clone()
+    steps.view(-1)[0] = float("nan")
+    codes = source[key.replace("_step", "_fp8")].to(torch.float8_e5m2)
+    for bad, match in (
+        ({key: steps}, r"step\(s\) that are not finite"),
+        ({key.replace("_step", "_fp8"): codes}, "loads only at that dtype"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            model.load_state_dict({**source, **bad})
+        after = model.state_dict()
+        assert all(
+            torch.equal(
+                after[k].view(torch.uint8) if v.element_size() == 1 else after[k],
+                v.view(torch.uint8) if v.element_size() == 1 else v,
+            )
+            for k, v in before.items()
+        )
+    module = experts_of(model)[0]
+    module.load_state_dict(experts_of(models[1])[0].state_dict())  # a good one loads

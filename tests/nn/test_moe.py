@@ -788,3 +788,62 @@ def test_freezing_experts_is_refused_without_fp8_or_with_codes_that_do_not_fit()
     conv = next(c for c in experts_converters(donor) if c.weights(donor) is not None)
     with pytest.raises(ValueError, match="frozen for serving"):
         conv.convert(donor, None)
+
+
+def _frozen_moe(recipe: str, seed: int, dim: int = 64, hidden: int = 32) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(BF16, dim, hidden, E, K).eval()
+    moe.experts.fp8 = QuantizedExperts(Recipe.parse(recipe), Backend.REFERENCE)
+    moe.experts.freeze_for_serving()
+    return moe
+
+
+def _bits(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {
+        k: (v.view(torch.uint8) if v.element_size() == 1 else v).clone() for k, v in state.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    ["e4m3/tensor/dynamic/0", "e4m3/row/dynamic/0", "e4m3/block/dynamic/0", "e4m3/mx/dynamic/0"],
+)
+def test_frozen_experts_refuse_a_state_dict_of_bad_codes_or_steps_and_change_nothing(
+    recipe: str,
+) -> None:
+    source = _frozen_moe(recipe, 1).state_dict()
+    cases: dict[str, tuple[dict[str, torch.Tensor], str]] = {}
+    values = [float("nan"), float("inf"), 0.0, -1.0] + ([3.0] if "mx" in recipe else [])
+    for value in values:
+        steps = source["experts.down_step"].clone()
+        steps.view(-1)[0] = value
+        cases[f"step {value}"] = ({**source, "experts.down_step": steps}, r"step\(s\) that are not")
+    for dtype in (torch.float8_e5m2, torch.bfloat16):
+        codes = source["experts.down_fp8"].to(dtype)
+        cases[str(dtype)] = ({**source, "experts.down_fp8": codes}, "loads only at that dtype")
+    for dtype in (torch.float64, torch.bfloat16):
+        steps = source["experts.gate_up_step"].to(dtype)
+        cases[f"steps {dtype}"] = ({**source, "experts.gate_up_step": steps}, "at that dtype")
+    for moe in (_frozen_moe(recipe, 0), _frozen_moe(recipe, 0).experts):
+        before = _bits(moe.state_dict())
+        for what, (state, match) in cases.items():
+            if isinstance(moe, GroupedExperts):
+                state = {k.removeprefix("experts."): v for k, v in state.items() if "experts" in k}
+            with pytest.raises(ValueError, match=match):
+                moe.load_state_dict(state)
+            after = _bits(moe.state_dict())
+            assert all(torch.equal(after[k], v) for k, v in before.items()), what
+
+
+def test_frozen_experts_refuse_a_state_dict_frozen_under_another_layout_of_the_same_shapes() -> (
+    None
+):
+    # At K = 32 a row's steps (E, N, 1) have the shape of mx's (E, N, K/32): row+no_pow2's
+    # are not powers of two, which no MX step is.
+    row = _frozen_moe("e4m3/row+no_pow2/dynamic/0", 1, dim=32, hidden=32)
+    mx = _frozen_moe("e4m3/mx/dynamic/0", 0, dim=32, hidden=32)
+    before = _bits(mx.state_dict())
+    with pytest.raises(ValueError, match=r"'mx' step\(s\) that are not powers of two"):
+        mx.load_state_dict(row.state_dict())
+    after = _bits(mx.state_dict())
+    assert all(torch.equal(after[k], v) for k, v in before.items())

@@ -20,6 +20,7 @@ which hands the GEMM an ``mx`` weight's steps as E8M0 bytes again, exactly).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Final
 
 import torch
@@ -31,13 +32,14 @@ from computectx.formats.numerics.layouts import Granularity
 from computectx.formats.numerics.ledger import count
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.scaling.operand import record_statistics
-from computectx.formats.serving import ServingWeight, recipe_layout
+from computectx.formats.serving import ServingWeight, check_state_entries, recipe_layout
 from computectx.recipes import Recipe
 
 __all__ = [
     "FROZEN_BUFFERS",
     "adopt",
     "check_given",
+    "check_loaded",
     "dequantized",
     "quantize_weight",
     "serving_weight",
@@ -131,6 +133,27 @@ def check_given(
         given="freeze_for_serving was given",
     )
     return given
+
+
+def check_loaded(
+    entries: Mapping[str, object],
+    held: tuple[torch.Tensor, torch.Tensor],
+    policy: Recipe,
+    prefix: str,
+) -> None:
+    """``ValueError`` unless a frozen layer holding ``held`` (its codes and steps) under
+    ``policy`` can load the ``weight_fp8`` and ``weight_step`` among ``entries`` (local names;
+    ``prefix`` the layer's key prefix): exactly the held dtypes, each code finite, each step
+    finite and positive (a power of two under ``mx``) and each code times its step finite
+    (``serving.check_state_entries``). Checked before ``load_state_dict`` copies anything."""
+    codes, steps = (prefix + k for k in FROZEN_BUFFERS)
+    check_state_entries(
+        f"the frozen fp8 layer {prefix.rstrip('.') or '<root>'!r} under policy {str(policy)!r}",
+        ServingWeight(*held, weight_layout(policy)),
+        (codes, steps),
+        entries.get(FROZEN_BUFFERS[0]),
+        entries.get(FROZEN_BUFFERS[1]),
+    )
 
 
 def adopt(given: ServingWeight, plan: Fp8LinearPlan) -> tuple[torch.Tensor, torch.Tensor]:

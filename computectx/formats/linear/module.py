@@ -18,6 +18,7 @@ from computectx.formats.linear.frozen import (
     FROZEN_BUFFERS,
     adopt,
     check_given,
+    check_loaded,
     dequantized,
     quantize_weight,
     serving_weight,
@@ -395,6 +396,7 @@ class QuantizedLinear(nn.Linear):
         if self._frozen:
             held = {k: getattr(self, k) for k in FROZEN_BUFFERS}
             check_held_dtypes(entries, held, prefix)
+            check_loaded(entries, (self.weight_fp8, self.weight_step), self.policy, prefix)
         return plan_scaling_load(
             entries,
             names=self.scaling.tensor_names(),

@@ -30,6 +30,7 @@ weight (a ``ServingWeight`` of views) or ``None`` when ``name`` is not frozen.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -49,10 +50,11 @@ from computectx.formats.ops.grouped import (
     outside_autocast,
     quantize_experts,
 )
-from computectx.formats.serving import ServingWeight, recipe_layout
+from computectx.formats.serving import ServingWeight, check_state_entries, recipe_layout
 
 __all__ = [
     "FROZEN_SUFFIXES",
+    "check_frozen_load",
     "experts_serving_weight",
     "freeze_experts",
     "frozen_experts_mm",
@@ -156,6 +158,12 @@ def freeze_experts(
                     f"{who}.freeze_for_serving: the module already has an attribute {held!r}, "
                     f"where the frozen codes of {name!r} go. Nothing was changed"
                 )
+    own = getattr(type(module), CHECK_LOAD, None)
+    if own is not None:
+        raise ValueError(
+            f"{who}.freeze_for_serving: the module's class has a {CHECK_LOAD!r} of its own, "
+            f"where the check of frozen codes loaded into it goes. Nothing was changed"
+        )
     checked = None if given is None else _check_given(given, who, weights, experts)
     held_now = {n: held_experts(module, n, experts) for n in weights}
     new: dict[str, ServingWeight] = {}
@@ -172,6 +180,42 @@ def freeze_experts(
             module.register_parameter(name, None)
         module.register_buffer(name + FROZEN_SUFFIXES[0], sw.codes)
         module.register_buffer(name + FROZEN_SUFFIXES[1], sw.steps)
+    # The whole-load guard (``seam.guard_whole_loads``) runs a module's ``check_load`` on the
+    # state dict before anything loads: the frozen codes and steps are checked there.
+    vars(module)[CHECK_LOAD] = functools.partial(check_frozen_load, module, experts)
+
+
+CHECK_LOAD: Final = "check_load"
+"""The attribute ``freeze_experts`` sets on a frozen module: ``check_frozen_load`` bound to
+it, which the whole-load guard calls."""
+
+
+def check_frozen_load(
+    module: nn.Module, experts: QuantizedExperts, entries: Mapping[str, object], prefix: str
+) -> None:
+    """``ValueError`` unless every frozen expert weight's ``{name}_fp8`` and ``{name}_step``
+    among ``entries`` (a state dict's, by local name; ``prefix`` the module's key prefix) can
+    replace the held ones: codes exactly in the recipe's forward format and steps float32
+    (``load_state_dict``'s ``copy_`` would convert any other dtype), laid out as the module's
+    own layout, every code finite, every step finite and positive (a power of two under
+    ``mx``), every code times its step finite (``ServingWeight.check_fits``). All names are
+    checked before anything is copied, so a refused load changes nothing."""
+    who = f"the frozen {type(module).__name__} {prefix.rstrip('.') or '<root>'!r}"
+    for name in list(module._buffers):
+        if not name.endswith(FROZEN_SUFFIXES[0]):
+            continue
+        weight = name.removesuffix(FROZEN_SUFFIXES[0])
+        held = held_experts(module, weight, experts)
+        if held is None:
+            continue
+        codes, steps = (weight + s for s in FROZEN_SUFFIXES)
+        check_state_entries(
+            f"{who}'s expert weight {weight!r} under policy {str(experts.policy)!r}",
+            held,
+            (prefix + codes, prefix + steps),
+            entries.get(codes),
+            entries.get(steps),
+        )
 
 
 def frozen_experts_mm(

@@ -275,3 +275,17 @@ def test_serving_weight_is_what_the_layer_serves_with(name: str) -> None:
     assert torch.equal(live.steps, layer.weight_step)
     held = layer.serving_weight()
     assert held.codes is layer.weight_fp8 and held.steps is layer.weight_step
+
+
+@pytest.mark.parametrize("name", EVERY)
+def test_a_frozen_state_dict_with_bad_steps_is_refused_and_nothing_loads(name: str) -> None:
+    state = layer_of(name, seed=1).freeze_for_serving().state_dict()
+    other = layer_of(name).freeze_for_serving()
+    before = snapshot(other)
+    bad = [float("nan"), float("inf"), 0.0, -1.0] + ([3.0] if name == "mx" else [])
+    for value in bad:
+        steps = state["weight_step"].clone()
+        steps.view(-1)[0] = value
+        with pytest.raises(ValueError, match=r"step\(s\) that are not .*Nothing was changed"):
+            other.load_state_dict({**state, "weight_step": steps})
+        assert unchanged(other, before)
