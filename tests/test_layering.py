@@ -574,7 +574,7 @@ OPERATOR_FAMILY_OPS = {
         "wgrad_float32",
     },
     "formats/ops/blockwise.py": {"fp8_quantize_blocks", "fp8_block_scaled_mm"},
-    "formats/ops/grouped.py": {"fp8_grouped_mm", "fp8_grouped_wgrad"},
+    "formats/ops/grouped.py": {"fp8_grouped_mm", "fp8_held_grouped_mm", "fp8_grouped_wgrad"},
     "formats/ops/attention.py": {"fp8_decode_attention"},
 }
 

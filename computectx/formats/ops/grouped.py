@@ -5,6 +5,7 @@ differentiable entry point.
 operator                                semantics
 ======================================  =========================================================
 ``quantized_grouped_mm``                      each row group times its own matrix, in fp8
+``fp8_held_grouped_mm``                 the same, the matrices held as codes (frozen experts)
 ``fp8_grouped_wgrad``                   each group's ``dYᵀ X`` over its own rows, in fp8
 ======================================  =========================================================
 
@@ -32,7 +33,7 @@ write ``x``'s dtype (bf16/fp16 rounded once from the float32 sum; float32 otherw
 is float32 until it reaches ``w``'s dtype.
 
 ``grouped_mm_op`` quantizes the experts (``quantize_experts``), then ``held_grouped_mm`` the
-rows, and multiplies: frozen experts (``ops.grouped_frozen``) call that half with their codes.
+rows and multiplies: frozen experts' codes take that half as an operator, ``held_grouped_mm_op``.
 
 ``check_grouped`` is what the entry point checks before anything runs (no data is read);
 ``checked_bounds`` reads ``offs``' values inside the operators, so a compiled call checks
@@ -72,6 +73,7 @@ from computectx.formats.numerics.layouts import (
 )
 from computectx.formats.ops import grouped_wgrad
 from computectx.formats.ops.blockwise import quantize_blocks
+from computectx.formats.ops.grouped_wgrad import GemmHow
 from computectx.formats.policy import describe
 from computectx.recipes import Recipe
 
@@ -85,6 +87,7 @@ __all__ = [
     "grouped_operands",
     "grouped_wgrad_op",
     "held_grouped_mm",
+    "held_grouped_mm_op",
     "outside_autocast",
     "quantize_experts",
     "quantized_grouped_mm",
@@ -205,10 +208,6 @@ def _cublas_rows(chosen: Backend, ga: Granularity, a: torch.Tensor, out: torch.d
     return chosen is Backend.CUBLAS and ga == "row" and a.is_cuda and out == torch.bfloat16
 
 
-GemmHow = tuple[Granularity, Granularity, Fp8Format, StepRule, int, torch.dtype, Backend]
-"""The granularities, ``a``'s format, step rule, margin, output dtype, backend of a GEMM."""
-
-
 def held_grouped_mm(
     a: torch.Tensor,
     qb: torch.Tensor,
@@ -231,31 +230,36 @@ def held_grouped_mm(
         return grouped.reference_held_grouped_mm(
             a, qb, sb, bounds, ga, gb, fa, r, margin, out_dtype
         )
-    if ga == "mx" and a.shape[1] < MX_BLOCK:  # the pad above, of held codes (+0 is byte 0)
-        pad = (0, MX_BLOCK - a.shape[1])
-        a = torch.nn.functional.pad(a, pad)
-        qb = torch.nn.functional.pad(qb.view(torch.uint8), pad).view(qb.dtype)
-    if ga == "tensor":
-        qa = torch.empty_like(a, dtype=fa.torch)
-        sa = torch.ones(qb.shape[0], dtype=torch.float32, device=a.device)
-        for g, (start, end) in enumerate(bounds):
-            if end > start:
-                qa[start:end], sa[g : g + 1] = grouped.quantize_operand(
-                    a[start:end], fa, ga, r, margin
-                )
-    else:
-        qa, sa = quantize_blocks(a, fa, ga, r, None, backend=chosen)
-    from computectx.kernels import grouped_mm as kernel
+    return grouped_wgrad.kernel_held_mm(a, qb, sb, offs, how, bounds)
 
-    return kernel.grouped_scaled_mm(
-        a=qa, sa=sa, b=qb, sb=sb, offs=offs, granularity_a=ga, granularity_b=gb,
-        out_dtype=out_dtype,
-    )  # fmt: skip
+
+@custom_op("computectx::fp8_held_grouped_mm", mutates_args=())
+def held_grouped_mm_op(
+    a: torch.Tensor,
+    qb: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    granularity_a: str,
+    granularity_b: str,
+    fp8_a: torch.dtype,
+    rule: str,
+    margin: int,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``held_grouped_mm`` as an operator (frozen experts' GEMM): ``offs`` is read inside
+    (``checked_bounds``), so a compiled call guards on none of its values, as with
+    ``fp8_grouped_mm``, and only ``a``'s quantize and the GEMM run in the operator."""
+    bounds = checked_bounds(offs, a.shape[0])
+    fa, r, chosen = Fp8Format.parse(fp8_a), _rule(rule), parse_backend(backend)
+    how = (_g(granularity_a), _g(granularity_b), fa, r, margin, out_dtype, chosen)
+    return held_grouped_mm(a, qb, sb, offs, how, bounds)
 
 
 @grouped_mm_op.register_fake
+@held_grouped_mm_op.register_fake
 def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, *rest: object) -> torch.Tensor:
-    # The output is (M, N) at out_dtype, the last but one argument.
+    # The output is (M, N) at out_dtype, the last but one argument of both operators.
     out_dtype: Any = rest[-2]
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 

@@ -17,12 +17,14 @@ under its step rule), so a frozen module's output is the unfrozen one's bit for 
 layout and the forward format) and copied bit for bit; a refused call changes nothing.
 
 ``frozen_experts_mm(experts, x, held, offs)`` is then the grouped GEMM: only ``x``'s rows
-are quantized (``ops.grouped.held_grouped_mm``, the GEMM half of ``computectx::fp8_grouped_mm``)
-and the held codes are multiplied as they are. Its input gradient uses the codes too where the
-layout transposes (``tensor``: one step per expert; ``128x128``: each block's codes and step
-transposed), so it is the unfrozen module's bit for bit; ``row`` and ``mx`` quantize ``Wᵀ``
-along ``N``, which their blocks do not transpose into: from the codes times their steps in
-float32, as the frozen row linear does. Nothing is recorded and there is no weight gradient.
+are quantized (``ops.grouped.held_grouped_mm_op``, ``computectx::fp8_held_grouped_mm``: the
+GEMM half of ``computectx::fp8_grouped_mm``, an operator that reads ``offs`` inside, so a
+compiled call guards on none of its values) and the held codes are multiplied as they are.
+Its input gradient uses the codes too where the layout transposes (``tensor``: one step per
+expert; ``128x128``: each block's codes and step transposed), so it is the unfrozen module's
+bit for bit; ``row`` and ``mx`` quantize ``Wᵀ`` along ``N``, which their blocks do not
+transpose into: from the codes times their steps in float32, as the frozen row linear does.
+Nothing is recorded and there is no weight gradient.
 
 A framework's experts forward chooses: ``held_experts(module, name, experts)`` is the held
 weight (a ``ServingWeight`` of views) or ``None`` when ``name`` is not frozen.
@@ -45,8 +47,7 @@ from computectx.formats.ops.grouped import (
     GroupedPlan,
     QuantizedExperts,
     check_grouped,
-    checked_bounds,
-    held_grouped_mm,
+    held_grouped_mm_op,
     outside_autocast,
     quantize_experts,
 )
@@ -245,12 +246,12 @@ def _held_gemm(
     plan: GroupedPlan,
     backend: Backend,
 ) -> torch.Tensor:
-    # ``ops.grouped.held_grouped_mm``, called as it is: no operator of its own, as the
-    # experts' routing breaks a compiled graph anyway (and offs are read on the host here).
+    # The operator: offs are read inside it, as fp8_grouped_mm reads them (a compiled call
+    # keeps them data, never a guard), and a's quantize, E8M0 bytes included, stays out of
+    # what Inductor generates code for.
     out = a.dtype if a.dtype in (torch.bfloat16, torch.float16) else torch.float32
-    fmt = Fp8Format.parse(fmt_a)
-    how = (plan.act, plan.weight, fmt, plan.rule, plan.margin, out, backend)
-    y = held_grouped_mm(a, qb, sb, offs, how, checked_bounds(offs, a.shape[0]))
+    args = (plan.act, plan.weight, fmt_a, plan.rule, plan.margin, out, backend.value)
+    y: torch.Tensor = held_grouped_mm_op(a, qb, sb, offs, *args)
     return y if y.dtype == a.dtype else y.to(a.dtype)
 
 

@@ -1,11 +1,12 @@
-"""The grouped weight gradient's kernel half: ``dY`` and ``X`` quantized in group-local
-blocks along the rows, then one launch of ``computectx.kernels.grouped_wgrad``.
+"""The grouped GEMMs' kernel halves: the operands quantized as the float32 twin
+(``numerics.grouped``) quantizes them, then one launch of a grouped kernel.
 
-``ops.grouped``'s ``grouped_wgrad_op`` (``computectx::fp8_grouped_wgrad``) checks ``offs`` and
-runs the float32 twin (``numerics.grouped.reference_grouped_wgrad``) where the kernels do not
-run; elsewhere it calls ``kernel_wgrad``. The contraction of ``dW[g] = dY[rows of g]ᵀ ·
-X[rows of g]`` runs over the group's own rows, so each operand's blocks start at its group's
-first row (``group_blocks``), quantized as the twin quantizes them.
+``ops.grouped``'s operators check ``offs`` and run the twin where the kernels do not run;
+elsewhere they call these. ``kernel_held_mm``: ``held_grouped_mm``'s rows of ``a`` quantized
+(the experts came quantized), then ``computectx.kernels.grouped_mm``. ``kernel_wgrad``
+(``computectx::fp8_grouped_wgrad``): ``dW[g] = dY[rows of g]ᵀ · X[rows of g]`` contracts over
+the group's own rows, so each operand's blocks start at its group's first row
+(``group_blocks``), then ``computectx.kernels.grouped_wgrad``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,44 @@ from computectx.formats.numerics import grouped
 from computectx.formats.numerics.layouts import MX_BLOCK, Granularity, StepRule
 from computectx.formats.ops.blockwise import quantize_blocks
 
-__all__ = ["group_blocks", "kernel_wgrad"]
+__all__ = ["GemmHow", "group_blocks", "kernel_held_mm", "kernel_wgrad"]
+
+GemmHow = tuple[Granularity, Granularity, Fp8Format, StepRule, int, torch.dtype, Backend]
+"""The granularities, ``a``'s format, step rule, margin, output dtype, backend of a GEMM."""
+
+
+def kernel_held_mm(
+    a: torch.Tensor,
+    qb: torch.Tensor,
+    sb: torch.Tensor,
+    offs: torch.Tensor,
+    how: GemmHow,
+    bounds: list[tuple[int, int]],
+) -> torch.Tensor:
+    """``[M, N]``: ``ops.grouped.held_grouped_mm`` by the grouped GEMM kernel (``bounds``:
+    ``offs``' checked); an ``mx`` contraction under one block is zero-padded to one, as
+    ``fp8_grouped_mm`` pads it, the held codes with it (+0 is byte 0)."""
+    ga, gb, fa, r, margin, out_dtype, chosen = how
+    if ga == "mx" and a.shape[1] < MX_BLOCK:
+        pad = (0, MX_BLOCK - a.shape[1])
+        a = torch.nn.functional.pad(a, pad)
+        qb = torch.nn.functional.pad(qb.view(torch.uint8), pad).view(qb.dtype)
+    if ga == "tensor":
+        qa = torch.empty_like(a, dtype=fa.torch)
+        sa = torch.ones(qb.shape[0], dtype=torch.float32, device=a.device)
+        for g, (start, end) in enumerate(bounds):
+            if end > start:
+                qa[start:end], sa[g : g + 1] = grouped.quantize_operand(
+                    a[start:end], fa, ga, r, margin
+                )
+    else:
+        qa, sa = quantize_blocks(a, fa, ga, r, None, backend=chosen)
+    from computectx.kernels import grouped_mm as kernel
+
+    return kernel.grouped_scaled_mm(
+        a=qa, sa=sa, b=qb, sb=sb, offs=offs, granularity_a=ga, granularity_b=gb,
+        out_dtype=out_dtype,
+    )  # fmt: skip
 
 
 def kernel_wgrad(

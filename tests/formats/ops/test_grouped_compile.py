@@ -16,6 +16,12 @@ and backward graphs, without code generation), except one Inductor test, whose g
 two operators (extern calls), a scaling and a cast: 4-9 s on a loaded 2-core machine when
 Inductor has already compiled something in the process, about 25 s in a fresh one (as the
 other Inductor tests of tests/formats/test_compile.py).
+
+Frozen experts (``ops.grouped_frozen.frozen_experts_mm``) multiply their held codes through
+``computectx::fp8_held_grouped_mm``: it passes ``opcheck``, compiles whole with ``offs`` as
+data (no guard on its values, no recompile as the groups change: adv35 F5), and Inductor
+compiles MX codes (their E8M0 scales cross the operator, none is generated code: adv35 F4),
+outputs and input gradients the eager ones bit for bit.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ import pytest
 import torch
 import torch._dynamo.testing
 
-from computectx.formats import Recipe, quantized_grouped_mm
+from computectx.formats import Backend, QuantizedExperts, Recipe, quantized_grouped_mm
+from computectx.formats.ops.grouped_frozen import experts_serving_weight, frozen_experts_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 E, K, N = 4, 64, 48
@@ -77,8 +84,25 @@ def test_opcheck_passes_for_both_grouped_operators_on_the_reference_backend() ->
     assert torch.equal(out[1], torch.zeros(N, K))  # the empty group's expert
 
 
+def test_opcheck_passes_for_the_held_grouped_operator() -> None:
+    # Frozen experts' GEMM: fp8 codes and E8M0 scales cross it (torch's schema check does
+    # not run on fp8 tensors, as for fp8_block_scaled_mm).
+    gen = torch.Generator().manual_seed(4)
+    offs = offsets([5, 0, 13, 3])
+    x = torch.randn(24, K, generator=gen).bfloat16()
+    w = torch.randn(E, N, K, generator=gen).bfloat16()
+    op, checks = torch.ops.computectx.fp8_held_grouped_mm, ("test_faketensor",)
+    for g, rule in (("tensor", "amax"), ("mx", "mx_floor")):
+        held = experts_serving_weight(
+            w, QuantizedExperts(Recipe.parse(f"e4m3/{g}/dynamic/0"), Backend.REFERENCE)
+        )
+        sb = held.steps.reshape(-1) if g == "tensor" else held.steps.to(torch.float8_e8m0fnu)
+        args = (x, held.codes, sb, offs, g, g, E4M3, rule, 0, torch.bfloat16, "reference")
+        torch.library.opcheck(op, args, test_utils=checks)
+
+
 def test_the_grouped_operators_mutate_nothing() -> None:
-    for name in ("fp8_grouped_mm", "fp8_grouped_wgrad"):
+    for name in ("fp8_grouped_mm", "fp8_held_grouped_mm", "fp8_grouped_wgrad"):
         schema = getattr(torch.ops.computectx, name).default._schema
         assert not any(a.alias_info is not None for a in schema.arguments), name
 
@@ -185,3 +209,64 @@ def test_inductor_compiles_forward_and_backward_bit_for_bit() -> None:
         dy = torch.randn(40, N, generator=gen).bfloat16()
         offs = offsets(sizes)
         assert_equal(step(compiled, x, w, offs, dy), step(f, x, w, offs, dy), sizes)
+
+
+# ----- frozen experts (adv35 F4, F5) ------------------------------------------------------------
+
+
+def frozen(text: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``f(x, w, offs)``: ``frozen_experts_mm`` of ``x`` by ``w`` frozen under ``text``
+    (the codes made once, outside the compiled function)."""
+    experts = QuantizedExperts(Recipe.parse(text), Backend.REFERENCE)
+    w = (torch.randn(E, N, K, generator=torch.Generator().manual_seed(5)) / 8).bfloat16()
+    held = experts_serving_weight(w, experts)
+
+    def f(x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        return frozen_experts_mm(experts, x, held, offs) * 2
+
+    return f
+
+
+def assert_x_step_equal(
+    got: Callable[..., torch.Tensor],
+    want: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    offs: torch.Tensor,
+) -> None:
+    """``got``'s output and input gradient (for an all-ones output gradient) are ``want``'s."""
+    for name, g, e in zip(("y", "dx"), _x_step(got, x, offs), _x_step(want, x, offs), strict=True):
+        assert g.dtype == e.dtype and torch.equal(g, e), (offs.tolist(), name)
+
+
+def _x_step(
+    f: Callable[..., torch.Tensor], x: torch.Tensor, offs: torch.Tensor
+) -> list[torch.Tensor]:
+    xg = x.clone().requires_grad_()
+    y = f(xg, offs)
+    y.backward(torch.ones_like(y))  # type: ignore[no-untyped-call]
+    assert xg.grad is not None
+    return [y.detach(), xg.grad]
+
+
+def test_frozen_experts_compile_whole_and_do_not_recompile_as_the_groups_change() -> None:
+    # F5: offs' values were read by the frozen GEMM's Python (a guard on u0 < 0 under
+    # fullgraph); the operator reads them now, as the unfrozen GEMM's does.
+    f = frozen("e4m3/row/dynamic/0")
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, backend=counter)
+    gen = torch.Generator().manual_seed(6)
+    for sizes in GROUP_SIZES[:4]:
+        x, offs = torch.randn(40, K, generator=gen).bfloat16(), offsets(sizes)
+        assert_x_step_equal(compiled, f, x, offs)
+    assert counter.frame_count == 1, counter.frame_count
+
+
+def test_inductor_compiles_frozen_mx_experts_bit_for_bit() -> None:
+    # F4: the activations' E8M0 scales were generated code (float8_e8m0fnu has no C++ type
+    # in Inductor's CPU backend); they stay inside the operator now.
+    f = frozen("e4m3/mx/dynamic/0")
+    compiled = torch.compile(f)  # as reported: fullgraph=False, so F5's break did not hide it
+    gen = torch.Generator().manual_seed(7)
+    for sizes in ([9, 0, 22, 9], [1, 30, 0, 5]):
+        x, offs = torch.randn(40, K, generator=gen).bfloat16(), offsets(sizes)
+        assert_x_step_equal(compiled, f, x, offs)
