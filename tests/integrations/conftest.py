@@ -82,3 +82,22 @@ def torchrun_once(
             torchrun(worker, nproc, out, *args)
             done.touch()
     return _ranks(out, nproc)
+
+
+# The tiny transformers models of the checkpoint tests (test_hf_checkpoint*.py): their config's
+# common part, and each recipe those tests convert under.
+HF_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 64,
+}
+HF_RECIPES = {
+    "tensor": "e4m3/dynamic/0",
+    "row": "e4m3/row/dynamic/0",
+    "block": "e4m3/block/dynamic/0",
+    "mx": "e4m3/mx/dynamic/0",
+}

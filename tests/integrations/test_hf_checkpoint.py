@@ -44,21 +44,9 @@ from computectx import ComputeCtx
 from computectx.formats import Recipe, ServingWeight, convert_to_quantized, serving_weights
 from computectx.integrations.hf_checkpoint import export_pretrained
 
-COMMON: dict[str, Any] = {
-    "vocab_size": 512,
-    "hidden_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "max_position_embeddings": 64,
-}
-RECIPES = {
-    "tensor": "e4m3/dynamic/0",
-    "row": "e4m3/row/dynamic/0",
-    "block": "e4m3/block/dynamic/0",
-    "mx": "e4m3/mx/dynamic/0",
-}
+from .conftest import HF_COMMON, HF_RECIPES
+
+COMMON, RECIPES = HF_COMMON, HF_RECIPES
 IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))
 
 
