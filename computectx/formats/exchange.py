@@ -57,6 +57,7 @@ from computectx.formats.ops.grouped_frozen import (
     freeze_experts,
     held_experts,
 )
+from computectx.formats.scaling.load import guard_whole_loads
 from computectx.formats.serving import ServingWeight, recipe_layout
 from computectx.recipes import Recipe
 
@@ -236,6 +237,9 @@ class _Target:
             at, name = self.experts
             assert self.held is not None
             freeze_experts(at.module, at.settings, {name: self.held}, {name: given})
+            # Its load_state_dict then checks held codes and steps before any load, as the
+            # experts' own freeze_for_serving makes it do.
+            guard_whole_loads(at.module)
             return
         if mode == "serve":
             assert linear is not None

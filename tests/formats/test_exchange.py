@@ -289,3 +289,12 @@ def test_a_serve_load_freezes_experts_with_the_given_codes(granularity: str) -> 
         load_serving_weights(served, given, mode="train")
     load_serving_weights(served, serving_weights(experts_model(ctx, 2)), mode="serve")
     assert not torch.equal(experts(x, offs), want)  # into frozen experts: the new codes
+    # Frozen by the load, the experts refuse a state dict of bad steps before any load, as
+    # when frozen by their own freeze_for_serving (they were left unguarded).
+    bad = {k: v.clone() for k, v in experts.state_dict().items()}
+    bad["down_step"].view(-1)[0] = -1.0
+    before = {k: v.clone() for k, v in experts.state_dict().items()}
+    with pytest.raises(ValueError, match="not finite and positive"):
+        experts.load_state_dict(bad)
+    for k, v in experts.state_dict().items():
+        assert torch.equal(v.view(torch.uint8), before[k].view(torch.uint8)), k

@@ -40,6 +40,7 @@ from transformers import (
 )
 
 import computectx.formats.numerics.grouped as numerics_grouped
+import computectx.integrations.hf_checkpoint.export as hf_export
 from computectx import ComputeCtx
 from computectx.formats import Recipe, ServingWeight, convert_to_quantized, serving_weights
 from computectx.integrations.hf_checkpoint import export_pretrained
@@ -224,7 +225,7 @@ def test_moe_experts_go_to_disk_per_expert(
                 assert torch.equal(q.view(torch.uint8), fused.codes[e].view(torch.uint8))
                 assert torch.equal(s, fused.steps[e])
                 matched += 1
-    assert matched >= 1
+    assert matched == 4  # every expert's gate_up, once
 
 
 def test_refusals_name_the_recipe_and_the_formats(
@@ -316,3 +317,17 @@ def test_experts_split_inside_a_block_are_refused_before_writing(tmp_path: Path)
     with pytest.raises(ValueError, match=r"up_proj\.weight: .* inside a 128x128 block"):
         export_pretrained(model, tmp_path / "moe", format="fine-grained-fp8")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_per_tensor_step_of_fused_experts_on_disk_keeps_one_step_per_expert() -> None:
+    # An on-disk weight that stays [E, N, K] (experts a model stores fused) under a per-tensor
+    # recipe: the fine-grained scale repeats each expert's own step over its blocks (it took
+    # expert 0's for all and dropped the expert dimension).
+    codes = torch.zeros(3, 256, 384, dtype=torch.float8_e4m3fn)
+    steps = torch.tensor([[0.5], [0.25], [2.0]])
+    rows = steps.reshape(3, 1, 1).expand(3, 256, 1)
+    scale = hf_export._scale("w", codes, rows, "tensor", "fine-grained-fp8")
+    assert scale.shape == (3, 2, 3)
+    assert torch.equal(scale, steps.reshape(3, 1, 1).expand(3, 2, 3))
+    one = hf_export._scale("w", codes[0], rows[0], "tensor", "fine-grained-fp8")
+    assert one.shape == (2, 3) and bool((one == 0.5).all())

@@ -177,7 +177,8 @@ def _scale(
     if layout == "tensor" and fmt == "fine-grained-fp8":
         n, k = codes.shape[-2:]
         grid = (math.ceil(n / BLOCK), math.ceil(k / BLOCK))
-        return steps.reshape(-1)[:1].expand(grid).contiguous()
+        lead = steps.shape[:-1]  # experts stored fused on disk keep one step each
+        return steps.reshape(*lead, 1, 1).expand(*lead, *grid).contiguous()
     return steps.clone()  # a tensor of its own: safetensors refuses tensors sharing memory
 
 

@@ -94,8 +94,8 @@ def import_pretrained(
     recipes = serving_recipes(model)
     check_scheme(recipes, scheme)
     tensors = _read_tensors(folder)
-    write_extra = _extra_tensors(model, tensors, config)
-    _, rows = _split(tensors, scheme)
+    _check_kv_scales(model, tensors, config)
+    rows = _split(tensors, scheme)
     converted = _converted(model, tensors)  # the codes in place of their weights
     fused_rows = _converted(model, rows)
     weights = {
@@ -109,7 +109,6 @@ def import_pretrained(
     with torch.no_grad():
         for name, tensor in converted.items():
             state[name].copy_(tensor)
-    write_extra()
     return model
 
 
@@ -167,25 +166,20 @@ def _read_tensors(
     return out
 
 
-def _extra_tensors(
+def _check_kv_scales(
     model: nn.Module, tensors: dict[str, torch.Tensor], config: Mapping[str, Any]
-) -> Callable[[], None]:
-    """The one place for tensors beside the weights and their scales: takes them out of
-    ``tensors``, checks them against ``model`` and ``config`` (config.json), and returns what
-    writes them once everything is checked (a refusal here comes before anything is
-    written). KV-cache scales (``*.k_scale``, ``*.v_scale``): checked by ``kv.read_kv_scales``
-    (a model holds no KV policy to write them into: the caller reads the ``KvCalibration``
-    with ``read_kv_scales`` and serves with it, ``CtxStaticCache(kv_amax=...)``)."""
+) -> None:
+    """Takes the KV-cache scales (``*.k_scale``, ``*.v_scale``) out of ``tensors`` and checks
+    them against ``model`` and ``config`` (``kv.read_kv_scales``; a refusal comes before
+    anything is written). A model holds no KV policy to write them into: the caller reads the
+    ``KvCalibration`` with ``import_kv_calibration`` and serves the cache with it."""
     kv = {n: tensors.pop(n) for n in [n for n in tensors if n.endswith(_KV_SUFFIXES)]}
     read_kv_scales(kv, config, model)
-    return lambda: None
 
 
-def _split(
-    tensors: dict[str, torch.Tensor], scheme: CheckpointScheme
-) -> tuple[set[str], dict[str, torch.Tensor]]:
-    """Takes the scales out of ``tensors``; returns the on-disk names of the weights they
-    scale and those weights' steps with one row per code row (by the same names)."""
+def _split(tensors: dict[str, torch.Tensor], scheme: CheckpointScheme) -> dict[str, torch.Tensor]:
+    """Takes the scales out of ``tensors``; returns the steps of the weights they scale, one
+    row per code row, by the weights' on-disk names."""
     suffix = scheme.suffix
     scaled = {n.removesuffix(suffix) for n in tensors if n.endswith("weight" + suffix)}
     orphans = sorted(n + suffix for n in scaled if n not in tensors)
@@ -194,7 +188,7 @@ def _split(
     rows = {
         n: steps_of_scale(n, tensors[n], tensors.pop(n + suffix), scheme.layout) for n in scaled
     }
-    return scaled, rows
+    return rows
 
 
 def _serving_weight(
