@@ -17,7 +17,10 @@ class _SlowWait:
     def __init__(self, store: Any, delay: float) -> None:
         self._store, self._delay = store, delay
 
+    waited = False
+
     def wait(self, keys: list[str], timeout: Any) -> None:
+        self.waited = True  # this rank was not the last to come: it reads the verdict
         time.sleep(self._delay)
         self._store.wait(keys, timeout)
 
@@ -32,9 +35,10 @@ def last_join_then_exit(params: dict[str, Any]) -> dict[str, Any]:
     pg = dist.group.WORLD
     assert pg is not None
     j = group_module._join_of(pg)
+    slow = _SlowWait(j.store, params["delay"])
     if dist.get_rank() == 1:
-        j.store = _SlowWait(j.store, params["delay"])  # type: ignore[assignment]
+        j.store = slow  # type: ignore[assignment]
     else:
-        time.sleep(params["delay"] / 4)  # rank 1 counts itself in first
+        time.sleep(params["delay"])  # rank 1 counts itself in first
     group_module.join(pg, "the last step")
-    return {"gen": j.gen}
+    return {"gen": j.gen, "slow_read": slow.waited}

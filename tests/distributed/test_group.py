@@ -46,3 +46,4 @@ def test_the_rank_holding_the_store_waits_until_every_rank_read_the_verdict(
     # met a closed store ("Connection reset by peer") before rank 0 waited for its read.
     results = run_ranks("scenarios_group.py:last_join_then_exit", limit_s=60.0, delay=1.5)
     assert [r["gen"] for r in results] == [1, 1]
+    assert [r["slow_read"] for r in results] == [False, True]  # rank 1 did read slowly

@@ -414,6 +414,14 @@ class InnerWrapper(torch.optim.Optimizer):
         # plain torch checkpoint) are picked for again.
         self._picked = []
         self._pick(self.param_groups)
+        # torch moves a loaded ``step`` to its parameter's device only for groups already fused
+        # when they load; a group picked fused just now gets it moved the same way.
+        for group in self._picked:
+            if group.get("fused"):
+                for p in group["params"]:
+                    step = self.state.get(p, {}).get("step")
+                    if isinstance(step, torch.Tensor) and step.device != p.device:
+                        self.state[p]["step"] = step.to(device=p.device, dtype=torch.float32)
         # The conversion warning points at the caller of the subclass's load_state_dict.
         plan.finish(self.state, stacklevel=4)
         if stepper is not None:
