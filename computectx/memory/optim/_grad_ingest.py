@@ -138,8 +138,14 @@ class GradIngest:
 
 
 def add_grad(master: torch.Tensor, g: torch.Tensor) -> None:
-    """Add ``g`` to ``master.grad`` (set it when there is none), at the master's dtype."""
-    g = g.to(device=master.device, dtype=master.dtype)
+    """Add ``g`` to ``master.grad`` (set it when there is none), at the master's dtype and in
+    the master's layout: a weight whose layout changed after the optimizer was built (a
+    ``channels_last`` move, ``param.data = t`` of other strides) has gradients of its new
+    strides, which torch's fused kernels would read as the master's."""
+    if g.layout != torch.strided or g.stride() == master.stride():  # sparse: as it is
+        g = g.to(device=master.device, dtype=master.dtype)
+    else:
+        g = torch.empty_like(master).copy_(g)
     if master.grad is None:
         master.grad = g
     else:

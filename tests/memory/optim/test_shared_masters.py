@@ -118,3 +118,37 @@ def test_masters_are_copies_where_the_model_is_not_what_they_would_be(case: str)
     opt.step()
     for p, m in zip(opt.compute_params, opt.master_params, strict=True):
         assert torch.equal(p, m.to(p.dtype))
+
+
+def test_a_gradient_of_other_strides_reaches_the_master_in_its_layout() -> None:
+    # A weight moved to channels_last (or given `.data` of other strides) after the optimizer
+    # was built has gradients of its new strides; handed to torch's fused kernel with the
+    # master's contiguous strides they were read element by element in the wrong places
+    # (0.06 from torch's own AdamW after 3 steps). Now only the backward's own rounding of the
+    # other layout remains (below 1e-6 here).
+    from computectx.memory.optim._grad_ingest import add_grad
+
+    master = torch.zeros(6, 4)
+    g = torch.arange(24.0).reshape(4, 6).t()  # values [6, 4], transposed strides
+    add_grad(master, g)
+    assert master.grad is not None and master.grad.stride() == master.stride()
+    assert torch.equal(master.grad, g)
+
+    ctx = ComputeCtx.new(DType.F32, "cpu").replace(master=DType.F32, offload=torch.device("cpu"))
+
+    def conv() -> torch.nn.Conv2d:
+        torch.manual_seed(0)
+        return torch.nn.Conv2d(4, 8, 3)
+
+    model, ref = conv(), conv()
+    opt = OffloadedOptimizer(model.parameters(), ctx, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    model.weight.data = model.weight.data.contiguous(memory_format=torch.channels_last)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(2, 4, 10, 10, generator=gen)
+        for m, o in ((model, opt), (ref, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert (model.weight - ref.weight).abs().max() < 1e-6
