@@ -219,6 +219,7 @@ class InnerWrapper(torch.optim.Optimizer):
                 check_fits(type(inner), options, self._weights.ctx.optim_state, self._who)
             inner.add_param_group(group)
         self._weights.add(compute, stepped)
+        self._health.watch(compute)
         self._pick([self._built().param_groups[-1]])
         if inner is not None:
             self._ensure_stepper()
@@ -289,6 +290,7 @@ class InnerWrapper(torch.optim.Optimizer):
         self._before_update()
         self._update()
         self._after_update()
+        self._health.stepped()
         self.last_step_skipped = False
         return loss
 
@@ -324,7 +326,7 @@ class InnerWrapper(torch.optim.Optimizer):
         self.last_step_skipped = True
         for w in self._weights.master:
             w.grad = None
-        self._health.forget()
+        self._health.stepped()
         warnings.warn(
             f"{self._who}.step() skipped the update: the gradients hold inf or NaN values, or "
             f"finite values of magnitude >= 2**64 (~1.8e19) whose square overflows float32, "

@@ -116,10 +116,10 @@ class OffloadedOptimizer(InnerWrapper):
     ) -> None:
         self._check_args(ctx, optimizer_class, seed, compile)
         weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
-        self._ingest = GradIngest(weights)
         super().__init__(
             params_or_groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
         )
+        self._ingest = GradIngest(weights, self._health)
 
     @classmethod
     def _refuse(cls, optimizer_class: type[torch.optim.Optimizer]) -> None:
@@ -178,12 +178,12 @@ class OffloadedOptimizer(InnerWrapper):
         ``transfer``) are all issued before any is waited on.
         """
         if accumulator is not None and self._ingest.from_accumulator(accumulator):
-            self._health.forget()
+            self._health.changed()
         self._take_param_grads()
 
     def _take_param_grads(self) -> None:
         if self._ingest.from_param_grads():
-            self._health.forget()
+            self._health.changed()
 
     def _gather(self) -> None:
         """Ingest the gradients left in ``param.grad`` (``clip_grad_norm`` and ``step``)."""
