@@ -6,6 +6,7 @@ backward (post-accumulate-grad hooks), reused by the step only for a gradient un
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ class Reads:
         return n
 
 
-OPTIMIZERS = {
+OPTIMIZERS: dict[str, Callable[[torch.nn.Module], OffloadedOptimizer | CompactOptimizer]] = {
     "offloaded": lambda m: OffloadedOptimizer(m.parameters(), CTX),
     "compact": lambda m: CompactOptimizer(m.parameters(), CTX),
 }
