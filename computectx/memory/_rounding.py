@@ -23,7 +23,10 @@ __all__ = [
     "AccumMode",
     "RoundingGenerators",
     "check_seed",
+    "draw_key",
+    "keyed_bits",
     "stochastic_round",
+    "stochastic_round_keyed",
     "subnormal_spacing",
     "unit_roundoff",
 ]
@@ -89,6 +92,63 @@ def _stochastic_round_generic(
     gap = (other.float() - near32).abs()
     p = (x32 - near32).abs() / gap
     draw = torch.rand(x32.shape, device=x32.device, generator=gen)
+    pick = torch.isfinite(x32) & torch.isfinite(p) & (draw < p)
+    return torch.where(pick, other, near)
+
+
+# ----- counter-based stochastic rounding (the optimizer's write-back) ----------------------
+
+_GOLDEN, _MIX1, _MIX2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
+def _i64(value: int) -> int:
+    return (value + 2**63) % 2**64 - 2**63
+
+
+def draw_key(gen: torch.Generator) -> torch.Tensor:
+    """One 64-bit key (an int64 scalar on ``gen``'s device) drawn from ``gen``: a step's
+    stochastic rounding of one tensor derives all of its random bits from it (``keyed_bits``),
+    so the generator advances by one draw per tensor and its state is the checkpoint."""
+    return torch.randint(
+        -(2**63), 2**63 - 1, (), dtype=torch.int64, device=gen.device, generator=gen
+    )
+
+
+def _shift(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """``z >> bits`` as an unsigned 64-bit shift (torch's ``>>`` on int64 keeps the sign)."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def keyed_bits(key: torch.Tensor, numel: int) -> torch.Tensor:
+    """The 64 random bits (as int64) of elements ``0 .. numel - 1`` under ``key``:
+    splitmix64's finalizer on ``key + (i + 1) * golden`` (wrapping 64-bit arithmetic), the
+    same function as the native kernel's ``mix`` (``computectx/kernels/host_adam.cpp``)."""
+    i = torch.arange(1, numel + 1, dtype=torch.int64, device=key.device)
+    z = key + i * _i64(_GOLDEN)
+    z = (z ^ _shift(z, 30)) * _i64(_MIX1)
+    z = (z ^ _shift(z, 27)) * _i64(_MIX2)
+    return z ^ _shift(z, 31)
+
+
+def stochastic_round_keyed(x: torch.Tensor, target: torch.dtype, key: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded stochastically (unbiased) into ``target`` (bf16 or f16), element ``i``
+    (of ``x`` flattened) drawing its bits from ``keyed_bits(key)[i]``: bf16 adds the top 16
+    bits to the float32 pattern and truncates; f16 moves to the other neighbour when the top
+    24 bits, as a uniform in [0, 1), fall below the distance's share of the gap. Non-finite
+    values are rounded to nearest, never perturbed. The native kernel rounds the same float32
+    value to the same result."""
+    x32 = x.float().contiguous()
+    z = keyed_bits(key, x32.numel()).view(x32.shape)
+    if target == torch.bfloat16:
+        noise = _shift(z, 48).to(torch.int32)
+        rounded = torch.bitwise_and(x32.view(torch.int32) + noise, -65536).view(torch.float32)
+        return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
+    near = x32.to(target)
+    near32 = near.float()
+    away = torch.where(near32 > x32, -math.inf, math.inf).to(target)
+    other = torch.nextafter(near, away)
+    p = (x32 - near32).abs() / (other.float() - near32).abs()
+    draw = _shift(z, 40).float() * 2.0**-24
     pick = torch.isfinite(x32) & torch.isfinite(p) & (draw < p)
     return torch.where(pick, other, near)
 

@@ -27,12 +27,13 @@ rounded to nearest.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from computectx.memory._rounding import stochastic_round
+from computectx.memory._rounding import draw_key, stochastic_round_keyed
 from computectx.memory.optim.state.packed import (
     Maps,
     Packed,
@@ -45,13 +46,16 @@ from computectx.memory.optim.state.packed import (
 )
 from computectx.optim_state import OptimState
 
-__all__ = ["COMPILE_BACKEND", "adam_update", "compiled_update"]
+__all__ = ["COMPILE_BACKEND", "NATIVE_MIN_PER_THREAD", "adam_update", "compiled_update"]
 
 COMPILE_BACKEND = "inductor"
 """The ``torch.compile`` backend of ``compiled=True`` (tests set ``"aot_eager"``)."""
 
 RECOMPILE_LIMIT = 64
 """Graphs kept per process for ``_update`` (one per configuration met)."""
+
+NATIVE_MIN_PER_THREAD = 1 << 15
+"""Elements per thread below which the native kernel uses fewer threads (one under 64K)."""
 
 
 class _Config(NamedTuple):
@@ -216,12 +220,16 @@ def adam_update(
     state: OptimState,
     generator: torch.Generator | None,
     compiled: bool,
+    native: bool = False,
 ) -> tuple[Packed | torch.Tensor, Packed | torch.Tensor]:
     """One ``torch.optim.Adam`` (``decoupled=False``) / ``AdamW`` (``decoupled=True``) step.
 
     ``step`` is the step number after incrementing (1 on the first step), as torch's
     ``state["step"]``. ``param`` is updated in place; the new ``m`` and ``v`` are returned
     (packed as they came, in ``state``'s format; plain tensors updated in place).
+
+    ``native``: on the CPU, run the native kernel (``computectx.kernels.host_adam``) where it
+    takes the configuration and builds, else the twin (``compiled`` as given).
     """
     if not param.is_floating_point() or param.dtype == torch.float64:
         raise ValueError(
@@ -246,6 +254,11 @@ def adam_update(
     hp = torch.tensor([*values, -(lr / bc1)], dtype=torch.float32).to(
         param.device, non_blocking=True
     )
+    key = None if generator is None or not rounds else draw_key(generator)
+    if native and param.device.type == "cpu":
+        done = _native_update(param, grad, m, v, m_laid, v_laid, values, bc1, lr, cfg, key)
+        if done is not None:
+            return done
     with torch.no_grad():
         work = param if param.is_contiguous() else param.contiguous()
         args = (
@@ -266,10 +279,22 @@ def adam_update(
         else:
             p_new, m_out, v_out = _update(*args)
         if p_new is not None:
-            assert generator is not None
-            work.copy_(stochastic_round(p_new, param.dtype, generator).view(param.shape))
+            assert key is not None
+            work.copy_(stochastic_round_keyed(p_new, param.dtype, key).view(param.shape))
         if work is not param:
             param.copy_(work)
+    return _repacked(m, v, m_laid, v_laid, m_out, v_out)
+
+
+def _repacked(
+    m: Packed | torch.Tensor,
+    v: Packed | torch.Tensor,
+    m_laid: _Laid,
+    v_laid: _Laid,
+    m_out: tuple[torch.Tensor, ...],
+    v_out: tuple[torch.Tensor, ...],
+) -> tuple[Packed | torch.Tensor, Packed | torch.Tensor]:
+    """``m`` and ``v`` with their new parts (packed as they came; plain ones as they are)."""
     out: list[Packed | torch.Tensor] = []
     for x, lay, parts in ((m, m_laid, m_out), (v, v_laid, v_out)):
         if isinstance(x, Packed):  # the same layout, new parts
@@ -280,3 +305,108 @@ def adam_update(
         else:
             out.append(x)
     return out[0], out[1]
+
+
+# ----- the native CPU kernel -----------------------------------------------------------------
+
+_NATIVE_FORMATS = {"bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
+
+
+@functools.cache
+def _fp8_values() -> torch.Tensor:
+    """The float32 value of each of the 256 e4m3fn codes (the native kernel's fp8 map)."""
+    return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
+def _native_moment(laid: _Laid, host: Any) -> tuple[Any, tuple[torch.Tensor, ...]] | None:
+    """``laid`` as the kernel's ``Moment`` and the parts the kernel leaves (rank-1: its new
+    rows and cols), or ``None`` where the kernel does not take it."""
+    spec, parts, maps = laid.spec, laid.parts, laid.maps
+    if spec is None:
+        return host.Moment(0, True, 0, 0, parts[0]), parts
+    if spec.format in ("int8", "int4") and (maps.table is None or maps.bounds is None):
+        return None  # no exact table: bucketize (the twin)
+    if spec.format != "bf16" and not spec.rank1 and spec.block % 2:
+        return None
+    if spec.rank1:
+        codes, rows, cols = parts
+        new = (torch.empty_like(rows), torch.empty_like(cols))
+        moment = host.Moment(
+            5,
+            spec.signed,
+            0,
+            rows.numel(),
+            codes,
+            rows,
+            cols,
+            *new,
+            maps.values,
+            maps.table,
+            maps.bounds,
+        )
+        return moment, (codes, *new)
+    fmt = _NATIVE_FORMATS[spec.format]
+    absmax = parts[1] if len(parts) > 1 else None
+    table = maps.values if spec.format != "fp8" else _fp8_values()
+    moment = host.Moment(
+        fmt, spec.signed, spec.block, 0, parts[0], absmax, None, None, None,
+        table, maps.table, maps.bounds,
+    )  # fmt: skip
+    return moment, parts
+
+
+def _native_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: Packed | torch.Tensor,
+    v: Packed | torch.Tensor,
+    m_laid: _Laid,
+    v_laid: _Laid,
+    values: list[float],
+    bc1: float,
+    lr: float,
+    cfg: _Config,
+    key: torch.Tensor | None,
+) -> tuple[Packed | torch.Tensor, Packed | torch.Tensor] | None:
+    """The step by the native kernel, or ``None`` (nothing written) where it does not take
+    this configuration or could not be built: the caller runs the twin."""
+    from computectx.kernels import host_adam
+
+    dtypes = host_adam.PARAM_DTYPES
+    if param.dtype not in dtypes or grad.dtype not in dtypes:
+        return None
+    m_spec, v_spec = m_laid.spec, v_laid.spec
+    blocks = {s.block for s in (m_spec, v_spec) if s is not None and s.block}
+    if len(blocks) > 1:
+        return None
+    lib = host_adam.library()
+    if lib is None:
+        return None
+    if torch.float16 in (param.dtype, grad.dtype) and not lib.cc_host_adam_f16():
+        return None
+    laid = [_native_moment(x, host_adam) for x in (m_laid, v_laid)]
+    if laid[0] is None or laid[1] is None:
+        return None
+    hp = list(values)
+    hp.append(-(lr / bc1))
+    if not (cfg.weight_decay and cfg.decoupled):
+        hp[_DECAY] = 1.0  # the kernel multiplies by it unless the decay is L2 (exact: p * 1)
+    numel = param.numel()
+    threads = max(1, min(torch.get_num_threads(), numel // NATIVE_MIN_PER_THREAD))
+    with torch.no_grad():
+        work = param if param.is_contiguous() else param.contiguous()
+        host_adam.step(
+            lib,
+            work,
+            grad.contiguous(),
+            laid[0][0],
+            laid[1][0],
+            hp,
+            l2=cfg.weight_decay and not cfg.decoupled,
+            maximize=cfg.maximize,
+            key=None if key is None else int(key),
+            threads=threads,
+        )
+        if work is not param:
+            param.copy_(work)
+    return _repacked(m, v, m_laid, v_laid, laid[0][1], laid[1][1])

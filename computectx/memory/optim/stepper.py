@@ -12,12 +12,16 @@ decoded state, in one reused ``Scratch`` buffer:
   schedulers and checkpoints see them as usual;
 - the fused path, for ``torch.optim.Adam``/``AdamW`` without amsgrad, capturable,
   differentiable or torch's fused kernel: ``fused.adam_update`` decodes, updates and
-  encodes in one (compiled on CUDA by default) function.
+  encodes in one pass: on the CPU the native kernel (``compile=None`` or ``True``; its
+  torch-ops twin with ``compile=False``), on CUDA one compiled graph (``compile=None`` or
+  ``True``; the twin eagerly with ``compile=False``).
 
 A weight below float32 (a bf16/f16 master, or a bf16 parameter of ``CompactOptimizer``) is
 updated in float32 and written back with stochastic rounding, from ``RoundingGenerators``
-seeded with ``seed``: the same seed draws the same bits on every rank, so data-parallel
-ranks keep identical weights without a collective.
+seeded with ``seed``: one 64-bit key per parameter per step is drawn from the generator and
+each element's bits derive from (key, index) (``_rounding.stochastic_round_keyed``). The same
+seed draws the same bits on every rank, so data-parallel ranks keep identical weights without
+a collective.
 
 Classes whose state does not fit (Adafactor's factored moments, SparseAdam's sparse
 updates, LBFGS's history) are refused at construction by ``classes.check_fits``.
@@ -31,7 +35,12 @@ from typing import Any, cast
 import torch
 
 from computectx.dtypes import FLOAT_DTYPES
-from computectx.memory._rounding import RoundingGenerators, check_seed, stochastic_round
+from computectx.memory._rounding import (
+    RoundingGenerators,
+    check_seed,
+    draw_key,
+    stochastic_round_keyed,
+)
 from computectx.memory.optim.classes import check_fits, class_name
 from computectx.memory.optim.fused import adam_update
 from computectx.memory.optim.state.codecs import decode, encode
@@ -89,8 +98,10 @@ class _Work:
 class Stepper:
     """Steps the parameters of ``inner`` one at a time, state stored as ``optim_state``.
 
-    ``compile``: run the fused Adam update through ``torch.compile`` (``None``: on CUDA
-    tensors only). ``seed`` seeds the stochastic rounding of weights below float32.
+    ``compile``: ``False`` runs the fused Adam update's torch-ops twin eagerly; ``None``
+    and ``True`` run it as the native kernel on the CPU (the twin where the kernel cannot be
+    built) and through ``torch.compile`` on CUDA (Inductor's CPU code is slower than eager).
+    ``seed`` seeds the stochastic rounding of weights below float32.
     """
 
     def __init__(
@@ -298,7 +309,7 @@ class Stepper:
         if gen is None:
             p.copy_(w)
         else:
-            p.copy_(stochastic_round(w, p.dtype, gen))
+            p.copy_(stochastic_round_keyed(w, p.dtype, draw_key(gen)))
 
     def _check_shapes(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         for key, value in state.items():
@@ -350,7 +361,8 @@ class Stepper:
             maximize=bool(group.get("maximize", False)),
             state=fmt,
             generator=self._generator(p),
-            compiled=self.compile if self.compile is not None else p.device.type == "cuda",
+            compiled=p.device.type != "cpu" and self.compile is not False,
+            native=p.device.type == "cpu" and self.compile is not False,
         )
         step_t += 1
         new: dict[str, Any] = {"step": step_t}

@@ -204,8 +204,9 @@ def test_bf16_param_with_stochastic_rounding_accumulates_small_updates() -> None
 
 
 def test_bf16_param_and_generator_draw_like_the_generic_path() -> None:
-    """The fused update rounds the f32 result with _rounding.stochastic_round, same draws."""
-    from computectx.memory._rounding import stochastic_round
+    """The fused update rounds the f32 result with _rounding.stochastic_round_keyed, under
+    one key drawn from the generator."""
+    from computectx.memory._rounding import draw_key, stochastic_round_keyed
 
     torch.manual_seed(4)
     p = torch.randn(257).to(torch.bfloat16)
@@ -214,7 +215,8 @@ def test_bf16_param_and_generator_draw_like_the_generic_path() -> None:
     opt = torch_opt(ref, True, 0.1, False)
     ref.grad = g.clone()
     opt.step()
-    want = stochastic_round(ref.detach(), torch.bfloat16, torch.Generator().manual_seed(9))
+    key = draw_key(torch.Generator().manual_seed(9))
+    want = stochastic_round_keyed(ref.detach(), torch.bfloat16, key)
     gen = torch.Generator().manual_seed(9)
     update(p, g, torch.zeros(257), torch.zeros(257), 1, generator=gen)
     assert torch.equal(p, want)

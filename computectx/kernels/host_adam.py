@@ -1,0 +1,252 @@
+"""The compact-state Adam(W) step on the CPU (``host_adam.cpp``): its build, load and launch.
+
+The C++ source is compiled on first use by the system compiler (``COMPILER``, ``g++``) into a
+per-user cache (``$XDG_CACHE_HOME/computectx/host_adam``, else ``~/.cache/...``), one file per
+hash of (source, flags, compiler version, the CPU's flags): a machine builds it once, in about
+a second, and a changed source, compiler or CPU builds anew. The build writes a temporary file
+and renames it into place under a lock file, so processes building at once (pytest-xdist
+workers, distributed ranks) each load a complete library. It is a plain C ABI over raw
+pointers, loaded with ``ctypes`` (no torch headers: those take a minute to compile).
+
+``library()`` is ``None`` when the build fails (no compiler, an error): the caller runs its
+torch-ops twin instead, after one ``RuntimeWarning`` that quotes the compiler's error.
+
+The kernel: one pass per block of the state format (decode -> float32 update -> encode), the
+blocks split over ``threads`` threads (the result does not depend on their number).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "COMPILER",
+    "FLAGS",
+    "PARAM_DTYPES",
+    "Moment",
+    "cache_dir",
+    "library",
+    "step",
+]
+
+COMPILER = "g++"
+"""The C++ compiler the kernel is built with (tests set a failing one)."""
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-ffp-contract=off",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+    "-pthread",
+)
+"""No ``-ffast-math``: the arithmetic is IEEE float32, each operation rounded once."""
+SOURCE = Path(__file__).with_name("host_adam.cpp")
+ABI = 1
+
+PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+"""The parameter and gradient dtypes the kernel reads (code as ``host_adam.cpp``'s)."""
+
+# Moment formats, as host_adam.cpp numbers them.
+PLAIN, BF16, INT8, FP8, INT4, RANK1 = range(6)
+
+
+class _Moment(ctypes.Structure):
+    _fields_ = [
+        ("fmt", ctypes.c_int32),
+        ("is_signed", ctypes.c_int32),
+        ("block", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("data", ctypes.c_void_p),
+        ("absmax", ctypes.c_void_p),
+        ("cols", ctypes.c_void_p),
+        ("new_rows", ctypes.c_void_p),
+        ("new_cols", ctypes.c_void_p),
+        ("map", ctypes.c_void_p),
+        ("table", ctypes.c_void_p),
+        ("bounds", ctypes.c_void_p),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("n", ctypes.c_int64),
+        ("param", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("param_dtype", ctypes.c_int32),
+        ("grad_dtype", ctypes.c_int32),
+        ("l2", ctypes.c_int32),
+        ("maximize", ctypes.c_int32),
+        ("stochastic", ctypes.c_int32),
+        ("threads", ctypes.c_int32),
+        ("key", ctypes.c_uint64),
+        ("hp", ctypes.c_float * 8),
+        ("m", _Moment),
+        ("v", _Moment),
+    ]
+
+
+class Moment(NamedTuple):
+    """One moment as the kernel reads it: its format (``PLAIN`` .. ``RANK1``), signedness,
+    block, rows (rank-1), and its tensors (contiguous, on the CPU; ``None`` where unused)."""
+
+    fmt: int
+    signed: bool
+    block: int
+    rows: int
+    data: torch.Tensor
+    absmax: torch.Tensor | None = None  # blocked: absmax; rank-1: the old rows
+    cols: torch.Tensor | None = None
+    new_rows: torch.Tensor | None = None
+    new_cols: torch.Tensor | None = None
+    map: torch.Tensor | None = None
+    table: torch.Tensor | None = None
+    bounds: torch.Tensor | None = None
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept (per user)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "computectx" / "host_adam"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line.strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
+
+
+def _build(compiler: str) -> Path:
+    """The built library's path (built now unless cached); ``RuntimeError`` on failure."""
+    try:
+        version = _run([compiler, "--version"])
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"{compiler!r} could not be run: {e}") from e
+    if version.returncode != 0:
+        raise RuntimeError(f"{compiler} --version failed: {version.stderr.strip()[:2000]}")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256()
+    for part in (source, " ".join(FLAGS).encode(), version.stdout.encode(), _cpu_flags().encode()):
+        digest.update(part)
+        digest.update(b"\0")
+    folder = cache_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"host_adam-{digest.hexdigest()[:24]}.so"
+    if target.exists():
+        return target
+    with open(folder / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():  # another process built it while this one waited
+            return target
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".host_adam-", suffix=".so")
+        os.close(fd)
+        try:
+            done = _run([compiler, *FLAGS, str(SOURCE), "-o", tmp])
+            if done.returncode != 0:
+                raise RuntimeError(
+                    f"{compiler} failed ({done.returncode}): "
+                    f"{(done.stderr or done.stdout).strip()[:2000]}"
+                )
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel (built on first use), or ``None`` after one warning when the build
+    or the load failed (the caller runs its twin)."""
+    try:
+        lib = ctypes.CDLL(str(_build(COMPILER)))
+        if lib.cc_host_adam_abi() != ABI:
+            raise RuntimeError("the cached library is of another ABI")
+    except (RuntimeError, OSError) as e:
+        warnings.warn(
+            f"computectx: the native CPU Adam kernel could not be built with {COMPILER!r}, so "
+            f"compact-state CPU steps run the slower torch-ops twin. The error: {e}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    lib.cc_host_adam_step.argtypes = [ctypes.POINTER(_Step)]
+    lib.cc_host_adam_step.restype = ctypes.c_int
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _moment(x: Moment) -> _Moment:
+    return _Moment(
+        x.fmt,
+        int(x.signed),
+        x.block,
+        x.rows,
+        _ptr(x.data),
+        _ptr(x.absmax),
+        _ptr(x.cols),
+        _ptr(x.new_rows),
+        _ptr(x.new_cols),
+        _ptr(x.map),
+        _ptr(x.table),
+        _ptr(x.bounds),
+    )
+
+
+def step(
+    lib: ctypes.CDLL,
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    m: Moment,
+    v: Moment,
+    hp: list[float],
+    *,
+    l2: bool,
+    maximize: bool,
+    key: int | None,
+    threads: int,
+) -> None:
+    """One step of ``lib`` (``library()``) on contiguous CPU tensors, in place: ``param``
+    (``PARAM_DTYPES``; written by stochastic rounding under ``key`` when it is not None and
+    the parameter is below float32), ``grad`` (``PARAM_DTYPES``), the moments, and the eight
+    hyper-parameters (decay, wd, 1-b1, b2, 1-b2, sqrt(bc2), eps, -step_size)."""
+    args = _Step(
+        param.numel(),
+        param.data_ptr(),
+        grad.data_ptr(),
+        PARAM_DTYPES[param.dtype],
+        PARAM_DTYPES[grad.dtype],
+        int(l2),
+        int(maximize),
+        int(key is not None),
+        threads,
+        0 if key is None else key % 2**64,
+        (ctypes.c_float * 8)(*hp),
+        _moment(m),
+        _moment(v),
+    )
+    lib.cc_host_adam_step(ctypes.byref(args))
