@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from computectx.activations import Activations, parse_activations
     from computectx.ctx import ComputeCtx
     from computectx.dtypes import (
         DType,
@@ -30,6 +31,7 @@ __version__ = "0.2.0"
 
 __all__ = [
     "OPTIM_STATE_FLAGS",
+    "Activations",
     "ComputeCtx",
     "DType",
     "Fp8Format",
@@ -41,12 +43,15 @@ __all__ = [
     "available_bytes",
     "cast_if",
     "dtype_of",
+    "parse_activations",
     "parse_optim_state",
     "promote",
     "promoted",
 ]
 
 _HOME = {
+    "Activations": "activations",
+    "parse_activations": "activations",
     "ComputeCtx": "ctx",
     "DType": "dtypes",
     "Fp8Format": "dtypes",

@@ -20,6 +20,7 @@ from pydantic import (
 from typing_extensions import Self, Unpack
 
 from computectx._checks import validation_message
+from computectx.activations import Activations, ActivationsField, parse_activations
 from computectx.dtypes import (
     DType,
     PromotionError,
@@ -29,7 +30,7 @@ from computectx.dtypes import (
     promote,
 )
 from computectx.kv_policy import KvFp8, parse_kv
-from computectx.optim_state import OptimState, parse_optim_state
+from computectx.optim_state import OptimState, OptimStateField, parse_optim_state
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.residency import Residency
 
@@ -80,12 +81,6 @@ def _lenient_offload(value: object) -> object:
     return None if _is_none_text(value) else value
 
 
-def _lenient_optim_state(value: object) -> object:
-    # Text ("int8/block=128") reads through OptimState.parse; a dict is left to pydantic, so
-    # its errors carry the field's location; anything else gets parse_optim_state's error.
-    return value if isinstance(value, dict) else parse_optim_state(value)
-
-
 def _same_as_compute(validated: dict[str, Any]) -> DType:
     # ComputeCtx._defaults_from_compute fills kv and accum before validation; the factories
     # mark the fields optional in the schema and serve model_construct.
@@ -111,7 +106,6 @@ KvField = Annotated[DType | KvFp8, BeforeValidator(_lenient_kv)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
 RecipeField = Annotated[Recipe | None, BeforeValidator(_lenient_recipe)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
-OptimStateField = Annotated[OptimState, BeforeValidator(_lenient_optim_state)]
 
 
 def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[str, Recipe]:
@@ -165,6 +159,7 @@ class CtxChanges(TypedDict, total=False):
     master: DType
     offload: torch.device | None
     optim_state: OptimState
+    activations: Activations
 
 
 class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -204,6 +199,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     block-wise ``int8``, ``fp8``, ``int4`` codes with scales (an ``OptimState``; text form
     ``int8``, ``int4/block=64/min=0``). Scalars and tensors under ``min_size`` elements stay
     float32."""
+    activations: ActivationsField = Activations()
+    """How the backward keeps each kind of activation (an ``Activations``): ``keep`` (default),
+    ``fp8`` codes with scales, ``offload`` or ``recompute``; text form ``precise:fp8/group=64``."""
 
     _TEXT_ALWAYS: ClassVar[tuple[str, ...]] = ("compute", "kv", "accum", "residency", "device")
     _NULLABLE: ClassVar[frozenset[str]] = frozenset({"recipe", "offload"})
@@ -259,10 +257,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         return data
 
     def __setstate__(self, state: dict[Any, Any]) -> None:
-        # A ctx pickled by 0.1.0 holds its recipe under the field's old name.
+        # A ctx pickled by 0.1.0 holds its recipe under the field's old name, and none of
+        # the fields added since (activations), which take their defaults.
         values = state.get("__dict__")
-        if isinstance(values, dict) and "recipe" not in values:
-            state = {**state, "__dict__": self._new_keys(values)}
+        if isinstance(values, dict) and not {"recipe", "activations"} <= values.keys():
+            state = {**state, "__dict__": self._new_keys({"activations": Activations(), **values})}
             fields_set = state.get("__pydantic_fields_set__")
             if isinstance(fields_set, set):
                 state["__pydantic_fields_set__"] = set(self._new_keys(dict.fromkeys(fields_set)))
@@ -371,6 +370,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         its text form (``with_optim_state("int8")``: block-wise 8-bit moments)."""
         return self.replace(optim_state=parse_optim_state(optim_state))
 
+    def with_activations(self, activations: Activations | str) -> ComputeCtx:
+        """The same policy keeping activations for the backward as ``activations`` says: an
+        ``Activations`` or its text form (``with_activations("fp8")``: fp8 everywhere)."""
+        return self.replace(activations=parse_activations(activations))
+
     # ----- the casts ----------------------------------------------------------------------
 
     def precise(self, t: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -430,9 +434,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     def __str__(self) -> str:
         """The policy string, e.g. ``compute=bf16,kv=f32,accum=f32,residency=auto,device=cpu``.
 
-        ``recipe``, ``grad``, ``master``, ``offload`` and ``optim_state`` appear only when they
-        differ from their defaults (``...,optim_state=int4/block=64``); ``ComputeCtx.parse``
-        reads the string back to an equal value.
+        ``recipe``, ``grad``, ``master``, ``offload``, ``optim_state`` and ``activations``
+        appear only when they differ from their defaults (``...,optim_state=int4/block=64``);
+        ``ComputeCtx.parse`` reads the string back to an equal value.
         """
         fields = type(self).model_fields
         parts = []
@@ -481,11 +485,10 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
 
 def _nested_errors(e: ValidationError) -> ValueError:
-    # The errors of the nested policy values (kv: a KvFp8 or a dtype; optim_state) are the
-    # library's ValueError, without pydantic's URL, as KvFp8 and OptimState raise them on
-    # their own; any other field's error stays pydantic's ValidationError (a ValueError).
-    errors = e.errors()
-    if errors and all(err["loc"][:1] in (("kv",), ("optim_state",)) for err in errors):
+    # The nested policy values' errors (kv, optim_state, activations) are the library's
+    # ValueError without pydantic's URL, as they raise on their own; others stay pydantic's.
+    errors, nested = e.errors(), {("kv",), ("optim_state",), ("activations",)}
+    if errors and all(err["loc"][:1] in nested for err in errors):
         return ValueError(validation_message(e, "ComputeCtx", ComputeCtx.model_fields))
     return e
 

@@ -36,6 +36,7 @@ __all__ = [
     "DEFAULT_MIN_SIZE",
     "OPTIM_STATE_FLAGS",
     "OptimState",
+    "OptimStateField",
     "StateFormat",
     "parse_optim_state",
 ]
@@ -251,3 +252,13 @@ def parse_optim_state(value: object) -> OptimState:
         f"text form {_FORM} with FORMAT one of {_FORMATS}, or its dict "
         f"{{'format': ..., 'block': ..., 'min_size': ...}}"
     )
+
+
+def _lenient(value: object) -> object:
+    # Text ("int8/block=128") reads through OptimState.parse; a dict is left to pydantic, so
+    # its errors carry the field's location; anything else gets parse_optim_state's error.
+    return value if isinstance(value, dict) else parse_optim_state(value)
+
+
+OptimStateField = Annotated[OptimState, BeforeValidator(_lenient)]
+"""An ``OptimState`` field (``ComputeCtx.optim_state``) that also reads the text form."""

@@ -48,6 +48,7 @@ def test_importing_the_core_loads_nothing_downstream() -> None:
     assert res.stdout.split() == [
         "['computectx',",
         "'computectx._checks',",
+        "'computectx.activations',",
         "'computectx.ctx',",
         "'computectx.dtypes',",
         "'computectx.kv_policy',",

@@ -3,8 +3,8 @@
 The picture in docs/design.md is this table:
 
 - the core (``dtypes``, ``kv_policy``, ``optim_state``, ``activations``, ``recipes``,
-  ``residency``, ``capability``, ``ctx`` and the package face) imports nothing downstream, and inside the
-  core each module only imports the ones below it;
+  ``residency``, ``capability``, ``ctx`` and the package face) imports nothing downstream,
+  and inside the core each module only imports the ones below it;
 - ``formats`` and ``memory`` read the core; ``nn`` reads the core, ``formats`` and ``memory``;
   ``distributed`` may read all four; ``integrations`` (adapters that import a training
   framework) may read all five and nothing reads it; ``demo``/``cli`` sit on top;

@@ -17,6 +17,13 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType, Fp8Format, KvFp8, OptimState, Residency, promote
+from computectx.activations import (
+    ACTIVATION_KINDS,
+    GROUPS,
+    KIND_MODES,
+    Activations,
+    parse_activations,
+)
 from computectx.ctx import DTYPE_FLAGS
 from computectx.formats import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv
@@ -253,6 +260,15 @@ def optim_states(draw: st.DrawFn) -> OptimState:
 
 
 @st.composite
+def activation_policies(draw: st.DrawFn) -> Activations:
+    """Every activations setting: each kind in each mode it accepts (most often all alike, as
+    the bare text form says it), with any group."""
+    common = draw(st.sampled_from(["keep", "fp8", "offload"]))
+    modes = {k: draw(st.sampled_from([common, *KIND_MODES[k]])) for k in ACTIVATION_KINDS}
+    return Activations(**modes, group=draw(st.sampled_from(GROUPS)))
+
+
+@st.composite
 def contexts(draw: st.DrawFn) -> ComputeCtx:
     compute = draw(st.sampled_from(ALL))
     policy: Recipe | None = draw(st.one_of(st.none(), fp8_policies()))
@@ -268,6 +284,7 @@ def contexts(draw: st.DrawFn) -> ComputeCtx:
         master=draw(st.sampled_from(ALL)),
         offload=draw(st.one_of(st.none(), devices)),
         optim_state=draw(optim_states()),
+        activations=draw(activation_policies()),
     )
 
 
@@ -290,7 +307,7 @@ def test_bad_strings_raise_only_documented_errors(text: str) -> None:
     with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
         ComputeCtx.parse(text)
     parsers = (DType.parse, Residency.parse, Recipe.parse, parse_scaling, KvFp8.parse)
-    for parse in (*parsers, OptimState.parse, parse_optim_state):
+    for parse in (*parsers, OptimState.parse, parse_optim_state, parse_activations):
         with contextlib.suppress(ValueError):
             parse(text)
     with contextlib.suppress(ValueError):
@@ -379,6 +396,7 @@ _BAD_VALUES = {
     "master": "fp4",
     "offload": "tpu0",
     "optim_state": "int8/block=100",
+    "activations": "linear:recompute",
 }
 
 
@@ -386,7 +404,7 @@ _BAD_VALUES = {
 def test_each_bad_field_is_one_error_naming_it(bad: set[str]) -> None:
     data = {"compute": "bf16", "device": "cpu"} | {k: _BAD_VALUES[k] for k in bad}
     text = ",".join(f"{k}={v}" for k, v in data.items())
-    if bad <= {"kv", "optim_state"}:  # the nested policy values alone: our ValueError
+    if bad <= {"kv", "optim_state", "activations"}:  # the nested policy values alone: ours
         calls: list[Callable[[], object]] = [
             lambda: ComputeCtx.model_validate(data),
             lambda: ComputeCtx.parse(text),
@@ -678,3 +696,61 @@ def test_kv_quantize_round_trip_is_within_half_a_code_step(
     floor = step.unsqueeze(-1) * fmt.min_subnormal / 2
     bound = torch.maximum(half_ulp, floor) * (1 + 2.0**-20) + x.abs() * 2.0**-22
     assert bool(((back - x).abs() <= bound).all())
+
+
+# ----- how the backward keeps activations -------------------------------------------------------
+
+
+@given(policy=activation_policies(), data=st.data())
+def test_activations_text_and_json_round_trip_in_any_case(
+    policy: Activations, data: st.DataObject
+) -> None:
+    text = str(policy)
+    assert Activations.parse(text) == policy == parse_activations(text)
+    assert str(Activations.parse(text)) == text
+    flips = data.draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
+    assert Activations.parse(_mangle(text, flips)) == policy
+    assert Activations.model_validate_json(policy.model_dump_json()) == policy
+    assert parse_activations(policy.model_dump(mode="json")) == policy
+    assert (
+        Activations.model_validate(_mangle_values(policy.model_dump(mode="json"), data)) == policy
+    )
+    # The parts read in any order; every kind spelled out is the same value.
+    parts = text.split("/")
+    shuffled = data.draw(st.permutations(parts))
+    assert Activations.parse("/".join(shuffled)) == policy
+    every = "/".join(f"{k}:{policy.mode(k)}" for k in ACTIVATION_KINDS)
+    assert Activations.parse(f"{every}/group={policy.group}") == policy
+    # The shortest form: never longer than every kind spelled out, "keep" only for the default.
+    assert len(text) <= len(every) + len(f"/group={policy.group}")
+    assert (text == "keep") is (policy.default and policy.group == 128)
+
+
+@given(ctx=contexts(), policy=activation_policies())
+def test_with_activations_changes_only_it_and_round_trips(
+    ctx: ComputeCtx, policy: Activations
+) -> None:
+    for given_as in (policy, str(policy)):
+        changed = ctx.with_activations(given_as)
+        assert changed.activations == policy
+        assert changed.replace(activations=ctx.activations) == ctx
+        assert ComputeCtx.parse(str(changed)) == changed
+        assert ComputeCtx.model_validate_json(changed.model_dump_json()) == changed
+        # Shown in the text form only when it is not the default.
+        assert (f",activations={policy}" in str(changed)) is (policy != Activations())
+
+
+@given(
+    kind=st.sampled_from(ACTIVATION_KINDS),
+    bad=st.one_of(st.text(max_size=12), st.integers(), st.booleans(), st.none()),
+)
+def test_a_bad_mode_is_one_error_naming_the_kind_and_the_modes(kind: str, bad: object) -> None:
+    if isinstance(bad, str) and bad.strip().lower() in KIND_MODES[kind]:  # type: ignore[index]
+        return
+    with pytest.raises(ValueError, match=f"{kind}=") as caught:
+        Activations.model_validate({kind: bad})
+    assert not isinstance(caught.value, ValidationError)
+    assert "accepted" in str(caught.value) and "keep" in str(caught.value)
+    with pytest.raises(ValueError, match=f"{kind}=") as nested:
+        ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "activations": {kind: bad}})
+    assert not isinstance(nested.value, ValidationError)

@@ -1,0 +1,244 @@
+"""What the backward keeps of the activations: the ``activations`` policy. Pure data in the core.
+
+``ComputeCtx.activations`` holds an ``Activations``: for each kind of tensor autograd keeps
+between a forward and its backward, how it is kept (a ``SaveMode``):
+
+- ``keep``: as the op saves it today, at the precision it computes in (the default).
+- ``fp8``: as E4M3 codes with float32 scales: one scale per tensor for the inputs of linears
+  and grouped GEMMs, one per group of ``group`` consecutive elements along the last dimension
+  for the inputs of non-linear ops (COAT, arXiv 2410.19313). Each scale is ``absmax / 448``.
+- ``offload``: moved to host memory after the forward and back before its backward.
+- ``recompute``: the op keeps only its input, at the precision it arrived in, and computes
+  its internals again in the backward (for ops that can: not linears, residuals, dispatch).
+
+The kinds, one field each: ``linear`` (inputs of linears and grouped GEMMs), ``precise``
+(norms, softmax, RoPE: the ops ``ctx.precise`` runs), ``act_fn`` (inputs of activation
+functions), ``attention`` (queries, keys, values, probabilities), ``residual`` (residual-stream
+tensors kept at block boundaries) and ``moe`` (the MoE dispatch: permuted tokens, routing
+weights).
+
+Text form: ``/``-separated parts in any order and any case: a bare ``MODE`` sets every kind
+(``fp8``), ``KIND:MODE`` sets one (``precise:fp8``), ``group=N`` the fp8 group; a kind named
+twice is refused, a bare mode then ``KIND:MODE`` overrides it (``fp8/attention:keep``). JSON
+form: ``{"linear": "keep", "precise": "fp8", ..., "group": 128}``, each key optional.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import BeforeValidator, model_validator
+from typing_extensions import Self
+
+from computectx._checks import CheckedModel, as_int
+
+__all__ = [
+    "ACTIVATION_KINDS",
+    "DEFAULT_GROUP",
+    "GROUPS",
+    "KIND_MODES",
+    "SAVE_MODES",
+    "ActivationKind",
+    "Activations",
+    "ActivationsField",
+    "SaveMode",
+    "parse_activations",
+]
+
+SaveMode = Literal["keep", "fp8", "offload", "recompute"]
+"""How the backward keeps one kind of activation (see the module docstring)."""
+SAVE_MODES: Final[tuple[SaveMode, ...]] = get_args(SaveMode)
+"""The mode names, as the text form spells them."""
+
+ActivationKind = Literal["linear", "precise", "act_fn", "attention", "residual", "moe"]
+"""A kind of tensor autograd keeps for the backward: one field of ``Activations`` each."""
+ACTIVATION_KINDS: Final[tuple[ActivationKind, ...]] = get_args(ActivationKind)
+"""The kinds, in field order."""
+
+_NOT_RECOMPUTED: Final[tuple[SaveMode, ...]] = ("keep", "fp8", "offload")
+KIND_MODES: Final[dict[ActivationKind, tuple[SaveMode, ...]]] = {
+    # A linear's input, a residual-stream tensor and the dispatched tokens are made by the
+    # op before them: only checkpointing a region can compute them again, not the op.
+    "linear": _NOT_RECOMPUTED,
+    "precise": SAVE_MODES,
+    "act_fn": SAVE_MODES,
+    "attention": SAVE_MODES,
+    "residual": _NOT_RECOMPUTED,
+    "moe": _NOT_RECOMPUTED,
+}
+"""The modes each kind accepts."""
+
+GROUPS: Final[tuple[int, ...]] = (16, 32, 64, 128)
+"""The fp8 group sizes accepted for the non-linear kinds (COAT's 1x128 or finer)."""
+DEFAULT_GROUP: Final = 128
+"""Elements per fp8 group when none is given (COAT's per-group 1x128)."""
+
+_FORM = "'[MODE][/KIND:MODE]...[/group=N]'"
+_MODES = ", ".join(SAVE_MODES)
+_KINDS = ", ".join(ACTIVATION_KINDS)
+_GROUPS = ", ".join(map(str, GROUPS))
+
+
+def _mode(value: object) -> object:
+    # Names are case-insensitive everywhere in the policy; which kind accepts which mode is
+    # checked after, where the kind is known.
+    key = value.strip().lower() if isinstance(value, str) else value
+    if key not in SAVE_MODES:
+        raise ValueError(f"unknown activation save mode {value!r}; accepted: {_MODES}")
+    return key
+
+
+def _group(value: object) -> object:
+    # A strict integer (``_checks.as_int``), as every integer field of the policy.
+    group = as_int(value)
+    if group is None:
+        raise ValueError(
+            f"group must be an integer, got {type(value).__name__} {value!r}; accepted: {_GROUPS}"
+        )
+    if group not in GROUPS:
+        raise ValueError(f"group={group} is not one of {_GROUPS} (elements per fp8 group)")
+    return group
+
+
+ModeField = Annotated[SaveMode, BeforeValidator(_mode)]
+
+
+class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
+    """How the backward keeps each kind of activation (``ComputeCtx.activations``).
+
+    ``Activations()`` keeps everything as the ops save it (today's behaviour);
+    ``Activations.parse("fp8")`` keeps every kind as fp8 (per-tensor for linear inputs,
+    1x128 groups for the rest: COAT's setting); ``Activations(precise="fp8")`` only the
+    norms', softmax's and RoPE's inputs. A kind refuses a mode it cannot take (``recompute``
+    for ``linear``, ``residual``, ``moe``), naming the modes it accepts.
+
+    Text form ``[MODE][/KIND:MODE]...[/group=N]`` (the shortest: ``keep``, ``fp8``,
+    ``fp8/attention:keep``, ``precise:fp8/group=64``), which ``parse`` reads back in any case
+    with the parts in any order; JSON form ``{"linear": "keep", ..., "group": 128}``.
+    """
+
+    linear: ModeField = "keep"
+    """Inputs of linears and grouped GEMMs: ``keep``, ``fp8`` (per-tensor E4M3) or ``offload``."""
+    precise: ModeField = "keep"
+    """What norms, softmax and RoPE keep (the ops ``ctx.precise`` runs): any mode."""
+    act_fn: ModeField = "keep"
+    """Inputs of activation functions (SwiGLU's gate and up): any mode."""
+    attention: ModeField = "keep"
+    """Queries, keys, values and probabilities of attention: any mode."""
+    residual: ModeField = "keep"
+    """Residual-stream tensors kept at block boundaries: ``keep``, ``fp8`` or ``offload``."""
+    moe: ModeField = "keep"
+    """The MoE dispatch (permuted tokens, routing weights): ``keep``, ``fp8`` or ``offload``."""
+    group: Annotated[int, BeforeValidator(_group)] = DEFAULT_GROUP
+    """Elements per fp8 group of the non-linear kinds, along the last dimension: 16, 32, 64 or
+    128 (default)."""
+
+    def __init__(self, /, **data: Any) -> None:
+        """Validated fields; a bad one is a ``ValueError`` naming the field, the value and
+        what is accepted (``CheckedModel``). Typed as taking any values: a mode reads in any
+        case, so a literal type would refuse what the value accepts."""
+        super().__init__(**data)
+
+    @model_validator(mode="after")
+    def _modes_fit_kinds(self) -> Self:
+        for kind in ACTIVATION_KINDS:
+            mode = self.mode(kind)
+            if mode not in KIND_MODES[kind]:
+                raise ValueError(
+                    f"{kind}={mode}: {kind} cannot be kept as {mode}; accepted for {kind}: "
+                    f"{', '.join(KIND_MODES[kind])} (recompute a region by checkpointing it)"
+                )
+        return self
+
+    def mode(self, kind: ActivationKind) -> SaveMode:
+        """How the backward keeps ``kind``."""
+        mode: SaveMode = getattr(self, kind)
+        return mode
+
+    @property
+    def default(self) -> bool:
+        """Whether every kind is kept as the ops save it (today's behaviour)."""
+        return all(self.mode(k) == "keep" for k in ACTIVATION_KINDS)
+
+    def __str__(self) -> str:
+        """The shortest text form (``keep``, ``fp8/attention:keep``, ``precise:fp8``), which
+        ``parse`` reads back: the mode most kinds share bare when all kinds accept it and it
+        is not ``keep``, then each kind that differs, then ``group`` when not 128."""
+        modes = [self.mode(k) for k in ACTIVATION_KINDS]
+        common = max(_NOT_RECOMPUTED, key=modes.count)
+        bare = common if common != "keep" and modes.count(common) > 1 else "keep"
+        parts: list[str] = [] if bare == "keep" else [bare]
+        parts += [f"{k}:{m}" for k, m in zip(ACTIVATION_KINDS, modes, strict=True) if m != bare]
+        if self.group != DEFAULT_GROUP:
+            parts.append(f"group={self.group}")
+        return "/".join(parts) or "keep"
+
+    @classmethod
+    def parse(cls, text: str) -> Activations:
+        """Read the text form (``"fp8"``, ``"FP8/Attention:keep/group=64"``): names in any
+        case, parts in any order, a bare mode setting every kind and ``KIND:MODE`` one.
+        ``ValueError`` quoting ``text`` and naming what is accepted otherwise."""
+        if not isinstance(text, str):
+            raise TypeError(f"Activations.parse takes a str, got {type(text).__name__}")
+        shown = text.strip()
+        bare: str | None = None
+        data: dict[str, object] = {}
+        for part in (p.strip() for p in shown.split("/")):
+            kind, colon, mode = (s.strip().lower() for s in part.partition(":"))
+            key, equals, value = (s.strip() for s in part.partition("="))
+            if colon and kind in ACTIVATION_KINDS:
+                if kind in data:
+                    raise ValueError(f"activation kind {kind} given twice in {shown!r}")
+                data[kind] = mode
+            elif equals and key.lower() == "group":
+                if "group" in data:
+                    raise ValueError(f"group given twice in activations {shown!r}")
+                if not re.fullmatch(r"[+-]?[0-9]+", value):
+                    raise ValueError(f"group={value!r} in activations {shown!r} is not an integer")
+                data["group"] = int(value)
+            elif not colon and not equals and part.lower() in SAVE_MODES:
+                if bare is not None:
+                    raise ValueError(f"two bare modes in activations {shown!r}; give one")
+                bare = part.lower()
+            else:
+                raise ValueError(
+                    f"bad part {part!r} in activations {shown!r}; accepted: one MODE ({_MODES}), "
+                    f"KIND:MODE with KIND one of {_KINDS}, group=N ({_GROUPS}) (form {_FORM})"
+                )
+        if bare is not None:
+            for kind in ACTIVATION_KINDS:
+                data.setdefault(kind, bare)
+        try:
+            return cls(**data)
+        except ValueError as e:
+            reasons = str(e).removeprefix("bad Activations: ")
+            raise ValueError(f"bad activations {shown!r}: {reasons}") from None
+
+
+def parse_activations(value: object) -> Activations:
+    """An ``Activations`` from an ``Activations``, its text form (``"fp8"``,
+    ``"precise:fp8/group=64"``) or its JSON form (a dict of the kinds and ``group``, each
+    optional). Anything else raises ``ValueError`` quoting it and naming the accepted forms."""
+    if isinstance(value, Activations):
+        return value
+    if isinstance(value, str):
+        return Activations.parse(value)
+    if isinstance(value, dict):
+        return Activations.from_fields(
+            value, "activations", f"an Activations dict takes {_KINDS} and 'group', each optional"
+        )
+    raise ValueError(
+        f"bad activations {value!r} ({type(value).__name__}); accepted: an Activations, its text "
+        f"form {_FORM} with MODE one of {_MODES} and KIND one of {_KINDS}, or its dict"
+    )
+
+
+def _lenient(value: object) -> object:
+    # As optim_state's field: text through Activations.parse, a dict left to pydantic (its
+    # errors carry the field's location), anything else parse_activations' error.
+    return value if isinstance(value, dict) else parse_activations(value)
+
+
+ActivationsField = Annotated[Activations, BeforeValidator(_lenient)]
+"""An ``Activations`` field (``ComputeCtx.activations``) that also reads the text form."""
