@@ -19,6 +19,16 @@ gradient, read and write the weight, read and write both moments at their stored
 f32 AdamW step moves 4 + 8 + 16 = 28 bytes per parameter; bf16 weights and 8-bit moments
 2 + 4 + 4.06 = 10.06 (the gradient at the weight's dtype).
 
+``section_offload_overlap(device, smoke, reps)`` (issue 35, item 4) times one training step
+(forward, backward, optimizer step, each synchronised) of one model three ways: ``no offload``
+(torch's fused AdamW on the device), ``offload, serial`` (``OffloadedOptimizer`` with f32
+masters and state on the host, ``overlap=False``) and ``offload, overlapped``
+(``overlap=True``: gradients copied down during the backward, each master stepped as its
+copy lands). The model is ``OVERLAP_LAYERS`` float32 ``Linear(OVERLAP_D, OVERLAP_D)`` layers
+run under bf16 autocast on ``OVERLAP_TOKENS`` tokens, sized so that the host step of its 134M
+parameters can fit under the backward on a lent H100/H200 host; each row gives the step's
+median and its ratio to ``no offload`` (target for the overlapped row: <= 1.20).
+
 Importing this module needs no CUDA. On the CPU, without ``smoke``, the section is skipped;
 with ``smoke`` it runs at tiny sizes eagerly (``compile=False``) to keep the code working
 (its figures say nothing about a GPU).
@@ -36,10 +46,16 @@ import torch
 
 from computectx import ComputeCtx, DType
 from computectx.demo.footprint import adamw_moment_bytes
-from computectx.memory import CompactOptimizer
+from computectx.memory import CompactOptimizer, OffloadedOptimizer
 from computectx.optim_state import OptimState
 
-__all__ = ["GPU_SHAPES", "SMOKE_SHAPES", "bytes_per_param", "section_optim_state"]
+__all__ = [
+    "GPU_SHAPES",
+    "SMOKE_SHAPES",
+    "bytes_per_param",
+    "section_offload_overlap",
+    "section_optim_state",
+]
 
 GPU_SHAPES: list[tuple[int, int]] = [(2048, 2048)] * 16
 """The measured parameters on a GPU (67.1M elements)."""
@@ -134,4 +150,88 @@ def section_optim_state(device: torch.device, smoke: bool, reps: int) -> list[di
             }
         )
         del params
+    return out
+
+
+OVERLAP_LAYERS, OVERLAP_D, OVERLAP_TOKENS = 8, 4096, 32768
+"""The overlap section's model on a GPU: 8 x Linear(4096, 4096), 134M f32 parameters."""
+SMOKE_OVERLAP = (2, 64, 32)
+"""Its CPU smoke sizes."""
+
+
+def _overlap_rows(device: torch.device) -> list[tuple[str, Make]]:
+    """``(label, make)`` per row of the overlap section."""
+    ctx = ComputeCtx.new(DType.F32, device).replace(offload=torch.device("cpu"))
+
+    def offloaded(overlap: bool) -> Make:
+        return lambda p: OffloadedOptimizer(p, ctx, lr=1e-4, overlap=overlap)
+
+    return [
+        (
+            "no offload (torch AdamW fused on the device)",
+            lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
+        ),
+        ("offload, serial", offloaded(False)),
+        ("offload, overlapped", offloaded(True)),
+    ]
+
+
+def _train_step_ms(
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    x: torch.Tensor,
+    device: torch.device,
+    reps: int,
+) -> float:
+    """Median ms of forward + backward + step + zero_grad, synchronised, after two warm-up
+    steps (state made; the overlapped hooks learn one firing per step)."""
+
+    def one() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        one()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        one()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def section_offload_overlap(device: torch.device, smoke: bool, reps: int) -> list[dict[str, Any]]:
+    """One row per way of stepping: train step ms and its ratio to ``no offload``."""
+    if device.type != "cuda" and not smoke:
+        return [{"skipped": "no CUDA device"}]
+    layers, d, tokens = SMOKE_OVERLAP if smoke else (OVERLAP_LAYERS, OVERLAP_D, OVERLAP_TOKENS)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, d, generator=gen, device=device)
+    out: list[dict[str, Any]] = []
+    base: float | None = None
+    for label, make in _overlap_rows(device):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(d, d, bias=False) for _ in range(layers)]).to(
+            device
+        )
+        params = list(model.parameters())
+        ms = _train_step_ms(model, make(params), x, device, reps)
+        base = ms if base is None else base
+        out.append(
+            {
+                "op": label,
+                "parameters": sum(p.numel() for p in params),
+                "tokens": tokens,
+                "step_ms": ms,
+                "vs_no_offload": ms / base,
+            }
+        )
+        del model, params
     return out

@@ -107,17 +107,18 @@ class GradHealth:
 
     # ----- the check during the backward ---------------------------------------------
 
-    def watch(self, compute: Iterable[torch.Tensor]) -> None:
+    def watch(self, compute: Iterable[torch.Tensor], *, hook: bool = True) -> None:
         """Check the gradient of each of ``compute`` (the positions after those watched so
-        far) in a post-accumulate-grad hook. Nothing is hooked under a sharding (a sharded
-        gradient's norm is a collective, which a hook must not start)."""
+        far) in a post-accumulate-grad hook (``hook=False``: at the step only). Nothing is
+        hooked under a sharding (a sharded gradient's norm is a collective, which a hook must
+        not start)."""
         for p in compute:
             i = len(self._fired)
             self._fired.append(0)
             self._expect.append(1)
-            if self.weights.sharding is None and p.requires_grad:
-                hook = _Hook(weakref.ref(self), i)
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
+            if hook and self.weights.sharding is None and p.requires_grad:
+                check = _Hook(weakref.ref(self), i)
+                self._handles.append(p.register_post_accumulate_grad_hook(check))  # type: ignore[no-untyped-call]
 
     def quiet(self, positions: Iterable[int]) -> None:
         """Stop checking in the hooks of ``positions``: an accumulator drains their

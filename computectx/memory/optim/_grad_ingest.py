@@ -34,6 +34,12 @@ class GradIngest:
         self.health = health
         self._staging: dict[int, Staging] = {}  # download buffers, by position
         self._applied: set[int] = set()  # positions whose master gradient a step applied
+        self._zeroed: set[int] = set()  # positions whose master gradient zero_grad zeroed
+
+    def holds_nothing(self, i: int) -> bool:
+        """Whether master ``i``'s gradient holds nothing the next ingest keeps: none, one a
+        step applied (replaced), or zeros left by ``zero_grad`` since (added to)."""
+        return self.weights.master[i].grad is None or i in self._applied or i in self._zeroed
 
     def mark_applied(self) -> None:
         """A step applied the master gradients: the next gradient ingested for a master
@@ -41,14 +47,17 @@ class GradIngest:
         self._applied = {i for i, mp in enumerate(self.weights.master) if mp.grad is not None}
 
     def clear_applied(self) -> None:
-        """The master gradients were cleared (``zero_grad``, a skipped step)."""
+        """The master gradients were cleared (``zero_grad``, a skipped step): set to
+        ``None``, or zeroed where they remain."""
         self._applied.clear()
+        self._zeroed = {i for i, mp in enumerate(self.weights.master) if mp.grad is not None}
 
-    def _add(
+    def add(
         self, i: int, master: torch.Tensor, g: torch.Tensor, source: torch.Tensor | None = None
     ) -> None:
         """Add ``g`` to master ``i``'s gradient; where it becomes that gradient, ``source``
         (the parameter's gradient ``g`` holds the values of) passes its verdict on."""
+        self._zeroed.discard(i)
         if i in self._applied:
             self._applied.discard(i)
             master.grad = None
@@ -111,7 +120,7 @@ class GradIngest:
             for i, (cp, mp) in enumerate(zip(compute, self.weights.master, strict=True)):
                 buf = accumulator.pop(cp)
                 if buf is not None:
-                    self._add(i, mp, buf)
+                    self.add(i, mp, buf)
                     moved = True
         return moved
 
@@ -143,11 +152,11 @@ class GradIngest:
                     st.fill_from(g)
                     staged.append((i, st, mp, source))
                 else:
-                    self._add(i, mp, g, source)
+                    self.add(i, mp, g, source)
             for i, st, mp, source in staged:
                 st.wait()
                 # The staging buffer is reused, so the master gradient must be a copy of it.
-                self._add(i, mp, st.buffer.to(mp.dtype, copy=True), source)
+                self.add(i, mp, st.buffer.to(mp.dtype, copy=True), source)
         return moved
 
     def staging_buffers(self) -> list[torch.Tensor]:

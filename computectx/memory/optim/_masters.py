@@ -255,21 +255,27 @@ class MasterWeights:
         CUDA <-> CPU pairs (per ``transfer``) go through one reused staging buffer per
         parameter, cast on the host before the upload.
         """
+        for i in range(len(self.master)):
+            self.copy_one(i)
+
+    def copy_one(self, i: int) -> None:
+        """Write master ``i`` into its compute parameter (``copy_to_compute`` for one): a
+        staged upload is queued on the compute device's current stream and not waited on."""
+        cp, mp = self.compute[i], self.master[i]
         with torch.no_grad():
-            for i, (cp, mp) in enumerate(zip(self.compute, self.master, strict=True)):
-                dst = self.local(cp)
-                if uses_staging(self.transfer, dst.device, mp.device):
-                    st = self._staging.get(i)
-                    if st is None:
-                        st = Staging(dst.shape, dst.dtype, host=mp.device, peer=dst.device)
-                        self._staging[i] = st
-                    # The previous upload may still be reading the buffer.
-                    st.wait()
-                    st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
-                    st.drain_to(dst)
-                elif not same_memory(dst, mp):
-                    dst.copy_(mp)
-                self._seen[i] = stamp(dst)
+            dst = self.local(cp)
+            if uses_staging(self.transfer, dst.device, mp.device):
+                st = self._staging.get(i)
+                if st is None:
+                    st = Staging(dst.shape, dst.dtype, host=mp.device, peer=dst.device)
+                    self._staging[i] = st
+                # The previous upload may still be reading the buffer.
+                st.wait()
+                st.buffer.copy_(mp)  # the cast to the compute dtype runs on the host
+                st.drain_to(dst)
+            elif not same_memory(dst, mp):
+                dst.copy_(mp)
+            self._seen[i] = stamp(dst)
 
     def staging_buffers(self) -> list[torch.Tensor]:
         """The upload staging buffers allocated so far (for ``memory_report``)."""

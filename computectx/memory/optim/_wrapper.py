@@ -219,7 +219,7 @@ class InnerWrapper(torch.optim.Optimizer):
                 check_fits(type(inner), options, self._weights.ctx.optim_state, self._who)
             inner.add_param_group(group)
         self._weights.add(compute, stepped)
-        self._health.watch(compute)
+        self._watch(compute)
         self._pick([self._built().param_groups[-1]])
         if inner is not None:
             self._ensure_stepper()
@@ -290,7 +290,7 @@ class InnerWrapper(torch.optim.Optimizer):
         self._before_update()
         self._update()
         self._after_update()
-        self._health.stepped()
+        self._stepped()
         self.last_step_skipped = False
         return loss
 
@@ -298,6 +298,19 @@ class InnerWrapper(torch.optim.Optimizer):
         """Clear the gradients."""
         self._built().zero_grad(set_to_none=set_to_none)
         self._health.forget()
+
+    def _watch(self, compute: list[torch.Tensor]) -> None:
+        """Hook the gradients of ``compute`` (parameters just added): the check is taken in
+        the backward (``GradHealth.watch``)."""
+        self._health.watch(compute)
+
+    def _applicable(self) -> bool:
+        """Whether the gradients may be applied (``GradHealth.applicable``)."""
+        return self._health.applicable()
+
+    def _stepped(self) -> None:
+        """A step ended, applied or skipped: the verdicts are spent."""
+        self._health.stepped()
 
     def _gather(self) -> None:
         """Bring the gradients to the stepped weights before a clip or a step (none here)."""
@@ -320,13 +333,13 @@ class InnerWrapper(torch.optim.Optimizer):
         """Whether the gradients are non-finite (or an element's square overflows float32),
         so the step is skipped: they are then dropped, the skip counted and a
         ``RuntimeWarning`` given (at ``step``'s caller)."""
-        if self._health.applicable():
+        if self._applicable():
             return False
         self.skipped_steps += 1
         self.last_step_skipped = True
         for w in self._weights.master:
             w.grad = None
-        self._health.stepped()
+        self._stepped()
         warnings.warn(
             f"{self._who}.step() skipped the update: the gradients hold inf or NaN values, or "
             f"finite values of magnitude >= 2**64 (~1.8e19) whose square overflows float32, "

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Transfer, check_transfer
 from computectx.memory.accumulator import LowPrecGradAccumulator
 from computectx.memory.optim._grad_ingest import GradIngest
 from computectx.memory.optim._masters import MasterWeights, Sharding, check_sharding
+from computectx.memory.optim._overlap import CudaLanes, HostLanes, Lanes, Overlap, resolve_overlap
 from computectx.memory.optim._wrapper import InnerWrapper
 from computectx.memory.optim.checkpoint import MASTER_WEIGHTS, check_saved_masters, state_tensors
 
@@ -112,14 +114,25 @@ class OffloadedOptimizer(InnerWrapper):
         sharding: Sharding | None = None,
         seed: int = 0,
         compile: bool | None = None,
+        overlap: bool | None = None,
         **optimizer_kwargs: Any,
     ) -> None:
         self._check_args(ctx, optimizer_class, seed, compile)
         weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
+        check_overlap(overlap, sharding)
+        self._overlap: Overlap | None = None
         super().__init__(
             params_or_groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
         )
         self._ingest = GradIngest(weights, self._health)
+        staged = weights.transfer != "blocking"
+        if sharding is None and resolve_overlap(
+            overlap, weights.compute, ctx.offload_device, staged
+        ):
+            self._overlap = Overlap(weights, self._ingest, _lanes)
+            self._overlap.watch(weights.compute)
+            # The overlap's norms give the verdict: the check hooks step aside.
+            self._health.quiet(range(len(weights.compute)))
 
     @classmethod
     def _refuse(cls, optimizer_class: type[torch.optim.Optimizer]) -> None:
@@ -131,6 +144,12 @@ class OffloadedOptimizer(InnerWrapper):
                 "it optimizes, which here are the offloaded master copies, not the model; "
                 "use LBFGS directly on the model's parameters"
             )
+
+    @property
+    def overlap(self) -> bool:
+        """Whether the step overlaps the backward (the ``overlap`` constructor option,
+        resolved)."""
+        return self._overlap is not None
 
     @property
     def transfer(self) -> Transfer:
@@ -185,15 +204,94 @@ class OffloadedOptimizer(InnerWrapper):
         if self._ingest.from_param_grads():
             self._health.changed()
 
+    def _watch(self, compute: list[torch.Tensor]) -> None:
+        overlap = self._overlap
+        if overlap is None:
+            super()._watch(compute)
+        else:
+            self._health.watch(compute, hook=False)
+            overlap.watch(compute)
+
+    def _fast(self) -> bool:
+        """Whether this step lands and steps one master at a time (``Overlap.fast``; torch's
+        own step: the stepper steps all masters at once)."""
+        return self._overlap is not None and self._stepper is None and self._overlap.fast()
+
     def _gather(self) -> None:
-        """Ingest the gradients left in ``param.grad`` (``clip_grad_norm`` and ``step``)."""
+        """Ingest the gradients left in ``param.grad`` (``clip_grad_norm`` and ``step``),
+        landing every download first unless the step takes them one at a time."""
+        overlap = self._overlap
+        if overlap is not None and overlap.has_pending() and not self._fast():
+            overlap.land_all()
         self._take_param_grads()
+
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients to total norm ``max_norm``; return the norm before.
+
+        ``math.inf`` measures only. The master gradients are clipped, after the gradients left
+        in ``param.grad`` are ingested; with a ``sharding`` the norm is the global one over
+        every rank's shards (one all-reduce). Overlapped (``overlap``), the 2-norm is taken
+        from the norms the hooks took on the device (one sync) and each gradient is scaled
+        as it lands. A non-finite norm (an inf or NaN gradient) is returned as is, and the
+        next ``step`` skips these gradients without being told; that ``step`` decides by
+        this norm, without looking at them again.
+        """
+        overlap = self._overlap
+        if overlap is not None and self._fast() and float(norm_type) == 2.0:
+            check_max_norm(max_norm)
+            return overlap.clip(float(max_norm))
+        if overlap is not None:
+            overlap.land_all()
+        return super().clip_grad_norm(max_norm, norm_type)
 
     # ----- the step -------------------------------------------------------------------
 
+    def _applicable(self) -> bool:
+        overlap = self._overlap
+        if overlap is not None and self._fast():
+            verdict = overlap.verdict()
+            if verdict is not None:
+                return verdict
+            overlap.land_all()  # the host tells them apart exactly
+        return super()._applicable()
+
+    def _stepped(self) -> None:
+        super()._stepped()
+        if self._overlap is not None:
+            self._overlap.stepped()
+
+    def _update(self) -> None:
+        overlap = self._overlap
+        if overlap is None or not overlap.has_pending():
+            super()._update()
+            return
+        # Each master stepped alone as its gradient lands, its weight's upload queued at
+        # once: the inner optimizer sees one parameter in its group, none in the others.
+        inner = self._built()
+        groups = inner.param_groups
+        saved = [group["params"] for group in groups]
+        where = {id(p): k for k, params in enumerate(saved) for p in params}
+
+        def step_one(i: int) -> None:
+            master = self._weights.master[i]
+            k = where[id(master)]
+            try:
+                for j, group in enumerate(groups):
+                    group["params"] = [master] if j == k else []
+                inner.step()
+            finally:
+                for group, params in zip(groups, saved, strict=True):
+                    group["params"] = params
+            self._weights.copy_one(i)
+
+        overlap.step_each(step_one)
+        self._uploaded = True
+
     def _before_update(self) -> None:
         self._weights.adopt_outside_edits()
-        if all(mp.grad is None for mp in self._weights.master):
+        self._uploaded = False
+        pending = self._overlap is not None and self._overlap.has_pending()
+        if not pending and all(mp.grad is None for mp in self._weights.master):
             warnings.warn(
                 "OffloadedOptimizer.step() found no gradient on any parameter; if a "
                 "LowPrecGradAccumulator holds them, call ingest_grads(accumulator) first",
@@ -203,12 +301,16 @@ class OffloadedOptimizer(InnerWrapper):
 
     def _after_update(self) -> None:
         self._ingest.mark_applied()
-        self._weights.copy_to_compute()
+        if not self._uploaded:
+            self._weights.copy_to_compute()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the master gradients and any ``param.grad`` on the compute parameters."""
+        """Clear the master gradients and any ``param.grad`` on the compute parameters (and,
+        overlapped, the gradients on their way down)."""
         super().zero_grad(set_to_none)
         self._ingest.clear_applied()
+        if self._overlap is not None:
+            self._overlap.forget()
         for cp in self._weights.compute:
             if cp.grad is None:
                 continue
@@ -279,6 +381,30 @@ class OffloadedOptimizer(InnerWrapper):
             if mp.grad is not None:
                 yield "grads", mp.grad
         yield from self._state_tensors()
-        for buffer in (*self._ingest.staging_buffers(), *self._weights.staging_buffers()):
+        downloads = [] if self._overlap is None else self._overlap.buffers()
+        for buffer in (
+            *self._ingest.staging_buffers(),
+            *self._weights.staging_buffers(),
+            *downloads,
+        ):
             yield "staging", buffer
         yield from self._scratch_tensors()
+
+
+def check_overlap(overlap: object, sharding: Sharding | None) -> None:
+    """``TypeError`` unless ``overlap`` is a bool or ``None``; ``ValueError`` for
+    ``overlap=True`` with a ``sharding``, which the overlapped step does not take yet."""
+    if overlap is not None and not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True, False or None, got {overlap!r}")
+    if overlap and sharding is not None:
+        raise ValueError(
+            "overlap=True does not compose with a sharding yet: the overlapped step takes "
+            "each whole gradient in a hook during the backward, while a sharded gradient "
+            "(FSDP2) is reduce-scattered after it; leave overlap=None (off under a sharding) "
+            "or pass overlap=False"
+        )
+
+
+def _lanes(device: torch.device) -> Lanes:
+    """A side stream for a CUDA device; the CPU's stand-in otherwise."""
+    return CudaLanes(device) if device.type == "cuda" else HostLanes()
