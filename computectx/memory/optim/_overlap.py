@@ -246,6 +246,12 @@ class Overlap:
             self._land(i, self._pending.pop(i))
         self._scale = None
 
+    @property
+    def scaled(self) -> bool:
+        """Whether a clip's scale waits for the downloads (a second clip measures the scaled
+        gradients: it lands them first)."""
+        return self._scale is not None
+
     def has_pending(self) -> bool:
         """Whether a gradient is on its way down."""
         return bool(self._pending)

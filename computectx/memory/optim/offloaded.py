@@ -237,7 +237,7 @@ class OffloadedOptimizer(InnerWrapper):
         this norm, without looking at them again.
         """
         overlap = self._overlap
-        if overlap is not None and self._fast() and float(norm_type) == 2.0:
+        if overlap is not None and self._fast() and float(norm_type) == 2.0 and not overlap.scaled:
             check_max_norm(max_norm)
             return overlap.clip(float(max_norm))
         if overlap is not None:

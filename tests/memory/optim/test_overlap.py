@@ -221,6 +221,17 @@ def test_a_skipped_overlapped_step_changes_nothing() -> None:
     state_equal(o2.state_dict(), sd)
 
 
+def test_a_second_clip_measures_the_clipped_gradients() -> None:
+    m1, o1, m2, o2 = pair()
+    norms = []
+    for m, o in ((m1, o1), (m2, o2)):
+        backward(m, batches(0, 1, torch.float32))
+        norms.append((o.clip_grad_norm(0.05), o.clip_grad_norm(0.01)))
+        o.step()
+    assert norms[0] == norms[1] and norms[0][1] < 0.06
+    same(m1, o1, m2, o2)
+
+
 def test_a_gradient_left_in_param_grad_takes_the_serial_path() -> None:
     m1, o1, m2, o2 = pair()
     for m, o in ((m1, o1), (m2, o2)):
