@@ -61,8 +61,17 @@ class OffloadedOptimizer(InnerWrapper):
     drops them, changes no weight and no optimizer state, warns (``RuntimeWarning``), sets
     ``last_step_skipped`` and counts itself in ``skipped_steps``. No decision carries over
     to a later step. The check reuses the norm of ``clip_grad_norm`` when the gradients are
-    unchanged since it was measured; otherwise it is one summing pass over the master
-    gradients, which waits for the device when they live on a GPU.
+    unchanged since it was measured; otherwise each gradient is checked in a post-accumulate
+    hook during the backward, and the step reuses that verdict for a gradient unchanged since
+    (``_grad_health``); the rest get one summing pass at the step, which waits for the device
+    when they live on a GPU.
+
+    ``overlap`` (keyword; ``None``: on when a compute parameter is on a CUDA device, the
+    masters on the host and ``transfer`` not ``"blocking"``; refused as ``True`` with a
+    ``sharding``) overlaps the step with the backward: each gradient is copied down to a
+    pinned host buffer on a side stream in its post-accumulate hook, and ``step`` steps each
+    master as soon as its copy lands, queueing its weight's upload at once
+    (``computectx.memory.optim._overlap``; the same result as the serial step).
 
     ``transfer`` (keyword, a ``Transfer``) picks how gradients and weights cross devices:
     ``"auto"`` (default) stages them through one reused pinned host buffer per parameter
