@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 #if defined(__F16C__)
 #include <immintrin.h>
@@ -106,15 +107,16 @@ inline uint16_t f32_to_f16(float) { return 0x7E00; }
 // Round to nearest even into float8 e4m3fn, as torch's conversion (480 and beyond, and NaN,
 // give NaN: the format has no infinity).
 inline uint8_t f32_to_e4m3(float f) {
-  uint32_t b = bits_of(f);
-  const uint8_t sign = static_cast<uint8_t>((b >> 24) & 0x80u);
-  b &= 0x7FFFFFFFu;
-  if (b >= 0x43F00000u) return sign | 0x7F;
-  if (b < 0x3C800000u) {  // below 2**-6: a subnormal, a multiple of 2**-9
-    return sign | static_cast<uint8_t>(std::nearbyint(float_of(b) * 512.0f));
-  }
-  b += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u);
-  return sign | static_cast<uint8_t>(b >> 20);
+  const uint32_t all = bits_of(f);
+  const uint32_t sign = (all >> 24) & 0x80u;
+  const uint32_t b = all & 0x7FFFFFFFu;
+  // Below 2**-6: a subnormal, a multiple of 2**-9: round f * 512 (< 8) to an integer, to
+  // nearest even, by adding and subtracting 2**23 (exact IEEE arithmetic).
+  const float t = float_of(b) * 512.0f;
+  const uint32_t sub = static_cast<uint32_t>((t + 8388608.0f) - 8388608.0f);
+  const uint32_t normal = (b + (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + ((b >> 20) & 1u)) >> 20;
+  const uint32_t mag = b >= 0x43F00000u ? 0x7Fu : (b < 0x3C800000u ? sub : normal);
+  return static_cast<uint8_t>(sign | mag);
 }
 
 // The 64 random bits of element ``i`` under ``key`` (splitmix64's finalizer on
@@ -126,10 +128,11 @@ inline uint64_t mix(uint64_t key, uint64_t i) {
   return z ^ (z >> 31);
 }
 
+// The loops below are written without branches (selects), so that they vectorize.
+
 inline float nan_min(float a, float b) {  // torch.minimum: NaN wins
-  if (a != a) return a;
-  if (b != b) return b;
-  return a < b ? a : b;
+  const float lo = a < b ? a : b;
+  return b != b ? b : (a != a ? a : lo);
 }
 
 inline float clamp_finite(float x) {  // NaN stays NaN
@@ -138,59 +141,64 @@ inline float clamp_finite(float x) {  // NaN stays NaN
 
 inline float safe(float s) { return s > 0.0f ? s : 1.0f; }
 
-inline int32_t nearest(const CcMoment& mo, float n) {
-  const int32_t code = mo.table[bits_of(n) >> 16];
-  return code + (n > mo.bounds[code] ? 1 : 0);
+// A plain loop, not memcpy: glibc's copy of a few KB (rep movsb) is slow on some CPUs.
+inline void copy(float* __restrict dst, const float* __restrict src, int64_t len) {
+  for (int64_t i = 0; i < len; ++i) dst[i] = src[i];
 }
 
 struct Buffers {
   std::vector<float> p, g, m, v, scale;
-  explicit Buffers(int64_t tile) : p(tile), g(tile), m(tile), v(tile), scale(tile) {}
+  std::vector<uint8_t> codes;
+  explicit Buffers(int64_t tile)
+      : p(tile), g(tile), m(tile), v(tile), scale(tile), codes(tile) {}
 };
 
 // The per-element scale of a rank-1 moment over flat elements [lo, lo + len).
-void rank1_scales(const float* rows, const float* cols, int64_t ncols, int64_t lo, int64_t len,
-                  float* out) {
-  int64_t r = lo / ncols, c = lo % ncols;
-  for (int64_t i = 0; i < len; ++i) {
-    out[i] = nan_min(rows[r], cols[c]);
-    if (++c == ncols) {
-      c = 0;
-      ++r;
-    }
+void rank1_scales(const float* __restrict rows, const float* __restrict cols, int64_t ncols,
+                  int64_t lo, int64_t len, float* __restrict out) {
+  int64_t r = lo / ncols, c = lo % ncols, i = 0;
+  while (i < len) {
+    const int64_t run = ncols - c < len - i ? ncols - c : len - i;
+    const float row = rows[r];
+    for (int64_t k = 0; k < run; ++k) out[i + k] = nan_min(row, cols[c + k]);
+    i += run;
+    c = 0;
+    ++r;
   }
 }
 
 // Decode elements [lo, lo + len) of ``mo`` into ``out`` (a tile never crosses a block).
-void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* out,
-            float* scale) {
+void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict out,
+            float* __restrict scale) {
+  const float* __restrict map = mo.map;
   switch (mo.fmt) {
     case kPlain:
-      std::memcpy(out, static_cast<const float*>(mo.data) + lo, len * 4);
+      copy(out, static_cast<const float*>(mo.data) + lo, len);
       return;
     case kBf16: {
-      const uint16_t* d = static_cast<const uint16_t*>(mo.data) + lo;
+      const uint16_t* __restrict d = static_cast<const uint16_t*>(mo.data) + lo;
       for (int64_t i = 0; i < len; ++i) out[i] = bf16_to_f32(d[i]);
       return;
     }
     case kInt8: {
-      const uint8_t* d = static_cast<const uint8_t*>(mo.data) + lo;
+      const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo;
       const float s = mo.absmax[lo / mo.block];
-      for (int64_t i = 0; i < len; ++i) out[i] = mo.map[d[i]] * s;
+      for (int64_t i = 0; i < len; ++i) out[i] = map[d[i]] * s;
       return;
     }
     case kFp8: {
-      const uint8_t* d = static_cast<const uint8_t*>(mo.data) + lo;
+      const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo;
       const float s = mo.absmax[lo / mo.block];
-      for (int64_t i = 0; i < len; ++i) out[i] = mo.map[d[i]] / 448.0f * s;
+      for (int64_t i = 0; i < len; ++i) out[i] = map[d[i]] / 448.0f * s;
       return;
     }
     default: {  // int4, blocked or rank-1; lo is even
-      const uint8_t* d = static_cast<const uint8_t*>(mo.data) + lo / 2;
-      for (int64_t i = 0; i < len; ++i) {
-        const uint8_t b = d[i >> 1];
-        out[i] = mo.map[(i & 1) ? (b >> 4) : (b & 15)];
+      const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo / 2;
+      for (int64_t j = 0; j < len / 2; ++j) {
+        out[2 * j] = map[d[j] & 15];
+        out[2 * j + 1] = map[d[j] >> 4];
       }
+      if (len & 1) out[len - 1] = map[d[len / 2] & 15];
       if (mo.fmt == kInt4) {
         const float s = mo.absmax[lo / mo.block];
         for (int64_t i = 0; i < len; ++i) out[i] = out[i] * s;
@@ -198,25 +206,28 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* o
         rank1_scales(mo.absmax, mo.cols, numel / mo.rows, lo, len, scale);
         for (int64_t i = 0; i < len; ++i) out[i] = out[i] * scale[i];
       }
-      (void)numel;
     }
   }
 }
 
-// Encode the new values x[0, len) of elements [lo, lo + len) into ``mo`` (in place).
-void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* x, float* scale) {
-  if (mo.fmt == kPlain) {
-    std::memcpy(static_cast<float*>(mo.data) + lo, x, len * 4);
-    return;
-  }
+// The bf16 code of x, as encode_tensors: clamped to bf16's range, rounded to nearest even;
+// an unsigned x > 0 never 0 (bf16's smallest subnormal, 2**-133, instead).
+inline uint16_t bf16_code(float x, bool is_unsigned) {
+  const float c = x > kBf16Max ? kBf16Max : (x < -kBf16Max ? -kBf16Max : x);
+  const uint32_t u = bits_of(c);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  const uint32_t h = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded;
+  return static_cast<uint16_t>(is_unsigned && c > 0.0f && (h & 0x7FFFu) == 0 ? 1u : h);
+}
+
+// Encode the new values x[0, len) of elements [lo, lo + len) into ``mo`` (in place); ``n``
+// is scratch for the normalized values.
+void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict x,
+            float* __restrict n, uint8_t* __restrict codes) {
+  const bool is_unsigned = !mo.is_signed;
   if (mo.fmt == kBf16) {
-    uint16_t* d = static_cast<uint16_t*>(mo.data) + lo;
-    for (int64_t i = 0; i < len; ++i) {
-      const float c = x[i] > kBf16Max ? kBf16Max : (x[i] < -kBf16Max ? -kBf16Max : x[i]);
-      uint16_t h = f32_to_bf16(c);
-      if (!mo.is_signed && c > 0.0f && (h & 0x7FFFu) == 0) h = 1;  // 2**-133, not 0
-      d[i] = h;
-    }
+    uint16_t* __restrict d = static_cast<uint16_t*>(mo.data) + lo;
+    for (int64_t i = 0; i < len; ++i) d[i] = bf16_code(x[i], is_unsigned);
     return;
   }
   uint32_t amax_bits = 0;
@@ -226,36 +237,41 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* x
     amax_bits = a > amax_bits ? a : amax_bits;  // above 0x7F800000: a NaN (amax is NaN)
   }
   if (mo.fmt == kRank1) {
-    rank1_scales(mo.new_rows, mo.new_cols, numel / mo.rows, lo, len, scale);
-    for (int64_t i = 0; i < len; ++i) x[i] = x[i] / safe(scale[i]);
+    rank1_scales(mo.new_rows, mo.new_cols, numel / mo.rows, lo, len, n);
+    for (int64_t i = 0; i < len; ++i) n[i] = x[i] / safe(n[i]);
   } else {
     const float amax = float_of(amax_bits);
     mo.absmax[lo / mo.block] = amax;
     const float s = safe(amax);
-    for (int64_t i = 0; i < len; ++i) x[i] = x[i] / s;  // keeps x > 0 as the sign of x32
+    for (int64_t i = 0; i < len; ++i) n[i] = x[i] / s;
   }
-  uint8_t* d = static_cast<uint8_t*>(mo.data);
+  uint8_t* __restrict d = static_cast<uint8_t*>(mo.data);
   if (mo.fmt == kFp8) {
     for (int64_t i = 0; i < len; ++i) {
-      uint8_t c = f32_to_e4m3(x[i] * 448.0f);
-      if (!mo.is_signed && x[i] > 0.0f && c == 0) c = 1;
-      d[lo + i] = c;
+      const uint8_t c = f32_to_e4m3(n[i] * 448.0f);
+      d[lo + i] = is_unsigned && x[i] > 0.0f && c == 0 ? 1 : c;
     }
     return;
   }
-  if (mo.fmt == kInt8) {
+  const int32_t* __restrict table = mo.table;
+  const float* __restrict bounds = mo.bounds;
+  // The nearest entry: bucketize(n, mids), by the table of maps.py (its bucket's code, plus
+  // one above the bucket's midpoint).
+  for (int64_t i = 0; i < len; ++i) {
+    const int32_t code = table[bits_of(n[i]) >> 16];
+    codes[i] = static_cast<uint8_t>(code + (n[i] > bounds[code] ? 1 : 0));
+  }
+  if (mo.fmt == kInt8) {  // an unsigned x > 0 never takes code 0 (the map's zero)
+    uint8_t* __restrict out = d + lo;
+    const uint8_t floor = is_unsigned ? 1 : 0;
     for (int64_t i = 0; i < len; ++i) {
-      int32_t c = nearest(mo, x[i]);
-      if (!mo.is_signed && x[i] > 0.0f && c == 0) c = 1;
-      d[lo + i] = static_cast<uint8_t>(c);
+      out[i] = x[i] > 0.0f && codes[i] < floor ? floor : codes[i];
     }
     return;
   }
-  uint8_t* q = d + lo / 2;  // int4: lo is even; an odd tail's high nibble is 0
-  for (int64_t i = 0; i + 1 < len; i += 2) {
-    q[i >> 1] = static_cast<uint8_t>(nearest(mo, x[i]) | (nearest(mo, x[i + 1]) << 4));
-  }
-  if (len & 1) q[len >> 1] = static_cast<uint8_t>(nearest(mo, x[len - 1]));
+  uint8_t* __restrict q = d + lo / 2;  // int4: lo is even; an odd tail's high nibble is 0
+  for (int64_t j = 0; j < len / 2; ++j) q[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+  if (len & 1) q[len / 2] = codes[len - 1];
 }
 
 inline float load(const void* base, int32_t dtype, int64_t i) {
@@ -265,8 +281,12 @@ inline float load(const void* base, int32_t dtype, int64_t i) {
 }
 
 // The Adam math on a tile: g, m, v, p in; m, v, p out (the twin's float32 operations).
+// The Adam math on a tile (the twin's float32 operations), in place on four distinct arrays.
+// Each stream is read and written in the one loop, which keeps the memory busy (a copy loop
+// per stream, through buffers, runs at half the speed).
 template <bool L2, bool MAXIMIZE>
-void math(const CcStep& s, int64_t len, float* p, float* g, float* m, float* v) {
+void math(const CcStep& s, int64_t len, float* __restrict p, const float* __restrict g,
+          float* __restrict m, float* __restrict v) {
   const float decay = s.hp[0], wd = s.hp[1], w = s.hp[2], b2 = s.hp[3], omb2 = s.hp[4];
   const float bc2 = s.hp[5], eps = s.hp[6], neg_step = s.hp[7];
   const bool low = w < 0.5f;  // torch's lerp: two formulas, by the weight
@@ -289,23 +309,55 @@ void math(const CcStep& s, int64_t len, float* p, float* g, float* m, float* v) 
   }
 }
 
-void tile_update(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
-  for (int64_t i = 0; i < len; ++i) b.p[i] = load(s.param, s.param_dtype, lo + i);
-  for (int64_t i = 0; i < len; ++i) b.g[i] = load(s.grad, s.grad_dtype, lo + i);
-  decode(s.m, s.n, lo, len, b.m.data(), b.scale.data());
-  decode(s.v, s.n, lo, len, b.v.data(), b.scale.data());
-  if (s.l2) {
-    if (s.maximize) math<true, true>(s, len, b.p.data(), b.g.data(), b.m.data(), b.v.data());
-    else math<true, false>(s, len, b.p.data(), b.g.data(), b.m.data(), b.v.data());
+// A tile's array of float32 ``x`` (elements [lo, lo + len)): the tensor itself when ``write``
+// (updated in place), else a copy in ``buf``.
+float* in_place(float* x, int64_t lo, int64_t len, bool write, std::vector<float>& buf) {
+  if (write) return x + lo;
+  copy(buf.data(), x + lo, len);
+  return buf.data();
+}
+
+// Update the tile [lo, lo + len): a float32 parameter and plain moments are updated in place
+// when ``write``; everything else is left in ``b`` (p, m, v) for the caller to encode.
+void tile_update(const CcStep& s, int64_t lo, int64_t len, Buffers& b, bool write) {
+  float *p, *m, *v;
+  const float* g;
+  if (s.param_dtype == kF32) {
+    p = in_place(static_cast<float*>(s.param), lo, len, write, b.p);
   } else {
-    if (s.maximize) math<false, true>(s, len, b.p.data(), b.g.data(), b.m.data(), b.v.data());
-    else math<false, false>(s, len, b.p.data(), b.g.data(), b.m.data(), b.v.data());
+    for (int64_t i = 0; i < len; ++i) b.p[i] = load(s.param, s.param_dtype, lo + i);
+    p = b.p.data();
+  }
+  if (s.grad_dtype == kF32) {
+    g = static_cast<const float*>(s.grad) + lo;
+  } else {
+    for (int64_t i = 0; i < len; ++i) b.g[i] = load(s.grad, s.grad_dtype, lo + i);
+    g = b.g.data();
+  }
+  if (s.m.fmt == kPlain) {
+    m = in_place(static_cast<float*>(s.m.data), lo, len, write, b.m);
+  } else {
+    decode(s.m, s.n, lo, len, b.m.data(), b.scale.data());
+    m = b.m.data();
+  }
+  if (s.v.fmt == kPlain) {
+    v = in_place(static_cast<float*>(s.v.data), lo, len, write, b.v);
+  } else {
+    decode(s.v, s.n, lo, len, b.v.data(), b.scale.data());
+    v = b.v.data();
+  }
+  if (s.l2) {
+    if (s.maximize) math<true, true>(s, len, p, g, m, v);
+    else math<true, false>(s, len, p, g, m, v);
+  } else {
+    if (s.maximize) math<false, true>(s, len, p, g, m, v);
+    else math<false, false>(s, len, p, g, m, v);
   }
 }
 
 void write_param(const CcStep& s, int64_t lo, int64_t len, const float* x) {
   if (s.param_dtype == kF32) {
-    std::memcpy(static_cast<float*>(s.param) + lo, x, len * 4);
+    copy(static_cast<float*>(s.param) + lo, x, len);
     return;
   }
   uint16_t* d = static_cast<uint16_t*>(s.param) + lo;
@@ -343,6 +395,155 @@ void write_param(const CcStep& s, int64_t lo, int64_t len, const float* x) {
   }
 }
 
+// ----- the fused tile: every stream read and written in one loop -------------------------
+//
+// The path for the usual configurations (both moments of one format, a float32 or bf16
+// parameter, a float32 or bf16 gradient): one loop reads the parameter, the gradient and
+// both moments (decoded inline; int4 decoded just before), computes, and writes the
+// parameter and the element-wise moments (plain, bf16); a blocked moment's new values go
+// to a buffer that its block's encode reads after. The other configurations take
+// ``tile_update`` (the same arithmetic, in phases).
+
+enum ParamMode { kPF32 = 0, kPBf16 = 1, kPBf16Sr = 2 };
+
+template <int F>
+inline float moment_in(const void* __restrict data, const float* __restrict buf,
+                       const float* __restrict map, float scale, int64_t k, int64_t i) {
+  if constexpr (F == kPlain) return static_cast<const float*>(data)[k];
+  if constexpr (F == kBf16) return bf16_to_f32(static_cast<const uint16_t*>(data)[k]);
+  (void)map;
+  (void)scale;
+  return buf[i];  // blocked: decoded before the loop (an inline table lookup on the codes
+                  // stops the loop's vectorization)
+}
+
+template <int F>
+inline void moment_out(void* __restrict data, float* __restrict buf, bool is_unsigned,
+                       int64_t k, int64_t i, float x) {
+  if constexpr (F == kPlain) {
+    static_cast<float*>(data)[k] = x;
+  } else if constexpr (F == kBf16) {
+    static_cast<uint16_t*>(data)[k] = bf16_code(x, is_unsigned);
+  } else {
+    buf[i] = x;  // encoded by block after the loop
+  }
+}
+
+template <int MF, int VF, int PM, bool GBF, bool L2, bool PASS1, typename PT, typename GT>
+void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
+                const GT* __restrict grad, void* __restrict md, float* __restrict mb,
+                void* __restrict vd, float* __restrict vb, float ms, float vs) {
+  const float decay = s.hp[0], wd = s.hp[1], w = s.hp[2], b2 = s.hp[3], omb2 = s.hp[4];
+  const float bc2 = s.hp[5], eps = s.hp[6], neg_step = s.hp[7];
+  const float sgn = s.maximize ? -1.0f : 1.0f;  // g * -1 is -g, exactly
+  const bool low = w < 0.5f;
+  const float omw = 1.0f - w;
+  const float* __restrict m_map = s.m.map;
+  const float* __restrict v_map = s.v.map;
+  const bool m_uns = !s.m.is_signed, v_uns = !s.v.is_signed;
+  const uint64_t key = s.key;
+  for (int64_t i = 0; i < len; ++i) {
+    const int64_t k = lo + i;
+    float pi, gi;
+    if constexpr (PM == kPF32) pi = param[k];
+    else pi = bf16_to_f32(param[k]);
+    if constexpr (GBF) gi = bf16_to_f32(grad[k]) * sgn;
+    else gi = grad[k] * sgn;
+    if (L2) {
+      gi = gi + pi * wd;
+    } else {
+      pi = pi * decay;
+    }
+    const float vi = moment_in<VF>(vd, vb, v_map, vs, k, i);
+    const float vn = vi * b2 + (omb2 * gi) * gi;
+    if (PASS1) {
+      vb[i] = vn;
+      continue;
+    }
+    const float mi = moment_in<MF>(md, mb, m_map, ms, k, i);
+    const float mn = low ? mi + w * (gi - mi) : gi - (gi - mi) * omw;
+    const float denom = std::sqrt(vn) / bc2 + eps;
+    const float pn = pi + (neg_step * mn) / denom;
+    if constexpr (PM == kPF32) {
+      param[k] = pn;
+    } else if constexpr (PM == kPBf16) {
+      param[k] = f32_to_bf16(pn);
+    } else {
+      const uint32_t u = bits_of(pn);
+      const uint32_t noise = static_cast<uint32_t>(mix(key, static_cast<uint64_t>(k)) >> 48);
+      const bool finite = (u & 0x7F800000u) != 0x7F800000u;  // inf, NaN: never perturbed
+      param[k] = finite ? static_cast<uint16_t>((u + noise) >> 16) : f32_to_bf16(pn);
+    }
+    moment_out<MF>(md, mb, m_uns, k, i, mn);
+    moment_out<VF>(vd, vb, v_uns, k, i, vn);
+  }
+}
+
+inline bool blocked(int32_t fmt) { return fmt != kPlain && fmt != kBf16; }
+
+inline float block_scale(const CcMoment& mo, int64_t lo) {
+  return mo.fmt == kInt8 || mo.fmt == kFp8 ? mo.absmax[lo / mo.block] : 0.0f;
+}
+
+template <int MF, int VF, int PM, bool GBF, bool L2, bool PASS1>
+void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
+  if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.scale.data());
+  if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.scale.data());
+  using PT = std::conditional_t<PM == kPF32, float, uint16_t>;
+  using GT = std::conditional_t<GBF, uint16_t, float>;
+  fused_loop<MF, VF, PM, GBF, L2, PASS1>(
+      s, lo, len, static_cast<PT*>(s.param), static_cast<const GT*>(s.grad), s.m.data,
+      b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo));
+  if (PASS1) return;
+  if (blocked(MF)) encode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.codes.data());
+  if (blocked(VF)) encode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.codes.data());
+}
+
+using TileFn = void (*)(const CcStep&, int64_t, int64_t, Buffers&);
+
+template <int MF, int VF, int PM, bool GBF, bool L2>
+TileFn pick_pass(bool pass1) {
+  if constexpr (VF == kRank1) {
+    if (pass1) return &fused_tile<MF, VF, PM, GBF, L2, true>;
+  } else {
+    if (pass1) return nullptr;
+  }
+  return &fused_tile<MF, VF, PM, GBF, L2, false>;
+}
+
+template <int MF, int VF>
+TileFn pick_formats(int pm, bool gbf, bool l2, bool pass1) {
+#define CC_PICK(PM, GBF)                                                                   \
+  if (pm == PM && gbf == GBF)                                                              \
+    return l2 ? pick_pass<MF, VF, PM, GBF, true>(pass1) : pick_pass<MF, VF, PM, GBF, false>(pass1);
+  CC_PICK(kPF32, false)
+  CC_PICK(kPF32, true)
+  CC_PICK(kPBf16, false)
+  CC_PICK(kPBf16, true)
+  CC_PICK(kPBf16Sr, false)
+  CC_PICK(kPBf16Sr, true)
+#undef CC_PICK
+  return nullptr;
+}
+
+// The fused tile for this step (pass 1 of a rank-1 moment, or the update), or nullptr.
+TileFn pick(const CcStep& s, bool pass1) {
+  int pm;
+  if (s.param_dtype == kF32) pm = kPF32;
+  else if (s.param_dtype == kBF16) pm = s.stochastic ? kPBf16Sr : kPBf16;
+  else return nullptr;
+  if (s.grad_dtype == kF16) return nullptr;
+  const bool gbf = s.grad_dtype == kBF16, l2 = s.l2 != 0;
+  const int mf = s.m.fmt, vf = s.v.fmt;
+  if (mf == kPlain && vf == kPlain) return pick_formats<kPlain, kPlain>(pm, gbf, l2, pass1);
+  if (mf == kBf16 && vf == kBf16) return pick_formats<kBf16, kBf16>(pm, gbf, l2, pass1);
+  if (mf == kInt8 && vf == kInt8) return pick_formats<kInt8, kInt8>(pm, gbf, l2, pass1);
+  if (mf == kFp8 && vf == kFp8) return pick_formats<kFp8, kFp8>(pm, gbf, l2, pass1);
+  if (mf == kInt4 && vf == kInt4) return pick_formats<kInt4, kInt4>(pm, gbf, l2, pass1);
+  if (mf == kInt4 && vf == kRank1) return pick_formats<kInt4, kRank1>(pm, gbf, l2, pass1);
+  return nullptr;
+}
+
 int64_t tile_of(const CcStep& s) {
   for (const CcMoment* mo : {&s.m, &s.v})
     if (mo->fmt == kInt8 || mo->fmt == kFp8 || mo->fmt == kInt4) return mo->block;
@@ -354,10 +555,12 @@ void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_
                   uint32_t* cols, const CcMoment& mo, bool is_m) {
   Buffers b(tile);
   const int64_t ncols = s.n / mo.rows;
+  const TileFn fused = is_m ? nullptr : pick(s, true);
   for (int64_t t = lo; t < hi; t += tile) {
     const int64_t len = t + tile < hi ? tile : hi - t;
-    tile_update(s, t, len, b);
-    const float* x = is_m ? b.m.data() : b.v.data();
+    if (fused != nullptr) fused(s, t, len, b);
+    else tile_update(s, t, len, b, false);
+    const float* x = is_m ? b.m.data() : b.v.data();  // write=false: the buffers
     int64_t r = t / ncols, c = t % ncols;
     for (int64_t i = 0; i < len; ++i) {
       const uint32_t a = bits_of(clamp_finite(x[i])) & 0x7FFFFFFFu;
@@ -373,12 +576,17 @@ void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_
 
 void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile) {
   Buffers b(tile);
+  const TileFn fused = pick(s, false);
   for (int64_t t = lo; t < hi; t += tile) {
     const int64_t len = t + tile < hi ? tile : hi - t;
-    tile_update(s, t, len, b);
-    write_param(s, t, len, b.p.data());
-    encode(s.m, s.n, t, len, b.m.data(), b.scale.data());
-    encode(s.v, s.n, t, len, b.v.data(), b.scale.data());
+    if (fused != nullptr) {
+      fused(s, t, len, b);
+      continue;
+    }
+    tile_update(s, t, len, b, true);
+    if (s.param_dtype != kF32) write_param(s, t, len, b.p.data());
+    if (s.m.fmt != kPlain) encode(s.m, s.n, t, len, b.m.data(), b.scale.data(), b.codes.data());
+    if (s.v.fmt != kPlain) encode(s.v, s.n, t, len, b.v.data(), b.scale.data(), b.codes.data());
   }
 }
 
