@@ -39,7 +39,7 @@ struct CcMoment {
   float* new_rows;     // rank-1: the new rows (out)
   float* new_cols;     // rank-1: the new cols (out)
   const float* map;    // int8/int4: the map; fp8: the 256 values of the codes
-  const int32_t* table;  // int8/int4: the nearest-entry table (65536)
+  const uint8_t* table;  // int8/int4: the nearest-entry table (65536 codes)
   const float* bounds;   // int8/int4: the midpoints followed by +inf
 };
 
@@ -253,7 +253,7 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
     }
     return;
   }
-  const int32_t* __restrict table = mo.table;
+  const uint8_t* __restrict table = mo.table;
   const float* __restrict bounds = mo.bounds;
   // The nearest entry: bucketize(n, mids), by the table of maps.py (its bucket's code, plus
   // one above the bucket's midpoint).
@@ -561,15 +561,21 @@ void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_
     if (fused != nullptr) fused(s, t, len, b);
     else tile_update(s, t, len, b, false);
     const float* x = is_m ? b.m.data() : b.v.data();  // write=false: the buffers
-    int64_t r = t / ncols, c = t % ncols;
-    for (int64_t i = 0; i < len; ++i) {
-      const uint32_t a = bits_of(clamp_finite(x[i])) & 0x7FFFFFFFu;
-      if (a > rows[r]) rows[r] = a;
-      if (a > cols[c]) cols[c] = a;
-      if (++c == ncols) {
-        c = 0;
-        ++r;
+    int64_t r = t / ncols, c = t % ncols, i = 0;
+    while (i < len) {  // row by row: |x| as bits (NaN above every number), maxima
+      const int64_t run = ncols - c < len - i ? ncols - c : len - i;
+      uint32_t row = rows[r];
+      uint32_t* __restrict col = cols + c;
+      const float* __restrict xs = x + i;
+      for (int64_t k = 0; k < run; ++k) {
+        const uint32_t a = bits_of(clamp_finite(xs[k])) & 0x7FFFFFFFu;
+        row = a > row ? a : row;
+        col[k] = a > col[k] ? a : col[k];
       }
+      rows[r] = row;
+      i += run;
+      c = 0;
+      ++r;
     }
   }
 }

@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import torch
 
 from computectx.memory._rounding import draw_key, stochastic_round_keyed
+from computectx.memory.optim.state.maps import MapName, map_for, nearest_table
 from computectx.memory.optim.state.packed import (
     Maps,
     Packed,
@@ -309,7 +310,14 @@ def _repacked(
 
 # ----- the native CPU kernel -----------------------------------------------------------------
 
-_NATIVE_FORMATS = {"bf16": 1, "int8": 2, "fp8": 3, "int4": 4}
+
+@functools.cache
+def _byte_table(name: str) -> torch.Tensor:
+    """The nearest-entry table of map ``name`` (codes below 256) as uint8, on the CPU: a
+    quarter of the int32 table's cache lines."""
+    table = nearest_table(cast(MapName, name))
+    assert table is not None
+    return table.table.to(torch.uint8)
 
 
 @functools.cache
@@ -323,36 +331,27 @@ def _native_moment(laid: _Laid, host: Any) -> tuple[Any, tuple[torch.Tensor, ...
     rows and cols), or ``None`` where the kernel does not take it."""
     spec, parts, maps = laid.spec, laid.parts, laid.maps
     if spec is None:
-        return host.Moment(0, True, 0, 0, parts[0]), parts
-    if spec.format in ("int8", "int4") and (maps.table is None or maps.bounds is None):
+        return host.Moment(host.PLAIN, True, 0, 0, parts[0]), parts
+    if spec.format == "bf16":
+        return host.Moment(host.BF16, spec.signed, 0, 0, parts[0]), parts
+    if spec.format == "fp8":
+        values, table = _fp8_values(), None
+    elif maps.table is None or maps.bounds is None:
         return None  # no exact table: bucketize (the twin)
-    if spec.format != "bf16" and not spec.rank1 and spec.block % 2:
-        return None
+    else:
+        values, table = maps.values, _byte_table(map_for(spec.format, spec.signed))
+    lookup = {"map": values, "table": table, "bounds": maps.bounds}
     if spec.rank1:
         codes, rows, cols = parts
         new = (torch.empty_like(rows), torch.empty_like(cols))
         moment = host.Moment(
-            5,
-            spec.signed,
-            0,
-            rows.numel(),
-            codes,
-            rows,
-            cols,
-            *new,
-            maps.values,
-            maps.table,
-            maps.bounds,
+            host.RANK1, spec.signed, 0, rows.numel(), codes, rows, cols, *new, **lookup
         )
         return moment, (codes, *new)
-    fmt = _NATIVE_FORMATS[spec.format]
-    absmax = parts[1] if len(parts) > 1 else None
-    table = maps.values if spec.format != "fp8" else _fp8_values()
-    moment = host.Moment(
-        fmt, spec.signed, spec.block, 0, parts[0], absmax, None, None, None,
-        table, maps.table, maps.bounds,
-    )  # fmt: skip
-    return moment, parts
+    if spec.block % 2:
+        return None  # an int4 byte would straddle two blocks (two threads)
+    fmt = {"int8": host.INT8, "fp8": host.FP8, "int4": host.INT4}[spec.format]
+    return host.Moment(fmt, spec.signed, spec.block, 0, parts[0], parts[1], **lookup), parts
 
 
 def _native_update(
