@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any, ClassVar, TypedDict, cast
 
@@ -29,10 +30,11 @@ from computectx.dtypes import (
     outside_lattice_message,
     promote,
 )
-from computectx.kv_policy import KvFp8, parse_kv
+from computectx.kv_policy import KvField, KvFp8
 from computectx.optim_state import OptimState, OptimStateField, parse_optim_state
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.residency import Residency
+from computectx.saved import saved_call
 
 __all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
 
@@ -55,11 +57,6 @@ def parse_device(value: object) -> torch.device:
 def _lenient_dtype(value: object) -> object:
     # Names, aliases and torch dtypes become members; parse's error quotes anything else.
     return DType.parse(value)  # type: ignore[arg-type]
-
-
-def _lenient_kv(value: object) -> object:
-    # A dtype (as _lenient_dtype reads it) or an fp8 cache (KvFp8, its dict or text form).
-    return parse_kv(value)
 
 
 def _lenient_residency(value: object) -> object:
@@ -102,7 +99,6 @@ TorchDevice = Annotated[
 """A ``torch.device`` field that reads device strings and serializes as its string form."""
 
 DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
-KvField = Annotated[DType | KvFp8, BeforeValidator(_lenient_kv)]
 ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
 RecipeField = Annotated[Recipe | None, BeforeValidator(_lenient_recipe)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
@@ -133,16 +129,10 @@ _FLAGS: dict[str, tuple[DType, Recipe | None]] = {
 }
 
 DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
-"""The ``--dtype`` flag convention read by ``ComputeCtx.from_flag``: ``fp32``, ``fp16``,
-``bf16``, ``fp8_e4m3``, ``fp8_e5m2``, ``fp8_hybrid`` (delayed scaling), and the same three
-fp8 schemes with dynamic scaling, ``fp8_e4m3_dynamic``, ``fp8_e5m2_dynamic``,
-``fp8_hybrid_dynamic``; row-wise scaling, ``fp8_rowwise`` (E4M3 both ways, dynamic, one
-power-of-two step per row: torchao's ``ROWWISE``) and ``fp8_rowwise_gw_hp`` (the same with
-the weight-gradient GEMM in high precision: torchao's ``ROWWISE_WITH_GW_HP``); blocks,
-``fp8_block`` (1x128 tiles for activations and gradients, 128x128 blocks for weights,
-float32 scales: DeepSeek-V3's recipe; TransformerEngine's ``Float8BlockScaling`` defaults
-to power-of-two scales, the policy ``e4m3/block+pow2/dynamic/0``) and ``fp8_mx`` (MXFP8,
-1x32 blocks with E8M0 scales rounded ``rceil``: TransformerEngine's ``MXFP8BlockScaling``)."""
+"""The ``--dtype`` flags ``ComputeCtx.from_flag`` reads, in order: ``fp32``, ``fp16``, ``bf16``,
+the fp8 schemes with delayed scaling (``fp8_e4m3``, ``fp8_e5m2``, ``fp8_hybrid``), the same with
+dynamic scaling (``fp8_e4m3_dynamic``, ...), ``fp8_rowwise``, ``fp8_rowwise_gw_hp``,
+``fp8_block`` and ``fp8_mx`` (``from_flag`` and the table above say what each is)."""
 
 
 class CtxChanges(TypedDict, total=False):
@@ -377,28 +367,24 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     # ----- the casts ----------------------------------------------------------------------
 
-    def precise(self, t: torch.Tensor, f: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    def precise(
+        self, t: torch.Tensor, f: Callable[..., torch.Tensor], *operands: torch.Tensor
+    ) -> torch.Tensor:
         """Run ``f`` on ``t`` lifted to ``t.dtype ⊔ accum``; return the result in ``t.dtype``.
 
         The upcast ⊣ downcast pair around norms, softmax and RoPE. When ``t`` is already at
         (or above) ``accum``, ``f`` receives ``t`` itself and nothing is cast, so the all-F32
         policy pays nothing. ``t`` must hold a lattice dtype (fp8, integer and bool tensors
         raise ``PromotionError``), and so must ``f``'s result when it has to be cast back.
+        ``operands`` (a norm's weight) reach ``f`` after ``t``. The backward keeps what
+        ``activations.precise`` says (``computectx.saved``: under ``fp8`` or ``recompute``
+        only ``t`` and the operands; ``f`` runs again and must close over no trainable tensor).
         """
-        src = t.dtype
-        work = _WORK_DTYPE.get((src, self.accum))
-        if work is None:
-            raise PromotionError(outside_lattice_message(src))
-        if work is src:
-            return f(t)
-        out = f(t.to(work))
-        if not is_compute_dtype(out.dtype):
-            raise PromotionError(
-                f"precise: f returned a {out.dtype} tensor, which cannot be cast back to "
-                f"{src} without loss of meaning; return a floating tensor from f, or call f "
-                f"outside precise"
-            )
-        return out.to(src)
+        if (work := _WORK_DTYPE.get((t.dtype, self.accum))) is None:
+            raise PromotionError(outside_lattice_message(t.dtype))
+        policy = self.activations
+        lifted = functools.partial(_lifted, f, work)
+        return saved_call(lifted, t, *operands, mode=policy.precise, group=policy.group)
 
     def to_compute(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` at the compute dtype (the residual-stream entry boundary); ``t`` itself if
@@ -491,6 +477,20 @@ def _nested_errors(e: ValidationError) -> ValueError:
     if errors and all(err["loc"][:1] in nested for err in errors):
         return ValueError(validation_message(e, "ComputeCtx", ComputeCtx.model_fields))
     return e
+
+
+def _lifted(
+    f: Callable[..., torch.Tensor], work: torch.dtype, t: torch.Tensor, *operands: torch.Tensor
+) -> torch.Tensor:
+    # precise's body: f at the work dtype, its result back at t's dtype.
+    if work is (src := t.dtype):
+        return f(t, *operands)
+    if not is_compute_dtype((out := f(t.to(work), *operands)).dtype):
+        raise PromotionError(
+            f"precise: f returned a {out.dtype} tensor, which cannot be cast back to {src} "
+            f"without loss of meaning; return a floating tensor from f, or call f outside precise"
+        )
+    return out.to(src)
 
 
 # (input torch dtype, accum) -> the torch dtype precise() runs f in: input ⊔ accum. One

@@ -25,6 +25,7 @@ __all__ = [
     "KV_RECENT_MAX",
     "KV_SCALINGS",
     "KV_STEPS",
+    "KvField",
     "KvFp8",
     "KvScaling",
     "KvStep",
@@ -301,3 +302,8 @@ def parse_kv(value: object) -> DType | KvFp8:
             f"'step': ..., 'recent': ...}}, an fp8 format (Fp8Format, a torch fp8 dtype) or "
             f"the text {_KV_FORM}"
         ) from None
+
+
+KvField = Annotated[DType | KvFp8, BeforeValidator(parse_kv)]
+"""The ``ComputeCtx.kv`` field: a dtype (as ``DType.parse`` reads it) or an fp8 cache (a
+``KvFp8``, its dict or its text form), as ``parse_kv`` reads them."""

@@ -54,5 +54,6 @@ def test_importing_the_core_loads_nothing_downstream() -> None:
         "'computectx.kv_policy',",
         "'computectx.optim_state',",
         "'computectx.recipes',",
-        "'computectx.residency']",
+        "'computectx.residency',",
+        "'computectx.saved']",
     ]

@@ -47,8 +47,9 @@ CORE_RANK: dict[str, int] = {
     "computectx.activations": 1,  # how the backward keeps activations (Activations)
     "computectx.residency": 1,
     "computectx.capability": 1,
-    "computectx.ctx": 2,
-    "computectx": 3,  # the package face re-exports the core
+    "computectx.saved": 2,  # what an op keeps for its backward (saved_call)
+    "computectx.ctx": 3,
+    "computectx": 4,  # the package face re-exports the core
 }
 
 # layer -> the layers it may import (besides itself).

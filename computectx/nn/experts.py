@@ -55,6 +55,7 @@ from computectx.formats.seam import (
     held_experts,
 )
 from computectx.nn.gemm import Gemm, GemmPath
+from computectx.nn.mlp import swiglu
 from computectx.nn.params import param_dtype
 
 __all__ = ["GroupedExperts", "grouped_linear"]
@@ -201,7 +202,7 @@ class GroupedExperts(nn.Module):
         with self.ctx.autocast():
             x = self.ctx.to_compute(x)
             h = self._mm(x, gate_up, offs)
-            act = nn.functional.silu(h[:, : self.hidden]) * h[:, self.hidden :]
+            act = swiglu(self.ctx, h[:, : self.hidden], h[:, self.hidden :])
             return self.ctx.to_compute(self._mm(act, down, offs))
 
     def _weight(self, name: str) -> torch.Tensor | ServingWeight:

@@ -8,8 +8,21 @@ from torch import nn
 from computectx.ctx import ComputeCtx
 from computectx.nn.gemm import Gemm
 from computectx.nn.params import apply_recipe, param_dtype
+from computectx.saved import saved_call
 
-__all__ = ["MLP"]
+__all__ = ["MLP", "swiglu"]
+
+
+def swiglu(ctx: ComputeCtx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up``, its backward keeping both inputs as ``ctx.activations.act_fn``
+    says (``computectx.saved``: ``fp8`` keeps them as E4M3 groups, ``recompute`` as they are,
+    and neither keeps ``silu(gate)``)."""
+    policy = ctx.activations
+    return saved_call(_swiglu, gate, up, mode=policy.act_fn, group=policy.group, inputs=2)
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return nn.functional.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -35,5 +48,5 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with self.ctx.autocast():
             g = self.gemm
-            h = nn.functional.silu(g.project(self.gate, x)) * g.project(self.up, x)
+            h = swiglu(self.ctx, g.project(self.gate, x), g.project(self.up, x))
             return self.ctx.to_compute(g.project(self.down, h))

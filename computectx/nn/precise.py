@@ -25,11 +25,13 @@ def rms_norm(
     final one, so the result is the correctly rounded norm to within an ulp.
     """
 
-    def f(t: torch.Tensor) -> torch.Tensor:
+    def f(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         inv = torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + eps)
-        return t * inv * weight.to(t.dtype)
+        return t * inv * w.to(t.dtype)
 
-    return ctx.precise(x, f)
+    # The weight is an operand, not a closure: under ctx.activations' fp8 or recompute the
+    # backward runs f again and differentiates it with respect to its arguments only.
+    return ctx.precise(x, f, weight)
 
 
 def softmax(ctx: ComputeCtx, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -77,9 +79,9 @@ def apply_rope(
             f"{tuple(cos.shape)} / {tuple(sin.shape)}; expected (T, {half}) for both"
         )
 
-    def f(t: torch.Tensor) -> torch.Tensor:
+    def f(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         c, s = cos.to(t.dtype), sin.to(t.dtype)
         a, b = t[..., :half], t[..., half:]
         return torch.cat((a * c - b * s, a * s + b * c), dim=-1)
 
-    return ctx.precise(x, f)
+    return ctx.precise(x, f, cos, sin)

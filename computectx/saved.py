@@ -1,0 +1,213 @@
+"""What an op keeps for its backward, as ``ComputeCtx.activations`` says: the one mechanism.
+
+``saved_call(f, x, *operands, mode=..., group=...)`` is ``f(x, *operands)`` whose backward keeps
+only ``x`` and the ``operands``, never ``f``'s internals (``inputs=2``: the first two tensors
+are activations kept as ``mode`` says, as SwiGLU's gate and up):
+
+- ``keep``: ``f`` runs as any code does; autograd keeps what its ops save (today's behaviour).
+- ``recompute``: ``x`` is kept as it arrived; the backward runs ``f`` again on it.
+- ``fp8``: ``x`` is kept as E4M3 codes with one float32 scale per ``group`` consecutive
+  elements along its last dimension (COAT's per-group 1x128, arXiv 2410.19313); the backward
+  runs ``f`` again on the decoded ``x``, so the gradient is ``f``'s exact vjp at a point within
+  half an E4M3 step (relative ``2**-4``) of ``x``, elementwise.
+
+The backward is ``f``'s vjp at the kept point: ``torch.autograd.grad`` of ``f`` run again in
+eager mode, ``torch.func.vjp`` when dynamo traces it, so the whole call, forward and backward,
+compiles with ``torch.compile(fullgraph=True)`` (``torch.autograd.grad`` inside a backward, and
+saved-tensor hooks entered inside a compiled region, do not; a compiled call under
+saved-tensor hooks entered outside it is refused by ``torch.func``: a known limit). ``f`` must be
+deterministic (no dropout: it runs twice) and must receive every tensor that needs a gradient
+as an operand: a tensor it closes over gets none (``saved_call`` refuses a closure over one it
+can see: a tensor or a module's parameter in ``f``'s closure cells or bound ``self``).
+Inside an activation-checkpointed region what this call keeps is dropped and recomputed like
+anything else: the codes are a function of ``x``, so the recomputation keeps the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any, Final
+
+import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
+
+from computectx.activations import SaveMode
+
+__all__ = ["E4M3_MAX", "decode_groups", "encode_groups", "saved_call"]
+
+E4M3_MAX: Final = 448.0
+"""The largest finite E4M3 magnitude: each group's scale is ``absmax / 448``."""
+_TINY: Final = torch.finfo(torch.float32).tiny
+
+
+def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` as E4M3 codes ``(rows, groups * group)`` and float32 scales ``(rows, groups)``,
+    one per ``group`` consecutive elements of the last dimension (zero-padded to whole groups).
+
+    A group's scale is ``absmax / 448`` (the ``fp8`` optimizer state's rule), so its largest
+    element codes to ±448 and none saturates; a group of zeros gets the scale 1, and a group
+    holding inf or NaN decodes as NaN throughout (it would poison the gradient anyway). A scale
+    under float32's smallest normal is raised to it: no division by zero or by a subnormal."""
+    width = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(x.numel() // width if width else x.shape[:-1].numel(), width)
+    rows = rows.to(torch.float32)
+    n_groups = -(-width // group)
+    grouped = torch.nn.functional.pad(rows, (0, n_groups * group - width))
+    grouped = grouped.reshape(rows.shape[0], n_groups, group)
+    amax = grouped.abs().amax(dim=-1, keepdim=True)
+    usable = torch.isfinite(amax) & (amax > 0)
+    # A non-finite group's scale is its amax (inf or NaN): every element decodes as NaN,
+    # where a scale of 1 would let the cast saturate inf to a finite 448.
+    other = torch.where(amax == 0, torch.ones_like(amax), amax)
+    scale = torch.where(usable, (amax / E4M3_MAX).clamp_min(_TINY), other)
+    # The clamp only takes rounding's last ulp off the largest element of a group.
+    scaled = (grouped / scale).clamp(-E4M3_MAX, E4M3_MAX)
+    codes = scaled.to(torch.float8_e4m3fn)
+    return codes.reshape(rows.shape[0], n_groups * group), scale.squeeze(-1)
+
+
+def decode_groups(
+    codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """The tensor ``encode_groups`` coded, as ``shape`` and ``dtype``: ``code * scale`` in
+    float32 (exact: an E4M3 value times a float32 scale needs 4 + 24 bits), rounded once."""
+    values = codes.reshape(*scale.shape, codes.shape[1] // max(scale.shape[1], 1))
+    rows = (values.to(torch.float32) * scale.unsqueeze(-1)).reshape(codes.shape)
+    return rows[:, : shape[-1] if shape else 1].to(dtype).reshape(shape)
+
+
+def saved_call(
+    f: Callable[..., torch.Tensor],
+    *tensors: torch.Tensor,
+    mode: SaveMode,
+    group: int = 128,
+    inputs: int = 1,
+) -> torch.Tensor:
+    """``f(*tensors)``, its backward keeping the first ``inputs`` tensors (the activations) as
+    ``mode`` says and the rest (the operands: weights, tables) as they are (module docstring).
+
+    ``offload`` is not built yet (``NotImplementedError``). Without a graph to build (grad
+    disabled, or nothing needing a gradient) ``f`` just runs."""
+    if mode == "keep" or not torch.is_grad_enabled():
+        return f(*tensors)
+    if not any(t.requires_grad for t in tensors):
+        return f(*tensors)
+    if mode not in ("fp8", "recompute"):
+        raise NotImplementedError(
+            f"activations kept as {mode!r} are not built yet; accepted here: keep, fp8, recompute"
+        )
+    if not 1 <= inputs <= len(tensors):
+        raise ValueError(f"saved_call: inputs={inputs} of {len(tensors)} tensors")
+    if not torch.compiler.is_compiling():
+        _check_closure(f)
+    y: torch.Tensor = _SavedCall.apply(f, mode == "fp8", group, inputs, *tensors)  # type: ignore[no-untyped-call]
+    return y
+
+
+class _SavedCall(torch.autograd.Function):
+    """``f(*tensors)`` keeping the inputs (as they are or as fp8 groups) and the operands."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        f: Callable[..., torch.Tensor],
+        fp8: bool,
+        group: int,
+        inputs: int,
+        *tensors: torch.Tensor,
+    ) -> torch.Tensor:
+        y = f(*tensors)
+        c: Any = ctx
+        c.f, c.fp8, c.inputs = f, fp8, inputs
+        c.like = [(x.shape, x.dtype) for x in tensors[:inputs]]
+        if fp8:  # codes and scales of each input, in turn
+            kept = [part for x in tensors[:inputs] for part in encode_groups(x, group)]
+        else:
+            kept = list(tensors[:inputs])
+        ctx.save_for_backward(*kept, *tensors[inputs:])
+        c.autocast = _autocast_state(tensors[0].device.type)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        saved = ctx.saved_tensors
+        n_kept = 2 * ctx.inputs if ctx.fp8 else ctx.inputs
+        kept, operands = saved[:n_kept], saved[n_kept:]
+        if ctx.fp8:
+            pairs = zip(kept[::2], kept[1::2], ctx.like, strict=True)
+            xs = [decode_groups(codes, scale, *like) for codes, scale, like in pairs]
+        else:
+            xs = list(kept)
+        needs = ctx.needs_input_grad[4:]
+        with _autocast(ctx.autocast):
+            if torch.compiler.is_compiling():  # what dynamo traces in a backward
+                grads = torch.func.vjp(ctx.f, *xs, *operands)[1](dy)
+            else:
+                grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
+        return (None,) * 4 + tuple(g if n else None for g, n in zip(grads, needs, strict=True))
+
+
+def _recomputed_grads(
+    f: Callable[..., torch.Tensor], tensors: list[torch.Tensor], needs: tuple[bool, ...], dy: Any
+) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``f`` at ``tensors`` (those ``needs`` asks for) by running it again.
+
+    ``torch.autograd.grad`` rather than ``torch.func.vjp``, which refuses to run under
+    saved-tensor hooks (``save_on_cpu`` or a counter around the forward and backward). Identity
+    hooks on top hide this transient graph from such outer hooks: it lives for this call only
+    and is no activation the forward kept."""
+    leaves = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs, strict=True)]
+    wanted = [t for t in leaves if t.requires_grad]
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
+        found = iter(torch.autograd.grad(f(*leaves), wanted, dy, allow_unused=True))
+    return tuple(next(found) if t.requires_grad else None for t in leaves)
+
+
+def _same(t: Any) -> Any:
+    return t
+
+
+def _autocast_state(device: str) -> tuple[str, torch.dtype] | None:
+    # The forward's autocast, for the backward's run of f (the engine does not carry it).
+    return (device, torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else None
+
+
+def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager[Any]:
+    return contextlib.nullcontext() if state is None else torch.autocast(state[0], dtype=state[1])
+
+
+def _check_closure(f: Callable[..., torch.Tensor]) -> None:
+    """Refuse an ``f`` that closes over a tensor needing a gradient (it would get none)."""
+    for where, value in _captured(f, depth=3):
+        tensors = value.parameters() if isinstance(value, torch.nn.Module) else [value]
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
+            raise ValueError(
+                f"the function kept by saved_call or ctx.precise closes over {where}, which "
+                f"holds a tensor that needs a gradient; the backward, which runs it again, "
+                f"would give that tensor none. Pass it as an operand: ctx.precise(x, f, w) "
+                f"with f(x, w), or saved_call(f, x, w, ...)"
+            )
+
+
+def _captured(f: object, depth: int) -> Iterator[tuple[str, object]]:
+    # What f can reach without being given it: its bound self, its closure cells and a
+    # functools.partial's bound arguments, and so on for the functions among them (a few
+    # levels: ctx.precise wraps the caller's f in one of its own).
+    found: list[tuple[str, object]] = []
+    bound = getattr(f, "__self__", None)
+    if bound is not None:
+        found.append(("its bound self", bound))
+    inner = getattr(f, "func", None)
+    if inner is not None:
+        found += [("a partial's function", inner)]
+        found += [(f"partial argument {i}", a) for i, a in enumerate(getattr(f, "args", ()))]
+    names = getattr(getattr(f, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, getattr(f, "__closure__", None) or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            found.append((f"the variable {name!r}", cell.cell_contents))
+    for where, value in found:
+        yield where, value
+        if depth > 1 and callable(value) and not isinstance(value, torch.nn.Module):
+            yield from _captured(value, depth - 1)

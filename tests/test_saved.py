@@ -1,0 +1,253 @@
+"""What an op keeps for its backward (``computectx.saved``), as ``ctx.activations`` says: the
+bytes autograd keeps (counted, not timed), the fp8 group codec's bound, gradients against
+``keep`` (exact for ``recompute``, within the codec's bound for ``fp8``), and composition with
+checkpointing, saved-tensor hooks and ``torch.compile``."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.checkpoint import checkpoint
+
+from computectx import ComputeCtx, DType
+from computectx.nn.mlp import swiglu
+from computectx.nn.precise import apply_rope, rms_norm, rope_tables, softmax
+from computectx.saved import E4M3_MAX, decode_groups, encode_groups, saved_call
+
+ROWS, WIDTH = 64, 256
+N = ROWS * WIDTH
+
+
+def _ctx(spec: str) -> ComputeCtx:
+    return ComputeCtx.new(DType.BF16, "cpu").with_activations(spec)
+
+
+def _saved_bytes(run: Callable[[], object], exclude: Iterable[torch.Tensor] = ()) -> int:
+    """The bytes of every storage autograd keeps for the backward while ``run`` runs (each
+    storage once, parameters' not at all), as the demo's ``saved MiB`` counts them."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = t.untyped_storage().data_ptr()
+        if key not in skip and key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return total
+
+
+def _inputs(outlier: float = 200.0) -> tuple[torch.Tensor, torch.nn.Parameter, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(ROWS, WIDTH, generator=g) * 3
+    x[3, 5] = outlier  # one outlier: its group's scale is 200 / 448
+    w = torch.nn.Parameter(torch.rand(WIDTH, generator=g) + 0.5)
+    dy = torch.randn(ROWS, WIDTH, generator=g)
+    return x.to(torch.bfloat16), w, dy.to(torch.bfloat16)
+
+
+def _norm_grads(spec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    x0, w, dy = _inputs()
+    x = x0.clone().requires_grad_()
+    torch.autograd.backward(rms_norm(_ctx(spec), x, w), dy)
+    assert x.grad is not None and w.grad is not None
+    return x.grad.float(), w.grad
+
+
+def _sqnr(approx: torch.Tensor, exact: torch.Tensor) -> float:
+    return float(10 * torch.log10(exact.pow(2).sum() / (approx - exact).pow(2).sum()))
+
+
+# ----- bytes kept ----------------------------------------------------------------------------
+
+
+def test_rms_norm_keeps_its_input_only_as_fp8_groups() -> None:
+    x0, w, _ = _inputs()
+    kept: dict[str, int] = {}
+    for mode in ("keep", "recompute", "fp8"):
+        ctx, x = _ctx(f"precise:{mode}"), x0.clone().requires_grad_()
+        kept[mode] = _saved_bytes(functools.partial(rms_norm, ctx, x, w), exclude=[w])
+    # keep: two float32 copies of x (x lifted, x * inv) and the per-row inverse rms.
+    assert kept["keep"] == 2 * 4 * N + 4 * ROWS
+    # recompute: x as it arrived (bf16); fp8: one byte per element, a float32 scale per 128.
+    assert kept["recompute"] == 2 * N
+    assert kept["fp8"] == N + 4 * N // 128
+    assert kept["keep"] / kept["fp8"] > 7.7
+
+
+def test_swiglu_keeps_both_inputs_as_fp8_groups() -> None:
+    x0, _, _ = _inputs()
+    kept: dict[str, int] = {}
+    for mode in ("keep", "recompute", "fp8"):
+        ctx = _ctx(f"act_fn:{mode}/group=32")
+        gate, up = x0.clone().requires_grad_(), x0.clone().requires_grad_()
+        kept[mode] = _saved_bytes(functools.partial(swiglu, ctx, gate, up))
+    assert kept["keep"] == 3 * 2 * N  # silu's input, silu(gate) and up, in bf16
+    assert kept["recompute"] == 2 * 2 * N
+    assert kept["fp8"] == 2 * (N + 4 * N // 32)
+
+
+def test_the_default_keeps_what_the_ops_save() -> None:
+    # precise:keep is the ctx.precise of before: f's own saves, nothing wrapped.
+    x0, w, _ = _inputs()
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    x = x0.clone().requires_grad_()
+    y = rms_norm(ctx, x, w)
+    assert type(y.grad_fn).__name__ == "ToCopyBackward0"
+    assert _saved_bytes(lambda: rms_norm(ctx, x, w), exclude=[w]) == 2 * 4 * N + 4 * ROWS
+
+
+# ----- gradients -----------------------------------------------------------------------------
+
+
+def test_recompute_gives_keeps_gradients_bit_for_bit() -> None:
+    for a, b in zip(_norm_grads("precise:recompute"), _norm_grads("keep"), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp8_gradients_are_within_the_codecs_bound_of_keep() -> None:
+    # E4M3 keeps 3 mantissa bits: each element within 2**-4 of itself (relative), so about
+    # 30 dB per element; the norm's input gradient sees less of it (the row's rms averages).
+    (dx, dw), (dx_keep, dw_keep) = _norm_grads("precise:fp8"), _norm_grads("keep")
+    assert _sqnr(dx, dx_keep) > 40
+    assert _sqnr(dw, dw_keep) > 28
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 5),
+    width=st.integers(1, 300),
+    group=st.sampled_from([16, 32, 64, 128]),
+    log_scale=st.integers(-30, 30),
+    data=st.data(),
+)
+def test_codec_rounds_each_element_within_half_an_e4m3_step(
+    rows: int, width: int, group: int, log_scale: int, data: st.DataObject
+) -> None:
+    seed = data.draw(st.integers(0, 2**31 - 1))
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)) * 2.0**log_scale
+    if data.draw(st.booleans()):
+        x[0, data.draw(st.integers(0, width - 1))] *= 1000  # an outlier
+    codes, scale = encode_groups(x, group)
+    assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
+    assert scale.shape == (rows, -(-width // group))
+    back = decode_groups(codes, scale, x.shape, torch.float32)
+    # Normal E4M3 codes (|c| >= 2**-6) round within 2**-4 relative; below, within half the
+    # smallest subnormal step, 2**-10, of the group's scale.
+    steps = scale.repeat_interleave(group, dim=1)[:, :width]
+    bound = torch.maximum(x.abs() * 2.0**-4, steps * 2.0**-10)
+    assert bool(((back - x).abs() <= bound).all())
+    # Each group's largest element codes to +-448 exactly: nothing saturates.
+    assert float(codes.float().abs().amax()) == E4M3_MAX
+
+
+@pytest.mark.parametrize("shape", [(), (0,), (3, 0), (0, 5), (2, 3, 130)])
+def test_codec_round_trips_any_shape(shape: tuple[int, ...]) -> None:
+    x = torch.full(shape, 0.75)
+    codes, scale = encode_groups(x, 64)
+    assert torch.equal(decode_groups(codes, scale, x.shape, torch.bfloat16), x.bfloat16())
+
+
+def test_codec_keeps_zeros_and_non_finite_groups() -> None:
+    x = torch.zeros(2, 256)
+    x[1, 130] = float("inf")
+    codes, scale = encode_groups(x, 128)
+    back = decode_groups(codes, scale, x.shape, torch.float32)
+    assert torch.equal(scale, torch.tensor([[1.0, 1.0], [1.0, float("inf")]]))
+    assert bool((back[0] == 0).all()) and bool((back[1, :128] == 0).all())
+    assert bool(back[1, 128:].isnan().all())  # the group with inf: NaN, never a finite 448
+
+
+# ----- composition ---------------------------------------------------------------------------
+
+
+def _block(ctx: ComputeCtx, w: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    cos, sin = rope_tables(WIDTH, ROWS)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        h = apply_rope(ctx, rms_norm(ctx, x, w), cos, sin)
+        return softmax(ctx, swiglu(ctx, h, 2 * h)).float().pow(2).sum()
+
+    return run
+
+
+def _grads_of(
+    run: Callable[[torch.Tensor], torch.Tensor], w: torch.nn.Parameter
+) -> list[torch.Tensor]:
+    x0, _, _ = _inputs()
+    x = x0.clone().requires_grad_()
+    w.grad = None
+    torch.autograd.backward(run(x))
+    assert x.grad is not None and w.grad is not None
+    return [x.grad, w.grad]
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_checkpointing_stays_exact(reentrant: bool) -> None:
+    _, w, _ = _inputs()
+    run = _block(_ctx("precise:fp8/act_fn:fp8"), w)
+    plain = _grads_of(run, w)
+    checkpointed = _grads_of(lambda x: checkpoint(run, x, use_reentrant=reentrant), w)
+    for a, b in zip(plain, checkpointed, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_hooks_around_forward_and_backward_see_only_what_the_forward_kept() -> None:
+    # The demo's counter (and save_on_cpu) span the backward too: the backward's run of f
+    # again is hidden from them (torch.func.vjp would refuse to run under them at all).
+    _, w, _ = _inputs()
+    run = _block(_ctx("precise:fp8/act_fn:fp8"), w)
+    plain = _grads_of(run, w)
+    with torch.autograd.graph.save_on_cpu():
+        offloaded = _grads_of(run, w)
+    for a, b in zip(plain, offloaded, strict=True):
+        assert torch.equal(a, b)
+    x0, _, _ = _inputs()
+    x = x0.clone().requires_grad_()
+    assert _saved_bytes(lambda: torch.autograd.backward(run(x)), exclude=[w]) == _saved_bytes(
+        lambda: run(x0.clone().requires_grad_()), exclude=[w]
+    )
+
+
+def test_compiles_whole_with_no_graph_break_and_the_eager_gradients() -> None:
+    _, w, _ = _inputs()
+    run = _block(_ctx("precise:fp8/act_fn:recompute"), w)
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    for a, b in zip(_grads_of(run, w), _grads_of(compiled, w), strict=True):
+        assert torch.equal(a, b)
+
+
+# ----- refusals ------------------------------------------------------------------------------
+
+
+def test_a_closure_over_a_trainable_tensor_is_refused() -> None:
+    x0, w, _ = _inputs()
+    x = x0.clone().requires_grad_()
+    ctx = _ctx("precise:fp8")
+    with pytest.raises(ValueError, match=r"closes over the variable 'w'.*Pass it as an operand"):
+        ctx.precise(x, lambda t: t * w)
+    torch.autograd.backward(ctx.precise(x, lambda t, v: t * v, w).sum())  # an operand: fine
+    assert w.grad is not None
+    # Under keep nothing runs twice, so a closure is as fine as ever.
+    torch.autograd.backward(_ctx("keep").precise(x, lambda t: t * w).sum())
+
+
+def test_offload_is_not_built_yet_and_says_so() -> None:
+    x0, w, _ = _inputs()
+    x = x0.clone().requires_grad_()
+    with pytest.raises(NotImplementedError, match="'offload' are not built yet"):
+        rms_norm(_ctx("precise:offload"), x, w)
+    with torch.no_grad():  # nothing kept: it just runs
+        rms_norm(_ctx("precise:offload"), x, w)
+    assert saved_call(torch.sin, x0, mode="offload").dtype == torch.bfloat16
