@@ -12,7 +12,7 @@
 #include <thread>
 #include <type_traits>
 #include <vector>
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -167,6 +167,17 @@ void rank1_scales(const float* __restrict rows, const float* __restrict cols, in
   }
 }
 
+// The value of an e4m3fn code (as torch's table of the 256 codes: exact).
+inline float e4m3_to_f32(uint32_t c) {
+  const uint32_t e = (c >> 3) & 15u, m = c & 7u;
+  const uint32_t sub = bits_of(static_cast<float>(m) * 0.001953125f);  // m * 2**-9
+  const uint32_t normal = ((e + 120u) << 23) | (m << 20);
+  const uint32_t is_sub = 0u - static_cast<uint32_t>(e == 0);  // masks: no branch
+  const uint32_t is_nan = 0u - static_cast<uint32_t>((c & 0x7Fu) == 0x7Fu);
+  const uint32_t mag = (((sub & is_sub) | (normal & ~is_sub)) & ~is_nan) | (0x7FC00000u & is_nan);
+  return float_of(((c & 0x80u) << 24) | mag);
+}
+
 // Decode elements [lo, lo + len) of ``mo`` into ``out`` (a tile never crosses a block).
 void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict out,
             float* __restrict scale) {
@@ -189,16 +200,31 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
     case kFp8: {
       const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo;
       const float s = mo.absmax[lo / mo.block];
-      for (int64_t i = 0; i < len; ++i) out[i] = map[d[i]] / 448.0f * s;
+      for (int64_t i = 0; i < len; ++i) out[i] = e4m3_to_f32(d[i]) / 448.0f * s;
       return;
     }
     default: {  // int4, blocked or rank-1; lo is even
       const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo / 2;
-      for (int64_t j = 0; j < len / 2; ++j) {
-        out[2 * j] = map[d[j] & 15];
-        out[2 * j + 1] = map[d[j] >> 4];
+      float map16[16] = {};  // the signed map has 15 entries
+      for (int k = 0; k < (mo.is_signed ? 15 : 16); ++k) map16[k] = map[k];
+      int64_t j = 0;
+#if defined(__AVX512F__)
+      // 16 codes at a time, looked up in a register (the compiler's gathers go to memory).
+      const __m512 table = _mm512_loadu_ps(map16);
+      const __m128i low4 = _mm_set1_epi8(15);
+      for (; 2 * j + 16 <= len; j += 8) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + j));
+        const __m128i lo_n = _mm_and_si128(bytes, low4);
+        const __m128i hi_n = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+        const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo_n, hi_n));
+        _mm512_storeu_ps(out + 2 * j, _mm512_permutexvar_ps(idx, table));
       }
-      if (len & 1) out[len - 1] = map[d[len / 2] & 15];
+#endif
+      for (; j < len / 2; ++j) {
+        out[2 * j] = map16[d[j] & 15];
+        out[2 * j + 1] = map16[d[j] >> 4];
+      }
+      if (len & 1) out[len - 1] = map16[d[len / 2] & 15];
       if (mo.fmt == kInt4) {
         const float s = mo.absmax[lo / mo.block];
         for (int64_t i = 0; i < len; ++i) out[i] = out[i] * s;
@@ -207,6 +233,19 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
         for (int64_t i = 0; i < len; ++i) out[i] = out[i] * scale[i];
       }
     }
+  }
+}
+
+// bucketize(n, mids) for NM midpoints and no NaN: the number of midpoints below n.
+template <int NM>
+void count_codes(const float* __restrict n, int64_t len, const float* __restrict mids,
+                 uint8_t* __restrict codes) {
+  float m[NM];
+  for (int j = 0; j < NM; ++j) m[j] = mids[j];
+  for (int64_t i = 0; i < len; ++i) {
+    int32_t c = 0;
+    for (int j = 0; j < NM; ++j) c += n[i] > m[j] ? 1 : 0;
+    codes[i] = static_cast<uint8_t>(c);
   }
 }
 
@@ -257,9 +296,16 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
   const float* __restrict bounds = mo.bounds;
   // The nearest entry: bucketize(n, mids), by the table of maps.py (its bucket's code, plus
   // one above the bucket's midpoint).
-  for (int64_t i = 0; i < len; ++i) {
-    const int32_t code = table[bits_of(n[i]) >> 16];
-    codes[i] = static_cast<uint8_t>(code + (n[i] > bounds[code] ? 1 : 0));
+  if (mo.fmt != kInt8 && amax_bits <= 0x7F800000u) {
+    // int4: bucketize as the count of the 14 or 15 midpoints below n (no NaN in the tile;
+    // the table gives the same code, and a NaN's as bucketize does).
+    if (mo.is_signed) count_codes<14>(n, len, bounds, codes);
+    else count_codes<15>(n, len, bounds, codes);
+  } else {
+    for (int64_t i = 0; i < len; ++i) {
+      const int32_t code = table[bits_of(n[i]) >> 16];
+      codes[i] = static_cast<uint8_t>(code + (n[i] > bounds[code] ? 1 : 0));
+    }
   }
   if (mo.fmt == kInt8) {  // an unsigned x > 0 never takes code 0 (the map's zero)
     uint8_t* __restrict out = d + lo;
@@ -437,7 +483,7 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
   const float bc2 = s.hp[5], eps = s.hp[6], neg_step = s.hp[7];
   const float sgn = s.maximize ? -1.0f : 1.0f;  // g * -1 is -g, exactly
   const bool low = w < 0.5f;
-  const float omw = 1.0f - w;
+  const float coef = low ? w : -(1.0f - w);
   const float* __restrict m_map = s.m.map;
   const float* __restrict v_map = s.v.map;
   const bool m_uns = !s.m.is_signed, v_uns = !s.v.is_signed;
@@ -461,7 +507,9 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
       continue;
     }
     const float mi = moment_in<MF>(md, mb, m_map, ms, k, i);
-    const float mn = low ? mi + w * (gi - mi) : gi - (gi - mi) * omw;
+    // torch's lerp, by the weight: m + w * (g - m), or g - (g - m) * (1 - w) written as
+    // g + (-(1 - w)) * (g - m) (the same rounding): one formula, no per-element branch.
+    const float mn = (low ? mi : gi) + coef * (gi - mi);
     const float denom = std::sqrt(vn) / bc2 + eps;
     const float pn = pi + (neg_step * mn) / denom;
     if constexpr (PM == kPF32) {
