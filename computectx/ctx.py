@@ -21,7 +21,12 @@ from pydantic import (
 from typing_extensions import Self, Unpack
 
 from computectx._checks import validation_message
-from computectx.activations import Activations, ActivationsField, parse_activations
+from computectx.activations import (
+    ActivationKind,
+    Activations,
+    ActivationsField,
+    parse_activations,
+)
 from computectx.dtypes import (
     DType,
     PromotionError,
@@ -52,15 +57,6 @@ def parse_device(value: object) -> torch.device:
         except RuntimeError:
             pass
     raise ValueError(f"bad device {value!r}; accepted: {_DEVICE_SPELLINGS}")
-
-
-def _lenient_dtype(value: object) -> object:
-    # Names, aliases and torch dtypes become members; parse's error quotes anything else.
-    return DType.parse(value)  # type: ignore[arg-type]
-
-
-def _lenient_residency(value: object) -> object:
-    return Residency.parse(value)  # type: ignore[arg-type]  # parse quotes a bad input
 
 
 def _is_none_text(value: object) -> bool:
@@ -98,8 +94,9 @@ TorchDevice = Annotated[
 ]
 """A ``torch.device`` field that reads device strings and serializes as its string form."""
 
-DTypeField = Annotated[DType, BeforeValidator(_lenient_dtype)]
-ResidencyField = Annotated[Residency, BeforeValidator(_lenient_residency)]
+# Names, aliases and torch dtypes become members; parse's error quotes anything else.
+DTypeField = Annotated[DType, BeforeValidator(DType.parse)]
+ResidencyField = Annotated[Residency, BeforeValidator(Residency.parse)]
 RecipeField = Annotated[Recipe | None, BeforeValidator(_lenient_recipe)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
 
@@ -368,7 +365,11 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     # ----- the casts ----------------------------------------------------------------------
 
     def precise(
-        self, t: torch.Tensor, f: Callable[..., torch.Tensor], *operands: torch.Tensor
+        self,
+        t: torch.Tensor,
+        f: Callable[..., torch.Tensor],
+        *operands: torch.Tensor,
+        kind: ActivationKind = "precise",
     ) -> torch.Tensor:
         """Run ``f`` on ``t`` lifted to ``t.dtype ⊔ accum``; return the result in ``t.dtype``.
 
@@ -377,14 +378,14 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         policy pays nothing. ``t`` must hold a lattice dtype (fp8, integer and bool tensors
         raise ``PromotionError``), and so must ``f``'s result when it has to be cast back.
         ``operands`` (a norm's weight) reach ``f`` after ``t``. The backward keeps what
-        ``activations.precise`` says (``computectx.saved``: under ``fp8`` or ``recompute``
-        only ``t`` and the operands; ``f`` runs again and must close over no trainable tensor).
+        ``activations`` says for ``kind`` (``computectx.saved``: ``f`` may then run again).
         """
         if (work := _WORK_DTYPE.get((t.dtype, self.accum))) is None:
             raise PromotionError(outside_lattice_message(t.dtype))
-        policy = self.activations
-        lifted = functools.partial(_lifted, f, work)
-        return saved_call(lifted, t, *operands, mode=policy.precise, group=policy.group)
+        if (mode := getattr(self.activations, kind)) == "keep":  # the default: nothing more
+            return _lifted(f, work, t, *operands)
+        body, group = functools.partial(_lifted, f, work), self.activations.group
+        return saved_call(body, t, *operands, mode=mode, group=group)
 
     def to_compute(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` at the compute dtype (the residual-stream entry boundary); ``t`` itself if
@@ -493,8 +494,7 @@ def _lifted(
     return out.to(src)
 
 
-# (input torch dtype, accum) -> the torch dtype precise() runs f in: input ⊔ accum. One
-# lookup on the hot path instead of three (dtype -> DType, join, DType -> torch dtype).
+# (input torch dtype, accum) -> input ⊔ accum: one lookup instead of three on the hot path.
 _WORK_DTYPE: dict[tuple[torch.dtype, DType], torch.dtype] = {
     (src.torch, accum): promote(src, accum).torch for src in DType for accum in DType
 }

@@ -26,6 +26,7 @@ anything else: the codes are a function of ``x``, so the recomputation keeps the
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
@@ -39,42 +40,48 @@ __all__ = ["E4M3_MAX", "decode_groups", "encode_groups", "saved_call"]
 E4M3_MAX: Final = 448.0
 """The largest finite E4M3 magnitude: each group's scale is ``absmax / 448``."""
 _TINY: Final = torch.finfo(torch.float32).tiny
+_POS_NAN, _NEG_NAN = 0x7F, 0xFF  # E4M3's two NaN codes: an infinity of each sign
 
 
 def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` as E4M3 codes ``(rows, groups * group)`` and float32 scales ``(rows, groups)``,
     one per ``group`` consecutive elements of the last dimension (zero-padded to whole groups).
 
-    A group's scale is ``absmax / 448`` (the ``fp8`` optimizer state's rule), so its largest
-    element codes to ±448 and none saturates; a group of zeros gets the scale 1, and a group
-    holding inf or NaN decodes as NaN throughout (it would poison the gradient anyway). A scale
-    under float32's smallest normal is raised to it: no division by zero or by a subnormal."""
+    A group's scale is ``absmax / 448`` over its finite elements (the ``fp8`` optimizer
+    state's rule), so its largest finite element codes to ±448 and none saturates; a group
+    with no finite non-zero element gets the scale 1. A scale under float32's smallest normal
+    is raised to it: no division by zero or by a subnormal. Infinities (an attention mask's
+    -inf) keep their sign: they are stored as E4M3's NaN codes with that sign bit (0x7F, 0xFF)
+    and decode as ±inf; a NaN element decodes as an infinity too (non-finite either way)."""
     width = x.shape[-1] if x.dim() else 1
     rows = x.reshape(x.numel() // width if width else x.shape[:-1].numel(), width)
     rows = rows.to(torch.float32)
     n_groups = -(-width // group)
     grouped = torch.nn.functional.pad(rows, (0, n_groups * group - width))
     grouped = grouped.reshape(rows.shape[0], n_groups, group)
-    amax = grouped.abs().amax(dim=-1, keepdim=True)
-    usable = torch.isfinite(amax) & (amax > 0)
-    # A non-finite group's scale is its amax (inf or NaN): every element decodes as NaN,
-    # where a scale of 1 would let the cast saturate inf to a finite 448.
-    other = torch.where(amax == 0, torch.ones_like(amax), amax)
-    scale = torch.where(usable, (amax / E4M3_MAX).clamp_min(_TINY), other)
+    finite = torch.isfinite(grouped)
+    values = torch.where(finite, grouped, torch.zeros_like(grouped))
+    amax = values.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp_min(_TINY), torch.ones_like(amax))
     # The clamp only takes rounding's last ulp off the largest element of a group.
-    scaled = (grouped / scale).clamp(-E4M3_MAX, E4M3_MAX)
-    codes = scaled.to(torch.float8_e4m3fn)
-    return codes.reshape(rows.shape[0], n_groups * group), scale.squeeze(-1)
+    bits = (values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    infinite = torch.where(torch.signbit(grouped), _NEG_NAN, _POS_NAN).to(torch.uint8)
+    bits = torch.where(finite, bits, infinite)
+    codes = bits.view(torch.float8_e4m3fn).reshape(rows.shape[0], n_groups * group)
+    return codes, scale.squeeze(-1)
 
 
 def decode_groups(
     codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
     """The tensor ``encode_groups`` coded, as ``shape`` and ``dtype``: ``code * scale`` in
-    float32 (exact: an E4M3 value times a float32 scale needs 4 + 24 bits), rounded once."""
+    float32 (exact: an E4M3 value times a float32 scale needs 4 + 24 bits), rounded once;
+    a NaN code as the infinity of its sign."""
     values = codes.reshape(*scale.shape, codes.shape[1] // max(scale.shape[1], 1))
-    rows = (values.to(torch.float32) * scale.unsqueeze(-1)).reshape(codes.shape)
-    return rows[:, : shape[-1] if shape else 1].to(dtype).reshape(shape)
+    rows = values.to(torch.float32) * scale.unsqueeze(-1)
+    inf = torch.full_like(rows, math.inf)
+    rows = torch.where(rows.isnan(), torch.where(values.view(torch.uint8) > 127, -inf, inf), rows)
+    return rows.reshape(codes.shape)[:, : shape[-1] if shape else 1].to(dtype).reshape(shape)
 
 
 def saved_call(

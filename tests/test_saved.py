@@ -6,6 +6,7 @@ checkpointing, saved-tensor hooks and ``torch.compile``."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 
 import pytest
@@ -158,14 +159,26 @@ def test_codec_round_trips_any_shape(shape: tuple[int, ...]) -> None:
     assert torch.equal(decode_groups(codes, scale, x.shape, torch.bfloat16), x.bfloat16())
 
 
-def test_codec_keeps_zeros_and_non_finite_groups() -> None:
+def test_codec_keeps_zeros_and_infinities() -> None:
+    # An attention mask's -inf must come back -inf (a finite 448 would unmask the key).
     x = torch.zeros(2, 256)
-    x[1, 130] = float("inf")
+    x[1, 128:131] = torch.tensor([-math.inf, math.inf, 3.0])
     codes, scale = encode_groups(x, 128)
-    back = decode_groups(codes, scale, x.shape, torch.float32)
-    assert torch.equal(scale, torch.tensor([[1.0, 1.0], [1.0, float("inf")]]))
-    assert bool((back[0] == 0).all()) and bool((back[1, :128] == 0).all())
-    assert bool(back[1, 128:].isnan().all())  # the group with inf: NaN, never a finite 448
+    back = decode_groups(codes, scale, x.shape, torch.bfloat16)
+    assert torch.equal(scale, torch.tensor([[1.0, 1.0], [1.0, 3.0 / 448]]))
+    assert torch.equal(back, x.bfloat16())
+    nan = encode_groups(torch.tensor([math.nan, 1.0]), 16)
+    assert bool(decode_groups(*nan, torch.Size([2]), torch.float32)[0].isinf())
+
+
+def test_fp8_keeps_a_masked_softmax_finite() -> None:
+    mask = torch.ones(8, 8, dtype=torch.bool).tril()
+    x = torch.randn(8, 8).masked_fill(~mask, -math.inf).requires_grad_()
+    ctx = _ctx("attention:fp8")
+    y = softmax(ctx, x, kind="attention")
+    torch.autograd.backward(y, torch.randn(8, 8))
+    assert x.grad is not None and bool(x.grad.isfinite().all())
+    assert bool((x.grad[~mask] == 0).all())
 
 
 # ----- composition ---------------------------------------------------------------------------

@@ -275,7 +275,7 @@ class Attention(nn.Module):
         # -inf (not a large negative number) so masked keys get exactly zero weight in
         # every dtype; each query sees at least itself, so no row is all -inf.
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = softmax(self.ctx, scores, dim=-1)
+        probs = softmax(self.ctx, scores, dim=-1, kind="attention")
         return self.gemm.matmul(probs, v)
 
     def _attend_f32(
@@ -287,7 +287,7 @@ class Attention(nn.Module):
         with torch.autocast(q.device.type, enabled=False):
             scores = q.to(torch.float32) @ k.transpose(-2, -1) * (1.0 / math.sqrt(self.head_dim))
             scores = scores.masked_fill(~visible, float("-inf"))
-            probs = softmax(self.ctx, scores, dim=-1)
+            probs = softmax(self.ctx, scores, dim=-1, kind="attention")
             return probs @ v
 
     def _attend_window(
@@ -320,7 +320,8 @@ class Attention(nn.Module):
                 qf @ k_win.transpose(-2, -1) * scale,
                 qf @ k_codes.transpose(-2, -1) * scale,
             )
-            probs = softmax(self.ctx, scores.masked_fill(~visible, float("-inf")), dim=-1)
+            masked = scores.masked_fill(~visible, float("-inf"))
+            probs = softmax(self.ctx, masked, dim=-1, kind="attention")
             # Each weight multiplies the value it read (the other reading gets weight 0).
             from_win = probs.masked_fill(~recent, 0.0) @ v_win
             from_codes = probs.masked_fill(recent, 0.0) @ v_codes

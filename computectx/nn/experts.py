@@ -55,8 +55,8 @@ from computectx.formats.seam import (
     held_experts,
 )
 from computectx.nn.gemm import Gemm, GemmPath
-from computectx.nn.mlp import swiglu
 from computectx.nn.params import param_dtype
+from computectx.saved import saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]
 
@@ -202,7 +202,13 @@ class GroupedExperts(nn.Module):
         with self.ctx.autocast():
             x = self.ctx.to_compute(x)
             h = self._mm(x, gate_up, offs)
-            act = swiglu(self.ctx, h[:, : self.hidden], h[:, self.hidden :])
+            gate, up, policy = h[:, : self.hidden], h[:, self.hidden :], self.ctx.activations
+            # nn.mlp.swiglu, inline: the default (keep) reaches no other module.
+            act = (
+                _swiglu(gate, up)
+                if policy.act_fn == "keep"
+                else saved_call(_swiglu, gate, up, mode=policy.act_fn, group=policy.group, inputs=2)
+            )
             return self.ctx.to_compute(self._mm(act, down, offs))
 
     def _weight(self, name: str) -> torch.Tensor | ServingWeight:
@@ -452,3 +458,7 @@ class _GroupedExpertsConverter:
 
 
 register_experts_converter(_GroupedExpertsConverter())
+
+
+def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return nn.functional.silu(gate) * up

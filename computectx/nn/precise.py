@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from computectx.activations import ActivationKind
 from computectx.ctx import ComputeCtx
 
 __all__ = ["apply_rope", "rms_norm", "rope_tables", "softmax"]
@@ -34,13 +35,16 @@ def rms_norm(
     return ctx.precise(x, f, weight)
 
 
-def softmax(ctx: ComputeCtx, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+def softmax(
+    ctx: ComputeCtx, x: torch.Tensor, dim: int = -1, kind: ActivationKind = "precise"
+) -> torch.Tensor:
     """Softmax along ``dim`` computed at ``x.dtype ⊔ ctx.accum``, returned at ``x.dtype``.
 
     The normalizing sum runs at the accumulation dtype, so rows of many small
-    probabilities still sum to one before the single rounding back.
+    probabilities still sum to one before the single rounding back. The backward keeps
+    what ``ctx.activations`` says for ``kind`` (attention's probabilities: ``"attention"``).
     """
-    return ctx.precise(x, lambda t: torch.softmax(t, dim=dim))
+    return ctx.precise(x, lambda t: torch.softmax(t, dim=dim), kind=kind)
 
 
 def rope_tables(
