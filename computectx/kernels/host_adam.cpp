@@ -122,6 +122,8 @@ inline uint8_t f32_to_e4m3(float f) {
 // The 64 random bits of element ``i`` under ``key`` (splitmix64's finalizer on
 // key + (i + 1) * golden); _rounding.keyed_bits is the same in int64 torch ops.
 inline uint64_t mix(uint64_t key, uint64_t i) {
+  // (bf16 rounding takes 16 bits an element: element k the (k % 4)-th 16 bits, from the
+  // lowest, of mix(key, k / 4); float16 takes the top 24 bits of mix(key, k).)
   uint64_t z = key + (i + 1) * 0x9E3779B97F4A7C15ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
@@ -149,8 +151,17 @@ inline void copy(float* __restrict dst, const float* __restrict src, int64_t len
 struct Buffers {
   std::vector<float> p, g, m, v, scale;
   std::vector<uint8_t> codes;
+  std::vector<uint16_t> noise;
+  std::vector<uint64_t> draws;
   explicit Buffers(int64_t tile)
-      : p(tile), g(tile), m(tile), v(tile), scale(tile), codes(tile) {}
+      : p(tile),
+        g(tile),
+        m(tile),
+        v(tile),
+        scale(tile),
+        codes(tile),
+        noise(tile + 4),
+        draws(tile / 4 + 1) {}
 };
 
 // The per-element scale of a rank-1 moment over flat elements [lo, lo + len).
@@ -418,7 +429,8 @@ void write_param(const CcStep& s, int64_t lo, int64_t len, const float* x) {
       if ((u & 0x7F800000u) == 0x7F800000u) {  // inf and NaN: never perturbed
         d[i] = f32_to_bf16(x[i]);
       } else {
-        const uint32_t noise = static_cast<uint32_t>(mix(s.key, lo + i) >> 48);
+        const uint64_t k = static_cast<uint64_t>(lo + i);
+        const uint32_t noise = static_cast<uint32_t>(mix(s.key, k >> 2) >> (16 * (k & 3))) & 0xFFFFu;
         d[i] = static_cast<uint16_t>((u + noise) >> 16);
       }
     }
@@ -478,7 +490,8 @@ inline void moment_out(void* __restrict data, float* __restrict buf, bool is_uns
 template <int MF, int VF, int PM, bool GBF, bool L2, bool PASS1, typename PT, typename GT>
 void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
                 const GT* __restrict grad, void* __restrict md, float* __restrict mb,
-                void* __restrict vd, float* __restrict vb, float ms, float vs) {
+                void* __restrict vd, float* __restrict vb, float ms, float vs,
+                const uint16_t* __restrict noise16) {
   const float decay = s.hp[0], wd = s.hp[1], w = s.hp[2], b2 = s.hp[3], omb2 = s.hp[4];
   const float bc2 = s.hp[5], eps = s.hp[6], neg_step = s.hp[7];
   const float sgn = s.maximize ? -1.0f : 1.0f;  // g * -1 is -g, exactly
@@ -487,7 +500,6 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
   const float* __restrict m_map = s.m.map;
   const float* __restrict v_map = s.v.map;
   const bool m_uns = !s.m.is_signed, v_uns = !s.v.is_signed;
-  const uint64_t key = s.key;
   for (int64_t i = 0; i < len; ++i) {
     const int64_t k = lo + i;
     float pi, gi;
@@ -518,7 +530,7 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
       param[k] = f32_to_bf16(pn);
     } else {
       const uint32_t u = bits_of(pn);
-      const uint32_t noise = static_cast<uint32_t>(mix(key, static_cast<uint64_t>(k)) >> 48);
+      const uint32_t noise = noise16[i];
       const bool finite = (u & 0x7F800000u) != 0x7F800000u;  // inf, NaN: never perturbed
       param[k] = finite ? static_cast<uint16_t>((u + noise) >> 16) : f32_to_bf16(pn);
     }
@@ -537,11 +549,19 @@ template <int MF, int VF, int PM, bool GBF, bool L2, bool PASS1>
 void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
   if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.scale.data());
   if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.scale.data());
+  if (PM == kPBf16Sr && !PASS1) {  // lo is a multiple of 4 (of the tile)
+    const int64_t quads = (len + 3) / 4;
+    uint64_t* __restrict z = b.draws.data();
+    const uint64_t base = static_cast<uint64_t>(lo / 4), key = s.key;
+    for (int64_t q = 0; q < quads; ++q) z[q] = mix(key, base + q);
+    std::memcpy(b.noise.data(), z, 8 * quads);  // element 4q + r: the r-th 16 bits of z[q]
+  }
   using PT = std::conditional_t<PM == kPF32, float, uint16_t>;
   using GT = std::conditional_t<GBF, uint16_t, float>;
   fused_loop<MF, VF, PM, GBF, L2, PASS1>(
       s, lo, len, static_cast<PT*>(s.param), static_cast<const GT*>(s.grad), s.m.data,
-      b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo));
+      b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo),
+      b.noise.data());
   if (PASS1) return;
   if (blocked(MF)) encode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.codes.data());
   if (blocked(VF)) encode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.codes.data());

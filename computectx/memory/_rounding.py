@@ -85,6 +85,7 @@ def _stochastic_round_generic(
 ) -> torch.Tensor:
     # Round to nearest, find the neighbour on the other side of x, and move to it with
     # probability |x - nearest| / |neighbour - nearest| so that E[result] = x.
+    z = keyed_bits(key, numel).view(x32.shape)
     near = x32.to(target)
     near32 = near.float()
     away = torch.where(near32 > x32, -math.inf, math.inf).to(target)
@@ -132,17 +133,21 @@ def keyed_bits(key: torch.Tensor, numel: int) -> torch.Tensor:
 
 def stochastic_round_keyed(x: torch.Tensor, target: torch.dtype, key: torch.Tensor) -> torch.Tensor:
     """``x`` rounded stochastically (unbiased) into ``target`` (bf16 or f16), element ``i``
-    (of ``x`` flattened) drawing its bits from ``keyed_bits(key)[i]``: bf16 adds the top 16
-    bits to the float32 pattern and truncates; f16 moves to the other neighbour when the top
-    24 bits, as a uniform in [0, 1), fall below the distance's share of the gap. Non-finite
+    (of ``x`` flattened) drawing its bits from ``keyed_bits``: bf16 adds 16 bits to the float32
+    pattern and truncates (element ``i`` the ``i % 4``-th 16 bits, from the lowest, of
+    ``keyed_bits(key)[i // 4]``: one draw rounds four elements); f16 moves to the other
+    neighbour when the top 24 bits of ``keyed_bits(key)[i]``, as a uniform in [0, 1), fall
+    below the distance's share of the gap. Non-finite
     values are rounded to nearest, never perturbed. The native kernel rounds the same float32
     value to the same result."""
     x32 = x.float().contiguous()
-    z = keyed_bits(key, x32.numel()).view(x32.shape)
-    if target == torch.bfloat16:
-        noise = _shift(z, 48).to(torch.int32)
+    numel = x32.numel()
+    if target == torch.bfloat16:  # 16 bits an element: four from each draw, lowest first
+        quads = keyed_bits(key, -(-numel // 4)).view(torch.int16)[:numel]
+        noise = (quads.to(torch.int32) & 0xFFFF).view(x32.shape)
         rounded = torch.bitwise_and(x32.view(torch.int32) + noise, -65536).view(torch.float32)
         return torch.where(torch.isfinite(x32), rounded, x32).to(torch.bfloat16)
+    z = keyed_bits(key, numel).view(x32.shape)
     near = x32.to(target)
     near32 = near.float()
     away = torch.where(near32 > x32, -math.inf, math.inf).to(target)
