@@ -22,7 +22,7 @@ from computectx.nn.gemm import Gemm, GemmPath, forced_gemm_path
 from computectx.nn.generate import DecodeStep, decode_logits, generate, next_token
 from computectx.nn.kv_cache import DecodeKernelFallbackWarning, KVCache, kv_bytes_per_token
 from computectx.nn.lm import BYTE_VOCAB, ByteLM, DecoderBlock, LMConfig, decode_bytes, encode_bytes
-from computectx.nn.mlp import MLP
+from computectx.nn.mlp import MLP, swiglu
 from computectx.nn.moe import ExpertDispatch, LoadBalance, MoE, Router, RouterScore, Routing
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import apply_recipe
@@ -65,6 +65,7 @@ __all__ = [
     "rms_norm",
     "rope_tables",
     "softmax",
+    "swiglu",
 ]
 
 
