@@ -85,7 +85,6 @@ def _stochastic_round_generic(
 ) -> torch.Tensor:
     # Round to nearest, find the neighbour on the other side of x, and move to it with
     # probability |x - nearest| / |neighbour - nearest| so that E[result] = x.
-    z = keyed_bits(key, numel).view(x32.shape)
     near = x32.to(target)
     near32 = near.float()
     away = torch.where(near32 > x32, -math.inf, math.inf).to(target)
