@@ -310,3 +310,32 @@ def test_the_gpu_check_section_runs_its_cpu_smoke() -> None:
     assert module.section_offload_overlap(torch.device("cpu"), smoke=False, reps=1) == [
         {"skipped": "no CUDA device"}
     ]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_the_overlapped_step_equals_the_serial_one() -> None:
+    ctx = ComputeCtx.new(DType.F32, "cuda").replace(offload=torch.device("cpu"))
+    models = [net().cuda(), net().cuda()]
+    opts = [
+        OffloadedOptimizer(m.parameters(), ctx, overlap=overlap, lr=0.05)
+        for m, overlap in zip(models, (False, None), strict=True)
+    ]
+    assert not opts[0].overlap and opts[1].overlap  # None: on for a CUDA model, host masters
+    exact = True  # until a clip: the device's norm, not the host's, so the last bits may differ
+    for step, (k, scale, clip, to_none) in enumerate(PLAN):
+        for m, o in zip(models, opts, strict=True):
+            backward(m, [x.cuda() for x in batches(step, k, torch.float32)], scale)
+            if o.overlap and o._fast():
+                assert all(p.grad is None for p in m.parameters())  # moved down in the hooks
+            if clip is not None:
+                o.clip_grad_norm(clip)
+            with pytest.warns(RuntimeWarning) if scale != 1.0 else Nothing():
+                o.step()
+            o.zero_grad(set_to_none=to_none)
+        torch.cuda.synchronize()
+        exact = exact and clip is None
+        for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+            if exact:
+                assert torch.equal(p, q)
+            else:
+                torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
