@@ -12,10 +12,7 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     Field,
-    PlainSerializer,
-    PlainValidator,
     ValidationError,
-    WithJsonSchema,
     model_validator,
 )
 from typing_extensions import Self, Unpack
@@ -38,25 +35,10 @@ from computectx.dtypes import (
 from computectx.kv_policy import KvField, KvFp8
 from computectx.optim_state import OptimState, OptimStateField, parse_optim_state
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
-from computectx.residency import Residency
+from computectx.residency import Residency, TorchDevice, parse_device
 from computectx.saved import saved_call
 
 __all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
-
-_DEVICE_SPELLINGS = "'cpu', 'cuda', 'cuda:N', 'mps', 'xpu:N' or a torch.device"
-
-
-def parse_device(value: object) -> torch.device:
-    """A ``torch.device`` from a device string or a ``torch.device``; ``ValueError`` otherwise."""
-    if isinstance(value, torch.device):
-        return value
-    if isinstance(value, str):
-        try:
-            # Device names are case-insensitive like every name in the policy ("CPU", "Cuda:0").
-            return torch.device(value.strip().lower())
-        except RuntimeError:
-            pass
-    raise ValueError(f"bad device {value!r}; accepted: {_DEVICE_SPELLINGS}")
 
 
 def _is_none_text(value: object) -> bool:
@@ -85,14 +67,6 @@ def _compute_join_f32(validated: dict[str, Any]) -> DType:
     # F32 for the half dtypes and F32 itself, F64 for an F64 model: never below compute.
     return promote(_same_as_compute(validated), DType.F32)
 
-
-TorchDevice = Annotated[
-    torch.device,
-    PlainValidator(parse_device),
-    PlainSerializer(str, return_type=str),
-    WithJsonSchema({"type": "string", "examples": ["cpu", "cuda:0"]}),
-]
-"""A ``torch.device`` field that reads device strings and serializes as its string form."""
 
 # Names, aliases and torch dtypes become members; parse's error quotes anything else.
 DTypeField = Annotated[DType, BeforeValidator(DType.parse)]

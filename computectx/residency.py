@@ -1,13 +1,41 @@
-"""Weight residency: where a model's weights live, and how ``AUTO`` becomes a placement."""
+"""Weight residency: where a model's weights live, and how ``AUTO`` becomes a placement; the
+package's one device parser (``parse_device``) and the policy's device field type."""
 
 from __future__ import annotations
 
 import enum
 import os
+from typing import Annotated
 
 import torch
+from pydantic import PlainSerializer, PlainValidator, WithJsonSchema
 
-__all__ = ["Residency", "available_bytes"]
+__all__ = ["Residency", "TorchDevice", "available_bytes", "parse_device"]
+
+_DEVICE_SPELLINGS = "'cpu', 'cuda', 'cuda:N', 'mps', 'xpu:N' or a torch.device"
+
+
+def parse_device(value: object) -> torch.device:
+    """A ``torch.device`` from a device string or a ``torch.device``; ``ValueError`` otherwise."""
+    if isinstance(value, torch.device):
+        return value
+    if isinstance(value, str):
+        try:
+            # Device names are case-insensitive like every name in the policy ("CPU", "Cuda:0").
+            return torch.device(value.strip().lower())
+        except RuntimeError:
+            pass
+    raise ValueError(f"bad device {value!r}; accepted: {_DEVICE_SPELLINGS}")
+
+
+TorchDevice = Annotated[
+    torch.device,
+    PlainValidator(parse_device),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string", "examples": ["cpu", "cuda:0"]}),
+]
+"""A ``torch.device`` field (``ComputeCtx.device``) that reads device strings and serializes
+as its string form."""
 
 
 class Residency(enum.Enum):

@@ -28,8 +28,8 @@ import sys
 import torch
 
 from computectx import capability
-from computectx.ctx import parse_device
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES, Fp8Format
+from computectx.residency import parse_device
 
 __all__ = [
     "Backend",
@@ -97,7 +97,7 @@ def select_backend(
     cannot run raises ``ValueError`` saying why (a CPU device is accepted only when
     ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter); ``CUBLAS`` runs on a
     CUDA device with fp8 tensor cores and on the CPU (torch's ``_scaled_mm`` CPU kernel).
-    ``device`` is read by ``computectx.ctx.parse_device``, whose ``ValueError`` lists the
+    ``device`` is read by ``computectx.residency.parse_device``, whose ``ValueError`` lists the
     accepted spellings.
     """
     dev = parse_device(device)

@@ -73,7 +73,7 @@ def test_parse_backend_accepts_members_and_names(spelling: Backend | str) -> Non
 
 
 def test_bad_devices_are_refused_by_the_ctx_device_parser() -> None:
-    # One device parser for the package: computectx.ctx.parse_device, whose error lists
+    # One device parser for the package: computectx.residency.parse_device, whose error lists
     # the accepted spellings.
     with pytest.raises(ValueError, match=r"bad device 'gpu0'; accepted: 'cpu', 'cuda', 'cuda:N'"):
         select_backend("gpu0")

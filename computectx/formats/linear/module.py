@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn import functional
 from typing_extensions import Self
 
-from computectx.ctx import ComputeCtx, parse_device
+from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend, default_backend, select_backend
 from computectx.formats.linear.autocast import REGION, region_fp8_enabled
@@ -48,6 +48,7 @@ from computectx.formats.scaling.load import (
 from computectx.formats.scaling.operand import AmaxReduce
 from computectx.formats.serving import ServingWeight
 from computectx.recipes import Recipe
+from computectx.residency import parse_device
 
 __all__ = ["SCALING_PREFIX", "QuantizedLinear"]
 

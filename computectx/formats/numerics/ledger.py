@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 from typing_extensions import TypeIs
 
-from computectx.ctx import parse_device
+from computectx.residency import parse_device
 
 __all__ = [
     "LEDGER_NONFINITE",
@@ -83,7 +83,7 @@ def ledger_new(history_len: int, device: torch.device | str) -> torch.Tensor:
     Never an inference tensor, even when called inside ``torch.inference_mode``: ledgers
     outlive any one mode and are updated in place, which inference tensors forbid outside
     inference mode. ``ValueError`` for a ``history_len`` that is not an int >= 1 or a
-    device ``computectx.ctx.parse_device`` does not read.
+    device ``computectx.residency.parse_device`` does not read.
     """
     if isinstance(history_len, bool) or not isinstance(history_len, int) or history_len < 1:
         raise ValueError(f"history_len must be an int >= 1, got {history_len!r}")
