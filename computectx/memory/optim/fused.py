@@ -29,12 +29,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import torch
 
 from computectx.memory._rounding import draw_key, stochastic_round_keyed
-from computectx.memory.optim.state.maps import MapName, map_for, nearest_table
+from computectx.memory.optim.state.maps import map_for, nearest_table
 from computectx.memory.optim.state.packed import (
     Maps,
     Packed,
@@ -43,7 +43,6 @@ from computectx.memory.optim.state.packed import (
     encode_tensors,
     maps_for,
     part_layout,
-    spec_of,
 )
 from computectx.optim_state import OptimState
 
@@ -157,6 +156,16 @@ class _Laid(NamedTuple):
     maps: Maps
 
 
+@functools.lru_cache(maxsize=1024)
+def _layout(
+    fmt: str, kind: str, shape: torch.Size, block: int, rows: bool
+) -> tuple[Spec, tuple[str, ...]]:
+    """``spec_of`` and the part names of a ``Packed`` of these facts (cached: a step reads
+    them without calling into the codec's modules)."""
+    spec = Spec(fmt, kind == "signed", block, fmt == "int4" and rows)
+    return spec, tuple(part_layout(spec, shape))
+
+
 def _lay_out(
     m: Packed | torch.Tensor, v: Packed | torch.Tensor, state: OptimState, param: torch.Tensor
 ) -> tuple[_Laid, _Laid]:
@@ -164,21 +173,21 @@ def _lay_out(
     laid: list[tuple[Spec | None, list[torch.Tensor], tuple[str, ...], Maps]] = []
     for name, x in (("m", m), ("v", v)):
         if isinstance(x, Packed):
-            if x.shape != param.shape or x.device != param.device:
+            device = next(iter(x.parts.values())).device  # Packed.device, inline
+            if x.shape != param.shape or device != param.device:
                 raise ValueError(
-                    f"adam_update: {name} is packed for shape {list(x.shape)} on {x.device}, "
+                    f"adam_update: {name} is packed for shape {list(x.shape)} on {device}, "
                     f"but the parameter is {list(param.shape)} on {param.device}"
                 )
             if x.format != state.format:
                 raise ValueError(
                     f"adam_update: {name} is packed as {x.format}, but state says {state.format}"
                 )
-            spec = spec_of(x)
-            names = tuple(part_layout(spec, x.shape))
+            spec, names = _layout(x.format, x.kind, x.shape, x.block, "rows" in x.parts)
             parts = []
             for k in names:  # a loop, not a comprehension: the step reads ``packed`` once
                 parts.append(x.parts[k])
-            laid.append((spec, parts, names, maps_for(spec, x.device)))
+            laid.append((spec, parts, names, maps_for(spec, device)))
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -312,10 +321,10 @@ def _repacked(
 
 
 @functools.cache
-def _byte_table(name: str) -> torch.Tensor:
-    """The nearest-entry table of map ``name`` (codes below 256) as uint8, on the CPU: a
+def _byte_table(fmt: str, signed: bool) -> torch.Tensor:
+    """The nearest-entry table of the map of ``fmt`` (codes below 256) as uint8, on the CPU: a
     quarter of the int32 table's cache lines."""
-    table = nearest_table(cast(MapName, name))
+    table = nearest_table(map_for(fmt, signed))
     assert table is not None
     return table.table.to(torch.uint8)
 
@@ -339,7 +348,7 @@ def _native_moment(laid: _Laid, host: Any) -> tuple[Any, tuple[torch.Tensor, ...
     elif maps.table is None or maps.bounds is None:
         return None  # no exact table: bucketize (the twin)
     else:
-        values, table = maps.values, _byte_table(map_for(spec.format, spec.signed))
+        values, table = maps.values, _byte_table(spec.format, spec.signed)
     lookup = {"map": values, "table": table, "bounds": maps.bounds}
     if spec.rank1:
         codes, rows, cols = parts

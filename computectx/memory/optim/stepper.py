@@ -44,7 +44,7 @@ from computectx.memory._rounding import (
 from computectx.memory.optim.classes import check_fits, class_name
 from computectx.memory.optim.fused import adam_update
 from computectx.memory.optim.state.codecs import decode, encode
-from computectx.memory.optim.state.packed import Packed, parts_of
+from computectx.memory.optim.state.packed import Packed
 from computectx.memory.optim.state.store import (
     MASTER_ROUNDING_KEY,
     OPTIM_STATE_KEY,
@@ -369,7 +369,7 @@ class Stepper:
         made: dict[str, Packed] = {}
         for name, value in (("exp_avg", m), ("exp_avg_sq", v)):
             if isinstance(value, Packed):
-                for k, t in parts_of(value).items():
+                for k, t in value.parts.items():  # parts_of, inline
                     new[f"{name}{PART_SEP}{k}"] = t
                 made[name] = value
             else:
