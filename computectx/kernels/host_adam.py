@@ -12,7 +12,9 @@ pointers, loaded with ``ctypes`` (no torch headers: those take a minute to compi
 torch-ops twin instead, after one ``RuntimeWarning`` that quotes the compiler's error.
 
 The kernel: one pass per block of the state format (decode -> float32 update -> encode), the
-blocks split over ``threads`` threads (the result does not depend on their number).
+blocks split over ``threads`` threads (the result does not depend on their number). The usual
+configurations (both moments of one format; a float32 or bf16 weight and gradient) read and
+write every stream in one loop per block; the others take the same arithmetic in phases.
 """
 
 from __future__ import annotations
@@ -183,7 +185,7 @@ def library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_build(COMPILER)))
         if lib.cc_host_adam_abi() != ABI:
             raise RuntimeError("the cached library is of another ABI")
-    except (RuntimeError, OSError) as e:
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
         warnings.warn(
             f"computectx: the native CPU Adam kernel could not be built with {COMPILER!r}, so "
             f"compact-state CPU steps run the slower torch-ops twin. The error: {e}",
