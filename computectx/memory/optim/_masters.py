@@ -33,6 +33,11 @@ __all__ = [
 ]
 
 
+NEAR_DEVICE_TYPES: tuple[str, ...] = ("cuda",)
+"""The device types whose small parameters keep their masters on the device (``near``); the
+CPU tests add ``"cpu"`` to run that path."""
+
+
 class Sharding(Protocol):
     """How the compute parameters are split across ranks (``sharding=`` of the optimizer).
 
@@ -137,6 +142,19 @@ class MasterWeights:
         self.master: list[torch.Tensor] = []
         self._seen: list[tuple[int, int]] = []  # stamp of each compute param at our last write
         self._staging: dict[int, Staging] = {}  # upload buffers, by position
+        self.near_below = 0
+        """Masters of CUDA parameters with fewer elements than this stay on their device
+        (the overlapped step steps them there); 0: every master on the offload device."""
+
+    def near(self, p: torch.Tensor) -> bool:
+        """Whether compute parameter ``p``'s master stays on ``p``'s device: a CUDA parameter
+        with fewer than ``near_below`` elements."""
+        return p.device.type in NEAR_DEVICE_TYPES and p.numel() < self.near_below
+
+    def master_device(self, p: torch.Tensor) -> torch.device:
+        """Where compute parameter ``p``'s master lives: the offload device, or ``p``'s own
+        device when it is ``near``."""
+        return p.device if self.near(p) else self.ctx.offload_device
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This rank's part of ``t`` (``t`` itself without a sharding)."""
@@ -183,7 +201,7 @@ class MasterWeights:
                 p.detach()
                 if self.shares_master(p)
                 else self.local(p.detach()).to(
-                    device=self.ctx.offload_device, dtype=self.ctx.master.torch, copy=True
+                    device=self.master_device(p), dtype=self.ctx.master.torch, copy=True
                 ),
                 requires_grad=p.requires_grad,
             )
@@ -203,7 +221,7 @@ class MasterWeights:
             and p.storage_offset() == 0
             and p.untyped_storage().nbytes() == p.numel() * p.element_size()
             and p.dtype == self.ctx.master.torch
-            and p.device == self.ctx.offload_device
+            and p.device == self.master_device(p)
             and not uses_staging(self.transfer, p.device, p.device)
         )
 

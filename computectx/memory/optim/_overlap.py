@@ -36,6 +36,10 @@ last firing finds the gradients in ``param.grad`` and takes the serial path. So 
 autograd's own, bit for bit what the serial step applies, and in a steady loop only the
 first step pays for the surplus firings.
 
+Parameters under ``NEAR_BELOW`` (4096) elements keep their masters, and so their optimizer
+state, on their CUDA device (``MasterWeights.near``): their gradients are not copied, and
+their masters are stepped there, in the same order, without a round trip through the host.
+
 ``HostLanes`` stands in for the side stream on the CPU: a copy lands only when its landing is
 waited on, and until then the buffer holds NaN, so a read before the wait is a wrong step.
 """
@@ -56,7 +60,15 @@ from computectx.memory.optim._grad_health import SQUARE_OVERFLOW
 from computectx.memory.optim._grad_ingest import GradIngest
 from computectx.memory.optim._masters import MasterWeights
 
-__all__ = ["CudaLanes", "HostLanes", "Landing", "Lanes", "Overlap", "resolve_overlap"]
+__all__ = [
+    "NEAR_BELOW",
+    "CudaLanes",
+    "HostLanes",
+    "Landing",
+    "Lanes",
+    "Overlap",
+    "resolve_overlap",
+]
 
 
 class Landing(Protocol):
@@ -139,12 +151,28 @@ def resolve_overlap(
     return staged and offload.type == "cpu" and any(p.device.type == "cuda" for p in compute)
 
 
+NEAR_BELOW = 4096
+"""Parameters with fewer elements than this keep their masters on their CUDA device under the
+overlapped step (``MasterWeights.near_below``): a copy down and up costs more than their
+step there."""
+
+
 @dataclasses.dataclass
 class _Pending:
-    """A gradient on its way down: its landing, and its norm (on the compute device)."""
+    """A gradient on its way to its master: its landing, where it lands (``source``: the host
+    buffer, or the gradient itself for a master on its device) and its norm (on the compute
+    device)."""
 
     landing: Landing
+    source: torch.Tensor
     norm: torch.Tensor
+
+
+class _Landed:
+    """The landing of a gradient that stays where it is (its master is on its device)."""
+
+    def wait(self) -> None:
+        return None
 
 
 class Overlap:
@@ -200,12 +228,16 @@ class Overlap:
                 # the new gradient (as autograd would have added it: IEEE addition is
                 # commutative, so the sum is the serial one bit for bit) and goes down again.
                 pending.landing.wait()
-                g.add_(self._buffers[i].to(g.device))
+                g.add_(pending.source.to(g.device))
             norm = torch.linalg.vector_norm(g, 2.0, dtype=_norm_dtype(g.dtype))
-            buffer = self._buffer(i, g)
-            landing = self._lanes_of(g.device).download(buffer, g)
-        self._in_flight[i] = landing
-        self._pending[i] = _Pending(landing, norm)
+            if self.weights.near(param):
+                # A master on the gradient's device (a small tensor): nothing to copy.
+                self._pending[i] = _Pending(_Landed(), g, norm)
+            else:
+                buffer = self._buffer(i, g)
+                landing = self._lanes_of(g.device).download(buffer, g)
+                self._in_flight[i] = landing
+                self._pending[i] = _Pending(landing, buffer, norm)
         param.grad = None
 
     def _lanes_of(self, device: torch.device) -> Lanes:
@@ -233,8 +265,9 @@ class Overlap:
         pending.landing.wait()
         master = self.weights.master[i]
         with torch.no_grad():
-            # The buffer is reused, so the master gradient is a copy of it.
-            self.ingest.add(i, master, self._buffers[i].to(master.dtype, copy=True))
+            # The buffer is reused (and a gradient kept on its device is the compute
+            # parameter's), so the master gradient is a copy of it.
+            self.ingest.add(i, master, pending.source.to(master.dtype, copy=True))
             if self._scale is not None and master.grad is not None:
                 master.grad.mul_(self._scale)
 

@@ -27,8 +27,20 @@ from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Transfer, check_transfer
 from computectx.memory.accumulator import LowPrecGradAccumulator
 from computectx.memory.optim._grad_ingest import GradIngest
-from computectx.memory.optim._masters import MasterWeights, Sharding, check_sharding
-from computectx.memory.optim._overlap import CudaLanes, HostLanes, Lanes, Overlap, resolve_overlap
+from computectx.memory.optim._masters import (
+    MasterWeights,
+    Sharding,
+    check_sharding,
+    normalise_groups,
+)
+from computectx.memory.optim._overlap import (
+    NEAR_BELOW,
+    CudaLanes,
+    HostLanes,
+    Lanes,
+    Overlap,
+    resolve_overlap,
+)
 from computectx.memory.optim._wrapper import InnerWrapper
 from computectx.memory.optim.checkpoint import MASTER_WEIGHTS, check_saved_masters, state_tensors
 
@@ -70,7 +82,8 @@ class OffloadedOptimizer(InnerWrapper):
     masters on the host and ``transfer`` not ``"blocking"``; refused as ``True`` with a
     ``sharding``) overlaps the step with the backward: each gradient is copied down to a
     pinned host buffer on a side stream in its post-accumulate hook, and ``step`` steps each
-    master as soon as its copy lands, queueing its weight's upload at once
+    master as soon as its copy lands, queueing its weight's upload at once; parameters under
+    4096 elements keep their masters and state on their CUDA device and are stepped there
     (``computectx.memory.optim._overlap``; the same result as the serial step).
 
     ``transfer`` (keyword, a ``Transfer``) picks how gradients and weights cross devices:
@@ -130,14 +143,17 @@ class OffloadedOptimizer(InnerWrapper):
         weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
         check_overlap(overlap, sharding)
         self._overlap: Overlap | None = None
+        groups = normalise_groups(params_or_groups)
+        listed = [p for group in groups for p in _listed(group)]
+        staged = weights.transfer != "blocking"
+        on = sharding is None and resolve_overlap(overlap, listed, ctx.offload_device, staged)
+        if on:
+            weights.near_below = NEAR_BELOW
         super().__init__(
-            params_or_groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
+            groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
         )
         self._ingest = GradIngest(weights, self._health)
-        staged = weights.transfer != "blocking"
-        if sharding is None and resolve_overlap(
-            overlap, weights.compute, ctx.offload_device, staged
-        ):
+        if on:
             self._overlap = Overlap(weights, self._ingest, _lanes)
             self._overlap.watch(weights.compute)
             # The overlap's norms give the verdict: the check hooks step aside.
@@ -417,3 +433,16 @@ def check_overlap(overlap: object, sharding: Sharding | None) -> None:
 def _lanes(device: torch.device) -> Lanes:
     """A side stream for a CUDA device; the CPU's stand-in otherwise."""
     return CudaLanes(device) if device.type == "cuda" else HostLanes()
+
+
+def _listed(group: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors of ``group["params"]``, which is made a list if it was another iterable
+    (a generator is read once here, once when the group is added)."""
+    raw = group.get("params")
+    if isinstance(raw, torch.Tensor):
+        return [raw]
+    try:
+        group["params"] = items = list(raw)  # type: ignore[arg-type]
+    except TypeError:
+        return []  # the group's check names it
+    return [p for p in items if isinstance(p, torch.Tensor)]

@@ -16,6 +16,7 @@ import torch
 
 from computectx import ComputeCtx, DType
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx.memory.optim import _masters, offloaded
 from computectx.memory.optim._overlap import HostLanes
 
 CTX = ComputeCtx.parity("cpu")
@@ -134,6 +135,24 @@ def test_overlapped_equals_serial_bit_for_bit_with_clip_skip_scheduler_accumulat
         same(m1, o1, m2, o2)
     assert o2.skipped_steps == 2
     assert o2.master_of(m2.unused).grad is None
+
+
+@pytest.mark.parametrize("near_below", [10, 4096])
+def test_small_tensors_stepped_where_they_are_equal_serial(
+    near_below: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CPU stands in for the device: parameters under near_below elements keep their
+    # masters where they are and their gradients are not copied (the biases at 10, all at 4096).
+    monkeypatch.setattr(_masters, "NEAR_DEVICE_TYPES", ("cuda", "cpu"))
+    monkeypatch.setattr(offloaded, "NEAR_BELOW", near_below)
+    m1, o1, m2, o2 = pair()
+    for step, entry in enumerate(PLAN):
+        run(m1, o1, [entry], None, start=step)
+        run(m2, o2, [entry], None, start=step)
+        same(m1, o1, m2, o2)
+    assert o2._overlap is not None
+    downloaded = {ptr for lanes in o2._overlap._lanes.values() for _, ptr in lanes.log}  # type: ignore[attr-defined]
+    assert len(downloaded) == (2 if near_below == 10 else 0)
 
 
 def test_a_steady_loop_takes_the_fast_path_and_lands_in_firing_order() -> None:
@@ -313,7 +332,10 @@ def test_the_gpu_check_section_runs_its_cpu_smoke() -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_on_cuda_the_overlapped_step_equals_the_serial_one() -> None:
+def test_on_cuda_the_overlapped_step_equals_the_serial_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(offloaded, "NEAR_BELOW", 10)  # the weights go down, the biases stay
     ctx = ComputeCtx.new(DType.F32, "cuda").replace(offload=torch.device("cpu"))
     models = [net().cuda(), net().cuda()]
     opts = [
@@ -321,6 +343,8 @@ def test_on_cuda_the_overlapped_step_equals_the_serial_one() -> None:
         for m, overlap in zip(models, (False, None), strict=True)
     ]
     assert not opts[0].overlap and opts[1].overlap  # None: on for a CUDA model, host masters
+    devices = [mp.device.type for mp in opts[1].master_params]
+    assert devices == ["cuda", "cpu", "cuda", "cpu", "cuda"]  # unused, a.w, a.b, b.w, b.b
     exact = True  # until a clip: the device's norm, not the host's, so the last bits may differ
     for step, (k, scale, clip, to_none) in enumerate(PLAN):
         for m, o in zip(models, opts, strict=True):
