@@ -147,6 +147,7 @@ class OffloadedOptimizer(InnerWrapper):
         listed = [p for group in groups for p in _listed(group)]
         staged = weights.transfer != "blocking"
         on = sharding is None and resolve_overlap(overlap, listed, ctx.offload_device, staged)
+        self._overlapping = on
         if on:
             weights.near_below = NEAR_BELOW
         super().__init__(
@@ -154,10 +155,9 @@ class OffloadedOptimizer(InnerWrapper):
         )
         self._ingest = GradIngest(weights, self._health)
         if on:
+            # The overlap's norms give the verdict: no check hooks were put on (``_watch``).
             self._overlap = Overlap(weights, self._ingest, _lanes)
             self._overlap.watch(weights.compute)
-            # The overlap's norms give the verdict: the check hooks step aside.
-            self._health.quiet(range(len(weights.compute)))
 
     @classmethod
     def _refuse(cls, optimizer_class: type[torch.optim.Optimizer]) -> None:
@@ -230,12 +230,12 @@ class OffloadedOptimizer(InnerWrapper):
             self._health.changed()
 
     def _watch(self, compute: list[torch.Tensor]) -> None:
-        overlap = self._overlap
-        if overlap is None:
+        if not self._overlapping:
             super()._watch(compute)
-        else:
-            self._health.watch(compute, hook=False)
-            overlap.watch(compute)
+            return
+        self._health.watch(compute, hook=False)
+        if self._overlap is not None:  # built after the first groups, which it then watches
+            self._overlap.watch(compute)
 
     def _fast(self) -> bool:
         """Whether this step lands and steps one master at a time (``Overlap.fast``; torch's

@@ -251,6 +251,21 @@ def test_a_second_clip_measures_the_clipped_gradients() -> None:
     same(m1, o1, m2, o2)
 
 
+def test_a_group_added_later_is_overlapped_too() -> None:
+    m1, o1, m2, o2 = pair()
+    extras = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))]
+    for o, extra in zip((o1, o2), extras, strict=True):
+        o.add_param_group({"params": [extra], "lr": 0.1})
+        assert len(extra._post_accumulate_grad_hooks or {}) == 1
+    for step in range(3):
+        for m, o, extra in zip((m1, m2), (o1, o2), extras, strict=True):
+            (m(batches(step, 1, torch.float32)[0]).sum() * extra.sum()).backward()
+            o.step()
+            o.zero_grad()
+        same(m1, o1, m2, o2)
+        assert torch.equal(extras[0], extras[1])
+
+
 def test_a_gradient_left_in_param_grad_takes_the_serial_path() -> None:
     m1, o1, m2, o2 = pair()
     for m, o in ((m1, o1), (m2, o2)):
