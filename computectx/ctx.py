@@ -36,7 +36,7 @@ from computectx.kv_policy import KvField, KvFp8
 from computectx.optim_state import OptimState, OptimStateField, parse_optim_state
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.residency import Residency, TorchDevice, parse_device
-from computectx.saved import saved_call
+from computectx.saved import SAVING, saved_call
 
 __all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
 
@@ -356,10 +356,17 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         """
         if (work := _WORK_DTYPE.get((t.dtype, self.accum))) is None:
             raise PromotionError(outside_lattice_message(t.dtype))
-        if (mode := getattr(self.activations, kind)) == "keep":  # the default: nothing more
+        if (mode := getattr(self.activations, kind)) != "keep":
+            body, group = functools.partial(_lifted, f, work), self.activations.group
+            return saved_call(body, t, *operands, mode=mode, group=group, kind=kind)
+        if torch.compiler.is_compiling():
             return _lifted(f, work, t, *operands)
-        body, group = functools.partial(_lifted, f, work), self.activations.group
-        return saved_call(body, t, *operands, mode=mode, group=group)
+        # The default enters no other module: f runs here, what it saves tagged with its kind.
+        token = SAVING.set(kind)
+        try:
+            return _lifted(f, work, t, *operands)
+        finally:
+            SAVING.reset(token)
 
     def to_compute(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` at the compute dtype (the residual-stream entry boundary); ``t`` itself if

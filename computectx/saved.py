@@ -7,7 +7,7 @@ are activations kept as ``mode`` says, as SwiGLU's gate and up):
 - ``keep``: ``f`` runs as any code does; autograd keeps what its ops save (today's behaviour).
 - ``recompute``: ``x`` is kept as it arrived; the backward runs ``f`` again on it.
 - ``fp8``: ``x`` is kept as E4M3 codes with one float32 scale per ``group`` consecutive
-  elements along its last dimension (COAT's per-group 1x128, arXiv 2410.19313); the backward
+  elements (1x128 along its last dimension: COAT's per-group, arXiv 2410.19313); the backward
   runs ``f`` again on the decoded ``x``, so the gradient is ``f``'s exact vjp at a point within
   half an E4M3 step (relative ``2**-4``) of ``x``, elementwise.
 
@@ -28,14 +28,21 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, Final
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from computectx.activations import SaveMode
+from computectx.activations import ActivationKind, SaveMode
 
-__all__ = ["E4M3_MAX", "decode_groups", "encode_groups", "saved_call"]
+__all__ = ["E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
+
+SAVING: Final[ContextVar[ActivationKind | None]] = ContextVar("computectx_saving", default=None)
+"""The kind of activation whose tensors autograd is saving now (``None``: no op said), set by
+``saved_call(kind=...)`` and ``ctx.precise`` around their forward, so that a saved-tensor
+hook counting bytes (``computectx.memory.SavedActivations``) can attribute each to its kind.
+Not set while dynamo traces (a compiled graph's saves have no kind)."""
 
 E4M3_MAX: Final = 448.0
 """The largest finite E4M3 magnitude: each group's scale is ``absmax / 448``."""
@@ -44,8 +51,10 @@ _POS_NAN, _NEG_NAN = 0x7F, 0xFF  # E4M3's two NaN codes: an infinity of each sig
 
 
 def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as E4M3 codes ``(rows, groups * group)`` and float32 scales ``(rows, groups)``,
-    one per ``group`` consecutive elements of the last dimension (zero-padded to whole groups).
+    """``x`` as E4M3 codes ``(groups, group)`` and float32 scales ``(groups,)``, one per
+    ``group`` consecutive elements in row-major order (the last group zero-padded): 1x``group``
+    along the last dimension when ``group`` divides it, as COAT's 1x128; across rows when the
+    rows are shorter (RoPE's heads of 32), so no row pads to a whole group.
 
     A group's scale is ``absmax / 448`` over its finite elements (the ``fp8`` optimizer
     state's rule), so its largest finite element codes to ±448 and none saturates; a group
@@ -53,12 +62,10 @@ def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     is raised to it: no division by zero or by a subnormal. Infinities (an attention mask's
     -inf) keep their sign: they are stored as E4M3's NaN codes with that sign bit (0x7F, 0xFF)
     and decode as ±inf; a NaN element decodes as an infinity too (non-finite either way)."""
-    width = x.shape[-1] if x.dim() else 1
-    rows = x.reshape(x.numel() // width if width else x.shape[:-1].numel(), width)
-    rows = rows.to(torch.float32)
-    n_groups = -(-width // group)
-    grouped = torch.nn.functional.pad(rows, (0, n_groups * group - width))
-    grouped = grouped.reshape(rows.shape[0], n_groups, group)
+    flat = x.reshape(-1).to(torch.float32)
+    n_groups = -(-flat.numel() // group)
+    grouped = torch.nn.functional.pad(flat, (0, n_groups * group - flat.numel()))
+    grouped = grouped.reshape(n_groups, group)
     finite = torch.isfinite(grouped)
     values = torch.where(finite, grouped, torch.zeros_like(grouped))
     amax = values.abs().amax(dim=-1, keepdim=True)
@@ -66,8 +73,7 @@ def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     # The clamp only takes rounding's last ulp off the largest element of a group.
     bits = (values / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     infinite = torch.where(torch.signbit(grouped), _NEG_NAN, _POS_NAN).to(torch.uint8)
-    bits = torch.where(finite, bits, infinite)
-    codes = bits.view(torch.float8_e4m3fn).reshape(rows.shape[0], n_groups * group)
+    codes = torch.where(finite, bits, infinite).view(torch.float8_e4m3fn)
     return codes, scale.squeeze(-1)
 
 
@@ -77,11 +83,11 @@ def decode_groups(
     """The tensor ``encode_groups`` coded, as ``shape`` and ``dtype``: ``code * scale`` in
     float32 (exact: an E4M3 value times a float32 scale needs 4 + 24 bits), rounded once;
     a NaN code as the infinity of its sign."""
-    values = codes.reshape(*scale.shape, codes.shape[1] // max(scale.shape[1], 1))
-    rows = values.to(torch.float32) * scale.unsqueeze(-1)
-    inf = torch.full_like(rows, math.inf)
-    rows = torch.where(rows.isnan(), torch.where(values.view(torch.uint8) > 127, -inf, inf), rows)
-    return rows.reshape(codes.shape)[:, : shape[-1] if shape else 1].to(dtype).reshape(shape)
+    values = codes.to(torch.float32) * scale.unsqueeze(-1)
+    inf = torch.full_like(values, math.inf)
+    signed = torch.where(codes.view(torch.uint8) > 127, -inf, inf)
+    values = torch.where(values.isnan(), signed, values)
+    return values.reshape(-1)[: shape.numel()].to(dtype).reshape(shape)
 
 
 def saved_call(
@@ -90,12 +96,30 @@ def saved_call(
     mode: SaveMode,
     group: int = 128,
     inputs: int = 1,
+    kind: ActivationKind | None = None,
 ) -> torch.Tensor:
     """``f(*tensors)``, its backward keeping the first ``inputs`` tensors (the activations) as
     ``mode`` says and the rest (the operands: weights, tables) as they are (module docstring).
 
-    ``offload`` is not built yet (``NotImplementedError``). Without a graph to build (grad
-    disabled, or nothing needing a gradient) ``f`` just runs."""
+    ``kind`` tags what the call saves (``SAVING``), whatever the mode. ``offload`` is not built
+    yet (``NotImplementedError``). Without a graph to build (grad disabled, or nothing needing
+    a gradient) ``f`` just runs."""
+    if kind is None or torch.compiler.is_compiling():
+        return _saved_call(f, tensors, mode, group, inputs)
+    token = SAVING.set(kind)
+    try:
+        return _saved_call(f, tensors, mode, group, inputs)
+    finally:
+        SAVING.reset(token)
+
+
+def _saved_call(
+    f: Callable[..., torch.Tensor],
+    tensors: tuple[torch.Tensor, ...],
+    mode: SaveMode,
+    group: int,
+    inputs: int,
+) -> torch.Tensor:
     if mode == "keep" or not torch.is_grad_enabled():
         return f(*tensors)
     if not any(t.requires_grad for t in tensors):

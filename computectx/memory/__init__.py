@@ -16,6 +16,7 @@ and checkpoint weights live, at which dtype, and how many bytes each device hold
 
 from computectx.memory.accounting import MemoryReport, memory_report
 from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.activation_bytes import SavedActivations
 from computectx.memory.expert_residency import ExpertResidency, expert_residency, prefetch_experts
 from computectx.memory.optim import CompactOptimizer, OffloadedOptimizer
 from computectx.memory.weights import load_weights, save_weights
@@ -26,6 +27,7 @@ __all__ = [
     "LowPrecGradAccumulator",
     "MemoryReport",
     "OffloadedOptimizer",
+    "SavedActivations",
     "expert_residency",
     "load_weights",
     "memory_report",

@@ -56,7 +56,7 @@ from computectx.formats.seam import (
 )
 from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.params import param_dtype
-from computectx.saved import saved_call
+from computectx.saved import SAVING, saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]
 
@@ -202,13 +202,7 @@ class GroupedExperts(nn.Module):
         with self.ctx.autocast():
             x = self.ctx.to_compute(x)
             h = self._mm(x, gate_up, offs)
-            gate, up, policy = h[:, : self.hidden], h[:, self.hidden :], self.ctx.activations
-            # nn.mlp.swiglu, inline: the default (keep) reaches no other module.
-            act = (
-                _swiglu(gate, up)
-                if policy.act_fn == "keep"
-                else saved_call(_swiglu, gate, up, mode=policy.act_fn, group=policy.group, inputs=2)
-            )
+            act = _act_fn(self.ctx, h[:, : self.hidden], h[:, self.hidden :])
             return self.ctx.to_compute(self._mm(act, down, offs))
 
     def _weight(self, name: str) -> torch.Tensor | ServingWeight:
@@ -462,3 +456,18 @@ register_experts_converter(_GroupedExpertsConverter())
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
+
+
+def _act_fn(ctx: ComputeCtx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    # nn.mlp.swiglu, inline: under the default (keep) the forward enters no other module.
+    policy = ctx.activations
+    if policy.act_fn != "keep":
+        mode, group = policy.act_fn, policy.group
+        return saved_call(_swiglu, gate, up, mode=mode, group=group, inputs=2, kind="act_fn")
+    if torch.compiler.is_compiling():
+        return _swiglu(gate, up)
+    token = SAVING.set("act_fn")
+    try:
+        return _swiglu(gate, up)
+    finally:
+        SAVING.reset(token)

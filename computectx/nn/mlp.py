@@ -18,7 +18,9 @@ def swiglu(ctx: ComputeCtx, gate: torch.Tensor, up: torch.Tensor) -> torch.Tenso
     says (``computectx.saved``: ``fp8`` keeps them as E4M3 groups, ``recompute`` as they are,
     and neither keeps ``silu(gate)``)."""
     policy = ctx.activations
-    return saved_call(_swiglu, gate, up, mode=policy.act_fn, group=policy.group, inputs=2)
+    return saved_call(
+        _swiglu, gate, up, mode=policy.act_fn, group=policy.group, inputs=2, kind="act_fn"
+    )
 
 
 def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
