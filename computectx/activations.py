@@ -5,8 +5,9 @@ between a forward and its backward, how it is kept (a ``SaveMode``):
 
 - ``keep``: as the op saves it today, at the precision it computes in (the default).
 - ``fp8``: as E4M3 codes with float32 scales: one scale per tensor for the inputs of linears
-  and grouped GEMMs, one per group of ``group`` consecutive elements along the last dimension
-  for the inputs of non-linear ops (COAT, arXiv 2410.19313). Each scale is ``absmax / 448``.
+  and grouped GEMMs, one per group of ``group`` consecutive elements (1x``group`` along the
+  last dimension when it divides it) for the inputs of non-linear ops (COAT, arXiv
+  2410.19313). Each scale is ``absmax / 448``.
 - ``offload``: moved to host memory after the forward and back before its backward.
 - ``recompute``: the op keeps only its input, at the precision it arrived in, and computes
   its internals again in the backward (for ops that can: not linears, residuals, dispatch).
@@ -131,7 +132,7 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
     moe: ModeField = "keep"
     """The MoE dispatch (permuted tokens, routing weights): ``keep``, ``fp8`` or ``offload``."""
     group: Annotated[int, BeforeValidator(_group)] = DEFAULT_GROUP
-    """Elements per fp8 group of the non-linear kinds, along the last dimension: 16, 32, 64 or
+    """Elements per fp8 group of the non-linear kinds (consecutive, row-major): 16, 32, 64 or
     128 (default)."""
 
     def __init__(self, /, **data: Any) -> None:
