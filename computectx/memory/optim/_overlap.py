@@ -219,7 +219,11 @@ class Overlap:
         self._fired[i] += 1
         if self._fired[i] < self._expect[i]:
             return
-        self._verdict = self._scale = None
+        if self._scale is not None:
+            # A backward after a clip: the clipped gradients land scaled first (the new one
+            # adds to them unscaled, as it would to the serial step's clipped masters).
+            self.land_all()
+        self._verdict = None
         with torch.no_grad():
             g = g.detach()
             pending = self._pending.pop(i, None)

@@ -266,6 +266,19 @@ def test_a_group_added_later_is_overlapped_too() -> None:
         assert torch.equal(extras[0], extras[1])
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_backward_after_a_clip_adds_to_the_clipped_gradients(k: int) -> None:
+    m1, o1, m2, o2 = pair()
+    for step in range(3):
+        for m, o in ((m1, o1), (m2, o2)):
+            backward(m, batches(step, k, torch.float32))
+            o.clip_grad_norm(0.05)
+            backward(m, batches(step + 10, 1, torch.float32))
+            o.step()
+            o.zero_grad()
+        same(m1, o1, m2, o2)
+
+
 def test_a_gradient_left_in_param_grad_takes_the_serial_path() -> None:
     m1, o1, m2, o2 = pair()
     for m, o in ((m1, o1), (m2, o2)):
