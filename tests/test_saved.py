@@ -108,6 +108,32 @@ def test_the_default_keeps_what_the_ops_save() -> None:
     assert _saved_bytes(lambda: rms_norm(ctx, x, w), exclude=[w]) == 2 * 4 * N + 4 * ROWS
 
 
+def test_softmax_keeps_only_the_probabilities_the_next_gemm_keeps() -> None:
+    # Attention's softmax and its PV GEMM: keep holds the float32 probabilities (softmax's
+    # own save) and the bf16 ones (the GEMM's); recompute and fp8 hold the bf16 ones only.
+    g = torch.Generator().manual_seed(0)
+    scores0 = torch.randn(4, 64, 64, generator=g).bfloat16()
+    v = torch.randn(4, 64, 32, generator=g).bfloat16().requires_grad_()
+    dy = torch.randn(4, 64, 32, generator=g).bfloat16()
+    kept, grads = {}, {}
+    for mode in ("keep", "recompute", "fp8"):
+        ctx, scores = _ctx(f"attention:{mode}"), scores0.clone().requires_grad_()
+
+        def run(ctx: ComputeCtx = ctx, scores: torch.Tensor = scores) -> torch.Tensor:
+            return softmax(ctx, scores, kind="attention") @ v
+
+        kept[mode] = _saved_bytes(run)
+        torch.autograd.backward(run(), dy)
+        assert scores.grad is not None
+        grads[mode] = scores.grad.float()
+    n, v_bytes = scores0.numel(), 2 * v.numel()  # the GEMM keeps v too, for dprobs
+    assert kept["keep"] == 4 * n + 2 * n + v_bytes
+    assert kept["recompute"] == kept["fp8"] == 2 * n + v_bytes
+    assert torch.equal(grads["recompute"], grads["fp8"])
+    # From the bf16 probabilities (2**-9 relative) instead of the float32 ones.
+    assert _sqnr(grads["fp8"], grads["keep"]) > 40
+
+
 # ----- gradients -----------------------------------------------------------------------------
 
 

@@ -8,10 +8,15 @@ join with the input's dtype), computed there, and rounded back to the input's dt
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from computectx.activations import ActivationKind
 from computectx.ctx import ComputeCtx
+from computectx.dtypes import dtype_of, promote
+from computectx.saved import SAVING
 
 __all__ = ["apply_rope", "rms_norm", "rope_tables", "softmax"]
 
@@ -42,9 +47,50 @@ def softmax(
 
     The normalizing sum runs at the accumulation dtype, so rows of many small
     probabilities still sum to one before the single rounding back. The backward keeps
-    what ``ctx.activations`` says for ``kind`` (attention's probabilities: ``"attention"``).
+    what ``ctx.activations`` says for ``kind`` (attention's probabilities: ``"attention"``):
+    under ``keep`` the float32 probabilities ``torch.softmax`` saves; under ``recompute`` and
+    ``fp8`` only the returned probabilities at ``x.dtype``, the tensor the next GEMM keeps
+    anyway (so nothing more), from which the backward forms ``y * (dy - sum(dy * y))`` at
+    the accumulation dtype (a softmax's gradient needs its output, never its input).
     """
-    return ctx.precise(x, lambda t: torch.softmax(t, dim=dim), kind=kind)
+    mode = getattr(ctx.activations, kind)
+    if mode == "keep" or not (torch.is_grad_enabled() and x.requires_grad):
+        return ctx.precise(x, lambda t: torch.softmax(t, dim=dim), kind=kind)
+    if mode == "offload":
+        raise NotImplementedError("activations kept as 'offload' are not built yet")
+    work = promote(dtype_of(x), ctx.accum).torch
+    if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
+        return _softmax_keeping_output(x, dim, work)
+    token = SAVING.set(kind)
+    try:
+        return _softmax_keeping_output(x, dim, work)
+    finally:
+        SAVING.reset(token)
+
+
+def _softmax_keeping_output(x: torch.Tensor, dim: int, work: torch.dtype) -> torch.Tensor:
+    y: torch.Tensor = _SoftmaxKeepingOutput.apply(x, dim, work)  # type: ignore[no-untyped-call]
+    return y
+
+
+class _SoftmaxKeepingOutput(torch.autograd.Function):
+    """Softmax at ``work`` returned at ``x``'s dtype, keeping only that returned tensor."""
+
+    @staticmethod
+    def forward(ctx: FunctionCtx, x: torch.Tensor, dim: int, work: torch.dtype) -> torch.Tensor:
+        y = torch.softmax(x.to(work), dim=dim).to(x.dtype)
+        ctx.save_for_backward(y)
+        c: Any = ctx
+        c.dim, c.work = dim, work
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (y,) = ctx.saved_tensors
+        yw, dyw = y.to(ctx.work), dy.to(ctx.work)
+        dx = yw * (dyw - (dyw * yw).sum(dim=ctx.dim, keepdim=True))
+        return dx.to(y.dtype), None, None
 
 
 def rope_tables(
