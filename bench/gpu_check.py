@@ -384,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         # Each fwd+bwd at M = 128,000 is tens of ms: 10 reps keep the section near a minute.
         "moe_gemm": lambda: gpu_check_moe.section_moe_gemm(device, smoke, min(reps, 10)),
         "optim_state": lambda: gpu_check_optim.section_optim_state(device, smoke, reps),
+        "offload_overlap": lambda: gpu_check_optim.section_offload_overlap(device, smoke, reps),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

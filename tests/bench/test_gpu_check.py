@@ -43,6 +43,7 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(
         "kv_decode",
         "moe_gemm",
         "optim_state",
+        "offload_overlap",
     }
     for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm", "moe_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])
