@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -23,6 +25,7 @@ constexpr int32_t kF32 = 0, kBF16 = 1, kF16 = 2;
 constexpr float kFltMax = 3.40282346638528859812e+38f;
 constexpr float kBf16Max = 3.38953138925153547590e+38f;  // 0x7F7F0000
 constexpr int64_t kPlainTile = 2048;
+constexpr int64_t kNearestMin = 65536;  // elements from which int8 takes the one-load table
 
 }  // namespace
 
@@ -148,12 +151,64 @@ inline void copy(float* __restrict dst, const float* __restrict src, int64_t len
   for (int64_t i = 0; i < len; ++i) dst[i] = src[i];
 }
 
+// A moment's 256 decoded values per code before the block scale (int8: the map, 0 past its
+// end; fp8: the code's value / 448, the same float32 division as the twin's), as floats and,
+// for the in-register lookup, as four planes of bytes (byte k of each value's bits).
+struct Lut {
+  alignas(64) float f[256];
+  alignas(64) uint8_t plane[4][256];
+  const uint32_t* nearest = nullptr;  // int8: nearest_table's (below), else nullptr
+};
+
+// The nearest-entry table and the bound compare in one 32-bit word per bucket (the top 16
+// bits of the pattern): the bucket's code c = table[bucket] in the low byte, and in the high
+// half the low 16 bits of bounds[c]'s pattern (complemented for a negative bucket) where
+// bounds[c] lies in the bucket, else 0xFFFF. For n in the bucket, n > bounds[c] exactly when
+// n's low 16 bits (complemented if negative) are above that half: the same sign and top 16
+// bits, so the patterns order as the values (reversed below zero); where bounds[c] lies in a
+// higher bucket, n is below it. So code = c + (that compare), which is table[bucket] + (n >
+// bounds[c]) for every n, NaN and infinities included: one load an element instead of two.
+// Built once per (table, bounds) and kept for the process (a few maps; checked by content).
+struct Nearest {
+  std::vector<uint8_t> table;
+  std::vector<float> bounds;
+  std::vector<uint32_t> words;
+};
+
+const uint32_t* nearest_table(const uint8_t* table, const float* bounds, int count) {
+  static std::mutex lock;
+  static std::vector<std::unique_ptr<Nearest>> built;
+  const std::lock_guard<std::mutex> hold(lock);
+  for (const auto& e : built) {
+    if (static_cast<int>(e->bounds.size()) == count &&
+        std::memcmp(e->bounds.data(), bounds, 4 * count) == 0 &&
+        std::memcmp(e->table.data(), table, 65536) == 0)
+      return e->words.data();
+  }
+  if (built.size() >= 16) return nullptr;  // not a fixed set of maps: the two-load search
+  auto e = std::make_unique<Nearest>();
+  e->table.assign(table, table + 65536);
+  e->bounds.assign(bounds, bounds + count);
+  e->words.resize(65536);
+  for (uint32_t b = 0; b < 65536; ++b) {
+    const uint32_t c = table[b];
+    if (static_cast<int>(c) >= count) return nullptr;  // not a table of these bounds
+    const uint32_t m = bits_of(bounds[c]), flip = b >> 15 ? 0xFFFFu : 0u;
+    const uint32_t half = m >> 16 == b ? (m & 0xFFFFu) ^ flip : 0xFFFFu;
+    e->words[b] = c | (half << 16);
+  }
+  built.push_back(std::move(e));
+  return built.back()->words.data();
+}
+
 struct Buffers {
   std::vector<float> p, g, m, v, scale;
   std::vector<uint8_t> codes;
   std::vector<uint16_t> noise;
   std::vector<uint64_t> draws;
-  explicit Buffers(int64_t tile)
+  std::vector<uint32_t> words;
+  const Lut* lut[2];  // the moments' decode tables (int8, fp8), else nullptr
+  Buffers(int64_t tile, const Lut* const* luts)
       : p(tile),
         g(tile),
         m(tile),
@@ -161,7 +216,9 @@ struct Buffers {
         scale(tile),
         codes(tile),
         noise(tile + 4),
-        draws(tile / 4 + 1) {}
+        draws(tile / 4 + 1),
+        words(tile),
+        lut{luts[0], luts[1]} {}
 };
 
 // The per-element scale of a rank-1 moment over flat elements [lo, lo + len).
@@ -189,9 +246,59 @@ inline float e4m3_to_f32(uint32_t c) {
   return float_of(((c & 0x80u) << 24) | mag);
 }
 
-// Decode elements [lo, lo + len) of ``mo`` into ``out`` (a tile never crosses a block).
+void make_lut(const CcMoment& mo, Lut& lut) {
+  const int entries = mo.fmt == kFp8 || !mo.is_signed ? 256 : 255;  // the signed map: 255
+  for (int c = 0; c < 256; ++c) {
+    const float x = c >= entries ? 0.0f : (mo.fmt == kFp8 ? mo.map[c] / 448.0f : mo.map[c]);
+    lut.f[c] = x;
+    const uint32_t u = bits_of(x);
+    for (int k = 0; k < 4; ++k) lut.plane[k][c] = static_cast<uint8_t>(u >> (8 * k));
+  }
+}
+
+// out[i] = lut(d[i]) * s for i < len (a product rounded once, as the twin's).
+void decode256(const Lut& lut, const uint8_t* __restrict d, int64_t len, float s,
+               float* __restrict out) {
+  int64_t i = 0;
+#if defined(__AVX512VBMI__) && !defined(CC_HOST_ADAM_PORTABLE)
+  // 64 codes at a time: each byte plane looked up by two vpermi2b (codes below and above
+  // 128) and a blend on the code's top bit, the planes interleaved back into 64 floats. The
+  // codes are first permuted so that the interleave (within 128-bit lanes) comes out in order:
+  // position 16L + 4q + j takes code 16q + 4L + j.
+  alignas(64) static const uint8_t order[64] = {
+      0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,  //
+      4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,  //
+      8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
+      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+  const __m512i perm = _mm512_load_si512(order);
+  __m512i tab[4][4];
+  for (int k = 0; k < 4; ++k)
+    for (int h = 0; h < 4; ++h) tab[k][h] = _mm512_load_si512(lut.plane[k] + 64 * h);
+  const __m512 scale = _mm512_set1_ps(s);
+  for (; i + 64 <= len; i += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(d + i));
+    const __mmask64 high = _mm512_movepi8_mask(c);
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i lo = _mm512_permutex2var_epi8(tab[k][0], c, tab[k][1]);
+      const __m512i hi = _mm512_permutex2var_epi8(tab[k][2], c, tab[k][3]);
+      b[k] = _mm512_mask_blend_epi8(high, lo, hi);
+    }
+    const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i x0 = _mm512_unpacklo_epi8(b[2], b[3]), x1 = _mm512_unpackhi_epi8(b[2], b[3]);
+    const __m512i q[4] = {_mm512_unpacklo_epi16(w0, x0), _mm512_unpackhi_epi16(w0, x0),
+                          _mm512_unpacklo_epi16(w1, x1), _mm512_unpackhi_epi16(w1, x1)};
+    for (int k = 0; k < 4; ++k)
+      _mm512_storeu_ps(out + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(q[k]), scale));
+  }
+#endif
+  for (; i < len; ++i) out[i] = lut.f[d[i]] * s;
+}
+
+// Decode elements [lo, lo + len) of ``mo`` into ``out`` (a tile never crosses a block);
+// ``lut``: int8 and fp8's (make_lut).
 void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict out,
-            float* __restrict scale) {
+            float* __restrict scale, const Lut* lut) {
   const float* __restrict map = mo.map;
   switch (mo.fmt) {
     case kPlain:
@@ -202,18 +309,11 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
       for (int64_t i = 0; i < len; ++i) out[i] = bf16_to_f32(d[i]);
       return;
     }
-    case kInt8: {
-      const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo;
-      const float s = mo.absmax[lo / mo.block];
-      for (int64_t i = 0; i < len; ++i) out[i] = map[d[i]] * s;
+    case kInt8:
+    case kFp8:
+      decode256(*lut, static_cast<const uint8_t*>(mo.data) + lo, len, mo.absmax[lo / mo.block],
+                out);
       return;
-    }
-    case kFp8: {
-      const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo;
-      const float s = mo.absmax[lo / mo.block];
-      for (int64_t i = 0; i < len; ++i) out[i] = e4m3_to_f32(d[i]) / 448.0f * s;
-      return;
-    }
     default: {  // int4, blocked or rank-1; lo is even
       const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo / 2;
       float map16[16] = {};  // the signed map has 15 entries
@@ -273,7 +373,8 @@ inline uint16_t bf16_code(float x, bool is_unsigned) {
 // Encode the new values x[0, len) of elements [lo, lo + len) into ``mo`` (in place); ``n``
 // is scratch for the normalized values.
 void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict x,
-            float* __restrict n, uint8_t* __restrict codes) {
+            float* __restrict n, uint8_t* __restrict codes, uint32_t* __restrict words,
+            const Lut* lut) {
   const bool is_unsigned = !mo.is_signed;
   if (mo.fmt == kBf16) {
     uint16_t* __restrict d = static_cast<uint16_t*>(mo.data) + lo;
@@ -305,6 +406,47 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
   }
   const uint8_t* __restrict table = mo.table;
   const float* __restrict bounds = mo.bounds;
+  if (mo.fmt == kInt8 && lut != nullptr && lut->nearest != nullptr) {
+    // The one-load table (nearest_table): the words looked up two elements a 64-bit load,
+    // the compare and the unsigned floor vectorized. (The barrier keeps the lookups scalar:
+    // hardware gathers are slower than scalar loads on the CPUs measured.)
+    const uint32_t* __restrict nearest = lut->nearest;
+    const uint32_t* __restrict u = reinterpret_cast<const uint32_t*>(n);
+    int64_t i = 0;
+    for (; i + 2 <= len; i += 2) {
+      uint64_t pair;
+      std::memcpy(&pair, u + i, 8);
+#if defined(__GNUC__)
+      asm("" : "+r"(pair));
+#endif
+      words[i] = nearest[static_cast<uint32_t>(pair) >> 16];
+      words[i + 1] = nearest[pair >> 48];
+    }
+    if (i < len) words[i] = nearest[u[i] >> 16];
+    uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + lo;
+    const uint32_t floor = is_unsigned ? 1u : 0u;  // code 0 lifted to 1 (c | 1 where c = 0)
+    int64_t k = 0;
+#if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
+    const __m512i ones = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xFF);
+    const __m512i half = _mm512_set1_epi32(0xFFFF), lift = _mm512_set1_epi32(floor);
+    for (; k + 16 <= len; k += 16) {
+      const __m512i b = _mm512_loadu_si512(u + k), w = _mm512_loadu_si512(words + k);
+      const __m512i low = _mm512_and_si512(_mm512_xor_si512(b, _mm512_srai_epi32(b, 31)), half);
+      __m512i c = _mm512_and_si512(w, byte);
+      c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(w, 16)), c, ones);
+      const __mmask16 pos = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + k), _mm512_setzero_ps(), _CMP_GT_OQ);
+      c = _mm512_mask_or_epi32(c, pos & _mm512_cmpeq_epi32_mask(c, _mm512_setzero_si512()), c, lift);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(c));
+    }
+#endif
+    for (; k < len; ++k) {
+      const uint32_t b = u[k], w = words[k];
+      const uint32_t low = (b ^ (0u - (b >> 31))) & 0xFFFFu;
+      const uint32_t c = (w & 0xFFu) + static_cast<uint32_t>(low > (w >> 16));
+      out[k] = static_cast<uint8_t>(c | (static_cast<uint32_t>(x[k] > 0.0f) & (c == 0) & floor));
+    }
+    return;
+  }
   // The nearest entry: bucketize(n, mids), by the table of maps.py (its bucket's code, plus
   // one above the bucket's midpoint).
   if (mo.fmt != kInt8 && amax_bits <= 0x7F800000u) {
@@ -394,13 +536,13 @@ void tile_update(const CcStep& s, int64_t lo, int64_t len, Buffers& b, bool writ
   if (s.m.fmt == kPlain) {
     m = in_place(static_cast<float*>(s.m.data), lo, len, write, b.m);
   } else {
-    decode(s.m, s.n, lo, len, b.m.data(), b.scale.data());
+    decode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.lut[0]);
     m = b.m.data();
   }
   if (s.v.fmt == kPlain) {
     v = in_place(static_cast<float*>(s.v.data), lo, len, write, b.v);
   } else {
-    decode(s.v, s.n, lo, len, b.v.data(), b.scale.data());
+    decode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.lut[1]);
     v = b.v.data();
   }
   if (s.l2) {
@@ -547,8 +689,8 @@ inline float block_scale(const CcMoment& mo, int64_t lo) {
 
 template <int MF, int VF, int PM, bool GBF, bool L2, bool PASS1>
 void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
-  if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.scale.data());
-  if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.scale.data());
+  if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.lut[0]);
+  if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.lut[1]);
   if (PM == kPBf16Sr && !PASS1) {  // lo is a multiple of 4 (of the tile)
     const int64_t quads = (len + 3) / 4;
     uint64_t* __restrict z = b.draws.data();
@@ -563,8 +705,8 @@ void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
       b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo),
       b.noise.data());
   if (PASS1) return;
-  if (blocked(MF)) encode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.codes.data());
-  if (blocked(VF)) encode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.codes.data());
+  if (blocked(MF)) encode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[0]);
+  if (blocked(VF)) encode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[1]);
 }
 
 using TileFn = void (*)(const CcStep&, int64_t, int64_t, Buffers&);
@@ -620,8 +762,8 @@ int64_t tile_of(const CcStep& s) {
 
 // Pass 1 of a rank-1 moment: the new rows/cols maxima of |clamped new value| over [lo, hi).
 void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_t* rows,
-                  uint32_t* cols, const CcMoment& mo, bool is_m) {
-  Buffers b(tile);
+                  uint32_t* cols, const CcMoment& mo, bool is_m, const Lut* const* luts) {
+  Buffers b(tile, luts);
   const int64_t ncols = s.n / mo.rows;
   const TileFn fused = is_m ? nullptr : pick(s, true);
   for (int64_t t = lo; t < hi; t += tile) {
@@ -648,8 +790,8 @@ void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_
   }
 }
 
-void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile) {
-  Buffers b(tile);
+void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, const Lut* const* luts) {
+  Buffers b(tile, luts);
   const TileFn fused = pick(s, false);
   for (int64_t t = lo; t < hi; t += tile) {
     const int64_t len = t + tile < hi ? tile : hi - t;
@@ -659,8 +801,8 @@ void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile) {
     }
     tile_update(s, t, len, b, true);
     if (s.param_dtype != kF32) write_param(s, t, len, b.p.data());
-    if (s.m.fmt != kPlain) encode(s.m, s.n, t, len, b.m.data(), b.scale.data(), b.codes.data());
-    if (s.v.fmt != kPlain) encode(s.v, s.n, t, len, b.v.data(), b.scale.data(), b.codes.data());
+    if (s.m.fmt != kPlain) encode(s.m, s.n, t, len, b.m.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[0]);
+    if (s.v.fmt != kPlain) encode(s.v, s.n, t, len, b.v.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[1]);
   }
 }
 
@@ -692,6 +834,16 @@ extern "C" int cc_host_adam_step(const CcStep* sp) {
   if (s.n <= 0) return 0;
   const int64_t tile = tile_of(s);
   const int threads = s.threads < 1 ? 1 : s.threads;
+  std::vector<Lut> tables(2);
+  const Lut* luts[2] = {nullptr, nullptr};
+  for (int k = 0; k < 2; ++k) {
+    const CcMoment& mo = k == 0 ? s.m : s.v;
+    if (mo.fmt != kInt8 && mo.fmt != kFp8) continue;
+    make_lut(mo, tables[k]);
+    if (mo.fmt == kInt8 && s.n >= kNearestMin)
+      tables[k].nearest = nearest_table(mo.table, mo.bounds, mo.is_signed ? 255 : 256);
+    luts[k] = &tables[k];
+  }
   for (const CcMoment* mo : {&s.m, &s.v}) {
     if (mo->fmt != kRank1) continue;
     const bool is_m = mo == &s.m;
@@ -701,7 +853,7 @@ extern "C" int cc_host_adam_step(const CcStep* sp) {
     std::vector<std::vector<uint32_t>> rows(used, std::vector<uint32_t>(nrows, 0));
     std::vector<std::vector<uint32_t>> cols(used, std::vector<uint32_t>(ncols, 0));
     parallel(s.n, tile, threads, [&](int k, int64_t lo, int64_t hi) {
-      rank1_maxima(s, lo, hi, tile, rows[k].data(), cols[k].data(), *mo, is_m);
+      rank1_maxima(s, lo, hi, tile, rows[k].data(), cols[k].data(), *mo, is_m, luts);
     });
     for (int64_t r = 0; r < nrows; ++r) {
       uint32_t a = 0;
@@ -714,6 +866,6 @@ extern "C" int cc_host_adam_step(const CcStep* sp) {
       mo->new_cols[c] = float_of(a);
     }
   }
-  parallel(s.n, tile, threads, [&](int, int64_t lo, int64_t hi) { pass2(s, lo, hi, tile); });
+  parallel(s.n, tile, threads, [&](int, int64_t lo, int64_t hi) { pass2(s, lo, hi, tile, luts); });
   return 0;
 }

@@ -139,8 +139,10 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
 
 
-def _build(compiler: str) -> Path:
-    """The built library's path (built now unless cached); ``RuntimeError`` on failure."""
+def _build(compiler: str, flags: tuple[str, ...] | None = None) -> Path:
+    """The built library's path (built now unless cached; ``FLAGS`` unless ``flags``);
+    ``RuntimeError`` on failure."""
+    flags = FLAGS if flags is None else flags
     try:
         version = _run([compiler, "--version"])
     except (OSError, subprocess.SubprocessError) as e:
@@ -149,7 +151,7 @@ def _build(compiler: str) -> Path:
         raise RuntimeError(f"{compiler} --version failed: {version.stderr.strip()[:2000]}")
     source = SOURCE.read_bytes()
     digest = hashlib.sha256()
-    for part in (source, " ".join(FLAGS).encode(), version.stdout.encode(), _cpu_flags().encode()):
+    for part in (source, " ".join(flags).encode(), version.stdout.encode(), _cpu_flags().encode()):
         digest.update(part)
         digest.update(b"\0")
     folder = cache_dir()
@@ -164,7 +166,7 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".host_adam-", suffix=".so")
         os.close(fd)
         try:
-            done = _run([compiler, *FLAGS, str(SOURCE), "-o", tmp])
+            done = _run([compiler, *flags, str(SOURCE), "-o", tmp])
             if done.returncode != 0:
                 raise RuntimeError(
                     f"{compiler} failed ({done.returncode}): "
@@ -177,12 +179,20 @@ def _build(compiler: str) -> Path:
     return target
 
 
-@functools.cache
 def library() -> ctypes.CDLL | None:
     """The loaded kernel (built on first use), or ``None`` after one warning when the build
     or the load failed (the caller runs its twin)."""
+    return _library(False)
+
+
+PORTABLE = "-DCC_HOST_ADAM_PORTABLE"
+"""Compiles the kernel without its hand-written AVX-512 code (tests compare the two)."""
+
+
+@functools.cache
+def _library(portable: bool) -> ctypes.CDLL | None:
     try:
-        lib = ctypes.CDLL(str(_build(COMPILER)))
+        lib = ctypes.CDLL(str(_build(COMPILER, (*FLAGS, PORTABLE) if portable else FLAGS)))
         if lib.cc_host_adam_abi() != ABI:
             raise RuntimeError("the cached library is of another ABI")
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:

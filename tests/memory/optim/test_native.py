@@ -201,6 +201,29 @@ def test_exact_arithmetic_gives_identical_codes_scales_and_weights(
             assert torch.equal(a, b), fmt
 
 
+def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
+    # From 65536 elements int8 takes the one-load table (code and bound in one word); beta1
+    # = beta2 = 0 makes the arithmetic exact, so every code, scale and weight is the twin's.
+    st = OptimState.parse("int8/min=0")
+    gen = torch.Generator().manual_seed(5)
+    shape = (257, 256)
+    g = adversarial(shape[0] * shape[1], gen).view(shape)
+    g[7] = torch.linspace(-1, 1, 256)  # every code: a block spanning the map
+    g[8] = -g[7].abs().sqrt()
+    g[9, :4] = float("nan")  # a NaN block (its scale NaN, normalized by 1)
+    p0 = torch.randn(shape, generator=gen)
+    mv = moments(shape, st, gen)
+    outs = []
+    for native in (False, True):
+        p = p0.clone()
+        outs.append([p, *step(p, g, [clone(x) for x in mv], st, native, beta1=0.0, beta2=0.0)])
+    for a, b in zip(outs[0], outs[1], strict=True):
+        pa = a.parts if isinstance(a, Packed) else {"": a}
+        pb = b.parts if isinstance(b, Packed) else {"": b}
+        for k in pa:
+            torch.testing.assert_close(pa[k], pb[k], rtol=0.0, atol=0.0, equal_nan=True)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
 def test_the_result_does_not_depend_on_the_thread_count(
     fmt: str, monkeypatch: pytest.MonkeyPatch
@@ -219,6 +242,36 @@ def test_the_result_does_not_depend_on_the_thread_count(
             pa = a.parts if isinstance(a, Packed) else {"": a}
             pb = b.parts if isinstance(b, Packed) else {"": b}
             assert all(torch.equal(pa[k], pb[k]) for k in pa)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_vector_code_equals_the_portable_build_and_the_twin(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Blocks of 128 (the hand-written AVX-512 loops take 64 elements at a time) and a short
+    # last block (their scalar tails); the portable build has none of that code.
+    st = OptimState.parse(fmt if fmt in ("f32", "bf16") else f"{fmt}/block=128/min=0")
+    gen = torch.Generator().manual_seed(11)
+    shape = (5, 3 * 128 + 23)
+    p0, g = torch.randn(shape, generator=gen), torch.randn(shape, generator=gen)
+    g[0, :128] *= 1e-41  # subnormal values and squares
+    mv = moments(shape, st, gen)
+    portable_lib = host_adam._library(True)
+    assert portable_lib is not None
+    outs = []
+    for build in ("twin", "native", "portable"):
+        if build == "portable":
+            monkeypatch.setattr(host_adam, "library", lambda: portable_lib)
+        p = p0.clone()
+        outs.append([p, *step(p, g, [clone(x) for x in mv], st, build != "twin")])
+    twin, native, portable = outs
+    torch.testing.assert_close(native[0], twin[0], rtol=2**-20, atol=2**-20 * 1e-2)
+    for a, b, c in zip(native[1:], twin[1:], portable[1:], strict=True):
+        assert_close_moment(a, b)
+        pa = a.parts if isinstance(a, Packed) else {"": a}
+        pc = c.parts if isinstance(c, Packed) else {"": c}
+        assert all(torch.equal(pa[k], pc[k]) for k in pa), fmt
+    assert torch.equal(native[0], portable[0])
 
 
 # ----- bf16 / f16 weights: the write-back --------------------------------------------------
@@ -299,7 +352,7 @@ def test_a_failed_build_warns_once_and_runs_the_twin(
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(host_adam, "COMPILER", "false")
-    host_adam.library.cache_clear()
+    host_adam._library.cache_clear()
     try:
         with pytest.warns(RuntimeWarning, match="could not be built with 'false'.*twin"):
             twin, native = run_pair("int8", (3 * BLOCK,))
@@ -307,7 +360,7 @@ def test_a_failed_build_warns_once_and_runs_the_twin(
             warnings.simplefilter("error")
             run_pair("int8", (3 * BLOCK,))  # no second warning
     finally:
-        host_adam.library.cache_clear()
+        host_adam._library.cache_clear()
     assert torch.equal(native[0], twin[0])  # the twin ran both
     assert all(torch.equal(native[1].parts[k], twin[1].parts[k]) for k in twin[1].parts)
     assert host_adam.cache_dir() == tmp_path / "computectx" / "host_adam"
