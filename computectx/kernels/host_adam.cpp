@@ -370,40 +370,13 @@ inline uint16_t bf16_code(float x, bool is_unsigned) {
   return static_cast<uint16_t>(is_unsigned && c > 0.0f && (h & 0x7FFFu) == 0 ? 1u : h);
 }
 
-// Encode the new values x[0, len) of elements [lo, lo + len) into ``mo`` (in place); ``n``
-// is scratch for the normalized values.
-void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict x,
-            float* __restrict n, uint8_t* __restrict codes, uint32_t* __restrict words,
-            const Lut* lut) {
+// The codes of int8 and int4 (blocked or rank-1) from the normalized values ``n`` of the
+// values ``x`` (amax_bits: the tile's largest |x| as bits, above 0x7F800000 for a NaN).
+void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict x,
+            const float* __restrict n, uint8_t* __restrict codes, uint32_t* __restrict words,
+            const Lut* lut, uint32_t amax_bits) {
   const bool is_unsigned = !mo.is_signed;
-  if (mo.fmt == kBf16) {
-    uint16_t* __restrict d = static_cast<uint16_t*>(mo.data) + lo;
-    for (int64_t i = 0; i < len; ++i) d[i] = bf16_code(x[i], is_unsigned);
-    return;
-  }
-  uint32_t amax_bits = 0;
-  for (int64_t i = 0; i < len; ++i) {
-    x[i] = clamp_finite(x[i]);
-    const uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
-    amax_bits = a > amax_bits ? a : amax_bits;  // above 0x7F800000: a NaN (amax is NaN)
-  }
-  if (mo.fmt == kRank1) {
-    rank1_scales(mo.new_rows, mo.new_cols, numel / mo.rows, lo, len, n);
-    for (int64_t i = 0; i < len; ++i) n[i] = x[i] / safe(n[i]);
-  } else {
-    const float amax = float_of(amax_bits);
-    mo.absmax[lo / mo.block] = amax;
-    const float s = safe(amax);
-    for (int64_t i = 0; i < len; ++i) n[i] = x[i] / s;
-  }
   uint8_t* __restrict d = static_cast<uint8_t*>(mo.data);
-  if (mo.fmt == kFp8) {
-    for (int64_t i = 0; i < len; ++i) {
-      const uint8_t c = f32_to_e4m3(n[i] * 448.0f);
-      d[lo + i] = is_unsigned && x[i] > 0.0f && c == 0 ? 1 : c;
-    }
-    return;
-  }
   const uint8_t* __restrict table = mo.table;
   const float* __restrict bounds = mo.bounds;
   if (mo.fmt == kInt8 && lut != nullptr && lut->nearest != nullptr) {
@@ -471,6 +444,135 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
   uint8_t* __restrict q = d + lo / 2;  // int4: lo is even; an odd tail's high nibble is 0
   for (int64_t j = 0; j < len / 2; ++j) q[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
   if (len & 1) q[len / 2] = codes[len - 1];
+}
+
+#if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
+// x clamped as clamp_finite (an inf's pattern less one: +-FLT_MAX; NaN stays): only where
+// the block holds an inf or a NaN (CLAMP).
+template <bool CLAMP>
+inline __m512 clamped(const float* x) {
+  __m512i b = _mm512_loadu_si512(x);
+  if constexpr (CLAMP) {
+    const __m512i a = _mm512_and_si512(b, _mm512_set1_epi32(0x7FFFFFFF));
+    const __mmask16 inf = _mm512_cmpeq_epi32_mask(a, _mm512_set1_epi32(0x7F800000));
+    b = _mm512_mask_sub_epi32(b, inf, b, _mm512_set1_epi32(1));
+  }
+  return _mm512_castsi512_ps(b);
+}
+
+// n = clamped x / s, 16 lanes at a time; returns the elements done.
+template <bool CLAMP>
+int64_t normalized(const float* __restrict x, int64_t len, float s, float* __restrict n) {
+  const __m512 sv = _mm512_set1_ps(s);
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) _mm512_storeu_ps(n + i, _mm512_div_ps(clamped<CLAMP>(x + i), sv));
+  return i;
+}
+
+// fp8 codes of clamped x / s (f32_to_e4m3 of the normalized value * 448; an unsigned x > 0
+// never code 0), 16 lanes at a time; returns the elements done.
+template <bool UNSIGNED, bool CLAMP>
+int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __restrict out) {
+  const __m512 sv = _mm512_set1_ps(s), k448 = _mm512_set1_ps(448.0f), k512 = _mm512_set1_ps(512.0f);
+  const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
+  const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0xC407FFFFu));  // (7-127)<<23 + 0x7FFFF
+  const __m512i sub_top = _mm512_set1_epi32(0x3C800000), sat = _mm512_set1_epi32(0x43F00000);
+  const __m512i nan_code = _mm512_set1_epi32(0x7F), sign_bit = _mm512_set1_epi32(0x80);
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const __m512 xv = clamped<CLAMP>(x + i);
+    const __m512i y = _mm512_castps_si512(_mm512_mul_ps(_mm512_div_ps(xv, sv), k448));
+    const __m512i ya = _mm512_and_si512(y, abs);
+    // Below 2**-6: a multiple of 2**-9, |y| * 512 (< 8, exact) rounded to nearest even.
+    const __m512i sub = _mm512_cvt_roundps_epu32(_mm512_mul_ps(_mm512_castsi512_ps(ya), k512),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(ya, 20), one);
+    __m512i mag = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(ya, bias), odd), 20);
+    mag = _mm512_mask_mov_epi32(mag, _mm512_cmplt_epu32_mask(ya, sub_top), sub);
+    mag = _mm512_mask_mov_epi32(mag, _mm512_cmpge_epu32_mask(ya, sat), nan_code);
+    __m512i c = _mm512_ternarylogic_epi32(_mm512_srli_epi32(y, 24), sign_bit, mag, 0xEA);  // (a & b) | c
+    if constexpr (UNSIGNED)  // x > 0: a positive code, at least 1
+      c = _mm512_mask_max_epu32(c, _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_GT_OQ), c, one);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(c));
+  }
+  return i;
+}
+#endif
+
+// Encode the new values x[0, len) of elements [lo, lo + len) into ``mo`` (in place); ``n``
+// is scratch for the normalized values.
+void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict x,
+            float* __restrict n, uint8_t* __restrict codes, uint32_t* __restrict words,
+            const Lut* lut) {
+  const bool is_unsigned = !mo.is_signed;
+  if (mo.fmt == kBf16) {
+    uint16_t* __restrict d = static_cast<uint16_t*>(mo.data) + lo;
+    for (int64_t i = 0; i < len; ++i) d[i] = bf16_code(x[i], is_unsigned);
+    return;
+  }
+#if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
+  if (mo.fmt == kInt8 || mo.fmt == kFp8 || mo.fmt == kInt4) {
+    // The scalar code below in two passes of 16 lanes: the block's amax, then each value
+    // normalized and fp8's code written (the others' normalized values, for their search).
+    const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF);
+    __m512i acc = _mm512_setzero_si512();
+    int64_t i = 0;
+    for (; i + 16 <= len; i += 16)
+      acc = _mm512_max_epu32(acc, _mm512_and_si512(_mm512_loadu_si512(x + i), abs));
+    uint32_t raw = _mm512_reduce_max_epu32(acc);  // |x| before the clamp
+    for (; i < len; ++i) {
+      const uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+      raw = a > raw ? a : raw;
+    }
+    // Clamped, an inf becomes FLT_MAX, the pattern below it; a NaN stays above.
+    const uint32_t amax_bits = raw == 0x7F800000u ? 0x7F7FFFFFu : raw;
+    const float amax = float_of(amax_bits);
+    mo.absmax[lo / mo.block] = amax;
+    const float s = safe(amax);
+    uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + lo;
+    const bool clamp = raw >= 0x7F800000u;  // an inf or a NaN in the block
+    if (mo.fmt == kFp8) {
+      if (is_unsigned) i = clamp ? fp8_codes<true, true>(x, len, s, out) : fp8_codes<true, false>(x, len, s, out);
+      else i = clamp ? fp8_codes<false, true>(x, len, s, out) : fp8_codes<false, false>(x, len, s, out);
+    } else {
+      i = clamp ? normalized<true>(x, len, s, n) : normalized<false>(x, len, s, n);
+    }
+    for (; i < len; ++i) {
+      x[i] = clamp_finite(x[i]);
+      n[i] = x[i] / s;
+      if (mo.fmt == kFp8) {
+        const uint8_t c = f32_to_e4m3(n[i] * 448.0f);
+        out[i] = is_unsigned && x[i] > 0.0f && c == 0 ? 1 : c;
+      }
+    }
+    if (mo.fmt != kFp8) search(mo, lo, len, x, n, codes, words, lut, amax_bits);
+    return;
+  }
+#endif
+  uint32_t amax_bits = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    x[i] = clamp_finite(x[i]);
+    const uint32_t a = bits_of(x[i]) & 0x7FFFFFFFu;
+    amax_bits = a > amax_bits ? a : amax_bits;  // above 0x7F800000: a NaN (amax is NaN)
+  }
+  if (mo.fmt == kRank1) {
+    rank1_scales(mo.new_rows, mo.new_cols, numel / mo.rows, lo, len, n);
+    for (int64_t i = 0; i < len; ++i) n[i] = x[i] / safe(n[i]);
+  } else {
+    const float amax = float_of(amax_bits);
+    mo.absmax[lo / mo.block] = amax;
+    const float s = safe(amax);
+    for (int64_t i = 0; i < len; ++i) n[i] = x[i] / s;
+  }
+  uint8_t* __restrict d = static_cast<uint8_t*>(mo.data);
+  if (mo.fmt == kFp8) {
+    for (int64_t i = 0; i < len; ++i) {
+      const uint8_t c = f32_to_e4m3(n[i] * 448.0f);
+      d[lo + i] = is_unsigned && x[i] > 0.0f && c == 0 ? 1 : c;
+    }
+    return;
+  }
+  search(mo, lo, len, x, n, codes, words, lut, amax_bits);
 }
 
 inline float load(const void* base, int32_t dtype, int64_t i) {
