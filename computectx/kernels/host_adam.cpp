@@ -386,16 +386,19 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
     const uint32_t* __restrict nearest = lut->nearest;
     const uint32_t* __restrict u = reinterpret_cast<const uint32_t*>(n);
     int64_t i = 0;
-    for (; i + 2 <= len; i += 2) {
-      uint64_t pair;
-      std::memcpy(&pair, u + i, 8);
+    for (; i + 4 <= len; i += 4) {
+      uint64_t p0, p1;
+      std::memcpy(&p0, u + i, 8);
+      std::memcpy(&p1, u + i + 2, 8);
 #if defined(__GNUC__)
-      asm("" : "+r"(pair));
+      asm("" : "+r"(p0), "+r"(p1));
 #endif
-      words[i] = nearest[static_cast<uint32_t>(pair) >> 16];
-      words[i + 1] = nearest[pair >> 48];
+      words[i] = nearest[static_cast<uint32_t>(p0) >> 16];
+      words[i + 1] = nearest[p0 >> 48];
+      words[i + 2] = nearest[static_cast<uint32_t>(p1) >> 16];
+      words[i + 3] = nearest[p1 >> 48];
     }
-    if (i < len) words[i] = nearest[u[i] >> 16];
+    for (; i < len; ++i) words[i] = nearest[u[i] >> 16];
     uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + lo;
     const uint32_t floor = is_unsigned ? 1u : 0u;  // code 0 lifted to 1 (c | 1 where c = 0)
     int64_t k = 0;
