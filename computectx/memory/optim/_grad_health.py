@@ -9,32 +9,14 @@ which freezes that weight for the rest of the run under float32 state and, in a 
 format, would take the whole block's scale. The verdict of ``clip`` is kept with stamps of
 the gradients it was taken on and reused while they are unchanged, so a step after clipping
 reads nothing again.
-
-Without a clip, the check is taken during the backward: a post-accumulate-grad hook on each
-compute parameter (``watch``) checks its gradient the moment autograd has written it, while
-it is still in cache, and keeps the verdict with the gradient tensor (a weak reference), its
-data pointer and its version counter. ``applicable`` reuses a verdict only for that very
-tensor, unchanged since (not reassigned, not written in place, not clipped, not given other
-storage); every other gradient (an accumulator's sum, one the hook never saw, one changed
-after its hook) is checked at the step as before, so the verdict stays exact. A gradient
-moved onto a master without a change of value (the same tensor, or a copy widened to the
-master's dtype) takes its verdict along (``carry``). Under gradient accumulation the hook
-fires once per micro-batch on the same, growing tensor; only the last hook's verdict can
-count, so each parameter checks from the firing the previous step saw last (``expect``: 1
-until a step has seen more): steady accumulation costs one check a step, in the last
-micro-batch's backward, and a step that sees more firings than predicted checks again at
-each one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import weakref
-from collections.abc import Iterable
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from computectx._checks import check_max_norm
 from computectx.memory.optim._masters import MasterWeights, Sharding
@@ -56,104 +38,16 @@ class Verdict:
     finite: bool
 
 
-@dataclasses.dataclass(frozen=True)
-class Checked:
-    """A gradient tensor's verdict, taken when it was as stamped: ``cleared`` (a 0-d bool
-    tensor on the gradient's device, read at the step) is true only when every element was
-    finite with a finite float32 square (``_cleared``; false may be a false alarm)."""
-
-    ref: weakref.ref[torch.Tensor]
-    ptr: int
-    version: int
-    cleared: torch.Tensor
-
-    def holds_for(self, g: torch.Tensor) -> bool:
-        """Whether this verdict was taken on ``g`` as it is now."""
-        return self.ref() is g and self.ptr == g.data_ptr() and self.version == g._version
-
-
 class GradHealth:
     """The norm and the non-finite verdict of the master gradients of ``weights``."""
 
     def __init__(self, weights: MasterWeights) -> None:
         self.weights = weights
         self._verdict: Verdict | None = None
-        self._checked: dict[int, Checked] = {}  # by id() of the gradient tensor
-        self._fired: list[int] = []  # hook firings since the last step, by position
-        self._expect: list[int] = []  # firings the last step saw, by position
-        self._quiet: set[int] = set()  # positions an accumulator drains (nothing to check)
-        self._handles: list[RemovableHandle] = []
-        # The hooks hold this object weakly; once it goes, so do they.
-        weakref.finalize(self, _remove_all, self._handles)
 
     def forget(self) -> None:
-        """Drop every kept verdict (the gradients are gone: ``zero_grad``, a skipped step)."""
+        """Drop the kept verdict (the gradients changed, or are gone)."""
         self._verdict = None
-        self._checked.clear()
-        self._fired = [0] * len(self._fired)
-
-    def changed(self) -> None:
-        """Drop the clip's verdict (gradients were ingested); the verdicts kept per gradient
-        tensor stay, as each names the tensor it holds for."""
-        self._verdict = None
-
-    def stepped(self) -> None:
-        """The step consumed the verdicts: each parameter now expects as many hook firings
-        per step as this step saw (its micro-batches)."""
-        self._expect = [f or e for f, e in zip(self._fired, self._expect, strict=True)]
-        self._fired = [0] * len(self._fired)
-        self._checked.clear()
-        self._verdict = None
-
-    # ----- the check during the backward ---------------------------------------------
-
-    def watch(self, compute: Iterable[torch.Tensor], *, hook: bool = True) -> None:
-        """Check the gradient of each of ``compute`` (the positions after those watched so
-        far) in a post-accumulate-grad hook (``hook=False``: at the step only). Nothing is
-        hooked under a sharding (a sharded gradient's norm is a collective, which a hook must
-        not start)."""
-        for p in compute:
-            i = len(self._fired)
-            self._fired.append(0)
-            self._expect.append(1)
-            if hook and self.weights.sharding is None and p.requires_grad:
-                check = _Hook(weakref.ref(self), i)
-                self._handles.append(p.register_post_accumulate_grad_hook(check))  # type: ignore[no-untyped-call]
-
-    def quiet(self, positions: Iterable[int]) -> None:
-        """Stop checking in the hooks of ``positions``: an accumulator drains their
-        gradients (whichever hook runs first), so there is no gradient of theirs to keep a
-        verdict for."""
-        self._quiet.update(positions)
-
-    def hooked(self, i: int, param: torch.Tensor) -> None:
-        """Position ``i``'s hook: note the verdict of its gradient when this firing may be
-        the step's last (``expect``)."""
-        g = param.grad
-        if g is None or i in self._quiet:
-            return
-        self._fired[i] += 1
-        if self._fired[i] >= self._expect[i] and g.layout == torch.strided:
-            self.note(g)
-
-    def note(self, g: torch.Tensor, cleared: torch.Tensor | None = None) -> None:
-        """Keep ``cleared`` (default: ``_cleared(g)``, taken now) as ``g``'s verdict."""
-        if cleared is None:
-            with torch.no_grad():
-                cleared = _cleared(g.detach())
-        self._checked[id(g)] = Checked(weakref.ref(g), g.data_ptr(), g._version, cleared)
-
-    def carry(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """``dst`` holds ``src``'s values (the same tensor detached, or a copy widened to a
-        master dtype): it takes ``src``'s kept verdict, if any."""
-        held = self._checked.get(id(src))
-        if held is None or not held.holds_for(src) or not _keeps_values(src.dtype, dst.dtype):
-            return
-        self.note(dst, held.cleared)
-
-    def _kept(self, g: torch.Tensor) -> torch.Tensor | None:
-        held = self._checked.get(id(g))
-        return held.cleared if held is not None and held.holds_for(g) else None
 
     def clip(self, max_norm: float, norm_type: float) -> float:
         """Clip the master gradients to total norm ``max_norm``; return the norm before.
@@ -200,19 +94,7 @@ class GradHealth:
         verdict = self._verdict
         if verdict is not None and verdict.stamps == self._stamps():
             return verdict.finite
-        grads = [mp.grad for mp in self.weights.master if mp.grad is not None]
-        kept: list[torch.Tensor] = []
-        unchecked: list[torch.Tensor] = []
-        for g in grads:
-            cleared = self._kept(g)
-            if cleared is None:
-                unchecked.append(g)
-            else:
-                kept.append(cleared)
-        finite = all_applicable(unchecked, kept) or (
-            # A kept false may be a false alarm: every gradient is then told apart exactly.
-            bool(kept) and all_applicable(grads)
-        )
+        finite = all_applicable([mp.grad for mp in self.weights.master if mp.grad is not None])
         sharding = self.weights.sharding
         if sharding is None:
             return finite
@@ -254,22 +136,17 @@ def clip_sharded(
     return norm
 
 
-def all_applicable(tensors: list[torch.Tensor], kept: Iterable[torch.Tensor] = ()) -> bool:
+def all_applicable(tensors: list[torch.Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite and below ``SQUARE_OVERFLOW`` in
-    magnitude (its float32 square finite), and every flag of ``kept`` (verdicts of
-    ``_cleared`` taken before) is true; one host sync per device.
+    magnitude (its float32 square finite); one host sync per device (the masters of small
+    parameters may stay on their GPU under ``overlap``).
 
     Each tensor's sum of squares bounds its elements (``_cleared``): one read pass clears
     it, and inf and NaN never clear; the rare tensor that the bound alone does not clear
-    (many large but applicable elements) is told apart exactly, element by element (a
-    false flag of ``kept`` is final here: its caller tells its tensor apart).
+    (many large but applicable elements) is told apart exactly, element by element.
     """
-    known = list(kept)
-    flags = [_cleared(_values(t)) for t in tensors]
-    if _all_true([*flags, *known]):
+    if _all_true([_cleared(_values(t)) for t in tensors]):
         return True
-    if not _all_true(known):
-        return False
     return all(bool((_values(t).abs() < SQUARE_OVERFLOW).all()) for t in tensors)
 
 
@@ -279,38 +156,6 @@ def _all_true(flags: list[torch.Tensor]) -> bool:
     for f in flags:
         by_device.setdefault(f.device, []).append(f)
     return all(bool(torch.stack(fs).all()) for fs in by_device.values())
-
-
-def _keeps_values(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether a cast from ``src`` to ``dst`` keeps every value (the same dtype, or a
-    floating dtype widened), so that a verdict on the one holds for the other."""
-    wider = {
-        torch.float16: (torch.float32, torch.float64),
-        torch.bfloat16: (torch.float32, torch.float64),
-        torch.float32: (torch.float64,),
-    }
-    return src == dst or dst in wider.get(src, ())
-
-
-class _Hook:
-    """The post-accumulate-grad hook of position ``i``: a callable holding its
-    ``GradHealth`` weakly, so that a model outliving its optimizer keeps no masters."""
-
-    __slots__ = ("health", "i")
-
-    def __init__(self, health: weakref.ref[GradHealth], i: int) -> None:
-        self.health = health
-        self.i = i
-
-    def __call__(self, param: torch.Tensor) -> None:
-        health = self.health()
-        if health is not None:
-            health.hooked(self.i, param)
-
-
-def _remove_all(handles: list[RemovableHandle]) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def _cleared(v: torch.Tensor) -> torch.Tensor:

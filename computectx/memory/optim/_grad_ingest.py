@@ -17,21 +17,16 @@ import torch
 
 from computectx.memory._transfer import Staging, uses_staging
 from computectx.memory.accumulator import LowPrecGradAccumulator
-from computectx.memory.optim._grad_health import GradHealth
 from computectx.memory.optim._masters import MasterWeights, is_dtensor
 
 __all__ = ["GradIngest"]
 
 
 class GradIngest:
-    """Adds gradients to the masters of ``weights``; owns the download staging buffers.
+    """Adds gradients to the masters of ``weights``; owns the download staging buffers."""
 
-    A gradient that becomes a master's gradient with its values unchanged takes along the
-    verdict ``health`` kept for it during the backward (``GradHealth.carry``)."""
-
-    def __init__(self, weights: MasterWeights, health: GradHealth) -> None:
+    def __init__(self, weights: MasterWeights) -> None:
         self.weights = weights
-        self.health = health
         self._staging: dict[int, Staging] = {}  # download buffers, by position
         self._applied: set[int] = set()  # positions whose master gradient a step applied
         self._zeroed: set[int] = set()  # positions whose master gradient zero_grad zeroed
@@ -52,19 +47,13 @@ class GradIngest:
         self._applied.clear()
         self._zeroed = {i for i, mp in enumerate(self.weights.master) if mp.grad is not None}
 
-    def add(
-        self, i: int, master: torch.Tensor, g: torch.Tensor, source: torch.Tensor | None = None
-    ) -> None:
-        """Add ``g`` to master ``i``'s gradient; where it becomes that gradient, ``source``
-        (the parameter's gradient ``g`` holds the values of) passes its verdict on."""
+    def add(self, i: int, master: torch.Tensor, g: torch.Tensor) -> None:
+        """Add ``g`` to master ``i``'s gradient (replacing it where a step applied it)."""
         self._zeroed.discard(i)
         if i in self._applied:
             self._applied.discard(i)
             master.grad = None
-        fresh = master.grad is None
         add_grad(master, g)
-        if fresh and source is not None and master.grad is not None:
-            self.health.carry(source, master.grad)
 
     def from_accumulator(self, accumulator: LowPrecGradAccumulator) -> bool:
         """Hand ``accumulator``'s sums over to the masters (they are emptied there); return
@@ -79,8 +68,7 @@ class GradIngest:
                 f"accumulator must be a LowPrecGradAccumulator, got {type(accumulator).__name__}"
             )
         compute = self.weights.compute
-        tracked = [i for i, p in enumerate(compute) if accumulator.tracks(p)]
-        if not tracked:
+        if not any(accumulator.tracks(p) for p in compute):
             raise ValueError(
                 "the accumulator tracks none of this optimizer's parameters; build it "
                 "from the same parameters (e.g. model.parameters())"
@@ -113,8 +101,6 @@ class GradIngest:
                 f"instead. Otherwise set param.grad only on parameters the accumulator "
                 f"does not track, or close() it first. Nothing was ingested"
             )
-        if not accumulator.closed:
-            self.health.quiet(tracked)
         moved = False
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(compute, self.weights.master, strict=True)):
@@ -131,32 +117,29 @@ class GradIngest:
         whether any gradient moved.
         """
         weights = self.weights
-        staged: list[tuple[int, Staging, torch.Tensor, torch.Tensor | None]] = []
+        staged: list[tuple[int, Staging, torch.Tensor]] = []
         moved = False
-        # Under a sharding the master takes a part of the gradient: no verdict carries.
-        whole = weights.sharding is None
         with torch.no_grad():
             for i, (cp, mp) in enumerate(zip(weights.compute, weights.master, strict=True)):
-                grad = cp.grad
-                if grad is None:
+                g = cp.grad
+                if g is None:
                     continue
                 cp.grad = None
                 moved = True
-                source = grad if whole else None
-                g = weights.local(grad.detach())
+                g = weights.local(g.detach())
                 if uses_staging(weights.transfer, g.device, mp.device):
                     st = self._staging.get(i)
                     if st is None or st.buffer.dtype != g.dtype:
                         st = Staging(g.shape, g.dtype, host=mp.device, peer=g.device)
                         self._staging[i] = st
                     st.fill_from(g)
-                    staged.append((i, st, mp, source))
+                    staged.append((i, st, mp))
                 else:
-                    self.add(i, mp, g, source)
-            for i, st, mp, source in staged:
+                    self.add(i, mp, g)
+            for i, st, mp in staged:
                 st.wait()
                 # The staging buffer is reused, so the master gradient must be a copy of it.
-                self.add(i, mp, st.buffer.to(mp.dtype, copy=True), source)
+                self.add(i, mp, st.buffer.to(mp.dtype, copy=True))
         return moved
 
     def staging_buffers(self) -> list[torch.Tensor]:

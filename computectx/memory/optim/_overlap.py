@@ -67,7 +67,6 @@ __all__ = [
     "Landing",
     "Lanes",
     "Overlap",
-    "resolve_overlap",
 ]
 
 
@@ -139,16 +138,6 @@ class HostLanes:
         dst.fill_(math.nan)
         self.log.append(("download", dst.data_ptr()))
         return _DeferredLanding(dst, values, self.log)
-
-
-def resolve_overlap(
-    overlap: bool | None, compute: Iterable[torch.Tensor], offload: torch.device, staged: bool
-) -> bool:
-    """``overlap`` itself, or for ``None``: on when some compute parameter is on a CUDA device,
-    the masters on the host and the transfer staged (``transfer`` not ``"blocking"``)."""
-    if overlap is not None:
-        return overlap
-    return staged and offload.type == "cpu" and any(p.device.type == "cuda" for p in compute)
 
 
 NEAR_BELOW = 4096

@@ -300,17 +300,16 @@ class InnerWrapper(torch.optim.Optimizer):
         self._health.forget()
 
     def _watch(self, compute: list[torch.Tensor]) -> None:
-        """Hook the gradients of ``compute`` (parameters just added): the check is taken in
-        the backward (``GradHealth.watch``)."""
-        self._health.watch(compute)
+        """``compute`` were just added (nothing to hook here; an overlapped
+        ``OffloadedOptimizer`` hooks their gradients)."""
 
     def _applicable(self) -> bool:
         """Whether the gradients may be applied (``GradHealth.applicable``)."""
         return self._health.applicable()
 
     def _stepped(self) -> None:
-        """A step ended, applied or skipped: the verdicts are spent."""
-        self._health.stepped()
+        """A step ended, applied or skipped: the clip's verdict is spent."""
+        self._health.forget()
 
     def _gather(self) -> None:
         """Bring the gradients to the stepped weights before a clip or a step (none here)."""

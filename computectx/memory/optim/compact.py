@@ -39,8 +39,10 @@ class CompactOptimizer(InnerWrapper):
     as torch made them. A bf16/f16 parameter is its own weight (no master copy): its update
     is computed in float32 and written back with stochastic rounding drawn from generators
     seeded by ``seed`` (the same on every rank under DDP, so the ranks stay identical), so
-    updates smaller than half an ulp still move it on average. ``compile`` runs the fused
-    Adam(W) update through ``torch.compile`` (``None``: on CUDA only).
+    updates smaller than half an ulp still move it on average. ``compile`` picks how the
+    fused Adam(W) update runs: ``None`` (default) or ``True``, on the CPU the native kernel
+    (its torch-ops twin where the kernel cannot be built), on CUDA through ``torch.compile``;
+    ``False``, the twin eagerly (docs/memory.md, "The compact step's implementation").
 
     A ``step`` whose gradients hold an inf or NaN (or whose norm ``clip_grad_norm``
     measured as non-finite) changes no weight and no state, drops the gradients, warns

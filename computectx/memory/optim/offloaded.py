@@ -27,19 +27,13 @@ from computectx.ctx import ComputeCtx
 from computectx.memory._transfer import Transfer, check_transfer
 from computectx.memory.accumulator import LowPrecGradAccumulator
 from computectx.memory.optim._grad_ingest import GradIngest
-from computectx.memory.optim._masters import (
-    MasterWeights,
-    Sharding,
-    check_sharding,
-    normalise_groups,
-)
+from computectx.memory.optim._masters import MasterWeights, Sharding, check_sharding
 from computectx.memory.optim._overlap import (
     NEAR_BELOW,
     CudaLanes,
     HostLanes,
     Lanes,
     Overlap,
-    resolve_overlap,
 )
 from computectx.memory.optim._wrapper import InnerWrapper
 from computectx.memory.optim.checkpoint import MASTER_WEIGHTS, check_saved_masters, state_tensors
@@ -73,18 +67,19 @@ class OffloadedOptimizer(InnerWrapper):
     drops them, changes no weight and no optimizer state, warns (``RuntimeWarning``), sets
     ``last_step_skipped`` and counts itself in ``skipped_steps``. No decision carries over
     to a later step. The check reuses the norm of ``clip_grad_norm`` when the gradients are
-    unchanged since it was measured; otherwise each gradient is checked in a post-accumulate
-    hook during the backward, and the step reuses that verdict for a gradient unchanged since
-    (``_grad_health``); the rest get one summing pass at the step, which waits for the device
-    when they live on a GPU.
+    unchanged since it was measured; otherwise it is one summing pass over the master
+    gradients at the step, which waits for the device when they live on a GPU.
 
-    ``overlap`` (keyword; ``None``: on when a compute parameter is on a CUDA device, the
-    masters on the host and ``transfer`` not ``"blocking"``; refused as ``True`` with a
-    ``sharding``) overlaps the step with the backward: each gradient is copied down to a
-    pinned host buffer on a side stream in its post-accumulate hook, and ``step`` steps each
-    master as soon as its copy lands, queueing its weight's upload at once; parameters under
-    4096 elements keep their masters and state on their CUDA device and are stepped there
-    (``computectx.memory.optim._overlap``; the same result as the serial step).
+    ``overlap`` (keyword, ``False`` by default; refused as ``True`` with a ``sharding``)
+    overlaps the step with the backward, for a model on a CUDA device with its masters on
+    the host: each gradient is copied down to a pinned host buffer on a side stream in its
+    post-accumulate hook, and ``step`` steps each master as soon as its copy lands, queueing
+    its weight's upload at once; parameters under 4096 elements keep their masters and state
+    on their CUDA device and are stepped there (``computectx.memory.optim._overlap``; the same
+    result as the serial step). It changes what the loop sees: the hook takes each gradient,
+    so ``param.grad`` is ``None`` after the backward; clip with ``clip_grad_norm`` (not
+    ``torch.nn.utils.clip_grad_norm_`` over the model's parameters), and run no collective
+    or hook of your own on ``param.grad``.
 
     ``transfer`` (keyword, a ``Transfer``) picks how gradients and weights cross devices:
     ``"auto"`` (default) stages them through one reused pinned host buffer per parameter
@@ -99,12 +94,14 @@ class OffloadedOptimizer(InnerWrapper):
     float32 (``ctx.master`` bf16/f16) steps the masters one at a time through
     ``computectx.memory.optim.stepper.Stepper``: state decoded into one reused float32 scratch
     buffer (``memory_report``'s ``"scratch"``), torch's own update (or the fused Adam(W)
-    update; ``compile``: ``None`` compiles it on CUDA only), state encoded back, masters
-    below float32 written back with stochastic rounding drawn from generators seeded by
-    ``seed`` (the same on every rank, so data-parallel masters stay identical). An
-    optimizer class whose state is not parameter-shaped (Adafactor, SparseAdam) is then
-    refused at construction. ``state_dict`` adds ``"optim_state"`` and, for masters below
-    float32, ``"master_rounding"``; packed state sits under ``"name.part"`` keys.
+    update: ``compile=None`` or ``True`` runs it on the CPU as the native kernel, on CUDA
+    through ``torch.compile``; ``False`` runs its torch-ops twin eagerly; docs/memory.md,
+    "The compact step's implementation"), state encoded back, masters below float32
+    written back with stochastic rounding drawn from generators seeded by ``seed`` (the
+    same on every rank, so data-parallel masters stay identical). An optimizer class whose
+    state is not parameter-shaped (Adafactor, SparseAdam) is then refused at construction.
+    ``state_dict`` adds ``"optim_state"`` and, for masters below float32,
+    ``"master_rounding"``; packed state sits under ``"name.part"`` keys.
 
     ``sharding`` (keyword, a ``Sharding``) is for parameters split across ranks (FSDP2's
     DTensors): each master is then this rank's local shard as a plain tensor on the offload
@@ -136,26 +133,21 @@ class OffloadedOptimizer(InnerWrapper):
         sharding: Sharding | None = None,
         seed: int = 0,
         compile: bool | None = None,
-        overlap: bool | None = None,
+        overlap: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
         self._check_args(ctx, optimizer_class, seed, compile)
         weights = MasterWeights(ctx, check_transfer(transfer), check_sharding(sharding))
         check_overlap(overlap, sharding)
         self._overlap: Overlap | None = None
-        groups = normalise_groups(params_or_groups)
-        listed = [p for group in groups for p in _listed(group)]
-        staged = weights.transfer != "blocking"
-        on = sharding is None and resolve_overlap(overlap, listed, ctx.offload_device, staged)
-        self._overlapping = on
-        if on:
+        if overlap:
             weights.near_below = NEAR_BELOW
         super().__init__(
-            groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
+            params_or_groups, weights, optimizer_class, optimizer_kwargs, seed=seed, compile=compile
         )
-        self._ingest = GradIngest(weights, self._health)
-        if on:
-            # The overlap's norms give the verdict: no check hooks were put on (``_watch``).
+        self._ingest = GradIngest(weights)
+        if overlap:
+            # Built after the first groups were added (``_watch``), which it then hooks.
             self._overlap = Overlap(weights, self._ingest, _lanes)
             self._overlap.watch(weights.compute)
 
@@ -172,8 +164,7 @@ class OffloadedOptimizer(InnerWrapper):
 
     @property
     def overlap(self) -> bool:
-        """Whether the step overlaps the backward (the ``overlap`` constructor option,
-        resolved)."""
+        """Whether the step overlaps the backward (the ``overlap`` constructor option)."""
         return self._overlap is not None
 
     @property
@@ -222,19 +213,15 @@ class OffloadedOptimizer(InnerWrapper):
         ``transfer``) are all issued before any is waited on.
         """
         if accumulator is not None and self._ingest.from_accumulator(accumulator):
-            self._health.changed()
+            self._health.forget()
         self._take_param_grads()
 
     def _take_param_grads(self) -> None:
         if self._ingest.from_param_grads():
-            self._health.changed()
+            self._health.forget()
 
     def _watch(self, compute: list[torch.Tensor]) -> None:
-        if not self._overlapping:
-            super()._watch(compute)
-            return
-        self._health.watch(compute, hook=False)
-        if self._overlap is not None:  # built after the first groups, which it then watches
+        if self._overlap is not None:  # a group added after construction
             self._overlap.watch(compute)
 
     def _fast(self) -> bool:
@@ -417,32 +404,18 @@ class OffloadedOptimizer(InnerWrapper):
 
 
 def check_overlap(overlap: object, sharding: Sharding | None) -> None:
-    """``TypeError`` unless ``overlap`` is a bool or ``None``; ``ValueError`` for
+    """``TypeError`` unless ``overlap`` is ``True`` or ``False``; ``ValueError`` for
     ``overlap=True`` with a ``sharding``, which the overlapped step does not take yet."""
-    if overlap is not None and not isinstance(overlap, bool):
-        raise TypeError(f"overlap must be True, False or None, got {overlap!r}")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"overlap must be True or False, got {overlap!r}")
     if overlap and sharding is not None:
         raise ValueError(
             "overlap=True does not compose with a sharding yet: the overlapped step takes "
             "each whole gradient in a hook during the backward, while a sharded gradient "
-            "(FSDP2) is reduce-scattered after it; leave overlap=None (off under a sharding) "
-            "or pass overlap=False"
+            "(FSDP2) is reduce-scattered after it; pass overlap=False (the default)"
         )
 
 
 def _lanes(device: torch.device) -> Lanes:
     """A side stream for a CUDA device; the CPU's stand-in otherwise."""
     return CudaLanes(device) if device.type == "cuda" else HostLanes()
-
-
-def _listed(group: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors of ``group["params"]``, which is made a list if it was another iterable
-    (a generator is read once here, once when the group is added)."""
-    raw = group.get("params")
-    if isinstance(raw, torch.Tensor):
-        return [raw]
-    try:
-        group["params"] = items = list(raw)  # type: ignore[arg-type]
-    except TypeError:
-        return []  # the group's check names it
-    return [p for p in items if isinstance(p, torch.Tensor)]

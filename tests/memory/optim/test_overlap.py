@@ -8,6 +8,7 @@ the weights, the master gradients' effect and ``state_dict`` equal bit for bit.
 
 from __future__ import annotations
 
+import inspect
 import random
 from typing import Any
 
@@ -256,7 +257,7 @@ def test_a_group_added_later_is_overlapped_too() -> None:
     extras = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))]
     for o, extra in zip((o1, o2), extras, strict=True):
         o.add_param_group({"params": [extra], "lr": 0.1})
-        assert len(extra._post_accumulate_grad_hooks or {}) == 1
+        assert len(extra._post_accumulate_grad_hooks or {}) == (1 if o.overlap else 0)
     for step in range(3):
         for m, o, extra in zip((m1, m2), (o1, o2), extras, strict=True):
             (m(batches(step, 1, torch.float32)[0]).sum() * extra.sum()).backward()
@@ -318,11 +319,16 @@ def test_stepper_and_widened_masters_land_then_step_as_serial(what: str) -> None
     same(m1, o1, m2, o2)
 
 
-def test_the_option_is_checked_and_resolved() -> None:
+def test_the_option_is_off_by_default_and_checked() -> None:
     m = net()
-    assert not OffloadedOptimizer(m.parameters(), CTX).overlap  # a CPU model: off
-    with pytest.raises(TypeError, match="overlap must be"):
-        OffloadedOptimizer(m.parameters(), CTX, overlap="yes")  # type: ignore[arg-type]
+    default = inspect.signature(OffloadedOptimizer).parameters["overlap"].default
+    assert default is False  # opt-in: it changes what the loop sees (param.grad is None)
+    assert not OffloadedOptimizer(m.parameters(), CTX).overlap
+    assert not any(p._post_accumulate_grad_hooks for p in m.parameters())
+    assert OffloadedOptimizer(m.parameters(), CTX, overlap=True).overlap
+    for bad in ("yes", None, 1):
+        with pytest.raises(TypeError, match="overlap must be True or False"):
+            OffloadedOptimizer(m.parameters(), CTX, overlap=bad)  # type: ignore[arg-type]
 
     class Shards:
         def local(self, t: torch.Tensor) -> torch.Tensor:
@@ -368,9 +374,10 @@ def test_on_cuda_the_overlapped_step_equals_the_serial_one(
     models = [net().cuda(), net().cuda()]
     opts = [
         OffloadedOptimizer(m.parameters(), ctx, overlap=overlap, lr=0.05)
-        for m, overlap in zip(models, (False, None), strict=True)
+        for m, overlap in zip(models, (False, True), strict=True)
     ]
-    assert not opts[0].overlap and opts[1].overlap  # None: on for a CUDA model, host masters
+    assert not opts[0].overlap and opts[1].overlap
+    assert not OffloadedOptimizer(net().cuda().parameters(), ctx).overlap  # off by default
     devices = [mp.device.type for mp in opts[1].master_params]
     assert devices == ["cuda", "cpu", "cuda", "cpu", "cuda"]  # unused, a.w, a.b, b.w, b.b
     exact = True  # until a clip: the device's norm, not the host's, so the last bits may differ
