@@ -10,7 +10,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-import torch.utils.dlpack
+from torch.utils.dlpack import from_dlpack
 
 from computectx import ComputeCtx, DType
 from computectx.memory import CompactOptimizer, LowPrecGradAccumulator, OffloadedOptimizer
@@ -142,7 +142,7 @@ def _write_nan(w: torch.Tensor, how: str) -> None:
     elif how == "numpy alias":
         g.numpy()[0, 0] = np.nan
     elif how == "dlpack alias":
-        torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(g))[0, 0] = float("nan")
+        from_dlpack(g)[0, 0] = float("nan")  # an alias through DLPack
     elif how == "in place":
         g[0, 0] = float("inf")
     elif how == "assigned":
