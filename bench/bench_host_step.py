@@ -21,12 +21,6 @@ counted (they build the native kernel, and torchao's compiled steps). The parts:
   step, timed together as a fine-tuning loop runs them (torch's ``clip_grad_norm_``, ours
   ``clip_grad_norm``, whose norm the step reuses as its non-finite check); their ``ratio``
   column is to torch fused with the clip;
-- ``hooks``: torch fused, ours offloaded and compact f32 with the gradients written by
-  autograd (``torch.autograd.backward(params, grads)``, untimed in the main table) rather
-  than assigned, so each parameter's post-accumulate hook fires: ours take the non-finite
-  check there, while the gradient is in cache, and the step reuses it. The main table's
-  ``ratio`` is to torch fused fed the same way; a second table gives the write (hooks
-  included) and the write plus the step, each over torch fused's;
 - ``compact``: ours ``CompactOptimizer`` with bf16, int8, fp8 and int4 moments (the default
   path, and ``compile=False``: the torch-ops twin), torchao's ``AdamWFp8``, ``AdamW8bit``,
   ``AdamW4bit`` and bitsandbytes' ``AdamW8bit`` where they import;
@@ -74,7 +68,7 @@ scale it (torch scales by the clamped coefficient even when it is 1)."""
 
 MAX_NORM = 1.0
 
-PARTS = ("f32", "clip", "hooks", "compact", "bf16")
+PARTS = ("f32", "clip", "compact", "bf16")
 FORMATS = ("bf16", "int8", "fp8", "int4")
 BASE = "torch AdamW fused=True"
 OURS_F32 = "ours CompactOptimizer f32"
@@ -101,8 +95,6 @@ class Row:
     opt: torch.optim.Optimizer
     times: list[float] = field(default_factory=list)
     clip: bool = False
-    fed: list[float] = field(default_factory=list)
-    """``hooks`` rows: the time autograd took to write the gradients (their hooks included)."""
 
 
 def _params(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -190,32 +182,6 @@ def _specs(parts: tuple[str, ...]) -> list[tuple[str, str, float, torch.dtype, M
                 "ours CompactOptimizer f32, clip + step",
                 "clip",
                 f32 + CLIP_BYTES,
-                torch.float32,
-                lambda p: CompactOptimizer(p, ctx),
-            ),
-        ]
-    if "hooks" in parts:
-        # The gradients arrive through autograd (``torch.autograd.backward`` into the leaves),
-        # so each parameter's post-accumulate hook fires: ours take the non-finite check there.
-        specs += [
-            (
-                f"{BASE}, grads by autograd",
-                "hooks",
-                f32,
-                torch.float32,
-                lambda p: torch.optim.AdamW(p, fused=True),
-            ),
-            (
-                "ours OffloadedOptimizer f32, grads by autograd",
-                "hooks",
-                check,
-                torch.float32,
-                lambda p: OffloadedOptimizer(p, ctx),
-            ),
-            (
-                "ours CompactOptimizer f32, grads by autograd",
-                "hooks",
-                check,
                 torch.float32,
                 lambda p: CompactOptimizer(p, ctx),
             ),
@@ -332,15 +298,8 @@ def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> 
     grads = [torch.randn(shape[1:], generator=gen) for _ in range(shape[0])]
     for r in range(warmup + reps):
         for row in rows:
-            fresh = [g.to(p.dtype, copy=True) for p, g in zip(row.params, grads, strict=True)]
-            if row.part == "hooks":
-                start = time.perf_counter()
-                torch.autograd.backward(row.params, fresh)
-                if r >= warmup:
-                    row.fed.append(time.perf_counter() - start)
-            else:
-                for p, g in zip(row.params, fresh, strict=True):
-                    p.grad = g
+            for p, g in zip(row.params, grads, strict=True):
+                p.grad = g.to(p.dtype, copy=True)
             start = time.perf_counter()
             if row.clip:
                 _clip(row)
@@ -375,10 +334,9 @@ def table(rows: list[Row], numel: int) -> list[str]:
         "| contender | median ms | min ms | ratio | ÷ ours f32 | GB/s | B/param | state B/param |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    hooked = medians.get(f"{BASE}, grads by autograd")
     for row in rows:
         med = medians[row.label]
-        b = hooked if row.part == "hooks" else base[row.clip]
+        b = base[row.clip]
         ratio = f"{med / b:.2f}" if b else "-"
         to_ours = f"{med / ours:.2f}" if ours and not row.clip else "-"
         gbs = row.bytes_per_param * numel / med / 1e9
@@ -386,29 +344,6 @@ def table(rows: list[Row], numel: int) -> list[str]:
             f"| {row.label} | {med * 1e3:.1f} | {min(row.times) * 1e3:.1f} | {ratio} | "
             f"{to_ours} | {gbs:.1f} | {row.bytes_per_param:g} | "
             f"{state_bytes(row.opt) / numel:.2f} |"
-        )
-    return out + hooks_lines(rows)
-
-
-def hooks_lines(rows: list[Row]) -> list[str]:
-    """For the ``hooks`` rows: the backward's write of the gradients (with their hooks) and
-    the write plus the step, each over torch fused's fed the same way."""
-    fed = [row for row in rows if row.part == "hooks"]
-    if not fed:
-        return []
-    base_fed = statistics.median(fed[0].fed)
-    base_both = statistics.median(a + b for a, b in zip(fed[0].fed, fed[0].times, strict=True))
-    out = [
-        "",
-        "| grads by autograd | write ms | ratio | write + step ms | ratio |",
-        "|---|---|---|---|---|",
-    ]
-    for row in fed:
-        w = statistics.median(row.fed)
-        both = statistics.median(a + b for a, b in zip(row.fed, row.times, strict=True))
-        out.append(
-            f"| {row.label} | {w * 1e3:.1f} | {w / base_fed:.2f} | {both * 1e3:.1f} | "
-            f"{both / base_both:.2f} |"
         )
     return out
 

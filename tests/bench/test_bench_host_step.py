@@ -15,13 +15,11 @@ def test_the_bench_reports_every_row_and_ours_equal_torchs_fused_step() -> None:
     bench.measure(rows, shape, reps=2, warmup=1)
     labels = [row.label for row in rows]
     assert labels[0] == "torch AdamW fused=True" and notes == []
-    assert {"f32", "clip", "hooks", "compact", "bf16"} == {row.part for row in rows}
+    assert {"f32", "clip", "compact", "bf16"} == {row.part for row in rows}
     assert not any(label.startswith(("DeepSpeed", "torchao", "bitsandbytes")) for label in labels)
     assert all(len(row.times) == 2 for row in rows)
     lines = bench.table(rows, 2 * 16 * 8)
-    hooked = [row for row in rows if row.part == "hooks"]
-    assert len(hooked) == 3 and all(len(row.fed) == 2 for row in hooked)
-    assert len(lines) == 2 + len(rows) + 3 + len(hooked) and "| 1.00 |" in lines[2]
+    assert len(lines) == 2 + len(rows) and "| 1.00 |" in lines[2]
     clipped = [row for row in rows if row.clip]
     assert [row.label for row in clipped] == [
         "torch AdamW fused=True, clip + step",
@@ -33,7 +31,7 @@ def test_the_bench_reports_every_row_and_ours_equal_torchs_fused_step() -> None:
     fused, fused_clipped = rows[0].params, clipped[0].params
     assert not all(torch.equal(a, b) for a, b in zip(fused, fused_clipped, strict=True))
     for row in rows:
-        if row.label.startswith("ours") and row.part in ("f32", "clip", "hooks"):
+        if row.label.startswith("ours") and row.part in ("f32", "clip"):
             same = fused_clipped if row.clip else fused
             assert all(torch.equal(a, b) for a, b in zip(same, row.params, strict=True))
     # Every compact and bf16-master row stepped its weights (none is a row that does nothing).
