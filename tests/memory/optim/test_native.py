@@ -224,7 +224,7 @@ def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
             torch.testing.assert_close(pa[k], pb[k], rtol=0.0, atol=0.0, equal_nan=True)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "bf16"])
 def test_the_result_does_not_depend_on_the_thread_count(
     fmt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
