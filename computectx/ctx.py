@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, ClassVar, TypedDict, cast
+from typing import Annotated, Any, ClassVar, TypedDict, cast, overload
 
 import torch
 from pydantic import (
@@ -15,6 +15,7 @@ from pydantic import (
     ValidationError,
     model_validator,
 )
+from torch import Tensor
 from typing_extensions import Self, Unpack
 
 from computectx._checks import validation_message
@@ -121,6 +122,13 @@ class CtxChanges(TypedDict, total=False):
     offload: torch.device | None
     optim_state: OptimState
     activations: Activations
+
+
+# precise's f with 0, 1 or 2 operands after t (typed, so that mypy checks a lambda's body).
+_F0 = Callable[[Tensor], Tensor]
+_F1 = Callable[[Tensor, Tensor], Tensor]
+_F2 = Callable[[Tensor, Tensor, Tensor], Tensor]
+_Kind = ActivationKind
 
 
 class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -338,6 +346,14 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
 
     # ----- the casts ----------------------------------------------------------------------
 
+    @overload
+    def precise(self, t: Tensor, f: _F0, *, kind: ActivationKind = ...) -> Tensor: ...
+    @overload
+    def precise(self, t: Tensor, f: _F1, a: Tensor, /, *, kind: ActivationKind = ...) -> Tensor: ...
+    @overload
+    def precise(
+        self, t: Tensor, f: _F2, a: Tensor, b: Tensor, /, *, kind: _Kind = ...
+    ) -> Tensor: ...
     def precise(
         self,
         t: torch.Tensor,
