@@ -336,7 +336,19 @@ def test_the_demos_files_are_durable_and_a_failed_plot_keeps_the_old_one(
 # ``atomic_path`` gave (one of its arguments is the name `with atomic_path(...) as name` bound).
 _WRITERS = {"write_text", "write_bytes", "savefig", "save_file", "mkstemp", "NamedTemporaryFile"}
 _MODULE_WRITERS = {("torch", "save"), ("os", "replace"), ("os", "rename"), ("shutil", "copy")}
-_PROBES = {("demo/run.py", "NamedTemporaryFile")}  # the --out folder's writability probe
+_PROBES = {
+    ("demo/run.py", "NamedTemporaryFile"),  # the --out folder's writability probe
+    # The native kernel's build cache. ``computectx.kernels`` may not import computectx._files
+    # (tests/test_layering.py), so host_adam.py writes on its own, the same way: the library
+    # and its sha256 sidecar each into a ``mkstemp`` temporary in the cache folder, fsynced,
+    # ``os.replace``d into place, the folder fsynced; the sidecar written after the library,
+    # and a library loaded only when its sidecar matches (tests/memory/optim/test_native.py).
+    # ``open``: the build's lock file, which holds no data.
+    ("kernels/host_adam.py", "mkstemp"),
+    ("kernels/host_adam.py", "write_text"),
+    ("kernels/host_adam.py", "replace"),
+    ("kernels/host_adam.py", "open"),
+}
 
 
 def _raw_writes(source: str) -> list[tuple[int, str]]:

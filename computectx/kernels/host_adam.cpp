@@ -24,6 +24,7 @@ constexpr int32_t kPlain = 0, kBf16 = 1, kInt8 = 2, kFp8 = 3, kInt4 = 4, kRank1 
 constexpr int32_t kF32 = 0, kBF16 = 1, kF16 = 2;
 constexpr float kFltMax = 3.40282346638528859812e+38f;
 constexpr float kBf16Max = 3.38953138925153547590e+38f;  // 0x7F7F0000
+constexpr float kF16Max = 65504.0f;
 constexpr int64_t kPlainTile = 2048;
 constexpr int64_t kNearestMin = 65536;  // elements from which int8 takes the one-load table
 
@@ -62,16 +63,7 @@ struct CcStep {
   CcMoment v;
 };
 
-int cc_host_adam_abi(void) { return 1; }
-
-// Whether float16 parameters and gradients are read and written (the F16C instructions).
-int cc_host_adam_f16(void) {
-#if defined(__F16C__)
-  return 1;
-#else
-  return 0;
-#endif
-}
+int cc_host_adam_abi(void) { return 2; }
 
 }  // extern "C"
 
@@ -103,8 +95,29 @@ inline uint16_t f32_to_f16(float x) {
   return static_cast<uint16_t>(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 #else
-inline float f16_to_f32(uint16_t) { return NAN; }
-inline uint16_t f32_to_f16(float) { return 0x7E00; }
+// Without F16C: the same conversions in integer and exact float32 arithmetic (the same bits,
+// NaN payloads included: tested against the F16C build).
+inline float f16_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 31u, m = h & 0x3FFu;
+  if (e == 31) return float_of(sign | 0x7F800000u | (m << 13) | (m ? 0x400000u : 0u));
+  if (e == 0) {  // a subnormal: m * 2**-24, exact
+    const float x = static_cast<float>(m) * 5.9604644775390625e-08f;
+    return float_of(sign | bits_of(x));
+  }
+  return float_of(sign | ((e + 112u) << 23) | (m << 13));
+}
+inline uint16_t f32_to_f16(float x) {  // round to nearest even
+  const uint32_t u = bits_of(x);
+  const uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7FFFFFFFu;
+  if (a > 0x7F800000u) return static_cast<uint16_t>(sign | 0x7E00u | ((a >> 13) & 0x3FFu));
+  if (a >= 0x47800000u) return static_cast<uint16_t>(sign | 0x7C00u);  // 2**16 and up: inf
+  if (a < 0x38800000u) {  // below 2**-14: a multiple of 2**-24, |x| * 2**24 (exact) rounded
+    const float t = float_of(a) * 16777216.0f;
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>((t + 8388608.0f) - 8388608.0f));
+  }
+  return static_cast<uint16_t>(sign | ((a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13));
+}
 #endif
 
 // Round to nearest even into float8 e4m3fn, as torch's conversion (480 and beyond, and NaN,
@@ -142,6 +155,12 @@ inline float nan_min(float a, float b) {  // torch.minimum: NaN wins
 
 inline float clamp_finite(float x) {  // NaN stays NaN
   return x > kFltMax ? kFltMax : (x < -kFltMax ? -kFltMax : x);
+}
+
+// A finite x clamped to [-top, top] (the stochastic rounding's: a finite value never rounds
+// to an infinity); inf and NaN as they are.
+inline float saturated(float x, float top) {
+  return x > top && x <= kFltMax ? top : (x < -top && x >= -kFltMax ? -top : x);
 }
 
 inline float safe(float s) { return s > 0.0f ? s : 1.0f; }
@@ -678,13 +697,13 @@ void write_param(const CcStep& s, int64_t lo, int64_t len, const float* x) {
       } else {
         const uint64_t k = static_cast<uint64_t>(lo + i);
         const uint32_t noise = static_cast<uint32_t>(mix(s.key, k >> 2) >> (16 * (k & 3))) & 0xFFFFu;
-        d[i] = static_cast<uint16_t>((u + noise) >> 16);
+        d[i] = static_cast<uint16_t>((bits_of(saturated(x[i], kBf16Max)) + noise) >> 16);
       }
     }
     return;
   }
   for (int64_t i = 0; i < len; ++i) {  // f16: to the other neighbour with p = distance / gap
-    const float xi = x[i];
+    const float xi = saturated(x[i], kF16Max);
     const uint16_t near = f32_to_f16(xi);
     const float near32 = f16_to_f32(near);
     uint16_t other;
@@ -776,7 +795,7 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
     } else if constexpr (PM == kPBf16) {
       param[k] = f32_to_bf16(pn);
     } else {
-      const uint32_t u = bits_of(pn);
+      const uint32_t u = bits_of(saturated(pn, kBf16Max));
       const uint32_t noise = noise16[i];
       const bool finite = (u & 0x7F800000u) != 0x7F800000u;  // inf, NaN: never perturbed
       param[k] = finite ? static_cast<uint16_t>((u + noise) >> 16) : f32_to_bf16(pn);

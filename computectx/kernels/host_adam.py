@@ -3,13 +3,19 @@
 The C++ source is compiled on first use by the system compiler (``COMPILER``, ``g++``) into a
 per-user cache (``$XDG_CACHE_HOME/computectx/host_adam``, else ``~/.cache/...``), one file per
 hash of (source, flags, compiler version, the CPU's flags): a machine builds it once, in about
-a second, and a changed source, compiler or CPU builds anew. The build writes a temporary file
-and renames it into place under a lock file, so processes building at once (pytest-xdist
-workers, distributed ranks) each load a complete library. It is a plain C ABI over raw
-pointers, loaded with ``ctypes`` (no torch headers: those take a minute to compile).
+a second, and a changed source, compiler or CPU builds anew. The build writes a temporary file,
+flushes it to the disk and renames it into place, then its sha256 likewise into a sidecar,
+under a lock file, so processes building at once (pytest-xdist workers, distributed ranks)
+each load a complete library; a cached library whose sidecar does not match it (truncated,
+foreign) is rebuilt rather than loaded, and one that does not load as this kernel (a missing
+symbol, another ABI) is rebuilt once. It is a plain C ABI over raw pointers, loaded with
+``ctypes`` (no torch headers: those take a minute to compile).
 
 ``library()`` is ``None`` when the build fails (no compiler, an error): the caller runs its
-torch-ops twin instead, after one ``RuntimeWarning`` that quotes the compiler's error.
+torch-ops twin instead, after one ``RuntimeWarning`` that quotes the compiler's error; under
+``torch.distributed`` with several ranks it raises instead (a rank on the twin would drift
+from ranks on the kernel). The result depends on no CPU feature: the vector code, the
+portable build and a baseline ``-march=x86-64`` build give the same bits (tested).
 
 The kernel: one pass per block of the state format (decode -> float32 update -> encode), the
 blocks split over ``threads`` threads (the result does not depend on their number). The usual
@@ -19,6 +25,7 @@ write every stream in one loop per block; the others take the same arithmetic in
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import fcntl
 import functools
@@ -55,8 +62,12 @@ FLAGS = (
     "-pthread",
 )
 """No ``-ffast-math``: the arithmetic is IEEE float32, each operation rounded once."""
+PORTABLE = "-DCC_HOST_ADAM_PORTABLE"
+"""Compiles the kernel without its hand-written AVX-512 code (tests compare the two)."""
+
+
 SOURCE = Path(__file__).with_name("host_adam.cpp")
-ABI = 1
+ABI = 2
 
 PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The parameter and gradient dtypes the kernel reads (code as ``host_adam.cpp``'s)."""
@@ -139,9 +150,48 @@ def _run(args: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, capture_output=True, text=True, timeout=300, check=False)
 
 
-def _build(compiler: str, flags: tuple[str, ...] | None = None) -> Path:
-    """The built library's path (built now unless cached; ``FLAGS`` unless ``flags``);
-    ``RuntimeError`` on failure."""
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _sidecar(target: Path) -> Path:
+    return target.with_name(target.name + ".sha256")
+
+
+def _intact(target: Path) -> bool:
+    """Whether ``target`` is the whole library its build wrote: its sidecar (written after
+    it) holds its sha256. A truncated copy (a full disk, a home folder copied mid-write) or a
+    foreign file at the name fails this, and is never loaded (a short library maps pages past
+    the file's end: SIGBUS at the first call)."""
+    try:
+        return _sidecar(target).read_text().strip() == _digest(target)
+    except OSError:
+        return False
+
+
+def _write_durably(tmp: str, target: Path) -> None:
+    """``tmp`` (written in ``target``'s folder) renamed to ``target``, flushed to the disk
+    before and after (the file, then the folder's entry)."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    folder = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def _build(compiler: str, flags: tuple[str, ...] | None = None, *, again: bool = False) -> Path:
+    """The built library's path (built now unless cached whole; ``FLAGS`` unless ``flags``;
+    ``again``: rebuilt even so); ``RuntimeError`` on failure.
+
+    The library is written to a temporary file, flushed and renamed into place, then its
+    sha256 likewise into a sidecar (``<name>.sha256``), all under a lock file: a cached
+    library is used only when its sidecar matches it (``_intact``), else built anew."""
     flags = FLAGS if flags is None else flags
     try:
         version = _run([compiler, "--version"])
@@ -157,13 +207,17 @@ def _build(compiler: str, flags: tuple[str, ...] | None = None) -> Path:
     folder = cache_dir()
     folder.mkdir(parents=True, exist_ok=True)
     target = folder / f"host_adam-{digest.hexdigest()[:24]}.so"
-    if target.exists():
+    if not again and _intact(target):
         return target
+    # The lock file holds no data (its content is never read): only its flock matters.
     with open(folder / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if target.exists():  # another process built it while this one waited
+        if not again and _intact(target):  # another process built it while this one waited
             return target
+        _sidecar(target).unlink(missing_ok=True)  # no sidecar until the new library is whole
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=".host_adam-", suffix=".so")
+        os.close(fd)
+        fd, tmp_sum = tempfile.mkstemp(dir=folder, prefix=".host_adam-", suffix=".sha256")
         os.close(fd)
         try:
             done = _run([compiler, *flags, str(SOURCE), "-o", tmp])
@@ -172,40 +226,93 @@ def _build(compiler: str, flags: tuple[str, ...] | None = None) -> Path:
                     f"{compiler} failed ({done.returncode}): "
                     f"{(done.stderr or done.stdout).strip()[:2000]}"
                 )
-            os.replace(tmp, target)
+            _write_durably(tmp, target)
+            Path(tmp_sum).write_text(_digest(target) + "\n")
+            _write_durably(tmp_sum, _sidecar(target))
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for t in (tmp, tmp_sum):
+                if os.path.exists(t):
+                    os.unlink(t)
     return target
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """The library at ``path``, its ABI checked and its entry point typed; ``RuntimeError``,
+    ``OSError`` or ``AttributeError`` (a missing symbol) when it is not this kernel's."""
+    lib = ctypes.CDLL(str(path))
+    try:
+        if lib.cc_host_adam_abi() != ABI:
+            raise RuntimeError(f"the cached library {path} is of another ABI")
+        lib.cc_host_adam_step.argtypes = [ctypes.POINTER(_Step)]
+        lib.cc_host_adam_step.restype = ctypes.c_int
+    except (RuntimeError, AttributeError):
+        # Unloaded, so that a rebuild at the same path is loaded anew (the loader would
+        # otherwise hand back this handle by its name).
+        _ctypes.dlclose(lib._handle)
+        raise
+    return lib
+
+
+_LOAD_ERRORS = (RuntimeError, OSError, AttributeError, subprocess.SubprocessError)
+
+
+@functools.cache
+def _load(portable: bool) -> ctypes.CDLL | str:
+    """The loaded kernel, or the reason it could not be built or loaded. A cached library
+    that does not load as this kernel (another ABI, a missing symbol) is rebuilt once."""
+    flags = (*FLAGS, PORTABLE) if portable else FLAGS
+    try:
+        path = _build(COMPILER, flags)
+        try:
+            return _open(path)
+        except (RuntimeError, OSError, AttributeError):
+            return _open(_build(COMPILER, flags, again=True))
+    except _LOAD_ERRORS as e:
+        return str(e)
+
+
+def _replicated() -> bool:
+    """Whether this process is one of several ranks (``torch.distributed``)."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+@functools.cache
+def _warn(error: str) -> None:
+    warnings.warn(
+        f"computectx: the native CPU Adam kernel could not be built with {COMPILER!r}, so "
+        f"compact-state CPU steps run the slower torch-ops twin. The error: {error}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel (built on first use), or ``None`` after one warning when the build
-    or the load failed (the caller runs its twin)."""
-    return _library(False)
+    or the load failed (the caller runs its twin).
 
-
-PORTABLE = "-DCC_HOST_ADAM_PORTABLE"
-"""Compiles the kernel without its hand-written AVX-512 code (tests compare the two)."""
-
-
-@functools.cache
-def _library(portable: bool) -> ctypes.CDLL | None:
-    try:
-        lib = ctypes.CDLL(str(_build(COMPILER, (*FLAGS, PORTABLE) if portable else FLAGS)))
-        if lib.cc_host_adam_abi() != ABI:
-            raise RuntimeError("the cached library is of another ABI")
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        warnings.warn(
-            f"computectx: the native CPU Adam kernel could not be built with {COMPILER!r}, so "
-            f"compact-state CPU steps run the slower torch-ops twin. The error: {e}",
-            RuntimeWarning,
-            stacklevel=2,
+    Under ``torch.distributed`` with more than one rank a failure raises ``RuntimeError``
+    instead: the twin's results differ from the kernel's in low bits, so a rank that ran it
+    while the others ran the kernel would leave the replicas apart, silently."""
+    got = _load(False)
+    if not isinstance(got, str):
+        return got
+    if _replicated():
+        raise RuntimeError(
+            f"computectx: the native CPU Adam kernel could not be built with {COMPILER!r} on "
+            f"this rank ({got}). Its torch-ops twin rounds differently in the last bits, so "
+            "this rank running it while others run the kernel would make the replicas "
+            "drift apart. Install the compiler (g++) on every node, or pass compile=False "
+            "to the optimizer on every rank (all run the twin)."
         )
-        return None
-    lib.cc_host_adam_step.argtypes = [ctypes.POINTER(_Step)]
-    lib.cc_host_adam_step.restype = ctypes.c_int
-    return lib
+    _warn(got)
+    return None
+
+
+def _library(portable: bool) -> ctypes.CDLL | None:
+    """The kernel built with (``portable``) or without ``PORTABLE``, ``None`` on failure."""
+    got = _load(portable)
+    return None if isinstance(got, str) else got
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -137,9 +137,13 @@ def stochastic_round_keyed(x: torch.Tensor, target: torch.dtype, key: torch.Tens
     ``keyed_bits(key)[i // 4]``: one draw rounds four elements); f16 moves to the other
     neighbour when the top 24 bits of ``keyed_bits(key)[i]``, as a uniform in [0, 1), fall
     below the distance's share of the gap. Non-finite
-    values are rounded to nearest, never perturbed. The native kernel rounds the same float32
+    values are rounded to nearest, never perturbed. A finite value beyond ``target``'s largest
+    finite one is first clamped to it (saturates: finite in, finite out, where rounding to
+    nearest gives an infinity from the midpoint up). The native kernel rounds the same float32
     value to the same result."""
     x32 = x.float().contiguous()
+    top = torch.finfo(target).max
+    x32 = torch.where(torch.isfinite(x32), x32.clamp(-top, top), x32)
     numel = x32.numel()
     if target == torch.bfloat16:  # 16 bits an element: four from each draw, lowest first
         quads = keyed_bits(key, -(-numel // 4)).view(torch.int16)[:numel]

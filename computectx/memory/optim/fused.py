@@ -377,7 +377,8 @@ def _native_update(
     key: torch.Tensor | None,
 ) -> tuple[Packed | torch.Tensor, Packed | torch.Tensor] | None:
     """The step by the native kernel, or ``None`` (nothing written) where it does not take
-    this configuration or could not be built: the caller runs the twin."""
+    this configuration or could not be built: the caller runs the twin (``host_adam.library``
+    raises instead under ``torch.distributed`` with several ranks)."""
     from computectx.kernels import host_adam
 
     dtypes = host_adam.PARAM_DTYPES
@@ -389,8 +390,6 @@ def _native_update(
         return None
     lib = host_adam.library()
     if lib is None:
-        return None
-    if torch.float16 in (param.dtype, grad.dtype) and not lib.cc_host_adam_f16():
         return None
     laid = [_native_moment(x, host_adam) for x in (m_laid, v_laid)]
     if laid[0] is None or laid[1] is None:

@@ -100,7 +100,8 @@ class Stepper:
 
     ``compile``: ``False`` runs the fused Adam update's torch-ops twin eagerly; ``None``
     and ``True`` run it as the native kernel on the CPU (the twin where the kernel cannot be
-    built) and through ``torch.compile`` on CUDA (Inductor's CPU code is slower than eager).
+    built; a ``RuntimeError`` then under ``torch.distributed`` with several ranks) and
+    through ``torch.compile`` on CUDA (Inductor's CPU code is slower than eager).
     ``seed`` seeds the stochastic rounding of weights below float32.
     """
 

@@ -4,15 +4,20 @@ its twin (``fused._update``, torch ops), and the counter-based stochastic roundi
 Tolerance (docs/memory.md, "The compact step's implementation"): torch's ``lerp`` and
 ``addcmul`` fuse a multiply-add in their vector paths and the kernel does not, so the new
 moments may differ in the last float32 bit; then the parameter agrees within a few float32
-ulps, a block's scale within one ulp, and a code differs only where the value lies within
-that rounding of a decision boundary (to a neighbouring code). Where the arithmetic is exact
+ulps plus 2**-20 of the learning rate (``assert_weight_within_bound``), a block's scale within
+one ulp, and a code differs only where the value lies within that rounding of a decision
+boundary (to a neighbouring code). Where the arithmetic is exact
 in both (``beta1 = beta2 = 0``: the new moments are ``g`` and ``g * g``) everything is equal
 bit for bit, which holds the encoders, the nearest-code search and the write-back exact.
 """
 
 from __future__ import annotations
 
+import _ctypes
+import functools
+import hashlib
 import warnings
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,7 +29,7 @@ from computectx.memory import CompactOptimizer, OffloadedOptimizer
 from computectx.memory._rounding import draw_key, keyed_bits, stochastic_round_keyed
 from computectx.memory.optim import fused
 from computectx.memory.optim.fused import adam_update
-from computectx.memory.optim.state import Packed, encode
+from computectx.memory.optim.state import Packed, decode, encode
 from computectx.memory.optim.state.packed import spec_of, unpack4
 from computectx.optim_state import OptimState
 
@@ -34,6 +39,13 @@ pytestmark = pytest.mark.skipif(
 
 BLOCK = 32
 FORMATS = ["f32", "bf16", "int8", "fp8", "int4"]
+LR = 1e-2
+
+
+def assert_weight_within_bound(native: torch.Tensor, twin: torch.Tensor) -> None:
+    """The documented bound of one step from the same state: 2**-20 of the weight plus
+    2**-20 of the learning rate (a few float32 ulps of the weight and of the update)."""
+    torch.testing.assert_close(native, twin, rtol=2**-20, atol=2**-20 * LR)
 
 
 def state_of(fmt: str) -> OptimState:
@@ -79,7 +91,7 @@ def step(
         mv[0],
         mv[1],
         count,
-        lr=1e-2,
+        lr=LR,
         beta1=beta1,
         beta2=beta2,
         eps=1e-8,
@@ -143,7 +155,7 @@ def run_pair(
 )
 def test_native_step_agrees_with_the_twin(fmt: str, shape: tuple[int, ...]) -> None:
     twin, native = run_pair(fmt, shape)
-    torch.testing.assert_close(native[0], twin[0], rtol=2**-20, atol=2**-20 * 1e-2)
+    assert_weight_within_bound(native[0], twin[0])
     assert_close_moment(native[1], twin[1])
     assert_close_moment(native[2], twin[2])
 
@@ -161,7 +173,7 @@ def test_l2_decay_and_maximize_agree_with_the_twin(
         "maximize": maximize,
     }
     twin, native = run_pair(fmt, (51, 99), **kw)
-    torch.testing.assert_close(native[0], twin[0], rtol=2**-20, atol=2**-20 * 1e-2)
+    assert_weight_within_bound(native[0], twin[0])
     assert_close_moment(native[1], twin[1])
     assert_close_moment(native[2], twin[2])
 
@@ -265,7 +277,7 @@ def test_the_vector_code_equals_the_portable_build_and_the_twin(
         p = p0.clone()
         outs.append([p, *step(p, g, [clone(x) for x in mv], st, build != "twin")])
     twin, native, portable = outs
-    torch.testing.assert_close(native[0], twin[0], rtol=2**-20, atol=2**-20 * 1e-2)
+    assert_weight_within_bound(native[0], twin[0])
     for a, b, c in zip(native[1:], twin[1:], portable[1:], strict=True):
         assert_close_moment(a, b)
         pa = a.parts if isinstance(a, Packed) else {"": a}
@@ -326,6 +338,70 @@ def test_keyed_stochastic_rounding_is_unbiased_and_leaves_inf_and_nan(dtype: tor
     assert out[3] == 0.0
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_saturates_a_finite_value_beyond_the_range(dtype: torch.dtype) -> None:
+    # Finite in, finite out: a float32 value beyond the largest finite one of the dtype
+    # (where rounding to nearest gives inf from the midpoint up) rounds to that largest one,
+    # in the twin and the kernel alike; inf and NaN stay.
+    top = float(torch.finfo(dtype).max)
+    f32max = float(torch.finfo(torch.float32).max)
+    ulp = 2.0 ** (127 - 7) if dtype == torch.bfloat16 else 32.0
+    x = torch.tensor([top + ulp / 4, top + ulp * 3 / 4, f32max, top, float("inf"), float("nan")])
+    x = torch.cat([x, -x])
+    key = draw_key(torch.Generator().manual_seed(0))
+    for _ in range(20):
+        key = key + 1
+        r = stochastic_round_keyed(x, dtype, key).float()
+        want = torch.tensor([top, top, top, top, float("inf"), float("nan")])
+        torch.testing.assert_close(r, torch.cat([want, -want]), rtol=0, atol=0, equal_nan=True)
+    for lr in (ulp / 4, ulp * 3 / 4):  # an update below and above the midpoint
+        outs = []
+        for native in (False, True):
+            p = torch.full((4 * BLOCK + 3,), top).to(dtype)
+            adam_update(
+                p,
+                -torch.ones(p.shape),
+                torch.zeros(p.shape),
+                torch.zeros(p.shape),
+                1,
+                lr=lr,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.0,
+                decoupled=True,
+                maximize=False,
+                state=OptimState(),
+                generator=torch.Generator().manual_seed(5),
+                compiled=False,
+                native=native,
+            )
+            outs.append(p)
+        assert torch.equal(outs[0], outs[1])
+        assert bool((outs[1].float() == top).all()), lr
+
+
+def test_fp8_blocks_too_small_for_the_scale_decode_the_same_though_codes_may_differ() -> None:
+    # A block whose absmax / 448 underflows to 0 (subnormal moments): the kernel's codes may
+    # differ from the twin's, but every code decodes to the same value, and the weights agree.
+    st = OptimState.parse(f"fp8/block={BLOCK}/min=0")
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(8 * BLOCK + 1, generator=gen) * 1e-44 for _ in range(3)]
+    p0 = torch.randn(8 * BLOCK + 1, generator=gen)
+    runs = []
+    for native in (False, True):
+        p, zero = p0.clone(), torch.zeros(p0.shape)
+        mv: list[Any] = [encode(zero, st, "signed"), encode(zero, st, "unsigned")]
+        seen = []
+        for count, g in enumerate(grads, 1):
+            mv = step(p, g, mv, st, native, count=count)
+            seen.append([p.clone(), decode(mv[0]), decode(mv[1])])
+        runs.append(seen)
+    for a, b in zip(*runs, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+
+
 def test_one_key_per_parameter_per_step() -> None:
     gen = torch.Generator().manual_seed(1)
     draw_key(gen)
@@ -347,12 +423,153 @@ def test_one_key_per_parameter_per_step() -> None:
 # ----- no compiler: the twin, with one warning ---------------------------------------------
 
 
+def forget_builds() -> None:
+    host_adam._load.cache_clear()
+    host_adam._warn.cache_clear()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
+    world: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # The twin rounds differently in the last bits: a rank on it while the others run the
+    # kernel would leave the replicas apart. Under several ranks the step raises, naming the
+    # error and the remedies; compile=False (the twin everywhere) still runs.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(host_adam, "COMPILER", "false")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    forget_builds()
+    ctx = ComputeCtx.parity("cpu").with_optim_state(OptimState.parse("int8/min=0"))
+    try:
+        for compile in (None, False):
+            p = torch.nn.Parameter(torch.randn(3 * BLOCK))
+            opt = CompactOptimizer([p], ctx, lr=1e-2, compile=compile)
+            p.grad = torch.randn(3 * BLOCK)
+            if compile is False:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    opt.step()
+            elif world > 1:
+                match = r"(?s)could not be built with 'false'.*g\+\+\) on every node.*compile=False"
+                for _ in range(2):  # at every step, not once
+                    with pytest.raises(RuntimeError, match=match):
+                        opt.step()
+            else:
+                with pytest.warns(RuntimeWarning, match="could not be built with 'false'"):
+                    opt.step()
+    finally:
+        forget_builds()
+
+
+def cheap_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(host_adam, "FLAGS", (*host_adam.FLAGS[1:], "-O1"))
+
+
+def test_a_truncated_or_foreign_cached_library_is_rebuilt_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    # A truncated library mapped by the loader dies with SIGBUS at its first call, and a
+    # foreign one lacks the symbols: the sidecar's sha256 (written after the library) keeps
+    # both from being loaded, and the next use rebuilds.
+    cheap_builds(monkeypatch, tmp_path)
+    target = host_adam._build(host_adam.COMPILER)
+    sidecar = target.with_name(target.name + ".sha256")
+    whole = target.read_bytes()
+    assert sidecar.read_text().split() == [hashlib.sha256(whole).hexdigest()]
+    foreign = Path(_ctypes.__file__).read_bytes()  # a shared library without the kernel
+    for bad in (whole[:4096], foreign):
+        target.write_bytes(bad)
+        assert not host_adam._intact(target)
+        assert host_adam._build(host_adam.COMPILER) == target
+        assert host_adam._intact(target) and len(target.read_bytes()) == len(whole)
+    assert [f.name for f in target.parent.iterdir() if f.name.startswith(".host_adam-")] == []
+    # A foreign library with a matching sidecar loads but is not the kernel: rebuilt once.
+    target.write_bytes(foreign)
+    sidecar.write_text(hashlib.sha256(foreign).hexdigest())
+    forget_builds()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            lib = host_adam.library()
+        assert lib is not None and lib.cc_host_adam_abi() == host_adam.ABI
+        assert host_adam._intact(target) and target.read_bytes() != foreign
+    finally:
+        forget_builds()
+
+
+# ----- no CPU feature changes a result -----------------------------------------------------
+
+BASELINE_FLAGS = tuple("-march=x86-64" if f == "-march=native" else f for f in host_adam.FLAGS)
+
+
+@functools.cache
+def baseline_lib() -> Any:
+    """The kernel built for the x86-64 baseline: no AVX, AVX-512 or F16C."""
+    return host_adam._open(host_adam._build(host_adam.COMPILER, BASELINE_FLAGS))
+
+
+def bits(x: Any) -> dict[str, torch.Tensor]:
+    parts = x.parts if isinstance(x, Packed) else {"": x}
+    return {k: t.view(torch.uint8) if t.dtype.itemsize == 1 else t for k, t in parts.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_baseline_x86_64_build_gives_the_same_bits_as_the_native_one(
+    fmt: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nodes with other CPUs build other code (-march=native); ranks must still agree bit for
+    # bit. Float16 without F16C takes the same path (software conversions), not the twin.
+    if not host_adam._cpu_flags().startswith("flags"):
+        pytest.skip("not an x86 CPU")
+    native_lib, base = host_adam.library(), baseline_lib()
+    st = state_of(fmt)
+    gen = torch.Generator().manual_seed(13)
+    shape = (7, 3 * BLOCK + 5)
+    p0 = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    g = torch.randn(shape, generator=gen).to(dtype)
+    g[0, :BLOCK] *= 1e-41 if dtype == torch.float32 else 1e-6  # subnormal in the dtype
+    mv = moments(shape, st, gen)
+    outs = []
+    for lib in (native_lib, base):
+        monkeypatch.setattr(host_adam, "library", lambda lib=lib: lib)
+        p = p0.clone()
+        sr = torch.Generator().manual_seed(3) if dtype != torch.float32 else None
+        outs.append([p, *step(p, g, [clone(x) for x in mv], st, True, generator=sr)])
+    for a, b in zip(outs[0], outs[1], strict=True):
+        ba, bb = bits(a), bits(b)
+        assert all(torch.equal(ba[k].view(torch.uint8), bb[k].view(torch.uint8)) for k in ba)
+
+
+def test_float16_conversions_without_f16c_are_the_hardwares_bit_for_bit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every float16 pattern (NaN payloads, infinities, subnormals) as weight and gradient,
+    # and results that overflow, underflow or round to the subnormals.
+    if "f16c" not in host_adam._cpu_flags().split():
+        pytest.skip("no F16C to compare with")
+    codes = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    p0 = codes.view(torch.float16)
+    g = codes[torch.randperm(codes.numel(), generator=torch.Generator().manual_seed(1))]
+    outs = []
+    for lib in (host_adam.library(), baseline_lib()):
+        monkeypatch.setattr(host_adam, "library", lambda lib=lib: lib)
+        for sr in (None, torch.Generator().manual_seed(2)):
+            p = p0.clone()
+            mv = [torch.zeros(p.shape), torch.zeros(p.shape)]
+            step(p, g.view(torch.float16), mv, OptimState(), True, count=1, generator=sr)
+            outs.append(p.view(torch.int16))
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
 def test_a_failed_build_warns_once_and_runs_the_twin(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(host_adam, "COMPILER", "false")
-    host_adam._library.cache_clear()
+    forget_builds()
     try:
         with pytest.warns(RuntimeWarning, match="could not be built with 'false'.*twin"):
             twin, native = run_pair("int8", (3 * BLOCK,))
@@ -360,7 +577,7 @@ def test_a_failed_build_warns_once_and_runs_the_twin(
             warnings.simplefilter("error")
             run_pair("int8", (3 * BLOCK,))  # no second warning
     finally:
-        host_adam._library.cache_clear()
+        forget_builds()
     assert torch.equal(native[0], twin[0])  # the twin ran both
     assert all(torch.equal(native[1].parts[k], twin[1].parts[k]) for k in twin[1].parts)
     assert host_adam.cache_dir() == tmp_path / "computectx" / "host_adam"
