@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
-from types import TracebackType
 
 import torch
 
+from computectx._saved_bytes import SavedStorages
 from computectx.memory import LowPrecGradAccumulator, memory_report
 from computectx.memory.optim.state.packed import packed_nbytes
 from computectx.memory.optim.state.store import packs
@@ -87,48 +87,21 @@ def state_footprint(
     )
 
 
-class SavedForBackward:
+class SavedForBackward(SavedStorages):
     """Counts the bytes of the tensors autograd saves for backward while the block runs.
 
-    Each storage counts once, whole (as ``memory_report`` counts), and storages of
-    ``exclude`` (the parameters) not at all. Use it around one forward and backward: every
-    tensor saved in a forward stays alive until its backward, so no two counted storages can
-    share an address. The tensors pass through unchanged, so training is unaffected.
+    Each storage counts once, whole, and storages of ``exclude`` (the parameters) not at all
+    (``SavedStorages``). Use it around one forward and backward. The tensors pass through
+    unchanged, so training is unaffected.
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._skip = {_address(t) for t in exclude}
-        self._seen: set[tuple[str, int]] = set()
+        super().__init__(exclude)
         self.bytes = 0
         """Bytes counted so far."""
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _address(t)
-        if key not in self._skip and key not in self._seen:
-            self._seen.add(key)
-            self.bytes += t.untyped_storage().nbytes()
-        return t
-
-    def __enter__(self) -> SavedForBackward:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _address(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
+    def _count(self, device: str, nbytes: int) -> None:
+        self.bytes += nbytes
 
 
 @dataclasses.dataclass(frozen=True)

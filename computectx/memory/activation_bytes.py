@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
-from types import TracebackType
 from typing import Literal
 
 import torch
 
+from computectx._saved_bytes import SavedStorages
 from computectx.activations import ActivationKind
 from computectx.saved import SAVING
 
@@ -21,7 +21,7 @@ a linear that does not tag yet, a loss's logits, your own ops)."""
 
 
 @dataclasses.dataclass
-class SavedActivations:
+class SavedActivations(SavedStorages):
     """Counts the bytes of the tensors autograd saves while the block runs, by device and kind.
 
     Each storage counts once, whole (as ``memory_report`` counts), under the kind that saved it
@@ -37,9 +37,7 @@ class SavedActivations:
     """Bytes per ``(device, kind)``."""
 
     def __post_init__(self, exclude: Iterable[torch.Tensor]) -> None:
-        self._skip = {_address(t) for t in exclude}
-        self._seen: set[tuple[str, int]] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        super().__init__(exclude)
 
     def bytes(self, kind: SavedKind | None = None, device: str | None = None) -> int:
         """Bytes counted for ``kind`` on ``device`` (``None`` matches every kind or device)."""
@@ -49,30 +47,6 @@ class SavedActivations:
             if (kind is None or k == kind) and (device is None or dev == device)
         )
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _address(t)
-        if key not in self._skip and key not in self._seen:
-            self._seen.add(key)
-            kind: SavedKind = SAVING.get() or "other"
-            self.counts[(key[0], kind)] += t.untyped_storage().nbytes()
-        return t
-
-    def __enter__(self) -> SavedActivations:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
-
-
-def _unpack(t: torch.Tensor) -> torch.Tensor:
-    return t
-
-
-def _address(t: torch.Tensor) -> tuple[str, int]:
-    return str(t.device), t.untyped_storage().data_ptr()
+    def _count(self, device: str, nbytes: int) -> None:
+        kind: SavedKind = SAVING.get() or "other"
+        self.counts[(device, kind)] += nbytes
