@@ -5,14 +5,24 @@ integer (one rule everywhere), and pydantic's errors in the library's own words
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+import re
+from collections.abc import Callable, Container, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from pydantic import BaseModel, ValidationError
 from typing_extensions import Self
 
-__all__ = ["CheckedModel", "as_int", "check_max_norm", "described", "validation_message"]
+__all__ = [
+    "CheckedModel",
+    "as_int",
+    "check_max_norm",
+    "checked_int",
+    "described",
+    "read_value",
+    "text_int",
+    "validation_message",
+]
 
 
 def as_int(value: object) -> int | None:
@@ -23,6 +33,30 @@ def as_int(value: object) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
+
+
+def checked_int(
+    value: object, not_int: str, accepted: Container[int] | None = None, refused: str = ""
+) -> int:
+    """``value`` as an ``int`` (``as_int``) that ``accepted`` holds (any, for ``None``), as
+    every integer field of the policy reads its value: ``ValueError`` otherwise, with the
+    message ``not_int`` (a ``str.format`` template of ``{value}``, the value, and ``{type}``,
+    its type's name) or ``refused`` (of ``{n}``, the integer refused)."""
+    n = as_int(value)
+    if n is None:
+        raise ValueError(not_int.format(value=value, type=type(value).__name__))
+    if accepted is not None and n not in accepted:
+        raise ValueError(refused.format(n=n))
+    return n
+
+
+def text_int(name: str, digits: str, where: str, tail: str = "") -> int:
+    """The ``N`` of a text form's ``NAME=N`` part, as an ``int``: ASCII digits after an
+    optional sign (a text form converts its own digits; ``as_int`` refuses text), else
+    ``ValueError`` "``NAME='N' in WHERE is not an integer``" then ``tail``."""
+    if not re.fullmatch(r"[+-]?[0-9]+", digits):
+        raise ValueError(f"{name}={digits!r} in {where} is not an integer{tail}")
+    return int(digits)
 
 
 def described(value: object) -> str:
@@ -98,6 +132,16 @@ class CheckedModel(BaseModel, frozen=True):
             raise ValueError(cls._message(e)) from None
 
     @classmethod
+    def _from_text(cls, data: dict[str, object], what: str, text: str) -> Self:
+        """The fields a text form's parser read from ``text`` as the model: a bad one is a
+        ``ValueError`` "``bad WHAT 'TEXT': ...``" with the constructor's reasons."""
+        try:
+            return cls(**data)
+        except ValueError as e:
+            reasons = str(e).removeprefix(f"bad {cls.__name__}: ")
+            raise ValueError(f"bad {what} {text!r}: {reasons}") from None
+
+    @classmethod
     def from_fields(cls, value: dict[Any, Any], what: str, takes: str) -> Self:
         """A dict of this model's fields as the model: ``ValueError`` naming the unknown
         keys, the ``value`` and what a dict of ``what`` ``takes``, before any field is read."""
@@ -105,3 +149,21 @@ class CheckedModel(BaseModel, frozen=True):
         if unknown:
             raise ValueError(f"unknown {what} field(s) {', '.join(unknown)} in {value!r}; {takes}")
         return cls(**{str(k): v for k, v in value.items()})
+
+
+_M = TypeVar("_M", bound=CheckedModel)
+
+
+def read_value(
+    value: object, model: type[_M], parse: Callable[[str], _M], what: str, takes: str, accepted: str
+) -> _M:
+    """``value`` as a ``model`` of the policy: the model itself, its text form (``parse``) or
+    its JSON form (a dict of its fields, ``from_fields``: a dict of ``what`` ``takes``).
+    Anything else is a ``ValueError`` "``bad WHAT VALUE (TYPE); accepted: ACCEPTED``"."""
+    if isinstance(value, model):
+        return value
+    if isinstance(value, str):
+        return parse(value)
+    if isinstance(value, dict):
+        return model.from_fields(value, what, takes)
+    raise ValueError(f"bad {what} {value!r} ({type(value).__name__}); accepted: {accepted}")

@@ -26,13 +26,12 @@ form: ``{"linear": "keep", "precise": "fp8", ..., "group": 128}``, each key opti
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import BeforeValidator, model_validator
 from typing_extensions import Self
 
-from computectx._checks import CheckedModel, as_int
+from computectx._checks import CheckedModel, checked_int, read_value, text_int
 
 __all__ = [
     "ACTIVATION_KINDS",
@@ -79,6 +78,11 @@ _FORM = "'[MODE][/KIND:MODE]...[/group=N]'"
 _MODES = ", ".join(SAVE_MODES)
 _KINDS = ", ".join(ACTIVATION_KINDS)
 _GROUPS = ", ".join(map(str, GROUPS))
+_TAKES = f"an Activations dict takes {_KINDS} and 'group', each optional"
+_ACCEPTED = (
+    f"an Activations, its text form {_FORM} with MODE one of {_MODES} and KIND one of {_KINDS}, "
+    f"or its dict"
+)
 
 
 def _mode(value: object) -> object:
@@ -91,15 +95,12 @@ def _mode(value: object) -> object:
 
 
 def _group(value: object) -> object:
-    # A strict integer (``_checks.as_int``), as every integer field of the policy.
-    group = as_int(value)
-    if group is None:
-        raise ValueError(
-            f"group must be an integer, got {type(value).__name__} {value!r}; accepted: {_GROUPS}"
-        )
-    if group not in GROUPS:
-        raise ValueError(f"group={group} is not one of {_GROUPS} (elements per fp8 group)")
-    return group
+    return checked_int(
+        value,
+        "group must be an integer, got {type} {value!r}; accepted: " + _GROUPS,
+        GROUPS,
+        "group={n} is not one of " + _GROUPS + " (elements per fp8 group)",
+    )
 
 
 ModeField = Annotated[SaveMode, BeforeValidator(_mode)]
@@ -195,9 +196,7 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
             elif equals and key.lower() == "group":
                 if "group" in data:
                     raise ValueError(f"group given twice in activations {shown!r}")
-                if not re.fullmatch(r"[+-]?[0-9]+", value):
-                    raise ValueError(f"group={value!r} in activations {shown!r} is not an integer")
-                data["group"] = int(value)
+                data["group"] = text_int("group", value, f"activations {shown!r}")
             elif not colon and not equals and part.lower() in SAVE_MODES:
                 if bare is not None:
                     raise ValueError(f"two bare modes in activations {shown!r}; give one")
@@ -210,29 +209,14 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
         if bare is not None:
             for kind in ACTIVATION_KINDS:
                 data.setdefault(kind, bare)
-        try:
-            return cls(**data)
-        except ValueError as e:
-            reasons = str(e).removeprefix("bad Activations: ")
-            raise ValueError(f"bad activations {shown!r}: {reasons}") from None
+        return cls._from_text(data, "activations", shown)
 
 
 def parse_activations(value: object) -> Activations:
     """An ``Activations`` from an ``Activations``, its text form (``"fp8"``,
     ``"precise:fp8/group=64"``) or its JSON form (a dict of the kinds and ``group``, each
     optional). Anything else raises ``ValueError`` quoting it and naming the accepted forms."""
-    if isinstance(value, Activations):
-        return value
-    if isinstance(value, str):
-        return Activations.parse(value)
-    if isinstance(value, dict):
-        return Activations.from_fields(
-            value, "activations", f"an Activations dict takes {_KINDS} and 'group', each optional"
-        )
-    raise ValueError(
-        f"bad activations {value!r} ({type(value).__name__}); accepted: an Activations, its text "
-        f"form {_FORM} with MODE one of {_MODES} and KIND one of {_KINDS}, or its dict"
-    )
+    return read_value(value, Activations, Activations.parse, "activations", _TAKES, _ACCEPTED)
 
 
 def _lenient(value: object) -> object:

@@ -13,7 +13,7 @@ from typing import Annotated, Final, Literal, get_args
 import torch
 from pydantic import BeforeValidator, Field
 
-from computectx._checks import CheckedModel, as_int
+from computectx._checks import CheckedModel, checked_int
 from computectx.dtypes import (
     FP8_DTYPES,
     DType,
@@ -91,20 +91,14 @@ def _kv_step(value: object) -> object:
     return value
 
 
+_RECENT = f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got "
+
+
 def _kv_recent(value: object) -> int:
-    # An int count (``_checks.as_int``): a bool, a float, a str (a JSON "4") or None is
-    # refused rather than read as 0/1, truncated or coerced.
-    count = as_int(value)
-    if count is None:
-        raise ValueError(
-            f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got "
-            f"{value!r} ({type(value).__name__})"
-        )
-    if not 0 <= count <= KV_RECENT_MAX:
-        raise ValueError(
-            f"recent must be an int count of positions from 0 to {KV_RECENT_MAX}, got {count}"
-        )
-    return count
+    # A bool, a float, a str (a JSON "4") or None is refused rather than read as 0/1,
+    # truncated or coerced.
+    not_int = _RECENT + "{value!r} ({type})"
+    return checked_int(value, not_int, range(KV_RECENT_MAX + 1), _RECENT + "{n}")
 
 
 class KvFp8(CheckedModel, frozen=True, extra="forbid", use_attribute_docstrings=True):

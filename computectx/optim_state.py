@@ -23,13 +23,12 @@ case; JSON form ``{"format": "int8", "block": 256, "min_size": 4096}``.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Final, Literal, get_args
 
 from pydantic import BeforeValidator, model_validator
 from typing_extensions import Self
 
-from computectx._checks import CheckedModel, as_int
+from computectx._checks import CheckedModel, checked_int, read_value, text_int
 
 __all__ = [
     "DEFAULT_BLOCK",
@@ -56,6 +55,11 @@ BLOCK_RANGE: Final = (32, 4096)
 _FORM = "'FORMAT[/block=N][/min=M]'"
 _FORMATS = ", ".join(OPTIM_STATE_FLAGS)
 _BLOCKS = f"a power of two from {BLOCK_RANGE[0]} to {BLOCK_RANGE[1]}"
+_TAKES = f"an OptimState dict takes 'format' ({_FORMATS}), 'block' and 'min_size', each optional"
+_ACCEPTED = (
+    f"an OptimState, its text form {_FORM} with FORMAT one of {_FORMATS}, or its dict "
+    f"{{'format': ..., 'block': ..., 'min_size': ...}}"
+)
 _TEXT_KEYS = {"block": "block", "min": "min_size", "min_size": "min_size"}
 _ACCEPTS = {
     "block": f"{_BLOCKS} (an int; None for the format's default)",
@@ -76,15 +80,9 @@ MIN_SIZE_MAX: Final = 2**63 - 1
 
 
 def _integer(value: object, what: str) -> int:
-    # Strict integers, as every integer field of the policy (``_checks.as_int``); the text
-    # form converts its own digits.
-    index = as_int(value)
-    if index is None:
-        raise ValueError(
-            f"{what} must be an integer, got {type(value).__name__} {value!r}; accepted: "
-            f"{_ACCEPTS[what]}"
-        )
-    return index
+    return checked_int(
+        value, what + " must be an integer, got {type} {value!r}; accepted: " + _ACCEPTS[what]
+    )
 
 
 def _block(value: object) -> object:
@@ -218,17 +216,9 @@ class OptimState(CheckedModel, frozen=True, extra="forbid", use_attribute_docstr
                 )
             if name in data:
                 raise ValueError(f"{key.lower()} given twice in optimizer state {shown!r}")
-            if not re.fullmatch(r"[+-]?[0-9]+", value):
-                raise ValueError(
-                    f"{key.lower()}={value!r} in optimizer state {shown!r} is not an integer "
-                    f"(form {_FORM})"
-                )
-            data[name] = int(value)
-        try:
-            return cls(**data)
-        except ValueError as e:
-            reasons = str(e).removeprefix("bad OptimState: ")
-            raise ValueError(f"bad optimizer state {shown!r}: {reasons}") from None
+            where = f"optimizer state {shown!r}"
+            data[name] = text_int(key.lower(), value, where, f" (form {_FORM})")
+        return cls._from_text(data, "optimizer state", shown)
 
 
 def parse_optim_state(value: object) -> OptimState:
@@ -236,22 +226,7 @@ def parse_optim_state(value: object) -> OptimState:
     ``"int4/block=64"``) or its JSON form (a dict of ``format``, ``block``, ``min_size``, each
     optional). Anything else raises ``ValueError`` quoting it and naming the accepted forms (a
     dict with another key: naming the key and the three fields)."""
-    if isinstance(value, OptimState):
-        return value
-    if isinstance(value, str):
-        return OptimState.parse(value)
-    if isinstance(value, dict):
-        return OptimState.from_fields(
-            value,
-            "optimizer state",
-            f"an OptimState dict takes 'format' ({_FORMATS}), 'block' and 'min_size', each "
-            f"optional",
-        )
-    raise ValueError(
-        f"bad optimizer state {value!r} ({type(value).__name__}); accepted: an OptimState, its "
-        f"text form {_FORM} with FORMAT one of {_FORMATS}, or its dict "
-        f"{{'format': ..., 'block': ..., 'min_size': ...}}"
-    )
+    return read_value(value, OptimState, OptimState.parse, "optimizer state", _TAKES, _ACCEPTED)
 
 
 def _lenient(value: object) -> object:
