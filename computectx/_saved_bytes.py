@@ -27,15 +27,16 @@ class SavedStorages:
         self._seen: set[tuple[str, int]] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
 
-    def _count(self, device: str, nbytes: int) -> None:
-        """Take the ``nbytes`` of one storage seen for the first time, on ``device``."""
+    def _count(self, device: str, nbytes: int, dtype: torch.dtype) -> None:
+        """Take the ``nbytes`` of one storage seen for the first time, on ``device``, saved
+        first as a tensor of ``dtype``."""
         raise NotImplementedError
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = _address(t)
         if key not in self._skip and key not in self._seen:
             self._seen.add(key)
-            self._count(key[0], t.untyped_storage().nbytes())
+            self._count(key[0], t.untyped_storage().nbytes(), t.dtype)
         return t
 
     def __enter__(self) -> Self:

@@ -100,7 +100,7 @@ class SavedForBackward(SavedStorages):
         self.bytes = 0
         """Bytes counted so far."""
 
-    def _count(self, device: str, nbytes: int) -> None:
+    def _count(self, device: str, nbytes: int, dtype: torch.dtype) -> None:
         self.bytes += nbytes
 
 

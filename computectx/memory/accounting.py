@@ -10,32 +10,41 @@ import torch
 
 from computectx.dtypes import DType
 from computectx.memory.accumulator import LowPrecGradAccumulator
+from computectx.memory.activation_bytes import SAVED_KINDS, SavedActivations, SavedKind
 from computectx.memory.optim.checkpoint import state_tensors
 from computectx.memory.optim.compact import CompactOptimizer
 from computectx.memory.optim.offloaded import OffloadedOptimizer
 
-__all__ = ["MemoryReport", "MemoryRow", "Role", "memory_report"]
+__all__ = ["MemoryReport", "MemoryRow", "Role", "StateRole", "memory_report"]
 
-Role = Literal["params", "grads", "accumulator", "master", "optimizer_state", "staging", "scratch"]
-"""What a tensor is for. ``grads`` covers ``param.grad`` and the masters' ``.grad``;
+StateRole = Literal[
+    "params", "grads", "accumulator", "master", "optimizer_state", "staging", "scratch"
+]
+"""What a tensor held now is for. ``grads`` covers ``param.grad`` and the masters' ``.grad``;
 ``optimizer_state`` is the state as stored (packed parts under a compact ``optim_state``);
 ``staging`` is the reusable (pinned) host buffers of asynchronous copies; ``scratch`` is the
 reused float32 buffer a compact-state step decodes one parameter's state into (the peak
 extra memory of a step)."""
+Role = StateRole | Literal["activations"]
+"""A ``StateRole``, or ``activations``: what autograd kept for the backward during a forward
+that a ``SavedActivations`` measured (rows by kind: ``MemoryRow.kind``)."""
 
-ROLES: tuple[Role, ...] = get_args(Role)
-_ROLE_OF: dict[str, Role] = {r: r for r in ROLES}
+STATE_ROLES: tuple[StateRole, ...] = get_args(StateRole)
+ROLES: tuple[Role, ...] = (*STATE_ROLES, "activations")
+_ROLE_OF: dict[str, StateRole] = {r: r for r in STATE_ROLES}
 
 
 @dataclasses.dataclass(frozen=True)
 class MemoryRow:
-    """Bytes held on one device, for one role, at one dtype."""
+    """Bytes held on one device, for one role, at one dtype (and one kind of activation)."""
 
     device: str
     role: Role
     dtype: str
     bytes: int
     storages: int
+    kind: SavedKind | None = None
+    """For role ``activations``: the kind of activation (``SavedActivations``); else ``None``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,26 +55,41 @@ class MemoryReport:
     ``ROLES`` (a tied weight is one parameter; a master that aliased a parameter would be a
     parameter). A storage is counted whole, even when a tensor views only part of it.
     ``parameters`` is the element count of the model's parameters (for bytes per parameter).
+
+    Rows of role ``activations`` (only when ``memory_report`` was given a ``SavedActivations``)
+    are what autograd kept during the measured forward, by kind, device and dtype: they are
+    not held now, so no storage is shared with the other roles. ``peak`` is
+    ``torch.cuda.max_memory_allocated`` of each CUDA device the report counts, since the last
+    ``torch.cuda.reset_peak_memory_stats`` (reset it before the step to get the step's peak);
+    a CPU has no such counter, so it never appears there.
     """
 
     rows: tuple[MemoryRow, ...]
     parameters: int
+    peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    """Peak bytes allocated per CUDA device (``torch.cuda.max_memory_allocated``)."""
 
     def bytes(
         self,
         device: str | torch.device | None = None,
         role: Role | None = None,
         dtype: torch.dtype | DType | str | None = None,
+        kind: SavedKind | None = None,
     ) -> int:
         """Total bytes matching every filter given (``None`` matches everything).
 
         ``device`` names one device the way tensors report theirs: ``"cuda"`` without an
         index means the current CUDA device (as ``torch.device("cuda")`` does when a tensor
         is made there), and ``"cpu:0"`` is the CPU. ``dtype`` may be a ``torch.dtype``, a
-        ``DType``, or a name (``"bfloat16"``, ``"bf16"``).
+        ``DType``, or a name (``"bfloat16"``, ``"bf16"``). ``kind`` matches only rows of
+        role ``activations`` of that kind.
         """
         if role is not None and role not in ROLES:
             raise ValueError(f"unknown role {role!r}; accepted: {', '.join(map(repr, ROLES))}")
+        if kind is not None and kind not in SAVED_KINDS:
+            raise ValueError(
+                f"unknown kind {kind!r}; accepted: {', '.join(map(repr, SAVED_KINDS))}"
+            )
         dev = None if device is None else _device_key(device)
         dt = None if dtype is None else _dtype_name(dtype)
         return sum(
@@ -74,6 +98,7 @@ class MemoryReport:
             if (dev is None or r.device == dev)
             and (role is None or r.role == role)
             and (dt is None or r.dtype == dt)
+            and (kind is None or r.kind == kind)
         )
 
     @property
@@ -86,23 +111,28 @@ class MemoryReport:
     ) -> float:
         """Bytes per model parameter on ``device`` in ``roles``.
 
-        ``None`` means all devices, or all roles.
+        ``None`` means all devices, or every role of the state held now (``STATE_ROLES``: not
+        ``activations``).
         """
-        chosen = ROLES if roles is None else tuple(roles)
+        chosen = STATE_ROLES if roles is None else tuple(roles)
         total = sum(self.bytes(device=device, role=r) for r in chosen)
         return total / self.parameters if self.parameters else 0.0
 
     def by_device(self) -> dict[str, dict[Role, int]]:
-        """``{device: {role: bytes}}`` with every role present (zeros included)."""
-        return {d: {r: self.bytes(device=d, role=r) for r in ROLES} for d in self.devices}
+        """``{device: {role: bytes}}`` with every state role present (zeros included), and
+        ``activations`` when the report measured them."""
+        measured = any(r.role == "activations" for r in self.rows)
+        roles = ROLES if measured else STATE_ROLES
+        return {d: {r: self.bytes(device=d, role=r) for r in roles} for d in self.devices}
 
     def __str__(self) -> str:
-        lines = [f"{'device':<10} {'role':<16} {'dtype':<10} {'bytes':>14} {'storages':>9}"]
-        for r in self.rows:
-            lines.append(
-                f"{r.device:<10} {r.role:<16} {r.dtype:<10} {r.bytes:>14,} {r.storages:>9}"
-            )
+        roles = [r.role if r.kind is None else f"{r.role}:{r.kind}" for r in self.rows]
+        w = max([16, *map(len, roles)])
+        lines = [f"{'device':<10} {'role':<{w}} {'dtype':<10} {'bytes':>14} {'storages':>9}"]
+        for r, role in zip(self.rows, roles, strict=True):
+            lines.append(f"{r.device:<10} {role:<{w}} {r.dtype:<10} {r.bytes:>14,} {r.storages:>9}")
         lines.append(f"parameters: {self.parameters:,}")
+        lines.extend(f"peak on {d}: {n:,}" for d, n in sorted(self.peak.items()))
         return "\n".join(lines)
 
 
@@ -141,6 +171,7 @@ def memory_report(
     *,
     optimizer: torch.optim.Optimizer | None = None,
     accumulator: LowPrecGradAccumulator | None = None,
+    activations: SavedActivations | None = None,
 ) -> MemoryReport:
     """Count the bytes held by a training setup, per device and role.
 
@@ -150,7 +181,9 @@ def memory_report(
     weights, their gradients, optimizer state (as stored: packed parts for a compact
     ``optim_state``), staging buffers and the step's scratch buffer. Only real tensors are
     counted (module buffers are not parameters and are left out); a storage shared by
-    several tensors counts once.
+    several tensors counts once. ``activations`` (a ``SavedActivations`` that measured a
+    forward) adds rows of role ``activations``, one per device, kind and dtype, after the
+    state's. ``peak`` holds each counted CUDA device's ``torch.cuda.max_memory_allocated``.
     """
     params = _model_params(model, optimizer)
     tagged: list[tuple[Role, torch.Tensor]] = []
@@ -184,8 +217,31 @@ def memory_report(
             totals.items(), key=lambda kv: (kv[0][0], order[kv[0][1]], kv[0][2])
         )
     )
+    if activations is not None:
+        rows += _activation_rows(activations)
     unique = {id(p): p for p in params}
-    return MemoryReport(rows=rows, parameters=sum(p.numel() for p in unique.values()))
+    return MemoryReport(
+        rows=rows, parameters=sum(p.numel() for p in unique.values()), peak=_cuda_peaks(rows)
+    )
+
+
+def _activation_rows(saved: SavedActivations) -> tuple[MemoryRow, ...]:
+    if not isinstance(saved, SavedActivations):
+        raise TypeError(f"activations must be a SavedActivations, got {type(saved).__name__}")
+    order = {k: i for i, k in enumerate(SAVED_KINDS)}
+    keys = sorted(saved.by_dtype, key=lambda key: (key[0], order[key[1]], key[2]))
+    return tuple(
+        MemoryRow(d, "activations", dt, saved.by_dtype[(d, k, dt)], saved.storages[(d, k, dt)], k)
+        for d, k, dt in keys
+    )
+
+
+def _cuda_peaks(rows: Iterable[MemoryRow]) -> dict[str, int]:
+    """``torch.cuda.max_memory_allocated`` of each CUDA device among ``rows``' devices."""
+    cuda = sorted({r.device for r in rows if r.device.startswith("cuda")})
+    if not cuda:  # tensors there: CUDA is initialized
+        return {}
+    return {d: int(torch.cuda.max_memory_allocated(torch.device(d))) for d in cuda}
 
 
 def _model_params(

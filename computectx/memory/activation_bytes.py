@@ -5,19 +5,21 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
-from typing import Literal
+from typing import Final, Literal
 
 import torch
 
 from computectx._saved_bytes import SavedStorages
-from computectx.activations import ActivationKind
+from computectx.activations import ACTIVATION_KINDS, ActivationKind
 from computectx.saved import SAVING
 
-__all__ = ["SavedActivations", "SavedKind"]
+__all__ = ["SAVED_KINDS", "SavedActivations", "SavedKind"]
 
 SavedKind = ActivationKind | Literal["other"]
 """A kind of ``ctx.activations``, or ``"other"`` for what no op tagged (the GEMMs' inputs of
 a linear that does not tag yet, a loss's logits, your own ops)."""
+SAVED_KINDS: Final[tuple[SavedKind, ...]] = (*ACTIVATION_KINDS, "other")
+"""The kinds, in the order reports list them."""
 
 
 @dataclasses.dataclass
@@ -35,6 +37,11 @@ class SavedActivations(SavedStorages):
     exclude: dataclasses.InitVar[Iterable[torch.Tensor]] = ()
     counts: Counter[tuple[str, SavedKind]] = dataclasses.field(default_factory=Counter)
     """Bytes per ``(device, kind)``."""
+    by_dtype: Counter[tuple[str, SavedKind, str]] = dataclasses.field(default_factory=Counter)
+    """Bytes per ``(device, kind, dtype)``, the dtype named as ``memory_report`` names it
+    (``"bfloat16"``, ``"float8_e4m3fn"``): the dtype the storage was first saved as."""
+    storages: Counter[tuple[str, SavedKind, str]] = dataclasses.field(default_factory=Counter)
+    """Storages counted per ``(device, kind, dtype)``."""
 
     def __post_init__(self, exclude: Iterable[torch.Tensor]) -> None:
         super().__init__(exclude)
@@ -47,6 +54,9 @@ class SavedActivations(SavedStorages):
             if (kind is None or k == kind) and (device is None or dev == device)
         )
 
-    def _count(self, device: str, nbytes: int) -> None:
+    def _count(self, device: str, nbytes: int, dtype: torch.dtype) -> None:
         kind: SavedKind = SAVING.get() or "other"
         self.counts[(device, kind)] += nbytes
+        key = (device, kind, str(dtype).removeprefix("torch."))
+        self.by_dtype[key] += nbytes
+        self.storages[key] += 1

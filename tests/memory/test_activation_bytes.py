@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from computectx import ComputeCtx, DType
+from computectx.memory import memory_report
 from computectx.memory.activation_bytes import SavedActivations
 from computectx.nn import rms_norm, swiglu
 
@@ -42,3 +44,38 @@ def test_each_kind_is_counted_apart_and_other_holds_the_rest() -> None:
     assert fp8.bytes("act_fn") == 2 * (N + 4 * N // 128)
     assert fp8.bytes("other") == keep.bytes("other")
     assert fp8.bytes("attention") == 0
+
+
+def test_memory_report_has_a_row_per_device_kind_and_dtype_of_what_the_backward_kept() -> None:
+    keep, fp8 = _step("keep"), _step("precise:fp8/act_fn:fp8")
+    model = torch.nn.Linear(4, 4)
+    plain = memory_report(model)
+    r = memory_report(model, activations=keep)
+    assert r.bytes(role="activations") == keep.bytes() > 0
+    assert r.bytes(role="activations", kind="precise", dtype="float32") == 2 * 4 * N + 4 * ROWS
+    assert r.bytes(kind="act_fn", dtype="bfloat16") == 2 * 2 * N + 2 * N
+    assert r.bytes(kind="other", device="cpu") == proj_bytes()
+    assert r.bytes(kind="attention") == 0
+    rows = [row for row in r.rows if row.role == "activations"]
+    assert [(row.kind, row.dtype, row.storages) for row in rows] == [
+        ("precise", "float32", 3),  # two float32 copies of x and 1/rms
+        ("act_fn", "bfloat16", 2),  # h (gate and up are views of it) and silu(gate)
+        ("other", "bfloat16", 1),
+    ]
+    # The state's rows and figures are as without the measurement.
+    assert r.rows[: len(plain.rows)] == plain.rows
+    assert r.bytes_per_param() == plain.bytes_per_param() == 4.0
+    assert r.by_device()["cpu"]["activations"] == keep.bytes()
+    assert "activations" not in plain.by_device()["cpu"]
+    assert "activations:precise" in str(r) and "activations:act_fn" in str(r)
+    assert r.peak == {}  # a CPU has no allocator peak; CUDA devices report theirs
+    c = memory_report(model, activations=fp8)
+    assert c.bytes(kind="precise", dtype="float8_e4m3fn") == N  # one byte a code
+    assert c.bytes(kind="precise", dtype="float32") == 4 * N // 128  # a scale per 128
+    assert c.bytes(kind="act_fn", dtype="float8_e4m3fn") == 2 * N
+    assert c.bytes(role="activations") == fp8.bytes()
+    assert c.bytes(kind="other") == r.bytes(kind="other")  # the untagged matmul: as kept
+    with pytest.raises(ValueError, match=r"unknown kind 'norm'; accepted: 'linear', .*'other'"):
+        r.bytes(kind="norm")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="SavedActivations"):
+        memory_report(model, activations=object())  # type: ignore[arg-type]
