@@ -380,13 +380,18 @@ void count_codes(const float* __restrict n, int64_t len, const float* __restrict
 }
 
 // The bf16 code of x, as encode_tensors: clamped to bf16's range, rounded to nearest even;
-// an unsigned x > 0 never 0 (bf16's smallest subnormal, 2**-133, instead).
+// an unsigned x > 0 never 0 (bf16's smallest subnormal, 2**-133, instead). In integer
+// arithmetic on the magnitude (few masks, so the loops that call it stay in registers): its
+// rounding never carries into the sign, a magnitude rounded above bf16's largest (an inf
+// included) is clamped to it, and only a NaN takes the select.
 inline uint16_t bf16_code(float x, bool is_unsigned) {
-  const float c = x > kBf16Max ? kBf16Max : (x < -kBf16Max ? -kBf16Max : x);
-  const uint32_t u = bits_of(c);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  const uint32_t h = (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC0u : rounded;
-  return static_cast<uint16_t>(is_unsigned && c > 0.0f && (h & 0x7FFFu) == 0 ? 1u : h);
+  const uint32_t u = bits_of(x), a = u & 0x7FFFFFFFu, sign = (u >> 16) & 0x8000u;
+  uint32_t mag = (a + 0x7FFFu + ((a >> 16) & 1u)) >> 16;
+  mag = mag < 0x7F7Fu ? mag : 0x7F7Fu;  // kBf16Max's code
+  const uint32_t lift = static_cast<uint32_t>(is_unsigned) & static_cast<uint32_t>(sign == 0) &
+                        static_cast<uint32_t>(a != 0);  // x > 0 (a NaN: the select below)
+  mag = mag > lift ? mag : lift;
+  return static_cast<uint16_t>(a > 0x7F800000u ? 0x7FC0u : (sign | mag));
 }
 
 // The codes of int8 and int4 (blocked or rank-1) from the normalized values ``n`` of the
