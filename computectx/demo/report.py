@@ -131,6 +131,14 @@ def table_notes(report: DemoReport) -> list[str]:
             "(one per row along the contraction), block (1x128 activations and gradients, "
             "128x128 weights), mx (1x32 blocks, E8M0 steps); docs/fp8.md has each GEMM's axes."
         )
+    if any("@" in r.flag for r in report.results):
+        lines.append(
+            "FLAG@ACTIVATIONS: FLAG's policy keeping the activations for the backward as "
+            "ComputeCtx.activations says (docs/activations.md). fp8: E4M3 codes with a float32 "
+            "scale per 1x128 group for the inputs of norms, softmax, RoPE and the activation "
+            "function, attention's softmax keeping only its output; linear inputs, the residual "
+            "stream and the MoE dispatch do not follow the policy yet and are saved as before."
+        )
     if s.compile:
         lines.append(
             "compile s: the first step, which compiles the graphs; tokens/s counts the later "

@@ -182,6 +182,8 @@ def run_demo(settings: DemoSettings, console: Console | None = None) -> DemoRepo
         )
     out = _console(console)
     dev = resolve_device(settings)
+    for flag in settings.dtypes:
+        policy_ctx(flag, settings, dev)  # a bad FLAG@ACTIVATIONS text: DemoError, up front
     corpus = load_corpus(settings.data, min_bytes=settings.seq_len + 1)
     folder = check_output_dir(settings.out)
     backend, reason = _fp8_backend(settings, dev)

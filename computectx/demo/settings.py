@@ -36,8 +36,9 @@ POLICY_FLAGS: tuple[str, ...] = (
 the source; this copy lets flags be checked without importing torch, and a test keeps the
 two equal."""
 
-DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid")
-"""The policies compared when ``--dtype`` is not given."""
+DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid", "bf16@fp8")
+"""The policies compared when ``--dtype`` is not given: three dtype flags, then bf16 keeping
+its activations for the backward as fp8 (``ComputeCtx.activations``)."""
 
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _MOE_FIELDS = frozenset({"experts", "top_k", "shared_experts", "balance", "bias_rate"})
@@ -57,12 +58,13 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """
 
     dtypes: tuple[str, ...] = Field(
-        default=DEFAULT_DTYPES, json_schema_extra={"flag": "--dtype", "metavar": "FLAG[,FLAG]"}
+        default=DEFAULT_DTYPES,
+        json_schema_extra={"flag": "--dtype", "metavar": "FLAG[@ACTS]"},
     )
     """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid (delayed
     scaling), fp8_e4m3_dynamic, fp8_e5m2_dynamic, fp8_hybrid_dynamic (dynamic scaling),
     fp8_rowwise, fp8_rowwise_gw_hp (per row), fp8_block (1x128/128x128 blocks), fp8_mx
-    (MXFP8). Repeat the flag or separate names with commas."""
+    (MXFP8); FLAG@ACTS sets ctx.activations. Repeat the flag or use commas."""
     steps: int = Field(default=120, ge=1, le=1_000_000)
     """Optimizer steps per policy."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
@@ -145,10 +147,17 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
                     f"from: {', '.join(POLICY_FLAGS)}"
                 )
             for name in names:
-                if name not in POLICY_FLAGS:
+                flag, at, acts = name.partition("@")
+                if flag not in POLICY_FLAGS:
                     raise ValueError(
-                        f"unknown dtype {name!r}; accepted: {', '.join(POLICY_FLAGS)} (repeat "
+                        f"unknown dtype {flag!r}; accepted: {', '.join(POLICY_FLAGS)} (repeat "
                         f"--dtype or separate names with commas)"
+                    )
+                if at and not acts.strip():
+                    # The activations text itself is read by ComputeCtx (run_demo: torch).
+                    raise ValueError(
+                        f"{name!r} names no activations after '@'; give FLAG or "
+                        f"FLAG@ACTIVATIONS (bf16@fp8)"
                     )
             flags.extend(names)
         if not flags:

@@ -19,7 +19,7 @@ from computectx.demo.corpus import Corpus, train_batches
 from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
 from computectx.demo.moe import LoadRecorder, fp8_experts_backends, moe_config
 from computectx.demo.serving import ServingRow, serving_rows
-from computectx.demo.settings import DemoSettings
+from computectx.demo.settings import DemoError, DemoSettings
 from computectx.distributed import Parallel, parallelize, update_expert_bias
 from computectx.dtypes import DType
 from computectx.formats import QuantizedLinear, scaling_stats
@@ -129,8 +129,18 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 
 
 def policy_ctx(flag: str, settings: DemoSettings, device: torch.device) -> ComputeCtx:
-    """The ``ComputeCtx`` of ``flag`` on ``device``, adjusted for accumulation and offload."""
-    ctx = ComputeCtx.from_flag(flag, device)
+    """The ``ComputeCtx`` of ``flag`` on ``device``, adjusted for accumulation and offload.
+
+    ``flag`` is a dtype flag, or ``FLAG@ACTIVATIONS``: that flag's policy keeping activations
+    for the backward as ``ACTIVATIONS`` (the text form of ``ComputeCtx.activations``) says;
+    ``DemoError`` when that text is not one."""
+    name, _, acts = flag.partition("@")
+    ctx = ComputeCtx.from_flag(name, device)
+    if acts:
+        try:
+            ctx = ctx.with_activations(acts)
+        except ValueError as e:
+            raise DemoError(f"--dtype {flag}: {e}") from None
     if settings.grad_accum > 1 and ctx.compute < DType.F32:
         # Low-precision policies keep their summed gradients low-precision too: the
         # accumulator's buffers are at the compute dtype (the fp32 policy stays at f32).

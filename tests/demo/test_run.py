@@ -234,6 +234,33 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
     assert fp32["train_loss"] == fp32["train_losses"][-1]  # 4 steps: the tail is one step
 
 
+def test_an_activations_row_keeps_fp8_activations_and_the_table_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
+) -> None:
+    argv = ["--dtype", "bf16,bf16@precise:fp8/act_fn:fp8", "--steps", "2", *TINY]
+    code, stdout, _ = _run(capsys, *argv, "--data", str(text_file), "--out", str(tmp_path))
+    assert code == 0
+    assert list(_table_rows(stdout)) == ["bf16", "bf16@precise:fp8/act_fn:fp8"]
+    assert "FLAG@ACTIVATIONS: FLAG's policy keeping the activations" in stdout
+    assert "device=cpu,activations=precise:fp8/act_fn:fp8" in stdout  # its policy line
+    keep, fp8 = _results(tmp_path)["results"]
+    assert fp8["flag"] == "bf16@precise:fp8/act_fn:fp8"
+    assert fp8["memory"]["state"] == keep["memory"]["state"]
+    # The norms' float32 copies and SwiGLU's bf16 inputs become one byte an element.
+    assert 0 < fp8["memory"]["saved"] < 0.75 * keep["memory"]["saved"]
+
+
+def test_activations_the_ctx_refuses_exit_2_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    code, stdout, stderr = _run(capsys, "--dtype", "bf16,bf16@linear:recompute", "--out", str(out))
+    assert code == 2
+    assert stderr.startswith("computectx demo: error: --dtype bf16@linear:recompute: ")
+    assert "accepted for linear: keep, fp8, offload" in stderr
+    assert "corpus:" not in stdout
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -245,6 +272,9 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
         (["--dtype", "fp32,,bf16"], "--dtype: 'fp32,,bf16' has an empty name"),
         (["--dtype", "bf16,"], "--dtype: 'bf16,' has an empty name"),
         (["--dtype", "bf16", "--dtype", "bf16"], "--dtype: bf16 given more than once"),
+        (["--dtype", "bf16@"], "--dtype: 'bf16@' names no activations after '@'"),
+        (["--dtype", "fp4@fp8"], "--dtype: unknown dtype 'fp4'; accepted: fp32"),
+        (["--dtype", "bf16@fp8,BF16@FP8"], "--dtype: bf16@fp8 given more than once"),
         (["--device", "gpu"], "--device: bad device 'gpu'; the demo accepts cpu, cuda or cuda:N"),
         (["--device", "meta"], "--device: bad device 'meta'"),
         (["--seed", "-3"], "--seed '-3': Input should be greater than or equal to 0"),
@@ -358,7 +388,7 @@ def test_help_lists_every_setting_with_its_default(
     assert lines["--steps"].endswith("Optimizer steps per policy. (default: 120)")
     assert lines["--seed"].endswith("(default: 0)")
     assert lines["--lr"].endswith("(default: 0.003)")
-    assert lines["--dtype"].endswith("(default: fp32,bf16,fp8_hybrid)")
+    assert lines["--dtype"].endswith("(default: fp32,bf16,fp8_hybrid,bf16@fp8)")
     assert lines["--offload"].endswith("(default: off)")
     assert lines["--device"].endswith("(default: cuda if usable, else cpu)")
     for name in POLICY_FLAGS:
