@@ -128,9 +128,12 @@ class MemoryReport:
     def __str__(self) -> str:
         roles = [r.role if r.kind is None else f"{r.role}:{r.kind}" for r in self.rows]
         w = max([16, *map(len, roles)])
-        lines = [f"{'device':<10} {'role':<{w}} {'dtype':<10} {'bytes':>14} {'storages':>9}"]
+        dw = max([10, *(len(r.dtype) for r in self.rows)])
+        lines = [f"{'device':<10} {'role':<{w}} {'dtype':<{dw}} {'bytes':>14} {'storages':>9}"]
         for r, role in zip(self.rows, roles, strict=True):
-            lines.append(f"{r.device:<10} {role:<{w}} {r.dtype:<10} {r.bytes:>14,} {r.storages:>9}")
+            lines.append(
+                f"{r.device:<10} {role:<{w}} {r.dtype:<{dw}} {r.bytes:>14,} {r.storages:>9}"
+            )
         lines.append(f"parameters: {self.parameters:,}")
         lines.extend(f"peak on {d}: {n:,}" for d, n in sorted(self.peak.items()))
         return "\n".join(lines)
