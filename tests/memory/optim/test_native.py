@@ -213,6 +213,28 @@ def test_exact_arithmetic_gives_identical_codes_scales_and_weights(
             assert torch.equal(a, b), fmt
 
 
+def test_bf16_codes_at_the_edges_of_the_range_are_the_twins() -> None:
+    # beta1 = beta2 = 0: m = g and v = g * g exactly. Around bf16's largest (rounding to it,
+    # the tie that rounds to inf, FLT_MAX: clamped), a square that overflows, squares below
+    # half of bf16's smallest subnormal (an unsigned code 0 lifted to 1) and just above, NaN
+    # (a NaN either way: the twin's keeps a payload), each also negated.
+    st = state_of("bf16")
+    edges = [0x7F7F7FFF, 0x7F7F8000, 0x7F7FFFFF, 0x7F800000, 0x7FC00000, 0x7F7F0000, 0x00000001]
+    bits = torch.tensor(edges, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    # (Not -0.0: the twin's vector lerp may give m = -0.0 where the kernel's gives +0.0.)
+    tiny = torch.tensor([5e-21, -5e-21, 8e-21, 3e19, 1.0, 0.0])
+    g = torch.cat([bits, -bits, tiny, torch.randn(64, generator=torch.Generator().manual_seed(2))])
+    outs = []
+    for native in (False, True):
+        mv = moments(tuple(g.shape), st, torch.Generator().manual_seed(4))
+        outs.append(step(g.clone(), g, mv, st, native, beta1=0.0, beta2=0.0))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        x, y = a.parts["values"], b.parts["values"]
+        nan = x.isnan()  # the kernel's NaN is 0x7FC0, the twin's keeps a payload
+        assert torch.equal(nan, y.isnan())
+        assert torch.equal(x[~nan].view(torch.int16), y[~nan].view(torch.int16))
+
+
 def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
     # From 65536 elements int8 takes the one-load table (code and bound in one word); beta1
     # = beta2 = 0 makes the arithmetic exact, so every code, scale and weight is the twin's.
