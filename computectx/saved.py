@@ -17,8 +17,10 @@ compiles with ``torch.compile(fullgraph=True)`` (``torch.autograd.grad`` inside 
 saved-tensor hooks entered inside a compiled region, do not; a compiled call under
 saved-tensor hooks entered outside it is refused by ``torch.func``: a known limit). ``f`` must be
 deterministic (no dropout: it runs twice) and must receive every tensor that needs a gradient
-as an operand: a tensor it closes over gets none (``saved_call`` refuses a closure over one it
-can see: a tensor or a module's parameter in ``f``'s closure cells or bound ``self``).
+as an operand: a tensor it reaches otherwise would get none. In eager mode that is refused
+(``ValueError``) at the call for a tensor in ``f``'s closure cells, defaults or a partial's
+arguments, and exactly by the backward, which walks the graph of ``f`` run again for any
+other leaf needing a gradient; under dynamo neither runs (docs/activations.md).
 Inside an activation-checkpointed region what this call keeps is dropped and recomputed like
 anything else: the codes are a function of ``x``, so the recomputation keeps the same bytes.
 """
@@ -192,8 +194,30 @@ def _recomputed_grads(
     leaves = [t.detach().requires_grad_(n) for t, n in zip(tensors, needs, strict=True)]
     wanted = [t for t in leaves if t.requires_grad]
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_same, _same):
-        found = iter(torch.autograd.grad(f(*leaves), wanted, dy, allow_unused=True))
+        y = f(*leaves)
+        _check_reached(y, wanted)
+        found = iter(torch.autograd.grad(y, wanted, dy, allow_unused=True))
     return tuple(next(found) if t.requires_grad else None for t in leaves)
+
+
+def _check_reached(y: torch.Tensor, leaves: list[torch.Tensor]) -> None:
+    """Refuse an ``f`` whose output, run again on detached ``leaves``, depends on any other
+    tensor needing a gradient (however ``f`` reached it: a closure, a default argument, a
+    partial's keyword, a container, an object's attribute, a global): that tensor's
+    gradient would be lost. Exact: it walks the graph ``f`` just built."""
+    mine = {id(t) for t in leaves}
+    seen: set[int] = set()
+    todo = [y.grad_fn] if y.grad_fn is not None else []
+    while todo:
+        node = todo.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        variable = getattr(node, "variable", None)  # an AccumulateGrad: a leaf
+        if isinstance(variable, torch.Tensor) and id(variable) not in mine:
+            where = f"a tensor of shape {tuple(variable.shape)}"
+            raise ValueError(_CLOSURE_ERROR.format(where=where))
+        todo += [next_node for next_node, _ in node.next_functions if next_node is not None]
 
 
 def _same(t: Any) -> Any:
@@ -209,17 +233,22 @@ def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractConte
     return contextlib.nullcontext() if state is None else torch.autocast(state[0], dtype=state[1])
 
 
+_CLOSURE_ERROR: Final = (
+    "the function kept by saved_call or ctx.precise closes over {where}, which needs a "
+    "gradient and is not one of its arguments; the backward, which runs it again, would give "
+    "that tensor none. Pass it as an operand: ctx.precise(x, f, w) with f(x, w), or "
+    "saved_call(f, x, w, ...)"
+)
+
+
 def _check_closure(f: Callable[..., torch.Tensor]) -> None:
-    """Refuse an ``f`` that closes over a tensor needing a gradient (it would get none)."""
+    """Refuse early an ``f`` that visibly closes over a tensor needing a gradient (a closure
+    cell, a partial's argument or keyword, a default argument). Modules are not looked into:
+    ``f`` may read ``self.eps`` and take ``self.weight`` as an operand; the backward's graph
+    walk (``_check_reached``) is the exact check, whatever the route."""
     for where, value in _captured(f, depth=3):
-        tensors = value.parameters() if isinstance(value, torch.nn.Module) else [value]
-        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
-            raise ValueError(
-                f"the function kept by saved_call or ctx.precise closes over {where}, which "
-                f"holds a tensor that needs a gradient; the backward, which runs it again, "
-                f"would give that tensor none. Pass it as an operand: ctx.precise(x, f, w) "
-                f"with f(x, w), or saved_call(f, x, w, ...)"
-            )
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise ValueError(_CLOSURE_ERROR.format(where=where))
 
 
 def _captured(f: object, depth: int) -> Iterator[tuple[str, object]]:
@@ -234,6 +263,11 @@ def _captured(f: object, depth: int) -> Iterator[tuple[str, object]]:
     if inner is not None:
         found += [("a partial's function", inner)]
         found += [(f"partial argument {i}", a) for i, a in enumerate(getattr(f, "args", ()))]
+        keywords = getattr(f, "keywords", None) or {}
+        found += [(f"partial keyword {k!r}", a) for k, a in keywords.items()]
+    defaults = [*(getattr(f, "__defaults__", None) or ())]
+    defaults += (getattr(f, "__kwdefaults__", None) or {}).values()
+    found += [("a default argument", a) for a in defaults]
     names = getattr(getattr(f, "__code__", None), "co_freevars", ())
     for name, cell in zip(names, getattr(f, "__closure__", None) or (), strict=False):
         with contextlib.suppress(ValueError):  # an empty cell

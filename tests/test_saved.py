@@ -282,6 +282,52 @@ def test_a_closure_over_a_trainable_tensor_is_refused() -> None:
     torch.autograd.backward(_ctx("keep").precise(x, lambda t: t * w).sum())
 
 
+class _Scale:  # a callable holding a weight that is no Module
+    def __init__(self, w: torch.Tensor) -> None:
+        self.w = w
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        return t * self.w
+
+
+_GLOBAL_WEIGHTS: list[torch.Tensor] = []
+
+
+@pytest.mark.parametrize("mode", ["recompute", "fp8"])
+def test_a_weight_reached_any_other_way_is_refused_by_the_first_backward(mode: str) -> None:
+    w = torch.nn.Parameter(torch.rand(16) + 0.5)
+    _GLOBAL_WEIGHTS[:] = [w]
+    ws = [w]
+    routes: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda t, w=w: t * w,
+        functools.partial(torch.nn.functional.rms_norm, normalized_shape=(16,), weight=w),
+        lambda t: t * ws[0],
+        _Scale(w),
+        lambda t: t * _GLOBAL_WEIGHTS[0],
+        lambda t: t * (w * 2),  # a tensor computed from one
+    ]
+    ctx = ComputeCtx.new(DType.F32, "cpu").with_activations(f"precise:{mode}")
+    for f in routes:
+        x = torch.randn(4, 16, requires_grad=True)
+        with pytest.raises(ValueError, match="Pass it as an operand"):
+            ctx.precise(x, f).sum().backward()
+
+    class Norm(torch.nn.Module):  # reads self.eps, passes its weight as an operand: fine
+        def __init__(self) -> None:
+            super().__init__()
+            self.eps, self.weight = 1e-6, torch.nn.Parameter(torch.ones(16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            def f(t: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                return torch.nn.functional.rms_norm(t, (16,), v, self.eps)
+
+            return ctx.precise(x, f, self.weight)
+
+    norm = Norm()
+    norm(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    assert norm.weight.grad is not None
+
+
 def test_offload_is_not_built_yet_and_says_so() -> None:
     x0, w, _ = _inputs()
     x = x0.clone().requires_grad_()
