@@ -9,7 +9,9 @@ are activations kept as ``mode`` says, as SwiGLU's gate and up):
 - ``fp8``: ``x`` is kept as E4M3 codes with one float32 scale per ``group`` consecutive
   elements (1x128 along its last dimension: COAT's per-group, arXiv 2410.19313); the backward
   runs ``f`` again on the decoded ``x``, so the gradient is ``f``'s exact vjp at a point within
-  half an E4M3 step (relative ``2**-4``) of ``x``, elementwise.
+  half an E4M3 step (relative ``2**-4``) of ``x``, elementwise. Only float32, bfloat16 and
+  float16 are coded (``CODED_DTYPES``): an ``x`` of any other dtype (float64, whose range a
+  float32 scale does not cover; complex; integer ids) is kept as it is, as ``recompute``.
 
 The backward is ``f``'s vjp at the kept point: ``torch.autograd.grad`` of ``f`` run again in
 eager mode, ``torch.func.vjp`` when dynamo traces it, so the whole call, forward and backward,
@@ -38,7 +40,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 
 from computectx.activations import ActivationKind, SaveMode
 
-__all__ = ["E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
+__all__ = ["CODED_DTYPES", "E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
 
 SAVING: Final[ContextVar[ActivationKind | None]] = ContextVar("computectx_saving", default=None)
 """The kind of activation whose tensors autograd is saving now (``None``: no op said), set by
@@ -48,6 +50,9 @@ Not set while dynamo traces (a compiled graph's saves have no kind)."""
 
 E4M3_MAX: Final = 448.0
 """The largest finite E4M3 magnitude: each group's scale is ``absmax / 448``."""
+CODED_DTYPES: Final = frozenset({torch.float32, torch.bfloat16, torch.float16})
+"""The dtypes ``fp8`` codes (float32 scales cover their range); an input of any other (float64,
+complex, integer, bool) is kept as it is under ``fp8``, as under ``recompute``."""
 _TINY: Final = torch.finfo(torch.float32).tiny
 _POS_NAN, _NEG_NAN = 0x7F, 0xFF  # E4M3's two NaN codes: an infinity of each sign
 
@@ -152,12 +157,16 @@ class _SavedCall(torch.autograd.Function):
     ) -> torch.Tensor:
         y = f(*tensors)
         c: Any = ctx
-        c.f, c.fp8, c.inputs = f, fp8, inputs
+        c.f = f
+        # Under fp8 each coded input is kept as its codes and scales, in turn; any other
+        # (not fp8, or a dtype fp8 does not code) as it is.
+        c.coded = [fp8 and x.dtype in CODED_DTYPES for x in tensors[:inputs]]
         c.like = [(x.shape, x.dtype) for x in tensors[:inputs]]
-        if fp8:  # codes and scales of each input, in turn
-            kept = [part for x in tensors[:inputs] for part in encode_groups(x, group)]
-        else:
-            kept = list(tensors[:inputs])
+        kept = [
+            part
+            for x, coded in zip(tensors[:inputs], c.coded, strict=True)
+            for part in (encode_groups(x, group) if coded else (x,))
+        ]
         ctx.save_for_backward(*kept, *tensors[inputs:])
         c.autocast = _autocast_state(tensors[0].device.type)
         return y
@@ -165,14 +174,12 @@ class _SavedCall(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        saved = ctx.saved_tensors
-        n_kept = 2 * ctx.inputs if ctx.fp8 else ctx.inputs
-        kept, operands = saved[:n_kept], saved[n_kept:]
-        if ctx.fp8:
-            pairs = zip(kept[::2], kept[1::2], ctx.like, strict=True)
-            xs = [decode_groups(codes, scale, *like) for codes, scale, like in pairs]
-        else:
-            xs = list(kept)
+        saved = iter(ctx.saved_tensors)
+        xs = [
+            decode_groups(next(saved), next(saved), *like) if coded else next(saved)
+            for coded, like in zip(ctx.coded, ctx.like, strict=True)
+        ]
+        operands = list(saved)
         needs = ctx.needs_input_grad[4:]
         with _autocast(ctx.autocast):
             if torch.compiler.is_compiling():  # what dynamo traces in a backward

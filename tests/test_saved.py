@@ -299,7 +299,7 @@ def test_a_weight_reached_any_other_way_is_refused_by_the_first_backward(mode: s
     _GLOBAL_WEIGHTS[:] = [w]
     ws = [w]
     routes: list[Callable[[torch.Tensor], torch.Tensor]] = [
-        lambda t, w=w: t * w,
+        lambda t, w=w: t * w,  # type: ignore[misc]
         functools.partial(torch.nn.functional.rms_norm, normalized_shape=(16,), weight=w),
         lambda t: t * ws[0],
         _Scale(w),
@@ -310,7 +310,7 @@ def test_a_weight_reached_any_other_way_is_refused_by_the_first_backward(mode: s
     for f in routes:
         x = torch.randn(4, 16, requires_grad=True)
         with pytest.raises(ValueError, match="Pass it as an operand"):
-            ctx.precise(x, f).sum().backward()
+            torch.autograd.backward(ctx.precise(x, f).sum())
 
     class Norm(torch.nn.Module):  # reads self.eps, passes its weight as an operand: fine
         def __init__(self) -> None:
@@ -324,8 +324,30 @@ def test_a_weight_reached_any_other_way_is_refused_by_the_first_backward(mode: s
             return ctx.precise(x, f, self.weight)
 
     norm = Norm()
-    norm(torch.randn(4, 16, requires_grad=True)).sum().backward()
+    torch.autograd.backward(norm(torch.randn(4, 16, requires_grad=True)).sum())
     assert norm.weight.grad is not None
+
+
+def test_fp8_keeps_an_input_it_does_not_code_as_it_is() -> None:
+    # Integer ids, complex values, float64 beyond float32's range: exact, as recompute.
+    w0 = torch.randn(1100, 4)
+    ids = torch.tensor([1000, 1001, 1003, 1017])
+    z = torch.randn(8, dtype=torch.complex64)
+    big = torch.tensor([1e300, -3e-300, 2.0], dtype=torch.float64)
+    cases: list[tuple[Callable[..., torch.Tensor], torch.Tensor]] = [
+        (lambda i, w: torch.nn.functional.embedding(i, w), ids),
+        (lambda t, w: (t * t).abs().sum() * w.sum(), z),
+        (lambda t, w: (t * 1e-10).sum() * w.sum(), big),
+    ]
+    for f, x in cases:
+        grads = []
+        for mode in ["recompute", "fp8"]:
+            w = w0.clone().requires_grad_()
+            xs = x.clone().requires_grad_(x.is_floating_point() or x.is_complex())
+            torch.autograd.backward(saved_call(f, xs, w, mode=mode).sum())  # type: ignore[arg-type]
+            grads += [w.grad, xs.grad]
+        for a, b in zip(grads[:2], grads[2:], strict=True):
+            assert a is None and b is None or a is not None and b is not None and a.equal(b)
 
 
 def test_offload_is_not_built_yet_and_says_so() -> None:
