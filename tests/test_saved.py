@@ -347,7 +347,7 @@ def test_fp8_keeps_an_input_it_does_not_code_as_it_is() -> None:
             torch.autograd.backward(saved_call(f, xs, w, mode=mode).sum())  # type: ignore[arg-type]
             grads += [w.grad, xs.grad]
         for a, b in zip(grads[:2], grads[2:], strict=True):
-            assert a is None and b is None or a is not None and b is not None and a.equal(b)
+            assert (a is None and b is None) or (a is not None and b is not None and a.equal(b))
 
 
 def test_offload_is_not_built_yet_and_says_so() -> None:
