@@ -157,7 +157,7 @@ class _SavedCall(torch.autograd.Function):
     ) -> torch.Tensor:
         y = f(*tensors)
         c: Any = ctx
-        c.f = f
+        c.f, c.kind = f, None if torch.compiler.is_compiling() else SAVING.get()
         # Under fp8 each coded input is kept as its codes and scales, in turn; any other
         # (not fp8, or a dtype fp8 does not code) as it is.
         c.coded = [fp8 and x.dtype in CODED_DTYPES for x in tensors[:inputs]]
@@ -172,8 +172,20 @@ class _SavedCall(torch.autograd.Function):
         return y
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
+            kind = ctx.kind or "KIND"
+            raise RuntimeError(
+                "a double backward (create_graph=True) through an activation kept as fp8 or "
+                "recompute is not supported: its backward runs f again with no graph of its "
+                "own, so the second-order term would be lost; where gradients of gradients "
+                f"are taken, keep that kind: ctx.activations '{kind}:keep'"
+            )
+        return _SavedCall.first_order(ctx, dy)
+
+    @staticmethod
+    @once_differentiable
+    def first_order(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = iter(ctx.saved_tensors)
         xs = [
             decode_groups(next(saved), next(saved), *like) if coded else next(saved)

@@ -350,6 +350,15 @@ def test_fp8_keeps_an_input_it_does_not_code_as_it_is() -> None:
             assert (a is None and b is None) or (a is not None and b is not None and a.equal(b))
 
 
+@pytest.mark.parametrize("mode", ["recompute", "fp8"])
+def test_a_double_backward_is_refused_naming_keep(mode: str) -> None:
+    ctx = ComputeCtx.new(DType.F32, "cpu").with_activations(f"precise:{mode}")
+    x, w = torch.randn(4, 32, requires_grad=True), torch.rand(32, requires_grad=True)
+    loss = rms_norm(ctx, x, w).sum()
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*'precise:keep'"):
+        torch.autograd.grad(loss, x, create_graph=True)
+
+
 def test_offload_is_not_built_yet_and_says_so() -> None:
     x0, w, _ = _inputs()
     x = x0.clone().requires_grad_()
