@@ -17,12 +17,15 @@ The backward is ``f``'s vjp at the kept point: ``torch.autograd.grad`` of ``f`` 
 eager mode, ``torch.func.vjp`` when dynamo traces it, so the whole call, forward and backward,
 compiles with ``torch.compile(fullgraph=True)`` (``torch.autograd.grad`` inside a backward, and
 saved-tensor hooks entered inside a compiled region, do not; a compiled call under
-saved-tensor hooks entered outside it is refused by ``torch.func``: a known limit). ``f`` must be
-deterministic (no dropout: it runs twice) and must receive every tensor that needs a gradient
-as an operand: a tensor it reaches otherwise would get none. In eager mode that is refused
-(``ValueError``) at the call for a tensor in ``f``'s closure cells, defaults or a partial's
-arguments, and exactly by the backward, which walks the graph of ``f`` run again for any
-other leaf needing a gradient; under dynamo neither runs (docs/activations.md).
+saved-tensor hooks entered outside it is refused by ``torch.func``: a known limit). ``f``
+runs twice: in eager mode the second run sees the CPU's and the inputs' device's random
+states of the first (a dropout draws the same mask, as under ``torch.utils.checkpoint``);
+under dynamo it does not, so a compiled ``f`` must be deterministic. ``f`` must receive
+every tensor that needs a gradient as an operand: a tensor it reaches otherwise would get
+none. In eager mode that is refused (``ValueError``) at the call for a tensor in ``f``'s
+closure cells, defaults or a partial's arguments, and exactly by the backward, which walks
+the graph of ``f`` run again for any other leaf needing a gradient; under dynamo neither
+runs (docs/activations.md).
 Inside an activation-checkpointed region what this call keeps is dropped and recomputed like
 anything else: the codes are a function of ``x``, so the recomputation keeps the same bytes.
 """
@@ -37,6 +40,7 @@ from typing import Any, Final
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
+from torch.utils.checkpoint import _infer_device_type, get_device_states, set_device_states
 
 from computectx.activations import ActivationKind, SaveMode
 
@@ -155,8 +159,9 @@ class _SavedCall(torch.autograd.Function):
         inputs: int,
         *tensors: torch.Tensor,
     ) -> torch.Tensor:
-        y = f(*tensors)
         c: Any = ctx
+        c.rng = None if torch.compiler.is_compiling() else _rng_state(tensors)
+        y = f(*tensors)
         c.f, c.kind = f, None if torch.compiler.is_compiling() else SAVING.get()
         # Under fp8 each coded input is kept as its codes and scales, in turn; any other
         # (not fp8, or a dtype fp8 does not code) as it is.
@@ -197,7 +202,8 @@ class _SavedCall(torch.autograd.Function):
             if torch.compiler.is_compiling():  # what dynamo traces in a backward
                 grads = torch.func.vjp(ctx.f, *xs, *operands)[1](dy)
             else:
-                grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
+                with _rng_restored(ctx.rng):
+                    grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
         return (None,) * 4 + tuple(g if n else None for g, n in zip(grads, needs, strict=True))
 
 
@@ -237,6 +243,30 @@ def _check_reached(y: torch.Tensor, leaves: list[torch.Tensor]) -> None:
             where = f"a tensor of shape {tuple(variable.shape)}"
             raise ValueError(_CLOSURE_ERROR.format(where=where))
         todo += [next_node for next_node, _ in node.next_functions if next_node is not None]
+
+
+_RngState = tuple[torch.Tensor, str, list[int], list[torch.Tensor]]
+
+
+def _rng_state(tensors: tuple[torch.Tensor, ...]) -> _RngState:
+    # The CPU's and the tensors' device's random states at the forward, so that f run again
+    # draws the same numbers (a dropout's mask), as torch.utils.checkpoint does.
+    device_type: str = _infer_device_type(*tensors)  # type: ignore[no-untyped-call]
+    devices, states = get_device_states(*tensors)
+    return torch.get_rng_state(), device_type, devices, states
+
+
+@contextlib.contextmanager
+def _rng_restored(state: _RngState | None) -> Iterator[None]:
+    if state is None:
+        yield
+        return
+    cpu, device_type, devices, states = state
+    with torch.random.fork_rng(devices=devices, device_type=device_type):
+        torch.set_rng_state(cpu)
+        if devices:
+            set_device_states(devices, states, device_type=device_type)
+        yield
 
 
 def _same(t: Any) -> Any:

@@ -359,6 +359,19 @@ def test_a_double_backward_is_refused_naming_keep(mode: str) -> None:
         torch.autograd.grad(loss, x, create_graph=True)
 
 
+@pytest.mark.parametrize("mode", ["recompute", "fp8"])
+def test_a_dropout_in_f_draws_the_forwards_mask_again(mode: str) -> None:
+    ctx = ComputeCtx.new(DType.F32, "cpu").with_activations(f"precise:{mode}")
+    x = torch.randn(4, 32, requires_grad=True)
+    y = ctx.precise(x, lambda t: torch.nn.functional.dropout(t, 0.5, training=True))
+    torch.manual_seed(7)  # the backward restores the forward's state, whatever came since
+    torch.autograd.backward(y, torch.ones_like(y))
+    assert x.grad is not None and torch.equal(x.grad != 0, y != 0)
+    after = torch.rand(4)  # and gives the state it found back
+    torch.manual_seed(7)
+    assert torch.equal(after, torch.rand(4))
+
+
 def test_offload_is_not_built_yet_and_says_so() -> None:
     x0, w, _ = _inputs()
     x = x0.clone().requires_grad_()
