@@ -800,12 +800,14 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
     } else if constexpr (PM == kPBf16) {
       param[k] = f32_to_bf16(pn);
     } else {
-      // inf, NaN never perturbed: an inf's pattern plus noise below 2**16 keeps its top
-      // half (the inf's bf16), a NaN takes f32_to_bf16's 0x7FC0 (one select).
-      const uint32_t u = bits_of(saturated(pn, kBf16Max));
-      const uint32_t noise = noise16[i];
-      const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
-      param[k] = nan ? static_cast<uint16_t>(0x7FC0u) : static_cast<uint16_t>((u + noise) >> 16);
+      // On the magnitude (its sum with the noise never carries into the sign): a finite
+      // value's clamped to bf16's largest (saturated, then rounded: the same), an inf plus
+      // noise below 2**16 keeps its bf16 (never perturbed), a NaN takes f32_to_bf16's 0x7FC0.
+      const uint32_t u = bits_of(pn), a = u & 0x7FFFFFFFu;
+      const uint32_t top = a < 0x7F800000u ? 0x7F7Fu : 0x7F80u;
+      uint32_t mag = (a + static_cast<uint32_t>(noise16[i])) >> 16;
+      mag = mag < top ? mag : top;
+      param[k] = static_cast<uint16_t>(a > 0x7F800000u ? 0x7FC0u : (((u >> 16) & 0x8000u) | mag));
     }
     moment_out<MF>(md, mb, m_uns, k, i, mn);
     moment_out<VF>(vd, vb, v_uns, k, i, vn);
