@@ -40,7 +40,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "computectx"
 CORE_RANK: dict[str, int] = {
     "computectx._files": 0,  # durable file writes, for every package that writes a file
     "computectx._checks": 0,  # what counts as an integer; pydantic's errors in our words
-    "computectx._saved_bytes": 0,  # counting the storages autograd saves (SavedActivations)
     "computectx.dtypes": 0,
     "computectx.recipes": 1,
     "computectx.kv_policy": 1,  # the fp8 KV cache setting (KvFp8, parse_kv)

@@ -1,16 +1,17 @@
 """Memory of one policy's training, by role: state from ``memory_report``, plus what autograd
-keeps for backward (measured with ``torch.autograd.graph.saved_tensors_hooks``); and what
-AdamW's weights and moments would take under each optimizer-state setting (computed)."""
+keeps for backward, by kind (``computectx.memory.SavedActivations``); and what AdamW's weights
+and moments would take under each optimizer-state setting (computed)."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
-from computectx._saved_bytes import SavedStorages
-from computectx.memory import LowPrecGradAccumulator, memory_report
+from computectx.memory import LowPrecGradAccumulator, SavedActivations, memory_report
+from computectx.memory.activation_bytes import SAVED_KINDS
 from computectx.memory.optim.state.packed import packed_nbytes
 from computectx.memory.optim.state.store import packs
 from computectx.optim_state import OptimState
@@ -19,7 +20,6 @@ __all__ = [
     "OPTIM_STATE_ROWS",
     "Footprint",
     "OptimStateRow",
-    "SavedForBackward",
     "adamw_moment_bytes",
     "optim_state_rows",
     "state_footprint",
@@ -47,6 +47,9 @@ class Footprint:
     the GEMMs saved (parameters themselves are counted under ``params``, not again here);
     ``None`` when it was not measured (a compiled run: the hooks would be traced).
     ``peak`` is ``torch.cuda.max_memory_allocated`` over the run on CUDA, else ``None``.
+    ``saved_kinds`` splits ``saved`` by kind of activation (``SavedActivations``: ``linear``
+    .. ``moe`` as the ops tag them, ``other`` for the rest), every kind present, ``None``
+    when not measured.
     """
 
     params: int
@@ -56,13 +59,14 @@ class Footprint:
     optimizer: int
     saved: int | None
     peak: int | None = None
+    saved_kinds: dict[str, int] | None = None
 
     @property
     def state(self) -> int:
         """Weights, gradients, accumulator buffers, master weights and optimizer state."""
         return self.params + self.grads + self.accumulator + self.master + self.optimizer
 
-    def as_dict(self) -> dict[str, int | None]:
+    def as_dict(self) -> dict[str, Any]:
         """The roles and the ``state`` total, in bytes (for ``results.json``)."""
         return {**dataclasses.asdict(self), "state": self.state}
 
@@ -72,10 +76,14 @@ def state_footprint(
     optimizer: torch.optim.Optimizer,
     accumulator: LowPrecGradAccumulator | None,
     device: torch.device,
-    saved: int | None,
+    saved: SavedActivations | None,
 ) -> Footprint:
-    """A ``Footprint`` of the state on ``device`` now (after a step, before ``zero_grad``)."""
-    rep = memory_report(model, optimizer=optimizer, accumulator=accumulator)
+    """A ``Footprint`` of the state on ``device`` now (after a step, before ``zero_grad``),
+    with what ``saved`` measured on ``device`` (``None``: not measured)."""
+    rep = memory_report(model, optimizer=optimizer, accumulator=accumulator, activations=saved)
+    kinds: dict[str, int] | None = None
+    if saved is not None:
+        kinds = {k: rep.bytes(device=device, role="activations", kind=k) for k in SAVED_KINDS}
     return Footprint(
         params=rep.bytes(device=device, role="params"),
         grads=rep.bytes(device=device, role="grads"),
@@ -83,25 +91,9 @@ def state_footprint(
         master=rep.bytes(device=device, role="master"),
         optimizer=rep.bytes(device=device, role="optimizer_state")
         + rep.bytes(device=device, role="staging"),
-        saved=saved,
+        saved=None if kinds is None else sum(kinds.values()),
+        saved_kinds=kinds,
     )
-
-
-class SavedForBackward(SavedStorages):
-    """Counts the bytes of the tensors autograd saves for backward while the block runs.
-
-    Each storage counts once, whole, and storages of ``exclude`` (the parameters) not at all
-    (``SavedStorages``). Use it around one forward and backward. The tensors pass through
-    unchanged, so training is unaffected.
-    """
-
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        super().__init__(exclude)
-        self.bytes = 0
-        """Bytes counted so far."""
-
-    def _count(self, device: str, nbytes: int, dtype: torch.dtype) -> None:
-        self.bytes += nbytes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,14 +38,15 @@ __all__ = [
     "write_results",
 ]
 
-RESULTS_VERSION = 6
+RESULTS_VERSION = 7
 """``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
 ``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added. 3: each
 result's ``fp8_granularity`` (``null`` without fp8) was added. 4: each result's ``kv`` and
 ``serving`` (the serving section's rows) were added. 5: the ``--moe`` settings, each result's
 ``expert_load`` (tokens per step, layer and expert; ``null`` for the dense model) and
 ``fp8_converted_experts`` were added. 6: ``optim_state`` (AdamW's weights and moments per
-optimizer-state setting, computed) was added."""
+optimizer-state setting, computed) was added. 7: each result's ``memory.saved_kinds``
+(``saved`` by kind of activation) was added; a ``flag`` may carry ``@ACTIVATIONS``."""
 
 _MIB = 2**20
 
@@ -125,6 +126,17 @@ def table_notes(report: DemoReport) -> list[str]:
         f"val loss: {s.eval_batches} held-out batches after the last step.",
         *memory_notes(report),
     ]
+    by_kind = [
+        f"{r.flag}: "
+        + ", ".join(f"{k} {n / _MIB:.2f}" for k, n in r.memory.saved_kinds.items() if n)
+        for r in report.results
+        if r.memory.saved_kinds is not None
+    ]
+    if by_kind:
+        lines.append(
+            "saved MiB by kind (computectx.memory.SavedActivations; other: what no op tags, "
+            "the linears' inputs and the logits among it): " + "; ".join(by_kind) + "."
+        )
     if any(r.fp8_granularity is not None for r in report.results):
         lines.append(
             "fp8 granularity: which elements share one fp8 step: tensor (one per tensor), row "

@@ -16,14 +16,14 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.demo.corpus import Corpus, train_batches
-from computectx.demo.footprint import Footprint, SavedForBackward, state_footprint
+from computectx.demo.footprint import Footprint, state_footprint
 from computectx.demo.moe import LoadRecorder, fp8_experts_backends, moe_config
 from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoError, DemoSettings
 from computectx.distributed import Parallel, parallelize, update_expert_bias
 from computectx.dtypes import DType
 from computectx.formats import QuantizedLinear, scaling_stats
-from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, SavedActivations
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
 __all__ = [
@@ -284,8 +284,8 @@ class _Loop:
     share: slice
     """This rank's rows of every batch."""
     recorder: LoadRecorder | None
-    saved: SavedForBackward
-    """Measures what the first micro-batch keeps for backward."""
+    saved: SavedActivations
+    """Measures what the first micro-batch keeps for backward, by kind."""
 
 
 @dataclasses.dataclass
@@ -345,7 +345,7 @@ def _loop(
         params=params,
         share=slice(rank * settings.batch_size // world, (rank + 1) * settings.batch_size // world),
         recorder=LoadRecorder(model) if settings.moe else None,
-        saved=SavedForBackward(exclude=params),
+        saved=SavedActivations(exclude=params),
     )
 
 
@@ -381,7 +381,7 @@ def _train(
                 # balances it only resets the counts): one all-reduce with --nproc.
                 update_expert_bias(loop.model)
             if step == settings.steps - 1:
-                saved = None if settings.compile else loop.saved.bytes
+                saved = None if settings.compile else loop.saved
                 curves.memory = state_footprint(
                     loop.model, opt, loop.accumulator, loop.device, saved
                 )

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Iterable
+from types import TracebackType
 from typing import Final, Literal
 
 import torch
+from typing_extensions import Self
 
-from computectx._saved_bytes import SavedStorages
 from computectx.activations import ACTIVATION_KINDS, ActivationKind
 from computectx.saved import SAVING
 
@@ -23,8 +24,9 @@ SAVED_KINDS: Final[tuple[SavedKind, ...]] = (*ACTIVATION_KINDS, "other")
 
 
 @dataclasses.dataclass
-class SavedActivations(SavedStorages):
-    """Counts the bytes of the tensors autograd saves while the block runs, by device and kind.
+class SavedActivations:
+    """Counts the bytes of the tensors autograd saves while the block runs, by device and kind
+    (saved-tensor hooks: a ``with`` block).
 
     Each storage counts once, whole (as ``memory_report`` counts), under the kind that saved it
     first (``computectx.saved.SAVING``: ``ctx.precise``'s ops under their kind, SwiGLU under
@@ -44,7 +46,21 @@ class SavedActivations(SavedStorages):
     """Storages counted per ``(device, kind, dtype)``."""
 
     def __post_init__(self, exclude: Iterable[torch.Tensor]) -> None:
-        super().__init__(exclude)
+        self._skip = {_address(t) for t in exclude}
+        self._seen: set[tuple[str, int]] = set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+
+    def __enter__(self) -> Self:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._hooks.__exit__(exc_type, exc, tb)
 
     def bytes(self, kind: SavedKind | None = None, device: str | None = None) -> int:
         """Bytes counted for ``kind`` on ``device`` (``None`` matches every kind or device)."""
@@ -54,9 +70,23 @@ class SavedActivations(SavedStorages):
             if (kind is None or k == kind) and (device is None or dev == device)
         )
 
-    def _count(self, device: str, nbytes: int, dtype: torch.dtype) -> None:
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        device, ptr = _address(t)
+        if (device, ptr) in self._skip or (device, ptr) in self._seen:
+            return t
+        self._seen.add((device, ptr))
+        nbytes = t.untyped_storage().nbytes()
         kind: SavedKind = SAVING.get() or "other"
         self.counts[(device, kind)] += nbytes
-        key = (device, kind, str(dtype).removeprefix("torch."))
+        key = (device, kind, str(t.dtype).removeprefix("torch."))
         self.by_dtype[key] += nbytes
         self.storages[key] += 1
+        return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _address(t: torch.Tensor) -> tuple[str, int]:
+    return str(t.device), t.untyped_storage().data_ptr()

@@ -22,7 +22,6 @@ from computectx.demo import (
     load_corpus,
 )
 from computectx.demo import corpus as demo_corpus
-from computectx.demo.footprint import SavedForBackward
 
 TINY = [
     "--batch-size", "4",
@@ -114,7 +113,7 @@ def test_fp8_policy_runs_end_to_end(
 
     # The serving section: the trained model through the KV cache at f32, bf16 and fp8, and
     # the sample generated with the policy's own kv (bf16: the fp8 flags compute in bf16).
-    assert data["computectx_demo"] == 6
+    assert data["computectx_demo"] == 7
     assert r["expert_load"] is None and r["fp8_converted_experts"] == 0  # dense (no --moe)
     assert r["kv"] == "bf16"
     assert "sample (fp8_e4m3, kv=bf16, temperature 0.8, top-k 40):" in stdout
@@ -248,6 +247,14 @@ def test_an_activations_row_keeps_fp8_activations_and_the_table_says_so(
     assert fp8["memory"]["state"] == keep["memory"]["state"]
     # The norms' float32 copies and SwiGLU's bf16 inputs become one byte an element.
     assert 0 < fp8["memory"]["saved"] < 0.75 * keep["memory"]["saved"]
+    kinds, kept = fp8["memory"]["saved_kinds"], keep["memory"]["saved_kinds"]
+    assert list(kinds) == ["linear", "precise", "act_fn", "attention", "residual", "moe", "other"]
+    assert sum(kinds.values()) == fp8["memory"]["saved"]
+    assert 0 < kinds["precise"] < kept["precise"] / 3  # float32 -> E4M3 and a scale per 128
+    assert 0 < kinds["act_fn"] < kept["act_fn"] / 1.9  # bf16 -> E4M3
+    assert kinds["attention"] == kept["attention"] > 0  # attention: keep in both rows
+    assert kinds["linear"] == kinds["residual"] == kinds["moe"] == 0  # no op tags them yet
+    assert "saved MiB by kind (computectx.memory.SavedActivations" in stdout
 
 
 def test_activations_the_ctx_refuses_exit_2_before_training(
@@ -445,17 +452,6 @@ def test_settings_validate_like_the_flags() -> None:
         DemoSettings(device="cuda:x")
     with pytest.raises(DemoError, match="does not exist"):
         load_corpus(Path("/nonexistent/computectx-demo-data"))
-
-
-def test_saved_for_backward_counts_each_storage_once_and_skips_excluded() -> None:
-    a = torch.randn(1000, requires_grad=True)
-    with SavedForBackward() as saved:
-        torch.autograd.backward((a * a).sum())  # mul saves `a` twice: one storage
-    assert saved.bytes == 4000
-    b = torch.randn(250, requires_grad=True)
-    with SavedForBackward(exclude=[a]) as saved:
-        torch.autograd.backward((a * b.repeat(4)).sum())  # saves `a` (excluded) and a copy
-    assert saved.bytes == 4000  # the repeated b, 1000 floats
 
 
 def test_data_is_cut_at_the_byte_cap(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

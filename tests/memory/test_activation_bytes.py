@@ -79,3 +79,15 @@ def test_memory_report_has_a_row_per_device_kind_and_dtype_of_what_the_backward_
         r.bytes(kind="norm")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="SavedActivations"):
         memory_report(model, activations=object())  # type: ignore[arg-type]
+
+
+def test_each_storage_counts_once_and_excluded_ones_not_at_all() -> None:
+    a = torch.randn(1000, requires_grad=True)
+    with SavedActivations() as saved:
+        torch.autograd.backward((a * a).sum())  # mul saves `a` twice: one storage
+    assert saved.bytes() == saved.bytes("other") == 4000
+    b = torch.randn(250, requires_grad=True)
+    with SavedActivations(exclude=[a]) as saved:
+        torch.autograd.backward((a * b.repeat(4)).sum())  # saves `a` (excluded) and a copy
+    assert saved.bytes() == 4000  # the repeated b, 1000 floats
+    assert saved.storages == {("cpu", "other", "float32"): 1}
