@@ -43,6 +43,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.utils.checkpoint import _infer_device_type, get_device_states, set_device_states
 
 from computectx.activations import ActivationKind, SaveMode
+from computectx.dtypes import FLOAT_DTYPES
 
 __all__ = ["CODED_DTYPES", "E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
 
@@ -54,7 +55,7 @@ Not set while dynamo traces (a compiled graph's saves have no kind)."""
 
 E4M3_MAX: Final = 448.0
 """The largest finite E4M3 magnitude: each group's scale is ``absmax / 448``."""
-CODED_DTYPES: Final = frozenset({torch.float32, torch.bfloat16, torch.float16})
+CODED_DTYPES: Final = FLOAT_DTYPES
 """The dtypes ``fp8`` codes (float32 scales cover their range); an input of any other (float64,
 complex, integer, bool) is kept as it is under ``fp8``, as under ``recompute``."""
 _TINY: Final = torch.finfo(torch.float32).tiny
