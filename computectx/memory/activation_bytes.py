@@ -39,10 +39,14 @@ class SavedActivations:
     exclude: dataclasses.InitVar[Iterable[torch.Tensor]] = ()
     counts: Counter[tuple[str, SavedKind]] = dataclasses.field(default_factory=Counter)
     """Bytes per ``(device, kind)``."""
-    by_dtype: Counter[tuple[str, SavedKind, str]] = dataclasses.field(default_factory=Counter)
+    by_dtype: Counter[tuple[str, SavedKind, str]] = dataclasses.field(
+        default_factory=Counter, init=False
+    )
     """Bytes per ``(device, kind, dtype)``, the dtype named as ``memory_report`` names it
     (``"bfloat16"``, ``"float8_e4m3fn"``): the dtype the storage was first saved as."""
-    storages: Counter[tuple[str, SavedKind, str]] = dataclasses.field(default_factory=Counter)
+    storages: Counter[tuple[str, SavedKind, str]] = dataclasses.field(
+        default_factory=Counter, init=False
+    )
     """Storages counted per ``(device, kind, dtype)``."""
 
     def __post_init__(self, exclude: Iterable[torch.Tensor]) -> None:
