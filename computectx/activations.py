@@ -19,9 +19,11 @@ tensors kept at block boundaries) and ``moe`` (the MoE dispatch: permuted tokens
 weights).
 
 Text form: ``/``-separated parts in any order and any case: a bare ``MODE`` sets every kind
-(``fp8``), ``KIND:MODE`` sets one (``precise:fp8``), ``group=N`` the fp8 group; a kind named
-twice is refused, a bare mode then ``KIND:MODE`` overrides it (``fp8/attention:keep``). JSON
-form: ``{"linear": "keep", "precise": "fp8", ..., "group": 128}``, each key optional.
+(``fp8``; a bare ``recompute`` is refused unless linear, residual and moe are overridden:
+name the kinds, ``precise:recompute/act_fn:recompute/attention:recompute``), ``KIND:MODE``
+sets one (``precise:fp8``), ``group=N`` the fp8 group; a kind named twice is refused, a bare
+mode then ``KIND:MODE`` overrides it (``fp8/attention:keep``). JSON form: ``{"linear":
+"keep", "precise": "fp8", ..., "group": 128}``, each key optional.
 """
 
 from __future__ import annotations
@@ -209,7 +211,22 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
         if bare is not None:
             for kind in ACTIVATION_KINDS:
                 data.setdefault(kind, bare)
+            _check_bare(bare, data, shown)
         return cls._from_text(data, "activations", shown)
+
+
+def _check_bare(bare: str, data: dict[str, object], shown: str) -> None:
+    # A bare mode sets every kind: one that a kind refuses (recompute) must be overridden for
+    # it, and the error says which kinds take it.
+    refusing = [k for k in ACTIVATION_KINDS if data[k] == bare and bare not in KIND_MODES[k]]
+    if refusing:
+        first = refusing[0]
+        takers = "/".join(f"{k}:{bare}" for k in ACTIVATION_KINDS if bare in KIND_MODES[k])
+        raise ValueError(
+            f"bad activations {shown!r}: a bare mode sets every kind, and {first} cannot be "
+            f"kept as {bare}; accepted for {first}: {', '.join(KIND_MODES[first])}; name the "
+            f"kinds that take it instead ({takers}), or override {', '.join(refusing)}"
+        )
 
 
 def parse_activations(value: object) -> Activations:

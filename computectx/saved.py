@@ -42,7 +42,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.utils.checkpoint import _infer_device_type, get_device_states, set_device_states
 
-from computectx.activations import ActivationKind, SaveMode
+from computectx.activations import GROUPS, SAVE_MODES, ActivationKind, SaveMode
 from computectx.dtypes import FLOAT_DTYPES
 
 __all__ = ["CODED_DTYPES", "E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
@@ -114,8 +114,9 @@ def saved_call(
     ``mode`` says and the rest (the operands: weights, tables) as they are (module docstring).
 
     ``kind`` tags what the call saves (``SAVING``), whatever the mode. ``offload`` is not built
-    yet (``NotImplementedError``). Without a graph to build (grad disabled, or nothing needing
-    a gradient) ``f`` just runs."""
+    yet (``NotImplementedError``); an unknown ``mode``, or under ``fp8`` a ``group`` not in
+    ``GROUPS`` (16, 32, 64, 128), is a ``ValueError``. Without a graph to build (grad
+    disabled, or nothing needing a gradient) ``f`` just runs."""
     if kind is None or torch.compiler.is_compiling():
         return _saved_call(f, tensors, mode, group, inputs)
     token = SAVING.set(kind)
@@ -136,6 +137,13 @@ def _saved_call(
         return f(*tensors)
     if not any(t.requires_grad for t in tensors):
         return f(*tensors)
+    if mode not in SAVE_MODES:
+        raise ValueError(f"unknown save mode {mode!r}; accepted: {', '.join(SAVE_MODES)}")
+    if mode == "fp8" and (isinstance(group, bool) or group not in GROUPS):
+        accepted = ", ".join(map(str, GROUPS))
+        raise ValueError(
+            f"saved_call: group={group!r} is not one of {accepted} (elements per fp8 group)"
+        )
     if mode not in ("fp8", "recompute"):
         raise NotImplementedError(
             f"activations kept as {mode!r} are not built yet; accepted here: keep, fp8, recompute"

@@ -55,6 +55,15 @@ def test_text_form_reads_and_prints_the_shortest(text: str, shortest: str) -> No
     assert Activations.parse(shortest) == policy == parse_activations(text)
 
 
+def test_a_bare_recompute_says_which_kinds_take_it() -> None:
+    with pytest.raises(ValueError, match=r"bare mode sets every kind.*\(precise:recompute/"):
+        Activations.parse("recompute")
+    policy = Activations.parse("recompute/linear:keep/residual:fp8/moe:keep")
+    assert [policy.mode(k) for k in ACTIVATION_KINDS] == [
+        "keep", "recompute", "recompute", "recompute", "fp8", "keep"
+    ]  # fmt: skip
+
+
 def test_a_bare_mode_sets_every_kind_and_kinds_override_it() -> None:
     policy = Activations.parse("fp8/attention:keep/group=64")
     assert [policy.mode(k) for k in ACTIVATION_KINDS] == ["fp8", "fp8", "fp8", "keep", "fp8", "fp8"]

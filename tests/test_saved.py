@@ -372,6 +372,15 @@ def test_a_dropout_in_f_draws_the_forwards_mask_again(mode: str) -> None:
     assert torch.equal(after, torch.rand(4))
 
 
+def test_an_unknown_mode_or_group_is_refused_naming_what_is_accepted() -> None:
+    x = torch.randn(4, 32, requires_grad=True)
+    with pytest.raises(ValueError, match="unknown save mode 'FP8'; accepted: keep, fp8, off"):
+        saved_call(torch.sin, x, mode="FP8")  # type: ignore[arg-type]
+    for group in [0, -1, 2.5, 10**8, True]:
+        with pytest.raises(ValueError, match="is not one of 16, 32, 64, 128"):
+            saved_call(torch.sin, x, mode="fp8", group=group)  # type: ignore[arg-type]
+
+
 def test_offload_is_not_built_yet_and_says_so() -> None:
     x0, w, _ = _inputs()
     x = x0.clone().requires_grad_()
