@@ -209,11 +209,28 @@ class _SavedCall(torch.autograd.Function):
         needs = ctx.needs_input_grad[4:]
         with _autocast(ctx.autocast):
             if torch.compiler.is_compiling():  # what dynamo traces in a backward
-                grads = torch.func.vjp(ctx.f, *xs, *operands)[1](dy)
+                grads = tuple(_vjp(ctx.f, [*xs, *operands], dy))
             else:
                 with _rng_restored(ctx.rng):
                     grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
         return (None,) * 4 + tuple(g if n else None for g, n in zip(grads, needs, strict=True))
+
+
+def _vjp(
+    f: Callable[..., torch.Tensor], tensors: list[torch.Tensor], dy: torch.Tensor
+) -> list[torch.Tensor | None]:
+    # torch.func.vjp over the floating (and complex) tensors only: an integer one (ids)
+    # cannot require a gradient; it gets none, as in eager mode.
+    wrt = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+
+    def at(*differentiated: torch.Tensor) -> torch.Tensor:
+        args = list(tensors)
+        for i, t in zip(wrt, differentiated, strict=True):
+            args[i] = t
+        return f(*args)
+
+    found = iter(torch.func.vjp(at, *(tensors[i] for i in wrt))[1](dy))
+    return [next(found) if i in wrt else None for i in range(len(tensors))]
 
 
 def _recomputed_grads(

@@ -267,6 +267,20 @@ def test_compiles_whole_with_no_graph_break_and_the_eager_gradients() -> None:
         assert torch.equal(a, b)
 
 
+def test_an_integer_operand_compiles_as_in_eager_mode() -> None:
+    def run(x: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        return saved_call(lambda t, j: t[j] * 2, x, i, mode="recompute")
+
+    torch._dynamo.reset()
+    compiled = torch.compile(run, fullgraph=True, backend="aot_eager")
+    grads = []
+    for g in [run, compiled]:
+        x = torch.randn(6, 16, requires_grad=True)
+        torch.autograd.backward(g(x, torch.tensor([0, 2])).sum())
+        grads.append(x.grad)
+    assert grads[0] is not None and grads[1] is not None and torch.equal(grads[0], grads[1])
+
+
 # ----- refusals ------------------------------------------------------------------------------
 
 
