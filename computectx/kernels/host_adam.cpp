@@ -526,6 +526,15 @@ int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __re
 }
 #endif
 
+// A bf16 moment's codes, out of line: inlined into encode, its loop changed the code of the
+// blocked formats beside it (int8 measured 1-10% slower in A/B runs; out of line, 0-4%).
+#if defined(__GNUC__)
+__attribute__((noinline))
+#endif
+void encode_bf16(uint16_t* __restrict d, const float* __restrict x, int64_t len, bool is_unsigned) {
+  for (int64_t i = 0; i < len; ++i) d[i] = bf16_code(x[i], is_unsigned);
+}
+
 // Encode the new values x[0, len) of elements [lo, lo + len) into ``mo`` (in place); ``n``
 // is scratch for the normalized values.
 void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict x,
@@ -533,8 +542,7 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
             const Lut* lut) {
   const bool is_unsigned = !mo.is_signed;
   if (mo.fmt == kBf16) {
-    uint16_t* __restrict d = static_cast<uint16_t*>(mo.data) + lo;
-    for (int64_t i = 0; i < len; ++i) d[i] = bf16_code(x[i], is_unsigned);
+    encode_bf16(static_cast<uint16_t*>(mo.data) + lo, x, len, is_unsigned);
     return;
   }
 #if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
