@@ -156,7 +156,9 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
         return self
 
     def mode(self, kind: ActivationKind) -> SaveMode:
-        """How the backward keeps ``kind``."""
+        """How the backward keeps ``kind`` (``ValueError`` naming the kinds for another name)."""
+        if kind not in ACTIVATION_KINDS:
+            raise ValueError(f"unknown activation kind {kind!r}; accepted: {_KINDS}")
         mode: SaveMode = getattr(self, kind)
         return mode
 

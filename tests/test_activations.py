@@ -64,6 +64,12 @@ def test_a_bare_recompute_says_which_kinds_take_it() -> None:
     ]  # fmt: skip
 
 
+def test_an_unknown_kind_is_refused_naming_the_kinds() -> None:
+    for kind in ["bogus", "group", "Precise"]:
+        with pytest.raises(ValueError, match=f"unknown activation kind '{kind}'; accepted: linear"):
+            Activations().mode(kind)  # type: ignore[arg-type]
+
+
 def test_a_bare_mode_sets_every_kind_and_kinds_override_it() -> None:
     policy = Activations.parse("fp8/attention:keep/group=64")
     assert [policy.mode(k) for k in ACTIVATION_KINDS] == ["fp8", "fp8", "fp8", "keep", "fp8", "fp8"]
