@@ -372,7 +372,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         """
         if (work := _WORK_DTYPE.get((t.dtype, self.accum))) is None:
             raise PromotionError(outside_lattice_message(t.dtype))
-        if (mode := getattr(self.activations, kind)) != "keep":
+        if (mode := self.activations.mode(kind)) != "keep":
             body, group = functools.partial(_lifted, f, work), self.activations.group
             return saved_call(body, t, *operands, mode=mode, group=group, kind=kind)
         if torch.compiler.is_compiling():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
+import torch
 
 import computectx
 from computectx import Activations, ComputeCtx, DType, parse_activations
@@ -133,3 +134,11 @@ def test_bad_values_of_other_types() -> None:
         Activations.model_validate_json('{"group": "64"}')
     with pytest.raises(TypeError, match="takes a str"):
         Activations.parse(b"fp8")  # type: ignore[arg-type]
+
+
+def test_precise_names_the_kinds_for_an_unknown_kind() -> None:
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    x = torch.zeros(2, dtype=torch.bfloat16)
+    for bad in ("bogus", "Precise", "group"):
+        with pytest.raises(ValueError, match="unknown activation kind"):
+            ctx.precise(x, lambda t: t * 2, kind=bad)  # type: ignore[arg-type]
