@@ -141,4 +141,4 @@ def test_precise_names_the_kinds_for_an_unknown_kind() -> None:
     x = torch.zeros(2, dtype=torch.bfloat16)
     for bad in ("bogus", "Precise", "group"):
         with pytest.raises(ValueError, match="unknown activation kind"):
-            ctx.precise(x, lambda t: t * 2, kind=bad)  # type: ignore[arg-type]
+            ctx.precise(x, lambda t: t * 2, kind=bad)  # type: ignore[call-overload]
