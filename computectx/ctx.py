@@ -20,6 +20,7 @@ from typing_extensions import Self, Unpack
 
 from computectx._checks import validation_message
 from computectx.activations import (
+    ACTIVATION_KINDS,
     ActivationKind,
     Activations,
     ActivationsField,
@@ -372,7 +373,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         """
         if (work := _WORK_DTYPE.get((t.dtype, self.accum))) is None:
             raise PromotionError(outside_lattice_message(t.dtype))
-        if (mode := self.activations.mode(kind)) != "keep":
+        if kind not in ACTIVATION_KINDS:  # checked here: the default path enters no other module
+            raise ValueError(f"unknown activation kind {kind!r}; accepted: {ACTIVATION_KINDS}")
+        if (mode := getattr(self.activations, kind)) != "keep":
             body, group = functools.partial(_lifted, f, work), self.activations.group
             return saved_call(body, t, *operands, mode=mode, group=group, kind=kind)
         if torch.compiler.is_compiling():
