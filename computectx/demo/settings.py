@@ -36,7 +36,7 @@ POLICY_FLAGS: tuple[str, ...] = (
 the source; this copy lets flags be checked without importing torch, and a test keeps the
 two equal."""
 
-DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid", "bf16@fp8")
+DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid")
 """The policies compared when ``--dtype`` is not given: three dtype flags, then bf16 keeping
 its activations for the backward as fp8 (``ComputeCtx.activations``)."""
 

@@ -395,7 +395,7 @@ def test_help_lists_every_setting_with_its_default(
     assert lines["--steps"].endswith("Optimizer steps per policy. (default: 120)")
     assert lines["--seed"].endswith("(default: 0)")
     assert lines["--lr"].endswith("(default: 0.003)")
-    assert lines["--dtype"].endswith("(default: fp32,bf16,fp8_hybrid,bf16@fp8)")
+    assert lines["--dtype"].endswith("(default: fp32,bf16,fp8_hybrid)")
     assert lines["--offload"].endswith("(default: off)")
     assert lines["--device"].endswith("(default: cuda if usable, else cpu)")
     for name in POLICY_FLAGS:
