@@ -43,7 +43,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.utils.checkpoint import _infer_device_type, get_device_states, set_device_states
 
 from computectx.activations import GROUPS, SAVE_MODES, ActivationKind, SaveMode
-from computectx.dtypes import FLOAT_DTYPES
+from computectx.dtypes import FLOAT_DTYPES, Fp8Format
 
 __all__ = ["CODED_DTYPES", "E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
 
@@ -53,7 +53,7 @@ SAVING: Final[ContextVar[ActivationKind | None]] = ContextVar("computectx_saving
 hook counting bytes (``computectx.memory.SavedActivations``) can attribute each to its kind.
 Not set while dynamo traces (a compiled graph's saves have no kind)."""
 
-E4M3_MAX: Final = 448.0
+E4M3_MAX: Final = Fp8Format.E4M3.max
 """The largest finite E4M3 magnitude: each group's scale is ``absmax / 448``."""
 CODED_DTYPES: Final = FLOAT_DTYPES
 """The dtypes ``fp8`` codes (float32 scales cover their range); an input of any other (float64,

@@ -142,3 +142,13 @@ def test_precise_names_the_kinds_for_an_unknown_kind() -> None:
     for bad in ("bogus", "Precise", "group"):
         with pytest.raises(ValueError, match="unknown activation kind"):
             ctx.precise(x, lambda t: t * 2, kind=bad)  # type: ignore[call-overload]
+
+
+def test_softmax_names_the_kinds_for_an_unknown_kind() -> None:
+    from computectx.nn.precise import softmax
+
+    ctx = ComputeCtx.new(DType.BF16, "cpu")
+    x = torch.zeros(2, 3, dtype=torch.bfloat16, requires_grad=True)
+    for bad in ("bogus", "group"):  # "group" read 128 as its mode and ran the custom path
+        with pytest.raises(ValueError, match="unknown activation kind"):
+            softmax(ctx, x, dim=-1, kind=bad)  # type: ignore[arg-type]

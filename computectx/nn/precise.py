@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 
-from computectx.activations import ActivationKind
+from computectx.activations import ACTIVATION_KINDS, ActivationKind
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import dtype_of, promote
 from computectx.saved import SAVING
@@ -53,6 +53,8 @@ def softmax(
     anyway (so nothing more), from which the backward forms ``y * (dy - sum(dy * y))`` at
     the accumulation dtype (a softmax's gradient needs its output, never its input).
     """
+    if kind not in ACTIVATION_KINDS:  # as ctx.precise: a field name like "group" is no kind
+        raise ValueError(f"unknown activation kind {kind!r}; accepted: {ACTIVATION_KINDS}")
     mode = getattr(ctx.activations, kind)
     if mode == "keep" or not (torch.is_grad_enabled() and x.requires_grad):
         return ctx.precise(x, lambda t: torch.softmax(t, dim=dim), kind=kind)

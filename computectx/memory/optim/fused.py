@@ -20,9 +20,9 @@ FMAs, so it agrees to float32 ulps (measured with inductor on the CPU: parameter
 Tensors are plain local tensors (an FSDP2 caller passes each DTensor's local shard).
 
 A bf16/f16 parameter with a ``generator`` is written with stochastic rounding
-(``computectx.memory._rounding.stochastic_round``), applied eagerly to the float32 result
-after the compiled region (generator draws would break the graph); without a generator it is
-rounded to nearest.
+(``computectx.memory._rounding.stochastic_round_keyed``, from one key drawn from the
+generator per parameter per step), applied eagerly to the float32 result after the compiled
+region; without a generator it is rounded to nearest.
 """
 
 from __future__ import annotations
@@ -261,14 +261,14 @@ def adam_update(
     values = [1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps]
     # Made on the host and copied without blocking: ``torch.tensor(..., device=cuda)`` would
     # wait for the stream once per parameter per step.
-    hp = torch.tensor([*values, -(lr / bc1)], dtype=torch.float32).to(
-        param.device, non_blocking=True
-    )
     key = None if generator is None or not rounds else draw_key(generator)
     if native and param.device.type == "cpu":
         done = _native_update(param, grad, m, v, m_laid, v_laid, values, bc1, lr, cfg, key)
         if done is not None:
             return done
+    hp = torch.tensor([*values, -(lr / bc1)], dtype=torch.float32).to(
+        param.device, non_blocking=True
+    )
     with torch.no_grad():
         work = param if param.is_contiguous() else param.contiguous()
         args = (
