@@ -261,14 +261,13 @@ def adam_update(
     values = [1 - lr * weight_decay, weight_decay, 1 - beta1, beta2, 1 - beta2, bc2**0.5, eps]
     # Made on the host and copied without blocking: ``torch.tensor(..., device=cuda)`` would
     # wait for the stream once per parameter per step.
+    values.append(-(lr / bc1))
     key = None if generator is None or not rounds else draw_key(generator)
     if native and param.device.type == "cpu":
-        done = _native_update(param, grad, m, v, m_laid, v_laid, values, bc1, lr, cfg, key)
-        if done is not None:
-            return done
-    hp = torch.tensor([*values, -(lr / bc1)], dtype=torch.float32).to(
-        param.device, non_blocking=True
-    )
+        stored = _native_update(param, grad, m_laid, v_laid, values, cfg, key)
+        if stored is not None:
+            return _repacked(m, v, m_laid, v_laid, *stored)
+    hp = torch.tensor(values, dtype=torch.float32).to(param.device, non_blocking=True)
     with torch.no_grad():
         work = param if param.is_contiguous() else param.contiguous()
         args = (
@@ -366,17 +365,14 @@ def _native_moment(laid: _Laid, host: Any) -> tuple[Any, tuple[torch.Tensor, ...
 def _native_update(
     param: torch.Tensor,
     grad: torch.Tensor,
-    m: Packed | torch.Tensor,
-    v: Packed | torch.Tensor,
     m_laid: _Laid,
     v_laid: _Laid,
     values: list[float],
-    bc1: float,
-    lr: float,
     cfg: _Config,
     key: torch.Tensor | None,
-) -> tuple[Packed | torch.Tensor, Packed | torch.Tensor] | None:
-    """The step by the native kernel, or ``None`` (nothing written) where it does not take
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None:
+    """The step by the native kernel on the hyper-parameters ``values`` (``_update``'s order):
+    the moments' new parts, or ``None`` (nothing written) where it does not take
     this configuration or could not be built: the caller runs the twin (``host_adam.library``
     raises instead under ``torch.distributed`` with several ranks)."""
     from computectx.kernels import host_adam
@@ -395,7 +391,6 @@ def _native_update(
     if laid[0] is None or laid[1] is None:
         return None
     hp = list(values)
-    hp.append(-(lr / bc1))
     if not (cfg.weight_decay and cfg.decoupled):
         hp[_DECAY] = 1.0  # the kernel multiplies by it unless the decay is L2 (exact: p * 1)
     numel = param.numel()
@@ -416,4 +411,4 @@ def _native_update(
         )
         if work is not param:
             param.copy_(work)
-    return _repacked(m, v, m_laid, v_laid, laid[0][1], laid[1][1])
+    return laid[0][1], laid[1][1]
