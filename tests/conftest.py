@@ -8,6 +8,7 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from types import FrameType
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -162,3 +163,25 @@ def wall_limit() -> Callable[[float, str], contextlib.AbstractContextManager[Non
     """A context manager that fails the test when its block runs longer than a wall limit,
     for runs a test makes in its own process (where a subprocess's ``timeout`` used to be)."""
     return _wall_limit
+
+
+@pytest.fixture
+def grouped_operands(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[tuple[Any, Any, Any]]]:
+    """Call it to record, from then on, every operand the grouped GEMMs quantize, as
+    ``(operand, codes, steps)``: ``formats.numerics.grouped.quantize_operand`` behind a probe."""
+
+    def install() -> list[tuple[Any, Any, Any]]:
+        import computectx.formats.numerics.grouped as numerics_grouped
+
+        seen: list[tuple[Any, Any, Any]] = []
+        real = numerics_grouped.quantize_operand
+
+        def probe(x: Any, *args: Any) -> tuple[Any, Any]:
+            q, s = real(x, *args)
+            seen.append((x, q, s))
+            return q, s
+
+        monkeypatch.setattr(numerics_grouped, "quantize_operand", probe)
+        return seen
+
+    return install

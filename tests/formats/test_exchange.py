@@ -4,6 +4,7 @@ GEMM call its forward makes (a probe on the GEMM entry), and a frozen layer's ow
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -11,7 +12,6 @@ import torch
 from torch import nn
 
 import computectx.formats.linear.blockwise as linear_blockwise
-import computectx.formats.numerics.grouped as numerics_grouped
 import computectx.formats.ops.tensorwise as tensor_ops
 from computectx import ComputeCtx
 from computectx.formats import (
@@ -228,20 +228,12 @@ def test_mx_refuses_steps_no_e8m0_byte_holds(base: nn.Module) -> None:
 
 @pytest.mark.parametrize("granularity", list(RECIPES))
 def test_experts_codes_are_what_the_grouped_forward_multiplies(
-    granularity: str, monkeypatch: pytest.MonkeyPatch
+    granularity: str, grouped_operands: Callable[[], list[tuple[Any, Any, Any]]]
 ) -> None:
     model = experts_model(ctx_of(RECIPES[granularity]), 0)
     weights = serving_weights(model)
     assert list(weights) == ["experts.gate_up", "experts.down"]
-    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    real = numerics_grouped.quantize_operand
-
-    def probe(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        q, s = real(x, *args)
-        seen.append((x, q, s))
-        return q, s
-
-    monkeypatch.setattr(numerics_grouped, "quantize_operand", probe)
+    seen = grouped_operands()
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(1))
     offs = torch.tensor([3, 6, 9], dtype=torch.int32)
     with torch.no_grad():

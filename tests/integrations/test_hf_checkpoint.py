@@ -20,6 +20,7 @@ import copy
 import json
 import math
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,6 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-import computectx.formats.numerics.grouped as numerics_grouped
 import computectx.integrations.hf_checkpoint.export as hf_export
 from computectx import ComputeCtx
 from computectx.formats import Recipe, ServingWeight, convert_to_quantized, serving_weights
@@ -184,7 +184,7 @@ def test_fine_grained_loads_in_transformers(
 
 
 def test_moe_experts_go_to_disk_per_expert(
-    qwen3_moe: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    qwen3_moe: Any, tmp_path: Path, grouped_operands: Callable[[], list[tuple[Any, Any, Any]]]
 ) -> None:
     weights = serving_weights(qwen3_moe)
     fused = weights["model.layers.1.mlp.experts.gate_up_proj"]
@@ -206,15 +206,7 @@ def test_moe_experts_go_to_disk_per_expert(
     ]
     check_weights(load(out, torch.bfloat16), weights, torch.bfloat16)
     # The codes are those the grouped forward quantizes each expert's weight to.
-    seen: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    real = numerics_grouped.quantize_operand
-
-    def probe(x: torch.Tensor, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        q, s = real(x, *args)
-        seen.append((x, q, s))
-        return q, s
-
-    monkeypatch.setattr(numerics_grouped, "quantize_operand", probe)
+    seen = grouped_operands()
     with torch.no_grad():
         qwen3_moe.eval()(IDS)
     experts = qwen3_moe.model.layers[1].mlp.experts
