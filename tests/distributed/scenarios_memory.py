@@ -214,7 +214,9 @@ def fsdp2_optimizer(params: dict[str, Any]) -> dict[str, Any]:
 
     Four steps with the global norm clipped, one of them (step 1) carrying an inf in a
     gradient row that only the last rank holds and no clip call, so step() itself must skip
-    on every rank; then a bitwise resume from the checkpoint after step 1.
+    on every rank; another (step 2) gets its inf on the last rank after the clip (that rank's
+    kept verdict is stale, the others' is not: all must still skip, with the same collectives);
+    then a bitwise resume from the checkpoint after step 1.
     """
     world = dist.get_world_size()
     x, y = _data()
@@ -254,7 +256,15 @@ def fsdp2_optimizer(params: dict[str, Any]) -> dict[str, Any]:
                 norms.append(float("nan"))
             else:
                 norms.append(opt.clip_grad_norm(0.5))
-                opt.step()
+                if s == 2 and dist.get_rank() == world - 1:
+                    # After the clip, on the last rank only: its kept verdict no longer
+                    # holds, so it looks again; every rank must still agree (and run the
+                    # same collectives): all of them skip step 2.
+                    with torch.no_grad():
+                        opt.master_params[0].grad[-1, 0] = float("inf")
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", RuntimeWarning)
+                    opt.step()
             opt.zero_grad()
         return losses, norms
 

@@ -88,13 +88,18 @@ class GradHealth:
         (``|g| < SQUARE_OVERFLOW``), decided by all ranks together.
 
         The kept verdict of ``clip`` when the gradients are unchanged since; otherwise one
-        summing pass over them (one host read), plus one all-reduce under a sharding so
-        that every rank takes the same decision.
+        summing pass over them (one host read). Under a sharding, one all-reduce of the
+        rank's verdict either way, so that every rank takes the same decision and runs the
+        same collectives: whether a rank's kept verdict still holds is its own (a gradient
+        written after the clip on one rank only), and a rank that looked again alone would
+        wait on the others.
         """
         verdict = self._verdict
         if verdict is not None and verdict.stamps == self._stamps():
-            return verdict.finite
-        finite = all_applicable([mp.grad for mp in self.weights.master if mp.grad is not None])
+            finite = verdict.finite
+        else:
+            masters = self.weights.master
+            finite = all_applicable([mp.grad for mp in masters if mp.grad is not None])
         sharding = self.weights.sharding
         if sharding is None:
             return finite
