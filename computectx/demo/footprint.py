@@ -42,14 +42,15 @@ class Footprint:
     """Bytes one policy's training holds on the training device, by role.
 
     ``params`` .. ``optimizer`` come from ``computectx.memory.memory_report`` after the last
-    optimizer step (gradients still present). ``saved`` is what autograd kept for backward
-    during one micro-batch: activations, plus any low-precision copies of the weights that
-    the GEMMs saved (parameters themselves are counted under ``params``, not again here);
+    optimizer step (gradients still present). ``saved`` is the most autograd held for
+    backward at once during the first step (``SavedActivations.peak``: one micro-batch's
+    forward, all of it): activations, plus any low-precision copies of the weights that the
+    GEMMs saved (parameters themselves are counted under ``params``, not again here);
     ``None`` when it was not measured (a compiled run: the hooks would be traced).
     ``peak`` is ``torch.cuda.max_memory_allocated`` over the run on CUDA, else ``None``.
-    ``saved_kinds`` splits ``saved`` by kind of activation (``SavedActivations``: ``linear``
-    .. ``moe`` as the ops tag them, ``other`` for the rest), every kind present, ``None``
-    when not measured.
+    ``saved_kinds`` splits ``saved`` by kind of activation (``SavedActivations.at_peak``:
+    ``linear`` .. ``moe`` as the ops tag them, ``other`` for the rest), every kind present,
+    ``None`` when not measured.
     """
 
     params: int
@@ -79,11 +80,12 @@ def state_footprint(
     saved: SavedActivations | None,
 ) -> Footprint:
     """A ``Footprint`` of the state on ``device`` now (after a step, before ``zero_grad``),
-    with what ``saved`` measured on ``device`` (``None``: not measured)."""
-    rep = memory_report(model, optimizer=optimizer, accumulator=accumulator, activations=saved)
+    with the peak ``saved`` measured on ``device`` (``None``: not measured)."""
+    rep = memory_report(model, optimizer=optimizer, accumulator=accumulator)
     kinds: dict[str, int] | None = None
     if saved is not None:
-        kinds = {k: rep.bytes(device=device, role="activations", kind=k) for k in SAVED_KINDS}
+        where = str(torch.empty(0, device=device).device)  # as saved tensors name it
+        kinds = {k: saved.at_peak[(where, k)] for k in SAVED_KINDS}
     return Footprint(
         params=rep.bytes(device=device, role="params"),
         grads=rep.bytes(device=device, role="grads"),

@@ -146,10 +146,10 @@ def table_notes(report: DemoReport) -> list[str]:
     if any("@" in r.flag for r in report.results):
         lines.append(
             "FLAG@ACTIVATIONS: FLAG's policy keeping the activations for the backward as "
-            "ComputeCtx.activations says (docs/activations.md). fp8: E4M3 codes with a float32 "
-            "scale per 1x128 group for the inputs of norms, softmax, RoPE and the activation "
-            "function, attention's softmax keeping only its output; linear inputs, the residual "
-            "stream and the MoE dispatch do not follow the policy yet and are saved as before."
+            "ComputeCtx.activations says (docs/activations.md: the kinds and the layers that "
+            "follow each). fp8: E4M3 codes with a float32 scale per group of elements (1x128 "
+            "unless group= says otherwise); recompute: the op's input kept, the op run again "
+            "in the backward; saved MiB by kind shows what each kind kept."
         )
     if s.compile:
         lines.append(
@@ -257,8 +257,9 @@ def memory_notes(report: DemoReport) -> list[str]:
         "saved MiB: not measured under --compile (the hooks that count what autograd keeps "
         "would be traced into the graph)."
         if report.settings.compile
-        else "saved MiB: what autograd kept for backward during one micro-batch: activations "
-        "and low-precision weight copies (torch.autograd.graph.saved_tensors_hooks)."
+        else "saved MiB: the most autograd held for backward at once during the first step "
+        "(one micro-batch's forward): activations and low-precision weight copies "
+        "(computectx.memory.SavedActivations.peak)."
     )
     lines = [
         f"state MiB: weights, gradients, optimizer state, accumulator buffers and master "

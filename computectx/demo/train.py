@@ -285,7 +285,7 @@ class _Loop:
     """This rank's rows of every batch."""
     recorder: LoadRecorder | None
     saved: SavedActivations
-    """Measures what the first micro-batch keeps for backward, by kind."""
+    """Measures what the first step keeps for backward at its peak, by kind."""
 
 
 @dataclasses.dataclass
@@ -404,13 +404,13 @@ def _forward_backward(
     device."""
     settings, device, model = loop.settings, loop.device, loop.model
     summed = torch.zeros((), device=device)
-    for micro in range(settings.grad_accum):
-        x, y = next(batches)
-        x, y = x[loop.share].to(device), y[loop.share].to(device)
-        # What one micro-batch keeps for backward, measured once (not when compiled:
-        # the hooks would be traced into the graph).
-        measure = step == 0 and micro == 0 and not settings.compile
-        with loop.saved if measure else contextlib.nullcontext():
+    # What the step keeps for backward at its peak, measured on the first step (not when
+    # compiled: the hooks would be traced into the graph).
+    measure = step == 0 and not settings.compile
+    with loop.saved if measure else contextlib.nullcontext():
+        for _ in range(settings.grad_accum):
+            x, y = next(batches)
+            x, y = x[loop.share].to(device), y[loop.share].to(device)
             loss = model.loss_of(loop.runner(x), y) / settings.grad_accum
             total = loss
             if settings.moe:
@@ -418,9 +418,9 @@ def _forward_backward(
                 # not the reported loss (a float32 zero under the other balances).
                 total = loss + model.aux_loss() / settings.grad_accum
             torch.autograd.backward(total)
-        summed += loss.detach()
-        if loop.recorder is not None:
-            loop.recorder.add()
+            summed += loss.detach()
+            if loop.recorder is not None:
+                loop.recorder.add()
     return summed
 
 

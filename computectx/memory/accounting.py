@@ -58,7 +58,8 @@ class MemoryReport:
 
     Rows of role ``activations`` (only when ``memory_report`` was given a ``SavedActivations``)
     are what autograd kept during the measured forward, by kind, device and dtype: they are
-    not held now, so no storage is shared with the other roles. ``peak`` is
+    not held now, so no storage is shared with the other roles; ``saved_peak`` is the most
+    of them held at once per device (``SavedActivations.peak``). ``peak`` is
     ``torch.cuda.max_memory_allocated`` of each CUDA device the report counts, since the last
     ``torch.cuda.reset_peak_memory_stats`` (reset it before the step to get the step's peak);
     a CPU has no such counter, so it never appears there.
@@ -68,6 +69,10 @@ class MemoryReport:
     parameters: int
     peak: dict[str, int] = dataclasses.field(default_factory=dict)
     """Peak bytes allocated per CUDA device (``torch.cuda.max_memory_allocated``)."""
+    saved_peak: dict[str, int] = dataclasses.field(default_factory=dict)
+    """The most bytes of saved activations held at once per device, from the
+    ``SavedActivations`` given (``SavedActivations.peak``; around a training step: the step's
+    peak); empty without one."""
 
     def bytes(
         self,
@@ -136,6 +141,7 @@ class MemoryReport:
             )
         lines.append(f"parameters: {self.parameters:,}")
         lines.extend(f"peak on {d}: {n:,}" for d, n in sorted(self.peak.items()))
+        lines.extend(f"saved peak on {d}: {n:,}" for d, n in sorted(self.saved_peak.items()))
         return "\n".join(lines)
 
 
@@ -185,8 +191,9 @@ def memory_report(
     ``optim_state``), staging buffers and the step's scratch buffer. Only real tensors are
     counted (module buffers are not parameters and are left out); a storage shared by
     several tensors counts once. ``activations`` (a ``SavedActivations`` that measured a
-    forward) adds rows of role ``activations``, one per device, kind and dtype, after the
-    state's. ``peak`` holds each counted CUDA device's ``torch.cuda.max_memory_allocated``.
+    forward or step) adds rows of role ``activations``, one per device, kind and dtype, after
+    the state's, and ``saved_peak``. ``peak`` holds each counted CUDA device's
+    ``torch.cuda.max_memory_allocated``.
     """
     params = _model_params(model, optimizer)
     tagged: list[tuple[Role, torch.Tensor]] = []
@@ -220,11 +227,16 @@ def memory_report(
             totals.items(), key=lambda kv: (kv[0][0], order[kv[0][1]], kv[0][2])
         )
     )
+    saved_peak: dict[str, int] = {}
     if activations is not None:
         rows += _activation_rows(activations)
+        saved_peak = dict(sorted(activations.peak.items()))
     unique = {id(p): p for p in params}
     return MemoryReport(
-        rows=rows, parameters=sum(p.numel() for p in unique.values()), peak=_cuda_peaks(rows)
+        rows=rows,
+        parameters=sum(p.numel() for p in unique.values()),
+        peak=_cuda_peaks(rows),
+        saved_peak=saved_peak,
     )
 
 

@@ -18,16 +18,17 @@ def proj_bytes() -> int:
     return 2 * WIDTH * 2 * WIDTH  # bf16: the matmul's weight needs no gradient, x's does
 
 
-def _step(spec: str) -> SavedActivations:
+def _step(spec: str, micro_batches: int = 1) -> SavedActivations:
     ctx = ComputeCtx.new(DType.BF16, "cpu").with_activations(spec)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(ROWS, WIDTH, generator=g).bfloat16().requires_grad_()
     w = torch.nn.Parameter(torch.ones(WIDTH))
     proj = torch.randn(WIDTH, 2 * WIDTH, generator=g).bfloat16()
     with SavedActivations(exclude=[w]) as saved:
-        h = rms_norm(ctx, x, w) @ proj  # the matmul keeps proj (untagged: "other")
-        out = swiglu(ctx, h[:, :WIDTH], h[:, WIDTH:])
-        torch.autograd.backward(out.float().sum())
+        for _ in range(micro_batches):
+            h = rms_norm(ctx, x, w) @ proj  # the matmul keeps proj (untagged: "other")
+            out = swiglu(ctx, h[:, :WIDTH], h[:, WIDTH:])
+            torch.autograd.backward(out.float().sum())
     return saved
 
 
@@ -91,3 +92,31 @@ def test_each_storage_counts_once_and_excluded_ones_not_at_all() -> None:
         torch.autograd.backward((a * b.repeat(4)).sum())  # saves `a` (excluded) and a copy
     assert saved.bytes() == 4000  # the repeated b, 1000 floats
     assert saved.storages == {("cpu", "other", "float32"): 1}
+
+
+def test_the_peak_is_the_most_held_at_once_and_a_step_releases_all_it_saved() -> None:
+    one, two = _step("keep"), _step("keep", micro_batches=2)
+    per_micro = 2 * 4 * N + 4 * ROWS + 3 * 2 * N  # precise + act_fn, as counted above
+    # Each backward releases what its forward saved (proj too, though it lives on): the
+    # next micro-batch's saves count again, but are never held beside the first's.
+    assert two.bytes() == 2 * one.bytes() == 2 * (per_micro + proj_bytes())
+    assert one.peak == two.peak == {"cpu": per_micro + proj_bytes()}
+    assert sum(two.at_peak.values()) == two.peak["cpu"]
+    assert two.at_peak[("cpu", "act_fn")] == 3 * 2 * N and two.at_peak[("cpu", "linear")] == 0
+    assert set(two.held.values()) == {0}  # each backward released what its forward saved
+    fp8 = _step("precise:fp8/act_fn:fp8", micro_batches=2)
+    assert fp8.peak["cpu"] == 3 * (N + 4 * N // 128) + proj_bytes()
+    r = memory_report(torch.nn.Linear(4, 4), activations=two)
+    assert r.saved_peak == two.peak and r.peak == {}
+    assert f"saved peak on cpu: {two.peak['cpu']:,}" in str(r)
+    assert memory_report(torch.nn.Linear(4, 4)).saved_peak == {}
+
+
+def test_a_graph_dropped_without_backward_releases_its_saves_at_once() -> None:
+    x = torch.randn(1000, requires_grad=True)
+    with SavedActivations() as saved:
+        y = torch.exp(x)  # saves its own output: no cycle through the hooks (no gc needed)
+        loss = (y * 2).sum()
+    assert saved.held == {("cpu", "other"): 4000} and saved.peak == {"cpu": 4000}
+    del y, loss
+    assert saved.held == {("cpu", "other"): 0} and saved.peak == {"cpu": 4000}
