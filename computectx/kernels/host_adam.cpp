@@ -339,17 +339,22 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
       for (int k = 0; k < (mo.is_signed ? 15 : 16); ++k) map16[k] = map[k];
       int64_t j = 0;
 #if defined(__AVX512F__)
-      // 16 codes at a time, looked up in a register (the compiler's gathers go to memory).
-      const __m512 table = _mm512_loadu_ps(map16);
+      // 16 codes at a time, looked up in a register (the compiler's gathers go to memory);
+      // blocked: times the block's scale there too.
+      const bool blockwise = mo.fmt == kInt4;
+      const float s = blockwise ? mo.absmax[lo / mo.block] : 1.0f;
+      const __m512 table = _mm512_loadu_ps(map16), sv = _mm512_set1_ps(s);
       const __m128i low4 = _mm_set1_epi8(15);
       for (; 2 * j + 16 <= len; j += 8) {
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + j));
         const __m128i lo_n = _mm_and_si128(bytes, low4);
         const __m128i hi_n = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
         const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo_n, hi_n));
-        _mm512_storeu_ps(out + 2 * j, _mm512_permutexvar_ps(idx, table));
+        const __m512 val = _mm512_permutexvar_ps(idx, table);
+        _mm512_storeu_ps(out + 2 * j, blockwise ? _mm512_mul_ps(val, sv) : val);
       }
 #endif
+      const int64_t scaled = 2 * j;  // elements already times their block's scale
       for (; j < len / 2; ++j) {
         out[2 * j] = map16[d[j] & 15];
         out[2 * j + 1] = map16[d[j] >> 4];
@@ -357,7 +362,7 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
       if (len & 1) out[len - 1] = map16[d[len / 2] & 15];
       if (mo.fmt == kInt4) {
         const float s = mo.absmax[lo / mo.block];
-        for (int64_t i = 0; i < len; ++i) out[i] = out[i] * s;
+        for (int64_t i = scaled; i < len; ++i) out[i] = out[i] * s;
       } else {
         rank1_scales(mo.absmax, mo.cols, numel / mo.rows, lo, len, scale);
         for (int64_t i = 0; i < len; ++i) out[i] = out[i] * scale[i];
@@ -447,13 +452,37 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
     }
     return;
   }
+  int64_t done = 0;  // elements whose int4 codes are written (packed) already
+#if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
+  if (mo.fmt != kInt8 && amax_bits <= 0x7F800000u) {
+    // int4 without NaN, 16 lanes at a time: the count of midpoints below n by a binary
+    // search in one register (the 14 or 15 midpoints, then +inf: never below n; sorted, so
+    // the midpoints below n are a prefix and four probes find its length), the codes packed
+    // two a byte (a 64-bit lane holds two codes: low | high << 4).
+    const __mmask16 first = static_cast<__mmask16>((1u << (mo.is_signed ? 14 : 15)) - 1u);
+    const __m512 mids = _mm512_mask_loadu_ps(_mm512_set1_ps(INFINITY), first, bounds);
+    uint8_t* __restrict q = d + lo / 2;  // lo is even
+    for (; done + 16 <= len; done += 16) {
+      const __m512 v = _mm512_loadu_ps(n + done);
+      __m512i c = _mm512_setzero_si512();
+      for (int step = 8; step >= 1; step >>= 1) {
+        const __m512i probe = _mm512_add_epi32(c, _mm512_set1_epi32(step - 1));
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, _mm512_permutexvar_ps(probe, mids), _CMP_GT_OQ);
+        c = _mm512_mask_add_epi32(c, gt, c, _mm512_set1_epi32(step));
+      }
+      const __m512i pair = _mm512_or_si512(c, _mm512_srli_epi64(c, 28));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + done / 2), _mm512_cvtepi64_epi8(pair));
+    }
+    if (done == len) return;
+  }
+#endif
   // The nearest entry: bucketize(n, mids), by the table of maps.py (its bucket's code, plus
   // one above the bucket's midpoint).
   if (mo.fmt != kInt8 && amax_bits <= 0x7F800000u) {
     // int4: bucketize as the count of the 14 or 15 midpoints below n (no NaN in the tile;
     // the table gives the same code, and a NaN's as bucketize does).
-    if (mo.is_signed) count_codes<14>(n, len, bounds, codes);
-    else count_codes<15>(n, len, bounds, codes);
+    if (mo.is_signed) count_codes<14>(n + done, len - done, bounds, codes + done);
+    else count_codes<15>(n + done, len - done, bounds, codes + done);
   } else {
     for (int64_t i = 0; i < len; ++i) {
       const int32_t code = table[bits_of(n[i]) >> 16];
@@ -469,7 +498,7 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
     return;
   }
   uint8_t* __restrict q = d + lo / 2;  // int4: lo is even; an odd tail's high nibble is 0
-  for (int64_t j = 0; j < len / 2; ++j) q[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
+  for (int64_t j = done / 2; j < len / 2; ++j) q[j] = static_cast<uint8_t>(codes[2 * j] | (codes[2 * j + 1] << 4));
   if (len & 1) q[len / 2] = codes[len - 1];
 }
 
@@ -830,6 +859,21 @@ inline float block_scale(const CcMoment& mo, int64_t lo) {
 
 template <int MF, int VF, int PM, bool GBF, bool L2, bool PASS1>
 void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
+  if (blocked(MF) || blocked(VF)) {
+    // The next tile's weight and gradient asked for now: the decode and encode phases
+    // between two tiles' loops leave the hardware prefetcher's streams idle (no result
+    // depends on a prefetch).
+    using PT0 = std::conditional_t<PM == kPF32, float, uint16_t>;
+    using GT0 = std::conditional_t<GBF, uint16_t, float>;
+    const int64_t next = lo + len, end = next + len < s.n ? next + len : s.n;
+    const char* pp = reinterpret_cast<const char*>(static_cast<const PT0*>(s.param) + next);
+    const char* pe = reinterpret_cast<const char*>(static_cast<const PT0*>(s.param) + end);
+    const char* gp = reinterpret_cast<const char*>(static_cast<const GT0*>(s.grad) + next);
+    for (int64_t o = 0; pp + o < pe; o += 64) {
+      __builtin_prefetch(pp + o, 1, 3);
+      __builtin_prefetch(gp + o * sizeof(GT0) / sizeof(PT0), 0, 3);
+    }
+  }
   if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.lut[0]);
   if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.lut[1]);
   if (PM == kPBf16Sr && !PASS1) {  // lo is a multiple of 4 (of the tile)
