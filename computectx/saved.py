@@ -7,7 +7,8 @@ are activations kept as ``mode`` says, as SwiGLU's gate and up):
 - ``keep``: ``f`` runs as any code does; autograd keeps what its ops save (today's behaviour).
 - ``recompute``: ``x`` is kept as it arrived; the backward runs ``f`` again on it.
 - ``fp8``: ``x`` is kept as E4M3 codes with one float32 scale per ``group`` consecutive
-  elements (1x128 along its last dimension: COAT's per-group, arXiv 2410.19313); the backward
+  elements of a row (1x128 along its last dimension: COAT's per-group, arXiv 2410.19313; never
+  across rows, so a token codes alike in any batch); the backward
   runs ``f`` again on the decoded ``x``, so the gradient is ``f``'s exact vjp at a point within
   half an E4M3 step (relative ``2**-4``) of ``x``, elementwise. Only float32, bfloat16 and
   float16 are coded (``CODED_DTYPES``): an ``x`` of any other dtype (float64, whose range a
@@ -62,11 +63,21 @@ _TINY: Final = torch.finfo(torch.float32).tiny
 _POS_NAN, _NEG_NAN = 0x7F, 0xFF  # E4M3's two NaN codes: an infinity of each sign
 
 
+def _row_group(shape: torch.Size, group: int) -> int:
+    """The elements one scale covers for a tensor of ``shape``: ``group`` along the last
+    dimension, or the whole row where the rows are shorter (RoPE's heads of 32, a router's
+    few experts). A group never spans two rows, so what a row decodes to depends on that row
+    alone: a batch split across ranks (DDP, FSDP2, expert parallelism), into micro-batches or
+    through an MoE's token permutation codes every token as the whole batch does."""
+    width = shape[-1] if len(shape) else 1
+    return max(1, min(group, width))
+
+
 def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` as E4M3 codes ``(groups, group)`` and float32 scales ``(groups,)``, one per
-    ``group`` consecutive elements in row-major order (the last group zero-padded): 1x``group``
-    along the last dimension when ``group`` divides it, as COAT's 1x128; across rows when the
-    rows are shorter (RoPE's heads of 32), so no row pads to a whole group.
+    """``x`` as E4M3 codes ``(groups, g)`` and float32 scales ``(groups,)``, one per ``g``
+    consecutive elements of a row (``g = _row_group(x.shape, group)``): 1x``group`` along the
+    last dimension, as COAT's 1x128, each row's last group zero-padded where ``group`` does
+    not divide the row; one group per row where the rows are shorter than ``group``.
 
     A group's scale is ``absmax / 448`` over its finite elements (the ``fp8`` optimizer
     state's rule), so its largest finite element codes to ±448 and none saturates; a group
@@ -74,10 +85,11 @@ def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     is raised to it: no division by zero or by a subnormal. Infinities (an attention mask's
     -inf) keep their sign: they are stored as E4M3's NaN codes with that sign bit (0x7F, 0xFF)
     and decode as ±inf; a NaN element decodes as an infinity too (non-finite either way)."""
-    flat = x.reshape(-1).to(torch.float32)
-    n_groups = -(-flat.numel() // group)
-    grouped = torch.nn.functional.pad(flat, (0, n_groups * group - flat.numel()))
-    grouped = grouped.reshape(n_groups, group)
+    g = _row_group(x.shape, group)
+    width = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(x.numel() // max(width, 1), width).to(torch.float32)
+    per_row = -(-width // g)
+    grouped = torch.nn.functional.pad(rows, (0, per_row * g - width)).reshape(-1, g)
     finite = torch.isfinite(grouped)
     values = torch.where(finite, grouped, torch.zeros_like(grouped))
     amax = values.abs().amax(dim=-1, keepdim=True)
@@ -95,11 +107,15 @@ def decode_groups(
     """The tensor ``encode_groups`` coded, as ``shape`` and ``dtype``: ``code * scale`` in
     float32 (exact: an E4M3 value times a float32 scale needs 4 + 24 bits), rounded once;
     a NaN code as the infinity of its sign."""
+    if shape.numel() == 0:
+        return torch.empty(shape, dtype=dtype, device=codes.device)
     values = codes.to(torch.float32) * scale.unsqueeze(-1)
     inf = torch.full_like(values, math.inf)
     signed = torch.where(codes.view(torch.uint8) > 127, -inf, inf)
     values = torch.where(values.isnan(), signed, values)
-    return values.reshape(-1)[: shape.numel()].to(dtype).reshape(shape)
+    width = shape[-1] if len(shape) else 1
+    rows = values.reshape(shape.numel() // width, -1)
+    return rows[:, :width].to(dtype).reshape(shape)
 
 
 def saved_call(

@@ -167,15 +167,31 @@ def test_codec_rounds_each_element_within_half_an_e4m3_step(
         x[0, data.draw(st.integers(0, width - 1))] *= 1000  # an outlier
     codes, scale = encode_groups(x, group)
     assert codes.dtype == torch.float8_e4m3fn and scale.dtype == torch.float32
-    assert scale.shape == (-(-x.numel() // group),) and codes.shape == (*scale.shape, group)
+    # Groups along each row, never across rows: the short ones are one group per row.
+    g = min(group, width)
+    per_row = -(-width // g)
+    assert scale.shape == (rows * per_row,) and codes.shape == (*scale.shape, g)
     back = decode_groups(codes, scale, x.shape, torch.float32)
     # Normal E4M3 codes (|c| >= 2**-6) round within 2**-4 relative; below, within half the
     # smallest subnormal step, 2**-10, of the group's scale.
-    steps = scale.repeat_interleave(group)[: x.numel()].reshape(x.shape)
+    steps = scale.reshape(rows, per_row).repeat_interleave(g, dim=1)[:, :width]
     bound = torch.maximum(x.abs() * 2.0**-4, steps * 2.0**-10)
     assert bool(((back - x).abs() <= bound).all())
     # Each group's largest element codes to +-448 exactly: nothing saturates.
     assert float(codes.float().abs().amax()) == E4M3_MAX
+
+
+def test_codec_codes_each_row_alone() -> None:
+    # A row decodes the same whatever rows share its tensor: a batch split over ranks or
+    # micro-batches, or an MoE's token permutation, codes each token as the whole batch does.
+    gen = torch.Generator().manual_seed(0)
+    for width in (4, 32, 128, 200):
+        x = torch.randn(6, width, generator=gen) * torch.logspace(-3, 3, 6).unsqueeze(1)
+        whole = decode_groups(*encode_groups(x, 128), x.shape, torch.float32)
+        for rows in ([0], [5, 1], [2, 3, 4]):
+            part = x[rows]
+            alone = decode_groups(*encode_groups(part, 128), part.shape, torch.float32)
+            assert torch.equal(alone, whole[rows]), (width, rows)
 
 
 @pytest.mark.parametrize("shape", [(), (0,), (3, 0), (0, 5), (2, 3, 130)])

@@ -142,13 +142,16 @@ def _reference(model: ByteLM, steps: int, lr: float) -> dict[str, Any]:
 def train(params: dict[str, Any]) -> dict[str, Any]:
     """``steps`` SGD steps of an MoE ByteLM under ``flag`` for each setup of ``setups``
     (``"ddp"``, ``"fsdp"``, ``"ep+ddp"``, ``"ep+fsdp"``; ``"-unused"`` appended: expert 0 is
-    never chosen), each rank its share of the batch, and the same model in one process on
-    the whole batch. Reports both; ``"ep+ddp"`` also round-trips a DCP checkpoint (``path``)."""
-    ctx = ComputeCtx.from_flag(params["flag"], "cpu")
+    never chosen; ``"@ACTS"`` appended: the ctx's activation policy in its text form), each
+    rank its share of the batch, and the same model in one process on the whole batch.
+    Reports both; ``"ep+ddp"`` also round-trips a DCP checkpoint (``path``)."""
+    flag_ctx = ComputeCtx.from_flag(params["flag"], "cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
     steps, lr = params["steps"], params.get("lr", 0.1)
     out: dict[str, Any] = {}
-    for setup in params["setups"]:
+    for named in params["setups"]:
+        setup, _, acts = named.partition("@")
+        ctx = flag_ctx.replace(activations=acts) if acts else flag_ctx
         torch.manual_seed(0)
         model = ByteLM(ctx, CONFIG)
         if setup.endswith("-unused"):  # no token ever chooses expert 0
@@ -195,9 +198,9 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
             if setup.startswith("ep+") and ".experts." in n:
                 want = want[rank * local : (rank + 1) * local]
             weights[n] = (full, want)
-        if setup == "ep+ddp":
+        if named == "ep+ddp":
             out["checkpoint"] = _checkpoint(par.state_dict(), params["path"], ctx, ref)
-        out[setup] = {
+        out[named] = {
             "losses": (torch.tensor(losses, dtype=torch.float64), ref["losses"]),
             "weights": weights,
             "bias": (torch.stack([m.router.bias.clone() for m in model.moe_layers()]), ref["bias"]),
