@@ -54,7 +54,7 @@ from computectx.formats.seam import (
     guard_whole_loads,
     held_experts,
 )
-from computectx.nn.gemm import Gemm, GemmPath
+from computectx.nn.gemm import Gemm, GemmPath, input_kept, keep_input
 from computectx.nn.params import param_dtype
 from computectx.saved import SAVING, saved_call
 
@@ -139,6 +139,7 @@ class GroupedExperts(nn.Module):
         self.down = nn.Parameter(torch.empty(n_experts, dim, hidden, device=ctx.device, dtype=dt))
         self.fp8 = None
         self.path = Gemm.for_ctx(ctx).path
+        self.save = ctx.activations.linear  # read once, as the path: what the GEMMs keep of x
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -217,12 +218,27 @@ class GroupedExperts(nn.Module):
     def _mm(
         self, x: torch.Tensor, w: torch.Tensor | ServingWeight, offs: torch.Tensor
     ) -> torch.Tensor:
+        # What the GEMM keeps for the backward counts as "linear", whatever the mode.
+        if self.save == "offload" and torch.is_grad_enabled():
+            raise NotImplementedError("activations kept as 'offload' are not built yet (linear)")
+        if torch.compiler.is_compiling():
+            return self._gemm(x, w, offs)
+        token = SAVING.set("linear")
+        try:
+            return self._gemm(x, w, offs)
+        finally:
+            SAVING.reset(token)
+
+    def _gemm(
+        self, x: torch.Tensor, w: torch.Tensor | ServingWeight, offs: torch.Tensor
+    ) -> torch.Tensor:
         if isinstance(w, ServingWeight):
             assert self.fp8 is not None  # held codes come with the recipe that made them
             return frozen_experts_mm(self.fp8, x, w, offs)
+        fp8_input = self.save == "fp8"  # x kept as per-tensor E4M3 (ctx.activations.linear)
         if self.fp8 is not None:
-            return self.fp8.mm(x, w, offs)
-        return _grouped_linear(x, w, offs, self.path)
+            return self.fp8.mm(x, w, offs, fp8_input)
+        return _grouped_linear(x, w, offs, self.path, fp8_input)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # Frozen codes and steps follow the module's device, never its dtype (as a frozen
@@ -292,19 +308,19 @@ def grouped_linear(
 
 
 def _grouped_linear(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, path: GemmPath
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, path: GemmPath, fp8_input: bool = False
 ) -> torch.Tensor:
     dtype = x.dtype
     work = torch.float32 if path is GemmPath.UPCAST and dtype != torch.float64 else dtype
     if _grouped_mm_runs(work, x.device):
         w = _experts_at(w, offs, dtype)
-        out: torch.Tensor = _GroupedMM.apply(x, w, offs, work)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _GroupedMM.apply(x, w, offs, work, fp8_input)  # type: ignore[no-untyped-call]
         return out
     w = w if w.dtype == dtype else w.to(dtype)
     if _grouped_mm_runs(dtype, x.device):
         # Inside torch.compile on the CPU: bf16's own grouped_mm (float32 accumulation, one
         # rounding, as UPCAST) rather than the dense twin.
-        out = _GroupedMM.apply(x, w, offs, dtype)  # type: ignore[no-untyped-call]
+        out = _GroupedMM.apply(x, w, offs, dtype, fp8_input)  # type: ignore[no-untyped-call]
         return out
     return _dense_twin(x, w, offs, work)
 
@@ -391,18 +407,26 @@ class _GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: FunctionCtx, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, work: torch.dtype
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        offs: torch.Tensor,
+        work: torch.dtype,
+        fp8_input: bool,
     ) -> torch.Tensor:
-        ctx.save_for_backward(x, w, offs)
-        ctx.work = work  # type: ignore[attr-defined]
+        # fp8_input (linear: fp8): x kept as per-tensor E4M3 codes, only for dW.
+        c: Any = ctx
+        kept = keep_input(x) if fp8_input and c.needs_input_grad[1] else (x,)
+        ctx.save_for_backward(*kept, w, offs)
+        c.work, c.like = work, (x.shape, x.dtype)
         with torch.autocast(x.device.type, enabled=False):
             y = _grouped(x.to(work), _experts_at(w, offs, work), offs)
         return _zero_tail(y, offs).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, w, offs = ctx.saved_tensors
-        work = ctx.work
+        *kept, w, offs = ctx.saved_tensors
+        x, work = input_kept(tuple(kept), *ctx.like), ctx.work
         needs = ctx.needs_input_grad
         gx = gw = None
         with torch.autocast(grad.device.type, enabled=False):
@@ -411,7 +435,7 @@ class _GroupedMM(torch.autograd.Function):
                 gx = _zero_tail(_grouped(g, w.to(work).transpose(-2, -1), offs), offs).to(x.dtype)
             if needs[1]:
                 gw = _grouped_wgrad(g, x.to(work), offs).to(w.dtype)
-        return gx, gw, None, None
+        return gx, gw, None, None, None
 
 
 def _dense_twin(

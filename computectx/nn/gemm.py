@@ -29,9 +29,11 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from computectx import capability
+from computectx.activations import SaveMode
 from computectx.ctx import ComputeCtx
+from computectx.saved import CODED_DTYPES, SAVING, decode_groups, encode_groups
 
-__all__ = ["Gemm", "GemmPath", "forced_gemm_path"]
+__all__ = ["Gemm", "GemmPath", "forced_gemm_path", "input_kept", "keep_input"]
 
 
 class GemmPath(enum.Enum):
@@ -83,6 +85,10 @@ class Gemm:
 
     path: GemmPath
     dtype: torch.dtype
+    save: SaveMode = "keep"
+    """How ``linear``'s backward keeps its input (``ctx.activations.linear``, read by
+    ``for_ctx``): ``keep`` as the GEMM saves it (at ``dtype``), ``fp8`` as per-tensor E4M3
+    codes and a float32 scale (``keep_input``; COAT's rule for linear inputs)."""
 
     @classmethod
     def for_ctx(cls, ctx: ComputeCtx) -> Gemm:
@@ -92,22 +98,44 @@ class Gemm:
         ``capability.native_half_gemm`` measures a native kernel, ``UPCAST`` on other CPUs;
         inside ``forced_gemm_path`` the forced path for bf16/f16.
         """
-        dtype = ctx.compute.torch
+        dtype, save = ctx.compute.torch, ctx.activations.linear
         if dtype not in _HALF:
-            return cls(GemmPath.WIDE, dtype)
+            return cls(GemmPath.WIDE, dtype, save)
         forced = _forced.get()
         if forced is not None:
-            return cls(forced, dtype)
+            return cls(forced, dtype, save)
         if ctx.device.type != "cpu" or capability.native_half_gemm(dtype).ok:
-            return cls(GemmPath.NATIVE, dtype)
-        return cls(GemmPath.UPCAST, dtype)
+            return cls(GemmPath.NATIVE, dtype, save)
+        return cls(GemmPath.UPCAST, dtype, save)
 
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """``x @ weight.T + bias`` at ``dtype`` (``F.linear`` semantics and shapes)."""
-        x, weight = _cast(x, self.dtype), _cast(weight, self.dtype)
-        bias = None if bias is None else _cast(bias, self.dtype)
+        """``x @ weight.T + bias`` at ``dtype`` (``F.linear`` semantics and shapes), what its
+        backward keeps tagged ``"linear"`` (``computectx.saved.SAVING``) and, under ``save``
+        ``fp8``, its input kept as per-tensor E4M3."""
+        if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
+            return self._linear(x, weight, bias)
+        token = SAVING.set("linear")
+        try:
+            return self._linear(x, weight, bias)
+        finally:
+            SAVING.reset(token)
+
+    def _linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        x, bias = _cast(x, self.dtype), None if bias is None else _cast(bias, self.dtype)
+        if self.save != "keep" and _builds_graph(x, weight, bias):
+            if self.save != "fp8":
+                raise NotImplementedError(
+                    f"activations kept as {self.save!r} are not built yet (linear)"
+                )
+            work = torch.float32 if self.path is GemmPath.UPCAST else self.dtype
+            args = (x, weight, bias, self.dtype, work)
+            kept: torch.Tensor = _Fp8InputLinear.apply(*args)  # type: ignore[no-untyped-call]
+            return kept
+        weight = _cast(weight, self.dtype)
         if self.path is GemmPath.UPCAST:
             out: torch.Tensor = _UpcastLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
             return out
@@ -136,6 +164,61 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _builds_graph(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def keep_input(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What a linear's backward keeps of its input ``x`` under ``linear: fp8``: E4M3 codes and
+    one float32 scale for the whole tensor (``computectx.saved.encode_groups`` with one
+    group: the finite absmax / 448), or ``(x,)`` itself for a dtype that codec does not code
+    (float64) and an empty ``x``. ``input_kept`` reads it back."""
+    if x.dtype not in CODED_DTYPES or x.numel() == 0:
+        return (x,)
+    return encode_groups(x, x.numel())
+
+
+def input_kept(
+    kept: tuple[torch.Tensor, ...], like: torch.Tensor | torch.Size, dtype: torch.dtype
+) -> torch.Tensor:
+    """The input ``keep_input`` kept, decoded to ``like``'s shape (a tensor's or a size)
+    and ``dtype``."""
+    if len(kept) == 1:
+        return kept[0]
+    shape = like.shape if isinstance(like, torch.Tensor) else like
+    return decode_groups(kept[0], kept[1], shape, dtype)
+
+
+def _linear_grads(
+    needs: tuple[bool, ...],
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    work: torch.dtype,
+) -> tuple[torch.Tensor | None, ...]:
+    # dX, dW and db of F.linear at ``work`` (float32 for UPCAST: one rounding each).
+    gx = gw = gb = None
+    with torch.autocast(grad.device.type, enabled=False):
+        g = grad.to(work)
+        if needs[0]:
+            gx = (g @ weight.to(work)).to(x.dtype)
+        if needs[1]:
+            rows = g.reshape(-1, g.shape[-1])
+            gw = (rows.mT @ x.to(work).reshape(-1, x.shape[-1])).to(weight.dtype)
+        if needs[2]:
+            gb = g.reshape(-1, g.shape[-1]).sum(0).to(x.dtype)
+    return gx, gw, gb
+
+
+def _wide_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, work: torch.dtype
+) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        wide_bias = None if bias is None else bias.to(work)
+        y = nn.functional.linear(x.to(work), weight.to(work), wide_bias)
+    return y.to(x.dtype)
+
+
 class _UpcastLinear(torch.autograd.Function):
     """``F.linear`` of half-precision tensors as float32 GEMMs rounded once (see the module)."""
 
@@ -146,26 +229,42 @@ class _UpcastLinear(torch.autograd.Function):
         # The half-precision operands, not their float32 copies, wait for backward: the
         # memory a half-precision policy is meant to save.
         ctx.save_for_backward(x, weight)
-        with torch.autocast(x.device.type, enabled=False):
-            wide_bias = None if bias is None else bias.float()
-            y = nn.functional.linear(x.float(), weight.float(), wide_bias)
-        return y.to(x.dtype)
+        return _wide_linear(x, weight, bias, torch.float32)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        gx = gw = gb = None
-        with torch.autocast(grad.device.type, enabled=False):
-            g = grad.float()
-            if needs[0]:
-                gx = (g @ weight.float()).to(x.dtype)
-            if needs[1]:
-                rows = g.reshape(-1, g.shape[-1])
-                gw = (rows.mT @ x.float().reshape(-1, x.shape[-1])).to(weight.dtype)
-            if needs[2]:
-                gb = g.reshape(-1, g.shape[-1]).sum(0).to(x.dtype)
-        return gx, gw, gb
+        return _linear_grads(ctx.needs_input_grad, grad, x, weight, torch.float32)
+
+
+class _Fp8InputLinear(torch.autograd.Function):
+    """``F.linear`` at ``work`` (``dtype``, or float32 for ``UPCAST``), its backward keeping the
+    input as ``keep_input`` codes it and the weight as it came (a parameter, not its copy at
+    ``dtype``: cast again in the backward) under ``linear: fp8``."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        work: torch.dtype,
+    ) -> torch.Tensor:
+        kept = keep_input(x)
+        ctx.save_for_backward(*kept, weight)
+        c: Any = ctx
+        c.like, c.dtype, c.work = (x.shape, x.dtype), dtype, work
+        return _wide_linear(x, _cast(weight, dtype), bias, work)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        *kept, weight = ctx.saved_tensors
+        x = input_kept(tuple(kept), *ctx.like)
+        gx, gw, gb = _linear_grads(
+            ctx.needs_input_grad, grad, x, _cast(weight, ctx.dtype), ctx.work
+        )
+        return gx, None if gw is None else _cast(gw, weight.dtype), gb, None, None
 
 
 class _UpcastMatmul(torch.autograd.Function):

@@ -375,6 +375,7 @@ def _route_linear(
         state=_WEIGHT_STATES.get(w, ctx.recipe),
         backend=default_backend(w.device) if frame.backend is None else frame.backend,
         gemm_dtype=gemm_dtype_for(ctx.compute),
+        save=ctx.activations.linear,
     )
     return fp8_linear(x, w, b, plan)
 

@@ -182,12 +182,13 @@ class _GranularLinearFunction(torch.autograd.Function):
         # block: the dgrad reads the weight's codes and scales (its 128x128 blocks transpose);
         # row and mx quantize the weight again along N from high precision (a frozen row or
         # mx weight: from its codes times their steps, in float32).
-        if g_w == "128x128" or weight is None:
-            ctx.save_for_backward(x, wq, sw)
-        else:
-            ctx.save_for_backward(x, weight)
         c: Any = ctx
-        c.plan = plan
+        kept = (x,) if plan.save != "fp8" else _kept_input(c.needs_input_grad[1], x, xq, sx, plan)
+        if g_w == "128x128" or weight is None:
+            ctx.save_for_backward(*kept, wq, sw)
+        else:
+            ctx.save_for_backward(*kept, weight)
+        c.plan, c.kept, c.x_dtype = plan, len(kept), x.dtype
         c.w_dtype = None if weight is None else weight.dtype
         c.b_dtype = None if bias is None else bias.dtype
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -199,7 +200,8 @@ class _GranularLinearFunction(torch.autograd.Function):
         policy = plan.policy
         fwd, bwd = plan.fwd, plan.bwd
         g_act, g_w = OPERAND_GRANULARITY[policy.granularity]
-        x, *w_saved = ctx.saved_tensors
+        saved = ctx.saved_tensors  # read once: checkpointing unpacks each tensor once
+        kept, w_saved = saved[: ctx.kept], saved[ctx.kept :]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = None
         record = plan.record
@@ -219,22 +221,43 @@ class _GranularLinearFunction(torch.autograd.Function):
             dx = block_scaled_mm(
                 gq, wtq, sg, g_act, swt, g_wt, None, plan.gemm_dtype, backend=plan.backend
             )
-            dx = dx.to(x.dtype)
+            dx = dx.to(ctx.x_dtype)
         if need_w:
             # dW[N, K] = dYᵀ[N, M] · X[M, K]: contraction over M, dY's and X's columns; kept
             # in float32 until it reaches the weight's dtype.
             if policy.gw_hp:
+                x = kept[0] if len(kept) == 1 else _dequantized(kept[0], kept[1], g_act)
                 dw32 = tensor_ops.wgrad_float32(dy, x)
             else:
                 gtq, sgt, gt_step, gt_sat = _quantize(dy.t(), bwd, g_act, plan, record)
                 if record:
                     record_statistics([(plan.state.grad, dy, gt_step, gt_sat)])
-                xtq, sxt, _, _ = _quantize(x.t(), fwd, g_act, plan)
+                if len(kept) == 1:
+                    xtq, sxt, _, _ = _quantize(kept[0].t(), fwd, g_act, plan)
+                else:  # linear: fp8 quantized Xᵀ in the forward, as this would
+                    xtq, sxt = kept
                 dw32 = block_scaled_mm(
                     gtq, xtq, sgt, g_act, sxt, g_act, None, torch.float32, backend=plan.backend
                 )
             dw = dw32.to(ctx.w_dtype)
         return linear_grads(dx, dw, dy, ctx.b_dtype if need_b else None)
+
+
+def _kept_input(
+    need_w: bool, x: torch.Tensor, xq: torch.Tensor, sx: torch.Tensor, plan: Fp8LinearPlan
+) -> tuple[torch.Tensor, ...]:
+    """What the backward keeps of ``x`` under ``linear: fp8``: only what the wgrad reads
+    (nothing when the weight needs no gradient: a frozen or untrained weight). ``Xᵀ``
+    quantized along M here, as the backward would quantize it from ``x``, so ``dW`` is the
+    same bit for bit; under ``gw_hp`` (float32 wgrad) the forward's row-wise codes of ``x``,
+    which the backward dequantizes (an E4M3/E5M2 rounding of ``x``: docs/activations.md)."""
+    if not need_w:
+        return ()
+    if plan.policy.gw_hp:
+        return xq, sx
+    g_act = OPERAND_GRANULARITY[plan.policy.granularity][0]
+    xtq, sxt, _, _ = _quantize(x.t(), plan.fwd, g_act, plan)
+    return xtq, sxt
 
 
 def blockwise_linear(

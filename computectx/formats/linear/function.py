@@ -24,6 +24,7 @@ from computectx.formats.linear.frozen import dequantized
 from computectx.formats.linear.plan import Fp8LinearPlan
 from computectx.formats.linear.recompute import CheckpointSite, checkpoint_site
 from computectx.formats.linear.tensorwise import tensorwise_linear
+from computectx.saved import SAVING
 
 __all__ = [
     "DTensorLinear",
@@ -79,6 +80,20 @@ def fp8_linear(
                 "computectx.distributed, which computes it on the local shards"
             )
         return dtensor_linears[0](x, weight, bias, plan)
+    if plan.save == "offload" and torch.is_grad_enabled():
+        raise NotImplementedError("activations kept as 'offload' are not built yet (linear)")
+    if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
+        return _linear_2d(x, weight, bias, plan)
+    token = SAVING.set("linear")  # what the linear keeps counts under its kind, whatever the mode
+    try:
+        return _linear_2d(x, weight, bias, plan)
+    finally:
+        SAVING.reset(token)
+
+
+def _linear_2d(
+    x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, plan: Fp8LinearPlan
+) -> torch.Tensor:
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     site = _checkpoint_site(plan.record)

@@ -275,13 +275,13 @@ class QuantizedLinear(nn.Linear):
     def _plan(
         self, record: bool, amax_reduce: AmaxReduce | None = None, lockstep: bool = False
     ) -> Fp8LinearPlan:
-        frozen = (self.weight_fp8, self.weight_step) if self._frozen else None
         return Fp8LinearPlan(
             policy=self._policy,
             state=self.scaling,
             backend=self.backend,
             gemm_dtype=gemm_dtype_for(self.ctx.compute),
-            frozen_weight=frozen,
+            save=self.ctx.activations.linear,
+            frozen_weight=(self.weight_fp8, self.weight_step) if self._frozen else None,
             quantize=self._quantize,
             amax_reduce=amax_reduce,
             record=record,

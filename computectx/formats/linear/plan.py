@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from computectx.activations import SaveMode
 from computectx.dtypes import DType, Fp8Format
 from computectx.formats.backend import Backend
 from computectx.formats.numerics.inline import QuantizeImpl
@@ -84,6 +85,11 @@ class Fp8LinearPlan:
     input_reduce: AmaxReduce | None = None
     weight_reduce: AmaxReduce | None = None
     grad_reduce: AmaxReduce | None = None
+
+    save: SaveMode = "keep"
+    """How the backward keeps the input (``ctx.activations.linear``, read when the plan is
+    made): ``keep`` as each family saves it, ``fp8`` the quantized operand the backward needs
+    (``linear.blockwise``; the per-tensor linear keeps its fp8 codes under either)."""
 
     lockstep: bool = False
     """The layer is kept in step with other ranks and this call records: an empty input

@@ -68,14 +68,14 @@ from computectx.formats.numerics.layouts import (
     OPERAND_GRANULARITY,
     Granularity,
     StepRule,
-    scale_grid,
     step_rule_of,
 )
 from computectx.formats.ops import grouped_wgrad
 from computectx.formats.ops.blockwise import quantize_blocks
-from computectx.formats.ops.grouped_wgrad import GemmHow
+from computectx.formats.ops.grouped_wgrad import GemmHow, quantize_experts
 from computectx.formats.policy import describe
 from computectx.recipes import Recipe
+from computectx.saved import decode_groups, encode_groups
 
 __all__ = [
     "GemmHow",
@@ -89,7 +89,6 @@ __all__ = [
     "held_grouped_mm",
     "held_grouped_mm_op",
     "outside_autocast",
-    "quantize_experts",
     "quantized_grouped_mm",
 ]
 
@@ -302,36 +301,6 @@ def _rule(rule: str) -> StepRule:
     return rule  # type: ignore[return-value]  # step_rule_of's
 
 
-def quantize_experts(
-    b: torch.Tensor,
-    fmt: Fp8Format,
-    gb: Granularity,
-    rule: StepRule,
-    margin: int,
-    backend: Backend,
-    experts: list[int] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``b [E, N, K]`` quantized per expert as the grouped forward quantizes it: the codes
-    ``[E, N, K]`` and the scales (``(E,)`` for ``tensor``, else ``(E, *grid)``; ``mx``'s
-    E8M0). ``experts``: only those (the groups with rows; default all)."""
-    # An expert left out is never read (its codes stay uninitialized and the kernel skips its
-    # group), so a memory-mapped expert no token chose is not paged in.
-    e, n, k = b.shape
-    qb = torch.empty((e, n, k), dtype=fmt.torch, device=b.device)
-    if gb == "tensor":
-        sb = torch.ones(e, dtype=torch.float32, device=b.device)
-    else:
-        grid = scale_grid(gb, n, k)
-        dtype = torch.float8_e8m0fnu if gb == "mx" else torch.float32
-        sb = torch.ones((e, *grid), dtype=torch.float32, device=b.device).to(dtype)
-    for g in range(e) if experts is None else experts:
-        if gb == "tensor":
-            qb[g], sb[g : g + 1] = grouped.quantize_operand(b[g], fmt, gb, rule, margin)
-        else:
-            qb[g], sb[g] = quantize_blocks(b[g], fmt, gb, rule, None, backend=backend)
-    return qb, sb
-
-
 # ---------------------------------------------------------------------------------------
 # The differentiable entry point.
 
@@ -390,11 +359,16 @@ class _GroupedMmFunction(torch.autograd.Function):
         offs: torch.Tensor,
         plan: GroupedPlan,
         backend: Backend,
+        fp8_input: bool = False,
     ) -> torch.Tensor:
         y = plan.gemm(x, w, offs, plan.fwd, x.dtype, backend.value)
-        ctx.save_for_backward(x, w, offs)
+        # linear: fp8 keeps x as per-tensor E4M3 codes and a scale, which the wgrad quantizes
+        # again per group as it would x (one more rounding; docs/activations.md).
         c: Any = ctx
-        c.plan, c.backend = plan, backend
+        coded = fp8_input and x.numel() > 0 and c.needs_input_grad[1]
+        kept = encode_groups(x, x.numel()) if coded else (x,)
+        ctx.save_for_backward(*kept, w, offs)
+        c.plan, c.backend, c.like = plan, backend, (x.shape, x.dtype)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
@@ -402,7 +376,8 @@ class _GroupedMmFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         p: GroupedPlan = ctx.plan
         backend: str = ctx.backend.value
-        x, w, offs = ctx.saved_tensors
+        *kept, w, offs = ctx.saved_tensors
+        x = kept[0] if len(kept) == 1 else decode_groups(kept[0], kept[1], *ctx.like)
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -413,7 +388,7 @@ class _GroupedMmFunction(torch.autograd.Function):
             dw = grouped_wgrad_op(
                 dy, x, offs, p.act, p.bwd, p.fwd, p.rule, p.margin, p.gw_hp, backend
             ).to(w.dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def outside_autocast(function: type[torch.autograd.Function], x: torch.Tensor, *args: Any) -> Any:
@@ -490,11 +465,14 @@ class QuantizedExperts:
         # The policy read once, here: each GEMM gets its plain values.
         object.__setattr__(self, "plan", GroupedPlan.of(self.policy))
 
-    def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        """``quantized_grouped_mm(x, w, offs, self.policy, backend=self.backend)``."""
+    def mm(
+        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8_input: bool = False
+    ) -> torch.Tensor:
+        """``quantized_grouped_mm(x, w, offs, self.policy, backend=self.backend)``;
+        ``fp8_input``: its backward keeps ``x`` as per-tensor E4M3 (``linear: fp8``)."""
         check_grouped(x, w, offs)
         check_backend(self.backend, x, w)
         out: torch.Tensor = outside_autocast(
-            _GroupedMmFunction, x, w, offs, self.plan, self.backend
+            _GroupedMmFunction, x, w, offs, self.plan, self.backend, fp8_input
         )
         return out

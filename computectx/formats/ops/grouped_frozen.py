@@ -49,8 +49,8 @@ from computectx.formats.ops.grouped import (
     check_grouped,
     held_grouped_mm_op,
     outside_autocast,
-    quantize_experts,
 )
+from computectx.formats.ops.grouped_wgrad import quantize_experts
 from computectx.formats.serving import ServingWeight, check_state_entries, recipe_layout
 
 __all__ = [

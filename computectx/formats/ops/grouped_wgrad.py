@@ -6,7 +6,8 @@ elsewhere they call these. ``kernel_held_mm``: ``held_grouped_mm``'s rows of ``a
 (the experts came quantized), then ``computectx.kernels.grouped_mm``. ``kernel_wgrad``
 (``computectx::fp8_grouped_wgrad``): ``dW[g] = dY[rows of g]ᵀ · X[rows of g]`` contracts over
 the group's own rows, so each operand's blocks start at its group's first row
-(``group_blocks``), then ``computectx.kernels.grouped_wgrad``.
+(``group_blocks``), then ``computectx.kernels.grouped_wgrad``. ``quantize_experts``: the
+experts quantized as the grouped forward quantizes them (also a frozen module's codes).
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from computectx.dtypes import Fp8Format
 from computectx.formats.backend import Backend
 from computectx.formats.numerics import grouped
-from computectx.formats.numerics.layouts import MX_BLOCK, Granularity, StepRule
+from computectx.formats.numerics.layouts import MX_BLOCK, Granularity, StepRule, scale_grid
 from computectx.formats.ops.blockwise import quantize_blocks
 
-__all__ = ["GemmHow", "group_blocks", "kernel_held_mm", "kernel_wgrad"]
+__all__ = ["GemmHow", "group_blocks", "kernel_held_mm", "kernel_wgrad", "quantize_experts"]
 
 GemmHow = tuple[Granularity, Granularity, Fp8Format, StepRule, int, torch.dtype, Backend]
 """The granularities, ``a``'s format, step rule, margin, output dtype, backend of a GEMM."""
@@ -126,3 +127,33 @@ def group_blocks(
         scale = torch.ones((rows, 1), dtype=torch.float32, device=t.device).to(dtype)
     start_t = torch.tensor(starts, dtype=torch.int32, device=t.device)
     return codes, scale, start_t
+
+
+def quantize_experts(
+    b: torch.Tensor,
+    fmt: Fp8Format,
+    gb: Granularity,
+    rule: StepRule,
+    margin: int,
+    backend: Backend,
+    experts: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``b [E, N, K]`` quantized per expert as the grouped forward quantizes it: the codes
+    ``[E, N, K]`` and the scales (``(E,)`` for ``tensor``, else ``(E, *grid)``; ``mx``'s
+    E8M0). ``experts``: only those (the groups with rows; default all)."""
+    # An expert left out is never read (its codes stay uninitialized and the kernel skips its
+    # group), so a memory-mapped expert no token chose is not paged in.
+    e, n, k = b.shape
+    qb = torch.empty((e, n, k), dtype=fmt.torch, device=b.device)
+    if gb == "tensor":
+        sb = torch.ones(e, dtype=torch.float32, device=b.device)
+    else:
+        grid = scale_grid(gb, n, k)
+        dtype = torch.float8_e8m0fnu if gb == "mx" else torch.float32
+        sb = torch.ones((e, *grid), dtype=torch.float32, device=b.device).to(dtype)
+    for g in range(e) if experts is None else experts:
+        if gb == "tensor":
+            qb[g], sb[g : g + 1] = grouped.quantize_operand(b[g], fmt, gb, rule, margin)
+        else:
+            qb[g], sb[g] = quantize_blocks(b[g], fmt, gb, rule, None, backend=backend)
+    return qb, sb
