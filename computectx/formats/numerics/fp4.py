@@ -55,6 +55,7 @@ from typing import Final, Literal
 
 import torch
 
+from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.numerics.e2m1 import (
     E2M1_MAX,
     WGRAD_SIGNS,
@@ -144,7 +145,7 @@ def _rows(x: torch.Tensor, block: int, who: str) -> torch.Tensor:
             f"{who} needs a last dimension (K) that is a multiple of {block}, got shape "
             f"{tuple(x.shape)}"
         )
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{who} takes bf16, f16 or f32 values, got {x.dtype}")
     return x.float().reshape(-1, x.shape[-1])
 
@@ -250,13 +251,6 @@ def quantize_wgrad_operand(
     return quantize_nvfp4(xt, tile="1x16", amax=amax, stochastic=stochastic)
 
 
-def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """float32 ``2**e`` for int32 ``e`` in ``[-149, 127]``, from its bits (exact)."""
-    normal = (e + 127).clamp(min=1) << 23
-    sub = torch.ones_like(e) << (e + 149).clamp(0, 22)
-    return torch.where(e >= -126, normal, sub).view(torch.float32)
-
-
 def mx_scale_bytes(block_amax: torch.Tensor, rounding: MxRounding) -> torch.Tensor:
     """The E8M0 byte (int32, 0..255) of each float32 block amax (module docstring)."""
     if rounding == "floor":
@@ -283,12 +277,11 @@ def mx_scale_bytes(block_amax: torch.Tensor, rounding: MxRounding) -> torch.Tens
 def _mx_encode(byte: torch.Tensor, rounding: MxRounding) -> torch.Tensor:
     """The float32 factor elements are multiplied by: ``2**(127 - byte)`` (exact), at most
     ``2**126`` for ``"floor"``, 1 for byte 0 under ``"rceil"``; NaN for byte 255."""
-    e = _E8M0_BIAS - byte
-    if rounding == "floor":
-        factor = _pow2(e.clamp(max=126))
-    else:
-        factor = torch.where(byte == 0, 1.0, _pow2(e.clamp(min=-149)))
-    return torch.where(byte == 255, torch.nan, factor)
+    # 2**(127 - byte) is the E8M0 value of byte 254 - byte (exact, 2**-127 included).
+    inverse = (254 - byte.clamp(1, 254)).to(torch.uint8).view(torch.float8_e8m0fnu).float()
+    if rounding == "rceil":
+        inverse = torch.where(byte == 0, 1.0, inverse)
+    return torch.where(byte == 255, torch.nan, inverse)
 
 
 def quantize_mxfp4(
