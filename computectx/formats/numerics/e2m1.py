@@ -34,10 +34,11 @@ dimension is multiplied by ``diag(signs) @ H16 / 4`` (``H16`` the Sylvester Hada
 ``H[i, j] = (-1)**popcount(i & j)``; orthogonal, so ``(a T) (b T)^T = a b^T`` when both GEMM
 operands are transformed along the contracted dimension), with the fixed sign vector
 ``WGRAD_SIGNS`` that TransformerEngine uses for its weight-gradient operands. The result is
-rounded to bf16, TE's RHT output dtype: each output ``±x_0 ± ... ± x_15`` over 4 is formed
-exactly (float64), rounded to float32 (the accumulator) and then to bf16. A kernel that
-accumulates in float32 agrees whenever its float32 sum is exact: for bf16 inputs, whenever
-the 16 inputs of a run span at most 16 binades.
+rounded to bf16, TE's RHT output dtype: each output ``(±x_0 ± ... ± x_15) / 4`` is summed in
+float64 (exact for bf16 inputs, and for float32 runs spanning fewer than about 25 binades),
+rounded to float32 (the accumulator's width) and then to bf16. A kernel that accumulates in
+float32, in any order, agrees whenever its float32 sums are exact: for bf16 inputs, whenever
+the 16 inputs of a run span at most 12 binades (8 significant bits, 4 of carries).
 """
 
 from __future__ import annotations
@@ -92,13 +93,14 @@ class Stochastic:
     seed: int
     """The Philox key, an integer in ``[0, 2**64)``."""
     offset: int = 0
-    """The counter of element 0, an integer in ``[0, 2**64)``."""
+    """The counter of element 0, an integer in ``[0, 2**62)`` (an operand's counters stay
+    below ``2**63``)."""
 
     def __post_init__(self) -> None:
-        for name in ("seed", "offset"):
+        for name, bits in (("seed", 64), ("offset", 62)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**64:
-                raise ValueError(f"{name} must be an integer in [0, 2**64), got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**bits:
+                raise ValueError(f"{name} must be an integer in [0, 2**{bits}), got {value!r}")
 
 
 def _magnitude_codes(a: torch.Tensor) -> torch.Tensor:
