@@ -147,7 +147,7 @@ def _rows(x: torch.Tensor, block: int, who: str) -> torch.Tensor:
         )
     if x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{who} takes bf16, f16 or f32 values, got {x.dtype}")
-    return x.float().reshape(-1, x.shape[-1])
+    return x.detach().float().reshape(-1, x.shape[-1])
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
