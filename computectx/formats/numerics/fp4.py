@@ -26,12 +26,13 @@ S_enc))``, one float32 product per element.
 **MXFP4** (``quantize_mxfp4``): one E8M0 scale ``2**(byte - 127)`` per 32 consecutive
 elements along K, no per-tensor scale; the byte from the block amax by
 
-- ``"floor"`` (OCP): ``floor(log2(amax)) - 2`` (the float32 exponent field, so 0 for a
-  subnormal amax), clamped to ``[-127, 127]``; elements are multiplied by ``2**(127 - byte)``,
-  at most ``2**126`` (torchao's floor at float32's smallest normal for byte 0);
+- ``"floor"`` (OCP): ``floor(log2(amax)) - 2`` (read from the float32 exponent field: -127
+  for a zero or subnormal amax), clamped to ``[-127, 127]``; elements are multiplied by
+  ``2**(127 - byte)``, at most ``2**126`` (torchao's floor at float32's smallest normal for
+  byte 0);
 - ``"rceil"`` (cuBLAS, TE): ``ceil(log2(amax / 6))``, exactly (``cvt.rp``'s rounding),
   clamped to ``[-127, 127]``; elements are multiplied by ``2**(127 - byte)``, and by 1 for
-  byte 0 (TE's ``exp2f_rcp``, which torchao mirrors).
+  byte 0 (as torchao does, citing TE's ``ptx.cuh``).
 
 A zero block gets byte 0. The bytes are torchao 0.18's ``MXTensor.to_mx(x,
 torch.float4_e2m1fn_x2, 32, scaling_mode)`` for finite and infinite inputs (torchao's eager
