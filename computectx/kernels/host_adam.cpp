@@ -6,6 +6,7 @@
 // add, addcdiv, each rounded once. Every element is computed from its own inputs and its
 // block's scale, each block by one thread, so the result does not depend on the thread
 // count. The nearest-code search is the table search of maps.py (bucketize, exactly).
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -947,8 +948,7 @@ int64_t tile_of(const CcStep& s) {
 
 // Pass 1 of a rank-1 moment: the new rows/cols maxima of |clamped new value| over [lo, hi).
 void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_t* rows,
-                  uint32_t* cols, const CcMoment& mo, bool is_m, const Lut* const* luts) {
-  Buffers b(tile, luts);
+                  uint32_t* cols, const CcMoment& mo, bool is_m, Buffers& b) {
   const int64_t ncols = s.n / mo.rows;
   const TileFn fused = is_m ? nullptr : pick(s, true);
   for (int64_t t = lo; t < hi; t += tile) {
@@ -975,8 +975,7 @@ void rank1_maxima(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, uint32_
   }
 }
 
-void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, const Lut* const* luts) {
-  Buffers b(tile, luts);
+void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, Buffers& b) {
   const TileFn fused = pick(s, false);
   for (int64_t t = lo; t < hi; t += tile) {
     const int64_t len = t + tile < hi ? tile : hi - t;
@@ -991,24 +990,35 @@ void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, const Lut* con
   }
 }
 
+constexpr int64_t kChunk = 4096;  // elements a thread claims at a time (whole tiles, at least one)
+
+// body(k, b, lo, hi) over [0, n) in chunks of whole tiles, on ``threads`` threads (k: the
+// thread's number, b: its buffers). The chunks are claimed in turn from a shared counter,
+// so a thread that the machine's other work holds back takes fewer of them (a fixed split
+// would wait for it). Every element's result is the same whichever thread computes it.
 template <typename F>
-void parallel(int64_t n, int64_t tile, int threads, F&& body) {
+void parallel(int64_t n, int64_t tile, int threads, const Lut* const* luts, F&& body) {
   const int64_t tiles = (n + tile - 1) / tile;
   if (threads > tiles) threads = static_cast<int>(tiles);
   if (threads <= 1) {
-    body(0, 0, n);
+    Buffers b(tile, luts);
+    body(0, b, 0, n);
     return;
   }
+  const int64_t per_chunk = kChunk > tile ? kChunk / tile : 1;
+  const int64_t chunks = (tiles + per_chunk - 1) / per_chunk;
+  std::atomic<int64_t> next{0};
+  auto work = [&, tile, n](int k) {
+    Buffers b(tile, luts);
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t lo = c * per_chunk * tile, end = lo + per_chunk * tile;
+      body(k, b, lo, end < n ? end : n);
+    }
+  };
   std::vector<std::thread> pool;
-  const int64_t per = tiles / threads, extra = tiles % threads;
-  int64_t start = 0;
-  for (int k = 0; k < threads; ++k) {
-    const int64_t count = per + (k < extra ? 1 : 0);
-    const int64_t lo = start * tile, hi = (start + count) * tile < n ? (start + count) * tile : n;
-    start += count;
-    if (k + 1 == threads) body(k, lo, hi);
-    else pool.emplace_back([&body, k, lo, hi] { body(k, lo, hi); });
-  }
+  for (int k = 1; k < threads; ++k) pool.emplace_back(work, k);
+  work(0);
   for (auto& th : pool) th.join();
 }
 
@@ -1037,8 +1047,8 @@ extern "C" int cc_host_adam_step(const CcStep* sp) {
     const int used = static_cast<int>(threads < tiles ? threads : tiles);
     std::vector<std::vector<uint32_t>> rows(used, std::vector<uint32_t>(nrows, 0));
     std::vector<std::vector<uint32_t>> cols(used, std::vector<uint32_t>(ncols, 0));
-    parallel(s.n, tile, threads, [&](int k, int64_t lo, int64_t hi) {
-      rank1_maxima(s, lo, hi, tile, rows[k].data(), cols[k].data(), *mo, is_m, luts);
+    parallel(s.n, tile, threads, luts, [&](int k, Buffers& b, int64_t lo, int64_t hi) {
+      rank1_maxima(s, lo, hi, tile, rows[k].data(), cols[k].data(), *mo, is_m, b);
     });
     for (int64_t r = 0; r < nrows; ++r) {
       uint32_t a = 0;
@@ -1051,6 +1061,7 @@ extern "C" int cc_host_adam_step(const CcStep* sp) {
       mo->new_cols[c] = float_of(a);
     }
   }
-  parallel(s.n, tile, threads, [&](int, int64_t lo, int64_t hi) { pass2(s, lo, hi, tile, luts); });
+  parallel(s.n, tile, threads, luts,
+           [&](int, Buffers& b, int64_t lo, int64_t hi) { pass2(s, lo, hi, tile, b); });
   return 0;
 }
