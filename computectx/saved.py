@@ -45,8 +45,16 @@ from torch.utils.checkpoint import _infer_device_type, get_device_states, set_de
 
 from computectx.activations import GROUPS, SAVE_MODES, ActivationKind, SaveMode
 from computectx.dtypes import FLOAT_DTYPES, Fp8Format
+from computectx.offload import offload, offload_streams
 
-__all__ = ["CODED_DTYPES", "E4M3_MAX", "SAVING", "decode_groups", "encode_groups", "saved_call"]
+__all__ = [
+    "CODED_DTYPES",
+    "E4M3_MAX",
+    "SAVING",
+    "decode_groups",
+    "encode_groups",
+    "saved_call",
+]
 
 SAVING: Final[ContextVar[ActivationKind | None]] = ContextVar("computectx_saving", default=None)
 """The kind of activation whose tensors autograd is saving now (``None``: no op said), set by
@@ -129,10 +137,9 @@ def saved_call(
     """``f(*tensors)``, its backward keeping the first ``inputs`` tensors (the activations) as
     ``mode`` says and the rest (the operands: weights, tables) as they are (module docstring).
 
-    ``kind`` tags what the call saves (``SAVING``), whatever the mode. ``offload`` is not built
-    yet (``NotImplementedError``); an unknown ``mode``, or under ``fp8`` a ``group`` not in
-    ``GROUPS`` (16, 32, 64, 128), is a ``ValueError``. Without a graph to build (grad
-    disabled, or nothing needing a gradient) ``f`` just runs."""
+    ``kind`` tags what the call saves (``SAVING``), whatever the mode. An unknown ``mode``, or
+    under ``fp8`` a ``group`` not in ``GROUPS`` (16, 32, 64, 128), is a ``ValueError``.
+    Without a graph to build (grad disabled, or nothing needing a gradient) ``f`` just runs."""
     if kind is None or torch.compiler.is_compiling():
         return _saved_call(f, tensors, mode, group, inputs)
     token = SAVING.set(kind)
@@ -160,15 +167,11 @@ def _saved_call(
         raise ValueError(
             f"saved_call: group={group!r} is not one of {accepted} (elements per fp8 group)"
         )
-    if mode not in ("fp8", "recompute"):
-        raise NotImplementedError(
-            f"activations kept as {mode!r} are not built yet; accepted here: keep, fp8, recompute"
-        )
     if not 1 <= inputs <= len(tensors):
         raise ValueError(f"saved_call: inputs={inputs} of {len(tensors)} tensors")
     if not torch.compiler.is_compiling():
         _check_closure(f)
-    y: torch.Tensor = _SavedCall.apply(f, mode == "fp8", group, inputs, *tensors)  # type: ignore[no-untyped-call]
+    y: torch.Tensor = _SavedCall.apply(f, mode, group, inputs, *tensors)  # type: ignore[no-untyped-call]
     return y
 
 
@@ -179,7 +182,7 @@ class _SavedCall(torch.autograd.Function):
     def forward(
         ctx: FunctionCtx,
         f: Callable[..., torch.Tensor],
-        fp8: bool,
+        mode: SaveMode,
         group: int,
         inputs: int,
         *tensors: torch.Tensor,
@@ -188,14 +191,17 @@ class _SavedCall(torch.autograd.Function):
         c.rng = None if torch.compiler.is_compiling() else _rng_state(tensors)
         y = f(*tensors)
         c.f, c.kind = f, None if torch.compiler.is_compiling() else SAVING.get()
-        # Under fp8 each coded input is kept as its codes and scales, in turn; any other
-        # (not fp8, or a dtype fp8 does not code) as it is.
-        c.coded = [fp8 and x.dtype in CODED_DTYPES for x in tensors[:inputs]]
+        # Under fp8 each coded input is kept as its codes and scales, in turn; under offload
+        # each moved one as a handle on its host copy (outside save_for_backward); any other
+        # (recompute, a dtype fp8 does not code, a CPU tensor) as it is.
+        c.coded = [mode == "fp8" and x.dtype in CODED_DTYPES for x in tensors[:inputs]]
         c.like = [(x.shape, x.dtype) for x in tensors[:inputs]]
+        streams = _offload_streams(tensors[0]) if mode == "offload" else None
+        c.moved = [None if streams is None else offload(x, streams) for x in tensors[:inputs]]
         kept = [
             part
-            for x, coded in zip(tensors[:inputs], c.coded, strict=True)
-            for part in (encode_groups(x, group) if coded else (x,))
+            for x, coded, moved in zip(tensors[:inputs], c.coded, c.moved, strict=True)
+            for part in (encode_groups(x, group) if coded else () if moved else (x,))
         ]
         ctx.save_for_backward(*kept, *tensors[inputs:])
         c.autocast = _autocast_state(tensors[0].device.type)
@@ -218,8 +224,12 @@ class _SavedCall(torch.autograd.Function):
     def first_order(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = iter(ctx.saved_tensors)
         xs = [
-            decode_groups(next(saved), next(saved), *like) if coded else next(saved)
-            for coded, like in zip(ctx.coded, ctx.like, strict=True)
+            moved.fetch()
+            if moved is not None
+            else decode_groups(next(saved), next(saved), *like)
+            if coded
+            else next(saved)
+            for coded, like, moved in zip(ctx.coded, ctx.like, ctx.moved, strict=True)
         ]
         operands = list(saved)
         needs = ctx.needs_input_grad[4:]
@@ -230,6 +240,11 @@ class _SavedCall(torch.autograd.Function):
                 with _rng_restored(ctx.rng):
                     grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
         return (None,) * 4 + tuple(g if n else None for g, n in zip(grads, needs, strict=True))
+
+
+def _offload_streams(x: torch.Tensor) -> Any:
+    # Compiled, offload keeps its inputs on the device, as recompute (module docstring).
+    return None if torch.compiler.is_compiling() else offload_streams(x.device)
 
 
 def _vjp(

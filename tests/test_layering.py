@@ -47,6 +47,7 @@ CORE_RANK: dict[str, int] = {
     "computectx.activations": 1,  # how the backward keeps activations (Activations)
     "computectx.residency": 1,
     "computectx.capability": 1,
+    "computectx.offload": 1,  # activations kept in host memory (Offloaded, Streams)
     "computectx.saved": 2,  # what an op keeps for its backward (saved_call)
     "computectx.ctx": 3,
     "computectx": 4,  # the package face re-exports the core

@@ -411,11 +411,21 @@ def test_an_unknown_mode_or_group_is_refused_naming_what_is_accepted() -> None:
             saved_call(torch.sin, x, mode="fp8", group=group)  # type: ignore[arg-type]
 
 
-def test_offload_is_not_built_yet_and_says_so() -> None:
+def test_offload_on_a_cpu_keeps_the_input_as_it_is_and_gives_keeps_gradients() -> None:
+    # A CPU tensor already lives in host memory: offload keeps it as recompute does
+    # (tests/test_offload.py: the device path through a stand-in for CUDA's streams).
     x0, w, _ = _inputs()
-    x = x0.clone().requires_grad_()
-    with pytest.raises(NotImplementedError, match="'offload' are not built yet"):
-        rms_norm(_ctx("precise:offload"), x, w)
-    with torch.no_grad():  # nothing kept: it just runs
-        rms_norm(_ctx("precise:offload"), x, w)
-    assert saved_call(torch.sin, x0, mode="offload").dtype == torch.bfloat16
+    kept = _saved_bytes(
+        lambda: rms_norm(_ctx("precise:offload"), x0.clone().requires_grad_(), w), [w]
+    )
+    assert kept == N * 2  # x in bf16
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_norm_grads("precise:offload"), _norm_grads("keep"), strict=True)
+    )
+    for spec in ("softmax", "swiglu"):
+        x = x0.clone().requires_grad_()
+        ctx = _ctx("precise:offload/act_fn:offload")
+        y = softmax(ctx, x) if spec == "softmax" else swiglu(ctx, x, x)
+        torch.autograd.backward(y, torch.ones_like(y))
+        assert x.grad is not None and bool(x.grad.isfinite().all())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 import weakref
@@ -10,7 +11,7 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import FLOAT_DTYPES
+from computectx.dtypes import FLOAT_DTYPES, dtype_of, promote
 from computectx.formats import Backend
 from computectx.formats.seam import decode_attention, static_kv_steps
 from computectx.kv_policy import KvFp8
@@ -20,6 +21,7 @@ from computectx.nn.kv_steps import held_steps, widen_steps
 from computectx.nn.params import apply_recipe, param_dtype
 from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
+from computectx.saved import SAVING, saved_call
 
 __all__ = ["Attention", "Float32MatmulPrecisionWarning", "KVCache"]
 
@@ -54,6 +56,25 @@ def _check_float32_matmul(device: torch.device) -> None:
         Float32MatmulPrecisionWarning,
         stacklevel=3,
     )
+
+
+def _attention_core(
+    gemm: Gemm,
+    head_dim: int,
+    work: torch.dtype,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+) -> torch.Tensor:
+    """``Attention._attend`` under ``keep``, op for op (the softmax lifted to ``work`` as
+    ``ctx.precise`` lifts it), for ``saved_call`` to run again in the backward: the
+    recomputed probabilities are the forward's bit for bit."""
+    scores = gemm.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    scores = scores.masked_fill(~visible, float("-inf"))
+    wide = scores if scores.dtype == work else scores.to(work)
+    probs = torch.softmax(wide, dim=-1)
+    return gemm.matmul(probs if probs.dtype == scores.dtype else probs.to(scores.dtype), v)
 
 
 class Attention(nn.Module):
@@ -270,7 +291,32 @@ class Attention(nn.Module):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        # At the compute dtype: GEMMs through Gemm, the softmax through ctx.precise.
+        # At the compute dtype: GEMMs through Gemm, the softmax through ctx.precise. Under
+        # ctx.activations' attention other than keep the backward keeps q, k and v only (as
+        # fp8 groups, on the host, or as they are) and computes the scores and probabilities
+        # again: neither the GEMMs' operands nor the T x T probabilities wait for it.
+        activations = self.ctx.activations
+        if activations.attention != "keep" and torch.is_grad_enabled():
+            work = promote(dtype_of(q), self.ctx.accum).torch
+            core = functools.partial(_attention_core, self.gemm, self.head_dim, work)
+            mode, group = activations.attention, activations.group
+            # v is a view of the fused projection's output: kept as it is, it would pin the
+            # whole of it (q and k before RoPE too); a compact copy is what keep's GEMM keeps.
+            v = v if mode == "fp8" else v.contiguous()
+            return saved_call(
+                core, q, k, v, visible, mode=mode, group=group, inputs=3, kind="attention"
+            )
+        if torch.compiler.is_compiling():
+            return self._attend_keeping(q, k, v, visible)
+        token = SAVING.set("attention")  # what the GEMMs keep (q, k, v, probabilities)
+        try:
+            return self._attend_keeping(q, k, v, visible)
+        finally:
+            SAVING.reset(token)
+
+    def _attend_keeping(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor
+    ) -> torch.Tensor:
         scores = self.gemm.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
         # -inf (not a large negative number) so masked keys get exactly zero weight in
         # every dtype; each query sees at least itself, so no row is all -inf.

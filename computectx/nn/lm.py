@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Annotated
 
 import torch
@@ -25,6 +26,7 @@ from computectx.nn.mlp import MLP
 from computectx.nn.moe import LoadBalance, MoE, RouterScore, update_biases
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import param_dtype
+from computectx.offload import OffloadBlocks
 
 __all__ = ["BYTE_VOCAB", "ByteLM", "DecoderBlock", "LMConfig", "decode_bytes", "encode_bytes"]
 
@@ -147,9 +149,9 @@ class DecoderBlock(nn.Module):
 
     def __init__(self, ctx: ComputeCtx, config: LMConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(ctx, config.d_model, config.norm_eps)
+        self.attn_norm = RMSNorm(ctx, config.d_model, config.norm_eps, "residual")
         self.attn = Attention(ctx, config.d_model, config.n_heads, config.max_len, config.rope_base)
-        self.mlp_norm = RMSNorm(ctx, config.d_model, config.norm_eps)
+        self.mlp_norm = RMSNorm(ctx, config.d_model, config.norm_eps, "residual")
         self.mlp: MLP | MoE
         if config.n_experts:
             self.mlp = MoE(
@@ -209,7 +211,7 @@ class ByteLM(nn.Module):
         dt = param_dtype(ctx)
         self.embed = nn.Embedding(BYTE_VOCAB, cfg.d_model, device=ctx.device, dtype=dt)
         self.blocks = nn.ModuleList(DecoderBlock(ctx, cfg) for _ in range(cfg.n_layers))
-        self.norm = RMSNorm(ctx, cfg.d_model, cfg.norm_eps)
+        self.norm = RMSNorm(ctx, cfg.d_model, cfg.norm_eps, "residual")
         self.head = nn.Linear(cfg.d_model, BYTE_VOCAB, bias=False, device=ctx.device, dtype=dt)
         self.gemm = Gemm.for_ctx(ctx)
         self._init_weights()
@@ -309,10 +311,28 @@ class ByteLM(nn.Module):
             )
         if caches is not None:
             self._check_caches("ByteLM.forward", caches, ids.shape[0], ids.shape[1])
+        if caches is None and torch.is_grad_enabled():
+            return self._train_forward(ids, blocks)
         with self.ctx.autocast():
             x = self.ctx.to_compute(self.embed(ids))
             for i, blk in enumerate(blocks):
                 x = blk(x, None if caches is None else caches[i])
+            return self.ctx.to_compute(self.gemm.project(self.head, self.norm(x)))
+
+    def _train_forward(self, ids: torch.Tensor, blocks: list[DecoderBlock]) -> torch.Tensor:
+        # forward with a graph to build: what ctx.activations says of the blocks. Under an
+        # offloaded kind each block's host copies come back a block ahead of its backward.
+        acts = self.ctx.activations
+        kinds = (acts.linear, acts.precise, acts.act_fn, acts.attention, acts.residual, acts.moe)
+        offloads = "offload" in kinds
+        blocks_kept = OffloadBlocks() if offloads and not torch.compiler.is_compiling() else None
+        with self.ctx.autocast(), blocks_kept.active() if blocks_kept else nullcontext():
+            x = self.ctx.to_compute(self.embed(ids))
+            for i, blk in enumerate(blocks):
+                if blocks_kept is not None and i == len(blocks) - 1:
+                    blocks_kept.last_block()
+                x = blk(x)
+                x = x if blocks_kept is None else blocks_kept.boundary(x)
             return self.ctx.to_compute(self.gemm.project(self.head, self.norm(x)))
 
     def decode_step(

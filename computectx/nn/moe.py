@@ -50,6 +50,7 @@ from computectx.formats.seam import guard_whole_loads
 from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, checked_real
 from computectx.nn.mlp import MLP
 from computectx.nn.params import apply_recipe, param_dtype
+from computectx.saved import SAVING, saved_call
 
 __all__ = [
     "ExpertDispatch",
@@ -201,6 +202,14 @@ def check_bias(bias: object, n_experts: int, what: str) -> None:
         )
 
 
+def _combine(y_sorted: torch.Tensor, weights: torch.Tensor, back: torch.Tensor) -> torch.Tensor:
+    # MoE's combine: each token's top_k expert outputs, back in token order, weighted and
+    # summed at the weights' dtype (compute ⊔ accum).
+    n, k = weights.shape
+    y = y_sorted[back].view(n, k, y_sorted.shape[-1])
+    return (y.to(weights.dtype) * weights.unsqueeze(-1)).sum(1)
+
+
 def _softmax_last(t: torch.Tensor) -> torch.Tensor:
     return torch.softmax(t, dim=-1)
 
@@ -320,10 +329,29 @@ class MoE(nn.Module):
             back = torch.empty_like(order).scatter_(
                 0, order, torch.arange(n * k, device=order.device)
             )
-            y = y_sorted[back].view(n, k, self.dim)
-            work = routing.weights.dtype
             # The combine at compute ⊔ accum: top_k products summed, then one rounding.
-            out = (y.to(work) * routing.weights.unsqueeze(-1)).sum(1)
+            activations, work = self.ctx.activations, routing.weights.dtype
+            if torch.compiler.is_compiling() and activations.moe == "keep":
+                out = _combine(y_sorted, routing.weights, back)
+            elif activations.moe == "keep" or not torch.is_grad_enabled():
+                token = SAVING.set("moe")  # what the combine keeps, for SavedActivations
+                try:
+                    out = _combine(y_sorted, routing.weights, back)
+                finally:
+                    SAVING.reset(token)
+            else:
+                # Its backward keeps the experts' outputs (sorted, at the compute dtype) as
+                # ctx.activations' moe says, not their float32 copy in token order; the
+                # routing weights and the order as they are.
+                out = saved_call(
+                    _combine,
+                    y_sorted,
+                    routing.weights,
+                    back,
+                    mode=activations.moe,
+                    group=activations.group,
+                    kind="moe",
+                )
             if self.shared is not None:
                 out = out + self.shared(flat).to(work)
             self._account(counts, routing.probs, n * k)

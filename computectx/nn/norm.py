@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from computectx.activations import ActivationKind
 from computectx.ctx import ComputeCtx
 from computectx.nn.params import param_dtype
 from computectx.nn.precise import rms_norm
@@ -17,10 +18,13 @@ class RMSNorm(nn.Module):
 
     The output has ``x``'s dtype; the statistics are taken at ``x.dtype ⊔ ctx.accum``.
     The gain is stored at ``compute ⊔ master`` (``param_dtype``) and applied inside the
-    lifted computation.
+    lifted computation. ``kind="residual"``: the norm reads the residual stream, and its
+    input is kept as ``ctx.activations.residual`` says when that is not ``keep``.
     """
 
-    def __init__(self, ctx: ComputeCtx, dim: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self, ctx: ComputeCtx, dim: int, eps: float = 1e-6, kind: ActivationKind = "precise"
+    ) -> None:
         super().__init__()
         if dim <= 0:
             raise ValueError(f"RMSNorm dim must be positive, got {dim!r}")
@@ -28,7 +32,9 @@ class RMSNorm(nn.Module):
             raise ValueError(f"RMSNorm eps must be positive, got {eps!r}")
         self.ctx = ctx
         self.eps = eps
+        self.kind: ActivationKind = kind
+        """``"residual"`` for a norm on the residual stream (``rms_norm``)."""
         self.weight = nn.Parameter(torch.ones(dim, device=ctx.device, dtype=param_dtype(ctx)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(self.ctx, x, self.weight, self.eps)
+        return rms_norm(self.ctx, x, self.weight, self.eps, self.kind)

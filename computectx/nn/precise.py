@@ -22,14 +22,25 @@ __all__ = ["apply_rope", "rms_norm", "rope_tables", "softmax"]
 
 
 def rms_norm(
-    ctx: ComputeCtx, x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    ctx: ComputeCtx,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = 1e-6,
+    kind: ActivationKind = "precise",
 ) -> torch.Tensor:
     """``x / rms(x) * weight`` over the last dimension, computed at ``x.dtype ⊔ ctx.accum``.
 
     In BF16 the mean of squares of a few hundred features carries ~3 significant digits and
     the reciprocal square root another rounding; at F32 the only BF16 rounding left is the
     final one, so the result is the correctly rounded norm to within an ulp.
+
+    The backward keeps what ``ctx.activations`` says for ``precise``. A norm on the residual
+    stream (``kind="residual"``: the LM's blocks' norms, whose input is the stream at a block
+    boundary) keeps its input as ``residual`` says when that is not ``keep`` (fp8 groups, or
+    in host memory, its internals computed again), else as ``precise`` says.
     """
+    if kind == "residual" and ctx.activations.residual == "keep":
+        kind = "precise"
 
     def f(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         inv = torch.rsqrt(t.pow(2).mean(dim=-1, keepdim=True) + eps)
@@ -37,7 +48,7 @@ def rms_norm(
 
     # The weight is an operand, not a closure: under ctx.activations' fp8 or recompute the
     # backward runs f again and differentiates it with respect to its arguments only.
-    return ctx.precise(x, f, weight)
+    return ctx.precise(x, f, weight, kind=kind)
 
 
 def softmax(
@@ -51,15 +62,15 @@ def softmax(
     under ``keep`` the float32 probabilities ``torch.softmax`` saves; under ``recompute`` and
     ``fp8`` only the returned probabilities at ``x.dtype``, the tensor the next GEMM keeps
     anyway (so nothing more), from which the backward forms ``y * (dy - sum(dy * y))`` at
-    the accumulation dtype (a softmax's gradient needs its output, never its input).
+    the accumulation dtype (a softmax's gradient needs its output, never its input); under
+    ``offload`` its input in host memory, the softmax computed again (``saved_call``).
     """
     if kind not in ACTIVATION_KINDS:  # as ctx.precise: a field name like "group" is no kind
         raise ValueError(f"unknown activation kind {kind!r}; accepted: {ACTIVATION_KINDS}")
     mode = getattr(ctx.activations, kind)
-    if mode == "keep" or not (torch.is_grad_enabled() and x.requires_grad):
+    if mode in ("keep", "offload") or not (torch.is_grad_enabled() and x.requires_grad):
+        # offload: saved_call keeps the input in host memory and computes the softmax again.
         return ctx.precise(x, lambda t: torch.softmax(t, dim=dim), kind=kind)
-    if mode == "offload":
-        raise NotImplementedError("activations kept as 'offload' are not built yet")
     work = promote(dtype_of(x), ctx.accum).torch
     if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
         return _softmax_keeping_output(x, dim, work)
