@@ -4,11 +4,18 @@ against ``keep`` under the same flag.
 
     python bench/bench_activations.py                # the demo's default shape, on the CPU
     python bench/bench_activations.py --layers 4 --d-model 256
+    python bench/bench_activations.py --loss --steps 800 --seeds 0,1,2
 
 Saved bytes are counted as the demo's ``saved MiB`` counts them (every storage autograd keeps
 during one micro-batch's forward and backward, each once, parameters excluded), split by kind
 with ``computectx.memory.SavedActivations``. Nothing is timed and nothing asserted;
 docs/activations.md shows a run.
+
+``--loss`` trains the demo instead (its default settings, ``--steps`` steps, each seed of
+``--seeds``) under ``--flag`` with each ``--setting`` (``computectx demo --dtype FLAG@SETTING``
+trains the same) and prints each run's validation loss, then per setting the mean and the
+spread of its difference from ``keep`` on the same seed, in percent: the loss bound of
+docs/memory.md. Slow: one demo training per seed and setting (docs/benchmarks.md has figures).
 """
 
 from __future__ import annotations
@@ -35,6 +42,13 @@ SETTINGS = (
 
 
 KINDS: tuple[SavedKind, ...] = ("precise", "act_fn", "attention", "other")
+LOSS_SETTINGS = (
+    "keep",
+    "precise:recompute/act_fn:fp8/attention:fp8",
+    "precise:fp8/act_fn:fp8/attention:fp8/group=32",
+    "precise:fp8/act_fn:fp8/attention:fp8",
+)
+"""``--loss``'s settings by default: ``keep`` (the reference) first."""
 
 
 def kept(ctx: ComputeCtx, settings: DemoSettings) -> tuple[SavedActivations, torch.Tensor]:
@@ -56,11 +70,57 @@ def sqnr(approx: torch.Tensor, exact: torch.Tensor) -> float:
     return math.inf if err == 0 else 10 * math.log10(float(exact.pow(2).sum()) / err)
 
 
+def loss_table(flag: str, steps: int, seeds: list[int], settings: list[str]) -> None:
+    """Train the demo under ``flag@setting`` for each seed and setting; print the validation
+    losses and, per setting, its difference from ``keep``'s on the same seed (percent)."""
+    from rich.progress import Progress
+
+    from computectx.demo.corpus import load_corpus, val_batches
+    from computectx.demo.train import train_policy
+
+    if settings[0] != "keep":
+        settings = ["keep", *settings]
+    losses: dict[str, list[float]] = {s: [] for s in settings}
+    torch.set_num_threads(DemoSettings().threads)  # as computectx demo trains
+    for seed in seeds:
+        demo = DemoSettings(steps=steps, seed=seed, sample_tokens=0)
+        corpus = load_corpus(demo.data, min_bytes=demo.seq_len + 1)
+        val = val_batches(corpus, demo.batch_size, demo.seq_len, demo.eval_batches)
+        for setting in settings:
+            with Progress(disable=True) as progress:
+                r = train_policy(
+                    f"{flag}@{setting}", demo, torch.device("cpu"), corpus, val, progress
+                )
+            losses[setting].append(r.val_loss)
+            print(f"seed {seed} {flag}@{setting}: val loss {r.val_loss:.4f}", flush=True)
+    print(f"\n{flag}, {steps} steps, seeds {seeds}: val loss, and against keep on the same seed")
+    head = " ".join(f"{h:>7s}" for h in ("mean", "min", "max"))
+    print(f"{'activations':48s} {head} {'vs keep: mean':>14s} {'min':>7s} {'max':>7s}")
+    for setting, vals in losses.items():
+        rel = [100 * (v / k - 1) for v, k in zip(vals, losses["keep"], strict=True)]
+        mean, rmean = sum(vals) / len(vals), sum(rel) / len(rel)
+        print(
+            f"{setting:48s} {mean:7.4f} {min(vals):7.4f} {max(vals):7.4f} "
+            f"{rmean:+13.2f}% {min(rel):+6.2f}% {max(rel):+6.2f}%"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=DemoSettings().layers)
     parser.add_argument("--d-model", type=int, default=DemoSettings().d_model)
+    parser.add_argument("--loss", action="store_true", help="train the demo: loss per setting")
+    parser.add_argument("--flag", default="bf16", help="--loss: the demo's --dtype flag")
+    parser.add_argument("--steps", type=int, default=DemoSettings().steps, help="--loss: steps")
+    parser.add_argument("--seeds", default="0,1,2", help="--loss: seeds, comma-separated")
+    parser.add_argument(
+        "--setting", action="append", help="--loss: an activations setting (repeat the flag)"
+    )
     args = parser.parse_args()
+    if args.loss:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        loss_table(args.flag, args.steps, seeds, args.setting or list(LOSS_SETTINGS))
+        return
     settings = DemoSettings(layers=args.layers, d_model=args.d_model)
     kinds = " ".join(f"{k:>9s}" for k in KINDS)
     print(
