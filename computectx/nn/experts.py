@@ -235,7 +235,7 @@ class GroupedExperts(nn.Module):
         if isinstance(w, ServingWeight):
             assert self.fp8 is not None  # held codes come with the recipe that made them
             return frozen_experts_mm(self.fp8, x, w, offs)
-        fp8_input = self.save == "fp8"  # x kept as per-tensor E4M3 (ctx.activations.linear)
+        fp8_input = self.save == "fp8"  # x kept as E4M3 rows (ctx.activations.linear)
         if self.fp8 is not None:
             return self.fp8.mm(x, w, offs, fp8_input)
         return _grouped_linear(x, w, offs, self.path, fp8_input)
@@ -414,7 +414,7 @@ class _GroupedMM(torch.autograd.Function):
         work: torch.dtype,
         fp8_input: bool,
     ) -> torch.Tensor:
-        # fp8_input (linear: fp8): x kept as per-tensor E4M3 codes, only for dW.
+        # fp8_input (linear: fp8): x kept as E4M3 codes with a scale per row, only for dW.
         c: Any = ctx
         kept = keep_input(x) if fp8_input and c.needs_input_grad[1] else (x,)
         ctx.save_for_backward(*kept, w, offs)

@@ -87,8 +87,8 @@ class Gemm:
     dtype: torch.dtype
     save: SaveMode = "keep"
     """How ``linear``'s backward keeps its input (``ctx.activations.linear``, read by
-    ``for_ctx``): ``keep`` as the GEMM saves it (at ``dtype``), ``fp8`` as per-tensor E4M3
-    codes and a float32 scale (``keep_input``; COAT's rule for linear inputs)."""
+    ``for_ctx``): ``keep`` as the GEMM saves it (at ``dtype``), ``fp8`` as E4M3 codes and
+    a float32 scale per row (``keep_input``)."""
 
     @classmethod
     def for_ctx(cls, ctx: ComputeCtx) -> Gemm:
@@ -113,7 +113,7 @@ class Gemm:
     ) -> torch.Tensor:
         """``x @ weight.T + bias`` at ``dtype`` (``F.linear`` semantics and shapes), what its
         backward keeps tagged ``"linear"`` (``computectx.saved.SAVING``) and, under ``save``
-        ``fp8``, its input kept as per-tensor E4M3."""
+        ``fp8``, its input kept as E4M3 codes with a scale per row (``keep_input``)."""
         if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
             return self._linear(x, weight, bias)
         token = SAVING.set("linear")
@@ -170,23 +170,22 @@ def _builds_graph(*tensors: torch.Tensor | None) -> bool:
 
 def keep_input(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """What a linear's backward keeps of its input ``x`` under ``linear: fp8``: E4M3 codes and
-    one float32 scale for the whole tensor (``computectx.saved.encode_groups`` with one
-    group: the finite absmax / 448), or ``(x,)`` itself for a dtype that codec does not code
-    (float64) and an empty ``x``. ``input_kept`` reads it back."""
+    one float32 scale per row (per token: the row's finite absmax / 448;
+    ``computectx.saved.encode_groups`` with a group as wide as the row), or ``(x,)`` itself
+    for a dtype that codec does not code (float64) and an empty ``x``. Per row rather than
+    per tensor: a token's codes depend on that token alone, so a batch split across ranks or
+    micro-batches keeps what the whole batch keeps (4 bytes a row). ``input_kept`` reads it
+    back."""
     if x.dtype not in CODED_DTYPES or x.numel() == 0:
         return (x,)
-    return encode_groups(x, x.numel())
+    return encode_groups(x, x.shape[-1])
 
 
 def input_kept(
-    kept: tuple[torch.Tensor, ...], like: torch.Tensor | torch.Size, dtype: torch.dtype
+    kept: tuple[torch.Tensor, ...], shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The input ``keep_input`` kept, decoded to ``like``'s shape (a tensor's or a size)
-    and ``dtype``."""
-    if len(kept) == 1:
-        return kept[0]
-    shape = like.shape if isinstance(like, torch.Tensor) else like
-    return decode_groups(kept[0], kept[1], shape, dtype)
+    """The input ``keep_input`` kept, decoded to ``shape`` and ``dtype``."""
+    return kept[0] if len(kept) == 1 else decode_groups(kept[0], kept[1], shape, dtype)
 
 
 def _linear_grads(

@@ -178,11 +178,15 @@ def test_float32_policy_gemms_are_exactly_torch_ops() -> None:
     assert torch.equal(g.matmul(x, w.T), x @ w.T)
 
 
-@pytest.mark.parametrize("path", [GemmPath.UPCAST, GemmPath.NATIVE])
-def test_bytelm_compiles_whole_and_matches_eager(path: GemmPath) -> None:
+@pytest.mark.parametrize(
+    ("path", "activations"),
+    [(GemmPath.UPCAST, "keep"), (GemmPath.NATIVE, "keep"), (GemmPath.UPCAST, "linear:fp8")],
+)
+def test_bytelm_compiles_whole_and_matches_eager(path: GemmPath, activations: str) -> None:
+    # linear:fp8: the linears keep their inputs as per-tensor E4M3 (Gemm.save), compiled too.
     torch.manual_seed(0)
     with forced_gemm_path(path):
-        model = ByteLM(BF16, TINY)
+        model = ByteLM(BF16.with_activations(activations), TINY)
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
 
     def loss_of(i: torch.Tensor) -> torch.Tensor:

@@ -362,11 +362,11 @@ class _GroupedMmFunction(torch.autograd.Function):
         fp8_input: bool = False,
     ) -> torch.Tensor:
         y = plan.gemm(x, w, offs, plan.fwd, x.dtype, backend.value)
-        # linear: fp8 keeps x as per-tensor E4M3 codes and a scale, which the wgrad quantizes
-        # again per group as it would x (one more rounding; docs/activations.md).
+        # linear: fp8 keeps x as E4M3 codes with a float32 scale per row (nn.gemm.keep_input),
+        # which the wgrad quantizes again per group as it would x (docs/activations.md).
         c: Any = ctx
         coded = fp8_input and x.numel() > 0 and c.needs_input_grad[1]
-        kept = encode_groups(x, x.numel()) if coded else (x,)
+        kept = encode_groups(x, x.shape[1]) if coded else (x,)  # a scale per row
         ctx.save_for_backward(*kept, w, offs)
         c.plan, c.backend, c.like = plan, backend, (x.shape, x.dtype)
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -469,7 +469,7 @@ class QuantizedExperts:
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8_input: bool = False
     ) -> torch.Tensor:
         """``quantized_grouped_mm(x, w, offs, self.policy, backend=self.backend)``;
-        ``fp8_input``: its backward keeps ``x`` as per-tensor E4M3 (``linear: fp8``)."""
+        ``fp8_input``: its backward keeps ``x`` as E4M3 rows (``linear: fp8``)."""
         check_grouped(x, w, offs)
         check_backend(self.backend, x, w)
         out: torch.Tensor = outside_autocast(
