@@ -35,10 +35,12 @@ class SavedActivations:
     graph's release) drops the last tensor saved from it; saved again after that, it counts
     again. So around a whole training step (every micro-batch's forward and backward),
     ``counts`` is everything the step saved and ``peak`` the most it held at once: one
-    micro-batch's worth under gradient accumulation, all of it with one micro-batch. The
-    backward's recomputations (``saved_call``, ``torch.utils.checkpoint``) run under their own
-    hooks and are hidden from it. Eager only: a compiled graph's saves carry no kind. Tensors
-    pass through unchanged."""
+    micro-batch's worth under gradient accumulation, all of it with one micro-batch. What the
+    backward computes again is hidden from it where it runs under its own hooks
+    (``saved_call``'s run of its op, ``torch.utils.checkpoint``'s non-reentrant regions, whose
+    inputs count as saved); a reentrant checkpoint's forward, run again in the backward, saves
+    under these hooks: it counts, and ``peak`` is then the figure to read. Eager only: a
+    compiled graph's saves carry no kind. Tensors pass through unchanged."""
 
     exclude: dataclasses.InitVar[Iterable[torch.Tensor]] = ()
     counts: Counter[tuple[str, SavedKind]] = dataclasses.field(default_factory=Counter)
