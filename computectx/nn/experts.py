@@ -313,7 +313,7 @@ def _grouped_linear(
     dtype = x.dtype
     work = torch.float32 if path is GemmPath.UPCAST and dtype != torch.float64 else dtype
     if _grouped_mm_runs(work, x.device):
-        w = _experts_at(w, offs, dtype)
+        w = w if fp8_input else _experts_at(w, offs, dtype)  # fp8: the parameter kept
         out: torch.Tensor = _GroupedMM.apply(x, w, offs, work, fp8_input)  # type: ignore[no-untyped-call]
         return out
     w = w if w.dtype == dtype else w.to(dtype)
@@ -420,7 +420,7 @@ class _GroupedMM(torch.autograd.Function):
         ctx.save_for_backward(*kept, w, offs)
         c.work, c.like = work, (x.shape, x.dtype)
         with torch.autocast(x.device.type, enabled=False):
-            y = _grouped(x.to(work), _experts_at(w, offs, work), offs)
+            y = _grouped(x.to(work), _experts_at(_experts_at(w, offs, x.dtype), offs, work), offs)
         return _zero_tail(y, offs).to(x.dtype)
 
     @staticmethod
@@ -432,9 +432,10 @@ class _GroupedMM(torch.autograd.Function):
         with torch.autocast(grad.device.type, enabled=False):
             g = grad.to(work)
             if needs[0]:
-                gx = _zero_tail(_grouped(g, w.to(work).transpose(-2, -1), offs), offs).to(x.dtype)
+                wt = w.to(x.dtype).to(work).transpose(-2, -1)  # w at x's dtype, then widened
+                gx = _zero_tail(_grouped(g, wt, offs), offs).to(x.dtype)
             if needs[1]:
-                gw = _grouped_wgrad(g, x.to(work), offs).to(w.dtype)
+                gw = _grouped_wgrad(g, x.to(work), offs).to(x.dtype).to(w.dtype)
         return gx, gw, None, None, None
 
 
