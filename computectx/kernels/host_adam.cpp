@@ -177,6 +177,9 @@ inline void copy(float* __restrict dst, const float* __restrict src, int64_t len
 struct Lut {
   alignas(64) float f[256];
   alignas(64) uint8_t plane[4][256];
+  // int8: each code's upper bound (bounds[c]; NaN past the codes) as byte planes, for the
+  // check that a code is still the nearest (search).
+  alignas(64) uint8_t upper[4][256];
   const uint32_t* nearest = nullptr;  // int8: nearest_table's (below), else nullptr
 };
 
@@ -228,6 +231,7 @@ struct Buffers {
   std::vector<uint64_t> draws;
   std::vector<uint32_t> words;
   const Lut* lut[2];  // the moments' decode tables (int8, fp8), else nullptr
+  int skip[2] = {0, 0};  // int8: tiles to go before the moment's old-code check (search)
   Buffers(int64_t tile, const Lut* const* luts)
       : p(tile),
         g(tile),
@@ -273,41 +277,61 @@ void make_lut(const CcMoment& mo, Lut& lut) {
     lut.f[c] = x;
     const uint32_t u = bits_of(x);
     for (int k = 0; k < 4; ++k) lut.plane[k][c] = static_cast<uint8_t>(u >> (8 * k));
+    const uint32_t up = mo.fmt == kInt8 && c < entries ? bits_of(mo.bounds[c]) : 0x7FC00000u;
+    for (int k = 0; k < 4; ++k) lut.upper[k][c] = static_cast<uint8_t>(up >> (8 * k));
   }
 }
+
+#if defined(__AVX512VBMI__) && !defined(CC_HOST_ADAM_PORTABLE)
+// The order in which 64 codes are permuted before a byte-plane lookup (lookup64): the
+// interleave of the planes (within 128-bit lanes) then comes out in order: position
+// 16L + 4q + j takes code 16q + 4L + j.
+alignas(64) const uint8_t kOrder[64] = {
+    0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,  //
+    4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,  //
+    8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
+    12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+
+// A 256-entry table of 32-bit values held as four byte planes in registers (tab[k][h]: byte
+// k of entries 64h .. 64h + 63).
+inline void load_planes(const uint8_t (&planes)[4][256], __m512i (&tab)[4][4]) {
+  for (int k = 0; k < 4; ++k)
+    for (int h = 0; h < 4; ++h) tab[k][h] = _mm512_load_si512(planes[k] + 64 * h);
+}
+
+// The entries of 64 codes (permuted by kOrder), as 4 x 16 values in the codes' order: each
+// byte plane looked up by two vpermi2b (codes below and above 128) and a blend on the
+// code's top bit, the planes interleaved back into 32-bit values.
+inline void lookup64(const __m512i (&tab)[4][4], __m512i c, __m512i (&q)[4]) {
+  const __mmask64 high = _mm512_movepi8_mask(c);
+  __m512i b[4];
+  for (int k = 0; k < 4; ++k) {
+    const __m512i lo = _mm512_permutex2var_epi8(tab[k][0], c, tab[k][1]);
+    const __m512i hi = _mm512_permutex2var_epi8(tab[k][2], c, tab[k][3]);
+    b[k] = _mm512_mask_blend_epi8(high, lo, hi);
+  }
+  const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
+  const __m512i x0 = _mm512_unpacklo_epi8(b[2], b[3]), x1 = _mm512_unpackhi_epi8(b[2], b[3]);
+  q[0] = _mm512_unpacklo_epi16(w0, x0);
+  q[1] = _mm512_unpackhi_epi16(w0, x0);
+  q[2] = _mm512_unpacklo_epi16(w1, x1);
+  q[3] = _mm512_unpackhi_epi16(w1, x1);
+}
+#endif
 
 // out[i] = lut(d[i]) * s for i < len (a product rounded once, as the twin's).
 void decode256(const Lut& lut, const uint8_t* __restrict d, int64_t len, float s,
                float* __restrict out) {
   int64_t i = 0;
 #if defined(__AVX512VBMI__) && !defined(CC_HOST_ADAM_PORTABLE)
-  // 64 codes at a time: each byte plane looked up by two vpermi2b (codes below and above
-  // 128) and a blend on the code's top bit, the planes interleaved back into 64 floats. The
-  // codes are first permuted so that the interleave (within 128-bit lanes) comes out in order:
-  // position 16L + 4q + j takes code 16q + 4L + j.
-  alignas(64) static const uint8_t order[64] = {
-      0,  1,  2,  3,  16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51,  //
-      4,  5,  6,  7,  20, 21, 22, 23, 36, 37, 38, 39, 52, 53, 54, 55,  //
-      8,  9,  10, 11, 24, 25, 26, 27, 40, 41, 42, 43, 56, 57, 58, 59,  //
-      12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
-  const __m512i perm = _mm512_load_si512(order);
+  // 64 codes at a time, looked up in registers (lookup64).
+  const __m512i perm = _mm512_load_si512(kOrder);
   __m512i tab[4][4];
-  for (int k = 0; k < 4; ++k)
-    for (int h = 0; h < 4; ++h) tab[k][h] = _mm512_load_si512(lut.plane[k] + 64 * h);
+  load_planes(lut.plane, tab);
   const __m512 scale = _mm512_set1_ps(s);
   for (; i + 64 <= len; i += 64) {
-    const __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(d + i));
-    const __mmask64 high = _mm512_movepi8_mask(c);
-    __m512i b[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m512i lo = _mm512_permutex2var_epi8(tab[k][0], c, tab[k][1]);
-      const __m512i hi = _mm512_permutex2var_epi8(tab[k][2], c, tab[k][3]);
-      b[k] = _mm512_mask_blend_epi8(high, lo, hi);
-    }
-    const __m512i w0 = _mm512_unpacklo_epi8(b[0], b[1]), w1 = _mm512_unpackhi_epi8(b[0], b[1]);
-    const __m512i x0 = _mm512_unpacklo_epi8(b[2], b[3]), x1 = _mm512_unpackhi_epi8(b[2], b[3]);
-    const __m512i q[4] = {_mm512_unpacklo_epi16(w0, x0), _mm512_unpackhi_epi16(w0, x0),
-                          _mm512_unpacklo_epi16(w1, x1), _mm512_unpackhi_epi16(w1, x1)};
+    __m512i q[4];
+    lookup64(tab, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(d + i)), q);
     for (int k = 0; k < 4; ++k)
       _mm512_storeu_ps(out + i + 16 * k, _mm512_mul_ps(_mm512_castsi512_ps(q[k]), scale));
   }
@@ -400,22 +424,100 @@ inline uint16_t bf16_code(float x, bool is_unsigned) {
   return static_cast<uint16_t>(a > 0x7F800000u ? 0x7FC0u : (sign | mag));
 }
 
+#if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
+// The int8 codes of 16 elements by the one-load table (nearest_table): the words looked up
+// by scalar loads (a hardware gather is slower), compared in a vector; an unsigned x > 0
+// lifted from code 0 to 1 (floor = 1).
+inline void word_codes16(const uint32_t* __restrict nearest, const uint32_t* __restrict u,
+                         const float* __restrict x, uint32_t floor, uint8_t* __restrict out) {
+  alignas(64) uint32_t words[16];
+  for (int i = 0; i < 16; i += 4) {
+    uint64_t p0, p1;
+    std::memcpy(&p0, u + i, 8);
+    std::memcpy(&p1, u + i + 2, 8);
+    asm("" : "+r"(p0), "+r"(p1));
+    words[i] = nearest[static_cast<uint32_t>(p0) >> 16];
+    words[i + 1] = nearest[p0 >> 48];
+    words[i + 2] = nearest[static_cast<uint32_t>(p1) >> 16];
+    words[i + 3] = nearest[p1 >> 48];
+  }
+  const __m512i b = _mm512_loadu_si512(u), w = _mm512_load_si512(words);
+  const __m512i low = _mm512_and_si512(_mm512_xor_si512(b, _mm512_srai_epi32(b, 31)), _mm512_set1_epi32(0xFFFF));
+  __m512i c = _mm512_and_si512(w, _mm512_set1_epi32(0xFF));
+  c = _mm512_mask_add_epi32(c, _mm512_cmpgt_epu32_mask(low, _mm512_srli_epi32(w, 16)), c, _mm512_set1_epi32(1));
+  const __mmask16 pos = _mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_setzero_ps(), _CMP_GT_OQ);
+  c = _mm512_mask_or_epi32(c, pos & _mm512_testn_epi32_mask(c, c), c, _mm512_set1_epi32(static_cast<int32_t>(floor)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(c));
+}
+#endif
+
 // The codes of int8 and int4 (blocked or rank-1) from the normalized values ``n`` of the
 // values ``x`` (amax_bits: the tile's largest |x| as bits, above 0x7F800000 for a NaN).
 void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict x,
             const float* __restrict n, uint8_t* __restrict codes, uint32_t* __restrict words,
-            const Lut* lut, uint32_t amax_bits) {
+            const Lut* lut, uint32_t amax_bits, int& skip) {
   const bool is_unsigned = !mo.is_signed;
   uint8_t* __restrict d = static_cast<uint8_t*>(mo.data);
   const uint8_t* __restrict table = mo.table;
   const float* __restrict bounds = mo.bounds;
   if (mo.fmt == kInt8 && lut != nullptr && lut->nearest != nullptr) {
+    const uint32_t* __restrict nearest = lut->nearest;
+    const uint32_t* __restrict u = reinterpret_cast<const uint32_t*>(n);
+    uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + lo;
+    const uint32_t floor = is_unsigned ? 1u : 0u;  // code 0 lifted to 1 (c | 1 where c = 0)
+    // The code of element k by the one-load table (below).
+    auto word_code = [&](int64_t k) {
+      const uint32_t b = u[k], w = nearest[b >> 16];
+      const uint32_t low = (b ^ (0u - (b >> 31))) & 0xFFFFu;
+      const uint32_t c = (w & 0xFFu) + static_cast<uint32_t>(low > (w >> 16));
+      return static_cast<uint8_t>(c | (static_cast<uint32_t>(x[k] > 0.0f) & (c == 0) & floor));
+    };
+    int64_t start = 0;
+#if defined(__AVX512VBMI__) && !defined(CC_HOST_ADAM_PORTABLE)
+    // First the element's old code c (still in ``out``), kept where it is still the nearest:
+    // bucketize(n, mids) is c exactly when bounds[c - 1] < n <= bounds[c] (no lower bound
+    // for c = 0; a NaN n fails both): its bounds looked up in registers, 64 codes at a
+    // time; a group of 16 with a code that moved takes the table (word_codes16).
+    if (skip > 0) {
+      --skip;
+    } else {
+      int64_t kept_groups = 0;  // groups of 16 whose old codes all stay
+      const __m512i perm = _mm512_load_si512(kOrder), one8 = _mm512_set1_epi8(1);
+      const __m512i lift = _mm512_set1_epi32(static_cast<int32_t>(floor));
+      __m512i tab[4][4];
+      load_planes(lut->upper, tab);
+      for (; start + 64 <= len; start += 64) {
+        const __m512i raw = _mm512_loadu_si512(out + start);
+        const __m512i c = _mm512_permutexvar_epi8(perm, raw);
+        __m512i up[4], down[4];
+        lookup64(tab, c, up);
+        lookup64(tab, _mm512_sub_epi8(c, one8), down);
+        for (int k = 0; k < 4; ++k) {
+          const int64_t at = start + 16 * k;
+          const __m512 nv = _mm512_loadu_ps(n + at);
+          const __m512i c32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out + at)));
+          const __mmask16 zero = _mm512_testn_epi32_mask(c32, c32);
+          const __mmask16 hit = _mm512_cmp_ps_mask(nv, _mm512_castsi512_ps(up[k]), _CMP_LE_OQ) &
+                                (zero | _mm512_cmp_ps_mask(nv, _mm512_castsi512_ps(down[k]), _CMP_GT_OQ));
+          const __mmask16 pos = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), _mm512_setzero_ps(), _CMP_GT_OQ);
+          if (hit == 0xFFFF) {
+            const __m512i kept = _mm512_mask_or_epi32(c32, pos & zero, c32, lift);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at), _mm512_cvtepi32_epi8(kept));
+            ++kept_groups;
+          } else {
+            word_codes16(nearest, u + at, x + at, floor, out + at);
+          }
+        }
+      }
+      // Most old codes no longer the nearest (a gradient unlike the last): the next tiles of
+      // this moment skip the check (the table alone is cheaper), then try it again.
+      if (kept_groups < 3 * start / 64) skip = 32;  // under 3 in 4 groups kept
+    }
+#endif
     // The one-load table (nearest_table): the words looked up two elements a 64-bit load,
     // the compare and the unsigned floor vectorized. (The barrier keeps the lookups scalar:
     // hardware gathers are slower than scalar loads on the CPUs measured.)
-    const uint32_t* __restrict nearest = lut->nearest;
-    const uint32_t* __restrict u = reinterpret_cast<const uint32_t*>(n);
-    int64_t i = 0;
+    int64_t i = start;
     for (; i + 4 <= len; i += 4) {
       uint64_t p0, p1;
       std::memcpy(&p0, u + i, 8);
@@ -429,9 +531,7 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
       words[i + 3] = nearest[p1 >> 48];
     }
     for (; i < len; ++i) words[i] = nearest[u[i] >> 16];
-    uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + lo;
-    const uint32_t floor = is_unsigned ? 1u : 0u;  // code 0 lifted to 1 (c | 1 where c = 0)
-    int64_t k = 0;
+    int64_t k = start;
 #if defined(__AVX512F__) && !defined(CC_HOST_ADAM_PORTABLE)
     const __m512i ones = _mm512_set1_epi32(1), byte = _mm512_set1_epi32(0xFF);
     const __m512i half = _mm512_set1_epi32(0xFFFF), lift = _mm512_set1_epi32(floor);
@@ -445,12 +545,7 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + k), _mm512_cvtepi32_epi8(c));
     }
 #endif
-    for (; k < len; ++k) {
-      const uint32_t b = u[k], w = words[k];
-      const uint32_t low = (b ^ (0u - (b >> 31))) & 0xFFFFu;
-      const uint32_t c = (w & 0xFFu) + static_cast<uint32_t>(low > (w >> 16));
-      out[k] = static_cast<uint8_t>(c | (static_cast<uint32_t>(x[k] > 0.0f) & (c == 0) & floor));
-    }
+    for (; k < len; ++k) out[k] = word_code(k);
     return;
   }
   int64_t done = 0;  // elements whose int4 codes are written (packed) already
@@ -569,7 +664,7 @@ void encode_bf16(uint16_t* __restrict d, const float* __restrict x, int64_t len,
 // is scratch for the normalized values.
 void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict x,
             float* __restrict n, uint8_t* __restrict codes, uint32_t* __restrict words,
-            const Lut* lut) {
+            const Lut* lut, int& skip) {
   const bool is_unsigned = !mo.is_signed;
   if (mo.fmt == kBf16) {
     encode_bf16(static_cast<uint16_t*>(mo.data) + lo, x, len, is_unsigned);
@@ -610,7 +705,7 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
         out[i] = is_unsigned && x[i] > 0.0f && c == 0 ? 1 : c;
       }
     }
-    if (mo.fmt != kFp8) search(mo, lo, len, x, n, codes, words, lut, amax_bits);
+    if (mo.fmt != kFp8) search(mo, lo, len, x, n, codes, words, lut, amax_bits, skip);
     return;
   }
 #endif
@@ -637,7 +732,7 @@ void encode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
     }
     return;
   }
-  search(mo, lo, len, x, n, codes, words, lut, amax_bits);
+  search(mo, lo, len, x, n, codes, words, lut, amax_bits, skip);
 }
 
 inline float load(const void* base, int32_t dtype, int64_t i) {
@@ -891,8 +986,8 @@ void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
       b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo),
       b.noise.data());
   if (PASS1) return;
-  if (blocked(MF)) encode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[0]);
-  if (blocked(VF)) encode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[1]);
+  if (blocked(MF)) encode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[0], b.skip[0]);
+  if (blocked(VF)) encode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[1], b.skip[1]);
 }
 
 using TileFn = void (*)(const CcStep&, int64_t, int64_t, Buffers&);
@@ -985,8 +1080,8 @@ void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, Buffers& b) {
     }
     tile_update(s, t, len, b, true);
     if (s.param_dtype != kF32) write_param(s, t, len, b.p.data());
-    if (s.m.fmt != kPlain) encode(s.m, s.n, t, len, b.m.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[0]);
-    if (s.v.fmt != kPlain) encode(s.v, s.n, t, len, b.v.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[1]);
+    if (s.m.fmt != kPlain) encode(s.m, s.n, t, len, b.m.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[0], b.skip[0]);
+    if (s.v.fmt != kPlain) encode(s.v, s.n, t, len, b.v.data(), b.scale.data(), b.codes.data(), b.words.data(), b.lut[1], b.skip[1]);
   }
 }
 

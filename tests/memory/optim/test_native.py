@@ -236,8 +236,9 @@ def test_bf16_codes_at_the_edges_of_the_range_are_the_twins() -> None:
 
 
 def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
-    # From 65536 elements int8 takes the one-load table (code and bound in one word); beta1
-    # = beta2 = 0 makes the arithmetic exact, so every code, scale and weight is the twin's.
+    # From 65536 elements int8 takes the one-load table (code and bound in one word), and
+    # (AVX-512) keeps an old code where a check finds it still the nearest; beta1 = beta2 = 0
+    # makes the arithmetic exact, so every code, scale and weight is the twin's.
     st = OptimState.parse("int8/min=0")
     gen = torch.Generator().manual_seed(5)
     shape = (257, 256)
@@ -247,10 +248,17 @@ def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
     g[9, :4] = float("nan")  # a NaN block (its scale NaN, normalized by 1)
     p0 = torch.randn(shape, generator=gen)
     mv = moments(shape, st, gen)
+    # A second step from each one's result: the same gradient but for some rows, so most old
+    # codes are still the nearest (the kernel keeps them after a check) and some are not.
+    g2 = g.clone()
+    g2[100:140] = torch.randn(40, shape[1], generator=gen)
+    g2[150, ::7] *= 1.01
     outs = []
     for native in (False, True):
         p = p0.clone()
-        outs.append([p, *step(p, g, [clone(x) for x in mv], st, native, beta1=0.0, beta2=0.0)])
+        mv1 = step(p, g, [clone(x) for x in mv], st, native, beta1=0.0, beta2=0.0)
+        first = [p.clone(), *(clone(x) for x in mv1)]  # (the kernel writes codes in place)
+        outs.append([*first, p, *step(p, g2, mv1, st, native, beta1=0.0, beta2=0.0)])
     for a, b in zip(outs[0], outs[1], strict=True):
         pa = a.parts if isinstance(a, Packed) else {"": a}
         pb = b.parts if isinstance(b, Packed) else {"": b}
