@@ -34,9 +34,10 @@ from computectx.dtypes import (
     outside_lattice_message,
     promote,
 )
+from computectx.flags import DTYPE_FLAGS, flag_policy
 from computectx.kv_policy import KvField, KvFp8
 from computectx.optim_state import OptimState, OptimStateField, parse_optim_state
-from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
+from computectx.recipes import Recipe
 from computectx.residency import Residency, TorchDevice, parse_device
 from computectx.saved import SAVING, saved_call
 
@@ -75,37 +76,6 @@ DTypeField = Annotated[DType, BeforeValidator(DType.parse)]
 ResidencyField = Annotated[Residency, BeforeValidator(Residency.parse)]
 RecipeField = Annotated[Recipe | None, BeforeValidator(_lenient_recipe)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
-
-
-def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[str, Recipe]:
-    order = (Fp8Scheme.E4M3, Fp8Scheme.E5M2, Fp8Scheme.HYBRID)
-    return {f"fp8_{s}{suffix}": Recipe(format=s, scaling=scaling) for s in order}
-
-
-# The flag table: each --dtype flag, its compute dtype and its fp8 policy. fp32 is parity
-# (new(F32) is the same value); the fp8 flags are BF16 activations with fp8 linears, delayed
-# scaling by default and dynamic with the _dynamic suffix.
-_FLAGS: dict[str, tuple[DType, Recipe | None]] = {
-    "fp32": (DType.F32, None),
-    "fp16": (DType.F16, None),
-    "bf16": (DType.BF16, None),
-    **{k: (DType.BF16, p) for k, p in _fp8_flags("", DelayedScaling()).items()},
-    **{k: (DType.BF16, p) for k, p in _fp8_flags("_dynamic", DynamicScaling()).items()},
-    # Row-wise (torchao's ROWWISE and ROWWISE_WITH_GW_HP): E4M3 both ways, dynamic.
-    "fp8_rowwise": (DType.BF16, Recipe(granularity="row")),
-    "fp8_rowwise_gw_hp": (DType.BF16, Recipe(granularity="row", gw_hp=True)),
-    # Blocks (DeepSeek-V3's recipe: float32 block scales, not TransformerEngine's default
-    # power-of-two ones, "e4m3/block+pow2/dynamic/0") and MXFP8 (TransformerEngine's
-    # MXFP8BlockScaling): E4M3 both ways, dynamic.
-    "fp8_block": (DType.BF16, Recipe(granularity="block")),
-    "fp8_mx": (DType.BF16, Recipe(granularity="mx")),
-}
-
-DTYPE_FLAGS: tuple[str, ...] = tuple(_FLAGS)
-"""The ``--dtype`` flags ``ComputeCtx.from_flag`` reads, in order: ``fp32``, ``fp16``, ``bf16``,
-the fp8 schemes with delayed scaling (``fp8_e4m3``, ``fp8_e5m2``, ``fp8_hybrid``), the same with
-dynamic scaling (``fp8_e4m3_dynamic``, ...), ``fp8_rowwise``, ``fp8_rowwise_gw_hp``,
-``fp8_block`` and ``fp8_mx`` (``from_flag`` and the table above say what each is)."""
 
 
 class CtxChanges(TypedDict, total=False):
@@ -300,14 +270,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         ``fp8_block`` and ``fp8_mx`` scale 1x128/128x128 and 1x32 blocks
         (``Recipe(granularity="block")``, ``Recipe(granularity="mx")``).
         """
-        key = name.strip().lower() if isinstance(name, str) else name
-        found = _FLAGS.get(key) if isinstance(key, str) else None
-        if found is None:
-            raise ValueError(
-                f"unknown --dtype flag {name!r}; accepted: "
-                f"{', '.join(repr(f) for f in DTYPE_FLAGS)}"
-            )
-        compute, policy = found
+        compute, policy = flag_policy(name)
         return cls(compute=compute, device=parse_device(device), recipe=policy)
 
     # ----- validated copies ---------------------------------------------------------------

@@ -51,6 +51,7 @@ def test_importing_the_core_loads_nothing_downstream() -> None:
         "'computectx.activations',",
         "'computectx.ctx',",
         "'computectx.dtypes',",
+        "'computectx.flags',",
         "'computectx.kv_policy',",
         "'computectx.offload',",
         "'computectx.optim_state',",

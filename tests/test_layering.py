@@ -49,8 +49,9 @@ CORE_RANK: dict[str, int] = {
     "computectx.capability": 1,
     "computectx.offload": 1,  # activations kept in host memory (Offloaded, Streams)
     "computectx.saved": 2,  # what an op keeps for its backward (saved_call)
-    "computectx.ctx": 3,
-    "computectx": 4,  # the package face re-exports the core
+    "computectx.flags": 3,  # the --dtype flags: each flag's compute dtype and recipe
+    "computectx.ctx": 4,
+    "computectx": 5,  # the package face re-exports the core
 }
 
 # layer -> the layers it may import (besides itself).
