@@ -97,11 +97,14 @@ def test_gw_hp_keeps_the_forward_codes_and_an_untrained_weight_keeps_no_input() 
     (_, dx, dw), (saved, dx8, dw8) = _step(keep, keep, _x()), _step(fp8, fp8, _x())
     assert saved.bytes("linear") == M * K + 4 * M  # X's row-wise codes: one step per row
     assert torch.equal(dx8, dx) and _sqnr(dw8, dw) >= ROW_DW_SQNR
-    frozen = _quantized("fp8_rowwise", "fp8").requires_grad_(False)
-    x = _x().requires_grad_()
-    with SavedActivations(exclude=frozen.parameters()) as none_kept:
-        frozen(x).sum().backward()
-    assert none_kept.bytes() == 0  # no weight gradient: nothing of X is needed
+    # No weight gradient, nothing of X is needed: none kept (the per-tensor linear keeps its
+    # weight's codes and the two steps for the input gradient).
+    for flag, kept in (("fp8_rowwise", 0), ("fp8_hybrid", N * K + 8)):
+        frozen = _quantized(flag, "fp8").requires_grad_(False)
+        x = _x().requires_grad_()
+        with SavedActivations(exclude=frozen.parameters()) as saved:
+            frozen(x).sum().backward()
+        assert saved.bytes() == kept
 
 
 def test_the_per_tensor_fp8_linear_keeps_its_codes_under_either_mode() -> None:

@@ -131,8 +131,10 @@ class TensorwiseLinearFunction(torch.autograd.Function):
         # A QuantizedWeight's codes live in a buffer that FSDP2 frees after the forward and
         # gathers again before the backward, writing the step of those codes into the same
         # QuantizedWeight: the backward reads that step then, so codes and step stay a pair.
-        ctx.save_for_backward(xq, wq, sx, sw if live_step is None else None)  # type: ignore[arg-type]
+        # Under linear: fp8 a weight that needs no gradient (frozen, untrained) keeps no X.
         c: Any = ctx
+        x_kept = None if plan.save == "fp8" and not c.needs_input_grad[1] else xq
+        ctx.save_for_backward(x_kept, wq, sx, sw if live_step is None else None)  # type: ignore[arg-type]
         c.live_step = live_step
         c.plan = plan
         c.x_dtype = x.dtype
