@@ -245,14 +245,19 @@ struct Buffers {
         lut{luts[0], luts[1]} {}
 };
 
-// The per-element scale of a rank-1 moment over flat elements [lo, lo + len).
+// The per-element scale of a rank-1 moment over flat elements [lo, lo + len) into ``out``
+// (TIMES: ``out`` times it, each product rounded once).
+template <bool TIMES = false>
 void rank1_scales(const float* __restrict rows, const float* __restrict cols, int64_t ncols,
                   int64_t lo, int64_t len, float* __restrict out) {
   int64_t r = lo / ncols, c = lo % ncols, i = 0;
   while (i < len) {
     const int64_t run = ncols - c < len - i ? ncols - c : len - i;
     const float row = rows[r];
-    for (int64_t k = 0; k < run; ++k) out[i + k] = nan_min(row, cols[c + k]);
+    for (int64_t k = 0; k < run; ++k) {
+      const float scale = nan_min(row, cols[c + k]);
+      out[i + k] = TIMES ? out[i + k] * scale : scale;
+    }
     i += run;
     c = 0;
     ++r;
@@ -342,7 +347,7 @@ void decode256(const Lut& lut, const uint8_t* __restrict d, int64_t len, float s
 // Decode elements [lo, lo + len) of ``mo`` into ``out`` (a tile never crosses a block);
 // ``lut``: int8 and fp8's (make_lut).
 void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* __restrict out,
-            float* __restrict scale, const Lut* lut) {
+            const Lut* lut) {
   const float* __restrict map = mo.map;
   switch (mo.fmt) {
     case kPlain:
@@ -360,15 +365,16 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
       return;
     default: {  // int4, blocked or rank-1; lo is even
       const uint8_t* __restrict d = static_cast<const uint8_t*>(mo.data) + lo / 2;
-      float map16[16] = {};  // the signed map has 15 entries
-      for (int k = 0; k < (mo.is_signed ? 15 : 16); ++k) map16[k] = map[k];
+      const uint32_t entries = mo.is_signed ? 15 : 16;  // the signed map has 15 entries
+      auto value = [map, entries](uint32_t c) { return c < entries ? map[c] : 0.0f; };
       int64_t j = 0;
 #if defined(__AVX512F__)
       // 16 codes at a time, looked up in a register (the compiler's gathers go to memory);
       // blocked: times the block's scale there too.
       const bool blockwise = mo.fmt == kInt4;
       const float s = blockwise ? mo.absmax[lo / mo.block] : 1.0f;
-      const __m512 table = _mm512_loadu_ps(map16), sv = _mm512_set1_ps(s);
+      const __m512 table = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << entries) - 1u), map);
+      const __m512 sv = _mm512_set1_ps(s);
       const __m128i low4 = _mm_set1_epi8(15);
       for (; 2 * j + 16 <= len; j += 8) {
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(d + j));
@@ -381,16 +387,15 @@ void decode(const CcMoment& mo, int64_t numel, int64_t lo, int64_t len, float* _
 #endif
       const int64_t scaled = 2 * j;  // elements already times their block's scale
       for (; j < len / 2; ++j) {
-        out[2 * j] = map16[d[j] & 15];
-        out[2 * j + 1] = map16[d[j] >> 4];
+        out[2 * j] = value(d[j] & 15u);
+        out[2 * j + 1] = value(d[j] >> 4);
       }
-      if (len & 1) out[len - 1] = map16[d[len / 2] & 15];
+      if (len & 1) out[len - 1] = value(d[len / 2] & 15u);
       if (mo.fmt == kInt4) {
         const float s = mo.absmax[lo / mo.block];
         for (int64_t i = scaled; i < len; ++i) out[i] = out[i] * s;
       } else {
-        rank1_scales(mo.absmax, mo.cols, numel / mo.rows, lo, len, scale);
-        for (int64_t i = 0; i < len; ++i) out[i] = out[i] * scale[i];
+        rank1_scales<true>(mo.absmax, mo.cols, numel / mo.rows, lo, len, out);
       }
     }
   }
@@ -798,13 +803,13 @@ void tile_update(const CcStep& s, int64_t lo, int64_t len, Buffers& b, bool writ
   if (s.m.fmt == kPlain) {
     m = in_place(static_cast<float*>(s.m.data), lo, len, write, b.m);
   } else {
-    decode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.lut[0]);
+    decode(s.m, s.n, lo, len, b.m.data(), b.lut[0]);
     m = b.m.data();
   }
   if (s.v.fmt == kPlain) {
     v = in_place(static_cast<float*>(s.v.data), lo, len, write, b.v);
   } else {
-    decode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.lut[1]);
+    decode(s.v, s.n, lo, len, b.v.data(), b.lut[1]);
     v = b.v.data();
   }
   if (s.l2) {
@@ -970,8 +975,8 @@ void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
       __builtin_prefetch(gp + o * sizeof(GT0) / sizeof(PT0), 0, 3);
     }
   }
-  if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.scale.data(), b.lut[0]);
-  if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.scale.data(), b.lut[1]);
+  if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.lut[0]);
+  if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.lut[1]);
   if (PM == kPBf16Sr && !PASS1) {  // lo is a multiple of 4 (of the tile)
     const int64_t quads = (len + 3) / 4;
     uint64_t* __restrict z = b.draws.data();
