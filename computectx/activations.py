@@ -21,9 +21,15 @@ weights).
 Text form: ``/``-separated parts in any order and any case: a bare ``MODE`` sets every kind
 (``fp8``; a bare ``recompute`` is refused unless linear, residual and moe are overridden:
 name the kinds, ``precise:recompute/act_fn:recompute/attention:recompute``), ``KIND:MODE``
-sets one (``precise:fp8``), ``group=N`` the fp8 group; a kind named twice is refused, a bare
-mode then ``KIND:MODE`` overrides it (``fp8/attention:keep``). JSON form: ``{"linear":
-"keep", "precise": "fp8", ..., "group": 128}``, each key optional.
+sets one (``precise:fp8``), ``group=N`` the fp8 group, ``checkpoint=RULE`` the blocks
+checkpointed; a kind named twice is refused, a bare mode then ``KIND:MODE`` overrides it
+(``fp8/attention:keep``). JSON form: ``{"linear": "keep", "precise": "fp8", ..., "group": 128,
+"checkpoint": "none"}``, each key optional.
+
+``checkpoint`` recomputes whole blocks by rule (activation checkpointing: a checkpointed
+block keeps only its input, the residual stream at its boundary, and runs again in the
+backward): ``none`` (the default), ``all``, ``every:N`` (blocks 0, N, 2N, ...), ``first:N``,
+``last:N``, or ``blocks:I+J+...`` (those indices; ``+`` since a comma ends the ctx's value).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ __all__ = [
     "Activations",
     "ActivationsField",
     "SaveMode",
+    "checked_checkpoint",
     "parse_activations",
 ]
 
@@ -76,11 +83,11 @@ GROUPS: Final[tuple[int, ...]] = (16, 32, 64, 128)
 DEFAULT_GROUP: Final = 128
 """Elements per fp8 group when none is given (COAT's per-group 1x128)."""
 
-_FORM = "'[MODE][/KIND:MODE]...[/group=N]'"
+_FORM = "'[MODE][/KIND:MODE]...[/group=N][/checkpoint=RULE]'"
 _MODES = ", ".join(SAVE_MODES)
 _KINDS = ", ".join(ACTIVATION_KINDS)
 _GROUPS = ", ".join(map(str, GROUPS))
-_TAKES = f"an Activations dict takes {_KINDS} and 'group', each optional"
+_TAKES = f"an Activations dict takes {_KINDS}, 'group' and 'checkpoint', each optional"
 _ACCEPTED = (
     f"an Activations, its text form {_FORM} with MODE one of {_MODES} and KIND one of {_KINDS}, "
     f"or its dict"
@@ -106,6 +113,26 @@ def _group(value: object) -> object:
 
 
 ModeField = Annotated[SaveMode, BeforeValidator(_mode)]
+
+_RULES = "none, all, every:N, first:N, last:N or blocks:I+J+... (N >= 1, I >= 0)"
+
+
+def checked_checkpoint(value: object) -> str:
+    """A checkpoint rule in its shortest spelling (``"every:1"`` is ``"all"``, ``"blocks:2+0"``
+    is ``"blocks:0+2"``), any case and spacing read; ``ValueError`` naming the forms."""
+    if not isinstance(value, str):
+        raise ValueError(f"checkpoint must be a str ({_RULES}), got {type(value).__name__}")
+    text = "".join(value.split()).lower()
+    if text in ("none", "all"):
+        return text
+    rule, colon, arg = text.partition(":")
+    numbers = [int(n) if n.isdigit() and n.isascii() else -1 for n in arg.split("+")]
+    counted = len(numbers) == 1 and numbers[0] >= 1 and rule in ("every", "first", "last")
+    if colon and counted:
+        return "all" if rule == "every" and numbers[0] == 1 else f"{rule}:{numbers[0]}"
+    if colon and rule == "blocks" and min(numbers) >= 0:
+        return "blocks:" + "+".join(map(str, sorted(set(numbers))))
+    raise ValueError(f"bad checkpoint rule {value!r}; accepted: {_RULES}")
 
 
 class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
@@ -137,6 +164,10 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
     group: Annotated[int, BeforeValidator(_group)] = DEFAULT_GROUP
     """Elements per fp8 group of the non-linear kinds (consecutive, row-major): 16, 32, 64 or
     128 (default)."""
+    checkpoint: Annotated[str, BeforeValidator(checked_checkpoint)] = "none"
+    """Which blocks of a model are checkpointed (recomputed whole in the backward, keeping
+    only their input): ``none``, ``all``, ``every:N``, ``first:N``, ``last:N`` or
+    ``blocks:I+J+...`` (``checkpointed``)."""
 
     def __init__(self, /, **data: Any) -> None:
         """Validated fields; a bad one is a ``ValueError`` naming the field, the value and
@@ -164,8 +195,25 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
 
     @property
     def default(self) -> bool:
-        """Whether every kind is kept as the ops save it (today's behaviour)."""
-        return all(self.mode(k) == "keep" for k in ACTIVATION_KINDS)
+        """Whether every kind is kept as the ops save it and no block is checkpointed (today's
+        behaviour)."""
+        return self.checkpoint == "none" and all(self.mode(k) == "keep" for k in ACTIVATION_KINDS)
+
+    def checkpointed(self, index: int, blocks: int) -> bool:
+        """Whether block ``index`` (from 0) of a model of ``blocks`` blocks is checkpointed:
+        ``every:N`` takes blocks 0, N, 2N, ...; ``first:N`` the first N, ``last:N`` the last N;
+        ``blocks:I+J`` those (an index past the model's blocks takes none)."""
+        rule, _, arg = self.checkpoint.partition(":")
+        if rule in ("none", "all"):
+            return rule == "all"
+        numbers = [int(n) for n in arg.split("+")]
+        if rule == "every":
+            return index % numbers[0] == 0
+        if rule == "first":
+            return index < numbers[0]
+        if rule == "last":
+            return index >= blocks - numbers[0]
+        return index in numbers
 
     def __str__(self) -> str:
         """The shortest text form (``keep``, ``fp8/attention:keep``, ``precise:fp8``), which
@@ -178,6 +226,8 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
         parts += [f"{k}:{m}" for k, m in zip(ACTIVATION_KINDS, modes, strict=True) if m != bare]
         if self.group != DEFAULT_GROUP:
             parts.append(f"group={self.group}")
+        if self.checkpoint != "none":
+            parts.append(f"checkpoint={self.checkpoint}")
         return "/".join(parts) or "keep"
 
     @classmethod
@@ -201,6 +251,10 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
                 if "group" in data:
                     raise ValueError(f"group given twice in activations {shown!r}")
                 data["group"] = text_int("group", value, f"activations {shown!r}")
+            elif equals and key.lower() == "checkpoint":
+                if "checkpoint" in data:
+                    raise ValueError(f"checkpoint given twice in activations {shown!r}")
+                data["checkpoint"] = value
             elif not colon and not equals and part.lower() in SAVE_MODES:
                 if bare is not None:
                     raise ValueError(f"two bare modes in activations {shown!r}; give one")
@@ -208,7 +262,8 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
             else:
                 raise ValueError(
                     f"bad part {part!r} in activations {shown!r}; accepted: one MODE ({_MODES}), "
-                    f"KIND:MODE with KIND one of {_KINDS}, group=N ({_GROUPS}) (form {_FORM})"
+                    f"KIND:MODE with KIND one of {_KINDS}, group=N ({_GROUPS}), checkpoint=RULE "
+                    f"({_RULES}) (form {_FORM})"
                 )
         if bare is not None:
             for kind in ACTIVATION_KINDS:

@@ -32,7 +32,16 @@ from typing import Any, Final, Protocol
 import torch
 from torch.autograd.function import FunctionCtx
 
-__all__ = ["STREAMS", "CudaStreams", "OffloadBlocks", "Offloaded", "Streams", "offload"]
+__all__ = [
+    "STREAMS",
+    "CudaStreams",
+    "OffloadBlocks",
+    "Offloaded",
+    "Streams",
+    "offload",
+    "offload_streams",
+    "on_device",
+]
 
 
 class Streams(Protocol):
@@ -204,6 +213,16 @@ class OffloadBlocks:
         for group in self.groups[max(index - 1, 0) : index + 1][::-1]:
             for moved in group:
                 moved.prefetch()
+
+
+@contextlib.contextmanager
+def on_device() -> Iterator[None]:
+    """Nothing offloaded inside (a checkpointed block: what it keeps lives only until its
+    recomputation's backward, in forward and in the backward's run again alike)."""
+    held = OffloadBlocks()
+    held.on_device = True
+    with held.active():
+        yield
 
 
 class _Boundary(torch.autograd.Function):

@@ -48,6 +48,10 @@ def test_kinds_and_modes_are_the_documented_ones_in_order() -> None:
          "attention:offload"),
         ("keep/precise:recompute", "precise:recompute"),
         (" group=32 ", "group=32"),
+        ("checkpoint=Every:2/fp8", "fp8/checkpoint=every:2"),
+        ("checkpoint=every:1", "checkpoint=all"),
+        ("checkpoint = blocks:3+0+3/keep", "checkpoint=blocks:0+3"),
+        ("checkpoint=none/precise:fp8", "precise:fp8"),
     ],
 )  # fmt: skip
 def test_text_form_reads_and_prints_the_shortest(text: str, shortest: str) -> None:
@@ -93,6 +97,7 @@ def test_the_ctx_carries_it_in_text_json_and_pickle() -> None:
         "residual": "keep",
         "moe": "keep",
         "group": 128,
+        "checkpoint": "none",
     }
     assert pickle.loads(pickle.dumps(ctx)) == ctx
     assert ctx.replace(activations=Activations()) == BASE
@@ -111,6 +116,10 @@ def test_the_ctx_carries_it_in_text_json_and_pickle() -> None:
         ("group=1e2", r"group='1e2' .* is not an integer"),
         ("group=64/group=64", "group given twice"),
         ("", "bad part ''"),
+        ("checkpoint=every:0", "bad checkpoint rule 'every:0'; accepted: none, all, every:N"),
+        ("checkpoint=blocks:1+x", "bad checkpoint rule 'blocks:1\\+x'"),
+        ("checkpoint=each:2", "bad checkpoint rule 'each:2'"),
+        ("checkpoint=all/checkpoint=all", "checkpoint given twice"),
     ],
 )  # fmt: skip
 def test_bad_text_names_the_value_and_what_is_accepted(text: str, message: str) -> None:
@@ -152,3 +161,28 @@ def test_softmax_names_the_kinds_for_an_unknown_kind() -> None:
     for bad in ("bogus", "group"):  # "group" read 128 as its mode and ran the custom path
         with pytest.raises(ValueError, match="unknown activation kind"):
             softmax(ctx, x, dim=-1, kind=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("rule", "taken"),
+    [
+        ("none", []),
+        ("all", [0, 1, 2, 3, 4]),
+        ("every:2", [0, 2, 4]),
+        ("every:3", [0, 3]),
+        ("first:2", [0, 1]),
+        ("last:2", [3, 4]),
+        ("last:9", [0, 1, 2, 3, 4]),
+        ("blocks:1+4+7", [1, 4]),
+    ],
+)
+def test_checkpoint_rules_take_the_blocks_they_say(rule: str, taken: list[int]) -> None:
+    policy = Activations(checkpoint=rule)
+    assert [i for i in range(5) if policy.checkpointed(i, 5)] == taken
+    assert not policy.default or rule == "none"
+    ctx = BASE.with_activations(policy)
+    assert (
+        ComputeCtx.parse(str(ctx)) == ctx == ComputeCtx.model_validate_json(ctx.model_dump_json())
+    )
+    with pytest.raises(ValueError, match="checkpoint must be a str"):
+        Activations.model_validate({"checkpoint": 2})

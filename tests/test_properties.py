@@ -262,10 +262,16 @@ def optim_states(draw: st.DrawFn) -> OptimState:
 @st.composite
 def activation_policies(draw: st.DrawFn) -> Activations:
     """Every activations setting: each kind in each mode it accepts (most often all alike, as
-    the bare text form says it), with any group."""
+    the bare text form says it), with any group and any checkpoint rule."""
     common = draw(st.sampled_from(["keep", "fp8", "offload"]))
     modes = {k: draw(st.sampled_from([common, *KIND_MODES[k]])) for k in ACTIVATION_KINDS}
-    return Activations(**modes, group=draw(st.sampled_from(GROUPS)))
+    count = st.integers(1, 64).map(str)
+    rule = st.sampled_from(["none", "all"]) | st.builds(
+        "{}:{}".format, st.sampled_from(["every", "first", "last"]), count
+    )
+    listed = st.lists(st.integers(0, 99).map(str), min_size=1, max_size=4).map("+".join)
+    checkpoint = draw(rule | listed.map("blocks:{}".format))
+    return Activations(**modes, group=draw(st.sampled_from(GROUPS)), checkpoint=checkpoint)
 
 
 @st.composite
@@ -720,9 +726,10 @@ def test_activations_text_and_json_round_trip_in_any_case(
     shuffled = data.draw(st.permutations(parts))
     assert Activations.parse("/".join(shuffled)) == policy
     every = "/".join(f"{k}:{policy.mode(k)}" for k in ACTIVATION_KINDS)
-    assert Activations.parse(f"{every}/group={policy.group}") == policy
+    rest = f"/group={policy.group}/checkpoint={policy.checkpoint}"
+    assert Activations.parse(f"{every}{rest}") == policy
     # The shortest form: never longer than every kind spelled out, "keep" only for the default.
-    assert len(text) <= len(every) + len(f"/group={policy.group}")
+    assert len(text) <= len(every) + len(rest)
     assert (text == "keep") is (policy.default and policy.group == 128)
 
 

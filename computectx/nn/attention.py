@@ -15,7 +15,7 @@ from computectx.dtypes import FLOAT_DTYPES, dtype_of, promote
 from computectx.formats import Backend
 from computectx.formats.seam import decode_attention, static_kv_steps
 from computectx.kv_policy import KvFp8
-from computectx.nn.gemm import Gemm
+from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.kv_cache import KVCache
 from computectx.nn.kv_steps import held_steps, widen_steps
 from computectx.nn.params import apply_recipe, param_dtype
@@ -70,11 +70,22 @@ def _attention_core(
     """``Attention._attend`` under ``keep``, op for op (the softmax lifted to ``work`` as
     ``ctx.precise`` lifts it), for ``saved_call`` to run again in the backward: the
     recomputed probabilities are the forward's bit for bit."""
-    scores = gemm.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
+    scores = _matmul(gemm, q, k.transpose(-2, -1)) * (1.0 / math.sqrt(head_dim))
     scores = scores.masked_fill(~visible, float("-inf"))
     wide = scores if scores.dtype == work else scores.to(work)
     probs = torch.softmax(wide, dim=-1)
-    return gemm.matmul(probs if probs.dtype == scores.dtype else probs.to(scores.dtype), v)
+    return _matmul(gemm, probs if probs.dtype == scores.dtype else probs.to(scores.dtype), v)
+
+
+def _matmul(gemm: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    # gemm.matmul in ops torch.func differentiates: compiled, saved_call's backward is a
+    # torch.func.vjp, which gets the upcast path's autograd.Function wrong (torch 2.13: its
+    # gradients came out unrelated to eager's). The same float32 GEMM rounded once.
+    if gemm.path is not GemmPath.UPCAST:
+        return gemm.matmul(a, b)
+    with torch.autocast(a.device.type, enabled=False):
+        wide = a.to(gemm.dtype).to(torch.float32) @ b.to(gemm.dtype).to(torch.float32)
+    return wide.to(gemm.dtype)
 
 
 class Attention(nn.Module):

@@ -11,6 +11,7 @@ from typing import Annotated
 import torch
 from pydantic import BeforeValidator, Field, model_validator
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from typing_extensions import Self
 
 from computectx._checks import CheckedModel, as_int
@@ -26,7 +27,8 @@ from computectx.nn.mlp import MLP
 from computectx.nn.moe import LoadBalance, MoE, RouterScore, update_biases
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import param_dtype
-from computectx.offload import OffloadBlocks
+from computectx.offload import OffloadBlocks, on_device
+from computectx.saved import SAVING
 
 __all__ = ["BYTE_VOCAB", "ByteLM", "DecoderBlock", "LMConfig", "decode_bytes", "encode_bytes"]
 
@@ -321,7 +323,8 @@ class ByteLM(nn.Module):
 
     def _train_forward(self, ids: torch.Tensor, blocks: list[DecoderBlock]) -> torch.Tensor:
         # forward with a graph to build: what ctx.activations says of the blocks. Under an
-        # offloaded kind each block's host copies come back a block ahead of its backward.
+        # offloaded kind each block's host copies come back a block ahead of its backward;
+        # a block checkpointed by the rule keeps only its input (tagged residual).
         acts = self.ctx.activations
         kinds = (acts.linear, acts.precise, acts.act_fn, acts.attention, acts.residual, acts.moe)
         offloads = "offload" in kinds
@@ -331,7 +334,10 @@ class ByteLM(nn.Module):
             for i, blk in enumerate(blocks):
                 if blocks_kept is not None and i == len(blocks) - 1:
                     blocks_kept.last_block()
-                x = blk(x)
+                if acts.checkpoint != "none" and acts.checkpointed(i, len(blocks)):
+                    x = _checkpointed(blk, x)
+                else:
+                    x = blk(x)
                 x = x if blocks_kept is None else blocks_kept.boundary(x)
             return self.ctx.to_compute(self.gemm.project(self.head, self.norm(x)))
 
@@ -426,6 +432,33 @@ class ByteLM(nn.Module):
         """``loss`` for logits computed elsewhere (through a data-parallel wrapper, say)."""
         wide = cast_if(logits, promote(dtype_of(logits), self.ctx.accum))
         return nn.functional.cross_entropy(wide.reshape(-1, BYTE_VOCAB), targets.reshape(-1))
+
+
+def _checkpointed(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
+    """``block(x)`` under torch's non-reentrant activation checkpointing: the backward keeps
+    ``x`` (counted as ``residual``) and runs the block again; nothing in it is offloaded (what
+    its run again keeps lives only through its own backward)."""
+    if torch.compiler.is_compiling():
+        return _recomputed(block, x)
+    token = SAVING.set("residual")
+    try:
+        return _recomputed(block, x)
+    finally:
+        SAVING.reset(token)
+
+
+def _recomputed(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = checkpoint(_on_device_block, block, x, use_reentrant=False)
+    return out
+
+
+def _on_device_block(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
+    if torch.compiler.is_compiling():  # compiled, nothing is offloaded anyway
+        out_: torch.Tensor = block(x)
+        return out_
+    with on_device():
+        out: torch.Tensor = block(x)
+        return out
 
 
 def _check_values(who: str, ids: torch.Tensor, pos: torch.Tensor | None, held: int) -> None:

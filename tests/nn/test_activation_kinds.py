@@ -13,6 +13,7 @@ import torch
 from computectx import ComputeCtx, DType
 from computectx.memory import SavedActivations
 from computectx.nn import ByteLM, LMConfig
+from computectx.nn.gemm import GemmPath, forced_gemm_path
 from computectx.saved import encode_groups
 
 CPU = torch.device("cpu")
@@ -113,3 +114,46 @@ def test_moe_keeps_the_combines_expert_outputs_as_its_mode_says() -> None:
     assert offload.bytes("moe") == copies * dim * 2 + weights_and_order  # the CPU: as it is
     assert _sqnr(grads, exact) > 30
     assert _equal(same, exact)
+
+
+@pytest.mark.parametrize("rule", ["every:2", "all"])
+def test_checkpoint_by_rule_keeps_the_blocks_inputs_only_and_is_exact(rule: str) -> None:
+    keep, exact = _run("keep")
+    saved, grads = _run(f"checkpoint={rule}")
+    blocks = 1 if rule == "every:2" else 2  # every:2 takes block 0 of 2
+    stream = 2 * 16 * 64 * 2  # a block's input, bf16
+    assert saved.bytes("residual") == blocks * stream
+    # A checkpointed block's attention, SwiGLU and norms keep nothing for the backward.
+    for kind in ("attention", "act_fn"):
+        assert saved.bytes(kind) == keep.bytes(kind) * (2 - blocks) // 2, kind
+    assert saved.bytes() < keep.bytes()
+    assert _equal(grads, exact)
+
+
+def test_checkpoint_by_rule_counts_each_token_once_in_an_moe() -> None:
+    loads = []
+    for spec in ("keep", "checkpoint=all"):
+        torch.manual_seed(0)
+        model = ByteLM(ComputeCtx.new(DType.BF16, CPU).with_activations(spec), MOE)
+        ids, targets = _ids()
+        torch.autograd.backward(model.loss(ids, targets))
+        loads.append(model.moe_layers()[0].tokens_per_expert.clone())
+    assert torch.equal(loads[0], loads[1]) and int(loads[0].sum()) == 2 * 16 * 2
+
+
+def test_the_new_paths_compile_whole_and_give_the_eager_gradients() -> None:
+    # Attention computed again (through the upcast GEMMs, which torch.func cannot read as
+    # Gemm's autograd.Function), the MoE combine and the stream's norms as fp8, SwiGLU
+    # offloaded (a CPU: kept), the one block checkpointed: one graph, no break.
+    spec = "attention:recompute/moe:fp8/residual:fp8/act_fn:offload/checkpoint=every:2"
+    torch.manual_seed(0)
+    with forced_gemm_path(GemmPath.UPCAST):
+        model = ByteLM(ComputeCtx.new(DType.BF16, CPU).with_activations(spec), MOE)
+    ids, targets = _ids()
+    grads = []
+    for run in (model, torch.compile(model, fullgraph=True, backend="aot_eager")):
+        model.zero_grad()
+        torch.autograd.backward(model.loss_of(run(ids), targets))
+        grads.append(tuple(p.grad.clone() for p in model.parameters() if p.grad is not None))
+    torch._dynamo.reset()
+    assert _equal(grads[0], grads[1])
