@@ -13,9 +13,10 @@ docs/activations.md shows a run.
 
 ``--loss`` trains the demo instead (its default settings, ``--steps`` steps, each seed of
 ``--seeds``) under ``--flag`` with each ``--setting`` (``computectx demo --dtype FLAG@SETTING``
-trains the same) and prints each run's validation loss, then per setting the mean and the
-spread of its difference from ``keep`` on the same seed, in percent: the loss bound of
-docs/memory.md. Slow: one demo training per seed and setting (docs/benchmarks.md has figures).
+trains the same; ``keep+lr`` is ``keep`` with the peak learning rate 1e-6 higher, the noise
+floor) and prints each run's validation loss, then per setting the mean and the spread of its
+difference from ``keep`` on the same seed, in percent: the loss bound of docs/memory.md.
+Slow: one demo training per seed and setting (docs/benchmarks.md has figures).
 """
 
 from __future__ import annotations
@@ -36,19 +37,24 @@ FLAGS = ("fp32", "bf16", "fp8_hybrid", "fp8_block")
 SETTINGS = (
     "keep",
     "precise:recompute/act_fn:recompute/attention:recompute",
-    "precise:fp8/act_fn:fp8",
+    "precise:recompute/act_fn:fp8/attention:recompute",
     "precise:fp8/act_fn:fp8/attention:fp8",
+    "fp8",
 )
 
 
-KINDS: tuple[SavedKind, ...] = ("precise", "act_fn", "attention", "other")
+KINDS: tuple[SavedKind, ...] = ("linear", "precise", "act_fn", "attention", "residual", "other")
 LOSS_SETTINGS = (
     "keep",
+    "keep+lr",
+    "precise:recompute/act_fn:fp8/attention:recompute",
     "precise:recompute/act_fn:fp8/attention:fp8",
     "precise:fp8/act_fn:fp8/attention:fp8/group=32",
     "precise:fp8/act_fn:fp8/attention:fp8",
 )
-"""``--loss``'s settings by default: ``keep`` (the reference) first."""
+"""``--loss``'s settings by default: ``keep`` (the reference) first, then ``keep+lr``, the
+noise floor: ``keep`` with the peak learning rate 1e-6 higher, a perturbation far below any
+rounding, which shows how far a run's loss moves for reasons that are not the activations."""
 
 
 def kept(ctx: ComputeCtx, settings: DemoSettings) -> tuple[SavedActivations, torch.Tensor]:
@@ -87,10 +93,11 @@ def loss_table(flag: str, steps: int, seeds: list[int], settings: list[str]) -> 
         corpus = load_corpus(demo.data, min_bytes=demo.seq_len + 1)
         val = val_batches(corpus, demo.batch_size, demo.seq_len, demo.eval_batches)
         for setting in settings:
+            run, acts = demo, setting
+            if setting == "keep+lr":
+                run, acts = demo.model_copy(update={"lr": demo.lr * (1 + 1e-6)}), "keep"
             with Progress(disable=True) as progress:
-                r = train_policy(
-                    f"{flag}@{setting}", demo, torch.device("cpu"), corpus, val, progress
-                )
+                r = train_policy(f"{flag}@{acts}", run, torch.device("cpu"), corpus, val, progress)
             losses[setting].append(r.val_loss)
             print(f"seed {seed} {flag}@{setting}: val loss {r.val_loss:.4f}", flush=True)
     print(f"\n{flag}, {steps} steps, seeds {seeds}: val loss, and against keep on the same seed")
