@@ -18,6 +18,9 @@
 #if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
 
 namespace {
 
@@ -1096,6 +1099,12 @@ constexpr int64_t kChunk = 4096;  // elements a thread claims at a time (whole t
 // thread's number, b: its buffers). The chunks are claimed in turn from a shared counter,
 // so a thread that the machine's other work holds back takes fewer of them (a fixed split
 // would wait for it). Every element's result is the same whichever thread computes it.
+//
+// The threads are OpenMP's (built with -fopenmp): in a torch process that is torch's own
+// pool (its libgomp is loaded first, and this library's libgomp.so.1 resolves to it), whose
+// threads spin a while after each of torch's parallel ops (the optimizer's non-finite check
+// just before): threads of our own would share the cores with those spinning ones (measured:
+// three times the CPU time a step). Without OpenMP, std::thread.
 template <typename F>
 void parallel(int64_t n, int64_t tile, int threads, const Lut* const* luts, F&& body) {
   const int64_t tiles = (n + tile - 1) / tile;
@@ -1116,10 +1125,15 @@ void parallel(int64_t n, int64_t tile, int threads, const Lut* const* luts, F&& 
       body(k, b, lo, end < n ? end : n);
     }
   };
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  work(omp_get_thread_num());
+#else
   std::vector<std::thread> pool;
   for (int k = 1; k < threads; ++k) pool.emplace_back(work, k);
   work(0);
   for (auto& th : pool) th.join();
+#endif
 }
 
 }  // namespace

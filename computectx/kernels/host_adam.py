@@ -18,7 +18,10 @@ from ranks on the kernel). The result depends on no CPU feature: the vector code
 portable build and a baseline ``-march=x86-64`` build give the same bits (tested).
 
 The kernel: one pass per block of the state format (decode -> float32 update -> encode), the
-blocks split over ``threads`` threads (the result does not depend on their number). The usual
+blocks split over ``threads`` threads (the result does not depend on their number): OpenMP's
+(``-fopenmp``), which in a torch process are torch's own pool (its ``libgomp.so.1``, loaded
+first, is the one this library binds to), so the kernel does not share the cores with torch's
+threads spinning after its last parallel op. The usual
 configurations (both moments of one format; a float32 or bf16 weight and gradient) read and
 write every stream in one loop per block; the others take the same arithmetic in phases.
 """
@@ -60,6 +63,7 @@ FLAGS = (
     "-fPIC",
     "-std=c++17",
     "-pthread",
+    "-fopenmp",
 )
 """No ``-ffast-math``: the arithmetic is IEEE float32, each operation rounded once."""
 PORTABLE = "-DCC_HOST_ADAM_PORTABLE"
