@@ -1,0 +1,417 @@
+"""The 4-bit operators (NVFP4, MXFP4): quantize, the dense GEMM, the grouped GEMM and its wgrad.
+
+======================================  =========================================================
+operator                                semantics
+======================================  =========================================================
+``fp4_quantize``                        codes, block scales and amax of a row-wise operand, or
+                                        of the wgrad's column-wise one (Hadamard-transformed)
+``fp4_scaled_mm``                       the GEMM of two quantized operands (``reference_fp4_mm``)
+``fp4_grouped_mm``                      each row group times its expert, quantized per group
+``fp4_grouped_wgrad``                   each group's ``dYᵀ X`` over its own rows, float32
+======================================  =========================================================
+
+Semantics, operand table and error bound: ``computectx.formats.numerics.fp4_gemm`` (the twins)
+and ``numerics.fp4`` (the quantize). Each operator is a ``torch.library`` custom op with a fake,
+so a compiled graph holds it as one opaque node: ``offs`` and the stochastic-rounding key
+``rng`` (int64 ``(2,)``: seed, counter of element 0) are data read inside the operator, never
+guards, so a compiled caller recompiles neither as the group sizes change nor as its counter
+advances. Packed codes cross the operators as ``torch.float4_e2m1fn_x2``, NVFP4 scales as
+``float8_e4m3fn`` (per-tensor amax float32 ``(1,)``), MXFP4 scales as ``float8_e8m0fnu``.
+
+**Backends** (``select_fp4_backend``): one runs today, ``"emulated"``: the pure-torch twins, on
+the CPU and on any GPU (in float32 on the device), bit for bit the same function everywhere.
+It is what runs on an H100/H200 (no FP4 tensor cores: compute capability below 10.0) and,
+until the sm_100 kernels land (``tl.dot_scaled`` with e2m1 operands, or ``torch._scaled_mm``
+with ``float4_e2m1fn_x2``), on Blackwell too; ``select_fp4_backend`` says which case applies.
+A 4-bit GEMM never falls back to an 8-bit one: another backend name is a ``ValueError``.
+
+The checked entry points (``quantize``, ``scaled_mm``, ``grouped_mm``, ``grouped_wgrad``) take
+the recipe's plain values (``numerics.fp4_gemm.Fp4Quant``) and a ``Stochastic`` key, check
+every argument (``TypeError``/``ValueError`` quoting it; no tensor's contents are read, except
+``offs`` inside the grouped operators), and call the operators.
+"""
+
+from __future__ import annotations
+
+from typing import Final, cast
+
+import torch
+from torch.library import custom_op
+
+from computectx import capability
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.formats.backend import check_bias_and_out, quantizable_arg
+from computectx.formats.numerics import fp4_gemm
+from computectx.formats.numerics.e2m1 import HADAMARD_SIZE, Stochastic
+from computectx.formats.numerics.fp4 import (
+    NVFP4_BLOCK,
+    Mxfp4Operand,
+    MxRounding,
+    Nvfp4Operand,
+    Nvfp4Tile,
+    tensor_amax,
+)
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
+from computectx.formats.ops.grouped import check_grouped, checked_bounds
+from computectx.residency import parse_device
+
+__all__ = [
+    "EMULATED",
+    "fp4_grouped_mm",
+    "fp4_grouped_wgrad",
+    "fp4_quantize",
+    "fp4_scaled_mm",
+    "fp4_tensor_cores",
+    "grouped_mm",
+    "grouped_wgrad",
+    "quantize",
+    "scaled_mm",
+    "select_fp4_backend",
+]
+
+EMULATED: Final[str] = "emulated"
+"""The backend that runs the twins (``numerics.fp4_gemm``): the only one built today."""
+_BACKENDS: Final[tuple[str, ...]] = (EMULATED,)
+_U64: Final[int] = 2**64
+
+
+def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
+    """Whether ``device`` has FP4 tensor cores (a CUDA device of compute capability >= 10.0:
+    Blackwell's sm_100/sm_103/sm_120)."""
+    base = capability.cuda(device)
+    if not base.ok:
+        return capability.Probe(False, f"no FP4 tensor cores: {base.reason}")
+    dev = torch.device(device)
+    major, minor = torch.cuda.get_device_capability(dev)
+    name = torch.cuda.get_device_name(dev)
+    if major >= 10:
+        return capability.Probe(True, f"{name} has compute capability {major}.{minor} >= 10.0")
+    return capability.Probe(
+        False, f"{name} has compute capability {major}.{minor} < 10.0: no FP4 tensor cores"
+    )
+
+
+def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
+    """The 4-bit backend for tensors on ``device`` and a one-line reason: ``"emulated"``
+    everywhere today, saying why (module docstring)."""
+    dev = parse_device(device)
+    cores = fp4_tensor_cores(dev) if dev.type == "cuda" else None
+    if cores is None:
+        where = f"{dev} is not a GPU"
+    elif not cores.ok:
+        where = f"{cores.reason} (an H100/H200 has none)"
+    else:
+        where = f"{cores.reason}, but computectx's sm_100 FP4 kernels are not built yet"
+    return EMULATED, (
+        f"emulated: {where}; the 4-bit GEMMs run the pure-torch twin (numerics.fp4_gemm) in "
+        f"float32 on {dev}, never an 8-bit fallback"
+    )
+
+
+def _backend(backend: str) -> None:
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown 4-bit backend {backend!r}; accepted: {', '.join(_BACKENDS)}")
+
+
+def _key(rng: torch.Tensor | None) -> Stochastic | None:
+    # A host read of the two int64s (inside the operator: data, not a guard).
+    if rng is None:
+        return None
+    seed, offset = (int(v) for v in rng.tolist())
+    return Stochastic(seed % _U64, offset)
+
+
+def _how(fmt: str, tile: str, mx_rounding: str, hadamard: bool, signs: list[int]) -> Fp4Quant:
+    return Fp4Quant(
+        format=cast(fp4_gemm.Fp4Format, fmt),
+        weight_tile=cast(Nvfp4Tile, tile),
+        mx_rounding=cast(MxRounding, mx_rounding),
+        hadamard=hadamard,
+        signs=tuple(signs),
+    )
+
+
+def _padded(m: int, how: Fp4Quant) -> int:
+    multiple = max(how.block, HADAMARD_SIZE) if how.hadamard else how.block
+    return (m + multiple - 1) // multiple * multiple
+
+
+# ---------------------------------------------------------------------------------------
+# The operators.
+
+Quantized = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(codes, scale, amax)``: what ``fp4_quantize`` returns."""
+
+
+@custom_op("computectx::fp4_quantize", mutates_args=())
+def fp4_quantize(
+    x: torch.Tensor,
+    format: str,
+    tile: str,
+    mx_rounding: str,
+    columnwise: bool,
+    hadamard: bool,
+    signs: list[int],
+    rng: torch.Tensor | None,
+    backend: str,
+) -> Quantized:
+    """A 2-D ``x``'s row-wise operand at ``tile`` (``"1x16"``/``"16x16"``; MXFP4: 1x32), or
+    with ``columnwise`` the wgrad's operand of ``x.t()`` (``fp4_gemm.wgrad_operand``):
+    ``(codes, scale, amax)``, the amax float32 ``(1,)`` (MXFP4: the tensor's, unused)."""
+    _backend(backend)
+    how = _how(format, tile, mx_rounding, hadamard, signs)
+    key = _key(rng)
+    if columnwise:
+        q = fp4_gemm.wgrad_operand(x, how, stochastic=key)
+    else:
+        q = fp4_gemm.quantize_rows(x, how, weight=tile == "16x16", stochastic=key)
+    amax = q.amax if isinstance(q, Nvfp4Operand) else tensor_amax(x)
+    return q.codes, q.scale, amax.reshape(1).clone()
+
+
+@fp4_quantize.register_fake
+def _quantize_fake(
+    x: torch.Tensor,
+    format: str,
+    tile: str,
+    mx_rounding: str,
+    columnwise: bool,
+    hadamard: bool,
+    *_: object,
+) -> Quantized:
+    how = _how(format, tile, mx_rounding, hadamard, [1] * HADAMARD_SIZE)
+    rows, k = (x.shape[1], _padded(x.shape[0], how)) if columnwise else x.shape
+    tile_rows = NVFP4_BLOCK if tile == "16x16" and format == "nvfp4" and not columnwise else 1
+    scale_dtype = torch.float8_e4m3fn if format == "nvfp4" else torch.float8_e8m0fnu
+    codes = x.new_empty((rows, k // 2), dtype=torch.float4_e2m1fn_x2)
+    scale = x.new_empty((rows // tile_rows, k // how.block), dtype=scale_dtype)
+    return codes, scale, x.new_empty(1, dtype=torch.float32)
+
+
+def _operand(
+    codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, tile: str
+) -> Fp4Operand:
+    if scale.dtype == torch.float8_e8m0fnu:
+        return Mxfp4Operand(codes, scale)
+    if amax is None:
+        raise ValueError("an NVFP4 operand (an E4M3 scale) needs its per-tensor amax")
+    return Nvfp4Operand(codes, scale, amax.reshape(()), cast(Nvfp4Tile, tile))
+
+
+@custom_op("computectx::fp4_scaled_mm", mutates_args=())
+def fp4_scaled_mm(
+    a: torch.Tensor,
+    scale_a: torch.Tensor,
+    amax_a: torch.Tensor | None,
+    tile_a: str,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    amax_b: torch.Tensor | None,
+    tile_b: str,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``[M, N]``: ``reference_fp4_mm`` of the operands ``a [M, K]`` and ``b [N, K]`` (codes,
+    scales, NVFP4's amaxes, tiles)."""
+    _backend(backend)
+    qa, qb = _operand(a, scale_a, amax_a, tile_a), _operand(b, scale_b, amax_b, tile_b)
+    return fp4_gemm.reference_fp4_mm(qa, qb, out_dtype, bias)
+
+
+@fp4_scaled_mm.register_fake
+def _scaled_mm_fake(a: torch.Tensor, *rest: object) -> torch.Tensor:
+    b = cast(torch.Tensor, rest[3])
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=cast(torch.dtype, rest[-2]))
+
+
+@custom_op("computectx::fp4_grouped_mm", mutates_args=())
+def fp4_grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    format: str,
+    weight_tile: str,
+    mx_rounding: str,
+    rng: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times expert ``b[g]`` (``[E, N, K]``),
+    each quantized on its own (``reference_fp4_grouped_mm``)."""
+    _backend(backend)
+    bounds = checked_bounds(offs, a.shape[0])
+    how = _how(format, weight_tile, mx_rounding, False, [1] * HADAMARD_SIZE)
+    return fp4_gemm.reference_fp4_grouped_mm(a, b, bounds, how, out_dtype, _key(rng))
+
+
+@fp4_grouped_mm.register_fake
+def _grouped_mm_fake(a: torch.Tensor, b: torch.Tensor, *rest: object) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=cast(torch.dtype, rest[-2]))
+
+
+@custom_op("computectx::fp4_grouped_wgrad", mutates_args=())
+def fp4_grouped_wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    format: str,
+    mx_rounding: str,
+    hadamard: bool,
+    signs: list[int],
+    rng: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    """float32 ``[E, N, K]``: ``dY[rows of g]ᵀ X[rows of g]`` from the two column-wise
+    operands of each group (``reference_fp4_grouped_wgrad``)."""
+    _backend(backend)
+    bounds = checked_bounds(offs, dy.shape[0])
+    how = _how(format, "1x16", mx_rounding, hadamard, signs)
+    return fp4_gemm.reference_fp4_grouped_wgrad(dy, x, bounds, how, _key(rng))
+
+
+@fp4_grouped_wgrad.register_fake
+def _grouped_wgrad_fake(
+    dy: torch.Tensor, x: torch.Tensor, offs: torch.Tensor, *_: object
+) -> torch.Tensor:
+    return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# The checked entry points.
+
+
+def _rng(stochastic: Stochastic | None) -> torch.Tensor | None:
+    if stochastic is None:
+        return None
+    if not isinstance(stochastic, Stochastic):
+        raise TypeError(f"stochastic must be a Stochastic key or None, got {stochastic!r}")
+    seed = stochastic.seed if stochastic.seed < 2**63 else stochastic.seed - _U64
+    return torch.tensor([seed, stochastic.offset], dtype=torch.int64)
+
+
+def _check_how(how: object) -> Fp4Quant:
+    if not isinstance(how, Fp4Quant):
+        raise TypeError(f"how must be an Fp4Quant (the recipe's 4-bit values), got {how!r}")
+    return how
+
+
+def _check_2d(x: object, multiple: int, rows_multiple: int, who: str) -> torch.Tensor:
+    t = quantizable_arg(x)
+    if t.dim() != 2 or t.shape[1] % multiple or t.shape[0] % rows_multiple:
+        rows = f", rows a multiple of {rows_multiple}" if rows_multiple > 1 else ""
+        raise ValueError(
+            f"{who} takes a 2-D tensor with the last dimension a multiple of {multiple}{rows}, "
+            f"got shape {tuple(t.shape)}"
+        )
+    return t
+
+
+def quantize(
+    x: torch.Tensor,
+    how: Fp4Quant,
+    *,
+    weight: bool = False,
+    columnwise: bool = False,
+    stochastic: Stochastic | None = None,
+) -> Fp4Operand:
+    """The operand of a 2-D ``x``: row-wise (``weight``: at ``how.weight_tile``), or with
+    ``columnwise`` the wgrad's operand of ``x.t()`` (rows padded, ``how.hadamard`` applied)."""
+    h = _check_how(how)
+    tile = h.weight_tile if weight and h.format == "nvfp4" and not columnwise else "1x16"
+    if columnwise:
+        _check_2d(x, 1, 1, "a column-wise 4-bit quantize")
+    else:
+        rows = NVFP4_BLOCK if tile == "16x16" else 1
+        _check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
+    signs = list(h.signs)
+    codes, scale, amax = fp4_quantize(
+        x, h.format, tile, h.mx_rounding, columnwise, h.hadamard, signs, _rng(stochastic), EMULATED
+    )
+    return _operand(codes, scale, amax if h.format == "nvfp4" else None, tile)
+
+
+def scaled_mm(
+    a: Fp4Operand, b: Fp4Operand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``a @ b.T (+ bias)`` at ``out_dtype`` of two NVFP4 or two MXFP4 operands (``[M, K]``,
+    ``[N, K]``) through ``computectx::fp4_scaled_mm``."""
+    for name, q in (("a", a), ("b", b)):
+        if not isinstance(q, (Nvfp4Operand, Mxfp4Operand)):
+            raise TypeError(f"{name} must be an Nvfp4Operand or Mxfp4Operand, got {q!r}")
+        if q.codes.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got codes of shape {tuple(q.codes.shape)}")
+    if isinstance(a, Nvfp4Operand) != isinstance(b, Nvfp4Operand):
+        raise ValueError(f"a 4-bit GEMM multiplies two NVFP4 or two MXFP4 operands, got {a!r}")
+    if a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
+        raise ValueError(
+            f"a [M, K] and b [N, K] need the same K and device, got {tuple(a.codes.shape)} on "
+            f"{a.codes.device} and {tuple(b.codes.shape)} on {b.codes.device} (two values a byte)"
+        )
+    check_bias_and_out(bias, out_dtype, a.codes, b.codes)
+    ta = a.tile if isinstance(a, Nvfp4Operand) else "1x32"
+    tb = b.tile if isinstance(b, Nvfp4Operand) else "1x32"
+    amax_a = a.amax.reshape(1) if isinstance(a, Nvfp4Operand) else None
+    amax_b = b.amax.reshape(1) if isinstance(b, Nvfp4Operand) else None
+    out: torch.Tensor = fp4_scaled_mm(
+        a.codes, a.scale, amax_a, ta, b.codes, b.scale, amax_b, tb, bias, out_dtype, EMULATED
+    )
+    return out
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor,
+    how: Fp4Quant,
+    *,
+    out_dtype: torch.dtype | None = None,
+    stochastic: Stochastic | None = None,
+) -> torch.Tensor:
+    """``[M, N]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ`` in 4 bits (``numerics.fp4_gemm``),
+    at ``out_dtype`` (default ``a``'s). ``a [M, K]``, ``b [E, N, K]`` (the dgrad passes
+    ``Wᵀ`` per expert), ``offs`` int32 end rows; K a multiple of the block, N of 16 for 16x16
+    weight tiles. ``stochastic`` rounds ``a``'s codes (the dgrad's dY)."""
+    h = _check_how(how)
+    _, k, _, n = check_grouped(a, b, offs, op="fp4 grouped_mm")
+    rows = NVFP4_BLOCK if h.format == "nvfp4" and h.weight_tile == "16x16" else 1
+    if k % h.block or n % rows:
+        raise ValueError(
+            f"{h.format} grouped_mm needs K a multiple of {h.block} and N of {rows}, got "
+            f"K = {k}, N = {n}"
+        )
+    out = a.dtype if out_dtype is None else out_dtype
+    if out not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    args = (h.format, h.weight_tile, h.mx_rounding, _rng(stochastic), out, EMULATED)
+    y: torch.Tensor = fp4_grouped_mm(a, b, offs, *args)
+    return y
+
+
+def grouped_wgrad(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    offs: torch.Tensor,
+    how: Fp4Quant,
+    *,
+    stochastic: Stochastic | None = None,
+) -> torch.Tensor:
+    """float32 ``[E, N, K]``: ``dW[g] = dY[rows of g]ᵀ X[rows of g]`` in 4 bits, each group's
+    operands padded and Hadamard-transformed on their own (``numerics.fp4_gemm``); ``offs``
+    has E entries. ``stochastic`` rounds dY's codes."""
+    h = _check_how(how)
+    t_dy, t_x = quantizable_arg(dy), quantizable_arg(x)
+    if t_dy.dim() != 2 or t_x.dim() != 2 or t_dy.shape[0] != t_x.shape[0]:
+        raise ValueError(
+            f"grouped_wgrad takes dy [M, N] and x [M, K] with the same M, got "
+            f"{tuple(t_dy.shape)} and {tuple(t_x.shape)}"
+        )
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+        raise TypeError(f"offs must be a 1-D int32 tensor of each group's end row, got {offs!r}")
+    if not (t_dy.device == t_x.device == offs.device):
+        raise ValueError(
+            f"dy, x and offs must be on one device, got {t_dy.device}, {t_x.device}, {offs.device}"
+        )
+    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), _rng(stochastic), EMULATED)
+    dw: torch.Tensor = fp4_grouped_wgrad(dy, x, offs, *args)
+    return dw

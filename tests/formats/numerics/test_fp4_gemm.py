@@ -1,0 +1,199 @@
+"""The 4-bit GEMM twins (``numerics.fp4_gemm``): the dense GEMM's arithmetic, its stated error
+bound on random shapes with extreme values, the operands of the wgrad GEMM (the Hadamard
+transform needs no inverse), and the grouped GEMMs as the dense GEMM on each group's rows.
+
+The one-block GEMM is checked bit for bit against float64 arithmetic rounded once (every block
+term is exact, so ``alpha * T`` is the only rounding there); the bound is asserted on shapes
+and magnitudes drawn by hypothesis (amaxes from 1e-30 to 1e20, zero and underflowing blocks,
+±inf saturating, both tiles, both MX rules, bias, f32/bf16 outputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from computectx.formats.numerics import e2m1, fp4, fp4_gemm
+from computectx.formats.numerics.e2m1 import Stochastic
+from computectx.formats.numerics.fp4_gemm import Fp4Quant
+
+NV, MX = Fp4Quant(), Fp4Quant(format="mxfp4", hadamard=False)
+HOWS = {
+    "nvfp4": NV,
+    "nvfp4-1x16": Fp4Quant(weight_tile="1x16"),
+    "mxfp4-rceil": MX,
+    "mxfp4-floor": Fp4Quant(format="mxfp4", mx_rounding="floor", hadamard=False),
+}
+
+
+def sqnr(ref: torch.Tensor, got: torch.Tensor) -> float:
+    ref, got = ref.double(), got.double()
+    return 10 * math.log10(float(ref.pow(2).sum()) / float((ref - got).pow(2).sum()))
+
+
+def exact_product(a: fp4_gemm.Fp4Operand, b: fp4_gemm.Fp4Operand) -> torch.Tensor:
+    da, db = fp4_gemm.dequantize_operand(a), fp4_gemm.dequantize_operand(b)
+    return da.double() @ db.double().t()
+
+
+# ----- the dense GEMM -----------------------------------------------------------------------
+
+
+def test_alpha_is_tes_tensor_scale_in_float32() -> None:
+    f32 = np.float32
+    for amax_a, amax_b in ((1.0, 1.0), (3.7e5, 2.2e-3), (1e-20, 1e-20), (6.0, 448.0)):
+        want = (f32(amax_a) * f32(amax_b)) * f32(1.0 / (6.0 * 6.0 * 448.0 * 448.0))
+        got = fp4_gemm.tensor_scale_alpha(torch.tensor(amax_a), torch.tensor(amax_b))
+        assert got.dtype == torch.float32 and float(got) == float(want)
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4-rceil"])
+def test_one_block_is_exact_up_to_the_epilogue(name: str) -> None:
+    # One K block: P * s_a * s_b is exact, so the float32 result is the float64 value of the
+    # block term times alpha rounded once, bit for bit.
+    how = HOWS[name]
+    gen = torch.Generator().manual_seed(3)
+    k = how.block
+    a = fp4_gemm.quantize_rows(torch.randn(16, k, generator=gen) * 7, how)
+    b = fp4_gemm.quantize_rows(torch.randn(32, k, generator=gen) / 3, how, weight=True)
+    got = fp4_gemm.reference_fp4_mm(a, b, torch.float32)
+    ea = e2m1.code_values(e2m1.unpack_codes(a.codes)).double() * a.scale.double().reshape(16, 1)
+    scale_b = b.scale.double()
+    if isinstance(b, fp4.Nvfp4Operand) and b.tile == "16x16":
+        scale_b = scale_b.repeat_interleave(16, dim=0)
+    eb = e2m1.code_values(e2m1.unpack_codes(b.codes)).double() * scale_b.reshape(32, 1)
+    want = ea @ eb.t()
+    if isinstance(a, fp4.Nvfp4Operand) and isinstance(b, fp4.Nvfp4Operand):
+        want = want * fp4_gemm.tensor_scale_alpha(a.amax, b.amax).double()
+    assert torch.equal(got, want.float())
+
+
+magnitudes = st.sampled_from([1e-30, 1e-12, 1e-3, 1.0, 300.0, 1e8, 1e20])
+
+
+@settings(max_examples=12)
+@given(
+    name=st.sampled_from(sorted(HOWS)),
+    m16=st.integers(1, 3),
+    n16=st.integers(1, 3),
+    kb=st.integers(1, 4),
+    scale_a=magnitudes,
+    scale_b=magnitudes,
+    seed=st.integers(0, 2**16),
+    out=st.sampled_from([torch.float32, torch.bfloat16]),
+    extremes=st.booleans(),
+)
+def test_the_error_bound_holds(
+    name: str,
+    m16: int,
+    n16: int,
+    kb: int,
+    scale_a: float,
+    scale_b: float,
+    seed: int,
+    out: torch.dtype,
+    extremes: bool,
+) -> None:
+    assume(scale_a * scale_b <= 1e28)  # results in float32's range (beyond it: inf)
+    how = HOWS[name]
+    gen = torch.Generator().manual_seed(seed)
+    m, n, k = 16 * m16, 16 * n16, how.block * kb
+    x = torch.randn(m, k, generator=gen) * scale_a
+    w = torch.randn(n, k, generator=gen) * scale_b
+    if extremes:
+        x[0, :16] = 0.0  # a zero block
+        x[1, : how.block] *= 1e-12  # a block whose scale underflows (NVFP4: zero scale)
+        x[2, 3] = 1e4 * scale_a  # an outlier
+        if how.format == "nvfp4":  # an MXFP4 inf block dequantizes to inf: not finite
+            w[0, 5] = float("inf")  # saturates: the block's largest code
+    bias = torch.randn(n, generator=gen) * scale_a * scale_b
+    a = fp4_gemm.quantize_rows(x, how)
+    b = fp4_gemm.quantize_rows(w, how, weight=True)
+    got = fp4_gemm.reference_fp4_mm(a, b, out, bias).double()
+    bound = fp4_gemm.fp4_mm_error_bound(a, b, out, bias)
+    err = (got - (exact_product(a, b) + bias.double())).abs()
+    assert bool((err <= bound).all()), float((err - bound).max())
+
+
+def test_mixed_pairs_and_two_ks_are_refused() -> None:
+    x = torch.randn(16, 64)
+    with pytest.raises(ValueError, match="two NVFP4 or two MXFP4"):
+        fp4_gemm.reference_fp4_mm(fp4.quantize_nvfp4(x), fp4.quantize_mxfp4(x), torch.float32)
+    short = fp4.quantize_nvfp4(x[:, :32])
+    with pytest.raises(ValueError, match="the same K"):
+        fp4_gemm.reference_fp4_mm(fp4.quantize_nvfp4(x), short, torch.float32)
+
+
+def test_fp4_quant_refuses_bad_values() -> None:
+    for kwargs in (
+        {"format": "fp4"},
+        {"weight_tile": "32x32"},
+        {"mx_rounding": "even"},
+        {"hadamard": 1},
+        {"signs": (1,) * 15},
+    ):
+        with pytest.raises(ValueError, match="must be"):
+            Fp4Quant(**kwargs)
+
+
+# ----- the wgrad operands and the grouped GEMMs ---------------------------------------------
+
+
+@pytest.mark.parametrize("hadamard", [True, False])
+def test_the_wgrad_operands_need_no_inverse_transform(hadamard: bool) -> None:
+    # dYᵀ X from two column-wise operands (23 rows: padded to 32) is the product itself,
+    # transformed or not: an operand transformed on one side only would score about 0 dB.
+    gen = torch.Generator().manual_seed(5)
+    dy, x = torch.randn(23, 32, generator=gen), torch.randn(23, 48, generator=gen)
+    how = Fp4Quant(hadamard=hadamard)
+    qd = fp4_gemm.wgrad_operand(dy, how, stochastic=Stochastic(7))
+    qx = fp4_gemm.wgrad_operand(x, how)
+    assert qd.codes.shape == (32, 16) and qx.codes.shape == (48, 16)
+    dw = fp4_gemm.reference_fp4_mm(qd, qx, torch.float32)
+    assert sqnr(dy.t().double() @ x.double(), dw) > 12
+
+
+def test_each_group_is_the_dense_gemm_on_its_rows() -> None:
+    gen = torch.Generator().manual_seed(6)
+    e, n, k = 4, 32, 64
+    a = torch.randn(40, k, generator=gen).bfloat16()
+    a[5:9] *= 1e4  # group 1's own amax: no other group sees it
+    b = torch.randn(e, n, k, generator=gen).bfloat16()
+    bounds = [(0, 5), (5, 5), (5, 30), (30, 37)]  # an empty group, rows 37-39 past the last
+    key = Stochastic(11, 100)
+    for how, stochastic in ((NV, None), (NV, key), (MX, None)):
+        out = fp4_gemm.reference_fp4_grouped_mm(a, b, bounds, how, torch.bfloat16, stochastic)
+        for g, (start, end) in enumerate(bounds):
+            if end == start:
+                continue
+            sk = None if stochastic is None else Stochastic(11, 100 + start * k)
+            qa = fp4_gemm.quantize_rows(a[start:end], how, stochastic=sk)
+            qb = fp4_gemm.quantize_rows(b[g], how, weight=True)
+            assert torch.equal(out[start:end], fp4_gemm.reference_fp4_mm(qa, qb, torch.bfloat16))
+        assert torch.equal(out[37:], torch.zeros(3, n, dtype=torch.bfloat16))
+    counters = fp4_gemm.grouped_counters(bounds, k, NV, wgrad=False)
+    assert counters == 37 * k
+
+
+def test_each_groups_wgrad_is_the_dense_one_on_its_rows() -> None:
+    gen = torch.Generator().manual_seed(7)
+    dy, x = torch.randn(40, 32, generator=gen), torch.randn(40, 48, generator=gen)
+    bounds = [(0, 5), (5, 5), (5, 30), (30, 37)]
+    key = Stochastic(3, 0)
+    out = fp4_gemm.reference_fp4_grouped_wgrad(dy, x, bounds, NV, key)
+    assert torch.equal(out[1], torch.zeros(32, 48))  # the empty group
+    consumed = 0
+    for g in (0, 2, 3):
+        start, end = bounds[g]
+        qd = fp4_gemm.wgrad_operand(dy[start:end], NV, stochastic=Stochastic(3, consumed))
+        consumed += 32 * qd.codes.shape[1] * 2
+        qx = fp4_gemm.wgrad_operand(x[start:end], NV)
+        assert torch.equal(out[g], fp4_gemm.reference_fp4_mm(qd, qx, torch.float32))
+    assert fp4_gemm.grouped_counters(bounds, 32, NV, wgrad=True) == consumed == 32 * 64
+    again = fp4_gemm.reference_fp4_grouped_wgrad(dy, x, bounds, NV, key)
+    assert torch.equal(out, again)  # reproducible from its key
