@@ -35,6 +35,7 @@ from computectx.dtypes import (
     promote,
 )
 from computectx.flags import DTYPE_FLAGS, flag_policy
+from computectx.fp4_recipe import AnyRecipe, Fp4Recipe
 from computectx.kv_policy import KvField, KvFp8
 from computectx.optim_state import OptimState, OptimStateField, parse_optim_state
 from computectx.recipes import Recipe
@@ -49,9 +50,8 @@ def _is_none_text(value: object) -> bool:
 
 
 def _lenient_recipe(value: object) -> object:
-    if isinstance(value, str):
-        return None if _is_none_text(value) else Recipe.parse(value)
-    return value
+    # "none" is no recipe; any other text is AnyRecipe's to read (fp8 or 4-bit).
+    return None if _is_none_text(value) else value
 
 
 def _lenient_offload(value: object) -> object:
@@ -74,7 +74,7 @@ def _compute_join_f32(validated: dict[str, Any]) -> DType:
 # Names, aliases and torch dtypes become members; parse's error quotes anything else.
 DTypeField = Annotated[DType, BeforeValidator(DType.parse)]
 ResidencyField = Annotated[Residency, BeforeValidator(Residency.parse)]
-RecipeField = Annotated[Recipe | None, BeforeValidator(_lenient_recipe)]
+RecipeField = Annotated[AnyRecipe | None, BeforeValidator(_lenient_recipe)]
 OffloadField = Annotated[TorchDevice | None, BeforeValidator(_lenient_offload)]
 
 
@@ -86,8 +86,8 @@ class CtxChanges(TypedDict, total=False):
     accum: DType
     residency: Residency
     device: torch.device
-    recipe: Recipe | None
-    fp8: Recipe | None  # the 0.1.0 name of recipe
+    recipe: Recipe | Fp4Recipe | None
+    fp8: Recipe | Fp4Recipe | None  # the 0.1.0 name of recipe
     grad: DType
     master: DType
     offload: torch.device | None
@@ -125,9 +125,10 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
     device: TorchDevice
     """Device the model computes on."""
     recipe: RecipeField = None
-    """The low-precision recipe of the linears and grouped GEMMs (a ``Recipe``: format,
-    scaling, granularity); ``None`` means every GEMM runs at ``compute``. The text and JSON
-    forms of 0.1.0 named it ``fp8``, which still reads."""
+    """The low-precision recipe of the linears and grouped GEMMs: an fp8 ``Recipe`` (format,
+    scaling, granularity) or a 4-bit ``Fp4Recipe`` (``nvfp4``, ``mxfp4``), told apart by the
+    format word; ``None`` means every GEMM runs at ``compute``. The text and JSON forms of
+    0.1.0 named it ``fp8``, which still reads."""
     grad: DTypeField = DType.F32
     """Dtype gradients are accumulated in across micro-batches."""
     master: DTypeField = DType.F32
@@ -215,7 +216,7 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         )
 
     @property
-    def fp8(self) -> Recipe | None:
+    def fp8(self) -> Recipe | Fp4Recipe | None:
         """The old name of ``recipe`` (0.1.0); it goes in 0.3.0."""
         return self.recipe
 
@@ -268,7 +269,9 @@ class ComputeCtx(BaseModel, frozen=True, extra="forbid", use_attribute_docstring
         ``fp8_rowwise`` and ``fp8_rowwise_gw_hp`` scale every row of every operand
         (``Recipe(granularity="row")``, with ``gw_hp=True`` for the second);
         ``fp8_block`` and ``fp8_mx`` scale 1x128/128x128 and 1x32 blocks
-        (``Recipe(granularity="block")``, ``Recipe(granularity="mx")``).
+        (``Recipe(granularity="block")``, ``Recipe(granularity="mx")``). ``nvfp4`` and ``mxfp4``
+        are BF16 activations with 4-bit linears (``Fp4Recipe()``, TransformerEngine's NVFP4
+        recipe, and ``Fp4Recipe(format="mxfp4")``).
         """
         compute, policy = flag_policy(name)
         return cls(compute=compute, device=parse_device(device), recipe=policy)

@@ -4,6 +4,7 @@ and ``computectx demo --dtype`` read. Pure data in the core layer, below ``ctx``
 from __future__ import annotations
 
 from computectx.dtypes import DType
+from computectx.fp4_recipe import Fp4Recipe
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 
 __all__ = ["DTYPE_FLAGS", "FLAGS", "flag_policy"]
@@ -14,7 +15,7 @@ def _fp8_flags(suffix: str, scaling: DelayedScaling | DynamicScaling) -> dict[st
     return {f"fp8_{s}{suffix}": Recipe(format=s, scaling=scaling) for s in order}
 
 
-FLAGS: dict[str, tuple[DType, Recipe | None]] = {
+FLAGS: dict[str, tuple[DType, Recipe | Fp4Recipe | None]] = {
     "fp32": (DType.F32, None),
     "fp16": (DType.F16, None),
     "bf16": (DType.BF16, None),
@@ -28,19 +29,25 @@ FLAGS: dict[str, tuple[DType, Recipe | None]] = {
     # MXFP8BlockScaling): E4M3 both ways, dynamic.
     "fp8_block": (DType.BF16, Recipe(granularity="block")),
     "fp8_mx": (DType.BF16, Recipe(granularity="mx")),
+    # 4 bits: TransformerEngine's NVFP4BlockScaling (16x16 weight tiles, stochastic rounding
+    # of gradients, the Hadamard transform on the wgrad operands) and MXFP4 (1x32 E8M0 blocks).
+    "nvfp4": (DType.BF16, Fp4Recipe()),
+    "mxfp4": (DType.BF16, Fp4Recipe(format="mxfp4")),
 }
 """Each ``--dtype`` flag, its compute dtype and its recipe. fp32 is parity (``new(F32)`` is the
 same value); the fp8 flags are BF16 activations with fp8 linears, delayed scaling by default and
-dynamic with the ``_dynamic`` suffix."""
+dynamic with the ``_dynamic`` suffix; ``nvfp4`` and ``mxfp4`` BF16 activations with 4-bit
+linears."""
 
 DTYPE_FLAGS: tuple[str, ...] = tuple(FLAGS)
 """The ``--dtype`` flags ``ComputeCtx.from_flag`` reads, in order: ``fp32``, ``fp16``, ``bf16``,
 the fp8 schemes with delayed scaling (``fp8_e4m3``, ``fp8_e5m2``, ``fp8_hybrid``), the same with
 dynamic scaling (``fp8_e4m3_dynamic``, ...), ``fp8_rowwise``, ``fp8_rowwise_gw_hp``,
-``fp8_block`` and ``fp8_mx`` (``ComputeCtx.from_flag`` and ``FLAGS`` say what each is)."""
+``fp8_block``, ``fp8_mx``, then the 4-bit ``nvfp4`` and ``mxfp4`` (``ComputeCtx.from_flag`` and
+``FLAGS`` say what each is)."""
 
 
-def flag_policy(name: str) -> tuple[DType, Recipe | None]:
+def flag_policy(name: str) -> tuple[DType, Recipe | Fp4Recipe | None]:
     """The compute dtype and recipe of the ``--dtype`` flag ``name``, in any case;
     ``ValueError`` naming the flag and every accepted one otherwise."""
     key = name.strip().lower() if isinstance(name, str) else name

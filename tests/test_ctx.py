@@ -318,6 +318,8 @@ def test_dynamic_flags_sit_beside_the_delayed_ones() -> None:
         "fp8_rowwise_gw_hp",
         "fp8_block",
         "fp8_mx",
+        "nvfp4",
+        "mxfp4",
     )
     for scheme in Fp8Scheme:
         delayed = ComputeCtx.from_flag(f"fp8_{scheme}", "cpu")

@@ -52,6 +52,7 @@ def test_importing_the_core_loads_nothing_downstream() -> None:
         "'computectx.ctx',",
         "'computectx.dtypes',",
         "'computectx.flags',",
+        "'computectx.fp4_recipe',",
         "'computectx.kv_policy',",
         "'computectx.offload',",
         "'computectx.optim_state',",

@@ -49,6 +49,7 @@ CORE_RANK: dict[str, int] = {
     "computectx.capability": 1,
     "computectx.offload": 1,  # activations kept in host memory (Offloaded, Streams)
     "computectx.saved": 2,  # what an op keeps for its backward (saved_call)
+    "computectx.fp4_recipe": 2,  # the 4-bit recipes (Fp4Recipe) and the union with fp8's
     "computectx.flags": 3,  # the --dtype flags: each flag's compute dtype and recipe
     "computectx.ctx": 4,
     "computectx": 5,  # the package face re-exports the core

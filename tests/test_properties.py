@@ -6,6 +6,7 @@ import contextlib
 import itertools
 import json
 import math
+import pickle
 import re
 from collections.abc import Callable
 
@@ -27,6 +28,7 @@ from computectx.activations import (
 from computectx.ctx import DTYPE_FLAGS
 from computectx.formats import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv
+from computectx.fp4_recipe import FP4_FORMATS, WGRAD_SIGNS, Fp4Recipe, parse_recipe
 from computectx.kv_policy import KV_SCALINGS, KV_STEPS, parse_kv
 from computectx.optim_state import (
     DEFAULT_BLOCK,
@@ -236,6 +238,28 @@ def fp8_policies(draw: st.DrawFn) -> Recipe:
     return Recipe.model_validate(fields | options)
 
 
+_PATTERNS = st.lists(st.text(alphabet="abcxyz019_.*?[]!-", min_size=1, max_size=8), max_size=3)
+
+
+@st.composite
+def fp4_recipes(draw: st.DrawFn) -> Fp4Recipe:
+    """Every 4-bit recipe: each format with every option that applies, each given or left to the
+    format's default (None), a seed where stochastic rounding is on, layers kept high."""
+    fmt = draw(st.sampled_from(FP4_FORMATS))
+    fields: dict[str, object] = {"format": fmt}
+    fields["stochastic"] = draw(st.sampled_from([None, True, False]))
+    fields["hadamard"] = draw(st.sampled_from([None, True, False]))
+    if fmt == "nvfp4":
+        fields["weight_tile"] = draw(st.sampled_from([None, "16x16", "1x16"]))
+    else:
+        fields["mx_rounding"] = draw(st.sampled_from([None, "rceil", "floor"]))
+    if fields["stochastic"] or (fields["stochastic"] is None and fmt == "nvfp4"):
+        fields["seed"] = draw(st.sampled_from([0, 2**64 - 1]) | st.integers(0, 2**64 - 1))
+    fields["hp_last"] = draw(st.integers(0, 4096))
+    fields["hp"] = draw(_PATTERNS)
+    return Fp4Recipe.model_validate(fields)
+
+
 kv_fp8s = st.builds(
     KvFp8,
     format=st.sampled_from(list(Fp8Format)),
@@ -277,7 +301,7 @@ def activation_policies(draw: st.DrawFn) -> Activations:
 @st.composite
 def contexts(draw: st.DrawFn) -> ComputeCtx:
     compute = draw(st.sampled_from(ALL))
-    policy: Recipe | None = draw(st.one_of(st.none(), fp8_policies()))
+    policy: Recipe | Fp4Recipe | None = draw(st.one_of(st.none(), fp8_policies(), fp4_recipes()))
     devices = st.sampled_from(["cpu", "cuda", "cuda:0", "cuda:3", "meta"]).map(torch.device)
     return ComputeCtx(
         compute=compute,
@@ -312,8 +336,9 @@ _alphabet = st.sampled_from(list("=,/:;+_ abcdefghklmnoprtuvwx01236")) | st.char
 def test_bad_strings_raise_only_documented_errors(text: str) -> None:
     with contextlib.suppress(ValueError):  # pydantic's ValidationError is a ValueError too
         ComputeCtx.parse(text)
-    parsers = (DType.parse, Residency.parse, Recipe.parse, parse_scaling, KvFp8.parse)
-    for parse in (*parsers, OptimState.parse, parse_optim_state, parse_activations):
+    parsers = (DType.parse, Residency.parse, Recipe.parse, Fp4Recipe.parse, parse_recipe)
+    parsers2 = (parse_scaling, KvFp8.parse, OptimState.parse, parse_optim_state, parse_activations)
+    for parse in (*parsers, *parsers2):
         with contextlib.suppress(ValueError):
             parse(text)
     with contextlib.suppress(ValueError):
@@ -379,7 +404,7 @@ def test_every_text_field_reads_in_any_case(
 
 @given(ctx=contexts())
 def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
-    if ctx.recipe is None:
+    if not isinstance(ctx.recipe, Recipe):  # none, or a 4-bit recipe (no scaling part)
         return
     scaling = ctx.recipe.scaling
     assert parse_scaling(str(scaling)) == scaling
@@ -533,6 +558,52 @@ def test_integer_fields_are_strict(field: str, bad: object) -> None:
     with pytest.raises(ValidationError, match="must be an integer") as caught:
         Recipe.model_validate_json(json.dumps({"scaling": {field: bad}}))
     assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
+
+
+@given(recipe=fp4_recipes(), data=st.data())
+def test_fp4_recipe_text_json_and_pickle_round_trip_in_any_case(
+    recipe: Fp4Recipe, data: st.DataObject
+) -> None:
+    text = str(recipe)
+    assert Fp4Recipe.parse(text) == recipe == parse_recipe(text)
+    assert str(Fp4Recipe.parse(text)) == text
+    flips = data.draw(st.lists(st.booleans(), min_size=len(text), max_size=len(text)))
+    assert parse_recipe(_mangle(text, flips)) == recipe
+    parts = text.split("+")  # the options read in any order
+    assert Fp4Recipe.parse("+".join([parts[0], *reversed(parts[1:])])) == recipe
+    assert Fp4Recipe.model_validate_json(recipe.model_dump_json()) == recipe
+    assert pickle.loads(pickle.dumps(recipe)) == recipe
+    dumped = recipe.model_dump(mode="json")
+    assert dumped["hadamard_signs"] == list(WGRAD_SIGNS)  # recorded, always
+    ctx = ComputeCtx.new(DType.BF16, "cpu").replace(recipe=recipe)
+    assert ComputeCtx.model_validate_json(ctx.model_dump_json()).recipe == recipe
+    assert ComputeCtx.model_validate(_mangle_values(ctx.model_dump(mode="json"), data)) == ctx
+    assert pickle.loads(pickle.dumps(ctx)) == ctx
+    # null is the format's default for every option the format has.
+    nulls = {"stochastic": None, "hadamard": None, "weight_tile": None, "mx_rounding": None}
+    got = Fp4Recipe.model_validate(dumped | nulls | {"seed": 0})
+    assert got == Fp4Recipe(format=recipe.format, hp_last=recipe.hp_last, hp=recipe.hp)
+
+
+@given(
+    recipe=fp4_recipes(),
+    field=st.sampled_from(["stochastic", "hadamard", "seed", "hp_last"]),
+    bad=_NOT_BOOLS,
+)
+def test_fp4_booleans_and_integers_are_strict(recipe: Fp4Recipe, field: str, bad: object) -> None:
+    integer = field in ("seed", "hp_last")
+    if integer and isinstance(bad, int) and not isinstance(bad, bool):
+        return  # an integer is an integer (its bounds are the field's own)
+    dumped = recipe.model_dump(mode="json")
+    for read in (
+        lambda d: Fp4Recipe.model_validate(d),
+        lambda d: Fp4Recipe.model_validate_json(json.dumps(d)),
+        lambda d: ComputeCtx.model_validate({"compute": "bf16", "device": "cpu", "recipe": d}),
+    ):
+        want = "must be an integer" if integer else "must be a boolean"
+        with pytest.raises(ValidationError, match=want) as caught:
+            read(dumped | {field: bad})
+        assert caught.value.errors()[0]["loc"][-1] == field, str(caught.value)
 
 
 # ----- how optimizer state is stored ------------------------------------------------------------

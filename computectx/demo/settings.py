@@ -31,6 +31,8 @@ POLICY_FLAGS: tuple[str, ...] = (
     "fp8_rowwise_gw_hp",
     "fp8_block",
     "fp8_mx",
+    "nvfp4",
+    "mxfp4",
 )
 """The ``--dtype`` names ``ComputeCtx.from_flag`` accepts. ``computectx.ctx.DTYPE_FLAGS`` is
 the source; this copy lets flags be checked without importing torch, and a test keeps the
@@ -40,6 +42,8 @@ DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid")
 """The policies compared when ``--dtype`` is not given: three dtype flags, then bf16 keeping
 its activations for the backward as fp8 (``ComputeCtx.activations``)."""
 
+# Flags of the policy whose layers are not built yet: named, refused (never run as fp8).
+_NOT_BUILT = frozenset({"nvfp4", "mxfp4"})
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _MOE_FIELDS = frozenset({"experts", "top_k", "shared_experts", "balance", "bias_rate"})
 
@@ -64,7 +68,7 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     """Policies to train, in order: fp32, fp16, bf16, fp8_e4m3, fp8_e5m2, fp8_hybrid (delayed
     scaling), fp8_e4m3_dynamic, fp8_e5m2_dynamic, fp8_hybrid_dynamic (dynamic scaling),
     fp8_rowwise, fp8_rowwise_gw_hp (per row), fp8_block (1x128/128x128 blocks), fp8_mx
-    (MXFP8); FLAG@ACTS sets ctx.activations. Repeat the flag or use commas."""
+    (MXFP8), nvfp4, mxfp4 (4-bit); FLAG@ACTS sets ctx.activations. Repeat or use commas."""
     steps: int = Field(default=120, ge=1, le=1_000_000)
     """Optimizer steps per policy."""
     seed: int = Field(default=0, ge=0, le=2**63 - 1)
@@ -152,6 +156,12 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
                     raise ValueError(
                         f"unknown dtype {flag!r}; accepted: {', '.join(POLICY_FLAGS)} (repeat "
                         f"--dtype or separate names with commas)"
+                    )
+                if flag in _NOT_BUILT:
+                    raise ValueError(
+                        f"{flag!r} is a 4-bit recipe of the policy, but its 4-bit linear is not "
+                        f"built yet (issue 37): the demo cannot train it (and never trains fp8 "
+                        f"in its place)"
                     )
                 if at and not acts.strip():
                     # The activations text itself is read by ComputeCtx (run_demo: torch).

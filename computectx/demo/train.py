@@ -22,7 +22,7 @@ from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoError, DemoSettings
 from computectx.distributed import Parallel, parallelize, update_expert_bias
 from computectx.dtypes import DType
-from computectx.formats import QuantizedLinear, scaling_stats
+from computectx.formats import QuantizedLinear, Recipe, scaling_stats
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, SavedActivations
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
@@ -97,7 +97,7 @@ def fp8_granularity(ctx: ComputeCtx) -> str | None:
     """The fp8 policy's granularity with its options as its text form writes them
     (``tensor``, ``row``, ``row+gw_hp``, ``block``, ``mx``, ``mx+floor``), ``None`` without
     fp8."""
-    if ctx.recipe is None:
+    if not isinstance(ctx.recipe, Recipe):  # none, or 4 bits (refused by DemoSettings)
         return None
     if ctx.recipe.granularity == "tensor":
         return "tensor"

@@ -42,6 +42,7 @@ from computectx.formats.ops.grouped import QuantizedExperts, quantized_grouped_m
 from computectx.formats.scaling.layer import ScalingState
 from computectx.formats.serving import ServingWeight, recipe_layout
 from computectx.formats.stats import LayerStats, OperandStats, scaling_stats
+from computectx.fp4_recipe import Fp4Recipe
 from computectx.recipes import DelayedScaling, DynamicScaling, Fp8Scheme, Recipe
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "DelayedScaling",
     "DynamicScaling",
     "ExpertsConverter",
+    "Fp4Recipe",
     "Fp8Scheme",
     "Granularity",
     "LayerStats",

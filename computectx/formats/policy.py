@@ -19,6 +19,7 @@ from torch import nn
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.numerics.layouts import check_granularity_widths
+from computectx.fp4_recipe import Fp4Recipe
 from computectx.recipes import (
     DelayedScaling,
     DynamicScaling,
@@ -31,6 +32,7 @@ __all__ = [
     "FEATURE_MULTIPLE",
     "DelayedScaling",
     "DynamicScaling",
+    "Fp4Recipe",
     "Fp8Scheme",
     "Recipe",
     "Scaling",
@@ -79,9 +81,11 @@ def filtered_out(
 def policy_of(ctx: object, who: str) -> Recipe:
     """``ctx.recipe`` of a ``ComputeCtx`` that has one; ``who`` names the caller in errors.
 
-    Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
-    ``recipe`` is ``None``; the messages say what is accepted. Every granularity the policy can
-    name runs (``computectx.formats.linear.blockwise`` runs row, block and mx).
+    Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx``, ``ValueError`` when its
+    ``recipe`` is ``None`` and ``NotImplementedError`` when it is a 4-bit ``Fp4Recipe`` (no
+    4-bit linear is built yet, and fp8 never stands in for one); the messages say what is
+    accepted. Every granularity the fp8 policy can name runs
+    (``computectx.formats.linear.blockwise`` runs row, block and mx).
     """
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(
@@ -93,7 +97,19 @@ def policy_of(ctx: object, who: str) -> Recipe:
             f"{who} needs a ctx with a recipe, but {str(ctx)!r} has recipe=None; use e.g. "
             f"ctx.replace(recipe=Recipe()) or ComputeCtx.from_flag('fp8_hybrid', device)"
         )
+    if isinstance(ctx.recipe, Fp4Recipe):
+        raise NotImplementedError(fp4_not_built(who, ctx.recipe))
     return ctx.recipe
+
+
+def fp4_not_built(who: str, recipe: Fp4Recipe) -> str:
+    """The message of a 4-bit recipe refused by ``who``, an fp8 entry point: the 4-bit
+    linear and grouped GEMM are not built yet, and fp8 never runs in their place."""
+    return (
+        f"{who} runs fp8 recipes; the ctx holds the 4-bit recipe {str(recipe)!r}, whose "
+        f"linear and grouped GEMM are not built yet (issue 37), and fp8 never runs in its "
+        f"place. Use an fp8 recipe (e.g. ComputeCtx.from_flag('fp8_hybrid', device)) or none"
+    )
 
 
 def check_quantize(quantize: _Q, policy: Recipe) -> _Q:

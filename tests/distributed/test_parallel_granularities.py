@@ -47,7 +47,7 @@ LAYERS = 2
 
 def _policy(flag: str) -> Recipe:
     policy = ComputeCtx.from_flag(flag, "cpu").fp8
-    assert policy is not None
+    assert isinstance(policy, Recipe)
     return policy
 
 

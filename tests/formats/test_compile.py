@@ -202,7 +202,13 @@ def test_converted_model_has_one_graph_and_no_breaks() -> None:
     assert explanation.graph_count == 1
 
 
-@pytest.mark.parametrize("flag", POLICY_FLAGS)
+# The 4-bit flags are refused (NotImplementedError) until their linear is built (issue 37).
+NOT_BUILT = pytest.mark.xfail(raises=NotImplementedError, strict=True, reason="no 4-bit linear")
+
+
+@pytest.mark.parametrize(
+    "flag", [pytest.param(f, marks=NOT_BUILT) if "fp4" in f else f for f in POLICY_FLAGS]
+)
 def test_bytelm_loss_compiles_without_graph_breaks_under_every_dtype_flag(flag: str) -> None:
     ctx = ComputeCtx.from_flag(flag, "cpu")
     torch.manual_seed(0)

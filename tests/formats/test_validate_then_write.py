@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx
-from computectx.formats import Backend, QuantizedLinear, convert_to_quantized
+from computectx.formats import Backend, QuantizedLinear, Recipe, convert_to_quantized
 from computectx.formats import convert_experts as ce
 from computectx.formats.ops.grouped import QuantizedExperts
 from computectx.nn import GroupedExperts
@@ -273,7 +273,7 @@ def _prepare(fault: str, model: Tiny, monkeypatch: pytest.MonkeyPatch) -> dict[s
         return {"module_filter": every}
     if fault == "experts_under_another_policy":
         mx = ComputeCtx.from_flag("fp8_mx", "cpu").fp8
-        assert mx is not None
+        assert isinstance(mx, Recipe)
         model.experts.fp8 = QuantizedExperts(mx, Backend.REFERENCE)
         return {"module_filter": every}
     if fault == "a_converter_raises_on_the_last_linear":

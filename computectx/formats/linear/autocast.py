@@ -364,7 +364,7 @@ def _route_linear(
     if b is not None and b.device != w.device:
         return None
     ctx = frame.ctx
-    if ctx is None or ctx.recipe is None:  # pragma: no cover - enabled frames carry a policy
+    if ctx is None or not isinstance(ctx.recipe, Recipe):  # pragma: no cover - policy_of'd
         return None
     try:  # the width rule convert_to_quantized skips by: such a linear runs in high precision
         check_granularity_widths(ctx.recipe.granularity, w.shape[1], w.shape[0])

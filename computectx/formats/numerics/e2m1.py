@@ -48,6 +48,8 @@ from typing import Final
 
 import torch
 
+from computectx.fp4_recipe import WGRAD_SIGNS  # the policy records it: its home is the core
+
 __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
@@ -73,8 +75,6 @@ NAN_CODE: Final[int] = 0x7
 """The code a NaN input gets (+6, as ``cvt.rn.satfinite.e2m1x2.f32`` writes it)."""
 HADAMARD_SIZE: Final[int] = 16
 """The length of the runs the Hadamard transform mixes."""
-WGRAD_SIGNS: Final[tuple[int, ...]] = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
-"""TransformerEngine's fixed sign vector of the wgrad operands' Hadamard transform."""
 
 _SIGN = 0x8
 _U32 = 0xFFFFFFFF

@@ -308,7 +308,7 @@ def test_serving_layer_still_passes_input_gradients(fp8_ctx: ComputeCtx) -> None
 @pytest.mark.parametrize("flag", ["fp8_e4m3", "fp8_e5m2", "fp8_hybrid"])
 def test_from_flag_policies_train(flag: str, step_of: StepOf) -> None:
     ctx = ComputeCtx.from_flag(flag, "cpu")
-    assert ctx.recipe is not None and ctx.compute is DType.BF16
+    assert isinstance(ctx.recipe, Recipe) and ctx.compute is DType.BF16
     m = QuantizedLinear(32, 32, ctx=ctx)
     x = torch.randn(4, 32, dtype=torch.bfloat16, requires_grad=True)
     y = m(x)

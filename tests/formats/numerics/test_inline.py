@@ -32,7 +32,7 @@ from computectx.formats.numerics.ledger import (
 )
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.scaling.operand import OperandScaling
-from computectx.recipes import DelayedScaling, DynamicScaling
+from computectx.recipes import DelayedScaling, DynamicScaling, Recipe
 
 SCALINGS = [
     DelayedScaling(history_len=4),
@@ -166,7 +166,7 @@ def test_eager_calls_of_an_inline_layer_run_the_operators(
     layer = QuantizedLinear(16, 16, ctx=fp8_ctx, quantize="inline")
     layer(torch.randn(4, 16)).sum().backward()
     assert called == []
-    assert isinstance(fp8_ctx.recipe and fp8_ctx.recipe.scaling, DelayedScaling)
+    assert isinstance(fp8_ctx.recipe, Recipe) and isinstance(fp8_ctx.recipe.scaling, DelayedScaling)
     # ... while the operand-level switch does route to it.
     x = torch.randn(4, 16)
     tensor_ops.quantize_operand(

@@ -142,7 +142,7 @@ def test_a_ctx_is_not_a_policy() -> None:
 def test_experts_fp8_checks_its_settings_when_built() -> None:
     # Before: each of these was accepted and failed at the first GEMM.
     ctx = ComputeCtx.from_flag("fp8_rowwise", "cpu")
-    assert ctx.recipe is not None
+    assert isinstance(ctx.recipe, Recipe)
     for policy, backend, error, match in [
         (None, Backend.REFERENCE, TypeError, "Recipe .ctx.recipe. as its policy, got NoneType"),
         ("fp8_rowwise", Backend.REFERENCE, TypeError, "as its policy, got str"),
@@ -201,7 +201,7 @@ def test_nonfinite_operands_give_what_the_converted_dense_linear_gives(
     yd = dense(xd)
     yd.backward(dy)
     offs = torch.tensor([0, m], dtype=torch.int32)  # every row to expert 1
-    assert ctx.recipe is not None
+    assert isinstance(ctx.recipe, Recipe)
     yg = quantized_grouped_mm(xg, wg, offs, ctx.recipe)
     yg.backward(dy)  # type: ignore[no-untyped-call]
     assert xd.grad is not None and xg.grad is not None and wg.grad is not None
