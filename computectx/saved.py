@@ -37,7 +37,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
@@ -54,7 +54,10 @@ __all__ = [
     "decode_groups",
     "encode_groups",
     "saved_call",
+    "tagged",
 ]
+
+_T = TypeVar("_T")
 
 SAVING: Final[ContextVar[ActivationKind | None]] = ContextVar("computectx_saving", default=None)
 """The kind of activation whose tensors autograd is saving now (``None``: no op said), set by
@@ -140,11 +143,20 @@ def saved_call(
     ``kind`` tags what the call saves (``SAVING``), whatever the mode. An unknown ``mode``, or
     under ``fp8`` a ``group`` not in ``GROUPS`` (16, 32, 64, 128), is a ``ValueError``.
     Without a graph to build (grad disabled, or nothing needing a gradient) ``f`` just runs."""
-    if kind is None or torch.compiler.is_compiling():
+    if kind is None:
         return _saved_call(f, tensors, mode, group, inputs)
+    return tagged(kind, _saved_call, f, tensors, mode, group, inputs)
+
+
+def tagged(kind: ActivationKind, f: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+    """``f(*args, **kwargs)``, what autograd saves meanwhile attributed to ``kind`` (``SAVING``; not
+    under dynamo: a compiled graph's saves carry no kind). For paths that may enter this
+    module; a hot path with a module budget (the MoE forward) sets ``SAVING`` itself."""
+    if torch.compiler.is_compiling():
+        return f(*args, **kwargs)
     token = SAVING.set(kind)
     try:
-        return _saved_call(f, tensors, mode, group, inputs)
+        return f(*args, **kwargs)
     finally:
         SAVING.reset(token)
 

@@ -21,7 +21,7 @@ from computectx.nn.kv_steps import held_steps, widen_steps
 from computectx.nn.params import apply_recipe, param_dtype
 from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
-from computectx.saved import SAVING, saved_call
+from computectx.saved import saved_call, tagged
 
 __all__ = ["Attention", "Float32MatmulPrecisionWarning", "KVCache"]
 
@@ -317,13 +317,8 @@ class Attention(nn.Module):
             return saved_call(
                 core, q, k, v, visible, mode=mode, group=group, inputs=3, kind="attention"
             )
-        if torch.compiler.is_compiling():
-            return self._attend_keeping(q, k, v, visible)
-        token = SAVING.set("attention")  # what the GEMMs keep (q, k, v, probabilities)
-        try:
-            return self._attend_keeping(q, k, v, visible)
-        finally:
-            SAVING.reset(token)
+        # What the GEMMs keep (q, k, v, the probabilities) counts as attention.
+        return tagged("attention", self._attend_keeping, q, k, v, visible)
 
     def _attend_keeping(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor

@@ -28,7 +28,7 @@ from computectx.nn.moe import LoadBalance, MoE, RouterScore, update_biases
 from computectx.nn.norm import RMSNorm
 from computectx.nn.params import param_dtype
 from computectx.offload import OffloadBlocks, on_device
-from computectx.saved import SAVING
+from computectx.saved import tagged
 
 __all__ = ["BYTE_VOCAB", "ByteLM", "DecoderBlock", "LMConfig", "decode_bytes", "encode_bytes"]
 
@@ -438,17 +438,9 @@ def _checkpointed(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
     """``block(x)`` under torch's non-reentrant activation checkpointing: the backward keeps
     ``x`` (counted as ``residual``) and runs the block again; nothing in it is offloaded (what
     its run again keeps lives only through its own backward)."""
-    if torch.compiler.is_compiling():
-        return _recomputed(block, x)
-    token = SAVING.set("residual")
-    try:
-        return _recomputed(block, x)
-    finally:
-        SAVING.reset(token)
-
-
-def _recomputed(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
-    out: torch.Tensor = checkpoint(_on_device_block, block, x, use_reentrant=False)
+    out: torch.Tensor = tagged(
+        "residual", checkpoint, _on_device_block, block, x, use_reentrant=False
+    )
     return out
 
 
