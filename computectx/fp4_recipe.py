@@ -49,7 +49,7 @@ from pydantic import (
 from typing_extensions import Self
 
 from computectx._checks import as_int, text_int, validation_message
-from computectx.recipes import Recipe
+from computectx.recipes import Recipe, StrictBool, StrictInt, folded
 
 __all__ = [
     "FP4_FORMATS",
@@ -94,33 +94,6 @@ _DEFAULTS: dict[str, dict[str, object]] = {
 }
 
 
-def _lower(value: object) -> object:
-    # Names are case-insensitive, as everywhere in the policy.
-    return value.strip().lower() if isinstance(value, str) else value
-
-
-def _flag(value: object) -> object:
-    # Strict booleans: no "yes", 1 or 0.0 (pydantic's lax mode would read them); null is the
-    # format's default, filled in before this runs.
-    if not isinstance(value, bool):
-        raise ValueError(
-            f"must be a boolean, true or false (JSON) / True or False (Python), or null for "
-            f"the format's default; got {type(value).__name__} {value!r}"
-        )
-    return value
-
-
-def _integer(value: object) -> object:
-    # Strict integers: no bool, string or float (the text form converts its own digits).
-    if as_int(value) is None:
-        raise ValueError(f"must be an integer, got {type(value).__name__} {value!r}")
-    return value
-
-
-_Flag = Annotated[bool, BeforeValidator(_flag)]
-_Integer = Annotated[int, BeforeValidator(_integer)]
-
-
 class Fp4Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=True):
     """How 4-bit linears quantize: NVFP4 or MXFP4, the weight tiles, stochastic rounding, the
     Hadamard transform and the layers kept in high precision (module docstring: what each GEMM
@@ -134,27 +107,27 @@ class Fp4Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
     (``convert_to_quantized``); ``hp_last`` and ``hp`` name more.
     """
 
-    format: Annotated[Fp4Format, BeforeValidator(_lower)] = "nvfp4"
+    format: Annotated[Fp4Format, BeforeValidator(folded)] = "nvfp4"
     """``nvfp4`` (default) or ``mxfp4``."""
-    weight_tile: Annotated[Literal["16x16", "1x16"] | None, BeforeValidator(_lower)] = None
+    weight_tile: Annotated[Literal["16x16", "1x16"] | None, BeforeValidator(folded)] = None
     """``nvfp4`` only: the weight's scale blocks, ``16x16`` tiles (default: one scale serves
     W and W^T) or ``1x16`` rows; ``None`` for ``mxfp4``, whose weights are 1x32 blocks."""
-    mx_rounding: Annotated[Literal["rceil", "floor"] | None, BeforeValidator(_lower)] = None
+    mx_rounding: Annotated[Literal["rceil", "floor"] | None, BeforeValidator(folded)] = None
     """``mxfp4`` only: how a block's E8M0 exponent is chosen, ``rceil`` (default) or
     ``floor`` (OCP); ``None`` for ``nvfp4``."""
-    stochastic: _Flag = True
+    stochastic: StrictBool = True
     """Round the gradients' codes stochastically (on by default for ``nvfp4``, off for
     ``mxfp4``); forward operands always round to nearest."""
-    hadamard: _Flag = True
+    hadamard: StrictBool = True
     """Apply the 16x16 random Hadamard transform to both wgrad operands along the tokens (on
     by default for ``nvfp4``, off for ``mxfp4``)."""
     hadamard_signs: tuple[int, ...] = WGRAD_SIGNS
     """The transform's sign vector: TransformerEngine's fixed ``WGRAD_SIGNS``, written in
     JSON so that a checkpoint records it; any other vector is refused."""
-    seed: _Integer = Field(default=0, ge=0, lt=2**64)
+    seed: StrictInt = Field(default=0, ge=0, lt=2**64)
     """The key of stochastic rounding's random bits (Philox), in ``[0, 2**64)``; each layer
     advances its own counter, saved with its state. Nonzero only with ``stochastic``."""
-    hp_last: _Integer = Field(default=0, ge=0, le=4096)
+    hp_last: StrictInt = Field(default=0, ge=0, le=4096)
     """How many final blocks (the model's last entries of its block list) keep every linear
     in high precision: the NVFP4 paper keeps the last ones."""
     hp: tuple[str, ...] = ()
@@ -164,18 +137,13 @@ class Fp4Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings
     @model_validator(mode="before")
     @classmethod
     def _format_defaults(cls, data: Any) -> Any:
-        # The defaults that depend on the format, for an option left out or null.
-        if not isinstance(data, dict):
-            return data
-        fmt = _lower(data.get("format", "nvfp4"))
+        # The defaults that depend on the format, for an option left out or null; anything
+        # but a dict of a known format is left to the fields' own validation.
+        fmt = folded(data.get("format", "nvfp4")) if isinstance(data, dict) else None
         defaults = _DEFAULTS.get(fmt) if isinstance(fmt, str) else None
         if defaults is None:
-            return data  # the field's own validation names the accepted formats
-        out = dict(data)
-        for name, default in defaults.items():
-            if out.get(name) is None:
-                out[name] = default
-        return out
+            return data
+        return data | {k: v for k, v in defaults.items() if data.get(k) is None}
 
     @field_validator("hadamard_signs", mode="before")
     @classmethod
@@ -299,28 +267,27 @@ def parse_recipe(text: str) -> Recipe | Fp4Recipe:
 def _recipe_tag(value: Any) -> str | None:
     # The first word: a dict's format (fp8's default, hybrid, when absent) or the instance.
     if isinstance(value, dict):
-        return "fp4" if _lower(value.get("format")) in FP4_FORMATS else "fp8"
+        return "fp4" if folded(value.get("format")) in FP4_FORMATS else "fp8"
     if isinstance(value, Fp4Recipe):
         return "fp4"
     return "fp8" if isinstance(value, Recipe) else None
 
 
-def _recipe_input(value: object) -> object:
-    if isinstance(value, str):
-        return parse_recipe(value)
-    if not isinstance(value, (dict, Recipe, Fp4Recipe)):
-        raise ValueError(
-            f"recipe must be a Recipe (fp8), an Fp4Recipe, a dict of either's fields or text "
-            f"('hybrid/delayed', 'e4m3/row', 'nvfp4', 'mxfp4+floor'); got "
-            f"{type(value).__name__} {value!r}"
-        )
-    return value
+def _recipe_text(value: object) -> object:
+    return parse_recipe(value) if isinstance(value, str) else value
 
 
 AnyRecipe = Annotated[
     Annotated[Recipe, Tag("fp8")] | Annotated[Fp4Recipe, Tag("fp4")],
-    Discriminator(_recipe_tag),
-    BeforeValidator(_recipe_input),
+    Discriminator(
+        _recipe_tag,
+        custom_error_type="recipe_type",
+        custom_error_message=(
+            "recipe must be a Recipe (fp8), an Fp4Recipe, a dict of either's fields or text "
+            "('hybrid/delayed', 'e4m3/row', 'nvfp4', 'mxfp4+floor')"
+        ),
+    ),
+    BeforeValidator(_recipe_text),
 ]
 """A recipe of either width: an fp8 ``Recipe`` or an ``Fp4Recipe``, told apart by the format
 word. Read from an instance, a dict (``format`` picks: ``nvfp4``/``mxfp4`` are 4-bit, anything

@@ -68,8 +68,9 @@ _OPTIONS: dict[str, tuple[str, object]] = {
 }
 
 
-def _lower(value: object) -> object:
-    # Names are case-insensitive everywhere: every text field of the policy folds case here.
+def folded(value: object) -> object:
+    """A text value stripped and lowercased (anything else as it is): every name of the policy,
+    fp8 or 4-bit, is case-insensitive through this."""
     return value.strip().lower() if isinstance(value, str) else value
 
 
@@ -80,7 +81,7 @@ def _flag(value: object) -> object:
     if not isinstance(value, bool):
         raise ValueError(
             f"must be a boolean, true or false (JSON) / True or False (Python), or null for "
-            f"the granularity's default; got {type(value).__name__} {value!r}"
+            f"the default (the granularity's or format's); got {type(value).__name__} {value!r}"
         )
     return value
 
@@ -94,9 +95,9 @@ def _integer(value: object) -> object:
     return value
 
 
-_Flag = Annotated[bool, BeforeValidator(_flag)]
+StrictBool = Annotated[bool, BeforeValidator(_flag)]
 """A strictly boolean policy field (``True``/``False``, JSON ``true``/``false``)."""
-_Integer = Annotated[int, BeforeValidator(_integer)]
+StrictInt = Annotated[int, BeforeValidator(_integer)]
 """A strictly integral policy field (no bool, string or float)."""
 
 
@@ -130,7 +131,7 @@ class Fp8Scheme(enum.Enum):
         the accepted names) otherwise."""
         if isinstance(value, Fp8Scheme):
             return value
-        key = _lower(value)
+        key = folded(value)
         for member in Fp8Scheme:
             if member.value == key:
                 return member
@@ -147,14 +148,14 @@ class DelayedScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     operand seeds the whole window with its current amax so step 1 is not blind.
     """
 
-    kind: Annotated[Literal["delayed"], BeforeValidator(_lower)] = "delayed"
+    kind: Annotated[Literal["delayed"], BeforeValidator(folded)] = "delayed"
     """Discriminator for serialization; always ``"delayed"`` (optional on input: a recipe
     without ``kind`` is delayed)."""
-    history_len: _Integer = Field(default=16, ge=1, le=1024)
+    history_len: StrictInt = Field(default=16, ge=1, le=1024)
     """Number of past amaxes kept per operand (the window of the ``max`` reduction)."""
-    margin: _Integer = Field(default=0, ge=0, le=16)
+    margin: StrictInt = Field(default=0, ge=0, le=16)
     """Headroom exponent: the scale leaves ``2**margin`` above the observed amax."""
-    algo: Annotated[Literal["max", "most_recent"], BeforeValidator(_lower)] = "max"
+    algo: Annotated[Literal["max", "most_recent"], BeforeValidator(folded)] = "max"
     """Window reduction: ``"max"`` (stable) or ``"most_recent"`` (responsive)."""
 
     def __str__(self) -> str:
@@ -166,9 +167,9 @@ class DynamicScaling(BaseModel, frozen=True, extra="forbid", use_attribute_docst
     """Scale from the *current* amax: measure, then quantize (an extra pass over the data,
     no state). ``step = amax(x) / (fmt.max / 2**margin)``."""
 
-    kind: Annotated[Literal["dynamic"], BeforeValidator(_lower)] = "dynamic"
+    kind: Annotated[Literal["dynamic"], BeforeValidator(folded)] = "dynamic"
     """Discriminator for serialization; always ``"dynamic"``."""
-    margin: _Integer = Field(default=0, ge=0, le=16)
+    margin: StrictInt = Field(default=0, ge=0, le=16)
     """Headroom exponent: the scale leaves ``2**margin`` above the observed amax (per tensor:
     a ``Recipe`` of granularity ``row``, ``block`` or ``mx`` refuses a nonzero one)."""
 
@@ -267,7 +268,7 @@ def _scaling_tag(value: Any) -> str | None:
     # A dict without `kind` is the default recipe, delayed (as for Recipe() and the
     # text form "hybrid"); the tag is case-insensitive like every name.
     if isinstance(value, dict):
-        tag = _lower(value.get("kind", "delayed"))
+        tag = folded(value.get("kind", "delayed"))
         return tag if isinstance(tag, str) else repr(tag)
     kind = getattr(value, "kind", None)
     return kind if isinstance(kind, str) else None
@@ -339,24 +340,24 @@ class Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tr
     its exponents ``rceil`` unless told ``floor``.
     """
 
-    format: Annotated[Fp8Scheme, BeforeValidator(_lower)] = Fp8Scheme.HYBRID
+    format: Annotated[Fp8Scheme, BeforeValidator(folded)] = Fp8Scheme.HYBRID
     """Format scheme: ``hybrid`` (E4M3 forward, E5M2 gradients), ``e4m3`` or ``e5m2``
     (default ``hybrid`` per tensor, ``e4m3`` for the finer granularities)."""
     scaling: Scaling = Field(default_factory=DelayedScaling)
     """Scaling recipe: ``DelayedScaling`` (the per-tensor default) or ``DynamicScaling`` (the
     default and the only recipe of the finer granularities), or its text form
     (``"delayed/16/0/max"``, ``"dynamic/0"``)."""
-    granularity: Annotated[PolicyGranularity, BeforeValidator(_lower)] = "tensor"
+    granularity: Annotated[PolicyGranularity, BeforeValidator(folded)] = "tensor"
     """Which elements share one step: ``tensor`` (default), ``row`` (one step per row along
     the contraction dimension), ``block`` (1x128 activations and gradients, 128x128
     weights) or ``mx`` (1x32 blocks, E8M0 scales)."""
-    power_of_two: _Flag = False
+    power_of_two: StrictBool = False
     """Round every measured step up to a power of two: on by default for ``row``, always on
     for ``mx``, optional for ``block``, off (and refused) per tensor."""
-    mx_rounding: Annotated[Literal["floor", "rceil"] | None, BeforeValidator(_lower)] = None
+    mx_rounding: Annotated[Literal["floor", "rceil"] | None, BeforeValidator(folded)] = None
     """How an ``mx`` block's exponent is chosen: ``"rceil"`` (default for ``mx``) or
     ``"floor"`` (OCP); ``None`` (and only ``None``) for the other granularities."""
-    gw_hp: _Flag = False
+    gw_hp: StrictBool = False
     """``row`` only: the weight-gradient GEMM runs in high precision (torchao's
     ``ROWWISE_WITH_GW_HP``)."""
 
@@ -371,7 +372,7 @@ class Recipe(BaseModel, frozen=True, extra="forbid", use_attribute_docstrings=Tr
         # granularity's default".
         if not isinstance(data, dict):
             return data
-        g = _lower(data.get("granularity", "tensor"))
+        g = folded(data.get("granularity", "tensor"))
         if g not in POLICY_GRANULARITIES:
             return data  # the field's own validation names the accepted values
         out = dict(data)
