@@ -141,6 +141,21 @@ def test_fp4_quant_refuses_bad_values() -> None:
             Fp4Quant(**kwargs)
 
 
+def test_a_16x16_weights_dgrad_operand_is_the_forwards_transposed() -> None:
+    # dX's b operand, Wᵀ quantized at 16x16, is the forward's W operand transposed: the same
+    # tiles (a tile's amax is its transpose's), the same amax, the codes moved.
+    w = torch.randn(48, 32, generator=torch.Generator().manual_seed(8)).bfloat16()
+    fwd, dgrad = (
+        fp4_gemm.quantize_rows(w, NV, weight=True),
+        fp4_gemm.quantize_rows(w.t(), NV, weight=True),
+    )
+    assert isinstance(fwd, fp4.Nvfp4Operand) and isinstance(dgrad, fp4.Nvfp4Operand)
+    codes = e2m1.unpack_codes(fwd.codes).t()
+    assert torch.equal(e2m1.unpack_codes(dgrad.codes), codes)
+    assert torch.equal(dgrad.scale.view(torch.uint8), fwd.scale.view(torch.uint8).t())
+    assert torch.equal(dgrad.amax, fwd.amax)
+
+
 # ----- the wgrad operands and the grouped GEMMs ---------------------------------------------
 
 
