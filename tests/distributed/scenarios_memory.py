@@ -260,8 +260,9 @@ def fsdp2_optimizer(params: dict[str, Any]) -> dict[str, Any]:
                     # After the clip, on the last rank only: its kept verdict no longer
                     # holds, so it looks again; every rank must still agree (and run the
                     # same collectives): all of them skip step 2.
+                    master_grad = _grad(opt.master_params[0])
                     with torch.no_grad():
-                        opt.master_params[0].grad[-1, 0] = float("inf")
+                        master_grad[-1, 0] = float("inf")
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", RuntimeWarning)
                     opt.step()
