@@ -25,7 +25,11 @@ Sections, in order (each timed; a section that fails records its error and the r
    B200 MXFP8 speedups beside the ``mx`` rows (``gpu_check_moe``);
 9. ``optim_state`` (issue 24): the compact AdamW step (``CompactOptimizer`` per
    ``optim_state``, f32 and bf16 masters) against fused f32 AdamW: step time, bytes moved per
-   parameter and GB/s (``gpu_check_optim``).
+   parameter and GB/s (``gpu_check_optim``);
+10. ``offload_overlap`` (issue 35): a train step with and without the offloaded optimizer,
+   serial and overlapped (``gpu_check_optim``);
+11. ``activations`` (issue 36): saved bytes, the step's peak memory and its time per
+   ``ctx.activations`` setting on a ByteLM, bf16 and fp8_hybrid (``gpu_check_activations``).
 
 Figures are whatever this machine measures; the JSON records the device, torch, triton and
 CUDA versions next to them. Nothing here is a target or a pass/fail threshold: the issue's
@@ -47,6 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gpu_check_activations
 import gpu_check_kv
 import gpu_check_moe
 import gpu_check_optim
@@ -385,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         "moe_gemm": lambda: gpu_check_moe.section_moe_gemm(device, smoke, min(reps, 10)),
         "optim_state": lambda: gpu_check_optim.section_optim_state(device, smoke, reps),
         "offload_overlap": lambda: gpu_check_optim.section_offload_overlap(device, smoke, reps),
+        "activations": lambda: gpu_check_activations.section_activations(device, smoke, reps),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

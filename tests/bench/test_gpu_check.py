@@ -44,7 +44,24 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(
         "moe_gemm",
         "optim_state",
         "offload_overlap",
+        "activations",
     }
+    # Activations (issue 36): the smoke settings each keep less than keep, checkpoint=all least.
+    acts = {row["setting"]: row for row in sections["activations"]}
+    assert list(acts) == [
+        "keep",
+        "precise:recompute/act_fn:fp8/attention:recompute",
+        "checkpoint=all",
+    ]
+    assert (
+        0
+        < acts["checkpoint=all"]["saved_mib"]
+        < min(row["saved_mib"] for s, row in acts.items() if s != "checkpoint=all")
+    )
+    assert (
+        acts["keep"]["saved_mib"]
+        > acts["precise:recompute/act_fn:fp8/attention:recompute"]["saved_mib"]
+    )
     for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm", "moe_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])
     assert {row["op"] for row in sections["gemm"]} >= {"fp8 cublas", "bf16 mm"}
