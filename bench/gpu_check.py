@@ -29,7 +29,9 @@ Sections, in order (each timed; a section that fails records its error and the r
 10. ``offload_overlap`` (issue 35): a train step with and without the offloaded optimizer,
    serial and overlapped (``gpu_check_optim``);
 11. ``activations`` (issue 36): saved bytes, the step's peak memory and its time per
-   ``ctx.activations`` setting on a ByteLM, bf16 and fp8_hybrid (``gpu_check_activations``).
+   ``ctx.activations`` setting on a ByteLM, bf16 and fp8_hybrid (``gpu_check_activations``);
+12. ``fp4_gemm`` (issue 37): the 4-bit backend this GPU gets and why (an H100/H200 has no FP4
+   tensor cores: the emulated twin), its GEMM time beside bf16 and fp8 (``gpu_check_fp4``).
 
 Figures are whatever this machine measures; the JSON records the device, torch, triton and
 CUDA versions next to them. Nothing here is a target or a pass/fail threshold: the issue's
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_check_activations
+import gpu_check_fp4
 import gpu_check_kv
 import gpu_check_moe
 import gpu_check_optim
@@ -391,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         "optim_state": lambda: gpu_check_optim.section_optim_state(device, smoke, reps),
         "offload_overlap": lambda: gpu_check_optim.section_offload_overlap(device, smoke, reps),
         "activations": lambda: gpu_check_activations.section_activations(device, smoke, reps),
+        "fp4_gemm": lambda: gpu_check_fp4.section_fp4(device, smoke, reps),
     }
     for name, run in sections.items():
         t0 = time.perf_counter()

@@ -45,6 +45,7 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(
         "optim_state",
         "offload_overlap",
         "activations",
+        "fp4_gemm",
     }
     # Activations (issue 36): the smoke settings each keep less than keep, checkpoint=all least.
     acts = {row["setting"]: row for row in sections["activations"]}
@@ -62,6 +63,12 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(
         acts["keep"]["saved_mib"]
         > acts["precise:recompute/act_fn:fp8/attention:recompute"]["saved_mib"]
     )
+    # 4 bits (issue 37): every op timed; the 4-bit rows say which backend ran and why.
+    fp4 = {row["op"]: row for row in sections["fp4_gemm"]}
+    assert set(fp4) == {"bf16 mm", "nvfp4 fp4_scaled_mm", "mxfp4 fp4_scaled_mm"}
+    assert all(row["ms"] > 0 for row in fp4.values())
+    assert fp4["nvfp4 fp4_scaled_mm"]["backend"] == "emulated"
+    assert "never an 8-bit fallback" in fp4["mxfp4 fp4_scaled_mm"]["reason"]
     for name in ("gemm", "quantize", "linear", "bytelm", "granularity_gemm", "moe_gemm"):
         assert isinstance(sections[name], list) and sections[name], (name, sections[name])
     assert {row["op"] for row in sections["gemm"]} >= {"fp8 cublas", "bf16 mm"}
