@@ -473,9 +473,9 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
     const uint32_t* __restrict u = reinterpret_cast<const uint32_t*>(n);
     uint8_t* __restrict out = static_cast<uint8_t*>(mo.data) + lo;
     const uint32_t floor = is_unsigned ? 1u : 0u;  // code 0 lifted to 1 (c | 1 where c = 0)
-    // The code of element k by the one-load table (below).
+    // The code of element k from its word in the one-load table (looked up below).
     auto word_code = [&](int64_t k) {
-      const uint32_t b = u[k], w = nearest[b >> 16];
+      const uint32_t b = u[k], w = words[k];
       const uint32_t low = (b ^ (0u - (b >> 31))) & 0xFFFFu;
       const uint32_t c = (w & 0xFFu) + static_cast<uint32_t>(low > (w >> 16));
       return static_cast<uint8_t>(c | (static_cast<uint32_t>(x[k] > 0.0f) & (c == 0) & floor));
