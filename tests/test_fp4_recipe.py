@@ -8,7 +8,6 @@ import pickle
 import re
 
 import pytest
-import torch
 from pydantic import ValidationError
 
 from computectx import ComputeCtx, DType
@@ -19,7 +18,6 @@ from computectx.formats import (
     QuantizedLinear,
     Recipe,
     autocast,
-    convert_to_quantized,
 )
 from computectx.formats.numerics import e2m1
 from computectx.fp4_recipe import WGRAD_SIGNS, parse_recipe
@@ -147,10 +145,10 @@ def test_bad_values_name_what_is_accepted() -> None:
 
 
 def test_fp8_entry_points_refuse_a_4_bit_recipe_and_never_run_fp8() -> None:
+    # convert_to_quantized converts to Fp4Linear (tests/formats/linear/test_fp4.py).
     ctx = ComputeCtx.from_flag("nvfp4", "cpu")
     for call in (
         lambda: QuantizedLinear(16, 16, ctx=ctx),
-        lambda: convert_to_quantized(torch.nn.Sequential(torch.nn.Linear(16, 16)), ctx),
         lambda: autocast(ctx),
     ):
         with pytest.raises(NotImplementedError, match=r"4-bit recipe 'nvfp4'.* not built yet"):

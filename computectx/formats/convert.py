@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -15,12 +16,15 @@ from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend
 from computectx.formats.convert_experts import ExpertsPlan, plan_experts
 from computectx.formats.convert_report import (
+    HEAD_NAMES,
     ConversionReport,
     SkippedLinear,
     SkipRule,
     head_dtype_notes,
     nothing_converted,
+    output_heads,
 )
+from computectx.formats.linear.fp4 import Fp4Linear, block_list
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.formats.ops.grouped import QuantizedExperts
@@ -30,10 +34,11 @@ from computectx.formats.policy import (
     check_granularity_widths,
     describe,
     filtered_out,
-    policy_of,
+    recipe_of,
 )
 from computectx.formats.scaling.load import guard_whole_loads
-from computectx.recipes import PolicyGranularity, Recipe
+from computectx.fp4_recipe import Fp4Recipe
+from computectx.recipes import Recipe
 
 __all__ = [
     "DEFAULT_MIN_FEATURES",
@@ -57,10 +62,6 @@ passes that read 2 and write 1 byte per element of ``X [M, K]``, ``W [N, K]`` an
 On an H100 (989 TFLOP/s, 3.35 TB/s) ``P / B ≈ 300``: with many rows, ``N = K ≈ 600`` only
 breaks even, and at 1024 the saving is still well under half the ideal. Pass
 ``min_features`` (or a ``module_filter``) to ``convert_to_quantized`` to choose otherwise."""
-
-
-HEAD_NAMES = ("lm_head", "output", "head")
-"""Names (the last part of a layer's qualified name, any case) that mark an output head."""
 
 
 class Converter(Protocol):
@@ -151,7 +152,9 @@ def convert_to_quantized(
     ``GroupedExperts``, transformers' experts through its ``ExpertsInterface``, torchtitan's):
     their expert GEMMs then run through ``quantized_grouped_mm``, under the same rules (the filter,
     or ``min_features`` and the widths of every expert weight), and the report lists them in
-    ``converted`` and ``experts``. Routers stay in high precision (rule ``router``).
+    ``converted`` and ``experts``. Routers stay in high precision (rule ``router``). **4-bit
+    recipes**: ``Fp4Linear`` by the same rules, the recipe's ``hp`` and ``hp_last`` (of
+    ``linear.fp4.block_list``) skip (``kept_high``), experts raise ``NotImplementedError``.
 
     ``backend`` and ``quantize`` are passed to every new ``QuantizedLinear`` (``quantize="inline"``
     lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
@@ -167,19 +170,36 @@ def convert_to_quantized(
     policy, how = _checked_args(model, ctx, module_filter, include_head, min_features, quantize)
     least = DEFAULT_MIN_FEATURES if min_features is None else min_features
     checked = _checked_converters(converters)
-    rules = _Rules(
-        model, ctx, module_filter, bool(include_head), least, checked, policy.granularity
-    )
+    rules = _Rules(model, ctx, module_filter, bool(include_head), least, checked)
     places, order = _linear_places(model)
     _refuse_another_policy(ctx, order)
-    experts = plan_experts(model, policy, module_filter, rules.min_features)
-    converted, skipped = _decide(order, experts, rules, _heads(model, order))
+    fp8, experts = _planned_experts(model, policy, module_filter, least)
+    converted, skipped = _decide(order, experts, rules, output_heads(model, order))
     # Build every replacement (which validates ctx and backend) before swapping any.
     replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
-    expert_names = _swap(replacements, places, experts, experts.settings(policy, backend))
+    expert_names = _swap(replacements, places, experts, experts.settings(fp8, backend))
     if replacements:
         guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
     return _reported(rules, order, places, converted, skipped, expert_names)
+
+
+def _planned_experts(
+    model: nn.Module,
+    policy: Recipe | Fp4Recipe,
+    module_filter: Callable[[nn.Module, str], bool] | None,
+    least: int,
+) -> tuple[Recipe, ExpertsPlan]:
+    """The experts' plan (and the fp8 recipe they would run), ``NotImplementedError`` for
+    experts that would convert under a 4-bit recipe (its grouped GEMM: a later step)."""
+    fp8 = policy if isinstance(policy, Recipe) else Recipe()
+    experts = plan_experts(model, fp8, module_filter, least)
+    if isinstance(policy, Fp4Recipe) and experts.convert:
+        raise NotImplementedError(
+            f"convert_to_quantized: {experts.convert[0][0]!r} holds grouped experts, whose 4-bit "
+            f"grouped GEMM is not built yet (issue 37); fp8 never runs in its place. Keep them "
+            f"out with a module_filter, or convert under an fp8 recipe"
+        )
+    return fp8, experts
 
 
 Places = dict[int, list[tuple[str, nn.Module, str]]]
@@ -216,11 +236,11 @@ def _checked_args(
     include_head: object,
     min_features: object,
     quantize: object,
-) -> tuple[Recipe, QuantizeImpl]:
+) -> tuple[Recipe | Fp4Recipe, QuantizeImpl]:
     """``convert_to_quantized``'s arguments checked in order: ``(policy, quantize)``."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_quantized takes an nn.Module, got {describe(model)}")
-    policy = policy_of(ctx, "convert_to_quantized")
+    policy = recipe_of(ctx, "convert_to_quantized")
     how = parse_quantize(quantize)
     if module_filter is not None:
         if not callable(module_filter):
@@ -323,7 +343,7 @@ def _checked_converters(
             not isinstance(cls, type)
             or not issubclass(cls, nn.Linear)
             or cls is nn.Linear
-            or issubclass(cls, QuantizedLinear)
+            or issubclass(cls, (QuantizedLinear, Fp4Linear))
         ):
             raise TypeError(
                 f"converters keys must be subclasses of nn.Linear (not nn.Linear itself or "
@@ -340,7 +360,7 @@ def _checked_converters(
 def _refuse_another_policy(ctx: ComputeCtx, order: list[tuple[str, nn.Linear]]) -> None:
     """Raise when a layer is already a ``QuantizedLinear`` under another policy than ``ctx``'s."""
     want = (ctx.recipe, ctx.compute)
-    other = [(f, lin) for f, lin in order if isinstance(lin, QuantizedLinear)]
+    other = [(f, lin) for f, lin in order if isinstance(lin, (QuantizedLinear, Fp4Linear))]
     other = [(f, lin) for f, lin in other if (lin.ctx.recipe, lin.ctx.compute) != want]
     if other:
         fqn, lin = other[0]
@@ -352,33 +372,6 @@ def _refuse_another_policy(ctx: ComputeCtx, order: list[tuple[str, nn.Linear]]) 
             f"built with. Convert an unconverted copy of the model under the new ctx, or "
             f"pass the ctx it was converted with; the model was left unchanged"
         )
-
-
-def _heads(model: nn.Module, order: list[tuple[str, nn.Linear]]) -> dict[int, str]:
-    """The output head(s) by what they are (see ``convert_to_quantized``): id -> reason."""
-    embeddings = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    heads: dict[int, str] = {}
-    for fqn, lin in order:
-        tied = [f for f, emb in embeddings if lin.weight is emb.weight]
-        name = fqn.rpartition(".")[2]
-        if tied:
-            heads[id(lin)] = f"output head (weight tied to nn.Embedding {tied[0]!r})"
-        elif name.lower() in HEAD_NAMES:
-            heads[id(lin)] = f"output head (named {name!r})"
-    if not heads and embeddings:
-        vfqn, vocab = max(embeddings, key=lambda e: e[1].num_embeddings)
-        for _, lin in order:
-            if lin.out_features == vocab.num_embeddings:
-                heads[id(lin)] = (
-                    f"output head (out_features={lin.out_features}, the vocabulary of "
-                    f"nn.Embedding {vfqn!r})"
-                )
-    if not heads and order:
-        heads[id(order[-1][1])] = (
-            "output head (the last nn.Linear in registration order: no linear is tied to or "
-            "sized like an nn.Embedding's vocabulary, or named lm_head, output or head)"
-        )
-    return heads
 
 
 def _added_behaviour(lin: nn.Linear) -> str | None:
@@ -414,7 +407,16 @@ class _Rules:
     include_head: bool
     min_features: int
     converters: dict[type[nn.Linear], Converter]
-    granularity: PolicyGranularity
+
+    @property
+    def fp4(self) -> Fp4Recipe | None:
+        """The 4-bit recipe, if the call converts under one."""
+        return self.ctx.recipe if isinstance(self.ctx.recipe, Fp4Recipe) else None
+
+    @functools.cached_property
+    def blocks(self) -> dict[int, tuple[int, int]]:
+        """``block_list`` of the model (only asked under a 4-bit recipe)."""
+        return block_list(self.model)
 
     def converter_for(self, lin: nn.Linear) -> Converter | None:
         """The converter registered for ``lin``'s class or the nearest base, if any."""
@@ -428,6 +430,8 @@ class _Rules:
     ) -> nn.Module:
         """The replacement of ``lin``: its converter's, or a ``QuantizedLinear``."""
         convert = self.converter_for(lin)
+        if convert is None and self.fp4 is not None:
+            return Fp4Linear.from_linear(lin, self.ctx)
         if convert is None:
             return QuantizedLinear.from_linear(lin, self.ctx, backend=backend, quantize=how)
         new = convert(lin, self.ctx, backend=backend, quantize=how)
@@ -440,8 +444,8 @@ class _Rules:
 
     def skip(self, fqn: str, lin: nn.Linear, heads: dict[int, str]) -> tuple[SkipRule, str] | None:
         """Why ``lin`` stays as it is, or ``None`` to convert it."""
-        if isinstance(lin, QuantizedLinear):
-            return "already_fp8", "already a QuantizedLinear under this policy"
+        if isinstance(lin, (QuantizedLinear, Fp4Linear)):
+            return "already_fp8", f"already a {type(lin).__name__} under this policy"
         added = _added_behaviour(lin) if self.converter_for(lin) is None else None
         if added is not None:
             # Swapping it for a QuantizedLinear would silently drop that behaviour.
@@ -454,13 +458,18 @@ class _Rules:
                 return "module_filter", "module_filter returned False"
         elif id(lin) in heads and not self.include_head:
             return "head", f"{heads[id(lin)]}; pass include_head=True to convert it"
+        if self.fp4 is not None and self.fp4.keeps_high(fqn, *self.blocks.get(id(lin), (None, 0))):
+            return "kept_high", f"kept in high precision by the 4-bit recipe {self.fp4}"
         n_in, n_out = lin.in_features, lin.out_features
         try:
             check_fp8_widths(n_in, n_out)
         except ValueError as e:
             return "feature_multiple", str(e)
+        if self.fp4 is not None and (n_in % self.fp4.block or n_out % self.fp4.block):
+            return "granularity", f"widths {n_in}, {n_out}: mxfp4 needs multiples of 32"
         try:
-            check_granularity_widths(self.granularity, n_in, n_out)
+            if isinstance(self.ctx.recipe, Recipe):
+                check_granularity_widths(self.ctx.recipe.granularity, n_in, n_out)
         except ValueError as e:
             return "granularity", str(e)
         if self.module_filter is None and min(n_in, n_out) < self.min_features:

@@ -1,4 +1,5 @@
-"""What ``convert_to_quantized`` returns and says: its report, the skip rules, notes and warning."""
+"""What ``convert_to_quantized`` returns and says: its report, the skip rules (the output
+head found by what it is), notes and warning."""
 
 from __future__ import annotations
 
@@ -11,12 +12,18 @@ from computectx.ctx import ComputeCtx
 from computectx.formats.policy import FEATURE_MULTIPLE
 
 __all__ = [
+    "HEAD_NAMES",
     "ConversionReport",
     "SkipRule",
     "SkippedLinear",
     "head_dtype_notes",
     "nothing_converted",
+    "output_heads",
 ]
+
+HEAD_NAMES = ("lm_head", "output", "head")
+"""Names (the last part of a layer's qualified name, any case) that mark an output head."""
+
 
 SkipRule = Literal[
     "already_fp8",
@@ -29,6 +36,7 @@ SkipRule = Literal[
     "dtype",
     "root",
     "router",
+    "kept_high",
 ]
 """Which rule left a linear alone (``SkippedLinear.rule``); ``convert_to_quantized`` lists them."""
 
@@ -126,6 +134,7 @@ def nothing_converted(model: nn.Module, min_features: int, report: ConversionRep
         ),
         "root": "the model itself; use QuantizedLinear.from_linear",
         "router": "a mixture-of-experts router: routing stays in high precision",
+        "kept_high": "kept in high precision by the 4-bit recipe's hp_last / hp rule",
     }
     groups: dict[SkipRule, list[str]] = {}
     for s in report.skipped:
@@ -139,3 +148,30 @@ def nothing_converted(model: nn.Module, min_features: int, report: ConversionRep
         lines.append(f"  {len(fqns)} skipped ({shown}): {hints.get(rule, rule)}")
     lines.append("The returned ConversionReport gives every layer's reason.")
     return "\n".join(lines)
+
+
+def output_heads(model: nn.Module, order: list[tuple[str, nn.Linear]]) -> dict[int, str]:
+    """The output head(s) by what they are (see ``convert_to_quantized``): id -> reason."""
+    embeddings = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    heads: dict[int, str] = {}
+    for fqn, lin in order:
+        tied = [f for f, emb in embeddings if lin.weight is emb.weight]
+        name = fqn.rpartition(".")[2]
+        if tied:
+            heads[id(lin)] = f"output head (weight tied to nn.Embedding {tied[0]!r})"
+        elif name.lower() in HEAD_NAMES:
+            heads[id(lin)] = f"output head (named {name!r})"
+    if not heads and embeddings:
+        vfqn, vocab = max(embeddings, key=lambda e: e[1].num_embeddings)
+        for _, lin in order:
+            if lin.out_features == vocab.num_embeddings:
+                heads[id(lin)] = (
+                    f"output head (out_features={lin.out_features}, the vocabulary of "
+                    f"nn.Embedding {vfqn!r})"
+                )
+    if not heads and order:
+        heads[id(order[-1][1])] = (
+            "output head (the last nn.Linear in registration order: no linear is tied to or "
+            "sized like an nn.Embedding's vocabulary, or named lm_head, output or head)"
+        )
+    return heads

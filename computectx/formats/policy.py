@@ -44,6 +44,7 @@ __all__ = [
     "default_device",
     "describe",
     "policy_of",
+    "recipe_of",
 ]
 
 _Q = TypeVar("_Q", bound=str)
@@ -78,15 +79,11 @@ def filtered_out(
     return not chosen
 
 
-def policy_of(ctx: object, who: str) -> Recipe:
-    """``ctx.recipe`` of a ``ComputeCtx`` that has one; ``who`` names the caller in errors.
+def recipe_of(ctx: object, who: str) -> Recipe | Fp4Recipe:
+    """``ctx.recipe`` of a ``ComputeCtx`` that has one, fp8 or 4-bit; ``who`` names the caller.
 
-    Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx``, ``ValueError`` when its
-    ``recipe`` is ``None`` and ``NotImplementedError`` when it is a 4-bit ``Fp4Recipe`` (no
-    4-bit linear is built yet, and fp8 never stands in for one); the messages say what is
-    accepted. Every granularity the fp8 policy can name runs
-    (``computectx.formats.linear.blockwise`` runs row, block and mx).
-    """
+    Raises ``TypeError`` when ``ctx`` is not a ``ComputeCtx`` and ``ValueError`` when its
+    ``recipe`` is ``None``; the messages say what is accepted."""
     if not isinstance(ctx, ComputeCtx):
         raise TypeError(
             f"{who} needs a computectx.ComputeCtx with an fp8 policy, got {describe(ctx)}; "
@@ -97,18 +94,33 @@ def policy_of(ctx: object, who: str) -> Recipe:
             f"{who} needs a ctx with a recipe, but {str(ctx)!r} has recipe=None; use e.g. "
             f"ctx.replace(recipe=Recipe()) or ComputeCtx.from_flag('fp8_hybrid', device)"
         )
-    if isinstance(ctx.recipe, Fp4Recipe):
-        raise NotImplementedError(fp4_not_built(who, ctx.recipe))
     return ctx.recipe
 
 
+def policy_of(ctx: object, who: str) -> Recipe:
+    """``ctx.recipe`` of a ``ComputeCtx`` that has an fp8 one (``recipe_of``'s errors).
+
+    ``NotImplementedError`` when it is a 4-bit ``Fp4Recipe`` (``fp4_not_built``: the fp8
+    entry points never stand in for 4 bits). Every granularity the fp8 policy can name runs
+    (``computectx.formats.linear.blockwise`` runs row, block and mx).
+    """
+    recipe = recipe_of(ctx, who)
+    if isinstance(recipe, Fp4Recipe):
+        raise NotImplementedError(fp4_not_built(who, recipe))
+    return recipe
+
+
 def fp4_not_built(who: str, recipe: Fp4Recipe) -> str:
-    """The message of a 4-bit recipe refused by ``who``, an fp8 entry point: the 4-bit
-    linear and grouped GEMM are not built yet, and fp8 never runs in their place."""
+    """The message of a 4-bit recipe refused by ``who``, an fp8 entry point: 4-bit dense
+    linears are ``Fp4Linear`` (``convert_to_quantized`` converts to them); the 4-bit grouped
+    GEMM, autocast region and parallel setup are not built yet, and fp8 never runs in their
+    place."""
     return (
-        f"{who} runs fp8 recipes; the ctx holds the 4-bit recipe {str(recipe)!r}, whose "
-        f"linear and grouped GEMM are not built yet (issue 37), and fp8 never runs in its "
-        f"place. Use an fp8 recipe (e.g. ComputeCtx.from_flag('fp8_hybrid', device)) or none"
+        f"{who} runs fp8 recipes; the ctx holds the 4-bit recipe {str(recipe)!r}, whose dense "
+        f"linears are Fp4Linear (convert_to_quantized converts to them); the rest of 4 bits "
+        f"(grouped GEMM, autocast, parallelize) is not built yet (issue 37), and fp8 never "
+        f"runs in its place. Use convert_to_quantized, an fp8 recipe (e.g. "
+        f"ComputeCtx.from_flag('fp8_hybrid', device)) or none"
     )
 
 

@@ -21,7 +21,9 @@ from computectx import ComputeCtx
 from computectx.demo.settings import POLICY_FLAGS
 from computectx.dtypes import Fp8Format
 from computectx.formats import QuantizedLinear, autocast, convert_to_quantized, scaling_stats
+from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.numerics.ledger import ledger_new, tally_new
+from computectx.fp4_recipe import Fp4Recipe
 from computectx.nn import ByteLM, LMConfig
 from computectx.recipes import DelayedScaling, DynamicScaling, Recipe
 
@@ -202,13 +204,7 @@ def test_converted_model_has_one_graph_and_no_breaks() -> None:
     assert explanation.graph_count == 1
 
 
-# The 4-bit flags are refused (NotImplementedError) until their linear is built (issue 37).
-NOT_BUILT = pytest.mark.xfail(raises=NotImplementedError, strict=True, reason="no 4-bit linear")
-
-
-@pytest.mark.parametrize(
-    "flag", [pytest.param(f, marks=NOT_BUILT) if "fp4" in f else f for f in POLICY_FLAGS]
-)
+@pytest.mark.parametrize("flag", POLICY_FLAGS)
 def test_bytelm_loss_compiles_without_graph_breaks_under_every_dtype_flag(flag: str) -> None:
     ctx = ComputeCtx.from_flag(flag, "cpu")
     torch.manual_seed(0)
@@ -217,7 +213,9 @@ def test_bytelm_loss_compiles_without_graph_breaks_under_every_dtype_flag(flag: 
     explanation = torch._dynamo.explain(model.loss)(ids, ids)
     assert explanation.graph_break_count == 0, explanation.break_reasons
     assert explanation.graph_count == 1
-    if ctx.recipe is not None:
+    if isinstance(ctx.recipe, Fp4Recipe):  # the 4-bit flags put Fp4Linear layers in the graph
+        assert any(isinstance(m, Fp4Linear) for m in model.modules())
+    elif ctx.recipe is not None:
         assert model.fp8_layers()  # the fp8 flags do put QuantizedLinear layers in the graph
 
 
@@ -522,3 +520,28 @@ def test_a_nan_input_in_a_compiled_step_is_counted_and_skipped_as_in_eager() -> 
     stats = scaling_stats(compiled_model)["0"].input
     assert stats.nonfinite_count == 1  # counted once; the history skipped that amax
     assert math.isfinite(stats.step) and math.isfinite(stats.window_amax)
+
+
+def test_fp4_linear_trains_compiled_whole_as_eager_bit_for_bit() -> None:
+    # Forward and backward under fullgraph (aot_eager): the same outputs and gradients as
+    # eager, the stochastic-rounding counter advanced alike, no recompile as it advances.
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+    convert_to_quantized(eager, ctx, include_head=True, min_features=16)
+    twin = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+    convert_to_quantized(twin, ctx, include_head=True, min_features=16)
+    twin.load_state_dict(eager.state_dict())
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(twin, backend=counter, fullgraph=True)
+    for step in range(2):
+        x = torch.randn(12, 32, dtype=torch.bfloat16)
+        for model in (eager, twin):
+            model.zero_grad()
+            run = compiled if model is twin else model
+            run(x).float().square().sum().backward()
+        for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
+            assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+        keys = [m[0].sr_key for m in (eager, twin) if isinstance(m[0], Fp4Linear)]
+        assert len(keys) == 2 and torch.equal(*keys), step
+    assert counter.frame_count == 1

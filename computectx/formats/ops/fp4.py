@@ -281,9 +281,18 @@ def _grouped_wgrad_fake(
 # The checked entry points.
 
 
-def _rng(stochastic: Stochastic | None) -> torch.Tensor | None:
+def _rng(stochastic: Stochastic | torch.Tensor | None) -> torch.Tensor | None:
+    # A key tensor (int64 (2,): seed, counter) passes as it is: a layer's counter, read
+    # inside the operator, never a guard of a compiled caller.
     if stochastic is None:
         return None
+    if isinstance(stochastic, torch.Tensor):
+        if stochastic.dtype != torch.int64 or tuple(stochastic.shape) != (2,):
+            raise ValueError(
+                f"a stochastic-rounding key tensor is int64 (2,) [seed, counter], got "
+                f"{stochastic.dtype} {tuple(stochastic.shape)}"
+            )
+        return stochastic
     if not isinstance(stochastic, Stochastic):
         raise TypeError(f"stochastic must be a Stochastic key or None, got {stochastic!r}")
     seed = stochastic.seed if stochastic.seed < 2**63 else stochastic.seed - _U64
@@ -313,10 +322,12 @@ def quantize(
     *,
     weight: bool = False,
     columnwise: bool = False,
-    stochastic: Stochastic | None = None,
+    stochastic: Stochastic | torch.Tensor | None = None,
 ) -> Fp4Operand:
     """The operand of a 2-D ``x``: row-wise (``weight``: at ``how.weight_tile``), or with
-    ``columnwise`` the wgrad's operand of ``x.t()`` (rows padded, ``how.hadamard`` applied)."""
+    ``columnwise`` the wgrad's operand of ``x.t()`` (rows padded, ``how.hadamard`` applied).
+    ``stochastic``: a ``Stochastic`` key or an int64 ``(2,)`` tensor ``[seed, counter]``
+    (the seed in two's complement, as a layer keeps it)."""
     h = _check_how(how)
     tile = h.weight_tile if weight and h.format == "nvfp4" and not columnwise else "1x16"
     if columnwise:

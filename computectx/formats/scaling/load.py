@@ -384,6 +384,12 @@ def plan_scaling_load(
     given = [n for n in names if n in entries]
     layer = prefix[:-1] or "the layer"
     what = f"the fp8 scaling state of {layer!r}"
+    if isinstance(entries.get(LEGACY_KEY), torch.Tensor):
+        raise ValueError(
+            f"{what}: {prefix + LEGACY_KEY!r} is a tensor, the state of a 4-bit Fp4Linear "
+            f"(an NVFP4/MXFP4 checkpoint), which does not load into an fp8 layer; convert "
+            f"under the 4-bit recipe it was saved with"
+        )
     if given and (len(given) < len(names) or LEGACY_KEY in entries):
         full = [prefix + n for n in names]
         present = [prefix + n for n in given]

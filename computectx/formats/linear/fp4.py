@@ -1,0 +1,374 @@
+"""``Fp4Linear``: a drop-in ``nn.Linear`` whose three GEMMs run in NVFP4 or MXFP4 under an
+``Fp4Recipe`` (``ctx.recipe``), through the ``computectx::fp4_*`` operators.
+
+What each GEMM operand gets (TransformerEngine's ``NVFP4BlockScaling``; MXFP4 the same with
+1x32 E8M0 blocks and no per-tensor scale; "col": quantized along the tokens M)::
+
+    GEMM  a                                      b
+    Y     X, 1x16 along K, nearest               W at the weight tile (16x16 or 1x16), nearest
+    dX    dY, 1x16 along N, stochastic           Wᵀ at the weight tile (16x16: W's own tiles)
+    dW    dYᵀ col, Hadamard along M, stochastic  Xᵀ col, Hadamard along M, nearest
+
+The forward quantizes ``Xᵀ`` column-wise (the wgrad's operand: codes, E4M3 scales and the
+float32 amax, 0.5625 bytes an element plus 4; MXFP4 0.53125) and keeps it, with the weight
+parameter, for the backward: that is all the layer saves, under ``ctx.activations.linear``
+``keep`` and ``fp8`` alike (the operand is already 4 bits; ``offload`` is refused as for the
+fp8 linears). A weight that needs no gradient keeps nothing of ``X``. Every scale comes from
+the current amax: the weight's from the weight itself, so ranks holding the same weight
+(DDP) quantize it alike with no collective.
+
+**Stochastic rounding** (the gradients only, ``recipe.stochastic``) draws Philox bits keyed
+by ``(recipe.seed, counter)``: the counter is layer state, an int64 that each call which can
+run a backward advances by the elements its backward rounds (``M * N`` for dY, ``N * M_pad``
+for dYᵀ), saved in ``_extra_state`` so that a resumed run draws the same bits. A call that
+runs while a backward runs under saved-tensor hooks (the recomputation of a non-reentrant
+activation checkpoint) advances nothing, and its backward uses the original call's key: the
+gradients are bit for bit those of a run without checkpointing. (A reentrant checkpoint's
+recomputation builds a graph of its own: it advances the counter then, so it draws other
+valid bits.)
+
+**Loading** checks the policy: ``_extra_state`` (int64 ``[version, recipe code, seed,
+counter]``) saved under another 4-bit recipe or seed, or fp8 scaling entries (``fp8_*``: an
+fp8 checkpoint), raise ``ValueError`` naming both before anything loads; an ``nn.Linear``
+checkpoint (no ``_extra_state``) loads with the counter as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Final
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+from computectx.ctx import ComputeCtx
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.formats.linear.function import autocast_dtype
+from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
+from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
+from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.policy import check_param_dtype, default_device, describe
+from computectx.fp4_recipe import Fp4Recipe
+from computectx.residency import parse_device
+
+__all__ = ["FP4_STATE_VERSION", "Fp4Linear", "block_list", "fp4_quant", "recipe_code"]
+
+FP4_STATE_VERSION: Final[int] = 1
+"""``_extra_state[0]``: the layout ``[version, recipe code, seed, counter]`` (int64)."""
+_U64: Final[int] = 2**64
+
+
+def fp4_quant(recipe: Fp4Recipe) -> Fp4Quant:
+    """The plain values the 4-bit operators take, read from the policy's recipe."""
+    return Fp4Quant(
+        format=recipe.format,
+        weight_tile=recipe.weight_tile or "1x16",
+        mx_rounding=recipe.mx_rounding or "rceil",
+        hadamard=recipe.hadamard,
+        signs=recipe.hadamard_signs,
+    )
+
+
+def recipe_code(recipe: Fp4Recipe) -> int:
+    """The layer numerics of ``recipe`` as bits (what a checkpoint's state is checked by):
+    format, weight tile, MXFP4 rounding, stochastic rounding, Hadamard transform."""
+    return (
+        (recipe.format == "mxfp4")
+        | (recipe.weight_tile == "1x16") << 1
+        | (recipe.mx_rounding == "floor") << 2
+        | recipe.stochastic << 3
+        | recipe.hadamard << 4
+    )
+
+
+def _decoded(code: int, seed: int) -> str:
+    """The recipe text a saved code and seed stand for (``str(Fp4Recipe)``)."""
+    mx = bool(code & 1)
+    try:
+        r = Fp4Recipe(
+            format="mxfp4" if mx else "nvfp4",
+            weight_tile=None if mx else ("1x16" if code & 2 else "16x16"),
+            mx_rounding=("floor" if code & 4 else "rceil") if mx else None,
+            stochastic=bool(code & 8),
+            hadamard=bool(code & 16),
+            seed=seed % _U64,
+        )
+    except ValueError:
+        return f"<unknown 4-bit recipe code {code}, seed {seed}>"
+    return str(r)
+
+
+def block_list(model: nn.Module) -> dict[int, tuple[int, int]]:
+    """``id(linear) -> (block, blocks)`` for the linears inside the model's block list: the
+    ``nn.ModuleList`` (or ``nn.ModuleDict``) with the most entries among those holding an
+    ``nn.Linear`` (the first such in registration order on a tie: ``ByteLM.blocks``,
+    transformers' ``model.layers``, torchtitan's ``layers``); block ``i`` is its ``i``-th
+    entry. Linears outside it (the head, a model with no such list) have no block."""
+    best: list[nn.Module] = []
+    for m in model.modules():
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > len(best):
+            entries = list(m.children())
+            if any(isinstance(s, nn.Linear) for e in entries for s in e.modules()):
+                best = entries
+    found: dict[int, tuple[int, int]] = {}
+    for i, entry in enumerate(best):
+        for s in entry.modules():
+            if isinstance(s, nn.Linear):
+                found.setdefault(id(s), (i, len(best)))
+    return found
+
+
+class Fp4Linear(nn.Linear):
+    """A drop-in ``nn.Linear`` whose GEMMs run in 4 bits under ``ctx.recipe``, an
+    ``Fp4Recipe`` (module docstring: the operands, what is saved, stochastic rounding).
+
+    Same ``weight``/``bias`` parameters as ``nn.Linear`` (an ``nn.Linear`` checkpoint loads),
+    trained in high precision and quantized from their current values at every call, plus
+    ``_extra_state``: the stochastic rounding's counter and the recipe it was drawn under.
+    Widths must be multiples of the recipe's block (16 for NVFP4, 32 for MXFP4); inputs of
+    any leading shape and any number of rows, bf16/fp16/fp32; the output has the input's
+    dtype (the autocast dtype inside ``torch.autocast``). The GEMMs run on the operators'
+    backend (``computectx.formats.ops.fp4.select_fp4_backend``: the emulated twin today).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        ctx: ComputeCtx,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        recipe = _recipe_of(ctx)
+        for name, width in (("in_features", in_features), ("out_features", out_features)):
+            if width % recipe.block:
+                raise ValueError(
+                    f"Fp4Linear({in_features}, {out_features}): {name}={width} is not a "
+                    f"multiple of {recipe.block}, the {recipe.format} block"
+                )
+        dev = parse_device(device) if device is not None else default_device(ctx)
+        param_dtype = dtype if dtype is not None else ctx.master.torch
+        check_param_dtype("weight", param_dtype)
+        super().__init__(in_features, out_features, bias, device=dev, dtype=param_dtype)
+        self.ctx = ctx
+        self.recipe = recipe
+        self._how = fp4_quant(recipe)
+        self.register_buffer("sr_key", _fresh_key(recipe, dev), persistent=False)
+
+    sr_key: torch.Tensor
+    """int64 ``(2,)``: the stochastic rounding's seed (two's complement) and counter."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ctx: ComputeCtx) -> Fp4Linear:
+        """An ``Fp4Linear`` holding ``linear``'s own ``weight`` and ``bias`` Parameters
+        (shared, not copied: an optimizer built over the old module trains the new one)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear takes an nn.Linear, got {describe(linear)}")
+        w = linear.weight
+        check_param_dtype("weight", w.dtype)
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            ctx=ctx,
+            device="meta",
+            dtype=w.dtype,
+        )
+        new.weight = w
+        new.bias = linear.bias
+        new.sr_key = _fresh_key(new.recipe, w.device)
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ + b`` in 4 bits."""
+        _check_input(x, self.in_features)
+        lowered = autocast_dtype(x)
+        if lowered is not None:  # as autocast runs a linear: the input at its dtype
+            with torch.autocast(x.device.type, enabled=False):
+                return self.forward(x.to(lowered))
+        if self.ctx.activations.linear == "offload" and torch.is_grad_enabled():
+            raise NotImplementedError("activations kept as 'offload' are not built yet (linear)")
+        x2 = x.reshape(-1, x.shape[-1])
+        key = self._key(x2.shape[0])
+        y2 = _Fp4LinearFn.apply(x2, self.weight, self.bias, self._how, key)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = torch.ops.aten._unsafe_view(y2, (*x.shape[:-1], y2.shape[-1]))
+        return out
+
+    def _key(self, rows: int) -> torch.Tensor | None:
+        """This call's stochastic-rounding key ``[seed, counter]``, the counter advanced past
+        what its backward draws; ``None`` when nothing is rounded stochastically."""
+        if not self.recipe.stochastic or not torch.is_grad_enabled():
+            return None
+        key = self.sr_key
+        if not torch.compiler.is_compiling() and _recomputing():
+            return key  # unused: the original call's key is the one its backward reads
+        multiple = max(self._how.block, HADAMARD_SIZE) if self._how.hadamard else self._how.block
+        padded = -(-rows // multiple) * multiple
+        # A new tensor, never an in-place add: the key a backward holds is never written to
+        # (a compiled backward may read it from the buffer as it was at the call).
+        self.sr_key = key + key.new_tensor([0, self.out_features * (rows + padded)])
+        return key
+
+    # ----- state ----------------------------------------------------------------------------
+
+    def get_extra_state(self) -> torch.Tensor:
+        """int64 ``[FP4_STATE_VERSION, recipe code, seed, counter]`` (a tensor: safetensors
+        and DCP save it as they save the weights)."""
+        head = torch.tensor([FP4_STATE_VERSION, recipe_code(self.recipe)], dtype=torch.int64)
+        return torch.cat([head, self.sr_key.detach().cpu()])
+
+    def set_extra_state(self, state: Any) -> None:
+        """Install a saved counter (checked by ``check_load`` first)."""
+        self.check_load({"_extra_state": state}, "")
+        self.sr_key = state[2:].to(device=self.sr_key.device, dtype=torch.int64).clone()
+
+    def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
+        """``ValueError`` naming both policies when ``entries`` (local names) were saved by
+        an fp8 layer or under another 4-bit recipe or seed (``guard_whole_loads`` runs this
+        on every layer before any loads)."""
+        layer = prefix[:-1] or "the layer"
+        fp8 = sorted(k for k in entries if k.startswith("fp8_"))
+        if fp8:
+            raise ValueError(
+                f"{layer!r} is a 4-bit Fp4Linear under {self.recipe}, but the state dict holds "
+                f"an fp8 layer's scaling state ({prefix}{fp8[0]}, ...): an fp8 checkpoint does not "
+                f"load into a 4-bit model; convert under the fp8 recipe it was saved with"
+            )
+        state = entries.get("_extra_state")
+        if state is None:
+            return
+        if (
+            not isinstance(state, torch.Tensor)
+            or state.dtype != torch.int64
+            or tuple(state.shape) != (4,)
+        ):
+            raise ValueError(
+                f"{prefix}_extra_state of the 4-bit layer {layer!r} must be an int64 tensor "
+                f"[version, recipe code, seed, counter]; got {describe(state)} (an fp8 layer's "
+                f"version 1/2 state is a dict: an fp8 checkpoint does not load into 4 bits)"
+            )
+        version, code, seed, _ = (int(v) for v in state.tolist())
+        if version != FP4_STATE_VERSION:
+            raise ValueError(
+                f"{prefix}_extra_state has version {version}; this computectx reads "
+                f"version {FP4_STATE_VERSION}"
+            )
+        mine = self.sr_key[0].item()
+        if code != recipe_code(self.recipe) or seed != mine:
+            raise ValueError(
+                f"{layer!r} was saved under the 4-bit recipe {_decoded(code, seed)!r} but this "
+                f"layer runs {_decoded(recipe_code(self.recipe), int(mine))!r}; convert under "
+                f"the recipe the checkpoint was saved with"
+            )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.check_load(local, prefix)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # An nn.Linear checkpoint holds no counter: it loads, the counter as it is.
+        if prefix + "_extra_state" in missing_keys:
+            missing_keys.remove(prefix + "_extra_state")
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def _fresh_key(recipe: Fp4Recipe, device: torch.device) -> torch.Tensor:
+    seed = recipe.seed if recipe.seed < 2**63 else recipe.seed - _U64
+    return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+
+
+def _recipe_of(ctx: object) -> Fp4Recipe:
+    if not isinstance(ctx, ComputeCtx) or not isinstance(ctx.recipe, Fp4Recipe):
+        got = ctx.recipe if isinstance(ctx, ComputeCtx) else ctx
+        raise TypeError(
+            f"Fp4Linear needs a ComputeCtx whose recipe is an Fp4Recipe (e.g. "
+            f"ComputeCtx.from_flag('nvfp4', device)), got {describe(got)}"
+        )
+    return ctx.recipe
+
+
+def _check_input(x: object, in_features: int) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"Fp4Linear quantizes bf16, fp16 or fp32 tensors, got {describe(x)}")
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"Fp4Linear expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
+        )
+
+
+def _recomputing() -> bool:
+    # A forward inside a backward under saved-tensor hooks: a non-reentrant checkpoint's
+    # recomputation, whose saved tensors replace the original call's (its ctx stays).
+    return (
+        torch._C._current_graph_task_id() != -1
+        and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+    )
+
+
+def _operand(codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None) -> Fp4Operand:
+    if amax is None:
+        return Mxfp4Operand(codes, scale)
+    return Nvfp4Operand(codes, scale, amax.reshape(()), "1x16")
+
+
+class _Fp4LinearFn(torch.autograd.Function):
+    """Y = X Wᵀ + b in 4 bits; dX and dW by the operand table (module docstring)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        how: Fp4Quant,
+        key: torch.Tensor | None,
+    ) -> torch.Tensor:
+        qx = fp4_ops.quantize(x, how)
+        qw = fp4_ops.quantize(weight, how, weight=True)
+        y = fp4_ops.scaled_mm(qx, qw, x.dtype, bias)
+        saved: list[torch.Tensor | None] = [None, None, None]
+        if weight.requires_grad:
+            qxt = fp4_ops.quantize(x, how, columnwise=True)
+            saved = [qxt.codes, qxt.scale, qxt.amax if isinstance(qxt, Nvfp4Operand) else None]
+        ctx.save_for_backward(weight, *saved)  # type: ignore[arg-type]  # None: nothing saved
+        ctx.how, ctx.key, ctx.x_dtype = how, key, x.dtype  # type: ignore[attr-defined]
+        ctx.has_bias = bias is not None  # type: ignore[attr-defined]
+        ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        weight, codes, scale, amax = ctx.saved_tensors
+        how, key = ctx.how, ctx.key
+        dy = dy.contiguous()
+        m, n = dy.shape
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            qdy = fp4_ops.quantize(dy, how, stochastic=key)
+            qwt = fp4_ops.quantize(weight.t(), how, weight=True)
+            dx = fp4_ops.scaled_mm(qdy, qwt, ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            col = None if key is None else key + key.new_tensor([0, m * n])
+            qdyt = fp4_ops.quantize(dy, how, columnwise=True, stochastic=col)
+            dw = fp4_ops.scaled_mm(qdyt, _operand(codes, scale, amax), torch.float32)
+            dw = dw.to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy.float().sum(0).to(ctx.bias_dtype)
+        return dx, dw, db, None, None
