@@ -269,7 +269,12 @@ def _vjp(
     def at(*differentiated: torch.Tensor) -> torch.Tensor:
         args = list(tensors)
         for i, t in zip(wrt, differentiated, strict=True):
-            args[i] = t
+            # A view, not the primal itself: dynamo (torch 2.13) records a primal's
+            # requires_grad as it was before torch.func made it differentiable, so a custom
+            # autograd.Function in f handed the primal read needs_input_grad False and gave
+            # no gradient (silently: Gemm's upcast matmul lost dq and dv). A view is recorded
+            # after, as anything f computes from it (tests/test_saved.py).
+            args[i] = t.view_as(t)
         return f(*args)
 
     found = iter(torch.func.vjp(at, *(tensors[i] for i in wrt))[1](dy))

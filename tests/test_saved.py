@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch.utils.checkpoint import checkpoint
 
 from computectx import ComputeCtx, DType
+from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.mlp import swiglu
 from computectx.nn.precise import apply_rope, rms_norm, rope_tables, softmax
 from computectx.saved import E4M3_MAX, decode_groups, encode_groups, saved_call
@@ -295,6 +296,33 @@ def test_an_integer_operand_compiles_as_in_eager_mode() -> None:
         torch.autograd.backward(g(x, torch.tensor([0, 2])).sum())
         grads.append(x.grad)
     assert grads[0] is not None and grads[1] is not None and torch.equal(grads[0], grads[1])
+
+
+def test_a_custom_autograd_function_in_f_compiles_to_the_eager_gradients() -> None:
+    # Compiled, the backward differentiates f with torch.func.vjp; dynamo (torch 2.13) read
+    # needs_input_grad False for every input of a custom autograd.Function that f handed
+    # straight from its arguments, and the Function returned no gradient for them (Gemm's
+    # upcast matmul: q's and v's gradients were zero, the fp8 linear's weight's too).
+    gemm = Gemm(GemmPath.UPCAST, torch.bfloat16)
+    fp8 = Gemm(GemmPath.UPCAST, torch.bfloat16, "fp8")
+
+    def f(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return fp8.linear(gemm.matmul(gemm.matmul(q, k.mT), v), w)
+
+    def run(*ts: torch.Tensor) -> torch.Tensor:
+        return saved_call(f, *ts, mode="recompute", inputs=3)
+
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(8, 16, generator=g, dtype=torch.bfloat16) for _ in range(4)]
+    torch._dynamo.reset()
+    grads = []
+    for call in (run, torch.compile(run, fullgraph=True, backend="aot_eager")):
+        leaves = [t.clone().requires_grad_() for t in tensors]
+        torch.autograd.backward(call(*leaves).float().pow(2).sum())
+        grads.append([t.grad for t in leaves])
+    torch._dynamo.reset()
+    for a, b in zip(*grads, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
 
 
 # ----- refusals ------------------------------------------------------------------------------
