@@ -11,9 +11,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx, DType
 from computectx.distributed import DataParallelGradAccumulator, parallelize
+from computectx.formats import convert_to_quantized
+from computectx.formats.linear.fp4 import Fp4Linear
 
 ROWS = 8  # tokens per step, split over the ranks
 
@@ -87,6 +90,33 @@ def dtypes(params: dict[str, Any]) -> dict[str, Any]:
         "fsdp": _fsdp_kinds(params["steps"], plain=False),
         "fsdp_plain": _fsdp_kinds(params["steps"], plain=True),
         "ddp": {acc: _ddp(acc) for acc in ("default", "off")},
+        "fp4_ddp": fp4_ddp(dist.get_rank(), dist.get_world_size()),
+    }
+
+
+def fp4_model() -> nn.Sequential:
+    """Two ``Fp4Linear`` (NVFP4, TE's recipe: stochastic rounding, the Hadamard transform)."""
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    convert_to_quantized(model, ctx, include_head=True, min_features=16)
+    return model
+
+
+def fp4_batch() -> torch.Tensor:
+    """The global batch: 40 rows (20 a rank: the column-wise operands pad to 32)."""
+    return torch.randn(40, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+
+
+def fp4_ddp(rank: int, world: int) -> dict[str, Any]:
+    """``fp4_ddp``: torch's DDP around 4-bit linears (no computectx collective), one step
+    on this rank's rows of ``fp4_batch``: the averaged gradients and the counters."""
+    model = fp4_model()
+    ddp = DistributedDataParallel(model)
+    ddp(fp4_batch().chunk(world)[rank]).float().square().sum().backward()
+    return {
+        "grads": [p.grad.detach().clone() for p in model.parameters() if p.grad is not None],
+        "keys": [m.sr_key.clone() for m in model.modules() if isinstance(m, Fp4Linear)],
     }
 
 
@@ -231,7 +261,6 @@ def _fsdp_one_rank(model: nn.Module, ctx: ComputeCtx, lr: float) -> torch.optim.
 
     from computectx.distributed import enable_quantized_all_gather
     from computectx.distributed.mixed_precision import fsdp_mixed_precision
-    from computectx.formats import convert_to_quantized
 
     if dist.get_world_size() != 1:
         raise RuntimeError("the one-rank reference runs in a world of one")

@@ -53,6 +53,7 @@ def test_fsdp2_gathers_at_ctx_compute_and_fp8_weights_keep_their_fp8_gather(
             # The layers compute at ctx.compute (FSDP2 casts the float inputs too).
             assert got["out"] == ("torch.float32" if kind == "fp32 model" else "torch.bfloat16")
         _check_ddp(r["ddp"])
+    _check_fp4_ddp([r["fp4_ddp"] for r in ranks])
     # accumulate=False: DDP's own reduction, the ranks' float32 gradients averaged.
     off0, off1 = (r["ddp"]["off"]["grads"] for r in ranks)
     assert off0.dtype == torch.float32 and torch.equal(off0, off1)
@@ -62,6 +63,32 @@ def test_fsdp2_gathers_at_ctx_compute_and_fp8_weights_keep_their_fp8_gather(
         per_element = EXPECTED[kind][0] if kind in FP8_GATHERS else 4.0
         assert got["bytes_per_element"] == pytest.approx(per_element, rel=1e-12), (kind, got)
         assert got["reduce_dtypes"] == ["torch.float32"], (kind, got)
+
+
+def _check_fp4_ddp(ranks: list[dict[str, Any]]) -> None:
+    # DDP around 4-bit linears (docs/fp4.md, "Ranks"): each rank quantizes its own rows with
+    # its own per-tensor amaxes (no collective in the forward; the weight's amax is the
+    # replicated weight's), so its gradient is bit for bit one process's on those rows with
+    # the same counter, and DDP's average is the average of those.
+    from .scenarios_mixed_precision import fp4_batch, fp4_model
+
+    shards, sims = fp4_batch().chunk(2), [fp4_model(), fp4_model()]
+    for model, shard in zip(sims, shards, strict=True):
+        model(shard).float().square().sum().backward()
+    grads = [[p.grad for p in m.parameters() if p.grad is not None] for m in sims]
+    want = [(a + b) / 2 for a, b in zip(*grads, strict=True)]
+    for r in ranks:
+        assert all(torch.equal(g, w) for g, w in zip(r["grads"], want, strict=True))
+        assert [k.tolist() for k in r["keys"]] == [[0, 32 * (20 + 32)], [0, 16 * (20 + 32)]]
+    # Against one process on the whole batch (one amax for all 40 rows, the sum halved as
+    # DDP averages): apart by the 4-bit noise only.
+    whole = fp4_model()
+    whole(fp4_batch()).float().square().sum().backward()
+    for g, p in zip(ranks[0]["grads"], whole.parameters(), strict=True):
+        assert p.grad is not None
+        ref = p.grad.double() / 2
+        sqnr = 10 * torch.log10(ref.square().sum() / (g.double() - ref).square().sum())
+        assert sqnr > 10, float(sqnr)
 
 
 def _check_ddp(ddp: dict[str, Any]) -> None:

@@ -214,6 +214,14 @@ class Fp4Linear(nn.Linear):
         self.sr_key = key + key.new_tensor([0, self.out_features * (rows + padded)])
         return key
 
+    def quantized_weight(self) -> Fp4Operand:
+        """The weight's operand as the forward multiplies with it (codes, block scales and,
+        NVFP4, the amax; no gradient). ``memory_report`` of its tensors counts 0.5039 bytes
+        an element (NVFP4 16x16 tiles), 0.5625 (1x16) plus 4 a tensor, 0.53125 (MXFP4).
+        Training holds none: every call quantizes the weight anew, as the fp8 linears do."""
+        with torch.no_grad():
+            return fp4_ops.quantize(self.weight, self._how, weight=True)
+
     # ----- state ----------------------------------------------------------------------------
 
     def get_extra_state(self) -> torch.Tensor:

@@ -17,7 +17,9 @@ from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.formats.linear.fp4 import Fp4Linear, block_list, fp4_quant
 from computectx.formats.numerics import fp4_gemm
 from computectx.formats.numerics.e2m1 import Stochastic
+from computectx.formats.numerics.fp4 import Nvfp4Operand
 from computectx.fp4_recipe import Fp4Recipe
+from computectx.memory import memory_report
 from computectx.nn import MoE
 
 NV = ComputeCtx.from_flag("nvfp4", "cpu").replace(recipe=Fp4Recipe(seed=5))
@@ -195,3 +197,22 @@ def test_grouped_experts_and_fp8_entry_points_still_refuse_4_bits() -> None:
         QuantizedLinear(32, 32, ctx=NV)
     with pytest.raises(ValueError, match="multiple of 32, the mxfp4 block"):
         Fp4Linear(48, 32, ctx=_ctx(RECIPES["mxfp4"]))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "per_element"),
+    [
+        (Fp4Recipe(), 0.5 + 1 / 256),
+        (Fp4Recipe(weight_tile="1x16"), 0.5625),
+        (Fp4Recipe(format="mxfp4"), 0.53125),
+    ],
+)
+def test_the_memory_report_counts_a_4_bit_weights_bytes(
+    recipe: Fp4Recipe, per_element: float
+) -> None:
+    lin = Fp4Linear(256, 128, ctx=_ctx(recipe))
+    q = lin.quantized_weight()
+    report = memory_report([q.codes, q.scale, *([q.amax] if isinstance(q, Nvfp4Operand) else [])])
+    tensor = 4 if recipe.format == "nvfp4" else 0  # the float32 amax
+    assert sum(r.bytes for r in report.rows) == 256 * 128 * per_element + tensor == q.nbytes
+    assert {r.dtype for r in report.rows} >= {"float4_e2m1fn_x2"}
