@@ -32,6 +32,7 @@ from computectx.formats.exchange import (
     serving_weights,
 )
 from computectx.formats.linear.autocast import autocast
+from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
 from computectx.formats.linear.unsynced import ScalingNotSyncedWarning
@@ -55,6 +56,7 @@ __all__ = [
     "DelayedScaling",
     "DynamicScaling",
     "ExpertsConverter",
+    "Fp4Linear",
     "Fp4Recipe",
     "Fp8Scheme",
     "Granularity",
