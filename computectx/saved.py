@@ -53,6 +53,8 @@ __all__ = [
     "SAVING",
     "decode_groups",
     "encode_groups",
+    "kept_back",
+    "offload_kept",
     "saved_call",
     "tagged",
 ]
@@ -252,6 +254,24 @@ class _SavedCall(torch.autograd.Function):
                 with _rng_restored(ctx.rng):
                     grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
         return (None,) * 4 + tuple(g if n else None for g, n in zip(grads, needs, strict=True))
+
+
+def offload_kept(ctx: Any, kept: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """For a custom ``autograd.Function``'s forward under ``offload`` (``linear: offload``):
+    ``kept`` moved to host memory when its device has streams (``computectx.offload``:
+    ``ctx.moved`` holds the handles, in the current block), and nothing left for
+    ``save_for_backward``; else (a CPU tensor, compiled) ``kept`` itself, to save. The
+    backward reads it back through ``kept_back``."""
+    streams = _offload_streams(kept[0]) if kept else None
+    ctx.moved = None if streams is None else [offload(t, streams) for t in kept]
+    return kept if streams is None else ()
+
+
+def kept_back(ctx: Any, saved: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """In the backward: what ``offload_kept`` kept, ``saved`` (its part of ``saved_tensors``)
+    or its tensors brought back to the device."""
+    moved = getattr(ctx, "moved", None)
+    return saved if moved is None else tuple(m.fetch() for m in moved)
 
 
 def _offload_streams(x: torch.Tensor) -> Any:

@@ -14,13 +14,16 @@ import pytest
 import torch
 
 from computectx import ComputeCtx, DType
+from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.memory import SavedActivations
 from computectx.memory.activation_bytes import SavedKind
-from computectx.nn import ByteLM, LMConfig
+from computectx.nn import ByteLM, Gemm, GemmPath, LMConfig
+from computectx.nn.experts import GroupedExperts
 from computectx.offload import STREAMS, OffloadBlocks
 from computectx.saved import saved_call
 
 CONFIG = LMConfig(d_model=32, n_layers=3, n_heads=2, d_ff=32, max_len=32)
+MOE = LMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=32, max_len=32, n_experts=4, top_k=2)
 KINDS = "precise:offload/act_fn:offload/attention:offload/residual:offload"
 
 
@@ -190,3 +193,80 @@ def test_offload_on_a_cpu_keeps_the_input_as_recompute_does() -> None:
     with SavedActivations() as recomputed:
         torch.autograd.backward(saved_call(torch.tanh, x, mode="recompute", kind="precise").sum())
     assert offloaded.counts == recomputed.counts and offloaded.bytes("precise") == 8 * 64 * 2
+
+
+# ----- linear: offload ---------------------------------------------------------------------
+
+M, K, H = 32, 64, 48  # rows, in features, hidden (the experts' second GEMM reads M x H)
+OFFS = torch.tensor([10, 10, M], dtype=torch.int32)  # one empty group
+# What each linear sends to the host: its input as its backward keeps it.
+_SENT = {
+    "upcast": 2 * M * K,  # X at bf16
+    "native": 2 * M * K,
+    "fp8_rowwise": 2 * M * K,  # X: the wgrad quantizes Xᵀ from it
+    "fp8_hybrid": M * K,  # the per-tensor fp8 codes of X
+    "bf16 experts": 2 * M * K + 2 * M * H,  # both GEMMs' inputs at bf16
+    "fp8_rowwise experts": 2 * M * K + 2 * M * H,
+}
+
+
+def _linear_run(layer: str, mode: str) -> tuple[torch.nn.Module, Callable[..., torch.Tensor]]:
+    torch.manual_seed(0)
+    if layer in ("upcast", "native"):
+        linear = torch.nn.Linear(K, H, bias=False)
+        gemm = Gemm(GemmPath(layer), torch.bfloat16, mode)  # type: ignore[arg-type]
+        return linear, lambda x: gemm.linear(x, linear.weight)
+    flag = layer.removesuffix(" experts")
+    ctx = ComputeCtx.from_flag(flag, "cpu").with_activations(f"linear:{mode}")
+    if layer == flag:
+        q = QuantizedLinear.from_linear(torch.nn.Linear(K, H, bias=False), ctx)
+        return q, q
+    experts = GroupedExperts(ctx, K, H, 3)
+    if ctx.recipe is not None:
+        convert_to_quantized(experts, ctx, min_features=16)
+    return experts, lambda x: experts(x, OFFS)
+
+
+@pytest.mark.parametrize("layer", list(_SENT))
+def test_linears_offload_the_input_they_keep_and_give_keeps_gradients(
+    stand_in: StandIn, layer: str
+) -> None:
+    x0 = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    grads, kept = [], []
+    for mode in ("keep", "offload"):
+        module, run = _linear_run(layer, mode)
+        x = x0.clone().requires_grad_()
+        with SavedActivations(exclude=list(module.parameters())) as saved:
+            y = run(x)
+        torch.autograd.backward(y.float().pow(2).sum())
+        grads.append([x.grad, *(p.grad for p in module.parameters())])
+        kept.append(saved.bytes("linear"))
+    # Keep sent nothing; offload each kept input once, brought back and used once.
+    assert sum(stand_in.nbytes) == _SENT[layer] and not stand_in.holding
+    sent = len(stand_in.nbytes)
+    assert sorted(n for op, n in stand_in.log if op == "wait") == list(range(sent))
+    assert kept[1] < kept[0]
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize("config", [CONFIG, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("streams", ["stand-in", "cpu"])
+def test_a_bare_offload_trains_a_byte_lm_as_keep(config: LMConfig, streams: str) -> None:
+    # Every kind offloaded, the linears too: through the stand-in, or on a CPU (each input
+    # kept as it is), the gradients of keep.
+    stand_in = StandIn()
+    token = STREAMS.set(stand_in if streams == "stand-in" else None)
+    grads = []
+    try:
+        for spec in ("keep", "offload"):
+            torch.manual_seed(0)
+            model = ByteLM(ComputeCtx.new(DType.BF16, "cpu").with_activations(spec), config)
+            ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+            torch.autograd.backward(model.loss(ids[:, :-1], ids[:, 1:]))
+            grads.append(_grads(model))
+    finally:
+        STREAMS.reset(token)
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    sent = len(stand_in.nbytes)  # each brought back and used once; nothing left
+    assert (sent > 0) == (streams == "stand-in") and not stand_in.holding
+    assert sorted(n for op, n in stand_in.log if op == "wait") == list(range(sent))

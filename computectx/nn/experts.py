@@ -43,6 +43,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from computectx._checks import as_int
+from computectx.activations import SaveMode
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FP8_DTYPES
 from computectx.formats import QuantizedExperts, ServingWeight, register_experts_converter
@@ -56,7 +57,7 @@ from computectx.formats.seam import (
 )
 from computectx.nn.gemm import Gemm, GemmPath, input_kept, keep_input
 from computectx.nn.params import param_dtype
-from computectx.saved import SAVING, saved_call
+from computectx.saved import SAVING, kept_back, offload_kept, saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]
 
@@ -219,8 +220,6 @@ class GroupedExperts(nn.Module):
         self, x: torch.Tensor, w: torch.Tensor | ServingWeight, offs: torch.Tensor
     ) -> torch.Tensor:
         # What the GEMM keeps for the backward counts as "linear", whatever the mode.
-        if self.save == "offload" and torch.is_grad_enabled():
-            raise NotImplementedError("activations kept as 'offload' are not built yet (linear)")
         if torch.compiler.is_compiling():
             return self._gemm(x, w, offs)
         token = SAVING.set("linear")
@@ -235,10 +234,10 @@ class GroupedExperts(nn.Module):
         if isinstance(w, ServingWeight):
             assert self.fp8 is not None  # held codes come with the recipe that made them
             return frozen_experts_mm(self.fp8, x, w, offs)
-        fp8_input = self.save == "fp8"  # x kept as E4M3 rows (ctx.activations.linear)
+        # x kept as ctx.activations.linear says: as it is, as E4M3 rows or in host memory.
         if self.fp8 is not None:
-            return self.fp8.mm(x, w, offs, fp8_input)
-        return _grouped_linear(x, w, offs, self.path, fp8_input)
+            return self.fp8.mm(x, w, offs, self.save)
+        return _grouped_linear(x, w, offs, self.path, self.save)
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # Frozen codes and steps follow the module's device, never its dtype (as a frozen
@@ -308,19 +307,19 @@ def grouped_linear(
 
 
 def _grouped_linear(
-    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, path: GemmPath, fp8_input: bool = False
+    x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, path: GemmPath, save: SaveMode = "keep"
 ) -> torch.Tensor:
     dtype = x.dtype
     work = torch.float32 if path is GemmPath.UPCAST and dtype != torch.float64 else dtype
     if _grouped_mm_runs(work, x.device):
-        w = w if fp8_input else _experts_at(w, offs, dtype)  # fp8: the parameter kept
-        out: torch.Tensor = _GroupedMM.apply(x, w, offs, work, fp8_input)  # type: ignore[no-untyped-call]
+        w = w if save != "keep" else _experts_at(w, offs, dtype)  # else the parameter kept
+        out: torch.Tensor = _GroupedMM.apply(x, w, offs, work, save)  # type: ignore[no-untyped-call]
         return out
     w = w if w.dtype == dtype else w.to(dtype)
     if _grouped_mm_runs(dtype, x.device):
         # Inside torch.compile on the CPU: bf16's own grouped_mm (float32 accumulation, one
         # rounding, as UPCAST) rather than the dense twin.
-        out = _GroupedMM.apply(x, w, offs, dtype, fp8_input)  # type: ignore[no-untyped-call]
+        out = _GroupedMM.apply(x, w, offs, dtype, save)  # type: ignore[no-untyped-call]
         return out
     return _dense_twin(x, w, offs, work)
 
@@ -412,11 +411,13 @@ class _GroupedMM(torch.autograd.Function):
         w: torch.Tensor,
         offs: torch.Tensor,
         work: torch.dtype,
-        fp8_input: bool,
+        save: SaveMode,
     ) -> torch.Tensor:
-        # fp8_input (linear: fp8): x kept as E4M3 codes with a scale per row, only for dW.
+        # linear: fp8 keeps x as E4M3 codes with a scale per row, only for dW; offload in
+        # host memory (as it is on a CPU).
         c: Any = ctx
-        kept = keep_input(x) if fp8_input and c.needs_input_grad[1] else (x,)
+        kept = keep_input(x) if save == "fp8" and c.needs_input_grad[1] else (x,)
+        kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(*kept, w, offs)
         c.work, c.like = work, (x.shape, x.dtype)
         with torch.autocast(x.device.type, enabled=False):
@@ -426,7 +427,7 @@ class _GroupedMM(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         *kept, w, offs = ctx.saved_tensors
-        x, work = input_kept(tuple(kept), *ctx.like), ctx.work
+        x, work = input_kept(kept_back(ctx, tuple(kept)), *ctx.like), ctx.work
         needs = ctx.needs_input_grad
         gx = gw = None
         with torch.autocast(grad.device.type, enabled=False):

@@ -31,7 +31,14 @@ from torch.autograd.function import FunctionCtx
 from computectx import capability
 from computectx.activations import SaveMode
 from computectx.ctx import ComputeCtx
-from computectx.saved import CODED_DTYPES, SAVING, decode_groups, encode_groups
+from computectx.saved import (
+    CODED_DTYPES,
+    SAVING,
+    decode_groups,
+    encode_groups,
+    kept_back,
+    offload_kept,
+)
 
 __all__ = ["Gemm", "GemmPath", "forced_gemm_path", "input_kept", "keep_input"]
 
@@ -88,7 +95,8 @@ class Gemm:
     save: SaveMode = "keep"
     """How ``linear``'s backward keeps its input (``ctx.activations.linear``, read by
     ``for_ctx``): ``keep`` as the GEMM saves it (at ``dtype``), ``fp8`` as E4M3 codes and
-    a float32 scale per row (``keep_input``)."""
+    a float32 scale per row (``keep_input``), ``offload`` in host memory (as it is on a
+    CPU)."""
 
     @classmethod
     def for_ctx(cls, ctx: ComputeCtx) -> Gemm:
@@ -127,13 +135,9 @@ class Gemm:
     ) -> torch.Tensor:
         x, bias = _cast(x, self.dtype), None if bias is None else _cast(bias, self.dtype)
         if self.save != "keep" and _builds_graph(x, weight, bias):
-            if self.save != "fp8":
-                raise NotImplementedError(
-                    f"activations kept as {self.save!r} are not built yet (linear)"
-                )
             work = torch.float32 if self.path is GemmPath.UPCAST else self.dtype
-            args = (x, weight, bias, self.dtype, work)
-            kept: torch.Tensor = _Fp8InputLinear.apply(*args)  # type: ignore[no-untyped-call]
+            args = (x, weight, bias, self.dtype, work, self.save)
+            kept: torch.Tensor = _KeptInputLinear.apply(*args)  # type: ignore[no-untyped-call]
             return kept
         weight = _cast(weight, self.dtype)
         if self.path is GemmPath.UPCAST:
@@ -236,10 +240,11 @@ class _UpcastLinear(torch.autograd.Function):
         return _linear_grads(ctx.needs_input_grad, grad, x, weight, torch.float32)
 
 
-class _Fp8InputLinear(torch.autograd.Function):
+class _KeptInputLinear(torch.autograd.Function):
     """``F.linear`` at ``work`` (``dtype``, or float32 for ``UPCAST``), its backward keeping the
-    input as ``keep_input`` codes it and the weight as it came (a parameter, not its copy at
-    ``dtype``: cast again in the backward) under ``linear: fp8``."""
+    weight as it came (a parameter, not its copy at ``dtype``: cast again in the backward)
+    and the input as ``save`` says: ``fp8`` as ``keep_input`` codes it, ``offload`` in host
+    memory (``computectx.saved.offload_kept``: as it is on a CPU or compiled)."""
 
     @staticmethod
     def forward(
@@ -249,8 +254,10 @@ class _Fp8InputLinear(torch.autograd.Function):
         bias: torch.Tensor | None,
         dtype: torch.dtype,
         work: torch.dtype,
+        save: SaveMode,
     ) -> torch.Tensor:
-        kept = keep_input(x)
+        kept = keep_input(x) if save == "fp8" else (x,)
+        kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(*kept, weight)
         c: Any = ctx
         c.like, c.dtype, c.work = (x.shape, x.dtype), dtype, work
@@ -259,11 +266,11 @@ class _Fp8InputLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         *kept, weight = ctx.saved_tensors
-        x = input_kept(tuple(kept), *ctx.like)
+        x = input_kept(kept_back(ctx, tuple(kept)), *ctx.like)
         gx, gw, gb = _linear_grads(
             ctx.needs_input_grad, grad, x, _cast(weight, ctx.dtype), ctx.work
         )
-        return gx, None if gw is None else _cast(gw, weight.dtype), gb, None, None
+        return gx, None if gw is None else _cast(gw, weight.dtype), gb, None, None, None
 
 
 class _UpcastMatmul(torch.autograd.Function):

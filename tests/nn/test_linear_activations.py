@@ -174,15 +174,18 @@ def test_checkpointing_stays_exact_under_linear_fp8() -> None:
     assert torch.equal(plain[1], again[1]) and torch.equal(plain[2], again[2])
 
 
-def test_offload_is_refused_for_linears_until_built() -> None:
+def test_offload_on_a_cpu_keeps_each_linears_input_as_it_is() -> None:
+    # No streams on a CPU (tests/test_offload.py runs the stand-in): the input at bf16 and
+    # the weight as the parameter, nothing else; under no_grad nothing is kept.
     ctx = ComputeCtx.from_flag("bf16", "cpu").with_activations("linear:offload")
-    x = _x().requires_grad_()
-    with pytest.raises(NotImplementedError, match="offload"):
-        Gemm.for_ctx(ctx).linear(x, torch.nn.Linear(K, N).weight)
-    with pytest.raises(NotImplementedError, match="offload"):
-        _quantized("fp8_rowwise", "offload")(x)
+    linear = torch.nn.Linear(K, N, bias=False)
+    gemm = functools.partial(Gemm.for_ctx(ctx).linear, weight=linear.weight)
+    assert _step(linear, gemm, _x())[0].bytes("linear") == 2 * M * K
+    q = _quantized("fp8_rowwise", "offload")
+    assert _step(q, q, _x())[0].bytes("linear") == 2 * M * K
     experts = GroupedExperts(ctx, K, 64, 2)
-    with pytest.raises(NotImplementedError, match="offload"):
-        experts(x, torch.tensor([M // 2, M], dtype=torch.int32))
-    with torch.no_grad():  # nothing kept: the forward runs
-        assert Gemm.for_ctx(ctx).linear(x, torch.nn.Linear(K, N).weight).shape == (M, N)
+    offs = torch.tensor([M // 2, M], dtype=torch.int32)
+    run = functools.partial(_squares, experts, offs=offs)
+    assert _step(experts, run, _x())[0].bytes("linear") == 2 * M * K + 2 * M * 64 + 8
+    with torch.no_grad():
+        assert gemm(_x().requires_grad_()).shape == (M, N)

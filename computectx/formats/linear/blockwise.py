@@ -86,6 +86,7 @@ from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.ops.blockwise import block_scaled_mm
 from computectx.formats.scaling.operand import record_statistics
+from computectx.saved import kept_back, offload_kept
 
 __all__ = ["blockwise_linear", "quantize_weight_blocks"]
 
@@ -184,6 +185,8 @@ class _GranularLinearFunction(torch.autograd.Function):
         # mx weight: from its codes times their steps, in float32).
         c: Any = ctx
         kept = (x,) if plan.save != "fp8" else _kept_input(c.needs_input_grad[1], x, xq, sx, plan)
+        if plan.save == "offload":  # in host memory
+            kept = offload_kept(ctx, kept)
         if g_w == "128x128" or weight is None:
             ctx.save_for_backward(*kept, wq, sw)
         else:
@@ -201,7 +204,7 @@ class _GranularLinearFunction(torch.autograd.Function):
         fwd, bwd = plan.fwd, plan.bwd
         g_act, g_w = OPERAND_GRANULARITY[policy.granularity]
         saved = ctx.saved_tensors  # read once: checkpointing unpacks each tensor once
-        kept, w_saved = saved[: ctx.kept], saved[ctx.kept :]
+        kept, w_saved = kept_back(ctx, saved[: ctx.kept]), saved[ctx.kept :]
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dx = dw = None
         record = plan.record

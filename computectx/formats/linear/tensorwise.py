@@ -34,6 +34,7 @@ from computectx.formats.linear.recompute import (
 from computectx.formats.linear.weights import QuantizedWeight
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.recipes import DelayedScaling
+from computectx.saved import kept_back, offload_kept
 
 __all__ = ["TensorwiseLinearFunction", "tensorwise_linear"]
 
@@ -134,6 +135,8 @@ class TensorwiseLinearFunction(torch.autograd.Function):
         # Under linear: fp8 a weight that needs no gradient (frozen, untrained) keeps no X.
         c: Any = ctx
         x_kept = None if plan.save == "fp8" and not c.needs_input_grad[1] else xq
+        if plan.save == "offload" and x_kept is not None and not offload_kept(ctx, (x_kept,)):
+            x_kept = None  # in host memory (kept_back in the backward)
         ctx.save_for_backward(x_kept, wq, sx, sw if live_step is None else None)  # type: ignore[arg-type]
         c.live_step = live_step
         c.plan = plan
@@ -146,6 +149,7 @@ class TensorwiseLinearFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> LinearGrads:
         xq, wq, sx, sw = ctx.saved_tensors
+        xq = kept_back(ctx, (xq,))[0]
         if ctx.live_step is not None:
             sw = ctx.live_step
         plan: Fp8LinearPlan = ctx.plan

@@ -54,6 +54,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.library import custom_op
 
+from computectx.activations import SaveMode
 from computectx.dtypes import FLOAT_DTYPES, Fp8Format
 from computectx.formats.backend import (
     Backend,
@@ -75,7 +76,7 @@ from computectx.formats.ops.blockwise import quantize_blocks
 from computectx.formats.ops.grouped_wgrad import GemmHow, quantize_experts
 from computectx.formats.policy import describe
 from computectx.recipes import Recipe
-from computectx.saved import decode_groups, encode_groups
+from computectx.saved import decode_groups, encode_groups, kept_back, offload_kept
 
 __all__ = [
     "GemmHow",
@@ -359,14 +360,16 @@ class _GroupedMmFunction(torch.autograd.Function):
         offs: torch.Tensor,
         plan: GroupedPlan,
         backend: Backend,
-        fp8_input: bool = False,
+        save: SaveMode = "keep",
     ) -> torch.Tensor:
         y = plan.gemm(x, w, offs, plan.fwd, x.dtype, backend.value)
         # linear: fp8 keeps x as E4M3 codes with a float32 scale per row (nn.gemm.keep_input),
-        # which the wgrad quantizes again per group as it would x (docs/activations.md).
+        # which the wgrad quantizes again per group as it would x (docs/activations.md);
+        # offload keeps x in host memory (as it is on a CPU).
         c: Any = ctx
-        coded = fp8_input and x.numel() > 0 and c.needs_input_grad[1]
-        kept = encode_groups(x, x.shape[1]) if coded else (x,)  # a scale per row
+        coded = save == "fp8" and x.numel() > 0 and c.needs_input_grad[1]
+        kept: tuple[torch.Tensor, ...] = encode_groups(x, x.shape[1]) if coded else (x,)
+        kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(*kept, w, offs)
         c.plan, c.backend, c.like = plan, backend, (x.shape, x.dtype)
         return y if y.dtype == x.dtype else y.to(x.dtype)
@@ -376,7 +379,8 @@ class _GroupedMmFunction(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         p: GroupedPlan = ctx.plan
         backend: str = ctx.backend.value
-        *kept, w, offs = ctx.saved_tensors
+        *saved, w, offs = ctx.saved_tensors
+        kept = kept_back(ctx, tuple(saved))
         x = kept[0] if len(kept) == 1 else decode_groups(kept[0], kept[1], *ctx.like)
         dy = dy.contiguous()
         dx = dw = None
@@ -466,13 +470,14 @@ class QuantizedExperts:
         object.__setattr__(self, "plan", GroupedPlan.of(self.policy))
 
     def mm(
-        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fp8_input: bool = False
+        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, save: SaveMode = "keep"
     ) -> torch.Tensor:
-        """``quantized_grouped_mm(x, w, offs, self.policy, backend=self.backend)``;
-        ``fp8_input``: its backward keeps ``x`` as E4M3 rows (``linear: fp8``)."""
+        """``quantized_grouped_mm(x, w, offs, self.policy, backend=self.backend)``; ``save``:
+        how its backward keeps ``x`` (``ctx.activations.linear``: ``fp8`` as E4M3 rows,
+        ``offload`` in host memory)."""
         check_grouped(x, w, offs)
         check_backend(self.backend, x, w)
         out: torch.Tensor = outside_autocast(
-            _GroupedMmFunction, x, w, offs, self.plan, self.backend, fp8_input
+            _GroupedMmFunction, x, w, offs, self.plan, self.backend, save
         )
         return out
