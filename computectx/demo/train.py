@@ -22,7 +22,7 @@ from computectx.demo.serving import ServingRow, serving_rows
 from computectx.demo.settings import DemoError, DemoSettings
 from computectx.distributed import Parallel, parallelize, update_expert_bias
 from computectx.dtypes import DType
-from computectx.formats import QuantizedLinear, Recipe, scaling_stats
+from computectx.formats import Fp4Linear, QuantizedLinear, Recipe, scaling_stats
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer, SavedActivations
 from computectx.nn import ByteLM, LMConfig, decode_bytes, encode_bytes, generate
 
@@ -218,9 +218,10 @@ def train_policy(
     model = ByteLM(ctx, model_config(settings))
     loop = _loop(model, _parallelize(model, ctx, settings), settings, device, rank, world)
     # Under an fp8 policy the blocks build their linears as QuantizedLinear (the head stays).
-    fp8_layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    fp8_layers = [m for m in model.modules() if isinstance(m, (QuantizedLinear, Fp4Linear))]
     experts_backends = fp8_experts_backends(model)  # one per MoE layer whose experts are fp8
-    backend = ",".join(sorted({m.backend.value for m in fp8_layers} | set(experts_backends)))
+    backends = {m.backend if isinstance(m, Fp4Linear) else m.backend.value for m in fp8_layers}
+    backend = ",".join(sorted(backends | set(experts_backends)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     curves = _train(loop, corpus, val, progress, flag)
@@ -231,7 +232,7 @@ def train_policy(
     tail = curves.losses[-tail_steps(len(curves.losses)) :]
     nonfinite = saturated = None
     layers: dict[str, Any] = {}
-    if ctx.recipe is not None:
+    if isinstance(ctx.recipe, Recipe):  # fp8's scaling statistics (4 bits keep none)
         nonfinite, saturated, layers = _fp8_summary(model)
     if on_trained is not None:
         on_trained(model)

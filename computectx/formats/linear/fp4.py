@@ -52,6 +52,7 @@ from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.policy import check_param_dtype, default_device, describe
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.residency import parse_device
+from computectx.saved import SAVING
 
 __all__ = ["FP4_STATE_VERSION", "Fp4Linear", "block_list", "fp4_quant", "recipe_code"]
 
@@ -184,6 +185,12 @@ class Fp4Linear(nn.Linear):
         new.train(linear.training)
         return new
 
+    @property
+    def backend(self) -> str:
+        """The 4-bit operators' backend the calls run on (``select_fp4_backend``: the
+        emulated twin on every device today)."""
+        return fp4_ops.select_fp4_backend(self.weight.device)[0]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` in 4 bits."""
         _check_input(x, self.in_features)
@@ -195,7 +202,15 @@ class Fp4Linear(nn.Linear):
             raise NotImplementedError("activations kept as 'offload' are not built yet (linear)")
         x2 = x.reshape(-1, x.shape[-1])
         key = self._key(x2.shape[0])
-        y2 = _Fp4LinearFn.apply(x2, self.weight, self.bias, self._how, key)  # type: ignore[no-untyped-call]
+        args = (x2, self.weight, self.bias, self._how, key)
+        if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
+            y2 = _Fp4LinearFn.apply(*args)  # type: ignore[no-untyped-call]
+        else:
+            token = SAVING.set("linear")  # what the linear keeps counts under its kind
+            try:
+                y2 = _Fp4LinearFn.apply(*args)  # type: ignore[no-untyped-call]
+            finally:
+                SAVING.reset(token)
         out: torch.Tensor = torch.ops.aten._unsafe_view(y2, (*x.shape[:-1], y2.shape[-1]))
         return out
 
