@@ -294,7 +294,9 @@ def _vjp(
             # autograd.Function in f handed the primal read needs_input_grad False and gave
             # no gradient (silently: Gemm's upcast matmul lost dq and dv). A view is recorded
             # after, as anything f computes from it (tests/test_saved.py).
-            args[i] = t.view_as(t)
+            args[i] = view = t.view_as(t)
+            if not view.requires_grad:  # read when traced: never a silent wrong gradient
+                raise RuntimeError(_UNTRACKED)
         return f(*args)
 
     found = iter(torch.func.vjp(at, *(tensors[i] for i in wrt))[1](dy))
@@ -375,6 +377,13 @@ def _autocast_state(device: str) -> tuple[str, torch.dtype] | None:
 def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if state is None else torch.autocast(state[0], dtype=state[1])
 
+
+_UNTRACKED: Final = (
+    "saved_call under torch.compile: dynamo traced an argument of f as needing no gradient "
+    "inside torch.func.vjp, so a custom autograd.Function in f would give it none (this torch "
+    "records requires_grad differently from 2.13); run this kind eager or keep it "
+    "(ctx.activations 'KIND:keep')"
+)
 
 _CLOSURE_ERROR: Final = (
     "the function kept by saved_call or ctx.precise closes over {where}, which needs a "
