@@ -35,7 +35,7 @@ checkpoint (no ``_extra_state``) loads with the counter as it is.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import torch
@@ -249,6 +249,26 @@ class Fp4Linear(nn.Linear):
         """Install a saved counter (checked by ``check_load`` first)."""
         self.check_load({"_extra_state": state}, "")
         self.sr_key = state[2:].to(device=self.sr_key.device, dtype=torch.int64).clone()
+
+    def state_load_keys(self) -> tuple[str, ...]:
+        """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this layer's rule."""
+        return ("_extra_state",)
+
+    def plan_state_load(
+        self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
+    ) -> Callable[[], None]:
+        """Check ``tensors`` (local names) as ``load_state_dict`` does (``check_load``) and
+        return what installs the saved counter once the weights are in place."""
+        self.check_load(tensors, prefix)
+        state = tensors.get("_extra_state")
+        if state is None:  # an nn.Linear checkpoint: the counter as it is
+            return lambda: None
+        key = state[2:].to(torch.int64).clone()  # read now: a memory-mapped file may go
+
+        def install() -> None:
+            self.sr_key = key.to(self.sr_key.device)
+
+        return install
 
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
         """``ValueError`` naming both policies when ``entries`` (local names) were saved by

@@ -289,7 +289,9 @@ def load_refusals(
                     errors.append(error)
             elif keyed:
                 missing.append(key)
-        if keyed and _has_extra_state(m) and head + "_extra_state" not in state_dict:
+        # A layer that loads its _extra_state by its own rule (Fp4Linear) may lack it.
+        extra_own = LEGACY_KEY in own
+        if keyed and _has_extra_state(m) and not extra_own and head + LEGACY_KEY not in state_dict:
             missing.append(head + "_extra_state")
     unexpected = [
         k for k in state_dict if keyed and k.startswith(prefix) and _unexpected(k, prefix, judged)

@@ -19,7 +19,7 @@ from computectx.formats.numerics import fp4_gemm
 from computectx.formats.numerics.e2m1 import Stochastic
 from computectx.formats.numerics.fp4 import Nvfp4Operand
 from computectx.fp4_recipe import Fp4Recipe
-from computectx.memory import memory_report
+from computectx.memory import load_weights, memory_report, save_weights
 from computectx.nn import MoE
 
 NV = ComputeCtx.from_flag("nvfp4", "cpu").replace(recipe=Fp4Recipe(seed=5))
@@ -216,3 +216,15 @@ def test_the_memory_report_counts_a_4_bit_weights_bytes(
     tensor = 4 if recipe.format == "nvfp4" else 0  # the float32 amax
     assert sum(r.bytes for r in report.rows) == 256 * 128 * per_element + tensor == q.nbytes
     assert {r.dtype for r in report.rows} >= {"float4_e2m1fn_x2"}
+
+
+def test_load_weights_restores_the_counter_and_checks_the_recipe(tmp_path: Path) -> None:
+    run = _two_layers(RECIPES["nvfp4"])
+    _step(run, _data(12, 32, 16)[0])
+    path = save_weights(run, tmp_path / "w.safetensors")
+    resumed = _two_layers(RECIPES["nvfp4"])
+    load_weights(resumed, path, NV)
+    assert torch.equal(_key(resumed), _key(run)) and int(_key(run)[1]) > 0
+    other = _two_layers(RECIPES["nvfp4+w1x16+no_rht"])
+    with pytest.raises(ValueError, match=r"saved under the 4-bit recipe 'nvfp4\+seed=5'"):
+        load_weights(other, path, NV)
