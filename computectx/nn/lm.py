@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import Annotated
@@ -216,6 +217,9 @@ class ByteLM(nn.Module):
         self.norm = RMSNorm(ctx, cfg.d_model, cfg.norm_eps, "residual")
         self.head = nn.Linear(cfg.d_model, BYTE_VOCAB, bias=False, device=ctx.device, dtype=dt)
         self.gemm = Gemm.for_ctx(ctx)
+        acts, n = ctx.activations, cfg.n_layers
+        if acts.checkpoint != "none" and not any(acts.checkpointed(i, n) for i in range(n)):
+            warnings.warn(f"checkpoint={acts.checkpoint} names none of {n} blocks", stacklevel=2)
         self._init_weights()
         guard_whole_loads(self)  # load_state_dict checks every fp8 layer before any loads
 
@@ -286,7 +290,9 @@ class ByteLM(nn.Module):
         return cfg.n_layers * kv_bytes_per_token(self.ctx.kv, cfg.n_heads, head_dim)
 
     def _blocks(self) -> list[DecoderBlock]:
-        return [b for b in self.blocks if isinstance(b, DecoderBlock)]
+        # Each entry of blocks as the DecoderBlock it is or wraps (torch's checkpoint_wrapper,
+        # torch.compile's module); anything else is refused, never skipped.
+        return [_unwrapped(i, b) for i, b in enumerate(self.blocks)]
 
     def forward(self, ids: torch.Tensor, caches: list[KVCache] | None = None) -> torch.Tensor:
         """Logits ``(batch, T, 256)`` at ``ctx.compute`` for byte ids ``(batch, T)``.
@@ -314,17 +320,18 @@ class ByteLM(nn.Module):
         if caches is not None:
             self._check_caches("ByteLM.forward", caches, ids.shape[0], ids.shape[1])
         if caches is None and torch.is_grad_enabled():
-            return self._train_forward(ids, blocks)
+            return self._train_forward(ids, list(self.blocks))
         with self.ctx.autocast():
             x = self.ctx.to_compute(self.embed(ids))
-            for i, blk in enumerate(blocks):
+            for i, blk in enumerate(self.blocks):  # a wrapped block runs through its wrapper
                 x = blk(x, None if caches is None else caches[i])
             return self.ctx.to_compute(self.gemm.project(self.head, self.norm(x)))
 
-    def _train_forward(self, ids: torch.Tensor, blocks: list[DecoderBlock]) -> torch.Tensor:
+    def _train_forward(self, ids: torch.Tensor, blocks: list[nn.Module]) -> torch.Tensor:
         # forward with a graph to build: what ctx.activations says of the blocks. Under an
         # offloaded kind each block's host copies come back a block ahead of its backward;
-        # a block checkpointed by the rule keeps only its input (tagged residual).
+        # a block checkpointed by the rule runs under torch's non-reentrant checkpoint: the
+        # backward keeps its input (tagged residual) and runs it again, offloading nothing.
         acts = self.ctx.activations
         kinds = (acts.linear, acts.precise, acts.act_fn, acts.attention, acts.residual, acts.moe)
         offloads = "offload" in kinds
@@ -335,7 +342,9 @@ class ByteLM(nn.Module):
                 if blocks_kept is not None and i == len(blocks) - 1:
                     blocks_kept.last_block()
                 if acts.checkpoint != "none" and acts.checkpointed(i, len(blocks)):
-                    x = _checkpointed(blk, x)
+                    x = tagged(
+                        "residual", checkpoint, _on_device_block, blk, x, use_reentrant=False
+                    )
                 else:
                     x = blk(x)
                 x = x if blocks_kept is None else blocks_kept.boundary(x)
@@ -434,23 +443,22 @@ class ByteLM(nn.Module):
         return nn.functional.cross_entropy(wide.reshape(-1, BYTE_VOCAB), targets.reshape(-1))
 
 
-def _checkpointed(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
-    """``block(x)`` under torch's non-reentrant activation checkpointing: the backward keeps
-    ``x`` (counted as ``residual``) and runs the block again; nothing in it is offloaded (what
-    its run again keeps lives only through its own backward)."""
-    out: torch.Tensor = tagged(
-        "residual", checkpoint, _on_device_block, block, x, use_reentrant=False
-    )
+def _on_device_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with nullcontext() if torch.compiler.is_compiling() else on_device():  # compiled: no offload
+        out: torch.Tensor = block(x)
     return out
 
 
-def _on_device_block(block: DecoderBlock, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():  # compiled, nothing is offloaded anyway
-        out_: torch.Tensor = block(x)
-        return out_
-    with on_device():
-        out: torch.Tensor = block(x)
-        return out
+def _unwrapped(i: int, module: nn.Module) -> DecoderBlock:
+    inner: object = module
+    while not isinstance(inner, DecoderBlock):
+        inner = getattr(inner, "_checkpoint_wrapped_module", getattr(inner, "_orig_mod", None))
+        if not isinstance(inner, nn.Module):
+            raise TypeError(
+                f"ByteLM.blocks[{i}] is a {type(module).__name__}: a DecoderBlock or one wrapped "
+                "by torch's checkpoint_wrapper or torch.compile is accepted"
+            )
+    return inner
 
 
 def _check_values(who: str, ids: torch.Tensor, pos: torch.Tensor | None, held: int) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from collections.abc import Sequence
 
 import pytest
 import torch
 
 from computectx import ComputeCtx, DType
+from computectx.activations import parse_activations
 from computectx.nn import (
     ByteLM,
     LMConfig,
@@ -22,6 +24,7 @@ from computectx.nn import (
 )
 from computectx.nn.attention import Attention
 from computectx.nn.kv_cache import KVCache
+from computectx.nn.lm import DecoderBlock
 
 CPU = torch.device("cpu")
 F32 = ComputeCtx.parity(CPU)
@@ -325,3 +328,47 @@ def test_calibrate_kv_refuses_an_empty_batch_and_stores_nothing() -> None:
             calibrate_kv(model, [torch.randint(0, 256, (2, 5)), empty])
     after = [a.kv_amax for a in model.modules() if isinstance(a, Attention)]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_blocks_wrapped_by_checkpoint_wrapper_still_run_and_train_alike() -> None:
+    # torch's apply_activation_checkpointing wraps each block: the wrapped blocks must run
+    # (they were once skipped silently: a 0-block model, no error), and give the same
+    # gradients; a module that is no block, wrapped or not, is refused by name.
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+    )
+
+    ctx = ComputeCtx.from_flag("bf16", "cpu")
+    cfg = LMConfig(d_model=32, n_layers=2, n_heads=1, d_ff=32, max_len=16)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = ByteLM(ctx, cfg)
+        if wrap:
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, DecoderBlock))
+            assert not isinstance(model.blocks[0], DecoderBlock)
+        torch.autograd.backward(model.loss(ids[:, :-1], ids[:, 1:]))
+        grads.append(
+            {
+                n.replace("_checkpoint_wrapped_module.", ""): p.grad
+                for n, p in model.named_parameters()
+            }
+        )
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        wrapped = grads[1][name]
+        assert g is not None and wrapped is not None and torch.equal(g, wrapped), name
+    model.blocks[1] = torch.nn.Linear(32, 32)
+    with pytest.raises(TypeError, match=r"blocks\[1\] is a Linear"):
+        model(ids)
+
+
+def test_a_checkpoint_rule_that_names_no_block_warns() -> None:
+    cfg = LMConfig(d_model=32, n_layers=2, n_heads=1, d_ff=32, max_len=16)
+    ctx = ComputeCtx.from_flag("bf16", "cpu")
+    with pytest.warns(UserWarning, match=r"checkpoint=blocks:5 names none of 2 blocks"):
+        ByteLM(ctx.replace(activations=parse_activations("checkpoint=blocks:5")), cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ByteLM(ctx.replace(activations=parse_activations("checkpoint=blocks:1")), cfg)
