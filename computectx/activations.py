@@ -4,10 +4,12 @@
 between a forward and its backward, how it is kept (a ``SaveMode``):
 
 - ``keep``: as the op saves it today, at the precision it computes in (the default).
-- ``fp8``: as E4M3 codes with float32 scales: one scale per tensor for the inputs of linears
-  and grouped GEMMs, one per group of ``group`` consecutive elements (1x``group`` along the
-  last dimension when it divides it) for the inputs of non-linear ops (COAT, arXiv
-  2410.19313). Each scale is ``absmax / 448``.
+- ``fp8``: as E4M3 codes with float32 scales: one scale per row (token) for the inputs of
+  plain linears and grouped GEMMs (the fp8 linears keep the fp8 operand their backward
+  reads), one per group of ``group`` consecutive elements of a row (1x``group`` along the
+  last dimension; one per row where rows are shorter) for the inputs of non-linear ops
+  (COAT, arXiv 2410.19313). No scale spans two rows, so a token codes alike in any batch
+  split. Each scale is ``absmax / 448``.
 - ``offload``: moved to host memory after the forward and back before its backward.
 - ``recompute``: the op keeps only its input, at the precision it arrived in, and computes
   its internals again in the backward (for ops that can: not linears, residuals, dispatch).
@@ -139,8 +141,8 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
     """How the backward keeps each kind of activation (``ComputeCtx.activations``).
 
     ``Activations()`` keeps everything as the ops save it (today's behaviour);
-    ``Activations.parse("fp8")`` keeps every kind as fp8 (per-tensor for linear inputs,
-    1x128 groups for the rest: COAT's setting); ``Activations(precise="fp8")`` only the
+    ``Activations.parse("fp8")`` keeps every kind as fp8 (a scale per row for linear inputs,
+    1x128 groups for the rest); ``Activations(precise="fp8")`` only the
     norms', softmax's and RoPE's inputs. A kind refuses a mode it cannot take (``recompute``
     for ``linear``, ``residual``, ``moe``), naming the modes it accepts.
 
@@ -150,7 +152,8 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
     """
 
     linear: ModeField = "keep"
-    """Inputs of linears and grouped GEMMs: ``keep``, ``fp8`` (per-tensor E4M3) or ``offload``."""
+    """Inputs of linears and grouped GEMMs: ``keep``, ``fp8`` (E4M3, a scale per row) or
+    ``offload``."""
     precise: ModeField = "keep"
     """What norms, softmax and RoPE keep (the ops ``ctx.precise`` runs): any mode."""
     act_fn: ModeField = "keep"
