@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from computectx import ComputeCtx, DType
-from computectx.formats import QuantizedLinear, convert_to_quantized
+from computectx.formats import Fp4Linear, QuantizedLinear, convert_to_quantized
 from computectx.memory import SavedActivations
 from computectx.memory.activation_bytes import SavedKind
 from computectx.nn import ByteLM, Gemm, GemmPath, LMConfig
@@ -72,7 +72,8 @@ class StandIn:
     ) -> tuple[torch.Tensor, Any]:
         number = self._numbers[id(host)]
         assert self._numbers[id(after)] == number, "the copy back waits for its own copy out"
-        t = torch.full_like(host, float("nan"))  # unreadable until waited for
+        t = torch.empty_like(host)  # unreadable until waited for: all bits set (NaN for
+        t.reshape(-1).view(torch.uint8).fill_(255)  # a float; -6 for a pair of e2m1 codes)
         key = -1 - number  # the copy back, held while the backward uses it
         self.holding[key] = t.untyped_storage().nbytes()
         weakref.finalize(t, self.holding.pop, key, None)
@@ -208,6 +209,8 @@ _SENT = {
     "fp8_hybrid": M * K,  # the per-tensor fp8 codes of X
     "bf16 experts": 2 * M * K + 2 * M * H,  # both GEMMs' inputs at bf16
     "fp8_rowwise experts": 2 * M * K + 2 * M * H,
+    # Xᵀ's 4-bit operand: K x M codes two a byte, an E4M3 scale per 16, the float32 amax.
+    "nvfp4": K * M // 2 + K * M // 16 + 4,
 }
 
 
@@ -219,6 +222,9 @@ def _linear_run(layer: str, mode: str) -> tuple[torch.nn.Module, Callable[..., t
         return linear, lambda x: gemm.linear(x, linear.weight)
     flag = layer.removesuffix(" experts")
     ctx = ComputeCtx.from_flag(flag, "cpu").with_activations(f"linear:{mode}")
+    if layer == "nvfp4":
+        f = Fp4Linear.from_linear(torch.nn.Linear(K, H, bias=False), ctx)
+        return f, f
     if layer == flag:
         q = QuantizedLinear.from_linear(torch.nn.Linear(K, H, bias=False), ctx)
         return q, q

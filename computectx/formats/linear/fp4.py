@@ -12,10 +12,11 @@ What each GEMM operand gets (TransformerEngine's ``NVFP4BlockScaling``; MXFP4 th
 The forward quantizes ``Xᵀ`` column-wise (the wgrad's operand: codes, E4M3 scales and the
 float32 amax, 0.5625 bytes an element plus 4; MXFP4 0.53125) and keeps it, with the weight
 parameter, for the backward: that is all the layer saves, under ``ctx.activations.linear``
-``keep`` and ``fp8`` alike (the operand is already 4 bits; ``offload`` is refused as for the
-fp8 linears). A weight that needs no gradient keeps nothing of ``X``. Every scale comes from
-the current amax: the weight's from the weight itself, so ranks holding the same weight
-(DDP) quantize it alike with no collective.
+``keep`` and ``fp8`` alike (the operand is already 4 bits); under ``offload`` that operand
+goes to host memory and comes back for the backward, as the other linears' inputs do
+(``computectx.offload``: a no-op on a CPU). A weight that needs no gradient keeps nothing of
+``X``. Every scale comes from the current amax: the weight's from the weight itself, so ranks
+holding the same weight (DDP) quantize it alike with no collective.
 
 **Stochastic rounding** (the gradients only, ``recipe.stochastic``) draws Philox bits keyed
 by ``(recipe.seed, counter)``: the counter is layer state, an int64 that each call which can
@@ -52,7 +53,7 @@ from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.policy import check_param_dtype, default_device, describe
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.residency import parse_device
-from computectx.saved import SAVING
+from computectx.saved import SAVING, kept_back, offload_kept
 
 __all__ = ["FP4_STATE_VERSION", "Fp4Linear", "block_list", "fp4_quant", "recipe_code"]
 
@@ -198,11 +199,10 @@ class Fp4Linear(nn.Linear):
         if lowered is not None:  # as autocast runs a linear: the input at its dtype
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x.to(lowered))
-        if self.ctx.activations.linear == "offload" and torch.is_grad_enabled():
-            raise NotImplementedError("activations kept as 'offload' are not built yet (linear)")
         x2 = x.reshape(-1, x.shape[-1])
         key = self._key(x2.shape[0])
-        args = (x2, self.weight, self.bias, self._how, key)
+        offloading = self.ctx.activations.linear == "offload"
+        args = (x2, self.weight, self.bias, self._how, key, offloading)
         if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
             y2 = _Fp4LinearFn.apply(*args)  # type: ignore[no-untyped-call]
         else:
@@ -365,7 +365,9 @@ def _recomputing() -> bool:
     )
 
 
-def _operand(codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None) -> Fp4Operand:
+def _operand(
+    codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None = None
+) -> Fp4Operand:
     if amax is None:
         return Mxfp4Operand(codes, scale)
     return Nvfp4Operand(codes, scale, amax.reshape(()), "1x16")
@@ -382,15 +384,17 @@ class _Fp4LinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,
         how: Fp4Quant,
         key: torch.Tensor | None,
+        offloading: bool,
     ) -> torch.Tensor:
         qx = fp4_ops.quantize(x, how)
         qw = fp4_ops.quantize(weight, how, weight=True)
         y = fp4_ops.scaled_mm(qx, qw, x.dtype, bias)
-        saved: list[torch.Tensor | None] = [None, None, None]
+        saved: tuple[torch.Tensor, ...] = ()
         if weight.requires_grad:
             qxt = fp4_ops.quantize(x, how, columnwise=True)
-            saved = [qxt.codes, qxt.scale, qxt.amax if isinstance(qxt, Nvfp4Operand) else None]
-        ctx.save_for_backward(weight, *saved)  # type: ignore[arg-type]  # None: nothing saved
+            saved = (qxt.codes, qxt.scale, *([qxt.amax] if isinstance(qxt, Nvfp4Operand) else []))
+            saved = offload_kept(ctx, saved) if offloading else saved
+        ctx.save_for_backward(weight, *saved)
         ctx.how, ctx.key, ctx.x_dtype = how, key, x.dtype  # type: ignore[attr-defined]
         ctx.has_bias = bias is not None  # type: ignore[attr-defined]
         ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]
@@ -398,7 +402,8 @@ class _Fp4LinearFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        weight, codes, scale, amax = ctx.saved_tensors
+        weight, *rest = ctx.saved_tensors
+        kept = kept_back(ctx, tuple(rest))  # Xᵀ's operand: codes, scales (and NVFP4's amax)
         how, key = ctx.how, ctx.key
         dy = dy.contiguous()
         m, n = dy.shape
@@ -410,8 +415,8 @@ class _Fp4LinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             col = None if key is None else key + key.new_tensor([0, m * n])
             qdyt = fp4_ops.quantize(dy, how, columnwise=True, stochastic=col)
-            dw = fp4_ops.scaled_mm(qdyt, _operand(codes, scale, amax), torch.float32)
+            dw = fp4_ops.scaled_mm(qdyt, _operand(*kept), torch.float32)
             dw = dw.to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.float().sum(0).to(ctx.bias_dtype)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
