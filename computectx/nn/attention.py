@@ -404,8 +404,7 @@ class Attention(nn.Module):
         return out.unsqueeze(2)
 
     def _merge(self, mixed: torch.Tensor) -> torch.Tensor:
-        b, _, t, _ = mixed.shape
-        flat = self.ctx.to_compute(mixed).transpose(1, 2).reshape(b, t, -1)
+        flat = self.ctx.to_compute(mixed).transpose(1, 2).flatten(2)  # batch 0 too
         return self.ctx.to_compute(self.gemm.project(self.out, flat))
 
     def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:

@@ -372,3 +372,17 @@ def test_a_checkpoint_rule_that_names_no_block_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ByteLM(ctx.replace(activations=parse_activations("checkpoint=blocks:1")), cfg)
+
+
+@pytest.mark.parametrize("acts", ["keep", "fp8/checkpoint=all"])
+def test_an_empty_batch_runs_forward_and_backward(acts: str) -> None:
+    cfg = LMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=16, n_experts=2, top_k=1)
+    model = ByteLM(
+        ComputeCtx.from_flag("bf16", "cpu").replace(activations=parse_activations(acts)), cfg
+    )
+    ids = torch.zeros(0, 8, dtype=torch.long)
+    logits = model(ids)
+    assert logits.shape == (0, 8, 256)
+    torch.autograd.backward(logits.float().sum())
+    with torch.no_grad():
+        assert model(ids).shape == (0, 8, 256)
