@@ -151,16 +151,7 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
 
 
-def _mulhilo(a: int, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The high and low 32 bits of ``a * b`` for a 32-bit constant ``a`` and int64 ``b`` in
-    ``[0, 2**32)``, from 16-bit limbs (no product leaves int64's range)."""
-    a_lo, a_hi = a & 0xFFFF, a >> 16
-    b_lo, b_hi = b & 0xFFFF, b >> 16
-    ll, lh, hl = b_lo * a_lo, b_hi * a_lo, b_lo * a_hi
-    mid = (ll >> 16) + (lh & 0xFFFF) + (hl & 0xFFFF)
-    lo = ((mid & 0xFFFF) << 16) | (ll & 0xFFFF)
-    hi = (b_hi * a_hi + (lh >> 16) + (hl >> 16) + (mid >> 16)) & _U32
-    return hi, lo
+_CHUNK = 1 << 15  # counters per pass of philox_randint: its working set stays in cache
 
 
 def philox_randint(seed: int, counters: torch.Tensor) -> torch.Tensor:
@@ -168,14 +159,32 @@ def philox_randint(seed: int, counters: torch.Tensor) -> torch.Tensor:
     (low, high words) at each counter ``(c & 0xffffffff, c >> 32, 0, 0)``: Triton's
     ``tl.randint(seed, c)`` for int64 counters ``c`` in ``[0, 2**63)``."""
     c = counters.to(torch.int64)
-    c0, c1 = c & _U32, (c >> 32) & _U32
-    c2 = c3 = torch.zeros_like(c0)
+    flat = c.reshape(-1)
+    out = torch.empty_like(flat)
+    for start in range(0, flat.numel(), _CHUNK):
+        out[start : start + _CHUNK] = _philox_chunk(seed, flat[start : start + _CHUNK])
+    return out.reshape(c.shape)
+
+
+def _philox_chunk(seed: int, c: torch.Tensor) -> torch.Tensor:
+    # Each 32x32-bit product is one int64 product, which wraps modulo 2**64 (two's
+    # complement, as torch's integer kernels compute), so its bit pattern is the exact
+    # unsigned product: ``p >> 32`` holds the high word in its low 32 bits and ``p`` the low
+    # word. The words carry garbage above bit 31 until the XORs that combine them, which
+    # are masked once; only the multiplicands (c0, c2) must be clean.
     k0, k1 = seed & _U32, (seed >> 32) & _U32
-    for _ in range(_ROUNDS):
-        hi_b, lo_b = _mulhilo(_ROUND_B, c2)
-        hi_a, lo_a = _mulhilo(_ROUND_A, c0)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+    # Round 1 with c2 = c3 = 0 (the B product is 0).
+    c0 = c & _U32
+    p_a = c0 * _ROUND_A
+    c0 = (c >> 32).bitwise_xor_(k0).bitwise_and_(_U32)
+    c2 = (p_a >> 32).bitwise_xor_(k1).bitwise_and_(_U32)
+    c1, c3 = torch.zeros_like(c0), p_a
+    for _ in range(_ROUNDS - 1):
         k0, k1 = (k0 + _KEY_A) & _U32, (k1 + _KEY_B) & _U32
+        p_b, p_a = c2 * _ROUND_B, c0 * _ROUND_A
+        c0 = (p_b >> 32).bitwise_xor_(c1).bitwise_xor_(k0).bitwise_and_(_U32)
+        c2 = (p_a >> 32).bitwise_xor_(c3).bitwise_xor_(k1).bitwise_and_(_U32)
+        c1, c3 = p_b, p_a
     return c0
 
 
