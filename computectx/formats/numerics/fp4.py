@@ -61,12 +61,11 @@ from computectx.formats.numerics.e2m1 import (
     E2M1_MAX,
     WGRAD_SIGNS,
     Stochastic,
-    code_values,
     e2m1_codes,
     hadamard16,
     pack_codes,
+    packed_values,
     stochastic_codes,
-    unpack_codes,
 )
 
 __all__ = [
@@ -225,7 +224,7 @@ def quantize_nvfp4(
 
 def dequantize_nvfp4(q: Nvfp4Operand, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values ``q`` stands for: ``e2m1 * (f32(S_dec) * (1 / S_enc))`` per element."""
-    values = code_values(unpack_codes(q.codes))
+    values = packed_values(q.codes)
     v2 = values.reshape(-1, values.shape[-1])
     rows = NVFP4_BLOCK if q.tile == "16x16" else 1
     factor = _decode_factor(q.scale, global_encode_scale(q.amax))
@@ -300,7 +299,7 @@ def quantize_mxfp4(
 
 def dequantize_mxfp4(q: Mxfp4Operand, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The values ``q`` stands for: ``e2m1 * 2**(byte - 127)`` (NaN for byte 255)."""
-    values = code_values(unpack_codes(q.codes))
+    values = packed_values(q.codes)
     v2 = values.reshape(-1, values.shape[-1])
     scale = q.scale.float().reshape(v2.shape[0], -1)
     return _apply(v2, scale, 1, MXFP4_BLOCK).reshape(values.shape).to(dtype)

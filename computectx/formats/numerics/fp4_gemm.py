@@ -87,9 +87,8 @@ from computectx.formats.numerics.e2m1 import (
     HADAMARD_SIZE,
     WGRAD_SIGNS,
     Stochastic,
-    code_values,
     hadamard16,
-    unpack_codes,
+    packed_values,
 )
 from computectx.formats.numerics.fp4 import (
     MXFP4_BLOCK,
@@ -220,7 +219,7 @@ def tensor_scale_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tens
 def _parts(q: Fp4Operand, who: str) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(e2m1 values [rows, K], block scales [rows, K / w], w)``, float32, one scale per row
     and K block (a 16x16 tile's repeated over its rows)."""
-    values = code_values(unpack_codes(q.codes))
+    values = packed_values(q.codes)
     if values.dim() != 2:
         raise ValueError(f"{who} must be a 2-D operand, got codes of shape {tuple(q.codes.shape)}")
     scale = q.scale.float()
