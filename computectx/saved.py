@@ -37,13 +37,13 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
-from typing import Any, Final, TypeVar
+from typing import Any, Final, TypeGuard, TypeVar
 
 import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.utils.checkpoint import _infer_device_type, get_device_states, set_device_states
 
-from computectx.activations import GROUPS, SAVE_MODES, ActivationKind, SaveMode
+from computectx.activations import ACTIVATION_KINDS, GROUPS, SAVE_MODES, ActivationKind, SaveMode
 from computectx.dtypes import FLOAT_DTYPES, Fp8Format
 from computectx.offload import offload, offload_streams
 
@@ -55,6 +55,7 @@ __all__ = [
     "encode_groups",
     "kept_back",
     "offload_kept",
+    "refuse_double_backward",
     "saved_call",
     "tagged",
 ]
@@ -93,9 +94,13 @@ def encode_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
     not divide the row; one group per row where the rows are shorter than ``group``.
 
     A group's scale is ``absmax / 448`` over its finite elements (the ``fp8`` optimizer
-    state's rule), so its largest finite element codes to ±448 and none saturates; a group
-    with no finite non-zero element gets the scale 1. A scale under float32's smallest normal
-    is raised to it: no division by zero or by a subnormal. Infinities (an attention mask's
+    state's rule), rounded to float32, so its largest finite element codes to ±448 and none
+    saturates; a group with no finite non-zero element gets the scale 1. That element decodes
+    as ``448 * scale``: itself for bfloat16 and float16 inputs, within one float32 ulp of
+    itself (relative ``2**-23``) for float32 inputs, where the scale's rounding shows. A scale
+    under float32's smallest normal is raised to it (a group whose absmax is under ``448 *
+    2**-126``, about 5.3e-36): no division by zero or by a subnormal, and that group's largest
+    element rounds as any other (within half an E4M3 step). Infinities (an attention mask's
     -inf) keep their sign: they are stored as E4M3's NaN codes with that sign bit (0x7F, 0xFF)
     and decode as ±inf; a NaN element decodes as an infinity too (non-finite either way)."""
     g = _row_group(x.shape, group)
@@ -118,8 +123,8 @@ def decode_groups(
     codes: torch.Tensor, scale: torch.Tensor, shape: torch.Size, dtype: torch.dtype
 ) -> torch.Tensor:
     """The tensor ``encode_groups`` coded, as ``shape`` and ``dtype``: ``code * scale`` in
-    float32 (exact: an E4M3 value times a float32 scale needs 4 + 24 bits), rounded once;
-    a NaN code as the infinity of its sign."""
+    float32 (rounded: an E4M3 value times a float32 scale may need 4 + 24 bits), then to
+    ``dtype``; a NaN code as the infinity of its sign."""
     if shape.numel() == 0:
         return torch.empty(shape, dtype=dtype, device=codes.device)
     values = codes.to(torch.float32) * scale.unsqueeze(-1)
@@ -142,9 +147,16 @@ def saved_call(
     """``f(*tensors)``, its backward keeping the first ``inputs`` tensors (the activations) as
     ``mode`` says and the rest (the operands: weights, tables) as they are (module docstring).
 
-    ``kind`` tags what the call saves (``SAVING``), whatever the mode. An unknown ``mode``, or
-    under ``fp8`` a ``group`` not in ``GROUPS`` (16, 32, 64, 128), is a ``ValueError``.
-    Without a graph to build (grad disabled, or nothing needing a gradient) ``f`` just runs."""
+    ``kind`` tags what the call saves (``SAVING``), whatever the mode. Without a graph to
+    build (grad disabled, or nothing needing a gradient) ``f`` just runs. The arguments are
+    checked first, on every path, whatever the mode: a ``mode`` not in ``SAVE_MODES`` (spelled
+    as they are, as the ``SaveMode`` type and ``ctx.activations``' fields hold them: the
+    policy's text form reads any case, this does not), a ``group`` not in ``GROUPS`` (16,
+    32, 64, 128), ``inputs`` not between 1 and the number of tensors, or a ``kind`` neither
+    ``None`` nor in ``ACTIVATION_KINDS`` is a ``ValueError``, before ``f`` runs. A double
+    backward (``create_graph=True``) through a mode other than ``keep`` is a
+    ``RuntimeError`` naming ``'KIND:keep'`` (``refuse_double_backward``)."""
+    _check_arguments(len(tensors), mode, group, inputs, kind)
     if kind is None:
         return _saved_call(f, tensors, mode, group, inputs)
     return tagged(kind, _saved_call, f, tensors, mode, group, inputs)
@@ -163,6 +175,30 @@ def tagged(kind: ActivationKind, f: Callable[..., _T], *args: Any, **kwargs: Any
         SAVING.reset(token)
 
 
+def _check_arguments(
+    tensors: int, mode: object, group: object, inputs: object, kind: object
+) -> None:
+    if mode not in SAVE_MODES:
+        raise ValueError(
+            f"saved_call: unknown save mode {mode!r}; accepted: {', '.join(SAVE_MODES)} "
+            "(as spelled: the SaveMode values)"
+        )
+    if not _is_int(group) or group not in GROUPS:
+        accepted = ", ".join(map(str, GROUPS))
+        raise ValueError(
+            f"saved_call: group={group!r} is not one of {accepted} (elements per fp8 group)"
+        )
+    if not _is_int(inputs) or not 1 <= inputs <= tensors:
+        raise ValueError(f"saved_call: inputs={inputs!r} of {tensors} tensors (1 to {tensors})")
+    if kind is not None and kind not in ACTIVATION_KINDS:
+        accepted = ", ".join(ACTIVATION_KINDS)
+        raise ValueError(f"saved_call: unknown activation kind {kind!r}; accepted: {accepted}")
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _saved_call(
     f: Callable[..., torch.Tensor],
     tensors: tuple[torch.Tensor, ...],
@@ -174,15 +210,6 @@ def _saved_call(
         return f(*tensors)
     if not any(t.requires_grad for t in tensors):
         return f(*tensors)
-    if mode not in SAVE_MODES:
-        raise ValueError(f"unknown save mode {mode!r}; accepted: {', '.join(SAVE_MODES)}")
-    if mode == "fp8" and (isinstance(group, bool) or group not in GROUPS):
-        accepted = ", ".join(map(str, GROUPS))
-        raise ValueError(
-            f"saved_call: group={group!r} is not one of {accepted} (elements per fp8 group)"
-        )
-    if not 1 <= inputs <= len(tensors):
-        raise ValueError(f"saved_call: inputs={inputs} of {len(tensors)} tensors")
     if not torch.compiler.is_compiling():
         _check_closure(f)
     y: torch.Tensor = _SavedCall.apply(f, mode, group, inputs, *tensors)  # type: ignore[no-untyped-call]
@@ -204,7 +231,7 @@ class _SavedCall(torch.autograd.Function):
         c: Any = ctx
         c.rng = None if torch.compiler.is_compiling() else _rng_state(tensors)
         y = f(*tensors)
-        c.f, c.kind = f, None if torch.compiler.is_compiling() else SAVING.get()
+        c.f, c.mode, c.kind = f, mode, None if torch.compiler.is_compiling() else SAVING.get()
         # Under fp8 each coded input is kept as its codes and scales, in turn; under offload
         # each moved one as a handle on its host copy (outside save_for_backward); any other
         # (recompute, a dtype fp8 does not code, a CPU tensor) as it is.
@@ -223,14 +250,7 @@ class _SavedCall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():  # create_graph=True
-            kind = ctx.kind or "KIND"
-            raise RuntimeError(
-                "a double backward (create_graph=True) through an activation kept as fp8 or "
-                "recompute is not supported: its backward runs f again with no graph of its "
-                "own, so the second-order term would be lost; where gradients of gradients "
-                f"are taken, keep that kind: ctx.activations '{kind}:keep'"
-            )
+        refuse_double_backward(ctx.kind, ctx.mode)
         return _SavedCall.first_order(ctx, dy)
 
     @staticmethod
@@ -254,6 +274,23 @@ class _SavedCall(torch.autograd.Function):
                 with _rng_restored(ctx.rng):
                     grads = _recomputed_grads(ctx.f, [*xs, *operands], needs, dy)
         return (None,) * 4 + tuple(g if n else None for g, n in zip(grads, needs, strict=True))
+
+
+def refuse_double_backward(kind: str | None, mode: str, *, fp8_gemm: bool = False) -> None:
+    """For the backward of an ``autograd.Function`` that keeps its input as ``mode`` says: a
+    ``RuntimeError`` naming ``'KIND:keep'`` when it runs with grad enabled (a double backward,
+    ``create_graph=True``: a gradient penalty) and ``mode`` is not ``keep``. Under ``fp8``,
+    ``recompute`` and ``offload`` the backward works from what it kept outside the graph
+    (E4M3 codes, a host copy, ``f`` run again, a softmax's output), so the second-order term
+    through it would be lost; on a CPU, where offload keeps the input as it is, it is refused
+    all the same (one behaviour on every device). Nothing in a first-order backward, under
+    ``keep`` or while compiling (dynamo traces the backward: ``saved_call``'s compiles).
+    ``fp8_gemm``: the message adds that an fp8 GEMM's backward (``QuantizedLinear``, the fp8
+    experts) is first-order under ``keep`` too."""
+    if mode == "keep" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    message = _DOUBLE_BACKWARD.format(kind=kind or "KIND")
+    raise RuntimeError(message + (_FP8_GEMM if fp8_gemm else ""))
 
 
 def offload_kept(ctx: Any, kept: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
@@ -377,6 +414,19 @@ def _autocast_state(device: str) -> tuple[str, torch.dtype] | None:
 def _autocast(state: tuple[str, torch.dtype] | None) -> contextlib.AbstractContextManager[Any]:
     return contextlib.nullcontext() if state is None else torch.autocast(state[0], dtype=state[1])
 
+
+_DOUBLE_BACKWARD: Final = (
+    "a double backward (create_graph=True) through an activation kept as fp8, recompute or "
+    "offload is not supported: its backward works from what it kept outside the graph (E4M3 "
+    "codes, a host copy, the op run again from its input, a softmax's output), so the "
+    "second-order term through it would be lost; where gradients of gradients are taken, keep "
+    "that kind: ctx.activations '{kind}:keep'"
+)
+
+_FP8_GEMM: Final = (
+    "; an fp8 GEMM's backward (QuantizedLinear, fp8 experts) is first-order under keep too: "
+    "take such gradients through high-precision linears"
+)
 
 _UNTRACKED: Final = (
     "saved_call under torch.compile: dynamo traced an argument of f as needing no gradient "

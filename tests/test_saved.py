@@ -202,6 +202,22 @@ def test_codec_round_trips_any_shape(shape: tuple[int, ...]) -> None:
     assert torch.equal(decode_groups(codes, scale, x.shape, torch.bfloat16), x.bfloat16())
 
 
+def test_codec_decodes_a_groups_largest_element_as_its_docstring_says() -> None:
+    # Exactly for bf16 and f16; within a float32 ulp for float32 (the scale absmax / 448 is
+    # rounded); under 448 * 2**-126 (the scale raised to the smallest normal) as any element.
+    g = torch.Generator().manual_seed(0)
+    top = torch.exp(torch.empty(4096, 1, dtype=torch.float64).uniform_(-80, 80, generator=g))
+    x = torch.cat([top, -top], 0) * torch.tensor([1.0, 0.5, -0.25], dtype=torch.float64)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        xs = x.to(dtype)
+        xs = xs[(xs[:, 0].double().abs() >= 448 * 2**-126) & xs[:, 0].isfinite()]
+        back = decode_groups(*encode_groups(xs, 16), xs.shape, dtype)[:, 0].double()
+        error = ((back - xs[:, 0].double()) / xs[:, 0].double()).abs().max()
+        assert error <= (0 if dtype != torch.float32 else 2**-23), dtype
+    tiny = torch.tensor([[1e-37, 0.0]])
+    assert decode_groups(*encode_groups(tiny, 16), tiny.shape, torch.float32)[0, 0] != 1e-37
+
+
 def test_codec_keeps_zeros_and_infinities() -> None:
     # An attention mask's -inf must come back -inf (a finite 448 would unmask the key).
     x = torch.zeros(2, 256)
@@ -408,7 +424,7 @@ def test_fp8_keeps_an_input_it_does_not_code_as_it_is() -> None:
             assert (a is None and b is None) or (a is not None and b is not None and a.equal(b))
 
 
-@pytest.mark.parametrize("mode", ["recompute", "fp8"])
+@pytest.mark.parametrize("mode", ["recompute", "fp8", "offload"])
 def test_a_double_backward_is_refused_naming_keep(mode: str) -> None:
     ctx = ComputeCtx.new(DType.F32, "cpu").with_activations(f"precise:{mode}")
     x, w = torch.randn(4, 32, requires_grad=True), torch.rand(32, requires_grad=True)
@@ -430,13 +446,35 @@ def test_a_dropout_in_f_draws_the_forwards_mask_again(mode: str) -> None:
     assert torch.equal(after, torch.rand(4))
 
 
-def test_an_unknown_mode_or_group_is_refused_naming_what_is_accepted() -> None:
-    x = torch.randn(4, 32, requires_grad=True)
-    with pytest.raises(ValueError, match="unknown save mode 'FP8'; accepted: keep, fp8, off"):
-        saved_call(torch.sin, x, mode="FP8")  # type: ignore[arg-type]
-    for group in [0, -1, 2.5, 10**8, True]:
-        with pytest.raises(ValueError, match="is not one of 16, 32, 64, 128"):
-            saved_call(torch.sin, x, mode="fp8", group=group)  # type: ignore[arg-type]
+_BAD_ARGUMENTS: list[tuple[dict[str, object], str]] = [
+    ({"mode": "bogus"}, "unknown save mode 'bogus'; accepted: keep, fp8, off"),
+    ({"mode": "FP8"}, "unknown save mode 'FP8'.*as spelled"),  # the SaveMode values, exactly
+    ({"mode": "keep", "group": 7}, "group=7 is not one of 16, 32, 64, 128"),
+    ({"mode": "fp8", "group": -1}, "group=-1 is not one of"),
+    ({"mode": "fp8", "group": 10**8}, "group=100000000 is not one of"),
+    ({"mode": "fp8", "group": 2.5}, "group=2.5 is not one of"),
+    ({"mode": "recompute", "group": True}, "group=True is not one of"),
+    ({"mode": "fp8", "inputs": 0}, "inputs=0 of 2 tensors"),
+    ({"mode": "keep", "inputs": 3}, "inputs=3 of 2 tensors"),
+    ({"mode": "fp8", "kind": "nonsense"}, "unknown activation kind 'nonsense'"),
+]
+
+
+@pytest.mark.parametrize("path", ["grad", "no_grad", "frozen"])
+def test_bad_arguments_are_refused_on_every_path_before_f_runs(path: str) -> None:
+    # Checked whether or not a graph is built (before: only with one), before f runs.
+    ran = []
+
+    def f(t: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ran.append(1)
+        return t * w
+
+    w = torch.ones(4, requires_grad=path != "frozen")
+    with torch.set_grad_enabled(path != "no_grad"):
+        for kwargs, message in _BAD_ARGUMENTS:
+            with pytest.raises(ValueError, match=message):
+                saved_call(f, torch.randn(4), w, **kwargs)  # type: ignore[arg-type]
+    assert not ran
 
 
 def test_offload_on_a_cpu_keeps_the_input_as_it_is_and_gives_keeps_gradients() -> None:

@@ -57,7 +57,7 @@ from computectx.formats.seam import (
 )
 from computectx.nn.gemm import Gemm, GemmPath, input_kept, keep_input
 from computectx.nn.params import param_dtype
-from computectx.saved import SAVING, kept_back, offload_kept, saved_call
+from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward, saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]
 
@@ -413,19 +413,19 @@ class _GroupedMM(torch.autograd.Function):
         work: torch.dtype,
         save: SaveMode,
     ) -> torch.Tensor:
-        # linear: fp8 keeps x as E4M3 codes with a scale per row, only for dW; offload in
-        # host memory (as it is on a CPU).
+        # linear: fp8 keeps x as E4M3 rows, only for dW; offload in host memory (a CPU: as it is).
         c: Any = ctx
         kept = keep_input(x) if save == "fp8" and c.needs_input_grad[1] else (x,)
         kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(*kept, w, offs)
-        c.work, c.like = work, (x.shape, x.dtype)
+        c.work, c.like, c.save = work, (x.shape, x.dtype), save
         with torch.autocast(x.device.type, enabled=False):
             y = _grouped(x.to(work), _experts_at(_experts_at(w, offs, x.dtype), offs, work), offs)
         return _zero_tail(y, offs).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        refuse_double_backward("linear", ctx.save)  # x as codes or a host copy: first-order
         *kept, w, offs = ctx.saved_tensors
         x, work = input_kept(kept_back(ctx, tuple(kept)), *ctx.like), ctx.work
         needs = ctx.needs_input_grad

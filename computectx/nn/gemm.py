@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import enum
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,7 @@ from computectx.saved import (
     encode_groups,
     kept_back,
     offload_kept,
+    refuse_double_backward,
 )
 
 __all__ = ["Gemm", "GemmPath", "forced_gemm_path", "input_kept", "keep_input"]
@@ -206,11 +208,15 @@ def _linear_grads(
         if needs[0]:
             gx = (g @ weight.to(work)).to(x.dtype)
         if needs[1]:
-            rows = g.reshape(-1, g.shape[-1])
-            gw = (rows.mT @ x.to(work).reshape(-1, x.shape[-1])).to(weight.dtype)
+            gw = (_rows(g).mT @ _rows(x.to(work))).to(weight.dtype)
         if needs[2]:
-            gb = g.reshape(-1, g.shape[-1]).sum(0).to(x.dtype)
+            gb = _rows(g).sum(0).to(x.dtype)
     return gx, gw, gb
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    # t as (tokens, features); reshape(-1, 0) would be ambiguous with no features.
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def _wide_linear(
@@ -260,11 +266,14 @@ class _KeptInputLinear(torch.autograd.Function):
         kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(*kept, weight)
         c: Any = ctx
-        c.like, c.dtype, c.work = (x.shape, x.dtype), dtype, work
+        c.like, c.dtype, c.work, c.save = (x.shape, x.dtype), dtype, work, save
         return _wide_linear(x, _cast(weight, dtype), bias, work)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # The input comes back as codes or a host copy, outside the graph: no double backward
+        # (a CPU's offload keeps it as it is, and is refused alike: the same on any device).
+        refuse_double_backward("linear", ctx.save)
         *kept, weight = ctx.saved_tensors
         x = input_kept(kept_back(ctx, tuple(kept)), *ctx.like)
         gx, gw, gb = _linear_grads(

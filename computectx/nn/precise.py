@@ -16,7 +16,7 @@ from torch.autograd.function import FunctionCtx, once_differentiable
 from computectx.activations import ACTIVATION_KINDS, ActivationKind
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import dtype_of, promote
-from computectx.saved import SAVING
+from computectx.saved import SAVING, refuse_double_backward
 
 __all__ = ["apply_rope", "rms_norm", "rope_tables", "softmax"]
 
@@ -63,7 +63,9 @@ def softmax(
     ``fp8`` only the returned probabilities at ``x.dtype``, the tensor the next GEMM keeps
     anyway (so nothing more), from which the backward forms ``y * (dy - sum(dy * y))`` at
     the accumulation dtype (a softmax's gradient needs its output, never its input); under
-    ``offload`` its input in host memory, the softmax computed again (``saved_call``).
+    ``offload`` its input in host memory, the softmax computed again (``saved_call``). A
+    double backward (``create_graph=True``) under any of those is a ``RuntimeError`` naming
+    ``'KIND:keep'``; under ``keep`` it is torch's softmax's.
     """
     if kind not in ACTIVATION_KINDS:  # as ctx.precise: a field name like "group" is no kind
         raise ValueError(f"unknown activation kind {kind!r}; accepted: {ACTIVATION_KINDS}")
@@ -73,37 +75,48 @@ def softmax(
         return ctx.precise(x, lambda t: torch.softmax(t, dim=dim), kind=kind)
     work = promote(dtype_of(x), ctx.accum).torch
     if torch.compiler.is_compiling():  # a compiled graph's saves carry no kind
-        return _softmax_keeping_output(x, dim, work)
+        return _softmax_keeping_output(x, dim, work, kind)
     token = SAVING.set(kind)
     try:
-        return _softmax_keeping_output(x, dim, work)
+        return _softmax_keeping_output(x, dim, work, kind)
     finally:
         SAVING.reset(token)
 
 
-def _softmax_keeping_output(x: torch.Tensor, dim: int, work: torch.dtype) -> torch.Tensor:
-    y: torch.Tensor = _SoftmaxKeepingOutput.apply(x, dim, work)  # type: ignore[no-untyped-call]
+def _softmax_keeping_output(
+    x: torch.Tensor, dim: int, work: torch.dtype, kind: ActivationKind
+) -> torch.Tensor:
+    y: torch.Tensor = _SoftmaxKeepingOutput.apply(x, dim, work, kind)  # type: ignore[no-untyped-call]
     return y
 
 
 class _SoftmaxKeepingOutput(torch.autograd.Function):
-    """Softmax at ``work`` returned at ``x``'s dtype, keeping only that returned tensor."""
+    """Softmax at ``work`` returned at ``x``'s dtype, keeping only that returned tensor (for
+    ``kind`` under ``recompute`` or ``fp8``: a first-order backward only)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, dim: int, work: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: FunctionCtx, x: torch.Tensor, dim: int, work: torch.dtype, kind: ActivationKind
+    ) -> torch.Tensor:
         y = torch.softmax(x.to(work), dim=dim).to(x.dtype)
         ctx.save_for_backward(y)
         c: Any = ctx
-        c.dim, c.work = dim, work
+        c.dim, c.work, c.kind = dim, work, kind
         return y
 
     @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # The gradient is formed from the kept output with no graph: no double backward.
+        refuse_double_backward(ctx.kind, "recompute")
+        return _SoftmaxKeepingOutput.first_order(ctx, dy)
+
+    @staticmethod
     @once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def first_order(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (y,) = ctx.saved_tensors
         yw, dyw = y.to(ctx.work), dy.to(ctx.work)
         dx = yw * (dyw - (dyw * yw).sum(dim=ctx.dim, keepdim=True))
-        return dx.to(y.dtype), None, None
+        return dx.to(y.dtype), None, None, None
 
 
 def rope_tables(

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from computectx import ComputeCtx
+from computectx import ComputeCtx, DType
 from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.memory import SavedActivations
 from computectx.nn import Gemm, GemmPath
@@ -189,3 +189,75 @@ def test_offload_on_a_cpu_keeps_each_linears_input_as_it_is() -> None:
     assert _step(experts, run, _x())[0].bytes("linear") == 2 * M * K + 2 * M * 64 + 8
     with torch.no_grad():
         assert gemm(_x().requires_grad_()).shape == (M, N)
+
+
+def _penalty(layer: torch.nn.Module, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """A gradient penalty's gradient: ``d ||dL/dW||² / dX`` (a double backward through ``run``)."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    weight = next(layer.parameters())
+    (gw,) = torch.autograd.grad(torch.nn.functional.silu(run(x)).sum(), weight, create_graph=True)
+    (gx,) = torch.autograd.grad(gw.pow(2).sum(), x)
+    return gx
+
+
+def _grouped(flag: str, mode: str) -> tuple[GroupedExperts, Callable[[torch.Tensor], torch.Tensor]]:
+    ctx = ComputeCtx.from_flag(flag, "cpu").with_activations(f"linear:{mode}")
+    torch.manual_seed(0)
+    experts = GroupedExperts(ctx, 32, 32, 2)
+    if ctx.recipe is not None:
+        convert_to_quantized(experts, ctx, min_features=16)
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    return experts, functools.partial(experts, offs=offs)
+
+
+def _double_backward_layers(
+    mode: str,
+) -> dict[str, tuple[torch.nn.Module, Callable[..., torch.Tensor]]]:
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 16, bias=False)
+    gemm = Gemm(GemmPath.WIDE, torch.float32, mode)  # type: ignore[arg-type]
+    layers: dict[str, tuple[torch.nn.Module, Callable[..., torch.Tensor]]] = {
+        "gemm": (plain, functools.partial(gemm.linear, weight=plain.weight))
+    }
+    for flag in ("fp8_rowwise", "fp8_hybrid"):  # the fine-grained and the per-tensor linear
+        ctx = ComputeCtx.from_flag(flag, "cpu").with_activations(f"linear:{mode}")
+        q = QuantizedLinear.from_linear(torch.nn.Linear(32, 16, bias=False), ctx)
+        layers[flag] = (q, q)
+    for flag in ("fp32", "fp8_rowwise"):  # torch's grouped_mm and the fp8 grouped GEMM
+        layers[f"experts {flag}"] = _grouped(flag, mode)
+    return layers
+
+
+@pytest.mark.parametrize("mode", ["fp8", "offload"])
+def test_a_double_backward_through_a_linear_not_kept_is_refused_naming_keep(mode: str) -> None:
+    # The input comes back as codes or a host copy, outside the graph: the second-order term
+    # through it would be lost (silently, before). Offload on a CPU (kept as it is) alike.
+    for layer, run in _double_backward_layers(mode).values():
+        with pytest.raises(RuntimeError, match=r"create_graph=True.*'linear:keep'"):
+            _penalty(layer, run)
+
+
+def test_keep_still_takes_a_double_backward_where_it_did() -> None:
+    torch.manual_seed(0)
+    plain = torch.nn.Linear(32, 16, bias=False)
+    gemm = Gemm(GemmPath.WIDE, torch.float32, "keep")
+    linear = functools.partial(gemm.linear, weight=plain.weight)
+    assert torch.equal(_penalty(plain, linear), _penalty(plain, plain))
+    # torch's grouped_mm (float32) against the float64 experts' dense twin (plain torch ops).
+    experts, run = _grouped("fp32", "keep")
+    wide = GroupedExperts(ComputeCtx.new(DType.F64, "cpu"), 32, 32, 2)
+    wide.load_state_dict(experts.state_dict())
+    offs = torch.tensor([3, 8], dtype=torch.int32)
+    dense = _penalty(wide, lambda x: wide(x.double(), offs)).double()
+    assert torch.allclose(_penalty(experts, run).double(), dense, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("path", [GemmPath.UPCAST, GemmPath.NATIVE])
+@pytest.mark.parametrize("save", ["keep", "fp8", "offload"])
+def test_a_linear_with_no_input_features_has_keeps_gradients(path: GemmPath, save: str) -> None:
+    weight = torch.nn.Parameter(torch.randn(5, 0))
+    x = torch.randn(4, 0, dtype=torch.bfloat16, requires_grad=True)
+    y = Gemm(path, torch.bfloat16, save).linear(x, weight)  # type: ignore[arg-type]
+    torch.autograd.backward(y.sum())
+    assert x.grad is not None and x.grad.shape == (4, 0)
+    assert weight.grad is not None and weight.grad.shape == (5, 0)

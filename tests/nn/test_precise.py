@@ -159,3 +159,25 @@ def test_rotary_embedding_rotates_consecutive_positions_from_start() -> None:
         rope(x, 8)
     with pytest.raises(ValueError, match=r"accepted positions: 0\.\.11"):
         rope(x, -1)
+
+
+@pytest.mark.parametrize(
+    ("spec", "kind"),
+    [("precise:fp8", "precise"), ("precise:recompute", "precise"), ("attention:fp8", "attention")],
+)
+def test_softmax_refuses_a_double_backward_naming_keep(spec: str, kind: str) -> None:
+    # Its gradient is formed from the kept probabilities with no graph: the second-order
+    # term would be lost (silently when dy needs no gradient), so it is refused by name.
+    x = torch.randn(4, 8, requires_grad=True)
+    y = softmax(F32.with_activations(spec), x, kind=kind)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match=f"create_graph=True.*'{kind}:keep'"):
+        torch.autograd.grad((y * torch.arange(8.0)).sum(), x, create_graph=True)
+
+
+def test_softmax_under_keep_takes_a_double_backward() -> None:
+    x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+    grads = []
+    for y in (softmax(F64, x), torch.softmax(x, -1)):
+        (g,) = torch.autograd.grad((y * torch.arange(8.0)).sum(), x, create_graph=True)
+        grads.append(torch.autograd.grad(g.pow(2).sum(), x)[0])
+    assert torch.equal(grads[0], grads[1])

@@ -86,7 +86,7 @@ from computectx.formats.ops import blockwise as block_ops
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.formats.ops.blockwise import block_scaled_mm
 from computectx.formats.scaling.operand import record_statistics
-from computectx.saved import kept_back, offload_kept
+from computectx.saved import kept_back, offload_kept, refuse_double_backward
 
 __all__ = ["blockwise_linear", "quantize_weight_blocks"]
 
@@ -197,8 +197,14 @@ class _GranularLinearFunction(torch.autograd.Function):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> LinearGrads:
+        # Under linear: fp8 or offload X comes back as codes or a host copy: refused, by name.
+        refuse_double_backward("linear", ctx.plan.save, fp8_gemm=True)
+        return _GranularLinearFunction.first_order(ctx, dy)
+
+    @staticmethod
+    @once_differentiable
+    def first_order(ctx: Any, dy: torch.Tensor) -> LinearGrads:
         plan: Fp8LinearPlan = ctx.plan
         policy = plan.policy
         fwd, bwd = plan.fwd, plan.bwd

@@ -34,7 +34,7 @@ from computectx.formats.linear.recompute import (
 from computectx.formats.linear.weights import QuantizedWeight
 from computectx.formats.ops import tensorwise as tensor_ops
 from computectx.recipes import DelayedScaling
-from computectx.saved import kept_back, offload_kept
+from computectx.saved import kept_back, offload_kept, refuse_double_backward
 
 __all__ = ["TensorwiseLinearFunction", "tensorwise_linear"]
 
@@ -146,8 +146,14 @@ class TensorwiseLinearFunction(torch.autograd.Function):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> LinearGrads:
+        # Under linear: fp8 or offload: refused by name (what is kept is outside the graph).
+        refuse_double_backward("linear", ctx.plan.save, fp8_gemm=True)
+        return TensorwiseLinearFunction.first_order(ctx, dy)
+
+    @staticmethod
+    @once_differentiable
+    def first_order(ctx: Any, dy: torch.Tensor) -> LinearGrads:
         xq, wq, sx, sw = ctx.saved_tensors
         xq = kept_back(ctx, (xq,))[0]
         if ctx.live_step is not None:

@@ -76,7 +76,13 @@ from computectx.formats.ops.blockwise import quantize_blocks
 from computectx.formats.ops.grouped_wgrad import GemmHow, quantize_experts
 from computectx.formats.policy import describe
 from computectx.recipes import Recipe
-from computectx.saved import decode_groups, encode_groups, kept_back, offload_kept
+from computectx.saved import (
+    decode_groups,
+    encode_groups,
+    kept_back,
+    offload_kept,
+    refuse_double_backward,
+)
 
 __all__ = [
     "GemmHow",
@@ -371,12 +377,18 @@ class _GroupedMmFunction(torch.autograd.Function):
         kept: tuple[torch.Tensor, ...] = encode_groups(x, x.shape[1]) if coded else (x,)
         kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(*kept, w, offs)
-        c.plan, c.backend, c.like = plan, backend, (x.shape, x.dtype)
+        c.plan, c.backend, c.like, c.save = plan, backend, (x.shape, x.dtype), save
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # Under linear: fp8 or offload x comes back as codes or a host copy: refused by name.
+        refuse_double_backward("linear", ctx.save, fp8_gemm=True)
+        return _GroupedMmFunction.first_order(ctx, dy)
+
+    @staticmethod
+    @once_differentiable
+    def first_order(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         p: GroupedPlan = ctx.plan
         backend: str = ctx.backend.value
         *saved, w, offs = ctx.saved_tensors
