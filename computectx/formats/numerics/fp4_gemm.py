@@ -256,6 +256,26 @@ def _block_terms(
     return torch.bmm(a3, b3)
 
 
+def _prescale_exact(scale: torch.Tensor) -> bool:
+    """Whether every block scale is 0 or finite within ``[2**-50, 2**50]``: then each block's
+    values times its scale are exact float32, and so is every product of two such values and
+    every partial sum of a block's products (under NVFP4 a block's products are multiples of
+    ``0.25 * s_a * s_b`` below ``2**12`` of them, ``s_a * s_b`` at most 8 significant bits;
+    under MXFP4 ``s_a * s_b`` is a power of two), so the GEMM of the scaled values gives each
+    ``T_kb = P_kb * (s_a * s_b)`` exactly, with no product over the ``K / w`` partials. A zero
+    term's sign may differ; the accumulator starts at +0 and never holds -0, so the sum does
+    not."""
+    mag = scale.abs()
+    ok = (mag == 0) | ((mag >= 2.0**-50) & (mag <= 2.0**50))
+    return bool(ok.all())
+
+
+def _scaled_values(values: torch.Tensor, scale: torch.Tensor, width: int) -> torch.Tensor:
+    # values[i, k] * scale[i, k // width], exact under _prescale_exact.
+    rows, k = values.shape
+    return (values.reshape(rows, k // width, width) * scale.unsqueeze(2)).reshape(rows, k)
+
+
 def reference_fp4_mm(
     a: Fp4Operand, b: Fp4Operand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -265,13 +285,19 @@ def reference_fp4_mm(
     va, sa, width = _parts(a, "a")
     vb, sb, _ = _parts(b, "b")
     m, n, n_kb = va.shape[0], vb.shape[0], sa.shape[1]
+    prescaled = _prescale_exact(sa) and _prescale_exact(sb)
+    if prescaled:
+        va = _scaled_values(va, sa, width)
+        vb = _scaled_values(vb, sb, width)
     acc = torch.zeros((m, n), dtype=torch.float32, device=va.device)
     group = max(1, 2**24 // max(1, m * n))  # blocks per pass: partials near 2**24 elements
     with tensorwise.float32_matmuls(va.device):
         for first in range(0, n_kb, group):
             last = min(n_kb, first + group)
             terms = _block_terms(va, vb, width, first, last)
-            terms.mul_(sa[:, first:last].t().unsqueeze(2) * sb[:, first:last].t().unsqueeze(1))
+            if not prescaled:
+                scales = sa[:, first:last].t().unsqueeze(2) * sb[:, first:last].t().unsqueeze(1)
+                terms.mul_(scales)
             for i in range(last - first):
                 acc.add_(terms[i])
     if isinstance(a, Nvfp4Operand) and isinstance(b, Nvfp4Operand):
