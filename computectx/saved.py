@@ -285,10 +285,15 @@ def refuse_double_backward(kind: str | None, mode: str, *, fp8_gemm: bool = Fals
     through it would be lost; on a CPU, where offload keeps the input as it is, it is refused
     all the same (one behaviour on every device). Nothing in a first-order backward, under
     ``keep`` or while compiling (dynamo traces the backward: ``saved_call``'s compiles).
-    ``fp8_gemm``: the message adds that an fp8 GEMM's backward (``QuantizedLinear``, the fp8
-    experts) is first-order under ``keep`` too."""
-    if mode == "keep" or not torch.is_grad_enabled() or torch.compiler.is_compiling():
+    ``fp8_gemm``: an fp8 GEMM's backward (``QuantizedLinear``, the fp8 experts), first-order
+    under ``keep`` too (its fp8 operands carry no graph: the second-order term was lost
+    silently before), refused under every mode."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
         return
+    if mode == "keep" and not fp8_gemm:
+        return
+    if mode == "keep":
+        raise RuntimeError(_FP8_GEMM_KEEP)
     message = _DOUBLE_BACKWARD.format(kind=kind or "KIND")
     raise RuntimeError(message + (_FP8_GEMM if fp8_gemm else ""))
 
@@ -421,6 +426,13 @@ _DOUBLE_BACKWARD: Final = (
     "codes, a host copy, the op run again from its input, a softmax's output), so the "
     "second-order term through it would be lost; where gradients of gradients are taken, keep "
     "that kind: ctx.activations '{kind}:keep'"
+)
+
+_FP8_GEMM_KEEP: Final = (
+    "a double backward (create_graph=True) through an fp8 GEMM (QuantizedLinear, fp8 experts) "
+    "is not supported: its backward works from fp8 operands outside the graph, so the "
+    "second-order term would be lost; take such gradients through high-precision linears "
+    "(leave these layers out of convert_to_quantized with module_filter)"
 )
 
 _FP8_GEMM: Final = (

@@ -237,6 +237,15 @@ def test_a_double_backward_through_a_linear_not_kept_is_refused_naming_keep(mode
             _penalty(layer, run)
 
 
+def test_an_fp8_gemm_refuses_a_double_backward_under_keep_too() -> None:
+    # Its fp8 operands carry no graph: the second-order term was lost silently under keep.
+    layers = _double_backward_layers("keep")
+    for name in ("fp8_rowwise", "fp8_hybrid", "experts fp8_rowwise"):
+        layer, run = layers[name]
+        with pytest.raises(RuntimeError, match=r"create_graph=True\) through an fp8 GEMM"):
+            _penalty(layer, run)
+
+
 def test_keep_still_takes_a_double_backward_where_it_did() -> None:
     torch.manual_seed(0)
     plain = torch.nn.Linear(32, 16, bias=False)
