@@ -17,8 +17,8 @@ between a forward and its backward, how it is kept (a ``SaveMode``):
 The kinds, one field each: ``linear`` (inputs of linears and grouped GEMMs), ``precise``
 (norms, softmax, RoPE: the ops ``ctx.precise`` runs), ``act_fn`` (inputs of activation
 functions), ``attention`` (queries, keys, values, probabilities), ``residual`` (residual-stream
-tensors kept at block boundaries) and ``moe`` (the MoE dispatch: permuted tokens, routing
-weights).
+tensors kept at block boundaries) and ``moe`` (the MoE combine's input: the experts' outputs
+in expert order; the permuted tokens are the experts' GEMM input, ``linear``).
 
 Text form: ``/``-separated parts in any order and any case: a bare ``MODE`` sets every kind
 (``fp8``; a bare ``recompute`` is refused unless linear, residual and moe are overridden:
@@ -163,7 +163,8 @@ class Activations(CheckedModel, frozen=True, extra="forbid", use_attribute_docst
     residual: ModeField = "keep"
     """Residual-stream tensors kept at block boundaries: ``keep``, ``fp8`` or ``offload``."""
     moe: ModeField = "keep"
-    """The MoE dispatch (permuted tokens, routing weights): ``keep``, ``fp8`` or ``offload``."""
+    """The MoE combine's input (the experts' outputs in expert order; routing weights and
+    order are kept as they are): ``keep``, ``fp8`` or ``offload``."""
     group: Annotated[int, BeforeValidator(_group)] = DEFAULT_GROUP
     """Elements per fp8 group of the non-linear kinds (consecutive, row-major): 16, 32, 64 or
     128 (default)."""

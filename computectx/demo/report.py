@@ -135,7 +135,7 @@ def table_notes(report: DemoReport) -> list[str]:
     if by_kind:
         lines.append(
             "saved MiB by kind (computectx.memory.SavedActivations; other: what no op tags, "
-            "the linears' inputs and the logits among it): " + "; ".join(by_kind) + "."
+            "the loss's logits among it): " + "; ".join(by_kind) + "."
         )
     if any(r.fp8_granularity is not None for r in report.results):
         lines.append(
@@ -147,9 +147,11 @@ def table_notes(report: DemoReport) -> list[str]:
         lines.append(
             "FLAG@ACTIVATIONS: FLAG's policy keeping the activations for the backward as "
             "ComputeCtx.activations says (docs/activations.md: the kinds and the layers that "
-            "follow each). fp8: E4M3 codes with a float32 scale per group of elements (1x128 "
-            "unless group= says otherwise); recompute: the op's input kept, the op run again "
-            "in the backward; saved MiB by kind shows what each kind kept."
+            "follow each). fp8: E4M3 codes with a float32 scale per group of a row's elements "
+            "(1x128 unless group= says otherwise; a linear's input a scale per row); recompute: "
+            "the op's input kept, the op run again in the backward; offload: the input in host "
+            "memory until its backward (a no-op on a CPU); checkpoint=RULE: whole blocks run "
+            "again; saved MiB by kind shows what each kind kept."
         )
     if s.compile:
         lines.append(
