@@ -167,7 +167,7 @@ def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
 
 
-_CHUNK = 1 << 16  # counters per pass of philox_randint: its working set stays in cache
+_CHUNK = 1 << 15  # counters per pass of philox_randint: its working set stays in cache
 
 
 def philox_randint(seed: int, counters: torch.Tensor) -> torch.Tensor:
