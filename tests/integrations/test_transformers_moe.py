@@ -32,6 +32,7 @@ from transformers import (
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from computectx import ComputeCtx
+from computectx.activations import SaveMode
 from computectx.formats import Backend, QuantizedExperts, convert_to_quantized
 from computectx.integrations.transformers_cache import CtxStaticCache, CtxStaticLayer
 from computectx.integrations.transformers_moe import (
@@ -113,7 +114,9 @@ class ExactMm(QuantizedExperts):
     routing,
     layout, bias, gate and combine, compared with transformers' ``grouped_mm`` path alone."""
 
-    def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def mm(
+        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, save: SaveMode = "keep"
+    ) -> torch.Tensor:
         return torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
@@ -122,9 +125,11 @@ class Counting(QuantizedExperts):
 
     shapes: ClassVar[list[tuple[int, ...]]] = []
 
-    def mm(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def mm(
+        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, save: SaveMode = "keep"
+    ) -> torch.Tensor:
         Counting.shapes.append(tuple(w.shape))
-        return super().mm(x, w, offs)
+        return super().mm(x, w, offs, save)
 
 
 @pytest.mark.parametrize(

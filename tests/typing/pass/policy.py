@@ -17,7 +17,14 @@ from computectx import (
     promote,
     promoted,
 )
-from computectx.formats import DelayedScaling, DynamicScaling, Fp8Scheme, QuantizedLinear, Recipe
+from computectx.formats import (
+    DelayedScaling,
+    DynamicScaling,
+    Fp4Recipe,
+    Fp8Scheme,
+    QuantizedLinear,
+    Recipe,
+)
 from computectx.formats.convert import Converter
 from computectx.optim_state import StateFormat
 from computectx.recipes import parse_scaling
@@ -33,7 +40,7 @@ assert_type(KvFp8.parse("e4m3/per_tensor").static, bool)
 if isinstance(fp8_kv.kv, KvFp8):
     assert_type(fp8_kv.kv.format, Fp8Format)
 fp8 = ctx.replace(recipe=Recipe(format=Fp8Scheme.HYBRID, scaling=DynamicScaling(margin=1)))
-assert_type(fp8.fp8, Recipe | None)
+assert_type(fp8.fp8, Recipe | Fp4Recipe | None)  # the old name of recipe, 4-bit too
 assert_type(ctx.compute, DType)
 assert_type(ctx.device, torch.device)
 assert_type(promote(ctx.compute, DType.F16), DType)
