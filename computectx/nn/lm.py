@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from typing_extensions import Self
 
 from computectx._checks import CheckedModel, as_int
+from computectx.activations import ACTIVATION_KINDS
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.formats import Backend, QuantizedLinear
@@ -333,8 +334,7 @@ class ByteLM(nn.Module):
         # a block checkpointed by the rule runs under torch's non-reentrant checkpoint: the
         # backward keeps its input (tagged residual) and runs it again, offloading nothing.
         acts = self.ctx.activations
-        kinds = (acts.linear, acts.precise, acts.act_fn, acts.attention, acts.residual, acts.moe)
-        offloads = "offload" in kinds
+        offloads = any(acts.mode(kind) == "offload" for kind in ACTIVATION_KINDS)
         blocks_kept = OffloadBlocks() if offloads and not torch.compiler.is_compiling() else None
         with self.ctx.autocast(), blocks_kept.active() if blocks_kept else nullcontext():
             x = self.ctx.to_compute(self.embed(ids))
