@@ -1,0 +1,269 @@
+"""The arithmetic of a frozen 4-bit linear (``FrozenFp4Linear``), and the check of 4-bit weights
+given from outside.
+
+The weight is held as it is quantized (``numerics.fp4``): packed E2M1 codes
+(``torch.float4_e2m1fn_x2``, two a byte), E4M3 block scales and a float32 per-tensor amax for
+NVFP4 (1x16 blocks or 16x16 tiles), E8M0 scales of 1x32 blocks for MXFP4. Two modes serve it:
+
+- ``"weight_only"``: ``y = F.linear(x, W.to(x.dtype), bias.to(x.dtype))`` with ``W`` the
+  dequantized weight (``dequantize_nvfp4``/``dequantize_mxfp4``: each value formed in float32,
+  rounded once to the input's dtype); the GEMM is torch's at that dtype (bf16 under the
+  serving ctx), on any device.
+- ``"w4a4"``: the input quantized at every call, round to nearest (never stochastic), 1x16
+  blocks (NVFP4) or 1x32 (MXFP4), then the 4-bit GEMM ``computectx::fp4_scaled_mm``.
+
+**The activation's per-tensor amax** (NVFP4 ``"w4a4"`` only; ``activation_amax``). TE's recipe,
+and ``Fp4Linear``'s forward, take one amax over the whole input: it sets ``S_enc``, so every
+block scale's E4M3 rounding, and the epilogue's ``alpha``. A row's codes and output then depend
+on the other rows of the call, and a request's answer on the batch it was served in.
+
+- ``"per_row"`` (default): each row has its own amax. Row ``i``'s output is bit for bit
+  ``Fp4Linear``'s forward on row ``i`` alone, whatever else is in the batch. The rows are
+  quantized by TE's chain with each row's ``S_enc`` (``quantize_nvfp4`` of the row, vectorized:
+  ``nvfp4_rows``); the GEMM runs through ``fp4_scaled_mm`` with both operands' amax given as
+  ``UNIT_AMAX = 448 * 6`` (``S_enc = 1``), for which TE's epilogue factor ``(2688 * 2688) *
+  f32(1 / (6 * 6 * 448 * 448))`` is exactly 1, so the operator returns its float32
+  accumulator as it is; each row's ``alpha = (amax_row * amax_W) * f32(1 / (6 * 6 * 448 *
+  448))``, in TE's order, the bias and one rounding follow (``reference_fp4_mm``'s epilogue,
+  per row).
+- ``"per_tensor"``: ``Fp4Linear``'s forward on the same batch, bit for bit; not batch-invariant.
+
+MXFP4 has no per-tensor scale: both rules are ``Fp4Linear``'s forward, and each row's codes are
+its own. The emulated GEMM adds each output's K blocks in K order whatever the rows
+(``numerics.fp4_gemm``), so under ``"per_row"`` and MXFP4 a row's bits never depend on the
+batch. ``"weight_only"`` is as batch-invariant as torch's GEMM on the device (measured on the
+development CPU: bf16 was at every shape tried, float32 was not: one row takes another kernel).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Literal
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.formats.numerics import tensorwise
+from computectx.formats.numerics.e2m1 import E2M1_MAX, e2m1_codes, pack_codes
+from computectx.formats.numerics.fp4 import (
+    E4M3_MAX,
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    Mxfp4Operand,
+    Nvfp4Operand,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    global_encode_scale,
+    nvfp4_block_scales,
+)
+from computectx.formats.numerics.fp4_gemm import (
+    ALPHA_FACTOR_INV,
+    Fp4Operand,
+    Fp4Quant,
+    tensor_scale_alpha,
+)
+from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.policy import describe
+
+__all__ = [
+    "ACTIVATION_AMAX",
+    "SERVE_MODES",
+    "UNIT_AMAX",
+    "ActivationAmax",
+    "ServeMode",
+    "check_bias",
+    "check_serving",
+    "check_weight",
+    "dequantized",
+    "nvfp4_rows",
+    "w4a4_mm",
+    "weight_only_mm",
+]
+
+ServeMode = Literal["weight_only", "w4a4"]
+"""How a frozen 4-bit linear multiplies: a dequantized weight, or 4-bit activations too."""
+SERVE_MODES: Final[tuple[ServeMode, ...]] = ("weight_only", "w4a4")
+ActivationAmax = Literal["per_row", "per_tensor"]
+"""Whose amax sets an NVFP4 activation's ``S_enc`` under ``"w4a4"``: each row's, or the call's."""
+ACTIVATION_AMAX: Final[tuple[ActivationAmax, ...]] = ("per_row", "per_tensor")
+
+UNIT_AMAX: Final[float] = E4M3_MAX * E2M1_MAX
+"""2688: the amax whose ``S_enc`` is 1; two such operands have TE's ``alpha`` exactly 1."""
+_FLT_MAX: Final[float] = torch.finfo(torch.float32).max
+
+if float(tensor_scale_alpha(torch.tensor(UNIT_AMAX), torch.tensor(UNIT_AMAX))) != 1.0:
+    raise RuntimeError("NVFP4's epilogue factor of two unit amaxes is not 1: per_row is unsound")
+
+
+def check_serving(mode: object, activation_amax: object, who: str) -> None:
+    """``ValueError`` naming the value unless ``mode`` is one of ``SERVE_MODES`` and
+    ``activation_amax`` one of ``ACTIVATION_AMAX``."""
+    if not isinstance(mode, str) or mode not in SERVE_MODES:
+        raise ValueError(f"{who}: mode must be one of {SERVE_MODES}, got {describe(mode)}")
+    if not isinstance(activation_amax, str) or activation_amax not in ACTIVATION_AMAX:
+        raise ValueError(
+            f"{who}: activation_amax must be one of {ACTIVATION_AMAX}, got "
+            f"{describe(activation_amax)}"
+        )
+
+
+def _shown(t: object) -> str:
+    if isinstance(t, torch.Tensor):
+        return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} on {t.device}"
+    return describe(t)
+
+
+def _expect(value: object, name: str, dtype: torch.dtype, shape: tuple[int, ...], who: str) -> None:
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype or tuple(value.shape) != shape:
+        want = f"{str(dtype).removeprefix('torch.')} {shape}"
+        raise ValueError(f"{who}: {name} must be {want}, got {_shown(value)}")
+
+
+def check_weight(weight: object, who: str) -> Fp4Operand:
+    """``weight`` if a frozen layer can serve with it: an ``Nvfp4Operand`` or ``Mxfp4Operand``
+    of 2-D codes ``[N, K / 2]`` (``torch.float4_e2m1fn_x2``; ``N >= 1``, ``K`` a multiple of the
+    block), its scales at the layout its block says (NVFP4 ``float8_e4m3fn`` ``[N, K/16]`` for
+    ``"1x16"``, ``[N/16, K/16]`` for ``"16x16"``; MXFP4 ``float8_e8m0fnu`` ``[N, K/32]``), no
+    block scale NaN (a block that held a NaN) or negative, NVFP4's amax a finite float32 >= 0
+    of one element, everything on one device. ``TypeError``/``ValueError`` naming the value
+    and what is accepted; reads ``weight`` only (one host read of the scales and amax)."""
+    if not isinstance(weight, (Nvfp4Operand, Mxfp4Operand)):
+        raise TypeError(
+            f"{who} takes an Nvfp4Operand or Mxfp4Operand (computectx.formats.numerics.fp4: "
+            f"codes, block scales and NVFP4's amax), got {describe(weight)}"
+        )
+    codes = weight.codes
+    if (
+        not isinstance(codes, torch.Tensor)
+        or codes.dtype != torch.float4_e2m1fn_x2
+        or codes.dim() != 2
+        or 0 in codes.shape
+    ):
+        raise ValueError(
+            f"{who}: codes must be a non-empty 2-D float4_e2m1fn_x2 tensor [out_features, "
+            f"in_features / 2] (two values a byte), got {_shown(codes)}"
+        )
+    n, k = codes.shape[0], 2 * codes.shape[1]
+    nv = isinstance(weight, Nvfp4Operand)
+    block, fmt = (NVFP4_BLOCK, "nvfp4") if nv else (MXFP4_BLOCK, "mxfp4")
+    if k % block:
+        raise ValueError(
+            f"{who}: in_features = {k} (codes {tuple(codes.shape)}, two a byte) is not a "
+            f"multiple of the {fmt} block, {block}"
+        )
+    if isinstance(weight, Nvfp4Operand):
+        if weight.tile not in ("1x16", "16x16"):
+            raise ValueError(f"{who}: tile must be '1x16' or '16x16', got {weight.tile!r}")
+        tiled = weight.tile == "16x16"
+        if tiled and n % NVFP4_BLOCK:
+            raise ValueError(
+                f"{who}: 16x16 tiles need out_features a multiple of 16, got codes of "
+                f"{tuple(codes.shape)}"
+            )
+        rows = n // NVFP4_BLOCK if tiled else n
+        _expect(weight.scale, "scale", torch.float8_e4m3fn, (rows, k // block), who)
+        amax = weight.amax
+        if not isinstance(amax, torch.Tensor) or amax.dtype != torch.float32 or amax.numel() != 1:
+            raise ValueError(
+                f"{who}: amax must be a float32 tensor of one element, got {_shown(amax)}"
+            )
+    else:
+        _expect(weight.scale, "scale", torch.float8_e8m0fnu, (n, k // block), who)
+    parts = [codes, weight.scale, *([weight.amax] if nv else [])]  # type: ignore[union-attr]
+    if any(t.device != codes.device for t in parts):
+        raise ValueError(
+            f"{who}: codes, scale and amax must be on one device, got "
+            f"{', '.join(str(t.device) for t in parts)}"
+        )
+    _check_values(weight, who)
+    return weight
+
+
+def _check_values(weight: Fp4Operand, who: str) -> None:
+    scale = weight.scale.float()
+    bad_scale = scale.isnan().any() | (scale < 0).any()
+    if isinstance(weight, Nvfp4Operand):
+        amax = weight.amax.float()
+        bad_amax = ~torch.isfinite(amax).all() | (amax < 0).any()
+        bad = torch.stack((bad_scale, bad_amax)).tolist()
+        if bad[1]:
+            raise ValueError(f"{who}: amax must be finite and >= 0, got {amax.tolist()}")
+    else:
+        bad = [bool(bad_scale)]
+    if bad[0]:
+        raise ValueError(
+            f"{who}: block scales must be finite and >= 0 (a NaN scale stands for a block "
+            f"that held a NaN: such a weight serves NaN)"
+        )
+
+
+def check_bias(bias: object, n: int, device: torch.device, who: str) -> torch.Tensor | None:
+    """``bias`` if it is ``None`` or a bf16/fp16/fp32 tensor ``(n,)`` on ``device``."""
+    if bias is None:
+        return None
+    if (
+        not isinstance(bias, torch.Tensor)
+        or bias.dtype not in FLOAT_DTYPES
+        or tuple(bias.shape) != (n,)
+        or bias.device != device
+    ):
+        raise ValueError(
+            f"{who}: bias must be None or a bf16, fp16 or fp32 tensor ({n},) on {device}, got "
+            f"{_shown(bias)}"
+        )
+    return bias
+
+
+def dequantized(weight: Fp4Operand, dtype: torch.dtype) -> torch.Tensor:
+    """The values ``weight`` stands for at ``dtype``: formed in float32, rounded once."""
+    if isinstance(weight, Nvfp4Operand):
+        return dequantize_nvfp4(weight, dtype)
+    return dequantize_mxfp4(weight, dtype)
+
+
+def weight_only_mm(x2: torch.Tensor, weight: Fp4Operand, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x2, dequantized(weight, x2.dtype), bias.to(x2.dtype))``: torch's GEMM at
+    ``x2``'s dtype."""
+    b = None if bias is None else bias.to(x2.dtype)
+    return F.linear(x2, dequantized(weight, x2.dtype), b)
+
+
+def nvfp4_rows(x2: torch.Tensor) -> tuple[Nvfp4Operand, torch.Tensor]:
+    """Each row of the 2-D ``x2`` quantized as ``quantize_nvfp4`` quantizes it alone (1x16
+    blocks, round to nearest, the row's finite amax), and the rows' amaxes (float32
+    ``(rows,)``). The operand's amax is ``UNIT_AMAX`` (``S_enc = 1``): ``w4a4_mm`` applies
+    each row's own."""
+    x = x2.detach().float()
+    rows, k = x.shape
+    mag = x.abs()
+    amax = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax(dim=1)
+    s_enc = global_encode_scale(amax)[:, None]
+    blocks = (rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
+    scale = nvfp4_block_scales(mag.reshape(blocks).amax(dim=2), s_enc)  # NaN propagates
+    # TE's encode factor, 1 / (f32(S_dec) * (1 / S_enc)), per row and block.
+    encode = (1.0 / (scale.float() * (1.0 / s_enc))).clamp(max=_FLT_MAX)
+    scaled = (x.reshape(blocks) * encode[:, :, None]).reshape(rows, k)
+    codes = pack_codes(e2m1_codes(scaled))
+    unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x.device)
+    return Nvfp4Operand(codes, scale, unit, "1x16"), amax
+
+
+def w4a4_mm(
+    x2: torch.Tensor,
+    weight: Fp4Operand,
+    how: Fp4Quant,
+    rule: ActivationAmax,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``x2 @ Wᵀ (+ bias)`` at ``out_dtype`` with ``x2`` quantized to nearest at this call
+    (module docstring: ``rule`` for NVFP4's activation amax), through ``fp4_scaled_mm``."""
+    if isinstance(weight, Mxfp4Operand) or rule == "per_tensor":
+        qx = fp4_ops.quantize(x2, how)
+        return fp4_ops.scaled_mm(qx, weight, out_dtype, bias)
+    qx, amax = nvfp4_rows(x2)
+    unit_w = Nvfp4Operand(weight.codes, weight.scale, qx.amax, weight.tile)
+    acc = fp4_ops.scaled_mm(qx, unit_w, torch.float32)  # alpha == 1: the accumulator
+    factor = torch.tensor(ALPHA_FACTOR_INV, dtype=torch.float32, device=acc.device)
+    alpha = (amax * weight.amax.float().reshape(())) * factor  # tensor_scale_alpha, per row
+    return tensorwise.epilogue(acc * alpha[:, None], bias, out_dtype)
