@@ -1,0 +1,90 @@
+"""The Triton 4-bit GEMM compiles for Blackwell's block-scaled tensor cores without a GPU, and
+what it would be on Hopper.
+
+As test_compile_for_gpu.py does for the fp8 kernels: a child process (without
+``TRITON_INTERPRET``; ``compiles_for_gpu`` in conftest.py) builds ``computectx.kernels.fp4_gemm``'s
+kernel ahead of time with the launcher's build options for each operand format and target:
+
+- sm_100 (B200): ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16`` for NVFP4 (E4M3 scales
+  per 16) and ``kind::mxf4.block_scale.block32`` for MXFP4 (E8M0 per 32): ``tl.dot_scaled``
+  takes both natively, nothing dequantized;
+- sm_120 (consumer Blackwell): the warp-level ``mma.sync ... block_scale`` with ``ue4m3`` and
+  ``ue8m0`` scales;
+- sm_90 (H100/H200; NVFP4 only): no FP4 tensor cores; Triton lowers ``tl.dot_scaled`` to a
+  bf16 ``wgmma`` of the codes upcast with their scales. The launcher refuses such a device
+  (tests/kernels/test_fp4_gemm.py), so this build is never run: it is here to show why.
+
+Everywhere: no floating-point contraction (NVFP4's ``acc * alpha + bias`` stays two roundings,
+as in the twin: ``fma.rn.f32`` would fuse them), no flush-to-zero, and both code operands staged
+with asynchronous copies in the K loop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from .conftest import compiles_for_gpu
+
+pytestmark = pytest.mark.slow
+
+_SCRIPT = r"""
+import json, re, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from computectx.kernels import fp4_gemm as kf
+
+names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "sa_ptr", "sb_ptr", "amax_a_ptr", "amax_b_ptr",
+         "M", "N", "K_BYTES", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_cm",
+         "stride_cn", "stride_sa_r", "stride_sa_k", "stride_sb_r", "stride_sb_k", "m_bucket",
+         "layout"]
+types = {"a_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*bf16", "bias_ptr": "*bf16", "sa_ptr": "*u8",
+         "sb_ptr": "*u8", "amax_a_ptr": "*fp32", "amax_b_ptr": "*fp32"}
+aligned = ("a_ptr", "b_ptr", "c_ptr", "M", "N", "K_BYTES", "stride_am", "stride_bn", "stride_cm")
+cfg = next(c for c in kf._configs() if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
+out = {}
+# NVFP4 1x16 activations by 16x16 weight tiles; MXFP4 1x32 by 1x32 (Hopper: NVFP4 only).
+for cap, vec, rows_b in ((100, 16, 16), (100, 32, 1), (120, 16, 16), (120, 32, 1), (90, 16, 16)):
+    sig = {n: types.get(n, "i32") for n in names}
+    consts = dict(cfg.kwargs, VEC=vec, ROWS_A=1, ROWS_B=rows_b,
+                  ALPHA_INV=kf.ALPHA_FACTOR_INV, HAS_BIAS=True, OUT_BF16=True, stride_ak=1,
+                  stride_bk=1, stride_sa_k=1, stride_sb_k=1)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = compile(ASTSource(kf._fp4_mm_kernel.fn, sig, consts, attrs),
+                target=GPUTarget("cuda", cap, 32),
+                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                         **kf.BUILD_OPTIONS})
+    ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
+    mma = r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*"
+    out[f"{cap}/{vec}"] = {
+        "mma": sorted(set(re.findall(mma, ptx))),
+        "fma": ptx.count("fma.rn.f32"),
+        "ftz": ".ftz" in ptx,
+        "async_copies": ttgir.count("async_copy_global_to_local"),
+        "stages": cfg.num_stages,
+    }
+json.dump(out, sys.stdout)
+"""
+
+
+@compiles_for_gpu(_SCRIPT)
+def test_fp4_gemm_compiles_to_block_scaled_mma(compile_report: dict[str, Any]) -> None:
+    report = compile_report
+    assert sorted(report) == ["100/16", "100/32", "120/16", "120/32", "90/16"]
+    assert report["100/16"]["mma"] == [
+        "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"
+    ]
+    assert report["100/32"]["mma"] == ["tcgen05.mma.cta_group::1.kind::mxf4.block_scale.block32"]
+    for vec, scale in (("16", "ue4m3"), ("32", "ue8m0")):
+        (mma,) = report[f"120/{vec}"]["mma"]
+        assert mma.startswith("mma.sync.aligned.m16n8k64") and "block_scale" in mma, mma
+        assert mma.endswith(f".e2m1.e2m1.f32.{scale}"), mma
+    # Hopper: the 16-bit emulation the launcher refuses to run.
+    assert report["90/16"]["mma"] == ["wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16"]
+    for name, facts in report.items():
+        assert facts["fma"] == 0, (name, facts)
+        assert not facts["ftz"], (name, facts)
+        # Both code operands staged asynchronously, at least one copy per stage each.
+        assert facts["async_copies"] >= 2 * (facts["stages"] - 1), (name, facts)
