@@ -33,6 +33,8 @@ from computectx.formats.exchange import (
 )
 from computectx.formats.linear.autocast import autocast
 from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
+from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
 from computectx.formats.linear.unsynced import ScalingNotSyncedWarning
@@ -59,6 +61,7 @@ __all__ = [
     "Fp4Linear",
     "Fp4Recipe",
     "Fp8Scheme",
+    "FrozenFp4Linear",
     "Granularity",
     "LayerStats",
     "LoadMode",
@@ -78,6 +81,7 @@ __all__ = [
     "checkpoint_policy",
     "convert_to_quantized",
     "dequantize_tensor",
+    "freeze_fp4_for_serving",
     "load_serving_weights",
     "quantize_tensor",
     "quantized_grouped_mm",

@@ -1,0 +1,61 @@
+"""``freeze_fp4_for_serving``: every ``Fp4Linear`` of a converted model replaced by its
+``FrozenFp4Linear`` (``linear.fp4_frozen``), in place, for serving."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode, check_serving
+from computectx.formats.policy import describe
+
+__all__ = ["freeze_fp4_for_serving"]
+
+
+def freeze_fp4_for_serving(
+    model: nn.Module,
+    mode: ServeMode = "weight_only",
+    *,
+    activation_amax: ActivationAmax = "per_row",
+) -> tuple[str, ...]:
+    """Replace every ``Fp4Linear`` inside ``model`` by ``FrozenFp4Linear.from_fp4_linear(layer,
+    mode, activation_amax=...)``, in place; return the names replaced, in module order.
+
+    ``mode``: ``"weight_only"`` (the 4-bit weight dequantized to the input's dtype, torch's
+    GEMM: any device) or ``"w4a4"`` (the inputs quantized to nearest at every call, the 4-bit
+    GEMM); ``activation_amax``: NVFP4 W4A4's rule, ``"per_row"`` (batch-invariant: each row's
+    output is the ``Fp4Linear``'s on that row alone) or ``"per_tensor"`` (the ``Fp4Linear``'s
+    forward on the whole batch, bit for bit). The high-precision weights go with the layers
+    they leave (each bias stays, shared); a layer held under several names is replaced by one
+    frozen layer under all of them. Every layer is frozen before any is put in place: an error
+    leaves the model as it was. ``ValueError`` for a bad ``mode`` or ``activation_amax`` and for
+    a model holding no ``Fp4Linear``; ``TypeError`` for a model that is one (freeze it with
+    ``FrozenFp4Linear.from_fp4_linear`` and put that in its place).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"freeze_fp4_for_serving takes an nn.Module, got {describe(model)}")
+    check_serving(mode, activation_amax, "freeze_fp4_for_serving")
+    if isinstance(model, Fp4Linear):
+        raise TypeError(
+            "freeze_fp4_for_serving replaces the Fp4Linear layers inside a model; the model is "
+            "one itself: use FrozenFp4Linear.from_fp4_linear(layer, mode) in its place"
+        )
+    found = [(fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)]
+    layers = [(fqn, m) for fqn, m in found if isinstance(m, Fp4Linear)]
+    if not layers:
+        raise ValueError(
+            f"freeze_fp4_for_serving: {type(model).__name__} holds no Fp4Linear; convert it "
+            f"under a 4-bit recipe first (convert_to_quantized with ComputeCtx.from_flag("
+            f"'nvfp4', device), or a model built under such a ctx)"
+        )
+    frozen: dict[int, FrozenFp4Linear] = {}
+    for _, layer in layers:
+        if id(layer) not in frozen:
+            frozen[id(layer)] = FrozenFp4Linear.from_fp4_linear(
+                layer, mode, activation_amax=activation_amax
+            )
+    for fqn, layer in layers:
+        parent, _, name = fqn.rpartition(".")
+        setattr(model.get_submodule(parent), name, frozen[id(layer)])
+    return tuple(fqn for fqn, _ in layers)

@@ -1,0 +1,108 @@
+"""``freeze_fp4_for_serving``: every ``Fp4Linear`` of a converted model frozen in place, and a
+tiny converted-and-frozen ``ByteLM`` generating through the KV cache policy."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from computectx import ComputeCtx, KvFp8
+from computectx.formats import (
+    Fp4Linear,
+    FrozenFp4Linear,
+    convert_to_quantized,
+    freeze_fp4_for_serving,
+)
+from computectx.nn import ByteLM, LMConfig
+from computectx.nn.generate import decode_logits, generate
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def converted() -> nn.Sequential:
+    torch.manual_seed(0)
+    shared = nn.Linear(64, 64)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), shared, nn.ReLU(), shared)
+    convert_to_quantized(
+        model, ComputeCtx.from_flag("nvfp4", "cpu"), module_filter=lambda m, f: True
+    )
+    return model
+
+
+def test_every_fp4_linear_is_frozen_in_place_shared_ones_once() -> None:
+    model = converted()
+    assert isinstance(model[0], Fp4Linear) and model[2] is model[4]
+    x = torch.randn(6, 32, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    names = freeze_fp4_for_serving(model, "w4a4", activation_amax="per_tensor")
+    assert names == ("0", "2", "4")
+    assert all(isinstance(model[i], FrozenFp4Linear) for i in (0, 2, 4))
+    assert model[2] is model[4]
+    assert not any(isinstance(m, Fp4Linear) for m in model.modules())
+    assert not any(p.dim() == 2 for p in model.parameters())  # no high-precision weight left
+    with torch.inference_mode():
+        assert same(model(x), want)
+
+
+def test_refused_calls_change_nothing() -> None:
+    model = converted()
+    with pytest.raises(ValueError, match="mode must be one of"):
+        freeze_fp4_for_serving(model, "w8a8")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="activation_amax must be one of"):
+        freeze_fp4_for_serving(model, "w4a4", activation_amax="per_token")  # type: ignore[arg-type]
+    assert isinstance(model[0], Fp4Linear)
+    with pytest.raises(TypeError, match=r"use FrozenFp4Linear\.from_fp4_linear"):
+        freeze_fp4_for_serving(model[0])
+    with pytest.raises(ValueError, match="holds no Fp4Linear; convert it"):
+        freeze_fp4_for_serving(nn.Sequential(nn.Linear(32, 32)))
+    with pytest.raises(TypeError, match=r"takes an nn\.Module"):
+        freeze_fp4_for_serving("model")  # type: ignore[arg-type]
+
+
+CONFIG = LMConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_len=24)
+
+
+def byte_lm(flag: str, seed: int = 0) -> ByteLM:
+    torch.manual_seed(seed)
+    ctx = ComputeCtx.from_flag(flag, "cpu").with_kv(KvFp8())  # e4m3 KV, a step per token, head
+    return ByteLM(ctx, CONFIG)
+
+
+@pytest.mark.parametrize("flag", ["nvfp4", "mxfp4"])
+def test_a_frozen_byte_lm_generates_through_the_kv_cache_deterministically(
+    flag: str, tmp_path: pathlib.Path
+) -> None:
+    model = byte_lm(flag).requires_grad_(False)  # serving: no Xᵀ kept for a backward
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(3))
+    want = decode_logits(model, ids, prefill=4)  # the training layers, through the fp8 cache
+    w4a4 = copy.deepcopy(model)
+    assert len(freeze_fp4_for_serving(w4a4, "w4a4", activation_amax="per_tensor")) == 10
+    with torch.inference_mode():
+        assert same(decode_logits(w4a4, ids, prefill=4), want)
+    prompt = ids[:, :4]
+    for mode in ("weight_only", "w4a4"):
+        frozen = copy.deepcopy(model)
+        freeze_fp4_for_serving(frozen, mode)
+        with torch.inference_mode():
+            first = generate(frozen, prompt, 4)
+            assert torch.equal(generate(frozen, prompt, 4), first)
+        assert first.shape == (2, 8) and torch.equal(first[:, :4], prompt)
+        # The frozen weights travel through safetensors into another model's frozen layers.
+        save_file(frozen.state_dict(), str(tmp_path / f"{mode}.safetensors"))
+        other = byte_lm(flag, seed=1)
+        freeze_fp4_for_serving(other, mode)
+        other.load_state_dict(load_file(str(tmp_path / f"{mode}.safetensors")))
+        with torch.inference_mode():
+            assert torch.equal(generate(other, prompt, 4), first)
