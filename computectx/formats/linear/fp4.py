@@ -19,19 +19,21 @@ goes to host memory and comes back for the backward, as the other linears' input
 holding the same weight (DDP) quantize it alike with no collective.
 
 **Stochastic rounding** (the gradients only, ``recipe.stochastic``) draws Philox bits keyed
-by ``(recipe.seed, counter)``: the counter is layer state, an int64 that each call which can
-run a backward advances by the elements its backward rounds (``M * N`` for dY, ``N * M_pad``
-for dYᵀ), saved in ``_extra_state`` so that a resumed run draws the same bits. A call that
-runs while a backward runs under saved-tensor hooks (the recomputation of a non-reentrant
-activation checkpoint) advances nothing, and its backward uses the original call's key: the
-gradients are bit for bit those of a run without checkpointing. (A reentrant checkpoint's
-recomputation builds a graph of its own: it advances the counter then, so it draws other
-valid bits.)
+by ``(recipe.seed, counter)``: the counter (``sr_key``) is plain CPU state, never a buffer
+(DDP would broadcast it before each forward: a lone validation forward on one rank would
+be a collective, and rank 0's counter would overwrite the others'). Each call that can run
+a backward advances it by the elements its backward rounds (``M * N`` for dY, ``N * M_pad``
+for dYᵀ); ``_extra_state`` saves it, so a resumed run draws the same bits. A replayed call
+(``_replays_a_call``: a non-reentrant checkpoint's recomputation) advances nothing and its
+backward reads the original call's key, so the gradients are bit for bit a run's without
+checkpointing; a reentrant checkpoint's forward runs under ``no_grad`` (no key) and its
+recomputation draws and advances as the plain call would.
 
 **Loading** checks the policy: ``_extra_state`` (int64 ``[version, recipe code, seed,
-counter]``) saved under another 4-bit recipe or seed, or fp8 scaling entries (``fp8_*``: an
-fp8 checkpoint), raise ``ValueError`` naming both before anything loads; an ``nn.Linear``
-checkpoint (no ``_extra_state``) loads with the counter as it is.
+counter]``) saved under another 4-bit recipe or seed, a counter outside ``[0,
+FP4_COUNTER_LIMIT)``, or fp8 scaling entries (``fp8_*``: an fp8 checkpoint), raise
+``ValueError`` naming the layer before anything loads; an ``nn.Linear`` checkpoint (no
+``_extra_state``) loads with the counter as it is.
 """
 
 from __future__ import annotations
@@ -46,19 +48,30 @@ from torch.autograd.function import FunctionCtx
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.linear.function import autocast_dtype
-from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
+from computectx.formats.linear.recompute import checkpoint_site
 from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
-from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, grouped_counters
 from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.policy import check_param_dtype, default_device, describe
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.residency import parse_device
 from computectx.saved import SAVING, kept_back, offload_kept
 
-__all__ = ["FP4_STATE_VERSION", "Fp4Linear", "block_list", "fp4_quant", "recipe_code"]
+__all__ = [
+    "FP4_COUNTER_LIMIT",
+    "FP4_STATE_VERSION",
+    "Fp4Linear",
+    "block_list",
+    "fp4_quant",
+    "recipe_code",
+]
 
 FP4_STATE_VERSION: Final[int] = 1
 """``_extra_state[0]``: the layout ``[version, recipe code, seed, counter]`` (int64)."""
+FP4_COUNTER_LIMIT: Final[int] = 2**61
+"""A loaded counter lies in ``[0, FP4_COUNTER_LIMIT)``: the operators draw below ``2**62``
+(``numerics.e2m1.Stochastic``), and a layer advances by its backward's elements a call, so
+the other ``2**61`` counters are the headroom a run needs."""
 _U64: Final[int] = 2**64
 
 
@@ -159,10 +172,12 @@ class Fp4Linear(nn.Linear):
         self.ctx = ctx
         self.recipe = recipe
         self._how = fp4_quant(recipe)
-        self.register_buffer("sr_key", _fresh_key(recipe, dev), persistent=False)
+        self.sr_key = _key_tensor(recipe, 0)
 
     sr_key: torch.Tensor
-    """int64 ``(2,)``: the stochastic rounding's seed (two's complement) and counter."""
+    """int64 ``(2,)`` on the CPU: the stochastic rounding's seed (``recipe.seed``, two's
+    complement) and counter. Plain state, not a buffer (module docstring): ``.to()`` leaves
+    it on the CPU, where the operators read it with no device sync."""
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, ctx: ComputeCtx) -> Fp4Linear:
@@ -182,7 +197,6 @@ class Fp4Linear(nn.Linear):
         )
         new.weight = w
         new.bias = linear.bias
-        new.sr_key = _fresh_key(new.recipe, w.device)
         new.train(linear.training)
         return new
 
@@ -220,13 +234,15 @@ class Fp4Linear(nn.Linear):
         if not self.recipe.stochastic or not torch.is_grad_enabled():
             return None
         key = self.sr_key
-        if not torch.compiler.is_compiling() and _recomputing():
+        if _replays_a_call():
             return key  # unused: the original call's key is the one its backward reads
-        multiple = max(self._how.block, HADAMARD_SIZE) if self._how.hadamard else self._how.block
-        padded = -(-rows // multiple) * multiple
+        drawn = sum(
+            grouped_counters([(0, rows)], self.out_features, self._how, wgrad)
+            for wgrad in (False, True)  # dY's rows, then dYᵀ's padded columns
+        )
         # A new tensor, never an in-place add: the key a backward holds is never written to
-        # (a compiled backward may read it from the buffer as it was at the call).
-        self.sr_key = key + key.new_tensor([0, self.out_features * (rows + padded)])
+        # (a compiled backward may read it from the attribute as it was at the call).
+        self.sr_key = key + key.new_tensor([0, drawn])
         return key
 
     def quantized_weight(self) -> Fp4Operand:
@@ -243,12 +259,12 @@ class Fp4Linear(nn.Linear):
         """int64 ``[FP4_STATE_VERSION, recipe code, seed, counter]`` (a tensor: safetensors
         and DCP save it as they save the weights)."""
         head = torch.tensor([FP4_STATE_VERSION, recipe_code(self.recipe)], dtype=torch.int64)
-        return torch.cat([head, self.sr_key.detach().cpu()])
+        return torch.cat([head, self.sr_key])
 
     def set_extra_state(self, state: Any) -> None:
         """Install a saved counter (checked by ``check_load`` first)."""
         self.check_load({"_extra_state": state}, "")
-        self.sr_key = state[2:].to(device=self.sr_key.device, dtype=torch.int64).clone()
+        self.sr_key = _key_tensor(self.recipe, int(state[3]))
 
     def state_load_keys(self) -> tuple[str, ...]:
         """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this layer's rule."""
@@ -263,17 +279,18 @@ class Fp4Linear(nn.Linear):
         state = tensors.get("_extra_state")
         if state is None:  # an nn.Linear checkpoint: the counter as it is
             return lambda: None
-        key = state[2:].to(torch.int64).clone()  # read now: a memory-mapped file may go
+        counter = int(state[3])  # read now: a memory-mapped file may go
 
         def install() -> None:
-            self.sr_key = key.to(self.sr_key.device)
+            self.sr_key = _key_tensor(self.recipe, counter)
 
         return install
 
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
-        """``ValueError`` naming both policies when ``entries`` (local names) were saved by
-        an fp8 layer or under another 4-bit recipe or seed (``guard_whole_loads`` runs this
-        on every layer before any loads)."""
+        """``ValueError`` naming the layer when ``entries`` (local names) were saved by an fp8
+        layer or under another 4-bit recipe or seed (naming both policies), or hold a counter
+        outside ``[0, FP4_COUNTER_LIMIT)`` (``guard_whole_loads`` runs this on every layer
+        before any loads)."""
         layer = prefix[:-1] or "the layer"
         fp8 = sorted(k for k in entries if k.startswith("fp8_"))
         if fp8:
@@ -289,24 +306,31 @@ class Fp4Linear(nn.Linear):
             not isinstance(state, torch.Tensor)
             or state.dtype != torch.int64
             or tuple(state.shape) != (4,)
+            or state.is_meta
         ):
             raise ValueError(
                 f"{prefix}_extra_state of the 4-bit layer {layer!r} must be an int64 tensor "
                 f"[version, recipe code, seed, counter]; got {describe(state)} (an fp8 layer's "
                 f"version 1/2 state is a dict: an fp8 checkpoint does not load into 4 bits)"
             )
-        version, code, seed, _ = (int(v) for v in state.tolist())
+        version, code, seed, counter = (int(v) for v in state.tolist())
         if version != FP4_STATE_VERSION:
             raise ValueError(
                 f"{prefix}_extra_state has version {version}; this computectx reads "
                 f"version {FP4_STATE_VERSION}"
             )
-        mine = self.sr_key[0].item()
+        mine = _signed(self.recipe.seed)
         if code != recipe_code(self.recipe) or seed != mine:
             raise ValueError(
                 f"{layer!r} was saved under the 4-bit recipe {_decoded(code, seed)!r} but this "
-                f"layer runs {_decoded(recipe_code(self.recipe), int(mine))!r}; convert under "
+                f"layer runs {_decoded(recipe_code(self.recipe), mine)!r}; convert under "
                 f"the recipe the checkpoint was saved with"
+            )
+        if not 0 <= counter < FP4_COUNTER_LIMIT:
+            raise ValueError(
+                f"{prefix}_extra_state of the 4-bit layer {layer!r} holds the stochastic-"
+                f"rounding counter {counter}; accepted: an integer in [0, 2**61) "
+                f"(FP4_COUNTER_LIMIT: the operators draw below 2**62)"
             )
 
     def _load_from_state_dict(
@@ -332,9 +356,14 @@ class Fp4Linear(nn.Linear):
         return f"{super().extra_repr()}, recipe={self.recipe}"
 
 
-def _fresh_key(recipe: Fp4Recipe, device: torch.device) -> torch.Tensor:
-    seed = recipe.seed if recipe.seed < 2**63 else recipe.seed - _U64
-    return torch.tensor([seed, 0], dtype=torch.int64, device=device)
+def _signed(seed: int) -> int:
+    """A seed in ``[0, 2**64)`` as the int64 a key holds (two's complement)."""
+    return seed if seed < 2**63 else seed - _U64
+
+
+def _key_tensor(recipe: Fp4Recipe, counter: int) -> torch.Tensor:
+    """A layer's ``sr_key``: int64 ``[seed, counter]`` on the CPU."""
+    return torch.tensor([_signed(recipe.seed), counter], dtype=torch.int64)
 
 
 def _recipe_of(ctx: object) -> Fp4Recipe:
@@ -356,13 +385,14 @@ def _check_input(x: object, in_features: int) -> None:
         )
 
 
-def _recomputing() -> bool:
-    # A forward inside a backward under saved-tensor hooks: a non-reentrant checkpoint's
-    # recomputation, whose saved tensors replace the original call's (its ctx stays).
-    return (
-        torch._C._current_graph_task_id() != -1
-        and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
-    )
+def _replays_a_call() -> bool:
+    """Whether this call runs during a backward as the replay of an original call whose
+    backward is the one that runs (a non-reentrant checkpoint's recomputation, or a region
+    nested in one: its saved tensors replace the original's, its ctx is dropped). A
+    reentrant recomputation (its site's key is checkpoint's autograd ctx) builds the graph
+    its backward runs, so it is a call of its own. ``False`` while compiling (no site)."""
+    site = checkpoint_site(record=False)
+    return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
 
 
 def _operand(
@@ -413,7 +443,7 @@ class _Fp4LinearFn(torch.autograd.Function):
             qwt = fp4_ops.quantize(weight.t(), how, weight=True)
             dx = fp4_ops.scaled_mm(qdy, qwt, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            col = None if key is None else key + key.new_tensor([0, m * n])
+            col = None if key is None else key + key.new_tensor([0, m * n])  # dYᵀ: past dY's
             qdyt = fp4_ops.quantize(dy, how, columnwise=True, stochastic=col)
             dw = fp4_ops.scaled_mm(qdyt, _operand(*kept), torch.float32)
             dw = dw.to(weight.dtype)

@@ -1,0 +1,53 @@
+"""4-bit linears on many ranks (docs/fp4.md, "Ranks"): under torch's DDP with its defaults, a
+validation forward on rank 0 alone issues no collective, and each rank's stochastic-rounding
+counter is its own (DDP neither broadcasts nor overwrites it). 2 gloo ranks
+(``scenarios_fp4.py``: a 5 s collective timeout, a 60 s wall limit) against one process
+simulating each rank."""
+
+from __future__ import annotations
+
+import torch
+
+from .conftest import RunRanks
+from .scenarios_fp4 import LR, ROWS, batch, keys, model
+
+LIMIT_S = 60.0
+
+
+def _simulated(steps: int) -> tuple[list[list[list[list[int]]]], list[torch.Tensor]]:
+    # One process per rank's model: each its own rows and counter, the gradients averaged
+    # as DDP averages them (halving is exact), the same SGD step on both copies.
+    sims = [model(), model()]
+    opts = [torch.optim.SGD(s.parameters(), lr=LR) for s in sims]
+    seen: list[list[list[list[int]]]] = [[keys(s)] for s in sims]
+    for i in range(steps):
+        for rank, (s, o) in enumerate(zip(sims, opts, strict=True)):
+            o.zero_grad()
+            s(batch(i, rank)).float().square().mean().backward()
+        pairs = zip(sims[0].parameters(), sims[1].parameters(), strict=True)
+        for a, b in pairs:
+            assert a.grad is not None and b.grad is not None
+            mean = (a.grad + b.grad) / 2
+            a.grad, b.grad = mean, mean.clone()
+        for rank, (s, o) in enumerate(zip(sims, opts, strict=True)):
+            o.step()
+            seen[rank].append(keys(s))
+    return seen, [p.detach() for p in sims[0].parameters()]
+
+
+def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
+    run_ranks: RunRanks,
+) -> None:
+    ranks = run_ranks("scenarios_fp4.py:eval_on_one_rank", limit_s=LIMIT_S)
+    assert ranks[0]["eval"] == "runs", ranks[0]["eval"]  # no collective on one rank
+    assert ranks[0]["eval_equal"]  # DDP's output is the module's
+    want_keys, want_weights = _simulated(2)
+    assert want_keys[0] != want_keys[1]  # the ranks' rows differ: so do their counters
+    for rank, r in enumerate(ranks):
+        assert r["keys"] == want_keys[rank], rank  # each rank's own, never rank 0's
+        assert r["eval_keys"] == want_keys[rank][1]  # a no_grad forward advances nothing
+        # The step after the lone call: the ranks agree, and equal one process per rank.
+        for got, want in zip(r["weights"], want_weights, strict=True):
+            assert torch.equal(got, want), rank
+    # Rank 1's 12 rows a step (its column-wise operands pad to 16): N * (12 + 16) a call.
+    assert [k[1] for k in ranks[1]["keys"][1]] == [32 * (ROWS[1] + 16), 16 * (ROWS[1] + 16)]

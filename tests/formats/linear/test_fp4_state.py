@@ -1,0 +1,127 @@
+"""Fp4Linear's stochastic-rounding counter as state: plain CPU state, never a buffer (so DDP
+neither broadcasts nor overwrites it: tests/distributed/test_fp4_ranks.py), carried by
+``_extra_state``; a saved counter out of range is refused on every load path, naming the
+layer, before anything is written; reentrant checkpointing advances the counter once."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from computectx import ComputeCtx
+from computectx.formats import convert_to_quantized
+from computectx.formats.linear.fp4 import FP4_COUNTER_LIMIT, Fp4Linear
+from computectx.fp4_recipe import Fp4Recipe
+from computectx.memory import load_weights
+
+NV = ComputeCtx.from_flag("nvfp4", "cpu").replace(recipe=Fp4Recipe(seed=5))
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16))
+    convert_to_quantized(model, NV, include_head=True, min_features=16)
+    return model
+
+
+def _train(model: nn.Module, rows: int = 12) -> None:
+    x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(2)).bfloat16()
+    model(x).float().square().sum().backward()
+
+
+def _counters(model: nn.Module) -> list[list[int]]:
+    return [m.sr_key.tolist() for m in model.modules() if isinstance(m, Fp4Linear)]
+
+
+def test_the_counter_is_cpu_state_not_a_buffer_and_follows_copies_and_loads() -> None:
+    model = _model()
+    _train(model)
+    assert not [n for n, _ in model.named_buffers()]  # nothing for DDP to broadcast
+    assert sorted(model.state_dict()) == [
+        "0._extra_state",
+        "0.bias",
+        "0.weight",
+        "2._extra_state",
+        "2.bias",
+        "2.weight",
+    ]
+    model.to(torch.float64).to(torch.float32)  # .to() moves the parameters, not the counter
+    assert all(m.sr_key.device.type == "cpu" for m in model if isinstance(m, Fp4Linear))
+    want = _counters(model)
+    assert want == [[5, 64 * (12 + 16)], [5, 16 * (12 + 16)]]
+    twin = copy.deepcopy(model)
+    assert _counters(twin) == want
+    _train(twin)  # the copy's counter is its own
+    assert _counters(model) == want != _counters(twin)
+    fresh = _model()
+    fresh.load_state_dict(model.state_dict())
+    assert _counters(fresh) == want
+    lin = Fp4Linear.from_linear(nn.Linear(32, 16), NV)
+    assert lin.sr_key.device.type == "cpu" and lin.sr_key.tolist() == [5, 0]
+
+
+def _with_counter(model: nn.Module, value: int) -> dict[str, torch.Tensor]:
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["2._extra_state"][3] = value
+    for k in ("0.weight", "2.weight"):
+        state[k] += 1.0  # would change the weights if anything were written
+    return state
+
+
+BAD = [-5, FP4_COUNTER_LIMIT, 2**62 - 1, 2**63 - 1]
+RANGE = r"\[0, 2\*\*61\)"
+
+
+@pytest.mark.parametrize("value", BAD)
+def test_a_counter_out_of_range_is_refused_by_load_state_dict_before_any_load(value: int) -> None:
+    source = _model()
+    _train(source)
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"'2'.*counter {value}.*{RANGE}"):
+        model.load_state_dict(_with_counter(source, value))
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing written
+    # The counter at the limit's edge loads.
+    model.load_state_dict(_with_counter(source, FP4_COUNTER_LIMIT - 1))
+    assert _counters(model)[1] == [5, FP4_COUNTER_LIMIT - 1]
+
+
+@pytest.mark.parametrize("value", [-5, 2**62 - 1])
+def test_set_extra_state_and_load_weights_refuse_it_too(value: int, tmp_path: Path) -> None:
+    source = _model()
+    state = _with_counter(source, value)
+    lin = _model()[2]
+    assert isinstance(lin, Fp4Linear)
+    with pytest.raises(ValueError, match=rf"counter {value}.*{RANGE}"):
+        lin.set_extra_state(state["2._extra_state"])
+    assert lin.sr_key.tolist() == [5, 0]
+    path = tmp_path / "bad.safetensors"
+    save_file(state, str(path))
+    model = _model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"2\._extra_state.*counter {value}.*{RANGE}"):
+        load_weights(model, path, NV)
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_reentrant_checkpoint_advances_the_counter_once_as_a_plain_call() -> None:
+    # Its forward runs under no_grad (no key); its recomputation builds the call's only
+    # graph, so it draws and advances as a call of its own. A non-reentrant recomputation
+    # advances nothing (test_fp4.py: test_activation_checkpointing_is_exact).
+    plain, ckpt = _model(), _model()
+    x = torch.randn(12, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for _ in range(2):
+        plain(x).float().square().sum().backward()
+        y = checkpoint(ckpt, x.requires_grad_(True), use_reentrant=True)
+        y.float().square().sum().backward()
+    assert _counters(ckpt) == _counters(plain) == [[5, 2 * 64 * 28], [5, 2 * 16 * 28]]
+    for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
+        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
