@@ -55,7 +55,7 @@ from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.policy import check_param_dtype, default_device, describe
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.residency import parse_device
-from computectx.saved import SAVING, kept_back, offload_kept
+from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward
 
 __all__ = [
     "FP4_COUNTER_LIMIT",
@@ -143,8 +143,10 @@ class Fp4Linear(nn.Linear):
     trained in high precision and quantized from their current values at every call, plus
     ``_extra_state``: the stochastic rounding's counter and the recipe it was drawn under.
     Widths must be multiples of the recipe's block (16 for NVFP4, 32 for MXFP4); inputs of
-    any leading shape and any number of rows, bf16/fp16/fp32; the output has the input's
-    dtype (the autocast dtype inside ``torch.autocast``). The GEMMs run on the operators'
+    any leading shape and any number of rows (none: an empty output, zero weight gradient),
+    bf16/fp16/fp32 (another dtype, float64 included, is a ``TypeError``); the output has the
+    input's dtype (the autocast dtype inside ``torch.autocast``). First-order only: a double
+    backward (``create_graph=True``) raises at the backward. The GEMMs run on the operators'
     backend (``computectx.formats.ops.fp4.select_fp4_backend``: the emulated twin today).
     """
 
@@ -214,6 +216,8 @@ class Fp4Linear(nn.Linear):
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x.to(lowered))
         x2 = x.reshape(-1, x.shape[-1])
+        if x2.shape[0] == 0:  # no rows: nothing to quantize (an empty amax), nothing drawn
+            return _no_rows(x, self.weight, self.bias)
         key = self._key(x2.shape[0])
         offloading = self.ctx.activations.linear == "offload"
         args = (x2, self.weight, self.bias, self._how, key, offloading)
@@ -310,7 +314,7 @@ class Fp4Linear(nn.Linear):
         ):
             raise ValueError(
                 f"{prefix}_extra_state of the 4-bit layer {layer!r} must be an int64 tensor "
-                f"[version, recipe code, seed, counter]; got {describe(state)} (an fp8 layer's "
+                f"[version, recipe code, seed, counter]; got {_kind_of(state)} (an fp8 layer's "
                 f"version 1/2 state is a dict: an fp8 checkpoint does not load into 4 bits)"
             )
         version, code, seed, counter = (int(v) for v in state.tolist())
@@ -366,6 +370,15 @@ def _key_tensor(recipe: Fp4Recipe, counter: int) -> torch.Tensor:
     return torch.tensor([_signed(recipe.seed), counter], dtype=torch.int64)
 
 
+def _kind_of(value: object) -> str:
+    """``value`` for an error message, never a tensor's contents."""
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {sorted(map(str, value))[:4]}"
+    return type(value).__name__
+
+
 def _recipe_of(ctx: object) -> Fp4Recipe:
     if not isinstance(ctx, ComputeCtx) or not isinstance(ctx.recipe, Fp4Recipe):
         got = ctx.recipe if isinstance(ctx, ComputeCtx) else ctx
@@ -377,8 +390,14 @@ def _recipe_of(ctx: object) -> Fp4Recipe:
 
 
 def _check_input(x: object, in_features: int) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"Fp4Linear quantizes bf16, fp16 or fp32 tensors, got {describe(x)}")
+    # The dtype, never the values: an error message must not print a tensor's contents.
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Fp4Linear takes a tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"Fp4Linear takes torch.bfloat16, torch.float16 or torch.float32 inputs, got {x.dtype} "
+            f"(shape {tuple(x.shape)}); cast it first (a float64 input to float32)"
+        )
     if x.dim() < 1 or x.shape[-1] != in_features:
         raise ValueError(
             f"Fp4Linear expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
@@ -393,6 +412,13 @@ def _replays_a_call() -> bool:
     its backward runs, so it is a call of its own. ``False`` while compiling (no site)."""
     site = checkpoint_site(record=False)
     return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
+
+
+def _no_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The call on no rows, in high precision: an empty output of ``x``'s dtype, and a zero
+    weight (and bias) gradient. A matmul of ``x`` as it came (its leading shape kept)."""
+    y = x.matmul(weight.to(x.dtype).t())
+    return y if bias is None else y + bias.to(x.dtype)
 
 
 def _operand(
@@ -426,12 +452,15 @@ class _Fp4LinearFn(torch.autograd.Function):
             saved = offload_kept(ctx, saved) if offloading else saved
         ctx.save_for_backward(weight, *saved)
         ctx.how, ctx.key, ctx.x_dtype = how, key, x.dtype  # type: ignore[attr-defined]
+        ctx.offloading = offloading  # type: ignore[attr-defined]
         ctx.has_bias = bias is not None  # type: ignore[attr-defined]
         ctx.bias_dtype = None if bias is None else bias.dtype  # type: ignore[attr-defined]
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # 4-bit operands carry no graph: a second-order term would be lost (saved.py).
+        refuse_double_backward("linear", "offload" if ctx.offloading else "keep", fp8_gemm=True)
         weight, *rest = ctx.saved_tensors
         kept = kept_back(ctx, tuple(rest))  # Xᵀ's operand: codes, scales (and NVFP4's amax)
         how, key = ctx.how, ctx.key
