@@ -330,7 +330,9 @@ class FrozenFp4Linear(nn.Module):
             assert codes is not None  # the layer always holds its codes
             device = fn(torch.zeros((), device=codes.device)).device
             for k, t in held.items():
-                held[k] = None if t is None else t.to(device)
+                if t is not None:
+                    # From the meta device there is nothing to copy: fresh memory, to load.
+                    held[k] = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
         return self
 
     def extra_repr(self) -> str:

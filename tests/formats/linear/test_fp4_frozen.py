@@ -156,6 +156,20 @@ def test_to_moves_the_frozen_tensors_and_never_casts_them() -> None:
     assert all(same(v, before[k]) for k, v in frozen.named_buffers())
 
 
+def test_a_meta_skeleton_materialises_and_loads(tmp_path: pathlib.Path) -> None:
+    lin = fp4_layer("nvfp4")
+    q = lin.quantized_weight()
+    assert isinstance(q, Nvfp4Operand)
+    meta = Nvfp4Operand(q.codes.to("meta"), q.scale.to("meta"), q.amax.to("meta"), q.tile)
+    skeleton = nn.Sequential(FrozenFp4Linear(meta, mode="w4a4", activation_amax="per_tensor"))
+    skeleton.to_empty(device="cpu")
+    assert all(t.device.type == "cpu" for t in skeleton.buffers())
+    served = nn.Sequential(FrozenFp4Linear(q, mode="w4a4", activation_amax="per_tensor"))
+    skeleton.load_state_dict(saved(served, tmp_path))
+    with torch.no_grad():
+        assert same(skeleton(X), served(X))
+
+
 # ----- saving and loading ---------------------------------------------------------------------
 
 
