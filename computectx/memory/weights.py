@@ -29,6 +29,7 @@ _ALIASES_KEY = "computectx.aliases"
 _ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu, "F4": torch.float4_e2m1fn_x2,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
 }  # fmt: skip
@@ -279,7 +280,7 @@ def _read_header(
                         f"checkpoint {shown}: tensor {key!r} has dtype {code}, which torch "
                         f"cannot hold; accepted: {', '.join(_ST_DTYPES)}"
                     )
-                header[key] = (tuple(sl.get_shape()), _ST_DTYPES[code])
+                header[key] = (_torch_shape(shown, key, code, sl.get_shape()), _ST_DTYPES[code])
     except SafetensorError as e:
         raise ValueError(f"checkpoint {shown} is not a valid safetensors file: {e}") from e
     raw = meta.get(_ALIASES_KEY, "{}")
@@ -295,6 +296,19 @@ def _read_header(
             f"names, got {raw!r}"
         )
     return header, aliases
+
+
+def _torch_shape(shown: str, key: str, code: str, shape: list[int]) -> tuple[int, ...]:
+    """The tensor's torch shape: safetensors counts an ``F4`` tensor in 4-bit elements, torch
+    in bytes (``float4_e2m1fn_x2`` holds two), so the last dimension halves."""
+    if code != "F4":
+        return tuple(shape)
+    if not shape or shape[-1] % 2:
+        raise ValueError(
+            f"checkpoint {shown}: tensor {key!r} of dtype F4 has shape {shape}; its last "
+            f"dimension counts 4-bit elements and must be even (two to a byte)"
+        )
+    return (*shape[:-1], shape[-1] // 2)
 
 
 def _check_keys(

@@ -240,3 +240,34 @@ def test_bad_arguments(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="reserve_bytes"):
         load_weights(net(0), path, ctx("auto"), reserve_bytes=-1)
     assert not list(tmp_path.glob("*.computectx-tmp"))  # no temporary files left behind
+
+
+@pytest.mark.parametrize("flag", ["nvfp4", "mxfp4"])
+def test_frozen_4bit_model_round_trips_its_packed_codes_and_scales(
+    tmp_path: pathlib.Path, flag: str
+) -> None:
+    # safetensors counts an F4 tensor in 4-bit elements, torch in bytes: the header's last
+    # dimension is twice the tensor's, and an E8M0 scale is a dtype of its own.
+    from computectx.formats import convert_to_quantized, freeze_fp4_for_serving
+
+    def frozen(seed: int) -> torch.nn.Sequential:
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)
+        )
+        ctx = ComputeCtx.from_flag(flag, "cpu")
+        convert_to_quantized(model, ctx, module_filter=lambda m, f: True)
+        freeze_fp4_for_serving(model, "w4a4")
+        return model
+
+    source, target = frozen(0), frozen(1)
+    path = save_weights(source, tmp_path / "w.safetensors")
+    load_weights(target, path, ComputeCtx.from_flag(flag, "cpu"))
+    for (name, a), (_, b) in zip(
+        source.state_dict().items(), target.state_dict().items(), strict=True
+    ):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    x = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(source(x).view(torch.int16), target(x).view(torch.int16))
