@@ -35,7 +35,7 @@ term counting all K products' additions holds for any float32 summation order. U
 3.9's interpreter the dot is numpy's float32 matmul of the scaled values; the interpreter
 decodes every ``dot_scaled`` scale as an E8M0 byte (``runtime.interpreter.
 _dot_scaled_scale_to_f32``: E4M3 1.0, byte 0x38, would read as ``2**-71``), so an interpreted
-launch reads E4M3 scales as E4M3 for its duration (``_e4m3_scales_interpreted``), as the GPU
+launch reads E4M3 scales as E4M3 for its duration (``e4m3_scales_interpreted``), as the GPU
 build does (``tcgen05.mma`` reads ``ue4m3`` scales; Hopper's emulation decodes them with
 ``fp_to_fp``). Scale bytes are the quantizer's: non-negative (a negative E4M3 scale is outside
 the formats), NaN for a block with a NaN.
@@ -68,9 +68,14 @@ __all__ = [
     "BUILD_OPTIONS",
     "FP4_TILES",
     "INTERPRETED",
+    "amax_arg",
+    "check_device",
+    "codes_arg",
+    "e4m3_scales_interpreted",
     "fp4_block_dot",
     "fp4_scaled_mm",
     "fp4_tensor_cores",
+    "scale_arg",
 ]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
@@ -296,7 +301,7 @@ def _e4m3_decoder(original: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _e4m3_scales_interpreted() -> Iterator[None]:
+def e4m3_scales_interpreted() -> Iterator[None]:
     """For an interpreted launch: Triton 3.9's interpreter reads every ``dot_scaled`` scale as
     an E8M0 byte (module docstring); for the launch's duration its decoder reads
     ``float8e4nv`` scales as E4M3 and hands any other to Triton's own."""
@@ -313,16 +318,24 @@ def _e4m3_scales_interpreted() -> Iterator[None]:
         setattr(interpreter, name, original)
 
 
-def _codes(name: str, t: object) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float4_e2m1fn_x2 or t.dim() != 2:
+def codes_arg(name: str, t: object, dims: int = 2) -> torch.Tensor:
+    """``t`` viewed as its bytes when it is ``dims``-D ``torch.float4_e2m1fn_x2`` codes (two
+    elements a byte, packed along the last dimension); else ``ValueError`` naming it."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.float4_e2m1fn_x2 or t.dim() != dims:
         got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
         raise ValueError(
-            f"{name} must be 2-D torch.float4_e2m1fn_x2 codes [rows, K / 2], got {got}"
+            f"{name} must be {dims}-D torch.float4_e2m1fn_x2 codes packed along K, got {got}"
         )
-    return t
+    return t.view(torch.uint8)
 
 
-def _scale(name: str, s: object, rows: int, k: int, tile: str) -> torch.Tensor:
+def scale_arg(
+    name: str, s: object, rows: int, k: int, tile: str, groups: int | None = None
+) -> torch.Tensor:
+    """The bytes of ``s``, the scales of a ``tile`` operand of ``rows`` by ``k`` elements
+    (``(rows / tile rows, k / tile width)``, after ``(groups,)`` when given), E4M3 for NVFP4 and
+    E8M0 for MXFP4; else ``ValueError`` naming it (or the operand's shape, if the tile does
+    not divide it)."""
     per_rows, per_k = FP4_TILES[tile]
     dtype = torch.float8_e8m0fnu if per_k == 32 else torch.float8_e4m3fn
     if k % per_k or rows % per_rows:
@@ -330,14 +343,19 @@ def _scale(name: str, s: object, rows: int, k: int, tile: str) -> torch.Tensor:
             f"a {tile} operand needs K a multiple of {per_k} and rows of {per_rows}, got "
             f"{rows} rows, K = {k}"
         )
-    shape = (rows // per_rows, k // per_k)
+    grid = (rows // per_rows, k // per_k)
+    shape: tuple[int, ...] = grid if groups is None else (groups, *grid)
     if not isinstance(s, torch.Tensor) or s.dtype != dtype or tuple(s.shape) != shape:
         got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else repr(s)
         raise ValueError(f"{name} of a {tile} operand must be {dtype} {shape}, got {got}")
     return s.view(torch.uint8)
 
 
-def _amax(name: str, amax: object, nvfp4: bool, device: torch.device) -> torch.Tensor | None:
+def amax_arg(
+    name: str, amax: object, nvfp4: bool, device: torch.device, count: int = 1
+) -> torch.Tensor | None:
+    """NVFP4: ``amax`` as float32 ``(count,)`` when it is a float32 tensor of ``count``
+    elements on ``device``; MXFP4: ``None``, which it must be. Else ``ValueError``."""
     if not nvfp4:
         if amax is not None:
             raise ValueError(f"an MXFP4 operand has no per-tensor amax: {name} must be None")
@@ -345,14 +363,23 @@ def _amax(name: str, amax: object, nvfp4: bool, device: torch.device) -> torch.T
     if (
         not isinstance(amax, torch.Tensor)
         or amax.dtype != torch.float32
-        or amax.numel() != 1
+        or amax.numel() != count
         or amax.device != device
     ):
         raise ValueError(
-            f"{name} of an NVFP4 operand must be a float32 tensor of one element on {device}, "
-            f"got {amax!r}"
+            f"{name} of an NVFP4 operand must be a float32 tensor of {count} element(s) on "
+            f"{device}, got {amax!r}"
         )
-    return amax.reshape(1)
+    return amax.reshape(count)
+
+
+def check_device(device: torch.device) -> None:
+    """Compiled: ``ValueError`` unless ``device`` has FP4 tensor cores (``fp4_tensor_cores``);
+    interpreted: nothing (the interpreter runs on the host)."""
+    if not INTERPRETED:
+        refused = fp4_tensor_cores(device)
+        if refused is not None:
+            raise ValueError(f"the Triton 4-bit GEMM cannot run here: {refused}")
 
 
 def _alpha_on_host(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
@@ -391,22 +418,22 @@ def fp4_scaled_mm(
             f"a 4-bit GEMM multiplies two NVFP4 (1x16, 16x16) or two MXFP4 (1x32) operands, "
             f"got tiles {tile_a!r} and {tile_b!r}"
         )
-    a, b = _codes("a", a), _codes("b", b)
+    a8, b8 = codes_arg("a", a), codes_arg("b", b)
     if a.shape[1] != b.shape[1] or a.device != b.device:
         raise ValueError(
             f"a [M, K / 2] and b [N, K / 2] need the same K and device, got "
             f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
         )
-    if not INTERPRETED:
-        refused = fp4_tensor_cores(a.device)
-        if refused is not None:
-            raise ValueError(f"the Triton 4-bit GEMM cannot run here: {refused}")
+    check_device(a.device)
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
-    sa = _scale("scale_a", scale_a, m, k, tile_a)
-    sb = _scale("scale_b", scale_b, n, k, tile_b)
+    sa = scale_arg("scale_a", scale_a, m, k, tile_a)
+    sb = scale_arg("scale_b", scale_b, n, k, tile_b)
     if sa.device != a.device or sb.device != a.device:
         raise ValueError(f"scale_a and scale_b must be on {a.device}, got {sa.device}, {sb.device}")
-    am, bm = _amax("amax_a", amax_a, nvfp4, a.device), _amax("amax_b", amax_b, nvfp4, a.device)
+    am, bm = (
+        amax_arg("amax_a", amax_a, nvfp4, a.device),
+        amax_arg("amax_b", amax_b, nvfp4, a.device),
+    )
     check_bias_and_out(a, b, bias, out_dtype)
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -417,8 +444,7 @@ def fp4_scaled_mm(
         if am is not None and bm is not None:
             acc = acc * _alpha_on_host(am, bm)
         return c.copy_(acc if bias is None else acc + bias.float())
-    a8, b8 = a.view(torch.uint8), b.view(torch.uint8)
-    with _e4m3_scales_interpreted():
+    with e4m3_scales_interpreted():
         _fp4_mm_kernel[tile_grid(m, n)](
             a8,
             b8,

@@ -14,9 +14,12 @@ kernel ahead of time with the launcher's build options for each operand format a
   bf16 ``wgmma`` of the codes upcast with their scales. The launcher refuses such a device
   (tests/kernels/test_fp4_gemm.py), so this build is never run: it is here to show why.
 
+The grouped kernels (``computectx.kernels.fp4_grouped``: the forward at NVFP4, the wgrad at
+MXFP4) compile to the same block-scaled ``tcgen05.mma`` on sm_100.
+
 Everywhere: no floating-point contraction (NVFP4's ``acc * alpha + bias`` stays two roundings,
-as in the twin: ``fma.rn.f32`` would fuse them), no flush-to-zero, and both code operands staged
-with asynchronous copies in the K loop.
+as in the twin: ``fma.rn.f32`` would fuse them) and no flush-to-zero; the dense kernel stages both
+code operands with asynchronous copies in its K loop.
 """
 
 from __future__ import annotations
@@ -88,3 +91,60 @@ def test_fp4_gemm_compiles_to_block_scaled_mma(compile_report: dict[str, Any]) -
         assert not facts["ftz"], (name, facts)
         # Both code operands staged asynchronously, at least one copy per stage each.
         assert facts["async_copies"] >= 2 * (facts["stages"] - 1), (name, facts)
+
+
+_GROUPED_SCRIPT = r"""
+import json, re, sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from computectx.kernels import fp4_gemm as kf, fp4_grouped as kg
+
+fwd = ["a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr", "amax_a_ptr", "amax_b_ptr", "offs_ptr",
+       "M", "N", "K_BYTES", "E", "stride_am", "stride_ak", "stride_be", "stride_bn",
+       "stride_bk", "stride_cm", "stride_cn", "stride_sa_r", "stride_sa_k", "stride_sb_e",
+       "stride_sb_r", "stride_sb_k", "m_bucket", "layout"]
+wg = ["a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr", "amax_a_ptr", "amax_b_ptr", "offs_ptr", "N",
+      "K", "stride_an", "stride_ap", "stride_bk", "stride_bp", "stride_ce", "stride_cn",
+      "stride_ck", "stride_sa_r", "stride_sa_c", "stride_sb_r", "stride_sb_c", "m_bucket",
+      "layout"]
+types = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*u8", "sb_ptr": "*u8", "amax_a_ptr": "*fp32",
+         "amax_b_ptr": "*fp32", "offs_ptr": "*i32"}
+cfg = next(c for c in kg._configs() if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
+out = {}
+# The forward at NVFP4 (1x16 by 16x16 tiles), the wgrad at MXFP4 (1x32 along the tokens).
+for kind, kernel, names, vec, consts, aligned in (
+    ("forward", kg._fp4_grouped_mm_kernel, fwd, 16,
+     dict(ROWS_B=16, OUT_BF16=True, BLOCK_E=16, stride_ak=1, stride_bk=1, stride_sa_k=1,
+          stride_sb_k=1),
+     ("a_ptr", "b_ptr", "c_ptr", "K_BYTES", "stride_am", "stride_be", "stride_bn", "stride_cm")),
+    ("wgrad", kg._fp4_grouped_wgrad_kernel, wg, 32,
+     dict(stride_ap=1, stride_bp=1, stride_ck=1, stride_sa_c=1, stride_sb_c=1),
+     ("a_ptr", "b_ptr", "c_ptr", "N", "K", "stride_an", "stride_bk", "stride_ce", "stride_cn")),
+):
+    sig = {n: types.get(n, "*bf16" if n == "c_ptr" and kind == "forward" else
+                        "*fp32" if n == "c_ptr" else "i32") for n in names}
+    consts = dict(cfg.kwargs, VEC=vec, ALPHA_INV=kf.ALPHA_FACTOR_INV, **consts)
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = compile(ASTSource(kernel.fn, sig, consts, attrs), target=GPUTarget("cuda", 100, 32),
+                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                         **kf.BUILD_OPTIONS})
+    ptx = k.asm["ptx"]
+    out[kind] = {
+        "mma": sorted(set(re.findall(r"tcgen05\.mma[\w.:]*", ptx))),
+        "fma": ptx.count("fma.rn.f32"),
+        "ftz": ".ftz" in ptx,
+    }
+json.dump(out, sys.stdout)
+"""
+
+
+@compiles_for_gpu(_GROUPED_SCRIPT)
+def test_fp4_grouped_gemms_compile_to_block_scaled_mma(compile_report: dict[str, Any]) -> None:
+    report = compile_report
+    assert report["forward"]["mma"] == [
+        "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"
+    ]
+    assert report["wgrad"]["mma"] == ["tcgen05.mma.cta_group::1.kind::mxf4.block_scale.block32"]
+    for name, facts in report.items():
+        assert facts["fma"] == 0 and not facts["ftz"], (name, facts)
