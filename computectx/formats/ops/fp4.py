@@ -377,12 +377,13 @@ def grouped_mm(
     how: Fp4Quant,
     *,
     out_dtype: torch.dtype | None = None,
-    stochastic: Stochastic | None = None,
+    stochastic: Stochastic | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a`` times ``b[g]ᵀ`` in 4 bits (``numerics.fp4_gemm``),
     at ``out_dtype`` (default ``a``'s). ``a [M, K]``, ``b [E, N, K]`` (the dgrad passes
     ``Wᵀ`` per expert), ``offs`` int32 end rows; K a multiple of the block, N of 16 for 16x16
-    weight tiles. ``stochastic`` rounds ``a``'s codes (the dgrad's dY)."""
+    weight tiles. ``stochastic`` rounds ``a``'s codes (the dgrad's dY): a ``Stochastic`` key
+    or an int64 ``(2,)`` tensor ``[seed, counter]`` (a layer's, read inside the operator)."""
     h = _check_how(how)
     _, k, _, n = check_grouped(a, b, offs, op="fp4 grouped_mm")
     rows = NVFP4_BLOCK if h.format == "nvfp4" and h.weight_tile == "16x16" else 1
@@ -405,11 +406,11 @@ def grouped_wgrad(
     offs: torch.Tensor,
     how: Fp4Quant,
     *,
-    stochastic: Stochastic | None = None,
+    stochastic: Stochastic | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """float32 ``[E, N, K]``: ``dW[g] = dY[rows of g]ᵀ X[rows of g]`` in 4 bits, each group's
     operands padded and Hadamard-transformed on their own (``numerics.fp4_gemm``); ``offs``
-    has E entries. ``stochastic`` rounds dY's codes."""
+    has E entries. ``stochastic`` rounds dY's codes (a key or tensor, as ``grouped_mm``)."""
     h = _check_how(how)
     t_dy, t_x = quantizable_arg(dy), quantizable_arg(x)
     if t_dy.dim() != 2 or t_x.dim() != 2 or t_dy.shape[0] != t_x.shape[0]:
