@@ -35,6 +35,7 @@ from torch import nn
 
 from computectx._files import atomic_path
 from computectx.demo.settings import DemoSettings
+from computectx.formats import QuantizedExperts
 from computectx.nn import ByteLM, MoE
 
 __all__ = [
@@ -75,7 +76,7 @@ def fp8_experts_backends(model: nn.Module) -> list[str]:
     return [
         m.experts.fp8.backend.value
         for m in model.modules()
-        if isinstance(m, MoE) and m.experts.fp8 is not None
+        if isinstance(m, MoE) and isinstance(m.experts.fp8, QuantizedExperts)
     ]
 
 

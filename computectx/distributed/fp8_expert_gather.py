@@ -33,6 +33,7 @@ from typing_extensions import Self
 
 from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
 from computectx.distributed.fp8_all_gather import BLOCK_ROWS, GatherFallbackWarning
+from computectx.formats import QuantizedExperts
 from computectx.formats.seam import quantize_blocks, step_rule_of
 from computectx.nn.experts import GroupedExperts
 
@@ -122,7 +123,7 @@ def gathers_experts_as_fp8(experts: GroupedExperts, world: int) -> bool:
     """Whether FSDP2 on ``world`` ranks gathers ``experts``' weights as fp8: a ``block``
     policy and whole experts in every shard."""
     fp8 = experts.fp8
-    if fp8 is None or fp8.policy.granularity != "block":
+    if not isinstance(fp8, QuantizedExperts) or fp8.policy.granularity != "block":
         return False
     return int(experts.gate_up.shape[0]) % world == 0
 
@@ -138,7 +139,7 @@ def enable_quantized_expert_gather(
     high precision, with one ``GatherFallbackWarning`` each."""
     count = 0
     for fqn, m in model.named_modules():
-        if not isinstance(m, GroupedExperts) or m.fp8 is None:
+        if not isinstance(m, GroupedExperts) or not isinstance(m.fp8, QuantizedExperts):
             continue
         if m.fp8.policy.granularity != "block" or id(m.gate_up) in skip:
             continue

@@ -33,6 +33,7 @@ from computectx.formats.exchange import (
 )
 from computectx.formats.linear.autocast import autocast
 from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.module import QuantizedLinear
@@ -58,6 +59,7 @@ __all__ = [
     "DelayedScaling",
     "DynamicScaling",
     "ExpertsConverter",
+    "Fp4Experts",
     "Fp4Linear",
     "Fp4Recipe",
     "Fp8Scheme",

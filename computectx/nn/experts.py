@@ -11,23 +11,20 @@ runs at ``ctx.compute`` with float32 accumulation and one rounding, by the block
 - ``UPCAST`` (a CPU without native bf16/f16 GEMMs): the operands widened exactly to float32,
   a float32 ``grouped_mm``, one rounding; only the half-precision operands wait for backward.
 
-``grouped_mm`` needs strides that are multiples of 16 bytes: widths that are not are padded
-with zeros (exact) and the padding is cut off. It runs bf16 everywhere and, in eager mode on
-the CPU, float32 and float16 too. Inside ``torch.compile``, whose fake kernel of
-``grouped_mm`` accepts only bf16, ``UPCAST`` bf16 runs bf16's own ``grouped_mm`` (float32
-accumulation too, in another order; slower on such a CPU). Where it does not run at all
-(float64; float32/float16 on CUDA or compiled) a dense twin computes the same rows: one GEMM
-of every row against every expert, each row keeping its own expert's columns (``E`` times the
-FLOPs: a fallback for parity runs and small models, not a fast path). Rows past ``offs[-1]``
-come out zero, and their gradients are zero.
+``grouped_mm`` needs strides of multiples of 16 bytes: other widths are zero-padded (exact)
+and cut back. It runs bf16 everywhere and, eager on the CPU, float32 and float16 too; compiled
+(its fake kernel takes only bf16), ``UPCAST`` bf16 runs bf16's own ``grouped_mm`` (float32
+accumulation in another order). Where it does not run (float64; float32/float16 on CUDA or
+compiled) a dense twin computes the same rows: every row against every expert in one GEMM,
+each row keeping its own expert's columns (``E`` times the FLOPs: for parity runs and small
+models). Rows past ``offs[-1]`` come out zero, and their gradients are zero.
 
-With ``fp8`` set (a ``computectx.formats.QuantizedExperts``), the GEMMs run through ``fp8.mm(x, w,
-offs)`` instead: ``convert_to_quantized`` and ``apply_recipe`` set it through the converter this
-module registers with ``computectx.formats.register_experts_converter``.
-
-``freeze_for_serving`` then holds both weights as fp8 codes and steps (buffers ``gate_up_fp8``,
-``gate_up_step``, ``down_fp8``, ``down_step``; ``formats.ops.grouped_frozen``) and drops the
-parameters, as ``QuantizedLinear.freeze_for_serving`` drops a linear's weight: the forward
+With ``fp8`` set (``formats.QuantizedExperts``, or 4 bits' ``formats.Fp4Experts``, a child
+module holding its counter), the GEMMs run through ``fp8.mm(x, w, offs)`` instead, set by
+``convert_to_quantized`` and ``apply_recipe`` through the converter registered below.
+``freeze_for_serving`` (fp8) then holds both weights as fp8 codes and steps (buffers
+``gate_up_fp8``, ``gate_up_step``, ``down_fp8``, ``down_step``; ``formats.ops.grouped_frozen``)
+and drops the parameters, as ``QuantizedLinear.freeze_for_serving`` does: the forward
 multiplies the held codes as they are, only the rows are quantized.
 """
 
@@ -45,8 +42,13 @@ from torch.autograd.function import FunctionCtx
 from computectx._checks import as_int
 from computectx.activations import SaveMode
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import FP8_DTYPES
-from computectx.formats import QuantizedExperts, ServingWeight, register_experts_converter
+from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
+from computectx.formats import (
+    Fp4Experts,
+    QuantizedExperts,
+    ServingWeight,
+    register_experts_converter,
+)
 from computectx.formats.seam import (
     check_grouped,
     checked_bounds,
@@ -115,14 +117,13 @@ class GroupedExperts(nn.Module):
     takes rows sorted by expert and ``offs``, int32 ``(E,)`` cumulative end offsets
     (``F.grouped_mm``'s convention), and returns ``(M, dim)`` at ``ctx.compute``.
 
-    ``fp8`` is ``None`` (high precision) or the ``QuantizedExperts`` its GEMMs run through; an
-    ``MoE`` built under an fp8 ctx sets it at construction (``apply_recipe``).
-    ``freeze_for_serving`` holds the weights as fp8 codes instead (``frozen``).
-    """
+    ``fp8`` is ``None`` (high precision) or the ``QuantizedExperts``/``Fp4Experts`` its GEMMs
+    run through, set at construction under a quantized ctx (``apply_recipe``).
+    ``freeze_for_serving`` holds the weights as fp8 codes instead (``frozen``)."""
 
     NAMES = ("gate_up", "down")
 
-    fp8: QuantizedExperts | None
+    fp8: QuantizedExperts | Fp4Experts | None
 
     def __init__(self, ctx: ComputeCtx, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
@@ -150,7 +151,7 @@ class GroupedExperts(nn.Module):
             self.down.uniform_(-1 / math.sqrt(self.hidden), 1 / math.sqrt(self.hidden))
 
     def extra_repr(self) -> str:
-        fp8 = "" if self.fp8 is None else f", fp8={self.fp8}"
+        fp8 = f", fp8={self.fp8}" if isinstance(self.fp8, QuantizedExperts) else ""  # not a child
         return f"n_experts={self.n_experts}, dim={self.dim}, hidden={self.hidden}{fp8}"
 
     @property
@@ -167,15 +168,16 @@ class GroupedExperts(nn.Module):
         ``ServingWeight`` of ``[E, N, K]`` for each of ``"gate_up"`` and ``"down"`` in the
         recipe's layout and forward format on the module's device, is copied bit for bit
         instead (also into frozen experts); else ``TypeError``/``ValueError`` naming what was
-        given and what the module takes, nothing changed. Later calls quantize only the
-        rows; the input gradient flows (from the codes where the layout transposes, else
-        their float32 dequantization), the weights no longer train. ``ValueError`` for
-        experts in high precision (``fp8`` is ``None``). Returns ``self``."""
-        if self.fp8 is None:
+        given and what the module takes, nothing changed. Later calls quantize only the rows;
+        the input gradient flows (from the codes where the layout transposes, else their
+        float32 dequantization), the weights no longer train. ``ValueError`` unless ``fp8``
+        is fp8. Returns ``self``."""
+        if not isinstance(self.fp8, QuantizedExperts):
+            now = "in high precision" if self.fp8 is None else f"under {self.fp8.recipe}"
             raise ValueError(
-                "GroupedExperts.freeze_for_serving: the experts run in high precision (fp8 is "
-                "None); convert them first (convert_to_quantized, or an MoE built under an fp8 "
-                "ctx). Nothing was changed"
+                f"GroupedExperts.freeze_for_serving: the experts run {now}, not fp8 (frozen 4-bit "
+                f"experts are not built); convert them first under an fp8 recipe "
+                f"(convert_to_quantized, or an MoE built under an fp8 ctx). Nothing was changed"
             )
         freeze_experts(self, self.fp8, self.expert_weights(), weights)
         guard_whole_loads(self)  # load_state_dict checks the codes and steps before any load
@@ -192,10 +194,9 @@ class GroupedExperts(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-        # One check for both paths (the fp8 GEMM's own): the same inputs refused with the
-        # same message, whether ``fp8`` is set or not. Compiled, the fp8 operator reads offs
-        # on the host as in eager mode (its ValueError names the entry), so only the
-        # high-precision path needs the device check.
+        # One check for every path (the quantized GEMMs' own): the same inputs, the same
+        # message. Compiled, a quantized operator reads offs itself (a ValueError naming the
+        # entry), so only the high-precision path needs the device check.
         gate_up, down = self._weight("gate_up"), self._weight("down")
         held = isinstance(gate_up, ServingWeight)
         w = gate_up.codes if isinstance(gate_up, ServingWeight) else gate_up
@@ -210,7 +211,8 @@ class GroupedExperts(nn.Module):
     def _weight(self, name: str) -> torch.Tensor | ServingWeight:
         # The parameter, or frozen experts' codes (read without leaving this module when
         # there are none).
-        held = held_experts(self, name, self.fp8) if self.frozen and self.fp8 else None
+        fp8 = self.fp8 if isinstance(self.fp8, QuantizedExperts) and self.frozen else None
+        held = held_experts(self, name, fp8) if fp8 is not None else None
         if held is not None:
             return held
         w: torch.Tensor = getattr(self, name)
@@ -232,7 +234,7 @@ class GroupedExperts(nn.Module):
         self, x: torch.Tensor, w: torch.Tensor | ServingWeight, offs: torch.Tensor
     ) -> torch.Tensor:
         if isinstance(w, ServingWeight):
-            assert self.fp8 is not None  # held codes come with the recipe that made them
+            assert isinstance(self.fp8, QuantizedExperts)  # held codes come with their recipe
             return frozen_experts_mm(self.fp8, x, w, offs)
         # x kept as ctx.activations.linear says: as it is, as E4M3 rows or in host memory.
         if self.fp8 is not None:
@@ -257,12 +259,7 @@ class GroupedExperts(nn.Module):
         return self
 
 
-HIGH_PRECISION: tuple[torch.dtype, ...] = (
-    torch.bfloat16,
-    torch.float16,
-    torch.float32,
-    torch.float64,
-)
+HIGH_PRECISION: tuple[torch.dtype, ...] = (*FLOAT_DTYPES, torch.float64)
 
 
 def check_inputs(
@@ -274,14 +271,13 @@ def check_inputs(
     device_check: bool = True,
     w_dtypes: tuple[torch.dtype, ...] | None = None,
 ) -> None:
-    """The grouped GEMM's input check (``computectx.formats``'s ``check_grouped``, which the fp8
-    path runs too) and ``offs``' values: non-decreasing end rows in ``[0, M]``. In eager
-    mode a host read of ``offs`` (``E`` integers) and a ``ValueError`` naming the first bad
-    entry; inside ``torch.compile``, where a host read would break the graph, a check on
-    the device (``torch._assert_async``): a ``RuntimeError`` on the CPU, a device-side
-    assertion on an accelerator (as an index out of range is), never rows computed from
-    bad ``offs``; ``device_check=False`` leaves that to a caller whose operator reads
-    ``offs`` itself (the fp8 grouped GEMM); ``w_dtypes``: frozen experts' codes."""
+    """The grouped GEMM's input check (``check_grouped``, the quantized paths' too) and
+    ``offs``' values: non-decreasing end rows in ``[0, M]``. Eager, a host read of ``offs``
+    and a ``ValueError`` naming the first bad entry; compiled (a host read would break the
+    graph), a device check (``torch._assert_async``: a ``RuntimeError`` on the CPU, a
+    device-side assertion on an accelerator), never rows computed from bad ``offs``;
+    ``device_check=False`` leaves that to an operator that reads ``offs`` itself (the
+    quantized grouped GEMMs); ``w_dtypes``: frozen experts' codes."""
     m = check_grouped(x, w, offs, dtypes=HIGH_PRECISION, op=op, w_dtypes=w_dtypes)[0]
     assert isinstance(offs, torch.Tensor)
     if not torch.compiler.is_compiling():
@@ -327,13 +323,11 @@ def _grouped_linear(
 def _experts_at(w: torch.Tensor, offs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``w`` at ``dtype`` for a grouped GEMM over ``offs``' groups.
 
-    When nothing records a graph (``torch.no_grad``/inference, the decode path) and outside
-    ``torch.compile``, only the experts that have rows are converted: the others stay
-    uninitialized, as ``F.grouped_mm`` never reads an empty group's weight. So a memory-mapped
-    expert that no token chose is not read from the checkpoint (``Residency.MMAP``). Otherwise
-    the whole weight is converted (autograd's cast, whose backward returns ``dW`` at ``w``'s
-    dtype), and on an accelerator (a copy per expert and a host read of ``offs`` would cost
-    more than the cast; a mapped checkpoint lives in host memory)."""
+    When nothing records a graph (``no_grad``, the decode path) and outside ``torch.compile``,
+    only the experts that have rows are converted, the others left uninitialized
+    (``F.grouped_mm`` never reads an empty group's weight): a memory-mapped expert no token
+    chose is not read (``Residency.MMAP``). Otherwise, and on an accelerator (where a copy
+    per expert and a host read of ``offs`` cost more), the whole weight (autograd's cast)."""
     if w.dtype == dtype:
         return w
     if (
@@ -460,20 +454,24 @@ class _GroupedExpertsConverter:
     """How ``convert_to_quantized`` finds and converts a ``GroupedExperts``."""
 
     serves_frozen = True  # the forward reads frozen codes (``freeze_for_serving``)
+    runs_fp4 = True  # convert takes an Fp4Experts (formats.convert_experts)
 
     def weights(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         return module.expert_weights() if isinstance(module, GroupedExperts) else None
 
     def current(self, module: nn.Module) -> QuantizedExperts | None:
-        return module.fp8 if isinstance(module, GroupedExperts) else None
+        fp8 = module.fp8 if isinstance(module, GroupedExperts) else None
+        return fp8 if isinstance(fp8, QuantizedExperts) else None
 
-    def convert(self, module: nn.Module, fp8: QuantizedExperts | None) -> None:
+    def convert(self, module: nn.Module, fp8: QuantizedExperts | Fp4Experts | None) -> None:
         if isinstance(module, GroupedExperts):
             if module.frozen:
                 raise ValueError(
                     "GroupedExperts frozen for serving hold fp8 codes, no weights to run "
                     "another way; convert a copy made before freezing"
                 )
+            if "fp8" in module._modules:  # an Fp4Experts child: unregistered, any value fits
+                del module.fp8
             module.fp8 = fp8
 
 

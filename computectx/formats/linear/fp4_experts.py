@@ -1,0 +1,316 @@
+"""``Fp4Experts``: what grouped experts run their GEMMs with under a 4-bit recipe (NVFP4,
+MXFP4; ``ctx.recipe`` an ``Fp4Recipe``), the twin of the fp8 ``QuantizedExperts``: the same
+``mm(x, w, offs, save)``, so an experts module calls it as it calls fp8's (``ExpertsGemm``).
+
+Group ``g`` (rows ``offs[g-1]:offs[g]``, ``offs[-1]`` read as 0) is ``Fp4Linear`` with weight
+``w[g]`` on those rows alone, GEMM for GEMM (``linear.fp4``: TransformerEngine's operands)::
+
+    GEMM  a                                        b
+    Y     X_g, 1x16 along K, nearest               W[g] at the weight tile, nearest
+    dX    dY_g, 1x16 along N, stochastic           W[g]ᵀ at the weight tile
+    dW    dY_gᵀ col, Hadamard along M_g, stoch.    X_gᵀ col, Hadamard along M_g, nearest
+
+through ``computectx::fp4_grouped_mm`` and ``fp4_grouped_wgrad``: each group's operands take
+their own amax, the wgrad's are zero-padded and Hadamard-transformed per group, an empty group
+reads nothing of its expert (no rows, a zero ``dW[g]``), rows past ``offs[-1]`` come out zero.
+
+**What is bit-equal** (``tests/formats/linear/test_fp4_experts.py``): with stochastic
+rounding off, ``Y``'s rows, ``dX``'s rows and ``dW[g]`` of group ``g`` are ``Fp4Linear``'s on
+those rows, bit for bit. With it on, the same given the same bits: a call keyed
+``[seed, C]`` (for ``x [M, K]``, ``w [E, N, K]``) draws group ``g``'s ``dY_g`` at counter
+``C + start_g·N`` (the bits one quantize of the whole ``dY`` draws) and its ``dY_gᵀ`` at
+``C + M·N + N·Σ_{h<g} pad(m_h)``, ``pad`` rounding up to 16 rows (NVFP4; 32 for MXFP4): an
+``Fp4Linear`` whose counter puts its own draw there gives the same ``dX`` and ``dW[g]``. With
+one group of all the rows that is ``Fp4Linear`` at counter ``C`` exactly. Nothing here is by
+bound; against the bf16 GEMM each group is within the dense twin's bound
+(``numerics.fp4_gemm.fp4_mm_error_bound``), and against one 4-bit GEMM of the whole batch
+(one amax for all rows) it differs by the 4-bit noise, by design.
+
+**The counter** (``sr_key``, int64 ``[seed, counter]``) is plain CPU state, never a buffer
+(``Fp4Linear``'s rule: DDP would broadcast a buffer). It advances at every call that can run a
+backward (grad enabled, ``recipe.stochastic``) by ``N·(M + Σ_g pad(m_g))``, computed from
+``offs`` by tensor ops (no ``.tolist()``: a compiled caller recompiles neither as group sizes
+nor as the counter change), by a new tensor, never in place; a replayed call (a non-reentrant
+checkpoint's recomputation) advances nothing, its backward reading the original call's key.
+It is this module's ``_extra_state`` (``[version, recipe code, seed, counter]``,
+``Fp4Linear``'s layout), so a converted experts module's state dict holds it
+(``experts.fp8._extra_state`` for ``computectx.nn.GroupedExperts``) and a resumed run draws
+the same bits; one saved under another 4-bit recipe or seed, or a counter outside ``[0,
+FP4_COUNTER_LIMIT)``, raises ``ValueError`` before anything loads.
+
+**What the backward keeps**: ``x`` as it is (for the wgrad's per-group ``Xᵀ`` operands),
+under ``linear: keep`` and ``fp8`` alike (E4M3 rows would change the 4-bit operands: ``dW``
+would no longer be ``Fp4Linear``'s); under ``offload`` in host memory; nothing of ``x`` when
+``w`` needs no gradient. A double backward raises (the 4-bit operands carry no graph).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Final, Protocol
+
+import torch
+from torch import nn
+from torch.autograd.function import FunctionCtx
+
+from computectx.activations import SaveMode
+from computectx.formats.linear.fp4 import (
+    FP4_COUNTER_LIMIT,
+    FP4_STATE_VERSION,
+    fp4_quant,
+    recipe_code,
+)
+from computectx.formats.linear.recompute import checkpoint_site
+from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
+from computectx.formats.numerics.fp4_gemm import Fp4Quant
+from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.ops.grouped import check_grouped, outside_autocast
+from computectx.formats.policy import describe
+from computectx.formats.scaling.load import guard_whole_loads
+from computectx.fp4_recipe import Fp4Recipe
+from computectx.saved import kept_back, offload_kept
+
+__all__ = ["ExpertsGemm", "Fp4Experts"]
+
+_U64: Final[int] = 2**64
+
+
+class ExpertsGemm(Protocol):
+    """What an experts module's grouped GEMMs run through: ``QuantizedExperts`` (fp8) and
+    ``Fp4Experts`` (4 bits) both are one."""
+
+    def mm(
+        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, save: SaveMode = "keep"
+    ) -> torch.Tensor:
+        """``[M, N]``: group ``g``'s rows of ``x [M, K]`` times ``w[g]ᵀ`` (``w [E, N, K]``,
+        ``offs`` int32 end rows), differentiable in ``x`` and ``w``."""
+        ...
+
+
+class Fp4Experts(nn.Module):
+    """The 4-bit setting of one experts module: its recipe and stochastic-rounding counter
+    (module docstring). ``convert_to_quantized`` makes one per experts module it converts
+    under a 4-bit ctx, on the weights' device; it moves with its module."""
+
+    sr_key: torch.Tensor
+    """int64 ``(2,)`` on the CPU: the stochastic rounding's seed (two's complement) and
+    counter; plain state, not a buffer (module docstring)."""
+
+    def __init__(self, recipe: Fp4Recipe) -> None:
+        super().__init__()
+        if not isinstance(recipe, Fp4Recipe):
+            raise TypeError(
+                f"Fp4Experts takes an Fp4Recipe (ctx.recipe under nvfp4/mxfp4), got "
+                f"{describe(recipe)}"
+            )
+        self.recipe = recipe
+        self.how: Fp4Quant = fp4_quant(recipe)
+        self.sr_key = _key_tensor(recipe, 0)
+        # load_state_dict checks the counter before any module loads, from whatever root:
+        # the guard climbs to each module this one is registered under.
+        guard_whole_loads(self)
+
+    @property
+    def policy(self) -> Fp4Recipe:
+        """The recipe (``QuantizedExperts.policy``'s place)."""
+        return self.recipe
+
+    @property
+    def backend(self) -> str:
+        """The 4-bit operators' backend (``ops.fp4.select_fp4_backend``: the emulated twin
+        on every device today)."""
+        return fp4_ops.EMULATED
+
+    def extra_repr(self) -> str:
+        return f"recipe={self.recipe}"
+
+    def mm(
+        self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, save: SaveMode = "keep"
+    ) -> torch.Tensor:
+        """``[M, N]`` at ``x``'s dtype (the autocast dtype inside ``torch.autocast``): group
+        ``g``'s rows times ``w[g]ᵀ`` in 4 bits (module docstring); ``save``: how the backward
+        keeps ``x`` (``ctx.activations.linear``). ``K`` and ``N`` must be multiples of the
+        block (16, MXFP4 32); bad shapes, dtypes or ``offs`` raise as the fp8 GEMM's do."""
+        m, k, _, n = check_grouped(x, w, offs, op="4-bit grouped experts")
+        block = self.recipe.block
+        if k % block or n % block:
+            raise ValueError(
+                f"4-bit grouped experts under {self.recipe} need K and N multiples of {block}, "
+                f"got w [E, N, K] = {tuple(w.shape)}"
+            )
+        key = self.sr_key if self.recipe.stochastic and torch.is_grad_enabled() else None
+        y: torch.Tensor = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, key, save)
+        if key is not None and not _replays_a_call():
+            # After the call (a bad offs has raised, the counter unmoved); a new tensor: the
+            # key the backward holds is never written to.
+            multiple = max(block, HADAMARD_SIZE) if self.how.hadamard else block
+            counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+            padded = (counts + (multiple - 1)).div(multiple, rounding_mode="floor") * multiple
+            drawn = (n * (m + padded.sum())).reshape(1).cpu()
+            self.sr_key = key + torch.cat([drawn.new_zeros(1), drawn])
+        return y
+
+    # ----- state ----------------------------------------------------------------------------
+
+    def get_extra_state(self) -> torch.Tensor:
+        """int64 ``[FP4_STATE_VERSION, recipe code, seed, counter]`` (``Fp4Linear``'s)."""
+        head = torch.tensor([FP4_STATE_VERSION, recipe_code(self.recipe)], dtype=torch.int64)
+        return torch.cat([head, self.sr_key])
+
+    def set_extra_state(self, state: Any) -> None:
+        """Install a saved counter (checked by ``check_load`` first)."""
+        self.check_load({"_extra_state": state}, "")
+        self.sr_key = _key_tensor(self.recipe, int(state[3]))
+
+    def state_load_keys(self) -> tuple[str, ...]:
+        """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this rule."""
+        return ("_extra_state",)
+
+    def plan_state_load(
+        self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
+    ) -> Callable[[], None]:
+        """Check ``tensors`` (local names) as ``load_state_dict`` does and return what
+        installs the saved counter (none saved: the counter as it is)."""
+        self.check_load(tensors, prefix)
+        state = tensors.get("_extra_state")
+        if state is None:
+            return lambda: None
+        counter = int(state[3])  # read now: a memory-mapped file may go
+
+        def install() -> None:
+            self.sr_key = _key_tensor(self.recipe, counter)
+
+        return install
+
+    def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
+        """``ValueError`` when ``entries`` (local names) hold a counter saved under another
+        4-bit recipe or seed (naming both), outside ``[0, FP4_COUNTER_LIMIT)`` or not in
+        ``Fp4Linear``'s layout (the whole-load guard runs this before any module loads)."""
+        state = entries.get("_extra_state")
+        if state is None:
+            return
+        where = f"{prefix}_extra_state of the 4-bit experts {prefix[:-1] or 'setting'!r}"
+        if (
+            not isinstance(state, torch.Tensor)
+            or state.dtype != torch.int64
+            or tuple(state.shape) != (4,)
+            or state.is_meta
+        ):
+            got = f"{state.dtype} {tuple(state.shape)}" if isinstance(state, torch.Tensor) else ""
+            raise ValueError(
+                f"{where} must be an int64 tensor [version, recipe code, seed, counter]; got "
+                f"{type(state).__name__} {got}"
+            )
+        version, code, seed, counter = (int(v) for v in state.tolist())
+        if version != FP4_STATE_VERSION:
+            raise ValueError(
+                f"{where} has version {version}; this computectx reads {FP4_STATE_VERSION}"
+            )
+        mine = int(self.sr_key[0])
+        if code != recipe_code(self.recipe) or seed != mine:
+            raise ValueError(
+                f"{where} was saved under the 4-bit recipe {_recipe_text(code, seed)!r} but "
+                f"these experts run {_recipe_text(recipe_code(self.recipe), mine)!r}; convert "
+                f"under the recipe the checkpoint was saved with"
+            )
+        if not 0 <= counter < FP4_COUNTER_LIMIT:
+            raise ValueError(
+                f"{where} holds the stochastic-rounding counter {counter}; accepted: an integer "
+                f"in [0, 2**61) (FP4_COUNTER_LIMIT: the operators draw below 2**62)"
+            )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.check_load(local, prefix)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        # A high-precision checkpoint holds no counter: it loads, the counter as it is.
+        if prefix + "_extra_state" in missing_keys:
+            missing_keys.remove(prefix + "_extra_state")
+
+
+def _recipe_text(code: int, seed: int) -> str:
+    """The recipe a saved code and seed stand for (``linear.fp4.recipe_code``'s bits)."""
+    mx = bool(code & 1)
+    try:
+        return str(
+            Fp4Recipe(
+                format="mxfp4" if mx else "nvfp4",
+                weight_tile=None if mx else ("1x16" if code & 2 else "16x16"),
+                mx_rounding=("floor" if code & 4 else "rceil") if mx else None,
+                stochastic=bool(code & 8),
+                hadamard=bool(code & 16),
+                seed=seed % _U64,
+            )
+        )
+    except ValueError:
+        return f"<unknown 4-bit recipe code {code}, seed {seed}>"
+
+
+def _key_tensor(recipe: Fp4Recipe, counter: int) -> torch.Tensor:
+    """``sr_key``: int64 ``[seed, counter]`` on the CPU, the seed in two's complement."""
+    seed = recipe.seed if recipe.seed < 2**63 else recipe.seed - _U64
+    return torch.tensor([seed, counter], dtype=torch.int64)
+
+
+def _replays_a_call() -> bool:
+    """``Fp4Linear``'s rule: a non-reentrant checkpoint's recomputation (or a region nested
+    in one) replays a call whose backward runs with the original key; a reentrant one's
+    builds its own graph (its site's key is checkpoint's ctx). ``False`` while compiling."""
+    site = checkpoint_site(record=False)
+    return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
+
+
+class _Fp4GroupedFn(torch.autograd.Function):
+    """``Y[rows of g] = X[rows of g] W[g]ᵀ`` in 4 bits; dX and dW by the operand table."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        offs: torch.Tensor,
+        how: Fp4Quant,
+        key: torch.Tensor | None,
+        save: SaveMode,
+    ) -> torch.Tensor:
+        y = fp4_ops.grouped_mm(x, w, offs, how)
+        c: Any = ctx
+        kept: tuple[torch.Tensor, ...] = (x,) if c.needs_input_grad[1] else ()
+        kept = offload_kept(ctx, kept) if save == "offload" else kept
+        ctx.save_for_backward(w, offs, *kept)
+        c.how, c.key, c.x_dtype = how, key, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise RuntimeError(
+                "a double backward (create_graph=True) through 4-bit experts is not "
+                "supported: their backward works from 4-bit operands outside the graph, so the "
+                "second-order term would be lost; take such gradients through high-precision "
+                "experts (keep them out of convert_to_quantized with module_filter)"
+            )
+        w, offs, *rest = ctx.saved_tensors
+        how, key = ctx.how, ctx.key
+        dy = dy.contiguous()
+        m, n = dy.shape
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            wt = w.transpose(1, 2)  # W[g]ᵀ [K, N], contracted over N
+            dx = fp4_ops.grouped_mm(dy, wt, offs, how, out_dtype=ctx.x_dtype, stochastic=key)
+        if ctx.needs_input_grad[1]:
+            (x,) = kept_back(ctx, tuple(rest))
+            col = None if key is None else key + key.new_tensor([0, m * n])
+            dw = fp4_ops.grouped_wgrad(dy, x, offs, how, stochastic=col).to(w.dtype)
+        return dx, dw, None, None, None, None

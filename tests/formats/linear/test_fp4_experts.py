@@ -1,0 +1,225 @@
+"""``Fp4Experts`` (``formats.linear.fp4_experts``): each group of the 4-bit grouped GEMM is the
+dense ``Fp4Linear`` on its own rows, bit for bit (forward, dgrad, wgrad; with stochastic
+rounding given the same bits), empty groups and rows past the last group are zero, the
+counter advances on the device and is saved, checked and restored with the module's state,
+a checkpoint's recomputation draws nothing, and one ``torch.compile(fullgraph=True)``
+(``aot_eager``) trains as eager with no recompile as the group sizes change."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch._dynamo.testing
+from torch.utils.checkpoint import checkpoint
+
+from computectx import ComputeCtx
+from computectx.formats import Fp4Experts, Fp4Linear, Fp4Recipe, QuantizedExperts
+from computectx.formats.linear.fp4_experts import ExpertsGemm
+from computectx.nn import GroupedExperts
+
+NV = ComputeCtx.from_flag("nvfp4", "cpu")
+NV4 = Fp4Recipe()
+RECIPES = {
+    "nvfp4": Fp4Recipe(),
+    "nvfp4+w1x16+no_sr": Fp4Recipe(weight_tile="1x16", stochastic=False),
+    "mxfp4": Fp4Recipe(format="mxfp4"),
+    "mxfp4+sr+rht": Fp4Recipe(format="mxfp4", stochastic=True, hadamard=True, seed=7),
+}
+SIZES = [5, 0, 21, 7]  # an empty group; 3 rows past the last group
+E, N, K = 4, 64, 64
+
+
+def offsets(sizes: list[int]) -> torch.Tensor:
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+def grad(t: torch.Tensor) -> torch.Tensor:
+    assert t.grad is not None
+    return t.grad
+
+
+def backward(y: torch.Tensor, dy: torch.Tensor | None = None) -> None:
+    torch.autograd.backward(y, dy)  # Tensor.backward is untyped in torch
+
+
+def fp4_of(experts: GroupedExperts) -> Fp4Experts:
+    assert isinstance(experts.fp8, Fp4Experts)
+    return experts.fp8
+
+
+def _dense(ctx: ComputeCtx, w: torch.Tensor, counter: int) -> Fp4Linear:
+    lin = Fp4Linear(K, N, bias=False, ctx=ctx)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    lin.sr_key = torch.tensor([lin.recipe.seed, counter])
+    return lin
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_each_group_is_the_dense_fp4_linear_on_its_own_rows_bit_for_bit(name: str) -> None:
+    recipe = RECIPES[name]
+    ctx = NV.replace(recipe=recipe)
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(E, N, K, generator=gen).requires_grad_()
+    m = sum(SIZES) + 3
+    x = torch.randn(m, K, generator=gen).bfloat16().requires_grad_()
+    dy = torch.randn(m, N, generator=gen).bfloat16()
+    experts = Fp4Experts(recipe)
+    c = 1000
+    experts.sr_key = torch.tensor([recipe.seed, c])
+    y = experts.mm(x, w, offsets(SIZES))
+    backward(y, dy)
+    multiple = 16 if recipe.format == "nvfp4" else 32  # the wgrad's rows, padded per group
+    start = pads = 0
+    for g, rows in enumerate(SIZES):
+        if rows == 0:  # reads nothing of its expert: no rows, a zero weight gradient
+            assert torch.equal(grad(w)[g], torch.zeros(N, K)), name
+            continue
+        sl = slice(start, start + rows)
+        # dY_g drawn at C + start·N: an Fp4Linear whose counter is there.
+        dense = _dense(ctx, w[g].detach(), c + start * N)
+        xg = x.detach()[sl].clone().requires_grad_()
+        yg = dense(xg)
+        backward(yg, dy[sl])
+        assert torch.equal(yg, y[sl]) and torch.equal(grad(xg), grad(x)[sl]), (name, g)
+        # dY_gᵀ drawn at C + M·N + N·Σ pad: an Fp4Linear draws it at its counter + rows·N.
+        dense = _dense(ctx, w[g].detach(), c + m * N + pads * N - rows * N)
+        backward(dense(x.detach()[sl]), dy[sl])
+        assert torch.equal(grad(dense.weight), grad(w)[g]), (name, g)
+        start, pads = start + rows, pads + -(-rows // multiple) * multiple
+    assert not y[start:].any() and not grad(x)[start:].any()  # rows past offs[-1]
+    drawn = N * (m + pads) if recipe.stochastic else 0
+    assert experts.sr_key.tolist() == [recipe.seed, c + drawn]
+
+
+def test_one_group_of_every_row_is_fp4_linear_counter_and_all() -> None:
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1, N, K, generator=gen)
+    x = torch.randn(40, K, generator=gen)
+    experts, dense = Fp4Experts(NV4), _dense(NV, w[0], 0)
+    wg = w.clone().requires_grad_()
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    backward(experts.mm(xs[0], wg, offsets([40])).square().sum())
+    backward(dense(xs[1]).square().sum())
+    assert torch.equal(grad(xs[0]), grad(xs[1])) and torch.equal(grad(wg)[0], grad(dense.weight))
+    assert torch.equal(experts.sr_key, dense.sr_key)
+
+
+def test_what_the_backward_keeps_and_refuses() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(E, N, K, generator=gen)
+    x = torch.randn(30, K, generator=gen).bfloat16()
+    grads: list[torch.Tensor] = []
+    for save in ("keep", "fp8", "offload"):  # x kept as it is: dW stays Fp4Linear's
+        wg = w.clone().requires_grad_()
+        backward(Fp4Experts(NV4).mm(x, wg, offsets([9, 0, 14, 7]), save).float().square().sum())
+        grads.append(grad(wg))
+    assert torch.equal(grads[0], grads[1]) and torch.equal(grads[0], grads[2])
+    xg = x.clone().requires_grad_()
+    y = Fp4Experts(NV4).mm(xg, w, offsets([9, 0, 14, 7]))
+    with pytest.raises(RuntimeError, match=r"double backward .* 4-bit experts"):
+        torch.autograd.grad(y.float().square().sum(), xg, create_graph=True)
+    bad = Fp4Experts(NV4)
+    with pytest.raises(ValueError, match=r"offs\[1\] = 3 is below offs\[0\] = 9"):
+        bad.mm(x, w, torch.tensor([9, 3, 14, 30], dtype=torch.int32))
+    assert bad.sr_key.tolist() == [0, 0]  # the counter unmoved by a refused call
+    with pytest.raises(ValueError, match="multiples of 16"):
+        bad.mm(x[:, :40], w[:, :, :40], offsets([9, 0, 14, 7]))
+    none = x[:0].clone().requires_grad_()  # no rows: an empty output, zero gradients
+    wg = w.clone().requires_grad_()
+    y = bad.mm(none, wg, offsets([0, 0, 0, 0]))
+    backward(y.float().sum())
+    assert y.shape == (0, N) and not grad(wg).any() and bad.sr_key.tolist() == [0, 0]
+
+
+def test_the_protocol_both_settings_satisfy() -> None:
+    from computectx.formats import Backend
+    from computectx.recipes import Recipe
+
+    settings: list[ExpertsGemm] = [
+        Fp4Experts(Fp4Recipe()),
+        QuantizedExperts(Recipe.parse("e4m3/row/dynamic/0"), Backend.REFERENCE),
+    ]
+    x, w = torch.randn(8, K).bfloat16(), torch.randn(E, N, K)
+    for s in settings:
+        assert s.mm(x, w, offsets([2, 2, 2, 2])).shape == (8, N)
+    with pytest.raises(TypeError, match="Fp4Experts takes an Fp4Recipe"):
+        Fp4Experts(Recipe())  # type: ignore[arg-type]
+
+
+def _experts(recipe: Fp4Recipe, seed: int = 0) -> GroupedExperts:
+    torch.manual_seed(seed)
+    experts = GroupedExperts(NV, 32, 16, E)
+    experts.fp8 = Fp4Experts(recipe)
+    return experts
+
+
+def test_the_counter_is_state_saved_checked_and_restored() -> None:
+    recipe = Fp4Recipe(seed=3)
+    experts = _experts(recipe)
+    x, offs = torch.randn(20, 32).bfloat16(), offsets([6, 0, 9, 5])
+    backward(experts(x, offs).float().square().sum())
+    state = experts.state_dict()
+    saved = state["fp8._extra_state"]
+    assert saved.dtype == torch.int64 and saved.tolist()[2:] == fp4_of(experts).sr_key.tolist()
+    assert saved.tolist()[3] > 0
+    resumed = _experts(recipe, seed=1)
+    resumed.load_state_dict(state)
+    assert torch.equal(fp4_of(resumed).sr_key, fp4_of(experts).sr_key)
+    for module in (experts, resumed):  # the next step draws the same bits
+        module.zero_grad()
+        backward(module(x, offs).float().square().sum())
+    assert torch.equal(grad(experts.gate_up), grad(resumed.gate_up))
+    other = _experts(Fp4Recipe(seed=4), seed=2)
+    before = other.gate_up.detach().clone()
+    with pytest.raises(ValueError, match=r"'nvfp4\+seed=3' but these experts run 'nvfp4\+seed=4'"):
+        other.load_state_dict(state)
+    assert torch.equal(other.gate_up, before)  # nothing loaded
+    far = dict(state, **{"fp8._extra_state": torch.tensor([1, 24, 3, 2**61])})
+    with pytest.raises(
+        ValueError, match=r"counter 2305843009213693952; accepted: .* \[0, 2\*\*61\)"
+    ):
+        resumed.load_state_dict(far)
+    high = {k: v for k, v in state.items() if not k.startswith("fp8.")}
+    other.load_state_dict(high)  # a high-precision checkpoint: the counter as it is
+    assert fp4_of(other).sr_key.tolist() == [4, 0]
+    assert fp4_of(other.to("meta")).sr_key.device.type == "cpu"  # CPU state, not a buffer
+
+
+def test_a_checkpoints_recomputation_draws_nothing_and_gives_the_same_gradients() -> None:
+    plain, ckpt = _experts(Fp4Recipe()), _experts(Fp4Recipe())
+    x, offs = torch.randn(20, 32).bfloat16(), offsets([6, 0, 9, 5])
+    backward(plain(x, offs).float().square().sum())
+    out = checkpoint(ckpt, x, offs, use_reentrant=False)
+    backward(out.float().square().sum())
+    assert torch.equal(grad(plain.gate_up), grad(ckpt.gate_up))
+    assert torch.equal(grad(plain.down), grad(ckpt.down))
+    assert torch.equal(fp4_of(plain).sr_key, fp4_of(ckpt).sr_key)
+
+
+@pytest.fixture
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_converted_experts_train_compiled_whole_as_eager_with_no_recompile() -> None:
+    eager = _experts(Fp4Recipe())
+    twin = copy.deepcopy(eager)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(twin, backend=counter, fullgraph=True)  # a break would raise
+    x = torch.randn(24, 32).bfloat16()
+    for sizes in ([9, 0, 8, 7], [24, 0, 0, 0], [1, 2, 3, 18]):
+        offs = offsets(sizes)
+        for module, run in ((eager, eager), (twin, compiled)):
+            module.zero_grad()
+            backward(run(x, offs).float().square().sum())
+        for a, b in zip(eager.parameters(), twin.parameters(), strict=True):
+            assert torch.equal(grad(a), grad(b)), sizes
+        assert torch.equal(fp4_of(eager).sr_key, fp4_of(twin).sr_key), sizes
+    assert counter.frame_count == 1, counter.frame_count
