@@ -14,7 +14,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend
-from computectx.formats.convert_experts import ExpertsPlan, plan_experts
+from computectx.formats.convert_experts import ExpertsPlan, ExpertsSetting, plan_experts
 from computectx.formats.convert_report import (
     HEAD_NAMES,
     ConversionReport,
@@ -25,9 +25,9 @@ from computectx.formats.convert_report import (
     output_heads,
 )
 from computectx.formats.linear.fp4 import Fp4Linear, block_list
+from computectx.formats.linear.fp4_rules import unheeded_rules
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
-from computectx.formats.ops.grouped import QuantizedExperts
 from computectx.formats.policy import (
     FEATURE_MULTIPLE,
     check_fp8_widths,
@@ -147,14 +147,13 @@ def convert_to_quantized(
     ``notes`` say how to run it (a ``ctx.compute`` activation from the fp8 layers would
     not match its weight).
 
-    **Grouped experts** (mixture-of-experts layers) convert in place through their
-    framework's ``ExpertsConverter`` (``computectx.formats.convert_experts``: ``computectx.nn``'s
-    ``GroupedExperts``, transformers' experts through its ``ExpertsInterface``, torchtitan's):
-    their expert GEMMs then run through ``quantized_grouped_mm``, under the same rules (the filter,
-    or ``min_features`` and the widths of every expert weight), and the report lists them in
-    ``converted`` and ``experts``. Routers stay in high precision (rule ``router``). **4-bit
-    recipes**: ``Fp4Linear`` by the same rules, the recipe's ``hp`` and ``hp_last`` (of
-    ``linear.fp4.block_list``) skip (``kept_high``), experts raise ``NotImplementedError``.
+    **Grouped experts** convert in place through their framework's ``ExpertsConverter``
+    (``convert_experts``) to run ``quantized_grouped_mm``, by the same rules (the filter, or
+    ``min_features`` and every expert weight's widths), listed in ``experts``; routers stay
+    high (rule ``router``). **4-bit recipes**: ``Fp4Linear``, and ``Fp4Experts`` for
+    ``computectx.nn``'s experts (others raise ``NotImplementedError``: fp8 never stands in);
+    ``hp`` and ``hp_last`` skip linears and experts alike (``kept_high``), and a rule that can
+    keep nothing high is a ``UserWarning``.
 
     ``backend`` and ``quantize`` are passed to every new ``QuantizedLinear`` (``quantize="inline"``
     lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
@@ -173,38 +172,32 @@ def convert_to_quantized(
     rules = _Rules(model, ctx, module_filter, bool(include_head), least, checked)
     places, order = _linear_places(model)
     _refuse_another_policy(ctx, order)
-    fp8, experts = _planned_experts(model, policy, module_filter, least)
+    experts = plan_experts(model, policy, module_filter, least)
     converted, skipped = _decide(order, experts, rules, output_heads(model, order))
     # Build every replacement (which validates ctx and backend) before swapping any.
     replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
-    expert_names = _swap(replacements, places, experts, experts.settings(fp8, backend))
-    if replacements:
-        guard_whole_loads(model)  # load_state_dict checks every fp8 layer before any loads
+    _warn_unheeded(rules, places, experts)
+    expert_names = _swap(replacements, places, experts, experts.settings(policy, backend))
+    if replacements or expert_names:
+        guard_whole_loads(model)  # load_state_dict checks every layer's state before any loads
     return _reported(rules, order, places, converted, skipped, expert_names)
-
-
-def _planned_experts(
-    model: nn.Module,
-    policy: Recipe | Fp4Recipe,
-    module_filter: Callable[[nn.Module, str], bool] | None,
-    least: int,
-) -> tuple[Recipe, ExpertsPlan]:
-    """The experts' plan (and the fp8 recipe they would run), ``NotImplementedError`` for
-    experts that would convert under a 4-bit recipe (its grouped GEMM: a later step)."""
-    fp8 = policy if isinstance(policy, Recipe) else Recipe()
-    experts = plan_experts(model, fp8, module_filter, least)
-    if isinstance(policy, Fp4Recipe) and experts.convert:
-        raise NotImplementedError(
-            f"convert_to_quantized: {experts.convert[0][0]!r} holds grouped experts, whose 4-bit "
-            f"grouped GEMM is not built yet (issue 37); fp8 never runs in its place. Keep them "
-            f"out with a module_filter, or convert under an fp8 recipe"
-        )
-    return fp8, experts
 
 
 Places = dict[int, list[tuple[str, nn.Module, str]]]
 """``id(linear) -> [(fqn, parent, attribute)]``: every place a linear sits (a module shared
 under two names sits in two)."""
+
+
+def _warn_unheeded(rules: _Rules, places: Places, experts: ExpertsPlan) -> None:
+    """A ``UserWarning`` (at ``convert_to_quantized``'s caller) for each rule of a 4-bit
+    recipe that keeps nothing high: an ``hp`` pattern naming no linear or experts module,
+    ``hp_last`` on a model without a block list (``linear.fp4_rules.unheeded_rules``)."""
+    if rules.fp4 is None:
+        return
+    names = [alias for at in places.values() for alias, _, _ in at]
+    names += [s.fqn for s in experts.skipped] + [fqn for fqn, _, _ in experts.convert]
+    for message in unheeded_rules(rules.fp4, names, bool(rules.blocks)):
+        warnings.warn(message, UserWarning, stacklevel=3)
 
 
 def _reported(
@@ -223,8 +216,11 @@ def _reported(
         converted=names + experts, skipped=tuple(skipped), notes=notes, experts=experts
     )
     if not report.converted and not any(s.rule == "already_fp8" for s in skipped):
+        fmt = "fp8" if rules.fp4 is None else rules.fp4.format
         warnings.warn(
-            nothing_converted(rules.model, rules.min_features, report), UserWarning, stacklevel=3
+            nothing_converted(rules.model, rules.min_features, report, fmt),
+            UserWarning,
+            stacklevel=3,
         )
     return report
 
@@ -312,7 +308,7 @@ def _swap(
     replacements: list[tuple[nn.Linear, nn.Module]],
     places: Places,
     experts: ExpertsPlan,
-    settings: tuple[QuantizedExperts, ...],
+    settings: tuple[ExpertsSetting, ...],
 ) -> tuple[str, ...]:
     """Put every replacement in each of its linear's places, then convert the experts; the
     names of the converted experts. An experts converter is the one step that can still fail

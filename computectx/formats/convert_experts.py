@@ -22,6 +22,15 @@ The router is never converted: a linear named ``*router*`` or ``*gate*`` (its na
 parent's) whose ``out_features`` is the expert count of an experts module beside it (same
 parent, or the parent's parent) is skipped with rule ``router``: routing decisions are made
 from its scores, where fp8's error would move tokens between experts.
+
+**4-bit recipes** (``Fp4Recipe``): the same rules (the block widths of the recipe: 16, MXFP4
+32), and the recipe's own (``hp`` patterns, ``hp_last`` of the block list,
+``linear.fp4_rules``) skip with rule ``kept_high``. A converter that declares ``runs_fp4 =
+True`` (``Fp4ExpertsConverter``: ``computectx.nn``'s) is handed an ``Fp4Experts``, an
+``nn.Module`` that holds the stochastic-rounding counter, to register on the experts module
+(its state dict then saves the counter); any other framework's experts raise
+``NotImplementedError`` when they would convert, fp8 never running in 4 bits' place. Experts
+already converted under another recipe, fp8 or 4-bit, raise ``ValueError`` naming both.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -38,6 +47,8 @@ from torch import nn
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend, default_backend, parse_backend
 from computectx.formats.convert_report import SkippedLinear, SkipRule
+from computectx.formats.linear.fp4_experts import Fp4Experts
+from computectx.formats.linear.fp4_rules import module_blocks
 from computectx.formats.ops.grouped import QuantizedExperts
 from computectx.formats.policy import (
     check_fp8_widths,
@@ -45,15 +56,23 @@ from computectx.formats.policy import (
     describe,
     filtered_out,
 )
+from computectx.fp4_recipe import Fp4Recipe
 from computectx.recipes import Recipe
 
 __all__ = [
     "ExpertsConverter",
     "ExpertsPlan",
+    "ExpertsSetting",
+    "Fp4ExpertsConverter",
     "experts_converters",
+    "fp4_setting",
     "plan_experts",
     "register_experts_converter",
 ]
+
+ExpertsSetting = QuantizedExperts | Fp4Experts
+"""What converted experts run their GEMMs with: fp8's ``QuantizedExperts`` or ``Fp4Experts``
+(both ``mm(x, w, offs, save)``: ``linear.fp4_experts.ExpertsGemm``)."""
 
 
 class ExpertsConverter(Protocol):
@@ -72,6 +91,28 @@ class ExpertsConverter(Protocol):
         """Make ``module``'s expert GEMMs run through ``fp8.mm`` (``None``: back to high
         precision), in place, keeping its parameters."""
         ...
+
+
+class Fp4ExpertsConverter(ExpertsConverter, Protocol):
+    """An ``ExpertsConverter`` whose experts also run in 4 bits: ``runs_fp4`` is ``True`` and
+    ``convert`` takes an ``Fp4Experts`` too, which it registers on the module (a child
+    module: the counter is saved with the module's state) and its GEMMs call."""
+
+    runs_fp4: bool
+
+    def convert(self, module: nn.Module, fp8: ExpertsSetting | None) -> None:
+        """Make ``module``'s expert GEMMs run through ``fp8.mm`` (``None``: back to high
+        precision), in place, keeping its parameters."""
+        ...
+
+
+def fp4_setting(module: nn.Module) -> Fp4Experts | None:
+    """The ``Fp4Experts`` registered on ``module`` (its 4-bit setting), if any."""
+    return next((c for c in module.children() if isinstance(c, Fp4Experts)), None)
+
+
+def _fp4_converter(conv: ExpertsConverter) -> Fp4ExpertsConverter | None:
+    return cast(Fp4ExpertsConverter, conv) if getattr(conv, "runs_fp4", False) is True else None
 
 
 _CONVERTERS: list[ExpertsConverter] = []
@@ -115,25 +156,34 @@ class ExpertsPlan:
     routers: dict[int, str]
 
     def settings(
-        self, policy: Recipe, backend: Backend | str | None
-    ) -> tuple[QuantizedExperts, ...]:
-        """What each planned module will run with (the backend checked); changes nothing."""
-        out = []
+        self, policy: Recipe | Fp4Recipe, backend: Backend | str | None
+    ) -> tuple[ExpertsSetting, ...]:
+        """What each planned module will run with (the fp8 backend checked; a 4-bit
+        setting's counter at 0); changes nothing."""
+        out: list[ExpertsSetting] = []
         for _, module, conv in self.convert:
             weights = conv.weights(module) or {}
             device = next(iter(weights.values())).device if weights else torch.device("cpu")
+            if isinstance(policy, Fp4Recipe):  # its counter on the CPU, as Fp4Linear's
+                out.append(Fp4Experts(policy))
+                continue
             chosen = default_backend(device) if backend is None else parse_backend(backend)
             out.append(QuantizedExperts(policy, chosen))
         return tuple(out)
 
-    def apply(self, settings: tuple[QuantizedExperts, ...]) -> tuple[str, ...]:
+    def apply(self, settings: tuple[ExpertsSetting, ...]) -> tuple[str, ...]:
         """Convert the planned modules with ``settings`` (``self.settings``); their names.
         A converter that raises midway has the modules converted before it put back to high
         precision (``convert(module, None)``), and the error goes on."""
         done: list[tuple[nn.Module, ExpertsConverter]] = []
         try:
             for (_, module, conv), fp8 in zip(self.convert, settings, strict=True):
-                conv.convert(module, fp8)
+                if isinstance(fp8, Fp4Experts):
+                    four = _fp4_converter(conv)
+                    assert four is not None  # plan_experts refused the others
+                    four.convert(module, fp8)
+                else:
+                    conv.convert(module, fp8)
                 done.append((module, conv))
         except BaseException:
             for module, conv in reversed(done):
@@ -144,11 +194,13 @@ class ExpertsPlan:
 
 def plan_experts(
     model: nn.Module,
-    policy: Recipe,
+    policy: Recipe | Fp4Recipe,
     module_filter: Callable[[nn.Module, str], bool] | None,
     min_features: int,
 ) -> ExpertsPlan:
-    """Decide, before anything changes, what ``convert_to_quantized`` does to the experts."""
+    """Decide, before anything changes, what ``convert_to_quantized`` does to the experts:
+    ``ValueError`` for experts converted under another recipe, ``NotImplementedError`` for
+    experts that would convert under a 4-bit recipe through a converter that cannot run it."""
     converters = experts_converters(model)
     found: list[tuple[str, nn.Module, ExpertsConverter, dict[str, torch.Tensor]]] = []
     seen: set[int] = set()
@@ -161,37 +213,66 @@ def plan_experts(
                 found.append((fqn or "<root>", module, conv, weights))
                 seen.add(id(module))
                 break
+    four = policy if isinstance(policy, Fp4Recipe) else None
+    blocks = module_blocks(model) if four is not None and four.hp_last else {}
     convert: list[tuple[str, nn.Module, ExpertsConverter]] = []
     skipped: list[SkippedLinear] = []
     for fqn, module, conv, weights in found:
-        current = conv.current(module)
-        if current is not None:
-            if current.policy != policy:
-                raise ValueError(
-                    f"convert_to_quantized: the experts {fqn!r} already run in fp8 under "
-                    f"{current.policy}, but this call asks for {policy}; converted experts "
-                    f"keep their policy. The model was left unchanged"
-                )
-            skipped.append(SkippedLinear(fqn, "already fp8 under this policy", "already_fp8"))
+        if _converted(fqn, module, conv, policy):
+            width = "fp8" if four is None else four.format
+            skipped.append(SkippedLinear(fqn, f"already {width} under this policy", "already_fp8"))
             continue
-        why = _skip(module, fqn, weights, policy, module_filter, min_features)
-        if why is None:
-            convert.append((fqn, module, conv))
-        else:
+        block = blocks.get(id(module), (None, 0))
+        why = _skip(module, fqn, weights, policy, module_filter, min_features, block)
+        if why is not None:
             skipped.append(SkippedLinear(fqn, why[1], why[0]))
+            continue
+        if four is not None and _fp4_converter(conv) is None:
+            raise NotImplementedError(
+                f"convert_to_quantized: {fqn!r} holds grouped experts ({type(module).__name__}) "
+                f"whose framework's converter ({type(conv).__name__}) runs fp8 only; the 4-bit "
+                f"grouped GEMM runs computectx.nn's GroupedExperts (a converter with runs_fp4), "
+                f"and fp8 never runs in its place. Keep them out with a module_filter, or "
+                f"convert under an fp8 recipe; the model was left unchanged"
+            )
+        convert.append((fqn, module, conv))
     return ExpertsPlan(tuple(convert), tuple(skipped), _routers(model, found))
+
+
+def _converted(
+    fqn: str, module: nn.Module, conv: ExpertsConverter, policy: Recipe | Fp4Recipe
+) -> bool:
+    """Whether the experts already run under ``policy``; ``ValueError`` naming both when
+    they run under another recipe, fp8 or 4-bit."""
+    fp8, fp4 = conv.current(module), fp4_setting(module)
+    now: Recipe | Fp4Recipe | None = fp8.policy if fp8 is not None else None
+    now = fp4.recipe if fp4 is not None else now
+    if now is None:
+        return False
+    if now != policy:
+        width = "fp8" if isinstance(now, Recipe) else "4 bits"
+        raise ValueError(
+            f"convert_to_quantized: the experts {fqn!r} already run in {width} under {now}, "
+            f"but this call asks for {policy}; converted experts keep their policy. The model "
+            f"was left unchanged"
+        )
+    return True
 
 
 def _skip(
     module: nn.Module,
     fqn: str,
     weights: dict[str, torch.Tensor],
-    policy: Recipe,
+    policy: Recipe | Fp4Recipe,
     module_filter: Callable[[nn.Module, str], bool] | None,
     min_features: int,
+    block: tuple[int | None, int],
 ) -> tuple[SkipRule, str] | None:
+    # The linears' order: the filter, the 4-bit recipe's own rules, then what cannot run.
     if module_filter is not None and filtered_out(module_filter, module, fqn):
         return "module_filter", "module_filter returned False"
+    if isinstance(policy, Fp4Recipe) and policy.keeps_high(fqn, *block):
+        return "kept_high", f"kept in high precision by the 4-bit recipe {policy}"
     for name, w in weights.items():
         e, n, k = w.shape
         try:
@@ -199,13 +280,16 @@ def _skip(
         except ValueError as err:
             return "feature_multiple", f"expert weight {name} [{e}, {n}, {k}]: {err}"
         try:
-            check_granularity_widths(policy.granularity, k, n)
+            if isinstance(policy, Recipe):
+                check_granularity_widths(policy.granularity, k, n)
+            elif k % policy.block or n % policy.block:
+                raise ValueError(f"{policy.format} needs multiples of {policy.block}")
         except ValueError as err:
             return "granularity", f"expert weight {name} [{e}, {n}, {k}]: {err}"
         if module_filter is None and min(n, k) < min_features:
             return "min_features", (
                 f"expert weight {name} [{e}, {n}, {k}]: min(N, K)={min(n, k)} < "
-                f"min_features={min_features}: the quantize passes cost more than fp8 saves"
+                f"min_features={min_features}: the quantize passes cost more than they save"
             )
         if w.dtype not in FLOAT_DTYPES:
             return "dtype", f"expert weight {name} dtype {w.dtype} is not bf16, fp16 or fp32"

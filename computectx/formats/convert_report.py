@@ -110,11 +110,14 @@ def head_dtype_notes(
     return tuple(notes)
 
 
-def nothing_converted(model: nn.Module, min_features: int, report: ConversionReport) -> str:
-    """The warning text for a conversion that converted nothing: reasons grouped by rule."""
+def nothing_converted(
+    model: nn.Module, min_features: int, report: ConversionReport, fmt: str = "fp8"
+) -> str:
+    """The warning text for a conversion that converted nothing: reasons grouped by rule;
+    ``fmt`` names the recipe's format (``fp8``, ``nvfp4``, ``mxfp4``)."""
     what = type(model).__name__
     if not report.skipped:
-        return f"convert_to_quantized found no nn.Linear in {what}: nothing runs in fp8"
+        return f"convert_to_quantized found no nn.Linear in {what}: nothing runs in {fmt}"
     hints: dict[SkipRule, str] = {
         "module_filter": "module_filter returned False; with a filter given it alone decides",
         "head": "output head; pass include_head=True (or a module_filter) to convert it",
@@ -141,7 +144,7 @@ def nothing_converted(model: nn.Module, min_features: int, report: ConversionRep
         groups.setdefault(s.rule, []).append(s.fqn)
     lines = [
         f"convert_to_quantized converted none of the {len(report.skipped)} nn.Linear layer(s) in "
-        f"{what}, so nothing in it runs in fp8:"
+        f"{what}, so nothing in it runs in {fmt}:"
     ]
     for rule, fqns in groups.items():
         shown = ", ".join(repr(f) for f in fqns[:3]) + (", ..." if len(fqns) > 3 else "")

@@ -9,7 +9,7 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import promote
-from computectx.formats import FEATURE_MULTIPLE, QuantizedLinear, convert_to_quantized
+from computectx.formats import FEATURE_MULTIPLE, convert_to_quantized
 
 __all__ = ["apply_recipe", "param_dtype"]
 
@@ -41,9 +41,8 @@ def apply_recipe(block: nn.Module, ctx: ComputeCtx) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = convert_to_quantized(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
-    refused = [
-        s for s in report.skipped if not isinstance(block.get_submodule(s.fqn), QuantizedLinear)
-    ]
+    # Layers a sub-block converted as it was built (fp8 or 4-bit) are skipped as already_fp8.
+    refused = [s for s in report.skipped if s.rule != "already_fp8"]
     if refused:
         raise ValueError(
             f"{type(block).__name__} cannot run its linears in fp8 under {str(ctx)!r}: "

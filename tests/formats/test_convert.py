@@ -15,6 +15,7 @@ from computectx import ComputeCtx, DType
 from computectx.formats import (
     DEFAULT_MIN_FEATURES,
     ConversionReport,
+    Fp4Recipe,
     QuantizedLinear,
     convert_to_quantized,
 )
@@ -465,3 +466,30 @@ def test_a_head_left_at_another_dtype_says_what_to_do(fp8_ctx: ComputeCtx) -> No
         assert model(x).dtype == torch.bfloat16
     same = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
     assert convert_to_quantized(same, fp8_ctx, min_features=16).notes == ()
+
+
+def test_4_bit_rules_that_can_keep_nothing_high_warn_naming_the_rule() -> None:
+    # An hp pattern naming no module and hp_last on a model without a block list were silent.
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 16))
+    recipe = Fp4Recipe(hp_last=2, hp=("*.attn.*", "0"))
+    with pytest.warns(UserWarning, match="keeps nothing in high precision") as caught:
+        report = convert_to_quantized(model, ctx.replace(recipe=recipe), min_features=16)
+    texts = [str(w.message) for w in caught]
+    assert len(texts) == 2 and all(w.filename == __file__ for w in caught)
+    assert "hp='*.attn.*' matches no linear or experts module" in texts[0]  # '0' matches
+    assert "hp_last=2 keeps nothing in high precision: the model has no block list" in texts[1]
+    assert report.converted == ("1",) and {s.rule for s in report.skipped} == {"kept_high", "head"}
+    blocks = nn.ModuleDict({"blocks": nn.ModuleList(nn.Linear(32, 32) for _ in range(3))})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a block list and a pattern that names a layer: quiet
+        recipe = Fp4Recipe(hp_last=1, hp=("blocks.0",))
+        report = convert_to_quantized(blocks, ctx.replace(recipe=recipe), min_features=16)
+    assert report.converted == ("blocks.1",)
+
+
+def test_converting_nothing_under_4_bits_names_the_format() -> None:
+    ctx = ComputeCtx.from_flag("mxfp4", "cpu")
+    with pytest.warns(UserWarning, match="so nothing in it runs in mxfp4:") as caught:
+        convert_to_quantized(nn.Sequential(nn.Linear(32, 32)), ctx, min_features=16)
+    assert "fp8" not in str(caught[0].message)
