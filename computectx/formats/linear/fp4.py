@@ -19,15 +19,16 @@ goes to host memory and comes back for the backward, as the other linears' input
 holding the same weight (DDP) quantize it alike with no collective.
 
 **Stochastic rounding** (the gradients only, ``recipe.stochastic``) draws Philox bits keyed
-by ``(recipe.seed, counter)``: the counter (``sr_key``) is plain CPU state, never a buffer
-(DDP would broadcast it before each forward: a lone validation forward on one rank would
-be a collective, and rank 0's counter would overwrite the others'). Each call that can run
-a backward advances it by the elements its backward rounds (``M * N`` for dY, ``N * M_pad``
-for dYᵀ); ``_extra_state`` saves it, so a resumed run draws the same bits. A replayed call
-(``_replays_a_call``: a non-reentrant checkpoint's recomputation) advances nothing and its
-backward reads the original call's key, so the gradients are bit for bit a run's without
-checkpointing; a reentrant checkpoint's forward runs under ``no_grad`` (no key) and its
-recomputation draws and advances as the plain call would.
+by ``(recipe.seed, counter)``: the counter (``sr_key``; its rules are ``linear.fp4_counter``'s)
+is plain CPU state, never a buffer (DDP would broadcast it before each forward: a lone
+validation forward on one rank would be a collective, and rank 0's counter would overwrite
+the others'). Each call that can run a backward advances it by the elements its backward
+rounds (``M * N`` for dY, ``N * M_pad`` for dYᵀ); ``_extra_state`` saves it, so a resumed
+run draws the same bits. A replayed call (``replays_a_call``: a non-reentrant checkpoint's
+recomputation) advances nothing and its backward reads the original call's key, so the
+gradients are bit for bit a run's without checkpointing; a reentrant checkpoint's forward
+runs under ``no_grad`` (no key) and its recomputation draws and advances as the plain call
+would.
 
 **Loading** checks the policy: ``_extra_state`` (int64 ``[version, recipe code, seed,
 counter]``) saved under another 4-bit recipe or seed, a counter outside ``[0,
@@ -39,7 +40,7 @@ FP4_COUNTER_LIMIT)``, or fp8 scaling entries (``fp8_*``: an fp8 checkpoint), rai
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Any
 
 import torch
 from torch import nn
@@ -47,8 +48,15 @@ from torch.autograd.function import FunctionCtx
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
+from computectx.formats.linear.fp4_counter import (
+    FP4_COUNTER_LIMIT,
+    FP4_STATE_VERSION,
+    fp4_key,
+    recipe_code,
+    replays_a_call,
+    saved_counter,
+)
 from computectx.formats.linear.function import autocast_dtype
-from computectx.formats.linear.recompute import checkpoint_site
 from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, grouped_counters
 from computectx.formats.ops import fp4 as fp4_ops
@@ -66,14 +74,6 @@ __all__ = [
     "recipe_code",
 ]
 
-FP4_STATE_VERSION: Final[int] = 1
-"""``_extra_state[0]``: the layout ``[version, recipe code, seed, counter]`` (int64)."""
-FP4_COUNTER_LIMIT: Final[int] = 2**61
-"""A loaded counter lies in ``[0, FP4_COUNTER_LIMIT)``: the operators draw below ``2**62``
-(``numerics.e2m1.Stochastic``), and a layer advances by its backward's elements a call, so
-the other ``2**61`` counters are the headroom a run needs."""
-_U64: Final[int] = 2**64
-
 
 def fp4_quant(recipe: Fp4Recipe) -> Fp4Quant:
     """The plain values the 4-bit operators take, read from the policy's recipe."""
@@ -84,35 +84,6 @@ def fp4_quant(recipe: Fp4Recipe) -> Fp4Quant:
         hadamard=recipe.hadamard,
         signs=recipe.hadamard_signs,
     )
-
-
-def recipe_code(recipe: Fp4Recipe) -> int:
-    """The layer numerics of ``recipe`` as bits (what a checkpoint's state is checked by):
-    format, weight tile, MXFP4 rounding, stochastic rounding, Hadamard transform."""
-    return (
-        (recipe.format == "mxfp4")
-        | (recipe.weight_tile == "1x16") << 1
-        | (recipe.mx_rounding == "floor") << 2
-        | recipe.stochastic << 3
-        | recipe.hadamard << 4
-    )
-
-
-def _decoded(code: int, seed: int) -> str:
-    """The recipe text a saved code and seed stand for (``str(Fp4Recipe)``)."""
-    mx = bool(code & 1)
-    try:
-        r = Fp4Recipe(
-            format="mxfp4" if mx else "nvfp4",
-            weight_tile=None if mx else ("1x16" if code & 2 else "16x16"),
-            mx_rounding=("floor" if code & 4 else "rceil") if mx else None,
-            stochastic=bool(code & 8),
-            hadamard=bool(code & 16),
-            seed=seed % _U64,
-        )
-    except ValueError:
-        return f"<unknown 4-bit recipe code {code}, seed {seed}>"
-    return str(r)
 
 
 def block_list(model: nn.Module) -> dict[int, tuple[int, int]]:
@@ -174,7 +145,7 @@ class Fp4Linear(nn.Linear):
         self.ctx = ctx
         self.recipe = recipe
         self._how = fp4_quant(recipe)
-        self.sr_key = _key_tensor(recipe, 0)
+        self.sr_key = fp4_key(recipe)
 
     sr_key: torch.Tensor
     """int64 ``(2,)`` on the CPU: the stochastic rounding's seed (``recipe.seed``, two's
@@ -238,7 +209,7 @@ class Fp4Linear(nn.Linear):
         if not self.recipe.stochastic or not torch.is_grad_enabled():
             return None
         key = self.sr_key
-        if _replays_a_call():
+        if replays_a_call():
             return key  # unused: the original call's key is the one its backward reads
         drawn = sum(
             grouped_counters([(0, rows)], self.out_features, self._how, wgrad)
@@ -268,7 +239,7 @@ class Fp4Linear(nn.Linear):
     def set_extra_state(self, state: Any) -> None:
         """Install a saved counter (checked by ``check_load`` first)."""
         self.check_load({"_extra_state": state}, "")
-        self.sr_key = _key_tensor(self.recipe, int(state[3]))
+        self.sr_key = fp4_key(self.recipe, int(state[3]))
 
     def state_load_keys(self) -> tuple[str, ...]:
         """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this layer's rule."""
@@ -286,7 +257,7 @@ class Fp4Linear(nn.Linear):
         counter = int(state[3])  # read now: a memory-mapped file may go
 
         def install() -> None:
-            self.sr_key = _key_tensor(self.recipe, counter)
+            self.sr_key = fp4_key(self.recipe, counter)
 
         return install
 
@@ -304,38 +275,9 @@ class Fp4Linear(nn.Linear):
                 f"load into a 4-bit model; convert under the fp8 recipe it was saved with"
             )
         state = entries.get("_extra_state")
-        if state is None:
-            return
-        if (
-            not isinstance(state, torch.Tensor)
-            or state.dtype != torch.int64
-            or tuple(state.shape) != (4,)
-            or state.is_meta
-        ):
-            raise ValueError(
-                f"{prefix}_extra_state of the 4-bit layer {layer!r} must be an int64 tensor "
-                f"[version, recipe code, seed, counter]; got {_kind_of(state)} (an fp8 layer's "
-                f"version 1/2 state is a dict: an fp8 checkpoint does not load into 4 bits)"
-            )
-        version, code, seed, counter = (int(v) for v in state.tolist())
-        if version != FP4_STATE_VERSION:
-            raise ValueError(
-                f"{prefix}_extra_state has version {version}; this computectx reads "
-                f"version {FP4_STATE_VERSION}"
-            )
-        mine = _signed(self.recipe.seed)
-        if code != recipe_code(self.recipe) or seed != mine:
-            raise ValueError(
-                f"{layer!r} was saved under the 4-bit recipe {_decoded(code, seed)!r} but this "
-                f"layer runs {_decoded(recipe_code(self.recipe), mine)!r}; convert under "
-                f"the recipe the checkpoint was saved with"
-            )
-        if not 0 <= counter < FP4_COUNTER_LIMIT:
-            raise ValueError(
-                f"{prefix}_extra_state of the 4-bit layer {layer!r} holds the stochastic-"
-                f"rounding counter {counter}; accepted: an integer in [0, 2**61) "
-                f"(FP4_COUNTER_LIMIT: the operators draw below 2**62)"
-            )
+        if state is not None:
+            where = f"{prefix}_extra_state of the 4-bit layer {layer!r}"
+            saved_counter(state, self.recipe, where, "this layer runs")
 
     def _load_from_state_dict(
         self,
@@ -358,25 +300,6 @@ class Fp4Linear(nn.Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
-
-
-def _signed(seed: int) -> int:
-    """A seed in ``[0, 2**64)`` as the int64 a key holds (two's complement)."""
-    return seed if seed < 2**63 else seed - _U64
-
-
-def _key_tensor(recipe: Fp4Recipe, counter: int) -> torch.Tensor:
-    """A layer's ``sr_key``: int64 ``[seed, counter]`` on the CPU."""
-    return torch.tensor([_signed(recipe.seed), counter], dtype=torch.int64)
-
-
-def _kind_of(value: object) -> str:
-    """``value`` for an error message, never a tensor's contents."""
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    if isinstance(value, Mapping):
-        return f"a {type(value).__name__} with keys {sorted(map(str, value))[:4]}"
-    return type(value).__name__
 
 
 def _recipe_of(ctx: object) -> Fp4Recipe:
@@ -402,16 +325,6 @@ def _check_input(x: object, in_features: int) -> None:
         raise ValueError(
             f"Fp4Linear expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
         )
-
-
-def _replays_a_call() -> bool:
-    """Whether this call runs during a backward as the replay of an original call whose
-    backward is the one that runs (a non-reentrant checkpoint's recomputation, or a region
-    nested in one: its saved tensors replace the original's, its ctx is dropped). A
-    reentrant recomputation (its site's key is checkpoint's autograd ctx) builds the graph
-    its backward runs, so it is a call of its own. ``False`` while compiling (no site)."""
-    site = checkpoint_site(record=False)
-    return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
 
 
 def _no_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""Fp4Linear's stochastic-rounding counter as state: plain CPU state, never a buffer (so DDP
-neither broadcasts nor overwrites it: tests/distributed/test_fp4_ranks.py), carried by
-``_extra_state``; a saved counter out of range is refused on every load path, naming the
-layer, before anything is written; reentrant checkpointing advances the counter once."""
+"""The 4-bit stochastic-rounding counter (``linear.fp4_counter``) as Fp4Linear holds it: plain
+CPU state, never a buffer (so DDP neither broadcasts nor overwrites it:
+tests/distributed/test_fp4_ranks.py), carried by ``_extra_state``; a saved counter out of
+range is refused on every load path, naming the layer, before anything is written;
+reentrant checkpointing advances the counter once; ``saved_counter``'s messages."""
 
 from __future__ import annotations
 
@@ -16,7 +17,15 @@ from torch.utils.checkpoint import checkpoint
 
 from computectx import ComputeCtx
 from computectx.formats import convert_to_quantized
-from computectx.formats.linear.fp4 import FP4_COUNTER_LIMIT, Fp4Linear
+from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_counter import (
+    FP4_COUNTER_LIMIT,
+    FP4_STATE_VERSION,
+    fp4_key,
+    recipe_code,
+    saved_counter,
+    signed_seed,
+)
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.memory import load_weights
 
@@ -125,3 +134,24 @@ def test_a_reentrant_checkpoint_advances_the_counter_once_as_a_plain_call() -> N
     assert _counters(ckpt) == _counters(plain) == [[5, 2 * 64 * 28], [5, 2 * 16 * 28]]
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+
+
+def test_saved_counter_names_what_is_wrong_and_never_prints_a_value() -> None:
+    recipe = Fp4Recipe(seed=2**64 - 1)  # the key holds it as -1
+    assert fp4_key(recipe, 7).tolist() == [-1, 7] and signed_seed(2**63) == -(2**63)
+    good = torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), -1, 3])
+    assert saved_counter(good, recipe, "w", "this layer runs") == 3
+    cases = {
+        "got a torch.int32 tensor of shape (4,)": good.int(),
+        "got a torch.int64 tensor of shape (5,)": torch.full((5,), 123456),
+        "a dict with keys ['scale']": {"scale": torch.full((2,), 123456.0)},
+        "has version 2; this computectx reads version 1": torch.tensor([2, 0, 0, 0]),
+        "saved under the 4-bit recipe 'nvfp4+seed=5' but this layer runs 'nvfp4+seed=1844": (
+            torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), 5, 0])
+        ),
+    }
+    for message, state in cases.items():
+        with pytest.raises(ValueError) as e:
+            saved_counter(state, recipe, "w", "this layer runs")
+        text = str(e.value)
+        assert message in text and text.startswith("w ") and "123456" not in text, text
