@@ -20,7 +20,6 @@ from computectx.formats.numerics.e2m1 import Stochastic
 from computectx.formats.numerics.fp4 import Nvfp4Operand
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.memory import load_weights, memory_report, save_weights
-from computectx.nn import MoE
 
 NV = ComputeCtx.from_flag("nvfp4", "cpu").replace(recipe=Fp4Recipe(seed=5))
 RECIPES = {
@@ -189,10 +188,8 @@ def test_convert_keeps_the_head_and_the_recipes_high_layers() -> None:
         convert_to_quantized(model, _ctx(Fp4Recipe()), min_features=16)
 
 
-def test_grouped_experts_and_fp8_entry_points_still_refuse_4_bits() -> None:
-    moe = nn.Sequential(MoE(ComputeCtx.from_flag("bf16", "cpu"), 32, 32, 4, 2))
-    with pytest.raises(NotImplementedError, match="4-bit grouped GEMM is not built yet"):
-        convert_to_quantized(moe, NV, min_features=16)
+def test_fp8_entry_points_refuse_4_bits_and_widths_are_checked() -> None:
+    # (Grouped experts convert to Fp4Experts now: tests/formats/test_convert_experts.py.)
     with pytest.raises(NotImplementedError, match="dense linears are Fp4Linear"):
         QuantizedLinear(32, 32, ctx=NV)
     with pytest.raises(ValueError, match="multiple of 32, the mxfp4 block"):
