@@ -6,8 +6,8 @@ As test_compile_for_gpu.py does for the fp8 kernels: a child process (without
 kernel ahead of time with the launcher's build options for each operand format and target:
 
 - sm_100 (B200): ``tcgen05.mma ... kind::mxf4nvf4.block_scale.block16`` for NVFP4 (E4M3 scales
-  per 16) and ``kind::mxf4.block_scale.block32`` for MXFP4 (E8M0 per 32): ``tl.dot_scaled``
-  takes both natively, nothing dequantized;
+  per 16; at every autotune tile) and ``kind::mxf4.block_scale.block32`` for MXFP4 (E8M0 per
+  32): ``tl.dot_scaled`` takes both natively, nothing dequantized;
 - sm_120 (consumer Blackwell): the warp-level ``mma.sync ... block_scale`` with ``ue4m3`` and
   ``ue8m0`` scales;
 - sm_90 (H100/H200; NVFP4 only): no FP4 tensor cores; Triton lowers ``tl.dot_scaled`` to a
@@ -45,28 +45,33 @@ names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "sa_ptr", "sb_ptr", "amax_a_ptr"
 types = {"a_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*bf16", "bias_ptr": "*bf16", "sa_ptr": "*u8",
          "sb_ptr": "*u8", "amax_a_ptr": "*fp32", "amax_b_ptr": "*fp32"}
 aligned = ("a_ptr", "b_ptr", "c_ptr", "M", "N", "K_BYTES", "stride_am", "stride_bn", "stride_cm")
-cfg = next(c for c in kf._configs() if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
+configs = kf._configs()
+cfg = next(c for c in configs if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
 out = {}
-# NVFP4 1x16 activations by 16x16 weight tiles; MXFP4 1x32 by 1x32 (Hopper: NVFP4 only).
-for cap, vec, rows_b in ((100, 16, 16), (100, 32, 1), (120, 16, 16), (120, 32, 1), (90, 16, 16)):
+# NVFP4 1x16 activations by 16x16 weight tiles at every autotune tile on sm_100; MXFP4 1x32 by
+# 1x32 at one; sm_120 both; Hopper NVFP4 only.
+builds = [(100, 16, 16, i, c) for i, c in enumerate(configs)]
+builds += [(cap, vec, rows, "", cfg) for cap, vec, rows in ((100, 32, 1), (120, 16, 16),
+                                                            (120, 32, 1), (90, 16, 16))]
+for cap, vec, rows_b, tag, c in builds:
     sig = {n: types.get(n, "i32") for n in names}
-    consts = dict(cfg.kwargs, VEC=vec, ROWS_A=1, ROWS_B=rows_b,
+    consts = dict(c.kwargs, VEC=vec, ROWS_A=1, ROWS_B=rows_b,
                   ALPHA_INV=kf.ALPHA_FACTOR_INV, HAS_BIAS=True, OUT_BF16=True, stride_ak=1,
                   stride_bk=1, stride_sa_k=1, stride_sb_k=1)
     sig.update({k: "constexpr" for k in consts})
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     k = compile(ASTSource(kf._fp4_mm_kernel.fn, sig, consts, attrs),
                 target=GPUTarget("cuda", cap, 32),
-                options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                options={"num_warps": c.num_warps, "num_stages": c.num_stages,
                          **kf.BUILD_OPTIONS})
     ptx, ttgir = k.asm["ptx"], k.asm["ttgir"]
     mma = r"(?:tcgen05\.mma|wgmma\.mma_async|mma\.sync)[\w.:]*"
-    out[f"{cap}/{vec}"] = {
+    out[f"{cap}/{vec}" + (f"/{tag}" if tag != "" else "")] = {
         "mma": sorted(set(re.findall(mma, ptx))),
         "fma": ptx.count("fma.rn.f32"),
         "ftz": ".ftz" in ptx,
         "async_copies": ttgir.count("async_copy_global_to_local"),
-        "stages": cfg.num_stages,
+        "stages": c.num_stages,
     }
 json.dump(out, sys.stdout)
 """
@@ -75,10 +80,14 @@ json.dump(out, sys.stdout)
 @compiles_for_gpu(_SCRIPT)
 def test_fp4_gemm_compiles_to_block_scaled_mma(compile_report: dict[str, Any]) -> None:
     report = compile_report
-    assert sorted(report) == ["100/16", "100/32", "120/16", "120/32", "90/16"]
-    assert report["100/16"]["mma"] == [
-        "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"
-    ]
+    tiles = [name for name in report if name.startswith("100/16/")]
+    assert len(tiles) >= 4 and len(report) == len(tiles) + 4, sorted(report)
+    # Every autotune tile reaches the FP4 tensor cores (a 64-row tile would compile to a
+    # 16-bit kind::f16 MMA of upcast operands).
+    for name in tiles:
+        assert report[name]["mma"] == [
+            "tcgen05.mma.cta_group::1.kind::mxf4nvf4.block_scale.block16"
+        ], (name, report[name])
     assert report["100/32"]["mma"] == ["tcgen05.mma.cta_group::1.kind::mxf4.block_scale.block32"]
     for vec, scale in (("16", "ue4m3"), ("32", "ue8m0")):
         (mma,) = report[f"120/{vec}"]["mma"]
