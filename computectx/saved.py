@@ -429,14 +429,16 @@ _DOUBLE_BACKWARD: Final = (
 )
 
 _FP8_GEMM_KEEP: Final = (
-    "a double backward (create_graph=True) through an fp8 GEMM (QuantizedLinear, fp8 experts) "
-    "is not supported: its backward works from fp8 operands outside the graph, so the "
+    "a double backward (create_graph=True) through a quantized GEMM (QuantizedLinear, fp8 "
+    "experts, Fp4Linear, 4-bit experts) is not supported: its backward works from fp8 or "
+    "4-bit operands outside the graph, so the "
     "second-order term would be lost; take such gradients through high-precision linears "
     "(leave these layers out of convert_to_quantized with module_filter)"
 )
 
 _FP8_GEMM: Final = (
-    "; an fp8 GEMM's backward (QuantizedLinear, fp8 experts) is first-order under keep too: "
+    "; a quantized GEMM's backward (QuantizedLinear, fp8 experts, Fp4Linear, 4-bit experts) is "
+    "first-order under keep too: "
     "take such gradients through high-precision linears"
 )
 

@@ -242,7 +242,7 @@ def test_an_fp8_gemm_refuses_a_double_backward_under_keep_too() -> None:
     layers = _double_backward_layers("keep")
     for name in ("fp8_rowwise", "fp8_hybrid", "experts fp8_rowwise"):
         layer, run = layers[name]
-        with pytest.raises(RuntimeError, match=r"create_graph=True\) through an fp8 GEMM"):
+        with pytest.raises(RuntimeError, match=r"create_graph=True\) through a quantized GEMM"):
             _penalty(layer, run)
 
 
