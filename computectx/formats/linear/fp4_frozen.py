@@ -86,6 +86,15 @@ def _code(nvfp4: bool, tile: str, rounding: str) -> int:
     return (not nvfp4) | (nvfp4 and tile == "1x16") << 1 | (not nvfp4 and rounding == "floor") << 2
 
 
+_CODES: Final = frozenset(
+    _code(nv, tile, r)
+    for nv in (True, False)
+    for tile in ("1x16", "16x16")
+    for r in ("rceil", "floor")
+)
+"""The weight codes a frozen layer saves: NVFP4 16x16 and 1x16, MXFP4 rceil and floor."""
+
+
 def _named(code: int) -> str:
     if code & 1:
         return f"mxfp4 weights ({'floor' if code & 4 else 'rceil'} scales)"
@@ -204,7 +213,11 @@ class FrozenFp4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` by ``mode`` (``fp4_serving``)."""
         if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"FrozenFp4Linear takes bf16, fp16 or fp32 inputs, got {describe(x)}")
+            # The dtype and shape, never the values: a message must not print a tensor.
+            raise TypeError(
+                f"FrozenFp4Linear takes bf16, fp16 or fp32 inputs, got {_what(x)}; cast it first "
+                f"(a float64 input to float32)"
+            )
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
                 f"FrozenFp4Linear expects inputs of shape (..., {self.in_features}), got "
@@ -215,10 +228,9 @@ class FrozenFp4Linear(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x.to(lowered))
         x2 = x.reshape(-1, x.shape[-1])
-        if self.mode == "weight_only":
+        if self.mode == "weight_only" or x2.shape[0] == 0:
+            # No rows: nothing to quantize; the empty GEMM keeps the graph (zero gradients).
             y2 = weight_only_mm(x2, self.weight_operand, self.bias)
-        elif x2.shape[0] == 0:
-            y2 = x2.new_zeros((0, self.out_features))
         elif torch.is_grad_enabled() and (
             x2.requires_grad or (self.bias is not None and self.bias.requires_grad)
         ):
@@ -229,7 +241,7 @@ class FrozenFp4Linear(nn.Module):
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         w, rule = self.weight_operand, self.activation_amax
-        return w4a4_mm(x2.detach(), w, self._how, rule, _detached(self.bias), x2.dtype)
+        return w4a4_mm(x2.detach(), w, self._how, rule, _epilogue_bias(self.bias), x2.dtype)
 
     # ----- state ----------------------------------------------------------------------------
 
@@ -275,7 +287,7 @@ class FrozenFp4Linear(nn.Module):
         ):
             raise ValueError(
                 f"{layer}: {prefix}_extra_state must be an int64 tensor [version, weight "
-                f"code], got {describe(state)} (an Fp4Linear's training state is "
+                f"code], got {_what(state)} (an Fp4Linear's training state is "
                 f"[version, recipe code, seed, counter]: load it before freezing)"
             )
         version, code = (int(v) for v in state.tolist())
@@ -285,7 +297,7 @@ class FrozenFp4Linear(nn.Module):
                 f"4-bit layers of version {FROZEN_FP4_VERSION}"
             )
         if code != self._code:
-            shown = _named(code) if 0 <= code < 8 else f"<unknown weight code {code}>"
+            shown = _named(code) if code in _CODES else f"<unknown weight code {code}>"
             raise ValueError(f"{layer}: the state dict holds {shown}; freeze under that format")
 
     def _check_weight_entries(self, entries: Mapping[str, object], layer: str, prefix: str) -> None:
@@ -351,8 +363,17 @@ def _dtype_shape(t: torch.Tensor) -> str:
     return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
 
 
-def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.detach()
+def _what(value: object) -> str:
+    """``value`` for a message: a tensor by its dtype and shape, never its contents."""
+    return _dtype_shape(value) if isinstance(value, torch.Tensor) else describe(value)
+
+
+def _epilogue_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """The bias as W4A4's float32 epilogue adds it: a float64 one (a module-wide
+    ``.double()``) at float32, the others as they are."""
+    if bias is None:
+        return None
+    return bias.detach().float() if bias.dtype == torch.float64 else bias.detach()
 
 
 class _W4A4Fn(torch.autograd.Function):

@@ -16,6 +16,7 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.formats import Fp4Linear, Fp4Recipe
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_serving import ActivationAmax
 from computectx.formats.numerics.fp4 import Nvfp4Operand
 from computectx.memory import memory_report
 
@@ -246,3 +247,50 @@ def test_a_load_it_refuses_changes_no_layer(tmp_path: pathlib.Path) -> None:
     assert isinstance(first, FrozenFp4Linear)
     with pytest.raises(ValueError, match="high-precision"):
         first.check_state_tensors({"weight": torch.zeros(64, 64)}, prefix="0.")
+
+
+# ----- edges found by the adversarial pass --------------------------------------------------
+
+
+def test_a_refused_input_is_named_by_dtype_and_shape_never_its_values() -> None:
+    frozen = FrozenFp4Linear.from_fp4_linear(fp4_layer("nvfp4"))
+    with pytest.raises(TypeError, match=r"got float64 \(2, 64\); cast it first") as err:
+        frozen(torch.full((2, 64), 0.123456, dtype=torch.float64))
+    assert "0.123" not in str(err.value)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("mode", ["weight_only", "w4a4"])
+def test_no_rows_under_grad_give_an_empty_output_and_zero_gradients(recipe: str, mode: str) -> None:
+    lin = fp4_layer(recipe)
+    frozen = FrozenFp4Linear.from_fp4_linear(lin, mode)  # type: ignore[arg-type]
+    for shape in ((0, 64), (2, 0, 64)):
+        x = torch.zeros(shape, requires_grad=True)
+        y = frozen(x)
+        assert y.shape == (*shape[:-1], 64) and y.dtype == x.dtype
+        y.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
+        assert lin.bias.grad is not None and not lin.bias.grad.any()
+        lin.bias.grad = None
+
+
+@pytest.mark.parametrize("rule", ["per_row", "per_tensor"])
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_a_double_cast_bias_serves_as_before(recipe: str, rule: ActivationAmax) -> None:
+    # .double() casts the bias only (the frozen tensors never change dtype); W4A4's epilogue
+    # adds it in float32, where the float64 copy of a float32 bias is the same number.
+    lin = fp4_layer(recipe)
+    frozen = FrozenFp4Linear.from_fp4_linear(lin, "w4a4", activation_amax=rule)
+    with torch.no_grad():
+        want = frozen(X)
+        frozen.double()
+        assert frozen.bias is not None and frozen.bias.dtype == torch.float64
+        assert same(frozen(X), want)
+
+
+def test_an_unknown_weight_code_is_named_unknown_not_as_the_layers_own() -> None:
+    frozen = FrozenFp4Linear.from_fp4_linear(fp4_layer("mxfp4+floor"))
+    state = frozen.state_dict()
+    for code in (3, 4, 6, 7):  # a 1x16 bit on MXFP4, a floor bit on NVFP4
+        with pytest.raises(ValueError, match=f"<unknown weight code {code}>"):
+            frozen.load_state_dict({**state, "_extra_state": torch.tensor([1, code])})
