@@ -314,8 +314,13 @@ def scaled_mm(args: GemmArgs) -> torch.Tensor:
     multiply the accumulator once, ``acc * (step_a * step_b)``, then bias is added in float32
     and the sum rounded once to ``out_dtype``.
     """
+    # Both operands widened into one layout: a CPU GEMM's summation order can follow the
+    # operands' strides (oneDNN on an AMX/AVX-512 machine does), and the twin is a function
+    # of the values alone, so a transposed view and its contiguous copy give the same bits.
+    a = args.a.to(torch.float32).contiguous()
+    b = args.b.to(torch.float32).contiguous()
     with float32_matmuls(args.a.device):
-        acc = args.a.to(torch.float32) @ args.b.to(torch.float32).t()
+        acc = a @ b.t()
     return epilogue(acc * args.scales(torch.float32), args.bias, args.out_dtype)
 
 

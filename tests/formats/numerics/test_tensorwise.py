@@ -480,3 +480,24 @@ def test_narrow_accumulation_bound_refuses_a_bad_accumulation(bad: tuple[int, fl
         tensorwise.scaled_mm_error_bound(
             tensorwise.GemmArgs(a, a, one, one, None, torch.float32), accumulation=bad
         )
+
+
+@pytest.mark.parametrize("m", [1, 5, 37])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_scaled_mm_twin_is_a_function_of_values_not_of_strides(
+    out_dtype: torch.dtype, m: int
+) -> None:
+    # A transposed view of codes and its contiguous copy are the same operand: the twin gives
+    # the same bits for both (a CPU GEMM's summation order may follow strides: it did on an
+    # AMX machine, where a frozen expert's dgrad, fed contiguous transposed codes, differed in
+    # the last bit from the unfrozen one's).
+    g = torch.Generator().manual_seed(0)
+    step = torch.tensor([0.5])
+    for _ in range(8):  # a different order shows on some values only
+        a = (torch.randn(m, 144, generator=g) * 4).to(torch.float8_e4m3fn)
+        wt = (torch.randn(160, 144, generator=g) * 4).to(torch.float8_e4m3fn)
+        view = wt.t().contiguous().t()  # values of wt, column-major
+        args = (step, step, None, out_dtype)
+        strided = tensorwise.scaled_mm(tensorwise.GemmArgs(a, view, *args))
+        packed = tensorwise.scaled_mm(tensorwise.GemmArgs(a, wt, *args))
+        assert torch.equal(strided.view(torch.uint8), packed.view(torch.uint8))
