@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
@@ -29,13 +30,24 @@ def freeze_fp4_for_serving(
     forward on the whole batch, bit for bit). The high-precision weights go with the layers
     they leave (each bias stays, shared); a layer held under several names is replaced by one
     frozen layer under all of them. Every layer is frozen before any is put in place: an error
-    leaves the model as it was. ``ValueError`` for a bad ``mode`` or ``activation_amax`` and for
-    a model holding no ``Fp4Linear``; ``TypeError`` for a model that is one (freeze it with
-    ``FrozenFp4Linear.from_fp4_linear`` and put that in its place).
+    leaves the model as it was. ``ValueError`` for a bad ``mode`` or ``activation_amax``, for
+    a model holding no ``Fp4Linear`` and for a layer that cannot be frozen (a NaN in its
+    weight: named); ``TypeError`` for a model that is one (freeze it with
+    ``FrozenFp4Linear.from_fp4_linear`` and put that in its place) and for a model wrapped in
+    ``DistributedDataParallel`` (freeze ``model.module`` before wrapping, or serve without DDP:
+    its reducer would keep the dropped weights).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"freeze_fp4_for_serving takes an nn.Module, got {describe(model)}")
     check_serving(mode, activation_amax, "freeze_fp4_for_serving")
+    wrapped = [fqn for fqn, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
+    if wrapped:
+        raise TypeError(
+            f"freeze_fp4_for_serving: {wrapped[0] or '<root>'!r} is a DistributedDataParallel; "
+            f"freeze the model inside it (its .module) before wrapping: DDP's reducer holds "
+            f"the high-precision weights a freeze drops (their memory stays, and a backward "
+            f"waits for their gradients); serving needs no DDP"
+        )
     if isinstance(model, Fp4Linear):
         raise TypeError(
             "freeze_fp4_for_serving replaces the Fp4Linear layers inside a model; the model is "
@@ -50,11 +62,17 @@ def freeze_fp4_for_serving(
             f"'nvfp4', device), or a model built under such a ctx)"
         )
     frozen: dict[int, FrozenFp4Linear] = {}
-    for _, layer in layers:
+    for fqn, layer in layers:
         if id(layer) not in frozen:
-            frozen[id(layer)] = FrozenFp4Linear.from_fp4_linear(
-                layer, mode, activation_amax=activation_amax
-            )
+            try:
+                frozen[id(layer)] = FrozenFp4Linear.from_fp4_linear(
+                    layer, mode, activation_amax=activation_amax
+                )
+            except ValueError as err:  # a NaN in the weight: which layer, of many
+                raise ValueError(
+                    f"freeze_fp4_for_serving: {fqn!r} cannot be frozen ({err}); the model was "
+                    f"left unchanged"
+                ) from err
     for fqn, layer in layers:
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent), name, frozen[id(layer)])

@@ -106,3 +106,29 @@ def test_a_frozen_byte_lm_generates_through_the_kv_cache_deterministically(
         other.load_state_dict(load_file(str(tmp_path / f"{mode}.safetensors")))
         with torch.inference_mode():
             assert torch.equal(generate(other, prompt, 4), first)
+
+
+def test_a_layer_that_cannot_be_frozen_is_named_and_nothing_changes() -> None:
+    model = converted()
+    layer = model[2]
+    assert isinstance(layer, Fp4Linear)
+    with torch.no_grad():
+        layer.weight[3, 5] = float("nan")  # its block scale is NaN: a weight that serves NaN
+    with pytest.raises(ValueError, match=r"'2' cannot be frozen .*block scales must be finite"):
+        freeze_fp4_for_serving(model)
+    assert all(isinstance(model[i], Fp4Linear) for i in (0, 2, 4)) and model[2] is model[4]
+
+
+def test_a_ddp_wrapped_model_is_refused_before_anything_changes(tmp_path: pathlib.Path) -> None:
+    store = tmp_path / "store"
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=0, world_size=1
+    )
+    try:
+        wrapped = nn.parallel.DistributedDataParallel(converted())
+        for model in (wrapped, nn.Sequential(wrapped)):
+            with pytest.raises(TypeError, match=r"DistributedDataParallel; freeze the model"):
+                freeze_fp4_for_serving(model)
+        assert isinstance(wrapped.module[0], Fp4Linear)
+    finally:
+        torch.distributed.destroy_process_group()
