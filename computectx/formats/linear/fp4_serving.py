@@ -125,8 +125,9 @@ def check_weight(weight: object, who: str) -> Fp4Operand:
     block), its scales at the layout its block says (NVFP4 ``float8_e4m3fn`` ``[N, K/16]`` for
     ``"1x16"``, ``[N/16, K/16]`` for ``"16x16"``; MXFP4 ``float8_e8m0fnu`` ``[N, K/32]``), no
     block scale NaN (a block that held a NaN) or negative, NVFP4's amax a finite float32 >= 0
-    of one element, everything on one device. ``TypeError``/``ValueError`` naming the value
-    and what is accepted; reads ``weight`` only (one host read of the scales and amax)."""
+    of one element (0 only with every scale 0: an all-zero weight), everything on one device.
+    ``TypeError``/``ValueError`` naming the value and what is accepted; reads ``weight`` only
+    (one host read of the scales and amax)."""
     if not isinstance(weight, (Nvfp4Operand, Mxfp4Operand)):
         raise TypeError(
             f"{who} takes an Nvfp4Operand or Mxfp4Operand (computectx.formats.numerics.fp4: "
@@ -186,9 +187,18 @@ def _check_values(weight: Fp4Operand, who: str) -> None:
     if isinstance(weight, Nvfp4Operand):
         amax = weight.amax.float()
         bad_amax = ~torch.isfinite(amax).all() | (amax < 0).any()
-        bad = torch.stack((bad_scale, bad_amax)).tolist()
+        # The quantizers give an amax of 0 to an all-zero weight only (every scale 0); with
+        # a scale that is not, dequantizing (S_enc = 1 at amax 0) and W4A4's epilogue
+        # (alpha = amax_x * 0) would serve two different weights.
+        zero_amax = (amax == 0).any() & (scale != 0).any()
+        bad = torch.stack((bad_scale, bad_amax, zero_amax)).tolist()
         if bad[1]:
             raise ValueError(f"{who}: amax must be finite and >= 0, got {amax.tolist()}")
+        if bad[2]:
+            raise ValueError(
+                f"{who}: amax is 0 but some block scales are not: an amax of 0 stands for an "
+                f"all-zero weight (every scale 0); give the weight's own amax"
+            )
     else:
         bad = [bool(bad_scale)]
     if bad[0]:

@@ -149,6 +149,8 @@ def test_check_weight_takes_what_the_quantizers_make() -> None:
     one = nv()
     amax_1 = Nvfp4Operand(one.codes, one.scale, one.amax.reshape(1), "1x16")
     assert check_weight(amax_1, "who") is amax_1
+    zeros = quantize_nvfp4(torch.zeros(32, 64), tile="1x16")  # amax 0, every scale 0
+    assert float(zeros.amax) == 0.0 and check_weight(zeros, "who") is zeros
 
 
 def _bad_cases() -> list[tuple[object, type[Exception], str]]:
@@ -175,6 +177,7 @@ def _bad_cases() -> list[tuple[object, type[Exception], str]]:
         (Nvfp4Operand(q.codes, q.scale, torch.ones(2), "1x16"), ValueError, "amax must be a"),
         (Nvfp4Operand(q.codes, q.scale, torch.tensor(-1.0), "1x16"), ValueError, "finite and"),
         (Nvfp4Operand(q.codes, q.scale, torch.tensor(float("inf")), "1x16"), ValueError, "finite"),
+        (Nvfp4Operand(q.codes, q.scale, torch.tensor(0.0), "1x16"), ValueError, "amax is 0 but"),
         (Nvfp4Operand(q.codes, nan_scale, q.amax, "1x16"), ValueError, "block scales must be"),
         (Nvfp4Operand(q.codes, neg_scale, q.amax, "1x16"), ValueError, "block scales must be"),
         (Nvfp4Operand(q.codes, q.scale, q.amax.to("meta"), "1x16"), ValueError, "one device"),
