@@ -212,11 +212,11 @@ def _reported(
     a ``UserWarning`` when nothing converted (``nothing_converted`` says why, by rule)."""
     names = tuple(alias for _, lin in converted for alias, _, _ in places[id(lin)])
     notes = head_dtype_notes(rules.ctx, order, skipped)
+    fmt = "fp8" if rules.fp4 is None else rules.fp4.format
     report = ConversionReport(
-        converted=names + experts, skipped=tuple(skipped), notes=notes, experts=experts
+        converted=names + experts, skipped=tuple(skipped), notes=notes, experts=experts, target=fmt
     )
     if not report.converted and not any(s.rule == "already_fp8" for s in skipped):
-        fmt = "fp8" if rules.fp4 is None else rules.fp4.format
         warnings.warn(
             nothing_converted(rules.model, rules.min_features, report, fmt),
             UserWarning,

@@ -61,7 +61,10 @@ class ConversionReport:
     notes: tuple[str, ...] = ()
     experts: tuple[str, ...] = ()
     """The grouped-experts modules among ``converted`` (``convert_experts``): their expert
-    GEMMs now run through ``quantized_grouped_mm``."""
+    GEMMs now run through ``quantized_grouped_mm`` (or the 4-bit grouped GEMM)."""
+    target: str = "fp8"
+    """What the layers were converted to: ``"fp8"``, or the 4-bit format (``"nvfp4"``,
+    ``"mxfp4"``)."""
 
     @property
     def already_fp8(self) -> tuple[str, ...]:
@@ -69,7 +72,7 @@ class ConversionReport:
         return tuple(s.fqn for s in self.skipped if s.rule == "already_fp8")
 
     def __str__(self) -> str:
-        lines = [f"converted {len(self.converted)} linear(s) to fp8:"]
+        lines = [f"converted {len(self.converted)} linear(s) to {self.target}:"]
         lines += [
             f"  {fqn}" + (" (grouped experts)" if fqn in self.experts else "")
             for fqn in self.converted

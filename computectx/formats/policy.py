@@ -112,15 +112,13 @@ def policy_of(ctx: object, who: str) -> Recipe:
 
 def fp4_not_built(who: str, recipe: Fp4Recipe) -> str:
     """The message of a 4-bit recipe refused by ``who``, an fp8 entry point: 4-bit dense
-    linears are ``Fp4Linear`` (``convert_to_quantized`` converts to them); the 4-bit grouped
-    GEMM, autocast region and parallel setup are not built yet, and fp8 never runs in their
-    place."""
+    linears are ``Fp4Linear`` and 4-bit experts ``Fp4Experts`` (``convert_to_quantized``
+    converts to them); an fp8 entry point never runs fp8 in their place."""
     return (
         f"{who} runs fp8 recipes; the ctx holds the 4-bit recipe {str(recipe)!r}, whose dense "
-        f"linears are Fp4Linear (convert_to_quantized converts to them); the rest of 4 bits "
-        f"(grouped GEMM, autocast, parallelize) is not built yet (issue 37), and fp8 never "
-        f"runs in its place. Use convert_to_quantized, an fp8 recipe (e.g. "
-        f"ComputeCtx.from_flag('fp8_hybrid', device)) or none"
+        f"linears are Fp4Linear and whose grouped experts are Fp4Experts (convert_to_quantized "
+        f"converts to them), and fp8 never runs in their place. Use convert_to_quantized, an "
+        f"fp8 recipe (e.g. ComputeCtx.from_flag('fp8_hybrid', device)) or none"
     )
 
 

@@ -41,13 +41,14 @@ def apply_recipe(block: nn.Module, ctx: ComputeCtx) -> None:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = convert_to_quantized(block, ctx, include_head=True, min_features=FEATURE_MULTIPLE)
-    # Layers a sub-block converted as it was built (fp8 or 4-bit) are skipped as already_fp8.
-    refused = [s for s in report.skipped if s.rule != "already_fp8"]
+    # Layers a sub-block converted as it was built (fp8 or 4-bit) are skipped as already_fp8;
+    # a 4-bit recipe's hp/hp_last keeps layers high by choice (kept_high), not by refusal.
+    refused = [s for s in report.skipped if s.rule not in ("already_fp8", "kept_high")]
     if refused:
         raise ValueError(
-            f"{type(block).__name__} cannot run its linears in fp8 under {str(ctx)!r}: "
-            f"{'; '.join(f'{s.fqn}: {s.reason}' for s in refused)}. Use widths that are "
-            f"multiples of {FEATURE_MULTIPLE}, or a ctx without fp8"
+            f"{type(block).__name__} cannot run its linears in {report.target} under "
+            f"{str(ctx)!r}: {'; '.join(f'{s.fqn}: {s.reason}' for s in refused)}. Use widths "
+            f"that are multiples of {FEATURE_MULTIPLE}, or a ctx without a recipe"
         )
     for w in caught:
         # With this module's registry, so the default "once per location" filter still holds.

@@ -493,3 +493,14 @@ def test_converting_nothing_under_4_bits_names_the_format() -> None:
     with pytest.warns(UserWarning, match="so nothing in it runs in mxfp4:") as caught:
         convert_to_quantized(nn.Sequential(nn.Linear(32, 32)), ctx, min_features=16)
     assert "fp8" not in str(caught[0].message)
+
+
+@pytest.mark.parametrize("flag", ["fp8_hybrid", "nvfp4", "mxfp4"])
+def test_the_report_names_what_the_layers_were_converted_to(flag: str) -> None:
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    report = convert_to_quantized(
+        model, ComputeCtx.from_flag(flag, "cpu"), module_filter=lambda m, f: True
+    )
+    target = "fp8" if flag.startswith("fp8") else flag
+    assert report.target == target
+    assert str(report).startswith(f"converted 2 linear(s) to {target}:")

@@ -88,3 +88,18 @@ def test_fp8_model_generates_with_a_cache_at_kv_dtype() -> None:
     out = generate(model, encode_bytes("x = "), 10, temperature=0.7, top_k=10,
                    generator=torch.Generator().manual_seed(1))  # fmt: skip
     assert out.shape == (14,) and out.dtype == torch.long
+
+
+def test_a_4bit_recipe_keeps_its_hp_layers_of_a_standalone_block() -> None:
+    # hp=*up keeps mlp.up high by choice: the block builds (it raised "cannot run its linears
+    # in fp8"), the other two linears are 4-bit.
+    from computectx.formats import Fp4Linear
+    from computectx.fp4_recipe import Fp4Recipe
+
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    ctx = ctx.replace(recipe=Fp4Recipe.parse("nvfp4+hp=up"))
+    mlp = MLP(ctx, 32, 64)
+    assert type(mlp.up) is torch.nn.Linear
+    assert isinstance(mlp.gate, Fp4Linear) and isinstance(mlp.down, Fp4Linear)
+    with pytest.raises(ValueError, match=r"cannot run its linears in nvfp4"):
+        MLP(ComputeCtx.from_flag("nvfp4", "cpu"), 32, 40)  # 40: not a multiple of 16
