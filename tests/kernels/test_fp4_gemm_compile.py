@@ -157,3 +157,60 @@ def test_fp4_grouped_gemms_compile_to_block_scaled_mma(compile_report: dict[str,
     assert report["wgrad"]["mma"] == ["tcgen05.mma.cta_group::1.kind::mxf4.block_scale.block32"]
     for name, facts in report.items():
         assert facts["fma"] == 0 and not facts["ftz"], (name, facts)
+
+
+_QUANTIZE_SCRIPT = r"""
+import json, sys
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+from computectx.kernels import fp4_gemm as kf, fp4_quantize as kq
+from computectx.kernels.quantize_cast import fp8_constants
+
+target = GPUTarget("cuda", 100, 32)
+
+
+def build(kernel, names, types, consts, aligned):
+    sig = dict(zip(names, types))
+    sig.update({k: "constexpr" for k in consts})
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    k = compile(ASTSource(kernel, sig, consts, attrs), target=target,
+                options={"num_warps": 4, **kf.BUILD_OPTIONS})
+    ptx = k.asm["ptx"]
+    return {"v4": ptx.count("ld.global.v4") + ptx.count("ld.global.nc.v4"),
+            "fma": ptx.count("fma.rn.f32"), "ftz": ".ftz" in ptx,
+            "approx": ptx.count("div.full") + ptx.count("div.approx") + ptx.count("rcp.approx")}
+
+
+out = {}
+names = ["x_ptr", "codes_ptr", "scale_ptr", "amax_ptr", "rng_ptr", "R", "C", "C_VALID",
+         "stride_r", "stride_c", "stride_qr", "stride_sr"]
+# NVFP4 16x16 tiles of bf16 with stochastic rounding; MXFP4 rceil of float32 to nearest.
+for name, xdt, nvfp4, rows, sr in (("nvfp4", "*i16", True, 16, True),
+                                   ("mxfp4", "*fp32", False, 1, False)):
+    consts = dict(X_BF16=xdt == "*i16", NVFP4=nvfp4, ROWS=rows, VEC=16 if nvfp4 else 32,
+                  FLOOR=False, SR=sr, FMT=fp8_constants(torch.float8_e4m3fn), TILE_R=32,
+                  GROUPS=8, stride_c=1)
+    types = [xdt, "*u8", "*u8", "*fp32", "*i64"] + ["i32"] * 7
+    out[f"quantize/{name}"] = build(kq._quantize_kernel, names, types, consts,
+                                    ("x_ptr", "codes_ptr", "C", "C_VALID", "stride_r",
+                                     "stride_qr"))
+out["hadamard"] = build(kq._hadamard_kernel,
+                        ["x_ptr", "y_ptr", "amax_ptr", "M", "K", "M_PAD", "stride_m", "stride_k"],
+                        ["*i16", "*i16", "*i32"] + ["i32"] * 5,
+                        dict(SIGNS=0x1234, X_BF16=True, BLOCK_K=64, stride_k=1),
+                        ("x_ptr", "y_ptr", "K", "M_PAD", "stride_m"))
+json.dump(out, sys.stdout)
+"""
+
+
+@compiles_for_gpu(_QUANTIZE_SCRIPT)
+def test_fp4_quantize_compiles_without_contraction(compile_report: dict[str, Any]) -> None:
+    report = compile_report
+    assert sorted(report) == ["hadamard", "quantize/mxfp4", "quantize/nvfp4"]
+    for name, facts in report.items():
+        # Every rounding the twin's: no fused multiply-add, no flush-to-zero, IEEE division.
+        assert facts["fma"] == 0 and not facts["ftz"] and facts["approx"] == 0, (name, facts)
+    for name in ("quantize/mxfp4", "quantize/nvfp4"):
+        # The tile is read along its unit stride with 16-byte vector loads.
+        assert report[name]["v4"] > 0, (name, report[name])
