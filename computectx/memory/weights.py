@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from typing import Final
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -23,6 +24,8 @@ from computectx.residency import Residency, available_bytes
 
 __all__ = ["LoadReport", "load_weights", "save_weights"]
 
+_EXTRA_STATE: Final = "_extra_state"
+"""The state-dict name of a module's ``get_extra_state()`` (torch's)."""
 _ALIASES_KEY = "computectx.aliases"
 """safetensors metadata entry: JSON ``{alias: stored name}`` for tied weights."""
 
@@ -128,9 +131,10 @@ def load_weights(
     installs them after the weights. A module that defines
     ``default_state_tensors`` names state a checkpoint may lack (state added after such
     checkpoints were written: an ``Attention``'s calibrated ``kv_amax``); a checkpoint
-    without it loads those defaults, and the report says how many. Module extra state that
-    is not a tensor (see ``save_weights``) is left as it is, and the report says how many
-    entries that was.
+    without it loads those defaults, and the report says how many. A module's extra state
+    that is a tensor goes to its ``set_extra_state``, before the weights are replaced (as
+    ``load_state_dict`` hands it over); extra state that is not a tensor (see
+    ``save_weights``) is left as it is, and the report says how many entries that was.
     """
     file = _checked_load_args(model, path, ctx, reserve_bytes)
     header, aliases = _read_header(file)
@@ -235,10 +239,18 @@ def _install(
     defaulted: dict[str, torch.Tensor],
     device: torch.device,
 ) -> None:
-    """Hand every checked tensor to the model: a parameter's ``data`` is replaced in place
-    (tied weights stay tied, optimizers keep their references), a buffer is replaced."""
+    """Hand every checked tensor to the model: a module's tensor extra state to its
+    ``set_extra_state`` first (as ``load_state_dict`` hands it: one that refuses leaves the
+    weights as they were), then a parameter's ``data`` is replaced in place (tied weights stay
+    tied, optimizers keep their references), a buffer is replaced."""
+    owners = {name: _extra_state_owner(model, name) for name in targets}
+    extra = {name: owner for name, owner in owners.items() if owner is not None}
+    for name, owner in extra.items():
+        owner.set_extra_state(loaded[resolved[name]])
     claimed: dict[str, int] = {}
     for name, target in targets.items():
+        if name in extra:
+            continue
         if name in defaulted:
             _replace_buffer(model, name, defaulted[name].to(device=device, copy=True))
             continue
@@ -415,6 +427,15 @@ def _check_unchanged(
             f"checkpoint {str(file)!r} changed while it was read (another process wrote "
             f"it?): tensors {changed[:8]} are not what its header said; nothing was loaded"
         )
+
+
+def _extra_state_owner(model: torch.nn.Module, name: str) -> torch.nn.Module | None:
+    """The module whose ``get_extra_state`` gave the entry ``name`` (a tensor), else ``None``."""
+    owner_name, _, attr = name.rpartition(".")
+    if attr != _EXTRA_STATE:
+        return None
+    owner = model.get_submodule(owner_name)
+    return None if attr in owner._buffers else owner
 
 
 def _replace_buffer(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:

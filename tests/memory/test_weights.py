@@ -271,3 +271,37 @@ def test_frozen_4bit_model_round_trips_its_packed_codes_and_scales(
     x = torch.randn(5, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert torch.equal(source(x).view(torch.int16), target(x).view(torch.int16))
+    # The frozen layers' [version, weight code] went to set_extra_state (a check), not into a
+    # stray attribute holding a view of the file.
+    assert not any("_extra_state" in vars(m) for m in target.modules())
+
+
+class Counted(torch.nn.Module):
+    """A module whose extra state is a tensor it installs in ``set_extra_state``."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(2, 2)
+        self.count = count
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor([self.count])
+
+    def set_extra_state(self, state: torch.Tensor) -> None:
+        if int(state[0]) < 0:
+            raise ValueError("a negative count")
+        self.count = int(state[0])
+
+
+def test_tensor_extra_state_is_handed_to_set_extra_state(tmp_path: pathlib.Path) -> None:
+    path = save_weights(Counted(7), tmp_path / "c.safetensors")
+    target = Counted(0)
+    load_weights(target, path, ctx("device"))
+    assert target.count == 7 and "_extra_state" not in vars(target)
+    # One it refuses raises before any weight is replaced.
+    bad = Counted(-1)
+    bad_path = save_weights(bad, tmp_path / "bad.safetensors")
+    before = snapshot(target)
+    with pytest.raises(ValueError, match="a negative count"):
+        load_weights(target, bad_path, ctx("device"))
+    assert same(target, before) and target.count == 7
