@@ -272,10 +272,10 @@ def _check(
         not isinstance(rng, torch.Tensor)
         or rng.dtype != torch.int64
         or tuple(rng.shape) != (2,)
-        or rng.device != x.device
+        or rng.device not in (x.device, torch.device("cpu"))
     ):
         raise ValueError(
-            f"rng must be None or an int64 (2,) [seed, counter] on {x.device}: {rng!r}"
+            f"rng must be None or an int64 (2,) [seed, counter] on {x.device} or the CPU: {rng!r}"
         )
     if not INTERPRETED and x.device.type != "cuda":
         raise ValueError(f"the compiled 4-bit quantize runs on a CUDA device, got {x.device}")
@@ -329,10 +329,13 @@ def fp4_quantize(
     (its arguments but the backend): the row-wise operand at ``tile`` (NVFP4 ``"1x16"`` or
     ``"16x16"``, MXFP4 1x32 by ``mx_rounding``), or with ``columnwise`` the wgrad's operand of
     ``x.t()`` (tokens zero-padded to the block, and to 16 under ``hadamard``, transformed
-    with ``signs``); ``rng`` an int64 ``(2,)`` ``[seed, counter]`` for stochastic rounding.
+    with ``signs``); ``rng`` an int64 ``(2,)`` ``[seed, counter]`` for stochastic rounding,
+    on ``x``'s device (read there) or the CPU (copied).
     ``amax`` is float32 ``(1,)``: NVFP4's per-tensor amax (of the transformed tensor under
     the transform), MXFP4's of ``x`` (unused). ``ValueError`` naming a bad argument."""
     x = _check(x, format, tile, mx_rounding, signs, rng)
+    if rng is not None:
+        rng = rng.to(x.device)  # a key built on the host (the operator's) travels once
     nvfp4 = format == "nvfp4"
     vec = 16 if nvfp4 else 32
     rows = 16 if nvfp4 and tile == "16x16" and not columnwise else 1

@@ -35,23 +35,29 @@ from .conftest import ON_GPU
 
 pytestmark = pytest.mark.interpreter
 
-_NAME = "computectx.kernels.fp4_gemm"
+_FP4_KERNELS = (
+    "computectx.kernels.fp4_gemm",  # first: the others import its functions
+    "computectx.kernels.fp4_quantize",
+    "computectx.kernels.fp4_grouped",
+)
 
 
-def _kernel_module() -> ModuleType:
-    # As tests/kernels/conftest.py does for the older kernel modules: on the CPU the module
-    # must be decorated for the interpreter, whatever imported it before.
+def fp4_kernel_module(name: str) -> ModuleType:
+    """The module ``name``, with the 4-bit kernel modules decorated for the interpreter on the
+    CPU (as tests/kernels/conftest.py does for the older ones): each imported, or reloaded in
+    order if something imported it compiled before."""
     if ON_GPU:
-        return importlib.import_module(_NAME)
+        return importlib.import_module(name)
     previous = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
-        module = sys.modules.get(_NAME)
-        if module is None:
-            return importlib.import_module(_NAME)
-        if not getattr(module, "INTERPRETED", False):
-            return importlib.reload(module)
-        return module
+        for kernels in _FP4_KERNELS:
+            module = sys.modules.get(kernels)
+            if module is None:
+                importlib.import_module(kernels)
+            elif not getattr(module, "INTERPRETED", False):
+                importlib.reload(module)
+        return importlib.import_module(name)
     finally:
         if previous is None:
             del os.environ["TRITON_INTERPRET"]
@@ -59,7 +65,7 @@ def _kernel_module() -> ModuleType:
             os.environ["TRITON_INTERPRET"] = previous
 
 
-kf = _kernel_module()
+kf = fp4_kernel_module("computectx.kernels.fp4_gemm")
 FP4_GPU = ON_GPU and kf.fp4_tensor_cores(torch.device("cuda")) is None
 DEVICE = torch.device("cuda" if FP4_GPU else "cpu")
 needs_fp4 = pytest.mark.skipif(

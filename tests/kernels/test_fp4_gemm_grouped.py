@@ -1,61 +1,31 @@
 """The Triton 4-bit grouped GEMMs (``computectx.kernels.fp4_grouped``): each group is the dense
 twin ``numerics.fp4_gemm.reference_fp4_mm`` on its own operands, bit for bit on exact data
-(empty groups, a first group with no rows, rows past the last group); and on operands
-quantized as the grouped twins quantize them (per group, stochastic counters, the wgrad's
-padding and Hadamard transform) the results are within each group's widened bound of the
-grouped twins' operands. Interpreted on the CPU, compiled on sm_100+ (as test_fp4_gemm.py).
+(empty groups, a first group with no rows, rows past the last group, an empty group's NaN
+amax). Their composition with the quantize, against the grouped twins, is
+test_fp4_gemm_grouped_values.py. Interpreted on the CPU, compiled on sm_100+ (as
+test_fp4_gemm.py).
 """
 
 from __future__ import annotations
-
-import importlib
-import os
-import sys
-from types import ModuleType
 
 import pytest
 import torch
 
 from computectx.formats.numerics import fp4_gemm as twin
-from computectx.formats.numerics.e2m1 import Stochastic
 from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
-from computectx.formats.numerics.fp4_gemm import Fp4Format, Fp4Operand, Fp4Quant
+from computectx.formats.numerics.fp4_gemm import Fp4Operand
 
-from .conftest import ON_GPU
 from .test_fp4_gemm import (
     DEVICE,
     assert_same,
     exact_operand,
+    fp4_kernel_module,
     needs_fp4,
-    widened_bound,
 )
 
 pytestmark = [pytest.mark.interpreter, needs_fp4]
 
-_NAME = "computectx.kernels.fp4_grouped"
-
-
-def _kernel_module() -> ModuleType:
-    # As test_fp4_gemm.py: decorated for the interpreter on the CPU.
-    if ON_GPU:
-        return importlib.import_module(_NAME)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = sys.modules.get(_NAME)
-        if module is None:
-            return importlib.import_module(_NAME)
-        if not getattr(module, "INTERPRETED", False):
-            return importlib.reload(module)
-        return module
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-kg = _kernel_module()
+kg = fp4_kernel_module("computectx.kernels.fp4_grouped")
 
 
 def empty_operand(rows: int, k: int, nvfp4: bool) -> Fp4Operand:
@@ -143,37 +113,6 @@ def test_grouped_mm_is_each_groups_dense_twin_on_exact_data(
     assert not bool(out[start:].cpu().float().any()), "rows past the last group are zero"
 
 
-def test_grouped_mm_composes_the_grouped_twins_operands() -> None:
-    # The grouped twin's own quantization, group by group: rows at their group's amax,
-    # stochastic rounding drawing the counters of the whole row-major tensor.
-    gen = torch.Generator().manual_seed(11)
-    how = Fp4Quant(format="nvfp4", weight_tile="16x16")
-    sizes, n, k = [13, 0, 20], 32, 64
-    a = torch.randn(sum(sizes), k, generator=gen)
-    b = torch.randn(len(sizes), n, k, generator=gen)
-    key, start = Stochastic(5, 100), 0
-    qa: list[Fp4Operand] = []
-    for size in sizes:
-        sub = Stochastic(key.seed, key.offset + start * k)
-        qa.append(
-            twin.quantize_rows(a[start : start + size], how, stochastic=sub)
-            if size
-            else empty_operand(0, k, True)
-        )
-        start += size
-    qb = [twin.quantize_rows(b[g], how, weight=True) for g in range(len(sizes))]
-    out = forward(qa, qb, 0, torch.float32).cpu()
-    bounds = [
-        (s - z, s) for s, z in zip(torch.tensor(sizes).cumsum(0).tolist(), sizes, strict=True)
-    ]
-    ref = twin.reference_fp4_grouped_mm(a, b, bounds, how, torch.float32, key)
-    for (lo, hi), a_g, b_g in zip(bounds, qa, qb, strict=True):
-        if hi > lo:
-            err = (out[lo:hi].double() - ref[lo:hi].double()).abs()
-            # Both within the bound of the same exact product: twice the bound apart at most.
-            assert bool((err <= 2 * widened_bound(a_g, b_g, torch.float32, None)).all())
-
-
 def wgrad(qd: list[Fp4Operand], qx: list[Fp4Operand]) -> torch.Tensor:
     a, sa, ma = joined(qd, 1)
     b, sb, mb = joined(qx, 1)
@@ -196,39 +135,6 @@ def test_grouped_wgrad_is_each_groups_dense_twin_on_exact_data(tile: str, cols: 
     for g, (d_g, x_g) in enumerate(zip(qd, qx, strict=True)):
         ref = twin.reference_fp4_mm(d_g, x_g, torch.float32) if cols[g] else torch.zeros(n, k)
         assert_same(out[g], ref)
-
-
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_grouped_wgrad_composes_the_grouped_twins_operands(fmt: Fp4Format) -> None:
-    # The wgrad twin's operands: each group padded (to 16 under the transform, 32 for
-    # MXFP4), Hadamard-transformed and amax'd on its own; dY stochastically rounded.
-    gen = torch.Generator().manual_seed(3)
-    how = Fp4Quant(format=fmt, hadamard=True)
-    sizes, n, k = [7, 0, 19], 24, 40
-    dy = torch.randn(sum(sizes), n, generator=gen)
-    x = torch.randn(sum(sizes), k, generator=gen)
-    key, consumed, start = Stochastic(9, 0), 0, 0
-    qd: list[Fp4Operand] = []
-    qx: list[Fp4Operand] = []
-    for size in sizes:
-        rows = slice(start, start + size)
-        if size:
-            qd.append(twin.wgrad_operand(dy[rows], how, stochastic=Stochastic(9, consumed)))
-            qx.append(twin.wgrad_operand(x[rows], how))
-            consumed += qd[-1].codes.shape[1] * 2 * n
-        else:
-            qd.append(empty_operand(n, 0, fmt == "nvfp4"))
-            qx.append(empty_operand(k, 0, fmt == "nvfp4"))
-        start += size
-    out = wgrad(qd, qx).cpu()
-    bounds = [
-        (s - z, s) for s, z in zip(torch.tensor(sizes).cumsum(0).tolist(), sizes, strict=True)
-    ]
-    ref = twin.reference_fp4_grouped_wgrad(dy, x, bounds, how, key)
-    assert not bool(out[1].any())
-    for g in (0, 2):
-        err = (out[g].double() - ref[g].double()).abs()
-        assert bool((err <= 2 * widened_bound(qd[g], qx[g], torch.float32, None)).all())
 
 
 def test_bad_grouped_arguments_are_refused_by_name() -> None:

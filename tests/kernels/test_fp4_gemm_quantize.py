@@ -9,11 +9,6 @@ no FP4 tensor cores).
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-from types import ModuleType
-
 import pytest
 import torch
 
@@ -23,6 +18,7 @@ from computectx.formats.numerics.fp4 import Nvfp4Operand, tensor_amax
 from computectx.formats.numerics.fp4_gemm import Fp4Format, Fp4Quant
 
 from .conftest import ON_GPU
+from .test_fp4_gemm import fp4_kernel_module
 
 pytestmark = [
     pytest.mark.interpreter,
@@ -30,30 +26,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::RuntimeWarning"),
 ]
 
-_NAME = "computectx.kernels.fp4_quantize"
-
-
-def _kernel_module() -> ModuleType:
-    # As test_fp4_gemm.py: decorated for the interpreter on the CPU.
-    if ON_GPU:
-        return importlib.import_module(_NAME)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = sys.modules.get(_NAME)
-        if module is None:
-            return importlib.import_module(_NAME)
-        if not getattr(module, "INTERPRETED", False):
-            return importlib.reload(module)
-        return module
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-kq = _kernel_module()
+kq = fp4_kernel_module("computectx.kernels.fp4_quantize")
 DEVICE = torch.device("cuda" if ON_GPU else "cpu")
 SEED_HIGH = Stochastic(2**63 + 12345, 77)  # a seed stored as a negative int64
 
