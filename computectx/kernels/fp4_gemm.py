@@ -31,7 +31,10 @@ float32 accumulator in K order. Where every partial sum is exact in float32 (sma
 in a few binades) the result is the twin's bit for bit. Otherwise the sums are rounded in
 another order than the twin's (its per-block partials ``P_kb`` are exact, the MMA's order is
 its own): the twin's bound (``numerics.fp4_gemm.fp4_mm_error_bound``) with its accumulation
-term counting all K products' additions holds for any float32 summation order. Under Triton
+term counting all K products' additions holds for any float32 summation order, which is what
+the interpreter does. On the GPU it holds if the tensor cores add in float32 or wider: NVIDIA
+does not state the block-scaled MMA's internal width (Hopper's fp8 MMA keeps about 14 bits),
+and no sm_100 device has measured it here; the tests hold a GPU run to the bound. Under Triton
 3.9's interpreter the dot is numpy's float32 matmul of the scaled values; the interpreter
 decodes every ``dot_scaled`` scale as an E8M0 byte (``runtime.interpreter.
 _dot_scaled_scale_to_f32``: E4M3 1.0, byte 0x38, would read as ``2**-71``), so an interpreted
@@ -40,8 +43,10 @@ build does (``tcgen05.mma`` reads ``ue4m3`` scales; Hopper's emulation decodes t
 ``fp_to_fp``). Scale bytes are the quantizer's: non-negative (a negative E4M3 scale is outside
 the formats), NaN for a block with a NaN.
 
-**Devices.** The compiled kernel runs on compute capability 10.x and up (Blackwell: FP4 tensor
-cores, ``tcgen05.mma ... block_scale``). On sm_90 Triton would compile ``tl.dot_scaled`` to an
+**Devices.** The compiled kernel runs on compute capability 10.x and up (Blackwell's FP4 tensor
+cores: ``tcgen05.mma ... block_scale`` on sm_100, ``mma.sync ... block_scale`` on sm_120), every
+autotune tile 128 rows (a 64-row ``dot_scaled`` compiles to a 16-bit ``kind::f16`` MMA of upcast
+operands). On sm_90 Triton would compile ``tl.dot_scaled`` to an
 emulation (the codes times their scales upcast to bf16, ``wgmma ... bf16``): ``fp4_scaled_mm``
 refuses a device below 10.0 with a ``ValueError`` instead, naming it (``fp4_tensor_cores``).
 Interpreted, it runs on the host.
