@@ -19,7 +19,7 @@ from computectx._checks import CheckedModel, as_int
 from computectx.activations import ACTIVATION_KINDS
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
-from computectx.formats import Backend, QuantizedLinear
+from computectx.formats import Backend, QuantizedExperts, QuantizedLinear
 from computectx.formats.seam import guard_whole_loads
 from computectx.nn.attention import Attention
 from computectx.nn.experts import GroupedExperts
@@ -237,12 +237,12 @@ class ByteLM(nn.Module):
 
     def fp8_layers(self) -> list[str]:
         """Names of the layers that run in fp8, linears and experts (empty unless ``ctx.recipe``
-        is set)."""
+        is an fp8 recipe; a 4-bit recipe's layers are ``Fp4Linear`` and ``Fp4Experts``)."""
         return [
             name
             for name, m in self.named_modules()
             if isinstance(m, QuantizedLinear)
-            or (isinstance(m, GroupedExperts) and m.fp8 is not None)
+            or (isinstance(m, GroupedExperts) and isinstance(m.fp8, QuantizedExperts))
         ]
 
     def moe_layers(self) -> list[MoE]:

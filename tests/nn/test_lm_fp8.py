@@ -103,3 +103,14 @@ def test_a_4bit_recipe_keeps_its_hp_layers_of_a_standalone_block() -> None:
     assert isinstance(mlp.gate, Fp4Linear) and isinstance(mlp.down, Fp4Linear)
     with pytest.raises(ValueError, match=r"cannot run its linears in nvfp4"):
         MLP(ComputeCtx.from_flag("nvfp4", "cpu"), 32, 40)  # 40: not a multiple of 16
+
+
+def test_fp8_layers_lists_no_4bit_layer() -> None:
+    # A 4-bit ByteLM's layers are Fp4Linear / Fp4Experts: none of them runs in fp8.
+    from computectx.formats import Fp4Experts, Fp4Linear
+
+    cfg = LMConfig(d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=48, n_experts=4)
+    model = ByteLM(ComputeCtx.from_flag("nvfp4", "cpu"), cfg)
+    assert any(isinstance(m, Fp4Linear) for m in model.modules())
+    assert any(isinstance(m, Fp4Experts) for m in model.modules())
+    assert model.fp8_layers() == []
