@@ -431,7 +431,6 @@ def fp4_scaled_mm(
             f"a [M, K / 2] and b [N, K / 2] need the same K and device, got "
             f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
         )
-    check_device(a.device)
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
     sa = scale_arg("scale_a", scale_a, m, k, tile_a)
     sb = scale_arg("scale_b", scale_b, n, k, tile_b)
@@ -442,6 +441,7 @@ def fp4_scaled_mm(
         amax_arg("amax_b", amax_b, nvfp4, a.device),
     )
     check_bias_and_out(a, b, bias, out_dtype)
+    check_device(a.device)  # last: every argument's own error first, on any device
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c

@@ -176,7 +176,6 @@ def fp4_grouped_scaled_mm(
             f"a [M, K / 2] and b [E, N, K / 2] need the same K and device, got "
             f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
         )
-    check_device(a.device)
     m, k = a.shape[0], 2 * a.shape[1]
     e, n = b.shape[0], b.shape[1]
     sa = scale_arg("scale_a", scale_a, m, k, "1x16" if nvfp4 else "1x32")
@@ -188,6 +187,7 @@ def fp4_grouped_scaled_mm(
         raise ValueError(f"scale_a and scale_b must be on {a.device}, got {sa.device}, {sb.device}")
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
+    check_device(a.device)  # last: every argument's own error first, on any device
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
@@ -292,7 +292,6 @@ def fp4_grouped_scaled_wgrad(
             f"a [N, P / 2] and b [K, P / 2] need the same P and device, got "
             f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
         )
-    check_device(a.device)
     n, k, p = a.shape[0], b.shape[0], 2 * a.shape[1]
     check_offsets("offs", offs, None, a.device)
     e = offs.shape[0]
@@ -302,6 +301,7 @@ def fp4_grouped_scaled_wgrad(
     bm = amax_arg("amax_b", amax_b, nvfp4, a.device, e)
     if sa.device != a.device or sb.device != a.device:
         raise ValueError(f"scale_a and scale_b must be on {a.device}, got {sa.device}, {sb.device}")
+    check_device(a.device)
     c = torch.empty((e, n, k), dtype=torch.float32, device=a.device)
     if e == 0 or n == 0 or k == 0:
         return c
