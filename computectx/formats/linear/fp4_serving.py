@@ -41,7 +41,6 @@ from typing import Final, Literal
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.numerics import tensorwise
@@ -76,7 +75,6 @@ __all__ = [
     "check_serving",
     "check_weight",
     "dequantized",
-    "fp4_quantize_rows",
     "nvfp4_rows",
     "w4a4_mm",
     "weight_only_mm",
@@ -245,18 +243,8 @@ def nvfp4_rows(x2: torch.Tensor) -> tuple[Nvfp4Operand, torch.Tensor]:
     """Each row of the 2-D ``x2`` quantized as ``quantize_nvfp4`` quantizes it alone (1x16
     blocks, round to nearest, the row's finite amax), and the rows' amaxes (float32
     ``(rows,)``). The operand's amax is ``UNIT_AMAX`` (``S_enc = 1``): ``w4a4_mm`` applies
-    each row's own. Through ``computectx::fp4_quantize_rows``, one opaque node in a compiled
-    graph (Inductor's CPU backend generates no ``float4_e2m1fn_x2`` code)."""
-    codes, scale, amax = fp4_quantize_rows(x2.detach())
-    unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x2.device)
-    return Nvfp4Operand(codes, scale, unit, "1x16"), amax
-
-
-@custom_op("computectx::fp4_quantize_rows", mutates_args=())
-def fp4_quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``nvfp4_rows``' operator: the codes ``[rows, K/2]``, E4M3 scales ``[rows, K/16]`` and
-    float32 amaxes ``(rows,)`` of a 2-D ``x2``, each row by its own amax."""
-    x = x2.float()
+    each row's own."""
+    x = x2.detach().float()
     rows, k = x.shape
     mag = x.abs()
     amax = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax(dim=1)
@@ -266,17 +254,9 @@ def fp4_quantize_rows(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     # TE's encode factor, 1 / (f32(S_dec) * (1 / S_enc)), per row and block.
     encode = (1.0 / (scale.float() * (1.0 / s_enc))).clamp(max=_FLT_MAX)
     scaled = (x.reshape(blocks) * encode[:, :, None]).reshape(rows, k)
-    return pack_codes(e2m1_codes(scaled)), scale, amax
-
-
-@fp4_quantize_rows.register_fake
-def _quantize_rows_fake(x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    rows, k = x2.shape
-    return (
-        x2.new_empty((rows, k // 2), dtype=torch.float4_e2m1fn_x2),
-        x2.new_empty((rows, k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn),
-        x2.new_empty((rows,), dtype=torch.float32),
-    )
+    codes = pack_codes(e2m1_codes(scaled))
+    unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x.device)
+    return Nvfp4Operand(codes, scale, unit, "1x16"), amax
 
 
 def w4a4_mm(

@@ -60,20 +60,6 @@ def awkward_rows(dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     return x.to(dtype)
 
 
-def test_the_row_quantize_is_one_opaque_operator_in_a_traced_graph() -> None:
-    # Inductor's CPU backend generates no float4_e2m1fn_x2 code: a per-row quantize traced
-    # into plain ops made a compiled decode step of a frozen W4A4 ByteLM fail (the codes'
-    # packing fused into a float4 pointwise). One operator node, checked by opcheck, instead.
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    x = awkward_rows(torch.bfloat16)[[0, 1, 2, 3, 5, 6]]  # opcheck compares: no NaN row
-    torch.library.opcheck(torch.ops.computectx.fp4_quantize_rows, (x,))
-    graph = make_fx(lambda t: nvfp4_rows(t)[0].codes)(x).graph
-    targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
-    assert "computectx.fp4_quantize_rows.default" in targets
-    assert not any("view" in t for t in targets), targets  # no bitcast to float4 in the graph
-
-
 def test_two_unit_amaxes_have_alpha_exactly_one() -> None:
     one = torch.tensor(UNIT_AMAX)
     assert UNIT_AMAX == 448.0 * 6.0
