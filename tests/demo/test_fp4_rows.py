@@ -29,3 +29,22 @@ def test_a_4_bit_row_trains_its_linears_in_4_bits(
     assert r["fp8_nonfinite"] is None and r["fp8_granularity"] is None  # no fp8 statistics
     assert all(math.isfinite(v) for v in r["train_losses"])
     assert "│ nvfp4 " in stdout
+
+
+def test_a_4_bit_moe_row_trains_its_experts_in_4_bits(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --moe took no 4-bit flag before the 4-bit grouped GEMM (Fp4Experts); --nproc still doesn't.
+    from computectx.demo.settings import DemoSettings
+
+    monkeypatch.setenv("COLUMNS", "200")
+    data = tmp_path / "code.txt"
+    data.write_text(TEXT)
+    argv = ["--dtype", "mxfp4", "--moe", "--experts", "4", "--steps", "2", "--data", str(data)]
+    argv += ["--out", str(tmp_path), *TINY, "--sample-tokens", "0", "--eval-batches", "1"]
+    assert main(["demo", *argv]) == 0
+    (r,) = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert r["flag"] == "mxfp4" and all(math.isfinite(v) for v in r["train_losses"])
+    assert "│ mxfp4 " in capsys.readouterr().out
+    with pytest.raises(ValueError, match=r"--nproc > 1 \(parallelize\) is not built yet"):
+        DemoSettings(dtypes=("nvfp4",), nproc=2)
