@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode, check_serving
 from computectx.formats.policy import describe
@@ -29,13 +32,14 @@ def freeze_fp4_for_serving(
     output is the ``Fp4Linear``'s on that row alone) or ``"per_tensor"`` (the ``Fp4Linear``'s
     forward on the whole batch, bit for bit). The high-precision weights go with the layers
     they leave (each bias stays, shared); a layer held under several names is replaced by one
-    frozen layer under all of them. Every layer is frozen before any is put in place: an error
-    leaves the model as it was. ``ValueError`` for a bad ``mode`` or ``activation_amax``, for
-    a model holding no ``Fp4Linear`` and for a layer that cannot be frozen (a NaN in its
-    weight: named); ``TypeError`` for a model that is one (freeze it with
-    ``FrozenFp4Linear.from_fp4_linear`` and put that in its place) and for a model wrapped in
-    ``DistributedDataParallel`` (freeze ``model.module`` before wrapping, or serve without DDP:
-    its reducer would keep the dropped weights).
+    frozen layer under all of them. 4-bit experts (``Fp4Experts``, an MoE's) are not frozen:
+    a ``UserWarning`` names them (they keep their high-precision weights). Every layer is
+    frozen before any is put in place: an error leaves the model as it was. ``ValueError`` for
+    a bad ``mode`` or ``activation_amax``, for a model holding no ``Fp4Linear`` and for a layer
+    that cannot be frozen (a NaN in its weight: named); ``TypeError`` for a model that is one
+    (freeze it with ``FrozenFp4Linear.from_fp4_linear`` and put that in its place) and for a
+    model wrapped in ``DistributedDataParallel`` (freeze ``model.module`` before wrapping, or
+    serve without DDP: its reducer would keep the dropped weights).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"freeze_fp4_for_serving takes an nn.Module, got {describe(model)}")
@@ -76,4 +80,14 @@ def freeze_fp4_for_serving(
     for fqn, layer in layers:
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent), name, frozen[id(layer)])
+    experts = [fqn for fqn, m in found if isinstance(m, Fp4Experts)]
+    if experts:
+        warnings.warn(
+            f"freeze_fp4_for_serving froze the Fp4Linear layers only: {len(experts)} 4-bit "
+            f"expert GEMM(s) ({', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''}) "
+            f"keep their experts' high-precision weights and quantize them at every call "
+            f"(frozen experts are not built)",
+            UserWarning,
+            stacklevel=2,
+        )
     return tuple(fqn for fqn, _ in layers)

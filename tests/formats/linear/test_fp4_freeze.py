@@ -132,3 +132,12 @@ def test_a_ddp_wrapped_model_is_refused_before_anything_changes(tmp_path: pathli
         assert isinstance(wrapped.module[0], Fp4Linear)
     finally:
         torch.distributed.destroy_process_group()
+
+
+def test_4bit_experts_left_unfrozen_are_named_in_a_warning() -> None:
+    torch.manual_seed(0)
+    moe = LMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=8, n_experts=2, top_k=1)
+    model = ByteLM(ComputeCtx.from_flag("nvfp4", "cpu"), moe)
+    with pytest.warns(UserWarning, match=r"1 4-bit expert GEMM\(s\) \(blocks\.0\.mlp\.experts"):
+        names = freeze_fp4_for_serving(model)
+    assert names == ("blocks.0.attn.qkv", "blocks.0.attn.out")
