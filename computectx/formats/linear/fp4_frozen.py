@@ -284,10 +284,13 @@ class FrozenFp4Linear(nn.Module):
             not isinstance(state, torch.Tensor)
             or state.dtype != torch.int64
             or tuple(state.shape) != (2,)
+            or state.is_meta
         ):
             raise ValueError(
                 f"{layer}: {prefix}_extra_state must be an int64 tensor [version, weight "
-                f"code], got {_what(state)} (an Fp4Linear's training state is "
+                f"code] holding values (not on the meta device), got {_what(state)}"
+                f"{' on meta' if isinstance(state, torch.Tensor) and state.is_meta else ''} "
+                f"(an Fp4Linear's training state is "
                 f"[version, recipe code, seed, counter]: load it before freezing)"
             )
         version, code = (int(v) for v in state.tolist())

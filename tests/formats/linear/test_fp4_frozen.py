@@ -294,3 +294,11 @@ def test_an_unknown_weight_code_is_named_unknown_not_as_the_layers_own() -> None
     for code in (3, 4, 6, 7):  # a 1x16 bit on MXFP4, a floor bit on NVFP4
         with pytest.raises(ValueError, match=f"<unknown weight code {code}>"):
             frozen.load_state_dict({**state, "_extra_state": torch.tensor([1, code])})
+
+
+def test_a_meta_extra_state_is_refused_naming_it() -> None:
+    frozen = FrozenFp4Linear.from_fp4_linear(fp4_layer("nvfp4"))
+    state = frozen.state_dict()
+    meta = {**state, "_extra_state": state["_extra_state"].to("meta")}
+    with pytest.raises(ValueError, match=r"_extra_state must be .* got int64 \(2,\) on meta"):
+        frozen.load_state_dict(meta)
