@@ -115,12 +115,6 @@ class Fp4Experts(nn.Module):
         """The recipe (``QuantizedExperts.policy``'s place)."""
         return self.recipe
 
-    @property
-    def backend(self) -> str:
-        """The 4-bit operators' backend (``ops.fp4.select_fp4_backend``: the emulated twin
-        on every device today)."""
-        return fp4_ops.EMULATED
-
     def extra_repr(self) -> str:
         return f"recipe={self.recipe}"
 

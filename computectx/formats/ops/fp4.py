@@ -18,12 +18,14 @@ guards, so a compiled caller recompiles neither as the group sizes change nor as
 advances. Packed codes cross the operators as ``torch.float4_e2m1fn_x2``, NVFP4 scales as
 ``float8_e4m3fn`` (per-tensor amax float32 ``(1,)``), MXFP4 scales as ``float8_e8m0fnu``.
 
-**Backends** (``select_fp4_backend``): one runs today, ``"emulated"``: the pure-torch twins, on
-the CPU and on any GPU (in float32 on the device), bit for bit the same function everywhere.
-It is what runs on an H100/H200 (no FP4 tensor cores: compute capability below 10.0) and,
-until the sm_100 kernels land (``tl.dot_scaled`` with e2m1 operands, or ``torch._scaled_mm``
-with ``float4_e2m1fn_x2``), on Blackwell too; ``select_fp4_backend`` says which case applies.
-A 4-bit GEMM never falls back to an 8-bit one: another backend name is a ``ValueError``.
+**Backends** (``select_fp4_backend``, by the operands' device): ``"triton"`` on a GPU with FP4
+tensor cores (compute capability >= 10.0: ``computectx.kernels.fp4_gemm``, ``fp4_quantize``,
+``fp4_grouped_values``: ``tl.dot_scaled`` on packed E2M1, bit for bit the twins on exact data,
+within their bound otherwise), ``"emulated"`` everywhere else: the pure-torch twins, on the CPU
+and on any GPU (in float32 on the device), bit for bit the same function everywhere. An
+H100/H200 (no FP4 tensor cores) runs the emulated twins; ``select_fp4_backend`` says which case
+applies and why. A 4-bit GEMM never falls back to an 8-bit one: another backend name is a
+``ValueError``.
 
 The checked entry points (``quantize``, ``scaled_mm``, ``grouped_mm``, ``grouped_wgrad``) take
 the recipe's plain values (``numerics.fp4_gemm.Fp4Quant``) and a ``Stochastic`` key, check
@@ -57,6 +59,7 @@ from computectx.residency import parse_device
 
 __all__ = [
     "EMULATED",
+    "TRITON",
     "fp4_grouped_mm",
     "fp4_grouped_wgrad",
     "fp4_quantize",
@@ -70,8 +73,10 @@ __all__ = [
 ]
 
 EMULATED: Final[str] = "emulated"
-"""The backend that runs the twins (``numerics.fp4_gemm``): the only one built today."""
-_BACKENDS: Final[tuple[str, ...]] = (EMULATED,)
+"""The backend that runs the twins (``numerics.fp4_gemm``): any device."""
+TRITON: Final[str] = "triton"
+"""The backend that runs the Triton kernels on FP4 tensor cores (compute capability >= 10.0)."""
+_BACKENDS: Final[tuple[str, ...]] = (EMULATED, TRITON)
 _U64: Final[int] = 2**64
 
 
@@ -92,25 +97,35 @@ def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
 
 
 def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
-    """The 4-bit backend for tensors on ``device`` and a one-line reason: ``"emulated"``
-    everywhere today, saying why (module docstring)."""
+    """The 4-bit backend for tensors on ``device`` and a one-line reason: ``"triton"`` on a
+    GPU with FP4 tensor cores where triton imports, else ``"emulated"``, saying why (module
+    docstring)."""
     dev = parse_device(device)
     cores = fp4_tensor_cores(dev) if dev.type == "cuda" else None
     if cores is None:
         where = f"{dev} is not a GPU"
     elif not cores.ok:
         where = f"{cores.reason} (an H100/H200 has none)"
+    elif (triton := capability.triton_available()).ok:
+        return TRITON, f"triton: {cores.reason}; the Triton kernels (tl.dot_scaled) run"
     else:
-        where = f"{cores.reason}, but computectx's sm_100 FP4 kernels are not built yet"
+        where = f"{cores.reason}, but {triton.reason}"
     return EMULATED, (
         f"emulated: {where}; the 4-bit GEMMs run the pure-torch twin (numerics.fp4_gemm) in "
         f"float32 on {dev}, never an 8-bit fallback"
     )
 
 
-def _backend(backend: str) -> None:
+def _backend(backend: str) -> bool:
+    # True: run the Triton kernels.
     if backend not in _BACKENDS:
         raise ValueError(f"unknown 4-bit backend {backend!r}; accepted: {', '.join(_BACKENDS)}")
+    return backend == TRITON
+
+
+def _backend_of(t: torch.Tensor) -> str:
+    # The entry points' choice, by the operand's device (a CPU tensor never probes CUDA).
+    return EMULATED if t.device.type != "cuda" else select_fp4_backend(t.device)[0]
 
 
 def _key(rng: torch.Tensor | None) -> Stochastic | None:
@@ -158,7 +173,10 @@ def fp4_quantize(
     """A 2-D ``x``'s row-wise operand at ``tile`` (``"1x16"``/``"16x16"``; MXFP4: 1x32), or
     with ``columnwise`` the wgrad's operand of ``x.t()`` (``fp4_gemm.wgrad_operand``):
     ``(codes, scale, amax)``, the amax float32 ``(1,)`` (MXFP4: the tensor's, unused)."""
-    _backend(backend)
+    if _backend(backend):
+        from computectx.kernels.fp4_quantize import fp4_quantize as kernel
+
+        return kernel(x, format, tile, mx_rounding, columnwise, hadamard, signs, rng)
     how = _how(format, tile, mx_rounding, hadamard, signs)
     key = _key(rng)
     if columnwise:
@@ -214,7 +232,11 @@ def fp4_scaled_mm(
 ) -> torch.Tensor:
     """``[M, N]``: ``reference_fp4_mm`` of the operands ``a [M, K]`` and ``b [N, K]`` (codes,
     scales, NVFP4's amaxes, tiles)."""
-    _backend(backend)
+    if _backend(backend):
+        from computectx.kernels.fp4_gemm import fp4_scaled_mm as kernel
+
+        return kernel(a=a, scale_a=scale_a, amax_a=amax_a, tile_a=tile_a, b=b, scale_b=scale_b,
+                      amax_b=amax_b, tile_b=tile_b, bias=bias, out_dtype=out_dtype)  # fmt: skip
     qa, qb = _operand(a, scale_a, amax_a, tile_a), _operand(b, scale_b, amax_b, tile_b)
     return fp4_gemm.reference_fp4_mm(qa, qb, out_dtype, bias)
 
@@ -239,8 +261,12 @@ def fp4_grouped_mm(
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times expert ``b[g]`` (``[E, N, K]``),
     each quantized on its own (``reference_fp4_grouped_mm``)."""
-    _backend(backend)
     bounds = checked_bounds(offs, a.shape[0])
+    if _backend(backend):
+        from computectx.kernels.fp4_grouped_values import grouped_mm_values
+
+        args = (format, weight_tile, mx_rounding, rng, out_dtype)
+        return grouped_mm_values(a, b, bounds, offs, *args)
     how = _how(format, weight_tile, mx_rounding, False, [1] * HADAMARD_SIZE)
     return fp4_gemm.reference_fp4_grouped_mm(a, b, bounds, how, out_dtype, _key(rng))
 
@@ -264,8 +290,11 @@ def fp4_grouped_wgrad(
 ) -> torch.Tensor:
     """float32 ``[E, N, K]``: ``dY[rows of g]ᵀ X[rows of g]`` from the two column-wise
     operands of each group (``reference_fp4_grouped_wgrad``)."""
-    _backend(backend)
     bounds = checked_bounds(offs, dy.shape[0])
+    if _backend(backend):
+        from computectx.kernels.fp4_grouped_values import grouped_wgrad_values
+
+        return grouped_wgrad_values(dy, x, bounds, format, mx_rounding, hadamard, signs, rng)
     how = _how(format, "1x16", mx_rounding, hadamard, signs)
     return fp4_gemm.reference_fp4_grouped_wgrad(dy, x, bounds, how, _key(rng))
 
@@ -336,8 +365,9 @@ def quantize(
         rows = NVFP4_BLOCK if tile == "16x16" else 1
         _check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
     signs = list(h.signs)
+    rng, backend = _rng(stochastic), _backend_of(x)
     codes, scale, amax = fp4_quantize(
-        x, h.format, tile, h.mx_rounding, columnwise, h.hadamard, signs, _rng(stochastic), EMULATED
+        x, h.format, tile, h.mx_rounding, columnwise, h.hadamard, signs, rng, backend
     )
     return _operand(codes, scale, amax if h.format == "nvfp4" else None, tile)
 
@@ -365,7 +395,17 @@ def scaled_mm(
     amax_a = a.amax.reshape(1) if isinstance(a, Nvfp4Operand) else None
     amax_b = b.amax.reshape(1) if isinstance(b, Nvfp4Operand) else None
     out: torch.Tensor = fp4_scaled_mm(
-        a.codes, a.scale, amax_a, ta, b.codes, b.scale, amax_b, tb, bias, out_dtype, EMULATED
+        a.codes,
+        a.scale,
+        amax_a,
+        ta,
+        b.codes,
+        b.scale,
+        amax_b,
+        tb,
+        bias,
+        out_dtype,
+        _backend_of(a.codes),
     )
     return out
 
@@ -395,7 +435,7 @@ def grouped_mm(
     out = a.dtype if out_dtype is None else out_dtype
     if out not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
-    args = (h.format, h.weight_tile, h.mx_rounding, _rng(stochastic), out, EMULATED)
+    args = (h.format, h.weight_tile, h.mx_rounding, _rng(stochastic), out, _backend_of(a))
     y: torch.Tensor = fp4_grouped_mm(a, b, offs, *args)
     return y
 
@@ -424,6 +464,6 @@ def grouped_wgrad(
         raise ValueError(
             f"dy, x and offs must be on one device, got {t_dy.device}, {t_x.device}, {offs.device}"
         )
-    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), _rng(stochastic), EMULATED)
+    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), _rng(stochastic), _backend_of(dy))
     dw: torch.Tensor = fp4_grouped_wgrad(dy, x, offs, *args)
     return dw
