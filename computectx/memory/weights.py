@@ -143,6 +143,7 @@ def load_weights(
     owners = state_owners(model)
     owned = {name for _, _, names in owners for name in names}
     targets = {name: t for name, t in targets.items() if name not in owned}
+    _check_not_meta(file, targets)
     defaults = state_defaults(model, targets)
     resolved = _check_keys(file, header, aliases, targets, set(defaults), owned)
     defaulted = {name: t for name, t in defaults.items() if name not in resolved}
@@ -188,6 +189,18 @@ def _checked_load_args(
     if not file.is_file():
         raise FileNotFoundError(f"checkpoint {str(file)!r} does not exist or is not a file")
     return file
+
+
+def _check_not_meta(file: pathlib.Path, targets: dict[str, torch.Tensor]) -> None:
+    """``ValueError`` naming them when tensors of the model are on the meta device (a
+    skeleton): their memory is to be made first, as nothing of them can be replaced in place."""
+    meta = sorted(name for name, t in targets.items() if t.is_meta)
+    if meta:
+        raise ValueError(
+            f"checkpoint {str(file)!r}: the model's {meta[:4]}{' ...' if len(meta) > 4 else ''} "
+            f"({len(meta)} tensor(s)) are on the meta device; load_weights replaces tensors "
+            f"that hold memory: call model.to_empty(device=...) first; nothing was loaded"
+        )
 
 
 def _choose_residency(

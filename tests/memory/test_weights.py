@@ -305,3 +305,16 @@ def test_tensor_extra_state_is_handed_to_set_extra_state(tmp_path: pathlib.Path)
     with pytest.raises(ValueError, match="a negative count"):
         load_weights(target, bad_path, ctx("device"))
     assert same(target, before) and target.count == 7
+
+
+def test_a_meta_skeleton_is_refused_before_anything_and_loads_once_materialised(
+    tmp_path: pathlib.Path,
+) -> None:
+    path = save_weights(net(0), tmp_path / "w.safetensors")
+    skeleton = net(1).to("meta")
+    with pytest.raises(ValueError, match=r"on the meta device; .*to_empty\(device=\.\.\.\) first"):
+        load_weights(skeleton, path, ctx("device"))
+    assert all(t.is_meta for t in skeleton.state_dict().values())
+    skeleton.to_empty(device="cpu")
+    load_weights(skeleton, path, ctx("device"))
+    assert same(skeleton, snapshot(net(0)))
