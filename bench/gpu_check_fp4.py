@@ -1,15 +1,16 @@
 """gpu_check's 4-bit section (issue 37): which 4-bit backend this GPU gets and why, and the
-4-bit GEMM's time beside bf16 ``mm`` and fp8 row-wise ``torch._scaled_mm`` on the same shape.
+4-bit GEMMs' time beside bf16 ``mm`` and fp8 row-wise ``torch._scaled_mm`` on the same shape.
 
 ``section_fp4(device, smoke, reps)`` returns one row per op at ``GPU_SHAPE`` (M x K x N; a
-tiny shape with ``smoke``): ``bf16 mm``, ``fp8 _scaled_mm rowwise`` (CUDA only), and the
-NVFP4 (16x16 weights, 1x16 activations) and MXFP4 GEMMs through ``computectx::fp4_scaled_mm``,
-each with its TFLOP/s and the ``backend`` that ran it with its reason
-(``computectx.formats.ops.fp4.select_fp4_backend``). Today that backend is ``emulated`` on
-every device: the pure-torch twin in float32 (an H100/H200 has no FP4 tensor cores; on a
-B200 the sm_100 kernels are not built yet), so its TFLOP/s measure the twin, not FP4 tensor
-cores, and the row says so. The grouped GEMM shares the same backend and is not timed apart.
-"""
+tiny shape with ``smoke``): ``bf16 mm``, ``fp8 _scaled_mm rowwise`` (CUDA only), the NVFP4
+(16x16 weights, 1x16 activations) and MXFP4 GEMMs of quantized operands through
+``computectx::fp4_scaled_mm``, and the grouped GEMMs through ``computectx::fp4_grouped_mm``
+(``GROUPS`` equal groups of the M rows, N x K experts, each group's rows and expert quantized
+inside the call, as a 4-bit experts forward does), each with its TFLOP/s and the ``backend``
+that ran it with its reason (``computectx.formats.ops.fp4.select_fp4_backend``): ``triton`` on
+a GPU with FP4 tensor cores (a B200: ``tl.dot_scaled`` on ``tcgen05.mma``), ``emulated``
+elsewhere (an H100/H200 has no FP4 tensor cores: the pure-torch twin in float32, whose TFLOP/s
+measure the twin, not FP4 tensor cores, and the row says so)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
 
 GPU_SHAPE = (4096, 4096, 4096)
+GROUPS = 8
 SMOKE_SHAPE = (32, 64, 48)
 
 
@@ -85,6 +87,15 @@ def section_fp4(device: torch.device, smoke: bool, reps: int) -> list[dict[str, 
         add(
             f"{fmt} fp4_scaled_mm",
             functools.partial(fp4_ops.scaled_mm, a, b, torch.bfloat16),
+            backend,
+            reason,
+        )
+        experts = wb.unsqueeze(0).expand(GROUPS, n, k).contiguous()
+        ends = [(g + 1) * m // GROUPS for g in range(GROUPS)]
+        offs = torch.tensor(ends, dtype=torch.int32, device=device)
+        add(
+            f"{fmt} fp4_grouped_mm ({GROUPS} groups)",
+            functools.partial(fp4_ops.grouped_mm, xb, experts, offs, how),
             backend,
             reason,
         )

@@ -65,7 +65,8 @@ def test_gpu_check_cpu_smoke_writes_json_and_markdown(
     )
     # 4 bits (issue 37): every op timed; the 4-bit rows say which backend ran and why.
     fp4 = {row["op"]: row for row in sections["fp4_gemm"]}
-    assert set(fp4) == {"bf16 mm", "nvfp4 fp4_scaled_mm", "mxfp4 fp4_scaled_mm"}
+    grouped = {f"{f} fp4_grouped_mm (8 groups)" for f in ("nvfp4", "mxfp4")}
+    assert set(fp4) == {"bf16 mm", "nvfp4 fp4_scaled_mm", "mxfp4 fp4_scaled_mm", *grouped}
     assert all(row["ms"] > 0 for row in fp4.values())
     assert fp4["nvfp4 fp4_scaled_mm"]["backend"] == "emulated"
     assert "never an 8-bit fallback" in fp4["mxfp4 fp4_scaled_mm"]["reason"]
