@@ -199,7 +199,8 @@ def _check_not_meta(file: pathlib.Path, targets: dict[str, torch.Tensor]) -> Non
         raise ValueError(
             f"checkpoint {str(file)!r}: the model's {meta[:4]}{' ...' if len(meta) > 4 else ''} "
             f"({len(meta)} tensor(s)) are on the meta device; load_weights replaces tensors "
-            f"that hold memory: call model.to_empty(device=...) first; nothing was loaded"
+            f"that hold memory: call model.to_empty(device=...) first (and fill its "
+            f"non-persistent buffers, which no checkpoint holds); nothing was loaded"
         )
 
 
