@@ -16,7 +16,10 @@ parameter, for the backward: that is all the layer saves, under ``ctx.activation
 goes to host memory and comes back for the backward, as the other linears' inputs do
 (``computectx.offload``: a no-op on a CPU). A weight that needs no gradient keeps nothing of
 ``X``. Every scale comes from the current amax: the weight's from the weight itself, so ranks
-holding the same weight (DDP) quantize it alike with no collective.
+holding the same weight (DDP) quantize it alike with no collective. A weight that arrives
+already quantized (``Fp4GatheredWeight``: FSDP2's 4-bit all-gather, whose shards make the
+whole weight's operands bit for bit, ``linear.fp4_gathered``) is multiplied with as it came,
+its own ``Wᵀ`` operand in the dgrad.
 
 **Stochastic rounding** (the gradients only, ``recipe.stochastic``) draws Philox bits keyed
 by ``(recipe.seed, counter)``: the counter (``sr_key``; its rules are ``linear.fp4_counter``'s)
@@ -56,6 +59,7 @@ from computectx.formats.linear.fp4_counter import (
     replays_a_call,
     saved_counter,
 )
+from computectx.formats.linear.fp4_gathered import Fp4GatheredWeight, Fp4ShardGather
 from computectx.formats.linear.function import autocast_dtype
 from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, grouped_counters
@@ -224,9 +228,17 @@ class Fp4Linear(nn.Linear):
         """The weight's operand as the forward multiplies with it (codes, block scales and,
         NVFP4, the amax; no gradient). ``memory_report`` of its tensors counts 0.5039 bytes
         an element (NVFP4 16x16 tiles), 0.5625 (1x16) plus 4 a tensor, 0.53125 (MXFP4).
-        Training holds none: every call quantizes the weight anew, as the fp8 linears do."""
+        Training holds none: every call quantizes the weight anew, as the fp8 linears do
+        (a weight gathered in 4 bits, ``Fp4GatheredWeight``, is its operand as it came)."""
         with torch.no_grad():
-            return fp4_ops.quantize(self.weight, self._how, weight=True)
+            return _weight_operand(self.weight, self._how)
+
+    @property
+    def weight_gather(self) -> Fp4ShardGather:
+        """How a row shard of this layer's weight is quantized for FSDP2's 4-bit all-gather,
+        and rebuilt into the whole weight's operands (``Fp4GatheredWeight``, which the layer
+        multiplies with as it is: ``linear.fp4_gathered``)."""
+        return Fp4ShardGather(self._how)
 
     # ----- state ----------------------------------------------------------------------------
 
@@ -334,6 +346,14 @@ def _no_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return y if bias is None else y + bias.to(x.dtype)
 
 
+def _weight_operand(weight: torch.Tensor, how: Fp4Quant, dgrad: bool = False) -> Fp4Operand:
+    """``W``'s operand (``Wᵀ``'s with ``dgrad``) at the weight's block: quantized from the
+    weight, or, a weight gathered in 4 bits, as it came."""
+    if isinstance(weight, Fp4GatheredWeight):
+        return weight.dgrad_operand() if dgrad else weight.operand()
+    return fp4_ops.quantize(weight.t() if dgrad else weight, how, weight=True)
+
+
 def _operand(
     codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None = None
 ) -> Fp4Operand:
@@ -356,7 +376,7 @@ class _Fp4LinearFn(torch.autograd.Function):
         offloading: bool,
     ) -> torch.Tensor:
         qx = fp4_ops.quantize(x, how)
-        qw = fp4_ops.quantize(weight, how, weight=True)
+        qw = _weight_operand(weight, how)
         y = fp4_ops.scaled_mm(qx, qw, x.dtype, bias)
         saved: tuple[torch.Tensor, ...] = ()
         if weight.requires_grad:
@@ -382,7 +402,7 @@ class _Fp4LinearFn(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             qdy = fp4_ops.quantize(dy, how, stochastic=key)
-            qwt = fp4_ops.quantize(weight.t(), how, weight=True)
+            qwt = _weight_operand(weight, how, dgrad=True)
             dx = fp4_ops.scaled_mm(qdy, qwt, ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             col = None if key is None else key + key.new_tensor([0, m * n])  # dYᵀ: past dY's
