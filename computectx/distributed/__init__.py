@@ -15,6 +15,8 @@ from computectx.distributed.expert_parallel import (
     moe_local_buffers,
     update_expert_bias,
 )
+from computectx.distributed.fp4_all_gather import WeightGatheredFp4, enable_fp4_all_gather
+from computectx.distributed.fp4_counters import sync_fp4_counters
 from computectx.distributed.fp8_all_gather import (
     GatherFallbackWarning,
     WeightGatheredQuantized,
@@ -58,6 +60,7 @@ __all__ = [
     "Parallel",
     "ShardedParams",
     "Strategy",
+    "WeightGatheredFp4",
     "WeightGatheredQuantized",
     "agree",
     "agree_ok",
@@ -66,6 +69,7 @@ __all__ = [
     "clip_grad_norm_with_experts",
     "data_parallel_group",
     "dtensor_quantized_linear",
+    "enable_fp4_all_gather",
     "enable_quantized_all_gather",
     "enable_quantized_expert_gather",
     "expert_parallel",
@@ -81,6 +85,7 @@ __all__ = [
     "rescale_grad_ledger",
     "scaling_buffer_names",
     "set_optimizer_state_dict",
+    "sync_fp4_counters",
     "sync_scaling",
     "update_expert_bias",
 ]

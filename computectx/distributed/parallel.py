@@ -30,6 +30,7 @@ from computectx.distributed.expert_parallel import (
     shard_expert_optimizer_state,
     update_expert_bias,
 )
+from computectx.distributed.fp4_counters import sync_fp4_counters
 from computectx.distributed.fp8_amax_sync import (
     AmaxSync,
     CurrentAmax,
@@ -87,7 +88,8 @@ class Parallel:
     accumulator: LowPrecGradAccumulator | None
     """The gradient accumulator, where the ctx asks for one (DDP and one process)."""
     sync: AmaxSync | None
-    """The fp8 amax sync (many ranks, fp8 policy): it merges the ranks' scaling state at the
+    """The fp8 amax sync (many ranks, fp8 policy; none for a 4-bit recipe, which keeps no
+    amax history): it merges the ranks' scaling state at the
     end of every backward of ``model``. Row, block and mx layers reduce no amax (their
     scales keep no history); their statistics are merged with the rest."""
     conversion: ConversionReport | None
@@ -111,7 +113,9 @@ class Parallel:
         rank; a non-finite norm skips the step, as ``OffloadedOptimizer`` does), else
         ``None``. Then every ``MoE``'s router bias moves with the load all ranks counted
         since the last step (``update_expert_bias``: one all-reduce on many ranks, none
-        without MoE layers).
+        without MoE layers). On many ranks every 4-bit layer's stochastic-rounding counter
+        first becomes the largest over the ranks (``sync_fp4_counters``: one all-reduce,
+        none without such layers), so a checkpoint saved after a step is every rank's.
 
         On many ranks it is a collective call: every rank steps together. It first joins
         the group (``join``), so a rank that steps alone gets a ``RuntimeError`` naming the
@@ -133,6 +137,9 @@ class Parallel:
         # A collective (the gradients' hand-over, the norm, the biases' load): every rank
         # steps together, or a clear error here; the expert helpers ride on this join.
         with joining(self.group, "Parallel.step", self.join_timeout):
+            # The 4-bit layers' stochastic-rounding counters, one over the ranks (the
+            # largest): a checkpoint saved after a step is every rank's (fp4_counters).
+            sync_fp4_counters(self.module, self.group)
             opt = self.optimizer
             if isinstance(opt, OffloadedOptimizer):
                 # Its state's checks (step counts, packed parts), exchanged before anything
@@ -270,9 +277,10 @@ def parallelize(
     default group; none: one process), in the one right order, and return a ``Parallel``.
 
     1. fp8 policy: ``convert_to_quantized(model, ctx, module_filter=fp8_filter)``.
-    2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 (``fp8_all_gather``; weights
-       tied to another module, and ``row`` and ``mx`` weights (``gathers_quantized``), gather
-       high precision), then ``fully_shard`` each of
+    2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 and a 4-bit recipe's
+       ``Fp4Linear`` weights in 4 bits (``fp8_all_gather``, ``enable_fp4_all_gather``;
+       weights tied to another module, and ``row`` and ``mx`` fp8 weights
+       (``gathers_quantized``), gather high precision), then ``fully_shard`` each of
        ``shard_units`` (default: every block of a ``ModuleList``, else every child with
        parameters) and the root, with ``mp_policy`` (default
        ``fsdp_mixed_precision(ctx)``: gather and compute at ``ctx.compute``, reduce-scatter
@@ -281,7 +289,8 @@ def parallelize(
        ``strategy="ddp"``: ``DistributedDataParallel``, whose gradients are all-reduced at
        the parameters' dtype (or by the accumulator, below; docs/distributed.md says why
        not at ``ctx.grad``).
-    3. fp8 policy on many ranks: ``sync_scaling`` on what runs forward
+    3. fp8 policy on many ranks (a 4-bit recipe keeps no amax history: none):
+       ``sync_scaling`` on what runs forward
        (``current_amax``, ``loss_normalization`` as there; ``current_amax`` defaults to
        ``"local"`` under DDP, ``"group"`` under FSDP2). It merges every rank's scaling
        state at the end of each backward, so no forward and no ``state_dict()`` issues a

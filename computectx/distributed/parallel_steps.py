@@ -17,6 +17,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import moe_local_buffers
+from computectx.distributed.fp4_all_gather import enable_fp4_all_gather
 from computectx.distributed.fp8_all_gather import (
     enable_quantized_all_gather,
     gathers_quantized,
@@ -42,7 +43,7 @@ from computectx.distributed.parallel_checks import (
     wants_accumulator,
 )
 from computectx.distributed.sharding import ShardedParams
-from computectx.formats import QuantizedLinear
+from computectx.formats import Fp4Linear, Fp4Recipe, QuantizedLinear
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 __all__ = [
@@ -120,7 +121,7 @@ def distribute(
         join_forwards(run, data_parallel_group(group), args.join_timeout)
     average_expert_grads(experts, world)
     sync = None
-    if ctx.recipe:
+    if ctx.recipe and not isinstance(ctx.recipe, Fp4Recipe):  # 4 bits keep no amax history
         sync = AmaxSync(
             run,
             mesh,
@@ -140,8 +141,8 @@ def shard(
     world: int,
     experts: list[nn.Parameter],
 ) -> None:
-    """FSDP2: the fp8 weights all-gather as fp8 (``args.fp8_all_gather``), then
-    ``fully_shard`` each shard unit and the root, in place."""
+    """FSDP2: the fp8 weights all-gather as fp8 and the 4-bit ones in 4 bits
+    (``args.fp8_all_gather``), then ``fully_shard`` each shard unit and the root, in place."""
     if ctx.recipe and args.fp8_all_gather:
         gather_fp8_weights_as_fp8(model, world, experts)
     # Gather at ctx.compute, reduce-scatter at ctx.grad (fp8 weights keep their
@@ -157,8 +158,15 @@ def shard(
 
 def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:
     """Make FSDP2 gather the fp8 layers' weights (but tied ones, and those whose policy
-    gathers high precision: ``gathers_quantized``) and the block fp8 experts as fp8."""
+    gathers high precision: ``gathers_quantized``) and the block fp8 experts as fp8, and the
+    4-bit layers' weights (but tied ones) in 4 bits."""
     owners = parameter_holders(model)
+    enable_fp4_all_gather(
+        model,
+        module_filter=lambda m, fqn: (
+            isinstance(m, Fp4Linear) and len(owners.get(id(m.weight), [])) <= 1
+        ),
+    )
     enable_quantized_all_gather(
         model,
         module_filter=lambda m, fqn: (

@@ -7,8 +7,9 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from computectx.distributed._fp8_gather import GatheredAsFp8
 from computectx.distributed.collectives import all_reduce_on
-from computectx.distributed.fp8_all_gather import WeightGatheredQuantized, sharded_weight_of
+from computectx.distributed.fp8_all_gather import sharded_weight_of
 from computectx.distributed.group import (
     GroupArg,
     check_join_timeout,
@@ -43,11 +44,12 @@ class ShardedParams:
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         """The rank's shard of ``tensor`` when it is a DTensor, else ``tensor`` itself; a
-        weight that FSDP2 gathers in fp8 (``WeightGatheredQuantized``) gives the plain tensor it
-        wraps, so masters and optimizer state are plain tensors."""
+        weight that FSDP2 gathers quantized (``WeightGatheredQuantized``, the fp8 experts',
+        ``WeightGatheredFp4``: a ``GatheredAsFp8``) gives the plain tensor it wraps, so
+        masters and optimizer state are plain tensors."""
         with torch.no_grad():  # the shard itself (a view), not an autograd copy
             local = sharded_weight_of(tensor)
-        return local.hp if isinstance(local, WeightGatheredQuantized) else local
+        return local.hp if isinstance(local, GatheredAsFp8) else local
 
     def all_reduce(self, values: torch.Tensor, op: Literal["sum", "max"]) -> torch.Tensor:
         """``values`` summed (or maxed) over the group; a new CPU tensor.

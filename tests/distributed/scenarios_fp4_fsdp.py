@@ -1,0 +1,263 @@
+"""4-bit linears under ``parallelize(strategy="fsdp")`` on 2 gloo ranks (``test_fp4_fsdp.py``).
+
+``gather``: for each recipe of ``params["recipes"]``, a 64 -> 64 -> 32 model of two
+``Fp4Linear`` is set up by ``parallelize`` with FSDP2 gathering float32 where it gathers high
+precision (``MixedPrecisionPolicy()``, as one process computes), and trained ``STEPS`` SGD
+steps on ``ROWS[rank]`` rows a step (so the ranks' stochastic-rounding counters part ways
+within a step). Each rank reports: the weight operands each layer multiplied with at its first
+forward (forward and dgrad, as uint8), every all-gather's dtype and bytes and every
+all-reduce, the warnings, the whole weights and the counters after each step. Between steps 1
+and 2 rank 0 alone calls an evaluation forward and ``state_dict()`` (``lone``) while rank 1
+waits on the store. With ``params["default_mp"]`` one more setup under ``parallelize``'s
+default mixed precision (gather at ``ctx.compute``, bf16) reports its first operands.
+
+``checkpoint``: a checkpoint saved in one process (``params["one"]``) loads on 2 ranks; they
+train ``STEPS`` steps, save with DCP (``params["two"]``), train one more step; a fresh model
+loads that checkpoint and trains the same step. Each phase reports the whole weights and the
+counters.
+"""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.state_dict_saver import save
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from computectx import ComputeCtx
+from computectx.distributed import Parallel, parallelize
+from computectx.formats import Fp4Linear, Fp4Recipe, convert_to_quantized
+from computectx.memory import OffloadedOptimizer
+
+ROWS = (20, 12)
+"""Each rank's rows a step."""
+STEPS = 3
+LR = 0.1
+JOIN_S = 1.0
+TIMEOUT_S = 10.0
+
+
+def ctx_of(recipe: str) -> ComputeCtx:
+    """A CPU ctx under the 4-bit ``recipe`` (``Fp4Recipe.parse``'s text)."""
+    return ComputeCtx.from_flag("nvfp4", "cpu").replace(recipe=Fp4Recipe.parse(recipe))
+
+
+def model(recipe: str, seed: int = 0) -> nn.Sequential:
+    """Two ``Fp4Linear``: 64 -> 64 (shards of 32 rows: whole 16- and 32-row blocks) and
+    64 -> 32 (shards of 16 rows: whole NVFP4 tiles, but half an MXFP4 block of ``Wᵀ``)."""
+    torch.manual_seed(seed)
+    seq = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    convert_to_quantized(seq, ctx_of(recipe), include_head=True, min_features=16)
+    return seq
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s rows at ``step`` (float32)."""
+    return torch.randn(ROWS[rank], 64, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+def layers(seq: nn.Module) -> list[Fp4Linear]:
+    return [m for m in seq.modules() if isinstance(m, Fp4Linear)]
+
+
+def whole(seq: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole (a DTensor gathered), plain."""
+    out = {}
+    for n, p in seq.named_parameters():
+        full = getattr(p, "full_tensor", None)
+        t = full() if full is not None else p
+        local = getattr(t, "hp", t)
+        out[n] = local.detach().clone()
+    return out
+
+
+def counters(seq: nn.Module) -> list[int]:
+    return [int(m.sr_key[1]) for m in layers(seq)]
+
+
+def _setup(
+    recipe: str, mesh: DeviceMesh | None, seed: int = 0, mp: bool = True, offload: bool = False
+) -> Parallel:
+    return parallelize(
+        model(recipe, seed),
+        ctx_of(recipe),
+        mesh,
+        strategy="fsdp",
+        optimizer_class=torch.optim.SGD,
+        lr=LR,
+        mp_policy=MixedPrecisionPolicy() if mp else None,
+        accumulate=False,
+        offload=offload,
+        join_timeout=JOIN_S,
+    )
+
+
+def _step(par: Parallel, i: int) -> None:
+    par.model(batch(i, dist.get_rank())).square().mean().backward()
+    par.step()
+
+
+def _capture(seq: nn.Module) -> tuple[dict[str, Any], list[Any]]:
+    """Record each layer's weight operands at its first forward (uint8 codes and scales, the
+    amax; ``"hp"`` where the weight arrived in high precision)."""
+    seen: dict[str, Any] = {}
+
+    def hook(name: str) -> Any:
+        def record(m: Fp4Linear, args: Any) -> None:
+            if name in seen:
+                return
+            w = m.weight
+            if not hasattr(w, "dgrad_operand"):
+                seen[name] = "hp"
+                return
+            ops = (m.quantized_weight(), w.dgrad_operand())
+            seen[name] = [
+                (
+                    q.codes.view(torch.uint8).clone(),
+                    q.scale.view(torch.uint8).clone(),
+                    getattr(q, "amax", torch.zeros(())).clone(),
+                )
+                for q in ops
+            ]
+
+        return record
+
+    handles = [
+        m.register_forward_pre_hook(hook(n))
+        for n, m in seq.named_modules()
+        if isinstance(m, Fp4Linear)
+    ]
+    return seen, handles
+
+
+@contextmanager
+def _traffic(seen: dict[str, list[Any]]) -> Iterator[None]:
+    """Append every all-gather's (dtype, bytes) this rank hands in, and every all-reduce's
+    dtype, to ``seen``."""
+    names = ("all_gather_single", "all_gather_into_tensor", "all_reduce")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
+
+    def gather(name: str) -> Any:
+        def counted(out: Any, inp: Any, *args: Any, **kw: Any) -> Any:
+            seen["gathers"].append((inp.dtype, inp.numel() * inp.element_size()))
+            return saved[name](out, inp, *args, **kw)
+
+        return counted
+
+    def reduce(t: Any, *args: Any, **kw: Any) -> Any:
+        seen["reduces"].append(str(t.dtype))
+        return saved["all_reduce"](t, *args, **kw)
+
+    for name in saved:
+        setattr(dist, name, reduce if name == "all_reduce" else gather(name))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(dist, n, f)
+
+
+def _lone(par: Parallel, tag: str) -> dict[str, str]:
+    """Rank 0 alone: an evaluation forward and ``state_dict()``; rank 1 waits."""
+    store = dist.distributed_c10d._get_default_store()
+    out: dict[str, str] = {}
+    if dist.get_rank() == 0:
+        par.model.eval()
+        for call, fn in (
+            ("eval forward", lambda: par.model(batch(9, 0))),
+            ("state_dict", par.state_dict),
+        ):
+            try:
+                with torch.no_grad():
+                    fn()
+                out[call] = "runs"
+            except Exception as e:  # judged by the test
+                out[call] = f"raises {type(e).__name__}: {e}"
+        par.model.train()
+        store.set(f"fp4-fsdp/{tag}", "done")
+    else:
+        store.wait([f"fp4-fsdp/{tag}"], datetime.timedelta(seconds=60))
+    dist.barrier()
+    return out
+
+
+def _one_recipe(recipe: str, mesh: DeviceMesh, lone: bool) -> dict[str, Any]:
+    par = _setup(recipe, mesh)
+    operands, handles = _capture(par.module)
+    out: dict[str, Any] = {"weights": [], "counters": [], "gathers": [], "reduces": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(STEPS):
+            if lone and i == 2:
+                out["lone"] = _lone(par, recipe)
+            with _traffic(out):  # the steps' collectives only
+                _step(par, i)
+            out["weights"].append(whole(par.module))
+            out["counters"].append(counters(par.module))
+    for h in handles:
+        h.remove()
+    out["operands"] = operands
+    out["warnings"] = [str(w.message) for w in caught]
+    out["wrapped"] = [
+        type(getattr(m.weight, "_local_tensor", m.weight)).__name__ for m in layers(par.module)
+    ]
+    return out
+
+
+def gather(params: dict[str, Any]) -> dict[str, Any]:
+    """Each recipe of ``params["recipes"]`` (module docstring), on a group whose collectives
+    time out after ``TIMEOUT_S``."""
+    group = dist.new_group(list(range(2)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    out: dict[str, Any] = {}
+    for recipe in params["recipes"]:
+        out[recipe] = _one_recipe(recipe, mesh, lone=recipe == params["lone"])
+    if params.get("default_mp"):
+        par = _setup(params["default_mp"], mesh, mp=False)
+        operands, _ = _capture(par.module)
+        with torch.no_grad():
+            par.model(batch(0, dist.get_rank()))
+        out["default_mp"] = operands
+    return out
+
+
+def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
+    """Load ``params["one"]`` (saved in one process), train, save ``params["two"]``, train
+    one more step; a fresh model loads ``params["two"]`` and trains that step (module
+    docstring)."""
+    group = dist.new_group(list(range(2)), timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    mesh = DeviceMesh.from_group(group, "cpu")
+    recipe = params["recipe"]
+    out: dict[str, Any] = {}
+    par = _setup(recipe, mesh, seed=1)  # other initial weights: the load must replace them
+    state = par.state_dict()
+    load(state, checkpoint_id=params["one"])
+    par.load_state_dict(state)
+    out["loaded_one"] = (whole(par.module), counters(par.module))
+    for i in range(STEPS):
+        _step(par, i)
+    save(par.state_dict(), checkpoint_id=params["two"])
+    out["saved_two"] = (whole(par.module), counters(par.module))
+    _step(par, STEPS)
+    out["uninterrupted"] = (whole(par.module), counters(par.module))
+    fresh = _setup(recipe, mesh, seed=2)
+    state = fresh.state_dict()
+    load(state, checkpoint_id=params["two"])
+    fresh.load_state_dict(state)
+    out["loaded_two"] = (whole(fresh.module), counters(fresh.module))
+    _step(fresh, STEPS)
+    out["resumed"] = (whole(fresh.module), counters(fresh.module))
+    # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
+    opt = _setup(recipe, mesh, offload=True).optimizer
+    assert isinstance(opt, OffloadedOptimizer)
+    out["plain_masters"] = all(type(m.data) is torch.Tensor for m in opt.master_params)
+    return out
