@@ -47,20 +47,15 @@ would no longer be ``Fp4Linear``'s); under ``offload`` in host memory; nothing o
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from computectx.activations import SaveMode
-from computectx.formats.linear.fp4 import (
-    FP4_COUNTER_LIMIT,
-    FP4_STATE_VERSION,
-    fp4_quant,
-    recipe_code,
-)
-from computectx.formats.linear.recompute import checkpoint_site
+from computectx.formats.linear.fp4 import FP4_STATE_VERSION, fp4_quant, recipe_code
+from computectx.formats.linear.fp4_counter import fp4_key, replays_a_call, saved_counter
 from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
 from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
@@ -71,8 +66,6 @@ from computectx.fp4_recipe import Fp4Recipe
 from computectx.saved import kept_back, offload_kept
 
 __all__ = ["ExpertsGemm", "Fp4Experts"]
-
-_U64: Final[int] = 2**64
 
 
 class ExpertsGemm(Protocol):
@@ -105,7 +98,7 @@ class Fp4Experts(nn.Module):
             )
         self.recipe = recipe
         self.how: Fp4Quant = fp4_quant(recipe)
-        self.sr_key = _key_tensor(recipe, 0)
+        self.sr_key = fp4_key(recipe)
         # load_state_dict checks the counter before any module loads, from whatever root:
         # the guard climbs to each module this one is registered under.
         guard_whole_loads(self)
@@ -134,7 +127,7 @@ class Fp4Experts(nn.Module):
             )
         key = self.sr_key if self.recipe.stochastic and torch.is_grad_enabled() else None
         y: torch.Tensor = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, key, save)
-        if key is not None and not _replays_a_call():
+        if key is not None and not replays_a_call():
             # After the call (a bad offs has raised, the counter unmoved); a new tensor: the
             # key the backward holds is never written to.
             multiple = max(block, HADAMARD_SIZE) if self.how.hadamard else block
@@ -154,7 +147,7 @@ class Fp4Experts(nn.Module):
     def set_extra_state(self, state: Any) -> None:
         """Install a saved counter (checked by ``check_load`` first)."""
         self.check_load({"_extra_state": state}, "")
-        self.sr_key = _key_tensor(self.recipe, int(state[3]))
+        self.sr_key = fp4_key(self.recipe, int(state[3]))
 
     def state_load_keys(self) -> tuple[str, ...]:
         """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this rule."""
@@ -166,52 +159,25 @@ class Fp4Experts(nn.Module):
         """Check ``tensors`` (local names) as ``load_state_dict`` does and return what
         installs the saved counter (none saved: the counter as it is)."""
         self.check_load(tensors, prefix)
-        state = tensors.get("_extra_state")
-        if state is None:
+        if "_extra_state" not in tensors:
             return lambda: None
-        counter = int(state[3])  # read now: a memory-mapped file may go
+        counter = int(tensors["_extra_state"][3])  # read now: a memory-mapped file may go
 
         def install() -> None:
-            self.sr_key = _key_tensor(self.recipe, counter)
+            self.sr_key = fp4_key(self.recipe, counter)
 
         return install
 
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
-        """``ValueError`` when ``entries`` (local names) hold a counter saved under another
-        4-bit recipe or seed (naming both), outside ``[0, FP4_COUNTER_LIMIT)`` or not in
-        ``Fp4Linear``'s layout (the whole-load guard runs this before any module loads)."""
-        state = entries.get("_extra_state")
-        if state is None:
+        """``ValueError`` when ``entries`` (local names) hold an ``_extra_state`` that is not a
+        counter in ``Fp4Linear``'s layout (``None`` included: an entry present is checked,
+        never read as absent), was saved under another 4-bit recipe or seed (naming both) or
+        lies outside ``[0, FP4_COUNTER_LIMIT)`` (the whole-load guard runs this before any
+        module loads; ``linear.fp4_counter.saved_counter``)."""
+        if "_extra_state" not in entries:
             return
         where = f"{prefix}_extra_state of the 4-bit experts {prefix[:-1] or 'setting'!r}"
-        if (
-            not isinstance(state, torch.Tensor)
-            or state.dtype != torch.int64
-            or tuple(state.shape) != (4,)
-            or state.is_meta
-        ):
-            got = f"{state.dtype} {tuple(state.shape)}" if isinstance(state, torch.Tensor) else ""
-            raise ValueError(
-                f"{where} must be an int64 tensor [version, recipe code, seed, counter]; got "
-                f"{type(state).__name__} {got}"
-            )
-        version, code, seed, counter = (int(v) for v in state.tolist())
-        if version != FP4_STATE_VERSION:
-            raise ValueError(
-                f"{where} has version {version}; this computectx reads {FP4_STATE_VERSION}"
-            )
-        mine = int(self.sr_key[0])
-        if code != recipe_code(self.recipe) or seed != mine:
-            raise ValueError(
-                f"{where} was saved under the 4-bit recipe {_recipe_text(code, seed)!r} but "
-                f"these experts run {_recipe_text(recipe_code(self.recipe), mine)!r}; convert "
-                f"under the recipe the checkpoint was saved with"
-            )
-        if not 0 <= counter < FP4_COUNTER_LIMIT:
-            raise ValueError(
-                f"{where} holds the stochastic-rounding counter {counter}; accepted: an integer "
-                f"in [0, 2**61) (FP4_COUNTER_LIMIT: the operators draw below 2**62)"
-            )
+        saved_counter(entries["_extra_state"], self.recipe, where, "these experts run")
 
     def _load_from_state_dict(
         self,
@@ -231,38 +197,6 @@ class Fp4Experts(nn.Module):
         # A high-precision checkpoint holds no counter: it loads, the counter as it is.
         if prefix + "_extra_state" in missing_keys:
             missing_keys.remove(prefix + "_extra_state")
-
-
-def _recipe_text(code: int, seed: int) -> str:
-    """The recipe a saved code and seed stand for (``linear.fp4.recipe_code``'s bits)."""
-    mx = bool(code & 1)
-    try:
-        return str(
-            Fp4Recipe(
-                format="mxfp4" if mx else "nvfp4",
-                weight_tile=None if mx else ("1x16" if code & 2 else "16x16"),
-                mx_rounding=("floor" if code & 4 else "rceil") if mx else None,
-                stochastic=bool(code & 8),
-                hadamard=bool(code & 16),
-                seed=seed % _U64,
-            )
-        )
-    except ValueError:
-        return f"<unknown 4-bit recipe code {code}, seed {seed}>"
-
-
-def _key_tensor(recipe: Fp4Recipe, counter: int) -> torch.Tensor:
-    """``sr_key``: int64 ``[seed, counter]`` on the CPU, the seed in two's complement."""
-    seed = recipe.seed if recipe.seed < 2**63 else recipe.seed - _U64
-    return torch.tensor([seed, counter], dtype=torch.int64)
-
-
-def _replays_a_call() -> bool:
-    """``Fp4Linear``'s rule: a non-reentrant checkpoint's recomputation (or a region nested
-    in one) replays a call whose backward runs with the original key; a reentrant one's
-    builds its own graph (its site's key is checkpoint's ctx). ``False`` while compiling."""
-    site = checkpoint_site(record=False)
-    return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
 
 
 class _Fp4GroupedFn(torch.autograd.Function):

@@ -189,6 +189,20 @@ def test_the_counter_is_state_saved_checked_and_restored() -> None:
     assert fp4_of(other.to("meta")).sr_key.device.type == "cpu"  # CPU state, not a buffer
 
 
+def test_a_counter_entry_of_none_is_refused_before_anything_loads() -> None:
+    # A present entry is checked, never read as absent: torch hands None to set_extra_state
+    # after the weights have loaded, where it raised 'NoneType' object is not subscriptable.
+    state = _experts(Fp4Recipe()).state_dict()
+    target = _experts(Fp4Recipe(), seed=1)
+    before = target.gate_up.detach().clone()
+    with pytest.raises(ValueError, match=r"fp8\._extra_state of the 4-bit experts 'fp8' must be"):
+        target.load_state_dict(dict(state, **{"fp8._extra_state": None}))
+    assert torch.equal(target.gate_up, before)
+    with pytest.raises(ValueError, match="must be an int64 tensor"):
+        fp4_of(target).set_extra_state(None)
+    assert fp4_of(target).sr_key.tolist() == [0, 0]
+
+
 def test_a_checkpoints_recomputation_draws_nothing_and_gives_the_same_gradients() -> None:
     plain, ckpt = _experts(Fp4Recipe()), _experts(Fp4Recipe())
     x, offs = torch.randn(20, 32).bfloat16(), offsets([6, 0, 9, 5])
