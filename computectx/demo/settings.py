@@ -42,9 +42,6 @@ DEFAULT_DTYPES: tuple[str, ...] = ("fp32", "bf16", "fp8_hybrid")
 """The policies compared when ``--dtype`` is not given: three dtype flags, then bf16 keeping
 its activations for the backward as fp8 (``ComputeCtx.activations``)."""
 
-# The 4-bit flags: their linears (Fp4Linear) and experts (Fp4Experts) train; their parallel
-# setup is not built yet, so --nproc refuses them (never run as fp8).
-_FP4 = frozenset({"nvfp4", "mxfp4"})
 _DEVICE = re.compile(r"cpu|cuda(:[0-9]+)?")
 _MOE_FIELDS = frozenset({"experts", "top_k", "shared_experts", "balance", "bias_rate"})
 
@@ -171,17 +168,6 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
         if dups:
             raise ValueError(f"{', '.join(dups)} given more than once")
         return tuple(flags)
-
-    @model_validator(mode="after")
-    def _fp4_one_process(self) -> Self:
-        fp4 = [f for f in self.dtypes if f.partition("@")[0] in _FP4]
-        if fp4 and self.nproc > 1:
-            raise ValueError(
-                f"{fp4[0]!r} is a 4-bit recipe of the policy; its linears and experts train in "
-                f"one process, but --nproc > 1 (parallelize) is not built yet for 4 bits "
-                f"(issue 37): the demo never trains fp8 in its place"
-            )
-        return self
 
     @model_validator(mode="after")
     def _moe_shape(self) -> Self:

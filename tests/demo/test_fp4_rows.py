@@ -34,9 +34,7 @@ def test_a_4_bit_row_trains_its_linears_in_4_bits(
 def test_a_4_bit_moe_row_trains_its_experts_in_4_bits(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # --moe took no 4-bit flag before the 4-bit grouped GEMM (Fp4Experts); --nproc still doesn't.
-    from computectx.demo.settings import DemoSettings
-
+    # --moe took no 4-bit flag before the 4-bit grouped GEMM (Fp4Experts).
     monkeypatch.setenv("COLUMNS", "200")
     data = tmp_path / "code.txt"
     data.write_text(TEXT)
@@ -46,5 +44,3 @@ def test_a_4_bit_moe_row_trains_its_experts_in_4_bits(
     (r,) = json.loads((tmp_path / "results.json").read_text())["results"]
     assert r["flag"] == "mxfp4" and all(math.isfinite(v) for v in r["train_losses"])
     assert "│ mxfp4 " in capsys.readouterr().out
-    with pytest.raises(ValueError, match=r"--nproc > 1 \(parallelize\) is not built yet"):
-        DemoSettings(dtypes=("nvfp4",), nproc=2)

@@ -26,7 +26,6 @@ TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(30
 SMALL = [
     "--batch-size", "4", "--seq-len", "32", "--d-model", "32", "--layers", "1",
     "--sample-tokens", "0", "--device", "cpu", "--steps", "8", "--lr", "1e-2",
-    "--dtype", "fp32,fp8_hybrid",
 ]  # fmt: skip
 
 
@@ -45,7 +44,14 @@ def _results(out: Path) -> dict[str, Any]:
     return data
 
 
-@pytest.mark.parametrize("extra", [[], ["--grad-accum", "2", "--offload"]], ids=["plain", "memory"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--dtype", "fp32,fp8_hybrid,nvfp4"],
+        ["--dtype", "fp32,fp8_hybrid", "--grad-accum", "2", "--offload"],
+    ],
+    ids=["plain", "memory"],
+)
 def test_two_processes_train_like_one(
     tmp_path: Path,
     extra: list[str],
@@ -70,7 +76,8 @@ def test_two_processes_train_like_one(
         runs[n] = _results(out)
     assert [runs[n]["world_size"] for n in (1, 2)] == [1, 2]
     one, two = ({r["flag"]: r["train_losses"] for r in runs[n]["results"]} for n in (1, 2))
-    for flag, bound in (("fp32", 1e-5), ("fp8_hybrid", 5e-4)):  # docs/demo.md
+    bounds = [("fp32", 1e-5), ("fp8_hybrid", 5e-4)] + [("nvfp4", 1e-2)] * ("nvfp4" in one)
+    for flag, bound in bounds:  # docs/demo.md
         rel = max(abs(a - b) / abs(a) for a, b in zip(one[flag], two[flag], strict=True))
         assert rel <= bound, (flag, rel, one[flag], two[flag])
 
