@@ -275,10 +275,14 @@ def _load(portable: bool) -> ctypes.CDLL | str:
         return str(e)
 
 
-def _replicated() -> bool:
-    """Whether this process is one of several ranks (``torch.distributed``)."""
+def _replicated() -> str | None:
+    """``"rank R of W"`` when this process is one of several ranks (``torch.distributed``),
+    else ``None``."""
     dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    world = dist.get_world_size()
+    return f"rank {dist.get_rank()} of {world}" if world > 1 else None
 
 
 @functools.cache
@@ -296,16 +300,19 @@ def library() -> ctypes.CDLL | None:
     or the load failed (the caller runs its twin).
 
     Under ``torch.distributed`` with more than one rank a failure raises ``RuntimeError``
-    instead: the twin's results differ from the kernel's in low bits, so a rank that ran it
-    while the others ran the kernel would leave the replicas apart, silently."""
+    instead (naming the rank): the twin's results differ from the kernel's in low bits, so a
+    rank that ran it while the others ran the kernel would leave the replicas apart, silently.
+    The other ranks learn of it only where the caller has the ranks agree on it
+    (``Parallel.step``'s checks); nothing here is a collective."""
     got = _load(False)
     if not isinstance(got, str):
         return got
-    if _replicated():
+    rank = _replicated()
+    if rank is not None:
         raise RuntimeError(
             f"computectx: the native CPU Adam kernel could not be built with {COMPILER!r} on "
-            f"this rank ({got}). Its torch-ops twin rounds differently in the last bits, so "
-            "this rank running it while others run the kernel would make the replicas "
+            f"{rank} ({got}). Its torch-ops twin rounds differently in the last bits, so "
+            "a rank running it while others run the kernel would make the replicas "
             "drift apart. Install the compiler (g++) on every node, or pass compile=False "
             "to the optimizer on every rank (all run the twin)."
         )

@@ -46,7 +46,13 @@ from computectx.memory.optim.state.packed import (
 )
 from computectx.optim_state import OptimState
 
-__all__ = ["COMPILE_BACKEND", "NATIVE_MIN_PER_THREAD", "adam_update", "compiled_update"]
+__all__ = [
+    "COMPILE_BACKEND",
+    "NATIVE_MIN_PER_THREAD",
+    "adam_update",
+    "compiled_update",
+    "native_ready",
+]
 
 COMPILE_BACKEND = "inductor"
 """The ``torch.compile`` backend of ``compiled=True`` (tests set ``"aot_eager"``)."""
@@ -319,6 +325,22 @@ def _repacked(
 # ----- the native CPU kernel -----------------------------------------------------------------
 
 
+def native_ready() -> bool:
+    """Whether the native CPU kernel runs here: built (or loaded) now, as the first native
+    step would build it; ``False`` after ``host_adam``'s one ``RuntimeWarning`` (the twin
+    runs), in a single process.
+
+    Under ``torch.distributed`` with several ranks a failed build raises ``host_adam``'s
+    ``RuntimeError`` instead (naming this rank and the compiler's error): the twin differs from
+    the kernel in the last bits. A build can fail on one node only (no compiler there), so a
+    multi-rank caller runs this where the ranks agree on every rank's checks before any of
+    them steps (``Parallel.step`` agrees on the optimizer's ``check_step``): then every rank
+    raises the same error, naming the rank, and none steps. Nothing here is a collective."""
+    from computectx.kernels import host_adam
+
+    return host_adam.library() is not None
+
+
 @functools.cache
 def _byte_table(fmt: str, signed: bool) -> torch.Tensor:
     """The nearest-entry table of the map of ``fmt`` (codes below 256) as uint8, on the CPU: a
@@ -374,7 +396,7 @@ def _native_update(
     """The step by the native kernel on the hyper-parameters ``values`` (``_update``'s order):
     the moments' new parts, or ``None`` (nothing written) where it does not take
     this configuration or could not be built: the caller runs the twin (``host_adam.library``
-    raises instead under ``torch.distributed`` with several ranks)."""
+    raises instead under ``torch.distributed`` with several ranks; ``native_ready``)."""
     from computectx.kernels import host_adam
 
     dtypes = host_adam.PARAM_DTYPES

@@ -469,6 +469,7 @@ def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
     monkeypatch.setattr(host_adam, "COMPILER", "false")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: world - 1)
     forget_builds()
     ctx = ComputeCtx.parity("cpu").with_optim_state(OptimState.parse("int8/min=0"))
     try:
@@ -481,7 +482,10 @@ def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
                     warnings.simplefilter("error")
                     opt.step()
             elif world > 1:
-                match = r"(?s)could not be built with 'false'.*g\+\+\) on every node.*compile=False"
+                match = (
+                    r"(?s)could not be built with 'false' on rank 1 of 2 .*"
+                    r"g\+\+\) on every node.*compile=False"
+                )
                 for _ in range(2):  # at every step, not once
                     with pytest.raises(RuntimeError, match=match):
                         opt.step()
