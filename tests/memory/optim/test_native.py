@@ -16,6 +16,7 @@ from __future__ import annotations
 import _ctypes
 import functools
 import hashlib
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,11 @@ from computectx.memory.optim.state import Packed, decode, encode
 from computectx.memory.optim.state.packed import spec_of, unpack4
 from computectx.optim_state import OptimState
 
-pytestmark = pytest.mark.skipif(
+needs_kernel = pytest.mark.skipif(
     host_adam.library() is None, reason="the native kernel did not build here"
 )
+"""On the tests that run the built kernel; the others (no compiler: the twin, the warning;
+the twin's rounding) run everywhere."""
 
 BLOCK = 32
 FORMATS = ["f32", "bf16", "int8", "fp8", "int4"]
@@ -149,6 +152,7 @@ def run_pair(
     return out[0], out[1]
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize(
     "shape", [(1,), (BLOCK - 1,), (BLOCK + 1,), (3 * BLOCK + 5,), (51, 99), (64, 128)]
@@ -160,6 +164,7 @@ def test_native_step_agrees_with_the_twin(fmt: str, shape: tuple[int, ...]) -> N
     assert_close_moment(native[2], twin[2])
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 @pytest.mark.parametrize(
     ("decoupled", "weight_decay", "maximize"), [(False, 0.1, False), (True, 0.0, True)]
@@ -188,6 +193,7 @@ def adversarial(n: int, gen: torch.Generator) -> torch.Tensor:
     return g
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("shape", [(4 * BLOCK + 7,), (51, 99)])
 def test_exact_arithmetic_gives_identical_codes_scales_and_weights(
@@ -213,6 +219,7 @@ def test_exact_arithmetic_gives_identical_codes_scales_and_weights(
             assert torch.equal(a, b), fmt
 
 
+@needs_kernel
 def test_bf16_codes_at_the_edges_of_the_range_are_the_twins() -> None:
     # beta1 = beta2 = 0: m = g and v = g * g exactly. Around bf16's largest (rounding to it,
     # the tie that rounds to inf, FLT_MAX: clamped), a square that overflows, squares below
@@ -235,6 +242,7 @@ def test_bf16_codes_at_the_edges_of_the_range_are_the_twins() -> None:
         assert torch.equal(x[~nan].view(torch.int16), y[~nan].view(torch.int16))
 
 
+@needs_kernel
 def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
     # From 65536 elements int8 takes the one-load table (code and bound in one word), and
     # (AVX-512) keeps an old code where a check finds it still the nearest; beta1 = beta2 = 0
@@ -266,6 +274,7 @@ def test_int8_codes_of_a_large_tensor_are_the_twins() -> None:
             torch.testing.assert_close(pa[k], pb[k], rtol=0.0, atol=0.0, equal_nan=True)
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "int4", "bf16"])
 def test_the_result_does_not_depend_on_the_thread_count(
     fmt: str, monkeypatch: pytest.MonkeyPatch
@@ -286,6 +295,7 @@ def test_the_result_does_not_depend_on_the_thread_count(
             assert all(torch.equal(pa[k], pb[k]) for k in pa)
 
 
+@needs_kernel
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_vector_code_equals_the_portable_build_and_the_twin(
     fmt: str, monkeypatch: pytest.MonkeyPatch
@@ -319,6 +329,7 @@ def test_the_vector_code_equals_the_portable_build_and_the_twin(
 # ----- bf16 / f16 weights: the write-back --------------------------------------------------
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", ["f32", "int8"])
 def test_stochastic_rounding_is_the_same_in_the_kernel_and_the_twin(
@@ -371,8 +382,8 @@ def test_keyed_stochastic_rounding_is_unbiased_and_leaves_inf_and_nan(dtype: tor
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stochastic_rounding_saturates_a_finite_value_beyond_the_range(dtype: torch.dtype) -> None:
     # Finite in, finite out: a float32 value beyond the largest finite one of the dtype
-    # (where rounding to nearest gives inf from the midpoint up) rounds to that largest one,
-    # in the twin and the kernel alike; inf and NaN stay.
+    # (where rounding to nearest gives inf from the midpoint up) rounds to that largest one;
+    # inf and NaN stay.
     top = float(torch.finfo(dtype).max)
     f32max = float(torch.finfo(torch.float32).max)
     ulp = 2.0 ** (127 - 7) if dtype == torch.bfloat16 else 32.0
@@ -384,6 +395,15 @@ def test_stochastic_rounding_saturates_a_finite_value_beyond_the_range(dtype: to
         r = stochastic_round_keyed(x, dtype, key).float()
         want = torch.tensor([top, top, top, top, float("inf"), float("nan")])
         torch.testing.assert_close(r, torch.cat([want, -want]), rtol=0, atol=0, equal_nan=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_kernels_stochastic_rounding_saturates_as_the_twins(dtype: torch.dtype) -> None:
+    # A weight at the dtype's largest finite value and an update that takes it beyond, below
+    # and above the midpoint: the kernel's write-back saturates as the twin's.
+    top = float(torch.finfo(dtype).max)
+    ulp = 2.0 ** (127 - 7) if dtype == torch.bfloat16 else 32.0
     for lr in (ulp / 4, ulp * 3 / 4):  # an update below and above the midpoint
         outs = []
         for native in (False, True):
@@ -411,6 +431,7 @@ def test_stochastic_rounding_saturates_a_finite_value_beyond_the_range(dtype: to
         assert bool((outs[1].float() == top).all()), lr
 
 
+@needs_kernel
 def test_fp8_blocks_too_small_for_the_scale_decode_the_same_though_codes_may_differ() -> None:
     # A block whose absmax / 448 underflows to 0 (subnormal moments): the kernel's codes may
     # differ from the twin's, but every code decodes to the same value, and the weights agree.
@@ -432,6 +453,7 @@ def test_fp8_blocks_too_small_for_the_scale_decode_the_same_though_codes_may_dif
             assert torch.equal(x, y)
 
 
+@needs_kernel
 def test_one_key_per_parameter_per_step() -> None:
     gen = torch.Generator().manual_seed(1)
     draw_key(gen)
@@ -458,6 +480,17 @@ def forget_builds() -> None:
     host_adam._warn.cache_clear()
 
 
+def failing_compiler(folder: Path, *, version: bool = False) -> str:
+    """A compiler that fails (as ``g++`` without its back end), whatever ``PATH`` holds;
+    with ``version``, ``--version`` succeeds and only a build would fail."""
+    path = folder / "failing-g++"
+    answer = 'if [ "$1" = --version ]; then echo "failing-g++ 1.0"; exit 0; fi\n' if version else ""
+    error = "echo 'failing-g++: fatal error: no back end' >&2\nexit 1\n"
+    path.write_text(f"#!/bin/sh\n{answer}{error}")
+    path.chmod(0o755)
+    return str(path)
+
+
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
     world: int, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
@@ -466,7 +499,8 @@ def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
     # kernel would leave the replicas apart. Under several ranks the step raises, naming the
     # error and the remedies; compile=False (the twin everywhere) still runs.
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(host_adam, "COMPILER", "false")
+    compiler = failing_compiler(tmp_path)
+    monkeypatch.setattr(host_adam, "COMPILER", compiler)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: world)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: world - 1)
@@ -483,14 +517,16 @@ def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
                     opt.step()
             elif world > 1:
                 match = (
-                    r"(?s)could not be built with 'false' on rank 1 of 2 .*"
-                    r"g\+\+\) on every node.*compile=False"
+                    f"(?s)could not be built with '{re.escape(compiler)}' on rank 1 of 2 "
+                    r".*no back end.*g\+\+\) on every node.*compile=False"
                 )
                 for _ in range(2):  # at every step, not once
                     with pytest.raises(RuntimeError, match=match):
                         opt.step()
             else:
-                with pytest.warns(RuntimeWarning, match="could not be built with 'false'"):
+                with pytest.warns(
+                    RuntimeWarning, match="(?s)could not be built with .*no back end"
+                ):
                     opt.step()
     finally:
         forget_builds()
@@ -501,6 +537,7 @@ def cheap_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     monkeypatch.setattr(host_adam, "FLAGS", (*host_adam.FLAGS[1:], "-O1"))
 
 
+@needs_kernel
 def test_a_truncated_or_foreign_cached_library_is_rebuilt_not_loaded(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
@@ -549,6 +586,7 @@ def bits(x: Any) -> dict[str, torch.Tensor]:
     return {k: t.view(torch.uint8) if t.dtype.itemsize == 1 else t for k, t in parts.items()}
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_baseline_x86_64_build_gives_the_same_bits_as_the_native_one(
@@ -577,6 +615,7 @@ def test_a_baseline_x86_64_build_gives_the_same_bits_as_the_native_one(
         assert all(torch.equal(ba[k].view(torch.uint8), bb[k].view(torch.uint8)) for k in ba)
 
 
+@needs_kernel
 def test_float16_conversions_without_f16c_are_the_hardwares_bit_for_bit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -598,26 +637,54 @@ def test_float16_conversions_without_f16c_are_the_hardwares_bit_for_bit(
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 
+@pytest.mark.parametrize("failure", ["the compiler fails", "no compiler", "no cache folder"])
 def test_a_failed_build_warns_once_and_runs_the_twin(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    failure: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(host_adam, "COMPILER", "false")
+    # Runs with or without a compiler here: a compiler that fails, none at all, or a cache
+    # folder that cannot be made (a file in its place) give one RuntimeWarning quoting the
+    # error, then the twin, in one process; an optimizer with compile=None then steps as
+    # with compile=False, bit for bit.
+    cache = tmp_path / "cache"
+    if failure == "the compiler fails":
+        compiler = failing_compiler(tmp_path)
+    elif failure == "no compiler":
+        compiler = str(tmp_path / "no-such-g++")
+    else:
+        compiler = failing_compiler(tmp_path, version=True)
+        cache.write_text("")
+    monkeypatch.setattr(host_adam, "COMPILER", compiler)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    why = {
+        "the compiler fails": "--version failed: failing-g\\+\\+: fatal error: no back end",
+        "no compiler": "could not be run",
+        "no cache folder": "Not a directory",
+    }[failure]
     forget_builds()
     try:
-        with pytest.warns(RuntimeWarning, match="could not be built with 'false'.*twin"):
+        with pytest.warns(RuntimeWarning, match=f"(?s)could not be built with .*twin.*{why}"):
             twin, native = run_pair("int8", (3 * BLOCK,))
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             run_pair("int8", (3 * BLOCK,))  # no second warning
+            ctx = ComputeCtx.parity("cpu").with_optim_state(OptimState.parse("int8/min=0"))
+            stepped = []
+            for compile in (None, False):
+                p = torch.nn.Parameter(torch.linspace(-1, 1, 3 * BLOCK))
+                opt = CompactOptimizer([p], ctx, lr=1e-2, compile=compile)
+                p.grad = torch.linspace(1, -2, 3 * BLOCK)
+                opt.step()
+                stepped.append(p.detach())
     finally:
         forget_builds()
     assert torch.equal(native[0], twin[0])  # the twin ran both
     assert all(torch.equal(native[1].parts[k], twin[1].parts[k]) for k in twin[1].parts)
-    assert host_adam.cache_dir() == tmp_path / "computectx" / "host_adam"
+    assert torch.equal(stepped[0], stepped[1])
+    assert host_adam.cache_dir() == cache / "computectx" / "host_adam"
     assert not list(host_adam.cache_dir().glob("*.so"))
 
 
+@needs_kernel
 def test_the_build_is_cached_by_a_hash_and_replaced_atomically(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
@@ -632,6 +699,7 @@ def test_the_build_is_cached_by_a_hash_and_replaced_atomically(
 # ----- end to end --------------------------------------------------------------------------
 
 
+@needs_kernel
 @pytest.mark.parametrize("cls", [CompactOptimizer, OffloadedOptimizer])
 def test_optimizers_with_int8_state_step_natively_like_compile_false(cls: Any) -> None:
     ctx = ComputeCtx.parity("cpu").with_optim_state(OptimState.parse("int8/min=0"))
