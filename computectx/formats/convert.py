@@ -24,8 +24,8 @@ from computectx.formats.convert_report import (
     nothing_converted,
     output_heads,
 )
-from computectx.formats.linear.fp4 import Fp4Linear, block_list
-from computectx.formats.linear.fp4_rules import unheeded_rules
+from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_rules import model_blocks, unheeded_rules
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.formats.policy import (
@@ -411,8 +411,8 @@ class _Rules:
 
     @functools.cached_property
     def blocks(self) -> dict[int, tuple[int, int]]:
-        """``block_list`` of the model (only asked under a 4-bit recipe)."""
-        return block_list(self.model)
+        """The model's blocks (``linear.fp4_rules.model_blocks``; asked under a 4-bit recipe)."""
+        return model_blocks(self.model)
 
     def converter_for(self, lin: nn.Linear) -> Converter | None:
         """The converter registered for ``lin``'s class or the nearest base, if any."""

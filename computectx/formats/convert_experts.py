@@ -48,7 +48,7 @@ from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend, default_backend, parse_backend
 from computectx.formats.convert_report import SkippedLinear, SkipRule
 from computectx.formats.linear.fp4_experts import Fp4Experts
-from computectx.formats.linear.fp4_rules import module_blocks
+from computectx.formats.linear.fp4_rules import model_blocks
 from computectx.formats.ops.grouped import QuantizedExperts
 from computectx.formats.policy import (
     check_fp8_widths,
@@ -214,7 +214,7 @@ def plan_experts(
                 seen.add(id(module))
                 break
     four = policy if isinstance(policy, Fp4Recipe) else None
-    blocks = module_blocks(model) if four is not None and four.hp_last else {}
+    blocks = model_blocks(model) if four is not None and four.hp_last else {}
     convert: list[tuple[str, nn.Module, ExpertsConverter]] = []
     skipped: list[SkippedLinear] = []
     for fqn, module, conv, weights in found:

@@ -121,3 +121,34 @@ def test_a_grouped_experts_module_alone_converts_and_keeps_high_by_pattern() -> 
     with pytest.warns(UserWarning, match="converted none"):
         report = convert_to_quantized(model, _ctx(Fp4Recipe(hp=("exp*",))), min_features=16)
     assert [s.rule for s in report.skipped] == ["kept_high"]
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 32), nn.Linear(32, 32)
+
+
+class _Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(32, 32)
+        self.experts = nn.ModuleList(_Mlp() for _ in range(4))  # more experts than layers
+        self.grouped = GroupedExperts(BF16, 32, 32, 4)
+
+
+def test_hp_last_keeps_the_last_layer_when_experts_are_a_longer_list_inside_each_layer() -> None:
+    # transformers 4's Mixtral/Qwen-MoE: the longest list holding linears was layer 0's experts,
+    # so hp_last=1 kept layers.0.experts.3 high and ran the whole last layer in 4 bits, silently.
+    model = nn.ModuleDict(
+        {"layers": nn.ModuleList(_Layer() for _ in range(3)), "lm_head": nn.Linear(32, 64)}
+    )
+    report = convert_to_quantized(model, _ctx(Fp4Recipe(hp_last=1)), min_features=16)
+    kept = {s.fqn for s in report.skipped if s.rule == "kept_high"}
+    assert kept == {
+        "layers.2.attn",
+        "layers.2.grouped",
+        *(f"layers.2.experts.{e}.{n}" for e in range(4) for n in ("up", "down")),
+    }
+    assert report.experts == ("layers.0.grouped", "layers.1.grouped")
+    assert isinstance(model.get_submodule("layers.0.experts.3.up"), Fp4Linear)

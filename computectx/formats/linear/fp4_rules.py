@@ -1,10 +1,14 @@
 """A 4-bit recipe's own high-precision rules over a model (``Fp4Recipe.hp``, ``hp_last``):
-the block of every module, experts included, and the rules that can keep nothing high.
+the block of every module, linears and experts alike, and the rules that can keep nothing high.
 
-The blocks are the model's block list as ``linear.fp4.block_list`` finds it for the linears
-(the ``nn.ModuleList``/``nn.ModuleDict`` with the most entries among those holding an
-``nn.Linear``): ``module_blocks`` gives every module inside its entries the entry's index, so
-grouped experts in block ``i`` are kept high by ``hp_last`` exactly when its linears are.
+The blocks are the model's **block list** (``model_blocks``): the ``nn.ModuleList`` or
+``nn.ModuleDict`` with the most entries among those holding an ``nn.Linear`` (the first in
+registration order on a tie: ``ByteLM.blocks``, transformers' ``model.layers``, torchtitan's
+``layers``), leaving out a list that sits inside a *repeated* entry of another such list (an
+entry whose class another entry holding a linear shares: a layer of a stack). Block ``i`` is
+its ``i``-th entry, and every module inside it (a linear, grouped experts) is in block ``i``.
+So a model whose experts are an ``nn.ModuleList`` of MLPs in each layer (transformers 4's
+Mixtral, Qwen-MoE: 60 experts, 24 layers) has its layers as blocks, not layer 0's experts.
 """
 
 from __future__ import annotations
@@ -14,34 +18,41 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from computectx.formats.linear.fp4 import block_list
 from computectx.fp4_recipe import Fp4Recipe
 
-__all__ = ["module_blocks", "unheeded_rules"]
+__all__ = ["model_blocks", "unheeded_rules"]
 
 
-def module_blocks(model: nn.Module) -> dict[int, tuple[int, int]]:
+def model_blocks(model: nn.Module) -> dict[int, tuple[int, int]]:
     """``id(module) -> (block, blocks)`` for every module inside an entry of the model's block
-    list: the container whose entry ``i`` holds the linears ``block_list`` puts in block
-    ``i``; empty when the model has none."""
-    linears = block_list(model)
-    if not linears:
-        return {}
-    for m in model.modules():
+    list (module docstring); empty when the model has none."""
+    lists: list[tuple[str, list[nn.Module]]] = []
+    repeated: list[str] = []  # the names of entries that are layers of a stack
+    for name, m in model.named_modules():
         if not isinstance(m, (nn.ModuleList, nn.ModuleDict)):
             continue
-        entries = list(m.children())
-        n = len(entries)
-        marks = [
-            {linears.get(id(s)) for s in e.modules() if isinstance(s, nn.Linear)} for e in entries
+        entries = dict(m.named_children())
+        holding = {
+            key: e
+            for key, e in entries.items()
+            if any(isinstance(s, nn.Linear) for s in e.modules())
+        }
+        if not holding:
+            continue
+        lists.append((name, list(entries.values())))
+        kinds = [type(e) for e in holding.values()]
+        repeated += [
+            f"{name}.{k}" if name else k for k, e in holding.items() if kinds.count(type(e)) > 1
         ]
-        if any(marks) and all(mark <= {(i, n)} for i, mark in enumerate(marks)):
-            found: dict[int, tuple[int, int]] = {}
-            for i, entry in enumerate(entries):
-                for s in entry.modules():
-                    found.setdefault(id(s), (i, n))
-            return found
-    return {}
+    free = [
+        entries for name, entries in lists if not any(name.startswith(r + ".") for r in repeated)
+    ]
+    best = max(free, key=len, default=[])
+    blocks: dict[int, tuple[int, int]] = {}
+    for i, entry in enumerate(best):
+        for s in entry.modules():
+            blocks.setdefault(id(s), (i, len(best)))
+    return blocks
 
 
 def unheeded_rules(recipe: Fp4Recipe, names: Iterable[str], has_blocks: bool) -> list[str]:
