@@ -69,6 +69,7 @@ from computectx.kernels.scaled_mm import check_bias_and_out, grouped_tile, store
 
 __all__ = [
     "ALPHA_FACTOR_INV",
+    "AMAX_FLOOR",
     "BLACKWELL_FP4_TILES",
     "BUILD_OPTIONS",
     "FP4_TILES",
@@ -81,6 +82,7 @@ __all__ = [
     "fp4_scaled_mm",
     "fp4_tensor_cores",
     "scale_arg",
+    "tensor_alpha",
 ]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
@@ -92,6 +94,14 @@ ALPHA_FACTOR_INV: Final[float] = float(
 )
 """``f32(1 / (6 * 6 * 448 * 448))``: NVFP4's tensor-scale constant (the twin's
 ``numerics.fp4_gemm.ALPHA_FACTOR_INV``; a test holds the two equal)."""
+
+AMAX_FLOOR: Final[float] = float(
+    torch.tensor(6.0 * 448.0) / torch.tensor(torch.finfo(torch.float32).max)
+)
+"""``f32(2688 / FLT_MAX)``: an NVFP4 amax below it has its ``S_enc`` saturated, and the
+epilogue reads it as this floor (the twin's ``numerics.fp4_gemm.AMAX_FLOOR``; a test holds
+the two equal)."""
+_AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
 FP4_TILES: Final[dict[str, tuple[int, int]]] = {"1x16": (1, 16), "16x16": (16, 16), "1x32": (1, 32)}
 """Each operand tile the kernels take: (rows a scale serves, elements along K it serves).
@@ -260,9 +270,7 @@ def _fp4_mm_tiles(  # type: ignore[no-untyped-def]
         stride_sb_k, VEC, ROWS_A, ROWS_B, BLOCK_K,
     )  # fmt: skip
     if VEC == 16:
-        # The twin's tensor_scale_alpha: (amax_a * amax_b) * ALPHA_INV, two float32 products.
-        alpha = (tl.load(amax_a_ptr) * tl.load(amax_b_ptr)) * ALPHA_INV
-        acc = acc * alpha
+        acc = acc * tensor_alpha(tl.load(amax_a_ptr), tl.load(amax_b_ptr), ALPHA_INV)
     store_tile(
         c_ptr, acc, bias_ptr, offs_m, offs_n, offs_m[:, None] < M, offs_n[None, :] < N, N,
         stride_cm, stride_cn, HAS_BIAS, OUT_BF16,
@@ -390,8 +398,24 @@ def check_device(device: torch.device) -> None:
 
 
 def _alpha_on_host(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
-    # The kernel's tensor-scale factor, for a launch with no K to sum.
-    return (amax_a * amax_b) * torch.tensor(ALPHA_FACTOR_INV, device=amax_a.device)
+    # The kernel's tensor-scale factor (tensor_alpha), for a launch with no K to sum.
+    a, b = amax_a.float().clamp(min=AMAX_FLOOR), amax_b.float().clamp(min=AMAX_FLOOR)
+    hi, lo = torch.maximum(a, b), torch.minimum(a, b)
+    inv = torch.tensor(ALPHA_FACTOR_INV, device=a.device)
+    return torch.where(torch.isinf(hi * lo), hi * (lo * inv), (hi * lo) * inv)
+
+
+@triton.jit
+def tensor_alpha(amax_a, amax_b, ALPHA_INV: tl.constexpr):  # type: ignore[no-untyped-def]
+    """NVFP4's epilogue factor, the twin's ``tensor_scale_alpha``: TE's ``(amax_a * amax_b) *
+    ALPHA_INV`` (two float32 products), an amax below ``AMAX_FLOOR`` (its ``S_enc`` saturated)
+    read as the floor, a product past FLT_MAX formed as ``hi * (lo * ALPHA_INV)``."""
+    a = tl.maximum(amax_a, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    b = tl.maximum(amax_b, _AMAX_FLOOR, propagate_nan=tl.PropagateNan.ALL)
+    hi = tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    lo = tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)
+    product = hi * lo
+    return tl.where(product == float("inf"), hi * (lo * ALPHA_INV), product * ALPHA_INV)
 
 
 def fp4_scaled_mm(

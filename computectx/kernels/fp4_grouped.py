@@ -50,6 +50,7 @@ from computectx.kernels.fp4_gemm import (
     e4m3_scales_interpreted,
     fp4_block_dot,
     scale_arg,
+    tensor_alpha,
 )
 from computectx.kernels.fp8_codes import FLOAT_DTYPES
 from computectx.kernels.grouped_mm import check_offsets, group_row_tile
@@ -80,8 +81,9 @@ def _group_alpha(  # type: ignore[no-untyped-def]
     amax_a_ptr, amax_b_ptr, g, VEC: tl.constexpr, ALPHA_INV: tl.constexpr
 ):
     # NVFP4: group g's tensor-scale factor, as the dense kernel's; MXFP4: 1.
-    product = tl.load(amax_a_ptr + g) * tl.load(amax_b_ptr + g) if VEC == 16 else 1.0
-    return product * ALPHA_INV if VEC == 16 else 1.0
+    if VEC == 16:
+        return tensor_alpha(tl.load(amax_a_ptr + g), tl.load(amax_b_ptr + g), ALPHA_INV)
+    return 1.0
 
 
 @triton.autotune(

@@ -252,6 +252,7 @@ def test_empty_shapes() -> None:
 
 def test_the_tensor_scale_constant_is_the_twins() -> None:
     assert kf.ALPHA_FACTOR_INV == twin.ALPHA_FACTOR_INV
+    assert kf.AMAX_FLOOR == twin.AMAX_FLOOR
 
 
 def _args(**change: object) -> dict[str, object]:

@@ -57,7 +57,6 @@ from computectx.formats.numerics.fp4 import (
     nvfp4_block_scales,
 )
 from computectx.formats.numerics.fp4_gemm import (
-    ALPHA_FACTOR_INV,
     Fp4Operand,
     Fp4Quant,
     tensor_scale_alpha,
@@ -275,6 +274,5 @@ def w4a4_mm(
     qx, amax = nvfp4_rows(x2)
     unit_w = Nvfp4Operand(weight.codes, weight.scale, qx.amax, weight.tile)
     acc = fp4_ops.scaled_mm(qx, unit_w, torch.float32)  # alpha == 1: the accumulator
-    factor = torch.tensor(ALPHA_FACTOR_INV, dtype=torch.float32, device=acc.device)
-    alpha = (amax * weight.amax.float().reshape(())) * factor  # tensor_scale_alpha, per row
+    alpha = tensor_scale_alpha(amax, weight.amax.float().reshape(()))  # per row
     return tensorwise.epilogue(acc * alpha[:, None], bias, out_dtype)

@@ -9,7 +9,9 @@ operands of the linear's three GEMMs, and the grouped GEMMs of mixture-of-expert
     P_kb  = sum over the block's k of e2m1_a[i, k] * e2m1_b[j, k]         exact
     T_kb  = P_kb * (s_a[i, kb] * s_b[j, kb])                            NVFP4: exact
     acc   = ((T_0 + T_1) + T_2) + ...                                   in K order
-    alpha = (amax_a * amax_b) * f32(1 / (6 * 6 * 448 * 448))           NVFP4 only
+    alpha = (amax_a * amax_b) * f32(1 / (6 * 6 * 448 * 448))           NVFP4 only (TE's;
+            tensor_scale_alpha: an amax below AMAX_FLOOR read as it, a product past FLT_MAX
+            formed in another order)
     out   = out_dtype((acc * alpha) + bias)                             one rounding
 
 E2M1 values have at most two significant bits and are multiples of 0.5, so a block's
@@ -38,9 +40,9 @@ decode factors ``f32(S_dec) * (1 / S_enc)``, whose ``S_enc`` and reciprocal are 
 rest for measuring the magnitudes on the dequantized values) and
 ``absolute = 2**-149 * (sum_kb |T_kb| + 1 + sum_k |e2m1_a e2m1_b| (f_a + f_b + 2**-149))``
 (``f`` the decode factors: ``alpha`` or a decode factor that is subnormal); it holds when each
-amax is 0 or at least ``2688 * 2**-126`` (about 3.2e-35, so ``1 / S_enc`` is a normal float32:
-below that ``S_enc`` saturates at ``FLT_MAX`` and TE's ``alpha``, taken from the amaxes, no
-longer matches the operand's encode scale). MXFP4: ``n = n_kb + 4`` and ``absolute = 2**-148
+amax is 0 or at least ``2688 * 2**-126`` (about 3.2e-35, so ``1 / S_enc`` is a normal float32;
+below ``AMAX_FLOOR``, about 7.9e-36, ``S_enc`` saturates at ``FLT_MAX`` and ``alpha`` reads the
+amax as that floor, ``tensor_scale_alpha``). MXFP4: ``n = n_kb + 4`` and ``absolute = 2**-148
 * (sum_k |e2m1_a e2m1_b| + n_kb)`` (a scale product or a term that falls below float32's normal
 range), as ``numerics.blockwise.scaled_mm_error_bound``.
 
@@ -106,6 +108,7 @@ from computectx.formats.numerics.fp4 import (
 
 __all__ = [
     "ALPHA_FACTOR_INV",
+    "AMAX_FLOOR",
     "Fp4Format",
     "Fp4Operand",
     "Fp4Quant",
@@ -127,6 +130,11 @@ Fp4Operand = Nvfp4Operand | Mxfp4Operand
 
 ALPHA_FACTOR_INV: Final[float] = float(torch.tensor(1.0 / (6.0 * 6.0 * 448.0 * 448.0)))
 """``f32(1 / (6 * 6 * 448 * 448))``: TE's constant of the NVFP4 tensor-scale epilogue."""
+AMAX_FLOOR: Final[float] = float(
+    torch.tensor(6.0 * 448.0) / torch.tensor(torch.finfo(torch.float32).max)
+)
+"""``f32(2688 / FLT_MAX)``: below it an NVFP4 operand's ``S_enc`` saturates at ``FLT_MAX``, and
+``tensor_scale_alpha`` reads the amax as this floor (the decode the encoding used)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +219,21 @@ def dequantize_operand(q: Fp4Operand) -> torch.Tensor:
 
 
 def tensor_scale_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tensor:
-    """NVFP4's epilogue factor, float32 ``()``: ``(amax_a * amax_b) * ALPHA_FACTOR_INV``."""
-    product = amax_a.float().reshape(()) * amax_b.float().reshape(())
-    return product * torch.tensor(ALPHA_FACTOR_INV, dtype=torch.float32, device=product.device)
+    """NVFP4's epilogue factor, float32 (the amaxes broadcast): TE's ``(amax_a * amax_b) *
+    ALPHA_FACTOR_INV``, two float32 products, bit for bit wherever TE's is right.
+
+    It is not at the two ends, and there the factor the encoding used is taken instead: an
+    amax below ``AMAX_FLOOR`` (about 7.9e-36) saturates its ``S_enc`` at ``FLT_MAX``, so its
+    operand is decoded by ``AMAX_FLOOR``, not by the amax (TE's factor comes out up to 1500x
+    too small at 1e-38); and a product of two amaxes past ``FLT_MAX`` (an input of 1e38 times
+    a weight of amax 8) is inf in TE's order, so the larger amax multiplies the smaller one's
+    ``amax * ALPHA_FACTOR_INV`` instead (finite where the factor is)."""
+    a = amax_a.float().clamp(min=AMAX_FLOOR)
+    b = amax_b.float().clamp(min=AMAX_FLOOR)
+    hi, lo = torch.maximum(a, b), torch.minimum(a, b)
+    inv = torch.tensor(ALPHA_FACTOR_INV, dtype=torch.float32, device=a.device)
+    product = hi * lo
+    return torch.where(torch.isinf(product), hi * (lo * inv), product * inv)
 
 
 def _parts(q: Fp4Operand, who: str) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -52,6 +52,35 @@ def test_alpha_is_tes_tensor_scale_in_float32() -> None:
         assert got.dtype == torch.float32 and float(got) == float(want)
 
 
+@pytest.mark.parametrize(("scale_x", "scale_w"), [(1.0, 1e-37), (1e-38, 1.0), (1e36, 1.0)])
+def test_alpha_is_the_encodings_at_both_ends(scale_x: float, scale_w: float) -> None:
+    # TE's (amax_a * amax_b) * f32(1/(36*448**2)) is wrong at the ends: an amax below ~7.9e-36
+    # has its S_enc saturated at FLT_MAX (the output came out 8x too small at 1e-37, 1500x at
+    # 1e-38), and amaxes whose product passes FLT_MAX (1e38 x 8) gave inf. The factor the
+    # encoding used keeps the GEMM within its usual 4-bit error of the exact product.
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 64, generator=gen, dtype=torch.float64)
+    w = torch.randn(32, 64, generator=gen, dtype=torch.float64)
+    if scale_x == 1e36:  # one input of 1e38 against a weight of amax 8: amax product 8e38
+        x[3, 5], w[:, 5], w[7, 9] = 100.0, 1e-3, 8.0
+    how = HOWS["nvfp4"]
+    qx = fp4_gemm.quantize_rows((x * scale_x).float(), how)
+    qw = fp4_gemm.quantize_rows((w * scale_w).float(), how, weight=True)
+    got = fp4_gemm.reference_fp4_mm(qx, qw, torch.float32).double() / (scale_x * scale_w)
+    exact = x @ w.t()
+    assert bool(torch.isfinite(got).all())
+    sqnr = 10 * torch.log10(exact.pow(2).sum() / (got - exact).pow(2).sum())
+    assert sqnr > 12, float(sqnr)  # 4-bit noise: ~16 dB at ordinary magnitudes
+
+
+def test_alpha_floor_is_where_s_enc_saturates() -> None:
+    floor = fp4_gemm.AMAX_FLOOR
+    assert float(torch.tensor(2688.0) / torch.tensor(torch.finfo(torch.float32).max)) == floor
+    one = torch.tensor(1.0)
+    below = fp4_gemm.tensor_scale_alpha(torch.tensor(floor / 4), one)
+    assert float(below) == float(fp4_gemm.tensor_scale_alpha(torch.tensor(floor), one))
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4-rceil"])
 def test_one_block_is_exact_up_to_the_epilogue(name: str) -> None:
     # One K block: P * s_a * s_b is exact, so the float32 result is the float64 value of the
