@@ -42,7 +42,7 @@ from computectx.memory._rounding import (
     stochastic_round_keyed,
 )
 from computectx.memory.optim.classes import check_fits, class_name
-from computectx.memory.optim.fused import adam_update
+from computectx.memory.optim.fused import adam_update, native_ready
 from computectx.memory.optim.state.codecs import decode, encode
 from computectx.memory.optim.state.packed import Packed
 from computectx.memory.optim.state.store import (
@@ -85,6 +85,10 @@ def check_compile(compile: object) -> None:
 def below_f32(dtype: torch.dtype) -> bool:
     """Whether weights of ``dtype`` are written back with stochastic rounding."""
     return dtype.is_floating_point and torch.finfo(dtype).bits < 32
+
+
+_NOT_FUSED = ("amsgrad", "capturable", "differentiable", "fused")
+"""The Adam group options that the fused update does not take (torch's own update runs)."""
 
 
 @dataclasses.dataclass
@@ -165,8 +169,10 @@ class Stepper:
         parts (the codec's checks, once per set of parts: cached after)."""
         inner = self.inner
         entries: list[tuple[str, dict[str, Any]]] = []
+        native = False
         for j, group in enumerate(inner.param_groups):
             for k, p in enumerate(group["params"]):
+                native = native or self._native(group, p)
                 if p.grad is not None and p.dtype not in STEPPED_DTYPES:
                     raise TypeError(
                         f"{self.who}.step: param_groups[{j}]['params'][{k}] has dtype "
@@ -182,14 +188,26 @@ class Stepper:
                 for name, parts in packed.items():
                     self._packed_value(p, name, parts, where)
         check_scalars(entries)
+        if native:
+            # Built now if not yet: under several ranks a build that failed here raises, in
+            # the check the ranks agree on before any of them steps (Parallel.step).
+            native_ready()
+
+    def _native(self, group: dict[str, Any], p: torch.Tensor) -> bool:
+        """Whether ``p``'s fused update runs the native CPU kernel, its gradient aside (an
+        ``OffloadedOptimizer`` ingests it after the checks)."""
+        return (
+            self.fused
+            and self.compile is not False
+            and p.device.type == "cpu"
+            and not p.is_complex()
+            and not any(group.get(key, False) for key in _NOT_FUSED)
+        )
 
     def _uses_fused(self, group: dict[str, Any], p: torch.Tensor) -> bool:
         return (
             self.fused
-            and not group.get("amsgrad", False)
-            and not group.get("capturable", False)
-            and not group.get("differentiable", False)
-            and not group.get("fused", False)
+            and not any(group.get(key, False) for key in _NOT_FUSED)
             and not p.is_complex()
             and p.grad is not None
             and not p.grad.is_sparse
