@@ -151,7 +151,7 @@ def test_saved_counter_names_what_is_wrong_and_never_prints_a_value() -> None:
         ),
     }
     for message, state in cases.items():
-        with pytest.raises(ValueError) as e:
+        with pytest.raises(ValueError, match=r"^w ") as e:
             saved_counter(state, recipe, "w", "this layer runs")
         text = str(e.value)
         assert message in text and text.startswith("w ") and "123456" not in text, text
