@@ -59,7 +59,9 @@ from computectx.formats.linear.fp4_counter import (
     replays_a_call,
     saved_counter,
 )
+from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_gathered import Fp4GatheredWeight, Fp4ShardGather
+from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode
 from computectx.formats.linear.function import autocast_dtype
 from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, grouped_counters
@@ -232,6 +234,14 @@ class Fp4Linear(nn.Linear):
         (a weight gathered in 4 bits, ``Fp4GatheredWeight``, is its operand as it came)."""
         with torch.no_grad():
             return _weight_operand(self.weight, self._how)
+
+    def freeze_for_serving(
+        self, mode: ServeMode = "weight_only", *, activation_amax: ActivationAmax = "per_row"
+    ) -> FrozenFp4Linear:
+        """This layer frozen for serving (``FrozenFp4Linear.from_fp4_linear``: its forward's
+        own codes, ``mode`` ``"weight_only"`` or ``"w4a4"``), a new module to put in its place;
+        ``freeze_fp4_for_serving`` does a whole model in place."""
+        return FrozenFp4Linear.from_fp4_linear(self, mode, activation_amax=activation_amax)
 
     @property
     def weight_gather(self) -> Fp4ShardGather:

@@ -85,10 +85,18 @@ def saved_counter(state: object, recipe: Fp4Recipe, where: str, runs: str) -> in
         or tuple(state.shape) != (4,)
         or state.is_meta
     ):
+        frozen = (
+            isinstance(state, torch.Tensor) and state.dtype == torch.int64 and state.shape == (2,)
+        )
+        why = (
+            "an int64 [version, weight code] is a frozen 4-bit layer's (FrozenFp4Linear: a "
+            "serving checkpoint, which loads into a frozen model, not into a training one)"
+            if frozen
+            else "an fp8 layer's state is a dict: an fp8 checkpoint does not load into 4 bits"
+        )
         raise ValueError(
             f"{where} must be an int64 tensor [version, recipe code, seed, counter]; got "
-            f"{_kind_of(state)} (an fp8 layer's state is a dict: an fp8 checkpoint does not "
-            f"load into 4 bits)"
+            f"{_kind_of(state)} ({why})"
         )
     version, code, seed, counter = (int(v) for v in state.tolist())
     if version != FP4_STATE_VERSION:

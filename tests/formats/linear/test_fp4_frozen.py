@@ -302,3 +302,15 @@ def test_a_meta_extra_state_is_refused_naming_it() -> None:
     meta = {**state, "_extra_state": state["_extra_state"].to("meta")}
     with pytest.raises(ValueError, match=r"_extra_state must be .* got int64 \(2,\) on meta"):
         frozen.load_state_dict(meta)
+
+
+def test_the_layers_own_freeze_and_a_frozen_checkpoint_into_a_training_layer() -> None:
+    layer = fp4_layer("nvfp4")
+    frozen = layer.freeze_for_serving("w4a4", activation_amax="per_tensor")
+    assert isinstance(frozen, FrozenFp4Linear)
+    with torch.no_grad():
+        assert same(frozen(X), layer(X))
+    # A serving checkpoint into a training layer: refused, saying what it is (it said "an fp8
+    # layer's state is a dict").
+    with pytest.raises(ValueError, match=r"a frozen 4-bit layer's \(FrozenFp4Linear"):
+        fp4_layer("nvfp4", 1).load_state_dict(frozen.state_dict())
