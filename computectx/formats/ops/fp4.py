@@ -310,9 +310,11 @@ def _grouped_wgrad_fake(
 # The checked entry points.
 
 
-def _rng(stochastic: Stochastic | torch.Tensor | None) -> torch.Tensor | None:
+def _rng(stochastic: Stochastic | torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
     # A key tensor (int64 (2,): seed, counter) passes as it is: a layer's counter, read
-    # inside the operator, never a guard of a compiled caller.
+    # inside the operator, never a guard of a compiled caller. On the CPU or the operands'
+    # device only: a custom op dispatches on every tensor argument, so a key on the meta
+    # device would run the fake kernel on real operands (uninitialized memory back).
     if stochastic is None:
         return None
     if isinstance(stochastic, torch.Tensor):
@@ -320,6 +322,11 @@ def _rng(stochastic: Stochastic | torch.Tensor | None) -> torch.Tensor | None:
             raise ValueError(
                 f"a stochastic-rounding key tensor is int64 (2,) [seed, counter], got "
                 f"{stochastic.dtype} {tuple(stochastic.shape)}"
+            )
+        if stochastic.device.type != "cpu" and stochastic.device != like.device:
+            raise ValueError(
+                f"a stochastic-rounding key tensor lies on the CPU or on the operands' device "
+                f"({like.device}), got one on {stochastic.device}"
             )
         return stochastic
     if not isinstance(stochastic, Stochastic):
@@ -360,12 +367,12 @@ def quantize(
     h = _check_how(how)
     tile = h.weight_tile if weight and h.format == "nvfp4" and not columnwise else "1x16"
     if columnwise:
-        _check_2d(x, 1, 1, "a column-wise 4-bit quantize")
+        t = _check_2d(x, 1, 1, "a column-wise 4-bit quantize")
     else:
         rows = NVFP4_BLOCK if tile == "16x16" else 1
-        _check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
+        t = _check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
     signs = list(h.signs)
-    rng, backend = _rng(stochastic), _backend_of(x)
+    rng, backend = _rng(stochastic, t), _backend_of(x)
     codes, scale, amax = fp4_quantize(
         x, h.format, tile, h.mx_rounding, columnwise, h.hadamard, signs, rng, backend
     )
@@ -435,7 +442,7 @@ def grouped_mm(
     out = a.dtype if out_dtype is None else out_dtype
     if out not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
-    args = (h.format, h.weight_tile, h.mx_rounding, _rng(stochastic), out, _backend_of(a))
+    args = (h.format, h.weight_tile, h.mx_rounding, _rng(stochastic, a), out, _backend_of(a))
     y: torch.Tensor = fp4_grouped_mm(a, b, offs, *args)
     return y
 
@@ -464,6 +471,7 @@ def grouped_wgrad(
         raise ValueError(
             f"dy, x and offs must be on one device, got {t_dy.device}, {t_x.device}, {offs.device}"
         )
-    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), _rng(stochastic), _backend_of(dy))
+    rng = _rng(stochastic, t_dy)
+    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), rng, _backend_of(dy))
     dw: torch.Tensor = fp4_grouped_wgrad(dy, x, offs, *args)
     return dw

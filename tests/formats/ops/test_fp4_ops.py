@@ -122,6 +122,16 @@ def test_bad_arguments_are_refused(data: tuple[torch.Tensor, torch.Tensor, torch
         fp4_ops.grouped_mm(x, w, torch.tensor([4, 8, 3, 16], dtype=torch.int32), NV)
     with pytest.raises(ValueError, match="same M"):
         fp4_ops.grouped_wgrad(dy[:8], x, offsets([8]), NV)
+    # A key on the meta device dispatched the operators to their fakes on real operands:
+    # uninitialized memory came back as the result, silently.
+    meta = torch.zeros(2, dtype=torch.int64, device="meta")
+    on_meta = "key tensor lies on the CPU or on the operands' device .cpu., got one on meta"
+    with pytest.raises(ValueError, match=on_meta):
+        fp4_ops.grouped_mm(x, w, offsets([4, 4, 8, 16]), NV, stochastic=meta)
+    with pytest.raises(ValueError, match=on_meta):
+        fp4_ops.grouped_wgrad(dy, x, offsets([16]), NV, stochastic=meta)
+    with pytest.raises(ValueError, match=on_meta):
+        fp4_ops.quantize(x, NV, stochastic=meta)
 
 
 # ----- torch.compile --------------------------------------------------------------------------
