@@ -156,7 +156,8 @@ def convert_to_quantized(
     keep nothing high is a ``UserWarning``.
 
     ``backend`` and ``quantize`` are passed to every new ``QuantizedLinear`` (``quantize="inline"``
-    lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``).
+    lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``);
+    under a 4-bit recipe, which has neither, a ``ValueError`` before anything changes.
 
     Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
     working), and ``model.load_state_dict`` then checks every fp8 layer's entries before any
@@ -167,6 +168,7 @@ def convert_to_quantized(
     that raises in ``convert`` has what was swapped put back before the error goes on.
     """
     policy, how = _checked_args(model, ctx, module_filter, include_head, min_features, quantize)
+    _refuse_fp8_options(policy, backend, how)
     least = DEFAULT_MIN_FEATURES if min_features is None else min_features
     checked = _checked_converters(converters)
     rules = _Rules(model, ctx, module_filter, bool(include_head), least, checked)
@@ -262,6 +264,17 @@ def _checked_args(
     ):
         raise ValueError(f"min_features must be an int >= 1, got {min_features!r}")
     return policy, how
+
+
+def _refuse_fp8_options(policy: Recipe | Fp4Recipe, backend: object, how: QuantizeImpl) -> None:
+    """``ValueError`` for an fp8-only option under a 4-bit recipe: it would be ignored."""
+    given = [f"backend={backend!r}"] * (backend is not None) + [f"quantize={how!r}"] * (how != "op")
+    if isinstance(policy, Fp4Recipe) and given:
+        raise ValueError(
+            f"convert_to_quantized: {' and '.join(given)} set the fp8 GEMMs; under the 4-bit "
+            f"recipe {policy} the operators pick their backend by device (ops.fp4."
+            f"select_fp4_backend), so drop it. The model was left unchanged"
+        )
 
 
 def _linear_places(model: nn.Module) -> tuple[Places, list[tuple[str, nn.Linear]]]:

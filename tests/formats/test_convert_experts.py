@@ -152,3 +152,15 @@ def test_hp_last_keeps_the_last_layer_when_experts_are_a_longer_list_inside_each
     }
     assert report.experts == ("layers.0.grouped", "layers.1.grouped")
     assert isinstance(model.get_submodule("layers.0.experts.3.up"), Fp4Linear)
+
+
+@pytest.mark.parametrize(
+    "option", [{"backend": "triton"}, {"backend": "bogus"}, {"quantize": "inline"}]
+)
+def test_fp8_only_options_are_refused_under_4_bits(option: dict[str, str]) -> None:
+    # They were ignored silently (a backend of any name converted the model).
+    moe = MoE(BF16, 32, 32, 4, 2)
+    model = nn.Sequential(nn.Linear(32, 32), moe, nn.Linear(32, 32))
+    with pytest.raises(ValueError, match=r"=.* set the fp8 GEMMs; under the 4-bit recipe nvfp4"):
+        convert_to_quantized(model, _ctx(Fp4Recipe()), min_features=16, **option)  # type: ignore[arg-type]
+    assert type(model[0]) is nn.Linear and moe.experts.fp8 is None
