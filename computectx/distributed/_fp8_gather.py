@@ -1,27 +1,50 @@
-"""What the two FSDP2 fp8-gather subclasses share: a wrapper around a high-precision shard.
+"""What the FSDP2 quantized-gather subclasses share: a wrapper around a high-precision shard.
 
-``WeightGatheredQuantized`` (a ``QuantizedLinear`` weight, ``fp8_all_gather``) and
-``ExpertsGatheredQuantized`` (3-D expert weights, ``fp8_expert_gather``) are both
+``WeightGatheredQuantized`` (a ``QuantizedLinear`` weight, ``fp8_all_gather``),
+``ExpertsGatheredQuantized`` (3-D expert weights, ``fp8_expert_gather``) and
+``WeightGatheredFp4`` (an ``Fp4Linear`` weight, ``fp4_all_gather``) are all
 ``GatheredAsFp8``: a tensor subclass over the shard ``hp`` whose every op runs on ``hp``
 (ops that take a piece of the weight, ``SHARD_OPS``, return the same kind of wrapper over the
 piece), traceable (flattened to ``hp`` and the subclass's ``meta``), and saved as a plain
 tensor (``plain_state_dict_hook``). Each subclass adds FSDP2's two extension points,
 ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``: what it sends and how it rebuilds.
+
+The rest is the plumbing those extension points and the ``enable_*`` calls share: the shard
+group (``shard_group``, ``shard_world``), the high-precision fallback (``hp_inputs``,
+``hp_gathered``, ``warn_fallback``), FSDP2's padding (``padded``), the backward's re-gather
+(``in_backward``), and wrapping a model's linear weights (``wrap_linear_weights``).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 from typing_extensions import Self
 
-__all__ = ["SHARD_OPS", "GatheredAsFp8", "plain_state_dict_hook"]
+__all__ = [
+    "SHARD_OPS",
+    "GatherMeta",
+    "GatheredAsFp8",
+    "hp_gathered",
+    "hp_inputs",
+    "in_backward",
+    "padded",
+    "parameter_holders",
+    "plain_state_dict_hook",
+    "shard_group",
+    "shard_world",
+    "warn_fallback",
+    "wrap_linear_weights",
+]
 
 _aten = torch.ops.aten
 SHARD_OPS = {
@@ -153,3 +176,164 @@ def _save_plain(
         key = prefix + attr
         if key in state_dict:
             state_dict[key] = _plain(state_dict[key])
+
+
+# ----- What the extension points share --------------------------------------------------------
+
+_M = TypeVar("_M", bound=nn.Module)
+
+
+class GatherMeta:
+    """What a linear weight's shards share (its ``GatheredAsFp8`` meta): its name, which is
+    also its label; a subclass adds what the next gather reuses of the last forward's.
+
+    The layer is not kept here: FSDP2 hands the owning module to each gather, so a copy of
+    the model (``copy.deepcopy``, an EMA copy) quantizes through its own layers.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __str__(self) -> str:
+        return self.name
+
+    def module_as(self, module: nn.Module, kind: type[_M], how: str, what: str) -> _M:
+        """``module`` as the ``kind`` this weight gathers for (``TypeError`` naming both
+        otherwise); ``how`` and ``what`` word the message ("as fp8", "a QuantizedLinear")."""
+        if not isinstance(module, kind):
+            raise TypeError(
+                f"{self.name!r} gathers {how} for {what}, but FSDP2 gathered it for "
+                f"a {type(module).__name__}"
+            )
+        return module
+
+
+def shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group FSDP2 shards over: the mesh's last dimension (of an HSDP mesh, whose
+    replicas hold equal shards, so a MAX over it is the whole weight's; of a 1-D mesh, the
+    mesh)."""
+    return mesh.get_group(mesh.ndim - 1)
+
+
+def shard_world(mesh: DeviceMesh) -> int:
+    """How many shards FSDP2 cuts a weight into (the size of ``shard_group``)."""
+    return mesh.size(mesh.ndim - 1)
+
+
+def in_backward() -> bool:
+    """Whether this gather is FSDP2's re-gather for the backward: the autograd engine runs
+    its pre-backward hook inside a graph task."""
+    task: int = torch._C._current_graph_task_id()
+    return task != -1
+
+
+def padded(data: torch.Tensor, outer_size: torch.Size, world: int) -> torch.Tensor:
+    """``data`` zero-padded along dim 0 to ``ceil(rows / world)``: FSDP2 pads uneven shards
+    to that and expects inputs that size."""
+    rows = -(-outer_size[0] // world)
+    if data.shape[0] == rows:
+        return data
+    out = data.new_zeros((rows, *data.shape[1:]))
+    out[: data.shape[0]].copy_(data)
+    return out
+
+
+def hp_inputs(
+    hp: torch.Tensor, outer_size: torch.Size, world: int, mp_policy: Any
+) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """A shard that gathers high precision: ``fsdp_pre_all_gather``'s answer (the shard at
+    FSDP2's ``param_dtype``, as any other parameter, padded; metadata ``("hp",)``)."""
+    dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
+    return (padded(hp.to(dtype), outer_size, world),), ("hp",)
+
+
+def hp_gathered(
+    all_gather_outputs: tuple[torch.Tensor, ...], out: torch.Tensor | None
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
+    """``fsdp_post_all_gather``'s answer for what ``hp_inputs`` sent: the whole weight."""
+    (whole,) = all_gather_outputs
+    return None if out is not None else (whole, (whole,))
+
+
+_fallback_warned: set[tuple[type[Warning], str, tuple[int, ...], int]] = set()
+"""The weights (warning, name, shape, shard count) already warned about in this process."""
+
+
+def warn_fallback(
+    category: type[Warning], name: str, outer_size: torch.Size, world: int, why: str
+) -> None:
+    """Warn once per process that weight ``name`` all-gathers high precision because its
+    ``world`` shards cut its blocks; ``why`` names the blocks and the rule (the message goes
+    on "...rows cut its ")."""
+    key = (category, name, tuple(outer_size), world)
+    if key in _fallback_warned:
+        return
+    _fallback_warned.add(key)
+    warnings.warn(
+        category(
+            f"{name!r} ({tuple(outer_size)}) all-gathers high precision: its {world} FSDP2 "
+            f"shards of {-(-outer_size[0] // world)} rows cut its {why} Warned once per "
+            f"weight and process; every weight that falls back gets its own warning."
+        ),
+        stacklevel=2,
+    )
+
+
+def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
+    """``id(parameter) -> every 'module.attribute' of ``model`` that holds it`` (a tied
+    weight has more than one)."""
+    owners: dict[int, list[str]] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for p_name, p in mod.named_parameters(recurse=False):
+            where = f"{mod_name}.{p_name}" if mod_name else p_name
+            if where not in owners.setdefault(id(p), []):
+                owners[id(p)].append(where)
+    return owners
+
+
+_SAVE_WEIGHT = plain_state_dict_hook(("weight",))
+
+
+def wrap_linear_weights(
+    model: nn.Module,
+    layers: Iterable[tuple[str, nn.Linear]],
+    wrapper: type[GatheredAsFp8],
+    meta: Callable[[str], Any],
+    *,
+    enable: str,
+    how: str,
+    codes: str,
+) -> int:
+    """Make each ``(fqn, layer)``'s ``weight`` of ``model`` a new ``Parameter`` over
+    ``wrapper(weight, meta('fqn.weight'))`` saved as a plain tensor; returns how many.
+
+    A weight that is already a ``wrapper`` is skipped. Refused, before any weight changes:
+    a weight already sharded (``RuntimeError``: call ``enable`` before ``fully_shard``) and a
+    tied one (``ValueError`` naming every holder: gathering it ``how`` would hand ``codes``
+    to every holder).
+    """
+    chosen: list[tuple[str, nn.Linear]] = []
+    owners = parameter_holders(model)
+    for name, layer in layers:
+        w = layer.weight
+        if isinstance(w, wrapper):
+            continue
+        where = f"{name}.weight" if name else "weight"
+        if isinstance(w, DTensor):
+            raise RuntimeError(
+                f"{where} is already sharded (a DTensor): call {enable} before fully_shard"
+            )
+        holders = owners.get(id(w), [])
+        if len(holders) > 1:
+            raise ValueError(
+                f"{where} is tied: the same Parameter is {' and '.join(holders)}. Gathering it "
+                f"{how} would hand {codes} to every holder and make it a new Parameter, "
+                f"breaking the tie; leave the layer out (module_filter=lambda module, fqn: "
+                f"fqn != {name!r}) or untie the weights"
+            )
+        chosen.append((where, layer))
+    for where, layer in chosen:
+        w = layer.weight
+        layer.weight = nn.Parameter(wrapper(w.detach(), meta(where)), requires_grad=w.requires_grad)
+        layer.register_state_dict_post_hook(_SAVE_WEIGHT)  # type: ignore[no-untyped-call]
+    return len(chosen)

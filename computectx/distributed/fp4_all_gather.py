@@ -38,43 +38,39 @@ FSDP2), and loading copies into it.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from typing_extensions import Self
 
-from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
+from computectx.distributed._fp8_gather import (
+    GatheredAsFp8,
+    GatherMeta,
+    hp_gathered,
+    hp_inputs,
+    in_backward,
+    shard_group,
+    shard_world,
+    warn_fallback,
+    wrap_linear_weights,
+)
 from computectx.distributed.collectives import GroupAmax
-from computectx.distributed.fp8_all_gather import GatherFallbackWarning, parameter_holders
+from computectx.distributed.fp8_all_gather import GatherFallbackWarning
 from computectx.formats import Fp4Linear
 
 __all__ = ["WeightGatheredFp4", "enable_fp4_all_gather"]
 
 
-class _Gather:
-    """What a weight's shards share (its ``GatheredAsFp8`` meta): its name and the whole
-    weight's amax of the last forward gather (NVFP4), which the backward's re-gather reuses.
-
-    The layer is not kept here: FSDP2 hands the owning module to each gather, so a copy of
-    the model (``copy.deepcopy``) quantizes through its own layers.
-    """
+class _Gather(GatherMeta):
+    """What a weight's shards share (``GatherMeta``) and the whole weight's amax of the last
+    forward gather (NVFP4), which the backward's re-gather reuses."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        super().__init__(name)
         self.forward_amax: torch.Tensor | None = None
-
-    def layer(self, module: nn.Module) -> Fp4Linear:
-        if not isinstance(module, Fp4Linear):
-            raise TypeError(
-                f"{self.name!r} gathers in 4 bits for an Fp4Linear, but FSDP2 gathered it for "
-                f"a {type(module).__name__}"
-            )
-        return module
 
 
 class WeightGatheredFp4(GatheredAsFp8):
@@ -93,9 +89,6 @@ class WeightGatheredFp4(GatheredAsFp8):
     def __init__(self, hp: torch.Tensor, gather: _Gather) -> None:
         super().__init__(hp, gather)
 
-    def _label(self) -> str:
-        return self._meta.name
-
     def fsdp_pre_all_gather(
         self,
         mesh: DeviceMesh,
@@ -107,23 +100,26 @@ class WeightGatheredFp4(GatheredAsFp8):
         """Quantize this shard (with the whole weight's amax, NVFP4) and hand FSDP2 its codes
         and scales as uint8; the high-precision shard where shards cut the blocks."""
         g = self._meta
-        spec = g.layer(module).weight_gather
+        spec = g.module_as(module, Fp4Linear, "in 4 bits", "an Fp4Linear").weight_gather
         hp = self._hp.detach()
-        world = mesh.size(mesh.ndim - 1)
+        world = shard_world(mesh)
         if not spec.aligns(outer_size[0], world):
             # The same on every rank (the shape and the shard count): no rank reduces.
-            _warn_fallback(g.name, outer_size, world, spec.rows)
-            dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
-            return (_padded(hp.to(dtype), outer_size, world),), ("hp",)
+            why = (
+                f"4-bit blocks (a 4-bit weight gathers in 4 bits when its rows are a multiple "
+                f"of {spec.rows} x the shard count). The layer quantizes the gathered weight "
+                f"itself."
+            )
+            warn_fallback(GatherFallbackWarning, g.name, outer_size, world, why)
+            return hp_inputs(hp, outer_size, world, mp_policy)
         amax = None
         if spec.needs_amax:
-            if _in_backward() and g.forward_amax is not None:
+            if in_backward() and g.forward_amax is not None:
                 amax = g.forward_amax  # the forward's: the weight has not changed since
             else:
                 # Every rank of the shard group gathers this unit together: one MAX of one
                 # float, the whole weight's amax (its finite elements'), on every rank.
-                group = mesh.get_group(mesh.ndim - 1)
-                amax = GroupAmax(group)(spec.shard_amax(hp))
+                amax = GroupAmax(shard_group(mesh))(spec.shard_amax(hp))
                 g.forward_amax = amax
         return spec.inputs(hp, amax), ("fp4", spec, amax)
 
@@ -138,53 +134,13 @@ class WeightGatheredFp4(GatheredAsFp8):
         """The gathered codes and scales as an ``Fp4GatheredWeight`` of the weight's dtype
         (or the high-precision weight, where its shards cut the blocks)."""
         if metadata[0] == "hp":
-            (whole,) = all_gather_outputs
-            return None if out is not None else (whole, (whole,))
+            return hp_gathered(all_gather_outputs, out)
         _, spec, amax = metadata
         if out is not None:  # gathered into the same buffers again: out views them
             spec.refresh(out, amax)
             return None
         outputs = tuple(all_gather_outputs)
         return spec.weight(outputs, amax, param_dtype), outputs
-
-
-_SAVE_PLAIN = plain_state_dict_hook(("weight",))
-
-_fallback_warned: set[tuple[str, tuple[int, ...], int]] = set()
-"""The weights (name, shape, shard count) already warned about in this process."""
-
-
-def _warn_fallback(name: str, outer_size: torch.Size, world: int, rows: int) -> None:
-    key = (name, tuple(outer_size), world)
-    if key in _fallback_warned:
-        return
-    _fallback_warned.add(key)
-    warnings.warn(
-        GatherFallbackWarning(
-            f"{name!r} ({tuple(outer_size)}) all-gathers high precision: its {world} FSDP2 "
-            f"shards of {-(-outer_size[0] // world)} rows cut its 4-bit blocks (a 4-bit "
-            f"weight gathers in 4 bits when its rows are a multiple of {rows} x the shard "
-            f"count). The layer quantizes the gathered weight itself. Warned once per weight "
-            f"and process; every weight that falls back gets its own warning."
-        ),
-        stacklevel=2,
-    )
-
-
-def _in_backward() -> bool:
-    # The autograd engine runs FSDP2's pre-backward re-gather inside a graph task.
-    task: int = torch._C._current_graph_task_id()
-    return task != -1
-
-
-def _padded(data: torch.Tensor, outer_size: torch.Size, world: int) -> torch.Tensor:
-    # FSDP2 pads uneven shards along dim 0 to ceil(rows / world) and expects inputs that size.
-    rows = -(-outer_size[0] // world)
-    if data.shape[0] == rows:
-        return data
-    out = data.new_zeros((rows, *data.shape[1:]))
-    out[: data.shape[0]].copy_(data)
-    return out
 
 
 def enable_fp4_all_gather(
@@ -201,35 +157,17 @@ def enable_fp4_all_gather(
     it out with ``module_filter``; ``parallelize`` does that by itself). ``RuntimeError`` if a
     weight is already sharded (a DTensor). Everything is checked before any weight changes.
     """
-    chosen: list[tuple[str, Fp4Linear]] = []
-    owners = parameter_holders(model)
-    for name, layer in model.named_modules():
-        if not isinstance(layer, Fp4Linear):
-            continue
-        if module_filter is not None and not module_filter(layer, name):
-            continue
-        w = layer.weight
-        if isinstance(w, WeightGatheredFp4):
-            continue
-        where = f"{name}.weight" if name else "weight"
-        if isinstance(w, DTensor):
-            raise RuntimeError(
-                f"{where} is already sharded (a DTensor): call enable_fp4_all_gather before "
-                f"fully_shard"
-            )
-        holders = owners.get(id(w), [])
-        if len(holders) > 1:
-            raise ValueError(
-                f"{where} is tied: the same Parameter is {' and '.join(holders)}. Gathering it "
-                f"in 4 bits would hand 4-bit codes to every holder and make it a new "
-                f"Parameter, breaking the tie; leave the layer out (module_filter=lambda "
-                f"module, fqn: fqn != {name!r}) or untie the weights"
-            )
-        chosen.append((where, layer))
-    for where, layer in chosen:
-        w = layer.weight
-        layer.weight = nn.Parameter(
-            WeightGatheredFp4(w.detach(), _Gather(where)), requires_grad=w.requires_grad
-        )
-        layer.register_state_dict_post_hook(_SAVE_PLAIN)  # type: ignore[no-untyped-call]
-    return len(chosen)
+    layers = [
+        (name, layer)
+        for name, layer in model.named_modules()
+        if isinstance(layer, Fp4Linear) and (module_filter is None or module_filter(layer, name))
+    ]
+    return wrap_linear_weights(
+        model,
+        layers,
+        WeightGatheredFp4,
+        _Gather,
+        enable="enable_fp4_all_gather",
+        how="in 4 bits",
+        codes="4-bit codes",
+    )

@@ -51,18 +51,28 @@ into it.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import Self
 
-from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
+from computectx.distributed._fp8_gather import (
+    GatheredAsFp8,
+    GatherMeta,
+    hp_gathered,
+    hp_inputs,
+    in_backward,
+    padded,
+    parameter_holders,
+    shard_group,
+    shard_world,
+    warn_fallback,
+    wrap_linear_weights,
+)
 from computectx.distributed.collectives import GroupAmax
 from computectx.formats import QuantizedLinear, QuantizedWeight
 from computectx.formats.seam import quantize_with_step
@@ -96,24 +106,16 @@ def gathers_quantized(policy: Recipe) -> bool:
     return policy.granularity in FP8_GATHER_GRANULARITIES
 
 
-class _Gather:
-    """What a weight's shards share (its ``GatheredAsFp8`` meta): its name and the step of the
-    last forward.
-
-    The layer is not kept here: FSDP2 hands the owning module to each gather, so a copy of
-    the model (``copy.deepcopy``, an EMA copy) quantizes through its own layers' ledgers.
-    """
+class _Gather(GatherMeta):
+    """What a weight's shards share (``GatherMeta``) and the step of the last forward (a
+    copy of the model quantizes through its own layers' ledgers)."""
 
     def __init__(self, name: str) -> None:
-        self.name = name
+        super().__init__(name)
         self.forward_step: torch.Tensor | None = None
 
     def layer(self, module: nn.Module) -> QuantizedLinear:
-        if not isinstance(module, QuantizedLinear):
-            raise TypeError(
-                f"{self.name!r} gathers as fp8 for a QuantizedLinear, but FSDP2 gathered it for "
-                f"a {type(module).__name__}"
-            )
+        module = self.module_as(module, QuantizedLinear, "as fp8", "a QuantizedLinear")
         if module.frozen:
             raise RuntimeError(
                 f"{self.name!r} was frozen for serving after enable_quantized_all_gather; freeze "
@@ -138,9 +140,6 @@ class WeightGatheredQuantized(GatheredAsFp8):
     def __init__(self, hp: torch.Tensor, gather: _Gather) -> None:
         super().__init__(hp, gather)
 
-    def _label(self) -> str:
-        return self._meta.name
-
     # ----- FSDP2's extension points --------------------------------------------------------
 
     def fsdp_pre_all_gather(
@@ -161,14 +160,14 @@ class WeightGatheredQuantized(GatheredAsFp8):
         scaling = layer.policy.scaling
         op = layer.scaling.weight
         hp = self._hp.detach()
-        group = GroupAmax(_shard_group(mesh), always_armed=True)
+        group = GroupAmax(shard_group(mesh), always_armed=True)
         seam = layer.amax_reduce
         # Whether this is a training forward in which the layer records (the rule of
         # QuantizedLinear.forward): eval and no_grad gathers quantize from the state as it is.
         # FSDP2 gathers under no_grad, so the grad mode of the forward is what the sync's
         # pre-forward hook saw when it armed the seam.
         record = layer.training and (seam is None or seam.armed)
-        if _in_backward() and g.forward_step is not None:
+        if in_backward() and g.forward_step is not None:
             # The re-gather for the backward: the bytes the forward used, nothing recorded.
             data, _ = quantize_with_step(hp, fmt, g.forward_step, backend=layer.backend)
             step = g.forward_step
@@ -193,7 +192,8 @@ class WeightGatheredQuantized(GatheredAsFp8):
             # every rank's step is the whole weight's.
             data, step = op.quantize(hp, fmt, scaling, layer.backend, reduce=group)
         g.forward_step = step
-        return (_padded(data, outer_size, mesh).view(torch.uint8),), (step, data.dtype)
+        padded_data = padded(data, outer_size, shard_world(mesh))
+        return (padded_data.view(torch.uint8),), (step, data.dtype)
 
     def _block_inputs(
         self, layer: QuantizedLinear, mesh: DeviceMesh, outer_size: torch.Size, mp_policy: Any
@@ -203,11 +203,15 @@ class WeightGatheredQuantized(GatheredAsFp8):
         # float32 block scales travel together. Dynamic scaling and no history: the
         # backward's re-gather quantizes the same shard again to the same bytes.
         hp = self._hp.detach()
-        world = mesh.size(mesh.ndim - 1)
+        world = shard_world(mesh)
         if not blocks_align(outer_size[0], world):
-            _warn_block_fallback(self._meta.name, outer_size, world)
-            dtype = getattr(mp_policy, "param_dtype", None) or hp.dtype
-            return (_padded(hp.to(dtype), outer_size, mesh),), ("hp",)
+            why = (
+                "128x128 fp8 blocks (a block weight gathers as fp8 when its rows are a multiple "
+                "of 128 x the shard count). The layer quantizes the gathered weight itself: the "
+                "same result, more bytes."
+            )
+            warn_fallback(GatherFallbackWarning, self._meta.name, outer_size, world, why)
+            return hp_inputs(hp, outer_size, world, mp_policy)
         from computectx.formats.seam import quantize_blocks, step_rule_of
 
         codes, scale = quantize_blocks(
@@ -232,8 +236,7 @@ class WeightGatheredQuantized(GatheredAsFp8):
         ``block`` layer's: the codes and block scales as a ``QuantizedBlockWeight``, or the
         high-precision weight where its shards cut 128-row blocks)."""
         if metadata[0] == "hp":
-            (whole,) = all_gather_outputs
-            return None if out is not None else (whole, (whole,))
+            return hp_gathered(all_gather_outputs, out)
         if metadata[0] == "block":
             from computectx.formats import QuantizedBlockWeight
 
@@ -254,8 +257,6 @@ class WeightGatheredQuantized(GatheredAsFp8):
         return QuantizedWeight(gathered.view(fp8), step, param_dtype), (gathered,)
 
 
-_SAVE_PLAIN = plain_state_dict_hook(("weight",))
-
 BLOCK_ROWS = 128
 """The rows of a ``block`` weight's 128x128 scale block."""
 
@@ -271,67 +272,9 @@ class GatherFallbackWarning(UserWarning):
     """A weight that would all-gather as fp8 gathers high precision instead."""
 
 
-_fallback_warned: set[tuple[str, tuple[int, ...], int]] = set()
-"""The weights (name, shape, shard count) already warned about in this process."""
-
-
-def _warn_block_fallback(name: str, outer_size: torch.Size, world: int) -> None:
-    # One warning per weight that falls back (each names its own), once per process.
-    key = (name, tuple(outer_size), world)
-    if key in _fallback_warned:
-        return
-    _fallback_warned.add(key)
-    warnings.warn(
-        GatherFallbackWarning(
-            f"{name!r} ({tuple(outer_size)}) all-gathers high precision: its {world} FSDP2 "
-            f"shards of {-(-outer_size[0] // world)} rows cut its 128x128 fp8 blocks (a "
-            f"block weight gathers as fp8 when its rows are a multiple of 128 x the shard "
-            f"count). The layer quantizes the gathered weight itself: the same result, "
-            f"more bytes. Warned once per weight and process; every weight that falls back "
-            f"gets its own warning."
-        ),
-        stacklevel=2,
-    )
-
-
-def _in_backward() -> bool:
-    # The autograd engine runs FSDP2's pre-backward re-gather inside a graph task.
-    task: int = torch._C._current_graph_task_id()
-    return task != -1
-
-
-def _shard_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    # The dimension FSDP2 shards over: the last one (of an HSDP mesh, whose replicas hold
-    # equal shards, so a MAX over it is the whole weight's; of a 1-D mesh, the mesh).
-    return mesh.get_group(mesh.ndim - 1)
-
-
-def _padded(data: torch.Tensor, outer_size: torch.Size, mesh: DeviceMesh) -> torch.Tensor:
-    # FSDP2 pads uneven shards along dim 0 to ceil(rows / world) and expects inputs that size.
-    world = mesh.size(mesh.ndim - 1)
-    rows = -(-outer_size[0] // world)
-    if data.shape[0] == rows:
-        return data
-    out = data.new_zeros((rows, *data.shape[1:]))
-    out[: data.shape[0]].copy_(data)
-    return out
-
-
 def sharded_weight_of(value: torch.Tensor) -> torch.Tensor:
     """The tensor under FSDP2's DTensor wrapping (``value`` itself when not a DTensor)."""
     return value.to_local() if isinstance(value, DTensor) else value
-
-
-def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
-    """``id(parameter) -> every 'module.attribute' of ``model`` that holds it`` (a tied
-    weight has more than one)."""
-    owners: dict[int, list[str]] = {}
-    for mod_name, mod in model.named_modules(remove_duplicate=False):
-        for p_name, p in mod.named_parameters(recurse=False):
-            where = f"{mod_name}.{p_name}" if mod_name else p_name
-            if where not in owners.setdefault(id(p), []):
-                owners[id(p)].append(where)
-    return owners
 
 
 def enable_quantized_all_gather(
@@ -353,39 +296,20 @@ def enable_quantized_all_gather(
     ``parallelize`` does that by itself). ``RuntimeError`` if a weight is already sharded
     (a DTensor). Everything is checked before any weight changes.
     """
-    chosen: list[tuple[str, QuantizedLinear]] = []
-    owners = parameter_holders(model)
-    for name, layer in model.named_modules():
-        if not isinstance(layer, QuantizedLinear) or layer.frozen:
-            continue
-        if module_filter is not None and not module_filter(layer, name):
-            continue
-        if not gathers_quantized(layer.policy):
-            continue
-        w = layer.weight
-        if isinstance(w, WeightGatheredQuantized):
-            continue
-        if isinstance(w, DTensor):
-            raise RuntimeError(
-                f"{name or 'the model'}.weight is already sharded (a DTensor): call "
-                f"enable_quantized_all_gather before fully_shard"
-            )
-        holders = owners.get(id(w), [])
-        if len(holders) > 1:
-            raise ValueError(
-                f"{name or 'the model'}.weight is tied: the same Parameter is "
-                f"{' and '.join(holders)}. Gathering it as fp8 would hand fp8 codes to every "
-                f"holder and make it a new Parameter, breaking the tie; leave the layer out "
-                f"(module_filter=lambda module, fqn: fqn != {name!r}) or untie the weights"
-            )
-        chosen.append((name, layer))
-    count = 0
-    for name, layer in chosen:
-        w = layer.weight
-        layer.weight = nn.Parameter(
-            WeightGatheredQuantized(w.detach(), _Gather(f"{name}.weight" if name else "weight")),
-            requires_grad=w.requires_grad,
-        )
-        layer.register_state_dict_post_hook(_SAVE_PLAIN)  # type: ignore[no-untyped-call]
-        count += 1
-    return count
+    layers = [
+        (name, layer)
+        for name, layer in model.named_modules()
+        if isinstance(layer, QuantizedLinear)
+        and not layer.frozen
+        and (module_filter is None or module_filter(layer, name))
+        and gathers_quantized(layer.policy)
+    ]
+    return wrap_linear_weights(
+        model,
+        layers,
+        WeightGatheredQuantized,
+        _Gather,
+        enable="enable_quantized_all_gather",
+        how="as fp8",
+        codes="fp8 codes",
+    )
