@@ -255,8 +255,8 @@ def hp_gathered(
     return None if out is not None else (whole, (whole,))
 
 
-_fallback_warned: set[tuple[type[Warning], str, tuple[int, ...], int]] = set()
-"""The weights (warning, name, shape, shard count) already warned about in this process."""
+_fallback_warned: set[tuple[str, tuple[int, ...], int, str]] = set()
+"""The weights (name, shape, shard count, rule) already warned about in this process."""
 
 
 def warn_fallback(
@@ -265,7 +265,7 @@ def warn_fallback(
     """Warn once per process that weight ``name`` all-gathers high precision because its
     ``world`` shards cut its blocks; ``why`` names the blocks and the rule (the message goes
     on "...rows cut its ")."""
-    key = (category, name, tuple(outer_size), world)
+    key = (name, tuple(outer_size), world, why)
     if key in _fallback_warned:
         return
     _fallback_warned.add(key)
