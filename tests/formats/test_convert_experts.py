@@ -164,3 +164,16 @@ def test_fp8_only_options_are_refused_under_4_bits(option: dict[str, str]) -> No
     with pytest.raises(ValueError, match=r"=.* set the fp8 GEMMs; under the 4-bit recipe nvfp4"):
         convert_to_quantized(model, _ctx(Fp4Recipe()), min_features=16, **option)  # type: ignore[arg-type]
     assert type(model[0]) is nn.Linear and moe.experts.fp8 is None
+
+
+def test_an_hp_pattern_a_block_built_under_the_ctx_cannot_match_says_why() -> None:
+    # Each block converts alone as the model is built: 'blocks.2.*' never matches there, and
+    # the warning offered 'blocks.0.*' as the kind of pattern that works.
+    with pytest.warns(UserWarning, match=r"hp='blocks\.2\.\*' matches no") as caught:
+        model = ByteLM(_ctx(Fp4Recipe(hp=("blocks.2.*",))), CFG)
+    assert "sees only its own names ('attn.qkv', not 'blocks.2.attn.qkv')" in str(caught[0].message)
+    assert isinstance(model.get_submodule("blocks.2.attn.qkv"), Fp4Linear)
+    model = ByteLM(BF16, CFG)
+    with pytest.warns(UserWarning, match=r"hp='\*\.nothing' matches no") as caught:
+        convert_to_quantized(model, _ctx(Fp4Recipe(hp=("*.nothing",))), min_features=16)
+    assert "on its own" not in str(caught[0].message)  # a model with a block list

@@ -60,10 +60,19 @@ def unheeded_rules(recipe: Fp4Recipe, names: Iterable[str], has_blocks: bool) ->
     matches none of ``names`` (the linears and experts modules the conversion looked at),
     ``hp_last`` on a model without a block list (``has_blocks`` false)."""
     seen = [n.lower() for n in names]
+    # Without a block list the root may be one block, converted as a model built under a
+    # 4-bit ctx converts each: it sees its own names only, and says so.
+    alone = (
+        ""
+        if has_blocks
+        else "; a block converted on its own, as a model built under a 4-bit ctx converts "
+        "each block, sees only its own names ('attn.qkv', not 'blocks.2.attn.qkv'): build "
+        "the model without the recipe and convert it whole"
+    )
     out = [
         f"the 4-bit recipe's hp={p!r} matches no linear or experts module of the model, so it "
         f"keeps nothing in high precision (patterns match the whole dotted name, any case: "
-        f"'*.attn.*', 'blocks.0.*')"
+        f"'*.attn.*', 'blocks.0.*'){alone}"
         for p in recipe.hp
         if not any(fnmatch.fnmatchcase(n, p) for n in seen)
     ]
@@ -72,6 +81,7 @@ def unheeded_rules(recipe: Fp4Recipe, names: Iterable[str], has_blocks: bool) ->
             f"the 4-bit recipe's hp_last={recipe.hp_last} keeps nothing in high precision: the "
             f"model has no block list (an nn.ModuleList or nn.ModuleDict holding nn.Linear "
             f"layers; a block converted on its own, as a model built under a 4-bit ctx converts "
-            f"each block, has none). Convert the whole model, or name the layers with hp=PATTERN"
+            f"each block, has none). Convert the whole model (build it without the recipe, then "
+            f"convert_to_quantized(model, ctx)), or name its layers with hp=PATTERN"
         )
     return out
