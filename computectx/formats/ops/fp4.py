@@ -466,7 +466,8 @@ def grouped_wgrad(
             f"{tuple(t_dy.shape)} and {tuple(t_x.shape)}"
         )
     if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
-        raise TypeError(f"offs must be a 1-D int32 tensor of each group's end row, got {offs!r}")
+        got = f"{offs.dtype} {tuple(offs.shape)}" if isinstance(offs, torch.Tensor) else offs
+        raise TypeError(f"offs must be a 1-D int32 tensor of each group's end row, got {got!r}")
     if not (t_dy.device == t_x.device == offs.device):
         raise ValueError(
             f"dy, x and offs must be on one device, got {t_dy.device}, {t_x.device}, {offs.device}"

@@ -122,6 +122,8 @@ def test_bad_arguments_are_refused(data: tuple[torch.Tensor, torch.Tensor, torch
         fp4_ops.grouped_mm(x, w, torch.tensor([4, 8, 3, 16], dtype=torch.int32), NV)
     with pytest.raises(ValueError, match="same M"):
         fp4_ops.grouped_wgrad(dy[:8], x, offsets([8]), NV)
+    with pytest.raises(TypeError, match=r"1-D int32 .*, got 'torch.int64 \(2,\)'"):
+        fp4_ops.grouped_wgrad(dy, x, torch.tensor([8, 40]), NV)  # named, never printed
     # A key on the meta device dispatched the operators to their fakes on real operands:
     # uninitialized memory came back as the result, silently.
     meta = torch.zeros(2, dtype=torch.int64, device="meta")
