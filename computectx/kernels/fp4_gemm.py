@@ -65,6 +65,14 @@ import triton
 import triton.language as tl
 
 from computectx.kernels.autotune import fitting_configs, launch_args
+from computectx.kernels.fp4_args import (
+    FP4_TILES,
+    amax_arg,
+    check_scale_devices,
+    codes_arg,
+    codes_pair,
+    scale_arg,
+)
 from computectx.kernels.scaled_mm import check_bias_and_out, grouped_tile, store_tile, tile_grid
 
 __all__ = [
@@ -76,9 +84,11 @@ __all__ = [
     "INTERPRETED",
     "amax_arg",
     "check_device",
+    "check_scale_devices",
     "codes_arg",
     "e4m3_scales_interpreted",
     "fp4_block_dot",
+    "fp4_configs",
     "fp4_scaled_mm",
     "fp4_tensor_cores",
     "scale_arg",
@@ -103,10 +113,6 @@ epilogue reads it as this floor (the twin's ``numerics.fp4_gemm.AMAX_FLOOR``; a 
 the two equal)."""
 _AMAX_FLOOR = tl.constexpr(AMAX_FLOOR)
 
-FP4_TILES: Final[dict[str, tuple[int, int]]] = {"1x16": (1, 16), "16x16": (16, 16), "1x32": (1, 32)}
-"""Each operand tile the kernels take: (rows a scale serves, elements along K it serves).
-``"1x16"``/``"16x16"``: NVFP4 (E4M3 scales); ``"1x32"``: MXFP4 (E8M0)."""
-
 BUILD_OPTIONS: Final[dict[str, bool]] = {"enable_fp_fusion": False}
 """The compile options of every launch: no floating-point contraction (module docstring)."""
 
@@ -125,11 +131,13 @@ BLACKWELL_FP4_TILES: Final[tuple[tuple[int, int, int, int, int], ...]] = (
 """The compiled kernels' autotune tiles (sm_100)."""
 
 
-def _configs() -> list[triton.Config]:
-    # Interpreted, one 32 x 32 tile and 64-element K steps (two NVFP4 blocks, two MXFP4
-    # blocks... one): test shapes span several programs and K steps.
+def fp4_configs(interpreted_block_m: int) -> list[triton.Config]:
+    """The 4-bit kernels' autotune configs: ``BLACKWELL_FP4_TILES`` compiled; interpreted,
+    one ``interpreted_block_m`` x 32 tile and 64-element K steps (four NVFP4 blocks, two
+    MXFP4 ones), so test shapes span several programs and K steps."""
     if INTERPRETED:
-        return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4})]
+        tile = {"BLOCK_M": interpreted_block_m, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4}
+        return [triton.Config(tile)]
     return [
         triton.Config(
             {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
@@ -278,7 +286,7 @@ def _fp4_mm_tiles(  # type: ignore[no-untyped-def]
 
 
 _fp4_mm_kernel = triton.autotune(
-    configs=_configs(),
+    configs=fp4_configs(interpreted_block_m=32),
     # Per power-of-two bucket of M (token counts vary; N and K are a layer's), per layout
     # and operand tiles.
     key=["m_bucket", "N", "K_BYTES", "layout", "VEC", "ROWS_A", "ROWS_B", "HAS_BIAS", "OUT_BF16"],
@@ -331,61 +339,6 @@ def e4m3_scales_interpreted() -> Iterator[None]:
         yield
     finally:
         setattr(interpreter, name, original)
-
-
-def codes_arg(name: str, t: object, dims: int = 2) -> torch.Tensor:
-    """``t`` viewed as its bytes when it is ``dims``-D ``torch.float4_e2m1fn_x2`` codes (two
-    elements a byte, packed along the last dimension); else ``ValueError`` naming it."""
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.float4_e2m1fn_x2 or t.dim() != dims:
-        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else repr(t)
-        raise ValueError(
-            f"{name} must be {dims}-D torch.float4_e2m1fn_x2 codes packed along K, got {got}"
-        )
-    return t.view(torch.uint8)
-
-
-def scale_arg(
-    name: str, s: object, rows: int, k: int, tile: str, groups: int | None = None
-) -> torch.Tensor:
-    """The bytes of ``s``, the scales of a ``tile`` operand of ``rows`` by ``k`` elements
-    (``(rows / tile rows, k / tile width)``, after ``(groups,)`` when given), E4M3 for NVFP4 and
-    E8M0 for MXFP4; else ``ValueError`` naming it (or the operand's shape, if the tile does
-    not divide it)."""
-    per_rows, per_k = FP4_TILES[tile]
-    dtype = torch.float8_e8m0fnu if per_k == 32 else torch.float8_e4m3fn
-    if k % per_k or rows % per_rows:
-        raise ValueError(
-            f"a {tile} operand needs K a multiple of {per_k} and rows of {per_rows}, got "
-            f"{rows} rows, K = {k}"
-        )
-    grid = (rows // per_rows, k // per_k)
-    shape: tuple[int, ...] = grid if groups is None else (groups, *grid)
-    if not isinstance(s, torch.Tensor) or s.dtype != dtype or tuple(s.shape) != shape:
-        got = f"{s.dtype} {tuple(s.shape)}" if isinstance(s, torch.Tensor) else repr(s)
-        raise ValueError(f"{name} of a {tile} operand must be {dtype} {shape}, got {got}")
-    return s.view(torch.uint8)
-
-
-def amax_arg(
-    name: str, amax: object, nvfp4: bool, device: torch.device, count: int = 1
-) -> torch.Tensor | None:
-    """NVFP4: ``amax`` as float32 ``(count,)`` when it is a float32 tensor of ``count``
-    elements on ``device``; MXFP4: ``None``, which it must be. Else ``ValueError``."""
-    if not nvfp4:
-        if amax is not None:
-            raise ValueError(f"an MXFP4 operand has no per-tensor amax: {name} must be None")
-        return None
-    if (
-        not isinstance(amax, torch.Tensor)
-        or amax.dtype != torch.float32
-        or amax.numel() != count
-        or amax.device != device
-    ):
-        raise ValueError(
-            f"{name} of an NVFP4 operand must be a float32 tensor of {count} element(s) on "
-            f"{device}, got {amax!r}"
-        )
-    return amax.reshape(count)
 
 
 def check_device(device: torch.device) -> None:
@@ -449,17 +402,11 @@ def fp4_scaled_mm(
             f"a 4-bit GEMM multiplies two NVFP4 (1x16, 16x16) or two MXFP4 (1x32) operands, "
             f"got tiles {tile_a!r} and {tile_b!r}"
         )
-    a8, b8 = codes_arg("a", a), codes_arg("b", b)
-    if a.shape[1] != b.shape[1] or a.device != b.device:
-        raise ValueError(
-            f"a [M, K / 2] and b [N, K / 2] need the same K and device, got "
-            f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
-        )
+    a8, b8 = codes_pair(a, b, ("[M, K / 2]", "[N, K / 2]", "K"))
     m, n, k = a.shape[0], b.shape[0], 2 * a.shape[1]
     sa = scale_arg("scale_a", scale_a, m, k, tile_a)
     sb = scale_arg("scale_b", scale_b, n, k, tile_b)
-    if sa.device != a.device or sb.device != a.device:
-        raise ValueError(f"scale_a and scale_b must be on {a.device}, got {sa.device}, {sb.device}")
+    check_scale_devices(sa, sb, a.device)
     am, bm = (
         amax_arg("amax_a", amax_a, nvfp4, a.device),
         amax_arg("amax_b", amax_b, nvfp4, a.device),

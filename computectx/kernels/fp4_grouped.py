@@ -39,21 +39,24 @@ import triton
 import triton.language as tl
 
 from computectx.kernels.autotune import launch_args
-from computectx.kernels.fp4_gemm import (
-    ALPHA_FACTOR_INV,
-    BLACKWELL_FP4_TILES,
-    BUILD_OPTIONS,
+from computectx.kernels.fp4_args import (
     FP4_TILES,
     amax_arg,
+    check_scale_devices,
+    codes_pair,
+    scale_arg,
+)
+from computectx.kernels.fp4_gemm import (
+    ALPHA_FACTOR_INV,
+    BUILD_OPTIONS,
     check_device,
-    codes_arg,
     e4m3_scales_interpreted,
     fp4_block_dot,
-    scale_arg,
+    fp4_configs,
     tensor_alpha,
 )
 from computectx.kernels.fp8_codes import FLOAT_DTYPES
-from computectx.kernels.grouped_mm import check_offsets, group_row_tile
+from computectx.kernels.grouped_mm import check_offsets, group_span, group_tile
 from computectx.kernels.scaled_mm import grouped_tile, store_tile
 
 __all__ = ["INTERPRETED", "fp4_grouped_scaled_mm", "fp4_grouped_scaled_wgrad"]
@@ -62,18 +65,8 @@ INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's kernels run in Triton's interpreter; fixed at import."""
 
 
-def _configs() -> list[triton.Config]:
-    # Interpreted: 16-row tiles, so small test groups span several programs.
-    if INTERPRETED:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 64, "GROUP_M": 4})]
-    return [
-        triton.Config(
-            {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8},
-            num_stages=stages,
-            num_warps=warps,
-        )
-        for bm, bn, bk, stages, warps in BLACKWELL_FP4_TILES
-    ]
+_CONFIGS = fp4_configs(interpreted_block_m=16)
+"""Interpreted: 16-row tiles, so small test groups span several programs."""
 
 
 @triton.jit
@@ -87,7 +80,7 @@ def _group_alpha(  # type: ignore[no-untyped-def]
 
 
 @triton.autotune(
-    configs=_configs(),
+    configs=_CONFIGS,
     key=["m_bucket", "N", "K_BYTES", "E", "layout", "VEC", "ROWS_B", "OUT_BF16"],
 )
 @triton.jit
@@ -129,14 +122,9 @@ def _fp4_grouped_mm_kernel(  # type: ignore[no-untyped-def]
     GROUP_M: tl.constexpr,
 ):
     # One row tile of one group (or of the tail: zeros; or spare: nothing) by BLOCK_N columns.
-    row_tiles = tl.cdiv(M, BLOCK_M) + E
-    t, pid_n = grouped_tile(row_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    g, row0, end = group_row_tile(offs_ptr, E, M, t, BLOCK_M, BLOCK_E)
-    active = g < E
-    ge = tl.minimum(g, E - 1).to(tl.int64)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rows_ok = (offs_m >= 0) & (offs_m < end) & (offs_m < M)
+    active, ge, offs_m, offs_n, rows_ok = group_tile(
+        offs_ptr, E, M, N, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M
+    )
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc = fp4_block_dot(
         acc, a_ptr, b_ptr + ge * stride_be, sa_ptr, sb_ptr + ge * stride_sb_e,
@@ -172,12 +160,7 @@ def fp4_grouped_scaled_mm(
     if tile_b not in FP4_TILES:
         raise ValueError(f"tile_b must be one of {tuple(FP4_TILES)}, got {tile_b!r}")
     nvfp4 = tile_b != "1x32"
-    a8, b8 = codes_arg("a", a), codes_arg("b", b, dims=3)
-    if a.shape[1] != b.shape[2] or a.device != b.device:
-        raise ValueError(
-            f"a [M, K / 2] and b [E, N, K / 2] need the same K and device, got "
-            f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
-        )
+    a8, b8 = codes_pair(a, b, ("[M, K / 2]", "[E, N, K / 2]", "K"), b_dims=3)
     m, k = a.shape[0], 2 * a.shape[1]
     e, n = b.shape[0], b.shape[1]
     sa = scale_arg("scale_a", scale_a, m, k, "1x16" if nvfp4 else "1x32")
@@ -185,8 +168,7 @@ def fp4_grouped_scaled_mm(
     am = amax_arg("amax_a", amax_a, nvfp4, a.device, e)
     bm = amax_arg("amax_b", amax_b, nvfp4, a.device, e)
     check_offsets("offs", offs, e, a.device)
-    if sa.device != a.device or sb.device != a.device:
-        raise ValueError(f"scale_a and scale_b must be on {a.device}, got {sa.device}, {sb.device}")
+    check_scale_devices(sa, sb, a.device)
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be bf16, fp16 or fp32, got {out_dtype}")
     check_device(a.device)  # last: every argument's own error first, on any device
@@ -211,7 +193,7 @@ def fp4_grouped_scaled_mm(
     return c
 
 
-@triton.autotune(configs=_configs(), key=["m_bucket", "N", "K", "layout", "VEC"])
+@triton.autotune(configs=_CONFIGS, key=["m_bucket", "N", "K", "layout", "VEC"])
 @triton.jit
 def _fp4_grouped_wgrad_kernel(  # type: ignore[no-untyped-def]
     a_ptr,
@@ -248,9 +230,7 @@ def _fp4_grouped_wgrad_kernel(  # type: ignore[no-untyped-def]
     # contraction over the group's padded columns start:end, block-aligned.
     g = tl.program_id(1)
     pid_m, pid_n = grouped_tile(N, K, BLOCK_M, BLOCK_N, GROUP_M)
-    start = tl.load(offs_ptr + tl.maximum(g - 1, 0))
-    start = tl.where(g > 0, start, 0)
-    size = tl.load(offs_ptr + g) - start
+    start, size = group_span(offs_ptr, g)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     byte0 = (start // 2).to(tl.int64)
@@ -288,12 +268,7 @@ def fp4_grouped_scaled_wgrad(
     if tile not in ("1x16", "1x32"):
         raise ValueError(f"tile must be '1x16' (NVFP4) or '1x32' (MXFP4), got {tile!r}")
     nvfp4 = tile == "1x16"
-    a8, b8 = codes_arg("a", a), codes_arg("b", b)
-    if a.shape[1] != b.shape[1] or a.device != b.device:
-        raise ValueError(
-            f"a [N, P / 2] and b [K, P / 2] need the same P and device, got "
-            f"{tuple(a.shape)} on {a.device} and {tuple(b.shape)} on {b.device}"
-        )
+    a8, b8 = codes_pair(a, b, ("[N, P / 2]", "[K, P / 2]", "P"))
     n, k, p = a.shape[0], b.shape[0], 2 * a.shape[1]
     check_offsets("offs", offs, None, a.device)
     e = offs.shape[0]
@@ -301,8 +276,7 @@ def fp4_grouped_scaled_wgrad(
     sb = scale_arg("scale_b", scale_b, k, p, tile)
     am = amax_arg("amax_a", amax_a, nvfp4, a.device, e)
     bm = amax_arg("amax_b", amax_b, nvfp4, a.device, e)
-    if sa.device != a.device or sb.device != a.device:
-        raise ValueError(f"scale_a and scale_b must be on {a.device}, got {sa.device}, {sb.device}")
+    check_scale_devices(sa, sb, a.device)
     check_device(a.device)
     c = torch.empty((e, n, k), dtype=torch.float32, device=a.device)
     if e == 0 or n == 0 or k == 0:

@@ -128,6 +128,39 @@ def group_row_tile(  # type: ignore[no-untyped-def]
     return g, start + (t - before) * BLOCK_M, end
 
 
+@triton.jit
+def group_tile(  # type: ignore[no-untyped-def]
+    offs_ptr,
+    E,
+    M,
+    N,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # This program's tile of a forward/dgrad launch over cdiv(M, BLOCK_M) + E row tiles (in
+    # grouped launch order): (active: a group's tile, not the tail's (zeros) nor a spare
+    # program's; the group clamped to E - 1, as int64; its rows, the columns, which rows
+    # are the group's and in the operand).
+    row_tiles = tl.cdiv(M, BLOCK_M) + E
+    t, pid_n = grouped_tile(row_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    g, row0, end = group_row_tile(offs_ptr, E, M, t, BLOCK_M, BLOCK_E)
+    ge = tl.minimum(g, E - 1).to(tl.int64)
+    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = (offs_m >= 0) & (offs_m < end) & (offs_m < M)
+    return g < E, ge, offs_m, offs_n, rows_ok
+
+
+@triton.jit
+def group_span(offs_ptr, g):  # type: ignore[no-untyped-def]
+    # Group g's (first, size) from offs, each group's end: it starts where g - 1 ends.
+    first = tl.load(offs_ptr + tl.maximum(g - 1, 0))
+    first = tl.where(g > 0, first, 0)
+    return first, tl.load(offs_ptr + g) - first
+
+
 @triton.autotune(
     configs=gemm_configs(16),
     # Per power-of-two bucket of M (token counts change every step; N, K and E are a
@@ -172,15 +205,10 @@ def _grouped_mm_kernel(  # type: ignore[no-untyped-def]
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    row_tiles = tl.cdiv(M, BLOCK_M) + E
-    t, pid_n = grouped_tile(row_tiles * BLOCK_M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    g, row0, end = group_row_tile(offs_ptr, E, M, t, BLOCK_M, BLOCK_E)
-    active = g < E  # a group's tile: not the tail (zeros), not a spare program
-    ge = tl.minimum(g, E - 1).to(tl.int64)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    active, ge, offs_m, offs_n, rows_ok = group_tile(
+        offs_ptr, E, M, N, BLOCK_M, BLOCK_N, BLOCK_E, GROUP_M
+    )
     offs_k = tl.arange(0, BLOCK_K)
-    rows_ok = (offs_m >= 0) & (offs_m < end) & (offs_m < M)
     mask_m = rows_ok[:, None]
     mask_n = offs_n[None, :] < N
     a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :] * stride_ak

@@ -45,6 +45,7 @@ from computectx.kernels.grouped_mm import (
     check_offsets,
     check_scale,
     gemm_configs,
+    group_span,
     prune_configs,
 )
 from computectx.kernels.scaled_mm import grouped_tile, k_major, scaled_dot, store_tile
@@ -104,9 +105,7 @@ def _grouped_wgrad_kernel(  # type: ignore[no-untyped-def]
     # This program's [BLOCK_M, BLOCK_N] tile of out[g] ([N, K]), g = program_id(1).
     g = tl.program_id(1)
     pid_m, pid_n = grouped_tile(N, K, BLOCK_M, BLOCK_N, GROUP_M)
-    first = tl.load(offs_ptr + tl.maximum(g - 1, 0))
-    first = tl.where(g > 0, first, 0)
-    size = tl.load(offs_ptr + g) - first
+    first, size = group_span(offs_ptr, g)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)

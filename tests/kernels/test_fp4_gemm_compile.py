@@ -45,7 +45,7 @@ names = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "sa_ptr", "sb_ptr", "amax_a_ptr"
 types = {"a_ptr": "*u8", "b_ptr": "*u8", "c_ptr": "*bf16", "bias_ptr": "*bf16", "sa_ptr": "*u8",
          "sb_ptr": "*u8", "amax_a_ptr": "*fp32", "amax_b_ptr": "*fp32"}
 aligned = ("a_ptr", "b_ptr", "c_ptr", "M", "N", "K_BYTES", "stride_am", "stride_bn", "stride_cm")
-configs = kf._configs()
+configs = kf.fp4_configs(interpreted_block_m=32)
 cfg = next(c for c in configs if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
 out = {}
 # NVFP4 1x16 activations by 16x16 weight tiles at every autotune tile on sm_100; MXFP4 1x32 by
@@ -118,7 +118,7 @@ wg = ["a_ptr", "b_ptr", "c_ptr", "sa_ptr", "sb_ptr", "amax_a_ptr", "amax_b_ptr",
       "layout"]
 types = {"a_ptr": "*u8", "b_ptr": "*u8", "sa_ptr": "*u8", "sb_ptr": "*u8", "amax_a_ptr": "*fp32",
          "amax_b_ptr": "*fp32", "offs_ptr": "*i32"}
-cfg = next(c for c in kg._configs() if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
+cfg = next(c for c in kg._CONFIGS if c.kwargs["BLOCK_N"] == 128 and c.kwargs["BLOCK_K"] == 256)
 out = {}
 # The forward at NVFP4 (1x16 by 16x16 tiles), the wgrad at MXFP4 (1x32 along the tokens).
 for kind, kernel, names, vec, consts, aligned in (
