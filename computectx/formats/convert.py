@@ -152,23 +152,21 @@ def convert_to_quantized(
     ``min_features`` and every expert weight's widths), listed in ``experts``; routers stay
     high (rule ``router``). **4-bit recipes**: ``Fp4Linear``, and ``Fp4Experts`` for
     ``computectx.nn``'s experts (others raise ``NotImplementedError``: fp8 never stands in);
-    ``hp`` and ``hp_last`` skip linears and experts alike (``kept_high``), and a rule that can
-    keep nothing high is a ``UserWarning``.
+    ``hp`` and ``hp_last`` skip linears and experts alike (``kept_high``), a rule that can keep
+    nothing high is a ``UserWarning``, and ``backend`` or ``quantize`` a ``ValueError``.
 
-    ``backend`` and ``quantize`` are passed to every new ``QuantizedLinear`` (``quantize="inline"``
-    lets Inductor fuse the quantize of a compiled model; same bytes as the default ``"op"``);
-    under a 4-bit recipe, which has neither, a ``ValueError`` before anything changes.
+    ``backend`` and ``quantize`` go to every new ``QuantizedLinear`` (``"inline"`` lets Inductor
+    fuse the quantize of a compiled model; same bytes as the default ``"op"``).
 
-    Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep
-    working), and ``model.load_state_dict`` then checks every fp8 layer's entries before any
-    module loads (``computectx.formats.scaling.load.guard_whole_loads``). A linear reachable under
-    several names is converted once and replaced everywhere. All decisions are made before
-    the model changes, so an exception from ``module_filter`` or a converter (or a filter
-    result that is not a bool, a ``TypeError``) leaves it untouched; an experts converter
-    that raises in ``convert`` has what was swapped put back before the error goes on.
-    """
-    policy, how = _checked_args(model, ctx, module_filter, include_head, min_features, quantize)
-    _refuse_fp8_options(policy, backend, how)
+    Converted layers keep their ``weight``/``bias`` Parameter objects (optimizers keep working),
+    and ``model.load_state_dict`` then checks every fp8 layer's entries before any module loads
+    (``computectx.formats.scaling.load.guard_whole_loads``). A linear reachable under several
+    names is converted once and replaced everywhere. All decisions are made before the model
+    changes, so an exception from ``module_filter`` or a converter (or a filter result that is
+    not a bool, a ``TypeError``) leaves it untouched; an experts converter that raises in
+    ``convert`` has what was swapped put back before the error goes on."""
+    given = (module_filter, include_head, min_features, backend, quantize)
+    policy, how = _checked_args(model, ctx, *given)
     least = DEFAULT_MIN_FEATURES if min_features is None else min_features
     checked = _checked_converters(converters)
     rules = _Rules(model, ctx, module_filter, bool(include_head), least, checked)
@@ -233,6 +231,7 @@ def _checked_args(
     module_filter: object,
     include_head: object,
     min_features: object,
+    backend: object,
     quantize: object,
 ) -> tuple[Recipe | Fp4Recipe, QuantizeImpl]:
     """``convert_to_quantized``'s arguments checked in order: ``(policy, quantize)``."""
@@ -263,6 +262,7 @@ def _checked_args(
         isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 1
     ):
         raise ValueError(f"min_features must be an int >= 1, got {min_features!r}")
+    _refuse_fp8_options(policy, backend, how)
     return policy, how
 
 
