@@ -296,10 +296,9 @@ class Fp4Linear(nn.Linear):
                 f"an fp8 layer's scaling state ({prefix}{fp8[0]}, ...): an fp8 checkpoint does not "
                 f"load into a 4-bit model; convert under the fp8 recipe it was saved with"
             )
-        state = entries.get("_extra_state")
-        if state is not None:
+        if "_extra_state" in entries:  # an entry of None too: torch would hand it on
             where = f"{prefix}_extra_state of the 4-bit layer {layer!r}"
-            saved_counter(state, self.recipe, where, "this layer runs")
+            saved_counter(entries["_extra_state"], self.recipe, where, "this layer runs")
 
     def _load_from_state_dict(
         self,

@@ -92,6 +92,8 @@ def saved_counter(state: object, recipe: Fp4Recipe, where: str, runs: str) -> in
             "an int64 [version, weight code] is a frozen 4-bit layer's (FrozenFp4Linear: a "
             "serving checkpoint, which loads into a frozen model, not into a training one)"
             if frozen
+            else "drop the entry to keep this layer's counter as it is"
+            if state is None
             else "an fp8 layer's state is a dict: an fp8 checkpoint does not load into 4 bits"
         )
         raise ValueError(

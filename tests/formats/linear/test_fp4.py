@@ -225,3 +225,18 @@ def test_load_weights_restores_the_counter_and_checks_the_recipe(tmp_path: Path)
     other = _two_layers(RECIPES["nvfp4+w1x16+no_rht"])
     with pytest.raises(ValueError, match=r"saved under the 4-bit recipe 'nvfp4\+seed=5'"):
         load_weights(other, path, NV)
+
+
+def test_an_extra_state_of_none_is_refused_before_any_layer_loads() -> None:
+    # It was read as absent by the check, then torch handed it to set_extra_state after the
+    # other layers had loaded (TypeError, a half load).
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+    convert_to_quantized(model, ctx, include_head=True, min_features=16)
+    state = {k: torch.zeros_like(v) if v.is_floating_point() else v
+             for k, v in model.state_dict().items()}  # fmt: skip
+    state["1._extra_state"] = None
+    before = model[0].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"1\._extra_state .* got NoneType \(drop the entry"):
+        model.load_state_dict(state)
+    assert torch.equal(before, model[0].weight)
