@@ -236,7 +236,9 @@ def test_an_extra_state_of_none_is_refused_before_any_layer_loads() -> None:
     state = {k: torch.zeros_like(v) if v.is_floating_point() else v
              for k, v in model.state_dict().items()}  # fmt: skip
     state["1._extra_state"] = None
-    before = model[0].weight.detach().clone()
+    first = model[0]
+    assert isinstance(first, Fp4Linear)
+    before = first.weight.detach().clone()
     with pytest.raises(ValueError, match=r"1\._extra_state .* got NoneType \(drop the entry"):
         model.load_state_dict(state)
-    assert torch.equal(before, model[0].weight)
+    assert torch.equal(before, first.weight)
