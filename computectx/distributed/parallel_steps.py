@@ -200,7 +200,8 @@ def wrap_ddp(
     experts: list[nn.Parameter],
 ) -> DistributedDataParallel:
     """``DistributedDataParallel`` over ``model`` on this rank's device, the buffers and
-    weights it must not broadcast or all-reduce left out."""
+    weights it must not broadcast or all-reduce left out. It broadcasts rank 0's other
+    buffers once, here, and never before a forward: no forward of it is a collective."""
     ids = None
     if ctx.device.type == "cuda":
         # A bare "cuda" means this rank's current device (torchrun's
@@ -223,7 +224,16 @@ def wrap_ddp(
     # DataParallelGradAccumulator (build_accumulator), which reduces the bf16 sums once per
     # step in float32 and owns DDP's one comm hook (docs/distributed.md, "Mixed precision
     # under FSDP2 and DDP").
-    return DistributedDataParallel(model, device_ids=ids, process_group=group)
+    run = DistributedDataParallel(model, device_ids=ids, process_group=group)
+    # The construction above broadcast rank 0's buffers once, every rank there. From now on
+    # no forward broadcasts them: DDP's default broadcast before every forward (no_grad and
+    # inference_mode included) is a collective one rank's evaluation forward would make
+    # alone. computectx's buffers stay equal by their own means, and a user buffer that must
+    # agree is the user's to sync, as under FSDP2 (docs/distributed.md, "Buffers under
+    # DDP"). The attribute, not the constructor's argument: torch 2.13 renamed it
+    # (forward_sync_buffers), and broadcast_buffers=False would skip the construction's too.
+    run.broadcast_buffers = False
+    return run
 
 
 def average_expert_grads(experts: list[nn.Parameter], world: int) -> None:

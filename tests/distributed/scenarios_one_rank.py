@@ -6,7 +6,12 @@ the first, rank 0 alone makes every call of ``CALLS`` while rank 1 waits on the 
 collective); each call either returns (``runs``; its result is checked here against a plain
 copy of the model) or raises (``raises``: the message). Then both ranks train two steps
 together, in both setups: the steps after the lone calls must equal the steps without them
-bit for bit, so the group is still usable and nothing the lone calls did leaked into it."""
+bit for bit, so the group is still usable and nothing the lone calls did leaked into it.
+
+The families of ``BUFFER_FAMILIES`` run a model that holds buffers (a tiny ``ByteLM``: RoPE
+tables, ``kv_amax``; with MoE, the router bias and the load counters) under DDP: rank 0 alone
+runs the evaluation forwards of ``BUFFER_CALLS``, which must issue no collective (DDP's buffer
+broadcast before a forward would leave the ranks' collectives one apart)."""
 
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from computectx import ComputeCtx
 from computectx.distributed import expert_parallel, parallelize
-from computectx.nn import MoE
+from computectx.nn import ByteLM, LMConfig, MoE
 
 DIM, ROWS = 16, 8
 JOIN_S = 0.5
@@ -43,6 +48,10 @@ CALLS = (
     "optimizer.clip_grad_norm(1.0)",
     "optimizer.step()",
 )
+BUFFER_FAMILIES = ("ddp lm", "ddp lm moe")
+BUFFER_CALLS = CALLS[1:5]
+"""The calls a ``BUFFER_FAMILIES`` family makes: the evaluation forwards (a train-mode one
+counts an MoE's load, which the next step moves the router bias by)."""
 NOT_APPLICABLE = "absent"
 """The outcome of a call the family's optimizer has not (a plain torch optimizer's
 ``clip_grad_norm``)."""
@@ -85,8 +94,19 @@ class _Plain:
         self.model.load_state_dict(state)
 
 
+def _lm(moe: bool) -> nn.Module:
+    torch.manual_seed(0)
+    config = LMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=32, max_len=16)
+    if moe:
+        config = LMConfig(**{**config.model_dump(), "n_experts": 4, "top_k": 2, "moe_hidden": 16})
+    return ByteLM(ComputeCtx.from_flag("fp32", "cpu"), config)
+
+
 def _setup(family: str, mesh: DeviceMesh) -> tuple[Any, nn.Module]:
-    model = Net(moe=family.startswith("ep"))
+    if family in BUFFER_FAMILIES:
+        model = _lm(moe=family.endswith("moe"))
+    else:
+        model = Net(moe=family.startswith("ep"))
     ref = copy.deepcopy(model)
     if family.startswith("ep"):
         expert_parallel(model, mesh, join_timeout=JOIN_S)
@@ -107,16 +127,19 @@ def _setup(family: str, mesh: DeviceMesh) -> tuple[Any, nn.Module]:
     return par, ref
 
 
-def _x(seed: int) -> torch.Tensor:
-    return torch.randn(ROWS, DIM, generator=torch.Generator().manual_seed(seed))
+def _x(family: str, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if family in BUFFER_FAMILIES:
+        return torch.randint(0, 256, (2, 8), generator=g)
+    return torch.randn(ROWS, DIM, generator=g)
 
 
-def _forward(run: nn.Module, ref: nn.Module, train: bool, mode: Any) -> None:
+def _forward(run: nn.Module, ref: nn.Module, train: bool, mode: Any, x: torch.Tensor) -> None:
     run.train(train)
     ref.train(train)
     try:
         with mode():
-            got, want = run(_x(3)), ref(_x(3))
+            got, want = run(x), ref(x)
     finally:
         run.train(True)
         ref.train(True)
@@ -124,7 +147,7 @@ def _forward(run: nn.Module, ref: nn.Module, train: bool, mode: Any) -> None:
         raise AssertionError("a lone forward returned another result than the plain model")
 
 
-def _calls(par: Any, ref: nn.Module) -> dict[str, Callable[[], None]]:
+def _calls(par: Any, ref: nn.Module, x: torch.Tensor) -> dict[str, Callable[[], None]]:
     def state() -> None:
         got = par.state_dict()
         model = got.get("model", got)
@@ -155,11 +178,11 @@ def _calls(par: Any, ref: nn.Module) -> dict[str, Callable[[], None]]:
 
     m, r = par.model, ref
     return {
-        CALLS[0]: lambda: _forward(m, r, True, torch.enable_grad),
-        CALLS[1]: lambda: _forward(m, r, False, torch.enable_grad),
-        CALLS[2]: lambda: _forward(m, r, False, torch.no_grad),
-        CALLS[3]: lambda: _forward(m, r, False, torch.inference_mode),
-        CALLS[4]: lambda: _forward(par.module, r, False, torch.no_grad),
+        CALLS[0]: lambda: _forward(m, r, True, torch.enable_grad, x),
+        CALLS[1]: lambda: _forward(m, r, False, torch.enable_grad, x),
+        CALLS[2]: lambda: _forward(m, r, False, torch.no_grad, x),
+        CALLS[3]: lambda: _forward(m, r, False, torch.inference_mode, x),
+        CALLS[4]: lambda: _forward(par.module, r, False, torch.no_grad, x),
         CALLS[5]: state,
         CALLS[6]: save,
         CALLS[7]: load,
@@ -169,10 +192,10 @@ def _calls(par: Any, ref: nn.Module) -> dict[str, Callable[[], None]]:
     }
 
 
-def _train(par: Any, steps: int) -> dict[str, torch.Tensor]:
+def _train(par: Any, family: str, steps: int) -> dict[str, torch.Tensor]:
     losses = []
     for step in range(steps):
-        loss = par.model(_x(10 * step + dist.get_rank())).square().mean()
+        loss = par.model(_x(family, 10 * step + dist.get_rank())).square().mean()
         loss.backward()
         par.step()
         losses.append(float(loss.detach()))
@@ -180,6 +203,10 @@ def _train(par: Any, steps: int) -> dict[str, torch.Tensor]:
     for n, p in par.module.named_parameters():
         local = getattr(p, "to_local", None)
         out[n] = (local() if local is not None else p).detach().clone()
+    local_buffers = MoE.local_buffer_names()  # each rank's own load counters
+    for n, b in par.module.named_buffers():
+        if n.rsplit(".", 1)[-1] not in local_buffers:
+            out[f"buffer {n}"] = b.detach().clone()
     return out
 
 
@@ -190,8 +217,9 @@ def family(name: str, mesh: DeviceMesh, params: dict[str, Any]) -> dict[str, Any
     out: dict[str, Any] = {}
     par, ref = _setup(name, mesh)
     if rank == 0:
-        for call, fn in _calls(par, ref).items():
-            if call not in params.get("calls", CALLS):
+        calls = BUFFER_CALLS if name in BUFFER_FAMILIES else CALLS
+        for call, fn in _calls(par, ref, _x(name, 3)).items():
+            if call not in calls:
                 continue
             start = time.monotonic()
             try:
@@ -206,9 +234,9 @@ def family(name: str, mesh: DeviceMesh, params: dict[str, Any]) -> dict[str, Any
     else:
         store.wait([f"one-rank/{name}"], datetime.timedelta(seconds=60))
     dist.barrier()
-    out["after"] = _train(par, 2)
+    out["after"] = _train(par, name, 2)
     again, _ = _setup(name, mesh)
-    out["without"] = _train(again, 2)
+    out["without"] = _train(again, name, 2)
     return out
 
 

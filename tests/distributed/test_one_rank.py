@@ -4,7 +4,9 @@ under DDP, FSDP2, expert parallelism and expert parallelism with DDP (one launch
 ``scenarios_one_rank.py``; a 0.5 s join timeout, a 10 s collective timeout, a 120 s wall
 limit). Each call returns a correct result or raises a clear error naming the rank that did
 not join, and the next two joint steps equal the steps of a run without the lone calls, bit
-for bit. docs/distributed.md's table "What one rank may call" must say what this finds."""
+for bit. docs/distributed.md's table "What one rank may call" must say what this finds. In the
+same launch a tiny ``ByteLM`` with buffers (dense and MoE) under DDP: rank 0's lone evaluation
+forwards run, and the ranks then train on alike."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from .conftest import _run
-from .scenarios_one_rank import CALLS, FAMILIES, JOIN_S
+from .scenarios_one_rank import BUFFER_CALLS, BUFFER_FAMILIES, CALLS, FAMILIES, JOIN_S
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "distributed.md"
 COLUMNS = {
@@ -31,7 +33,9 @@ COLUMNS = {
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     tmp = tmp_path_factory.mktemp("one-rank")
-    return _run(tmp, "scenarios_one_rank.py:table", 2, 120.0, {"families": list(FAMILIES)})
+    return _run(
+        tmp, "scenarios_one_rank.py:table", 2, 120.0, {"families": [*FAMILIES, *BUFFER_FAMILIES]}
+    )
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -49,6 +53,24 @@ def test_one_ranks_calls_run_or_raise_clearly_and_the_group_trains_on(
     for r in (r0, r1):
         for key, want in r["without"].items():
             assert torch.equal(r["after"][key], want), (name, key)
+
+
+@pytest.mark.parametrize("name", BUFFER_FAMILIES)
+def test_a_lone_evaluation_forward_of_a_model_with_buffers_runs_under_ddp(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    # DDP broadcasts a module's buffers from rank 0 before every forward unless told not
+    # to: rank 0's lone broadcast left the ranks' collectives one apart, and the next step
+    # timed out (the collective timeout, 10 s).
+    r0, r1 = ranks[0][name], ranks[1][name]
+    assert {call: r0[call][0] for call in BUFFER_CALLS} == dict.fromkeys(BUFFER_CALLS, "runs"), r0
+    assert any(key.startswith("buffer ") for key in r0["after"]), sorted(r0["after"])
+    for r in (r0, r1):
+        for key, want in r["without"].items():
+            assert torch.equal(r["after"][key], want), (name, key)
+    for key, value in r0["after"].items():  # the replicas, weights and buffers alike
+        if key != "losses":
+            assert torch.equal(value, r1["after"][key]), (name, key)
 
 
 def _docs_table() -> dict[tuple[str, str], str]:
