@@ -587,7 +587,14 @@ OPERATOR_FAMILY_OPS = {
     "formats/ops/blockwise.py": {"fp8_quantize_blocks", "fp8_block_scaled_mm"},
     "formats/ops/grouped.py": {"fp8_grouped_mm", "fp8_held_grouped_mm", "fp8_grouped_wgrad"},
     "formats/ops/attention.py": {"fp8_decode_attention"},
-    "formats/ops/fp4.py": {"fp4_quantize", "fp4_scaled_mm", "fp4_grouped_mm", "fp4_grouped_wgrad"},
+    "formats/ops/fp4.py": {
+        "fp4_quantize",
+        "fp4_scaled_mm",
+        "fp4_grouped_mm",
+        "fp4_grouped_wgrad",
+        "fp4_quantize_rows",
+        "fp4_dequantize",
+    },
 }
 
 

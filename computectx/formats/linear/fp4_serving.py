@@ -6,9 +6,9 @@ The weight is held as it is quantized (``numerics.fp4``): packed E2M1 codes
 NVFP4 (1x16 blocks or 16x16 tiles), E8M0 scales of 1x32 blocks for MXFP4. Two modes serve it:
 
 - ``"weight_only"``: ``y = F.linear(x, W.to(x.dtype), bias.to(x.dtype))`` with ``W`` the
-  dequantized weight (``dequantize_nvfp4``/``dequantize_mxfp4``: each value formed in float32,
-  rounded once to the input's dtype); the GEMM is torch's at that dtype (bf16 under the
-  serving ctx), on any device.
+  dequantized weight (``dequantize_nvfp4``/``dequantize_mxfp4`` through the operator
+  ``computectx::fp4_dequantize``: each value formed in float32, rounded once to the input's
+  dtype); the GEMM is torch's at that dtype (bf16 under the serving ctx), on any device.
 - ``"w4a4"``: the input quantized at every call, round to nearest (never stochastic), 1x16
   blocks (NVFP4) or 1x32 (MXFP4), then the 4-bit GEMM ``computectx::fp4_scaled_mm``.
 
@@ -20,12 +20,12 @@ on the other rows of the call, and a request's answer on the batch it was served
 - ``"per_row"`` (default): each row has its own amax. Row ``i``'s output is bit for bit
   ``Fp4Linear``'s forward on row ``i`` alone, whatever else is in the batch. The rows are
   quantized by TE's chain with each row's ``S_enc`` (``quantize_nvfp4`` of the row, vectorized:
-  ``nvfp4_rows``); the GEMM runs through ``fp4_scaled_mm`` with both operands' amax given as
-  ``UNIT_AMAX = 448 * 6`` (``S_enc = 1``), for which TE's epilogue factor ``(2688 * 2688) *
-  f32(1 / (6 * 6 * 448 * 448))`` is exactly 1, so the operator returns its float32
-  accumulator as it is; each row's ``alpha = (amax_row * amax_W) * f32(1 / (6 * 6 * 448 *
-  448))``, in TE's order, the bias and one rounding follow (``reference_fp4_mm``'s epilogue,
-  per row).
+  ``nvfp4_rows``, the operator ``computectx::fp4_quantize_rows``); the GEMM runs through
+  ``fp4_scaled_mm`` with both operands' amax given as ``UNIT_AMAX = 448 * 6`` (``S_enc = 1``),
+  for which TE's epilogue factor ``(2688 * 2688) * f32(1 / (6 * 6 * 448 * 448))`` is exactly
+  1, so the operator returns its float32 accumulator as it is; each row's ``alpha = (amax_row
+  * amax_W) * f32(1 / (6 * 6 * 448 * 448))``, in TE's order, the bias and one rounding follow
+  (``reference_fp4_mm``'s epilogue, per row).
 - ``"per_tensor"``: ``Fp4Linear``'s forward on the same batch, bit for bit; not batch-invariant.
 
 MXFP4 has no per-tensor scale: both rules are ``Fp4Linear``'s forward, and each row's codes are
@@ -44,17 +44,13 @@ import torch.nn.functional as F  # noqa: N812
 
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.numerics import tensorwise
-from computectx.formats.numerics.e2m1 import E2M1_MAX, e2m1_codes, pack_codes
+from computectx.formats.numerics.e2m1 import E2M1_MAX
 from computectx.formats.numerics.fp4 import (
     E4M3_MAX,
     MXFP4_BLOCK,
     NVFP4_BLOCK,
     Mxfp4Operand,
     Nvfp4Operand,
-    dequantize_mxfp4,
-    dequantize_nvfp4,
-    global_encode_scale,
-    nvfp4_block_scales,
 )
 from computectx.formats.numerics.fp4_gemm import (
     Fp4Operand,
@@ -88,7 +84,6 @@ ACTIVATION_AMAX: Final[tuple[ActivationAmax, ...]] = ("per_row", "per_tensor")
 
 UNIT_AMAX: Final[float] = E4M3_MAX * E2M1_MAX
 """2688: the amax whose ``S_enc`` is 1; two such operands have TE's ``alpha`` exactly 1."""
-_FLT_MAX: Final[float] = torch.finfo(torch.float32).max
 
 if float(tensor_scale_alpha(torch.tensor(UNIT_AMAX), torch.tensor(UNIT_AMAX))) != 1.0:
     raise RuntimeError("NVFP4's epilogue factor of two unit amaxes is not 1: per_row is unsound")
@@ -225,10 +220,9 @@ def check_bias(bias: object, n: int, device: torch.device, who: str) -> torch.Te
 
 
 def dequantized(weight: Fp4Operand, dtype: torch.dtype) -> torch.Tensor:
-    """The values ``weight`` stands for at ``dtype``: formed in float32, rounded once."""
-    if isinstance(weight, Nvfp4Operand):
-        return dequantize_nvfp4(weight, dtype)
-    return dequantize_mxfp4(weight, dtype)
+    """The values ``weight`` stands for at ``dtype``: formed in float32, rounded once
+    (``computectx::fp4_dequantize``: one operator in a compiled graph)."""
+    return fp4_ops.dequantize(weight, dtype)
 
 
 def weight_only_mm(x2: torch.Tensor, weight: Fp4Operand, bias: torch.Tensor | None) -> torch.Tensor:
@@ -241,20 +235,11 @@ def weight_only_mm(x2: torch.Tensor, weight: Fp4Operand, bias: torch.Tensor | No
 def nvfp4_rows(x2: torch.Tensor) -> tuple[Nvfp4Operand, torch.Tensor]:
     """Each row of the 2-D ``x2`` quantized as ``quantize_nvfp4`` quantizes it alone (1x16
     blocks, round to nearest, the row's finite amax), and the rows' amaxes (float32
-    ``(rows,)``). The operand's amax is ``UNIT_AMAX`` (``S_enc = 1``): ``w4a4_mm`` applies
-    each row's own."""
-    x = x2.detach().float()
-    rows, k = x.shape
-    mag = x.abs()
-    amax = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax(dim=1)
-    s_enc = global_encode_scale(amax)[:, None]
-    blocks = (rows, k // NVFP4_BLOCK, NVFP4_BLOCK)
-    scale = nvfp4_block_scales(mag.reshape(blocks).amax(dim=2), s_enc)  # NaN propagates
-    # TE's encode factor, 1 / (f32(S_dec) * (1 / S_enc)), per row and block.
-    encode = (1.0 / (scale.float() * (1.0 / s_enc))).clamp(max=_FLT_MAX)
-    scaled = (x.reshape(blocks) * encode[:, :, None]).reshape(rows, k)
-    codes = pack_codes(e2m1_codes(scaled))
-    unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x.device)
+    ``(rows,)``), through ``computectx::fp4_quantize_rows`` (one operator in a compiled
+    graph). The operand's amax is ``UNIT_AMAX`` (``S_enc = 1``): ``w4a4_mm`` applies each
+    row's own."""
+    codes, scale, amax = fp4_ops.quantize_rows(x2.detach())
+    unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x2.device)
     return Nvfp4Operand(codes, scale, unit, "1x16"), amax
 
 

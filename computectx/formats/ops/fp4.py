@@ -1,4 +1,5 @@
-"""The 4-bit operators (NVFP4, MXFP4): quantize, the dense GEMM, the grouped GEMM and its wgrad.
+"""The 4-bit operators (NVFP4, MXFP4): quantize, the dense GEMM, the grouped GEMM and its wgrad,
+and serving's per-row quantize and dequantize.
 
 ======================================  =========================================================
 operator                                semantics
@@ -8,6 +9,10 @@ operator                                semantics
 ``fp4_scaled_mm``                       the GEMM of two quantized operands (``reference_fp4_mm``)
 ``fp4_grouped_mm``                      each row group times its expert, quantized per group
 ``fp4_grouped_wgrad``                   each group's ``dYᵀ X`` over its own rows, float32
+``fp4_quantize_rows``                   NVFP4 codes, scales and amaxes of each row by its own
+                                        amax (``numerics.fp4.quantize_nvfp4_rows``; serving)
+``fp4_dequantize``                      the values a 4-bit operand stands for, at a float dtype
+                                        (``dequantize_nvfp4``/``dequantize_mxfp4``; serving)
 ======================================  =========================================================
 
 Semantics, operand table and error bound: ``computectx.formats.numerics.fp4_gemm`` (the twins)
@@ -18,19 +23,23 @@ guards, so a compiled caller recompiles neither as the group sizes change nor as
 advances. Packed codes cross the operators as ``torch.float4_e2m1fn_x2``, NVFP4 scales as
 ``float8_e4m3fn`` (per-tensor amax float32 ``(1,)``), MXFP4 scales as ``float8_e8m0fnu``.
 
-**Backends** (``select_fp4_backend``, by the operands' device): ``"triton"`` on a GPU with FP4
-tensor cores (compute capability >= 10.0: ``computectx.kernels.fp4_gemm``, ``fp4_quantize``,
-``fp4_grouped_values``: ``tl.dot_scaled`` on packed E2M1, bit for bit the twins on exact data,
-within their bound otherwise), ``"emulated"`` everywhere else: the pure-torch twins, on the CPU
-and on any GPU (in float32 on the device), bit for bit the same function everywhere. An
-H100/H200 (no FP4 tensor cores) runs the emulated twins; ``select_fp4_backend`` says which case
-applies and why. A 4-bit GEMM never falls back to an 8-bit one: another backend name is a
-``ValueError``.
+**Backends** (``select_fp4_backend``, by the operands' device; ``ops.fp4_backend``):
+``"triton"`` on a GPU with FP4 tensor cores (compute capability >= 10.0:
+``computectx.kernels.fp4_gemm``, ``fp4_quantize``, ``fp4_grouped_values``: ``tl.dot_scaled`` on
+packed E2M1, bit for bit the twins on exact data, within their bound otherwise), ``"emulated"``
+everywhere else: the pure-torch twins, on the CPU and on any GPU (in float32 on the device),
+bit for bit the same function everywhere. An H100/H200 (no FP4 tensor cores) runs the emulated
+twins; ``select_fp4_backend`` says which case applies and why. A 4-bit GEMM never falls back
+to an 8-bit one: another backend name is a ``ValueError``. ``fp4_quantize_rows`` and
+``fp4_dequantize`` have no Triton kernel: they run their twins on either backend. As operators
+a compiled graph holds them whole: Inductor's CPU backend generates no ``float4_e2m1fn_x2``
+code, nor takes such a buffer as a kernel argument.
 
-The checked entry points (``quantize``, ``scaled_mm``, ``grouped_mm``, ``grouped_wgrad``) take
-the recipe's plain values (``numerics.fp4_gemm.Fp4Quant``) and a ``Stochastic`` key, check
-every argument (``TypeError``/``ValueError`` quoting it; no tensor's contents are read, except
-``offs`` inside the grouped operators), and call the operators.
+The checked entry points (``quantize``, ``scaled_mm``, ``grouped_mm``, ``grouped_wgrad``,
+``quantize_rows``, ``dequantize``) take the recipe's plain values (``numerics.fp4_gemm.Fp4Quant``)
+and a ``Stochastic`` key, check every argument (``TypeError``/``ValueError`` quoting it; no
+tensor's contents are read, except ``offs`` inside the grouped operators), and call the
+operators.
 """
 
 from __future__ import annotations
@@ -40,7 +49,6 @@ from typing import Final, cast
 import torch
 from torch.library import custom_op
 
-from computectx import capability
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import check_bias_and_out, quantizable_arg
 from computectx.formats.numerics import fp4_gemm
@@ -51,81 +59,45 @@ from computectx.formats.numerics.fp4 import (
     MxRounding,
     Nvfp4Operand,
     Nvfp4Tile,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    quantize_nvfp4_rows,
     tensor_amax,
 )
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
+from computectx.formats.ops.fp4_backend import (
+    EMULATED,
+    TRITON,
+    backend_of,
+    check_2d,
+    check_how,
+    fp4_tensor_cores,
+    rng_arg,
+    runs_triton,
+    select_fp4_backend,
+)
 from computectx.formats.ops.grouped import check_grouped, checked_bounds
-from computectx.residency import parse_device
 
 __all__ = [
     "EMULATED",
     "TRITON",
+    "dequantize",
+    "fp4_dequantize",
     "fp4_grouped_mm",
     "fp4_grouped_wgrad",
     "fp4_quantize",
+    "fp4_quantize_rows",
     "fp4_scaled_mm",
     "fp4_tensor_cores",
     "grouped_mm",
     "grouped_wgrad",
     "quantize",
+    "quantize_rows",
     "scaled_mm",
     "select_fp4_backend",
 ]
 
-EMULATED: Final[str] = "emulated"
-"""The backend that runs the twins (``numerics.fp4_gemm``): any device."""
-TRITON: Final[str] = "triton"
-"""The backend that runs the Triton kernels on FP4 tensor cores (compute capability >= 10.0)."""
-_BACKENDS: Final[tuple[str, ...]] = (EMULATED, TRITON)
 _U64: Final[int] = 2**64
-
-
-def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
-    """Whether ``device`` has FP4 tensor cores (a CUDA device of compute capability >= 10.0:
-    Blackwell's sm_100/sm_103/sm_120)."""
-    base = capability.cuda(device)
-    if not base.ok:
-        return capability.Probe(False, f"no FP4 tensor cores: {base.reason}")
-    dev = torch.device(device)
-    major, minor = torch.cuda.get_device_capability(dev)
-    name = torch.cuda.get_device_name(dev)
-    if major >= 10:
-        return capability.Probe(True, f"{name} has compute capability {major}.{minor} >= 10.0")
-    return capability.Probe(
-        False, f"{name} has compute capability {major}.{minor} < 10.0: no FP4 tensor cores"
-    )
-
-
-def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
-    """The 4-bit backend for tensors on ``device`` and a one-line reason: ``"triton"`` on a
-    GPU with FP4 tensor cores where triton imports, else ``"emulated"``, saying why (module
-    docstring)."""
-    dev = parse_device(device)
-    cores = fp4_tensor_cores(dev) if dev.type == "cuda" else None
-    if cores is None:
-        where = f"{dev} is not a GPU"
-    elif not cores.ok:
-        where = f"{cores.reason} (an H100/H200 has none)"
-    elif (triton := capability.triton_available()).ok:
-        return TRITON, f"triton: {cores.reason}; the Triton kernels (tl.dot_scaled) run"
-    else:
-        where = f"{cores.reason}, but {triton.reason}"
-    return EMULATED, (
-        f"emulated: {where}; the 4-bit GEMMs run the pure-torch twin (numerics.fp4_gemm) in "
-        f"float32 on {dev}, never an 8-bit fallback"
-    )
-
-
-def _backend(backend: str) -> bool:
-    # True: run the Triton kernels.
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown 4-bit backend {backend!r}; accepted: {', '.join(_BACKENDS)}")
-    return backend == TRITON
-
-
-def _backend_of(t: torch.Tensor) -> str:
-    # The entry points' choice, by the operand's device (a CPU tensor never probes CUDA).
-    return EMULATED if t.device.type != "cuda" else select_fp4_backend(t.device)[0]
 
 
 def _key(rng: torch.Tensor | None) -> Stochastic | None:
@@ -173,7 +145,7 @@ def fp4_quantize(
     """A 2-D ``x``'s row-wise operand at ``tile`` (``"1x16"``/``"16x16"``; MXFP4: 1x32), or
     with ``columnwise`` the wgrad's operand of ``x.t()`` (``fp4_gemm.wgrad_operand``):
     ``(codes, scale, amax)``, the amax float32 ``(1,)`` (MXFP4: the tensor's, unused)."""
-    if _backend(backend):
+    if runs_triton(backend):
         from computectx.kernels.fp4_quantize import fp4_quantize as kernel
 
         return kernel(x, format, tile, mx_rounding, columnwise, hadamard, signs, rng)
@@ -232,7 +204,7 @@ def fp4_scaled_mm(
 ) -> torch.Tensor:
     """``[M, N]``: ``reference_fp4_mm`` of the operands ``a [M, K]`` and ``b [N, K]`` (codes,
     scales, NVFP4's amaxes, tiles)."""
-    if _backend(backend):
+    if runs_triton(backend):
         from computectx.kernels.fp4_gemm import fp4_scaled_mm as kernel
 
         return kernel(a=a, scale_a=scale_a, amax_a=amax_a, tile_a=tile_a, b=b, scale_b=scale_b,
@@ -262,7 +234,7 @@ def fp4_grouped_mm(
     """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times expert ``b[g]`` (``[E, N, K]``),
     each quantized on its own (``reference_fp4_grouped_mm``)."""
     bounds = checked_bounds(offs, a.shape[0])
-    if _backend(backend):
+    if runs_triton(backend):
         from computectx.kernels.fp4_grouped_values import grouped_mm_values
 
         args = (format, weight_tile, mx_rounding, rng, out_dtype)
@@ -291,7 +263,7 @@ def fp4_grouped_wgrad(
     """float32 ``[E, N, K]``: ``dY[rows of g]ᵀ X[rows of g]`` from the two column-wise
     operands of each group (``reference_fp4_grouped_wgrad``)."""
     bounds = checked_bounds(offs, dy.shape[0])
-    if _backend(backend):
+    if runs_triton(backend):
         from computectx.kernels.fp4_grouped_values import grouped_wgrad_values
 
         return grouped_wgrad_values(dy, x, bounds, format, mx_rounding, hadamard, signs, rng)
@@ -306,50 +278,52 @@ def _grouped_wgrad_fake(
     return dy.new_empty((offs.shape[0], dy.shape[1], x.shape[1]), dtype=torch.float32)
 
 
+@custom_op("computectx::fp4_quantize_rows", mutates_args=())
+def fp4_quantize_rows(x: torch.Tensor, backend: str) -> Quantized:
+    """A 2-D ``x``'s NVFP4 operand with each row by its own amax (1x16 blocks, round to
+    nearest): codes ``[M, K/2]``, E4M3 scales ``[M, K/16]``, the rows' float32 amaxes
+    ``(M,)``. The twin on either backend (no Triton kernel quantizes per row)."""
+    runs_triton(backend)  # checked; the twin runs on both
+    return quantize_nvfp4_rows(x)
+
+
+@fp4_quantize_rows.register_fake
+def _quantize_rows_fake(x: torch.Tensor, backend: str) -> Quantized:
+    rows, k = x.shape
+    return (
+        x.new_empty((rows, k // 2), dtype=torch.float4_e2m1fn_x2),
+        x.new_empty((rows, k // NVFP4_BLOCK), dtype=torch.float8_e4m3fn),
+        x.new_empty((rows,), dtype=torch.float32),
+    )
+
+
+@custom_op("computectx::fp4_dequantize", mutates_args=())
+def fp4_dequantize(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor | None,
+    tile: str,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``[M, K]`` at ``out_dtype``: the values of the operand ``codes [M, K/2]`` (scales,
+    NVFP4's amax, tile) stand for, each formed in float32 and rounded once
+    (``dequantize_nvfp4``/``dequantize_mxfp4``). The twin on either backend."""
+    runs_triton(backend)  # checked; the twin runs on both
+    q = _operand(codes, scale, amax, tile)
+    if isinstance(q, Nvfp4Operand):
+        return dequantize_nvfp4(q, out_dtype)
+    return dequantize_mxfp4(q, out_dtype)
+
+
+@fp4_dequantize.register_fake
+def _dequantize_fake(codes: torch.Tensor, *rest: object) -> torch.Tensor:
+    shape = (*codes.shape[:-1], 2 * codes.shape[-1])
+    return codes.new_empty(shape, dtype=cast(torch.dtype, rest[-2]))
+
+
 # ---------------------------------------------------------------------------------------
 # The checked entry points.
-
-
-def _rng(stochastic: Stochastic | torch.Tensor | None, like: torch.Tensor) -> torch.Tensor | None:
-    # A key tensor (int64 (2,): seed, counter) passes as it is: a layer's counter, read
-    # inside the operator, never a guard of a compiled caller. On the CPU or the operands'
-    # device only: a custom op dispatches on every tensor argument, so a key on the meta
-    # device would run the fake kernel on real operands (uninitialized memory back).
-    if stochastic is None:
-        return None
-    if isinstance(stochastic, torch.Tensor):
-        if stochastic.dtype != torch.int64 or tuple(stochastic.shape) != (2,):
-            raise ValueError(
-                f"a stochastic-rounding key tensor is int64 (2,) [seed, counter], got "
-                f"{stochastic.dtype} {tuple(stochastic.shape)}"
-            )
-        if stochastic.device.type != "cpu" and stochastic.device != like.device:
-            raise ValueError(
-                f"a stochastic-rounding key tensor lies on the CPU or on the operands' device "
-                f"({like.device}), got one on {stochastic.device}"
-            )
-        return stochastic
-    if not isinstance(stochastic, Stochastic):
-        raise TypeError(f"stochastic must be a Stochastic key or None, got {stochastic!r}")
-    seed = stochastic.seed if stochastic.seed < 2**63 else stochastic.seed - _U64
-    return torch.tensor([seed, stochastic.offset], dtype=torch.int64)
-
-
-def _check_how(how: object) -> Fp4Quant:
-    if not isinstance(how, Fp4Quant):
-        raise TypeError(f"how must be an Fp4Quant (the recipe's 4-bit values), got {how!r}")
-    return how
-
-
-def _check_2d(x: object, multiple: int, rows_multiple: int, who: str) -> torch.Tensor:
-    t = quantizable_arg(x)
-    if t.dim() != 2 or t.shape[1] % multiple or t.shape[0] % rows_multiple:
-        rows = f", rows a multiple of {rows_multiple}" if rows_multiple > 1 else ""
-        raise ValueError(
-            f"{who} takes a 2-D tensor with the last dimension a multiple of {multiple}{rows}, "
-            f"got shape {tuple(t.shape)}"
-        )
-    return t
 
 
 def quantize(
@@ -364,15 +338,15 @@ def quantize(
     ``columnwise`` the wgrad's operand of ``x.t()`` (rows padded, ``how.hadamard`` applied).
     ``stochastic``: a ``Stochastic`` key or an int64 ``(2,)`` tensor ``[seed, counter]``
     (the seed in two's complement, as a layer keeps it)."""
-    h = _check_how(how)
+    h = check_how(how)
     tile = h.weight_tile if weight and h.format == "nvfp4" and not columnwise else "1x16"
     if columnwise:
-        t = _check_2d(x, 1, 1, "a column-wise 4-bit quantize")
+        t = check_2d(x, 1, 1, "a column-wise 4-bit quantize")
     else:
         rows = NVFP4_BLOCK if tile == "16x16" else 1
-        t = _check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
+        t = check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
     signs = list(h.signs)
-    rng, backend = _rng(stochastic, t), _backend_of(x)
+    rng, backend = rng_arg(stochastic, t), backend_of(x)
     codes, scale, amax = fp4_quantize(
         x, h.format, tile, h.mx_rounding, columnwise, h.hadamard, signs, rng, backend
     )
@@ -412,7 +386,7 @@ def scaled_mm(
         tb,
         bias,
         out_dtype,
-        _backend_of(a.codes),
+        backend_of(a.codes),
     )
     return out
 
@@ -431,7 +405,7 @@ def grouped_mm(
     ``Wᵀ`` per expert), ``offs`` int32 end rows; K a multiple of the block, N of 16 for 16x16
     weight tiles. ``stochastic`` rounds ``a``'s codes (the dgrad's dY): a ``Stochastic`` key
     or an int64 ``(2,)`` tensor ``[seed, counter]`` (a layer's, read inside the operator)."""
-    h = _check_how(how)
+    h = check_how(how)
     _, k, _, n = check_grouped(a, b, offs, op="fp4 grouped_mm")
     rows = NVFP4_BLOCK if h.format == "nvfp4" and h.weight_tile == "16x16" else 1
     if k % h.block or n % rows:
@@ -442,7 +416,7 @@ def grouped_mm(
     out = a.dtype if out_dtype is None else out_dtype
     if out not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
-    args = (h.format, h.weight_tile, h.mx_rounding, _rng(stochastic, a), out, _backend_of(a))
+    args = (h.format, h.weight_tile, h.mx_rounding, rng_arg(stochastic, a), out, backend_of(a))
     y: torch.Tensor = fp4_grouped_mm(a, b, offs, *args)
     return y
 
@@ -458,7 +432,7 @@ def grouped_wgrad(
     """float32 ``[E, N, K]``: ``dW[g] = dY[rows of g]ᵀ X[rows of g]`` in 4 bits, each group's
     operands padded and Hadamard-transformed on their own (``numerics.fp4_gemm``); ``offs``
     has E entries. ``stochastic`` rounds dY's codes (a key or tensor, as ``grouped_mm``)."""
-    h = _check_how(how)
+    h = check_how(how)
     t_dy, t_x = quantizable_arg(dy), quantizable_arg(x)
     if t_dy.dim() != 2 or t_x.dim() != 2 or t_dy.shape[0] != t_x.shape[0]:
         raise ValueError(
@@ -472,7 +446,33 @@ def grouped_wgrad(
         raise ValueError(
             f"dy, x and offs must be on one device, got {t_dy.device}, {t_x.device}, {offs.device}"
         )
-    rng = _rng(stochastic, t_dy)
-    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), rng, _backend_of(dy))
+    rng = rng_arg(stochastic, t_dy)
+    args = (h.format, h.mx_rounding, h.hadamard, list(h.signs), rng, backend_of(dy))
     dw: torch.Tensor = fp4_grouped_wgrad(dy, x, offs, *args)
     return dw
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes, scale, amax)`` of a 2-D ``x`` (bf16/f16/f32, K a multiple of 16), each row
+    quantized to NVFP4 as ``quantize_nvfp4`` quantizes it alone (its own amax, 1x16 blocks,
+    round to nearest): ``amax`` float32 ``(M,)``, one per row, through
+    ``computectx::fp4_quantize_rows``."""
+    t = check_2d(x, NVFP4_BLOCK, 1, "a per-row nvfp4 quantize")
+    q: Quantized = fp4_quantize_rows(t, backend_of(t))
+    return q
+
+
+def dequantize(q: Fp4Operand, out_dtype: torch.dtype) -> torch.Tensor:
+    """The values the 2-D operand ``q`` (NVFP4 or MXFP4) stands for at ``out_dtype`` (bf16,
+    fp16, fp32 or fp64), each formed in float32 and rounded once, through
+    ``computectx::fp4_dequantize``."""
+    if not isinstance(q, (Nvfp4Operand, Mxfp4Operand)):
+        raise TypeError(f"dequantize takes an Nvfp4Operand or Mxfp4Operand, got {q!r}")
+    if q.codes.dim() != 2:
+        raise ValueError(f"dequantize takes a 2-D operand, got codes of {tuple(q.codes.shape)}")
+    if out_dtype not in (*FLOAT_DTYPES, torch.float64):
+        raise ValueError(f"out_dtype must be bf16, fp16, fp32 or fp64, got {out_dtype!r}")
+    tile = q.tile if isinstance(q, Nvfp4Operand) else "1x32"
+    amax = q.amax.reshape(1) if isinstance(q, Nvfp4Operand) else None
+    out: torch.Tensor = fp4_dequantize(q.codes, q.scale, amax, tile, out_dtype, backend_of(q.codes))
+    return out
