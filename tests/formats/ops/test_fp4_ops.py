@@ -1,5 +1,6 @@
 """The 4-bit operator family (``formats.ops.fp4``): ``torch.library.opcheck`` on each operator,
-the checked entry points equal to the twins bit for bit, the emulated backend named (never an
+the checked entry points equal to the twins bit for bit (serving's per-row quantize and
+dequantize too, each one node of a traced graph), the emulated backend named (never an
 8-bit fallback), and one ``torch.compile(fullgraph=True)`` over the four operators: no graph
 break and no recompile as the group sizes (``offs``' values) change. The compile uses
 ``backend="aot_eager"`` (dynamo and AOTAutograd, no code generation), as the fp8 grouped
@@ -13,10 +14,18 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch._dynamo.testing
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from computectx.formats.numerics import fp4_gemm
 from computectx.formats.numerics.e2m1 import WGRAD_SIGNS, Stochastic
-from computectx.formats.numerics.fp4 import Nvfp4Operand
+from computectx.formats.numerics.fp4 import (
+    Mxfp4Operand,
+    Nvfp4Operand,
+    dequantize_mxfp4,
+    dequantize_nvfp4,
+    quantize_mxfp4,
+    quantize_nvfp4,
+)
 from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
 
@@ -134,6 +143,121 @@ def test_bad_arguments_are_refused(data: tuple[torch.Tensor, torch.Tensor, torch
         fp4_ops.grouped_wgrad(dy, x, offsets([16]), NV, stochastic=meta)
     with pytest.raises(ValueError, match=on_meta):
         fp4_ops.quantize(x, NV, stochastic=meta)
+
+
+def u8(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def serving_rows() -> torch.Tensor:
+    # Rows of very different magnitudes (each row's own S_enc matters), a zero row, a row with
+    # an inf (no NaN: opcheck compares outputs with equality).
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, K, generator=gen) * torch.tensor([1e-6, 1.0, 300.0, 0.0, 5.0, 1e4])[:, None]
+    x[4, 7] = float("inf")
+    return x.bfloat16()
+
+
+def tiled() -> Nvfp4Operand:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+    return quantize_nvfp4(w, tile="16x16")
+
+
+def operands() -> list[Nvfp4Operand | Mxfp4Operand]:
+    w = torch.randn(N, K, generator=torch.Generator().manual_seed(4)).bfloat16()
+    return [quantize_nvfp4(w), tiled(), quantize_mxfp4(w)]
+
+
+def dequantize_args(q: Nvfp4Operand | Mxfp4Operand, dtype: torch.dtype) -> tuple[object, ...]:
+    if isinstance(q, Nvfp4Operand):
+        return (q.codes, q.scale, q.amax.reshape(1), q.tile, dtype, fp4_ops.EMULATED)
+    return (q.codes, q.scale, None, "1x32", dtype, fp4_ops.EMULATED)
+
+
+def test_the_serving_operators_pass_opcheck() -> None:
+    ops = torch.ops.computectx
+    torch.library.opcheck(ops.fp4_quantize_rows, (serving_rows(), fp4_ops.EMULATED))
+    for q in operands():
+        args = dequantize_args(q, torch.bfloat16)
+        torch.library.opcheck(ops.fp4_dequantize, args, test_utils=WITHOUT_SCHEMA)
+    for name in ("fp4_quantize_rows", "fp4_dequantize"):
+        schema = getattr(ops, name).default._schema
+        assert not any(a.alias_info is not None for a in schema.arguments), name
+
+
+def test_quantize_rows_is_quantize_nvfp4_of_each_row_alone() -> None:
+    x = serving_rows()
+    x[1, 2] = float("nan")  # a NaN block: NaN scale, codes 0x7, the row's amax finite
+    codes, scale, amax = fp4_ops.quantize_rows(x)
+    assert amax.dtype == torch.float32 and amax.shape == (6,)
+    for i in range(x.shape[0]):
+        row = quantize_nvfp4(x[i : i + 1])
+        assert torch.equal(u8(codes[i : i + 1]), u8(row.codes)), i
+        assert torch.equal(u8(scale[i : i + 1]), u8(row.scale)), i
+        assert torch.equal(amax[i], row.amax), i
+
+
+def test_dequantize_is_the_twin_at_every_dtype() -> None:
+    for q in operands():
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+            if isinstance(q, Nvfp4Operand):
+                want = dequantize_nvfp4(q, dtype)
+            else:
+                want = dequantize_mxfp4(q, dtype)
+            got = fp4_ops.dequantize(q, dtype)
+            assert got.dtype == dtype and torch.equal(u8(got), u8(want)), (q.scale.dtype, dtype)
+
+
+def test_the_serving_operators_run_their_twin_on_either_backend() -> None:
+    # No Triton kernel quantizes per row or dequantizes: the backend name is checked, the twin
+    # runs (on the CPU here: the same function on any device).
+    ops, x, q = torch.ops.computectx, serving_rows(), tiled()
+    for got, want in zip(
+        ops.fp4_quantize_rows(x, fp4_ops.TRITON), fp4_ops.quantize_rows(x), strict=True
+    ):
+        assert torch.equal(u8(got), u8(want))
+    args = dequantize_args(q, torch.float32)
+    assert torch.equal(ops.fp4_dequantize(*args[:-1], fp4_ops.TRITON), dequantize_nvfp4(q))
+    with pytest.raises(ValueError, match="unknown 4-bit backend 'fp8'"):
+        ops.fp4_quantize_rows(x, "fp8")
+    with pytest.raises(ValueError, match="unknown 4-bit backend 'fp8'"):
+        ops.fp4_dequantize(*args[:-1], "fp8")
+
+
+def test_the_serving_entry_points_refuse_bad_arguments() -> None:
+    x, q = serving_rows(), tiled()
+    with pytest.raises(ValueError, match=r"multiple of 16, got shape \(6, 40\)"):
+        fp4_ops.quantize_rows(x[:, :40])
+    with pytest.raises(ValueError, match="2-D tensor"):
+        fp4_ops.quantize_rows(x.reshape(2, 3, K))
+    with pytest.raises(TypeError, match="Nvfp4Operand or Mxfp4Operand, got 'codes'"):
+        fp4_ops.dequantize("codes", torch.float32)  # type: ignore[arg-type]
+    flat = Nvfp4Operand(q.codes.reshape(-1), q.scale, q.amax, q.tile)
+    with pytest.raises(ValueError, match="2-D operand"):
+        fp4_ops.dequantize(flat, torch.float32)
+    with pytest.raises(ValueError, match="out_dtype must be bf16, fp16, fp32 or fp64"):
+        fp4_ops.dequantize(q, torch.int32)
+
+
+def test_each_serving_operator_is_one_node_of_a_traced_graph() -> None:
+    # Traced as plain ops, the codes' packing (bitwise ops, a view to float4_e2m1fn_x2) sat in
+    # the graph, and Inductor's CPU backend fused it into a float4 kernel it cannot generate.
+    x, q = serving_rows(), tiled()
+
+    def targets(fn: object, *args: object) -> list[str]:
+        graph = make_fx(fn)(*args).graph  # type: ignore[arg-type]
+        return [str(n.target) for n in graph.nodes if n.op == "call_function"]
+
+    rows = targets(lambda t: fp4_ops.quantize_rows(t), x)
+    assert [t for t in rows if "computectx" in t] == ["computectx.fp4_quantize_rows.default"]
+    assert not any("bitwise" in t or "view.dtype" in t for t in rows), rows
+
+    def dequantized(c: torch.Tensor, s: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+        return fp4_ops.dequantize(Nvfp4Operand(c, s, a, "16x16"), torch.bfloat16)
+
+    deq = targets(dequantized, q.codes, q.scale, q.amax)
+    assert [t for t in deq if "computectx" in t] == ["computectx.fp4_dequantize.default"]
+    assert not any("bitwise" in t or "view.dtype" in t for t in deq), deq
 
 
 # ----- torch.compile --------------------------------------------------------------------------
