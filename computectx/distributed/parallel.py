@@ -48,6 +48,7 @@ from computectx.distributed.parallel_steps import (
     build_optimizer,
     check_setup,
     distribute,
+    rebuild_ddp_buckets,
     world_of,
 )
 from computectx.formats import ConversionReport, QuantizedLinear, convert_to_quantized
@@ -116,6 +117,9 @@ class Parallel:
         without MoE layers). On many ranks every 4-bit layer's stochastic-rounding counter
         first becomes the largest over the ranks (``sync_fp4_counters``: one all-reduce,
         none without such layers), so a checkpoint saved after a step is every rank's.
+        Under DDP the first step ends with DDP's one rebuild of its gradient buckets (a
+        broadcast, ``rebuild_ddp_buckets``), which DDP would otherwise make in the next
+        forward with grad on: no forward of ``model`` is then a collective.
 
         On many ranks it is a collective call: every rank steps together. It first joins
         the group (``join``), so a rank that steps alone gets a ``RuntimeError`` naming the
@@ -146,7 +150,11 @@ class Parallel:
                 # moves: state that cannot step on one rank makes every rank raise, naming
                 # it, before any rank steps (its replicas or shards would part ways).
                 agree_ok(opt.check_step, self.group, what="Parallel.step")
-            return self._step(max_norm)
+            norm = self._step(max_norm)
+            # DDP's bucket rebuild (once, a broadcast) here, not in the next forward, which
+            # one rank may run alone (an evaluation forward with grad on).
+            rebuild_ddp_buckets(self.model)
+            return norm
 
     def _step(self, max_norm: float | None) -> float | None:
         opt, acc = self.optimizer, self.accumulator

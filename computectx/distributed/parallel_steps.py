@@ -51,6 +51,7 @@ __all__ = [
     "build_optimizer",
     "check_setup",
     "distribute",
+    "rebuild_ddp_buckets",
     "world_of",
 ]
 
@@ -234,6 +235,16 @@ def wrap_ddp(
     # (forward_sync_buffers), and broadcast_buffers=False would skip the construction's too.
     run.broadcast_buffers = False
     return run
+
+
+def rebuild_ddp_buckets(run: nn.Module) -> None:
+    """DDP's one rebuild of its gradient buckets, now (``run`` a ``DistributedDataParallel``;
+    anything else: nothing). DDP makes it at the first forward with grad on after the first
+    backward, and it is a collective (a broadcast of the bucket order): a forward that one
+    rank ran alone then would make it alone. ``Parallel.step`` calls this at its end, every
+    rank together, so the rebuild happens there; afterwards it issues nothing."""
+    if isinstance(run, DistributedDataParallel):
+        run.reducer._rebuild_buckets()
 
 
 def average_expert_grads(experts: list[nn.Parameter], world: int) -> None:
