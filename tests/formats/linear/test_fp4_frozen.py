@@ -1,17 +1,20 @@
 """``FrozenFp4Linear``: built from an ``Fp4Linear`` or from weights given from outside, served
 weight-only or W4A4 under ``inference_mode``, saved and loaded through safetensors with the
 format checked before anything loads, its bytes per weight element counted by
-``memory_report``."""
+``memory_report``, its 4-bit work held in operators so ``torch.compile`` (Inductor, CPU)
+compiles it whole."""
 
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from computectx import ComputeCtx
 from computectx.formats import Fp4Linear, Fp4Recipe
@@ -314,3 +317,47 @@ def test_the_layers_own_freeze_and_a_frozen_checkpoint_into_a_training_layer() -
     # layer's state is a dict").
     with pytest.raises(ValueError, match=r"a frozen 4-bit layer's \(FrozenFp4Linear"):
         fp4_layer("nvfp4", 1).load_state_dict(frozen.state_dict())
+
+
+SERVED = [("nvfp4", "w4a4"), ("nvfp4", "weight_only"), ("mxfp4", "weight_only")]
+OPERATORS = {
+    "w4a4": ["computectx.fp4_quantize_rows.default", "computectx.fp4_scaled_mm.default"],
+    "weight_only": ["computectx.fp4_dequantize.default"],
+}
+
+
+@pytest.mark.parametrize(("recipe", "mode"), SERVED)
+def test_a_traced_forward_holds_every_float4_value_inside_operators(recipe: str, mode: str) -> None:
+    # Inductor's CPU backend generates no float4_e2m1fn_x2 code and takes no float4 buffer as
+    # a kernel argument: traced as plain ops, the per-row quantize's packing (bitwise ops, a
+    # view to float4) and the weight's unpacking (a view of the codes) failed to compile.
+    frozen = FrozenFp4Linear.from_fp4_linear(fp4_layer(recipe), mode)  # type: ignore[arg-type]
+    with torch.no_grad():
+        graph = make_fx(frozen)(X).graph
+    targets = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert [t for t in targets if "computectx" in t] == OPERATORS[mode]
+    assert not any("bitwise" in t or "view.dtype" in t for t in targets), targets
+
+
+@pytest.fixture
+def _fresh_dynamo() -> Iterator[None]:
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("_fresh_dynamo")
+@pytest.mark.parametrize(("recipe", "mode"), [("nvfp4", "w4a4"), ("mxfp4", "weight_only")])
+def test_a_frozen_layer_compiles_whole_and_serves_the_eager_bits(recipe: str, mode: str) -> None:
+    frozen = FrozenFp4Linear.from_fp4_linear(fp4_layer(recipe), mode)  # type: ignore[arg-type]
+
+    def serve(x: torch.Tensor) -> torch.Tensor:
+        # The input made by a pointwise op, as by a norm before the layer: Inductor fused the
+        # traced per-row quantize into it and could not generate the float4 kernel.
+        y: torch.Tensor = frozen((x.float() * 3).to(x.dtype))
+        return y
+
+    compiled = torch.compile(serve, fullgraph=True)  # Inductor, on the CPU
+    with torch.inference_mode():
+        assert same(compiled(X), serve(X))
