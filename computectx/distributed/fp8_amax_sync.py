@@ -136,12 +136,12 @@ def scaling_buffer_names(model: nn.Module) -> list[str]:
     tallies, ``fp8_meta``), as ``model.named_buffers()`` gives them.
 
     DDP must leave these out of its buffer broadcast: with ``broadcast_buffers=True`` (its
-    default) it copies rank 0's buffers over every rank's before each forward with
-    gradients on, and ``AmaxSync`` merges the ranks' ledgers instead (and a rank-local
-    ledger is the rank's own). ``parallelize`` passes them to
-    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` before
-    wrapping; ``sync_scaling`` of a ``DistributedDataParallel`` adds them to its ignore
-    list.
+    default) it copies rank 0's buffers over every rank's before every forward (``no_grad``
+    too), and ``AmaxSync`` merges the ranks' ledgers instead (and a rank-local ledger is
+    the rank's own. ``parallelize`` passes them to ``DistributedDataParallel.
+    _set_params_and_buffers_to_ignore_for_model`` before wrapping (and its DDP broadcasts
+    no buffer after that); ``sync_scaling`` of a ``DistributedDataParallel`` adds them to
+    its ignore list.
     """
     return [
         f"{name}.{buffer}" if name else buffer
