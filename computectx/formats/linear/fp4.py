@@ -54,6 +54,7 @@ from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.linear.fp4_counter import (
     FP4_COUNTER_LIMIT,
     FP4_STATE_VERSION,
+    CounterLoads,
     fp4_key,
     recipe_code,
     replays_a_call,
@@ -112,7 +113,7 @@ def block_list(model: nn.Module) -> dict[int, tuple[int, int]]:
     return found
 
 
-class Fp4Linear(nn.Linear):
+class Fp4Linear(CounterLoads, nn.Linear):
     """A drop-in ``nn.Linear`` whose GEMMs run in 4 bits under ``ctx.recipe``, an
     ``Fp4Recipe`` (module docstring: the operands, what is saved, stochastic rounding).
 
@@ -299,25 +300,6 @@ class Fp4Linear(nn.Linear):
         if "_extra_state" in entries:  # an entry of None too: torch would hand it on
             where = f"{prefix}_extra_state of the 4-bit layer {layer!r}"
             saved_counter(entries["_extra_state"], self.recipe, where, "this layer runs")
-
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        self.check_load(local, prefix)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        # An nn.Linear checkpoint holds no counter: it loads, the counter as it is.
-        if prefix + "_extra_state" in missing_keys:
-            missing_keys.remove(prefix + "_extra_state")
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -15,7 +15,7 @@ path by ``saved_counter`` before anything is written.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Final
+from typing import Any, Final
 
 import torch
 from torch.autograd.function import FunctionCtx
@@ -26,6 +26,7 @@ from computectx.fp4_recipe import Fp4Recipe
 __all__ = [
     "FP4_COUNTER_LIMIT",
     "FP4_STATE_VERSION",
+    "CounterLoads",
     "fp4_key",
     "recipe_code",
     "recipe_text",
@@ -148,3 +149,31 @@ def replays_a_call() -> bool:
     its backward runs, so it is a call of its own. ``False`` while compiling (no site)."""
     site = checkpoint_site(record=False)
     return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
+
+
+class CounterLoads:
+    """For a module whose ``_extra_state`` is a 4-bit counter (``Fp4Linear``, ``Fp4Experts``;
+    listed before the ``nn.Module`` base): ``load_state_dict`` runs the module's
+    ``check_load(local entries, prefix)`` before loading, and a checkpoint without the counter
+    (a high-precision one) loads, the counter as it is."""
+
+    def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
+        raise NotImplementedError  # each module names itself in its errors
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
+        self.check_load(local, prefix)
+        super()._load_from_state_dict(  # type: ignore[misc]
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        if prefix + "_extra_state" in missing_keys:
+            missing_keys.remove(prefix + "_extra_state")

@@ -55,7 +55,12 @@ from torch.autograd.function import FunctionCtx
 
 from computectx.activations import SaveMode
 from computectx.formats.linear.fp4 import FP4_STATE_VERSION, fp4_quant, recipe_code
-from computectx.formats.linear.fp4_counter import fp4_key, replays_a_call, saved_counter
+from computectx.formats.linear.fp4_counter import (
+    CounterLoads,
+    fp4_key,
+    replays_a_call,
+    saved_counter,
+)
 from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
 from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
@@ -80,7 +85,7 @@ class ExpertsGemm(Protocol):
         ...
 
 
-class Fp4Experts(nn.Module):
+class Fp4Experts(CounterLoads, nn.Module):
     """The 4-bit setting of one experts module: its recipe and stochastic-rounding counter
     (module docstring). ``convert_to_quantized`` makes one per experts module it converts
     under a 4-bit ctx, on the weights' device; it moves with its module."""
@@ -178,25 +183,6 @@ class Fp4Experts(nn.Module):
             return
         where = f"{prefix}_extra_state of the 4-bit experts {prefix[:-1] or 'setting'!r}"
         saved_counter(entries["_extra_state"], self.recipe, where, "these experts run")
-
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
-        self.check_load(local, prefix)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        # A high-precision checkpoint holds no counter: it loads, the counter as it is.
-        if prefix + "_extra_state" in missing_keys:
-            missing_keys.remove(prefix + "_extra_state")
 
 
 class _Fp4GroupedFn(torch.autograd.Function):
