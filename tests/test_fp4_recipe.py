@@ -151,11 +151,11 @@ def test_fp8_entry_points_refuse_a_4_bit_recipe_and_never_run_fp8() -> None:
         lambda: QuantizedLinear(16, 16, ctx=ctx),
         lambda: autocast(ctx),
     ):
-        with pytest.raises(NotImplementedError, match=r"4-bit recipe 'nvfp4'.* not built yet"):
+        with pytest.raises(
+            NotImplementedError, match=r"4-bit recipe 'nvfp4'.* fp8 never runs in their place"
+        ):
             call()
-    # The demo trains the dense 4-bit rows; --moe and --nproc refuse them.
+    # The demo trains the 4-bit rows, with --moe (Fp4Experts) and --nproc (parallelize) too.
     assert DemoSettings(dtypes=("bf16", "mxfp4")).dtypes == ("bf16", "mxfp4")
-    with pytest.raises(ValidationError, match=r"'mxfp4' is a 4-bit recipe .*--moe .* not built"):
-        DemoSettings(dtypes=("bf16", "mxfp4"), moe=True)
-    with pytest.raises(ValidationError, match=r"'nvfp4' is a 4-bit recipe .*--nproc .* not built"):
-        DemoSettings(dtypes=("nvfp4",), nproc=2, batch_size=8)
+    assert DemoSettings(dtypes=("bf16", "mxfp4"), moe=True).moe
+    assert DemoSettings(dtypes=("nvfp4",), nproc=2, batch_size=8).nproc == 2
