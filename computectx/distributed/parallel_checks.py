@@ -91,7 +91,9 @@ def check_model_state(model: nn.Module, saved: object) -> None:
     """What ``set_model_state_dict`` (strict) would refuse of ``saved`` (a checkpoint's model
     part) after loading the rest, refused first: not a mapping (``TypeError``), a key missing
     or unexpected, a tensor where the model holds none or of another shape (``ValueError``
-    naming the keys or the key and both shapes). The values are not read."""
+    naming the keys or the key and both shapes); then each layer's own check of its entries
+    (``scaling_load``, ``check_load``: a 4-bit counter out of range, another recipe or seed),
+    as ``load_state_dict``'s whole-load guard runs it. Nothing is changed."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     if not isinstance(saved, Mapping):
@@ -116,6 +118,20 @@ def check_model_state(model: nn.Module, saved: object) -> None:
                 f"the checkpoint's 'model'[{key!r}] is {described(value)}; accepted: a tensor "
                 f"of the model's shape {tuple(own.shape)}; nothing was loaded"
             )
+    _check_layer_entries(model, saved)
+
+
+def _check_layer_entries(model: nn.Module, saved: Mapping[str, object]) -> None:
+    # Each layer's own check of its entries (an fp8 layer's scaling plan, a 4-bit layer's
+    # recipe, seed and counter, a router's bias), as the whole-load guard of
+    # ``load_state_dict`` runs it: here it runs inside the load's agreement, so one rank's
+    # bad entry is the same error on every rank instead of one rank loading alone.
+    for name, layer in model.named_modules():
+        head = f"{name}." if name else ""
+        for hook in ("scaling_load", "check_load"):
+            plan = getattr(layer, hook, None)
+            if callable(plan):
+                plan({k[len(head) :]: v for k, v in saved.items() if k.startswith(head)}, head)
 
 
 def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:

@@ -14,7 +14,8 @@ default mixed precision (gather at ``ctx.compute``, bf16) reports its first oper
 ``checkpoint``: a checkpoint saved in one process (``params["one"]``) loads on 2 ranks; they
 train ``STEPS`` steps, save with DCP (``params["two"]``), train one more step; a fresh model
 loads that checkpoint and trains the same step. Each phase reports the whole weights and the
-counters.
+counters. Then every rank loads zeroed weights, rank 1 with a counter out of range
+(``one_rank_bad``: each rank's error and whether its weights stayed).
 """
 
 from __future__ import annotations
@@ -230,6 +231,28 @@ def gather(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _one_rank_bad_counter(par: Parallel) -> tuple[str, bool]:
+    """Every rank loads zeroed weights, rank 1's state with a counter out of range: the
+    error each rank raised and whether its weights stayed."""
+    before = whole(par.module)
+    state = par.state_dict()
+    model = state["model"]
+    for key, value in list(model.items()):
+        if key.endswith("_extra_state"):
+            if dist.get_rank() == 1:
+                model[key] = value.clone()
+                model[key][-1] = -5
+        elif isinstance(value, torch.Tensor):
+            model[key] = torch.zeros_like(value)
+    try:
+        par.load_state_dict(state)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    after = whole(par.module)
+    return error, all(torch.equal(before[n], after[n]) for n in before)
+
+
 def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     """Load ``params["one"]`` (saved in one process), train, save ``params["two"]``, train
     one more step; a fresh model loads ``params["two"]`` and trains that step (module
@@ -256,6 +279,7 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     out["loaded_two"] = (whole(fresh.module), counters(fresh.module))
     _step(fresh, STEPS)
     out["resumed"] = (whole(fresh.module), counters(fresh.module))
+    out["one_rank_bad"] = _one_rank_bad_counter(fresh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
     opt = _setup(recipe, mesh, offload=True).optimizer
     assert isinstance(opt, OffloadedOptimizer)

@@ -216,6 +216,11 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
         _equal(r["saved_two"], ranks[0]["saved_two"], f"rank {rank} at the save")
         _equal(r["resumed"], r["uninterrupted"], f"2 -> 2 resumed, rank {rank}")
         _equal(r["loaded_two"], ranks[0]["saved_two"], f"2 -> 2 loaded, rank {rank}")
+        # A counter out of range in rank 1's state alone: every rank refuses, naming rank 1,
+        # and no rank loads (rank 0 loaded alone before the check ran inside the agreement).
+        error, stayed = r["one_rank_bad"]
+        assert "failed on rank(s) 1" in error and "counter -5" in error, (rank, error)
+        assert stayed, rank
     # The ranks' rows differ, so their counters part ways within a step; Parallel.step made
     # them the larger, and that is what the checkpoint holds.
     assert ranks[0]["saved_two"][1][0] > saved_one[1][0]
