@@ -8,6 +8,9 @@ Every rank runs the same steps with the same choices (the ranks compared them in
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,11 +30,15 @@ from computectx.distributed.fp8_amax_sync import AmaxSync, scaling_buffer_names
 from computectx.distributed.fp8_expert_gather import enable_quantized_expert_gather
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
+    COMPILE_REFUSED,
     agree,
     check_same_model,
     check_same_policy,
     data_parallel_group,
+    describe_forward,
+    join,
     join_forwards,
+    joined,
 )
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.parallel_checks import (
@@ -51,6 +58,7 @@ __all__ = [
     "build_optimizer",
     "check_setup",
     "distribute",
+    "join_until_rebuilt",
     "rebuild_ddp_buckets",
     "world_of",
 ]
@@ -115,6 +123,8 @@ def distribute(
         shard(model, ctx, args, mesh, world, experts)
     else:
         run = wrap_ddp(model, ctx, group, experts)
+        if not experts:  # with experts every forward joins (below)
+            join_until_rebuilt(run, data_parallel_group(group), args.join_timeout)
     if sharded or experts:
         # Every forward of what runs is a collective here (FSDP2's all-gathers, the experts'
         # all-to-alls): it joins the group first, before DDP's or FSDP2's own hooks, so a
@@ -243,8 +253,42 @@ def rebuild_ddp_buckets(run: nn.Module) -> None:
     backward, and it is a collective (a broadcast of the bucket order): a forward that one
     rank ran alone then would make it alone. ``Parallel.step`` calls this at its end, every
     rank together, so the rebuild happens there; afterwards it issues nothing."""
-    if isinstance(run, DistributedDataParallel):
-        run.reducer._rebuild_buckets()
+    if isinstance(run, DistributedDataParallel) and (
+        run.reducer._rebuild_buckets() or getattr(run, "_has_rebuilt_buckets", False)
+    ):
+        _REBUILT.add(run)
+
+
+_REBUILT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""The DDP modules whose one bucket rebuild has happened (``rebuild_ddp_buckets``)."""
+
+
+def join_until_rebuilt(run: nn.Module, group: dist.ProcessGroup, timeout: float | None) -> None:
+    """Make each forward of ``run`` (a ``DistributedDataParallel``) with grad on after a
+    backward, until DDP's bucket rebuild has happened (the first ``Parallel.step``), join
+    ``group`` first (``join``): DDP makes the rebuild, a collective, in the first such
+    forward, so a rank that runs it alone (a validation forward between the first backward
+    and the first step) gets ``join``'s ``RuntimeError`` naming the absent ranks instead of
+    leaving the group one broadcast apart. Every other forward issues nothing and joins
+    nothing (before any backward there is nothing to rebuild)."""
+    trainable = [p for p in run.parameters() if p.requires_grad]
+    if not trainable:
+        return
+    backward = [False]  # a backward reached the weights: DDP recorded its bucket order
+
+    def reached(p: torch.Tensor) -> None:
+        backward[0] = True
+
+    # DDP (no unused parameters) needs every weight's gradient each backward: one is enough.
+    trainable[0].register_post_accumulate_grad_hook(reached)  # type: ignore[no-untyped-call]
+
+    @torch.compiler.disable(reason=COMPILE_REFUSED)  # type: ignore[untyped-decorator, no-untyped-call]
+    def enter(m: nn.Module, args: Any) -> None:
+        pending = backward[0] and not (m in _REBUILT or getattr(m, "_has_rebuilt_buckets", False))
+        if pending and torch.is_grad_enabled() and not joined(group):
+            join(group, describe_forward(m), timeout)
+
+    run.register_forward_pre_hook(enter, prepend=True)
 
 
 def average_expert_grads(experts: list[nn.Parameter], world: int) -> None:

@@ -12,7 +12,9 @@ The families of ``BUFFER_FAMILIES`` run a model that holds buffers (a tiny ``Byt
 tables, ``kv_amax``; with MoE, the router bias and the load counters) under DDP: rank 0 alone
 runs the evaluation forwards of ``BUFFER_CALLS`` after one joint step, which must issue no
 collective (DDP's buffer broadcast before a forward, or its bucket rebuild at the first forward
-with grad on after a backward, would leave the ranks' collectives one apart)."""
+with grad on after a backward, would leave the ranks' collectives one apart). In the same
+launch (``before_first_step``), a DDP run between its first backward and first step: rank 0's
+lone forward with grad on, in which DDP would rebuild its buckets, and one with no_grad."""
 
 from __future__ import annotations
 
@@ -248,6 +250,31 @@ def family(name: str, mesh: DeviceMesh, params: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def before_first_step(mesh: DeviceMesh) -> dict[str, Any]:
+    """DDP between the first backward and the first step: rank 0 alone runs a forward with
+    grad on (DDP would make its bucket rebuild there, a broadcast) and one with no_grad; then
+    two joint steps. Rank 0's outcomes, and what every rank holds after."""
+    rank = dist.get_rank()
+    store = dist.distributed_c10d._get_default_store()
+    par, _ = _setup("ddp", mesh)
+    par.model(_x("ddp", rank)).square().mean().backward()
+    out: dict[str, Any] = {}
+    if rank == 0:
+        for call, grad in (("grad on", True), ("no_grad", False)):
+            try:
+                with torch.set_grad_enabled(grad):
+                    par.model(_x("ddp", 3))
+                out[call] = "runs"
+            except RuntimeError as e:  # judged by the test
+                out[call] = f"raises {e}"
+        store.set("one-rank/before-first-step", "done")
+    else:
+        store.wait(["one-rank/before-first-step"], datetime.timedelta(seconds=60))
+    par.step()
+    out["after"] = _train(par, "ddp", 2)
+    return out
+
+
 def table(params: dict[str, Any]) -> dict[str, Any]:
     """Every family of ``params["families"]`` in one launch, on a group whose collectives
     time out after 10 s (a lone collective would fail the test in seconds, not hang it)."""
@@ -255,4 +282,6 @@ def table(params: dict[str, Any]) -> dict[str, Any]:
         list(range(dist.get_world_size())), timeout=datetime.timedelta(seconds=10)
     )
     mesh = DeviceMesh.from_group(group, "cpu")
-    return {name: family(name, mesh, params) for name in params["families"]}
+    out = {name: family(name, mesh, params) for name in params["families"]}
+    out["before first step"] = before_first_step(mesh)
+    return out

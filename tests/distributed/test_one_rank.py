@@ -73,6 +73,20 @@ def test_a_lone_evaluation_forward_of_a_model_with_buffers_runs_under_ddp(
             assert torch.equal(value, r1["after"][key]), (name, key)
 
 
+def test_a_lone_forward_between_the_first_backward_and_step_raises_or_runs_under_ddp(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # DDP rebuilds its buckets (a broadcast) in the first forward with grad on after the
+    # first backward: rank 0's lone one made it alone, and the step after it timed out.
+    r0, r1 = ranks[0]["before first step"], ranks[1]["before first step"]
+    assert r0["grad on"].startswith("raises "), r0["grad on"]
+    assert "rank(s) 1 of the group did not join it" in r0["grad on"], r0["grad on"]
+    assert r0["no_grad"] == "runs", r0["no_grad"]
+    for key, value in r0["after"].items():
+        if key != "losses":
+            assert torch.equal(value, r1["after"][key]), key
+
+
 def _docs_table() -> dict[tuple[str, str], str]:
     text = DOCS.read_text()
     start = text.index("| call on rank 0 alone |")
