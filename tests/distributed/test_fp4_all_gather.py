@@ -45,6 +45,16 @@ def test_it_converts_the_4_bit_weights_it_is_asked_to_and_only_once() -> None:
     assert repr(model[0].weight).startswith("WeightGatheredFp4(0.weight, ")
 
 
+@pytest.mark.parametrize("bad", ["0", 3, True])
+def test_a_filter_that_is_not_callable_or_a_model_that_is_no_module_is_refused(bad: object) -> None:
+    model = _model()
+    with pytest.raises(TypeError, match=rf"module_filter is a callable.*got {bad!r}"):
+        enable_fp4_all_gather(model, module_filter=bad)  # type: ignore[arg-type]
+    assert not any(isinstance(p, WeightGatheredFp4) for p in model.parameters())
+    with pytest.raises(TypeError, match=r"takes the converted nn.Module, got str"):
+        enable_fp4_all_gather("model")  # type: ignore[arg-type]
+
+
 def test_a_tied_weight_is_refused_naming_both_holders_before_anything_changes() -> None:
     model = _model()
     model.append(Fp4Linear(32, 64, ctx=CTX))
