@@ -147,15 +147,15 @@ def enable_fp4_all_gather(
     model: nn.Module, *, module_filter: Callable[[nn.Module, str], bool] | None = None
 ) -> int:
     """Make FSDP2 all-gather the ``Fp4Linear`` weights of ``model`` in 4 bits; returns how
-        many weights it converted.
+    many weights it converted.
 
-        Call it after ``convert_to_quantized`` and before ``fully_shard`` and before building the
-        optimizer (the weights become new ``Parameter`` objects); ``parallelize`` does this under
-        ``strategy="fsdp"``. ``module_filter(module, fqn)`` may leave some layers gathering high
-        precision. A weight shared with another module (a head tied to the embedding) would reach
-        that module as 4-bit codes: it is refused with a ``ValueError`` naming every holder (leave
-        it out with ``module_filter``; ``parallelize`` does that by itself). ``RuntimeError`` if a
-        weight is already sharded (a DTensor); ``TypeError`` for a ``model`` that is no module or
+    Call it after ``convert_to_quantized`` and before ``fully_shard`` and before building the
+    optimizer (the weights become new ``Parameter`` objects); ``parallelize`` does this under
+    ``strategy="fsdp"``. ``module_filter(module, fqn)`` may leave some layers gathering high
+    precision. A weight shared with another module (a head tied to the embedding) would reach
+    that module as 4-bit codes: it is refused with a ``ValueError`` naming every holder (leave
+    it out with ``module_filter``; ``parallelize`` does that by itself). ``RuntimeError`` if a
+    weight is already sharded (a DTensor); ``TypeError`` for a ``model`` that is no module or
     a ``module_filter`` that is not callable. Everything is checked before any weight changes.
     """
     if not isinstance(model, nn.Module):
