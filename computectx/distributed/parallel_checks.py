@@ -27,6 +27,7 @@ from computectx.distributed.optimizer_checkpoint import (
     check_optimizer_state_dict,
     check_saved_optimizer,
 )
+from computectx.formats import Fp4Experts, Fp4Linear
 from computectx.memory import OffloadedOptimizer
 
 __all__ = [
@@ -132,6 +133,34 @@ def _check_layer_entries(model: nn.Module, saved: Mapping[str, object]) -> None:
             plan = getattr(layer, hook, None)
             if callable(plan):
                 plan({k[len(head) :]: v for k, v in saved.items() if k.startswith(head)}, head)
+
+
+def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Stop with the same ``ValueError`` on every rank when the ranks converted different
+    layers to 4 bits (FQN, class and recipe of every ``Fp4Linear`` and ``Fp4Experts``: another
+    ``fp8_filter`` on one rank). One ``all_gather_object`` at setup, before any collective the
+    4-bit layers shape: FSDP2 would gather one rank's weight as 4-bit codes and the other's in
+    high precision, and ``Parallel.step`` all-reduce one counter per 4-bit layer, each rank a
+    different count (both waited until the collective timeout)."""
+    mine = [
+        (fqn, f"{type(m).__name__} under {m.recipe}")
+        for fqn, m in model.named_modules()
+        if isinstance(m, Fp4Linear | Fp4Experts)
+    ]
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if not differ:
+        return
+    zero, other = dict(everyone[0]), dict(everyone[differ[0]])
+    fqn = next(f for f in [*zero, *other] if zero.get(f) != other.get(f))
+    raise ValueError(
+        f"the ranks of the data-parallel group set up different models: rank(s) "
+        f"{', '.join(map(str, differ))} differ from rank 0 in their 4-bit layers; the first that "
+        f"differs is {fqn!r}: rank 0 holds {zero.get(fqn, 'no 4-bit layer')}, rank {differ[0]} "
+        f"holds {other.get(fqn, 'no 4-bit layer')}. Build the same model and convert it with "
+        f"the same fp8_filter on every rank"
+    )
 
 
 def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:

@@ -15,7 +15,8 @@ default mixed precision (gather at ``ctx.compute``, bf16) reports its first oper
 train ``STEPS`` steps, save with DCP (``params["two"]``), train one more step; a fresh model
 loads that checkpoint and trains the same step. Each phase reports the whole weights and the
 counters. Then every rank loads zeroed weights, rank 1 with a counter out of range
-(``one_rank_bad``: each rank's error and whether its weights stayed).
+(``one_rank_bad``: each rank's error and whether its weights stayed), and a ``parallelize``
+whose ``fp8_filter`` converts layer 0 on rank 0 only (``filter_differs``: each rank's error).
 """
 
 from __future__ import annotations
@@ -253,6 +254,27 @@ def _one_rank_bad_counter(par: Parallel) -> tuple[str, bool]:
     return error, all(torch.equal(before[n], after[n]) for n in before)
 
 
+def _filter_differs(recipe: str, mesh: DeviceMesh) -> str:
+    """``parallelize`` of an unconverted model whose ``fp8_filter`` leaves layer 0 in high
+    precision on rank 1 alone: the error this rank raised ("" if none)."""
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    skip = "0" if dist.get_rank() == 1 else None
+    try:
+        parallelize(
+            seq,
+            ctx_of(recipe),
+            mesh,
+            strategy="fsdp",
+            optimizer_class=torch.optim.SGD,
+            fp8_filter=lambda m, fqn: fqn != skip,
+            join_timeout=JOIN_S,
+        )
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     """Load ``params["one"]`` (saved in one process), train, save ``params["two"]``, train
     one more step; a fresh model loads ``params["two"]`` and trains that step (module
@@ -280,6 +302,7 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     _step(fresh, STEPS)
     out["resumed"] = (whole(fresh.module), counters(fresh.module))
     out["one_rank_bad"] = _one_rank_bad_counter(fresh)
+    out["filter_differs"] = _filter_differs(recipe, mesh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
     opt = _setup(recipe, mesh, offload=True).optimizer
     assert isinstance(opt, OffloadedOptimizer)

@@ -221,6 +221,16 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
         error, stayed = r["one_rank_bad"]
         assert "failed on rank(s) 1" in error and "counter -5" in error, (rank, error)
         assert stayed, rank
+        # Another fp8_filter on rank 1: FSDP2 gathered rank 0's layer 0 in 4 bits and rank
+        # 1's in float32 (both timed out); now every rank refuses at setup, naming both.
+        assert "rank(s) 1 differ from rank 0 in their 4-bit layers" in r["filter_differs"], (
+            rank,
+            r["filter_differs"],
+        )
+        assert (
+            "'0': rank 0 holds Fp4Linear under nvfp4, rank 1 holds no 4-bit layer"
+            in (r["filter_differs"])
+        )
     # The ranks' rows differ, so their counters part ways within a step; Parallel.step made
     # them the larger, and that is what the checkpoint holds.
     assert ranks[0]["saved_two"][1][0] > saved_one[1][0]
