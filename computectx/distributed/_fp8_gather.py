@@ -34,6 +34,7 @@ __all__ = [
     "SHARD_OPS",
     "GatherMeta",
     "GatheredAsFp8",
+    "check_row_shard",
     "hp_gathered",
     "hp_inputs",
     "in_backward",
@@ -225,6 +226,19 @@ def in_backward() -> bool:
     its pre-backward hook inside a graph task."""
     task: int = torch._C._current_graph_task_id()
     return task != -1
+
+
+def check_row_shard(name: str, shard: torch.Tensor, outer_size: torch.Size, how: str) -> None:
+    """``ValueError`` naming the weight when FSDP2 shards it along another dim than its rows
+    (a ``shard_placement_fn`` giving ``Shard(1)``): the quantized gather sends row shards'
+    codes and scales. The same on every rank (the shapes), before any collective."""
+    if tuple(shard.shape[1:]) != tuple(outer_size[1:]):
+        raise ValueError(
+            f"{name!r} ({tuple(outer_size)}) is sharded by FSDP2 along another dim than its "
+            f"rows (this rank holds {tuple(shard.shape)}): a weight gathers {how} only in row "
+            f"shards (Shard(0), FSDP2's default). Shard it along dim 0, or leave the layer out "
+            f"of the quantized gather (module_filter)"
+        )
 
 
 def padded(data: torch.Tensor, outer_size: torch.Size, world: int) -> torch.Tensor:

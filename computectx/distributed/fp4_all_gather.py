@@ -49,6 +49,7 @@ from typing_extensions import Self
 from computectx.distributed._fp8_gather import (
     GatheredAsFp8,
     GatherMeta,
+    check_row_shard,
     hp_gathered,
     hp_inputs,
     in_backward,
@@ -102,6 +103,7 @@ class WeightGatheredFp4(GatheredAsFp8):
         g = self._meta
         spec = g.module_as(module, Fp4Linear, "in 4 bits", "an Fp4Linear").weight_gather
         hp = self._hp.detach()
+        check_row_shard(g.name, hp, outer_size, "in 4 bits")
         world = shard_world(mesh)
         if not spec.aligns(outer_size[0], world):
             # The same on every rank (the shape and the shard count): no rank reduces.

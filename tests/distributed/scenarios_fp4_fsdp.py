@@ -16,7 +16,8 @@ train ``STEPS`` steps, save with DCP (``params["two"]``), train one more step; a
 loads that checkpoint and trains the same step. Each phase reports the whole weights and the
 counters. Then every rank loads zeroed weights, rank 1 with a counter out of range
 (``one_rank_bad``: each rank's error and whether its weights stayed), and a ``parallelize``
-whose ``fp8_filter`` converts layer 0 on rank 0 only (``filter_differs``: each rank's error).
+whose ``fp8_filter`` converts layer 0 on rank 0 only (``filter_differs``: each rank's error), and
+a model sharded by hand along dim 1 (``column_shards``: its first forward's error).
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict_loader import load
 from torch.distributed.checkpoint.state_dict_saver import save
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from computectx import ComputeCtx
-from computectx.distributed import Parallel, parallelize
+from computectx.distributed import Parallel, enable_fp4_all_gather, parallelize
 from computectx.formats import Fp4Linear, Fp4Recipe, convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 
@@ -275,6 +277,25 @@ def _filter_differs(recipe: str, mesh: DeviceMesh) -> str:
     return ""
 
 
+def _column_shards(recipe: str, mesh: DeviceMesh) -> str:
+    """``enable_fp4_all_gather`` and ``fully_shard`` by hand with every weight sharded along
+    dim 1 (``shard_placement_fn``): the error of the first forward on this rank."""
+    seq = model(recipe)
+    enable_fp4_all_gather(seq)
+    for layer in layers(seq):
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(),
+            shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None,
+        )
+    try:
+        seq(batch(0, dist.get_rank()))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     """Load ``params["one"]`` (saved in one process), train, save ``params["two"]``, train
     one more step; a fresh model loads ``params["two"]`` and trains that step (module
@@ -303,6 +324,7 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     out["resumed"] = (whole(fresh.module), counters(fresh.module))
     out["one_rank_bad"] = _one_rank_bad_counter(fresh)
     out["filter_differs"] = _filter_differs(recipe, mesh)
+    out["column_shards"] = _column_shards(recipe, mesh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
     opt = _setup(recipe, mesh, offload=True).optimizer
     assert isinstance(opt, OffloadedOptimizer)

@@ -229,8 +229,12 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
         )
         assert (
             "'0': rank 0 holds Fp4Linear under nvfp4, rank 1 holds no 4-bit layer"
-            in (r["filter_differs"])
+            in r["filter_differs"]
         )
+        # Column shards (Shard(1)): torch's "shape '[128, 32]' is invalid for input of size
+        # 2048" from inside FSDP2 before; now ours, naming the weight.
+        column = r["column_shards"]
+        assert "'0.weight' ((64, 64)) is sharded by FSDP2 along another dim" in column, column
     # The ranks' rows differ, so their counters part ways within a step; Parallel.step made
     # them the larger, and that is what the checkpoint holds.
     assert ranks[0]["saved_two"][1][0] > saved_one[1][0]
