@@ -63,6 +63,7 @@ from typing_extensions import Self
 from computectx.distributed._fp8_gather import (
     GatheredAsFp8,
     GatherMeta,
+    check_row_shard,
     hp_gathered,
     hp_inputs,
     in_backward,
@@ -154,6 +155,7 @@ class WeightGatheredQuantized(GatheredAsFp8):
         A ``block`` layer's shard: its 128x128 blocks' codes and scales (``_block_inputs``)."""
         g = self._meta
         layer = g.layer(module)
+        check_row_shard(g.name, self._hp, outer_size, "in fp8")
         if layer.policy.granularity == "block":
             return self._block_inputs(layer, mesh, outer_size, mp_policy)
         fmt = layer.policy.format.forward

@@ -296,6 +296,29 @@ def _column_shards(recipe: str, mesh: DeviceMesh) -> str:
     return ""
 
 
+def _fp8_column_shards(mesh: DeviceMesh) -> str:
+    """The same by hand for fp8 (``enable_fp8_all_gather``, per-tensor dynamic scaling)."""
+    from computectx.distributed import enable_fp8_all_gather
+
+    torch.manual_seed(0)
+    seq = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    ctx = ComputeCtx.from_flag("fp8_e4m3_dynamic", "cpu")
+    convert_to_quantized(seq, ctx, include_head=True, min_features=16)
+    enable_fp8_all_gather(seq)
+    for layer in (seq[0], seq[2]):
+        fully_shard(
+            layer,
+            mesh=mesh,
+            mp_policy=MixedPrecisionPolicy(),
+            shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None,
+        )
+    try:
+        seq(batch(0, dist.get_rank()))
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
 def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     """Load ``params["one"]`` (saved in one process), train, save ``params["two"]``, train
     one more step; a fresh model loads ``params["two"]`` and trains that step (module
@@ -325,6 +348,7 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     out["one_rank_bad"] = _one_rank_bad_counter(fresh)
     out["filter_differs"] = _filter_differs(recipe, mesh)
     out["column_shards"] = _column_shards(recipe, mesh)
+    out["fp8_column_shards"] = _fp8_column_shards(mesh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
     opt = _setup(recipe, mesh, offload=True).optimizer
     assert isinstance(opt, OffloadedOptimizer)

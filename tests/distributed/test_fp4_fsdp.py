@@ -235,6 +235,10 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
         # 2048" from inside FSDP2 before; now ours, naming the weight.
         column = r["column_shards"]
         assert "'0.weight' ((64, 64)) is sharded by FSDP2 along another dim" in column, column
+        # fp8's gather the same (it said "The size of tensor a (32) must match ... (64)").
+        fp8 = r["fp8_column_shards"]
+        assert "'0.weight' ((64, 64)) is sharded by FSDP2 along another dim" in fp8, fp8
+        assert "gathers in fp8 only in row shards" in fp8, fp8
     # The ranks' rows differ, so their counters part ways within a step; Parallel.step made
     # them the larger, and that is what the checkpoint holds.
     assert ranks[0]["saved_two"][1][0] > saved_one[1][0]
