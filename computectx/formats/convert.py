@@ -367,7 +367,8 @@ def _checked_converters(
 
 
 def _refuse_another_policy(ctx: ComputeCtx, order: list[tuple[str, nn.Linear]]) -> None:
-    """Raise when a layer is already a ``QuantizedLinear`` under another policy than ``ctx``'s."""
+    """Raise when a layer is already a ``QuantizedLinear`` or ``Fp4Linear`` under another policy
+    than ``ctx``'s."""
     want = (ctx.recipe, ctx.compute)
     other = [(f, lin) for f, lin in order if isinstance(lin, (QuantizedLinear, Fp4Linear))]
     other = [(f, lin) for f, lin in other if (lin.ctx.recipe, lin.ctx.compute) != want]
@@ -375,10 +376,10 @@ def _refuse_another_policy(ctx: ComputeCtx, order: list[tuple[str, nn.Linear]]) 
         fqn, lin = other[0]
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
         raise ValueError(
-            f"convert_to_quantized: {fqn or '<root>'!r}{more} is already a QuantizedLinear under "
-            f"fp8={lin.ctx.recipe}, compute={lin.ctx.compute}, but this call asks for "
-            f"fp8={ctx.recipe}, compute={ctx.compute}; a converted layer keeps the policy it was "
-            f"built with. Convert an unconverted copy of the model under the new ctx, or "
+            f"convert_to_quantized: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
+            f"under recipe={lin.ctx.recipe}, compute={lin.ctx.compute}, but this call asks for "
+            f"recipe={ctx.recipe}, compute={ctx.compute}; a converted layer keeps the policy it "
+            f"was built with. Convert an unconverted copy of the model under the new ctx, or "
             f"pass the ctx it was converted with; the model was left unchanged"
         )
 

@@ -442,8 +442,8 @@ def test_converting_again_is_a_no_op_under_the_same_policy_and_refused_under_ano
         convert_to_quantized(model, dynamic_ctx, min_features=16)
     text = str(caught.value)
     assert "'transformer.h.0.attn.attn' (and 7 more) is already a QuantizedLinear under " in text
-    assert "fp8=hybrid/delayed/16/0/max, compute=bf16" in text
-    assert "this call asks for fp8=hybrid/dynamic/0, compute=bf16" in text
+    assert "recipe=hybrid/delayed/16/0/max, compute=bf16" in text
+    assert "this call asks for recipe=hybrid/dynamic/0, compute=bf16" in text
     assert all(m.ctx == fp8_ctx for m in layers.values())
 
 

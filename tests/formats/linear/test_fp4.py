@@ -184,7 +184,8 @@ def test_convert_keeps_the_head_and_the_recipes_high_layers() -> None:
     assert isinstance(model.blocks[0].up, Fp4Linear)
     again = convert_to_quantized(model, _ctx(recipe), min_features=16)
     assert again.already_fp8 == report.converted
-    with pytest.raises(ValueError, match="already a QuantizedLinear under"):
+    # It said "already a QuantizedLinear under fp8=nvfp4..." of an Fp4Linear.
+    with pytest.raises(ValueError, match="already a Fp4Linear under recipe=nvfp4"):
         convert_to_quantized(model, _ctx(Fp4Recipe()), min_features=16)
 
 
