@@ -50,7 +50,6 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.linear.fp4_counter import (
     FP4_COUNTER_LIMIT,
     FP4_STATE_VERSION,
@@ -67,7 +66,12 @@ from computectx.formats.linear.function import autocast_dtype
 from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, grouped_counters
 from computectx.formats.ops import fp4 as fp4_ops
-from computectx.formats.policy import check_param_dtype, default_device, describe
+from computectx.formats.policy import (
+    check_linear_input,
+    check_param_dtype,
+    default_device,
+    describe,
+)
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.residency import parse_device
 from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward
@@ -188,7 +192,7 @@ class Fp4Linear(CounterLoads, nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` in 4 bits."""
-        _check_input(x, self.in_features)
+        check_linear_input(x, self.in_features, "Fp4Linear")
         lowered = autocast_dtype(x)
         if lowered is not None:  # as autocast runs a linear: the input at its dtype
             with torch.autocast(x.device.type, enabled=False):
@@ -313,21 +317,6 @@ def _recipe_of(ctx: object) -> Fp4Recipe:
             f"ComputeCtx.from_flag('nvfp4', device)), got {describe(got)}"
         )
     return ctx.recipe
-
-
-def _check_input(x: object, in_features: int) -> None:
-    # The dtype, never the values: an error message must not print a tensor's contents.
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"Fp4Linear takes a tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"Fp4Linear takes torch.bfloat16, torch.float16 or torch.float32 inputs, got {x.dtype} "
-            f"(shape {tuple(x.shape)}); cast it first (a float64 input to float32)"
-        )
-    if x.dim() < 1 or x.shape[-1] != in_features:
-        raise ValueError(
-            f"Fp4Linear expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
-        )
 
 
 def _no_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -41,7 +41,6 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 from typing_extensions import Self
 
-from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.linear.fp4_serving import (
     ActivationAmax,
     ServeMode,
@@ -55,7 +54,7 @@ from computectx.formats.linear.fp4_serving import (
 from computectx.formats.linear.function import autocast_dtype
 from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
-from computectx.formats.policy import describe
+from computectx.formats.policy import check_linear_input, describe
 from computectx.formats.scaling.layer import held_out
 from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
@@ -212,17 +211,7 @@ class FrozenFp4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` by ``mode`` (``fp4_serving``)."""
-        if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-            # The dtype and shape, never the values: a message must not print a tensor.
-            raise TypeError(
-                f"FrozenFp4Linear takes bf16, fp16 or fp32 inputs, got {_what(x)}; cast it first "
-                f"(a float64 input to float32)"
-            )
-        if x.dim() < 1 or x.shape[-1] != self.in_features:
-            raise ValueError(
-                f"FrozenFp4Linear expects inputs of shape (..., {self.in_features}), got "
-                f"{tuple(x.shape)}"
-            )
+        check_linear_input(x, self.in_features, "FrozenFp4Linear")
         lowered = autocast_dtype(x)
         if lowered is not None:  # as autocast runs a linear: the input at its dtype
             with torch.autocast(x.device.type, enabled=False):

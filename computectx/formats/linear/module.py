@@ -11,7 +11,6 @@ from torch.nn import functional
 from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx
-from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import Backend, default_backend, select_backend
 from computectx.formats.linear.autocast import REGION, region_fp8_enabled
 from computectx.formats.linear.frozen import (
@@ -32,6 +31,7 @@ from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.formats.numerics.layouts import check_granularity_widths
 from computectx.formats.policy import (
     check_fp8_widths,
+    check_linear_input,
     check_param_dtype,
     check_quantize,
     checked_layer_ctx,
@@ -227,7 +227,7 @@ class QuantizedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b`` in fp8 (or plain, inside ``autocast(enabled=False)``)."""
-        _check_input(x, self.in_features)
+        check_linear_input(x, self.in_features, "QuantizedLinear")
         if _region_turns_fp8_off():
             return self._plain_linear(x)
         return fp8_linear(x, None if self._frozen else self.weight, self.bias, self._call_plan())
@@ -474,20 +474,6 @@ class QuantizedLinear(nn.Linear):
         base = super().extra_repr()
         frozen = ", frozen" if self._frozen else ""
         return f"{base}, fp8={self.policy}{frozen}"
-
-
-def _check_input(x: object, in_features: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"QuantizedLinear takes a tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"QuantizedLinear quantizes bf16, fp16 or fp32 inputs; got {x.dtype}. Cast the "
-            f"input first (e.g. ctx.to_compute(x))"
-        )
-    if x.dim() < 1 or x.shape[-1] != in_features:
-        raise ValueError(
-            f"QuantizedLinear expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
-        )
 
 
 def _region_turns_fp8_off() -> bool:
