@@ -5,8 +5,9 @@ backward rounds, so ranks holding different numbers of rows part ways. A checkpo
 counter per layer (``_extra_state``, a plain tensor: DCP writes one rank's copy of a
 replicated entry, whichever its planner picks), so it would resume every rank at one rank's
 counter, or at a counter that depends on DCP's plan. ``Parallel.step`` therefore sets every
-rank's counter to the largest over the ranks after each step (one MAX all-reduce of one
-int64 per 4-bit layer that rounds stochastically, none without such layers): after every
+rank's counter to the largest over the ranks after each step (one MAX all-reduce of the
+counters stacked, one int64 per 4-bit layer that rounds stochastically; none without such
+layers): after every
 step every rank holds the same counters, a checkpoint saved then is every rank's, and it
 loads on any number of ranks to those counters (2 -> 1 and 1 -> 2 alike). No counter
 moves backwards, so no rank draws again bits it drew before.
@@ -34,16 +35,17 @@ def fp4_counter_layers(model: nn.Module) -> list[Fp4Linear | Fp4Experts]:
 
 def sync_fp4_counters(model: nn.Module, group: dist.ProcessGroup) -> int:
     """Set every 4-bit layer's counter (``fp4_counter_layers``) to the largest over the
-    ranks of ``group``: one MAX all-reduce of one int64 per layer, none when there is no
-    such layer. A collective: every rank calls it together (``Parallel.step`` does, after
-    its join). Each counter is replaced by a new tensor, never written in place (a backward
-    may hold the old key). Returns how many counters it reduced."""
+    ranks of ``group``: one MAX all-reduce of the stacked counters (one int64 a layer), none
+    when there is no such layer. A collective: every rank calls it together
+    (``Parallel.step`` does, after its join and agreed checks). Each counter is replaced by
+    a new tensor, never written in place (a backward may hold the old key). Returns how many
+    counters it reduced."""
     layers = fp4_counter_layers(model)
     if not layers:
         return 0
-    counters = torch.stack([m.sr_key[1].cpu() for m in layers])
+    counters = torch.stack([m.sr_key[1] for m in layers])  # CPU state: no device copy
     all_reduce_on(counters, group, dist.ReduceOp.MAX)
-    for m, value in zip(layers, counters.cpu().tolist(), strict=True):
+    for m, value in zip(layers, counters.tolist(), strict=True):
         key = m.sr_key.clone()
         key[1] = value
         m.sr_key = key

@@ -141,15 +141,16 @@ class Parallel:
         # A collective (the gradients' hand-over, the norm, the biases' load): every rank
         # steps together, or a clear error here; the expert helpers ride on this join.
         with joining(self.group, "Parallel.step", self.join_timeout):
-            # The 4-bit layers' stochastic-rounding counters, one over the ranks (the
-            # largest): a checkpoint saved after a step is every rank's (fp4_counters).
-            sync_fp4_counters(self.module, self.group)
             opt = self.optimizer
             if isinstance(opt, OffloadedOptimizer):
                 # Its state's checks (step counts, packed parts), exchanged before anything
                 # moves: state that cannot step on one rank makes every rank raise, naming
                 # it, before any rank steps (its replicas or shards would part ways).
                 agree_ok(opt.check_step, self.group, what="Parallel.step")
+            # The 4-bit layers' stochastic-rounding counters, one over the ranks (the
+            # largest): a checkpoint saved after a step is every rank's (fp4_counters). After
+            # the agreed checks: a refused step changes no counter.
+            sync_fp4_counters(self.module, self.group)
             norm = self._step(max_norm)
             # DDP's bucket rebuild (once, a broadcast) here, not in the next forward, which
             # one rank may run alone (an evaluation forward with grad on).

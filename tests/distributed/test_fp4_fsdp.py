@@ -147,6 +147,9 @@ def test_the_wire_carries_the_4_bit_bytes_and_nvfp4_one_amax_reduce_per_forward_
     if recipe == "nvfp4":
         per_element = (sent["torch.uint8"] / per_step - 48 * 4) / ((32 + 16) * 64)
         assert per_element <= 0.6, per_element
+    # Every rank issued the same collectives, the same number of times.
+    other = gathered[1][recipe]
+    assert other["reduces"] == r["reduces"] and len(other["gathers"]) == len(r["gathers"])
 
 
 def test_rank_0_alone_gets_a_clear_error_from_a_forward_and_saves_and_the_group_trains_on(

@@ -80,7 +80,6 @@ __all__ = [
     "FP4_COUNTER_LIMIT",
     "FP4_STATE_VERSION",
     "Fp4Linear",
-    "block_list",
     "fp4_quant",
     "recipe_code",
 ]
@@ -95,26 +94,6 @@ def fp4_quant(recipe: Fp4Recipe) -> Fp4Quant:
         hadamard=recipe.hadamard,
         signs=recipe.hadamard_signs,
     )
-
-
-def block_list(model: nn.Module) -> dict[int, tuple[int, int]]:
-    """``id(linear) -> (block, blocks)`` for the linears inside the model's block list: the
-    ``nn.ModuleList`` (or ``nn.ModuleDict``) with the most entries among those holding an
-    ``nn.Linear`` (the first such in registration order on a tie: ``ByteLM.blocks``,
-    transformers' ``model.layers``, torchtitan's ``layers``); block ``i`` is its ``i``-th
-    entry. Linears outside it (the head, a model with no such list) have no block."""
-    best: list[nn.Module] = []
-    for m in model.modules():
-        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m) > len(best):
-            entries = list(m.children())
-            if any(isinstance(s, nn.Linear) for e in entries for s in e.modules()):
-                best = entries
-    found: dict[int, tuple[int, int]] = {}
-    for i, entry in enumerate(best):
-        for s in entry.modules():
-            if isinstance(s, nn.Linear):
-                found.setdefault(id(s), (i, len(best)))
-    return found
 
 
 class Fp4Linear(CounterLoads, nn.Linear):

@@ -68,7 +68,7 @@ from computectx.formats.ops.grouped import check_grouped, outside_autocast
 from computectx.formats.policy import describe
 from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
-from computectx.saved import kept_back, offload_kept
+from computectx.saved import kept_back, offload_kept, refuse_double_backward
 
 __all__ = ["ExpertsGemm", "Fp4Experts"]
 
@@ -203,18 +203,12 @@ class _Fp4GroupedFn(torch.autograd.Function):
         kept: tuple[torch.Tensor, ...] = (x,) if c.needs_input_grad[1] else ()
         kept = offload_kept(ctx, kept) if save == "offload" else kept
         ctx.save_for_backward(w, offs, *kept)
-        c.how, c.key, c.x_dtype = how, key, x.dtype
+        c.how, c.key, c.x_dtype, c.save = how, key, x.dtype, save
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise RuntimeError(
-                "a double backward (create_graph=True) through 4-bit experts is not "
-                "supported: their backward works from 4-bit operands outside the graph, so the "
-                "second-order term would be lost; take such gradients through high-precision "
-                "experts (keep them out of convert_to_quantized with module_filter)"
-            )
+        refuse_double_backward("linear", ctx.save, fp8_gemm=True)
         w, offs, *rest = ctx.saved_tensors
         how, key = ctx.how, ctx.key
         dy = dy.contiguous()

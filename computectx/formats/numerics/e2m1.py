@@ -176,6 +176,8 @@ def philox_randint(seed: int, counters: torch.Tensor) -> torch.Tensor:
     ``tl.randint(seed, c)`` for int64 counters ``c`` in ``[0, 2**63)``."""
     c = counters.to(torch.int64)
     flat = c.reshape(-1)
+    if flat.device.type != "cpu":  # a GPU: one pass (chunks would be launches, not cache)
+        return _philox_chunk(seed, flat).reshape(c.shape)
     out = torch.empty_like(flat)
     for start in range(0, flat.numel(), _CHUNK):
         out[start : start + _CHUNK] = _philox_chunk(seed, flat[start : start + _CHUNK])

@@ -231,9 +231,10 @@ def tensor_scale_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor) -> torch.Tens
     a = amax_a.float().clamp(min=AMAX_FLOOR)
     b = amax_b.float().clamp(min=AMAX_FLOOR)
     hi, lo = torch.maximum(a, b), torch.minimum(a, b)
-    inv = torch.tensor(ALPHA_FACTOR_INV, dtype=torch.float32, device=a.device)
-    product = hi * lo
-    return torch.where(torch.isinf(product), hi * (lo * inv), product * inv)
+    product = hi * lo  # a Python float scales a float32 tensor in float32: no device copy
+    return torch.where(
+        torch.isinf(product), hi * (lo * ALPHA_FACTOR_INV), product * ALPHA_FACTOR_INV
+    )
 
 
 def _parts(q: Fp4Operand, who: str) -> tuple[torch.Tensor, torch.Tensor, int]:

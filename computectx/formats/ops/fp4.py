@@ -26,7 +26,8 @@ advances. Packed codes cross the operators as ``torch.float4_e2m1fn_x2``, NVFP4 
 **Backends** (``select_fp4_backend``, by the operands' device; ``ops.fp4_backend``):
 ``"triton"`` on a GPU with FP4 tensor cores (compute capability >= 10.0:
 ``computectx.kernels.fp4_gemm``, ``fp4_quantize``, ``fp4_grouped_values``: ``tl.dot_scaled`` on
-packed E2M1, bit for bit the twins on exact data, within their bound otherwise), ``"emulated"``
+packed E2M1, bit for bit the twins on exact data, otherwise within the twin's bound widened
+to K additions: the MMA sums in its own order), ``"emulated"``
 everywhere else: the pure-torch twins, on the CPU and on any GPU (in float32 on the device),
 bit for bit the same function everywhere. An H100/H200 (no FP4 tensor cores) runs the emulated
 twins; ``select_fp4_backend`` says which case applies and why. A 4-bit GEMM never falls back

@@ -7,6 +7,7 @@ tensor cores, ``select_fp4_backend`` (``"triton"`` on a GPU with them where trit
 
 from __future__ import annotations
 
+import functools
 from typing import Final
 
 import torch
@@ -82,8 +83,14 @@ def runs_triton(backend: str) -> bool:
 
 
 def backend_of(t: torch.Tensor) -> str:
-    """The entry points' backend for ``t``, by its device (a CPU tensor never probes CUDA)."""
-    return EMULATED if t.device.type != "cuda" else select_fp4_backend(t.device)[0]
+    """The entry points' backend for ``t``, by its device (a CPU tensor never probes CUDA; a
+    CUDA device is probed once, as ``formats.backend.default_backend`` is)."""
+    return EMULATED if t.device.type != "cuda" else _cuda_backend(t.device)
+
+
+@functools.cache
+def _cuda_backend(device: torch.device) -> str:
+    return select_fp4_backend(device)[0]
 
 
 def rng_arg(

@@ -14,7 +14,8 @@ from torch.utils.checkpoint import checkpoint
 
 from computectx import ComputeCtx
 from computectx.formats import QuantizedLinear, convert_to_quantized
-from computectx.formats.linear.fp4 import Fp4Linear, block_list, fp4_quant
+from computectx.formats.linear.fp4 import Fp4Linear, fp4_quant
+from computectx.formats.linear.fp4_rules import model_blocks
 from computectx.formats.numerics import fp4_gemm
 from computectx.formats.numerics.e2m1 import Stochastic
 from computectx.formats.numerics.fp4 import Nvfp4Operand
@@ -174,7 +175,7 @@ class _Model(nn.Module):
 
 def test_convert_keeps_the_head_and_the_recipes_high_layers() -> None:
     model = _Model()
-    assert set(block_list(model).values()) == {(i, 4) for i in range(4)}
+    assert set(model_blocks(model).values()) == {(i, 4) for i in range(4)}
     recipe = Fp4Recipe(hp_last=1, hp=("*.attn",))
     report = convert_to_quantized(model, _ctx(recipe), min_features=16)
     assert report.converted == ("blocks.0.up", "blocks.1.up", "blocks.2.up")
