@@ -350,7 +350,29 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     out["column_shards"] = _column_shards(recipe, mesh)
     out["fp8_column_shards"] = _fp8_column_shards(mesh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
-    opt = _setup(recipe, mesh, offload=True).optimizer
+    par = _setup(recipe, mesh, offload=True)
+    opt = par.optimizer
     assert isinstance(opt, OffloadedOptimizer)
     out["plain_masters"] = all(type(m.data) is torch.Tensor for m in opt.master_params)
+    out["refused_step"] = _refused_step(par)
     return out
+
+
+def _refused_step(par: Parallel) -> tuple[list[int], list[int], str]:
+    """A step whose optimizer check fails on rank 1 alone: this rank's counters before and
+    after (a refused step changes none) and its error."""
+    par.model(batch(0, dist.get_rank())).square().mean().backward()
+    before = counters(par.module)
+    opt = par.optimizer
+    assert isinstance(opt, OffloadedOptimizer)
+    if dist.get_rank() == 1:
+
+        def bad() -> None:
+            raise ValueError("rank 1's optimizer state cannot step")
+
+        opt.check_step = bad  # type: ignore[method-assign]
+    try:
+        par.step()
+    except ValueError as e:
+        return before, counters(par.module), str(e)
+    return before, counters(par.module), ""

@@ -221,6 +221,10 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
         _equal(r["loaded_two"], ranks[0]["saved_two"], f"2 -> 2 loaded, rank {rank}")
         # A counter out of range in rank 1's state alone: every rank refuses, naming rank 1,
         # and no rank loads (rank 0 loaded alone before the check ran inside the agreement).
+        # A step refused on rank 1 alone changes no counter on any rank (the counters' sync
+        # ran before the agreed checks: every rank's counters moved to the larger).
+        before, after, refused = r["refused_step"]
+        assert "rank 1" in refused and after == before, (refused, before, after)
         error, stayed = r["one_rank_bad"]
         assert "failed on rank(s) 1" in error and "counter -5" in error, (rank, error)
         assert stayed, rank
