@@ -36,6 +36,7 @@ __all__ = [
     "check_backend",
     "check_bias_and_out",
     "check_gemm_operands",
+    "check_linear_input",
     "default_backend",
     "fmt_arg",
     "input_arg",
@@ -314,4 +315,22 @@ def check_bias_and_out(bias: object, out_dtype: object, a: torch.Tensor, b: torc
         raise ValueError(
             f"out_dtype {out_dtype!r} is not supported; accepted: "
             f"{', '.join(map(str, FLOAT_DTYPES))}"
+        )
+
+
+def check_linear_input(x: object, in_features: int, who: str) -> None:
+    """``TypeError``/``ValueError`` naming ``who`` and the input's dtype and shape, never its
+    values, unless ``x`` is a bf16, fp16 or fp32 tensor of shape ``(..., in_features)``: the
+    input check of every quantized linear (``QuantizedLinear``, ``Fp4Linear``,
+    ``FrozenFp4Linear``)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{who} takes a tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{who} takes bf16, fp16 or fp32 inputs, got {str(x.dtype).removeprefix('torch.')} "
+            f"{tuple(x.shape)}; cast it first (e.g. ctx.to_compute(x); a float64 input to float32)"
+        )
+    if x.dim() < 1 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"{who} expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
         )

@@ -38,7 +38,6 @@ __all__ = [
     "Scaling",
     "check_fp8_widths",
     "check_granularity_widths",
-    "check_linear_input",
     "check_param_dtype",
     "check_quantize",
     "checked_layer_ctx",
@@ -184,24 +183,6 @@ def check_fp8_widths(in_features: int, out_features: int) -> None:
         raise ValueError(
             f"in_features={in_features}, out_features={out_features}: both must be multiples "
             f"of {FEATURE_MULTIPLE} for fp8 GEMM tiles"
-        )
-
-
-def check_linear_input(x: object, in_features: int, who: str) -> None:
-    """``TypeError``/``ValueError`` naming ``who`` and the input's dtype and shape, never its
-    values, unless ``x`` is a bf16, fp16 or fp32 tensor of shape ``(..., in_features)``: the
-    input check of every quantized linear (``QuantizedLinear``, ``Fp4Linear``,
-    ``FrozenFp4Linear``)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{who} takes a tensor, got {type(x).__name__}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(
-            f"{who} takes bf16, fp16 or fp32 inputs, got {str(x.dtype).removeprefix('torch.')} "
-            f"{tuple(x.shape)}; cast it first (e.g. ctx.to_compute(x); a float64 input to float32)"
-        )
-    if x.dim() < 1 or x.shape[-1] != in_features:
-        raise ValueError(
-            f"{who} expects inputs of shape (..., {in_features}), got {tuple(x.shape)}"
         )
 
 

@@ -463,10 +463,10 @@ def _compiled_layer() -> tuple[QuantizedLinear, Callable[..., torch.Tensor]]:
         (
             torch.ones(4, 32, dtype=torch.int32),
             TypeError,
-            "bf16, fp16 or fp32 inputs; got torch.int32",
+            "bf16, fp16 or fp32 inputs, got int32 \\(4, 32\\)",
         ),
         (torch.ones(4, 31), ValueError, r"shape \(\.\.\., 32\), got \(4, 31\)"),
-        (torch.ones(4, 32, dtype=torch.float64), TypeError, "got torch.float64"),
+        (torch.ones(4, 32, dtype=torch.float64), TypeError, "got float64 \\(4, 32\\)"),
     ],
 )
 def test_bad_input_raises_the_eager_error_under_compile(

@@ -50,6 +50,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from computectx.ctx import ComputeCtx
+from computectx.formats.backend import check_linear_input
 from computectx.formats.linear.fp4_counter import (
     FP4_COUNTER_LIMIT,
     FP4_STATE_VERSION,
@@ -67,7 +68,6 @@ from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, grouped_counters
 from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.policy import (
-    check_linear_input,
     check_param_dtype,
     default_device,
     describe,

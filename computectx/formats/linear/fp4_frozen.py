@@ -41,6 +41,7 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 from typing_extensions import Self
 
+from computectx.formats.backend import check_linear_input
 from computectx.formats.linear.fp4_serving import (
     ActivationAmax,
     ServeMode,
@@ -54,7 +55,7 @@ from computectx.formats.linear.fp4_serving import (
 from computectx.formats.linear.function import autocast_dtype
 from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
-from computectx.formats.policy import check_linear_input, describe
+from computectx.formats.policy import describe
 from computectx.formats.scaling.layer import held_out
 from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe

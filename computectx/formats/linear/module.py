@@ -11,7 +11,7 @@ from torch.nn import functional
 from typing_extensions import Self
 
 from computectx.ctx import ComputeCtx
-from computectx.formats.backend import Backend, default_backend, select_backend
+from computectx.formats.backend import Backend, check_linear_input, default_backend, select_backend
 from computectx.formats.linear.autocast import REGION, region_fp8_enabled
 from computectx.formats.linear.frozen import (
     FROZEN_BUFFERS,
@@ -31,7 +31,6 @@ from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.formats.numerics.layouts import check_granularity_widths
 from computectx.formats.policy import (
     check_fp8_widths,
-    check_linear_input,
     check_param_dtype,
     check_quantize,
     checked_layer_ctx,
