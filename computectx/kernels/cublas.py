@@ -59,6 +59,7 @@ import torch
 
 __all__ = [
     "CUBLAS_MULTIPLE",
+    "E8M0_ONE",
     "RECIPES",
     "cublas_bias",
     "cublas_gemm_dtype",
@@ -71,6 +72,7 @@ __all__ = [
     "round_up",
     "scaled_mm",
     "serves",
+    "swizzled",
 ]
 
 RECIPES: Final[tuple[str, ...]] = ("row", "1x128x128x128", "1x128x1x128", "mx")
@@ -81,6 +83,8 @@ CUBLAS_MULTIPLE = 16
 _TILE: Final = 128  # a 1x128/128x128 block's width, and the K padding of the block recipes
 _MX_BLOCK: Final = 32  # an MX block's width
 _E8M0: Final = torch.float8_e8m0fnu
+E8M0_ONE: Final = 127
+"""The E8M0 byte of 1.0 (``2**(127 - 127)``)."""
 
 
 def round_up(n: int, multiple: int = CUBLAS_MULTIPLE) -> int:
@@ -157,15 +161,17 @@ def _pad_rows(s: torch.Tensor, rows: int, cols: int, fill: float) -> torch.Tenso
     return out.to(s.dtype)
 
 
-def _swizzled(scale: torch.Tensor, rows: int, kblocks: int) -> torch.Tensor:
-    # E8M0 scales [rows, kblocks] in cuBLAS's 128 x 4 tiles (``SWIZZLE_32_4_4``): padded to
-    # [128 r, 4 c] with byte 127 (2**0); inside a tile, element (i, j) is at
-    # (i % 32) * 16 + (i // 32) * 4 + j; the tiles follow row-block-major.
+def swizzled(scale: torch.Tensor, rows: int, kblocks: int, one: int) -> torch.Tensor:
+    """1-byte block scales ``[r, c]`` (E8M0 or E4M3) in cuBLAS's 128 x 4 tiles
+    (``SWIZZLE_32_4_4``), flat, of the scale's dtype: padded to ``[128 r, 4 c]`` for
+    ``rows`` x ``kblocks`` with the byte ``one`` (the dtype's 1.0: the step of the zero codes
+    of padded rows and K blocks); inside a tile, element ``(i, j)`` is at
+    ``(i % 32) * 16 + (i // 32) * 4 + j``; the tiles follow row-block-major."""
     r128, c4 = round_up(rows, 128), round_up(kblocks, 4)
-    padded = torch.full((r128, c4), 127, dtype=torch.uint8, device=scale.device)
+    padded = torch.full((r128, c4), one, dtype=torch.uint8, device=scale.device)
     padded[: scale.shape[0], : scale.shape[1]].copy_(scale.view(torch.uint8))
     tiles = padded.view(r128 // 128, 4, 32, c4 // 4, 4).permute(0, 3, 2, 1, 4)
-    return tiles.contiguous().flatten().view(_E8M0)
+    return tiles.contiguous().flatten().view(scale.dtype)
 
 
 def cublas_scales(
@@ -188,7 +194,7 @@ def cublas_scales(
         s = _pad_rows(scale.reshape(-1, 1), rows, 1, 1.0)
         return s if operand == "a" else s.reshape(1, rows)
     if granularity == "mx":
-        return _swizzled(scale, rows, -(-k // _MX_BLOCK))
+        return swizzled(scale, rows, -(-k // _MX_BLOCK), E8M0_ONE)
     kb = -(-k // _TILE)
     if granularity == "1x128":
         return _pad_rows(scale, rows, kb, 1.0).t().contiguous().t()
@@ -273,7 +279,7 @@ def _probe_scale(g: str, rows: int, k: int, dev: torch.device) -> torch.Tensor:
         "mx": (rows, -(-k // _MX_BLOCK)),
     }[g]
     if g == "mx":
-        return torch.full(shape, 127, dtype=torch.uint8, device=dev).view(_E8M0)
+        return torch.full(shape, E8M0_ONE, dtype=torch.uint8, device=dev).view(_E8M0)
     return torch.ones(shape, dtype=torch.float32, device=dev)
 
 

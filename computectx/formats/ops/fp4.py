@@ -27,12 +27,15 @@ advances. Packed codes cross the operators as ``torch.float4_e2m1fn_x2``, NVFP4 
 ``"triton"`` on a GPU with FP4 tensor cores (compute capability >= 10.0:
 ``computectx.kernels.fp4_gemm``, ``fp4_quantize``, ``fp4_grouped_values``: ``tl.dot_scaled`` on
 packed E2M1, bit for bit the twins on exact data, otherwise within the twin's bound widened
-to K additions: the MMA sums in its own order), ``"emulated"``
-everywhere else: the pure-torch twins, on the CPU and on any GPU (in float32 on the device),
-bit for bit the same function everywhere. An H100/H200 (no FP4 tensor cores) runs the emulated
-twins; ``select_fp4_backend`` says which case applies and why. A 4-bit GEMM never falls back
-to an 8-bit one: another backend name is a ``ValueError``. ``fp4_quantize_rows`` and
-``fp4_dequantize`` have no Triton kernel: they run their twins on either backend. As operators
+to K additions: the MMA sums in its own order); ``"cublas"`` there where torch's FP4
+``scaled_mm`` runs (probed once per device): the dense GEMM on cuBLAS
+(``computectx.kernels.cublas_fp4``, same bound) where its recipe runs, the Triton kernels for
+the rest; ``"emulated"`` everywhere else: the pure-torch twins, on the CPU and on any GPU (in
+float32 on the device), bit for bit the same function everywhere. An H100/H200 (no FP4 tensor
+cores) runs the emulated twins; ``select_fp4_backend`` says which case applies and why. A 4-bit
+GEMM never falls back to an 8-bit one: another backend name is a ``ValueError``, as is
+``"cublas"`` forced where it cannot run (``cublas_refusal``). ``fp4_quantize_rows`` and
+``fp4_dequantize`` have no Triton kernel: they run their twins on every backend. As operators
 a compiled graph holds them whole: Inductor's CPU backend generates no ``float4_e2m1fn_x2``
 code, nor takes such a buffer as a kernel argument.
 
@@ -67,6 +70,7 @@ from computectx.formats.numerics.fp4 import (
 )
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.formats.ops.fp4_backend import (
+    CUBLAS,
     EMULATED,
     TRITON,
     backend_of,
@@ -80,6 +84,7 @@ from computectx.formats.ops.fp4_backend import (
 from computectx.formats.ops.grouped import check_grouped, checked_bounds
 
 __all__ = [
+    "CUBLAS",
     "EMULATED",
     "TRITON",
     "dequantize",
@@ -146,7 +151,7 @@ def fp4_quantize(
     """A 2-D ``x``'s row-wise operand at ``tile`` (``"1x16"``/``"16x16"``; MXFP4: 1x32), or
     with ``columnwise`` the wgrad's operand of ``x.t()`` (``fp4_gemm.wgrad_operand``):
     ``(codes, scale, amax)``, the amax float32 ``(1,)`` (MXFP4: the tensor's, unused)."""
-    if runs_triton(backend):
+    if runs_triton(backend, x):
         from computectx.kernels.fp4_quantize import fp4_quantize as kernel
 
         return kernel(x, format, tile, mx_rounding, columnwise, hadamard, signs, rng)
@@ -205,7 +210,17 @@ def fp4_scaled_mm(
 ) -> torch.Tensor:
     """``[M, N]``: ``reference_fp4_mm`` of the operands ``a [M, K]`` and ``b [N, K]`` (codes,
     scales, NVFP4's amaxes, tiles)."""
-    if runs_triton(backend):
+    if backend == CUBLAS and runs_triton(backend, a):
+        from computectx.kernels import cublas_fp4
+
+        if cublas_fp4.serves(scale_a, bias, out_dtype):
+            alpha = None  # NVFP4's epilogue factor, the twin's, handed to cuBLAS
+            if amax_a is not None and amax_b is not None:
+                alpha = fp4_gemm.tensor_scale_alpha(amax_a, amax_b).reshape(1)
+            return cublas_fp4.fp4_scaled_mm(a=a, scale_a=scale_a, tile_a=tile_a, b=b,
+                scale_b=scale_b, tile_b=tile_b, alpha=alpha, bias=bias, out_dtype=out_dtype,
+            )  # fmt: skip
+    if runs_triton(backend, a):
         from computectx.kernels.fp4_gemm import fp4_scaled_mm as kernel
 
         return kernel(a=a, scale_a=scale_a, amax_a=amax_a, tile_a=tile_a, b=b, scale_b=scale_b,
@@ -235,7 +250,7 @@ def fp4_grouped_mm(
     """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times expert ``b[g]`` (``[E, N, K]``),
     each quantized on its own (``reference_fp4_grouped_mm``)."""
     bounds = checked_bounds(offs, a.shape[0])
-    if runs_triton(backend):
+    if runs_triton(backend, a):
         from computectx.kernels.fp4_grouped_values import grouped_mm_values
 
         args = (format, weight_tile, mx_rounding, rng, out_dtype)
@@ -264,7 +279,7 @@ def fp4_grouped_wgrad(
     """float32 ``[E, N, K]``: ``dY[rows of g]ᵀ X[rows of g]`` from the two column-wise
     operands of each group (``reference_fp4_grouped_wgrad``)."""
     bounds = checked_bounds(offs, dy.shape[0])
-    if runs_triton(backend):
+    if runs_triton(backend, dy):
         from computectx.kernels.fp4_grouped_values import grouped_wgrad_values
 
         return grouped_wgrad_values(dy, x, bounds, format, mx_rounding, hadamard, signs, rng)
@@ -284,7 +299,7 @@ def fp4_quantize_rows(x: torch.Tensor, backend: str) -> Quantized:
     """A 2-D ``x``'s NVFP4 operand with each row by its own amax (1x16 blocks, round to
     nearest): codes ``[M, K/2]``, E4M3 scales ``[M, K/16]``, the rows' float32 amaxes
     ``(M,)``. The twin on either backend (no Triton kernel quantizes per row)."""
-    runs_triton(backend)  # checked; the twin runs on both
+    runs_triton(backend, x)  # checked; the twin runs on every backend
     return quantize_nvfp4_rows(x)
 
 
@@ -310,7 +325,7 @@ def fp4_dequantize(
     """``[M, K]`` at ``out_dtype``: the values of the operand ``codes [M, K/2]`` (scales,
     NVFP4's amax, tile) stand for, each formed in float32 and rounded once
     (``dequantize_nvfp4``/``dequantize_mxfp4``). The twin on either backend."""
-    runs_triton(backend)  # checked; the twin runs on both
+    runs_triton(backend, codes)  # checked; the twin runs on every backend
     q = _operand(codes, scale, amax, tile)
     if isinstance(q, Nvfp4Operand):
         return dequantize_nvfp4(q, out_dtype)

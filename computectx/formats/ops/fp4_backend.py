@@ -1,8 +1,11 @@
 """Which backend runs the 4-bit operators (``computectx.formats.ops.fp4``): the probe for FP4
-tensor cores, ``select_fp4_backend`` (``"triton"`` on a GPU with them where triton imports,
-``"emulated"`` everywhere else, with the reason), and the operators' check of their
-``backend`` argument; and the checks of the entry points' arguments (the recipe's values, a
-2-D operand, the stochastic-rounding key). ``ops.fp4`` re-exports the public backend names.
+tensor cores, ``select_fp4_backend`` (on a GPU with them where triton imports, ``"cublas"``
+where torch's FP4 ``scaled_mm`` runs a 4-bit recipe there (``kernels.cublas_fp4.fp4_recipes``,
+probed once per device), else ``"triton"``; ``"emulated"`` everywhere else, with the reason),
+and the operators' check of their ``backend`` argument (a forced ``"cublas"`` where it cannot
+run is a ``ValueError`` naming the device and why); and the checks of the entry points'
+arguments (the recipe's values, a 2-D operand, the stochastic-rounding key). ``ops.fp4``
+re-exports the public backend names.
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.residency import parse_device
 
 __all__ = [
+    "CUBLAS",
     "EMULATED",
     "TRITON",
     "backend_of",
     "check_2d",
     "check_how",
+    "cublas_refusal",
     "fp4_tensor_cores",
     "rng_arg",
     "runs_triton",
@@ -34,7 +39,11 @@ EMULATED: Final[str] = "emulated"
 """The backend that runs the twins (``numerics.fp4_gemm``): any device."""
 TRITON: Final[str] = "triton"
 """The backend that runs the Triton kernels on FP4 tensor cores (compute capability >= 10.0)."""
-_BACKENDS: Final[tuple[str, ...]] = (EMULATED, TRITON)
+CUBLAS: Final[str] = "cublas"
+"""The backend that runs the dense 4-bit GEMM on torch's FP4 ``scaled_mm`` (cuBLAS) where its
+recipe runs (``kernels.cublas_fp4``), the Triton kernels otherwise and for every other
+operator (compute capability >= 10.0, triton importable)."""
+_BACKENDS: Final[tuple[str, ...]] = (EMULATED, TRITON, CUBLAS)
 _U64: Final[int] = 2**64
 
 
@@ -54,32 +63,77 @@ def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
     )
 
 
+def _cublas_recipes(device: torch.device) -> str | None:
+    # None where torch's FP4 scaled_mm runs a 4-bit recipe on `device`, else why not.
+    from computectx.kernels.cublas_fp4 import fp4_recipes
+
+    found = fp4_recipes(device)
+    if any(runs for runs, _ in found.values()):
+        return None
+    return (
+        "torch's FP4 scaled_mm runs no 4-bit recipe there ("
+        + "; ".join(why for _, why in found.values())
+        + ")"
+    )
+
+
+def _no_kernels(dev: torch.device) -> str | None:
+    # None where the Triton kernels run on `dev` (FP4 tensor cores, triton imports), else why.
+    if dev.type != "cuda":
+        return f"{dev} is not a GPU"
+    cores = fp4_tensor_cores(dev)
+    if not cores.ok:
+        return f"{cores.reason} (an H100/H200 has none)"
+    triton = capability.triton_available()
+    return None if triton.ok else f"{cores.reason}, but {triton.reason}"
+
+
 def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
-    """The 4-bit backend for tensors on ``device`` and a one-line reason: ``"triton"`` on a
-    GPU with FP4 tensor cores where triton imports, else ``"emulated"``, saying why (module
-    docstring)."""
+    """The 4-bit backend for tensors on ``device`` and a one-line reason: on a GPU with FP4
+    tensor cores where triton imports, ``"cublas"`` where torch's FP4 ``scaled_mm`` runs a
+    recipe (probed once per device), else ``"triton"``; else ``"emulated"``, saying why
+    (module docstring)."""
     dev = parse_device(device)
-    cores = fp4_tensor_cores(dev) if dev.type == "cuda" else None
-    if cores is None:
-        where = f"{dev} is not a GPU"
-    elif not cores.ok:
-        where = f"{cores.reason} (an H100/H200 has none)"
-    elif (triton := capability.triton_available()).ok:
-        return TRITON, f"triton: {cores.reason}; the Triton kernels (tl.dot_scaled) run"
-    else:
-        where = f"{cores.reason}, but {triton.reason}"
+    where = _no_kernels(dev)
+    if where is None:
+        cores = fp4_tensor_cores(dev).reason
+        refused = _cublas_recipes(dev)
+        if refused is None:
+            return CUBLAS, (
+                f"cublas: {cores}; the dense 4-bit GEMM runs torch's FP4 scaled_mm where its "
+                f"recipe runs (kernels.cublas_fp4.fp4_recipes), the Triton kernels otherwise"
+            )
+        return TRITON, f"triton: {cores}; the Triton kernels (tl.dot_scaled) run: {refused}"
     return EMULATED, (
         f"emulated: {where}; the 4-bit GEMMs run the pure-torch twin (numerics.fp4_gemm) in "
         f"float32 on {dev}, never an 8-bit fallback"
     )
 
 
-def runs_triton(backend: str) -> bool:
-    """Whether an operator's ``backend`` argument runs the Triton kernels (``"triton"``) or
-    the twins (``"emulated"``); another name is a ``ValueError`` naming it."""
+def cublas_refusal(device: torch.device) -> str | None:
+    """None where the ``"cublas"`` backend runs on ``device``, else why not (a sentence naming
+    the device), once per device."""
+    return _cublas_refusal(parse_device(device))
+
+
+@functools.cache
+def _cublas_refusal(dev: torch.device) -> str | None:
+    why = _no_kernels(dev) or _cublas_recipes(dev)
+    if why is None:
+        return None
+    return f"the 4-bit backend 'cublas' cannot run on {dev}: {why}"
+
+
+def runs_triton(backend: str, like: torch.Tensor) -> bool:
+    """Whether an operator's ``backend`` argument runs the Triton kernels (``"triton"``, and
+    ``"cublas"`` for every operator but the dense GEMM's cuBLAS recipes) or the twins
+    (``"emulated"``); another name is a ``ValueError`` naming it, and so is ``"cublas"``
+    where it cannot run on ``like``'s device (``cublas_refusal``)."""
     if backend not in _BACKENDS:
         raise ValueError(f"unknown 4-bit backend {backend!r}; accepted: {', '.join(_BACKENDS)}")
-    return backend == TRITON
+    if backend == CUBLAS and (refused := cublas_refusal(like.device)) is not None:
+        raise ValueError(refused)
+    return backend != EMULATED
 
 
 def backend_of(t: torch.Tensor) -> str:

@@ -113,8 +113,10 @@ def test_the_backend_is_the_named_emulation_and_nothing_else(
     backend, why = fp4_ops.select_fp4_backend("cpu")
     assert backend == "emulated" and "twin" in why and "never an 8-bit fallback" in why
     args = (x, "nvfp4", "1x16", "rceil", False, False, SIGNS, None, "cublas")
-    with pytest.raises(ValueError, match="unknown 4-bit backend 'cublas'; accepted: emulated"):
+    with pytest.raises(ValueError, match="backend 'cublas' cannot run on cpu: cpu is not a GPU"):
         torch.ops.computectx.fp4_quantize(*args)
+    with pytest.raises(ValueError, match="unknown 4-bit backend 'fp8'; accepted: emulated"):
+        torch.ops.computectx.fp4_quantize(*args[:-1], "fp8")
 
 
 def test_bad_arguments_are_refused(data: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
