@@ -68,6 +68,7 @@ def info_lines() -> list[str]:
         else:
             lines.append(f"  {backend.value:<19} yes")
     lines.extend(_block_gemm_lines(dev))
+    lines.extend(_fp4_gemm_lines(dev))
     lines.append("presets:")
     presets = {
         "new(bf16)": ComputeCtx.new(DType.BF16, dev),
@@ -103,6 +104,18 @@ def _block_gemm_lines(dev: torch.device) -> list[str]:
     lines = [f"fine-grained fp8 GEMM recipes on cublas (else {fallback}):"]
     for name, (runs, why) in cublas_recipes(dev).items():
         lines.append(f"  {labels[name]:<19} {'yes' if runs else 'no ':<4} {why}")
+    return lines
+
+
+def _fp4_gemm_lines(dev: torch.device) -> list[str]:
+    # The 4-bit backend, and which 4-bit cuBLAS recipes (backend cublas) run here, probed by
+    # running each; a recipe that does not run takes the Triton kernel.
+    from computectx.formats.seam import fp4_cublas_recipes, select_fp4_backend
+
+    lines = [f"4-bit backend: {select_fp4_backend(dev)[1]}"]
+    lines.append("4-bit GEMM recipes on cublas (else the Triton kernel):")
+    for name, (runs, why) in fp4_cublas_recipes(dev).items():
+        lines.append(f"  {name:<19} {'yes' if runs else 'no ':<4} {why}")
     return lines
 
 

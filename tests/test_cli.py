@@ -191,3 +191,16 @@ def test_info_lists_which_fine_grained_gemm_recipes_run_here() -> None:
             "1x128 x 1x128": "no",
             "mx x mx": "no",
         }
+
+
+def test_info_lists_the_4bit_backend_and_which_4bit_cublas_recipes_run_here() -> None:
+    lines = info_lines()
+    backend = next(ln for ln in lines if ln.startswith("4-bit backend: "))
+    at = lines.index("4-bit GEMM recipes on cublas (else the Triton kernel):")
+    listed = {ln.split()[0]: ln.split()[1] for ln in lines[at + 1 : at + 3]}
+    assert set(listed) == {"nvfp4", "mxfp4"}
+    if not torch.cuda.is_available():
+        # The CPU runs the twins; torch's scaled_mm v2 refuses swizzled scales on the CPU.
+        assert backend.startswith("4-bit backend: emulated: cpu is not a GPU")
+        assert listed == {"nvfp4": "no", "mxfp4": "no"}
+        assert lines[at + 1].endswith("refuses nvfp4 on cpu: CPU does not support swizzle.")

@@ -31,6 +31,7 @@ from computectx.formats.ops.attention import (
     decode_attention,
 )
 from computectx.formats.ops.blockwise import cublas_recipes, quantize_blocks
+from computectx.formats.ops.fp4_backend import fp4_cublas_recipes, select_fp4_backend
 from computectx.formats.ops.grouped import check_grouped, checked_bounds
 from computectx.formats.ops.grouped_frozen import freeze_experts, frozen_experts_mm, held_experts
 from computectx.formats.ops.tensorwise import quantize_with_step
@@ -54,6 +55,7 @@ __all__ = [
     "decode_attention",
     "default_backend",
     "dequantize_kv",
+    "fp4_cublas_recipes",
     "fp8_linear",
     "freeze_experts",
     "frozen_experts_mm",
@@ -67,6 +69,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_kv",
     "quantize_with_step",
+    "select_fp4_backend",
     "set_dtensor_linear",
     "static_kv_steps",
     "step_from_amax",

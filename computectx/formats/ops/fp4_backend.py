@@ -29,6 +29,7 @@ __all__ = [
     "check_2d",
     "check_how",
     "cublas_refusal",
+    "fp4_cublas_recipes",
     "fp4_tensor_cores",
     "rng_arg",
     "runs_triton",
@@ -63,11 +64,17 @@ def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
     )
 
 
+def fp4_cublas_recipes(device: torch.device | str) -> dict[str, tuple[bool, str]]:
+    """Which 4-bit cuBLAS recipes run on ``device`` (``kernels.cublas_fp4.fp4_recipes``:
+    ``"nvfp4"``/``"mxfp4"`` -> ``(runs, reason)``, probed once per device, bf16 result)."""
+    from computectx.kernels import cublas_fp4
+
+    return cublas_fp4.fp4_recipes(parse_device(device))
+
+
 def _cublas_recipes(device: torch.device) -> str | None:
     # None where torch's FP4 scaled_mm runs a 4-bit recipe on `device`, else why not.
-    from computectx.kernels.cublas_fp4 import fp4_recipes
-
-    found = fp4_recipes(device)
+    found = fp4_cublas_recipes(device)
     if any(runs for runs, _ in found.values()):
         return None
     return (

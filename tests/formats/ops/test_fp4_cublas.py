@@ -418,3 +418,25 @@ def test_mxfp4_never_fuses_a_bias(cuda_fp4: StandIn) -> None:
     bias = torch.randn(16).bfloat16()
     got = launch(qa, qb, bias, torch.bfloat16)
     assert torch.equal(got, fp4_gemm.reference_fp4_mm(qa, qb, torch.bfloat16, bias))
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 48, 96), (37, 144, 160), (256, 256, 256)])
+def test_the_nvfp4_call_passes_torchs_own_meta_check(m: int, n: int, k: int) -> None:
+    # torch 2.13's meta function of _scaled_mm_v2 (_check_scaled_mm_sizes_v2, is_nv) states
+    # the shapes, scale sizes and swizzles its CUDA build takes; the launcher's call, run on
+    # meta tensors with the real F.scaled_mm, passes it. (Its MXFP4 branch counts K blocks of
+    # the packed K, half the CUDA kernel's _scaled_mxfp4_mxfp4 count, so it is not held here.)
+    meta = torch.device("meta")
+    a = torch.empty(m, k // 2, dtype=torch.float4_e2m1fn_x2, device=meta)
+    b = torch.empty(n, k // 2, dtype=torch.float4_e2m1fn_x2, device=meta)
+    sa = torch.empty(m, k // 16, dtype=torch.float8_e4m3fn, device=meta)
+    sb = torch.empty(n, k // 16, dtype=torch.float8_e4m3fn, device=meta)
+    alpha = torch.empty(1, device=meta)
+    half = torch.empty(n, dtype=torch.float16, device=meta)
+    cases = [(None, torch.bfloat16), (torch.empty(n, device=meta), torch.float32)]
+    for bias, out in [*cases, (half, torch.float16)]:
+        got = cublas_fp4.fp4_scaled_mm(
+            a=a, scale_a=sa, tile_a="1x16", b=b, scale_b=sb, tile_b="1x16", alpha=alpha,
+            bias=bias, out_dtype=out,
+        )  # fmt: skip
+        assert got.shape == (m, n) and got.dtype == out
