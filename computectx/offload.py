@@ -11,20 +11,28 @@ On a CPU device offload does nothing (the tensor already lives in host memory: a
 only double it while both exist): the op keeps its input as it is, as under ``recompute``.
 Under ``torch.compile`` neither is traced: a compiled op keeps its input on the device.
 
-When is a tensor brought back? An ``OffloadBlocks`` (``ByteLM`` makes one per forward when
-a kind is offloaded) groups what each block offloads. At the boundary after block ``i``
-the compute stream waits for block ``i - 1``'s copies to the host (so the forward never
-holds more than two blocks' offloaded tensors on the device: the one computing and the one
-in flight), and the backward, reaching that boundary (block ``i``'s backward is next),
-starts bringing back block ``i``'s tensors and block ``i - 1``'s, so these arrive while block
-``i`` computes its gradients. The last block (and what follows it: the final norm) is not
-offloaded: its backward comes first. A tensor offloaded outside any block is brought back
-when its backward asks for it.
+When does a copy go out, when does one come back? An ``OffloadBlocks`` (``ByteLM`` makes
+one per forward when a kind is offloaded) keeps the device bytes offload holds within a
+window: ``largest``, the most bytes one block offloads (its blocks' offloaded tensors
+counted by their storages). In the forward, before a copy out starts, the compute stream
+waits for the oldest copies still in flight until they and the new one fit the window (so a
+copy overlaps about a block of compute: it is waited for when the tensor of the same place
+in the next block goes out); the last block (and what follows it: the final norm) is not
+offloaded, its backward comes first, and before it runs the compute stream waits for every
+copy out. In the backward, once the last block's gradients are done (the boundary after
+the block before it), tensors come back in the reverse of the order they went out, as many
+as fit the window beside those brought back and still in use (each one's device copy counts
+until the backward lets it go); each use brings back more. So the device never holds more
+than one block's offloaded bytes, and none while the last block runs forward or backward
+(it keeps its own inputs, as ``recompute`` does): offload leaves one block's inputs on the
+device. A tensor offloaded outside any block is brought back when its backward asks for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextvars import ContextVar
 from typing import Any, Final, Protocol
@@ -133,26 +141,46 @@ def offload_streams(device: torch.device) -> Streams | None:
 class Offloaded:
     """One tensor kept in host memory: ``fetch`` brings it back (``prefetch`` starts early)."""
 
-    __slots__ = ("arrived", "back", "copied", "device", "host", "streams")
+    __slots__ = (
+        "arrived",
+        "back",
+        "copied",
+        "device",
+        "host",
+        "nbytes",
+        "storage_bytes",
+        "streams",
+        "used",
+        "window",
+    )
 
-    def __init__(self, t: torch.Tensor, streams: Streams) -> None:
-        self.streams, self.device = streams, t.device
+    def __init__(self, t: torch.Tensor, streams: Streams, window: OffloadBlocks | None) -> None:
+        self.streams, self.device, self.window = streams, t.device, window
+        self.storage_bytes = t.untyped_storage().nbytes()  # held until the copy out is done
+        self.nbytes = t.numel() * t.element_size()  # what comes back
         self.host, self.copied = streams.to_host(t)
         self.back: torch.Tensor | None = None
         self.arrived: Any = None
+        self.used = False
+        """Fetched in this backward (``window``: not to be brought back again)."""
 
     def prefetch(self) -> None:
         """Start the copy back to the device (once until the next ``fetch``)."""
         if self.back is None:
             self.back, self.arrived = self.streams.to_device(self.host, self.device, self.copied)
+            if self.window is not None:
+                self.window.live += self.nbytes
 
     def fetch(self) -> torch.Tensor:
         """The tensor on its device, the compute stream waiting for its copy. The handle lets
         go of it: the device copy lives as long as the backward uses it; the host copy stays
         (a second backward, ``retain_graph=True``, fetches it again)."""
+        self.used = True
         self.prefetch()
         t, self.back = self.back, None
         assert t is not None
+        if self.window is not None:
+            self.window.fetched(t, self.nbytes)  # more copies back queue behind this one
         self.streams.wait(self.arrived, t)
         return t
 
@@ -162,33 +190,61 @@ _BLOCKS: Final[ContextVar[OffloadBlocks | None]] = ContextVar("computectx_blocks
 
 def offload(t: torch.Tensor, streams: Streams) -> Offloaded:
     """``t`` copied to host memory through ``streams``, in the current ``OffloadBlocks``'s
-    block when one is active."""
-    moved = Offloaded(t, streams)
+    window when one is active."""
     blocks = _BLOCKS.get()
-    if blocks is not None:
-        blocks.groups[-1].append(moved)
-    return moved
+    return Offloaded(t, streams, None) if blocks is None else blocks.add(t, streams)
 
 
 class OffloadBlocks:
-    """What a forward offloads, by block (module docstring): ``with blocks.active():`` around
-    the forward, ``x = blocks.boundary(x)`` after each block."""
+    """What a forward offloads, by block, held on the device within one block's bytes (module
+    docstring): ``with blocks.active():`` around the forward, ``blocks.last_block()`` before
+    the last block, ``x = blocks.boundary(x)`` after each block."""
 
     def __init__(self) -> None:
-        self.groups: list[list[Offloaded]] = [[]]
-        """The tensors each block offloaded, in forward order (the last: after the last
-        boundary)."""
+        self.order: list[Offloaded] = []
+        """What the forward offloaded, in order."""
+        self.largest = 0
+        """The window: the most bytes a block has offloaded (so far, in the forward)."""
         self.on_device = False
         """Set for the last block (``last_block``): nothing is offloaded from then on."""
+        self.live = 0
+        """Device bytes brought back: coming, or fetched and still in use."""
+        self._block = 0  # bytes the current block offloaded
+        self._out: deque[Offloaded] = deque()  # copies out not waited for yet, oldest first
+        self._next = 0  # the backward brings back order[:_next] next, the last first
+        self._reached = -1  # the last boundary the backward reached (a new pass: higher)
+        self._blocks = 0
+
+    def add(self, t: torch.Tensor, streams: Streams) -> Offloaded:
+        """``t`` offloaded, the compute stream first waiting for the oldest copies out until
+        those in flight and ``t`` fit the window (this block so far counts as a block)."""
+        # A view holds its whole storage until its copy is done: counted as such (an upper
+        # bound where views of one storage, a block's q, k and v, go out together).
+        nbytes = t.untyped_storage().nbytes()
+        self._block += nbytes
+        self.largest = max(self.largest, self._block)
+        while self._out and sum(o.storage_bytes for o in self._out) + nbytes > self.largest:
+            self._wait_oldest()
+        moved = Offloaded(t, streams, self)
+        self._out.append(moved)
+        self.order.append(moved)
+        return moved
+
+    def _wait_oldest(self) -> None:
+        oldest = self._out.popleft()
+        oldest.streams.wait(oldest.copied)
 
     def last_block(self) -> None:
         """What runs from now on stays on the device: its backward comes first, so a copy
-        out would only come straight back (and hold the device meanwhile)."""
+        out would only come straight back. The compute stream waits for every copy out: the
+        last block runs with no offloaded tensor on the device."""
         self.on_device = True
+        while self._out:
+            self._wait_oldest()
 
     @contextlib.contextmanager
     def active(self) -> Iterator[OffloadBlocks]:
-        """Offloads made inside join the current block."""
+        """Offloads made inside join the window."""
         token = _BLOCKS.set(self)
         try:
             yield self
@@ -196,23 +252,46 @@ class OffloadBlocks:
             _BLOCKS.reset(token)
 
     def boundary(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (a block's output) as it is, ending that block: the compute stream waits for
-        the previous block's copies to the host, and the backward, reaching ``x``, starts
-        bringing back this block's tensors and the previous block's."""
-        index = len(self.groups) - 1
-        for moved in self.groups[index - 1] if index else []:
-            moved.streams.wait(moved.copied)
-        self.groups.append([])
-        if not (torch.is_grad_enabled() and x.requires_grad):
+        """``x`` (a block's output) as it is, ending that block; the backward, reaching ``x``
+        (the block's gradients are next), starts bringing back what fits the window. The
+        boundary after the last block brings back nothing: the last block's backward runs
+        first, with its own inputs on the device."""
+        self._block = 0
+        self._blocks += 1
+        if self.on_device or not (torch.is_grad_enabled() and x.requires_grad):
             return x
-        out: torch.Tensor = _Boundary.apply(x, self, index)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Boundary.apply(x, self, self._blocks)  # type: ignore[no-untyped-call]
         return out
 
-    def prefetch(self, index: int) -> None:
-        """Start bringing back block ``index``'s tensors and block ``index - 1``'s."""
-        for group in self.groups[max(index - 1, 0) : index + 1][::-1]:
-            for moved in group:
+    def reached(self, index: int) -> None:
+        """The backward reached the boundary after block ``index - 1``: bring back what fits.
+        A boundary not below the last one reached starts a new backward (``retain_graph``)."""
+        if index >= self._reached:
+            self._next = len(self.order)
+            for moved in self.order:
+                moved.used = False
+        self._reached = index
+        self.top_up()
+
+    def fetched(self, t: torch.Tensor, nbytes: int) -> None:
+        """``t`` (``nbytes`` of the window) is in use until the backward lets it go; start
+        bringing back what fits."""
+        weakref.finalize(t, self._release, nbytes)
+        self.top_up()
+
+    def _release(self, nbytes: int) -> None:
+        self.live -= nbytes
+
+    def top_up(self) -> None:
+        """Start bringing back, the last offloaded first, what fits the window beside the
+        device copies ``live``."""
+        while self._next > 0:
+            moved = self.order[self._next - 1]
+            if not moved.used and moved.back is None:
+                if self.live + moved.nbytes > self.largest:
+                    return
                 moved.prefetch()
+            self._next -= 1
 
 
 @contextlib.contextmanager
@@ -226,7 +305,7 @@ def on_device() -> Iterator[None]:
 
 
 class _Boundary(torch.autograd.Function):
-    """The identity, whose backward prefetches (``OffloadBlocks.prefetch``)."""
+    """The identity, whose backward brings back what fits (``OffloadBlocks.reached``)."""
 
     @staticmethod
     def forward(ctx: FunctionCtx, x: torch.Tensor, blocks: OffloadBlocks, index: int) -> Any:
@@ -236,5 +315,5 @@ class _Boundary(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.blocks.prefetch(ctx.index)
+        ctx.blocks.reached(ctx.index)
         return dy, None, None

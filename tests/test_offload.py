@@ -6,6 +6,7 @@ holds at every step."""
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,7 +20,7 @@ from computectx.memory import SavedActivations
 from computectx.memory.activation_bytes import SavedKind
 from computectx.nn import ByteLM, Gemm, GemmPath, LMConfig
 from computectx.nn.experts import GroupedExperts
-from computectx.offload import STREAMS, OffloadBlocks
+from computectx.offload import STREAMS
 from computectx.saved import saved_call
 
 CONFIG = LMConfig(d_model=32, n_layers=3, n_heads=2, d_ff=32, max_len=32)
@@ -116,52 +117,94 @@ def _grads(model: ByteLM) -> list[torch.Tensor]:
     return [p.grad for p in model.parameters() if p.grad is not None]
 
 
-def test_offload_brings_each_block_back_a_block_ahead_and_keeps_gradients(
-    stand_in: StandIn, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    sizes: list[int] = []  # tensors offloaded per block, in forward order
-    boundary = OffloadBlocks.boundary
+class _Blocks:
+    """What the stand-in saw of a ``ByteLM``'s blocks: the tensors each offloaded, the device
+    bytes held as the last block starts, and where the log stood once the last block's
+    backward was done (its input's gradient computed)."""
 
-    def recorded(self: OffloadBlocks, x: torch.Tensor) -> torch.Tensor:
-        sizes.append(len(self.groups[-1]))
-        return boundary(self, x)
+    def __init__(self, model: ByteLM, stand_in: StandIn) -> None:
+        self.ends: list[int] = []  # tensors offloaded by the end of each block
+        self.last_starts: list[int] = []  # device bytes offload holds as the last block starts
+        self.last_done: list[int] = []  # log length once the last block's backward is done
+        for blk in model.blocks:
+            blk.register_forward_hook(lambda *_: self.ends.append(len(stand_in.nbytes)))
 
-    monkeypatch.setattr(OffloadBlocks, "boundary", recorded)
-    model, loss, saved = _train(KINDS)
-    forward = len(stand_in.log)
-    groups, start = [], 0
-    for n in sizes:
-        groups.append(list(range(start, start + n)))
-        start += n
-    per_block = sum(stand_in.nbytes[i] for i in groups[0])
-    # The last block (and the final norm) stays on the device: its backward comes first.
-    assert sizes == [sizes[0], sizes[0], 0] and sizes[0] > 1
-    assert sum(stand_in.nbytes) == 2 * per_block
-    # The forward holds the block computing and the one before it, never more.
-    assert max(stand_in.peak_in[:forward]) <= 2 * per_block
-    torch.autograd.backward(loss)
-    # So does the backward: the block whose gradients it computes and the one coming back.
+        def last(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+            self.last_starts.append(sum(stand_in.holding.values()))
+            args[0].register_hook(done)  # type: ignore[no-untyped-call]
+
+        def done(_: torch.Tensor) -> None:
+            self.last_done.append(len(stand_in.log))
+
+        model.blocks[-1].register_forward_pre_hook(last)
+
+    def groups(self) -> list[list[int]]:
+        """The numbers of the tensors each block offloaded."""
+        return [list(range(a, b)) for a, b in zip([0, *self.ends], self.ends, strict=False)]
+
+
+def _assert_one_block(stand_in: StandIn, blocks: _Blocks, forward: int) -> int:
+    """The bound of docs/activations.md ("Offload"), checked at every operation of a step
+    (``forward``: the log's length when the backward started): the device bytes offload holds
+    never exceed the largest block's offloaded bytes, none while the last block (not
+    offloaded: it keeps its inputs as they are) runs its forward or its backward; every
+    tensor's copy back was started before the tensor used just before it was waited for
+    (prefetched, not fetched on demand; the first of them comes back while nothing computes:
+    the cost of the bound). Returns that bound."""
+    largest = max(sum(stand_in.nbytes[n] for n in group) for group in blocks.groups())
+    assert max(stand_in.peak_in) <= largest
+    assert blocks.last_starts == [0]
     final = stand_in.log[forward:]
-    assert max(stand_in.peak_in[forward:]) <= 2 * per_block
-    # Every block's tensors are all on their way back before the first of them is used, and
-    # before the block after it has used all of its own (the last block: before its
-    # backward): prefetched, not fetched on demand.
-    for i, group in enumerate(groups[:2]):
-        sent = [final.index(("to_device", n)) for n in group]
-        used = [final.index(("wait", n)) for n in group]
-        assert max(sent) < min(used)
-        if i == 0:
-            assert max(sent) < max(final.index(("wait", n)) for n in groups[1])
-        else:
-            assert final[: len(group)] == [("to_device", n) for n in group]
-    # Each tensor came back once and was used once; nothing is left on the device.
+    first_back = next(i for i, (op, _) in enumerate(final) if op == "to_device")
+    assert blocks.last_done and forward + first_back >= blocks.last_done[0]
+    waits = [i for i, (op, _) in enumerate(final) if op == "wait"]
+    for before, now in itertools.pairwise(waits):
+        assert final.index(("to_device", final[now][1])) < before
+    return largest
+
+
+def test_offload_holds_at_most_one_block_on_the_device_and_keeps_gradients(
+    stand_in: StandIn,
+) -> None:
+    ctx = ComputeCtx.new(DType.BF16, "cpu").with_activations(KINDS)
+    torch.manual_seed(0)
+    model = ByteLM(ctx, CONFIG)
+    blocks = _Blocks(model, stand_in)
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    with SavedActivations(exclude=[*model.parameters(), *model.buffers()]) as saved:
+        loss = model.loss(ids[:, :-1], ids[:, 1:])
+    forward = len(stand_in.log)
+    groups = blocks.groups()
+    sizes = [len(g) for g in groups]
+    # The last block (and the final norm) keeps its inputs on the device: its backward
+    # comes first.
+    assert sizes == [sizes[0], sizes[0], 0] and sizes[0] > 1
+    per_block = sum(stand_in.nbytes[n] for n in groups[0])
+    assert sum(stand_in.nbytes) == 2 * per_block
+    # The forward overlaps each copy out with about a block of compute: the compute stream
+    # waits for a copy only when the tensor of the same place in the next block goes out.
+    for n in range(2 * sizes[0]):
+        waited = stand_in.log.index(("throttle", n))
+        assert waited > stand_in.log.index(("to_host", min(n + sizes[0] - 1, 2 * sizes[0] - 1)))
+    torch.autograd.backward(loss, retain_graph=True)
+    assert _assert_one_block(stand_in, blocks, forward) == per_block
+    # Each tensor came back once, the last offloaded first, and was used once; nothing is
+    # left on the device.
+    final = stand_in.log[forward:]
     assert sorted(n for op, n in final if op == "wait") == list(range(2 * sizes[0]))
+    assert [n for op, n in final if op == "to_device"] == list(range(2 * sizes[0]))[::-1]
     assert not stand_in.holding
     # Exact: on the way back the op computes its internals again from the same input.
     keep, keep_loss, kept = _train("keep")
     torch.autograd.backward(keep_loss)
     assert torch.equal(loss, keep_loss)
-    assert all(torch.equal(a, b) for a, b in zip(_grads(model), _grads(keep), strict=True))
+    first = _grads(model)
+    assert all(torch.equal(a, b) for a, b in zip(first, _grads(keep), strict=True))
+    # A second backward (retain_graph) brings them back again, the same way.
+    first = [g.clone() for g in first]
+    torch.autograd.backward(loss)
+    assert stand_in.log[forward + len(final) :] == final and not stand_in.holding
+    assert all(torch.equal(2 * a, b) for a, b in zip(first, _grads(model), strict=True))
     # What stays on the device for the backward: the inputs of the first two blocks' ops
     # are gone; the last block keeps them as recompute does.
     assert saved.bytes() < kept.bytes()
@@ -268,11 +311,16 @@ def test_a_bare_offload_trains_a_byte_lm_as_keep(config: LMConfig, streams: str)
         for spec in ("keep", "offload"):
             torch.manual_seed(0)
             model = ByteLM(ComputeCtx.new(DType.BF16, "cpu").with_activations(spec), config)
+            blocks = _Blocks(model, stand_in)
             ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
-            torch.autograd.backward(model.loss(ids[:, :-1], ids[:, 1:]))
+            loss = model.loss(ids[:, :-1], ids[:, 1:])
+            forward = len(stand_in.log)
+            torch.autograd.backward(loss)
             grads.append(_grads(model))
     finally:
         STREAMS.reset(token)
+    if streams == "stand-in":  # the bound, with the linears and the experts offloaded
+        assert _assert_one_block(stand_in, blocks, forward) > 0
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     sent = len(stand_in.nbytes)  # each brought back and used once; nothing left
     assert (sent > 0) == (streams == "stand-in") and not stand_in.holding
