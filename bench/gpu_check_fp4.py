@@ -10,7 +10,10 @@ inside the call, as a 4-bit experts forward does), each with its TFLOP/s and the
 that ran it with its reason (``computectx.formats.ops.fp4.select_fp4_backend``): ``triton`` on
 a GPU with FP4 tensor cores (a B200: ``tl.dot_scaled`` on ``tcgen05.mma``), ``emulated``
 elsewhere (an H100/H200 has no FP4 tensor cores: the pure-torch twin in float32, whose TFLOP/s
-measure the twin, not FP4 tensor cores, and the row says so)."""
+measure the twin, not FP4 tensor cores, and the row says so). On a GPU with FP4 tensor cores the
+dense GEMM is also timed on each of its backends, forced: ``{fmt} fp4_scaled_mm [triton]``, and
+``[cublas]`` where torch's FP4 ``scaled_mm`` runs the format's recipe there
+(``fp4_cublas_recipes``; the row's reason is the probe's)."""
 
 from __future__ import annotations
 
@@ -22,8 +25,10 @@ from typing import Any
 
 import torch
 
-from computectx.formats.numerics.fp4_gemm import Fp4Quant
+from computectx.formats.numerics.fp4 import Nvfp4Operand
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.ops.fp4_backend import fp4_cublas_recipes
 
 GPU_SHAPE = (4096, 4096, 4096)
 GROUPS = 8
@@ -42,6 +47,26 @@ def _median_s(fn: Callable[[], object], device: torch.device, reps: int) -> floa
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _forced_dense(a: Fp4Operand, b: Fp4Operand, backend: str) -> Callable[[], torch.Tensor]:
+    # The dense GEMM's operator on one backend, as the entry point calls it.
+    args: list[object] = []
+    for q in (a, b):
+        if isinstance(q, Nvfp4Operand):
+            args += [q.codes, q.scale, q.amax.reshape(1), q.tile]
+        else:
+            args += [q.codes, q.scale, None, "1x32"]
+    return functools.partial(fp4_ops.fp4_scaled_mm, *args, None, torch.bfloat16, backend)
+
+
+def _dense_backends(device: torch.device, fmt: str, selected: str) -> list[tuple[str, str]]:
+    # (backend, reason) the dense GEMM is also timed on: none where the twins run.
+    if selected == fp4_ops.EMULATED:
+        return []
+    runs, why = fp4_cublas_recipes(device)[fmt]
+    forced = [(fp4_ops.TRITON, "forced: the Triton kernel (tl.dot_scaled)")]
+    return forced + ([(fp4_ops.CUBLAS, f"forced: {why}")] if runs else [])
 
 
 def section_fp4(device: torch.device, smoke: bool, reps: int) -> list[dict[str, Any]]:
@@ -90,6 +115,8 @@ def section_fp4(device: torch.device, smoke: bool, reps: int) -> list[dict[str, 
             backend,
             reason,
         )
+        for forced, why in _dense_backends(device, fmt, backend):
+            add(f"{fmt} fp4_scaled_mm [{forced}]", _forced_dense(a, b, forced), forced, why)
         experts = wb.unsqueeze(0).expand(GROUPS, n, k).contiguous()
         ends = [(g + 1) * m // GROUPS for g in range(GROUPS)]
         offs = torch.tensor(ends, dtype=torch.int32, device=device)
