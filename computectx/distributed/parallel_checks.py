@@ -137,13 +137,14 @@ def _check_layer_entries(model: nn.Module, saved: Mapping[str, object]) -> None:
 
 def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Stop with the same ``ValueError`` on every rank when the ranks converted different
-    layers to 4 bits (FQN, class and recipe of every ``Fp4Linear`` and ``Fp4Experts``: another
-    ``fp8_filter`` on one rank). One ``all_gather_object`` at setup, before any collective the
+    layers to 4 bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear``
+    and ``Fp4Experts``: another ``fp8_filter`` on one rank, or streams assigned under other
+    names: ``assign_fp4_streams``). One ``all_gather_object`` at setup, before any collective the
     4-bit layers shape: FSDP2 would gather one rank's weight as 4-bit codes and the other's in
     high precision, and ``Parallel.step`` all-reduce one counter per 4-bit layer, each rank a
     different count (both waited until the collective timeout)."""
     mine = [
-        (fqn, f"{type(m).__name__} under {m.recipe}")
+        (fqn, f"{type(m).__name__} under {m.recipe} on stream {m.sr_stream}")
         for fqn, m in model.named_modules()
         if isinstance(m, Fp4Linear | Fp4Experts)
     ]
@@ -159,7 +160,7 @@ def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> 
         f"{', '.join(map(str, differ))} differ from rank 0 in their 4-bit layers; the first that "
         f"differs is {fqn!r}: rank 0 holds {zero.get(fqn, 'no 4-bit layer')}, rank {differ[0]} "
         f"holds {other.get(fqn, 'no 4-bit layer')}. Build the same model and convert it with "
-        f"the same fp8_filter on every rank"
+        f"the same fp8_filter on every rank (and the same streams: assign_fp4_streams)"
     )
 
 

@@ -36,6 +36,7 @@ from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_streams import assign_fp4_streams
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
 from computectx.formats.linear.unsynced import ScalingNotSyncedWarning
@@ -78,6 +79,7 @@ __all__ = [
     "ScalingState",
     "ServingWeight",
     "SkippedLinear",
+    "assign_fp4_streams",
     "autocast",
     "checkpoint_context_fn",
     "checkpoint_policy",

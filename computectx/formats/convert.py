@@ -26,6 +26,7 @@ from computectx.formats.convert_report import (
 )
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_rules import model_blocks, unheeded_rules
+from computectx.formats.linear.fp4_streams import assign_streams_to
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.numerics.inline import QuantizeImpl, parse_quantize
 from computectx.formats.policy import (
@@ -131,9 +132,8 @@ def convert_to_quantized(
     linears among them; the filter is not asked about these); ``in_features`` or
     ``out_features`` not a multiple of ``FEATURE_MULTIPLE`` (16, the fp8 GEMM tile step:
     ``check_fp8_widths``, the check ``QuantizedLinear`` raises) or, under ``mx``, of 32 (rule
-    ``granularity``: ``check_granularity_widths``); a weight that is not
-    bf16/fp16/fp32; ``model`` itself (no parent to swap it into; use
-    ``QuantizedLinear.from_linear``).
+    ``granularity``: ``check_granularity_widths``); a weight that is not bf16/fp16/fp32;
+    ``model`` itself (no parent to swap it into; use ``QuantizedLinear.from_linear``).
 
     **Converting again.** A layer that is already a ``QuantizedLinear`` under the same policy
     (``ctx.recipe`` and ``ctx.compute``, what it reads) is left as it is and reported in
@@ -153,7 +153,8 @@ def convert_to_quantized(
     high (rule ``router``). **4-bit recipes**: ``Fp4Linear``, and ``Fp4Experts`` for
     ``computectx.nn``'s experts (others raise ``NotImplementedError``: fp8 never stands in);
     ``hp`` and ``hp_last`` skip linears and experts alike (``kept_high``), a rule that can keep
-    nothing high is a ``UserWarning``, and ``backend`` or ``quantize`` a ``ValueError``.
+    nothing high is a ``UserWarning``, and ``backend`` or ``quantize`` a ``ValueError``. Each
+    4-bit module built gets the stream of its name in ``model`` (``assign_fp4_streams``).
 
     ``backend`` and ``quantize`` go to every new ``QuantizedLinear`` (``"inline"`` lets Inductor
     fuse the quantize of a compiled model; same bytes as the default ``"op"``).
@@ -177,15 +178,14 @@ def convert_to_quantized(
     # Build every replacement (which validates ctx and backend) before swapping any.
     replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
     _warn_unheeded(rules, places, experts)
-    expert_names = _swap(replacements, places, experts, experts.settings(policy, backend))
+    expert_names = _swap(model, replacements, places, experts, experts.settings(policy, backend))
     if replacements or expert_names:
         guard_whole_loads(model)  # load_state_dict checks every layer's state before any loads
     return _reported(rules, order, places, converted, skipped, expert_names)
 
 
 Places = dict[int, list[tuple[str, nn.Module, str]]]
-"""``id(linear) -> [(fqn, parent, attribute)]``: every place a linear sits (a module shared
-under two names sits in two)."""
+"""``id(linear) -> [(fqn, parent, attribute)]``: every place a linear sits (one shared: each)."""
 
 
 def _warn_unheeded(rules: _Rules, places: Places, experts: ExpertsPlan) -> None:
@@ -318,24 +318,27 @@ def _decide(
 
 
 def _swap(
+    model: nn.Module,
     replacements: list[tuple[nn.Linear, nn.Module]],
     places: Places,
     experts: ExpertsPlan,
     settings: tuple[ExpertsSetting, ...],
 ) -> tuple[str, ...]:
-    """Put every replacement in each of its linear's places, then convert the experts; the
-    names of the converted experts. An experts converter is the one step that can still fail
-    (a framework's own ``convert()``): it undoes its modules, and the linears go back."""
+    """Put every replacement in each of its linear's places, convert the experts, and give the
+    new 4-bit modules their names' streams in ``model``; the converted experts' names. Only an
+    experts converter can fail (its ``convert()``): it undoes its modules, the linears go back."""
     for lin, new in replacements:
         for _, parent, name in places[id(lin)]:
             setattr(parent, name, new)
     try:
-        return experts.apply(settings)
+        names = experts.apply(settings)
     except BaseException:
         for lin, _ in replacements:
             for _, parent, name in places[id(lin)]:
                 setattr(parent, name, lin)
         raise
+    assign_streams_to(model, [*(new for _, new in replacements), *settings])  # 4 bits only
+    return names
 
 
 def _checked_converters(

@@ -19,7 +19,7 @@ from computectx._checks import CheckedModel, as_int
 from computectx.activations import ACTIVATION_KINDS
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
-from computectx.formats import Backend, QuantizedExperts, QuantizedLinear
+from computectx.formats import Backend, QuantizedExperts, QuantizedLinear, assign_fp4_streams
 from computectx.formats.seam import guard_whole_loads
 from computectx.nn.attention import Attention
 from computectx.nn.experts import GroupedExperts
@@ -222,6 +222,8 @@ class ByteLM(nn.Module):
         if acts.checkpoint != "none" and not any(acts.checkpointed(i, n) for i in range(n)):
             warnings.warn(f"checkpoint={acts.checkpoint} names none of {n} blocks", stacklevel=2)
         self._init_weights()
+        # Blocks convert under local names (each attn.q alike): 4-bit streams by model names.
+        assign_fp4_streams(self)
         guard_whole_loads(self)  # load_state_dict checks every fp8 layer before any loads
 
     def _init_weights(self) -> None:

@@ -16,7 +16,8 @@ train ``STEPS`` steps, save with DCP (``params["two"]``), train one more step; a
 loads that checkpoint and trains the same step. Each phase reports the whole weights and the
 counters. Then every rank loads zeroed weights, rank 1 with a counter out of range
 (``one_rank_bad``: each rank's error and whether its weights stayed), and a ``parallelize``
-whose ``fp8_filter`` converts layer 0 on rank 0 only (``filter_differs``: each rank's error), and
+whose ``fp8_filter`` converts layer 0 on rank 0 only (``filter_differs``: each rank's error), one
+whose layer 0 runs on another stochastic-rounding stream on rank 1 (``streams_differ``), and
 a model sharded by hand along dim 1 (``column_shards``: its first forward's error).
 """
 
@@ -244,7 +245,7 @@ def _one_rank_bad_counter(par: Parallel) -> tuple[str, bool]:
         if key.endswith("_extra_state"):
             if dist.get_rank() == 1:
                 model[key] = value.clone()
-                model[key][-1] = -5
+                model[key][3] = -5  # [version, recipe code, seed, counter, stream]
         elif isinstance(value, torch.Tensor):
             model[key] = torch.zeros_like(value)
     try:
@@ -270,6 +271,26 @@ def _filter_differs(recipe: str, mesh: DeviceMesh) -> str:
             strategy="fsdp",
             optimizer_class=torch.optim.SGD,
             fp8_filter=lambda m, fqn: fqn != skip,
+            join_timeout=JOIN_S,
+        )
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def _streams_differ(recipe: str, mesh: DeviceMesh) -> str:
+    """``parallelize`` of a converted model whose layer 0 rank 1 moved to another
+    stochastic-rounding stream (12345): the error this rank raised ("" if none)."""
+    seq = model(recipe)
+    if dist.get_rank() == 1:
+        layers(seq)[0].set_sr_stream(12345)
+    try:
+        parallelize(
+            seq,
+            ctx_of(recipe),
+            mesh,
+            strategy="fsdp",
+            optimizer_class=torch.optim.SGD,
             join_timeout=JOIN_S,
         )
     except ValueError as e:
@@ -347,6 +368,7 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     out["resumed"] = (whole(fresh.module), counters(fresh.module))
     out["one_rank_bad"] = _one_rank_bad_counter(fresh)
     out["filter_differs"] = _filter_differs(recipe, mesh)
+    out["streams_differ"] = _streams_differ(recipe, mesh)
     out["column_shards"] = _column_shards(recipe, mesh)
     out["fp8_column_shards"] = _fp8_column_shards(mesh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.

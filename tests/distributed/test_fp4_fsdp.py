@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict_saver import save
 from computectx.distributed import parallelize
 from computectx.formats import Fp4Linear
 from computectx.formats.linear.fp4 import fp4_quant
+from computectx.formats.linear.fp4_streams import stream_of
 from computectx.formats.ops import fp4 as fp4_ops
 
 from .conftest import _run
@@ -234,10 +235,13 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
             rank,
             r["filter_differs"],
         )
-        assert (
-            "'0': rank 0 holds Fp4Linear under nvfp4, rank 1 holds no 4-bit layer"
-            in r["filter_differs"]
-        )
+        zero = f"Fp4Linear under nvfp4 on stream {stream_of('0')}"
+        assert f"'0': rank 0 holds {zero}, rank 1 holds no 4-bit layer" in r["filter_differs"]
+        # Another stream on rank 1 (its uniforms other than rank 0's): refused at setup too.
+        streams = r["streams_differ"]
+        assert "rank(s) 1 differ from rank 0 in their 4-bit layers" in streams, (rank, streams)
+        want = f"'0': rank 0 holds {zero}, rank 1 holds Fp4Linear under nvfp4 on stream 12345"
+        assert want in streams, streams
         # Column shards (Shard(1)): torch's "shape '[128, 32]' is invalid for input of size
         # 2048" from inside FSDP2 before; now ours, naming the weight.
         column = r["column_shards"]

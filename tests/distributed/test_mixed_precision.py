@@ -9,6 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from computectx.formats.linear.fp4_counter import stream_word
+from computectx.formats.linear.fp4_streams import stream_of
+
 from .conftest import RunRanks
 
 LIMIT_S = 90.0
@@ -79,7 +82,12 @@ def _check_fp4_ddp(ranks: list[dict[str, Any]]) -> None:
     want = [(a + b) / 2 for a, b in zip(*grads, strict=True)]
     for r in ranks:
         assert all(torch.equal(g, w) for g, w in zip(r["grads"], want, strict=True))
-        assert [k.tolist() for k in r["keys"]] == [[0, 32 * (20 + 32)], [0, 16 * (20 + 32)]]
+        # Each layer's key word is its stream's (seed 0 on the stream of its name).
+        words = [stream_word(0, stream_of(name)) for name in ("0", "2")]
+        assert [k.tolist() for k in r["keys"]] == [
+            [words[0], 32 * (20 + 32)],
+            [words[1], 16 * (20 + 32)],
+        ]
     # Against one process on the whole batch (one amax for all 40 rows, the sum halved as
     # DDP averages): apart by the 4-bit noise only.
     whole = fp4_model()

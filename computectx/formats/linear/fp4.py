@@ -22,27 +22,30 @@ whole weight's operands bit for bit, ``linear.fp4_gathered``) is multiplied with
 its own ``Wᵀ`` operand in the dgrad.
 
 **Stochastic rounding** (the gradients only, ``recipe.stochastic``) draws Philox bits keyed
-by ``(recipe.seed, counter)``: the counter (``sr_key``; its rules are ``linear.fp4_counter``'s)
+by ``(key word, counter)``, the word the layer's stream's (``sr_stream``: the recipe's seed
+itself on stream 0, a mix of the seed and the stream otherwise; ``assign_fp4_streams`` gives
+each layer of a model its own): the counter (``sr_key``; its rules are ``linear.fp4_counter``'s)
 is plain CPU state, never a buffer (DDP would broadcast it before each forward: a lone
 validation forward on one rank would be a collective, and rank 0's counter would overwrite
 the others'). Each call that can run a backward advances it by the elements its backward
 rounds (``M * N`` for dY, ``N * M_pad`` for dYᵀ); ``_extra_state`` saves it, so a resumed
-run draws the same bits. A replayed call (``replays_a_call``: a non-reentrant checkpoint's
-recomputation) advances nothing and its backward reads the original call's key, so the
-gradients are bit for bit a run's without checkpointing; a reentrant checkpoint's forward
-runs under ``no_grad`` (no key) and its recomputation draws and advances as the plain call
-would.
+run draws the same bits (and the stream: it resumes on it). A replayed call
+(``replays_a_call``: a non-reentrant checkpoint's recomputation) advances nothing and its
+backward reads the original call's key, so the gradients are bit for bit a run's without
+checkpointing; a reentrant checkpoint's forward runs under ``no_grad`` (no key) and its
+recomputation draws and advances as the plain call would.
 
 **Loading** checks the policy: ``_extra_state`` (int64 ``[version, recipe code, seed,
-counter]``) saved under another 4-bit recipe or seed, a counter outside ``[0,
-FP4_COUNTER_LIMIT)``, or fp8 scaling entries (``fp8_*``: an fp8 checkpoint), raise
+counter, stream]``; version 1's, without the stream, loads as stream 0) saved under another
+4-bit recipe or seed, a counter outside ``[0, FP4_COUNTER_LIMIT)``, a negative stream, or fp8
+scaling entries (``fp8_*``: an fp8 checkpoint), raise
 ``ValueError`` naming the layer before anything loads; an ``nn.Linear`` checkpoint (no
-``_extra_state``) loads with the counter as it is.
+``_extra_state``) loads with the counter and stream as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -55,6 +58,7 @@ from computectx.formats.linear.fp4_counter import (
     FP4_COUNTER_LIMIT,
     FP4_STATE_VERSION,
     CounterLoads,
+    check_stream,
     fp4_key,
     recipe_code,
     replays_a_call,
@@ -102,7 +106,10 @@ class Fp4Linear(CounterLoads, nn.Linear):
 
     Same ``weight``/``bias`` parameters as ``nn.Linear`` (an ``nn.Linear`` checkpoint loads),
     trained in high precision and quantized from their current values at every call, plus
-    ``_extra_state``: the stochastic rounding's counter and the recipe it was drawn under.
+    ``_extra_state``: the stochastic rounding's counter, its stream and the recipe it was
+    drawn under (saved and loaded by ``CounterLoads``, ``linear.fp4_counter``). ``sr_stream``
+    is the stream (0 unless given: the recipe's seed itself; ``set_sr_stream`` before the
+    layer draws, or ``assign_fp4_streams`` for a whole model).
     Widths must be multiples of the recipe's block (16 for NVFP4, 32 for MXFP4); inputs of
     any leading shape and any number of rows (none: an empty output, zero weight gradient),
     bf16/fp16/fp32 (another dtype, float64 included, is a ``TypeError``); the output has the
@@ -120,8 +127,10 @@ class Fp4Linear(CounterLoads, nn.Linear):
         ctx: ComputeCtx,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        sr_stream: int = 0,
     ) -> None:
         recipe = _recipe_of(ctx)
+        check_stream(sr_stream, f"Fp4Linear({in_features}, {out_features})")
         for name, width in (("in_features", in_features), ("out_features", out_features)):
             if width % recipe.block:
                 raise ValueError(
@@ -135,17 +144,20 @@ class Fp4Linear(CounterLoads, nn.Linear):
         self.ctx = ctx
         self.recipe = recipe
         self._how = fp4_quant(recipe)
-        self.sr_key = fp4_key(recipe)
+        self.sr_stream = sr_stream
+        self.sr_key = fp4_key(recipe, 0, sr_stream)
 
     sr_key: torch.Tensor
-    """int64 ``(2,)`` on the CPU: the stochastic rounding's seed (``recipe.seed``, two's
-    complement) and counter. Plain state, not a buffer (module docstring): ``.to()`` leaves
-    it on the CPU, where the operators read it with no device sync."""
+    """int64 ``(2,)`` on the CPU: the stochastic rounding's key word (``recipe.seed``, two's
+    complement, on stream 0; ``fp4_counter.stream_word``) and counter. Plain state, not a
+    buffer (module docstring): ``.to()`` leaves it on the CPU, where the operators read it
+    with no device sync."""
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, ctx: ComputeCtx) -> Fp4Linear:
+    def from_linear(cls, linear: nn.Linear, ctx: ComputeCtx, *, sr_stream: int = 0) -> Fp4Linear:
         """An ``Fp4Linear`` holding ``linear``'s own ``weight`` and ``bias`` Parameters
-        (shared, not copied: an optimizer built over the old module trains the new one)."""
+        (shared, not copied: an optimizer built over the old module trains the new one), on
+        the stochastic-rounding stream ``sr_stream``."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"from_linear takes an nn.Linear, got {describe(linear)}")
         w = linear.weight
@@ -157,6 +169,7 @@ class Fp4Linear(CounterLoads, nn.Linear):
             ctx=ctx,
             device="meta",
             dtype=w.dtype,
+            sr_stream=sr_stream,
         )
         new.weight = w
         new.bias = linear.bias
@@ -234,44 +247,13 @@ class Fp4Linear(CounterLoads, nn.Linear):
         multiplies with as it is: ``linear.fp4_gathered``)."""
         return Fp4ShardGather(self._how)
 
-    # ----- state ----------------------------------------------------------------------------
-
-    def get_extra_state(self) -> torch.Tensor:
-        """int64 ``[FP4_STATE_VERSION, recipe code, seed, counter]`` (a tensor: safetensors
-        and DCP save it as they save the weights)."""
-        head = torch.tensor([FP4_STATE_VERSION, recipe_code(self.recipe)], dtype=torch.int64)
-        return torch.cat([head, self.sr_key])
-
-    def set_extra_state(self, state: Any) -> None:
-        """Install a saved counter (checked by ``check_load`` first)."""
-        self.check_load({"_extra_state": state}, "")
-        self.sr_key = fp4_key(self.recipe, int(state[3]))
-
-    def state_load_keys(self) -> tuple[str, ...]:
-        """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this layer's rule."""
-        return ("_extra_state",)
-
-    def plan_state_load(
-        self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
-    ) -> Callable[[], None]:
-        """Check ``tensors`` (local names) as ``load_state_dict`` does (``check_load``) and
-        return what installs the saved counter once the weights are in place."""
-        self.check_load(tensors, prefix)
-        state = tensors.get("_extra_state")
-        if state is None:  # an nn.Linear checkpoint: the counter as it is
-            return lambda: None
-        counter = int(state[3])  # read now: a memory-mapped file may go
-
-        def install() -> None:
-            self.sr_key = fp4_key(self.recipe, counter)
-
-        return install
+    # ----- state (get_extra_state, set_extra_state, plan_state_load: CounterLoads) -----------
 
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
         """``ValueError`` naming the layer when ``entries`` (local names) were saved by an fp8
         layer or under another 4-bit recipe or seed (naming both policies), or hold a counter
-        outside ``[0, FP4_COUNTER_LIMIT)`` (``guard_whole_loads`` runs this on every layer
-        before any loads)."""
+        outside ``[0, FP4_COUNTER_LIMIT)`` or a negative stream (``guard_whole_loads`` runs
+        this on every layer before any loads)."""
         layer = prefix[:-1] or "the layer"
         fp8 = sorted(k for k in entries if k.startswith("fp8_"))
         if fp8:

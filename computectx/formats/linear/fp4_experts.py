@@ -15,16 +15,17 @@ their own amax, the wgrad's are zero-padded and Hadamard-transformed per group, 
 reads nothing of its expert (no rows, a zero ``dW[g]``), rows past ``offs[-1]`` come out zero.
 
 **What is bit-equal** (``tests/formats/linear/test_fp4_experts.py``): with stochastic
-rounding off, ``Y``'s rows, ``dX``'s rows and ``dW[g]`` of group ``g`` are ``Fp4Linear``'s on
-those rows, bit for bit. With it on, the same given the same bits: a call keyed
-``[seed, C]`` (for ``x [M, K]``, ``w [E, N, K]``) draws group ``g``'s ``dY_g`` at counter
-``C + start_g·N`` (the bits one quantize of the whole ``dY`` draws) and its ``dY_gᵀ`` at
-``C + M·N + N·Σ_{h<g} pad(m_h)``, ``pad`` rounding up to 16 rows (NVFP4; 32 for MXFP4): an
-``Fp4Linear`` whose counter puts its own draw there gives the same ``dX`` and ``dW[g]``. With
-one group of all the rows that is ``Fp4Linear`` at counter ``C`` exactly. Nothing here is by
-bound; against the bf16 GEMM each group is within the dense twin's bound
-(``numerics.fp4_gemm.fp4_mm_error_bound``), and against one 4-bit GEMM of the whole batch
-(one amax for all rows) it differs by the 4-bit noise, by design.
+rounding off, ``Y``'s rows, ``dX``'s rows and ``dW[g]`` of group ``g`` are ``Fp4Linear``'s
+on those rows, bit for bit. With it on, the same given the same bits: a call keyed ``[word,
+C]`` (the stream's word: ``Fp4Linear``'s on the same stream) (for ``x [M, K]``, ``w [E, N,
+K]``) draws group ``g``'s ``dY_g`` at counter ``C + start_g·N`` (the bits one quantize of
+the whole ``dY`` draws) and its ``dY_gᵀ`` at ``C + M·N + N·Σ_{h<g} pad(m_h)``, ``pad``
+rounding up to 16 rows (NVFP4; 32 for MXFP4): an ``Fp4Linear`` whose counter puts its own
+draw there gives the same ``dX`` and ``dW[g]``. With one group of all the rows that is
+``Fp4Linear`` at counter ``C`` exactly. Nothing here is by bound; against the bf16 GEMM each
+group is within the dense twin's bound (``numerics.fp4_gemm.fp4_mm_error_bound``), and
+against one 4-bit GEMM of the whole batch (one amax for all rows) it differs by the 4-bit
+noise, by design.
 
 **The counter** (``sr_key``, int64 ``[seed, counter]``) is plain CPU state, never a buffer
 (``Fp4Linear``'s rule: DDP would broadcast a buffer). It advances at every call that can run a
@@ -32,7 +33,7 @@ backward (grad enabled, ``recipe.stochastic``) by ``N·(M + Σ_g pad(m_g))``, co
 ``offs`` by tensor ops (no ``.tolist()``: a compiled caller recompiles neither as group sizes
 nor as the counter change), by a new tensor, never in place; a replayed call (a non-reentrant
 checkpoint's recomputation) advances nothing, its backward reading the original call's key.
-It is this module's ``_extra_state`` (``[version, recipe code, seed, counter]``,
+It is this module's ``_extra_state`` (``[version, recipe code, seed, counter, stream]``,
 ``Fp4Linear``'s layout), so a converted experts module's state dict holds it
 (``experts.fp8._extra_state`` for ``computectx.nn.GroupedExperts``) and a resumed run draws
 the same bits; one saved under another 4-bit recipe or seed, or a counter outside ``[0,
@@ -46,7 +47,7 @@ would no longer be ``Fp4Linear``'s); under ``offload`` in host memory; nothing o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
@@ -54,9 +55,10 @@ from torch import nn
 from torch.autograd.function import FunctionCtx
 
 from computectx.activations import SaveMode
-from computectx.formats.linear.fp4 import FP4_STATE_VERSION, fp4_quant, recipe_code
+from computectx.formats.linear.fp4 import fp4_quant
 from computectx.formats.linear.fp4_counter import (
     CounterLoads,
+    check_stream,
     fp4_key,
     replays_a_call,
     saved_counter,
@@ -87,23 +89,28 @@ class ExpertsGemm(Protocol):
 
 class Fp4Experts(CounterLoads, nn.Module):
     """The 4-bit setting of one experts module: its recipe and stochastic-rounding counter
-    (module docstring). ``convert_to_quantized`` makes one per experts module it converts
-    under a 4-bit ctx, on the weights' device; it moves with its module."""
+    (module docstring) and stream (``sr_stream``, 0 unless given; ``set_sr_stream``,
+    ``assign_fp4_streams``: ``CounterLoads`` saves and loads both). ``convert_to_quantized``
+    makes one per experts module it converts under a 4-bit ctx, on the weights' device, on
+    the stream of its name; it moves with its module."""
 
     sr_key: torch.Tensor
-    """int64 ``(2,)`` on the CPU: the stochastic rounding's seed (two's complement) and
-    counter; plain state, not a buffer (module docstring)."""
+    """int64 ``(2,)`` on the CPU: the stochastic rounding's key word (the seed, two's
+    complement, on stream 0: ``Fp4Linear``'s) and counter; plain state, not a buffer (module
+    docstring)."""
 
-    def __init__(self, recipe: Fp4Recipe) -> None:
+    def __init__(self, recipe: Fp4Recipe, *, sr_stream: int = 0) -> None:
         super().__init__()
         if not isinstance(recipe, Fp4Recipe):
             raise TypeError(
                 f"Fp4Experts takes an Fp4Recipe (ctx.recipe under nvfp4/mxfp4), got "
                 f"{describe(recipe)}"
             )
+        check_stream(sr_stream, "Fp4Experts")
         self.recipe = recipe
         self.how: Fp4Quant = fp4_quant(recipe)
-        self.sr_key = fp4_key(recipe)
+        self.sr_stream = sr_stream
+        self.sr_key = fp4_key(recipe, 0, sr_stream)
         # load_state_dict checks the counter before any module loads, from whatever root:
         # the guard climbs to each module this one is registered under.
         guard_whole_loads(self)
@@ -142,43 +149,14 @@ class Fp4Experts(CounterLoads, nn.Module):
             self.sr_key = key + torch.cat([drawn.new_zeros(1), drawn])
         return y
 
-    # ----- state ----------------------------------------------------------------------------
-
-    def get_extra_state(self) -> torch.Tensor:
-        """int64 ``[FP4_STATE_VERSION, recipe code, seed, counter]`` (``Fp4Linear``'s)."""
-        head = torch.tensor([FP4_STATE_VERSION, recipe_code(self.recipe)], dtype=torch.int64)
-        return torch.cat([head, self.sr_key])
-
-    def set_extra_state(self, state: Any) -> None:
-        """Install a saved counter (checked by ``check_load`` first)."""
-        self.check_load({"_extra_state": state}, "")
-        self.sr_key = fp4_key(self.recipe, int(state[3]))
-
-    def state_load_keys(self) -> tuple[str, ...]:
-        """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this rule."""
-        return ("_extra_state",)
-
-    def plan_state_load(
-        self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
-    ) -> Callable[[], None]:
-        """Check ``tensors`` (local names) as ``load_state_dict`` does and return what
-        installs the saved counter (none saved: the counter as it is)."""
-        self.check_load(tensors, prefix)
-        if "_extra_state" not in tensors:
-            return lambda: None
-        counter = int(tensors["_extra_state"][3])  # read now: a memory-mapped file may go
-
-        def install() -> None:
-            self.sr_key = fp4_key(self.recipe, counter)
-
-        return install
+    # ----- state (get_extra_state, set_extra_state, plan_state_load: CounterLoads) -----------
 
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
         """``ValueError`` when ``entries`` (local names) hold an ``_extra_state`` that is not a
         counter in ``Fp4Linear``'s layout (``None`` included: an entry present is checked,
-        never read as absent), was saved under another 4-bit recipe or seed (naming both) or
-        lies outside ``[0, FP4_COUNTER_LIMIT)`` (the whole-load guard runs this before any
-        module loads; ``linear.fp4_counter.saved_counter``)."""
+        never read as absent), was saved under another 4-bit recipe or seed (naming both),
+        lies outside ``[0, FP4_COUNTER_LIMIT)`` or holds a negative stream (the whole-load
+        guard runs this before any module loads; ``linear.fp4_counter.saved_counter``)."""
         if "_extra_state" not in entries:
             return
         where = f"{prefix}_extra_state of the 4-bit experts {prefix[:-1] or 'setting'!r}"

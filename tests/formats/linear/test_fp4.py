@@ -15,7 +15,9 @@ from torch.utils.checkpoint import checkpoint
 from computectx import ComputeCtx
 from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.formats.linear.fp4 import Fp4Linear, fp4_quant
+from computectx.formats.linear.fp4_counter import stream_word
 from computectx.formats.linear.fp4_rules import model_blocks
+from computectx.formats.linear.fp4_streams import stream_of
 from computectx.formats.numerics import fp4_gemm
 from computectx.formats.numerics.e2m1 import Stochastic
 from computectx.formats.numerics.fp4 import Nvfp4Operand
@@ -44,21 +46,30 @@ def _data(m: int, k: int, n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Te
     return x, dy
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_the_three_gemms_are_the_twins_on_the_operand_table(name: str) -> None:
+STREAM = 2**62 + 7  # a stream's key word is stream_word(seed, stream), not the seed
+
+
+@pytest.mark.parametrize(
+    ("name", "stream"),
+    [*((n, 0) for n in RECIPES), ("nvfp4", STREAM), ("mxfp4+floor+sr+rht", STREAM)],
+)
+def test_the_three_gemms_are_the_twins_on_the_operand_table(name: str, stream: int) -> None:
     # Y, dX and dW equal the twin's GEMMs of the operands TE's table gives each, bit for bit;
-    # dY's two quantizes draw consecutive counter ranges from the layer's key.
+    # dY's two quantizes draw consecutive counter ranges from the layer's key, whose word is
+    # the stream's (stream 0: the recipe's seed, as before streams).
     recipe = RECIPES[name]
     torch.manual_seed(0)
-    lin = Fp4Linear(64, 32, ctx=_ctx(recipe))
+    lin = Fp4Linear(64, 32, ctx=_ctx(recipe), sr_stream=stream)
+    word = stream_word(recipe.seed, stream)
+    assert (word == recipe.seed) is (stream == 0)
     x, dy = _data(21, 64, 32)
     x.requires_grad_(True)
     y = lin(x)
     y.backward(dy)
     how, w, b = fp4_quant(recipe), lin.weight.detach(), lin.bias.detach()
     q = fp4_gemm.quantize_rows
-    row = Stochastic(recipe.seed, 0) if recipe.stochastic else None
-    col = Stochastic(recipe.seed, 21 * 32) if recipe.stochastic else None
+    row = Stochastic(word % 2**64, 0) if recipe.stochastic else None
+    col = Stochastic(word % 2**64, 21 * 32) if recipe.stochastic else None
     want_y = fp4_gemm.reference_fp4_mm(q(x.detach(), how), q(w, how, weight=True), x.dtype, b)
     want_dx = fp4_gemm.reference_fp4_mm(
         q(dy, how, stochastic=row), q(w.t().contiguous(), how, weight=True), x.dtype
@@ -72,7 +83,7 @@ def test_the_three_gemms_are_the_twins_on_the_operand_table(name: str) -> None:
     assert lin.weight.grad is not None and torch.equal(lin.weight.grad, want_dw)
     assert lin.bias.grad is not None and torch.equal(lin.bias.grad, dy.float().sum(0))
     # The counter moved past both ranges (21 rows, padded to 32 for the column-wise one).
-    assert lin.sr_key.tolist() == [recipe.seed, 32 * (21 + 32) if recipe.stochastic else 0]
+    assert lin.sr_key.tolist() == [word, 32 * (21 + 32) if recipe.stochastic else 0]
 
 
 def test_calls_without_a_backward_advance_nothing_and_a_frozen_weight_keeps_no_xt() -> None:
@@ -132,7 +143,8 @@ def test_a_resumed_run_draws_the_same_bits_through_safetensors(tmp_path: Path) -
     after = _step(run, x)  # the run goes on
     resumed = _two_layers(RECIPES["nvfp4"])
     resumed.load_state_dict(load_file(str(tmp_path / "mid.safetensors")))
-    assert torch.equal(_key(resumed), torch.tensor([5, 64 * (12 + 16)]))
+    word = stream_word(5, stream_of("0"))  # convert_to_quantized's stream for layer '0'
+    assert torch.equal(_key(resumed), torch.tensor([word, 64 * (12 + 16)]))
     assert all(torch.equal(u, v) for u, v in zip(after, _step(resumed, x), strict=True))
     # A fresh layer's counter differs: its dY would round with other bits.
     fresh = _two_layers(RECIPES["nvfp4"])

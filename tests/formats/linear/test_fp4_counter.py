@@ -25,7 +25,9 @@ from computectx.formats.linear.fp4_counter import (
     recipe_code,
     saved_counter,
     signed_seed,
+    stream_word,
 )
+from computectx.formats.linear.fp4_streams import stream_of
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.memory import load_weights
 
@@ -48,6 +50,10 @@ def _counters(model: nn.Module) -> list[list[int]]:
     return [m.sr_key.tolist() for m in model.modules() if isinstance(m, Fp4Linear)]
 
 
+W0, W2 = (stream_word(5, stream_of(name)) for name in ("0", "2"))
+"""The key words of ``_model()``'s layers: seed 5 on the streams of their names."""
+
+
 def test_the_counter_is_cpu_state_not_a_buffer_and_follows_copies_and_loads() -> None:
     model = _model()
     _train(model)
@@ -63,7 +69,7 @@ def test_the_counter_is_cpu_state_not_a_buffer_and_follows_copies_and_loads() ->
     model.to(torch.float64).to(torch.float32)  # .to() moves the parameters, not the counter
     assert all(m.sr_key.device.type == "cpu" for m in model if isinstance(m, Fp4Linear))
     want = _counters(model)
-    assert want == [[5, 64 * (12 + 16)], [5, 16 * (12 + 16)]]
+    assert want == [[W0, 64 * (12 + 16)], [W2, 16 * (12 + 16)]]
     twin = copy.deepcopy(model)
     assert _counters(twin) == want
     _train(twin)  # the copy's counter is its own
@@ -99,7 +105,7 @@ def test_a_counter_out_of_range_is_refused_by_load_state_dict_before_any_load(va
     assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing written
     # The counter at the limit's edge loads.
     model.load_state_dict(_with_counter(source, FP4_COUNTER_LIMIT - 1))
-    assert _counters(model)[1] == [5, FP4_COUNTER_LIMIT - 1]
+    assert _counters(model)[1] == [W2, FP4_COUNTER_LIMIT - 1]
 
 
 @pytest.mark.parametrize("value", [-5, 2**62 - 1])
@@ -110,7 +116,7 @@ def test_set_extra_state_and_load_weights_refuse_it_too(value: int, tmp_path: Pa
     assert isinstance(lin, Fp4Linear)
     with pytest.raises(ValueError, match=rf"counter {value}.*{RANGE}"):
         lin.set_extra_state(state["2._extra_state"])
-    assert lin.sr_key.tolist() == [5, 0]
+    assert lin.sr_key.tolist() == [W2, 0]
     path = tmp_path / "bad.safetensors"
     save_file(state, str(path))
     model = _model()
@@ -131,7 +137,7 @@ def test_a_reentrant_checkpoint_advances_the_counter_once_as_a_plain_call() -> N
         plain(x).float().square().sum().backward()
         y = checkpoint(ckpt, x.requires_grad_(True), use_reentrant=True)
         y.float().square().sum().backward()
-    assert _counters(ckpt) == _counters(plain) == [[5, 2 * 64 * 28], [5, 2 * 16 * 28]]
+    assert _counters(ckpt) == _counters(plain) == [[W0, 2 * 64 * 28], [W2, 2 * 16 * 28]]
     for a, b in zip(plain.parameters(), ckpt.parameters(), strict=True):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
 
@@ -139,15 +145,23 @@ def test_a_reentrant_checkpoint_advances_the_counter_once_as_a_plain_call() -> N
 def test_saved_counter_names_what_is_wrong_and_never_prints_a_value() -> None:
     recipe = Fp4Recipe(seed=2**64 - 1)  # the key holds it as -1
     assert fp4_key(recipe, 7).tolist() == [-1, 7] and signed_seed(2**63) == -(2**63)
-    good = torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), -1, 3])
-    assert saved_counter(good, recipe, "w", "this layer runs") == 3
+    good = torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), -1, 3, 9])
+    assert saved_counter(good, recipe, "w", "this layer runs") == (3, 9)
+    version_1 = torch.tensor([1, recipe_code(recipe), -1, 3])  # before streams: stream 0
+    assert saved_counter(version_1, recipe, "w", "this layer runs") == (3, 0)
+    reads = "this computectx reads version 2 (5 entries) and version 1 (4 entries)"
     cases = {
-        "got a torch.int32 tensor of shape (4,)": good.int(),
-        "got a torch.int64 tensor of shape (5,)": torch.full((5,), 123456),
+        "got a torch.int32 tensor of shape (5,)": good.int(),
+        "got a torch.int64 tensor of shape (6,)": torch.full((6,), 123456),
         "a dict with keys ['scale']": {"scale": torch.full((2,), 123456.0)},
-        "has version 2; this computectx reads version 1": torch.tensor([2, 0, 0, 0]),
+        f"has version 3 and 5 entries; {reads}": torch.tensor([3, 0, 0, 0, 0]),
+        f"has version 1 and 5 entries; {reads}": torch.tensor([1, 0, 0, 0, 0]),
+        f"has version 2 and 4 entries; {reads}": torch.tensor([2, 0, 0, 0]),
         "saved under the 4-bit recipe 'nvfp4+seed=5' but this layer runs 'nvfp4+seed=1844": (
-            torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), 5, 0])
+            torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), 5, 0, 0])
+        ),
+        "holds the stochastic-rounding stream -2; accepted: an integer in [0, 2**63)": (
+            torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), -1, 0, -2])
         ),
     }
     for message, state in cases.items():

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from computectx import ComputeCtx
 from computectx.formats import Fp4Experts, Fp4Linear, Fp4Recipe, QuantizedExperts
+from computectx.formats.linear.fp4_counter import fp4_key, stream_word
 from computectx.formats.linear.fp4_experts import ExpertsGemm
 from computectx.nn import GroupedExperts
 
@@ -50,16 +51,24 @@ def fp4_of(experts: GroupedExperts) -> Fp4Experts:
     return experts.fp8
 
 
-def _dense(ctx: ComputeCtx, w: torch.Tensor, counter: int) -> Fp4Linear:
-    lin = Fp4Linear(K, N, bias=False, ctx=ctx)
+def _dense(ctx: ComputeCtx, w: torch.Tensor, counter: int, stream: int = 0) -> Fp4Linear:
+    lin = Fp4Linear(K, N, bias=False, ctx=ctx, sr_stream=stream)
     with torch.no_grad():
         lin.weight.copy_(w)
-    lin.sr_key = torch.tensor([lin.recipe.seed, counter])
+    lin.sr_key = fp4_key(lin.recipe, counter, stream)
     return lin
 
 
-@pytest.mark.parametrize("name", list(RECIPES))
-def test_each_group_is_the_dense_fp4_linear_on_its_own_rows_bit_for_bit(name: str) -> None:
+STREAM = 2**62 + 7
+
+
+@pytest.mark.parametrize(
+    ("name", "stream"), [*((n, 0) for n in RECIPES), ("nvfp4", STREAM), ("mxfp4+sr+rht", STREAM)]
+)
+def test_each_group_is_the_dense_fp4_linear_on_its_own_rows_bit_for_bit(
+    name: str, stream: int
+) -> None:
+    # On any stream: the experts' key word is the stream's, as the dense layer's on it.
     recipe = RECIPES[name]
     ctx = NV.replace(recipe=recipe)
     gen = torch.Generator().manual_seed(0)
@@ -67,9 +76,11 @@ def test_each_group_is_the_dense_fp4_linear_on_its_own_rows_bit_for_bit(name: st
     m = sum(SIZES) + 3
     x = torch.randn(m, K, generator=gen).bfloat16().requires_grad_()
     dy = torch.randn(m, N, generator=gen).bfloat16()
-    experts = Fp4Experts(recipe)
+    experts = Fp4Experts(recipe, sr_stream=stream)
     c = 1000
-    experts.sr_key = torch.tensor([recipe.seed, c])
+    experts.sr_key = fp4_key(recipe, c, stream)
+    word = stream_word(recipe.seed, stream)
+    assert (word == recipe.seed) is (stream == 0)
     y = experts.mm(x, w, offsets(SIZES))
     backward(y, dy)
     multiple = 16 if recipe.format == "nvfp4" else 32  # the wgrad's rows, padded per group
@@ -80,19 +91,19 @@ def test_each_group_is_the_dense_fp4_linear_on_its_own_rows_bit_for_bit(name: st
             continue
         sl = slice(start, start + rows)
         # dY_g drawn at C + start·N: an Fp4Linear whose counter is there.
-        dense = _dense(ctx, w[g].detach(), c + start * N)
+        dense = _dense(ctx, w[g].detach(), c + start * N, stream)
         xg = x.detach()[sl].clone().requires_grad_()
         yg = dense(xg)
         backward(yg, dy[sl])
         assert torch.equal(yg, y[sl]) and torch.equal(grad(xg), grad(x)[sl]), (name, g)
         # dY_gᵀ drawn at C + M·N + N·Σ pad: an Fp4Linear draws it at its counter + rows·N.
-        dense = _dense(ctx, w[g].detach(), c + m * N + pads * N - rows * N)
+        dense = _dense(ctx, w[g].detach(), c + m * N + pads * N - rows * N, stream)
         backward(dense(x.detach()[sl]), dy[sl])
         assert torch.equal(grad(dense.weight), grad(w)[g]), (name, g)
         start, pads = start + rows, pads + -(-rows // multiple) * multiple
     assert not y[start:].any() and not grad(x)[start:].any()  # rows past offs[-1]
     drawn = N * (m + pads) if recipe.stochastic else 0
-    assert experts.sr_key.tolist() == [recipe.seed, c + drawn]
+    assert experts.sr_key.tolist() == [word, c + drawn]
 
 
 def test_one_group_of_every_row_is_fp4_linear_counter_and_all() -> None:
@@ -164,8 +175,8 @@ def test_the_counter_is_state_saved_checked_and_restored() -> None:
     backward(experts(x, offs).float().square().sum())
     state = experts.state_dict()
     saved = state["fp8._extra_state"]
-    assert saved.dtype == torch.int64 and saved.tolist()[2:] == fp4_of(experts).sr_key.tolist()
-    assert saved.tolist()[3] > 0
+    assert saved.dtype == torch.int64 and saved.tolist()[2:4] == fp4_of(experts).sr_key.tolist()
+    assert saved.tolist()[3] > 0 and saved.tolist()[4] == 0  # stream 0: the key word is the seed
     resumed = _experts(recipe, seed=1)
     resumed.load_state_dict(state)
     assert torch.equal(fp4_of(resumed).sr_key, fp4_of(experts).sr_key)
