@@ -20,7 +20,7 @@ from computectx.memory import SavedActivations
 from computectx.memory.activation_bytes import SavedKind
 from computectx.nn import ByteLM, Gemm, GemmPath, LMConfig
 from computectx.nn.experts import GroupedExperts
-from computectx.offload import STREAMS
+from computectx.offload import STREAMS, OffloadBlocks
 from computectx.saved import saved_call
 
 CONFIG = LMConfig(d_model=32, n_layers=3, n_heads=2, d_ff=32, max_len=32)
@@ -212,6 +212,39 @@ def test_offload_holds_at_most_one_block_on_the_device_and_keeps_gradients(
     kinds: tuple[SavedKind, ...] = ("precise", "act_fn", "attention", "residual")
     assert all(saved.bytes(kind) > 0 for kind in kinds)
     assert sum(saved.bytes(k) for k in kinds) < sum(recomputed.bytes(k) for k in kinds) * 2 // 3
+
+
+def test_the_window_is_the_largest_block_offloaded_so_far(stand_in: StandIn) -> None:
+    # Blocks of 1, 3 and 2 tanh's (128 bytes each offloaded), then a last block kept: the
+    # compute stream waits for a copy out only when the copies in flight and the new one
+    # would pass the largest block seen so far (this one counted as it grows).
+    x = torch.randn(4, 8, requires_grad=True)
+    blocks = OffloadBlocks()
+    with blocks.active():
+        h = x
+        for n in (1, 3, 2):
+            for _ in range(n):
+                h = saved_call(torch.tanh, h, mode="offload")
+            h = blocks.boundary(h)
+        blocks.last_block()
+        h = blocks.boundary(saved_call(torch.tanh, h, mode="offload"))
+    host, wait = ("to_host", "throttle")
+    assert stand_in.log == [
+        (host, 0), (wait, 0), (host, 1), (host, 2), (host, 3), (wait, 1),
+        (host, 4), (wait, 2), (host, 5), (wait, 3), (wait, 4), (wait, 5),
+    ]  # fmt: skip
+    forward = len(stand_in.log)
+    torch.autograd.backward(h.sum())
+    assert max(stand_in.peak_in) == 3 * 128 and not stand_in.holding
+    final = stand_in.log[forward:]  # the last block's three come back at once, then one a use
+    assert final[:3] == [("to_device", 5), ("to_device", 4), ("to_device", 3)]
+    assert [n for op, n in final if op == "wait"] == [5, 4, 3, 2, 1, 0]
+    y = x.detach().requires_grad_()
+    reference = y
+    for _ in range(7):
+        reference = torch.tanh(reference)
+    torch.autograd.backward(reference.sum())
+    assert torch.equal(h, reference) and x.grad is not None and torch.equal(x.grad, y.grad)
 
 
 def test_offload_outside_a_model_fetches_on_demand_and_a_second_backward_again(
