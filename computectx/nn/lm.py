@@ -332,8 +332,9 @@ class ByteLM(nn.Module):
 
     def _train_forward(self, ids: torch.Tensor, blocks: list[nn.Module]) -> torch.Tensor:
         # forward with a graph to build: what ctx.activations says of the blocks. Under an
-        # offloaded kind each block's host copies come back a block ahead of its backward;
-        # a block checkpointed by the rule runs under torch's non-reentrant checkpoint: the
+        # offloaded kind the device holds at most the largest block's offloaded tensors
+        # (OffloadBlocks: none while the last block runs, which keeps its own); a block
+        # checkpointed by the rule runs under torch's non-reentrant checkpoint: the
         # backward keeps its input (tagged residual) and runs it again, offloading nothing.
         acts = self.ctx.activations
         offloads = any(acts.mode(kind) == "offload" for kind in ACTIVATION_KINDS)
