@@ -169,6 +169,28 @@ inline float saturated(float x, float top) {
 
 inline float safe(float s) { return s > 0.0f ? s : 1.0f; }
 
+// Division by a divisor ``b`` fixed for the loop, as a product by its reciprocal r = 1 / b
+// (correctly rounded) and one correction: q = a * r, rem = a - q * b (exact, by a fused
+// multiply-add), q + rem * r rounded once. Markstein's theorem: with r within half an ulp of
+// 1 / b and q within one ulp of a / b, that is a / b correctly rounded, so the same bits as
+// the division (vdivps: a third of the element's time where it is the bound), provided
+// nothing underflows: the callers hold a >= 2**-100 or 0 (then q is a, which is a / b), and
+// b and r normal (``reciprocal_ok``). rem is NaN only for an infinite or NaN a, whose q is
+// already a / b. Without FMA, the division itself (the same bits).
+inline bool reciprocal_ok(float b) { return b >= 0x1p-60f && b <= 0x1p60f; }
+
+inline float over(float a, float b, float r) {
+#if defined(__FMA__) && !defined(CC_HOST_ADAM_PORTABLE)
+  const float q = a * r;
+  const float rem = std::fma(-q, b, a);
+  const float fixed = std::fma(rem, r, q);
+  return rem != rem || a == 0.0f ? q : fixed;
+#else
+  (void)r;
+  return a / b;
+#endif
+}
+
 // A plain loop, not memcpy: glibc's copy of a few KB (rep movsb) is slow on some CPUs.
 inline void copy(float* __restrict dst, const float* __restrict src, int64_t len) {
   for (int64_t i = 0; i < len; ++i) dst[i] = src[i];
@@ -620,20 +642,52 @@ inline __m512 clamped(const float* x) {
   return _mm512_castsi512_ps(b);
 }
 
+// x / s for 16 lanes, by over()'s product and correction (s and r = 1 / s normal:
+// reciprocal_ok): a zero or NaN x takes q (its quotient already: +-0, NaN); a lane with a
+// quotient below 2**-124 or 0 < |x| < 2**-100, where the quotient or the remainder could
+// underflow, is divided (a branch per 16 lanes, rarely taken: such a value is 2**-100 of
+// its block's largest).
+inline __m512 over16(__m512 x, __m512 s, __m512 r) {
+  const __m512 q = _mm512_mul_ps(x, r);
+  const __m512 rem = _mm512_fnmadd_ps(q, s, x);
+  const __m512 fixed = _mm512_fmadd_ps(rem, r, q);
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 plain = _mm512_cmp_ps_mask(x, zero, _CMP_EQ_OQ) | _mm512_cmp_ps_mask(rem, rem, _CMP_UNORD_Q);
+  const __m512 ax = _mm512_abs_ps(x), aq = _mm512_abs_ps(q);
+  const __mmask16 tiny = (_mm512_cmp_ps_mask(ax, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ) |
+                          _mm512_cmp_ps_mask(aq, _mm512_set1_ps(0x1p-124f), _CMP_LT_OQ)) & ~plain;
+  const __m512 out = _mm512_mask_mov_ps(fixed, plain, q);
+  return tiny ? _mm512_mask_div_ps(out, tiny, x, s) : out;
+}
+
+// x / s, 16 lanes: over16 where reciprocal_ok(s) (``FAST``), else the division.
+template <bool FAST>
+inline __m512 divided(__m512 x, __m512 s, __m512 r) {
+  if constexpr (FAST) return over16(x, s, r);
+  (void)r;
+  return _mm512_div_ps(x, s);
+}
+
 // n = clamped x / s, 16 lanes at a time; returns the elements done.
+template <bool CLAMP, bool FAST>
+int64_t normalized_as(const float* __restrict x, int64_t len, float s, float* __restrict n) {
+  const __m512 sv = _mm512_set1_ps(s), rv = _mm512_set1_ps(1.0f / s);
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) _mm512_storeu_ps(n + i, divided<FAST>(clamped<CLAMP>(x + i), sv, rv));
+  return i;
+}
+
 template <bool CLAMP>
 int64_t normalized(const float* __restrict x, int64_t len, float s, float* __restrict n) {
-  const __m512 sv = _mm512_set1_ps(s);
-  int64_t i = 0;
-  for (; i + 16 <= len; i += 16) _mm512_storeu_ps(n + i, _mm512_div_ps(clamped<CLAMP>(x + i), sv));
-  return i;
+  return reciprocal_ok(s) ? normalized_as<CLAMP, true>(x, len, s, n) : normalized_as<CLAMP, false>(x, len, s, n);
 }
 
 // fp8 codes of clamped x / s (f32_to_e4m3 of the normalized value * 448; an unsigned x > 0
 // never code 0), 16 lanes at a time; returns the elements done.
-template <bool UNSIGNED, bool CLAMP>
-int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __restrict out) {
+template <bool UNSIGNED, bool CLAMP, bool FAST>
+int64_t fp8_codes_as(const float* __restrict x, int64_t len, float s, uint8_t* __restrict out) {
   const __m512 sv = _mm512_set1_ps(s), k448 = _mm512_set1_ps(448.0f), k512 = _mm512_set1_ps(512.0f);
+  const __m512 rv = _mm512_set1_ps(1.0f / s);
   const __m512i abs = _mm512_set1_epi32(0x7FFFFFFF), one = _mm512_set1_epi32(1);
   const __m512i bias = _mm512_set1_epi32(static_cast<int32_t>(0xC407FFFFu));  // (7-127)<<23 + 0x7FFFF
   const __m512i sub_top = _mm512_set1_epi32(0x3C800000), sat = _mm512_set1_epi32(0x43F00000);
@@ -641,7 +695,7 @@ int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __re
   int64_t i = 0;
   for (; i + 16 <= len; i += 16) {
     const __m512 xv = clamped<CLAMP>(x + i);
-    const __m512i y = _mm512_castps_si512(_mm512_mul_ps(_mm512_div_ps(xv, sv), k448));
+    const __m512i y = _mm512_castps_si512(_mm512_mul_ps(divided<FAST>(xv, sv, rv), k448));
     const __m512i ya = _mm512_and_si512(y, abs);
     // Below 2**-6: a multiple of 2**-9, |y| * 512 (< 8, exact) rounded to nearest even.
     const __m512i sub = _mm512_cvt_roundps_epu32(_mm512_mul_ps(_mm512_castsi512_ps(ya), k512),
@@ -656,6 +710,12 @@ int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __re
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm512_cvtepi32_epi8(c));
   }
   return i;
+}
+
+template <bool UNSIGNED, bool CLAMP>
+int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __restrict out) {
+  return reciprocal_ok(s) ? fp8_codes_as<UNSIGNED, CLAMP, true>(x, len, s, out)
+                          : fp8_codes_as<UNSIGNED, CLAMP, false>(x, len, s, out);
 }
 #endif
 
@@ -906,6 +966,7 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
                 const uint16_t* __restrict noise16) {
   const float decay = s.hp[0], wd = s.hp[1], w = s.hp[2], b2 = s.hp[3], omb2 = s.hp[4];
   const float bc2 = s.hp[5], eps = s.hp[6], neg_step = s.hp[7];
+  const float rbc2 = 1.0f / bc2;  // pick() takes this loop only where reciprocal_ok(bc2)
   const float sgn = s.maximize ? -1.0f : 1.0f;  // g * -1 is -g, exactly
   const bool low = w < 0.5f;
   const float coef = low ? w : -(1.0f - w);
@@ -934,7 +995,9 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
     // torch's lerp, by the weight: m + w * (g - m), or g - (g - m) * (1 - w) written as
     // g + (-(1 - w)) * (g - m) (the same rounding): one formula, no per-element branch.
     const float mn = (low ? mi : gi) + coef * (gi - mi);
-    const float denom = std::sqrt(vn) / bc2 + eps;
+    // sqrt(vn) is 0, at least 2**-75 (the root of the least subnormal), inf or NaN: over()'s
+    // range. vn is never -0: its second term (omb2 * g) * g is +0 or more.
+    const float denom = over(std::sqrt(vn), bc2, rbc2) + eps;
     const float pn = pi + (neg_step * mn) / denom;
     if constexpr (PM == kPF32) {
       param[k] = pn;
@@ -1027,6 +1090,7 @@ TileFn pick_formats(int pm, bool gbf, bool l2, bool pass1) {
 
 // The fused tile for this step (pass 1 of a rank-1 moment, or the update), or nullptr.
 TileFn pick(const CcStep& s, bool pass1) {
+  if (!reciprocal_ok(s.hp[5])) return nullptr;  // the fused loop divides by its reciprocal
   int pm;
   if (s.param_dtype == kF32) pm = kPF32;
   else if (s.param_dtype == kBF16) pm = s.stochastic ? kPBf16Sr : kPBf16;
