@@ -18,7 +18,7 @@ from computectx.kv_policy import KvFp8
 from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.kv_cache import KVCache
 from computectx.nn.kv_steps import held_steps, widen_steps
-from computectx.nn.params import apply_recipe, param_dtype
+from computectx.nn.params import BuiltUnder, apply_recipe, param_dtype
 from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
 from computectx.saved import saved_call, tagged
@@ -88,7 +88,7 @@ def _matmul(gemm: Gemm, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return wide.to(gemm.dtype)
 
 
-class Attention(nn.Module):
+class Attention(BuiltUnder, nn.Module):
     """Multi-head causal self-attention with RoPE.
 
     Projections (``QuantizedLinear`` when ``ctx.recipe`` is set, else ``nn.Linear``), the scores and

@@ -58,7 +58,7 @@ from computectx.formats.seam import (
     held_experts,
 )
 from computectx.nn.gemm import Gemm, GemmPath, input_kept, keep_input
-from computectx.nn.params import param_dtype
+from computectx.nn.params import BuiltUnder, param_dtype
 from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward, saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]
@@ -107,7 +107,7 @@ def checked_flag(owner: str, name: str, value: object) -> bool:
     return bool(value)
 
 
-class GroupedExperts(nn.Module):
+class GroupedExperts(BuiltUnder, nn.Module):
     """``E`` SwiGLU experts: ``down[e] @ (silu(gate[e] @ x) * (up[e] @ x))`` for each row ``x``
     of expert ``e``'s group.
 

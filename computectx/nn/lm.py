@@ -28,7 +28,7 @@ from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 from computectx.nn.mlp import MLP
 from computectx.nn.moe import LoadBalance, MoE, RouterScore, update_biases
 from computectx.nn.norm import RMSNorm
-from computectx.nn.params import param_dtype
+from computectx.nn.params import BuiltUnder, param_dtype
 from computectx.offload import OffloadBlocks, on_device
 from computectx.saved import tagged
 
@@ -189,7 +189,7 @@ class DecoderBlock(nn.Module):
 _RESIDUAL_WRITERS = ("attn.out.weight", "mlp.down.weight", "mlp.experts.down", "shared.down.weight")
 
 
-class ByteLM(nn.Module):
+class ByteLM(BuiltUnder, nn.Module):
     """Decoder-only LM over bytes (vocabulary 256) threading one ``ComputeCtx``.
 
     Parameters are stored at ``compute ⊔ master`` (float32 under the usual policies: the

@@ -7,7 +7,7 @@ from torch import nn
 
 from computectx.ctx import ComputeCtx
 from computectx.nn.gemm import Gemm
-from computectx.nn.params import apply_recipe, param_dtype
+from computectx.nn.params import BuiltUnder, apply_recipe, param_dtype
 from computectx.saved import saved_call
 
 __all__ = ["MLP", "swiglu"]
@@ -27,7 +27,7 @@ def _swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return nn.functional.silu(gate) * up
 
 
-class MLP(nn.Module):
+class MLP(BuiltUnder, nn.Module):
     """``down(silu(gate(x)) * up(x))``, bias-free.
 
     The linears are ``QuantizedLinear`` when ``ctx.recipe`` is set and ``nn.Linear`` otherwise; the

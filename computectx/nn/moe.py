@@ -49,7 +49,7 @@ from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.formats.seam import guard_whole_loads
 from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, checked_real
 from computectx.nn.mlp import MLP
-from computectx.nn.params import apply_recipe, param_dtype
+from computectx.nn.params import BuiltUnder, apply_recipe, param_dtype
 from computectx.saved import SAVING, saved_call
 
 __all__ = [
@@ -85,7 +85,7 @@ class Routing(NamedTuple):
     the ``P`` of the auxiliary loss."""
 
 
-class Router(nn.Module):
+class Router(BuiltUnder, nn.Module):
     """Token-choice top-k gate: ``weight`` ``(E, dim)`` scores each token against every expert.
 
     Not an ``nn.Linear``, so no fp8 conversion touches it; its GEMM, scores, selection and
@@ -214,7 +214,7 @@ def _softmax_last(t: torch.Tensor) -> torch.Tensor:
     return torch.softmax(t, dim=-1)
 
 
-class MoE(nn.Module):
+class MoE(BuiltUnder, nn.Module):
     """Dropless top-k mixture of SwiGLU experts (the module docstring).
 
     ``forward(x)`` takes ``(..., dim)`` and returns the same shape at ``ctx.compute``.

@@ -7,13 +7,13 @@ from torch import nn
 
 from computectx.activations import ActivationKind
 from computectx.ctx import ComputeCtx
-from computectx.nn.params import param_dtype
+from computectx.nn.params import BuiltUnder, param_dtype
 from computectx.nn.precise import rms_norm
 
 __all__ = ["RMSNorm"]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(BuiltUnder, nn.Module):
     """``x / rms(x) * weight`` over the last dimension, through ``ctx.precise``.
 
     The output has ``x``'s dtype; the statistics are taken at ``x.dtype ⊔ ctx.accum``.

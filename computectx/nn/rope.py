@@ -6,12 +6,13 @@ import torch
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.nn.params import BuiltUnder
 from computectx.nn.precise import apply_rope, rope_tables
 
 __all__ = ["RotaryEmbedding"]
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(BuiltUnder, nn.Module):
     """Rotates query/key features by position; tables cover positions ``0 .. max_len-1``.
 
     ``forward(x, start)`` takes ``x`` of shape ``(..., T, head_dim)`` holding the
