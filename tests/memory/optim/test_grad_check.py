@@ -67,6 +67,20 @@ def test_many_large_applicable_elements_whose_sum_overflows_are_applied() -> Non
     assert all_applicable([big]) is False
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [1.0, 1e4, 1e19, -1e19, 2.0**64, float("nan"), float("-inf")])
+def test_a_half_precision_gradient_is_cleared_exactly_by_its_extremes(
+    value: float, dtype: torch.dtype
+) -> None:
+    # A contiguous bf16/f16 gradient's first check is its least and largest elements: no
+    # false alarm (many large applicable elements, whose 2-norm would pass 2**64, clear).
+    t = torch.full((64, 48), 6e4 if dtype == torch.float16 else 1e19).to(dtype)
+    t[5, 7] = value
+    expected = bool((t.double().abs() < SQUARE_OVERFLOW).all())
+    assert bool(_grad_health._cleared(t)) is expected
+    assert all_applicable([t]) is expected
+
+
 def test_no_tensors_and_empty_tensors_are_applicable() -> None:
     assert all_applicable([]) is True
     assert all_applicable([torch.zeros(0), torch.zeros(0, 3).t()]) is True
