@@ -7,8 +7,10 @@ their expert dimension) and sets ``MoE.dispatch`` to an ``AllToAllDispatch``. Th
 shared experts and everything else stay whole on every rank. A forward of an MoE then runs, on
 every rank of the group and whatever the routing:
 
-1. one ``all_to_all_single`` of the per-expert token counts (``E`` int64 each way), then one
-   host read of them (the split sizes of the next two exchanges);
+1. one ``all_gather_single`` of every rank's per-expert token counts (``E`` int64 each), then
+   one host read of them (the split sizes of the next two exchanges, and the whole batch's
+   rows per expert: 4-bit experts draw their stochastic rounding in that frame,
+   ``formats.experts_draw_frame``, so their bits and counters are one process's);
 2. one ``all_to_all_single`` of the token rows (variable split sizes; a rank may send or
    receive none), regrouped by local expert: expert ``e``'s rows from rank 0, then rank 1...,
    which is the order one process sorting the whole batch (rank 0's rows first) gives them;
@@ -22,7 +24,8 @@ backward, so routing skew (every token to one rank's experts, a rank with no tok
 neither hangs nor drops a token. Since an expert's rows reach it in one process's order, the
 forward and the gradients equal one process on the whole batch: bit for bit for float32 and
 for the fp8 grouped GEMM's reference backend (each group's amax and blocks are one process's),
-with a loss normalized by the whole batch (``tests/distributed/test_expert_parallel.py``).
+and for 4-bit experts (NVFP4 with stochastic rounding, MXFP4), with a loss normalized by the
+whole batch (``tests/distributed/test_expert_parallel.py``).
 
 A forward of an expert-parallel MoE is a collective: every rank of the group runs every forward
 together (evaluation included), as under FSDP2. It first joins the group (``group.join``: a
@@ -76,6 +79,7 @@ from computectx.distributed.group import (
     joining,
 )
 from computectx.dtypes import FP8_DTYPES
+from computectx.formats import experts_draw_frame
 from computectx.nn.experts import GroupedExperts
 from computectx.nn.moe import MoE
 
@@ -183,15 +187,17 @@ class AllToAllDispatch:
             )
         if not joined(group):  # an MoE called outside a joined forward of its model
             join(group, describe_forward(experts), self.join_timeout)
-        # 1. Counts: send[j] = my rows for rank j's experts; got[s, e] = rank s's rows for
-        # my expert e. One host read of both: the splits of the two exchanges.
+        # 1. Counts: every rank's, every[s, e] = rank s's rows for expert e (one host read:
+        # the splits of the two exchanges, and the whole batch's counts, by which 4-bit
+        # experts draw their stochastic rounding as one process: experts_draw_frame).
         device = comm_device(group)
         send = counts.detach().to(device=device, dtype=torch.int64)
-        got = torch.empty_like(send)
-        dist.all_to_all_single(got, send, group=group)
-        table = torch.cat([send.view(world, local), got.view(world, local)]).cpu()
-        sent_rows = table[:world].sum(1).tolist()
-        got_rows = table[world:]
+        flat = send.new_empty(world * send.numel())
+        dist.all_gather_single(flat, send, group=group)
+        every = flat.view(world, world * local).cpu()
+        first = self.first_expert
+        sent_rows = every[self.rank].view(world, local).sum(1).tolist()
+        got_rows = every[:, first : first + local]  # got_rows[s, e]: rank s's for my e
         recv_rows = got_rows.sum(1).tolist()
         # 2. Rows out, ordered (source rank, my expert); regrouped (my expert, source rank).
         mine = _all_to_all(x, recv_rows, sent_rows, group)
@@ -203,11 +209,12 @@ class AllToAllDispatch:
         # 3. My experts. No row at all: one zero row past offs[-1] (its output and every
         # weight gradient are zero), so the experts' backward runs, as on the other ranks.
         rows = mine.index_select(0, order)
-        if rows.shape[0] == 0:
-            y: torch.Tensor = experts(torch.cat([rows, rows.new_zeros(1, rows.shape[1])]), offs)
-            y = y[:0]
-        else:
-            y = experts(rows, offs)
+        with experts_draw_frame(every.sum(0), first):
+            if rows.shape[0] == 0:
+                pad = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+                y: torch.Tensor = experts(pad, offs)[:0]
+            else:
+                y = experts(rows, offs)
         # 4. Rows back, in the (source rank, my expert) order they came in.
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=order.device)

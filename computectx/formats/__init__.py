@@ -33,7 +33,7 @@ from computectx.formats.exchange import (
 )
 from computectx.formats.linear.autocast import autocast
 from computectx.formats.linear.fp4 import Fp4Linear
-from computectx.formats.linear.fp4_experts import Fp4Experts
+from computectx.formats.linear.fp4_experts import Fp4Experts, experts_draw_frame
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_streams import assign_fp4_streams
@@ -85,6 +85,7 @@ __all__ = [
     "checkpoint_policy",
     "convert_to_quantized",
     "dequantize_tensor",
+    "experts_draw_frame",
     "freeze_fp4_for_serving",
     "load_serving_weights",
     "quantize_tensor",

@@ -17,7 +17,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from computectx import ComputeCtx
-from computectx.distributed import expert_parallel, parallelize
+from computectx.distributed import expert_parallel, full_state_dict, parallelize
+from computectx.formats import Fp4Experts, convert_to_quantized
+from computectx.fp4_recipe import Fp4Recipe
 from computectx.nn import ByteLM, LMConfig, MoE
 
 DIM, HIDDEN, EXPERTS, TOP_K = 32, 32, 4, 2
@@ -63,6 +65,8 @@ def _ep_case(ctx: ComputeCtx, skew: bool) -> dict[str, Any]:
         lo, hi = (0, 0) if rank == 0 else (0, TOKENS)
     mine = _run_moe(moe, x[lo:hi])
     out: dict[str, Any] = {"dispatch": repr(moe.dispatch), "load": moe.last_load.clone()}
+    if isinstance(moe.experts.fp8, Fp4Experts):  # 4 bits: the counter after the call
+        out["experts.sr_key"] = (_counters(moe), _counters(ref))
     for key, got in mine.items():
         want = one[key]
         if key in ("y", "dx"):
@@ -102,6 +106,9 @@ def expert_parallel_cases(params: dict[str, Any]) -> dict[str, Any]:
             out[f"compact/offload={offload}"] = ""
         except ValueError as e:
             out[f"compact/offload={offload}"] = str(e)
+    for fmt in params.get("train_fp4", ()):  # 4-bit experts trained under EP + DDP
+        recipe = Fp4Recipe(format=fmt, stochastic=True, hp=("*.attn.*",))
+        out[f"train-{fmt}"] = train_fp4_ep(recipe, 2, f"{params['path']}-{fmt}")
     return out
 
 
@@ -316,3 +323,100 @@ def _counting(original: Any, calls: list[tuple[torch.dtype, int]]) -> Any:
 
 def _experts(model: nn.Module) -> list[Any]:
     return [m.experts for m in model.modules() if isinstance(m, MoE)]
+
+
+# ----- 4-bit experts under expert parallelism -----------------------------------------------
+
+
+def _fp4_lm(recipe: Fp4Recipe) -> ByteLM:
+    """An MoE ByteLM whose experts alone are 4-bit (built in float32, converted whole with
+    ``hp`` keeping the attention high: its dense GEMMs then match one process's to float32
+    rounding, so what is compared is the experts')."""
+    torch.manual_seed(0)
+    model = ByteLM(ComputeCtx.from_flag("fp32", "cpu"), CONFIG)
+    ctx4 = ComputeCtx.from_flag(recipe.format, "cpu").replace(recipe=recipe)
+    report = convert_to_quantized(model, ctx4, min_features=16)
+    assert report.experts == ("blocks.0.mlp.experts",), report.experts
+    return model
+
+
+def _gate_up(model: ByteLM) -> torch.Tensor:
+    return model.get_parameter("blocks.0.mlp.experts.gate_up").detach().clone()
+
+
+def _counters(model: nn.Module) -> torch.Tensor:
+    return torch.stack([m.sr_key for m in model.modules() if isinstance(m, Fp4Experts)])
+
+
+def train_fp4_ep(recipe: Fp4Recipe, steps: int, path: str) -> dict[str, Any]:
+    """``steps`` SGD steps of a 4-bit-experts ByteLM under ``expert_parallel`` + DDP against
+    one process on the whole batch: losses, weights, the experts' counters (after
+    ``Parallel.step``'s counter sync); rank 0's lone eval forward (the join's error) and
+    ``state_dict``; ``full_state_dict`` and a DCP round trip carrying the counters."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _fp4_lm(recipe)
+    ref_model = copy.deepcopy(model)
+    ref = _reference(ref_model, steps, 0.1)
+    expert_parallel(model, join_timeout=1.0)
+    ctx4 = ComputeCtx.from_flag(recipe.format, "cpu").replace(recipe=recipe)
+    par = parallelize(model, ctx4, strategy="ddp", optimizer_class=torch.optim.SGD, lr=0.1)
+    per, losses = BATCH // world, []
+    out: dict[str, Any] = {}
+    for step in range(steps):
+        ids, targets = _batch(step)
+        mine = slice(rank * per, (rank + 1) * per)
+        loss = model.loss_of(par.model(ids[mine]), targets[mine])
+        loss.backward()  # type: ignore[no-untyped-call]
+        par.step()
+        t = loss.detach().reshape(1)
+        dist.all_reduce(t)
+        losses.append(float(t) / world)
+    if rank == 0:  # rank 0 alone (rank 1 waits in a barrier): an eval refuses, a save runs
+        model.eval()
+        try:
+            with torch.no_grad():
+                model(_batch(0)[0])
+            out["lone_eval"] = ""
+        except RuntimeError as e:
+            out["lone_eval"] = str(e)
+        model.train()
+        out["lone_state"] = sorted(k for k in model.state_dict() if "experts" in k)
+    dist.barrier()
+    local = EXPERTS // world
+    weights = {}
+    for n, p in model.named_parameters():
+        want = ref["weights"][n]
+        weights[n] = (
+            p.detach().clone(),
+            want[rank * local : (rank + 1) * local] if ".experts." in n else want,
+        )
+    out["losses"] = (torch.tensor(losses, dtype=torch.float64), ref["losses"])
+    out["weights"] = weights
+    out["counters"] = (_counters(model), _counters(ref_model))
+    # full_state_dict: whole experts and the agreed counter, into one process.
+    whole = full_state_dict(model)
+    plain = _fp4_lm(recipe)
+    plain.load_state_dict(whole)
+    out["full"] = (_counters(plain), _counters(ref_model))
+    out["full_experts"] = (
+        _gate_up(plain),
+        ref["weights"]["blocks.0.mlp.experts.gate_up"],
+    )
+    # DCP: saved on the ranks, loaded into a fresh expert-parallel setup.
+    save(par.state_dict(), checkpoint_id=path)
+    fresh_model = _fp4_lm(recipe)
+    expert_parallel(fresh_model, join_timeout=1.0)
+    fresh = parallelize(fresh_model, ctx4, optimizer_class=torch.optim.SGD, lr=0.1)
+    state = fresh.state_dict()
+    load(state, checkpoint_id=path)
+    fresh.load_state_dict(state)
+    out["dcp"] = (_counters(fresh_model), _counters(ref_model))
+    out["dcp_streams"] = [m.sr_stream for m in fresh_model.modules() if isinstance(m, Fp4Experts)]
+    out["dcp_experts"] = (
+        _gate_up(fresh_model),
+        weights["blocks.0.mlp.experts.gate_up"][0],
+    )
+    return out

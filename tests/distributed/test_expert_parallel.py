@@ -20,7 +20,8 @@ import torch
 from .conftest import RunRanks
 
 LIMIT_S = 60.0
-FLAGS = ["fp32", "fp8_block", "fp8_hybrid_dynamic"]
+FLAGS = ["fp32", "fp8_block", "fp8_hybrid_dynamic", "nvfp4", "mxfp4"]
+FP4 = ["nvfp4", "mxfp4"]
 STEPS = 3
 
 
@@ -30,8 +31,20 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float, what: str) -> None
     assert err <= rel * scale, f"{what}: {err} > {rel} x {scale}"
 
 
-def test_expert_parallel_equals_one_process_and_survives_skew(run_ranks: RunRanks) -> None:
-    ranks = run_ranks("scenarios_moe.py:expert_parallel_cases", limit_s=LIMIT_S, flags=FLAGS)
+def test_expert_parallel_equals_one_process_and_survives_skew(
+    run_ranks: RunRanks, tmp_path: Path
+) -> None:
+    # 4-bit experts (nvfp4: stochastic rounding on) draw one process's bits: each rank's
+    # slice of an experts module rounds its rows at one process's counters (the whole
+    # batch's counts, experts_draw_frame), and its counter advances by the whole call's.
+    ranks = run_ranks(
+        "scenarios_moe.py:expert_parallel_cases",
+        limit_s=LIMIT_S,
+        flags=FLAGS,
+        train_fp4=FP4,
+        path=str(tmp_path / "ep-fp4"),
+    )
+    _check_fp4_training(ranks)
     for rank, r in enumerate(ranks):
         assert "3 experts" in r["error"] and "multiple of the group's size" in r["error"]
         assert "steps with a plain optimizer" in r["compact/offload=None"]
@@ -62,6 +75,31 @@ def test_expert_parallel_equals_one_process_and_survives_skew(run_ranks: RunRank
         # ...and rank 0's experts got no row, yet a zero gradient (not None).
         if rank == 0:
             assert float(skew["experts.gate_up"][0].abs().sum()) == 0.0
+
+
+def _check_fp4_training(ranks: list[dict[str, Any]]) -> None:
+    """A 4-bit-experts ByteLM (attention kept high) under expert_parallel + DDP, 2 SGD steps,
+    stochastic rounding on, against one process on the whole batch: the experts' counters
+    are one process's exactly (every rank's slice advances by the whole call's draws, so
+    the counter sync's MAX merges equal values), the weights to float32 rounding (the dense
+    gradients are summed in another order; the experts' GEMMs are one process's given the
+    same inputs). Rank 0 alone: the eval forward is the join's error, state_dict runs; the
+    counters survive full_state_dict into one process and a DCP round trip."""
+    for rank, r in enumerate(ranks):
+        for fmt in FP4:
+            got = r[f"train-{fmt}"]
+            for key in ("counters", "full", "dcp"):
+                assert torch.equal(*got[key]), (fmt, key)
+            _close(got["losses"][0], got["losses"][1], 1e-5, f"{fmt} losses")
+            for name, (mine, want) in got["weights"].items():
+                _close(mine, want, 1e-5, f"{fmt} {name}")
+            whole, want = got["full_experts"]
+            _close(whole, want, 1e-5, f"{fmt} full_state_dict experts")
+            assert torch.equal(*got["dcp_experts"]), fmt
+            assert len(set(got["dcp_streams"])) == 1 and got["dcp_streams"][0] > 0
+            if rank == 0:
+                assert "rank(s) 1 of the group did not join it" in got["lone_eval"]
+                assert "blocks.0.mlp.experts.fp8._extra_state" in got["lone_state"]
 
 
 def _check_training(result: dict[str, Any], rel: float) -> None:

@@ -47,7 +47,9 @@ would no longer be ``Fp4Linear``'s); under ``offload`` in host memory; nothing o
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
@@ -72,7 +74,67 @@ from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.saved import kept_back, offload_kept, refuse_double_backward
 
-__all__ = ["ExpertsGemm", "Fp4Experts"]
+__all__ = ["ExpertsGemm", "Fp4Experts", "experts_draw_frame"]
+
+_FRAME: ContextVar[tuple[torch.Tensor, int] | None] = ContextVar("fp4_experts_frame", default=None)
+
+
+@contextlib.contextmanager
+def experts_draw_frame(counts: torch.Tensor, first: int) -> Iterator[None]:
+    """While active, every ``Fp4Experts.mm`` call draws as a slice of a larger experts
+    module: ``counts`` (int64 CPU ``(E,)``) the rows of each of the whole module's ``E``
+    experts over the whole batch, ``first`` the index of the call's first expert (its ``w
+    [E_local, N, K]`` are experts ``first .. first + E_local - 1``, its ``offs`` their rows,
+    in the whole batch's order). Group ``g`` then draws the bits one call on the whole batch
+    draws for those rows (``dY`` at ``C + N·Σ_{h<first+g} m_h``, ``dYᵀ`` at ``C + M·N + N·Σ
+    pad(m_h)``, ``M`` the whole batch's rows), and the counter advances by the whole call's
+    ``N·(M + Σ pad(m_h))``, the same on every rank that holds a slice: expert parallelism's
+    ``AllToAllDispatch`` sets it, so 4-bit experts spread over ranks draw one process's bits.
+    A call whose group sizes are not ``counts[first:first + E_local]`` raises ``ValueError``
+    (nothing drawn, the counter unmoved)."""
+    if counts.dtype != torch.int64 or counts.dim() != 1 or counts.device.type != "cpu":
+        raise ValueError(
+            f"experts_draw_frame takes int64 CPU counts of shape (E,), got {describe(counts)}"
+        )
+    if not 0 <= first < counts.numel():
+        raise ValueError(f"experts_draw_frame: first {first} outside [0, {counts.numel()})")
+    token = _FRAME.set((counts, first))
+    try:
+        yield
+    finally:
+        _FRAME.reset(token)
+
+
+def _padded(counts: torch.Tensor, multiple: int) -> torch.Tensor:
+    return (counts + (multiple - 1)).div(multiple, rounding_mode="floor") * multiple
+
+
+def _framed_keys(
+    key: torch.Tensor, offs: torch.Tensor, m: int, n: int, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The dX key, the wgrad key (``None``: the backward's ``C + M·N``) and the counter's
+    advance of one call: its own (no frame) or the frame's whole call's."""
+    # A frame is set only around eager calls (the dispatch runs eagerly).
+    frame = None if torch.compiler.is_compiling() else _FRAME.get()
+    if frame is None:
+        # Tensor ops, no .tolist(): a compiled caller recompiles neither as group sizes nor
+        # as the counter change.
+        counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+        return key, None, (n * (m + _padded(counts, multiple).sum())).reshape(1).cpu()
+    every, first = frame
+    local = offs.numel()
+    mine = torch.diff(offs.cpu(), prepend=offs.new_zeros(1, device="cpu")).to(torch.int64)
+    if first + local > every.numel() or not torch.equal(mine, every[first : first + local]):
+        raise ValueError(
+            f"4-bit grouped experts in a draw frame (experts_draw_frame): experts "
+            f"{first}..{first + local - 1} of {every.numel()} got groups that are not the "
+            f"frame's counts for them; nothing was drawn"
+        )
+    before = every[:first]
+    rows = every.sum()
+    dx = key + torch.stack([key.new_zeros(()), n * before.sum()])
+    col = key + torch.stack([key.new_zeros(()), n * (rows + _padded(before, multiple).sum())])
+    return dx, col, (n * (rows + _padded(every, multiple).sum())).reshape(1)
 
 
 class ExpertsGemm(Protocol):
@@ -138,14 +200,16 @@ class Fp4Experts(CounterLoads, nn.Module):
                 f"got w [E, N, K] = {tuple(w.shape)}"
             )
         key = self.sr_key if self.recipe.stochastic and torch.is_grad_enabled() else None
-        y: torch.Tensor = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, key, save)
-        if key is not None and not replays_a_call():
+        if key is None:
+            y: torch.Tensor = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, None, save)
+            return y
+        multiple = max(block, HADAMARD_SIZE) if self.how.hadamard else block
+        dx_key, col, drawn = _framed_keys(key, offs, m, n, multiple)
+        keys = (dx_key, col)
+        y = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, keys, save)
+        if not replays_a_call():
             # After the call (a bad offs has raised, the counter unmoved); a new tensor: the
             # key the backward holds is never written to.
-            multiple = max(block, HADAMARD_SIZE) if self.how.hadamard else block
-            counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
-            padded = (counts + (multiple - 1)).div(multiple, rounding_mode="floor") * multiple
-            drawn = (n * (m + padded.sum())).reshape(1).cpu()
             self.sr_key = key + torch.cat([drawn.new_zeros(1), drawn])
         return y
 
@@ -173,7 +237,7 @@ class _Fp4GroupedFn(torch.autograd.Function):
         w: torch.Tensor,
         offs: torch.Tensor,
         how: Fp4Quant,
-        key: torch.Tensor | None,
+        key: tuple[torch.Tensor, torch.Tensor | None] | None,
         save: SaveMode,
     ) -> torch.Tensor:
         y = fp4_ops.grouped_mm(x, w, offs, how)
@@ -188,7 +252,8 @@ class _Fp4GroupedFn(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         refuse_double_backward("linear", ctx.save, fp8_gemm=True)
         w, offs, *rest = ctx.saved_tensors
-        how, key = ctx.how, ctx.key
+        how = ctx.how
+        key, col = (None, None) if ctx.key is None else ctx.key
         dy = dy.contiguous()
         m, n = dy.shape
         dx = dw = None
@@ -197,6 +262,7 @@ class _Fp4GroupedFn(torch.autograd.Function):
             dx = fp4_ops.grouped_mm(dy, wt, offs, how, out_dtype=ctx.x_dtype, stochastic=key)
         if ctx.needs_input_grad[1]:
             (x,) = kept_back(ctx, tuple(rest))
-            col = None if key is None else key + key.new_tensor([0, m * n])
+            if key is not None and col is None:
+                col = key + key.new_tensor([0, m * n])
             dw = fp4_ops.grouped_wgrad(dy, x, offs, how, stochastic=col).to(w.dtype)
         return dx, dw, None, None, None, None
