@@ -16,7 +16,13 @@ import torch._dynamo.testing
 from torch.utils.checkpoint import checkpoint
 
 from computectx import ComputeCtx
-from computectx.formats import Fp4Experts, Fp4Linear, Fp4Recipe, QuantizedExperts
+from computectx.formats import (
+    Fp4Experts,
+    Fp4Linear,
+    Fp4Recipe,
+    QuantizedExperts,
+    experts_draw_frame,
+)
 from computectx.formats.linear.fp4_counter import fp4_key, stream_word
 from computectx.formats.linear.fp4_experts import ExpertsGemm
 from computectx.nn import GroupedExperts
@@ -248,3 +254,50 @@ def test_converted_experts_train_compiled_whole_as_eager_with_no_recompile() -> 
             assert torch.equal(grad(a), grad(b)), sizes
         assert torch.equal(fp4_of(eager).sr_key, fp4_of(twin).sr_key), sizes
     assert counter.frame_count == 1, counter.frame_count
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4+sr+rht"])
+def test_slices_in_a_draw_frame_are_the_whole_call_bit_for_bit(name: str) -> None:
+    # Expert parallelism's case: experts 0-1 and 2-3 run apart, each on its experts' rows,
+    # inside experts_draw_frame with the whole call's counts: one call's bits and counter.
+    recipe = RECIPES[name]
+    gen = torch.Generator().manual_seed(3)
+    sizes = [5, 0, 21, 7]
+    w = torch.randn(E, N, K, generator=gen)
+    x = torch.randn(sum(sizes), K, generator=gen)
+    dy = torch.randn(sum(sizes), N, generator=gen)
+    whole = Fp4Experts(recipe, sr_stream=9)
+    wg, xg = w.clone().requires_grad_(), x.clone().requires_grad_()
+    backward(whole.mm(xg, wg, offsets(sizes)), dy)
+    counts = torch.tensor(sizes, dtype=torch.int64)
+    for first, rows in ((0, slice(0, 5)), (2, slice(5, 33))):
+        part = Fp4Experts(recipe, sr_stream=9)
+        wp = w[first : first + 2].clone().requires_grad_()
+        xp = x[rows].clone().requires_grad_()
+        with experts_draw_frame(counts, first):
+            y = part.mm(xp, wp, offsets(sizes[first : first + 2]))
+        backward(y, dy[rows])
+        assert torch.equal(grad(xp), grad(xg)[rows]), first
+        assert torch.equal(grad(wp), grad(wg)[first : first + 2]), first
+        assert torch.equal(part.sr_key, whole.sr_key), first
+    # Outside the frame the slice draws at its own offsets: other bits (what EP did before).
+    alone = Fp4Experts(recipe, sr_stream=9)
+    xp = x[5:33].clone().requires_grad_()
+    backward(alone.mm(xp, w[2:].clone(), offsets(sizes[2:])), dy[5:33])
+    assert not torch.equal(grad(xp), grad(xg)[5:33])
+
+
+def test_a_frame_that_is_not_the_calls_groups_is_refused_before_any_draw() -> None:
+    experts = Fp4Experts(NV4)
+    key = experts.sr_key
+    x, w = torch.randn(12, K), torch.randn(2, N, K)
+    with pytest.raises(ValueError, match=r"experts 2\.\.3 of 4 got groups that are not"):
+        with experts_draw_frame(torch.tensor([1, 2, 3, 4]), 2):
+            experts.mm(x.requires_grad_(), w, offsets([3, 9]))
+    assert experts.sr_key is key
+    with pytest.raises(ValueError, match="int64 CPU counts of shape"):
+        with experts_draw_frame(torch.tensor([1.0, 2.0]), 0):
+            pass
+    with pytest.raises(ValueError, match=r"first 2 outside \[0, 2\)"):
+        with experts_draw_frame(torch.tensor([1, 2]), 2):
+            pass
