@@ -291,13 +291,11 @@ def test_a_frame_that_is_not_the_calls_groups_is_refused_before_any_draw() -> No
     experts = Fp4Experts(NV4)
     key = experts.sr_key
     x, w = torch.randn(12, K), torch.randn(2, N, K)
-    with pytest.raises(ValueError, match=r"experts 2\.\.3 of 4 got groups that are not"):
-        with experts_draw_frame(torch.tensor([1, 2, 3, 4]), 2):
-            experts.mm(x.requires_grad_(), w, offsets([3, 9]))
+    frame = experts_draw_frame(torch.tensor([1, 2, 3, 4]), 2)
+    with pytest.raises(ValueError, match=r"experts 2\.\.3 of 4 got groups that are not"), frame:
+        experts.mm(x.requires_grad_(), w, offsets([3, 9]))
     assert experts.sr_key is key
     with pytest.raises(ValueError, match="int64 CPU counts of shape"):
-        with experts_draw_frame(torch.tensor([1.0, 2.0]), 0):
-            pass
+        experts_draw_frame(torch.tensor([1.0, 2.0]), 0).__enter__()
     with pytest.raises(ValueError, match=r"first 2 outside \[0, 2\)"):
-        with experts_draw_frame(torch.tensor([1, 2]), 2):
-            pass
+        experts_draw_frame(torch.tensor([1, 2]), 2).__enter__()
