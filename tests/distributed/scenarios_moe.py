@@ -360,7 +360,7 @@ def train_fp4_ep(recipe: Fp4Recipe, steps: int, path: str) -> dict[str, Any]:
     model = _fp4_lm(recipe)
     ref_model = copy.deepcopy(model)
     ref = _reference(ref_model, steps, 0.1)
-    expert_parallel(model, join_timeout=1.0)
+    expert_parallel(model, join_timeout=0.5)
     ctx4 = ComputeCtx.from_flag(recipe.format, "cpu").replace(recipe=recipe)
     par = parallelize(model, ctx4, strategy="ddp", optimizer_class=torch.optim.SGD, lr=0.1)
     per, losses = BATCH // world, []

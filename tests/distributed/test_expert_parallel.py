@@ -21,7 +21,7 @@ from .conftest import RunRanks
 
 LIMIT_S = 60.0
 FLAGS = ["fp32", "fp8_block", "fp8_hybrid_dynamic", "nvfp4", "mxfp4"]
-FP4 = ["nvfp4", "mxfp4"]
+FP4 = ["nvfp4"]  # trained (mxfp4's frame: test_fp4_experts, its EP layer case above)
 STEPS = 3
 
 
