@@ -4,6 +4,7 @@ implementations (issue 35): the table of docs/benchmarks.md.
     python bench/bench_host_step.py                     # 4 x 2048 x 2048 (16.8M parameters)
     python bench/bench_host_step.py --shape 4 4096 4096 --reps 15
     python bench/bench_host_step.py --parts f32 clip    # some of the parts only
+    python bench/bench_host_step.py --no-twins --no-peers  # ours native rows and torch's only
 
 One AdamW step over the parameters with gradients present, every contender built on its own
 copy of the same weights and stepped in turn, round after round (interleaved, so a change in
@@ -72,6 +73,7 @@ PARTS = ("f32", "clip", "compact", "bf16")
 FORMATS = ("bf16", "int8", "fp8", "int4")
 BASE = "torch AdamW fused=True"
 OURS_F32 = "ours CompactOptimizer f32"
+TWIN = "compile=False (twin)"
 
 Make = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -201,7 +203,7 @@ def _specs(parts: tuple[str, ...]) -> list[tuple[str, str, float, torch.dtype, M
             )
             specs.append(
                 (
-                    f"ours {fmt} moments, compile=False (twin)",
+                    f"ours {fmt} moments, {TWIN}",
                     "compact",
                     nbytes,
                     torch.float32,
@@ -245,7 +247,7 @@ def _specs(parts: tuple[str, ...]) -> list[tuple[str, str, float, torch.dtype, M
                 lambda p: CompactOptimizer(p, bf16),
             ),
             (
-                "ours bf16 master + SR, f32 moments, compile=False (twin)",
+                f"ours bf16 master + SR, f32 moments, {TWIN}",
                 "bf16",
                 moved(2, "f32", True),
                 torch.bfloat16,
@@ -263,13 +265,18 @@ def _specs(parts: tuple[str, ...]) -> list[tuple[str, str, float, torch.dtype, M
 
 
 def contenders(
-    shape: tuple[int, ...], parts: tuple[str, ...] = PARTS, peers: bool = True
+    shape: tuple[int, ...],
+    parts: tuple[str, ...] = PARTS,
+    peers: bool = True,
+    twins: bool = True,
 ) -> tuple[list[Row], list[str]]:
     """The rows to time (each on its own parameters) and notes on rows left out
-    (``peers=False``: every peer's row)."""
+    (``peers=False``: every peer's row; ``twins=False``: ours ``compile=False`` rows)."""
     notes: list[str] = []
     rows = []
     for label, part, nbytes, dtype, make in _specs(parts):
+        if not twins and label.endswith(TWIN):
+            continue
         if isinstance(make, Peer):
             if not peers:
                 continue
@@ -355,10 +362,15 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--no-peers", action="store_true", help="leave the peers' rows out")
+    parser.add_argument(
+        "--no-twins", action="store_true", help="leave ours compile=False (twin) rows out"
+    )
     args = parser.parse_args(argv)
     shape = tuple(args.shape)
     numel = math.prod(shape)
-    rows, notes = contenders(shape, tuple(args.parts), peers=not args.no_peers)
+    rows, notes = contenders(
+        shape, tuple(args.parts), peers=not args.no_peers, twins=not args.no_twins
+    )
     measure(rows, shape, args.reps, args.warmup)
     lines = [
         f"{numel / 1e6:.1f}M parameters as {shape[0]} x {list(shape[1:])}, "
