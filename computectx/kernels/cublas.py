@@ -116,12 +116,13 @@ def cublas_gemm_dtype(bias: torch.Tensor | None, out_dtype: torch.dtype) -> torc
 def cublas_bias(
     bias: torch.Tensor | None, out_dtype: torch.dtype, n_padded: int
 ) -> torch.Tensor | None:
-    """The bias cuBLAS fuses, zero-padded to the padded N; ``None`` when there is none to
-    fuse (see ``cublas_gemm_dtype``)."""
+    """The bias cuBLAS fuses, contiguous and zero-padded to the padded N; ``None`` when there
+    is none to fuse (see ``cublas_gemm_dtype``)."""
     if bias is None or cublas_gemm_dtype(bias, out_dtype) == torch.float32:
         return None
     n = bias.shape[0]
-    return bias if n_padded == n else torch.cat([bias, bias.new_zeros(n_padded - n)])
+    # cuBLASLt's bias epilogue reads N elements from one pointer: a strided view is copied.
+    return bias.contiguous() if n_padded == n else torch.cat([bias, bias.new_zeros(n_padded - n)])
 
 
 def cublas_result(

@@ -31,31 +31,36 @@ for MXFP4: 16-byte aligned rows, as cuBLASLt wants, and no tile partly read) and
 padded scale entries are the dtype's 1.0 (E4M3 byte 0x38, E8M0 byte 127), which multiply zero
 codes and add nothing; the padded rows and columns of the result are dropped. NVFP4's global
 scales are ``alpha`` and 1.0, so torch's product is ``alpha`` exactly and cuBLAS forms
-``alpha * acc`` in float32, the twin's epilogue. The bias: fused only into an NVFP4 GEMM with
-a 16-bit result of the bias's dtype (torch refuses a bias with a float32 result); otherwise the
-GEMM returns float32 and the bias is added in float32 before the one rounding. MXFP4 never
-fuses a bias: torch's MXFP4 path (``f4f4bf16``) is not handed it.
+``alpha * acc`` in float32, the twin's epilogue. The bias is never fused: with a bias the GEMM
+returns float32 and the bias is added in float32 before the one rounding, in our code, which is
+the twin's epilogue whatever cuBLAS's bias epilogue does (torch's MXFP4 path, ``f4f4bf16``, is
+not handed a bias at all), so every call the launcher makes is a call the probe runs.
 
 **The probe** (``fp4_recipes``, ``serves``): each recipe runs once per device and result dtype
-on a ragged product (``_PROBE_SHAPE``: M = N = 144, K = 160, so every padding is taken) of
-varied codes (0, +-0.5 .. +-2) and scales (0.5, 1, 2) in every row and K block (NVFP4 with
-``alpha = 0.5``), and runs only if its result is the twin's bit for bit: every partial sum is
-exact there, so a torch that refuses the call, drops ``alpha``, or reads the scales in another
-layout is caught and reported with its reason. Where a recipe does not run, the operator runs
-the Triton kernel.
+on a ragged product (``_PROBE_SHAPE``: M = 144, N = 136, K = 160, so the K padding to whole
+scale tiles, the N padding to 16 and the scales' partial 128-row tiles are all taken) of
+varied codes (0, +-0.5 .. +-2) and 1x16 / 1x32 scales (0.5, 1, 2) in every row and K block
+(NVFP4 with ``alpha = 0.5``), no bias (none is ever handed to cuBLAS), and runs only if its
+result has the asked dtype and is the twin's bit for bit: every partial sum is exact there, so
+a torch that refuses the call (any ``Exception``: its first line is the reason), drops
+``alpha``, returns another dtype or reads the scales in another layout is caught and reported.
+A 16x16 tile is not probed: the launcher repeats its scales into 1x16 ones, held to the twin
+by the tests. Verdicts are kept per indexed device (a bare ``"cuda"`` is the current device),
+recipe and result dtype, except an out-of-memory error, which is reported and probed again on
+the next call, and a call while the current CUDA stream captures a graph, which is not probed
+(the probe synchronizes) and reports so: the call takes the Triton kernel; run a 4-bit GEMM
+or ``fp4_recipes`` before capturing. Where a recipe does not run, the operator runs the
+Triton kernel.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Final
 
 import torch
 
 from computectx.kernels.cublas import (
     CUBLAS_MULTIPLE,
-    cublas_bias,
-    cublas_gemm_dtype,
     cublas_operand,
     cublas_result,
     round_up,
@@ -68,6 +73,7 @@ __all__ = [
     "fp4_gemm_dtype",
     "fp4_recipes",
     "fp4_scaled_mm",
+    "indexed",
     "serves",
 ]
 
@@ -85,11 +91,10 @@ def _format(scale: torch.Tensor) -> str:
 
 
 def fp4_gemm_dtype(fmt: str, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.dtype:
-    """What the cuBLAS call returns: ``out_dtype``, or float32 where the bias is added after
-    (``cublas_gemm_dtype``; MXFP4 never fuses one)."""
-    if fmt == "mxfp4":
-        return out_dtype if bias is None else torch.float32
-    return cublas_gemm_dtype(bias, out_dtype)
+    """What the cuBLAS call of recipe ``fmt`` returns: ``out_dtype``, or float32 where there is
+    a bias, which is added after the GEMM (no 4-bit call fuses one: module docstring)."""
+    del fmt  # the same rule for both recipes
+    return out_dtype if bias is None else torch.float32
 
 
 def _codes(codes: torch.Tensor, rows: int, kbytes: int) -> torch.Tensor:
@@ -131,7 +136,6 @@ def fp4_scaled_mm(
     sa = _scales(scale_a, tile_a, m, kp // block)
     sb = _scales(scale_b, tile_b, np_, kp // block)
     gemm_dtype = fp4_gemm_dtype(fmt, bias, out_dtype)
-    fused = cublas_bias(bias, out_dtype, np_) if fmt == "nvfp4" else None
     f = torch.nn.functional
     swz, plain = f.SwizzleType.SWIZZLE_32_4_4, f.SwizzleType.NO_SWIZZLE
     if fmt == "nvfp4":
@@ -141,7 +145,7 @@ def fp4_scaled_mm(
         kinds = [f.ScalingType.BlockWise1x16, f.ScalingType.TensorWise]
         out = f.scaled_mm(
             a_p, b_p.t(), [sa, alpha.float().reshape(1)], kinds, [sb, one], kinds,
-            swizzle_a=[swz, plain], swizzle_b=[swz, plain], bias=fused, output_dtype=gemm_dtype,
+            swizzle_a=[swz, plain], swizzle_b=[swz, plain], bias=None, output_dtype=gemm_dtype,
         )  # fmt: skip
     else:
         kind = f.ScalingType.BlockWise1x32
@@ -149,13 +153,27 @@ def fp4_scaled_mm(
             a_p, b_p.t(), sa, kind, sb, kind,
             swizzle_a=swz, swizzle_b=swz, bias=None, output_dtype=gemm_dtype,
         )  # fmt: skip
-    return cublas_result(out, m, n, bias, fused, out_dtype)
+    return cublas_result(out, m, n, bias, None, out_dtype)
 
 
-_PROBE_SHAPE: Final = (144, 160)  # rows of each operand, K: ragged for every padding
+# M, N, K of the probe: M and N ragged for the scales' 128-row tiles, N (136) for the
+# N padding to 16, K (160) for the K padding to whole scale tiles.
+_PROBE_SHAPE: Final = (144, 136, 160)
 # 0, +-0.5 .. +-2: with scales 0.5 .. 2 every partial sum of the probe is a multiple of 1/16
 # below 2**12, exact in 16 bits, whatever order and width the tensor cores add in.
 _E2M1_CODES: Final = (0, 1, 2, 3, 4, 9, 10, 11, 12)
+# What torch raises where it refuses a call (its TORCH_CHECK kinds); anything else is named.
+_REFUSALS: Final = (RuntimeError, ValueError, NotImplementedError, TypeError)
+_VERDICTS: dict[tuple[torch.device, str, torch.dtype], tuple[bool, str]] = {}
+"""The probes' lasting verdicts, by (indexed device, recipe, result dtype)."""
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: a bare ``"cuda"`` is the current CUDA device (where CUDA
+    is available), so a verdict is kept for the device it was probed on."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _probe_operand(fmt: str, rows: int, k: int, seed: int, dev: torch.device) -> torch.Tensor:
@@ -178,13 +196,14 @@ def _probe_scale(fmt: str, rows: int, k: int, seed: int, dev: torch.device) -> t
     return (e + _E8M0_ONE - 1).to(torch.uint8).to(dev).view(torch.float8_e8m0fnu)
 
 
-def _probe_twin(fmt: str, rows: int, k: int, out: torch.dtype) -> torch.Tensor:
+def _probe_twin(fmt: str, out: torch.dtype) -> torch.Tensor:
     # The product the twin's arithmetic gives (exact partial sums, alpha 0.5 for NVFP4),
     # from the same bytes decoded on the CPU.
     table = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64)
     cpu = torch.device("cpu")
+    m, n, k = _PROBE_SHAPE
     vals = []
-    for seed in (1, 2):
+    for seed, rows in ((1, m), (2, n)):
         nib = _probe_operand(fmt, rows, k, seed, cpu).view(torch.uint8)
         codes = torch.stack([nib & 15, nib >> 4], dim=-1).reshape(rows, k).long()
         v = table[codes & 7] * torch.where(codes >= 8, -1.0, 1.0)
@@ -194,39 +213,76 @@ def _probe_twin(fmt: str, rows: int, k: int, out: torch.dtype) -> torch.Tensor:
     return (prod * (0.5 if fmt == "nvfp4" else 1.0)).float().to(out)
 
 
-@functools.cache
-def _probe(device: torch.device, fmt: str, out: torch.dtype) -> tuple[bool, str]:
-    # The recipe on the probe's ragged product (module docstring), against its twin.
+def _probe_run(device: torch.device, fmt: str, out: torch.dtype) -> torch.Tensor:
+    # The recipe's call on the probe's operands (alpha 0.5: NVFP4's global scales must reach
+    # the result), every tensor built on `device` here.
+    m, n, k = _PROBE_SHAPE
+    alpha = torch.full((1,), 0.5, device=device) if fmt == "nvfp4" else None
+    return fp4_scaled_mm(
+        a=_probe_operand(fmt, m, k, 1, device),
+        scale_a=_probe_scale(fmt, m, k, 1, device),
+        tile_a="1x16",
+        b=_probe_operand(fmt, n, k, 2, device),
+        scale_b=_probe_scale(fmt, n, k, 2, device),
+        tile_b="1x16",
+        alpha=alpha,
+        bias=None,
+        out_dtype=out,
+    )
+
+
+def _capturing(device: torch.device) -> bool:
+    # Whether the current CUDA stream is capturing a graph (the probe syncs: it cannot run).
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
+
+
+def _verdict(device: torch.device, fmt: str, out: torch.dtype) -> tuple[tuple[bool, str], bool]:
+    # The probe (module docstring) and whether its verdict lasts: an out-of-memory error and
+    # a graph capture say nothing of the recipe, so those verdicts are not kept.
     f = torch.nn.functional
     api = "torch.nn.functional.scaled_mm"
     if not (hasattr(f, "scaled_mm") and hasattr(f, "ScalingType") and hasattr(f, "SwizzleType")):
-        return False, f"this torch ({torch.__version__}) has no {api}"
-    rows, k = _PROBE_SHAPE
-    # alpha 0.5: NVFP4's global scales must reach the result.
-    alpha = torch.full((1,), 0.5, device=device) if fmt == "nvfp4" else None
+        return (False, f"this torch ({torch.__version__}) has no {api}"), True
+    if _capturing(device):
+        why = "not probed while a CUDA graph is captured (the probe synchronizes); probe first"
+        return (False, f"{api} ({fmt}) on {device}: {why}"), False
     try:
-        got = fp4_scaled_mm(
-            a=_probe_operand(fmt, rows, k, 1, device),
-            scale_a=_probe_scale(fmt, rows, k, 1, device),
-            tile_a="1x16",
-            b=_probe_operand(fmt, rows, k, 2, device),
-            scale_b=_probe_scale(fmt, rows, k, 2, device),
-            tile_b="1x16",
-            alpha=alpha,
-            bias=None,
-            out_dtype=out,
-        )
-    except (RuntimeError, ValueError, NotImplementedError, TypeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return False, f"{api} refuses {fmt} on {device}: {first}"
-    if got.shape != (rows, rows) or not torch.equal(got.cpu(), _probe_twin(fmt, rows, k, out)):
-        return False, f"{api} runs {fmt} on {device} but gave a wrong product"
-    return True, f"{api} ({fmt}) on {device}"
+        got = _probe_run(device, fmt, out)
+    except Exception as e:  # any refusal is a verdict (a BaseException is not caught)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        named = first if isinstance(e, _REFUSALS) and first else f"{type(e).__name__}: {first}"
+        if isinstance(e, torch.OutOfMemoryError):
+            return (False, f"{api} ran out of memory probing {fmt} on {device}: {first} "
+                    "(not kept: probed again on the next call)"), False  # fmt: skip
+        return (False, f"{api} refuses {fmt} on {device}: {named}"), True
+    if got.dtype != out:  # torch.equal compares values across dtypes
+        return (False, f"{api} runs {fmt} on {device} but gave {got.dtype} for {out}"), True
+    m, n, _ = _PROBE_SHAPE
+    if got.shape != (m, n) or not torch.equal(got.cpu(), _probe_twin(fmt, out)):
+        return (False, f"{api} runs {fmt} on {device} but gave a wrong product"), True
+    return (True, f"{api} ({fmt}) on {device}"), True
+
+
+def _probe(device: torch.device, fmt: str, out: torch.dtype) -> tuple[bool, str]:
+    # The verdict for (device, recipe, result dtype): kept once it lasts, run again otherwise.
+    key = (indexed(device), fmt, out)
+    kept = _VERDICTS.get(key)
+    if kept is not None:
+        return kept
+    verdict, lasting = _verdict(*key)
+    if lasting:
+        _VERDICTS[key] = verdict
+    return verdict
 
 
 def fp4_recipes(device: torch.device) -> dict[str, tuple[bool, str]]:
     """Which 4-bit cuBLAS recipes run on ``device`` with a bf16 result: format -> ``(runs,
-    reason)`` (the probe of the module docstring, once per device and result dtype)."""
+    reason)`` (the probe of the module docstring, once per device and result dtype; never
+    raises for a device torch cannot run on: that is a ``(False, reason)``)."""
     return {fmt: _probe(device, fmt, torch.bfloat16) for fmt in FP4_RECIPES}
 
 

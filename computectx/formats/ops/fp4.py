@@ -54,7 +54,7 @@ import torch
 from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES
-from computectx.formats.backend import check_bias_and_out, quantizable_arg
+from computectx.formats.backend import quantizable_arg
 from computectx.formats.numerics import fp4_gemm
 from computectx.formats.numerics.e2m1 import HADAMARD_SIZE, Stochastic
 from computectx.formats.numerics.fp4 import (
@@ -75,7 +75,9 @@ from computectx.formats.ops.fp4_backend import (
     TRITON,
     backend_of,
     check_2d,
+    check_gemm,
     check_how,
+    check_scale,
     fp4_tensor_cores,
     rng_arg,
     runs_triton,
@@ -150,8 +152,13 @@ def fp4_quantize(
 ) -> Quantized:
     """A 2-D ``x``'s row-wise operand at ``tile`` (``"1x16"``/``"16x16"``; MXFP4: 1x32), or
     with ``columnwise`` the wgrad's operand of ``x.t()`` (``fp4_gemm.wgrad_operand``):
-    ``(codes, scale, amax)``, the amax float32 ``(1,)`` (MXFP4: the tensor's, unused)."""
-    if runs_triton(backend, x):
+    ``(codes, scale, amax)``, the amax float32 ``(1,)`` (MXFP4: the tensor's, unused); an
+    operand of 0 rows has empty codes and scales and amax 0 on every backend."""
+    kernels = runs_triton(backend, x)
+    if not x.shape[1 if columnwise else 0]:
+        codes, scale, _ = _quantize_fake(x, format, tile, mx_rounding, columnwise, hadamard)
+        return codes, scale, x.new_zeros(1, dtype=torch.float32)
+    if kernels:
         from computectx.kernels.fp4_quantize import fp4_quantize as kernel
 
         return kernel(x, format, tile, mx_rounding, columnwise, hadamard, signs, rng)
@@ -209,8 +216,13 @@ def fp4_scaled_mm(
     backend: str,
 ) -> torch.Tensor:
     """``[M, N]``: ``reference_fp4_mm`` of the operands ``a [M, K]`` and ``b [N, K]`` (codes,
-    scales, NVFP4's amaxes, tiles)."""
-    if backend == CUBLAS and runs_triton(backend, a):
+    scales, NVFP4's amaxes, tiles); an empty ``[M, N]`` for M or N = 0 on every backend."""
+    check_scale(a, scale_a, tile_a, "a")
+    check_scale(b, scale_b, tile_b, "b")
+    kernels = runs_triton(backend, a)
+    if not (a.shape[0] and b.shape[0]):
+        return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+    if backend == CUBLAS and kernels:
         from computectx.kernels import cublas_fp4
 
         if cublas_fp4.serves(scale_a, bias, out_dtype):
@@ -220,7 +232,7 @@ def fp4_scaled_mm(
             return cublas_fp4.fp4_scaled_mm(a=a, scale_a=scale_a, tile_a=tile_a, b=b,
                 scale_b=scale_b, tile_b=tile_b, alpha=alpha, bias=bias, out_dtype=out_dtype,
             )  # fmt: skip
-    if runs_triton(backend, a):
+    if kernels:
         from computectx.kernels.fp4_gemm import fp4_scaled_mm as kernel
 
         return kernel(a=a, scale_a=scale_a, amax_a=amax_a, tile_a=tile_a, b=b, scale_b=scale_b,
@@ -357,7 +369,7 @@ def quantize(
     h = check_how(how)
     tile = h.weight_tile if weight and h.format == "nvfp4" and not columnwise else "1x16"
     if columnwise:
-        t = check_2d(x, 1, 1, "a column-wise 4-bit quantize")
+        t = check_2d(x, 1, 1, "a column-wise 4-bit quantize", k_dim=0)
     else:
         rows = NVFP4_BLOCK if tile == "16x16" else 1
         t = check_2d(x, h.block, rows, f"a {h.format} quantize at {tile}")
@@ -373,22 +385,9 @@ def scaled_mm(
     a: Fp4Operand, b: Fp4Operand, out_dtype: torch.dtype, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``a @ b.T (+ bias)`` at ``out_dtype`` of two NVFP4 or two MXFP4 operands (``[M, K]``,
-    ``[N, K]``) through ``computectx::fp4_scaled_mm``."""
-    for name, q in (("a", a), ("b", b)):
-        if not isinstance(q, (Nvfp4Operand, Mxfp4Operand)):
-            raise TypeError(f"{name} must be an Nvfp4Operand or Mxfp4Operand, got {q!r}")
-        if q.codes.dim() != 2:
-            raise ValueError(f"{name} must be 2-D, got codes of shape {tuple(q.codes.shape)}")
-    if isinstance(a, Nvfp4Operand) != isinstance(b, Nvfp4Operand):
-        raise ValueError(f"a 4-bit GEMM multiplies two NVFP4 or two MXFP4 operands, got {a!r}")
-    if a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
-        raise ValueError(
-            f"a [M, K] and b [N, K] need the same K and device, got {tuple(a.codes.shape)} on "
-            f"{a.codes.device} and {tuple(b.codes.shape)} on {b.codes.device} (two values a byte)"
-        )
-    check_bias_and_out(bias, out_dtype, a.codes, b.codes)
-    ta = a.tile if isinstance(a, Nvfp4Operand) else "1x32"
-    tb = b.tile if isinstance(b, Nvfp4Operand) else "1x32"
+    ``[N, K]``; each scale checked against its codes, K > 0; M or N may be 0) through
+    ``computectx::fp4_scaled_mm``."""
+    ta, tb = check_gemm(a, b, bias, out_dtype)
     amax_a = a.amax.reshape(1) if isinstance(a, Nvfp4Operand) else None
     amax_b = b.amax.reshape(1) if isinstance(b, Nvfp4Operand) else None
     out: torch.Tensor = fp4_scaled_mm(

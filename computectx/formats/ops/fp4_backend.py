@@ -16,9 +16,10 @@ from typing import Final
 import torch
 
 from computectx import capability
-from computectx.formats.backend import quantizable_arg
+from computectx.formats.backend import check_bias_and_out, quantizable_arg
 from computectx.formats.numerics.e2m1 import Stochastic
-from computectx.formats.numerics.fp4_gemm import Fp4Quant
+from computectx.formats.numerics.fp4 import Mxfp4Operand, Nvfp4Operand
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.residency import parse_device
 
 __all__ = [
@@ -27,7 +28,9 @@ __all__ = [
     "TRITON",
     "backend_of",
     "check_2d",
+    "check_gemm",
     "check_how",
+    "check_scale",
     "cublas_refusal",
     "fp4_cublas_recipes",
     "fp4_tensor_cores",
@@ -46,6 +49,11 @@ recipe runs (``kernels.cublas_fp4``), the Triton kernels otherwise and for every
 operator (compute capability >= 10.0, triton importable)."""
 _BACKENDS: Final[tuple[str, ...]] = (EMULATED, TRITON, CUBLAS)
 _U64: Final[int] = 2**64
+_TILES: Final[dict[str, tuple[str, int, int, torch.dtype]]] = {
+    "1x16": ("nvfp4", 16, 1, torch.float8_e4m3fn),
+    "16x16": ("nvfp4", 16, 16, torch.float8_e4m3fn),
+    "1x32": ("mxfp4", 32, 1, torch.float8_e8m0fnu),
+}  # a tile: its format, K block, rows a scale covers and scale dtype
 
 
 def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
@@ -64,12 +72,23 @@ def fp4_tensor_cores(device: torch.device | str) -> capability.Probe:
     )
 
 
+def _device(device: torch.device | str) -> torch.device:
+    # The device, a bare "cuda" as the current CUDA device (kernels.cublas_fp4.indexed).
+    dev = parse_device(device)
+    if dev.type != "cuda" or dev.index is not None:
+        return dev
+    from computectx.kernels.cublas_fp4 import indexed
+
+    return indexed(dev)
+
+
 def fp4_cublas_recipes(device: torch.device | str) -> dict[str, tuple[bool, str]]:
     """Which 4-bit cuBLAS recipes run on ``device`` (``kernels.cublas_fp4.fp4_recipes``:
-    ``"nvfp4"``/``"mxfp4"`` -> ``(runs, reason)``, probed once per device, bf16 result)."""
+    ``"nvfp4"``/``"mxfp4"`` -> ``(runs, reason)``, probed once per device, bf16 result; a
+    device torch cannot run on is ``(False, reason)`` too)."""
     from computectx.kernels import cublas_fp4
 
-    return cublas_fp4.fp4_recipes(parse_device(device))
+    return cublas_fp4.fp4_recipes(_device(device))
 
 
 def _cublas_recipes(device: torch.device) -> str | None:
@@ -84,6 +103,7 @@ def _cublas_recipes(device: torch.device) -> str | None:
     )
 
 
+@functools.cache
 def _no_kernels(dev: torch.device) -> str | None:
     # None where the Triton kernels run on `dev` (FP4 tensor cores, triton imports), else why.
     if dev.type != "cuda":
@@ -100,7 +120,7 @@ def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
     tensor cores where triton imports, ``"cublas"`` where torch's FP4 ``scaled_mm`` runs a
     recipe (probed once per device), else ``"triton"``; else ``"emulated"``, saying why
     (module docstring)."""
-    dev = parse_device(device)
+    dev = _device(device)
     where = _no_kernels(dev)
     if where is None:
         cores = fp4_tensor_cores(dev).reason
@@ -119,12 +139,9 @@ def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
 
 def cublas_refusal(device: torch.device) -> str | None:
     """None where the ``"cublas"`` backend runs on ``device``, else why not (a sentence naming
-    the device), once per device."""
-    return _cublas_refusal(parse_device(device))
-
-
-@functools.cache
-def _cublas_refusal(dev: torch.device) -> str | None:
+    the device): the device's kernels checked once, the recipes' probes kept as
+    ``kernels.cublas_fp4`` keeps them (an out-of-memory verdict is probed again)."""
+    dev = _device(device)
     why = _no_kernels(dev) or _cublas_recipes(dev)
     if why is None:
         return None
@@ -149,9 +166,11 @@ def backend_of(t: torch.Tensor) -> str:
     return EMULATED if t.device.type != "cuda" else _cuda_backend(t.device)
 
 
-@functools.cache
-def _cuda_backend(device: torch.device) -> str:
-    return select_fp4_backend(device)[0]
+def _cuda_backend(dev: torch.device) -> str:
+    # select_fp4_backend's choice, from the kept kernel check and probes (no reason built).
+    if _no_kernels(dev) is not None:
+        return EMULATED
+    return CUBLAS if _cublas_recipes(dev) is None else TRITON
 
 
 def rng_arg(
@@ -190,14 +209,68 @@ def check_how(how: object) -> Fp4Quant:
     return how
 
 
-def check_2d(x: object, multiple: int, rows_multiple: int, who: str) -> torch.Tensor:
+def check_2d(
+    x: object, multiple: int, rows_multiple: int, who: str, *, k_dim: int = 1
+) -> torch.Tensor:
     """``x`` if it is a quantizable 2-D tensor with K a multiple of ``multiple`` and rows of
-    ``rows_multiple``, else a ``ValueError`` naming its shape."""
+    ``rows_multiple``, and the operand's K (dimension ``k_dim``: 0 for a column-wise operand)
+    not 0 (0 rows are taken), else a ``ValueError`` naming its shape."""
     t = quantizable_arg(x)
-    if t.dim() != 2 or t.shape[1] % multiple or t.shape[0] % rows_multiple:
+    if t.dim() != 2 or t.shape[1] % multiple or t.shape[0] % rows_multiple or not t.shape[k_dim]:
         rows = f", rows a multiple of {rows_multiple}" if rows_multiple > 1 else ""
         raise ValueError(
-            f"{who} takes a 2-D tensor with the last dimension a multiple of {multiple}{rows}, "
-            f"got shape {tuple(t.shape)}"
+            f"{who} takes a 2-D tensor with K (dimension {k_dim}) > 0 and the last dimension a "
+            f"multiple of {multiple}{rows}, got shape {tuple(t.shape)}"
         )
     return t
+
+
+def check_scale(codes: torch.Tensor, scale: torch.Tensor, tile: str, who: str) -> None:
+    """A ``ValueError`` naming both shapes unless ``scale`` is the block scale of 2-D ``codes
+    [rows, K/2]`` at ``tile`` (``"1x16"``, ``"16x16"``: NVFP4's E4M3; ``"1x32"``: MXFP4's
+    E8M0), one per row (16 rows) and K block, on the codes' device, and K > 0. The scale's
+    dtype names the format, as the operators read it (an MXFP4 operand's tile is 1x32)."""
+    if scale.dtype not in (torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        raise ValueError(
+            f"{who}'s scale is float8_e4m3fn (NVFP4) or float8_e8m0fnu (MXFP4), got {scale.dtype}"
+        )
+    tile = "1x32" if scale.dtype == torch.float8_e8m0fnu else tile
+    fmt, block, tile_rows, dtype = _TILES.get(tile, ("", 0, 0, None))
+    if dtype is None:
+        raise ValueError(f"{who}'s NVFP4 tile is 1x16 or 16x16, got {tile!r}")
+    if codes.dim() != 2:
+        raise ValueError(f"{who} must be 2-D, got codes of shape {tuple(codes.shape)}")
+    rows, k = codes.shape[0], 2 * codes.shape[1]
+    if not k or k % block or rows % tile_rows:
+        rows_ok = f", rows a multiple of {tile_rows}" if tile_rows > 1 else ""
+        raise ValueError(
+            f"{who} ({fmt} {tile}) needs codes [rows, K/2] with K > 0 a multiple of {block}"
+            f"{rows_ok}, got codes of shape {tuple(codes.shape)} (two values a byte)"
+        )
+    want = (rows // tile_rows, k // block)
+    if scale.dtype != dtype or tuple(scale.shape) != want or scale.device != codes.device:
+        raise ValueError(
+            f"{who}'s scale ({fmt} {tile}) for codes of shape {tuple(codes.shape)} is {dtype} "
+            f"{want} on {codes.device}, got {scale.dtype} {tuple(scale.shape)} on {scale.device}"
+        )
+
+
+def check_gemm(a: Fp4Operand, b: Fp4Operand, bias: object, out_dtype: object) -> tuple[str, str]:
+    """The tiles of a dense 4-bit GEMM's operands (``Nvfp4Operand``/``Mxfp4Operand``, both of
+    one format, ``[M, K]`` and ``[N, K]`` on one device, each scale as ``check_scale`` wants),
+    its bias and result dtype checked, else a ``TypeError``/``ValueError`` quoting them."""
+    tiles = []
+    for name, q in (("a", a), ("b", b)):
+        if not isinstance(q, (Nvfp4Operand, Mxfp4Operand)):
+            raise TypeError(f"{name} must be an Nvfp4Operand or Mxfp4Operand, got {q!r}")
+        tiles.append(q.tile if isinstance(q, Nvfp4Operand) else "1x32")
+        check_scale(q.codes, q.scale, tiles[-1], name)
+    if isinstance(a, Nvfp4Operand) != isinstance(b, Nvfp4Operand):
+        raise ValueError(f"a 4-bit GEMM multiplies two NVFP4 or two MXFP4 operands, got {a!r}")
+    if a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
+        raise ValueError(
+            f"a [M, K] and b [N, K] need the same K and device, got {tuple(a.codes.shape)} on "
+            f"{a.codes.device} and {tuple(b.codes.shape)} on {b.codes.device} (two values a byte)"
+        )
+    check_bias_and_out(bias, out_dtype, a.codes, b.codes)
+    return tiles[0], tiles[1]
