@@ -76,6 +76,7 @@ from computectx.formats.policy import (
     default_device,
     describe,
 )
+from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.residency import parse_device
 from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward
@@ -130,7 +131,7 @@ class Fp4Linear(CounterLoads, nn.Linear):
         sr_stream: int = 0,
     ) -> None:
         recipe = _recipe_of(ctx)
-        check_stream(sr_stream, f"Fp4Linear({in_features}, {out_features})")
+        sr_stream = check_stream(sr_stream, f"Fp4Linear({in_features}, {out_features})")
         for name, width in (("in_features", in_features), ("out_features", out_features)):
             if width % recipe.block:
                 raise ValueError(
@@ -146,6 +147,9 @@ class Fp4Linear(CounterLoads, nn.Linear):
         self._how = fp4_quant(recipe)
         self.sr_stream = sr_stream
         self.sr_key = fp4_key(recipe, 0, sr_stream)
+        # load_state_dict checks every layer's entries before any module loads, from whatever
+        # root (an nn.Sequential of Fp4Linears): the guard climbs to each parent.
+        guard_whole_loads(self)
 
     sr_key: torch.Tensor
     """int64 ``(2,)`` on the CPU: the stochastic rounding's key word (``recipe.seed``, two's
@@ -254,16 +258,16 @@ class Fp4Linear(CounterLoads, nn.Linear):
         layer or under another 4-bit recipe or seed (naming both policies), or hold a counter
         outside ``[0, FP4_COUNTER_LIMIT)`` or a negative stream (``guard_whole_loads`` runs
         this on every layer before any loads)."""
-        layer = prefix[:-1] or "the layer"
+        layer = self.named(prefix[:-1])
         fp8 = sorted(k for k in entries if k.startswith("fp8_"))
         if fp8:
             raise ValueError(
-                f"{layer!r} is a 4-bit Fp4Linear under {self.recipe}, but the state dict holds "
+                f"{layer} is an Fp4Linear under {self.recipe}, but the state dict holds "
                 f"an fp8 layer's scaling state ({prefix}{fp8[0]}, ...): an fp8 checkpoint does not "
                 f"load into a 4-bit model; convert under the fp8 recipe it was saved with"
             )
         if "_extra_state" in entries:  # an entry of None too: torch would hand it on
-            where = f"{prefix}_extra_state of the 4-bit layer {layer!r}"
+            where = f"{prefix}_extra_state of {layer}"
             saved_counter(entries["_extra_state"], self.recipe, where, "this layer runs")
 
     def extra_repr(self) -> str:

@@ -21,12 +21,14 @@ every load path by ``saved_counter`` before anything is written.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple
 
 import torch
 from torch.autograd.function import FunctionCtx
 
+from computectx._checks import as_int
 from computectx.formats.linear.recompute import checkpoint_site
 from computectx.fp4_recipe import Fp4Recipe
 
@@ -92,10 +94,12 @@ def recipe_text(code: int, seed: int) -> str:
 
 
 class SavedCounter(NamedTuple):
-    """What a saved 4-bit ``_extra_state`` restores: the counter and the stream."""
+    """What a saved 4-bit ``_extra_state`` restores: the counter and the stream (and the
+    layout's version: a version-1 state, saved before streams, loads as stream 0)."""
 
     counter: int
     stream: int
+    version: int = FP4_STATE_VERSION
 
 
 def saved_counter(state: object, recipe: Fp4Recipe, where: str, runs: str) -> SavedCounter:
@@ -152,23 +156,25 @@ def saved_counter(state: object, recipe: Fp4Recipe, where: str, runs: str) -> Sa
             f"{where} holds the stochastic-rounding stream {stream}; accepted: an integer in "
             f"[0, 2**63) (FP4_STREAM_LIMIT)"
         )
-    return SavedCounter(counter, stream)
+    return SavedCounter(counter, stream, version)
 
 
 def check_stream(stream: object, where: str) -> int:
-    """``stream`` as a stream (an ``int``, not a ``bool``, in ``[0, FP4_STREAM_LIMIT)``):
-    ``TypeError``/``ValueError`` naming ``where`` and the value otherwise."""
-    if not isinstance(stream, int) or isinstance(stream, bool):
+    """``stream`` as a stream: an integer (``int``, a numpy integer, an ``IntEnum``: stored as
+    a plain ``int``; not a ``bool``) in ``[0, FP4_STREAM_LIMIT)``; ``TypeError``/``ValueError``
+    naming ``where`` and the value otherwise."""
+    n = as_int(stream)
+    if n is None:
+        shown = _kind_of(stream) if isinstance(stream, torch.Tensor) else repr(stream)[:60]
         raise TypeError(
-            f"{where}: the stochastic-rounding stream must be an int in [0, 2**63), got "
-            f"{type(stream).__name__}"
+            f"{where}: the stochastic-rounding stream must be an integer in [0, 2**63) (an int "
+            f"or a numpy integer, not a bool), got {shown} ({type(stream).__name__})"
         )
-    if not 0 <= stream < FP4_STREAM_LIMIT:
+    if not 0 <= n < FP4_STREAM_LIMIT:
         raise ValueError(
-            f"{where}: the stochastic-rounding stream {stream} is outside [0, 2**63) "
-            f"(FP4_STREAM_LIMIT)"
+            f"{where}: the stochastic-rounding stream {n} is outside [0, 2**63) (FP4_STREAM_LIMIT)"
         )
-    return stream
+    return n
 
 
 def stream_word(seed: int, stream: int) -> int:
@@ -221,6 +227,10 @@ def replays_a_call() -> bool:
     return site is not None and site.recomputing and not isinstance(site.key, FunctionCtx)
 
 
+_LOADING: Final = "_fp4_loading_as"
+"""The attribute naming a module while ``load_state_dict`` loads it (for its warnings)."""
+
+
 class CounterLoads:
     """The counter's state for a module whose ``_extra_state`` is a 4-bit counter
     (``Fp4Linear``, ``Fp4Experts``; listed before the ``nn.Module`` base): its stream
@@ -238,30 +248,54 @@ class CounterLoads:
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
         raise NotImplementedError  # each module names itself in its errors
 
-    def check_sr_stream(self, stream: object, name: str) -> int:
+    kind: str = "4-bit layer"
+    """What the module calls itself in its errors and warnings (``"4-bit experts"``)."""
+
+    def named(self, name: str) -> str:
+        """``"the 4-bit layer 'x'"`` for the module named ``name`` (none: ``"the 4-bit
+        layer"``), as its errors and warnings name it."""
+        return f"the {self.kind} {name!r}" if name else f"the {self.kind}"
+
+    def check_sr_stream(self, stream: object, name: str, *, force: bool = False) -> int:
         """``stream`` checked (``check_stream``) as this module's new stream: ``ValueError``
         naming ``name`` when the module has drawn (counter above 0) on another stream, so a
-        run's streams never change midway (the same stream again is no change)."""
-        layer = f"the 4-bit layer {name!r}" if name else "the 4-bit layer"
+        run's streams never change midway (the same stream again is no change), unless
+        ``force`` (``set_sr_stream``)."""
+        layer = self.named(name)
         stream = check_stream(stream, layer)
         counter = int(self.sr_key[1])
-        if stream != self.sr_stream and counter:
+        if stream != self.sr_stream and counter and not force:
             raise ValueError(
                 f"{layer} has drawn on the stochastic-rounding stream "
                 f"{self.sr_stream} (counter {counter}): its stream cannot change to {stream} "
                 f"midway through a run; assign streams before training (a checkpoint's load "
-                f"restores the streams it saved)"
+                f"restores the streams it saved). Modules that share a stream (resumed from a "
+                f"version-1 checkpoint, or one loaded from another's state) move with "
+                f"assign_fp4_streams(model, force=True), their counters kept"
             )
         return stream
 
-    def set_sr_stream(self, stream: int, name: str = "") -> None:
-        """Draw on ``stream`` from counter 0 (``check_sr_stream`` first; the same stream
-        again changes nothing)."""
-        if self.check_sr_stream(stream, name) != self.sr_stream:
-            self._install(SavedCounter(0, stream))
+    def set_sr_stream(self, stream: int, name: str = "", *, force: bool = False) -> None:
+        """Draw on ``stream`` (``check_sr_stream`` first; the same stream again changes
+        nothing), the counter kept: 0 unless ``force`` moved a module that has drawn (for
+        modules that share a stream: a version-1 resume, a state copied from another module;
+        a counter never moves back, so no bits drawn before are drawn again on the old
+        stream)."""
+        stream = self.check_sr_stream(stream, name, force=force)
+        if stream != self.sr_stream:
+            self._install(SavedCounter(int(self.sr_key[1]), stream))
 
-    def _install(self, saved: SavedCounter) -> None:
+    def _install(self, saved: SavedCounter, name: str = "") -> None:
         # A new key tensor, never written in place (a backward may hold the old one).
+        if saved.version == 1:
+            warnings.warn(
+                f"{self.named(name)} loaded a version-1 stochastic-rounding state (saved before "
+                f"streams): it draws on stream 0, the recipe's seed, as every 4-bit module of "
+                f"that run did, so modules of one shape draw the same uniforms; give each its "
+                f"own stream with assign_fp4_streams(model, force=True) (the counters kept)",
+                UserWarning,
+                stacklevel=2,
+            )
         self.sr_stream = saved.stream
         self.sr_key = fp4_key(self.recipe, saved.counter, saved.stream)
 
@@ -277,7 +311,8 @@ class CounterLoads:
     def set_extra_state(self, state: Any) -> None:
         """Install a saved counter and stream (checked by ``check_load`` first)."""
         self.check_load({"_extra_state": state}, "")
-        self._install(saved_counter(state, self.recipe, "_extra_state", "this module runs"))
+        name = getattr(self, _LOADING, "")  # set while load_state_dict loads this module
+        self._install(saved_counter(state, self.recipe, "_extra_state", "this module runs"), name)
 
     def state_load_keys(self) -> tuple[str, ...]:
         """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this rule."""
@@ -294,7 +329,7 @@ class CounterLoads:
             return lambda: None
         # Read now: a memory-mapped file may go.
         saved = saved_counter(tensors["_extra_state"], self.recipe, "_extra_state", "it runs")
-        return lambda: self._install(saved)
+        return lambda: self._install(saved, prefix[:-1])
 
     def _load_from_state_dict(
         self,
@@ -308,8 +343,18 @@ class CounterLoads:
     ) -> None:
         local = {k[len(prefix) :]: v for k, v in state_dict.items() if k.startswith(prefix)}
         self.check_load(local, prefix)
-        super()._load_from_state_dict(  # type: ignore[misc]
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+        object.__setattr__(self, _LOADING, prefix[:-1])  # the name set_extra_state warns by
+        try:
+            super()._load_from_state_dict(  # type: ignore[misc]
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
+        finally:
+            object.__delattr__(self, _LOADING)
         if prefix + "_extra_state" in missing_keys:
             missing_keys.remove(prefix + "_extra_state")

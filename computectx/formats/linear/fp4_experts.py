@@ -156,6 +156,8 @@ class Fp4Experts(CounterLoads, nn.Module):
     makes one per experts module it converts under a 4-bit ctx, on the weights' device, on
     the stream of its name; it moves with its module."""
 
+    kind = "4-bit experts"
+
     sr_key: torch.Tensor
     """int64 ``(2,)`` on the CPU: the stochastic rounding's key word (the seed, two's
     complement, on stream 0: ``Fp4Linear``'s) and counter; plain state, not a buffer (module
@@ -168,7 +170,7 @@ class Fp4Experts(CounterLoads, nn.Module):
                 f"Fp4Experts takes an Fp4Recipe (ctx.recipe under nvfp4/mxfp4), got "
                 f"{describe(recipe)}"
             )
-        check_stream(sr_stream, "Fp4Experts")
+        sr_stream = check_stream(sr_stream, "Fp4Experts")
         self.recipe = recipe
         self.how: Fp4Quant = fp4_quant(recipe)
         self.sr_stream = sr_stream
@@ -223,7 +225,7 @@ class Fp4Experts(CounterLoads, nn.Module):
         guard runs this before any module loads; ``linear.fp4_counter.saved_counter``)."""
         if "_extra_state" not in entries:
             return
-        where = f"{prefix}_extra_state of the 4-bit experts {prefix[:-1] or 'setting'!r}"
+        where = f"{prefix}_extra_state of {self.named(prefix[:-1])}"
         saved_counter(entries["_extra_state"], self.recipe, where, "these experts run")
 
 

@@ -146,9 +146,9 @@ def test_saved_counter_names_what_is_wrong_and_never_prints_a_value() -> None:
     recipe = Fp4Recipe(seed=2**64 - 1)  # the key holds it as -1
     assert fp4_key(recipe, 7).tolist() == [-1, 7] and signed_seed(2**63) == -(2**63)
     good = torch.tensor([FP4_STATE_VERSION, recipe_code(recipe), -1, 3, 9])
-    assert saved_counter(good, recipe, "w", "this layer runs") == (3, 9)
+    assert saved_counter(good, recipe, "w", "this layer runs") == (3, 9, 2)
     version_1 = torch.tensor([1, recipe_code(recipe), -1, 3])  # before streams: stream 0
-    assert saved_counter(version_1, recipe, "w", "this layer runs") == (3, 0)
+    assert saved_counter(version_1, recipe, "w", "this layer runs") == (3, 0, 1)
     reads = "this computectx reads version 2 (5 entries) and version 1 (4 entries)"
     cases = {
         "got a torch.int32 tensor of shape (5,)": good.int(),
