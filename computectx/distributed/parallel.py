@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from computectx._checks import check_max_norm
 from computectx.ctx import ComputeCtx
@@ -42,7 +42,12 @@ from computectx.distributed.optimizer_checkpoint import (
     optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from computectx.distributed.parallel_checks import ParallelArgs, check_parallel_load
+from computectx.distributed.parallel_checks import (
+    ParallelArgs,
+    check_parallel_load,
+    check_same_saved_streams,
+    saved_fp4_streams,
+)
 from computectx.distributed.parallel_steps import (
     build_accumulator,
     build_optimizer,
@@ -222,12 +227,18 @@ class Parallel:
         """Load what ``state_dict`` gave (after ``torch.distributed.checkpoint.load`` filled
         it): the model first, then the optimizer, whose masters follow the model.
 
-        Under DDP (and in one process) it issues no collective: one rank may load alone.
-        Under FSDP2 torch's loaders issue a collective, so it first joins the group (as
-        ``step`` does): a rank that loads alone gets a ``RuntimeError`` naming the ranks
-        that did not join, with nothing loaded. An expert-parallel model refuses, before
-        anything loads, expert weights or moments that another rank saved (a one-rank
-        ``torch.save`` of ``state_dict()``): ``ValueError`` naming both ranks and the fix."""
+        On many ranks (DDP and FSDP2 alike) it is a collective call: it first joins the group
+        (as ``step`` does; torch's loaders issue a collective under FSDP2), so a rank that
+        loads alone gets a ``RuntimeError`` naming the ranks that did not join, with nothing
+        loaded. Every rank checks its part before any rank loads, and the outcomes are
+        exchanged in that join's one ``all_gather_object`` (``agree``): one rank's bad part
+        (a 4-bit counter or stream out of range, another recipe, a missing key) is the same
+        error on every rank, naming that rank, with nothing changed on any; so is a part
+        whose 4-bit streams differ from another rank's (``check_same_saved_streams``: the
+        ranks would draw on different streams from then on). An expert-parallel model
+        refuses, before anything loads, expert weights or moments that another rank saved (a
+        one-rank ``torch.save`` of ``state_dict()``): ``ValueError`` naming both ranks and
+        the fix."""
         from torch.distributed.checkpoint.state_dict import (
             set_model_state_dict,
         )
@@ -237,16 +248,18 @@ class Parallel:
 
         opt, ready = self.optimizer, list[Any]()
 
-        def check() -> None:
+        def check() -> list[tuple[str, int]]:
             ready.append(check_parallel_load(self.module, opt, state))
+            return saved_fp4_streams(self.module, state[_MODEL])
 
-        if self.group is not None and isinstance(self.module, FSDPModule):
-            # torch's loaders issue a collective under FSDP2: every rank loads together,
-            # and every rank has checked its part before any loads (one rank's bad part is
-            # the same error on every rank, naming it).
-            agree(
+        if self.group is not None:
+            # Every rank loads together and has checked its part before any loads (one rank's
+            # bad part is the same error on every rank, naming it; under DDP a rank would
+            # otherwise load and train on while another refused).
+            everyone = agree(
                 check, self.group, what="Parallel.load_state_dict", join_timeout=self.join_timeout
             )
+            check_same_saved_streams(everyone)
         else:
             check()
         optim_state = ready[0]

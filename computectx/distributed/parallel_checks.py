@@ -3,6 +3,7 @@ changes (on many ranks inside ``agree``, so a check that fails on one rank raise
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,9 @@ __all__ = [
     "check_model_state",
     "check_parallel_load",
     "check_parallelize",
+    "check_same_saved_streams",
     "check_same_setup",
+    "saved_fp4_streams",
     "setup_choices",
     "uses_offloaded",
     "wants_accumulator",
@@ -135,6 +138,37 @@ def _check_layer_entries(model: nn.Module, saved: Mapping[str, object]) -> None:
                 plan({k[len(head) :]: v for k, v in saved.items() if k.startswith(head)}, head)
 
 
+def saved_fp4_streams(model: nn.Module, saved: Mapping[str, object]) -> list[tuple[str, int]]:
+    """``(key, stream)`` of each 4-bit module's ``_extra_state`` in ``saved`` (a checkpoint's
+    model part, checked already: ``check_model_state``), a version-1 state's stream 0; what
+    ``check_same_saved_streams`` compares across the ranks."""
+    out = []
+    for fqn, m in model.named_modules():
+        entry = saved.get(f"{fqn}._extra_state" if fqn else "_extra_state")
+        if isinstance(m, Fp4Linear | Fp4Experts) and isinstance(entry, torch.Tensor):
+            out.append((f"{fqn}._extra_state", int(entry[4]) if entry.numel() == 5 else 0))
+    return out
+
+
+def check_same_saved_streams(everyone: list[list[tuple[str, int]]]) -> None:
+    """Stop with the same ``ValueError`` on every rank when the ranks' checkpoint parts
+    (``saved_fp4_streams`` of each, in rank order) hold different 4-bit streams: the ranks
+    would draw on different streams from then on, which ``parallelize``'s setup check
+    refuses. Nothing has loaded yet."""
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if not differ:
+        return
+    zero, other = dict(everyone[0]), dict(everyone[differ[0]])
+    key = next(k for k in [*zero, *other] if zero.get(k) != other.get(k))
+    raise ValueError(
+        f"the ranks' checkpoints hold different stochastic-rounding streams: rank(s) "
+        f"{', '.join(map(str, differ))} differ from rank 0; the first is {key!r}: stream "
+        f"{zero.get(key, 'none')} on rank 0, {other.get(key, 'none')} on rank {differ[0]}. Load "
+        f"one checkpoint on every rank (a DCP checkpoint, or one rank's torch.save); nothing "
+        f"was loaded"
+    )
+
+
 def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     """Stop with the same ``ValueError`` on every rank when the ranks converted different
     layers to 4 bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear``
@@ -142,7 +176,10 @@ def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> 
     names: ``assign_fp4_streams``). One ``all_gather_object`` at setup, before any collective the
     4-bit layers shape: FSDP2 would gather one rank's weight as 4-bit codes and the other's in
     high precision, and ``Parallel.step`` all-reduce one counter per 4-bit layer, each rank a
-    different count (both waited until the collective timeout)."""
+    different count (both waited until the collective timeout). Two 4-bit modules of the
+    model on one stream (every rank's alike) warn, naming both (``UserWarning``: they draw the
+    same uniforms; ``assign_fp4_streams``)."""
+    _warn_shared_streams(model)
     mine = [
         (fqn, f"{type(m).__name__} under {m.recipe} on stream {m.sr_stream}")
         for fqn, m in model.named_modules()
@@ -162,6 +199,27 @@ def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> 
         f"holds {other.get(fqn, 'no 4-bit layer')}. Build the same model and convert it with "
         f"the same fp8_filter on every rank (and the same streams: assign_fp4_streams)"
     )
+
+
+def _warn_shared_streams(model: nn.Module) -> None:
+    # Two 4-bit modules on one stream draw the same uniforms at the same counter; what
+    # assign_fp4_streams warns of after an assignment (the first two named).
+    first: dict[int, str] = {}
+    for fqn, m in model.named_modules():
+        if not isinstance(m, Fp4Linear | Fp4Experts):
+            continue
+        if m.sr_stream not in first:
+            first[m.sr_stream] = fqn
+            continue
+        warnings.warn(
+            f"the 4-bit modules {first[m.sr_stream]!r} and {fqn!r} share the stochastic-rounding "
+            f"stream {m.sr_stream}: they draw the same uniforms at the same counter, their "
+            f"rounding errors correlated; give each its own with assign_fp4_streams(model) "
+            f"(force=True once they have drawn) before parallelize",
+            UserWarning,
+            stacklevel=4,
+        )
+        return
 
 
 def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:

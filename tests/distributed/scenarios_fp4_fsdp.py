@@ -18,12 +18,16 @@ counters. Then every rank loads zeroed weights, rank 1 with a counter out of ran
 (``one_rank_bad``: each rank's error and whether its weights stayed), and a ``parallelize``
 whose ``fp8_filter`` converts layer 0 on rank 0 only (``filter_differs``: each rank's error), one
 whose layer 0 runs on another stochastic-rounding stream on rank 1 (``streams_differ``), and
-a model sharded by hand along dim 1 (``column_shards``: its first forward's error).
+a model sharded by hand along dim 1 (``column_shards``: its first forward's error). Under
+``strategy="ddp"`` (``ddp_loads``): rank 1's state alone with a bad stream, then with another
+valid stream, is refused on every rank with nothing changed; ``assign_fp4_streams`` through the
+DDP wrapper keeps the module's streams; a model whose two layers share a stream warns at setup.
 """
 
 from __future__ import annotations
 
 import datetime
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,7 +44,7 @@ from torch.distributed.tensor import Shard
 
 from computectx import ComputeCtx
 from computectx.distributed import Parallel, enable_fp4_all_gather, parallelize
-from computectx.formats import Fp4Linear, Fp4Recipe, convert_to_quantized
+from computectx.formats import Fp4Linear, Fp4Recipe, assign_fp4_streams, convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 
 ROWS = (20, 12)
@@ -370,6 +374,7 @@ def checkpoint(params: dict[str, Any]) -> dict[str, Any]:
     out["filter_differs"] = _filter_differs(recipe, mesh)
     out["streams_differ"] = _streams_differ(recipe, mesh)
     out["column_shards"] = _column_shards(recipe, mesh)
+    out["ddp_loads"] = _ddp_loads(recipe, mesh)
     out["fp8_column_shards"] = _fp8_column_shards(mesh)
     # The memory policy's optimizer keeps plain masters of the 4-bit-gathered shards.
     par = _setup(recipe, mesh, offload=True)
@@ -398,3 +403,57 @@ def _refused_step(par: Parallel) -> tuple[list[int], list[int], str]:
     except ValueError as e:
         return before, counters(par.module), str(e)
     return before, counters(par.module), ""
+
+
+def _ddp(seq: nn.Module, recipe: str, mesh: DeviceMesh) -> Parallel:
+    return parallelize(
+        seq,
+        ctx_of(recipe),
+        mesh,
+        strategy="ddp",
+        optimizer_class=torch.optim.SGD,
+        lr=LR,
+        accumulate=False,
+        join_timeout=JOIN_S,
+    )
+
+
+def _ddp_loads(recipe: str, mesh: DeviceMesh) -> dict[str, Any]:
+    """Under DDP, after a step: each rank's error and seconds for a state whose streams are
+    -1 on rank 1 and 555 on rank 0 (``bad``), then 77 on rank 1 alone (``other``), whether
+    keys and weights stayed; the streams ``assign_fp4_streams(par.model)`` left; a step after
+    (both ranks, together); the warnings of a setup whose two layers share stream 7."""
+    par = _ddp(model(recipe), recipe, mesh)
+    _step(par, 0)
+    out: dict[str, Any] = {}
+    for case, streams in (("bad", (555, -1)), ("other", (None, 77))):
+        before = ([m.sr_key.clone() for m in layers(par.module)], whole(par.module))
+        state = par.state_dict()
+        for key, value in list(state["model"].items()):
+            stream = streams[dist.get_rank()]
+            if key.endswith("_extra_state") and stream is not None:
+                state["model"][key] = value.clone()
+                state["model"][key][4] = stream
+            elif not key.endswith("_extra_state"):
+                state["model"][key] = torch.zeros_like(value)
+        start, error = time.monotonic(), ""
+        try:
+            par.load_state_dict(state)
+        except ValueError as e:
+            error = str(e)
+        after = ([m.sr_key for m in layers(par.module)], whole(par.module))
+        same = all(torch.equal(a, b) for a, b in zip(before[0], after[0], strict=True))
+        same = same and all(torch.equal(before[1][n], after[1][n]) for n in before[1])
+        out[case] = (error, time.monotonic() - start, same)
+    kept = [m.sr_stream for m in layers(par.module)]
+    assign_fp4_streams(par.model)  # through the DDP wrapper, after training: no change
+    out["assign_through_ddp"] = (kept, [m.sr_stream for m in layers(par.module)])
+    _step(par, 1)  # the ranks still step together: every collective ran on both
+    shared = model(recipe)
+    for layer in layers(shared):
+        layer.set_sr_stream(7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _ddp(shared, recipe, mesh)
+    out["shared_warnings"] = [str(w.message) for w in caught if "share the" in str(w.message)]
+    return out

@@ -242,6 +242,26 @@ def test_dcp_checkpoints_reshard_1_to_2_and_2_to_1_weights_and_counters_bit_for_
         assert "rank(s) 1 differ from rank 0 in their 4-bit layers" in streams, (rank, streams)
         want = f"'0': rank 0 holds {zero}, rank 1 holds Fp4Linear under nvfp4 on stream 12345"
         assert want in streams, streams
+        # Under DDP a bad stream in rank 1's state alone was refused on rank 1 only: rank 0
+        # loaded (and installed its stream 555) and trained on. Now every rank refuses,
+        # naming rank 1, promptly, with nothing changed; so does another valid stream on
+        # rank 1 (the ranks would draw on different streams from then on).
+        loads = r["ddp_loads"]
+        error, secs, stayed = loads["bad"]
+        assert "failed on rank(s) 1" in error and "stream -1" in error, (rank, error)
+        assert stayed and secs < 5.0, (rank, stayed, secs)
+        error, secs, stayed = loads["other"]
+        assert "rank(s) 1 differ from rank 0; the first is '0._extra_state'" in error, error
+        assert "on rank 0, 77 on rank 1" in error and stayed and secs < 5.0, (error, stayed, secs)
+        # assign_fp4_streams through the DDP wrapper hashed 'module.0' (another stream, a
+        # refusal after training); now the module's own names: no change.
+        kept, after = loads["assign_through_ddp"]
+        assert kept == after == [stream_of("0"), stream_of("2")], loads["assign_through_ddp"]
+        # Two layers on one stream draw the same uniforms: the setup check names both.
+        assert any(
+            "'0' and '2' share the stochastic-rounding stream 7" in w
+            for w in loads["shared_warnings"]
+        ), loads["shared_warnings"]
         # Column shards (Shard(1)): torch's "shape '[128, 32]' is invalid for input of size
         # 2048" from inside FSDP2 before; now ours, naming the weight.
         column = r["column_shards"]
