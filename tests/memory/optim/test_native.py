@@ -326,6 +326,47 @@ def test_the_vector_code_equals_the_portable_build_and_the_twin(
     assert torch.equal(native[0], portable[0])
 
 
+def edge_quotients() -> torch.Tensor:
+    """Gradients whose blocks (of BLOCK) put the encode's x / absmax at the edges of the
+    division by a reciprocal: dividends about 2**-100 and quotients about 2**-124 (either
+    side), zeros and -0, subnormals; scales at 2**-60 and 2**60 (either side)."""
+    tiny = [2.0**-100, 2.0**-100 * (1 - 2**-24), 2.0**-124, 2.0**-124 * (1 + 2**-23), 1e-40, 0.0]
+    blocks = []
+    for top in (1.0, 2.0**60, 2.0**60 * (1 + 2**-23), 2.0**-60, 2.0**-60 * (1 - 2**-24), 3.0):
+        b = [top, -0.0] + [sign * t * top**e for t in tiny for sign in (1, -1) for e in (0, 1)]
+        b += [top * (1 - k * 2**-20) / 3 for k in range(BLOCK - len(b))]
+        blocks.append(torch.tensor(b[:BLOCK], dtype=torch.float64).clamp(-3e38, 3e38))
+    return torch.cat(blocks).float()
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "fp8", "int4"])
+def test_divisions_by_a_reciprocal_equal_the_portable_builds_divisions(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # beta1 = beta2 = 0: the new moments are g and g * g, so the encode's quotients are the
+    # edge cases of edge_quotients; then a step with beta2 = 0.999 at step 1 (sqrt(bc2)
+    # about 0.03, not 1): the update's sqrt(v) / sqrt(bc2), seen in the last bits of weights
+    # that start at 0 (each is its update). The portable build divides.
+    st = state_of(fmt)
+    gen = torch.Generator().manual_seed(3)
+    g = torch.cat([edge_quotients(), torch.randn(128 * BLOCK, generator=gen)])
+    p0 = torch.zeros(g.numel())
+    mv = moments(g.shape, st, gen)
+    portable_lib = host_adam._library(True)
+    assert portable_lib is not None
+    outs = []
+    for lib in (host_adam.library(), portable_lib):
+        monkeypatch.setattr(host_adam, "library", lambda lib=lib: lib)
+        p = p0.clone()
+        state = step(p, g, [clone(x) for x in mv], st, True, count=1, beta1=0.0, beta2=0.0)
+        state = step(p, g * 1e-3, state, st, True, count=1, beta2=0.999)
+        outs.append([p, *state])
+    for a, b in zip(*outs, strict=True):
+        pa, pb = bits(a), bits(b)
+        assert all(torch.equal(pa[k], pb[k]) for k in pa), fmt
+
+
 # ----- bf16 / f16 weights: the write-back --------------------------------------------------
 
 
