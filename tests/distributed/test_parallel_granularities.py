@@ -114,6 +114,21 @@ def _check_common(ranks: list[dict[str, Any]]) -> None:
         assert torch.equal(r1["ledgers"][key], t), key
 
 
+_ONE_PROCESS: dict[str, dict[str, Any]] = {}
+
+
+def _one_process(run_ranks: RunRanks, common: dict[str, Any]) -> dict[str, Any]:
+    """The one-process reference (world size 1, DDP's path) of a training ``common``
+    describes: the DDP and the FSDP2 case of a test compare with the same run, so it runs once
+    per test process and is reused (read only)."""
+    key = repr(sorted(common.items()))
+    if key not in _ONE_PROCESS:
+        (_ONE_PROCESS[key],) = run_ranks(
+            "scenarios_granular.py:train", world_size=1, strategy="ddp", **common
+        )
+    return _ONE_PROCESS[key]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize(("flag", "rows"), [("fp8_block", 256), ("fp8_mx", 64)])
 def test_ddp_and_fsdp2_equal_one_process_bit_for_bit_where_token_blocks_align(
@@ -122,7 +137,7 @@ def test_ddp_and_fsdp2_equal_one_process_bit_for_bit_where_token_blocks_align(
     # 128 (block) or 32 (mx) tokens per rank: each rank's tokens are one wgrad block.
     common = {"flag": flag, "rows": rows, "steps": STEPS}
     ranks = run_ranks("scenarios_granular.py:train", limit_s=LIMIT_S, strategy=strategy, **common)
-    (one,) = run_ranks("scenarios_granular.py:train", world_size=1, strategy="ddp", **common)
+    one = _one_process(run_ranks, common)
     _check_common(ranks)
     r0, r1 = ranks
     for step in range(STEPS):
@@ -152,7 +167,7 @@ def test_ddp_and_fsdp2_gradients_within_the_a_priori_bound_of_one_process(
         reference=True,
         **common,
     )
-    (one,) = run_ranks("scenarios_granular.py:train", world_size=1, strategy="ddp", **common)
+    one = _one_process(run_ranks, common)
     _check_common(ranks)
     r0, r1 = ranks
     policy = _policy(flag)
