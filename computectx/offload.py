@@ -26,11 +26,21 @@ until the backward lets it go); each use brings back more. So the device never h
 than one block's offloaded bytes, and none while the last block runs forward or backward
 (it keeps its own inputs, as ``recompute`` does): offload leaves one block's inputs on the
 device. A tensor offloaded outside any block is brought back when its backward asks for it.
+
+Each backward (a graph task: ``retain_graph``'s second, one entering at a middle block, an
+``autograd.grad`` stopping at one) brings back only the tensors whose op it runs, from the
+last of them down, and lets go of any it brought back unused when it ends. Nothing is
+offloaded inside torch's checkpoint nor by a forward that a backward runs (a checkpoint's
+recomputation): such a region keeps its inputs until its own backward, as a block
+checkpointed by rule does. An input changed in place after it went out is refused at its
+fetch as autograd refuses a saved tensor changed in place (its copy out may have read the new
+values): it is watched while alive, and held until the window waits for its copy out.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -38,6 +48,7 @@ from contextvars import ContextVar
 from typing import Any, Final, Protocol
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.function import FunctionCtx
 
 __all__ = [
@@ -130,6 +141,8 @@ def offload_streams(device: torch.device) -> Streams | None:
     blocks = _BLOCKS.get()
     if blocks is not None and blocks.on_device:
         return None
+    if torch._C._current_graph_task_id() != -1 or _in_checkpoint():
+        return None  # a checkpointed region, or a forward run again by a backward: kept
     given = STREAMS.get()
     if given is not None or device.type != "cuda":
         return given
@@ -138,31 +151,88 @@ def offload_streams(device: torch.device) -> Streams | None:
     return _CUDA[0]
 
 
+def _in_checkpoint() -> bool:
+    # Inside torch's non-reentrant checkpoint (its forward's or its recomputation's saved-tensor
+    # hooks on top, as torch.utils.checkpoint makes them: a closure over its frame): nothing
+    # is offloaded there, as in a block ByteLM checkpoints by rule (the forward and the run
+    # again must save alike, and what the region keeps lives only until its backward).
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return False
+    pack = inspect.unwrap(hooks[0])
+    cells = getattr(pack, "__closure__", None) or ()
+    names = getattr(getattr(pack, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, cells, strict=False):
+        if name in ("frame", "target_frame_ref"):
+            with contextlib.suppress(ValueError):  # an empty cell
+                value = cell.cell_contents
+                found = value() if isinstance(value, weakref.ReferenceType) else value
+                if isinstance(found, _FRAME):
+                    return True
+    return False
+
+
+_FRAME: Final = getattr(torch.utils.checkpoint, "_CheckpointFrame", ())
+
+
 class Offloaded:
     """One tensor kept in host memory: ``fetch`` brings it back (``prefetch`` starts early)."""
 
     __slots__ = (
+        "__weakref__",
         "arrived",
         "back",
         "copied",
         "device",
         "host",
+        "modified",
         "nbytes",
+        "node",
+        "pending",
+        "source",
         "storage_bytes",
         "streams",
         "used",
+        "version",
         "window",
     )
 
-    def __init__(self, t: torch.Tensor, streams: Streams, window: OffloadBlocks | None) -> None:
+    def __init__(
+        self, t: torch.Tensor, streams: Streams, window: OffloadBlocks | None, node: object
+    ) -> None:
         self.streams, self.device, self.window = streams, t.device, window
         self.storage_bytes = t.untyped_storage().nbytes()  # held until the copy out is done
         self.nbytes = t.numel() * t.element_size()  # what comes back
+        self.node = None if node is None else weakref.ref(node)
+        """The backward node that fetches it (held weakly): brought back only in a backward
+        that runs it."""
         self.host, self.copied = streams.to_host(t)
+        # In-place changes after this point are refused as autograd refuses them for a saved
+        # tensor: ``t`` is watched while alive, and held until the window waits for its copy.
+        self.version = None if t.is_inference() else t._version
+        self.source = weakref.ref(t)
+        self.pending: torch.Tensor | None = None if window is None else t
+        self.modified: int | None = None
         self.back: torch.Tensor | None = None
         self.arrived: Any = None
         self.used = False
         """Fetched in this backward (``window``: not to be brought back again)."""
+
+    def copied_out(self) -> None:
+        """The compute stream waited for the copy out: what it read is now fixed."""
+        self._note_version()
+        self.pending = None
+
+    def _note_version(self) -> None:
+        t = self.source()
+        unseen = self.modified is None and self.version is not None
+        if t is not None and unseen and t._version != self.version:
+            self.modified = t._version
+
+    def executes(self) -> bool:
+        """Whether the running backward runs the node that fetches it (``True`` with none)."""
+        node = None if self.node is None else self.node()
+        return node is None or bool(torch._C._will_engine_execute_node(node))  # type: ignore[arg-type]
 
     def prefetch(self) -> None:
         """Start the copy back to the device (once until the next ``fetch``)."""
@@ -171,37 +241,64 @@ class Offloaded:
             if self.window is not None:
                 self.window.live += self.nbytes
 
+    def drop(self) -> None:
+        """Let go of a copy back not fetched (the backward ended without using it)."""
+        if self.back is not None:
+            self.back, self.arrived = None, None
+            if self.window is not None:
+                self.window.live -= self.nbytes
+
     def fetch(self) -> torch.Tensor:
         """The tensor on its device, the compute stream waiting for its copy. The handle lets
         go of it: the device copy lives as long as the backward uses it; the host copy stays
-        (a second backward, ``retain_graph=True``, fetches it again)."""
+        (a second backward, ``retain_graph=True``, fetches it again). A ``RuntimeError`` as
+        autograd's for a saved tensor if the input was changed in place after it was offloaded
+        (seen while it is alive or held: its host copy may have read the new values)."""
+        self._note_version()
+        if self.modified is not None:
+            shape, dtype = tuple(self.host.shape), self.host.dtype
+            message = _MODIFIED.format(shape=shape, dtype=dtype, now=self.modified)
+            raise RuntimeError(message.format(then=self.version))
+        if self.window is not None:
+            self.window.begin()
         self.used = True
         self.prefetch()
-        t, self.back = self.back, None
+        t, arrived, self.back, self.arrived = self.back, self.arrived, None, None
         assert t is not None
         if self.window is not None:
             self.window.fetched(t, self.nbytes)  # more copies back queue behind this one
-        self.streams.wait(self.arrived, t)
+        self.streams.wait(arrived, t)
         return t
+
+
+_MODIFIED: Final = (
+    "one of the variables needed for gradient computation has been modified by an inplace "
+    "operation: an input of shape {shape} ({dtype}) kept in host memory (offload) is at version "
+    "{now}; expected version {{then}} instead: it was changed after its op offloaded it, so its "
+    "host copy may hold the new values. Change a clone of it instead, or keep that kind "
+    "(ctx.activations 'KIND:keep')"
+)
 
 
 _BLOCKS: Final[ContextVar[OffloadBlocks | None]] = ContextVar("computectx_blocks", default=None)
 
 
-def offload(t: torch.Tensor, streams: Streams) -> Offloaded:
+def offload(t: torch.Tensor, streams: Streams, node: object = None) -> Offloaded:
     """``t`` copied to host memory through ``streams``, in the current ``OffloadBlocks``'s
-    window when one is active."""
+    window when one is active; ``node``: the backward node that will fetch it (an
+    ``autograd.Function``'s ctx), so that a backward not running it leaves it in host memory."""
     blocks = _BLOCKS.get()
-    return Offloaded(t, streams, None) if blocks is None else blocks.add(t, streams)
+    return Offloaded(t, streams, None, node) if blocks is None else blocks.add(t, streams, node)
 
 
 class OffloadBlocks:
     """What a forward offloads, by block, held on the device within one block's bytes (module
     docstring): ``with blocks.active():`` around the forward, ``blocks.last_block()`` before
-    the last block, ``x = blocks.boundary(x)`` after each block."""
+    the last block, ``x = blocks.boundary(x)`` after each block. It holds its tensors' handles
+    weakly: they live as long as the graph that fetches them (each ``Offloaded`` holds it)."""
 
     def __init__(self) -> None:
-        self.order: list[Offloaded] = []
+        self.order: list[weakref.ref[Offloaded]] = []
         """What the forward offloaded, in order."""
         self.largest = 0
         """The window: the most bytes a block has offloaded (so far, in the forward)."""
@@ -210,12 +307,11 @@ class OffloadBlocks:
         self.live = 0
         """Device bytes brought back: coming, or fetched and still in use."""
         self._block = 0  # bytes the current block offloaded
-        self._out: deque[Offloaded] = deque()  # copies out not waited for yet, oldest first
+        self._out: deque[weakref.ref[Offloaded]] = deque()  # copies out not waited for yet
         self._next = 0  # the backward brings back order[:_next] next, the last first
-        self._reached = -1  # the last boundary the backward reached (a new pass: higher)
-        self._blocks = 0
+        self._task = -1  # the backward (graph task) running now, -1: none yet
 
-    def add(self, t: torch.Tensor, streams: Streams) -> Offloaded:
+    def add(self, t: torch.Tensor, streams: Streams, node: object = None) -> Offloaded:
         """``t`` offloaded, the compute stream first waiting for the oldest copies out until
         those in flight and ``t`` fit the window (this block so far counts as a block)."""
         # A view holds its whole storage until its copy is done: counted as such (an upper
@@ -223,16 +319,21 @@ class OffloadBlocks:
         nbytes = t.untyped_storage().nbytes()
         self._block += nbytes
         self.largest = max(self.largest, self._block)
-        while self._out and sum(o.storage_bytes for o in self._out) + nbytes > self.largest:
+        while self._out and self._in_flight() + nbytes > self.largest:
             self._wait_oldest()
-        moved = Offloaded(t, streams, self)
-        self._out.append(moved)
-        self.order.append(moved)
+        moved = Offloaded(t, streams, self, node)
+        self._out.append(weakref.ref(moved))
+        self.order.append(weakref.ref(moved))
         return moved
 
+    def _in_flight(self) -> int:
+        return sum(o.storage_bytes for ref in self._out if (o := ref()) is not None)
+
     def _wait_oldest(self) -> None:
-        oldest = self._out.popleft()
-        oldest.streams.wait(oldest.copied)
+        oldest = self._out.popleft()()
+        if oldest is not None:  # else its graph is gone: nothing will read it
+            oldest.streams.wait(oldest.copied)
+            oldest.copied_out()
 
     def last_block(self) -> None:
         """What runs from now on stays on the device: its backward comes first, so a copy
@@ -257,20 +358,14 @@ class OffloadBlocks:
         boundary after the last block brings back nothing: the last block's backward runs
         first, with its own inputs on the device."""
         self._block = 0
-        self._blocks += 1
         if self.on_device or not (torch.is_grad_enabled() and x.requires_grad):
             return x
-        out: torch.Tensor = _Boundary.apply(x, self, self._blocks)  # type: ignore[no-untyped-call]
+        out: torch.Tensor = _Boundary.apply(x, self)  # type: ignore[no-untyped-call]
         return out
 
-    def reached(self, index: int) -> None:
-        """The backward reached the boundary after block ``index - 1``: bring back what fits.
-        A boundary not below the last one reached starts a new backward (``retain_graph``)."""
-        if index >= self._reached:
-            self._next = len(self.order)
-            for moved in self.order:
-                moved.used = False
-        self._reached = index
+    def reached(self) -> None:
+        """The backward reached the boundary after a block: bring back what fits."""
+        self.begin()
         self.top_up()
 
     def fetched(self, t: torch.Tensor, nbytes: int) -> None:
@@ -279,15 +374,35 @@ class OffloadBlocks:
         weakref.finalize(t, self._release, nbytes)
         self.top_up()
 
+    def begin(self) -> None:
+        """A backward asks (a boundary reached, a fetch): at its first ask (each backward is a
+        graph task: retain_graph's second, one entering at a middle block) bring back from the
+        end of the order again, and once it ends let go of what it brought back unused."""
+        task = torch._C._current_graph_task_id()
+        if task == self._task:
+            return
+        self._task, self._next = task, len(self.order)
+        for ref in self.order:
+            if (moved := ref()) is not None:
+                moved.used = False
+        if task != -1:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _end(self) -> None:
+        self._task = -1
+        for ref in self.order:
+            if (moved := ref()) is not None:
+                moved.drop()
+
     def _release(self, nbytes: int) -> None:
         self.live -= nbytes
 
     def top_up(self) -> None:
         """Start bringing back, the last offloaded first, what fits the window beside the
-        device copies ``live``."""
+        device copies ``live``: only what the running backward uses (its node runs)."""
         while self._next > 0:
-            moved = self.order[self._next - 1]
-            if not moved.used and moved.back is None:
+            moved = self.order[self._next - 1]()
+            if moved is not None and not moved.used and moved.back is None and moved.executes():
                 if self.live + moved.nbytes > self.largest:
                     return
                 moved.prefetch()
@@ -308,12 +423,12 @@ class _Boundary(torch.autograd.Function):
     """The identity, whose backward brings back what fits (``OffloadBlocks.reached``)."""
 
     @staticmethod
-    def forward(ctx: FunctionCtx, x: torch.Tensor, blocks: OffloadBlocks, index: int) -> Any:
+    def forward(ctx: FunctionCtx, x: torch.Tensor, blocks: OffloadBlocks) -> Any:
         c: Any = ctx
-        c.blocks, c.index = blocks, index
+        c.blocks = blocks
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        ctx.blocks.reached(ctx.index)
-        return dy, None, None
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.blocks.reached()
+        return dy, None

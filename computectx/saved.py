@@ -238,7 +238,7 @@ class _SavedCall(torch.autograd.Function):
         c.coded = [mode == "fp8" and x.dtype in CODED_DTYPES for x in tensors[:inputs]]
         c.like = [(x.shape, x.dtype) for x in tensors[:inputs]]
         streams = _offload_streams(tensors[0]) if mode == "offload" else None
-        c.moved = [None if streams is None else offload(x, streams) for x in tensors[:inputs]]
+        c.moved = [None if streams is None else offload(x, streams, ctx) for x in tensors[:inputs]]
         kept = [
             part
             for x, coded, moved in zip(tensors[:inputs], c.coded, c.moved, strict=True)
@@ -305,7 +305,7 @@ def offload_kept(ctx: Any, kept: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor
     ``save_for_backward``; else (a CPU tensor, compiled) ``kept`` itself, to save. The
     backward reads it back through ``kept_back``."""
     streams = _offload_streams(kept[0]) if kept else None
-    ctx.moved = None if streams is None else [offload(t, streams) for t in kept]
+    ctx.moved = None if streams is None else [offload(t, streams, ctx) for t in kept]
     return kept if streams is None else ()
 
 

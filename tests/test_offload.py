@@ -6,6 +6,7 @@ holds at every step."""
 
 from __future__ import annotations
 
+import gc
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
@@ -54,7 +55,7 @@ class StandIn:
         self.peak_in.append(sum(self.holding.values()))
 
     def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        number = len(self._numbers) // 2
+        number = len(self.nbytes)  # ids are looked up only while their objects live
         host = torch.empty(t.shape, dtype=t.dtype)
         self.holding[number] = t.untyped_storage().nbytes()  # t stays until the copy
         self.nbytes.append(self.holding[number])
@@ -359,3 +360,160 @@ def test_a_bare_offload_trains_a_byte_lm_as_keep(config: LMConfig, streams: str)
     sent = len(stand_in.nbytes)  # each brought back and used once; nothing left
     assert (sent > 0) == (streams == "stand-in") and not stand_in.holding
     assert sorted(n for op, n in stand_in.log if op == "wait") == list(range(sent))
+
+
+# ----- the adversarial review of the one-block bound (notes/adv_offload) -------------------
+
+
+class _Eager:
+    """``Streams`` copying at once and holding nothing: what lives is what offload holds."""
+
+    def __init__(self) -> None:
+        self.hosts: list[weakref.ref[torch.Tensor]] = []
+        self.backs: list[weakref.ref[torch.Tensor]] = []
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        host = t.detach().clone()
+        self.hosts.append(weakref.ref(host))
+        return host, None
+
+    def to_device(
+        self, host: torch.Tensor, device: torch.device, after: Any
+    ) -> tuple[torch.Tensor, Any]:
+        back = host.clone()
+        self.backs.append(weakref.ref(back))
+        return back, None
+
+    def wait(self, event: Any, t: torch.Tensor | None = None) -> None:
+        pass
+
+
+def _square(t: torch.Tensor) -> torch.Tensor:
+    return t * t
+
+
+def test_an_input_changed_in_place_after_it_went_out_is_refused_as_keep_refuses(
+    stand_in: StandIn,
+) -> None:
+    # The copy out runs as late as CUDA may: it would read the new values (a wrong gradient).
+    x = torch.randn(4, 8, requires_grad=True)
+    h = x * 1.0
+    y = saved_call(_square, h, mode="offload")
+    h.mul_(2.0)
+    with pytest.raises(RuntimeError, match=r"modified by an inplace operation.*\(4, 8\)"):
+        torch.autograd.backward(y.sum())
+    weight = torch.nn.Parameter(torch.randn(6, 8))
+    gemm = Gemm(GemmPath("upcast"), torch.float32, "offload")
+    h = x * 1.0
+    y = gemm.linear(h, weight)
+    h.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.backward(y.sum())
+    # In a window, the input is watched until its copy out is waited for, even once dropped.
+    blocks = OffloadBlocks()
+    with blocks.active():
+        h = x * 1.0
+        y = saved_call(_square, h, mode="offload")
+        h.mul_(2.0)
+        del h
+        y = blocks.boundary(saved_call(_square, y, mode="offload"))
+        blocks.last_block()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.backward(y.sum())
+
+
+def test_host_copies_are_freed_with_the_graph_without_the_cyclic_gc() -> None:
+    streams = _Eager()
+    token = STREAMS.set(streams)
+    model = ByteLM(ComputeCtx.new(DType.BF16, "cpu").with_activations("offload"), CONFIG)
+    ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(2):
+            torch.autograd.backward(model.loss(ids[:, :-1], ids[:, 1:]))
+            assert streams.hosts and not [h for h in streams.hosts if h() is not None]
+            assert not [b for b in streams.backs if b() is not None]
+    finally:
+        if enabled:
+            gc.enable()
+        STREAMS.reset(token)
+
+
+def test_a_partial_backward_brings_back_only_what_it_runs_and_holds_nothing_after() -> None:
+    streams = _Eager()
+    token = STREAMS.set(streams)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        config = LMConfig(d_model=32, n_layers=4, n_heads=2, d_ff=32, max_len=32)
+        model = ByteLM(ComputeCtx.new(DType.BF16, "cpu").with_activations("offload"), config)
+        inputs: list[torch.Tensor] = []
+        model.blocks[2].register_forward_pre_hook(lambda _, a: inputs.append(a[0]))
+        ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+        loss = model.loss(ids[:, :-1], ids[:, 1:])
+        per_block = len(streams.hosts) // 3  # blocks 0-2 offload, the last keeps
+        torch.autograd.grad(loss, inputs[0])  # blocks 3 and 2 run, 1 and 0 not
+        assert len(streams.backs) == per_block  # block 2's, none below
+        assert not [b for b in streams.backs if b() is not None]  # nothing left on the device
+    finally:
+        if enabled:
+            gc.enable()
+        STREAMS.reset(token)
+
+
+def test_a_backward_entering_at_a_middle_block_holds_one_block(stand_in: StandIn) -> None:
+    # A probe loss on block 1's output (retain_graph): block 2's tensors are not in its
+    # graph, so they stay in host memory; the device holds at most W, nothing after.
+    x = torch.randn(4, 8, requires_grad=True)
+    blocks, mids = OffloadBlocks(), []
+    with blocks.active():
+        h = x
+        for _ in range(3):  # three offloaded blocks of two tanh's (128 bytes each)
+            h = saved_call(torch.tanh, saved_call(torch.tanh, h, mode="offload"), mode="offload")
+            mids.append(h := blocks.boundary(h))
+        blocks.last_block()
+        h = saved_call(torch.tanh, h, mode="offload")
+    forward = len(stand_in.log)
+    torch.autograd.backward(mids[1].sum(), retain_graph=True)
+    assert max(stand_in.peak_in[forward:]) <= blocks.largest == 256 and not stand_in.holding
+    assert [n for op, n in stand_in.log[forward:] if op == "to_device"] == [3, 2, 1, 0]
+    probe = x.grad
+    x.grad = None
+    torch.autograd.backward(h.sum())  # then the whole backward, the same way as ever
+    assert max(stand_in.peak_in[forward:]) <= 256 and not stand_in.holding
+    y = x.detach().requires_grad_()
+    reference = y
+    for n in range(7):
+        reference = torch.tanh(reference)
+        if n == 3:
+            torch.autograd.backward(reference.sum(), retain_graph=True)
+            assert probe is not None and y.grad is not None and torch.equal(probe, y.grad)
+            y.grad = None
+    torch.autograd.backward(reference.sum())
+    assert x.grad is not None and y.grad is not None and torch.equal(x.grad, y.grad)
+
+
+@pytest.mark.parametrize("impl", ["no_reentrant", "reentrant"])
+def test_a_block_under_torchs_checkpoint_wrapper_offloads_nothing(
+    stand_in: StandIn, impl: str
+) -> None:
+    # As a block checkpointed by rule: its run again in the backward offloads nothing (the
+    # non-reentrant one sent each input again, never used; the reentrant one out and back).
+    wrapper = pytest.importorskip("torch.distributed.algorithms._checkpoint.checkpoint_wrapper")
+    grads = []
+    for spec in ("keep", "offload"):
+        torch.manual_seed(0)
+        model = ByteLM(ComputeCtx.new(DType.BF16, "cpu").with_activations(spec), CONFIG)
+        kind = getattr(wrapper.CheckpointImpl, impl.upper())
+        model.blocks[0] = wrapper.checkpoint_wrapper(model.blocks[0], checkpoint_impl=kind)
+        blocks = _Blocks(model, stand_in)
+        ids = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+        loss = model.loss(ids[:, :-1], ids[:, 1:])
+        forward = len(stand_in.log)
+        torch.autograd.backward(loss)
+        grads.append(_grads(model))
+    assert blocks.groups()[0] == [] and blocks.groups()[1]  # block 1 alone offloads
+    assert not [n for op, n in stand_in.log[forward:] if op == "to_host"]
+    assert max(stand_in.peak_in) <= sum(stand_in.nbytes) and not stand_in.holding
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
