@@ -277,18 +277,21 @@ def _block_terms(
     return torch.bmm(a3, b3)
 
 
-def _prescale_exact(scale: torch.Tensor) -> bool:
-    """Whether every block scale is 0 or finite within ``[2**-50, 2**50]``: then each block's
-    values times its scale are exact float32, and so is every product of two such values and
-    every partial sum of a block's products (under NVFP4 a block's products are multiples of
-    ``0.25 * s_a * s_b`` below ``2**12`` of them, ``s_a * s_b`` at most 8 significant bits;
-    under MXFP4 ``s_a * s_b`` is a power of two), so the GEMM of the scaled values gives each
-    ``T_kb = P_kb * (s_a * s_b)`` exactly, with no product over the ``K / w`` partials. A zero
-    term's sign may differ; the accumulator starts at +0 and never holds -0, so the sum does
-    not."""
-    mag = scale.abs()
-    ok = (mag == 0) | ((mag >= 2.0**-50) & (mag <= 2.0**50))
-    return bool(ok.all())
+def _prescale_exact(a: Fp4Operand, b: Fp4Operand) -> bool:
+    """Whether each block's values times its scale are exact float32, and so is every product
+    of two such values and every partial sum of a block's products, so the GEMM of the scaled
+    values gives each ``T_kb = P_kb * (s_a * s_b)`` exactly, with no product over the ``K /
+    w`` partials: decided by the format alone, no scale read (no host synchronisation per
+    GEMM). NVFP4 (both operands): an E4M3 scale is 0, NaN or finite in ``[2**-9, 448]`` with
+    at most 4 significant bits, so a block's products are multiples of ``0.25 * s_a * s_b``
+    below ``2**12`` of them, ``s_a * s_b`` at most 8 significant bits and at least
+    ``2**-18``: exact. A NaN scale makes its block's scaled values NaN, so the outputs it
+    reaches are NaN on both paths (a NaN's sign and payload are not specified). MXFP4: an
+    E8M0 scale reaches ``2**+-127``, where scaled values or their products leave float32's
+    range; the scale-product path is exact whenever prescaling is, and the definition
+    otherwise, so MXFP4 always takes it (the same bits). A zero term's sign may differ; the
+    accumulator starts at +0 and never holds -0, so the sum does not."""
+    return isinstance(a, Nvfp4Operand) and isinstance(b, Nvfp4Operand)
 
 
 def _scaled_values(values: torch.Tensor, scale: torch.Tensor, width: int) -> torch.Tensor:
@@ -306,7 +309,7 @@ def reference_fp4_mm(
     va, sa, width = _parts(a, "a")
     vb, sb, _ = _parts(b, "b")
     m, n, n_kb = va.shape[0], vb.shape[0], sa.shape[1]
-    prescaled = _prescale_exact(sa) and _prescale_exact(sb)
+    prescaled = _prescale_exact(a, b)
     if prescaled:
         va = _scaled_values(va, sa, width)
         vb = _scaled_values(vb, sb, width)

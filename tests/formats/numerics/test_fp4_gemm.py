@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.formats.numerics import e2m1, fp4, fp4_gemm
 from computectx.formats.numerics.e2m1 import Stochastic
@@ -147,6 +148,79 @@ def test_the_error_bound_holds(
     bound = fp4_gemm.fp4_mm_error_bound(a, b, out, bias)
     err = (got - (exact_product(a, b) + bias.double())).abs()
     assert bool((err <= bound).all()), float((err - bound).max())
+
+
+class _HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Counts the reads of a tensor's value to the host (``.item()``, ``bool()``, ``.tolist()``
+    all dispatch ``aten._local_scalar_dense``): a device synchronisation on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "mxfp4-rceil"])
+def test_the_dense_gemm_reads_no_tensor_to_the_host(name: str) -> None:
+    # Whether the scaled values multiply exactly is the format's (E4M3 or E8M0 scales), not
+    # read from the scales: no host synchronisation per GEMM on a GPU.
+    how = HOWS[name]
+    gen = torch.Generator().manual_seed(5)
+    a = fp4_gemm.quantize_rows(torch.randn(16, 2 * how.block, generator=gen), how)
+    b = fp4_gemm.quantize_rows(torch.randn(16, 2 * how.block, generator=gen), how, weight=True)
+    with _HostReads() as reads:
+        fp4_gemm.reference_fp4_mm(a, b, torch.bfloat16)
+    assert reads.count == 0
+
+
+def _by_route(a: fp4_gemm.Fp4Operand, b: fp4_gemm.Fp4Operand, prescaled: bool) -> torch.Tensor:
+    # float32 acc of the module docstring by one route: the GEMM of the scaled values, or each
+    # block's GEMM of the E2M1 values times s_a * s_b; K blocks summed in order.
+    va, sa, w = fp4_gemm._parts(a, "a")
+    vb, sb, _ = fp4_gemm._parts(b, "b")
+    acc = torch.zeros(va.shape[0], vb.shape[0])
+    for kb in range(sa.shape[1]):
+        pa, pb = va[:, kb * w : (kb + 1) * w], vb[:, kb * w : (kb + 1) * w]
+        if prescaled:
+            acc += (pa * sa[:, kb : kb + 1]) @ (pb * sb[:, kb : kb + 1]).t()
+        else:
+            acc += (pa @ pb.t()) * (sa[:, kb : kb + 1] * sb[:, kb].reshape(1, -1))
+    return acc
+
+
+def test_both_routes_give_the_same_bits_where_the_format_takes_one() -> None:
+    # NVFP4 prescales whatever its E4M3 scales (0, subnormal 2**-9 .. 448); MXFP4 multiplies
+    # by s_a * s_b whatever its E8M0 scales, which is the prescaled route's sum wherever that
+    # one is exact (scales within 2**+-50): the format decides, the bits are the same.
+    gen = torch.Generator().manual_seed(9)
+    codes = torch.randint(0, 256, (32, 32), dtype=torch.uint8, generator=gen)
+    e4m3 = torch.tensor([0.0, 2.0**-9, 0.0625, 1.5, 448.0]).to(torch.float8_e4m3fn)
+    nv = [
+        fp4.Nvfp4Operand(
+            codes[16 * i : 16 * i + 16].view(torch.float4_e2m1fn_x2),
+            e4m3[torch.randint(0, 5, (16, 4), generator=gen)],
+            torch.tensor(3.0),
+            "1x16",
+        )
+        for i in range(2)
+    ]
+    got = fp4_gemm.reference_fp4_mm(nv[0], nv[1], torch.float32)
+    alpha = fp4_gemm.tensor_scale_alpha(nv[0].amax, nv[1].amax)
+    assert torch.equal(got, _by_route(nv[0], nv[1], prescaled=False) * alpha)
+    exps = torch.randint(127 - 50, 127 + 51, (2, 16, 2), generator=gen, dtype=torch.int32)
+    mx = [
+        fp4.Mxfp4Operand(
+            codes[16 * i : 16 * i + 16].view(torch.float4_e2m1fn_x2),
+            exps[i].to(torch.uint8).view(torch.float8_e8m0fnu),
+        )
+        for i in range(2)
+    ]
+    got = fp4_gemm.reference_fp4_mm(mx[0], mx[1], torch.float32)
+    assert torch.equal(got, _by_route(mx[0], mx[1], prescaled=True))
 
 
 def test_mixed_pairs_and_two_ks_are_refused() -> None:
