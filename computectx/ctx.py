@@ -42,7 +42,7 @@ from computectx.recipes import Recipe
 from computectx.residency import Residency, TorchDevice, parse_device
 from computectx.saved import SAVING, saved_call
 
-__all__ = ["DTYPE_FLAGS", "ComputeCtx", "CtxChanges"]
+__all__ = ["DTYPE_FLAGS", "BuiltUnder", "ComputeCtx", "CtxChanges"]
 
 
 def _is_none_text(value: object) -> bool:
@@ -464,3 +464,31 @@ def _lifted(
 _WORK_DTYPE: dict[tuple[torch.dtype, DType], torch.dtype] = {
     (src.torch, accum): promote(src, accum).torch for src in DType for accum in DType
 }
+
+
+class BuiltUnder:
+    """A module whose ``ctx`` is the policy it was built under (a base listed before
+    ``nn.Module``: ``computectx.nn``'s blocks). Its constructor decided from it the parameters'
+    dtypes, which linears became fp8 or 4-bit layers and its children, each holding its own,
+    so a later ``model.ctx = other`` would reach its own forward only (half a policy): ``ctx``
+    is set once; assigning it again is an ``AttributeError`` that changes nothing."""
+
+    _ctx: ComputeCtx
+
+    @property
+    def ctx(self) -> ComputeCtx:
+        """The policy this module was built under (read-only: class docstring)."""
+        return self._ctx
+
+    @ctx.setter
+    def ctx(self, value: ComputeCtx) -> None:
+        if "_ctx" in self.__dict__:
+            kind = type(self).__name__
+            raise AttributeError(
+                f"{kind}.ctx is the policy it was built under ({self._ctx}); assigning "
+                f"{value!s} would apply half a policy (its children and parameters were built "
+                f"under the first). Build a new {kind} under the new ctx instead"
+            )
+        if not isinstance(value, ComputeCtx):
+            raise TypeError(f"ctx must be a ComputeCtx, got {type(value).__name__}")
+        self._ctx = value

@@ -10,7 +10,7 @@ import weakref
 import torch
 from torch import nn
 
-from computectx.ctx import ComputeCtx
+from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES, dtype_of, promote
 from computectx.formats import Backend
 from computectx.formats.seam import decode_attention, static_kv_steps
@@ -18,7 +18,7 @@ from computectx.kv_policy import KvFp8
 from computectx.nn.gemm import Gemm, GemmPath
 from computectx.nn.kv_cache import KVCache
 from computectx.nn.kv_steps import held_steps, widen_steps
-from computectx.nn.params import BuiltUnder, apply_recipe, param_dtype
+from computectx.nn.params import apply_recipe, param_dtype
 from computectx.nn.precise import softmax
 from computectx.nn.rope import RotaryEmbedding
 from computectx.saved import saved_call, tagged

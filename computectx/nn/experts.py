@@ -41,7 +41,7 @@ from torch.autograd.function import FunctionCtx
 
 from computectx._checks import as_int
 from computectx.activations import SaveMode
-from computectx.ctx import ComputeCtx
+from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats import (
     Fp4Experts,
@@ -58,7 +58,7 @@ from computectx.formats.seam import (
     held_experts,
 )
 from computectx.nn.gemm import Gemm, GemmPath, input_kept, keep_input
-from computectx.nn.params import BuiltUnder, param_dtype
+from computectx.nn.params import param_dtype
 from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward, saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]

@@ -17,7 +17,7 @@ from typing_extensions import Self
 
 from computectx._checks import CheckedModel, as_int
 from computectx.activations import ACTIVATION_KINDS
-from computectx.ctx import ComputeCtx
+from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.formats import Backend, QuantizedExperts, QuantizedLinear, assign_fp4_streams
 from computectx.formats.seam import guard_whole_loads
@@ -28,7 +28,7 @@ from computectx.nn.kv_cache import KVCache, kv_bytes_per_token
 from computectx.nn.mlp import MLP
 from computectx.nn.moe import LoadBalance, MoE, RouterScore, update_biases
 from computectx.nn.norm import RMSNorm
-from computectx.nn.params import BuiltUnder, param_dtype
+from computectx.nn.params import param_dtype
 from computectx.offload import OffloadBlocks, on_device
 from computectx.saved import tagged
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from computectx.ctx import ComputeCtx
+from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.nn.gemm import Gemm
-from computectx.nn.params import BuiltUnder, apply_recipe, param_dtype
+from computectx.nn.params import apply_recipe, param_dtype
 from computectx.saved import saved_call
 
 __all__ = ["MLP", "swiglu"]

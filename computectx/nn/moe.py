@@ -44,12 +44,12 @@ from typing import Literal, NamedTuple, get_args
 import torch
 from torch import nn
 
-from computectx.ctx import ComputeCtx
+from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.formats.seam import guard_whole_loads
 from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, checked_real
 from computectx.nn.mlp import MLP
-from computectx.nn.params import BuiltUnder, apply_recipe, param_dtype
+from computectx.nn.params import apply_recipe, param_dtype
 from computectx.saved import SAVING, saved_call
 
 __all__ = [

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from computectx.activations import ActivationKind
-from computectx.ctx import ComputeCtx
-from computectx.nn.params import BuiltUnder, param_dtype
+from computectx.ctx import BuiltUnder, ComputeCtx
+from computectx.nn.params import param_dtype
 from computectx.nn.precise import rms_norm
 
 __all__ = ["RMSNorm"]

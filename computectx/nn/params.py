@@ -1,5 +1,4 @@
-"""How the blocks store parameters: at ``compute ⊔ master``, as ``QuantizedLinear`` under fp8;
-and the policy they were built under (``BuiltUnder``)."""
+"""How the blocks store parameters: at ``compute ⊔ master``, as ``QuantizedLinear`` under fp8."""
 
 from __future__ import annotations
 
@@ -12,39 +11,7 @@ from computectx.ctx import ComputeCtx
 from computectx.dtypes import promote
 from computectx.formats import FEATURE_MULTIPLE, convert_to_quantized
 
-__all__ = ["BuiltUnder", "apply_recipe", "param_dtype"]
-
-
-class BuiltUnder:
-    """A block whose ``ctx`` is the policy it was built under (listed before ``nn.Module``).
-
-    The ctx decides at construction the parameters' dtypes, which linears became fp8 or 4-bit
-    layers and the block's children, each of which keeps its own: assigning another ctx to
-    the block would change what its own forward reads and not what its children were built
-    as (half a policy). So ``ctx`` is set once, by the constructor; assigning it again is an
-    ``AttributeError`` that changes nothing. A ``QuantizedLinear``'s ``ctx`` stays assignable
-    (its setter checks the swap)."""
-
-    _ctx: ComputeCtx
-
-    @property
-    def ctx(self) -> ComputeCtx:
-        """The policy this block was built under (read-only: class docstring)."""
-        return self._ctx
-
-    @ctx.setter
-    def ctx(self, value: ComputeCtx) -> None:
-        if "_ctx" in self.__dict__:
-            name = type(self).__name__
-            raise AttributeError(
-                f"{name}.ctx is the policy it was built under ({self._ctx}); its children, "
-                f"parameter dtypes and converted layers were decided by it, so assigning "
-                f"{value!s} would apply half a policy. Build a new {name} under the new ctx "
-                f"(and load this one's state_dict into it where the formats match)"
-            )
-        if not isinstance(value, ComputeCtx):
-            raise TypeError(f"ctx must be a ComputeCtx, got {type(value).__name__}")
-        self._ctx = value
+__all__ = ["apply_recipe", "param_dtype"]
 
 
 def param_dtype(ctx: ComputeCtx) -> torch.dtype:

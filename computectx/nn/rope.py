@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from computectx.ctx import ComputeCtx
-from computectx.nn.params import BuiltUnder
+from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.nn.precise import apply_rope, rope_tables
 
 __all__ = ["RotaryEmbedding"]

@@ -1,4 +1,4 @@
-"""``nn.params.BuiltUnder``: a block's ``ctx`` is the policy it was built under."""
+"""``ctx.BuiltUnder``: a block's ``ctx`` is the policy it was built under."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from computectx import ComputeCtx, DType
+from computectx.ctx import BuiltUnder
 from computectx.nn import MLP, ByteLM, LMConfig, RMSNorm
-from computectx.nn.params import BuiltUnder
 
 BF16 = ComputeCtx.new(DType.BF16, "cpu")
 F32 = ComputeCtx.new(DType.F32, "cpu")
@@ -38,7 +38,7 @@ def test_assigning_a_built_models_ctx_is_refused_and_changes_nothing() -> None:
 
 def test_the_ctx_is_set_once_by_the_constructor_and_survives_copies() -> None:
     norm = RMSNorm(F32, 8)
-    assert norm.ctx is F32 and "ctx" not in norm.__dict__
+    assert norm.ctx is F32
     twin = copy.deepcopy(MLP(BF16, 32, 32))
     assert twin.ctx == BF16
     with pytest.raises(AttributeError):
