@@ -25,8 +25,10 @@ MXFP4 scales ``float8_e8m0fnu`` per 1x32 block (``"rceil"`` or ``"floor"``) and 
      ``rceil``: the exact ``ceil(log2(amax / 6))``), ``encode = 2**(127 - byte)`` from its bits;
    - round to nearest even by E2M1's midpoints, or stochastically: element ``i`` of the operand
      (row-major, as stored) draws ``tl.randint(seed, counter + i)``, Philox-4x32-10, the twin's
-     ``e2m1.philox_randint``; the key is read from the int64 ``rng`` tensor ``[seed, counter]``
-     on the device, never on the host.
+     ``e2m1.philox_randint``; the key, the int64 ``rng`` tensor ``[seed, counter]``, is read
+     on the host when it lies on the CPU (plain host memory: the launch takes the two words
+     as scalar arguments, nothing copied to the device) and by the kernel when it lies on
+     the device (never on the host).
 
 The column-wise operand without the transform is ``x.t()`` read through its strides, its
 padding columns loaded as zeros. Every kernel is built without floating-point contraction
@@ -208,16 +210,19 @@ def _block_scales(  # type: ignore[no-untyped-def]
     return byte, encode
 
 
-@triton.jit
+# The key's words are values, not shapes: no specialisation on them (a seed or counter of 1,
+# or a multiple of 16, would build another kernel).
+@triton.jit(do_not_specialize=["seed", "counter"])  # type: ignore[call-arg]  # stub: jit(fn) only
 def _quantize_kernel(  # type: ignore[no-untyped-def]
-    x_ptr, codes_ptr, scale_ptr, amax_ptr, rng_ptr, R, C, C_VALID, stride_r, stride_c,
-    stride_qr, stride_sr, X_BF16: tl.constexpr, NVFP4: tl.constexpr, ROWS: tl.constexpr,
-    VEC: tl.constexpr, FLOOR: tl.constexpr, SR: tl.constexpr, FMT: tl.constexpr,
-    TILE_R: tl.constexpr, GROUPS: tl.constexpr,
+    x_ptr, codes_ptr, scale_ptr, amax_ptr, rng_ptr, seed, counter, R, C, C_VALID, stride_r,
+    stride_c, stride_qr, stride_sr, X_BF16: tl.constexpr, NVFP4: tl.constexpr,
+    ROWS: tl.constexpr, VEC: tl.constexpr, FLOOR: tl.constexpr, SR: tl.constexpr,
+    KEY_IN_MEMORY: tl.constexpr, FMT: tl.constexpr, TILE_R: tl.constexpr, GROUPS: tl.constexpr,
 ):  # fmt: skip
     # TILE_R rows by GROUPS blocks of the operand [R, C] (x's columns past C_VALID read as 0):
     # the even and odd elements of each byte apart, the blocks as [rows / ROWS, ROWS, GROUPS,
-    # VEC / 2].
+    # VEC / 2]. The key: the scalars seed and counter, or with KEY_IN_MEMORY the int64
+    # [seed, counter] at rng_ptr, its counter plus the scalar counter.
     HALF: tl.constexpr = VEC // 2
     CB: tl.constexpr = GROUPS * HALF
     rows = tl.program_id(0) * TILE_R + tl.arange(0, TILE_R)
@@ -239,8 +244,14 @@ def _quantize_kernel(  # type: ignore[no-untyped-def]
     bmax = _nan_where(tl.max(tl.max(nan, axis=3), axis=1) > 0, bmax)
     byte, encode = _block_scales(bmax, amax_ptr, NVFP4, FLOOR, FMT)
     enc = tl.reshape(tl.broadcast_to(encode[:, None, :, None], SHAPE), (TILE_R, CB))  # type: ignore[attr-defined]
-    seed = tl.load(rng_ptr) if SR else 0
-    first = rows[:, None].to(tl.int64) * C + even + (tl.load(rng_ptr + 1) if SR else 0)
+    if SR:
+        if KEY_IN_MEMORY:
+            seed = tl.load(rng_ptr)
+            counter = tl.load(rng_ptr + 1) + counter
+        # int64 whatever width the launch gave a scalar: a negative seed sign-extends, as
+        # the two's complement int64 the key holds (tl.randint reads it as uint64).
+        seed = seed.to(tl.int64)
+    first = rows[:, None].to(tl.int64) * C + even + counter
     code = _codes(lo * enc, seed, first, SR) | (_codes(hi * enc, seed, first + 1, SR) << 4)
     ok_q = ok_r & (pairs[None, :] < C // 2)
     q_offs = rows[:, None].to(tl.int64) * stride_qr + pairs[None, :]
@@ -315,6 +326,19 @@ def _hadamard(x: torch.Tensor, m_pad: int, signs: list[int]) -> tuple[torch.Tens
     return y, bits.view(torch.float32)
 
 
+def _key_args(rng: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
+    """``(key tensor the kernel reads, seed, counter)`` of a stochastic-rounding key: a key
+    on the CPU (a layer's plain state, the operator's) is read on the host as two ints and
+    passed by value (host memory: no device synchronisation, nothing copied to the device);
+    a key on the device is read by the kernel, never on the host (``(rng, 0, 0)``)."""
+    if rng is None:
+        return None, 0, 0
+    if rng.device.type == "cpu":
+        seed, counter = (int(v) for v in rng.tolist())
+        return None, seed, counter
+    return rng, 0, 0
+
+
 def fp4_quantize(
     x: torch.Tensor,
     format: str,
@@ -330,12 +354,12 @@ def fp4_quantize(
     ``"16x16"``, MXFP4 1x32 by ``mx_rounding``), or with ``columnwise`` the wgrad's operand of
     ``x.t()`` (tokens zero-padded to the block, and to 16 under ``hadamard``, transformed
     with ``signs``); ``rng`` an int64 ``(2,)`` ``[seed, counter]`` for stochastic rounding,
-    on ``x``'s device (read there) or the CPU (copied).
+    on ``x``'s device (read there by the kernel) or the CPU (read on the host, passed to the
+    launch as two integers: no copy to the device).
     ``amax`` is float32 ``(1,)``: NVFP4's per-tensor amax (of the transformed tensor under
     the transform), MXFP4's of ``x`` (unused). ``ValueError`` naming a bad argument."""
     x = _check(x, format, tile, mx_rounding, signs, rng)
-    if rng is not None:
-        rng = rng.to(x.device)  # a key built on the host (the operator's) travels once
+    in_memory, seed, counter = _key_args(rng)
     nvfp4 = format == "nvfp4"
     vec = 16 if nvfp4 else 32
     rows = 16 if nvfp4 and tile == "16x16" and not columnwise else 1
@@ -362,10 +386,10 @@ def fp4_quantize(
     if r and c:
         grid = (triton.cdiv(r, _TILE_R), triton.cdiv(c, _GROUPS * vec))
         _quantize_kernel[grid](
-            _bits(operand), codes, scale, amax, amax if rng is None else rng, r, c, valid,
-            *strides, codes.stride(0), scale.stride(0),
+            _bits(operand), codes, scale, amax, amax if in_memory is None else in_memory, seed,
+            counter, r, c, valid, *strides, codes.stride(0), scale.stride(0),
             X_BF16=operand.dtype == torch.bfloat16, NVFP4=nvfp4, ROWS=rows, VEC=vec,
-            FLOOR=mx_rounding == "floor", SR=rng is not None,
+            FLOOR=mx_rounding == "floor", SR=rng is not None, KEY_IN_MEMORY=in_memory is not None,
             FMT=fp8_constants(torch.float8_e4m3fn), TILE_R=max(_TILE_R, rows), GROUPS=_GROUPS,
             **BUILD_OPTIONS,
         )  # fmt: skip

@@ -183,15 +183,17 @@ def build(kernel, names, types, consts, aligned):
 
 
 out = {}
-names = ["x_ptr", "codes_ptr", "scale_ptr", "amax_ptr", "rng_ptr", "R", "C", "C_VALID",
-         "stride_r", "stride_c", "stride_qr", "stride_sr"]
-# NVFP4 16x16 tiles of bf16 with stochastic rounding; MXFP4 rceil of float32 to nearest.
-for name, xdt, nvfp4, rows, sr in (("nvfp4", "*i16", True, 16, True),
-                                   ("mxfp4", "*fp32", False, 1, False)):
+names = ["x_ptr", "codes_ptr", "scale_ptr", "amax_ptr", "rng_ptr", "seed", "counter", "R", "C",
+         "C_VALID", "stride_r", "stride_c", "stride_qr", "stride_sr"]
+# NVFP4 16x16 tiles of bf16 with stochastic rounding, the key by value (an int64 seed, an int32
+# counter) or in device memory; MXFP4 rceil of float32 to nearest.
+for name, xdt, nvfp4, rows, sr, in_memory in (("nvfp4", "*i16", True, 16, True, False),
+                                              ("nvfp4-key", "*i16", True, 16, True, True),
+                                              ("mxfp4", "*fp32", False, 1, False, False)):
     consts = dict(X_BF16=xdt == "*i16", NVFP4=nvfp4, ROWS=rows, VEC=16 if nvfp4 else 32,
-                  FLOOR=False, SR=sr, FMT=fp8_constants(torch.float8_e4m3fn), TILE_R=32,
-                  GROUPS=8, stride_c=1)
-    types = [xdt, "*u8", "*u8", "*fp32", "*i64"] + ["i32"] * 7
+                  FLOOR=False, SR=sr, KEY_IN_MEMORY=in_memory,
+                  FMT=fp8_constants(torch.float8_e4m3fn), TILE_R=32, GROUPS=8, stride_c=1)
+    types = [xdt, "*u8", "*u8", "*fp32", "*i64", "i64"] + ["i32"] * 8
     out[f"quantize/{name}"] = build(kq._quantize_kernel, names, types, consts,
                                     ("x_ptr", "codes_ptr", "C", "C_VALID", "stride_r",
                                      "stride_qr"))
@@ -207,10 +209,10 @@ json.dump(out, sys.stdout)
 @compiles_for_gpu(_QUANTIZE_SCRIPT)
 def test_fp4_quantize_compiles_without_contraction(compile_report: dict[str, Any]) -> None:
     report = compile_report
-    assert sorted(report) == ["hadamard", "quantize/mxfp4", "quantize/nvfp4"]
+    assert sorted(report) == ["hadamard", "quantize/mxfp4", "quantize/nvfp4", "quantize/nvfp4-key"]
     for name, facts in report.items():
         # Every rounding the twin's: no fused multiply-add, no flush-to-zero, IEEE division.
         assert facts["fma"] == 0 and not facts["ftz"] and facts["approx"] == 0, (name, facts)
-    for name in ("quantize/mxfp4", "quantize/nvfp4"):
+    for name in ("quantize/mxfp4", "quantize/nvfp4", "quantize/nvfp4-key"):
         # The tile is read along its unit stride with 16-byte vector loads.
         assert report[name]["v4"] > 0, (name, report[name])

@@ -9,6 +9,8 @@ no FP4 tensor cores).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -198,3 +200,54 @@ def test_empty_and_bad_arguments() -> None:
         kq.fp4_quantize(x, "nvfp4", "1x16", "rceil", True, True, [1] * 8, None)
     with pytest.raises(ValueError, match="rng must be"):
         kq.fp4_quantize(x, "nvfp4", "1x16", "rceil", False, False, signs, torch.zeros(2))
+
+
+class _Launches:
+    """Stands in for ``_quantize_kernel``: records each launch's arguments, runs nothing."""
+
+    def __init__(self) -> None:
+        self.args: list[tuple[object, ...]] = []
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        def launch(*args: object, **_: object) -> None:
+            self.args.append(args)
+
+        return launch
+
+
+def test_a_host_key_reaches_the_launch_as_two_integers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A key on the CPU (a layer's plain state) is read on the host and passed by value: the
+    # kernel takes no tensor of it, so nothing is copied to the device per call.
+    launches = _Launches()
+    monkeypatch.setattr(kq, "_quantize_kernel", launches)
+    key = torch.tensor([-5, 2**40 + 3], dtype=torch.int64)
+    x = torch.ones(16, 32, device=DEVICE)
+    kq.fp4_quantize(x, "nvfp4", "1x16", "rceil", False, False, list(WGRAD_SIGNS), key)
+    (args,) = launches.args
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    assert all(t.device == x.device and t.data_ptr() != key.data_ptr() for t in tensors)
+    assert args[5:7] == (-5, 2**40 + 3)
+
+
+KEYS = [
+    Stochastic(2**64 - 5, 3),  # a seed of 32 bits as a negative int64: sign-extended
+    Stochastic(7, 2**40),  # a counter past 32 bits
+    SEED_HIGH,
+]
+
+
+@pytest.mark.parametrize("key", KEYS, ids=["negative-seed", "counter-2**40", "seed-high"])
+def test_a_key_in_device_memory_draws_the_host_keys_bits(
+    key: Stochastic, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The kernel reads a key on the device itself; here, interpreted, the CPU key is sent
+    # down that path as well: both draw the twin's bits.
+    x = data(32, 64, torch.bfloat16, 4, special=False)
+    ref = twin.quantize_rows(x, Fp4Quant(format="nvfp4"), stochastic=key)
+    assert isinstance(ref, Nvfp4Operand)
+    rng = rng_of(key)
+    assert rng is not None
+    args = ("nvfp4", "1x16", "rceil", False, False, list(WGRAD_SIGNS), rng.cpu())
+    assert_same(kq.fp4_quantize(x.to(DEVICE), *args), ref.codes, ref.scale, ref.amax)
+    monkeypatch.setattr(kq, "_key_args", lambda rng: (rng.to(DEVICE), 0, 0))
+    assert_same(kq.fp4_quantize(x.to(DEVICE), *args), ref.codes, ref.scale, ref.amax)
