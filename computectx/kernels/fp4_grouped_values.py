@@ -8,8 +8,10 @@ The groups' row bounds are host integers (the operators read ``offs`` once, chec
 ``ops.grouped.checked_bounds`` does): one quantize launch per non-empty group and operand, then
 one GEMM launch. Stochastic rounding keeps the twins' counters: the forward's group ``g`` draws
 from ``counter + start_g * K`` (the row-major counters of the whole tensor), the wgrad's groups
-consecutive ranges of their padded operands' sizes; the key's counter is offset on the device,
-never read.
+consecutive ranges of their padded operands' sizes; the key's counter is offset where the key
+lies (an integer added there: no tensor built from host data), never read on the host when it
+lies on the device. The wgrad launch reads its groups' padded column ends as ``offs`` padded on
+the device (no host list copied there per call).
 """
 
 from __future__ import annotations
@@ -25,10 +27,19 @@ _NO_SIGNS = [1] * HADAMARD_SIZE  # the row-wise quantize reads no signs
 
 
 def _shifted(rng: torch.Tensor | None, counters: int) -> torch.Tensor | None:
-    # The key whose counter is ``counters`` further on, formed on rng's device.
+    # The key whose counter is ``counters`` further on, formed on rng's device: the integer
+    # added there (no tensor built from host data, so no copy to a device; the key not read).
     if rng is None:
         return None
-    return rng + torch.tensor([0, counters], dtype=torch.int64, device=rng.device)
+    return torch.cat((rng[:1], rng[1:] + counters))
+
+
+def _padded_ends(offs: torch.Tensor, multiple: int) -> torch.Tensor:
+    # int32 (E,): each group's end column in the joined wgrad operands, its rows padded to
+    # ``multiple`` (fp4_quantize's column-wise padding), from the operator's offs on its
+    # device: no host list copied there per call.
+    sizes = torch.diff(offs, prepend=offs.new_zeros(1))
+    return ((sizes + (multiple - 1)) // multiple * multiple).cumsum(0).to(torch.int32)
 
 
 def _joined(parts: list[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Tensor:
@@ -95,6 +106,7 @@ def grouped_wgrad_values(
     dy: torch.Tensor,
     x: torch.Tensor,
     bounds: list[tuple[int, int]],
+    offs: torch.Tensor,
     format: str,
     mx_rounding: str,
     hadamard: bool,
@@ -102,8 +114,10 @@ def grouped_wgrad_values(
     rng: torch.Tensor | None,
 ) -> torch.Tensor:
     """float32 ``[E, N, K]``: ``dW[g] = dY[rows of g]ᵀ X[rows of g]`` from the two column-wise
-    operands of each group's own rows (padded, transformed with ``signs`` under ``hadamard``
-    and amax'd per group; ``rng`` rounds dY's, the groups drawing consecutive counters)."""
+    operands of each group's own rows ``bounds[g]`` (``offs``'s values, read; ``offs`` the
+    operator's int32 ``(E,)``, whose padded ends the launch reads on the device), padded,
+    transformed with ``signs`` under ``hadamard`` and amax'd per group; ``rng`` rounds dY's,
+    the groups drawing consecutive counters."""
     n, k, e = dy.shape[1], x.shape[1], len(bounds)
     nvfp4 = format == "nvfp4"
     scale_dtype = torch.float8_e4m3fn if nvfp4 else torch.float8_e8m0fnu
@@ -114,7 +128,7 @@ def grouped_wgrad_values(
     x_scales = [torch.zeros((k, 0), dtype=torch.uint8, device=dev)]
     amax_d = torch.zeros(e, dtype=torch.float32, device=dev)
     amax_x = torch.zeros(e, dtype=torch.float32, device=dev)
-    ends, consumed = [], 0
+    consumed = 0
     for g, (start, end) in enumerate(bounds):
         if end > start:
             args = (format, "1x16", mx_rounding, True, hadamard, signs)
@@ -129,7 +143,7 @@ def grouped_wgrad_values(
             ):
                 out.append(q)
             amax_d[g : g + 1], amax_x[g : g + 1] = qd[2], qx[2]
-        ends.append(sum(c.shape[1] for c in d_codes) * 2)
+    vec = 16 if nvfp4 else 32
     return fp4_grouped_scaled_wgrad(
         a=_joined(d_codes, 1, torch.float4_e2m1fn_x2),
         scale_a=_joined(d_scales, 1, scale_dtype),
@@ -138,5 +152,5 @@ def grouped_wgrad_values(
         scale_b=_joined(x_scales, 1, scale_dtype),
         amax_b=amax_x if nvfp4 else None,
         tile="1x16" if nvfp4 else "1x32",
-        offs=torch.tensor(ends, dtype=torch.int32, device=dev),
+        offs=_padded_ends(offs, max(vec, HADAMARD_SIZE) if hadamard else vec),
     )

@@ -11,8 +11,11 @@ order only: each group within twice the widened bound of its operands (test_fp4_
 
 from __future__ import annotations
 
+import traceback
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.formats.numerics import fp4_gemm as twin
 from computectx.formats.numerics.e2m1 import WGRAD_SIGNS, Stochastic
@@ -42,6 +45,10 @@ def bounds_of(sizes: list[int]) -> list[tuple[int, int]]:
     return [(end - size, end) for end, size in zip(ends, sizes, strict=True)]
 
 
+def offs_of(bounds: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([end for _, end in bounds], dtype=torch.int32, device=DEVICE)
+
+
 def rng_of(key: Stochastic) -> torch.Tensor:
     return torch.tensor([key.seed, key.offset], dtype=torch.int64, device=DEVICE)
 
@@ -62,7 +69,7 @@ def test_grouped_mm_values_are_the_grouped_twin(
     n, k, key = 32, 64, Stochastic(5, 100)
     a, b = values((sum(sizes) + tail, k), gen), values((len(sizes), n, k), gen)
     bounds = bounds_of(sizes)
-    offs = torch.tensor([end for _, end in bounds], dtype=torch.int32, device=DEVICE)
+    offs = offs_of(bounds)
     out = kv.grouped_mm_values(
         a.to(DEVICE), b.to(DEVICE), bounds, offs, fmt, tile, rounding, rng_of(key), torch.float32
     ).cpu()
@@ -84,8 +91,8 @@ def test_grouped_wgrad_values_are_the_grouped_twin(fmt: Fp4Format, hadamard: boo
     dy, x = values((sum(sizes), n), gen), values((sum(sizes), k), gen)
     bounds, key = bounds_of(sizes), Stochastic(9, 0)
     out = kv.grouped_wgrad_values(
-        dy.to(DEVICE), x.to(DEVICE), bounds, fmt, "rceil", hadamard, list(WGRAD_SIGNS),
-        rng_of(key),
+        dy.to(DEVICE), x.to(DEVICE), bounds, offs_of(bounds), fmt, "rceil", hadamard,
+        list(WGRAD_SIGNS), rng_of(key),
     ).cpu()  # fmt: skip
     ref = twin.reference_fp4_grouped_wgrad(dy, x, bounds, how, key)
     assert out.shape == (3, n, k) and not bool(out[1].any())
@@ -97,3 +104,40 @@ def test_grouped_wgrad_values_are_the_grouped_twin(fmt: Fp4Format, hadamard: boo
             consumed += qd.codes.shape[1] * 2 * n
             err = (out[g].double() - ref[g].double()).abs()
             assert bool((err <= 2 * widened_bound(qd, qx, torch.float32, None)).all()), g
+
+
+_LAUNCHERS = ("kernels/fp4_grouped_values.py", "kernels/fp4_quantize.py")
+
+
+class _HostData(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Counts the tensors the launchers build from host data (``torch.tensor(...)``:
+    ``aten.lift_fresh``), each a copy to the device on a GPU; the interpreter's own (and its
+    ``tl.dot_scaled`` stand-in's, in ``kernels/fp4_gemm.py``) are not theirs."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.ops.aten.lift_fresh.default:
+            ours = [f for f in traceback.extract_stack() if "/computectx/" in f.filename]
+            if ours and ours[-1].filename.endswith(_LAUNCHERS):
+                self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_grouped_launches_copy_no_host_data_to_the_device() -> None:
+    # The wgrad's padded group ends come from offs on its device, each group's key from the
+    # key by an integer added on its device: no host list becomes a device tensor per call.
+    gen = torch.Generator().manual_seed(4)
+    sizes, n, k = [7, 0, 19], 16, 32
+    dy, x = values((sum(sizes), n), gen), values((sum(sizes), k), gen)
+    bounds, rng = bounds_of(sizes), rng_of(Stochastic(9, 5))
+    signs = list(WGRAD_SIGNS)
+    dy, x, offs, w = dy.to(DEVICE), x.to(DEVICE), offs_of(bounds), values((3, n, k), gen)
+    with _HostData() as made:
+        kv.grouped_wgrad_values(dy, x, bounds, offs, "nvfp4", "rceil", True, signs, rng)
+        kv.grouped_mm_values(
+            x, w.to(DEVICE), bounds, offs, "nvfp4", "1x16", "rceil", rng, torch.float32
+        )
+    assert made.count == 0

@@ -294,7 +294,8 @@ def fp4_grouped_wgrad(
     if runs_triton(backend, dy):
         from computectx.kernels.fp4_grouped_values import grouped_wgrad_values
 
-        return grouped_wgrad_values(dy, x, bounds, format, mx_rounding, hadamard, signs, rng)
+        args = (format, mx_rounding, hadamard, signs, rng)
+        return grouped_wgrad_values(dy, x, bounds, offs, *args)
     how = _how(format, "1x16", mx_rounding, hadamard, signs)
     return fp4_gemm.reference_fp4_grouped_wgrad(dy, x, bounds, how, _key(rng))
 
