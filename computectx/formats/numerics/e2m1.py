@@ -43,6 +43,7 @@ the 16 inputs of a run span at most 12 binades (8 significant bits, 4 of carries
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -131,10 +132,47 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     return _signed(_magnitude_codes(v.abs()), v)
 
 
+_CONSTANTS: dict[tuple[object, ...], torch.Tensor] = {}
+_TRACING_MODES = tuple(torch._C._TorchDispatchModeKey.__members__.values())  # fake, proxy, ...
+
+
+def _constant(
+    key: tuple[object, ...], device: torch.device, build: Callable[[], torch.Tensor]
+) -> torch.Tensor:
+    """``build()`` on ``device``, kept per ``(key, device)``: a table made from host data is a
+    copy to a GPU, once per process rather than once per GEMM. Never written to; made outside
+    ``inference_mode`` (it may be saved for a backward). Traced code (``torch.compile``, a
+    fake, proxy or functional mode) builds its own, neither reading nor keeping one."""
+    if torch.compiler.is_compiling() or any(
+        torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES
+    ):
+        return build().to(device)
+    full = (*key, device)
+    cached = _CONSTANTS.get(full)
+    if cached is None:
+        with torch.inference_mode(False), torch.no_grad():
+            cached = _CONSTANTS[full] = build().to(device)
+    return cached
+
+
 def _code_table(device: torch.device) -> torch.Tensor:
     """float32 value of each of the 16 codes (``0x8`` is ``-0.0``)."""
-    magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
-    return torch.cat((magnitude, -magnitude))
+
+    def build() -> torch.Tensor:
+        magnitude = torch.tensor(E2M1_VALUES, dtype=torch.float32)
+        return torch.cat((magnitude, -magnitude))
+
+    return _constant(("codes",), device, build)
+
+
+def _pair_table(device: torch.device) -> torch.Tensor:
+    """float32 ``[256, 2]``: the values of each byte's low and high code."""
+
+    def build() -> torch.Tensor:
+        table = _code_table(torch.device("cpu"))
+        return torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=1)
+
+    return _constant(("pairs",), device, build)
 
 
 def code_values(codes: torch.Tensor) -> torch.Tensor:
@@ -147,8 +185,7 @@ def packed_values(packed: torch.Tensor) -> torch.Tensor:
     """``code_values(unpack_codes(packed))`` in one table look-up per byte: the float32
     values of ``pack_codes``'s bytes, the last dimension doubled."""
     b = packed.view(torch.uint8)
-    table = _code_table(b.device)
-    pairs = torch.stack((table.repeat(16), table.repeat_interleave(16)), dim=1)  # [byte] lo, hi
+    pairs = _pair_table(b.device)  # [byte] lo, hi
     values = pairs.index_select(0, b.reshape(-1).to(torch.int32))
     return values.reshape(*b.shape[:-1], b.shape[-1] * 2)
 
@@ -249,6 +286,6 @@ def hadamard16(x: torch.Tensor, signs: tuple[int, ...] = WGRAD_SIGNS) -> torch.T
             f"the Hadamard transform mixes runs of {HADAMARD_SIZE}: the last dimension "
             f"must be a multiple of {HADAMARD_SIZE}, got shape {tuple(x.shape)}"
         )
-    t = hadamard_matrix(signs).to(x.device)
+    t = _constant(("hadamard", tuple(signs)), x.device, lambda: hadamard_matrix(signs))
     y = x.double().reshape(-1, HADAMARD_SIZE) @ t
     return y.float().to(torch.bfloat16).reshape(x.shape)

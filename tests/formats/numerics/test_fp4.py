@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx.formats.numerics import e2m1, fp4
 
@@ -396,3 +397,41 @@ def test_bad_inputs_are_refused_with_the_rule() -> None:
         fp4.quantize_mxfp4(torch.zeros(2, 32), rounding="even")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="seed"):
         e2m1.Stochastic(seed=-1)
+
+
+class _HostData(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Counts the tensors made from host data (``torch.tensor(...)``: ``aten.lift_fresh``),
+    each a copy to the device on a GPU."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += func is torch.ops.aten.lift_fresh.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_decode_and_transform_tables_are_made_once_per_device() -> None:
+    # The code, byte-pair and Hadamard tables are kept per device: a GEMM's twin copies no
+    # host data to its device after the first.
+    packed = e2m1.pack_codes(torch.arange(32, dtype=torch.uint8).reshape(2, 16) % 16)
+    x = torch.randn(4, 32)
+    first = (e2m1.packed_values(packed), e2m1.code_values(packed.view(torch.uint8)))
+    e2m1.hadamard16(x)
+    with _HostData() as made:
+        again = (e2m1.packed_values(packed), e2m1.code_values(packed.view(torch.uint8)))
+        e2m1.hadamard16(x)
+    assert made.count == 0
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+
+
+def test_a_table_first_made_under_inference_mode_serves_a_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(e2m1, "_CONSTANTS", {})
+    with torch.inference_mode():
+        e2m1.hadamard16(torch.randn(2, 16))
+    x = torch.randn(2, 16, requires_grad=True)
+    (grad,) = torch.autograd.grad(e2m1.hadamard16(x).float().sum(), x)
+    assert grad.shape == x.shape
