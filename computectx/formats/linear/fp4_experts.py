@@ -118,7 +118,12 @@ def _framed_keys(
     frame = None if torch.compiler.is_compiling() else _FRAME.get()
     if frame is None:
         # Tensor ops, no .tolist(): a compiled caller recompiles neither as group sizes nor
-        # as the counter change.
+        # as the counter change. The .cpu() reads the advance to the host (a device sync on
+        # a GPU): the counter is CPU state and its advance depends on the group sizes, which
+        # only offs holds, on its device. It is no new stall: the 4-bit grouped operators read
+        # offs on the host anyway (ops.grouped.checked_bounds, each quantize launched per
+        # group), and this read comes before the GEMMs are enqueued, so the operator's own
+        # read then finds little left queued.
         counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
         return key, None, (n * (m + _padded(counts, multiple).sum())).reshape(1).cpu()
     every, first = frame
