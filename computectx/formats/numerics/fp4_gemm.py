@@ -277,21 +277,28 @@ def _block_terms(
     return torch.bmm(a3, b3)
 
 
-def _prescale_exact(a: Fp4Operand, b: Fp4Operand) -> bool:
+def _prescale_exact(a: Fp4Operand, b: Fp4Operand, sa: torch.Tensor, sb: torch.Tensor) -> bool:
     """Whether each block's values times its scale are exact float32, and so is every product
     of two such values and every partial sum of a block's products, so the GEMM of the scaled
     values gives each ``T_kb = P_kb * (s_a * s_b)`` exactly, with no product over the ``K /
-    w`` partials: decided by the format alone, no scale read (no host synchronisation per
-    GEMM). NVFP4 (both operands): an E4M3 scale is 0, NaN or finite in ``[2**-9, 448]`` with
-    at most 4 significant bits, so a block's products are multiples of ``0.25 * s_a * s_b``
-    below ``2**12`` of them, ``s_a * s_b`` at most 8 significant bits and at least
-    ``2**-18``: exact. A NaN scale makes its block's scaled values NaN, so the outputs it
-    reaches are NaN on both paths (a NaN's sign and payload are not specified). MXFP4: an
-    E8M0 scale reaches ``2**+-127``, where scaled values or their products leave float32's
-    range; the scale-product path is exact whenever prescaling is, and the definition
-    otherwise, so MXFP4 always takes it (the same bits). A zero term's sign may differ; the
-    accumulator starts at +0 and never holds -0, so the sum does not."""
-    return isinstance(a, Nvfp4Operand) and isinstance(b, Nvfp4Operand)
+    w`` partials. Decided without a host read of a device tensor (a synchronisation per
+    GEMM on a GPU). NVFP4 (both operands), by the format: an E4M3 scale is 0, NaN or finite
+    in ``[2**-9, 448]`` with at most 4 significant bits, so a block's products are multiples
+    of ``0.25 * s_a * s_b`` below ``2**12`` of them, ``s_a * s_b`` at most 8 significant bits
+    and at least ``2**-18``: exact. A NaN scale makes its block's scaled values NaN, so the
+    outputs it reaches are NaN on both routes (a NaN's sign and payload are not specified).
+    MXFP4: an E8M0 scale reaches ``2**+-127``, where scaled values or their products leave
+    float32's range; when every scale is 0 or within ``[2**-50, 2**50]`` both routes give
+    the same bits, so the scales ``sa``/``sb`` are read where that is free (on the CPU) and a
+    GPU takes the scale-product route, exact whenever prescaling is and the definition
+    otherwise. A zero term's sign may differ; the accumulator starts at +0 and never holds
+    -0, so the sum does not."""
+    if isinstance(a, Nvfp4Operand) and isinstance(b, Nvfp4Operand):
+        return True
+    if sa.device.type != "cpu":
+        return False
+    ok = [(m == 0) | ((m >= 2.0**-50) & (m <= 2.0**50)) for m in (sa.abs(), sb.abs())]
+    return bool(ok[0].all() and ok[1].all())
 
 
 def _scaled_values(values: torch.Tensor, scale: torch.Tensor, width: int) -> torch.Tensor:
@@ -309,7 +316,7 @@ def reference_fp4_mm(
     va, sa, width = _parts(a, "a")
     vb, sb, _ = _parts(b, "b")
     m, n, n_kb = va.shape[0], vb.shape[0], sa.shape[1]
-    prescaled = _prescale_exact(a, b)
+    prescaled = _prescale_exact(a, b, sa, sb)
     if prescaled:
         va = _scaled_values(va, sa, width)
         vb = _scaled_values(vb, sb, width)

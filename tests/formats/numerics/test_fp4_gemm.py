@@ -164,17 +164,26 @@ class _HostReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch l
         return func(*args, **(kwargs or {}))
 
 
+def _on(q: fp4_gemm.Fp4Operand, device: str) -> fp4_gemm.Fp4Operand:
+    if isinstance(q, fp4.Nvfp4Operand):
+        return fp4.Nvfp4Operand(q.codes.to(device), q.scale.to(device), q.amax.to(device), q.tile)
+    return fp4.Mxfp4Operand(q.codes.to(device), q.scale.to(device))
+
+
 @pytest.mark.parametrize("name", ["nvfp4", "mxfp4-rceil"])
-def test_the_dense_gemm_reads_no_tensor_to_the_host(name: str) -> None:
-    # Whether the scaled values multiply exactly is the format's (E4M3 or E8M0 scales), not
-    # read from the scales: no host synchronisation per GEMM on a GPU.
+def test_the_dense_gemm_reads_no_device_tensor_to_the_host(name: str) -> None:
+    # Whether the scaled values multiply exactly is the format's (E4M3 scales), or for MXFP4
+    # read only on the CPU: no host synchronisation per GEMM on a GPU. On the meta device a
+    # host read raises; NVFP4 reads nothing on the CPU either.
     how = HOWS[name]
     gen = torch.Generator().manual_seed(5)
     a = fp4_gemm.quantize_rows(torch.randn(16, 2 * how.block, generator=gen), how)
     b = fp4_gemm.quantize_rows(torch.randn(16, 2 * how.block, generator=gen), how, weight=True)
+    out = fp4_gemm.reference_fp4_mm(_on(a, "meta"), _on(b, "meta"), torch.bfloat16)
+    assert out.shape == (16, 16) and out.device.type == "meta"
     with _HostReads() as reads:
         fp4_gemm.reference_fp4_mm(a, b, torch.bfloat16)
-    assert reads.count == 0
+    assert (reads.count == 0) == (name == "nvfp4")
 
 
 def _by_route(a: fp4_gemm.Fp4Operand, b: fp4_gemm.Fp4Operand, prescaled: bool) -> torch.Tensor:
@@ -192,10 +201,10 @@ def _by_route(a: fp4_gemm.Fp4Operand, b: fp4_gemm.Fp4Operand, prescaled: bool) -
     return acc
 
 
-def test_both_routes_give_the_same_bits_where_the_format_takes_one() -> None:
-    # NVFP4 prescales whatever its E4M3 scales (0, subnormal 2**-9 .. 448); MXFP4 multiplies
-    # by s_a * s_b whatever its E8M0 scales, which is the prescaled route's sum wherever that
-    # one is exact (scales within 2**+-50): the format decides, the bits are the same.
+def test_both_routes_give_the_same_bits_where_either_is_taken() -> None:
+    # NVFP4 prescales whatever its E4M3 scales (0, subnormal 2**-9 .. 448), the route the
+    # unscaled products' sum gives bit for bit; MXFP4 with scales within 2**+-50 prescales on
+    # the CPU and multiplies by s_a * s_b on a GPU: the same bits.
     gen = torch.Generator().manual_seed(9)
     codes = torch.randint(0, 256, (32, 32), dtype=torch.uint8, generator=gen)
     e4m3 = torch.tensor([0.0, 2.0**-9, 0.0625, 1.5, 448.0]).to(torch.float8_e4m3fn)
@@ -221,6 +230,7 @@ def test_both_routes_give_the_same_bits_where_the_format_takes_one() -> None:
     ]
     got = fp4_gemm.reference_fp4_mm(mx[0], mx[1], torch.float32)
     assert torch.equal(got, _by_route(mx[0], mx[1], prescaled=True))
+    assert torch.equal(got, _by_route(mx[0], mx[1], prescaled=False))  # a GPU's route
 
 
 def test_mixed_pairs_and_two_ks_are_refused() -> None:
