@@ -48,6 +48,7 @@ would no longer be ``Fp4Linear``'s); under ``offload`` in host memory; nothing o
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -59,6 +60,7 @@ from torch.autograd.function import FunctionCtx
 from computectx.activations import SaveMode
 from computectx.formats.linear.fp4 import fp4_quant
 from computectx.formats.linear.fp4_counter import (
+    FP4_COUNTER_LIMIT,
     CounterLoads,
     check_stream,
     fp4_key,
@@ -74,9 +76,52 @@ from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.saved import kept_back, offload_kept, refuse_double_backward
 
-__all__ = ["ExpertsGemm", "Fp4Experts", "experts_draw_frame"]
+__all__ = ["FRAME_READ_EAGERLY", "ExpertsGemm", "Fp4Experts", "experts_draw_frame"]
 
 _FRAME: ContextVar[tuple[torch.Tensor, int] | None] = ContextVar("fp4_experts_frame", default=None)
+_OPEN_FRAMES = 0
+"""How many draw frames are open (any thread): a module global, so compiled code guards on it
+(``_framed_keys``) and is recompiled, with the frame read eagerly, while one is open."""
+
+FRAME_READ_EAGERLY = (
+    "a 4-bit experts call inside experts_draw_frame (expert parallelism's dispatch) reads "
+    "the frame's whole-batch counts on the host: compile with fullgraph=False (the frame is "
+    "read eagerly there) or compile the blocks around the MoE rather than the experts"
+)
+"""Why ``torch.compile(..., fullgraph=True)`` of an experts module refuses a call in a frame."""
+
+
+def _check_frame(counts: object, first: object) -> tuple[torch.Tensor, int]:
+    if (
+        not isinstance(counts, torch.Tensor)
+        or counts.dtype != torch.int64
+        or counts.dim() != 1
+        or counts.device.type != "cpu"
+    ):
+        got = (
+            f"a {counts.dtype} tensor of shape {tuple(counts.shape)} on {counts.device}"
+            if isinstance(counts, torch.Tensor)
+            else type(counts).__name__
+        )
+        raise ValueError(f"experts_draw_frame takes int64 CPU counts of shape (E,), got {got}")
+    if isinstance(first, bool | torch.Tensor) or not hasattr(type(first), "__index__"):
+        raise TypeError(
+            f"experts_draw_frame: first (the index of the call's first expert) must be an "
+            f"int, got {type(first).__name__}"
+            + ("" if isinstance(first, torch.Tensor) else f" {first!r}")
+        )
+    at = operator.index(first)  # type: ignore[arg-type]
+    if not 0 <= at < counts.numel():
+        raise ValueError(f"experts_draw_frame: first {at} outside [0, {counts.numel()})")
+    rows = counts.tolist()
+    low = min(rows, default=0)
+    if low < 0 or sum(rows) >= FP4_COUNTER_LIMIT:
+        raise ValueError(
+            "experts_draw_frame: counts hold rows per expert, each >= 0 and in all below "
+            "2**61 (FP4_COUNTER_LIMIT), got "
+            + (f"{low} rows for expert {rows.index(low)}" if low < 0 else f"{sum(rows)} in all")
+        )
+    return counts.clone(), at
 
 
 @contextlib.contextmanager
@@ -90,18 +135,23 @@ def experts_draw_frame(counts: torch.Tensor, first: int) -> Iterator[None]:
     pad(m_h)``, ``M`` the whole batch's rows), and the counter advances by the whole call's
     ``N·(M + Σ pad(m_h))``, the same on every rank that holds a slice: expert parallelism's
     ``AllToAllDispatch`` sets it, so 4-bit experts spread over ranks draw one process's bits.
-    A call whose group sizes are not ``counts[first:first + E_local]`` raises ``ValueError``
-    (nothing drawn, the counter unmoved)."""
-    if counts.dtype != torch.int64 or counts.dim() != 1 or counts.device.type != "cpu":
-        raise ValueError(
-            f"experts_draw_frame takes int64 CPU counts of shape (E,), got {describe(counts)}"
-        )
-    if not 0 <= first < counts.numel():
-        raise ValueError(f"experts_draw_frame: first {first} outside [0, {counts.numel()})")
-    token = _FRAME.set((counts, first))
+    A compiled call honours it too (the frame is read eagerly: a graph break there;
+    ``fullgraph=True`` refuses, naming ``FRAME_READ_EAGERLY``).
+
+    Refused at entry (nothing changed): counts not an int64 CPU ``(E,)`` tensor, a negative
+    count or counts summing to ``FP4_COUNTER_LIMIT`` or more (``ValueError``), ``first`` not
+    an int (``TypeError``; numpy ints are ints, ``bool`` is not) or outside ``[0, E)``. A
+    call whose group sizes are not ``counts[first:first + E_local]``, or whose advance would
+    take the counter to ``FP4_COUNTER_LIMIT`` or past, raises ``ValueError`` (nothing drawn,
+    the counter unmoved)."""
+    global _OPEN_FRAMES
+    frame = _check_frame(counts, first)
+    token = _FRAME.set(frame)
+    _OPEN_FRAMES += 1
     try:
         yield
     finally:
+        _OPEN_FRAMES -= 1
         _FRAME.reset(token)
 
 
@@ -114,18 +164,32 @@ def _framed_keys(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The dX key, the wgrad key (``None``: the backward's ``C + M·N``) and the counter's
     advance of one call: its own (no frame) or the frame's whole call's."""
-    # A frame is set only around eager calls (the dispatch runs eagerly).
-    frame = None if torch.compiler.is_compiling() else _FRAME.get()
+    # A global, so a compiled caller guards on it: traced with no frame open, it recompiles
+    # when one opens, and the frame is then read eagerly (_frame_keys: a graph break).
+    if _OPEN_FRAMES:
+        framed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+        framed = _frame_keys(key, offs, n, multiple)
+        if framed is not None:
+            return framed
+    # Tensor ops, no .tolist(): a compiled caller recompiles neither as group sizes nor
+    # as the counter change. The .cpu() reads the advance to the host (a device sync on
+    # a GPU): the counter is CPU state and its advance depends on the group sizes, which
+    # only offs holds, on its device. It is no new stall: the 4-bit grouped operators read
+    # offs on the host anyway (ops.grouped.checked_bounds, each quantize launched per
+    # group), and this read comes before the GEMMs are enqueued, so the operator's own
+    # read then finds little left queued.
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
+    return key, None, (n * (m + _padded(counts, multiple).sum())).reshape(1).cpu()
+
+
+@torch.compiler.disable(reason=FRAME_READ_EAGERLY)  # type: ignore[untyped-decorator, no-untyped-call]
+def _frame_keys(
+    key: torch.Tensor, offs: torch.Tensor, n: int, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``_framed_keys`` in this thread's frame (``None``: no frame here), read eagerly."""
+    frame = _FRAME.get()
     if frame is None:
-        # Tensor ops, no .tolist(): a compiled caller recompiles neither as group sizes nor
-        # as the counter change. The .cpu() reads the advance to the host (a device sync on
-        # a GPU): the counter is CPU state and its advance depends on the group sizes, which
-        # only offs holds, on its device. It is no new stall: the 4-bit grouped operators read
-        # offs on the host anyway (ops.grouped.checked_bounds, each quantize launched per
-        # group), and this read comes before the GEMMs are enqueued, so the operator's own
-        # read then finds little left queued.
-        counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
-        return key, None, (n * (m + _padded(counts, multiple).sum())).reshape(1).cpu()
+        return None
     every, first = frame
     local = offs.numel()
     mine = torch.diff(offs.cpu(), prepend=offs.new_zeros(1, device="cpu")).to(torch.int64)
@@ -135,11 +199,22 @@ def _framed_keys(
             f"{first}..{first + local - 1} of {every.numel()} got groups that are not the "
             f"frame's counts for them; nothing was drawn"
         )
-    before = every[:first]
-    rows = every.sum()
-    dx = key + torch.stack([key.new_zeros(()), n * before.sum()])
-    col = key + torch.stack([key.new_zeros(()), n * (rows + _padded(before, multiple).sum())])
-    return dx, col, (n * (rows + _padded(every, multiple).sum())).reshape(1)
+    # Python ints (no int64 wrap): the frame's rows are below 2**61, n is a GEMM width.
+    rows = every.tolist()
+    ahead = sum(rows[:first])
+    pad_ahead = sum(-(-r // multiple) * multiple for r in rows[:first])
+    total = sum(rows)
+    advance = n * (total + sum(-(-r // multiple) * multiple for r in rows))
+    counter = int(key[1])
+    if counter + advance >= FP4_COUNTER_LIMIT:
+        raise ValueError(
+            f"4-bit grouped experts in a draw frame (experts_draw_frame): the counter "
+            f"{counter} would advance by {advance} to 2**61 (FP4_COUNTER_LIMIT) or past; "
+            f"nothing was drawn"
+        )
+    dx = key + key.new_tensor([0, n * ahead])
+    col = key + key.new_tensor([0, n * (total + pad_ahead)])
+    return dx, col, key.new_tensor([advance])
 
 
 class ExpertsGemm(Protocol):

@@ -299,3 +299,87 @@ def test_a_frame_that_is_not_the_calls_groups_is_refused_before_any_draw() -> No
         experts_draw_frame(torch.tensor([1.0, 2.0]), 0).__enter__()
     with pytest.raises(ValueError, match=r"first 2 outside \[0, 2\)"):
         experts_draw_frame(torch.tensor([1, 2]), 2).__enter__()
+
+
+@pytest.mark.usefixtures("_fresh_dynamo")
+def test_a_compiled_call_in_a_frame_draws_the_frames_bits_or_refuses_fullgraph() -> None:
+    # Expert parallelism with a compiled experts module: the frame is read eagerly (a graph
+    # break), so the slice draws as eager in the frame; fullgraph=True refuses, naming why.
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(2, N, K, generator=gen), torch.randn(8, K, generator=gen)
+    counts, offs = torch.tensor([4, 3, 5]), offsets([3, 5])
+    grads, keys = [], []
+    for compiled in (False, True):
+        part = Fp4Experts(NV4)
+        wp = w.clone().requires_grad_()
+        run = torch.compile(part.mm, backend="aot_eager") if compiled else part.mm
+        backward(run(x, wp, offs).square().sum())  # traced with no frame open first
+        wp.grad = None
+        with experts_draw_frame(counts, 1):
+            y = run(x, wp, offs)
+        backward(y.square().sum())
+        grads.append(grad(wp))
+        keys.append(part.sr_key)
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(keys[0], keys[1])
+    torch._dynamo.reset()  # mm's code is cached with the graph break
+    whole = torch.compile(Fp4Experts(NV4).mm, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="inside experts_draw_frame"), experts_draw_frame(counts, 1):
+        whole(x, w.clone().requires_grad_(), offs)
+
+
+@pytest.mark.parametrize(
+    ("counts", "match"),
+    [
+        ([-100, 3, 5], "-100 rows for expert 0"),
+        ([0, 3, 5, -1000], "-1000 rows for expert 3"),
+        ([2**58, 3, 5, 2**61], f"{2**58 + 8 + 2**61} in all"),
+    ],
+)
+def test_a_frame_of_negative_or_huge_counts_is_refused_at_entry(
+    counts: list[int], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        experts_draw_frame(torch.tensor(counts), 1).__enter__()
+
+
+def test_a_frames_advance_past_the_counter_limit_is_refused_before_any_draw() -> None:
+    experts = Fp4Experts(NV4)
+    key = experts.sr_key
+    x, w = torch.randn(8, K, requires_grad=True), torch.randn(2, N, K)
+    with (
+        pytest.raises(ValueError, match=r"would advance by \d+ to 2\*\*61"),
+        experts_draw_frame(torch.tensor([2**58, 3, 5]), 1),
+    ):
+        experts.mm(x, w, offsets([3, 5]))
+    assert experts.sr_key is key
+
+
+@pytest.mark.parametrize(
+    ("counts", "first", "error", "match"),
+    [
+        (torch.arange(6.0).view(2, 3), 0, ValueError, r"torch.float32 tensor of shape \(2, 3\)"),
+        (torch.tensor([7, 8], dtype=torch.int32), 0, ValueError, "torch.int32 tensor of shape"),
+        ([1, 2], 0, ValueError, "counts of shape .E,., got list"),
+        (torch.tensor([1, 2]), True, TypeError, "must be an int, got bool True"),
+        (torch.tensor([1, 2]), 1.0, TypeError, "must be an int, got float 1.0"),
+        (torch.tensor([1, 2]), "1", TypeError, "must be an int, got str '1'"),
+        (torch.tensor([1, 2]), torch.tensor(1), TypeError, "must be an int, got Tensor$"),
+    ],
+)
+def test_frame_arguments_are_refused_naming_type_and_shape_never_contents(
+    counts: object, first: object, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match) as refused:
+        experts_draw_frame(counts, first).__enter__()  # type: ignore[arg-type]
+    assert "tensor(" not in str(refused.value) and "7" not in str(refused.value)
+
+
+def test_a_numpy_int_first_is_an_int() -> None:
+    import numpy as np
+
+    experts = Fp4Experts(NV4)
+    x, w = torch.randn(8, K, requires_grad=True), torch.randn(2, N, K)
+    with experts_draw_frame(torch.tensor([4, 3, 5]), np.int64(1)):  # type: ignore[arg-type]
+        experts.mm(x, w, offsets([3, 5]))
+    assert int(experts.sr_key[1]) == N * (12 + 48)
