@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from computectx.distributed.collectives import all_reduce_on
+from computectx.distributed.group import check_join_timeout, joining
 from computectx.formats import Fp4Experts, Fp4Linear
 
 __all__ = ["fp4_counter_layers", "sync_fp4_counters"]
@@ -33,18 +34,25 @@ def fp4_counter_layers(model: nn.Module) -> list[Fp4Linear | Fp4Experts]:
     ]
 
 
-def sync_fp4_counters(model: nn.Module, group: dist.ProcessGroup) -> int:
+def sync_fp4_counters(
+    model: nn.Module, group: dist.ProcessGroup, *, join_timeout: float | None = None
+) -> int:
     """Set every 4-bit layer's counter (``fp4_counter_layers``) to the largest over the
     ranks of ``group``: one MAX all-reduce of the stacked counters (one int64 a layer), none
     when there is no such layer. A collective: every rank calls it together
-    (``Parallel.step`` does, after its join and agreed checks). Each counter is replaced by
-    a new tensor, never written in place (a backward may hold the old key). Returns how many
-    counters it reduced."""
+    (``Parallel.step`` does, after its join and agreed checks). It first joins ``group``
+    (``join``; none inside a call that joined it already, as ``Parallel.step``), so a rank
+    that calls it alone gets a ``RuntimeError`` naming the ranks that did not join after
+    ``join_timeout`` seconds (``None``: the group's timeout), no counter changed and the
+    group usable. Each counter is replaced by a new tensor, never written in place (a
+    backward may hold the old key). Returns how many counters it reduced."""
+    check_join_timeout(join_timeout)
     layers = fp4_counter_layers(model)
     if not layers:
         return 0
-    counters = torch.stack([m.sr_key[1] for m in layers])  # CPU state: no device copy
-    all_reduce_on(counters, group, dist.ReduceOp.MAX)
+    with joining(group, "sync_fp4_counters", join_timeout):
+        counters = torch.stack([m.sr_key[1] for m in layers])  # CPU state: no device copy
+        all_reduce_on(counters, group, dist.ReduceOp.MAX)
     for m, value in zip(layers, counters.tolist(), strict=True):
         key = m.sr_key.clone()
         key[1] = value

@@ -17,7 +17,12 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from computectx import ComputeCtx
-from computectx.distributed import expert_parallel, full_state_dict, parallelize
+from computectx.distributed import (
+    expert_parallel,
+    full_state_dict,
+    parallelize,
+    sync_fp4_counters,
+)
 from computectx.formats import Fp4Experts, convert_to_quantized
 from computectx.fp4_recipe import Fp4Recipe
 from computectx.nn import ByteLM, LMConfig, MoE
@@ -351,8 +356,9 @@ def _counters(model: nn.Module) -> torch.Tensor:
 def train_fp4_ep(recipe: Fp4Recipe, steps: int, path: str) -> dict[str, Any]:
     """``steps`` SGD steps of a 4-bit-experts ByteLM under ``expert_parallel`` + DDP against
     one process on the whole batch: losses, weights, the experts' counters (after
-    ``Parallel.step``'s counter sync); rank 0's lone eval forward (the join's error) and
-    ``state_dict``; ``full_state_dict`` and a DCP round trip carrying the counters."""
+    ``Parallel.step``'s counter sync); rank 0's lone eval forward and counter sync (the
+    join's errors) and ``state_dict``; ``full_state_dict`` and a DCP round trip carrying the
+    counters."""
     from torch.distributed.checkpoint.state_dict_loader import load
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -384,6 +390,14 @@ def train_fp4_ep(recipe: Fp4Recipe, steps: int, path: str) -> dict[str, Any]:
             out["lone_eval"] = str(e)
         model.train()
         out["lone_state"] = sorted(k for k in model.state_dict() if "experts" in k)
+        before = _counters(model)
+        assert par.group is not None
+        try:  # the public counter sync alone: the join's error, nothing changed
+            sync_fp4_counters(model, par.group, join_timeout=0.5)
+            out["lone_sync"] = ""
+        except RuntimeError as e:
+            out["lone_sync"] = str(e)
+        out["lone_sync_kept"] = torch.equal(before, _counters(model))
     dist.barrier()
     local = EXPERTS // world
     weights = {}

@@ -83,8 +83,8 @@ def _check_fp4_training(ranks: list[dict[str, Any]]) -> None:
     are one process's exactly (every rank's slice advances by the whole call's draws, so
     the counter sync's MAX merges equal values), the weights to float32 rounding (the dense
     gradients are summed in another order; the experts' GEMMs are one process's given the
-    same inputs). Rank 0 alone: the eval forward is the join's error, state_dict runs; the
-    counters survive full_state_dict into one process and a DCP round trip."""
+    same inputs). Rank 0 alone: the eval forward and sync_fp4_counters are the join's error,
+    state_dict runs; the counters survive full_state_dict into one process and a DCP round trip."""
     for rank, r in enumerate(ranks):
         for fmt in FP4:
             got = r[f"train-{fmt}"]
@@ -100,6 +100,8 @@ def _check_fp4_training(ranks: list[dict[str, Any]]) -> None:
             if rank == 0:
                 assert "rank(s) 1 of the group did not join it" in got["lone_eval"]
                 assert "blocks.0.mlp.experts.fp8._extra_state" in got["lone_state"]
+                assert "rank(s) 1 of the group did not join it" in got["lone_sync"]
+                assert got["lone_sync_kept"]
 
 
 def _check_training(result: dict[str, Any], rel: float) -> None:
