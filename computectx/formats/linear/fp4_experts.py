@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -148,6 +148,7 @@ def experts_draw_frame(counts: torch.Tensor, first: int) -> Iterator[None]:
     frame = _check_frame(counts, first)
     token = _FRAME.set(frame)
     _OPEN_FRAMES += 1
+    _read_eagerly()
     try:
         yield
     finally:
@@ -168,7 +169,7 @@ def _framed_keys(
     # when one opens, and the frame is then read eagerly (_frame_keys: a graph break).
     if _OPEN_FRAMES:
         framed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-        framed = _frame_keys(key, offs, n, multiple)
+        framed = _FRAME_KEYS[0](key, offs, n, multiple)
         if framed is not None:
             return framed
     # Tensor ops, no .tolist(): a compiled caller recompiles neither as group sizes nor
@@ -182,7 +183,15 @@ def _framed_keys(
     return key, None, (n * (m + _padded(counts, multiple).sum())).reshape(1).cpu()
 
 
-@torch.compiler.disable(reason=FRAME_READ_EAGERLY)  # type: ignore[untyped-decorator, no-untyped-call]
+def _read_eagerly() -> None:
+    # torch.compiler.disable imports torch._dynamo (and with it triton): done when the first
+    # frame opens (always eager: before any call that reads a frame), never at import.
+    if _FRAME_KEYS[0] is _frame_keys:
+        _FRAME_KEYS[0] = torch.compiler.disable(  # type: ignore[no-untyped-call]
+            _frame_keys, reason=FRAME_READ_EAGERLY
+        )
+
+
 def _frame_keys(
     key: torch.Tensor, offs: torch.Tensor, n: int, multiple: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -215,6 +224,13 @@ def _frame_keys(
     dx = key + key.new_tensor([0, n * ahead])
     col = key + key.new_tensor([0, n * (total + pad_ahead)])
     return dx, col, key.new_tensor([advance])
+
+
+_FRAME_KEYS: list[Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] = [
+    _frame_keys
+]
+"""``_frame_keys`` as the calls read it: wrapped by ``torch.compiler.disable`` once a frame
+has opened (``_read_eagerly``), so a compiled caller reads the frame eagerly."""
 
 
 class ExpertsGemm(Protocol):
