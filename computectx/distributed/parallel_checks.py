@@ -150,16 +150,28 @@ def saved_fp4_streams(model: nn.Module, saved: Mapping[str, object]) -> list[tup
     return out
 
 
+def _first_difference(
+    everyone: list[Any],
+) -> tuple[list[int], dict[str, Any], dict[str, Any], str] | None:
+    """For the ranks' ``(name, value)`` lists in rank order: ``None`` when all equal rank 0's,
+    else the ranks that differ, rank 0's and the first differing rank's entries as dicts, and
+    the first name whose values differ."""
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if not differ:
+        return None
+    zero, other = dict(everyone[0]), dict(everyone[differ[0]])
+    return differ, zero, other, next(k for k in [*zero, *other] if zero.get(k) != other.get(k))
+
+
 def check_same_saved_streams(everyone: list[list[tuple[str, int]]]) -> None:
     """Stop with the same ``ValueError`` on every rank when the ranks' checkpoint parts
     (``saved_fp4_streams`` of each, in rank order) hold different 4-bit streams: the ranks
     would draw on different streams from then on, which ``parallelize``'s setup check
     refuses. Nothing has loaded yet."""
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if not differ:
+    found = _first_difference(everyone)
+    if found is None:
         return
-    zero, other = dict(everyone[0]), dict(everyone[differ[0]])
-    key = next(k for k in [*zero, *other] if zero.get(k) != other.get(k))
+    differ, zero, other, key = found
     raise ValueError(
         f"the ranks' checkpoints hold different stochastic-rounding streams: rank(s) "
         f"{', '.join(map(str, differ))} differ from rank 0; the first is {key!r}: stream "
@@ -187,11 +199,10 @@ def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> 
     ]
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if not differ:
+    found = _first_difference(everyone)
+    if found is None:
         return
-    zero, other = dict(everyone[0]), dict(everyone[differ[0]])
-    fqn = next(f for f in [*zero, *other] if zero.get(f) != other.get(f))
+    differ, zero, other, fqn = found
     raise ValueError(
         f"the ranks of the data-parallel group set up different models: rank(s) "
         f"{', '.join(map(str, differ))} differ from rank 0 in their 4-bit layers; the first that "
