@@ -141,10 +141,12 @@ def offload_streams(device: torch.device) -> Streams | None:
     blocks = _BLOCKS.get()
     if blocks is not None and blocks.on_device:
         return None
+    given = STREAMS.get()
+    if given is None and device.type != "cuda":
+        return None  # host memory already: kept as it is (no hook walk on the CPU)
     if torch._C._current_graph_task_id() != -1 or _in_checkpoint():
         return None  # a checkpointed region, or a forward run again by a backward: kept
-    given = STREAMS.get()
-    if given is not None or device.type != "cuda":
+    if given is not None:
         return given
     if not _CUDA:
         _CUDA.append(CudaStreams())

@@ -61,6 +61,7 @@ import torch
 
 from computectx.kernels.cublas import (
     CUBLAS_MULTIPLE,
+    E8M0_ONE,
     cublas_operand,
     cublas_result,
     round_up,
@@ -81,7 +82,6 @@ FP4_RECIPES: Final[tuple[str, ...]] = ("nvfp4", "mxfp4")
 """The 4-bit cuBLAS recipes, by format."""
 E4M3_ONE: Final = 0x38
 """The E4M3 byte of 1.0."""
-_E8M0_ONE: Final = 127
 _BLOCK: Final[dict[str, int]] = {"nvfp4": 16, "mxfp4": 32}
 _TILE_BLOCKS: Final = 4  # K blocks per swizzled scale tile (its 4 columns)
 
@@ -108,7 +108,7 @@ def _scales(scale: torch.Tensor, tile: str, rows: int, kblocks: int) -> torch.Te
     # rows), swizzled for `rows` x `kblocks`.
     if tile == "16x16":
         scale = scale.view(torch.uint8).repeat_interleave(16, dim=0).view(scale.dtype)
-    one = E4M3_ONE if scale.dtype == torch.float8_e4m3fn else _E8M0_ONE
+    one = E4M3_ONE if scale.dtype == torch.float8_e4m3fn else E8M0_ONE
     return swizzled(scale, rows, kblocks, one)
 
 
@@ -193,7 +193,7 @@ def _probe_scale(fmt: str, rows: int, k: int, seed: int, dev: torch.device) -> t
     if fmt == "nvfp4":
         byte = torch.exp2(e.float() - 1).to(torch.float8_e4m3fn).view(torch.uint8)
         return byte.to(dev).view(torch.float8_e4m3fn)
-    return (e + _E8M0_ONE - 1).to(torch.uint8).to(dev).view(torch.float8_e8m0fnu)
+    return (e + E8M0_ONE - 1).to(torch.uint8).to(dev).view(torch.float8_e8m0fnu)
 
 
 def _probe_twin(fmt: str, out: torch.dtype) -> torch.Tensor:
