@@ -30,11 +30,12 @@ for MXFP4: 16-byte aligned rows, as cuBLASLt wants, and no tile partly read) and
 ``"16x16"`` tile's scale is repeated over its 16 rows (cuBLAS has 1x16 scales only); the
 padded scale entries are the dtype's 1.0 (E4M3 byte 0x38, E8M0 byte 127), which multiply zero
 codes and add nothing; the padded rows and columns of the result are dropped. NVFP4's global
-scales are ``alpha`` and 1.0, so torch's product is ``alpha`` exactly and cuBLAS forms
-``alpha * acc`` in float32, the twin's epilogue. The bias is never fused: with a bias the GEMM
-returns float32 and the bias is added in float32 before the one rounding, in our code, which is
-the twin's epilogue whatever cuBLAS's bias epilogue does (torch's MXFP4 path, ``f4f4bf16``, is
-not handed a bias at all), so every call the launcher makes is a call the probe runs.
+scales are ``alpha`` and 1.0 (a tensor kept per device, not made per call), so torch's
+product is ``alpha`` exactly and cuBLAS forms ``alpha * acc`` in float32, the twin's
+epilogue. The bias is never fused: with a bias the GEMM returns float32 and the bias is added
+in float32 before the one rounding, in our code, which is the twin's epilogue whatever
+cuBLAS's bias epilogue does (torch's MXFP4 path, ``f4f4bf16``, is not handed a bias at all),
+so every call the launcher makes is a call the probe runs.
 
 **The probe** (``fp4_recipes``, ``serves``): each recipe runs once per device and result dtype
 on a ragged product (``_PROBE_SHAPE``: M = 144, N = 136, K = 160, so the K padding to whole
@@ -112,6 +113,29 @@ def _scales(scale: torch.Tensor, tile: str, rows: int, kblocks: int) -> torch.Te
     return swizzled(scale, rows, kblocks, one)
 
 
+_UNIT_SCALES: dict[torch.device, torch.Tensor] = {}
+_TRACING_MODES: Final = tuple(torch._C._TorchDispatchModeKey.__members__.values())
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    # NVFP4's second global scale, float32 1.0 (1,), kept per device: one fill launch per
+    # device, not one per GEMM. Never written to (scaled_mm reads it); made outside
+    # inference_mode. Built afresh, not kept, while compiling, under a fake, proxy or
+    # functional mode, or while the current stream captures a graph (a tensor made there is
+    # filled only when the graph replays).
+    if (
+        torch.compiler.is_compiling()
+        or any(torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES)
+        or _capturing(device)
+    ):
+        return torch.ones(1, dtype=torch.float32, device=device)
+    one = _UNIT_SCALES.get(device)
+    if one is None:
+        with torch.inference_mode(False), torch.no_grad():
+            one = _UNIT_SCALES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return one
+
+
 def fp4_scaled_mm(
     *,
     a: torch.Tensor,
@@ -141,7 +165,7 @@ def fp4_scaled_mm(
     if fmt == "nvfp4":
         if alpha is None:
             raise ValueError("an NVFP4 cuBLAS GEMM needs its alpha (float32 (1,)), got None")
-        one = torch.ones(1, dtype=torch.float32, device=alpha.device)
+        one = _unit_scale(alpha.device)
         kinds = [f.ScalingType.BlockWise1x16, f.ScalingType.TensorWise]
         out = f.scaled_mm(
             a_p, b_p.t(), [sa, alpha.float().reshape(1)], kinds, [sb, one], kinds,

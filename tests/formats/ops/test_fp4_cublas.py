@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from computectx import capability
 from computectx.formats.numerics import fp4_gemm
@@ -271,6 +272,35 @@ def test_a_transposed_or_offset_operand_is_copied_row_major(cuda_fp4: StandIn) -
     qb2 = Nvfp4Operand(bt, qb.scale, qb.amax, qb.tile)
     got = launch(qa2, qb2, None, torch.float32)
     assert torch.equal(got, fp4_gemm.reference_fp4_mm(qa, qb, torch.float32))
+
+
+class _Made(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Counts the float32 ``(1,)`` tensors made by ``torch.ones`` (NVFP4's unit scale: a fill
+    launch on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.count += func is torch.ops.aten.ones.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_nvfp4_unit_scale_is_made_once_per_device(
+    cuda_fp4: StandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One torch.ones per GEMM before; kept per device now, but never while a graph is captured.
+    monkeypatch.setattr(cublas_fp4, "_UNIT_SCALES", {})
+    qa, qb = operands(16, 32, 64, HOWS["nvfp4 1x16"], seed=6)
+    first = launch(qa, qb, None, torch.bfloat16)
+    with _Made() as made:
+        again = launch(qa, qb, None, torch.bfloat16)
+    assert made.count == 0 and torch.equal(first, again)
+    monkeypatch.setattr(cublas_fp4, "_capturing", lambda device: True)
+    with _Made() as made:
+        launch(qa, qb, None, torch.bfloat16)
+    assert made.count == 1 and list(cublas_fp4._UNIT_SCALES) == [torch.device("cpu")]
 
 
 def test_the_probe_passes_the_stand_in_and_catches_a_dropped_alpha(cuda_fp4: StandIn) -> None:
