@@ -137,13 +137,22 @@ def select_fp4_backend(device: torch.device | str) -> tuple[str, str]:
     )
 
 
+_CUBLAS_RUNS: set[torch.device] = set()
+"""The indexed devices where ``"cublas"`` runs: a yes lasts (its kernel check is kept, and so
+is a recipe's passed probe), so it is answered without reading the probes again."""
+
+
 def cublas_refusal(device: torch.device) -> str | None:
     """None where the ``"cublas"`` backend runs on ``device``, else why not (a sentence naming
     the device): the device's kernels checked once, the recipes' probes kept as
-    ``kernels.cublas_fp4`` keeps them (an out-of-memory verdict is probed again)."""
+    ``kernels.cublas_fp4`` keeps them (an out-of-memory verdict is probed again); a yes is
+    kept per device, so an operator call on ``"cublas"`` reads no probe after the first."""
+    if device in _CUBLAS_RUNS:  # a bare "cuda" is never in it: the current device may change
+        return None
     dev = _device(device)
     why = _no_kernels(dev) or _cublas_recipes(dev)
     if why is None:
+        _CUBLAS_RUNS.add(dev)
         return None
     return f"the 4-bit backend 'cublas' cannot run on {dev}: {why}"
 
@@ -257,17 +266,19 @@ def check_scale(codes: torch.Tensor, scale: torch.Tensor, tile: str, who: str) -
 
 def check_gemm(a: Fp4Operand, b: Fp4Operand, bias: object, out_dtype: object) -> tuple[str, str]:
     """The tiles of a dense 4-bit GEMM's operands (``Nvfp4Operand``/``Mxfp4Operand``, both of
-    one format, ``[M, K]`` and ``[N, K]`` on one device, each scale as ``check_scale`` wants),
-    its bias and result dtype checked, else a ``TypeError``/``ValueError`` quoting them."""
+    one format, ``[M, K]`` and ``[N, K]`` on one device), its bias and result dtype checked,
+    else a ``TypeError``/``ValueError`` quoting them. Each scale is checked against its codes
+    (``check_scale``) once, by the operator ``computectx::fp4_scaled_mm``, on every backend."""
     tiles = []
     for name, q in (("a", a), ("b", b)):
         if not isinstance(q, (Nvfp4Operand, Mxfp4Operand)):
             raise TypeError(f"{name} must be an Nvfp4Operand or Mxfp4Operand, got {q!r}")
         tiles.append(q.tile if isinstance(q, Nvfp4Operand) else "1x32")
-        check_scale(q.codes, q.scale, tiles[-1], name)
     if isinstance(a, Nvfp4Operand) != isinstance(b, Nvfp4Operand):
         raise ValueError(f"a 4-bit GEMM multiplies two NVFP4 or two MXFP4 operands, got {a!r}")
-    if a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
+    # Codes that are not 2-D are the operator's check_scale's to name.
+    two_d = a.codes.dim() == b.codes.dim() == 2
+    if (two_d and a.codes.shape[1] != b.codes.shape[1]) or a.codes.device != b.codes.device:
         raise ValueError(
             f"a [M, K] and b [N, K] need the same K and device, got {tuple(a.codes.shape)} on "
             f"{a.codes.device} and {tuple(b.codes.shape)} on {b.codes.device} (two values a byte)"

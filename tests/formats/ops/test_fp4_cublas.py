@@ -170,6 +170,7 @@ class StandIn:
 def forget_probes() -> None:
     cublas_fp4._VERDICTS.clear()
     fp4_backend._no_kernels.cache_clear()
+    fp4_backend._CUBLAS_RUNS.clear()
 
 
 @pytest.fixture
@@ -366,6 +367,27 @@ def test_a_blackwell_gpu_runs_cublas_where_the_probe_passes_else_triton(
     blackwell["nvfp4"] = (True, "runs")
     backend, reason = ops.select_fp4_backend("cuda:0")
     assert backend == ops.CUBLAS and reason.startswith("cublas: B200")
+
+
+def test_a_device_cublas_runs_on_is_not_probed_again_per_call(
+    blackwell: dict[str, tuple[bool, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every operator call on "cublas" asks cublas_refusal: a yes is kept per device (the
+    # probes were read on every call before); a no is asked again.
+    reads: list[torch.device] = []
+    answer = dict(blackwell)
+
+    def recipes(dev: torch.device) -> dict[str, tuple[bool, str]]:
+        reads.append(dev)
+        return answer
+
+    monkeypatch.setattr(cublas_fp4, "fp4_recipes", recipes)
+    dev = torch.device("cuda", 0)
+    assert fp4_backend.cublas_refusal(dev) is not None
+    assert fp4_backend.cublas_refusal(dev) is not None and len(reads) == 2
+    answer["mxfp4"] = (True, "runs")
+    assert fp4_backend.cublas_refusal(dev) is None
+    assert fp4_backend.cublas_refusal(dev) is None and len(reads) == 3
 
 
 def test_forcing_cublas_where_it_cannot_run_names_the_device_and_why(
@@ -645,6 +667,22 @@ def test_a_scale_that_does_not_fit_its_codes_is_refused_on_every_backend(
             assert isinstance(e, ValueError), e
             assert f"{which}'s scale" in str(e) and f"got {bad.scale.dtype} {want}" in str(e)
         assert str(got[0]) == str(got[1]) and not cuda_fp4.calls
+
+
+def test_the_entry_checks_each_scale_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # check_gemm and the operator both checked both scales before (4 checks a GEMM).
+    checked: list[str] = []
+    real = fp4_backend.check_scale
+
+    def counted(codes: torch.Tensor, scale: torch.Tensor, tile: str, who: str) -> None:
+        checked.append(who)
+        real(codes, scale, tile, who)
+
+    monkeypatch.setattr(fp4_backend, "check_scale", counted)
+    monkeypatch.setattr(ops, "check_scale", counted)
+    qa, qb = operands(16, 32, 64, HOWS["nvfp4 1x16"], seed=7)
+    ops.scaled_mm(qa, qb, torch.bfloat16)
+    assert checked == ["a", "b"]
 
 
 @pytest.mark.parametrize("name", ["nvfp4 1x16", "mxfp4 rceil"])
