@@ -21,6 +21,7 @@ every load path by ``saved_counter`` before anything is written.
 
 from __future__ import annotations
 
+import abc
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Final, NamedTuple
@@ -231,7 +232,9 @@ _LOADING: Final = "_fp4_loading_as"
 """The attribute naming a module while ``load_state_dict`` loads it (for its warnings)."""
 
 
-class CounterLoads:
+# abc.ABCMeta, not abc.ABC: ABC's empty __slots__ would change the layout of an nn.Module
+# subclass, and FSDP2's __class__ swap (to FSDP<cls>) refuses another layout.
+class CounterLoads(metaclass=abc.ABCMeta):
     """The counter's state for a module whose ``_extra_state`` is a 4-bit counter
     (``Fp4Linear``, ``Fp4Experts``; listed before the ``nn.Module`` base): its stream
     (``sr_stream``, ``set_sr_stream``), its saved form (``get_extra_state``, ``set_extra_state``,
@@ -245,8 +248,11 @@ class CounterLoads:
     """The stream the module draws on (``[0, 2**63)``; 0, the recipe's seed itself, unless
     set: ``assign_fp4_streams`` gives each module of a model the one its name hashes to)."""
 
+    @abc.abstractmethod
     def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
-        raise NotImplementedError  # each module names itself in its errors
+        """Refuse (``ValueError`` naming ``prefix``) what of ``entries`` (this module's own
+        keys of a state dict, ``prefix`` stripped) its load would refuse, changing nothing:
+        each module names itself in its errors."""
 
     kind: str = "4-bit layer"
     """What the module calls itself in its errors and warnings (``"4-bit experts"``)."""
