@@ -41,9 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 import weakref
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, Final, Protocol
 
@@ -165,16 +166,30 @@ def _in_checkpoint() -> bool:
     cells = getattr(pack, "__closure__", None) or ()
     names = getattr(getattr(pack, "__code__", None), "co_freevars", ())
     for name, cell in zip(names, cells, strict=False):
-        if name in ("frame", "target_frame_ref"):
+        if name in _FRAME_CELLS:
             with contextlib.suppress(ValueError):  # an empty cell
                 value = cell.cell_contents
                 found = value() if isinstance(value, weakref.ReferenceType) else value
                 if isinstance(found, _FRAME):
                     return True
+    if getattr(pack, "__module__", None) == torch.utils.checkpoint.__name__ and not _WARNED:
+        # torch's own checkpoint hook, its frame not found: torch renamed what this reads.
+        _WARNED.append(True)
+        warnings.warn(_UNSEEN.format(version=torch.__version__), RuntimeWarning, stacklevel=2)
     return False
 
 
 _FRAME: Final = getattr(torch.utils.checkpoint, "_CheckpointFrame", ())
+_FRAME_CELLS: Final = ("frame", "target_frame_ref")  # its pack hooks' closures' names for it
+_WARNED: list[bool] = []  # the warning below was given (once a process)
+_UNSEEN: Final = (
+    "computectx.offload cannot tell torch's checkpoint regions in this torch ({version}): its "
+    "saved-tensor pack hook holds no torch.utils.checkpoint._CheckpointFrame in a closure cell "
+    "named 'frame' or 'target_frame_ref' (torch renamed them), so a checkpointed region's "
+    "forward offloads its inputs: the gradients are right (its recomputation keeps its own), "
+    "but those copies are never used and count against the window. Keep the kinds of "
+    "checkpointed blocks ('KIND:keep'), or let ByteLM checkpoint blocks by rule"
+)
 
 
 class Offloaded:
@@ -192,7 +207,6 @@ class Offloaded:
         "node",
         "pending",
         "source",
-        "storage_bytes",
         "streams",
         "used",
         "version",
@@ -203,7 +217,6 @@ class Offloaded:
         self, t: torch.Tensor, streams: Streams, window: OffloadBlocks | None, node: object
     ) -> None:
         self.streams, self.device, self.window = streams, t.device, window
-        self.storage_bytes = t.untyped_storage().nbytes()  # held until the copy out is done
         self.nbytes = t.numel() * t.element_size()  # what comes back
         self.node = None if node is None else weakref.ref(node)
         """The backward node that fetches it (held weakly): brought back only in a backward
@@ -309,7 +322,9 @@ class OffloadBlocks:
         self.live = 0
         """Device bytes brought back: coming, or fetched and still in use."""
         self._block = 0  # bytes the current block offloaded
-        self._out: deque[weakref.ref[Offloaded]] = deque()  # copies out not waited for yet
+        self._out: deque[_InFlight] = deque()  # copies out not waited for yet
+        self._out_bytes = 0  # their storages' bytes, those whose graph is gone left out
+        self._me = weakref.ref(self)  # for the handles' callbacks (no cycle through self)
         self._next = 0  # the backward brings back order[:_next] next, the last first
         self._task = -1  # the backward (graph task) running now, -1: none yet
 
@@ -321,21 +336,27 @@ class OffloadBlocks:
         nbytes = t.untyped_storage().nbytes()
         self._block += nbytes
         self.largest = max(self.largest, self._block)
-        while self._out and self._in_flight() + nbytes > self.largest:
+        while self._out and self._out_bytes + nbytes > self.largest:
             self._wait_oldest()
         moved = Offloaded(t, streams, self, node)
-        self._out.append(weakref.ref(moved))
+        self._out.append(_InFlight(moved, self._me, nbytes))
+        self._out_bytes += nbytes
         self.order.append(weakref.ref(moved))
         return moved
 
-    def _in_flight(self) -> int:
-        return sum(o.storage_bytes for ref in self._out if (o := ref()) is not None)
-
     def _wait_oldest(self) -> None:
-        oldest = self._out.popleft()()
+        flying = self._out.popleft()
+        self._out_bytes -= flying.storage_bytes
+        flying.storage_bytes = 0  # counted out: its callback, should it still run, adds none
+        oldest = flying()
         if oldest is not None:  # else its graph is gone: nothing will read it
             oldest.streams.wait(oldest.copied)
             oldest.copied_out()
+
+    def _gone(self, flying: _InFlight) -> None:
+        # A handle's graph went before its copy out was waited for: no longer counted.
+        self._out_bytes -= flying.storage_bytes
+        flying.storage_bytes = 0
 
     def last_block(self) -> None:
         """What runs from now on stays on the device: its backward comes first, so a copy
@@ -409,6 +430,34 @@ class OffloadBlocks:
                     return
                 moved.prefetch()
             self._next -= 1
+
+
+class _InFlight(weakref.ref[Offloaded]):
+    """A copy out not waited for yet: its handle (weakly) and its storage's bytes, which leave
+    the window's count when it is waited for or its handle goes with its graph."""
+
+    __slots__ = ("storage_bytes",)
+
+    def __new__(
+        cls, moved: Offloaded, blocks: weakref.ref[OffloadBlocks], storage_bytes: int
+    ) -> _InFlight:
+        return super().__new__(cls, moved, _forget(blocks))
+
+    def __init__(
+        self, moved: Offloaded, blocks: weakref.ref[OffloadBlocks], storage_bytes: int
+    ) -> None:
+        # weakref.ref.__init__ only checks its arguments; __new__ set the referent and callback
+        self.storage_bytes = storage_bytes
+
+
+def _forget(blocks: weakref.ref[OffloadBlocks]) -> Callable[[_InFlight], None]:
+    # The callback of a handle in flight: its window stops counting it (if still alive).
+    def gone(flying: _InFlight) -> None:
+        window = blocks()
+        if window is not None:
+            window._gone(flying)
+
+    return gone
 
 
 @contextlib.contextmanager

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import gc
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 from computectx import ComputeCtx, DType
 from computectx.formats import Fp4Linear, QuantizedLinear, convert_to_quantized
@@ -517,3 +519,35 @@ def test_a_block_under_torchs_checkpoint_wrapper_offloads_nothing(
     assert not [n for op, n in stand_in.log[forward:] if op == "to_host"]
     assert max(stand_in.peak_in) <= sum(stand_in.nbytes) and not stand_in.holding
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+
+
+@pytest.mark.parametrize("renamed", ["cells", "frame class"])
+def test_a_torch_that_renamed_its_checkpoint_frame_warns_once(
+    monkeypatch: pytest.MonkeyPatch, renamed: str
+) -> None:
+    # Offload finds torch's checkpoint by private names; a torch that renamed them turned the
+    # check off silently before. Now its own checkpoint hook, frame not found, warns once.
+    from computectx import offload
+
+    monkeypatch.setattr(offload, "_WARNED", [])
+    seen: list[bool] = []
+
+    def region(t: torch.Tensor) -> torch.Tensor:
+        seen.append(offload._in_checkpoint())
+        return t * 2
+
+    x = torch.randn(4, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's names as they are: found, no warning
+        torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False)
+    if renamed == "cells":
+        monkeypatch.setattr(offload, "_FRAME_CELLS", ("renamed_frame",))
+    else:
+        monkeypatch.setattr(offload, "_FRAME", ())  # no _CheckpointFrame under that name
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch.utils.checkpoint.checkpoint(region, x, use_reentrant=False)
+    assert seen == [True, False, False]
+    assert [(w.category, "cannot tell torch's checkpoint regions" in str(w.message))
+            for w in got] == [(RuntimeWarning, True)]  # fmt: skip
