@@ -36,6 +36,7 @@ from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_experts import Fp4Experts, experts_draw_frame
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts
 from computectx.formats.linear.fp4_streams import assign_fp4_streams
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
@@ -64,6 +65,7 @@ __all__ = [
     "Fp4Linear",
     "Fp4Recipe",
     "Fp8Scheme",
+    "FrozenFp4Experts",
     "FrozenFp4Linear",
     "Granularity",
     "LayerStats",

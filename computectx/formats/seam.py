@@ -13,6 +13,8 @@ packages above; a name added here is a promise to them.
 from __future__ import annotations
 
 from computectx.formats.backend import check_backend, default_backend, parse_backend, uses_kernels
+from computectx.formats.linear.fp4_frozen_experts import freeze_fp4_experts
+from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode
 from computectx.formats.linear.function import fp8_linear, set_dtensor_linear
 from computectx.formats.linear.plan import Fp8LinearPlan
 from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
@@ -43,10 +45,12 @@ __all__ = [
     "KERNEL_HEAD_DIMS",
     "ROLES",
     "TALLY_ELEMENTS",
+    "ActivationAmax",
     "AmaxReduce",
     "Fp8LinearPlan",
     "OperandScaling",
     "Role",
+    "ServeMode",
     "check_backend",
     "check_grouped",
     "check_kernel_head_dim",
@@ -58,6 +62,7 @@ __all__ = [
     "fp4_cublas_recipes",
     "fp8_linear",
     "freeze_experts",
+    "freeze_fp4_experts",
     "frozen_experts_mm",
     "guard_whole_loads",
     "held_experts",

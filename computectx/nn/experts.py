@@ -31,7 +31,6 @@ multiplies the held codes as they are, only the rows are quantized.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping
 from typing import Any, Self
 
@@ -39,72 +38,33 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
-from computectx._checks import as_int
 from computectx.activations import SaveMode
 from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats import (
     Fp4Experts,
+    FrozenFp4Experts,
     QuantizedExperts,
     ServingWeight,
     register_experts_converter,
 )
 from computectx.formats.seam import (
+    ActivationAmax,
+    ServeMode,
     check_grouped,
     checked_bounds,
     freeze_experts,
+    freeze_fp4_experts,
     frozen_experts_mm,
     guard_whole_loads,
     held_experts,
 )
+from computectx.nn.checks import checked_count
 from computectx.nn.gemm import Gemm, GemmPath, input_kept, keep_input
 from computectx.nn.params import param_dtype
 from computectx.saved import SAVING, kept_back, offload_kept, refuse_double_backward, saved_call
 
 __all__ = ["GroupedExperts", "grouped_linear"]
-
-_MAX_COUNT = 2**31 - 1  # offs are int32: no count, size or row index beyond it
-
-
-def checked_count(owner: str, name: str, value: object, minimum: int) -> int:
-    """``value`` as an ``int`` in ``[minimum, 2**31 - 1]``, else ``TypeError``/``ValueError``
-    naming it. Python and numpy integers are accepted; ``bool``, floats (``2.0``) and
-    strings (``"2"``) are not."""
-    count = as_int(value)
-    if count is None:
-        raise TypeError(
-            f"{owner} {name} must be an int (a Python or numpy integer), got "
-            f"{type(value).__name__} {value!r}"
-        )
-    if not minimum <= count <= _MAX_COUNT:
-        raise ValueError(
-            f"{owner} {name} must be an int in [{minimum}, {_MAX_COUNT}], got {count!r}"
-        )
-    return count
-
-
-def checked_real(owner: str, name: str, value: object, *, non_negative: bool) -> float:
-    """``value`` as a finite ``float`` (``>= 0`` when ``non_negative``), else
-    ``TypeError``/``ValueError`` naming it; ints and numpy reals are accepted, ``bool`` and
-    strings are not."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(
-            f"{owner} {name} must be a real number (int or float), got "
-            f"{type(value).__name__} {value!r}"
-        )
-    real = float(value)
-    if not math.isfinite(real) or (non_negative and real < 0):
-        accepted = "a finite number >= 0" if non_negative else "a finite number"
-        raise ValueError(f"{owner} {name} must be {accepted}, got {value!r}")
-    return real
-
-
-def checked_flag(owner: str, name: str, value: object) -> bool:
-    """``value`` when it is a ``bool`` (numpy's too), else ``TypeError`` naming it."""
-    if type(value).__name__ not in ("bool", "bool_"):
-        got = f"{type(value).__name__} {value!r}"
-        raise TypeError(f"{owner} {name} must be True or False, got {got}")
-    return bool(value)
 
 
 class GroupedExperts(BuiltUnder, nn.Module):
@@ -119,11 +79,12 @@ class GroupedExperts(BuiltUnder, nn.Module):
 
     ``fp8`` is ``None`` (high precision) or the ``QuantizedExperts``/``Fp4Experts`` its GEMMs
     run through, set at construction under a quantized ctx (``apply_recipe``).
-    ``freeze_for_serving`` holds the weights as fp8 codes instead (``frozen``)."""
+    ``freeze_for_serving`` holds the weights as fp8 codes instead (``frozen``), or, 4-bit, as
+    a ``FrozenFp4Experts`` in ``fp8``'s place."""
 
     NAMES = ("gate_up", "down")
 
-    fp8: QuantizedExperts | Fp4Experts | None
+    fp8: QuantizedExperts | Fp4Experts | FrozenFp4Experts | None
 
     def __init__(self, ctx: ComputeCtx, dim: int, hidden: int, n_experts: int) -> None:
         super().__init__()
@@ -156,10 +117,17 @@ class GroupedExperts(BuiltUnder, nn.Module):
 
     @property
     def frozen(self) -> bool:
-        """Whether the weights are held as fp8 codes (``freeze_for_serving``)."""
-        return self._buffers.get("gate_up_fp8") is not None
+        """Whether the weights are held as fp8 or 4-bit codes (``freeze_for_serving``)."""
+        four = isinstance(self.fp8, FrozenFp4Experts)
+        return four or self._buffers.get("gate_up_fp8") is not None
 
-    def freeze_for_serving(self, weights: Mapping[str, ServingWeight] | None = None) -> Self:
+    def freeze_for_serving(
+        self,
+        weights: Mapping[str, ServingWeight] | None = None,
+        *,
+        mode: ServeMode = "weight_only",
+        activation_amax: ActivationAmax = "per_row",
+    ) -> Self:
         """Hold ``gate_up`` and ``down`` as fp8 codes and steps, dropping the parameters.
 
         The twin of ``QuantizedLinear.freeze_for_serving`` (``formats.ops.grouped_frozen``):
@@ -170,14 +138,26 @@ class GroupedExperts(BuiltUnder, nn.Module):
         instead (also into frozen experts); else ``TypeError``/``ValueError`` naming what was
         given and what the module takes, nothing changed. Later calls quantize only the rows;
         the input gradient flows (from the codes where the layout transposes, else their
-        float32 dequantization), the weights no longer train. ``ValueError`` unless ``fp8``
-        is fp8. Returns ``self``."""
+        float32 dequantization), the weights no longer train.
+
+        4-bit experts (``fp8`` an ``Fp4Experts``) become a ``FrozenFp4Experts`` served by
+        ``mode`` (``"weight_only"``: dequantized, this module's grouped GEMM; ``"w4a4"``) and
+        ``activation_amax`` (``formats.linear.fp4_frozen_experts``: ``freeze_fp4_experts``).
+        ``ValueError`` for experts in high precision. Returns ``self``."""
+        if isinstance(self.fp8, Fp4Experts | FrozenFp4Experts):
+            freeze_fp4_experts(self, self.expert_weights(), weights, mode, activation_amax)
+            return self
+        if mode != "weight_only" or activation_amax != "per_row":
+            raise ValueError(
+                f"GroupedExperts.freeze_for_serving: mode and activation_amax are 4-bit "
+                f"experts' (got {mode!r}, {activation_amax!r}); fp8 experts serve W8A8"
+            )
         if not isinstance(self.fp8, QuantizedExperts):
             now = "in high precision" if self.fp8 is None else f"under {self.fp8.recipe}"
             raise ValueError(
-                f"GroupedExperts.freeze_for_serving: the experts run {now}, not fp8 (frozen 4-bit "
-                f"experts are not built); convert them first under an fp8 recipe "
-                f"(convert_to_quantized, or an MoE built under an fp8 ctx). Nothing was changed"
+                f"GroupedExperts.freeze_for_serving: the experts run {now}, not fp8 or 4-bit; "
+                f"convert them first under an fp8 or 4-bit recipe (convert_to_quantized, or an "
+                f"MoE built under such a ctx). Nothing was changed"
             )
         freeze_experts(self, self.fp8, self.expert_weights(), weights)
         guard_whole_loads(self)  # load_state_dict checks the codes and steps before any load
@@ -185,6 +165,8 @@ class GroupedExperts(BuiltUnder, nn.Module):
 
     def expert_weights(self) -> dict[str, torch.Tensor]:
         """``gate_up`` and ``down`` by name: the parameters, or a frozen module's codes."""
+        if isinstance(self.fp8, FrozenFp4Experts):
+            return {n: self.fp8.held(n)[0] for n in self.NAMES}
         frozen = self.frozen
         out: dict[str, torch.Tensor] = {}
         for n in self.NAMES:
@@ -197,6 +179,8 @@ class GroupedExperts(BuiltUnder, nn.Module):
         # One check for every path (the quantized GEMMs' own): the same inputs, the same
         # message. Compiled, a quantized operator reads offs itself (a ValueError naming the
         # entry), so only the high-precision path needs the device check.
+        if isinstance(self.fp8, FrozenFp4Experts):
+            return self._serve_fp4(self.fp8, x, offs)
         gate_up, down = self._weight("gate_up"), self._weight("down")
         held = isinstance(gate_up, ServingWeight)
         w = gate_up.codes if isinstance(gate_up, ServingWeight) else gate_up
@@ -207,6 +191,21 @@ class GroupedExperts(BuiltUnder, nn.Module):
             h = self._mm(x, gate_up, offs)
             act = _act_fn(self.ctx, h[:, : self.hidden], h[:, self.hidden :])
             return self.ctx.to_compute(self._mm(act, down, offs))
+
+    def _serve_fp4(
+        self, four: FrozenFp4Experts, x: torch.Tensor, offs: torch.Tensor
+    ) -> torch.Tensor:
+        # Frozen 4-bit experts: weight-only through this module's high-precision grouped GEMM
+        # on the dequantized weights (_grouped_hp), W4A4 through their operator.
+        with self.ctx.autocast():
+            x = self.ctx.to_compute(x)
+            h = four.mm(x, "gate_up", offs, self._grouped_hp)
+            act = _act_fn(self.ctx, h[:, : self.hidden], h[:, self.hidden :])
+            return self.ctx.to_compute(four.mm(act, "down", offs, self._grouped_hp))
+
+    def _grouped_hp(self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        check_inputs(x, w, offs, "GroupedExperts")
+        return _grouped_linear(x, w, offs, self.path, self.save)
 
     def _weight(self, name: str) -> torch.Tensor | ServingWeight:
         # The parameter, or frozen experts' codes (read without leaving this module when
@@ -237,7 +236,7 @@ class GroupedExperts(BuiltUnder, nn.Module):
             assert isinstance(self.fp8, QuantizedExperts)  # held codes come with their recipe
             return frozen_experts_mm(self.fp8, x, w, offs)
         # x kept as ctx.activations.linear says: as it is, as E4M3 rows or in host memory.
-        if self.fp8 is not None:
+        if isinstance(self.fp8, QuantizedExperts | Fp4Experts):
             return self.fp8.mm(x, w, offs, self.save)
         return _grouped_linear(x, w, offs, self.path, self.save)
 

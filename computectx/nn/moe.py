@@ -47,7 +47,8 @@ from torch import nn
 from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.formats.seam import guard_whole_loads
-from computectx.nn.experts import GroupedExperts, checked_count, checked_flag, checked_real
+from computectx.nn.checks import checked_count, checked_flag, checked_real
+from computectx.nn.experts import GroupedExperts
 from computectx.nn.mlp import MLP
 from computectx.nn.params import apply_recipe, param_dtype
 from computectx.saved import SAVING, saved_call

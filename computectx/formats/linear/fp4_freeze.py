@@ -1,16 +1,16 @@
 """``freeze_fp4_for_serving``: every ``Fp4Linear`` of a converted model replaced by its
-``FrozenFp4Linear`` (``linear.fp4_frozen``), in place, for serving."""
+``FrozenFp4Linear`` (``linear.fp4_frozen``) and every 4-bit experts module's ``Fp4Experts`` by
+its ``FrozenFp4Experts`` (``linear.fp4_frozen_experts``), in place, for serving."""
 
 from __future__ import annotations
-
-import warnings
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from computectx.formats.convert_experts import experts_converters, fp4_setting
 from computectx.formats.linear.fp4 import Fp4Linear
-from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts, install_frozen_experts
 from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode, check_serving
 from computectx.formats.policy import describe
 
@@ -24,7 +24,10 @@ def freeze_fp4_for_serving(
     activation_amax: ActivationAmax = "per_row",
 ) -> tuple[str, ...]:
     """Replace every ``Fp4Linear`` inside ``model`` by ``FrozenFp4Linear.from_fp4_linear(layer,
-    mode, activation_amax=...)``, in place; return the names replaced, in module order.
+    mode, activation_amax=...)`` and every 4-bit experts module's ``Fp4Experts`` (an MoE's
+    ``GroupedExperts``) by ``FrozenFp4Experts.from_fp4_experts`` (its high-precision expert
+    weights dropped), in place; return the names frozen (linears, then experts modules), in
+    module order.
 
     ``mode``: ``"weight_only"`` (the 4-bit weight dequantized to the input's dtype, torch's
     GEMM: any device) or ``"w4a4"`` (the inputs quantized to nearest at every call, the 4-bit
@@ -32,14 +35,13 @@ def freeze_fp4_for_serving(
     output is the ``Fp4Linear``'s on that row alone) or ``"per_tensor"`` (the ``Fp4Linear``'s
     forward on the whole batch, bit for bit). The high-precision weights go with the layers
     they leave (each bias stays, shared); a layer held under several names is replaced by one
-    frozen layer under all of them. 4-bit experts (``Fp4Experts``, an MoE's) are not frozen:
-    a ``UserWarning`` names them (they keep their high-precision weights). Every layer is
-    frozen before any is put in place: an error leaves the model as it was. ``ValueError`` for
-    a bad ``mode`` or ``activation_amax``, for a model holding no ``Fp4Linear`` and for a layer
-    that cannot be frozen (a NaN in its weight: named); ``TypeError`` for a model that is one
-    (freeze it with ``FrozenFp4Linear.from_fp4_linear`` and put that in its place) and for a
-    model wrapped in ``DistributedDataParallel`` (freeze ``model.module`` before wrapping, or
-    serve without DDP: its reducer would keep the dropped weights).
+    frozen layer under all of them. Every layer and experts module is frozen before any is put
+    in place: an error leaves the model as it was. ``ValueError`` for a bad ``mode`` or
+    ``activation_amax``, for a model holding neither an ``Fp4Linear`` nor 4-bit experts and
+    for a layer that cannot be frozen (a NaN in its weight: named); ``TypeError`` for a model
+    that is one (freeze it with ``FrozenFp4Linear.from_fp4_linear`` and put that in its
+    place) and for a model wrapped in ``DistributedDataParallel`` (freeze ``model.module``
+    before wrapping, or serve without DDP: its reducer would keep the dropped weights).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"freeze_fp4_for_serving takes an nn.Module, got {describe(model)}")
@@ -59,9 +61,11 @@ def freeze_fp4_for_serving(
         )
     found = [(fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)]
     layers = [(fqn, m) for fqn, m in found if isinstance(m, Fp4Linear)]
-    if not layers:
+    experts = _frozen_experts(model, found, mode, activation_amax)
+    if not layers and not experts:
         raise ValueError(
-            f"freeze_fp4_for_serving: {type(model).__name__} holds no Fp4Linear; convert it "
+            f"freeze_fp4_for_serving: {type(model).__name__} holds no Fp4Linear or 4-bit "
+            f"experts; convert it "
             f"under a 4-bit recipe first (convert_to_quantized with ComputeCtx.from_flag("
             f"'nvfp4', device), or a model built under such a ctx)"
         )
@@ -80,14 +84,44 @@ def freeze_fp4_for_serving(
     for fqn, layer in layers:
         parent, _, name = fqn.rpartition(".")
         setattr(model.get_submodule(parent), name, frozen[id(layer)])
-    experts = [fqn for fqn, m in found if isinstance(m, Fp4Experts)]
-    if experts:
-        warnings.warn(
-            f"freeze_fp4_for_serving froze the Fp4Linear layers only: {len(experts)} 4-bit "
-            f"expert GEMM(s) ({', '.join(experts[:3])}{', ...' if len(experts) > 3 else ''}) "
-            f"keep their experts' high-precision weights and quantize them at every call "
-            f"(frozen experts are not built)",
-            UserWarning,
-            stacklevel=2,
-        )
-    return tuple(fqn for fqn, _ in layers)
+    for module, frozen_experts in experts.values():
+        install_frozen_experts(module, frozen_experts)
+    return tuple(fqn for fqn, _ in layers) + tuple(experts)
+
+
+def _frozen_experts(
+    model: nn.Module,
+    found: list[tuple[str, nn.Module]],
+    mode: ServeMode,
+    activation_amax: ActivationAmax,
+) -> dict[str, tuple[nn.Module, FrozenFp4Experts]]:
+    """Each 4-bit experts module of ``model`` (by its first name) with its frozen twin, built
+    and not yet put in place."""
+    out: dict[str, tuple[nn.Module, FrozenFp4Experts]] = {}
+    seen: set[int] = set()
+    converters = None
+    for fqn, module in found:
+        setting = fp4_setting(module)
+        if setting is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        converters = experts_converters(model) if converters is None else converters
+        weights = next((w for c in converters if (w := c.weights(module)) is not None), None)
+        if weights is None:
+            raise ValueError(
+                f"freeze_fp4_for_serving: {fqn!r} holds an Fp4Experts but no registered "
+                f"experts converter names its weights; the model was left unchanged"
+            )
+        try:
+            out[fqn] = (
+                module,
+                FrozenFp4Experts.from_fp4_experts(
+                    setting, weights, mode, activation_amax=activation_amax
+                ),
+            )
+        except ValueError as err:  # a NaN in an expert: which module, of many
+            raise ValueError(
+                f"freeze_fp4_for_serving: {fqn!r} cannot be frozen ({err}); the model was "
+                f"left unchanged"
+            ) from err
+    return out

@@ -60,7 +60,15 @@ from computectx.formats.scaling.layer import held_out
 from computectx.formats.scaling.load import guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
 
-__all__ = ["FROZEN_FP4_BUFFERS", "FROZEN_FP4_VERSION", "Fp4Layer", "FrozenFp4Linear"]
+__all__ = [
+    "FROZEN_FP4_BUFFERS",
+    "FROZEN_FP4_VERSION",
+    "FROZEN_WEIGHT_CODES",
+    "Fp4Layer",
+    "FrozenFp4Linear",
+    "frozen_weight_code",
+    "frozen_weight_name",
+]
 
 FROZEN_FP4_VERSION: Final[int] = 1
 """``_extra_state[0]``: the layout ``[version, weight code]`` (int64)."""
@@ -81,13 +89,14 @@ class Fp4Layer(Protocol):
     def quantized_weight(self) -> Fp4Operand: ...
 
 
-def _code(nvfp4: bool, tile: str, rounding: str) -> int:
+def frozen_weight_code(nvfp4: bool, tile: str, rounding: str) -> int:
+    """``_extra_state[1]`` of frozen 4-bit weights: their format, tile and MXFP4 rounding."""
     # Bits as Fp4Linear's recipe code: format, 1x16 weights, MXFP4 floor.
     return (not nvfp4) | (nvfp4 and tile == "1x16") << 1 | (not nvfp4 and rounding == "floor") << 2
 
 
-_CODES: Final = frozenset(
-    _code(nv, tile, r)
+FROZEN_WEIGHT_CODES: Final = frozenset(
+    frozen_weight_code(nv, tile, r)
     for nv in (True, False)
     for tile in ("1x16", "16x16")
     for r in ("rceil", "floor")
@@ -95,7 +104,8 @@ _CODES: Final = frozenset(
 """The weight codes a frozen layer saves: NVFP4 16x16 and 1x16, MXFP4 rceil and floor."""
 
 
-def _named(code: int) -> str:
+def frozen_weight_name(code: int) -> str:
+    """A frozen weight code in words (``"nvfp4 weights in 16x16 tiles"``)."""
     if code & 1:
         return f"mxfp4 weights ({'floor' if code & 4 else 'rceil'} scales)"
     return f"nvfp4 weights in {'1x16 blocks' if code & 2 else '16x16 tiles'}"
@@ -155,7 +165,7 @@ class FrozenFp4Linear(nn.Module):
             mx_rounding=mx_rounding,
             hadamard=False,
         )
-        self._code = _code(nv, self.tile, mx_rounding)
+        self._code = frozen_weight_code(nv, self.tile, mx_rounding)
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, loadable later
             self.register_buffer("weight_fp4", q.codes.clone(memory_format=torch.contiguous_format))
             self.register_buffer(
@@ -251,7 +261,9 @@ class FrozenFp4Linear(nn.Module):
         """``ValueError`` naming the key and both sides unless this layer can load the
         entries among ``entries`` (local names) as they are (module docstring); a state dict
         holding none of the layer's entries passes (torch reports missing keys)."""
-        layer = f"the frozen 4-bit layer {prefix[:-1] or '<root>'!r} ({_named(self._code)})"
+        layer = (
+            f"the frozen 4-bit layer {prefix[:-1] or '<root>'!r} ({frozen_weight_name(self._code)})"
+        )
         if "weight" in entries:
             raise ValueError(
                 f"{layer}: the state dict holds a high-precision {prefix}weight (a training "
@@ -290,7 +302,11 @@ class FrozenFp4Linear(nn.Module):
                 f"4-bit layers of version {FROZEN_FP4_VERSION}"
             )
         if code != self._code:
-            shown = _named(code) if code in _CODES else f"<unknown weight code {code}>"
+            shown = (
+                frozen_weight_name(code)
+                if code in FROZEN_WEIGHT_CODES
+                else f"<unknown weight code {code}>"
+            )
             raise ValueError(f"{layer}: the state dict holds {shown}; freeze under that format")
 
     def _check_weight_entries(self, entries: Mapping[str, object], layer: str, prefix: str) -> None:
@@ -345,7 +361,7 @@ class FrozenFp4Linear(nn.Module):
         rule = f", activation_amax={self.activation_amax}" if self._per_tensor_matters() else ""
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={b}, "
-            f"{_named(self._code)}, mode={self.mode}{rule}"
+            f"{frozen_weight_name(self._code)}, mode={self.mode}{rule}"
         )
 
     def _per_tensor_matters(self) -> bool:

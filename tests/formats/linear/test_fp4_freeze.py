@@ -14,6 +14,7 @@ from torch import nn
 from computectx import ComputeCtx, KvFp8
 from computectx.formats import (
     Fp4Linear,
+    FrozenFp4Experts,
     FrozenFp4Linear,
     convert_to_quantized,
     freeze_fp4_for_serving,
@@ -65,7 +66,7 @@ def test_refused_calls_change_nothing() -> None:
     assert isinstance(model[0], Fp4Linear)
     with pytest.raises(TypeError, match=r"use FrozenFp4Linear\.from_fp4_linear"):
         freeze_fp4_for_serving(model[0])
-    with pytest.raises(ValueError, match="holds no Fp4Linear; convert it"):
+    with pytest.raises(ValueError, match="holds no Fp4Linear or 4-bit experts; convert it"):
         freeze_fp4_for_serving(nn.Sequential(nn.Linear(32, 32)))
     with pytest.raises(TypeError, match=r"takes an nn\.Module"):
         freeze_fp4_for_serving("model")  # type: ignore[arg-type]
@@ -134,10 +135,15 @@ def test_a_ddp_wrapped_model_is_refused_before_anything_changes(tmp_path: pathli
         torch.distributed.destroy_process_group()
 
 
-def test_4bit_experts_left_unfrozen_are_named_in_a_warning() -> None:
+def test_a_frozen_moe_byte_lm_decodes_as_it_trained_through_the_kv_cache() -> None:
     torch.manual_seed(0)
     moe = LMConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, max_len=8, n_experts=2, top_k=1)
-    model = ByteLM(ComputeCtx.from_flag("nvfp4", "cpu"), moe)
-    with pytest.warns(UserWarning, match=r"1 4-bit expert GEMM\(s\) \(blocks\.0\.mlp\.experts"):
-        names = freeze_fp4_for_serving(model)
-    assert names == ("blocks.0.attn.qkv", "blocks.0.attn.out")
+    model = ByteLM(ComputeCtx.from_flag("nvfp4", "cpu").with_kv(KvFp8()), moe)
+    model.requires_grad_(False)
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(3))
+    want = decode_logits(model, ids, prefill=3)  # the training layers, through the fp8 cache
+    names = freeze_fp4_for_serving(model, "w4a4", activation_amax="per_tensor")
+    assert names[-1] == "blocks.0.mlp.experts" and "blocks.0.attn.qkv" in names
+    assert isinstance(model.get_submodule("blocks.0.mlp.experts.fp8"), FrozenFp4Experts)
+    with torch.inference_mode():
+        assert same(decode_logits(model, ids, prefill=3), want)

@@ -1,0 +1,446 @@
+"""``FrozenFp4Experts``: 4-bit experts held pre-quantized for serving (weight-only or W4A4), the
+grouped twin of ``FrozenFp4Linear``.
+
+``FrozenFp4Experts.from_fp4_experts(experts, weights, mode)`` quantizes each expert ``e`` of
+every weight ``[E, N, K]`` of an experts module (``GroupedExperts``' ``gate_up`` and ``down``)
+as ``Fp4Experts``' forward does (``ops.fp4.quantize(w[e], how, weight=True)``: the codes
+``Fp4Linear.quantized_weight()`` gives a linear holding ``w[e]``) and holds, per weight
+``name``, the buffers (all persistent):
+
+=================  ==========================================================================
+``{name}_fp4``     ``float4_e2m1fn_x2`` ``[E, N, K/2]``: E2M1 codes, two a byte
+``{name}_scale``   NVFP4: ``float8_e4m3fn`` ``[E, N, K/16]`` (1x16) or ``[E, N/16, K/16]``
+                   (16x16 tiles); MXFP4: ``float8_e8m0fnu`` ``[E, N, K/32]``
+``{name}_amax``    NVFP4 only: float32 ``(E,)``, each expert's own per-tensor amax
+=================  ==========================================================================
+
+with ``_extra_state`` int64 ``[version, weight code]`` (``FrozenFp4Linear``'s layout and
+codes). Bytes per weight element: NVFP4 16x16 tiles 0.50390625, 1x16 blocks 0.5625, plus 4 an
+expert; MXFP4 0.53125. ``install_frozen_experts`` puts one in the place of the experts
+module's ``Fp4Experts`` child and drops the module's high-precision expert parameters.
+
+**The two modes** (``linear.fp4_serving``'s, group by group):
+
+- ``"weight_only"``: each expert dequantized to the input's dtype (``dequantized``: formed in
+  float32, rounded once, ``computectx::fp4_dequantize_experts``), then a high-precision
+  grouped GEMM: the experts module's own (``mm(..., grouped=)``; ``GroupedExperts`` passes
+  its ``F.grouped_mm`` path), so the output is that module's high-precision forward with the
+  dequantized weights, bit for bit. Batch-invariant as that GEMM is on the device.
+- ``"w4a4"``: each group's rows quantized at every call (round to nearest, never stochastic,
+  no Hadamard transform: the forward's operands), times the held expert through
+  ``computectx::fp4_held_grouped_mm``. ``activation_amax="per_tensor"``: each group's rows
+  take one amax, as ``Fp4Experts``' forward takes it; the output is ``Fp4Experts.mm`` under
+  ``no_grad`` bit for bit (on the emulated backend; the Blackwell kernels sum in their own
+  order) and a row's bits depend on the other rows routed to its expert in the same call.
+  ``"per_row"`` (default; NVFP4): each row by its own amax, so row ``i`` of group ``g`` is
+  ``Fp4Experts.mm`` on row ``i`` alone (a one-row group of expert ``g``), whatever else is
+  in the batch. MXFP4 has no per-tensor scale: both rules are the forward's, batch-invariant.
+
+An empty group reads nothing of its expert; rows past ``offs[-1]`` are zero. No gradient:
+W4A4 refuses an input that needs one (serve under ``torch.inference_mode()`` or
+``no_grad``); weight-only passes the input gradient through the grouped GEMM.
+
+**Loading** refuses, before any module loads (``ValueError`` naming the key and both sides):
+a 4-bit training state (``Fp4Experts``' counter ``[2, recipe, seed, counter, stream]``: load
+it into the unfrozen model, then freeze), a state frozen under another format, tile or MXFP4
+rounding, an entry of another dtype or shape, NaN or negative scales, an amax that is not
+finite, a partial weight. A module-wide ``.to()`` moves the buffers, never casts them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final, Literal
+
+import torch
+from torch import nn
+from typing_extensions import Self
+
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.formats.linear.fp4_experts import Fp4Experts
+from computectx.formats.linear.fp4_frozen import (
+    FROZEN_FP4_VERSION,
+    FROZEN_WEIGHT_CODES,
+    frozen_weight_code,
+    frozen_weight_name,
+)
+from computectx.formats.linear.fp4_serving import (
+    ActivationAmax,
+    ServeMode,
+    check_serving,
+    check_weight,
+)
+from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand
+from computectx.formats.numerics.fp4_gemm import Fp4Operand
+from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.ops.fp4_grouped_frozen import (
+    dequantize_experts,
+    expert_operand,
+    held_grouped_mm,
+)
+from computectx.formats.policy import describe
+from computectx.formats.scaling.layer import held_out
+from computectx.formats.scaling.load import guard_whole_loads
+
+__all__ = [
+    "FROZEN_EXPERTS_SUFFIXES",
+    "FrozenFp4Experts",
+    "GroupedGemm",
+    "freeze_fp4_experts",
+    "install_frozen_experts",
+]
+
+FROZEN_EXPERTS_SUFFIXES: Final = ("_fp4", "_scale", "_amax")
+"""A frozen expert weight ``name``'s buffers (``_amax``: NVFP4 only)."""
+
+GroupedGemm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""A high-precision grouped GEMM ``(x [M, K], w [E, N, K], offs) -> [M, N]``."""
+
+
+class FrozenFp4Experts(nn.Module):
+    """Experts whose weights are held as 4-bit codes and block scales (module docstring),
+    served by ``mode``: ``"weight_only"`` or ``"w4a4"``.
+
+    ``weights``: for each name, one ``Nvfp4Operand``/``Mxfp4Operand`` per expert (codes
+    ``[N, K/2]``, ``fp4_serving.check_weight`` says what is accepted), all of one format and
+    tile, copied bit for bit; ``activation_amax``: NVFP4 W4A4's rule (``"per_row"``:
+    batch-invariant; ``"per_tensor"``: each group's one amax, the training forward's);
+    ``mx_rounding``: MXFP4's E8M0 rule for the activations. ``TypeError``/``ValueError`` naming
+    the bad value."""
+
+    kind = "frozen 4-bit experts"
+
+    def __init__(
+        self,
+        weights: Mapping[str, Sequence[Fp4Operand]],
+        *,
+        mode: ServeMode = "weight_only",
+        activation_amax: ActivationAmax = "per_row",
+        mx_rounding: MxRounding = "rceil",
+    ) -> None:
+        who = "FrozenFp4Experts"
+        check_serving(mode, activation_amax, who)
+        if mx_rounding not in ("rceil", "floor"):
+            raise ValueError(f"{who}: mx_rounding must be 'rceil' or 'floor', got {mx_rounding!r}")
+        if not isinstance(weights, Mapping) or not weights:
+            raise TypeError(
+                f"{who} takes a non-empty mapping of weight names to per-expert operands, got "
+                f"{describe(weights)}"
+            )
+        kinds = {n: _check_experts(n, ops, who) for n, ops in weights.items()}
+        if len(set(kinds.values())) != 1:
+            raise ValueError(f"{who}: every weight must share one format and tile, got {kinds}")
+        super().__init__()
+        first = next(iter(weights.values()))[0]
+        nv = isinstance(first, Nvfp4Operand)
+        self.format: Literal["nvfp4", "mxfp4"] = "nvfp4" if nv else "mxfp4"
+        self.tile: str = first.tile if isinstance(first, Nvfp4Operand) else "1x32"
+        self.mode: ServeMode = mode
+        self.activation_amax: ActivationAmax = activation_amax
+        self.mx_rounding: MxRounding = mx_rounding
+        self.names: tuple[str, ...] = tuple(weights)
+        self._code = frozen_weight_code(nv, self.tile, mx_rounding)
+        with torch.inference_mode(False), torch.no_grad():  # plain tensors, loadable later
+            for name, ops in weights.items():
+                self.register_buffer(name + "_fp4", torch.stack([q.codes for q in ops]))
+                self.register_buffer(name + "_scale", torch.stack([q.scale for q in ops]))
+                if nv:
+                    amax = [q.amax.float().reshape(()) for q in ops]  # type: ignore[union-attr]
+                    self.register_buffer(name + "_amax", torch.stack(amax))
+        guard_whole_loads(self)  # load_state_dict checks every entry before any module loads
+
+    @classmethod
+    def from_fp4_experts(
+        cls,
+        experts: Fp4Experts,
+        weights: Mapping[str, torch.Tensor],
+        mode: ServeMode = "weight_only",
+        *,
+        activation_amax: ActivationAmax = "per_row",
+    ) -> FrozenFp4Experts:
+        """The frozen twin of experts running under ``experts`` (an ``Fp4Experts``) with
+        ``weights`` (name -> ``[E, N, K]``): each expert's operand as the forward quantizes
+        it. ``ValueError`` naming the weight and expert for one that cannot be frozen (a NaN)."""
+        if not isinstance(experts, Fp4Experts):
+            raise TypeError(f"from_fp4_experts takes an Fp4Experts, got {describe(experts)}")
+        check_serving(mode, activation_amax, "from_fp4_experts")
+        ops: dict[str, list[Fp4Operand]] = {}
+        with torch.inference_mode(False), torch.no_grad():
+            for name, w in weights.items():
+                if not isinstance(w, torch.Tensor) or w.dim() != 3:
+                    raise ValueError(
+                        f"from_fp4_experts: {name!r} must be a 3-D tensor [E, N, K], got "
+                        f"{describe(w) if not isinstance(w, torch.Tensor) else tuple(w.shape)}"
+                    )
+                ops[name] = [fp4_ops.quantize(w[e].detach(), experts.how, weight=True)
+                             for e in range(w.shape[0])]  # fmt: skip
+        rounding = experts.recipe.mx_rounding or "rceil"
+        return cls(ops, mode=mode, activation_amax=activation_amax, mx_rounding=rounding)
+
+    # ----- the held weights ----------------------------------------------------------------
+
+    def held(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``name``'s codes, scales and (NVFP4) amaxes: the buffers themselves."""
+        if name not in self.names:
+            raise KeyError(f"{type(self).__name__} holds {list(self.names)}, not {name!r}")
+        amax = self._buffers.get(name + "_amax")
+        return self._buffers[name + "_fp4"], self._buffers[name + "_scale"], amax  # type: ignore[return-value]
+
+    def operand(self, name: str, expert: int) -> Fp4Operand:
+        """Expert ``expert``'s operand of ``name`` (views of the buffers)."""
+        return expert_operand(*self.held(name), self.tile, expert)
+
+    def shape(self, name: str) -> tuple[int, int, int]:
+        """``[E, N, K]`` of the weight ``name`` stands for."""
+        codes = self.held(name)[0]
+        return codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+
+    def weight_tensors(self) -> tuple[torch.Tensor, ...]:
+        """The tensors the weights are held in (for ``memory_report``)."""
+        return tuple(t for n in self.names for t in self.held(n) if t is not None)
+
+    def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[E, N, K]``: the values ``name`` stands for at ``dtype`` (each formed in float32,
+        rounded once): what ``"weight_only"`` multiplies with."""
+        return dequantize_experts(*self.held(name), self.tile, dtype)
+
+    # ----- the GEMM ------------------------------------------------------------------------
+
+    def mm(
+        self, x: torch.Tensor, name: str, offs: torch.Tensor, grouped: GroupedGemm | None = None
+    ) -> torch.Tensor:
+        """``[M, N]`` at ``x``'s dtype (the autocast dtype inside ``torch.autocast``): group
+        ``g``'s rows of ``x [M, K]`` times expert ``g`` of ``name`` by ``mode`` (module
+        docstring); ``offs`` int32 ``(E,)`` end rows. ``grouped``: weight-only's
+        high-precision grouped GEMM (default: one ``F.linear`` per group, eager only)."""
+        e, _, k = self.shape(name)
+        _check_x(x, offs, e, k, self.held(name)[0].device)
+        if self.mode == "weight_only":
+            gemm = grouped if grouped is not None else _per_group
+            w = self.dequantized(name, _at(x))
+            return gemm(x, w, offs)
+        if torch.is_grad_enabled() and x.requires_grad:
+            raise RuntimeError(
+                "frozen 4-bit experts in w4a4 mode pass no gradient: serve under "
+                "torch.inference_mode() or torch.no_grad() (or freeze with mode='weight_only')"
+            )
+        codes, scale, amax = self.held(name)
+        per_row = self.activation_amax == "per_row"
+        return held_grouped_mm(
+            x.to(_at(x)), codes, scale, amax, offs, tile=self.tile,
+            mx_rounding=self.mx_rounding, per_row=per_row,
+        )  # fmt: skip
+
+    # ----- state ---------------------------------------------------------------------------
+
+    def get_extra_state(self) -> torch.Tensor:
+        """int64 ``[FROZEN_FP4_VERSION, weight code]``."""
+        return torch.tensor([FROZEN_FP4_VERSION, self._code], dtype=torch.int64)
+
+    def set_extra_state(self, state: Any) -> None:
+        """Nothing to install: the state is checked (``check_load``)."""
+        self.check_load({"_extra_state": state}, "")
+
+    def check_state_tensors(self, tensors: Mapping[str, object], prefix: str = "") -> None:
+        """``computectx.memory.load_weights``' check: ``check_load``."""
+        self.check_load(tensors, prefix)
+
+    def check_load(self, entries: Mapping[str, object], prefix: str) -> None:
+        """``ValueError`` naming the key and both sides unless these experts can load the
+        entries among ``entries`` (local names) as they are (module docstring)."""
+        where = f"the {self.kind} {prefix[:-1] or '<root>'!r} ({frozen_weight_name(self._code)})"
+        state = entries.get("_extra_state")
+        if state is not None:
+            _check_state(state, self._code, where, prefix)
+        for name in self.names:
+            _check_entries(self, name, entries, where, prefix)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
+        # The codes, scales and amaxes follow the module's device, never its dtype.
+        names = tuple(n + s for n in self.names for s in FROZEN_EXPERTS_SUFFIXES)
+        with held_out(self._buffers, names) as held:
+            super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
+            some = next(t for t in held.values() if t is not None)
+            device = fn(torch.zeros((), device=some.device)).device
+            for key, t in held.items():
+                if t is not None:
+                    held[key] = torch.empty_like(t, device=device) if t.is_meta else t.to(device)
+        return self
+
+    def extra_repr(self) -> str:
+        e = self.shape(self.names[0])[0]
+        rule = (
+            f", activation_amax={self.activation_amax}"
+            if self.format == "nvfp4" and self.mode == "w4a4"
+            else ""
+        )
+        held = f"{frozen_weight_name(self._code)}, mode={self.mode}{rule}"
+        return f"n_experts={e}, weights={list(self.names)}, {held}"
+
+
+def freeze_fp4_experts(
+    module: nn.Module,
+    weights: Mapping[str, torch.Tensor],
+    given: object,
+    mode: ServeMode,
+    activation_amax: ActivationAmax,
+) -> None:
+    """``module``'s ``Fp4Experts`` and expert parameters ``weights`` replaced by their
+    ``FrozenFp4Experts`` (``GroupedExperts.freeze_for_serving``): built first, then put in
+    place (a refusal changes nothing). Experts frozen already under the same ``mode`` and
+    ``activation_amax`` stay as they are; under others, ``ValueError``. ``given`` (fp8's
+    ``weights=``) must be ``None``: ``TypeError`` (build a ``FrozenFp4Experts`` from the
+    operands and ``install_frozen_experts`` it instead)."""
+    who = f"{type(module).__name__}.freeze_for_serving"
+    if given is not None:
+        raise TypeError(
+            f"{who}: weights= takes fp8 experts' ServingWeights; 4-bit experts freeze from "
+            f"their own weights (for operands from outside, build FrozenFp4Experts(...) and "
+            f"install_frozen_experts it). Nothing was changed"
+        )
+    check_serving(mode, activation_amax, who)
+    now = next((c for c in module.children() if isinstance(c, FrozenFp4Experts)), None)
+    if now is not None:
+        if (now.mode, now.activation_amax) != (mode, activation_amax):
+            raise ValueError(
+                f"{who}: the experts are frozen already (mode={now.mode!r}, activation_amax="
+                f"{now.activation_amax!r}), not as asked ({mode!r}, {activation_amax!r}); "
+                f"freeze a copy made before freezing. Nothing was changed"
+            )
+        return
+    setting = next((c for c in module.children() if isinstance(c, Fp4Experts)), None)
+    if setting is None:
+        raise ValueError(f"{who}: the experts hold no Fp4Experts. Nothing was changed")
+    frozen = FrozenFp4Experts.from_fp4_experts(
+        setting, weights, mode, activation_amax=activation_amax
+    )
+    install_frozen_experts(module, frozen)
+
+
+def install_frozen_experts(module: nn.Module, frozen: FrozenFp4Experts) -> None:
+    """Put ``frozen`` in the place of ``module``'s ``Fp4Experts`` child and drop ``module``'s
+    parameters named as ``frozen``'s weights (the high-precision expert weights)."""
+    child = next((n for n, c in module.named_children() if isinstance(c, Fp4Experts)), None)
+    if child is None:
+        raise ValueError(
+            f"install_frozen_experts: {type(module).__name__} holds no Fp4Experts to replace"
+        )
+    for name in frozen.names:
+        if module._parameters.get(name) is not None:
+            module.register_parameter(name, None)
+    setattr(module, child, frozen)
+
+
+def _at(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def _per_group(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    out = x.new_zeros((x.shape[0], w.shape[1]), dtype=w.dtype)
+    start = 0
+    for g, end in enumerate(offs.tolist()):
+        out[start:end] = torch.nn.functional.linear(x[start:end].to(w.dtype), w[g])
+        start = end
+    return out
+
+
+def _check_x(x: object, offs: object, e: int, k: int, device: torch.device) -> None:
+    who = "frozen 4-bit experts"
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else describe(x)
+        raise ValueError(f"{who} take x [M, {k}], got {got}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{who} take a bf16, fp16 or fp32 x, got {x.dtype}")
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.shape != (e,):
+        what = (
+            f"{offs.dtype} {tuple(offs.shape)}"
+            if isinstance(offs, torch.Tensor)
+            else describe(offs)
+        )
+        raise ValueError(f"{who}: offs must be int32 ({e},), one end row per expert, got {what}")
+    if not (x.device == offs.device == device):
+        raise ValueError(
+            f"{who}: x, offs and the held weights must be on one device, got {x.device}, "
+            f"{offs.device}, {device}"
+        )
+
+
+def _check_experts(name: str, ops: object, who: str) -> tuple[str, str]:
+    if not isinstance(ops, Sequence) or not ops:
+        raise TypeError(
+            f"{who}: {name!r} must be a non-empty sequence of per-expert operands, got "
+            f"{describe(ops)}"
+        )
+    kinds = set()
+    for e, q in enumerate(ops):
+        check_weight(q, f"{who}: {name!r} expert {e}")
+        kinds.add((type(q).__name__, q.tile if isinstance(q, Nvfp4Operand) else "1x32"))
+    shapes = {(q.codes.shape, q.scale.shape, q.codes.device) for q in ops}
+    if len(kinds) != 1 or len(shapes) != 1:
+        raise ValueError(f"{who}: {name!r}'s experts must share one format, tile, shape and device")
+    return kinds.pop()
+
+
+def _check_state(state: object, code: int, where: str, prefix: str) -> None:
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.int64 or state.dim() != 1:
+        raise ValueError(f"{where}: {prefix}_extra_state must be int64 [version, weight code]")
+    if state.numel() == 5:
+        raise ValueError(
+            f"{where}: {prefix}_extra_state holds a 4-bit training state (Fp4Experts' "
+            f"[version, recipe, seed, counter, stream]): load that checkpoint into the unfrozen "
+            f"model, then freeze (freeze_fp4_for_serving)"
+        )
+    if state.numel() != 2 or state.is_meta:
+        raise ValueError(
+            f"{where}: {prefix}_extra_state must be int64 [version, weight code], got "
+            f"{state.numel()} entries"
+        )
+    version, saved = (int(v) for v in state.tolist())
+    if version != FROZEN_FP4_VERSION:
+        raise ValueError(
+            f"{where}: {prefix}_extra_state has version {version}; this computectx reads "
+            f"version {FROZEN_FP4_VERSION}"
+        )
+    if saved != code:
+        shown = frozen_weight_name(saved) if saved in FROZEN_WEIGHT_CODES else f"code {saved}"
+        raise ValueError(f"{where}: the state dict holds {shown}; freeze under that format")
+
+
+def _check_entries(
+    frozen: FrozenFp4Experts, name: str, entries: Mapping[str, object], where: str, prefix: str
+) -> None:
+    own = dict(zip((name + s for s in FROZEN_EXPERTS_SUFFIXES), frozen.held(name), strict=True))
+    held = {k: t for k, t in own.items() if t is not None}
+    given = [k for k in own if k in entries]
+    if not given:
+        return
+    if given != list(held):
+        raise ValueError(
+            f"{where}: the state dict holds {[prefix + k for k in given]}, but the experts "
+            f"load {[prefix + k for k in held]}, whole"
+        )
+    for key, t in held.items():
+        value = entries[key]
+        if not isinstance(value, torch.Tensor) or (value.dtype, value.shape) != (t.dtype, t.shape):
+            got = (
+                f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else describe(value)
+            )
+            raise ValueError(
+                f"{where}: {prefix}{key} is {got}, but the experts hold "
+                f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)} and load only that"
+            )
+    codes, scale = entries[name + "_fp4"], entries[name + "_scale"]
+    amax = entries.get(name + "_amax")
+    assert isinstance(codes, torch.Tensor) and isinstance(scale, torch.Tensor)
+    for e in range(codes.shape[0]):
+        q: Fp4Operand = (
+            Nvfp4Operand(codes[e], scale[e], amax[e], frozen.tile)  # type: ignore[arg-type]
+            if isinstance(amax, torch.Tensor)
+            else Mxfp4Operand(codes[e], scale[e])
+        )
+        check_weight(q, f"{where}: {prefix}{name}_* expert {e}")

@@ -1,0 +1,206 @@
+"""``FrozenFp4Experts``: 4-bit grouped experts frozen for serving, weight-only and W4A4, under
+``inference_mode``: the training forward's bits (W4A4, each group's amax), a request's own bits
+whatever the batch (W4A4 per row), the high-precision grouped GEMM of the dequantized weights
+(weight-only), empty experts, the bytes held, a safetensors round trip with the format checked
+before anything loads, and one ``torch.compile(fullgraph=True)``."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.formats import Fp4Experts, Fp4Recipe, FrozenFp4Experts, freeze_fp4_for_serving
+from computectx.formats.ops import fp4 as fp4_ops
+from computectx.memory import memory_report
+from computectx.nn import GroupedExperts
+
+RECIPES = ["nvfp4", "nvfp4+w1x16", "mxfp4", "mxfp4+floor"]
+E, DIM, HIDDEN = 4, 32, 32
+BF16 = ComputeCtx.from_flag("bf16", "cpu")
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
+
+
+def offsets(sizes: list[int]) -> torch.Tensor:
+    return torch.tensor(sizes).cumsum(0).to(torch.int32)
+
+
+def experts(recipe: str = "nvfp4", seed: int = 0) -> GroupedExperts:
+    """4-bit experts as ``convert_to_quantized`` leaves them (float32 weights, bf16 compute)."""
+    torch.manual_seed(seed)
+    module = GroupedExperts(BF16, DIM, HIDDEN, E)
+    module.fp8 = Fp4Experts(Fp4Recipe.parse(recipe))
+    return module
+
+
+def frozen(module: GroupedExperts, mode: str = "w4a4", rule: str = "per_tensor") -> GroupedExperts:
+    return copy.deepcopy(module).freeze_for_serving(mode=mode, activation_amax=rule)  # type: ignore[arg-type]
+
+
+def held(module: GroupedExperts) -> FrozenFp4Experts:
+    assert isinstance(module.fp8, FrozenFp4Experts)
+    return module.fp8
+
+
+# Groups of 5, 0 (an empty expert), 6 and 3 rows, and two rows past offs[-1].
+X = torch.linspace(-3.0, 3.0, 16 * DIM).reshape(16, DIM).to(torch.bfloat16)
+OFFS = offsets([5, 0, 6, 3])
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_each_expert_is_held_as_the_forward_quantizes_it(recipe: str) -> None:
+    module = experts(recipe)
+    served = frozen(module)
+    four = held(served)
+    assert isinstance(module.fp8, Fp4Experts)
+    how = module.fp8.how
+    for name in ("gate_up", "down"):
+        w = getattr(module, name)
+        for e in range(E):
+            q, got = fp4_ops.quantize(w[e].detach(), how, weight=True), four.operand(name, e)
+            assert same(got.codes, q.codes) and same(got.scale, q.scale)
+            assert (getattr(got, "amax", None) is None) == recipe.startswith("mxfp4")
+    assert [n for n, _ in served.named_parameters()] == []  # the high-precision weights left
+    assert served.frozen and served.expert_weights()["down"].dtype == torch.float4_e2m1fn_x2
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_w4a4_is_the_training_forward_and_weight_only_the_dequantized_grouped_gemm(
+    recipe: str,
+) -> None:
+    module = experts(recipe)
+    module.train()  # stochastic rounding on (of the gradients only)
+    with torch.no_grad():
+        want = module(X, OFFS)
+    assert not want[14:].any()  # rows past offs[-1]
+    w4a4, weight_only = frozen(module), frozen(module, "weight_only")
+    high = GroupedExperts(BF16, DIM, HIDDEN, E)  # the same module, in high precision
+    with torch.no_grad():
+        for name in ("gate_up", "down"):
+            getattr(high, name).copy_(held(weight_only).dequantized(name))
+    with torch.inference_mode():
+        assert same(w4a4(X, OFFS), want)
+        assert same(weight_only(X, OFFS), high(X, OFFS))
+        assert w4a4(X[:0], offsets([0] * E)).shape == (0, DIM)
+
+
+def test_w4a4_per_row_answers_a_request_alike_in_any_batch() -> None:
+    module = experts("nvfp4")
+    per_row, per_tensor = frozen(module, rule="per_row"), frozen(module)
+    request = X[3:4]
+    loud = torch.cat([1000.0 * X[:4], request])  # the request shares expert 2 with loud rows
+    with torch.inference_mode():
+        alone = per_row(request, offsets([0, 0, 1, 0]))
+        with torch.no_grad():
+            assert same(alone, module(request, offsets([0, 0, 1, 0])))
+        assert same(per_row(loud, offsets([0, 0, 5, 0]))[-1:], alone)
+        assert not same(per_tensor(loud, offsets([0, 0, 5, 0]))[-1:], alone)
+
+
+def test_mxfp4_rows_are_their_own_under_either_rule() -> None:
+    module = experts("mxfp4")
+    loud = torch.cat([1000.0 * X[:4], X[3:4]])
+    with torch.inference_mode():
+        for rule in ("per_row", "per_tensor"):
+            served = frozen(module, rule=rule)
+            got = served(loud, offsets([0, 0, 5, 0]))[-1:]
+            assert same(got, served(X[3:4], offsets([0, 0, 1, 0])))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "per_element"),
+    [("nvfp4", 0.5 + 1 / 256), ("nvfp4+w1x16", 0.5625), ("mxfp4", 0.53125)],
+)
+def test_bytes_per_weight_element_by_memory_report(recipe: str, per_element: float) -> None:
+    four = held(frozen(experts(recipe)))
+    report = memory_report(four.weight_tensors())
+    elements = E * (2 * HIDDEN * DIM + DIM * HIDDEN)
+    per_expert = 4 * 2 if recipe.startswith("nvfp4") else 0  # a float32 amax per expert, weight
+    assert sum(row.bytes for row in report.rows) == per_element * elements + E * per_expert
+
+
+def _saved(model: nn.Module, path: pathlib.Path) -> dict[str, torch.Tensor]:
+    save_file(model.state_dict(), str(path / "experts.safetensors"))
+    return load_file(str(path / "experts.safetensors"))
+
+
+def test_safetensors_round_trip_and_the_loads_it_refuses(tmp_path: pathlib.Path) -> None:
+    model = nn.Sequential(frozen(experts("nvfp4")))
+    state = _saved(model, tmp_path)
+    assert state["0.fp8.gate_up_fp4"].dtype == torch.float4_e2m1fn_x2
+    target = nn.Sequential(frozen(experts("nvfp4", seed=5), "weight_only"))
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    training = nn.Sequential(experts("nvfp4")).state_dict()
+    nan = state["0.fp8.down_scale"].clone()
+    nan.view(torch.uint8)[1, 0, 0] = 0x7F
+    refused = [
+        ({**state, "0.fp8._extra_state": training["0.fp8._extra_state"]}, "4-bit training state"),
+        ({**state, "0.fp8._extra_state": torch.tensor([1, 1])}, "holds mxfp4 weights"),
+        ({**state, "0.fp8.down_scale": state["0.fp8.down_scale"].float()}, "down_scale is"),
+        ({**state, "0.fp8.down_scale": nan}, "block scales must be finite"),
+        ({k: v for k, v in state.items() if k != "0.fp8.down_amax"}, "load .* whole"),
+    ]
+    for bad, match in refused:
+        with pytest.raises(ValueError, match=match):
+            target.load_state_dict(bad)
+        assert all(same(v, before[k]) for k, v in target.state_dict().items()), match
+    with pytest.raises(ValueError, match=r"training state .* into the unfrozen model"):
+        target.load_state_dict(training)  # a training checkpoint, its high-precision weights
+    target.load_state_dict(state)  # the mode is the module's: the same codes serve weight-only
+    assert all(same(v, state[k]) for k, v in target.state_dict().items())
+
+
+def test_refused_calls_change_nothing() -> None:
+    module = experts("nvfp4")
+    with pytest.raises(TypeError, match="weights= takes fp8 experts"):
+        module.freeze_for_serving({})
+    with pytest.raises(ValueError, match="mode must be one of"):
+        module.freeze_for_serving(mode="w8a8")  # type: ignore[arg-type]
+    assert isinstance(module.fp8, Fp4Experts) and module.gate_up is not None
+    served = frozen(module)
+    assert served.freeze_for_serving(mode="w4a4", activation_amax="per_tensor") is served
+    with pytest.raises(ValueError, match="frozen already"):
+        served.freeze_for_serving(mode="weight_only")
+    x = X.float().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="pass no gradient"):
+        served(x, OFFS)
+    with pytest.raises(ValueError, match=r"take x \[M, 32\]"):
+        held(served).mm(X[:, :16], "gate_up", OFFS)
+    with pytest.raises(ValueError, match=r"offs must be int32 \(4,\)"):
+        held(served).mm(X, "gate_up", OFFS[:2])
+    high = GroupedExperts(BF16, DIM, HIDDEN, E)
+    with pytest.raises(ValueError, match="not fp8 or 4-bit"):
+        high.freeze_for_serving()
+
+
+def test_weight_only_passes_the_input_gradient_and_dtypes_never_change() -> None:
+    served = frozen(experts("nvfp4"), "weight_only")
+    before = {k: v.clone() for k, v in served.named_buffers()}
+    served.half()
+    served.to(torch.bfloat16)
+    assert all(same(v, before[k]) for k, v in served.named_buffers())
+    x = X.float().requires_grad_(True)
+    served(x, OFFS).float().sum().backward()
+    assert x.grad is not None and x.grad[:14].any() and not x.grad[14:].any()
+
+
+def test_freeze_fp4_for_serving_freezes_the_experts_too() -> None:
+    model = nn.Sequential(experts("nvfp4"))
+    with torch.no_grad():
+        want = model[0](X, OFFS)
+    assert freeze_fp4_for_serving(model, "w4a4", activation_amax="per_tensor") == ("0",)
+    assert isinstance(model[0].fp8, FrozenFp4Experts)
+    with torch.inference_mode():
+        assert same(model[0](X, OFFS), want)
