@@ -67,7 +67,7 @@ struct CcStep {
   CcMoment v;
 };
 
-int cc_host_adam_abi(void) { return 2; }
+int cc_host_adam_abi(void) { return 3; }
 
 }  // extern "C"
 
@@ -1276,4 +1276,67 @@ extern "C" int cc_host_adam_step(const CcStep* sp) {
   parallel(s.n, tile, threads, luts,
            [&](int, Buffers& b, int64_t lo, int64_t hi) { pass2(s, lo, hi, tile, b); });
   return 0;
+}
+
+// ----- the non-finite check of the gradients ------------------------------------------------
+
+namespace {
+
+// The largest magnitude pattern (sign bit cleared) of x[0, len): one read, no branch, so that
+// it vectorizes (an unsigned max).
+template <typename U>
+U max_magnitude(const U* __restrict x, int64_t len) {
+  constexpr U kMagnitude = static_cast<U>(~static_cast<U>(0)) >> 1;
+  U top = 0;
+  for (int64_t i = 0; i < len; ++i) {
+    const U a = static_cast<U>(x[i] & kMagnitude);
+    top = a > top ? a : top;
+  }
+  return top;
+}
+
+// Whether every pattern of x[0, n) is below ``limit`` in magnitude, over ``threads`` threads
+// claiming chunks in turn (as parallel()); a chunk over the limit stops the others early.
+template <typename U>
+bool below(const U* x, int64_t n, U limit, int threads) {
+  constexpr int64_t kCheckChunk = 1 << 16;
+  const int64_t chunks = (n + kCheckChunk - 1) / kCheckChunk;
+  if (threads > chunks) threads = static_cast<int>(chunks);
+  if (threads <= 1) return max_magnitude(x, n) < limit;
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> over{false};
+  auto work = [&]() {
+    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
+         c = next.fetch_add(1, std::memory_order_relaxed)) {
+      if (over.load(std::memory_order_relaxed)) return;
+      const int64_t lo = c * kCheckChunk, len = lo + kCheckChunk < n ? kCheckChunk : n - lo;
+      if (max_magnitude(x + lo, len) >= limit) over.store(true, std::memory_order_relaxed);
+    }
+  };
+#if defined(_OPENMP)
+#pragma omp parallel num_threads(threads)
+  work();
+#else
+  std::vector<std::thread> pool;
+  for (int k = 1; k < threads; ++k) pool.emplace_back(work);
+  work();
+  for (auto& th : pool) th.join();
+#endif
+  return !over.load();
+}
+
+}  // namespace
+
+// 1 when every element of x[0, n) (dtype: kF32, kBF16, kF16) is finite with a finite float32
+// square (|x| < 2**64), else 0: the condition of _grad_health.all_applicable, exactly. On the
+// bits: a magnitude pattern below 2**64's (float32 0x5F800000, bfloat16 0x5F80; every finite
+// float16 is below 65505) is finite and below 2**64, and inf and every NaN are above it; a
+// subnormal or -0 is below. -1 for another dtype.
+extern "C" int cc_host_adam_cleared(const void* x, int64_t n, int32_t dtype, int32_t threads) {
+  if (n <= 0) return 1;
+  const int t = threads < 1 ? 1 : threads;
+  if (dtype == kF32) return below(static_cast<const uint32_t*>(x), n, uint32_t{0x5F800000}, t);
+  if (dtype == kBF16) return below(static_cast<const uint16_t*>(x), n, uint16_t{0x5F80}, t);
+  if (dtype == kF16) return below(static_cast<const uint16_t*>(x), n, uint16_t{0x7C00}, t);
+  return -1;
 }

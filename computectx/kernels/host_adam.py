@@ -49,7 +49,9 @@ __all__ = [
     "PARAM_DTYPES",
     "Moment",
     "cache_dir",
+    "cleared",
     "library",
+    "quiet_library",
     "step",
 ]
 
@@ -78,7 +80,7 @@ PORTABLE = "-DCC_HOST_ADAM_PORTABLE"
 
 
 SOURCE = Path(__file__).with_name("host_adam.cpp")
-ABI = 2
+ABI = 3
 
 PARAM_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 """The parameter and gradient dtypes the kernel reads (code as ``host_adam.cpp``'s)."""
@@ -256,6 +258,13 @@ def _open(path: Path) -> ctypes.CDLL:
             raise RuntimeError(f"the cached library {path} is of another ABI")
         lib.cc_host_adam_step.argtypes = [ctypes.POINTER(_Step)]
         lib.cc_host_adam_step.restype = ctypes.c_int
+        lib.cc_host_adam_cleared.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int32,
+            ctypes.c_int32,
+        ]
+        lib.cc_host_adam_cleared.restype = ctypes.c_int
     except (RuntimeError, AttributeError):
         # Unloaded, so that a rebuild at the same path is loaded anew (the loader would
         # otherwise hand back this handle by its name).
@@ -327,6 +336,13 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
+def quiet_library() -> ctypes.CDLL | None:
+    """The loaded kernel (built on first use), or ``None`` when it could not be built or
+    loaded: no warning and no error, for a caller whose result does not depend on it (the
+    non-finite check, ``cleared``, has an exact torch twin)."""
+    return _library(False)
+
+
 def _library(portable: bool) -> ctypes.CDLL | None:
     """The kernel built with (``portable``) or without ``PORTABLE``, ``None`` on failure."""
     got = _load(portable)
@@ -387,3 +403,19 @@ def step(
         _moment(v),
     )
     lib.cc_host_adam_step(ctypes.byref(args))
+
+
+def cleared(lib: ctypes.CDLL, t: torch.Tensor, threads: int) -> bool:
+    """Whether every element of ``t`` (contiguous, on the CPU, of ``PARAM_DTYPES``) is
+    finite with a finite float32 square (``|t| < 2**64``): one read of its bits, on up to
+    ``threads`` threads (one per 64K elements). Exactly the torch condition
+    ``bool((t.double().abs() < 2**64).all())`` (NaN, inf, 2**64 and beyond: false)."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in PARAM_DTYPES:
+        raise ValueError(
+            f"cleared takes a contiguous CPU tensor of {sorted(map(str, PARAM_DTYPES))}, got "
+            f"{t.dtype} on {t.device} (contiguous: {t.is_contiguous()})"
+        )
+    got = lib.cc_host_adam_cleared(t.data_ptr(), t.numel(), PARAM_DTYPES[t.dtype], threads)
+    if got < 0:
+        raise RuntimeError(f"cc_host_adam_cleared refused dtype code {PARAM_DTYPES[t.dtype]}")
+    return bool(got)

@@ -51,6 +51,7 @@ __all__ = [
     "NATIVE_MIN_PER_THREAD",
     "adam_update",
     "compiled_update",
+    "native_cleared",
     "native_ready",
 ]
 
@@ -339,6 +340,19 @@ def native_ready() -> bool:
     from computectx.kernels import host_adam
 
     return host_adam.library() is not None
+
+
+def native_cleared(v: torch.Tensor) -> bool | None:
+    """Whether every element of ``v`` is finite with a finite float32 square (``|v| <
+    2**64``), by the native kernel's check (``host_adam.cleared``, on torch's threads); ``None``
+    where it does not read ``v`` (not a contiguous CPU tensor of the kernel's dtypes) or could
+    not be built: silently, as the caller has the exact torch condition."""
+    from computectx.kernels import host_adam
+
+    if v.device.type != "cpu" or v.dtype not in host_adam.PARAM_DTYPES or not v.is_contiguous():
+        return None
+    lib = host_adam.quiet_library()
+    return None if lib is None else host_adam.cleared(lib, v, torch.get_num_threads())
 
 
 @functools.cache

@@ -6,13 +6,16 @@ at the step, over the gradients as they are then, whatever wrote them after the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.dlpack import from_dlpack
 
 from computectx import ComputeCtx, DType
+from computectx.kernels import host_adam
 from computectx.memory import CompactOptimizer, LowPrecGradAccumulator, OffloadedOptimizer
 from computectx.memory.optim import _grad_health
 from computectx.memory.optim._grad_health import SQUARE_OVERFLOW, all_applicable
@@ -112,7 +115,7 @@ class Reads:
         self.count = 0
         real = _grad_health._cleared
 
-        def counted(v: torch.Tensor) -> torch.Tensor:
+        def counted(v: torch.Tensor) -> bool | torch.Tensor:
             self.count += 1
             return real(v)
 
@@ -262,3 +265,108 @@ def test_an_accumulator_s_sums_are_checked_at_the_step(monkeypatch: pytest.Monke
     opt.step()
     assert reads.take() == 4 and not opt.last_step_skipped
     acc.close()
+
+
+# ----- the native check (host_adam.cleared) ----------------------------------------------
+#
+# Where the native kernel builds, a contiguous float32, bfloat16 or float16 gradient on the
+# CPU is cleared by it (the largest magnitude of its bit patterns), exactly the condition
+# above: its twin is the torch condition, over crafted bit patterns.
+
+needs_kernel = pytest.mark.skipif(
+    host_adam.quiet_library() is None, reason="the native kernel did not build here"
+)
+
+PATTERNS = {
+    # bits: +-0, the least and largest subnormals, 1, the largest below 2**64, 2**64 and
+    # beyond, the largest finite, inf, NaNs (quiet and signalling, either sign, payloads).
+    torch.float32: (
+        torch.int32,
+        [0x00000000, 0x80000000, 0x00000001, 0x807FFFFF, 0x3F800000, 0x5F7FFFFF, 0xDF7FFFFF,
+         0x5F800000, 0xDF800000, 0x5F800001, 0x7F7FFFFF, 0x7F800000, 0xFF800000, 0x7F800001,
+         0x7FC00000, 0xFFC00000, 0x7FFFFFFF, 0xFFBFFFFF],
+    ),
+    torch.bfloat16: (
+        torch.int16,
+        [0x0000, 0x8000, 0x0001, 0x807F, 0x3F80, 0x5F7F, 0xDF7F, 0x5F80, 0xDF80, 0x5F81,
+         0x7F7F, 0x7F80, 0xFF80, 0x7F81, 0x7FC0, 0xFFC0, 0x7FFF, 0xFFBF],
+    ),
+    torch.float16: (
+        torch.int16,
+        [0x0000, 0x8000, 0x0001, 0x83FF, 0x3C00, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7C01,
+         0x7E00, 0xFE00, 0x7FFF, 0xFDFF],
+    ),
+}  # fmt: skip
+
+
+def crafted(dtype: torch.dtype, numel: int, bits: int, where: int) -> torch.Tensor:
+    """``numel`` ordinary values of ``dtype`` with the pattern ``bits`` at ``where``."""
+    t = torch.linspace(-3, 3, numel).to(dtype)
+    as_int = PATTERNS[dtype][0]
+    signed = bits - (1 << (8 * t.element_size())) if bits >> (8 * t.element_size() - 1) else bits
+    t.view(as_int)[where] = signed
+    return t
+
+
+def torch_condition(t: torch.Tensor) -> bool:
+    return bool((t.double().abs() < SQUARE_OVERFLOW).all())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", sorted(PATTERNS, key=str))
+def test_the_native_check_is_the_torch_condition_on_every_pattern(dtype: torch.dtype) -> None:
+    # Lengths around the vector width and a chunk of 64K elements (several threads), each
+    # pattern first, last, and in a tail or a later chunk; the portable build agrees.
+    native, portable = host_adam.quiet_library(), host_adam._library(True)
+    assert native is not None and portable is not None
+    for numel in (1, 17, 100, (1 << 16) + 33):
+        for bits in PATTERNS[dtype][1]:
+            for where in {0, numel - 1, numel // 2, max(numel - 20, 0)}:
+                t = crafted(dtype, numel, bits, where)
+                expected = torch_condition(t)
+                for lib in (native, portable):
+                    for threads in (1, 2, 3):
+                        assert host_adam.cleared(lib, t, threads) is expected, (bits, where)
+                assert all_applicable([t]) is expected
+
+
+@needs_kernel
+def test_the_native_check_refuses_what_it_does_not_read() -> None:
+    lib = host_adam.quiet_library()
+    assert lib is not None
+    for t in (torch.zeros(4, dtype=torch.float64), torch.zeros(4, 3).t()):
+        with pytest.raises(ValueError, match="cleared takes a contiguous CPU tensor"):
+            host_adam.cleared(lib, t, 1)
+    assert host_adam.cleared(lib, torch.zeros(0), 2) is True
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_contiguous_cpu_gradient_is_checked_natively_without_a_torch_op(
+    dtype: torch.dtype,
+) -> None:
+    grads = [torch.randn(300, 7).to(dtype), torch.randn(5).to(dtype)]
+    with OpCount() as ops:
+        assert all_applicable(grads) is True
+    grads[1][2] = float("nan")
+    with ops:
+        assert all_applicable(grads) is False
+    assert ops.names == []
+
+
+class OpCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Records the names of the torch ops run under it."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.names: list[str] = []
+
+    def __torch_dispatch__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
