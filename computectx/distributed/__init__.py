@@ -17,6 +17,7 @@ from computectx.distributed.expert_parallel import (
 )
 from computectx.distributed.fp4_all_gather import WeightGatheredFp4, enable_fp4_all_gather
 from computectx.distributed.fp4_counters import sync_fp4_counters
+from computectx.distributed.fp4_expert_gather import ExpertsGatheredFp4, enable_fp4_expert_gather
 from computectx.distributed.fp8_all_gather import (
     GatherFallbackWarning,
     WeightGatheredQuantized,
@@ -55,6 +56,7 @@ __all__ = [
     "AllToAllDispatch",
     "AmaxSync",
     "DataParallelGradAccumulator",
+    "ExpertsGatheredFp4",
     "ExpertsGatheredQuantized",
     "GatherFallbackWarning",
     "Parallel",
@@ -70,6 +72,7 @@ __all__ = [
     "data_parallel_group",
     "dtensor_quantized_linear",
     "enable_fp4_all_gather",
+    "enable_fp4_expert_gather",
     "enable_quantized_all_gather",
     "enable_quantized_expert_gather",
     "expert_parallel",

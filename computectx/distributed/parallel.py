@@ -300,7 +300,8 @@ def parallelize(
 
     1. fp8 policy: ``convert_to_quantized(model, ctx, module_filter=fp8_filter)``.
     2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 and a 4-bit recipe's
-       ``Fp4Linear`` weights in 4 bits (``fp8_all_gather``, ``enable_fp4_all_gather``;
+       ``Fp4Linear`` and ``Fp4Experts`` weights in 4 bits (``fp8_all_gather``,
+       ``enable_fp4_all_gather``, ``enable_fp4_expert_gather``;
        weights tied to another module, and ``row`` and ``mx`` fp8 weights
        (``gathers_quantized``), gather high precision), then ``fully_shard`` each of
        ``shard_units`` (default: every block of a ``ModuleList``, else every child with

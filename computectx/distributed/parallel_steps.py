@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from computectx.ctx import ComputeCtx
 from computectx.distributed.expert_parallel import moe_local_buffers
 from computectx.distributed.fp4_all_gather import enable_fp4_all_gather
+from computectx.distributed.fp4_expert_gather import enable_fp4_expert_gather
 from computectx.distributed.fp8_all_gather import (
     enable_quantized_all_gather,
     gathers_quantized,
@@ -172,7 +173,7 @@ def shard(
 def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:
     """Make FSDP2 gather the fp8 layers' weights (but tied ones, and those whose policy
     gathers high precision: ``gathers_quantized``) and the block fp8 experts as fp8, and the
-    4-bit layers' weights (but tied ones) in 4 bits."""
+    4-bit layers' weights (but tied ones) and 4-bit experts' weights in 4 bits."""
     owners = parameter_holders(model)
     enable_fp4_all_gather(
         model,
@@ -189,6 +190,7 @@ def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Par
         ),
     )
     enable_quantized_expert_gather(model, world, skip=frozenset(map(id, experts)))
+    enable_fp4_expert_gather(model, skip=frozenset(map(id, experts)))
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

@@ -21,7 +21,7 @@ import torch
 from computectx.kernels.fp4_grouped import fp4_grouped_scaled_mm, fp4_grouped_scaled_wgrad
 from computectx.kernels.fp4_quantize import HADAMARD_SIZE, fp4_quantize
 
-__all__ = ["grouped_mm_values", "grouped_wgrad_values"]
+__all__ = ["grouped_mm_gathered_values", "grouped_mm_values", "grouped_wgrad_values"]
 
 _NO_SIGNS = [1] * HADAMARD_SIZE  # the row-wise quantize reads no signs
 
@@ -47,25 +47,17 @@ def _joined(parts: list[torch.Tensor], dim: int, dtype: torch.dtype) -> torch.Te
     return torch.cat([p.view(torch.uint8) for p in parts], dim).view(dtype)
 
 
-def grouped_mm_values(
+def _row_operands(
     a: torch.Tensor,
-    b: torch.Tensor,
     bounds: list[tuple[int, int]],
-    offs: torch.Tensor,
+    e: int,
     format: str,
-    weight_tile: str,
     mx_rounding: str,
     rng: torch.Tensor | None,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``[M, N]``: group ``g``'s rows ``bounds[g]`` of ``a [M, K]`` (``offs``'s values, read)
-    quantized row-wise with their own amax (``rng`` rounds them) times expert ``b[g]``
-    (``[E, N, K]``) quantized at ``weight_tile``; rows past the last group zero. ``offs`` is
-    the operator's int32 ``(E,)`` (the launch reads it on the device)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Each group's rows of a quantized on their own (codes, scales joined along the rows,
+    # the groups' amaxes), rows past the last group zero.
     m, k = a.shape
-    e, n = b.shape[0], b.shape[1]
-    if e == 0:
-        return torch.zeros((m, n), dtype=out_dtype, device=a.device)
     nvfp4 = format == "nvfp4"
     scale_dtype = torch.float8_e4m3fn if nvfp4 else torch.float8_e8m0fnu
     codes, scales = [], []
@@ -85,17 +77,70 @@ def grouped_mm_values(
     scales.append(
         torch.zeros((tail, k // (16 if nvfp4 else 32)), dtype=torch.uint8, device=a.device)
     )
+    return (
+        _joined(codes, 0, torch.float4_e2m1fn_x2),
+        _joined(scales, 0, scale_dtype),
+        amax_a,
+    )
+
+
+def grouped_mm_values(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    bounds: list[tuple[int, int]],
+    offs: torch.Tensor,
+    format: str,
+    weight_tile: str,
+    mx_rounding: str,
+    rng: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``[M, N]``: group ``g``'s rows ``bounds[g]`` of ``a [M, K]`` (``offs``'s values, read)
+    quantized row-wise with their own amax (``rng`` rounds them) times expert ``b[g]``
+    (``[E, N, K]``) quantized at ``weight_tile``; rows past the last group zero. ``offs`` is
+    the operator's int32 ``(E,)`` (the launch reads it on the device)."""
+    e, n = b.shape[0], b.shape[1]
+    if e == 0:
+        return torch.zeros((a.shape[0], n), dtype=out_dtype, device=a.device)
     qb = [
         fp4_quantize(b[g], format, weight_tile, mx_rounding, False, False, _NO_SIGNS, None)
         for g in range(e)
     ]
+    codes = torch.stack([q[0] for q in qb])
+    scales = torch.stack([q[1] for q in qb])
+    amax = torch.cat([q[2] for q in qb]) if format == "nvfp4" else None
+    return grouped_mm_gathered_values(
+        a, codes, scales, amax, bounds, offs, format, weight_tile, mx_rounding, rng, out_dtype
+    )
+
+
+def grouped_mm_gathered_values(
+    a: torch.Tensor,
+    b_codes: torch.Tensor,
+    b_scale: torch.Tensor,
+    b_amax: torch.Tensor | None,
+    bounds: list[tuple[int, int]],
+    offs: torch.Tensor,
+    format: str,
+    weight_tile: str,
+    mx_rounding: str,
+    rng: torch.Tensor | None,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """``grouped_mm_values`` with each expert's operand given, quantized: codes ``[E, N,
+    K/2]``, scales at ``weight_tile`` (MXFP4 1x32), NVFP4's amaxes ``(E,)``."""
+    e, n = b_codes.shape[0], b_codes.shape[1]
+    if e == 0:
+        return torch.zeros((a.shape[0], n), dtype=out_dtype, device=a.device)
+    nvfp4 = format == "nvfp4"
+    codes, scale, amax_a = _row_operands(a, bounds, e, format, mx_rounding, rng)
     return fp4_grouped_scaled_mm(
-        a=_joined(codes, 0, torch.float4_e2m1fn_x2),
-        scale_a=_joined(scales, 0, scale_dtype),
+        a=codes,
+        scale_a=scale,
         amax_a=amax_a if nvfp4 else None,
-        b=torch.stack([q[0] for q in qb]),
-        scale_b=torch.stack([q[1] for q in qb]),
-        amax_b=torch.cat([q[2] for q in qb]) if nvfp4 else None,
+        b=b_codes.contiguous(),
+        scale_b=b_scale.contiguous(),
+        amax_b=b_amax if nvfp4 else None,
         tile_b=weight_tile if nvfp4 else "1x32",
         offs=offs,
         out_dtype=out_dtype,

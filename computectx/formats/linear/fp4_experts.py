@@ -13,6 +13,9 @@ Group ``g`` (rows ``offs[g-1]:offs[g]``, ``offs[-1]`` read as 0) is ``Fp4Linear`
 through ``computectx::fp4_grouped_mm`` and ``fp4_grouped_wgrad``: each group's operands take
 their own amax, the wgrad's are zero-padded and Hadamard-transformed per group, an empty group
 reads nothing of its expert (no rows, a zero ``dW[g]``), rows past ``offs[-1]`` come out zero.
+A weight FSDP2 gathered in 4 bits (``linear.fp4_gathered.Fp4GatheredExperts``: every expert's
+operands, as the grouped GEMM makes them) is multiplied with as it came, forward and dgrad,
+through ``computectx::fp4_grouped_mm_gathered``: the same bits, nothing of it quantized again.
 
 **What is bit-equal** (``tests/formats/linear/test_fp4_experts.py``): with stochastic
 rounding off, ``Y``'s rows, ``dX``'s rows and ``dW[g]`` of group ``g`` are ``Fp4Linear``'s
@@ -67,9 +70,11 @@ from computectx.formats.linear.fp4_counter import (
     replays_a_call,
     saved_counter,
 )
+from computectx.formats.linear.fp4_gathered import Fp4ExpertsGather, Fp4GatheredExperts
 from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
 from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.ops.fp4_grouped_gathered import grouped_mm_gathered
 from computectx.formats.ops.grouped import check_grouped, outside_autocast
 from computectx.formats.policy import describe
 from computectx.formats.scaling.load import guard_whole_loads
@@ -283,6 +288,14 @@ class Fp4Experts(CounterLoads, nn.Module):
     def extra_repr(self) -> str:
         return f"recipe={self.recipe}"
 
+    @property
+    def experts_gather(self) -> Fp4ExpertsGather:
+        """How a shard of whole experts of a weight this module multiplies with is quantized
+        for FSDP2's 4-bit all-gather, and rebuilt into every expert's operands
+        (``Fp4GatheredExperts``, which ``mm`` multiplies with as they are:
+        ``linear.fp4_gathered``)."""
+        return Fp4ExpertsGather(self.how)
+
     def mm(
         self, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, save: SaveMode = "keep"
     ) -> torch.Tensor:
@@ -338,7 +351,10 @@ class _Fp4GroupedFn(torch.autograd.Function):
         key: tuple[torch.Tensor, torch.Tensor | None] | None,
         save: SaveMode,
     ) -> torch.Tensor:
-        y = fp4_ops.grouped_mm(x, w, offs, how)
+        if isinstance(w, Fp4GatheredExperts):  # gathered in 4 bits: its operands as they came
+            y = grouped_mm_gathered(x, w.operand(), offs, how)
+        else:
+            y = fp4_ops.grouped_mm(x, w, offs, how)
         c: Any = ctx
         kept: tuple[torch.Tensor, ...] = (x,) if c.needs_input_grad[1] else ()
         kept = offload_kept(ctx, kept) if save == "offload" else kept
@@ -356,8 +372,12 @@ class _Fp4GroupedFn(torch.autograd.Function):
         m, n = dy.shape
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            wt = w.transpose(1, 2)  # W[g]ᵀ [K, N], contracted over N
-            dx = fp4_ops.grouped_mm(dy, wt, offs, how, out_dtype=ctx.x_dtype, stochastic=key)
+            if isinstance(w, Fp4GatheredExperts):
+                qwt = w.dgrad_operand()
+                dx = grouped_mm_gathered(dy, qwt, offs, how, out_dtype=ctx.x_dtype, stochastic=key)
+            else:
+                wt = w.transpose(1, 2)  # W[g]ᵀ [K, N], contracted over N
+                dx = fp4_ops.grouped_mm(dy, wt, offs, how, out_dtype=ctx.x_dtype, stochastic=key)
         if ctx.needs_input_grad[1]:
             (x,) = kept_back(ctx, tuple(rest))
             if key is not None and col is None:

@@ -18,6 +18,11 @@ per-tensor amax (the shard group's MAX of each shard's ``shard_amax``):
   them in place): 2 x (0.5 + 1/16) = 1.125 bytes an element for NVFP4 1x16, 2 x (0.5 + 1/32) =
   1.0625 for MXFP4, against 2 (bf16) or 4 (float32) for the high-precision weight.
 
+Grouped experts (``Fp4ExpertsGather``, ``Fp4GatheredExperts``): FSDP2 shards ``w [E, N, K]``
+along the experts; a shard of whole experts quantizes each expert with its own amax (the
+grouped GEMM's), with no collective, and sends per expert what a dense shard sends plus NVFP4's
+amax; the gathered parts are every expert's operands.
+
 The shard is quantized by the quantize's twin (``numerics.fp4``), the function the
 ``computectx::fp4_quantize`` operator runs, with the whole weight's amax given: so the
 gathered operands are those ``Fp4Linear.quantized_weight()`` (and the dgrad's quantize of
@@ -48,7 +53,13 @@ from computectx.formats.numerics.fp4 import (
 )
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, dequantize_operand
 
-__all__ = ["Fp4GatheredWeight", "Fp4ShardGather", "transposed_tiles"]
+__all__ = [
+    "Fp4ExpertsGather",
+    "Fp4GatheredExperts",
+    "Fp4GatheredWeight",
+    "Fp4ShardGather",
+    "transposed_tiles",
+]
 
 _aten = torch.ops.aten
 _ALIASING = {
@@ -175,7 +186,7 @@ class Fp4GatheredWeight(torch.Tensor):
         codes = parts[0]
         out = torch.Tensor._make_wrapper_subclass(
             cls,
-            (codes.shape[0], codes.shape[1] * 2),
+            (*codes.shape[:-1], codes.shape[-1] * 2),
             dtype=dtype,
             device=codes.device,
             requires_grad=False,
@@ -262,6 +273,104 @@ class Fp4GatheredWeight(torch.Tensor):
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         tile = self._how.weight_tile if self._how.format == "nvfp4" else "1x32"
         return (
-            f"Fp4GatheredWeight(shape={tuple(self.shape)}, {self._how.format} {tile} as "
+            f"{type(self).__name__}(shape={tuple(self.shape)}, {self._how.format} {tile} as "
             f"{self.dtype}, device={self.device})"
         )
+
+
+# ----- Grouped experts: shards of whole experts ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp4ExpertsGather(Fp4ShardGather):
+    """How a shard of whole experts of a 4-bit experts weight (``w [E, N, K]``, FSDP2's row
+    shards along the experts) is quantized for a gather and rebuilt after it; ``how`` is the
+    experts module's (``Fp4Experts.experts_gather``).
+
+    The grouped GEMM quantizes each expert on its own, with its own amax (``ops.fp4``'s
+    ``fp4_grouped_mm``): a rank holding whole experts makes their operands alone, with no
+    collective. Each shard sends, per expert, ``W[e]``'s codes and scales at the weight's
+    block, NVFP4's amax (float32, one per expert), and, where blocks do not transpose (NVFP4
+    1x16, MXFP4), ``W[e]ᵀ``'s codes and scales (the dgrad's operand, its 1x16 or 1x32 blocks
+    along ``N``). The gathered parts are an ``Fp4GatheredExperts``."""
+
+    def aligns_experts(self, shape: torch.Size, world: int) -> bool:
+        """Whether ``world`` equal shards of ``shape`` (``[E, N, K]``) hold whole experts
+        whose operands the grouped GEMM can take: ``E`` a multiple of ``world``, ``N`` and
+        ``K`` multiples of the block (16, MXFP4 32)."""
+        e, n, k = shape
+        return e % world == 0 and n % self.rows == 0 and k % self.how.block == 0
+
+    def expert_inputs(self, shard: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What the shard ``[E_local, N, K]`` sends, each part with the experts first (a
+        gather along dim 0 concatenates them): codes and scales as ``uint8``, NVFP4's amaxes
+        float32 ``(E_local,)``, then where blocks do not transpose ``Wᵀ``'s codes ``[E_local,
+        K, N/2]`` and scales."""
+        parts: list[list[torch.Tensor]] = []
+        for e in range(shard.shape[0]):
+            w = shard[e]
+            amax = tensor_amax(w) if self.needs_amax else None  # the expert's own
+            q = self._operand(w, amax, self.how.weight_tile)
+            mine = [q.codes.view(torch.uint8), q.scale.view(torch.uint8)]
+            if isinstance(q, Nvfp4Operand):
+                mine.append(q.amax.reshape(1).float())
+            if not self.transposes:
+                qt = self._operand(w.t(), amax, "1x16")
+                mine += [qt.codes.view(torch.uint8), qt.scale.view(torch.uint8)]
+            parts.append(mine)
+        return tuple(torch.stack(p) for p in zip(*parts, strict=True))
+
+    def experts(self, outputs: Sequence[torch.Tensor], dtype: torch.dtype) -> Fp4GatheredExperts:
+        """The gathered ``outputs`` (``expert_inputs`` of every shard, concatenated along the
+        experts) as the whole weight's operands, a weight of nominal ``dtype``."""
+        parts = tuple(outputs)
+        if self.needs_amax:
+            amax: torch.Tensor | None = parts[2].reshape(-1)
+            parts = parts[:2] + parts[3:]
+        else:
+            amax = None
+        return Fp4GatheredExperts(parts, amax, self.how, dtype)
+
+
+class Fp4GatheredExperts(Fp4GatheredWeight):
+    """A 4-bit experts weight ``[E, N, K]`` held as each expert's operands (the gathered
+    ``uint8`` parts, experts first, and NVFP4's float32 amaxes ``(E,)``), which
+    ``Fp4Experts`` multiplies with as they are: ``operand()`` for the forward,
+    ``dgrad_operand()`` for the dgrad (``ops.fp4_grouped_gathered``). Each expert's operands are
+    those ``Fp4Experts``' grouped GEMM makes of it, bit for bit. Every other op sees
+    ``dequantize()``, as for ``Fp4GatheredWeight``."""
+
+    def _stacked(self, codes: torch.Tensor, scale: torch.Tensor, tile: str) -> Fp4Operand:
+        c = codes.view(torch.float4_e2m1fn_x2)
+        s = scale.view(_scale_dtype(self._how))
+        if self._amax is None:
+            return Mxfp4Operand(c, s)
+        return Nvfp4Operand(c, s, self._amax.reshape(-1), "16x16" if tile == "16x16" else "1x16")
+
+    def operand(self) -> Fp4Operand:
+        """Every expert's ``W[e]`` operand, stacked: codes ``[E, N, K/2]``, scales ``[E,
+        ...]``, NVFP4's amaxes ``(E,)``."""
+        return self._stacked(self._parts[0], self._parts[1], self._how.weight_tile)
+
+    def dgrad_operand(self) -> Fp4Operand:
+        """Every expert's ``W[e]ᵀ`` operand at the weight's block, stacked (16x16 tiles: the
+        codes and tile scales of each expert transposed, made on the call)."""
+        q = self.operand()
+        if isinstance(q, Nvfp4Operand) and q.tile == "16x16":
+            codes = pack_codes(unpack_codes(q.codes).transpose(1, 2))
+            return Nvfp4Operand(codes, q.scale.transpose(1, 2).contiguous(), q.amax, "16x16")
+        return self._stacked(self._parts[2], self._parts[3], "1x16")
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Each expert's forward operand's values, formed in float32 and rounded once to
+        ``dtype`` (default: the nominal dtype)."""
+        q = self.operand()
+        experts = []
+        for e in range(q.codes.shape[0]):
+            if isinstance(q, Nvfp4Operand):
+                one: Fp4Operand = Nvfp4Operand(q.codes[e], q.scale[e], q.amax[e], q.tile)
+            else:
+                one = Mxfp4Operand(q.codes[e], q.scale[e])
+            experts.append(dequantize_operand(one))
+        whole = torch.stack(experts) if experts else torch.zeros(self.shape)
+        return whole.to(dtype or self.dtype)

@@ -70,7 +70,9 @@ add nothing to the product.
 GEMM on its own rows: its rows quantized with their own amax, expert ``g``'s matrix with its
 own; the wgrad's operands padded per group and transformed per group. An empty group
 quantizes nothing and reads nothing of its expert (its rows do not exist, its dW is zero);
-rows past the last group come out zero. Stochastic rounding: the groups draw consecutive
+rows past the last group come out zero. ``reference_fp4_grouped_mm_gathered`` takes each expert's
+operand already quantized (FSDP2's 4-bit gather of experts) and is otherwise the same call.
+Stochastic rounding: the groups draw consecutive
 counter ranges in group order, each its operand's element count (``Stochastic.offset`` plus
 the elements of the earlier groups' operands), so the forward and dgrad rows draw exactly what
 one quantize of the whole row-major tensor would, and a caller advances its counter by
@@ -80,6 +82,7 @@ one quantize of the whole row-major tensor would, and a caller advances its coun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Final, Literal
 
 import torch
@@ -117,6 +120,7 @@ __all__ = [
     "grouped_counters",
     "quantize_rows",
     "reference_fp4_grouped_mm",
+    "reference_fp4_grouped_mm_gathered",
     "reference_fp4_grouped_wgrad",
     "reference_fp4_mm",
     "tensor_scale_alpha",
@@ -413,14 +417,49 @@ def reference_fp4_grouped_mm(
     ``stochastic`` rounds them) times expert ``b[g]`` (``[N, K]``) quantized at the weight
     tile, by ``reference_fp4_mm``; the forward (``b = W``) and the dgrad (``b = Wᵀ`` per
     expert, ``a = dY``) are this call."""
+
+    def expert(g: int) -> Fp4Operand:
+        return quantize_rows(b[g], how, weight=True)
+
+    return _grouped_rows(a, expert, b.shape[1], bounds, how, out_dtype, stochastic)
+
+
+def reference_fp4_grouped_mm_gathered(
+    a: torch.Tensor,
+    b: Fp4Operand,
+    bounds: list[tuple[int, int]],
+    how: Fp4Quant,
+    out_dtype: torch.dtype,
+    stochastic: Stochastic | None = None,
+) -> torch.Tensor:
+    """``reference_fp4_grouped_mm`` with each expert's operand given, quantized: ``b`` holds
+    the experts' operands stacked (codes ``[E, N, K/2]``, scales ``[E, ...]``, NVFP4's
+    amaxes ``(E,)``); expert ``g``'s is ``b``'s ``g``-th entry of each."""
+
+    def expert(g: int) -> Fp4Operand:
+        if isinstance(b, Nvfp4Operand):
+            return Nvfp4Operand(b.codes[g], b.scale[g], b.amax.reshape(-1)[g], b.tile)
+        return Mxfp4Operand(b.codes[g], b.scale[g])
+
+    return _grouped_rows(a, expert, b.codes.shape[1], bounds, how, out_dtype, stochastic)
+
+
+def _grouped_rows(
+    a: torch.Tensor,
+    expert: Callable[[int], Fp4Operand],
+    n: int,
+    bounds: list[tuple[int, int]],
+    how: Fp4Quant,
+    out_dtype: torch.dtype,
+    stochastic: Stochastic | None,
+) -> torch.Tensor:
     k = a.shape[1]
-    out = a.new_zeros((a.shape[0], b.shape[1]), dtype=out_dtype)
+    out = a.new_zeros((a.shape[0], n), dtype=out_dtype)
     for g, (start, end) in enumerate(bounds):
         if end == start:
             continue
         qa = quantize_rows(a[start:end], how, stochastic=_key(stochastic, start * k))
-        qb = quantize_rows(b[g], how, weight=True)
-        out[start:end] = reference_fp4_mm(qa, qb, out_dtype)
+        out[start:end] = reference_fp4_mm(qa, expert(g), out_dtype)
     return out
 
 

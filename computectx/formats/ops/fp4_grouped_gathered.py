@@ -1,0 +1,165 @@
+"""The 4-bit grouped GEMM whose experts arrive quantized (FSDP2 gathered them so):
+``computectx::fp4_grouped_mm_gathered``.
+
+``fp4_grouped_mm`` (``ops.fp4``) quantizes each expert ``b[g]`` at the weight's block at every
+call. Here each expert's operand is given as it was quantized elsewhere (FSDP2's 4-bit gather
+of grouped experts, ``linear.fp4_gathered.Fp4GatheredExperts``): codes ``[E, N, K/2]``
+(``float4_e2m1fn_x2``), block scales ``[E, N, K/16]`` (NVFP4 1x16), ``[E, N/16, K/16]``
+(16x16 tiles) or ``[E, N, K/32]`` (MXFP4, E8M0), and NVFP4's per-expert amax, float32
+``(E,)``. Group ``g``'s rows of ``a`` are quantized as ``fp4_grouped_mm`` quantizes them (their
+own amax, 1x16 or 1x32 blocks, ``rng`` rounding them at ``counter + start_g·K``) and multiplied
+with expert ``g``'s operand (``numerics.fp4_gemm.reference_fp4_grouped_mm_gathered``; the Triton
+grouped GEMM on its backends). Given each expert's operand as ``quantize_rows(b[g],
+weight=True)`` makes it, the result is ``fp4_grouped_mm``'s bit for bit: the forward with
+``W``'s operands, the dgrad with ``Wᵀ``'s.
+
+``offs`` and ``rng`` are data read inside the operator, as for the other grouped operators
+(``ops.fp4``): a compiled caller recompiles neither as the group sizes nor as the counter
+change; the fake gives the ``[M, N]`` result's shape and dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Final, cast
+
+import torch
+from torch.library import custom_op
+
+from computectx.dtypes import FLOAT_DTYPES
+from computectx.formats.backend import quantizable_arg
+from computectx.formats.numerics import fp4_gemm
+from computectx.formats.numerics.e2m1 import HADAMARD_SIZE, Stochastic
+from computectx.formats.numerics.fp4 import (
+    NVFP4_BLOCK,
+    Mxfp4Operand,
+    MxRounding,
+    Nvfp4Operand,
+    Nvfp4Tile,
+)
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
+from computectx.formats.ops.fp4_backend import backend_of, check_how, rng_arg, runs_triton
+from computectx.formats.ops.grouped import checked_bounds
+
+__all__ = ["fp4_grouped_mm_gathered", "grouped_mm_gathered"]
+
+_U64: Final[int] = 2**64
+
+
+@custom_op("computectx::fp4_grouped_mm_gathered", mutates_args=())
+def fp4_grouped_mm_gathered(
+    a: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor | None,
+    offs: torch.Tensor,
+    format: str,
+    weight_tile: str,
+    mx_rounding: str,
+    rng: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """``[M, N]``: group ``g``'s rows of ``a [M, K]``, quantized on their own, times expert
+    ``g``'s operand (``codes[g]``, ``scale[g]``, NVFP4's ``amax[g]``), as it came."""
+    bounds = checked_bounds(offs, a.shape[0])
+    if runs_triton(backend, a):
+        from computectx.kernels.fp4_grouped_values import grouped_mm_gathered_values
+
+        args = (format, weight_tile, mx_rounding, rng, out_dtype)
+        return grouped_mm_gathered_values(a, codes, scale, amax, bounds, offs, *args)
+    how = Fp4Quant(
+        format=cast(fp4_gemm.Fp4Format, format),
+        weight_tile=cast(Nvfp4Tile, weight_tile),
+        mx_rounding=cast(MxRounding, mx_rounding),
+        hadamard=False,
+        signs=(1,) * HADAMARD_SIZE,
+    )
+    b: Fp4Operand = Mxfp4Operand(codes, scale)
+    if amax is not None:
+        b = Nvfp4Operand(codes, scale, amax, how.weight_tile)
+    key = None
+    if rng is not None:  # a host read of the two int64s (inside the operator: data)
+        seed, offset = (int(v) for v in rng.tolist())
+        key = Stochastic(seed % _U64, offset)
+    return fp4_gemm.reference_fp4_grouped_mm_gathered(a, b, bounds, how, out_dtype, key)
+
+
+@fp4_grouped_mm_gathered.register_fake
+def _grouped_mm_gathered_fake(a: torch.Tensor, codes: torch.Tensor, *rest: object) -> torch.Tensor:
+    return a.new_empty((a.shape[0], codes.shape[1]), dtype=cast(torch.dtype, rest[-2]))
+
+
+def _scale_shape(b: Fp4Operand, e: int, n: int, k: int) -> tuple[int, int, int]:
+    if isinstance(b, Mxfp4Operand):
+        return (e, n, k // 32)
+    return (e, n // NVFP4_BLOCK, k // NVFP4_BLOCK) if b.tile == "16x16" else (e, n, k // 16)
+
+
+def _check_gathered(a: torch.Tensor, b: object, offs: object, how: Fp4Quant) -> Fp4Operand:
+    """``b`` as the experts' stacked operands of ``how``'s format for ``a``, or
+    ``TypeError``/``ValueError`` naming what is wrong (shapes and dtypes, never values)."""
+    want = Nvfp4Operand if how.format == "nvfp4" else Mxfp4Operand
+    if not isinstance(b, want):
+        raise TypeError(
+            f"grouped_mm_gathered under {how.format} takes a {want.__name__}, got "
+            f"{type(b).__name__}"
+        )
+    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
+        got = f"{offs.dtype} {tuple(offs.shape)}" if isinstance(offs, torch.Tensor) else offs
+        raise TypeError(f"offs must be a 1-D int32 tensor of each group's end row, got {got!r}")
+    codes = b.codes
+    if codes.dtype != torch.float4_e2m1fn_x2 or codes.dim() != 3:
+        raise ValueError(
+            f"grouped_mm_gathered takes the experts' codes as float4_e2m1fn_x2 [E, N, K/2], got "
+            f"{codes.dtype} {tuple(codes.shape)}"
+        )
+    e, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    if a.dim() != 2 or a.shape[1] != k or e != offs.shape[0]:
+        raise ValueError(
+            f"grouped_mm_gathered takes a [M, K] and offs [E] for codes [E, N, K/2] = "
+            f"{tuple(codes.shape)}, got a {tuple(a.shape)} and offs {tuple(offs.shape)}"
+        )
+    shape = _scale_shape(b, e, n, k)
+    if tuple(b.scale.shape) != shape:
+        raise ValueError(
+            f"grouped_mm_gathered: the experts' scales are {tuple(b.scale.shape)}, expected "
+            f"{shape} for codes {tuple(codes.shape)}"
+        )
+    amax = b.amax if isinstance(b, Nvfp4Operand) else None
+    if amax is not None and (amax.dtype != torch.float32 or amax.numel() != e):
+        raise ValueError(
+            f"grouped_mm_gathered: NVFP4 experts take one float32 amax each ({e}), got "
+            f"{amax.dtype} {tuple(amax.shape)}"
+        )
+    held = (codes, b.scale, offs) + ((amax,) if amax is not None else ())
+    if any(t.device != a.device for t in held):
+        raise ValueError(f"grouped_mm_gathered: a, the experts' operands and offs on {a.device}")
+    return b
+
+
+def grouped_mm_gathered(
+    a: torch.Tensor,
+    b: Fp4Operand,
+    offs: torch.Tensor,
+    how: Fp4Quant,
+    *,
+    out_dtype: torch.dtype | None = None,
+    stochastic: Stochastic | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``[M, N]``: group ``g``'s rows of ``a`` in 4 bits times expert ``g``'s operand in
+    ``b`` (the experts' operands stacked: codes ``[E, N, K/2]``, scales ``[E, ...]``, NVFP4's
+    amaxes ``(E,)``), at ``out_dtype`` (default ``a``'s), through
+    ``computectx::fp4_grouped_mm_gathered`` (module docstring). ``stochastic`` rounds ``a``'s
+    codes (the dgrad's dY), as ``ops.fp4.grouped_mm``'s."""
+    h = check_how(how)
+    t = quantizable_arg(a)
+    q = _check_gathered(t, b, offs, h)
+    out = t.dtype if out_dtype is None else out_dtype
+    if out not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    tile = q.tile if isinstance(q, Nvfp4Operand) else "1x16"
+    amax = q.amax.reshape(-1) if isinstance(q, Nvfp4Operand) else None
+    rng = rng_arg(stochastic, t)
+    args = (h.format, tile, h.mx_rounding, rng, out, backend_of(t))
+    y: torch.Tensor = fp4_grouped_mm_gathered(t, q.codes, q.scale, amax, offs, *args)
+    return y
