@@ -17,7 +17,7 @@ from torch import nn
 from computectx import ComputeCtx
 from computectx.formats import Fp4Experts, Fp4Recipe, FrozenFp4Experts, freeze_fp4_for_serving
 from computectx.formats.ops import fp4 as fp4_ops
-from computectx.memory import memory_report
+from computectx.memory import load_weights, memory_report, save_weights
 from computectx.nn import GroupedExperts
 
 RECIPES = ["nvfp4", "nvfp4+w1x16", "mxfp4", "mxfp4+floor"]
@@ -160,6 +160,10 @@ def test_safetensors_round_trip_and_the_loads_it_refuses(tmp_path: pathlib.Path)
         target.load_state_dict(training)  # a training checkpoint, its high-precision weights
     target.load_state_dict(state)  # the mode is the module's: the same codes serve weight-only
     assert all(same(v, state[k]) for k, v in target.state_dict().items())
+    # computectx.memory's save and load path carries them too (F4 codes, E4M3 scales).
+    other = nn.Sequential(frozen(experts("nvfp4", seed=6)))
+    load_weights(other, save_weights(model, tmp_path / "w.safetensors"), BF16)
+    assert all(same(v, state[k]) for k, v in other.state_dict().items())
 
 
 def test_refused_calls_change_nothing() -> None:
@@ -204,3 +208,20 @@ def test_freeze_fp4_for_serving_freezes_the_experts_too() -> None:
     assert isinstance(model[0].fp8, FrozenFp4Experts)
     with torch.inference_mode():
         assert same(model[0](X, OFFS), want)
+
+
+def test_a_compiled_frozen_forward_is_one_graph_with_the_eager_bits() -> None:
+    # Dynamo's whole-graph trace, at test speed. aot_eager and Inductor (CPU) were checked once,
+    # not here: the same bits (Inductor with emulate_precision_casts: its fused SwiGLU skips
+    # eager's roundings otherwise, as for the training experts), 15-25 s of compile a mode.
+    from torch._dynamo.utils import counters
+
+    module = experts("nvfp4")
+    for mode in ("w4a4", "weight_only"):
+        served = frozen(module, mode, "per_row")
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(served, fullgraph=True, backend="eager")
+        with torch.inference_mode():
+            assert same(compiled(X, OFFS), served(X, OFFS)), mode
+        assert not counters["graph_break"], mode
