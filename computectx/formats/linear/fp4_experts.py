@@ -166,10 +166,11 @@ def _padded(counts: torch.Tensor, multiple: int) -> torch.Tensor:
 
 
 def _framed_keys(
-    key: torch.Tensor, offs: torch.Tensor, m: int, n: int, multiple: int
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    key: torch.Tensor, offs: torch.Tensor, m: int, n: int, multiple: int, replaying: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The dX key, the wgrad key (``None``: the backward's ``C + M·N``) and the counter's
-    advance of one call: its own (no frame) or the frame's whole call's."""
+    advance of one call: its own (no frame) or the frame's whole call's; no advance
+    (``None``) for a ``replaying`` call outside a frame, which advances nothing."""
     # A global, so a compiled caller guards on it: traced with no frame open, it recompiles
     # when one opens, and the frame is then read eagerly (_frame_keys: a graph break).
     if _OPEN_FRAMES:
@@ -184,6 +185,8 @@ def _framed_keys(
     # offs on the host anyway (ops.grouped.checked_bounds, each quantize launched per
     # group), and this read comes before the GEMMs are enqueued, so the operator's own
     # read then finds little left queued.
+    if replaying:  # a replay advances nothing: no read of its advance (a device sync)
+        return key, None, None
     counts = torch.diff(offs, prepend=offs.new_zeros(1)).to(torch.int64)
     return key, None, (n * (m + _padded(counts, multiple).sum())).reshape(1).cpu()
 
@@ -315,10 +318,11 @@ class Fp4Experts(CounterLoads, nn.Module):
             y: torch.Tensor = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, None, save)
             return y
         multiple = max(block, HADAMARD_SIZE) if self.how.hadamard else block
-        dx_key, col, drawn = _framed_keys(key, offs, m, n, multiple)
+        replaying = replays_a_call()  # the same before and after the call (its checkpoint's)
+        dx_key, col, drawn = _framed_keys(key, offs, m, n, multiple, replaying)
         keys = (dx_key, col)
         y = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, keys, save)
-        if not replays_a_call():
+        if not replaying and drawn is not None:
             # After the call (a bad offs has raised, the counter unmoved); a new tensor: the
             # key the backward holds is never written to.
             self.sr_key = key + torch.cat([drawn.new_zeros(1), drawn])

@@ -23,6 +23,7 @@ from computectx.formats import (
     QuantizedExperts,
     experts_draw_frame,
 )
+from computectx.formats.linear import fp4_experts
 from computectx.formats.linear.fp4_counter import fp4_key, stream_word
 from computectx.formats.linear.fp4_experts import ExpertsGemm
 from computectx.nn import GroupedExperts
@@ -220,12 +221,25 @@ def test_a_counter_entry_of_none_is_refused_before_anything_loads() -> None:
     assert fp4_of(target).sr_key.tolist() == [0, 0]
 
 
-def test_a_checkpoints_recomputation_draws_nothing_and_gives_the_same_gradients() -> None:
+def test_a_checkpoints_recomputation_draws_nothing_and_gives_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     plain, ckpt = _experts(Fp4Recipe()), _experts(Fp4Recipe())
     x, offs = torch.randn(20, 32).bfloat16(), offsets([6, 0, 9, 5])
     backward(plain(x, offs).float().square().sum())
     out = checkpoint(ckpt, x, offs, use_reentrant=False)
+    # The recomputation advances nothing, so it computes no advance either (on a GPU its
+    # .cpu() read is a device sync): each call's advance is the padded group sizes' sum.
+    advances: list[int] = []
+    padded = fp4_experts._padded
+
+    def counted(counts: torch.Tensor, multiple: int) -> torch.Tensor:
+        advances.append(multiple)
+        return padded(counts, multiple)
+
+    monkeypatch.setattr(fp4_experts, "_padded", counted)
     backward(out.float().square().sum())
+    assert advances == []
     assert torch.equal(grad(plain.gate_up), grad(ckpt.gate_up))
     assert torch.equal(grad(plain.down), grad(ckpt.down))
     assert torch.equal(fp4_of(plain).sr_key, fp4_of(ckpt).sr_key)
