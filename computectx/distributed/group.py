@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from computectx.ctx import ComputeCtx
 from computectx.distributed.collectives import all_reduce_on
-from computectx.formats import QuantizedLinear
+from computectx.formats import Fp4Experts, Fp4Linear, QuantizedLinear
 
 __all__ = [
     "GroupArg",
@@ -25,6 +25,7 @@ __all__ = [
     "check_same_policy",
     "data_parallel_group",
     "describe_forward",
+    "first_difference",
     "join",
     "join_forwards",
     "joined",
@@ -125,47 +126,75 @@ def _parameters_of(model: nn.Module) -> list[_Entry]:
     return [(fqn, f"{tuple(p.shape)} {p.dtype}") for fqn, p in model.named_parameters()]
 
 
-def _first_difference(mine: list[_Entry], theirs: list[_Entry]) -> tuple[str, str, str]:
-    # The first FQN, in the order either rank lists them, whose description differs or that
-    # one rank lacks: (fqn, rank 0's, the other rank's).
+def _fp4_layers_of(model: nn.Module) -> list[_Entry]:
+    return [
+        (fqn, f"{type(m).__name__} under {m.recipe} on stream {m.sr_stream}")
+        for fqn, m in model.named_modules()
+        if isinstance(m, Fp4Linear | Fp4Experts)
+    ]
+
+
+def first_difference(
+    everyone: Sequence[Sequence[tuple[str, object]]], absent: str
+) -> tuple[list[int], str, str, str] | None:
+    """For the ranks' ``(name, value)`` lists in rank order: ``None`` when every rank's equals
+    rank 0's, else the ranks that differ, the first name (in the order either rank lists
+    them) whose value differs between rank 0 and the first rank that differs, or that one
+    of them lacks, and rank 0's and that rank's value of it (``absent`` for none)."""
+    differ = [r for r, theirs in enumerate(everyone) if list(theirs) != list(everyone[0])]
+    if not differ:
+        return None
+    mine, theirs = everyone[0], everyone[differ[0]]
     a, b = dict(mine), dict(theirs)
-    order = [f for f, _ in mine] + [f for f, _ in theirs if f not in a]
-    for fqn in order:
-        if a.get(fqn) != b.get(fqn):
-            return fqn, a.get(fqn, "nothing"), b.get(fqn, "nothing")
+    for name in [n for n, _ in mine] + [n for n, _ in theirs if n not in a]:
+        if (name in a, a.get(name)) != (name in b, b.get(name)):
+            return differ, name, str(a.get(name, absent)), str(b.get(name, absent))
     # The same entries in another order: the first position that differs.
     at = next(i for i, (x, y) in enumerate(zip(mine, theirs, strict=True)) if x != y)
-    return mine[at][0], f"{mine[at][1]} at position {at}", f"{theirs[at][0]!r} there"
+    return differ, mine[at][0], f"{mine[at][1]} at position {at}", f"{theirs[at][0]!r} there"
+
+
+# Each kind check_same_model compares: what a rank lacking an entry holds, and the fix's tail.
+_KINDS: dict[str, tuple[str, str]] = {
+    "parameter": ("nothing", ""),
+    "fp8 layer": ("nothing", ""),
+    "4-bit layer": ("no 4-bit layer", " (and the same streams: assign_fp4_streams)"),
+}
 
 
 def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bool) -> None:
     """Stop with a clear error, on every rank, when the ranks of ``group`` converted different
-    layers to fp8 (FQN, widths, granularity and policy of every ``QuantizedLinear``), or, with
+    layers to fp8 (FQN, widths, granularity and policy of every ``QuantizedLinear``) or to 4
+    bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear`` and
+    ``Fp4Experts``: another ``fp8_filter``, or streams assigned under other names), or, with
     ``parameters``, hold different parameters (FQN, shape, dtype: FSDP2 shards each one
     over the ranks).
 
     One ``all_gather_object`` at setup, before any collective that the model shapes: a
     different ``fp8_filter`` on one rank would otherwise abort in gloo ("Received data size
-    doesn't match expected size") or hang at the first merge. The ``ValueError`` names the
-    ranks that differ from rank 0 and the first layer (or parameter) that differs.
+    doesn't match expected size") or hang at the first merge; FSDP2 would gather one rank's
+    weight as 4-bit codes and another's in high precision, and ``Parallel.step`` all-reduce
+    one counter per 4-bit layer, each rank a different count. The ``ValueError`` names the
+    ranks that differ from rank 0 and the first parameter or layer that differs.
     """
     pg = data_parallel_group(group)
     # Parameters first: they shape every collective of FSDP2, fp8 or not.
     mine: dict[str, Any] = {"parameter": _parameters_of(model)} if parameters else {}
     mine["fp8 layer"] = _fp8_layers_of(model)
+    mine["4-bit layer"] = _fp4_layers_of(model)
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
-    first: dict[str, Any] = everyone[0]
     for kind in mine:
-        differ = [r for r, theirs in enumerate(everyone) if theirs[kind] != first[kind]]
-        if not differ:
+        absent, hint = _KINDS[kind]
+        found = first_difference([theirs[kind] for theirs in everyone], absent)
+        if found is None:
             continue
-        fqn, zero, other = _first_difference(first[kind], everyone[differ[0]][kind])
+        differ, fqn, zero, other = found
         raise ValueError(
             f"the ranks of the data-parallel group set up different models: rank(s) "
             f"{', '.join(map(str, differ))} differ from rank 0 in their {kind}s; the first "
             f"that differs is {fqn!r}: rank 0 holds {zero}, rank {differ[0]} holds {other}. "
-            f"Build the same model and convert it with the same fp8_filter on every rank"
+            f"Build the same model and convert it with the same fp8_filter on every rank{hint}"
         )
 
 

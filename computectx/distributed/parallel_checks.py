@@ -23,12 +23,13 @@ from computectx.distributed.expert_parallel import (
     unshard_expert_optimizer_state,
 )
 from computectx.distributed.fp8_amax_sync import CurrentAmax, LossNormalization
-from computectx.distributed.group import check_join_timeout
+from computectx.distributed.group import check_join_timeout, first_difference
 from computectx.distributed.optimizer_checkpoint import (
     check_optimizer_state_dict,
     check_saved_optimizer,
 )
 from computectx.formats import Fp4Experts, Fp4Linear
+from computectx.formats.seam import shared_streams
 from computectx.memory import OffloadedOptimizer
 
 __all__ = [
@@ -150,87 +151,36 @@ def saved_fp4_streams(model: nn.Module, saved: Mapping[str, object]) -> list[tup
     return out
 
 
-def _first_difference(
-    everyone: list[Any],
-) -> tuple[list[int], dict[str, Any], dict[str, Any], str] | None:
-    """For the ranks' ``(name, value)`` lists in rank order: ``None`` when all equal rank 0's,
-    else the ranks that differ, rank 0's and the first differing rank's entries as dicts, and
-    the first name whose values differ."""
-    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
-    if not differ:
-        return None
-    zero, other = dict(everyone[0]), dict(everyone[differ[0]])
-    return differ, zero, other, next(k for k in [*zero, *other] if zero.get(k) != other.get(k))
-
-
 def check_same_saved_streams(everyone: list[list[tuple[str, int]]]) -> None:
     """Stop with the same ``ValueError`` on every rank when the ranks' checkpoint parts
     (``saved_fp4_streams`` of each, in rank order) hold different 4-bit streams: the ranks
     would draw on different streams from then on, which ``parallelize``'s setup check
     refuses. Nothing has loaded yet."""
-    found = _first_difference(everyone)
+    found = first_difference(everyone, "none")
     if found is None:
         return
-    differ, zero, other, key = found
+    differ, key, zero, other = found
     raise ValueError(
         f"the ranks' checkpoints hold different stochastic-rounding streams: rank(s) "
         f"{', '.join(map(str, differ))} differ from rank 0; the first is {key!r}: stream "
-        f"{zero.get(key, 'none')} on rank 0, {other.get(key, 'none')} on rank {differ[0]}. Load "
+        f"{zero} on rank 0, {other} on rank {differ[0]}. Load "
         f"one checkpoint on every rank (a DCP checkpoint, or one rank's torch.save); nothing "
         f"was loaded"
     )
 
 
 def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
-    """Stop with the same ``ValueError`` on every rank when the ranks converted different
-    layers to 4 bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear``
-    and ``Fp4Experts``: another ``fp8_filter`` on one rank, or streams assigned under other
-    names: ``assign_fp4_streams``). One ``all_gather_object`` at setup, before any collective the
-    4-bit layers shape: FSDP2 would gather one rank's weight as 4-bit codes and the other's in
-    high precision, and ``Parallel.step`` all-reduce one counter per 4-bit layer, each rank a
-    different count (both waited until the collective timeout). Two 4-bit modules of the
-    model on one stream (every rank's alike) warn, naming both (``UserWarning``: they draw the
-    same uniforms; ``assign_fp4_streams``)."""
-    _warn_shared_streams(model)
-    mine = [
-        (fqn, f"{type(m).__name__} under {m.recipe} on stream {m.sr_stream}")
-        for fqn, m in model.named_modules()
-        if isinstance(m, Fp4Linear | Fp4Experts)
-    ]
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    found = _first_difference(everyone)
-    if found is None:
-        return
-    differ, zero, other, fqn = found
-    raise ValueError(
-        f"the ranks of the data-parallel group set up different models: rank(s) "
-        f"{', '.join(map(str, differ))} differ from rank 0 in their 4-bit layers; the first that "
-        f"differs is {fqn!r}: rank 0 holds {zero.get(fqn, 'no 4-bit layer')}, rank {differ[0]} "
-        f"holds {other.get(fqn, 'no 4-bit layer')}. Build the same model and convert it with "
-        f"the same fp8_filter on every rank (and the same streams: assign_fp4_streams)"
-    )
-
-
-def _warn_shared_streams(model: nn.Module) -> None:
-    # Two 4-bit modules on one stream draw the same uniforms at the same counter; what
-    # assign_fp4_streams warns of after an assignment (the first two named).
-    first: dict[int, str] = {}
-    for fqn, m in model.named_modules():
-        if not isinstance(m, Fp4Linear | Fp4Experts):
-            continue
-        if m.sr_stream not in first:
-            first[m.sr_stream] = fqn
-            continue
-        warnings.warn(
-            f"the 4-bit modules {first[m.sr_stream]!r} and {fqn!r} share the stochastic-rounding "
-            f"stream {m.sr_stream}: they draw the same uniforms at the same counter, their "
-            f"rounding errors correlated; give each its own with assign_fp4_streams(model) "
-            f"(force=True once they have drawn) before parallelize",
-            UserWarning,
-            stacklevel=4,
-        )
-        return
+    """Warn (``UserWarning``, naming both) when two 4-bit modules of the model share a
+    stochastic-rounding stream (every rank's alike: they draw the same uniforms;
+    ``shared_streams``, as ``assign_fp4_streams`` warns). That the ranks converted the same
+    layers to 4 bits, on the same streams, is checked in ``group.check_same_model``'s one
+    exchange, which ``parallelize`` runs just before (``group`` is that exchange's group);
+    this adds no collective."""
+    del group  # compared by check_same_model
+    named = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Fp4Linear | Fp4Experts)]
+    shared = shared_streams((fqn, m.sr_stream) for fqn, m in named)
+    if shared:
+        warnings.warn(f"{shared} before parallelize", UserWarning, stacklevel=4)
 
 
 def uses_offloaded(ctx: ComputeCtx, model: nn.Module, offload: bool | None) -> bool:

@@ -119,3 +119,17 @@ def test_a_model_part_of_another_shape_is_refused_naming_both() -> None:
     assert f"'model'[{key!r}] is torch.float32 {(own[0] + 1, own[1])} on cpu" in message, message
     assert f"a tensor of the model's shape {own}; nothing was loaded" in message, message
     assert _same(_snapshot(par), before)
+
+
+def test_the_ranks_saved_streams_in_another_order_are_named_not_a_stop_iteration() -> None:
+    # The same (key, stream) entries in another order on rank 1: the first position that
+    # differs is named (parallel_checks' own first-difference raised StopIteration before).
+    from computectx.distributed.parallel_checks import check_same_saved_streams
+
+    zero = [("a._extra_state", 1), ("b._extra_state", 2)]
+    check_same_saved_streams([zero, list(zero)])
+    with pytest.raises(ValueError, match=r"rank\(s\) 1 differ from rank 0; the first is "
+                       r"'a._extra_state': stream 1 at position 0 on rank 0"):  # fmt: skip
+        check_same_saved_streams([zero, zero[::-1]])
+    with pytest.raises(ValueError, match="stream 2 on rank 0, none on rank 2"):
+        check_same_saved_streams([zero, zero, zero[:1]])
