@@ -13,11 +13,25 @@ packages above; a name added here is a promise to them.
 from __future__ import annotations
 
 from computectx.formats.backend import check_backend, default_backend, parse_backend, uses_kernels
+from computectx.formats.linear.fp4_frozen import FROZEN_FP4_BUFFERS
 from computectx.formats.linear.fp4_frozen_experts import freeze_fp4_experts
-from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode
+from computectx.formats.linear.fp4_serving import (
+    ActivationAmax,
+    ServeMode,
+    check_weight,
+    dequantized,
+)
 from computectx.formats.linear.fp4_streams import shared_streams
 from computectx.formats.linear.function import fp8_linear, set_dtensor_linear
 from computectx.formats.linear.plan import Fp8LinearPlan
+from computectx.formats.numerics.fp4 import (
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    Mxfp4Operand,
+    Nvfp4Operand,
+    global_encode_scale,
+)
+from computectx.formats.numerics.fp4_gemm import Fp4Operand
 from computectx.formats.numerics.kv_quant import dequantize_kv, quantize_kv, static_kv_steps
 from computectx.formats.numerics.layouts import step_rule_of
 from computectx.formats.numerics.ledger import (
@@ -43,28 +57,37 @@ from computectx.formats.scaling.operand import AmaxReduce, OperandScaling
 from computectx.formats.scaling.saved import ROLES, Role
 
 __all__ = [
+    "FROZEN_FP4_BUFFERS",
     "KERNEL_HEAD_DIMS",
+    "MXFP4_BLOCK",
+    "NVFP4_BLOCK",
     "ROLES",
     "TALLY_ELEMENTS",
     "ActivationAmax",
     "AmaxReduce",
+    "Fp4Operand",
     "Fp8LinearPlan",
+    "Mxfp4Operand",
+    "Nvfp4Operand",
     "OperandScaling",
     "Role",
     "ServeMode",
     "check_backend",
     "check_grouped",
     "check_kernel_head_dim",
+    "check_weight",
     "checked_bounds",
     "cublas_recipes",
     "decode_attention",
     "default_backend",
     "dequantize_kv",
+    "dequantized",
     "fp4_cublas_recipes",
     "fp8_linear",
     "freeze_experts",
     "freeze_fp4_experts",
     "frozen_experts_mm",
+    "global_encode_scale",
     "guard_whole_loads",
     "held_experts",
     "ledger_history",

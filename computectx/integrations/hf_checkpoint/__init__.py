@@ -19,6 +19,11 @@ the model serves with (``computectx.formats.serving_weights``: no requantization
   ``weight_scale`` ``(N, K/32)`` in ``uint8``, one E8M0 exponent per 1x32 group, as its
   ``compress_mx_scale`` writes them (dynamic MXFP8 activations).
 
+A 4-bit model (``Fp4Linear`` or ``FrozenFp4Linear`` layers, NVFP4 or MXFP4) goes to
+``"compressed-tensors"``' ``nvfp4-pack-quantized`` / ``mxfp4-pack-quantized`` formats,
+weight-only (``hf_checkpoint.fp4``: the codes and scales as held, NVFP4's per-tensor scale as
+compressed-tensors' ``weight_global_scale``, decoding to our weights at bfloat16 bit for bit).
+
 Both formats' scales are dequantize multipliers (``weight ≈ code * scale``; an E8M0 byte
 ``b`` is ``2**(b - 127)``), as ``ServingWeight``'s steps are. Which recipe each format
 holds, exactly:
@@ -33,6 +38,9 @@ recipe (granularity)          ``fine-grained-fp8``    ``compressed-tensors``
 ``mx`` (MXFP8)                refused                 yes (``mxfp8-quantized``,
                                                       ``group`` of 32)
 e5m2 forward                  refused                 refused
+``nvfp4``, ``mxfp4``          refused                 yes, weight-only
+                                                      (``nvfp4-pack-quantized``,
+                                                      ``mxfp4-pack-quantized``)
 ============================  ======================  ======================
 
 Everything else is written as the model holds it (embeddings, norms, the head, routers, the

@@ -22,6 +22,7 @@ from computectx.formats import (
     serving_recipes,
     serving_weights,
 )
+from computectx.formats.seam import Fp4Operand, Nvfp4Operand
 from computectx.integrations.hf_checkpoint.files import SHARD_BYTES, write_checkpoint
 from computectx.integrations.hf_checkpoint.formats import (
     BLOCK,
@@ -33,6 +34,13 @@ from computectx.integrations.hf_checkpoint.formats import (
     quantization_config,
     steps_by_row,
     steps_from_rows,
+)
+from computectx.integrations.hf_checkpoint.fp4 import (
+    AMAX_KEY,
+    fp4_format_of,
+    fp4_layers,
+    fp4_quantization_config,
+    fp4_tensors,
 )
 from computectx.integrations.hf_checkpoint.kv import kv_cache_scheme, kv_scale_tensors
 from computectx.integrations.transformers_moe import TransformersExperts
@@ -62,7 +70,11 @@ def export_pretrained(
     (``TypeError`` for one that is not an ``int``); a recipe the format cannot hold (naming
     the recipe, the layer and the formats that can); an existing non-empty ``directory`` without
     ``overwrite=True``; a quantized weight tied to another; experts whose layout the
-    model's reverse conversion splits inside a 128x128 block. ``TypeError`` for a model
+    model's reverse conversion splits inside a 128x128 block; a 4-bit model in
+    ``"fine-grained-fp8"``, one mixing fp8 and 4-bit layers or NVFP4 and MXFP4, 4-bit
+    experts (not exported yet). A 4-bit model's layers go to compressed-tensors' NVFP4 /
+    MXFP4 pack formats, weight-only (``hf_checkpoint.fp4``), and each NVFP4 layer's amax to
+    config.json's ``fp4.AMAX_KEY``. ``TypeError`` for a model
     that is not a transformers ``PreTrainedModel``. Safetensors files above
     ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained`` does.
 
@@ -85,13 +97,26 @@ def export_pretrained(
             f"and the model's weight conversions), got {type(model).__name__}"
         )
     recipes = serving_recipes(model)
-    check_recipes(recipes, fmt)
+    fp4 = fp4_layers(model)
+    if fp4:
+        _check_fp4(fp4, recipes, fmt)
+    else:
+        check_recipes(recipes, fmt)
     kv_scales = kv_scale_tensors(model, fmt, kv, kv_amax)
-    weights = serving_weights(model)
-    tensors = {**_disk_tensors(model, weights, fmt), **kv_scales}
-    ignore = _not_converted(model, set(weights))
     config = _config(model)
-    config["quantization_config"] = quantization_config(fmt, weights, ignore)
+    if fp4:
+        tensors, amax = _fp4_disk_tensors(model, fp4)
+        ignore = _not_converted(model, {f"{n}.weight" for n in fp4})
+        fmt4 = fp4_format_of(next(iter(fp4.values())))
+        config["quantization_config"] = fp4_quantization_config(fmt4, ignore)
+        if amax:
+            config[AMAX_KEY] = amax
+    else:
+        weights = serving_weights(model)
+        tensors = _disk_tensors(model, weights, fmt)
+        ignore = _not_converted(model, set(weights))
+        config["quantization_config"] = quantization_config(fmt, weights, ignore)
+    tensors.update(kv_scales)
     scheme = kv_cache_scheme(fmt, kv)
     if scheme is not None:
         config["quantization_config"]["kv_cache_scheme"] = scheme
@@ -162,6 +187,58 @@ def _disk_tensors(
         for name, rows in revert_weight_conversion(model, by_row).items():
             out[name + SCALE_SUFFIX[fmt]] = _scale(name, out[name], rows, layout, fmt)
     return out
+
+
+def _check_fp4(
+    fp4: Mapping[str, Fp4Operand], recipes: Mapping[str, Any], fmt: ExportFormat
+) -> None:
+    """``ValueError`` unless every quantized layer is 4-bit in one format and ``fmt`` is
+    compressed-tensors (its NVFP4 / MXFP4 pack formats)."""
+    first = next(iter(fp4))
+    if fmt != "compressed-tensors":
+        raise ValueError(
+            f"format {fmt!r} cannot hold 4-bit weights ({first}: "
+            f"{fp4_format_of(fp4[first])}); the format that holds them exactly: "
+            f"'compressed-tensors' (nvfp4-pack-quantized, mxfp4-pack-quantized)"
+        )
+    if recipes:
+        raise ValueError(
+            f"format 'compressed-tensors' is written with one weight scheme for every quantized "
+            f"layer; this model mixes fp8 ({next(iter(recipes))}) and 4-bit ({first}) layers"
+        )
+    formats = {fp4_format_of(q) for q in fp4.values()}
+    if len(formats) > 1:
+        raise ValueError(
+            f"format 'compressed-tensors' is written with one weight scheme for every quantized "
+            f"layer; this model mixes 4-bit formats {sorted(formats)}"
+        )
+
+
+def _fp4_disk_tensors(
+    model: PreTrainedModel, fp4: Mapping[str, Fp4Operand]
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """Every tensor of a 4-bit checkpoint by its on-disk name (the high-precision state, each
+    layer's ``weight_packed``, ``weight_scale`` and NVFP4's ``weight_global_scale``), and each
+    NVFP4 layer's amax by its on-disk name (``fp4.AMAX_KEY``)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    quantized = {f"{n}.weight" for n in fp4}
+    state = checkpoint_state(model, quantized)
+    out = {k: t.contiguous() for k, t in revert_weight_conversion(model, state).items()}
+    amax: dict[str, float] = {}
+    for fqn, q in fp4.items():
+        packed = q.codes.detach().view(torch.uint8)
+        disk = revert_weight_conversion(model, {f"{fqn}.weight": packed})
+        if len(disk) != 1 or next(iter(disk.values())).shape != packed.shape:
+            raise ValueError(
+                f"{fqn}: the model's reverse weight conversion splits or fuses this 4-bit "
+                f"weight on disk; exporting it is not supported"
+            )
+        base = next(iter(disk)).removesuffix(".weight")
+        out.update({f"{base}.{k}": t for k, t in fp4_tensors(fqn, q).items()})
+        if isinstance(q, Nvfp4Operand):
+            amax[base] = float(q.amax.reshape(()).item())
+    return out, amax
 
 
 def _scale(

@@ -14,7 +14,15 @@ from typing import Any, Final, Literal, get_args
 import torch
 from torch import nn
 
-from computectx.formats import Granularity, QuantizedLinear, ServingWeight, recipe_layout
+from computectx.formats import (
+    Fp4Linear,
+    FrozenFp4Linear,
+    Granularity,
+    QuantizedLinear,
+    ServingWeight,
+    recipe_layout,
+)
+from computectx.formats.seam import FROZEN_FP4_BUFFERS
 from computectx.recipes import Recipe
 
 __all__ = [
@@ -27,6 +35,7 @@ __all__ = [
     "check_recipes",
     "check_scheme",
     "checkpoint_state",
+    "ct_config",
     "float32_scale",
     "format_arg",
     "quantization_config",
@@ -151,7 +160,7 @@ def _compressed_tensors_config(layout: str, ignore: list[str]) -> dict[str, Any]
         ) from e
     if layout == "mx":  # its own MXFP8 preset: uint8 E8M0 scales, dynamic 1x32 activations
         mx = preset_name_to_scheme("MXFP8", ["Linear"])
-        return _ct_config(mx, CompressionFormat.mxfp8_quantized.value, ignore)
+        return ct_config(mx, CompressionFormat.mxfp8_quantized.value, ignore)
     strategy = _STRATEGY[layout]
     block = layout == "128x128"
     weights = QuantizationArgs(
@@ -171,10 +180,10 @@ def _compressed_tensors_config(layout: str, ignore: list[str]) -> dict[str, Any]
         group_size=BLOCK if block else None,
     )
     scheme = QuantizationScheme(targets=["Linear"], weights=weights, input_activations=activations)
-    return _ct_config(scheme, CompressionFormat.float_quantized.value, ignore)
+    return ct_config(scheme, CompressionFormat.float_quantized.value, ignore)
 
 
-def _ct_config(scheme: Any, fmt: str, ignore: list[str]) -> dict[str, Any]:
+def ct_config(scheme: Any, fmt: str, ignore: list[str]) -> dict[str, Any]:
     """compressed-tensors' ``quantization_config`` of one group ``scheme`` in format ``fmt``."""
     import compressed_tensors  # type: ignore[import-untyped]
     from compressed_tensors.quantization import QuantizationConfig, QuantizationStatus
@@ -204,9 +213,12 @@ def checkpoint_state(model: nn.Module, quantized: Collection[str]) -> dict[str, 
     # linears' and experts' alike).
     drop = {f"{name}{suffix}" for name in quantized for suffix in ("", "_fp8", "_step")}
     for fqn, module in model.named_modules():
+        names: tuple[str, ...] = ()
         if isinstance(module, QuantizedLinear):
             names = (*module.state_load_keys(), "weight", "weight_fp8", "weight_step")
-            drop.update(f"{fqn}.{n}" if fqn else n for n in names)
+        elif isinstance(module, (Fp4Linear, FrozenFp4Linear)):  # 4-bit: weight, buffers, state
+            names = ("weight", *FROZEN_FP4_BUFFERS, "_extra_state")
+        drop.update(f"{fqn}.{n}" if fqn else n for n in names)
     full = model.state_dict()
     state = {k: v for k, v in full.items() if k not in drop}
     tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
@@ -299,7 +311,8 @@ def _compressed_tensors_scheme(q: Mapping[str, Any]) -> CheckpointScheme:
     if fmt not in ("float-quantized", *_CT_FORMAT.values()):
         raise ValueError(
             f"import_pretrained: the compressed-tensors checkpoint is in format {fmt!r}; only "
-            f"'float-quantized' (fp8 weights and scales) and 'mxfp8-quantized' are read here"
+            f"'float-quantized' (fp8 weights and scales), 'mxfp8-quantized' and the 4-bit "
+            f"'nvfp4-pack-quantized' and 'mxfp4-pack-quantized' are read here"
         )
     if q.get("sparsity_config"):
         raise ValueError(

@@ -26,12 +26,15 @@ import torch
 from torch import nn
 
 from computectx.formats import (
+    Fp4Linear,
+    FrozenFp4Linear,
     LoadMode,
     ServingWeight,
     load_serving_weights,
     recipe_layout,
     serving_recipes,
 )
+from computectx.formats.seam import Fp4Operand, Nvfp4Operand, check_weight, dequantized
 from computectx.integrations.hf_checkpoint.formats import (
     CheckpointScheme,
     check_scheme,
@@ -39,6 +42,13 @@ from computectx.integrations.hf_checkpoint.formats import (
     read_quantization_config,
     steps_from_rows,
     steps_of_scale,
+)
+from computectx.integrations.hf_checkpoint.fp4 import (
+    AMAX_KEY,
+    FP4_CT_FORMATS,
+    Fp4Format,
+    operand_of_tensors,
+    read_fp4_scheme,
 )
 from computectx.integrations.hf_checkpoint.kv import KvCalibration, read_kv_scales
 from computectx.recipes import Recipe
@@ -51,8 +61,9 @@ _KV_SUFFIXES = (".k_scale", ".v_scale")
 def import_pretrained(
     model: nn.Module, directory: str | os.PathLike[str], *, mode: LoadMode = "serve"
 ) -> nn.Module:
-    """Load the checkpoint in ``directory`` (fine-grained FP8, compressed-tensors FP8 or
-    MXFP8, as ``export_pretrained`` writes them or as published) into ``model``, a
+    """Load the checkpoint in ``directory`` (fine-grained FP8, compressed-tensors FP8,
+    MXFP8, or weight-only NVFP4 / MXFP4 pack formats, as ``export_pretrained`` writes them or
+    as published) into ``model``, a
     transformers model already converted by ``convert_to_quantized`` under the recipe whose
     steps the checkpoint holds; return ``model``.
 
@@ -67,7 +78,8 @@ def import_pretrained(
     ``from_pretrained`` makes), one in the model tensor's own dtype is copied as it is.
 
     Everything is checked before anything is written, and a refusal (``ValueError``) names
-    both sides and changes nothing: a format or scheme not read here (int8, NVFP4, sparse,
+    both sides and changes nothing: a format or scheme not read here (int8, sparse, 4-bit
+    with static activation scales,
     static activations, a block size other than [128, 128]); a layer whose recipe the
     checkpoint's layout does not hold (the model converted per row, the checkpoint in
     blocks); a model tensor the checkpoint lacks or a checkpoint tensor the model has no
@@ -79,6 +91,11 @@ def import_pretrained(
     are read as their powers of two, byte 255 as NaN); codes in another format or
     shape than the layer takes; a model with parameters or buffers on the meta device
     (materialize it first: ``model.to_empty(device=...)``).
+
+    A 4-bit checkpoint loads into the model's ``Fp4Linear`` / ``FrozenFp4Linear`` layers
+    (``_import_fp4``: frozen layers keep their mode; ``"serve"`` freezes an ``Fp4Linear`` as
+    ``"weight_only"``; ``"train"`` writes its weight as the dequantized codes), codes, scales
+    and amax bit for bit; its refusals are ``hf_checkpoint.fp4``'s and ``_fp4_operands``'.
     """
     from transformers import PreTrainedModel
 
@@ -90,6 +107,12 @@ def import_pretrained(
     _check_materialized(model)
     folder = Path(os.fsdecode(directory))
     config = json.loads((folder / "config.json").read_text("utf-8"))
+    q = config.get("quantization_config")
+    if isinstance(q, Mapping) and q.get("quant_method") == "compressed-tensors":
+        fp4 = read_fp4_scheme(q)
+        if fp4 is not None:
+            _import_fp4(model, folder, config, fp4, mode)
+            return model
     scheme = read_quantization_config(config)
     recipes = serving_recipes(model)
     check_scheme(recipes, scheme)
@@ -299,3 +322,140 @@ def _conversions(model: nn.Module) -> list[Any]:
         found = get_model_conversion_mapping(model, add_legacy=False)  # type: ignore[arg-type]
         found = [c for c in found if not isinstance(c, PrefixChange)]
     return list(found)
+
+
+# ----- 4-bit ----------------------------------------------------------------------------------
+
+_Fp4Layer = Fp4Linear | FrozenFp4Linear
+_FP4_PARTS: Final = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def _import_fp4(
+    model: nn.Module, folder: Path, config: Mapping[str, Any], fmt: Fp4Format, mode: LoadMode
+) -> None:
+    """A compressed-tensors NVFP4 / MXFP4 directory (``fp4``) into ``model``'s 4-bit layers:
+    every tensor checked, then written. ``"serve"`` freezes each ``Fp4Linear`` as a
+    ``"weight_only"`` ``FrozenFp4Linear`` holding the checkpoint's codes and loads a
+    ``FrozenFp4Linear`` (its mode kept); ``"train"`` writes the dequantized codes into each
+    ``Fp4Linear``'s weight."""
+    layers = _fp4_targets(model, fmt, mode)
+    tensors = _read_tensors(folder)
+    _check_kv_scales(model, tensors, config)
+    operands = _fp4_operands(model, tensors, layers, fmt, config.get(AMAX_KEY))
+    high = _converted(model, tensors)
+    state = checkpoint_state(model, {f"{n}.weight" for n in layers})
+    _check_accounted(state, high, set(), set(), set())
+    frozen = {
+        n: FrozenFp4Linear(q, layer.bias, mx_rounding=layer.recipe.mx_rounding or "rceil")
+        for n, q in operands.items()
+        if isinstance(layer := layers[n], Fp4Linear) and mode == "serve"
+    }
+    with torch.no_grad():  # everything checked: from here on nothing refuses
+        for name, q in operands.items():
+            _load_fp4(model, name, layers[name], q, frozen.get(name))
+        for name, tensor in high.items():
+            state[name].copy_(tensor)
+
+
+def _fp4_targets(model: nn.Module, fmt: Fp4Format, mode: LoadMode) -> dict[str, _Fp4Layer]:
+    """The model's 4-bit linears by name, checked against the checkpoint's format and
+    ``mode``."""
+    if mode not in ("serve", "train"):
+        raise ValueError(f"import_pretrained: mode must be 'serve' or 'train', got {mode!r}")
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (Fp4Linear, FrozenFp4Linear))}
+    if not layers:
+        raise ValueError(
+            f"import_pretrained: the directory holds {fmt} weights ({FP4_CT_FORMATS[fmt]!r}) "
+            f"and the model no 4-bit layer; convert it with convert_to_quantized under the "
+            f"{fmt} recipe first"
+        )
+    for name, layer in layers.items():
+        held = layer.format if isinstance(layer, FrozenFp4Linear) else layer.recipe.format
+        if held != fmt:
+            raise ValueError(
+                f"import_pretrained: {name} is a {held} layer and the directory holds {fmt} "
+                f"weights; convert the model under the {fmt} recipe"
+            )
+        if mode == "train" and isinstance(layer, FrozenFp4Linear):
+            raise ValueError(
+                f"import_pretrained: mode='train' writes high-precision weights and {name} is "
+                f"frozen (FrozenFp4Linear); import with mode='serve', or into the Fp4Linear model"
+            )
+    return layers
+
+
+def _fp4_operands(
+    model: nn.Module,
+    tensors: dict[str, torch.Tensor],
+    layers: Mapping[str, _Fp4Layer],
+    fmt: Fp4Format,
+    amaxes: object,
+) -> dict[str, Fp4Operand]:
+    """Takes each 4-bit weight's tensors out of ``tensors``; returns its checked operand at the
+    layer's tile by the layer's name (``ValueError`` for a weight without a layer, a layer
+    without a weight, parts without their codes, a bad ``AMAX_KEY`` entry)."""
+    if amaxes is not None and not isinstance(amaxes, Mapping):
+        raise ValueError(
+            f"import_pretrained: config.json's {AMAX_KEY} must map weight names to amaxes, got "
+            f"{type(amaxes).__name__}"
+        )
+    amax_of: Mapping[str, object] = amaxes or {}
+    bases = sorted(
+        n.removesuffix(".weight_packed") for n in tensors if n.endswith(".weight_packed")
+    )
+    parts = {
+        b: {p: tensors.pop(f"{b}.{p}") for p in _FP4_PARTS if f"{b}.{p}" in tensors} for b in bases
+    }
+    orphans = sorted(n for n in tensors if n.endswith(_FP4_PARTS[1:]))
+    if orphans:
+        raise ValueError(f"import_pretrained: scales without their weight_packed: {orphans}")
+    out: dict[str, Fp4Operand] = {}
+    unknown = []
+    for base, held in parts.items():
+        fused = _converted(model, {f"{base}.weight": held["weight_packed"]})
+        name = next(iter(fused)).removesuffix(".weight") if len(fused) == 1 else base
+        layer = layers.get(name)
+        if layer is None:
+            unknown.append(base)
+            continue
+        amax = amax_of.get(base)
+        if amax is not None and (isinstance(amax, bool) or not isinstance(amax, (int, float))):
+            raise ValueError(
+                f"import_pretrained: config.json's {AMAX_KEY}[{base!r}] must be a number, got "
+                f"{type(amax).__name__}"
+            )
+        shape = (layer.out_features, layer.in_features)
+        q = operand_of_tensors(base, fmt, held, shape, _tile(layer), amax)
+        out[name] = check_weight(q, f"import_pretrained: {base}")
+    missing = sorted(set(layers) - set(out))
+    if unknown or missing:
+        raise ValueError(
+            f"import_pretrained: the checkpoint's 4-bit weights do not match the model's 4-bit "
+            f"layers; in the checkpoint, not 4-bit in the model: {unknown}; 4-bit in the model, "
+            f"not in the checkpoint: {missing}. Nothing was changed"
+        )
+    return out
+
+
+def _tile(layer: _Fp4Layer) -> str:
+    if isinstance(layer, FrozenFp4Linear):
+        return layer.tile
+    return "1x32" if layer.recipe.format == "mxfp4" else (layer.recipe.weight_tile or "16x16")
+
+
+def _load_fp4(
+    model: nn.Module, name: str, layer: _Fp4Layer, q: Fp4Operand, frozen: FrozenFp4Linear | None
+) -> None:
+    """Writes checked operand ``q`` into layer ``name``: ``frozen`` put in its place, the
+    buffers of a ``FrozenFp4Linear`` overwritten, or an ``Fp4Linear``'s weight made the
+    dequantized codes."""
+    if frozen is not None:
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, frozen)
+    elif isinstance(layer, FrozenFp4Linear):
+        layer.weight_fp4.view(torch.uint8).copy_(q.codes.view(torch.uint8))
+        layer.weight_scale.view(torch.uint8).copy_(q.scale.view(torch.uint8))
+        if isinstance(q, Nvfp4Operand):
+            layer.weight_amax.copy_(q.amax.reshape(1))
+    else:
+        layer.weight.copy_(dequantized(q, layer.weight.dtype))

@@ -1,0 +1,309 @@
+"""compressed-tensors' 4-bit pack formats: a 4-bit layer's tensors on disk and back.
+
+``nvfp4-pack-quantized`` (NVFP4) and ``mxfp4-pack-quantized`` (MXFP4), each a weight-only
+scheme (compressed-tensors' ``NVFP4A16`` / ``MXFP4A16`` presets), hold exactly the weight a
+``Fp4Linear`` forward multiplies with or a ``FrozenFp4Linear`` holds:
+
+========================  =====================================================================
+``weight_packed``         uint8 ``[N, K/2]``: the E2M1 codes as they are (element ``2j`` in
+                          byte ``j``'s low nibble, sign in bit 3: compressed-tensors' own
+                          ``pack_fp4_to_uint8`` order)
+``weight_scale``          NVFP4: float8_e4m3fn ``[N, K/16]``, one per 1x16 group (a 16x16
+                          tile's scale repeated over its 16 rows: exact); MXFP4: uint8 ``[N,
+                          K/32]``, the E8M0 bytes (``compress_mx_scale``'s)
+``weight_global_scale``   NVFP4 only: float32 ``(1,)``, ``G`` below
+========================  =====================================================================
+
+compressed-tensors decodes an NVFP4 weight as ``code * (f32(scale) / G)`` (its
+``_dequantize``: one float32 division, then one product) rounded to bfloat16, the dtype its
+``NVFP4PackedCompressor.decompress`` unpacks to; this library as ``code * (f32(scale) *
+f32(1 / S_enc))`` with ``S_enc = min(2688 / amax, FLT_MAX)`` (1 for amax 0) rounded once.
+``G`` is ``S_enc`` itself (compressed-tensors' ``generate_gparam`` convention, ``448 * 6 /
+amax``; amax 0 gives 1 in both), except where the division and the reciprocal's product round
+a decode of this layer to different bfloat16 values (485 of the 2**23 float32 values of ``S_enc``
+in a binade, for some scale and code): then the nearest float32 neighbour of ``S_enc`` for which
+every decode of the layer's scales agrees (``weight_global_scale``). The decoded weight is
+then ours at bfloat16, bit for bit; at float32 the two may differ in the last place.
+
+``G`` does not determine the amax (several float32 amaxes share one ``S_enc``), and the amax is
+W4A4's epilogue factor here: the export also writes each NVFP4 layer's amax into config.json
+under ``AMAX_KEY`` (serving stacks ignore the key), so the import restores it bit for bit. A
+checkpoint without it (llm-compressor's) is read with the amax ``fl(2688 / G)`` or its nearest
+neighbour whose decode agrees with compressed-tensors' at bfloat16 (``amax_of_global_scale``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any, Final, Literal
+
+import torch
+from torch import nn
+
+from computectx.formats import Fp4Linear, FrozenFp4Linear
+from computectx.formats.seam import (
+    MXFP4_BLOCK,
+    NVFP4_BLOCK,
+    Fp4Operand,
+    Mxfp4Operand,
+    Nvfp4Operand,
+    check_weight,
+    global_encode_scale,
+)
+
+__all__ = [
+    "AMAX_KEY",
+    "FP4_CT_FORMATS",
+    "Fp4Format",
+    "amax_of_global_scale",
+    "fp4_format_of",
+    "fp4_layers",
+    "fp4_quantization_config",
+    "fp4_tensors",
+    "operand_of_tensors",
+    "read_fp4_scheme",
+    "weight_global_scale",
+]
+
+Fp4Format = Literal["nvfp4", "mxfp4"]
+FP4_CT_FORMATS: Final[dict[Fp4Format, str]] = {
+    "nvfp4": "nvfp4-pack-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+}
+"""compressed-tensors' ``format`` of each 4-bit weight format."""
+_PRESETS: Final[dict[Fp4Format, str]] = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
+_GROUP: Final[dict[Fp4Format, int]] = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}
+_STRATEGY: Final[dict[Fp4Format, str]] = {"nvfp4": "tensor_group", "mxfp4": "group"}
+AMAX_KEY: Final = "computectx_nvfp4_amax"
+"""config.json's key for each NVFP4 layer's float32 amax, by its weight's on-disk name
+without ``.weight`` (what ``weight_global_scale`` cannot carry)."""
+_E2M1: Final = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+"""The nonzero E2M1 magnitudes (a sign flips both decodes alike; zero decodes to zero)."""
+_NEIGHBOURS: Final = 8
+"""How many float32 steps either side of the natural value a scale is searched."""
+
+
+def fp4_layers(model: nn.Module) -> dict[str, Fp4Operand]:
+    """Each 4-bit linear's weight operand by module name: an ``Fp4Linear``'s forward operand
+    (``quantized_weight()``), a ``FrozenFp4Linear``'s held one. ``ValueError`` naming 4-bit
+    experts (``Fp4Experts``, ``FrozenFp4Experts``): not exported yet."""
+    out: dict[str, Fp4Operand] = {}
+    for fqn, module in model.named_modules():
+        if isinstance(module, FrozenFp4Linear):
+            out[fqn] = module.weight_operand
+        elif isinstance(module, Fp4Linear):
+            out[fqn] = check_weight(module.quantized_weight(), f"export_pretrained: {fqn}")
+        elif type(module).__name__ in ("Fp4Experts", "FrozenFp4Experts"):
+            raise ValueError(
+                f"export_pretrained: {fqn} is {type(module).__name__} (4-bit experts); "
+                f"exporting 4-bit experts is not supported yet (4-bit linears are)"
+            )
+    return out
+
+
+def fp4_format_of(q: Fp4Operand) -> Fp4Format:
+    return "nvfp4" if isinstance(q, Nvfp4Operand) else "mxfp4"
+
+
+def _neighbours(x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """float32 ``x`` (positive, finite), then its neighbours one, two, ... steps away,
+    alternating above and below."""
+    bits = x.float().reshape(1).view(torch.int32)
+    yield x.float().reshape(1)
+    for k in range(1, _NEIGHBOURS + 1):
+        for step in (k, -k):
+            n = (bits + step).view(torch.float32)
+            if bool(torch.isfinite(n).all() & (n > 0).all()):
+                yield n
+
+
+def _decodes_alike(scale: torch.Tensor, g: torch.Tensor, s_enc: torch.Tensor) -> bool:
+    """Whether every code times every scale of ``scale`` decodes to the same bfloat16 under
+    compressed-tensors' ``scale / g`` and this library's ``scale * (1 / s_enc)``."""
+    s = torch.unique(scale.float())
+    s = s[s > 0]
+    codes = torch.tensor(_E2M1, dtype=torch.float32)[:, None]
+    theirs = (codes * (s / g)).bfloat16().view(torch.int16)
+    ours = (codes * (s * (1.0 / s_enc))).bfloat16().view(torch.int16)
+    return torch.equal(theirs, ours)
+
+
+def weight_global_scale(name: str, q: Nvfp4Operand) -> torch.Tensor:
+    """The float32 ``(1,)`` ``weight_global_scale`` of ``q`` (module docstring): ``S_enc``, or
+    its nearest neighbour whose decodes of ``q``'s scales agree with ours at bfloat16;
+    ``ValueError`` naming the layer if none within 8 steps does."""
+    s_enc = global_encode_scale(q.amax.detach().cpu().reshape(()))
+    scale = q.scale.detach().cpu()
+    for g in _neighbours(s_enc):
+        if _decodes_alike(scale, g, s_enc):
+            return g
+    raise ValueError(
+        f"export_pretrained: {name}: no float32 global scale within {_NEIGHBOURS} steps of "
+        f"S_enc = {s_enc.item()!r} decodes its weight as this library does at bfloat16"
+    )
+
+
+def amax_of_global_scale(name: str, g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An amax (float32 ``()``) whose ``S_enc`` decodes ``scale`` as compressed-tensors
+    decodes it with global scale ``g`` (bfloat16, bit for bit): ``fl(2688 / g)`` or its
+    nearest neighbour that does; ``ValueError`` naming the layer if none within 8 steps
+    does."""
+    first = (torch.full((1,), 448.0 * 6.0) / g.float().reshape(1)).clamp(
+        max=torch.finfo(torch.float32).max
+    )
+    for amax in _neighbours(first):
+        if _decodes_alike(scale.detach().cpu(), g.float().reshape(1), global_encode_scale(amax)):
+            return amax.reshape(())
+    raise ValueError(
+        f"import_pretrained: {name}: no per-tensor amax decodes the checkpoint's weight as "
+        f"compressed-tensors does with weight_global_scale {g.reshape(-1)[0].item()!r} (bfloat16, "
+        f"bit for bit); this library's NVFP4 decode is code * scale * (1 / (2688 / amax))"
+    )
+
+
+def fp4_tensors(name: str, q: Fp4Operand) -> dict[str, torch.Tensor]:
+    """Layer ``name``'s tensors by suffix (``weight_packed``, ``weight_scale``,
+    ``weight_global_scale``), each a tensor of its own (safetensors refuses shared memory)."""
+    packed = q.codes.detach().cpu().view(torch.uint8).clone()
+    if isinstance(q, Mxfp4Operand):
+        return {"weight_packed": packed, "weight_scale": q.scale.cpu().view(torch.uint8).clone()}
+    scale = q.scale.detach().cpu()
+    if q.tile == "16x16":
+        scale = scale.repeat_interleave(NVFP4_BLOCK, dim=0)  # each tile's scale on its 16 rows
+    return {
+        "weight_packed": packed,
+        "weight_scale": scale.contiguous().clone(),
+        "weight_global_scale": weight_global_scale(name, q),
+    }
+
+
+def fp4_quantization_config(fmt: Fp4Format, ignore: list[str]) -> dict[str, Any]:
+    """compressed-tensors' ``quantization_config`` of weight-only ``fmt`` (its
+    ``NVFP4A16``/``MXFP4A16`` preset on every ``Linear``), as ``ModelCompressor`` writes one."""
+    from compressed_tensors.quantization import (  # type: ignore[import-untyped]
+        preset_name_to_scheme,
+    )
+
+    from computectx.integrations.hf_checkpoint.formats import ct_config
+
+    return ct_config(preset_name_to_scheme(_PRESETS[fmt], ["Linear"]), FP4_CT_FORMATS[fmt], ignore)
+
+
+# ----- reading -----------------------------------------------------------------------------
+
+
+def read_fp4_scheme(q: Mapping[str, Any]) -> Fp4Format | None:
+    """The 4-bit format of a compressed-tensors ``quantization_config`` ``q``, ``None`` when it
+    is not a 4-bit pack format; ``ValueError`` naming what it holds and what is read for a
+    scheme not held here exactly: weights other than symmetric 4-bit floats in groups of 16
+    (NVFP4, ``tensor_group``) or 32 (MXFP4, ``group``), static input activations (NVFP4's W4A4
+    ``input_global_scale``: this library computes the activation scale at every call),
+    output activations, sparsity."""
+    fmt = next((f for f, name in FP4_CT_FORMATS.items() if q.get("format") == name), None)
+    if fmt is None:
+        return None
+    if q.get("sparsity_config"):
+        raise ValueError(
+            "import_pretrained: the compressed-tensors checkpoint is sparse (sparsity_config "
+            "is set); only dense 4-bit weights are read here"
+        )
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise ValueError(
+            "import_pretrained: the compressed-tensors checkpoint has no config_groups"
+        )
+    for gname, group in groups.items():
+        w = group.get("weights") or {}
+        got = (w.get("type"), w.get("num_bits"), w.get("group_size"), w.get("strategy"))
+        want = ("float", 4, _GROUP[fmt], _STRATEGY[fmt])
+        if got != want or not w.get("symmetric", True):
+            raise ValueError(
+                f"import_pretrained: compressed-tensors group {gname!r} in format "
+                f"{FP4_CT_FORMATS[fmt]!r} holds weights (type, num_bits, group_size, "
+                f"strategy) = {got}; read here: {want}, symmetric"
+            )
+        a = group.get("input_activations")
+        if group.get("output_activations") or (a and a.get("dynamic") is not True):
+            raise ValueError(
+                f"import_pretrained: compressed-tensors group {gname!r} quantizes activations "
+                f"with static scales (input_activations dynamic={a.get('dynamic') if a else None!r}"
+                f", output_activations {group.get('output_activations')!r}); read here: "
+                f"weight-only 4-bit (NVFP4A16, MXFP4A16) or dynamic input activations: the "
+                f"activation scales are computed at every call here"
+            )
+    return fmt
+
+
+def operand_of_tensors(
+    name: str,
+    fmt: Fp4Format,
+    tensors: Mapping[str, torch.Tensor],
+    shape: tuple[int, int],
+    tile: str,
+    amax: float | None,
+) -> Fp4Operand:
+    """The operand of on-disk weight ``name`` (``tensors`` by suffix) for a layer of
+    ``shape`` (out, in) holding ``tile`` blocks (``"1x16"``, ``"16x16"``, ``"1x32"``) and the
+    config's ``amax`` (NVFP4, ``None`` when absent). ``ValueError`` naming the tensor, what it
+    is and what is read, before anything is loaded (module docstring)."""
+    n, k = shape
+    group = _GROUP[fmt]
+    want: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {
+        "weight_packed": (torch.uint8, (n, k // 2)),
+        "weight_scale": (torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8, (n, k // group)),
+    }
+    if fmt == "nvfp4":
+        want["weight_global_scale"] = (torch.float32, (1,))
+    for suffix, (dtype, dims) in want.items():
+        t = tensors.get(suffix)
+        if t is None:
+            raise ValueError(f"import_pretrained: {name}.{suffix} is missing from the checkpoint")
+        if (t.dtype, tuple(t.shape)) != (dtype, dims) and not (
+            suffix == "weight_global_scale" and t.numel() == 1
+        ):
+            raise ValueError(
+                f"import_pretrained: {name}.{suffix} is {str(t.dtype).removeprefix('torch.')} "
+                f"{tuple(t.shape)}; the layer reads {str(dtype).removeprefix('torch.')} {dims}"
+            )
+    codes = tensors["weight_packed"].view(torch.float4_e2m1fn_x2)
+    if fmt == "mxfp4":
+        return Mxfp4Operand(codes, tensors["weight_scale"].view(torch.float8_e8m0fnu))
+    scale = tensors["weight_scale"]
+    if tile == "16x16":
+        scale = _tiles(name, scale)
+    g = tensors["weight_global_scale"]
+    if g.dtype != torch.float32 or not bool(torch.isfinite(g).all() & (g > 0).all()):
+        raise ValueError(
+            f"import_pretrained: {name}.weight_global_scale must be a finite positive float32, "
+            f"got {str(g.dtype).removeprefix('torch.')}"
+            f"{'' if g.dtype != torch.float32 else ' ' + repr(g.reshape(-1)[0].item())}"
+        )
+    if amax is None:
+        held = amax_of_global_scale(name, g, scale)
+    else:
+        held = torch.tensor(amax, dtype=torch.float32)
+        if float(held) != amax or not _decodes_alike(
+            scale, g.float().reshape(1), global_encode_scale(held)
+        ):
+            raise ValueError(
+                f"import_pretrained: {name}: config.json's {AMAX_KEY} gives amax {amax!r}, "
+                f"(a float32 is read, exactly) whose S_enc does not decode the weight as its "
+                f"weight_global_scale {g.reshape(-1)[0].item()!r} does; the two were not "
+                f"written together"
+            )
+    return Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
+
+
+def _tiles(name: str, scale: torch.Tensor) -> torch.Tensor:
+    """1x16 group scales ``[N, K/16]`` as 16x16 tiles ``[N/16, K/16]``: exact only when each
+    tile's 16 rows hold the same scales (``ValueError`` naming the weight otherwise)."""
+    n = scale.shape[0]
+    tiles = scale[::NVFP4_BLOCK]
+    rows = tiles.view(torch.uint8).repeat_interleave(NVFP4_BLOCK, dim=0)
+    if n % NVFP4_BLOCK or not torch.equal(rows, scale.view(torch.uint8)):
+        raise ValueError(
+            f"import_pretrained: {name}: the checkpoint's 1x16 scales differ within a 16x16 "
+            f"tile (or N = {n} is not a multiple of 16); the layer holds 16x16 tiles: convert "
+            f"or freeze it under 1x16 weight blocks (nvfp4+w1x16)"
+        )
+    return tiles.contiguous()

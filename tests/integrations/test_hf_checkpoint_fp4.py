@@ -1,0 +1,247 @@
+"""4-bit models as compressed-tensors NVFP4 / MXFP4 checkpoints (``hf_checkpoint.fp4``), on a
+tiny Llama (hidden 64, 1 layer, vocab 128) converted here under ``nvfp4`` and ``mxfp4``.
+
+- compressed-tensors decodes the exported tensors (its own ``NVFP4PackedCompressor`` /
+  ``MXFP4PackedCompressor.decompress`` on the CPU, directly and through transformers'
+  ``CompressedTensorsConfig(dequantize=True)``) to our dequantized weights at bfloat16, bit for
+  bit, including a layer whose ``S_enc`` compressed-tensors' division would decode otherwise;
+- the round trip: export, import into a model converted alike gives the same codes, scales and
+  amax bit for bit, and the same logits;
+- the refusals come before anything changes.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+pytest.importorskip("compressed_tensors")
+
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig
+
+from computectx import ComputeCtx
+from computectx.formats import (
+    FrozenFp4Linear,
+    convert_to_quantized,
+    freeze_fp4_for_serving,
+)
+from computectx.formats.numerics.fp4 import Nvfp4Operand, global_encode_scale
+from computectx.integrations.hf_checkpoint import export_pretrained, import_pretrained
+from computectx.integrations.hf_checkpoint.fp4 import AMAX_KEY
+
+IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
+FLAGS = ("nvfp4", "mxfp4")
+
+
+@pytest.fixture(scope="module")
+def base() -> Any:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()  # type: ignore[no-untyped-call]
+
+
+def converted(base: Any, flag: str) -> Any:
+    model = copy.deepcopy(base)
+    convert_to_quantized(model, ComputeCtx.from_flag(flag, "cpu"), min_features=16)
+    return model
+
+
+def frozen_layers(model: nn.Module) -> dict[str, FrozenFp4Linear]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, FrozenFp4Linear)}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.uint8)
+
+
+def decompress(out: Path, name: str) -> torch.Tensor:
+    """compressed-tensors' own decompressor of the directory's layer ``name`` (bfloat16)."""
+    from compressed_tensors.compressors import BaseCompressor  # type: ignore[import-untyped]
+    from compressed_tensors.quantization import QuantizationScheme  # type: ignore[import-untyped]
+
+    q = json.loads((out / "config.json").read_text())["quantization_config"]
+    scheme = QuantizationScheme.model_validate(q["config_groups"]["group_0"])
+    tensors = load_file(out / "model.safetensors")
+    state = {k.removeprefix(name + "."): t for k, t in tensors.items() if k.startswith(name + ".")}
+    compressor = BaseCompressor.get_value_from_registry(q["format"])
+    weight: torch.Tensor = compressor.decompress(state, scheme)["weight"]
+    return weight
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_compressed_tensors_decodes_to_our_weights(base: Any, flag: str, tmp_path: Path) -> None:
+    model = converted(base, flag)
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    q = config["quantization_config"]
+    assert q["format"] == f"{flag}-pack-quantized" and q["ignore"] == ["lm_head"]
+    group = q["config_groups"]["group_0"]
+    assert group["input_activations"] is None  # weight-only: no static activation scale here
+    weights = group["weights"]
+    assert (weights["num_bits"], weights["type"], weights["group_size"]) == (
+        4, "float", 16 if flag == "nvfp4" else 32,
+    )  # fmt: skip
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj"
+    assert tensors[f"{name}.weight_packed"].dtype == torch.uint8
+    assert tensors[f"{name}.weight_packed"].shape == (128, 32)
+    scale_dtype = torch.float8_e4m3fn if flag == "nvfp4" else torch.uint8
+    assert tensors[f"{name}.weight_scale"].dtype == scale_dtype
+    assert (f"{name}.weight_global_scale" in tensors) == (flag == "nvfp4")
+    assert (AMAX_KEY in config) == (flag == "nvfp4")
+    freeze_fp4_for_serving(model)
+    ours = {n: m.dequantized_weight(torch.bfloat16) for n, m in frozen_layers(model).items()}
+    assert len(ours) == 7
+    for n, w in ours.items():
+        assert torch.equal(bits(decompress(out, n)), bits(w)), n
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = AutoModelForCausalLM.from_pretrained(
+            out, dtype=torch.float32, quantization_config=CompressedTensorsConfig(dequantize=True)
+        )
+    held = dict(loaded.named_parameters())
+    for n, w in ours.items():
+        assert torch.equal(held[f"{n}.weight"], w.float()), n
+
+
+def test_the_global_scale_moves_where_division_would_round_another_way(
+    base: Any, tmp_path: Path
+) -> None:
+    """amax 41.71875: S_enc = 2688 / amax is a float32 for which ``scale / S_enc`` (theirs)
+    and ``scale * (1 / S_enc)`` (ours) round some code times scale to different bfloat16s, so
+    the export writes a neighbour of S_enc, and compressed-tensors decodes our weight."""
+    model = converted(base, "nvfp4")
+    freeze_fp4_for_serving(model)
+    codes = torch.randint(0, 256, (64, 32), dtype=torch.uint8, generator=torch.Generator())
+    scale = (torch.arange(64 * 4) % 126 + 1).to(torch.uint8).reshape(64, 4)  # every E4M3 > 0
+    amax = torch.tensor(41.71875)
+    q = Nvfp4Operand(
+        codes.view(torch.float4_e2m1fn_x2), scale.view(torch.float8_e4m3fn), amax, "1x16"
+    )
+    name = "model.layers.0.self_attn.q_proj"
+    model.get_submodule("model.layers.0.self_attn").q_proj = FrozenFp4Linear(q)
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    tensors = load_file(out / "model.safetensors")
+    g = tensors[f"{name}.weight_global_scale"]
+    s_enc = global_encode_scale(amax).reshape(1)
+    assert not torch.equal(g, s_enc) and abs(g.item() / s_enc.item() - 1) < 1e-6
+    ours = model.get_submodule(name).dequantized_weight(torch.bfloat16)
+    assert torch.equal(bits(decompress(out, name)), bits(ours))
+    # With S_enc itself, compressed-tensors' decode is not ours: the neighbour is needed.
+    tensors[f"{name}.weight_global_scale"] = s_enc
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    assert not torch.equal(bits(decompress(out, name)), bits(ours))
+
+
+@pytest.mark.parametrize("flag", FLAGS)
+def test_the_round_trip_is_bit_for_bit(base: Any, flag: str, tmp_path: Path) -> None:
+    trained = converted(base, flag)
+    out = export_pretrained(trained, tmp_path / "ct", format="compressed-tensors")
+    served = converted(base, flag)
+    freeze_fp4_for_serving(served, "w4a4")  # the import keeps the frozen layers' mode
+    assert import_pretrained(served, out) is served
+    plain = converted(base, flag)  # Fp4Linear layers: frozen weight-only by the import
+    import_pretrained(plain, out)
+    train = converted(base, flag)
+    import_pretrained(train, out, mode="train")
+    freeze_fp4_for_serving(trained, "w4a4")
+    theirs, ours = frozen_layers(trained), frozen_layers(served)
+    assert set(ours) == set(theirs) == set(frozen_layers(plain))
+    for n, layer in theirs.items():
+        for a, b in zip(layer.weight_tensors(), ours[n].weight_tensors(), strict=True):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), n
+        assert frozen_layers(plain)[n].mode == "weight_only" and ours[n].mode == "w4a4"
+        w = layer.dequantized_weight(torch.bfloat16)
+        assert torch.equal(train.get_submodule(n).weight, w), n
+    with torch.no_grad():
+        assert torch.equal(trained(IDS).logits, served(IDS).logits)
+        weight_only = converted(base, flag)
+        freeze_fp4_for_serving(weight_only)
+        import_pretrained(weight_only, out)
+        assert torch.equal(weight_only(IDS).logits, plain(IDS).logits)
+
+
+def test_a_checkpoint_without_our_amax_is_read_from_its_global_scale(
+    base: Any, tmp_path: Path
+) -> None:
+    """llm-compressor's checkpoints carry no amax: the import takes one whose decode is
+    compressed-tensors' at bfloat16."""
+    model = converted(base, "nvfp4")
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    del config[AMAX_KEY]
+    (out / "config.json").write_text(json.dumps(config))
+    served = converted(base, "nvfp4")
+    import_pretrained(served, out)
+    for n, layer in frozen_layers(served).items():
+        assert torch.equal(bits(decompress(out, n)), bits(layer.dequantized_weight(torch.bfloat16)))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    after = model.state_dict()
+    return set(after) == set(before) and all(
+        torch.equal(before[k].view(torch.uint8), after[k].view(torch.uint8))
+        if before[k].dtype in (torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.float8_e8m0fnu)
+        else torch.equal(before[k], after[k])
+        for k in before
+    )
+
+
+def test_refusals(base: Any, tmp_path: Path) -> None:
+    nv = converted(base, "nvfp4")
+    with pytest.raises(ValueError, match=r"cannot hold 4-bit weights.*'compressed-tensors'"):
+        export_pretrained(nv, tmp_path / "fg", format="fine-grained-fp8")
+    assert not (tmp_path / "fg").exists()
+    out = export_pretrained(nv, tmp_path / "ct", format="compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+
+    def refused(model: nn.Module, match: str, edit: dict[str, Any] | None = None) -> None:
+        if edit is not None:
+            (out / "config.json").write_text(json.dumps({**config, **edit}))
+        before = _state(model)
+        with pytest.raises(ValueError, match=match):
+            import_pretrained(model, out)
+        assert _unchanged(model, before)
+        (out / "config.json").write_text(json.dumps(config))
+
+    served = converted(base, "nvfp4")
+    freeze_fp4_for_serving(served)
+    refused(converted(base, "mxfp4"), "is a mxfp4 layer and the directory holds nvfp4")
+    static = copy.deepcopy(config["quantization_config"])
+    static["config_groups"]["group_0"]["input_activations"] = {"dynamic": "local", "num_bits": 4}
+    refused(served, "static scales.*weight-only", {"quantization_config": static})
+    amax = dict(config[AMAX_KEY])
+    amax["model.layers.0.mlp.up_proj"] *= 2
+    refused(served, "were not written together", {AMAX_KEY: amax})
+    one_row = converted(base, "nvfp4")
+    nv_ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    assert nv_ctx.recipe is not None
+    convert_ctx = nv_ctx.replace(recipe=nv_ctx.recipe.model_copy(update={"weight_tile": "1x16"}))
+    rows = copy.deepcopy(base)
+    convert_to_quantized(rows, convert_ctx, min_features=16)
+    rows_out = export_pretrained(rows, tmp_path / "rows", format="compressed-tensors")
+    before = _state(one_row)
+    with pytest.raises(ValueError, match="differ within a 16x16 tile"):
+        import_pretrained(one_row, rows_out)
+    assert _unchanged(one_row, before)
+    tensors = load_file(out / "model.safetensors")
+    del tensors["model.layers.0.mlp.up_proj.weight_global_scale"]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    refused(served, "weight_global_scale is missing")
