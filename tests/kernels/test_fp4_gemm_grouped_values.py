@@ -83,6 +83,32 @@ def test_grouped_mm_values_are_the_grouped_twin(
     assert not bool(out[sum(sizes) :].any()), "rows past the last group are zero"
 
 
+@pytest.mark.parametrize(("fmt", "tile"), [("nvfp4", "16x16"), ("mxfp4", "1x16")])
+def test_given_the_twins_expert_operands_the_product_is_grouped_mm_values(
+    fmt: Fp4Format, tile: str
+) -> None:
+    # FSDP2's gathered experts (ops.fp4_grouped_gathered): each expert's operand as the twin
+    # quantizes it, stacked, is what the launch quantizes from the values (the kernel quantize
+    # is the twin's bit for bit), so the product is the same.
+    gen = torch.Generator().manual_seed(11)
+    how = Fp4Quant(format=fmt, weight_tile="16x16" if tile == "16x16" else "1x16")
+    sizes, n, k, key = [3, 0, 4], 32, 32, Stochastic(3, 40)
+    a, b = values((sum(sizes) + 2, k), gen), values((len(sizes), n, k), gen)
+    bounds = bounds_of(sizes)
+    qs = [twin.quantize_rows(b[g], how, weight=True) for g in range(len(sizes))]
+    amaxes = [q.amax.reshape(()) for q in qs if hasattr(q, "amax")]
+    held = (
+        torch.stack([q.codes for q in qs]).to(DEVICE),
+        torch.stack([q.scale for q in qs]).to(DEVICE),
+        torch.stack(amaxes).to(DEVICE) if amaxes else None,
+    )
+    args = (fmt, tile, "rceil", rng_of(key), torch.float32)
+    offs = offs_of(bounds)
+    got = kv.grouped_mm_gathered_values(a.to(DEVICE), *held, bounds, offs, *args)
+    want = kv.grouped_mm_values(a.to(DEVICE), b.to(DEVICE), bounds, offs, *args)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize(("fmt", "hadamard"), [("nvfp4", True), ("mxfp4", False)])
 def test_grouped_wgrad_values_are_the_grouped_twin(fmt: Fp4Format, hadamard: bool) -> None:
     gen = torch.Generator().manual_seed(3)
