@@ -145,9 +145,9 @@ def saved_fp4_streams(model: nn.Module, saved: Mapping[str, object]) -> list[tup
     ``check_same_saved_streams`` compares across the ranks."""
     out = []
     for fqn, m in model.named_modules():
-        entry = saved.get(f"{fqn}._extra_state" if fqn else "_extra_state")
-        if isinstance(m, Fp4Linear | Fp4Experts) and isinstance(entry, torch.Tensor):
-            out.append((f"{fqn}._extra_state", int(entry[4]) if entry.numel() == 5 else 0))
+        key = f"{fqn}._extra_state" if fqn else "_extra_state"
+        if isinstance(m, Fp4Linear | Fp4Experts) and key in saved:
+            out.append((key, m.saved_stream(saved[key], fqn)))  # the layout's owner reads it
     return out
 
 

@@ -320,6 +320,13 @@ class CounterLoads(metaclass=abc.ABCMeta):
         name = getattr(self, _LOADING, "")  # set while load_state_dict loads this module
         self._install(saved_counter(state, self.recipe, "_extra_state", "this module runs"), name)
 
+    def saved_stream(self, state: object, name: str = "") -> int:
+        """The stream a saved ``_extra_state`` of this module restores (a version-1 state's:
+        0), read as its load reads it (``saved_counter``: a ``ValueError`` naming the module
+        ``name`` for a state its load refuses)."""
+        where = f"_extra_state of {self.named(name)}"
+        return saved_counter(state, self.recipe, where, "this module runs").stream
+
     def state_load_keys(self) -> tuple[str, ...]:
         """``computectx.memory.load_weights``' seam: ``_extra_state`` loads by this rule."""
         return ("_extra_state",)

@@ -169,3 +169,16 @@ def test_saved_counter_names_what_is_wrong_and_never_prints_a_value() -> None:
             saved_counter(state, recipe, "w", "this layer runs")
         text = str(e.value)
         assert message in text and text.startswith("w ") and "123456" not in text, text
+
+
+def test_saved_stream_reads_a_state_as_its_load_does() -> None:
+    # What parallel_checks.saved_fp4_streams compares across ranks, read by the layout's
+    # owner (it read entry[4] by hand before): version 2's stream, version 1's stream 0, and
+    # a refused state refused with the module named.
+    layer = _model()[0]
+    assert isinstance(layer, Fp4Linear)
+    state = layer.get_extra_state()
+    assert layer.saved_stream(state, "0") == layer.sr_stream == stream_of("0")
+    assert layer.saved_stream(state[:4].clone().index_fill_(0, torch.tensor([0]), 1)) == 0
+    with pytest.raises(ValueError, match=r"_extra_state of the 4-bit layer '0'.*stream"):
+        layer.saved_stream(state.clone().index_fill_(0, torch.tensor([4]), -1), "0")
