@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 import torch
 from torch import nn
@@ -74,7 +75,9 @@ def export_pretrained(
     ``"fine-grained-fp8"``, one mixing fp8 and 4-bit layers or NVFP4 and MXFP4, 4-bit
     experts (not exported yet). A 4-bit model's layers go to compressed-tensors' NVFP4 /
     MXFP4 pack formats, weight-only (``hf_checkpoint.fp4``), and each NVFP4 layer's amax to
-    config.json's ``fp4.AMAX_KEY``. ``TypeError`` for a model
+    config.json's ``fp4.AMAX_KEY``; a ``UserWarning`` names the projections vLLM fuses
+    (q/k/v, gate/up) whose NVFP4 global scales differ (vLLM serves them with the largest).
+    ``TypeError`` for a model
     that is not a transformers ``PreTrainedModel``. Safetensors files above
     ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained`` does.
 
@@ -238,7 +241,38 @@ def _fp4_disk_tensors(
         out.update({f"{base}.{k}": t for k, t in fp4_tensors(fqn, q).items()})
         if isinstance(q, Nvfp4Operand):
             amax[base] = float(q.amax.reshape(()).item())
+    _warn_fused_global_scales(out, list(amax))
     return out, amax
+
+
+_FUSED: Final = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""The projections vLLM fuses into one layer (``qkv_proj``, ``gate_up_proj``)."""
+
+
+def _warn_fused_global_scales(tensors: Mapping[str, torch.Tensor], layers: list[str]) -> None:
+    """``UserWarning`` naming the projections vLLM fuses whose NVFP4 global scales differ: it
+    serves a fused layer with one, the largest (``weight_global_scale.max()``), so the other
+    parts' block scales decode off by ``G_part / G_max`` there."""
+    differ = []
+    for parts in _FUSED:
+        for base in layers:
+            parent, _, leaf = base.rpartition(".")
+            if leaf != parts[0]:
+                continue
+            names = [f"{parent}.{p}" for p in parts if f"{parent}.{p}" in layers]
+            scales = {float(tensors[f"{n}.weight_global_scale"]) for n in names}
+            if len(names) > 1 and len(scales) > 1:
+                differ.append(f"{parent}.{{{','.join(parts)}}}")
+    if differ:
+        warnings.warn(
+            f"export_pretrained: {len(differ)} group(s) of projections that vLLM fuses into one "
+            f"layer hold different NVFP4 weight global scales (the first: {differ[0]}); vLLM "
+            f"serves a fused layer with one global scale, the largest, so the other parts "
+            f"decode off by G_part / G_max there (compressed-tensors and transformers decode "
+            f"each part exactly). docs/serving-formats.md, '4-bit: NVFP4 and MXFP4'",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _scale(
