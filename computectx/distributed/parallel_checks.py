@@ -43,6 +43,7 @@ __all__ = [
     "setup_choices",
     "uses_offloaded",
     "wants_accumulator",
+    "warn_shared_fp4_streams",
 ]
 
 
@@ -169,14 +170,12 @@ def check_same_saved_streams(everyone: list[list[tuple[str, int]]]) -> None:
     )
 
 
-def check_same_fp4_layers(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+def warn_shared_fp4_streams(model: nn.Module) -> None:
     """Warn (``UserWarning``, naming both) when two 4-bit modules of the model share a
     stochastic-rounding stream (every rank's alike: they draw the same uniforms;
     ``shared_streams``, as ``assign_fp4_streams`` warns). That the ranks converted the same
-    layers to 4 bits, on the same streams, is checked in ``group.check_same_model``'s one
-    exchange, which ``parallelize`` runs just before (``group`` is that exchange's group);
-    this adds no collective."""
-    del group  # compared by check_same_model
+    layers to 4 bits, on the same streams, is ``group.check_same_model``'s to check, in its
+    one exchange; this issues no collective."""
     named = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Fp4Linear | Fp4Experts)]
     shared = shared_streams((fqn, m.sr_stream) for fqn, m in named)
     if shared:

@@ -45,11 +45,11 @@ from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.parallel_checks import (
     ParallelArgs,
     check_parallelize,
-    check_same_fp4_layers,
     check_same_setup,
     setup_choices,
     uses_offloaded,
     wants_accumulator,
+    warn_shared_fp4_streams,
 )
 from computectx.distributed.sharding import ShardedParams
 from computectx.formats import Fp4Linear, Fp4Recipe, QuantizedLinear
@@ -118,7 +118,7 @@ def distribute(
     # Ranks that converted other layers (another fp8_filter) or built another model
     # stop here, named, before DDP's broadcast or FSDP2's gathers abort or hang on it.
     check_same_model(model, group, parameters=sharded)
-    check_same_fp4_layers(model, data_parallel_group(group))
+    warn_shared_fp4_streams(model)
     run: nn.Module = model
     if sharded:
         if mesh is None:
