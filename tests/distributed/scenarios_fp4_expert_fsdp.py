@@ -10,8 +10,9 @@ stacked, as uint8), every all-gather's dtype and bytes and every all-reduce, the
 weights and the counter after each step. Between steps 0 and 1 of ``params["lone"]`` rank 0
 alone calls an evaluation forward and ``state_dict()``. Then: 3 experts (``fallback``: FSDP2's
 shards cut one, so they gather high precision, with the warning) one step; column shards
-(``Shard(1)``, by hand: ``column``) one forward; ``parallelize(..., fp8_all_gather=False)``
-(``off``: the wrapper type).
+(``Shard(1)``, by hand: ``column``) one forward; under ``parallelize``'s default mixed
+precision (bf16 gathers) the first forward's operands (``default_mp``);
+``parallelize(..., fp8_all_gather=False)`` (``off``: the wrapper type).
 """
 
 from __future__ import annotations
@@ -105,7 +106,9 @@ def whole(m: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _setup(recipe: str, mesh: DeviceMesh, n_experts: int = EXPERTS, **kw: Any) -> Parallel:
+def _setup(
+    recipe: str, mesh: DeviceMesh, n_experts: int = EXPERTS, mp: bool = True, **kw: Any
+) -> Parallel:
     return parallelize(
         model(recipe, n_experts),
         ctx_of(recipe),
@@ -113,7 +116,7 @@ def _setup(recipe: str, mesh: DeviceMesh, n_experts: int = EXPERTS, **kw: Any) -
         strategy="fsdp",
         optimizer_class=torch.optim.SGD,
         lr=LR,
-        mp_policy=MixedPrecisionPolicy(),
+        mp_policy=MixedPrecisionPolicy() if mp else None,
         accumulate=False,
         offload=False,
         join_timeout=JOIN_S,
@@ -238,6 +241,12 @@ def experts(params: dict[str, Any]) -> dict[str, Any]:
         out[recipe] = _one_recipe(recipe, mesh, recipe == params["lone"], traffic)
     out["fallback"] = _fallback(mesh)
     out["column"] = _column(mesh)
+    default = _setup("nvfp4", mesh, mp=False)  # parallelize's mixed precision: bf16 gathers
+    operands, handle = _capture(default.module)
+    with torch.no_grad():
+        default.model(batch(0, dist.get_rank()))
+    handle.remove()
+    out["default_mp"] = operands
     off = _setup("nvfp4", mesh, fp8_all_gather=False).module.get_submodule("experts").gate_up
     out["off"] = type(getattr(off, "_local_tensor", off)).__name__
     return out

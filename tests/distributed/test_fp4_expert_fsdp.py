@@ -179,3 +179,14 @@ def test_column_shards_gather_high_precision_and_compute_as_one_process(
         with torch.no_grad():
             want = model("nvfp4")(batch(0, rank))
         assert torch.equal(col["y"], want), rank
+
+
+def test_under_the_default_mixed_precision_the_operands_are_the_master_weights(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # parallelize's default gathers at ctx.compute (bf16); the 4-bit gather quantizes the
+    # float32 shards: the operands one process makes from the float32 experts.
+    want = _one_process_operands("nvfp4")
+    for rank, r in enumerate(ranks):
+        for name in ("gate_up", "down"):
+            _same_operands(r["default_mp"][name], want[name], f"rank {rank} {name}")
