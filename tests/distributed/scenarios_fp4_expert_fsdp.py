@@ -191,6 +191,10 @@ def _one_recipe(recipe: str, mesh: DeviceMesh, lone: bool, traffic: Any) -> dict
             out["weights"].append(whole(par.module))
             out["counters"].append(counter(par.module))
     handle.remove()
+    model_state = par.state_dict()["model"]
+    out["saved_as"] = sorted(
+        {type(getattr(v, "_local_tensor", v)).__name__ for v in model_state.values()}
+    )
     out["operands"] = operands
     out["warnings"] = [str(w.message) for w in caught]
     experts = par.module.get_submodule("experts")

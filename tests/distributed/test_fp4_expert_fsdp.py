@@ -112,6 +112,7 @@ def test_fsdp2_gathers_each_experts_one_process_operands_and_trains_as_one_proce
             _same_operands(got["operands"][name], want_ops[name], f"rank {rank} {name}")
         assert got["warnings"] == [], got["warnings"]
         assert r["off"] == "Tensor", rank  # parallelize(..., fp8_all_gather=False)
+        assert got["saved_as"] == ["Tensor"], got["saved_as"]  # checkpoints hold plain tensors
     want_weights, want_keys = _simulated(recipe)
     for rank, r in enumerate(ranks):
         assert r[recipe]["counters"] == want_keys, rank
