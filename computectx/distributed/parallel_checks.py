@@ -29,7 +29,7 @@ from computectx.distributed.optimizer_checkpoint import (
     check_saved_optimizer,
 )
 from computectx.formats import Fp4Experts, Fp4Linear
-from computectx.formats.seam import shared_streams
+from computectx.formats.seam import check_layer_entries, shared_streams
 from computectx.memory import OffloadedOptimizer
 
 __all__ = [
@@ -124,20 +124,10 @@ def check_model_state(model: nn.Module, saved: object) -> None:
                 f"the checkpoint's 'model'[{key!r}] is {described(value)}; accepted: a tensor "
                 f"of the model's shape {tuple(own.shape)}; nothing was loaded"
             )
-    _check_layer_entries(model, saved)
-
-
-def _check_layer_entries(model: nn.Module, saved: Mapping[str, object]) -> None:
-    # Each layer's own check of its entries (an fp8 layer's scaling plan, a 4-bit layer's
-    # recipe, seed and counter, a router's bias), as the whole-load guard of
-    # ``load_state_dict`` runs it: here it runs inside the load's agreement, so one rank's
-    # bad entry is the same error on every rank instead of one rank loading alone.
-    for name, layer in model.named_modules():
-        head = f"{name}." if name else ""
-        for hook in ("scaling_load", "check_load"):
-            plan = getattr(layer, hook, None)
-            if callable(plan):
-                plan({k[len(head) :]: v for k, v in saved.items() if k.startswith(head)}, head)
+    # Each layer's own check of its entries, as the whole-load guard of load_state_dict runs
+    # it: here inside the load's agreement, so one rank's bad entry is the same error on
+    # every rank instead of one rank loading alone.
+    check_layer_entries(model, saved)
 
 
 def saved_fp4_streams(model: nn.Module, saved: Mapping[str, object]) -> list[tuple[str, int]]:

@@ -46,6 +46,7 @@ __all__ = [
     "LoadRefusals",
     "ScalingLoad",
     "check_held_dtypes",
+    "check_layer_entries",
     "check_state_dtypes",
     "guard_whole_loads",
     "load_refusals",
@@ -167,9 +168,14 @@ def _guarded(module: nn.Module) -> bool:
 torch.nn.modules.module.register_module_module_registration_hook(_on_registration)
 
 
-def _check_every_layer(
-    module: nn.Module, state_dict: Mapping[str, object], prefix: str, *_: object
+def check_layer_entries(
+    module: nn.Module, state_dict: Mapping[str, object], prefix: str = ""
 ) -> None:
+    """Each layer's own check of its entries in ``state_dict`` (an fp8 layer's
+    ``scaling_load``, any module's ``check_load``: a 4-bit layer's recipe, seed and counter, a
+    router's bias), each handed its local keys and its prefix, changing nothing: what the
+    whole-load guard (``guard_whole_loads``) runs before a load, and
+    ``Parallel.load_state_dict`` inside its agreement."""
     for name, layer in module.named_modules():
         head = f"{prefix}{name}." if name else prefix
         for hook in ("scaling_load", "check_load"):  # check_load: any module's own check
@@ -177,6 +183,12 @@ def _check_every_layer(
             if callable(plan):
                 entries = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
                 plan(entries, head)
+
+
+def _check_every_layer(
+    module: nn.Module, state_dict: Mapping[str, object], prefix: str, *_: object
+) -> None:
+    check_layer_entries(module, state_dict, prefix)
     # A pre-hook registered after this one runs after it and may still rewrite the state
     # dict (rename old keys, say): torch's verdict cannot be foreseen from here then.
     hooks = [getattr(h, "hook", h) for h in module._load_state_dict_pre_hooks.values()]
