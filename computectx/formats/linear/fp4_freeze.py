@@ -7,8 +7,8 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from computectx.formats.convert_experts import experts_converters, fp4_setting
 from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts, install_frozen_experts
 from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode, check_serving
@@ -61,7 +61,7 @@ def freeze_fp4_for_serving(
         )
     found = [(fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)]
     layers = [(fqn, m) for fqn, m in found if isinstance(m, Fp4Linear)]
-    experts = _frozen_experts(model, found, mode, activation_amax)
+    experts = _frozen_experts(found, mode, activation_amax)
     if not layers and not experts:
         raise ValueError(
             f"freeze_fp4_for_serving: {type(model).__name__} holds no Fp4Linear or 4-bit "
@@ -90,27 +90,28 @@ def freeze_fp4_for_serving(
 
 
 def _frozen_experts(
-    model: nn.Module,
     found: list[tuple[str, nn.Module]],
     mode: ServeMode,
     activation_amax: ActivationAmax,
 ) -> dict[str, tuple[nn.Module, FrozenFp4Experts]]:
-    """Each 4-bit experts module of ``model`` (by its first name) with its frozen twin, built
-    and not yet put in place."""
+    """Each 4-bit experts module among ``found`` (one holding an ``Fp4Experts`` child, by its
+    first name) with its frozen twin, built and not yet put in place. Such a module names its
+    expert weights by ``expert_weights()`` (``GroupedExperts``': only converters that run 4
+    bits, ``computectx.nn``'s, register an ``Fp4Experts``)."""
     out: dict[str, tuple[nn.Module, FrozenFp4Experts]] = {}
     seen: set[int] = set()
-    converters = None
     for fqn, module in found:
-        setting = fp4_setting(module)
+        setting = next((c for c in module.children() if isinstance(c, Fp4Experts)), None)
         if setting is None or id(module) in seen:
             continue
         seen.add(id(module))
-        converters = experts_converters(model) if converters is None else converters
-        weights = next((w for c in converters if (w := c.weights(module)) is not None), None)
-        if weights is None:
+        named = getattr(module, "expert_weights", None)
+        weights = named() if callable(named) else None
+        if not isinstance(weights, dict):
             raise ValueError(
-                f"freeze_fp4_for_serving: {fqn!r} holds an Fp4Experts but no registered "
-                f"experts converter names its weights; the model was left unchanged"
+                f"freeze_fp4_for_serving: {fqn!r} ({type(module).__name__}) holds an "
+                f"Fp4Experts but names no expert weights (expert_weights(), as GroupedExperts "
+                f"does); the model was left unchanged"
             )
         try:
             out[fqn] = (
