@@ -256,15 +256,11 @@ def rebuild_ddp_buckets(run: nn.Module) -> None:
     anything else: nothing). DDP makes it at the first forward with grad on after the first
     backward, and it is a collective (a broadcast of the bucket order): a forward that one
     rank ran alone then would make it alone. ``Parallel.step`` calls this at its end, every
-    rank together, so the rebuild happens there; afterwards it issues nothing."""
-    if isinstance(run, DistributedDataParallel) and (
-        run.reducer._rebuild_buckets() or getattr(run, "_has_rebuilt_buckets", False)
-    ):
-        _REBUILT.add(run)
-
-
-_REBUILT: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-"""The DDP modules whose one bucket rebuild has happened (``rebuild_ddp_buckets``)."""
+    rank together, so the rebuild happens there; afterwards it issues nothing. The rebuild
+    is recorded where DDP's own forward records it (``_has_rebuilt_buckets``, which DDP
+    clears again when it must rebuild: ``_update_process_group``)."""
+    if isinstance(run, DistributedDataParallel) and run.reducer._rebuild_buckets():
+        run._has_rebuilt_buckets = True  # as DDP's _pre_forward records its own rebuild
 
 
 def join_until_rebuilt(run: nn.Module, group: dist.ProcessGroup, timeout: float | None) -> None:
@@ -274,7 +270,8 @@ def join_until_rebuilt(run: nn.Module, group: dist.ProcessGroup, timeout: float 
     forward, so a rank that runs it alone (a validation forward between the first backward
     and the first step) gets ``join``'s ``RuntimeError`` naming the absent ranks instead of
     leaving the group one broadcast apart. Every other forward issues nothing and joins
-    nothing (before any backward there is nothing to rebuild)."""
+    nothing (before any backward there is nothing to rebuild). Its two hooks are removed at
+    the first forward after the rebuild, and the weight's hook when ``run`` is freed."""
     trainable = [p for p in run.parameters() if p.requires_grad]
     if not trainable:
         return
@@ -284,15 +281,21 @@ def join_until_rebuilt(run: nn.Module, group: dist.ProcessGroup, timeout: float 
         backward[0] = True
 
     # DDP (no unused parameters) needs every weight's gradient each backward: one is enough.
-    trainable[0].register_post_accumulate_grad_hook(reached)  # type: ignore[no-untyped-call]
+    # The weight outlives the wrapper (a Parallel dropped, the model wrapped again): its hook
+    # goes with the wrapper.
+    hooks = [trainable[0].register_post_accumulate_grad_hook(reached)]  # type: ignore[no-untyped-call]
+    weakref.finalize(run, hooks[0].remove)
 
     @torch.compiler.disable(reason=COMPILE_REFUSED)  # type: ignore[untyped-decorator, no-untyped-call]
     def enter(m: nn.Module, args: Any) -> None:
-        pending = backward[0] and not (m in _REBUILT or getattr(m, "_has_rebuilt_buckets", False))
-        if pending and torch.is_grad_enabled() and not joined(group):
+        if getattr(m, "_has_rebuilt_buckets", False):
+            for hook in hooks:  # nothing left to join for
+                hook.remove()
+            return
+        if backward[0] and torch.is_grad_enabled() and not joined(group):
             join(group, describe_forward(m), timeout)
 
-    run.register_forward_pre_hook(enter, prepend=True)
+    hooks.append(run.register_forward_pre_hook(enter, prepend=True))
 
 
 def average_expert_grads(experts: list[nn.Parameter], world: int) -> None:

@@ -175,3 +175,32 @@ def test_refused_parallelize_of_a_wrapped_model_changes_nothing(
     sharded = _mlp()
     fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
     _refused(freeze, sharded, lambda: parallelize(sharded, FP8), ValueError, "wrapped already")
+
+
+@pytest.mark.parametrize("end", ["rebuilt", "wrapper freed"])
+def test_the_rebuild_joins_hooks_go_once_rebuilt_or_with_the_wrapper(
+    world_of_one: None, end: str
+) -> None:
+    # The rebuild is recorded where DDP records its own (a WeakSet shadowed it: DDP's flag
+    # stayed False), and join_until_rebuilt's two hooks go after it (they stayed for good),
+    # the weight's with the wrapper (it stayed on the user's weight).
+    import gc
+
+    from computectx.distributed.parallel_steps import join_until_rebuilt, rebuild_ddp_buckets
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    run = DistributedDataParallel(net)
+    before = len(run._forward_pre_hooks)
+    join_until_rebuilt(run, dist.group.WORLD, 5.0)  # type: ignore[arg-type]
+    weight = next(net.parameters())
+    assert len(run._forward_pre_hooks) == before + 1 and weight._post_accumulate_grad_hooks
+    run(torch.randn(3, 4)).sum().backward()
+    if end == "rebuilt":
+        rebuild_ddp_buckets(run)
+        assert run._has_rebuilt_buckets
+        run(torch.randn(3, 4)).sum().backward()
+        assert len(run._forward_pre_hooks) == before
+    else:
+        del run
+        gc.collect()
+    assert not weight._post_accumulate_grad_hooks
