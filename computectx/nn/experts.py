@@ -466,7 +466,7 @@ class _GroupedExpertsConverter:
         if isinstance(module, GroupedExperts):
             if module.frozen:
                 raise ValueError(
-                    "GroupedExperts frozen for serving hold fp8 codes, no weights to run "
+                    "GroupedExperts frozen for serving hold fp8 or 4-bit codes, no weights to run "
                     "another way; convert a copy made before freezing"
                 )
             if "fp8" in module._modules:  # an Fp4Experts child: unregistered, any value fits
