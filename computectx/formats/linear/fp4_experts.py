@@ -51,7 +51,6 @@ would no longer be ``Fp4Linear``'s); under ``offload`` in host memory; nothing o
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any, Protocol
@@ -60,6 +59,7 @@ import torch
 from torch import nn
 from torch.autograd.function import FunctionCtx
 
+from computectx._checks import as_int
 from computectx.activations import SaveMode
 from computectx.formats.linear.fp4 import fp4_quant
 from computectx.formats.linear.fp4_counter import (
@@ -109,13 +109,13 @@ def _check_frame(counts: object, first: object) -> tuple[torch.Tensor, int]:
             else type(counts).__name__
         )
         raise ValueError(f"experts_draw_frame takes int64 CPU counts of shape (E,), got {got}")
-    if isinstance(first, bool | torch.Tensor) or not hasattr(type(first), "__index__"):
+    at = as_int(first)  # a Python or numpy integer; not a bool, a float or a tensor
+    if at is None:
         raise TypeError(
             f"experts_draw_frame: first (the index of the call's first expert) must be an "
             f"int, got {type(first).__name__}"
             + ("" if isinstance(first, torch.Tensor) else f" {first!r}")
         )
-    at = operator.index(first)  # type: ignore[arg-type]
     if not 0 <= at < counts.numel():
         raise ValueError(f"experts_draw_frame: first {at} outside [0, {counts.numel()})")
     rows = counts.tolist()
