@@ -38,6 +38,9 @@ from computectx.formats.numerics.fp4 import Nvfp4Operand, global_encode_scale
 from computectx.integrations.hf_checkpoint import export_pretrained, import_pretrained
 from computectx.integrations.hf_checkpoint.fp4 import AMAX_KEY
 
+# Every NVFP4 export of the Llama warns that vLLM would fuse q/k/v and gate/up under one global
+# scale (asserted in test_compressed_tensors_decodes_to_our_weights).
+pytestmark = pytest.mark.filterwarnings("ignore:export_pretrained.*vLLM fuses:UserWarning")
 IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(3))
 FLAGS = ("nvfp4", "mxfp4")
 
@@ -149,6 +152,42 @@ def test_the_global_scale_moves_where_division_would_round_another_way(
     tensors[f"{name}.weight_global_scale"] = s_enc
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     assert not torch.equal(bits(decompress(out, name)), bits(ours))
+
+
+def test_where_no_global_scale_decodes_alike_the_export_warns_and_round_trips(
+    base: Any, tmp_path: Path
+) -> None:
+    """amax 41.7375: S_enc's ties round oppositely under the two decodes for different scales,
+    and no float32 near it decodes every scale and code alike: the export writes the closest
+    (fewest pairs apart), warns, and the round trip is still bit for bit."""
+    model = converted(base, "nvfp4")
+    freeze_fp4_for_serving(model)
+    codes = torch.arange(64 * 32, dtype=torch.int64).remainder(256).to(torch.uint8)
+    scale = (torch.arange(64 * 4) % 126 + 1).to(torch.uint8).reshape(64, 4)
+    amax = torch.tensor(0x4226F334, dtype=torch.int32).view(torch.float32)  # 41.7375...
+    q = Nvfp4Operand(
+        codes.reshape(64, 32).view(torch.float4_e2m1fn_x2),
+        scale.view(torch.float8_e4m3fn),
+        amax,
+        "1x16",
+    )
+    name = "model.layers.0.self_attn.q_proj"
+    model.get_submodule("model.layers.0.self_attn").q_proj = FrozenFp4Linear(q)
+    with pytest.warns(UserWarning, match=r"q_proj: no float32 weight_global_scale.*48 \(scale"):
+        out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    ours = model.get_submodule(name).dequantized_weight(torch.bfloat16)
+    theirs = decompress(out, name)
+    apart = bits(theirs) != bits(ours)
+    assert int(apart.sum()) > 0 and bool(
+        ((bits(theirs).int() - bits(ours).int()).abs()[apart] == 1).all()
+    )  # one bfloat16 step apart, where apart
+    served = converted(base, "nvfp4")
+    freeze_fp4_for_serving(served)
+    served.get_submodule("model.layers.0.self_attn").q_proj = FrozenFp4Linear(q)
+    held = served.get_submodule(name)
+    held.weight_amax.zero_()
+    import_pretrained(served, out)
+    assert held.weight_amax.view(torch.int32).item() == 0x4226F334
 
 
 @pytest.mark.parametrize("flag", FLAGS)

@@ -19,21 +19,25 @@ compressed-tensors decodes an NVFP4 weight as ``code * (f32(scale) / G)`` (its
 ``NVFP4PackedCompressor.decompress`` unpacks to; this library as ``code * (f32(scale) *
 f32(1 / S_enc))`` with ``S_enc = min(2688 / amax, FLT_MAX)`` (1 for amax 0) rounded once.
 ``G`` is ``S_enc`` itself (compressed-tensors' ``generate_gparam`` convention, ``448 * 6 /
-amax``; amax 0 gives 1 in both), except where the division and the reciprocal's product round
-a decode of this layer to different bfloat16 values (485 of the 2**23 float32 values of ``S_enc``
-in a binade, for some scale and code): then the nearest float32 neighbour of ``S_enc`` for which
-every decode of the layer's scales agrees (``weight_global_scale``). The decoded weight is
-then ours at bfloat16, bit for bit; at float32 the two may differ in the last place.
+amax``; amax 0 gives 1 in both), except where the division and the reciprocal's product
+round a decode of this layer to different bfloat16 values (462 of the 2**23 float32 values of
+``S_enc`` in a binade, for some scale and code): then the nearest float32 neighbour of
+``S_enc`` for which every decode of the layer's scales agrees (``chosen_global_scale``), and
+the decoded weight is ours at bfloat16, bit for bit. Where no float32 does (41 of the 462,
+for a layer holding every scale) the one with the fewest (scale, code) pairs apart is written
+and ``weight_global_scale`` warns. At float32 the two may differ in the last place.
 
 ``G`` does not determine the amax (several float32 amaxes share one ``S_enc``), and the amax is
 W4A4's epilogue factor here: the export also writes each NVFP4 layer's amax into config.json
-under ``AMAX_KEY`` (serving stacks ignore the key), so the import restores it bit for bit. A
+under ``AMAX_KEY`` (serving stacks ignore the key), so the import restores it bit for bit
+(checked: the export must choose the checkpoint's ``G`` for that amax and those scales). A
 checkpoint without it (llm-compressor's) is read with the amax ``fl(2688 / G)`` or its nearest
 neighbour whose decode agrees with compressed-tensors' at bfloat16 (``amax_of_global_scale``).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
 
@@ -56,6 +60,7 @@ __all__ = [
     "FP4_CT_FORMATS",
     "Fp4Format",
     "amax_of_global_scale",
+    "chosen_global_scale",
     "fp4_format_of",
     "fp4_layers",
     "fp4_quantization_config",
@@ -117,30 +122,56 @@ def _neighbours(x: torch.Tensor) -> Iterator[torch.Tensor]:
                 yield n
 
 
-def _decodes_alike(scale: torch.Tensor, g: torch.Tensor, s_enc: torch.Tensor) -> bool:
-    """Whether every code times every scale of ``scale`` decodes to the same bfloat16 under
-    compressed-tensors' ``scale / g`` and this library's ``scale * (1 / s_enc)``."""
+def _mismatches(scale: torch.Tensor, g: torch.Tensor, s_enc: torch.Tensor) -> int:
+    """How many (scale, code) pairs of ``scale``'s distinct positive scales and the nonzero
+    E2M1 magnitudes decode to different bfloat16s under compressed-tensors' ``scale / g`` and
+    this library's ``scale * (1 / s_enc)``."""
     s = torch.unique(scale.float())
     s = s[s > 0]
     codes = torch.tensor(_E2M1, dtype=torch.float32)[:, None]
     theirs = (codes * (s / g)).bfloat16().view(torch.int16)
     ours = (codes * (s * (1.0 / s_enc))).bfloat16().view(torch.int16)
-    return torch.equal(theirs, ours)
+    return int((theirs != ours).sum())
+
+
+def _decodes_alike(scale: torch.Tensor, g: torch.Tensor, s_enc: torch.Tensor) -> bool:
+    return _mismatches(scale, g, s_enc) == 0
+
+
+def chosen_global_scale(q: Nvfp4Operand) -> tuple[torch.Tensor, int]:
+    """The float32 ``(1,)`` ``weight_global_scale`` the export writes for ``q`` and how many
+    (scale, code) pairs compressed-tensors then decodes otherwise than this library (module
+    docstring): ``S_enc`` if it decodes every pair alike, else the nearest neighbour within 8
+    float32 steps that does, else (no float32 does: ties broken oppositely) the one of those
+    with the fewest pairs apart, ``S_enc`` first among equals."""
+    s_enc = global_encode_scale(q.amax.detach().cpu().reshape(()))
+    scale = q.scale.detach().cpu()
+    best: tuple[torch.Tensor, int] | None = None
+    for g in _neighbours(s_enc):
+        apart = _mismatches(scale, g, s_enc)
+        if apart == 0:
+            return g, 0
+        if best is None or apart < best[1]:
+            best = (g, apart)
+    assert best is not None  # S_enc itself is always a candidate
+    return best
 
 
 def weight_global_scale(name: str, q: Nvfp4Operand) -> torch.Tensor:
-    """The float32 ``(1,)`` ``weight_global_scale`` of ``q`` (module docstring): ``S_enc``, or
-    its nearest neighbour whose decodes of ``q``'s scales agree with ours at bfloat16;
-    ``ValueError`` naming the layer if none within 8 steps does."""
-    s_enc = global_encode_scale(q.amax.detach().cpu().reshape(()))
-    scale = q.scale.detach().cpu()
-    for g in _neighbours(s_enc):
-        if _decodes_alike(scale, g, s_enc):
-            return g
-    raise ValueError(
-        f"export_pretrained: {name}: no float32 global scale within {_NEIGHBOURS} steps of "
-        f"S_enc = {s_enc.item()!r} decodes its weight as this library does at bfloat16"
-    )
+    """``chosen_global_scale(q)``'s scale; a ``UserWarning`` naming the layer and the pairs
+    apart when no float32 decodes all of them alike (about 41 of the 2**23 float32 values of
+    ``S_enc`` in a binade, for a layer holding every E4M3 scale)."""
+    g, apart = chosen_global_scale(q)
+    if apart:
+        warnings.warn(
+            f"export_pretrained: {name}: no float32 weight_global_scale near S_enc decodes every "
+            f"code times scale of this layer as this library does; compressed-tensors' decode "
+            f"differs in the last bfloat16 place for {apart} (scale, code) pair(s); the import "
+            f"still restores the layer bit for bit (its amax is in config.json)",
+            UserWarning,
+            stacklevel=4,
+        )
+    return g
 
 
 def amax_of_global_scale(name: str, g: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -282,14 +313,13 @@ def operand_of_tensors(
         held = amax_of_global_scale(name, g, scale)
     else:
         held = torch.tensor(amax, dtype=torch.float32)
-        if float(held) != amax or not _decodes_alike(
-            scale, g.float().reshape(1), global_encode_scale(held)
-        ):
+        ours = Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
+        if float(held) != amax or not torch.equal(chosen_global_scale(ours)[0], g.reshape(1)):
             raise ValueError(
-                f"import_pretrained: {name}: config.json's {AMAX_KEY} gives amax {amax!r}, "
-                f"(a float32 is read, exactly) whose S_enc does not decode the weight as its "
-                f"weight_global_scale {g.reshape(-1)[0].item()!r} does; the two were not "
-                f"written together"
+                f"import_pretrained: {name}: config.json's {AMAX_KEY} gives amax {amax!r} (a "
+                f"float32 is read, exactly), for which the export writes another "
+                f"weight_global_scale than the checkpoint's {g.reshape(-1)[0].item()!r}; the "
+                f"two were not written together"
             )
     return Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
 
