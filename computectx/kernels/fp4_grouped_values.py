@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from computectx.kernels.fp4_grouped import fp4_grouped_scaled_mm, fp4_grouped_scaled_wgrad
-from computectx.kernels.fp4_quantize import HADAMARD_SIZE, fp4_quantize
+from computectx.kernels.fp4_quantize import HADAMARD_SIZE, fp4_quantize, wgrad_row_multiple
 
 __all__ = ["grouped_mm_gathered_values", "grouped_mm_values", "grouped_wgrad_values"]
 
@@ -197,5 +197,5 @@ def grouped_wgrad_values(
         scale_b=_joined(x_scales, 1, scale_dtype),
         amax_b=amax_x if nvfp4 else None,
         tile="1x16" if nvfp4 else "1x32",
-        offs=_padded_ends(offs, max(vec, HADAMARD_SIZE) if hadamard else vec),
+        offs=_padded_ends(offs, wgrad_row_multiple(vec, hadamard)),
     )

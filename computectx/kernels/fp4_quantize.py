@@ -51,13 +51,22 @@ from computectx.kernels.fp4_gemm import BUILD_OPTIONS
 from computectx.kernels.fp8_codes import FLOAT_DTYPES, e8m0_step, fp8_byte, round_to_bf16
 from computectx.kernels.quantize_cast import FLT_MAX, fp8_constants, load_widened
 
-__all__ = ["HADAMARD_SIZE", "INTERPRETED", "fp4_quantize"]
+__all__ = ["HADAMARD_SIZE", "INTERPRETED", "fp4_quantize", "wgrad_row_multiple"]
 
 INTERPRETED: Final[bool] = triton.knobs.runtime.interpret
 """Whether this module's kernels run in Triton's interpreter; fixed at import."""
 
 HADAMARD_SIZE: Final[int] = 16
 """The runs the transform mixes (``numerics.e2m1.HADAMARD_SIZE``; a test holds them equal)."""
+
+
+def wgrad_row_multiple(vec: int, hadamard: bool) -> int:
+    """What a column-wise (wgrad) operand pads its rows to: the block ``vec``, and a multiple
+    of ``HADAMARD_SIZE`` under the transform (``numerics.fp4_gemm.wgrad_row_multiple``'s rule;
+    a test holds them equal: kernels import nothing of computectx)."""
+    return max(vec, HADAMARD_SIZE) if hadamard else vec
+
+
 _SIXTH = tl.constexpr(float(torch.tensor(1.0) / torch.tensor(6.0)))  # f32(1/6), as TE's
 # Interpreted: small tiles, so test shapes span several programs.
 _TILE_R, _GROUPS = (16, 2) if INTERPRETED else (32, 8)
@@ -365,7 +374,7 @@ def fp4_quantize(
     rows = 16 if nvfp4 and tile == "16x16" and not columnwise else 1
     m, k = x.shape
     if columnwise:
-        multiple = max(vec, HADAMARD_SIZE) if hadamard else vec
+        multiple = wgrad_row_multiple(vec, hadamard)
         r, c = k, -(-m // multiple) * multiple
         operand, valid, strides = x, m, (x.stride(1), x.stride(0))
     else:

@@ -178,6 +178,13 @@ def test_the_transforms_size_is_the_twins() -> None:
     assert kq.HADAMARD_SIZE == HADAMARD_SIZE
 
 
+@pytest.mark.parametrize("hadamard", [False, True])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_the_wgrad_row_multiple_is_the_twins(fmt: Fp4Format, hadamard: bool) -> None:
+    how = Fp4Quant(format=fmt, hadamard=hadamard)
+    assert kq.wgrad_row_multiple(how.block, hadamard) == twin.wgrad_row_multiple(how)
+
+
 def test_empty_and_bad_arguments() -> None:
     signs = list(WGRAD_SIGNS)
     codes, scale, amax = kq.fp4_quantize(

@@ -71,8 +71,7 @@ from computectx.formats.linear.fp4_counter import (
     saved_counter,
 )
 from computectx.formats.linear.fp4_gathered import Fp4ExpertsGather, Fp4GatheredExperts
-from computectx.formats.numerics.e2m1 import HADAMARD_SIZE
-from computectx.formats.numerics.fp4_gemm import Fp4Quant
+from computectx.formats.numerics.fp4_gemm import Fp4Quant, wgrad_row_multiple
 from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.ops.fp4_grouped_gathered import grouped_mm_gathered
 from computectx.formats.ops.grouped import check_grouped, outside_autocast
@@ -317,7 +316,7 @@ class Fp4Experts(CounterLoads, nn.Module):
         if key is None:
             y: torch.Tensor = outside_autocast(_Fp4GroupedFn, x, w, offs, self.how, None, save)
             return y
-        multiple = max(block, HADAMARD_SIZE) if self.how.hadamard else block
+        multiple = wgrad_row_multiple(self.how)
         replaying = replays_a_call()  # the same before and after the call (its checkpoint's)
         dx_key, col, drawn = _framed_keys(key, offs, m, n, multiple, replaying)
         keys = (dx_key, col)

@@ -125,6 +125,8 @@ __all__ = [
     "reference_fp4_mm",
     "tensor_scale_alpha",
     "wgrad_operand",
+    "wgrad_row_multiple",
+    "wgrad_rows",
 ]
 
 Fp4Format = Literal["nvfp4", "mxfp4"]
@@ -197,6 +199,20 @@ def _padded_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, 0, 0, pad)) if pad else x
 
 
+def wgrad_row_multiple(how: Fp4Quant) -> int:
+    """What the weight-gradient GEMM's column-wise operands pad their rows (M, that GEMM's K)
+    to: the block (16; MXFP4 32), and under the Hadamard transform a multiple of its
+    ``HADAMARD_SIZE`` (16) rows too, which it mixes. The kernels keep a twin of this rule
+    (``kernels.fp4_quantize.wgrad_row_multiple``; a test holds them equal)."""
+    return max(how.block, HADAMARD_SIZE) if how.hadamard else how.block
+
+
+def wgrad_rows(m: int, how: Fp4Quant) -> int:
+    """``m`` rows padded up to ``wgrad_row_multiple(how)``."""
+    multiple = wgrad_row_multiple(how)
+    return -(-m // multiple) * multiple
+
+
 def wgrad_operand(
     x: torch.Tensor, how: Fp4Quant, *, stochastic: Stochastic | None = None
 ) -> Fp4Operand:
@@ -204,8 +220,7 @@ def wgrad_operand(
     rows zero-padded to a multiple of the block (and of 16 under the transform), ``x.t()``
     (``K x M_pad``), the Hadamard transform along M when ``how.hadamard`` (bf16), then
     quantized row-wise in 1x16 (1x32) blocks along M with the result's own amax."""
-    multiple = max(how.block, HADAMARD_SIZE) if how.hadamard else how.block
-    xt = _padded_rows(x.detach(), multiple).t()
+    xt = _padded_rows(x.detach(), wgrad_row_multiple(how)).t()
     if how.hadamard:
         xt = hadamard16(xt, how.signs)
     return quantize_rows(xt, how, stochastic=stochastic)
@@ -395,8 +410,7 @@ def grouped_counters(bounds: list[tuple[int, int]], cols: int, how: Fp4Quant, wg
     groups' row-wise operands, or the wgrad's padded column-wise ones (``cols`` is N)."""
     if not wgrad:
         return sum(end - start for start, end in bounds) * cols
-    multiple = max(how.block, HADAMARD_SIZE) if how.hadamard else how.block
-    return sum((end - start + multiple - 1) // multiple * multiple for start, end in bounds) * cols
+    return sum(wgrad_rows(end - start, how) for start, end in bounds) * cols
 
 
 def _key(stochastic: Stochastic | None, consumed: int) -> Stochastic | None:

@@ -126,11 +126,6 @@ def _how(fmt: str, tile: str, mx_rounding: str, hadamard: bool, signs: list[int]
     )
 
 
-def _padded(m: int, how: Fp4Quant) -> int:
-    multiple = max(how.block, HADAMARD_SIZE) if how.hadamard else how.block
-    return (m + multiple - 1) // multiple * multiple
-
-
 # ---------------------------------------------------------------------------------------
 # The operators.
 
@@ -183,7 +178,7 @@ def _quantize_fake(
     *_: object,
 ) -> Quantized:
     how = _how(format, tile, mx_rounding, hadamard, [1] * HADAMARD_SIZE)
-    rows, k = (x.shape[1], _padded(x.shape[0], how)) if columnwise else x.shape
+    rows, k = (x.shape[1], fp4_gemm.wgrad_rows(x.shape[0], how)) if columnwise else x.shape
     tile_rows = NVFP4_BLOCK if tile == "16x16" and format == "nvfp4" and not columnwise else 1
     scale_dtype = torch.float8_e4m3fn if format == "nvfp4" else torch.float8_e8m0fnu
     codes = x.new_empty((rows, k // 2), dtype=torch.float4_e2m1fn_x2)
