@@ -345,11 +345,17 @@ def native_ready() -> bool:
 def native_cleared(v: torch.Tensor) -> bool | None:
     """Whether every element of ``v`` is finite with a finite float32 square (``|v| <
     2**64``), by the native kernel's check (``host_adam.cleared``, on torch's threads); ``None``
-    where it does not read ``v`` (not a contiguous CPU tensor of the kernel's dtypes) or could
-    not be built: silently, as the caller has the exact torch condition."""
+    where it does not read ``v`` (not a plain contiguous CPU tensor of the kernel's dtypes: a
+    tensor subclass, whose ``data_ptr`` need not be its elements', takes the torch ops) or
+    could not be built: silently, as the caller has the exact torch condition."""
     from computectx.kernels import host_adam
 
-    if v.device.type != "cpu" or v.dtype not in host_adam.PARAM_DTYPES or not v.is_contiguous():
+    if (
+        type(v) not in (torch.Tensor, torch.nn.Parameter)
+        or v.device.type != "cpu"
+        or v.dtype not in host_adam.PARAM_DTYPES
+        or not v.is_contiguous()
+    ):
         return None
     lib = host_adam.quiet_library()
     return None if lib is None else host_adam.cleared(lib, v, torch.get_num_threads())

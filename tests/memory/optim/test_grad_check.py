@@ -370,3 +370,16 @@ class OpCount(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leav
     ) -> Any:
         self.names.append(str(func))
         return func(*args, **(kwargs or {}))
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass (as a wrapper subclass, whose data_ptr need not be its elements')."""
+
+
+@needs_kernel
+def test_a_tensor_subclass_takes_the_torch_ops_not_the_native_check() -> None:
+    t = torch.ones(64).as_subclass(Wrapped)
+    t[3] = float("inf")
+    with OpCount() as ops:
+        assert all_applicable([t]) is False
+    assert ops.names  # the torch ops ran
