@@ -276,9 +276,9 @@ def check_gemm(a: Fp4Operand, b: Fp4Operand, bias: object, out_dtype: object) ->
         tiles.append(q.tile if isinstance(q, Nvfp4Operand) else "1x32")
     if isinstance(a, Nvfp4Operand) != isinstance(b, Nvfp4Operand):
         raise ValueError(f"a 4-bit GEMM multiplies two NVFP4 or two MXFP4 operands, got {a!r}")
-    # Codes that are not 2-D are the operator's check_scale's to name.
-    two_d = a.codes.dim() == b.codes.dim() == 2
-    if (two_d and a.codes.shape[1] != b.codes.shape[1]) or a.codes.device != b.codes.device:
+    if a.codes.dim() != 2 or b.codes.dim() != 2:
+        return tiles[0], tiles[1]  # the operator's check_scale names them, first of all
+    if a.codes.shape[1] != b.codes.shape[1] or a.codes.device != b.codes.device:
         raise ValueError(
             f"a [M, K] and b [N, K] need the same K and device, got {tuple(a.codes.shape)} on "
             f"{a.codes.device} and {tuple(b.codes.shape)} on {b.codes.device} (two values a byte)"

@@ -683,6 +683,9 @@ def test_the_entry_checks_each_scale_once(monkeypatch: pytest.MonkeyPatch) -> No
     qa, qb = operands(16, 32, 64, HOWS["nvfp4 1x16"], seed=7)
     ops.scaled_mm(qa, qb, torch.bfloat16)
     assert checked == ["a", "b"]
+    flat = _cut(qa, qa.codes.reshape(-1), qa.scale)  # named by the operator, bias or not
+    with pytest.raises(ValueError, match=r"a must be 2-D, got codes of shape \(512,\)"):
+        ops.scaled_mm(flat, qb, torch.bfloat16, torch.zeros(32))
 
 
 @pytest.mark.parametrize("name", ["nvfp4 1x16", "mxfp4 rceil"])
