@@ -574,8 +574,20 @@ def test_a_failed_build_on_one_of_several_ranks_raises_instead_of_drifting(
 
 
 def cheap_builds(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Builds of a stand-in source, for the tests of the cache's mechanics (hash, atomic
+    replacement, rebuilds): the kernel's three C entry points, its ABI and nothing else, so
+    that each build takes a fraction of a second instead of the kernel's several; ``_build``
+    and ``_load`` run as they do for the kernel (every other test here builds the real one)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(host_adam, "FLAGS", (*host_adam.FLAGS[1:], "-O1"))
+    source = tmp_path / "host_adam_stand_in.cpp"
+    source.write_text(
+        "#include <cstdint>\n"
+        f'extern "C" int cc_host_adam_abi(void) {{ return {host_adam.ABI}; }}\n'
+        'extern "C" int cc_host_adam_step(const void*) { return 1; }\n'
+        'extern "C" int cc_host_adam_cleared(const void*, int64_t, int32_t, int32_t) '
+        "{ return 0; }\n"
+    )
+    monkeypatch.setattr(host_adam, "SOURCE", source)
 
 
 @needs_kernel
@@ -729,8 +741,7 @@ def test_a_failed_build_warns_once_and_runs_the_twin(
 def test_the_build_is_cached_by_a_hash_and_replaced_atomically(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Any
 ) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(host_adam, "FLAGS", (*host_adam.FLAGS[1:], "-O1"))  # a cheap build
+    cheap_builds(monkeypatch, tmp_path)
     first = host_adam._build(host_adam.COMPILER)
     assert first.exists() and first.parent == host_adam.cache_dir()
     assert host_adam._build(host_adam.COMPILER) == first  # cached
