@@ -33,6 +33,7 @@ from computectx.formats.exchange import (
 )
 from computectx.formats.linear.autocast import autocast
 from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_calibrate import calibrate_fp4_activations
 from computectx.formats.linear.fp4_experts import Fp4Experts, experts_draw_frame
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
@@ -83,6 +84,7 @@ __all__ = [
     "SkippedLinear",
     "assign_fp4_streams",
     "autocast",
+    "calibrate_fp4_activations",
     "checkpoint_context_fn",
     "checkpoint_policy",
     "convert_to_quantized",

@@ -33,19 +33,21 @@ def freeze_fp4_for_serving(
     GEMM: any device) or ``"w4a4"`` (the inputs quantized to nearest at every call, the 4-bit
     GEMM); ``activation_amax``: NVFP4 W4A4's rule, ``"per_row"`` (batch-invariant: each row's
     output is the ``Fp4Linear``'s on that row alone) or ``"per_tensor"`` (the ``Fp4Linear``'s
-    forward on the whole batch, bit for bit). The high-precision weights go with the layers
-    they leave (each bias stays, shared); a layer held under several names is replaced by one
-    frozen layer under all of them. Every layer and experts module is frozen before any is put
-    in place: an error leaves the model as it was. ``ValueError`` for a bad ``mode`` or
-    ``activation_amax``, for a model holding neither an ``Fp4Linear`` nor 4-bit experts and
-    for a layer that cannot be frozen (a NaN in its weight: named); ``TypeError`` for a model
-    that is one (freeze it with ``FrozenFp4Linear.from_fp4_linear`` and put that in its
-    place) and for a model wrapped in ``DistributedDataParallel`` (freeze ``model.module``
-    before wrapping, or serve without DDP: its reducer would keep the dropped weights).
+    forward on the whole batch, bit for bit) or ``"static"`` (one amax per layer, calibrated
+    next by ``calibrate_fp4_activations``; linears only: 4-bit experts refuse it). The
+    high-precision weights go with the layers they leave (each bias stays, shared); a layer held
+    under several names is replaced by one frozen layer under all of them. Every layer and
+    experts module is frozen before any is put in place: an error leaves the model as it was.
+    ``ValueError`` for a bad ``mode`` or ``activation_amax``, for a model holding neither an
+    ``Fp4Linear`` nor 4-bit experts and for a layer that cannot be frozen (a NaN in its weight:
+    named); ``TypeError`` for a model that is one (freeze it with
+    ``FrozenFp4Linear.from_fp4_linear`` and put that in its place) and for a model wrapped in
+    ``DistributedDataParallel`` (freeze ``model.module`` before wrapping, or serve without DDP:
+    its reducer would keep the dropped weights).
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"freeze_fp4_for_serving takes an nn.Module, got {describe(model)}")
-    check_serving(mode, activation_amax, "freeze_fp4_for_serving")
+    check_serving(mode, activation_amax, "freeze_fp4_for_serving", static=True)
     wrapped = [fqn for fqn, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
     if wrapped:
         raise TypeError(

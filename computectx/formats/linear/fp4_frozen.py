@@ -10,6 +10,8 @@ The buffers, all persistent:
 ``weight_scale``   NVFP4: ``float8_e4m3fn`` ``[N, K/16]`` (1x16) or ``[N/16, K/16]`` (16x16
                    tiles); MXFP4: ``float8_e8m0fnu`` ``[N, K/32]``
 ``weight_amax``    NVFP4 only: float32 ``(1,)``, the per-tensor amax (``S_enc = 2688 / amax``)
+``input_amax``     ``activation_amax="static"`` only: float32 ``(1,)``, the calibrated amax of
+                   the input (``calibrate_fp4_activations``; NaN until calibrated or loaded)
 =================  ==========================================================================
 
 with ``bias`` a parameter as ``nn.Linear``'s, and ``_extra_state`` int64 ``[version, weight
@@ -22,8 +24,11 @@ the activation amax rule of NVFP4 W4A4 (``"per_row"``: batch-invariant), are
 guards whole loads: ``formats.scaling.load``): a high-precision ``weight`` (a training
 checkpoint: load it, then freeze), an fp8 layer's entries, a state saved under another weight
 format, tile or MXFP4 rounding, entries of another dtype or shape, scales that are NaN or
-negative, an amax that is not finite, and a partial weight. The mode and the activation rule
-are the layer's own, not the checkpoint's: the same weights serve either.
+negative, an amax that is not finite, an ``input_amax`` that is not a finite float32 ``(1,)``
+``>= 0``, and a partial weight. A static layer runs only once its ``input_amax`` is
+calibrated, loaded or set (``set_input_amax``); before, its W4A4 forward is a
+``RuntimeError``. The mode and the activation rule are the layer's own, not the
+checkpoint's: the same weights serve either.
 
 No weight gradient. Input gradients flow: ``"weight_only"`` through torch's GEMM,
 ``"w4a4"`` straight through the activation's rounding (``dX = dY · W``, the dequantized
@@ -46,6 +51,7 @@ from computectx.formats.linear.fp4_serving import (
     ActivationAmax,
     ServeMode,
     check_bias,
+    check_input_amax,
     check_serving,
     check_weight,
     dequantized,
@@ -53,7 +59,7 @@ from computectx.formats.linear.fp4_serving import (
     weight_only_mm,
 )
 from computectx.formats.linear.function import autocast_dtype
-from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand
+from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand, tensor_amax
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.formats.policy import describe
 from computectx.formats.scaling.layer import held_out
@@ -121,8 +127,9 @@ class FrozenFp4Linear(nn.Module):
     bit; ``bias``: ``None`` or a float tensor ``(out_features,)`` on the codes' device (a
     ``Parameter`` is held as it is, another tensor copied into one that needs no gradient);
     ``activation_amax``: NVFP4 W4A4's rule, ``"per_row"`` (each row's output is ``Fp4Linear``'s
-    on that row alone, whatever the batch) or ``"per_tensor"`` (``Fp4Linear``'s forward on the
-    batch, bit for bit); ``mx_rounding``: MXFP4's E8M0 rule for the activations (the weight's
+    on that row alone, whatever the batch), ``"per_tensor"`` (``Fp4Linear``'s forward on the
+    batch, bit for bit) or ``"static"`` (one calibrated amax, ``input_amax``: NVFP4 only);
+    ``mx_rounding``: MXFP4's E8M0 rule for the activations (the weight's
     codes are taken as given). Bad input: ``TypeError``/``ValueError`` naming the value.
 
     The output has the input's dtype (the autocast dtype inside ``torch.autocast``); inputs of
@@ -133,6 +140,8 @@ class FrozenFp4Linear(nn.Module):
     weight_scale: torch.Tensor
     weight_amax: torch.Tensor
     """NVFP4 only."""
+    input_amax: torch.Tensor
+    """``activation_amax="static"`` only."""
 
     def __init__(
         self,
@@ -144,10 +153,15 @@ class FrozenFp4Linear(nn.Module):
         mx_rounding: MxRounding = "rceil",
     ) -> None:
         who = "FrozenFp4Linear"
-        check_serving(mode, activation_amax, who)
+        check_serving(mode, activation_amax, who, static=True)
         if mx_rounding not in ("rceil", "floor"):
             raise ValueError(f"{who}: mx_rounding must be 'rceil' or 'floor', got {mx_rounding!r}")
         q = check_weight(weight, who)
+        if activation_amax == "static" and not isinstance(q, Nvfp4Operand):
+            raise ValueError(
+                f"{who}: activation_amax='static' sets NVFP4's per-tensor S_enc; MXFP4 has "
+                f"none (its rules are 'per_row' and 'per_tensor', the same)"
+            )
         n, k = q.codes.shape[0], 2 * q.codes.shape[1]
         b = check_bias(bias, n, q.codes.device, who)
         super().__init__()
@@ -173,9 +187,18 @@ class FrozenFp4Linear(nn.Module):
             )
             if isinstance(q, Nvfp4Operand):
                 self.register_buffer("weight_amax", q.amax.float().reshape(1).clone())
+            if activation_amax == "static":
+                nan = torch.full((1,), float("nan"), dtype=torch.float32, device=q.codes.device)
+                self.register_buffer("input_amax", nan)
             if b is not None and not isinstance(b, nn.Parameter):
                 b = nn.Parameter(b.detach().clone(), requires_grad=False)
         self.bias: nn.Parameter | None = b
+        self.input_calibrated = False
+        """Whether ``input_amax`` holds a calibrated value (``"static"``)."""
+        self.calibrating: torch.Tensor | None = None
+        """During ``calibrate_fp4_activations``: the max |x| of the inputs seen (float32 ``()``);
+        the forward then serves ``"weight_only"``."""
+        self.register_load_state_dict_post_hook(_loaded)  # type: ignore[no-untyped-call]
         guard_whole_loads(self)  # load_state_dict checks every entry before any module loads
 
     @classmethod
@@ -193,7 +216,7 @@ class FrozenFp4Linear(nn.Module):
         recipe = getattr(layer, "recipe", None)
         if not isinstance(layer, nn.Linear) or not isinstance(recipe, Fp4Recipe):
             raise TypeError(f"from_fp4_linear takes an Fp4Linear, got {describe(layer)}")
-        check_serving(mode, activation_amax, "from_fp4_linear")
+        check_serving(mode, activation_amax, "from_fp4_linear", static=True)
         return cls(
             layer.quantized_weight(),
             layer.bias,
@@ -228,7 +251,15 @@ class FrozenFp4Linear(nn.Module):
             with torch.autocast(x.device.type, enabled=False):
                 return self.forward(x.to(lowered))
         x2 = x.reshape(-1, x.shape[-1])
-        if self.mode == "weight_only" or x2.shape[0] == 0:
+        if self.calibrating is not None:  # the input as the W4A4 path would quantize it
+            self.calibrating = torch.maximum(self.calibrating, tensor_amax(x2.detach()))
+        elif self.mode == "w4a4" and self.activation_amax == "static" and not self.input_calibrated:
+            raise RuntimeError(
+                "FrozenFp4Linear: activation_amax='static' but input_amax is not calibrated: "
+                "run calibrate_fp4_activations(model, batches), load a calibrated state dict, "
+                "or set_input_amax(amax)"
+            )
+        if self.mode == "weight_only" or x2.shape[0] == 0 or self.calibrating is not None:
             # No rows: nothing to quantize; the empty GEMM keeps the graph (zero gradients).
             y2 = weight_only_mm(x2, self.weight_operand, self.bias)
         elif torch.is_grad_enabled() and (
@@ -241,7 +272,21 @@ class FrozenFp4Linear(nn.Module):
 
     def _w4a4(self, x2: torch.Tensor) -> torch.Tensor:
         w, rule = self.weight_operand, self.activation_amax
-        return w4a4_mm(x2.detach(), w, self._how, rule, _epilogue_bias(self.bias), x2.dtype)
+        a = self.input_amax if rule == "static" else None
+        return w4a4_mm(x2.detach(), w, self._how, rule, _epilogue_bias(self.bias), x2.dtype, a)
+
+    def set_input_amax(self, amax: torch.Tensor) -> None:
+        """Install a static layer's calibrated input amax (float32 ``(1,)``, finite, ``>= 0``;
+        ``fp4_serving.check_input_amax``), copied: the layer serves with it from now."""
+        if self.activation_amax != "static":
+            raise ValueError(
+                f"set_input_amax: the layer's activation_amax is {self.activation_amax!r}; a "
+                f"calibrated amax is 'static''s"
+            )
+        check_input_amax(amax, "set_input_amax")
+        with torch.no_grad():
+            self.input_amax.copy_(amax)
+        self.input_calibrated = True
 
     # ----- state ----------------------------------------------------------------------------
 
@@ -278,6 +323,22 @@ class FrozenFp4Linear(nn.Module):
             )
         self._check_state(entries.get("_extra_state"), layer, prefix)
         self._check_weight_entries(entries, layer, prefix)
+        if "input_amax" in entries and self.activation_amax == "static":
+            check_input_amax(entries["input_amax"], f"{layer}: {prefix}input_amax")
+
+    def state_load_keys(self) -> tuple[str, ...]:
+        """``computectx.memory.load_weights``' seam: a static layer's ``input_amax``."""
+        return ("input_amax",) if self.activation_amax == "static" else ()
+
+    def plan_state_load(
+        self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
+    ) -> Callable[[], None]:
+        """Check ``tensors`` (``check_load``) and return what installs ``input_amax``."""
+        self.check_load(tensors, prefix)
+        if self.activation_amax != "static" or "input_amax" not in tensors:
+            return lambda: None
+        saved = tensors["input_amax"].clone()  # read now: a memory-mapped file may go
+        return lambda: self.set_input_amax(saved.to(self.input_amax.device))
 
     def _check_state(self, state: object, layer: str, prefix: str) -> None:
         if state is None:
@@ -345,7 +406,7 @@ class FrozenFp4Linear(nn.Module):
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # The codes, scales and amax follow the module's device, never its dtype: 4-bit and
         # fp8 count as floating point, so .half() would cast (or fail on) them.
-        with held_out(self._buffers, FROZEN_FP4_BUFFERS) as held:
+        with held_out(self._buffers, (*FROZEN_FP4_BUFFERS, "input_amax")) as held:
             super()._apply(fn, recurse)  # type: ignore[no-untyped-call]
             codes = held["weight_fp4"]
             assert codes is not None  # the layer always holds its codes
@@ -366,6 +427,14 @@ class FrozenFp4Linear(nn.Module):
 
     def _per_tensor_matters(self) -> bool:
         return self.format == "nvfp4" and self.mode == "w4a4"
+
+
+def _loaded(layer: nn.Module, _: object) -> None:
+    """After ``load_state_dict``: a static layer is calibrated when its ``input_amax`` holds a
+    value (a loaded one was checked: finite, ``>= 0``)."""
+    amax = layer._buffers.get("input_amax")
+    if isinstance(layer, FrozenFp4Linear) and amax is not None and not amax.is_meta:
+        layer.input_calibrated = bool(torch.isfinite(amax).all())
 
 
 def _dtype_shape(t: torch.Tensor) -> str:

@@ -27,6 +27,13 @@ on the other rows of the call, and a request's answer on the batch it was served
   * amax_W) * f32(1 / (6 * 6 * 448 * 448))``, in TE's order, the bias and one rounding follow
   (``reference_fp4_mm``'s epilogue, per row).
 - ``"per_tensor"``: ``Fp4Linear``'s forward on the same batch, bit for bit; not batch-invariant.
+- ``"static"``: one amax calibrated ahead of serving (``calibrate_fp4_activations``), every
+  row's: the per-row chain above with each row's amax the calibrated ``A`` (``S_enc = 2688 /
+  A``), so bit for bit ``reference_fp4_mm(quantize_nvfp4(x, amax=A), W)`` on any batch, and
+  batch-invariant. An element above ``A`` saturates: its block's scale clamps at E4M3's 448 and
+  its code at E2M1's ±6, so it dequantizes to at most ``6 * 448 / S_enc`` (``A``, to float32's
+  rounding); NaN and ±inf follow the dynamic rule (``numerics.fp4``: a NaN's block is NaN,
+  ±inf codes ±6 at the saturated scale). NVFP4 only, and ``FrozenFp4Linear``'s only.
 
 MXFP4 has no per-tensor scale: both rules are ``Fp4Linear``'s forward, and each row's codes are
 its own. The emulated GEMM adds each output's K blocks in K order whatever the rows
@@ -67,6 +74,7 @@ __all__ = [
     "ActivationAmax",
     "ServeMode",
     "check_bias",
+    "check_input_amax",
     "check_serving",
     "check_weight",
     "dequantized",
@@ -78,9 +86,10 @@ __all__ = [
 ServeMode = Literal["weight_only", "w4a4"]
 """How a frozen 4-bit linear multiplies: a dequantized weight, or 4-bit activations too."""
 SERVE_MODES: Final[tuple[ServeMode, ...]] = ("weight_only", "w4a4")
-ActivationAmax = Literal["per_row", "per_tensor"]
-"""Whose amax sets an NVFP4 activation's ``S_enc`` under ``"w4a4"``: each row's, or the call's."""
-ACTIVATION_AMAX: Final[tuple[ActivationAmax, ...]] = ("per_row", "per_tensor")
+ActivationAmax = Literal["per_row", "per_tensor", "static"]
+"""Whose amax sets an NVFP4 activation's ``S_enc`` under ``"w4a4"``: each row's, the call's, or
+one calibrated ahead (``"static"``: ``FrozenFp4Linear`` only)."""
+ACTIVATION_AMAX: Final[tuple[ActivationAmax, ...]] = ("per_row", "per_tensor", "static")
 
 UNIT_AMAX: Final[float] = E4M3_MAX * E2M1_MAX
 """2688: the amax whose ``S_enc`` is 1; two such operands have TE's ``alpha`` exactly 1."""
@@ -89,16 +98,32 @@ if float(tensor_scale_alpha(torch.tensor(UNIT_AMAX), torch.tensor(UNIT_AMAX))) !
     raise RuntimeError("NVFP4's epilogue factor of two unit amaxes is not 1: per_row is unsound")
 
 
-def check_serving(mode: object, activation_amax: object, who: str) -> None:
+def check_serving(mode: object, activation_amax: object, who: str, *, static: bool = False) -> None:
     """``ValueError`` naming the value unless ``mode`` is one of ``SERVE_MODES`` and
-    ``activation_amax`` one of ``ACTIVATION_AMAX``."""
+    ``activation_amax`` one of ``ACTIVATION_AMAX`` (``"static"`` only where ``static``)."""
     if not isinstance(mode, str) or mode not in SERVE_MODES:
         raise ValueError(f"{who}: mode must be one of {SERVE_MODES}, got {describe(mode)}")
-    if not isinstance(activation_amax, str) or activation_amax not in ACTIVATION_AMAX:
+    rules = ACTIVATION_AMAX if static else ACTIVATION_AMAX[:2]
+    if not isinstance(activation_amax, str) or activation_amax not in rules:
+        extra = "" if static else " ('static', a calibrated amax, is FrozenFp4Linear's only)"
         raise ValueError(
-            f"{who}: activation_amax must be one of {ACTIVATION_AMAX}, got "
-            f"{describe(activation_amax)}"
+            f"{who}: activation_amax must be one of {rules}{extra}, got {describe(activation_amax)}"
         )
+
+
+def check_input_amax(value: object, who: str) -> torch.Tensor:
+    """``value`` if it is a static activation amax: a float32 tensor ``(1,)``, finite and
+    ``>= 0`` (one host read); ``ValueError`` naming what it is otherwise."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != (1,):
+        raise ValueError(f"{who}: input_amax must be a float32 tensor (1,), got {_shown(value)}")
+    if value.is_meta:
+        raise ValueError(f"{who}: input_amax is on the meta device: it holds no calibration")
+    if not bool((torch.isfinite(value) & (value >= 0)).all()):
+        raise ValueError(
+            f"{who}: input_amax must be finite and >= 0 (a calibrated max |x|), got "
+            f"{value.tolist()}"
+        )
+    return value
 
 
 def _shown(t: object) -> str:
@@ -232,13 +257,15 @@ def weight_only_mm(x2: torch.Tensor, weight: Fp4Operand, bias: torch.Tensor | No
     return F.linear(x2, dequantized(weight, x2.dtype), b)
 
 
-def nvfp4_rows(x2: torch.Tensor) -> tuple[Nvfp4Operand, torch.Tensor]:
+def nvfp4_rows(
+    x2: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[Nvfp4Operand, torch.Tensor]:
     """Each row of the 2-D ``x2`` quantized as ``quantize_nvfp4`` quantizes it alone (1x16
     blocks, round to nearest, the row's finite amax), and the rows' amaxes (float32
     ``(rows,)``), through ``computectx::fp4_quantize_rows`` (one operator in a compiled
     graph). The operand's amax is ``UNIT_AMAX`` (``S_enc = 1``): ``w4a4_mm`` applies each
-    row's own."""
-    codes, scale, amax = fp4_ops.quantize_rows(x2.detach())
+    row's own. ``amax`` (float32 ``(1,)``): every row's, a static one."""
+    codes, scale, amax = fp4_ops.quantize_rows(x2.detach(), amax)
     unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x2.device)
     return Nvfp4Operand(codes, scale, unit, "1x16"), amax
 
@@ -250,13 +277,17 @@ def w4a4_mm(
     rule: ActivationAmax,
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
+    input_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x2 @ Wᵀ (+ bias)`` at ``out_dtype`` with ``x2`` quantized to nearest at this call
-    (module docstring: ``rule`` for NVFP4's activation amax), through ``fp4_scaled_mm``."""
+    (module docstring: ``rule`` for NVFP4's activation amax; ``"static"`` takes
+    ``input_amax``, float32 ``(1,)``), through ``fp4_scaled_mm``."""
     if isinstance(weight, Mxfp4Operand) or rule == "per_tensor":
         qx = fp4_ops.quantize(x2, how)
         return fp4_ops.scaled_mm(qx, weight, out_dtype, bias)
-    qx, amax = nvfp4_rows(x2)
+    if (rule == "static") != (input_amax is not None):
+        raise ValueError(f"w4a4_mm: input_amax goes with 'static' and only it (rule {rule!r})")
+    qx, amax = nvfp4_rows(x2, input_amax)
     unit_w = Nvfp4Operand(weight.codes, weight.scale, qx.amax, weight.tile)
     acc = fp4_ops.scaled_mm(qx, unit_w, torch.float32)  # alpha == 1: the accumulator
     alpha = tensor_scale_alpha(amax, weight.amax.float().reshape(()))  # per row

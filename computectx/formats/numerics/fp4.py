@@ -223,17 +223,24 @@ def quantize_nvfp4(
     return Nvfp4Operand(codes=codes, scale=scale, amax=amax, tile=tile)
 
 
-def quantize_nvfp4_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nvfp4_rows(
+    x: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row of the 2-D ``x`` (bf16/f16/f32, K a multiple of 16) quantized as
     ``quantize_nvfp4`` quantizes that row alone: 1x16 blocks, round to nearest, ``S_enc`` from
-    the row's own amax (over its finite elements). Returns the codes ``[rows, K/2]``, the E4M3
-    scales ``[rows, K/16]`` and the rows' float32 amaxes ``(rows,)``: a row's codes and scales
-    never depend on the other rows (batch-invariant serving quantizes so)."""
+    the row's own amax (over its finite elements), or from ``amax`` (one float32 value: a
+    static, calibrated amax, every row's; elements above it saturate, block scale at 448 and
+    codes at ±6). Returns the codes ``[rows, K/2]``, the E4M3 scales ``[rows, K/16]`` and the
+    rows' float32 amaxes ``(rows,)``: a row's codes and scales never depend on the other rows
+    (batch-invariant serving quantizes so)."""
     x2 = _rows(x, NVFP4_BLOCK, "quantize_nvfp4_rows")
     if x.dim() != 2:
         raise ValueError(f"quantize_nvfp4_rows takes a 2-D tensor, got shape {tuple(x.shape)}")
     mag = x2.abs()
-    amax = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax(dim=1)
+    if amax is not None:
+        amax = amax.detach().float().reshape(()).expand(x2.shape[0]).clone()
+    else:
+        amax = torch.where(torch.isfinite(mag), mag, torch.zeros_like(mag)).amax(dim=1)
     s_enc = global_encode_scale(amax)[:, None]  # one per row, broadcast over its blocks
     scale = nvfp4_block_scales(_block_amax(x2, 1, NVFP4_BLOCK), s_enc)  # NaN propagates
     encode = (1.0 / _decode_factor(scale, s_enc)).clamp(max=_FLT_MAX)

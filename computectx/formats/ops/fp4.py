@@ -256,7 +256,7 @@ def fp4_grouped_mm(
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times expert ``b[g]`` (``[E, N, K]``),
     each quantized on its own (``reference_fp4_grouped_mm``)."""
-    bounds = checked_bounds(offs, a.shape[0])
+    bounds = checked_bounds(offs, a.shape[0], b.shape[0])
     if runs_triton(backend, a):
         from computectx.kernels.fp4_grouped_values import grouped_mm_values
 
@@ -303,16 +303,16 @@ def _grouped_wgrad_fake(
 
 
 @custom_op("computectx::fp4_quantize_rows", mutates_args=())
-def fp4_quantize_rows(x: torch.Tensor, backend: str) -> Quantized:
-    """A 2-D ``x``'s NVFP4 operand with each row by its own amax (1x16 blocks, round to
-    nearest): codes ``[M, K/2]``, E4M3 scales ``[M, K/16]``, the rows' float32 amaxes
-    ``(M,)``. The twin on either backend (no Triton kernel quantizes per row)."""
+def fp4_quantize_rows(x: torch.Tensor, backend: str, amax: torch.Tensor | None = None) -> Quantized:
+    """A 2-D ``x``'s NVFP4 operand with each row by its own amax, or every row by ``amax``
+    (float32 ``(1,)``: a static one) (1x16 blocks, round to nearest): codes ``[M, K/2]``, E4M3
+    scales ``[M, K/16]``, the rows' float32 amaxes ``(M,)``. The twin on every backend."""
     runs_triton(backend, x)  # checked; the twin runs on every backend
-    return quantize_nvfp4_rows(x)
+    return quantize_nvfp4_rows(x, amax)
 
 
 @fp4_quantize_rows.register_fake
-def _quantize_rows_fake(x: torch.Tensor, backend: str) -> Quantized:
+def _quantize_rows_fake(x: torch.Tensor, *_: object) -> Quantized:
     rows, k = x.shape
     return (
         x.new_empty((rows, k // 2), dtype=torch.float4_e2m1fn_x2),
@@ -463,13 +463,19 @@ def grouped_wgrad(
     return dw
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_rows(
+    x: torch.Tensor, amax: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, scale, amax)`` of a 2-D ``x`` (bf16/f16/f32, K a multiple of 16), each row
-    quantized to NVFP4 as ``quantize_nvfp4`` quantizes it alone (its own amax, 1x16 blocks,
-    round to nearest): ``amax`` float32 ``(M,)``, one per row, through
-    ``computectx::fp4_quantize_rows``."""
+    quantized to NVFP4 as ``quantize_nvfp4`` quantizes it alone (its own amax, or ``amax``: a
+    float32 ``(1,)`` on ``x``'s device; 1x16 blocks, round to nearest): ``amax`` float32
+    ``(M,)``, one per row, through ``computectx::fp4_quantize_rows``."""
     t = check_2d(x, NVFP4_BLOCK, 1, "a per-row nvfp4 quantize")
-    q: Quantized = fp4_quantize_rows(t, backend_of(t))
+    held = None if amax is None else (amax.dtype, tuple(amax.shape), amax.device)
+    if held not in (None, (torch.float32, (1,), t.device)):
+        got = f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"  # type: ignore[union-attr]
+        raise ValueError(f"quantize_rows: amax must be float32 (1,) on {t.device}, got {got}")
+    q: Quantized = fp4_quantize_rows(t, backend_of(t), amax)
     return q
 
 
