@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,9 +87,10 @@ _GPU_COMPILES: dict[str, str] = {}
 """The script each GPU-compile test checks the report of, by the test's qualified name."""
 
 _COMPILE_ALL = r"""
-import contextlib, io, json, sys, traceback
+import contextlib, io, json, os, pathlib, sys, traceback
+folder = pathlib.Path(sys.argv[1])
 reports = {}
-for name, script in json.loads(sys.stdin.read()).items():
+for name, script in json.loads((folder / "gpu-compile-scripts.json").read_text()).items():
     printed = io.StringIO()
     try:
         with contextlib.redirect_stdout(printed):
@@ -96,8 +98,14 @@ for name, script in json.loads(sys.stdin.read()).items():
         reports[name] = {"report": json.loads(printed.getvalue())}
     except Exception:
         reports[name] = {"error": traceback.format_exc()}
-json.dump(reports, sys.stdout)
+(folder / "gpu-compile.part").write_text(json.dumps(reports))
+os.replace(folder / "gpu-compile.part", folder / "gpu-compile.json")
 """
+
+_RUN_AND_RECORD = (
+    'f="$2/gpu-compile.status"; "$0" -c "$1" "$2"; printf %s $? > "$f.part"; mv "$f.part" "$f"'
+)
+"""Runs the child (``$0 -c $1 $2``) and then records its exit status, whatever ended it."""
 
 _Test = TypeVar("_Test", bound=Callable[..., None])
 
@@ -117,43 +125,85 @@ def compiles_for_gpu(script: str) -> Callable[[_Test], _Test]:
     return register
 
 
-def _compile_all(scripts: dict[str, str], cache: Path) -> dict[str, Any]:
-    """Run every script in one fresh interpreter without ``TRITON_INTERPRET`` (one import of
-    torch, Triton and the kernels for all); each script's report, or its traceback."""
+def _session_scripts(session: pytest.Session) -> dict[str, str]:
+    """The GPU-compile scripts of the tests this session runs (after selection)."""
+    names = {_name(item.function) for item in session.items if hasattr(item, "function")}
+    return {name: s for name, s in _GPU_COMPILES.items() if name in names}
+
+
+def _compile_folder(session: pytest.Session) -> Path:
+    """The folder the session's xdist workers share (each worker's own temporary folder is
+    below it); without xdist, this process's own."""
+    factory: pytest.TempPathFactory = session.config._tmp_path_factory  # type: ignore[attr-defined]
+    base = factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+_CHILD: list[subprocess.Popen[bytes]] = []
+"""The compile child this process started, if it did (waited for at the session's end)."""
+
+
+def _start_compile_all(scripts: dict[str, str], folder: Path) -> None:
+    """Start one fresh interpreter without ``TRITON_INTERPRET`` (one import of torch, Triton
+    and the kernels for all) that runs every script and writes each one's report, or its
+    traceback, to ``gpu-compile.json`` in ``folder`` (its stderr and exit status beside it).
+    It runs in the background, alongside the session's other tests."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(cache)
+    env["TRITON_CACHE_DIR"] = str(folder / "gpu-compile-triton-cache")
     env["TRITON_DEFAULT_FP_FUSION"] = "1"  # the current default, stated to silence a warning
-    res = subprocess.run(
-        [sys.executable, "-c", _COMPILE_ALL],
-        input=json.dumps(scripts),
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-        check=False,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
-    reports: dict[str, Any] = json.loads(res.stdout)
-    return reports
+    (folder / "gpu-compile-scripts.json").write_text(json.dumps(scripts))
+    with (folder / "gpu-compile.stderr").open("wb") as stderr:
+        _CHILD.append(
+            subprocess.Popen(
+                ["/bin/sh", "-c", _RUN_AND_RECORD, sys.executable, _COMPILE_ALL, str(folder)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=env,
+            )
+        )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the GPU-compile child as soon as the session knows its tests: the first process
+    of the session (under xdist, the first worker to get the lock) starts it, and the tests
+    read its reports (``_gpu_compile_reports``) when they run, most often long after it is
+    done, so no worker waits on it and its compiles overlap the other tests."""
+    scripts = _session_scripts(session)
+    if not scripts:
+        return
+    folder = _compile_folder(session)
+    with FileLock(folder / "gpu-compile.lock"):
+        if not (folder / "gpu-compile-scripts.json").exists():
+            _start_compile_all(scripts, folder)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Wait for the child this process started (another worker may still read its reports)."""
+    for child in _CHILD:
+        try:
+            child.wait(timeout=_WALL_LIMIT)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
+
+
+_WALL_LIMIT = 600.0
+"""Seconds the compile child may take from its start."""
 
 
 @pytest.fixture(scope="session")
-def _gpu_compile_reports(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
-    """The reports of the session's GPU-compile tests, from one child process for them all;
-    under xdist the first worker to ask runs it (in the folder the session's workers share) and
-    the others, waiting on a lock meanwhile, read its reports."""
-    names = {_name(item.function) for item in request.session.items if hasattr(item, "function")}
-    scripts = {name: s for name, s in _GPU_COMPILES.items() if name in names}
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        return _compile_all(scripts, tmp_path_factory.mktemp("triton-cache"))
-    root = tmp_path_factory.getbasetemp().parent  # the session's; each worker's own is below
-    done = root / "gpu-compile.json"
-    with FileLock(root / "gpu-compile.lock"):
-        if not done.exists():
-            reports = _compile_all(scripts, root / "gpu-compile-triton-cache")
-            done.write_text(json.dumps(reports))
+def _gpu_compile_reports(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """The reports of the session's GPU-compile tests, from the one child process for them all
+    (started at the end of collection, ``pytest_collection_finish``), waited for here."""
+    folder = _compile_folder(request.session)
+    done, status = folder / "gpu-compile.json", folder / "gpu-compile.status"
+    started = (folder / "gpu-compile-scripts.json").stat().st_mtime
+    while not status.exists():
+        assert time.time() - started < _WALL_LIMIT, "the GPU-compile child ran past its limit"
+        time.sleep(0.2)
+    stderr = (folder / "gpu-compile.stderr").read_text()[-4000:]
+    assert status.read_text() == "0", stderr
     loaded: dict[str, Any] = json.loads(done.read_text())
     return loaded
 
