@@ -40,9 +40,15 @@ from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.formats.ops.fp4_backend import backend_of, check_how, rng_arg, runs_triton
 from computectx.formats.ops.grouped import checked_bounds
 
-__all__ = ["fp4_grouped_mm_gathered", "grouped_mm_gathered"]
+__all__ = ["check_operands", "fp4_grouped_mm_gathered", "grouped_mm_gathered"]
 
 _U64: Final[int] = 2**64
+_OP: Final[str] = "computectx::fp4_grouped_mm_gathered"
+_SCALE_DTYPES: Final[dict[str, torch.dtype]] = {
+    "nvfp4": torch.float8_e4m3fn,
+    "mxfp4": torch.float8_e8m0fnu,
+}
+_TILES: Final[tuple[str, ...]] = ("1x16", "16x16")
 
 
 @custom_op("computectx::fp4_grouped_mm_gathered", mutates_args=())
@@ -61,7 +67,10 @@ def fp4_grouped_mm_gathered(
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a [M, K]``, quantized on their own, times expert
     ``g``'s operand (``codes[g]``, ``scale[g]``, NVFP4's ``amax[g]``), as it came."""
-    bounds = checked_bounds(offs, a.shape[0])
+    e = check_operands(a, codes, scale, amax, offs, format, weight_tile, rng, read=True)
+    if out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{_OP}: out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    bounds = checked_bounds(offs, a.shape[0], e)
     if runs_triton(backend, a):
         from computectx.kernels.fp4_grouped_values import grouped_mm_gathered_values
 
@@ -89,15 +98,93 @@ def _grouped_mm_gathered_fake(a: torch.Tensor, codes: torch.Tensor, *rest: objec
     return a.new_empty((a.shape[0], codes.shape[1]), dtype=cast(torch.dtype, rest[-2]))
 
 
-def _scale_shape(b: Fp4Operand, e: int, n: int, k: int) -> tuple[int, int, int]:
-    if isinstance(b, Mxfp4Operand):
+def _scale_shape(fmt: str, tile: str, e: int, n: int, k: int) -> tuple[int, int, int]:
+    if fmt == "mxfp4":
         return (e, n, k // 32)
-    return (e, n // NVFP4_BLOCK, k // NVFP4_BLOCK) if b.tile == "16x16" else (e, n, k // 16)
+    return (e, n // NVFP4_BLOCK, k // NVFP4_BLOCK) if tile == "16x16" else (e, n, k // 16)
+
+
+def _check_kinds(a: torch.Tensor, codes: torch.Tensor, fmt: str, tile: str) -> tuple[int, ...]:
+    if fmt not in _SCALE_DTYPES:
+        raise ValueError(f"{_OP}: format must be one of {tuple(_SCALE_DTYPES)}, got {fmt!r}")
+    if tile not in _TILES:
+        raise ValueError(f"{_OP}: weight_tile must be one of {_TILES}, got {tile!r}")
+    if a.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{_OP} takes a of dtype {FLOAT_DTYPES}, got {a.dtype}")
+    if codes.dtype != torch.float4_e2m1fn_x2 or codes.dim() != 3:
+        raise ValueError(
+            f"grouped_mm_gathered takes the experts' codes as float4_e2m1fn_x2 [E, N, K/2], got "
+            f"{codes.dtype} {tuple(codes.shape)}"
+        )
+    e, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
+    block, rows = (32, 1) if fmt == "mxfp4" else (16, 16 if tile == "16x16" else 1)
+    if not k or k % block or n % rows:
+        need = f", N a multiple of {rows}" if rows > 1 else ""
+        raise ValueError(
+            f"{_OP} ({fmt} {tile}) takes codes [E, N, K/2] with K > 0 a multiple of {block}"
+            f"{need}, got {tuple(codes.shape)} (two values a byte)"
+        )
+    return e, n, k
+
+
+def check_operands(
+    a: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor | None,
+    offs: torch.Tensor,
+    fmt: str,
+    tile: str,
+    rng: torch.Tensor | None,
+    *,
+    read: bool,
+) -> int:
+    """``E``, the experts' count, when the operator's arguments are well formed: ``a [M, K]``
+    (bf16, fp16, fp32), codes ``float4_e2m1fn_x2 [E, N, K/2]``, scales of ``fmt``'s dtype (E4M3
+    for NVFP4, E8M0 for MXFP4: ``check_scale``'s rule) and shape at ``tile``, NVFP4's amax float32
+    ``(E,)`` (finite and >= 0 when ``read``: one host read; MXFP4 takes none), ``offs [E]``,
+    ``rng`` ``None`` or int64 ``(2,)``, all on ``a``'s device (``rng`` on the CPU or there);
+    else ``ValueError`` naming the shapes and dtypes, never the values."""
+    e, n, k = _check_kinds(a, codes, fmt, tile)
+    if a.dim() != 2 or a.shape[1] != k or offs.dim() != 1 or e != offs.shape[0]:
+        raise ValueError(
+            f"grouped_mm_gathered takes a [M, K] and offs [E] for codes [E, N, K/2] = "
+            f"{tuple(codes.shape)}, got a {tuple(a.shape)} and offs {tuple(offs.shape)}"
+        )
+    shape, tiled = _scale_shape(fmt, tile, e, n, k), "1x32" if fmt == "mxfp4" else tile
+    if tuple(scale.shape) != shape or scale.dtype != _SCALE_DTYPES[fmt]:
+        raise ValueError(
+            f"grouped_mm_gathered: the experts' scales are {scale.dtype} {tuple(scale.shape)}, "
+            f"expected {_SCALE_DTYPES[fmt]} {shape} ({fmt} {tiled}) for codes {tuple(codes.shape)}"
+        )
+    if (amax is None) != (fmt == "mxfp4"):
+        raise ValueError(f"{_OP}: NVFP4 experts take their amaxes, MXFP4 experts none ({fmt})")
+    if amax is not None and (amax.dtype != torch.float32 or tuple(amax.shape) != (e,)):
+        raise ValueError(
+            f"grouped_mm_gathered: NVFP4 experts take one float32 amax each, ({e},), got "
+            f"{amax.dtype} {tuple(amax.shape)}"
+        )
+    held = (codes, scale, offs) + ((amax,) if amax is not None else ())
+    if any(t.device != a.device for t in held):
+        raise ValueError(f"grouped_mm_gathered: a, the experts' operands and offs on {a.device}")
+    if rng is not None and (
+        rng.dtype != torch.int64
+        or tuple(rng.shape) != (2,)
+        or rng.device not in (torch.device("cpu"), a.device)
+    ):
+        raise ValueError(
+            f"{_OP}: rng is None or an int64 (2,) [seed, counter] on the CPU or {a.device}, got "
+            f"{rng.dtype} {tuple(rng.shape)} on {rng.device}"
+        )
+    if read and amax is not None and not bool(((amax >= 0) & amax.isfinite()).all()):
+        raise ValueError("grouped_mm_gathered: each expert's amax must be finite and >= 0")
+    return e
 
 
 def _check_gathered(a: torch.Tensor, b: object, offs: object, how: Fp4Quant) -> Fp4Operand:
     """``b`` as the experts' stacked operands of ``how``'s format for ``a``, or
-    ``TypeError``/``ValueError`` naming what is wrong (shapes and dtypes, never values)."""
+    ``TypeError``/``ValueError`` naming what is wrong (shapes and dtypes, never values; the
+    amaxes' values are the operator's to read)."""
     want = Nvfp4Operand if how.format == "nvfp4" else Mxfp4Operand
     if not isinstance(b, want):
         raise TypeError(
@@ -107,33 +194,9 @@ def _check_gathered(a: torch.Tensor, b: object, offs: object, how: Fp4Quant) -> 
     if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.dim() != 1:
         got = f"{offs.dtype} {tuple(offs.shape)}" if isinstance(offs, torch.Tensor) else offs
         raise TypeError(f"offs must be a 1-D int32 tensor of each group's end row, got {got!r}")
-    codes = b.codes
-    if codes.dtype != torch.float4_e2m1fn_x2 or codes.dim() != 3:
-        raise ValueError(
-            f"grouped_mm_gathered takes the experts' codes as float4_e2m1fn_x2 [E, N, K/2], got "
-            f"{codes.dtype} {tuple(codes.shape)}"
-        )
-    e, n, k = codes.shape[0], codes.shape[1], 2 * codes.shape[2]
-    if a.dim() != 2 or a.shape[1] != k or e != offs.shape[0]:
-        raise ValueError(
-            f"grouped_mm_gathered takes a [M, K] and offs [E] for codes [E, N, K/2] = "
-            f"{tuple(codes.shape)}, got a {tuple(a.shape)} and offs {tuple(offs.shape)}"
-        )
-    shape = _scale_shape(b, e, n, k)
-    if tuple(b.scale.shape) != shape:
-        raise ValueError(
-            f"grouped_mm_gathered: the experts' scales are {tuple(b.scale.shape)}, expected "
-            f"{shape} for codes {tuple(codes.shape)}"
-        )
+    tile = b.tile if isinstance(b, Nvfp4Operand) else "1x16"
     amax = b.amax if isinstance(b, Nvfp4Operand) else None
-    if amax is not None and (amax.dtype != torch.float32 or amax.numel() != e):
-        raise ValueError(
-            f"grouped_mm_gathered: NVFP4 experts take one float32 amax each ({e}), got "
-            f"{amax.dtype} {tuple(amax.shape)}"
-        )
-    held = (codes, b.scale, offs) + ((amax,) if amax is not None else ())
-    if any(t.device != a.device for t in held):
-        raise ValueError(f"grouped_mm_gathered: a, the experts' operands and offs on {a.device}")
+    check_operands(a, b.codes, b.scale, amax, offs, how.format, tile, None, read=False)
     return b
 
 
@@ -158,7 +221,7 @@ def grouped_mm_gathered(
     if out not in FLOAT_DTYPES:
         raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
     tile = q.tile if isinstance(q, Nvfp4Operand) else "1x16"
-    amax = q.amax.reshape(-1) if isinstance(q, Nvfp4Operand) else None
+    amax = q.amax if isinstance(q, Nvfp4Operand) else None
     rng = rng_arg(stochastic, t)
     args = (h.format, tile, h.mx_rounding, rng, out, backend_of(t))
     y: torch.Tensor = fp4_grouped_mm_gathered(t, q.codes, q.scale, amax, offs, *args)

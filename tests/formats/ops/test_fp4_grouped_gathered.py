@@ -85,12 +85,81 @@ def test_bad_operands_are_refused_naming_the_shapes() -> None:
     assert isinstance(q, Nvfp4Operand)
     x, offs = torch.randn(20, 32), torch.tensor(OFFS, dtype=torch.int32)
     bad = Nvfp4Operand(q.codes, q.scale[:, :2], q.amax, q.tile)
-    with pytest.raises(ValueError, match=r"scales are \(4, 2, 2\), expected \(4, 4, 2\)"):
+    with pytest.raises(
+        ValueError, match=r"scales are .*e4m3fn \(4, 2, 2\), expected .*e4m3fn \(4, 4, 2\)"
+    ):
         grouped_mm_gathered(x, bad, offs, how)
     with pytest.raises(ValueError, match=r"a \[M, K\] and offs \[E\].*got a \(20, 16\)"):
         grouped_mm_gathered(torch.randn(20, 16), q, offs, how)
     with pytest.raises(TypeError, match="takes a Nvfp4Operand, got Mxfp4Operand"):
         grouped_mm_gathered(x, Mxfp4Operand(q.codes, q.scale), offs, how)
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_scales_of_another_dtype_are_refused_as_the_dense_gemm_refuses_them(recipe: str) -> None:
+    # The dense GEMM's check_scale: NVFP4's scales E4M3, MXFP4's E8M0 (the bytes read as
+    # another dtype are another number: a silent wrong product before).
+    how = fp4_quant(Fp4Recipe.parse(recipe))
+    torch.manual_seed(4)
+    q = _stacked(torch.randn(4, 32, 32), recipe)
+    x, offs = torch.randn(20, 32), torch.tensor(OFFS, dtype=torch.int32)
+    right = "float8_e4m3fn" if recipe == "nvfp4" else "float8_e8m0fnu"
+    other = torch.float8_e8m0fnu if recipe == "nvfp4" else torch.float8_e4m3fn
+    for dtype in (torch.uint8, other):
+        s = q.scale.view(dtype)
+        bad = Nvfp4Operand(q.codes, s, q.amax, q.tile) if isinstance(q, Nvfp4Operand) else None
+        with pytest.raises(
+            ValueError, match=f"scales are torch.{str(dtype)[6:]} .*expected torch.{right}"
+        ):
+            grouped_mm_gathered(x, bad or Mxfp4Operand(q.codes, s), offs, how)
+    s32 = q.scale.float()
+    bad32 = Nvfp4Operand(q.codes, s32, q.amax, q.tile) if isinstance(q, Nvfp4Operand) else None
+    with pytest.raises(ValueError, match=f"scales are torch.float32 .*expected torch.{right}"):
+        grouped_mm_gathered(x, bad32 or Mxfp4Operand(q.codes, s32), offs, how)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0])
+def test_an_amax_not_finite_or_negative_is_refused(value: float) -> None:
+    how = fp4_quant(Fp4Recipe.parse("nvfp4"))
+    torch.manual_seed(5)
+    q = _stacked(torch.randn(4, 32, 32), "nvfp4")
+    assert isinstance(q, Nvfp4Operand)
+    x, offs = torch.randn(20, 32), torch.tensor(OFFS, dtype=torch.int32)
+    amax = q.amax.clone()
+    amax[2] = value
+    with pytest.raises(ValueError, match="each expert's amax must be finite and >= 0"):
+        grouped_mm_gathered(x, Nvfp4Operand(q.codes, q.scale, amax, q.tile), offs, how)
+    for bad in (q.amax.reshape(4, 1), q.amax.double()):
+        with pytest.raises(ValueError, match=r"one float32 amax each, \(4,\), got"):
+            grouped_mm_gathered(x, Nvfp4Operand(q.codes, q.scale, bad, q.tile), offs, how)
+
+
+def test_the_raw_operator_checks_its_own_arguments() -> None:
+    # Nothing reaches the reference or the Triton kernel past the operands' bounds.
+    torch.manual_seed(6)
+    q = _stacked(torch.randn(4, 32, 32), "nvfp4")
+    assert isinstance(q, Nvfp4Operand)
+    x, offs = torch.randn(20, 32), torch.tensor(OFFS, dtype=torch.int32)
+    tail = ("rceil", None, torch.float32, "emulated")
+
+    def op(*args: object, rng: object = None) -> object:
+        full = (*args, "nvfp4", "16x16", "rceil", rng, torch.float32, "emulated")
+        return fp4_grouped_mm_gathered(x, *full)
+
+    with pytest.raises(ValueError, match=r"offs \[E\] for codes .* = \(2, 32, 16\)"):
+        op(q.codes[:2], q.scale[:2], q.amax[:2], offs)
+    with pytest.raises(ValueError, match=r"scales are .*\(2, 2, 2\), expected .*\(4, 2, 2\)"):
+        op(q.codes, q.scale[:2], q.amax, offs)
+    with pytest.raises(
+        ValueError, match=r"one float32 amax each, \(4,\), got torch.float32 \(2,\)"
+    ):
+        op(q.codes, q.scale, q.amax[:2], offs)
+    with pytest.raises(ValueError, match=r"rng is None or an int64 \(2,\).*got torch.int64 \(1,\)"):
+        op(q.codes, q.scale, q.amax, offs, rng=torch.tensor([1]))
+    with pytest.raises(ValueError, match="NVFP4 experts take their amaxes, MXFP4 experts none"):
+        fp4_grouped_mm_gathered(x, q.codes, q.scale, None, offs, "nvfp4", "16x16", *tail)
+    with pytest.raises(ValueError, match="offs must be int32"):
+        op(q.codes, q.scale, q.amax, offs.long())
 
 
 def test_the_operator_passes_opcheck() -> None:
