@@ -155,9 +155,17 @@ def check_grouped(
     return m, k, e, n
 
 
-def checked_bounds(offs: torch.Tensor, m: int) -> list[tuple[int, int]]:
+def checked_bounds(offs: torch.Tensor, m: int, experts: int | None = None) -> list[tuple[int, int]]:
     """Each group's ``(start, end)`` rows from ``offs``; ``ValueError`` naming the first bad
-    entry when an end is negative, below the one before, or past ``m`` rows."""
+    entry when an end is negative, below the one before, or past ``m`` rows, and (given
+    ``experts``, the weight's ``E``) unless ``offs`` is a 1-D int32 of one end row an expert."""
+    if experts is not None and (
+        offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != experts
+    ):
+        raise ValueError(
+            f"offs must be int32 ({experts},), one end row per expert of the weight's "
+            f"{experts}, got {offs.dtype} {tuple(offs.shape)}"
+        )
     bounds = grouped.bounds_of(offs)
     prev = 0
     for g, (_, end) in enumerate(bounds):
@@ -192,7 +200,7 @@ def grouped_mm_op(
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a [M, K]`` times ``b[g]ᵀ`` (``b [E, N, K]``), each
     operand quantized dynamically at its granularity (module docstring)."""
-    bounds = checked_bounds(offs, a.shape[0])
+    bounds = checked_bounds(offs, a.shape[0], b.shape[0])
     ga, gb, chosen = _g(granularity_a), _g(granularity_b), parse_backend(backend)
     fa, fb, r = Fp8Format.parse(fp8_a), Fp8Format.parse(fp8_b), _rule(rule)
     cublas = _cublas_rows(chosen, ga, a, out_dtype)
@@ -256,7 +264,7 @@ def held_grouped_mm_op(
     """``held_grouped_mm`` as an operator (frozen experts' GEMM): ``offs`` is read inside
     (``checked_bounds``), so a compiled call guards on none of its values, as with
     ``fp8_grouped_mm``, and only ``a``'s quantize and the GEMM run in the operator."""
-    bounds = checked_bounds(offs, a.shape[0])
+    bounds = checked_bounds(offs, a.shape[0], qb.shape[0])
     fa, r, chosen = Fp8Format.parse(fp8_a), _rule(rule), parse_backend(backend)
     how = (_g(granularity_a), _g(granularity_b), fa, r, margin, out_dtype, chosen)
     return held_grouped_mm(a, qb, sb, offs, how, bounds)
