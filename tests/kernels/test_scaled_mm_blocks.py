@@ -195,7 +195,7 @@ def _every_pair(test: Any) -> Any:
 
 # A quarter of the profile's examples (25 in CI, 500 under HYPOTHESIS_PROFILE=thorough): each
 # runs interpreted, and _every_pair holds the edges whatever the draw.
-@settings(max_examples=max(1, settings.default.max_examples // 4))
+@settings(max_examples=max(1, settings().max_examples // 4))
 @given(
     m=st.integers(1, 40),
     n=st.integers(1, 40),
