@@ -157,11 +157,8 @@ def check_grouped(
 
 def checked_bounds(offs: torch.Tensor, m: int, experts: int | None = None) -> list[tuple[int, int]]:
     """Each group's ``(start, end)`` rows from ``offs``; ``ValueError`` naming the first bad
-    entry when an end is negative, below the one before, or past ``m`` rows, and (given
-    ``experts``, the weight's ``E``) unless ``offs`` is a 1-D int32 of one end row an expert."""
-    if experts is not None and (
-        offs.dtype != torch.int32 or offs.dim() != 1 or offs.shape[0] != experts
-    ):
+    end (negative, below the one before, past ``m`` rows), or ``offs`` not int32 ``(experts,)``."""
+    if experts is not None and (offs.dtype, tuple(offs.shape)) != (torch.int32, (experts,)):
         raise ValueError(
             f"offs must be int32 ({experts},), one end row per expert of the weight's "
             f"{experts}, got {offs.dtype} {tuple(offs.shape)}"
