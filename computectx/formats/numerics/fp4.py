@@ -47,6 +47,12 @@ has amax inf: NVFP4's scale saturates at 448 and ±inf codes ±6 (it dequantizes
 ±amax of the finite elements); MXFP4's byte is 253 (``"floor"``) or 254 (``"rceil"``).
 torchao codes a NaN element 0x3 and lets a NaN into the NVFP4 amax; TE's reference does not
 state a rule.
+
+**Finite inputs past float32 under** ``"rceil"``: a finite element with ``|x| >= 7 * 2**125``
+(float32 ``0x7F600000``, about 2.9775e38) sits in a block of byte 253 (``amax / 6`` is at most
+``FLT_MAX / 6 < 2**126``) and codes ±4 (``x / 2**126`` lies in ``[3.5, 4)``; 3.5 ties to the
+even code), which decodes to ``±2**128 = ±inf`` (torchao's bytes and dequantized values too).
+``"floor"`` gives such blocks byte 252 and saturates them at ``6 * 2**125``: finite.
 """
 
 from __future__ import annotations

@@ -310,6 +310,38 @@ def test_mxfp4_bytes_are_torchaos(dtype: torch.dtype, rounding: str) -> None:
     assert torch.isnan(fp4.dequantize_mxfp4(q)[5, 32:64]).all()
 
 
+# The finite inputs "rceil" decodes past float32: |x| >= 7 * 2**125 (0x7F600000). Its block's
+# byte is 253 (amax / 6 in (2**125, FLT_MAX / 6], ceiling 126), x / 2**126 lies in [3.5, 4) and
+# rounds to code 4 (the tie to the even code at 3.5), and 4 * 2**126 = 2**128. "floor" gives
+# byte 252 (2**125) and saturates at 6 * 2**125: finite.
+RCEIL_INF = 7.0 * 2.0**125
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_rceil_decodes_finite_inputs_from_7_times_2_pow_125_to_inf_as_torchao_does(
+    dtype: torch.dtype,
+) -> None:
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    modes = pytest.importorskip("torchao.prototype.mx_formats.config").ScaleCalculationMode
+    below = float(torch.tensor(RCEIL_INF, dtype=dtype).nextafter(torch.tensor(0.0, dtype=dtype)))
+    top = float(torch.finfo(dtype).max)
+    x = torch.full((4, 64), 1e-3, dtype=dtype)
+    x[0, 0], x[1, 0], x[2, 0], x[3, 0] = RCEIL_INF, -top, below, 1.3e38
+    x[0, 32] = -RCEIL_INF  # a second block: the rule is the element's, whatever its sign
+    for rounding in ("floor", "rceil"):
+        q = fp4.quantize_mxfp4(x, rounding=rounding)
+        scale, data = mx.to_mx(x, torch.float4_e2m1fn_x2, 32, getattr(modes, rounding.upper()))
+        assert _bytes(q.scale) == _bytes(scale) and _bytes(q.codes) == _bytes(data), rounding
+        deq = fp4.dequantize_mxfp4(q)
+        if rounding == "floor":
+            assert torch.isfinite(deq).all()
+            continue
+        assert _bytes(q.scale[:3, 0]) == [253, 253, 253]
+        assert deq[0, 0] == math.inf and deq[0, 32] == -math.inf and deq[1, 0] == -math.inf
+        assert deq[2, 0] == 3 * 2.0**126 and deq[3, 0] == 3 * 2.0**125  # finite below it
+        assert torch.isfinite(deq[:, 1:32]).all() and torch.isfinite(deq[:, 33:]).all()
+
+
 def test_nvfp4_is_torchaos_where_the_chains_agree_and_not_below_e4m3s_normals() -> None:
     nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
     gen = torch.Generator().manual_seed(4)

@@ -233,6 +233,23 @@ def test_both_routes_give_the_same_bits_where_either_is_taken() -> None:
     assert torch.equal(got, _by_route(mx[0], mx[1], prescaled=False))  # a GPU's route
 
 
+def test_an_rceil_weight_decoding_to_inf_stays_finite_in_the_gemm() -> None:
+    # docs/fp4.md, "Non-finite values": an element of at least 7 * 2**125 codes 4 at scale
+    # 2**126 under "rceil", so its dequantized value is 2**128 = inf; the GEMM multiplies the
+    # two scales first (2**126 * s_x), so its product stays finite where 2**128 * x does.
+    w = torch.full((2, 32), 1e-3)
+    w[0, 0] = -3e38
+    x = torch.full((3, 32), 2.0**-20)
+    x[1, 0], x[2, 0] = 0.5, 0.0
+    qw, qx = fp4.quantize_mxfp4(w), fp4.quantize_mxfp4(x)
+    assert fp4.dequantize_mxfp4(qw)[0, 0] == -math.inf
+    y = fp4_gemm.reference_fp4_mm(qx, qw, torch.float32)
+    # Row 0 of the weight decodes to [-2**128, 0, ..., 0] (1e-3 codes 0 at 2**126).
+    assert y[:, 0].tolist() == [-(2.0**108), -(2.0**127), 0.0]
+    deq = fp4.dequantize_mxfp4(qx) @ fp4.dequantize_mxfp4(qw).t()  # the weight-only route
+    assert deq[0, 0] == deq[1, 0] == -math.inf and math.isnan(deq[2, 0])
+
+
 def test_mixed_pairs_and_two_ks_are_refused() -> None:
     x = torch.randn(16, 64)
     with pytest.raises(ValueError, match="two NVFP4 or two MXFP4"):
