@@ -45,6 +45,7 @@ from computectx.integrations.hf_checkpoint import (
     export_pretrained,
     import_pretrained,
 )
+from computectx.integrations.hf_checkpoint.files import read_tensors
 from computectx.integrations.transformers_moe import (
     TransformersExperts,
     freeze_experts_for_serving,
@@ -537,3 +538,66 @@ def test_a_model_on_the_meta_device_is_refused(
         import_pretrained(loaded, directory, mode=mode)
     assert {t.device.type for t in loaded.state_dict().values()} == {"meta"}
     assert not any(m.frozen for m in loaded.modules() if isinstance(m, QuantizedLinear))
+
+
+# ----- sharded directories: the index and the shards must agree -----------------------------
+
+
+def shards(folder: Path, files: dict[str, dict[str, float]], weight_map: dict[str, str]) -> Path:
+    """Writes each file's scalar tensors and an index holding ``weight_map``."""
+    folder.mkdir()
+    for file, tensors in files.items():
+        save_file({k: torch.tensor([v]) for k, v in tensors.items()}, folder / file)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    return folder
+
+
+A, B = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+GOOD = {A: {"x": 1.0, "y": 2.0}, B: {"z": 3.0}}
+MAP = {"x": A, "y": A, "z": B}
+
+
+def test_a_sharded_directory_reads_by_its_index(tmp_path: Path) -> None:
+    folder = shards(tmp_path / "ok", GOOD, MAP)
+    got = read_tensors(folder)
+    assert {k: v.item() for k, v in got.items()} == {"x": 1.0, "y": 2.0, "z": 3.0}
+    assert list(read_tensors(folder, lambda name: name == "z")) == ["z"]
+
+
+@pytest.mark.parametrize(
+    ("files", "weight_map", "match"),
+    [
+        # Before: the last shard read won (y = 0), whatever the index said.
+        (
+            {A: {"x": 1.0, "y": 2.0}, B: {"y": 0.0, "z": 3.0}},
+            MAP,
+            rf"'y' is in two shards, '{A}' and '{B}'",
+        ),
+        (GOOD, {**MAP, "ghost": A}, rf"lists 1 tensor\(s\) no shard holds .*'ghost', in '{A}'"),
+        (GOOD, {"x": A, "z": B}, rf"the shard '{A}' holds 'y', but the index does not list it"),
+        (GOOD, {**MAP, "y": B}, rf"the shard '{A}' holds 'y', but the index names '{B}'"),
+        (GOOD, {**MAP, "w": "model-00003-of-00002.safetensors"}, r"names the shard 'model-00003"),
+        (GOOD, {**MAP, "w": "../x.safetensors"}, r"names the shard '\.\./x\.safetensors'"),
+    ],
+    ids=["duplicate", "ghost-entry", "unlisted", "misplaced", "missing-shard", "outside"],
+)
+def test_an_index_its_shards_contradict_is_refused(
+    tmp_path: Path, files: dict[str, dict[str, float]], weight_map: dict[str, str], match: str
+) -> None:
+    folder = shards(tmp_path / "bad", files, weight_map)
+    with pytest.raises(ValueError, match=match):
+        read_tensors(folder)
+
+
+def test_a_missing_shard_or_a_bad_index_is_a_value_error(tmp_path: Path) -> None:
+    folder = shards(tmp_path / "gone", GOOD, MAP)
+    (folder / B).unlink()  # before: FileNotFoundError from safetensors
+    with pytest.raises(ValueError, match=rf"names the shard '{B}' \(for 'z' and others\)"):
+        read_tensors(folder)
+    (folder / "model.safetensors.index.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"index\.json' is not JSON"):
+        read_tensors(folder)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": [1]}')
+    with pytest.raises(ValueError, match=r"holds no weight_map of tensor names"):
+        read_tensors(folder)
