@@ -48,10 +48,11 @@ from computectx.formats.numerics.fp4 import (
 )
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, tensor_scale_alpha
 from computectx.formats.ops import fp4 as fp4_ops
-from computectx.formats.ops.fp4_backend import backend_of, runs_triton
+from computectx.formats.ops.fp4_backend import backend_of, check_scale, runs_triton
 from computectx.formats.ops.grouped import checked_bounds
 
 __all__ = [
+    "check_held",
     "dequantize_experts",
     "expert_operand",
     "fp4_dequantize_experts",
@@ -63,10 +64,57 @@ __all__ = [
 def expert_operand(
     codes: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None, tile: str, e: int
 ) -> Fp4Operand:
-    """Expert ``e``'s 2-D operand (views) of the held ``[E, ...]`` tensors (module docstring)."""
-    if amax is None:
+    """Expert ``e``'s 2-D operand (views) of the held ``[E, ...]`` tensors (module docstring):
+    the format by the scales' dtype, as ``computectx::fp4_dequantize`` reads it (E8M0: MXFP4,
+    any ``amax`` unread; E4M3: NVFP4, which needs ``amax``)."""
+    if scale.dtype == torch.float8_e8m0fnu:
         return Mxfp4Operand(codes[e], scale[e])
+    if amax is None:
+        raise ValueError("an NVFP4 operand (an E4M3 scale) needs its per-tensor amax")
     return Nvfp4Operand(codes[e], scale[e], amax[e], cast(Nvfp4Tile, tile))
+
+
+def check_held(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor | None,
+    tile: str,
+    out_dtype: torch.dtype,
+    who: str,
+    *,
+    out_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+) -> int:
+    """``E``, the experts' count, when the held operand of ``E >= 1`` experts (module
+    docstring) is well formed: the codes ``float4_e2m1fn_x2 [E, N, K/2]``, the scales ``[E,
+    ...]`` at ``tile`` (each expert's as ``check_scale`` takes it; the dtype names the format),
+    NVFP4's amax float32 ``(E,)``, finite and >= 0 (one host read), everything on the codes'
+    device, ``out_dtype`` among ``out_dtypes``; else ``ValueError`` naming the operand."""
+    if out_dtype not in out_dtypes:
+        raise ValueError(f"{who}: out_dtype must be one of {out_dtypes}, got {out_dtype!r}")
+    if codes.dtype != torch.float4_e2m1fn_x2 or codes.dim() != 3 or not codes.shape[0]:
+        raise ValueError(
+            f"{who} takes the experts' codes as float4_e2m1fn_x2 [E, N, K/2] with E >= 1, got "
+            f"{codes.dtype} {tuple(codes.shape)}"
+        )
+    e = codes.shape[0]
+    if scale.dim() != 3 or scale.shape[0] != e:
+        raise ValueError(
+            f"{who}: the scales must be [E = {e}, ...] for codes {tuple(codes.shape)}, got "
+            f"{tuple(scale.shape)}"
+        )
+    check_scale(codes[0], scale[0], tile, f"{who}: each expert's operand")
+    if scale.dtype == torch.float8_e8m0fnu:
+        return e
+    if amax is None:
+        raise ValueError(f"{who}: an NVFP4 operand (E4M3 scales) needs its per-expert amax")
+    if amax.dtype != torch.float32 or tuple(amax.shape) != (e,) or amax.device != codes.device:
+        raise ValueError(
+            f"{who}: NVFP4 experts take one float32 amax each, ({e},) on {codes.device}, got "
+            f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"
+        )
+    if not bool(((amax >= 0) & amax.isfinite()).all()):  # a host read (data, not a guard)
+        raise ValueError(f"{who}: each expert's amax must be finite and >= 0")
+    return e
 
 
 def _group(
@@ -103,9 +151,18 @@ def fp4_held_grouped_mm(
     """``[M, N]``: group ``g``'s rows of ``a [M, K]`` quantized at this call times the held
     expert ``g`` (module docstring)."""
     runs_triton(backend, a)  # checked; each group takes ops.fp4's backend for its device
-    bounds = checked_bounds(offs, a.shape[0])
+    who = "computectx::fp4_held_grouped_mm"
+    e = check_held(codes, scale, amax, tile, out_dtype, who)
+    if a.dtype not in FLOAT_DTYPES or a.dim() != 2 or a.shape[1] != 2 * codes.shape[2]:
+        raise ValueError(
+            f"{who} takes a bf16, fp16 or fp32 a [M, K] for codes {tuple(codes.shape)}, got "
+            f"{a.dtype} {tuple(a.shape)}"
+        )
+    if not (a.device == offs.device == codes.device):
+        raise ValueError(f"{who}: a, offs and the experts' operand on one device")
+    bounds = checked_bounds(offs, a.shape[0], e)
     how = Fp4Quant(
-        format="nvfp4" if amax is not None else "mxfp4",
+        format="mxfp4" if scale.dtype == torch.float8_e8m0fnu else "nvfp4",
         mx_rounding=cast(MxRounding, mx_rounding),
         hadamard=False,
     )
@@ -134,6 +191,9 @@ def fp4_dequantize_experts(
     """``[E, N, K]`` at ``out_dtype``: expert ``e``'s values as ``dequantize_nvfp4`` /
     ``dequantize_mxfp4`` form them from its operand (in float32, rounded once)."""
     runs_triton(backend, codes)  # checked; the twin runs on every backend
+    dtypes = (*FLOAT_DTYPES, torch.float64)
+    check_held(codes, scale, amax, tile, out_dtype, "computectx::fp4_dequantize_experts",
+               out_dtypes=dtypes)  # fmt: skip
     out = []
     for e in range(codes.shape[0]):
         q = expert_operand(codes, scale, amax, tile, e)

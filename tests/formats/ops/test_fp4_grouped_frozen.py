@@ -3,6 +3,7 @@ on each, and the held grouped GEMM against the training one (``fp4_grouped_mm``)
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from computectx.formats.numerics.fp4 import Nvfp4Operand
@@ -46,3 +47,58 @@ def test_held_grouped_mm_is_the_grouped_forward_and_passes_opcheck() -> None:
         deq = (codes, scale, amax, tile, torch.float32, em)
         torch.library.opcheck(ops.fp4_dequantize_experts, deq, test_utils=WITHOUT_SCHEMA)
         assert dequantize_experts(codes, scale, amax, tile, torch.bfloat16).shape == (3, 16, 32)
+
+
+def test_the_operators_check_every_operand_against_the_codes_expert_count() -> None:
+    # Each was accepted (a silent number) or a torch IndexError / RuntimeError before.
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(5, 32, generator=gen).bfloat16(), torch.randn(4, 32, 32, generator=gen)
+    codes, scale, amax = held(w, NV)
+    assert amax is not None
+    offs, bf16, em = offsets([2, 1, 0, 2]), torch.bfloat16, "emulated"
+    mm, dq = torch.ops.computectx.fp4_held_grouped_mm, torch.ops.computectx.fp4_dequantize_experts
+    rule = ("16x16", "rceil", True)
+    bad = [
+        ((x, codes, scale, amax, offs[:3], *rule, bf16, em), r"offs must be int32 \(4,\)"),
+        ((x, codes, scale, amax, offsets([1] * 5), *rule, bf16, em), r"offs must be int32 \(4,\)"),
+        ((x, codes, scale, amax[:3], offs, *rule, bf16, em), r"one float32 amax each, \(4,\)"),
+        ((x, codes, scale[:3], amax, offs, *rule, bf16, em), r"scales must be \[E = 4"),
+        ((x, codes, scale, amax.neg(), offs, *rule, bf16, em), "finite and >= 0"),
+        ((x, codes, scale, amax * float("nan"), offs, *rule, bf16, em), "finite and >= 0"),
+        ((x, codes, scale, amax, offs, *rule, torch.int32, em), "out_dtype must be one of"),
+        ((x, codes, scale, None, offs, *rule, bf16, em), "needs its per-expert amax"),
+        ((x, codes[:0], scale[:0], amax[:0], offs[:0], *rule, bf16, em), "with E >= 1"),
+        ((x[:, :16], codes, scale, amax, offs, *rule, bf16, em), r"a \[M, K\]"),
+    ]
+    for args, match in bad:
+        with pytest.raises(ValueError, match=match):
+            mm(*args)
+    dq_bad: list[tuple[tuple[object, ...], str]] = [
+        ((codes, scale, amax, "16x16", torch.int32, em), "out_dtype must be one of"),
+        ((codes, scale, amax, "1x16", torch.float32, em), r"scale \(nvfp4 1x16\)"),
+        ((codes[:0], scale[:0], amax[:0], "16x16", torch.float32, em), "with E >= 1"),
+        ((codes, scale, amax[:3], "16x16", torch.float32, em), r"one float32 amax each"),
+    ]
+    for dq_args, match in dq_bad:
+        with pytest.raises(ValueError, match=match):
+            dq(*dq_args)
+    # The training operator shares the offs-length check (checked_bounds): E - 1 entries left
+    # the last group's rows zero, E + 1 an IndexError.
+    train = torch.ops.computectx.fp4_grouped_mm
+    for short in (offs[:3], offsets([1] * 5)):
+        with pytest.raises(ValueError, match=r"offs must be int32 \(4,\)"):
+            train(x, w.bfloat16(), short, "nvfp4", "16x16", "rceil", None, bf16, em)
+
+
+def test_dequantize_experts_reads_the_format_from_the_scales_as_the_dense_operator() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(2, 16, 64, generator=gen)
+    codes, scale, _ = held(w, MX)
+    stray = torch.ones(2, dtype=torch.float32)  # an amax beside E8M0 scales: not NVFP4
+    dense = torch.stack([fp4_ops.dequantize(fp4_ops.quantize(w[e], MX, weight=True), torch.float32)
+                         for e in range(2)])  # fmt: skip
+    dq = torch.ops.computectx.fp4_dequantize_experts
+    assert torch.equal(dq(codes, scale, stray, "1x32", torch.float32, "emulated"), dense)
+    nv_codes, nv_scale, _ = held(w, NV)
+    with pytest.raises(ValueError, match="needs its per-expert amax"):
+        dq(nv_codes, nv_scale, None, "16x16", torch.float32, "emulated")
