@@ -274,6 +274,11 @@ def _skip(
     if isinstance(policy, Fp4Recipe) and policy.keeps_high(fqn, *block):
         return "kept_high", f"kept in high precision by the 4-bit recipe {policy}"
     for name, w in weights.items():
+        if w.dtype == torch.float4_e2m1fn_x2:  # FrozenFp4Experts' codes: no weight to convert
+            return "dtype", (
+                f"expert weight {name} is held as 4-bit codes: the experts are frozen for "
+                f"serving (FrozenFp4Experts); convert a copy made before freezing"
+            )
         e, n, k = w.shape
         try:
             check_fp8_widths(k, n)

@@ -64,6 +64,8 @@ def freeze_fp4_for_serving(
     found = [(fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)]
     layers = [(fqn, m) for fqn, m in found if isinstance(m, Fp4Linear)]
     experts = _frozen_experts(found, mode, activation_amax)
+    if not layers and not experts and _frozen_already(found, mode, activation_amax):
+        return ()
     if not layers and not experts:
         raise ValueError(
             f"freeze_fp4_for_serving: {type(model).__name__} holds no Fp4Linear or 4-bit "
@@ -128,3 +130,20 @@ def _frozen_experts(
                 f"left unchanged"
             ) from err
     return out
+
+
+def _frozen_already(
+    found: list[tuple[str, nn.Module]], mode: ServeMode, activation_amax: ActivationAmax
+) -> bool:
+    """Whether ``found`` holds frozen 4-bit layers or experts, every one frozen under ``mode``
+    and ``activation_amax`` (a second ``freeze_fp4_for_serving``: nothing to do, as a second
+    ``GroupedExperts.freeze_for_serving``); ``ValueError`` naming the first frozen otherwise."""
+    frozen = [(f, m) for f, m in found if isinstance(m, FrozenFp4Linear | FrozenFp4Experts)]
+    for fqn, m in frozen:
+        if (m.mode, m.activation_amax) != (mode, activation_amax):
+            raise ValueError(
+                f"freeze_fp4_for_serving: {fqn or '<root>'!r} is frozen already (mode="
+                f"{m.mode!r}, activation_amax={m.activation_amax!r}), not as asked ({mode!r}, "
+                f"{activation_amax!r}); freeze a copy made before freezing. Nothing was changed"
+            )
+    return bool(frozen)

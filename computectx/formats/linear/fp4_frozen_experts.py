@@ -25,7 +25,8 @@ module's ``Fp4Experts`` child and drops the module's high-precision expert param
   float32, rounded once, ``computectx::fp4_dequantize_experts``), then a high-precision
   grouped GEMM: the experts module's own (``mm(..., grouped=)``; ``GroupedExperts`` passes
   its ``F.grouped_mm`` path), so the output is that module's high-precision forward with the
-  dequantized weights, bit for bit. Batch-invariant as that GEMM is on the device.
+  dequantized weights, bit for bit, as batch-invariant as that GEMM (on the CPU a float32
+  ``F.grouped_mm``: not). Eager on the CPU only the experts with rows are dequantized.
 - ``"w4a4"``: each group's rows quantized at every call (round to nearest, never stochastic,
   no Hadamard transform: the forward's operands), times the held expert through
   ``computectx::fp4_held_grouped_mm``. ``activation_amax="per_tensor"``: each group's rows
@@ -36,7 +37,8 @@ module's ``Fp4Experts`` child and drops the module's high-precision expert param
   ``Fp4Experts.mm`` on row ``i`` alone (a one-row group of expert ``g``), whatever else is
   in the batch. MXFP4 has no per-tensor scale: both rules are the forward's, batch-invariant.
 
-An empty group reads nothing of its expert; rows past ``offs[-1]`` are zero. No gradient:
+An empty group reads nothing of its expert (weight-only: eager on the CPU); rows past
+``offs[-1]`` are zero; ``offs`` is checked in either mode (``checked_bounds``). No gradient:
 W4A4 refuses an input that needs one (serve under ``torch.inference_mode()`` or
 ``no_grad``); weight-only passes the input gradient through the grouped GEMM.
 
@@ -49,6 +51,7 @@ finite, a partial weight. A module-wide ``.to()`` moves the buffers, never casts
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final, Literal
 
@@ -56,13 +59,17 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_frozen import (
     FROZEN_FP4_VERSION,
-    FROZEN_WEIGHT_CODES,
     frozen_weight_code,
     frozen_weight_name,
+)
+from computectx.formats.linear.fp4_frozen_experts_checks import (
+    check_experts,
+    check_input,
+    check_state,
+    check_width,
 )
 from computectx.formats.linear.fp4_serving import (
     ActivationAmax,
@@ -78,6 +85,7 @@ from computectx.formats.ops.fp4_grouped_frozen import (
     expert_operand,
     held_grouped_mm,
 )
+from computectx.formats.ops.grouped import checked_bounds
 from computectx.formats.policy import describe
 from computectx.formats.scaling.layer import held_out
 from computectx.formats.scaling.load import guard_whole_loads
@@ -127,9 +135,12 @@ class FrozenFp4Experts(nn.Module):
                 f"{who} takes a non-empty mapping of weight names to per-expert operands, got "
                 f"{describe(weights)}"
             )
-        kinds = {n: _check_experts(n, ops, who) for n, ops in weights.items()}
+        kinds = {n: check_experts(n, ops, who) for n, ops in weights.items()}
         if len(set(kinds.values())) != 1:
             raise ValueError(f"{who}: every weight must share one format and tile, got {kinds}")
+        counts = {n: len(ops) for n, ops in weights.items()}
+        if len(set(counts.values())) != 1:
+            raise ValueError(f"{who}: every weight must hold one operand an expert, got {counts}")
         super().__init__()
         first = next(iter(weights.values()))[0]
         nv = isinstance(first, Nvfp4Operand)
@@ -172,6 +183,7 @@ class FrozenFp4Experts(nn.Module):
                         f"from_fp4_experts: {name!r} must be a 3-D tensor [E, N, K], got "
                         f"{describe(w) if not isinstance(w, torch.Tensor) else tuple(w.shape)}"
                     )
+                check_width(name, w, experts)
                 ops[name] = [fp4_ops.quantize(w[e].detach(), experts.how, weight=True)
                              for e in range(w.shape[0])]  # fmt: skip
         rounding = experts.recipe.mx_rounding or "rceil"
@@ -204,6 +216,23 @@ class FrozenFp4Experts(nn.Module):
         rounded once): what ``"weight_only"`` multiplies with."""
         return dequantize_experts(*self.held(name), self.tile, dtype)
 
+    def _dequantized_at(self, name: str, dtype: torch.dtype, offs: torch.Tensor) -> torch.Tensor:
+        # As GroupedExperts' _experts_at: eager on the CPU only the experts with rows are
+        # dequantized (each as dequantized() forms it), the others left uninitialized (no
+        # grouped GEMM reads an empty group's weight); compiled, or on an accelerator (where a
+        # host read of offs costs more), every expert.
+        codes, scale, amax = self.held(name)
+        if codes.device.type != "cpu" or torch.compiler.is_compiling():
+            return self.dequantized(name, dtype)
+        used = torch.diff(offs, prepend=offs.new_zeros(1)).nonzero().flatten()
+        out = torch.empty(self.shape(name), dtype=dtype, device=codes.device)
+        if used.numel():
+            c, sc = (t.view(torch.uint8)[used].view(t.dtype) for t in (codes, scale))
+            out[used] = dequantize_experts(
+                c, sc, None if amax is None else amax[used], self.tile, dtype
+            )
+        return out
+
     # ----- the GEMM ------------------------------------------------------------------------
 
     def mm(
@@ -214,11 +243,12 @@ class FrozenFp4Experts(nn.Module):
         docstring); ``offs`` int32 ``(E,)`` end rows. ``grouped``: weight-only's
         high-precision grouped GEMM (default: one ``F.linear`` per group, eager only)."""
         e, _, k = self.shape(name)
-        _check_x(x, offs, e, k, self.held(name)[0].device)
+        check_input(x, offs, e, k, self.held(name)[0].device)
         if self.mode == "weight_only":
-            gemm = grouped if grouped is not None else _per_group
-            w = self.dequantized(name, _at(x))
-            return gemm(x, w, offs)
+            if grouped is None:  # eager: offs read here, as the operators read it
+                checked_bounds(offs, x.shape[0], e)
+            w = self._dequantized_at(name, _at(x), offs)
+            return (grouped if grouped is not None else _per_group)(x, w, offs)
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError(
                 "frozen 4-bit experts in w4a4 mode pass no gradient: serve under "
@@ -251,9 +281,23 @@ class FrozenFp4Experts(nn.Module):
         where = f"the {self.kind} {prefix[:-1] or '<root>'!r} ({frozen_weight_name(self._code)})"
         state = entries.get("_extra_state")
         if state is not None:
-            _check_state(state, self._code, where, prefix)
+            check_state(state, self._code, where, prefix)
         for name in self.names:
             _check_entries(self, name, entries, where, prefix)
+
+    @staticmethod
+    def refuse_high_precision(held: object, entries: Mapping[str, object], prefix: str) -> None:
+        """The experts module's ``check_load`` (``install_frozen_experts`` sets it, as fp8's
+        ``freeze_experts`` does): when ``held`` is a ``FrozenFp4Experts``, ``ValueError`` for
+        a high-precision expert weight among the module's ``entries``, strict or not (as
+        ``FrozenFp4Linear`` refuses a ``weight``)."""
+        hp = [n for n in getattr(held, "names", ()) if n in entries]
+        if isinstance(held, FrozenFp4Experts) and hp:
+            raise ValueError(
+                f"the {held.kind} {prefix[:-1] or '<root>'!r}: the state dict holds a "
+                f"high-precision {prefix}{hp[0]} (a training state of the experts): load that "
+                f"checkpoint into the unfrozen model, then freeze (freeze_fp4_for_serving)"
+            )
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # The codes, scales and amaxes follow the module's device, never its dtype.
@@ -325,10 +369,35 @@ def install_frozen_experts(module: nn.Module, frozen: FrozenFp4Experts) -> None:
         raise ValueError(
             f"install_frozen_experts: {type(module).__name__} holds no Fp4Experts to replace"
         )
+    _check_fit(module, frozen)
     for name in frozen.names:
         if module._parameters.get(name) is not None:
             module.register_parameter(name, None)
     setattr(module, child, frozen)
+    if getattr(type(module), "check_load", None) is None:  # as fp8's freeze_experts sets it
+        vars(module)["check_load"] = functools.partial(frozen.refuse_high_precision, frozen)
+
+
+def _check_fit(module: nn.Module, frozen: FrozenFp4Experts) -> None:
+    # Before anything changes: frozen holds a weight for each of the module's expert
+    # parameters (named by its NAMES, else frozen's names), each of the parameter's [E, N, K].
+    who, kind = "install_frozen_experts", type(module).__name__
+    if not isinstance(frozen, FrozenFp4Experts):
+        raise TypeError(f"{who} takes a FrozenFp4Experts, got {describe(frozen)}")
+    names = tuple(getattr(module, "NAMES", frozen.names))
+    if set(names) != set(frozen.names):
+        raise ValueError(
+            f"{who}: {kind} holds the expert weights {list(names)}, the frozen experts "
+            f"{list(frozen.names)}; nothing was changed"
+        )
+    for name in names:
+        p = module._parameters.get(name)
+        if p is None or tuple(p.shape) != frozen.shape(name):
+            got = "none" if p is None else f"[E, N, K] = {tuple(p.shape)}"
+            raise ValueError(
+                f"{who}: {kind}'s {name!r} is {got}, the frozen experts' {frozen.shape(name)}; "
+                f"nothing was changed"
+            )
 
 
 def _at(x: torch.Tensor) -> torch.dtype:
@@ -342,71 +411,10 @@ def _per_group(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Te
     out = x.new_zeros((x.shape[0], w.shape[1]), dtype=w.dtype)
     start = 0
     for g, end in enumerate(offs.tolist()):
-        out[start:end] = torch.nn.functional.linear(x[start:end].to(w.dtype), w[g])
+        if end > start:  # an empty group's weight is never read (nor dequantized)
+            out[start:end] = torch.nn.functional.linear(x[start:end].to(w.dtype), w[g])
         start = end
     return out
-
-
-def _check_x(x: object, offs: object, e: int, k: int, device: torch.device) -> None:
-    who = "frozen 4-bit experts"
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[1] != k:
-        got = tuple(x.shape) if isinstance(x, torch.Tensor) else describe(x)
-        raise ValueError(f"{who} take x [M, {k}], got {got}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{who} take a bf16, fp16 or fp32 x, got {x.dtype}")
-    if not isinstance(offs, torch.Tensor) or offs.dtype != torch.int32 or offs.shape != (e,):
-        what = (
-            f"{offs.dtype} {tuple(offs.shape)}"
-            if isinstance(offs, torch.Tensor)
-            else describe(offs)
-        )
-        raise ValueError(f"{who}: offs must be int32 ({e},), one end row per expert, got {what}")
-    if not (x.device == offs.device == device):
-        raise ValueError(
-            f"{who}: x, offs and the held weights must be on one device, got {x.device}, "
-            f"{offs.device}, {device}"
-        )
-
-
-def _check_experts(name: str, ops: object, who: str) -> tuple[str, str]:
-    if not isinstance(ops, Sequence) or not ops:
-        raise TypeError(
-            f"{who}: {name!r} must be a non-empty sequence of per-expert operands, got "
-            f"{describe(ops)}"
-        )
-    kinds = set()
-    for e, q in enumerate(ops):
-        check_weight(q, f"{who}: {name!r} expert {e}")
-        kinds.add((type(q).__name__, q.tile if isinstance(q, Nvfp4Operand) else "1x32"))
-    shapes = {(q.codes.shape, q.scale.shape, q.codes.device) for q in ops}
-    if len(kinds) != 1 or len(shapes) != 1:
-        raise ValueError(f"{who}: {name!r}'s experts must share one format, tile, shape and device")
-    return kinds.pop()
-
-
-def _check_state(state: object, code: int, where: str, prefix: str) -> None:
-    if not isinstance(state, torch.Tensor) or state.dtype != torch.int64 or state.dim() != 1:
-        raise ValueError(f"{where}: {prefix}_extra_state must be int64 [version, weight code]")
-    if state.numel() == 5:
-        raise ValueError(
-            f"{where}: {prefix}_extra_state holds a 4-bit training state (Fp4Experts' "
-            f"[version, recipe, seed, counter, stream]): load that checkpoint into the unfrozen "
-            f"model, then freeze (freeze_fp4_for_serving)"
-        )
-    if state.numel() != 2 or state.is_meta:
-        raise ValueError(
-            f"{where}: {prefix}_extra_state must be int64 [version, weight code], got "
-            f"{state.numel()} entries"
-        )
-    version, saved = (int(v) for v in state.tolist())
-    if version != FROZEN_FP4_VERSION:
-        raise ValueError(
-            f"{where}: {prefix}_extra_state has version {version}; this computectx reads "
-            f"version {FROZEN_FP4_VERSION}"
-        )
-    if saved != code:
-        shown = frozen_weight_name(saved) if saved in FROZEN_WEIGHT_CODES else f"code {saved}"
-        raise ValueError(f"{where}: the state dict holds {shown}; freeze under that format")
 
 
 def _check_entries(

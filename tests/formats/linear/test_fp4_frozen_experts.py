@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import pathlib
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.formats import Fp4Experts, Fp4Recipe, FrozenFp4Experts, freeze_fp4_for_serving
+from computectx.formats.linear.fp4_frozen_experts import install_frozen_experts
 from computectx.formats.ops import fp4 as fp4_ops
 from computectx.memory import load_weights, memory_report, save_weights
 from computectx.nn import GroupedExperts
@@ -225,3 +227,95 @@ def test_a_compiled_frozen_forward_is_one_graph_with_the_eager_bits() -> None:
         with torch.inference_mode():
             assert same(compiled(X, OFFS), served(X, OFFS)), mode
         assert not counters["graph_break"], mode
+
+
+def test_weight_only_without_grouped_checks_offs_as_every_other_path() -> None:
+    # Its per-group F.linear took decreasing, negative and past-M offs (rows of another expert).
+    for mode in ("weight_only", "w4a4"):
+        four = held(frozen(experts("nvfp4"), mode))
+        for sizes, match in (([3, -2, 3, 1], "below offs"), ([-1, 4, 0, 2], "negative")):
+            with torch.inference_mode(), pytest.raises(ValueError, match=match):
+                four.mm(X, "gate_up", offsets(sizes))
+        with torch.inference_mode(), pytest.raises(ValueError, match="past the 16 rows"):
+            four.mm(X, "gate_up", offsets([5, 0, 6, 9]))
+
+
+def test_weight_only_dequantizes_only_the_experts_with_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from computectx.formats.linear import fp4_frozen_experts as module
+
+    served = frozen(experts("nvfp4"), "weight_only")
+    high = GroupedExperts(BF16, DIM, HIDDEN, E)
+    with torch.no_grad():
+        for name in ("gate_up", "down"):
+            getattr(high, name).copy_(held(served).dequantized(name))
+    seen: list[int] = []
+    real = module.dequantize_experts  # type: ignore[attr-defined]
+
+    def counted(codes: torch.Tensor, *rest: Any) -> torch.Tensor:
+        seen.append(codes.shape[0])
+        return real(codes, *rest)
+
+    monkeypatch.setattr(module, "dequantize_experts", counted)
+    one = offsets([0, 0, 1, 0])  # one row, on expert 2 of 4
+    with torch.inference_mode():
+        got = served(X[:1], one)
+        assert seen == [1, 1]  # one expert of each weight (was [4, 4])
+        assert same(got, high(X[:1], one))
+        assert same(served(X, OFFS), high(X, OFFS))  # experts 0, 2, 3: the same bits
+        w = held(served).dequantized("down", torch.bfloat16)
+        bounds = [(0, 5), (5, 5), (5, 11), (11, 14)]
+        rows = [torch.nn.functional.linear(X[a:b], w[g]) for g, (a, b) in enumerate(bounds)]
+        seen.clear()  # the default per-group GEMM (no grouped=): experts 0, 2 and 3 only
+        assert same(held(served).mm(X, "down", OFFS), torch.cat([*rows, X.new_zeros(2, DIM)]))
+        assert seen == [3]
+
+
+def test_install_refuses_frozen_experts_that_do_not_fit_and_changes_nothing() -> None:
+    how = Fp4Experts(Fp4Recipe.parse("nvfp4")).how
+
+    def ops(e: int, n: int, k: int) -> list:  # type: ignore[type-arg]
+        return [fp4_ops.quantize(torch.randn(n, k), how, weight=True) for _ in range(e)]
+
+    with pytest.raises(ValueError, match=r"one operand an expert, got \{'gate_up': 4, 'down': 3\}"):
+        FrozenFp4Experts({"gate_up": ops(4, 64, 32), "down": ops(3, 32, 32)})
+    for weights, match in [
+        (
+            {"gate_up": ops(8, 64, 32), "down": ops(8, 32, 32)},
+            r"\(4, 64, 32\), the frozen .* \(8, 64, 32\)",
+        ),
+        ({"gate_up": ops(4, 64, 32)}, r"the frozen experts \['gate_up'\]"),
+        ({"w1": ops(4, 64, 32), "w2": ops(4, 32, 32)}, r"the frozen experts \['w1', 'w2'\]"),
+        ({"gate_up": ops(4, 64, 64), "down": ops(4, 64, 32)}, r"the frozen experts' \(4, 64, 64\)"),
+    ]:
+        module = experts("nvfp4")
+        before = dict(module.state_dict())
+        with pytest.raises(ValueError, match=match):
+            install_frozen_experts(module, FrozenFp4Experts(weights, mode="w4a4"))
+        assert isinstance(module.fp8, Fp4Experts) and module.state_dict().keys() == before.keys()
+
+
+def test_clear_refusals_around_freezing_and_loading(tmp_path: pathlib.Path) -> None:
+    from computectx.formats import convert_to_quantized
+
+    model = nn.Sequential(experts("nvfp4"))
+    assert freeze_fp4_for_serving(model, "w4a4") == ("0",)
+    assert freeze_fp4_for_serving(model, "w4a4") == ()  # again the same way: nothing to do
+    with pytest.raises(ValueError, match=r"'0.fp8' is frozen already \(mode='w4a4'"):
+        freeze_fp4_for_serving(model, "weight_only")
+    beside = nn.Sequential(nn.Linear(32, 32), model[0])
+    report = convert_to_quantized(beside, ComputeCtx.from_flag("nvfp4", "cpu"), min_features=16)
+    assert "frozen for serving (FrozenFp4Experts)" in str(report)
+    wide = experts("mxfp4")
+    wide.gate_up = nn.Parameter(torch.randn(E, 2 * HIDDEN, 48))
+    with pytest.raises(
+        ValueError, match=r"'gate_up' \[E, N, K\] = \(4, 64, 48\): expert 0 .*mxfp4 1x32"
+    ):
+        wide.freeze_for_serving(mode="w4a4")
+    high = nn.Sequential(GroupedExperts(BF16, DIM, HIDDEN, E)).state_dict()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(ValueError, match=r"high-precision 0.gate_up"):
+            model.load_state_dict(high, strict=strict)
+        assert all(same(v, before[k]) for k, v in model.state_dict().items())
