@@ -6,6 +6,11 @@ As test_compile_for_gpu.py does for the older kernels: a child process (without
 row-major and transposed (column-wise) reads, every step rule, measured and given scales.
 It checks 16-byte vector loads where K is contiguous, and no flush-to-zero arithmetic
 (subnormal inputs and steps must round as they do in the twins).
+
+sm_89 builds only the 128x128-block variants: for every other variant (and the row kernel)
+Triton 3.9 emits the same PTX for sm_89 as for sm_90, line for line but the ``.target`` and
+``.version`` lines, so the facts read from it are the same facts; the 128x128 variants are
+where the two targets' code differs.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ for cap in (89, 90, 100):
         ("*fp32", 0, (1, 128), True, False), ("*i16", 0, (1, 128), False, True),
         ("*fp32", 3, (1, 32), False, True), ("*i16", 0, (128, 128), False, True),
     ):
+        if cap == 89 and block != (128, 128):
+            continue  # sm_90's PTX, but the target line: checked once, at sm_90
         mx = rule >= 2
         tile_r, groups, warps = kb._TILES[block]
         consts = dict(fmt, X_BF16=xdt == "*i16", RULE=rule, GIVEN=given, MX_SCALE=mx,
@@ -58,7 +65,7 @@ for cap in (89, 90, 100):
         aligned = ("x_ptr", "q_ptr", "C", "stride_c" if colwise else "stride_r")
         key = f"blocks/{cap}/{xdt}/{rule}/{block}/given={given}/columnwise={colwise}"
         out[key] = build(kb._quantize_blocks_kernel, names, types, consts, warps, aligned)
-    for xdt, given in (("*i16", False), ("*fp32", True)):
+    for xdt, given in () if cap == 89 else (("*i16", False), ("*fp32", True)):
         tile_r, chunk, warps = kb._ROW_TILE
         consts = dict(fmt, X_BF16=xdt == "*i16", RULE=1, GIVEN=given, TILE_R=tile_r,
                       CHUNK=chunk, stride_c=1)
@@ -73,7 +80,7 @@ json.dump(out, sys.stdout)
 @compiles_for_gpu(_SCRIPT)
 def test_block_kernels_compile_for_ada_hopper_and_blackwell(compile_report: dict[str, Any]) -> None:
     report = compile_report
-    assert len(report) == 3 * (8 + 2), sorted(report)
+    assert len(report) == 2 + 2 * (8 + 2), sorted(report)
     assert {name.split("/")[1] for name in report} == {"89", "90", "100"}
     for name, facts in report.items():
         assert not facts["ftz"], (name, facts)
