@@ -35,6 +35,8 @@ __all__ = [
     "GatherMeta",
     "GatheredAsFp8",
     "check_row_shard",
+    "check_untied_experts",
+    "expert_skip",
     "hp_gathered",
     "hp_inputs",
     "in_backward",
@@ -123,10 +125,12 @@ class GatheredAsFp8(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         metas: list[Any] = []
+        inference: list[bool] = []
 
         def unwrap(x: Any) -> Any:
             if isinstance(x, cls):
                 metas.append(x._meta)
+                inference.append(x.is_inference())
                 return x._hp
             return x
 
@@ -134,7 +138,11 @@ class GatheredAsFp8(torch.Tensor):
         if func not in SHARD_OPS or not metas:
             return out
         meta = metas[-1]  # the last wrapper among the arguments, as each class kept it
-        return tree_map(lambda x: cls(x, meta) if isinstance(x, torch.Tensor) else x, out)
+        # A piece of a normal tensor is a normal tensor, under inference_mode too (a view
+        # shares its base's version counter, which an inference tensor has none of: FSDP2's
+        # lazy init views the shard at the first forward, which may run under the mode).
+        with torch.inference_mode(inference[-1]):
+            return tree_map(lambda x: cls(x, meta) if isinstance(x, torch.Tensor) else x, out)
 
     def __repr__(self, *, tensor_contents: object = None) -> str:  # type: ignore[override]
         return f"{type(self).__name__}({self._label()}, {self._hp!r})"
@@ -303,6 +311,39 @@ def parameter_holders(model: nn.Module) -> dict[int, list[str]]:
             if where not in owners.setdefault(id(p), []):
                 owners[id(p)].append(where)
     return owners
+
+
+def expert_skip(skip: object, enable: str) -> frozenset[int]:
+    """``skip`` when it is a ``frozenset`` of ``int`` (the weights' ``id``), else a
+    ``TypeError`` naming what ``enable`` takes."""
+    if isinstance(skip, frozenset) and all(type(i) is int for i in skip):
+        return skip
+    got = type(skip).__name__
+    if isinstance(skip, frozenset):
+        got = f"a frozenset holding {sorted({type(i).__name__ for i in skip} - {'int'})}"
+    raise TypeError(
+        f"{enable}'s skip is a frozenset of the weights' ids (frozenset(map(id, weights))), "
+        f"got {got}"
+    )
+
+
+def check_untied_experts(
+    owners: dict[int, list[str]], fqn: str, module: nn.Module, attrs: tuple[str, ...], how: str,
+    enable: str,
+) -> None:  # fmt: skip
+    """``ValueError`` naming every holder when one of ``module``'s expert weights ``attrs`` is
+    tied (held elsewhere too, ``parameter_holders``): wrapping each holder's weight apart
+    would make two Parameters of one, untying them (each trained on its own)."""
+    for attr in attrs:
+        holders = owners.get(id(getattr(module, attr)), [])
+        if len(holders) > 1:
+            where = f"{fqn}.{attr}" if fqn else attr
+            raise ValueError(
+                f"{where} is tied: the same Parameter is {' and '.join(holders)}. Gathering it "
+                f"{how} would make each holder's weight a new Parameter, breaking the tie; leave "
+                f"it out ({enable}(model, skip=frozenset({{id(weight)}})); parallelize does that "
+                f"by itself: it gathers tied weights high precision) or untie the weights"
+            )
 
 
 _SAVE_WEIGHT = plain_state_dict_hook(("weight",))

@@ -40,8 +40,11 @@ from typing_extensions import Self
 from computectx.distributed._fp8_gather import (
     GatheredAsFp8,
     GatherMeta,
+    check_untied_experts,
+    expert_skip,
     hp_gathered,
     hp_inputs,
+    parameter_holders,
     plain_state_dict_hook,
     shard_world,
     warn_fallback,
@@ -140,20 +143,29 @@ def enable_fp4_expert_gather(model: nn.Module, *, skip: frozenset[int] = frozens
 
     Call it after ``convert_to_quantized`` and before ``fully_shard`` and the optimizer (the
     weights become new ``Parameter`` objects); ``parallelize`` does this under
-    ``strategy="fsdp"`` (``fp8_all_gather=False`` leaves it out). Weights whose ``id`` is in
-    ``skip`` (expert-parallel ones, which FSDP2 does not shard) are left alone, and so are
-    weights already wrapped. ``RuntimeError`` if a weight is already sharded (a DTensor);
-    ``TypeError`` for a ``model`` that is no module. Checked before any weight changes."""
+    ``strategy="fsdp"`` (``fp8_all_gather=False`` leaves it out). A module either of whose
+    weights has its ``id`` in ``skip`` (a ``frozenset`` of ints: expert-parallel weights,
+    which FSDP2 does not shard, or tied ones) is left alone, and so are weights already
+    wrapped. A weight tied to another holder (the same Parameter in two modules) is refused
+    with a ``ValueError`` naming every holder (wrapping each holder apart would untie them;
+    ``parallelize`` skips tied weights: they gather high precision). ``RuntimeError`` if a
+    weight is already sharded (a DTensor); ``TypeError`` for a ``model`` that is no module or
+    a ``skip`` that is no ``frozenset`` of ints. Checked before any weight changes."""
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"enable_fp4_expert_gather takes the converted nn.Module, got {type(model).__name__}"
         )
+    skip = expert_skip(skip, "enable_fp4_expert_gather")
+    owners = parameter_holders(model)
     chosen: list[tuple[str, GroupedExperts]] = []
     for fqn, m in model.named_modules():
         if not isinstance(m, GroupedExperts) or not isinstance(m.fp8, Fp4Experts):
             continue
-        if id(m.gate_up) in skip or isinstance(m.gate_up, ExpertsGatheredFp4):
+        if any(id(getattr(m, a)) in skip for a in _WEIGHTS):
             continue
+        if isinstance(m.gate_up, ExpertsGatheredFp4):
+            continue
+        check_untied_experts(owners, fqn, m, _WEIGHTS, "in 4 bits", "enable_fp4_expert_gather")
         for attr in _WEIGHTS:
             if isinstance(getattr(m, attr), DTensor):
                 where = f"{fqn}.{attr}" if fqn else attr

@@ -31,7 +31,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from typing_extensions import Self
 
-from computectx.distributed._fp8_gather import GatheredAsFp8, plain_state_dict_hook
+from computectx.distributed._fp8_gather import (
+    GatheredAsFp8,
+    check_untied_experts,
+    expert_skip,
+    parameter_holders,
+    plain_state_dict_hook,
+)
 from computectx.distributed.fp8_all_gather import BLOCK_ROWS, GatherFallbackWarning
 from computectx.formats import QuantizedExperts
 from computectx.formats.seam import quantize_blocks, step_rule_of
@@ -134,17 +140,27 @@ def enable_quantized_expert_gather(
     """Make FSDP2 (``world`` shards) all-gather the expert weights of every fp8 ``block``
     ``GroupedExperts`` of ``model`` as fp8; returns how many modules. Call it after
     ``convert_to_quantized`` and before ``fully_shard`` and the optimizer (the weights become new
-    ``Parameter`` objects). Weights whose ``id`` is in ``skip`` (expert-parallel ones, which
-    FSDP2 does not shard) are left alone; experts whose count ``world`` does not divide gather
-    high precision, with one ``GatherFallbackWarning`` each."""
-    count = 0
+    ``Parameter`` objects). A module either of whose weights has its ``id`` in ``skip`` (a
+    ``frozenset`` of ints: expert-parallel weights, which FSDP2 does not shard, or tied ones)
+    is left alone; experts whose count ``world`` does not divide gather high precision, with
+    one ``GatherFallbackWarning`` each. A weight tied to another holder is refused with a
+    ``ValueError`` naming every holder (wrapping each holder apart would untie them;
+    ``parallelize`` skips tied weights), before any weight changes; ``TypeError`` for a
+    ``skip`` that is no ``frozenset`` of ints."""
+    skip = expert_skip(skip, "enable_quantized_expert_gather")
+    owners = parameter_holders(model)
+    chosen: list[tuple[str, GroupedExperts]] = []
     for fqn, m in model.named_modules():
         if not isinstance(m, GroupedExperts) or not isinstance(m.fp8, QuantizedExperts):
             continue
-        if m.fp8.policy.granularity != "block" or id(m.gate_up) in skip:
+        if m.fp8.policy.granularity != "block" or any(id(getattr(m, a)) in skip for a in _WEIGHTS):
             continue
         if isinstance(m.gate_up, ExpertsGatheredQuantized | DTensor):
             continue
+        check_untied_experts(owners, fqn, m, _WEIGHTS, "as fp8", "enable_quantized_expert_gather")
+        chosen.append((fqn, m))
+    count = 0
+    for fqn, m in chosen:
         if not gathers_experts_as_fp8(m, world):
             warnings.warn(
                 GatherFallbackWarning(

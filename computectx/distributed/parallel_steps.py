@@ -173,7 +173,7 @@ def shard(
 def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:
     """Make FSDP2 gather the fp8 layers' weights (but tied ones, and those whose policy
     gathers high precision: ``gathers_quantized``) and the block fp8 experts as fp8, and the
-    4-bit layers' weights (but tied ones) and 4-bit experts' weights in 4 bits."""
+    4-bit layers' weights and 4-bit experts' weights in 4 bits (but tied ones, each kind)."""
     owners = parameter_holders(model)
     enable_fp4_all_gather(
         model,
@@ -189,8 +189,11 @@ def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Par
             and len(owners.get(id(m.weight), [])) <= 1
         ),
     )
-    enable_quantized_expert_gather(model, world, skip=frozenset(map(id, experts)))
-    enable_fp4_expert_gather(model, skip=frozenset(map(id, experts)))
+    # Expert-parallel weights (FSDP2 leaves them alone) and tied ones gather high precision.
+    tied = {i for i, holders in owners.items() if len(holders) > 1}
+    skip = frozenset(map(id, experts)) | tied
+    enable_quantized_expert_gather(model, world, skip=skip)
+    enable_fp4_expert_gather(model, skip=skip)
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

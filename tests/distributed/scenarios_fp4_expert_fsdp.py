@@ -12,7 +12,11 @@ alone calls an evaluation forward and ``state_dict()``. Then: 3 experts (``fallb
 shards cut one, so they gather high precision, with the warning) one step; column shards
 (``Shard(1)``, by hand: ``column``) one forward; under ``parallelize``'s default mixed
 precision (bf16 gathers) the first forward's operands (``default_mp``);
-``parallelize(..., fp8_all_gather=False)`` (``off``: the wrapper type).
+``parallelize(..., fp8_all_gather=False)`` (``off``: the wrapper type); two ``GroupedExperts``
+sharing their weights (``tied``: after one step under the 4-bit gather and with it off, the
+weights and whether the tie holds); the first forward under ``torch.inference_mode``
+(``inference``: ``parallelize``'s experts, and by hand dense 4-bit and fp8 layers, each gathered
+quantized, against one process).
 """
 
 from __future__ import annotations
@@ -31,8 +35,20 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
 from computectx import ComputeCtx
-from computectx.distributed import Parallel, enable_fp4_expert_gather, parallelize
-from computectx.formats import Fp4Experts, Fp4Recipe, convert_to_quantized
+from computectx.distributed import (
+    Parallel,
+    enable_fp4_all_gather,
+    enable_fp4_expert_gather,
+    enable_quantized_all_gather,
+    parallelize,
+)
+from computectx.formats import (
+    DynamicScaling,
+    Fp4Experts,
+    Fp4Recipe,
+    Recipe,
+    convert_to_quantized,
+)
 from computectx.nn import GroupedExperts
 
 ROWS = (20, 12)
@@ -109,8 +125,14 @@ def whole(m: nn.Module) -> dict[str, torch.Tensor]:
 def _setup(
     recipe: str, mesh: DeviceMesh, n_experts: int = EXPERTS, mp: bool = True, **kw: Any
 ) -> Parallel:
+    return _setup_model(model(recipe, n_experts), mesh, recipe, mp, **kw)
+
+
+def _setup_model(
+    m: nn.Module, mesh: DeviceMesh, recipe: str = "nvfp4", mp: bool = True, **kw: Any
+) -> Parallel:
     return parallelize(
-        model(recipe, n_experts),
+        m,
         ctx_of(recipe),
         mesh,
         strategy="fsdp",
@@ -234,6 +256,77 @@ def _column(mesh: DeviceMesh) -> dict[str, Any]:
     return {"y": y, "warnings": [str(w.message) for w in caught]}
 
 
+class Tied(nn.Module):
+    """Two ``GroupedExperts`` of ``EXPERTS`` experts holding the same two weights."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = Experts(EXPERTS), Experts(EXPERTS)
+        self.b.experts.gate_up, self.b.experts.down = self.a.experts.gate_up, self.a.experts.down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.a(x) + self.b(x.flip(0))
+        return out
+
+
+def _tied(mesh: DeviceMesh) -> dict[str, Any]:
+    """``Tied`` under ``parallelize``, one step, with the 4-bit gather and without."""
+    out: dict[str, Any] = {}
+    for gather in (True, False):
+        torch.manual_seed(0)
+        m = Tied()
+        convert_to_quantized(m, ctx_of("nvfp4"), min_features=16)
+        par = _setup_model(m, mesh, fp8_all_gather=gather, shard_units=[])  # one FSDP2 unit
+        _step(par, 0)
+        a, b = (par.module.get_submodule(f"{n}.experts") for n in "ab")
+        out[str(gather)] = {
+            "tied": a.gate_up is b.gate_up and a.down is b.down,
+            "params": len(list(par.module.parameters())),
+            "local": type(getattr(a.gate_up, "_local_tensor", a.gate_up)).__name__,
+            "weights": whole(par.module),
+        }
+    return out
+
+
+def _inference(mesh: DeviceMesh) -> dict[str, Any]:
+    """Each gather's first forward under ``torch.inference_mode``, and one process's."""
+    rank, dense = dist.get_rank(), _dense_helpers()
+    mp = MixedPrecisionPolicy()
+    fp4 = dense.model("nvfp4")
+    enable_fp4_all_gather(fp4)
+    torch.manual_seed(0)
+    fp8 = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32))
+    dynamic = Recipe(scaling=DynamicScaling())  # each gather's own amax: no sync_scaling
+    fp8_ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(recipe=dynamic)
+    convert_to_quantized(fp8, fp8_ctx, module_filter=lambda module, fqn: True)
+    with torch.no_grad():
+        one_fp8 = fp8(dense.batch(0, rank))  # one process, before the gather wraps it
+    enable_quantized_all_gather(fp8)
+    cases = {"experts": (_setup("nvfp4", mesh).model, batch(0, rank))}
+    for name, m in (("dense fp4", fp4), ("dense fp8", fp8)):
+        fully_shard(m, mesh=mesh, mp_policy=mp)
+        cases[name] = (m, dense.batch(0, rank))
+    out: dict[str, Any] = {
+        "wrapped": [
+            type(getattr(w, "_local_tensor", w)).__name__ for w in (fp4[0].weight, fp8[0].weight)
+        ]
+    }
+    for name, (m, x) in cases.items():
+        try:
+            with torch.inference_mode():
+                y = m(x)
+            out[name] = y.clone()
+        except Exception as e:  # judged by the test
+            out[name] = f"raises {type(e).__name__}: {e}"
+    with torch.no_grad():
+        out["one process"] = {
+            "experts": model("nvfp4")(batch(0, rank)),
+            "dense fp4": dense.model("nvfp4")(dense.batch(0, rank)),
+            "dense fp8": one_fp8,
+        }
+    return out
+
+
 def experts(params: dict[str, Any]) -> dict[str, Any]:
     """Each recipe of ``params["recipes"]`` and the rest (module docstring), on a group whose
     collectives time out after ``TIMEOUT_S``."""
@@ -253,4 +346,6 @@ def experts(params: dict[str, Any]) -> dict[str, Any]:
     out["default_mp"] = operands
     off = _setup("nvfp4", mesh, fp8_all_gather=False).module.get_submodule("experts").gate_up
     out["off"] = type(getattr(off, "_local_tensor", off)).__name__
+    out["tied"] = _tied(mesh)
+    out["inference"] = _inference(mesh)
     return out

@@ -191,3 +191,32 @@ def test_under_the_default_mixed_precision_the_operands_are_the_master_weights(
     for rank, r in enumerate(ranks):
         for name in ("gate_up", "down"):
             _same_operands(r["default_mp"][name], want[name], f"rank {rank} {name}")
+
+
+def test_tied_experts_weights_keep_their_tie_and_gather_high_precision(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # enable_fp4_expert_gather wrapped each holder apart: two Parameters of one, FSDP2's
+    # shards of each trained on their own. parallelize leaves tied weights out of the 4-bit
+    # gather: the same training as with the gather off.
+    for rank, r in enumerate(ranks):
+        on, off = r["tied"]["True"], r["tied"]["False"]
+        assert on["tied"] and on["params"] == 2, (rank, on["params"])
+        assert on["local"] == "Tensor", on["local"]  # not an ExpertsGatheredFp4
+        assert on["weights"].keys() == off["weights"].keys()
+        for name, want in off["weights"].items():
+            assert torch.equal(on["weights"][name], want), (rank, name)
+
+
+def test_the_first_forward_under_inference_mode_runs_and_is_one_processs(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # FSDP2's lazy init views each wrapped shard; under inference_mode that raised torch's
+    # "Cannot set version_counter for inference tensor" (the base of every gather wrapper).
+    for rank, r in enumerate(ranks):
+        got = r["inference"]
+        assert got["wrapped"] == ["WeightGatheredFp4", "WeightGatheredQuantized"], got["wrapped"]
+        for name in ("experts", "dense fp4", "dense fp8"):
+            y = got[name]
+            assert isinstance(y, torch.Tensor), (rank, name, y)
+            assert torch.equal(y, got["one process"][name]), (rank, name)

@@ -50,3 +50,63 @@ def test_it_leaves_high_precision_experts_alone_and_refuses_what_is_no_module() 
     assert type(m["a"].gate_up) is nn.Parameter
     with pytest.raises(TypeError, match=r"takes the converted nn\.Module, got Tensor"):
         enable_fp4_expert_gather(torch.zeros(1))  # type: ignore[arg-type]
+
+
+def _tied() -> nn.ModuleDict:
+    m = _model()
+    m["b"].gate_up, m["b"].down = m["a"].gate_up, m["a"].down
+    return m
+
+
+def test_tied_experts_weights_are_refused_naming_every_holder_and_nothing_changes() -> None:
+    # Wrapping each holder apart made two Parameters of one: Adam stepped the weight twice.
+    m = _tied()
+    held = [id(p) for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"a\.gate_up is tied: .* a\.gate_up and b\.gate_up"):
+        enable_fp4_expert_gather(m)
+    assert [id(p) for p in m.parameters()] == held and m["a"].gate_up is m["b"].gate_up
+    assert type(m["a"].gate_up) is nn.Parameter
+    # Left out (parallelize's way: tied weights gather high precision), the tie holds.
+    assert enable_fp4_expert_gather(m, skip=frozenset({id(m["a"].gate_up)})) == 0
+    assert m["a"].gate_up is m["b"].gate_up and m["a"].down is m["b"].down
+
+
+@pytest.mark.parametrize(
+    ("skip", "got"),
+    [(set(), "set"), ([], "list"), (None, "NoneType"), (7, "int"), (frozenset({"w"}), "str")],
+)
+def test_skip_that_is_no_frozenset_of_ids_is_our_type_error(skip: object, got: str) -> None:
+    m = _model()
+    with pytest.raises(TypeError, match=f"skip is a frozenset of the weights' ids .*got .*{got}"):
+        enable_fp4_expert_gather(m, skip=skip)  # type: ignore[arg-type]
+    assert type(m["a"].gate_up) is nn.Parameter
+
+
+def test_the_wrappers_view_and_detach_under_inference_mode() -> None:
+    # FSDP2's lazy init views each shard (local_tensor.view(-1)) at the first forward, which
+    # may run under inference_mode: the shared base (GatheredAsFp8), dense fp4 and fp8 too,
+    # and the gathered experts' own detach. Each stays a normal tensor, not an inference one.
+    from computectx.distributed._fp8_gather import GatherMeta
+    from computectx.distributed.fp4_all_gather import WeightGatheredFp4
+    from computectx.distributed.fp4_all_gather import _Gather as Dense4
+    from computectx.distributed.fp8_all_gather import WeightGatheredQuantized
+    from computectx.distributed.fp8_all_gather import _Gather as Dense8
+    from computectx.formats import Fp4Experts, Fp4Recipe
+
+    wrapped = [
+        ExpertsGatheredFp4(torch.randn(2, 32, 32), GatherMeta("experts.gate_up")),
+        WeightGatheredFp4(torch.randn(32, 32), Dense4("lin.weight")),
+        WeightGatheredQuantized(torch.randn(32, 32), Dense8("lin.weight")),
+    ]
+    spec = Fp4Experts(Fp4Recipe.parse("nvfp4")).experts_gather
+    gathered = spec.experts(spec.expert_inputs(torch.randn(2, 32, 32)), torch.float32)
+    with torch.inference_mode():
+        for w in wrapped:
+            flat = w.view(-1)
+            assert type(flat) is type(w) and not flat.is_inference(), type(w).__name__
+            assert torch.equal(flat, w.hp.view(-1))
+        alias = gathered.detach()
+        assert type(alias) is type(gathered) and not alias.is_inference()
+    with torch.inference_mode():  # made under the mode: pieces of it are inference tensors
+        inner = ExpertsGatheredFp4(torch.randn(2, 32, 32), GatherMeta("e"))
+        assert inner.view(-1).is_inference()

@@ -158,3 +158,26 @@ def test_the_gather_classes_keep_their_constructors() -> None:
     w = ExpertsGatheredQuantized(torch.zeros(2, 3, 4), name="w1")
     assert isinstance(w, ExpertsGatheredQuantized) and "w1" in repr(w)
     assert torch.equal(w.hp, torch.zeros(2, 3, 4))
+
+
+def test_fp8_expert_gather_refuses_tied_experts_naming_every_holder() -> None:
+    # Each holder wrapped apart made two Parameters of one (the tie broken, Adam stepping
+    # the weight twice), as the 4-bit gather did: refused before any weight changes.
+    from torch import nn
+
+    from computectx.formats import convert_to_quantized
+    from computectx.nn import GroupedExperts
+
+    f32 = ComputeCtx.from_flag("fp32", "cpu")
+    torch.manual_seed(0)
+    m = nn.ModuleDict({"a": GroupedExperts(f32, 32, 32, 4), "b": GroupedExperts(f32, 32, 32, 4)})
+    convert_to_quantized(m, ComputeCtx.from_flag("fp8_block", "cpu"), min_features=16)
+    m["b"].gate_up, m["b"].down = m["a"].gate_up, m["a"].down
+    held = [id(p) for p in m.parameters()]
+    with pytest.raises(ValueError, match=r"a\.gate_up is tied: .* a\.gate_up and b\.gate_up"):
+        enable_quantized_expert_gather(m, world=2)
+    assert [id(p) for p in m.parameters()] == held and type(m["a"].down) is nn.Parameter
+    assert enable_quantized_expert_gather(m, 2, skip=frozenset({id(m["a"].down)})) == 0
+    assert m["a"].gate_up is m["b"].gate_up
+    with pytest.raises(TypeError, match="skip is a frozenset of the weights' ids"):
+        enable_quantized_expert_gather(m, 2, skip={id(m["a"].down)})  # type: ignore[arg-type]

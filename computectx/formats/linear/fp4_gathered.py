@@ -262,8 +262,11 @@ class Fp4GatheredWeight(torch.Tensor):
             seen = func(plain, *args[1:], **kwargs)
             same = seen.shape == w.shape and seen.stride() == plain.stride()
             if same and seen.storage_offset() == 0:
-                # The same elements in the same places: the operands stay as they are.
-                return cls(w._parts, w._amax, w._how, w.dtype)
+                # The same elements in the same places: the operands stay as they are (a
+                # normal tensor's alias a normal tensor under inference_mode too: it shares
+                # the version counter, which an inference tensor has none of).
+                with torch.inference_mode(w.is_inference()):
+                    return cls(w._parts, w._amax, w._how, w.dtype)
 
         def values(x: Any) -> Any:
             return x.dequantize() if isinstance(x, cls) else x
