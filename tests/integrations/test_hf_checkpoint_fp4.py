@@ -31,12 +31,13 @@ from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaCon
 from computectx import ComputeCtx
 from computectx.formats import (
     FrozenFp4Linear,
+    calibrate_fp4_activations,
     convert_to_quantized,
     freeze_fp4_for_serving,
 )
 from computectx.formats.numerics.fp4 import Nvfp4Operand, global_encode_scale
 from computectx.integrations.hf_checkpoint import export_pretrained, import_pretrained
-from computectx.integrations.hf_checkpoint.fp4 import AMAX_KEY
+from computectx.integrations.hf_checkpoint.fp4 import AMAX_KEY, INPUT_AMAX_KEY
 
 # Every NVFP4 export of the Llama warns that vLLM would fuse q/k/v and gate/up under one global
 # scale (asserted in test_compressed_tensors_decodes_to_our_weights).
@@ -289,3 +290,98 @@ def test_refusals(base: Any, tmp_path: Path) -> None:
     del tensors["model.layers.0.mlp.up_proj.weight_global_scale"]
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     refused(served, "weight_global_scale is missing")
+
+
+def static_w4a4(base: Any) -> Any:
+    """The NVFP4 Llama frozen for static W4A4 and calibrated on two batches."""
+    model = converted(base, "nvfp4")
+    freeze_fp4_for_serving(model, "w4a4", activation_amax="static")
+    calibrate_fp4_activations(model, [IDS, IDS.flip(1)])
+    return model
+
+
+def test_static_w4a4_exports_as_compressed_tensors_nvfp4_and_round_trips(
+    base: Any, tmp_path: Path
+) -> None:
+    from compressed_tensors.quantization import QuantizationScheme
+
+    model = static_w4a4(base)
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    group = config["quantization_config"]["config_groups"]["group_0"]
+    a = QuantizationScheme.model_validate(group).input_activations
+    assert (a.dynamic, a.strategy, a.group_size, a.num_bits) == ("local", "tensor_group", 16, 4)
+    tensors = load_file(out / "model.safetensors")
+    layers = frozen_layers(model)
+    for n, layer in layers.items():  # the encode scale of the calibrated amax, as G is
+        g = tensors[f"{n}.input_global_scale"]
+        assert g.dtype == torch.float32 and torch.equal(g, global_encode_scale(layer.input_amax))
+        assert config[INPUT_AMAX_KEY][n] == layer.input_amax.item()
+    attn, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    for fused in ([f"{attn}.{p}_proj" for p in "qkv"], [f"{mlp}.gate_proj", f"{mlp}.up_proj"]):
+        # vLLM fuses these: they read one input, so one calibrated amax and one global scale.
+        assert len({tensors[f"{n}.input_global_scale"].item() for n in fused}) == 1
+    plain = converted(base, "nvfp4")  # Fp4Linear layers: frozen static W4A4 by the import
+    import_pretrained(plain, out)
+    served = converted(base, "nvfp4")
+    freeze_fp4_for_serving(served, "w4a4", activation_amax="static")  # not calibrated
+    import_pretrained(served, out)
+    for into in (plain, served):
+        got = frozen_layers(into)
+        assert set(got) == set(layers)
+        for n, layer in layers.items():
+            assert (got[n].mode, got[n].activation_amax) == ("w4a4", "static")
+            for x, y in zip(layer.weight_tensors(), got[n].weight_tensors(), strict=True):
+                assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), n
+            assert got[n].input_calibrated and torch.equal(got[n].input_amax, layer.input_amax)
+        with torch.no_grad():
+            assert torch.equal(into(IDS).logits, model(IDS).logits)
+
+
+UP = "model.layers.0.mlp.up_proj"
+
+
+def test_static_w4a4_without_our_amax_and_its_refusals(base: Any, tmp_path: Path) -> None:
+    model = static_w4a4(base)
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    bare = {k: v for k, v in config.items() if k != INPUT_AMAX_KEY}  # ModelOpt's, converted
+    (out / "config.json").write_text(json.dumps(bare))
+    plain = converted(base, "nvfp4")
+    import_pretrained(plain, out)
+    tensors = load_file(out / "model.safetensors")
+    for n, layer in frozen_layers(plain).items():  # an amax whose S_enc is the checkpoint's G
+        assert torch.equal(
+            global_encode_scale(layer.input_amax), tensors[f"{n}.input_global_scale"]
+        )
+    (out / "config.json").write_text(json.dumps(config))
+    per_row = converted(base, "nvfp4")
+    freeze_fp4_for_serving(per_row, "w4a4")
+    for target, edit, match in [
+        (per_row, {}, "static input scales and .* serves activation_amax='per_row'"),
+        (
+            converted(base, "nvfp4"),
+            {INPUT_AMAX_KEY: {**config[INPUT_AMAX_KEY], UP: 1e9}},
+            "were not written together",
+        ),
+    ]:
+        (out / "config.json").write_text(json.dumps({**config, **edit}))
+        before = _state(target)
+        with pytest.raises(ValueError, match=match):
+            import_pretrained(target, out)
+        assert _unchanged(target, before)
+    (out / "config.json").write_text(json.dumps(config))
+    del tensors["model.layers.0.mlp.up_proj.input_global_scale"]
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="input_global_scale is missing"):
+        import_pretrained(converted(base, "nvfp4"), out)
+    raw = converted(base, "nvfp4")
+    freeze_fp4_for_serving(raw, "w4a4", activation_amax="static")
+    with pytest.raises(ValueError, match="not calibrated"):
+        export_pretrained(raw, tmp_path / "raw", format="compressed-tensors")
+    assert not (tmp_path / "raw").exists()
+    weight_only = export_pretrained(
+        converted(base, "nvfp4"), tmp_path / "wo", format="compressed-tensors"
+    )
+    import_pretrained(model, weight_only)  # new weights: the old calibration is not theirs
+    assert not any(m.input_calibrated for m in frozen_layers(model).values())

@@ -326,6 +326,12 @@ class FrozenFp4Linear(nn.Module):
         if "input_amax" in entries and self.activation_amax == "static":
             check_input_amax(entries["input_amax"], f"{layer}: {prefix}input_amax")
 
+    def clear_input_amax(self) -> None:
+        """A static layer back to uncalibrated (``input_amax`` NaN): for new weights."""
+        with torch.no_grad():
+            self.input_amax.fill_(float("nan"))
+        self.input_calibrated = False
+
     def state_load_keys(self) -> tuple[str, ...]:
         """``computectx.memory.load_weights``' seam: a static layer's ``input_amax``."""
         return ("input_amax",) if self.activation_amax == "static" else ()

@@ -23,7 +23,7 @@ from computectx.formats import (
     serving_recipes,
     serving_weights,
 )
-from computectx.formats.seam import Fp4Operand, Nvfp4Operand
+from computectx.formats.seam import Fp4Operand, Nvfp4Operand, global_encode_scale
 from computectx.integrations.hf_checkpoint.files import SHARD_BYTES, write_checkpoint
 from computectx.integrations.hf_checkpoint.formats import (
     BLOCK,
@@ -38,7 +38,9 @@ from computectx.integrations.hf_checkpoint.formats import (
 )
 from computectx.integrations.hf_checkpoint.fp4 import (
     AMAX_KEY,
+    INPUT_AMAX_KEY,
     fp4_format_of,
+    fp4_input_amaxes,
     fp4_layers,
     fp4_quantization_config,
     fp4_tensors,
@@ -108,12 +110,15 @@ def export_pretrained(
     kv_scales = kv_scale_tensors(model, fmt, kv, kv_amax)
     config = _config(model)
     if fp4:
-        tensors, amax = _fp4_disk_tensors(model, fp4)
+        inputs = fp4_input_amaxes(model, fp4)
+        tensors, amax, input_amax = _fp4_disk_tensors(model, fp4, inputs)
         ignore = _not_converted(model, {f"{n}.weight" for n in fp4})
         fmt4 = fp4_format_of(next(iter(fp4.values())))
-        config["quantization_config"] = fp4_quantization_config(fmt4, ignore)
+        config["quantization_config"] = fp4_quantization_config(fmt4, ignore, bool(inputs))
         if amax:
             config[AMAX_KEY] = amax
+        if input_amax:
+            config[INPUT_AMAX_KEY] = input_amax
     else:
         weights = serving_weights(model)
         tensors = _disk_tensors(model, weights, fmt)
@@ -218,17 +223,20 @@ def _check_fp4(
 
 
 def _fp4_disk_tensors(
-    model: PreTrainedModel, fp4: Mapping[str, Fp4Operand]
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    model: PreTrainedModel, fp4: Mapping[str, Fp4Operand], inputs: Mapping[str, torch.Tensor]
+) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
     """Every tensor of a 4-bit checkpoint by its on-disk name (the high-precision state, each
-    layer's ``weight_packed``, ``weight_scale`` and NVFP4's ``weight_global_scale``), and each
-    NVFP4 layer's amax by its on-disk name (``fp4.AMAX_KEY``)."""
+    layer's ``weight_packed``, ``weight_scale`` and NVFP4's ``weight_global_scale``; static
+    W4A4's ``input_global_scale`` from ``inputs``, the input amaxes by module name), and each
+    NVFP4 layer's amax and input amax by its on-disk name (``fp4.AMAX_KEY``,
+    ``INPUT_AMAX_KEY``)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     quantized = {f"{n}.weight" for n in fp4}
     state = checkpoint_state(model, quantized)
     out = {k: t.contiguous() for k, t in revert_weight_conversion(model, state).items()}
     amax: dict[str, float] = {}
+    input_amax: dict[str, float] = {}
     for fqn, q in fp4.items():
         packed = q.codes.detach().view(torch.uint8)
         disk = revert_weight_conversion(model, {f"{fqn}.weight": packed})
@@ -241,8 +249,11 @@ def _fp4_disk_tensors(
         out.update({f"{base}.{k}": t for k, t in fp4_tensors(fqn, q).items()})
         if isinstance(q, Nvfp4Operand):
             amax[base] = float(q.amax.reshape(()).item())
+        if fqn in inputs:  # S_enc of the calibrated amax: compressed-tensors' encode scale
+            out[f"{base}.input_global_scale"] = global_encode_scale(inputs[fqn]).reshape(1)
+            input_amax[base] = float(inputs[fqn].item())
     _warn_fused_global_scales(out, list(amax))
-    return out, amax
+    return out, amax, input_amax
 
 
 _FUSED: Final = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))

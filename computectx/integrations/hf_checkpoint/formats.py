@@ -217,7 +217,7 @@ def checkpoint_state(model: nn.Module, quantized: Collection[str]) -> dict[str, 
         if isinstance(module, QuantizedLinear):
             names = (*module.state_load_keys(), "weight", "weight_fp8", "weight_step")
         elif isinstance(module, (Fp4Linear, FrozenFp4Linear)):  # 4-bit: weight, buffers, state
-            names = ("weight", *FROZEN_FP4_BUFFERS, "_extra_state")
+            names = ("weight", *FROZEN_FP4_BUFFERS, "input_amax", "_extra_state")
         drop.update(f"{fqn}.{n}" if fqn else n for n in names)
     full = model.state_dict()
     state = {k: v for k, v in full.items() if k not in drop}

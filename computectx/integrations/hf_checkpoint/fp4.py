@@ -33,6 +33,27 @@ under ``AMAX_KEY`` (serving stacks ignore the key), so the import restores it bi
 (checked: the export must choose the checkpoint's ``G`` for that amax and those scales). A
 checkpoint without it (llm-compressor's) is read with the amax ``fl(2688 / G)`` or its nearest
 neighbour whose decode agrees with compressed-tensors' at bfloat16 (``amax_of_global_scale``).
+
+**Static W4A4** (NVFP4 only). A model whose every 4-bit layer is a ``FrozenFp4Linear`` serving
+``"w4a4"`` with ``activation_amax="static"`` (calibrated: ``calibrate_fp4_activations``) is
+written under compressed-tensors' ``NVFP4`` preset: ``input_activations`` float, 4 bits,
+``tensor_group`` of 16, symmetric, ``dynamic: "local"`` (the per-tensor global scale static,
+the block scales computed at every call), and per layer
+
+========================  =====================================================================
+``input_global_scale``    float32 ``(1,)``: ``S_enc`` of the calibrated input amax, ``min(2688 /
+                          amax, FLT_MAX)`` (1 for amax 0): the encode scale, as
+                          ``weight_global_scale`` is the weight's (compressed-tensors'
+                          ``generate_gparam``; its ModelOpt converter writes ``1 / input_scale``,
+                          ModelOpt's ``input_scale`` being ``amax / 2688``)
+========================  =====================================================================
+
+and each amax in config.json under ``INPUT_AMAX_KEY`` (W4A4's epilogue multiplies by the amax,
+which ``S_enc`` does not determine), so the import restores it bit for bit (checked: its
+``S_enc`` must be the checkpoint's). Without the key, the amax is ``fl(2688 / G)`` or its
+nearest float32 neighbour whose ``S_enc`` is ``G`` exactly (``ValueError`` if none within 8
+steps). q/k/v and gate/up, which vLLM fuses, read one input: calibrated together, their amaxes
+are equal, and so are their input global scales (vLLM serves a fused layer with the largest).
 """
 
 from __future__ import annotations
@@ -58,15 +79,19 @@ from computectx.formats.seam import (
 __all__ = [
     "AMAX_KEY",
     "FP4_CT_FORMATS",
+    "INPUT_AMAX_KEY",
     "Fp4Format",
     "amax_of_global_scale",
     "chosen_global_scale",
     "fp4_format_of",
+    "fp4_input_amaxes",
     "fp4_layers",
     "fp4_quantization_config",
     "fp4_tensors",
+    "input_amax_of_scale",
     "operand_of_tensors",
     "read_fp4_scheme",
+    "reads_static_inputs",
     "weight_global_scale",
 ]
 
@@ -79,6 +104,11 @@ FP4_CT_FORMATS: Final[dict[Fp4Format, str]] = {
 _PRESETS: Final[dict[Fp4Format, str]] = {"nvfp4": "NVFP4A16", "mxfp4": "MXFP4A16"}
 _GROUP: Final[dict[Fp4Format, int]] = {"nvfp4": NVFP4_BLOCK, "mxfp4": MXFP4_BLOCK}
 _STRATEGY: Final[dict[Fp4Format, str]] = {"nvfp4": "tensor_group", "mxfp4": "group"}
+INPUT_AMAX_KEY: Final = "computectx_nvfp4_input_amax"
+"""config.json's key for each static W4A4 layer's float32 calibrated input amax, by its
+weight's on-disk name without ``.weight`` (what ``input_global_scale`` cannot carry)."""
+_W4A4_INPUTS: Final = ("float", 4, NVFP4_BLOCK, "tensor_group", "local")
+"""The input activations held here: NVFP4 (type, num_bits, group_size, strategy, dynamic)."""
 AMAX_KEY: Final = "computectx_nvfp4_amax"
 """config.json's key for each NVFP4 layer's float32 amax, by its weight's on-disk name
 without ``.weight`` (what ``weight_global_scale`` cannot carry)."""
@@ -104,6 +134,35 @@ def fp4_layers(model: nn.Module) -> dict[str, Fp4Operand]:
                 f"exporting 4-bit experts is not supported yet (4-bit linears are)"
             )
     return out
+
+
+def fp4_input_amaxes(model: nn.Module, layers: Mapping[str, Fp4Operand]) -> dict[str, torch.Tensor]:
+    """Each static W4A4 layer's calibrated input amax (float32 ``(1,)``, on the CPU) by module
+    name: of every one of ``layers`` or of none (module docstring). ``ValueError`` naming the
+    layers for a model mixing static W4A4 layers with others (the config holds one scheme) and
+    for a static layer not calibrated."""
+    static = {
+        fqn: m
+        for fqn, m in model.named_modules()
+        if isinstance(m, FrozenFp4Linear) and (m.mode, m.activation_amax) == ("w4a4", "static")
+    }
+    if not static:
+        return {}
+    others = sorted(set(layers) - set(static))
+    if others:
+        raise ValueError(
+            f"export_pretrained: {next(iter(static))} serves static W4A4 (a calibrated input "
+            f"amax) and {others[0]} does not; compressed-tensors' config is written with one "
+            f"scheme here: freeze every 4-bit layer alike (freeze_fp4_for_serving(model, "
+            f"'w4a4', activation_amax='static'), then calibrate_fp4_activations)"
+        )
+    raw = [fqn for fqn, m in static.items() if not m.input_calibrated]
+    if raw:
+        raise ValueError(
+            f"export_pretrained: {raw[0]} serves static W4A4 but its input amax is not "
+            f"calibrated; run calibrate_fp4_activations(model, batches) first"
+        )
+    return {fqn: m.input_amax.detach().cpu().reshape(1).clone() for fqn, m in static.items()}
 
 
 def fp4_format_of(q: Fp4Operand) -> Fp4Format:
@@ -208,16 +267,20 @@ def fp4_tensors(name: str, q: Fp4Operand) -> dict[str, torch.Tensor]:
     }
 
 
-def fp4_quantization_config(fmt: Fp4Format, ignore: list[str]) -> dict[str, Any]:
+def fp4_quantization_config(
+    fmt: Fp4Format, ignore: list[str], static_inputs: bool = False
+) -> dict[str, Any]:
     """compressed-tensors' ``quantization_config`` of weight-only ``fmt`` (its
-    ``NVFP4A16``/``MXFP4A16`` preset on every ``Linear``), as ``ModelCompressor`` writes one."""
+    ``NVFP4A16``/``MXFP4A16`` preset on every ``Linear``), or with ``static_inputs`` its NVFP4
+    W4A4 preset (``NVFP4``: module docstring), as ``ModelCompressor`` writes one."""
     from compressed_tensors.quantization import (  # type: ignore[import-untyped]
         preset_name_to_scheme,
     )
 
     from computectx.integrations.hf_checkpoint.formats import ct_config
 
-    return ct_config(preset_name_to_scheme(_PRESETS[fmt], ["Linear"]), FP4_CT_FORMATS[fmt], ignore)
+    preset = "NVFP4" if static_inputs and fmt == "nvfp4" else _PRESETS[fmt]
+    return ct_config(preset_name_to_scheme(preset, ["Linear"]), FP4_CT_FORMATS[fmt], ignore)
 
 
 # ----- reading -----------------------------------------------------------------------------
@@ -227,9 +290,8 @@ def read_fp4_scheme(q: Mapping[str, Any]) -> Fp4Format | None:
     """The 4-bit format of a compressed-tensors ``quantization_config`` ``q``, ``None`` when it
     is not a 4-bit pack format; ``ValueError`` naming what it holds and what is read for a
     scheme not held here exactly: weights other than symmetric 4-bit floats in groups of 16
-    (NVFP4, ``tensor_group``) or 32 (MXFP4, ``group``), static input activations (NVFP4's W4A4
-    ``input_global_scale``: this library computes the activation scale at every call),
-    output activations, sparsity."""
+    (NVFP4, ``tensor_group``) or 32 (MXFP4, ``group``), static input activations other than
+    NVFP4's W4A4 preset (``reads_static_inputs``), output activations, sparsity."""
     fmt = next((f for f, name in FP4_CT_FORMATS.items() if q.get("format") == name), None)
     if fmt is None:
         return None
@@ -254,15 +316,79 @@ def read_fp4_scheme(q: Mapping[str, Any]) -> Fp4Format | None:
                 f"strategy) = {got}; read here: {want}, symmetric"
             )
         a = group.get("input_activations")
-        if group.get("output_activations") or (a and a.get("dynamic") is not True):
+        if group.get("output_activations") or (
+            a and a.get("dynamic") is not True and not _static_inputs(fmt, a)
+        ):
             raise ValueError(
                 f"import_pretrained: compressed-tensors group {gname!r} quantizes activations "
                 f"with static scales (input_activations dynamic={a.get('dynamic') if a else None!r}"
                 f", output_activations {group.get('output_activations')!r}); read here: "
-                f"weight-only 4-bit (NVFP4A16, MXFP4A16) or dynamic input activations: the "
-                f"activation scales are computed at every call here"
+                f"weight-only 4-bit (NVFP4A16, MXFP4A16), dynamic input activations, or NVFP4's "
+                f"W4A4 (input activations (type, num_bits, group_size, strategy, dynamic) = "
+                f"{_W4A4_INPUTS}, symmetric: a static global scale, block scales at every call)"
             )
+    reads_static_inputs(q)  # the groups agree
     return fmt
+
+
+def _static_inputs(fmt: str, a: Mapping[str, Any]) -> bool:
+    got = (a.get("type"), a.get("num_bits"), a.get("group_size"), a.get("strategy"))
+    return fmt == "nvfp4" and (*got, a.get("dynamic")) == _W4A4_INPUTS and a.get("symmetric", True)
+
+
+def reads_static_inputs(q: Mapping[str, Any]) -> bool:
+    """Whether the 4-bit ``quantization_config`` ``q`` is NVFP4's static W4A4: its groups'
+    input activations compressed-tensors' ``NVFP4`` preset's (module docstring); ``ValueError``
+    when some groups are and others are not."""
+    fmt = next((f for f, name in FP4_CT_FORMATS.items() if q.get("format") == name), "mxfp4")
+    groups = (q.get("config_groups") or {}).values()
+    kinds = {_static_inputs(fmt, g.get("input_activations") or {}) for g in groups}
+    if len(kinds) > 1:
+        raise ValueError(
+            "import_pretrained: some compressed-tensors groups hold static W4A4 input "
+            "activations and others do not; read here: one scheme for every 4-bit layer"
+        )
+    return kinds == {True}
+
+
+def input_amax_of_scale(name: str, g: torch.Tensor | None, amax: object) -> torch.Tensor:
+    """Static W4A4 layer ``name``'s input amax (float32 ``(1,)``) from its checkpoint's
+    ``input_global_scale`` ``g`` and config.json's ``INPUT_AMAX_KEY`` entry ``amax`` (``None``
+    when absent; module docstring). ``ValueError`` naming the tensor or entry otherwise."""
+    if g is None:
+        raise ValueError(
+            f"import_pretrained: {name}.input_global_scale is missing from the checkpoint (its "
+            f"config declares NVFP4 W4A4: a static input global scale per layer)"
+        )
+    if g.dtype != torch.float32 or g.numel() != 1 or not bool((torch.isfinite(g) & (g > 0)).all()):
+        raise ValueError(
+            f"import_pretrained: {name}.input_global_scale must be one finite positive float32, "
+            f"got {str(g.dtype).removeprefix('torch.')} {tuple(g.shape)}"
+        )
+    g = g.float().reshape(1)
+    if amax is not None:
+        if isinstance(amax, bool) or not isinstance(amax, (int, float)):
+            raise ValueError(
+                f"import_pretrained: config.json's {INPUT_AMAX_KEY}[{name!r}] must be a number, "
+                f"got {type(amax).__name__}"
+            )
+        held = torch.tensor([amax], dtype=torch.float32)
+        finite = bool((torch.isfinite(held) & (held >= 0)).all())
+        if float(held) != amax or not finite or not torch.equal(global_encode_scale(held), g):
+            raise ValueError(
+                f"import_pretrained: {name}: config.json's {INPUT_AMAX_KEY} gives input amax "
+                f"{amax!r} (a float32 is read, exactly), whose S_enc is not the checkpoint's "
+                f"input_global_scale {g.item()!r}; the two were not written together"
+            )
+        return held
+    first = (torch.full((1,), 448.0 * 6.0) / g).clamp(max=torch.finfo(torch.float32).max)
+    for a in _neighbours(first):
+        if torch.equal(global_encode_scale(a), g):
+            return a.reshape(1)
+    raise ValueError(
+        f"import_pretrained: {name}: no float32 input amax has S_enc = min(2688 / amax, "
+        f"FLT_MAX) equal to the checkpoint's input_global_scale {g.item()!r}"
+    )
 
 
 def operand_of_tensors(

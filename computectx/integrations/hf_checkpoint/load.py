@@ -46,9 +46,12 @@ from computectx.integrations.hf_checkpoint.formats import (
 from computectx.integrations.hf_checkpoint.fp4 import (
     AMAX_KEY,
     FP4_CT_FORMATS,
+    INPUT_AMAX_KEY,
     Fp4Format,
+    input_amax_of_scale,
     operand_of_tensors,
     read_fp4_scheme,
+    reads_static_inputs,
 )
 from computectx.integrations.hf_checkpoint.kv import KvCalibration, read_kv_scales
 from computectx.recipes import Recipe
@@ -94,8 +97,9 @@ def import_pretrained(
 
     A 4-bit checkpoint loads into the model's ``Fp4Linear`` / ``FrozenFp4Linear`` layers
     (``_import_fp4``: frozen layers keep their mode; ``"serve"`` freezes an ``Fp4Linear`` as
-    ``"weight_only"``; ``"train"`` writes its weight as the dequantized codes), codes, scales
-    and amax bit for bit; its refusals are ``hf_checkpoint.fp4``'s and ``_fp4_operands``'.
+    ``"weight_only"``, or under a static W4A4 checkpoint as ``"w4a4"`` ``"static"``; ``"train"``
+    writes its weight as the dequantized codes), codes, scales, amax and static input amax bit
+    for bit; its refusals are ``hf_checkpoint.fp4``'s and ``_fp4_operands``'.
     """
     from transformers import PreTrainedModel
 
@@ -327,7 +331,7 @@ def _conversions(model: nn.Module) -> list[Any]:
 # ----- 4-bit ----------------------------------------------------------------------------------
 
 _Fp4Layer = Fp4Linear | FrozenFp4Linear
-_FP4_PARTS: Final = ("weight_packed", "weight_scale", "weight_global_scale")
+_FP4_PARTS: Final = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale")
 
 
 def _import_fp4(
@@ -337,24 +341,47 @@ def _import_fp4(
     every tensor checked, then written. ``"serve"`` freezes each ``Fp4Linear`` as a
     ``"weight_only"`` ``FrozenFp4Linear`` holding the checkpoint's codes and loads a
     ``FrozenFp4Linear`` (its mode kept); ``"train"`` writes the dequantized codes into each
-    ``Fp4Linear``'s weight."""
+    ``Fp4Linear``'s weight. A static W4A4 checkpoint (``fp4.reads_static_inputs``) installs each
+    calibrated input amax: into a frozen layer of ``activation_amax="static"`` (another is
+    refused), or the ``Fp4Linear`` frozen so; a weight-only one leaves a static layer
+    uncalibrated (its new weights want a new calibration)."""
     layers = _fp4_targets(model, fmt, mode)
     tensors = _read_tensors(folder)
     _check_kv_scales(model, tensors, config)
-    operands = _fp4_operands(model, tensors, layers, fmt, config.get(AMAX_KEY))
+    static = reads_static_inputs(config["quantization_config"])
+    inputs = config.get(INPUT_AMAX_KEY) or {} if static else None
+    operands, amaxes = _fp4_operands(model, tensors, layers, fmt, config.get(AMAX_KEY), inputs)
+    wrong = [n for n, m in layers.items() if static and _rule(m) not in ("static", None)]
+    if wrong:
+        raise ValueError(
+            f"import_pretrained: the checkpoint is NVFP4 W4A4 with static input scales and "
+            f"{wrong[0]} serves activation_amax={_rule(layers[wrong[0]])!r}; freeze it with "
+            f"activation_amax='static' (or import into the Fp4Linear model)"
+        )
     high = _converted(model, tensors)
     state = checkpoint_state(model, {f"{n}.weight" for n in layers})
     _check_accounted(state, high, set(), set(), set())
+    how: dict[str, Any] = {"mode": "w4a4", "activation_amax": "static"} if static else {}
     frozen = {
-        n: FrozenFp4Linear(q, layer.bias, mx_rounding=layer.recipe.mx_rounding or "rceil")
+        n: FrozenFp4Linear(q, layer.bias, mx_rounding=layer.recipe.mx_rounding or "rceil", **how)
         for n, q in operands.items()
         if isinstance(layer := layers[n], Fp4Linear) and mode == "serve"
     }
     with torch.no_grad():  # everything checked: from here on nothing refuses
         for name, q in operands.items():
             _load_fp4(model, name, layers[name], q, frozen.get(name))
+            held = frozen.get(name, layers[name])
+            if isinstance(held, FrozenFp4Linear) and held.activation_amax == "static":
+                if name in amaxes:
+                    held.set_input_amax(amaxes[name].to(held.input_amax.device))
+                else:
+                    held.clear_input_amax()
         for name, tensor in high.items():
             state[name].copy_(tensor)
+
+
+def _rule(layer: _Fp4Layer) -> str | None:
+    return layer.activation_amax if isinstance(layer, FrozenFp4Linear) else None
 
 
 def _fp4_targets(model: nn.Module, fmt: Fp4Format, mode: LoadMode) -> dict[str, _Fp4Layer]:
@@ -390,10 +417,14 @@ def _fp4_operands(
     layers: Mapping[str, _Fp4Layer],
     fmt: Fp4Format,
     amaxes: object,
-) -> dict[str, Fp4Operand]:
+    inputs: object,
+) -> tuple[dict[str, Fp4Operand], dict[str, torch.Tensor]]:
     """Takes each 4-bit weight's tensors out of ``tensors``; returns its checked operand at the
     layer's tile by the layer's name (``ValueError`` for a weight without a layer, a layer
-    without a weight, parts without their codes, a bad ``AMAX_KEY`` entry)."""
+    without a weight, parts without their codes, a bad ``AMAX_KEY`` entry), and with
+    ``inputs`` (static W4A4: ``INPUT_AMAX_KEY``'s map) each static input amax by name."""
+    if inputs is not None and not isinstance(inputs, Mapping):
+        raise ValueError(f"import_pretrained: config.json's {INPUT_AMAX_KEY} must be a mapping")
     if amaxes is not None and not isinstance(amaxes, Mapping):
         raise ValueError(
             f"import_pretrained: config.json's {AMAX_KEY} must map weight names to amaxes, got "
@@ -410,6 +441,7 @@ def _fp4_operands(
     if orphans:
         raise ValueError(f"import_pretrained: scales without their weight_packed: {orphans}")
     out: dict[str, Fp4Operand] = {}
+    static: dict[str, torch.Tensor] = {}
     unknown = []
     for base, held in parts.items():
         fused = _converted(model, {f"{base}.weight": held["weight_packed"]})
@@ -427,6 +459,10 @@ def _fp4_operands(
         shape = (layer.out_features, layer.in_features)
         q = operand_of_tensors(base, fmt, held, shape, _tile(layer), amax)
         out[name] = check_weight(q, f"import_pretrained: {base}")
+        if isinstance(inputs, Mapping):
+            static[name] = input_amax_of_scale(base, held.get(_FP4_PARTS[3]), inputs.get(base))
+        elif _FP4_PARTS[3] in held:
+            raise ValueError(f"import_pretrained: {base}.input_global_scale without W4A4's config")
     missing = sorted(set(layers) - set(out))
     if unknown or missing:
         raise ValueError(
@@ -434,7 +470,7 @@ def _fp4_operands(
             f"layers; in the checkpoint, not 4-bit in the model: {unknown}; 4-bit in the model, "
             f"not in the checkpoint: {missing}. Nothing was changed"
         )
-    return out
+    return out, static
 
 
 def _tile(layer: _Fp4Layer) -> str:
