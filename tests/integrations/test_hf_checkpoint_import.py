@@ -601,3 +601,23 @@ def test_a_missing_shard_or_a_bad_index_is_a_value_error(tmp_path: Path) -> None
     (folder / "model.safetensors.index.json").write_text('{"weight_map": [1]}')
     with pytest.raises(ValueError, match=r"holds no weight_map of tensor names"):
         read_tensors(folder)
+
+
+def test_import_pretrained_refuses_a_tensor_in_two_shards(
+    exported: dict[tuple[str, str, str], Any], tmp_path: Path
+) -> None:
+    model, _ = exported["llama", "tensor", "compressed-tensors"]
+    out = export_pretrained(
+        model, tmp_path / "sharded", format="compressed-tensors", max_shard_bytes=2**18
+    )
+    first, second = sorted(out.glob("model-*.safetensors"))[:2]
+    one, two = load_file(first), load_file(second)
+    name = sorted(one)[-1]
+    save_file({**two, name: torch.zeros_like(one[name])}, second)  # before: the last copy won
+    loaded = tiny(llama_config(), 1, "tensor")
+    before = snapshot(loaded)
+    with pytest.raises(
+        ValueError, match=rf"'{name}' is in two shards, '{first.name}' and '{second.name}'"
+    ):
+        import_pretrained(loaded, out)
+    unchanged(loaded, before)

@@ -3,11 +3,12 @@ converted here, its codes and steps taken as they are.
 
 The straight inverse of ``export_pretrained``: config.json's ``quantization_config`` says the
 format and the layout of the scales (``formats.read_quantization_config``); the tensors are
-read from the safetensors (one file or shards and their index); each scale is expanded to one
-step per code row (``formats.steps_of_scale``), and the codes, those steps and every
-high-precision tensor go through transformers' own forward weight conversion (what
-``from_pretrained`` runs: per-expert tensors stacked and fused into ``gate_up_proj`` ...), so
-on-disk names become the model's and each row's steps stay with its codes; the fused steps
+read from the safetensors (one file, or the shards its index names: ``files.read_tensors``);
+each scale is expanded to one step per code row (``formats.steps_of_scale``), and the codes,
+those steps and every high-precision tensor go through transformers' own forward weight
+conversion (what ``from_pretrained`` runs: per-expert tensors stacked and fused into
+``gate_up_proj`` ...), so on-disk names become the model's and each row's steps stay with
+its codes; the fused steps
 are then read back in the model's recipe's layout (``formats.steps_from_rows``). Everything is
 checked before anything is written; ``computectx.formats.load_serving_weights`` loads the
 quantized weights, the high-precision tensors are copied into the model's.
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from copy import deepcopy
 from pathlib import Path
 from typing import Any, Final
@@ -35,6 +36,7 @@ from computectx.formats import (
     serving_recipes,
 )
 from computectx.formats.seam import Fp4Operand, Nvfp4Operand, check_weight, dequantized
+from computectx.integrations.hf_checkpoint.files import read_tensors
 from computectx.integrations.hf_checkpoint.formats import (
     CheckpointScheme,
     check_scheme,
@@ -120,7 +122,7 @@ def import_pretrained(
     scheme = read_quantization_config(config)
     recipes = serving_recipes(model)
     check_scheme(recipes, scheme)
-    tensors = _read_tensors(folder)
+    tensors = read_tensors(folder)
     _check_kv_scales(model, tensors, config)
     rows = _split(tensors, scheme)
     converted = _converted(model, tensors)  # the codes in place of their weights
@@ -151,7 +153,7 @@ def import_kv_calibration(
     shape other than the scheme's, a step that is not finite and positive)."""
     folder = Path(os.fsdecode(directory))
     config = json.loads((folder / "config.json").read_text("utf-8"))
-    kv = _read_tensors(folder, lambda name: name.endswith(_KV_SUFFIXES))
+    kv = read_tensors(folder, lambda name: name.endswith(_KV_SUFFIXES))
     return read_kv_scales(kv, config, model)
 
 
@@ -165,32 +167,6 @@ def _check_materialized(model: nn.Module) -> None:
             f"meta device (the first: {meta[0]}); materialize it first "
             f"(model.to_empty(device=...)), then import. Nothing was changed"
         )
-
-
-def _read_tensors(
-    folder: Path, wanted: Callable[[str], bool] = lambda name: True
-) -> dict[str, torch.Tensor]:
-    """The tensors of the directory's safetensors whose names are ``wanted`` (all, by
-    default): ``model.safetensors``, or the shards its ``model.safetensors.index.json``
-    names."""
-    from safetensors import safe_open
-
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map: Mapping[str, str] = json.loads(index.read_text("utf-8"))["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (folder / "model.safetensors").is_file():
-        files = ["model.safetensors"]
-    else:
-        raise ValueError(
-            f"import_pretrained: {str(folder)!r} holds neither model.safetensors nor "
-            f"model.safetensors.index.json"
-        )
-    out: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(folder / file, framework="pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys() if wanted(k)})  # noqa: SIM118
-    return out
 
 
 def _check_kv_scales(
@@ -346,7 +322,7 @@ def _import_fp4(
     refused), or the ``Fp4Linear`` frozen so; a weight-only one leaves a static layer
     uncalibrated (its new weights want a new calibration)."""
     layers = _fp4_targets(model, fmt, mode)
-    tensors = _read_tensors(folder)
+    tensors = read_tensors(folder)
     _check_kv_scales(model, tensors, config)
     static = reads_static_inputs(config["quantization_config"])
     inputs = config.get(INPUT_AMAX_KEY) or {} if static else None
