@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -160,6 +161,7 @@ def _start_compile_all(scripts: dict[str, str], folder: Path) -> None:
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
                 env=env,
+                start_new_session=True,  # its own process group: ended with its sh wrapper
             )
         )
 
@@ -170,7 +172,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     read its reports (``_gpu_compile_reports``) when they run, most often long after it is
     done, so no worker waits on it and its compiles overlap the other tests."""
     scripts = _session_scripts(session)
-    if not scripts:
+    if not scripts or session.config.option.collectonly:
         return
     folder = _compile_folder(session)
     with FileLock(folder / "gpu-compile.lock"):
@@ -178,13 +180,15 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             _start_compile_all(scripts, folder)
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """Wait for the child this process started (another worker may still read its reports)."""
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Wait for the child this process started (another worker may still read its reports),
+    or end it when the session was interrupted or stopped at a failure (``-x``)."""
+    stopped = exitstatus == pytest.ExitCode.INTERRUPTED or bool(session.shouldstop)
     for child in _CHILD:
         try:
-            child.wait(timeout=_WALL_LIMIT)
+            child.wait(timeout=0 if stopped else _WALL_LIMIT)
         except subprocess.TimeoutExpired:
-            child.kill()
+            os.killpg(child.pid, signal.SIGKILL)
             child.wait()
 
 
