@@ -323,3 +323,22 @@ def test_a_per_tensor_step_of_fused_experts_on_disk_keeps_one_step_per_expert() 
     assert torch.equal(scale, steps.reshape(3, 1, 1).expand(3, 2, 3))
     one = hf_export._scale("w", codes[0], rows[0], "tensor", "fine-grained-fp8")
     assert one.shape == (2, 3) and bool((one == 0.5).all())
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "block", "mx"])
+def test_a_nan_master_is_refused_before_writing(
+    llama: Any, granularity: str, tmp_path: Path
+) -> None:
+    # Before: the block and mx exports wrote a NaN code that their own import refuses.
+    model = copy.deepcopy(llama)
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight[2, 3] = math.nan
+    convert_to_quantized(model, ctx_of(RECIPES[granularity]), min_features=16)
+    target = tmp_path / "out"
+    with pytest.raises(
+        ValueError,
+        match=r"export_pretrained: model\.layers\.0\.mlp\.up_proj\.weight was given 1 "
+        r"non-finite code\(s\)",
+    ):
+        export_pretrained(model, target, format="compressed-tensors")
+    assert list(tmp_path.iterdir()) == []  # nothing written

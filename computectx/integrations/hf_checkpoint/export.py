@@ -75,12 +75,13 @@ def export_pretrained(
     ``overwrite=True``; a quantized weight tied to another; experts whose layout the
     model's reverse conversion splits inside a 128x128 block; a 4-bit model in
     ``"fine-grained-fp8"``, one mixing fp8 and 4-bit layers or NVFP4 and MXFP4, 4-bit
-    experts (not exported yet). A 4-bit model's layers go to compressed-tensors' NVFP4 /
-    MXFP4 pack formats, weight-only (``hf_checkpoint.fp4``), and each NVFP4 layer's amax to
-    config.json's ``fp4.AMAX_KEY``; a ``UserWarning`` names the projections vLLM fuses
-    (q/k/v, gate/up) whose NVFP4 global scales differ (vLLM serves them with the largest).
-    ``TypeError`` for a model
-    that is not a transformers ``PreTrainedModel``. Safetensors files above
+    experts (not exported yet); an fp8 weight the import would refuse (a NaN code, from a NaN
+    in its master; a step or a value that is not finite). A 4-bit model's layers go to
+    compressed-tensors' NVFP4 / MXFP4 pack formats, weight-only (``hf_checkpoint.fp4``), and
+    each NVFP4 layer's amax to config.json's ``fp4.AMAX_KEY``; a ``UserWarning`` names the
+    projections vLLM fuses (q/k/v, gate/up) whose NVFP4 global scales differ (vLLM serves
+    them with the largest). ``TypeError`` for a model that is not a transformers
+    ``PreTrainedModel``. Safetensors files above
     ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained`` does.
 
     ``kv`` / ``kv_amax``: the KV cache the model is served with here (``ctx.kv``) and, for a
@@ -121,6 +122,11 @@ def export_pretrained(
             config[INPUT_AMAX_KEY] = input_amax
     else:
         weights = serving_weights(model)
+        for name, w in weights.items():
+            # The import's own rule (load_serving_weights): finite codes, finite positive
+            # steps, finite values; a NaN in a master weight quantizes to a NaN code.
+            shape = tuple(w.codes.shape)
+            w.check_fits(f"export_pretrained: {name}", w.codes.dtype, shape, w.layout)
         tensors = _disk_tensors(model, weights, fmt)
         ignore = _not_converted(model, set(weights))
         config["quantization_config"] = quantization_config(fmt, weights, ignore)
