@@ -595,7 +595,7 @@ OPERATOR_FAMILY_OPS = {
         "fp4_quantize_rows",
         "fp4_dequantize",
     },
-    "formats/ops/fp4_grouped_frozen.py": {"fp4_held_grouped_mm", "fp4_dequantize_experts"},
+    "formats/ops/fp4_grouped_frozen.py": {"fp4_dequantize_experts"},
     "formats/ops/fp4_grouped_gathered.py": {"fp4_grouped_mm_gathered"},
 }
 

@@ -29,10 +29,11 @@ module's ``Fp4Experts`` child and drops the module's high-precision expert param
   ``F.grouped_mm``: not). Eager on the CPU only the experts with rows are dequantized.
 - ``"w4a4"``: each group's rows quantized at every call (round to nearest, never stochastic,
   no Hadamard transform: the forward's operands), times the held expert through
-  ``computectx::fp4_held_grouped_mm``. ``activation_amax="per_tensor"``: each group's rows
-  take one amax, as ``Fp4Experts``' forward takes it; the output is ``Fp4Experts.mm`` under
-  ``no_grad`` bit for bit (on the emulated backend; the Blackwell kernels sum in their own
-  order) and a row's bits depend on the other rows routed to its expert in the same call.
+  ``computectx::fp4_grouped_mm_gathered`` (``ops.fp4_grouped_frozen.held_grouped_mm``).
+  ``activation_amax="per_tensor"``: each group's rows take one amax, as ``Fp4Experts``'
+  forward takes it; the output is ``Fp4Experts.mm`` under ``no_grad`` bit for bit (on the
+  emulated backend; a GPU's kernels may sum in their own order) and a row's bits depend on
+  the other rows routed to its expert in the same call.
   ``"per_row"`` (default; NVFP4): each row by its own amax, so row ``i`` of group ``g`` is
   ``Fp4Experts.mm`` on row ``i`` alone (a one-row group of expert ``g``), whatever else is
   in the batch. MXFP4 has no per-tensor scale: both rules are the forward's, batch-invariant.

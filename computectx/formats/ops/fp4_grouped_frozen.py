@@ -1,30 +1,21 @@
-"""Frozen 4-bit experts' operators: each expert's weight held as its 4-bit operand (the codes,
-block scales and NVFP4 amax ``Fp4Experts``' forward quantizes it to), multiplied as it is.
+"""Frozen 4-bit experts' operator: each expert's weight held as its 4-bit operand (the codes,
+block scales and NVFP4 amax ``Fp4Experts``' forward quantizes it to), and its GEMM.
 
-======================================  =========================================================
-operator                                semantics
-======================================  =========================================================
-``fp4_held_grouped_mm``                 group ``g``'s rows of ``a`` quantized at this call (round
-                                        to nearest), times the held expert ``g``'s operand
-``fp4_dequantize_experts``              the values each held expert stands for, ``[E, N, K]``
-                                        at a float dtype (one ``dequantize_*`` per expert)
-======================================  =========================================================
+``computectx::fp4_dequantize_experts``: the values each held expert stands for, ``[E, N, K]``
+at a float dtype (one ``dequantize_*`` per expert; the format read from the scales' dtype, as
+``computectx::fp4_dequantize`` reads it). ``held_grouped_mm``: group ``g``'s rows of ``x``
+quantized at this call (round to nearest) times the held expert ``g``, through the one
+grouped GEMM against held per-expert operands, ``computectx::fp4_grouped_mm_gathered``
+(``ops.fp4_grouped_gathered``; FSDP2's gathered experts take it too): ``per_row=False`` is
+``fp4_grouped_mm``'s forward group for group with the weight's quantize already done (its
+Triton grouped path where it runs), ``per_row`` (NVFP4) each row by its own amax.
 
 The held operand of ``E`` experts: codes ``float4_e2m1fn_x2`` ``[E, N, K/2]``, scales NVFP4
 ``float8_e4m3fn`` ``[E, N, K/16]`` (1x16) or ``[E, N/16, K/16]`` (16x16 tiles), MXFP4
 ``float8_e8m0fnu`` ``[E, N, K/32]``, NVFP4's per-expert amax float32 ``(E,)``. Expert ``e``'s
-slice is the 2-D operand ``ops.fp4`` takes.
-
-``fp4_held_grouped_mm`` is, group for group, what ``fp4_grouped_mm`` computes in the forward
-(``reference_fp4_grouped_mm``: the group's rows quantized with their own amax, then
-``fp4_scaled_mm`` with the expert's operand) with the weight's quantize already done; with
-``per_row`` (NVFP4) each row is quantized by its own amax instead, and the row's epilogue
-factor is its own (``linear.fp4_serving``'s ``"per_row"``: a row's bits are those of the
-group of that row alone). ``offs`` is read inside the operator (data, not a guard: a compiled
-caller recompiles neither as the group sizes change); an empty group reads nothing of its
-expert; rows past ``offs[-1]`` come out zero. Each group runs the dense entry points of
-``ops.fp4`` (their backend, picked by the device); the per-row quantize and the dequantize
-run their twins on every backend.
+slice is the 2-D operand ``ops.fp4`` takes. ``offs`` is read inside the operators (data, not a
+guard: a compiled caller recompiles neither as the group sizes change); an empty group reads
+nothing of its expert; rows past ``offs[-1]`` come out zero.
 """
 
 from __future__ import annotations
@@ -35,10 +26,7 @@ import torch
 from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES
-from computectx.formats.numerics import tensorwise
-from computectx.formats.numerics.e2m1 import E2M1_MAX
 from computectx.formats.numerics.fp4 import (
-    E4M3_MAX,
     Mxfp4Operand,
     MxRounding,
     Nvfp4Operand,
@@ -46,17 +34,15 @@ from computectx.formats.numerics.fp4 import (
     dequantize_mxfp4,
     dequantize_nvfp4,
 )
-from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, tensor_scale_alpha
-from computectx.formats.ops import fp4 as fp4_ops
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.formats.ops.fp4_backend import backend_of, check_scale, runs_triton
-from computectx.formats.ops.grouped import checked_bounds
+from computectx.formats.ops.fp4_grouped_gathered import grouped_mm_gathered
 
 __all__ = [
     "check_held",
     "dequantize_experts",
     "expert_operand",
     "fp4_dequantize_experts",
-    "fp4_held_grouped_mm",
     "held_grouped_mm",
 ]
 
@@ -117,68 +103,6 @@ def check_held(
     return e
 
 
-def _group(
-    a: torch.Tensor, w: Fp4Operand, how: Fp4Quant, per_row: bool, out_dtype: torch.dtype
-) -> torch.Tensor:
-    if not (per_row and isinstance(w, Nvfp4Operand)):
-        return fp4_ops.scaled_mm(fp4_ops.quantize(a, how), w, out_dtype)
-    # Each row by its own amax: both operands at S_enc = 1 (alpha exactly 1: the float32
-    # accumulator), then each row's own TE epilogue factor, in TE's order.
-    codes, scale, amax = fp4_ops.quantize_rows(a)
-    unit = torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=a.device)
-    acc = fp4_ops.scaled_mm(
-        Nvfp4Operand(codes, scale, unit, "1x16"),
-        Nvfp4Operand(w.codes, w.scale, unit, w.tile),
-        torch.float32,
-    )
-    alpha = tensor_scale_alpha(amax, w.amax.float().reshape(()))
-    return tensorwise.epilogue(acc * alpha[:, None], None, out_dtype)
-
-
-@custom_op("computectx::fp4_held_grouped_mm", mutates_args=())
-def fp4_held_grouped_mm(
-    a: torch.Tensor,
-    codes: torch.Tensor,
-    scale: torch.Tensor,
-    amax: torch.Tensor | None,
-    offs: torch.Tensor,
-    tile: str,
-    mx_rounding: str,
-    per_row: bool,
-    out_dtype: torch.dtype,
-    backend: str,
-) -> torch.Tensor:
-    """``[M, N]``: group ``g``'s rows of ``a [M, K]`` quantized at this call times the held
-    expert ``g`` (module docstring)."""
-    runs_triton(backend, a)  # checked; each group takes ops.fp4's backend for its device
-    who = "computectx::fp4_held_grouped_mm"
-    e = check_held(codes, scale, amax, tile, out_dtype, who)
-    if a.dtype not in FLOAT_DTYPES or a.dim() != 2 or a.shape[1] != 2 * codes.shape[2]:
-        raise ValueError(
-            f"{who} takes a bf16, fp16 or fp32 a [M, K] for codes {tuple(codes.shape)}, got "
-            f"{a.dtype} {tuple(a.shape)}"
-        )
-    if not (a.device == offs.device == codes.device):
-        raise ValueError(f"{who}: a, offs and the experts' operand on one device")
-    bounds = checked_bounds(offs, a.shape[0], e)
-    how = Fp4Quant(
-        format="mxfp4" if scale.dtype == torch.float8_e8m0fnu else "nvfp4",
-        mx_rounding=cast(MxRounding, mx_rounding),
-        hadamard=False,
-    )
-    out = a.new_zeros((a.shape[0], codes.shape[1]), dtype=out_dtype)
-    for g, (start, end) in enumerate(bounds):
-        if end > start:
-            w = expert_operand(codes, scale, amax, tile, g)
-            out[start:end] = _group(a[start:end], w, how, per_row, out_dtype)
-    return out
-
-
-@fp4_held_grouped_mm.register_fake
-def _held_grouped_mm_fake(a: torch.Tensor, codes: torch.Tensor, *rest: object) -> torch.Tensor:
-    return a.new_empty((a.shape[0], codes.shape[1]), dtype=cast(torch.dtype, rest[-2]))
-
-
 @custom_op("computectx::fp4_dequantize_experts", mutates_args=())
 def fp4_dequantize_experts(
     codes: torch.Tensor,
@@ -225,13 +149,21 @@ def held_grouped_mm(
     mx_rounding: MxRounding,
     per_row: bool,
 ) -> torch.Tensor:
-    """``[M, N]`` at ``x``'s dtype through ``computectx::fp4_held_grouped_mm`` (module
-    docstring); the caller (``FrozenFp4Experts``) has checked the operands."""
+    """``[M, N]`` at ``x``'s dtype: group ``g``'s rows of ``x`` times the held expert ``g``
+    through ``computectx::fp4_grouped_mm_gathered`` (module docstring); the caller
+    (``FrozenFp4Experts``) has checked the operands, the operator checks them again."""
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"held_grouped_mm takes a bf16, fp16 or fp32 x, got {x.dtype}")
-    args = (tile, mx_rounding, per_row, x.dtype, backend_of(x))
-    y: torch.Tensor = fp4_held_grouped_mm(x, codes, scale, _amax(amax), offs, *args)
-    return y
+    nv = scale.dtype != torch.float8_e8m0fnu
+    how = Fp4Quant(
+        format="nvfp4" if nv else "mxfp4",
+        weight_tile=cast(Nvfp4Tile, tile if nv else "16x16"),
+        mx_rounding=mx_rounding,
+        hadamard=False,
+    )
+    a = _amax(amax)
+    b = Nvfp4Operand(codes, scale, a, how.weight_tile) if nv and a is not None else None
+    return grouped_mm_gathered(x, b or Mxfp4Operand(codes, scale), offs, how, per_row=per_row)
 
 
 def dequantize_experts(

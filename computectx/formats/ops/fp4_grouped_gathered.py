@@ -1,5 +1,5 @@
-"""The 4-bit grouped GEMM whose experts arrive quantized (FSDP2 gathered them so):
-``computectx::fp4_grouped_mm_gathered``.
+"""The 4-bit grouped GEMM whose experts are held quantized (FSDP2 gathered them so, or a
+frozen ``FrozenFp4Experts`` holds them): ``computectx::fp4_grouped_mm_gathered``.
 
 ``fp4_grouped_mm`` (``ops.fp4``) quantizes each expert ``b[g]`` at the weight's block at every
 call. Here each expert's operand is given as it was quantized elsewhere (FSDP2's 4-bit gather
@@ -12,6 +12,13 @@ with expert ``g``'s operand (``numerics.fp4_gemm.reference_fp4_grouped_mm_gather
 grouped GEMM on its backends). Given each expert's operand as ``quantize_rows(b[g],
 weight=True)`` makes it, the result is ``fp4_grouped_mm``'s bit for bit: the forward with
 ``W``'s operands, the dgrad with ``Wᵀ``'s.
+
+``per_row`` (NVFP4, round to nearest: no ``rng``): each row quantized by its own amax, both
+operands at ``S_enc = 1`` (alpha exactly 1: the float32 accumulator), then each row's own TE
+epilogue factor, in TE's order (``linear.fp4_serving``'s ``"per_row"``: a row's bits are those
+of the group of that row alone; the frozen W4A4 experts' batch-invariant rule); each group
+runs ``ops.fp4``'s row quantize twin and ``fp4_scaled_mm``. MXFP4 has no per-tensor scale:
+``per_row`` is the group rule there.
 
 ``offs`` and ``rng`` are data read inside the operator, as for the other grouped operators
 (``ops.fp4``): a compiled caller recompiles neither as the group sizes nor as the counter
@@ -27,16 +34,18 @@ from torch.library import custom_op
 
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.backend import quantizable_arg
-from computectx.formats.numerics import fp4_gemm
-from computectx.formats.numerics.e2m1 import HADAMARD_SIZE, Stochastic
+from computectx.formats.numerics import fp4_gemm, tensorwise
+from computectx.formats.numerics.e2m1 import E2M1_MAX, HADAMARD_SIZE, Stochastic
 from computectx.formats.numerics.fp4 import (
+    E4M3_MAX,
     NVFP4_BLOCK,
     Mxfp4Operand,
     MxRounding,
     Nvfp4Operand,
     Nvfp4Tile,
 )
-from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
+from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant, tensor_scale_alpha
+from computectx.formats.ops import fp4 as fp4_ops
 from computectx.formats.ops.fp4_backend import backend_of, check_how, rng_arg, runs_triton
 from computectx.formats.ops.grouped import checked_bounds
 
@@ -64,13 +73,23 @@ def fp4_grouped_mm_gathered(
     rng: torch.Tensor | None,
     out_dtype: torch.dtype,
     backend: str,
+    per_row: bool = False,
 ) -> torch.Tensor:
-    """``[M, N]``: group ``g``'s rows of ``a [M, K]``, quantized on their own, times expert
-    ``g``'s operand (``codes[g]``, ``scale[g]``, NVFP4's ``amax[g]``), as it came."""
+    """``[M, N]``: group ``g``'s rows of ``a [M, K]``, quantized on their own (``per_row``:
+    each row on its own), times expert ``g``'s operand (``codes[g]``, ``scale[g]``, NVFP4's
+    ``amax[g]``), as it came."""
     e = check_operands(a, codes, scale, amax, offs, format, weight_tile, rng, read=True)
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"{_OP}: out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    if per_row and rng is not None:
+        raise ValueError(f"{_OP}: per_row rounds to nearest; rng must be None")
+    if not e:
+        raise ValueError(f"{_OP} takes E >= 1 experts, got codes {tuple(codes.shape)}")
     bounds = checked_bounds(offs, a.shape[0], e)
+    if per_row and amax is not None:
+        runs_triton(backend, a)  # checked; each group takes ops.fp4's backend for its device
+        return _per_row(a, Nvfp4Operand(codes, scale, amax, cast(Nvfp4Tile, weight_tile)),
+                        bounds, out_dtype)  # fmt: skip
     if runs_triton(backend, a):
         from computectx.kernels.fp4_grouped_values import grouped_mm_gathered_values
 
@@ -94,8 +113,41 @@ def fp4_grouped_mm_gathered(
 
 
 @fp4_grouped_mm_gathered.register_fake
-def _grouped_mm_gathered_fake(a: torch.Tensor, codes: torch.Tensor, *rest: object) -> torch.Tensor:
-    return a.new_empty((a.shape[0], codes.shape[1]), dtype=cast(torch.dtype, rest[-2]))
+def _grouped_mm_gathered_fake(
+    a: torch.Tensor,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor | None,
+    offs: torch.Tensor,
+    format: str,
+    weight_tile: str,
+    mx_rounding: str,
+    rng: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    backend: str,
+    per_row: bool = False,
+) -> torch.Tensor:
+    return a.new_empty((a.shape[0], codes.shape[1]), dtype=out_dtype)
+
+
+def _per_row(
+    a: torch.Tensor, b: Nvfp4Operand, bounds: list[tuple[int, int]], out_dtype: torch.dtype
+) -> torch.Tensor:
+    # Each group's rows by their own amaxes at S_enc = 1 against expert g at S_enc = 1, then
+    # each row's TE epilogue factor (module docstring); an empty group reads nothing.
+    out = a.new_zeros((a.shape[0], b.codes.shape[1]), dtype=out_dtype)
+    unit = torch.full((), E4M3_MAX * E2M1_MAX, dtype=torch.float32, device=a.device)
+    for g, (start, end) in enumerate(bounds):
+        if end > start:
+            codes, scale, amax = fp4_ops.quantize_rows(a[start:end])
+            acc = fp4_ops.scaled_mm(
+                Nvfp4Operand(codes, scale, unit, "1x16"),
+                Nvfp4Operand(b.codes[g], b.scale[g], unit, b.tile),
+                torch.float32,
+            )
+            alpha = tensor_scale_alpha(amax, b.amax[g].float().reshape(()))
+            out[start:end] = tensorwise.epilogue(acc * alpha[:, None], None, out_dtype)
+    return out
 
 
 def _scale_shape(fmt: str, tile: str, e: int, n: int, k: int) -> tuple[int, int, int]:
@@ -208,12 +260,14 @@ def grouped_mm_gathered(
     *,
     out_dtype: torch.dtype | None = None,
     stochastic: Stochastic | torch.Tensor | None = None,
+    per_row: bool = False,
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a`` in 4 bits times expert ``g``'s operand in
     ``b`` (the experts' operands stacked: codes ``[E, N, K/2]``, scales ``[E, ...]``, NVFP4's
     amaxes ``(E,)``), at ``out_dtype`` (default ``a``'s), through
     ``computectx::fp4_grouped_mm_gathered`` (module docstring). ``stochastic`` rounds ``a``'s
-    codes (the dgrad's dY), as ``ops.fp4.grouped_mm``'s."""
+    codes (the dgrad's dY), as ``ops.fp4.grouped_mm``'s; ``per_row`` (NVFP4, no
+    ``stochastic``): each row of ``a`` by its own amax (module docstring)."""
     h = check_how(how)
     t = quantizable_arg(a)
     q = _check_gathered(t, b, offs, h)
@@ -223,6 +277,6 @@ def grouped_mm_gathered(
     tile = q.tile if isinstance(q, Nvfp4Operand) else "1x16"
     amax = q.amax if isinstance(q, Nvfp4Operand) else None
     rng = rng_arg(stochastic, t)
-    args = (h.format, tile, h.mx_rounding, rng, out, backend_of(t))
+    args = (h.format, tile, h.mx_rounding, rng, out, backend_of(t), per_row)
     y: torch.Tensor = fp4_grouped_mm_gathered(t, q.codes, q.scale, amax, offs, *args)
     return y

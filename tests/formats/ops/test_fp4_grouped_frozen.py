@@ -42,8 +42,9 @@ def test_held_grouped_mm_is_the_grouped_forward_and_passes_opcheck() -> None:
         got = held_grouped_mm(x, codes, scale, amax, offs, per_row=False, **rule)  # type: ignore[arg-type]
         assert torch.equal(got, fp4_ops.grouped_mm(x, w, offs, how))
         em, bf16 = "emulated", torch.bfloat16
-        args = (x, codes, scale, amax, offs, tile, how.mx_rounding, True, bf16, em)
-        torch.library.opcheck(ops.fp4_held_grouped_mm, args, test_utils=WITHOUT_SCHEMA)
+        fmt, op_tile = how.format, tile if how.format == "nvfp4" else "1x16"
+        args = (x, codes, scale, amax, offs, fmt, op_tile, how.mx_rounding, None, bf16, em, True)
+        torch.library.opcheck(ops.fp4_grouped_mm_gathered, args, test_utils=WITHOUT_SCHEMA)
         deq = (codes, scale, amax, tile, torch.float32, em)
         torch.library.opcheck(ops.fp4_dequantize_experts, deq, test_utils=WITHOUT_SCHEMA)
         assert dequantize_experts(codes, scale, amax, tile, torch.bfloat16).shape == (3, 16, 32)
@@ -56,23 +57,29 @@ def test_the_operators_check_every_operand_against_the_codes_expert_count() -> N
     codes, scale, amax = held(w, NV)
     assert amax is not None
     offs, bf16, em = offsets([2, 1, 0, 2]), torch.bfloat16, "emulated"
-    mm, dq = torch.ops.computectx.fp4_held_grouped_mm, torch.ops.computectx.fp4_dequantize_experts
-    rule = ("16x16", "rceil", True)
+    # The frozen W4A4 GEMM is computectx::fp4_grouped_mm_gathered with per_row (or not).
+    mm, dq = (
+        torch.ops.computectx.fp4_grouped_mm_gathered,
+        torch.ops.computectx.fp4_dequantize_experts,
+    )
+    rule, tail = ("nvfp4", "16x16", "rceil", None), (em, True)
     bad = [
-        ((x, codes, scale, amax, offs[:3], *rule, bf16, em), r"offs must be int32 \(4,\)"),
-        ((x, codes, scale, amax, offsets([1] * 5), *rule, bf16, em), r"offs must be int32 \(4,\)"),
-        ((x, codes, scale, amax[:3], offs, *rule, bf16, em), r"one float32 amax each, \(4,\)"),
-        ((x, codes, scale[:3], amax, offs, *rule, bf16, em), r"scales must be \[E = 4"),
-        ((x, codes, scale, amax.neg(), offs, *rule, bf16, em), "finite and >= 0"),
-        ((x, codes, scale, amax * float("nan"), offs, *rule, bf16, em), "finite and >= 0"),
-        ((x, codes, scale, amax, offs, *rule, torch.int32, em), "out_dtype must be one of"),
-        ((x, codes, scale, None, offs, *rule, bf16, em), "needs its per-expert amax"),
-        ((x, codes[:0], scale[:0], amax[:0], offs[:0], *rule, bf16, em), "with E >= 1"),
-        ((x[:, :16], codes, scale, amax, offs, *rule, bf16, em), r"a \[M, K\]"),
+        ((x, codes, scale, amax, offs[:3], *rule, bf16, *tail), r"offs \[E\] for codes"),
+        ((x, codes, scale, amax, offsets([1] * 5), *rule, bf16, *tail), r"offs \[E\] for codes"),
+        ((x, codes, scale, amax[:3], offs, *rule, bf16, *tail), r"one float32 amax each, \(4,\)"),
+        ((x, codes, scale[:3], amax, offs, *rule, bf16, *tail), r"expected .*\(4, 2, 2\)"),
+        ((x, codes, scale, amax.neg(), offs, *rule, bf16, *tail), "finite and >= 0"),
+        ((x, codes, scale, amax * float("nan"), offs, *rule, bf16, *tail), "finite and >= 0"),
+        ((x, codes, scale, amax, offs, *rule, torch.int32, *tail), "out_dtype must be one of"),
+        ((x, codes, scale, None, offs, *rule, bf16, *tail), "NVFP4 experts take their amaxes"),
+        ((x[:, :16], codes, scale, amax, offs, *rule, bf16, *tail), r"takes a \[M, K\]"),
+        ((x, codes, scale, amax, offs, *rule[:3], torch.tensor([1, 2]), bf16, *tail), "per_row"),
     ]
     for args, match in bad:
         with pytest.raises(ValueError, match=match):
             mm(*args)
+    with pytest.raises(ValueError, match=r"E >= 1 experts, got codes \(0, 32, 16\)"):
+        mm(x, codes[:0], scale[:0], amax[:0], offs[:0], *rule, bf16, *tail)
     dq_bad: list[tuple[tuple[object, ...], str]] = [
         ((codes, scale, amax, "16x16", torch.int32, em), "out_dtype must be one of"),
         ((codes, scale, amax, "1x16", torch.float32, em), r"scale \(nvfp4 1x16\)"),
