@@ -14,6 +14,7 @@ from computectx import ComputeCtx
 from computectx.formats import Fp4Linear, Fp4Recipe, calibrate_fp4_activations
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_serving import check_serving
 from computectx.formats.numerics.fp4 import quantize_nvfp4, tensor_amax
 from computectx.formats.numerics.fp4_gemm import reference_fp4_mm
 
@@ -169,6 +170,8 @@ def test_static_is_nvfp4_and_a_linears_rule_only() -> None:
         FrozenFp4Linear.from_fp4_linear(fp4_layer("mxfp4"), "w4a4", activation_amax="static")
     with pytest.raises(ValueError, match="a calibrated amax is 'static''s"):
         FrozenFp4Linear.from_fp4_linear(fp4_layer()).set_input_amax(torch.tensor([1.0]))
+    with pytest.raises(ValueError, match="FrozenFp4Linear's only"):  # what 4-bit experts check
+        check_serving("w4a4", "static", "FrozenFp4Experts")
 
 
 def test_a_static_layer_compiles_whole_and_serves_the_eager_bits() -> None:
@@ -179,3 +182,12 @@ def test_a_static_layer_compiles_whole_and_serves_the_eager_bits() -> None:
     with torch.inference_mode():
         assert same(compiled(x), frozen(x))
     torch._dynamo.reset()
+
+
+def test_load_weights_installs_the_amax(tmp_path: pathlib.Path) -> None:
+    from computectx.memory import load_weights, save_weights
+
+    layer = static_layer(None)
+    path = save_weights(nn.Sequential(static_layer(2.0)), tmp_path / "w.safetensors")
+    load_weights(nn.Sequential(layer), path, ComputeCtx.from_flag("nvfp4", "cpu"))
+    assert layer.input_calibrated and layer.input_amax.tolist() == [2.0]
