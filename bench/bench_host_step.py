@@ -18,8 +18,8 @@ counted (they build the native kernel, and torchao's compiled steps). The parts:
   and ``CompactOptimizer`` with float32 state (masters and state on the CPU, the model there
   too, so the masters are the model's own storage: torch's fused kernel and the non-finite
   check); DeepSpeed's ``DeepSpeedCPUAdam`` where ``deepspeed`` imports;
-- ``clip``: torch fused, ours offloaded and compact with a clip to total norm 1.0 before the
-  step, timed together as a fine-tuning loop runs them (torch's ``clip_grad_norm_``, ours
+- ``clip``: torch fused, ours offloaded and compact (f32 state, then bf16, int8, fp8 and int4
+  moments) with a clip to total norm 1.0 before the step, timed together as a fine-tuning loop runs them (torch's ``clip_grad_norm_``, ours
   ``clip_grad_norm``, whose norm the step reuses as its non-finite check); their ``ratio``
   column is to torch fused with the clip;
 - ``compact``: ours ``CompactOptimizer`` with bf16, int8, fp8 and int4 moments (the default
@@ -187,6 +187,17 @@ def _specs(parts: tuple[str, ...]) -> list[tuple[str, str, float, torch.dtype, M
                 torch.float32,
                 lambda p: CompactOptimizer(p, ctx),
             ),
+        ]
+        # The compact formats behind the same clip: the step reuses its norm as the check.
+        specs += [
+            (
+                f"ours {fmt} moments, clip + step",
+                "clip",
+                moved(4, fmt, False) + CLIP_BYTES,
+                torch.float32,
+                _compact(ctx.with_optim_state(fmt)),
+            )
+            for fmt in FORMATS
         ]
     if "compact" in parts:
         for fmt in FORMATS:

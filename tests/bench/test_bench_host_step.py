@@ -25,6 +25,7 @@ def test_the_bench_reports_every_row_and_ours_equal_torchs_fused_step() -> None:
         "torch AdamW fused=True, clip + step",
         "ours OffloadedOptimizer f32, clip + step",
         "ours CompactOptimizer f32, clip + step",
+        *(f"ours {fmt} moments, clip + step" for fmt in bench.FORMATS),
     ]
     assert "| 1.00 |" in lines[2 + rows.index(clipped[0])]
     # Ours f32 steps equal torch's fused ones, with the clip as without it.
@@ -37,7 +38,7 @@ def test_the_bench_reports_every_row_and_ours_equal_torchs_fused_step() -> None:
     # Every compact and bf16-master row stepped its weights (none is a row that does nothing).
     start = bench._params(shape, torch.float32)
     for row in rows:
-        if row.part in ("compact", "bf16"):
+        if row.part in ("compact", "bf16") or (row.clip and "moments" in row.label):
             moved = [not torch.equal(a.float(), b) for a, b in zip(row.params, start, strict=True)]
             assert all(moved), row.label
 
