@@ -19,9 +19,9 @@ counted (they build the native kernel, and torchao's compiled steps). The parts:
   too, so the masters are the model's own storage: torch's fused kernel and the non-finite
   check); DeepSpeed's ``DeepSpeedCPUAdam`` where ``deepspeed`` imports;
 - ``clip``: torch fused, ours offloaded and compact (f32 state, then bf16, int8, fp8 and int4
-  moments) with a clip to total norm 1.0 before the step, timed together as a fine-tuning loop runs them (torch's ``clip_grad_norm_``, ours
-  ``clip_grad_norm``, whose norm the step reuses as its non-finite check); their ``ratio``
-  column is to torch fused with the clip;
+  moments) with a clip to total norm 1.0 before the step, timed together as a fine-tuning
+  loop runs them (torch's ``clip_grad_norm_``, ours ``clip_grad_norm``, whose norm the step
+  reuses as its non-finite check); their ``ratio`` column is to torch fused with the clip;
 - ``compact``: ours ``CompactOptimizer`` with bf16, int8, fp8 and int4 moments (the default
   path, and ``compile=False``: the torch-ops twin), torchao's ``AdamWFp8``, ``AdamW8bit``,
   ``AdamW4bit`` and bitsandbytes' ``AdamW8bit`` where they import;
