@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -385,3 +386,79 @@ def test_static_w4a4_without_our_amax_and_its_refusals(base: Any, tmp_path: Path
     )
     import_pretrained(model, weight_only)  # new weights: the old calibration is not theirs
     assert not any(m.input_calibrated for m in frozen_layers(model).values())
+
+
+def test_bad_scales_and_amax_entries_are_named(base: Any, tmp_path: Path) -> None:
+    """A NaN or negative block scale is named as such (before the 16x16-tile check); an amax
+    entry that is not a finite float32 >= 0 is named invalid, one naming no weight and one on
+    an MXFP4 checkpoint are refused; ``symmetric: false`` is named."""
+    out = export_pretrained(converted(base, "nvfp4"), tmp_path / "ct", format="compressed-tensors")
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    up = "model.layers.0.mlp.up_proj"
+
+    def refused(
+        match: str, cfg: dict[str, Any], edit: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        (out / "config.json").write_text(json.dumps(cfg))
+        save_file({**tensors, **(edit or {})}, out / "model.safetensors", metadata={"format": "pt"})
+        model = converted(base, "nvfp4")  # 16x16 tiles
+        before = _state(model)
+        with pytest.raises(ValueError, match=match):
+            import_pretrained(model, out)
+        assert _unchanged(model, before)
+
+    for byte in (0x7F, 0xB8):  # NaN, -1.0
+        scale = tensors[f"{up}.weight_scale"].clone()
+        scale.view(torch.uint8)[0, 0] = byte
+        refused(
+            r"up_proj: block scales must be finite and >= 0", config, {f"{up}.weight_scale": scale}
+        )
+    for amax in (-1.0, float("nan"), float("inf"), 1e39, 0.1):  # 0.1 is not a float32
+        bad = {**config, AMAX_KEY: {**config[AMAX_KEY], up: amax}}
+        refused(rf"{AMAX_KEY}\['{up}'\] is an invalid amax {re.escape(repr(amax))}: ", bad)
+    stray = {**config, AMAX_KEY: {**config[AMAX_KEY], "model.layers.0.mlp.typo_proj": 1.0}}
+    refused(r"names 1 weight\(s\) .*no 4-bit weight for \(the first: '.*typo_proj'\)", stray)
+    q = copy.deepcopy(config["quantization_config"])
+    q["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    refused(
+        r"strategy, symmetric\) = \(.*, False\); read here: \(.*, True\)",
+        {**config, "quantization_config": q},
+    )
+    mx = export_pretrained(converted(base, "mxfp4"), tmp_path / "mx", format="compressed-tensors")
+    mx_config = json.loads((mx / "config.json").read_text())
+    (mx / "config.json").write_text(json.dumps({**mx_config, AMAX_KEY: config[AMAX_KEY]}))
+    with pytest.raises(ValueError, match=rf"holds {AMAX_KEY} .* the checkpoint is MXFP4"):
+        import_pretrained(converted(base, "mxfp4"), mx)
+
+
+def test_a_global_scale_is_read_as_the_fp8_scales_are(base: Any, tmp_path: Path) -> None:
+    """``G`` in float64 holding a float32 value, or of shape ``()``, imports bit for bit; a
+    float64 no float32 holds, or shape ``(1, 1)``, is refused naming it."""
+    model = converted(base, "nvfp4")
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.0.mlp.up_proj.weight_global_scale"
+    g = tensors[name]
+    freeze_fp4_for_serving(model)
+    for edit in (g.double(), g.reshape(())):
+        save_file({**tensors, name: edit}, out / "model.safetensors", metadata={"format": "pt"})
+        served = converted(base, "nvfp4")
+        import_pretrained(served, out)
+        for n, layer in frozen_layers(served).items():
+            held = frozen_layers(model)[n]
+            assert all(
+                torch.equal(bits(a), bits(b))
+                for a, b in zip(held.weight_tensors(), layer.weight_tensors(), strict=True)
+            )
+    off = g.double() * (1 + 2.0**-40)
+    for edit, match in (
+        (off, rf"{name} is float64 \(1,\), a value no float32 holds"),
+        (g.reshape(1, 1), rf"{name} is float32 \(1, 1\); read here: shape \(1,\) or \(\)"),
+    ):
+        save_file({**tensors, name: edit}, out / "model.safetensors", metadata={"format": "pt"})
+        served = converted(base, "nvfp4")
+        before = _state(served)
+        with pytest.raises(ValueError, match=match):
+            import_pretrained(served, out)
+        assert _unchanged(served, before)

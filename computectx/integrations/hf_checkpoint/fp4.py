@@ -58,6 +58,7 @@ are equal, and so are their input global scales (vLLM serves a fused layer with 
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, Final, Literal
@@ -307,13 +308,13 @@ def read_fp4_scheme(q: Mapping[str, Any]) -> Fp4Format | None:
         )
     for gname, group in groups.items():
         w = group.get("weights") or {}
-        got = (w.get("type"), w.get("num_bits"), w.get("group_size"), w.get("strategy"))
-        want = ("float", 4, _GROUP[fmt], _STRATEGY[fmt])
-        if got != want or not w.get("symmetric", True):
+        got = (*(w.get(k) for k in _WEIGHT_KEYS[:4]), w.get("symmetric", True))
+        want = ("float", 4, _GROUP[fmt], _STRATEGY[fmt], True)
+        if got != want:
             raise ValueError(
                 f"import_pretrained: compressed-tensors group {gname!r} in format "
-                f"{FP4_CT_FORMATS[fmt]!r} holds weights (type, num_bits, group_size, "
-                f"strategy) = {got}; read here: {want}, symmetric"
+                f"{FP4_CT_FORMATS[fmt]!r} holds weights ({', '.join(_WEIGHT_KEYS)}) = {got}; "
+                f"read here: {want}"
             )
         a = group.get("input_activations")
         if group.get("output_activations") or (
@@ -329,6 +330,9 @@ def read_fp4_scheme(q: Mapping[str, Any]) -> Fp4Format | None:
             )
     reads_static_inputs(q)  # the groups agree
     return fmt
+
+
+_WEIGHT_KEYS: Final = ("type", "num_bits", "group_size", "strategy", "symmetric")
 
 
 def _static_inputs(fmt: str, a: Mapping[str, Any]) -> bool:
@@ -360,24 +364,13 @@ def input_amax_of_scale(name: str, g: torch.Tensor | None, amax: object) -> torc
             f"import_pretrained: {name}.input_global_scale is missing from the checkpoint (its "
             f"config declares NVFP4 W4A4: a static input global scale per layer)"
         )
-    if g.dtype != torch.float32 or g.numel() != 1 or not bool((torch.isfinite(g) & (g > 0)).all()):
-        raise ValueError(
-            f"import_pretrained: {name}.input_global_scale must be one finite positive float32, "
-            f"got {str(g.dtype).removeprefix('torch.')} {tuple(g.shape)}"
-        )
-    g = g.float().reshape(1)
+    g = global_scale_of(f"{name}.input_global_scale", g)
     if amax is not None:
-        if isinstance(amax, bool) or not isinstance(amax, (int, float)):
-            raise ValueError(
-                f"import_pretrained: config.json's {INPUT_AMAX_KEY}[{name!r}] must be a number, "
-                f"got {type(amax).__name__}"
-            )
-        held = torch.tensor([amax], dtype=torch.float32)
-        finite = bool((torch.isfinite(held) & (held >= 0)).all())
-        if float(held) != amax or not finite or not torch.equal(global_encode_scale(held), g):
+        held = amax_of_entry(INPUT_AMAX_KEY, name, amax).reshape(1)
+        if not torch.equal(global_encode_scale(held), g):
             raise ValueError(
                 f"import_pretrained: {name}: config.json's {INPUT_AMAX_KEY} gives input amax "
-                f"{amax!r} (a float32 is read, exactly), whose S_enc is not the checkpoint's "
+                f"{amax!r}, whose S_enc is not the checkpoint's "
                 f"input_global_scale {g.item()!r}; the two were not written together"
             )
         return held
@@ -397,7 +390,7 @@ def operand_of_tensors(
     tensors: Mapping[str, torch.Tensor],
     shape: tuple[int, int],
     tile: str,
-    amax: float | None,
+    amax: object,
 ) -> Fp4Operand:
     """The operand of on-disk weight ``name`` (``tensors`` by suffix) for a layer of
     ``shape`` (out, in) holding ``tile`` blocks (``"1x16"``, ``"16x16"``, ``"1x32"``) and the
@@ -409,15 +402,13 @@ def operand_of_tensors(
         "weight_packed": (torch.uint8, (n, k // 2)),
         "weight_scale": (torch.float8_e4m3fn if fmt == "nvfp4" else torch.uint8, (n, k // group)),
     }
-    if fmt == "nvfp4":
-        want["weight_global_scale"] = (torch.float32, (1,))
-    for suffix, (dtype, dims) in want.items():
-        t = tensors.get(suffix)
-        if t is None:
+    parts = (*want, "weight_global_scale") if fmt == "nvfp4" else tuple(want)
+    for suffix in parts:
+        if suffix not in tensors:
             raise ValueError(f"import_pretrained: {name}.{suffix} is missing from the checkpoint")
-        if (t.dtype, tuple(t.shape)) != (dtype, dims) and not (
-            suffix == "weight_global_scale" and t.numel() == 1
-        ):
+    for suffix, (dtype, dims) in want.items():
+        t = tensors[suffix]
+        if (t.dtype, tuple(t.shape)) != (dtype, dims):
             raise ValueError(
                 f"import_pretrained: {name}.{suffix} is {str(t.dtype).removeprefix('torch.')} "
                 f"{tuple(t.shape)}; the layer reads {str(dtype).removeprefix('torch.')} {dims}"
@@ -426,28 +417,60 @@ def operand_of_tensors(
     if fmt == "mxfp4":
         return Mxfp4Operand(codes, tensors["weight_scale"].view(torch.float8_e8m0fnu))
     scale = tensors["weight_scale"]
+    bad = scale.float()
+    if bool((bad.isnan() | (bad < 0)).any()):  # before the tile check, which would name it
+        raise ValueError(
+            f"import_pretrained: {name}: block scales must be finite and >= 0 (a NaN scale "
+            f"stands for a block that held a NaN: such a weight serves NaN)"
+        )
     if tile == "16x16":
         scale = _tiles(name, scale)
-    g = tensors["weight_global_scale"]
-    if g.dtype != torch.float32 or not bool(torch.isfinite(g).all() & (g > 0).all()):
-        raise ValueError(
-            f"import_pretrained: {name}.weight_global_scale must be a finite positive float32, "
-            f"got {str(g.dtype).removeprefix('torch.')}"
-            f"{'' if g.dtype != torch.float32 else ' ' + repr(g.reshape(-1)[0].item())}"
-        )
+    g = global_scale_of(f"{name}.weight_global_scale", tensors["weight_global_scale"])
     if amax is None:
         held = amax_of_global_scale(name, g, scale)
     else:
-        held = torch.tensor(amax, dtype=torch.float32)
+        held = amax_of_entry(AMAX_KEY, name, amax)
         ours = Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
-        if float(held) != amax or not torch.equal(chosen_global_scale(ours)[0], g.reshape(1)):
+        if not torch.equal(chosen_global_scale(ours)[0], g):
             raise ValueError(
-                f"import_pretrained: {name}: config.json's {AMAX_KEY} gives amax {amax!r} (a "
-                f"float32 is read, exactly), for which the export writes another "
-                f"weight_global_scale than the checkpoint's {g.reshape(-1)[0].item()!r}; the "
-                f"two were not written together"
+                f"import_pretrained: {name}: config.json's {AMAX_KEY} gives amax {amax!r}, for "
+                f"which the export writes another weight_global_scale than the checkpoint's "
+                f"{g.item()!r}; the two were not written together"
             )
     return Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
+
+
+def global_scale_of(name: str, g: torch.Tensor) -> torch.Tensor:
+    """Checkpoint tensor ``name``, a per-tensor global scale, as float32 ``(1,)``: shape
+    ``(1,)`` or ``()`` (compressed-tensors writes the one, ModelOpt the other), finite and
+    positive, in float32, bfloat16 or float16 (exact widenings) or float64 holding a float32
+    value (as the fp8 scales are read). ``ValueError`` naming the tensor otherwise."""
+    what = f"import_pretrained: {name} is {str(g.dtype).removeprefix('torch.')} {tuple(g.shape)}"
+    if g.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise ValueError(f"{what}; read here: float32, bf16, f16, or f64 holding a float32")
+    if tuple(g.shape) not in ((1,), ()):
+        raise ValueError(f"{what}; read here: shape (1,) or ()")
+    f32 = g.float().reshape(1)
+    if g.dtype == torch.float64 and not torch.equal(f32.double(), g.reshape(1)):
+        raise ValueError(f"{what}, a value no float32 holds (it would be rounded)")
+    if not bool((torch.isfinite(f32) & (f32 > 0)).all()):
+        raise ValueError(f"{what}: {f32.item()!r}; read here: finite and positive")
+    return f32
+
+
+def amax_of_entry(key: str, name: str, amax: object) -> torch.Tensor:
+    """config.json's ``key[name]`` amax as a float32 scalar: a number, finite, ``>= 0``, a
+    float32 value exactly (the export writes one); ``ValueError`` naming it otherwise."""
+    where = f"import_pretrained: config.json's {key}[{name!r}]"
+    if isinstance(amax, bool) or not isinstance(amax, (int, float)):
+        raise ValueError(f"{where} must be a number, got {type(amax).__name__}")
+    held = torch.tensor(float(amax), dtype=torch.float32)
+    if not (math.isfinite(amax) and amax >= 0 and float(held) == amax):
+        raise ValueError(
+            f"{where} is an invalid amax {amax!r}: read here, a finite float32 >= 0 (the "
+            f"weight's max |w|, as the export writes it)"
+        )
+    return held
 
 
 def _tiles(name: str, scale: torch.Tensor) -> torch.Tensor:

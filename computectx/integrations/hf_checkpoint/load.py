@@ -416,6 +416,18 @@ def _fp4_operands(
     orphans = sorted(n for n in tensors if n.endswith(_FP4_PARTS[1:]))
     if orphans:
         raise ValueError(f"import_pretrained: scales without their weight_packed: {orphans}")
+    if fmt == "mxfp4" and amaxes is not None:
+        raise ValueError(
+            f"import_pretrained: config.json holds {AMAX_KEY} (NVFP4's per-tensor amaxes) and "
+            f"the checkpoint is MXFP4, which has none: the two were not written together"
+        )
+    for key, entries in ((AMAX_KEY, amax_of), (INPUT_AMAX_KEY, inputs or {})):
+        stray = sorted(set(entries) - set(bases))
+        if stray:
+            raise ValueError(
+                f"import_pretrained: config.json's {key} names {len(stray)} weight(s) the "
+                f"checkpoint holds no 4-bit weight for (the first: {stray[0]!r})"
+            )
     out: dict[str, Fp4Operand] = {}
     static: dict[str, torch.Tensor] = {}
     unknown = []
@@ -426,14 +438,8 @@ def _fp4_operands(
         if layer is None:
             unknown.append(base)
             continue
-        amax = amax_of.get(base)
-        if amax is not None and (isinstance(amax, bool) or not isinstance(amax, (int, float))):
-            raise ValueError(
-                f"import_pretrained: config.json's {AMAX_KEY}[{base!r}] must be a number, got "
-                f"{type(amax).__name__}"
-            )
         shape = (layer.out_features, layer.in_features)
-        q = operand_of_tensors(base, fmt, held, shape, _tile(layer), amax)
+        q = operand_of_tensors(base, fmt, held, shape, _tile(layer), amax_of.get(base))
         out[name] = check_weight(q, f"import_pretrained: {base}")
         if isinstance(inputs, Mapping):
             static[name] = input_amax_of_scale(base, held.get(_FP4_PARTS[3]), inputs.get(base))
