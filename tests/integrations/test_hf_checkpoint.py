@@ -342,3 +342,17 @@ def test_a_nan_master_is_refused_before_writing(
     ):
         export_pretrained(model, target, format="compressed-tensors")
     assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_tied_head_frozen_in_fp8_exports_untied(tmp_path: Path) -> None:
+    # Before: tie_word_embeddings stayed true while the checkpoint held the head's fp8 codes.
+    model = tiny(LlamaConfig(**COMMON, intermediate_size=384, tie_word_embeddings=True))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    convert_to_quantized(model, ctx_of(RECIPES["block"]), min_features=16, include_head=True)
+    for layer in model.modules():
+        if hasattr(layer, "freeze_for_serving"):
+            layer.freeze_for_serving()
+    out = export_pretrained(model, tmp_path / "out", format="compressed-tensors")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    with safe_open(out / "model.safetensors", framework="pt") as f:
+        assert {"lm_head.weight", "lm_head.weight_scale"} <= set(f.keys())

@@ -462,3 +462,28 @@ def test_a_global_scale_is_read_as_the_fp8_scales_are(base: Any, tmp_path: Path)
         with pytest.raises(ValueError, match=match):
             import_pretrained(served, out)
         assert _unchanged(served, before)
+
+
+def test_a_tied_head_frozen_in_4_bit_exports_untied(base: Any, tmp_path: Path) -> None:
+    """Frozen, a converted tied head holds its own codes: config.json says
+    ``tie_word_embeddings: false`` (before: true, contradicting the checkpoint's 4-bit head)."""
+    config = copy.deepcopy(base.config)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    tied = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()  # type: ignore[no-untyped-call]
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    model = copy.deepcopy(tied)
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    convert_to_quantized(model, ctx, min_features=16, include_head=True)
+    with pytest.raises(ValueError, match=r"lm_head\.weight is tied to model\.embed_tokens\.weight"):
+        export_pretrained(model, tmp_path / "unfrozen", format="compressed-tensors")
+    freeze_fp4_for_serving(model)
+    out = export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "lm_head.weight_packed" in load_file(out / "model.safetensors")
+    served = copy.deepcopy(tied)
+    convert_to_quantized(served, ctx, min_features=16, include_head=True)
+    freeze_fp4_for_serving(served)
+    import_pretrained(served, out)
+    with torch.no_grad():
+        assert torch.equal(model(IDS).logits, served(IDS).logits)

@@ -328,9 +328,29 @@ def _not_converted(model: nn.Module, quantized: set[str]) -> list[str]:
 
 
 def _config(model: nn.Module) -> dict[str, Any]:
+    """config.json: the model's config, without a ``quantization_config``, and with
+    ``tie_word_embeddings`` false where a pair the model declares tied no longer shares its
+    storage (a tied head converted and then frozen holds its own codes: the checkpoint writes
+    both, and a reader that ties them would drop the head's)."""
     config: Any = model.config
     out: dict[str, Any] = config.to_dict()
     out.pop("quantization_config", None)
     if not out.get("architectures"):
         out["architectures"] = [type(model).__name__]
+    if out.get("tie_word_embeddings") and _untied(model):
+        out["tie_word_embeddings"] = False
     return out
+
+
+def _untied(model: nn.Module) -> list[str]:
+    """The weights ``all_tied_weights_keys`` ties that do not share their source's storage
+    (a frozen layer holds no ``weight`` at all)."""
+    full = model.state_dict()
+    tied: Mapping[str, str] = getattr(model, "all_tied_weights_keys", None) or {}
+    return sorted(
+        name
+        for name, source in tied.items()
+        if name not in full
+        or source not in full
+        or full[name].data_ptr() != full[source].data_ptr()
+    )
