@@ -487,3 +487,31 @@ def test_a_tied_head_frozen_in_4_bit_exports_untied(base: Any, tmp_path: Path) -
     import_pretrained(served, out)
     with torch.no_grad():
         assert torch.equal(model(IDS).logits, served(IDS).logits)
+
+
+@pytest.mark.parametrize(
+    ("flag", "parts", "want"),
+    [
+        # k/v (q_proj high precision): before, no warning at all
+        (
+            "nvfp4",
+            ("k_proj", "v_proj", "up_proj"),
+            ["self_attn.{k_proj,v_proj}", "mlp: {gate_proj,up_proj} with {gate_proj}"],
+        ),
+        ("mxfp4", ("q_proj", "k_proj"), ["self_attn: {q_proj,k_proj,v_proj} with {v_proj}"]),
+    ],
+)
+def test_fused_groups_warn_for_any_two_4_bit_parts_and_for_mixed_precision(
+    base: Any, tmp_path: Path, flag: str, parts: tuple[str, ...], want: list[str]
+) -> None:
+    model = copy.deepcopy(base)
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    convert_to_quantized(model, ctx, module_filter=lambda _, name: name.endswith(parts))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        export_pretrained(model, tmp_path / "ct", format="compressed-tensors")
+    said = [str(w.message) for w in caught if "vLLM fuses" in str(w.message)]
+    assert len(said) == len(want)
+    for message, first in zip(said, want, strict=True):
+        assert f"(the first: model.layers.0.{first}" in message
+    assert all("vLLM refuses to load" in m for m in said if "high-precision" in m)

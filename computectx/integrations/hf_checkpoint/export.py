@@ -79,10 +79,11 @@ def export_pretrained(
     in its master; a step or a value that is not finite). A 4-bit model's layers go to
     compressed-tensors' NVFP4 / MXFP4 pack formats, weight-only (``hf_checkpoint.fp4``), and
     each NVFP4 layer's amax to config.json's ``fp4.AMAX_KEY``; a ``UserWarning`` names the
-    projections vLLM fuses (q/k/v, gate/up) whose NVFP4 global scales differ (vLLM serves
-    them with the largest). ``TypeError`` for a model that is not a transformers
-    ``PreTrainedModel``. Safetensors files above
-    ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained`` does.
+    projections vLLM fuses (q/k/v, gate/up) whose 4-bit parts' NVFP4 global scales differ
+    (vLLM serves them with the largest), another those partly 4-bit (vLLM refuses them).
+    ``TypeError`` for a model that is not a transformers ``PreTrainedModel``. Safetensors
+    files above ``max_shard_bytes`` are split in shards with an index, as ``save_pretrained``
+    does.
 
     ``kv`` / ``kv_amax``: the KV cache the model is served with here (``ctx.kv``) and, for a
     static fp8 scheme (``per_tensor``, ``per_head``), its calibrated amax ``(layers, 2,
@@ -258,7 +259,9 @@ def _fp4_disk_tensors(
         if fqn in inputs:  # S_enc of the calibrated amax: compressed-tensors' encode scale
             out[f"{base}.input_global_scale"] = global_encode_scale(inputs[fqn]).reshape(1)
             input_amax[base] = float(inputs[fqn].item())
-    _warn_fused_global_scales(out, list(amax))
+    _warn_fused_global_scales(
+        out, [n.removesuffix(".weight_packed") for n in out if n.endswith(".weight_packed")]
+    )
     return out, amax, input_amax
 
 
@@ -267,26 +270,55 @@ _FUSED: Final = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _warn_fused_global_scales(tensors: Mapping[str, torch.Tensor], layers: list[str]) -> None:
-    """``UserWarning`` naming the projections vLLM fuses whose NVFP4 global scales differ: it
-    serves a fused layer with one, the largest (``weight_global_scale.max()``), so the other
-    parts' block scales decode off by ``G_part / G_max`` there."""
-    differ = []
-    for parts in _FUSED:
-        for base in layers:
-            parent, _, leaf = base.rpartition(".")
-            if leaf != parts[0]:
-                continue
-            names = [f"{parent}.{p}" for p in parts if f"{parent}.{p}" in layers]
-            scales = {float(tensors[f"{n}.weight_global_scale"]) for n in names}
-            if len(names) > 1 and len(scales) > 1:
-                differ.append(f"{parent}.{{{','.join(parts)}}}")
+    """``UserWarning`` for the projections vLLM fuses into one layer (``_FUSED``), by group
+    (``layers``, the 4-bit ones, and ``tensors``, on-disk names):
+
+    - two or more 4-bit parts whose NVFP4 global scales differ (whichever parts they are): vLLM
+      serves a fused layer with one, the largest (``weight_global_scale.max()``), so the other
+      parts' block scales decode off by ``G_part / G_max`` there;
+    - a group with 4-bit and high-precision parts: vLLM refuses to load it ("Found different
+      quantization schemes for the shards of ..."). A warning, not a refusal: the checkpoint
+      is valid compressed-tensors, and compressed-tensors and transformers read it exactly."""
+    differ, mixed = [], []
+    groups = {
+        (base.rpartition(".")[0], parts)
+        for base in layers
+        for parts in _FUSED
+        if base.rpartition(".")[2] in parts
+    }
+    for parent, parts in sorted(groups):
+        names = [f"{parent}.{p}" for p in parts]
+        packed = [n for n in names if n in layers]
+        scales = {
+            float(tensors[f"{n}.weight_global_scale"])
+            for n in packed
+            if f"{n}.weight_global_scale" in tensors
+        }
+        if len(scales) > 1:
+            differ.append(f"{parent}.{{{','.join(p for p in parts if f'{parent}.{p}' in packed)}}}")
+        high = [n.rpartition(".")[2] for n in names if f"{n}.weight" in tensors]
+        if high:
+            mixed.append(
+                f"{parent}: {{{','.join(parts)}}} with {{{','.join(high)}}} high-precision"
+            )
+    where = "docs/serving-formats.md, '4-bit: NVFP4 and MXFP4'"
     if differ:
         warnings.warn(
             f"export_pretrained: {len(differ)} group(s) of projections that vLLM fuses into one "
             f"layer hold different NVFP4 weight global scales (the first: {differ[0]}); vLLM "
             f"serves a fused layer with one global scale, the largest, so the other parts "
             f"decode off by G_part / G_max there (compressed-tensors and transformers decode "
-            f"each part exactly). docs/serving-formats.md, '4-bit: NVFP4 and MXFP4'",
+            f"each part exactly). {where}",
+            UserWarning,
+            stacklevel=3,
+        )
+    if mixed:
+        warnings.warn(
+            f"export_pretrained: {len(mixed)} group(s) of projections that vLLM fuses into one "
+            f"layer are partly 4-bit (the first: {mixed[0]}); vLLM refuses to load such a "
+            f"checkpoint (every part of a fused layer must share one scheme): convert every "
+            f"part alike to serve it there (compressed-tensors and transformers read it as it "
+            f"is). {where}",
             UserWarning,
             stacklevel=3,
         )
