@@ -364,9 +364,9 @@ def input_amax_of_scale(name: str, g: torch.Tensor | None, amax: object) -> torc
             f"import_pretrained: {name}.input_global_scale is missing from the checkpoint (its "
             f"config declares NVFP4 W4A4: a static input global scale per layer)"
         )
-    g = global_scale_of(f"{name}.input_global_scale", g)
+    g = _global_scale_of(f"{name}.input_global_scale", g)
     if amax is not None:
-        held = amax_of_entry(INPUT_AMAX_KEY, name, amax).reshape(1)
+        held = _amax_of_entry(INPUT_AMAX_KEY, name, amax).reshape(1)
         if not torch.equal(global_encode_scale(held), g):
             raise ValueError(
                 f"import_pretrained: {name}: config.json's {INPUT_AMAX_KEY} gives input amax "
@@ -425,11 +425,11 @@ def operand_of_tensors(
         )
     if tile == "16x16":
         scale = _tiles(name, scale)
-    g = global_scale_of(f"{name}.weight_global_scale", tensors["weight_global_scale"])
+    g = _global_scale_of(f"{name}.weight_global_scale", tensors["weight_global_scale"])
     if amax is None:
         held = amax_of_global_scale(name, g, scale)
     else:
-        held = amax_of_entry(AMAX_KEY, name, amax)
+        held = _amax_of_entry(AMAX_KEY, name, amax)
         ours = Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
         if not torch.equal(chosen_global_scale(ours)[0], g):
             raise ValueError(
@@ -440,7 +440,7 @@ def operand_of_tensors(
     return Nvfp4Operand(codes, scale, held, "16x16" if tile == "16x16" else "1x16")
 
 
-def global_scale_of(name: str, g: torch.Tensor) -> torch.Tensor:
+def _global_scale_of(name: str, g: torch.Tensor) -> torch.Tensor:
     """Checkpoint tensor ``name``, a per-tensor global scale, as float32 ``(1,)``: shape
     ``(1,)`` or ``()`` (compressed-tensors writes the one, ModelOpt the other), finite and
     positive, in float32, bfloat16 or float16 (exact widenings) or float64 holding a float32
@@ -458,7 +458,7 @@ def global_scale_of(name: str, g: torch.Tensor) -> torch.Tensor:
     return f32
 
 
-def amax_of_entry(key: str, name: str, amax: object) -> torch.Tensor:
+def _amax_of_entry(key: str, name: str, amax: object) -> torch.Tensor:
     """config.json's ``key[name]`` amax as a float32 scalar: a number, finite, ``>= 0``, a
     float32 value exactly (the export writes one); ``ValueError`` naming it otherwise."""
     where = f"import_pretrained: config.json's {key}[{name!r}]"
