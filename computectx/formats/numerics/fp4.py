@@ -82,6 +82,7 @@ __all__ = [
     "Mxfp4Operand",
     "Nvfp4Operand",
     "Nvfp4Tile",
+    "check_amax",
     "dequantize_mxfp4",
     "dequantize_nvfp4",
     "global_encode_scale",
@@ -163,6 +164,29 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isfinite(a), a, torch.zeros_like(a)).amax()
 
 
+def check_amax(amax: object, who: str, *, check_values: bool = True) -> torch.Tensor:
+    """``amax`` as ``()`` if it is a per-tensor amax given from outside: a float32 tensor of
+    shape ``()`` or ``(1,)``, finite and ``>= 0`` (a max ``|x|``; 0 stands for an all-zero
+    tensor). ``ValueError`` naming what it is otherwise. The values take one host read, skipped
+    where ``check_values`` is False (an amax its caller made, so known good) and while
+    ``torch.compile`` traces."""
+    if (
+        not isinstance(amax, torch.Tensor)
+        or amax.dtype != torch.float32
+        or tuple(amax.shape) not in ((), (1,))
+    ):
+        got = (
+            f"{str(amax.dtype).removeprefix('torch.')} {tuple(amax.shape)}"
+            if isinstance(amax, torch.Tensor)
+            else type(amax).__name__
+        )
+        raise ValueError(f"{who}: amax must be a float32 tensor of shape () or (1,), got {got}")
+    read = check_values and not amax.is_meta and not torch.compiler.is_compiling()
+    if read and not bool((torch.isfinite(amax) & (amax >= 0)).all()):
+        raise ValueError(f"{who}: amax must be finite and >= 0 (a max |x|), got {amax.tolist()}")
+    return amax.detach().reshape(())
+
+
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """``S_enc = min(448 * 6 / amax, FLT_MAX)``, 1 when ``amax`` is 0 or ``S_enc`` is 0."""
     amax = amax.float()
@@ -207,11 +231,14 @@ def quantize_nvfp4(
     tile: Nvfp4Tile = "1x16",
     amax: torch.Tensor | None = None,
     stochastic: Stochastic | None = None,
+    check_amax_values: bool = True,
 ) -> Nvfp4Operand:
     """NVFP4 codes and scales of ``x`` (bf16/f16/f32, K a multiple of 16; 2-D with rows a
     multiple of 16 for ``"16x16"``) by TE's chain (module docstring). ``amax`` is the
     per-tensor amax (default ``tensor_amax(x)``; pass one agreed across ranks to share it);
-    ``stochastic`` rounds the codes stochastically instead of to nearest."""
+    ``stochastic`` rounds the codes stochastically instead of to nearest. A given ``amax`` is
+    checked (``check_amax``: float32 ``()`` or ``(1,)``, finite, ``>= 0``; its values only
+    where ``check_amax_values``)."""
     x2 = _rows(x, NVFP4_BLOCK, "quantize_nvfp4")
     rows = {"1x16": 1, "16x16": NVFP4_BLOCK}.get(tile)
     if rows is None:
@@ -220,7 +247,10 @@ def quantize_nvfp4(
         raise ValueError(
             f"tile '16x16' needs a 2-D x with rows a multiple of 16, got {tuple(x.shape)}"
         )
-    amax = tensor_amax(x) if amax is None else amax.detach().float().reshape(())
+    if amax is None:
+        amax = tensor_amax(x)
+    else:
+        amax = check_amax(amax, "quantize_nvfp4", check_values=check_amax_values)
     s_enc = global_encode_scale(amax)
     scale = nvfp4_block_scales(_block_amax(x2, rows, NVFP4_BLOCK), s_enc)
     encode = (1.0 / _decode_factor(scale, s_enc)).clamp(max=_FLT_MAX)

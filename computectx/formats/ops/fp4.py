@@ -63,6 +63,7 @@ from computectx.formats.numerics.fp4 import (
     MxRounding,
     Nvfp4Operand,
     Nvfp4Tile,
+    check_amax,
     dequantize_mxfp4,
     dequantize_nvfp4,
     quantize_nvfp4_rows,
@@ -464,17 +465,21 @@ def grouped_wgrad(
 
 
 def quantize_rows(
-    x: torch.Tensor, amax: torch.Tensor | None = None
+    x: torch.Tensor, amax: torch.Tensor | None = None, *, check_values: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(codes, scale, amax)`` of a 2-D ``x`` (bf16/f16/f32, K a multiple of 16), each row
     quantized to NVFP4 as ``quantize_nvfp4`` quantizes it alone (its own amax, or ``amax``: a
-    float32 ``(1,)`` on ``x``'s device; 1x16 blocks, round to nearest): ``amax`` float32
-    ``(M,)``, one per row, through ``computectx::fp4_quantize_rows``."""
+    float32 ``(1,)`` on ``x``'s device, finite and ``>= 0``; 1x16 blocks, round to nearest):
+    ``amax`` float32 ``(M,)``, one per row, through ``computectx::fp4_quantize_rows``. A given
+    ``amax``'s values take one host read (``numerics.fp4.check_amax``), skipped where
+    ``check_values`` is False (a static layer's, checked when installed) and while compiling."""
     t = check_2d(x, NVFP4_BLOCK, 1, "a per-row nvfp4 quantize")
     held = None if amax is None else (amax.dtype, tuple(amax.shape), amax.device)
     if held not in (None, (torch.float32, (1,), t.device)):
         got = f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"  # type: ignore[union-attr]
         raise ValueError(f"quantize_rows: amax must be float32 (1,) on {t.device}, got {got}")
+    if amax is not None:
+        check_amax(amax, "quantize_rows", check_values=check_values)
     q: Quantized = fp4_quantize_rows(t, backend_of(t), amax)
     return q
 

@@ -467,3 +467,19 @@ def test_a_table_first_made_under_inference_mode_serves_a_backward(
     x = torch.randn(2, 16, requires_grad=True)
     (grad,) = torch.autograd.grad(e2m1.hadamard16(x).float().sum(), x)
     assert grad.shape == x.shape
+
+
+def test_quantize_nvfp4_checks_a_given_amax() -> None:
+    """A given per-tensor amax is a float32 () or (1,), finite and >= 0 (0: an all-zero
+    tensor); anything else is refused naming it, never cast."""
+    x = torch.randn(4, 32)
+    for bad in (-2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"quantize_nvfp4: amax must be finite and >= 0"):
+            fp4.quantize_nvfp4(x, amax=torch.tensor(bad))
+    for bad_t in (torch.tensor(2.0, dtype=torch.float64), torch.tensor([2.0, 3.0])):
+        with pytest.raises(ValueError, match=r"float32 tensor of shape \(\) or \(1,\), got"):
+            fp4.quantize_nvfp4(x, amax=bad_t)
+    a = fp4.quantize_nvfp4(x, amax=torch.tensor([2.5]))
+    b = fp4.quantize_nvfp4(x, amax=torch.tensor(2.5))
+    assert a.amax.shape == () and torch.equal(a.codes.view(torch.uint8), b.codes.view(torch.uint8))
+    assert fp4.quantize_nvfp4(torch.zeros(1, 16), amax=torch.tensor(0.0)).amax.item() == 0.0

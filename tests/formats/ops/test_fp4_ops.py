@@ -299,3 +299,18 @@ def test_compiles_whole_and_does_not_recompile_as_the_groups_or_the_counter_chan
         for got, want in zip(compiled(x, w, dy, offs, rng), step(x, w, dy, offs, rng), strict=True):
             assert torch.equal(got, want), sizes
     assert counter.frame_count == 1, counter.frame_count
+
+
+def test_quantize_rows_checks_a_given_amax() -> None:
+    """A static amax is a max |x|: float32 (1,) on x's device, finite, >= 0 (0 an all-zero
+    input's); a negative one made negative block scales, a NaN one NaN operands."""
+    x = serving_rows()
+    for bad in (-2.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"quantize_rows: amax must be finite and >= 0"):
+            fp4_ops.quantize_rows(x, torch.tensor([bad]))
+    with pytest.raises(ValueError, match=r"amax must be float32 \(1,\)"):
+        fp4_ops.quantize_rows(x, torch.tensor([2.0], dtype=torch.float64))
+    _, _, amax = fp4_ops.quantize_rows(x, torch.tensor([0.0]))
+    assert amax.tolist() == [0.0] * x.shape[0]
+    _, _, amax = fp4_ops.quantize_rows(x, torch.tensor([-1.0]), check_values=False)  # unread
+    assert amax.tolist() == [-1.0] * x.shape[0]
