@@ -9,7 +9,11 @@ call, whatever the batch: ``fp4_serving``). During the pass the static layers se
 ``"weight_only"`` (the activation unquantized, as ModelOpt's input quantizers pass through while
 they calibrate), so each layer's amax is its input with the layers before it at weight-only
 precision. The amax is recorded after the forward's autocast cast: what W4A4 would quantize.
-Nothing else changes: other layers, modes, the weights, the RNG.
+The model runs in eval mode (dropout off, batch norm on its running statistics: as it serves),
+each module's ``training`` flag restored afterwards, and torch's RNG states (the CPU's and each
+CUDA device's) are restored too: nothing else changes, not other layers, modes, the weights,
+nor the RNG. A layer whose inputs held no finite non-zero element (all zeros, NaN or inf) would
+get an amax of 0, which serves its bias alone: the calibration is refused, naming it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 from torch import nn
 
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_streams import stream_names
 from computectx.formats.policy import describe
 
 __all__ = ["calibrate_fp4_activations"]
@@ -29,16 +34,20 @@ def calibrate_fp4_activations(model: nn.Module, batches: Iterable[object]) -> tu
     """Run ``model`` on each of ``batches`` under ``torch.no_grad`` and install, in every
     ``FrozenFp4Linear`` of ``activation_amax="static"`` inside it, the max ``|x|`` of the
     inputs it saw as its ``input_amax`` (float32 ``(1,)``); return the layers' names, in module
-    order. A batch is called as ``model(batch)``, ``model(**batch)`` for a ``Mapping``,
-    ``model(*batch)`` for a tuple. A layer calibrated before is calibrated again (its old amax
-    is not kept). ``ValueError`` for a model with no static layer, for no batches, and for a
-    static layer no batch reached (named); an error leaves every ``input_amax`` as it was.
+    order (as ``assign_fp4_streams`` names them: torch's wrappers' parts, ``_orig_mod.`` of
+    ``torch.compile``, ``module.`` of DDP, left out). A batch is called as ``model(batch)``,
+    ``model(**batch)`` for a ``Mapping``, ``model(*batch)`` for a tuple. A layer calibrated
+    before is calibrated again (its old amax is not kept). The model runs in eval mode; its
+    modules' ``training`` flags and torch's RNG states are restored afterwards.
+    ``ValueError`` for a model with no static layer, for no batches, for a static layer no
+    batch reached and for one whose amax is 0 (its inputs held no finite non-zero element: it
+    would serve its bias alone), each named; an error leaves every ``input_amax`` as it was.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"calibrate_fp4_activations takes an nn.Module, got {describe(model)}")
     layers = [
-        (fqn, m)
-        for fqn, m in model.named_modules()
+        (name, m)
+        for _, name, m in stream_names(model)
         if isinstance(m, FrozenFp4Linear) and m.activation_amax == "static"
     ]
     if not layers:
@@ -57,10 +66,17 @@ def calibrate_fp4_activations(model: nn.Module, batches: Iterable[object]) -> tu
             f"calibrate_fp4_activations: no batch reached {missed[0]!r} ({len(missed)} static "
             f"layer(s) unreached); nothing was installed"
         )
+    amaxes = {fqn: a for fqn, a in seen.items() if a is not None}
+    zero = [fqn for fqn, _ in layers if not bool(amaxes[fqn] > 0)]
+    if zero:
+        raise ValueError(
+            f"calibrate_fp4_activations: the inputs of {zero[0]!r} held no finite non-zero "
+            f"element ({len(zero)} static layer(s) so: {zero[:4]}), an amax of 0, with which it "
+            f"would serve its bias alone; calibrate with representative batches (or freeze such "
+            f"a layer with activation_amax='per_row'); nothing was installed"
+        )
     for fqn, m in layers:
-        amax = seen[fqn]
-        assert amax is not None  # checked above
-        m.set_input_amax(amax.reshape(1))
+        m.set_input_amax(amaxes[fqn].reshape(1))
     return tuple(fqn for fqn, _ in layers)
 
 
@@ -74,10 +90,13 @@ def _run(
         fqn: torch.zeros((), dtype=torch.float32, device=m.weight_fp4.device) for fqn, m in layers
     }
     reached: dict[str, torch.Tensor | None] = {}
+    training = [(m, m.training) for m in model.modules()]
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []  # type: ignore[no-untyped-call]
     try:
         for fqn, m in layers:
             m.calibrating = start[fqn]
-        with torch.no_grad():
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
             for batch in batches:
                 n += 1
                 if isinstance(batch, Mapping):
@@ -92,6 +111,8 @@ def _run(
     finally:
         for _, m in layers:
             m.calibrating = None
+        for module, mode in training:
+            module.training = mode
     if not n:
         raise ValueError("calibrate_fp4_activations: batches held no batch; nothing was installed")
     return reached

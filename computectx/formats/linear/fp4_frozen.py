@@ -24,9 +24,11 @@ the activation amax rule of NVFP4 W4A4 (``"per_row"``: batch-invariant), are
 guards whole loads: ``formats.scaling.load``): a high-precision ``weight`` (a training
 checkpoint: load it, then freeze), an fp8 layer's entries, a state saved under another weight
 format, tile or MXFP4 rounding, entries of another dtype or shape, scales that are NaN or
-negative, an amax that is not finite, an ``input_amax`` that is not a finite float32 ``(1,)``
-``>= 0``, and a partial weight. A static layer runs only once its ``input_amax`` is
-calibrated, loaded or set (``set_input_amax``); before, its W4A4 forward is a
+negative, an amax that is not finite, an ``input_amax`` that is not a float32 ``(1,)`` finite
+and ``> 0`` or NaN (NaN: saved before calibration, loads as not calibrated), and a partial
+weight. New weights loaded without an ``input_amax`` leave a static layer uncalibrated (as
+``import_pretrained``). A static layer runs only once its ``input_amax`` is calibrated, loaded
+or set (``set_input_amax``); before, its W4A4 forward is a
 ``RuntimeError``. The mode and the activation rule are the layer's own, not the
 checkpoint's: the same weights serve either.
 
@@ -276,7 +278,7 @@ class FrozenFp4Linear(nn.Module):
         return w4a4_mm(x2.detach(), w, self._how, rule, _epilogue_bias(self.bias), x2.dtype, a)
 
     def set_input_amax(self, amax: torch.Tensor) -> None:
-        """Install a static layer's calibrated input amax (float32 ``(1,)``, finite, ``>= 0``;
+        """Install a static layer's calibrated input amax (float32 ``(1,)``, finite, ``> 0``;
         ``fp4_serving.check_input_amax``), copied: the layer serves with it from now."""
         if self.activation_amax != "static":
             raise ValueError(
@@ -324,7 +326,8 @@ class FrozenFp4Linear(nn.Module):
         self._check_state(entries.get("_extra_state"), layer, prefix)
         self._check_weight_entries(entries, layer, prefix)
         if "input_amax" in entries and self.activation_amax == "static":
-            check_input_amax(entries["input_amax"], f"{layer}: {prefix}input_amax")
+            amax, who = entries["input_amax"], f"{layer}: {prefix}input_amax"
+            check_input_amax(amax, who, uncalibrated=True)
 
     def clear_input_amax(self) -> None:
         """A static layer back to uncalibrated (``input_amax`` NaN): for new weights."""
@@ -339,12 +342,26 @@ class FrozenFp4Linear(nn.Module):
     def plan_state_load(
         self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""
     ) -> Callable[[], None]:
-        """Check ``tensors`` (``check_load``) and return what installs ``input_amax``."""
+        """Check ``tensors`` (``check_load``) and return what installs ``input_amax``: a
+        calibrated one, or back to uncalibrated for a NaN one and for new weights without one."""
         self.check_load(tensors, prefix)
-        if self.activation_amax != "static" or "input_amax" not in tensors:
+        saved = tensors.get("input_amax")
+        new = any(n in tensors for n in FROZEN_FP4_BUFFERS)  # new weights
+        if self.activation_amax != "static" or (saved is None and not new):
             return lambda: None
-        saved = tensors["input_amax"].clone()  # read now: a memory-mapped file may go
+        if saved is None or bool(saved.isnan().all()):  # NaN: saved before calibration
+            return self.clear_input_amax
+        saved = saved.clone()  # read now: a memory-mapped file may go
         return lambda: self.set_input_amax(saved.to(self.input_amax.device))
+
+    def _load_from_state_dict(
+        self, state_dict: Mapping[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        # New weights without an input_amax (strict=False): uncalibrated (import_pretrained's rule)
+        new = any(f"{prefix}{n}" in state_dict for n in FROZEN_FP4_BUFFERS)
+        if self.activation_amax == "static" and f"{prefix}input_amax" not in state_dict and new:
+            self.clear_input_amax()
 
     def _check_state(self, state: object, layer: str, prefix: str) -> None:
         if state is None:
@@ -437,7 +454,7 @@ class FrozenFp4Linear(nn.Module):
 
 def _loaded(layer: nn.Module, _: object) -> None:
     """After ``load_state_dict``: a static layer is calibrated when its ``input_amax`` holds a
-    value (a loaded one was checked: finite, ``>= 0``)."""
+    value (a loaded one was checked: finite and ``> 0``, or NaN: not calibrated)."""
     amax = layer._buffers.get("input_amax")
     if isinstance(layer, FrozenFp4Linear) and amax is not None and not amax.is_meta:
         layer.input_calibrated = bool(torch.isfinite(amax).all())

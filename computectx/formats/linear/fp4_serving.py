@@ -111,17 +111,32 @@ def check_serving(mode: object, activation_amax: object, who: str, *, static: bo
         )
 
 
-def check_input_amax(value: object, who: str) -> torch.Tensor:
+def check_input_amax(value: object, who: str, *, uncalibrated: bool = False) -> torch.Tensor:
     """``value`` if it is a static activation amax: a float32 tensor ``(1,)``, finite and
-    ``>= 0`` (one host read); ``ValueError`` naming what it is otherwise."""
+    ``> 0`` (one host read); with ``uncalibrated`` (a load) NaN passes too, the mark of a layer
+    saved before it was calibrated. ``ValueError`` naming what it is otherwise: an amax of 0
+    (``-0.0`` too) would quantize every input with ``alpha = 0``, the layer serving its bias
+    alone, so it is refused as a calibration that saw no finite non-zero input."""
     if not isinstance(value, torch.Tensor) or value.dtype != torch.float32 or value.shape != (1,):
         raise ValueError(f"{who}: input_amax must be a float32 tensor (1,), got {_shown(value)}")
     if value.is_meta:
         raise ValueError(f"{who}: input_amax is on the meta device: it holds no calibration")
-    if not bool((torch.isfinite(value) & (value >= 0)).all()):
+    finite, positive, nan = torch.stack(
+        (torch.isfinite(value).all(), (value > 0).all(), value.isnan().all())
+    ).tolist()
+    if uncalibrated and nan:
+        return value
+    marker = " (or NaN: not calibrated)" if uncalibrated else ""
+    if not finite:
         raise ValueError(
-            f"{who}: input_amax must be finite and >= 0 (a calibrated max |x|), got "
+            f"{who}: input_amax must be finite and > 0 (a calibrated max |x|){marker}, got "
             f"{value.tolist()}"
+        )
+    if not positive:
+        raise ValueError(
+            f"{who}: input_amax must be finite and > 0 (a calibrated max |x|){marker}, got "
+            f"{value.tolist()}: an amax of 0 or below would serve the bias alone (alpha = 0); "
+            f"calibrate with batches holding finite non-zero inputs"
         )
     return value
 
@@ -265,7 +280,8 @@ def nvfp4_rows(
     ``(rows,)``), through ``computectx::fp4_quantize_rows`` (one operator in a compiled
     graph). The operand's amax is ``UNIT_AMAX`` (``S_enc = 1``): ``w4a4_mm`` applies each
     row's own. ``amax`` (float32 ``(1,)``): every row's, a static one."""
-    codes, scale, amax = fp4_ops.quantize_rows(x2.detach(), amax)
+    # A static amax was checked when it was installed (check_input_amax): no host read here.
+    codes, scale, amax = fp4_ops.quantize_rows(x2.detach(), amax, check_values=False)
     unit = torch.full((), UNIT_AMAX, dtype=torch.float32, device=x2.device)
     return Nvfp4Operand(codes, scale, unit, "1x16"), amax
 

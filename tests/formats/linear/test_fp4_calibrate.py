@@ -150,9 +150,9 @@ def test_the_amax_is_saved_loaded_and_checked(tmp_path: pathlib.Path) -> None:
         assert same(other(x), frozen(x))
     fresh = static_layer(None)
     for bad, why in [
-        (torch.tensor([float("nan")]), "finite"),
         (torch.tensor([float("inf")]), "finite"),
-        (torch.tensor([-1.0]), ">= 0"),
+        (torch.tensor([-1.0]), "> 0"),
+        (torch.tensor([0.0]), "serve the bias alone"),
         (torch.tensor([2.0], dtype=torch.float64), "float32 tensor \\(1,\\)"),
         (torch.tensor(2.0), "float32 tensor \\(1,\\)"),
     ]:
@@ -191,3 +191,105 @@ def test_load_weights_installs_the_amax(tmp_path: pathlib.Path) -> None:
     path = save_weights(nn.Sequential(static_layer(2.0)), tmp_path / "w.safetensors")
     load_weights(nn.Sequential(layer), path, ComputeCtx.from_flag("nvfp4", "cpu"))
     assert layer.input_calibrated and layer.input_amax.tolist() == [2.0]
+
+
+def test_an_amax_of_zero_is_refused_naming_the_layer() -> None:
+    """Inputs with no finite non-zero element give an amax of 0, with which a layer serves its
+    bias alone (alpha = 0): calibration refuses naming it; set and load refuse 0 and -0.0."""
+    model = Two()
+    freeze_fp4_for_serving(model, "w4a4", activation_amax="static")
+    assert isinstance(model.a, FrozenFp4Linear)
+    model.a.set_input_amax(torch.tensor([1.0]))
+    # Zeros: a serves its bias, b's input is not 0. NaN, inf: never in an amax; NaN on to b.
+    for fill, named in [(0.0, "'a'\\]"), (float("nan"), "'a', 'b'"), (float("inf"), "'a', 'b'")]:
+        with pytest.raises(ValueError, match=f"inputs of 'a' held no finite non-zero .*\\[{named}"):
+            calibrate_fp4_activations(model, [torch.full((2, 64), fill)])
+        assert model.a.input_amax.tolist() == [1.0] and model.a.input_calibrated
+    for zero in (0.0, -0.0):
+        with pytest.raises(ValueError, match=r"> 0 .* serve the bias alone"):
+            model.a.set_input_amax(torch.tensor([zero]))
+        with pytest.raises(ValueError, match="serve the bias alone"):
+            model.load_state_dict({**model.state_dict(), "a.input_amax": torch.tensor([zero])})
+    assert model.a.input_amax.tolist() == [1.0]
+
+
+def test_an_uncalibrated_state_loads_back_uncalibrated(tmp_path: pathlib.Path) -> None:
+    """A static layer saved before calibration (input_amax NaN) loads back, by load_state_dict
+    and memory.load_weights, as not calibrated, whatever the layer held."""
+    from computectx.memory import load_weights, save_weights
+
+    state = static_layer(None).state_dict()
+    layer = static_layer(2.0)
+    layer.load_state_dict(state)
+    assert not layer.input_calibrated and bool(layer.input_amax.isnan().all())
+    path = save_weights(nn.Sequential(static_layer(None)), tmp_path / "w.safetensors")
+    layer = static_layer(2.0)
+    load_weights(nn.Sequential(layer), path, ComputeCtx.from_flag("nvfp4", "cpu"))
+    assert not layer.input_calibrated and bool(layer.input_amax.isnan().all())
+    with pytest.raises(RuntimeError, match="not calibrated"):
+        layer(torch.randn(2, 64))
+    with pytest.raises(ValueError, match=r"finite and > 0 \(a calibrated max \|x\|\), got \[nan"):
+        layer.set_input_amax(torch.tensor([float("nan")]))  # NaN is a load's marker only
+    with pytest.raises(ValueError, match=r"finite and > 0 .*or NaN: not calibrated"):
+        layer.load_state_dict({**state, "input_amax": torch.tensor([-float("inf")])})
+
+
+def test_new_weights_without_an_amax_leave_the_layer_uncalibrated(tmp_path: pathlib.Path) -> None:
+    """A calibrated amax belongs to the weights it was calibrated with: new weights loaded
+    without one (strict=False, memory.load_weights) clear it, as import_pretrained does."""
+    from computectx.memory import load_weights, save_weights
+
+    other = FrozenFp4Linear.from_fp4_linear(fp4_layer(seed=5), "w4a4")  # per_row: no amax
+    layer = static_layer(2.0)
+    layer.load_state_dict(other.state_dict(), strict=False)
+    assert not layer.input_calibrated and bool(layer.input_amax.isnan().all())
+    assert same(layer.weight_fp4, other.weight_fp4)
+    layer = static_layer(2.0)
+    layer.load_state_dict({"bias": torch.zeros(32)}, strict=False)  # no weight: kept
+    assert layer.input_calibrated and layer.input_amax.tolist() == [2.0]
+    path = save_weights(nn.Sequential(other), tmp_path / "w.safetensors")
+    load_weights(nn.Sequential(layer), path, ComputeCtx.from_flag("nvfp4", "cpu"))
+    assert not layer.input_calibrated and bool(layer.input_amax.isnan().all())
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.drop = nn.BatchNorm1d(64), nn.Dropout(0.5)
+        self.a = fp4_layer(seed=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand_like(x) * 0  # draws in eval mode too
+        y: torch.Tensor = self.a(self.drop(self.norm(x + noise)))
+        return y
+
+
+def test_calibration_runs_in_eval_mode_and_changes_no_other_state() -> None:
+    """Dropout off and batch norm on its running statistics, as served; each module's
+    training flag and torch's RNG state as they were."""
+    model = Noisy()
+    freeze_fp4_for_serving(model, "w4a4", activation_amax="static")
+    model.train()
+    model.a.eval()  # a module's own flag, kept
+    torch.manual_seed(7)
+    batches = [torch.randn(8, 64) * 3 + 1 for _ in range(2)]
+    stats = {k: v.clone() for k, v in model.norm.state_dict().items()}
+    rng = torch.get_rng_state()
+    calibrate_fp4_activations(model, batches)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(v, stats[k]) for k, v in model.norm.state_dict().items())
+    assert [m.training for m in model.modules()] == [True, True, True, False]
+    assert isinstance(model.a, FrozenFp4Linear)
+    with torch.no_grad():
+        want = max(float(tensor_amax(model.norm.eval()(b))) for b in batches)
+    assert model.a.input_amax.tolist() == [want]
+
+
+def test_calibration_names_drop_torch_compiles_wrapper_part() -> None:
+    torch._dynamo.reset()
+    model = Two()
+    freeze_fp4_for_serving(model, "w4a4", activation_amax="static")
+    compiled = torch.compile(model, backend="eager")
+    assert isinstance(compiled, nn.Module)
+    assert calibrate_fp4_activations(compiled, [torch.randn(2, 64)]) == ("a", "b")
+    torch._dynamo.reset()
