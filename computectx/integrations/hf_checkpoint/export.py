@@ -273,9 +273,11 @@ def _warn_fused_global_scales(tensors: Mapping[str, torch.Tensor], layers: list[
     """``UserWarning`` for the projections vLLM fuses into one layer (``_FUSED``), by group
     (``layers``, the 4-bit ones, and ``tensors``, on-disk names):
 
-    - two or more 4-bit parts whose NVFP4 global scales differ (whichever parts they are): vLLM
-      serves a fused layer with one, the largest (``weight_global_scale.max()``), so the other
-      parts' block scales decode off by ``G_part / G_max`` there;
+    - two or more 4-bit parts whose NVFP4 weight global scales differ (whichever parts they
+      are): vLLM serves a fused layer with one, the largest (``weight_global_scale.max()``), so
+      the other parts' block scales decode off by ``G_part / G_max`` there; the same for their
+      static input global scales (one input, so calibrated together they are equal; set apart
+      by hand, vLLM quantizes the input with the largest, the smallest amax);
     - a group with 4-bit and high-precision parts: vLLM refuses to load it ("Found different
       quantization schemes for the shards of ..."). A warning, not a refusal: the checkpoint
       is valid compressed-tensors, and compressed-tensors and transformers read it exactly."""
@@ -289,13 +291,11 @@ def _warn_fused_global_scales(tensors: Mapping[str, torch.Tensor], layers: list[
     for parent, parts in sorted(groups):
         names = [f"{parent}.{p}" for p in parts]
         packed = [n for n in names if n in layers]
-        scales = {
-            float(tensors[f"{n}.weight_global_scale"])
-            for n in packed
-            if f"{n}.weight_global_scale" in tensors
-        }
-        if len(scales) > 1:
-            differ.append(f"{parent}.{{{','.join(p for p in parts if f'{parent}.{p}' in packed)}}}")
+        for kind in ("weight_global_scale", "input_global_scale"):
+            scales = {float(tensors[f"{n}.{kind}"]) for n in packed if f"{n}.{kind}" in tensors}
+            if len(scales) > 1:
+                held = ",".join(p for p in parts if f"{parent}.{p}" in packed)
+                differ.append(f"{parent}.{{{held}}} ({kind})")
         high = [n.rpartition(".")[2] for n in names if f"{n}.weight" in tensors]
         if high:
             mixed.append(
@@ -305,10 +305,11 @@ def _warn_fused_global_scales(tensors: Mapping[str, torch.Tensor], layers: list[
     if differ:
         warnings.warn(
             f"export_pretrained: {len(differ)} group(s) of projections that vLLM fuses into one "
-            f"layer hold different NVFP4 weight global scales (the first: {differ[0]}); vLLM "
-            f"serves a fused layer with one global scale, the largest, so the other parts "
-            f"decode off by G_part / G_max there (compressed-tensors and transformers decode "
-            f"each part exactly). {where}",
+            f"layer hold different NVFP4 weight or input global scales (the first: "
+            f"{differ[0]}; input global scales: {sum('input_' in d for d in differ)}); vLLM "
+            f"serves a fused layer with one global scale of each kind, the largest, so the "
+            f"other parts decode (weights) or quantize (inputs) off by G_part / G_max there "
+            f"(compressed-tensors and transformers read each part exactly). {where}",
             UserWarning,
             stacklevel=3,
         )

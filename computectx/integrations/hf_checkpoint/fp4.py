@@ -51,9 +51,11 @@ the block scales computed at every call), and per layer
 and each amax in config.json under ``INPUT_AMAX_KEY`` (W4A4's epilogue multiplies by the amax,
 which ``S_enc`` does not determine), so the import restores it bit for bit (checked: its
 ``S_enc`` must be the checkpoint's). Without the key, the amax is ``fl(2688 / G)`` or its
-nearest float32 neighbour whose ``S_enc`` is ``G`` exactly (``ValueError`` if none within 8
-steps). q/k/v and gate/up, which vLLM fuses, read one input: calibrated together, their amaxes
-are equal, and so are their input global scales (vLLM serves a fused layer with the largest).
+nearest float32 neighbour whose ``S_enc`` is ``G`` exactly; where none within 8 steps is (a
+writer rounding ``448 * 6 / amax`` another way: about 7% of llm-compressor's and ModelOpt's
+scales), the neighbour whose ``S_enc`` is nearest, with a ``UserWarning`` naming the layer.
+q/k/v and gate/up, which vLLM fuses, read one input: calibrated together, their amaxes are
+equal, and so are their input global scales (vLLM serves a fused layer with the largest).
 """
 
 from __future__ import annotations
@@ -375,13 +377,22 @@ def input_amax_of_scale(name: str, g: torch.Tensor | None, amax: object) -> torc
             )
         return held
     first = (torch.full((1,), 448.0 * 6.0) / g).clamp(max=torch.finfo(torch.float32).max)
-    for a in _neighbours(first):
+    near = list(_neighbours(first))
+    for a in near:
         if torch.equal(global_encode_scale(a), g):
             return a.reshape(1)
-    raise ValueError(
-        f"import_pretrained: {name}: no float32 input amax has S_enc = min(2688 / amax, "
-        f"FLT_MAX) equal to the checkpoint's input_global_scale {g.item()!r}"
+    # Writers that round 448 * 6 / amax another way (torch's 2688 / tensor is fl(fl(1 / a) *
+    # 2688)) give about 7% of their scales no float32 amax whose S_enc is G: the nearest.
+    a = min(near, key=lambda c: abs(float(global_encode_scale(c)) - float(g)))
+    warnings.warn(
+        f"import_pretrained: {name}: no float32 input amax has S_enc = min(2688 / amax, FLT_MAX) "
+        f"equal to the checkpoint's input_global_scale {g.item()!r}; the layer serves with the "
+        f"nearest, {float(global_encode_scale(a))!r} (amax {float(a)!r}): its activations' block "
+        f"scales may differ in the last E4M3 place from a stack quantizing with G itself",
+        UserWarning,
+        stacklevel=3,
     )
+    return a.reshape(1)
 
 
 def operand_of_tensors(
