@@ -18,6 +18,7 @@ from computectx.formats.linear.fp4_frozen_experts import freeze_fp4_experts
 from computectx.formats.linear.fp4_serving import (
     ActivationAmax,
     ServeMode,
+    check_input_amax,
     check_weight,
     dequantized,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "ServeMode",
     "check_backend",
     "check_grouped",
+    "check_input_amax",
     "check_kernel_head_dim",
     "check_layer_entries",
     "check_weight",

@@ -371,6 +371,19 @@ def test_static_w4a4_without_our_amax_and_its_refusals(base: Any, tmp_path: Path
         with pytest.raises(ValueError, match=match):
             import_pretrained(target, out)
         assert _unchanged(target, before)
+    # An input amax of 0 (S_enc 1: the pair is consistent) is a static layer's refusal: named
+    # before anything installs (before: raised inside the install, earlier layers written).
+    zero = {**tensors, f"{UP}.input_global_scale": torch.ones(1)}
+    save_file(zero, out / "model.safetensors", metadata={"format": "pt"})
+    for amax in (0.0, -0.0):
+        (out / "config.json").write_text(
+            json.dumps({**config, INPUT_AMAX_KEY: {**config[INPUT_AMAX_KEY], UP: amax}})
+        )
+        target = converted(base, "nvfp4")
+        before = _state(target)
+        with pytest.raises(ValueError, match=f"{UP} .*input_amax must be finite and > 0"):
+            import_pretrained(target, out)
+        assert _unchanged(target, before)
     (out / "config.json").write_text(json.dumps(config))
     del tensors["model.layers.0.mlp.up_proj.input_global_scale"]
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
@@ -522,7 +535,7 @@ def test_a_compressed_tensors_input_global_scale_imports_with_its_nearest_amax()
     # fl(fl(1 / amax) * 2688): for some of its scales no float32 amax has S_enc equal to G.
     # Each imports (refused before), with an S_enc at most one float32 place from G, and a
     # warning naming the layer exactly where the S_enc is not G.
-    from compressed_tensors.quantization.utils.helpers import generate_gparam
+    from compressed_tensors.quantization.utils.helpers import generate_gparam  # type: ignore[import-untyped]
 
     from computectx.integrations.hf_checkpoint.fp4 import input_amax_of_scale
 

@@ -75,6 +75,7 @@ from computectx.formats.seam import (
     Fp4Operand,
     Mxfp4Operand,
     Nvfp4Operand,
+    check_input_amax,
     check_weight,
     global_encode_scale,
 )
@@ -375,7 +376,7 @@ def input_amax_of_scale(name: str, g: torch.Tensor | None, amax: object) -> torc
                 f"{amax!r}, whose S_enc is not the checkpoint's "
                 f"input_global_scale {g.item()!r}; the two were not written together"
             )
-        return held
+        return check_input_amax(held, f"import_pretrained: {name} ({INPUT_AMAX_KEY})")
     first = (torch.full((1,), 448.0 * 6.0) / g).clamp(max=torch.finfo(torch.float32).max)
     near = list(_neighbours(first))
     for a in near:
