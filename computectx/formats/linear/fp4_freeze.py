@@ -38,6 +38,8 @@ def freeze_fp4_for_serving(
     high-precision weights go with the layers they leave (each bias stays, shared); a layer held
     under several names is replaced by one frozen layer under all of them. Every layer and
     experts module is frozen before any is put in place: an error leaves the model as it was.
+    A layer or experts module frozen already the same way is left as it is (not named: a second
+    call on a frozen model returns ``()``); frozen another way, ``ValueError`` naming it.
     ``ValueError`` for a bad ``mode`` or ``activation_amax``, for a model holding neither an
     ``Fp4Linear`` nor 4-bit experts and for a layer that cannot be frozen (a NaN in its weight:
     named); ``TypeError`` for a model that is one (freeze it with
