@@ -42,8 +42,9 @@ class Verdict:
 class GradHealth:
     """The norm and the non-finite verdict of the master gradients of ``weights``."""
 
-    def __init__(self, weights: MasterWeights) -> None:
+    def __init__(self, weights: MasterWeights, *, native: bool = True) -> None:
         self.weights = weights
+        self.native = native  # False (compile=False): never build the native check's kernel
         self._verdict: Verdict | None = None
 
     def forget(self) -> None:
@@ -75,7 +76,8 @@ class GradHealth:
         elif norm_type >= 1 and min(norm, float(max_norm)) < SQUARE_OVERFLOW:
             applicable = True
         else:
-            applicable = all_applicable([mp.grad for mp in masters if mp.grad is not None])
+            grads = [mp.grad for mp in masters if mp.grad is not None]
+            applicable = all_applicable(grads, native=self.native)
             if sharding is not None:
                 bad = torch.tensor([0.0 if applicable else 1.0], dtype=torch.float64)
                 applicable = bool(sharding.all_reduce(bad, "max")[0] == 0.0)
@@ -100,7 +102,8 @@ class GradHealth:
             finite = verdict.finite
         else:
             masters = self.weights.master
-            finite = all_applicable([mp.grad for mp in masters if mp.grad is not None])
+            grads = [mp.grad for mp in masters if mp.grad is not None]
+            finite = all_applicable(grads, native=self.native)
         sharding = self.weights.sharding
         if sharding is None:
             return finite
@@ -142,7 +145,7 @@ def clip_sharded(
     return norm
 
 
-def all_applicable(tensors: list[torch.Tensor]) -> bool:
+def all_applicable(tensors: list[torch.Tensor], *, native: bool = True) -> bool:
     """Whether every element of ``tensors`` is finite and below ``SQUARE_OVERFLOW`` in
     magnitude (its float32 square finite); one host sync per device (the masters of small
     parameters may stay on their GPU under ``overlap``).
@@ -150,14 +153,16 @@ def all_applicable(tensors: list[torch.Tensor]) -> bool:
     Each tensor is cleared by ``_cleared``: exactly by the native check where it reads the
     tensor, else by a bound (one read pass; inf and NaN never clear); the rare tensor that the
     bound alone does not clear (many large but applicable elements) is told apart exactly,
-    element by element.
+    element by element (only the tensors the native check did not clear). ``native=False``
+    (an optimizer built with ``compile=False``) never loads or builds the native kernel.
     """
-    flags = [_cleared(_values(t)) for t in tensors]
+    flags = [_cleared(_values(t), native) for t in tensors]
     if any(f is False for f in flags):
         return False  # the native check is exact: no second look
-    if _all_true([f for f in flags if not isinstance(f, bool)]):
+    bounds = [(t, f) for t, f in zip(tensors, flags, strict=True) if not isinstance(f, bool)]
+    if _all_true([f for _, f in bounds]):
         return True
-    return all(bool((_values(t).abs() < SQUARE_OVERFLOW).all()) for t in tensors)
+    return all(bool((_values(t).abs() < SQUARE_OVERFLOW).all()) for t, _ in bounds)
 
 
 def _all_true(flags: list[torch.Tensor]) -> bool:
@@ -168,7 +173,7 @@ def _all_true(flags: list[torch.Tensor]) -> bool:
     return all(bool(torch.stack(fs).all()) for fs in by_device.values())
 
 
-def _cleared(v: torch.Tensor) -> bool | torch.Tensor:
+def _cleared(v: torch.Tensor, native: bool = True) -> bool | torch.Tensor:
     """Whether every element of ``v`` is finite with a finite float32 square: a ``bool``,
     exact, from the native check; else a 0-d bool tensor that is true only then (false may
     be a false alarm, which ``all_applicable`` then tells apart exactly).
@@ -187,9 +192,9 @@ def _cleared(v: torch.Tensor) -> bool | torch.Tensor:
     NaN), both within ``SQUARE_OVERFLOW``: exactly the condition. Any other tensor: its
     2-norm, below ``SQUARE_OVERFLOW``.
     """
-    native = native_cleared(v)
-    if native is not None:
-        return native
+    exact = native_cleared(v) if native else None
+    if exact is not None:
+        return exact
     if v.device.type == "cpu" and v.is_contiguous():
         flat = v.view(-1)
         if v.dtype == torch.float32 and v.numel() < 2**31:

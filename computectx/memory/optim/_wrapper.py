@@ -88,7 +88,7 @@ class InnerWrapper(torch.optim.Optimizer):
         compile: bool | None,
     ) -> None:
         self._weights = weights
-        self._health = GradHealth(weights)
+        self._health = GradHealth(weights, native=compile is not False)
         self._seed = seed
         self._compile = compile
         self._optimizer_class = optimizer_class

@@ -115,9 +115,9 @@ class Reads:
         self.count = 0
         real = _grad_health._cleared
 
-        def counted(v: torch.Tensor) -> bool | torch.Tensor:
+        def counted(v: torch.Tensor, native: bool = True) -> bool | torch.Tensor:
             self.count += 1
-            return real(v)
+            return real(v, native)
 
         monkeypatch.setattr(_grad_health, "_cleared", counted)
 
@@ -383,3 +383,31 @@ def test_a_tensor_subclass_takes_the_torch_ops_not_the_native_check() -> None:
     with OpCount() as ops:
         assert all_applicable([t]) is False
     assert ops.names  # the torch ops ran
+
+
+@pytest.mark.parametrize("make", [OffloadedOptimizer, CompactOptimizer])
+def test_compile_false_never_loads_the_native_kernel_for_its_check(
+    make: Callable[..., OffloadedOptimizer | CompactOptimizer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``compile=False`` is the way to step without the compiler: its non-finite check takes
+    the torch ops (before: the first step built the kernel's library for the check); with the
+    default it reads the gradient natively; the verdicts agree (a NaN skips the step)."""
+    loads: list[int] = []
+    real = host_adam.quiet_library
+
+    def counted() -> Any:
+        loads.append(1)
+        return real()
+
+    monkeypatch.setattr(host_adam, "quiet_library", counted)
+    for compile, want in ((False, 0), (None, 1)):
+        loads.clear()
+        m = torch.nn.Linear(8, 8)
+        opt = make(m.parameters(), CTX, compile=compile)
+        m(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        assert not opt.last_step_skipped and (len(loads) > 0) == bool(want), compile
+        m.weight.grad = torch.full_like(m.weight, float("nan"))
+        before = m.weight.detach().clone()
+        opt.step()
+        assert opt.last_step_skipped and torch.equal(m.weight, before), compile
