@@ -142,9 +142,12 @@ def _constant(
     """``build()`` on ``device``, kept per ``(key, device)``: a table made from host data is a
     copy to a GPU, once per process rather than once per GEMM. Never written to; made outside
     ``inference_mode`` (it may be saved for a backward). Traced code (``torch.compile``, a
-    fake, proxy or functional mode) builds its own, neither reading nor keeping one."""
-    if torch.compiler.is_compiling() or any(
-        torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES
+    fake, proxy or functional mode) and a CUDA graph capture (whose copy is filled only when
+    the graph replays) build their own, neither reading nor keeping one."""
+    if (
+        torch.compiler.is_compiling()
+        or any(torch._C._get_dispatch_mode(k) is not None for k in _TRACING_MODES)
+        or _capturing(device)
     ):
         return build().to(device)
     full = (*key, device)
@@ -153,6 +156,15 @@ def _constant(
         with torch.inference_mode(False), torch.no_grad():
             cached = _CONSTANTS[full] = build().to(device)
     return cached
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream captures a graph (``device`` a CUDA one)."""
+    return (
+        device.type == "cuda"
+        and torch.cuda.is_available()
+        and torch.cuda.is_current_stream_capturing()
+    )
 
 
 def _code_table(device: torch.device) -> torch.Tensor:

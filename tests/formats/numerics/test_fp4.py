@@ -469,6 +469,20 @@ def test_a_table_first_made_under_inference_mode_serves_a_backward(
     assert grad.shape == x.shape
 
 
+def test_a_table_asked_for_during_a_graph_capture_is_made_afresh_and_not_kept(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A copy made while a CUDA stream captures is filled only when the graph replays: kept,
+    # it would serve later eager calls an unfilled table. (The capture is stood in for.)
+    monkeypatch.setattr(e2m1, "_CONSTANTS", {})
+    monkeypatch.setattr(e2m1, "_capturing", lambda device: True)
+    first = e2m1.hadamard16(torch.randn(2, 16))
+    assert e2m1._CONSTANTS == {} and first.shape == (2, 16)
+    monkeypatch.setattr(e2m1, "_capturing", lambda device: False)
+    e2m1.hadamard16(torch.randn(2, 16))
+    assert len(e2m1._CONSTANTS) == 1
+
+
 def test_quantize_nvfp4_checks_a_given_amax() -> None:
     """A given per-tensor amax is a float32 () or (1,), finite and >= 0 (0: an all-zero
     tensor); anything else is refused naming it, never cast."""
