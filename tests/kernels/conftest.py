@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import pytest
 import torch
@@ -104,9 +104,12 @@ os.replace(folder / "gpu-compile.part", folder / "gpu-compile.json")
 """
 
 _RUN_AND_RECORD = (
-    'f="$2/gpu-compile.status"; "$0" -c "$1" "$2"; printf %s $? > "$f.part"; mv "$f.part" "$f"'
+    'f="$2/gpu-compile.status"; timeout -k 5 "$3" "$0" -c "$1" "$2"; '
+    'printf %s $? > "$f.part"; mv "$f.part" "$f"'
 )
-"""Runs the child (``$0 -c $1 $2``) and then records its exit status, whatever ended it."""
+"""Runs the child (``$0 -c $1 $2``) under its own time limit (``$3`` seconds: it ends even
+where the process that started it died without waiting) and then records its exit status,
+whatever ended it (124 or 137 for the limit)."""
 
 _Test = TypeVar("_Test", bound=Callable[..., None])
 
@@ -156,7 +159,10 @@ def _start_compile_all(scripts: dict[str, str], folder: Path) -> None:
     with (folder / "gpu-compile.stderr").open("wb") as stderr:
         _CHILD.append(
             subprocess.Popen(
-                ["/bin/sh", "-c", _RUN_AND_RECORD, sys.executable, _COMPILE_ALL, str(folder)],
+                [
+                    *("/bin/sh", "-c", _RUN_AND_RECORD, sys.executable, _COMPILE_ALL),
+                    *(str(folder), str(int(_WALL_LIMIT))),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=stderr,
@@ -190,6 +196,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
             child.wait()
+            # Its wrapper went with it: a worker still waiting on the reports fails at once.
+            status = Path(cast(list[str], child.args)[5]) / "gpu-compile.status"
+            if not status.exists():
+                status.write_text("killed: the session stopped first")
 
 
 _WALL_LIMIT = 600.0
