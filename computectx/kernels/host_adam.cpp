@@ -724,6 +724,21 @@ int64_t fp8_codes(const float* __restrict x, int64_t len, float s, uint8_t* __re
 // the scalar code takes about twice the instructions): round the magnitude to nearest even,
 // clamp it to the largest finite code, lift an unsigned x > 0 to at least 1, put the sign
 // back, a NaN's code 0x7FC0.
+//
+// ``lift``: the lanes whose x > 0 is lifted (all of them for an unsigned moment, none else).
+inline __m256i bf16_codes_of(__m512 xv, __mmask16 lift) {
+  const __m512i u = _mm512_castps_si512(xv);
+  const __m512i a = _mm512_and_si512(u, _mm512_set1_epi32(0x7FFFFFFF));
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, 16), _mm512_set1_epi32(1));
+  __m512i mag = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(0x7FFF)), odd), 16);
+  mag = _mm512_min_epu32(mag, _mm512_set1_epi32(0x7F7F));
+  // x > 0 (false for NaN, which the select below takes)
+  mag = _mm512_mask_max_epu32(mag, lift & _mm512_cmp_ps_mask(xv, _mm512_setzero_ps(), _CMP_GT_OQ), mag, _mm512_set1_epi32(1));
+  __m512i code = _mm512_ternarylogic_epi32(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x8000), mag, 0xEA);  // (a & b) | c
+  code = _mm512_mask_mov_epi32(code, _mm512_cmpgt_epu32_mask(a, _mm512_set1_epi32(0x7F800000)), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(code);
+}
+
 template <bool UNSIGNED>
 inline void bf16_codes16(uint16_t* __restrict d, const float* __restrict x) {
   const __m512 xv = _mm512_loadu_ps(x);
@@ -1050,6 +1065,55 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
   }
 }
 
+#if defined(__AVX512BW__) && defined(__FMA__) && !defined(CC_HOST_ADAM_PORTABLE)
+// fused_loop for bf16 moments, a float32 parameter and gradient, 16 lanes at a time: the same
+// float32 operations in the same order (each rounded once; over()'s product and correction),
+// each moment's bf16 code written at once (bf16_codes_of, bf16_code's arithmetic), so no phase
+// of the tile leaves the memory idle. Returns the elements done (the caller's scalar loop does
+// the rest).
+template <bool L2>
+int64_t bf16_moments16(const CcStep& s, int64_t lo, int64_t len, float* __restrict param,
+                       const float* __restrict grad, uint16_t* __restrict md,
+                       uint16_t* __restrict vd) {
+  const float w = s.hp[2];
+  const bool low = w < 0.5f;
+  const __m512 decay = _mm512_set1_ps(s.hp[0]), wd = _mm512_set1_ps(s.hp[1]);
+  const __m512 b2 = _mm512_set1_ps(s.hp[3]), omb2 = _mm512_set1_ps(s.hp[4]);
+  const __m512 bc2 = _mm512_set1_ps(s.hp[5]), rbc2 = _mm512_set1_ps(1.0f / s.hp[5]);
+  const __m512 eps = _mm512_set1_ps(s.hp[6]), neg_step = _mm512_set1_ps(s.hp[7]);
+  const __m512 sgn = _mm512_set1_ps(s.maximize ? -1.0f : 1.0f);
+  const __m512 coef = _mm512_set1_ps(low ? w : -(1.0f - w));
+  const __m512 zero = _mm512_setzero_ps();
+  const __mmask16 m_lift = s.m.is_signed ? 0 : 0xFFFF, v_lift = s.v.is_signed ? 0 : 0xFFFF;
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const int64_t k = lo + i;
+    __m512 pi = _mm512_loadu_ps(param + k);
+    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(grad + k), sgn);
+    if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, wd));
+    else pi = _mm512_mul_ps(pi, decay);
+    const __m512i v16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vd + k)));
+    const __m512 vi = _mm512_castsi512_ps(_mm512_slli_epi32(v16, 16));
+    const __m512 vn = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
+    const __m512i m16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(md + k)));
+    const __m512 mi = _mm512_castsi512_ps(_mm512_slli_epi32(m16, 16));
+    const __m512 mn = _mm512_add_ps(low ? mi : gi, _mm512_mul_ps(coef, _mm512_sub_ps(gi, mi)));
+    // over(sqrt(vn), bc2, rbc2): q, or q corrected by its remainder
+    const __m512 a = _mm512_sqrt_ps(vn);
+    const __m512 q = _mm512_mul_ps(a, rbc2);
+    const __m512 rem = _mm512_fnmadd_ps(q, bc2, a);
+    const __m512 fixed = _mm512_fmadd_ps(rem, rbc2, q);
+    const __mmask16 plain = _mm512_cmp_ps_mask(rem, rem, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a, zero, _CMP_EQ_OQ);
+    const __m512 denom = _mm512_add_ps(_mm512_mask_mov_ps(fixed, plain, q), eps);
+    const __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(neg_step, mn), denom));
+    _mm512_storeu_ps(param + k, pn);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(md + k), bf16_codes_of(mn, m_lift));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(vd + k), bf16_codes_of(vn, v_lift));
+  }
+  return i;
+}
+#endif
+
 inline bool blocked(int32_t fmt) { return fmt != kPlain && fmt != kBf16; }
 
 inline float block_scale(const CcMoment& mo, int64_t lo) {
@@ -1084,6 +1148,17 @@ void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
   }
   using PT = std::conditional_t<PM == kPF32, float, uint16_t>;
   using GT = std::conditional_t<GBF, uint16_t, float>;
+#if defined(__AVX512BW__) && defined(__FMA__) && !defined(CC_HOST_ADAM_PORTABLE)
+  if constexpr (MF == kBf16 && VF == kBf16 && PM == kPF32 && !GBF && !PASS1) {
+    const int64_t done = bf16_moments16<L2>(s, lo, len, static_cast<float*>(s.param),
+                                            static_cast<const float*>(s.grad),
+                                            static_cast<uint16_t*>(s.m.data),
+                                            static_cast<uint16_t*>(s.v.data));
+    lo += done;
+    len -= done;
+    if (len == 0) return;
+  }
+#endif
   fused_loop<MF, VF, PM, GBF, L2, PASS1>(
       s, lo, len, static_cast<PT*>(s.param), static_cast<const GT*>(s.grad), s.m.data,
       b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo),
