@@ -1268,10 +1268,39 @@ void pass2(const CcStep& s, int64_t lo, int64_t hi, int64_t tile, Buffers& b) {
 
 constexpr int64_t kChunk = 4096;  // elements a thread claims at a time (whole tiles, at least one)
 
+// The chunks [0, chunks) shared by ``threads`` threads: thread k owns a contiguous run of them
+// (its share, as a static split makes it, so each thread streams through memory in order)
+// and claims them in turn from its own counter; once its run is all claimed it claims from
+// the other threads' runs, so a thread that the machine's other work holds back takes fewer
+// chunks and no thread waits for it at the end.
+class Claims {
+ public:
+  Claims(int64_t chunks, int threads) : chunks_(chunks), threads_(threads), next_(threads) {
+    for (int k = 0; k < threads; ++k) next_[k].at.store(first(k), std::memory_order_relaxed);
+  }
+  // The next chunk for thread k, or -1 when every chunk is claimed.
+  int64_t next(int k) {
+    for (int j = 0; j < threads_; ++j) {
+      const int owner = (k + j) % threads_;
+      const int64_t c = next_[owner].at.fetch_add(1, std::memory_order_relaxed);
+      if (c < first(owner + 1)) return c;
+    }
+    return -1;
+  }
+
+ private:
+  int64_t first(int k) const { return chunks_ * k / threads_; }
+  struct alignas(64) Counter {
+    std::atomic<int64_t> at{0};
+  };
+  int64_t chunks_;
+  int threads_;
+  std::vector<Counter> next_;
+};
+
 // body(k, b, lo, hi) over [0, n) in chunks of whole tiles, on ``threads`` threads (k: the
-// thread's number, b: its buffers). The chunks are claimed in turn from a shared counter,
-// so a thread that the machine's other work holds back takes fewer of them (a fixed split
-// would wait for it). Every element's result is the same whichever thread computes it.
+// thread's number, b: its buffers), claimed as ``Claims`` hands them out. Every element's
+// result is the same whichever thread computes it.
 //
 // The threads are OpenMP's (built with -fopenmp): in a torch process that is torch's own
 // pool (its libgomp is loaded first, and this library's libgomp.so.1 resolves to it), whose
@@ -1289,11 +1318,10 @@ void parallel(int64_t n, int64_t tile, int threads, const Lut* const* luts, F&& 
   }
   const int64_t per_chunk = kChunk > tile ? kChunk / tile : 1;
   const int64_t chunks = (tiles + per_chunk - 1) / per_chunk;
-  std::atomic<int64_t> next{0};
+  Claims claims(chunks, threads);
   auto work = [&, tile, n](int k) {
     Buffers b(tile, luts);
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
+    for (int64_t c = claims.next(k); c >= 0; c = claims.next(k)) {
       const int64_t lo = c * per_chunk * tile, end = lo + per_chunk * tile;
       body(k, b, lo, end < n ? end : n);
     }
@@ -1371,18 +1399,17 @@ U max_magnitude(const U* __restrict x, int64_t len) {
 }
 
 // Whether every pattern of x[0, n) is below ``limit`` in magnitude, over ``threads`` threads
-// claiming chunks in turn (as parallel()); a chunk over the limit stops the others early.
+// claiming chunks as parallel() does (Claims); a chunk over the limit stops the others early.
 template <typename U>
 bool below(const U* x, int64_t n, U limit, int threads) {
   constexpr int64_t kCheckChunk = 1 << 16;
   const int64_t chunks = (n + kCheckChunk - 1) / kCheckChunk;
   if (threads > chunks) threads = static_cast<int>(chunks);
   if (threads <= 1) return max_magnitude(x, n) < limit;
-  std::atomic<int64_t> next{0};
+  Claims claims(chunks, threads);
   std::atomic<bool> over{false};
-  auto work = [&]() {
-    for (int64_t c = next.fetch_add(1, std::memory_order_relaxed); c < chunks;
-         c = next.fetch_add(1, std::memory_order_relaxed)) {
+  auto work = [&](int k) {
+    for (int64_t c = claims.next(k); c >= 0; c = claims.next(k)) {
       if (over.load(std::memory_order_relaxed)) return;
       const int64_t lo = c * kCheckChunk, len = lo + kCheckChunk < n ? kCheckChunk : n - lo;
       if (max_magnitude(x + lo, len) >= limit) over.store(true, std::memory_order_relaxed);
@@ -1390,11 +1417,11 @@ bool below(const U* x, int64_t n, U limit, int threads) {
   };
 #if defined(_OPENMP)
 #pragma omp parallel num_threads(threads)
-  work();
+  work(omp_get_thread_num());
 #else
   std::vector<std::thread> pool;
-  for (int k = 1; k < threads; ++k) pool.emplace_back(work);
-  work();
+  for (int k = 1; k < threads; ++k) pool.emplace_back(work, k);
+  work(0);
   for (auto& th : pool) th.join();
 #endif
   return !over.load();
