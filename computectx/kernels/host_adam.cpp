@@ -519,20 +519,29 @@ void search(const CcMoment& mo, int64_t lo, int64_t len, const float* __restrict
       for (; start + 64 <= len; start += 64) {
         const __m512i raw = _mm512_loadu_si512(out + start);
         const __m512i c = _mm512_permutexvar_epi8(perm, raw);
-        __m512i up[4], down[4];
-        lookup64(tab, c, up);
-        lookup64(tab, _mm512_sub_epi8(c, one8), down);
+        const __mmask64 zeros = _mm512_testn_epi8_mask(raw, raw);  // old code 0, in order
+        // The upper bounds compared first, then the lower ones in the same registers (fewer
+        // live at once: the tables take 16).
+        __m512i q[4];
+        __mmask16 le[4];
+        lookup64(tab, c, q);
+        for (int k = 0; k < 4; ++k)
+          le[k] = _mm512_cmp_ps_mask(_mm512_loadu_ps(n + start + 16 * k), _mm512_castsi512_ps(q[k]), _CMP_LE_OQ);
+        lookup64(tab, _mm512_sub_epi8(c, one8), q);
         for (int k = 0; k < 4; ++k) {
           const int64_t at = start + 16 * k;
-          const __m512 nv = _mm512_loadu_ps(n + at);
-          const __m512i c32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out + at)));
-          const __mmask16 zero = _mm512_testn_epi32_mask(c32, c32);
-          const __mmask16 hit = _mm512_cmp_ps_mask(nv, _mm512_castsi512_ps(up[k]), _CMP_LE_OQ) &
-                                (zero | _mm512_cmp_ps_mask(nv, _mm512_castsi512_ps(down[k]), _CMP_GT_OQ));
-          const __mmask16 pos = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), _mm512_setzero_ps(), _CMP_GT_OQ);
+          const __mmask16 zero = static_cast<__mmask16>(zeros >> (16 * k));
+          const __mmask16 hit = le[k] & (zero | _mm512_cmp_ps_mask(_mm512_loadu_ps(n + at), _mm512_castsi512_ps(q[k]), _CMP_GT_OQ));
           if (hit == 0xFFFF) {
-            const __m512i kept = _mm512_mask_or_epi32(c32, pos & zero, c32, lift);
-            _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at), _mm512_cvtepi32_epi8(kept));
+            // Kept: the codes in ``out`` stand, but an unsigned x > 0 at code 0 takes 1.
+            if (floor != 0 && zero != 0) {
+              const __mmask16 pos = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), _mm512_setzero_ps(), _CMP_GT_OQ);
+              if ((pos & zero) != 0) {
+                const __m512i c32 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(out + at)));
+                const __m512i kept = _mm512_mask_or_epi32(c32, pos & zero, c32, lift);
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(out + at), _mm512_cvtepi32_epi8(kept));
+              }
+            }
             ++kept_groups;
           } else {
             word_codes16(nearest, u + at, x + at, floor, out + at);
