@@ -28,6 +28,7 @@ region; without a generator it is rounded to nearest.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -173,11 +174,32 @@ def _layout(
     return spec, tuple(part_layout(spec, shape))
 
 
+class _Kept(NamedTuple):
+    """A ``Packed``'s lay-out by the last step, kept while its stamp is the same: a native
+    step returns the ``Packed`` it was given (``_written_in_place``), so the next one lays out
+    nothing."""
+
+    stamp: tuple[Any, ...]
+    parts: tuple[torch.Tensor, ...]  # held, so that the stamp's ids stay theirs
+    laid: _Laid
+    in_place: bool  # every part contiguous: the laid parts are its own memory
+
+
+_KEPT: weakref.WeakKeyDictionary[Packed, _Kept] = weakref.WeakKeyDictionary()
+
+
+def _stamp(x: Packed) -> tuple[Any, ...]:
+    """``x``'s facts and its parts by identity and memory (which ``.data =`` or ``set_``
+    change under the same tensor)."""
+    parts = ((id(t), t.data_ptr(), t.dtype, t.shape, t.stride()) for t in x.parts.values())
+    return (x.format, x.kind, x.shape, x.block, *parts)
+
+
 def _lay_out(
     m: Packed | torch.Tensor, v: Packed | torch.Tensor, state: OptimState, param: torch.Tensor
 ) -> tuple[_Laid, _Laid]:
     """``m`` and ``v`` checked against ``param`` and ``state`` and laid out for ``_update``."""
-    laid: list[tuple[Spec | None, list[torch.Tensor], tuple[str, ...], Maps]] = []
+    laid: list[_Laid] = []
     for name, x in (("m", m), ("v", v)):
         if isinstance(x, Packed):
             device = next(iter(x.parts.values())).device  # Packed.device, inline
@@ -190,11 +212,18 @@ def _lay_out(
                 raise ValueError(
                     f"adam_update: {name} is packed as {x.format}, but state says {state.format}"
                 )
+            kept = _KEPT.get(x)
+            if kept is not None and kept.stamp == _stamp(x):
+                laid.append(kept.laid)
+                continue
             spec, names = _layout(x.format, x.kind, x.shape, x.block, "rows" in x.parts)
             parts = []
             for k in names:  # a loop, not a comprehension: the step reads ``packed`` once
                 parts.append(x.parts[k])
-            laid.append((spec, parts, names, maps_for(spec, device)))
+            flat = tuple(_flat(t.contiguous()) for t in parts)
+            laid.append(_Laid(spec, flat, names, maps_for(spec, device)))
+            in_place = all(t.is_contiguous() for t in parts)
+            _KEPT[x] = _Kept(_stamp(x), tuple(x.parts.values()), laid[-1], in_place)
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -212,12 +241,8 @@ def _lay_out(
                 f"on {x.device}"
             )
         empty = torch.empty(0, device=x.device)
-        laid.append((None, [x], (), Maps(empty, empty)))
-    m_laid, v_laid = (
-        _Laid(spec, tuple(_flat(t.contiguous()) for t in parts), names, maps)
-        for spec, parts, names, maps in laid
-    )
-    return m_laid, v_laid
+        laid.append(_Laid(None, (_flat(x.contiguous()),), (), Maps(empty, empty)))
+    return laid[0], laid[1]
 
 
 def adam_update(
@@ -243,7 +268,8 @@ def adam_update(
 
     ``step`` is the step number after incrementing (1 on the first step), as torch's
     ``state["step"]``. ``param`` is updated in place; the new ``m`` and ``v`` are returned
-    (packed as they came, in ``state``'s format; plain tensors updated in place).
+    (packed as they came, in ``state``'s format; plain tensors, and a ``Packed`` of contiguous
+    parts that the native kernel wrote, updated in place and returned themselves).
 
     ``native``: on the CPU, run the native kernel (``computectx.kernels.host_adam``) where it
     takes the configuration and builds, else the twin (``compiled`` as given).
@@ -273,6 +299,8 @@ def adam_update(
     if native and param.device.type == "cpu":
         stored = _native_update(param, grad, m_laid, v_laid, values, cfg, key)
         if stored is not None:
+            if _written_in_place(m, m_laid, stored[0]) and _written_in_place(v, v_laid, stored[1]):
+                return m, v  # the kernel wrote their own parts
             return _repacked(m, v, m_laid, v_laid, *stored)
     hp = torch.tensor(values, dtype=torch.float32).to(param.device, non_blocking=True)
     with torch.no_grad():
@@ -300,6 +328,17 @@ def adam_update(
         if work is not param:
             param.copy_(work)
     return _repacked(m, v, m_laid, v_laid, m_out, v_out)
+
+
+def _written_in_place(x: Packed | torch.Tensor, laid: _Laid, out: tuple[torch.Tensor, ...]) -> bool:
+    """Whether the kernel wrote ``x``'s own memory: its new parts are the laid ones (not a
+    rank-1 moment's new rows and cols), and those are ``x``'s parts (all contiguous)."""
+    if out is not laid.parts:
+        return False
+    if not isinstance(x, Packed):
+        return True
+    kept = _KEPT.get(x)
+    return kept is not None and kept.in_place and kept.laid is laid
 
 
 def _repacked(
