@@ -4,7 +4,9 @@ Two SGD steps of a model of two ``Fp4Linear`` (NVFP4, TE's recipe: stochastic ro
 ``DistributedDataParallel`` with its defaults (``broadcast_buffers=True``), the ranks holding
 different numbers of rows (so their stochastic-rounding counters differ), and between the two
 steps rank 0 alone runs a validation forward under ``no_grad`` while rank 1 waits on the store
-(no collective). A lone call that issued a collective (DDP broadcasting registered buffers
+(no collective). Then the trained model is frozen for serving (4-bit buffers: gloo sends no
+float4) and wrapped in DDP again, with an ``inference_mode`` forward on both ranks and one on
+rank 0 alone. A lone call that issued a collective (DDP broadcasting registered buffers
 before a forward) would time out on a group whose collectives wait ``TIMEOUT_S``; the ranks
 then stop there, and the test fails in seconds."""
 
@@ -21,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from computectx import ComputeCtx
 from computectx.formats import convert_to_quantized
 from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 
 ROWS = (20, 12)
 """Each rank's rows a step: the counters advance by different amounts on the two ranks."""
@@ -91,4 +94,26 @@ def eval_on_one_rank(params: dict[str, Any]) -> dict[str, Any]:
     out["eval_keys"] = keys(seq)
     step(1)
     out["weights"] = [p.detach().clone() for p in seq.parameters()]
+    out["frozen"] = _frozen_under_ddp(seq, group, store)
     return out
+
+
+def _frozen_under_ddp(seq: nn.Module, group: dist.ProcessGroup, store: Any) -> dict[str, Any]:
+    # The trained model frozen for serving, wrapped in DDP with its defaults (its buffers
+    # float4 and float8: gloo sends neither), an inference_mode forward on every rank, then
+    # rank 0's alone: the outcome, the outputs and the plain frozen module's on the same rows.
+    freeze_fp4_for_serving(seq)
+    got: dict[str, Any] = {}
+    try:
+        served = DistributedDataParallel(seq, process_group=group)
+        with torch.inference_mode():
+            got["out"] = served(eval_batch()).clone()
+            got["plain"] = seq(eval_batch()).clone()
+            if dist.get_rank() == 0:
+                got["alone"] = served(eval_batch()).clone()
+        got["wrap"] = "runs"
+    except Exception as e:  # recorded: the test says what went wrong
+        got["wrap"] = f"{type(e).__name__}: {e}"
+    store.set(f"fp4/frozen/{dist.get_rank()}", "done")
+    store.wait([f"fp4/frozen/{r}" for r in range(2)], datetime.timedelta(seconds=30))
+    return got

@@ -51,3 +51,12 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
             assert torch.equal(got, want), rank
     # Rank 1's 12 rows a step (its column-wise operands pad to 16): N * (12 + 16) a call.
     assert [k[1] for k in ranks[1]["keys"][1]] == [32 * (ROWS[1] + 16), 16 * (ROWS[1] + 16)]
+    # Frozen for serving and wrapped again: DDP leaves the 4-bit buffers out of its
+    # broadcasts, the ranks serve alike (their frozen weights are of equal weights), and
+    # rank 0 may serve alone.
+    frozen = [r["frozen"] for r in ranks]
+    for rank, f in enumerate(frozen):
+        assert f["wrap"] == "runs", (rank, f["wrap"])
+        assert torch.equal(f["out"], f["plain"]), rank
+    assert torch.equal(frozen[0]["out"], frozen[1]["out"])
+    assert torch.equal(frozen[0]["alone"], frozen[0]["out"])

@@ -55,6 +55,11 @@ def test_every_fp4_linear_is_frozen_in_place_shared_ones_once() -> None:
     assert not any(p.dim() == 2 for p in model.parameters())  # no high-precision weight left
     with torch.inference_mode():
         assert same(model(x), want)
+    # Out of DDP's broadcasts (gloo sends no float4), under each name, once however often.
+    held = [f"{i}.{n}" for i in (0, 2, 4) for n in ("weight_fp4", "weight_scale", "weight_amax")]
+    assert model._ddp_params_and_buffers_to_ignore == held
+    assert freeze_fp4_for_serving(model, "w4a4", activation_amax="per_tensor") == ()
+    assert model._ddp_params_and_buffers_to_ignore == held
 
 
 def test_refused_calls_change_nothing() -> None:
@@ -145,5 +150,11 @@ def test_a_frozen_moe_byte_lm_decodes_as_it_trained_through_the_kv_cache() -> No
     names = freeze_fp4_for_serving(model, "w4a4", activation_amax="per_tensor")
     assert names[-1] == "blocks.0.mlp.experts" and "blocks.0.attn.qkv" in names
     assert isinstance(model.get_submodule("blocks.0.mlp.experts.fp8"), FrozenFp4Experts)
+    low = {torch.float4_e2m1fn_x2, torch.float8_e4m3fn, torch.float8_e8m0fnu}
+    unsendable = {n for n, b in model.named_buffers() if b.dtype in low}
+    assert "blocks.0.mlp.experts.fp8.gate_up_fp4" in unsendable
+    ignored = model._ddp_params_and_buffers_to_ignore
+    assert isinstance(ignored, list)
+    assert unsendable <= set(ignored)  # DDP wraps it
     with torch.inference_mode():
         assert same(decode_logits(model, ids, prefill=3), want)
