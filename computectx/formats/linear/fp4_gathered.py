@@ -375,5 +375,6 @@ class Fp4GatheredExperts(Fp4GatheredWeight):
             else:
                 one = Mxfp4Operand(q.codes[e], q.scale[e])
             experts.append(dequantize_operand(one))
-        whole = torch.stack(experts) if experts else torch.zeros(self.shape)
-        return whole.to(dtype or self.dtype)
+        if not experts:  # no expert: nothing to form, on the operands' device all the same
+            return torch.zeros(self.shape, dtype=dtype or self.dtype, device=q.codes.device)
+        return torch.stack(experts).to(dtype or self.dtype)

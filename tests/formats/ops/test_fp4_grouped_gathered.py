@@ -174,3 +174,15 @@ def test_the_operator_passes_opcheck() -> None:
         # fp4/fp8 tensors crossing the operator: torch's schema check cannot copy them.
         test_utils=("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"),
     )
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_no_experts_dequantize_on_the_operands_device_at_the_dtype(recipe: str) -> None:
+    spec = Fp4Experts(Fp4Recipe.parse(recipe)).experts_gather
+    assert isinstance(spec, Fp4ExpertsGather)
+    parts = spec.expert_inputs(torch.randn(1, 32, 32))
+    for device in ("cpu", "meta"):  # meta: no op may leave the operands' device
+        none = spec.experts(tuple(p[:0].to(device) for p in parts), torch.bfloat16)
+        got = none.dequantize()
+        assert (got.shape, got.dtype, got.device.type) == ((0, 32, 32), torch.bfloat16, device)
+        assert none.dequantize(torch.float16).dtype == torch.float16
