@@ -1075,49 +1075,105 @@ void fused_loop(const CcStep& s, int64_t lo, int64_t len, PT* __restrict param,
 }
 
 #if defined(__AVX512BW__) && defined(__FMA__) && !defined(CC_HOST_ADAM_PORTABLE)
-// fused_loop for bf16 moments, a float32 parameter and gradient, 16 lanes at a time: the same
-// float32 operations in the same order (each rounded once; over()'s product and correction),
-// each moment's bf16 code written at once (bf16_codes_of, bf16_code's arithmetic), so no phase
-// of the tile leaves the memory idle. Returns the elements done (the caller's scalar loop does
-// the rest).
-template <bool L2>
-int64_t bf16_moments16(const CcStep& s, int64_t lo, int64_t len, float* __restrict param,
-                       const float* __restrict grad, uint16_t* __restrict md,
-                       uint16_t* __restrict vd) {
-  const float w = s.hp[2];
-  const bool low = w < 0.5f;
-  const __m512 decay = _mm512_set1_ps(s.hp[0]), wd = _mm512_set1_ps(s.hp[1]);
-  const __m512 b2 = _mm512_set1_ps(s.hp[3]), omb2 = _mm512_set1_ps(s.hp[4]);
-  const __m512 bc2 = _mm512_set1_ps(s.hp[5]), rbc2 = _mm512_set1_ps(1.0f / s.hp[5]);
-  const __m512 eps = _mm512_set1_ps(s.hp[6]), neg_step = _mm512_set1_ps(s.hp[7]);
-  const __m512 sgn = _mm512_set1_ps(s.maximize ? -1.0f : 1.0f);
-  const __m512 coef = _mm512_set1_ps(low ? w : -(1.0f - w));
-  const __m512 zero = _mm512_setzero_ps();
-  const __mmask16 m_lift = s.m.is_signed ? 0 : 0xFFFF, v_lift = s.v.is_signed ? 0 : 0xFFFF;
-  int64_t i = 0;
-  for (; i + 16 <= len; i += 16) {
-    const int64_t k = lo + i;
-    __m512 pi = _mm512_loadu_ps(param + k);
-    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(grad + k), sgn);
+// fused_loop's arithmetic on 16 lanes: the same float32 operations in the same order (each
+// rounded once; over()'s product and correction for sqrt(v) / sqrt(bc2)).
+struct Adam16 {
+  __m512 decay, wd, b2, omb2, bc2, rbc2, eps, neg_step, sgn, coef;
+  bool low;
+  explicit Adam16(const CcStep& s) {
+    const float w = s.hp[2];
+    low = w < 0.5f;
+    decay = _mm512_set1_ps(s.hp[0]);
+    wd = _mm512_set1_ps(s.hp[1]);
+    b2 = _mm512_set1_ps(s.hp[3]);
+    omb2 = _mm512_set1_ps(s.hp[4]);
+    bc2 = _mm512_set1_ps(s.hp[5]);
+    rbc2 = _mm512_set1_ps(1.0f / s.hp[5]);
+    eps = _mm512_set1_ps(s.hp[6]);
+    neg_step = _mm512_set1_ps(s.hp[7]);
+    sgn = _mm512_set1_ps(s.maximize ? -1.0f : 1.0f);
+    coef = _mm512_set1_ps(low ? w : -(1.0f - w));
+  }
+  // p (read and written), g, m, v in; the new m and v out.
+  template <bool L2>
+  inline void step(float* __restrict p, const float* __restrict g, __m512 mi, __m512 vi,
+                   __m512& mn, __m512& vn) const {
+    __m512 pi = _mm512_loadu_ps(p);
+    __m512 gi = _mm512_mul_ps(_mm512_loadu_ps(g), sgn);
     if constexpr (L2) gi = _mm512_add_ps(gi, _mm512_mul_ps(pi, wd));
     else pi = _mm512_mul_ps(pi, decay);
-    const __m512i v16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vd + k)));
-    const __m512 vi = _mm512_castsi512_ps(_mm512_slli_epi32(v16, 16));
-    const __m512 vn = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
-    const __m512i m16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(md + k)));
-    const __m512 mi = _mm512_castsi512_ps(_mm512_slli_epi32(m16, 16));
-    const __m512 mn = _mm512_add_ps(low ? mi : gi, _mm512_mul_ps(coef, _mm512_sub_ps(gi, mi)));
-    // over(sqrt(vn), bc2, rbc2): q, or q corrected by its remainder
+    vn = _mm512_add_ps(_mm512_mul_ps(vi, b2), _mm512_mul_ps(_mm512_mul_ps(omb2, gi), gi));
+    mn = _mm512_add_ps(low ? mi : gi, _mm512_mul_ps(coef, _mm512_sub_ps(gi, mi)));
     const __m512 a = _mm512_sqrt_ps(vn);
     const __m512 q = _mm512_mul_ps(a, rbc2);
     const __m512 rem = _mm512_fnmadd_ps(q, bc2, a);
     const __m512 fixed = _mm512_fmadd_ps(rem, rbc2, q);
-    const __mmask16 plain = _mm512_cmp_ps_mask(rem, rem, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(a, zero, _CMP_EQ_OQ);
+    const __mmask16 plain = _mm512_cmp_ps_mask(rem, rem, _CMP_UNORD_Q) |
+                            _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_EQ_OQ);
     const __m512 denom = _mm512_add_ps(_mm512_mask_mov_ps(fixed, plain, q), eps);
-    const __m512 pn = _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(neg_step, mn), denom));
-    _mm512_storeu_ps(param + k, pn);
+    _mm512_storeu_ps(p, _mm512_add_ps(pi, _mm512_div_ps(_mm512_mul_ps(neg_step, mn), denom)));
+  }
+};
+
+inline __m512 bf16_values16(const uint16_t* d) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+}
+
+// fused_loop for bf16 moments, a float32 parameter and gradient, 16 lanes at a time, each
+// moment's bf16 code written at once (bf16_codes_of, bf16_code's arithmetic), so no phase of
+// the tile leaves the memory idle. Returns the elements done (the caller's loop does the rest).
+template <bool L2>
+int64_t bf16_moments16(const CcStep& s, int64_t lo, int64_t len, float* __restrict param,
+                       const float* __restrict grad, uint16_t* __restrict md,
+                       uint16_t* __restrict vd) {
+  const Adam16 hp(s);
+  const __mmask16 m_lift = s.m.is_signed ? 0 : 0xFFFF, v_lift = s.v.is_signed ? 0 : 0xFFFF;
+  int64_t i = 0;
+  for (; i + 16 <= len; i += 16) {
+    const int64_t k = lo + i;
+    __m512 mn, vn;
+    hp.step<L2>(param + k, grad + k, bf16_values16(md + k), bf16_values16(vd + k), mn, vn);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(md + k), bf16_codes_of(mn, m_lift));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(vd + k), bf16_codes_of(vn, v_lift));
+  }
+  return i;
+}
+#endif
+
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__FMA__) && !defined(CC_HOST_ADAM_PORTABLE)
+// fused_loop for int8 or fp8 moments (a 256-entry table, ``Lut``), a float32 parameter and
+// gradient, 64 lanes at a time: the codes decoded in registers (decode256's lookup64, times
+// the block's scale), the new moments left in the buffers for the block's encode. Returns the
+// elements done.
+template <bool L2>
+int64_t lut_moments64(const CcStep& s, int64_t lo, int64_t len, Buffers& b, float ms, float vs) {
+  const Adam16 hp(s);
+  const __m512i perm = _mm512_load_si512(kOrder);
+  const __m512 msv = _mm512_set1_ps(ms), vsv = _mm512_set1_ps(vs);
+  __m512i mt[4][4], vt[4][4];
+  load_planes(b.lut[0]->plane, mt);
+  load_planes(b.lut[1]->plane, vt);
+  const uint8_t* __restrict md = static_cast<const uint8_t*>(s.m.data) + lo;
+  const uint8_t* __restrict vd = static_cast<const uint8_t*>(s.v.data) + lo;
+  float* __restrict param = static_cast<float*>(s.param) + lo;
+  const float* __restrict grad = static_cast<const float*>(s.grad) + lo;
+  float* __restrict mb = b.m.data();
+  float* __restrict vb = b.v.data();
+  int64_t i = 0;
+  for (; i + 64 <= len; i += 64) {
+    __m512i qm[4], qv[4];
+    lookup64(mt, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(md + i)), qm);
+    lookup64(vt, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(vd + i)), qv);
+    for (int k = 0; k < 4; ++k) {
+      const int64_t at = i + 16 * k;
+      const __m512 mi = _mm512_mul_ps(_mm512_castsi512_ps(qm[k]), msv);
+      const __m512 vi = _mm512_mul_ps(_mm512_castsi512_ps(qv[k]), vsv);
+      __m512 mn, vn;
+      hp.step<L2>(param + at, grad + at, mi, vi, mn, vn);
+      _mm512_storeu_ps(mb + at, mn);
+      _mm512_storeu_ps(vb + at, vn);
+    }
   }
   return i;
 }
@@ -1146,8 +1202,15 @@ void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
       __builtin_prefetch(gp + o * sizeof(GT0) / sizeof(PT0), 0, 3);
     }
   }
-  if (blocked(MF) && !PASS1) decode(s.m, s.n, lo, len, b.m.data(), b.lut[0]);
-  if (blocked(VF)) decode(s.v, s.n, lo, len, b.v.data(), b.lut[1]);
+  int64_t head = 0;  // elements already updated (their new moments in the buffers)
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && defined(__FMA__) && !defined(CC_HOST_ADAM_PORTABLE)
+  if constexpr (MF == VF && (MF == kInt8 || MF == kFp8) && PM == kPF32 && !GBF && !PASS1)
+    head = lut_moments64<L2>(s, lo, len, b, block_scale(s.m, lo), block_scale(s.v, lo));
+#endif
+  if (head < len) {  // (decode reads the scale of the block at lo + head)
+    if (blocked(MF) && !PASS1) decode(s.m, s.n, lo + head, len - head, b.m.data() + head, b.lut[0]);
+    if (blocked(VF)) decode(s.v, s.n, lo + head, len - head, b.v.data() + head, b.lut[1]);
+  }
   if (PM == kPBf16Sr && !PASS1) {  // lo is a multiple of 4 (of the tile)
     const int64_t quads = (len + 3) / 4;
     uint64_t* __restrict z = b.draws.data();
@@ -1169,9 +1232,9 @@ void fused_tile(const CcStep& s, int64_t lo, int64_t len, Buffers& b) {
   }
 #endif
   fused_loop<MF, VF, PM, GBF, L2, PASS1>(
-      s, lo, len, static_cast<PT*>(s.param), static_cast<const GT*>(s.grad), s.m.data,
-      b.m.data(), s.v.data, b.v.data(), block_scale(s.m, lo), block_scale(s.v, lo),
-      b.noise.data());
+      s, lo + head, len - head, static_cast<PT*>(s.param), static_cast<const GT*>(s.grad),
+      s.m.data, b.m.data() + head, s.v.data, b.v.data() + head, block_scale(s.m, lo),
+      block_scale(s.v, lo), b.noise.data() + head);
   if (PASS1) return;
   if (MF == kBf16) encode_bf16(static_cast<uint16_t*>(s.m.data) + lo, b.m.data(), len, !s.m.is_signed);
   if (VF == kBf16) encode_bf16(static_cast<uint16_t*>(s.v.data) + lo, b.v.data(), len, !s.v.is_signed);
