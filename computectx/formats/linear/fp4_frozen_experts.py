@@ -215,7 +215,7 @@ class FrozenFp4Experts(nn.Module):
     def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``[E, N, K]``: the values ``name`` stands for at ``dtype`` (each formed in float32,
         rounded once): what ``"weight_only"`` multiplies with."""
-        return dequantize_experts(*self.held(name), self.tile, dtype)
+        return dequantize_experts(*self.held(name), self.tile, dtype, check_amax_values=False)
 
     def _dequantized_at(self, name: str, dtype: torch.dtype, offs: torch.Tensor) -> torch.Tensor:
         # As GroupedExperts' _experts_at: eager on the CPU only the experts with rows are
@@ -230,8 +230,9 @@ class FrozenFp4Experts(nn.Module):
         if used.numel():
             c, sc = (t.view(torch.uint8)[used].view(t.dtype) for t in (codes, scale))
             out[used] = dequantize_experts(
-                c, sc, None if amax is None else amax[used], self.tile, dtype
-            )
+                c, sc, None if amax is None else amax[used], self.tile, dtype,
+                check_amax_values=False,
+            )  # fmt: skip
         return out
 
     # ----- the GEMM ------------------------------------------------------------------------
@@ -259,7 +260,7 @@ class FrozenFp4Experts(nn.Module):
         per_row = self.activation_amax == "per_row"
         return held_grouped_mm(
             x.to(_at(x)), codes, scale, amax, offs, tile=self.tile,
-            mx_rounding=self.mx_rounding, per_row=per_row,
+            mx_rounding=self.mx_rounding, per_row=per_row, check_amax_values=False,
         )  # fmt: skip
 
     # ----- state ---------------------------------------------------------------------------

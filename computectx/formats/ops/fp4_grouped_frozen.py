@@ -69,12 +69,14 @@ def check_held(
     who: str,
     *,
     out_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+    read: bool = True,
 ) -> int:
     """``E``, the experts' count, when the held operand of ``E >= 1`` experts (module
     docstring) is well formed: the codes ``float4_e2m1fn_x2 [E, N, K/2]``, the scales ``[E,
     ...]`` at ``tile`` (each expert's as ``check_scale`` takes it; the dtype names the format),
-    NVFP4's amax float32 ``(E,)``, finite and >= 0 (one host read), everything on the codes'
-    device, ``out_dtype`` among ``out_dtypes``; else ``ValueError`` naming the operand."""
+    NVFP4's amax float32 ``(E,)``, finite and >= 0 when ``read`` (one host read), everything on
+    the codes' device, ``out_dtype`` among ``out_dtypes``; else ``ValueError`` naming the
+    operand."""
     if out_dtype not in out_dtypes:
         raise ValueError(f"{who}: out_dtype must be one of {out_dtypes}, got {out_dtype!r}")
     if codes.dtype != torch.float4_e2m1fn_x2 or codes.dim() != 3 or not codes.shape[0]:
@@ -98,7 +100,7 @@ def check_held(
             f"{who}: NVFP4 experts take one float32 amax each, ({e},) on {codes.device}, got "
             f"{amax.dtype} {tuple(amax.shape)} on {amax.device}"
         )
-    if not bool(((amax >= 0) & amax.isfinite()).all()):  # a host read (data, not a guard)
+    if read and not bool(((amax >= 0) & amax.isfinite()).all()):  # a host read (data)
         raise ValueError(f"{who}: each expert's amax must be finite and >= 0")
     return e
 
@@ -111,13 +113,16 @@ def fp4_dequantize_experts(
     tile: str,
     out_dtype: torch.dtype,
     backend: str,
+    check_amax_values: bool = True,
 ) -> torch.Tensor:
     """``[E, N, K]`` at ``out_dtype``: expert ``e``'s values as ``dequantize_nvfp4`` /
-    ``dequantize_mxfp4`` form them from its operand (in float32, rounded once)."""
+    ``dequantize_mxfp4`` form them from its operand (in float32, rounded once).
+    ``check_amax_values=False``: the amaxes' values were checked where they were made, not
+    read here (``ops.fp4_grouped_gathered``'s docstring)."""
     runs_triton(backend, codes)  # checked; the twin runs on every backend
     dtypes = (*FLOAT_DTYPES, torch.float64)
     check_held(codes, scale, amax, tile, out_dtype, "computectx::fp4_dequantize_experts",
-               out_dtypes=dtypes)  # fmt: skip
+               out_dtypes=dtypes, read=check_amax_values)  # fmt: skip
     out = []
     for e in range(codes.shape[0]):
         q = expert_operand(codes, scale, amax, tile, e)
@@ -129,9 +134,17 @@ def fp4_dequantize_experts(
 
 
 @fp4_dequantize_experts.register_fake
-def _dequantize_experts_fake(codes: torch.Tensor, *rest: object) -> torch.Tensor:
+def _dequantize_experts_fake(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    amax: torch.Tensor | None,
+    tile: str,
+    out_dtype: torch.dtype,
+    backend: str,
+    check_amax_values: bool = True,
+) -> torch.Tensor:
     shape = (*codes.shape[:-1], 2 * codes.shape[-1])
-    return codes.new_empty(shape, dtype=cast(torch.dtype, rest[-2]))
+    return codes.new_empty(shape, dtype=out_dtype)
 
 
 def _amax(amax: torch.Tensor | None) -> torch.Tensor | None:
@@ -148,10 +161,12 @@ def held_grouped_mm(
     tile: str,
     mx_rounding: MxRounding,
     per_row: bool,
+    check_amax_values: bool = True,
 ) -> torch.Tensor:
     """``[M, N]`` at ``x``'s dtype: group ``g``'s rows of ``x`` times the held expert ``g``
-    through ``computectx::fp4_grouped_mm_gathered`` (module docstring); the caller
-    (``FrozenFp4Experts``) has checked the operands, the operator checks them again."""
+    through ``computectx::fp4_grouped_mm_gathered`` (module docstring); the operator checks
+    the operands again, the amaxes' values unless ``check_amax_values=False`` (the caller,
+    ``FrozenFp4Experts``, checked them once, where they were made or loaded)."""
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"held_grouped_mm takes a bf16, fp16 or fp32 x, got {x.dtype}")
     nv = scale.dtype != torch.float8_e8m0fnu
@@ -163,7 +178,10 @@ def held_grouped_mm(
     )
     a = _amax(amax)
     b = Nvfp4Operand(codes, scale, a, how.weight_tile) if nv and a is not None else None
-    return grouped_mm_gathered(x, b or Mxfp4Operand(codes, scale), offs, how, per_row=per_row)
+    return grouped_mm_gathered(
+        x, b or Mxfp4Operand(codes, scale), offs, how, per_row=per_row,
+        check_amax_values=check_amax_values,
+    )  # fmt: skip
 
 
 def dequantize_experts(
@@ -172,10 +190,14 @@ def dequantize_experts(
     amax: torch.Tensor | None,
     tile: str,
     out_dtype: torch.dtype,
+    *,
+    check_amax_values: bool = True,
 ) -> torch.Tensor:
-    """``[E, N, K]`` at ``out_dtype`` through ``computectx::fp4_dequantize_experts``."""
+    """``[E, N, K]`` at ``out_dtype`` through ``computectx::fp4_dequantize_experts`` (its
+    ``check_amax_values``)."""
     if out_dtype not in (*FLOAT_DTYPES, torch.float64):
         raise ValueError(f"out_dtype must be bf16, fp16, fp32 or fp64, got {out_dtype!r}")
     backend = backend_of(codes)
-    out: torch.Tensor = fp4_dequantize_experts(codes, scale, _amax(amax), tile, out_dtype, backend)
+    args = (tile, out_dtype, backend, check_amax_values)
+    out: torch.Tensor = fp4_dequantize_experts(codes, scale, _amax(amax), *args)
     return out

@@ -23,6 +23,16 @@ runs ``ops.fp4``'s row quantize twin and ``fp4_scaled_mm``. MXFP4 has no per-ten
 ``offs`` and ``rng`` are data read inside the operator, as for the other grouped operators
 (``ops.fp4``): a compiled caller recompiles neither as the group sizes nor as the counter
 change; the fake gives the ``[M, N]`` result's shape and dtype.
+
+**The amaxes' values.** Called directly, the operator refuses NVFP4 amaxes that are NaN, ±inf
+or negative (``check_operands(read=True)``): one host read, a device sync on an accelerator,
+at every call. The modules that made the operands themselves pass ``check_amax_values=False``
+(an argument of the schema, default ``True``) and are not read again: ``Fp4Experts`` on
+FSDP2's gathered experts (each amax ``tensor_amax`` of its expert, finite and ``>= 0`` by
+construction) and ``FrozenFp4Experts`` (its amaxes checked once, where they are made, given or
+loaded: ``fp4_serving.check_weight``, ``check_load``). Shapes, dtypes and devices are checked on
+every call either way (no read). As ``quantize_rows(check_values=False)`` for an amax its
+caller made.
 """
 
 from __future__ import annotations
@@ -74,11 +84,15 @@ def fp4_grouped_mm_gathered(
     out_dtype: torch.dtype,
     backend: str,
     per_row: bool = False,
+    check_amax_values: bool = True,
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a [M, K]``, quantized on their own (``per_row``:
     each row on its own), times expert ``g``'s operand (``codes[g]``, ``scale[g]``, NVFP4's
-    ``amax[g]``), as it came."""
-    e = check_operands(a, codes, scale, amax, offs, format, weight_tile, rng, read=True)
+    ``amax[g]``), as it came. ``check_amax_values=False``: the amaxes' values were checked
+    where they were made (module docstring), not read here."""
+    e = check_operands(
+        a, codes, scale, amax, offs, format, weight_tile, rng, read=check_amax_values
+    )
     if out_dtype not in FLOAT_DTYPES:
         raise ValueError(f"{_OP}: out_dtype must be one of {FLOAT_DTYPES}, got {out_dtype!r}")
     if per_row and rng is not None:
@@ -126,6 +140,7 @@ def _grouped_mm_gathered_fake(
     out_dtype: torch.dtype,
     backend: str,
     per_row: bool = False,
+    check_amax_values: bool = True,
 ) -> torch.Tensor:
     return a.new_empty((a.shape[0], codes.shape[1]), dtype=out_dtype)
 
@@ -261,13 +276,15 @@ def grouped_mm_gathered(
     out_dtype: torch.dtype | None = None,
     stochastic: Stochastic | torch.Tensor | None = None,
     per_row: bool = False,
+    check_amax_values: bool = True,
 ) -> torch.Tensor:
     """``[M, N]``: group ``g``'s rows of ``a`` in 4 bits times expert ``g``'s operand in
     ``b`` (the experts' operands stacked: codes ``[E, N, K/2]``, scales ``[E, ...]``, NVFP4's
     amaxes ``(E,)``), at ``out_dtype`` (default ``a``'s), through
     ``computectx::fp4_grouped_mm_gathered`` (module docstring). ``stochastic`` rounds ``a``'s
     codes (the dgrad's dY), as ``ops.fp4.grouped_mm``'s; ``per_row`` (NVFP4, no
-    ``stochastic``): each row of ``a`` by its own amax (module docstring)."""
+    ``stochastic``): each row of ``a`` by its own amax (module docstring);
+    ``check_amax_values=False`` for amaxes their caller made or checked (module docstring)."""
     h = check_how(how)
     t = quantizable_arg(a)
     q = _check_gathered(t, b, offs, h)
@@ -277,6 +294,6 @@ def grouped_mm_gathered(
     tile = q.tile if isinstance(q, Nvfp4Operand) else "1x16"
     amax = q.amax if isinstance(q, Nvfp4Operand) else None
     rng = rng_arg(stochastic, t)
-    args = (h.format, tile, h.mx_rounding, rng, out, backend_of(t), per_row)
+    args = (h.format, tile, h.mx_rounding, rng, out, backend_of(t), per_row, check_amax_values)
     y: torch.Tensor = fp4_grouped_mm_gathered(t, q.codes, q.scale, amax, offs, *args)
     return y

@@ -253,9 +253,9 @@ def test_weight_only_dequantizes_only_the_experts_with_rows(
     seen: list[int] = []
     real = module.dequantize_experts  # type: ignore[attr-defined]
 
-    def counted(codes: torch.Tensor, *rest: Any) -> torch.Tensor:
+    def counted(codes: torch.Tensor, *rest: Any, **named: Any) -> torch.Tensor:
         seen.append(codes.shape[0])
-        return real(codes, *rest)
+        return real(codes, *rest, **named)
 
     monkeypatch.setattr(module, "dequantize_experts", counted)
     one = offsets([0, 0, 1, 0])  # one row, on expert 2 of 4

@@ -1,11 +1,19 @@
 """Frozen 4-bit experts' operators (``formats.ops.fp4_grouped_frozen``): ``torch.library.opcheck``
-on each, and the held grouped GEMM against the training one (``fp4_grouped_mm``) group for group."""
+on each, and the held grouped GEMM against the training one (``fp4_grouped_mm``) group for group;
+the amaxes read to the host by a direct call, never by the modules that made them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+from torch._library.custom_ops import OPDEFS
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from computectx.formats import Fp4Experts, Fp4Recipe, FrozenFp4Experts
+from computectx.formats.linear.fp4_gathered import Fp4ExpertsGather
 from computectx.formats.numerics.fp4 import Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Quant
 from computectx.formats.ops import fp4 as fp4_ops
@@ -109,3 +117,78 @@ def test_dequantize_experts_reads_the_format_from_the_scales_as_the_dense_operat
     nv_codes, nv_scale, _ = held(w, NV)
     with pytest.raises(ValueError, match="needs its per-expert amax"):
         dq(nv_codes, nv_scale, None, "16x16", torch.float32, "emulated")
+
+
+_HOST_READS = (  # bool() dispatches is_nonzero, .item() item: each the read, once
+    torch.ops.aten._local_scalar_dense.default,
+    torch.ops.aten.is_nonzero.default,
+    torch.ops.aten.item.default,
+)
+
+
+class _AmaxReads(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch leaves it untyped
+    """Counts the host reads (``_HOST_READS``: ``.item()``, ``bool()``, ``.tolist()``; a
+    device sync on a GPU) of any value computed from ``sources`` (the amaxes),
+    through every op. A mode sees computectx's operators, not their bodies: it runs each
+    body under itself (``offs`` and ``rng`` are read by design, and not counted)."""
+
+    def __init__(self, sources: list[torch.Tensor]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.kept, self.ids, self.reads = list(sources), {id(t) for t in sources}, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        derived = any(isinstance(t, torch.Tensor) and id(t) in self.ids for t in leaves)
+        self.reads += derived and func in _HOST_READS
+        if func.namespace == "computectx":
+            with self:
+                out = OPDEFS[func._schema.name]._init_fn(*args, **kwargs)
+        else:
+            out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out) if derived else ():
+            if isinstance(t, torch.Tensor):
+                self.kept.append(t)
+                self.ids.add(id(t))
+        return out
+
+
+def _reads(sources: list[torch.Tensor], call: Any) -> int:
+    with _AmaxReads(sources) as seen:
+        call()
+    return int(seen.reads)
+
+
+def test_the_modules_read_no_amax_to_the_host_a_direct_call_does() -> None:
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(3, 32, 32, generator=gen)
+    x, offs = torch.randn(7, 32, generator=gen).bfloat16(), offsets([3, 0, 4])
+    trained = Fp4Experts(Fp4Recipe.parse("nvfp4"))
+    for mode, rule in (("w4a4", "per_row"), ("w4a4", "per_tensor"), ("weight_only", "per_row")):
+        frozen = FrozenFp4Experts.from_fp4_experts(trained, {"w": w}, mode, activation_amax=rule)  # type: ignore[arg-type]
+        amax = frozen.held("w")[2]
+        assert amax is not None
+        with torch.inference_mode():
+            assert _reads([amax], lambda f=frozen: f.mm(x, "w", offs)) == 0, (mode, rule)
+            assert _reads([amax], lambda f=frozen: f.dequantized("w")) == 0
+    # Fp4Experts on FSDP2's gathered experts: forward and dgrad.
+    spec = trained.experts_gather
+    assert isinstance(spec, Fp4ExpertsGather)
+    gathered = spec.experts(spec.expert_inputs(w), torch.float32)
+    amax = gathered.per_tensor_amax
+    assert amax is not None
+    xg = x.float().requires_grad_()
+
+    def step() -> None:
+        torch.autograd.backward(trained.mm(xg, torch.nn.Parameter(gathered), offs).sum())
+
+    assert _reads([amax], step) == 0 and xg.grad is not None
+    # Called directly, the operators read the amaxes (and refuse bad ones: the tests above).
+    codes, scale, held_amax = held(w, NV)
+    assert held_amax is not None
+    args = (x, codes, scale, held_amax, offs, "nvfp4", "16x16", "rceil", None, x.dtype, "emulated")
+    mm = torch.ops.computectx.fp4_grouped_mm_gathered
+    assert _reads([held_amax], lambda: mm(*args)) == 1
+    dq = torch.ops.computectx.fp4_dequantize_experts
+    deq = (codes, scale, held_amax, "16x16", torch.float32, "emulated")
+    assert _reads([held_amax], lambda: dq(*deq)) == 1
