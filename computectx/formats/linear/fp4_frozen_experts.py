@@ -76,7 +76,7 @@ from computectx.formats.linear.fp4_serving import (
     ActivationAmax,
     ServeMode,
     check_serving,
-    check_weight,
+    check_weights,
 )
 from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand
 from computectx.formats.numerics.fp4_gemm import Fp4Operand
@@ -447,10 +447,10 @@ def _check_entries(
     codes, scale = entries[name + "_fp4"], entries[name + "_scale"]
     amax = entries.get(name + "_amax")
     assert isinstance(codes, torch.Tensor) and isinstance(scale, torch.Tensor)
-    for e in range(codes.shape[0]):
-        q: Fp4Operand = (
-            Nvfp4Operand(codes[e], scale[e], amax[e], frozen.tile)  # type: ignore[arg-type]
-            if isinstance(amax, torch.Tensor)
-            else Mxfp4Operand(codes[e], scale[e])
-        )
-        check_weight(q, f"{where}: {prefix}{name}_* expert {e}")
+    ops: list[Fp4Operand] = [
+        Nvfp4Operand(codes[e], scale[e], amax[e], frozen.tile)  # type: ignore[arg-type]
+        if isinstance(amax, torch.Tensor)
+        else Mxfp4Operand(codes[e], scale[e])
+        for e in range(codes.shape[0])
+    ]  # each expert checked as a dense layer's weight, the values in one host read
+    check_weights([(q, f"{where}: {prefix}{name}_* expert {e}") for e, q in enumerate(ops)])

@@ -15,7 +15,7 @@ from computectx.formats.linear.fp4_frozen import (
     FROZEN_WEIGHT_CODES,
     frozen_weight_name,
 )
-from computectx.formats.linear.fp4_serving import check_weight
+from computectx.formats.linear.fp4_serving import check_weights
 from computectx.formats.numerics.fp4 import Nvfp4Operand
 from computectx.formats.policy import describe
 
@@ -62,16 +62,15 @@ def check_input(x: object, offs: object, e: int, k: int, device: torch.device) -
 
 def check_experts(name: str, ops: object, who: str) -> tuple[str, str]:
     """The ``(operand type, tile)`` of ``name``'s per-expert operands, each checked
-    (``check_weight``), all of one format, tile, shape and device."""
+    (``check_weight``; their values in one host read, ``check_weights``), all of one format,
+    tile, shape and device."""
     if not isinstance(ops, Sequence) or not ops:
         raise TypeError(
             f"{who}: {name!r} must be a non-empty sequence of per-expert operands, got "
             f"{describe(ops)}"
         )
-    kinds = set()
-    for e, q in enumerate(ops):
-        check_weight(q, f"{who}: {name!r} expert {e}")
-        kinds.add((type(q).__name__, q.tile if isinstance(q, Nvfp4Operand) else "1x32"))
+    check_weights([(q, f"{who}: {name!r} expert {e}") for e, q in enumerate(ops)])
+    kinds = {(type(q).__name__, q.tile if isinstance(q, Nvfp4Operand) else "1x32") for q in ops}
     shapes = {(q.codes.shape, q.scale.shape, q.codes.device) for q in ops}
     if len(kinds) != 1 or len(shapes) != 1:
         raise ValueError(f"{who}: {name!r}'s experts must share one format, tile, shape and device")

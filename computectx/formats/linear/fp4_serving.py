@@ -44,6 +44,7 @@ development CPU: bf16 was at every shape tried, float32 was not: one row takes a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Final, Literal
 
 import torch
@@ -77,6 +78,7 @@ __all__ = [
     "check_input_amax",
     "check_serving",
     "check_weight",
+    "check_weights",
     "dequantized",
     "nvfp4_rows",
     "w4a4_mm",
@@ -153,7 +155,7 @@ def _expect(value: object, name: str, dtype: torch.dtype, shape: tuple[int, ...]
         raise ValueError(f"{who}: {name} must be {want}, got {_shown(value)}")
 
 
-def check_weight(weight: object, who: str) -> Fp4Operand:
+def check_weight(weight: object, who: str, *, check_values: bool = True) -> Fp4Operand:
     """``weight`` if a frozen layer can serve with it: an ``Nvfp4Operand`` or ``Mxfp4Operand``
     of 2-D codes ``[N, K / 2]`` (``torch.float4_e2m1fn_x2``; ``N >= 1``, ``K`` a multiple of the
     block), its scales at the layout its block says (NVFP4 ``float8_e4m3fn`` ``[N, K/16]`` for
@@ -161,7 +163,8 @@ def check_weight(weight: object, who: str) -> Fp4Operand:
     block scale NaN (a block that held a NaN) or negative, NVFP4's amax a finite float32 >= 0
     of one element (0 only with every scale 0: an all-zero weight), everything on one device.
     ``TypeError``/``ValueError`` naming the value and what is accepted; reads ``weight`` only
-    (one host read of the scales and amax)."""
+    (one host read of the scales and amax; none with ``check_values=False``, for a caller that
+    reads many operands' values at once: ``check_weights``)."""
     if not isinstance(weight, (Nvfp4Operand, Mxfp4Operand)):
         raise TypeError(
             f"{who} takes an Nvfp4Operand or Mxfp4Operand (computectx.formats.numerics.fp4: "
@@ -210,22 +213,45 @@ def check_weight(weight: object, who: str) -> Fp4Operand:
             f"{who}: codes, scale and amax must be on one device, got "
             f"{', '.join(str(t.device) for t in parts)}"
         )
-    if not codes.is_meta:  # a meta skeleton holds no values yet
-        _check_values(weight, who)
+    if check_values and not codes.is_meta:  # a meta skeleton holds no values yet
+        _check_values(weight, who, _flags(weight).tolist())
     return weight
 
 
-def _check_values(weight: Fp4Operand, who: str) -> None:
+def check_weights(weights: Sequence[tuple[Fp4Operand, str]]) -> None:
+    """Each ``(weight, who)`` checked as ``check_weight`` checks it, the values of all in one
+    host read (a frozen experts module's ``E`` operands a weight: one read, not ``E``); the
+    error of the first that fails, named by its ``who``."""
+    for q, who in weights:
+        check_weight(q, who, check_values=False)
+    held = [(q, who) for q, who in weights if not q.codes.is_meta]
+    if not held:
+        return
+    devices = {q.codes.device for q, _ in held}
+    flags = [_flags(q).to(torch.device("cpu")) if len(devices) > 1 else _flags(q) for q, _ in held]
+    for (q, who), bad in zip(held, torch.stack(flags).tolist(), strict=True):
+        _check_values(q, who, bad)
+
+
+def _flags(weight: Fp4Operand) -> torch.Tensor:
+    # bool (3,) on the weight's device, nothing read: a scale NaN or negative; NVFP4's amax
+    # not finite or negative; its amax 0 beside a scale that is not.
     scale = weight.scale.float()
     bad_scale = scale.isnan().any() | (scale < 0).any()
+    if not isinstance(weight, Nvfp4Operand):
+        return torch.stack((bad_scale, torch.zeros_like(bad_scale), torch.zeros_like(bad_scale)))
+    amax = weight.amax.float()
+    bad_amax = ~torch.isfinite(amax).all() | (amax < 0).any()
+    # The quantizers give an amax of 0 to an all-zero weight only (every scale 0); with a
+    # scale that is not, dequantizing (S_enc = 1 at amax 0) and W4A4's epilogue (alpha =
+    # amax_x * 0) would serve two different weights.
+    zero_amax = (amax == 0).any() & (scale != 0).any()
+    return torch.stack((bad_scale, bad_amax, zero_amax))
+
+
+def _check_values(weight: Fp4Operand, who: str, bad: list[bool]) -> None:
     if isinstance(weight, Nvfp4Operand):
         amax = weight.amax.float()
-        bad_amax = ~torch.isfinite(amax).all() | (amax < 0).any()
-        # The quantizers give an amax of 0 to an all-zero weight only (every scale 0); with
-        # a scale that is not, dequantizing (S_enc = 1 at amax 0) and W4A4's epilogue
-        # (alpha = amax_x * 0) would serve two different weights.
-        zero_amax = (amax == 0).any() & (scale != 0).any()
-        bad = torch.stack((bad_scale, bad_amax, zero_amax)).tolist()
         if bad[1]:
             raise ValueError(f"{who}: amax must be finite and >= 0, got {amax.tolist()}")
         if bad[2]:
@@ -233,8 +259,6 @@ def _check_values(weight: Fp4Operand, who: str) -> None:
                 f"{who}: amax is 0 but some block scales are not: an amax of 0 stands for an "
                 f"all-zero weight (every scale 0); give the weight's own amax"
             )
-    else:
-        bad = [bool(bad_scale)]
     if bad[0]:
         raise ValueError(
             f"{who}: block scales must be finite and >= 0 (a NaN scale stands for a block "

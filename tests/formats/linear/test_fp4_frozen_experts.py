@@ -319,3 +319,30 @@ def test_clear_refusals_around_freezing_and_loading(tmp_path: pathlib.Path) -> N
         with pytest.raises(ValueError, match=r"high-precision 0.gate_up"):
             model.load_state_dict(high, strict=strict)
         assert all(same(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_freezing_reads_the_operands_values_once_a_weight_and_names_a_nan_expert(
+    recipe: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # from_fp4_experts checks what it quantized as the constructor checks given operands: every
+    # expert's values of a weight in one host read (was one an expert: 2E for two weights),
+    # and a NaN still named by weight and expert.
+    reads = [0]
+    for method in ("tolist", "item", "__bool__"):
+        real = getattr(torch.Tensor, method)
+
+        def counted(t: torch.Tensor, *a: Any, real: Any = real) -> Any:
+            reads[0] += 1
+            return real(t, *a)
+
+        monkeypatch.setattr(torch.Tensor, method, counted)
+    trained = Fp4Experts(Fp4Recipe.parse(recipe))
+    for e in (2, 6):
+        w = {"gate_up": torch.randn(e, 64, 32), "down": torch.randn(e, 32, 32)}
+        reads[0] = 0
+        FrozenFp4Experts.from_fp4_experts(trained, w, "w4a4", activation_amax="per_tensor")
+        assert reads[0] == 2, (e, reads[0])
+    w["down"][3, 5, 7] = float("nan")
+    with pytest.raises(ValueError, match=r"'down' expert 3: block scales must be finite"):
+        FrozenFp4Experts.from_fp4_experts(trained, w)
