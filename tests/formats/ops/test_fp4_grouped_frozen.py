@@ -164,8 +164,9 @@ def test_the_modules_read_no_amax_to_the_host_a_direct_call_does() -> None:
     w = torch.randn(3, 32, 32, generator=gen)
     x, offs = torch.randn(7, 32, generator=gen).bfloat16(), offsets([3, 0, 4])
     trained = Fp4Experts(Fp4Recipe.parse("nvfp4"))
+    ops = [fp4_ops.quantize(w[e], trained.how, weight=True) for e in range(3)]  # as frozen
     for mode, rule in (("w4a4", "per_row"), ("w4a4", "per_tensor"), ("weight_only", "per_row")):
-        frozen = FrozenFp4Experts.from_fp4_experts(trained, {"w": w}, mode, activation_amax=rule)  # type: ignore[arg-type]
+        frozen = FrozenFp4Experts({"w": ops}, mode=mode, activation_amax=rule)  # type: ignore[arg-type]
         amax = frozen.held("w")[2]
         assert amax is not None
         with torch.inference_mode():
@@ -184,7 +185,7 @@ def test_the_modules_read_no_amax_to_the_host_a_direct_call_does() -> None:
 
     assert _reads([amax], step) == 0 and xg.grad is not None
     # Called directly, the operators read the amaxes (and refuse bad ones: the tests above).
-    codes, scale, held_amax = held(w, NV)
+    codes, scale, held_amax = frozen.held("w")  # the weight_only module's, unread so far
     assert held_amax is not None
     args = (x, codes, scale, held_amax, offs, "nvfp4", "16x16", "rceil", None, x.dtype, "emulated")
     mm = torch.ops.computectx.fp4_grouped_mm_gathered
