@@ -251,9 +251,8 @@ def _flags(weight: Fp4Operand) -> torch.Tensor:
 
 def _check_values(weight: Fp4Operand, who: str, bad: list[bool]) -> None:
     if isinstance(weight, Nvfp4Operand):
-        amax = weight.amax.float()
         if bad[1]:
-            raise ValueError(f"{who}: amax must be finite and >= 0, got {amax.tolist()}")
+            raise ValueError(f"{who}: amax must be finite and >= 0, got {_amax_fault(weight)}")
         if bad[2]:
             raise ValueError(
                 f"{who}: amax is 0 but some block scales are not: an amax of 0 stands for an "
@@ -264,6 +263,14 @@ def _check_values(weight: Fp4Operand, who: str, bad: list[bool]) -> None:
             f"{who}: block scales must be finite and >= 0 (a NaN scale stands for a block "
             f"that held a NaN: such a weight serves NaN)"
         )
+
+
+def _amax_fault(weight: Nvfp4Operand) -> str:
+    # What is wrong with an amax refused (an error path: one host read), named, not shown.
+    amax = weight.amax.float()
+    faults = ((amax.isnan(), "NaN"), (amax == float("inf"), "inf"), (amax < 0, "a negative value"))
+    found = torch.stack([bad.any() for bad, _ in faults]).tolist()
+    return " and ".join(name for (_, name), hit in zip(faults, found, strict=True) if hit)
 
 
 def check_bias(bias: object, n: int, device: torch.device, who: str) -> torch.Tensor | None:

@@ -216,7 +216,10 @@ def _refusals(state: dict[str, torch.Tensor]) -> list[tuple[dict[str, object], s
         ({**state, "1.weight_scale": state["1.weight_scale"].float()}, "weight_scale is"),
         ({**state, "1.weight_fp4": state["1.weight_fp4"][:32]}, "weight_fp4 is"),
         ({**state, "1.weight_scale": nan_scale}, "block scales must be finite"),
-        ({**state, "1.weight_amax": torch.tensor([float("inf")])}, "amax must be finite"),
+        # What is wrong is named, the value never shown.
+        ({**state, "1.weight_amax": torch.tensor([float("inf")])}, "amax must be .*got inf$"),
+        ({**state, "1.weight_amax": torch.tensor([float("nan")])}, "amax must be .*got NaN$"),
+        ({**state, "1.weight_amax": torch.tensor([-2.5])}, "must be .*got a negative value$"),
         ({k: v for k, v in state.items() if k != "1.weight_amax"}, "loads .* whole"),
     ]
 

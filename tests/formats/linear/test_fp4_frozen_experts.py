@@ -147,11 +147,14 @@ def test_safetensors_round_trip_and_the_loads_it_refuses(tmp_path: pathlib.Path)
     training = nn.Sequential(experts("nvfp4")).state_dict()
     nan = state["0.fp8.down_scale"].clone()
     nan.view(torch.uint8)[1, 0, 0] = 0x7F
+    negative = state["0.fp8.down_amax"].clone()
+    negative[1] = -2.5
     refused = [
         ({**state, "0.fp8._extra_state": training["0.fp8._extra_state"]}, "4-bit training state"),
         ({**state, "0.fp8._extra_state": torch.tensor([1, 1])}, "holds mxfp4 weights"),
         ({**state, "0.fp8.down_scale": state["0.fp8.down_scale"].float()}, "down_scale is"),
         ({**state, "0.fp8.down_scale": nan}, "block scales must be finite"),
+        ({**state, "0.fp8.down_amax": negative}, r"down_\* expert 1: amax .*got a negative value$"),
         ({k: v for k, v in state.items() if k != "0.fp8.down_amax"}, "load .* whole"),
     ]
     for bad, match in refused:
