@@ -39,6 +39,7 @@ from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts
 from computectx.formats.linear.fp4_streams import assign_fp4_streams
+from computectx.formats.linear.frozen_ddp import exclude_frozen_from_ddp
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.linear.recompute import checkpoint_context_fn, checkpoint_policy
 from computectx.formats.linear.unsynced import ScalingNotSyncedWarning
@@ -89,6 +90,7 @@ __all__ = [
     "checkpoint_policy",
     "convert_to_quantized",
     "dequantize_tensor",
+    "exclude_frozen_from_ddp",
     "experts_draw_frame",
     "freeze_fp4_for_serving",
     "load_serving_weights",

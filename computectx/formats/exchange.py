@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from computectx.formats.convert_experts import experts_converters
+from computectx.formats.linear.frozen_ddp import check_unwrapped, exclude_frozen_from_ddp
 from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.ops.grouped import QuantizedExperts
 from computectx.formats.ops.grouped_frozen import (
@@ -155,9 +156,23 @@ def load_serving_weights(
     another shape; steps that are not finite and positive (``mx``: not powers of two in
     E8M0's range); ``"train"`` into a layer frozen for serving (it holds no high-precision
     weight); ``"serve"`` for converted experts whose forward reads their weights (no frozen
-    form: torchtitan's). Codes and steps on another device are moved to the layer's."""
+    form: torchtitan's). Codes and steps on another device are moved to the layer's.
+    ``"serve"`` into a model that is or holds a ``DistributedDataParallel``: ``TypeError``
+    (load into its ``.module``, then wrap).
+
+    ``"serve"`` adds the frozen weights' buffers to ``model``'s list of what
+    ``DistributedDataParallel`` leaves out (``exclude_frozen_from_ddp``):
+    ``DistributedDataParallel(model)`` then wraps the served model instead of failing in its
+    first broadcast (gloo sends no float8)."""
     if mode not in LOAD_MODES:
         raise ValueError(f"load_serving_weights: unknown mode {mode!r}; accepted: 'serve', 'train'")
+    if mode == "serve":
+        check_unwrapped(
+            model,
+            "load_serving_weights(mode='serve')",
+            "load into the model inside it (its .module) before wrapping: DDP's reducer holds "
+            "the high-precision weights a freeze drops, and its broadcasts miss the codes",
+        )
     targets = _load_targets(model)
     missing = [name for name in targets if name not in weights]
     unknown = [name for name in weights if name not in targets]
@@ -171,6 +186,8 @@ def load_serving_weights(
     with torch.no_grad():
         for name, target in targets.items():
             target.write(placed[name], mode)
+    if mode == "serve":
+        exclude_frozen_from_ddp(model)  # DDP(model) wraps it: gloo sends no float8
 
 
 class _Target:

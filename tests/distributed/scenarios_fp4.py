@@ -6,9 +6,11 @@ different numbers of rows (so their stochastic-rounding counters differ), and be
 steps rank 0 alone runs a validation forward under ``no_grad`` while rank 1 waits on the store
 (no collective). Then the trained model is frozen for serving (4-bit buffers: gloo sends no
 float4) and wrapped in DDP again, with an ``inference_mode`` forward on both ranks and one on
-rank 0 alone. A lone call that issued a collective (DDP broadcasting registered buffers
-before a forward) would time out on a group whose collectives wait ``TIMEOUT_S``; the ranks
-then stop there, and the test fails in seconds."""
+rank 0 alone; so are two fp8 models frozen for serving (float8 codes), one layer by layer
+then ``exclude_frozen_from_ddp``, one by ``load_serving_weights(mode="serve")``. A lone call
+that issued a collective (DDP broadcasting registered buffers before a forward) would time
+out on a group whose collectives wait ``TIMEOUT_S``; the ranks then stop there, and the test
+fails in seconds."""
 
 from __future__ import annotations
 
@@ -21,7 +23,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.formats import convert_to_quantized
+from computectx.formats import (
+    QuantizedLinear,
+    convert_to_quantized,
+    exclude_frozen_from_ddp,
+    load_serving_weights,
+    serving_weights,
+)
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
 
@@ -95,14 +103,50 @@ def eval_on_one_rank(params: dict[str, Any]) -> dict[str, Any]:
     step(1)
     out["weights"] = [p.detach().clone() for p in seq.parameters()]
     out["frozen"] = _frozen_under_ddp(seq, group, store)
+    out["fp8_frozen"] = fp8_frozen_under_ddp(group, store)
     return out
 
 
 def _frozen_under_ddp(seq: nn.Module, group: dist.ProcessGroup, store: Any) -> dict[str, Any]:
-    # The trained model frozen for serving, wrapped in DDP with its defaults (its buffers
-    # float4 and float8: gloo sends neither), an inference_mode forward on every rank, then
-    # rank 0's alone: the outcome, the outputs and the plain frozen module's on the same rows.
+    # The trained model frozen for serving (its buffers float4 and float8: gloo sends
+    # neither), served under DDP (_served_under_ddp).
     freeze_fp4_for_serving(seq)
+    return _served_under_ddp(seq, group, store, "fp4/frozen")
+
+
+def fp8_model(seed: int) -> nn.Sequential:
+    """Two ``QuantizedLinear`` under ``fp8_hybrid``."""
+    torch.manual_seed(seed)
+    seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    convert_to_quantized(seq, ctx, include_head=True, min_features=16)
+    return seq
+
+
+def fp8_frozen_under_ddp(group: dist.ProcessGroup, store: Any) -> dict[str, Any]:
+    """fp8 models frozen for serving (float8 codes: gloo sends none) served under DDP
+    (``_served_under_ddp``): ``layers``, its linears frozen one by one, then
+    ``exclude_frozen_from_ddp``; ``loaded``, another model served by
+    ``load_serving_weights(mode="serve")`` of the first's codes."""
+    layers = fp8_model(0)
+    for m in layers.modules():
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+    exclude_frozen_from_ddp(layers)
+    loaded = fp8_model(0)  # the same biases (a serve load gives the weights only)
+    load_serving_weights(loaded, serving_weights(layers), mode="serve")
+    return {
+        "layers": _served_under_ddp(layers, group, store, "fp8/layers"),
+        "loaded": _served_under_ddp(loaded, group, store, "fp8/loaded"),
+    }
+
+
+def _served_under_ddp(
+    seq: nn.Module, group: dist.ProcessGroup, store: Any, tag: str
+) -> dict[str, Any]:
+    # A frozen model wrapped in DDP with its defaults, an inference_mode forward on every
+    # rank, then rank 0's alone: the outcome, the outputs and the plain frozen module's on the
+    # same rows.
     got: dict[str, Any] = {}
     try:
         served = DistributedDataParallel(seq, process_group=group)
@@ -114,6 +158,6 @@ def _frozen_under_ddp(seq: nn.Module, group: dist.ProcessGroup, store: Any) -> d
         got["wrap"] = "runs"
     except Exception as e:  # recorded: the test says what went wrong
         got["wrap"] = f"{type(e).__name__}: {e}"
-    store.set(f"fp4/frozen/{dist.get_rank()}", "done")
-    store.wait([f"fp4/frozen/{r}" for r in range(2)], datetime.timedelta(seconds=30))
+    store.set(f"{tag}/{dist.get_rank()}", "done")
+    store.wait([f"{tag}/{r}" for r in range(2)], datetime.timedelta(seconds=30))
     return got

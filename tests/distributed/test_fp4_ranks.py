@@ -60,3 +60,10 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
         assert torch.equal(f["out"], f["plain"]), rank
     assert torch.equal(frozen[0]["out"], frozen[1]["out"])
     assert torch.equal(frozen[0]["alone"], frozen[0]["out"])
+    # fp8 frozen for serving (float8 codes, which gloo refuses: 'Invalid scalar type'),
+    # frozen layer by layer or by a serve load of the same codes: DDP wraps and serves alike.
+    fp8 = [r["fp8_frozen"][how] for r in ranks for how in ("layers", "loaded")]
+    for f in fp8:
+        assert f["wrap"] == "runs", f["wrap"]
+        assert torch.equal(f["out"], f["plain"]) and torch.equal(f["out"], fp8[0]["out"])
+    assert all(torch.equal(f["alone"], f["out"]) for f in fp8 if "alone" in f)

@@ -12,9 +12,10 @@ from computectx.formats.linear.fp4_experts import Fp4Experts
 from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts, install_frozen_experts
 from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode, check_serving
+from computectx.formats.linear.frozen_ddp import exclude_frozen_from_ddp
 from computectx.formats.policy import describe
 
-__all__ = ["freeze_fp4_for_serving", "frozen_fp4_buffer_names"]
+__all__ = ["freeze_fp4_for_serving"]
 
 
 def freeze_fp4_for_serving(
@@ -48,7 +49,7 @@ def freeze_fp4_for_serving(
     its reducer would keep the dropped weights).
 
     The frozen layers' and experts' buffers (codes, scales, amaxes) are added to ``model``'s
-    list of what ``DistributedDataParallel`` leaves out (``frozen_fp4_buffer_names``), on
+    list of what ``DistributedDataParallel`` leaves out (``exclude_frozen_from_ddp``), on
     every call that returns, a second one included: ``DistributedDataParallel(model)``
     wraps the frozen model (data-parallel evaluation or inference) instead of failing in its
     first broadcast (gloo and NCCL send no ``float4_e2m1fn_x2``, gloo no float8), and no
@@ -75,7 +76,7 @@ def freeze_fp4_for_serving(
     layers = [(fqn, m) for fqn, m in found if isinstance(m, Fp4Linear)]
     experts = _frozen_experts(found, mode, activation_amax)
     if not layers and not experts and _frozen_already(found, mode, activation_amax):
-        _out_of_ddp_broadcast(model)
+        exclude_frozen_from_ddp(model)
         return ()
     if not layers and not experts:
         raise ValueError(
@@ -101,7 +102,7 @@ def freeze_fp4_for_serving(
         setattr(model.get_submodule(parent), name, frozen[id(layer)])
     for module, frozen_experts in experts.values():
         install_frozen_experts(module, frozen_experts)
-    _out_of_ddp_broadcast(model)
+    exclude_frozen_from_ddp(model)
     return tuple(fqn for fqn, _ in layers) + tuple(experts)
 
 
@@ -159,25 +160,3 @@ def _frozen_already(
                 f"{activation_amax!r}); freeze a copy made before freezing. Nothing was changed"
             )
     return bool(frozen)
-
-
-def frozen_fp4_buffer_names(model: nn.Module) -> list[str]:
-    """The names of every buffer of the ``FrozenFp4Linear`` and ``FrozenFp4Experts`` inside
-    ``model`` (each name of a module held under several), as ``model.named_buffers()`` gives
-    them: what ``DistributedDataParallel`` must leave out of its broadcasts."""
-    return [
-        f"{fqn}.{name}" if fqn else name
-        for fqn, m in model.named_modules(remove_duplicate=False)
-        if isinstance(m, FrozenFp4Linear | FrozenFp4Experts)
-        for name, _ in m.named_buffers(recurse=False)
-    ]
-
-
-def _out_of_ddp_broadcast(model: nn.Module) -> None:
-    # DDP reads the root's list when it wraps: it broadcasts every other parameter and buffer
-    # from rank 0 then (and, by default, the buffers before each forward).
-    held = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
-    names = [n for n in frozen_fp4_buffer_names(model) if n not in held]
-    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
-        model, [*held, *names]
-    )

@@ -58,6 +58,7 @@ __all__ = [
     "check_frozen_load",
     "experts_serving_weight",
     "freeze_experts",
+    "frozen_expert_buffers",
     "frozen_experts_mm",
     "held_experts",
 ]
@@ -189,6 +190,18 @@ def freeze_experts(
 CHECK_LOAD: Final = "check_load"
 """The attribute ``freeze_experts`` sets on a frozen module: ``check_frozen_load`` bound to
 it, which the whole-load guard calls."""
+
+
+def frozen_expert_buffers(module: nn.Module) -> tuple[str, ...]:
+    """The names of the buffers ``freeze_experts`` holds ``module``'s frozen expert weights in
+    (``{name}_fp8``, ``{name}_step`` of each, in registration order), ``()`` for a module it
+    froze nothing of."""
+    check = vars(module).get(CHECK_LOAD)
+    if not (isinstance(check, functools.partial) and check.func is check_frozen_load):
+        return ()
+    codes, steps = FROZEN_SUFFIXES
+    held = [b.removesuffix(codes) for b in module._buffers if b.endswith(codes)]
+    return tuple(n + s for n in held if n + steps in module._buffers for s in FROZEN_SUFFIXES)
 
 
 def check_frozen_load(

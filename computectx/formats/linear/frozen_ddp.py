@@ -1,0 +1,88 @@
+"""Frozen weights left out of ``DistributedDataParallel``'s broadcasts.
+
+A model frozen for serving holds its weights as buffers of codes and scales: a frozen fp8
+``QuantizedLinear``'s ``weight_fp8`` and ``weight_step``, frozen fp8 experts' ``{name}_fp8``
+and ``{name}_step`` (``ops.grouped_frozen``), and every buffer of a ``FrozenFp4Linear`` and a
+``FrozenFp4Experts`` (codes, scales, amaxes, ``input_amax``). torch's
+``DistributedDataParallel`` broadcasts rank 0's parameters and buffers when it wraps (and, by
+default, the buffers before each forward), and gloo sends no float8 and neither gloo nor NCCL
+``float4_e2m1fn_x2``: the wrap failed deep in torch (``RuntimeError: Invalid scalar type``).
+DDP leaves out the names in its root module's ``_ddp_params_and_buffers_to_ignore``, read
+once, when it wraps, and only the root's: so a layer frozen alone cannot record itself there.
+
+``frozen_buffer_names(model)`` names those buffers; ``exclude_frozen_from_ddp(model)`` adds
+them to ``model``'s list (the names already there stay). The model-level freezes call it
+(``freeze_fp4_for_serving``; ``load_serving_weights(mode="serve")``); after freezing layer by
+layer (``QuantizedLinear.freeze_for_serving``, ``GroupedExperts.freeze_for_serving``,
+``FrozenFp4Linear.from_fp4_linear``), call it on the model before wrapping it. Each rank then
+serves its own frozen weights: freeze the same trained weights, or load one checkpoint, on
+every rank.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
+from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts
+from computectx.formats.linear.frozen import FROZEN_BUFFERS
+from computectx.formats.linear.module import QuantizedLinear
+from computectx.formats.ops.grouped_frozen import frozen_expert_buffers
+from computectx.formats.policy import describe
+
+__all__ = ["check_unwrapped", "exclude_frozen_from_ddp", "frozen_buffer_names"]
+
+
+def frozen_buffer_names(model: nn.Module) -> list[str]:
+    """The names of the frozen weights' buffers inside ``model`` (module docstring; each name
+    of a module held under several), as ``model.named_buffers()`` gives them: what
+    ``DistributedDataParallel`` must leave out of its broadcasts."""
+    return [
+        f"{fqn}.{name}" if fqn else name
+        for fqn, m in model.named_modules(remove_duplicate=False)
+        for name in _frozen_here(m)
+    ]
+
+
+def _frozen_here(m: nn.Module) -> tuple[str, ...]:
+    if isinstance(m, FrozenFp4Linear | FrozenFp4Experts):
+        return tuple(name for name, _ in m.named_buffers(recurse=False))
+    if isinstance(m, QuantizedLinear) and m.frozen:
+        return FROZEN_BUFFERS
+    return frozen_expert_buffers(m)
+
+
+def exclude_frozen_from_ddp(model: nn.Module) -> tuple[str, ...]:
+    """Add the frozen weights' buffers inside ``model`` (``frozen_buffer_names``) to its list
+    of what ``DistributedDataParallel`` leaves out (``_ddp_params_and_buffers_to_ignore``,
+    the names already there kept, each name once) and return them: ``DistributedDataParallel(
+    model)`` then wraps the frozen model instead of failing in its first broadcast, and no
+    forward of it broadcasts them. ``TypeError`` for a model that is or holds a
+    ``DistributedDataParallel`` (DDP read its list when it wrapped: call this before
+    wrapping), nothing changed."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"exclude_frozen_from_ddp takes an nn.Module, got {describe(model)}")
+    check_unwrapped(
+        model,
+        "exclude_frozen_from_ddp",
+        "call this on the frozen model (its .module) before wrapping it: DDP read what it "
+        "leaves out when it wrapped",
+    )
+    names = frozen_buffer_names(model)
+    held = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
+        model, [*held, *(n for n in names if n not in held)]
+    )
+    return tuple(names)
+
+
+def check_unwrapped(model: nn.Module, who: str, advice: str) -> None:
+    """``TypeError`` naming the first ``DistributedDataParallel`` that ``model`` is or holds,
+    ``who`` refusing it and ``advice`` saying what to do instead; nothing read otherwise."""
+    wrapped = [fqn for fqn, m in model.named_modules() if isinstance(m, DistributedDataParallel)]
+    if wrapped:
+        raise TypeError(
+            f"{who}: {wrapped[0] or '<root>'!r} is a DistributedDataParallel; {advice}. "
+            f"Nothing was changed"
+        )
