@@ -311,7 +311,8 @@ def parallelize(
        their fp8 gather; ``MixedPrecisionPolicy()`` gathers at the parameters' own dtype).
        ``strategy="ddp"``: ``DistributedDataParallel``, whose gradients are all-reduced at
        the parameters' dtype (or by the accumulator, below; docs/distributed.md says why
-       not at ``ctx.grad``).
+       not at ``ctx.grad``); weights frozen for serving (their float8 and float4 codes and
+       scales) stay out of its broadcasts, listed or not by ``exclude_frozen_from_ddp``.
     3. fp8 policy on many ranks (a 4-bit recipe keeps no amax history: none):
        ``sync_scaling`` on what runs forward
        (``current_amax``, ``loss_normalization`` as there; ``current_amax`` defaults to

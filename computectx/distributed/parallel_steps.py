@@ -53,6 +53,7 @@ from computectx.distributed.parallel_checks import (
 )
 from computectx.distributed.sharding import ShardedParams
 from computectx.formats import Fp4Linear, Fp4Recipe, QuantizedLinear
+from computectx.formats.seam import frozen_buffer_names
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 
 __all__ = [
@@ -227,16 +228,23 @@ def wrap_ddp(
         index = ctx.device.index
         ids = [torch.cuda.current_device() if index is None else index]
     # The fp8 scaling buffers stay out of DDP's broadcasts, at construction too: the
-    # amax sync merges them (scaling_buffer_names).
+    # amax sync merges them (scaling_buffer_names). So do the weights frozen for serving
+    # (float8 and float4 codes, which gloo cannot send, and their scales: each rank serves
+    # its own), whether or not exclude_frozen_from_ddp listed them already.
     ignored = [*getattr(model, "_ddp_params_and_buffers_to_ignore", [])]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(  # type: ignore[no-untyped-call]
         model,
-        [
-            *ignored,
-            *scaling_buffer_names(model),
-            *moe_local_buffers(model),
-            *_names_of(model, experts),
-        ],
+        list(
+            dict.fromkeys(
+                [
+                    *ignored,
+                    *frozen_buffer_names(model),
+                    *scaling_buffer_names(model),
+                    *moe_local_buffers(model),
+                    *_names_of(model, experts),
+                ]
+            )
+        ),
     )
     # No compression hook at ctx.grad: a low-precision ctx.grad builds the
     # DataParallelGradAccumulator (build_accumulator), which reduces the bf16 sums once per

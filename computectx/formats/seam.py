@@ -5,7 +5,8 @@ the packages built on fp8: the backend checks, the ledger's layout, the operand 
 and its reduce hook, the weight-gather quantizes, the tensor-parallel linear, and the serving
 quantizes and decode attention, and the grouped GEMM's input checks (the high-precision
 grouped experts share them) and frozen experts (``ops.grouped_frozen``: their codes held,
-multiplied as they are). Outside ``computectx.formats`` nothing imports a deeper module
+multiplied as they are), and the frozen weights' buffers DDP must leave out
+(``frozen_buffer_names``). Outside ``computectx.formats`` nothing imports a deeper module
 (``tests/test_layering.py`` keeps it so), so fp8's rooms can move without touching the
 packages above; a name added here is a promise to them.
 """
@@ -23,6 +24,7 @@ from computectx.formats.linear.fp4_serving import (
     dequantized,
 )
 from computectx.formats.linear.fp4_streams import shared_streams
+from computectx.formats.linear.frozen_ddp import frozen_buffer_names
 from computectx.formats.linear.function import fp8_linear, set_dtensor_linear
 from computectx.formats.linear.plan import Fp8LinearPlan
 from computectx.formats.numerics.fp4 import (
@@ -89,6 +91,7 @@ __all__ = [
     "fp8_linear",
     "freeze_experts",
     "freeze_fp4_experts",
+    "frozen_buffer_names",
     "frozen_experts_mm",
     "global_encode_scale",
     "guard_whole_loads",

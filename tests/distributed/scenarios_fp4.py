@@ -23,6 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
+from computectx.distributed import parallelize
 from computectx.formats import (
     QuantizedLinear,
     convert_to_quantized,
@@ -104,6 +105,7 @@ def eval_on_one_rank(params: dict[str, Any]) -> dict[str, Any]:
     out["weights"] = [p.detach().clone() for p in seq.parameters()]
     out["frozen"] = _frozen_under_ddp(seq, group, store)
     out["fp8_frozen"] = fp8_frozen_under_ddp(group, store)
+    out["parallelized"] = partly_frozen_parallelized(group, store)
     return out
 
 
@@ -160,4 +162,28 @@ def _served_under_ddp(
         got["wrap"] = f"{type(e).__name__}: {e}"
     store.set(f"{tag}/{dist.get_rank()}", "done")
     store.wait([f"{tag}/{r}" for r in range(2)], datetime.timedelta(seconds=30))
+    return got
+
+
+def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str, Any]:
+    """An fp8 model whose first linear alone is frozen for serving (its float8 codes, with no
+    ``exclude_frozen_from_ddp``) handed to ``parallelize(strategy="ddp")``, then one SGD step
+    of the trainable rest on each rank's rows: the outcome, what DDP leaves out, the weights."""
+    seq = fp8_model(0)
+    first = seq[0]
+    assert isinstance(first, QuantizedLinear)
+    first.freeze_for_serving()
+    got: dict[str, Any] = {}
+    try:
+        ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+        par = parallelize(seq, ctx, optimizer_class=torch.optim.SGD, lr=LR, join_timeout=TIMEOUT_S)
+        got["ignored"] = sorted(getattr(par.model, "parameters_to_ignore", ()))
+        par.model(batch(0, dist.get_rank())).float().square().mean().backward()
+        par.step()
+        got["weights"] = [p.detach().clone() for p in seq[2].parameters()]
+        got["wrap"] = "runs"
+    except Exception as e:  # recorded: the test says what went wrong
+        got["wrap"] = f"{type(e).__name__}: {e}"
+    store.set(f"fp8/parallelize/{dist.get_rank()}", "done")
+    store.wait([f"fp8/parallelize/{r}" for r in range(2)], datetime.timedelta(seconds=30))
     return got

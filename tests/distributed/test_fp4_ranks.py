@@ -67,3 +67,11 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
         assert f["wrap"] == "runs", f["wrap"]
         assert torch.equal(f["out"], f["plain"]) and torch.equal(f["out"], fp8[0]["out"])
     assert all(torch.equal(f["alone"], f["out"]) for f in fp8 if "alone" in f)
+    # A model frozen layer by layer, without exclude_frozen_from_ddp, handed to parallelize:
+    # its DDP wrap leaves the float8 codes out itself, and the trainable rest steps alike.
+    par = [r["parallelized"] for r in ranks]
+    for p in par:
+        assert p["wrap"] == "runs", p["wrap"]
+        assert {"0.weight_fp8", "0.weight_step"} <= set(p["ignored"]), p["ignored"]
+    for a, b in zip(par[0]["weights"], par[1]["weights"], strict=True):
+        assert torch.equal(a, b)
