@@ -284,12 +284,21 @@ def test_static_steps_never_fall_back_to_one() -> None:
     # An amax that is zero, NaN or inf (set by hand, or loaded with torch's load_state_dict,
     # which load_weights' check does not see) is refused, never turned into a step of 1.0.
     attn = Attention(PER_TENSOR, H * D, H, max_len=8)
-    for bad in (0.0, math.nan, math.inf):
+    # The error names what is wrong and where (never printing the amax).
+    for bad, what in ((0.0, "0"), (math.nan, "NaN"), (math.inf, "inf"), (-2.5, "negative")):
         with torch.no_grad():
             attn.kv_amax.fill_(1.0)
             attn.kv_amax[1, 1] = bad
-        with pytest.raises(ValueError, match="must be finite and positive"):
+        want = (
+            f"a calibrated KV amax must be finite and positive for kv={PER_TENSOR.kv}: "
+            f"the values' amax of head 1 is {what}"
+        )
+        with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
             attn.new_cache(1)
+    with torch.no_grad():
+        attn.kv_amax[0] = -math.inf
+    with pytest.raises(ValueError, match=r": the keys' amax of head 0 is -inf \(3 of the 4 "):
+        attn.new_cache(1)
     with torch.no_grad():
         attn.kv_amax.fill_(4.48)
     cache = attn.new_cache(1)

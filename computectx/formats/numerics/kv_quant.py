@@ -29,6 +29,8 @@ steps ``(B, H, T)`` per_token_head, ``(H,)`` per_head, ``(1,)`` per_tensor.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from computectx.dtypes import Fp8Format, dtype_of
@@ -125,6 +127,19 @@ def dequantize_kv(
     return wide * _step_view(step, codes.shape).to(dtype)
 
 
+def _refused(wide: torch.Tensor, bad: torch.Tensor) -> str:
+    # The first refused amax of a (2, H) amax, named by keys/values and head with what is
+    # wrong with it (an error path: host reads of flags, never of the values), and the count.
+    which, head = (int(i) for i in bad.nonzero()[0])
+    value = wide[which, head]
+    flags = torch.stack([value.isnan(), value == math.inf, value == -math.inf, value == 0])
+    names = ("NaN", "inf", "-inf", "0")
+    what = next((n for n, hit in zip(names, flags.tolist(), strict=True) if hit), "negative")
+    count = int(bad.sum())
+    more = f" ({count} of the {bad.numel()} amaxes refused)" if count > 1 else ""
+    return f"the {'keys' if which == 0 else 'values'}' amax of head {head} is {what}{more}"
+
+
 def static_kv_steps(amax: torch.Tensor, kv: KvFp8) -> tuple[torch.Tensor, torch.Tensor]:
     """The static key and value steps of ``kv`` (``per_head`` or ``per_tensor``) from a
     calibrated amax of shape ``(2, H)`` (row 0 keys, row 1 values): ``(H,)`` each per head,
@@ -137,9 +152,10 @@ def static_kv_steps(amax: torch.Tensor, kv: KvFp8) -> tuple[torch.Tensor, torch.
     if amax.dim() != 2 or amax.shape[0] != 2:
         raise ValueError(f"a calibrated KV amax has shape (2, H), got {tuple(amax.shape)}")
     wide = amax.to(torch.float32)
-    if not bool((torch.isfinite(wide) & (wide > 0)).all()):
+    bad = ~(torch.isfinite(wide) & (wide > 0))
+    if bool(bad.any()):
         raise ValueError(
-            f"a calibrated KV amax must be finite and positive for kv={kv}, got {wide.tolist()}"
+            f"a calibrated KV amax must be finite and positive for kv={kv}: {_refused(wide, bad)}"
         )
     if kv.scaling == "per_tensor":
         wide = wide.amax(dim=1, keepdim=True)

@@ -14,6 +14,7 @@ where its chain is TE's, and where it is not. Stochastic rounding is held to its
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -485,11 +486,14 @@ def test_a_table_asked_for_during_a_graph_capture_is_made_afresh_and_not_kept(
 
 def test_quantize_nvfp4_checks_a_given_amax() -> None:
     """A given per-tensor amax is a float32 () or (1,), finite and >= 0 (0: an all-zero
-    tensor); anything else is refused naming it, never cast."""
+    tensor); anything else is refused naming what is wrong (never printing it), never cast."""
     x = torch.randn(4, 32)
-    for bad in (-2.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match=r"quantize_nvfp4: amax must be finite and >= 0"):
-            fp4.quantize_nvfp4(x, amax=torch.tensor(bad))
+    faults = {-2.5: "a negative value", math.nan: "NaN", math.inf: "inf", -math.inf: "-inf"}
+    for bad, what in faults.items():
+        for shape in ((), (1,)):
+            want = f"quantize_nvfp4: amax must be finite and >= 0 (a max |x|), got {what}"
+            with pytest.raises(ValueError, match=f"^{re.escape(want)}$"):
+                fp4.quantize_nvfp4(x, amax=torch.full(shape, bad))
     for bad_t in (torch.tensor(2.0, dtype=torch.float64), torch.tensor([2.0, 3.0])):
         with pytest.raises(ValueError, match=r"float32 tensor of shape \(\) or \(1,\), got"):
             fp4.quantize_nvfp4(x, amax=bad_t)
