@@ -4,6 +4,7 @@ integer (one rule everywhere), and pydantic's errors in the library's own words
 
 from __future__ import annotations
 
+import math
 import numbers
 import re
 from collections.abc import Callable, Container, Iterable
@@ -19,7 +20,9 @@ __all__ = [
     "check_max_norm",
     "checked_int",
     "described",
+    "fault",
     "read_value",
+    "shown_ints",
     "text_int",
     "validation_message",
 ]
@@ -65,6 +68,27 @@ def described(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"{value.dtype} {tuple(value.shape)} on {value.device}"
     return type(value).__name__
+
+
+def fault(value: torch.Tensor) -> str:
+    """What is wrong with one refused element (a tensor of one element) of values that must be
+    finite and positive, for an error message that never prints the value: ``'NaN'``,
+    ``'inf'``, ``'-inf'``, ``'0'`` or ``'negative'``. One host read of four flags: call it on
+    the error path only."""
+    one = value.detach().reshape(())
+    flags = torch.stack([one.isnan(), one == math.inf, one == -math.inf, one == 0]).tolist()
+    names = ("NaN", "inf", "-inf", "0")
+    return next((n for n, hit in zip(names, flags, strict=True) if hit), "negative")
+
+
+def shown_ints(values: torch.Tensor | list[int], limit: int = 8) -> str:
+    """A metadata vector (offsets, lengths, row or expert indices) for an error message,
+    capped: ``'[0, 4, 9]'``, or its first ``limit`` values and how many it holds
+    (``'[0, 4, 9, ... (1000 values)]'``); a tensor reads only those ``limit`` to the host."""
+    n = values.numel() if isinstance(values, torch.Tensor) else len(values)
+    head = values.reshape(-1)[:limit].tolist() if isinstance(values, torch.Tensor) else values
+    shown = ", ".join(str(v) for v in head[:limit])
+    return f"[{shown}]" if n <= limit else f"[{shown}, ... ({n} values)]"
 
 
 def check_max_norm(max_norm: object) -> None:

@@ -10,6 +10,7 @@ import weakref
 import torch
 from torch import nn
 
+from computectx._checks import fault
 from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES, dtype_of, promote
 from computectx.formats import Backend
@@ -182,7 +183,7 @@ class Attention(BuiltUnder, nn.Module):
         if not finite or not (bool((wide == 0).all()) or bool((wide > 0).all())):
             raise ValueError(
                 f"{prefix}kv_amax must be finite and either all zero (not calibrated) or all "
-                f"positive (a calibration), got {wide.tolist()}"
+                f"positive (a calibration); {_amax_fault(wide)}"
             )
 
     def default_state_tensors(self) -> dict[str, torch.Tensor]:
@@ -281,13 +282,20 @@ class Attention(BuiltUnder, nn.Module):
             torch.equal(widen_steps(a), widen_steps(b)) for a, b in zip((ks, vs), mine, strict=True)
         )
         if not same:
-            ours = [widen_steps(s).tolist() for s in mine] if mine else "none (not calibrated)"
+            differ = [
+                name
+                for name, a, b in zip(("key", "value"), (ks, vs), mine, strict=True)
+                if not torch.equal(widen_steps(a), widen_steps(b))
+            ]
+            ours = (
+                f"its {' and '.join(differ)} steps differ from this layer's calibration"
+                if mine
+                else "this layer is not calibrated"
+            )
             raise ValueError(
-                f"this kv={kv} cache holds the static steps of another calibration (key "
-                f"{widen_steps(ks).tolist()}, value {widen_steps(vs).tolist()}; this layer's "
-                f"calibration gives {ours}): its codes were made with those steps. Build the "
-                f"caches from the model that reads them, after calibrating or loading "
-                f"(model.new_caches(...))"
+                f"this kv={kv} cache holds the static steps of another calibration ({ours}): "
+                f"its codes were made with those steps. Build the caches from the model that "
+                f"reads them, after calibrating or loading (model.new_caches(...))"
             )
         cache.steps_tag = now
 
@@ -471,3 +479,17 @@ class Attention(BuiltUnder, nn.Module):
             # the weighted sum would be NaN. Only positions 0 .. pos reach the output.
             values = values.masked_fill(~visible.view(1, 1, -1, 1), 0.0)
             return self._merge(self._attend(q, keys, values, visible))
+
+
+def _amax_fault(wide: torch.Tensor) -> str:
+    # What is wrong with a refused (2, H) kv_amax, named by its first refused entry, never
+    # printed (an error path: host reads of flags): a non-finite or negative entry, else
+    # zeros mixed with positive entries.
+    bad = ~torch.isfinite(wide) | (wide < 0)
+    if not bool(bad.any()):
+        zeros = int((wide == 0).sum())
+        return f"{zeros} of its {wide.numel()} entries are 0 and the others positive"
+    at = tuple(int(i) for i in bad.nonzero()[0])
+    count = int(bad.sum())
+    more = f" ({count} of its {wide.numel()} entries refused)" if count > 1 else ""
+    return f"kv_amax{list(at)} is {fault(wide[at])}{more}"

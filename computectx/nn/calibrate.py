@@ -7,6 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from computectx._checks import fault
 from computectx.nn.attention import Attention
 
 __all__ = ["calibrate_kv"]
@@ -71,7 +72,8 @@ def calibrate_kv(model: nn.Module, batches: Iterable[object]) -> dict[str, torch
             which, head = (int(i) for i in bad.nonzero()[0])
             raise ValueError(
                 f"calibrate_kv: {name or 'the model'} {'keys' if which == 0 else 'values'} of "
-                f"head {head} have amax {float(amax[which, head])} over {count} batch(es); a "
+                f"head {head} have an amax that is {fault(amax[which, head])} over {count} "
+                f"batch(es); a "
                 f"calibrated amax must be finite and positive (non-finite inputs, or a head "
                 f"that saw only zeros); nothing was stored"
             )

@@ -30,6 +30,7 @@ import warnings
 
 import torch
 
+from computectx._checks import shown_ints
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType, PromotionError, dtype_of
 from computectx.formats import Backend
@@ -321,8 +322,7 @@ class KVCache:
 
     def _hold_recent(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
         # The window keeps the last `recent` of the positions written (all of them when
-        # fewer) and tags each slot with its position (kv_steps: why a tag makes rollbacks
-        # safe).
+        # fewer) and tags each slot with its position (kv_steps: why a tag makes rollbacks safe).
         n = self.recent
         if self.k_recent is None or self.v_recent is None:
             return
@@ -475,8 +475,7 @@ class KVCache:
         if wrong or rows.device != self.k.device:
             raise ValueError(
                 f"KVCache.reorder takes rows as int64 or int32 ({b},) on {self.k.device} (one "
-                f"source "
-                f"row per batch row), got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
+                f"source row per batch row), got {rows.dtype} {tuple(rows.shape)} on {rows.device}"
             )
         parts = [self.k, self.v, self.k_recent, self.v_recent]
         parts += [s for s in (self._k_held, self._v_held) if s is not None and s.dim() == 3]
@@ -484,9 +483,10 @@ class KVCache:
         try:
             taken = raws[0].index_select(0, rows)  # raises on a row outside [0, B), writes nothing
         except IndexError:
+            out = ((rows < 0) | (rows >= b)).nonzero().flatten()
             raise ValueError(
-                f"KVCache.reorder: rows {rows.tolist()} hold a row outside [0, {b}) (the batch "
-                f"rows of this cache)"
+                f"KVCache.reorder: rows {shown_ints(rows)} hold {out.numel()} row(s) outside "
+                f"[0, {b}) (this cache's batch rows): rows[{int(out[0])}] = {int(rows[out[0]])}"
             ) from None
         raws[0].copy_(taken)
         for raw in raws[1:]:

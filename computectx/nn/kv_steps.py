@@ -32,7 +32,7 @@ from typing import Final
 
 import torch
 
-from computectx._checks import as_int
+from computectx._checks import as_int, fault
 from computectx.dtypes import FLOAT_DTYPES, DType
 from computectx.kv_policy import KvFp8, KvStep
 
@@ -216,9 +216,15 @@ def static_steps(
             got = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
             raise ValueError(f"kv={kv} needs {name} steps of shape {want}, got {got}")
         wide = s.detach().to(device=device, dtype=torch.float32)
-        if not bool((torch.isfinite(wide) & (wide > 0)).all()):
+        bad = ~(torch.isfinite(wide) & (wide > 0))
+        if bool(bad.any()):
+            first = int(bad.nonzero()[0, 0])
+            at = f" of head {first}" if kv.scaling == "per_head" else ""
+            count = int(bad.sum())
+            more = f" ({count} of the {bad.numel()} refused)" if count > 1 else ""
             raise ValueError(
-                f"kv={kv}: the {name} steps must be finite and positive, got {wide.tolist()}"
+                f"kv={kv}: the {name} steps must be finite and positive; the {name} step{at} "
+                f"is {fault(wide[first])}{more}"
             )
         out.append(held_steps(wide, kv.step).clone())
     return out[0], out[1]

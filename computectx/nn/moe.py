@@ -44,6 +44,7 @@ from typing import Literal, NamedTuple, get_args
 import torch
 from torch import nn
 
+from computectx._checks import fault, shown_ints
 from computectx.ctx import BuiltUnder, ComputeCtx
 from computectx.dtypes import cast_if, dtype_of, promote
 from computectx.formats.seam import guard_whole_loads
@@ -196,10 +197,12 @@ def check_bias(bias: object, n_experts: int, what: str) -> None:
         )
     bad = ~torch.isfinite(bias)
     if bool(bad.any()):
-        experts = bad.nonzero().flatten().tolist()
+        experts = bad.nonzero().flatten()
+        first = int(experts[0])
         raise ValueError(
-            f"{what} must be finite; experts {experts} hold {bias[bad].tolist()} (a NaN or "
-            f"inf router bias sends every token to one expert)"
+            f"{what} must be finite; that of experts {shown_ints(experts)} is not (expert "
+            f"{first}'s is {fault(bias[first])}; a NaN or inf router bias sends every token "
+            f"to one expert)"
         )
 
 
@@ -405,10 +408,12 @@ class MoE(BuiltUnder, nn.Module):
         wide = counted.detach().to(device=bias.device, dtype=torch.float64)
         bad_load = ~torch.isfinite(wide) | (wide < 0)
         if bool(bad_load.any()):
-            experts = bad_load.nonzero().flatten().tolist()
+            experts = bad_load.nonzero().flatten()
+            first = int(experts[0])
             raise ValueError(
                 f"update_bias takes a finite, non-negative load per expert (token counts); "
-                f"experts {experts} have {wide[bad_load].tolist()}"
+                f"the load of experts {shown_ints(experts)} is not (expert {first}'s is "
+                f"{fault(wide[first])})"
             )
         if self.balance != "aux_free":
             return None

@@ -100,7 +100,7 @@ def test_a_head_without_a_finite_positive_amax_stores_nothing(
     # measured fine and comes first) keeps its old amax too.
     with torch.no_grad():
         _attn(model, 1).qkv.weight.fill_(value)
-    match = r"blocks\.1\.attn (keys|values) of head 0 have amax"
+    match = r"blocks\.1\.attn (keys|values) of head 0 have an amax that is (0|inf|NaN) over"
     _refused(freeze, model, lambda: calibrate_kv(model, [_ids(1)]), ValueError, match)
 
 

@@ -161,9 +161,10 @@ def test_a_static_scheme_without_steps_is_refused_when_built(ctx: ComputeCtx) ->
     [
         (PER_HEAD, _steps((1,)), r"needs key steps of shape \(2,\), got \(1,\)"),
         (PER_TENSOR, _steps((H,)), r"needs key steps of shape \(1,\), got \(2,\)"),
-        (PER_HEAD, (torch.ones(H), torch.tensor([1.0, math.nan])), "value steps must be finite"),
-        (PER_TENSOR, (torch.zeros(1), torch.ones(1)), "key steps must be finite and positive"),
-        (PER_TENSOR, (torch.ones(1), -torch.ones(1)), "value steps must be finite and positive"),
+        # What is wrong and where, never the steps' values.
+        (PER_HEAD, (torch.ones(H), torch.tensor([1.0, math.nan])), "value step of head 1 is NaN$"),
+        (PER_TENSOR, (torch.zeros(1), torch.ones(1)), "key steps must be .*; the key step is 0$"),
+        (PER_TENSOR, (torch.ones(1), -torch.ones(1)), "; the value step is negative$"),
         (PTH, _steps((H,)), "takes no calibrated steps"),
         (F32, _steps((H,)), "stores values, not fp8 codes"),
     ],

@@ -158,6 +158,17 @@ _BAD_WRITES: list[tuple[str, Callable[[KVCache], None]]] = [
 ]
 
 
+def test_a_refused_reorder_names_the_row_outside_and_caps_the_rows() -> None:
+    cache = KVCache(F32, 10, H, D, L)
+    rows = torch.arange(10)
+    rows[9] = 10
+    shown = r"rows \[0, 1, 2, 3, 4, 5, 6, 7, \.\.\. \(10 values\)\]"
+    with pytest.raises(
+        ValueError, match=shown + r" hold 1 row\(s\) outside \[0, 10\) .*: rows\[9\] = 10$"
+    ):
+        cache.reorder(rows)
+
+
 @pytest.mark.parametrize(("name", "call"), _BAD_WRITES, ids=[n for n, _ in _BAD_WRITES])
 def test_every_refused_call_changes_nothing(name: str, call: Callable[[KVCache], None]) -> None:
     for cache in _caches():

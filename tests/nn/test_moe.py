@@ -521,7 +521,9 @@ def test_a_non_finite_router_bias_is_refused_by_load_state_dict(bad: float) -> N
     sd = {k: v.clone() for k, v in _moe(seed=1, n_shared=1).state_dict().items()}
     sd["router.bias"][2] = bad
     before = _tensors(moe)
-    with pytest.raises(ValueError, match=r"router.bias must be finite; experts \[2\]"):
+    named = {math.nan: "NaN", math.inf: "inf", -math.inf: "-inf"}[bad]  # never the value
+    match = rf"router.bias must be finite; that of experts \[2\] is not \(expert 2's is {named};"
+    with pytest.raises(ValueError, match=match):
         moe.load_state_dict(sd)
     assert _unchanged(moe, before)  # the experts (loaded before the router) too
     cfg = LMConfig(d_model=32, n_layers=1, n_heads=2, n_experts=4, top_k=2, moe_hidden=16,
@@ -541,9 +543,9 @@ def test_update_bias_refuses_a_non_finite_load_or_bias() -> None:
     moe(torch.randn(6, DIM))
     before, counts = moe.router.bias.clone(), moe.tokens_per_expert.clone()
     for load, match in [
-        (torch.tensor([1.0, math.nan, 2.0, 3.0]), r"experts \[1\] have \[nan\]"),
-        (torch.tensor([1.0, 2.0, -math.inf, 3.0]), r"experts \[2\] have \[-inf\]"),
-        (torch.tensor([1, 2, -3, 3]), r"non-negative load"),
+        (torch.tensor([1.0, math.nan, 2.0, 3.0]), r"experts \[1\] is not \(expert 1's is NaN\)$"),
+        (torch.tensor([1.0, 2.0, -math.inf, 3.0]), r"experts \[2\] is not \(expert 2's is -inf\)$"),
+        (torch.tensor([1, 2, -3, 3]), r"non-negative load .*\(expert 2's is negative\)$"),
         ([1, 2, 3, 4], "as a tensor"),
     ]:
         with pytest.raises((ValueError, TypeError), match=match):
@@ -552,7 +554,9 @@ def test_update_bias_refuses_a_non_finite_load_or_bias() -> None:
         assert torch.equal(moe.tokens_per_expert, counts)
     with torch.no_grad():
         moe.router.bias[3] = math.nan  # written around load_state_dict
-    with pytest.raises(ValueError, match=r"router bias must be finite; experts \[3\]"):
+    with pytest.raises(
+        ValueError, match=r"bias must be finite; that of experts \[3\] is not \(expert 3's is NaN;"
+    ):
         moe.update_bias()
     assert torch.equal(moe.tokens_per_expert, counts)
     with torch.no_grad():
