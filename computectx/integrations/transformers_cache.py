@@ -48,6 +48,7 @@ from transformers.cache_utils import (
 )
 from transformers.configuration_utils import PreTrainedConfig
 
+from computectx._checks import fault
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType
 from computectx.formats.seam import static_kv_steps
@@ -89,20 +90,21 @@ def _checked_amax(kv_amax: torch.Tensor, layers: int, heads: int) -> torch.Tenso
     wide = kv_amax.detach().to(torch.float32)
     bad = _first_bad_amax(wide)
     if bad is not None:
-        where, value = bad
-        raise ValueError(f"kv_amax must be finite and positive: {where} is {value}")
+        where, what = bad
+        raise ValueError(f"kv_amax must be finite and positive: {where} is {what}")
     return wide
 
 
-def _first_bad_amax(amax: torch.Tensor) -> tuple[str, float] | None:
+def _first_bad_amax(amax: torch.Tensor) -> tuple[str, str] | None:
     # The first (layer, keys/values, head) of a (layers, 2, heads) amax that is not finite
-    # and positive, as "layer L keys|values of head H", with its value; None when all are.
+    # and positive, as "layer L keys|values of head H", with what is wrong with it (NaN, inf,
+    # -inf, 0, negative: never its value); None when all are.
     bad = ~(torch.isfinite(amax) & (amax > 0))
     if not bool(bad.any()):
         return None
     layer, which, head = (int(i) for i in bad.nonzero()[0])
     where = f"layer {layer} {'keys' if which == 0 else 'values'} of head {head}"
-    return where, float(amax[layer, which, head])
+    return where, fault(amax[layer, which, head])
 
 
 def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -385,9 +387,10 @@ def calibrate_transformers_kv(model: nn.Module, batches: Iterable[object]) -> to
         raise ValueError("calibrate_transformers_kv: batches is empty; calibration needs a batch")
     bad = _first_bad_amax(found)
     if bad is not None:
-        where, value = bad
+        where, what = bad
         raise ValueError(
-            f"calibrate_transformers_kv: {where} have amax {value} over {count} batch(es); "
+            f"calibrate_transformers_kv: {where} have an amax that is {what} over {count} "
+            f"batch(es); "
             f"a calibrated amax must be finite and positive"
         )
     return found

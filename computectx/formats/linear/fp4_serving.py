@@ -50,6 +50,7 @@ from typing import Final, Literal
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from computectx._checks import fault
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.numerics import tensorwise
 from computectx.formats.numerics.e2m1 import E2M1_MAX
@@ -132,12 +133,12 @@ def check_input_amax(value: object, who: str, *, uncalibrated: bool = False) -> 
     if not finite:
         raise ValueError(
             f"{who}: input_amax must be finite and > 0 (a calibrated max |x|){marker}, got "
-            f"{value.tolist()}"
+            f"{fault(value)}"
         )
     if not positive:
         raise ValueError(
             f"{who}: input_amax must be finite and > 0 (a calibrated max |x|){marker}, got "
-            f"{value.tolist()}: an amax of 0 or below would serve the bias alone (alpha = 0); "
+            f"{fault(value)}: an amax of 0 or below would serve the bias alone (alpha = 0); "
             f"calibrate with batches holding finite non-zero inputs"
         )
     return value

@@ -57,6 +57,7 @@ import math
 import torch
 from torch.library import custom_op
 
+from computectx._checks import fault, shown_ints
 from computectx.dtypes import FLOAT_DTYPES, FP8_DTYPES
 from computectx.formats.backend import Backend, check_backend, parse_backend, uses_kernels
 from computectx.formats.numerics.attention import DecodeArgs, decode_attention_reference
@@ -252,17 +253,18 @@ def _check_values(
         return
     if isinstance(length, torch.Tensor) and not bool(((length >= 1) & (length <= t_max)).all()):
         raise ValueError(
-            f"length {length.tolist()} out of range; accepted: 1 <= length[b] <= {t_max}"
+            f"length {shown_ints(length)} out of range; accepted: 1 <= length[b] <= {t_max}"
         )
     for name, s in (("k_step", k_step), ("v_step", v_step)):
         if s is None:
             continue
         bad = bad_steps(s)
         if bool(bad.any()):
-            first = s.to(torch.float32)[bad][0].item()
+            at = tuple(int(i) for i in bad.nonzero()[0])
             raise ValueError(
                 f"{name} has {int(bad.sum())} step(s) that are not finite and positive (the "
-                f"first is {first}); steps must be finite and > 0"
+                f"first, {name}{list(at)}, is {fault(s[at].to(torch.float32))}); steps must be "
+                f"finite and > 0"
             )
 
 

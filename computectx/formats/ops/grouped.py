@@ -42,8 +42,7 @@ float32 twin (``numerics.grouped``); ``TRITON`` the operands quantized as the tw
 them, then one launch of the grouped kernel (``computectx.kernels.grouped_mm``,
 ``kernels.grouped_wgrad``), which finds each tile's group from ``offs`` on the device;
 ``CUBLAS`` ``F.scaled_grouped_mm`` for the row-wise recipe on CUDA (``kernels.cublas``), else
-as ``TRITON`` where Triton runs, else the twin.
-"""
+as ``TRITON`` where Triton runs, else the twin."""
 
 from __future__ import annotations
 
@@ -54,6 +53,7 @@ import torch
 from torch.autograd.function import FunctionCtx, once_differentiable
 from torch.library import custom_op
 
+from computectx._checks import shown_ints
 from computectx.activations import SaveMode
 from computectx.dtypes import FLOAT_DTYPES, Fp8Format
 from computectx.formats.backend import (
@@ -170,12 +170,12 @@ def checked_bounds(offs: torch.Tensor, m: int, experts: int | None = None) -> li
             what = "negative" if end < 0 else f"below offs[{g - 1}] = {prev}"
             raise ValueError(
                 f"offs must be non-decreasing end rows in [0, M = {m}]; offs[{g}] = {end} is "
-                f"{what} (offs = {offs.tolist()})"
+                f"{what} (offs = {shown_ints(offs)})"
             )
         if end > m:
             raise ValueError(
                 f"offs[{g}] = {end} is past the {m} rows of x; the ends must be in "
-                f"[0, M = {m}] (offs = {offs.tolist()})"
+                f"[0, M = {m}] (offs = {shown_ints(offs)})"
             )
         prev = end
     return bounds

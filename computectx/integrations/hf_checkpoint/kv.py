@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, NamedTuple
 import torch
 from torch import nn
 
+from computectx._checks import fault
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import DType, Fp8Format
 from computectx.integrations.hf_checkpoint.formats import float32_scale
@@ -256,10 +257,14 @@ def read_kv_scales(
                     f"{tuple(t.shape)}"
                 )
             step = float32_scale(f"KV scale {name}", t).reshape(-1).cpu()
-            if not bool((torch.isfinite(step) & (step > 0)).all()):
+            bad = ~(torch.isfinite(step) & (step > 0))
+            if bool(bad.any()):
+                first = int(bad.nonzero()[0, 0])
+                at = f"head {first}'s scale" if per_head else "the scale"
                 raise ValueError(
                     f"KV scale {name}: {kv.scaling} scales are {count} finite positive float "
-                    f"value(s), got {t.dtype} {tuple(t.shape)} {step.tolist()}"
+                    f"value(s), got {t.dtype} {tuple(t.shape)} whose {at} is "
+                    f"{fault(step[first])} ({int(bad.sum())} of {step.numel()} refused)"
                 )
             pair.append(_amax_of(step).expand(heads))
         rows.append(torch.stack(pair))

@@ -341,13 +341,16 @@ def test_bad_steps_raise(bad: float, which: str) -> None:
     step = step.clone()
     step[1, 2, 3] = bad  # within row 1's length 5
     args[which] = step
-    with pytest.raises(ValueError, match=f"{which} has 1 step.*first is {bad}"):
+    named = {0.0: "0", -1.0: "negative", math.inf: "inf"}.get(bad, "NaN")  # never the value
+    with pytest.raises(
+        ValueError, match=rf"{which} has 1 step.*first, {which}\[1, 2, 3\], is {named}\)"
+    ):
         decode_attention(**args, sm_scale=0.25)  # type: ignore[arg-type]
 
 
 def test_a_nan_per_tensor_step_raises() -> None:
     q, k, v, ks, _ = make_case(1, 2, 8, 16, E4M3, "per_tensor", seed=11)
-    with pytest.raises(ValueError, match=r"v_step has 1 step.*nan"):
+    with pytest.raises(ValueError, match=r"v_step has 1 step.*\(the first, v_step\[0\], is NaN\)"):
         decode_attention(q, k, v, ks, torch.full((1,), math.nan), 8, sm_scale=0.25)
 
 
@@ -512,5 +515,5 @@ def test_compact_steps_are_checked_like_float32_ones() -> None:
     with pytest.raises(ValueError, match=r"share one step format, got torch.bfloat16 and"):
         decode_attention(q, k, v, ks.bfloat16(), vs, 8, sm_scale=0.25)
     nan = torch.full_like(ks, 255, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    with pytest.raises(ValueError, match=r"k_step has 16 step\(s\) that are not finite"):
+    with pytest.raises(ValueError, match=r"k_step has 16 step\(s\) .* k_step\[0, 0, 0\], is NaN\)"):
         decode_attention(q, k, v, nan, _compact(vs, "e8m0"), 8, sm_scale=0.25)

@@ -22,6 +22,7 @@ from computectx.formats import (
     convert_to_quantized,
     quantized_grouped_mm,
 )
+from computectx.formats.ops.grouped import checked_bounds
 
 POLICIES = {
     "tensor": "e4m3/tensor/dynamic/0",
@@ -115,6 +116,14 @@ def test_bad_offs_raise_naming_the_problem(offs: object, error: type, match: str
     x, w = torch.randn(8, 32), torch.randn(3, 16, 32)
     with pytest.raises(error, match=match):
         quantized_grouped_mm(x, w, offs, POLICY, backend="reference")  # type: ignore[arg-type]
+
+
+def test_a_long_offs_is_capped_in_the_message() -> None:
+    # offs is metadata and may be named, but capped: its first 8 ends and how many it holds.
+    offs = torch.arange(1, 13, dtype=torch.int32)  # 12 ends, the last two past M = 10
+    shown = r"\(offs = \[1, 2, 3, 4, 5, 6, 7, 8, \.\.\. \(12 values\)\]\)$"
+    with pytest.raises(ValueError, match=r"offs\[10\] = 11 is past the 10 rows .*" + shown):
+        checked_bounds(offs, 10)
 
 
 @pytest.mark.parametrize(
