@@ -48,19 +48,6 @@ def _share_the_cores() -> None:
 _share_the_cores()
 
 
-def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
-    """``-n auto``: one worker more than the cores this process may run on.
-
-    Much of the suite waits on processes its tests start (ranks, docs samples, mypy, the
-    background GPU compile) while they start up, meet and tear down; a worker per core
-    leaves a core idle in those waits. With one more worker the cores stay busy (on 2 cores:
-    the distributed, docs and demo tests in 209 s with 3 workers against 265 s with 2, the
-    same CPU time). ``PYTEST_XDIST_AUTO_NUM_WORKERS`` still decides where it is set."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None  # xdist's own hook reads it
-    return len(os.sched_getaffinity(0)) + 1
-
-
 def _triton_interpreted_first() -> None:
     # Triton decides when it is imported whether its own language functions (tl.zeros and
     # the rest of triton.language.standard) run interpreted. A test module that imports
