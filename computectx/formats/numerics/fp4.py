@@ -57,12 +57,12 @@ even code), which decodes to ``±2**128 = ±inf`` (torchao's bytes and dequantiz
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Final, Literal
 
 import torch
 
+from computectx._checks import fault
 from computectx.dtypes import FLOAT_DTYPES
 from computectx.formats.numerics.e2m1 import (
     E2M1_MAX,
@@ -184,17 +184,8 @@ def check_amax(amax: object, who: str, *, check_values: bool = True) -> torch.Te
         raise ValueError(f"{who}: amax must be a float32 tensor of shape () or (1,), got {got}")
     read = check_values and not amax.is_meta and not torch.compiler.is_compiling()
     if read and not bool((torch.isfinite(amax) & (amax >= 0)).all()):
-        raise ValueError(f"{who}: amax must be finite and >= 0 (a max |x|), got {_fault(amax)}")
+        raise ValueError(f"{who}: amax must be finite and >= 0 (a max |x|), got {fault(amax)}")
     return amax.detach().reshape(())
-
-
-def _fault(amax: torch.Tensor) -> str:
-    # What is wrong with a refused one-element amax (an error path: one host read of flags),
-    # named, never printed.
-    one = amax.detach().reshape(())
-    flags = torch.stack([one.isnan(), one == math.inf, one == -math.inf]).tolist()
-    named = (name for name, hit in zip(("NaN", "inf", "-inf"), flags, strict=True) if hit)
-    return next(named, "a negative value")
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:

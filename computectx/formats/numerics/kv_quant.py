@@ -29,10 +29,9 @@ steps ``(B, H, T)`` per_token_head, ``(H,)`` per_head, ``(1,)`` per_tensor.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from computectx._checks import fault
 from computectx.dtypes import Fp8Format, dtype_of
 from computectx.kv_policy import KvFp8
 
@@ -131,10 +130,7 @@ def _refused(wide: torch.Tensor, bad: torch.Tensor) -> str:
     # The first refused amax of a (2, H) amax, named by keys/values and head with what is
     # wrong with it (an error path: host reads of flags, never of the values), and the count.
     which, head = (int(i) for i in bad.nonzero()[0])
-    value = wide[which, head]
-    flags = torch.stack([value.isnan(), value == math.inf, value == -math.inf, value == 0])
-    names = ("NaN", "inf", "-inf", "0")
-    what = next((n for n, hit in zip(names, flags.tolist(), strict=True) if hit), "negative")
+    what = fault(wide[which, head])
     count = int(bad.sum())
     more = f" ({count} of the {bad.numel()} amaxes refused)" if count > 1 else ""
     return f"the {'keys' if which == 0 else 'values'}' amax of head {head} is {what}{more}"

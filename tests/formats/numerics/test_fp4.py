@@ -488,7 +488,7 @@ def test_quantize_nvfp4_checks_a_given_amax() -> None:
     """A given per-tensor amax is a float32 () or (1,), finite and >= 0 (0: an all-zero
     tensor); anything else is refused naming what is wrong (never printing it), never cast."""
     x = torch.randn(4, 32)
-    faults = {-2.5: "a negative value", math.nan: "NaN", math.inf: "inf", -math.inf: "-inf"}
+    faults = {-2.5: "negative", math.nan: "NaN", math.inf: "inf", -math.inf: "-inf"}
     for bad, what in faults.items():
         for shape in ((), (1,)):
             want = f"quantize_nvfp4: amax must be finite and >= 0 (a max |x|), got {what}"
