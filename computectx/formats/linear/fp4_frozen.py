@@ -65,7 +65,7 @@ from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Opera
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
 from computectx.formats.policy import describe
 from computectx.formats.scaling.layer import held_out
-from computectx.formats.scaling.load import guard_whole_loads
+from computectx.formats.scaling.load import copied_on_save, guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
 
 __all__ = [
@@ -183,10 +183,8 @@ class FrozenFp4Linear(nn.Module):
         )
         self._code = frozen_weight_code(nv, self.tile, mx_rounding)
         with torch.inference_mode(False), torch.no_grad():  # plain tensors, loadable later
-            self.register_buffer("weight_fp4", q.codes.clone(memory_format=torch.contiguous_format))
-            self.register_buffer(
-                "weight_scale", q.scale.clone(memory_format=torch.contiguous_format)
-            )
+            for name, t in (("weight_fp4", q.codes), ("weight_scale", q.scale)):
+                self.register_buffer(name, t.clone(memory_format=torch.contiguous_format))
             if isinstance(q, Nvfp4Operand):
                 self.register_buffer("weight_amax", q.amax.float().reshape(1).clone())
             if activation_amax == "static":
@@ -363,6 +361,10 @@ class FrozenFp4Linear(nn.Module):
         if self.activation_amax == "static" and f"{prefix}input_amax" not in state_dict and new:
             self.clear_input_amax()
 
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep)
+        copied_on_save(destination, prefix, keep, ("weight_amax", "input_amax"))  # checked once
+
     def _check_state(self, state: object, layer: str, prefix: str) -> None:
         if state is None:
             return
@@ -415,8 +417,8 @@ class FrozenFp4Linear(nn.Module):
             )
             if (value.dtype, value.shape) != (own.dtype, own.shape):
                 raise ValueError(
-                    f"{layer}: {prefix}{name} is {_dtype_shape(value)}, but the layer holds "
-                    f"{_dtype_shape(own)} and loads only that ({why})"
+                    f"{layer}: {prefix}{name} is {_what(value)}, but the layer holds "
+                    f"{_what(own)} and loads only that ({why})"
                 )
             got[name] = value
         q = self.weight_operand
@@ -460,13 +462,11 @@ def _loaded(layer: nn.Module, _: object) -> None:
         layer.input_calibrated = bool(torch.isfinite(amax).all())
 
 
-def _dtype_shape(t: torch.Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
-
-
 def _what(value: object) -> str:
     """``value`` for a message: a tensor by its dtype and shape, never its contents."""
-    return _dtype_shape(value) if isinstance(value, torch.Tensor) else describe(value)
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
+    return describe(value)
 
 
 def _epilogue_bias(bias: torch.Tensor | None) -> torch.Tensor | None:

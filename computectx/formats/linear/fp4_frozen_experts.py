@@ -89,7 +89,7 @@ from computectx.formats.ops.fp4_grouped_frozen import (
 from computectx.formats.ops.grouped import checked_bounds
 from computectx.formats.policy import describe
 from computectx.formats.scaling.layer import held_out
-from computectx.formats.scaling.load import guard_whole_loads
+from computectx.formats.scaling.load import copied_on_save, guard_whole_loads
 
 __all__ = [
     "FROZEN_EXPERTS_SUFFIXES",
@@ -300,6 +300,11 @@ class FrozenFp4Experts(nn.Module):
                 f"high-precision {prefix}{hp[0]} (a training state of the experts): load that "
                 f"checkpoint into the unfrozen model, then freeze (freeze_fp4_for_serving)"
             )
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep: bool) -> None:
+        super()._save_to_state_dict(destination, prefix, keep)
+        # The amaxes are checked once, at a load, not on each call (copied_on_save).
+        copied_on_save(destination, prefix, keep, (n + "_amax" for n in self.names))
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Self:
         # The codes, scales and amaxes follow the module's device, never its dtype.

@@ -41,6 +41,7 @@ from computectx.formats.scaling.layer import ScalingState, held_out
 from computectx.formats.scaling.load import (
     ScalingLoad,
     check_held_dtypes,
+    copied_on_save,
     plan_scaling_load,
     refuse_whole,
 )
@@ -359,14 +360,9 @@ class QuantizedLinear(nn.Linear):
         self, destination: dict[str, Any], prefix: str, keep_vars: bool
     ) -> None:
         super()._save_to_state_dict(destination, prefix, keep_vars)
-        if keep_vars:
-            return
-        # Copies of the scaling tensors, not views of the live buffers: a saved state stays
-        # as it was when training goes on, and a checkpoint read into a state dict (DCP
-        # writes into its tensors) reaches the layer only through load_state_dict, checked.
-        for name in self.scaling.tensor_names():
-            if prefix + name in destination:
-                destination[prefix + name] = destination[prefix + name].clone()
+        # Copies of the scaling tensors and a frozen layer's steps (copied_on_save).
+        steps = ("weight_step",) if self._frozen else ()
+        copied_on_save(destination, prefix, keep_vars, (*self.scaling.tensor_names(), *steps))
 
     def plan_state_load(
         self, tensors: Mapping[str, torch.Tensor], *, prefix: str = ""

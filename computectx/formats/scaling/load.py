@@ -25,10 +25,10 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -48,6 +48,7 @@ __all__ = [
     "check_held_dtypes",
     "check_layer_entries",
     "check_state_dtypes",
+    "copied_on_save",
     "guard_whole_loads",
     "load_refusals",
     "outer_strict",
@@ -70,6 +71,22 @@ class ScalingLoad:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def copied_on_save(
+    destination: dict[str, Any], prefix: str, keep_vars: bool, names: Iterable[str]
+) -> None:
+    """In a module's ``_save_to_state_dict``, after torch's: the entries ``names`` (local)
+    become copies, not views of the live buffers (unless ``keep_vars``). A saved state then
+    stays as it was, and a checkpoint read into a state dict (DCP's ``load`` writes into its
+    tensors) reaches the module only through ``load_state_dict``, checked: the scaling
+    tensors, and the frozen weights' steps and amaxes, whose values are checked there once
+    and not on each call."""
+    if keep_vars:
+        return
+    for name in names:
+        if prefix + name in destination:
+            destination[prefix + name] = destination[prefix + name].clone()
 
 
 def check_state_dtypes(tensors: Mapping[str, object], names: Sequence[str], prefix: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import pathlib
 import re
 from collections.abc import Callable
@@ -248,3 +249,46 @@ def test_a_model_built_by_hand_checks_every_layer_once_guarded() -> None:
     with pytest.raises(ValueError, match=r"2\.fp8_meta is bfloat16"):
         model.load_state_dict(sd)
     assert unchanged(model, snap)
+
+
+def _frozen_layers() -> dict[str, tuple[nn.Module, tuple[str, ...]]]:
+    """A frozen fp8 linear, a frozen NVFP4 linear (static) and frozen NVFP4 experts, each with
+    the entries whose values a load checks once (not each call)."""
+    from computectx.formats import Fp4Linear, Fp4Recipe, FrozenFp4Linear
+    from computectx.formats.linear.fp4_experts import Fp4Experts
+    from computectx.nn import GroupedExperts
+
+    torch.manual_seed(0)
+    fp8 = QuantizedLinear(32, 16, ctx=ComputeCtx.from_flag("fp8_hybrid", "cpu"))
+    fp8.freeze_for_serving()
+    fp4 = FrozenFp4Linear.from_fp4_linear(
+        Fp4Linear(32, 16, ctx=ComputeCtx.from_flag("nvfp4", "cpu")), activation_amax="static"
+    )
+    fp4.set_input_amax(torch.tensor([2.0]))
+    experts = GroupedExperts(ComputeCtx.from_flag("bf16", "cpu"), 32, 32, 2)
+    experts.fp8 = Fp4Experts(Fp4Recipe.parse("nvfp4"))
+    experts.freeze_for_serving(mode="weight_only")
+    return {
+        "fp8": (fp8, ("weight_step",)),
+        "fp4": (fp4, ("weight_amax", "input_amax")),
+        "experts": (experts, ("fp8.gate_up_amax", "fp8.down_amax")),
+    }
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4", "experts"])
+def test_a_frozen_layers_checked_entries_are_copies_in_its_state_dict(kind: str) -> None:
+    """DCP's load writes into the state dict's tensors: a frozen layer's steps and amaxes,
+    checked once at a load and not on each call, reach it only through ``load_state_dict``
+    (which refuses a NaN); ``keep_vars=True`` still gives the live buffers."""
+    layer, names = _frozen_layers()[kind]
+    state = layer.state_dict()
+    for name in names:
+        live = layer.get_buffer(name)
+        before = live.clone()
+        state[name].fill_(math.nan)  # as dcp.load into a corrupt checkpoint would
+        assert torch.equal(live, before), name
+        assert layer.state_dict(keep_vars=True)[name] is live
+    with pytest.raises(ValueError, match="finite"):
+        layer.load_state_dict(state)
+    for name in names:
+        assert not layer.get_buffer(name).isnan().any(), name
