@@ -13,8 +13,11 @@ the same gradients (in the parameter's dtype), times ``step()`` alone, then ``ze
 (untimed, as a training loop frees its gradients). The first ``--warmup`` rounds are not
 counted (they build the native kernel, and torchao's compiled steps). The parts:
 
-- ``f32``: torch ``AdamW`` ``fused=True`` (every ratio's base), ``foreach=True``,
-  single-tensor (``foreach=False``, torch's default on the CPU); ours ``OffloadedOptimizer``
+- ``f32``: torch ``AdamW`` ``fused=True`` (every ratio's base), the same behind torch's own
+  non-finite check (``torch.amp.GradScaler`` at scale 1: ``unscale_`` reads and writes every
+  gradient and finds inf/NaN, ``step`` skips on them: the like-for-like of ours' check, in the
+  ``÷ checked`` lines under the table), ``foreach=True``, single-tensor (``foreach=False``,
+  torch's default on the CPU); ours ``OffloadedOptimizer``
   and ``CompactOptimizer`` with float32 state (masters and state on the CPU, the model there
   too, so the masters are the model's own storage: torch's fused kernel and the non-finite
   check); DeepSpeed's ``DeepSpeedCPUAdam`` where ``deepspeed`` imports;
@@ -73,6 +76,9 @@ PARTS = ("f32", "clip", "compact", "bf16")
 FORMATS = ("bf16", "int8", "fp8", "int4")
 BASE = "torch AdamW fused=True"
 OURS_F32 = "ours CompactOptimizer f32"
+CHECKED = f"{BASE}, GradScaler's check"
+UNSCALE_BYTES = 8
+"""Bytes ``GradScaler.unscale_`` moves per float32 parameter: read and write the gradient."""
 TWIN = "compile=False (twin)"
 
 Make = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -97,6 +103,7 @@ class Row:
     opt: torch.optim.Optimizer
     times: list[float] = field(default_factory=list)
     clip: bool = False
+    scaler: torch.amp.GradScaler | None = None
 
 
 def _params(shape: tuple[int, ...], dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -134,6 +141,13 @@ def _specs(parts: tuple[str, ...]) -> list[tuple[str, str, float, torch.dtype, M
     if "f32" in parts:
         specs += [
             (BASE, "f32", f32, torch.float32, lambda p: torch.optim.AdamW(p, fused=True)),
+            (
+                CHECKED,
+                "f32",
+                f32 + UNSCALE_BYTES,
+                torch.float32,
+                lambda p: torch.optim.AdamW(p, fused=True),
+            ),
             (
                 "torch AdamW foreach=True",
                 "f32",
@@ -297,8 +311,20 @@ def contenders(
                 notes.append(f"{label}: left out ({type(e).__name__}: {e})")
                 continue
         params = _params(shape, dtype)
-        rows.append(Row(label, part, nbytes, params, make(params), clip=part == "clip"))
+        row = Row(label, part, nbytes, params, make(params), clip=part == "clip")
+        if label == CHECKED:
+            row.scaler = _unit_scaler()
+        rows.append(row)
     return rows, notes
+
+
+def _unit_scaler() -> torch.amp.GradScaler:
+    """torch's AMP gradient scaler at scale 1 that never grows: only its non-finite check
+    and skip remain (``scale`` once, as a loop's first ``scaler.scale(loss)`` does, makes
+    its scale tensor)."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=1.0, growth_interval=2**30)
+    scaler.scale(torch.ones(()))
+    return scaler
 
 
 def _clip(row: Row) -> None:
@@ -321,7 +347,12 @@ def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> 
             start = time.perf_counter()
             if row.clip:
                 _clip(row)
-            row.opt.step()
+            if row.scaler is not None:
+                row.scaler.unscale_(row.opt)
+                row.scaler.step(row.opt)
+                row.scaler.update()
+            else:
+                row.opt.step()
             elapsed = time.perf_counter() - start
             row.opt.zero_grad()
             if r >= warmup:
@@ -363,6 +394,13 @@ def table(rows: list[Row], numel: int) -> list[str]:
             f"{to_ours} | {gbs:.1f} | {row.bytes_per_param:g} | "
             f"{state_bytes(row.opt) / numel:.2f} |"
         )
+    checked = medians.get(CHECKED)
+    if checked:
+        out += [
+            f"{row.label} ÷ checked: {medians[row.label] / checked:.2f}"
+            for row in rows
+            if row.label.startswith("ours") and not row.clip
+        ]
     return out
 
 

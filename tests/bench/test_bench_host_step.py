@@ -19,7 +19,9 @@ def test_the_bench_reports_every_row_and_ours_equal_torchs_fused_step() -> None:
     assert not any(label.startswith(("DeepSpeed", "torchao", "bitsandbytes")) for label in labels)
     assert all(len(row.times) == 2 for row in rows)
     lines = bench.table(rows, 2 * 16 * 8)
-    assert len(lines) == 2 + len(rows) and "| 1.00 |" in lines[2]
+    ours = [row.label for row in rows if row.label.startswith("ours") and not row.clip]
+    assert len(lines) == 2 + len(rows) + len(ours) and "| 1.00 |" in lines[2]
+    assert [line.split(" ÷ checked: ")[0] for line in lines[2 + len(rows) :]] == ours
     clipped = [row for row in rows if row.clip]
     assert [row.label for row in clipped] == [
         "torch AdamW fused=True, clip + step",
@@ -28,8 +30,12 @@ def test_the_bench_reports_every_row_and_ours_equal_torchs_fused_step() -> None:
         *(f"ours {fmt} moments, clip + step" for fmt in bench.FORMATS),
     ]
     assert "| 1.00 |" in lines[2 + rows.index(clipped[0])]
-    # Ours f32 steps equal torch's fused ones, with the clip as without it.
+    # Ours f32 steps equal torch's fused ones, with the clip as without it, and torch's fused
+    # step behind GradScaler's check at scale 1 (the like-for-like row) steps the same.
     fused, fused_clipped = rows[0].params, clipped[0].params
+    (checked,) = [row for row in rows if row.label == bench.CHECKED]
+    assert checked.scaler is not None and checked.part == "f32"
+    assert all(torch.equal(a, b) for a, b in zip(fused, checked.params, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(fused, fused_clipped, strict=True))
     for row in rows:
         if row.label.startswith("ours") and row.part in ("f32", "clip"):
