@@ -185,3 +185,14 @@ def grouped_operands(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[tuple
         return seen
 
     return install
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked ``slow`` start first, in their collected order, then the rest.
+
+    Under ``-n auto --dist worksteal`` each worker starts on one contiguous half of the
+    collection and an idle one takes the tail of the other's queue, so a long test collected
+    near the end (the mypy run of test_typing.py, the compiled demo) starts late and leaves
+    one core idle while it runs alone; started first, it runs while the other worker clears
+    the short tests. The order is the same on every worker (xdist requires it)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
