@@ -34,6 +34,7 @@ from computectx.distributed.fp8_expert_gather import (
     ExpertsGatheredQuantized,
     enable_quantized_expert_gather,
 )
+from computectx.distributed.frozen_broadcast import broadcast_frozen
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
     agree,
@@ -66,6 +67,7 @@ __all__ = [
     "WeightGatheredQuantized",
     "agree",
     "agree_ok",
+    "broadcast_frozen",
     "check_optimizer_state_dict",
     "check_same_policy",
     "clip_grad_norm_with_experts",

@@ -29,6 +29,7 @@ from computectx.distributed.fp8_all_gather import (
 )
 from computectx.distributed.fp8_amax_sync import AmaxSync, scaling_buffer_names
 from computectx.distributed.fp8_expert_gather import enable_quantized_expert_gather
+from computectx.distributed.frozen_broadcast import share_frozen
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
     COMPILE_REFUSED,
@@ -126,7 +127,7 @@ def distribute(
             mesh = init_device_mesh(ctx.device.type, (world,))
         shard(model, ctx, args, mesh, world, experts)
     else:
-        run = wrap_ddp(model, ctx, group, experts)
+        run = wrap_ddp(model, ctx, group, experts, args.join_timeout)
         if not experts:  # with experts every forward joins (below)
             join_until_rebuilt(run, data_parallel_group(group), args.join_timeout)
     if sharded or experts:
@@ -217,10 +218,18 @@ def wrap_ddp(
     ctx: ComputeCtx,
     group: dist.ProcessGroup | None,
     experts: list[nn.Parameter],
+    join_timeout: float | None,
 ) -> DistributedDataParallel:
     """``DistributedDataParallel`` over ``model`` on this rank's device, the buffers and
     weights it must not broadcast or all-reduce left out. It broadcasts rank 0's other
-    buffers once, here, and never before a forward: no forward of it is a collective."""
+    buffers once, here, and never before a forward: no forward of it is a collective; the
+    weights frozen for serving go from rank 0 as bytes (``share_frozen``), as DDP's
+    broadcast would send them could it."""
+    # Rank 0's frozen codes and scales, which DDP leaves out (below): without this a rank
+    # that built its model from its own seed, or that did not load the checkpoint, would
+    # serve its own codes beside rank 0's trainable rest, silently. First: a refusal (the
+    # ranks froze other layers) changes nothing.
+    share_frozen(model, data_parallel_group(group), 0, join_timeout)
     ids = None
     if ctx.device.type == "cuda":
         # A bare "cuda" means this rank's current device (torchrun's

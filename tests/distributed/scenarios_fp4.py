@@ -7,7 +7,9 @@ steps rank 0 alone runs a validation forward under ``no_grad`` while rank 1 wait
 (no collective). Then the trained model is frozen for serving (4-bit buffers: gloo sends no
 float4) and wrapped in DDP again, with an ``inference_mode`` forward on both ranks and one on
 rank 0 alone; so are two fp8 models frozen for serving (float8 codes), one layer by layer
-then ``exclude_frozen_from_ddp``, one by ``load_serving_weights(mode="serve")``. A lone call
+then ``exclude_frozen_from_ddp``, one by ``load_serving_weights(mode="serve")``, each rank's
+built from its own seed: ``broadcast_frozen`` after the wrap gives every rank rank 0's frozen
+codes, as ``parallelize``'s wrap does (``partly_frozen_parallelized``). A lone call
 that issued a collective (DDP broadcasting registered buffers before a forward) would time
 out on a group whose collectives wait ``TIMEOUT_S``; the ranks then stop there, and the test
 fails in seconds."""
@@ -15,6 +17,7 @@ fails in seconds."""
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.distributed import parallelize
+from computectx.distributed import broadcast_frozen, parallelize
 from computectx.formats import (
     QuantizedLinear,
     convert_to_quantized,
@@ -129,8 +132,10 @@ def fp8_frozen_under_ddp(group: dist.ProcessGroup, store: Any) -> dict[str, Any]
     """fp8 models frozen for serving (float8 codes: gloo sends none) served under DDP
     (``_served_under_ddp``): ``layers``, its linears frozen one by one, then
     ``exclude_frozen_from_ddp``; ``loaded``, another model served by
-    ``load_serving_weights(mode="serve")`` of the first's codes."""
-    layers = fp8_model(0)
+    ``load_serving_weights(mode="serve")`` of the first's codes. Each rank builds ``layers``
+    from its own seed (as a checkpoint loaded on rank 0 only): its codes differ until
+    ``broadcast_frozen``. Then ``refused``: what ``broadcast_frozen`` refuses on every rank."""
+    layers = fp8_model(dist.get_rank())
     for m in layers.modules():
         if isinstance(m, QuantizedLinear):
             m.freeze_for_serving()
@@ -140,7 +145,39 @@ def fp8_frozen_under_ddp(group: dist.ProcessGroup, store: Any) -> dict[str, Any]
     return {
         "layers": _served_under_ddp(layers, group, store, "fp8/layers"),
         "loaded": _served_under_ddp(loaded, group, store, "fp8/loaded"),
+        "refused": _refused(group),
     }
+
+
+def _refused(group: dist.ProcessGroup) -> list[str]:
+    # broadcast_frozen where the ranks froze other layers (rank 1 its head too), then over a
+    # DDP that wrapped before a layer was frozen (it would broadcast the float8 codes before
+    # its next forward): each a ValueError on every rank, recorded.
+    out = []
+    seq = fp8_model(0)
+    for m in list(seq)[: 1 + 2 * dist.get_rank()]:
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+    late = fp8_model(0)
+    calls: list[Callable[[], object]] = [
+        lambda: broadcast_frozen(seq, group=group),
+        lambda: broadcast_frozen(_frozen_late(late, group)),
+    ]
+    for call in calls:
+        try:
+            call()
+            out.append("runs")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def _frozen_late(seq: nn.Sequential, group: dist.ProcessGroup) -> DistributedDataParallel:
+    ddp = DistributedDataParallel(seq, process_group=group)
+    first = seq[0]
+    assert isinstance(first, QuantizedLinear)
+    first.freeze_for_serving()
+    return ddp
 
 
 def _served_under_ddp(
@@ -152,6 +189,8 @@ def _served_under_ddp(
     got: dict[str, Any] = {}
     try:
         served = DistributedDataParallel(seq, process_group=group)
+        # Rank 0's frozen codes, as DDP's wrap sent the rest of its state.
+        got["sent"] = broadcast_frozen(served)
         with torch.inference_mode():
             got["out"] = served(eval_batch()).clone()
             got["plain"] = seq(eval_batch()).clone()
@@ -168,8 +207,10 @@ def _served_under_ddp(
 def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str, Any]:
     """An fp8 model whose first linear alone is frozen for serving (its float8 codes, with no
     ``exclude_frozen_from_ddp``) handed to ``parallelize(strategy="ddp")``, then one SGD step
-    of the trainable rest on each rank's rows: the outcome, what DDP leaves out, the weights."""
-    seq = fp8_model(0)
+    of the trainable rest on each rank's rows: the outcome, what DDP leaves out, the weights,
+    the frozen codes. Each rank builds its model from its own seed: the wrap sends rank 0's
+    trainable weights and (``broadcast_frozen``) its frozen codes."""
+    seq = fp8_model(dist.get_rank())
     first = seq[0]
     assert isinstance(first, QuantizedLinear)
     first.freeze_for_serving()
@@ -181,6 +222,7 @@ def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str
         par.model(batch(0, dist.get_rank())).float().square().mean().backward()
         par.step()
         got["weights"] = [p.detach().clone() for p in seq[2].parameters()]
+        got["codes"] = first.weight_fp8.view(torch.uint8).clone()
         got["wrap"] = "runs"
     except Exception as e:  # recorded: the test says what went wrong
         got["wrap"] = f"{type(e).__name__}: {e}"

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from computectx.formats import QuantizedLinear
+
 from .conftest import RunRanks
-from .scenarios_fp4 import LR, ROWS, batch, keys, model
+from .scenarios_fp4 import LR, ROWS, batch, fp8_model, keys, model
 
 LIMIT_S = 60.0
 
@@ -61,17 +63,32 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
     assert torch.equal(frozen[0]["out"], frozen[1]["out"])
     assert torch.equal(frozen[0]["alone"], frozen[0]["out"])
     # fp8 frozen for serving (float8 codes, which gloo refuses: 'Invalid scalar type'),
-    # frozen layer by layer or by a serve load of the same codes: DDP wraps and serves alike.
+    # frozen layer by layer or by a serve load of the same codes: DDP wraps and serves alike,
+    # though each rank froze a model of its own seed (broadcast_frozen sends rank 0's codes).
     fp8 = [r["fp8_frozen"][how] for r in ranks for how in ("layers", "loaded")]
     for f in fp8:
         assert f["wrap"] == "runs", f["wrap"]
         assert torch.equal(f["out"], f["plain"]) and torch.equal(f["out"], fp8[0]["out"])
+        assert f["sent"] == ("0.weight_fp8", "0.weight_step", "2.weight_fp8", "2.weight_step")
     assert all(torch.equal(f["alone"], f["out"]) for f in fp8 if "alone" in f)
+    # What broadcast_frozen refuses, on every rank alike: ranks that froze other layers, and
+    # a DDP that wrapped before a layer was frozen (its next forward would broadcast codes).
+    for r in ranks:
+        differ, late = r["fp8_frozen"]["refused"]
+        assert "rank(s) 1 differ from rank 0; the first is '2.weight_fp8'" in differ, differ
+        assert "broadcasts '0.weight_fp8' (and 1 more frozen buffers)" in late, late
     # A model frozen layer by layer, without exclude_frozen_from_ddp, handed to parallelize:
     # its DDP wrap leaves the float8 codes out itself, and the trainable rest steps alike.
+    # Each rank built its own seed's model: the wrap sent rank 0's weights and frozen codes.
     par = [r["parallelized"] for r in ranks]
     for p in par:
         assert p["wrap"] == "runs", p["wrap"]
         assert {"0.weight_fp8", "0.weight_step"} <= set(p["ignored"]), p["ignored"]
     for a, b in zip(par[0]["weights"], par[1]["weights"], strict=True):
         assert torch.equal(a, b)
+    zero = fp8_model(0)[0]
+    assert isinstance(zero, QuantizedLinear)
+    codes = zero.freeze_for_serving().weight_fp8
+    assert isinstance(codes, torch.Tensor)
+    for p in par:
+        assert torch.equal(p["codes"], codes.view(torch.uint8))
