@@ -53,8 +53,9 @@ def freeze_fp4_for_serving(
     every call that returns, a second one included: ``DistributedDataParallel(model)``
     wraps the frozen model (data-parallel evaluation or inference) instead of failing in its
     first broadcast (gloo and NCCL send no ``float4_e2m1fn_x2``, gloo no float8), and no
-    forward of it broadcasts them. Each rank serves its own frozen weights, then: freeze the
-    same trained weights or load one checkpoint on every rank.
+    forward of it broadcasts them (wrap ``model`` itself: DDP reads the list of the module it
+    wraps only). DDP's wrap does not send them: freeze the same trained weights on every rank,
+    or call ``computectx.distributed.broadcast_frozen(ddp)`` on every rank after wrapping.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"freeze_fp4_for_serving takes an nn.Module, got {describe(model)}")

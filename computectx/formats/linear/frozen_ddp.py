@@ -14,9 +14,12 @@ once, when it wraps, and only the root's: so a layer frozen alone cannot record 
 them to ``model``'s list (the names already there stay). The model-level freezes call it
 (``freeze_fp4_for_serving``; ``load_serving_weights(mode="serve")``); after freezing layer by
 layer (``QuantizedLinear.freeze_for_serving``, ``GroupedExperts.freeze_for_serving``,
-``FrozenFp4Linear.from_fp4_linear``), call it on the model before wrapping it. Each rank then
-serves its own frozen weights: freeze the same trained weights, or load one checkpoint, on
-every rank.
+``FrozenFp4Linear.from_fp4_linear``), call it on the model before wrapping it: on the very
+module handed to DDP (an outer wrapper's list is its own), after the last freeze. Nothing of
+this package runs inside ``DistributedDataParallel(...)``: a list on a child, or one made
+before a later freeze, leaves the wrap failing in torch. DDP's wrap does not send the frozen
+buffers either: ``computectx.distributed.broadcast_frozen`` sends rank 0's after it
+(``parallelize`` does both itself).
 """
 
 from __future__ import annotations
@@ -58,9 +61,12 @@ def exclude_frozen_from_ddp(model: nn.Module) -> tuple[str, ...]:
     of what ``DistributedDataParallel`` leaves out (``_ddp_params_and_buffers_to_ignore``,
     the names already there kept, each name once) and return them: ``DistributedDataParallel(
     model)`` then wraps the frozen model instead of failing in its first broadcast, and no
-    forward of it broadcasts them. ``TypeError`` for a model that is or holds a
-    ``DistributedDataParallel`` (DDP read its list when it wrapped: call this before
-    wrapping), nothing changed."""
+    forward of it broadcasts them. DDP reads the list of the module it wraps, when it wraps:
+    call this on that module (not on a child, nor on a model then put under another), after
+    the last freeze; then ``computectx.distributed.broadcast_frozen(ddp)`` on every rank, which
+    sends rank 0's frozen buffers (DDP's wrap sends the rest of its state, not these).
+    ``TypeError`` for a model that is or holds a ``DistributedDataParallel`` (DDP read its
+    list when it wrapped: call this before wrapping), nothing changed."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"exclude_frozen_from_ddp takes an nn.Module, got {describe(model)}")
     check_unwrapped(
