@@ -51,6 +51,7 @@ from computectx.distributed.parallel_checks import (
 from computectx.distributed.parallel_steps import (
     build_accumulator,
     build_optimizer,
+    check_reduced,
     check_setup,
     distribute,
     rebuild_ddp_buckets,
@@ -138,11 +139,19 @@ class Parallel:
         it (``agree_ok``: one 1-element all-reduce per step) before any rank steps: state that
         cannot step on one rank is the same ``ValueError`` on every rank, naming that rank,
         with nothing changed on any.
+
+        Under DDP a last backward that did not reduce every weight DDP wraps (a layer frozen
+        for serving after ``parallelize``: its dropped weight stays DDP's) is a
+        ``RuntimeError`` naming that cause, nothing changed: freeze before ``parallelize``,
+        and to train a model frozen since, parallelize it anew.
         """
         if max_norm is not None:
             check_max_norm(max_norm)
         if self.group is None:
             return self._step(max_norm)
+        # A layer frozen after the wrap: its weight's gradient never reached DDP's reducer, on
+        # every rank that froze it (named here, before DDP's next forward says it its way).
+        check_reduced(self.model)
         # A collective (the gradients' hand-over, the norm, the biases' load): every rank
         # steps together, or a clear error here; the expert helpers ride on this join.
         with joining(self.group, "Parallel.step", self.join_timeout):

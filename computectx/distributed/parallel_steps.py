@@ -60,6 +60,7 @@ from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 __all__ = [
     "build_accumulator",
     "build_optimizer",
+    "check_reduced",
     "check_setup",
     "distribute",
     "join_until_rebuilt",
@@ -269,6 +270,33 @@ def wrap_ddp(
     # (forward_sync_buffers), and broadcast_buffers=False would skip the construction's too.
     run.broadcast_buffers = False
     return run
+
+
+def check_reduced(run: nn.Module) -> None:
+    """``RuntimeError`` (nothing changed) when ``run``, a ``DistributedDataParallel``, did not
+    reduce every weight it wraps in the last backward: a layer frozen for serving after the
+    wrap (its dropped weight stays the reducer's and the optimizer's), or a weight the loss
+    never reached. DDP itself would say so only at the forward after, in its own terms
+    (``find_unused_parameters``). Anything else: nothing."""
+    if not isinstance(run, DistributedDataParallel):
+        return
+    try:
+        run.reducer._check_reducer_finalized()
+    except RuntimeError as err:
+        held = {id(p) for p in run.module.parameters()}
+        gone = sum(id(p) not in held for p in run._module_parameters)
+        why = (
+            f"{gone} of the weights it wraps are no longer the model's: a layer was frozen "
+            f"for serving after parallelize. Freeze before parallelize; to train a model "
+            f"frozen since, parallelize it anew (serving needs no step)"
+            if gone
+            else "a weight the loss did not reach (DDP needs every weight's gradient in every "
+            "backward)"
+        )
+        raise RuntimeError(
+            f"Parallel.step: DDP did not reduce every weight in the last backward: {why}. "
+            f"Nothing was changed"
+        ) from err
 
 
 def rebuild_ddp_buckets(run: nn.Module) -> None:

@@ -209,7 +209,8 @@ def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str
     ``exclude_frozen_from_ddp``) handed to ``parallelize(strategy="ddp")``, then one SGD step
     of the trainable rest on each rank's rows: the outcome, what DDP leaves out, the weights,
     the frozen codes. Each rank builds its model from its own seed: the wrap sends rank 0's
-    trainable weights and (``broadcast_frozen``) its frozen codes."""
+    trainable weights and (``broadcast_frozen``) its frozen codes. Then the head is frozen
+    too, and the next step's outcome recorded (``frozen_late``)."""
     seq = fp8_model(dist.get_rank())
     first = seq[0]
     assert isinstance(first, QuantizedLinear)
@@ -224,8 +225,16 @@ def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str
         got["weights"] = [p.detach().clone() for p in seq[2].parameters()]
         got["codes"] = first.weight_fp8.view(torch.uint8).clone()
         got["wrap"] = "runs"
+        # The head frozen after the wrap, then a backward: the step names the cause (DDP's
+        # reducer still holds the dropped weight) instead of DDP's next forward, its way.
+        head = seq[2]
+        assert isinstance(head, QuantizedLinear)
+        head.freeze_for_serving()
+        par.model(batch(0, dist.get_rank())).float().square().mean().backward()
+        par.step()
+        got["frozen_late"] = "runs"
     except Exception as e:  # recorded: the test says what went wrong
-        got["wrap"] = f"{type(e).__name__}: {e}"
+        got["wrap" if "wrap" not in got else "frozen_late"] = f"{type(e).__name__}: {e}"
     store.set(f"fp8/parallelize/{dist.get_rank()}", "done")
     store.wait([f"fp8/parallelize/{r}" for r in range(2)], datetime.timedelta(seconds=30))
     return got

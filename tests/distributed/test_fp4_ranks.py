@@ -92,3 +92,6 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
     assert isinstance(codes, torch.Tensor)
     for p in par:
         assert torch.equal(p["codes"], codes.view(torch.uint8))
+        # A layer frozen after parallelize: the next step names it, on every rank.
+        assert "RuntimeError: Parallel.step: DDP did not reduce every weight" in p["frozen_late"]
+        assert "1 of the weights it wraps are no longer the model's" in p["frozen_late"]
