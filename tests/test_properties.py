@@ -318,13 +318,11 @@ def contexts(draw: st.DrawFn) -> ComputeCtx:
     )
 
 
-@given(ctx=contexts())
-def test_text_round_trip(ctx: ComputeCtx) -> None:
+def check_text_round_trip(ctx: ComputeCtx) -> None:
     assert ComputeCtx.parse(str(ctx)) == ctx
 
 
-@given(ctx=contexts())
-def test_json_round_trip(ctx: ComputeCtx) -> None:
+def check_json_round_trip(ctx: ComputeCtx) -> None:
     assert ComputeCtx.model_validate_json(ctx.model_dump_json()) == ctx
     assert ComputeCtx.model_validate(ctx.model_dump()) == ctx
 
@@ -398,8 +396,7 @@ def _mangle_values(value: object, data: st.DataObject) -> object:
     return value
 
 
-@given(ctx=contexts(), flag=st.sampled_from(DTYPE_FLAGS), data=st.data())
-def test_every_text_field_reads_in_any_case(
+def check_every_text_field_reads_in_any_case(
     ctx: ComputeCtx, flag: str, data: st.DataObject
 ) -> None:
     text = str(ctx)
@@ -411,8 +408,7 @@ def test_every_text_field_reads_in_any_case(
     assert ComputeCtx.from_flag(mangled, "cpu") == ComputeCtx.from_flag(flag, "cpu")
 
 
-@given(ctx=contexts())
-def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
+def check_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
     if not isinstance(ctx.recipe, Recipe):  # none, or a 4-bit recipe (no scaling part)
         return
     scaling = ctx.recipe.scaling
@@ -423,6 +419,35 @@ def test_scaling_text_and_untagged_json_round_trip(ctx: ComputeCtx) -> None:
     if isinstance(scaling, DelayedScaling):  # the default recipe needs no tag
         del dumped["recipe"]["scaling"]["kind"]
     assert ComputeCtx.model_validate(dumped) == ctx
+
+
+# Every law about a whole ComputeCtx is checked on the same drawn ctx: drawing one (every
+# field, each nested policy) costs most of an example, and the seven checks are cheap beside
+# it. Each check still sees `max_examples` contexts; a failure names the check that failed
+# (the traceback's frame) and hypothesis shrinks the ctx for it.
+@given(
+    ctx=contexts(),
+    flag=st.sampled_from(DTYPE_FLAGS),
+    state=optim_states(),
+    kv=st.one_of(st.sampled_from(ALL), kv_fp8s),
+    policy=activation_policies(),
+    data=st.data(),
+)
+def test_every_ctx_round_trips_in_any_case_and_each_with_changes_only_its_field(
+    ctx: ComputeCtx,
+    flag: str,
+    state: OptimState,
+    kv: DType | KvFp8,
+    policy: Activations,
+    data: st.DataObject,
+) -> None:
+    check_text_round_trip(ctx)
+    check_json_round_trip(ctx)
+    check_every_text_field_reads_in_any_case(ctx, flag, data)
+    check_scaling_text_and_untagged_json_round_trip(ctx)
+    check_with_optim_state_changes_only_it_and_round_trips(ctx, state)
+    check_with_kv_changes_only_kv_and_round_trips(ctx, kv)
+    check_with_activations_changes_only_it_and_round_trips(ctx, policy)
 
 
 _BAD_VALUES = {
@@ -644,8 +669,7 @@ def test_optim_state_text_and_json_round_trip_in_any_case(
     assert (state.min_size == DEFAULT_MIN_SIZE) is ("min=" not in text)
 
 
-@given(ctx=contexts(), state=optim_states())
-def test_with_optim_state_changes_only_it_and_round_trips(
+def check_with_optim_state_changes_only_it_and_round_trips(
     ctx: ComputeCtx, state: OptimState
 ) -> None:
     for given_as in (state, str(state)):
@@ -751,8 +775,7 @@ def test_kv_fp8_text_and_json_round_trip(kv: KvFp8, data: st.DataObject) -> None
         DType.parse(text)
 
 
-@given(ctx=contexts(), kv=st.one_of(st.sampled_from(ALL), kv_fp8s))
-def test_with_kv_changes_only_kv_and_round_trips(ctx: ComputeCtx, kv: DType | KvFp8) -> None:
+def check_with_kv_changes_only_kv_and_round_trips(ctx: ComputeCtx, kv: DType | KvFp8) -> None:
     changed = ctx.with_kv(kv)
     assert changed.kv == kv
     assert changed.replace(kv=ctx.kv) == ctx
@@ -814,8 +837,7 @@ def test_activations_text_and_json_round_trip_in_any_case(
     assert (text == "keep") is (policy.default and policy.group == 128)
 
 
-@given(ctx=contexts(), policy=activation_policies())
-def test_with_activations_changes_only_it_and_round_trips(
+def check_with_activations_changes_only_it_and_round_trips(
     ctx: ComputeCtx, policy: Activations
 ) -> None:
     for given_as in (policy, str(policy)):
