@@ -1,0 +1,74 @@
+"""``broadcast_frozen`` in one process (a gloo world of one): what it sends (every frozen
+buffer but an expert-parallel MoE's frozen experts, each rank's own), in place and unchanged
+from the only rank, and its refusals, each raised through ``agree`` (the 2-rank behaviour:
+rank 0's codes on every rank, ranks that froze other layers, a DDP that wrapped before a
+freeze, is ``test_fp4_ranks.py``)."""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from computectx import ComputeCtx
+from computectx.distributed import AllToAllDispatch, broadcast_frozen
+from computectx.formats import QuantizedLinear, convert_to_quantized
+from computectx.nn import GroupedExperts, MoE
+
+FP8 = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+
+
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    assert not dist.is_initialized()
+    store = pathlib.Path(tmp_path_factory.mktemp("pg")) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def frozen_net(expert_parallel: bool) -> nn.Sequential:
+    """A frozen fp8 linear and a frozen fp8 MoE, its dispatch an ``AllToAllDispatch`` when
+    ``expert_parallel`` (only its class matters here: ``expert_parallel`` in a world of one
+    installs none)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32), MoE(FP8, 32, 32, 4, 2))
+    convert_to_quantized(net, FP8, include_head=True, min_features=16)
+    for m in net.modules():
+        if isinstance(m, QuantizedLinear | GroupedExperts):
+            m.freeze_for_serving()
+    moe = net[1]
+    assert isinstance(moe, MoE)
+    if expert_parallel:
+        moe.dispatch = AllToAllDispatch.__new__(AllToAllDispatch)
+    return net
+
+
+def test_sends_the_frozen_buffers_in_place_but_expert_parallel_ones(world_of_one: None) -> None:
+    experts = ["1.experts.gate_up_fp8", "1.experts.gate_up_step"]
+    experts += ["1.experts.down_fp8", "1.experts.down_step"]
+    for spread in (False, True):
+        net = frozen_net(spread)
+        before = {n: (b.data_ptr(), b.clone()) for n, b in net.named_buffers()}
+        sent = broadcast_frozen(net)
+        assert sent == ("0.weight_fp8", "0.weight_step", *([] if spread else experts))
+        for n, b in net.named_buffers():  # rank 0 is the only rank: its own bytes, in place
+            assert b.data_ptr() == before[n][0] and torch.equal(b, before[n][1]), n
+
+
+def test_refusals_name_the_argument_on_every_rank(world_of_one: None) -> None:
+    net = frozen_net(False)
+    bad: list[tuple[object, object, type[Exception], str]] = [
+        (net, True, TypeError, "src must be an int rank, got bool"),
+        (net, 1, ValueError, r"src must be a rank in \[0, 1\), got 1"),
+        ("net", 0, TypeError, "takes an nn.Module, got str"),
+    ]
+    for model, src, error, match in bad:
+        with pytest.raises(error, match=rf"failed on rank\(s\) 0 .*{match}"):
+            broadcast_frozen(model, src)  # type: ignore[arg-type]
