@@ -62,6 +62,18 @@ def test_sends_the_frozen_buffers_in_place_but_expert_parallel_ones(world_of_one
             assert b.data_ptr() == before[n][0] and torch.equal(b, before[n][1]), n
 
 
+def test_a_non_contiguous_buffer_goes_through_a_copy_written_back(world_of_one: None) -> None:
+    net = frozen_net(False)
+    first = net[0]
+    codes = first.weight_fp8
+    assert isinstance(codes, torch.Tensor)
+    first.weight_fp8 = codes.t().contiguous().t()  # the same codes, column-major
+    held = first.weight_fp8
+    assert isinstance(held, torch.Tensor) and not held.is_contiguous()
+    broadcast_frozen(net)
+    assert first.weight_fp8 is held and torch.equal(held.view(torch.uint8), codes.view(torch.uint8))
+
+
 def test_refusals_name_the_argument_on_every_rank(world_of_one: None) -> None:
     net = frozen_net(False)
     bad: list[tuple[object, object, type[Exception], str]] = [
