@@ -4,11 +4,16 @@ mypy plugin, since users check their code either way. The project itself must ch
 under ``mypy --strict`` (pyproject.toml's configuration), and so must a user's file outside the
 repository against the installed package.
 
-mypy spends nearly all its time on torch's own modules. One cold run builds the project's
-cache; the plain typing cases and the user's file then reuse it (about 2 s and 20 s instead of
-a cold run each), while the pydantic-plugin run, whose plugin invalidates any other cache, runs
-cold beside the project's. All of it is one test so that xdist cannot split the runs across
-workers (each would then redo the cold runs); its failures are listed together.
+mypy spends nearly all its time on torch's own modules, and a module's cache entry holds only
+for the same options, plugins and imports. Two chains, one test each, so that xdist's two
+workers can run them side by side, each from one cold run:
+
+- the project (cold, pyproject.toml), then the typing cases without the plugin from its cache
+  (the same options, and ``typings/`` on the path as pyproject.toml puts it);
+- the typing cases with the plugin (cold), then a user's file with that same configuration
+  from its cache. Neither puts ``typings/`` on the path: a user has no such folder, and torch
+  checked against the typings' triton is not the torch checked against the untyped installed
+  one (the user's file re-checked torch for that, 19 CPU-s).
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "typing"
+CACHE = ROOT / ".mypy_cache"
 CONFIGS = {
-    "plain": "",
+    "plain": f"mypy_path = {ROOT / 'typings'}\n",
     "pydantic-plugin": "plugins = pydantic.mypy\n",
 }
 _LINE = re.compile(r"^(?P<file>[^:]+):(?P<line>\d+): (?P<kind>error|note): (?P<msg>.*)$")
@@ -50,53 +56,26 @@ USER_EXPECTED = [
 ]
 
 
-def _mypy(args: list[str], cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _mypy(args: list[str], cwd: Path) -> tuple[int, str]:
+    res = subprocess.run(
         [sys.executable, "-m", "mypy", *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        check=False,
     )
+    return res.returncode, res.stdout
 
 
-def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
-    out = proc.communicate()[0]
-    return proc.returncode, out
-
-
-def _typing_args(tmp: Path, name: str, cache: Path) -> list[str]:
+def _config(tmp: Path, name: str) -> Path:
     cfg = tmp / f"{name}.ini"
-    cfg.write_text(
-        "[mypy]\nstrict = True\nwarn_unused_ignores = True\n"
-        f"mypy_path = {ROOT / 'typings'}\n{CONFIGS[name]}"
-    )
-    return ["--config-file", str(cfg), "--cache-dir", str(cache), *_FLAGS, str(DATA)]
+    cfg.write_text(f"[mypy]\nstrict = True\nwarn_unused_ignores = True\n{CONFIGS[name]}")
+    return cfg
 
 
-def run_all(tmp: Path) -> dict[str, tuple[int, str]]:
-    """Every mypy run of the suite, as ``name -> (exit code, output)``: ``project``,
-    ``plain`` and ``pydantic-plugin`` (tests/typing), ``user`` (a file outside the repo)."""
-    project_cache = ROOT / ".mypy_cache" / "project"
-    # Cold, side by side: the project (pyproject.toml's configuration) and the plugin run.
-    first = {
-        "project": _mypy(["--cache-dir", str(project_cache)], ROOT),
-        "pydantic-plugin": _mypy(
-            _typing_args(tmp, "pydantic-plugin", ROOT / ".mypy_cache" / "typing-pydantic-plugin"),
-            ROOT,
-        ),
-    }
-    outs = {name: _finish(p) for name, p in first.items()}
-    # Warm, from the project's cache (the same per-module options for everything they share).
-    user = tmp / "user"
-    user.mkdir()
-    (user / "user.py").write_text(USER_FILE)
-    second = {
-        "plain": _mypy(_typing_args(tmp, "plain", project_cache), ROOT),
-        "user": _mypy(["--strict", "--cache-dir", str(project_cache), "user.py"], user),
-    }
-    outs.update({name: _finish(p) for name, p in second.items()})
-    return outs
+def _cases(cfg: Path, cache: Path) -> tuple[int, str]:
+    return _mypy(["--config-file", str(cfg), "--cache-dir", str(cache), *_FLAGS, str(DATA)], ROOT)
 
 
 def _parse(output: str) -> tuple[dict[tuple[str, int], set[str]], dict[tuple[str, int], str]]:
@@ -106,7 +85,8 @@ def _parse(output: str) -> tuple[dict[tuple[str, int], set[str]], dict[tuple[str
         m = _LINE.match(raw)
         if m is None:
             continue
-        key = (str(Path(m["file"]).resolve()), int(m["line"]))
+        # Relative to mypy's working directory (mypy may print a path relative to it).
+        key = (str((ROOT / m["file"]).resolve()), int(m["line"]))
         if m["kind"] == "error":
             code = _CODE.search(m["msg"])
             errors[key].add(code["code"] if code else "?")
@@ -155,23 +135,43 @@ CASE_CHECKS: list[Callable[[str], None]] = [
 ]
 
 
-def test_mypy_strict_project_typing_cases_and_a_users_file(tmp_path: Path) -> None:
-    outs = run_all(tmp_path)
-    failures: list[str] = []
-    code, out = outs["project"]
+def _case_failures(config: str, output: str) -> list[str]:
+    failures = []
+    for check in CASE_CHECKS:
+        try:
+            check(output)
+        except AssertionError as e:
+            failures.append(f"{check.__name__} [{config}]: {e}\n{output}")
+    return failures
+
+
+@pytest.mark.slow
+def test_mypy_strict_project_and_the_typing_cases_without_the_plugin(tmp_path: Path) -> None:
+    cache = CACHE / "project"
+    code, out = _mypy(["--cache-dir", str(cache)], ROOT)
+    failures = []
     if code != 0:
         failures.append(f"mypy --strict on the project (pyproject.toml) exited {code}:\n{out}")
-    for config in sorted(CONFIGS):
-        for check in CASE_CHECKS:
-            try:
-                check(outs[config][1])
-            except AssertionError as e:
-                failures.append(f"{check.__name__} [{config}]: {e}\n{outs[config][1]}")
-    # A user's own file, outside the repo, checked with the venv the README creates. With
-    # setuptools' import-hook editable finder mypy reported "Cannot find implementation or
-    # library stub for module named computectx"; a wrong dtype must still be an error.
-    if outs["user"][1].splitlines() != USER_EXPECTED:
-        failures.append(f"a user's file outside the repo:\n{outs['user'][1]}")
+    # Warm, from the project's cache (the same per-module options for everything they share).
+    failures += _case_failures("plain", _cases(_config(tmp_path, "plain"), cache)[1])
+    assert not failures, "\n\n".join(failures)
+
+
+@pytest.mark.slow
+def test_typing_cases_with_the_pydantic_plugin_and_a_users_file(tmp_path: Path) -> None:
+    cache = CACHE / "typing-pydantic-plugin"
+    cfg = _config(tmp_path, "pydantic-plugin")
+    failures = _case_failures("pydantic-plugin", _cases(cfg, cache)[1])
+    # A user's own file, outside the repo, checked with the venv the README creates (and the
+    # plugin's configuration, warm from the cases' cache). With setuptools' import-hook editable
+    # finder mypy reported "Cannot find implementation or library stub for module named
+    # computectx"; a wrong dtype must still be an error.
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "user.py").write_text(USER_FILE)
+    out = _mypy(["--config-file", str(cfg), "--cache-dir", str(cache), "user.py"], user)[1]
+    if out.splitlines() != USER_EXPECTED:
+        failures.append(f"a user's file outside the repo:\n{out}")
     assert not failures, "\n\n".join(failures)
 
 
