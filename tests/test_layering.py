@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ast
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -141,7 +142,21 @@ def _is_package(path: Path) -> bool:
     return path.name == "__init__.py"
 
 
-def collect_imports(source: str, module: str, is_package: bool) -> list[Import]:
+# Every check reads the same ~190 modules: each source is parsed and walked once per session
+# (the trees are only read), not once per check.
+@cache
+def _tree(source: str) -> ast.Module:
+    return ast.parse(source)
+
+
+@cache
+def _nodes(source: str) -> tuple[ast.AST, ...]:
+    """Every node of ``source``, in ``ast.walk``'s order."""
+    return tuple(ast.walk(_tree(source)))
+
+
+@cache
+def collect_imports(source: str, module: str, is_package: bool) -> tuple[Import, ...]:
     """Every ``computectx`` import in ``source``, resolved to absolute names."""
     found: list[Import] = []
     base = module.split(".") if is_package else module.split(".")[:-1]
@@ -166,10 +181,11 @@ def collect_imports(source: str, module: str, is_package: bool) -> list[Import]:
                     found.append(Import(target, names, lazy, child.lineno, bound_names))
             visit(child, inner)
 
-    visit(ast.parse(source), False)
-    return found
+    visit(_tree(source), False)
+    return tuple(found)
 
 
+@cache
 def _module_exists(name: str, root: Path) -> bool:
     rel = Path(*name.split(".")[1:]) if "." in name else Path()
     base = root / rel
@@ -179,7 +195,7 @@ def _module_exists(name: str, root: Path) -> bool:
 def _private_attribute_uses(source: str, module_aliases: set[str]) -> list[tuple[int, str]]:
     """``alias._name`` where ``alias`` is an imported computectx module."""
     uses = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(source):
         if (
             isinstance(node, ast.Attribute)
             and isinstance(node.value, ast.Name)
@@ -292,9 +308,10 @@ def violations_of(source: str, module: str, is_package: bool, root: Path = PACKA
     return problems
 
 
+@cache
 def _fp8_face(root: Path) -> frozenset[str]:
     """The names ``computectx.formats`` exports (its ``__all__``, read from the source)."""
-    tree = ast.parse((root / "formats" / "__init__.py").read_text())
+    tree = _tree((root / "formats" / "__init__.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
@@ -329,7 +346,7 @@ def _deep_fp8_attributes(
                 if _module_exists(f"{imp.target}.{name}", root):
                     bound[alias] = f"{imp.target}.{name}"
     found: list[tuple[int, str]] = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(source):
         if not isinstance(node, ast.Attribute) or (chain := _dotted(node)) is None:
             continue
         head, _, rest = chain.partition(".")
@@ -535,7 +552,7 @@ GRANULARITY_WORDS = frozenset({"tensor", "row", "block", "1x128", "128x128", "mx
 def _dtype_collections(source: str) -> list[tuple[int, frozenset[str]]]:
     """Tuple, list and set literals of ``torch.<dtype>`` attributes, by line."""
     found = []
-    for node in ast.walk(ast.parse(source)):
+    for node in _nodes(source):
         if isinstance(node, (ast.Tuple, ast.List, ast.Set)) and len(node.elts) >= 2:
             names = [
                 e.attr
@@ -605,7 +622,7 @@ def test_every_operator_is_registered_in_its_family_module() -> None:
         # Any mention of torch.library's registering names, however imported, and any
         # import from torch.library.
         lines = []
-        for node in ast.walk(ast.parse(src)):
+        for node in _nodes(src):
             if not isinstance(node, (ast.Attribute, ast.Name, ast.ImportFrom)):
                 continue
             name = (
@@ -630,7 +647,7 @@ def test_every_operator_is_registered_in_its_family_module() -> None:
     def names(src: str) -> list[str]:
         return [
             node.value.removeprefix("computectx::")
-            for node in ast.walk(ast.parse(src))
+            for node in _nodes(src)
             if isinstance(node, ast.Constant)
             and isinstance(node.value, str)
             and node.value.startswith("computectx::")
@@ -646,7 +663,7 @@ def test_only_the_operator_families_call_torch_ops_computectx() -> None:
     def calls(src: str) -> list[int]:
         return [
             node.lineno
-            for node in ast.walk(ast.parse(src))
+            for node in _nodes(src)
             if isinstance(node, ast.Attribute) and _dotted(node) == "torch.ops.computectx"
         ]
 
@@ -668,7 +685,7 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[i
     (line, name, length)."""
     return [
         (node.lineno, node.name, length)
-        for node in ast.walk(ast.parse(source))
+        for node in _nodes(source)
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
         and (length := (node.end_lineno or node.lineno) - node.lineno + 1) > limit
     ]
@@ -695,7 +712,7 @@ def test_the_function_length_check_finds_a_long_function() -> None:
 def test_the_granularity_vocabulary_is_defined_once() -> None:
     def literal_aliases(src: str) -> list[int]:
         lines = []
-        for node in ast.walk(ast.parse(src)):
+        for node in _nodes(src):
             if not isinstance(node, (ast.Assign, ast.AnnAssign)):
                 continue
             value = node.value
