@@ -4,6 +4,7 @@ command line without importing torch."""
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -115,44 +116,59 @@ def test_version_prints_the_package_version(capsys: pytest.CaptureFixture[str]) 
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent / "computectx"
 
-# Runs the CLI in a fresh interpreter and prints whether torch got imported. The package
+# Runs the CLI in a fresh interpreter, once per command line of PARSED, and prints, for each,
+# what it wrote, how it exited and whether torch got imported by then (as JSON). The package
 # face (computectx/__init__.py) is replaced by an empty package first, so this checks what
-# the CLI modules import themselves, whatever the face imports.
+# the CLI modules import themselves, whatever the face imports. One interpreter for all of
+# them: torch, once imported, stays imported, so the first line that imports it fails (and
+# every line after it).
 _WITHOUT_FACE = """
-import sys, types
+import contextlib, io, json, sys, types
 face = types.ModuleType("computectx")
 face.__path__ = [{path!r}]
 sys.modules["computectx"] = face
 from computectx.cli import main
-try:
-    main({argv!r})
-except SystemExit as e:
-    print("exit", e.code)
-print("torch imported:", "torch" in sys.modules)
+results = []
+for argv in {argvs!r}:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            main(argv)
+            status = "returned"
+        except SystemExit as e:
+            status = f"exit {{e.code}}"
+    results.append([out.getvalue(), status, "torch" in sys.modules])
+print(json.dumps(results))
 """
+PARSED = [
+    (["--help"], 0, "demo"),
+    (["demo", "--help"], 0, "--grad-accum"),
+    (["--version"], 0, "computectx "),
+    (["demo", "--dtype", "fp32,,bf16"], 2, "has an empty name"),
+    (["demo", "--steps", "0"], 2, "--steps '0'"),
+    (["frobnicate"], 2, "invalid choice"),
+]
 
 
-@pytest.mark.parametrize(
-    ("argv", "code", "expected"),
-    [
-        (["--help"], 0, "demo"),
-        (["demo", "--help"], 0, "--grad-accum"),
-        (["--version"], 0, "computectx "),
-        (["demo", "--dtype", "fp32,,bf16"], 2, "has an empty name"),
-        (["demo", "--steps", "0"], 2, "--steps '0'"),
-        (["frobnicate"], 2, "invalid choice"),
-    ],
-)
-def test_parsing_and_rejecting_flags_never_imports_torch(
-    argv: list[str], code: int, expected: str
-) -> None:
-    script = _WITHOUT_FACE.format(path=str(PACKAGE_DIR), argv=argv)
+@pytest.fixture(scope="module")
+def parsed() -> list[tuple[str, str, bool]]:
+    """For each line of PARSED: (what it wrote, how it exited, torch imported)."""
+    script = _WITHOUT_FACE.format(path=str(PACKAGE_DIR), argvs=[argv for argv, _, _ in PARSED])
     res = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, check=False, timeout=60
     )
-    lines = res.stdout.splitlines()
-    assert lines[-2:] == [f"exit {code}", "torch imported: False"], res.stdout + res.stderr
-    assert expected in res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
+    return [(out, status, torch) for out, status, torch in json.loads(res.stdout)]
+
+
+@pytest.mark.parametrize("at", range(len(PARSED)), ids=[" ".join(a) for a, _, _ in PARSED])
+def test_parsing_and_rejecting_flags_never_imports_torch(
+    parsed: list[tuple[str, str, bool]], at: int
+) -> None:
+    _, code, expected = PARSED[at]
+    out, status, torch_imported = parsed[at]
+    assert (status, torch_imported) == (f"exit {code}", False), out
+    assert expected in out
 
 
 def test_the_console_entry_point_answers_help_without_torch() -> None:
