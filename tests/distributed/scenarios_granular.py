@@ -225,6 +225,11 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def train_each(params: dict[str, Any]) -> dict[str, Any]:
+    """``train`` once per strategy of ``strategies``, in this one launch (each a fresh model)."""
+    return {s: train({**params, "strategy": s}) for s in params["strategies"]}
+
+
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"{n}.grad": _full(p.grad) for n, p in model.named_parameters() if p.grad is not None}
 

@@ -43,6 +43,7 @@ from .conftest import RunRanks
 LIMIT_S = 120.0
 STEPS = 3
 LAYERS = 2
+STRATEGIES = ["ddp", "fsdp"]
 
 
 def _policy(flag: str) -> Recipe:
@@ -129,51 +130,58 @@ def _one_process(run_ranks: RunRanks, common: dict[str, Any]) -> dict[str, Any]:
     return _ONE_PROCESS[key]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def _each_strategy(
+    run_ranks: RunRanks, limit_s: float = LIMIT_S, **params: Any
+) -> dict[str, list[dict[str, Any]]]:
+    """DDP's and FSDP2's runs of ``scenarios_granular.train``, both in one launch."""
+    both = run_ranks(
+        "scenarios_granular.py:train_each", limit_s=limit_s, strategies=STRATEGIES, **params
+    )
+    return {strategy: [r[strategy] for r in both] for strategy in STRATEGIES}
+
+
 @pytest.mark.parametrize(("flag", "rows"), [("fp8_block", 256), ("fp8_mx", 64)])
 def test_ddp_and_fsdp2_equal_one_process_bit_for_bit_where_token_blocks_align(
-    run_ranks: RunRanks, flag: str, rows: int, strategy: str
+    run_ranks: RunRanks, flag: str, rows: int
 ) -> None:
     # 128 (block) or 32 (mx) tokens per rank: each rank's tokens are one wgrad block.
-    common = {"flag": flag, "rows": rows, "steps": STEPS}
-    ranks = run_ranks("scenarios_granular.py:train", limit_s=LIMIT_S, strategy=strategy, **common)
+    common: dict[str, Any] = {"flag": flag, "rows": rows, "steps": STEPS}
     one = _one_process(run_ranks, common)
-    _check_common(ranks)
-    r0, r1 = ranks
-    for step in range(STEPS):
-        whole = torch.cat([r0["outs"][step], r1["outs"][step]])
-        assert torch.equal(whole, one["outs"][step]), step
-    for name, w in one["weights"].items():
-        assert torch.equal(r0["weights"][name], w), name
-    for name in one["steps"][0]:
-        if name.endswith(".grad"):
-            assert torch.equal(r0["steps"][0][name], one["steps"][0][name]), name
+    for strategy, ranks in _each_strategy(run_ranks, **common).items():
+        _check_common(ranks)
+        r0, r1 = ranks
+        for step in range(STEPS):
+            whole = torch.cat([r0["outs"][step], r1["outs"][step]])
+            assert torch.equal(whole, one["outs"][step]), (strategy, step)
+        for name, w in one["weights"].items():
+            assert torch.equal(r0["weights"][name], w), (strategy, name)
+        for name in one["steps"][0]:
+            if name.endswith(".grad"):
+                assert torch.equal(r0["steps"][0][name], one["steps"][0][name]), (strategy, name)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize(
     ("flag", "rows"),
     [("fp8_rowwise", 64), ("fp8_rowwise_gw_hp", 64), ("fp8_block", 64), ("fp8_mx", 48)],
 )
 def test_ddp_and_fsdp2_gradients_within_the_a_priori_bound_of_one_process(
-    run_ranks: RunRanks, flag: str, rows: int, strategy: str
+    run_ranks: RunRanks, flag: str, rows: int
 ) -> None:
     # block: 32 tokens per rank cut one process's 64-token block; mx: 24 per rank, padded.
-    common = {"flag": flag, "rows": rows, "steps": STEPS}
-    ranks = run_ranks(
-        "scenarios_granular.py:train",
-        limit_s=LIMIT_S,
-        strategy=strategy,
-        reference=True,
-        **common,
-    )
+    common: dict[str, Any] = {"flag": flag, "rows": rows, "steps": STEPS}
     one = _one_process(run_ranks, common)
+    for strategy, ranks in _each_strategy(run_ranks, reference=True, **common).items():
+        _check_within_bound(ranks, one, _policy(flag), strategy)
+
+
+def _check_within_bound(
+    ranks: list[dict[str, Any]], one: dict[str, Any], policy: Recipe, strategy: str
+) -> None:
     _check_common(ranks)
     r0, r1 = ranks
-    policy = _policy(flag)
     # The in-rank reference is one process: at step 1 it is the world-of-one run, bit for bit.
     for key, value in one["steps"][0].items():
-        assert torch.equal(r0["steps"][0][f"ref.{key}"], value), key
+        assert torch.equal(r0["steps"][0][f"ref.{key}"], value), (strategy, key)
     exact_somewhere = False
     for step in range(STEPS):
         s0, s1 = r0["steps"][step], r1["steps"][step]
@@ -187,7 +195,7 @@ def test_ddp_and_fsdp2_gradients_within_the_a_priori_bound_of_one_process(
             )
             # A rank's output gradient is world_size (2) x one process's: exact.
             dy = torch.cat([s0[f"{layer}.dy"], s1[f"{layer}.dy"]]) / 2
-            assert torch.equal(dy, s0[f"ref.{layer}.dy"]), (step, layer)
+            assert torch.equal(dy, s0[f"ref.{layer}.dy"]), (strategy, step, layer)
             got, want = s0[f"{name}.grad"].double(), s0[f"ref.{name}.grad"].double()
             bound = (
                 wgrad_bound(s0[f"ref.{layer}.x"], s0[f"ref.{layer}.dy"], policy)
@@ -199,31 +207,23 @@ def test_ddp_and_fsdp2_gradients_within_the_a_priori_bound_of_one_process(
                 + 2.0**-24 * got.abs()
             )
             err = (got - want).abs()
-            assert bool((err <= bound).all()), (step, name, float((err / bound).max()))
+            assert bool((err <= bound).all()), (strategy, step, name, float((err / bound).max()))
             exact_somewhere = exact_somewhere or torch.equal(got, want)
     # The two runs are different computations (otherwise the bound is not what is tested).
-    assert not exact_somewhere
+    assert not exact_somewhere, strategy
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_an_empty_micro_batch_takes_part_in_every_collective(
-    run_ranks: RunRanks, strategy: str
-) -> None:
+def test_an_empty_micro_batch_takes_part_in_every_collective(run_ranks: RunRanks) -> None:
     # The last rank has no rows at step 1: DDP's and FSDP2's own collectives run on every
     # rank all the same (none of the sync's: nothing to reduce), so nothing hangs and the
     # ranks hold the same weights after it.
-    ranks = run_ranks(
-        "scenarios_granular.py:train",
-        limit_s=60.0,
-        flag="fp8_block",
-        strategy=strategy,
-        rows=64,
-        steps=STEPS,
-        empty_at=1,
+    each = _each_strategy(
+        run_ranks, limit_s=60.0, flag="fp8_block", rows=64, steps=STEPS, empty_at=1
     )
-    _check_common(ranks)
-    assert ranks[1]["outs"][1].shape == (0, 256)
-    assert ranks[0]["outs"][1].shape == (32, 256)
+    for strategy, ranks in each.items():
+        _check_common(ranks)
+        assert ranks[1]["outs"][1].shape == (0, 256), strategy
+        assert ranks[0]["outs"][1].shape == (32, 256), strategy
 
 
 def test_a_dcp_checkpoint_of_a_granular_policy_round_trips_and_reshards(
