@@ -161,6 +161,11 @@ def train(params: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def train_each(params: dict[str, Any]) -> dict[str, Any]:
+    """``train`` once per layout of ``layouts``, in this one launch (each a fresh model)."""
+    return {layout: train({**params, "layout": layout}) for layout in params["layouts"]}
+
+
 def _as_rows(x: torch.Tensor, mesh: Any, rank: int) -> DTensor:
     per = x.shape[0] // mesh.size()
     return DTensor.from_local(x[rank * per : (rank + 1) * per], mesh, [Shard(0)], run_check=False)

@@ -8,6 +8,7 @@ on top of the worker's 30 s collective timeout.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -36,13 +37,20 @@ def test_the_amax_of_a_dtensor_is_the_whole_tensors_for_every_placement(
 
 
 @pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
-@pytest.mark.parametrize("layout", ["tp", "batch"])
-def test_fp8_training_on_dtensors_matches_one_process(
-    run_ranks: RunRanks, scaling: str, layout: str
-) -> None:
-    params = {"scaling": scaling, "layout": layout, "steps": 4}
-    two = run_ranks(f"{SCENARIOS}:train", limit_s=LIMIT_S, **params)
-    (one,) = run_ranks(f"{SCENARIOS}:train", world_size=1, limit_s=LIMIT_S, **params)
+def test_fp8_training_on_dtensors_matches_one_process(run_ranks: RunRanks, scaling: str) -> None:
+    # Both layouts in one launch; one process has no layout (the plain model, whole batch).
+    layouts = ["tp", "batch"]
+    each = run_ranks(
+        f"{SCENARIOS}:train_each", limit_s=LIMIT_S, scaling=scaling, layouts=layouts, steps=4
+    )
+    (one,) = run_ranks(
+        f"{SCENARIOS}:train", world_size=1, limit_s=LIMIT_S, scaling=scaling, layout="tp", steps=4
+    )
+    for layout in layouts:
+        _check_against_one_process([r[layout] for r in each], one)
+
+
+def _check_against_one_process(two: list[dict[str, Any]], one: dict[str, Any]) -> None:
     for r in two:
         # The scaling state stays plain tensors (parallelize_module replicates buffers as
         # DTensors), and the mesh spans the world: nothing to warn about.
