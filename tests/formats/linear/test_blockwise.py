@@ -308,11 +308,14 @@ def test_activation_checkpointing_changes_no_gradient_and_records_once(reentrant
 
 
 # docs/fp8.md ("Accuracy"): a 3-layer MLP (two of its linears fp8) learns a noisy target,
-# tanh(x0 + x1 + x2 + x3) + 0.1 N(0, 1), from 150 fresh batches of 256; its validation loss
-# (2048 held-out samples, noise floor 0.01) under each flag is within 10% of float32's.
-# Measured at seeds 0-3: fp32 0.019-0.022; rowwise +2.1..+5.3%, rowwise_gw_hp +1.6..+5.3%,
-# block +1.6..+3.4%, mx +2.1..+5.2%. Seed 0 here.
+# tanh(x0 + x1 + x2 + x3) + 0.1 N(0, 1), from 80 fresh batches of 256 (AdamW, lr 6e-3); its
+# validation loss (2048 held-out samples, noise floor 0.01) under each flag is within 10% of
+# float32's. Measured at seeds 0-3: fp32 0.020-0.024; rowwise +2.2..+6.5%, rowwise_gw_hp
+# +1.6..+5.3%, block +0.4..+4.4%, mx +2.2..+6.7%. Seed 0 here. A broken step rule (every
+# block step a quarter of the right one: saturated codes) ends 660-930% above float32 here,
+# as it does after 150 batches at lr 3e-3.
 TRAIN_TOLERANCE = 0.10
+TRAIN_STEPS, TRAIN_LR = 80, 6e-3
 
 
 def _noisy_target(gen: torch.Generator, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,9 +336,9 @@ def test_a_small_mlp_trains_under_every_fine_granularity_to_within_10_percent_of
                 model, ctx, module_filter=lambda m, fqn: fqn in ("0", "2")
             )
             assert report.converted == ("0", "2")
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=TRAIN_LR)
         gen = torch.Generator().manual_seed(2)
-        for _ in range(150):
+        for _ in range(TRAIN_STEPS):
             x, y = _noisy_target(gen, 256)
             loss = (model(x) - y).square().mean()
             opt.zero_grad()
