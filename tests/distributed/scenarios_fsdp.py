@@ -157,7 +157,7 @@ def train_each(params: dict[str, Any]) -> dict[str, Any]:
 
 
 def compiled_dynamic(params: dict[str, Any]) -> dict[str, Any]:
-    """Two steps of a dynamic-scaling fp8 MLP with the sync, eager and then compiled with
+    """Two steps of a dynamic-scaling fp8 linear with the sync, eager and then compiled with
     ``fullgraph=True`` (the merge hook and every quantize's amax all-reduce in the graph)."""
     return {"eager": _dynamic_steps(compile=False), "compiled": _dynamic_steps(compile=True)}
 
@@ -165,7 +165,11 @@ def compiled_dynamic(params: dict[str, Any]) -> dict[str, Any]:
 def _dynamic_steps(compile: bool) -> dict[str, Any]:
     ctx = _ctx("dynamic")
     rank = dist.get_rank()
-    model = _model(ctx)
+    # One layer whose input requires grad: its three quantizes (input, weight, output
+    # gradient) and both backward GEMMs are traced, each compile half of two layers'.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(IN, OUT))
+    convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
     sync = sync_scaling(model, current_amax="group")  # the reductions traced
     run: Any = model
     if compile:
@@ -173,7 +177,7 @@ def _dynamic_steps(compile: bool) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     outs = []
     for x, _ in _batches(2):
-        xs = x[rank * 4 : (rank + 1) * 4]
+        xs = x[rank * 4 : (rank + 1) * 4].requires_grad_()
         y = run(xs)
         y.square().mean().backward()
         opt.step()
