@@ -130,3 +130,8 @@ def meta_build_fully_shard(params: dict[str, Any]) -> dict[str, Any]:
         out[f"{build}_outs"] = torch.stack(outs)
         out[f"{build}_scaling"] = _scaling(model)
     return out
+
+
+def meta_build_each(params: dict[str, Any]) -> dict[str, Any]:
+    """``meta_build_fully_shard`` once per gather of ``gathers``, in this one launch."""
+    return {g: meta_build_fully_shard({**params, "gather": g}) for g in params["gathers"]}

@@ -5,7 +5,6 @@ Each launch has a 60 s wall-clock limit on top of the worker's 30 s collective t
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from .conftest import RunRanks
@@ -31,19 +30,20 @@ def test_ddp_never_broadcasts_the_scaling_buffers(run_ranks: RunRanks) -> None:
         assert "0.fp8_input_ledger" in r["parallelize_ignored"]  # from construction on
 
 
-@pytest.mark.parametrize("gather", ["hp", "fp8"])
-def test_a_model_built_on_meta_shards_materialises_and_trains(
-    run_ranks: RunRanks, gather: str
-) -> None:
-    r0, r1 = run_ranks(
-        "scenarios_scaling_state.py:meta_build_fully_shard", limit_s=LIMIT_S, gather=gather
+def test_a_model_built_on_meta_shards_materialises_and_trains(run_ranks: RunRanks) -> None:
+    # FSDP2's float32 gather and the fp8 one, in one launch (each its own models).
+    gathers = ["hp", "fp8"]
+    ranks = run_ranks(
+        "scenarios_scaling_state.py:meta_build_each", limit_s=LIMIT_S, gathers=gathers
     )
-    for r in (r0, r1):
-        assert r["was_meta"] and r["materialised"] and r["fresh"]
-        # Bit for bit the model built on the CPU: outputs, ledgers, tallies, meta records.
-        assert torch.equal(r["meta_outs"], r["cpu_outs"])
-        assert r["meta_scaling"].keys() == r["cpu_scaling"].keys()
-        for name, t in r["meta_scaling"].items():
-            assert torch.equal(t, r["cpu_scaling"][name]), name
-    for name, t in r0["meta_scaling"].items():  # merged: the same on both ranks
-        assert torch.equal(t, r1["meta_scaling"][name]), name
+    for gather in gathers:
+        r0, r1 = (r[gather] for r in ranks)
+        for r in (r0, r1):
+            assert r["was_meta"] and r["materialised"] and r["fresh"], gather
+            # Bit for bit the model built on the CPU: outputs, ledgers, tallies, meta records.
+            assert torch.equal(r["meta_outs"], r["cpu_outs"]), gather
+            assert r["meta_scaling"].keys() == r["cpu_scaling"].keys()
+            for name, t in r["meta_scaling"].items():
+                assert torch.equal(t, r["cpu_scaling"][name]), (gather, name)
+        for name, t in r0["meta_scaling"].items():  # merged: the same on both ranks
+            assert torch.equal(t, r1["meta_scaling"][name]), (gather, name)
