@@ -63,6 +63,12 @@ def _train_step(run: Any, x: torch.Tensor) -> torch.Tensor:
     return out.detach()
 
 
+def each(params: dict[str, Any]) -> dict[str, Any]:
+    """The scenario called ``name`` once per params dict of ``cases``, in this one launch."""
+    scenario = globals()[params["name"]]
+    return {"cases": [scenario(case) for case in params["cases"]]}
+
+
 def fsdp_gather_without_sync(params: dict[str, Any]) -> dict[str, Any]:
     """FSDP2 gathering fp8 with no ``sync_scaling``; each rank's data at another range.
     Delayed scaling must refuse at the first forward; dynamic scaling must train as FSDP2's

@@ -7,6 +7,7 @@ a scenario that would hang fails here within a minute.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,44 +36,41 @@ def test_fsdp2_fp8_gather_without_sync_refuses_delayed_and_is_exact_dynamic(
         assert torch.equal(r["fp8"]["outs"], r["hp"]["outs"])
 
 
-@pytest.mark.parametrize("scaling", ["delayed", "dynamic"])
-def test_rank_local_forwards_issue_no_collective_and_record_nothing(
-    run_ranks: RunRanks, scaling: str
-) -> None:
-    r0, r1 = run_ranks("scenarios_safety.py:rank_local_calls", limit_s=LIMIT_S, scaling=scaling)
-    for key, ledger in r0["before"].items():
-        # Eval, no_grad, inference_mode, sampling and the unwrapped module left every ledger.
-        assert torch.equal(r0["after_local"][key], ledger), key
-        assert torch.equal(r0["end"][key], r1["end"][key]), key
+def _each(
+    run_ranks: RunRanks, scenario: str, cases: list[dict[str, Any]]
+) -> list[list[dict[str, Any]]]:
+    """Each rank's result of ``scenario`` per case, all cases in one launch."""
+    ranks = run_ranks("scenarios_safety.py:each", limit_s=LIMIT_S, name=scenario, cases=cases)
+    return [[r["cases"][i] for r in ranks] for i in range(len(cases))]
 
 
-@pytest.mark.parametrize(
-    ("scaling", "empty_at", "checkpoint"),
-    [
-        ("dynamic", 1, None),
-        ("delayed", 0, None),
-        ("dynamic", 1, "non_reentrant"),
-        ("dynamic", 1, "reentrant"),
-    ],
-)
-def test_an_empty_micro_batch_still_takes_part_in_every_reduction(
-    run_ranks: RunRanks, scaling: str, empty_at: int, checkpoint: str | None
-) -> None:
+def test_rank_local_forwards_issue_no_collective_and_record_nothing(run_ranks: RunRanks) -> None:
+    cases = [{"scaling": "delayed"}, {"scaling": "dynamic"}]
+    for case, (r0, r1) in zip(cases, _each(run_ranks, "rank_local_calls", cases), strict=True):
+        for key, ledger in r0["before"].items():
+            # Eval, no_grad, inference_mode, sampling and the unwrapped module left every
+            # ledger.
+            assert torch.equal(r0["after_local"][key], ledger), (case, key)
+            assert torch.equal(r0["end"][key], r1["end"][key]), (case, key)
+
+
+def test_an_empty_micro_batch_still_takes_part_in_every_reduction(run_ranks: RunRanks) -> None:
     # Under activation checkpointing too: the recomputation of the empty rank's call takes
     # the path its original took, and its backward reduces as the other rank's does.
-    r0, r1 = run_ranks(
-        "scenarios_safety.py:empty_shard",
-        limit_s=LIMIT_S,
-        scaling=scaling,
-        empty_at=empty_at,
-        checkpoint=checkpoint,
-    )
-    assert r1["shapes"][empty_at] == (0, 32)
-    for key, ledger in r0["ledgers"].items():
-        assert torch.equal(ledger, r1["ledgers"][key]), key
-    # The empty rank recorded what the other rank measured: its ledgers are those of a run
-    # whose empty rank saw no data at all, the same everywhere (the amax merge is a max).
-    assert all(bool(torch.isfinite(ledger).all()) for ledger in r1["ledgers"].values())
+    cases: list[dict[str, Any]] = [
+        {"scaling": "dynamic", "empty_at": 1, "checkpoint": None},
+        {"scaling": "delayed", "empty_at": 0, "checkpoint": None},
+        {"scaling": "dynamic", "empty_at": 1, "checkpoint": "non_reentrant"},
+        {"scaling": "dynamic", "empty_at": 1, "checkpoint": "reentrant"},
+    ]
+    for case, (r0, r1) in zip(cases, _each(run_ranks, "empty_shard", cases), strict=True):
+        assert r1["shapes"][case["empty_at"]] == (0, 32), case
+        for key, ledger in r0["ledgers"].items():
+            assert torch.equal(ledger, r1["ledgers"][key]), (case, key)
+        # The empty rank recorded what the other rank measured: its ledgers are those of a
+        # run whose empty rank saw no data at all, the same everywhere (the amax merge is a
+        # max).
+        assert all(bool(torch.isfinite(ledger).all()) for ledger in r1["ledgers"].values()), case
 
 
 def test_a_compiled_run_then_eager_calls_neither_reseed_nor_hang(run_ranks: RunRanks) -> None:
@@ -97,14 +95,12 @@ def test_an_unsynced_fp8_model_warns_once_and_a_misordered_sync_raises(
         assert "before fully_shard" in r["order_error"]
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
-def test_a_tied_fp8_head_stays_tied_and_a_copy_scales_on_its_own(
-    run_ranks: RunRanks, strategy: str
-) -> None:
-    r0, r1 = run_ranks("scenarios_safety.py:tied_and_copied", limit_s=LIMIT_S, strategy=strategy)
-    for r in (r0, r1):
-        assert r["tied"] and r["head_is_fp8"] and r["copy_ledgers_own"]
-    assert torch.equal(r0["head"], r1["head"])
+def test_a_tied_fp8_head_stays_tied_and_a_copy_scales_on_its_own(run_ranks: RunRanks) -> None:
+    cases = [{"strategy": "fsdp"}, {"strategy": "ddp"}]
+    for case, (r0, r1) in zip(cases, _each(run_ranks, "tied_and_copied", cases), strict=True):
+        for r in (r0, r1):
+            assert r["tied"] and r["head_is_fp8"] and r["copy_ledgers_own"], case
+        assert torch.equal(r0["head"], r1["head"]), case
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
