@@ -32,6 +32,10 @@ TINY = [
     "--device", "cpu",
 ]  # fmt: skip
 
+FEWER = ["--eval-batches", "1", "--sample-tokens", "0"]
+"""For the runs whose claims are not about validation or the sample: the validation and
+serving passes see 4 windows, not 16, and no sample is drawn (the training is the same)."""
+
 # Repetitive text a one-layer model learns within a few steps.
 TEXT = "".join(f"def f{i % 7}(x):\n    return x + {i % 7}\n\n" for i in range(300))
 
@@ -137,7 +141,7 @@ def test_fine_grained_policies_train_and_the_table_shows_their_granularity(
     flags = "fp8_rowwise,fp8_rowwise_gw_hp,fp8_block,fp8_mx"
     code, stdout, _ = _run(
         capsys, "--dtype", flags, "--steps", "3", "--data", str(text_file),
-        "--out", str(tmp_path), *TINY,
+        "--out", str(tmp_path), *TINY, *FEWER,
     )  # fmt: skip
     assert code == 0
     want = {"fp8_rowwise": "row", "fp8_rowwise_gw_hp": "row+gw_hp", "fp8_block": "block",
@@ -158,7 +162,7 @@ def test_accumulator_and_offload_run_end_to_end(
     out = tmp_path / "out"
     code, stdout, _ = _run(
         capsys, "--dtype", "bf16", "--steps", "8", "--grad-accum", "2", "--offload",
-        "--data", str(text_file), "--out", str(out), "--lr", "1e-2", *TINY,
+        "--data", str(text_file), "--out", str(out), "--lr", "1e-2", *TINY, *FEWER,
     )  # fmt: skip
     assert code == 0
     assert "fp8 backend" not in stdout  # no fp8 policy, no backend to report
@@ -193,8 +197,9 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
     def run(seed: str, name: str) -> list[dict[str, Any]]:
         args = ["--dtype", "fp32", "--dtype", "bf16", "--steps", "4", "--seed", seed]
         code, stdout, _ = _run(
-            capsys, *args, "--data", str(text_file), "--out", str(tmp_path / name), *TINY
-        )
+            capsys, *args, "--data", str(text_file), "--out", str(tmp_path / name), *TINY,
+            "--eval-batches", "1",
+        )  # fmt: skip
         assert code == 0
         assert list(_table_rows(stdout)) == ["fp32", "bf16"]
         assert "optimizer state: AdamW's weights and moments per setting" in stdout
@@ -238,7 +243,7 @@ def test_policies_compare_side_by_side_and_same_seed_same_losses(
 def test_an_activations_row_keeps_fp8_activations_and_the_table_says_so(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, text_file: Path
 ) -> None:
-    argv = ["--dtype", "bf16,bf16@precise:fp8/act_fn:fp8", "--steps", "2", *TINY]
+    argv = ["--dtype", "bf16,bf16@precise:fp8/act_fn:fp8", "--steps", "2", *TINY, *FEWER]
     code, stdout, _ = _run(capsys, *argv, "--data", str(text_file), "--out", str(tmp_path))
     assert code == 0
     assert list(_table_rows(stdout)) == ["bf16", "bf16@precise:fp8/act_fn:fp8"]
