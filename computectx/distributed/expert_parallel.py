@@ -227,11 +227,13 @@ def _moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The expert weights of every expert-parallel MoE in ``model``: each rank holds its own
-    experts, so data parallelism must neither average nor shard them."""
+    experts, so data parallelism must neither average nor shard them. Experts frozen for
+    serving hold no weight (their codes are buffers, each rank's own): none of theirs."""
     out: list[nn.Parameter] = []
     for _, moe in _moe_layers(model):
         if isinstance(moe.dispatch, AllToAllDispatch):
-            out.extend(getattr(moe.experts, n) for n in EXPERT_WEIGHTS)
+            held = (getattr(moe.experts, n, None) for n in EXPERT_WEIGHTS)
+            out.extend(w for w in held if isinstance(w, nn.Parameter))
     return out
 
 
@@ -375,13 +377,19 @@ def _check_layer(fqn: str, moe: MoE, world: int) -> int:
         raise ValueError(
             f"{name} already has a dispatch ({moe.dispatch!r}): expert_parallel runs once"
         )
-    weights = [getattr(experts, n) for n in EXPERT_WEIGHTS]
+    weights = [getattr(experts, n, None) for n in EXPERT_WEIGHTS]
+    if any(w is None for w in weights):
+        raise ValueError(
+            f"{name}.experts are frozen for serving (their weights are codes): "
+            f"expert_parallel spreads trainable experts. Call expert_parallel first, then "
+            f"freeze the experts (each rank its own); nothing changed"
+        )
     if any(isinstance(w, DTensor) for w in weights):
         raise RuntimeError(
             f"{name}'s experts are already sharded (DTensor): call expert_parallel before "
             f"parallelize / fully_shard"
         )
-    n = int(weights[0].shape[0])
+    n = int(getattr(experts, EXPERT_WEIGHTS[0]).shape[0])
     if n % world:
         raise ValueError(
             f"{name} has {n} experts, which {world} ranks cannot share evenly: expert "

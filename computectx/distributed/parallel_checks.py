@@ -214,7 +214,7 @@ def check_parallelize(
     _check_not_wrapped(model)
     builds_accumulator = _check_accumulator(ctx, args, world)
     offloaded = uses_offloaded(ctx, model, args.offload)
-    if expert_parameters(model) and world > 1:
+    if expert_parallel_group(model) is not None and world > 1:
         _check_expert_parallel(model, ctx, group, builds_accumulator, offloaded)
     if ctx.optim_state.compact and not offloaded:
         raise ValueError(

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
-from computectx.distributed.expert_parallel import moe_local_buffers
+from computectx.distributed.expert_parallel import expert_parallel_group, moe_local_buffers
 from computectx.distributed.fp4_all_gather import enable_fp4_all_gather
 from computectx.distributed.fp4_expert_gather import enable_fp4_expert_gather
 from computectx.distributed.fp8_all_gather import (
@@ -122,6 +122,8 @@ def distribute(
     # stop here, named, before DDP's broadcast or FSDP2's gathers abort or hang on it.
     check_same_model(model, group, parameters=sharded)
     warn_shared_fp4_streams(model)
+    # Expert-parallel MoEs (their frozen experts hold no weight: experts may be empty).
+    spread = expert_parallel_group(model) is not None
     run: nn.Module = model
     if sharded:
         if mesh is None:
@@ -129,9 +131,9 @@ def distribute(
         shard(model, ctx, args, mesh, world, experts)
     else:
         run = wrap_ddp(model, ctx, group, experts, args.join_timeout)
-        if not experts:  # with experts every forward joins (below)
+        if not spread:  # with experts spread every forward joins (below)
             join_until_rebuilt(run, data_parallel_group(group), args.join_timeout)
-    if sharded or experts:
+    if sharded or spread:
         # Every forward of what runs is a collective here (FSDP2's all-gathers, the experts'
         # all-to-alls): it joins the group first, before DDP's or FSDP2's own hooks, so a
         # rank that runs one alone gets a clear error instead of a hang.
