@@ -17,6 +17,7 @@ fails in seconds."""
 from __future__ import annotations
 
 import datetime
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
-from computectx.distributed import broadcast_frozen, parallelize
+from computectx.distributed import broadcast_frozen, expert_parallel, parallelize
 from computectx.formats import (
     QuantizedLinear,
     convert_to_quantized,
@@ -36,6 +37,7 @@ from computectx.formats import (
 )
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
+from computectx.nn import GroupedExperts, MoE
 
 ROWS = (20, 12)
 """Each rank's rows a step: the counters advance by different amounts on the two ranks."""
@@ -109,6 +111,8 @@ def eval_on_one_rank(params: dict[str, Any]) -> dict[str, Any]:
     out["frozen"] = _frozen_under_ddp(seq, group, store)
     out["fp8_frozen"] = fp8_frozen_under_ddp(group, store)
     out["parallelized"] = partly_frozen_parallelized(group, store)
+    out["experts"] = frozen_experts_parallelized(store)
+    out["lonely"] = _outside_group()
     return out
 
 
@@ -158,10 +162,26 @@ def _refused(group: dist.ProcessGroup) -> list[str]:
     for m in list(seq)[: 1 + 2 * dist.get_rank()]:
         if isinstance(m, QuantizedLinear):
             m.freeze_for_serving()
-    late = fp8_model(0)
+    late, compiled = fp8_model(0), fp8_model(0)
+    # Rank 0 holds one frozen linear at two places, rank 1 two linears of the same shape:
+    # the same names, shapes and dtypes, but one broadcast against two.
+    tied = fp8_model(0)
+    tied[2] = tied[0] if dist.get_rank() == 0 else fp8_model(1)[0]
+    for m in tied.modules():
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+    served = fp8_model(0)
+    for m in served.modules():
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+    exclude_frozen_from_ddp(served)
     calls: list[Callable[[], object]] = [
         lambda: broadcast_frozen(seq, group=group),
         lambda: broadcast_frozen(_frozen_late(late, group)),
+        lambda: broadcast_frozen(Compiled(_frozen_late(compiled, group))),
+        lambda: broadcast_frozen(tied, group=group),
+        # DDP's wrap sent rank 0's state: rank 1's codes beside it, a model no rank held.
+        lambda: broadcast_frozen(DistributedDataParallel(served, process_group=group), src=1),
     ]
     for call in calls:
         try:
@@ -170,6 +190,15 @@ def _refused(group: dist.ProcessGroup) -> list[str]:
         except ValueError as e:
             out.append(str(e))
     return out
+
+
+class Compiled(nn.Module):
+    """What ``broadcast_frozen`` reads of ``torch.compile``'s wrapper (an ``OptimizedModule``):
+    its module, as ``_orig_mod`` (a stand-in: importing dynamo costs seconds a rank)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
 
 
 def _frozen_late(seq: nn.Sequential, group: dist.ProcessGroup) -> DistributedDataParallel:
@@ -214,12 +243,21 @@ def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str
     seq = fp8_model(dist.get_rank())
     first = seq[0]
     assert isinstance(first, QuantizedLinear)
+    if dist.get_rank() == 0:
+        # Rank 0 alone trained its first linear (as a checkpoint loaded on rank 0 only):
+        # its input ledger holds the step a frozen layer serves with, rank 1's none.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # one rank records unsynced, on purpose
+            first(batch(0, 0))
     first.freeze_for_serving()
     got: dict[str, Any] = {}
     try:
         ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
         par = parallelize(seq, ctx, optimizer_class=torch.optim.SGD, lr=LR, join_timeout=TIMEOUT_S)
         got["ignored"] = sorted(getattr(par.model, "parameters_to_ignore", ()))
+        got["ledger"] = first.scaling.input.ledger.clone()
+        with torch.inference_mode():
+            got["served"] = par.model(eval_batch()).clone()
         par.model(batch(0, dist.get_rank())).float().square().mean().backward()
         par.step()
         got["weights"] = [p.detach().clone() for p in seq[2].parameters()]
@@ -238,3 +276,71 @@ def partly_frozen_parallelized(group: dist.ProcessGroup, store: Any) -> dict[str
     store.set(f"fp8/parallelize/{dist.get_rank()}", "done")
     store.wait([f"fp8/parallelize/{r}" for r in range(2)], datetime.timedelta(seconds=30))
     return got
+
+
+def frozen_experts_parallelized(store: Any) -> dict[str, Any]:
+    """An fp8 linear and an fp8 MoE whose experts are spread (``expert_parallel``), both then
+    frozen for serving, rank 1's linear codes made its own, handed to
+    ``parallelize(strategy="ddp")``: the outcome, the outputs of a ``no_grad`` forward on
+    every rank (the linear's codes rank 0's, each rank its own experts), whether the
+    experts' codes stayed each rank's. Then ``freeze_first``: experts frozen before
+    ``expert_parallel``, refused."""
+    got: dict[str, Any] = {}
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(32, 32), MoE(ctx, 32, 32, 4, 2))
+        convert_to_quantized(net, ctx, include_head=True, min_features=16)
+        return net
+
+    def freeze(net: nn.Module) -> None:
+        for m in net.modules():
+            if isinstance(m, QuantizedLinear | GroupedExperts):
+                m.freeze_for_serving()
+
+    try:
+        net = build()
+        expert_parallel(net, join_timeout=TIMEOUT_S)
+        freeze(net)
+        own = {n: b.view(torch.uint8).clone() for n, b in net.named_buffers() if "_fp8" in n}
+        if dist.get_rank() == 1:
+            codes = net[0].weight_fp8
+            assert isinstance(codes, torch.Tensor)
+            with torch.no_grad():
+                codes.view(torch.uint8).add_(1)
+        par = parallelize(net, ctx, optimizer_class=torch.optim.SGD, lr=LR, join_timeout=TIMEOUT_S)
+        with torch.no_grad():
+            got["out"] = par.model(eval_batch()).clone()
+        got["kept"] = all(
+            torch.equal(b.view(torch.uint8), own[n])
+            for n, b in net.named_buffers()
+            if n in own and "experts" in n
+        )
+        got["wrap"] = "runs"
+    except Exception as e:  # recorded: the test says what went wrong
+        got["wrap"] = f"{type(e).__name__}: {e}"
+    store.set(f"fp8/experts/{dist.get_rank()}", "done")
+    store.wait([f"fp8/experts/{r}" for r in range(2)], datetime.timedelta(seconds=30))
+    first = build()
+    freeze(first)
+    try:
+        expert_parallel(first, join_timeout=TIMEOUT_S)
+        got["freeze_first"] = "runs"
+    except Exception as e:
+        got["freeze_first"] = f"{type(e).__name__}: {e}"
+    return got
+
+
+def _outside_group() -> str:
+    # A group of rank 1 alone (every rank creates it): rank 0 is no member; rank 1 sends to
+    # itself.
+    alone = dist.new_group([1])
+    seq = fp8_model(0)
+    for m in seq.modules():
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+    try:
+        return f"runs: {len(broadcast_frozen(seq, group=alone))}"
+    except ValueError as e:
+        return str(e)

@@ -69,14 +69,26 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
     for f in fp8:
         assert f["wrap"] == "runs", f["wrap"]
         assert torch.equal(f["out"], f["plain"]) and torch.equal(f["out"], fp8[0]["out"])
-        assert f["sent"] == ("0.weight_fp8", "0.weight_step", "2.weight_fp8", "2.weight_step")
+        # The codes and steps, then the frozen linears' scaling state (their input steps).
+        held = ("0.weight_fp8", "0.weight_step", "2.weight_fp8", "2.weight_step")
+        assert f["sent"] == (*held, *scaling_names("0."), *scaling_names("2.")), f["sent"]
     assert all(torch.equal(f["alone"], f["out"]) for f in fp8 if "alone" in f)
     # What broadcast_frozen refuses, on every rank alike: ranks that froze other layers, and
     # a DDP that wrapped before a layer was frozen (its next forward would broadcast codes).
+    # So are: a torch.compile wrapper of such a DDP (unwrapped first), ranks that share a
+    # frozen tensor differently (rank 0 holds one linear at two places: one broadcast
+    # against two, which would hang), and src=1 over a DDP whose wrap sent rank 0's state.
     for r in ranks:
-        differ, late = r["fp8_frozen"]["refused"]
+        differ, late, compiled, tied, src1 = r["fp8_frozen"]["refused"]
         assert "rank(s) 1 differ from rank 0; the first is '2.weight_fp8'" in differ, differ
         assert "broadcasts '0.weight_fp8' (and 1 more frozen buffers)" in late, late
+        assert "broadcasts '0.weight_fp8' (and 1 more frozen buffers)" in compiled, compiled
+        assert "the first is '2.weight_fp8'" in tied, tied
+        assert "the same tensor as '0.weight_fp8'" in tied, tied
+        assert "src 1 is global rank 1, but the DistributedDataParallel's wrap sent global " in src1
+    # A rank outside the group is told so; the group's member sends to itself.
+    assert "this rank (global rank 0) is not a member of group" in ranks[0]["lonely"]
+    assert ranks[1]["lonely"].startswith("runs"), ranks[1]["lonely"]
     # A model frozen layer by layer, without exclude_frozen_from_ddp, handed to parallelize:
     # its DDP wrap leaves the float8 codes out itself, and the trainable rest steps alike.
     # Each rank built its own seed's model: the wrap sent rank 0's weights and frozen codes.
@@ -90,8 +102,33 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
     assert isinstance(zero, QuantizedLinear)
     codes = zero.freeze_for_serving().weight_fp8
     assert isinstance(codes, torch.Tensor)
+    # Rank 0 alone had recorded its first linear's input step: the wrap sent its scaling
+    # state with its codes, and the ranks serve rank 0's model (under delayed scaling the
+    # input step of a frozen layer comes from its ledger, which nothing else sends).
+    assert not torch.equal(par[0]["ledger"], zero.scaling.input.ledger)  # recorded, not fresh
+    assert torch.equal(par[1]["ledger"], par[0]["ledger"])
+    assert torch.equal(par[1]["served"], par[0]["served"])
     for p in par:
         assert torch.equal(p["codes"], codes.view(torch.uint8))
         # A layer frozen after parallelize: the next step names it, on every rank.
         assert "RuntimeError: Parallel.step: DDP did not reduce every weight" in p["frozen_late"]
         assert "1 of the weights it wraps are no longer the model's" in p["frozen_late"]
+    # Frozen fp8 experts of an expert-parallel MoE under parallelize: no weight to average,
+    # their codes each rank's own; the frozen linear's codes are rank 0's on every rank.
+    experts = [r["experts"] for r in ranks]
+    for e in experts:
+        assert e["wrap"] == "runs", e["wrap"]
+        assert e["kept"]
+        # Frozen before expert_parallel: refused on every rank, naming the experts.
+        assert "1.experts are frozen for serving" in e["freeze_first"], e["freeze_first"]
+        assert "Call expert_parallel first, then freeze the experts" in e["freeze_first"]
+    assert torch.equal(experts[0]["out"], experts[1]["out"])
+
+
+def scaling_names(prefix: str) -> tuple[str, ...]:
+    """A frozen fp8 linear's scaling-state buffer names under ``prefix``."""
+    roles = ("input", "weight", "grad")
+    return (
+        *(f"{prefix}fp8_{r}_{p}" for r in roles for p in ("ledger", "tally")),
+        f"{prefix}fp8_meta",
+    )

@@ -57,7 +57,19 @@ def test_sends_the_frozen_buffers_in_place_but_expert_parallel_ones(world_of_one
         net = frozen_net(spread)
         before = {n: (b.data_ptr(), b.clone()) for n, b in net.named_buffers()}
         sent = broadcast_frozen(net)
-        assert sent == ("0.weight_fp8", "0.weight_step", *([] if spread else experts))
+        # The linear's codes, the experts' (each rank's own when spread), then the linear's
+        # scaling state (under delayed scaling its input step comes from its ledger).
+        scaling = [
+            f"0.fp8_{r}_{p}" for r in ("input", "weight", "grad") for p in ("ledger", "tally")
+        ]
+        want = (
+            "0.weight_fp8",
+            "0.weight_step",
+            *([] if spread else experts),
+            *scaling,
+            "0.fp8_meta",
+        )
+        assert sent == want
         for n, b in net.named_buffers():  # rank 0 is the only rank: its own bytes, in place
             assert b.data_ptr() == before[n][0] and torch.equal(b, before[n][1]), n
 
@@ -77,10 +89,53 @@ def test_a_non_contiguous_buffer_goes_through_a_copy_written_back(world_of_one: 
 def test_refusals_name_the_argument_on_every_rank(world_of_one: None) -> None:
     net = frozen_net(False)
     bad: list[tuple[object, object, type[Exception], str]] = [
-        (net, True, TypeError, "src must be an int rank, got bool"),
-        (net, 1, ValueError, r"src must be a rank in \[0, 1\), got 1"),
+        (net, True, TypeError, "src must be an int .the group's rank; any integer operator"),
+        (net, 1.0, TypeError, "src must be an int .*, got float"),
+        (net, 1, ValueError, r"src must be a rank of the group .its group rank, not the global "),
         ("net", 0, TypeError, "takes an nn.Module, got str"),
     ]
     for model, src, error, match in bad:
         with pytest.raises(error, match=rf"failed on rank\(s\) 0 .*{match}"):
             broadcast_frozen(model, src)  # type: ignore[arg-type]
+
+
+def test_src_takes_any_index_integer_and_a_compiled_wrapper_its_module(world_of_one: None) -> None:
+    import numpy as np
+
+    net = frozen_net(False)
+    want = broadcast_frozen(net)
+    assert broadcast_frozen(net, src=np.int64(0)) == want  # operator.index takes it
+    # torch.compile's wrapper (an OptimizedModule) holds its module as `_orig_mod`: a
+    # stand-in (importing dynamo costs seconds): its module's names, not '_orig_mod.'-prefixed.
+    assert broadcast_frozen(Compiled(net)) == want
+
+
+class Compiled(nn.Module):
+    """What broadcast_frozen reads of torch.compile's wrapper: the module, as ``_orig_mod``."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._orig_mod = module
+
+
+def test_the_input_step_read_from_the_ledger_written_in_place(world_of_one: None) -> None:
+    # A frozen layer that had seen its input ledger seeded (a host flag) is sent an unseeded
+    # one: it takes each request's own amax again, as the sender does.
+    x = torch.randn(4, 32).bfloat16()
+    fresh = frozen_net(False)[0]
+    assert isinstance(fresh, QuantizedLinear)
+    with torch.inference_mode():
+        want = fresh(x).clone()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32))
+    convert_to_quantized(net, FP8, include_head=True, min_features=16)
+    lin = net[0]
+    assert isinstance(lin, QuantizedLinear)
+    lin(torch.randn(4, 32).bfloat16())  # records: seeded, the host flag set
+    lin.freeze_for_serving()
+    with torch.no_grad():  # rank 0's unseeded state, written in place (as a broadcast does)
+        for name in lin.scaling.tensor_names():
+            getattr(lin, name).copy_(getattr(fresh, name))
+    lin.scaling.adopt_written()
+    with torch.inference_mode():
+        assert torch.equal(lin(x), want)

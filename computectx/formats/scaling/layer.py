@@ -183,6 +183,15 @@ class ScalingState:
         }
         self.install(read_saved_tensors(found, self.policy, self.device, what))
 
+    def adopt_written(self) -> None:
+        """Take the tensors as they are after a write in place from outside (another rank's
+        bytes copied into them: ``computectx.distributed.broadcast_frozen``): the host's
+        seeded flags are forgotten (the next quantize reads the tally) and the world size is
+        read from ``meta`` (one host read). The tensors stay the same objects."""
+        for op in self.operands.values():
+            op._seeded_hint = False
+        self._world = int(self.meta[META_WORLD].item())
+
     def install(self, saved: SavedScaling) -> None:
         """Take a saved state (already read and fitted to this policy: ``scaling.saved``)."""
         for role, op in self.operands.items():
