@@ -165,6 +165,23 @@ def wall_limit() -> Callable[[float, str], contextlib.AbstractContextManager[Non
     return _wall_limit
 
 
+@pytest.fixture(scope="module")
+def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """A gloo process group of one rank (this process) for the module's tests, destroyed
+    after them: collectives and their refusals without launching ranks."""
+    import pathlib
+
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    store = pathlib.Path(tmp_path_factory.mktemp("pg")) / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.fixture
 def grouped_operands(monkeypatch: pytest.MonkeyPatch) -> Callable[[], list[tuple[Any, Any, Any]]]:
     """Call it to record, from then on, every operand the grouped GEMMs quantize, as

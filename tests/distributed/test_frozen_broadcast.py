@@ -6,12 +6,8 @@ freeze, is ``test_fp4_ranks.py``)."""
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Iterator
-
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from computectx import ComputeCtx
@@ -20,17 +16,6 @@ from computectx.formats import QuantizedLinear, convert_to_quantized
 from computectx.nn import GroupedExperts, MoE
 
 FP8 = ComputeCtx.from_flag("fp8_hybrid", "cpu")
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    assert not dist.is_initialized()
-    store = pathlib.Path(tmp_path_factory.mktemp("pg")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def frozen_net(expert_parallel: bool) -> nn.Sequential:

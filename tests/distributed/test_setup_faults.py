@@ -13,8 +13,7 @@ test_safety.py. Here every argument those paths read is checked too, so none of 
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,17 +35,6 @@ Freeze = Callable[..., object]
 F32 = ComputeCtx.from_flag("fp32", "cpu")
 FP8 = ComputeCtx.from_flag("fp8_hybrid", "cpu")
 ALL: Callable[[nn.Module, str], bool] = lambda m, fqn: True  # noqa: E731
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    assert not dist.is_initialized()
-    store = pathlib.Path(tmp_path_factory.mktemp("pg")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 class Net(nn.Module):

@@ -10,13 +10,11 @@ world of one (construction, a hand-over with a gradient written after the drain)
 
 from __future__ import annotations
 
-import pathlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from computectx import ComputeCtx, DType
@@ -168,17 +166,6 @@ def test_a_refused_ingest_changes_neither_side(freeze: Freeze) -> None:
 
 
 # ----- DataParallelGradAccumulator in a world of one -------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def world_of_one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    assert not dist.is_initialized()
-    store = pathlib.Path(tmp_path_factory.mktemp("pg")) / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_data_parallel_refusals_change_nothing(world_of_one: None, freeze: Freeze) -> None:
