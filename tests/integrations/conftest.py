@@ -12,6 +12,7 @@ once per test session, even across xdist workers, and every test reads its part.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -26,6 +27,18 @@ from filelock import FileLock
 
 HERE = Path(__file__).resolve().parent
 LIMIT_S = 150.0
+
+
+def skip_unless_installed(*modules: str, reason: str = "") -> None:
+    """``pytest.importorskip``'s check without its import: skip the calling test module unless
+    every module's top-level package is installed (``importlib.util.find_spec``, which imports
+    nothing). For a framework the module's tests only use in a launched process or inside a test
+    body (lightning is 4 CPU-s to import, compressed_tensors 3): every xdist worker collects
+    every module, and an import at collection is paid by each of them."""
+    missing = [m for m in modules if importlib.util.find_spec(m.partition(".")[0]) is None]
+    if missing:
+        why = reason or "in the optional extra: pip install -e '.[integrations]'"
+        pytest.skip(f"{', '.join(missing)} not installed ({why})", allow_module_level=True)
 
 
 def free_port() -> int:

@@ -14,12 +14,10 @@ import torch
 
 from computectx.formats.numerics.ledger import ledger_history, ledger_step
 
-pytest.importorskip(
-    "lightning.fabric",
-    reason="lightning is in the optional extra: pip install -e '.[integrations]'",
-)
+from .conftest import skip_unless_installed, torchrun_once
 
-from .conftest import torchrun_once
+skip_unless_installed("lightning.fabric")  # only the launched ranks import it (4 CPU-s)
+
 
 STRATEGIES = ["ddp", "fsdp", "tensor_parallel"]
 

@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig
@@ -39,6 +38,10 @@ from computectx.formats import (
 from computectx.formats.numerics.fp4 import Nvfp4Operand, global_encode_scale
 from computectx.integrations.hf_checkpoint import export_pretrained, import_pretrained
 from computectx.integrations.hf_checkpoint.fp4 import AMAX_KEY, INPUT_AMAX_KEY
+
+from .conftest import skip_unless_installed
+
+skip_unless_installed("compressed_tensors")  # checked, not imported (see conftest.py)
 
 # Every NVFP4 export of the Llama warns that vLLM would fuse q/k/v and gate/up under one global
 # scale (asserted in test_compressed_tensors_decodes_to_our_weights).
@@ -55,7 +58,7 @@ def base() -> Any:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
     )  # fmt: skip
     config._attn_implementation = "eager"
-    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()  # type: ignore[no-untyped-call]
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
 def converted(base: Any, flag: str) -> Any:
@@ -483,7 +486,7 @@ def test_a_tied_head_frozen_in_4_bit_exports_untied(base: Any, tmp_path: Path) -
     config = copy.deepcopy(base.config)
     config.tie_word_embeddings = True
     torch.manual_seed(0)
-    tied = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()  # type: ignore[no-untyped-call]
+    tied = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     model = copy.deepcopy(tied)
     ctx = ComputeCtx.from_flag("nvfp4", "cpu")

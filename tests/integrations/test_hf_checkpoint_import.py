@@ -27,7 +27,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, LlamaConfig, Qwen3MoeConfig
@@ -51,7 +50,9 @@ from computectx.integrations.transformers_moe import (
     freeze_experts_for_serving,
 )
 
-from .conftest import HF_COMMON, HF_RECIPES
+from .conftest import HF_COMMON, HF_RECIPES, skip_unless_installed
+
+skip_unless_installed("compressed_tensors")  # checked, not imported (see conftest.py)
 
 COMMON, RECIPES = HF_COMMON, HF_RECIPES
 HELD: list[tuple[str, ExportFormat]] = [
@@ -86,7 +87,7 @@ def moe_config() -> Any:
 def tiny(config: Any, seed: int, granularity: str | None = None) -> Any:
     torch.manual_seed(seed)
     config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     if granularity is not None:
         convert_to_quantized(model, ctx_of(RECIPES[granularity]), min_features=16)
     return model
@@ -251,13 +252,13 @@ def write_with_transformers(model: Any, directory: Path) -> dict[str, torch.Tens
     linear's weight (not the head, the embeddings or the routers) through the fine-grained
     FP8 quantizer's ``Fp8Quantize``, and ``FineGrainedFP8Config``'s config."""
     quant = FineGrainedFP8Config(weight_block_size=(128, 128), modules_to_not_convert=["lm_head"])
-    op = Fp8Quantize(FineGrainedFP8HfQuantizer(quant))  # type: ignore[no-untyped-call]
+    op = Fp8Quantize(FineGrainedFP8HfQuantizer(quant))
     disk = revert_weight_conversion(model, dict(model.state_dict()))
     tensors: dict[str, torch.Tensor] = {}
     for name, t in disk.items():
         linear = t.dim() == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight"))
         if linear and ".mlp.gate." not in name:
-            tensors.update(op.convert({name: t.contiguous()}))  # type: ignore[arg-type]
+            tensors.update(op.convert({name: t.contiguous()}))
         else:
             tensors[name] = t.contiguous()
     directory.mkdir()
