@@ -120,7 +120,7 @@ def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         )
 
 
-class CtxStaticLayer(StaticLayer):  # type: ignore[no-untyped-call]
+class CtxStaticLayer(StaticLayer):
     """One full-attention layer of a ``CtxStaticCache``: a ``KVCache`` built at the first
     ``update`` (batch, heads, head dim and device from the keys) and written in place at
     ``cumulative_length`` (a 0-d int64 tensor, as ``StaticLayer``'s)."""

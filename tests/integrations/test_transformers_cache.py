@@ -184,7 +184,7 @@ def test_reset_and_beam_reorder_in_place(kv: str) -> None:
     layer = cache.layers[0]
     assert isinstance(layer, CtxStaticLayer) and layer.store is not None
     buffers = [t.data_ptr() for t in layer.store.held]
-    cache.reset()  # type: ignore[no-untyped-call]
+    cache.reset()
     assert int(cache.get_seq_length()) == 0
     again = teacher_forced(model, ids, cache)
     assert torch.equal(again, first)
@@ -444,7 +444,7 @@ class CtxStaticCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset(self) -> None:
-        self.cache.reset()  # type: ignore[no-untyped-call]
+        self.cache.reset()
         self.model.zero_()
         self.tags = [[-1] * self.slots for _ in range(2)]
         self.length = 0

@@ -72,7 +72,7 @@ def tiny(kind: str, dtype: torch.dtype = torch.bfloat16) -> Any:
     else:
         config = GptOssConfig(**COMMON, intermediate_size=32, num_local_experts=EXPERTS)
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+    return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def experts_of(model: nn.Module) -> list[nn.Module]:
