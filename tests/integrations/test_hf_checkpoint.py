@@ -29,8 +29,6 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
-pytest.importorskip("accelerate")  # transformers loads an fp8 checkpoint through it
 
 from safetensors import safe_open
 from transformers import (
@@ -45,7 +43,10 @@ from computectx import ComputeCtx
 from computectx.formats import Recipe, ServingWeight, convert_to_quantized, serving_weights
 from computectx.integrations.hf_checkpoint import export_pretrained
 
-from .conftest import HF_COMMON, HF_RECIPES
+from .conftest import HF_COMMON, HF_RECIPES, skip_unless_installed
+
+# transformers loads an fp8 checkpoint through accelerate (checked, not imported: conftest.py)
+skip_unless_installed("compressed_tensors", "accelerate")
 
 COMMON, RECIPES = HF_COMMON, HF_RECIPES
 IDS = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(3))

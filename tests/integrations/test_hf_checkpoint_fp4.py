@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig
@@ -39,6 +38,10 @@ from computectx.formats import (
 from computectx.formats.numerics.fp4 import Nvfp4Operand, global_encode_scale
 from computectx.integrations.hf_checkpoint import export_pretrained, import_pretrained
 from computectx.integrations.hf_checkpoint.fp4 import AMAX_KEY, INPUT_AMAX_KEY
+
+from .conftest import skip_unless_installed
+
+skip_unless_installed("compressed_tensors")  # checked, not imported (see conftest.py)
 
 # Every NVFP4 export of the Llama warns that vLLM would fuse q/k/v and gate/up under one global
 # scale (asserted in test_compressed_tensors_decodes_to_our_weights).

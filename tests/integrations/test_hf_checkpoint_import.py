@@ -27,7 +27,6 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
 
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, FineGrainedFP8Config, LlamaConfig, Qwen3MoeConfig
@@ -51,7 +50,9 @@ from computectx.integrations.transformers_moe import (
     freeze_experts_for_serving,
 )
 
-from .conftest import HF_COMMON, HF_RECIPES
+from .conftest import HF_COMMON, HF_RECIPES, skip_unless_installed
+
+skip_unless_installed("compressed_tensors")  # checked, not imported (see conftest.py)
 
 COMMON, RECIPES = HF_COMMON, HF_RECIPES
 HELD: list[tuple[str, ExportFormat]] = [

@@ -25,16 +25,7 @@ import torch
 from torch import nn
 
 pytest.importorskip("transformers")
-pytest.importorskip("compressed_tensors")
-pytest.importorskip("accelerate")
 
-from compressed_tensors.quantization import (  # type: ignore[import-untyped]
-    QuantizationArgs,
-    QuantizationConfig,
-)
-from compressed_tensors.quantization.lifecycle.initialize import (  # type: ignore[import-untyped]
-    initialize_qparams,
-)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig, LlamaConfig
 
@@ -57,6 +48,10 @@ from computectx.integrations.hf_checkpoint.kv import (
 from computectx.integrations.transformers_cache import CtxStaticCache, calibrate_transformers_kv
 from computectx.kv_policy import KvFp8
 from computectx.nn.kv_steps import held_steps, widen_steps
+
+from .conftest import skip_unless_installed
+
+skip_unless_installed("compressed_tensors", "accelerate")  # checked, not imported (conftest.py)
 
 HEADS = 2
 ATTN = "model.layers.{}.self_attn"
@@ -141,7 +136,16 @@ def test_scales_are_the_steps_the_cache_serves_with(
     assert not [k for k in tensors if k.endswith("q_scale")]
     if ct:
         # compressed_tensors' own classes parse the fragment, and its own initialization
-        # registers scales of exactly the shape written.
+        # registers scales of exactly the shape written (imported here: its import is
+        # 3 CPU-s, paid at collection by every xdist worker if it were at the top).
+        from compressed_tensors.quantization import (  # type: ignore[import-untyped]
+            QuantizationArgs,
+            QuantizationConfig,
+        )
+        from compressed_tensors.quantization.lifecycle.initialize import (  # type: ignore[import-untyped]
+            initialize_qparams,
+        )
+
         parsed = QuantizationConfig.model_validate(quant).kv_cache_scheme
         assert parsed == QuantizationArgs.model_validate(quant["kv_cache_scheme"])
         assert parsed.strategy == ("attn_head" if per_head else "tensor")
