@@ -152,7 +152,7 @@ def run(strategy: str, out: Path, one: dict[str, Any]) -> dict[str, Any]:
         fabric.backward(loss)
         opt.step()
         opt.zero_grad()
-        return float(fabric.all_reduce(loss.detach(), reduce_op="mean"))  # type: ignore[arg-type]
+        return float(fabric.all_reduce(loss.detach(), reduce_op="mean"))
 
     result["losses"] = torch.tensor([train(step) for step in range(STEPS)])
     result["ledgers"] = ledgers(model.module)
