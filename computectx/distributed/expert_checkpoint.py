@@ -8,6 +8,8 @@ biases (``update_expert_bias``)."""
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +24,7 @@ from computectx.nn.experts import GroupedExperts
 from computectx.nn.moe import MoE, planned_biases, update_biases
 
 __all__ = [
+    "EXPERT_STATE",
     "EXPERT_WEIGHTS",
     "JOIN_TIMEOUTS",
     "SHARDS",
@@ -34,6 +37,16 @@ __all__ = [
 
 EXPERT_WEIGHTS = ("gate_up", "down")
 """The 3-D parameters of a ``GroupedExperts`` that expert parallelism slices."""
+
+EXPERT_STATE = (
+    *EXPERT_WEIGHTS,
+    *(f"{n}{s}" for n in EXPERT_WEIGHTS for s in ("_fp8", "_step")),
+    *(f"fp8.{n}{s}" for n in EXPERT_WEIGHTS for s in ("_fp4", "_scale", "_amax")),
+)
+"""The state-dict keys (under the ``GroupedExperts``) of every per-expert tensor, whose first
+dimension is the expert: the weights, frozen fp8 experts' codes and steps
+(``freeze_for_serving``), frozen 4-bit experts' codes, scales and amaxes
+(``FrozenFp4Experts``, the ``fp8`` child). Each rank holds its own experts' of each."""
 
 _SLICE = "_computectx_expert_slice"
 """The attribute that marks a saved expert DTensor with ``(rank, world)`` of the rank that
@@ -62,6 +75,39 @@ class ExpertShards:
         self.local = local
         self.whole = dict(whole or {})
         """Each expert weight's whole ``(E, ...)`` shape (``check_shapes``)."""
+        self.module: weakref.ref[GroupedExperts] | None = None
+
+    def held(self) -> dict[str, torch.Tensor]:
+        """The per-expert tensors (``EXPERT_STATE``) the attached experts hold now (their
+        weights, or once frozen their codes), by state-dict key under the module."""
+        experts = self.module() if self.module is not None else None
+        if experts is None:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for key in EXPERT_STATE:
+            owner, _, name = key.rpartition(".")
+            module = getattr(experts, owner, None) if owner else experts
+            t = getattr(module, name, None) if isinstance(module, nn.Module) else None
+            if isinstance(t, torch.Tensor):
+                out[key] = t
+        return out
+
+    def wholes(self) -> dict[str, tuple[int, ...]]:
+        """Each held per-expert tensor's whole ``(E, ...)`` shape (every rank's experts)."""
+        held = {k: (self.local * self.world, *t.shape[1:]) for k, t in self.held().items()}
+        return {**self.whole, **held}
+
+    def load_view(self, state: dict[str, Any], prefix: str) -> dict[str, Any]:
+        """``state`` as the experts under ``prefix`` load it (a new dict): another rank's
+        slice refused (``check``), then this rank's experts of each per-expert entry. The
+        whole-load guard runs the layers' own checks on this view (``check_layer_entries``),
+        so frozen experts check their own codes, not the whole or marked ones."""
+        self.check(state, prefix)
+        view = dict(state)
+        for key in (prefix + k for k in EXPERT_STATE):
+            if key in view:
+                view[key] = self.local_of(view[key])
+        return view
 
     def attach(self, experts: GroupedExperts) -> None:
         # Functions, not bound methods: torch marks the hooks it is given with attributes.
@@ -71,8 +117,17 @@ class ExpertShards:
         def load(module: nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
             self.load(module, state, prefix, *rest)
 
+        def view(state: dict[str, Any], prefix: str) -> dict[str, Any]:
+            return self.load_view(state, prefix)
+
+        self.module = weakref.ref(experts)
         experts.register_state_dict_post_hook(save)  # type: ignore[no-untyped-call]
-        experts.register_load_state_dict_pre_hook(load)  # type: ignore[no-untyped-call]
+        handle = experts.register_load_state_dict_pre_hook(load)  # type: ignore[no-untyped-call]
+        # First of the module's pre-hooks: its whole-load guard (if any) checks the slices.
+        hooks = experts._load_state_dict_pre_hooks
+        assert isinstance(hooks, OrderedDict)
+        hooks.move_to_end(handle.id, last=False)
+        vars(experts)["load_view"] = view  # what the whole-load guard's checks see
 
     def _experts_of(self, rank: int, world: int) -> str:
         local = self.local * self.world // world
@@ -97,7 +152,7 @@ class ExpertShards:
         tensor; anything else as it is."""
         if isinstance(value, DTensor):
             if value.device_mesh != self.mesh or value.placements != (Shard(0),):
-                value = value.redistribute(self.mesh, [Shard(0)])
+                value = _as_bytes(value, lambda v: v.redistribute(self.mesh, [Shard(0)]))
             return value.to_local()
         if (
             isinstance(value, torch.Tensor)
@@ -111,7 +166,7 @@ class ExpertShards:
     def save(
         self, module: nn.Module, state: dict[str, Any], prefix: str, local_metadata: Any
     ) -> None:
-        for attr in EXPERT_WEIGHTS:
+        for attr in EXPERT_STATE:
             if prefix + attr in state:
                 state[prefix + attr] = self.as_shard(state[prefix + attr])
 
@@ -119,12 +174,12 @@ class ExpertShards:
         self,
         state: dict[str, Any],
         prefix: str,
-        keys: tuple[str, ...] = EXPERT_WEIGHTS,
+        keys: tuple[str, ...] = EXPERT_STATE,
         what: str = "",
     ) -> None:
-        """Refuse a slice that another rank (or another world) saved, and (for the weights)
-        a tensor of another shape (``ValueError``)."""
-        if keys == EXPERT_WEIGHTS and not what:
+        """Refuse a slice that another rank (or another world) saved, and (for the weights
+        and frozen codes) a tensor of another shape (``ValueError``)."""
+        if keys == EXPERT_STATE and not what:
             self.check_shapes(state, prefix)
         for key in (prefix + k for k in keys):
             value = state.get(key)
@@ -150,7 +205,7 @@ class ExpertShards:
         loads, so a tensor of the same size and another shape is never sliced into a shape
         that is nowhere in the checkpoint. A plain tensor over ``E / world`` experts says
         nothing of whose experts they are: refused too."""
-        for attr, want in self.whole.items():
+        for attr, want in self.wholes().items():
             key = prefix + attr
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
@@ -177,7 +232,7 @@ class ExpertShards:
 
     def load(self, module: nn.Module, state: dict[str, Any], prefix: str, *_: Any) -> None:
         self.check(state, prefix)
-        for attr in EXPERT_WEIGHTS:
+        for attr in EXPERT_STATE:
             if prefix + attr in state:
                 state[prefix + attr] = self.local_of(state[prefix + attr])
 
@@ -267,12 +322,31 @@ def full_state_dict(model: nn.Module) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, DTensor):
-            out[key] = value.full_tensor()
+            out[key] = _as_bytes(value, DTensor.full_tensor)
         elif isinstance(value, torch.Tensor):
             out[key] = value.detach().clone()
         else:
             out[key] = value
     return out
+
+
+def _as_bytes(value: DTensor, move: Callable[[DTensor], torch.Tensor]) -> Any:
+    """``move(value)`` (a gather or a reshard); a DTensor of one-byte codes (fp8, 4-bit
+    pairs, e8m0 scales: frozen experts) moves as ``uint8`` bytes, which every backend
+    sends (gloo sends no fp8), and comes back in its own dtype, bit for bit."""
+    dtype = value.dtype
+    if dtype.itemsize != 1 or dtype in (torch.uint8, torch.int8, torch.bool):
+        return move(value)
+    local = value.to_local().view(torch.uint8)
+    raw = DTensor.from_local(
+        local,
+        value.device_mesh,
+        value.placements,
+        run_check=False,
+        shape=value.shape,
+        stride=value.stride(),
+    )
+    return move(raw).view(dtype)
 
 
 def update_expert_bias(model: nn.Module, group: GroupArg | None = None) -> None:

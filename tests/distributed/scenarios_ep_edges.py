@@ -353,4 +353,84 @@ def edges(params: dict[str, Any]) -> dict[str, Any]:
         "disagree": disagree(params),
         "lone_forward": lone_forward(params),
         "checkpoint": checkpoint(params),
+        "frozen_checkpoint": frozen_checkpoint(params),
     }
+
+
+def _frozen_net(seed: int, flag: str, spread: bool = True) -> Net:
+    """``Net`` under ``flag``'s recipe, its experts spread over the ranks (``spread``), then
+    frozen."""
+    from computectx.formats import convert_to_quantized, freeze_fp4_for_serving
+
+    ctx = ComputeCtx.from_flag(flag, "cpu")
+    torch.manual_seed(seed)
+    model = Net.__new__(Net)
+    nn.Module.__init__(model)
+    model.proj = nn.Linear(DIM, DIM)
+    model.moe = MoE(ctx, DIM, DIM, EXPERTS, TOP_K)
+    convert_to_quantized(model, ctx, min_features=DIM)
+    if spread:
+        expert_parallel(model, join_timeout=JOIN_S)
+    if flag == "nvfp4":
+        freeze_fp4_for_serving(model.moe)
+    else:
+        model.moe.experts.freeze_for_serving()
+    return model
+
+
+def _expert_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        n: b.detach().view(torch.uint8).clone()
+        for n, b in model.named_buffers()
+        if n.startswith("moe.experts.") and b.dim() and b.dtype != torch.int64
+    }
+
+
+def frozen_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
+    """Frozen experts (fp8 codes and steps, 4-bit codes, scales and amaxes) in checkpoints,
+    each rank its own (other seeds): rank 0's ``torch.save`` is refused on rank 1 as the
+    trainable experts' is; DCP on every rank brings each rank its own back;
+    ``full_state_dict`` holds every expert and loads into one process."""
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for flag in ("fp8_hybrid", "nvfp4"):
+        model = _frozen_net(rank, flag)
+        mine = _expert_state(model)
+        blob = [io.BytesIO()]
+        if rank == 0:
+            torch.save(model.state_dict(), blob[0])
+        blobs: list[Any] = [blob[0].getvalue()]
+        dist.broadcast_object_list(blobs, src=0)
+        saved = torch.load(io.BytesIO(blobs[0]), weights_only=True)
+        error = _error(lambda model=model, saved=saved: model.load_state_dict(saved))
+        kept = _expert_state(model)
+        path = f"{params['path']}-{flag}"
+        save(model.state_dict(), checkpoint_id=path)
+        other = _frozen_net(10 + rank, flag)
+        state = other.state_dict()
+        load(state, checkpoint_id=path)
+        other.load_state_dict(state)
+        back = _expert_state(other)
+        whole = full_state_dict(model)
+        everyone: list[Any] = [None, None]
+        dist.all_gather_object(everyone, mine)
+        one = _frozen_net(20, flag, spread=False)
+        one_error = _error(lambda one=one, whole=whole: one.load_state_dict(whole))
+        in_one = _expert_state(one)
+        out[flag] = {
+            "error": error,
+            "unchanged": sorted(kept) == sorted(mine)
+            and all(torch.equal(kept[k], mine[k]) for k in mine),
+            "dcp_back": sorted(back) == sorted(mine)
+            and all(torch.equal(back[k], mine[k]) for k in mine),
+            "whole": {
+                k: torch.equal(whole[k].view(torch.uint8), torch.cat([e[k] for e in everyone]))
+                for k in mine
+            },
+            "one_error": one_error,
+            "one_equal": all(torch.equal(in_one[k], whole[k].view(torch.uint8)) for k in mine),
+        }
+    return out

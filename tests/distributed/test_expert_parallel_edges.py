@@ -154,3 +154,21 @@ def test_full_state_dict_is_a_snapshot_and_compile_and_a_lone_moe_say_what_they_
         assert "cannot be one graph: compile with fullgraph=False" in r["compile"], r["compile"]
     moe = ranks[0]["helpers"]["moe_alone"]
     assert moe.startswith("RuntimeError: forward of MoE (train, grad on) on rank 0"), moe
+
+
+def test_frozen_experts_are_each_ranks_own_in_every_checkpoint(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # Frozen experts (fp8 codes and steps; nvfp4 codes, scales and amaxes) are sharded and
+    # refused as the trainable ones are: rank 0's torch.save is refused on rank 1, nothing
+    # changed; DCP gives each rank its own experts back; full_state_dict holds all 4 experts
+    # (rank 0's then rank 1's) and loads into one process.
+    for flag, key in (("fp8_hybrid", "gate_up_fp8"), ("nvfp4", "fp8.gate_up_fp4")):
+        r0, r1 = (r["frozen_checkpoint"][flag] for r in ranks)
+        assert r0["error"] == "", r0["error"]
+        assert r1["error"].startswith(f"ValueError: moe.experts.{key} holds the experts 0..1 "
+                                      "that rank 0 of 2 saved"), r1["error"]  # fmt: skip
+        for r in (r0, r1):
+            assert r["unchanged"] and r["dcp_back"], flag
+            assert r["whole"] and all(r["whole"].values()), (flag, r["whole"])
+            assert r["one_error"] == "" and r["one_equal"], (flag, r["one_error"])

@@ -192,13 +192,23 @@ def check_layer_entries(
     ``scaling_load``, any module's ``check_load``: a 4-bit layer's recipe, seed and counter, a
     router's bias), each handed its local keys and its prefix, changing nothing: what the
     whole-load guard (``guard_whole_loads``) runs before a load, and
-    ``Parallel.load_state_dict`` inside its agreement."""
+    ``Parallel.load_state_dict`` inside its agreement.
+
+    A module under ``module`` with a ``load_view(state_dict, prefix)`` attribute of its own
+    (expert-parallel experts: ``distributed.ExpertShards``) rewrites the entries as its load
+    pre-hook will (each rank's slice of sharded experts) for its own check and its
+    children's; ``module``'s own view is not applied (its load pre-hooks ran already when its
+    guard runs)."""
+    state = state_dict
     for name, layer in module.named_modules():
         head = f"{prefix}{name}." if name else prefix
+        view = vars(layer).get("load_view")
+        if name and callable(view):
+            state = view(state, head)
         for hook in ("scaling_load", "check_load"):  # check_load: any module's own check
             plan = getattr(layer, hook, None)
             if callable(plan):
-                entries = {k[len(head) :]: v for k, v in state_dict.items() if k.startswith(head)}
+                entries = {k[len(head) :]: v for k, v in state.items() if k.startswith(head)}
                 plan(entries, head)
 
 
