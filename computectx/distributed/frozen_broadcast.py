@@ -14,19 +14,20 @@ of your own, call it once on every rank.
 
 from __future__ import annotations
 
+import hashlib
 import operator
 from typing import SupportsIndex
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.distributed.collectives import comm_device
-from computectx.distributed.expert_parallel import AllToAllDispatch
+from computectx.distributed.expert_parallel import AllToAllDispatch, moe_local_buffers
 from computectx.distributed.group import GroupArg, agree, data_parallel_group, first_difference
-from computectx.formats import QuantizedLinear
-from computectx.formats.seam import frozen_buffer_names
+from computectx.formats.seam import adopt_frozen_written, frozen_buffer_names, frozen_recipes
 from computectx.nn import MoE
 
 __all__ = ["broadcast_frozen", "share_frozen"]
@@ -35,30 +36,44 @@ __all__ = ["broadcast_frozen", "share_frozen"]
 def broadcast_frozen(
     model: nn.Module, src: SupportsIndex = 0, group: GroupArg = None
 ) -> tuple[str, ...]:
-    """Copy the weights frozen for serving inside ``model`` (``frozen_buffer_names``) and the
-    frozen fp8 linears' scaling state (ledgers, tallies, ``fp8_meta``: under delayed scaling
-    a frozen layer's input step comes from its input ledger) from the group's rank ``src``
-    (its group rank, not the global rank) to every rank, in place, and return their names;
-    call it on every rank of ``group`` right after ``DistributedDataParallel(model)`` (which
-    broadcast the rest of rank 0's state) or before serving without DDP.
+    """Copy the weights frozen for serving inside ``model`` (``frozen_buffer_names``: their
+    codes and scales, and the frozen fp8 linears' scaling state, ledgers, tallies and
+    ``fp8_meta``: under delayed scaling a frozen layer's input step comes from its input
+    ledger) from the group's rank ``src`` (its group rank, not the global rank) to every
+    rank, in place, and return their names; each frozen layer then reads its host state from
+    the bytes it holds (fp8's seeded flags and world size; a static 4-bit layer is calibrated
+    when its ``input_amax`` is finite). Call it on every rank of ``group`` right after
+    ``DistributedDataParallel(model)`` (which broadcast the rest of rank 0's state) or before
+    serving without DDP.
 
     ``model`` is a ``DistributedDataParallel`` (its ``module`` is copied over its process
     group unless ``group`` is given; ``src`` must then be the rank its wrap broadcast from,
     group rank 0 of its group: another rank's codes beside rank 0's weights would be a model
-    no rank held), a ``torch.compile`` wrapper of one (unwrapped), or the model itself. A
-    collective: the ranks first join and exchange each buffer's name, shape, dtype and the
-    first name holding the same tensor (one ``all_gather_object``), then send each distinct
-    buffer once (one broadcast each, the same count on every rank). Every rank raises the
-    same error, nothing changed, when a rank's check fails: ``TypeError`` for a ``model``
-    that is no ``nn.Module`` or a ``src`` that is no integer (``operator.index``);
-    ``ValueError`` for a ``src`` outside the group, for ranks that pass different ``src``,
-    for ranks whose frozen buffers differ (names, shapes, dtypes or which names share a
-    tensor: the first rank and buffer named), for a ``DistributedDataParallel`` that would
-    broadcast a frozen buffer before each forward (a layer frozen after the wrap, or frozen
-    buffers not listed by ``exclude_frozen_from_ddp`` on the model it wraps), and for a
-    ``src`` over a DDP other than the rank its wrap sent from. A rank outside ``group`` gets
-    ``ValueError`` saying so (alone: call it on the group's ranks). Frozen experts of an
-    expert-parallel ``MoE`` are each rank's own: left as they are.
+    no rank held), a ``torch.compile`` wrapper of one (unwrapped), or the model itself. On the
+    model itself (no DDP) only the frozen buffers are sent: every other parameter and buffer
+    (the frozen layers' biases, the trainable layers; not each rank's own: an
+    expert-parallel ``MoE``'s experts, a ``MoE``'s rank-local buffers, sharded ``DTensor``
+    tensors, the names the model lists for DDP to leave out) must already agree, and the
+    ranks compare a checksum of each; ranks that hold another are refused, as the frozen
+    codes alone would make a model no rank held (load the same checkpoint on every rank, or
+    wrap first). A collective: the ranks first join and exchange each buffer's name, shape,
+    dtype, the first name holding the same tensor and the recipe each frozen layer serves
+    with (one ``all_gather_object``), then send each distinct buffer once (one broadcast
+    each, the same count on every rank). Every rank raises the same error, nothing changed,
+    when a rank's check fails: ``TypeError`` for a ``model`` that is no ``nn.Module`` or a
+    ``src`` that is no integer (``operator.index``: an integer tensor of one element
+    passes); ``ValueError`` for a ``src`` outside the group, for ranks that pass different
+    ``src``, for ranks whose frozen buffers differ (names, shapes, dtypes, which names share
+    a tensor, or a layer's recipe: fp8 scheme, scaling, margin, algo...; 4-bit format, mode,
+    ``activation_amax``: the first rank and buffer named, both sides quoted), for a frozen
+    buffer this rank could not send (on the meta device, not dense, an inference tensor
+    outside ``inference_mode``), for a bare model whose rest differs (above), for a
+    ``DistributedDataParallel`` that would broadcast a frozen buffer before a forward (a
+    layer frozen after the wrap, or frozen buffers not listed by ``exclude_frozen_from_ddp``
+    on the model it wraps), and for a ``src`` over a DDP other than the rank its wrap sent
+    from. A rank outside ``group`` gets ``ValueError`` saying so (alone: call it on the
+    group's ranks). Frozen experts of an expert-parallel ``MoE`` are each rank's own: left
+    as they are.
     """
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
@@ -68,36 +83,31 @@ def broadcast_frozen(
     inner = _unwrapped(model)
     if isinstance(inner, DistributedDataParallel) and group is None:
         group = inner.process_group
-    return share_frozen(model, data_parallel_group(group), src, None)
+    bare = not isinstance(inner, DistributedDataParallel)
+    return share_frozen(model, data_parallel_group(group), src, None, rest_must_agree=bare)
 
 
 def share_frozen(
-    given: nn.Module, pg: dist.ProcessGroup, src: SupportsIndex, join_timeout: float | None
+    given: nn.Module,
+    pg: dist.ProcessGroup,
+    src: SupportsIndex,
+    join_timeout: float | None,
+    *,
+    rest_must_agree: bool = False,
 ) -> tuple[str, ...]:
     """``broadcast_frozen`` over ``pg``, the ranks joining within ``join_timeout`` seconds
-    (``None``: the group's timeout)."""
+    (``None``: the group's timeout); ``rest_must_agree``: also compare a checksum of every
+    parameter and buffer not sent (but each rank's own: ``_rest``) and refuse when a rank's
+    differs (a bare model, whose rest no wrap sends)."""
     model = _unwrapped(given)
     world = dist.get_world_size(pg)
     plan = agree(
-        lambda: _layout(model, src, world, pg),
+        lambda: _layout(model, src, world, pg, rest_must_agree),
         pg,
         what="broadcast_frozen",
         join_timeout=join_timeout,
     )
-    if len({s for s, _ in plan}) > 1:
-        raise ValueError(
-            f"broadcast_frozen: the ranks passed different src ({[s for s, _ in plan]}, in "
-            f"rank order); pass the same rank on every rank. Nothing was changed"
-        )
-    found = first_difference([entries for _, entries in plan], "no such buffer")
-    if found is not None:
-        differ, name, zero, other = found
-        raise ValueError(
-            f"broadcast_frozen: the ranks hold different frozen buffers: rank(s) "
-            f"{', '.join(map(str, differ))} differ from rank 0; the first is {name!r}: rank 0 "
-            f"holds {zero}, rank {differ[0]} holds {other}. Freeze the same layers the same "
-            f"way on every rank (tied or shared alike). Nothing was changed"
-        )
+    _check_plan(plan)
     assert isinstance(model, nn.Module)  # _layout refused anything else, on every rank
     module = model.module if isinstance(model, DistributedDataParallel) else model
     held = dict(module.named_buffers(remove_duplicate=False))
@@ -108,10 +118,45 @@ def share_frozen(
         if id(held[name]) not in sent:
             sent.add(id(held[name]))
             _send(held[name], pg, rank)
-    # The scaling state was written in place: each layer reads it anew (seeded flags, world).
-    for _, layer in _frozen_fp8(module):
-        layer.scaling.adopt_written()
+    # Written in place: each layer reads its host state anew (fp8's seeded flags and world
+    # size, a static 4-bit layer's input_calibrated), as the bytes now say.
+    adopt_frozen_written(module)
     return tuple(names)
+
+
+_Plan = list[tuple[int, list[tuple[str, str]], list[tuple[str, str]]]]
+
+
+def _check_plan(plan: _Plan) -> None:
+    """``ValueError`` (every rank holds the same ``plan``: every rank raises it) for ranks
+    that passed different ``src``, hold different frozen buffers or recipes, or (a bare
+    model) a different rest."""
+    if len({s for s, _, _ in plan}) > 1:
+        raise ValueError(
+            f"broadcast_frozen: the ranks passed different src ({[s for s, _, _ in plan]}, in "
+            f"rank order); pass the same rank on every rank. Nothing was changed"
+        )
+    found = first_difference([entries for _, entries, _ in plan], "no such buffer")
+    if found is not None:
+        differ, name, zero, other = found
+        raise ValueError(
+            f"broadcast_frozen: the ranks hold different frozen buffers: rank(s) "
+            f"{', '.join(map(str, differ))} differ from rank 0; the first is {name!r}: rank 0 "
+            f"holds {zero}, rank {differ[0]} holds {other}. Freeze the same layers the same "
+            f"way (the same recipe, tied or shared alike) on every rank. Nothing was changed"
+        )
+    found = first_difference([rest for _, _, rest in plan], "no such tensor")
+    if found is not None:
+        differ, name, zero, other = found
+        raise ValueError(
+            f"broadcast_frozen: on a model without DistributedDataParallel only the frozen "
+            f"layers' buffers are sent, and the rest must already agree, but rank(s) "
+            f"{', '.join(map(str, differ))} hold another {name!r} than rank 0 (rank 0: "
+            f"{zero}; rank {differ[0]}: {other}): sending the frozen codes alone would make a "
+            f"model no rank held. Load the same checkpoint on every rank, or wrap the model "
+            f"first (DistributedDataParallel after exclude_frozen_from_ddp, or parallelize), "
+            f"whose wrap sends rank 0's rest. Nothing was changed"
+        )
 
 
 def _unwrapped(model: object) -> object:
@@ -120,34 +165,17 @@ def _unwrapped(model: object) -> object:
     return inner if isinstance(model, nn.Module) and isinstance(inner, nn.Module) else model
 
 
-def _frozen_fp8(module: nn.Module) -> list[tuple[str, QuantizedLinear]]:
-    """The frozen fp8 linears in ``module`` (each name of one held under several)."""
-    return [
-        (fqn, m)
-        for fqn, m in module.named_modules(remove_duplicate=False)
-        if isinstance(m, QuantizedLinear) and m.frozen
-    ]
-
-
 def _layout(
-    model: object, src: object, world: int, pg: dist.ProcessGroup
-) -> tuple[int, list[tuple[str, str]]]:
-    """This rank's ``src`` and buffers to send, ``(name, "shape dtype")`` in model order
-    (with the first name of a tensor held under several); ``TypeError``/``ValueError`` for
-    what ``broadcast_frozen`` refuses here."""
+    model: object, src: object, world: int, pg: dist.ProcessGroup, rest_must_agree: bool
+) -> tuple[int, list[tuple[str, str]], list[tuple[str, str]]]:
+    """This rank's ``src``, its buffers to send, ``(name, "shape dtype")`` in model order
+    (with the first name of a tensor held under several, and on each frozen layer's first
+    buffer the recipe it serves with), and when ``rest_must_agree`` a checksum of the rest
+    (``share_frozen``); ``TypeError``/``ValueError`` for what ``broadcast_frozen`` refuses
+    here: everything that could fail later on one rank alone is checked now."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"broadcast_frozen takes an nn.Module, got {type(model).__name__}")
-    if isinstance(src, bool) or not hasattr(type(src), "__index__"):
-        raise TypeError(
-            f"broadcast_frozen: src must be an int (the group's rank; any integer "
-            f"operator.index takes), got {type(src).__name__}"
-        )
-    rank = operator.index(src)  # type: ignore[arg-type]
-    if not 0 <= rank < world:
-        raise ValueError(
-            f"broadcast_frozen: src must be a rank of the group (its group rank, not the "
-            f"global rank) in [0, {world}), got {rank}"
-        )
+    rank = _src_rank(src, world)
     module = model.module if isinstance(model, DistributedDataParallel) else model
     names = frozen_buffer_names(module)
     if isinstance(model, DistributedDataParallel):
@@ -157,27 +185,84 @@ def _layout(
         for fqn, m in module.named_modules()
         if isinstance(m, MoE) and isinstance(m.dispatch, AllToAllDispatch)
     )
-    # A frozen fp8 linear's forward reads its scaling state too (under delayed scaling the
-    # input's step comes from its ledger): DDP's wrap under parallelize leaves it out, and a
-    # frozen layer records nothing, so no amax sync ever merges it.
-    scaling = [
-        f"{fqn}.{b}" if fqn else b
-        for fqn, m in _frozen_fp8(module)
-        for b in m.scaling.tensor_names()
-    ]
+    recipes = frozen_recipes(module)
     held = dict(module.named_buffers(remove_duplicate=False))
     first: dict[int, str] = {}
     out = []
-    for n in dict.fromkeys([*names, *scaling]):
+    for n in dict.fromkeys(names):
         if n.startswith(local):
             continue
         t = held[n]
+        _check_sendable(n, t)
         desc = f"{tuple(t.shape)} {t.dtype}"
         if id(t) in first:
             desc += f", the same tensor as {first[id(t)]!r}"
+        if n in recipes:
+            desc += f", serving with {recipes[n]}"
         first.setdefault(id(t), n)
         out.append((n, desc))
-    return rank, out
+    rest = _rest(module, first, local) if rest_must_agree else []
+    return rank, out, rest
+
+
+def _src_rank(src: object, world: int) -> int:
+    """``src`` as the group rank it names; ``TypeError``/``ValueError`` naming it."""
+    accepted = "an int (the group's rank; any integer operator.index takes"
+    if isinstance(src, bool) or not hasattr(type(src), "__index__"):
+        raise TypeError(f"broadcast_frozen: src must be {accepted}), got {type(src).__name__}")
+    try:
+        rank = operator.index(src)  # type: ignore[arg-type]
+    except TypeError:  # a float or many-element tensor: its __index__ refuses it
+        what = type(src).__name__
+        if isinstance(src, torch.Tensor):
+            what = f"a {str(src.dtype).removeprefix('torch.')} tensor of shape {tuple(src.shape)}"
+        raise TypeError(
+            f"broadcast_frozen: src must be {accepted}: an integer tensor of one element "
+            f"too), got {what}"
+        ) from None
+    if not 0 <= rank < world:
+        raise ValueError(
+            f"broadcast_frozen: src must be a rank of the group (its group rank, not the "
+            f"global rank) in [0, {world}), got {rank}"
+        )
+    return rank
+
+
+def _check_sendable(name: str, t: torch.Tensor) -> None:
+    """``ValueError`` for a buffer that this rank could not send or write in place."""
+    why = None
+    if t.is_meta:
+        why = "is on the meta device (no values to send or receive: load the model first)"
+    elif t.layout != torch.strided:
+        why = f"has layout {t.layout} (a dense tensor is sent as bytes)"
+    elif t.is_inference() and not torch.is_inference_mode_enabled():
+        why = "is an inference tensor (made under inference_mode), written in place only there"
+    if why is not None:
+        raise ValueError(f"broadcast_frozen: the frozen buffer {name!r} {why}. Nothing was changed")
+
+
+def _rest(module: nn.Module, sent: dict[int, str], local: tuple[str, ...]) -> list[tuple[str, str]]:
+    """A checksum of each parameter and buffer of ``module`` not sent (``sent``: by id), but
+    each rank's own: a spread MoE's experts (``local``), every MoE's rank-local buffers,
+    sharded ``DTensor`` tensors, and what the model lists for DDP to leave out."""
+    out = []
+    seen = set(sent)
+    own = {*moe_local_buffers(module), *getattr(module, "_ddp_params_and_buffers_to_ignore", ())}
+    for n, t in [*module.named_parameters(), *module.named_buffers()]:
+        if id(t) in seen or n in own or n.startswith(local) or isinstance(t, DTensor):
+            continue
+        seen.add(id(t))
+        out.append((n, _checksum(t)))
+    return out
+
+
+def _checksum(t: torch.Tensor) -> str:
+    """``t``'s shape, dtype and a digest of its bytes (never its values)."""
+    desc = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+    if t.is_meta or t.layout != torch.strided:
+        return f"{desc} on {t.device.type} (layout {t.layout})"
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    return f"{desc}, checksum {hashlib.blake2b(data, digest_size=8).hexdigest()}"
 
 
 def _check_ddp(
@@ -190,8 +275,9 @@ def _check_ddp(
         if missed:
             raise ValueError(
                 f"broadcast_frozen: the DistributedDataParallel broadcasts {missed[0]!r} (and "
-                f"{len(missed) - 1} more frozen buffers) before each forward (gloo sends no "
-                f"float8, no backend float4): a layer frozen after the wrap, or frozen "
+                f"{len(missed) - 1} more frozen buffers) before a forward (gloo sends no "
+                f"float8, no backend float4, and one rank's lone forward would wait for the "
+                f"others): a layer frozen after the wrap, or frozen "
                 f"buffers not listed on the model it wraps. Freeze, call "
                 f"exclude_frozen_from_ddp(model) on the model you wrap, then wrap it (to "
                 f"train on, wrap or parallelize the frozen model anew)"

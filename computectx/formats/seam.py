@@ -24,7 +24,11 @@ from computectx.formats.linear.fp4_serving import (
     dequantized,
 )
 from computectx.formats.linear.fp4_streams import shared_streams
-from computectx.formats.linear.frozen_ddp import frozen_buffer_names
+from computectx.formats.linear.frozen_ddp import (
+    adopt_frozen_written,
+    frozen_buffer_names,
+    frozen_recipes,
+)
 from computectx.formats.linear.function import fp8_linear, set_dtensor_linear
 from computectx.formats.linear.plan import Fp8LinearPlan
 from computectx.formats.numerics.fp4 import (
@@ -75,6 +79,7 @@ __all__ = [
     "OperandScaling",
     "Role",
     "ServeMode",
+    "adopt_frozen_written",
     "check_backend",
     "check_grouped",
     "check_input_amax",
@@ -93,6 +98,7 @@ __all__ = [
     "freeze_fp4_experts",
     "frozen_buffer_names",
     "frozen_experts_mm",
+    "frozen_recipes",
     "global_encode_scale",
     "guard_whole_loads",
     "held_experts",

@@ -30,6 +30,7 @@ from computectx import ComputeCtx
 from computectx.distributed import broadcast_frozen, expert_parallel, parallelize
 from computectx.formats import (
     QuantizedLinear,
+    calibrate_fp4_activations,
     convert_to_quantized,
     exclude_frozen_from_ddp,
     load_serving_weights,
@@ -37,7 +38,9 @@ from computectx.formats import (
 )
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_freeze import freeze_fp4_for_serving
+from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.nn import GroupedExperts, MoE
+from computectx.recipes import DelayedScaling, Fp8Scheme, Recipe
 
 ROWS = (20, 12)
 """Each rank's rows a step: the counters advance by different amounts on the two ranks."""
@@ -113,6 +116,28 @@ def eval_on_one_rank(params: dict[str, Any]) -> dict[str, Any]:
     out["parallelized"] = partly_frozen_parallelized(group, store)
     out["experts"] = frozen_experts_parallelized(store)
     out["lonely"] = _outside_group()
+    out["static"] = static_fp4_shared(group)
+    return out
+
+
+def static_fp4_shared(group: dist.ProcessGroup) -> list[dict[str, Any]]:
+    """A 4-bit W4A4 model with a static input amax, calibrated on one rank only (rank 0,
+    then rank 1), ``broadcast_frozen`` on the bare model: each rank's ``input_calibrated``,
+    and the output or the forward's error."""
+    out = []
+    for calibrated in (0, 1):
+        seq = model()
+        freeze_fp4_for_serving(seq, "w4a4", activation_amax="static")
+        if dist.get_rank() == calibrated:
+            calibrate_fp4_activations(seq, [eval_batch()])
+        got: dict[str, Any] = {"sent": broadcast_frozen(seq, group=group)}
+        got["calibrated"] = [m.input_calibrated for m in seq if isinstance(m, FrozenFp4Linear)]
+        try:
+            with torch.inference_mode():
+                got["out"] = seq(eval_batch()).clone()
+        except RuntimeError as e:
+            got["out"] = str(e)
+        out.append(got)
     return out
 
 
@@ -123,11 +148,11 @@ def _frozen_under_ddp(seq: nn.Module, group: dist.ProcessGroup, store: Any) -> d
     return _served_under_ddp(seq, group, store, "fp4/frozen")
 
 
-def fp8_model(seed: int) -> nn.Sequential:
-    """Two ``QuantizedLinear`` under ``fp8_hybrid``."""
+def fp8_model(seed: int, ctx: ComputeCtx | None = None) -> nn.Sequential:
+    """Two ``QuantizedLinear`` under ``ctx`` (``fp8_hybrid``)."""
     torch.manual_seed(seed)
     seq = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
-    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu") if ctx is None else ctx
     convert_to_quantized(seq, ctx, include_head=True, min_features=16)
     return seq
 
@@ -175,6 +200,16 @@ def _refused(group: dist.ProcessGroup) -> list[str]:
         if isinstance(m, QuantizedLinear):
             m.freeze_for_serving()
     exclude_frozen_from_ddp(served)
+    # A bare model (no DDP sent the rest) of each rank's seed: rank 0's codes beside rank 1's
+    # biases would be a model no rank held. Then one whose rank 1 runs another recipe of the
+    # same shapes (margin 2): rank 0's fp8_meta would not be its recipe's.
+    bare, margin = fp8_model(dist.get_rank()), fp8_model(0)
+    if dist.get_rank() == 1:
+        other = Recipe(format=Fp8Scheme.HYBRID, scaling=DelayedScaling(margin=2))
+        margin = fp8_model(0, ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(recipe=other))
+    for m in [*bare.modules(), *margin.modules()]:
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
     calls: list[Callable[[], object]] = [
         lambda: broadcast_frozen(seq, group=group),
         lambda: broadcast_frozen(_frozen_late(late, group)),
@@ -182,6 +217,8 @@ def _refused(group: dist.ProcessGroup) -> list[str]:
         lambda: broadcast_frozen(tied, group=group),
         # DDP's wrap sent rank 0's state: rank 1's codes beside it, a model no rank held.
         lambda: broadcast_frozen(DistributedDataParallel(served, process_group=group), src=1),
+        lambda: broadcast_frozen(bare, group=group),
+        lambda: broadcast_frozen(margin, group=group),
     ]
     for call in calls:
         try:
@@ -221,10 +258,16 @@ def _served_under_ddp(
         # Rank 0's frozen codes, as DDP's wrap sent the rest of its state.
         got["sent"] = broadcast_frozen(served)
         with torch.inference_mode():
+            # Rank 0's lone forward first: DDP syncs its buffers before its first forward
+            # (any grad mode), a collective, unless every buffer is left out.
+            if dist.get_rank() == 0:
+                try:
+                    got["alone"] = served(eval_batch()).clone()
+                finally:
+                    store.set(f"{tag}/alone", "done")
+            store.wait([f"{tag}/alone"], datetime.timedelta(seconds=30))
             got["out"] = served(eval_batch()).clone()
             got["plain"] = seq(eval_batch()).clone()
-            if dist.get_rank() == 0:
-                got["alone"] = served(eval_batch()).clone()
         got["wrap"] = "runs"
     except Exception as e:  # recorded: the test says what went wrong
         got["wrap"] = f"{type(e).__name__}: {e}"

@@ -70,22 +70,40 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
         assert f["wrap"] == "runs", f["wrap"]
         assert torch.equal(f["out"], f["plain"]) and torch.equal(f["out"], fp8[0]["out"])
         # The codes and steps, then the frozen linears' scaling state (their input steps).
-        held = ("0.weight_fp8", "0.weight_step", "2.weight_fp8", "2.weight_step")
-        assert f["sent"] == (*held, *scaling_names("0."), *scaling_names("2.")), f["sent"]
+        # Each layer's codes and steps, then its scaling state (its input step): all left
+        # out of DDP's broadcasts (exclude_frozen_from_ddp), so rank 0 served alone first.
+        held = [(f"{i}.weight_fp8", f"{i}.weight_step", *scaling_names(f"{i}.")) for i in (0, 2)]
+        assert f["sent"] == (*held[0], *held[1]), f["sent"]
     assert all(torch.equal(f["alone"], f["out"]) for f in fp8 if "alone" in f)
     # What broadcast_frozen refuses, on every rank alike: ranks that froze other layers, and
     # a DDP that wrapped before a layer was frozen (its next forward would broadcast codes).
     # So are: a torch.compile wrapper of such a DDP (unwrapped first), ranks that share a
     # frozen tensor differently (rank 0 holds one linear at two places: one broadcast
     # against two, which would hang), and src=1 over a DDP whose wrap sent rank 0's state.
+    # So are a bare model whose rest (the biases: no wrap sent them) differs across ranks,
+    # and frozen layers of the same shapes under another recipe (rank 1's margin 2).
     for r in ranks:
-        differ, late, compiled, tied, src1 = r["fp8_frozen"]["refused"]
+        differ, late, compiled, tied, src1, bare, margin = r["fp8_frozen"]["refused"]
         assert "rank(s) 1 differ from rank 0; the first is '2.weight_fp8'" in differ, differ
-        assert "broadcasts '0.weight_fp8' (and 1 more frozen buffers)" in late, late
-        assert "broadcasts '0.weight_fp8' (and 1 more frozen buffers)" in compiled, compiled
+        assert "broadcasts '0.weight_fp8' (and 8 more frozen buffers)" in late, late
+        assert "broadcasts '0.weight_fp8' (and 8 more frozen buffers)" in compiled, compiled
         assert "the first is '2.weight_fp8'" in tied, tied
         assert "the same tensor as '0.weight_fp8'" in tied, tied
         assert "src 1 is global rank 1, but the DistributedDataParallel's wrap sent global " in src1
+        assert "only the frozen layers' buffers are sent, and the rest must already" in bare, bare
+        assert "rank(s) 1 hold another '0.bias' than rank 0" in bare, bare
+        assert "the first is '0.weight_fp8'" in margin, margin
+        assert "policy hybrid/delayed/16/0/max" in margin and "hybrid/delayed/16/2/max" in margin
+    # A static W4A4 layer calibrated on one rank: its input_amax and whether it is calibrated
+    # are rank 0's on every rank (rank 0 calibrated: both serve alike; rank 1 alone
+    # calibrated: both refuse to serve uncalibrated, none serves NaN).
+    first, second = (r["static"] for r in ranks)
+    for got in (first[0], second[0]):
+        assert got["calibrated"] == [True, True], got["calibrated"]
+        assert torch.equal(got["out"], first[0]["out"])
+    for got in (first[1], second[1]):
+        assert got["calibrated"] == [False, False], got["calibrated"]
+        assert "input_amax is not calibrated" in got["out"], got["out"]
     # A rank outside the group is told so; the group's member sends to itself.
     assert "this rank (global rank 0) is not a member of group" in ranks[0]["lonely"]
     assert ranks[1]["lonely"].startswith("runs"), ranks[1]["lonely"]

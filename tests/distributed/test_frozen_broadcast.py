@@ -12,10 +12,12 @@ from torch import nn
 
 from computectx import ComputeCtx
 from computectx.distributed import AllToAllDispatch, broadcast_frozen
-from computectx.formats import QuantizedLinear, convert_to_quantized
+from computectx.formats import QuantizedLinear, convert_to_quantized, freeze_fp4_for_serving
+from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.nn import GroupedExperts, MoE
 
 FP8 = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+NVFP4 = ComputeCtx.from_flag("nvfp4", "cpu")
 
 
 def frozen_net(expert_parallel: bool) -> nn.Sequential:
@@ -42,17 +44,17 @@ def test_sends_the_frozen_buffers_in_place_but_expert_parallel_ones(world_of_one
         net = frozen_net(spread)
         before = {n: (b.data_ptr(), b.clone()) for n, b in net.named_buffers()}
         sent = broadcast_frozen(net)
-        # The linear's codes, the experts' (each rank's own when spread), then the linear's
-        # scaling state (under delayed scaling its input step comes from its ledger).
+        # The linear's codes and its scaling state (under delayed scaling its input step
+        # comes from its ledger), then the experts' (each rank's own when spread).
         scaling = [
             f"0.fp8_{r}_{p}" for r in ("input", "weight", "grad") for p in ("ledger", "tally")
         ]
         want = (
             "0.weight_fp8",
             "0.weight_step",
-            *([] if spread else experts),
             *scaling,
             "0.fp8_meta",
+            *([] if spread else experts),
         )
         assert sent == want
         for n, b in net.named_buffers():  # rank 0 is the only rank: its own bytes, in place
@@ -78,6 +80,9 @@ def test_refusals_name_the_argument_on_every_rank(world_of_one: None) -> None:
         (net, 1.0, TypeError, "src must be an int .*, got float"),
         (net, 1, ValueError, r"src must be a rank of the group .its group rank, not the global "),
         ("net", 0, TypeError, "takes an nn.Module, got str"),
+        # __index__ refuses a float tensor: named, with what is accepted (not torch's words).
+        (net, torch.tensor(0.0), TypeError, "integer tensor of one element too.*float32 tensor of"),
+        (net, torch.tensor([0, 0]), TypeError, r"got a int64 tensor of shape \(2,\)"),
     ]
     for model, src, error, match in bad:
         with pytest.raises(error, match=rf"failed on rank\(s\) 0 .*{match}"):
@@ -90,6 +95,7 @@ def test_src_takes_any_index_integer_and_a_compiled_wrapper_its_module(world_of_
     net = frozen_net(False)
     want = broadcast_frozen(net)
     assert broadcast_frozen(net, src=np.int64(0)) == want  # operator.index takes it
+    assert broadcast_frozen(net, src=torch.tensor(0)) == want
     # torch.compile's wrapper (an OptimizedModule) holds its module as `_orig_mod`: a
     # stand-in (importing dynamo costs seconds): its module's names, not '_orig_mod.'-prefixed.
     assert broadcast_frozen(Compiled(net)) == want
@@ -124,3 +130,57 @@ def test_the_input_step_read_from_the_ledger_written_in_place(world_of_one: None
     lin.scaling.adopt_written()
     with torch.inference_mode():
         assert torch.equal(lin(x), want)
+
+
+def test_a_buffer_no_rank_could_send_is_refused_in_the_exchange(world_of_one: None) -> None:
+    # Checked before the first broadcast, so every rank raises it (through agree), instead
+    # of the one rank failing in its broadcast while the others wait in theirs.
+    net = frozen_net(False)
+    first = net[0]
+    codes = first.weight_fp8
+    assert isinstance(codes, torch.Tensor)
+    first.weight_fp8 = torch.empty_like(codes, device="meta")
+    with pytest.raises(ValueError, match=r"rank\(s\) 0 .*'0.weight_fp8' is on the meta device"):
+        broadcast_frozen(net)
+    with torch.inference_mode():
+        made = codes.clone()
+    first.weight_fp8 = made  # written in place only under inference_mode
+    with pytest.raises(ValueError, match=r"'0.weight_fp8' is an inference tensor"):
+        broadcast_frozen(net)
+    with torch.inference_mode():
+        broadcast_frozen(net)
+    assert torch.equal(made.view(torch.uint8), codes.view(torch.uint8))
+
+
+def static_fp4() -> tuple[nn.Sequential, FrozenFp4Linear]:
+    """A model of one NVFP4 linear frozen for W4A4 with a static input amax (uncalibrated)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 32))
+    convert_to_quantized(net, NVFP4, include_head=True, min_features=16)
+    freeze_fp4_for_serving(net, "w4a4", activation_amax="static")
+    layer = net[0]
+    assert isinstance(layer, FrozenFp4Linear)
+    return net, layer
+
+
+def test_a_static_layer_is_calibrated_as_the_bytes_written_say(world_of_one: None) -> None:
+    # The sender's input_amax written over the layer's (here its own bytes, as a one-rank
+    # group sends): the layer serves with it when finite, refuses when NaN, whatever its
+    # flag said before (rank 0 calibrated, rank 1 not; or the other way round).
+    x = torch.randn(4, 32)
+    net, layer = static_fp4()
+    with torch.no_grad():
+        layer.input_amax.fill_(3.0)  # rank 0's calibrated amax, the flag still unset
+    assert not layer.input_calibrated
+    assert "0.input_amax" in broadcast_frozen(net)
+    assert layer.input_calibrated
+    want = layer(x)
+    layer.set_input_amax(torch.tensor([2.0]))
+    with torch.no_grad():
+        layer.input_amax.fill_(float("nan"))  # rank 0 uncalibrated, this rank calibrated
+    broadcast_frozen(net)
+    assert not layer.input_calibrated
+    with pytest.raises(RuntimeError, match="input_amax is not calibrated"):
+        layer(x)
+    layer.set_input_amax(torch.tensor([3.0]))
+    assert torch.equal(layer(x), want)

@@ -327,6 +327,13 @@ class FrozenFp4Linear(nn.Module):
             amax, who = entries["input_amax"], f"{layer}: {prefix}input_amax"
             check_input_amax(amax, who, uncalibrated=True)
 
+    def adopt_written(self) -> None:
+        """Take the buffers as written from outside (``load_state_dict``; another rank's bytes:
+        ``broadcast_frozen``): a static layer is calibrated when ``input_amax`` is finite."""
+        amax = self._buffers.get("input_amax")
+        if amax is not None and not amax.is_meta:
+            self.input_calibrated = bool(torch.isfinite(amax).all())
+
     def clear_input_amax(self) -> None:
         """A static layer back to uncalibrated (``input_amax`` NaN): for new weights."""
         with torch.no_grad():
@@ -378,8 +385,8 @@ class FrozenFp4Linear(nn.Module):
                 f"{layer}: {prefix}_extra_state must be an int64 tensor [version, weight "
                 f"code] holding values (not on the meta device), got {_what(state)}"
                 f"{' on meta' if isinstance(state, torch.Tensor) and state.is_meta else ''} "
-                f"(an Fp4Linear's training state is "
-                f"[version, recipe code, seed, counter]: load it before freezing)"
+                f"(an Fp4Linear's training state is [version, recipe code, seed, counter]: "
+                f"load it before freezing)"
             )
         version, code = (int(v) for v in state.tolist())
         if version != FROZEN_FP4_VERSION:
@@ -388,11 +395,8 @@ class FrozenFp4Linear(nn.Module):
                 f"4-bit layers of version {FROZEN_FP4_VERSION}"
             )
         if code != self._code:
-            shown = (
-                frozen_weight_name(code)
-                if code in FROZEN_WEIGHT_CODES
-                else f"<unknown weight code {code}>"
-            )
+            known = code in FROZEN_WEIGHT_CODES
+            shown = frozen_weight_name(code) if known else f"<unknown weight code {code}>"
             raise ValueError(f"{layer}: the state dict holds {shown}; freeze under that format")
 
     def _check_weight_entries(self, entries: Mapping[str, object], layer: str, prefix: str) -> None:
@@ -454,12 +458,9 @@ class FrozenFp4Linear(nn.Module):
         return self.format == "nvfp4" and self.mode == "w4a4"
 
 
-def _loaded(layer: nn.Module, _: object) -> None:
-    """After ``load_state_dict``: a static layer is calibrated when its ``input_amax`` holds a
-    value (a loaded one was checked: finite and ``> 0``, or NaN: not calibrated)."""
-    amax = layer._buffers.get("input_amax")
-    if isinstance(layer, FrozenFp4Linear) and amax is not None and not amax.is_meta:
-        layer.input_calibrated = bool(torch.isfinite(amax).all())
+def _loaded(layer: FrozenFp4Linear, _: object) -> None:
+    """After ``load_state_dict`` (a loaded ``input_amax`` was checked: > 0, or NaN)."""
+    layer.adopt_written()
 
 
 def _what(value: object) -> str:

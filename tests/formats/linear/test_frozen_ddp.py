@@ -67,7 +67,10 @@ def test_a_serve_load_leaves_the_codes_out_and_a_train_load_nothing() -> None:
     assert not hasattr(trained, "_ddp_params_and_buffers_to_ignore")
     served = model(1)
     load_serving_weights(served, given, mode="serve")
-    held = ["0.weight_fp8", "0.weight_step", "2.weight_fp8", "2.weight_step"]
+    # Each frozen linear's codes and step, and its scaling state (its forward reads its input
+    # ledger): none of them is broadcast before a forward, which one rank may run alone.
+    scaling = [f"fp8_{r}_{p}" for r in ("input", "weight", "grad") for p in ("ledger", "tally")]
+    held = [f"{i}.{n}" for i in (0, 2) for n in ("weight_fp8", "weight_step", *scaling, "fp8_meta")]
     assert served._ddp_params_and_buffers_to_ignore == held
 
 
