@@ -38,7 +38,7 @@ __all__ = [
     "write_results",
 ]
 
-RESULTS_VERSION = 7
+RESULTS_VERSION = 8
 """``results.json``'s ``computectx_demo`` field. 2: per-role ``memory`` replaced
 ``memory_bytes``; ``gemm``, ``half_gemm`` and ``train_loss_steps`` were added. 3: each
 result's ``fp8_granularity`` (``null`` without fp8) was added. 4: each result's ``kv`` and
@@ -46,7 +46,8 @@ result's ``fp8_granularity`` (``null`` without fp8) was added. 4: each result's 
 ``expert_load`` (tokens per step, layer and expert; ``null`` for the dense model) and
 ``fp8_converted_experts`` were added. 6: ``optim_state`` (AdamW's weights and moments per
 optimizer-state setting, computed) was added. 7: each result's ``memory.saved_kinds``
-(``saved`` by kind of activation) was added; a ``flag`` may carry ``@ACTIVATIONS``."""
+(``saved`` by kind of activation) was added; a ``flag`` may carry ``@ACTIVATIONS``. 8: the
+setting ``skip_serving`` was added (each result's ``serving`` then empty)."""
 
 _MIB = 2**20
 

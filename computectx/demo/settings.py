@@ -100,6 +100,10 @@ class DemoSettings(BaseModel, frozen=True, extra="forbid", use_attribute_docstri
     decay to a tenth of the peak)."""
     sample_tokens: int = Field(default=160, ge=0, le=4096)
     """Bytes generated for each policy's sample (0: no sample)."""
+    skip_serving: bool = False
+    """Leave out the serving section: each trained model's validation loss through the KV
+    cache at f32, bf16 and fp8, one cached decode pass per policy and setting (about a
+    quarter of the default run's time)."""
     eval_batches: int = Field(default=4, ge=1, le=4096)
     """Validation batches per evaluation."""
     nproc: int = Field(default=1, ge=1, le=4096)

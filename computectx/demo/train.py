@@ -85,7 +85,8 @@ class PolicyResult:
     """The policy's own KV setting (``ctx.kv``), the one its sample is generated with."""
     serving: tuple[ServingRow, ...] = ()
     """The serving section: the trained model's validation loss through the KV cache under
-    each setting of ``computectx.demo.serving.SERVING_KV`` (empty on ranks other than 0)."""
+    each setting of ``computectx.demo.serving.SERVING_KV`` (empty on ranks other than 0 and
+    under ``DemoSettings.skip_serving``)."""
     expert_load: torch.Tensor | None = None
     """Under ``--moe``: tokens routed to each expert, ``(steps, layers, experts)`` int64
     (``computectx.demo.moe.LoadRecorder``); ``None`` for the dense model."""
@@ -209,8 +210,8 @@ def train_policy(
     across ranks at the end of every backward); the losses reported are the group's means.
 
     After training, ``on_trained`` (when given) is called with the trained model; then rank
-    0 measures the serving section (``serving_rows``) on ``val`` and draws the sample with
-    the policy's own ``kv``.
+    0 measures the serving section (``serving_rows``) on ``val``, unless
+    ``settings.skip_serving``, and draws the sample with the policy's own ``kv``.
     """
     ctx = policy_ctx(flag, settings, device)
     rank, world = data_parallel_rank()
@@ -236,7 +237,7 @@ def train_policy(
         nonfinite, saturated, layers = _fp8_summary(model)
     if on_trained is not None:
         on_trained(model)
-    serving = tuple(serving_rows(model, val)) if rank == 0 else ()
+    serving = tuple(serving_rows(model, val)) if rank == 0 and not settings.skip_serving else ()
     sample = _sample(model, settings, device) if settings.sample_tokens and rank == 0 else ""
     # The whole batch (every rank's share) per step: the group's throughput.
     timed_steps = settings.steps - (1 if curves.compile_seconds is not None else 0)

@@ -180,7 +180,7 @@ def test_a_tiny_moe_run_end_to_end(
     assert "expert-load.png" in stdout.rsplit("wrote ", 1)[1]
     assert (out / "expert-load.png").read_bytes().startswith(PNG)
     results = json.loads((out / "results.json").read_text())
-    assert results["computectx_demo"] == 7
+    assert results["computectx_demo"] == 8
     assert results["settings"]["moe"] is True and results["model"]["n_experts"] == 4
     (r,) = results["results"]
     load = torch.tensor(r["expert_load"])

@@ -117,7 +117,7 @@ def test_fp8_policy_runs_end_to_end(
 
     # The serving section: the trained model through the KV cache at f32, bf16 and fp8, and
     # the sample generated with the policy's own kv (bf16: the fp8 flags compute in bf16).
-    assert data["computectx_demo"] == 7
+    assert data["computectx_demo"] == 8
     assert r["expert_load"] is None and r["fp8_converted_experts"] == 0  # dense (no --moe)
     assert r["kv"] == "bf16"
     assert "sample (fp8_e4m3, kv=bf16, temperature 0.8, top-k 40):" in stdout
@@ -162,10 +162,12 @@ def test_accumulator_and_offload_run_end_to_end(
     out = tmp_path / "out"
     code, stdout, _ = _run(
         capsys, "--dtype", "bf16", "--steps", "8", "--grad-accum", "2", "--offload",
-        "--data", str(text_file), "--out", str(out), "--lr", "1e-2", *TINY, *FEWER,
+        "--data", str(text_file), "--out", str(out), "--lr", "1e-2", "--skip-serving", *TINY,
+        *FEWER,
     )  # fmt: skip
     assert code == 0
     assert "fp8 backend" not in stdout  # no fp8 policy, no backend to report
+    assert "serving" not in stdout  # --skip-serving: no serving section, table or notes
     rows = _table_rows(stdout)
     assert list(rows) == ["bf16"]
     assert rows["bf16"][7:] == ["-", "-"] and rows["bf16"][1] == "-"  # no fp8, no granularity
@@ -189,6 +191,7 @@ def test_accumulator_and_offload_run_end_to_end(
     # saved: the step's peak, one micro-batch's forward (each backward freed its own).
     assert sum(mem["saved_kinds"].values()) == mem["saved"] > 0
     assert (out / "loss.png").stat().st_size > 5000
+    assert r["serving"] == [] and _results(out)["settings"]["skip_serving"] is True
 
 
 def test_policies_compare_side_by_side_and_same_seed_same_losses(
