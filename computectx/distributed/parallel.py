@@ -51,6 +51,7 @@ from computectx.distributed.parallel_checks import (
 from computectx.distributed.parallel_steps import (
     build_accumulator,
     build_optimizer,
+    check_experts_held,
     check_reduced,
     check_setup,
     distribute,
@@ -143,7 +144,8 @@ class Parallel:
         Under DDP a last backward that did not reduce every weight DDP wraps (a layer frozen
         for serving after ``parallelize``: its dropped weight stays DDP's) is a
         ``RuntimeError`` naming that cause, nothing changed: freeze before ``parallelize``,
-        and to train a model frozen since, parallelize it anew.
+        and to train a model frozen since, parallelize it anew. Expert-parallel experts
+        frozen after ``parallelize`` (no reducer holds them) are the same ``RuntimeError``.
         """
         if max_norm is not None:
             check_max_norm(max_norm)
@@ -152,6 +154,7 @@ class Parallel:
         # A layer frozen after the wrap: its weight's gradient never reached DDP's reducer, on
         # every rank that froze it (named here, before DDP's next forward says it its way).
         check_reduced(self.model)
+        check_experts_held(self.module, self.expert_params)
         # A collective (the gradients' hand-over, the norm, the biases' load): every rank
         # steps together, or a clear error here; the expert helpers ride on this join.
         with joining(self.group, "Parallel.step", self.join_timeout):
@@ -329,9 +332,10 @@ def parallelize(
        state at the end of each backward, so no forward and no ``state_dict()`` issues a
        collective of it. Row, block and mx layers reduce no amax; their statistics are
        merged with the rest. Before anything is wrapped the ranks compare what was
-       converted (each fp8 layer's FQN, widths and policy; under FSDP2 every parameter's
-       FQN and shape), once: a mismatch is a ``ValueError`` on every rank naming the ranks
-       and the first layer that differs.
+       converted (each fp8 layer's FQN, widths and policy) and every parameter's FQN and
+       shape, once: a mismatch is a ``ValueError`` on every rank naming the ranks and the
+       first layer that differs. Then rank 0's frozen weights and fp8 scaling state go to
+       every rank (neither DDP nor FSDP2 sends them).
     4. The memory policy. The optimizer is an ``OffloadedOptimizer`` over
        ``optimizer_class`` when ``offload`` is true, or by default when the ctx asks for one
        (``ctx.offload`` set, ``ctx.master`` differing from a parameter's dtype, or
@@ -356,8 +360,9 @@ def parallelize(
     DDP's all-reduce and FSDP2's sharding and scales their gradients by ``1/world``, as
     DDP averages the rest; it takes a plain optimizer and no accumulator (``ValueError``).
 
-    Everything is checked before the model changes. Then: ``out = par.model(x)``,
-    ``loss.backward()``, ``par.step(max_norm)``; checkpoints through ``par.state_dict()``.
+    Everything is checked before the model changes (DDP: a parameter needs a gradient).
+    Then: ``out = par.model(x)``, ``loss.backward()``, ``par.step(max_norm)``; checkpoints
+    through ``par.state_dict()``. Under FSDP2 a layer frozen after the wrap: ``ValueError``.
     """
     given = locals()  # the keyword arguments, by name: ParallelArgs' fields
     args = ParallelArgs(**{f.name: given[f.name] for f in fields(ParallelArgs)})

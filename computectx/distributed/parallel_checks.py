@@ -212,6 +212,8 @@ def check_parallelize(
     _check_optimizer_class(args.optimizer_class)
     _check_mp_policy(args.mp_policy, args.strategy)
     _check_not_wrapped(model)
+    if args.strategy == "ddp" and world > 1:
+        _check_trains_something(model)
     builds_accumulator = _check_accumulator(ctx, args, world)
     offloaded = uses_offloaded(ctx, model, args.offload)
     if expert_parallel_group(model) is not None and world > 1:
@@ -224,6 +226,20 @@ def check_parallelize(
             f"(or True), or set optim_state='f32'"
         )
     _check_optimizer_builds(ctx, args, offloaded)
+
+
+def _check_trains_something(model: nn.Module) -> None:
+    """DDP's own refusal, made before anything changes: a model with no parameter that
+    requires a gradient (expert-parallel experts aside, which DDP leaves out)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    if not any(p.requires_grad and id(p) not in experts for p in model.parameters()):
+        raise ValueError(
+            "parallelize(strategy='ddp'): no parameter of the model requires a gradient "
+            "(every layer frozen for serving or requires_grad=False), and "
+            "DistributedDataParallel wraps only a model with one. Serve a frozen model "
+            "without a wrap (computectx.distributed.broadcast_frozen(model) on every rank "
+            "shares rank 0's frozen buffers), or leave a layer trainable; nothing changed"
+        )
 
 
 def _check_model_and_ctx(model: object, ctx: object) -> None:

@@ -8,6 +8,7 @@ Every rank runs the same steps with the same choices (the ranks compared them in
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any
 
@@ -16,9 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.ctx import ComputeCtx
+from computectx.distributed.collectives import comm_device
 from computectx.distributed.expert_parallel import expert_parallel_group, moe_local_buffers
 from computectx.distributed.fp4_all_gather import enable_fp4_all_gather
 from computectx.distributed.fp4_expert_gather import enable_fp4_expert_gather
@@ -56,10 +59,12 @@ from computectx.distributed.sharding import ShardedParams
 from computectx.formats import Fp4Linear, Fp4Recipe, QuantizedLinear
 from computectx.formats.seam import frozen_buffer_names
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
+from computectx.nn import GroupedExperts
 
 __all__ = [
     "build_accumulator",
     "build_optimizer",
+    "check_experts_held",
     "check_reduced",
     "check_setup",
     "distribute",
@@ -118,10 +123,18 @@ def distribute(
     """Spread the (converted) ``model`` over ``world`` ranks: what runs forward, the mesh
     (FSDP2 makes one over the default group when none was given) and the fp8 amax sync."""
     sharded = args.strategy == "fsdp"
-    # Ranks that converted other layers (another fp8_filter) or built another model
-    # stop here, named, before DDP's broadcast or FSDP2's gathers abort or hang on it.
-    check_same_model(model, group, parameters=sharded)
+    # Ranks that converted other layers (another fp8_filter) or built another model (a
+    # parameter of another FQN, shape or dtype: DDP's own check would refuse it on one rank
+    # after the frozen buffers were sent) stop here, named, before anything is written.
+    check_same_model(model, group, parameters=True)
     warn_shared_fp4_streams(model)
+    pg = data_parallel_group(group)
+    # Rank 0's frozen codes and scales, which neither DDP (they stay out of its broadcast)
+    # nor FSDP2 (it sends no buffer) sends: without this a rank that built its model from
+    # its own seed, or that did not load the checkpoint, would serve its own codes beside
+    # the rest, silently. First: a refusal (the ranks froze other layers) changes nothing.
+    share_frozen(model, pg, 0, args.join_timeout)
+    share_scaling(model, pg)
     # Expert-parallel MoEs (their frozen experts hold no weight: experts may be empty).
     spread = expert_parallel_group(model) is not None
     run: nn.Module = model
@@ -152,6 +165,34 @@ def distribute(
     return run, mesh, sync
 
 
+def share_scaling(model: nn.Module, pg: dist.ProcessGroup) -> None:
+    """Copy group rank 0's fp8 scaling state (ledgers, tallies, ``fp8_meta``) of every
+    trainable ``QuantizedLinear`` of ``model`` over every rank's, in place (the frozen
+    layers' went with ``share_frozen``), and make each layer re-read its host state
+    (``adopt_written``). Neither DDP (the scaling buffers stay out of its broadcast) nor
+    FSDP2 sends them: a rank that did not load rank 0's checkpoint would otherwise scale
+    its first forwards by its own ledgers (serving another model until the first merge) and,
+    under FSDP2, decide by its own tally whether a quantize reduces its amax, a collective
+    the other ranks would not run. One broadcast per tensor; the ranks compared the fp8
+    layers (``check_same_model``), so every rank sends the same count."""
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and not m.frozen]
+    device = comm_device(pg)
+    sent: set[int] = set()
+    for layer in layers:
+        held = dict(layer.named_buffers(recurse=False))
+        for name in layer.scaling.tensor_names():
+            t = held[name]
+            if id(t) in sent:
+                continue
+            sent.add(id(t))
+            wire = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+            dist.broadcast(wire, group=pg, group_src=0)
+            with torch.no_grad():
+                t.copy_(wire.to(t.device).view(t.dtype).view(t.shape))
+    for layer in layers:
+        layer.scaling.adopt_written()
+
+
 def shard(
     model: nn.Module,
     ctx: ComputeCtx,
@@ -173,6 +214,25 @@ def shard(
     for unit in units:
         fully_shard(unit, mesh=mesh, mp_policy=mixed, ignored_params=own)
     fully_shard(model, mesh=mesh, mp_policy=mixed, ignored_params=own)
+    # A layer frozen now would quantize its DTensor shard (torch's bare AssertionError, its
+    # weight ledger written first): its freeze_for_serving refuses instead, nothing changed.
+    for fqn, m in model.named_modules():
+        if isinstance(m, QuantizedLinear | Fp4Linear | GroupedExperts) and any(
+            isinstance(p, DTensor) for p in m.parameters(recurse=False)
+        ):
+            vars(m)["freeze_for_serving"] = functools.partial(refuse_sharded_freeze, fqn)
+
+
+def refuse_sharded_freeze(fqn: str, *args: Any, **kwargs: Any) -> None:
+    """``freeze_for_serving`` of a layer that ``parallelize(strategy="fsdp")`` sharded: a
+    ``ValueError``, nothing changed (its weight is a shard of a DTensor)."""
+    raise ValueError(
+        f"{fqn or 'the model'}.freeze_for_serving: this layer was sharded by "
+        f"parallelize(strategy='fsdp') (its weight is a DTensor shard), so it cannot be frozen "
+        f"in place. Freeze before parallelize; to serve a model trained under FSDP2, gather "
+        f"it (torch.distributed.checkpoint, or full_state_dict) into an unsharded model and "
+        f"freeze that. Nothing was changed"
+    )
 
 
 def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:
@@ -226,13 +286,8 @@ def wrap_ddp(
     """``DistributedDataParallel`` over ``model`` on this rank's device, the buffers and
     weights it must not broadcast or all-reduce left out. It broadcasts rank 0's other
     buffers once, here, and never before a forward: no forward of it is a collective; the
-    weights frozen for serving go from rank 0 as bytes (``share_frozen``), as DDP's
-    broadcast would send them could it."""
-    # Rank 0's frozen codes and scales, which DDP leaves out (below): without this a rank
-    # that built its model from its own seed, or that did not load the checkpoint, would
-    # serve its own codes beside rank 0's trainable rest, silently. First: a refusal (the
-    # ranks froze other layers) changes nothing.
-    share_frozen(model, data_parallel_group(group), 0, join_timeout)
+    weights frozen for serving and the fp8 scaling state went from rank 0 before
+    (``share_frozen``, ``share_scaling``), as DDP's broadcast would send them could it."""
     ids = None
     if ctx.device.type == "cuda":
         # A bare "cuda" means this rank's current device (torchrun's
@@ -272,6 +327,22 @@ def wrap_ddp(
     # (forward_sync_buffers), and broadcast_buffers=False would skip the construction's too.
     run.broadcast_buffers = False
     return run
+
+
+def check_experts_held(module: nn.Module, experts: tuple[nn.Parameter, ...]) -> None:
+    """``RuntimeError`` (nothing changed) when an expert-parallel expert weight that
+    ``parallelize`` took is no longer ``module``'s: experts frozen for serving after the wrap
+    (no reducer holds them, so ``check_reduced`` cannot see it; the optimizer would keep the
+    dropped weights and the frozen experts would silently stop training)."""
+    held = {id(p) for p in module.parameters()}
+    gone = sum(id(p) not in held for p in experts)
+    if gone:
+        raise RuntimeError(
+            f"Parallel.step: {gone} of the expert-parallel expert weights parallelize took are "
+            f"no longer the model's: experts were frozen for serving after parallelize. Freeze "
+            f"before parallelize; to train a model frozen since, parallelize it anew (serving "
+            f"needs no step). Nothing was changed"
+        )
 
 
 def check_reduced(run: nn.Module) -> None:

@@ -354,12 +354,13 @@ def edges(params: dict[str, Any]) -> dict[str, Any]:
         "lone_forward": lone_forward(params),
         "checkpoint": checkpoint(params),
         "frozen_checkpoint": frozen_checkpoint(params),
+        "late_frozen_experts": late_frozen_experts(params),
     }
 
 
-def _frozen_net(seed: int, flag: str, spread: bool = True) -> Net:
+def _frozen_net(seed: int, flag: str, spread: bool = True, freeze: bool = True) -> Net:
     """``Net`` under ``flag``'s recipe, its experts spread over the ranks (``spread``), then
-    frozen."""
+    frozen (``freeze``)."""
     from computectx.formats import convert_to_quantized, freeze_fp4_for_serving
 
     ctx = ComputeCtx.from_flag(flag, "cpu")
@@ -371,11 +372,28 @@ def _frozen_net(seed: int, flag: str, spread: bool = True) -> Net:
     convert_to_quantized(model, ctx, min_features=DIM)
     if spread:
         expert_parallel(model, join_timeout=JOIN_S)
+    if not freeze:
+        return model
     if flag == "nvfp4":
         freeze_fp4_for_serving(model.moe)
     else:
         model.moe.experts.freeze_for_serving()
     return model
+
+
+def late_frozen_experts(params: dict[str, Any]) -> dict[str, Any]:
+    """fp8 experts spread over the ranks, ``parallelize``, a backward, then the experts
+    frozen for serving on every rank: ``Parallel.step``'s outcome and whether it changed any
+    weight."""
+    model = _frozen_net(0, "fp8_hybrid", freeze=False)
+    ctx = ComputeCtx.from_flag("fp8_hybrid", "cpu")
+    par = parallelize(model, ctx, optimizer_class=torch.optim.SGD, lr=0.1, join_timeout=JOIN_S)
+    par.model(_x(dist.get_rank())).float().square().mean().backward()
+    model.moe.experts.freeze_for_serving()
+    before = _params(model)
+    error = _error(par.step)
+    after = _params(model)
+    return {"error": error, "unchanged": all(torch.equal(after[n], p) for n, p in before.items())}
 
 
 def _expert_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx
@@ -135,3 +136,145 @@ def meta_build_fully_shard(params: dict[str, Any]) -> dict[str, Any]:
 def meta_build_each(params: dict[str, Any]) -> dict[str, Any]:
     """``meta_build_fully_shard`` once per gather of ``gathers``, in this one launch."""
     return {g: meta_build_fully_shard({**params, "gather": g}) for g in params["gathers"]}
+
+
+def _fp8_seq(model: nn.Sequential) -> nn.Sequential:
+    _fp8(model)
+    return model
+
+
+def _trained() -> nn.Module:
+    """The fp8 MLP after two SGD steps (its ledgers seeded): a checkpoint."""
+    torch.manual_seed(0)
+    model = _fp8_seq(_plain())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ScalingNotSyncedWarning)
+        for step in range(2):
+            model(_x(step, 0)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return model
+
+
+def rank0_checkpoint(params: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 alone loaded a trained checkpoint (its ledgers seeded); its first linear is
+    frozen for serving, then ``parallelize``, a ``no_grad`` forward before any step, and
+    (DDP) one step on the same batch on every rank: against one process of the checkpoint
+    (served) and DDP where every rank loaded it (``every``: the step).
+    Under DDP rank 1 built its own seed's model; under FSDP2 (which sends no weight) it
+    loaded the checkpoint's trainable weights, not the frozen layer's weight nor any
+    scaling state."""
+    rank = dist.get_rank()
+    saved = _trained().state_dict()
+    x, lr = _x(9, 0), 0.05
+
+    def frozen(model: nn.Sequential) -> nn.Sequential:
+        first = model[0]
+        assert isinstance(first, QuantizedLinear)
+        first.freeze_for_serving()
+        return model
+
+    ref = _fp8_seq(_plain())
+    ref.load_state_dict(saved)
+    frozen(ref)
+    codes = ref[0].weight_fp8
+    assert isinstance(codes, torch.Tensor)
+    with torch.no_grad():
+        out: dict[str, Any] = {"ref": ref(x), "codes": codes.view(torch.uint8)}
+    for strategy in ("ddp", "every", "fsdp"):  # every: DDP, every rank loaded it
+        wrap: Literal["ddp", "fsdp"] = "fsdp" if strategy == "fsdp" else "ddp"
+        torch.manual_seed(1 + rank)
+        model = _fp8_seq(_plain())
+        if rank == 0 or strategy == "every":
+            model.load_state_dict(saved)
+        elif strategy == "fsdp":
+            weights = {k: v for k, v in saved.items() if k.endswith(("weight", "bias"))}
+            model.load_state_dict({k: v for k, v in weights.items() if k != "0.weight"}, False)
+        frozen(model)
+        par = parallelize(
+            model, _ctx(), strategy=wrap,
+            optimizer_class=torch.optim.SGD, lr=lr,
+            join_timeout=10.0,
+        )  # fmt: skip
+        codes = model[0].weight_fp8
+        assert isinstance(codes, torch.Tensor)
+        got: dict[str, Any] = {"scaling": _scaling(model), "codes": codes.view(torch.uint8)}
+        with torch.no_grad():
+            got["served"] = par.model(x).detach().clone()
+        if strategy == "fsdp":  # a layer frozen after the wrap: refused, nothing changed
+            before = _bytes(model)
+            head = model[2]
+            assert isinstance(head, QuantizedLinear)
+            got["late_freeze"] = _error(head.freeze_for_serving)
+            got["late_unchanged"] = _same(before, _bytes(model))
+        else:
+            par.model(x).square().mean().backward()
+            par.step()
+            got["stepped"] = [p.detach().clone() for p in model.parameters()]
+        out[strategy] = got
+    return out
+
+
+def _bytes(model: nn.Module) -> dict[str, Any]:
+    """Every parameter and buffer of ``model`` as bytes (a DTensor's local shard), and DDP's
+    list of what it leaves out."""
+    out: dict[str, Any] = {}
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        out[n] = local.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+    out["ignored"] = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    return out
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k] for k, v in a.items()
+    )
+
+
+def _error(call: Any) -> str:
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return ""
+
+
+def refused_before_anything(params: dict[str, Any]) -> dict[str, Any]:
+    """``parallelize(strategy="ddp")`` of models DDP would refuse, each with a frozen layer
+    of each rank's own seed: ``shape``, a parameter of another shape on rank 1 ((4, 6)
+    against (6, 4)); ``untrained``, every layer frozen and no bias (no parameter requires a
+    gradient). The errors, and whether each rank's model stayed as it was."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for case in ("shape", "untrained"):
+        torch.manual_seed(1 + rank)
+        if case == "shape":
+            model = _fp8_seq(_plain())
+            shape = (4, 6) if rank == 0 else (6, 4)
+            model.register_parameter("extra", nn.Parameter(torch.zeros(shape)))
+            layers = [model[0]]
+        else:
+            model = _fp8_seq(nn.Sequential(nn.Linear(WIDTH, WIDTH, bias=False)))
+            layers = list(model)
+        for layer in layers:
+            assert isinstance(layer, QuantizedLinear)
+            layer.freeze_for_serving()
+        before = _bytes(model)
+        out[case] = _error(
+            lambda model=model: parallelize(
+                model, _ctx(), optimizer_class=torch.optim.SGD, lr=0.1, join_timeout=10.0
+            )
+        )
+        out[f"{case}_unchanged"] = _same(before, _bytes(model))
+    return out
+
+
+def wrapped(params: dict[str, Any]) -> dict[str, Any]:
+    """The wraps' scenarios in one launch."""
+    return {
+        "leave": ddp_leaves_the_scaling_buffers_alone(params),
+        "rank0": rank0_checkpoint(params),
+        "refused": refused_before_anything(params),
+    }

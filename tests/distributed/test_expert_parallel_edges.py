@@ -172,3 +172,16 @@ def test_frozen_experts_are_each_ranks_own_in_every_checkpoint(
             assert r["unchanged"] and r["dcp_back"], flag
             assert r["whole"] and all(r["whole"].values()), (flag, r["whole"])
             assert r["one_error"] == "" and r["one_equal"], (flag, r["one_error"])
+
+
+def test_experts_frozen_after_parallelize_are_refused_at_the_step(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # Before: the step ran, the optimizer kept the dropped expert weights and the frozen
+    # experts silently stopped training.
+    for r in (r["late_frozen_experts"] for r in ranks):
+        assert r["error"].startswith(
+            "RuntimeError: Parallel.step: 2 of the expert-parallel expert weights parallelize "
+            "took are no longer the model's: experts were frozen for serving after parallelize"
+        ), r["error"]
+        assert r["unchanged"]

@@ -5,17 +5,25 @@ Each launch has a 60 s wall-clock limit on top of the worker's 30 s collective t
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 
-from .conftest import RunRanks
+from .conftest import RunRanks, _run
 
 LIMIT_S = 60.0
 
 
-def test_ddp_never_broadcasts_the_scaling_buffers(run_ranks: RunRanks) -> None:
-    results = run_ranks(
-        "scenarios_scaling_state.py:ddp_leaves_the_scaling_buffers_alone", limit_s=LIMIT_S
-    )
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    # One launch for the DDP and FSDP2 wraps' scenarios (scenarios_scaling_state.wrapped).
+    tmp = tmp_path_factory.mktemp("scaling-wrapped")
+    return _run(tmp, "scenarios_scaling_state.py:wrapped", 2, LIMIT_S, {})
+
+
+def test_ddp_never_broadcasts_the_scaling_buffers(wrapped: list[dict[str, Any]]) -> None:
+    results = [r["leave"] for r in wrapped]
     for r in reversed(results):  # rank 1 first: a broadcast would overwrite its ledgers
         # Each rank's ledgers are what its own data recorded, as in a copy no wrapper touched:
         # DDP's per-forward broadcast would have copied rank 0's over rank 1's.
@@ -47,3 +55,52 @@ def test_a_model_built_on_meta_shards_materialises_and_trains(run_ranks: RunRank
                 assert torch.equal(t, r["cpu_scaling"][name]), (gather, name)
         for name, t in r0["meta_scaling"].items():  # merged: the same on both ranks
             assert torch.equal(t, r1["meta_scaling"][name]), (gather, name)
+
+
+def test_the_wrap_sends_rank_0s_scaling_state_and_frozen_layers(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    # Rank 0 alone loaded the checkpoint (its ledgers seeded, its frozen layer's codes). Under
+    # DDP every rank then serves rank 0's model before any step, and the first step equals the
+    # one where every rank loaded it (before: rank 1 scaled by its own ledgers). Under
+    # FSDP2 the first forward runs (before: rank 0 took its seeded step while rank 1 reduced
+    # its amax, a hang) and serves the checkpoint's frozen codes (before: each rank its own),
+    # the same on every rank (at ctx.compute, FSDP2's gather: not one float32 process's).
+    r0, r1 = (r["rank0"] for r in wrapped)
+    assert torch.equal(r0["fsdp"]["served"], r1["fsdp"]["served"])
+    for strategy in ("ddp", "fsdp"):
+        for r in (r0, r1):
+            got = r[strategy]
+            assert torch.equal(got["codes"], r["codes"]), strategy
+            if strategy == "ddp":
+                assert torch.equal(got["served"], r["ref"])
+            assert got["scaling"].keys() == r0[strategy]["scaling"].keys()
+            for name, t in got["scaling"].items():
+                assert torch.equal(t, r0[strategy]["scaling"][name]), (strategy, name)
+    for r in (r0, r1):
+        # A layer frozen after parallelize(fsdp): its weight is a DTensor shard; refused, with
+        # nothing written (before: torch's bare AssertionError, its weight ledger written).
+        assert r["fsdp"]["late_freeze"].startswith(
+            "ValueError: 2.freeze_for_serving: this layer was sharded by "
+            "parallelize(strategy='fsdp')"
+        ), r["fsdp"]["late_freeze"]
+        assert r["fsdp"]["late_unchanged"]
+        assert torch.equal(r["every"]["served"], r["ref"])
+        for p, q in zip(r["ddp"]["stepped"], r["every"]["stepped"], strict=True):
+            assert torch.equal(p, q)
+
+
+def test_what_ddp_would_refuse_is_refused_before_the_frozen_layers_are_sent(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    # Before: the frozen codes were rank 0's and DDP's list changed, then DDP refused on rank
+    # 1 (rank 0 waiting in its broadcast) or on every rank (no parameter needs a gradient).
+    r0, r1 = (r["refused"] for r in wrapped)
+    assert r0["shape"] == r1["shape"], (r0["shape"], r1["shape"])
+    assert (
+        "differ from rank 0 in their parameters; the first that differs is 'extra'" in (r0["shape"])
+    ), r0["shape"]
+    assert r0["untrained"] == r1["untrained"]
+    assert "no parameter of the model requires a gradient" in r0["untrained"], r0["untrained"]
+    for r in (r0, r1):
+        assert r["shape_unchanged"] and r["untrained_unchanged"]
