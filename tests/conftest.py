@@ -27,6 +27,15 @@ settings.register_profile(
 settings.register_profile("thorough", deadline=None, max_examples=2000)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+# Inductor's first C++ compile in a process test-builds its vector headers for every
+# instruction set the CPU reports (avx512_vnni, avx512, avx2 here) and loads each build in a
+# child process: 9-11 CPU-s in the first process of a fresh cache, about 1.2 in every later
+# one (each xdist worker, each compiled demo, docs sample or rank). Trusting the reported
+# sets picks the same one (`pick_vec_isa()` is unchanged, so is the generated code); a runner
+# whose compiler could not build a reported set fails its Inductor tests instead of falling
+# back. Read when torch._inductor.config is first imported: nothing has imported it yet.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
 
 def _share_the_cores() -> None:
     # Under `pytest -n N` every worker would start torch with a thread per core, N times over
