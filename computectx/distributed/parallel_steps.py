@@ -173,22 +173,26 @@ def share_scaling(model: nn.Module, pg: dist.ProcessGroup) -> None:
     FSDP2 sends them: a rank that did not load rank 0's checkpoint would otherwise scale
     its first forwards by its own ledgers (serving another model until the first merge) and,
     under FSDP2, decide by its own tally whether a quantize reduces its amax, a collective
-    the other ranks would not run. One broadcast per tensor; the ranks compared the fp8
-    layers (``check_same_model``), so every rank sends the same count."""
+    the other ranks would not run. One broadcast of every tensor's bytes, packed; the ranks
+    compared the fp8 layers (``check_same_model``: policies, so the ledgers' sizes), so every
+    rank sends the same bytes count (none without a trainable fp8 layer)."""
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear) and not m.frozen]
-    device = comm_device(pg)
-    sent: set[int] = set()
+    tensors: dict[int, torch.Tensor] = {}
     for layer in layers:
         held = dict(layer.named_buffers(recurse=False))
         for name in layer.scaling.tensor_names():
-            t = held[name]
-            if id(t) in sent:
-                continue
-            sent.add(id(t))
-            wire = t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
-            dist.broadcast(wire, group=pg, group_src=0)
-            with torch.no_grad():
-                t.copy_(wire.to(t.device).view(t.dtype).view(t.shape))
+            tensors.setdefault(id(held[name]), held[name])
+    if not tensors:
+        return
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
+    wire = torch.cat([p.to(comm_device(pg)) for p in parts])
+    dist.broadcast(wire, group=pg, group_src=0)
+    with torch.no_grad():
+        start = 0
+        for t, part in zip(tensors.values(), parts, strict=True):
+            got = wire[start : start + part.numel()].to(t.device).clone()  # aligned
+            t.copy_(got.view(t.dtype).view(t.shape))
+            start += part.numel()
     for layer in layers:
         layer.scaling.adopt_written()
 
