@@ -107,11 +107,14 @@ def both(
 
 
 def hard(rows: int, cols: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Rows of magnitudes 1e-30 .. 1e30 (saturating in half dtypes), a row of float32
-    subnormals (flushed to zero in half dtypes), a zero row, a NaN, ±inf."""
+    """Rows of magnitudes 1e-30 .. 1e30 (saturating in half dtypes), the last of magnitude
+    1 (finite and nonzero in every dtype: a seed may put every other row outside fp16's
+    range), a row of float32 subnormals (flushed to zero in half dtypes), a zero row, a
+    NaN, ±inf."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, cols, generator=gen)
     x *= 10.0 ** (torch.rand(rows, 1, generator=gen) * 60 - 30)
+    x[-1] = torch.randn(cols, generator=gen)
     x[0] = torch.randn(cols, generator=gen) * 1e-39
     x[1] = 0.0
     x[2, cols // 2] = math.nan
