@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from computectx.ctx import ComputeCtx
 from computectx.distributed.collectives import all_reduce_on
@@ -122,8 +123,15 @@ def _fp8_layers_of(model: nn.Module) -> list[_Entry]:
 
 
 def _parameters_of(model: nn.Module) -> list[_Entry]:
-    # A DTensor's shape is the whole parameter's, the same on every rank of its mesh.
-    return [(fqn, f"{tuple(p.shape)} {p.dtype}") for fqn, p in model.named_parameters()]
+    # A DTensor's shape is the whole parameter's, the same on every rank of its mesh. Also
+    # what DDP refuses on one rank after the wrap has sent rank 0's buffers (strides, which
+    # parameters train) and where the wrap cannot send from (the meta device).
+    def entry(p: nn.Parameter) -> str:
+        strides = "" if isinstance(p, DTensor) else f" strides {p.stride()}"
+        grad = "" if p.requires_grad else ", frozen (requires_grad=False)"
+        return f"{tuple(p.shape)} {p.dtype}{strides}{' on meta' if p.is_meta else ''}{grad}"
+
+    return [(fqn, entry(p)) for fqn, p in model.named_parameters()]
 
 
 def _fp4_layers_of(model: nn.Module) -> list[_Entry]:

@@ -182,7 +182,10 @@ def share_scaling(model: nn.Module, pg: dist.ProcessGroup) -> None:
         held = dict(layer.named_buffers(recurse=False))
         for name in layer.scaling.tensor_names():
             tensors.setdefault(id(held[name]), held[name])
-    if not tensors:
+    # A model built on the meta device (docs/fp8.md, "The meta device") holds no state to send
+    # until to_empty: nothing to share. Whether its layers are on meta was compared with the
+    # parameters (check_same_model), so every rank returns here alike.
+    if not tensors or any(p.is_meta for layer in layers for p in layer.parameters(False)):
         return
     parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors.values()]
     wire = torch.cat([p.to(comm_device(pg)) for p in parts])

@@ -192,3 +192,46 @@ def test_the_rebuild_joins_hooks_go_once_rebuilt_or_with_the_wrapper(
         del run
         gc.collect()
     assert not weight._post_accumulate_grad_hooks
+
+
+def test_the_wraps_share_of_scaling_state_leaves_a_model_built_on_meta_alone(
+    world_of_one: None,
+) -> None:
+    # docs/fp8.md, "The meta device": build on meta, shard, then to_empty. parallelize's share
+    # of rank 0's scaling state (share_scaling) has nothing to send from meta: it copied out of
+    # the meta tensors, torch's NotImplementedError on every rank (adversarial s47 G2; a world
+    # of one never reaches it through parallelize, so the share itself is called here).
+    from computectx.distributed.parallel_steps import share_scaling
+    from computectx.formats import convert_to_quantized
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))
+        convert_to_quantized(model, FP8, min_features=32)
+    assert any(b.is_meta for b in model.buffers())  # the layers' scaling state
+    group = dist.group.WORLD
+    assert group is not None
+    share_scaling(model, group)
+    assert all(b.is_meta for b in model.buffers())
+
+
+def test_the_ranks_compare_strides_meta_and_training_of_every_parameter() -> None:
+    # What DDP refuses on one rank after the wrap sent rank 0's buffers (other strides, a
+    # parameter that does not train on that rank), and a model built on meta on one rank
+    # only (the wrap would copy out of it), differ in what check_same_model compares: every
+    # rank refuses before anything is sent (adversarial s47 G1, G3, G4).
+    from computectx.distributed.group import _parameters_of
+
+    def entries(model: nn.Module) -> list[tuple[str, object]]:
+        return list(_parameters_of(model))
+
+    plain = nn.Linear(4, 6)
+    base = entries(plain)
+    transposed = nn.Linear(4, 6)
+    transposed.weight = nn.Parameter(torch.empty(4, 6).t())
+    frozen = nn.Linear(4, 6)
+    frozen.bias.requires_grad_(False)
+    with torch.device("meta"):
+        meta = nn.Linear(4, 6)
+    for other in (transposed, frozen, meta):
+        assert entries(other) != base
+    assert entries(nn.Linear(4, 6)) == base
