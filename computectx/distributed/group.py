@@ -123,15 +123,13 @@ def _fp8_layers_of(model: nn.Module) -> list[_Entry]:
 
 
 def _parameters_of(model: nn.Module) -> list[_Entry]:
-    # A DTensor's shape is the whole parameter's, the same on every rank of its mesh. Also
-    # what DDP refuses on one rank after the wrap has sent rank 0's buffers (strides, which
-    # parameters train) and where the wrap cannot send from (the meta device).
-    def entry(p: nn.Parameter) -> str:
-        strides = "" if isinstance(p, DTensor) else f" strides {p.stride()}"
-        grad = "" if p.requires_grad else ", frozen (requires_grad=False)"
-        return f"{tuple(p.shape)} {p.dtype}{strides}{' on meta' if p.is_meta else ''}{grad}"
-
-    return [(fqn, entry(p)) for fqn, p in model.named_parameters()]
+    # A DTensor's shape is the whole one, alike on every rank; strides and requires_grad: what
+    # DDP refuses on one rank after the wrap sent rank 0's buffers; meta: nothing to send.
+    return [
+        (f, f"{tuple(p.shape)} {p.dtype}{'' if isinstance(p, DTensor) else f' {p.stride()}'}"
+         f"{' meta' * p.is_meta}{', trains' * p.requires_grad}")
+        for f, p in model.named_parameters()
+    ]  # fmt: skip
 
 
 def _fp4_layers_of(model: nn.Module) -> list[_Entry]:
@@ -174,17 +172,12 @@ def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bo
     """Stop with a clear error, on every rank, when the ranks of ``group`` converted different
     layers to fp8 (FQN, widths, granularity and policy of every ``QuantizedLinear``) or to 4
     bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear`` and
-    ``Fp4Experts``: another ``fp8_filter``, or streams assigned under other names), or, with
-    ``parameters``, hold different parameters (FQN, shape, dtype: FSDP2 shards each one
-    over the ranks).
-
-    One ``all_gather_object`` at setup, before any collective that the model shapes: a
-    different ``fp8_filter`` on one rank would otherwise abort in gloo ("Received data size
-    doesn't match expected size") or hang at the first merge; FSDP2 would gather one rank's
-    weight as 4-bit codes and another's in high precision, and ``Parallel.step`` all-reduce
-    one counter per 4-bit layer, each rank a different count. The ``ValueError`` names the
-    ranks that differ from rank 0 and the first parameter or layer that differs.
-    """
+    ``Fp4Experts``), or, with ``parameters``, hold different parameters (FQN, shape, dtype,
+    strides, meta, requires_grad). One ``all_gather_object`` at setup, before any collective
+    the model shapes (another ``fp8_filter`` on one rank would abort in gloo or hang at the
+    first merge; FSDP2 would gather one rank's weight as 4-bit codes and another's in high
+    precision). The ``ValueError`` names the ranks that differ from rank 0 and the first
+    parameter or layer that differs."""
     pg = data_parallel_group(group)
     # Parameters first: they shape every collective of FSDP2, fp8 or not.
     mine: dict[str, Any] = {"parameter": _parameters_of(model)} if parameters else {}
@@ -410,8 +403,7 @@ def _join_of(group: dist.ProcessGroup) -> _Join:
 
 
 JOIN_TIMEOUT_MAX = datetime.timedelta(days=999_999_999).total_seconds()
-"""The longest ``join_timeout`` in seconds (about 8.64e13): the store waits a
-``datetime.timedelta``, which holds no more days than this."""
+"""The longest ``join_timeout`` in seconds (~8.64e13): the longest ``datetime.timedelta``."""
 
 
 def check_join_timeout(join_timeout: object) -> None:
