@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -392,7 +393,8 @@ class _Join:
         )
 
 
-_JOINS: dict[dist.ProcessGroup, _Join] = {}
+# Weak: a destroyed group's join (and its store) goes with it, not at exit (std::terminate).
+_JOINS: weakref.WeakKeyDictionary[dist.ProcessGroup, _Join] = weakref.WeakKeyDictionary()
 
 
 def _join_of(group: dist.ProcessGroup) -> _Join:
@@ -437,10 +439,8 @@ def join(group: dist.ProcessGroup, call: str, timeout: float | None = None) -> N
 
 
 def joined(group: dist.ProcessGroup) -> bool:
-    """Whether a forward that ``join_forwards`` joined over ``group`` is underway on this rank
-    (a collective inside it need not join again)."""
-    j = _JOINS.get(group)
-    return j is not None and j.depth > 0
+    """Whether a forward ``join_forwards`` joined over ``group`` is underway on this rank."""
+    return (j := _JOINS.get(group)) is not None and j.depth > 0
 
 
 def describe_forward(module: nn.Module) -> str:

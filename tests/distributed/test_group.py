@@ -47,3 +47,29 @@ def test_the_rank_holding_the_store_waits_until_every_rank_read_the_verdict(
     results = run_ranks("scenarios_group.py:last_join_then_exit", limit_s=60.0, delay=1.5)
     assert [r["gen"] for r in results] == [1, 1]
     assert [r["slow_read"] for r in results] == [False, True]  # rank 1 did read slowly
+
+
+def test_a_destroyed_group_takes_its_join_and_store_with_it(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # The joins were kept per group in a plain dict: after destroy_process_group the group and
+    # its store (rank 0's TCPStore server, with its thread) lived on until the interpreter
+    # exited, and tearing them down there aborted the process ("terminate called without an
+    # active exception", SIGABRT) about one run in five of docs/distributed.md's spawned
+    # sample (test_docs.py::test_spawned_ranks_run_as_for_a_user).
+    import gc
+
+    from computectx.distributed import group as group_module
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        world = dist.group.WORLD
+        assert world is not None
+        group_module.join(world, "a call")
+        assert world in group_module._JOINS
+        del world
+    finally:
+        dist.destroy_process_group()
+    gc.collect()
+    assert len(group_module._JOINS) == 0
