@@ -341,6 +341,8 @@ def check_experts_held(module: nn.Module, experts: tuple[nn.Parameter, ...]) -> 
     ``parallelize`` took is no longer ``module``'s: experts frozen for serving after the wrap
     (no reducer holds them, so ``check_reduced`` cannot see it; the optimizer would keep the
     dropped weights and the frozen experts would silently stop training)."""
+    if not experts:  # every step: no set of the model's parameters without experts
+        return
     held = {id(p) for p in module.parameters()}
     gone = sum(id(p) not in held for p in experts)
     if gone:
