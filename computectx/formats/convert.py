@@ -23,6 +23,7 @@ from computectx.formats.convert_report import (
     head_dtype_notes,
     nothing_converted,
     output_heads,
+    refuse_another_policy,
 )
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_rules import model_blocks, unheeded_rules
@@ -172,7 +173,7 @@ def convert_to_quantized(
     checked = _checked_converters(converters)
     rules = _Rules(model, ctx, module_filter, bool(include_head), least, checked)
     places, order = _linear_places(model)
-    _refuse_another_policy(ctx, order)
+    refuse_another_policy(model, ctx)
     experts = plan_experts(model, policy, module_filter, least)
     converted, skipped = _decide(order, experts, rules, output_heads(model, order))
     # Build every replacement (which validates ctx and backend) before swapping any.
@@ -367,24 +368,6 @@ def _checked_converters(
                 f"quantize) -> nn.Module, got {describe(fn)}"
             )
     return dict(converters)
-
-
-def _refuse_another_policy(ctx: ComputeCtx, order: list[tuple[str, nn.Linear]]) -> None:
-    """Raise when a layer is already a ``QuantizedLinear`` or ``Fp4Linear`` under another policy
-    than ``ctx``'s."""
-    want = (ctx.recipe, ctx.compute)
-    other = [(f, lin) for f, lin in order if isinstance(lin, (QuantizedLinear, Fp4Linear))]
-    other = [(f, lin) for f, lin in other if (lin.ctx.recipe, lin.ctx.compute) != want]
-    if other:
-        fqn, lin = other[0]
-        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
-        raise ValueError(
-            f"convert_to_quantized: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
-            f"under recipe={lin.ctx.recipe}, compute={lin.ctx.compute}, but this call asks for "
-            f"recipe={ctx.recipe}, compute={ctx.compute}; a converted layer keeps the policy it "
-            f"was built with. Convert an unconverted copy of the model under the new ctx, or "
-            f"pass the ctx it was converted with; the model was left unchanged"
-        )
 
 
 def _added_behaviour(lin: nn.Linear) -> str | None:

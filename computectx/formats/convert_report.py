@@ -9,6 +9,8 @@ from typing import Literal
 from torch import nn
 
 from computectx.ctx import ComputeCtx
+from computectx.formats.linear.fp4 import Fp4Linear
+from computectx.formats.linear.module import QuantizedLinear
 from computectx.formats.policy import FEATURE_MULTIPLE
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "head_dtype_notes",
     "nothing_converted",
     "output_heads",
+    "refuse_another_policy",
 ]
 
 HEAD_NAMES = ("lm_head", "output", "head")
@@ -181,3 +184,28 @@ def output_heads(model: nn.Module, order: list[tuple[str, nn.Linear]]) -> dict[i
             "sized like an nn.Embedding's vocabulary, or named lm_head, output or head)"
         )
     return heads
+
+
+def refuse_another_policy(
+    model: nn.Module, ctx: ComputeCtx, caller: str = "convert_to_quantized"
+) -> None:
+    """Raise a ``ValueError`` when a layer of ``model`` is already a ``QuantizedLinear`` or
+    ``Fp4Linear`` under another policy (``recipe``, ``compute``) than ``ctx``'s: a converted
+    layer keeps the policy it was built with. ``parallelize`` runs it inside the ranks'
+    agreement, so a rank that converted under another recipe fails on every rank."""
+    want = (ctx.recipe, ctx.compute)
+    other = [
+        (fqn, m)
+        for fqn, m in model.named_modules(remove_duplicate=True)
+        if isinstance(m, (QuantizedLinear, Fp4Linear)) and (m.ctx.recipe, m.ctx.compute) != want
+    ]
+    if other:
+        fqn, lin = other[0]
+        more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
+        raise ValueError(
+            f"{caller}: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
+            f"under recipe={lin.ctx.recipe}, compute={lin.ctx.compute}, but this call asks for "
+            f"recipe={ctx.recipe}, compute={ctx.compute}; a converted layer keeps the policy it "
+            f"was built with. Convert an unconverted copy of the model under the new ctx, or "
+            f"pass the ctx it was converted with; the model was left unchanged"
+        )

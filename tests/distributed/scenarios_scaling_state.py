@@ -25,6 +25,7 @@ from computectx.distributed import (
     sync_scaling,
 )
 from computectx.formats import QuantizedLinear, ScalingNotSyncedWarning, convert_to_quantized
+from computectx.recipes import DelayedScaling
 
 WIDTH = 32
 
@@ -245,12 +246,23 @@ def refused_before_anything(params: dict[str, Any]) -> dict[str, Any]:
     """``parallelize(strategy="ddp")`` of models DDP would refuse, each with a frozen layer
     of each rank's own seed: ``shape``, a parameter of another shape on rank 1 ((4, 6)
     against (6, 4)); ``untrained``, every layer frozen and no bias (no parameter requires a
-    gradient). The errors, and whether each rank's model stayed as it was."""
+    gradient); ``policy``, rank 1's layers converted under an amax history of 8 where the ctx
+    passed (rank 0's layers') keeps 16 (before: rank 1 alone raised convert_to_quantized's
+    refusal after the agreement, rank 0 waited). The errors, and whether each rank's model
+    stayed as it was."""
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    for case in ("shape", "untrained"):
+    for case in ("shape", "untrained", "policy"):
         torch.manual_seed(1 + rank)
-        if case == "shape":
+        if case == "policy":
+            recipe = _ctx().recipe
+            assert recipe is not None
+            short = recipe.model_copy(update={"scaling": DelayedScaling(history_len=8)})
+            ctx = _ctx() if rank == 0 else _ctx().model_copy(update={"recipe": short})
+            model = _plain()
+            convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
+            layers = []
+        elif case == "shape":
             model = _fp8_seq(_plain())
             shape = (4, 6) if rank == 0 else (6, 4)
             model.register_parameter("extra", nn.Parameter(torch.zeros(shape)))

@@ -102,5 +102,11 @@ def test_what_ddp_would_refuse_is_refused_before_the_frozen_layers_are_sent(
     ), r0["shape"]
     assert r0["untrained"] == r1["untrained"]
     assert "no parameter of the model requires a gradient" in r0["untrained"], r0["untrained"]
+    # Layers converted under another recipe on rank 1: refused on every rank, naming rank 1,
+    # inside the agreement (before: rank 1 alone, after it; rank 0 waited out the join).
+    assert r0["policy"] == r1["policy"], (r0["policy"], r1["policy"])
+    assert "rank(s) 1 " in r0["policy"] and "is already a QuantizedLinear under" in r0["policy"], (
+        r0["policy"]
+    )
     for r in (r0, r1):
-        assert r["shape_unchanged"] and r["untrained_unchanged"]
+        assert r["shape_unchanged"] and r["untrained_unchanged"] and r["policy_unchanged"]

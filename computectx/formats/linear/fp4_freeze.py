@@ -5,6 +5,7 @@ its ``FrozenFp4Experts`` (``linear.fp4_frozen_experts``), in place, for serving.
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.formats.linear.fp4 import Fp4Linear
@@ -46,7 +47,9 @@ def freeze_fp4_for_serving(
     named); ``TypeError`` for a model that is one (freeze it with
     ``FrozenFp4Linear.from_fp4_linear`` and put that in its place) and for a model wrapped in
     ``DistributedDataParallel`` (freeze ``model.module`` before wrapping, or serve without DDP:
-    its reducer would keep the dropped weights).
+    its reducer would keep the dropped weights); ``ValueError`` for a layer or experts module
+    whose weights FSDP2 sharded (DTensors, ``parallelize(strategy="fsdp")``: freeze before
+    sharding, or gather into an unsharded model first).
 
     The frozen layers' and experts' buffers (codes, scales, amaxes) are added to ``model``'s
     list of what ``DistributedDataParallel`` leaves out (``exclude_frozen_from_ddp``), on
@@ -74,6 +77,7 @@ def freeze_fp4_for_serving(
             "one itself: use FrozenFp4Linear.from_fp4_linear(layer, mode) in its place"
         )
     found = [(fqn, m) for fqn, m in model.named_modules(remove_duplicate=False)]
+    _refuse_sharded(found)
     layers = [(fqn, m) for fqn, m in found if isinstance(m, Fp4Linear)]
     experts = _frozen_experts(found, mode, activation_amax)
     if not layers and not experts and _frozen_already(found, mode, activation_amax):
@@ -161,3 +165,19 @@ def _frozen_already(
                 f"{activation_amax!r}); freeze a copy made before freezing. Nothing was changed"
             )
     return bool(frozen)
+
+
+def _refuse_sharded(found: list[tuple[str, nn.Module]]) -> None:
+    """A ``ValueError`` naming the first ``Fp4Linear`` or 4-bit experts module among ``found``
+    that holds a DTensor parameter (FSDP2 sharded it): its freeze would quantize a shard
+    (torch has no sharding rule for the 4-bit quantize). Nothing changed."""
+    for fqn, m in found:
+        fp4 = isinstance(m, Fp4Linear) or any(isinstance(c, Fp4Experts) for c in m.children())
+        if fp4 and any(isinstance(p, DTensor) for p in m.parameters(recurse=False)):
+            raise ValueError(
+                f"freeze_fp4_for_serving: {fqn or '<root>'!r} was sharded by FSDP2 "
+                f"(parallelize(strategy='fsdp') or fully_shard: its weight is a DTensor "
+                f"shard), so it cannot be frozen in place. Freeze before sharding; to serve a "
+                f"model trained under FSDP2, gather it (torch.distributed.checkpoint, or "
+                f"full_state_dict) into an unsharded model and freeze that. Nothing was changed"
+            )
