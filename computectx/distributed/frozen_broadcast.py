@@ -46,34 +46,34 @@ def broadcast_frozen(
     ``DistributedDataParallel(model)`` (which broadcast the rest of rank 0's state) or before
     serving without DDP.
 
-    ``model`` is a ``DistributedDataParallel`` (its ``module`` is copied over its process
-    group unless ``group`` is given; ``src`` must then be the rank its wrap broadcast from,
-    group rank 0 of its group: another rank's codes beside rank 0's weights would be a model
-    no rank held), a ``torch.compile`` wrapper of one (unwrapped), or the model itself. On the
-    model itself (no DDP) only the frozen buffers are sent: every other parameter and buffer
-    (the frozen layers' biases, the trainable layers; not each rank's own: an
-    expert-parallel ``MoE``'s experts, a ``MoE``'s rank-local buffers, sharded ``DTensor``
-    tensors, the names the model lists for DDP to leave out) must already agree, and the
-    ranks compare a checksum of each; ranks that hold another are refused, as the frozen
-    codes alone would make a model no rank held (load the same checkpoint on every rank, or
-    wrap first). A collective: the ranks first join and exchange each buffer's name, shape,
-    dtype, the first name holding the same tensor and the recipe each frozen layer serves
-    with (one ``all_gather_object``), then send each distinct buffer once (one broadcast
-    each, the same count on every rank). Every rank raises the same error, nothing changed,
-    when a rank's check fails: ``TypeError`` for a ``model`` that is no ``nn.Module`` or a
-    ``src`` that is no integer (``operator.index``: an integer tensor of one element
-    passes); ``ValueError`` for a ``src`` outside the group, for ranks that pass different
-    ``src``, for ranks whose frozen buffers differ (names, shapes, dtypes, which names share
-    a tensor, or a layer's recipe: fp8 scheme, scaling, margin, algo...; 4-bit format, mode,
+    ``model`` is a ``DistributedDataParallel`` (its ``module`` is copied over its process group
+    unless ``group`` is given; ``src`` must then be the rank its wrap broadcast from, group rank
+    0 of its group: another rank's codes beside rank 0's weights would be a model no rank held),
+    a ``torch.compile`` wrapper of one (unwrapped), or the model itself. On the model itself (no
+    DDP) only the frozen buffers are sent: every other parameter and buffer (the frozen layers'
+    biases, the trainable layers; not each rank's own: an expert-parallel ``MoE``'s experts, a
+    ``MoE``'s rank-local buffers, sharded ``DTensor`` tensors, the names the model lists for DDP
+    to leave out in ``_ddp_params_and_buffers_to_ignore``: list a rank's own counter there) must
+    already agree, and the ranks compare a checksum of each (-0.0 and 0.0 alike; nothing is
+    compared when no rank holds a frozen layer: nothing is sent); ranks that hold another are
+    refused, as the frozen codes alone would make a model no rank held (load the same checkpoint
+    on every rank, or wrap first). A collective: the ranks first join and exchange each buffer's
+    name, shape, dtype, the first name holding the same tensor and the recipe each frozen layer
+    serves with (one ``all_gather_object``), then send each distinct buffer once (one broadcast
+    each, the same count on every rank). Every rank raises the same error, nothing changed, when
+    a rank's check fails: ``TypeError`` for a ``model`` that is no ``nn.Module`` or a ``src``
+    that is no integer (``operator.index``: an integer tensor of one element passes);
+    ``ValueError`` for a ``src`` outside the group, for ranks that pass different ``src``, for
+    ranks whose frozen buffers differ (names, shapes, dtypes, which names share a tensor, or a
+    layer's recipe: fp8 scheme, scaling, margin, algo...; 4-bit format, mode,
     ``activation_amax``: the first rank and buffer named, both sides quoted), for a frozen
-    buffer this rank could not send (on the meta device, not dense, an inference tensor
-    outside ``inference_mode``), for a bare model whose rest differs (above), for a
-    ``DistributedDataParallel`` that would broadcast a frozen buffer before a forward (a
-    layer frozen after the wrap, or frozen buffers not listed by ``exclude_frozen_from_ddp``
-    on the model it wraps), and for a ``src`` over a DDP other than the rank its wrap sent
-    from. A rank outside ``group`` gets ``ValueError`` saying so (alone: call it on the
-    group's ranks). Frozen experts of an expert-parallel ``MoE`` are each rank's own: left
-    as they are.
+    buffer this rank could not send (on the meta device, not dense, an inference tensor outside
+    ``inference_mode``), for a bare model whose rest differs (above), for a
+    ``DistributedDataParallel`` that would broadcast a frozen buffer before a forward (a layer
+    frozen after the wrap, or frozen buffers not listed by ``exclude_frozen_from_ddp`` on the
+    model it wraps), and for a ``src`` over a DDP other than the rank its wrap sent from. A rank
+    outside ``group`` gets ``ValueError`` saying so (alone: call it on the group's ranks).
+    Frozen experts of an expert-parallel ``MoE`` are each rank's own: left as they are.
     """
     if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
         raise ValueError(
@@ -155,7 +155,9 @@ def _check_plan(plan: _Plan) -> None:
             f"{zero}; rank {differ[0]}: {other}): sending the frozen codes alone would make a "
             f"model no rank held. Load the same checkpoint on every rank, or wrap the model "
             f"first (DistributedDataParallel after exclude_frozen_from_ddp, or parallelize), "
-            f"whose wrap sends rank 0's rest. Nothing was changed"
+            f"whose wrap sends rank 0's rest; a tensor each rank keeps its own (a counter, "
+            f"rank-local statistics) is left out when the model lists its name in "
+            f"_ddp_params_and_buffers_to_ignore, as DDP does. Nothing was changed"
         )
 
 
@@ -201,7 +203,8 @@ def _layout(
             desc += f", serving with {recipes[n]}"
         first.setdefault(id(t), n)
         out.append((n, desc))
-    rest = _rest(module, first, local) if rest_must_agree else []
+    # Nothing frozen to send (on this rank: the ranks compare that first): no rest to check.
+    rest = _rest(module, first, local) if rest_must_agree and out else []
     return rank, out, rest
 
 
@@ -257,11 +260,15 @@ def _rest(module: nn.Module, sent: dict[int, str], local: tuple[str, ...]) -> li
 
 
 def _checksum(t: torch.Tensor) -> str:
-    """``t``'s shape, dtype and a digest of its bytes (never its values)."""
+    """``t``'s shape, dtype and a digest of its bytes (never its values), -0.0 read as 0.0
+    (the same model: a checkpoint and its reload may differ in the sign of a zero)."""
     desc = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
     if t.is_meta or t.layout != torch.strided:
         return f"{desc} on {t.device.type} (layout {t.layout})"
-    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    t = t.detach()
+    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        t = t + 0.0  # -0.0 + 0.0 is +0.0 (round to nearest); every other value stays
+    data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
     return f"{desc}, checksum {hashlib.blake2b(data, digest_size=8).hexdigest()}"
 
 

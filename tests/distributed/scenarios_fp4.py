@@ -207,7 +207,20 @@ def _refused(group: dist.ProcessGroup) -> list[str]:
     if dist.get_rank() == 1:
         other = Recipe(format=Fp8Scheme.HYBRID, scaling=DelayedScaling(margin=2))
         margin = fp8_model(0, ComputeCtx.from_flag("fp8_hybrid", "cpu").replace(recipe=other))
-    for m in [*bare.modules(), *margin.modules()]:
+    # Bare models the check must not refuse (adversarial s47 G8): none frozen, of each rank's
+    # seed (nothing is sent); a rank's own serving counter, listed for DDP to leave out (and
+    # unlisted: refused, the message naming the list); a bias zero of either sign.
+    unfrozen, counted, listed = fp8_model(dist.get_rank()), fp8_model(0), fp8_model(0)
+    for m in (counted, listed):
+        m.register_buffer("served", torch.tensor([dist.get_rank()]), persistent=False)
+    vars(listed)["_ddp_params_and_buffers_to_ignore"] = ["served"]
+    signed = fp8_model(0)
+    with torch.no_grad():
+        signed.get_parameter("0.bias")[0] = -0.0 if dist.get_rank() else 0.0
+    for m in [*bare.modules(), *margin.modules(), *counted.modules(), *listed.modules()]:
+        if isinstance(m, QuantizedLinear):
+            m.freeze_for_serving()
+    for m in signed.modules():
         if isinstance(m, QuantizedLinear):
             m.freeze_for_serving()
     calls: list[Callable[[], object]] = [
@@ -219,6 +232,10 @@ def _refused(group: dist.ProcessGroup) -> list[str]:
         lambda: broadcast_frozen(DistributedDataParallel(served, process_group=group), src=1),
         lambda: broadcast_frozen(bare, group=group),
         lambda: broadcast_frozen(margin, group=group),
+        lambda: broadcast_frozen(unfrozen, group=group),
+        lambda: broadcast_frozen(counted, group=group),
+        lambda: broadcast_frozen(listed, group=group),
+        lambda: broadcast_frozen(signed, group=group),
     ]
     for call in calls:
         try:

@@ -83,7 +83,8 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
     # So are a bare model whose rest (the biases: no wrap sent them) differs across ranks,
     # and frozen layers of the same shapes under another recipe (rank 1's margin 2).
     for r in ranks:
-        differ, late, compiled, tied, src1, bare, margin = r["fp8_frozen"]["refused"]
+        refused = r["fp8_frozen"]["refused"]
+        differ, late, compiled, tied, src1, bare, margin, *lets = refused
         assert "rank(s) 1 differ from rank 0; the first is '2.weight_fp8'" in differ, differ
         assert "broadcasts '0.weight_fp8' (and 8 more frozen buffers)" in late, late
         assert "broadcasts '0.weight_fp8' (and 8 more frozen buffers)" in compiled, compiled
@@ -94,6 +95,13 @@ def test_rank_0_validates_alone_under_ddp_and_the_counters_stay_each_ranks(
         assert "rank(s) 1 hold another '0.bias' than rank 0" in bare, bare
         assert "the first is '0.weight_fp8'" in margin, margin
         assert "policy hybrid/delayed/16/0/max" in margin and "hybrid/delayed/16/2/max" in margin
+        # Not refused: a bare model of each rank's seed with nothing frozen (nothing to send),
+        # a rank's own counter listed for DDP to leave out (unlisted: refused, the message
+        # says how), biases of 0.0 and -0.0 (before: each refused, adversarial s47 G8).
+        unfrozen, counted, listed, signed = lets
+        assert unfrozen == "runs" and listed == "runs" and signed == "runs", lets
+        assert "hold another 'served' than rank 0" in counted, counted
+        assert "_ddp_params_and_buffers_to_ignore" in counted, counted
     # A static W4A4 layer calibrated on one rank: its input_amax and whether it is calibrated
     # are rank 0's on every rank (rank 0 calibrated: both serve alike; rank 1 alone
     # calibrated: both refuse to serve uncalibrated, none serves NaN).
