@@ -36,13 +36,7 @@ from computectx.distributed.fp8_expert_gather import (
 )
 from computectx.distributed.frozen_broadcast import broadcast_frozen
 from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
-from computectx.distributed.group import (
-    agree,
-    agree_ok,
-    check_same_policy,
-    data_parallel_group,
-    join,
-)
+from computectx.distributed.group import agree, agree_ok, data_parallel_group, join
 from computectx.distributed.mixed_precision import fsdp_mixed_precision
 from computectx.distributed.optimizer_checkpoint import (
     check_optimizer_state_dict,
@@ -50,6 +44,7 @@ from computectx.distributed.optimizer_checkpoint import (
     set_optimizer_state_dict,
 )
 from computectx.distributed.parallel import Parallel, Strategy, parallelize
+from computectx.distributed.same_setup import check_same_policy
 from computectx.distributed.sharding import ShardedParams
 from computectx.distributed.tensor_parallel import dtensor_quantized_linear
 

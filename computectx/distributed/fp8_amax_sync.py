@@ -54,12 +54,7 @@ from torch.utils.hooks import RemovableHandle
 
 from computectx.distributed.collectives import GroupAmax, RankLocal
 from computectx.distributed.fp8_all_gather import WeightGatheredQuantized, sharded_weight_of
-from computectx.distributed.group import (
-    GroupArg,
-    check_same_model,
-    check_same_policy,
-    data_parallel_group,
-)
+from computectx.distributed.group import GroupArg, data_parallel_group
 from computectx.distributed.ledger_merge import (
     LossNormalization,
     MergeEntry,
@@ -67,6 +62,7 @@ from computectx.distributed.ledger_merge import (
     payload,
     rescale_grad_ledger,
 )
+from computectx.distributed.same_setup import check_same_model, check_same_policy
 from computectx.formats import QuantizedLinear
 from computectx.formats.seam import ROLES, TALLY_ELEMENTS, OperandScaling, Role
 

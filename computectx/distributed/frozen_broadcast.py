@@ -26,7 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from computectx.distributed.collectives import comm_device
 from computectx.distributed.expert_parallel import AllToAllDispatch, moe_local_buffers
-from computectx.distributed.group import GroupArg, agree, data_parallel_group, first_difference
+from computectx.distributed.group import GroupArg, agree, data_parallel_group
+from computectx.distributed.same_setup import first_difference
 from computectx.formats.seam import adopt_frozen_written, frozen_buffer_names, frozen_recipes
 from computectx.nn import MoE
 

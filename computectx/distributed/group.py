@@ -1,33 +1,27 @@
-"""Which ranks take part, and checks that they all run the same policy and the same model."""
+"""Which ranks take part, and how they meet: the join before each collective call, and the
+agreement on a check (``agree``) before anything changes."""
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
-from computectx.ctx import ComputeCtx
 from computectx.distributed.collectives import all_reduce_on
-from computectx.formats import Fp4Experts, Fp4Linear, QuantizedLinear
 
 __all__ = [
     "GroupArg",
     "agree",
     "check_join_timeout",
-    "check_same_model",
-    "check_same_policy",
     "data_parallel_group",
     "describe_forward",
-    "first_difference",
     "join",
     "join_forwards",
     "joined",
@@ -71,133 +65,6 @@ def data_parallel_group(group: GroupArg = None) -> dist.ProcessGroup:
         f"group must be a torch.distributed ProcessGroup, a one-dimensional DeviceMesh or "
         f"None (the default group), got {type(group).__name__}"
     )
-
-
-def _digest(text: str) -> torch.Tensor:
-    return torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
-
-
-def check_same_policy(ctx: ComputeCtx, group: GroupArg = None) -> None:
-    """Stop with a clear error, on every rank, when the ranks of ``group`` hold different policies.
-
-    Compares a hash of ``str(ctx)`` in one all-gather at setup, so a rank that parsed another
-    ``--dtype`` fails here, naming the ranks and this rank's policy, instead of hanging or
-    silently diverging at the first collective that the policies shape differently. Device
-    indices are left out (``cuda:0`` on rank 0 and ``cuda:1`` on rank 1 is the same policy);
-    device types are compared.
-    """
-    if not isinstance(ctx, ComputeCtx):
-        raise TypeError(f"ctx must be a computectx.ComputeCtx, got {type(ctx).__name__}")
-    pg = data_parallel_group(group)
-    # The hash travels on the CPU: gloo handles it everywhere, and for nccl it must be on the
-    # rank's device. uint8 is a dtype every backend reduces.
-    device = torch.device("cpu")
-    if dist.get_backend(pg) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    offload = None if ctx.offload is None else torch.device(ctx.offload.type)
-    policy = str(ctx.replace(device=torch.device(ctx.device.type), offload=offload))
-    mine = _digest(policy).to(device)
-    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
-    dist.all_gather(gathered, mine, group=pg)
-    differ = [r for r, d in enumerate(gathered) if not torch.equal(d, gathered[0])]
-    if differ:
-        raise ValueError(
-            f"the ranks of the data-parallel group hold different compute policies: rank(s) "
-            f"{', '.join(map(str, differ))} differ from rank 0; this rank "
-            f"({dist.get_rank(pg)}) holds {policy!r}. Build the same ComputeCtx on every rank"
-        )
-
-
-_Entry = tuple[str, str]  # (FQN, what is there)
-
-
-def _fp8_layers_of(model: nn.Module) -> list[_Entry]:
-    return [
-        (
-            fqn,
-            f"QuantizedLinear({m.in_features}->{m.out_features}, granularity "
-            f"{m.policy.granularity!r}, {m.policy})",
-        )
-        for fqn, m in model.named_modules()
-        if isinstance(m, QuantizedLinear)
-    ]
-
-
-def _parameters_of(model: nn.Module) -> list[_Entry]:
-    # A DTensor's shape is the whole one, alike on every rank; strides and requires_grad: what
-    # DDP refuses on one rank after the wrap sent rank 0's buffers; meta: nothing to send.
-    return [
-        (f, f"{tuple(p.shape)} {p.dtype}{'' if isinstance(p, DTensor) else f' {p.stride()}'}"
-         f"{' meta' * p.is_meta}{', trains' * p.requires_grad}")
-        for f, p in model.named_parameters()
-    ]  # fmt: skip
-
-
-def _fp4_layers_of(model: nn.Module) -> list[_Entry]:
-    return [
-        (fqn, f"{type(m).__name__} under {m.recipe} on stream {m.sr_stream}")
-        for fqn, m in model.named_modules()
-        if isinstance(m, Fp4Linear | Fp4Experts)
-    ]
-
-
-def first_difference(
-    everyone: Sequence[Sequence[tuple[str, object]]], absent: str
-) -> tuple[list[int], str, str, str] | None:
-    """For the ranks' ``(name, value)`` lists in rank order: ``None`` when every rank's equals
-    rank 0's, else the ranks that differ, the first name (in the order either rank lists
-    them) whose value differs between rank 0 and the first rank that differs, or that one
-    of them lacks, and rank 0's and that rank's value of it (``absent`` for none)."""
-    differ = [r for r, theirs in enumerate(everyone) if list(theirs) != list(everyone[0])]
-    if not differ:
-        return None
-    mine, theirs = everyone[0], everyone[differ[0]]
-    a, b = dict(mine), dict(theirs)
-    for name in [n for n, _ in mine] + [n for n, _ in theirs if n not in a]:
-        if (name in a, a.get(name)) != (name in b, b.get(name)):
-            return differ, name, str(a.get(name, absent)), str(b.get(name, absent))
-    # The same entries in another order: the first position that differs.
-    at = next(i for i, (x, y) in enumerate(zip(mine, theirs, strict=True)) if x != y)
-    return differ, mine[at][0], f"{mine[at][1]} at position {at}", f"{theirs[at][0]!r} there"
-
-
-# Each kind check_same_model compares: what a rank lacking an entry holds, and the fix's tail.
-_KINDS: dict[str, tuple[str, str]] = {
-    "parameter": ("nothing", ""),
-    "fp8 layer": ("nothing", ""),
-    "4-bit layer": ("no 4-bit layer", " (and the same streams: assign_fp4_streams)"),
-}
-
-
-def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bool) -> None:
-    """Stop with a clear error, on every rank, when the ranks of ``group`` converted different
-    layers to fp8 (FQN, widths, granularity and policy of every ``QuantizedLinear``) or to 4
-    bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear`` and
-    ``Fp4Experts``), or, with ``parameters``, hold different parameters (FQN, shape, dtype,
-    strides, meta, requires_grad). One ``all_gather_object`` at setup, before any collective
-    the model shapes (another ``fp8_filter`` on one rank would abort in gloo or hang at the
-    first merge; FSDP2 would gather one rank's weight as 4-bit codes and another's in high
-    precision). The ``ValueError`` names the ranks that differ from rank 0 and the first
-    parameter or layer that differs."""
-    pg = data_parallel_group(group)
-    # Parameters first: they shape every collective of FSDP2, fp8 or not.
-    mine: dict[str, Any] = {"parameter": _parameters_of(model)} if parameters else {}
-    mine["fp8 layer"] = _fp8_layers_of(model)
-    mine["4-bit layer"] = _fp4_layers_of(model)
-    everyone: list[Any] = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(everyone, mine, group=pg)
-    for kind in mine:
-        absent, hint = _KINDS[kind]
-        found = first_difference([theirs[kind] for theirs in everyone], absent)
-        if found is None:
-            continue
-        differ, fqn, zero, other = found
-        raise ValueError(
-            f"the ranks of the data-parallel group set up different models: rank(s) "
-            f"{', '.join(map(str, differ))} differ from rank 0 in their {kind}s; the first "
-            f"that differs is {fqn!r}: rank 0 holds {zero}, rank {differ[0]} holds {other}. "
-            f"Build the same model and convert it with the same fp8_filter on every rank{hint}"
-        )
 
 
 # ----- Ranks agree before anyone raises ------------------------------------------------------
@@ -323,10 +190,10 @@ class _Join:
         self.gen = 0
         self.depth = 0  # forwards of this group underway on this rank (join_forwards)
 
-    def __call__(self, call: str, timeout: float | None) -> None:
+    def __call__(self, call: str, timeout: float | None, refusal: str | None = None) -> None:
         wait = self.default_timeout if timeout is None else datetime.timedelta(seconds=timeout)
         while True:
-            verdict = self._attempt(call, wait)
+            verdict = self._attempt(call if refusal is None else f"{call}{_REFUSED}{refusal}", wait)
             if not verdict.startswith("abort:"):
                 break  # an abort decided by another rank: this call goes on to the next
         if verdict != "ok":
@@ -364,12 +231,14 @@ class _Join:
                 s.wait([f"d{g}"], wait)
 
     def _compare(self, g: int) -> str:
-        calls = [
-            v.decode().split(":", 1)[1]
-            for v in self.store.multi_get([str(r) for r in range(self.world)])
-        ]
+        keys = [str(r) for r in range(self.world)]
+        got = [v.decode().split(":", 1)[1].partition(_REFUSED) for v in self.store.multi_get(keys)]
+        calls, why = [c for c, _, _ in got], [w for _, _, w in got]
         if all(c == calls[0] for c in calls):
-            return "ok"
+            ranks = ", ".join(str(r) for r, w in enumerate(why) if w)
+            first = next((w for w in why if w), "")
+            every = "of the group (every rank raises this)"
+            return f"{calls[0]} failed on rank(s) {ranks} {every}: {first}" if ranks else "ok"
         listed = "; ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
         return (
             f"the ranks of the group entered different collective calls together ({listed}): "
@@ -423,8 +292,13 @@ def check_join_timeout(join_timeout: object) -> None:
         )
 
 
+_REFUSED = "\x00refused\x00"  # a rank's call and, after it, why its own check refused it
+
+
 @torch.compiler.disable  # type: ignore[untyped-decorator]
-def join(group: dist.ProcessGroup, call: str, timeout: float | None = None) -> None:
+def join(
+    group: dist.ProcessGroup, call: str, timeout: float | None = None, refusal: str | None = None
+) -> None:
     """Wait until every rank of ``group`` has entered the collective call ``call`` (a short
     description: ``"forward (eval, grad off)"``), before its first collective: one
     ``RuntimeError`` on the ranks that came, naming the ranks that did not, when they do not
@@ -432,10 +306,14 @@ def join(group: dist.ProcessGroup, call: str, timeout: float | None = None) -> N
     hang in the call's first collective; one ``RuntimeError`` on every rank when the ranks
     entered different calls. A refused call exchanged nothing, and the next call that every
     rank makes together goes through (``_Join``). A few store round trips (docs/distributed.md
-    measures them); nothing in a group of one."""
+    measures them); nothing in a group of one. ``refusal``: this rank's check refused the call
+    (the message): every rank raises one ``RuntimeError`` naming the ranks that refused and the
+    first one's message, at once (the store only, no collective)."""
     j = _join_of(group)
     if j.world > 1:
-        j(call, timeout)
+        j(call, timeout, refusal)
+    elif refusal is not None:
+        raise RuntimeError(refusal)
 
 
 def joined(group: dist.ProcessGroup) -> bool:
@@ -454,13 +332,17 @@ def describe_forward(module: nn.Module) -> str:
 
 
 @contextlib.contextmanager
-def joining(group: dist.ProcessGroup, call: str, timeout: float | None) -> Iterator[None]:
-    """Run a collective call's body after joining ``group`` (``join``), unless a call that
-    joined it is already underway on this rank (``Parallel.step`` calling
+def joining(
+    group: dist.ProcessGroup, call: str, timeout: float | None, refusal: str | None = None
+) -> Iterator[None]:
+    """Run a collective call's body after joining ``group`` (``join``, ``refusal`` with it),
+    unless a call that joined it is already underway on this rank (``Parallel.step`` calling
     ``update_expert_bias``): one rendezvous per outermost call."""
     j = _join_of(group)
     if j.depth == 0:
-        join(group, call, timeout)
+        join(group, call, timeout, refusal)
+    elif refusal is not None:
+        raise RuntimeError(refusal)
     j.depth += 1
     try:
         yield

@@ -145,19 +145,26 @@ class Parallel:
         for serving after ``parallelize``: its dropped weight stays DDP's) is a
         ``RuntimeError`` naming that cause, nothing changed: freeze before ``parallelize``,
         and to train a model frozen since, parallelize it anew. Expert-parallel experts
-        frozen after ``parallelize`` (no reducer holds them) are the same ``RuntimeError``.
+        frozen after ``parallelize`` (no reducer holds them) are the same ``RuntimeError``;
+        on every rank at once when one rank froze them (told at the join).
         """
         if max_norm is not None:
             check_max_norm(max_norm)
         if self.group is None:
             return self._step(max_norm)
         # A layer frozen after the wrap: its weight's gradient never reached DDP's reducer, on
-        # every rank that froze it (named here, before DDP's next forward says it its way).
-        check_reduced(self.model)
-        check_experts_held(self.module, self.expert_params)
+        # every rank that froze it (named here, before DDP's next forward says it its way);
+        # experts frozen since. Checked on this rank and told at the join (the store, no
+        # collective): a rank's refusal is every rank's error, at once.
+        refusal = None
+        try:
+            check_reduced(self.model)
+            check_experts_held(self.module, self.expert_params)
+        except RuntimeError as err:
+            refusal = str(err)
         # A collective (the gradients' hand-over, the norm, the biases' load): every rank
         # steps together, or a clear error here; the expert helpers ride on this join.
-        with joining(self.group, "Parallel.step", self.join_timeout):
+        with joining(self.group, "Parallel.step", self.join_timeout, refusal):
             opt = self.optimizer
             if isinstance(opt, OffloadedOptimizer):
                 # Its state's checks (step counts, packed parts), exchanged before anything

@@ -23,11 +23,12 @@ from computectx.distributed.expert_parallel import (
     unshard_expert_optimizer_state,
 )
 from computectx.distributed.fp8_amax_sync import CurrentAmax, LossNormalization
-from computectx.distributed.group import check_join_timeout, first_difference
+from computectx.distributed.group import check_join_timeout
 from computectx.distributed.optimizer_checkpoint import (
     check_optimizer_state_dict,
     check_saved_optimizer,
 )
+from computectx.distributed.same_setup import first_difference
 from computectx.formats import Fp4Experts, Fp4Linear
 from computectx.formats.seam import check_layer_entries, refuse_another_policy, shared_streams
 from computectx.memory import OffloadedOptimizer
@@ -164,7 +165,7 @@ def warn_shared_fp4_streams(model: nn.Module) -> None:
     """Warn (``UserWarning``, naming both) when two 4-bit modules of the model share a
     stochastic-rounding stream (every rank's alike: they draw the same uniforms;
     ``shared_streams``, as ``assign_fp4_streams`` warns). That the ranks converted the same
-    layers to 4 bits, on the same streams, is ``group.check_same_model``'s to check, in its
+    layers to 4 bits, on the same streams, is ``same_setup.check_same_model``'s to check, in its
     one exchange; this issues no collective."""
     named = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, Fp4Linear | Fp4Experts)]
     shared = shared_streams((fqn, m.sr_stream) for fqn, m in named)

@@ -37,8 +37,6 @@ from computectx.distributed.grad_accumulator import DataParallelGradAccumulator
 from computectx.distributed.group import (
     COMPILE_REFUSED,
     agree,
-    check_same_model,
-    check_same_policy,
     data_parallel_group,
     describe_forward,
     join,
@@ -55,6 +53,7 @@ from computectx.distributed.parallel_checks import (
     wants_accumulator,
     warn_shared_fp4_streams,
 )
+from computectx.distributed.same_setup import check_same_model, check_same_policy
 from computectx.distributed.sharding import ShardedParams
 from computectx.formats import Fp4Linear, Fp4Recipe, QuantizedLinear
 from computectx.formats.seam import frozen_buffer_names

@@ -178,10 +178,12 @@ def test_experts_frozen_after_parallelize_are_refused_at_the_step(
     ranks: list[dict[str, Any]],
 ) -> None:
     # Before: the step ran, the optimizer kept the dropped expert weights and the frozen
-    # experts silently stopped training.
+    # experts silently stopped training. Frozen on rank 1 only: every rank raises rank 1's
+    # error (before: rank 1 alone, rank 0 waiting out the join).
     for r in (r["late_frozen_experts"] for r in ranks):
         assert r["error"].startswith(
-            "RuntimeError: Parallel.step: 2 of the expert-parallel expert weights parallelize "
-            "took are no longer the model's: experts were frozen for serving after parallelize"
+            "RuntimeError: Parallel.step failed on rank(s) 1 of the group (every rank raises "
+            "this): Parallel.step: 2 of the expert-parallel expert weights parallelize took "
+            "are no longer the model's: experts were frozen for serving after parallelize"
         ), r["error"]
         assert r["unchanged"]

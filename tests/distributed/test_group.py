@@ -1,4 +1,4 @@
-"""The data-parallel group and the same-policy check."""
+"""The data-parallel group, the joins and the agreements (``computectx.distributed.group``)."""
 
 from __future__ import annotations
 
@@ -17,19 +17,6 @@ def test_uninitialised_group_names_what_to_call() -> None:
         data_parallel_group()
     with pytest.raises(RuntimeError, match="init_process_group"):
         check_same_policy(ComputeCtx.parity("cpu"))
-
-
-def test_same_policy_passes_on_every_rank(run_ranks: RunRanks) -> None:
-    results = run_ranks("policy_check", flags=["fp8_hybrid", "fp8_hybrid"])
-    assert results == [{"error": ""}, {"error": ""}]
-
-
-def test_different_policies_fail_on_every_rank_naming_the_policy(run_ranks: RunRanks) -> None:
-    results = run_ranks("policy_check", flags=["bf16", "fp8_hybrid"])
-    assert "rank(s) 1 differ from rank 0" in results[0]["error"]
-    assert "holds 'compute=bf16,kv=bf16,accum=f32" in results[0]["error"]
-    assert "rank(s) 1 differ from rank 0" in results[1]["error"]
-    assert "recipe=hybrid/delayed/16/0/max" in results[1]["error"]
 
 
 def test_scenarios_from_other_files_and_one_process_references(run_ranks: RunRanks) -> None:
@@ -61,6 +48,9 @@ def test_a_destroyed_group_takes_its_join_and_store_with_it(
 
     from computectx.distributed import group as group_module
 
+    # Others' groups may linger in this worker (a test's objects not yet collected): count ours.
+    gc.collect()
+    others = len(group_module._JOINS)
     store = tmp_path_factory.mktemp("pg") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
     try:
@@ -72,4 +62,4 @@ def test_a_destroyed_group_takes_its_join_and_store_with_it(
     finally:
         dist.destroy_process_group()
     gc.collect()
-    assert len(group_module._JOINS) == 0
+    assert len(group_module._JOINS) <= others

@@ -219,7 +219,7 @@ def test_the_ranks_compare_strides_meta_and_training_of_every_parameter() -> Non
     # parameter that does not train on that rank), and a model built on meta on one rank
     # only (the wrap would copy out of it), differ in what check_same_model compares: every
     # rank refuses before anything is sent (adversarial s47 G1, G3, G4).
-    from computectx.distributed.group import _parameters_of
+    from computectx.distributed.same_setup import _parameters_of
 
     def entries(model: nn.Module) -> list[tuple[str, object]]:
         return list(_parameters_of(model))
