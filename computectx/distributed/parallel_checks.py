@@ -30,7 +30,7 @@ from computectx.distributed.optimizer_checkpoint import (
 )
 from computectx.distributed.same_setup import first_difference
 from computectx.formats import Fp4Experts, Fp4Linear
-from computectx.formats.seam import check_layer_entries, refuse_another_policy, shared_streams
+from computectx.formats.seam import check_convertible, check_layer_entries, shared_streams
 from computectx.memory import OffloadedOptimizer
 
 __all__ = [
@@ -213,8 +213,8 @@ def check_parallelize(
     _check_optimizer_class(args.optimizer_class)
     _check_mp_policy(args.mp_policy, args.strategy)
     _check_not_wrapped(model)
-    if ctx.recipe is not None:  # inside the ranks' agreement: convert_to_quantized's refusal
-        refuse_another_policy(model, ctx, "parallelize")
+    if ctx.recipe is not None:  # inside the ranks' agreement: what the conversion would refuse
+        check_convertible(model, ctx, args.fp8_filter)
     if args.strategy == "ddp" and world > 1:
         _check_trains_something(model)
     builds_accumulator = _check_accumulator(ctx, args, world)

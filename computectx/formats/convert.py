@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from torch import nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
@@ -24,6 +23,7 @@ from computectx.formats.convert_report import (
     nothing_converted,
     output_heads,
     refuse_another_policy,
+    unconvertible_behaviour,
 )
 from computectx.formats.linear.fp4 import Fp4Linear
 from computectx.formats.linear.fp4_rules import model_blocks, unheeded_rules
@@ -50,6 +50,7 @@ __all__ = [
     "Converter",
     "SkipRule",
     "SkippedLinear",
+    "check_convertible",
     "convert_to_quantized",
 ]
 
@@ -167,14 +168,10 @@ def convert_to_quantized(
     changes, so an exception from ``module_filter`` or a converter (or a filter result that is
     not a bool, a ``TypeError``) leaves it untouched; an experts converter that raises in
     ``convert`` has what was swapped put back before the error goes on."""
-    given = (module_filter, include_head, min_features, backend, quantize)
-    policy, how = _checked_args(model, ctx, *given)
-    least = DEFAULT_MIN_FEATURES if min_features is None else min_features
-    checked = _checked_converters(converters)
-    rules = _Rules(model, ctx, module_filter, bool(include_head), least, checked)
-    places, order = _linear_places(model)
-    refuse_another_policy(model, ctx)
-    experts = plan_experts(model, policy, module_filter, least)
+    given = (include_head, min_features, backend, quantize)
+    policy, how, rules, places, order, experts = _planned(
+        model, ctx, module_filter, given, converters
+    )
     converted, skipped = _decide(order, experts, rules, output_heads(model, order))
     # Build every replacement (which validates ctx and backend) before swapping any.
     replacements = [(lin, rules.build(fqn, lin, backend, how)) for fqn, lin in converted]
@@ -183,6 +180,43 @@ def convert_to_quantized(
     if replacements or expert_names:
         guard_whole_loads(model)  # load_state_dict checks every layer's state before any loads
     return _reported(rules, order, places, converted, skipped, expert_names)
+
+
+def check_convertible(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    module_filter: Callable[[nn.Module, str], bool] | None = None,
+) -> None:
+    """Raise now what ``convert_to_quantized(model, ctx, module_filter)`` would raise before
+    it changes anything (its arguments, layers or experts converted under another policy,
+    experts whose converter cannot run the recipe, a filter that raises or returns no bool);
+    nothing changes. ``parallelize`` runs it inside the ranks' agreement, so a rank whose
+    model cannot convert fails every rank (the filter is called once more there)."""
+    _, _, rules, _, order, experts = _planned(
+        model, ctx, module_filter, (None,) * 3 + ("op",), None
+    )
+    _decide(order, experts, rules, output_heads(model, order))
+
+
+def _planned(
+    model: nn.Module,
+    ctx: ComputeCtx,
+    module_filter: Callable[[nn.Module, str], bool] | None,
+    given: tuple[object, object, object, object],
+    converters: Mapping[type[nn.Linear], Converter] | None,
+) -> tuple[
+    Recipe | Fp4Recipe, QuantizeImpl, _Rules, Places, list[tuple[str, nn.Linear]], ExpertsPlan
+]:
+    """``convert_to_quantized``'s checks and plan, nothing changed (``given``: ``include_head``,
+    ``min_features``, ``backend``, ``quantize``): the policy, the quantize, the rules, where each
+    linear sits, the linears in order, the experts' plan."""
+    policy, how = _checked_args(model, ctx, module_filter, *given)
+    least = DEFAULT_MIN_FEATURES if given[1] is None else int(given[1])  # type: ignore[call-overload]
+    checked = _checked_converters(converters)
+    rules = _Rules(model, ctx, module_filter, bool(given[0]), least, checked)
+    places, order = _linear_places(model)
+    refuse_another_policy(model, ctx)
+    return policy, how, rules, places, order, plan_experts(model, policy, module_filter, least)
 
 
 Places = dict[int, list[tuple[str, nn.Module, str]]]
@@ -370,29 +404,6 @@ def _checked_converters(
     return dict(converters)
 
 
-def _added_behaviour(lin: nn.Linear) -> str | None:
-    """What a subclass instance adds that a ``QuantizedLinear`` would drop, or ``None``."""
-    if isinstance(lin, NonDynamicallyQuantizableLinear):
-        return (
-            "nn.MultiheadAttention reads this layer's weight directly and never calls it, "
-            "so as a QuantizedLinear it would still not run in fp8"
-        )
-    if "forward" in vars(lin):
-        return "its forward was replaced on the instance"
-    for cls in type(lin).__mro__:
-        if cls is nn.Linear:
-            break
-        own = [n for n in ("forward", "__call__", "_call_impl", "weight", "bias") if n in vars(cls)]
-        if own:
-            return f"{cls.__name__} defines its own {own[0]}, which a QuantizedLinear would drop"
-    extra = [n for n, _ in lin.named_parameters(recurse=False) if n not in ("weight", "bias")]
-    extra += [n for n, _ in lin.named_buffers(recurse=False)]
-    extra += [n for n, _ in lin.named_children()]
-    if extra:
-        return f"it holds {extra[0]!r}, which nn.Linear does not and a QuantizedLinear would drop"
-    return None
-
-
 @dataclass(frozen=True)
 class _Rules:
     """The settings of one ``convert_to_quantized`` call, and the rules they imply."""
@@ -442,7 +453,7 @@ class _Rules:
         """Why ``lin`` stays as it is, or ``None`` to convert it."""
         if isinstance(lin, (QuantizedLinear, Fp4Linear)):
             return "already_fp8", f"already a {type(lin).__name__} under this policy"
-        added = _added_behaviour(lin) if self.converter_for(lin) is None else None
+        added = unconvertible_behaviour(lin) if self.converter_for(lin) is None else None
         if added is not None:
             # Swapping it for a QuantizedLinear would silently drop that behaviour.
             return "subclass", (

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from torch import nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from computectx.ctx import ComputeCtx
 from computectx.formats.linear.fp4 import Fp4Linear
@@ -22,6 +23,7 @@ __all__ = [
     "nothing_converted",
     "output_heads",
     "refuse_another_policy",
+    "unconvertible_behaviour",
 ]
 
 HEAD_NAMES = ("lm_head", "output", "head")
@@ -186,13 +188,10 @@ def output_heads(model: nn.Module, order: list[tuple[str, nn.Linear]]) -> dict[i
     return heads
 
 
-def refuse_another_policy(
-    model: nn.Module, ctx: ComputeCtx, caller: str = "convert_to_quantized"
-) -> None:
+def refuse_another_policy(model: nn.Module, ctx: ComputeCtx) -> None:
     """Raise a ``ValueError`` when a layer of ``model`` is already a ``QuantizedLinear`` or
     ``Fp4Linear`` under another policy (``recipe``, ``compute``) than ``ctx``'s: a converted
-    layer keeps the policy it was built with. ``parallelize`` runs it inside the ranks'
-    agreement, so a rank that converted under another recipe fails on every rank."""
+    layer keeps the policy it was built with."""
     want = (ctx.recipe, ctx.compute)
     other = [
         (fqn, m)
@@ -203,9 +202,32 @@ def refuse_another_policy(
         fqn, lin = other[0]
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
         raise ValueError(
-            f"{caller}: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
+            f"convert_to_quantized: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
             f"under recipe={lin.ctx.recipe}, compute={lin.ctx.compute}, but this call asks for "
             f"recipe={ctx.recipe}, compute={ctx.compute}; a converted layer keeps the policy it "
             f"was built with. Convert an unconverted copy of the model under the new ctx, or "
             f"pass the ctx it was converted with; the model was left unchanged"
         )
+
+
+def unconvertible_behaviour(lin: nn.Linear) -> str | None:
+    """What a subclass instance adds that a ``QuantizedLinear`` would drop, or ``None``."""
+    if isinstance(lin, NonDynamicallyQuantizableLinear):
+        return (
+            "nn.MultiheadAttention reads this layer's weight directly and never calls it, "
+            "so as a QuantizedLinear it would still not run in fp8"
+        )
+    if "forward" in vars(lin):
+        return "its forward was replaced on the instance"
+    for cls in type(lin).__mro__:
+        if cls is nn.Linear:
+            break
+        own = [n for n in ("forward", "__call__", "_call_impl", "weight", "bias") if n in vars(cls)]
+        if own:
+            return f"{cls.__name__} defines its own {own[0]}, which a QuantizedLinear would drop"
+    extra = [n for n, _ in lin.named_parameters(recurse=False) if n not in ("weight", "bias")]
+    extra += [n for n, _ in lin.named_buffers(recurse=False)]
+    extra += [n for n, _ in lin.named_children()]
+    if extra:
+        return f"it holds {extra[0]!r}, which nn.Linear does not and a QuantizedLinear would drop"
+    return None

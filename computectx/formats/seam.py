@@ -14,7 +14,7 @@ packages above; a name added here is a promise to them.
 from __future__ import annotations
 
 from computectx.formats.backend import check_backend, default_backend, parse_backend, uses_kernels
-from computectx.formats.convert_report import refuse_another_policy
+from computectx.formats.convert import check_convertible
 from computectx.formats.linear.fp4_frozen import FROZEN_FP4_BUFFERS
 from computectx.formats.linear.fp4_frozen_experts import freeze_fp4_experts
 from computectx.formats.linear.fp4_serving import (
@@ -82,6 +82,7 @@ __all__ = [
     "ServeMode",
     "adopt_frozen_written",
     "check_backend",
+    "check_convertible",
     "check_grouped",
     "check_input_amax",
     "check_kernel_head_dim",
@@ -111,7 +112,6 @@ __all__ = [
     "quantize_blocks",
     "quantize_kv",
     "quantize_with_step",
-    "refuse_another_policy",
     "select_fp4_backend",
     "set_dtensor_linear",
     "shared_streams",

@@ -25,6 +25,7 @@ from computectx.distributed import (
     sync_scaling,
 )
 from computectx.formats import QuantizedLinear, ScalingNotSyncedWarning, convert_to_quantized
+from computectx.nn import MoE
 from computectx.recipes import DelayedScaling
 
 WIDTH = 32
@@ -248,19 +249,23 @@ def refused_before_anything(params: dict[str, Any]) -> dict[str, Any]:
     against (6, 4)); ``untrained``, every layer frozen and no bias (no parameter requires a
     gradient); ``policy``, rank 1's layers converted under an amax history of 8 where the ctx
     passed (rank 0's layers') keeps 16 (before: rank 1 alone raised convert_to_quantized's
-    refusal after the agreement, rank 0 waited). The errors, and whether each rank's model
-    stayed as it was."""
+    refusal after the agreement, rank 0 waited); ``experts_policy``, the same of an MoE's
+    experts (built under each rank's ctx), the linears unconverted. The errors, and whether
+    each rank's model stayed as it was."""
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    for case in ("shape", "untrained", "policy"):
+    for case in ("shape", "untrained", "policy", "experts_policy"):
         torch.manual_seed(1 + rank)
-        if case == "policy":
+        if case in ("policy", "experts_policy"):
             recipe = _ctx().recipe
             assert recipe is not None
             short = recipe.model_copy(update={"scaling": DelayedScaling(history_len=8)})
             ctx = _ctx() if rank == 0 else _ctx().model_copy(update={"recipe": short})
             model = _plain()
-            convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
+            if case == "experts_policy":  # the experts built under each rank's ctx
+                model = nn.Sequential(*model, MoE(ctx, WIDTH, WIDTH, 4, 2))
+            else:
+                convert_to_quantized(model, ctx, module_filter=lambda module, fqn: True)
             layers = []
         elif case == "shape":
             model = _fp8_seq(_plain())

@@ -108,5 +108,13 @@ def test_what_ddp_would_refuse_is_refused_before_the_frozen_layers_are_sent(
     assert "rank(s) 1 " in r0["policy"] and "is already a QuantizedLinear under" in r0["policy"], (
         r0["policy"]
     )
+    # The same of an MoE's experts (adversarial s48: a hang too).
+    assert r0["experts_policy"] == r1["experts_policy"], r0["experts_policy"]
+    assert "rank(s) 1 " in r0["experts_policy"], r0["experts_policy"]
+    assert (
+        "the experts '3.experts' already run in fp8 under hybrid/delayed/8/0/max"
+        in (r0["experts_policy"])
+    )
     for r in (r0, r1):
         assert r["shape_unchanged"] and r["untrained_unchanged"] and r["policy_unchanged"]
+        assert r["experts_policy_unchanged"]
