@@ -213,8 +213,9 @@ def check_parallelize(
     _check_optimizer_class(args.optimizer_class)
     _check_mp_policy(args.mp_policy, args.strategy)
     _check_not_wrapped(model)
-    if ctx.recipe is not None:  # inside the ranks' agreement: what the conversion would refuse
-        check_convertible(model, ctx, args.fp8_filter)
+    # Inside the ranks' agreement: what the conversion would refuse (without a recipe: layers
+    # converted already, whose scaling no sync would keep in step across the ranks).
+    check_convertible(model, ctx, args.fp8_filter)
     if args.strategy == "ddp" and world > 1:
         _check_trains_something(model)
     builds_accumulator = _check_accumulator(ctx, args, world)

@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from computectx.ctx import ComputeCtx
 from computectx.distributed.group import GroupArg, data_parallel_group
-from computectx.formats import Fp4Experts, Fp4Linear, QuantizedLinear
+from computectx.formats import Fp4Experts, Fp4Linear, FrozenFp4Experts, QuantizedLinear
 
 __all__ = ["check_same_model", "check_same_policy", "first_difference"]
 
@@ -80,10 +80,17 @@ def _parameters_of(model: nn.Module) -> list[_Entry]:
 
 
 def _fp4_layers_of(model: nn.Module) -> list[_Entry]:
+    # Frozen 4-bit experts too: expert-parallel ones are each rank's own, which no broadcast
+    # compares (share_frozen leaves them out), so their format and serving rule are compared here.
     return [
         (fqn, f"{type(m).__name__} under {m.recipe} on stream {m.sr_stream}")
-        for fqn, m in model.named_modules()
         if isinstance(m, Fp4Linear | Fp4Experts)
+        else (
+            fqn,
+            f"FrozenFp4Experts({m.format}, activation_amax={m.activation_amax}, {m.extra_repr()})",
+        )
+        for fqn, m in model.named_modules()
+        if isinstance(m, Fp4Linear | Fp4Experts | FrozenFp4Experts)
     ]
 
 

@@ -191,7 +191,11 @@ def check_convertible(
     it changes anything (its arguments, layers or experts converted under another policy,
     experts whose converter cannot run the recipe, a filter that raises or returns no bool);
     nothing changes. ``parallelize`` runs it inside the ranks' agreement, so a rank whose
-    model cannot convert fails every rank (the filter is called once more there)."""
+    model cannot convert fails every rank (the filter is called once more there). With no
+    ``ctx.recipe`` (nothing converts): a layer converted already, under its own policy."""
+    if isinstance(ctx, ComputeCtx) and ctx.recipe is None:
+        refuse_another_policy(model, ctx)
+        return
     _, _, rules, _, order, experts = _planned(
         model, ctx, module_filter, (None,) * 3 + ("op",), None
     )

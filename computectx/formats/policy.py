@@ -15,6 +15,7 @@ from typing import TypeVar
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
@@ -45,6 +46,7 @@ __all__ = [
     "describe",
     "policy_of",
     "recipe_of",
+    "refuse_sharded",
 ]
 
 _Q = TypeVar("_Q", bound=str)
@@ -206,3 +208,17 @@ def default_device(ctx: ComputeCtx) -> torch.device:
     # else the policy's. The CPU is torch's default when none is set, so it never overrides.
     default = torch.get_default_device()
     return default if default.type != "cpu" else ctx.device
+
+
+def refuse_sharded(who: str, module: nn.Module) -> None:
+    """``ValueError`` (nothing changed) when ``module`` holds a parameter sharded by FSDP2 (a
+    ``DTensor``: ``fully_shard``, ``parallelize(strategy="fsdp")``): a freeze quantizes each
+    whole weight in place, which a shard is not. ``who`` names the call and the layer."""
+    if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        raise ValueError(
+            f"{who}: the layer was sharded by FSDP2 (fully_shard, or parallelize(strategy="
+            f"'fsdp'): its weight is a DTensor shard), so it cannot be frozen in place. Freeze "
+            f"before sharding; to serve a model trained under FSDP2, gather it "
+            f"(torch.distributed.checkpoint, or full_state_dict) into an unsharded model and "
+            f"freeze that. Nothing was changed"
+        )

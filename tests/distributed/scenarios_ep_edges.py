@@ -355,6 +355,7 @@ def edges(params: dict[str, Any]) -> dict[str, Any]:
         "checkpoint": checkpoint(params),
         "frozen_checkpoint": frozen_checkpoint(params),
         "late_frozen_experts": late_frozen_experts(params),
+        "frozen_mode_differs": frozen_mode_differs(params),
     }
 
 
@@ -395,6 +396,22 @@ def late_frozen_experts(params: dict[str, Any]) -> dict[str, Any]:
     error = _error(par.step)
     after = _params(model)
     return {"error": error, "unchanged": all(torch.equal(after[n], p) for n, p in before.items())}
+
+
+def frozen_mode_differs(params: dict[str, Any]) -> dict[str, Any]:
+    """NVFP4 experts spread over the ranks and frozen weight-only on rank 0, W4A4 on rank 1
+    (each rank's own, which no broadcast compares): ``parallelize``'s outcome and whether
+    anything changed (before: it ran, a model no process held, adversarial s48 I3)."""
+    from computectx.formats import freeze_fp4_for_serving
+
+    model = _frozen_net(0, "nvfp4", freeze=False)
+    freeze_fp4_for_serving(model.moe, "w4a4" if dist.get_rank() else "weight_only")
+    ctx = ComputeCtx.from_flag("nvfp4", "cpu")
+    before = _expert_state(model)
+    call = lambda: parallelize(model, ctx, optimizer_class=torch.optim.SGD, lr=0.1)  # noqa: E731
+    error = _error(call)
+    after = _expert_state(model)
+    return {"error": error, "unchanged": all(torch.equal(after[n], b) for n, b in before.items())}
 
 
 def _expert_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -187,3 +187,16 @@ def test_experts_frozen_after_parallelize_are_refused_at_the_step(
             "are no longer the model's: experts were frozen for serving after parallelize"
         ), r["error"]
         assert r["unchanged"]
+
+
+def test_expert_parallel_frozen_experts_of_another_mode_are_refused_on_every_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # Each rank's frozen 4-bit experts are its own (no broadcast compares them): frozen
+    # weight-only on rank 0 and W4A4 on rank 1, parallelize ran and served a model no process
+    # held (adversarial s48 I3). Refused on every rank, naming the experts, nothing changed.
+    r0, r1 = (r["frozen_mode_differs"] for r in ranks)
+    assert r0["error"] == r1["error"], (r0["error"], r1["error"])
+    assert "rank(s) 1 differ from rank 0 in their 4-bit layers" in r0["error"], r0["error"]
+    assert "'moe.experts.fp8'" in r0["error"] and "mode=w4a4" in r0["error"], r0["error"]
+    assert r0["unchanged"] and r1["unchanged"]

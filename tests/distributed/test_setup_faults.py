@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from computectx import ComputeCtx, DType
 from computectx.distributed import expert_parallel, parallelize
+from computectx.formats import convert_to_quantized
 from computectx.memory import OffloadedOptimizer
 from computectx.nn import MoE
 from computectx.optim_state import OptimState
@@ -153,6 +154,16 @@ def test_parallelize_controls_pass(freeze: Freeze) -> None:
         before = freeze(model)
         par = parallelize(model, FP8.replace(grad=DType.BF16), fp8_filter=ALL, **kwargs)
         assert freeze(model) != before and par.world_size == 1
+
+
+def test_a_model_converted_under_another_policy_is_refused(freeze: Freeze) -> None:
+    # A ctx without a recipe for an fp8-converted model: no sync kept the ranks' scaling in
+    # step, and the replicas drifted apart silently (adversarial s48 I2); another recipe.
+    for ctx in (F32, ComputeCtx.from_flag("fp8_rowwise", "cpu")):
+        model = _mlp()
+        convert_to_quantized(model, FP8, module_filter=ALL)
+        call = lambda model=model, ctx=ctx: parallelize(model, ctx)  # noqa: E731
+        _refused(freeze, model, call, ValueError, r"is already a QuantizedLinear under recipe")
 
 
 def test_refused_parallelize_of_a_wrapped_model_changes_nothing(

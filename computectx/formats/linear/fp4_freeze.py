@@ -5,7 +5,6 @@ its ``FrozenFp4Experts`` (``linear.fp4_frozen_experts``), in place, for serving.
 from __future__ import annotations
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.formats.linear.fp4 import Fp4Linear
@@ -14,7 +13,7 @@ from computectx.formats.linear.fp4_frozen import FrozenFp4Linear
 from computectx.formats.linear.fp4_frozen_experts import FrozenFp4Experts, install_frozen_experts
 from computectx.formats.linear.fp4_serving import ActivationAmax, ServeMode, check_serving
 from computectx.formats.linear.frozen_ddp import exclude_frozen_from_ddp
-from computectx.formats.policy import describe
+from computectx.formats.policy import describe, refuse_sharded
 
 __all__ = ["freeze_fp4_for_serving"]
 
@@ -168,16 +167,7 @@ def _frozen_already(
 
 
 def _refuse_sharded(found: list[tuple[str, nn.Module]]) -> None:
-    """A ``ValueError`` naming the first ``Fp4Linear`` or 4-bit experts module among ``found``
-    that holds a DTensor parameter (FSDP2 sharded it): its freeze would quantize a shard
-    (torch has no sharding rule for the 4-bit quantize). Nothing changed."""
+    """``refuse_sharded`` for each ``Fp4Linear`` or 4-bit experts module among ``found``."""
     for fqn, m in found:
-        fp4 = isinstance(m, Fp4Linear) or any(isinstance(c, Fp4Experts) for c in m.children())
-        if fp4 and any(isinstance(p, DTensor) for p in m.parameters(recurse=False)):
-            raise ValueError(
-                f"freeze_fp4_for_serving: {fqn or '<root>'!r} was sharded by FSDP2 "
-                f"(parallelize(strategy='fsdp') or fully_shard: its weight is a DTensor "
-                f"shard), so it cannot be frozen in place. Freeze before sharding; to serve a "
-                f"model trained under FSDP2, gather it (torch.distributed.checkpoint, or "
-                f"full_state_dict) into an unsharded model and freeze that. Nothing was changed"
-            )
+        if isinstance(m, Fp4Linear) or any(isinstance(c, Fp4Experts) for c in m.children()):
+            refuse_sharded(f"freeze_fp4_for_serving: {fqn or '<root>'!r}", m)

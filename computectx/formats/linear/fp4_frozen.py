@@ -63,7 +63,7 @@ from computectx.formats.linear.fp4_serving import (
 from computectx.formats.linear.function import autocast_dtype
 from computectx.formats.numerics.fp4 import Mxfp4Operand, MxRounding, Nvfp4Operand, tensor_amax
 from computectx.formats.numerics.fp4_gemm import Fp4Operand, Fp4Quant
-from computectx.formats.policy import describe
+from computectx.formats.policy import describe, refuse_sharded
 from computectx.formats.scaling.layer import held_out
 from computectx.formats.scaling.load import copied_on_save, guard_whole_loads
 from computectx.fp4_recipe import Fp4Recipe
@@ -209,14 +209,14 @@ class FrozenFp4Linear(nn.Module):
         *,
         activation_amax: ActivationAmax = "per_row",
     ) -> FrozenFp4Linear:
-        """The frozen twin of an ``Fp4Linear``: the codes, scales and amax its forward
-        multiplies with (``quantized_weight()``, at the recipe's weight tile), its MXFP4
-        rounding, and its ``bias`` Parameter itself (shared). ``"w4a4"`` then computes what
-        the layer's forward computes (``fp4_serving``)."""
+        """The frozen twin of an ``Fp4Linear`` (not one FSDP2 sharded): the codes, scales and
+        amax its forward multiplies with (``quantized_weight()``, at the recipe's weight tile),
+        its MXFP4 rounding, and its ``bias`` Parameter itself (shared)."""
         recipe = getattr(layer, "recipe", None)
         if not isinstance(layer, nn.Linear) or not isinstance(recipe, Fp4Recipe):
             raise TypeError(f"from_fp4_linear takes an Fp4Linear, got {describe(layer)}")
         check_serving(mode, activation_amax, "from_fp4_linear", static=True)
+        refuse_sharded("FrozenFp4Linear.from_fp4_linear", layer)
         return cls(
             layer.quantized_weight(),
             layer.bias,

@@ -87,7 +87,7 @@ from computectx.formats.ops.fp4_grouped_frozen import (
     held_grouped_mm,
 )
 from computectx.formats.ops.grouped import checked_bounds
-from computectx.formats.policy import describe
+from computectx.formats.policy import describe, refuse_sharded
 from computectx.formats.scaling.layer import held_out
 from computectx.formats.scaling.load import copied_on_save, guard_whole_loads
 
@@ -350,6 +350,7 @@ def freeze_fp4_experts(
             f"install_frozen_experts it). Nothing was changed"
         )
     check_serving(mode, activation_amax, who)
+    refuse_sharded(who, module)
     now = next((c for c in module.children() if isinstance(c, FrozenFp4Experts)), None)
     if now is not None:
         if (now.mode, now.activation_amax) != (mode, activation_amax):

@@ -36,6 +36,7 @@ from computectx.formats.policy import (
     checked_layer_ctx,
     default_device,
     policy_of,
+    refuse_sharded,
 )
 from computectx.formats.scaling.layer import ScalingState, held_out
 from computectx.formats.scaling.load import (
@@ -328,6 +329,7 @@ class QuantizedLinear(nn.Linear):
         """
         policy = self.policy
         weight_layout(policy)  # a granularity with no layout: refused before any change
+        refuse_sharded("QuantizedLinear.freeze_for_serving", self)
         if weight is None and self._frozen:
             return self
         shape, device = (self.out_features, self.in_features), self._storage_device()

@@ -51,6 +51,7 @@ from computectx.formats.ops.grouped import (
     outside_autocast,
 )
 from computectx.formats.ops.grouped_wgrad import quantize_experts
+from computectx.formats.policy import refuse_sharded
 from computectx.formats.serving import ServingWeight, check_state_entries, recipe_layout
 
 __all__ = [
@@ -149,6 +150,7 @@ def freeze_experts(
     ``ValueError`` naming what was given and what the module takes otherwise, nothing
     changed. Without ``given`` a frozen weight stays as it is."""
     who = type(module).__name__
+    refuse_sharded(f"{who}.freeze_for_serving", module)
     try:
         recipe_layout(experts.policy)
     except ValueError as e:

@@ -19,7 +19,7 @@ from computectx.formats import (
     convert_to_quantized,
     freeze_fp4_for_serving,
 )
-from computectx.nn import ByteLM, LMConfig
+from computectx.nn import ByteLM, LMConfig, MoE
 from computectx.nn.generate import decode_logits, generate
 
 
@@ -142,9 +142,27 @@ def test_a_model_sharded_by_fsdp2_is_refused_before_anything_changes(
 
     model = converted()
     fully_shard(model[0])
-    with pytest.raises(ValueError, match=r"'0' was sharded by FSDP2 .* Nothing was changed"):
+    sharded = r"the layer was sharded by FSDP2 .* Nothing was changed"
+    with pytest.raises(ValueError, match=r"freeze_fp4_for_serving: '0': " + sharded):
         freeze_fp4_for_serving(model)
     assert all(isinstance(model[i], Fp4Linear) for i in (0, 2, 4))
+    # The other freezes of a sharded layer (adversarial s48 I6, I7): the layer's own method
+    # and FrozenFp4Linear's builder (torch's NotImplementedError before), an fp8 layer's
+    # method (a bare AssertionError before, its weight ledger written) and 4-bit experts'.
+    with pytest.raises(ValueError, match="FrozenFp4Linear.from_fp4_linear: " + sharded):
+        FrozenFp4Linear.from_fp4_linear(model[0])
+    fp8 = nn.Sequential(nn.Linear(32, 32))
+    convert_to_quantized(fp8, ComputeCtx.from_flag("fp8_hybrid", "cpu"), lambda m, f: True)
+    fully_shard(fp8[0])
+    before = {k: v.clone() for k, v in fp8[0].named_buffers()}
+    with pytest.raises(ValueError, match="QuantizedLinear.freeze_for_serving: " + sharded):
+        fp8[0].freeze_for_serving()
+    assert all(torch.equal(v, before[k]) for k, v in fp8[0].named_buffers())
+    torch.manual_seed(0)
+    moe = MoE(ComputeCtx.from_flag("nvfp4", "cpu"), 32, 32, 2, 1)
+    fully_shard(moe.experts)
+    with pytest.raises(ValueError, match="GroupedExperts.freeze_for_serving: " + sharded):
+        moe.experts.freeze_for_serving()
 
 
 def test_a_frozen_moe_byte_lm_decodes_as_it_trained_through_the_kv_cache() -> None:
