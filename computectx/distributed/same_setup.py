@@ -79,6 +79,18 @@ def _parameters_of(model: nn.Module) -> list[_Entry]:
     ]  # fmt: skip
 
 
+def _buffers_of(model: nn.Module) -> list[_Entry]:
+    # What DDP's wrap broadcasts from rank 0 into every rank's buffer, bytes into whatever is
+    # there (another shape or size reads rank 0's bytes, another dtype aborts in gloo) and what
+    # the wrap's scaling share copies (meta: nothing to copy); the names left to each rank not.
+    own = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    return [
+        (f, f"{tuple(b.shape)} {b.dtype}{' meta' * b.is_meta}")
+        for f, b in model.named_buffers()
+        if f not in own
+    ]
+
+
 def _fp4_layers_of(model: nn.Module) -> list[_Entry]:
     # Frozen 4-bit experts too: expert-parallel ones are each rank's own, which no broadcast
     # compares (share_frozen leaves them out), so their format and serving rule are compared here.
@@ -117,6 +129,7 @@ def first_difference(
 # Each kind check_same_model compares: what a rank lacking an entry holds, and the fix's tail.
 _KINDS: dict[str, tuple[str, str]] = {
     "parameter": ("nothing", ""),
+    "buffer": ("nothing", ""),
     "fp8 layer": ("nothing", ""),
     "4-bit layer": ("no 4-bit layer", " (and the same streams: assign_fp4_streams)"),
 }
@@ -127,7 +140,8 @@ def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bo
     layers to fp8 (FQN, widths, granularity and policy of every ``QuantizedLinear``) or to 4
     bits (FQN, class, recipe and stochastic-rounding stream of every ``Fp4Linear`` and
     ``Fp4Experts``), or, with ``parameters``, hold different parameters (FQN, shape, dtype,
-    strides, meta, requires_grad). One ``all_gather_object`` at setup, before any collective
+    strides, meta, requires_grad) or buffers (FQN, shape, dtype, meta; but the names the model
+    lists for DDP to leave out). One ``all_gather_object`` at setup, before any collective
     the model shapes (another ``fp8_filter`` on one rank would abort in gloo or hang at the
     first merge; FSDP2 would gather one rank's weight as 4-bit codes and another's in high
     precision). The ``ValueError`` names the ranks that differ from rank 0 and the first
@@ -137,6 +151,8 @@ def check_same_model(model: nn.Module, group: GroupArg = None, *, parameters: bo
     mine: dict[str, Any] = {"parameter": _parameters_of(model)} if parameters else {}
     mine["fp8 layer"] = _fp8_layers_of(model)
     mine["4-bit layer"] = _fp4_layers_of(model)
+    if parameters:  # last: a layer's buffers differ where the layers do, named above
+        mine["buffer"] = _buffers_of(model)
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
     for kind in mine:

@@ -246,3 +246,26 @@ def test_the_ranks_compare_strides_meta_and_training_of_every_parameter() -> Non
     for other in (transposed, frozen, meta):
         assert entries(other) != base
     assert entries(nn.Linear(4, 6)) == base
+
+
+def test_the_ranks_compare_the_buffers_ddp_would_broadcast() -> None:
+    # DDP's wrap broadcast rank 0's buffers into whatever each rank held: another dtype
+    # aborted rank 1 in gloo after the frozen codes were written, another shape or size read
+    # rank 0's bytes silently; scaling state on meta beside real weights made rank 1 alone
+    # raise in the share (a 30 s hang). check_same_model compares them now (adversarial s48
+    # I4, I5); the names a model lists for DDP to leave out stay each rank's own.
+    from computectx.distributed.same_setup import _buffers_of
+
+    def model(t: torch.Tensor, ignored: bool = False) -> nn.Module:
+        m = nn.Linear(4, 4)
+        m.register_buffer("count", t)
+        if ignored:
+            vars(m)["_ddp_params_and_buffers_to_ignore"] = ["count"]
+        return m
+
+    base = _buffers_of(model(torch.zeros(4)))
+    for other in (torch.zeros(4, dtype=torch.float64), torch.zeros(5), torch.zeros(2, 2)):
+        assert _buffers_of(model(other)) != base, other
+    assert _buffers_of(model(torch.zeros(4, device="meta"))) != base
+    assert _buffers_of(model(torch.ones(4))) == base  # values are the wrap's to send
+    assert _buffers_of(model(torch.zeros(5), ignored=True)) == []
