@@ -73,8 +73,9 @@ def _parameters_of(model: nn.Module) -> list[_Entry]:
     # A DTensor's shape is the whole one, alike on every rank; strides and requires_grad: what
     # DDP refuses on one rank after the wrap sent rank 0's buffers; meta: nothing to send.
     return [
-        (f, f"{tuple(p.shape)} {p.dtype}{'' if isinstance(p, DTensor) else f' {p.stride()}'}"
-         f"{' meta' * p.is_meta}{', trains' * p.requires_grad}")
+        (f, f"{tuple(p.shape)} {p.dtype}"
+         f"{'' if isinstance(p, DTensor) else f', strides {p.stride()}'}{', meta' * p.is_meta}"
+         f", {'trains' if p.requires_grad else 'requires_grad=False'}")
         for f, p in model.named_parameters()
     ]  # fmt: skip
 
