@@ -260,16 +260,26 @@ def _rest(module: nn.Module, sent: dict[int, str], local: tuple[str, ...]) -> li
     return out
 
 
+_SAME_WIDTH_INT = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+
+
 def _checksum(t: torch.Tensor) -> str:
     """``t``'s shape, dtype and a digest of its bytes (never its values), -0.0 read as 0.0
     (the same model: a checkpoint and its reload may differ in the sign of a zero)."""
     desc = f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
     if t.is_meta or t.layout != torch.strided:
         return f"{desc} on {t.device.type} (layout {t.layout})"
-    t = t.detach()
-    if t.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        t = t + 0.0  # -0.0 + 0.0 is +0.0 (round to nearest); every other value stays
-    data = t.contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    t = t.detach().contiguous().reshape(-1)
+    bits = _SAME_WIDTH_INT.get(t.dtype)
+    if bits is not None:  # -0.0 (the sign bit alone) read as 0.0, on the bits: no float op,
+        u = t.view(bits)  # whose result would follow the thread's flush-to-zero mode
+        t = torch.where(u == torch.iinfo(bits).min, torch.zeros_like(u), u)
+    data = t.view(torch.uint8).cpu().numpy().tobytes()
     return f"{desc}, checksum {hashlib.blake2b(data, digest_size=8).hexdigest()}"
 
 

@@ -184,3 +184,22 @@ def test_a_static_layer_is_calibrated_as_the_bytes_written_say(world_of_one: Non
         layer(x)
     layer.set_input_amax(torch.tensor([3.0]))
     assert torch.equal(layer(x), want)
+
+
+def test_the_rest_checksum_reads_minus_zero_as_zero_and_never_flushes_subnormals() -> None:
+    # The bare model's checksum of the rest: -0.0 and 0.0 alike (690e46f); computed on the
+    # bits, so a thread that flushes subnormals to zero neither equates 1e-45 with 0.0 nor
+    # differs from one that does not (adversarial s48 I10: a float add followed the mode).
+    from computectx.distributed.frozen_broadcast import _checksum
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        zero, minus, tiny = (torch.tensor([v], dtype=dtype) for v in (0.0, -0.0, 1e-45))
+        if dtype in (torch.bfloat16, torch.float16):
+            tiny = torch.tensor([1], dtype=torch.int16).view(dtype)  # the least subnormal
+        assert _checksum(minus) == _checksum(zero), dtype
+        plain = _checksum(tiny)
+        flushes = torch.set_flush_denormal(True)
+        try:
+            assert _checksum(tiny) == plain != _checksum(zero), (dtype, flushes)
+        finally:
+            torch.set_flush_denormal(False)
