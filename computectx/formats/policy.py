@@ -210,11 +210,13 @@ def default_device(ctx: ComputeCtx) -> torch.device:
     return default if default.type != "cpu" else ctx.device
 
 
-def refuse_sharded(who: str, module: nn.Module) -> None:
+def refuse_sharded(who: str, module: nn.Module, managed: bool = False) -> None:
     """``ValueError`` (nothing changed) when ``module`` holds a parameter sharded by FSDP2 (a
-    ``DTensor``: ``fully_shard``, ``parallelize(strategy="fsdp")``): a freeze quantizes each
-    whole weight in place, which a shard is not. ``who`` names the call and the layer."""
-    if any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+    ``DTensor``: ``fully_shard``, ``parallelize(strategy="fsdp")``), or is ``managed`` by an
+    FSDP2 module above it (whose parameters a forward may have left unsharded for a while): a
+    freeze quantizes each whole weight in place, which a shard is not, and FSDP2 and the
+    optimizer would keep the weights it drops. ``who`` names the call and the layer."""
+    if managed or any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
         raise ValueError(
             f"{who}: the layer was sharded by FSDP2 (fully_shard, or parallelize(strategy="
             f"'fsdp'): its weight is a DTensor shard), so it cannot be frozen in place. Freeze "

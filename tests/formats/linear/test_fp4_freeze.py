@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from computectx import ComputeCtx, KvFp8
 from computectx.formats import (
@@ -151,6 +152,16 @@ def test_a_model_sharded_by_fsdp2_is_refused_before_anything_changes(
     # method (a bare AssertionError before, its weight ledger written) and 4-bit experts'.
     with pytest.raises(ValueError, match="FrozenFp4Linear.from_fp4_linear: " + sharded):
         FrozenFp4Linear.from_fp4_linear(model[0])
+    # The root alone sharded, after a forward that left its weights unsharded (plain tensors
+    # while it lasts): managed by FSDP2 all the same (adversarial s48 I9: it froze, and FSDP2
+    # and the optimizer kept the dropped weights).
+    root = converted()
+    fully_shard(root, reshard_after_forward=False)
+    with torch.no_grad():
+        root(torch.randn(2, 32))
+    assert not any(isinstance(p, DTensor) for p in root[0].parameters())
+    with pytest.raises(ValueError, match=r"freeze_fp4_for_serving: '0': " + sharded):
+        freeze_fp4_for_serving(root)
     fp8 = nn.Sequential(nn.Linear(32, 32))
     convert_to_quantized(fp8, ComputeCtx.from_flag("fp8_hybrid", "cpu"), lambda m, f: True)
     fully_shard(fp8[0])
