@@ -2,8 +2,7 @@
 
 For every trained policy and every KV setting of ``SERVING_KV`` (f32, bf16, fp8
 ``per_token_head``: the ones that need no calibration), the trained weights are loaded into
-a model of the same policy with that ``kv`` (``ctx.with_kv``; its fp8 linears frozen for
-serving: the weights quantized once, the same logits), and the validation batches
+a model of the same policy with that ``kv`` (``ctx.with_kv``), and the validation batches
 run through the cached decode path (``computectx.nn.decode_logits``: the first byte in one
 pass, then one ``decode_step`` per byte, every earlier key and value read back from the
 cache, as generation reads them). The f32 row is the reference: the cache then rounds
@@ -18,7 +17,6 @@ import time
 import torch
 
 from computectx.dtypes import DType
-from computectx.formats import QuantizedLinear
 from computectx.kv_policy import KvFp8, parse_kv
 from computectx.nn import ByteLM, decode_logits
 
@@ -43,15 +41,11 @@ class ServingRow:
 
 
 def _with_kv(model: ByteLM, kv: DType | KvFp8) -> ByteLM:
-    """A copy of ``model`` (same weights and fp8 state) whose caches store ``kv``, its fp8
-    linears frozen for serving (``QuantizedLinear.freeze_for_serving``: each weight quantized
-    once, not at every decode step; the same logits, bit for bit, as the trained layers in
-    eval)."""
+    """A copy of ``model`` (same weights and fp8 state) whose caches store ``kv``."""
+    if model.ctx.kv == kv:
+        return model
     twin = ByteLM(model.ctx.with_kv(kv), model.config)
     twin.load_state_dict(model.state_dict())
-    for layer in twin.modules():
-        if isinstance(layer, QuantizedLinear):
-            layer.freeze_for_serving()
     return twin
 
 

@@ -9,7 +9,7 @@ import torch
 from computectx import ComputeCtx
 from computectx.demo.serving import SERVING_KV, serving_rows
 from computectx.demo.train import evaluate
-from computectx.nn import ByteLM, LMConfig, decode_logits
+from computectx.nn import ByteLM, LMConfig
 
 CONFIG = LMConfig(d_model=64, n_layers=2, n_heads=2, d_ff=128, max_len=32)
 
@@ -45,14 +45,6 @@ def test_rows_per_kv_setting(flag: str) -> None:
         assert other == pytest.approx(f32, rel=2e-4)
     assert fp8 != f32
     assert all(r.decode_tokens_per_s > 0 for r in rows)
-    # The rows decode with the fp8 linears frozen (weights quantized once): the same loss,
-    # bit for bit, as the trained layers decoding in eval under the model's own kv.
-    own = [r.val_loss for r in rows if r.kv == str(model.ctx.kv)]
-    ids, targets = (torch.cat([pair[i] for pair in val]) for i in (0, 1))
-    model.eval()
-    with torch.no_grad():
-        assert own == [float(model.loss_of(decode_logits(model, ids), targets))]
-    model.train()
     # The model is left as it was.
     assert model.training
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
