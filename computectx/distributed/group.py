@@ -70,6 +70,16 @@ def data_parallel_group(group: GroupArg = None) -> dist.ProcessGroup:
 # ----- Ranks agree before anyone raises ------------------------------------------------------
 
 _RAISED = (ValueError, TypeError, RuntimeError)
+_TYPES = {t.__name__: t for t in (*_RAISED, NotImplementedError)}
+
+
+def _kind(e: BaseException) -> str:
+    """The name of the type every rank raises for ``e``: its own where it is one of
+    ``_TYPES`` (NotImplementedError too), else the first of ``_RAISED`` it is (a library's
+    ValueError subclass raises as ValueError), else ``RuntimeError``."""
+    if type(e).__name__ in _TYPES and _TYPES[type(e).__name__] is type(e):
+        return type(e).__name__
+    return next((t.__name__ for t in _RAISED if isinstance(e, t)), "RuntimeError")
 
 
 def agree(
@@ -80,21 +90,22 @@ def agree(
     join_timeout: object = None,
 ) -> list[_T]:
     """Run the rank-local ``check`` on every rank of ``group`` and exchange the outcomes in one
-    ``all_gather_object``: every rank's value, in rank order, when no rank raised; else the
-    same error on every rank, promptly, naming the rank(s) that raised and each one's message.
+    ``all_gather_object``: every rank's value, in rank order, when no rank raised; else the same
+    error on every rank, promptly, naming the rank(s) that raised and each one's message.
 
-    A setup check that can fail on one rank (a model built differently there, an argument
-    parsed differently) would otherwise raise on that rank alone while the others wait in
-    their next collective until the group's timeout. ``check`` must raise before it changes
-    anything. The error is the first failing rank's ``ValueError``, ``TypeError`` or
-    ``RuntimeError`` (any other exception travels as a ``RuntimeError``), chained, on the
-    ranks that raised, to their own exception. ``what`` names the call (``"expert_parallel"``)
-    and is what the ranks join first (``join``, waiting at most ``join_timeout`` seconds; one
-    that ``check_join_timeout`` refuses waits the group's timeout, and ``check`` refuses it
-    on every rank): a rank that makes the call alone gets a ``RuntimeError`` naming the
-    absent ranks instead of waiting in ``all_gather_object``, and ranks that meet from
-    different calls (one in ``expert_parallel``, another already in ``parallelize``) all
-    raise one naming each rank's call, instead of taking each other's outcome.
+    A setup check that can fail on one rank (a model built differently there, an argument parsed
+    differently) would otherwise raise on that rank alone while the others wait in their next
+    collective until the group's timeout. ``check`` must raise before it changes anything. The
+    error is the first failing rank's ``ValueError``, ``TypeError`` or ``RuntimeError``
+    (``NotImplementedError`` as itself, a subclass of one of those as that one, any other
+    exception as a ``RuntimeError``), chained, on the ranks that raised, to their own exception.
+    ``what`` names the call (``"expert_parallel"``) and is what the ranks join first (``join``,
+    waiting at most ``join_timeout`` seconds; one that ``check_join_timeout`` refuses waits the
+    group's timeout, and ``check`` refuses it on every rank): a rank that makes the call alone
+    gets a ``RuntimeError`` naming the absent ranks instead of waiting in ``all_gather_object``,
+    and ranks that meet from different calls (one in ``expert_parallel``, another already in
+    ``parallelize``) all raise one naming each rank's call, instead of taking each other's
+    outcome.
     """
     pg = data_parallel_group(group)
     try:
@@ -109,7 +120,7 @@ def agree(
         mine = ("ok", check())
     except Exception as e:  # every kind crosses: a rank must never raise alone
         own = e
-        kind = type(e).__name__ if isinstance(e, _RAISED) else "RuntimeError"
+        kind = _kind(e)
         mine = (kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
@@ -121,7 +132,7 @@ def agree(
     why = (
         failed[0][2] if len(texts) == 1 else "; ".join(f"rank {r}: {text}" for r, _, text in failed)
     )
-    error = {e.__name__: e for e in _RAISED}[failed[0][1]]
+    error = _TYPES.get(failed[0][1], RuntimeError)
     raise error(
         f"{what} failed on rank(s) {ranks} of the group (every rank raises this): {why}"
     ) from own

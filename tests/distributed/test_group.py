@@ -63,3 +63,35 @@ def test_a_destroyed_group_takes_its_join_and_store_with_it(
         dist.destroy_process_group()
     gc.collect()
     assert len(group_module._JOINS) <= others
+
+
+def test_agree_raises_each_kind_of_refusal_as_its_kind(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # A NotImplementedError (a RuntimeError subclass: a 4-bit recipe over experts whose
+    # converter runs fp8 only) made agree fail with KeyError: 'NotImplementedError' on every
+    # rank (adversarial s48). It travels as itself; a library's ValueError subclass as
+    # ValueError; anything else as RuntimeError.
+    from computectx.distributed.group import agree
+
+    class CustomError(ValueError):
+        pass
+
+    store = tmp_path_factory.mktemp("pg") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        for raised, expected in (
+            (NotImplementedError("fp8 only"), NotImplementedError),
+            (CustomError("custom"), ValueError),
+            (KeyError("k"), RuntimeError),
+            (TypeError("t"), TypeError),
+        ):
+
+            def check(raised: Exception = raised) -> None:
+                raise raised
+
+            with pytest.raises(expected, match="failed on rank\\(s\\) 0") as info:
+                agree(check, what="a call")
+            assert type(info.value) is expected, (raised, info.value)
+    finally:
+        dist.destroy_process_group()
