@@ -347,37 +347,44 @@ def check_experts_held(module: nn.Module, experts: tuple[nn.Parameter, ...]) -> 
     if gone:
         raise RuntimeError(
             f"Parallel.step: {gone} of the expert-parallel expert weights parallelize took are "
-            f"no longer the model's: experts were frozen for serving after parallelize. Freeze "
-            f"before parallelize; to train a model frozen since, parallelize it anew (serving "
-            f"needs no step). Nothing was changed"
+            f"no longer the model's: experts were frozen for serving after parallelize (or "
+            f"replaced: load_state_dict(assign=True)). Freeze and load before parallelize; to "
+            f"train a model changed since, parallelize it anew (serving needs no step). "
+            f"Nothing was changed"
         )
 
 
 def check_reduced(run: nn.Module) -> None:
-    """``RuntimeError`` (nothing changed) when ``run``, a ``DistributedDataParallel``, did not
-    reduce every weight it wraps in the last backward: a layer frozen for serving after the
-    wrap (its dropped weight stays the reducer's and the optimizer's), or a weight the loss
-    never reached. DDP itself would say so only at the forward after, in its own terms
-    (``find_unused_parameters``). Anything else: nothing."""
+    """``RuntimeError`` (nothing changed) when ``run``, a ``DistributedDataParallel``, wraps
+    weights that are no longer its module's (a layer frozen for serving after the wrap, or
+    weights replaced by ``load_state_dict(assign=True)``: DDP and the optimizer hold the old
+    ones, and the step would train nothing, silently), or did not reduce every weight it wraps
+    in the last backward (a weight the loss never reached; DDP itself would say so only at the
+    forward after, in its own terms). Anything else: nothing."""
     if not isinstance(run, DistributedDataParallel):
         return
+    held = {id(p) for p in run.module.parameters()}
+    gone = sum(id(p) not in held for p in run._module_parameters)
+    why = (
+        f"{gone} of the weights it wraps are no longer the model's: a layer was frozen for "
+        f"serving after parallelize, or weights were replaced (load_state_dict(assign=True)). "
+        f"Freeze and load before parallelize; to train a model changed since, parallelize it "
+        f"anew (serving needs no step)"
+    )
     try:
         run.reducer._check_reducer_finalized()
     except RuntimeError as err:
-        held = {id(p) for p in run.module.parameters()}
-        gone = sum(id(p) not in held for p in run._module_parameters)
-        why = (
-            f"{gone} of the weights it wraps are no longer the model's: a layer was frozen "
-            f"for serving after parallelize. Freeze before parallelize; to train a model "
-            f"frozen since, parallelize it anew (serving needs no step)"
-            if gone
-            else "a weight the loss did not reach (DDP needs every weight's gradient in every "
-            "backward)"
-        )
+        if not gone:
+            why = (
+                "a weight the loss did not reach (DDP needs every weight's gradient in every "
+                "backward)"
+            )
         raise RuntimeError(
             f"Parallel.step: DDP did not reduce every weight in the last backward: {why}. "
             f"Nothing was changed"
         ) from err
+    if gone:
+        raise RuntimeError(f"Parallel.step: {why}. Nothing was changed")
 
 
 def rebuild_ddp_buckets(run: nn.Module) -> None:

@@ -194,7 +194,7 @@ def check_convertible(
     model cannot convert fails every rank (the filter is called once more there). With no
     ``ctx.recipe`` (nothing converts): a layer converted already, under its own policy."""
     if isinstance(ctx, ComputeCtx) and ctx.recipe is None:
-        refuse_another_policy(model, ctx)
+        refuse_another_policy(model, ctx, "parallelize")
         return
     _, _, rules, _, order, experts = _planned(
         model, ctx, module_filter, (None,) * 3 + ("op",), None

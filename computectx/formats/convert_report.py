@@ -188,7 +188,9 @@ def output_heads(model: nn.Module, order: list[tuple[str, nn.Linear]]) -> dict[i
     return heads
 
 
-def refuse_another_policy(model: nn.Module, ctx: ComputeCtx) -> None:
+def refuse_another_policy(
+    model: nn.Module, ctx: ComputeCtx, caller: str = "convert_to_quantized"
+) -> None:
     """Raise a ``ValueError`` when a layer of ``model`` is already a ``QuantizedLinear`` or
     ``Fp4Linear`` under another policy (``recipe``, ``compute``) than ``ctx``'s: a converted
     layer keeps the policy it was built with."""
@@ -202,7 +204,7 @@ def refuse_another_policy(model: nn.Module, ctx: ComputeCtx) -> None:
         fqn, lin = other[0]
         more = f" (and {len(other) - 1} more)" if len(other) > 1 else ""
         raise ValueError(
-            f"convert_to_quantized: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
+            f"{caller}: {fqn or '<root>'!r}{more} is already a {type(lin).__name__} "
             f"under recipe={lin.ctx.recipe}, compute={lin.ctx.compute}, but this call asks for "
             f"recipe={ctx.recipe}, compute={ctx.compute}; a converted layer keeps the policy it "
             f"was built with. Convert an unconverted copy of the model under the new ctx, or "

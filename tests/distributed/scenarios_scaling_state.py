@@ -288,10 +288,27 @@ def refused_before_anything(params: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def assign_load(params: dict[str, Any]) -> dict[str, Any]:
+    """``parallelize(strategy="ddp")``, a backward, then ``load_state_dict(..., assign=True)``
+    on every rank (new Parameter objects: DDP and the optimizer keep the old ones): the next
+    step's outcome and whether the model's weights moved (before: three steps ran and trained
+    nothing, adversarial s48 N2b)."""
+    torch.manual_seed(0)
+    model = _plain()
+    par = parallelize(model, _ctx(), optimizer_class=torch.optim.SGD, lr=0.1, join_timeout=10.0)
+    par.model(_x(0, dist.get_rank())).float().square().mean().backward()
+    model.load_state_dict(model.state_dict(), assign=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    error = _error(par.step)
+    same = all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    return {"error": error, "unchanged": same}
+
+
 def wrapped(params: dict[str, Any]) -> dict[str, Any]:
     """The wraps' scenarios in one launch."""
     return {
         "leave": ddp_leaves_the_scaling_buffers_alone(params),
         "rank0": rank0_checkpoint(params),
         "refused": refused_before_anything(params),
+        "assign": assign_load(params),
     }

@@ -118,3 +118,14 @@ def test_what_ddp_would_refuse_is_refused_before_the_frozen_layers_are_sent(
     for r in (r0, r1):
         assert r["shape_unchanged"] and r["untrained_unchanged"] and r["policy_unchanged"]
         assert r["experts_policy_unchanged"]
+
+
+def test_weights_replaced_after_the_wrap_are_refused_at_the_step(
+    wrapped: list[dict[str, Any]],
+) -> None:
+    # load_state_dict(assign=True) after parallelize: DDP and the optimizer held the old
+    # Parameters and the steps trained nothing, silently (adversarial s48 N2b).
+    for r in (r["assign"] for r in wrapped):
+        assert r["error"].startswith("RuntimeError: Parallel.step failed on rank(s) 0, 1"), r
+        assert "weights were replaced (load_state_dict(assign=True))" in r["error"], r
+        assert r["unchanged"]
