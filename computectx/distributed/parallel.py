@@ -317,9 +317,7 @@ def parallelize(
     """Set ``model`` up to train under ``ctx`` on every rank of ``mesh`` (default: the whole
     default group; none: one process), in the one right order, and return a ``Parallel``.
 
-    1. fp8 policy: ``convert_to_quantized(model, ctx, module_filter=fp8_filter)``, its checks
-       run first inside the ranks' agreement (``fp8_filter`` is called twice for each layer:
-       it must answer alike each time).
+    1. fp8 policy: ``convert_to_quantized(model, ctx, module_filter=fp8_filter)``, agreed first.
     2. ``strategy="fsdp"``: the fp8 weights all-gather as fp8 and a 4-bit recipe's
        ``Fp4Linear`` and ``Fp4Experts`` weights in 4 bits (``fp8_all_gather``,
        ``enable_fp4_all_gather``, ``enable_fp4_expert_gather``;

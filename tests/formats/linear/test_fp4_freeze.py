@@ -17,6 +17,7 @@ from computectx.formats import (
     Fp4Linear,
     FrozenFp4Experts,
     FrozenFp4Linear,
+    QuantizedLinear,
     convert_to_quantized,
     freeze_fp4_for_serving,
 )
@@ -150,8 +151,10 @@ def test_a_model_sharded_by_fsdp2_is_refused_before_anything_changes(
     # The other freezes of a sharded layer (adversarial s48 I6, I7): the layer's own method
     # and FrozenFp4Linear's builder (torch's NotImplementedError before), an fp8 layer's
     # method (a bare AssertionError before, its weight ledger written) and 4-bit experts'.
+    first = model[0]
+    assert isinstance(first, Fp4Linear)
     with pytest.raises(ValueError, match="FrozenFp4Linear.from_fp4_linear: " + sharded):
-        FrozenFp4Linear.from_fp4_linear(model[0])
+        FrozenFp4Linear.from_fp4_linear(first)
     # The root alone sharded, after a forward that left its weights unsharded (plain tensors
     # while it lasts): managed by FSDP2 all the same (adversarial s48 I9: it froze, and FSDP2
     # and the optimizer kept the dropped weights).
@@ -164,11 +167,13 @@ def test_a_model_sharded_by_fsdp2_is_refused_before_anything_changes(
         freeze_fp4_for_serving(root)
     fp8 = nn.Sequential(nn.Linear(32, 32))
     convert_to_quantized(fp8, ComputeCtx.from_flag("fp8_hybrid", "cpu"), lambda m, f: True)
-    fully_shard(fp8[0])
-    before = {k: v.clone() for k, v in fp8[0].named_buffers()}
+    layer = fp8[0]
+    assert isinstance(layer, QuantizedLinear)
+    fully_shard(layer)
+    before = {k: v.clone() for k, v in layer.named_buffers()}
     with pytest.raises(ValueError, match="QuantizedLinear.freeze_for_serving: " + sharded):
-        fp8[0].freeze_for_serving()
-    assert all(torch.equal(v, before[k]) for k, v in fp8[0].named_buffers())
+        layer.freeze_for_serving()
+    assert all(torch.equal(v, before[k]) for k, v in layer.named_buffers())
     torch.manual_seed(0)
     moe = MoE(ComputeCtx.from_flag("nvfp4", "cpu"), 32, 32, 2, 1)
     fully_shard(moe.experts)
