@@ -73,6 +73,14 @@ _RAISED = (ValueError, TypeError, RuntimeError)
 _TYPES = {t.__name__: t for t in (*_RAISED, NotImplementedError)}
 
 
+def _said(e: BaseException) -> str:
+    """``str(e)``, or a stand-in where that raises: the message must cross to every rank."""
+    try:
+        return str(e)
+    except Exception as err:  # a broken __str__ must not make this rank raise alone
+        return f"<{type(e).__name__} whose message could not be read: {type(err).__name__}>"
+
+
 def _kind(e: BaseException) -> str:
     """The name of the type every rank raises for ``e``: its own where it is one of
     ``_TYPES`` (NotImplementedError too), else the first of ``_RAISED`` it is (a library's
@@ -121,7 +129,7 @@ def agree(
     except Exception as e:  # every kind crosses: a rank must never raise alone
         own = e
         kind = _kind(e)
-        mine = (kind, f"{type(e).__name__}: {e}" if kind != type(e).__name__ else str(e))
+        mine = (kind, _said(e) if kind == type(e).__name__ else f"{type(e).__name__}: {_said(e)}")
     everyone: list[Any] = [None] * dist.get_world_size(pg)
     dist.all_gather_object(everyone, mine, group=pg)
     failed = [(r, kind, text) for r, (kind, text) in enumerate(everyone) if kind != "ok"]

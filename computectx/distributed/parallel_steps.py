@@ -364,12 +364,14 @@ def check_reduced(run: nn.Module) -> None:
     if not isinstance(run, DistributedDataParallel):
         return
     held = {id(p) for p in run.module.parameters()}
-    gone = sum(id(p) not in held for p in run._module_parameters)
+    # The weights DDP reduces: one that never trains (requires_grad=False) may be replaced.
+    gone = sum(p.requires_grad and id(p) not in held for p in run._module_parameters)
     why = (
-        f"{gone} of the weights it wraps are no longer the model's: a layer was frozen for "
-        f"serving after parallelize, or weights were replaced (load_state_dict(assign=True)). "
-        f"Freeze and load before parallelize; to train a model changed since, parallelize it "
-        f"anew (serving needs no step)"
+        f"{gone} of the weights it wraps are no longer the model's: weights were replaced "
+        f"after parallelize (a layer frozen for serving, load_state_dict(assign=True), a "
+        f"parametrization such as weight_norm, a cast that makes new parameters). Freeze, load "
+        f"and convert before parallelize; to train a model changed since, parallelize it anew "
+        f"(serving needs no step)"
     )
     try:
         run.reducer._check_reducer_finalized()

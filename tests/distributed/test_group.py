@@ -71,11 +71,16 @@ def test_agree_raises_each_kind_of_refusal_as_its_kind(
     # A NotImplementedError (a RuntimeError subclass: a 4-bit recipe over experts whose
     # converter runs fp8 only) made agree fail with KeyError: 'NotImplementedError' on every
     # rank (adversarial s48). It travels as itself; a library's ValueError subclass as
-    # ValueError; anything else as RuntimeError.
+    # ValueError; anything else as RuntimeError. One whose str() raises made its rank raise
+    # alone, the others waiting in the exchange (adversarial s48 pass 6).
     from computectx.distributed.group import agree
 
     class CustomError(ValueError):
         pass
+
+    class UnreadableError(ValueError):
+        def __str__(self) -> str:
+            raise AttributeError("no message")
 
     store = tmp_path_factory.mktemp("pg") / "store"
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
@@ -85,6 +90,7 @@ def test_agree_raises_each_kind_of_refusal_as_its_kind(
             (CustomError("custom"), ValueError),
             (KeyError("k"), RuntimeError),
             (TypeError("t"), TypeError),
+            (UnreadableError("u"), ValueError),  # its str() raises: a stand-in crosses
         ):
 
             def check(raised: Exception = raised) -> None:

@@ -127,5 +127,8 @@ def test_weights_replaced_after_the_wrap_are_refused_at_the_step(
     # Parameters and the steps trained nothing, silently (adversarial s48 N2b).
     for r in (r["assign"] for r in wrapped):
         assert r["error"].startswith("RuntimeError: Parallel.step failed on rank(s) 0, 1"), r
-        assert "weights were replaced (load_state_dict(assign=True))" in r["error"], r
+        assert (
+            "weights were replaced after parallelize (a layer frozen for serving, " in (r["error"])
+        ), r
+        assert "load_state_dict(assign=True)" in r["error"], r
         assert r["unchanged"]

@@ -269,3 +269,20 @@ def test_the_ranks_compare_the_buffers_ddp_would_broadcast() -> None:
     assert _buffers_of(model(torch.zeros(4, device="meta"))) != base
     assert _buffers_of(model(torch.ones(4))) == base  # values are the wrap's to send
     assert _buffers_of(model(torch.zeros(5), ignored=True)) == []
+
+
+def test_the_step_refuses_replaced_weights_that_ddp_reduces_only(world_of_one: None) -> None:
+    # Parallel.step's check under DDP (check_reduced): a trained weight replaced after the
+    # wrap (load_state_dict(assign=True)) is refused; a requires_grad=False one, which DDP
+    # never reduces, was refused too (adversarial s48 pass 6) and is not now.
+    from computectx.distributed.parallel_steps import check_reduced
+
+    emb, lin = nn.Embedding(8, 4), nn.Linear(4, 4)
+    emb.weight.requires_grad_(False)
+    run = DistributedDataParallel(nn.Sequential(emb, lin))
+    run(torch.tensor([1, 2])).sum().backward()
+    emb.weight = nn.Parameter(emb.weight.detach().clone(), requires_grad=False)
+    check_reduced(run)
+    lin.weight = nn.Parameter(lin.weight.detach().clone())
+    with pytest.raises(RuntimeError, match="1 of the weights it wraps are no longer the model's"):
+        check_reduced(run)
