@@ -85,7 +85,7 @@ def _kind(e: BaseException) -> str:
     """The name of the type every rank raises for ``e``: its own where it is one of
     ``_TYPES`` (NotImplementedError too), else the first of ``_RAISED`` it is (a library's
     ValueError subclass raises as ValueError), else ``RuntimeError``."""
-    if type(e).__name__ in _TYPES and _TYPES[type(e).__name__] is type(e):
+    if type(e) in _TYPES.values():
         return type(e).__name__
     return next((t.__name__ for t in _RAISED if isinstance(e, t)), "RuntimeError")
 

@@ -56,7 +56,7 @@ from computectx.distributed.parallel_checks import (
 from computectx.distributed.same_setup import check_same_model, check_same_policy
 from computectx.distributed.sharding import ShardedParams
 from computectx.formats import Fp4Linear, Fp4Recipe, QuantizedLinear
-from computectx.formats.seam import frozen_buffer_names
+from computectx.formats.seam import frozen_buffer_names, refuse_sharded
 from computectx.memory import LowPrecGradAccumulator, OffloadedOptimizer
 from computectx.nn import GroupedExperts
 
@@ -226,19 +226,14 @@ def shard(
         if isinstance(m, QuantizedLinear | Fp4Linear | GroupedExperts) and any(
             isinstance(p, DTensor) for p in m.parameters(recurse=False)
         ):
-            vars(m)["freeze_for_serving"] = functools.partial(refuse_sharded_freeze, fqn)
+            vars(m)["freeze_for_serving"] = functools.partial(refuse_sharded_freeze, fqn, m)
 
 
-def refuse_sharded_freeze(fqn: str, *args: Any, **kwargs: Any) -> None:
-    """``freeze_for_serving`` of a layer that ``parallelize(strategy="fsdp")`` sharded: a
-    ``ValueError``, nothing changed (its weight is a shard of a DTensor)."""
-    raise ValueError(
-        f"{fqn or 'the model'}.freeze_for_serving: this layer was sharded by "
-        f"parallelize(strategy='fsdp') (its weight is a DTensor shard), so it cannot be frozen "
-        f"in place. Freeze before parallelize; to serve a model trained under FSDP2, gather "
-        f"it (torch.distributed.checkpoint, or full_state_dict) into an unsharded model and "
-        f"freeze that. Nothing was changed"
-    )
+def refuse_sharded_freeze(fqn: str, layer: nn.Module, *args: Any, **kwargs: Any) -> None:
+    """``freeze_for_serving`` of a layer that ``parallelize(strategy="fsdp")`` sharded: the
+    formats' refusal (``refuse_sharded``), whatever its weights are at the moment (a forward
+    may leave them unsharded for a while), nothing changed."""
+    refuse_sharded(f"{fqn or 'the model'}.freeze_for_serving", layer, managed=True)
 
 
 def gather_fp8_weights_as_fp8(model: nn.Module, world: int, experts: list[nn.Parameter]) -> None:

@@ -197,7 +197,7 @@ def check_convertible(
         refuse_another_policy(model, ctx, "parallelize")
         return
     _, _, rules, _, order, experts = _planned(
-        model, ctx, module_filter, (None,) * 3 + ("op",), None
+        model, ctx, module_filter, (None, None, None, "op"), None
     )
     _decide(order, experts, rules, output_heads(model, order))
 
@@ -206,7 +206,7 @@ def _planned(
     model: nn.Module,
     ctx: ComputeCtx,
     module_filter: Callable[[nn.Module, str], bool] | None,
-    given: tuple[object, object, object, object],
+    given: tuple[bool | None, int | None, Backend | str | None, QuantizeImpl],
     converters: Mapping[type[nn.Linear], Converter] | None,
 ) -> tuple[
     Recipe | Fp4Recipe, QuantizeImpl, _Rules, Places, list[tuple[str, nn.Linear]], ExpertsPlan
@@ -215,7 +215,7 @@ def _planned(
     ``min_features``, ``backend``, ``quantize``): the policy, the quantize, the rules, where each
     linear sits, the linears in order, the experts' plan."""
     policy, how = _checked_args(model, ctx, module_filter, *given)
-    least = DEFAULT_MIN_FEATURES if given[1] is None else int(given[1])  # type: ignore[call-overload]
+    least = DEFAULT_MIN_FEATURES if given[1] is None else given[1]  # an int: _checked_args
     checked = _checked_converters(converters)
     rules = _Rules(model, ctx, module_filter, bool(given[0]), least, checked)
     places, order = _linear_places(model)

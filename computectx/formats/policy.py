@@ -10,12 +10,12 @@ is given; ``check_fp8_widths`` and ``check_granularity_widths`` are the width ru
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from computectx.ctx import ComputeCtx
 from computectx.dtypes import FLOAT_DTYPES
@@ -44,6 +44,7 @@ __all__ = [
     "checked_layer_ctx",
     "default_device",
     "describe",
+    "is_dtensor",
     "policy_of",
     "recipe_of",
     "refuse_sharded",
@@ -210,13 +211,20 @@ def default_device(ctx: ComputeCtx) -> torch.device:
     return default if default.type != "cpu" else ctx.device
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``DTensor``, without importing ``torch.distributed.tensor`` (half a
+    second at import; where nothing imported it, no tensor can be one)."""
+    tensor = sys.modules.get("torch.distributed.tensor")
+    return tensor is not None and isinstance(t, tensor.DTensor)
+
+
 def refuse_sharded(who: str, module: nn.Module, managed: bool = False) -> None:
     """``ValueError`` (nothing changed) when ``module`` holds a parameter sharded by FSDP2 (a
     ``DTensor``: ``fully_shard``, ``parallelize(strategy="fsdp")``), or is ``managed`` by an
     FSDP2 module above it (whose parameters a forward may have left unsharded for a while): a
     freeze quantizes each whole weight in place, which a shard is not, and FSDP2 and the
     optimizer would keep the weights it drops. ``who`` names the call and the layer."""
-    if managed or any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+    if managed or any(is_dtensor(p) for p in module.parameters(recurse=False)):
         raise ValueError(
             f"{who}: the layer was sharded by FSDP2 (fully_shard, or parallelize(strategy="
             f"'fsdp'): its weight is a DTensor shard), so it cannot be frozen in place. Freeze "

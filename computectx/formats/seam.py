@@ -60,6 +60,7 @@ from computectx.formats.ops.fp4_backend import fp4_cublas_recipes, select_fp4_ba
 from computectx.formats.ops.grouped import check_grouped, checked_bounds
 from computectx.formats.ops.grouped_frozen import freeze_experts, frozen_experts_mm, held_experts
 from computectx.formats.ops.tensorwise import quantize_with_step
+from computectx.formats.policy import refuse_sharded
 from computectx.formats.scaling.load import check_layer_entries, guard_whole_loads
 from computectx.formats.scaling.operand import AmaxReduce, OperandScaling
 from computectx.formats.scaling.saved import ROLES, Role
@@ -112,6 +113,7 @@ __all__ = [
     "quantize_blocks",
     "quantize_kv",
     "quantize_with_step",
+    "refuse_sharded",
     "select_fp4_backend",
     "set_dtensor_linear",
     "shared_streams",

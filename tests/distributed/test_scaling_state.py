@@ -81,8 +81,8 @@ def test_the_wrap_sends_rank_0s_scaling_state_and_frozen_layers(
         # A layer frozen after parallelize(fsdp): its weight is a DTensor shard; refused, with
         # nothing written (before: torch's bare AssertionError, its weight ledger written).
         assert r["fsdp"]["late_freeze"].startswith(
-            "ValueError: 2.freeze_for_serving: this layer was sharded by "
-            "parallelize(strategy='fsdp')"
+            "ValueError: 2.freeze_for_serving: the layer was sharded by FSDP2 (fully_shard, "
+            "or parallelize(strategy='fsdp')"
         ), r["fsdp"]["late_freeze"]
         assert r["fsdp"]["late_unchanged"]
         assert torch.equal(r["every"]["served"], r["ref"])

@@ -4,8 +4,9 @@ its ``FrozenFp4Experts`` (``linear.fp4_frozen_experts``), in place, for serving.
 
 from __future__ import annotations
 
+import sys
+
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from computectx.formats.linear.fp4 import Fp4Linear
@@ -170,7 +171,8 @@ def _frozen_already(
 def _refuse_sharded(found: list[tuple[str, nn.Module]]) -> None:
     """``refuse_sharded`` for each ``Fp4Linear`` or 4-bit experts module among ``found``, each
     one under an FSDP2 module (``fully_shard``) managed by it whatever its weights are now."""
-    roots = [fqn for fqn, m in found if isinstance(m, FSDPModule)]
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no module is sharded
+    roots = [fqn for fqn, m in found if fsdp is not None and isinstance(m, fsdp.FSDPModule)]
     for fqn, m in found:
         if isinstance(m, Fp4Linear) or any(isinstance(c, Fp4Experts) for c in m.children()):
             managed = any(not r or fqn == r or fqn.startswith(f"{r}.") for r in roots)
