@@ -7,8 +7,9 @@ implementations (issue 35): the table of docs/benchmarks.md.
     python bench/bench_host_step.py --no-twins --no-peers  # ours native rows and torch's only
 
 One AdamW step over the parameters with gradients present, every contender built on its own
-copy of the same weights and stepped in turn, round after round (interleaved, so a change in
-the machine's load falls on every row alike). Each round gives every parameter a fresh copy of
+copy of the same weights and stepped in turn, round after round, in a new order each round
+(interleaved, so a change in the machine's load falls on every row alike, and no row always
+follows the same one). Each round gives every parameter a fresh copy of
 the same gradients (in the parameter's dtype), times ``step()`` alone, then ``zero_grad()``
 (untimed, as a training loop frees its gradients). The first ``--warmup`` rounds are not
 counted (they build the native kernel, and torchao's compiled steps). The parts:
@@ -52,6 +53,7 @@ import argparse
 import importlib
 import math
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -337,11 +339,17 @@ def _clip(row: Row) -> None:
 
 
 def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> None:
-    """Step every row once per round, ``warmup + reps`` rounds; keep the last ``reps``."""
+    """Step every row once per round, ``warmup + reps`` rounds; keep the last ``reps``.
+
+    Each round takes the rows in a new order (seeded): in one fixed order a row would always
+    follow the same other row, and pay for what that one leaves in the caches (the row after
+    torch's single-tensor step, whose temporaries flush them, measured 10-20% slower there
+    than in any other place)."""
     gen = torch.Generator().manual_seed(1)
     grads = [torch.randn(shape[1:], generator=gen) for _ in range(shape[0])]
+    order = random.Random(0)
     for r in range(warmup + reps):
-        for row in rows:
+        for row in order.sample(rows, len(rows)):
             for p, g in zip(row.params, grads, strict=True):
                 p.grad = g.to(p.dtype, copy=True)
             start = time.perf_counter()
