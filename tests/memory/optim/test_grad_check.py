@@ -411,3 +411,40 @@ def test_compile_false_never_loads_the_native_kernel_for_its_check(
         before = m.weight.detach().clone()
         opt.step()
         assert opt.last_step_skipped and torch.equal(m.weight, before), compile
+
+
+# ----- under torch.amp.GradScaler -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("make", [OffloadedOptimizer, CompactOptimizer])
+def test_a_grad_scaler_loop_equals_torch_s_and_its_skips_change_nothing(
+    make: Callable[..., OffloadedOptimizer | CompactOptimizer],
+) -> None:
+    """docs/memory.md, "With torch.amp.GradScaler": the scaler's loop over ours (Offloaded:
+    ``ingest_grads`` before ``unscale_``, which unscales the master gradients) gives torch
+    fused AdamW's weights and scales bit for bit; a step whose scaled loss overflows is skipped
+    by the scaler (ours' ``step`` not called), the weights and moments unchanged."""
+    ref, ours = _model(), _model()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
+    opt = make(ours.parameters(), CTX, lr=1e-2)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        x = torch.randn(4, 6, generator=gen)
+        overflow = step == 2
+        before = [p.detach().clone() for p in ours.parameters()]
+        for m, o, scaler in ((ref, ref_opt, scalers[0]), (ours, opt, scalers[1])):
+            loss = m(x).square().sum() * (float("inf") if overflow else 1.0)
+            scaler.scale(loss).backward()
+            if isinstance(o, OffloadedOptimizer):
+                o.ingest_grads()
+            scaler.unscale_(o)
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** (9 if step >= 2 else 10)
+        for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
+            assert torch.equal(a, b), step
+        if overflow:
+            assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))
+    assert opt.skipped_steps == 0  # the scaler skipped it: ours' step was never called
