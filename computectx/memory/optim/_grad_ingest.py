@@ -29,12 +29,11 @@ class GradIngest:
         self.weights = weights
         self._staging: dict[int, Staging] = {}  # download buffers, by position
         self._applied: set[int] = set()  # positions whose master gradient a step applied
-        self._zeroed: set[int] = set()  # positions whose master gradient zero_grad zeroed
 
     def holds_nothing(self, i: int) -> bool:
-        """Whether master ``i``'s gradient holds nothing the next ingest keeps: none, one a
-        step applied (replaced), or zeros left by ``zero_grad`` since (added to)."""
-        return self.weights.master[i].grad is None or i in self._applied or i in self._zeroed
+        """Whether master ``i``'s gradient holds nothing the next ingest keeps: none, or one a
+        step applied (replaced)."""
+        return self.weights.master[i].grad is None or i in self._applied
 
     def mark_applied(self) -> None:
         """A step applied the master gradients: the next gradient ingested for a master
@@ -42,14 +41,11 @@ class GradIngest:
         self._applied = {i for i, mp in enumerate(self.weights.master) if mp.grad is not None}
 
     def clear_applied(self) -> None:
-        """The master gradients were cleared (``zero_grad``, a skipped step): set to
-        ``None``, or zeroed where they remain."""
+        """The master gradients were set to ``None`` (``zero_grad``)."""
         self._applied.clear()
-        self._zeroed = {i for i, mp in enumerate(self.weights.master) if mp.grad is not None}
 
     def add(self, i: int, master: torch.Tensor, g: torch.Tensor) -> None:
         """Add ``g`` to master ``i``'s gradient (replacing it where a step applied it)."""
-        self._zeroed.discard(i)
         if i in self._applied:
             self._applied.discard(i)
             master.grad = None

@@ -210,8 +210,14 @@ class OffloadedOptimizer(InnerWrapper):
 
         From ``accumulator`` (its sums are handed over and emptied) when given, then from
         every compute ``param.grad`` (which becomes ``None``). Staged copies (see
-        ``transfer``) are all issued before any is waited on.
+        ``transfer``) are all issued before any is waited on. Overlapped (``overlap``), the
+        gradients the hooks sent down land first, so that the masters hold every gradient
+        (what ``torch.amp.GradScaler.unscale_`` reads); the step then takes the serial path.
         """
+        overlap = self._overlap
+        if overlap is not None and overlap.has_pending():
+            overlap.land_all()
+            self._health.forget()
         if accumulator is not None and self._ingest.from_accumulator(accumulator):
             self._health.forget()
         self._take_param_grads()
@@ -318,8 +324,15 @@ class OffloadedOptimizer(InnerWrapper):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the master gradients and any ``param.grad`` on the compute parameters (and,
-        overlapped, the gradients on their way down)."""
-        super().zero_grad(set_to_none)
+        overlapped, the gradients on their way down).
+
+        ``set_to_none`` is for the compute parameters' gradients (zeroed in place when
+        ``False``, as torch does); the master gradients are always set to ``None``: the next
+        ingest puts the gradient there as it is. Zeros left on the masters would pass for
+        gradients: ``torch.amp.GradScaler.unscale_`` reads the masters' gradients, and a loop
+        that forgot ``ingest_grads`` would have its zeros unscaled and checked, and the scaled
+        gradients applied at the step, instead of the scaler's error for no gradient."""
+        super().zero_grad(True)
         self._ingest.clear_applied()
         if self._overlap is not None:
             self._overlap.forget()

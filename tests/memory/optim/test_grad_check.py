@@ -416,17 +416,30 @@ def test_compile_false_never_loads_the_native_kernel_for_its_check(
 # ----- under torch.amp.GradScaler -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [OffloadedOptimizer, CompactOptimizer])
+SCALED: dict[str, Callable[..., OffloadedOptimizer | CompactOptimizer]] = {
+    "offloaded": OffloadedOptimizer,
+    "offloaded-overlap": lambda params, ctx, **kw: OffloadedOptimizer(
+        params, ctx, overlap=True, **kw
+    ),
+    "compact": CompactOptimizer,
+}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("kind", list(SCALED))
 def test_a_grad_scaler_loop_equals_torch_s_and_its_skips_change_nothing(
-    make: Callable[..., OffloadedOptimizer | CompactOptimizer],
+    kind: str, set_to_none: bool
 ) -> None:
     """docs/memory.md, "With torch.amp.GradScaler": the scaler's loop over ours (Offloaded:
-    ``ingest_grads`` before ``unscale_``, which unscales the master gradients) gives torch
-    fused AdamW's weights and scales bit for bit; a step whose scaled loss overflows is skipped
-    by the scaler (ours' ``step`` not called), the weights and moments unchanged."""
+    ``ingest_grads`` before ``unscale_``, which unscales the master gradients; overlapped, the
+    gradients the hooks sent down land there first) gives torch fused AdamW's weights and
+    scales bit for bit; a step whose scaled loss overflows is skipped by the scaler (ours'
+    ``step`` not called), the weights and moments unchanged. (Overlapped, before: the
+    gradients stayed in flight, the scaler found none, and ``scaler.step`` raised, or with
+    ``zero_grad(set_to_none=False)`` applied them 1024 times too large.)"""
     ref, ours = _model(), _model()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, fused=True)
-    opt = make(ours.parameters(), CTX, lr=1e-2)
+    opt = SCALED[kind](ours.parameters(), CTX, lr=1e-2)
     scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
     gen = torch.Generator().manual_seed(3)
     for step in range(5):
@@ -441,10 +454,33 @@ def test_a_grad_scaler_loop_equals_torch_s_and_its_skips_change_nothing(
             scaler.unscale_(o)
             scaler.step(o)
             scaler.update()
-            o.zero_grad()
+            o.zero_grad(set_to_none=set_to_none)
         assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0 ** (9 if step >= 2 else 10)
         for a, b in zip(ref.parameters(), ours.parameters(), strict=True):
             assert torch.equal(a, b), step
         if overflow:
             assert all(torch.equal(a, b) for a, b in zip(before, ours.parameters(), strict=True))
     assert opt.skipped_steps == 0  # the scaler skipped it: ours' step was never called
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_scaler_loop_that_forgets_ingest_grads_raises_instead_of_applying_scaled_ones(
+    set_to_none: bool,
+) -> None:
+    """Without ``ingest_grads`` the masters hold no gradient when the scaler unscales, and
+    ``scaler.step`` raises torch's error for it, whatever ``zero_grad``'s ``set_to_none``.
+    (Before, ``zero_grad(set_to_none=False)`` left zeros on the masters: the scaler unscaled
+    and checked those, and the step applied the scaled gradients, 1024 times too large.)"""
+    m = _model()
+    opt = OffloadedOptimizer(m.parameters(), CTX, torch.optim.SGD, lr=1e-2)
+    _backward(m)
+    opt.step()  # a first step, so that the masters have had gradients
+    opt.zero_grad(set_to_none=set_to_none)
+    assert all(mp.grad is None for mp in opt.master_params)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(m(torch.randn(4, 6)).square().sum()).backward()
+    before = [p.detach().clone() for p in m.parameters()]
+    scaler.unscale_(opt)
+    with pytest.raises(AssertionError, match="No inf checks were recorded"):
+        scaler.step(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
