@@ -350,27 +350,35 @@ def measure(rows: list[Row], shape: tuple[int, ...], reps: int, warmup: int) -> 
     grads = [torch.randn(shape[1:], generator=gen) for _ in range(shape[0])]
     order = random.Random(0)
     for r in range(warmup + reps):
-        for row in order.sample(rows, len(rows)):
-            for p, g in zip(row.params, grads, strict=True):
-                p.grad = g.to(p.dtype, copy=True)
-            # The garbage of the rows before (torchao's state subclasses, the twins'
-            # temporaries) collected now, untimed, and none during the step (as timeit).
-            gc.collect()
-            gc.disable()
-            start = time.perf_counter()
-            if row.clip:
-                _clip(row)
-            if row.scaler is not None:
-                row.scaler.unscale_(row.opt)
-                row.scaler.step(row.opt)
-                row.scaler.update()
-            else:
-                row.opt.step()
-            elapsed = time.perf_counter() - start
+        # The garbage of the rounds before (torchao's state subclasses, the twins'
+        # temporaries) collected now, untimed, and none during the round (as timeit): one
+        # collection a round, not a row (a collection walks every object of the process).
+        gc.collect()
+        gc.disable()
+        try:
+            _round(order.sample(rows, len(rows)), grads, r >= warmup)
+        finally:
             gc.enable()
-            row.opt.zero_grad()
-            if r >= warmup:
-                row.times.append(elapsed)
+
+
+def _round(order: list[Row], grads: list[torch.Tensor], keep: bool) -> None:
+    """Step every row of ``order`` once, its time appended where ``keep``."""
+    for row in order:
+        for p, g in zip(row.params, grads, strict=True):
+            p.grad = g.to(p.dtype, copy=True)
+        start = time.perf_counter()
+        if row.clip:
+            _clip(row)
+        if row.scaler is not None:
+            row.scaler.unscale_(row.opt)
+            row.scaler.step(row.opt)
+            row.scaler.update()
+        else:
+            row.opt.step()
+        elapsed = time.perf_counter() - start
+        row.opt.zero_grad()
+        if keep:
+            row.times.append(elapsed)
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
