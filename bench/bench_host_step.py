@@ -9,9 +9,10 @@ implementations (issue 35): the table of docs/benchmarks.md.
 One AdamW step over the parameters with gradients present, every contender built on its own
 copy of the same weights and stepped in turn, round after round, in a new order each round
 (interleaved, so a change in the machine's load falls on every row alike, and no row always
-follows the same one). Each round gives every parameter a fresh copy of
-the same gradients (in the parameter's dtype), times ``step()`` alone, then ``zero_grad()``
-(untimed, as a training loop frees its gradients). The first ``--warmup`` rounds are not
+follows the same one), with Python's garbage collected between rounds and never within one.
+Each round gives every parameter a fresh copy of the same gradients (in the parameter's
+dtype), times ``step()`` alone, then ``zero_grad()`` (untimed, as a training loop frees its
+gradients). The first ``--warmup`` rounds are not
 counted (they build the native kernel, and torchao's compiled steps). The parts:
 
 - ``f32``: torch ``AdamW`` ``fused=True`` (every ratio's base), the same behind torch's own
